@@ -1,0 +1,171 @@
+//! The compute operations of the schedule IR: the contract between lowering (which emits them
+//! with concrete local shapes) and every backend (which implements them exactly).
+//!
+//! Layout conventions (see also `spec`):
+//! - Activations are row-major 2-D `[rows, cols]` with `rows = local_seq × batch`, sequence-major:
+//!   row `s * batch + b` holds sequence position index `s` (local) of sample `b`.
+//! - A local sequence chunk is described by `positions`: segments of the global sequence, in the
+//!   order their rows are stored (context parallelism gives each rank two segments).
+//! - Heads are column blocks: head `h` of a `[rows, heads * head_dim]` tensor is columns
+//!   `h*head_dim .. (h+1)*head_dim`. With GQA, query head `h` uses kv head `h / (heads / kv_heads)`.
+//! - Linear weights are `[out, in]`; `Matmul` computes `y = x Wᵀ (+ b)`.
+//! - RoPE rotates pairs `(i, i + head_dim/2)` of each head ("rotate half", as Llama/HF), angle
+//!   `pos * theta^(-2i/head_dim)` for `i < head_dim/2`.
+//! - Every op lists its inputs and outputs in order; the IR instruction's buffer lists follow that
+//!   order exactly. "(+=)" marks an output the op accumulates into (the lowering zeroes it first
+//!   with `Zero`); all other outputs are overwritten.
+//! - Token ids are i32 buffers; everything else is f32 on the CPU backend (the CUDA backend may
+//!   store activations in bf16/fp16, never master weights or optimizer state).
+//! - `lr` and the 1-based optimizer step count used by `AdamW`/`Sgd` are supplied by the executor
+//!   from the spec's schedule; they are not part of the op.
+
+use serde::Serialize;
+
+/// A run of consecutive global sequence positions `[start, start + len)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct Segment {
+    pub start: u32,
+    pub len: u32,
+}
+
+/// Total length of a list of segments.
+pub fn segments_len(segments: &[Segment]) -> u32 {
+    segments.iter().map(|s| s.len).sum()
+}
+
+/// Global position of the `i`-th local position.
+pub fn position_at(segments: &[Segment], mut i: u32) -> Option<u32> {
+    for s in segments {
+        if i < s.len {
+            return Some(s.start + i);
+        }
+        i -= s.len;
+    }
+    None
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Act {
+    Gelu,
+    GeluTanh,
+    Relu,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "op")]
+pub enum Op {
+    // ------------------------------------------------------------------ embeddings
+    /// in: ids `[rows]` i32, table `[vocab_local, dim]`. out: y `[rows, dim]`.
+    /// Rows whose id is outside `[vocab_start, vocab_start + vocab_local)` are zero
+    /// (vocab-parallel embedding: the lowering all-reduces over tp after).
+    Embedding { vocab_start: u64, vocab_local: u64, dim: u64 },
+    /// in: ids `[rows]`, dy `[rows, dim]`. out: dtable `[vocab_local, dim]` (+=).
+    EmbeddingBwd { vocab_start: u64, vocab_local: u64, dim: u64 },
+    /// in: x `[rows, dim]`, table `[seq, dim]`. out: y = x + table[position(row)].
+    PositionAdd { batch: u64, dim: u64, positions: Vec<Segment> },
+    /// in: dy `[rows, dim]`. out: dtable `[seq, dim]` (+=). (dx = dy: the lowering reuses dy.)
+    PositionAddBwd { batch: u64, dim: u64, positions: Vec<Segment> },
+
+    // ------------------------------------------------------------------ norms
+    /// in: x `[rows, dim]`, w `[dim]`, b `[dim]` (only when `bias`).
+    /// out: y `[rows, dim]`, mean `[rows]`, rstd `[rows]`.
+    LayerNorm { dim: u64, eps: f64, bias: bool },
+    /// in: dy, x, w, mean, rstd. out: dx `[rows, dim]`, dw `[dim]` (+=), db `[dim]` (+=, only
+    /// when `bias`).
+    LayerNormBwd { dim: u64, bias: bool },
+    /// in: x `[rows, dim]`, w `[dim]`. out: y `[rows, dim]`, rstd `[rows]`.
+    RmsNorm { dim: u64, eps: f64 },
+    /// in: dy, x, w, rstd. out: dx `[rows, dim]`, dw `[dim]` (+=).
+    RmsNormBwd { dim: u64 },
+
+    // ------------------------------------------------------------------ linear
+    /// in: x `[rows, in]`, w `[out, in]`, b `[out]` (only when `bias`). out: y `[rows, out]`.
+    Matmul { in_dim: u64, out_dim: u64, bias: bool },
+    /// in: dy `[rows, out]`, w `[out, in]`. out: dx `[rows, in]`.
+    MatmulBwdData { in_dim: u64, out_dim: u64 },
+    /// in: dy `[rows, out]`, x `[rows, in]`. out: dw `[out, in]` (+=), db `[out]` (+=, only
+    /// when `bias`).
+    MatmulBwdWeight { in_dim: u64, out_dim: u64, bias: bool },
+
+    // ------------------------------------------------------------------ attention
+    /// in: x `[rows, heads*head_dim]`. out: y, each head rotated by its row's position.
+    Rope { batch: u64, heads: u64, head_dim: u64, theta: f64, positions: Vec<Segment> },
+    /// in: dy. out: dx (rotation by the negative angle).
+    RopeBwd { batch: u64, heads: u64, head_dim: u64, theta: f64, positions: Vec<Segment> },
+    /// Scaled dot-product attention, softmax scale `scale` (1/sqrt(head_dim) by default).
+    /// in: q `[rows_q, heads*head_dim]`, k `[rows_kv, kv_heads*head_dim]`, v (as k).
+    /// out: o `[rows_q, heads*head_dim]`, lse `[batch, heads, seq_q]` (log-sum-exp of the scaled
+    /// scores per query). `rows_q = len(q_positions) * batch`, `rows_kv = len(kv_positions) * batch`.
+    /// When `causal`, query at global position p attends keys at positions ≤ p.
+    Attention {
+        batch: u64,
+        heads: u64,
+        kv_heads: u64,
+        head_dim: u64,
+        causal: bool,
+        scale: f64,
+        q_positions: Vec<Segment>,
+        kv_positions: Vec<Segment>,
+    },
+    /// in: do, q, k, v, o, lse. out: dq, dk, dv (overwritten).
+    AttentionBwd {
+        batch: u64,
+        heads: u64,
+        kv_heads: u64,
+        head_dim: u64,
+        causal: bool,
+        scale: f64,
+        q_positions: Vec<Segment>,
+        kv_positions: Vec<Segment>,
+    },
+
+    // ------------------------------------------------------------------ elementwise
+    /// in: x. out: act(x). gelu is the erf form; gelu_tanh the tanh approximation.
+    Activation { act: Act },
+    /// in: dy, x. out: dx.
+    ActivationBwd { act: Act },
+    /// in: gate, up (same shape). out: silu(gate) * up.
+    SwiGlu,
+    /// in: dy, gate, up. out: dgate, dup.
+    SwiGluBwd,
+    /// in: a, b (same shape). out: a + b.
+    Add,
+    /// in: x. out: factor * x.
+    Scale { factor: f64 },
+    /// in: x. out: a copy of x.
+    Copy,
+    /// in: nothing. out: the buffer, set to zero.
+    Zero,
+
+    // ------------------------------------------------------------------ cross-entropy
+    // Vocab-parallel decomposition (Megatron): with the vocab split over tp, the lowering
+    // all-reduces `max` (Max), `sumexp` (Sum) and `target_logit` (Sum) over tp between the steps.
+    /// in: logits `[rows, vocab_local]`. out: max `[rows]`.
+    CeMax { vocab_local: u64 },
+    /// in: logits, max `[rows]`. out: sumexp `[rows]` = Σ exp(logit − max).
+    CeSumExp { vocab_local: u64 },
+    /// in: logits, targets `[rows]` i32. out: target_logit `[rows]` (0 where the target is
+    /// outside `[vocab_start, vocab_start + vocab_local)`).
+    CeTargetLogit { vocab_start: u64, vocab_local: u64 },
+    /// in: max, sumexp, target_logit. out: loss `[1]` (+=) `scale * Σ_rows (ln sumexp + max −
+    /// target_logit)`. `scale` = 1 / (tokens in the global batch).
+    CeLoss { scale: f64 },
+    /// in: logits, targets, max, sumexp. out: dlogits `[rows, vocab_local]` =
+    /// `scale * (softmax − onehot(target))`.
+    CeGrad { vocab_start: u64, vocab_local: u64, scale: f64 },
+
+    // ------------------------------------------------------------------ optimizer
+    /// in: g (any shape). out: sumsq `[1]` (+=) Σ g².
+    SumSquares,
+    /// in: sumsq `[1]` (the global squared gradient norm). out: coef `[1]` =
+    /// `min(1, max_norm / (sqrt(sumsq) + 1e-6))`, or 1 when `max_norm` is None.
+    ClipCoef { max_norm: Option<f64> },
+    /// in: g, coef `[1]`. out (in place, listed as outputs): param, m, v.
+    /// g' = coef·g; m = β1 m + (1−β1) g'; v = β2 v + (1−β2) g'²; m̂ = m/(1−β1^t); v̂ = v/(1−β2^t);
+    /// param -= lr·(m̂/(√v̂ + eps) + wd·param) where wd = `weight_decay` (0 for non-decayed).
+    AdamW { beta1: f64, beta2: f64, eps: f64, weight_decay: f64 },
+    /// in: g, coef. out (in place): param, momentum (omit when `momentum` is 0).
+    /// g' = coef·g + wd·param; buf = momentum·buf + g' (buf = g' at t = 1); param -= lr·buf.
+    Sgd { momentum: f64, weight_decay: f64 },
+}

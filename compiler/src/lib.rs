@@ -1,0 +1,5 @@
+//! parc's compiler core. Pure: no file IO, no CUDA. The CLI reads files into [`diag::Sources`]
+//! and renders what comes back.
+pub mod diag;
+pub mod ir;
+pub mod spec;

@@ -1,0 +1,532 @@
+//! The checked specification: what `check` produces from a `.par` file and every later stage
+//! (cost model, lowering, runtime) consumes. All numbers are resolved (constants evaluated,
+//! defaults filled in, `--set` overrides applied), `repeat` is expanded, and every layer has its
+//! concrete dimensions. Spans point back at the text so later stages can report errors there.
+//!
+//! Conventions that every consumer relies on:
+//! - Activations are sequence-major: a microbatch's hidden state is `[seq, micro_batch, dim]`
+//!   (Megatron's layout), so sequence-parallel and context-parallel shards are contiguous.
+//! - Linear weights are `[out, in]` (PyTorch layout); a tied head uses the embedding table
+//!   `[vocab, dim]` as its `[out = vocab, in = dim]` weight.
+//! - The training loss is the mean token cross-entropy over the whole global batch.
+//! - global_batch = micro_batch × microbatches × dp (the accumulation rule, stated once here).
+
+use crate::diag::Span;
+use serde::Serialize;
+
+/// Index of a layer node in [`Model::nodes`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct NodeId(pub u32);
+
+/// Index of a value (a tensor flowing between nodes) in [`Model::values`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct ValueId(pub u32);
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Spec {
+    pub model: Model,
+    pub parallel: Parallel,
+    pub train: Train,
+    pub cluster: Cluster,
+}
+
+// ----------------------------------------------------------------------------------------------
+// Model
+// ----------------------------------------------------------------------------------------------
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Model {
+    pub name: String,
+    pub span: Span,
+    /// Training sequence length (tokens per sample).
+    pub seq: u64,
+    pub vocab: u64,
+    /// Width of the residual stream.
+    pub dim: u64,
+    /// Number of iterations of the model's (single) top-level `repeat`; 0 if it has none.
+    pub layers: u32,
+    /// Tensors, in definition order. Inputs first.
+    pub values: Vec<Value>,
+    /// Layer nodes in a topological order (the order they appear in the source, `repeat` expanded).
+    pub nodes: Vec<Node>,
+    /// The `tokens` and `targets` inputs.
+    pub tokens: ValueId,
+    pub targets: ValueId,
+    /// The scalar loss value (output of the `CrossEntropy` node).
+    pub loss: ValueId,
+    /// What `shard` annotations asked for, resolved to the mesh axes.
+    pub sharding: Sharding,
+}
+
+/// The shape of a value, symbolic in the microbatch and sequence sizes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub enum Shape {
+    /// `[seq, batch]` integer token ids.
+    Tokens,
+    /// `[seq, batch, n]` activations (n = model dim, ffn hidden, vocab, …).
+    Hidden(u64),
+    /// A scalar (the loss).
+    Scalar,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Value {
+    pub name: String,
+    pub shape: Shape,
+    pub span: Span,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Node {
+    /// Dotted path naming this layer instance, e.g. `embed`, `blocks.3.attn`, `blocks.3.ln1`,
+    /// `head`. Parameter names derive from it (`blocks.3.attn.wq`). Stable across runs.
+    pub name: String,
+    pub kind: LayerKind,
+    pub inputs: Vec<ValueId>,
+    pub output: ValueId,
+    /// Iteration of the top-level `repeat` this node belongs to; `None` before/after it.
+    /// Pipeline stages split the model at these boundaries.
+    pub layer: Option<u32>,
+    /// Recompute this node's activations in backward (set from `parallel.recompute`).
+    pub recompute: bool,
+    pub span: Span,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    Gelu,
+    GeluTanh,
+    Relu,
+    /// SwiGLU: `silu(x W_gate) * (x W_up)`, then `W_down`.
+    Swiglu,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Rope {
+    pub theta: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub enum LayerKind {
+    /// Token embedding: `tokens -> [seq, b, dim]`. Parameter `weight [vocab, dim]`.
+    Embedding { vocab: u64, dim: u64 },
+    /// Learned absolute positions added to its input: `x -> x + P[pos]`. Parameter
+    /// `weight [seq, dim]`. Inputs: the hidden state.
+    PositionEmbedding { seq: u64, dim: u64 },
+    /// Parameters `weight [dim]`, and `bias [dim]` when `bias`.
+    LayerNorm { dim: u64, eps: f64, bias: bool },
+    /// Parameter `weight [dim]`.
+    RmsNorm { dim: u64, eps: f64 },
+    /// `y = x W^T (+ b)`. Parameters `weight [out, in]` unless tied, `bias [out]` when `bias`.
+    /// `tied`: the node whose weight this one uses (an Embedding with `[vocab, dim]` = `[out, in]`).
+    Linear {
+        in_dim: u64,
+        out_dim: u64,
+        bias: bool,
+        tied: Option<NodeId>,
+    },
+    /// Self-attention block without its norm or residual: q/k/v projections (`wq [heads*head_dim,
+    /// dim]`, `wk`/`wv [kv_heads*head_dim, dim]`, biases `bq`/`bk`/`bv` when `bias`), optional RoPE
+    /// on q and k, scaled-dot-product attention (causal when `causal`), output projection
+    /// `wo [dim, heads*head_dim]` (+ `bo`).
+    Attention {
+        dim: u64,
+        heads: u64,
+        kv_heads: u64,
+        head_dim: u64,
+        causal: bool,
+        rope: Option<Rope>,
+        bias: bool,
+    },
+    /// Feed-forward: `fc [hidden, dim]` (+`fc_bias`), activation, `proj [dim, hidden]` (+`proj_bias`).
+    /// For SwiGLU: `gate [hidden, dim]`, `up [hidden, dim]`, `down [dim, hidden]`, no biases.
+    Mlp {
+        dim: u64,
+        hidden: u64,
+        act: Activation,
+        bias: bool,
+    },
+    /// Elementwise sum of its two inputs (the residual add).
+    Add,
+    /// Mean token cross-entropy of `logits [seq, b, vocab]` against `targets` (the second input).
+    CrossEntropy,
+}
+
+impl LayerKind {
+    /// The name users write for this kind (`shard Attention.heads …`).
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            LayerKind::Embedding { .. } => "Embedding",
+            LayerKind::PositionEmbedding { .. } => "PositionEmbedding",
+            LayerKind::LayerNorm { .. } => "LayerNorm",
+            LayerKind::RmsNorm { .. } => "RMSNorm",
+            LayerKind::Linear { .. } => "Linear",
+            LayerKind::Attention { .. } => "Attention",
+            LayerKind::Mlp { .. } => "MLP",
+            LayerKind::Add => "Add",
+            LayerKind::CrossEntropy => "CrossEntropy",
+        }
+    }
+}
+
+/// Which dimensions the `shard` annotations split, resolved against the mesh.
+/// A flag is only true when its axis has size > 1 in the mesh or was named explicitly.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Sharding {
+    /// Attention heads (and kv heads) split over tp (Megatron column/row parallel attention).
+    pub attention_heads_on_tp: bool,
+    /// MLP hidden split over tp (column-parallel fc, row-parallel proj).
+    pub mlp_hidden_on_tp: bool,
+    /// Embedding/head vocab split over tp (vocab-parallel embedding and cross-entropy).
+    pub vocab_on_tp: bool,
+    /// Sequence split over cp for attention (context parallelism).
+    pub seq_on_cp: bool,
+    /// Where each annotation was written, for diagnostics.
+    pub spans: Vec<Span>,
+}
+
+// ----------------------------------------------------------------------------------------------
+// Parallel plan
+// ----------------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Axis {
+    Dp,
+    Pp,
+    Cp,
+    Tp,
+}
+
+impl Axis {
+    pub fn name(self) -> &'static str {
+        match self {
+            Axis::Dp => "dp",
+            Axis::Pp => "pp",
+            Axis::Cp => "cp",
+            Axis::Tp => "tp",
+        }
+    }
+    pub const ALL: [Axis; 4] = [Axis::Dp, Axis::Pp, Axis::Cp, Axis::Tp];
+}
+
+/// The device mesh. `axes` is outermost first, innermost last: the innermost axis's ranks are
+/// neighbours (consecutive global ranks). Every axis appears exactly once (size 1 if unused).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Mesh {
+    pub axes: Vec<(Axis, u32)>,
+}
+
+impl Mesh {
+    pub fn size(&self, axis: Axis) -> u32 {
+        self.axes
+            .iter()
+            .find(|(a, _)| *a == axis)
+            .map(|(_, n)| *n)
+            .unwrap_or(1)
+    }
+    pub fn world(&self) -> u32 {
+        self.axes.iter().map(|(_, n)| *n).product()
+    }
+    /// Number of consecutive global ranks between neighbours on `axis`.
+    pub fn stride(&self, axis: Axis) -> u32 {
+        let mut stride = 1;
+        for (a, n) in self.axes.iter().rev() {
+            if *a == axis {
+                return stride;
+            }
+            stride *= n;
+        }
+        stride
+    }
+    /// This rank's index along `axis`.
+    pub fn coord(&self, rank: u32, axis: Axis) -> u32 {
+        (rank / self.stride(axis)) % self.size(axis)
+    }
+    /// The global rank with the given coordinates on every axis.
+    pub fn rank_of(&self, coords: &[(Axis, u32)]) -> u32 {
+        coords.iter().map(|(a, c)| c * self.stride(*a)).sum()
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub enum ZeroStage {
+    /// Replicated optimizer state, all-reduced gradients.
+    Zero0,
+    /// Optimizer state sharded over dp.
+    Zero1,
+    /// Optimizer state and gradients sharded over dp.
+    Zero2,
+    /// Optimizer state, gradients and parameters sharded over dp.
+    Zero3,
+}
+
+impl ZeroStage {
+    pub fn level(self) -> u32 {
+        self as u32
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum PipelineSchedule {
+    Gpipe,
+    OneFOneB,
+    /// Interleaved 1F1B with `virtual_stages` model chunks per pipeline rank.
+    Interleaved { virtual_stages: u32 },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind", content = "layers")]
+pub enum Recompute {
+    None,
+    /// Recompute only the attention core (Korthikanti et al.'s selective recomputation).
+    Selective,
+    /// Recompute every layer from its input (store only the layer boundary).
+    Full,
+    /// Recompute the named layer kinds or node paths (e.g. `Attention`, `blocks.3.mlp`).
+    Named(Vec<String>),
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Parallel {
+    pub mesh: Mesh,
+    pub zero: ZeroStage,
+    pub schedule: PipelineSchedule,
+    /// Microbatches per step per data-parallel rank (gradient accumulation steps).
+    pub microbatches: u32,
+    pub recompute: Recompute,
+    pub sequence_parallel: bool,
+    /// Gradient all-reduce / reduce-scatter bucket size in bytes (default 25 MiB, as PyTorch DDP).
+    pub bucket_bytes: u64,
+    pub span: Span,
+}
+
+// ----------------------------------------------------------------------------------------------
+// Training recipe
+// ----------------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum LossScale {
+    Static {
+        scale: f64,
+    },
+    /// Dynamic loss scaling: start at `init`, halve on overflow (after `hysteresis` consecutive
+    /// overflows), double after `window` clean steps, never below `min`.
+    Dynamic {
+        init: f64,
+        window: u32,
+        hysteresis: u32,
+        min: f64,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Precision {
+    Fp32,
+    Bf16,
+    Fp16 { loss_scale: LossScale },
+}
+
+impl Precision {
+    /// Bytes per element of weights/activations in compute precision.
+    pub fn compute_bytes(self) -> u64 {
+        match self {
+            Precision::Fp32 => 4,
+            Precision::Bf16 | Precision::Fp16 { .. } => 2,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Optimizer {
+    /// AdamW (decoupled weight decay, applied to 2-D weights only, as nanoGPT).
+    AdamW {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+    },
+    /// SGD with optional momentum (weight decay added to the gradient, PyTorch semantics).
+    Sgd {
+        lr: f64,
+        momentum: f64,
+        weight_decay: f64,
+    },
+}
+
+impl Optimizer {
+    pub fn lr(&self) -> f64 {
+        match self {
+            Optimizer::AdamW { lr, .. } | Optimizer::Sgd { lr, .. } => *lr,
+        }
+    }
+    /// fp32 optimizer-state words per parameter (AdamW: m and v; SGD: momentum or nothing).
+    pub fn state_words(&self) -> u64 {
+        match self {
+            Optimizer::AdamW { .. } => 2,
+            Optimizer::Sgd { momentum, .. } => u64::from(*momentum != 0.0),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum LrSchedule {
+    Constant {
+        warmup: u64,
+    },
+    /// Linear warmup to `lr` over `warmup` steps, cosine decay to `min_lr` at `decay_steps`
+    /// (default: `train.steps`), `min_lr` after.
+    Cosine {
+        warmup: u64,
+        min_lr: f64,
+        decay_steps: u64,
+    },
+    /// Linear warmup, then linear decay to `min_lr` at `decay_steps`.
+    Linear {
+        warmup: u64,
+        min_lr: f64,
+        decay_steps: u64,
+    },
+}
+
+impl LrSchedule {
+    /// Learning rate for 0-based `step`, given the peak `lr`.
+    pub fn lr_at(&self, lr: f64, step: u64) -> f64 {
+        let warm = |warmup: u64| {
+            if warmup > 0 && step < warmup {
+                Some(lr * (step + 1) as f64 / warmup as f64)
+            } else {
+                None
+            }
+        };
+        match *self {
+            LrSchedule::Constant { warmup } => warm(warmup).unwrap_or(lr),
+            LrSchedule::Cosine {
+                warmup,
+                min_lr,
+                decay_steps,
+            } => warm(warmup).unwrap_or_else(|| {
+                if step >= decay_steps || decay_steps <= warmup {
+                    return min_lr;
+                }
+                let t = (step - warmup) as f64 / (decay_steps - warmup) as f64;
+                min_lr + 0.5 * (1.0 + (std::f64::consts::PI * t).cos()) * (lr - min_lr)
+            }),
+            LrSchedule::Linear {
+                warmup,
+                min_lr,
+                decay_steps,
+            } => warm(warmup).unwrap_or_else(|| {
+                if step >= decay_steps || decay_steps <= warmup {
+                    return min_lr;
+                }
+                let t = (step - warmup) as f64 / (decay_steps - warmup) as f64;
+                lr + t * (min_lr - lr)
+            }),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DataFormat {
+    /// Raw bytes of a text file, one token per byte (vocab ≥ 256).
+    Bytes,
+    /// Little-endian u16 token ids (`.bin`, as nanoGPT/llm.c).
+    U16,
+    /// Little-endian u32 token ids.
+    U32,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum DataSource {
+    /// A file path, relative to the spec file's folder.
+    File {
+        path: String,
+        format: DataFormat,
+        span: Span,
+    },
+    /// Uniform random tokens from the seed (benchmarks and tests).
+    Synthetic,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Checkpointing {
+    pub every: u64,
+    pub dir: String,
+    /// Keep only the newest `keep` checkpoints (0 = keep all).
+    pub keep: u32,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Train {
+    /// Sequences per optimizer step over all data-parallel ranks.
+    pub global_batch: u64,
+    /// Sequences per microbatch per data-parallel rank.
+    pub micro_batch: u64,
+    pub precision: Precision,
+    pub optimizer: Optimizer,
+    pub schedule: LrSchedule,
+    /// Clip the global gradient norm to this value.
+    pub grad_clip: Option<f64>,
+    pub data: DataSource,
+    pub steps: u64,
+    pub seed: u64,
+    pub checkpoint: Option<Checkpointing>,
+    /// Log every `log_every` steps (default 1).
+    pub log_every: u64,
+    pub span: Span,
+}
+
+// ----------------------------------------------------------------------------------------------
+// Cluster
+// ----------------------------------------------------------------------------------------------
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Gpu {
+    /// Catalogue name (`h100_80gb`, `h200`, `a100_80gb`, `cpu`, …) or `custom`.
+    pub name: String,
+    pub memory_bytes: u64,
+    /// Dense bf16/fp16 tensor-core peak, FLOP/s.
+    pub peak_flops: f64,
+    /// Dense fp32 (non-tensor-core) peak, FLOP/s.
+    pub peak_flops_fp32: f64,
+    /// HBM bandwidth, bytes/s.
+    pub memory_bandwidth: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Link {
+    /// e.g. `nvlink`, `infiniband`, `ethernet`, `pcie`.
+    pub kind: String,
+    /// Per-GPU unidirectional bandwidth, bytes/s.
+    pub bandwidth: f64,
+    /// Per-message latency, seconds.
+    pub latency: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Cluster {
+    pub nodes: u32,
+    pub gpus_per_node: u32,
+    pub gpu: Gpu,
+    /// Between GPUs of one node.
+    pub intra: Link,
+    /// Between nodes.
+    pub inter: Link,
+    pub span: Span,
+}
+
+impl Cluster {
+    pub fn world(&self) -> u32 {
+        self.nodes * self.gpus_per_node
+    }
+}

@@ -1,0 +1,45 @@
+//! `parc`: the command line. Reads files, calls the compiler and runtime, renders reports.
+//! Exit codes: 0 success (warnings allowed), 1 the spec or the run failed, 2 usage or unreadable
+//! input.
+
+mod cmd_check;
+mod cmd_plan;
+mod cmd_run;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser, Debug)]
+#[command(name = "parc", version, about = "Compile and run distributed training from one .par file")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct SpecArgs {
+    /// Override a value of the spec by its dotted path, e.g. `--set parallel.tp=4`.
+    /// May be given many times; when a path is set twice, the last wins.
+    #[arg(long = "set", value_name = "PATH=VALUE")]
+    pub set: Vec<String>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Parse and check specs: shapes, device grid, batch arithmetic, memory per rank.
+    Check(cmd_check::CheckArgs),
+    /// Lower a spec to per-rank schedule programs, verify them, show the timeline.
+    Plan(cmd_plan::PlanArgs),
+    /// Train: run the verified programs on this machine's backend.
+    Run(cmd_run::RunArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let code = match cli.command {
+        Command::Check(args) => cmd_check::main(args),
+        Command::Plan(args) => cmd_plan::main(args),
+        Command::Run(args) => cmd_run::main(args),
+    };
+    ExitCode::from(code)
+}
