@@ -1,1 +1,3 @@
-pub fn _x(){}
+//! parc's runtime: executes verified per-rank schedule programs on a backend with a comm.
+pub mod backend;
+pub mod error;

@@ -1,2 +1,24 @@
 //! The schedule IR: one program per rank of local compute, communication and recompute.
+//! `op` holds the compute operations (the backend contract); the program structure (buffers,
+//! groups, instructions) lives beside it.
 pub mod op;
+
+use serde::Serialize;
+
+/// Index of a buffer in a program's buffer arena. Backends key their allocations by it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct BufferId(pub u32);
+
+/// Element type of a buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F32,
+    I32,
+}
+
+impl DType {
+    pub fn bytes(self) -> u64 {
+        4
+    }
+}
