@@ -1,7 +1,11 @@
 //! The schedule IR: one program per rank of local compute, communication and recompute.
 //! `op` holds the compute operations (the backend contract); the program structure (buffers,
-//! groups, instructions) lives beside it.
+//! groups, instructions) lives in `program`, its stable text form in `text`.
 pub mod op;
+pub mod program;
+pub mod text;
+
+pub use program::*;
 
 use serde::Serialize;
 

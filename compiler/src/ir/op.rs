@@ -59,13 +59,29 @@ pub enum Op {
     /// in: ids `[rows]` i32, table `[vocab_local, dim]`. out: y `[rows, dim]`.
     /// Rows whose id is outside `[vocab_start, vocab_start + vocab_local)` are zero
     /// (vocab-parallel embedding: the lowering all-reduces over tp after).
-    Embedding { vocab_start: u64, vocab_local: u64, dim: u64 },
+    Embedding {
+        vocab_start: u64,
+        vocab_local: u64,
+        dim: u64,
+    },
     /// in: ids `[rows]`, dy `[rows, dim]`. out: dtable `[vocab_local, dim]` (+=).
-    EmbeddingBwd { vocab_start: u64, vocab_local: u64, dim: u64 },
+    EmbeddingBwd {
+        vocab_start: u64,
+        vocab_local: u64,
+        dim: u64,
+    },
     /// in: x `[rows, dim]`, table `[seq, dim]`. out: y = x + table[position(row)].
-    PositionAdd { batch: u64, dim: u64, positions: Vec<Segment> },
+    PositionAdd {
+        batch: u64,
+        dim: u64,
+        positions: Vec<Segment>,
+    },
     /// in: dy `[rows, dim]`. out: dtable `[seq, dim]` (+=). (dx = dy: the lowering reuses dy.)
-    PositionAddBwd { batch: u64, dim: u64, positions: Vec<Segment> },
+    PositionAddBwd {
+        batch: u64,
+        dim: u64,
+        positions: Vec<Segment>,
+    },
 
     // ------------------------------------------------------------------ norms
     /// in: x `[rows, dim]`, w `[dim]`, b `[dim]` (only when `bias`).
@@ -81,18 +97,38 @@ pub enum Op {
 
     // ------------------------------------------------------------------ linear
     /// in: x `[rows, in]`, w `[out, in]`, b `[out]` (only when `bias`). out: y `[rows, out]`.
-    Matmul { in_dim: u64, out_dim: u64, bias: bool },
+    Matmul {
+        in_dim: u64,
+        out_dim: u64,
+        bias: bool,
+    },
     /// in: dy `[rows, out]`, w `[out, in]`. out: dx `[rows, in]`.
     MatmulBwdData { in_dim: u64, out_dim: u64 },
     /// in: dy `[rows, out]`, x `[rows, in]`. out: dw `[out, in]` (+=), db `[out]` (+=, only
     /// when `bias`).
-    MatmulBwdWeight { in_dim: u64, out_dim: u64, bias: bool },
+    MatmulBwdWeight {
+        in_dim: u64,
+        out_dim: u64,
+        bias: bool,
+    },
 
     // ------------------------------------------------------------------ attention
     /// in: x `[rows, heads*head_dim]`. out: y, each head rotated by its row's position.
-    Rope { batch: u64, heads: u64, head_dim: u64, theta: f64, positions: Vec<Segment> },
+    Rope {
+        batch: u64,
+        heads: u64,
+        head_dim: u64,
+        theta: f64,
+        positions: Vec<Segment>,
+    },
     /// in: dy. out: dx (rotation by the negative angle).
-    RopeBwd { batch: u64, heads: u64, head_dim: u64, theta: f64, positions: Vec<Segment> },
+    RopeBwd {
+        batch: u64,
+        heads: u64,
+        head_dim: u64,
+        theta: f64,
+        positions: Vec<Segment>,
+    },
     /// Scaled dot-product attention, softmax scale `scale` (1/sqrt(head_dim) by default).
     /// in: q `[rows_q, heads*head_dim]`, k `[rows_kv, kv_heads*head_dim]`, v (as k).
     /// out: o `[rows_q, heads*head_dim]`, lse `[batch, heads, seq_q]` (log-sum-exp of the scaled
@@ -137,6 +173,14 @@ pub enum Op {
     Copy,
     /// in: nothing. out: the buffer, set to zero.
     Zero,
+    /// in: src. out: dst, with `dst[dst_offset + i] = src[src_offset + i]` for `i < len` (flat
+    /// element offsets, any shapes); the rest of dst is untouched. Moves gradients into and out
+    /// of flat buckets and ZeRO's zero-padded flat copies.
+    CopyRange {
+        src_offset: u64,
+        dst_offset: u64,
+        len: u64,
+    },
 
     // ------------------------------------------------------------------ cross-entropy
     // Vocab-parallel decomposition (Megatron): with the vocab split over tp, the lowering
@@ -153,7 +197,11 @@ pub enum Op {
     CeLoss { scale: f64 },
     /// in: logits, targets, max, sumexp. out: dlogits `[rows, vocab_local]` =
     /// `scale * (softmax − onehot(target))`.
-    CeGrad { vocab_start: u64, vocab_local: u64, scale: f64 },
+    CeGrad {
+        vocab_start: u64,
+        vocab_local: u64,
+        scale: f64,
+    },
 
     // ------------------------------------------------------------------ optimizer
     /// in: g (any shape). out: sumsq `[1]` (+=) Σ g².
@@ -164,7 +212,12 @@ pub enum Op {
     /// in: g, coef `[1]`. out (in place, listed as outputs): param, m, v.
     /// g' = coef·g; m = β1 m + (1−β1) g'; v = β2 v + (1−β2) g'²; m̂ = m/(1−β1^t); v̂ = v/(1−β2^t);
     /// param -= lr·(m̂/(√v̂ + eps) + wd·param) where wd = `weight_decay` (0 for non-decayed).
-    AdamW { beta1: f64, beta2: f64, eps: f64, weight_decay: f64 },
+    AdamW {
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+    },
     /// in: g, coef. out (in place): param, momentum (omit when `momentum` is 0).
     /// g' = coef·g + wd·param; buf = momentum·buf + g' (buf = g' at t = 1); param -= lr·buf.
     Sgd { momentum: f64, weight_decay: f64 },

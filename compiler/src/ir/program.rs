@@ -1,0 +1,433 @@
+//! The structure of a lowered plan: the parameter table, process groups, and one [`Program`]
+//! (buffers + straight-line instructions) per distinct rank role. This is everything the
+//! executor needs; it contains no parallelism logic of its own.
+//!
+//! One step of training on rank `r` = run `plan.programs[plan.rank_program[r]].instrs` once, in
+//! order. Conventions every consumer relies on:
+//!
+//! - **Sharing.** Ranks that differ only in their dp coordinate share one program, so nothing in
+//!   a program names a global rank: collectives name a [`Group`] family (the calling rank's set
+//!   in it is meant), point-to-point transfers name a [`Peer`] (the rank with the caller's
+//!   coordinates except one axis), and ZeRO shard indices are the caller's index in a group.
+//! - **Lifetimes.** Buffers whose [`BufferKind::is_persistent`] is true (parameters, optimizer
+//!   state, metrics) are allocated by the executor once, before the first step (parameters
+//!   initialised as [`LocalParam`] says, optimizer state and metrics zeroed), and live across
+//!   steps; the instructions never `Alloc`/`Free` them. Every other buffer is created by an
+//!   [`Instr::Alloc`] (zero-filled) and destroyed by an [`Instr::Free`] within the same step, so
+//!   a step starts and ends with only the persistent buffers alive.
+//! - **Shapes** are local (already sharded). Token buffers are `[local_seq, micro_batch]` i32,
+//!   sequence-major (row `s * batch + b`); activations `[local_seq * micro_batch, cols]`.
+//! - **Collectives** are collective over the caller's set in the named group family, ranks in
+//!   group-rank order (ascending global rank). All-gather concatenates the members' inputs along
+//!   the first dimension in group-rank order (output = n × input elements); reduce-scatter sums
+//!   the members' inputs and gives member `i` the `i`-th of n equal contiguous chunks (input =
+//!   n × output elements); all-reduce and broadcast keep the shape and may be in place
+//!   (`input == output`). Reductions add in group-rank order, so every member gets bit-identical
+//!   results.
+//! - **Point-to-point** transfers have rendezvous semantics: a `Send` completes with the matching
+//!   `Recv` (same peer pair and tag). [`Instr::P2p`] issues several at once and completes when all
+//!   of them have (NCCL group semantics); lowering uses it where two stages exchange in both
+//!   directions, so no program can deadlock.
+//! - **Parameter layout.** A global parameter (see [`ParamTable`]) is first split over tp by
+//!   [`TpSplit`] (contiguous blocks along one dimension; block `index` of `parts`), giving the
+//!   *tp-local tensor*. Under ZeRO ≥ 1 that tensor is flattened (row-major) and padded with zeros
+//!   to `parts * shard_len` elements, `shard_len = ceil(numel / parts)`; the caller's shard is
+//!   flat elements `[i * shard_len, (i + 1) * shard_len)` where `i` is its index in the
+//!   [`ZeroSplit::group`] set. Elements past `numel` are padding: initialised to zero and never
+//!   read back into the tensor.
+//! - **Metrics.** On [`Plan::report_rank`]'s program, `loss` holds the step's loss (the mean token
+//!   cross-entropy over the global batch, already reduced) and `grad_sumsq` the squared global
+//!   gradient norm (before clipping) after the step; every rank's program that has them holds the
+//!   same values.
+
+use super::op::{Op, Segment};
+use super::{BufferId, DType};
+use crate::spec::{Axis, Mesh, NodeId};
+use serde::Serialize;
+
+/// Index into [`ParamTable::params`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct ParamId(pub u32);
+
+/// Index into [`Plan::programs`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct ProgramId(pub u32);
+
+/// Index into [`Plan::groups`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct GroupId(pub u32);
+
+/// A lowered plan: every rank's program for one training step.
+#[derive(Clone, Debug, Serialize)]
+pub struct Plan {
+    pub world: u32,
+    pub mesh: Mesh,
+    /// Sequences per microbatch per data-parallel rank.
+    pub micro_batch: u64,
+    /// Microbatches per step per data-parallel rank.
+    pub microbatches: u32,
+    /// Global sequence length.
+    pub seq: u64,
+    pub params: ParamTable,
+    pub groups: Vec<Group>,
+    pub programs: Vec<Program>,
+    /// Rank → its program.
+    pub rank_program: Vec<ProgramId>,
+    /// The rank whose `loss` and `grad_sumsq` buffers the executor reports.
+    pub report_rank: u32,
+}
+
+/// Every global parameter of the model, in node order.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ParamTable {
+    pub params: Vec<Param>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Param {
+    /// `node name . local name`, e.g. `blocks.3.attn.wq`.
+    pub name: String,
+    /// Global shape, e.g. `[out, in]` for a linear weight.
+    pub shape: Vec<u64>,
+    pub init: Init,
+    /// Whether weight decay applies (2-D weights only).
+    pub decay: bool,
+    /// The spec node that owns it (for diagnostics).
+    pub node: NodeId,
+}
+
+/// How the runtime initialises a parameter. Element `i` (global row-major flat index) of
+/// parameter `p` under seed `s` is a pure function of `(s, p, i)`, so any shard can be
+/// generated alone and equals the slice of the full tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Init {
+    Normal { std: f64 },
+    Zeros,
+    Ones,
+}
+
+/// A family of disjoint process groups of one kind, e.g. `tp`: one set per combination of the
+/// other coordinates. A collective naming this family runs over the caller's set.
+#[derive(Clone, Debug, Serialize)]
+pub struct Group {
+    /// Short name used in the text form (`tp`, `dp`, `dp+cp`, `embed`, …).
+    pub name: String,
+    /// The mesh axes the sets span (the `embed` family spans pp but holds only the first and
+    /// last stage).
+    pub axes: Vec<Axis>,
+    /// The sets, each in group-rank order (ascending global rank).
+    pub sets: Vec<Vec<u32>>,
+}
+
+impl Group {
+    /// The caller's set and its index in it, if `rank` belongs to this family.
+    pub fn set_of(&self, rank: u32) -> Option<(&[u32], usize)> {
+        self.sets.iter().find_map(|set| {
+            set.iter()
+                .position(|&r| r == rank)
+                .map(|i| (set.as_slice(), i))
+        })
+    }
+}
+
+/// The rank with the caller's coordinates on every axis except `axis`, where it has `coord`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct Peer {
+    pub axis: Axis,
+    pub coord: u32,
+}
+
+impl Plan {
+    /// Global rank of `peer` as seen from `rank`.
+    pub fn peer_rank(&self, rank: u32, peer: Peer) -> u32 {
+        let own = self.mesh.coord(rank, peer.axis);
+        rank - own * self.mesh.stride(peer.axis) + peer.coord * self.mesh.stride(peer.axis)
+    }
+    pub fn program_of(&self, rank: u32) -> Option<&Program> {
+        let id = self.rank_program.get(rank as usize)?;
+        self.programs.get(id.0 as usize)
+    }
+    pub fn group(&self, id: GroupId) -> Option<&Group> {
+        self.groups.get(id.0 as usize)
+    }
+    /// Ranks that run `program`, ascending.
+    pub fn ranks_of(&self, program: ProgramId) -> Vec<u32> {
+        (0..self.world)
+            .filter(|&r| self.rank_program.get(r as usize) == Some(&program))
+            .collect()
+    }
+}
+
+/// The instructions of one rank role and the buffers they use.
+#[derive(Clone, Debug, Serialize)]
+pub struct Program {
+    /// What this program is: its coordinates on pp, cp and tp (dp is shared), e.g.
+    /// `pp 1 cp 0 tp 1`.
+    pub role: String,
+    /// Coordinate on each mesh axis except dp (dp ranks share the program).
+    pub coords: Vec<(Axis, u32)>,
+    pub buffers: Vec<Buffer>,
+    /// The parameters this program holds, with their local layout.
+    pub params: Vec<LocalParam>,
+    pub instrs: Vec<Instr>,
+    /// Persistent `[1]` buffer holding the step's global mean loss (last pipeline stage).
+    pub loss: Option<BufferId>,
+    /// Persistent `[1]` buffer holding the squared global gradient norm.
+    pub grad_sumsq: Option<BufferId>,
+}
+
+impl Program {
+    pub fn buffer(&self, id: BufferId) -> Option<&Buffer> {
+        self.buffers.get(id.0 as usize)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Buffer {
+    /// Readable name, unique within the program (`blocks.0.attn.q@mb2`).
+    pub name: String,
+    /// Local shape.
+    pub shape: Vec<u64>,
+    pub dtype: DType,
+    pub kind: BufferKind,
+}
+
+impl Buffer {
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().product()
+    }
+    pub fn bytes(&self) -> u64 {
+        self.numel() * self.dtype.bytes()
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BufferKind {
+    /// A parameter tensor the compute ops read (tp-local; or a ZeRO master shard). Persistent.
+    Param,
+    /// Optimizer state (Adam m/v, SGD momentum), shaped like the master it belongs to. Persistent.
+    OptState,
+    /// Step metrics (loss, squared grad norm). Persistent; zeroed by the program each step.
+    Metric,
+    /// A ZeRO-3 parameter all-gathered for use and freed after.
+    GatheredParam,
+    /// Gradient accumulators and sharded gradients.
+    Grad,
+    /// Forward activations and what backward keeps of them.
+    Activation,
+    /// Gradients of activations.
+    ActivationGrad,
+    /// Token ids and targets loaded by `LoadBatch`.
+    Input,
+    /// Staging buffers for collectives (buckets, padded flat copies, reduction scalars).
+    Comm,
+}
+
+impl BufferKind {
+    /// Allocated once by the executor and live across steps (never `Alloc`/`Free`d).
+    pub fn is_persistent(self) -> bool {
+        matches!(
+            self,
+            BufferKind::Param | BufferKind::OptState | BufferKind::Metric
+        )
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            BufferKind::Param => "param",
+            BufferKind::OptState => "opt_state",
+            BufferKind::Metric => "metric",
+            BufferKind::GatheredParam => "gathered_param",
+            BufferKind::Grad => "grad",
+            BufferKind::Activation => "act",
+            BufferKind::ActivationGrad => "act_grad",
+            BufferKind::Input => "input",
+            BufferKind::Comm => "comm",
+        }
+    }
+}
+
+/// A parameter held by a program and how its local elements map to the global tensor.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LocalParam {
+    pub param: ParamId,
+    /// The tensor the optimizer updates (persistent): the full tp-local tensor without ZeRO, the
+    /// flat padded `[shard_len]` shard with ZeRO ≥ 1.
+    pub master: BufferId,
+    /// A persistent full tp-local copy the compute ops read, refreshed by all-gather after the
+    /// optimizer: ZeRO-1 and ZeRO-2 only (without ZeRO the master is that copy; ZeRO-3 gathers
+    /// it per use into a transient buffer).
+    pub working: Option<BufferId>,
+    /// Optimizer state buffers, shaped like `master` (AdamW: m, v; SGD: momentum or none).
+    pub state: Vec<BufferId>,
+    /// The tp split of the global tensor, if any.
+    pub tp: Option<TpSplit>,
+    /// The ZeRO flat split of the tp-local tensor, if any.
+    pub zero: Option<ZeroSplit>,
+}
+
+/// Block `index` of `parts` equal contiguous blocks along dimension `dim` of the global tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct TpSplit {
+    pub dim: u32,
+    pub parts: u32,
+    pub index: u32,
+}
+
+/// Flat split of the tp-local tensor: `parts` shards of `shard_len` elements (the last padded);
+/// the caller's shard index is its index in its set of `group`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct ZeroSplit {
+    pub parts: u32,
+    pub shard_len: u64,
+    pub group: GroupId,
+}
+
+/// What a compute instruction belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    Forward,
+    Backward,
+    /// Forward ops re-run in backward to rebuild freed activations.
+    Recompute,
+    Optimizer,
+}
+
+impl Phase {
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Forward => "fwd",
+            Phase::Backward => "bwd",
+            Phase::Recompute => "recompute",
+            Phase::Optimizer => "opt",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum ReduceOp {
+    Sum,
+    Max,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum CollectiveKind {
+    AllReduce {
+        op: ReduceOp,
+    },
+    AllGather,
+    ReduceScatter,
+    /// From the member with group-rank index `root`.
+    Broadcast {
+        root: u32,
+    },
+}
+
+/// One send or receive inside an [`Instr::P2p`] group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "dir")]
+pub enum P2pOp {
+    Send {
+        peer: Peer,
+        buffer: BufferId,
+        tag: u32,
+    },
+    Recv {
+        peer: Peer,
+        buffer: BufferId,
+        tag: u32,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "instr")]
+pub enum Instr {
+    /// A compute op on local buffers; `inputs`/`outputs` follow the op's documented order.
+    Compute {
+        op: Op,
+        inputs: Vec<BufferId>,
+        outputs: Vec<BufferId>,
+        /// The spec node this op implements (None for optimizer bookkeeping).
+        node: Option<NodeId>,
+        phase: Phase,
+    },
+    /// A collective over the caller's set of `group` (see the module header for shapes).
+    Collective {
+        kind: CollectiveKind,
+        group: GroupId,
+        input: BufferId,
+        output: BufferId,
+        node: Option<NodeId>,
+    },
+    /// Blocking send of `buffer` to `peer` (completes with the matching `Recv`).
+    Send {
+        peer: Peer,
+        buffer: BufferId,
+        tag: u32,
+    },
+    /// Blocking receive into `buffer` from `peer`.
+    Recv {
+        peer: Peer,
+        buffer: BufferId,
+        tag: u32,
+    },
+    /// Several sends/receives issued together; completes when all have.
+    P2p { ops: Vec<P2pOp> },
+    /// Fill `tokens` / `targets` (`[segments_len(positions), micro_batch]` i32, sequence-major)
+    /// with this dp rank's microbatch `microbatch` of the step, at the global sequence
+    /// `positions` (context parallelism loads two segments). Targets are the tokens shifted by
+    /// one (the sampler's `seq + 1` windows).
+    LoadBatch {
+        microbatch: u32,
+        positions: Vec<Segment>,
+        tokens: Option<BufferId>,
+        targets: Option<BufferId>,
+    },
+    /// Create a zero-filled transient buffer.
+    Alloc { buffer: BufferId },
+    /// Destroy a transient buffer.
+    Free { buffer: BufferId },
+}
+
+impl Instr {
+    /// Buffers this instruction reads.
+    pub fn reads(&self) -> Vec<BufferId> {
+        match self {
+            Instr::Compute { inputs, .. } => inputs.clone(),
+            Instr::Collective { input, .. } => vec![*input],
+            Instr::Send { buffer, .. } => vec![*buffer],
+            Instr::P2p { ops } => ops
+                .iter()
+                .filter_map(|op| match op {
+                    P2pOp::Send { buffer, .. } => Some(*buffer),
+                    P2pOp::Recv { .. } => None,
+                })
+                .collect(),
+            Instr::Recv { .. } | Instr::LoadBatch { .. } | Instr::Alloc { .. } => Vec::new(),
+            Instr::Free { .. } => Vec::new(),
+        }
+    }
+    /// Buffers this instruction writes.
+    pub fn writes(&self) -> Vec<BufferId> {
+        match self {
+            Instr::Compute { outputs, .. } => outputs.clone(),
+            Instr::Collective { output, .. } => vec![*output],
+            Instr::Recv { buffer, .. } => vec![*buffer],
+            Instr::P2p { ops } => ops
+                .iter()
+                .filter_map(|op| match op {
+                    P2pOp::Recv { buffer, .. } => Some(*buffer),
+                    P2pOp::Send { .. } => None,
+                })
+                .collect(),
+            Instr::LoadBatch {
+                tokens, targets, ..
+            } => tokens.iter().chain(targets.iter()).copied().collect(),
+            Instr::Send { .. } | Instr::Alloc { .. } | Instr::Free { .. } => Vec::new(),
+        }
+    }
+}
