@@ -1,3 +1,4 @@
 //! parc's runtime: executes verified per-rank schedule programs on a backend with a comm.
 pub mod backend;
 pub mod error;
+pub mod data;
