@@ -2,3 +2,4 @@
 pub mod backend;
 pub mod error;
 pub mod data;
+pub mod comm;

@@ -1,0 +1,72 @@
+//! Communication between ranks: the [`Comm`] trait the executor calls for every collective and
+//! point-to-point instruction, and its implementations (`local`: ranks as threads of one
+//! process).
+//!
+//! Semantics every implementation keeps (they are the IR's, see `parc_compiler::ir::program`):
+//! - A collective runs over `group`, a list of global ranks in group-rank order (ascending) that
+//!   contains the caller. Members must issue the same collectives on a group in the same order.
+//! - Reductions combine members' inputs in group-rank order, so every member gets bit-identical
+//!   results and a run is reproducible.
+//! - All-gather concatenates the members' inputs in group-rank order; reduce-scatter gives member
+//!   `i` the `i`-th of `n` equal contiguous chunks of the sum.
+//! - Point-to-point messages are matched by (sender, receiver, tag), in order per triple.
+//!   [`Comm::group_p2p`] issues several at once and returns when all are done, so two ranks that
+//!   exchange in both directions cannot deadlock.
+//! - No operation waits forever: a peer that never arrives is an error naming the waiting rank,
+//!   the operation and the missing ranks; a rank that fails calls [`Comm::abort`] so its peers
+//!   stop at once with its reason instead of timing out.
+//!
+//! Buffers are host `f32` slices: the CPU backend's storage. A device comm (NCCL) implements the
+//! same operation set over device memory; the executor's collective dispatch is the only place
+//! that moves data between a backend and a comm, so it is where a device comm plugs in.
+pub mod local;
+
+pub use local::LocalComm;
+
+use crate::error::Result;
+use parc_compiler::ir::ReduceOp;
+
+/// One send or receive of a [`Comm::group_p2p`] batch.
+#[derive(Debug)]
+pub enum PeerOp<'a> {
+    Send {
+        peer: u32,
+        tag: u32,
+        data: &'a [f32],
+    },
+    Recv {
+        peer: u32,
+        tag: u32,
+        out: &'a mut [f32],
+    },
+}
+
+/// Collectives and point-to-point transfers between the ranks of one run.
+pub trait Comm: Send {
+    /// This rank's global index.
+    fn rank(&self) -> u32;
+    /// Number of ranks.
+    fn world(&self) -> u32;
+    /// Combine `data` over `group` with `op`, in place.
+    fn all_reduce(&mut self, group: &[u32], op: ReduceOp, data: &mut [f32]) -> Result<()>;
+    /// `output` (n × `input.len()` elements) = the members' inputs concatenated in group order.
+    fn all_gather(&mut self, group: &[u32], input: &[f32], output: &mut [f32]) -> Result<()>;
+    /// `output` = this member's chunk of the elementwise sum of the inputs (n × output elements).
+    fn reduce_scatter(&mut self, group: &[u32], input: &[f32], output: &mut [f32]) -> Result<()>;
+    /// Every member's `data` becomes the `root`-th member's (`root` is a group index).
+    fn broadcast(&mut self, group: &[u32], root: usize, data: &mut [f32]) -> Result<()>;
+    /// Send `data` to global rank `peer` under `tag`.
+    fn send(&mut self, peer: u32, tag: u32, data: &[f32]) -> Result<()>;
+    /// Receive exactly `out.len()` elements from global rank `peer` under `tag`.
+    fn recv(&mut self, peer: u32, tag: u32, out: &mut [f32]) -> Result<()>;
+    /// Issue all `ops` together; returns when all have completed.
+    fn group_p2p(&mut self, ops: &mut [PeerOp<'_>]) -> Result<()>;
+    /// Tell every peer that this rank failed with `reason`; their pending and later operations
+    /// fail with it.
+    fn abort(&mut self, reason: &str);
+    /// Wait until every member of `group` has reached this call.
+    fn barrier(&mut self, group: &[u32]) -> Result<()> {
+        let mut token = [0.0f32];
+        self.all_reduce(group, ReduceOp::Sum, &mut token)
+    }
+}
