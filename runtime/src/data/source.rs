@@ -184,7 +184,7 @@ fn decode(file: &Path, bytes: &[u8], format: DataFormat) -> Result<Vec<u32>> {
         DataFormat::U16 => 2,
         DataFormat::U32 => 4,
     };
-    if bytes.len() % width != 0 {
+    if !bytes.len().is_multiple_of(width) {
         return Err(data_error(
             file,
             format!(
