@@ -2,4 +2,5 @@
 //! and renders what comes back.
 pub mod diag;
 pub mod ir;
+pub mod lower;
 pub mod spec;

@@ -1,0 +1,150 @@
+//! Emits one program's buffers and instructions, and tracks transient buffer lifetimes with
+//! reference counts: a buffer is freed (an explicit `Free`) when its last holder releases it,
+//! so every activation dies right after its last use in forward or backward.
+
+use crate::ir::op::Op;
+use crate::ir::{
+    Buffer, BufferId, BufferKind, CollectiveKind, DType, GroupId, Instr, P2pOp, Phase,
+};
+use crate::spec::NodeId;
+
+#[derive(Default)]
+pub struct ProgramBuilder {
+    pub buffers: Vec<Buffer>,
+    pub instrs: Vec<Instr>,
+    refs: Vec<u32>,
+}
+
+impl ProgramBuilder {
+    /// Declare a buffer without allocating it (persistent buffers, or ones allocated later).
+    pub fn declare(
+        &mut self,
+        name: String,
+        shape: Vec<u64>,
+        dtype: DType,
+        kind: BufferKind,
+    ) -> BufferId {
+        let id = BufferId(self.buffers.len() as u32);
+        self.buffers.push(Buffer {
+            name,
+            shape,
+            dtype,
+            kind,
+        });
+        self.refs.push(0);
+        id
+    }
+
+    /// Declare and allocate a transient f32 buffer with one holder.
+    pub fn alloc(&mut self, name: String, shape: Vec<u64>, kind: BufferKind) -> BufferId {
+        self.alloc_typed(name, shape, DType::F32, kind)
+    }
+
+    pub fn alloc_typed(
+        &mut self,
+        name: String,
+        shape: Vec<u64>,
+        dtype: DType,
+        kind: BufferKind,
+    ) -> BufferId {
+        let id = self.declare(name, shape, dtype, kind);
+        self.instrs.push(Instr::Alloc { buffer: id });
+        if let Some(r) = self.refs.get_mut(id.0 as usize) {
+            *r = 1;
+        }
+        id
+    }
+
+    pub fn shape(&self, id: BufferId) -> Vec<u64> {
+        self.buffers
+            .get(id.0 as usize)
+            .map(|b| b.shape.clone())
+            .unwrap_or_default()
+    }
+
+    fn persistent(&self, id: BufferId) -> bool {
+        self.buffers
+            .get(id.0 as usize)
+            .is_some_and(|b| b.kind.is_persistent())
+    }
+
+    /// Add a holder to a transient buffer (no-op for persistent ones).
+    pub fn retain(&mut self, id: BufferId) {
+        if self.persistent(id) {
+            return;
+        }
+        if let Some(r) = self.refs.get_mut(id.0 as usize) {
+            *r += 1;
+        }
+    }
+
+    /// Drop a holder; the last one frees the buffer.
+    pub fn release(&mut self, id: BufferId) {
+        if self.persistent(id) {
+            return;
+        }
+        if let Some(r) = self.refs.get_mut(id.0 as usize) {
+            if *r > 0 {
+                *r -= 1;
+                if *r == 0 {
+                    self.instrs.push(Instr::Free { buffer: id });
+                }
+            }
+        }
+    }
+
+    /// Transient buffers still held (a lowering bug if non-empty at the end of a step).
+    pub fn live_transients(&self) -> Vec<BufferId> {
+        self.refs
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| **r > 0)
+            .map(|(i, _)| BufferId(i as u32))
+            .collect()
+    }
+
+    pub fn compute(
+        &mut self,
+        op: Op,
+        inputs: &[BufferId],
+        outputs: &[BufferId],
+        node: Option<NodeId>,
+        phase: Phase,
+    ) {
+        self.instrs.push(Instr::Compute {
+            op,
+            inputs: inputs.to_vec(),
+            outputs: outputs.to_vec(),
+            node,
+            phase,
+        });
+    }
+
+    pub fn collective(
+        &mut self,
+        kind: CollectiveKind,
+        group: GroupId,
+        input: BufferId,
+        output: BufferId,
+        node: Option<NodeId>,
+    ) {
+        self.instrs.push(Instr::Collective {
+            kind,
+            group,
+            input,
+            output,
+            node,
+        });
+    }
+
+    pub fn p2p(&mut self, ops: Vec<P2pOp>) {
+        if ops.is_empty() {
+            return;
+        }
+        self.instrs.push(Instr::P2p { ops });
+    }
+
+    pub fn push(&mut self, instr: Instr) {
+        self.instrs.push(instr);
+    }
+}

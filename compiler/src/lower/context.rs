@@ -1,0 +1,417 @@
+//! What lowering knows about one program before emitting it: the rank role's coordinates, the
+//! local sizes (rows, sequence segments, head and vocab shards), the process-group families,
+//! the pipeline chunk layout and the recompute segments. Also the checks of things `check`
+//! could not have caught (E08xx).
+
+use crate::diag::{Diagnostic, Diagnostics};
+use crate::ir::op::Segment;
+use crate::ir::{Group, GroupId};
+use crate::spec::{Axis, LayerKind, Mesh, NodeId, PipelineSchedule, Recompute, Spec, ValueId};
+
+/// The process-group families a plan uses (None when the family would be a single rank).
+#[derive(Clone, Debug, Default)]
+pub struct Groups {
+    pub tp: Option<GroupId>,
+    pub cp: Option<GroupId>,
+    /// Gradient and loss reduction, ZeRO sharding: dp × cp.
+    pub dpcp: Option<GroupId>,
+    /// The squared-gradient-norm reduction.
+    pub norm: Option<GroupId>,
+    /// First and last pipeline stage, for parameters used on both (a tied embedding).
+    pub embed: Option<GroupId>,
+}
+
+/// Disjoint sets of ranks that differ only on `axes`, each ascending.
+pub fn axis_sets(mesh: &Mesh, axes: &[Axis]) -> Vec<Vec<u32>> {
+    let mut keys: Vec<Vec<u32>> = Vec::new();
+    let mut sets: Vec<Vec<u32>> = Vec::new();
+    for r in 0..mesh.world() {
+        let key: Vec<u32> = Axis::ALL
+            .iter()
+            .filter(|a| !axes.contains(a))
+            .map(|a| mesh.coord(r, *a))
+            .collect();
+        match keys.iter().position(|k| *k == key) {
+            Some(i) => sets[i].push(r),
+            None => {
+                keys.push(key);
+                sets.push(vec![r]);
+            }
+        }
+    }
+    sets
+}
+
+pub fn group_family(name: &str, mesh: &Mesh, axes: &[Axis]) -> Group {
+    Group {
+        name: name.to_string(),
+        axes: axes.to_vec(),
+        sets: axis_sets(mesh, axes),
+    }
+}
+
+/// The chunk layout of the pipeline: which nodes each global chunk runs.
+pub struct Chunks {
+    pub count: u32,
+    /// Node index ranges `[start, end)` per global chunk.
+    pub ranges: Vec<(usize, usize)>,
+    /// Values each chunk receives from the previous one (and the previous one sends), in value
+    /// order. `inputs[0]` is empty.
+    pub inputs: Vec<Vec<ValueId>>,
+}
+
+impl Chunks {
+    pub fn chunk_of(&self, node: usize) -> u32 {
+        self.ranges
+            .iter()
+            .position(|(s, e)| node >= *s && node < *e)
+            .unwrap_or(0) as u32
+    }
+    /// Values chunk `c` sends to chunk `c + 1`.
+    pub fn outputs(&self, c: u32) -> &[ValueId] {
+        self.inputs
+            .get(c as usize + 1)
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
+    }
+}
+
+fn err(code: &'static str, spec: &Spec, msg: String, help: String) -> Diagnostic {
+    Diagnostic::error(code, msg)
+        .label(spec.parallel.span, "in this parallel plan")
+        .help(help)
+}
+
+/// Split the model's nodes over `count` chunks at layer boundaries.
+pub fn chunks(spec: &Spec, count: u32) -> Result<Chunks, Diagnostic> {
+    let nodes = &spec.model.nodes;
+    let layers = spec.model.layers;
+    if count > 1 && layers < count {
+        return Err(err(
+            "E0801",
+            spec,
+            format!(
+                "the pipeline needs {count} model chunks but the model has {layers} repeated layers"
+            ),
+            format!("use at most {layers} pipeline stages × virtual stages"),
+        ));
+    }
+    // First layer of each chunk.
+    let first_layer = |c: u32| (u64::from(c) * u64::from(layers) / u64::from(count)) as u32;
+    let chunk_of_node = |n: usize| -> u32 {
+        match nodes[n].layer {
+            Some(l) => (0..count).rev().find(|&c| first_layer(c) <= l).unwrap_or(0),
+            None => {
+                let before_any = nodes[..n].iter().all(|m| m.layer.is_none());
+                if before_any {
+                    0
+                } else {
+                    count - 1
+                }
+            }
+        }
+    };
+    let mut ranges = Vec::new();
+    let mut start = 0;
+    for c in 0..count {
+        let mut end = start;
+        while end < nodes.len() && chunk_of_node(end) == c {
+            end += 1;
+        }
+        ranges.push((start, end));
+        start = end;
+    }
+    if start != nodes.len() {
+        return Err(err(
+            "E0801",
+            spec,
+            "the model's nodes are not in layer order, so they cannot be split into pipeline stages"
+                .to_string(),
+            "keep the repeated layers contiguous between the embedding and the head".to_string(),
+        ));
+    }
+    // Values produced in chunks < c and consumed in chunks ≥ c (model inputs are loaded, not
+    // sent).
+    let producer: Vec<Option<usize>> = (0..spec.model.values.len())
+        .map(|v| nodes.iter().position(|n| n.output == ValueId(v as u32)))
+        .collect();
+    let mut inputs = vec![Vec::new(); count as usize];
+    for (c, chunk_inputs) in inputs.iter_mut().enumerate().skip(1) {
+        let (cs, _) = ranges[c];
+        for (v, prod) in producer.iter().enumerate() {
+            let Some(p) = prod else { continue };
+            if *p >= cs {
+                continue;
+            }
+            let used_later = nodes
+                .iter()
+                .enumerate()
+                .any(|(i, n)| i >= cs && n.inputs.contains(&ValueId(v as u32)));
+            if used_later {
+                chunk_inputs.push(ValueId(v as u32));
+            }
+        }
+    }
+    Ok(Chunks {
+        count,
+        ranges,
+        inputs,
+    })
+}
+
+/// Pipeline shape after normalisation: with one stage, virtual chunks are pointless and
+/// collapse to one.
+pub fn pipeline_shape(spec: &Spec) -> (u32, u32) {
+    let p = spec.parallel.mesh.size(Axis::Pp);
+    let v = match spec.parallel.schedule {
+        PipelineSchedule::Interleaved { virtual_stages } if p > 1 => virtual_stages.max(1),
+        _ => 1,
+    };
+    (p, v)
+}
+
+/// Recompute segments (full / named): maximal runs of consecutive recomputed nodes of one
+/// layer, never containing the loss. `None` for nodes outside any.
+pub fn recompute_segments(spec: &Spec) -> Vec<Option<u32>> {
+    let mut out = vec![None; spec.model.nodes.len()];
+    if matches!(
+        spec.parallel.recompute,
+        Recompute::None | Recompute::Selective
+    ) {
+        return out;
+    }
+    let mut next = 0u32;
+    let mut prev: Option<(u32, Option<u32>)> = None;
+    for (i, n) in spec.model.nodes.iter().enumerate() {
+        let eligible = n.recompute && !matches!(n.kind, LayerKind::CrossEntropy);
+        if !eligible {
+            prev = None;
+            continue;
+        }
+        let seg = match prev {
+            Some((s, layer)) if layer == n.layer => s,
+            _ => {
+                next += 1;
+                next - 1
+            }
+        };
+        out[i] = Some(seg);
+        prev = Some((seg, n.layer));
+    }
+    out
+}
+
+/// Structural checks lowering relies on that `check` reports differently or not at all.
+pub fn validate(spec: &Spec) -> Diagnostics {
+    let mut diags = Diagnostics::default();
+    let mesh = &spec.parallel.mesh;
+    let tp = u64::from(mesh.size(Axis::Tp));
+    let cp = u64::from(mesh.size(Axis::Cp));
+    let world = mesh.world();
+    if world == 0 || mesh.axes.len() != 4 {
+        diags.push(err(
+            "E0802",
+            spec,
+            "the mesh must name dp, pp, cp and tp exactly once with sizes ≥ 1".to_string(),
+            "write e.g. mesh = { dp: 1, pp: 1, cp: 1, tp: 1 }".to_string(),
+        ));
+        return diags;
+    }
+    let seq = spec.model.seq;
+    if cp > 1 && !seq.is_multiple_of(2 * cp) {
+        diags.push(err(
+            "E0802",
+            spec,
+            format!("seq = {seq} is not divisible by 2·cp = {}", 2 * cp),
+            "choose cp so that 2·cp divides the sequence length".to_string(),
+        ));
+    }
+    if spec.parallel.sequence_parallel && tp > 1 && !(seq / cp).is_multiple_of(tp) {
+        diags.push(err(
+            "E0802",
+            spec,
+            format!(
+                "sequence parallelism splits each rank's {} positions over tp = {tp}, which does not divide them",
+                seq / cp
+            ),
+            "choose tp dividing seq / cp, or turn sequence_parallel off".to_string(),
+        ));
+    }
+    let (p, v) = pipeline_shape(spec);
+    let m = spec.parallel.microbatches;
+    if m == 0 {
+        diags.push(err(
+            "E0802",
+            spec,
+            "microbatches must be at least 1".to_string(),
+            "set parallel.microbatches ≥ 1".to_string(),
+        ));
+    }
+    if v > 1 && !m.is_multiple_of(p) {
+        diags.push(err(
+            "E0802",
+            spec,
+            format!("interleaved 1F1B needs microbatches ({m}) divisible by pp = {p}"),
+            format!("set microbatches to a multiple of {p}"),
+        ));
+    }
+    for (i, n) in spec.model.nodes.iter().enumerate() {
+        let sh = &spec.model.sharding;
+        let bad = |what: &str, help: String| {
+            Diagnostic::error(
+                "E0803",
+                format!("{} `{}` {what}", n.kind.kind_name(), n.name),
+            )
+            .label(n.span, "this layer")
+            .help(help)
+        };
+        match &n.kind {
+            LayerKind::Attention {
+                heads, kv_heads, ..
+            } if tp > 1 => {
+                if !sh.attention_heads_on_tp {
+                    diags.push(bad(
+                        "would be replicated over tp; parc lowers attention only head-parallel",
+                        "add `shard Attention.heads on tp`".to_string(),
+                    ));
+                } else if heads % tp != 0 || kv_heads % tp != 0 {
+                    diags.push(bad(
+                        &format!(
+                            "has {heads} heads / {kv_heads} kv heads, not divisible by tp = {tp}"
+                        ),
+                        "choose tp dividing both head counts".to_string(),
+                    ));
+                }
+            }
+            LayerKind::Mlp { hidden, .. } if tp > 1 => {
+                if !sh.mlp_hidden_on_tp {
+                    diags.push(bad(
+                        "would be replicated over tp; parc lowers the MLP only hidden-parallel",
+                        "add `shard MLP.hidden on tp`".to_string(),
+                    ));
+                } else if hidden % tp != 0 {
+                    diags.push(bad(
+                        &format!("hidden = {hidden} is not divisible by tp = {tp}"),
+                        "choose tp dividing the MLP hidden size".to_string(),
+                    ));
+                }
+            }
+            LayerKind::Embedding { vocab, .. }
+                if tp > 1 && (!sh.vocab_on_tp || !vocab.is_multiple_of(tp)) =>
+            {
+                diags.push(bad(
+                    &format!("needs its vocab ({vocab}) split over tp = {tp}"),
+                    "add `shard Embedding.vocab on tp` with tp dividing the vocab".to_string(),
+                ));
+            }
+            LayerKind::Linear { out_dim, .. } if tp > 1 => {
+                let vocab_head = *out_dim == spec.model.vocab && sh.vocab_on_tp;
+                let feeds_loss = spec.model.nodes.iter().any(|m| {
+                    matches!(m.kind, LayerKind::CrossEntropy) && m.inputs.first() == Some(&n.output)
+                });
+                if !vocab_head || !feeds_loss {
+                    diags.push(bad(
+                        "would be replicated over tp; parc supports Linear only as the vocab-parallel head feeding the loss",
+                        "split the vocab over tp (`shard Embedding.vocab on tp`) or use tp = 1".to_string(),
+                    ));
+                }
+            }
+            LayerKind::CrossEntropy => {
+                let from_linear = n.inputs.first().is_some_and(|v| {
+                    spec.model
+                        .nodes
+                        .iter()
+                        .any(|m| m.output == *v && matches!(m.kind, LayerKind::Linear { .. }))
+                });
+                if !from_linear {
+                    diags.push(bad(
+                        "must take its logits straight from a Linear head",
+                        "write CrossEntropy(Linear(…)(x), targets)".to_string(),
+                    ));
+                }
+            }
+            _ => {}
+        }
+        let _ = NodeId(i as u32);
+    }
+    diags
+}
+
+/// The cp-local sequence segments of cp rank `i`: chunks `i` and `2cp − 1 − i` of `2cp`
+/// (balanced causal context parallelism); the whole sequence without cp.
+pub fn cp_segments(seq: u64, cp: u32, i: u32) -> Vec<Segment> {
+    if cp <= 1 {
+        return vec![Segment {
+            start: 0,
+            len: seq as u32,
+        }];
+    }
+    let chunk = (seq / (2 * u64::from(cp))) as u32;
+    vec![
+        Segment {
+            start: i * chunk,
+            len: chunk,
+        },
+        Segment {
+            start: (2 * cp - 1 - i) * chunk,
+            len: chunk,
+        },
+    ]
+}
+
+/// Positions `[start, start + len)` of a local position list, as segments.
+pub fn sub_segments(segs: &[Segment], start: u32, len: u32) -> Vec<Segment> {
+    let mut out = Vec::new();
+    let (mut skip, mut want) = (start, len);
+    for s in segs {
+        if want == 0 {
+            break;
+        }
+        if skip >= s.len {
+            skip -= s.len;
+            continue;
+        }
+        let take = (s.len - skip).min(want);
+        out.push(Segment {
+            start: s.start + skip,
+            len: take,
+        });
+        want -= take;
+        skip = 0;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cp_ranks_hold_balanced_chunks() {
+        assert_eq!(
+            cp_segments(16, 2, 0),
+            vec![Segment { start: 0, len: 4 }, Segment { start: 12, len: 4 }]
+        );
+        assert_eq!(
+            cp_segments(16, 2, 1),
+            vec![Segment { start: 4, len: 4 }, Segment { start: 8, len: 4 }]
+        );
+    }
+
+    #[test]
+    fn sub_segments_cross_boundaries() {
+        let segs = cp_segments(16, 2, 0);
+        assert_eq!(
+            sub_segments(&segs, 0, 4),
+            vec![Segment { start: 0, len: 4 }]
+        );
+        assert_eq!(
+            sub_segments(&segs, 2, 4),
+            vec![Segment { start: 2, len: 2 }, Segment { start: 12, len: 2 }]
+        );
+        assert_eq!(
+            sub_segments(&segs, 4, 4),
+            vec![Segment { start: 12, len: 4 }]
+        );
+    }
+}

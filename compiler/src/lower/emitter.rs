@@ -1,0 +1,306 @@
+//! The per-program emission state shared by the layer, pipeline and optimizer lowering: the
+//! rank role, the local parameters and their gradients, and each microbatch's live values.
+
+use super::builder::ProgramBuilder;
+use super::context::{Chunks, Groups};
+use super::params::{Params, TpRule};
+use crate::diag::Diagnostic;
+use crate::ir::op::{Op, Segment};
+use crate::ir::{
+    BufferId, BufferKind, CollectiveKind, ParamId, Phase, ReduceOp, TpSplit, ZeroSplit,
+};
+use crate::spec::{NodeId, Spec, ValueId, ZeroStage};
+use std::collections::HashMap;
+
+/// A parameter held by this program while it is being emitted.
+pub struct LocalState {
+    pub param: ParamId,
+    pub rule: TpRule,
+    /// tp-local shape.
+    pub shape: Vec<u64>,
+    pub numel: u64,
+    pub master: BufferId,
+    pub working: Option<BufferId>,
+    pub state: Vec<BufferId>,
+    pub tp: Option<TpSplit>,
+    pub zero: Option<ZeroSplit>,
+    /// Full tp-local gradient accumulator (transient, allocated at step start).
+    pub grad: BufferId,
+    /// The gradient the optimizer reads once reductions are done (the shard under ZeRO).
+    pub final_grad: Option<BufferId>,
+    /// Backward uses left before the gradient is complete.
+    pub uses_left: u32,
+    pub complete: bool,
+    /// Counted in the gradient norm by this program (exactly one holder of each element).
+    pub in_norm: bool,
+    /// Also held by another pipeline stage (tied embedding copy): all-reduced over `embed`.
+    pub shared: bool,
+}
+
+/// One microbatch's live tensors on this program.
+#[derive(Default)]
+pub struct MbState {
+    pub values: HashMap<ValueId, BufferId>,
+    pub grads: HashMap<ValueId, BufferId>,
+    pub saved: HashMap<NodeId, Vec<BufferId>>,
+    /// Values kept for recomputing a segment: (segment, value) → buffer.
+    pub seg_keep: Vec<(u32, ValueId, BufferId)>,
+    /// Buffers received for a later unit: (chunk, value) → buffer (activations or grads).
+    pub inbox: HashMap<(u32, ValueId, bool), BufferId>,
+    /// Buffers waiting to be sent after a unit: (chunk, value, is_grad) → buffer.
+    pub outbox: HashMap<(u32, ValueId, bool), BufferId>,
+    pub tokens: Option<BufferId>,
+    pub targets: Option<BufferId>,
+}
+
+pub struct Emitter<'a> {
+    pub spec: &'a Spec,
+    pub params: &'a Params,
+    pub chunks: &'a Chunks,
+    pub groups: &'a Groups,
+    pub b: ProgramBuilder,
+    pub tp: u32,
+    pub tp_index: u32,
+    pub cp: u32,
+    pub stage: u32,
+    pub sp: bool,
+    pub zero: ZeroStage,
+    pub micro_batch: u64,
+    /// Positions this rank holds (cp-local), and those of every cp rank in cp order.
+    pub positions: Vec<Segment>,
+    pub kv_positions: Vec<Segment>,
+    /// Positions of this rank's sequence-parallel shard (= `positions` without SP).
+    pub sp_positions: Vec<Segment>,
+    pub locals: Vec<LocalState>,
+    pub local_of: HashMap<ParamId, usize>,
+    pub mbs: Vec<MbState>,
+    pub segments: Vec<Option<u32>>,
+    pub selective: bool,
+    pub loss: Option<BufferId>,
+    pub grad_sumsq: BufferId,
+    /// Completed gradients waiting for their bucket to fill: (local index).
+    pub bucket: Vec<usize>,
+    pub bucket_bytes: u64,
+    /// ZeRO-3 parameters gathered for the node being emitted.
+    pub gathered: Vec<BufferId>,
+    pub errors: Vec<Diagnostic>,
+    /// Phase of the compute being emitted (forward, recompute or backward).
+    pub phase: Phase,
+}
+
+impl Emitter<'_> {
+    /// Rows of the full cp-local sequence × microbatch.
+    pub fn rows_full(&self) -> u64 {
+        u64::from(super::super::ir::op::segments_len(&self.positions)) * self.micro_batch
+    }
+    /// Rows of a hidden value between nodes (the SP shard under sequence parallelism).
+    pub fn rows_hidden(&self) -> u64 {
+        if self.sp {
+            self.rows_full() / u64::from(self.tp)
+        } else {
+            self.rows_full()
+        }
+    }
+
+    pub fn node_name(&self, node: NodeId) -> &str {
+        self.spec
+            .model
+            .nodes
+            .get(node.0 as usize)
+            .map(|n| n.name.as_str())
+            .unwrap_or("?")
+    }
+
+    pub fn name(&self, node: NodeId, what: &str, mb: u32) -> String {
+        format!("{}.{what}@{mb}", self.node_name(node))
+    }
+
+    /// The buffer compute ops read for a parameter of `node` (ZeRO-3: gathered now, freed
+    /// by [`Emitter::end_node`]).
+    pub fn weight(&mut self, node: NodeId, local: &str) -> Option<BufferId> {
+        let slot = self.params.get(node, local)?;
+        let idx = *self.local_of.get(&slot.param)?;
+        let l = &self.locals[idx];
+        if self.zero != ZeroStage::Zero3 {
+            return Some(l.working.unwrap_or(l.master));
+        }
+        let (master, shape, numel, zero) = (l.master, l.shape.clone(), l.numel, l.zero);
+        let name = self
+            .params
+            .table
+            .params
+            .get(slot.param.0 as usize)
+            .map(|p| p.name.clone())
+            .unwrap_or_default();
+        let Some(z) = zero else {
+            return Some(master);
+        };
+        let flat = self.b.alloc(
+            format!("{name}.gather"),
+            vec![u64::from(z.parts) * z.shard_len],
+            BufferKind::Comm,
+        );
+        self.b
+            .collective(CollectiveKind::AllGather, z.group, master, flat, Some(node));
+        let full = self
+            .b
+            .alloc(format!("{name}.full"), shape, BufferKind::GatheredParam);
+        self.b.compute(
+            Op::CopyRange {
+                src_offset: 0,
+                dst_offset: 0,
+                len: numel,
+            },
+            &[flat],
+            &[full],
+            Some(node),
+            self.phase,
+        );
+        self.b.release(flat);
+        self.gathered.push(full);
+        Some(full)
+    }
+
+    /// Release the parameters gathered for the node just emitted.
+    pub fn end_node(&mut self) {
+        for g in std::mem::take(&mut self.gathered) {
+            self.b.release(g);
+        }
+    }
+
+    /// The gradient accumulator of a parameter of `node`.
+    pub fn grad(&self, node: NodeId, local: &str) -> Option<BufferId> {
+        let slot = self.params.get(node, local)?;
+        let idx = *self.local_of.get(&slot.param)?;
+        Some(self.locals[idx].grad)
+    }
+
+    /// Whether this rank adds a row-parallel bias (tp rank 0 only).
+    pub fn adds_bias(&self, node: NodeId, local: &str) -> bool {
+        match self.params.get(node, local) {
+            None => false,
+            Some(s) if s.rule == TpRule::RowParallelBias => self.tp_index == 0,
+            Some(_) => true,
+        }
+    }
+
+    /// One backward use of a parameter of `node` has been emitted.
+    pub fn grad_used(&mut self, node: NodeId, local: &str) {
+        let Some(slot) = self.params.get(node, local) else {
+            return;
+        };
+        let Some(&idx) = self.local_of.get(&slot.param) else {
+            return;
+        };
+        let l = &mut self.locals[idx];
+        l.uses_left = l.uses_left.saturating_sub(1);
+        if l.uses_left == 0 && !l.complete {
+            self.complete_grad(idx);
+        }
+    }
+
+    /// Sequence-parallel all-gather of a hidden value to full rows; returns a buffer with one
+    /// new holder for the caller.
+    pub fn sp_gather(&mut self, x: BufferId, cols: u64, name: String, node: NodeId) -> BufferId {
+        match (self.sp, self.groups.tp) {
+            (true, Some(g)) => {
+                let full = self
+                    .b
+                    .alloc(name, vec![self.rows_full(), cols], BufferKind::Activation);
+                self.b
+                    .collective(CollectiveKind::AllGather, g, x, full, Some(node));
+                full
+            }
+            _ => {
+                self.b.retain(x);
+                x
+            }
+        }
+    }
+
+    /// Same as [`Emitter::sp_gather`] for a gradient in backward.
+    pub fn sp_gather_grad(
+        &mut self,
+        dy: BufferId,
+        cols: u64,
+        name: String,
+        node: NodeId,
+    ) -> BufferId {
+        match (self.sp, self.groups.tp) {
+            (true, Some(g)) => {
+                let full = self.b.alloc(
+                    name,
+                    vec![self.rows_full(), cols],
+                    BufferKind::ActivationGrad,
+                );
+                self.b
+                    .collective(CollectiveKind::AllGather, g, dy, full, Some(node));
+                full
+            }
+            _ => {
+                self.b.retain(dy);
+                dy
+            }
+        }
+    }
+
+    /// Reduce tp partial sums of a full-row tensor: all-reduce in place, or reduce-scatter to
+    /// the SP shard under sequence parallelism. Consumes `partial`'s holder.
+    pub fn tp_reduce(
+        &mut self,
+        partial: BufferId,
+        cols: u64,
+        name: String,
+        kind: BufferKind,
+        node: NodeId,
+    ) -> BufferId {
+        let Some(g) = self.groups.tp else {
+            return partial;
+        };
+        if self.sp {
+            let out = self.b.alloc(name, vec![self.rows_hidden(), cols], kind);
+            self.b
+                .collective(CollectiveKind::ReduceScatter, g, partial, out, Some(node));
+            self.b.release(partial);
+            out
+        } else {
+            self.b.collective(
+                CollectiveKind::AllReduce { op: ReduceOp::Sum },
+                g,
+                partial,
+                partial,
+                Some(node),
+            );
+            partial
+        }
+    }
+
+    /// Add a gradient contribution to `value` (takes ownership of `dx`'s holder).
+    pub fn contribute(&mut self, mb: u32, value: ValueId, dx: BufferId, node: NodeId) {
+        let existing = self.mbs[mb as usize].grads.get(&value).copied();
+        match existing {
+            None => {
+                self.mbs[mb as usize].grads.insert(value, dx);
+            }
+            Some(prev) => {
+                let shape = self.b.shape(prev);
+                let name = format!("{}.dsum@{mb}", self.value_name(value));
+                let sum = self.b.alloc(name, shape, BufferKind::ActivationGrad);
+                self.b
+                    .compute(Op::Add, &[prev, dx], &[sum], Some(node), Phase::Backward);
+                self.b.release(prev);
+                self.b.release(dx);
+                self.mbs[mb as usize].grads.insert(value, sum);
+            }
+        }
+    }
+
+    pub fn value_name(&self, v: ValueId) -> String {
+        self.spec
+            .model
+            .values
+            .get(v.0 as usize)
+            .map(|x| x.name.clone())
+            .unwrap_or_else(|| format!("v{}", v.0))
+    }
+}

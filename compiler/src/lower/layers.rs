@@ -1,0 +1,651 @@
+//! Forward and backward (autodiff at op level) of every layer kind, on local shards.
+//!
+//! Tensor parallelism is Megatron's: q/k/v and MLP fc/gate/up column-parallel, `wo` and
+//! `proj`/`down` row-parallel followed by a tp all-reduce (a reduce-scatter to the sequence
+//! shard under sequence parallelism, whose inputs are all-gathered first); in backward the
+//! conjugates: the gradient at a column-parallel input is all-reduced (reduce-scattered under
+//! SP) and the gradient entering a row-parallel output is all-gathered under SP. The embedding
+//! and head are vocab-parallel, the loss uses the `Ce*` pieces with tp all-reduces. A
+//! row-parallel bias is added by tp rank 0 only, before the reduction.
+//!
+//! Context parallelism: K and V (after RoPE) are all-gathered over cp before attention and
+//! their gradients reduce-scattered back. We gather rather than pass around a ring (Llama 3's
+//! choice): with GQA the K/V are a fraction of the activations, and one all-gather overlaps
+//! better and needs no online-softmax merge in the IR.
+//!
+//! Each forward leaves the layer's output in the microbatch's value map and returns the
+//! tensors its backward needs ("saved", one holder each); the caller owns input lifetimes.
+
+use super::emitter::Emitter;
+use crate::ir::op::{Act, Op};
+use crate::ir::{BufferId, BufferKind, CollectiveKind, ReduceOp};
+use crate::spec::{Activation, LayerKind, NodeId};
+
+fn act(a: Activation) -> Act {
+    match a {
+        Activation::Gelu => Act::Gelu,
+        Activation::GeluTanh => Act::GeluTanh,
+        Activation::Relu | Activation::Swiglu => Act::Relu,
+    }
+}
+
+impl Emitter<'_> {
+    fn input(&self, mb: u32, node: NodeId, i: usize) -> Option<BufferId> {
+        let n = self.spec.model.nodes.get(node.0 as usize)?;
+        let v = n.inputs.get(i)?;
+        if *v == self.spec.model.tokens {
+            return self.mbs[mb as usize].tokens;
+        }
+        if *v == self.spec.model.targets {
+            return self.mbs[mb as usize].targets;
+        }
+        self.mbs[mb as usize].values.get(v).copied()
+    }
+
+    fn set_output(&mut self, mb: u32, node: NodeId, buf: BufferId) {
+        if let Some(n) = self.spec.model.nodes.get(node.0 as usize) {
+            self.mbs[mb as usize].values.insert(n.output, buf);
+        }
+    }
+
+    fn missing(&mut self, node: NodeId, what: &str) {
+        let span = self
+            .spec
+            .model
+            .nodes
+            .get(node.0 as usize)
+            .map(|n| n.span)
+            .unwrap_or_default();
+        self.errors.push(
+            crate::diag::Diagnostic::error(
+                "E0804",
+                format!(
+                    "lowering `{}` found no {what} (an internal lowering error)",
+                    self.node_name(node)
+                ),
+            )
+            .label(span, "while lowering this layer")
+            .help("please report this with the spec file"),
+        );
+    }
+
+    /// Emit the forward of `node` for microbatch `mb`; returns its saved tensors.
+    pub fn forward_node(&mut self, mb: u32, node: NodeId) -> Vec<BufferId> {
+        let Some(n) = self.spec.model.nodes.get(node.0 as usize) else {
+            return Vec::new();
+        };
+        let kind = n.kind.clone();
+        let Some(x) = self.input(mb, node, 0) else {
+            self.missing(node, "input");
+            return Vec::new();
+        };
+        let phase = self.phase;
+        let rows_h = self.rows_hidden();
+        let rows = self.rows_full();
+        let tp = u64::from(self.tp);
+        let saved = match kind {
+            LayerKind::Embedding { vocab, dim } => {
+                let Some(w) = self.weight(node, "weight") else {
+                    self.missing(node, "weight");
+                    return Vec::new();
+                };
+                let split = self.groups.tp.is_some();
+                let vl = if split { vocab / tp } else { vocab };
+                let y = self.b.alloc(
+                    self.name(node, "y", mb),
+                    vec![rows, dim],
+                    BufferKind::Activation,
+                );
+                let op = Op::Embedding {
+                    vocab_start: u64::from(self.tp_index) * vl * u64::from(split),
+                    vocab_local: vl,
+                    dim,
+                };
+                self.b.compute(op, &[x, w], &[y], Some(node), phase);
+                let out = self.tp_reduce(
+                    y,
+                    dim,
+                    self.name(node, "out", mb),
+                    BufferKind::Activation,
+                    node,
+                );
+                self.set_output(mb, node, out);
+                self.b.retain(x);
+                vec![x]
+            }
+            LayerKind::PositionEmbedding { dim, .. } => {
+                let Some(w) = self.weight(node, "weight") else {
+                    self.missing(node, "weight");
+                    return Vec::new();
+                };
+                let y = self.b.alloc(
+                    self.name(node, "y", mb),
+                    vec![rows_h, dim],
+                    BufferKind::Activation,
+                );
+                let op = Op::PositionAdd {
+                    batch: self.micro_batch,
+                    dim,
+                    positions: self.sp_positions.clone(),
+                };
+                self.b.compute(op, &[x, w], &[y], Some(node), phase);
+                self.set_output(mb, node, y);
+                Vec::new()
+            }
+            LayerKind::LayerNorm { dim, eps, bias } => {
+                let mut ins = vec![x];
+                ins.extend(self.weight(node, "weight"));
+                if bias {
+                    ins.extend(self.weight(node, "bias"));
+                }
+                let y = self.b.alloc(
+                    self.name(node, "y", mb),
+                    vec![rows_h, dim],
+                    BufferKind::Activation,
+                );
+                let mean = self.b.alloc(
+                    self.name(node, "mean", mb),
+                    vec![rows_h],
+                    BufferKind::Activation,
+                );
+                let rstd = self.b.alloc(
+                    self.name(node, "rstd", mb),
+                    vec![rows_h],
+                    BufferKind::Activation,
+                );
+                let op = Op::LayerNorm { dim, eps, bias };
+                self.b
+                    .compute(op, &ins, &[y, mean, rstd], Some(node), phase);
+                self.set_output(mb, node, y);
+                self.b.retain(x);
+                vec![x, mean, rstd]
+            }
+            LayerKind::RmsNorm { dim, eps } => {
+                let mut ins = vec![x];
+                ins.extend(self.weight(node, "weight"));
+                let y = self.b.alloc(
+                    self.name(node, "y", mb),
+                    vec![rows_h, dim],
+                    BufferKind::Activation,
+                );
+                let rstd = self.b.alloc(
+                    self.name(node, "rstd", mb),
+                    vec![rows_h],
+                    BufferKind::Activation,
+                );
+                self.b.compute(
+                    Op::RmsNorm { dim, eps },
+                    &ins,
+                    &[y, rstd],
+                    Some(node),
+                    phase,
+                );
+                self.set_output(mb, node, y);
+                self.b.retain(x);
+                vec![x, rstd]
+            }
+            LayerKind::Linear {
+                in_dim,
+                out_dim,
+                bias,
+                ..
+            } => {
+                let xf = self.sp_gather(x, in_dim, self.name(node, "xg", mb), node);
+                let split = self.groups.tp.is_some();
+                let ol = if split { out_dim / tp } else { out_dim };
+                let mut ins = vec![xf];
+                ins.extend(self.weight(node, "weight"));
+                if bias {
+                    ins.extend(self.weight(node, "bias"));
+                }
+                let y = self.b.alloc(
+                    self.name(node, "y", mb),
+                    vec![rows, ol],
+                    BufferKind::Activation,
+                );
+                let op = Op::Matmul {
+                    in_dim,
+                    out_dim: ol,
+                    bias,
+                };
+                self.b.compute(op, &ins, &[y], Some(node), phase);
+                self.set_output(mb, node, y);
+                vec![xf]
+            }
+            LayerKind::Attention {
+                dim,
+                heads,
+                kv_heads,
+                head_dim,
+                causal,
+                rope,
+                bias,
+            } => self.attention_forward(
+                mb,
+                node,
+                x,
+                AttnShape {
+                    dim,
+                    heads: heads / tp,
+                    kv_heads: kv_heads / tp,
+                    head_dim,
+                    causal,
+                    theta: rope.map(|r| r.theta),
+                    bias,
+                },
+            ),
+            LayerKind::Mlp {
+                dim,
+                hidden,
+                act: a,
+                bias,
+            } => self.mlp_forward(mb, node, x, dim, hidden / tp, a, bias),
+            LayerKind::Add => {
+                let Some(x2) = self.input(mb, node, 1) else {
+                    self.missing(node, "second input");
+                    return Vec::new();
+                };
+                let shape = self.b.shape(x);
+                let y = self
+                    .b
+                    .alloc(self.name(node, "y", mb), shape, BufferKind::Activation);
+                self.b.compute(Op::Add, &[x, x2], &[y], Some(node), phase);
+                self.set_output(mb, node, y);
+                Vec::new()
+            }
+            LayerKind::CrossEntropy => self.loss_forward(mb, node, x),
+        };
+        self.end_node();
+        saved
+    }
+
+    fn loss_forward(&mut self, mb: u32, node: NodeId, logits: BufferId) -> Vec<BufferId> {
+        let phase = self.phase;
+        let Some(targets) = self.input(mb, node, 1) else {
+            self.missing(node, "targets");
+            return Vec::new();
+        };
+        let Some(loss) = self.loss else {
+            self.missing(node, "loss buffer");
+            return Vec::new();
+        };
+        let rows = self.rows_full();
+        let shape = self.b.shape(logits);
+        let vl = shape.get(1).copied().unwrap_or(0);
+        let vstart = if self.groups.tp.is_some() {
+            u64::from(self.tp_index) * vl
+        } else {
+            0
+        };
+        let mx = self.b.alloc(
+            self.name(node, "max", mb),
+            vec![rows],
+            BufferKind::Activation,
+        );
+        self.b.compute(
+            Op::CeMax { vocab_local: vl },
+            &[logits],
+            &[mx],
+            Some(node),
+            phase,
+        );
+        self.tp_all_reduce(mx, ReduceOp::Max, node);
+        let se = self.b.alloc(
+            self.name(node, "sumexp", mb),
+            vec![rows],
+            BufferKind::Activation,
+        );
+        self.b.compute(
+            Op::CeSumExp { vocab_local: vl },
+            &[logits, mx],
+            &[se],
+            Some(node),
+            phase,
+        );
+        self.tp_all_reduce(se, ReduceOp::Sum, node);
+        let tl = self.b.alloc(
+            self.name(node, "target", mb),
+            vec![rows],
+            BufferKind::Activation,
+        );
+        self.b.compute(
+            Op::CeTargetLogit {
+                vocab_start: vstart,
+                vocab_local: vl,
+            },
+            &[logits, targets],
+            &[tl],
+            Some(node),
+            phase,
+        );
+        self.tp_all_reduce(tl, ReduceOp::Sum, node);
+        self.b.compute(
+            Op::CeLoss {
+                scale: self.loss_scale(),
+            },
+            &[mx, se, tl],
+            &[loss],
+            Some(node),
+            phase,
+        );
+        self.b.release(tl);
+        self.b.retain(logits);
+        self.b.retain(targets);
+        vec![logits, targets, mx, se]
+    }
+
+    /// 1 / (tokens in the global batch).
+    pub fn loss_scale(&self) -> f64 {
+        1.0 / (self.spec.train.global_batch as f64 * self.spec.model.seq as f64)
+    }
+
+    fn tp_all_reduce(&mut self, buf: BufferId, op: ReduceOp, node: NodeId) {
+        if let Some(g) = self.groups.tp {
+            self.b
+                .collective(CollectiveKind::AllReduce { op }, g, buf, buf, Some(node));
+        }
+    }
+
+    fn matmul(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        x: BufferId,
+        (w, b): (&str, Option<&str>),
+        (in_dim, out_dim): (u64, u64),
+        what: &str,
+    ) -> BufferId {
+        let rows = self.b.shape(x).first().copied().unwrap_or(0);
+        let mut ins = vec![x];
+        ins.extend(self.weight(node, w));
+        let bias = b.is_some_and(|b| self.adds_bias(node, b));
+        if let (true, Some(bn)) = (bias, b) {
+            ins.extend(self.weight(node, bn));
+        }
+        let y = self.b.alloc(
+            self.name(node, what, mb),
+            vec![rows, out_dim],
+            BufferKind::Activation,
+        );
+        let op = Op::Matmul {
+            in_dim,
+            out_dim,
+            bias,
+        };
+        self.b.compute(op, &ins, &[y], Some(node), self.phase);
+        y
+    }
+
+    fn attention_forward(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        x: BufferId,
+        s: AttnShape,
+    ) -> Vec<BufferId> {
+        let phase = self.phase;
+        let q_cols = s.heads * s.head_dim;
+        let kv_cols = s.kv_heads * s.head_dim;
+        let xf = self.sp_gather(x, s.dim, self.name(node, "xg", mb), node);
+        let bias = |n: &'static str| if s.bias { Some(n) } else { None };
+        let q = self.matmul(mb, node, xf, ("wq", bias("bq")), (s.dim, q_cols), "q");
+        let k = self.matmul(mb, node, xf, ("wk", bias("bk")), (s.dim, kv_cols), "k");
+        let v = self.matmul(mb, node, xf, ("wv", bias("bv")), (s.dim, kv_cols), "v");
+        let (q, k) = match s.theta {
+            None => (q, k),
+            Some(theta) => {
+                let qr = self.rope(mb, node, q, s.heads, s.head_dim, theta, "qr", false);
+                let kr = self.rope(mb, node, k, s.kv_heads, s.head_dim, theta, "kr", false);
+                (qr, kr)
+            }
+        };
+        let (k, v) = match self.groups.cp {
+            None => (k, v),
+            Some(g) => {
+                let rows_all = self.rows_full() * u64::from(self.cp);
+                let kf = self.b.alloc(
+                    self.name(node, "k_all", mb),
+                    vec![rows_all, kv_cols],
+                    BufferKind::Activation,
+                );
+                self.b
+                    .collective(CollectiveKind::AllGather, g, k, kf, Some(node));
+                self.b.release(k);
+                let vf = self.b.alloc(
+                    self.name(node, "v_all", mb),
+                    vec![rows_all, kv_cols],
+                    BufferKind::Activation,
+                );
+                self.b
+                    .collective(CollectiveKind::AllGather, g, v, vf, Some(node));
+                self.b.release(v);
+                (kf, vf)
+            }
+        };
+        let (o, lse) = self.attention_core(mb, node, (q, k, v), &s, phase);
+        let yp = self.matmul(mb, node, o, ("wo", bias("bo")), (q_cols, s.dim), "y");
+        let y = self.tp_reduce(
+            yp,
+            s.dim,
+            self.name(node, "out", mb),
+            BufferKind::Activation,
+            node,
+        );
+        self.set_output(mb, node, y);
+        if self.selective_here(node) {
+            self.b.release(o);
+            self.b.release(lse);
+            vec![xf, q, k, v]
+        } else {
+            vec![xf, q, k, v, o, lse]
+        }
+    }
+
+    pub fn selective_here(&self, node: NodeId) -> bool {
+        self.selective
+            && self
+                .spec
+                .model
+                .nodes
+                .get(node.0 as usize)
+                .is_some_and(|n| n.recompute)
+    }
+
+    pub fn attention_core(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        (q, k, v): (BufferId, BufferId, BufferId),
+        s: &AttnShape,
+        phase: crate::ir::Phase,
+    ) -> (BufferId, BufferId) {
+        let rows = self.rows_full();
+        let seq_q = u64::from(crate::ir::op::segments_len(&self.positions));
+        let o = self.b.alloc(
+            self.name(node, "o", mb),
+            vec![rows, s.heads * s.head_dim],
+            BufferKind::Activation,
+        );
+        let lse = self.b.alloc(
+            self.name(node, "lse", mb),
+            vec![self.micro_batch, s.heads, seq_q],
+            BufferKind::Activation,
+        );
+        let op = self.attention_op(s, false);
+        self.b.compute(op, &[q, k, v], &[o, lse], Some(node), phase);
+        (o, lse)
+    }
+
+    pub fn attention_op(&self, s: &AttnShape, backward: bool) -> Op {
+        let (batch, heads, kv_heads, head_dim, causal) =
+            (self.micro_batch, s.heads, s.kv_heads, s.head_dim, s.causal);
+        let scale = 1.0 / (s.head_dim as f64).sqrt();
+        let q_positions = self.positions.clone();
+        let kv_positions = self.kv_positions.clone();
+        if backward {
+            Op::AttentionBwd {
+                batch,
+                heads,
+                kv_heads,
+                head_dim,
+                causal,
+                scale,
+                q_positions,
+                kv_positions,
+            }
+        } else {
+            Op::Attention {
+                batch,
+                heads,
+                kv_heads,
+                head_dim,
+                causal,
+                scale,
+                q_positions,
+                kv_positions,
+            }
+        }
+    }
+
+    /// Rotate (or, in backward, un-rotate) a `[rows, heads·head_dim]` tensor; consumes `x`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        x: BufferId,
+        heads: u64,
+        head_dim: u64,
+        theta: f64,
+        what: &str,
+        backward: bool,
+    ) -> BufferId {
+        let shape = self.b.shape(x);
+        let kind = if backward {
+            BufferKind::ActivationGrad
+        } else {
+            BufferKind::Activation
+        };
+        let y = self.b.alloc(self.name(node, what, mb), shape, kind);
+        let (batch, positions) = (self.micro_batch, self.positions.clone());
+        let op = if backward {
+            Op::RopeBwd {
+                batch,
+                heads,
+                head_dim,
+                theta,
+                positions,
+            }
+        } else {
+            Op::Rope {
+                batch,
+                heads,
+                head_dim,
+                theta,
+                positions,
+            }
+        };
+        self.b.compute(op, &[x], &[y], Some(node), self.phase);
+        self.b.release(x);
+        y
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn mlp_forward(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        x: BufferId,
+        dim: u64,
+        hidden_local: u64,
+        a: Activation,
+        bias: bool,
+    ) -> Vec<BufferId> {
+        let phase = self.phase;
+        let xf = self.sp_gather(x, dim, self.name(node, "xg", mb), node);
+        let bias_of = |n: &'static str| if bias { Some(n) } else { None };
+        let (saved_mid, act_out, out_w, out_b) = if a == Activation::Swiglu {
+            let g = self.matmul(mb, node, xf, ("gate", None), (dim, hidden_local), "g");
+            let u = self.matmul(mb, node, xf, ("up", None), (dim, hidden_local), "u");
+            let h = self.b.alloc(
+                self.name(node, "a", mb),
+                vec![self.rows_full(), hidden_local],
+                BufferKind::Activation,
+            );
+            self.b.compute(Op::SwiGlu, &[g, u], &[h], Some(node), phase);
+            (vec![g, u], h, "down", None)
+        } else {
+            let h = self.matmul(
+                mb,
+                node,
+                xf,
+                ("fc", bias_of("fc_bias")),
+                (dim, hidden_local),
+                "h",
+            );
+            let out = self.b.alloc(
+                self.name(node, "a", mb),
+                vec![self.rows_full(), hidden_local],
+                BufferKind::Activation,
+            );
+            self.b.compute(
+                Op::Activation { act: act(a) },
+                &[h],
+                &[out],
+                Some(node),
+                phase,
+            );
+            (vec![h], out, "proj", bias_of("proj_bias"))
+        };
+        let yp = self.matmul(mb, node, act_out, (out_w, out_b), (hidden_local, dim), "y");
+        let y = self.tp_reduce(
+            yp,
+            dim,
+            self.name(node, "out", mb),
+            BufferKind::Activation,
+            node,
+        );
+        self.set_output(mb, node, y);
+        let mut saved = vec![xf];
+        saved.extend(saved_mid);
+        saved.push(act_out);
+        saved
+    }
+}
+
+/// Local attention sizes (heads already divided by tp).
+#[derive(Clone, Copy, Debug)]
+pub struct AttnShape {
+    pub dim: u64,
+    pub heads: u64,
+    pub kv_heads: u64,
+    pub head_dim: u64,
+    pub causal: bool,
+    pub theta: Option<f64>,
+    pub bias: bool,
+}
+
+impl AttnShape {
+    pub fn of(kind: &LayerKind, tp: u64) -> Option<AttnShape> {
+        match kind {
+            LayerKind::Attention {
+                dim,
+                heads,
+                kv_heads,
+                head_dim,
+                causal,
+                rope,
+                bias,
+            } => Some(AttnShape {
+                dim: *dim,
+                heads: heads / tp,
+                kv_heads: kv_heads / tp,
+                head_dim: *head_dim,
+                causal: *causal,
+                theta: rope.map(|r| r.theta),
+                bias: *bias,
+            }),
+            _ => None,
+        }
+    }
+}

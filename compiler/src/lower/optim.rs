@@ -1,0 +1,292 @@
+//! Gradient synchronisation and the optimizer step.
+//!
+//! - A gradient is *complete* once its last backward use in the step is emitted. Then, if tp
+//!   ranks hold different partial gradients of a replicated parameter (row-parallel biases,
+//!   which only tp rank 0 adds, and, under sequence parallelism, every replicated parameter
+//!   applied to sequence shards: norms, position embedding), it is all-reduced over tp.
+//! - Data parallel (dp × cp, since cp ranks see different tokens of the same samples): without
+//!   ZeRO, complete gradients are packed into flat buckets of `bucket_bytes` and each bucket is
+//!   all-reduced (sum) as soon as it fills, so the runtime can overlap it with the rest of
+//!   backward. ZeRO-2/3 reduce-scatter each bucket's gradients as they complete (padded flat
+//!   copies, see `ir::program`) and free the full gradients; ZeRO-1 reduce-scatters after the
+//!   whole backward.
+//! - A parameter held by two pipeline stages (tied embedding and head) has its gradient
+//!   all-reduced over the `embed` group (first and last stage) at the end of the step.
+//! - Gradient norm: each program sums the squares of the gradient elements it owns — tp-split
+//!   parameters on every tp rank, replicated ones on tp rank 0, the tied copy only on the
+//!   owner's stage, ZeRO shards on every dp × cp rank, full gradients on cp rank 0 (dp ranks
+//!   share programs, so without ZeRO the sum runs over pp × cp × tp and dp is left out) — then
+//!   all-reduces the sum. `ClipCoef` and `AdamW`/`Sgd` run on each local master; ZeRO-1/2
+//!   all-gather the updated shards into the working copy.
+
+use super::emitter::Emitter;
+use super::params::TpRule;
+use crate::ir::op::Op;
+use crate::ir::{BufferKind, CollectiveKind, Phase, ReduceOp};
+use crate::spec::{Optimizer, ZeroStage};
+
+impl Emitter<'_> {
+    fn needs_tp_sync(&self, rule: TpRule) -> bool {
+        self.groups.tp.is_some()
+            && (rule == TpRule::RowParallelBias || (rule == TpRule::Replicated && self.sp))
+    }
+
+    /// The gradient of local parameter `idx` has received its last contribution.
+    pub fn complete_grad(&mut self, idx: usize) {
+        let (rule, grad) = {
+            let l = &mut self.locals[idx];
+            l.complete = true;
+            (l.rule, l.grad)
+        };
+        if self.needs_tp_sync(rule) {
+            if let Some(g) = self.groups.tp {
+                self.b.collective(
+                    CollectiveKind::AllReduce { op: ReduceOp::Sum },
+                    g,
+                    grad,
+                    grad,
+                    None,
+                );
+            }
+        }
+        if self.groups.dpcp.is_none() {
+            self.locals[idx].final_grad = Some(grad);
+            return;
+        }
+        self.bucket.push(idx);
+        if self.zero == ZeroStage::Zero1 {
+            return;
+        }
+        let bytes: u64 = self.bucket.iter().map(|&i| self.locals[i].numel * 4).sum();
+        if bytes >= self.bucket_bytes {
+            self.flush_bucket();
+        }
+    }
+
+    /// Reduce the gradients waiting in the bucket over dp × cp.
+    pub fn flush_bucket(&mut self) {
+        let items = std::mem::take(&mut self.bucket);
+        let Some(group) = self.groups.dpcp else {
+            return;
+        };
+        if items.is_empty() {
+            return;
+        }
+        if self.zero == ZeroStage::Zero0 {
+            if let [only] = items.as_slice() {
+                let g = self.locals[*only].grad;
+                self.b.collective(
+                    CollectiveKind::AllReduce { op: ReduceOp::Sum },
+                    group,
+                    g,
+                    g,
+                    None,
+                );
+                self.locals[*only].final_grad = Some(g);
+                return;
+            }
+            let total: u64 = items.iter().map(|&i| self.locals[i].numel).sum();
+            let first = items.first().map(|&i| self.locals[i].param.0).unwrap_or(0);
+            let flat = self
+                .b
+                .alloc(format!("bucket.p{first}"), vec![total], BufferKind::Comm);
+            let mut offset = 0;
+            for &i in &items {
+                let (g, n) = (self.locals[i].grad, self.locals[i].numel);
+                let op = Op::CopyRange {
+                    src_offset: 0,
+                    dst_offset: offset,
+                    len: n,
+                };
+                self.b.compute(op, &[g], &[flat], None, Phase::Backward);
+                offset += n;
+            }
+            self.b.collective(
+                CollectiveKind::AllReduce { op: ReduceOp::Sum },
+                group,
+                flat,
+                flat,
+                None,
+            );
+            let mut offset = 0;
+            for &i in &items {
+                let (g, n) = (self.locals[i].grad, self.locals[i].numel);
+                let op = Op::CopyRange {
+                    src_offset: offset,
+                    dst_offset: 0,
+                    len: n,
+                };
+                self.b.compute(op, &[flat], &[g], None, Phase::Backward);
+                offset += n;
+                self.locals[i].final_grad = Some(g);
+            }
+            self.b.release(flat);
+            return;
+        }
+        for i in items {
+            let (g, n, zero, param) = {
+                let l = &self.locals[i];
+                (l.grad, l.numel, l.zero, l.param)
+            };
+            let Some(z) = zero else {
+                self.locals[i].final_grad = Some(g);
+                continue;
+            };
+            let name = self
+                .params
+                .table
+                .params
+                .get(param.0 as usize)
+                .map(|p| p.name.clone())
+                .unwrap_or_default();
+            let padded = self.b.alloc(
+                format!("{name}.grad_flat"),
+                vec![u64::from(z.parts) * z.shard_len],
+                BufferKind::Comm,
+            );
+            let op = Op::CopyRange {
+                src_offset: 0,
+                dst_offset: 0,
+                len: n,
+            };
+            self.b.compute(op, &[g], &[padded], None, Phase::Backward);
+            self.b.release(g);
+            let shard = self.b.alloc(
+                format!("{name}.grad_shard"),
+                vec![z.shard_len],
+                BufferKind::Grad,
+            );
+            self.b
+                .collective(CollectiveKind::ReduceScatter, group, padded, shard, None);
+            self.b.release(padded);
+            self.locals[i].final_grad = Some(shard);
+        }
+    }
+
+    /// Everything after the last backward unit: remaining reductions, loss, norm, optimizer.
+    pub fn finish_step(&mut self) {
+        for i in 0..self.locals.len() {
+            if !self.locals[i].complete {
+                self.complete_grad(i);
+            }
+        }
+        self.flush_bucket();
+        if let Some(g) = self.groups.embed {
+            for i in 0..self.locals.len() {
+                if let (true, Some(fg)) = (self.locals[i].shared, self.locals[i].final_grad) {
+                    self.b.collective(
+                        CollectiveKind::AllReduce { op: ReduceOp::Sum },
+                        g,
+                        fg,
+                        fg,
+                        None,
+                    );
+                }
+            }
+        }
+        if let (Some(loss), Some(g)) = (self.loss, self.groups.dpcp) {
+            self.b.collective(
+                CollectiveKind::AllReduce { op: ReduceOp::Sum },
+                g,
+                loss,
+                loss,
+                None,
+            );
+        }
+        let sumsq = self.grad_sumsq;
+        self.b
+            .compute(Op::Zero, &[], &[sumsq], None, Phase::Optimizer);
+        for i in 0..self.locals.len() {
+            if let (true, Some(fg)) = (self.locals[i].in_norm, self.locals[i].final_grad) {
+                self.b
+                    .compute(Op::SumSquares, &[fg], &[sumsq], None, Phase::Optimizer);
+            }
+        }
+        if let Some(g) = self.groups.norm {
+            self.b.collective(
+                CollectiveKind::AllReduce { op: ReduceOp::Sum },
+                g,
+                sumsq,
+                sumsq,
+                None,
+            );
+        }
+        let coef = self
+            .b
+            .alloc("clip_coef".to_string(), vec![1], BufferKind::Comm);
+        self.b.compute(
+            Op::ClipCoef {
+                max_norm: self.spec.train.grad_clip,
+            },
+            &[sumsq],
+            &[coef],
+            None,
+            Phase::Optimizer,
+        );
+        for i in 0..self.locals.len() {
+            let Some(fg) = self.locals[i].final_grad else {
+                continue;
+            };
+            let l = &self.locals[i];
+            let decay = self
+                .params
+                .table
+                .params
+                .get(l.param.0 as usize)
+                .is_some_and(|p| p.decay);
+            let mut outs = vec![l.master];
+            outs.extend(l.state.iter().copied());
+            let op = match self.spec.train.optimizer {
+                Optimizer::AdamW {
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay,
+                    ..
+                } => Op::AdamW {
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay: if decay { weight_decay } else { 0.0 },
+                },
+                Optimizer::Sgd {
+                    momentum,
+                    weight_decay,
+                    ..
+                } => Op::Sgd {
+                    momentum,
+                    weight_decay: if decay { weight_decay } else { 0.0 },
+                },
+            };
+            self.b
+                .compute(op, &[fg, coef], &outs, None, Phase::Optimizer);
+            self.b.release(fg);
+            let (master, working, zero, numel, param) =
+                (l.master, l.working, l.zero, l.numel, l.param);
+            if let (Some(w), Some(z)) = (working, zero) {
+                let name = self
+                    .params
+                    .table
+                    .params
+                    .get(param.0 as usize)
+                    .map(|p| p.name.clone())
+                    .unwrap_or_default();
+                let flat = self.b.alloc(
+                    format!("{name}.param_flat"),
+                    vec![u64::from(z.parts) * z.shard_len],
+                    BufferKind::Comm,
+                );
+                self.b
+                    .collective(CollectiveKind::AllGather, z.group, master, flat, None);
+                let op = Op::CopyRange {
+                    src_offset: 0,
+                    dst_offset: 0,
+                    len: numel,
+                };
+                self.b.compute(op, &[flat], &[w], None, Phase::Optimizer);
+                self.b.release(flat);
+            }
+        }
+        self.b.release(coef);
+    }
+}

@@ -1,0 +1,513 @@
+//! Hand-built specs for lowering tests (GPT-2 style and Llama style tiny models), so lowering
+//! is tested without the parser, plus a plan simulator that executes every rank's program
+//! symbolically: buffer lifetimes, shapes of collectives and transfers, and rendezvous
+//! progress (an unmatched or misordered transfer or collective shows up as no progress).
+
+use crate::diag::Span;
+use crate::ir::{CollectiveKind, Instr, P2pOp, Plan};
+use crate::spec::*;
+use std::collections::HashSet;
+
+pub struct TinyModel {
+    pub layers: u32,
+    pub llama: bool,
+    pub tied: bool,
+}
+
+pub struct PlanChoice {
+    pub dp: u32,
+    pub pp: u32,
+    pub cp: u32,
+    pub tp: u32,
+    pub zero: ZeroStage,
+    pub schedule: PipelineSchedule,
+    pub microbatches: u32,
+    pub recompute: Recompute,
+    pub sp: bool,
+}
+
+impl Default for PlanChoice {
+    fn default() -> Self {
+        PlanChoice {
+            dp: 1,
+            pp: 1,
+            cp: 1,
+            tp: 1,
+            zero: ZeroStage::Zero0,
+            schedule: PipelineSchedule::OneFOneB,
+            microbatches: 2,
+            recompute: Recompute::None,
+            sp: false,
+        }
+    }
+}
+
+pub fn spec(model: TinyModel, plan: PlanChoice) -> Spec {
+    let (vocab, dim, seq, heads, kv_heads, ffn) = (32u64, 16u64, 8u64, 4u64, 4u64, 32u64);
+    let kv_heads = if model.llama { kv_heads / 2 } else { kv_heads };
+    let mut values: Vec<Value> = Vec::new();
+    let mut nodes: Vec<Node> = Vec::new();
+    let value = |values: &mut Vec<Value>, name: String, shape: Shape| {
+        values.push(Value {
+            name,
+            shape,
+            span: Span::default(),
+        });
+        ValueId(values.len() as u32 - 1)
+    };
+    let tokens = value(&mut values, "tokens".into(), Shape::Tokens);
+    let targets = value(&mut values, "targets".into(), Shape::Tokens);
+    let node = |nodes: &mut Vec<Node>,
+                values: &mut Vec<Value>,
+                name: String,
+                kind: LayerKind,
+                inputs: Vec<ValueId>,
+                shape: Shape,
+                layer: Option<u32>| {
+        let out = value(values, name.clone(), shape);
+        let recompute = match (&plan.recompute, &kind, layer) {
+            (Recompute::Selective, LayerKind::Attention { .. }, _) => true,
+            (Recompute::Full, _, Some(_)) => true,
+            (Recompute::Named(names), k, _) => names.iter().any(|n| n == k.kind_name()),
+            _ => false,
+        };
+        nodes.push(Node {
+            name,
+            kind,
+            inputs,
+            output: out,
+            layer,
+            recompute,
+            span: Span::default(),
+        });
+        out
+    };
+    let h = Shape::Hidden(dim);
+    let mut x = node(
+        &mut nodes,
+        &mut values,
+        "embed".into(),
+        LayerKind::Embedding { vocab, dim },
+        vec![tokens],
+        h.clone(),
+        None,
+    );
+    if !model.llama {
+        x = node(
+            &mut nodes,
+            &mut values,
+            "pos".into(),
+            LayerKind::PositionEmbedding { seq, dim },
+            vec![x],
+            h.clone(),
+            None,
+        );
+    }
+    let norm = |llama: bool| {
+        if llama {
+            LayerKind::RmsNorm { dim, eps: 1e-5 }
+        } else {
+            LayerKind::LayerNorm {
+                dim,
+                eps: 1e-5,
+                bias: true,
+            }
+        }
+    };
+    for l in 0..model.layers {
+        let p = format!("blocks.{l}");
+        let a_in = node(
+            &mut nodes,
+            &mut values,
+            format!("{p}.ln1"),
+            norm(model.llama),
+            vec![x],
+            h.clone(),
+            Some(l),
+        );
+        let attn = node(
+            &mut nodes,
+            &mut values,
+            format!("{p}.attn"),
+            LayerKind::Attention {
+                dim,
+                heads,
+                kv_heads,
+                head_dim: dim / heads,
+                causal: true,
+                rope: model.llama.then_some(Rope { theta: 10000.0 }),
+                bias: !model.llama,
+            },
+            vec![a_in],
+            h.clone(),
+            Some(l),
+        );
+        x = node(
+            &mut nodes,
+            &mut values,
+            format!("{p}.add1"),
+            LayerKind::Add,
+            vec![x, attn],
+            h.clone(),
+            Some(l),
+        );
+        let m_in = node(
+            &mut nodes,
+            &mut values,
+            format!("{p}.ln2"),
+            norm(model.llama),
+            vec![x],
+            h.clone(),
+            Some(l),
+        );
+        let mlp = node(
+            &mut nodes,
+            &mut values,
+            format!("{p}.mlp"),
+            LayerKind::Mlp {
+                dim,
+                hidden: ffn,
+                act: if model.llama {
+                    Activation::Swiglu
+                } else {
+                    Activation::GeluTanh
+                },
+                bias: !model.llama,
+            },
+            vec![m_in],
+            h.clone(),
+            Some(l),
+        );
+        x = node(
+            &mut nodes,
+            &mut values,
+            format!("{p}.add2"),
+            LayerKind::Add,
+            vec![x, mlp],
+            h.clone(),
+            Some(l),
+        );
+    }
+    let xf = node(
+        &mut nodes,
+        &mut values,
+        "ln_f".into(),
+        norm(model.llama),
+        vec![x],
+        h.clone(),
+        None,
+    );
+    let logits = node(
+        &mut nodes,
+        &mut values,
+        "head".into(),
+        LayerKind::Linear {
+            in_dim: dim,
+            out_dim: vocab,
+            bias: false,
+            tied: model.tied.then_some(NodeId(0)),
+        },
+        vec![xf],
+        Shape::Hidden(vocab),
+        None,
+    );
+    let loss = node(
+        &mut nodes,
+        &mut values,
+        "loss".into(),
+        LayerKind::CrossEntropy,
+        vec![logits, targets],
+        Shape::Scalar,
+        None,
+    );
+    let micro_batch = 2;
+    let tp_on = plan.tp > 1;
+    Spec {
+        model: Model {
+            name: "tiny".into(),
+            span: Span::default(),
+            seq,
+            vocab,
+            dim,
+            layers: model.layers,
+            values,
+            nodes,
+            tokens,
+            targets,
+            loss,
+            sharding: Sharding {
+                attention_heads_on_tp: tp_on,
+                mlp_hidden_on_tp: tp_on,
+                vocab_on_tp: tp_on,
+                seq_on_cp: plan.cp > 1,
+                spans: Vec::new(),
+            },
+        },
+        parallel: Parallel {
+            mesh: Mesh {
+                axes: vec![
+                    (Axis::Dp, plan.dp),
+                    (Axis::Pp, plan.pp),
+                    (Axis::Cp, plan.cp),
+                    (Axis::Tp, plan.tp),
+                ],
+            },
+            zero: plan.zero,
+            schedule: plan.schedule,
+            microbatches: plan.microbatches,
+            recompute: plan.recompute,
+            sequence_parallel: plan.sp,
+            bucket_bytes: 4096,
+            span: Span::default(),
+        },
+        train: Train {
+            global_batch: micro_batch * u64::from(plan.microbatches) * u64::from(plan.dp),
+            micro_batch,
+            precision: Precision::Fp32,
+            optimizer: Optimizer::AdamW {
+                lr: 1e-3,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+            },
+            schedule: LrSchedule::Constant { warmup: 0 },
+            grad_clip: Some(1.0),
+            data: DataSource::Synthetic,
+            steps: 5,
+            seed: 0,
+            checkpoint: None,
+            log_every: 1,
+            span: Span::default(),
+        },
+        cluster: Cluster {
+            nodes: 1,
+            gpus_per_node: plan.dp * plan.pp * plan.cp * plan.tp,
+            gpu: Gpu {
+                name: "cpu".into(),
+                memory_bytes: 1 << 30,
+                peak_flops: 1e12,
+                peak_flops_fp32: 1e12,
+                memory_bandwidth: 1e11,
+            },
+            intra: Link {
+                kind: "shm".into(),
+                bandwidth: 1e10,
+                latency: 1e-6,
+            },
+            inter: Link {
+                kind: "eth".into(),
+                bandwidth: 1e9,
+                latency: 1e-5,
+            },
+            span: Span::default(),
+        },
+    }
+}
+
+/// A pending point-to-point op: (is_send, peer rank, tag, elements).
+type PendingOp = (bool, u32, u32, u64);
+
+/// Execute every rank's program symbolically. Returns the first problem found.
+pub fn simulate(plan: &Plan) -> Result<(), String> {
+    let world = plan.world as usize;
+    let mut pc = vec![0usize; world];
+    let mut alive: Vec<HashSet<u32>> = vec![HashSet::new(); world];
+    // Pending p2p ops of the current P2p/Send/Recv instruction: (is_send, peer rank, tag, len).
+    let mut pending: Vec<Option<Vec<PendingOp>>> = vec![None; world];
+    let progs: Vec<_> = (0..plan.world)
+        .map(|r| plan.program_of(r).ok_or(format!("rank {r} has no program")))
+        .collect::<Result<_, _>>()?;
+    for (r, prog) in progs.iter().enumerate() {
+        for (i, b) in prog.buffers.iter().enumerate() {
+            if b.kind.is_persistent() {
+                alive[r].insert(i as u32);
+            }
+        }
+    }
+    let numel = |r: usize, b: crate::ir::BufferId| -> u64 {
+        progs[r]
+            .buffers
+            .get(b.0 as usize)
+            .map(|x| x.numel())
+            .unwrap_or(0)
+    };
+    loop {
+        let mut progressed = false;
+        // Local instructions.
+        for r in 0..world {
+            while let Some(instr) = progs[r].instrs.get(pc[r]) {
+                let at = format!("rank {r} instr {}", pc[r]);
+                match instr {
+                    Instr::Alloc { buffer } => {
+                        if !alive[r].insert(buffer.0) {
+                            return Err(format!("{at}: alloc of live b{}", buffer.0));
+                        }
+                    }
+                    Instr::Free { buffer } => {
+                        if !alive[r].remove(&buffer.0) {
+                            return Err(format!("{at}: free of dead b{}", buffer.0));
+                        }
+                    }
+                    Instr::Compute { .. } | Instr::LoadBatch { .. } => {}
+                    _ => break,
+                }
+                for b in instr.reads().iter().chain(instr.writes().iter()) {
+                    if !alive[r].contains(&b.0) {
+                        return Err(format!("{at}: uses dead b{} in {instr:?}", b.0));
+                    }
+                }
+                pc[r] += 1;
+                progressed = true;
+            }
+        }
+        // Collectives: a set completes when all members are at a matching collective.
+        for r in 0..world {
+            let Some(Instr::Collective {
+                kind,
+                group,
+                input,
+                output,
+                ..
+            }) = progs[r].instrs.get(pc[r])
+            else {
+                continue;
+            };
+            let g = plan.group(*group).ok_or("bad group")?;
+            let (set, idx) = g
+                .set_of(r as u32)
+                .ok_or(format!("rank {r} not in group {}", g.name))?;
+            let n = set.len() as u64;
+            let (i_len, o_len) = (numel(r, *input), numel(r, *output));
+            let ok = match kind {
+                CollectiveKind::AllGather => o_len == n * i_len,
+                CollectiveKind::ReduceScatter => i_len == n * o_len,
+                _ => i_len == o_len,
+            };
+            if !ok {
+                return Err(format!(
+                    "rank {r} instr {}: {kind:?} sizes {i_len} -> {o_len} over {n}",
+                    pc[r]
+                ));
+            }
+            let _ = idx;
+            let all_there = set.iter().all(|&m| {
+                matches!(progs[m as usize].instrs.get(pc[m as usize]),
+                    Some(Instr::Collective { kind: k2, group: g2, input: i2, .. })
+                    if k2 == kind && g2 == group && numel(m as usize, *i2) == i_len)
+            });
+            if all_there {
+                for &m in set {
+                    let m = m as usize;
+                    for b in progs[m].instrs[pc[m]].reads() {
+                        if !alive[m].contains(&b.0) {
+                            return Err(format!("rank {m} instr {}: dead b{}", pc[m], b.0));
+                        }
+                    }
+                    pc[m] += 1;
+                }
+                progressed = true;
+            }
+        }
+        // Point-to-point.
+        for r in 0..world {
+            if pending[r].is_none() {
+                let ops: Vec<PendingOp> = match progs[r].instrs.get(pc[r]) {
+                    Some(Instr::Send { peer, buffer, tag }) => {
+                        vec![(
+                            true,
+                            plan.peer_rank(r as u32, *peer),
+                            *tag,
+                            numel(r, *buffer),
+                        )]
+                    }
+                    Some(Instr::Recv { peer, buffer, tag }) => {
+                        vec![(
+                            false,
+                            plan.peer_rank(r as u32, *peer),
+                            *tag,
+                            numel(r, *buffer),
+                        )]
+                    }
+                    Some(Instr::P2p { ops }) => ops
+                        .iter()
+                        .map(|op| match op {
+                            P2pOp::Send { peer, buffer, tag } => (
+                                true,
+                                plan.peer_rank(r as u32, *peer),
+                                *tag,
+                                numel(r, *buffer),
+                            ),
+                            P2pOp::Recv { peer, buffer, tag } => (
+                                false,
+                                plan.peer_rank(r as u32, *peer),
+                                *tag,
+                                numel(r, *buffer),
+                            ),
+                        })
+                        .collect(),
+                    _ => continue,
+                };
+                pending[r] = Some(ops);
+            }
+        }
+        for r in 0..world {
+            let Some(ops) = pending[r].clone() else {
+                continue;
+            };
+            for (is_send, peer, tag, len) in ops {
+                if !is_send {
+                    continue;
+                }
+                let p = peer as usize;
+                let Some(theirs) = pending[p].as_mut() else {
+                    continue;
+                };
+                if let Some(pos) = theirs
+                    .iter()
+                    .position(|o| !o.0 && o.1 == r as u32 && o.2 == tag)
+                {
+                    if theirs[pos].3 != len {
+                        return Err(format!(
+                            "rank {r} -> {p} tag {tag}: {len} vs {}",
+                            theirs[pos].3
+                        ));
+                    }
+                    theirs.remove(pos);
+                    if let Some(mine) = pending[r].as_mut() {
+                        mine.retain(|o| !(o.0 && o.1 == peer && o.2 == tag));
+                    }
+                    progressed = true;
+                }
+            }
+        }
+        for r in 0..world {
+            if pending[r].as_ref().is_some_and(Vec::is_empty) {
+                pending[r] = None;
+                pc[r] += 1;
+                progressed = true;
+            }
+        }
+        if (0..world).all(|r| pc[r] >= progs[r].instrs.len()) {
+            break;
+        }
+        if !progressed {
+            let stuck: Vec<String> = (0..world)
+                .filter(|&r| pc[r] < progs[r].instrs.len())
+                .map(|r| format!("rank {r} at {}: {:?}", pc[r], progs[r].instrs[pc[r]]))
+                .collect();
+            return Err(format!("deadlock:\n{}", stuck.join("\n")));
+        }
+    }
+    for (r, prog) in progs.iter().enumerate() {
+        let persistent = prog
+            .buffers
+            .iter()
+            .filter(|b| b.kind.is_persistent())
+            .count();
+        if alive[r].len() != persistent {
+            return Err(format!("rank {r}: transient buffers outlive the step"));
+        }
+    }
+    Ok(())
+}
