@@ -1,0 +1,147 @@
+//! Checkpoints: what a run saves every `train.checkpoint.every` steps and `parc run --resume`
+//! loads to continue bit-identically.
+//!
+//! Layout of a checkpoint directory `DIR` (the spec's `checkpoint.dir`):
+//!
+//! ```text
+//! DIR/step-00000010/manifest.json          the Manifest (plan hash, step, sampler, optimizer)
+//! DIR/step-00000010/rank-00000.safetensors  rank 0's persistent buffers, named as in its program
+//! DIR/step-00000010/rank-00001.safetensors  …
+//! ```
+//!
+//! A checkpoint is written into `DIR/.step-00000010.tmp/` (each file: temp file, fsync,
+//! rename), the manifest last, then the folder is fsynced and renamed to `step-00000010` and
+//! `DIR` is fsynced: a crash leaves either the whole checkpoint or none of it. Only the newest
+//! `keep` checkpoints stay (0 keeps all).
+//!
+//! A checkpoint belongs to one plan: its manifest carries a hash of the lowered plan (programs,
+//! groups, parameter layout, world), and loading under another plan is refused with both hashes.
+pub mod store;
+
+pub use store::{
+    commit, find_latest, prepare, read_manifest, read_shard, write_shard, ShardTensor,
+};
+
+use parc_compiler::ir::Plan;
+use serde::{Deserialize, Serialize};
+
+/// Version of the manifest format this build writes and reads.
+pub const FORMAT: u32 = 1;
+
+/// Dynamic loss-scaling state (fp16 runs); absent for fp32 and bf16.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LossScaleState {
+    pub scale: f64,
+    /// Consecutive steps without overflow.
+    pub good_steps: u32,
+    /// Consecutive overflowing steps (for hysteresis).
+    pub bad_steps: u32,
+}
+
+/// Everything besides tensors that a resumed run needs to continue exactly.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: u32,
+    /// Hash of the plan that wrote this checkpoint (see [`plan_hash`]).
+    pub plan_hash: String,
+    pub world: u32,
+    /// Training steps completed; a resumed run starts with this 0-based step.
+    pub step: u64,
+    /// Optimizer updates applied (Adam's bias-correction count).
+    pub optimizer_step: u64,
+    /// The run's seed (parameter init, sampler permutations, synthetic data).
+    pub seed: u64,
+    /// Samples in the dataset: the sampler's epoch length. The sampler's position is `step`.
+    pub samples: u64,
+    pub loss_scale: Option<LossScaleState>,
+    /// Shard file of each rank, in rank order.
+    pub shards: Vec<String>,
+}
+
+/// A stable hash of a lowered plan: FNV-1a 64 over its JSON form, as 16 hex digits.
+pub fn plan_hash(plan: &Plan) -> String {
+    let json = serde_json::to_vec(plan).unwrap_or_default();
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in json {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{hash:016x}")
+}
+
+/// The folder name of the checkpoint after `step` steps.
+pub fn step_dir_name(step: u64) -> String {
+    format!("step-{step:08}")
+}
+
+/// The shard file name of `rank`.
+pub fn shard_file_name(rank: u32) -> String {
+    format!("rank-{rank:05}.safetensors")
+}
+
+/// Refuse to resume from a checkpoint written by another plan, world, seed or dataset.
+pub fn check_compatible(
+    manifest: &Manifest,
+    plan_hash: &str,
+    world: u32,
+    seed: u64,
+    samples: u64,
+) -> crate::error::Result<()> {
+    let refuse = |what: String| Err(crate::error::RuntimeError::Checkpoint(what));
+    if manifest.plan_hash != plan_hash || manifest.world != world {
+        return refuse(format!(
+            "this checkpoint was written by plan {} on {} ranks, but this run's plan is {} on \
+             {world} ranks; resume with the same .par file and --set overrides",
+            manifest.plan_hash, manifest.world, plan_hash
+        ));
+    }
+    if manifest.seed != seed {
+        return refuse(format!(
+            "this checkpoint was written with train.seed = {}, this run has {seed}; set \
+             train.seed = {} to continue the same run",
+            manifest.seed, manifest.seed
+        ));
+    }
+    if manifest.samples != samples {
+        return refuse(format!(
+            "this checkpoint's dataset had {} samples, this run's has {samples}; resume with \
+             the same data and sequence length",
+            manifest.samples
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_same_plan_seed_and_data_may_resume() {
+        let manifest = Manifest {
+            format: FORMAT,
+            plan_hash: "aaaa".to_string(),
+            world: 4,
+            step: 10,
+            optimizer_step: 10,
+            seed: 1,
+            samples: 50,
+            loss_scale: None,
+            shards: Vec::new(),
+        };
+        assert!(check_compatible(&manifest, "aaaa", 4, 1, 50).is_ok());
+        let plan = check_compatible(&manifest, "bbbb", 4, 1, 50)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            plan.contains("plan aaaa on 4 ranks") && plan.contains("bbbb"),
+            "{plan}"
+        );
+        assert!(check_compatible(&manifest, "aaaa", 2, 1, 50).is_err());
+        let seed = check_compatible(&manifest, "aaaa", 4, 2, 50)
+            .unwrap_err()
+            .to_string();
+        assert!(seed.contains("train.seed = 1"), "{seed}");
+        assert!(check_compatible(&manifest, "aaaa", 4, 1, 51).is_err());
+    }
+}

@@ -1,0 +1,372 @@
+//! Reading and writing checkpoint files: atomic writes (temp file, fsync, rename, fsync of the
+//! folder), safetensors shards, the JSON manifest, pruning to the newest `keep`, and loading
+//! with errors that say which file is wrong and what to do.
+use super::{shard_file_name, step_dir_name, Manifest, FORMAT};
+use crate::error::{Result, RuntimeError};
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// A named f32 tensor of a rank's shard.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShardTensor {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub data: Vec<f32>,
+}
+
+fn io_error(context: String) -> impl FnOnce(std::io::Error) -> RuntimeError {
+    move |source| RuntimeError::Io { context, source }
+}
+
+fn ckpt_error(path: &Path, what: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Checkpoint(format!("{}: {what}", path.display()))
+}
+
+/// fsync a folder so a rename inside it is durable.
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(io_error(format!("syncing folder {}", dir.display())))
+}
+
+/// Write `bytes` to `path` atomically: `path.tmp`, fsync, rename.
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let context = format!("writing {}", tmp.display());
+    let mut file = File::create(&tmp).map_err(io_error(context.clone()))?;
+    file.write_all(bytes).map_err(io_error(context.clone()))?;
+    file.sync_all().map_err(io_error(context))?;
+    std::fs::rename(&tmp, path).map_err(io_error(format!(
+        "renaming {} to {}",
+        tmp.display(),
+        path.display()
+    )))
+}
+
+/// The temporary folder the checkpoint of `step` is assembled in.
+fn staging_dir(dir: &Path, step: u64) -> PathBuf {
+    dir.join(format!(".{}.tmp", step_dir_name(step)))
+}
+
+/// Create an empty staging folder for the checkpoint after `step` steps (removing leftovers of
+/// an interrupted write). Called once, before any rank writes its shard.
+pub fn prepare(dir: &Path, step: u64) -> Result<PathBuf> {
+    let staging = staging_dir(dir, step);
+    if staging.exists() {
+        std::fs::remove_dir_all(&staging).map_err(io_error(format!(
+            "removing the unfinished checkpoint {}",
+            staging.display()
+        )))?;
+    }
+    std::fs::create_dir_all(&staging).map_err(io_error(format!(
+        "creating checkpoint folder {} (is the path writable?)",
+        staging.display()
+    )))?;
+    Ok(staging)
+}
+
+/// Write `rank`'s tensors into the staging folder.
+pub fn write_shard(staging: &Path, rank: u32, tensors: &[ShardTensor]) -> Result<()> {
+    let path = staging.join(shard_file_name(rank));
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|t| t.data.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let mut views = BTreeMap::new();
+    for (tensor, data) in tensors.iter().zip(&bytes) {
+        let shape = tensor
+            .shape
+            .iter()
+            .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
+            .collect();
+        let view = TensorView::new(Dtype::F32, shape, data)
+            .map_err(|e| ckpt_error(&path, format!("tensor {}: {e}", tensor.name)))?;
+        views.insert(tensor.name.clone(), view);
+    }
+    let file = safetensors::serialize(views, None).map_err(|e| ckpt_error(&path, e))?;
+    write_atomic(&path, &file)
+}
+
+/// Finish the checkpoint of `manifest.step`: write the manifest, publish the staging folder as
+/// `DIR/step-N`, and delete all but the newest `keep` checkpoints (0 keeps all).
+pub fn commit(dir: &Path, manifest: &Manifest, keep: u32) -> Result<PathBuf> {
+    let staging = staging_dir(dir, manifest.step);
+    for shard in &manifest.shards {
+        if !staging.join(shard).is_file() {
+            return Err(ckpt_error(
+                &staging,
+                format!("shard {shard} was not written"),
+            ));
+        }
+    }
+    let json = serde_json::to_vec_pretty(manifest)
+        .map_err(|e| ckpt_error(&staging, format!("manifest: {e}")))?;
+    write_atomic(&staging.join("manifest.json"), &json)?;
+    sync_dir(&staging)?;
+    let target = dir.join(step_dir_name(manifest.step));
+    if target.exists() {
+        std::fs::remove_dir_all(&target).map_err(io_error(format!(
+            "replacing the older checkpoint {}",
+            target.display()
+        )))?;
+    }
+    std::fs::rename(&staging, &target).map_err(io_error(format!(
+        "renaming {} to {}",
+        staging.display(),
+        target.display()
+    )))?;
+    sync_dir(dir)?;
+    if keep > 0 {
+        let mut all = list_steps(dir)?;
+        while all.len() > keep as usize {
+            let (_, oldest) = all.remove(0);
+            std::fs::remove_dir_all(&oldest).map_err(io_error(format!(
+                "removing old checkpoint {}",
+                oldest.display()
+            )))?;
+        }
+    }
+    Ok(target)
+}
+
+/// Finished checkpoints in `dir`, oldest first.
+fn list_steps(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let entries = std::fs::read_dir(dir).map_err(|e| {
+        ckpt_error(
+            dir,
+            format!("cannot read the checkpoint folder ({e}); check the --resume path"),
+        )
+    })?;
+    let mut steps: Vec<(u64, PathBuf)> = entries
+        .filter_map(|entry| entry.ok())
+        .filter_map(|entry| {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let step = name.strip_prefix("step-")?.parse().ok()?;
+            entry
+                .path()
+                .join("manifest.json")
+                .is_file()
+                .then(|| (step, entry.path()))
+        })
+        .collect();
+    steps.sort();
+    Ok(steps)
+}
+
+/// The checkpoint `path` names: `path` itself when it holds a manifest, else the newest
+/// finished checkpoint inside it.
+pub fn find_latest(path: &Path) -> Result<PathBuf> {
+    if !path.exists() {
+        return Err(ckpt_error(
+            path,
+            "no such folder; pass a checkpoint folder (the spec's checkpoint.dir or one of its \
+             step-N folders)",
+        ));
+    }
+    if path.join("manifest.json").is_file() {
+        return Ok(path.to_path_buf());
+    }
+    list_steps(path)?.pop().map(|(_, p)| p).ok_or_else(|| {
+        ckpt_error(
+            path,
+            "holds no finished checkpoint (no step-N folder with a manifest.json)",
+        )
+    })
+}
+
+/// Read and check the manifest of checkpoint folder `checkpoint`.
+pub fn read_manifest(checkpoint: &Path) -> Result<Manifest> {
+    let path = checkpoint.join("manifest.json");
+    let bytes = std::fs::read(&path).map_err(|e| ckpt_error(&path, format!("cannot read: {e}")))?;
+    let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|e| {
+        ckpt_error(
+            &path,
+            format!("corrupt manifest ({e}); use another checkpoint"),
+        )
+    })?;
+    if manifest.format != FORMAT {
+        return Err(ckpt_error(
+            &path,
+            format!(
+                "manifest format {} is not {FORMAT}, the one this parc reads",
+                manifest.format
+            ),
+        ));
+    }
+    Ok(manifest)
+}
+
+/// Read `rank`'s shard of checkpoint folder `checkpoint`: the tensors named in `expected` with
+/// exactly those shapes, in that order.
+pub fn read_shard(
+    checkpoint: &Path,
+    rank: u32,
+    expected: &[(String, Vec<u64>)],
+) -> Result<Vec<Vec<f32>>> {
+    let path = checkpoint.join(shard_file_name(rank));
+    let bytes = std::fs::read(&path)
+        .map_err(|e| ckpt_error(&path, format!("cannot read rank {rank}'s shard: {e}")))?;
+    let file = SafeTensors::deserialize(&bytes).map_err(|e| {
+        ckpt_error(
+            &path,
+            format!("corrupt safetensors file ({e}); use another checkpoint"),
+        )
+    })?;
+    expected
+        .iter()
+        .map(|(name, shape)| {
+            let view = file.tensor(name).map_err(|_| {
+                ckpt_error(
+                    &path,
+                    format!("has no tensor {name}; it was written by another plan or model"),
+                )
+            })?;
+            let got: Vec<u64> = view.shape().iter().map(|&d| d as u64).collect();
+            if view.dtype() != Dtype::F32 || &got != shape {
+                return Err(ckpt_error(
+                    &path,
+                    format!(
+                        "tensor {name} is {:?} {got:?}, but this plan needs F32 {shape:?}",
+                        view.dtype()
+                    ),
+                ));
+            }
+            Ok(view
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect())
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("parc-ckpt-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn manifest(step: u64, world: u32) -> Manifest {
+        Manifest {
+            format: FORMAT,
+            plan_hash: "0123456789abcdef".to_string(),
+            world,
+            step,
+            optimizer_step: step,
+            seed: 3,
+            samples: 100,
+            loss_scale: None,
+            shards: (0..world).map(shard_file_name).collect(),
+        }
+    }
+
+    fn tensors(rank: u32, step: u64) -> Vec<ShardTensor> {
+        vec![
+            ShardTensor {
+                name: "embed.weight".to_string(),
+                shape: vec![2, 3],
+                data: (0..6)
+                    .map(|i| i as f32 + rank as f32 * 10.0 + step as f32)
+                    .collect(),
+            },
+            ShardTensor {
+                name: "loss".to_string(),
+                shape: vec![1],
+                data: vec![f32::from_bits(0x3f80_0001)],
+            },
+        ]
+    }
+
+    fn save(dir: &Path, step: u64, keep: u32) -> PathBuf {
+        let staging = prepare(dir, step).unwrap();
+        for rank in 0..2 {
+            write_shard(&staging, rank, &tensors(rank, step)).unwrap();
+        }
+        commit(dir, &manifest(step, 2), keep).unwrap()
+    }
+
+    fn expected() -> Vec<(String, Vec<u64>)> {
+        vec![
+            ("loss".to_string(), vec![1]),
+            ("embed.weight".to_string(), vec![2, 3]),
+        ]
+    }
+
+    #[test]
+    fn a_saved_checkpoint_reads_back_bit_exactly_and_only_the_newest_are_kept() {
+        let dir = temp_dir("roundtrip");
+        for step in [10, 20, 30] {
+            save(&dir, step, 2);
+        }
+        let latest = find_latest(&dir).unwrap();
+        assert!(latest.ends_with("step-00000030"));
+        assert!(!dir.join("step-00000010").exists());
+        assert!(dir.join("step-00000020").exists());
+        assert_eq!(read_manifest(&latest).unwrap(), manifest(30, 2));
+        let back = read_shard(&latest, 1, &expected()).unwrap();
+        assert_eq!(back[0][0].to_bits(), 0x3f80_0001);
+        assert_eq!(back[1], tensors(1, 30)[0].data);
+        // Naming a step folder directly works too; leftovers of a crashed write are ignored.
+        std::fs::create_dir_all(dir.join(".step-00000040.tmp")).unwrap();
+        let step20 = find_latest(&dir.join("step-00000020")).unwrap();
+        assert_eq!(read_manifest(&step20).unwrap().step, 20);
+        assert!(find_latest(&dir).unwrap().ends_with("step-00000030"));
+    }
+
+    fn err<T: std::fmt::Debug>(r: Result<T>) -> String {
+        r.unwrap_err().to_string()
+    }
+
+    #[test]
+    fn missing_corrupt_and_mismatched_checkpoints_are_clear_errors() {
+        let dir = temp_dir("errors");
+        let missing = err(find_latest(&dir.join("absent")));
+        assert!(
+            missing.contains("absent") && missing.contains("no such folder"),
+            "{missing}"
+        );
+        let empty = err(find_latest(&dir));
+        assert!(empty.contains("no finished checkpoint"), "{empty}");
+        let ckpt = save(&dir, 5, 0);
+        let shape = err(read_shard(
+            &ckpt,
+            0,
+            &[("embed.weight".to_string(), vec![3, 2])],
+        ));
+        assert!(
+            shape.contains("embed.weight") && shape.contains("[3, 2]"),
+            "{shape}"
+        );
+        let name = err(read_shard(
+            &ckpt,
+            0,
+            &[("head.weight".to_string(), vec![1])],
+        ));
+        assert!(name.contains("no tensor head.weight"), "{name}");
+        let shard = ckpt.join(shard_file_name(0));
+        std::fs::write(&shard, b"not a safetensors file").unwrap();
+        let corrupt = err(read_shard(&ckpt, 0, &expected()));
+        assert!(
+            corrupt.contains("rank-00000") && corrupt.contains("corrupt"),
+            "{corrupt}"
+        );
+        std::fs::write(ckpt.join("manifest.json"), b"{").unwrap();
+        let bad = err(read_manifest(&ckpt));
+        assert!(bad.contains("corrupt manifest"), "{bad}");
+        // A commit whose shards are missing is refused and publishes nothing.
+        prepare(&dir, 6).unwrap();
+        assert!(commit(&dir, &manifest(6, 2), 0).is_err());
+        assert!(!dir.join("step-00000006").exists());
+    }
+}
