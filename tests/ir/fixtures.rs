@@ -1,11 +1,11 @@
-//! Hand-built specs for lowering tests (GPT-2 style and Llama style tiny models), so lowering
+//! Hand-built specs for the IR tests (GPT-2 style and Llama style tiny models), so lowering
 //! is tested without the parser, plus a plan simulator that executes every rank's program
 //! symbolically: buffer lifetimes, shapes of collectives and transfers, and rendezvous
 //! progress (an unmatched or misordered transfer or collective shows up as no progress).
 
-use crate::diag::Span;
-use crate::ir::{CollectiveKind, Instr, P2pOp, Plan};
-use crate::spec::*;
+use parc_compiler::diag::Span;
+use parc_compiler::ir::{CollectiveKind, Instr, P2pOp, Plan};
+use parc_compiler::spec::*;
 use std::collections::HashSet;
 
 pub struct TinyModel {
@@ -325,7 +325,7 @@ pub fn simulate(plan: &Plan) -> Result<(), String> {
             }
         }
     }
-    let numel = |r: usize, b: crate::ir::BufferId| -> u64 {
+    let numel = |r: usize, b: parc_compiler::ir::BufferId| -> u64 {
         progs[r]
             .buffers
             .get(b.0 as usize)

@@ -1,9 +1,9 @@
 //! Lowering tests over the plan matrix: every plan lowers, every rank's program runs to the
 //! end under rendezvous semantics with consistent buffer lifetimes and collective shapes.
 
-use super::lower;
-use super::testspec::{simulate, spec, PlanChoice, TinyModel};
-use crate::spec::{PipelineSchedule, Recompute, ZeroStage};
+use super::fixtures::{simulate, spec, PlanChoice, TinyModel};
+use parc_compiler::lower::lower;
+use parc_compiler::spec::{PipelineSchedule, Recompute, ZeroStage};
 
 fn check(model: TinyModel, plan: PlanChoice) {
     let desc = format!(
@@ -175,4 +175,25 @@ fn text_form_is_stable() {
     let b = lower(&s).unwrap().to_string();
     assert_eq!(a, b);
     assert!(a.starts_with("plan world 4"));
+}
+
+#[test]
+#[ignore]
+fn print_plan() {
+    let s = spec(
+        gpt(1),
+        PlanChoice {
+            tp: 2,
+            microbatches: 1,
+            ..PlanChoice::default()
+        },
+    );
+    let names: Vec<String> = s.model.nodes.iter().map(|n| n.name.clone()).collect();
+    let p = lower(&s).unwrap();
+    println!(
+        "{}",
+        parc_compiler::ir::text::PlanText::new(&p)
+            .with_names(&names)
+            .only(parc_compiler::ir::ProgramId(1))
+    );
 }

@@ -1,0 +1,7 @@
+//! IR tests: lowering over the plan matrix (structure and rendezvous progress), golden text of
+//! small plans (`tests/ir/*.txt`, rewrite with `PARC_BLESS=1`), and numeric equivalence of
+//! plans against one rank on the CPU backend with a lock-step in-process executor.
+#[path = "ir/fixtures.rs"]
+mod fixtures;
+#[path = "ir/lowering.rs"]
+mod lowering;
