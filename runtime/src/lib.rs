@@ -4,3 +4,4 @@ pub mod error;
 pub mod data;
 pub mod comm;
 pub mod checkpoint;
+pub mod exec;

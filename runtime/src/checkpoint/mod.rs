@@ -19,7 +19,7 @@
 pub mod store;
 
 pub use store::{
-    commit, find_latest, prepare, read_manifest, read_shard, write_shard, ShardTensor,
+    commit, find_latest, prepare, read_manifest, read_shard, staging_dir, write_shard, ShardTensor,
 };
 
 use parc_compiler::ir::Plan;

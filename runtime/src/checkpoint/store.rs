@@ -50,7 +50,7 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// The temporary folder the checkpoint of `step` is assembled in.
-fn staging_dir(dir: &Path, step: u64) -> PathBuf {
+pub fn staging_dir(dir: &Path, step: u64) -> PathBuf {
     dir.join(format!(".{}.tmp", step_dir_name(step)))
 }
 

@@ -1,0 +1,345 @@
+//! The executor: trains a lowered [`Plan`] on this machine with one thread per rank, each
+//! running its own program on its own backend, connected by the local comm.
+//!
+//! [`train`] opens the data once, spawns the ranks, and reports one [`StepRecord`] per step
+//! (from the plan's report rank, as the step finishes) and the final parameters gathered to
+//! global tensors. Checkpoints are written every `train.checkpoint.every` steps (all ranks
+//! write their shard, rank 0 publishes the manifest after a barrier); `resume` continues from
+//! one. All parallelism lives in the programs: this module only dispatches.
+pub mod gather;
+pub mod rank;
+
+pub use gather::GlobalParam;
+pub use rank::{ParamPiece, RankExecutor};
+
+use crate::backend::Backend;
+use crate::checkpoint::{self, Manifest};
+use crate::comm::{Comm, LocalComm};
+use crate::data::{Dataset, EpochProgress};
+use crate::error::{Result, RuntimeError};
+use parc_compiler::ir::Plan;
+use parc_compiler::spec::Spec;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How to run: where the spec lives, resuming, and limits.
+#[derive(Clone, Debug)]
+pub struct TrainOptions {
+    /// The `.par` file's folder: data and checkpoint paths are relative to it.
+    pub spec_dir: PathBuf,
+    /// A checkpoint folder (or a `checkpoint.dir` holding several) to continue from.
+    pub resume: Option<PathBuf>,
+    /// Stop after this many steps in total (the spec's `train.steps` when None); a run stopped
+    /// early continues with `resume` exactly as if it had not stopped.
+    pub stop_after: Option<u64>,
+    /// How long a rank waits for a peer before failing.
+    pub comm_timeout: Duration,
+    /// Kernel threads per rank (default: the machine's cores shared among the ranks).
+    pub threads_per_rank: Option<usize>,
+}
+
+impl TrainOptions {
+    pub fn new(spec_dir: impl Into<PathBuf>) -> TrainOptions {
+        TrainOptions {
+            spec_dir: spec_dir.into(),
+            resume: None,
+            stop_after: None,
+            comm_timeout: Duration::from_secs(120),
+            threads_per_rank: None,
+        }
+    }
+}
+
+/// What one training step did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepRecord {
+    /// 0-based step index.
+    pub step: u64,
+    /// Mean token cross-entropy over the global batch.
+    pub loss: f32,
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f32,
+    /// Tokens in the global batch.
+    pub tokens: u64,
+    pub tokens_per_s: f64,
+    /// Seconds since the run (or the resumed run) started, at the end of this step.
+    pub elapsed_s: f64,
+}
+
+/// The outcome of [`train`].
+#[derive(Clone, Debug)]
+pub struct TrainResult {
+    /// One record per step run (resumed runs start at the checkpoint's step).
+    pub records: Vec<StepRecord>,
+    pub params: Vec<GlobalParam>,
+    /// Samples seen per epoch after the last step.
+    pub epochs: Vec<EpochProgress>,
+    /// Checkpoints written, oldest first.
+    pub checkpoints: Vec<PathBuf>,
+    /// The step this run started at (non-zero when resumed).
+    pub start_step: u64,
+}
+
+/// Open the spec's data source relative to `spec_dir`.
+pub fn open_dataset(spec: &Spec, spec_dir: &Path) -> Result<Dataset> {
+    Dataset::open(
+        &spec.train.data,
+        spec_dir,
+        spec.model.vocab,
+        spec.model.seq,
+        spec.train.seed,
+        spec.train.global_batch.max(1) * spec.train.steps.max(1),
+    )
+}
+
+/// What a rank thread hands back.
+struct RankOutcome {
+    records: Vec<StepRecord>,
+    pieces: Vec<ParamPiece>,
+    epochs: Vec<EpochProgress>,
+    checkpoints: Vec<PathBuf>,
+    start_step: u64,
+}
+
+/// Train `plan` (lowered from `spec`) with one thread per rank. `new_backend` makes each
+/// rank's backend (called on that rank's thread with the rank and its kernel thread count);
+/// `on_step` sees each step's record as soon as the step ends.
+pub fn train<B, F>(
+    spec: &Spec,
+    plan: &Plan,
+    options: &TrainOptions,
+    new_backend: F,
+    on_step: &(dyn Fn(&StepRecord) + Sync),
+) -> Result<TrainResult>
+where
+    B: Backend,
+    F: Fn(u32, usize) -> Result<B> + Sync,
+{
+    let dataset = Arc::new(open_dataset(spec, &options.spec_dir)?);
+    let resume = options
+        .resume
+        .as_deref()
+        .map(checkpoint::find_latest)
+        .transpose()?;
+    let manifest = resume
+        .as_deref()
+        .map(checkpoint::read_manifest)
+        .transpose()?;
+    let hash = checkpoint::plan_hash(plan);
+    if let Some(m) = &manifest {
+        checkpoint::check_compatible(m, &hash, plan.world, spec.train.seed, dataset.num_samples())?;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = options
+        .threads_per_rank
+        .unwrap_or_else(|| (cores / plan.world.max(1) as usize).max(1));
+    let comms = LocalComm::world(plan.world, options.comm_timeout);
+    let run = RunContext {
+        spec,
+        plan,
+        options,
+        dataset: &dataset,
+        resume: resume.as_deref().zip(manifest.as_ref()),
+        plan_hash: &hash,
+        on_step,
+    };
+    let outcomes: Vec<Result<RankOutcome>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let (run, new_backend) = (&run, &new_backend);
+                std::thread::Builder::new()
+                    .name(format!("parc-rank-{rank}"))
+                    .spawn_scoped(scope, move || {
+                        let rank = rank as u32;
+                        let mut comm: Box<dyn Comm> = Box::new(comm);
+                        match new_backend(rank, threads) {
+                            Ok(backend) => run.rank_main(rank, backend, comm),
+                            Err(e) => {
+                                comm.abort(&e.to_string());
+                                Err(e)
+                            }
+                        }
+                    })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|handle| match handle {
+                Ok(h) => h.join().unwrap_or_else(|_| {
+                    Err(RuntimeError::Comm("a rank thread panicked".to_string()))
+                }),
+                Err(e) => Err(RuntimeError::Io {
+                    context: "starting a rank thread".to_string(),
+                    source: e,
+                }),
+            })
+            .collect()
+    });
+    let mut results = Vec::with_capacity(outcomes.len());
+    let mut errors = Vec::new();
+    for outcome in outcomes {
+        match outcome {
+            Ok(o) => results.push(o),
+            Err(e) => errors.push(e),
+        }
+    }
+    if !errors.is_empty() {
+        // The root cause is the error that is not another rank's abort notice.
+        let root = errors
+            .iter()
+            .position(|e| !e.to_string().contains("stopped because rank"))
+            .unwrap_or(0);
+        return Err(errors.swap_remove(root));
+    }
+    let report = results
+        .get(plan.report_rank as usize)
+        .ok_or_else(|| RuntimeError::Unsupported("the plan's report rank does not exist".into()))?;
+    let (records, epochs, start_step) = (
+        report.records.clone(),
+        report.epochs.clone(),
+        report.start_step,
+    );
+    let checkpoints = results
+        .first()
+        .map(|r| r.checkpoints.clone())
+        .unwrap_or_default();
+    let pieces: Vec<ParamPiece> = results.into_iter().flat_map(|r| r.pieces).collect();
+    Ok(TrainResult {
+        records,
+        params: gather::assemble(&plan.params, &pieces)?,
+        epochs,
+        checkpoints,
+        start_step,
+    })
+}
+
+/// Everything the rank threads share.
+struct RunContext<'a> {
+    spec: &'a Spec,
+    plan: &'a Plan,
+    options: &'a TrainOptions,
+    dataset: &'a Arc<Dataset>,
+    resume: Option<(&'a Path, &'a Manifest)>,
+    plan_hash: &'a str,
+    on_step: &'a (dyn Fn(&StepRecord) + Sync),
+}
+
+impl RunContext<'_> {
+    fn rank_main<B: Backend>(
+        &self,
+        rank: u32,
+        backend: B,
+        comm: Box<dyn Comm + '_>,
+    ) -> Result<RankOutcome> {
+        let seed = self.spec.train.seed;
+        let mut exec = RankExecutor::new(
+            self.plan,
+            rank,
+            backend,
+            comm,
+            Arc::clone(self.dataset),
+            seed,
+        )?;
+        let result = self.rank_loop(&mut exec);
+        if let Err(e) = &result {
+            exec.comm().abort(&format!("rank {rank}: {e}"));
+        }
+        result
+    }
+
+    fn rank_loop<B: Backend>(&self, exec: &mut RankExecutor<'_, B>) -> Result<RankOutcome> {
+        let train = &self.spec.train;
+        exec.init(train.seed)?;
+        let mut start_step = 0;
+        if let Some((dir, manifest)) = self.resume {
+            exec.load_shard(dir)?;
+            exec.optimizer_step = manifest.optimizer_step;
+            start_step = manifest.step;
+        }
+        let end = self
+            .options
+            .stop_after
+            .unwrap_or(train.steps)
+            .min(train.steps);
+        let is_report = exec.rank() == self.plan.report_rank;
+        let tokens = train.global_batch * self.spec.model.seq;
+        let started = Instant::now();
+        let mut records = Vec::new();
+        let mut checkpoints = Vec::new();
+        for step in start_step..end {
+            let step_started = Instant::now();
+            let lr = train.schedule.lr_at(train.optimizer.lr(), step);
+            let metrics = exec.step(step, lr)?;
+            if is_report {
+                let seconds = step_started.elapsed().as_secs_f64();
+                let record = StepRecord {
+                    step,
+                    loss: metrics.loss.unwrap_or(f32::NAN),
+                    lr,
+                    grad_norm: metrics.grad_sumsq.map_or(f32::NAN, f32::sqrt),
+                    tokens,
+                    tokens_per_s: tokens as f64 / seconds.max(1e-9),
+                    elapsed_s: started.elapsed().as_secs_f64(),
+                };
+                (self.on_step)(&record);
+                records.push(record);
+            }
+            if let Some(ckpt) = &train.checkpoint {
+                let done = step + 1;
+                if ckpt.every > 0 && done % ckpt.every == 0 {
+                    let dir = self.options.spec_dir.join(&ckpt.dir);
+                    if let Some(path) = self.save(exec, &dir, done, ckpt.keep)? {
+                        checkpoints.push(path);
+                    }
+                }
+            }
+        }
+        Ok(RankOutcome {
+            records,
+            pieces: exec.param_pieces()?,
+            epochs: exec.sampler().progress(end),
+            checkpoints,
+            start_step,
+        })
+    }
+
+    /// Write a checkpoint after `step` steps; rank 0 returns its path.
+    fn save<B: Backend>(
+        &self,
+        exec: &mut RankExecutor<'_, B>,
+        dir: &Path,
+        step: u64,
+        keep: u32,
+    ) -> Result<Option<PathBuf>> {
+        let world: Vec<u32> = (0..self.plan.world).collect();
+        let rank = exec.rank();
+        if rank == 0 {
+            checkpoint::prepare(dir, step)?;
+        }
+        exec.comm().barrier(&world)?;
+        let staging = checkpoint::staging_dir(dir, step);
+        checkpoint::write_shard(&staging, rank, &exec.shard_tensors()?)?;
+        exec.comm().barrier(&world)?;
+        if rank != 0 {
+            return Ok(None);
+        }
+        let manifest = Manifest {
+            format: checkpoint::FORMAT,
+            plan_hash: self.plan_hash.to_string(),
+            world: self.plan.world,
+            step,
+            optimizer_step: exec.optimizer_step,
+            seed: self.spec.train.seed,
+            samples: exec.sampler().samples(),
+            loss_scale: None,
+            shards: (0..self.plan.world)
+                .map(checkpoint::shard_file_name)
+                .collect(),
+        };
+        checkpoint::commit(dir, &manifest, keep).map(Some)
+    }
+}

@@ -1,0 +1,404 @@
+//! One rank's interpreter: owns the rank's backend, comm handle and sampler, sets up the
+//! persistent buffers (parameters from `init`, or a checkpoint), and runs its program once per
+//! step, dispatching every instruction without deciding anything itself.
+use crate::backend::{Backend, StepScalars};
+use crate::checkpoint::{self, ShardTensor};
+use crate::comm::{Comm, PeerOp};
+use crate::data::{fill_microbatch, BatchLayout, Dataset, Sampler};
+use crate::error::{Result, RuntimeError};
+use crate::init::{fill_local_param, ZeroShard};
+use parc_compiler::ir::op::{segments_len, Segment};
+use parc_compiler::ir::{
+    BufferId, CollectiveKind, GroupId, Instr, LocalParam, P2pOp, Peer, Plan, Program,
+};
+use parc_compiler::spec::Axis;
+use std::path::Path;
+use std::sync::Arc;
+
+/// A rank's local slice of one parameter, as stored (see [`super::gather`]).
+#[derive(Clone, Debug)]
+pub struct ParamPiece {
+    pub param: parc_compiler::ir::ParamId,
+    pub tp: Option<parc_compiler::ir::TpSplit>,
+    /// `(shard_len, index)` of a ZeRO flat shard; None for the whole tp-local tensor.
+    pub zero: Option<ZeroShard>,
+    pub data: Vec<f32>,
+}
+
+/// What one step left in the rank's metric buffers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepMetrics {
+    pub loss: Option<f32>,
+    pub grad_sumsq: Option<f32>,
+}
+
+pub struct RankExecutor<'a, B: Backend> {
+    plan: &'a Plan,
+    program: &'a Program,
+    rank: u32,
+    backend: B,
+    comm: Box<dyn Comm + 'a>,
+    dataset: Arc<Dataset>,
+    sampler: Sampler,
+    dp_rank: u32,
+    /// Optimizer updates applied so far.
+    pub optimizer_step: u64,
+}
+
+fn plan_error(rank: u32, what: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Op {
+        op: format!("rank {rank}"),
+        what: format!("{what} (a lowering bug)"),
+    }
+}
+
+impl<'a, B: Backend> RankExecutor<'a, B> {
+    pub fn new(
+        plan: &'a Plan,
+        rank: u32,
+        backend: B,
+        comm: Box<dyn Comm + 'a>,
+        dataset: Arc<Dataset>,
+        seed: u64,
+    ) -> Result<RankExecutor<'a, B>> {
+        let program = plan
+            .program_of(rank)
+            .ok_or_else(|| plan_error(rank, "has no program"))?;
+        let layout = BatchLayout {
+            dp: plan.mesh.size(Axis::Dp),
+            microbatches: plan.microbatches,
+            micro_batch: plan.micro_batch,
+        };
+        let sampler = Sampler::new(seed, dataset.num_samples(), layout)?;
+        Ok(RankExecutor {
+            plan,
+            program,
+            rank,
+            backend,
+            comm,
+            dataset,
+            sampler,
+            dp_rank: plan.mesh.coord(rank, Axis::Dp),
+            optimizer_step: 0,
+        })
+    }
+
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    pub fn sampler(&self) -> &Sampler {
+        &self.sampler
+    }
+
+    pub fn comm(&mut self) -> &mut (dyn Comm + 'a) {
+        self.comm.as_mut()
+    }
+
+    /// Persistent buffers (parameters, optimizer state, metrics), in buffer order.
+    fn persistent(&self) -> impl Iterator<Item = (BufferId, &'a parc_compiler::ir::Buffer)> {
+        let program: &'a Program = self.program;
+        program
+            .buffers
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.kind.is_persistent())
+            .map(|(i, b)| (BufferId(i as u32), b))
+    }
+
+    /// The caller's ZeRO shard of `local`, if it is sharded.
+    fn zero_shard(&self, local: &LocalParam) -> Result<Option<ZeroShard>> {
+        let Some(split) = local.zero else {
+            return Ok(None);
+        };
+        let (_, index) = self.group_set(split.group).map_err(|_| {
+            plan_error(
+                self.rank,
+                format!("ZeRO group {} of param {}", split.group.0, local.param.0),
+            )
+        })?;
+        Ok(Some(ZeroShard {
+            shard_len: split.shard_len,
+            index: index as u64,
+        }))
+    }
+
+    fn group_set(&self, group: GroupId) -> Result<(Vec<u32>, usize)> {
+        let family = self
+            .plan
+            .group(group)
+            .ok_or_else(|| plan_error(self.rank, format!("group {} does not exist", group.0)))?;
+        family
+            .set_of(self.rank)
+            .map(|(set, i)| (set.to_vec(), i))
+            .ok_or_else(|| {
+                plan_error(
+                    self.rank,
+                    format!("is not a member of group family {}", family.name),
+                )
+            })
+    }
+
+    /// Allocate the persistent buffers and initialise the parameters from the seed.
+    pub fn init(&mut self, seed: u64) -> Result<()> {
+        let buffers: Vec<_> = self.persistent().collect();
+        for (id, buffer) in buffers {
+            self.backend.alloc(id, &buffer.shape, buffer.dtype)?;
+        }
+        for local in &self.program.params {
+            let param = self
+                .plan
+                .params
+                .params
+                .get(local.param.0 as usize)
+                .ok_or_else(|| {
+                    plan_error(self.rank, format!("param {} is unknown", local.param.0))
+                })?;
+            let zero = self.zero_shard(local)?;
+            let mut copies = vec![(local.master, zero)];
+            if let Some(working) = local.working {
+                copies.push((working, None));
+            }
+            for (id, shard) in copies {
+                let len = self
+                    .program
+                    .buffer(id)
+                    .map(|b| b.numel() as usize)
+                    .ok_or_else(|| plan_error(self.rank, format!("buffer {} is unknown", id.0)))?;
+                let mut data = vec![0.0f32; len];
+                fill_local_param(
+                    &mut data,
+                    param.init,
+                    seed,
+                    local.param,
+                    &param.shape,
+                    local.tp,
+                    shard,
+                )?;
+                self.backend.write_f32(id, &data)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Run the program once as 0-based training step `step`.
+    pub fn step(&mut self, step: u64, lr: f64) -> Result<StepMetrics> {
+        self.optimizer_step += 1;
+        let scalars = StepScalars {
+            lr,
+            step: self.optimizer_step,
+        };
+        for (index, instr) in self.program.instrs.iter().enumerate() {
+            self.run(instr, step, &scalars).map_err(|e| match e {
+                RuntimeError::Comm(_) => e,
+                other => RuntimeError::Op {
+                    op: format!(
+                        "rank {} ({}) instruction {index}",
+                        self.rank, self.program.role
+                    ),
+                    what: other.to_string(),
+                },
+            })?;
+        }
+        let read = |id: Option<BufferId>| -> Result<Option<f32>> {
+            id.map(|id| {
+                self.backend
+                    .read_f32(id)
+                    .map(|v| v.first().copied().unwrap_or(0.0))
+            })
+            .transpose()
+        };
+        Ok(StepMetrics {
+            loss: read(self.program.loss)?,
+            grad_sumsq: read(self.program.grad_sumsq)?,
+        })
+    }
+
+    fn numel(&self, id: BufferId) -> Result<usize> {
+        self.program
+            .buffer(id)
+            .map(|b| b.numel() as usize)
+            .ok_or_else(|| plan_error(self.rank, format!("buffer {} is unknown", id.0)))
+    }
+
+    fn run(&mut self, instr: &Instr, step: u64, scalars: &StepScalars) -> Result<()> {
+        match instr {
+            Instr::Compute {
+                op,
+                inputs,
+                outputs,
+                ..
+            } => self.backend.compute(op, inputs, outputs, scalars),
+            Instr::Collective {
+                kind,
+                group,
+                input,
+                output,
+                ..
+            } => self.collective(*kind, *group, *input, *output),
+            Instr::Send { peer, buffer, tag } => {
+                let data = self.backend.read_f32(*buffer)?;
+                let to = self.peer_rank(*peer);
+                self.comm.send(to, *tag, &data)
+            }
+            Instr::Recv { peer, buffer, tag } => {
+                let mut data = vec![0.0; self.numel(*buffer)?];
+                let from = self.peer_rank(*peer);
+                self.comm.recv(from, *tag, &mut data)?;
+                self.backend.write_f32(*buffer, &data)
+            }
+            Instr::P2p { ops } => self.p2p(ops),
+            Instr::LoadBatch {
+                microbatch,
+                positions,
+                tokens,
+                targets,
+            } => self.load_batch(step, *microbatch, positions, *tokens, *targets),
+            Instr::Alloc { buffer } => {
+                let b = self.program.buffer(*buffer).ok_or_else(|| {
+                    plan_error(self.rank, format!("buffer {} is unknown", buffer.0))
+                })?;
+                self.backend.alloc(*buffer, &b.shape, b.dtype)
+            }
+            Instr::Free { buffer } => self.backend.free(*buffer),
+        }
+    }
+
+    fn peer_rank(&self, peer: Peer) -> u32 {
+        self.plan.peer_rank(self.rank, peer)
+    }
+
+    fn collective(
+        &mut self,
+        kind: CollectiveKind,
+        group: GroupId,
+        input: BufferId,
+        output: BufferId,
+    ) -> Result<()> {
+        let (set, _) = self.group_set(group)?;
+        let mut data = self.backend.read_f32(input)?;
+        let result = match kind {
+            CollectiveKind::AllReduce { op } => {
+                self.comm.all_reduce(&set, op, &mut data)?;
+                data
+            }
+            CollectiveKind::Broadcast { root } => {
+                self.comm.broadcast(&set, root as usize, &mut data)?;
+                data
+            }
+            CollectiveKind::AllGather => {
+                let mut out = vec![0.0; self.numel(output)?];
+                self.comm.all_gather(&set, &data, &mut out)?;
+                out
+            }
+            CollectiveKind::ReduceScatter => {
+                let mut out = vec![0.0; self.numel(output)?];
+                self.comm.reduce_scatter(&set, &data, &mut out)?;
+                out
+            }
+        };
+        self.backend.write_f32(output, &result)
+    }
+
+    fn p2p(&mut self, ops: &[P2pOp]) -> Result<()> {
+        let mut sends = Vec::new();
+        let mut recvs = Vec::new();
+        for op in ops {
+            match *op {
+                P2pOp::Send { peer, buffer, tag } => {
+                    sends.push((self.peer_rank(peer), tag, self.backend.read_f32(buffer)?));
+                }
+                P2pOp::Recv { peer, buffer, tag } => {
+                    recvs.push((
+                        self.peer_rank(peer),
+                        tag,
+                        buffer,
+                        vec![0.0; self.numel(buffer)?],
+                    ));
+                }
+            }
+        }
+        let mut batch: Vec<PeerOp<'_>> = sends
+            .iter()
+            .map(|(peer, tag, data)| PeerOp::Send {
+                peer: *peer,
+                tag: *tag,
+                data,
+            })
+            .collect();
+        batch.extend(recvs.iter_mut().map(|(peer, tag, _, out)| PeerOp::Recv {
+            peer: *peer,
+            tag: *tag,
+            out,
+        }));
+        self.comm.group_p2p(&mut batch)?;
+        for (_, _, buffer, data) in recvs {
+            self.backend.write_f32(buffer, &data)?;
+        }
+        Ok(())
+    }
+
+    fn load_batch(
+        &mut self,
+        step: u64,
+        microbatch: u32,
+        positions: &[Segment],
+        tokens: Option<BufferId>,
+        targets: Option<BufferId>,
+    ) -> Result<()> {
+        let samples = self.sampler.microbatch(step, self.dp_rank, microbatch)?;
+        let len = segments_len(positions) as usize * samples.len();
+        let (mut ids, mut next) = (vec![0i32; len], vec![0i32; len]);
+        fill_microbatch(&self.dataset, &samples, positions, &mut ids, &mut next)?;
+        if let Some(id) = tokens {
+            self.backend.write_i32(id, &ids)?;
+        }
+        if let Some(id) = targets {
+            self.backend.write_i32(id, &next)?;
+        }
+        Ok(())
+    }
+
+    /// This rank's parameters as stored: the tp-local tensor, or its ZeRO master shard.
+    pub fn param_pieces(&self) -> Result<Vec<ParamPiece>> {
+        self.program
+            .params
+            .iter()
+            .map(|local| {
+                Ok(ParamPiece {
+                    param: local.param,
+                    tp: local.tp,
+                    zero: self.zero_shard(local)?,
+                    data: self.backend.read_f32(local.master)?,
+                })
+            })
+            .collect()
+    }
+
+    /// Every persistent buffer, named as in the program, for a checkpoint shard.
+    pub fn shard_tensors(&self) -> Result<Vec<ShardTensor>> {
+        self.persistent()
+            .map(|(id, b)| {
+                Ok(ShardTensor {
+                    name: b.name.clone(),
+                    shape: b.shape.clone(),
+                    data: self.backend.read_f32(id)?,
+                })
+            })
+            .collect()
+    }
+
+    /// Overwrite the persistent buffers with this rank's shard of `checkpoint`.
+    pub fn load_shard(&mut self, checkpoint_dir: &Path) -> Result<()> {
+        let buffers: Vec<_> = self.persistent().collect();
+        let expected: Vec<(String, Vec<u64>)> = buffers
+            .iter()
+            .map(|(_, b)| (b.name.clone(), b.shape.clone()))
+            .collect();
+        let tensors = checkpoint::read_shard(checkpoint_dir, self.rank, &expected)?;
+        for ((id, _), data) in buffers.iter().zip(tensors) {
+            self.backend.write_f32(*id, &data)?;
+        }
+        Ok(())
+    }
+}
