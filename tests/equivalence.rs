@@ -65,6 +65,10 @@ fn assert_equivalent(llama: bool, plan: PlanChoice) {
     );
     let got = run(llama, plan);
     assert_eq!(got.records.len(), 5, "{desc}");
+    assert_eq!(single.params.len(), got.params.len(), "{desc}");
+    assert!(!single.params.is_empty());
+    // Training moved the loss, so equal losses are not equal constants.
+    assert_ne!(single.records[0].loss, single.records[4].loss);
     for (a, b) in single.records.iter().zip(&got.records) {
         let rel = (a.loss - b.loss).abs() / a.loss.abs().max(1e-12);
         assert!(
