@@ -159,3 +159,74 @@ fn all_axes_together() {
         },
     );
 }
+
+/// Every plan of the matrix dp, pp, cp, tp ∈ {1, 2} × zero 0–3 × schedules × recompute on/off
+/// × sp on/off, skipping settings that have no effect (zero without dp·cp, schedules without
+/// pp, sp without tp). `stride` > 1 runs every stride-th plan (CI); 1 runs all.
+fn matrix(stride: usize, llama: bool) {
+    let schedules = [
+        PipelineSchedule::Gpipe,
+        PipelineSchedule::OneFOneB,
+        PipelineSchedule::Interleaved { virtual_stages: 2 },
+    ];
+    let mut plans = Vec::new();
+    for dp in [1, 2] {
+        for pp in [1, 2] {
+            for cp in [1, 2] {
+                for tp in [1, 2] {
+                    let zeros: &[ZeroStage] = if dp * cp > 1 {
+                        &[
+                            ZeroStage::Zero0,
+                            ZeroStage::Zero1,
+                            ZeroStage::Zero2,
+                            ZeroStage::Zero3,
+                        ]
+                    } else {
+                        &[ZeroStage::Zero0]
+                    };
+                    let scheds: &[PipelineSchedule] =
+                        if pp > 1 { &schedules } else { &schedules[1..2] };
+                    let sps: &[bool] = if tp > 1 { &[false, true] } else { &[false] };
+                    for &zero in zeros {
+                        for &schedule in scheds {
+                            for recompute in [Recompute::None, Recompute::Full] {
+                                for &sp in sps {
+                                    plans.push(PlanChoice {
+                                        dp,
+                                        pp,
+                                        cp,
+                                        tp,
+                                        zero,
+                                        schedule,
+                                        microbatches: 2,
+                                        recompute: recompute.clone(),
+                                        sp,
+                                    });
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (i, plan) in plans.into_iter().enumerate() {
+        if i % stride == (if llama { 1 } else { 0 }) % stride {
+            assert_same(llama, plan);
+        }
+    }
+}
+
+#[test]
+fn matrix_sample() {
+    matrix(17, false);
+    matrix(17, true);
+}
+
+/// The whole matrix (a few minutes in debug): `cargo test --test ir -- --ignored`.
+#[test]
+#[ignore]
+fn matrix_full() {
+    matrix(1, false);
+    matrix(1, true);
+}
