@@ -1,0 +1,120 @@
+//! The vocab-parallel cross-entropy pieces (Megatron's decomposition): per-row max, sum of
+//! exponentials and target logit over this rank's vocab slice (the lowering all-reduces them
+//! over tp in between), then the scaled loss and the logits gradient. Row sums are accumulated in
+//! f64; the loss sums rows in fixed chunks (deterministic).
+use super::args::{expect_len, rows_of};
+use super::par::{rows_per_task, sum_chunks};
+use crate::error::Result;
+use rayon::prelude::*;
+
+/// The column of `target` in this rank's slice, if it holds it.
+fn local_column(target: i32, vocab_start: u64, vocab_local: usize) -> Option<usize> {
+    let offset = i64::from(target) - i64::try_from(vocab_start).ok()?;
+    usize::try_from(offset).ok().filter(|&c| c < vocab_local)
+}
+
+/// `max[r] = max_j logits[r, j]`.
+pub(crate) fn ce_max(op: &str, vocab_local: usize, logits: &[f32], max: &mut [f32]) -> Result<()> {
+    let rows = rows_of(op, "logits", logits.len(), vocab_local)?;
+    expect_len(op, "max", max.len(), rows)?;
+    max.par_iter_mut()
+        .zip(logits.par_chunks(vocab_local))
+        .with_min_len(rows_per_task(vocab_local))
+        .for_each(|(m, row)| *m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+    Ok(())
+}
+
+/// `sumexp[r] = Σ_j exp(logits[r, j] − max[r])`.
+pub(crate) fn ce_sum_exp(
+    op: &str,
+    vocab_local: usize,
+    logits: &[f32],
+    max: &[f32],
+    sumexp: &mut [f32],
+) -> Result<()> {
+    let rows = rows_of(op, "logits", logits.len(), vocab_local)?;
+    expect_len(op, "max", max.len(), rows)?;
+    expect_len(op, "sumexp", sumexp.len(), rows)?;
+    sumexp
+        .par_iter_mut()
+        .zip(logits.par_chunks(vocab_local).zip(max.par_iter()))
+        .with_min_len(rows_per_task(vocab_local))
+        .for_each(|(s, (row, &m))| {
+            *s = row.iter().map(|&l| f64::from((l - m).exp())).sum::<f64>() as f32;
+        });
+    Ok(())
+}
+
+/// `target_logit[r] = logits[r, targets[r] − vocab_start]`, 0 when another rank holds it.
+pub(crate) fn ce_target_logit(
+    op: &str,
+    vocab_start: u64,
+    vocab_local: usize,
+    logits: &[f32],
+    targets: &[i32],
+    target_logit: &mut [f32],
+) -> Result<()> {
+    let rows = rows_of(op, "logits", logits.len(), vocab_local)?;
+    expect_len(op, "targets", targets.len(), rows)?;
+    expect_len(op, "target_logit", target_logit.len(), rows)?;
+    for (row, (out, &target)) in target_logit.iter_mut().zip(targets).enumerate() {
+        *out = local_column(target, vocab_start, vocab_local)
+            .map_or(0.0, |c| logits[row * vocab_local + c]);
+    }
+    Ok(())
+}
+
+/// `loss[0] += scale · Σ_r (ln sumexp[r] + max[r] − target_logit[r])`.
+pub(crate) fn ce_loss(
+    op: &str,
+    scale: f64,
+    max: &[f32],
+    sumexp: &[f32],
+    target_logit: &[f32],
+    loss: &mut [f32],
+) -> Result<()> {
+    expect_len(op, "sumexp", sumexp.len(), max.len())?;
+    expect_len(op, "target_logit", target_logit.len(), max.len())?;
+    expect_len(op, "loss", loss.len(), 1)?;
+    let total = sum_chunks(max.len(), |r| {
+        f64::from(sumexp[r]).ln() + f64::from(max[r]) - f64::from(target_logit[r])
+    });
+    loss[0] = (f64::from(loss[0]) + scale * total) as f32;
+    Ok(())
+}
+
+/// `dlogits[r, j] = scale · (exp(logits[r, j] − max[r]) / sumexp[r] − [j is the target])`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn ce_grad(
+    op: &str,
+    vocab_start: u64,
+    vocab_local: usize,
+    scale: f64,
+    logits: &[f32],
+    targets: &[i32],
+    max: &[f32],
+    sumexp: &[f32],
+    dlogits: &mut [f32],
+) -> Result<()> {
+    let rows = rows_of(op, "logits", logits.len(), vocab_local)?;
+    expect_len(op, "targets", targets.len(), rows)?;
+    expect_len(op, "max", max.len(), rows)?;
+    expect_len(op, "sumexp", sumexp.len(), rows)?;
+    expect_len(op, "dlogits", dlogits.len(), logits.len())?;
+    let scale = scale as f32;
+    dlogits
+        .par_chunks_mut(vocab_local)
+        .zip(logits.par_chunks(vocab_local))
+        .enumerate()
+        .with_min_len(rows_per_task(vocab_local))
+        .for_each(|(r, (d, l))| {
+            let factor = scale / sumexp[r];
+            for (d, &l) in d.iter_mut().zip(l) {
+                *d = factor * (l - max[r]).exp();
+            }
+            if let Some(c) = local_column(targets[r], vocab_start, vocab_local) {
+                d[c] -= scale;
+            }
+        });
+    Ok(())
+}

@@ -1,0 +1,387 @@
+//! Dispatch of one `Op` to its kernel: converts the op's attributes to sizes (rejecting zero or
+//! unrepresentable dimensions), binds typed slices for its inputs and outputs in the documented
+//! order, and calls the kernel, which checks every length before touching memory.
+use super::args::{dim, Inputs, Outputs};
+use super::attention::{attention, attention_bwd, AttentionGrads, AttentionShape};
+use super::cross_entropy::{ce_grad, ce_loss, ce_max, ce_sum_exp, ce_target_logit};
+use super::elementwise::{
+    activation, activation_bwd, add, copy, copy_range, scale, swiglu, swiglu_bwd,
+};
+use super::embed::{embedding, embedding_bwd, position_add, position_add_bwd};
+use super::linear::{matmul, matmul_bwd_data, matmul_bwd_weight};
+use super::norm::{layer_norm, layer_norm_bwd, rms_norm, rms_norm_bwd};
+use super::optim::{adamw, clip_coef, sgd, sum_squares, AdamWConfig};
+use super::rope::{rope, RopeShape};
+use crate::backend::StepScalars;
+use crate::error::Result;
+use parc_compiler::ir::op::Op;
+
+/// Run `op` on bound buffers (counts already checked against its signature).
+pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, scalars: &StepScalars) -> Result<()> {
+    let name = ins.op;
+    match op {
+        Op::Embedding {
+            vocab_start,
+            vocab_local,
+            dim: d,
+        } => {
+            let d = dim(name, "dim", *d)?;
+            let v = dim(name, "vocab_local", *vocab_local)?;
+            let [y] = outs.f32s()?;
+            embedding(name, *vocab_start, v, d, ins.i32(0)?, ins.f32(1)?, y)
+        }
+        Op::EmbeddingBwd {
+            vocab_start,
+            vocab_local,
+            dim: d,
+        } => {
+            let d = dim(name, "dim", *d)?;
+            let v = dim(name, "vocab_local", *vocab_local)?;
+            let [dtable] = outs.f32s()?;
+            embedding_bwd(name, *vocab_start, v, d, ins.i32(0)?, ins.f32(1)?, dtable)
+        }
+        Op::PositionAdd {
+            batch,
+            dim: d,
+            positions,
+        } => {
+            let [y] = outs.f32s()?;
+            position_add(
+                name,
+                dim(name, "batch", *batch)?,
+                dim(name, "dim", *d)?,
+                positions,
+                ins.f32(0)?,
+                ins.f32(1)?,
+                y,
+            )
+        }
+        Op::PositionAddBwd {
+            batch,
+            dim: d,
+            positions,
+        } => {
+            let [dtable] = outs.f32s()?;
+            position_add_bwd(
+                name,
+                dim(name, "batch", *batch)?,
+                dim(name, "dim", *d)?,
+                positions,
+                ins.f32(0)?,
+                dtable,
+            )
+        }
+        Op::LayerNorm { dim: d, eps, bias } => {
+            let b = if *bias { Some(ins.f32(2)?) } else { None };
+            let [y, mean, rstd] = outs.f32s()?;
+            let d = dim(name, "dim", *d)?;
+            layer_norm(name, d, *eps, ins.f32(0)?, ins.f32(1)?, b, y, mean, rstd)
+        }
+        Op::LayerNormBwd { dim: d, bias } => {
+            let d = dim(name, "dim", *d)?;
+            let (dy, x, w, mean, rstd) = (
+                ins.f32(0)?,
+                ins.f32(1)?,
+                ins.f32(2)?,
+                ins.f32(3)?,
+                ins.f32(4)?,
+            );
+            if *bias {
+                let [dx, dw, db] = outs.f32s()?;
+                layer_norm_bwd(name, d, dy, x, w, mean, rstd, dx, dw, Some(db))
+            } else {
+                let [dx, dw] = outs.f32s()?;
+                layer_norm_bwd(name, d, dy, x, w, mean, rstd, dx, dw, None)
+            }
+        }
+        Op::RmsNorm { dim: d, eps } => {
+            let [y, rstd] = outs.f32s()?;
+            let d = dim(name, "dim", *d)?;
+            rms_norm(name, d, *eps, ins.f32(0)?, ins.f32(1)?, y, rstd)
+        }
+        Op::RmsNormBwd { dim: d } => {
+            let [dx, dw] = outs.f32s()?;
+            let d = dim(name, "dim", *d)?;
+            let (dy, x, w, rstd) = (ins.f32(0)?, ins.f32(1)?, ins.f32(2)?, ins.f32(3)?);
+            rms_norm_bwd(name, d, dy, x, w, rstd, dx, dw)
+        }
+        Op::Matmul {
+            in_dim,
+            out_dim,
+            bias,
+        } => {
+            let b = if *bias { Some(ins.f32(2)?) } else { None };
+            let [y] = outs.f32s()?;
+            let (i, o) = (
+                dim(name, "in_dim", *in_dim)?,
+                dim(name, "out_dim", *out_dim)?,
+            );
+            matmul(name, i, o, ins.f32(0)?, ins.f32(1)?, b, y)
+        }
+        Op::MatmulBwdData { in_dim, out_dim } => {
+            let [dx] = outs.f32s()?;
+            let (i, o) = (
+                dim(name, "in_dim", *in_dim)?,
+                dim(name, "out_dim", *out_dim)?,
+            );
+            matmul_bwd_data(name, i, o, ins.f32(0)?, ins.f32(1)?, dx)
+        }
+        Op::MatmulBwdWeight {
+            in_dim,
+            out_dim,
+            bias,
+        } => {
+            let (i, o) = (
+                dim(name, "in_dim", *in_dim)?,
+                dim(name, "out_dim", *out_dim)?,
+            );
+            let (dy, x) = (ins.f32(0)?, ins.f32(1)?);
+            if *bias {
+                let [dw, db] = outs.f32s()?;
+                matmul_bwd_weight(name, i, o, dy, x, dw, Some(db))
+            } else {
+                let [dw] = outs.f32s()?;
+                matmul_bwd_weight(name, i, o, dy, x, dw, None)
+            }
+        }
+        Op::Rope {
+            batch,
+            heads,
+            head_dim,
+            theta,
+            positions,
+        }
+        | Op::RopeBwd {
+            batch,
+            heads,
+            head_dim,
+            theta,
+            positions,
+        } => {
+            let shape = RopeShape {
+                batch: dim(name, "batch", *batch)?,
+                heads: dim(name, "heads", *heads)?,
+                head_dim: dim(name, "head_dim", *head_dim)?,
+                theta: *theta,
+                positions,
+            };
+            let [y] = outs.f32s()?;
+            rope(
+                name,
+                &shape,
+                matches!(op, Op::RopeBwd { .. }),
+                ins.f32(0)?,
+                y,
+            )
+        }
+        Op::Attention {
+            batch,
+            heads,
+            kv_heads,
+            head_dim,
+            causal,
+            scale: softmax_scale,
+            q_positions,
+            kv_positions,
+        }
+        | Op::AttentionBwd {
+            batch,
+            heads,
+            kv_heads,
+            head_dim,
+            causal,
+            scale: softmax_scale,
+            q_positions,
+            kv_positions,
+        } => {
+            let shape = AttentionShape {
+                batch: dim(name, "batch", *batch)?,
+                heads: dim(name, "heads", *heads)?,
+                kv_heads: dim(name, "kv_heads", *kv_heads)?,
+                head_dim: dim(name, "head_dim", *head_dim)?,
+                causal: *causal,
+                scale: *softmax_scale,
+                q_positions,
+                kv_positions,
+            };
+            if matches!(op, Op::Attention { .. }) {
+                let [o, lse] = outs.f32s()?;
+                attention(name, &shape, ins.f32(0)?, ins.f32(1)?, ins.f32(2)?, o, lse)
+            } else {
+                let tensors = AttentionGrads {
+                    d_out: ins.f32(0)?,
+                    q: ins.f32(1)?,
+                    k: ins.f32(2)?,
+                    v: ins.f32(3)?,
+                    o: ins.f32(4)?,
+                    lse: ins.f32(5)?,
+                };
+                let [dq, dk, dv] = outs.f32s()?;
+                attention_bwd(name, &shape, &tensors, dq, dk, dv)
+            }
+        }
+        Op::Activation { act } => {
+            let [y] = outs.f32s()?;
+            activation(name, *act, ins.f32(0)?, y)
+        }
+        Op::ActivationBwd { act } => {
+            let [dx] = outs.f32s()?;
+            activation_bwd(name, *act, ins.f32(0)?, ins.f32(1)?, dx)
+        }
+        Op::SwiGlu => {
+            let [y] = outs.f32s()?;
+            swiglu(name, ins.f32(0)?, ins.f32(1)?, y)
+        }
+        Op::SwiGluBwd => {
+            let [dgate, dup] = outs.f32s()?;
+            swiglu_bwd(name, ins.f32(0)?, ins.f32(1)?, ins.f32(2)?, dgate, dup)
+        }
+        Op::Add => {
+            let [y] = outs.f32s()?;
+            add(name, ins.f32(0)?, ins.f32(1)?, y)
+        }
+        Op::Scale { factor } => {
+            let [y] = outs.f32s()?;
+            scale(name, *factor, ins.f32(0)?, y)
+        }
+        Op::Copy => copy(name, ins.tensor(0)?, outs.tensor(0)?),
+        Op::Zero => {
+            outs.tensor(0)?.fill_zero();
+            Ok(())
+        }
+        Op::CopyRange {
+            src_offset,
+            dst_offset,
+            len,
+        } => copy_range(
+            name,
+            *src_offset,
+            *dst_offset,
+            *len,
+            ins.tensor(0)?,
+            outs.tensor(0)?,
+        ),
+        Op::CeMax { vocab_local } => {
+            let [max] = outs.f32s()?;
+            ce_max(
+                name,
+                dim(name, "vocab_local", *vocab_local)?,
+                ins.f32(0)?,
+                max,
+            )
+        }
+        Op::CeSumExp { vocab_local } => {
+            let [sumexp] = outs.f32s()?;
+            let v = dim(name, "vocab_local", *vocab_local)?;
+            ce_sum_exp(name, v, ins.f32(0)?, ins.f32(1)?, sumexp)
+        }
+        Op::CeTargetLogit {
+            vocab_start,
+            vocab_local,
+        } => {
+            let [target_logit] = outs.f32s()?;
+            let v = dim(name, "vocab_local", *vocab_local)?;
+            ce_target_logit(
+                name,
+                *vocab_start,
+                v,
+                ins.f32(0)?,
+                ins.i32(1)?,
+                target_logit,
+            )
+        }
+        Op::CeLoss { scale: loss_scale } => {
+            let [loss] = outs.f32s()?;
+            ce_loss(
+                name,
+                *loss_scale,
+                ins.f32(0)?,
+                ins.f32(1)?,
+                ins.f32(2)?,
+                loss,
+            )
+        }
+        Op::CeGrad {
+            vocab_start,
+            vocab_local,
+            scale: grad_scale,
+        } => {
+            let [dlogits] = outs.f32s()?;
+            let v = dim(name, "vocab_local", *vocab_local)?;
+            ce_grad(
+                name,
+                *vocab_start,
+                v,
+                *grad_scale,
+                ins.f32(0)?,
+                ins.i32(1)?,
+                ins.f32(2)?,
+                ins.f32(3)?,
+                dlogits,
+            )
+        }
+        Op::SumSquares => {
+            let [sumsq] = outs.f32s()?;
+            sum_squares(name, ins.f32(0)?, sumsq)
+        }
+        Op::ClipCoef { max_norm } => {
+            let [coef] = outs.f32s()?;
+            clip_coef(name, *max_norm, ins.f32(0)?, coef)
+        }
+        Op::AdamW {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } => {
+            let config = AdamWConfig {
+                beta1: *beta1,
+                beta2: *beta2,
+                eps: *eps,
+                weight_decay: *weight_decay,
+            };
+            let [param, m, v] = outs.f32s()?;
+            adamw(
+                name,
+                &config,
+                scalars,
+                ins.f32(0)?,
+                ins.f32(1)?,
+                param,
+                m,
+                v,
+            )
+        }
+        Op::Sgd {
+            momentum,
+            weight_decay,
+        } => {
+            let (g, coef) = (ins.f32(0)?, ins.f32(1)?);
+            if *momentum != 0.0 {
+                let [param, buf] = outs.f32s()?;
+                sgd(
+                    name,
+                    *momentum,
+                    *weight_decay,
+                    scalars,
+                    g,
+                    coef,
+                    param,
+                    Some(buf),
+                )
+            } else {
+                let [param] = outs.f32s()?;
+                sgd(
+                    name,
+                    *momentum,
+                    *weight_decay,
+                    scalars,
+                    g,
+                    coef,
+                    param,
+                    None,
+                )
+            }
+        }
+    }
+}

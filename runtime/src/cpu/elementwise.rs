@@ -1,0 +1,207 @@
+//! Elementwise ops: activations (gelu erf form, gelu tanh approximation, relu) and their
+//! gradients, SwiGLU, add, scale, and the data movers copy / zero / copy-range (any dtype).
+//! Transcendentals are evaluated in f64 and rounded once.
+use super::args::{expect_len, op_error};
+use crate::error::Result;
+use crate::tensor::{Tensor, TensorData};
+use parc_compiler::ir::op::Act;
+use rayon::prelude::*;
+
+/// Elements per rayon task for elementwise loops.
+const CHUNK: usize = 16_384;
+
+/// `out[i] = f(a[i])` in parallel chunks.
+fn map1(out: &mut [f32], a: &[f32], f: impl Fn(f32) -> f32 + Sync) {
+    out.par_chunks_mut(CHUNK)
+        .zip(a.par_chunks(CHUNK))
+        .for_each(|(out, a)| {
+            for (o, &a) in out.iter_mut().zip(a) {
+                *o = f(a);
+            }
+        });
+}
+
+/// `out[i] = f(a[i], b[i])` in parallel chunks.
+fn map2(out: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) {
+    out.par_chunks_mut(CHUNK)
+        .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
+        .for_each(|(out, (a, b))| {
+            for ((o, &a), &b) in out.iter_mut().zip(a).zip(b) {
+                *o = f(a, b);
+            }
+        });
+}
+
+/// `out[i] = f(a[i], b[i], c[i])` in parallel chunks.
+fn map3(out: &mut [f32], a: &[f32], b: &[f32], c: &[f32], f: impl Fn(f32, f32, f32) -> f32 + Sync) {
+    out.par_chunks_mut(CHUNK)
+        .zip(
+            a.par_chunks(CHUNK)
+                .zip(b.par_chunks(CHUNK).zip(c.par_chunks(CHUNK))),
+        )
+        .for_each(|(out, (a, (b, c)))| {
+            for (((o, &a), &b), &c) in out.iter_mut().zip(a).zip(b).zip(c) {
+                *o = f(a, b, c);
+            }
+        });
+}
+
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+const GELU_TANH_CUBIC: f64 = 0.044_715;
+
+fn activation_value(act: Act, x: f32) -> f32 {
+    let x = f64::from(x);
+    let y = match act {
+        Act::Gelu => 0.5 * x * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2)),
+        Act::GeluTanh => {
+            0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x)).tanh())
+        }
+        Act::Relu => x.max(0.0),
+    };
+    y as f32
+}
+
+fn activation_derivative(act: Act, x: f32) -> f64 {
+    let x = f64::from(x);
+    match act {
+        Act::Gelu => {
+            let cdf = 0.5 * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2));
+            let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+            cdf + x * pdf
+        }
+        Act::GeluTanh => {
+            let inner = SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x);
+            let t = inner.tanh();
+            let d_inner = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_TANH_CUBIC * x * x);
+            0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
+        }
+        Act::Relu => {
+            if x > 0.0 {
+                1.0
+            } else {
+                0.0
+            }
+        }
+    }
+}
+
+pub(crate) fn activation(op: &str, act: Act, x: &[f32], y: &mut [f32]) -> Result<()> {
+    expect_len(op, "y", y.len(), x.len())?;
+    map1(y, x, |x| activation_value(act, x));
+    Ok(())
+}
+
+pub(crate) fn activation_bwd(
+    op: &str,
+    act: Act,
+    dy: &[f32],
+    x: &[f32],
+    dx: &mut [f32],
+) -> Result<()> {
+    expect_len(op, "x", x.len(), dy.len())?;
+    expect_len(op, "dx", dx.len(), dy.len())?;
+    map2(dx, dy, x, |dy, x| {
+        (f64::from(dy) * activation_derivative(act, x)) as f32
+    });
+    Ok(())
+}
+
+fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// `y = silu(gate) · up`.
+pub(crate) fn swiglu(op: &str, gate: &[f32], up: &[f32], y: &mut [f32]) -> Result<()> {
+    expect_len(op, "up", up.len(), gate.len())?;
+    expect_len(op, "y", y.len(), gate.len())?;
+    map2(y, gate, up, |g, u| {
+        let g = f64::from(g);
+        (g * sigmoid(g) * f64::from(u)) as f32
+    });
+    Ok(())
+}
+
+/// `dgate = dy · up · σ(g)(1 + g(1 − σ(g)))`, `dup = dy · silu(g)`.
+pub(crate) fn swiglu_bwd(
+    op: &str,
+    dy: &[f32],
+    gate: &[f32],
+    up: &[f32],
+    dgate: &mut [f32],
+    dup: &mut [f32],
+) -> Result<()> {
+    for (what, len) in [
+        ("gate", gate.len()),
+        ("up", up.len()),
+        ("dgate", dgate.len()),
+        ("dup", dup.len()),
+    ] {
+        expect_len(op, what, len, dy.len())?;
+    }
+    map3(dgate, dy, gate, up, |dy, g, u| {
+        let g = f64::from(g);
+        let s = sigmoid(g);
+        (f64::from(dy) * f64::from(u) * s * (1.0 + g * (1.0 - s))) as f32
+    });
+    map2(dup, dy, gate, |dy, g| {
+        let g = f64::from(g);
+        (f64::from(dy) * g * sigmoid(g)) as f32
+    });
+    Ok(())
+}
+
+pub(crate) fn add(op: &str, a: &[f32], b: &[f32], y: &mut [f32]) -> Result<()> {
+    expect_len(op, "b", b.len(), a.len())?;
+    expect_len(op, "y", y.len(), a.len())?;
+    map2(y, a, b, |a, b| a + b);
+    Ok(())
+}
+
+pub(crate) fn scale(op: &str, factor: f64, x: &[f32], y: &mut [f32]) -> Result<()> {
+    expect_len(op, "y", y.len(), x.len())?;
+    let factor = factor as f32;
+    map1(y, x, |x| factor * x);
+    Ok(())
+}
+
+/// `y = x` for tensors of one dtype and length.
+pub(crate) fn copy(op: &str, x: &Tensor, y: &mut Tensor) -> Result<()> {
+    expect_len(op, "y", y.len(), x.len())?;
+    match (x.data(), y.data_mut()) {
+        (TensorData::F32(x), TensorData::F32(y)) => y.copy_from_slice(x),
+        (TensorData::I32(x), TensorData::I32(y)) => y.copy_from_slice(x),
+        _ => return Err(op_error(op, "x and y have different dtypes")),
+    }
+    Ok(())
+}
+
+/// `dst[dst_offset + i] = src[src_offset + i]` for `i < len`.
+pub(crate) fn copy_range(
+    op: &str,
+    src_offset: u64,
+    dst_offset: u64,
+    len: u64,
+    src: &Tensor,
+    dst: &mut Tensor,
+) -> Result<()> {
+    let range = |offset: u64, buffer_len: usize, what: &str| {
+        let end = offset.checked_add(len);
+        match end {
+            Some(end) if end <= buffer_len as u64 => Ok(offset as usize..end as usize),
+            _ => Err(op_error(
+                op,
+                format!(
+                    "{what} range {offset}..{offset}+{len} is outside its {buffer_len} elements"
+                ),
+            )),
+        }
+    };
+    let src_range = range(src_offset, src.len(), "src")?;
+    let dst_range = range(dst_offset, dst.len(), "dst")?;
+    match (src.data(), dst.data_mut()) {
+        (TensorData::F32(s), TensorData::F32(d)) => d[dst_range].copy_from_slice(&s[src_range]),
+        (TensorData::I32(s), TensorData::I32(d)) => d[dst_range].copy_from_slice(&s[src_range]),
+        _ => return Err(op_error(op, "src and dst have different dtypes")),
+    }
+    Ok(())
+}

@@ -1,0 +1,352 @@
+//! The buffer table (alloc/free/take/put back), error reporting for lowering bugs (counts,
+//! dtypes, lengths: errors, never panics), in-place ops, and bit-identical results across
+//! thread counts.
+use super::*;
+use crate::error::RuntimeError;
+use crate::tensor::Tensor;
+use parc_compiler::ir::op::Act;
+
+#[test]
+fn buffers_are_zeroed_and_their_lifecycle_is_checked() {
+    let mut b = CpuBackend::new();
+    b.alloc(BufferId(3), &[2, 2], DType::F32).unwrap();
+    assert_eq!(b.f32(BufferId(3)).unwrap(), &[0.0; 4]);
+    assert!(b.alloc(BufferId(3), &[1], DType::F32).is_err());
+    assert_eq!(b.allocated_bytes(), 16);
+    assert!(b.f32(BufferId(0)).is_err());
+    assert!(b.i32(BufferId(3)).is_err());
+    assert!(b.write_f32(BufferId(3), &[1.0; 3]).is_err());
+    b.free(BufferId(3)).unwrap();
+    assert!(b.free(BufferId(3)).is_err());
+    assert!(!b.is_allocated(BufferId(3)));
+}
+
+#[test]
+fn take_and_put_back_guard_the_buffer_meanwhile() {
+    let mut b = CpuBackend::new();
+    b.alloc(BufferId(0), &[3], DType::F32).unwrap();
+    b.alloc(BufferId(1), &[3], DType::F32).unwrap();
+    let mut t = b.take(BufferId(0)).unwrap();
+    assert!(b.take(BufferId(0)).is_err());
+    let err = b
+        .compute(&Op::Copy, &[BufferId(0)], &[BufferId(1)], &SCALARS)
+        .unwrap_err();
+    assert!(err.to_string().contains("taken out"), "{err}");
+    // An op whose output is taken fails and leaves its other buffers usable.
+    assert!(b
+        .compute(&Op::Copy, &[BufferId(1)], &[BufferId(0)], &SCALARS)
+        .is_err());
+    assert!(b.f32(BufferId(1)).is_ok());
+    let wrong = Tensor::zeros(BufferId(0), &[4], DType::F32).unwrap();
+    assert!(b.put_back(BufferId(0), wrong).is_err());
+    t.as_f32_mut().unwrap().copy_from_slice(&[1.0, 2.0, 3.0]);
+    b.put_back(BufferId(0), t).unwrap();
+    assert_eq!(b.f32(BufferId(0)).unwrap(), &[1.0, 2.0, 3.0]);
+    let again = Tensor::zeros(BufferId(0), &[3], DType::F32).unwrap();
+    assert!(b.put_back(BufferId(0), again).is_err());
+}
+
+fn error_text(result: Result<Vec<Vec<f32>>>) -> String {
+    match result {
+        Err(RuntimeError::Op { op, what }) => format!("{op}: {what}"),
+        other => panic!("expected an op error, got {other:?}"),
+    }
+}
+
+#[test]
+fn lowering_mistakes_are_clear_errors_naming_op_role_and_buffer() {
+    let matmul = Op::Matmul {
+        in_dim: 4,
+        out_dim: 3,
+        bias: false,
+    };
+    let mut h = Harness::new();
+    // Wrong output length.
+    let text = error_text(h.run(
+        &matmul,
+        &[Input::F(vec![0.0; 8]), Input::F(vec![0.0; 12])],
+        &[vec![0.0; 5]],
+        &SCALARS,
+    ));
+    assert!(
+        text.contains("matmul") && text.contains("y has 5 elements, expected 6"),
+        "{text}"
+    );
+    // Wrong input count (bias declared, not bound).
+    let with_bias = Op::Matmul {
+        in_dim: 4,
+        out_dim: 3,
+        bias: true,
+    };
+    let text = error_text(h.run(
+        &with_bias,
+        &[Input::F(vec![0.0; 8]), Input::F(vec![0.0; 12])],
+        &[vec![0.0; 6]],
+        &SCALARS,
+    ));
+    assert!(text.contains("takes 3 inputs (x, w, b), got 2"), "{text}");
+    // Wrong dtype.
+    let text = error_text(h.run(
+        &Op::Embedding {
+            vocab_start: 0,
+            vocab_local: 2,
+            dim: 2,
+        },
+        &[Input::F(vec![0.0; 2]), Input::F(vec![0.0; 4])],
+        &[vec![0.0; 4]],
+        &SCALARS,
+    ));
+    assert!(
+        text.contains("input 0 (ids, buffer") && text.contains("expected i32"),
+        "{text}"
+    );
+    // Positions that do not match the buffer.
+    let text = error_text(h.run(
+        &Op::Rope {
+            batch: 2,
+            heads: 1,
+            head_dim: 2,
+            theta: 1e4,
+            positions: vec![seg(0, 3)],
+        },
+        &[Input::F(vec![0.0; 8])],
+        &[vec![0.0; 8]],
+        &SCALARS,
+    ));
+    assert!(
+        text.contains("positions cover 3 sequence positions but x holds 2"),
+        "{text}"
+    );
+    // Zero and absurd dimensions.
+    let text = error_text(h.run(
+        &Op::CeMax { vocab_local: 0 },
+        &[Input::F(vec![0.0; 2])],
+        &[vec![0.0; 2]],
+        &SCALARS,
+    ));
+    assert!(text.contains("vocab_local = 0 must be positive"), "{text}");
+    let huge = Op::Attention {
+        batch: 1 << 40,
+        heads: 1 << 30,
+        kv_heads: 1,
+        head_dim: 1 << 30,
+        causal: true,
+        scale: 1.0,
+        q_positions: vec![seg(0, 1)],
+        kv_positions: vec![seg(0, 1)],
+    };
+    let inputs = [
+        Input::F(vec![0.0; 4]),
+        Input::F(vec![0.0; 4]),
+        Input::F(vec![0.0; 4]),
+    ];
+    let text = error_text(h.run(&huge, &inputs, &[vec![0.0; 4], vec![0.0; 1]], &SCALARS));
+    assert!(text.contains("overflows"), "{text}");
+    // Out-of-range copy and position past the table.
+    let text = error_text(h.run(
+        &Op::CopyRange {
+            src_offset: 2,
+            dst_offset: 0,
+            len: 2,
+        },
+        &[Input::F(vec![0.0; 3])],
+        &[vec![0.0; 3]],
+        &SCALARS,
+    ));
+    assert!(
+        text.contains("src range 2..2+2 is outside its 3 elements"),
+        "{text}"
+    );
+    let text = error_text(h.run(
+        &Op::PositionAdd {
+            batch: 1,
+            dim: 1,
+            positions: vec![seg(4, 1)],
+        },
+        &[Input::F(vec![0.0]), Input::F(vec![0.0; 4])],
+        &[vec![0.0]],
+        &SCALARS,
+    ));
+    assert!(text.contains("position 4 is past the 4 rows"), "{text}");
+    // Step 0 for Adam and duplicate outputs.
+    let adam = Op::AdamW {
+        beta1: 0.9,
+        beta2: 0.99,
+        eps: 1e-8,
+        weight_decay: 0.0,
+    };
+    let zero_step = StepScalars { lr: 0.1, step: 0 };
+    let text = error_text(h.run(
+        &adam,
+        &[Input::F(vec![0.0]), Input::F(vec![1.0])],
+        &[vec![0.0], vec![0.0], vec![0.0]],
+        &zero_step,
+    ));
+    assert!(text.contains("1-based"), "{text}");
+    let x = h.f32(&[1.0]);
+    let err = h
+        .backend
+        .compute(&Op::SwiGluBwd, &[x, x, x], &[x, x], &SCALARS);
+    assert!(err
+        .unwrap_err()
+        .to_string()
+        .contains("bound to two outputs"));
+}
+
+#[test]
+fn an_output_that_is_also_an_input_reads_the_value_from_before_the_op() {
+    let mut h = Harness::new();
+    let a = h.f32(&[1.0, 2.0]);
+    let b = h.f32(&[10.0, 20.0]);
+    h.backend
+        .compute(&Op::Add, &[a, b], &[a], &SCALARS)
+        .unwrap();
+    assert_eq!(h.backend.f32(a).unwrap(), &[11.0, 22.0]);
+    h.backend
+        .compute(&Op::Scale { factor: 0.5 }, &[b], &[b], &SCALARS)
+        .unwrap();
+    assert_eq!(h.backend.f32(b).unwrap(), &[5.0, 10.0]);
+}
+
+/// Run a small training-like sequence of ops and return every output's bits.
+fn op_sequence_bits(backend: CpuBackend) -> Vec<Vec<u32>> {
+    let mut h = Harness::with_backend(backend);
+    let (rows, dim, hidden) = (96usize, 64usize, 256usize);
+    let x = Input::F(values(rows * dim, 70, 1.0));
+    let w1 = Input::F(values(hidden * dim, 71, 0.2));
+    let b1 = Input::F(values(hidden, 72, 0.2));
+    let mut outputs = Vec::new();
+    let mut run = |op: Op, inputs: Vec<Input>, lens: Vec<usize>| {
+        let initial: Vec<Vec<f32>> = lens.iter().map(|&n| vec![0.5; n]).collect();
+        let out = h.run(&op, &inputs, &initial, &SCALARS).unwrap();
+        outputs.extend(out.iter().map(|v| v.iter().map(|x| x.to_bits()).collect()));
+        out
+    };
+    let ln = run(
+        Op::LayerNorm {
+            dim: dim as u64,
+            eps: 1e-5,
+            bias: false,
+        },
+        vec![x.clone(), Input::F(vec![1.0; dim])],
+        vec![rows * dim, rows, rows],
+    );
+    let y = run(
+        Op::Matmul {
+            in_dim: dim as u64,
+            out_dim: hidden as u64,
+            bias: true,
+        },
+        vec![Input::F(ln[0].clone()), w1.clone(), b1],
+        vec![rows * hidden],
+    );
+    run(
+        Op::Activation { act: Act::Gelu },
+        vec![Input::F(y[0].clone())],
+        vec![rows * hidden],
+    );
+    let dy = Input::F(values(rows * hidden, 73, 1.0));
+    run(
+        Op::MatmulBwdWeight {
+            in_dim: dim as u64,
+            out_dim: hidden as u64,
+            bias: true,
+        },
+        vec![dy.clone(), Input::F(ln[0].clone())],
+        vec![hidden * dim, hidden],
+    );
+    run(
+        Op::MatmulBwdData {
+            in_dim: dim as u64,
+            out_dim: hidden as u64,
+        },
+        vec![dy, w1],
+        vec![rows * dim],
+    );
+    run(
+        Op::LayerNormBwd {
+            dim: dim as u64,
+            bias: false,
+        },
+        vec![
+            Input::F(values(rows * dim, 74, 1.0)),
+            x,
+            Input::F(vec![1.0; dim]),
+            Input::F(ln[1].clone()),
+            Input::F(ln[2].clone()),
+        ],
+        vec![rows * dim, dim],
+    );
+    let (batch, heads, d, seq) = (4u64, 4u64, 16u64, 24u64);
+    let attention = |bwd: bool| {
+        let segments = (vec![seg(0, 24)], vec![seg(0, 24)]);
+        if bwd {
+            Op::AttentionBwd {
+                batch,
+                heads,
+                kv_heads: 2,
+                head_dim: d,
+                causal: true,
+                scale: 0.25,
+                q_positions: segments.0,
+                kv_positions: segments.1,
+            }
+        } else {
+            Op::Attention {
+                batch,
+                heads,
+                kv_heads: 2,
+                head_dim: d,
+                causal: true,
+                scale: 0.25,
+                q_positions: segments.0,
+                kv_positions: segments.1,
+            }
+        }
+    };
+    let q_len = (seq * batch * heads * d) as usize;
+    let (q, k, v) = (
+        values(q_len, 75, 1.0),
+        values(q_len / 2, 76, 1.0),
+        values(q_len / 2, 77, 1.0),
+    );
+    let fwd = run(
+        attention(false),
+        vec![
+            Input::F(q.clone()),
+            Input::F(k.clone()),
+            Input::F(v.clone()),
+        ],
+        vec![q_len, (batch * heads * seq) as usize],
+    );
+    run(
+        attention(true),
+        vec![
+            Input::F(values(q_len, 78, 1.0)),
+            Input::F(q),
+            Input::F(k),
+            Input::F(v),
+            Input::F(fwd[0].clone()),
+            Input::F(fwd[1].clone()),
+        ],
+        vec![q_len, q_len / 2, q_len / 2],
+    );
+    run(
+        Op::SumSquares,
+        vec![Input::F(values(100_000, 79, 1.0))],
+        vec![1],
+    );
+    outputs
+}
+
+#[test]
+fn results_are_bit_identical_for_any_thread_count() {
+    let one = op_sequence_bits(CpuBackend::with_threads(1).unwrap());
+    let four = op_sequence_bits(CpuBackend::with_threads(4).unwrap());
+    let global = op_sequence_bits(CpuBackend::new());
+    assert_eq!(one.len(), four.len());
+    for (i, (a, b)) in one.iter().zip(&four).enumerate() {
+        assert!(a == b, "output {i} differs between 1 and 4 threads");
+    }
+    assert!(one == global, "global pool differs from 1 thread");
+}

@@ -1,0 +1,404 @@
+//! Every backward op against central differences of its forward op (tolerance in
+//! `assert_gradient`). Overwritten gradient outputs start as NaN (a kernel that reads them
+//! fails); accumulated ones start at 1 and the check subtracts it (a kernel that overwrites
+//! fails).
+use super::*;
+use parc_compiler::ir::op::Act;
+
+fn minus_one(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|x| x - 1.0).collect()
+}
+
+#[test]
+fn embedding_backward_matches_differences_and_skips_other_ranks_ids() {
+    let (vocab_start, vocab_local, dim) = (2u64, 4u64, 3usize);
+    let ids = Input::I(vec![2, 0, 5, 3, 7, 2, -1, 4]);
+    let table = values(12, 1, 1.0);
+    let fwd = Op::Embedding {
+        vocab_start,
+        vocab_local,
+        dim: dim as u64,
+    };
+    let inputs = [ids.clone(), Input::F(table)];
+    let cot = vec![values(8 * dim, 2, 1.0)];
+    let numeric = op_gradient(&fwd, &inputs, &[8 * dim], &cot, 1);
+    let bwd = Op::EmbeddingBwd {
+        vocab_start,
+        vocab_local,
+        dim: dim as u64,
+    };
+    let out = eval_from(&bwd, &[ids, Input::F(cot[0].clone())], &[vec![1.0; 12]]);
+    assert_gradient("dtable", &numeric, &minus_one(&out[0]));
+}
+
+#[test]
+fn position_add_backward_matches_differences_with_split_segments() {
+    let (batch, dim) = (2u64, 3usize);
+    let positions = vec![seg(0, 2), seg(6, 2)];
+    let rows = 4 * batch as usize;
+    let fwd = Op::PositionAdd {
+        batch,
+        dim: dim as u64,
+        positions: positions.clone(),
+    };
+    let inputs = [
+        Input::F(values(rows * dim, 3, 1.0)),
+        Input::F(values(8 * dim, 4, 1.0)),
+    ];
+    let cot = vec![values(rows * dim, 5, 1.0)];
+    let numeric_x = op_gradient(&fwd, &inputs, &[rows * dim], &cot, 0);
+    assert_gradient("dx (= dy)", &numeric_x, &cot[0]);
+    let numeric_table = op_gradient(&fwd, &inputs, &[rows * dim], &cot, 1);
+    let bwd = Op::PositionAddBwd {
+        batch,
+        dim: dim as u64,
+        positions,
+    };
+    let out = eval_from(&bwd, &[Input::F(cot[0].clone())], &[vec![1.0; 8 * dim]]);
+    assert_gradient("dtable", &numeric_table, &minus_one(&out[0]));
+}
+
+fn check_layer_norm(bias: bool) {
+    let (rows, dim) = (3usize, 5usize);
+    let fwd = Op::LayerNorm {
+        dim: dim as u64,
+        eps: 1e-5,
+        bias,
+    };
+    let mut inputs = vec![
+        Input::F(values(rows * dim, 6, 2.0)),
+        Input::F(values(dim, 7, 1.5)),
+    ];
+    if bias {
+        inputs.push(Input::F(values(dim, 8, 1.0)));
+    }
+    let out_lens = [rows * dim, rows, rows];
+    let cot = vec![values(rows * dim, 9, 1.0), vec![], vec![]];
+    let fwd_out = eval(&fwd, &inputs, &out_lens);
+    let bwd = Op::LayerNormBwd {
+        dim: dim as u64,
+        bias,
+    };
+    let bwd_inputs = [
+        Input::F(cot[0].clone()),
+        inputs[0].clone(),
+        inputs[1].clone(),
+        Input::F(fwd_out[1].clone()),
+        Input::F(fwd_out[2].clone()),
+    ];
+    let mut initial = vec![vec![f32::NAN; rows * dim], vec![1.0; dim]];
+    if bias {
+        initial.push(vec![1.0; dim]);
+    }
+    let grads = eval_from(&bwd, &bwd_inputs, &initial);
+    let dx = op_gradient(&fwd, &inputs, &out_lens, &cot, 0);
+    assert_gradient("dx", &dx, &grads[0]);
+    let dw = op_gradient(&fwd, &inputs, &out_lens, &cot, 1);
+    assert_gradient("dw", &dw, &minus_one(&grads[1]));
+    if bias {
+        let db = op_gradient(&fwd, &inputs, &out_lens, &cot, 2);
+        assert_gradient("db", &db, &minus_one(&grads[2]));
+    }
+}
+
+#[test]
+fn layer_norm_backward_matches_differences() {
+    check_layer_norm(true);
+    check_layer_norm(false);
+}
+
+#[test]
+fn rms_norm_backward_matches_differences() {
+    let (rows, dim) = (3usize, 6usize);
+    let fwd = Op::RmsNorm {
+        dim: dim as u64,
+        eps: 1e-6,
+    };
+    let inputs = vec![
+        Input::F(values(rows * dim, 10, 2.0)),
+        Input::F(values(dim, 11, 1.5)),
+    ];
+    let out_lens = [rows * dim, rows];
+    let cot = vec![values(rows * dim, 12, 1.0), vec![]];
+    let fwd_out = eval(&fwd, &inputs, &out_lens);
+    let bwd = Op::RmsNormBwd { dim: dim as u64 };
+    let bwd_inputs = [
+        Input::F(cot[0].clone()),
+        inputs[0].clone(),
+        inputs[1].clone(),
+        Input::F(fwd_out[1].clone()),
+    ];
+    let grads = eval_from(
+        &bwd,
+        &bwd_inputs,
+        &[vec![f32::NAN; rows * dim], vec![1.0; dim]],
+    );
+    assert_gradient(
+        "dx",
+        &op_gradient(&fwd, &inputs, &out_lens, &cot, 0),
+        &grads[0],
+    );
+    assert_gradient(
+        "dw",
+        &op_gradient(&fwd, &inputs, &out_lens, &cot, 1),
+        &minus_one(&grads[1]),
+    );
+}
+
+#[test]
+fn matmul_backward_data_and_weight_match_differences() {
+    let (rows, in_dim, out_dim) = (5usize, 4usize, 3usize);
+    let fwd = Op::Matmul {
+        in_dim: in_dim as u64,
+        out_dim: out_dim as u64,
+        bias: true,
+    };
+    let inputs = vec![
+        Input::F(values(rows * in_dim, 13, 1.0)),
+        Input::F(values(out_dim * in_dim, 14, 1.0)),
+        Input::F(values(out_dim, 15, 1.0)),
+    ];
+    let out_lens = [rows * out_dim];
+    let cot = vec![values(rows * out_dim, 16, 1.0)];
+    let dy = Input::F(cot[0].clone());
+    let dx = eval(
+        &Op::MatmulBwdData {
+            in_dim: in_dim as u64,
+            out_dim: out_dim as u64,
+        },
+        &[dy.clone(), inputs[1].clone()],
+        &[rows * in_dim],
+    );
+    assert_gradient(
+        "dx",
+        &op_gradient(&fwd, &inputs, &out_lens, &cot, 0),
+        &dx[0],
+    );
+    let weight = eval_from(
+        &Op::MatmulBwdWeight {
+            in_dim: in_dim as u64,
+            out_dim: out_dim as u64,
+            bias: true,
+        },
+        &[dy, inputs[0].clone()],
+        &[vec![1.0; out_dim * in_dim], vec![1.0; out_dim]],
+    );
+    assert_gradient(
+        "dw",
+        &op_gradient(&fwd, &inputs, &out_lens, &cot, 1),
+        &minus_one(&weight[0]),
+    );
+    assert_gradient(
+        "db",
+        &op_gradient(&fwd, &inputs, &out_lens, &cot, 2),
+        &minus_one(&weight[1]),
+    );
+}
+
+#[test]
+fn rope_backward_matches_differences_at_context_parallel_positions() {
+    let (batch, heads, head_dim) = (2u64, 2u64, 4usize);
+    let positions = vec![seg(1, 2), seg(9, 1)];
+    let len = 3 * batch as usize * heads as usize * head_dim;
+    let fwd = Op::Rope {
+        batch,
+        heads,
+        head_dim: head_dim as u64,
+        theta: 100.0,
+        positions: positions.clone(),
+    };
+    let inputs = [Input::F(values(len, 17, 1.0))];
+    let cot = vec![values(len, 18, 1.0)];
+    let bwd = Op::RopeBwd {
+        batch,
+        heads,
+        head_dim: head_dim as u64,
+        theta: 100.0,
+        positions,
+    };
+    let dx = eval(&bwd, &[Input::F(cot[0].clone())], &[len]);
+    assert_gradient("dx", &op_gradient(&fwd, &inputs, &[len], &cot, 0), &dx[0]);
+}
+
+fn check_attention(causal: bool, heads: u64, kv_heads: u64) {
+    let (batch, head_dim) = (2u64, 4u64);
+    // A context-parallel style query chunk against keys stored in another order.
+    let q_positions = vec![seg(0, 2), seg(6, 2)];
+    let kv_positions = vec![seg(4, 4), seg(0, 4)];
+    let q_len = (4 * batch * heads * head_dim) as usize;
+    let kv_len = (8 * batch * kv_heads * head_dim) as usize;
+    let lse_len = (batch * heads * 4) as usize;
+    let scale = 1.0 / (head_dim as f64).sqrt();
+    let fwd = Op::Attention {
+        batch,
+        heads,
+        kv_heads,
+        head_dim,
+        causal,
+        scale,
+        q_positions: q_positions.clone(),
+        kv_positions: kv_positions.clone(),
+    };
+    let inputs = vec![
+        Input::F(values(q_len, 19, 1.0)),
+        Input::F(values(kv_len, 20, 1.0)),
+        Input::F(values(kv_len, 21, 1.0)),
+    ];
+    let out_lens = [q_len, lse_len];
+    let cot = vec![values(q_len, 22, 1.0), vec![]];
+    let fwd_out = eval(&fwd, &inputs, &out_lens);
+    let bwd = Op::AttentionBwd {
+        batch,
+        heads,
+        kv_heads,
+        head_dim,
+        causal,
+        scale,
+        q_positions,
+        kv_positions,
+    };
+    let bwd_inputs = [
+        Input::F(cot[0].clone()),
+        inputs[0].clone(),
+        inputs[1].clone(),
+        inputs[2].clone(),
+        Input::F(fwd_out[0].clone()),
+        Input::F(fwd_out[1].clone()),
+    ];
+    let grads = eval(&bwd, &bwd_inputs, &[q_len, kv_len, kv_len]);
+    for (which, name) in [(0, "dq"), (1, "dk"), (2, "dv")] {
+        let numeric = op_gradient(&fwd, &inputs, &out_lens, &cot, which);
+        assert_gradient(name, &numeric, &grads[which]);
+    }
+}
+
+#[test]
+fn attention_backward_matches_differences_causal_mha() {
+    check_attention(true, 2, 2);
+}
+
+#[test]
+fn attention_backward_matches_differences_causal_gqa() {
+    check_attention(true, 4, 2);
+}
+
+#[test]
+fn attention_backward_matches_differences_bidirectional_mqa() {
+    check_attention(false, 2, 1);
+}
+
+#[test]
+fn activation_backward_matches_differences() {
+    // Keep relu's inputs away from its kink at 0.
+    let x: Vec<f32> = values(40, 23, 3.0)
+        .into_iter()
+        .map(|v| if v.abs() < 0.05 { v + 0.1 } else { v })
+        .collect();
+    let cot = vec![values(40, 24, 1.0)];
+    for act in [Act::Gelu, Act::GeluTanh, Act::Relu] {
+        let inputs = [Input::F(x.clone())];
+        let numeric = op_gradient(&Op::Activation { act }, &inputs, &[40], &cot, 0);
+        let dx = eval(
+            &Op::ActivationBwd { act },
+            &[Input::F(cot[0].clone()), Input::F(x.clone())],
+            &[40],
+        );
+        assert_gradient(&format!("{act:?} dx"), &numeric, &dx[0]);
+    }
+}
+
+#[test]
+fn swiglu_backward_matches_differences() {
+    let inputs = vec![Input::F(values(30, 25, 3.0)), Input::F(values(30, 26, 2.0))];
+    let cot = vec![values(30, 27, 1.0)];
+    let Input::F(gate) = inputs[0].clone() else {
+        unreachable!()
+    };
+    let Input::F(up) = inputs[1].clone() else {
+        unreachable!()
+    };
+    let grads = eval(
+        &Op::SwiGluBwd,
+        &[Input::F(cot[0].clone()), Input::F(gate), Input::F(up)],
+        &[30, 30],
+    );
+    assert_gradient(
+        "dgate",
+        &op_gradient(&Op::SwiGlu, &inputs, &[30], &cot, 0),
+        &grads[0],
+    );
+    assert_gradient(
+        "dup",
+        &op_gradient(&Op::SwiGlu, &inputs, &[30], &cot, 1),
+        &grads[1],
+    );
+}
+
+/// The unsplit cross-entropy loss of `logits` through the four forward pieces.
+fn ce_loss_of(logits: &[f32], targets: &[i32], vocab: u64, scale: f64) -> f64 {
+    let rows = targets.len();
+    let logits = Input::F(logits.to_vec());
+    let max = eval(
+        &Op::CeMax { vocab_local: vocab },
+        std::slice::from_ref(&logits),
+        &[rows],
+    );
+    let sumexp = eval(
+        &Op::CeSumExp { vocab_local: vocab },
+        &[logits.clone(), Input::F(max[0].clone())],
+        &[rows],
+    );
+    let target = eval(
+        &Op::CeTargetLogit {
+            vocab_start: 0,
+            vocab_local: vocab,
+        },
+        &[logits, Input::I(targets.to_vec())],
+        &[rows],
+    );
+    let loss = eval_from(
+        &Op::CeLoss { scale },
+        &[
+            Input::F(max[0].clone()),
+            Input::F(sumexp[0].clone()),
+            Input::F(target[0].clone()),
+        ],
+        &[vec![0.0]],
+    );
+    f64::from(loss[0][0])
+}
+
+#[test]
+fn cross_entropy_gradient_matches_differences_of_the_loss() {
+    let (rows, vocab) = (4usize, 7u64);
+    let logits = values(rows * vocab as usize, 28, 3.0);
+    let targets = vec![0, 6, 3, 3];
+    let scale = 1.0 / rows as f64;
+    let numeric = numeric_gradient(&logits, 1e-2, |l| ce_loss_of(l, &targets, vocab, scale));
+    let logits_in = Input::F(logits.clone());
+    let max = eval(
+        &Op::CeMax { vocab_local: vocab },
+        std::slice::from_ref(&logits_in),
+        &[rows],
+    );
+    let sumexp = eval(
+        &Op::CeSumExp { vocab_local: vocab },
+        &[logits_in.clone(), Input::F(max[0].clone())],
+        &[rows],
+    );
+    let grad = eval(
+        &Op::CeGrad {
+            vocab_start: 0,
+            vocab_local: vocab,
+            scale,
+        },
+        &[
+            logits_in,
+            Input::I(targets.clone()),
+            Input::F(max[0].clone()),
+            Input::F(sumexp[0].clone()),
+        ],
+        &[logits.len()],
+    );
+    assert_gradient("dlogits", &numeric, &grad[0]);
+}

@@ -1,0 +1,311 @@
+//! Counter-based parameter initialisation. Element `i` (global row-major flat index) of parameter
+//! `p` under seed `s` is a pure function of `(s, p, i)`: a splitmix64-style hash of the triple
+//! gives two uniforms, Box–Muller turns them into a standard normal. Any shard (a tp block, a
+//! ZeRO flat slice, or both) is therefore produced alone and equals the matching slice of the
+//! full tensor, whatever the plan.
+//!
+//! [`fill_local_param`] maps the plan's parameter layout (tp block, then ZeRO flat shard with zero
+//! padding; see `parc_compiler::ir::program`) to global indices and fills a local buffer.
+use crate::error::{Result, RuntimeError};
+use parc_compiler::ir::{Init, ParamId, TpSplit};
+use rayon::prelude::*;
+
+/// splitmix64's output mixer: a bijection on u64 with good avalanche.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// 64 random bits for counter `counter` of the stream of `(seed, param)`.
+fn random_bits(seed: u64, param: u32, counter: u64) -> u64 {
+    let key = mix(seed.wrapping_add(0x9e37_79b9_7f4a_7c15));
+    let key = mix(key ^ u64::from(param).wrapping_mul(0xd6e8_feb8_6659_fd93));
+    mix(key ^ mix(counter.wrapping_add(0x2545_f491_4f6c_dd1d)))
+}
+
+/// A uniform in `(0, 1]` from the top 53 bits (never 0, so its logarithm is finite).
+fn unit_open_closed(bits: u64) -> f64 {
+    ((bits >> 11) + 1) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+/// Element `index` of parameter `param` under `seed`, drawn from N(0, std²).
+pub fn normal(seed: u64, param: ParamId, index: u64, std: f64) -> f32 {
+    let u1 = unit_open_closed(random_bits(seed, param.0, index.wrapping_mul(2)));
+    let u2 = unit_open_closed(random_bits(
+        seed,
+        param.0,
+        index.wrapping_mul(2).wrapping_add(1),
+    ));
+    let radius = (-2.0 * u1.ln()).sqrt();
+    (std * radius * (std::f64::consts::TAU * u2).cos()) as f32
+}
+
+/// The value of element `index` of a parameter initialised with `init`.
+pub fn init_value(init: Init, seed: u64, param: ParamId, index: u64) -> f32 {
+    match init {
+        Init::Normal { std } => normal(seed, param, index, std),
+        Init::Zeros => 0.0,
+        Init::Ones => 1.0,
+    }
+}
+
+/// Fill `out[j]` with element `start + j` of the parameter.
+pub fn fill_range(out: &mut [f32], init: Init, seed: u64, param: ParamId, start: u64) {
+    out.par_chunks_mut(4096)
+        .enumerate()
+        .for_each(|(chunk, values)| {
+            let base = start + (chunk * 4096) as u64;
+            for (j, value) in values.iter_mut().enumerate() {
+                *value = init_value(init, seed, param, base + j as u64);
+            }
+        });
+}
+
+/// Fill `out[j]` with element `indices[j]` of the parameter; `None` marks padding (zero).
+pub fn fill_indices(
+    out: &mut [f32],
+    init: Init,
+    seed: u64,
+    param: ParamId,
+    indices: &[Option<u64>],
+) -> Result<()> {
+    if out.len() != indices.len() {
+        return Err(RuntimeError::Unsupported(format!(
+            "parameter {} init: {} indices for a buffer of {} elements",
+            param.0,
+            indices.len(),
+            out.len()
+        )));
+    }
+    out.par_iter_mut()
+        .zip(indices.par_iter())
+        .for_each(|(value, index)| {
+            *value = index.map_or(0.0, |i| init_value(init, seed, param, i));
+        });
+    Ok(())
+}
+
+/// Global flat indices of the tp-local tensor's elements, in its row-major order: the block
+/// `tp.index` of `tp.parts` along `tp.dim` of a tensor of `global_shape` (all of it when `tp` is
+/// None).
+pub fn tp_local_indices(global_shape: &[u64], tp: Option<TpSplit>) -> Result<Vec<u64>> {
+    let mut local_shape = global_shape.to_vec();
+    let mut offset = vec![0u64; global_shape.len()];
+    if let Some(split) = tp {
+        let dim = split.dim as usize;
+        let extent = global_shape.get(dim).copied().ok_or_else(|| {
+            RuntimeError::Unsupported(format!(
+                "tp split along dimension {dim} of a parameter of shape {global_shape:?}"
+            ))
+        })?;
+        if split.parts == 0 || extent % u64::from(split.parts) != 0 || split.index >= split.parts {
+            return Err(RuntimeError::Unsupported(format!(
+                "tp block {} of {} along dimension {dim} of a parameter of shape {global_shape:?}: \
+                 the dimension must divide evenly and the block must exist",
+                split.index, split.parts
+            )));
+        }
+        let block = extent / u64::from(split.parts);
+        local_shape[dim] = block;
+        offset[dim] = block * u64::from(split.index);
+    }
+    let count: u64 = local_shape.iter().product();
+    let mut indices = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
+    let mut coords = vec![0u64; local_shape.len()];
+    for _ in 0..count {
+        let flat = coords
+            .iter()
+            .zip(&offset)
+            .zip(global_shape)
+            .fold(0u64, |acc, ((&c, &o), &extent)| acc * extent + c + o);
+        indices.push(flat);
+        for d in (0..coords.len()).rev() {
+            coords[d] += 1;
+            if coords[d] < local_shape[d] {
+                break;
+            }
+            coords[d] = 0;
+        }
+    }
+    Ok(indices)
+}
+
+/// Where a ZeRO shard sits in the flat, zero-padded tp-local tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ZeroShard {
+    pub shard_len: u64,
+    /// The caller's index in its ZeRO group set.
+    pub index: u64,
+}
+
+/// Fill a program's local copy of a parameter: the tp-local tensor (`zero` None, `out` has its
+/// element count) or the caller's ZeRO shard of it (`out` has `shard_len` elements; elements past
+/// the tensor's end are zero padding).
+pub fn fill_local_param(
+    out: &mut [f32],
+    init: Init,
+    seed: u64,
+    param: ParamId,
+    global_shape: &[u64],
+    tp: Option<TpSplit>,
+    zero: Option<ZeroShard>,
+) -> Result<()> {
+    let local = tp_local_indices(global_shape, tp)?;
+    let indices: Vec<Option<u64>> = match zero {
+        None => local.into_iter().map(Some).collect(),
+        Some(shard) => {
+            let start = shard.index.saturating_mul(shard.shard_len);
+            (0..shard.shard_len)
+                .map(|j| {
+                    usize::try_from(start + j)
+                        .ok()
+                        .and_then(|i| local.get(i).copied())
+                })
+                .collect()
+        }
+    };
+    fill_indices(out, init, seed, param, &indices)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_depend_only_on_seed_param_and_index() {
+        let a = normal(7, ParamId(3), 12345, 0.02);
+        assert_eq!(a.to_bits(), normal(7, ParamId(3), 12345, 0.02).to_bits());
+        assert_ne!(a, normal(8, ParamId(3), 12345, 0.02));
+        assert_ne!(a, normal(7, ParamId(4), 12345, 0.02));
+        assert_ne!(a, normal(7, ParamId(3), 12346, 0.02));
+    }
+
+    #[test]
+    fn normal_has_the_requested_moments() {
+        let std = 0.5;
+        let n = 200_000u64;
+        let samples: Vec<f64> = (0..n)
+            .map(|i| f64::from(normal(1, ParamId(0), i, std)))
+            .collect();
+        let mean = samples.iter().sum::<f64>() / n as f64;
+        let var = samples.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n as f64;
+        let kurt = samples.iter().map(|x| (x - mean).powi(4)).sum::<f64>() / n as f64 / var / var;
+        // Standard errors: mean 0.5/sqrt(2e5) ≈ 1.1e-3, variance ≈ 0.25·sqrt(2/2e5) ≈ 8e-4.
+        assert!(mean.abs() < 5e-3, "mean {mean}");
+        assert!((var - std * std).abs() < 5e-3, "variance {var}");
+        assert!((kurt - 3.0).abs() < 0.1, "kurtosis {kurt}");
+        let within_one_std = samples.iter().filter(|x| x.abs() < std).count() as f64 / n as f64;
+        assert!((within_one_std - 0.6827).abs() < 0.01, "{within_one_std}");
+    }
+
+    #[test]
+    fn a_range_equals_the_slice_of_the_full_tensor() {
+        let init = Init::Normal { std: 1.0 };
+        let mut full = vec![0.0; 10_000];
+        fill_range(&mut full, init, 5, ParamId(2), 0);
+        let mut part = vec![0.0; 3_000];
+        fill_range(&mut part, init, 5, ParamId(2), 4_321);
+        assert_eq!(part, full[4_321..7_321]);
+    }
+
+    #[test]
+    fn tp_blocks_along_either_dimension_are_slices_of_the_full_tensor() {
+        let init = Init::Normal { std: 1.0 };
+        let (rows, cols) = (6u64, 8u64);
+        let mut full = vec![0.0; 48];
+        fill_range(&mut full, init, 9, ParamId(1), 0);
+        // Column block 1 of 2: columns 4..8 of every row.
+        let mut cols_block = vec![0.0; 24];
+        let split = TpSplit {
+            dim: 1,
+            parts: 2,
+            index: 1,
+        };
+        fill_local_param(
+            &mut cols_block,
+            init,
+            9,
+            ParamId(1),
+            &[rows, cols],
+            Some(split),
+            None,
+        )
+        .unwrap();
+        for r in 0..6 {
+            assert_eq!(cols_block[r * 4..r * 4 + 4], full[r * 8 + 4..r * 8 + 8]);
+        }
+        // Row block 2 of 3: rows 4..6.
+        let mut rows_block = vec![0.0; 16];
+        let split = TpSplit {
+            dim: 0,
+            parts: 3,
+            index: 2,
+        };
+        fill_local_param(
+            &mut rows_block,
+            init,
+            9,
+            ParamId(1),
+            &[rows, cols],
+            Some(split),
+            None,
+        )
+        .unwrap();
+        assert_eq!(rows_block, full[32..48]);
+    }
+
+    #[test]
+    fn zero_shards_are_flat_slices_of_the_tp_local_tensor_with_zero_padding() {
+        let init = Init::Normal { std: 1.0 };
+        let split = TpSplit {
+            dim: 1,
+            parts: 2,
+            index: 0,
+        };
+        let mut local = vec![0.0; 15];
+        fill_local_param(&mut local, init, 3, ParamId(0), &[5, 6], Some(split), None).unwrap();
+        // 15 elements over 4 shards of 4: the last shard holds 3 elements and one pad.
+        let mut gathered = Vec::new();
+        for index in 0..4 {
+            let mut shard = vec![f32::NAN; 4];
+            let zero = ZeroShard {
+                shard_len: 4,
+                index,
+            };
+            fill_local_param(
+                &mut shard,
+                init,
+                3,
+                ParamId(0),
+                &[5, 6],
+                Some(split),
+                Some(zero),
+            )
+            .unwrap();
+            gathered.extend(shard);
+        }
+        assert_eq!(gathered[..15], local[..]);
+        assert_eq!(gathered[15], 0.0);
+    }
+
+    #[test]
+    fn layout_errors_are_reported() {
+        let split = TpSplit {
+            dim: 0,
+            parts: 4,
+            index: 0,
+        };
+        assert!(tp_local_indices(&[6, 2], Some(split)).is_err());
+        let split = TpSplit {
+            dim: 2,
+            parts: 1,
+            index: 0,
+        };
+        assert!(tp_local_indices(&[6, 2], Some(split)).is_err());
+        let mut out = vec![0.0; 3];
+        assert!(
+            fill_local_param(&mut out, Init::Ones, 0, ParamId(0), &[2, 2], None, None).is_err()
+        );
+    }
+}
