@@ -5,6 +5,8 @@
 mod equivalence;
 #[path = "ir/fixtures.rs"]
 mod fixtures;
+#[path = "ir/golden.rs"]
+mod golden;
 #[path = "ir/lockstep.rs"]
 mod lockstep;
 #[path = "ir/lowering.rs"]
