@@ -172,3 +172,99 @@ fn all_axes_at_once() {
         },
     );
 }
+
+/// Every plan of the matrix: dp, pp, cp, tp ∈ {1, 2}, ZeRO 0–3 (where dp·cp > 1), GPipe / 1F1B
+/// / interleaved (where pp > 1), recompute none / selective / full, sequence parallel on/off
+/// (where tp > 1), for both tiny models. Minutes of CPU: run by `bench/equivalence.sh`.
+fn full_matrix() -> Vec<(bool, PlanChoice)> {
+    let mut plans = Vec::new();
+    let two = [1u32, 2];
+    for llama in [false, true] {
+        for dp in two {
+            for pp in two {
+                for cp in two {
+                    for tp in two {
+                        let zeros: &[ZeroStage] = if dp * cp > 1 {
+                            &[
+                                ZeroStage::Zero0,
+                                ZeroStage::Zero1,
+                                ZeroStage::Zero2,
+                                ZeroStage::Zero3,
+                            ]
+                        } else {
+                            &[ZeroStage::Zero0]
+                        };
+                        let schedules: &[PipelineSchedule] = if pp > 1 {
+                            &[
+                                PipelineSchedule::Gpipe,
+                                PipelineSchedule::OneFOneB,
+                                PipelineSchedule::Interleaved { virtual_stages: 2 },
+                            ]
+                        } else {
+                            &[PipelineSchedule::OneFOneB]
+                        };
+                        let sps: &[bool] = if tp > 1 { &[false, true] } else { &[false] };
+                        for &zero in zeros {
+                            for &schedule in schedules {
+                                for recompute in
+                                    [Recompute::None, Recompute::Selective, Recompute::Full]
+                                {
+                                    for &sp in sps {
+                                        plans.push((
+                                            llama,
+                                            PlanChoice {
+                                                dp,
+                                                pp,
+                                                cp,
+                                                tp,
+                                                zero,
+                                                schedule,
+                                                microbatches: 2 * pp,
+                                                recompute: recompute.clone(),
+                                                sp,
+                                            },
+                                        ));
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    plans
+}
+
+#[test]
+fn full_matrix_when_asked() {
+    if std::env::var("PARC_EQUIVALENCE").as_deref() != Ok("full") {
+        println!("skipped: set PARC_EQUIVALENCE=full (bench/equivalence.sh) for the whole matrix");
+        return;
+    }
+    let plans = full_matrix();
+    let total = plans.len();
+    let mut failures = Vec::new();
+    for (i, (llama, plan)) in plans.into_iter().enumerate() {
+        let desc = describe(llama, &plan);
+        let outcome = std::panic::catch_unwind(|| assert_equivalent(llama, plan));
+        match outcome {
+            Ok(()) => println!("[{}/{total}] ok   {desc}", i + 1),
+            Err(e) => {
+                let why = e
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                println!("[{}/{total}] FAIL {desc}: {why}", i + 1);
+                failures.push(desc);
+            }
+        }
+    }
+    println!(
+        "{} passed, {} failed",
+        total - failures.len(),
+        failures.len()
+    );
+    assert!(failures.is_empty(), "failed plans: {failures:#?}");
+}
