@@ -83,6 +83,8 @@ pub struct Emitter<'a> {
     pub bucket_bytes: u64,
     /// ZeRO-3 parameters gathered for the node being emitted.
     pub gathered: Vec<BufferId>,
+    /// ZeRO-3 parameters gathered ahead of the node that uses them.
+    pub prefetched: Vec<(ParamId, BufferId)>,
     pub errors: Vec<Diagnostic>,
     /// Phase of the compute being emitted (forward, recompute or backward).
     pub phase: Phase,
@@ -115,26 +117,34 @@ impl Emitter<'_> {
         format!("{}.{what}@{mb}", self.node_name(node))
     }
 
-    /// The buffer compute ops read for a parameter of `node` (ZeRO-3: gathered now, freed
-    /// by [`Emitter::end_node`]).
+    /// The buffer compute ops read for a parameter of `node` (ZeRO-3: gathered by a prefetch
+    /// or now, freed by [`Emitter::end_node`]).
     pub fn weight(&mut self, node: NodeId, local: &str) -> Option<BufferId> {
         let slot = self.params.get(node, local)?;
         let idx = *self.local_of.get(&slot.param)?;
         let l = &self.locals[idx];
-        if self.zero != ZeroStage::Zero3 {
+        if self.zero != ZeroStage::Zero3 || l.zero.is_none() {
             return Some(l.working.unwrap_or(l.master));
         }
-        let (master, shape, numel, zero) = (l.master, l.shape.clone(), l.numel, l.zero);
+        let full = match self.prefetched.iter().position(|(p, _)| *p == slot.param) {
+            Some(i) => self.prefetched.remove(i).1,
+            None => self.gather(idx, node)?,
+        };
+        self.gathered.push(full);
+        Some(full)
+    }
+
+    /// All-gather local parameter `idx`'s ZeRO-3 shards into a transient full tensor.
+    fn gather(&mut self, idx: usize, node: NodeId) -> Option<BufferId> {
+        let l = &self.locals[idx];
+        let (master, shape, numel, z) = (l.master, l.shape.clone(), l.numel, l.zero?);
         let name = self
             .params
             .table
             .params
-            .get(slot.param.0 as usize)
+            .get(l.param.0 as usize)
             .map(|p| p.name.clone())
             .unwrap_or_default();
-        let Some(z) = zero else {
-            return Some(master);
-        };
         let flat = self.b.alloc(
             format!("{name}.gather"),
             vec![u64::from(z.parts) * z.shard_len],
@@ -157,8 +167,34 @@ impl Emitter<'_> {
             self.phase,
         );
         self.b.release(flat);
-        self.gathered.push(full);
         Some(full)
+    }
+
+    /// ZeRO-3 prefetch: gather `node`'s parameters now, before the node emitted next, so the
+    /// all-gathers overlap with its compute (one node ahead).
+    pub fn prefetch(&mut self, node: NodeId) {
+        if self.zero != ZeroStage::Zero3 {
+            return;
+        }
+        let params: Vec<_> = self.params.slots(node).iter().map(|s| s.param).collect();
+        for p in params {
+            let Some(&idx) = self.local_of.get(&p) else {
+                continue;
+            };
+            if self.locals[idx].zero.is_none() || self.prefetched.iter().any(|(q, _)| *q == p) {
+                continue;
+            }
+            if let Some(full) = self.gather(idx, node) {
+                self.prefetched.push((p, full));
+            }
+        }
+    }
+
+    /// Free prefetched parameters nobody used (end of a unit).
+    pub fn drop_prefetched(&mut self) {
+        for (_, b) in std::mem::take(&mut self.prefetched) {
+            self.b.release(b);
+        }
     }
 
     /// Release the parameters gathered for the node just emitted.

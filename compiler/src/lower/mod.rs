@@ -396,6 +396,7 @@ fn emit_program(
         bucket: Vec::new(),
         bucket_bytes: spec.parallel.bucket_bytes,
         gathered: Vec::new(),
+        prefetched: Vec::new(),
         errors: Vec::new(),
         phase: crate::ir::Phase::Forward,
     };
@@ -453,8 +454,3 @@ fn emit_program(
         grad_sumsq: Some(grad_sumsq),
     })
 }
-
-#[cfg(test)]
-mod tests;
-#[cfg(test)]
-mod testspec;

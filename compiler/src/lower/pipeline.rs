@@ -298,6 +298,10 @@ impl Emitter<'_> {
                     }
                 }
             }
+            if i == start {
+                self.prefetch_next(start..end);
+            }
+            self.prefetch_next(i + 1..end);
             let saved = self.forward_node(mb, node);
             if self.segments[i].is_some() {
                 for s in saved {
@@ -323,6 +327,7 @@ impl Emitter<'_> {
                 }
             }
         }
+        self.drop_prefetched();
         for v in &outputs {
             if let Some(buf) = self.mbs[m].values.get(v).copied() {
                 self.mbs[m].outbox.insert((chunk, *v, false), buf);
@@ -347,8 +352,13 @@ impl Emitter<'_> {
             }
         }
         let mut recomputed: Vec<u32> = Vec::new();
+        self.phase = Phase::Backward;
         for i in (start..end).rev() {
             let node = NodeId(i as u32);
+            if i + 1 == end {
+                self.prefetch_prev(start..end);
+            }
+            self.prefetch_prev(start..i);
             if let Some(seg) = self.segments[i] {
                 if !recomputed.contains(&seg) {
                     recomputed.push(seg);
@@ -370,6 +380,7 @@ impl Emitter<'_> {
                 }
             }
         }
+        self.drop_prefetched();
         let inputs: Vec<ValueId> = self
             .chunks
             .inputs
@@ -397,6 +408,27 @@ impl Emitter<'_> {
         let leftover: Vec<BufferId> = self.mbs[m].grads.drain().map(|(_, b)| b).collect();
         for b in leftover {
             self.b.release(b);
+        }
+    }
+
+    /// Prefetch the parameters of the first node in `range` that has any.
+    fn prefetch_next(&mut self, range: std::ops::Range<usize>) {
+        let next = range
+            .into_iter()
+            .find(|&j| !self.params.slots(NodeId(j as u32)).is_empty());
+        if let Some(j) = next {
+            self.prefetch(NodeId(j as u32));
+        }
+    }
+
+    /// Prefetch the parameters of the last node in `range` that has any.
+    fn prefetch_prev(&mut self, range: std::ops::Range<usize>) {
+        let prev = range
+            .into_iter()
+            .rev()
+            .find(|&j| !self.params.slots(NodeId(j as u32)).is_empty());
+        if let Some(j) = prev {
+            self.prefetch(NodeId(j as u32));
         }
     }
 
