@@ -44,8 +44,7 @@ fn data_error(file: &Path, what: impl std::fmt::Display) -> RuntimeError {
 
 impl Dataset {
     /// Open the spec's data source. File paths are relative to `spec_dir` (the folder of the
-    /// `.par` file). `synthetic_samples` is how many samples a synthetic source provides (the
-    /// run's total, so one epoch covers it).
+    /// `.par` file). `synthetic_samples` is how many samples a synthetic source provides.
     pub fn open(
         source: &DataSource,
         spec_dir: &Path,

@@ -82,6 +82,10 @@ pub struct TrainResult {
     pub start_step: u64,
 }
 
+/// Samples in a synthetic dataset: fixed (not derived from `train.steps`), so a run extended
+/// with a larger `train.steps` can resume from its checkpoints.
+pub const SYNTHETIC_SAMPLES: u64 = 1 << 16;
+
 /// Open the spec's data source relative to `spec_dir`.
 pub fn open_dataset(spec: &Spec, spec_dir: &Path) -> Result<Dataset> {
     Dataset::open(
@@ -90,7 +94,7 @@ pub fn open_dataset(spec: &Spec, spec_dir: &Path) -> Result<Dataset> {
         spec.model.vocab,
         spec.model.seq,
         spec.train.seed,
-        spec.train.global_batch.max(1) * spec.train.steps.max(1),
+        SYNTHETIC_SAMPLES,
     )
 }
 
