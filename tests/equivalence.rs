@@ -3,6 +3,7 @@
 //! single-rank run's per-step losses (1e-5 relative, 5 steps) and final parameters (1e-5).
 //! CI runs the sample below; `bench/equivalence.sh` runs the whole matrix
 //! (`PARC_EQUIVALENCE=full`).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 #[allow(dead_code)]
 #[path = "ir/fixtures.rs"]
 mod fixtures;
@@ -258,10 +259,9 @@ fn full_matrix_when_asked() {
     for (i, (llama, plan)) in plans.into_iter().enumerate() {
         let desc = describe(llama, &plan);
         let key = (llama, plan.microbatches * plan.dp);
-        if !references.contains_key(&key) {
-            references.insert(key, single_rank_of(llama, &plan));
-        }
-        let single = &references[&key];
+        let single = references
+            .entry(key)
+            .or_insert_with(|| single_rank_of(llama, &plan));
         let outcome = std::panic::catch_unwind(|| assert_matches(single, llama, plan));
         match outcome {
             Ok(()) => println!("[{}/{total}] ok   {desc}", i + 1),

@@ -2,6 +2,7 @@
 //! losses and final parameters of an uninterrupted run bit for bit, on sharded plans too
 //! (ZeRO optimizer shards, pipeline stages, tp blocks). A checkpoint from another plan is
 //! refused.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 #[allow(dead_code)]
 #[path = "ir/fixtures.rs"]
 mod fixtures;
