@@ -5,6 +5,7 @@
 mod cmd_check;
 mod cmd_plan;
 mod cmd_run;
+mod report;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

@@ -1,5 +1,6 @@
 //! parc's compiler core. Pure: no file IO, no CUDA. The CLI reads files into [`diag::Sources`]
 //! and renders what comes back.
+pub mod cost;
 pub mod diag;
 pub mod ir;
 pub mod lower;

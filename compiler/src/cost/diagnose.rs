@@ -1,0 +1,270 @@
+//! Diagnostics from a [`CostReport`]: E0701 when a stage's peak memory exceeds the GPU's, with
+//! the biggest terms and what each single change to the plan would save (each re-estimated on
+//! a modified copy of the spec, so the numbers are the model's own); warnings for a pipeline
+//! bubble over 25% (W0701) and ZeRO over a single data-parallel rank (W0702 for ZeRO-3, W0703
+//! for ZeRO-1/2).
+
+use super::{estimate, schedule, CostReport};
+use crate::diag::{Diagnostic, Diagnostics};
+use crate::spec::{Axis, LayerKind, Recompute, Spec, ZeroStage};
+
+/// The bubble fraction above which W0701 warns.
+pub const BUBBLE_LIMIT: f64 = 0.25;
+
+/// Bytes as GiB with one decimal.
+pub fn gib(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / f64::from(1u32 << 30))
+}
+
+fn peak(report: &CostReport) -> u64 {
+    report.worst_role().map(|r| r.memory.total()).unwrap_or(0)
+}
+
+/// One alternative plan: what to write and the changed spec.
+struct Alternative {
+    change: String,
+    spec: Spec,
+}
+
+fn set_recompute(spec: &mut Spec, recompute: Recompute) {
+    for node in &mut spec.model.nodes {
+        node.recompute = match &recompute {
+            Recompute::None => false,
+            Recompute::Selective => matches!(node.kind, LayerKind::Attention { .. }),
+            Recompute::Full => node.layer.is_some(),
+            Recompute::Named(names) => names
+                .iter()
+                .any(|n| n == node.kind.kind_name() || n == &node.name),
+        };
+    }
+    spec.parallel.recompute = recompute;
+}
+
+fn set_axis(spec: &mut Spec, axis: Axis, size: u32) {
+    for (a, n) in &mut spec.parallel.mesh.axes {
+        if *a == axis {
+            *n = size;
+        }
+    }
+}
+
+/// Whether every dimension tp splits divides by `t`.
+fn tp_fits(spec: &Spec, t: u32) -> bool {
+    let t = u64::from(t);
+    if t > u64::from(spec.cluster.gpus_per_node) || !spec.model.vocab.is_multiple_of(t) {
+        return false;
+    }
+    spec.model.nodes.iter().all(|n| match n.kind {
+        LayerKind::Attention {
+            heads, kv_heads, ..
+        } => heads.is_multiple_of(t) && kv_heads.is_multiple_of(t),
+        LayerKind::Mlp { hidden, .. } => hidden.is_multiple_of(t),
+        _ => true,
+    })
+}
+
+fn alternatives(spec: &Spec) -> Vec<Alternative> {
+    let mut out = Vec::new();
+    let mesh = &spec.parallel.mesh;
+    let (dp, pp, cp, tp) = (
+        mesh.size(Axis::Dp),
+        mesh.size(Axis::Pp),
+        mesh.size(Axis::Cp),
+        mesh.size(Axis::Tp),
+    );
+    if dp * cp > 1 {
+        for zero in [ZeroStage::Zero1, ZeroStage::Zero2, ZeroStage::Zero3] {
+            if zero > spec.parallel.zero {
+                let mut s = spec.clone();
+                s.parallel.zero = zero;
+                out.push(Alternative {
+                    change: format!("zero = {}", zero.level()),
+                    spec: s,
+                });
+            }
+        }
+    }
+    if spec.parallel.recompute == Recompute::None {
+        let mut s = spec.clone();
+        set_recompute(&mut s, Recompute::Selective);
+        out.push(Alternative {
+            change: "recompute = selective".to_string(),
+            spec: s,
+        });
+    }
+    if spec.parallel.recompute != Recompute::Full {
+        let mut s = spec.clone();
+        set_recompute(&mut s, Recompute::Full);
+        out.push(Alternative {
+            change: "recompute = full".to_string(),
+            spec: s,
+        });
+    }
+    // Doubling tp or pp keeps the world size by halving dp.
+    if dp.is_multiple_of(2) && tp_fits(spec, tp * 2) {
+        let mut s = spec.clone();
+        set_axis(&mut s, Axis::Tp, tp * 2);
+        set_axis(&mut s, Axis::Dp, dp / 2);
+        let sh = &mut s.model.sharding;
+        sh.attention_heads_on_tp = true;
+        sh.mlp_hidden_on_tp = true;
+        sh.vocab_on_tp = true;
+        s.train.global_batch /= 2;
+        out.push(Alternative {
+            change: format!("tp = {} (dp = {})", tp * 2, dp / 2),
+            spec: s,
+        });
+    }
+    let (_, v) = super::pipeline_shape(spec);
+    if dp.is_multiple_of(2) && spec.model.layers.is_multiple_of(pp * 2 * v) {
+        let mut s = spec.clone();
+        set_axis(&mut s, Axis::Pp, pp * 2);
+        set_axis(&mut s, Axis::Dp, dp / 2);
+        s.train.global_batch /= 2;
+        out.push(Alternative {
+            change: format!("pp = {} (dp = {})", pp * 2, dp / 2),
+            spec: s,
+        });
+    }
+    let b = spec.train.micro_batch;
+    if b.is_multiple_of(2) {
+        let mut s = spec.clone();
+        s.train.micro_batch = b / 2;
+        s.parallel.microbatches *= 2;
+        out.push(Alternative {
+            change: format!(
+                "micro_batch = {} (microbatches = {})",
+                b / 2,
+                spec.parallel.microbatches * 2
+            ),
+            spec: s,
+        });
+    }
+    out
+}
+
+fn memory_error(spec: &Spec, report: &CostReport) -> Option<Diagnostic> {
+    let capacity = spec.cluster.gpu.memory_bytes;
+    let worst = report.worst_role()?;
+    let need = worst.memory.total();
+    if need <= capacity {
+        return None;
+    }
+    let over: Vec<String> = report
+        .roles
+        .iter()
+        .filter(|r| r.memory.total() > capacity)
+        .map(|r| format!("{} ({})", r.role, gib(r.memory.total())))
+        .collect();
+    let terms: Vec<String> = worst
+        .memory
+        .by_size()
+        .iter()
+        .filter(|(_, b)| *b > 0)
+        .map(|(name, b)| format!("{name} {}", gib(*b)))
+        .collect();
+    let mut d = Diagnostic::error(
+        "E0701",
+        format!(
+            "{} needs {} per GPU but {} has {}",
+            worst.role,
+            gib(need),
+            spec.cluster.gpu.name,
+            gib(capacity)
+        ),
+    )
+    .label(spec.parallel.span, "this plan")
+    .label(spec.cluster.span, format!("{} per GPU here", gib(capacity)))
+    .note(format!("biggest terms: {}", terms.join(", ")));
+    if over.len() > 1 {
+        d = d.note(format!("over the limit: {}", over.join(", ")));
+    }
+    let mut options: Vec<(String, u64)> = alternatives(spec)
+        .into_iter()
+        .map(|alt| (alt.change, peak(&estimate(&alt.spec))))
+        .filter(|(_, after)| *after < need)
+        .collect();
+    options.sort_by_key(|(_, after)| *after);
+    for (change, after) in &options {
+        d = d.note(format!(
+            "{change} saves {} per rank (peak {})",
+            gib(need - after),
+            gib(*after)
+        ));
+    }
+    let fitting = options.iter().find(|(_, after)| *after <= capacity);
+    let help = match (fitting, options.first()) {
+        (Some((change, after)), _) => format!(
+            "{change} saves {} per rank and fits: {} of {}",
+            gib(need - after),
+            gib(*after),
+            gib(capacity)
+        ),
+        (None, Some((change, after))) => format!(
+            "no single change fits; the largest saving is {change} ({} per rank, peak {}): combine it with the others below",
+            gib(need - after),
+            gib(*after)
+        ),
+        (None, None) => format!(
+            "use a GPU with at least {} or more GPUs (nodes × gpus_per_node)",
+            gib(need)
+        ),
+    };
+    Some(d.help(help))
+}
+
+/// Diagnose a plan from its cost report: memory over capacity (error) and wasteful plans
+/// (warnings).
+pub fn diagnose(spec: &Spec, report: &CostReport) -> Diagnostics {
+    let mut out = Diagnostics::default();
+    if let Some(d) = memory_error(spec, report) {
+        out.push(d);
+    }
+    let (p, v) = super::pipeline_shape(spec);
+    if report.bubble_fraction > BUBBLE_LIMIT {
+        let m = schedule::microbatches_for_bubble(spec.parallel.schedule, p, v, BUBBLE_LIMIT);
+        let after = schedule::bubble_fraction(spec.parallel.schedule, p, v, m);
+        let global =
+            spec.train.micro_batch * u64::from(m) * u64::from(spec.parallel.mesh.size(Axis::Dp));
+        out.push(
+            Diagnostic::warning(
+                "W0701",
+                format!(
+                    "the pipeline is idle {:.0}% of the step ({} stages, {} microbatches)",
+                    report.bubble_fraction * 100.0,
+                    p,
+                    report.microbatches
+                ),
+            )
+            .label(spec.parallel.span, "this pipeline")
+            .help(format!(
+                "raise microbatches to {m} for under 25% ({:.1}%), with global_batch = {global}",
+                after * 100.0
+            )),
+        );
+    }
+    let nd = super::model_state::zero_group(spec);
+    if nd == 1 && spec.parallel.zero == ZeroStage::Zero3 {
+        out.push(
+            Diagnostic::warning(
+                "W0702",
+                "zero = 3 with a single data-parallel rank shards nothing but still gathers every weight twice per microbatch",
+            )
+            .label(spec.parallel.span, "this plan")
+            .help("set zero = 0, or raise dp above 1"),
+        );
+    } else if nd == 1 && spec.parallel.zero > ZeroStage::Zero0 {
+        out.push(
+            Diagnostic::warning(
+                "W0703",
+                format!(
+                    "zero = {} with a single data-parallel rank shards nothing",
+                    spec.parallel.zero.level()
+                ),
+            )
+            .label(spec.parallel.span, "this plan")
+            .help("set zero = 0, or raise dp above 1"),
+        );
+    }
+    out
+}

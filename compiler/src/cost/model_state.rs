@@ -1,0 +1,180 @@
+//! Parameters per rank and the model-state memory (weights, gradients, optimizer state) by
+//! precision and ZeRO stage, after Rajbhandari et al. 2020 ("ZeRO"): mixed precision keeps
+//! 2Ψ + 2Ψ + KΨ bytes, K = 12 for Adam (fp32 master, m, v); ZeRO-1 shards the KΨ term over
+//! N_d data-parallel ranks, ZeRO-2 also the gradients, ZeRO-3 also the weights.
+
+use super::MemoryTerms;
+use crate::spec::{Activation, Axis, LayerKind, Optimizer, Precision, Spec, ZeroStage};
+
+/// Model-state bytes of one rank holding Ψ parameters.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ModelStateBytes {
+    pub weights: f64,
+    pub gradients: f64,
+    pub optimizer: f64,
+}
+
+impl ModelStateBytes {
+    pub fn total(&self) -> f64 {
+        self.weights + self.gradients + self.optimizer
+    }
+}
+
+/// Bytes per parameter of (weights, gradients, optimizer state) before sharding.
+pub fn bytes_per_param(precision: Precision, optimizer: &Optimizer) -> (f64, f64, f64) {
+    let words = optimizer.state_words() as f64;
+    match precision {
+        Precision::Fp32 => (4.0, 4.0, 4.0 * words),
+        // fp32 master copy plus the fp32 optimizer words (AdamW: K = 4 + 8 = 12).
+        Precision::Bf16 | Precision::Fp16 { .. } => (2.0, 2.0, 4.0 + 4.0 * words),
+    }
+}
+
+/// ZeRO's model-state memory for `psi` parameters sharded over `nd` ranks.
+pub fn model_state_bytes(
+    psi: f64,
+    per_param: (f64, f64, f64),
+    zero: ZeroStage,
+    nd: u32,
+) -> ModelStateBytes {
+    let nd = f64::from(nd.max(1));
+    let (w, g, k) = per_param;
+    let shard = |on: bool| if on { nd } else { 1.0 };
+    ModelStateBytes {
+        weights: w * psi / shard(zero >= ZeroStage::Zero3),
+        gradients: g * psi / shard(zero >= ZeroStage::Zero2),
+        optimizer: k * psi / shard(zero >= ZeroStage::Zero1),
+    }
+}
+
+/// Global parameter count of one node (a tied head owns none).
+pub fn node_params(kind: &LayerKind) -> u64 {
+    match kind {
+        LayerKind::Embedding { vocab, dim } => vocab * dim,
+        LayerKind::PositionEmbedding { seq, dim } => seq * dim,
+        LayerKind::LayerNorm { dim, bias, .. } => dim * (1 + u64::from(*bias)),
+        LayerKind::RmsNorm { dim, .. } => *dim,
+        LayerKind::Linear {
+            in_dim,
+            out_dim,
+            bias,
+            tied,
+        } => {
+            let w = if tied.is_some() { 0 } else { in_dim * out_dim };
+            w + if *bias { *out_dim } else { 0 }
+        }
+        LayerKind::Attention {
+            dim,
+            heads,
+            kv_heads,
+            head_dim,
+            bias,
+            ..
+        } => {
+            let q = heads * head_dim;
+            let kv = kv_heads * head_dim;
+            let w = 2 * q * dim + 2 * kv * dim;
+            w + if *bias { q + 2 * kv + dim } else { 0 }
+        }
+        LayerKind::Mlp {
+            dim,
+            hidden,
+            act,
+            bias,
+        } => {
+            if *act == Activation::Swiglu {
+                3 * hidden * dim
+            } else {
+                2 * hidden * dim + if *bias { hidden + dim } else { 0 }
+            }
+        }
+        LayerKind::Add | LayerKind::CrossEntropy => 0,
+    }
+}
+
+/// Parameters of one node held by one tp rank: divided by tp where the spec shards the layer
+/// (the row-parallel output bias stays whole, a rounding detail we ignore).
+fn node_params_local(spec: &Spec, kind: &LayerKind) -> u64 {
+    let n = node_params(kind);
+    let t = u64::from(spec.parallel.mesh.size(Axis::Tp).max(1));
+    if super::tp_divides(spec, kind) {
+        n.div_ceil(t)
+    } else {
+        n
+    }
+}
+
+/// Whole-model parameter count (tied weights once).
+pub fn total_params(spec: &Spec) -> u64 {
+    spec.model.nodes.iter().map(|n| node_params(&n.kind)).sum()
+}
+
+/// Parameters one rank of a stage holds: its nodes' tp-local parameters, plus a copy of a tied
+/// embedding table when the tied head is here and the embedding is not.
+pub fn stage_params(spec: &Spec, in_stage: &[bool]) -> u64 {
+    let nodes = &spec.model.nodes;
+    let mut total = 0;
+    for (node, &here) in nodes.iter().zip(in_stage) {
+        if !here {
+            continue;
+        }
+        total += node_params_local(spec, &node.kind);
+        if let LayerKind::Linear {
+            tied: Some(owner), ..
+        } = &node.kind
+        {
+            let owner_here = in_stage.get(owner.0 as usize).copied().unwrap_or(false);
+            if !owner_here {
+                if let Some(owner_node) = nodes.get(owner.0 as usize) {
+                    total += node_params_local(spec, &owner_node.kind);
+                }
+            }
+        }
+    }
+    total
+}
+
+/// Ranks that hold the same parameters and so share ZeRO shards: dp × cp.
+pub fn zero_group(spec: &Spec) -> u32 {
+    spec.parallel.mesh.size(Axis::Dp) * spec.parallel.mesh.size(Axis::Cp)
+}
+
+/// Weights, gradients and optimizer terms for a stage with `params` parameters per rank (the
+/// activation term is filled in by the caller; buffers here).
+pub fn memory_terms(spec: &Spec, in_stage: &[bool], params: u64) -> MemoryTerms {
+    let per_param = bytes_per_param(spec.train.precision, &spec.train.optimizer);
+    let nd = zero_group(spec);
+    let state = model_state_bytes(params as f64, per_param, spec.parallel.zero, nd);
+    MemoryTerms {
+        weights: state.weights.ceil() as u64,
+        gradients: state.gradients.ceil() as u64,
+        optimizer: state.optimizer.ceil() as u64,
+        activations: 0,
+        buffers: buffer_bytes(spec, in_stage, params, per_param.1),
+    }
+}
+
+/// Communication staging: two gradient buckets when gradients are reduced over dp·cp, and under
+/// ZeRO-3 the gathered weights of the two largest layers (in use and prefetched).
+fn buffer_bytes(spec: &Spec, in_stage: &[bool], params: u64, grad_bytes: f64) -> u64 {
+    let nd = zero_group(spec);
+    if nd <= 1 {
+        return 0;
+    }
+    let grads = (params as f64 * grad_bytes) as u64;
+    let buckets = (2 * spec.parallel.bucket_bytes).min(grads);
+    if spec.parallel.zero < ZeroStage::Zero3 {
+        return buckets;
+    }
+    let bytes = spec.train.precision.compute_bytes();
+    let mut per_layer: std::collections::BTreeMap<Option<u32>, u64> = Default::default();
+    for (node, &here) in spec.model.nodes.iter().zip(in_stage) {
+        if here {
+            *per_layer.entry(node.layer).or_default() += node_params_local(spec, &node.kind);
+        }
+    }
+    let mut sizes: Vec<u64> = per_layer.into_values().collect();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    let gathered: u64 = sizes.iter().take(2).sum::<u64>() * bytes;
+    buckets + gathered
+}

@@ -1,0 +1,90 @@
+//! Pipeline schedule arithmetic: how many microbatches' activations a stage holds at its peak
+//! and the bubble fraction of the step.
+//!
+//! - GPipe runs all m forwards before any backward: every stage holds m microbatches.
+//! - 1F1B (PipeDream-Flush) warms up with p − s forwards on stage s (0-based), then alternates:
+//!   min(p − s, m) microbatches in flight.
+//! - Interleaved 1F1B (Narayanan et al. 2021, Megatron's schedule) with v chunks per stage: stage
+//!   s warms up with 2(p − s − 1) + (v − 1)·p chunk-forwards and runs one more before its first
+//!   backward, so min(2(p − s − 1) + (v − 1)·p + 1, v·m) chunk-microbatches are in flight, each
+//!   holding 1/v of the stage's layers (stage 0: 1 + (p − 1)/(p·v) times 1F1B's p microbatches).
+//! - Bubble: (p − 1)/(m + p − 1) for GPipe and 1F1B; (p − 1)/(v·m + p − 1) interleaved.
+
+use crate::spec::PipelineSchedule;
+use serde::Serialize;
+
+/// How much a stage holds at its peak.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct InFlight {
+    /// In units of the stage's layers for one microbatch: in-flight chunk-microbatches / v.
+    pub layer_microbatches: f64,
+    /// Microbatches alive in the first model chunk (it holds the embedding output), for stage 0.
+    pub first_chunk: u32,
+    /// Microbatches alive in the last model chunk (it holds the logits), for the last stage.
+    pub last_chunk: u32,
+}
+
+/// Chunk-microbatches alive at once on `stage` (for GPipe and 1F1B a chunk is the whole stage).
+pub fn chunk_microbatches_in_flight(
+    schedule: PipelineSchedule,
+    p: u32,
+    v: u32,
+    m: u32,
+    stage: u32,
+) -> u32 {
+    let behind = p.saturating_sub(stage + 1);
+    match schedule {
+        PipelineSchedule::Gpipe => m * v.max(1),
+        PipelineSchedule::OneFOneB => (behind + 1).min(m),
+        PipelineSchedule::Interleaved { .. } if v > 1 => (2 * behind + (v - 1) * p + 1).min(v * m),
+        PipelineSchedule::Interleaved { .. } => (behind + 1).min(m),
+    }
+}
+
+pub fn in_flight_layers_factor(
+    schedule: PipelineSchedule,
+    p: u32,
+    v: u32,
+    m: u32,
+    stage: u32,
+) -> InFlight {
+    let v = v.max(1);
+    let chunks = chunk_microbatches_in_flight(schedule, p, v, m, stage);
+    let (first_chunk, last_chunk) = match schedule {
+        PipelineSchedule::Gpipe => (m, m),
+        _ => (p.min(m), 1),
+    };
+    InFlight {
+        layer_microbatches: f64::from(chunks) / f64::from(v),
+        first_chunk,
+        last_chunk,
+    }
+}
+
+/// Idle fraction of the step from pipeline fill and drain.
+pub fn bubble_fraction(schedule: PipelineSchedule, p: u32, v: u32, m: u32) -> f64 {
+    if p <= 1 {
+        return 0.0;
+    }
+    let idle = f64::from(p - 1);
+    let work = match schedule {
+        PipelineSchedule::Interleaved { .. } => f64::from(v.max(1)) * f64::from(m),
+        _ => f64::from(m),
+    };
+    idle / (work + idle)
+}
+
+/// The smallest microbatch count whose bubble is below `limit` (for interleaving, a multiple of
+/// p as the schedule requires).
+pub fn microbatches_for_bubble(schedule: PipelineSchedule, p: u32, v: u32, limit: f64) -> u32 {
+    let mut m = 1u32;
+    let step = match schedule {
+        PipelineSchedule::Interleaved { .. } if v > 1 => p.max(1),
+        _ => 1,
+    };
+    m = m.max(step);
+    while bubble_fraction(schedule, p, v, m) >= limit && m < u32::MAX / 2 {
+        m += step;
+    }
+    m
+}

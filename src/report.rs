@@ -1,0 +1,290 @@
+//! The human rendering of the cost model's report for `parc check`: plain-text tables, no
+//! colour, deterministic (same report, same bytes) so it can be golden-tested.
+
+use parc_compiler::cost::{CostReport, RoleCost};
+use parc_compiler::spec::Axis;
+use std::fmt::Write;
+
+/// Bytes with a binary unit and one decimal (`512 B`, `3.0 KiB`, `71.4 GiB`).
+pub fn bytes(b: f64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = b;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{value:.0} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+/// A count with a decimal SI suffix (`124.4M`, `70.55B`).
+fn count(n: f64) -> String {
+    match n {
+        n if n >= 1e15 => format!("{:.2}P", n / 1e15),
+        n if n >= 1e12 => format!("{:.2}T", n / 1e12),
+        n if n >= 1e9 => format!("{:.2}B", n / 1e9),
+        n if n >= 1e6 => format!("{:.1}M", n / 1e6),
+        n if n >= 1e3 => format!("{:.1}K", n / 1e3),
+        n => format!("{n:.0}"),
+    }
+}
+
+fn seconds(s: f64) -> String {
+    match s {
+        s if s >= 1.0 => format!("{s:.2} s"),
+        s if s >= 1e-3 => format!("{:.1} ms", s * 1e3),
+        s => format!("{:.1} µs", s * 1e6),
+    }
+}
+
+/// Left-aligned first column, right-aligned others, two spaces between columns.
+fn table(out: &mut String, rows: &[Vec<String>]) {
+    let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..cols)
+        .map(|c| {
+            rows.iter()
+                .filter_map(|r| r.get(c))
+                .map(|s| s.chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    for row in rows {
+        let mut line = String::new();
+        for (c, cell) in row.iter().enumerate() {
+            let w = widths[c];
+            if c == 0 {
+                let _ = write!(line, "{cell:<w$}");
+            } else {
+                let _ = write!(line, "  {cell:>w$}");
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+}
+
+fn comm_cell(role: &RoleCost, axis: Axis) -> String {
+    match role.comm.iter().find(|c| c.axis == axis) {
+        Some(c) => format!("{} ({})", bytes(c.bytes), seconds(c.seconds)),
+        None => "-".to_string(),
+    }
+}
+
+/// The report as `parc check` prints it (called by `cmd_check`).
+#[cfg_attr(not(test), allow(dead_code))]
+pub fn render_human(report: &CostReport) -> String {
+    let mut out = String::new();
+    let mesh: Vec<String> = report
+        .mesh
+        .iter()
+        .map(|(a, n)| format!("{} {n}", a.name()))
+        .collect();
+    let _ = writeln!(
+        out,
+        "cost per step: {} GPUs ({}), {} params, {} tokens per step",
+        report.world,
+        mesh.join(" × "),
+        count(report.params_total as f64),
+        count(report.tokens_per_step as f64),
+    );
+    let _ = writeln!(
+        out,
+        "pipeline: {} microbatches, bubble {:.1}%",
+        report.microbatches,
+        report.bubble_fraction * 100.0
+    );
+    let _ = writeln!(
+        out,
+        "\nmemory per GPU ({}, {}):",
+        report.gpu,
+        bytes(report.gpu_memory_bytes as f64)
+    );
+    let mut rows = vec![[
+        "role",
+        "params",
+        "weights",
+        "grads",
+        "optimizer",
+        "activations",
+        "buffers",
+        "total",
+        "of GPU",
+    ]
+    .map(str::to_string)
+    .to_vec()];
+    for r in &report.roles {
+        let m = &r.memory;
+        let share = if report.gpu_memory_bytes > 0 {
+            format!(
+                "{:.0}%",
+                m.total() as f64 / report.gpu_memory_bytes as f64 * 100.0
+            )
+        } else {
+            "-".to_string()
+        };
+        rows.push(vec![
+            r.role.clone(),
+            count(r.params as f64),
+            bytes(m.weights as f64),
+            bytes(m.gradients as f64),
+            bytes(m.optimizer as f64),
+            bytes(m.activations as f64),
+            bytes(m.buffers as f64),
+            bytes(m.total() as f64),
+            share,
+        ]);
+    }
+    table(&mut out, &rows);
+
+    let axes: Vec<Axis> = Axis::ALL
+        .into_iter()
+        .filter(|a| {
+            report
+                .roles
+                .iter()
+                .any(|r| r.comm.iter().any(|c| c.axis == *a))
+        })
+        .collect();
+    let _ = writeln!(out, "\ncompute and communication per GPU per step:");
+    let mut header = vec![
+        "role".to_string(),
+        "FLOPs".to_string(),
+        "compute".to_string(),
+        "in flight".to_string(),
+    ];
+    header.extend(axes.iter().map(|a| format!("{} sent", a.name())));
+    let mut rows = vec![header];
+    for r in &report.roles {
+        let mut row = vec![
+            r.role.clone(),
+            count(r.flops.total()),
+            seconds(r.compute_seconds),
+            format!("{:.1} mb", r.microbatches_in_flight),
+        ];
+        row.extend(axes.iter().map(|a| comm_cell(r, *a)));
+        rows.push(row);
+    }
+    table(&mut out, &rows);
+    let mut whats: Vec<String> = Vec::new();
+    for r in &report.roles {
+        for c in &r.comm {
+            let link = if c.crosses_nodes {
+                "inter-node"
+            } else {
+                "intra-node"
+            };
+            let line = format!(
+                "  {} ({} ranks, {link}): {}",
+                c.axis.name(),
+                c.group_size,
+                c.what
+            );
+            if !whats.contains(&line) {
+                whats.push(line);
+            }
+        }
+    }
+    if !whats.is_empty() {
+        let _ = writeln!(out, "where:");
+        for w in whats {
+            let _ = writeln!(out, "{w}");
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use parc_compiler::cost::{AxisComm, FlopTerms, MemoryTerms};
+
+    fn role(stage: u32, activations: u64) -> RoleCost {
+        RoleCost {
+            role: format!("stage {stage}"),
+            stage,
+            chunks: vec![stage],
+            layers: 16,
+            params: 1_250_000_000,
+            microbatches_in_flight: f64::from(2 - stage),
+            memory: MemoryTerms {
+                weights: 2_500_000_000,
+                gradients: 2_500_000_000,
+                optimizer: 1_875_000_000,
+                activations,
+                buffers: 52_428_800,
+            },
+            flops: FlopTerms {
+                forward: 1.0e15,
+                backward: 2.0e15,
+                recompute: 0.0,
+            },
+            compute_seconds: 3.03,
+            comm: vec![
+                AxisComm {
+                    axis: Axis::Dp,
+                    group_size: 8,
+                    what: "gradient reduce-scatter + weight all-gather".to_string(),
+                    bytes: 4.4e9,
+                    crosses_nodes: true,
+                    seconds: 0.088,
+                },
+                AxisComm {
+                    axis: Axis::Pp,
+                    group_size: 2,
+                    what: "activations forward, their gradients back (point-to-point)".to_string(),
+                    bytes: 6.7e7,
+                    crosses_nodes: false,
+                    seconds: 0.00015,
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn golden_human_report() {
+        let report = CostReport {
+            world: 16,
+            mesh: vec![(Axis::Dp, 8), (Axis::Pp, 2), (Axis::Cp, 1), (Axis::Tp, 1)],
+            gpu: "h100_80gb".to_string(),
+            gpu_memory_bytes: 80 << 30,
+            params_total: 2_500_000_000,
+            tokens_per_step: 1_048_576,
+            microbatches: 8,
+            bubble_fraction: 1.0 / 9.0,
+            roles: vec![role(0, 30 << 30), role(1, 15 << 30)],
+        };
+        let expected = "\
+cost per step: 16 GPUs (dp 8 × pp 2 × cp 1 × tp 1), 2.50B params, 1.0M tokens per step
+pipeline: 8 microbatches, bubble 11.1%
+
+memory per GPU (h100_80gb, 80.0 GiB):
+role     params  weights    grads  optimizer  activations   buffers     total  of GPU
+stage 0   1.25B  2.3 GiB  2.3 GiB    1.7 GiB     30.0 GiB  50.0 MiB  36.5 GiB     46%
+stage 1   1.25B  2.3 GiB  2.3 GiB    1.7 GiB     15.0 GiB  50.0 MiB  21.5 GiB     27%
+
+compute and communication per GPU per step:
+role     FLOPs  compute  in flight            dp sent              pp sent
+stage 0  3.00P   3.03 s     2.0 mb  4.1 GiB (88.0 ms)  63.9 MiB (150.0 µs)
+stage 1  3.00P   3.03 s     1.0 mb  4.1 GiB (88.0 ms)  63.9 MiB (150.0 µs)
+where:
+  dp (8 ranks, inter-node): gradient reduce-scatter + weight all-gather
+  pp (2 ranks, intra-node): activations forward, their gradients back (point-to-point)
+";
+        let got = render_human(&report);
+        assert_eq!(got, expected, "\n{got}");
+        assert_eq!(render_human(&report), got);
+    }
+
+    #[test]
+    fn units() {
+        assert_eq!(bytes(512.0), "512 B");
+        assert_eq!(bytes(3.0 * 1024.0), "3.0 KiB");
+        assert_eq!(count(124_439_808.0), "124.4M");
+        assert_eq!(seconds(0.5), "500.0 ms");
+    }
+}
