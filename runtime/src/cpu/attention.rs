@@ -2,17 +2,23 @@
 //! and key positions come from separate segment lists, so a context-parallel rank attends its
 //! query chunk against keys gathered from other ranks in any storage order.
 //!
-//! Formulation: one task per (sample, head) for the output and `dq`, one per (sample, kv head)
-//! for `dk`/`dv`; each streams over keys (or queries) one at a time with a single row of scores
-//! as scratch — no `[seq_q, seq_kv]` matrix is ever stored. The backward recomputes
-//! probabilities from the saved log-sum-exp (`p = exp(s − lse)`), as FlashAttention does.
-//! Tasks are independent and sequential inside, results are scattered in task order, so the
-//! output is bit-identical for any thread count. A query with no visible key gets `o = 0`,
-//! `lse = −inf` and contributes no gradient.
+//! Formulation: the forward runs one task per (sample, head), the backward one per (sample, kv
+//! head) covering the query heads that share it (so `dk`/`dv` need no cross-task reduction).
+//! Inside a task, queries are processed in tiles of [`QUERY_TILE`] rows: scores for a tile
+//! against all keys (`[tile, seq_kv]`, the only scratch — never a `[seq_q, seq_kv]` matrix) come
+//! from a dense product, masked and exponentiated in place, then multiplied into the outputs.
+//! The backward recomputes probabilities from the saved log-sum-exp (`p = exp(s − lse)`), as
+//! FlashAttention does. Tasks are independent and sequential inside, results are scattered in
+//! task order, so the output is bit-identical for any thread count. A query with no visible key
+//! gets `o = 0`, `lse = −inf` and contributes no gradient.
 use super::args::{expect_len, op_error, positions_for, product, rows_of};
+use super::dense::{gemm_checked, Strided, Threads};
 use crate::error::Result;
 use parc_compiler::ir::op::Segment;
 use rayon::prelude::*;
+
+/// Query rows per score tile.
+const QUERY_TILE: usize = 64;
 
 /// The shape attributes of an attention op.
 pub(crate) struct AttentionShape<'a> {
@@ -131,24 +137,49 @@ impl Geometry {
 /// Dot product with eight fixed accumulators (vectorisable, fixed summation order).
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
-    let (a_main, a_tail) = a.split_at(a.len() - a.len() % 8);
-    let (b_main, b_tail) = b.split_at(a_main.len().min(b.len()));
-    for (x, y) in a_main.chunks_exact(8).zip(b_main.chunks_exact(8)) {
+    let main = a.len().min(b.len()) / 8 * 8;
+    for (x, y) in a[..main].chunks_exact(8).zip(b[..main].chunks_exact(8)) {
         for l in 0..8 {
             acc[l] += x[l] * y[l];
         }
     }
-    let mut tail = 0.0f32;
-    for (x, y) in a_tail.iter().zip(b_tail) {
-        tail += x * y;
-    }
+    let tail: f32 = a[main..].iter().zip(&b[main..]).map(|(x, y)| x * y).sum();
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
-/// `acc += factor · x`.
-fn axpy(acc: &mut [f32], factor: f32, x: &[f32]) {
-    for (a, &x) in acc.iter_mut().zip(x) {
-        *a += factor * x;
+/// One sample's heads as contiguous `[seq, head_dim]` matrices.
+struct HeadMatrices<'a> {
+    g: &'a Geometry,
+    threads: Threads,
+}
+
+impl HeadMatrices<'_> {
+    /// `scores[r, j] = scale · q[i0 + r] · k[j]` for the `rows` queries of a tile.
+    fn scores(&self, op: &str, q_tile: &[f32], k: &[f32], scores: &mut [f32]) -> Result<()> {
+        let (d, skv) = (self.g.head_dim, self.g.kv_pos.len());
+        let rows = q_tile.len() / d;
+        gemm_checked(
+            op,
+            (&mut scores[..rows * skv], Strided::row_major(rows, skv)),
+            false,
+            (q_tile, Strided::row_major(rows, d)),
+            (k, Strided::transposed(d, skv)),
+            self.threads,
+        )?;
+        for s in scores[..rows * skv].iter_mut() {
+            *s *= self.g.scale;
+        }
+        Ok(())
+    }
+}
+
+/// Which parallelism the products inside tasks use: the pool when there are fewer tasks than
+/// threads (one long sequence), the calling thread otherwise.
+fn inner_threads(tasks: usize) -> Threads {
+    if tasks < rayon::current_num_threads() {
+        Threads::Pool
+    } else {
+        Threads::Caller
     }
 }
 
@@ -167,7 +198,12 @@ pub(crate) fn attention(
     expect_len(op, "o", o.len(), g.q_len())?;
     expect_len(op, "lse", lse.len(), g.lse_len())?;
     let (sq, skv, d) = (g.q_pos.len(), g.kv_pos.len(), g.head_dim);
-    let results: Vec<(Vec<f32>, Vec<f32>)> = (0..g.batch * g.heads)
+    let tasks = g.batch * g.heads;
+    let heads = HeadMatrices {
+        g: &g,
+        threads: inner_threads(tasks),
+    };
+    let results: Vec<Result<(Vec<f32>, Vec<f32>)>> = (0..tasks)
         .into_par_iter()
         .map(|task| {
             let (b, h) = (task / g.heads, task % g.heads);
@@ -176,37 +212,54 @@ pub(crate) fn attention(
             let v = g.gather(v, g.kv_heads, b, h / g.group);
             let mut out = vec![0.0f32; sq * d];
             let mut lse = vec![f32::NEG_INFINITY; sq];
-            let mut scores = vec![0.0f32; skv];
-            for i in 0..sq {
-                let qi = &q[i * d..(i + 1) * d];
-                let mut max = f32::NEG_INFINITY;
-                for j in 0..skv {
-                    if g.visible(i, j) {
-                        scores[j] = g.scale * dot(qi, &k[j * d..(j + 1) * d]);
-                        max = max.max(scores[j]);
+            let mut probs = vec![0.0f32; QUERY_TILE.min(sq) * skv];
+            for i0 in (0..sq).step_by(QUERY_TILE) {
+                let rows = QUERY_TILE.min(sq - i0);
+                heads.scores(op, &q[i0 * d..(i0 + rows) * d], &k, &mut probs)?;
+                for (r, row) in probs.chunks_mut(skv).take(rows).enumerate() {
+                    let i = i0 + r;
+                    let mut max = f32::NEG_INFINITY;
+                    for (j, &s) in row.iter().enumerate() {
+                        if g.visible(i, j) {
+                            max = max.max(s);
+                        }
                     }
-                }
-                if max == f32::NEG_INFINITY {
-                    continue;
-                }
-                let oi = &mut out[i * d..(i + 1) * d];
-                let mut sum = 0.0f32;
-                for j in 0..skv {
-                    if g.visible(i, j) {
-                        let p = (scores[j] - max).exp();
-                        sum += p;
-                        axpy(oi, p, &v[j * d..(j + 1) * d]);
+                    if max == f32::NEG_INFINITY {
+                        row.fill(0.0);
+                        continue;
                     }
+                    let mut sum = 0.0f32;
+                    for (j, p) in row.iter_mut().enumerate() {
+                        *p = if g.visible(i, j) {
+                            (*p - max).exp()
+                        } else {
+                            0.0
+                        };
+                        sum += *p;
+                    }
+                    let inv = 1.0 / sum;
+                    for p in row.iter_mut() {
+                        *p *= inv;
+                    }
+                    lse[i] = max + sum.ln();
                 }
-                for x in oi.iter_mut() {
-                    *x /= sum;
-                }
-                lse[i] = max + sum.ln();
+                gemm_checked(
+                    op,
+                    (
+                        &mut out[i0 * d..(i0 + rows) * d],
+                        Strided::row_major(rows, d),
+                    ),
+                    false,
+                    (&probs[..rows * skv], Strided::row_major(rows, skv)),
+                    (&v, Strided::row_major(skv, d)),
+                    heads.threads,
+                )?;
             }
-            (out, lse)
+            Ok((out, lse))
         })
         .collect();
-    for (task, (out, task_lse)) in results.into_iter().enumerate() {
+    for (task, result) in results.into_iter().enumerate() {
+        let (out, task_lse) = result?;
         let (b, h) = (task / g.heads, task % g.heads);
         g.scatter(o, g.heads, b, h, &out);
         let offset = g.lse_offset(b, h);
@@ -223,6 +276,13 @@ pub(crate) struct AttentionGrads<'a> {
     pub v: &'a [f32],
     pub o: &'a [f32],
     pub lse: &'a [f32],
+}
+
+/// What one backward task returns: dq of each query head of the group, and dk, dv.
+struct KvHeadGrads {
+    dq: Vec<Vec<f32>>,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
 }
 
 /// Backward: dq, dk, dv (overwritten).
@@ -243,98 +303,106 @@ pub(crate) fn attention_bwd(
     expect_len(op, "dk", dk.len(), g.kv_len())?;
     expect_len(op, "dv", dv.len(), g.kv_len())?;
     let (sq, skv, d) = (g.q_pos.len(), g.kv_pos.len(), g.head_dim);
-
-    // Per query head: the gathered q, do, lse and D_i = do_i · o_i.
-    struct QueryHead {
-        q: Vec<f32>,
-        d_out: Vec<f32>,
-        lse: Vec<f32>,
-        delta: Vec<f32>,
-    }
-    let query_head = |b: usize, h: usize| {
-        let q = g.gather(t.q, g.heads, b, h);
-        let d_out = g.gather(t.d_out, g.heads, b, h);
-        let o = g.gather(t.o, g.heads, b, h);
-        let offset = g.lse_offset(b, h);
-        let delta = (0..sq)
-            .map(|i| dot(&d_out[i * d..(i + 1) * d], &o[i * d..(i + 1) * d]))
-            .collect();
-        QueryHead {
-            q,
-            d_out,
-            lse: t.lse[offset..offset + sq].to_vec(),
-            delta,
-        }
+    let tasks = g.batch * g.kv_heads;
+    let heads = HeadMatrices {
+        g: &g,
+        threads: inner_threads(tasks),
     };
-    // p_ij and ds_ij = p_ij (do_i · v_j − D_i) for a visible pair.
-    let prob_and_dscore = |qh: &QueryHead, i: usize, kj: &[f32], vj: &[f32]| {
-        let s = g.scale * dot(&qh.q[i * d..(i + 1) * d], kj);
-        let p = (s - qh.lse[i]).exp();
-        let dp = dot(&qh.d_out[i * d..(i + 1) * d], vj);
-        (p, p * (dp - qh.delta[i]))
-    };
-
-    let dq_parts: Vec<Vec<f32>> = (0..g.batch * g.heads)
-        .into_par_iter()
-        .map(|task| {
-            let (b, h) = (task / g.heads, task % g.heads);
-            let qh = query_head(b, h);
-            let k = g.gather(t.k, g.kv_heads, b, h / g.group);
-            let v = g.gather(t.v, g.kv_heads, b, h / g.group);
-            let mut dq = vec![0.0f32; sq * d];
-            for i in 0..sq {
-                if qh.lse[i] == f32::NEG_INFINITY {
-                    continue;
-                }
-                let dqi = &mut dq[i * d..(i + 1) * d];
-                for j in 0..skv {
-                    if g.visible(i, j) {
-                        let kj = &k[j * d..(j + 1) * d];
-                        let (_, ds) = prob_and_dscore(&qh, i, kj, &v[j * d..(j + 1) * d]);
-                        axpy(dqi, g.scale * ds, kj);
-                    }
-                }
-            }
-            dq
-        })
-        .collect();
-
-    let dkv_parts: Vec<(Vec<f32>, Vec<f32>)> = (0..g.batch * g.kv_heads)
+    let threads = heads.threads;
+    let results: Vec<Result<KvHeadGrads>> = (0..tasks)
         .into_par_iter()
         .map(|task| {
             let (b, kvh) = (task / g.kv_heads, task % g.kv_heads);
             let k = g.gather(t.k, g.kv_heads, b, kvh);
             let v = g.gather(t.v, g.kv_heads, b, kvh);
-            let heads: Vec<QueryHead> = (kvh * g.group..(kvh + 1) * g.group)
-                .map(|h| query_head(b, h))
-                .collect();
-            let mut dk = vec![0.0f32; skv * d];
-            let mut dv = vec![0.0f32; skv * d];
-            for j in 0..skv {
-                let (kj, vj) = (&k[j * d..(j + 1) * d], &v[j * d..(j + 1) * d]);
-                let dkj = &mut dk[j * d..(j + 1) * d];
-                let dvj = &mut dv[j * d..(j + 1) * d];
-                for qh in &heads {
-                    for i in 0..sq {
-                        if g.visible(i, j) && qh.lse[i] != f32::NEG_INFINITY {
-                            let (p, ds) = prob_and_dscore(qh, i, kj, vj);
-                            axpy(dkj, g.scale * ds, &qh.q[i * d..(i + 1) * d]);
-                            axpy(dvj, p, &qh.d_out[i * d..(i + 1) * d]);
+            let mut grads = KvHeadGrads {
+                dq: Vec::with_capacity(g.group),
+                dk: vec![0.0f32; skv * d],
+                dv: vec![0.0f32; skv * d],
+            };
+            let tile = QUERY_TILE.min(sq);
+            let mut probs = vec![0.0f32; tile * skv];
+            let mut dscores = vec![0.0f32; tile * skv];
+            for h in kvh * g.group..(kvh + 1) * g.group {
+                let q = g.gather(t.q, g.heads, b, h);
+                let d_out = g.gather(t.d_out, g.heads, b, h);
+                let o = g.gather(t.o, g.heads, b, h);
+                let lse = &t.lse[g.lse_offset(b, h)..g.lse_offset(b, h) + sq];
+                let mut dq = vec![0.0f32; sq * d];
+                for i0 in (0..sq).step_by(QUERY_TILE) {
+                    let rows = QUERY_TILE.min(sq - i0);
+                    let q_tile = &q[i0 * d..(i0 + rows) * d];
+                    let do_tile = &d_out[i0 * d..(i0 + rows) * d];
+                    heads.scores(op, q_tile, &k, &mut probs)?;
+                    // dP = dO Vᵀ.
+                    gemm_checked(
+                        op,
+                        (&mut dscores[..rows * skv], Strided::row_major(rows, skv)),
+                        false,
+                        (do_tile, Strided::row_major(rows, d)),
+                        (&v, Strided::transposed(d, skv)),
+                        threads,
+                    )?;
+                    // P = exp(S − lse) and dS = scale · P ∘ (dP − do·o), masked to zero.
+                    for r in 0..rows {
+                        let i = i0 + r;
+                        let delta = dot(&do_tile[r * d..(r + 1) * d], &o[i * d..(i + 1) * d]);
+                        let p_row = &mut probs[r * skv..(r + 1) * skv];
+                        let ds_row = &mut dscores[r * skv..(r + 1) * skv];
+                        for j in 0..skv {
+                            if g.visible(i, j) && lse[i] != f32::NEG_INFINITY {
+                                let p = (p_row[j] - lse[i]).exp();
+                                p_row[j] = p;
+                                ds_row[j] = g.scale * p * (ds_row[j] - delta);
+                            } else {
+                                p_row[j] = 0.0;
+                                ds_row[j] = 0.0;
+                            }
                         }
                     }
+                    let ds = (&dscores[..rows * skv], Strided::row_major(rows, skv));
+                    // dQ = dS K, dK += dSᵀ Q, dV += Pᵀ dO.
+                    gemm_checked(
+                        op,
+                        (
+                            &mut dq[i0 * d..(i0 + rows) * d],
+                            Strided::row_major(rows, d),
+                        ),
+                        false,
+                        ds,
+                        (&k, Strided::row_major(skv, d)),
+                        threads,
+                    )?;
+                    gemm_checked(
+                        op,
+                        (&mut grads.dk, Strided::row_major(skv, d)),
+                        true,
+                        (ds.0, Strided::transposed(skv, rows)),
+                        (q_tile, Strided::row_major(rows, d)),
+                        threads,
+                    )?;
+                    gemm_checked(
+                        op,
+                        (&mut grads.dv, Strided::row_major(skv, d)),
+                        true,
+                        (&probs[..rows * skv], Strided::transposed(skv, rows)),
+                        (do_tile, Strided::row_major(rows, d)),
+                        threads,
+                    )?;
                 }
+                grads.dq.push(dq);
             }
-            (dk, dv)
+            Ok(grads)
         })
         .collect();
-
-    for (task, part) in dq_parts.into_iter().enumerate() {
-        g.scatter(dq, g.heads, task / g.heads, task % g.heads, &part);
-    }
-    for (task, (dk_part, dv_part)) in dkv_parts.into_iter().enumerate() {
+    for (task, result) in results.into_iter().enumerate() {
+        let grads = result?;
         let (b, kvh) = (task / g.kv_heads, task % g.kv_heads);
-        g.scatter(dk, g.kv_heads, b, kvh, &dk_part);
-        g.scatter(dv, g.kv_heads, b, kvh, &dv_part);
+        for (r, part) in grads.dq.iter().enumerate() {
+            g.scatter(dq, g.heads, b, kvh * g.group + r, part);
+        }
+        g.scatter(dk, g.kv_heads, b, kvh, &grads.dk);
+        g.scatter(dv, g.kv_heads, b, kvh, &grads.dv);
     }
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! Elementwise ops: activations (gelu erf form, gelu tanh approximation, relu) and their
 //! gradients, SwiGLU, add, scale, and the data movers copy / zero / copy-range (any dtype).
-//! Transcendentals are evaluated in f64 and rounded once.
+//! Computed in f32 (`libm::erff` for gelu; gelu_tanh through the identity
+//! `0.5·(1 + tanh u) = σ(2u)`, one exponential per element).
 use super::args::{expect_len, op_error};
 use crate::error::Result;
 use crate::tensor::{Tensor, TensorData};
@@ -46,34 +47,41 @@ fn map3(out: &mut [f32], a: &[f32], b: &[f32], c: &[f32], f: impl Fn(f32, f32, f
         });
 }
 
-const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
-const GELU_TANH_CUBIC: f64 = 0.044_715;
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const GELU_TANH_CUBIC: f32 = 0.044_715;
+const INV_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
+/// 1/√(2π), the standard normal density at 0.
+const INV_SQRT_2PI: f32 = 0.398_942_3;
 
-fn activation_value(act: Act, x: f32) -> f32 {
-    let x = f64::from(x);
-    let y = match act {
-        Act::Gelu => 0.5 * x * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2)),
-        Act::GeluTanh => {
-            0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x)).tanh())
-        }
-        Act::Relu => x.max(0.0),
-    };
-    y as f32
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
 }
 
-fn activation_derivative(act: Act, x: f32) -> f64 {
-    let x = f64::from(x);
+/// `0.5·(1 + tanh(u)) = σ(2u)` with `u = √(2/π)(x + 0.044715x³)`, and `du/dx`.
+fn gelu_tanh_gate(x: f32) -> (f32, f32) {
+    let u = SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x);
+    let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_TANH_CUBIC * x * x);
+    (sigmoid(2.0 * u), du)
+}
+
+fn activation_value(act: Act, x: f32) -> f32 {
+    match act {
+        Act::Gelu => 0.5 * x * (1.0 + libm::erff(x * INV_SQRT_2)),
+        Act::GeluTanh => x * gelu_tanh_gate(x).0,
+        Act::Relu => x.max(0.0),
+    }
+}
+
+fn activation_derivative(act: Act, x: f32) -> f32 {
     match act {
         Act::Gelu => {
-            let cdf = 0.5 * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2));
-            let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
-            cdf + x * pdf
+            let cdf = 0.5 * (1.0 + libm::erff(x * INV_SQRT_2));
+            cdf + x * INV_SQRT_2PI * (-0.5 * x * x).exp()
         }
         Act::GeluTanh => {
-            let inner = SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x);
-            let t = inner.tanh();
-            let d_inner = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_TANH_CUBIC * x * x);
-            0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
+            // d/dx x·σ(2u) = σ(2u) + x·σ(2u)(1 − σ(2u))·2u'.
+            let (s, du) = gelu_tanh_gate(x);
+            s + x * s * (1.0 - s) * 2.0 * du
         }
         Act::Relu => {
             if x > 0.0 {
@@ -100,24 +108,15 @@ pub(crate) fn activation_bwd(
 ) -> Result<()> {
     expect_len(op, "x", x.len(), dy.len())?;
     expect_len(op, "dx", dx.len(), dy.len())?;
-    map2(dx, dy, x, |dy, x| {
-        (f64::from(dy) * activation_derivative(act, x)) as f32
-    });
+    map2(dx, dy, x, |dy, x| dy * activation_derivative(act, x));
     Ok(())
-}
-
-fn sigmoid(x: f64) -> f64 {
-    1.0 / (1.0 + (-x).exp())
 }
 
 /// `y = silu(gate) · up`.
 pub(crate) fn swiglu(op: &str, gate: &[f32], up: &[f32], y: &mut [f32]) -> Result<()> {
     expect_len(op, "up", up.len(), gate.len())?;
     expect_len(op, "y", y.len(), gate.len())?;
-    map2(y, gate, up, |g, u| {
-        let g = f64::from(g);
-        (g * sigmoid(g) * f64::from(u)) as f32
-    });
+    map2(y, gate, up, |g, u| g * sigmoid(g) * u);
     Ok(())
 }
 
@@ -139,14 +138,10 @@ pub(crate) fn swiglu_bwd(
         expect_len(op, what, len, dy.len())?;
     }
     map3(dgate, dy, gate, up, |dy, g, u| {
-        let g = f64::from(g);
         let s = sigmoid(g);
-        (f64::from(dy) * f64::from(u) * s * (1.0 + g * (1.0 - s))) as f32
+        dy * u * s * (1.0 + g * (1.0 - s))
     });
-    map2(dup, dy, gate, |dy, g| {
-        let g = f64::from(g);
-        (f64::from(dy) * g * sigmoid(g)) as f32
-    });
+    map2(dup, dy, gate, |dy, g| dy * g * sigmoid(g));
     Ok(())
 }
 

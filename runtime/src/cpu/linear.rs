@@ -1,111 +1,10 @@
-//! Linear layers: `y = x Wᵀ (+ b)` with `W` `[out, in]`, and its data and weight gradients,
-//! through the `gemm` crate (blocked, SIMD, multithreaded on the current rayon pool). gemm's
-//! reduction order along `k` depends only on the problem shape, so results are bit-identical
-//! whatever the thread count.
-//!
-//! `gemm` takes raw pointers and strides; [`Strided`] checks every operand's extent against its
-//! slice before the call, which is what makes the one `unsafe` block sound.
-use super::args::{expect_len, op_error, product, rows_of};
+//! Linear layers: `y = x Wᵀ (+ b)` with `W` `[out, in]`, and its data and weight gradients, as
+//! dense products (`dense`) on the current rayon pool.
+use super::args::{expect_len, product, rows_of};
+use super::dense::{gemm_checked, Strided, Threads};
 use super::par::{accumulate_rows, rows_per_task};
 use crate::error::Result;
 use rayon::prelude::*;
-
-/// A `rows × cols` matrix view with element `(i, j)` at `i * row_stride + j * col_stride`.
-#[derive(Clone, Copy)]
-struct Strided {
-    rows: usize,
-    cols: usize,
-    row_stride: usize,
-    col_stride: usize,
-}
-
-impl Strided {
-    fn row_major(rows: usize, cols: usize) -> Strided {
-        Strided {
-            rows,
-            cols,
-            row_stride: cols,
-            col_stride: 1,
-        }
-    }
-
-    /// The transpose of a row-major `cols × rows` matrix, viewed as `rows × cols`.
-    fn transposed(rows: usize, cols: usize) -> Strided {
-        Strided {
-            rows,
-            cols,
-            row_stride: 1,
-            col_stride: rows,
-        }
-    }
-
-    /// Whether every element lies inside a slice of `len` elements.
-    fn fits(self, len: usize) -> bool {
-        if self.rows == 0 || self.cols == 0 {
-            return true;
-        }
-        let last = (self.rows - 1).checked_mul(self.row_stride).and_then(|a| {
-            (self.cols - 1)
-                .checked_mul(self.col_stride)
-                .and_then(|b| a.checked_add(b))
-        });
-        matches!(last, Some(last) if last < len && isize::try_from(last).is_ok())
-    }
-
-    fn strides(self) -> (isize, isize) {
-        // `fits` proved both products fit in isize, so the strides do too.
-        (self.row_stride as isize, self.col_stride as isize)
-    }
-}
-
-/// `dst (+)= lhs · rhs` with `dst` `m × n`, `lhs` `m × k`, `rhs` `k × n`.
-fn gemm_checked(
-    op: &str,
-    dst: (&mut [f32], Strided),
-    accumulate: bool,
-    lhs: (&[f32], Strided),
-    rhs: (&[f32], Strided),
-) -> Result<()> {
-    let (dst, dst_view) = dst;
-    let (lhs, lhs_view) = lhs;
-    let (rhs, rhs_view) = rhs;
-    let (m, n, k) = (dst_view.rows, dst_view.cols, lhs_view.cols);
-    if lhs_view.rows != m || rhs_view.rows != k || rhs_view.cols != n {
-        return Err(op_error(op, "internal gemm shape mismatch"));
-    }
-    if !dst_view.fits(dst.len()) || !lhs_view.fits(lhs.len()) || !rhs_view.fits(rhs.len()) {
-        return Err(op_error(op, "internal gemm operand out of bounds"));
-    }
-    let (dst_rs, dst_cs) = dst_view.strides();
-    let (lhs_rs, lhs_cs) = lhs_view.strides();
-    let (rhs_rs, rhs_cs) = rhs_view.strides();
-    // SAFETY: every operand's extent was checked against its slice above; `dst` is a unique
-    // borrow that does not alias `lhs` or `rhs` (shared borrows).
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            dst_cs,
-            dst_rs,
-            accumulate,
-            lhs.as_ptr(),
-            lhs_cs,
-            lhs_rs,
-            rhs.as_ptr(),
-            rhs_cs,
-            rhs_rs,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::Rayon(0),
-        );
-    }
-    Ok(())
-}
 
 /// `y = x Wᵀ (+ b)`: x `[rows, in]`, w `[out, in]`, b `[out]`, y `[rows, out]`.
 pub(crate) fn matmul(
@@ -129,6 +28,7 @@ pub(crate) fn matmul(
         false,
         (x, Strided::row_major(rows, in_dim)),
         (w, Strided::transposed(in_dim, out_dim)),
+        Threads::Pool,
     )?;
     if let Some(b) = b {
         y.par_chunks_mut(out_dim)
@@ -160,6 +60,7 @@ pub(crate) fn matmul_bwd_data(
         false,
         (dy, Strided::row_major(rows, out_dim)),
         (w, Strided::row_major(out_dim, in_dim)),
+        Threads::Pool,
     )
 }
 
@@ -186,6 +87,7 @@ pub(crate) fn matmul_bwd_weight(
         true,
         (dy, Strided::transposed(out_dim, rows)),
         (x, Strided::row_major(rows, in_dim)),
+        Threads::Pool,
     )?;
     if let Some(db) = db {
         accumulate_rows(rows, db, |row, partial| {

@@ -10,6 +10,7 @@
 mod args;
 mod attention;
 mod cross_entropy;
+mod dense;
 mod dispatch;
 mod elementwise;
 mod embed;

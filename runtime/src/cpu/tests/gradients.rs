@@ -402,3 +402,69 @@ fn cross_entropy_gradient_matches_differences_of_the_loss() {
     );
     assert_gradient("dlogits", &numeric, &grad[0]);
 }
+
+/// Directional derivative check for sizes where per-element differences are too many: along a
+/// random direction `u`, `(L(x + hu) − L(x − hu)) / 2h` must equal `<grad, u>` (1e-3 relative).
+#[test]
+fn attention_backward_matches_a_directional_difference_across_query_tiles() {
+    // 150 queries span three query tiles of the kernel; keys stored in two segments.
+    let (batch, heads, kv_heads, head_dim, seq) = (1u64, 2u64, 1u64, 8u64, 150u32);
+    let q_positions = vec![seg(0, seq)];
+    let kv_positions = vec![seg(75, 75), seg(0, 75)];
+    let q_len = (u64::from(seq) * batch * heads * head_dim) as usize;
+    let kv_len = (u64::from(seq) * batch * kv_heads * head_dim) as usize;
+    let lse_len = (batch * heads) as usize * seq as usize;
+    let fwd = Op::Attention {
+        batch,
+        heads,
+        kv_heads,
+        head_dim,
+        causal: true,
+        scale: 0.3,
+        q_positions: q_positions.clone(),
+        kv_positions: kv_positions.clone(),
+    };
+    let inputs = vec![
+        Input::F(values(q_len, 90, 1.0)),
+        Input::F(values(kv_len, 91, 1.0)),
+        Input::F(values(kv_len, 92, 1.0)),
+    ];
+    let cot = vec![values(q_len, 93, 1.0), vec![]];
+    let out = eval(&fwd, &inputs, &[q_len, lse_len]);
+    let bwd = Op::AttentionBwd {
+        batch,
+        heads,
+        kv_heads,
+        head_dim,
+        causal: true,
+        scale: 0.3,
+        q_positions,
+        kv_positions,
+    };
+    let mut bwd_inputs = vec![Input::F(cot[0].clone())];
+    bwd_inputs.extend(inputs.iter().cloned());
+    bwd_inputs.push(Input::F(out[0].clone()));
+    bwd_inputs.push(Input::F(out[1].clone()));
+    let grads = eval(&bwd, &bwd_inputs, &[q_len, kv_len, kv_len]);
+    for which in 0..3 {
+        let Input::F(x) = &inputs[which] else {
+            unreachable!()
+        };
+        let direction = values(x.len(), 94 + which as u64, 1.0);
+        let loss_at = |h: f32| {
+            let mut moved = inputs.clone();
+            moved[which] = Input::F(x.iter().zip(&direction).map(|(a, u)| a + h * u).collect());
+            pair(&eval(&fwd, &moved, &[q_len, lse_len]), &cot)
+        };
+        let numeric = (loss_at(1e-2) - loss_at(-1e-2)) / 2e-2;
+        let analytic: f64 = grads[which]
+            .iter()
+            .zip(&direction)
+            .map(|(&g, &u)| f64::from(g) * f64::from(u))
+            .sum();
+        assert!(
+            (numeric - analytic).abs() <= 1e-3 * analytic.abs().max(1.0),
+            "input {which}: numeric {numeric} vs analytic {analytic}"
+        );
+    }
+}

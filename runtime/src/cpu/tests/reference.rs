@@ -841,3 +841,32 @@ fn sgd_with_and_without_momentum_matches_hand_computed_steps() {
     assert_close("momentum", h.backend.f32(buf).unwrap(), &b_ref, 1e-6);
     assert_close("plain", h.backend.f32(plain).unwrap(), &q_ref, 1e-6);
 }
+
+#[test]
+fn attention_over_several_query_tiles_matches_naive_softmax() {
+    let case = AttnCase {
+        batch: 2,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 4,
+        causal: true,
+        q_pos: (0..130).collect(),
+        kv_pos: (0..130).collect(),
+    };
+    let q = values(130 * 2 * 2 * 4, 63, 1.5);
+    let k = values(130 * 2 * 4, 64, 1.5);
+    let v = values(130 * 2 * 4, 65, 1.5);
+    let op = case.op(vec![seg(0, 130)], vec![seg(0, 130)], false);
+    let out = eval(
+        &op,
+        &[
+            Input::F(q.clone()),
+            Input::F(k.clone()),
+            Input::F(v.clone()),
+        ],
+        &[q.len(), 2 * 2 * 130],
+    );
+    let (o, lse) = case.naive(&q, &k, &v);
+    assert_close("o", &out[0], &o, 1e-5);
+    assert_close("lse", &out[1], &lse, 1e-5);
+}
