@@ -5,3 +5,4 @@ pub mod diag;
 pub mod ir;
 pub mod lower;
 pub mod spec;
+pub mod verify;

@@ -1,0 +1,252 @@
+//! Per-program buffer checks (existence, defined before use, alloc/free pairing, nothing left
+//! alive at the end of the step) and liveness numbers: persistent bytes, the peak of live
+//! transient bytes and where it occurs, and the peak number of microbatches in flight.
+//!
+//! Microbatches in flight (Megatron's sense): microbatch k is in flight on a rank from its
+//! first forward compute op there to its last backward compute op there. Lowering names every
+//! per-microbatch buffer `…@<microbatch>`; a compute op belongs to the microbatch its outputs
+//! name.
+
+use super::Violation;
+use crate::ir::{BufferId, Instr, Phase, Program, ProgramId};
+use serde::Serialize;
+
+/// Liveness numbers of one program (every rank running it has them).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ProgramMemory {
+    pub program: ProgramId,
+    pub role: String,
+    pub instrs: usize,
+    /// Parameters, optimizer state and metrics: alive for the whole run.
+    pub persistent_bytes: u64,
+    /// The most transient bytes alive at once.
+    pub peak_transient_bytes: u64,
+    /// persistent + peak transient.
+    pub peak_bytes: u64,
+    /// Index of the instruction after which the peak is first reached.
+    pub peak_at: usize,
+    /// Live transient bytes at the peak, by buffer kind name, largest first.
+    pub peak_by_kind: Vec<(String, u64)>,
+    /// The most microbatches whose activations are alive at once.
+    pub peak_microbatches_in_flight: u32,
+}
+
+/// Cap on violations reported per program (one bug tends to repeat in every microbatch).
+const MAX_PER_PROGRAM: usize = 8;
+
+fn microbatch_of(name: &str) -> Option<u32> {
+    name.rsplit_once('@').and_then(|(_, mb)| mb.parse().ok())
+}
+
+/// Check one program's buffer discipline and measure its liveness.
+pub fn analyse(program: &Program, id: ProgramId, rank: u32) -> (ProgramMemory, Vec<Violation>) {
+    let n = program.buffers.len();
+    let mut violations = Vec::new();
+    let mut alive = vec![false; n];
+    let mut freed_at: Vec<Option<usize>> = vec![None; n];
+    let mut persistent_bytes = 0u64;
+    for (i, b) in program.buffers.iter().enumerate() {
+        if b.kind.is_persistent() {
+            alive[i] = true;
+            persistent_bytes += b.bytes();
+        }
+    }
+    let mb_of: Vec<Option<u32>> = program
+        .buffers
+        .iter()
+        .map(|b| microbatch_of(&b.name))
+        .collect();
+    // Per microbatch: (first forward op, last backward op).
+    let mut spans: std::collections::BTreeMap<u32, (usize, usize)> = Default::default();
+    let mut live = 0u64;
+    let mut peak = 0u64;
+    let mut peak_at = 0usize;
+    let mut peak_alive: Option<Vec<bool>> = None;
+
+    let mut push = |code: &'static str, instr: usize, node, message: String| {
+        if violations.len() < MAX_PER_PROGRAM {
+            violations.push(Violation {
+                code,
+                rank,
+                program: id,
+                instr,
+                node,
+                message,
+            });
+        }
+    };
+    let name = |b: BufferId| {
+        program
+            .buffer(b)
+            .map(|x| format!("b{} `{}`", b.0, x.name))
+            .unwrap_or_else(|| format!("b{}", b.0))
+    };
+
+    for (i, instr) in program.instrs.iter().enumerate() {
+        let node = match instr {
+            Instr::Compute { node, .. } | Instr::Collective { node, .. } => *node,
+            _ => None,
+        };
+        let target = match instr {
+            Instr::Alloc { buffer } | Instr::Free { buffer } => Some(*buffer),
+            _ => None,
+        };
+        let used: Vec<BufferId> = instr
+            .reads()
+            .into_iter()
+            .chain(instr.writes())
+            .chain(target)
+            .collect();
+        if let Some(bad) = used.iter().find(|b| b.0 as usize >= n) {
+            push(
+                "E0810",
+                i,
+                node,
+                format!("names buffer b{} but the program has {n} buffers", bad.0),
+            );
+            continue;
+        }
+        match instr {
+            Instr::Alloc { buffer } => {
+                let b = buffer.0 as usize;
+                let buf = &program.buffers[b];
+                if buf.kind.is_persistent() {
+                    push(
+                        "E0812",
+                        i,
+                        node,
+                        format!("allocates the persistent buffer {}", name(*buffer)),
+                    );
+                } else if alive[b] {
+                    push(
+                        "E0812",
+                        i,
+                        node,
+                        format!("allocates {} which is already alive", name(*buffer)),
+                    );
+                } else {
+                    alive[b] = true;
+                    live += buf.bytes();
+                    if live > peak {
+                        peak = live;
+                        peak_at = i;
+                        peak_alive = None;
+                    }
+                }
+            }
+            Instr::Free { buffer } => {
+                let b = buffer.0 as usize;
+                let buf = &program.buffers[b];
+                if buf.kind.is_persistent() {
+                    push(
+                        "E0812",
+                        i,
+                        node,
+                        format!("frees the persistent buffer {}", name(*buffer)),
+                    );
+                } else if !alive[b] {
+                    let why = match freed_at[b] {
+                        Some(k) => format!(
+                            "double free of {}: already freed at instruction {k}",
+                            name(*buffer)
+                        ),
+                        None => format!("frees {} which was never allocated", name(*buffer)),
+                    };
+                    push("E0812", i, node, why);
+                } else {
+                    if peak_alive.is_none() && live == peak {
+                        peak_alive = Some(alive.clone());
+                    }
+                    alive[b] = false;
+                    freed_at[b] = Some(i);
+                    live -= buf.bytes();
+                }
+            }
+            _ => {
+                if let Instr::Compute { outputs, phase, .. } = instr {
+                    let mb = outputs.iter().find_map(|b| mb_of[b.0 as usize]);
+                    if let Some(mb) = mb {
+                        let span = spans.entry(mb).or_insert((usize::MAX, 0));
+                        match phase {
+                            Phase::Forward => span.0 = span.0.min(i),
+                            Phase::Backward => span.1 = span.1.max(i),
+                            Phase::Recompute | Phase::Optimizer => {}
+                        }
+                    }
+                }
+                let mut used = used;
+                used.sort_unstable();
+                used.dedup();
+                for b in &used {
+                    if !alive[b.0 as usize] {
+                        let why = match freed_at[b.0 as usize] {
+                            Some(k) => {
+                                format!("uses {} after it was freed at instruction {k}", name(*b))
+                            }
+                            None => format!("uses {} before it is allocated", name(*b)),
+                        };
+                        push("E0811", i, node, why);
+                    }
+                }
+            }
+        }
+    }
+    let end = program.instrs.len();
+    let mut edges: Vec<(usize, i32)> = Vec::new();
+    for &(first, last) in spans.values() {
+        if first <= last {
+            edges.push((first, 1));
+            edges.push((last, -1));
+        }
+    }
+    // Starts before ends at the same index: an op cannot both start and end microbatches.
+    edges.sort_unstable_by_key(|&(i, d)| (i, -d));
+    let mut in_flight = 0i32;
+    let mut in_flight_peak = 0u32;
+    for (_, d) in edges {
+        in_flight += d;
+        in_flight_peak = in_flight_peak.max(in_flight.max(0) as u32);
+    }
+    let leaked: Vec<String> = (0..n)
+        .filter(|&b| alive[b] && !program.buffers[b].kind.is_persistent())
+        .map(|b| name(BufferId(b as u32)))
+        .collect();
+    if !leaked.is_empty() {
+        let shown: Vec<String> = leaked.iter().take(5).cloned().collect();
+        push(
+            "E0813",
+            end,
+            None,
+            format!(
+                "{} transient buffers are still alive at the end of the step: {}{}",
+                leaked.len(),
+                shown.join(", "),
+                if leaked.len() > 5 { ", …" } else { "" }
+            ),
+        );
+    }
+    let at_peak = peak_alive.unwrap_or(alive);
+    let mut by_kind: std::collections::BTreeMap<&'static str, u64> = Default::default();
+    for (b, buf) in program.buffers.iter().enumerate() {
+        if at_peak.get(b) == Some(&true) && !buf.kind.is_persistent() {
+            *by_kind.entry(buf.kind.name()).or_default() += buf.bytes();
+        }
+    }
+    let mut peak_by_kind: Vec<(String, u64)> = by_kind
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+    peak_by_kind.sort_by_key(|(_, v)| std::cmp::Reverse(*v));
+    let memory = ProgramMemory {
+        program: id,
+        role: program.role.clone(),
+        instrs: program.instrs.len(),
+        persistent_bytes,
+        peak_transient_bytes: peak,
+        peak_bytes: persistent_bytes + peak,
+        peak_at,
+        peak_by_kind,
+        peak_microbatches_in_flight: in_flight_peak,
+    };
+    (memory, violations)
+}

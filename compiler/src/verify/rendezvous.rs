@@ -1,0 +1,606 @@
+//! All ranks simulated together under rendezvous semantics: collectives complete when every
+//! member of the caller's set has reached one on the same group, point-to-point operations
+//! when both sides have posted them. Finds misordered collectives, size mismatches, unmatched
+//! or misordered transfers and deadlocks (see the `verify` header for the dp symmetry rule).
+
+use super::Violation;
+use crate::ir::{CollectiveKind, GroupId, Instr, P2pOp, Plan, ProgramId};
+use crate::spec::{Axis, NodeId};
+use std::collections::HashMap;
+
+pub struct Simulation {
+    pub violations: Vec<Violation>,
+    pub ranks_simulated: u32,
+    pub dp_symmetric: bool,
+}
+
+/// One posted send or receive.
+#[derive(Clone, Copy, Debug)]
+struct Posted {
+    send: bool,
+    /// Global rank of the other side.
+    peer: u32,
+    tag: u32,
+    numel: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Status {
+    Running,
+    /// At a collective, waiting for the rest of its set.
+    Collective,
+    /// At a send/receive/p2p group with operations still unmatched.
+    Transfer,
+    Done,
+}
+
+struct World<'a> {
+    plan: &'a Plan,
+    /// Global rank of each simulated rank.
+    ranks: Vec<u32>,
+    /// Simulated index of each global rank's representative.
+    sim_of: Vec<usize>,
+    /// member[g][rank] = index of the rank's set in group g.
+    member: Vec<Vec<Option<u32>>>,
+    /// Simulated indices of each group set's representatives, ascending and deduplicated.
+    proj_sets: Vec<Vec<Vec<usize>>>,
+    pc: Vec<usize>,
+    status: Vec<Status>,
+    posted: Vec<Vec<Posted>>,
+    arrivals: HashMap<(GroupId, usize), Vec<usize>>,
+    violations: Vec<Violation>,
+}
+
+const MAX_VIOLATIONS: usize = 16;
+
+fn describe_kind(kind: &CollectiveKind) -> String {
+    match kind {
+        CollectiveKind::AllReduce { op } => format!("all_reduce {op:?}").to_lowercase(),
+        CollectiveKind::AllGather => "all_gather".to_string(),
+        CollectiveKind::ReduceScatter => "reduce_scatter".to_string(),
+        CollectiveKind::Broadcast { root } => format!("broadcast from {root}"),
+    }
+}
+
+impl<'a> World<'a> {
+    fn program(&self, y: usize) -> Option<(ProgramId, &'a crate::ir::Program)> {
+        let id = *self.plan.rank_program.get(self.ranks[y] as usize)?;
+        Some((id, self.plan.programs.get(id.0 as usize)?))
+    }
+
+    fn instr(&self, y: usize, pc: usize) -> Option<&'a Instr> {
+        self.program(y).and_then(|(_, p)| p.instrs.get(pc))
+    }
+
+    fn numel(&self, y: usize, b: crate::ir::BufferId) -> u64 {
+        self.program(y)
+            .and_then(|(_, p)| p.buffer(b))
+            .map(|b| b.numel())
+            .unwrap_or(0)
+    }
+
+    fn group_name(&self, g: GroupId) -> String {
+        self.plan
+            .group(g)
+            .map(|x| x.name.clone())
+            .unwrap_or_else(|| format!("g{}", g.0))
+    }
+
+    fn describe(&self, y: usize, pc: usize) -> String {
+        let r = self.ranks[y];
+        match self.instr(y, pc) {
+            None => "the end of its program".to_string(),
+            Some(Instr::Collective { kind, group, .. }) => {
+                format!("{} on {}", describe_kind(kind), self.group_name(*group))
+            }
+            Some(Instr::Send { peer, tag, .. }) => {
+                format!(
+                    "send of tag {tag} to rank {}",
+                    self.plan.peer_rank(r, *peer)
+                )
+            }
+            Some(Instr::Recv { peer, tag, .. }) => {
+                format!(
+                    "receive of tag {tag} from rank {}",
+                    self.plan.peer_rank(r, *peer)
+                )
+            }
+            Some(Instr::P2p { ops }) => {
+                let parts: Vec<String> = ops
+                    .iter()
+                    .map(|op| match op {
+                        P2pOp::Send { peer, tag, .. } => {
+                            format!("send tag {tag} to {}", self.plan.peer_rank(r, *peer))
+                        }
+                        P2pOp::Recv { peer, tag, .. } => {
+                            format!("recv tag {tag} from {}", self.plan.peer_rank(r, *peer))
+                        }
+                    })
+                    .collect();
+                format!("p2p group ({})", parts.join(", "))
+            }
+            Some(_) => "a local instruction".to_string(),
+        }
+    }
+
+    fn violation(
+        &mut self,
+        code: &'static str,
+        y: usize,
+        pc: usize,
+        node: Option<NodeId>,
+        message: String,
+    ) {
+        if self.violations.len() >= MAX_VIOLATIONS {
+            return;
+        }
+        let program = self.program(y).map(|(id, _)| id).unwrap_or(ProgramId(0));
+        self.violations.push(Violation {
+            code,
+            rank: self.ranks[y],
+            program,
+            instr: pc,
+            node,
+            message,
+        });
+    }
+
+    /// Run simulated rank `y` until it blocks or ends; returns ranks it unblocked.
+    fn run(&mut self, y: usize, woken: &mut Vec<usize>) {
+        while self.status[y] == Status::Running {
+            let pc = self.pc[y];
+            let Some(instr) = self.instr(y, pc) else {
+                self.status[y] = Status::Done;
+                return;
+            };
+            match instr {
+                Instr::Collective { group, node, .. } => {
+                    let r = self.ranks[y];
+                    let set = self
+                        .member
+                        .get(group.0 as usize)
+                        .and_then(|m| m.get(r as usize))
+                        .copied()
+                        .flatten();
+                    let Some(set) = set else {
+                        let name = self.group_name(*group);
+                        self.violation(
+                            "E0815",
+                            y,
+                            pc,
+                            *node,
+                            format!("issues a collective on group {name}, which has no set containing rank {r}"),
+                        );
+                        self.status[y] = Status::Done;
+                        return;
+                    };
+                    let members = self.proj_sets[group.0 as usize][set as usize].clone();
+                    let key = (*group, members.first().copied().unwrap_or(y));
+                    self.status[y] = Status::Collective;
+                    let arrived = self.arrivals.entry(key).or_default();
+                    arrived.push(y);
+                    if arrived.len() == members.len() {
+                        self.arrivals.remove(&key);
+                        self.complete_collective(*group, set, &members);
+                        for &m in &members {
+                            self.pc[m] += 1;
+                            self.status[m] = Status::Running;
+                            if m != y {
+                                woken.push(m);
+                            }
+                        }
+                    }
+                }
+                Instr::Send { .. } | Instr::Recv { .. } | Instr::P2p { .. } => {
+                    self.post(y, instr, woken);
+                }
+                _ => self.pc[y] += 1,
+            }
+        }
+    }
+
+    fn complete_collective(&mut self, group: GroupId, set: u32, members: &[usize]) {
+        let n = self
+            .plan
+            .group(group)
+            .and_then(|g| g.sets.get(set as usize))
+            .map(|s| s.len() as u64)
+            .unwrap_or(1);
+        let issued: Vec<(usize, usize, CollectiveKind, u64, u64, Option<NodeId>)> = members
+            .iter()
+            .filter_map(|&m| match self.instr(m, self.pc[m]) {
+                Some(Instr::Collective {
+                    kind,
+                    input,
+                    output,
+                    node,
+                    ..
+                }) => Some((
+                    m,
+                    self.pc[m],
+                    *kind,
+                    self.numel(m, *input),
+                    self.numel(m, *output),
+                    *node,
+                )),
+                _ => None,
+            })
+            .collect();
+        let name = self.group_name(group);
+        for &(m, pc, kind, input, output, node) in &issued {
+            let fits = match kind {
+                CollectiveKind::AllGather => output == n * input,
+                CollectiveKind::ReduceScatter => input == n * output,
+                CollectiveKind::AllReduce { .. } | CollectiveKind::Broadcast { .. } => {
+                    input == output
+                }
+            };
+            let root_ok = match kind {
+                CollectiveKind::Broadcast { root } => u64::from(root) < n,
+                _ => true,
+            };
+            if !fits || !root_ok {
+                self.violation(
+                    "E0814",
+                    m,
+                    pc,
+                    node,
+                    format!(
+                        "{} on {name} over {n} ranks has input {input} and output {output} elements, which that collective cannot produce",
+                        describe_kind(&kind)
+                    ),
+                );
+            }
+        }
+        // Members that disagree with the majority (all of them when there is none) issued
+        // their collectives in a different order.
+        let signature =
+            |i: &(usize, usize, CollectiveKind, u64, u64, Option<NodeId>)| (i.2, i.3, i.5);
+        let count = |sig| issued.iter().filter(|i| signature(i) == sig).count();
+        let Some(majority) = issued.iter().map(signature).max_by_key(|&sig| count(sig)) else {
+            return;
+        };
+        if count(majority) == issued.len() {
+            return;
+        }
+        let strict = count(majority) * 2 > issued.len();
+        let node_name =
+            |n: Option<NodeId>| n.map(|n| format!(" for node n{}", n.0)).unwrap_or_default();
+        let others: Vec<String> = issued
+            .iter()
+            .map(|&(m, pc, kind, input, _, node)| {
+                format!(
+                    "rank {} instruction {pc}: {} of {input} elements{}",
+                    self.ranks[m],
+                    describe_kind(&kind),
+                    node_name(node)
+                )
+            })
+            .collect();
+        for &(m, pc, kind, input, _, node) in &issued {
+            if strict && (kind, input, node) == majority {
+                continue;
+            }
+            let message = format!(
+                "issues {} of {input} elements{} on {name}, but the set's members issue different collectives here ({}): the group's collectives are issued in different orders",
+                describe_kind(&kind),
+                node_name(node),
+                others.join("; ")
+            );
+            self.violation("E0814", m, pc, node, message);
+        }
+    }
+
+    fn post(&mut self, y: usize, instr: &Instr, woken: &mut Vec<usize>) {
+        let r = self.ranks[y];
+        let ops: Vec<Posted> = match instr {
+            Instr::Send { peer, buffer, tag } => vec![Posted {
+                send: true,
+                peer: self.plan.peer_rank(r, *peer),
+                tag: *tag,
+                numel: self.numel(y, *buffer),
+            }],
+            Instr::Recv { peer, buffer, tag } => vec![Posted {
+                send: false,
+                peer: self.plan.peer_rank(r, *peer),
+                tag: *tag,
+                numel: self.numel(y, *buffer),
+            }],
+            Instr::P2p { ops } => ops
+                .iter()
+                .map(|op| match op {
+                    P2pOp::Send { peer, buffer, tag } => Posted {
+                        send: true,
+                        peer: self.plan.peer_rank(r, *peer),
+                        tag: *tag,
+                        numel: self.numel(y, *buffer),
+                    },
+                    P2pOp::Recv { peer, buffer, tag } => Posted {
+                        send: false,
+                        peer: self.plan.peer_rank(r, *peer),
+                        tag: *tag,
+                        numel: self.numel(y, *buffer),
+                    },
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        let mut mine = Vec::new();
+        for op in ops {
+            let q = self.sim_of.get(op.peer as usize).copied();
+            let matched = q.and_then(|q| {
+                self.posted[q]
+                    .iter()
+                    .position(|o| o.send != op.send && o.peer == r && o.tag == op.tag)
+                    .map(|i| (q, i))
+            });
+            match matched {
+                Some((q, i)) => {
+                    let theirs = self.posted[q].remove(i);
+                    if theirs.numel != op.numel {
+                        let pc = self.pc[y];
+                        self.violation(
+                            "E0816",
+                            y,
+                            pc,
+                            None,
+                            format!(
+                                "{} tag {} {} rank {} has {} elements but the other side's buffer has {}",
+                                if op.send { "send of" } else { "receive of" },
+                                op.tag,
+                                if op.send { "to" } else { "from" },
+                                op.peer,
+                                op.numel,
+                                theirs.numel
+                            ),
+                        );
+                    }
+                    if self.posted[q].is_empty() && self.status[q] == Status::Transfer {
+                        self.pc[q] += 1;
+                        self.status[q] = Status::Running;
+                        woken.push(q);
+                    }
+                }
+                None => mine.push(op),
+            }
+        }
+        if mine.is_empty() {
+            self.pc[y] += 1;
+        } else {
+            self.posted[y] = mine;
+            self.status[y] = Status::Transfer;
+        }
+    }
+
+    /// Where rank `q` (global) receives or sends tag `tag` with rank `r`, if anywhere.
+    fn find_transfer(&self, q: u32, r: u32, tag: u32, send: bool) -> Option<usize> {
+        let y = *self.sim_of.get(q as usize)?;
+        let (_, program) = self.program(y)?;
+        program.instrs.iter().position(|instr| {
+            let hit = |peer, t, s: bool| {
+                s == send && t == tag && self.plan.peer_rank(self.ranks[y], peer) == r
+            };
+            match instr {
+                Instr::Send { peer, tag: t, .. } => hit(*peer, *t, true),
+                Instr::Recv { peer, tag: t, .. } => hit(*peer, *t, false),
+                Instr::P2p { ops } => ops.iter().any(|op| match op {
+                    P2pOp::Send { peer, tag: t, .. } => hit(*peer, *t, true),
+                    P2pOp::Recv { peer, tag: t, .. } => hit(*peer, *t, false),
+                }),
+                _ => false,
+            }
+        })
+    }
+
+    fn report_stuck(&mut self) {
+        let stuck: Vec<usize> = (0..self.ranks.len())
+            .filter(|&y| self.status[y] != Status::Done)
+            .collect();
+        for y in stuck {
+            let pc = self.pc[y];
+            let r = self.ranks[y];
+            let node = match self.instr(y, pc) {
+                Some(Instr::Collective { node, .. }) => *node,
+                _ => None,
+            };
+            let message = match self.status[y] {
+                Status::Collective => {
+                    let (group, set) = match self.instr(y, pc) {
+                        Some(Instr::Collective { group, .. }) => (
+                            *group,
+                            self.member[group.0 as usize][r as usize].unwrap_or(0),
+                        ),
+                        _ => continue,
+                    };
+                    let members = self.proj_sets[group.0 as usize][set as usize].clone();
+                    let key = (group, members.first().copied().unwrap_or(y));
+                    let arrived = self.arrivals.get(&key).cloned().unwrap_or_default();
+                    let missing: Vec<String> = members
+                        .iter()
+                        .filter(|m| !arrived.contains(m))
+                        .map(|&m| {
+                            format!(
+                                "rank {} is at instruction {} ({})",
+                                self.ranks[m],
+                                self.pc[m],
+                                self.describe(m, self.pc[m])
+                            )
+                        })
+                        .collect();
+                    format!(
+                        "deadlock: {} never completes: {}",
+                        self.describe(y, pc),
+                        missing.join("; ")
+                    )
+                }
+                Status::Transfer => {
+                    let parts: Vec<String> = self.posted[y]
+                        .clone()
+                        .iter()
+                        .map(|op| {
+                            let (what, dir) = if op.send {
+                                ("send", "to")
+                            } else {
+                                ("receive", "from")
+                            };
+                            let there = match self.sim_of.get(op.peer as usize) {
+                                Some(&q) => format!(
+                                    "rank {} is at instruction {} ({})",
+                                    op.peer,
+                                    self.pc[q],
+                                    self.describe(q, self.pc[q])
+                                ),
+                                None => format!("rank {} does not exist", op.peer),
+                            };
+                            match self.find_transfer(op.peer, r, op.tag, !op.send) {
+                                None => format!(
+                                    "{what} of tag {} {dir} rank {} is unmatched: rank {}'s program has no matching {}; {there}",
+                                    op.tag,
+                                    op.peer,
+                                    op.peer,
+                                    if op.send { "receive" } else { "send" }
+                                ),
+                                Some(k) => format!(
+                                    "{what} of tag {} {dir} rank {} is misordered: rank {} posts its side at instruction {k}, but {there}",
+                                    op.tag, op.peer, op.peer
+                                ),
+                            }
+                        })
+                        .collect();
+                    format!("deadlock: {}", parts.join("; "))
+                }
+                Status::Running | Status::Done => continue,
+            };
+            self.violation("E0817", y, pc, node, message);
+        }
+    }
+}
+
+/// Whether ranks differing only in dp run the same program and talk only within their slice.
+fn dp_symmetric(plan: &Plan) -> bool {
+    let mesh = &plan.mesh;
+    if mesh.size(Axis::Dp) <= 1 {
+        return false;
+    }
+    let stride = mesh.stride(Axis::Dp);
+    let base = |r: u32| r - mesh.coord(r, Axis::Dp) * stride;
+    let same_program = (0..plan.world)
+        .all(|r| plan.rank_program.get(r as usize) == plan.rank_program.get(base(r) as usize));
+    let no_dp_transfers = plan.programs.iter().all(|p| {
+        p.instrs.iter().all(|i| match i {
+            Instr::Send { peer, .. } | Instr::Recv { peer, .. } => peer.axis != Axis::Dp,
+            Instr::P2p { ops } => ops.iter().all(|op| match op {
+                P2pOp::Send { peer, .. } | P2pOp::Recv { peer, .. } => peer.axis != Axis::Dp,
+            }),
+            _ => true,
+        })
+    });
+    same_program && no_dp_transfers
+}
+
+pub fn simulate(plan: &Plan) -> Simulation {
+    let world = plan.world;
+    let mut symmetric = dp_symmetric(plan);
+    let mesh = &plan.mesh;
+    let project = |r: u32, sym: bool| {
+        if sym {
+            r - mesh.coord(r, Axis::Dp) * mesh.stride(Axis::Dp)
+        } else {
+            r
+        }
+    };
+    let mut member = vec![vec![None; world as usize]; plan.groups.len()];
+    for (g, group) in plan.groups.iter().enumerate() {
+        for (s, set) in group.sets.iter().enumerate() {
+            for &r in set {
+                if let Some(slot) = member[g].get_mut(r as usize) {
+                    *slot = Some(s as u32);
+                }
+            }
+        }
+    }
+    // Projected sets must agree for every representative (else simulate everything).
+    let projected = |sym: bool| -> Vec<Vec<Vec<u32>>> {
+        plan.groups
+            .iter()
+            .map(|g| {
+                g.sets
+                    .iter()
+                    .map(|set| {
+                        let mut p: Vec<u32> = set.iter().map(|&r| project(r, sym)).collect();
+                        p.sort_unstable();
+                        p.dedup();
+                        p
+                    })
+                    .collect()
+            })
+            .collect()
+    };
+    let mut proj = projected(symmetric);
+    if symmetric {
+        let consistent = proj.iter().enumerate().all(|(g, sets)| {
+            sets.iter().all(|p| {
+                p.iter().all(|&z| {
+                    member[g]
+                        .get(z as usize)
+                        .copied()
+                        .flatten()
+                        .and_then(|s| sets.get(s as usize))
+                        == Some(p)
+                })
+            })
+        });
+        if !consistent {
+            symmetric = false;
+            proj = projected(false);
+        }
+    }
+    let ranks: Vec<u32> = (0..world)
+        .filter(|&r| !symmetric || mesh.coord(r, Axis::Dp) == 0)
+        .collect();
+    let mut sim_index = vec![usize::MAX; world as usize];
+    for (y, &r) in ranks.iter().enumerate() {
+        sim_index[r as usize] = y;
+    }
+    let sim_of: Vec<usize> = (0..world)
+        .map(|r| sim_index[project(r, symmetric) as usize])
+        .collect();
+    let proj_sets: Vec<Vec<Vec<usize>>> = proj
+        .iter()
+        .map(|sets| {
+            sets.iter()
+                .map(|p| p.iter().map(|&r| sim_of[r as usize]).collect())
+                .collect()
+        })
+        .collect();
+    let n = ranks.len();
+    let mut w = World {
+        plan,
+        ranks,
+        sim_of,
+        member,
+        proj_sets,
+        pc: vec![0; n],
+        status: vec![Status::Running; n],
+        posted: vec![Vec::new(); n],
+        arrivals: HashMap::new(),
+        violations: Vec::new(),
+    };
+    let mut ready: Vec<usize> = (0..n).rev().collect();
+    let mut woken = Vec::new();
+    while let Some(y) = ready.pop() {
+        w.run(y, &mut woken);
+        ready.append(&mut woken);
+        if w.violations.len() >= MAX_VIOLATIONS {
+            break;
+        }
+    }
+    if w.violations.is_empty() {
+        w.report_stuck();
+    }
+    Simulation {
+        violations: w.violations,
+        ranks_simulated: n as u32,
+        dp_symmetric: symmetric,
+    }
+}

@@ -1,0 +1,335 @@
+//! The verifier on lowered plans (which must pass) and on mutated ones (which must fail at the
+//! exact rank and instruction).
+
+use super::*;
+use crate::cost::testspec::{build, Dims, Plan as PlanChoice};
+use crate::ir::{BufferId, Instr, P2pOp, Plan};
+use crate::lower::lower;
+use crate::spec::{PipelineSchedule, Recompute, ZeroStage};
+
+fn lowered(plan: PlanChoice) -> Plan {
+    let spec = build(&Dims::tiny(), &plan);
+    match lower(&spec) {
+        Ok(p) => p,
+        Err(d) => panic!("{:?}", d.items),
+    }
+}
+
+fn codes(outcome: &Outcome) -> Vec<&'static str> {
+    outcome.violations.iter().map(|v| v.code).collect()
+}
+
+#[test]
+fn lowered_plans_verify() {
+    let plans = [
+        PlanChoice::default(),
+        PlanChoice {
+            dp: 2,
+            tp: 2,
+            zero: ZeroStage::Zero3,
+            ..PlanChoice::default()
+        },
+        PlanChoice {
+            pp: 2,
+            cp: 2,
+            sp: true,
+            tp: 2,
+            recompute: Recompute::Full,
+            ..PlanChoice::default()
+        },
+        PlanChoice {
+            dp: 2,
+            pp: 2,
+            schedule: PipelineSchedule::Interleaved { virtual_stages: 2 },
+            zero: ZeroStage::Zero1,
+            recompute: Recompute::Selective,
+            ..PlanChoice::default()
+        },
+        PlanChoice {
+            pp: 4,
+            schedule: PipelineSchedule::Gpipe,
+            ..PlanChoice::default()
+        },
+    ];
+    for choice in plans {
+        let desc = format!("{choice:?}");
+        let plan = lowered(choice);
+        let outcome = check(&plan);
+        assert!(
+            outcome.violations.is_empty(),
+            "{desc}: {:#?}",
+            outcome.violations
+        );
+        let report = verify(&plan).unwrap();
+        assert_eq!(report.programs.len(), plan.programs.len());
+        for p in &report.programs {
+            assert!(p.peak_bytes > p.persistent_bytes, "{desc}");
+        }
+    }
+}
+
+#[test]
+fn dp_symmetry_simulates_one_slice() {
+    let plan = lowered(PlanChoice {
+        dp: 4,
+        tp: 2,
+        zero: ZeroStage::Zero2,
+        ..PlanChoice::default()
+    });
+    let report = verify(&plan).unwrap();
+    assert!(report.dp_symmetric);
+    assert_eq!(report.ranks_simulated, 2);
+    let plan = lowered(PlanChoice {
+        tp: 2,
+        ..PlanChoice::default()
+    });
+    let report = verify(&plan).unwrap();
+    assert!(!report.dp_symmetric);
+    assert_eq!(report.ranks_simulated, 2);
+}
+
+#[test]
+fn one_f_one_b_holds_p_minus_s_microbatches() {
+    let (p, m) = (4u32, 8u32);
+    let plan = lowered(PlanChoice {
+        pp: p,
+        microbatches: m,
+        ..PlanChoice::default()
+    });
+    let report = verify(&plan).unwrap();
+    for s in 0..p {
+        let rank = plan.mesh.rank_of(&[(crate::spec::Axis::Pp, s)]);
+        let id = plan.rank_program[rank as usize];
+        let mem = report.program(id).unwrap();
+        assert_eq!(mem.peak_microbatches_in_flight, p - s, "stage {s}");
+    }
+    let gpipe = lowered(PlanChoice {
+        pp: p,
+        microbatches: m,
+        schedule: PipelineSchedule::Gpipe,
+        ..PlanChoice::default()
+    });
+    let report = verify(&gpipe).unwrap();
+    for mem in &report.programs {
+        assert_eq!(mem.peak_microbatches_in_flight, m);
+    }
+}
+
+/// (program, instruction, op) of the first receive in a p2p group.
+fn first_recv(plan: &Plan) -> (usize, usize, usize) {
+    for (p, program) in plan.programs.iter().enumerate() {
+        for (i, instr) in program.instrs.iter().enumerate() {
+            if let Instr::P2p { ops } = instr {
+                if let Some(k) = ops.iter().position(|op| matches!(op, P2pOp::Recv { .. })) {
+                    return (p, i, k);
+                }
+            }
+        }
+    }
+    panic!("no receive in the plan")
+}
+
+#[test]
+fn deleting_a_recv_reports_the_unmatched_send() {
+    let mut plan = lowered(PlanChoice {
+        pp: 2,
+        ..PlanChoice::default()
+    });
+    let (p, i, k) = first_recv(&plan);
+    let receiver = plan.ranks_of(ProgramId(p as u32))[0];
+    let Instr::P2p { ops } = &mut plan.programs[p].instrs[i] else {
+        unreachable!()
+    };
+    let P2pOp::Recv { peer, tag, .. } = ops.remove(k) else {
+        unreachable!()
+    };
+    let sender = plan.peer_rank(receiver, peer);
+    // The send of that tag in the sender's program.
+    let sp = plan.rank_program[sender as usize].0 as usize;
+    let send_at = plan.programs[sp]
+        .instrs
+        .iter()
+        .position(|instr| match instr {
+            Instr::P2p { ops } => ops
+                .iter()
+                .any(|op| matches!(op, P2pOp::Send { tag: t, .. } if *t == tag)),
+            Instr::Send { tag: t, .. } => *t == tag,
+            _ => false,
+        })
+        .unwrap();
+    let outcome = check(&plan);
+    let hit = outcome
+        .violations
+        .iter()
+        .find(|v| v.rank == sender && v.instr == send_at)
+        .unwrap_or_else(|| panic!("{:#?}", outcome.violations));
+    assert_eq!(hit.code, "E0817");
+    assert!(
+        hit.message.contains(&format!(
+            "send of tag {tag} to rank {receiver} is unmatched"
+        )),
+        "{}",
+        hit.message
+    );
+    assert!(verify(&plan).is_err());
+}
+
+#[test]
+fn swapping_two_collectives_reports_the_rank_and_instruction() {
+    // cp ranks run different programs and reduce-scatter every gradient over cp after the
+    // backward (ZeRO-1): adjacent collectives whose buffers are alive at both places.
+    let mut plan = lowered(PlanChoice {
+        cp: 2,
+        zero: ZeroStage::Zero1,
+        ..PlanChoice::default()
+    });
+    // Rank 1's program: swap its first two tp collectives that differ in node or size.
+    let p = plan.rank_program[1].0 as usize;
+    let program = &plan.programs[p];
+    let colls: Vec<usize> = program
+        .instrs
+        .iter()
+        .enumerate()
+        .filter(|(_, i)| matches!(i, Instr::Collective { .. }))
+        .map(|(k, _)| k)
+        .collect();
+    let sig = |k: usize| match &program.instrs[k] {
+        Instr::Collective {
+            input, node, group, ..
+        } => (program.buffer(*input).map(|b| b.numel()), *node, *group),
+        _ => unreachable!(),
+    };
+    // Swap two adjacent collectives on one group that differ in node or size, each with the
+    // instructions that prepare it and the free that follows it, so every buffer stays alive
+    // where it is used and only the order of the group's collectives is wrong: the segments
+    // `start..=mid` and `mid+1..=end` trade places.
+    let is_free = |k: usize| matches!(program.instrs.get(k), Some(Instr::Free { .. }));
+    let mut found = None;
+    for (x, w) in colls.windows(2).enumerate() {
+        let (a, b) = (w[0], w[1]);
+        if sig(b).2 != sig(a).2 || sig(b) == sig(a) {
+            continue;
+        }
+        let start = if x == 0 { 0 } else { colls[x - 1] + 1 };
+        let mid = if is_free(a + 1) && a + 1 < b {
+            a + 1
+        } else {
+            a
+        };
+        let end = if is_free(b + 1) { b + 1 } else { b };
+        let mut mutated = program.clone();
+        mutated.instrs[start..=end].rotate_left(mid + 1 - start);
+        if super::liveness::analyse(&mutated, ProgramId(p as u32), 1)
+            .1
+            .is_empty()
+        {
+            // The later collective now comes first, at its offset in its segment.
+            found = Some((mutated, start + (b - mid - 1)));
+            break;
+        }
+    }
+    let (mutated, moved_to) = found.unwrap();
+    plan.programs[p] = mutated;
+    assert!(matches!(
+        plan.programs[p].instrs[moved_to],
+        Instr::Collective { .. }
+    ));
+    let outcome = check(&plan);
+    assert!(
+        outcome
+            .violations
+            .iter()
+            .any(|v| v.code == "E0814" && v.rank == 1 && v.instr == moved_to),
+        "{:#?}",
+        outcome.violations
+    );
+    assert!(outcome.violations[0].message.contains("different orders"));
+}
+
+#[test]
+fn double_free_and_use_before_alloc() {
+    let base = lowered(PlanChoice::default());
+    let program = &base.programs[0];
+    let (at, buffer) = program
+        .instrs
+        .iter()
+        .enumerate()
+        .find_map(|(k, i)| match i {
+            Instr::Free { buffer } => Some((k, *buffer)),
+            _ => None,
+        })
+        .unwrap();
+    let mut plan = base.clone();
+    plan.programs[0]
+        .instrs
+        .insert(at + 1, Instr::Free { buffer });
+    let outcome = check(&plan);
+    assert_eq!(codes(&outcome), vec!["E0812"]);
+    let v = &outcome.violations[0];
+    assert_eq!((v.rank, v.instr), (0, at + 1));
+    assert!(v.message.contains(&format!("double free of b{}", buffer.0)));
+    assert!(v
+        .message
+        .contains(&format!("already freed at instruction {at}")));
+
+    // Dropping an Alloc makes the first use come before any definition.
+    let mut plan = base.clone();
+    let (alloc_at, alloc_buf) = plan.programs[0]
+        .instrs
+        .iter()
+        .enumerate()
+        .find_map(|(k, i)| match i {
+            Instr::Alloc { buffer } => Some((k, *buffer)),
+            _ => None,
+        })
+        .unwrap();
+    plan.programs[0].instrs.remove(alloc_at);
+    let outcome = check(&plan);
+    let first_use = plan.programs[0]
+        .instrs
+        .iter()
+        .position(|i| i.reads().contains(&alloc_buf) || i.writes().contains(&alloc_buf))
+        .unwrap();
+    let v = &outcome.violations[0];
+    assert_eq!((v.code, v.rank, v.instr), ("E0811", 0, first_use));
+
+    // A buffer that does not exist.
+    let mut plan = base;
+    let n = plan.programs[0].buffers.len() as u32;
+    plan.programs[0].instrs.push(Instr::Free {
+        buffer: BufferId(n),
+    });
+    assert_eq!(codes(&check(&plan)), vec!["E0810"]);
+}
+
+#[test]
+fn diagnostics_name_the_node() {
+    let spec = build(
+        &Dims::tiny(),
+        &PlanChoice {
+            tp: 2,
+            ..PlanChoice::default()
+        },
+    );
+    let mut plan = lower(&spec).unwrap();
+    // Make one all-reduce's output the wrong size: an all-gather shape check on a resize.
+    let p = plan.rank_program[0].0 as usize;
+    let k = plan.programs[p]
+        .instrs
+        .iter()
+        .position(|i| matches!(i, Instr::Collective { node: Some(_), .. }))
+        .unwrap();
+    if let Instr::Collective { kind, .. } = &mut plan.programs[p].instrs[k] {
+        *kind = crate::ir::CollectiveKind::AllGather;
+    }
+    let diags = verify_spec(&plan, &spec).unwrap_err();
+    let d = &diags.items[0];
+    assert_eq!(d.code, "E0814");
+    assert!(
+        d.message
+            .starts_with(&format!("rank 0, instruction {k} (node `")),
+        "{}",
+        d.message
+    );
+    assert!(!d.labels.is_empty());
+}
