@@ -1,0 +1,149 @@
+//! The CUDA C kernels (`kernels/*.cu`, one NVRTC program) compiled once per process and arch,
+//! cached by content hash: in memory for every backend of the process, and on disk as PTX
+//! under `$XDG_CACHE_HOME/parc` (or `~/.cache/parc`) so later runs skip NVRTC. A disk cache
+//! that cannot be read or written is only skipped; compile errors carry NVRTC's log.
+use super::device::driver_error;
+use crate::error::{Result, RuntimeError};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The kernel sources, in the order they are concatenated (helpers first).
+const SOURCES: [&str; 4] = [
+    include_str!("kernels/common.cuh"),
+    include_str!("kernels/elementwise.cu"),
+    include_str!("kernels/norm_loss.cu"),
+    include_str!("kernels/attention.cu"),
+];
+
+/// Options that change the generated code: part of the cache key. `--fmad=false` keeps
+/// float arithmetic rounded as written, like the CPU reference.
+const NVRTC_OPTIONS: [&str; 2] = ["--fmad=false", "--std=c++17"];
+
+/// FNV-1a, 64-bit: a hash that is the same in every build (the disk cache key).
+fn fnv1a(parts: &[&str]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in parts {
+        for &b in part.as_bytes().iter().chain(&[0u8]) {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+fn source() -> String {
+    SOURCES.join("\n")
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("parc"))
+}
+
+/// PTX compiled in this process, by cache key.
+fn memory_cache() -> &'static Mutex<HashMap<u64, String>> {
+    static CACHE: OnceLock<Mutex<HashMap<u64, String>>> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// PTX for `arch` (e.g. `compute_90`): from memory, disk, or NVRTC, in that order.
+fn ptx_for(arch: &str) -> Result<String> {
+    let src = source();
+    let mut key_parts = vec![src.as_str(), arch];
+    key_parts.extend(NVRTC_OPTIONS);
+    let key = fnv1a(&key_parts);
+    if let Ok(cache) = memory_cache().lock() {
+        if let Some(ptx) = cache.get(&key) {
+            return Ok(ptx.clone());
+        }
+    }
+    let file = cache_dir().map(|d| d.join(format!("kernels-{arch}-{key:016x}.ptx")));
+    let cached = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok());
+    let ptx = match cached {
+        Some(ptx) => ptx,
+        None => {
+            let mut options: Vec<String> = NVRTC_OPTIONS.iter().map(|s| s.to_string()).collect();
+            options.push(format!("--gpu-architecture={arch}"));
+            let opts = CompileOptions {
+                options,
+                name: Some("parc_kernels.cu".into()),
+                ..Default::default()
+            };
+            let ptx = compile_ptx_with_opts(&src, opts).map_err(|e| {
+                RuntimeError::Unsupported(format!(
+                    "NVRTC could not compile parc's CUDA kernels for {arch}: {e:?}"
+                ))
+            })?;
+            let text = ptx.to_src();
+            if let Some(f) = &file {
+                // A cache we cannot write only costs the next run a compile.
+                let _ = f.parent().map(std::fs::create_dir_all);
+                let tmp = f.with_extension(format!("tmp{}", std::process::id()));
+                if std::fs::write(&tmp, &text).is_ok() {
+                    let _ = std::fs::rename(&tmp, f);
+                }
+            }
+            text
+        }
+    };
+    if let Ok(mut cache) = memory_cache().lock() {
+        cache.insert(key, ptx.clone());
+    }
+    Ok(ptx)
+}
+
+/// The loaded kernel module and the functions looked up so far.
+pub(crate) struct Kernels {
+    module: Arc<CudaModule>,
+    functions: HashMap<&'static str, CudaFunction>,
+}
+
+impl Kernels {
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<Kernels> {
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| driver_error("reading the compute capability", e))?;
+        let arch = format!("compute_{major}{minor}");
+        let ptx = ptx_for(&arch)?;
+        let module = ctx
+            .load_module(Ptx::from_src(ptx))
+            .map_err(|e| driver_error(&format!("loading the kernel module for {arch}"), e))?;
+        Ok(Kernels {
+            module,
+            functions: HashMap::new(),
+        })
+    }
+
+    pub fn function(&mut self, name: &'static str) -> Result<&CudaFunction> {
+        if !self.functions.contains_key(name) {
+            let f = self
+                .module
+                .load_function(name)
+                .map_err(|e| driver_error(&format!("finding kernel {name}"), e))?;
+            self.functions.insert(name, f);
+        }
+        self.functions
+            .get(name)
+            .ok_or_else(|| RuntimeError::Unsupported(format!("kernel {name} is missing")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_key_changes_with_any_part() {
+        let base = fnv1a(&["src", "compute_90"]);
+        assert_eq!(base, fnv1a(&["src", "compute_90"]));
+        assert_ne!(base, fnv1a(&["src", "compute_80"]));
+        assert_ne!(base, fnv1a(&["src ", "compute_90"]));
+        assert_ne!(fnv1a(&["ab", "c"]), fnv1a(&["a", "bc"]));
+    }
+}

@@ -1,0 +1,63 @@
+//! Opening the GPU: checks that the driver, NVRTC and cuBLASLt libraries can be loaded (cudarc
+//! loads them at run time, and would panic on first use otherwise), creates the context and
+//! stream, and turns every cudarc error into a `RuntimeError` that says what was being done.
+use crate::error::{Result, RuntimeError};
+use cudarc::driver::{CudaContext, CudaStream};
+use std::fmt::Debug;
+use std::sync::Arc;
+
+pub(crate) fn driver_error(context: &str, e: impl Debug) -> RuntimeError {
+    RuntimeError::Unsupported(format!("CUDA driver: {context}: {e:?}"))
+}
+
+pub(crate) fn cublas_error(context: &str, e: impl Debug) -> RuntimeError {
+    RuntimeError::Unsupported(format!("{context}: {e:?}"))
+}
+
+const LIBRARY_HELP: &str = "install the NVIDIA driver and CUDA 13 (libcuda, libnvrtc, \
+     libcublasLt) and put their directory (e.g. /usr/local/cuda/lib64) on LD_LIBRARY_PATH, \
+     or use --backend cpu";
+
+/// The context and stream of device `ordinal`, after checking the libraries are loadable.
+pub(crate) fn open(ordinal: usize) -> Result<(Arc<CudaContext>, Arc<CudaStream>)> {
+    // SAFETY: these only try to load the shared libraries; they call nothing in them.
+    let (driver, nvrtc, blas) = unsafe {
+        (
+            cudarc::driver::sys::is_culib_present(),
+            cudarc::nvrtc::sys::is_culib_present(),
+            cudarc::cublaslt::sys::is_culib_present(),
+        )
+    };
+    if !driver {
+        return Err(RuntimeError::Unsupported(format!(
+            "no CUDA driver found: libcuda could not be loaded; {LIBRARY_HELP}"
+        )));
+    }
+    for (present, name) in [
+        (nvrtc, "NVRTC (libnvrtc)"),
+        (blas, "cuBLASLt (libcublasLt)"),
+    ] {
+        if !present {
+            return Err(RuntimeError::Unsupported(format!(
+                "the CUDA driver is there but {name} could not be loaded; {LIBRARY_HELP}"
+            )));
+        }
+    }
+    let count = CudaContext::device_count().map_err(|e| {
+        RuntimeError::Unsupported(format!(
+            "no CUDA device found: the driver could not count devices ({e:?}); {LIBRARY_HELP}"
+        ))
+    })?;
+    if usize::try_from(count).map_or(true, |c| c <= ordinal) {
+        return Err(RuntimeError::Unsupported(format!(
+            "no CUDA device found: device {ordinal} requested, the driver sees {count}"
+        )));
+    }
+    let ctx = CudaContext::new(ordinal)
+        .map_err(|e| driver_error(&format!("creating a context on device {ordinal}"), e))?;
+    // One stream orders everything, so cudarc's per-buffer event tracking is not needed.
+    // SAFETY: called before any buffer exists on this context.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.default_stream();
+    Ok((ctx, stream))
+}

@@ -1,0 +1,1069 @@
+//! Dispatch of one `Op` onto the CUDA kernels and cuBLASLt: checks the buffer count, dtypes and
+//! every length against the op's attributes (a bad program is an error, never an
+//! out-of-bounds kernel), then launches. Row-major GEMMs map onto cuBLAS's column-major view:
+//! a row-major `[r, c]` matrix is a column-major `c × r` one with leading dimension `c`.
+use super::gemm::Gemm;
+use super::{Arg, Buf, CudaBackend};
+use crate::backend::StepScalars;
+use crate::error::{Result, RuntimeError};
+use parc_compiler::ir::op::{Act, Op, Segment};
+use parc_compiler::ir::DType;
+
+/// Geometry of one attention call, as the kernels' `struct AttGeom`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AttGeom {
+    pub batch: i64,
+    pub heads: i64,
+    pub kv_heads: i64,
+    pub head_dim: i64,
+    pub seq_q: i64,
+    pub seq_kv: i64,
+    pub causal: i32,
+    pub scale: f32,
+}
+
+/// Must match ATT_WARPS / ATT_TILE in kernels/attention.cu.
+const ATT_WARPS: u32 = 8;
+const ATT_TILE: usize = 32;
+/// Each lane holds at most 4 columns of a head (kernels' ATT_MAX_PER_LANE).
+const ATT_MAX_HEAD_DIM: usize = 128;
+const NORM_THREADS: u32 = 256;
+
+fn op_name(op: &Op) -> &'static str {
+    match op {
+        Op::Embedding { .. } => "Embedding",
+        Op::EmbeddingBwd { .. } => "EmbeddingBwd",
+        Op::PositionAdd { .. } => "PositionAdd",
+        Op::PositionAddBwd { .. } => "PositionAddBwd",
+        Op::LayerNorm { .. } => "LayerNorm",
+        Op::LayerNormBwd { .. } => "LayerNormBwd",
+        Op::RmsNorm { .. } => "RmsNorm",
+        Op::RmsNormBwd { .. } => "RmsNormBwd",
+        Op::Matmul { .. } => "Matmul",
+        Op::MatmulBwdData { .. } => "MatmulBwdData",
+        Op::MatmulBwdWeight { .. } => "MatmulBwdWeight",
+        Op::Rope { .. } => "Rope",
+        Op::RopeBwd { .. } => "RopeBwd",
+        Op::Attention { .. } => "Attention",
+        Op::AttentionBwd { .. } => "AttentionBwd",
+        Op::Activation { .. } => "Activation",
+        Op::ActivationBwd { .. } => "ActivationBwd",
+        Op::SwiGlu => "SwiGlu",
+        Op::SwiGluBwd => "SwiGluBwd",
+        Op::Add => "Add",
+        Op::Scale { .. } => "Scale",
+        Op::Copy => "Copy",
+        Op::Zero => "Zero",
+        Op::CopyRange { .. } => "CopyRange",
+        Op::CeMax { .. } => "CeMax",
+        Op::CeSumExp { .. } => "CeSumExp",
+        Op::CeTargetLogit { .. } => "CeTargetLogit",
+        Op::CeLoss { .. } => "CeLoss",
+        Op::CeGrad { .. } => "CeGrad",
+        Op::SumSquares => "SumSquares",
+        Op::ClipCoef { .. } => "ClipCoef",
+        Op::AdamW { .. } => "AdamW",
+        Op::Sgd { .. } => "Sgd",
+    }
+}
+
+/// (inputs, outputs) the op takes, as documented on its variant.
+fn arity(op: &Op) -> (usize, usize) {
+    let opt = |flag: bool| usize::from(flag);
+    match op {
+        Op::Embedding { .. } | Op::EmbeddingBwd { .. } | Op::PositionAdd { .. } => (2, 1),
+        Op::PositionAddBwd { .. } => (1, 1),
+        Op::LayerNorm { bias, .. } => (2 + opt(*bias), 3),
+        Op::LayerNormBwd { bias, .. } => (5, 2 + opt(*bias)),
+        Op::RmsNorm { .. } => (2, 2),
+        Op::RmsNormBwd { .. } => (4, 2),
+        Op::Matmul { bias, .. } => (2 + opt(*bias), 1),
+        Op::MatmulBwdData { .. } => (2, 1),
+        Op::MatmulBwdWeight { bias, .. } => (2, 1 + opt(*bias)),
+        Op::Rope { .. } | Op::RopeBwd { .. } => (1, 1),
+        Op::Attention { .. } => (3, 2),
+        Op::AttentionBwd { .. } => (6, 3),
+        Op::Activation { .. } | Op::Scale { .. } | Op::Copy | Op::CopyRange { .. } => (1, 1),
+        Op::ActivationBwd { .. } | Op::SwiGlu | Op::Add => (2, 1),
+        Op::SwiGluBwd => (3, 2),
+        Op::Zero => (0, 1),
+        Op::CeMax { .. } | Op::SumSquares | Op::ClipCoef { .. } => (1, 1),
+        Op::CeSumExp { .. } | Op::CeTargetLogit { .. } => (2, 1),
+        Op::CeLoss { .. } => (3, 1),
+        Op::CeGrad { .. } => (4, 1),
+        Op::AdamW { .. } => (2, 3),
+        Op::Sgd { momentum, .. } => (2, 1 + opt(*momentum != 0.0)),
+    }
+}
+
+/// The op's bound buffers and checks on them.
+struct Bound<'a> {
+    op: &'static str,
+    ins: &'a [Buf],
+    outs: &'a [Buf],
+}
+
+impl Bound<'_> {
+    fn err(&self, what: impl Into<String>) -> RuntimeError {
+        RuntimeError::Op {
+            op: self.op.into(),
+            what: what.into(),
+        }
+    }
+
+    fn typed(&self, b: Buf, dtype: DType, role: &str) -> Result<Buf> {
+        if b.dtype != dtype {
+            return Err(self.err(format!(
+                "{role} (buffer {}) is {:?}, expected {dtype:?}",
+                b.id.0, b.dtype
+            )));
+        }
+        Ok(b)
+    }
+
+    fn f32_in(&self, i: usize) -> Result<Buf> {
+        self.typed(self.ins[i], DType::F32, &format!("input {i}"))
+    }
+
+    fn i32_in(&self, i: usize) -> Result<Buf> {
+        self.typed(self.ins[i], DType::I32, &format!("input {i}"))
+    }
+
+    fn f32_out(&self, i: usize) -> Result<Buf> {
+        self.typed(self.outs[i], DType::F32, &format!("output {i}"))
+    }
+
+    fn dim(&self, name: &str, value: u64) -> Result<usize> {
+        usize::try_from(value)
+            .ok()
+            .filter(|&v| v > 0 && v <= i32::MAX as usize)
+            .ok_or_else(|| self.err(format!("{name} = {value} must be in 1..2^31")))
+    }
+
+    fn expect(&self, b: Buf, what: &str, len: usize) -> Result<()> {
+        if b.len != len {
+            return Err(self.err(format!(
+                "{what} (buffer {}) holds {} elements, expected {len}",
+                b.id.0, b.len
+            )));
+        }
+        Ok(())
+    }
+
+    fn rows(&self, b: Buf, what: &str, cols: usize) -> Result<usize> {
+        if !b.len.is_multiple_of(cols) {
+            return Err(self.err(format!(
+                "{what} (buffer {}) holds {} elements, not a multiple of {cols}",
+                b.id.0, b.len
+            )));
+        }
+        Ok(b.len / cols)
+    }
+
+    fn same(&self, bufs: &[(Buf, &str)], len: usize) -> Result<()> {
+        bufs.iter()
+            .try_for_each(|(b, what)| self.expect(*b, what, len))
+    }
+}
+
+fn p(b: Buf) -> Arg {
+    Arg::Ptr(b.ptr)
+}
+
+fn n(v: usize) -> Arg {
+    Arg::I64(v as i64)
+}
+
+fn act_code(act: Act) -> i32 {
+    match act {
+        Act::Gelu => 0,
+        Act::GeluTanh => 1,
+        Act::Relu => 2,
+    }
+}
+
+fn segments_len(segments: &[Segment]) -> u64 {
+    segments.iter().map(|s| u64::from(s.len)).sum()
+}
+
+fn max_position(segments: &[Segment]) -> Option<u64> {
+    segments
+        .iter()
+        .filter(|s| s.len > 0)
+        .map(|s| u64::from(s.start) + u64::from(s.len) - 1)
+        .max()
+}
+
+/// Run `op` (buffers already looked up; aliased inputs already copied).
+pub(crate) fn run(
+    be: &mut CudaBackend,
+    op: &Op,
+    ins: &[Buf],
+    outs: &[Buf],
+    scalars: &StepScalars,
+) -> Result<()> {
+    let b = Bound {
+        op: op_name(op),
+        ins,
+        outs,
+    };
+    let (want_in, want_out) = arity(op);
+    if ins.len() != want_in || outs.len() != want_out {
+        return Err(b.err(format!(
+            "takes {want_in} inputs and {want_out} outputs, got {} and {}",
+            ins.len(),
+            outs.len()
+        )));
+    }
+    match op {
+        Op::Embedding {
+            vocab_start,
+            vocab_local,
+            dim,
+        }
+        | Op::EmbeddingBwd {
+            vocab_start,
+            vocab_local,
+            dim,
+        } => {
+            let d = b.dim("dim", *dim)?;
+            let v = b.dim("vocab_local", *vocab_local)?;
+            let ids = b.i32_in(0)?;
+            let rows = ids.len;
+            let start = i64::try_from(*vocab_start).map_err(|_| b.err("vocab_start too large"))?;
+            let out = b.f32_out(0)?;
+            if matches!(op, Op::Embedding { .. }) {
+                let table = b.f32_in(1)?;
+                b.expect(table, "table", v * d)?;
+                b.expect(out, "y", rows * d)?;
+                let args = [
+                    p(ids),
+                    p(table),
+                    p(out),
+                    n(rows),
+                    n(d),
+                    Arg::I64(start),
+                    n(v),
+                ];
+                be.launch_n("embedding_fwd", rows * d, &args)
+            } else {
+                let dy = b.f32_in(1)?;
+                b.expect(dy, "dy", rows * d)?;
+                b.expect(out, "dtable", v * d)?;
+                let args = [p(ids), p(dy), p(out), n(rows), n(d), Arg::I64(start), n(v)];
+                be.launch_n("embedding_bwd", rows * d, &args)
+            }
+        }
+        Op::PositionAdd {
+            batch,
+            dim,
+            positions,
+        }
+        | Op::PositionAddBwd {
+            batch,
+            dim,
+            positions,
+        } => {
+            let forward = matches!(op, Op::PositionAdd { .. });
+            let (batch, d) = (b.dim("batch", *batch)?, b.dim("dim", *dim)?);
+            let (x, table) = if forward {
+                (b.f32_in(0)?, b.f32_in(1)?)
+            } else {
+                (b.f32_in(0)?, b.f32_out(0)?)
+            };
+            let rows = b.rows(x, if forward { "x" } else { "dy" }, d)?;
+            let table_rows = b.rows(table, "table", d)?;
+            let seq = rows / batch;
+            if seq * batch != rows || segments_len(positions) != seq as u64 {
+                return Err(b.err(format!(
+                    "{rows} rows are not {} positions x batch {batch}",
+                    segments_len(positions)
+                )));
+            }
+            if max_position(positions).is_some_and(|m| m >= table_rows as u64) {
+                return Err(b.err(format!(
+                    "positions reach {:?} but the table has {table_rows} rows",
+                    max_position(positions)
+                )));
+            }
+            let (pos, _) = be.positions(positions)?;
+            if forward {
+                let y = b.f32_out(0)?;
+                b.expect(y, "y", rows * d)?;
+                let args = [p(x), p(table), p(y), Arg::Ptr(pos), n(rows), n(batch), n(d)];
+                be.launch_n("position_add_fwd", rows * d, &args)
+            } else {
+                let args = [p(x), p(table), Arg::Ptr(pos), n(seq), n(batch), n(d)];
+                be.launch_n("position_add_bwd", seq * d, &args)
+            }
+        }
+        Op::LayerNorm { dim, eps, bias } => {
+            let d = b.dim("dim", *dim)?;
+            if eps.is_nan() || *eps < 0.0 {
+                return Err(b.err(format!("eps = {eps} must be non-negative")));
+            }
+            let (x, w) = (b.f32_in(0)?, b.f32_in(1)?);
+            let rows = b.rows(x, "x", d)?;
+            b.expect(w, "w", d)?;
+            let bias_ptr = if *bias {
+                let bb = b.f32_in(2)?;
+                b.expect(bb, "b", d)?;
+                bb.ptr
+            } else {
+                0
+            };
+            let (y, mean, rstd) = (b.f32_out(0)?, b.f32_out(1)?, b.f32_out(2)?);
+            b.expect(y, "y", rows * d)?;
+            b.same(&[(mean, "mean"), (rstd, "rstd")], rows)?;
+            let args = [
+                p(x),
+                p(w),
+                Arg::Ptr(bias_ptr),
+                p(y),
+                p(mean),
+                p(rstd),
+                n(d),
+                Arg::F64(*eps),
+            ];
+            be.launch(
+                "layer_norm_fwd",
+                (rows as u32, 1, 1),
+                (NORM_THREADS, 1, 1),
+                0,
+                &args,
+            )
+        }
+        Op::LayerNormBwd { dim, bias } => {
+            let d = b.dim("dim", *dim)?;
+            let (dy, x, w, mean, rstd) = (
+                b.f32_in(0)?,
+                b.f32_in(1)?,
+                b.f32_in(2)?,
+                b.f32_in(3)?,
+                b.f32_in(4)?,
+            );
+            let rows = b.rows(x, "x", d)?;
+            b.same(&[(dy, "dy")], rows * d)?;
+            b.expect(w, "w", d)?;
+            b.same(&[(mean, "mean"), (rstd, "rstd")], rows)?;
+            let (dx, dw) = (b.f32_out(0)?, b.f32_out(1)?);
+            b.expect(dx, "dx", rows * d)?;
+            b.expect(dw, "dw", d)?;
+            let args = [p(dy), p(x), p(w), p(mean), p(rstd), p(dx), n(d)];
+            be.launch(
+                "layer_norm_bwd_dx",
+                (rows as u32, 1, 1),
+                (NORM_THREADS, 1, 1),
+                0,
+                &args,
+            )?;
+            norm_dw(be, dy, x, mean.ptr, rstd, dw, rows, d)?;
+            if *bias {
+                let db = b.f32_out(2)?;
+                b.expect(db, "db", d)?;
+                col_sum_into(be, dy, db, rows, d)?;
+            }
+            Ok(())
+        }
+        Op::RmsNorm { dim, eps } => {
+            let d = b.dim("dim", *dim)?;
+            if eps.is_nan() || *eps < 0.0 {
+                return Err(b.err(format!("eps = {eps} must be non-negative")));
+            }
+            let (x, w) = (b.f32_in(0)?, b.f32_in(1)?);
+            let rows = b.rows(x, "x", d)?;
+            b.expect(w, "w", d)?;
+            let (y, rstd) = (b.f32_out(0)?, b.f32_out(1)?);
+            b.expect(y, "y", rows * d)?;
+            b.expect(rstd, "rstd", rows)?;
+            let args = [p(x), p(w), p(y), p(rstd), n(d), Arg::F64(*eps)];
+            be.launch(
+                "rms_norm_fwd",
+                (rows as u32, 1, 1),
+                (NORM_THREADS, 1, 1),
+                0,
+                &args,
+            )
+        }
+        Op::RmsNormBwd { dim } => {
+            let d = b.dim("dim", *dim)?;
+            let (dy, x, w, rstd) = (b.f32_in(0)?, b.f32_in(1)?, b.f32_in(2)?, b.f32_in(3)?);
+            let rows = b.rows(x, "x", d)?;
+            b.expect(dy, "dy", rows * d)?;
+            b.expect(w, "w", d)?;
+            b.expect(rstd, "rstd", rows)?;
+            let (dx, dw) = (b.f32_out(0)?, b.f32_out(1)?);
+            b.expect(dx, "dx", rows * d)?;
+            b.expect(dw, "dw", d)?;
+            let args = [p(dy), p(x), p(w), p(rstd), p(dx), n(d)];
+            be.launch(
+                "rms_norm_bwd_dx",
+                (rows as u32, 1, 1),
+                (NORM_THREADS, 1, 1),
+                0,
+                &args,
+            )?;
+            norm_dw(be, dy, x, 0, rstd, dw, rows, d)
+        }
+        Op::Matmul {
+            in_dim,
+            out_dim,
+            bias,
+        } => {
+            let (k, m) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
+            let (x, w) = (b.f32_in(0)?, b.f32_in(1)?);
+            let rows = b.rows(x, "x", k)?;
+            b.expect(w, "w", m * k)?;
+            let y = b.f32_out(0)?;
+            b.expect(y, "y", rows * m)?;
+            let beta = if *bias {
+                let bb = b.f32_in(2)?;
+                b.expect(bb, "b", m)?;
+                be.launch_n("broadcast_rows", rows * m, &[p(bb), p(y), n(rows), n(m)])?;
+                1.0
+            } else {
+                0.0
+            };
+            // yᵀ (m × rows) = W (m × k, stored k × m) · xᵀ (k × rows).
+            be.gemm(&Gemm {
+                trans_a: true,
+                trans_b: false,
+                m: m as u64,
+                n: rows as u64,
+                k: k as u64,
+                a: w.ptr,
+                lda: k as i64,
+                b: x.ptr,
+                ldb: k as i64,
+                c: y.ptr,
+                ldc: m as i64,
+                beta,
+            })
+        }
+        Op::MatmulBwdData { in_dim, out_dim } => {
+            let (k_in, m_out) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
+            let (dy, w) = (b.f32_in(0)?, b.f32_in(1)?);
+            let rows = b.rows(dy, "dy", m_out)?;
+            b.expect(w, "w", m_out * k_in)?;
+            let dx = b.f32_out(0)?;
+            b.expect(dx, "dx", rows * k_in)?;
+            // dxᵀ (in × rows) = Wᵀ (in × out, as stored) · dyᵀ (out × rows).
+            be.gemm(&Gemm {
+                trans_a: false,
+                trans_b: false,
+                m: k_in as u64,
+                n: rows as u64,
+                k: m_out as u64,
+                a: w.ptr,
+                lda: k_in as i64,
+                b: dy.ptr,
+                ldb: m_out as i64,
+                c: dx.ptr,
+                ldc: k_in as i64,
+                beta: 0.0,
+            })
+        }
+        Op::MatmulBwdWeight {
+            in_dim,
+            out_dim,
+            bias,
+        } => {
+            let (k_in, m_out) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
+            let (dy, x) = (b.f32_in(0)?, b.f32_in(1)?);
+            let rows = b.rows(dy, "dy", m_out)?;
+            b.expect(x, "x", rows * k_in)?;
+            let dw = b.f32_out(0)?;
+            b.expect(dw, "dw", m_out * k_in)?;
+            // dWᵀ (in × out) += xᵀ (in × rows, as stored) · dy (rows × out, stored out × rows).
+            be.gemm(&Gemm {
+                trans_a: false,
+                trans_b: true,
+                m: k_in as u64,
+                n: m_out as u64,
+                k: rows as u64,
+                a: x.ptr,
+                lda: k_in as i64,
+                b: dy.ptr,
+                ldb: m_out as i64,
+                c: dw.ptr,
+                ldc: k_in as i64,
+                beta: 1.0,
+            })?;
+            if *bias {
+                let db = b.f32_out(1)?;
+                b.expect(db, "db", m_out)?;
+                col_sum_into(be, dy, db, rows, m_out)?;
+            }
+            Ok(())
+        }
+        Op::Rope {
+            batch,
+            heads,
+            head_dim,
+            theta,
+            positions,
+        }
+        | Op::RopeBwd {
+            batch,
+            heads,
+            head_dim,
+            theta,
+            positions,
+        } => {
+            let (batch, heads, hd) = (
+                b.dim("batch", *batch)?,
+                b.dim("heads", *heads)?,
+                b.dim("head_dim", *head_dim)?,
+            );
+            if hd % 2 != 0 {
+                return Err(b.err(format!("head_dim = {hd} must be even to rotate pairs")));
+            }
+            if theta.is_nan() || *theta <= 0.0 {
+                return Err(b.err(format!("theta = {theta} must be positive")));
+            }
+            let x = b.f32_in(0)?;
+            let rows = b.rows(x, "x", heads * hd)?;
+            if !rows.is_multiple_of(batch) || segments_len(positions) != (rows / batch) as u64 {
+                return Err(b.err(format!(
+                    "{rows} rows are not {} positions x batch {batch}",
+                    segments_len(positions)
+                )));
+            }
+            let y = b.f32_out(0)?;
+            b.expect(y, "y", x.len)?;
+            let (pos, _) = be.positions(positions)?;
+            let sign = if matches!(op, Op::Rope { .. }) {
+                1.0
+            } else {
+                -1.0
+            };
+            let args = [
+                p(x),
+                p(y),
+                Arg::Ptr(pos),
+                n(rows),
+                n(batch),
+                n(heads),
+                n(hd),
+                Arg::F64(*theta),
+                Arg::F64(sign),
+            ];
+            be.launch_n("rope_fwd", rows * heads * hd / 2, &args)
+        }
+        Op::Attention {
+            batch,
+            heads,
+            kv_heads,
+            head_dim,
+            causal,
+            scale,
+            q_positions,
+            kv_positions,
+        }
+        | Op::AttentionBwd {
+            batch,
+            heads,
+            kv_heads,
+            head_dim,
+            causal,
+            scale,
+            q_positions,
+            kv_positions,
+        } => {
+            let forward = matches!(op, Op::Attention { .. });
+            let (qi, ki, vi) = if forward { (0, 1, 2) } else { (1, 2, 3) };
+            let (q, k, v) = (b.f32_in(qi)?, b.f32_in(ki)?, b.f32_in(vi)?);
+            let g = attention_geometry(
+                &b, q, k, *batch, *heads, *kv_heads, *head_dim, *causal, *scale,
+            )?;
+            let (batch, heads, d) = (g.batch as usize, g.heads as usize, g.head_dim as usize);
+            let (seq_q, seq_kv) = (g.seq_q as usize, g.seq_kv as usize);
+            b.expect(v, "v", k.len)?;
+            if segments_len(q_positions) != seq_q as u64
+                || segments_len(kv_positions) != seq_kv as u64
+            {
+                return Err(b.err(format!(
+                    "q/kv positions cover {}/{} positions, the buffers hold {seq_q}/{seq_kv}",
+                    segments_len(q_positions),
+                    segments_len(kv_positions)
+                )));
+            }
+            let (qpos, _) = be.positions(q_positions)?;
+            let (kvpos, _) = be.positions(kv_positions)?;
+            let lse_len = batch * heads * seq_q;
+            let q_blocks = seq_q.div_ceil(ATT_WARPS as usize) as u32;
+            let block = (32, ATT_WARPS, 1);
+            let kv_smem = (2 * ATT_TILE * d * 4) as u32;
+            if forward {
+                let (o, lse) = (b.f32_out(0)?, b.f32_out(1)?);
+                b.expect(o, "o", q.len)?;
+                b.expect(lse, "lse", lse_len)?;
+                let args = [
+                    p(q),
+                    p(k),
+                    p(v),
+                    p(o),
+                    p(lse),
+                    Arg::Ptr(qpos),
+                    Arg::Ptr(kvpos),
+                    Arg::Geom(g),
+                ];
+                be.launch(
+                    "attention_fwd",
+                    (q_blocks, (batch * heads) as u32, 1),
+                    block,
+                    kv_smem,
+                    &args,
+                )
+            } else {
+                let (dout, o, lse) = (b.f32_in(0)?, b.f32_in(4)?, b.f32_in(5)?);
+                b.same(&[(dout, "do"), (o, "o")], q.len)?;
+                b.expect(lse, "lse", lse_len)?;
+                let (dq, dk, dv) = (b.f32_out(0)?, b.f32_out(1)?, b.f32_out(2)?);
+                b.expect(dq, "dq", q.len)?;
+                b.same(&[(dk, "dk"), (dv, "dv")], k.len)?;
+                let delta = be.scratch(lse_len * 4)?;
+                let grid_q = (q_blocks, (batch * heads) as u32, 1);
+                be.launch(
+                    "attention_delta",
+                    grid_q,
+                    block,
+                    0,
+                    &[p(dout), p(o), Arg::Ptr(delta), Arg::Geom(g)],
+                )?;
+                let args = [
+                    p(dout),
+                    p(q),
+                    p(k),
+                    p(v),
+                    p(lse),
+                    Arg::Ptr(delta),
+                    p(dq),
+                    Arg::Ptr(qpos),
+                    Arg::Ptr(kvpos),
+                    Arg::Geom(g),
+                ];
+                be.launch("attention_bwd_dq", grid_q, block, kv_smem, &args)?;
+                let kv_blocks = seq_kv.div_ceil(ATT_WARPS as usize) as u32;
+                let grid_kv = (kv_blocks, (batch * g.kv_heads as usize) as u32, 1);
+                let args = [
+                    p(dout),
+                    p(q),
+                    p(k),
+                    p(v),
+                    p(lse),
+                    Arg::Ptr(delta),
+                    p(dk),
+                    p(dv),
+                    Arg::Ptr(qpos),
+                    Arg::Ptr(kvpos),
+                    Arg::Geom(g),
+                ];
+                let smem = kv_smem + (2 * ATT_TILE * 4) as u32;
+                be.launch("attention_bwd_dkdv", grid_kv, block, smem, &args)
+            }
+        }
+        Op::Activation { act } => {
+            let x = b.f32_in(0)?;
+            let y = b.f32_out(0)?;
+            b.expect(y, "y", x.len)?;
+            be.launch_n(
+                "activation_fwd",
+                x.len,
+                &[Arg::I32(act_code(*act)), p(x), p(y), n(x.len)],
+            )
+        }
+        Op::ActivationBwd { act } => {
+            let (dy, x) = (b.f32_in(0)?, b.f32_in(1)?);
+            let dx = b.f32_out(0)?;
+            b.same(&[(dy, "dy"), (dx, "dx")], x.len)?;
+            let args = [Arg::I32(act_code(*act)), p(dy), p(x), p(dx), n(x.len)];
+            be.launch_n("activation_bwd", x.len, &args)
+        }
+        Op::SwiGlu => {
+            let (gate, up) = (b.f32_in(0)?, b.f32_in(1)?);
+            let y = b.f32_out(0)?;
+            b.same(&[(up, "up"), (y, "y")], gate.len)?;
+            be.launch_n("swiglu_fwd", gate.len, &[p(gate), p(up), p(y), n(gate.len)])
+        }
+        Op::SwiGluBwd => {
+            let (dy, gate, up) = (b.f32_in(0)?, b.f32_in(1)?, b.f32_in(2)?);
+            let (dg, du) = (b.f32_out(0)?, b.f32_out(1)?);
+            b.same(
+                &[(dy, "dy"), (up, "up"), (dg, "dgate"), (du, "dup")],
+                gate.len,
+            )?;
+            let args = [p(dy), p(gate), p(up), p(dg), p(du), n(gate.len)];
+            be.launch_n("swiglu_bwd", gate.len, &args)
+        }
+        Op::Add => {
+            let (x, y_in) = (b.f32_in(0)?, b.f32_in(1)?);
+            let y = b.f32_out(0)?;
+            b.same(&[(y_in, "b"), (y, "y")], x.len)?;
+            be.launch_n("add_fwd", x.len, &[p(x), p(y_in), p(y), n(x.len)])
+        }
+        Op::Scale { factor } => {
+            let x = b.f32_in(0)?;
+            let y = b.f32_out(0)?;
+            b.expect(y, "y", x.len)?;
+            be.launch_n(
+                "scale_fwd",
+                x.len,
+                &[p(x), p(y), Arg::F32(*factor as f32), n(x.len)],
+            )
+        }
+        Op::Copy => {
+            let (x, y) = (ins[0], outs[0]);
+            if x.dtype != y.dtype {
+                return Err(b.err("x and y have different dtypes"));
+            }
+            b.expect(y, "y", x.len)?;
+            be.copy_bytes(y.ptr, x.ptr, x.len * 4)
+        }
+        Op::Zero => be.zero_bytes(outs[0].ptr, outs[0].len * 4),
+        Op::CopyRange {
+            src_offset,
+            dst_offset,
+            len,
+        } => {
+            let (src, dst) = (ins[0], outs[0]);
+            if src.dtype != dst.dtype {
+                return Err(b.err("src and dst have different dtypes"));
+            }
+            for (what, offset, buf) in [("src", *src_offset, src), ("dst", *dst_offset, dst)] {
+                if offset
+                    .checked_add(*len)
+                    .is_none_or(|end| end > buf.len as u64)
+                {
+                    return Err(b.err(format!(
+                        "{what} range {offset}..{offset}+{len} is outside its {} elements",
+                        buf.len
+                    )));
+                }
+            }
+            be.copy_bytes(
+                dst.ptr + dst_offset * 4,
+                src.ptr + src_offset * 4,
+                *len as usize * 4,
+            )
+        }
+        Op::CeMax { vocab_local } | Op::CeSumExp { vocab_local } => {
+            let v = b.dim("vocab_local", *vocab_local)?;
+            let logits = b.f32_in(0)?;
+            let rows = b.rows(logits, "logits", v)?;
+            let out = b.f32_out(0)?;
+            b.expect(
+                out,
+                if matches!(op, Op::CeMax { .. }) {
+                    "max"
+                } else {
+                    "sumexp"
+                },
+                rows,
+            )?;
+            let grid = (rows as u32, 1, 1);
+            if matches!(op, Op::CeMax { .. }) {
+                be.launch(
+                    "ce_max",
+                    grid,
+                    (NORM_THREADS, 1, 1),
+                    0,
+                    &[p(logits), p(out), n(v)],
+                )
+            } else {
+                let max = b.f32_in(1)?;
+                b.expect(max, "max", rows)?;
+                let args = [p(logits), p(max), p(out), n(v)];
+                be.launch("ce_sum_exp", grid, (NORM_THREADS, 1, 1), 0, &args)
+            }
+        }
+        Op::CeTargetLogit {
+            vocab_start,
+            vocab_local,
+        } => {
+            let v = b.dim("vocab_local", *vocab_local)?;
+            let (logits, targets) = (b.f32_in(0)?, b.i32_in(1)?);
+            let rows = b.rows(logits, "logits", v)?;
+            b.expect(targets, "targets", rows)?;
+            let out = b.f32_out(0)?;
+            b.expect(out, "target_logit", rows)?;
+            let start = i64::try_from(*vocab_start).map_err(|_| b.err("vocab_start too large"))?;
+            let args = [
+                p(logits),
+                p(targets),
+                p(out),
+                n(rows),
+                Arg::I64(start),
+                n(v),
+            ];
+            be.launch(
+                "ce_target_logit",
+                (rows.div_ceil(256) as u32, 1, 1),
+                (256, 1, 1),
+                0,
+                &args,
+            )
+        }
+        Op::CeLoss { scale } => {
+            let (max, sumexp, target) = (b.f32_in(0)?, b.f32_in(1)?, b.f32_in(2)?);
+            b.same(&[(sumexp, "sumexp"), (target, "target_logit")], max.len)?;
+            let loss = b.f32_out(0)?;
+            b.expect(loss, "loss", 1)?;
+            let args = [
+                p(max),
+                p(sumexp),
+                p(target),
+                p(loss),
+                n(max.len),
+                Arg::F64(*scale),
+            ];
+            be.launch("ce_loss", (1, 1, 1), (NORM_THREADS, 1, 1), 0, &args)
+        }
+        Op::CeGrad {
+            vocab_start,
+            vocab_local,
+            scale,
+        } => {
+            let v = b.dim("vocab_local", *vocab_local)?;
+            let (logits, targets, max, sumexp) =
+                (b.f32_in(0)?, b.i32_in(1)?, b.f32_in(2)?, b.f32_in(3)?);
+            let rows = b.rows(logits, "logits", v)?;
+            b.same(
+                &[(targets, "targets"), (max, "max"), (sumexp, "sumexp")],
+                rows,
+            )?;
+            let d = b.f32_out(0)?;
+            b.expect(d, "dlogits", logits.len)?;
+            let start = i64::try_from(*vocab_start).map_err(|_| b.err("vocab_start too large"))?;
+            let args = [
+                p(logits),
+                p(targets),
+                p(max),
+                p(sumexp),
+                p(d),
+                n(rows),
+                Arg::I64(start),
+                n(v),
+                Arg::F32(*scale as f32),
+            ];
+            be.launch_n("ce_grad", logits.len, &args)
+        }
+        Op::SumSquares => {
+            let g = b.f32_in(0)?;
+            let out = b.f32_out(0)?;
+            b.expect(out, "sumsq", 1)?;
+            let blocks = g.len.div_ceil(256).clamp(1, 1024);
+            let part = be.scratch(blocks * 8)?;
+            be.launch(
+                "sum_squares_partial",
+                (blocks as u32, 1, 1),
+                (256, 1, 1),
+                0,
+                &[p(g), Arg::Ptr(part), n(g.len)],
+            )?;
+            be.launch(
+                "sum_partials_into",
+                (1, 1, 1),
+                (256, 1, 1),
+                0,
+                &[Arg::Ptr(part), p(out), n(blocks)],
+            )
+        }
+        Op::ClipCoef { max_norm } => {
+            let (sumsq, coef) = (b.f32_in(0)?, b.f32_out(0)?);
+            b.expect(sumsq, "sumsq", 1)?;
+            b.expect(coef, "coef", 1)?;
+            match max_norm {
+                // No clipping: coef = 1 (written directly, no kernel needed).
+                None => {
+                    let one = [1.0f32];
+                    // SAFETY: coef holds exactly one f32; synchronous copy.
+                    unsafe { cudarc::driver::result::memcpy_htod_sync(coef.ptr, &one) }
+                        .map_err(|e| super::device::driver_error("writing the clip coefficient", e))
+                }
+                Some(m) => be.launch(
+                    "clip_coef",
+                    (1, 1, 1),
+                    (32, 1, 1),
+                    0,
+                    &[p(sumsq), p(coef), Arg::F64(*m)],
+                ),
+            }
+        }
+        Op::AdamW {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } => {
+            if scalars.step == 0 {
+                return Err(b.err("the optimizer step count is 1-based; got step 0"));
+            }
+            let (g, coef) = (b.f32_in(0)?, b.f32_in(1)?);
+            b.expect(coef, "coef", 1)?;
+            let (param, m, v) = (b.f32_out(0)?, b.f32_out(1)?, b.f32_out(2)?);
+            b.same(&[(param, "param"), (m, "m"), (v, "v")], g.len)?;
+            let step = i32::try_from(scalars.step).unwrap_or(i32::MAX);
+            let bias1 = (1.0 - beta1.powi(step)) as f32;
+            let bias2 = (1.0 - beta2.powi(step)) as f32;
+            let args = [
+                p(g),
+                p(coef),
+                p(param),
+                p(m),
+                p(v),
+                n(g.len),
+                Arg::F32(*beta1 as f32),
+                Arg::F32(*beta2 as f32),
+                Arg::F32(*eps as f32),
+                Arg::F32(*weight_decay as f32),
+                Arg::F32(scalars.lr as f32),
+                Arg::F32(bias1),
+                Arg::F32(bias2),
+            ];
+            be.launch_n("adamw", g.len, &args)
+        }
+        Op::Sgd {
+            momentum,
+            weight_decay,
+        } => {
+            if scalars.step == 0 {
+                return Err(b.err("the optimizer step count is 1-based; got step 0"));
+            }
+            let (g, coef) = (b.f32_in(0)?, b.f32_in(1)?);
+            b.expect(coef, "coef", 1)?;
+            let param = b.f32_out(0)?;
+            b.expect(param, "param", g.len)?;
+            let buf = if outs.len() > 1 {
+                let m = b.f32_out(1)?;
+                b.expect(m, "momentum", g.len)?;
+                m.ptr
+            } else {
+                0
+            };
+            let args = [
+                p(g),
+                p(coef),
+                p(param),
+                Arg::Ptr(buf),
+                n(g.len),
+                Arg::F32(*momentum as f32),
+                Arg::F32(*weight_decay as f32),
+                Arg::F32(scalars.lr as f32),
+                Arg::I32(i32::from(scalars.step == 1)),
+            ];
+            be.launch_n("sgd", g.len, &args)
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_geometry(
+    b: &Bound,
+    q: Buf,
+    k: Buf,
+    batch: u64,
+    heads: u64,
+    kv_heads: u64,
+    head_dim: u64,
+    causal: bool,
+    scale: f64,
+) -> Result<AttGeom> {
+    let (batch, heads, kv_heads, d) = (
+        b.dim("batch", batch)?,
+        b.dim("heads", heads)?,
+        b.dim("kv_heads", kv_heads)?,
+        b.dim("head_dim", head_dim)?,
+    );
+    if heads % kv_heads != 0 {
+        return Err(b.err(format!(
+            "heads = {heads} is not a multiple of kv_heads = {kv_heads}"
+        )));
+    }
+    if d > ATT_MAX_HEAD_DIM {
+        return Err(b.err(format!(
+            "head_dim = {d} is above {ATT_MAX_HEAD_DIM}, the largest the CUDA attention kernel takes"
+        )));
+    }
+    if !scale.is_finite() {
+        return Err(b.err(format!("scale = {scale} is not finite")));
+    }
+    if batch * heads > 65_535 {
+        return Err(b.err(format!("batch x heads = {} is above 65535", batch * heads)));
+    }
+    let seq_q = b.rows(q, "q", batch * heads * d)?;
+    let seq_kv = b.rows(k, "k", batch * kv_heads * d)?;
+    Ok(AttGeom {
+        batch: batch as i64,
+        heads: heads as i64,
+        kv_heads: kv_heads as i64,
+        head_dim: d as i64,
+        seq_q: seq_q as i64,
+        seq_kv: seq_kv as i64,
+        causal: i32::from(causal),
+        scale: scale as f32,
+    })
+}
+
+/// Rows of a column-partial reduction: enough chunks to fill the GPU, each of ≥ 64 rows.
+fn chunking(rows: usize) -> (usize, usize) {
+    let chunk_rows = rows.div_ceil(128).max(64);
+    (chunk_rows, rows.div_ceil(chunk_rows))
+}
+
+/// dw (+=) Σ_rows dy·xhat, through per-chunk partials (deterministic, double accumulation).
+#[allow(clippy::too_many_arguments)]
+fn norm_dw(
+    be: &mut CudaBackend,
+    dy: Buf,
+    x: Buf,
+    mean: u64,
+    rstd: Buf,
+    dw: Buf,
+    rows: usize,
+    d: usize,
+) -> Result<()> {
+    let (chunk_rows, chunks) = chunking(rows);
+    let part = be.scratch(chunks * d * 8)?;
+    let grid = (d.div_ceil(256) as u32, chunks as u32, 1);
+    let args = [
+        p(dy),
+        p(x),
+        Arg::Ptr(mean),
+        p(rstd),
+        Arg::Ptr(part),
+        n(rows),
+        n(d),
+        n(chunk_rows),
+    ];
+    be.launch("norm_dw_partial", grid, (256, 1, 1), 0, &args)?;
+    be.launch(
+        "add_partials",
+        (d.div_ceil(256) as u32, 1, 1),
+        (256, 1, 1),
+        0,
+        &[Arg::Ptr(part), p(dw), n(d), n(chunks)],
+    )
+}
+
+/// out[cols] (+=) column sums of x[rows, cols].
+fn col_sum_into(be: &mut CudaBackend, x: Buf, out: Buf, rows: usize, cols: usize) -> Result<()> {
+    let (chunk_rows, chunks) = chunking(rows);
+    let part = be.scratch(chunks * cols * 8)?;
+    let grid = (cols.div_ceil(256) as u32, chunks as u32, 1);
+    be.launch(
+        "col_sum_partial",
+        grid,
+        (256, 1, 1),
+        0,
+        &[p(x), Arg::Ptr(part), n(rows), n(cols), n(chunk_rows)],
+    )?;
+    be.launch(
+        "add_partials",
+        (cols.div_ceil(256) as u32, 1, 1),
+        (256, 1, 1),
+        0,
+        &[Arg::Ptr(part), p(out), n(cols), n(chunks)],
+    )
+}

@@ -1,0 +1,165 @@
+//! GEMMs through cuBLASLt, fp32 in, fp32 compute (`CUBLAS_COMPUTE_32F`: no TF32, so results
+//! stay within float rounding of the CPU backend). Callers describe the product column-major,
+//! as cuBLAS sees memory; `dispatch` maps the row-major ops onto it (see [`Gemm`]).
+use super::device::cublas_error;
+use crate::error::Result;
+use cudarc::cublaslt::{result, sys};
+use cudarc::driver::sys::CUdeviceptr;
+use std::ffi::c_void;
+use std::mem::size_of;
+
+/// A column-major `C = alpha · op(A) · op(B) + beta · C`, `op(A)` m×k, `op(B)` k×n, C m×n.
+/// A transposed operand is stored k×m (or n×k) with its leading dimension.
+pub(crate) struct Gemm {
+    pub trans_a: bool,
+    pub trans_b: bool,
+    pub m: u64,
+    pub n: u64,
+    pub k: u64,
+    pub a: CUdeviceptr,
+    pub lda: i64,
+    pub b: CUdeviceptr,
+    pub ldb: i64,
+    pub c: CUdeviceptr,
+    pub ldc: i64,
+    pub beta: f32,
+}
+
+/// The cuBLASLt handle and its workspace (owned by the backend, freed with it).
+pub(crate) struct Blas {
+    handle: sys::cublasLtHandle_t,
+    workspace: CUdeviceptr,
+    workspace_size: usize,
+}
+
+/// Destroys a cuBLASLt object on every exit path.
+struct Guard<T: Copy>(
+    T,
+    unsafe fn(T) -> std::result::Result<(), result::CublasError>,
+);
+
+impl<T: Copy> Drop for Guard<T> {
+    fn drop(&mut self) {
+        // SAFETY: the object was created by cuBLASLt and is destroyed exactly once, here.
+        // A failure to destroy leaks a descriptor; there is nothing better to do in drop.
+        let _ = unsafe { (self.1)(self.0) };
+    }
+}
+
+impl Blas {
+    /// `workspace` is device memory of `workspace_size` bytes the backend keeps alive.
+    pub fn new(workspace: CUdeviceptr, workspace_size: usize) -> Result<Blas> {
+        let handle =
+            result::create_handle().map_err(|e| cublas_error("creating a cuBLASLt handle", e))?;
+        Ok(Blas {
+            handle,
+            workspace,
+            workspace_size,
+        })
+    }
+
+    pub fn run(&self, g: &Gemm, stream: sys::cudaStream_t) -> Result<()> {
+        let what = |step: &str| {
+            format!(
+                "cuBLASLt {step} for a {}x{}x{} fp32 GEMM (trans_a={}, trans_b={})",
+                g.m, g.n, g.k, g.trans_a, g.trans_b
+            )
+        };
+        let f32_type = sys::cudaDataType_t::CUDA_R_32F;
+        let layout = |rows: u64, cols: u64, ld: i64| {
+            result::create_matrix_layout(f32_type, rows, cols, ld)
+                .map(|l| Guard(l, result::destroy_matrix_layout))
+                .map_err(|e| cublas_error(&what("matrix layout"), e))
+        };
+        let (a_rows, a_cols) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
+        let (b_rows, b_cols) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
+        let a_layout = layout(a_rows, a_cols, g.lda)?;
+        let b_layout = layout(b_rows, b_cols, g.ldb)?;
+        let c_layout = layout(g.m, g.n, g.ldc)?;
+        let desc =
+            result::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32_type)
+                .map(|d| Guard(d, result::destroy_matmul_desc))
+                .map_err(|e| cublas_error(&what("matmul descriptor"), e))?;
+        for (attr, transpose) in [
+            (
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                g.trans_a,
+            ),
+            (
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+                g.trans_b,
+            ),
+        ] {
+            let op = i32::from(transpose);
+            // SAFETY: desc is live; the attribute is a 4-byte cublasOperation_t.
+            unsafe {
+                result::set_matmul_desc_attribute(
+                    desc.0,
+                    attr,
+                    (&op as *const i32).cast(),
+                    size_of::<i32>(),
+                )
+            }
+            .map_err(|e| cublas_error(&what("transpose attribute"), e))?;
+        }
+        let pref = result::create_matmul_pref()
+            .map(|p| Guard(p, result::destroy_matmul_pref))
+            .map_err(|e| cublas_error(&what("preference"), e))?;
+        let size = self.workspace_size;
+        // SAFETY: pref is live; the attribute is a usize (size_t).
+        unsafe {
+            result::set_matmul_pref_attribute(
+                pref.0,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&size as *const usize).cast(),
+                size_of::<usize>(),
+            )
+        }
+        .map_err(|e| cublas_error(&what("workspace preference"), e))?;
+        // SAFETY: every descriptor is live for the call.
+        let heuristic = unsafe {
+            result::get_matmul_algo_heuristic(
+                self.handle,
+                desc.0,
+                a_layout.0,
+                b_layout.0,
+                c_layout.0,
+                c_layout.0,
+                pref.0,
+            )
+        }
+        .map_err(|e| cublas_error(&what("algorithm search"), e))?;
+        let alpha = 1.0f32;
+        let beta = g.beta;
+        // SAFETY: the pointers are device allocations the backend checked to hold the
+        // described matrices; the workspace outlives the call (stream-ordered).
+        unsafe {
+            result::matmul(
+                self.handle,
+                desc.0,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                g.a as *const c_void,
+                a_layout.0,
+                g.b as *const c_void,
+                b_layout.0,
+                g.c as *const c_void,
+                c_layout.0,
+                g.c as *mut c_void,
+                c_layout.0,
+                &heuristic.algo,
+                self.workspace as *mut c_void,
+                self.workspace_size,
+                stream,
+            )
+        }
+        .map_err(|e| cublas_error(&what("matmul"), e))
+    }
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // SAFETY: the handle was created in `new` and is destroyed once.
+        let _ = unsafe { result::destroy_handle(self.handle) };
+    }
+}

@@ -1,0 +1,193 @@
+// Flash-style attention in fp32: a block of ATT_WARPS warps takes ATT_WARPS rows of one
+// (batch, head); the other side streams through shared memory in tiles of ATT_TILE rows; each
+// lane holds head_dim/32 (≤ 4) columns. Softmax is online (running max and sum), so no T×T
+// matrix exists; the backward recomputes probabilities from lse. Visibility is by global
+// position (qpos/kvpos), so context-parallel chunks mask correctly.
+#define ATT_WARPS 8
+#define ATT_TILE 32
+#define ATT_MAX_PER_LANE 4
+
+struct AttGeom {
+    long long batch, heads, kv_heads, head_dim, seq_q, seq_kv;
+    int causal;
+    float scale;
+};
+
+__device__ __forceinline__ void load_row(float* dst, const float* base, int lane, int d) {
+    #pragma unroll
+    for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; dst[t] = e < d ? base[e] : 0.0f; }
+}
+
+__device__ __forceinline__ float dot_lane(const float* a, const float* row, int lane, int d) {
+    float s = 0.0f;
+    #pragma unroll
+    for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; if (e < d) s += a[t] * row[e]; }
+    return warp_sum(s);
+}
+
+// Loads rows [j0, j0 + ATT_TILE) of one head (column offset col) of a [seq * batch, width]
+// tensor into tile[ATT_TILE][d]; rows past seq are zero.
+__device__ void load_tile(float* tile, const float* src, long long j0, long long seq, long long batch, long long b, long long width, long long col, int d) {
+    for (int i = threadIdx.y * 32 + threadIdx.x; i < ATT_TILE * d; i += 32 * ATT_WARPS) {
+        int jj = i / d, e = i % d;
+        long long j = j0 + jj;
+        tile[i] = j < seq ? src[(j * batch + b) * width + col + e] : 0.0f;
+    }
+}
+
+// grid: (ceil(seq_q / ATT_WARPS), batch * heads); block: (32, ATT_WARPS).
+extern "C" __global__ void attention_fwd(const float* q, const float* k, const float* v, float* o, float* lse, const int* qpos, const int* kvpos, AttGeom g) {
+    extern __shared__ float smem[];
+    int d = (int)g.head_dim, lane = threadIdx.x;
+    float* kt = smem;
+    float* vt = smem + ATT_TILE * d;
+    long long bh = blockIdx.y, b = bh / g.heads, h = bh % g.heads;
+    long long kvh = h / (g.heads / g.kv_heads);
+    long long i = (long long)blockIdx.x * ATT_WARPS + threadIdx.y;
+    bool active = i < g.seq_q;
+    long long qw = g.heads * g.head_dim, kw = g.kv_heads * g.head_dim;
+    float qr[ATT_MAX_PER_LANE], acc[ATT_MAX_PER_LANE];
+    if (active) load_row(qr, q + (i * g.batch + b) * qw + h * d, lane, d);
+    #pragma unroll
+    for (int t = 0; t < ATT_MAX_PER_LANE; t++) acc[t] = 0.0f;
+    int pi = active ? qpos[i] : 0;
+    float m = NEG_INF, l = 0.0f;
+    for (long long j0 = 0; j0 < g.seq_kv; j0 += ATT_TILE) {
+        __syncthreads();
+        load_tile(kt, k, j0, g.seq_kv, g.batch, b, kw, kvh * d, d);
+        load_tile(vt, v, j0, g.seq_kv, g.batch, b, kw, kvh * d, d);
+        __syncthreads();
+        if (!active) continue;
+        for (int jj = 0; jj < ATT_TILE && j0 + jj < g.seq_kv; jj++) {
+            if (g.causal && kvpos[j0 + jj] > pi) continue;
+            float s = g.scale * dot_lane(qr, kt + jj * d, lane, d);
+            float m_new = fmaxf(m, s);
+            float corr = expf(m - m_new);
+            float p = expf(s - m_new);
+            l = l * corr + p;
+            #pragma unroll
+            for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; if (e < d) acc[t] = acc[t] * corr + p * vt[jj * d + e]; }
+            m = m_new;
+        }
+    }
+    if (!active) return;
+    float* orow = o + (i * g.batch + b) * qw + h * d;
+    #pragma unroll
+    for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; if (e < d) orow[e] = l > 0.0f ? acc[t] / l : 0.0f; }
+    if (lane == 0) lse[bh * g.seq_q + i] = l > 0.0f ? m + logf(l) : NEG_INF;
+}
+
+// delta[(b*heads + h)*seq_q + i] = dO_i · O_i. grid: (ceil(seq_q / ATT_WARPS), batch*heads).
+extern "C" __global__ void attention_delta(const float* dout, const float* o, float* delta, AttGeom g) {
+    int d = (int)g.head_dim, lane = threadIdx.x;
+    long long bh = blockIdx.y, b = bh / g.heads, h = bh % g.heads;
+    long long i = (long long)blockIdx.x * ATT_WARPS + threadIdx.y;
+    if (i >= g.seq_q) return;
+    long long off = (i * g.batch + b) * g.heads * g.head_dim + h * d;
+    float a[ATT_MAX_PER_LANE];
+    load_row(a, dout + off, lane, d);
+    float s = dot_lane(a, o + off, lane, d);
+    if (lane == 0) delta[bh * g.seq_q + i] = s;
+}
+
+// dq_i = scale Σ_j p_ij (dO_i·v_j − delta_i) k_j. Same grid as the forward.
+extern "C" __global__ void attention_bwd_dq(const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, float* dq, const int* qpos, const int* kvpos, AttGeom g) {
+    extern __shared__ float smem[];
+    int d = (int)g.head_dim, lane = threadIdx.x;
+    float* kt = smem;
+    float* vt = smem + ATT_TILE * d;
+    long long bh = blockIdx.y, b = bh / g.heads, h = bh % g.heads;
+    long long kvh = h / (g.heads / g.kv_heads);
+    long long i = (long long)blockIdx.x * ATT_WARPS + threadIdx.y;
+    bool active = i < g.seq_q;
+    long long qw = g.heads * g.head_dim, kw = g.kv_heads * g.head_dim;
+    float qr[ATT_MAX_PER_LANE], dor[ATT_MAX_PER_LANE], acc[ATT_MAX_PER_LANE];
+    float li = NEG_INF, di = 0.0f;
+    int pi = 0;
+    if (active) {
+        load_row(qr, q + (i * g.batch + b) * qw + h * d, lane, d);
+        load_row(dor, dout + (i * g.batch + b) * qw + h * d, lane, d);
+        li = lse[bh * g.seq_q + i];
+        di = delta[bh * g.seq_q + i];
+        pi = qpos[i];
+    }
+    #pragma unroll
+    for (int t = 0; t < ATT_MAX_PER_LANE; t++) acc[t] = 0.0f;
+    bool any = active && li != NEG_INF;
+    for (long long j0 = 0; j0 < g.seq_kv; j0 += ATT_TILE) {
+        __syncthreads();
+        load_tile(kt, k, j0, g.seq_kv, g.batch, b, kw, kvh * d, d);
+        load_tile(vt, v, j0, g.seq_kv, g.batch, b, kw, kvh * d, d);
+        __syncthreads();
+        if (!any) continue;
+        for (int jj = 0; jj < ATT_TILE && j0 + jj < g.seq_kv; jj++) {
+            if (g.causal && kvpos[j0 + jj] > pi) continue;
+            float p = expf(g.scale * dot_lane(qr, kt + jj * d, lane, d) - li);
+            float ds = p * (dot_lane(dor, vt + jj * d, lane, d) - di);
+            #pragma unroll
+            for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; if (e < d) acc[t] += ds * kt[jj * d + e]; }
+        }
+    }
+    if (!active) return;
+    float* row = dq + (i * g.batch + b) * qw + h * d;
+    #pragma unroll
+    for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; if (e < d) row[e] = g.scale * acc[t]; }
+}
+
+// Per key row j of kv head kvh: dv_j = Σ_{h in group, i} p_ij dO_i, dk_j = scale Σ ds_ij q_i.
+// grid: (ceil(seq_kv / ATT_WARPS), batch * kv_heads); smem: q and dO tiles, lse and delta.
+extern "C" __global__ void attention_bwd_dkdv(const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, float* dk, float* dv, const int* qpos, const int* kvpos, AttGeom g) {
+    extern __shared__ float smem[];
+    int d = (int)g.head_dim, lane = threadIdx.x;
+    float* qt = smem;
+    float* dot_ = smem + ATT_TILE * d;
+    float* lt = smem + 2 * ATT_TILE * d;
+    float* dt = lt + ATT_TILE;
+    long long bk = blockIdx.y, b = bk / g.kv_heads, kvh = bk % g.kv_heads;
+    long long group = g.heads / g.kv_heads;
+    long long j = (long long)blockIdx.x * ATT_WARPS + threadIdx.y;
+    bool active = j < g.seq_kv;
+    long long qw = g.heads * g.head_dim, kw = g.kv_heads * g.head_dim;
+    float kr[ATT_MAX_PER_LANE], vr[ATT_MAX_PER_LANE], dka[ATT_MAX_PER_LANE], dva[ATT_MAX_PER_LANE];
+    int pj = 0;
+    if (active) {
+        load_row(kr, k + (j * g.batch + b) * kw + kvh * d, lane, d);
+        load_row(vr, v + (j * g.batch + b) * kw + kvh * d, lane, d);
+        pj = kvpos[j];
+    }
+    #pragma unroll
+    for (int t = 0; t < ATT_MAX_PER_LANE; t++) { dka[t] = 0.0f; dva[t] = 0.0f; }
+    for (long long h = kvh * group; h < (kvh + 1) * group; h++) {
+        long long bh = b * g.heads + h;
+        for (long long i0 = 0; i0 < g.seq_q; i0 += ATT_TILE) {
+            __syncthreads();
+            load_tile(qt, q, i0, g.seq_q, g.batch, b, qw, h * d, d);
+            load_tile(dot_, dout, i0, g.seq_q, g.batch, b, qw, h * d, d);
+            for (int t = threadIdx.y * 32 + threadIdx.x; t < ATT_TILE; t += 32 * ATT_WARPS) {
+                long long i = i0 + t;
+                lt[t] = i < g.seq_q ? lse[bh * g.seq_q + i] : NEG_INF;
+                dt[t] = i < g.seq_q ? delta[bh * g.seq_q + i] : 0.0f;
+            }
+            __syncthreads();
+            if (!active) continue;
+            for (int ii = 0; ii < ATT_TILE && i0 + ii < g.seq_q; ii++) {
+                if (lt[ii] == NEG_INF) continue;
+                if (g.causal && pj > qpos[i0 + ii]) continue;
+                const float* qi = qt + ii * d;
+                const float* doi = dot_ + ii * d;
+                float p = expf(g.scale * dot_lane(kr, qi, lane, d) - lt[ii]);
+                float ds = p * (dot_lane(vr, doi, lane, d) - dt[ii]);
+                #pragma unroll
+                for (int t = 0; t < ATT_MAX_PER_LANE; t++) {
+                    int e = lane + 32 * t;
+                    if (e < d) { dva[t] += p * doi[e]; dka[t] += ds * qi[e]; }
+                }
+            }
+        }
+    }
+    if (!active) return;
+    float* dkr = dk + (j * g.batch + b) * kw + kvh * d;
+    float* dvr = dv + (j * g.batch + b) * kw + kvh * d;
+    #pragma unroll
+    for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; if (e < d) { dkr[e] = g.scale * dka[t]; dvr[e] = dva[t]; } }
+}

@@ -1,0 +1,155 @@
+// LayerNorm, RMSNorm (one block per row, double statistics) and the cross-entropy pieces.
+
+extern "C" __global__ void layer_norm_fwd(const float* x, const float* w, const float* b, float* y, float* mean, float* rstd, long long dim, double eps) {
+    long long r = blockIdx.x;
+    const float* xr = x + r * dim;
+    double s = 0.0;
+    for (long long j = threadIdx.x; j < dim; j += blockDim.x) s += (double)xr[j];
+    double m = block_sum_d(s) / (double)dim;
+    double v = 0.0;
+    for (long long j = threadIdx.x; j < dim; j += blockDim.x) { double d = (double)xr[j] - m; v += d * d; }
+    double var = block_sum_d(v) / (double)dim;
+    float mf = (float)m, rf = (float)(1.0 / sqrt(var + eps));
+    if (threadIdx.x == 0) { mean[r] = mf; rstd[r] = rf; }
+    for (long long j = threadIdx.x; j < dim; j += blockDim.x)
+        y[r * dim + j] = (xr[j] - mf) * rf * w[j] + (b ? b[j] : 0.0f);
+}
+
+extern "C" __global__ void layer_norm_bwd_dx(const float* dy, const float* x, const float* w, const float* mean, const float* rstd, float* dx, long long dim) {
+    long long r = blockIdx.x;
+    float mf = mean[r], rf = rstd[r];
+    double sg = 0.0, sgx = 0.0;
+    for (long long j = threadIdx.x; j < dim; j += blockDim.x) {
+        double g = (double)(dy[r * dim + j] * w[j]);
+        sg += g;
+        sgx += g * (double)((x[r * dim + j] - mf) * rf);
+    }
+    float mean_g = (float)(block_sum_d(sg) / (double)dim);
+    float mean_gx = (float)(block_sum_d(sgx) / (double)dim);
+    for (long long j = threadIdx.x; j < dim; j += blockDim.x) {
+        float xhat = (x[r * dim + j] - mf) * rf;
+        dx[r * dim + j] = rf * (dy[r * dim + j] * w[j] - mean_g - xhat * mean_gx);
+    }
+}
+
+// part_w[chunk, j] = Σ dy·xhat over the chunk's rows (layer norm: xhat = (x − mean)·rstd,
+// rms norm: mean == null, xhat = x·rstd).
+extern "C" __global__ void norm_dw_partial(const float* dy, const float* x, const float* mean, const float* rstd, double* part, long long rows, long long dim, long long chunk_rows) {
+    long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    long long c = blockIdx.y;
+    if (j >= dim) return;
+    long long r0 = c * chunk_rows, r1 = min(rows, r0 + chunk_rows);
+    double s = 0.0;
+    for (long long r = r0; r < r1; r++) {
+        float xhat = mean ? (x[r * dim + j] - mean[r]) * rstd[r] : x[r * dim + j] * rstd[r];
+        s += (double)(dy[r * dim + j] * xhat);
+    }
+    part[c * dim + j] = s;
+}
+
+extern "C" __global__ void rms_norm_fwd(const float* x, const float* w, float* y, float* rstd, long long dim, double eps) {
+    long long r = blockIdx.x;
+    const float* xr = x + r * dim;
+    double s = 0.0;
+    for (long long j = threadIdx.x; j < dim; j += blockDim.x) { double v = (double)xr[j]; s += v * v; }
+    double ms = block_sum_d(s) / (double)dim;
+    float rf = (float)(1.0 / sqrt(ms + eps));
+    if (threadIdx.x == 0) rstd[r] = rf;
+    for (long long j = threadIdx.x; j < dim; j += blockDim.x) y[r * dim + j] = xr[j] * rf * w[j];
+}
+
+extern "C" __global__ void rms_norm_bwd_dx(const float* dy, const float* x, const float* w, const float* rstd, float* dx, long long dim) {
+    long long r = blockIdx.x;
+    float rf = rstd[r];
+    double sgx = 0.0;
+    for (long long j = threadIdx.x; j < dim; j += blockDim.x)
+        sgx += (double)(dy[r * dim + j] * w[j]) * (double)(x[r * dim + j] * rf);
+    float mean_gx = (float)(block_sum_d(sgx) / (double)dim);
+    for (long long j = threadIdx.x; j < dim; j += blockDim.x)
+        dx[r * dim + j] = rf * (dy[r * dim + j] * w[j] - x[r * dim + j] * rf * mean_gx);
+}
+
+// ---------------------------------------------------------------- cross-entropy
+__device__ __forceinline__ long long local_column(int target, long long vocab_start, long long vocab_local) {
+    long long c = (long long)target - vocab_start;
+    return (c >= 0 && c < vocab_local) ? c : -1;
+}
+
+extern "C" __global__ void ce_max(const float* logits, float* max, long long vocab) {
+    long long r = blockIdx.x;
+    float m = NEG_INF;
+    for (long long j = threadIdx.x; j < vocab; j += blockDim.x) m = fmaxf(m, logits[r * vocab + j]);
+    m = block_max(m);
+    if (threadIdx.x == 0) max[r] = m;
+}
+
+extern "C" __global__ void ce_sum_exp(const float* logits, const float* max, float* sumexp, long long vocab) {
+    long long r = blockIdx.x;
+    float m = max[r];
+    double s = 0.0;
+    for (long long j = threadIdx.x; j < vocab; j += blockDim.x) s += (double)expf(logits[r * vocab + j] - m);
+    s = block_sum_d(s);
+    if (threadIdx.x == 0) sumexp[r] = (float)s;
+}
+
+extern "C" __global__ void ce_target_logit(const float* logits, const int* targets, float* out, long long rows, long long vocab_start, long long vocab_local) {
+    long long r = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    long long c = local_column(targets[r], vocab_start, vocab_local);
+    out[r] = c >= 0 ? logits[r * vocab_local + c] : 0.0f;
+}
+
+// One block: loss[0] += scale · Σ (ln sumexp + max − target_logit).
+extern "C" __global__ void ce_loss(const float* max, const float* sumexp, const float* target_logit, float* loss, long long rows, double scale) {
+    double s = 0.0;
+    for (long long r = threadIdx.x; r < rows; r += blockDim.x)
+        s += log((double)sumexp[r]) + (double)max[r] - (double)target_logit[r];
+    s = block_sum_d(s);
+    if (threadIdx.x == 0) loss[0] = (float)((double)loss[0] + scale * s);
+}
+
+// dlogits = scale · (softmax − onehot(target)), without storing probabilities.
+extern "C" __global__ void ce_grad(const float* logits, const int* targets, const float* max, const float* sumexp, float* dlogits, long long rows, long long vocab_start, long long vocab_local, float scale) {
+    GRID_STRIDE(i, rows * vocab_local) {
+        long long r = i / vocab_local, j = i % vocab_local;
+        float d = (scale / sumexp[r]) * expf(logits[i] - max[r]);
+        if (local_column(targets[r], vocab_start, vocab_local) == j) d -= scale;
+        dlogits[i] = d;
+    }
+}
+
+// ---------------------------------------------------------------- optimizer
+extern "C" __global__ void clip_coef(const float* sumsq, float* coef, double max_norm) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+        double c = max_norm / (sqrt((double)sumsq[0]) + 1e-6);
+        coef[0] = (float)(c < 1.0 ? c : 1.0);
+    }
+}
+
+extern "C" __global__ void adamw(const float* g, const float* coef, float* param, float* m, float* v, long long n, float beta1, float beta2, float eps, float wd, float lr, float bias1, float bias2) {
+    float cf = coef[0];
+    GRID_STRIDE(i, n) {
+        float gi = cf * g[i];
+        float mi = beta1 * m[i] + (1.0f - beta1) * gi;
+        float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        float m_hat = mi / bias1, v_hat = vi / bias2;
+        param[i] -= lr * (m_hat / (sqrtf(v_hat) + eps) + wd * param[i]);
+    }
+}
+
+// buf == null: plain SGD. first != 0: buf = g' (the first step).
+extern "C" __global__ void sgd(const float* g, const float* coef, float* param, float* buf, long long n, float momentum, float wd, float lr, int first) {
+    float cf = coef[0];
+    GRID_STRIDE(i, n) {
+        float gi = cf * g[i] + wd * param[i];
+        if (buf) {
+            float b = first ? gi : momentum * buf[i] + gi;
+            buf[i] = b;
+            param[i] -= lr * b;
+        } else {
+            param[i] -= lr * gi;
+        }
+    }
+}

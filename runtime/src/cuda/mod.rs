@@ -1,0 +1,365 @@
+//! The CUDA backend (feature `cuda`): every `Op` of `parc_compiler::ir::op` forward and
+//! backward on one NVIDIA GPU, fp32, with the CPU backend's semantics (the differential test
+//! `tests/cuda_ops.rs` holds it to them). GEMMs go through cuBLASLt (`gemm`), everything else
+//! through CUDA C kernels compiled by NVRTC once per run (`compile`); `dispatch` maps each op
+//! onto them. All work is ordered on one stream; reads to the host synchronise it.
+//!
+//! Buffers are device allocations keyed by `BufferId`. An op whose output is also one of its
+//! inputs sees the input's value from before the op (the input is copied first), as on the CPU.
+mod compile;
+mod device;
+mod dispatch;
+mod gemm;
+
+use crate::backend::{Backend, StepScalars};
+use crate::error::{Result, RuntimeError};
+use compile::Kernels;
+use cudarc::driver::result as cu;
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use device::driver_error;
+use gemm::Blas;
+use parc_compiler::ir::op::{Op, Segment};
+use parc_compiler::ir::{BufferId, DType};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// One allocated buffer.
+struct Slot {
+    memory: CudaSlice<u8>,
+    ptr: CUdeviceptr,
+    len: usize,
+    dtype: DType,
+}
+
+/// A bound buffer as `dispatch` sees it: device pointer, element count, dtype.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Buf {
+    pub id: BufferId,
+    pub ptr: CUdeviceptr,
+    pub len: usize,
+    pub dtype: DType,
+}
+
+/// A kernel argument.
+pub(crate) enum Arg {
+    Ptr(CUdeviceptr),
+    I64(i64),
+    I32(i32),
+    F32(f32),
+    F64(f64),
+    Geom(dispatch::AttGeom),
+}
+
+// SAFETY: AttGeom is #[repr(C)] plain data matching the kernels' `struct AttGeom`.
+unsafe impl DeviceRepr for dispatch::AttGeom {}
+
+/// The CUDA backend. See the module docs.
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: Kernels,
+    blas: Blas,
+    slots: Vec<Option<Slot>>,
+    /// Global positions per `Segment` list, uploaded once.
+    positions: HashMap<Vec<Segment>, (CudaSlice<u8>, usize)>,
+    /// Scratch for reductions' partials; grows, never shrinks.
+    scratch: Option<CudaSlice<u8>>,
+    /// Kept alive for cuBLASLt.
+    _workspace: CudaSlice<u8>,
+}
+
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+fn buffer_error(id: BufferId, what: impl Into<String>) -> RuntimeError {
+    RuntimeError::Buffer {
+        id: id.0,
+        what: what.into(),
+    }
+}
+
+fn raw_ptr(stream: &CudaStream, memory: &CudaSlice<u8>) -> CUdeviceptr {
+    use cudarc::driver::DevicePtr;
+    let (ptr, _sync) = memory.device_ptr(stream);
+    ptr
+}
+
+impl CudaBackend {
+    /// Open GPU `ordinal` and compile (or load from the cache) the kernels. Fails with a clear
+    /// message ("no CUDA driver found: …", "no CUDA device found: …") where there is none.
+    pub fn new(ordinal: usize) -> Result<CudaBackend> {
+        let (ctx, stream) = device::open(ordinal)?;
+        let kernels = Kernels::load(&ctx)?;
+        let workspace = stream
+            .alloc_zeros::<u8>(WORKSPACE_BYTES)
+            .map_err(|e| driver_error("allocating the cuBLASLt workspace", e))?;
+        let blas = Blas::new(raw_ptr(&stream, &workspace), WORKSPACE_BYTES)?;
+        Ok(CudaBackend {
+            ctx,
+            stream,
+            kernels,
+            blas,
+            slots: Vec::new(),
+            positions: HashMap::new(),
+            scratch: None,
+            _workspace: workspace,
+        })
+    }
+
+    /// The device's name, e.g. for the `--backend auto` message.
+    pub fn device_name(&self) -> Result<String> {
+        self.ctx
+            .name()
+            .map_err(|e| driver_error("reading the device name", e))
+    }
+
+    /// Wait for all queued work; surfaces asynchronous kernel errors.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| driver_error("waiting for queued GPU work", e))
+    }
+
+    fn slot(&self, id: BufferId) -> Result<&Slot> {
+        self.slots
+            .get(id.0 as usize)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| buffer_error(id, "is not allocated"))
+    }
+
+    fn buf(&self, id: BufferId) -> Result<Buf> {
+        let s = self.slot(id)?;
+        Ok(Buf {
+            id,
+            ptr: s.ptr,
+            len: s.len,
+            dtype: s.dtype,
+        })
+    }
+
+    fn alloc_bytes(&self, bytes: usize, what: &str) -> Result<CudaSlice<u8>> {
+        self.stream
+            .alloc_zeros::<u8>(bytes.max(4))
+            .map_err(|e| driver_error(&format!("allocating {bytes} bytes for {what}"), e))
+    }
+
+    /// Device pointer to `bytes` of scratch (valid until the next call; stream-ordered).
+    pub(crate) fn scratch(&mut self, bytes: usize) -> Result<CUdeviceptr> {
+        let big_enough = self.scratch.as_ref().is_some_and(|s| s.len() >= bytes);
+        if !big_enough {
+            self.scratch = Some(self.alloc_bytes(bytes.max(1 << 20), "reduction scratch")?);
+        }
+        match &self.scratch {
+            Some(s) => Ok(raw_ptr(&self.stream, s)),
+            None => Err(RuntimeError::Unsupported("scratch memory missing".into())),
+        }
+    }
+
+    /// Device array of the global position of each local sequence index of `segments`.
+    pub(crate) fn positions(&mut self, segments: &[Segment]) -> Result<(CUdeviceptr, usize)> {
+        if !self.positions.contains_key(segments) {
+            let mut host: Vec<i32> = Vec::new();
+            for s in segments {
+                let end = s.start.checked_add(s.len).filter(|&e| e <= i32::MAX as u32);
+                let end = end.ok_or_else(|| RuntimeError::Op {
+                    op: "positions".into(),
+                    what: format!("segment {}+{} is past the i32 range", s.start, s.len),
+                })?;
+                host.extend((s.start..end).map(|p| p as i32));
+            }
+            let memory = self.alloc_bytes(host.len() * 4, "positions")?;
+            let ptr = raw_ptr(&self.stream, &memory);
+            // SAFETY: memory holds at least host.len() i32s; the host copy completes before
+            // returning (synchronous copy).
+            unsafe { cu::memcpy_htod_sync(ptr, &host) }
+                .map_err(|e| driver_error("uploading positions", e))?;
+            self.positions
+                .insert(segments.to_vec(), (memory, host.len()));
+        }
+        match self.positions.get(segments) {
+            Some((memory, len)) => Ok((raw_ptr(&self.stream, memory), *len)),
+            None => Err(RuntimeError::Unsupported("positions missing".into())),
+        }
+    }
+
+    /// Launch kernel `name`; arguments must match its C signature.
+    pub(crate) fn launch(
+        &mut self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared_bytes: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        let stream = self.stream.clone();
+        let f = self.kernels.function(name)?;
+        let mut b = stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::Ptr(p) => b.arg(p),
+                Arg::I64(v) => b.arg(v),
+                Arg::I32(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+                Arg::F64(v) => b.arg(v),
+                Arg::Geom(g) => b.arg(g),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: block,
+            shared_mem_bytes: shared_bytes,
+        };
+        // SAFETY: dispatch checked every buffer's length against the sizes passed, and the
+        // argument list follows the kernel's signature.
+        unsafe { b.launch(cfg) }
+            .map_err(|e| driver_error(&format!("launching kernel {name}"), e))?;
+        Ok(())
+    }
+
+    /// Launch a grid-stride kernel over `n` elements (256 threads a block).
+    pub(crate) fn launch_n(&mut self, name: &'static str, n: usize, args: &[Arg]) -> Result<()> {
+        let blocks = n.div_ceil(256).clamp(1, 1 << 16) as u32;
+        if n == 0 {
+            return Ok(());
+        }
+        self.launch(name, (blocks, 1, 1), (256, 1, 1), 0, args)
+    }
+
+    pub(crate) fn gemm(&self, g: &gemm::Gemm) -> Result<()> {
+        self.blas.run(g, self.stream.cu_stream() as _)
+    }
+
+    pub(crate) fn copy_bytes(
+        &self,
+        dst: CUdeviceptr,
+        src: CUdeviceptr,
+        bytes: usize,
+    ) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: callers checked both ranges lie inside their allocations.
+        unsafe { cu::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(|e| driver_error("copying device memory", e))
+    }
+
+    pub(crate) fn zero_bytes(&self, dst: CUdeviceptr, bytes: usize) -> Result<()> {
+        // SAFETY: callers pass a whole allocation's pointer and size.
+        unsafe { cu::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) }
+            .map_err(|e| driver_error("zeroing device memory", e))
+    }
+
+    fn write<T>(&mut self, id: BufferId, dtype: DType, data: &[T]) -> Result<()> {
+        let s = self.slot(id)?;
+        if s.dtype != dtype {
+            return Err(buffer_error(
+                id,
+                format!("is {:?}, cannot write {dtype:?} data", s.dtype),
+            ));
+        }
+        if s.len != data.len() {
+            return Err(buffer_error(
+                id,
+                format!("holds {} elements, got {} to write", s.len, data.len()),
+            ));
+        }
+        self.synchronize()?;
+        // SAFETY: the allocation holds exactly data.len() elements of this type.
+        unsafe { cu::memcpy_htod_sync(s.ptr, data) }
+            .map_err(|e| driver_error(&format!("writing buffer {}", id.0), e))
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn alloc(&mut self, id: BufferId, shape: &[u64], dtype: DType) -> Result<()> {
+        let len = shape
+            .iter()
+            .try_fold(1usize, |acc, &d| {
+                usize::try_from(d).ok().and_then(|d| acc.checked_mul(d))
+            })
+            .ok_or_else(|| buffer_error(id, format!("shape {shape:?} is too large")))?;
+        let index = id.0 as usize;
+        if self.slots.get(index).is_some_and(Option::is_some) {
+            return Err(buffer_error(id, "is already allocated"));
+        }
+        let memory = self.alloc_bytes(len * dtype.bytes() as usize, &format!("buffer {}", id.0))?;
+        let ptr = raw_ptr(&self.stream, &memory);
+        if self.slots.len() <= index {
+            self.slots.resize_with(index + 1, || None);
+        }
+        self.slots[index] = Some(Slot {
+            memory,
+            ptr,
+            len,
+            dtype,
+        });
+        Ok(())
+    }
+
+    fn free(&mut self, id: BufferId) -> Result<()> {
+        match self.slots.get_mut(id.0 as usize).and_then(Option::take) {
+            Some(slot) => {
+                drop(slot.memory);
+                Ok(())
+            }
+            None => Err(buffer_error(id, "is not allocated")),
+        }
+    }
+
+    fn compute(
+        &mut self,
+        op: &Op,
+        inputs: &[BufferId],
+        outputs: &[BufferId],
+        scalars: &StepScalars,
+    ) -> Result<()> {
+        let outs = outputs
+            .iter()
+            .map(|&id| self.buf(id))
+            .collect::<Result<Vec<_>>>()?;
+        // Inputs that are also outputs are read from a copy taken before the op.
+        let mut copies = Vec::new();
+        let mut ins = Vec::with_capacity(inputs.len());
+        for &id in inputs {
+            let mut b = self.buf(id)?;
+            if outputs.contains(&id) {
+                let bytes = b.len * b.dtype.bytes() as usize;
+                let copy = self.alloc_bytes(bytes, "an aliased input")?;
+                let ptr = raw_ptr(&self.stream, &copy);
+                self.copy_bytes(ptr, b.ptr, bytes)?;
+                b.ptr = ptr;
+                copies.push(copy);
+            }
+            ins.push(b);
+        }
+        dispatch::run(self, op, &ins, &outs, scalars)
+    }
+
+    fn write_f32(&mut self, id: BufferId, data: &[f32]) -> Result<()> {
+        self.write(id, DType::F32, data)
+    }
+
+    fn write_i32(&mut self, id: BufferId, data: &[i32]) -> Result<()> {
+        self.write(id, DType::I32, data)
+    }
+
+    fn read_f32(&self, id: BufferId) -> Result<Vec<f32>> {
+        let s = self.slot(id)?;
+        if s.dtype != DType::F32 {
+            return Err(buffer_error(id, format!("is {:?}, expected f32", s.dtype)));
+        }
+        self.synchronize()?;
+        let mut host = vec![0.0f32; s.len];
+        // SAFETY: the allocation holds exactly s.len f32s; the stream is idle.
+        unsafe { cu::memcpy_dtoh_sync(&mut host, s.ptr) }
+            .map_err(|e| driver_error(&format!("reading buffer {}", id.0), e))?;
+        Ok(host)
+    }
+}

@@ -1,0 +1,913 @@
+//! Differential test of the CUDA backend against the CPU backend (the exact reference): every
+//! op of `parc_compiler::ir::op`, forward and backward, on fresh random inputs each run (the
+//! seed is printed; set PARC_TEST_SEED to replay one). Outputs start from random values too, so
+//! (+=) accumulation and "rest untouched" are checked, not only the written values.
+//!
+//! Tolerance, per op, on `|gpu − cpu| ≤ tol · (|cpu| + rms(cpu))` (rms: the output's typical
+//! size, so values near zero after cancellation are judged on the output's scale):
+//! fp32 elementwise 1e-5; reductions, GEMMs, norms, cross-entropy, attention 1e-4.
+//!
+//! Without a GPU (or built without `--features cuda`) every test prints
+//! `skipped: no CUDA device (…)` and passes.
+use parc_compiler::ir::op::{Act, Op, Segment};
+use parc_compiler::ir::{BufferId, DType};
+use parc_runtime::backend::{Backend, StepScalars};
+use parc_runtime::cpu::CpuBackend;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+const ELEMENTWISE: f32 = 1e-5;
+const REDUCTION: f32 = 1e-4;
+
+#[cfg(feature = "cuda")]
+fn gpu() -> Option<Box<dyn Backend>> {
+    match parc_runtime::cuda::CudaBackend::new(0) {
+        Ok(b) => Some(Box::new(b)),
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu() -> Option<Box<dyn Backend>> {
+    println!("skipped: no CUDA device (this build has no `cuda` feature)");
+    None
+}
+
+/// splitmix64: small, seedable, good enough for test data.
+struct Rng(u64);
+
+impl Rng {
+    fn new(test: &str) -> Rng {
+        let seed = std::env::var("PARC_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(1, |d| d.as_nanos() as u64)
+            });
+        println!("{test}: seed {seed} (PARC_TEST_SEED={seed} replays it)");
+        Rng(seed)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.unit() * scale).collect()
+    }
+
+    fn positive(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| lo + (self.unit() + 1.0) * 0.5 * (hi - lo))
+            .collect()
+    }
+
+    fn ids(&mut self, n: usize, below: u64) -> Vec<i32> {
+        (0..n).map(|_| (self.next() % below) as i32).collect()
+    }
+}
+
+#[derive(Clone)]
+enum Data {
+    F32(Vec<f32>),
+    I32(Vec<i32>),
+}
+
+impl Data {
+    fn len(&self) -> usize {
+        match self {
+            Data::F32(v) => v.len(),
+            Data::I32(v) => v.len(),
+        }
+    }
+}
+
+/// One op call: its inputs' data and its outputs' initial data (f32), as buffers 0.., then
+/// n_inputs... Optionally an output may be one of the inputs (in place).
+struct Case {
+    name: String,
+    op: Op,
+    inputs: Vec<Data>,
+    outputs: Vec<Vec<f32>>,
+    /// For each output: Some(i) when it is input i's buffer (in place).
+    aliases: Vec<Option<usize>>,
+    tol: f32,
+    scalars: StepScalars,
+}
+
+const SCALARS: StepScalars = StepScalars { lr: 0.01, step: 3 };
+
+impl Case {
+    fn new(
+        name: impl Into<String>,
+        op: Op,
+        inputs: Vec<Data>,
+        outputs: Vec<Vec<f32>>,
+        tol: f32,
+    ) -> Case {
+        let aliases = vec![None; outputs.len()];
+        Case {
+            name: name.into(),
+            op,
+            inputs,
+            outputs,
+            aliases,
+            tol,
+            scalars: SCALARS,
+        }
+    }
+
+    /// Runs the case on `b`; returns the outputs after the op.
+    fn run(&self, b: &mut dyn Backend) -> Vec<Vec<f32>> {
+        let mut ids_in = Vec::new();
+        for (i, d) in self.inputs.iter().enumerate() {
+            let id = BufferId(i as u32);
+            let shape = [d.len() as u64];
+            match d {
+                Data::F32(v) => {
+                    b.alloc(id, &shape, DType::F32).unwrap();
+                    b.write_f32(id, v).unwrap();
+                }
+                Data::I32(v) => {
+                    b.alloc(id, &shape, DType::I32).unwrap();
+                    b.write_i32(id, v).unwrap();
+                }
+            }
+            ids_in.push(id);
+        }
+        let mut ids_out = Vec::new();
+        for (o, init) in self.outputs.iter().enumerate() {
+            let id = match self.aliases[o] {
+                Some(i) => BufferId(i as u32),
+                None => {
+                    let id = BufferId((self.inputs.len() + o) as u32);
+                    b.alloc(id, &[init.len() as u64], DType::F32).unwrap();
+                    b.write_f32(id, init).unwrap();
+                    id
+                }
+            };
+            ids_out.push(id);
+        }
+        b.compute(&self.op, &ids_in, &ids_out, &self.scalars)
+            .unwrap_or_else(|e| panic!("{} on {}: {e}", self.name, b.name()));
+        ids_out.iter().map(|&id| b.read_f32(id).unwrap()).collect()
+    }
+}
+
+/// Runs every case on both backends and compares; prints the worst error per case.
+fn check(test: &str, cases: &[Case]) {
+    let Some(mut gpu) = gpu() else { return };
+    let mut failures = Vec::new();
+    for case in cases {
+        let mut cpu = CpuBackend::new();
+        let want = case.run(&mut cpu);
+        let got = case.run(gpu.as_mut());
+        // Free the case's buffers on the GPU so the next case can reuse the ids.
+        let n = case.inputs.len() + case.outputs.len();
+        for i in 0..n {
+            let _ = gpu.free(BufferId(i as u32));
+        }
+        for (o, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert_eq!(w.len(), g.len());
+            let rms = (w.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / w.len().max(1) as f64)
+                .sqrt() as f32;
+            let mut worst = (0.0f32, 0usize);
+            for (i, (a, b)) in g.iter().zip(w).enumerate() {
+                let err = if a.is_finite() && b.is_finite() {
+                    (a - b).abs() / (b.abs() + rms).max(f32::MIN_POSITIVE)
+                } else if a == b || (a.is_nan() && b.is_nan()) {
+                    0.0
+                } else {
+                    f32::INFINITY
+                };
+                if err > worst.0 || err.is_nan() {
+                    worst = (err, i);
+                }
+            }
+            let (err, i) = worst;
+            println!(
+                "{test}/{} output {o}: {} values, worst relative error {err:.3e} at {i} (cuda {} cpu {}), tol {:.0e}",
+                case.name, w.len(), g.get(i).copied().unwrap_or(0.0), w.get(i).copied().unwrap_or(0.0), case.tol
+            );
+            if err.is_nan() || err > case.tol {
+                failures.push(format!(
+                    "{} output {o}: error {err:.3e} > {:.0e} at {i}",
+                    case.name, case.tol
+                ));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{test}: CUDA differs from CPU:\n{}",
+        failures.join("\n")
+    );
+}
+
+fn seg(start: u32, len: u32) -> Segment {
+    Segment { start, len }
+}
+
+#[test]
+fn embeddings_and_positions() {
+    let mut r = Rng::new("embeddings_and_positions");
+    let (rows, dim, vocab_start, vocab_local) = (37, 24, 5u64, 20u64);
+    let ids = r.ids(rows, 30);
+    let table = r.vec(vocab_local as usize * dim, 1.0);
+    let emb = Op::Embedding {
+        vocab_start,
+        vocab_local,
+        dim: dim as u64,
+    };
+    let emb_bwd = Op::EmbeddingBwd {
+        vocab_start,
+        vocab_local,
+        dim: dim as u64,
+    };
+    // Context-parallel-like chunk: two segments of the global sequence, batch 3.
+    let positions = vec![seg(0, 4), seg(12, 4)];
+    let (batch, seq_table) = (3usize, 16usize);
+    let prow = 8 * batch;
+    let pos_add = Op::PositionAdd {
+        batch: batch as u64,
+        dim: dim as u64,
+        positions: positions.clone(),
+    };
+    let pos_bwd = Op::PositionAddBwd {
+        batch: batch as u64,
+        dim: dim as u64,
+        positions,
+    };
+    check(
+        "embeddings_and_positions",
+        &[
+            Case::new(
+                "embedding",
+                emb,
+                vec![Data::I32(ids.clone()), Data::F32(table.clone())],
+                vec![r.vec(rows * dim, 1.0)],
+                ELEMENTWISE,
+            ),
+            Case::new(
+                "embedding_bwd",
+                emb_bwd,
+                vec![Data::I32(ids), Data::F32(r.vec(rows * dim, 1.0))],
+                vec![r.vec(table.len(), 1.0)],
+                REDUCTION,
+            ),
+            Case::new(
+                "position_add",
+                pos_add,
+                vec![
+                    Data::F32(r.vec(prow * dim, 1.0)),
+                    Data::F32(r.vec(seq_table * dim, 1.0)),
+                ],
+                vec![r.vec(prow * dim, 1.0)],
+                ELEMENTWISE,
+            ),
+            Case::new(
+                "position_add_bwd",
+                pos_bwd,
+                vec![Data::F32(r.vec(prow * dim, 1.0))],
+                vec![r.vec(seq_table * dim, 1.0)],
+                REDUCTION,
+            ),
+        ],
+    );
+}
+
+#[test]
+fn norms() {
+    let mut r = Rng::new("norms");
+    let mut cases = Vec::new();
+    for (rows, dim) in [(13usize, 96usize), (5, 1000)] {
+        let x = r.vec(rows * dim, 2.0);
+        let w = r.vec(dim, 1.0);
+        let bias = r.vec(dim, 1.0);
+        let dy = r.vec(rows * dim, 1.0);
+        for with_bias in [false, true] {
+            let mut ins = vec![Data::F32(x.clone()), Data::F32(w.clone())];
+            if with_bias {
+                ins.push(Data::F32(bias.clone()));
+            }
+            let ln = Op::LayerNorm {
+                dim: dim as u64,
+                eps: 1e-5,
+                bias: with_bias,
+            };
+            let outs = vec![r.vec(rows * dim, 1.0), r.vec(rows, 1.0), r.vec(rows, 1.0)];
+            let fwd = Case::new(
+                format!("layer_norm {rows}x{dim} bias={with_bias}"),
+                ln.clone(),
+                ins.clone(),
+                outs,
+                REDUCTION,
+            );
+            // The backward takes mean/rstd from the CPU forward.
+            let stats = fwd.run(&mut CpuBackend::new());
+            let bwd_ins = vec![
+                Data::F32(dy.clone()),
+                Data::F32(x.clone()),
+                Data::F32(w.clone()),
+                Data::F32(stats[1].clone()),
+                Data::F32(stats[2].clone()),
+            ];
+            let mut bwd_outs = vec![r.vec(rows * dim, 1.0), r.vec(dim, 1.0)];
+            if with_bias {
+                bwd_outs.push(r.vec(dim, 1.0));
+            }
+            cases.push(fwd);
+            cases.push(Case::new(
+                format!("layer_norm_bwd {rows}x{dim} bias={with_bias}"),
+                Op::LayerNormBwd {
+                    dim: dim as u64,
+                    bias: with_bias,
+                },
+                bwd_ins,
+                bwd_outs,
+                REDUCTION,
+            ));
+        }
+        let rms = Case::new(
+            format!("rms_norm {rows}x{dim}"),
+            Op::RmsNorm {
+                dim: dim as u64,
+                eps: 1e-6,
+            },
+            vec![Data::F32(x.clone()), Data::F32(w.clone())],
+            vec![r.vec(rows * dim, 1.0), r.vec(rows, 1.0)],
+            REDUCTION,
+        );
+        let rstd = rms.run(&mut CpuBackend::new())[1].clone();
+        cases.push(rms);
+        cases.push(Case::new(
+            format!("rms_norm_bwd {rows}x{dim}"),
+            Op::RmsNormBwd { dim: dim as u64 },
+            vec![Data::F32(dy), Data::F32(x), Data::F32(w), Data::F32(rstd)],
+            vec![r.vec(rows * dim, 1.0), r.vec(dim, 1.0)],
+            REDUCTION,
+        ));
+    }
+    check("norms", &cases);
+}
+
+#[test]
+fn matmuls() {
+    let mut r = Rng::new("matmuls");
+    let mut cases = Vec::new();
+    for (rows, k, m) in [(37usize, 50usize, 70usize), (256, 128, 384), (1, 3, 5)] {
+        let x = r.vec(rows * k, 1.0);
+        let w = r.vec(m * k, 1.0);
+        let dy = r.vec(rows * m, 1.0);
+        let (i, o) = (k as u64, m as u64);
+        cases.push(Case::new(
+            format!("matmul {rows}x{k}x{m}"),
+            Op::Matmul {
+                in_dim: i,
+                out_dim: o,
+                bias: false,
+            },
+            vec![Data::F32(x.clone()), Data::F32(w.clone())],
+            vec![r.vec(rows * m, 1.0)],
+            REDUCTION,
+        ));
+        cases.push(Case::new(
+            format!("matmul+bias {rows}x{k}x{m}"),
+            Op::Matmul {
+                in_dim: i,
+                out_dim: o,
+                bias: true,
+            },
+            vec![
+                Data::F32(x.clone()),
+                Data::F32(w.clone()),
+                Data::F32(r.vec(m, 1.0)),
+            ],
+            vec![r.vec(rows * m, 1.0)],
+            REDUCTION,
+        ));
+        cases.push(Case::new(
+            format!("matmul_bwd_data {rows}x{k}x{m}"),
+            Op::MatmulBwdData {
+                in_dim: i,
+                out_dim: o,
+            },
+            vec![Data::F32(dy.clone()), Data::F32(w)],
+            vec![r.vec(rows * k, 1.0)],
+            REDUCTION,
+        ));
+        for bias in [false, true] {
+            let mut outs = vec![r.vec(m * k, 1.0)];
+            if bias {
+                outs.push(r.vec(m, 1.0));
+            }
+            cases.push(Case::new(
+                format!("matmul_bwd_weight {rows}x{k}x{m} bias={bias}"),
+                Op::MatmulBwdWeight {
+                    in_dim: i,
+                    out_dim: o,
+                    bias,
+                },
+                vec![Data::F32(dy.clone()), Data::F32(x.clone())],
+                outs,
+                REDUCTION,
+            ));
+        }
+    }
+    check("matmuls", &cases);
+}
+
+#[test]
+fn rope() {
+    let mut r = Rng::new("rope");
+    let positions = vec![seg(0, 5), seg(1000, 5)];
+    let (batch, heads, head_dim) = (2u64, 3u64, 16u64);
+    let n = (10 * batch * heads * head_dim) as usize;
+    let fwd = Op::Rope {
+        batch,
+        heads,
+        head_dim,
+        theta: 10000.0,
+        positions: positions.clone(),
+    };
+    let bwd = Op::RopeBwd {
+        batch,
+        heads,
+        head_dim,
+        theta: 500000.0,
+        positions,
+    };
+    check(
+        "rope",
+        &[
+            Case::new(
+                "rope",
+                fwd,
+                vec![Data::F32(r.vec(n, 1.0))],
+                vec![r.vec(n, 1.0)],
+                ELEMENTWISE,
+            ),
+            Case::new(
+                "rope_bwd",
+                bwd,
+                vec![Data::F32(r.vec(n, 1.0))],
+                vec![r.vec(n, 1.0)],
+                ELEMENTWISE,
+            ),
+        ],
+    );
+}
+
+struct AttConfig {
+    batch: u64,
+    heads: u64,
+    kv_heads: u64,
+    head_dim: u64,
+    causal: bool,
+    q_positions: Vec<Segment>,
+    kv_positions: Vec<Segment>,
+}
+
+fn attention_cases(r: &mut Rng, c: &AttConfig) -> Vec<Case> {
+    let seq_q: u32 = c.q_positions.iter().map(|s| s.len).sum();
+    let seq_kv: u32 = c.kv_positions.iter().map(|s| s.len).sum();
+    let q_len = (u64::from(seq_q) * c.batch * c.heads * c.head_dim) as usize;
+    let kv_len = (u64::from(seq_kv) * c.batch * c.kv_heads * c.head_dim) as usize;
+    let lse_len = (c.batch * c.heads * u64::from(seq_q)) as usize;
+    let scale = 1.0 / (c.head_dim as f64).sqrt();
+    let fwd = Op::Attention {
+        batch: c.batch,
+        heads: c.heads,
+        kv_heads: c.kv_heads,
+        head_dim: c.head_dim,
+        causal: c.causal,
+        scale,
+        q_positions: c.q_positions.clone(),
+        kv_positions: c.kv_positions.clone(),
+    };
+    let bwd = Op::AttentionBwd {
+        batch: c.batch,
+        heads: c.heads,
+        kv_heads: c.kv_heads,
+        head_dim: c.head_dim,
+        causal: c.causal,
+        scale,
+        q_positions: c.q_positions.clone(),
+        kv_positions: c.kv_positions.clone(),
+    };
+    let name = format!(
+        "b{} h{} kv{} d{} causal={} q{:?} kv{:?}",
+        c.batch, c.heads, c.kv_heads, c.head_dim, c.causal, c.q_positions, c.kv_positions
+    );
+    let (q, k, v) = (r.vec(q_len, 2.0), r.vec(kv_len, 2.0), r.vec(kv_len, 1.0));
+    let fwd_case = Case::new(
+        format!("attention {name}"),
+        fwd,
+        vec![
+            Data::F32(q.clone()),
+            Data::F32(k.clone()),
+            Data::F32(v.clone()),
+        ],
+        vec![r.vec(q_len, 1.0), r.vec(lse_len, 1.0)],
+        REDUCTION,
+    );
+    let out = fwd_case.run(&mut CpuBackend::new());
+    let bwd_case = Case::new(
+        format!("attention_bwd {name}"),
+        bwd,
+        vec![
+            Data::F32(r.vec(q_len, 1.0)),
+            Data::F32(q),
+            Data::F32(k),
+            Data::F32(v),
+            Data::F32(out[0].clone()),
+            Data::F32(out[1].clone()),
+        ],
+        vec![r.vec(q_len, 1.0), r.vec(kv_len, 1.0), r.vec(kv_len, 1.0)],
+        REDUCTION,
+    );
+    vec![fwd_case, bwd_case]
+}
+
+#[test]
+fn attention() {
+    let mut r = Rng::new("attention");
+    let configs = [
+        // Small head dim, GQA, causal, one segment.
+        AttConfig {
+            batch: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            causal: true,
+            q_positions: vec![seg(0, 40)],
+            kv_positions: vec![seg(0, 40)],
+        },
+        // Context parallel: the rank's q chunk is two segments, kv the whole sequence.
+        AttConfig {
+            batch: 1,
+            heads: 2,
+            kv_heads: 2,
+            head_dim: 32,
+            causal: true,
+            q_positions: vec![seg(8, 8), seg(40, 8)],
+            kv_positions: vec![seg(0, 48)],
+        },
+        // kv ahead of q: the first queries see no key (o = 0, lse = −inf).
+        AttConfig {
+            batch: 1,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 8,
+            causal: true,
+            q_positions: vec![seg(0, 6)],
+            kv_positions: vec![seg(3, 6)],
+        },
+        AttConfig {
+            batch: 2,
+            heads: 3,
+            kv_heads: 3,
+            head_dim: 64,
+            causal: false,
+            q_positions: vec![seg(0, 70)],
+            kv_positions: vec![seg(0, 70)],
+        },
+        AttConfig {
+            batch: 1,
+            heads: 4,
+            kv_heads: 1,
+            head_dim: 128,
+            causal: true,
+            q_positions: vec![seg(0, 65)],
+            kv_positions: vec![seg(0, 65)],
+        },
+        AttConfig {
+            batch: 2,
+            heads: 2,
+            kv_heads: 2,
+            head_dim: 64,
+            causal: true,
+            q_positions: vec![seg(0, 300)],
+            kv_positions: vec![seg(0, 300)],
+        },
+    ];
+    let cases: Vec<Case> = configs
+        .iter()
+        .flat_map(|c| attention_cases(&mut r, c))
+        .collect();
+    check("attention", &cases);
+}
+
+#[test]
+fn elementwise() {
+    let mut r = Rng::new("elementwise");
+    let n = 3001;
+    let mut cases = Vec::new();
+    for act in [Act::Gelu, Act::GeluTanh, Act::Relu] {
+        let x = r.vec(n, 4.0);
+        cases.push(Case::new(
+            format!("activation {act:?}"),
+            Op::Activation { act },
+            vec![Data::F32(x.clone())],
+            vec![r.vec(n, 1.0)],
+            ELEMENTWISE,
+        ));
+        cases.push(Case::new(
+            format!("activation_bwd {act:?}"),
+            Op::ActivationBwd { act },
+            vec![Data::F32(r.vec(n, 1.0)), Data::F32(x)],
+            vec![r.vec(n, 1.0)],
+            ELEMENTWISE,
+        ));
+    }
+    let (gate, up) = (r.vec(n, 4.0), r.vec(n, 2.0));
+    cases.push(Case::new(
+        "swiglu",
+        Op::SwiGlu,
+        vec![Data::F32(gate.clone()), Data::F32(up.clone())],
+        vec![r.vec(n, 1.0)],
+        ELEMENTWISE,
+    ));
+    cases.push(Case::new(
+        "swiglu_bwd",
+        Op::SwiGluBwd,
+        vec![Data::F32(r.vec(n, 1.0)), Data::F32(gate), Data::F32(up)],
+        vec![r.vec(n, 1.0), r.vec(n, 1.0)],
+        ELEMENTWISE,
+    ));
+    cases.push(Case::new(
+        "add",
+        Op::Add,
+        vec![Data::F32(r.vec(n, 1.0)), Data::F32(r.vec(n, 1.0))],
+        vec![r.vec(n, 1.0)],
+        ELEMENTWISE,
+    ));
+    cases.push(Case::new(
+        "scale",
+        Op::Scale { factor: 0.37 },
+        vec![Data::F32(r.vec(n, 1.0))],
+        vec![r.vec(n, 1.0)],
+        ELEMENTWISE,
+    ));
+    cases.push(Case::new(
+        "copy",
+        Op::Copy,
+        vec![Data::F32(r.vec(n, 1.0))],
+        vec![r.vec(n, 1.0)],
+        ELEMENTWISE,
+    ));
+    cases.push(Case::new(
+        "zero",
+        Op::Zero,
+        vec![],
+        vec![r.vec(n, 1.0)],
+        ELEMENTWISE,
+    ));
+    cases.push(Case::new(
+        "copy_range",
+        Op::CopyRange {
+            src_offset: 17,
+            dst_offset: 400,
+            len: 1000,
+        },
+        vec![Data::F32(r.vec(n, 1.0))],
+        vec![r.vec(2000, 1.0)],
+        ELEMENTWISE,
+    ));
+    // In place: the output is input 0's buffer (the op must see the value from before).
+    let mut in_place = Case::new(
+        "add in place",
+        Op::Add,
+        vec![Data::F32(r.vec(n, 1.0)), Data::F32(r.vec(n, 1.0))],
+        vec![vec![0.0; n]],
+        ELEMENTWISE,
+    );
+    in_place.aliases = vec![Some(0)];
+    cases.push(in_place);
+    let mut scale_in_place = Case::new(
+        "scale in place",
+        Op::Scale { factor: -2.5 },
+        vec![Data::F32(r.vec(n, 1.0))],
+        vec![vec![0.0; n]],
+        ELEMENTWISE,
+    );
+    scale_in_place.aliases = vec![Some(0)];
+    cases.push(scale_in_place);
+    check("elementwise", &cases);
+}
+
+#[test]
+fn cross_entropy() {
+    let mut r = Rng::new("cross_entropy");
+    let (rows, vocab_start, vocab_local) = (29usize, 100u64, 1000usize);
+    let logits = r.vec(rows * vocab_local, 8.0);
+    // Targets inside and outside this rank's vocab range.
+    let targets = r.ids(rows, 1300);
+    let max: Vec<f32> = logits
+        .chunks(vocab_local)
+        .map(|c| c.iter().copied().fold(f32::NEG_INFINITY, f32::max))
+        .collect();
+    let sumexp: Vec<f32> = logits
+        .chunks(vocab_local)
+        .zip(&max)
+        .map(|(c, m)| c.iter().map(|l| f64::from((l - m).exp())).sum::<f64>() as f32)
+        .collect();
+    let v = vocab_local as u64;
+    let scale = 1.0 / 64.0;
+    check(
+        "cross_entropy",
+        &[
+            Case::new(
+                "ce_max",
+                Op::CeMax { vocab_local: v },
+                vec![Data::F32(logits.clone())],
+                vec![r.vec(rows, 1.0)],
+                ELEMENTWISE,
+            ),
+            Case::new(
+                "ce_sum_exp",
+                Op::CeSumExp { vocab_local: v },
+                vec![Data::F32(logits.clone()), Data::F32(max.clone())],
+                vec![r.vec(rows, 1.0)],
+                REDUCTION,
+            ),
+            Case::new(
+                "ce_target_logit",
+                Op::CeTargetLogit {
+                    vocab_start,
+                    vocab_local: v,
+                },
+                vec![Data::F32(logits.clone()), Data::I32(targets.clone())],
+                vec![r.vec(rows, 1.0)],
+                ELEMENTWISE,
+            ),
+            Case::new(
+                "ce_loss",
+                Op::CeLoss { scale },
+                vec![
+                    Data::F32(max.clone()),
+                    Data::F32(sumexp.clone()),
+                    Data::F32(r.vec(rows, 3.0)),
+                ],
+                vec![r.vec(1, 1.0)],
+                REDUCTION,
+            ),
+            Case::new(
+                "ce_grad",
+                Op::CeGrad {
+                    vocab_start,
+                    vocab_local: v,
+                    scale,
+                },
+                vec![
+                    Data::F32(logits),
+                    Data::I32(targets),
+                    Data::F32(max),
+                    Data::F32(sumexp),
+                ],
+                vec![r.vec(rows * vocab_local, 1.0)],
+                REDUCTION,
+            ),
+        ],
+    );
+}
+
+#[test]
+fn optimizer() {
+    let mut r = Rng::new("optimizer");
+    let n = 70_001;
+    let g = r.vec(n, 0.1);
+    let mut cases = vec![
+        Case::new(
+            "sum_squares",
+            Op::SumSquares,
+            vec![Data::F32(g.clone())],
+            vec![r.positive(1, 0.0, 5.0)],
+            REDUCTION,
+        ),
+        Case::new(
+            "clip_coef none",
+            Op::ClipCoef { max_norm: None },
+            vec![Data::F32(r.positive(1, 0.0, 9.0))],
+            vec![r.vec(1, 1.0)],
+            ELEMENTWISE,
+        ),
+        Case::new(
+            "clip_coef clipping",
+            Op::ClipCoef {
+                max_norm: Some(1.0),
+            },
+            vec![Data::F32(vec![7.3])],
+            vec![r.vec(1, 1.0)],
+            ELEMENTWISE,
+        ),
+        Case::new(
+            "clip_coef not clipping",
+            Op::ClipCoef {
+                max_norm: Some(10.0),
+            },
+            vec![Data::F32(vec![7.3])],
+            vec![r.vec(1, 1.0)],
+            ELEMENTWISE,
+        ),
+    ];
+    for step in [1u64, 7] {
+        let mut adam = Case::new(
+            format!("adamw step {step}"),
+            Op::AdamW {
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+            },
+            vec![Data::F32(g.clone()), Data::F32(vec![0.8])],
+            vec![r.vec(n, 1.0), r.vec(n, 0.01), r.positive(n, 0.0, 1e-4)],
+            ELEMENTWISE,
+        );
+        adam.scalars = StepScalars { lr: 3e-4, step };
+        cases.push(adam);
+        let mut sgd = Case::new(
+            format!("sgd momentum step {step}"),
+            Op::Sgd {
+                momentum: 0.9,
+                weight_decay: 0.01,
+            },
+            vec![Data::F32(g.clone()), Data::F32(vec![0.5])],
+            vec![r.vec(n, 1.0), r.vec(n, 0.1)],
+            ELEMENTWISE,
+        );
+        sgd.scalars = StepScalars { lr: 0.1, step };
+        cases.push(sgd);
+    }
+    cases.push(Case::new(
+        "sgd plain",
+        Op::Sgd {
+            momentum: 0.0,
+            weight_decay: 0.0,
+        },
+        vec![Data::F32(g), Data::F32(vec![1.0])],
+        vec![r.vec(n, 1.0)],
+        ELEMENTWISE,
+    ));
+    check("optimizer", &cases);
+}
+
+/// A lowering bug (wrong lengths, counts, dtypes) is an error on the GPU too, never a crash.
+#[test]
+fn bad_programs_are_errors() {
+    let Some(mut b) = gpu() else { return };
+    b.alloc(BufferId(0), &[6], DType::F32).unwrap();
+    b.alloc(BufferId(1), &[7], DType::F32).unwrap();
+    b.alloc(BufferId(2), &[4], DType::F32).unwrap();
+    b.alloc(BufferId(3), &[4], DType::I32).unwrap();
+    let matmul = Op::Matmul {
+        in_dim: 2,
+        out_dim: 2,
+        bias: false,
+    };
+    let err = b
+        .compute(
+            &matmul,
+            &[BufferId(0), BufferId(1)],
+            &[BufferId(2)],
+            &SCALARS,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("Matmul"), "{err}");
+    let err = b
+        .compute(&Op::Add, &[BufferId(0)], &[BufferId(2)], &SCALARS)
+        .unwrap_err();
+    assert!(err.to_string().contains("inputs"), "{err}");
+    let err = b
+        .compute(&Op::Copy, &[BufferId(3)], &[BufferId(2)], &SCALARS)
+        .unwrap_err();
+    assert!(err.to_string().contains("dtype"), "{err}");
+    let range = Op::CopyRange {
+        src_offset: 5,
+        dst_offset: 0,
+        len: 3,
+    };
+    let err = b
+        .compute(&range, &[BufferId(0)], &[BufferId(2)], &SCALARS)
+        .unwrap_err();
+    assert!(err.to_string().contains("outside"), "{err}");
+    assert!(b.alloc(BufferId(0), &[1], DType::F32).is_err());
+    assert!(b.read_f32(BufferId(3)).is_err());
+    assert!(b.write_f32(BufferId(2), &[1.0; 3]).is_err());
+    b.free(BufferId(0)).unwrap();
+    assert!(b.free(BufferId(0)).is_err());
+    println!("bad_programs_are_errors: every mistake was an error");
+}
