@@ -5,7 +5,8 @@
 //! (from the plan's report rank, as the step finishes) and the final parameters gathered to
 //! global tensors. Checkpoints are written every `train.checkpoint.every` steps (all ranks
 //! write their shard, rank 0 publishes the manifest after a barrier); `resume` continues from
-//! one. All parallelism lives in the programs: this module only dispatches.
+//! one. Plans are verified (`parc_compiler::verify`) before any rank starts: the runtime runs
+//! only verified programs. All parallelism lives in the programs: this module only dispatches.
 pub mod gather;
 pub mod rank;
 
@@ -121,6 +122,21 @@ where
     B: Backend,
     F: Fn(u32, usize) -> Result<B> + Sync,
 {
+    // The runtime runs only verified plans.
+    parc_compiler::verify::verify_spec(plan, spec).map_err(|diags| {
+        let problems: Vec<String> = diags
+            .items
+            .iter()
+            .map(|d| format!("{} {}", d.code, d.message))
+            .collect();
+        RuntimeError::Op {
+            op: "plan verification".to_string(),
+            what: format!(
+                "the lowered plan is unsafe to run (a lowering bug): {}",
+                problems.join("; ")
+            ),
+        }
+    })?;
     let dataset = Arc::new(open_dataset(spec, &options.spec_dir)?);
     let resume = options
         .resume
