@@ -11,3 +11,5 @@ mod golden;
 mod lockstep;
 #[path = "ir/lowering.rs"]
 mod lowering;
+#[path = "ir/scale.rs"]
+mod scale;

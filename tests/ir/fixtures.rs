@@ -42,9 +42,45 @@ impl Default for PlanChoice {
     }
 }
 
+/// Model sizes.
+pub struct Dims {
+    pub vocab: u64,
+    pub dim: u64,
+    pub seq: u64,
+    pub heads: u64,
+    pub kv_heads: u64,
+    pub ffn: u64,
+    pub micro_batch: u64,
+}
+
+/// The tiny sizes every equivalence test uses (GQA 4/2 for the Llama style).
+pub fn tiny_dims(llama: bool) -> Dims {
+    Dims {
+        vocab: 32,
+        dim: 16,
+        seq: 8,
+        heads: 4,
+        kv_heads: if llama { 2 } else { 4 },
+        ffn: 32,
+        micro_batch: 2,
+    }
+}
+
 pub fn spec(model: TinyModel, plan: PlanChoice) -> Spec {
-    let (vocab, dim, seq, heads, kv_heads, ffn) = (32u64, 16u64, 8u64, 4u64, 4u64, 32u64);
-    let kv_heads = if model.llama { kv_heads / 2 } else { kv_heads };
+    let dims = tiny_dims(model.llama);
+    sized_spec(model, plan, dims)
+}
+
+pub fn sized_spec(model: TinyModel, plan: PlanChoice, dims: Dims) -> Spec {
+    let Dims {
+        vocab,
+        dim,
+        seq,
+        heads,
+        kv_heads,
+        ffn,
+        micro_batch,
+    } = dims;
     let mut values: Vec<Value> = Vec::new();
     let mut nodes: Vec<Node> = Vec::new();
     let value = |values: &mut Vec<Value>, name: String, shape: Shape| {
@@ -220,7 +256,6 @@ pub fn spec(model: TinyModel, plan: PlanChoice) -> Spec {
         Shape::Scalar,
         None,
     );
-    let micro_batch = 2;
     let tp_on = plan.tp > 1;
     Spec {
         model: Model {

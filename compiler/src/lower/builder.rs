@@ -8,7 +8,6 @@ use crate::ir::{
 };
 use crate::spec::NodeId;
 
-#[derive(Default)]
 pub struct ProgramBuilder {
     pub buffers: Vec<Buffer>,
     pub instrs: Vec<Instr>,
@@ -16,6 +15,14 @@ pub struct ProgramBuilder {
 }
 
 impl ProgramBuilder {
+    pub fn with_capacity(instrs: usize, buffers: usize) -> ProgramBuilder {
+        ProgramBuilder {
+            buffers: Vec::with_capacity(buffers),
+            instrs: Vec::with_capacity(instrs),
+            refs: Vec::with_capacity(buffers),
+        }
+    }
+
     /// Declare a buffer without allocating it (persistent buffers, or ones allocated later).
     pub fn declare(
         &mut self,

@@ -140,9 +140,21 @@ pub fn lower(spec: &Spec) -> Result<Plan, Diagnostics> {
 
     // One program per (pp, cp, tp) coordinate, in order of first rank.
     let mut role_index: HashMap<(u32, u32, u32), ProgramId> = HashMap::new();
+    let mut roles = Vec::new();
     let mut rank_program = Vec::with_capacity(world as usize);
-    let mut programs = Vec::new();
-    let mut errors = Diagnostics::default();
+    for r in 0..world {
+        let key = (
+            mesh.coord(r, Axis::Pp),
+            mesh.coord(r, Axis::Cp),
+            mesh.coord(r, Axis::Tp),
+        );
+        let next = ProgramId(roles.len() as u32);
+        let id = *role_index.entry(key).or_insert_with(|| {
+            roles.push(key);
+            next
+        });
+        rank_program.push(id);
+    }
     let shared_ctx = Shared {
         spec,
         params: &params,
@@ -152,29 +164,7 @@ pub fn lower(spec: &Spec) -> Result<Plan, Diagnostics> {
         table: &table,
         param_stages: &param_stages,
     };
-    for r in 0..world {
-        let key = (
-            mesh.coord(r, Axis::Pp),
-            mesh.coord(r, Axis::Cp),
-            mesh.coord(r, Axis::Tp),
-        );
-        let id = match role_index.get(&key) {
-            Some(id) => *id,
-            None => {
-                let id = ProgramId(programs.len() as u32);
-                match emit_program(&shared_ctx, key) {
-                    Ok(prog) => programs.push(prog),
-                    Err(e) => {
-                        errors.extend(e);
-                        return Err(errors);
-                    }
-                }
-                role_index.insert(key, id);
-                id
-            }
-        };
-        rank_program.push(id);
-    }
+    let programs = emit_all(&shared_ctx, &roles)?;
     let report_rank = mesh.rank_of(&[(Axis::Pp, p - 1)]);
     Ok(Plan {
         world,
@@ -206,6 +196,50 @@ struct Shared<'a> {
     param_stages: &'a HashMap<u32, Vec<u32>>,
 }
 
+/// Emit every role's program, spread over the machine's cores (programs are independent).
+fn emit_all(sh: &Shared, roles: &[(u32, u32, u32)]) -> Result<Vec<Program>, Diagnostics> {
+    let threads = std::thread::available_parallelism()
+        .map(usize::from)
+        .unwrap_or(1)
+        .clamp(1, roles.len().max(1));
+    let per = roles.len().div_ceil(threads).max(1);
+    let results: Vec<Result<Program, Diagnostics>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = roles
+            .chunks(per)
+            .map(|part| {
+                scope.spawn(move || {
+                    part.iter()
+                        .map(|&key| emit_program(sh, key))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    vec![Err(one(Diagnostic::error(
+                        "E0806",
+                        "internal lowering error: a lowering thread panicked",
+                    )))]
+                })
+            })
+            .collect()
+    });
+    let mut programs = Vec::with_capacity(roles.len());
+    let mut errors = Diagnostics::default();
+    for r in results {
+        match r {
+            Ok(p) => programs.push(p),
+            Err(e) => errors.extend(e),
+        }
+    }
+    if errors.has_errors() {
+        return Err(errors);
+    }
+    Ok(programs)
+}
+
 fn emit_program(
     sh: &Shared,
     (stage, cp_index, tp_index): (u32, u32, u32),
@@ -230,8 +264,15 @@ fn emit_program(
     } else {
         positions.clone()
     };
-    let mut b = ProgramBuilder::default();
     let my_chunks: Vec<u32> = (0..sh.chunks.count).filter(|c| c % p == stage).collect();
+    let my_nodes: usize = my_chunks
+        .iter()
+        .filter_map(|&c| sh.chunks.ranges.get(c as usize))
+        .map(|(s, e)| e - s)
+        .sum();
+    // About 40 instructions and 16 buffers per node and microbatch, forward and backward.
+    let work = my_nodes * spec.parallel.microbatches as usize;
+    let mut b = ProgramBuilder::with_capacity(work * 40, work * 16);
 
     // Local parameters in order of first use.
     let mut locals: Vec<LocalState> = Vec::new();

@@ -1,0 +1,51 @@
+//! Lowering at scale: a Llama-3-70B-shaped model on 64 and 1,024 GPUs lowers, with every
+//! program sized as expected. Timed runs are benchmarks (`bench/`), not tests; the release-mode
+//! timing check here is `--ignored`.
+
+use super::fixtures::{sized_spec, Dims, PlanChoice, TinyModel};
+use parc_compiler::lower::lower;
+use parc_compiler::spec::{PipelineSchedule, Spec};
+
+pub fn llama70b(dp: u32, microbatches: u32) -> Spec {
+    sized_spec(
+        TinyModel {
+            layers: 80,
+            llama: true,
+            tied: false,
+        },
+        PlanChoice {
+            dp,
+            pp: 8,
+            tp: 8,
+            microbatches,
+            schedule: PipelineSchedule::Interleaved { virtual_stages: 5 },
+            ..PlanChoice::default()
+        },
+        Dims {
+            vocab: 128256,
+            dim: 8192,
+            seq: 8192,
+            heads: 64,
+            kv_heads: 8,
+            ffn: 28672,
+            micro_batch: 1,
+        },
+    )
+}
+
+#[test]
+#[ignore]
+fn llama70b_lowering_time() {
+    for (dp, m) in [(1, 16), (16, 16)] {
+        let s = llama70b(dp, m);
+        let t = std::time::Instant::now();
+        let plan = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
+        let instrs: usize = plan.programs.iter().map(|p| p.instrs.len()).sum();
+        println!(
+            "world {}: {} programs, {instrs} instructions, lowered in {:?}",
+            plan.world,
+            plan.programs.len(),
+            t.elapsed()
+        );
+    }
+}
