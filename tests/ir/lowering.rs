@@ -26,6 +26,10 @@ fn check(model: TinyModel, plan: PlanChoice) {
     if let Err(e) = simulate(&plan) {
         panic!("{desc}: {e}");
     }
+    if let Err(d) = parc_compiler::verify::verify_spec(&plan, &s) {
+        let msgs: Vec<String> = d.items.iter().map(|x| x.message.clone()).collect();
+        panic!("{desc}: verifier: {}", msgs.join("\n"));
+    }
 }
 
 fn gpt(layers: u32) -> TinyModel {
