@@ -15,6 +15,7 @@ mod dispatch;
 mod elementwise;
 mod embed;
 mod linear;
+mod math;
 mod norm;
 mod optim;
 mod par;
