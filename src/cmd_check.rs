@@ -1,16 +1,158 @@
-//! `parc check`.
+//! `parc check FILE... [--set PATH=VALUE]... [--format human|json]`: parse and check specs, then
+//! show the cost model's report. Exit 0 when every file is clean (warnings allowed), 1 when any
+//! has an error, 2 for usage errors and unreadable files.
+
+use crate::diagnostics;
 use crate::SpecArgs;
+use parc_compiler::cost;
+use parc_compiler::diag::{Diagnostics, Sources};
+use parc_compiler::Override;
+use serde_json::json;
+use std::path::{Path, PathBuf};
+
+/// Files larger than this are refused before parsing.
+const MAX_BYTES: u64 = 16 * 1024 * 1024;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    Human,
+    Json,
+}
 
 #[derive(clap::Args, Debug)]
 pub struct CheckArgs {
-    /// The .par file.
-    pub file: std::path::PathBuf,
+    /// The .par files to check.
+    #[arg(required = true)]
+    pub files: Vec<PathBuf>,
     #[command(flatten)]
     pub spec: SpecArgs,
+    /// Output format: `human` (diagnostics on stderr, report on stdout) or `json` (one document
+    /// on stdout; schema in docs/check-json.md).
+    #[arg(long, value_enum, default_value = "human")]
+    pub format: Format,
+}
+
+/// Read a spec file: UTF-8, at most 16 MiB. The error is a full sentence.
+pub fn read_spec(path: &Path) -> Result<String, String> {
+    let shown = path.display();
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read {shown}: {e}"))?;
+    if meta.is_dir() {
+        return Err(format!("{shown} is a folder, not a .par file"));
+    }
+    if meta.len() > MAX_BYTES {
+        return Err(format!(
+            "{shown} is {:.1} MiB; parc reads spec files up to 16 MiB",
+            meta.len() as f64 / (1024.0 * 1024.0)
+        ));
+    }
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot read {shown}: {e}"))?;
+    String::from_utf8(bytes).map_err(|e| {
+        format!(
+            "{shown} is not UTF-8 text (invalid byte at offset {}); .par files are UTF-8",
+            e.utf8_error().valid_up_to()
+        )
+    })
+}
+
+/// Parse every `--set` flag; the message names the bad flag.
+pub fn parse_overrides(set: &[String]) -> Result<Vec<Override>, String> {
+    set.iter()
+        .map(|s| parc_compiler::parse_override(s))
+        .collect()
+}
+
+struct Checked {
+    file: String,
+    sources: Sources,
+    diags: Diagnostics,
+    report: Option<cost::CostReport>,
+}
+
+fn check_one(path: &Path, text: String, overrides: &[Override]) -> Checked {
+    let mut sources = Sources::default();
+    let main = sources.add(path.display().to_string(), text);
+    let (spec, mut diags) = parc_compiler::check(&mut sources, main, overrides);
+    let report = spec.as_ref().map(|s| {
+        let r = cost::estimate(s);
+        diags.extend(cost::diagnose(s, &r));
+        r
+    });
+    Checked {
+        file: path.display().to_string(),
+        sources,
+        diags,
+        report,
+    }
 }
 
 pub fn main(args: CheckArgs) -> u8 {
-    let _ = (&args.file, &args.spec.set);
-    eprintln!("error: `parc check` is not implemented in this build yet");
-    2
+    let overrides = match parse_overrides(&args.spec.set) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
+    let mut results = Vec::new();
+    for path in &args.files {
+        match read_spec(path) {
+            Ok(text) => results.push(check_one(path, text, &overrides)),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return 2;
+            }
+        }
+    }
+    let failed = results.iter().any(|r| r.diags.has_errors());
+    match args.format {
+        Format::Human => human(&results),
+        Format::Json => print_json(&results),
+    }
+    u8::from(failed)
+}
+
+fn human(results: &[Checked]) {
+    let color = diagnostics::stderr_color();
+    for r in results {
+        for d in &r.diags.items {
+            eprint!("{}", diagnostics::render(&r.sources, d, color));
+            eprintln!();
+        }
+        let (e, w) = (r.diags.error_count(), r.diags.warning_count());
+        let plural = |n: usize, word: &str| format!("{n} {word}{}", if n == 1 { "" } else { "s" });
+        if e > 0 {
+            eprintln!(
+                "{}: {}, {}",
+                r.file,
+                plural(e, "error"),
+                plural(w, "warning")
+            );
+        } else {
+            if let Some(report) = &r.report {
+                print!("{}", crate::report::render_human(report));
+            }
+            eprintln!("{}: ok, {}", r.file, plural(w, "warning"));
+        }
+    }
+}
+
+fn print_json(results: &[Checked]) {
+    let files: Vec<serde_json::Value> = results
+        .iter()
+        .map(|r| {
+            json!({
+                "file": r.file,
+                "ok": !r.diags.has_errors(),
+                "errors": r.diags.error_count(),
+                "warnings": r.diags.warning_count(),
+                "diagnostics": r.diags.items.iter().map(|d| diagnostics::to_json(&r.sources, d)).collect::<Vec<_>>(),
+                "report": r.report,
+            })
+        })
+        .collect();
+    let doc = json!({ "version": 1, "files": files });
+    match serde_json::to_string_pretty(&doc) {
+        Ok(s) => println!("{s}"),
+        Err(e) => eprintln!("error: cannot encode the JSON report: {e}"),
+    }
 }

@@ -5,7 +5,9 @@
 mod cmd_check;
 mod cmd_plan;
 mod cmd_run;
+mod diagnostics;
 mod report;
+mod run_progress;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

@@ -1,8 +1,16 @@
 //! parc's compiler core. Pure: no file IO, no CUDA. The CLI reads files into [`diag::Sources`]
 //! and renders what comes back.
+pub mod check;
 pub mod cost;
 pub mod diag;
 pub mod ir;
 pub mod lower;
+pub mod overrides;
 pub mod spec;
+pub mod timeline;
+pub mod stdlib;
+pub mod syntax;
 pub mod verify;
+
+pub use check::check;
+pub use overrides::{parse_override, Override};

@@ -1,0 +1,507 @@
+//! Cross-section checks: the mesh against the cluster (size and placement), sharded dimensions
+//! against their axes, the batch arithmetic and the pipeline schedule, sequence/context
+//! parallelism, and the data format against the vocabulary. Each check reports on its own, so
+//! one run shows every problem.
+
+use super::model::{Elaborated, ShardTarget};
+use super::sections::ParallelIn;
+use super::settings::Settings;
+use super::suggest;
+use crate::diag::{Diagnostic, Diagnostics, Span};
+use crate::spec::*;
+use std::collections::BTreeSet;
+
+pub struct Grid<'a> {
+    pub settings: &'a Settings,
+    pub diags: &'a mut Diagnostics,
+    pub parallel_span: Span,
+    pub train_span: Span,
+    pub cluster_span: Span,
+}
+
+impl Grid<'_> {
+    fn at(&self, path: &str, fallback: Span) -> Span {
+        self.settings.get(path).map(|e| e.span).unwrap_or(fallback)
+    }
+
+    fn axis_span(&self, a: Axis) -> Span {
+        self.at(&format!("parallel.{}", a.name()), self.parallel_span)
+    }
+
+    /// Mesh size against the cluster.
+    pub fn mesh_vs_cluster(&mut self, mesh: &Mesh, cluster: &Cluster) {
+        let world = u64::from(mesh.world());
+        let gpus = u64::from(cluster.nodes) * u64::from(cluster.gpus_per_node);
+        if world == gpus {
+            return;
+        }
+        let sizes: Vec<String> = mesh
+            .axes
+            .iter()
+            .map(|(a, n)| format!("{} {n}", a.name()))
+            .collect();
+        let dp = u64::from(mesh.size(Axis::Dp));
+        let others = world / dp.max(1);
+        let gpn = u64::from(cluster.gpus_per_node);
+        let mut options = Vec::new();
+        if gpus % others == 0 {
+            options.push(format!("set dp to {}", gpus / others));
+        }
+        if world % gpn == 0 {
+            options.push(format!("set nodes to {}", world / gpn));
+        } else if cluster.nodes == 1 {
+            options.push(format!("set gpus_per_node to {world}"));
+        }
+        let help = if options.is_empty() {
+            format!("the mesh needs {world} GPUs: make dp × pp × cp × tp equal nodes × gpus_per_node = {gpus}")
+        } else {
+            format!(
+                "{} (the mesh needs {world} GPUs, the cluster has {gpus})",
+                options.join(", or ")
+            )
+        };
+        let cl = self.at("cluster.nodes", self.cluster_span);
+        self.diags.push(
+            Diagnostic::error(
+                "E0401",
+                format!(
+                    "the mesh ({}) has {world} ranks but the cluster has {} × {} = {gpus} GPUs",
+                    sizes.join(" × "),
+                    cluster.nodes,
+                    cluster.gpus_per_node
+                ),
+            )
+            .label(self.axis_span(Axis::Dp), format!("mesh of {world} ranks"))
+            .label(cl, format!("{gpus} GPUs"))
+            .help(help),
+        );
+    }
+
+    /// Resolve `shard` lines into the spec's flags and check every sharded dimension.
+    pub fn sharding(&mut self, e: &mut Elaborated, mesh: &Mesh) {
+        let tp = u64::from(mesh.size(Axis::Tp));
+        let cp = u64::from(mesh.size(Axis::Cp));
+        let mut sh = Sharding::default();
+        for (t, span, _) in &e.shard_items {
+            match t {
+                ShardTarget::AttentionHeadsTp => sh.attention_heads_on_tp = true,
+                ShardTarget::AttentionSeqCp => sh.seq_on_cp = true,
+                ShardTarget::MlpHiddenTp => sh.mlp_hidden_on_tp = true,
+                ShardTarget::VocabTp => sh.vocab_on_tp = true,
+            }
+            sh.spans.push(*span);
+        }
+        let tp_span = self.axis_span(Axis::Tp);
+        let mut reported: BTreeSet<(&'static str, u64)> = BTreeSet::new();
+        for (i, n) in e.model.nodes.iter().enumerate() {
+            let spans = &e.arg_spans[i];
+            let mut check = |code: &'static str,
+                             what: &str,
+                             param: &str,
+                             value: u64,
+                             on: bool,
+                             diags: &mut Diagnostics| {
+                if !on || tp <= 1 || value % tp == 0 || !reported.insert((code, value)) {
+                    return;
+                }
+                let at = spans.get(param).copied().unwrap_or(n.span);
+                diags.push(
+                    Diagnostic::error(
+                        code,
+                        format!("{what} = {value} is not divisible by tp = {tp}"),
+                    )
+                    .label(tp_span, format!("tp = {tp}"))
+                    .label(at, format!("{what} = {value}"))
+                    .help(format!(
+                        "set tp to a divisor of {what} = {value}: {}",
+                        suggest::divisors(value, value)
+                    )),
+                );
+            };
+            match &n.kind {
+                LayerKind::Attention {
+                    heads, kv_heads, ..
+                } => {
+                    check(
+                        "E0402",
+                        "heads",
+                        "heads",
+                        *heads,
+                        sh.attention_heads_on_tp,
+                        self.diags,
+                    );
+                    if heads % tp == 0 {
+                        check(
+                            "E0403",
+                            "kv_heads",
+                            "kv_heads",
+                            *kv_heads,
+                            sh.attention_heads_on_tp,
+                            self.diags,
+                        );
+                    }
+                }
+                LayerKind::Mlp { hidden, .. } => check(
+                    "E0404",
+                    "the MLP hidden size",
+                    "hidden",
+                    *hidden,
+                    sh.mlp_hidden_on_tp,
+                    self.diags,
+                ),
+                LayerKind::Embedding { vocab, .. } => check(
+                    "E0405",
+                    "vocab",
+                    "vocab",
+                    *vocab,
+                    sh.vocab_on_tp,
+                    self.diags,
+                ),
+                _ => {}
+            }
+        }
+        let model_span = e.model.span;
+        if tp > 1 && !sh.attention_heads_on_tp {
+            self.diags.push(
+                Diagnostic::error(
+                    "E0411",
+                    format!("tp = {tp} but attention is not sharded on tp"),
+                )
+                .label(tp_span, format!("tp = {tp}"))
+                .label(
+                    model_span,
+                    "this model has no `shard Attention.heads on tp`",
+                )
+                .help("add `shard Attention.heads on tp` to the model, or set tp = 1"),
+            );
+        }
+        if tp > 1 && !sh.mlp_hidden_on_tp {
+            self.diags.push(
+                Diagnostic::warning(
+                    "W0401",
+                    format!("tp = {tp} but the MLP is not sharded: every tp rank repeats its work"),
+                )
+                .label(tp_span, format!("tp = {tp}"))
+                .help("add `shard MLP.hidden on tp`"),
+            );
+        }
+        if cp > 1 && !sh.seq_on_cp {
+            self.diags.push(
+                Diagnostic::error("E0412", format!("cp = {cp} but nothing is sharded on cp"))
+                    .label(self.axis_span(Axis::Cp), format!("cp = {cp}"))
+                    .label(model_span, "this model has no `shard Attention.seq on cp`")
+                    .help("add `shard Attention.seq on cp`, or set cp = 1"),
+            );
+        }
+        e.model.sharding = sh;
+    }
+
+    /// Sequence splits: context parallelism (balanced causal: 2·cp chunks) and sequence
+    /// parallelism (the sequence of each cp rank split over tp).
+    pub fn sequence(&mut self, e: &Elaborated, p: &Parallel) {
+        let seq = e.model.seq;
+        let cp = u64::from(p.mesh.size(Axis::Cp));
+        let tp = u64::from(p.mesh.size(Axis::Tp));
+        let causal = e
+            .model
+            .nodes
+            .iter()
+            .any(|n| matches!(n.kind, LayerKind::Attention { causal: true, .. }));
+        let chunks = if cp > 1 && causal { 2 * cp } else { cp };
+        if cp > 1 && seq % chunks != 0 {
+            let why = if causal {
+                format!("2·cp = {chunks} (causal attention is balanced by giving each cp rank two chunks)")
+            } else {
+                format!("cp = {cp}")
+            };
+            let ok: Vec<String> = (1..=64u64)
+                .filter(|c| seq % (if causal { 2 * c } else { *c }) == 0)
+                .take(8)
+                .map(|c| c.to_string())
+                .collect();
+            self.diags.push(
+                Diagnostic::error("E0406", format!("seq = {seq} is not divisible by {why}"))
+                    .label(self.axis_span(Axis::Cp), format!("cp = {cp}"))
+                    .label(e.seq_span, format!("seq = {seq}"))
+                    .help(format!(
+                        "set cp to one of {}, or seq to a multiple of {chunks}",
+                        ok.join(", ")
+                    )),
+            );
+        }
+        if p.sequence_parallel {
+            let span = self.at("parallel.sequence_parallel", self.parallel_span);
+            if tp <= 1 {
+                self.diags.push(
+                    Diagnostic::warning("W0501", "sequence_parallel does nothing with tp = 1")
+                        .label(span, "sequence_parallel = true")
+                        .help("set tp > 1, or remove sequence_parallel"),
+                );
+            } else if (seq / cp.max(1)) % tp != 0 {
+                let local = seq / cp.max(1);
+                self.diags.push(
+                    Diagnostic::error("E0410", format!("sequence parallelism splits each rank's {local} tokens over tp = {tp}, which does not divide them"))
+                        .label(span, "sequence_parallel = true")
+                        .label(e.seq_span, format!("seq = {seq}"))
+                        .help(format!("set tp to a divisor of {local}: {}", suggest::divisors(local, 64))),
+                );
+            }
+        }
+    }
+
+    /// Layers per pipeline stage.
+    pub fn pipeline_layers(&mut self, e: &Elaborated, p: &Parallel) {
+        let pp = p.mesh.size(Axis::Pp);
+        if pp <= 1 {
+            if let PipelineSchedule::Interleaved { .. } = p.schedule {
+                self.diags.push(
+                    Diagnostic::warning("W0503", "the interleaved schedule needs pp > 1; with pp = 1 it is plain gradient accumulation")
+                        .label(self.at("parallel.schedule", self.parallel_span), "interleaved")
+                        .help("set pp > 1 or use `1f1b`"),
+                );
+            }
+            return;
+        }
+        let v = match p.schedule {
+            PipelineSchedule::Interleaved { virtual_stages } => virtual_stages.max(1),
+            _ => 1,
+        };
+        let chunks = pp * v;
+        let layers = e.model.layers;
+        if layers == 0 || layers % chunks != 0 {
+            let label = if v > 1 {
+                format!("pp × virtual = {pp} × {v} = {chunks}")
+            } else {
+                format!("pp = {pp}")
+            };
+            let fits: Vec<String> = (1..=layers.max(1))
+                .filter(|d| layers % d == 0)
+                .map(|d| d.to_string())
+                .collect();
+            let help = if layers == 0 {
+                "put the repeated layers in a `repeat` so parc can split them into stages"
+                    .to_string()
+            } else if v > 1 {
+                format!(
+                    "make pp × virtual a divisor of layers = {layers}: {}",
+                    fits.join(", ")
+                )
+            } else {
+                format!(
+                    "set pp to a divisor of layers = {layers}: {}",
+                    fits.join(", ")
+                )
+            };
+            self.diags.push(
+                Diagnostic::error(
+                    "E0407",
+                    format!(
+                        "layers = {layers} cannot be split evenly into {label} pipeline chunks"
+                    ),
+                )
+                .label(self.axis_span(Axis::Pp), label.clone())
+                .label(e.layers_span, format!("layers = {layers}"))
+                .help(help),
+            );
+        }
+    }
+
+    /// global_batch = micro_batch × microbatches × dp; fills in `microbatches` when omitted.
+    pub fn batch(&mut self, pin: &mut ParallelIn, train: &Train) {
+        let p = &mut pin.parallel;
+        let dp = u64::from(p.mesh.size(Axis::Dp));
+        let (g, mb) = (train.global_batch, train.micro_batch);
+        let gspan = self.at("train.global_batch", self.train_span);
+        if pin.microbatches_given {
+            let m = u64::from(p.microbatches);
+            let want = mb.saturating_mul(m).saturating_mul(dp);
+            if want != g {
+                let mut fixes = vec![format!("set global_batch to {want}")];
+                if g % (mb * dp) == 0 {
+                    fixes.push(format!("microbatches to {}", g / (mb * dp)));
+                }
+                if g % (m * dp) == 0 {
+                    fixes.push(format!("micro_batch to {}", g / (m * dp)));
+                }
+                self.diags.push(
+                    Diagnostic::error("E0501", format!("global_batch = {g} but micro_batch × microbatches × dp = {mb} × {m} × {dp} = {want}"))
+                        .label(gspan, format!("global_batch = {g}"))
+                        .label(self.at("parallel.microbatches", self.parallel_span), format!("microbatches = {m}"))
+                        .help(fixes.join(", or ")),
+                );
+            }
+        } else {
+            let per = mb.saturating_mul(dp);
+            if per == 0 || g % per != 0 {
+                let lo = (g / per.max(1)).max(1) * per;
+                let hi = lo + per;
+                let mut help = format!("set global_batch to a multiple of micro_batch × dp = {mb} × {dp} = {per} (e.g. {lo} or {hi})");
+                let divs: Vec<u64> = (1..=g.min(4096)).filter(|d| g % (d * dp) == 0).collect();
+                if let Some(best) = divs.iter().rev().find(|d| **d <= mb) {
+                    help.push_str(&format!(", or micro_batch to {best}"));
+                }
+                self.diags.push(
+                    Diagnostic::error("E0501", format!("global_batch = {g} is not a multiple of micro_batch × dp = {mb} × {dp} = {per}"))
+                        .label(gspan, format!("global_batch = {g}"))
+                        .label(self.axis_span(Axis::Dp), format!("dp = {dp}"))
+                        .help(help),
+                );
+                p.microbatches = 1;
+            } else {
+                p.microbatches = (g / per).min(u64::from(u32::MAX)) as u32;
+            }
+        }
+    }
+
+    /// Schedule constraints that depend on the microbatch count.
+    pub fn schedule(&mut self, p: &Parallel, train: &Train) {
+        let pp = p.mesh.size(Axis::Pp);
+        let m = p.microbatches;
+        let dp = u64::from(p.mesh.size(Axis::Dp));
+        let mspan = self.at(
+            "parallel.microbatches",
+            self.at("train.global_batch", self.parallel_span),
+        );
+        let global_for = |m: u32| train.micro_batch * u64::from(m) * dp;
+        if pp > 1
+            && m < pp
+            && matches!(
+                p.schedule,
+                PipelineSchedule::OneFOneB | PipelineSchedule::Interleaved { .. }
+            )
+        {
+            self.diags.push(
+                Diagnostic::error("E0502", format!("1F1B with pp = {pp} stages needs at least {pp} microbatches, found {m}"))
+                    .label(mspan, format!("{m} microbatches"))
+                    .label(self.axis_span(Axis::Pp), format!("pp = {pp}"))
+                    .help(format!("set microbatches to {pp} or more (global_batch = {} with micro_batch = {} and dp = {dp})", global_for(pp), train.micro_batch)),
+            );
+        }
+        if let PipelineSchedule::Interleaved { .. } = p.schedule {
+            if pp > 1 && m % pp != 0 {
+                let up = m.div_ceil(pp) * pp;
+                self.diags.push(
+                    Diagnostic::error("E0503", format!("the interleaved schedule needs microbatches ({m}) to be a multiple of pp = {pp}"))
+                        .label(mspan, format!("{m} microbatches"))
+                        .label(self.axis_span(Axis::Pp), format!("pp = {pp}"))
+                        .help(format!("set microbatches to {up} (global_batch = {})", global_for(up))),
+                );
+            }
+        }
+    }
+
+    /// Axes whose collectives sit on the critical path stay inside a node unless the spec allows
+    /// otherwise with `cross_node = [tp]` (then it is a warning).
+    pub fn placement(&mut self, p: &Parallel, cluster: &Cluster, cross_node: &[Axis]) {
+        let gpn = cluster.gpus_per_node;
+        for axis in [Axis::Tp, Axis::Cp] {
+            let n = p.mesh.size(axis);
+            if n <= 1 {
+                continue;
+            }
+            let reach = p.mesh.stride(axis).saturating_mul(n);
+            if reach <= gpn && gpn % reach == 0 {
+                continue;
+            }
+            let name = axis.name();
+            let inner: Vec<String> = p
+                .mesh
+                .axes
+                .iter()
+                .skip_while(|(a, _)| *a != axis)
+                .map(|(a, s)| format!("{} {s}", a.name()))
+                .collect();
+            let msg = format!(
+                "{name} = {n} groups span {reach} consecutive ranks ({}), more than one node of {gpn} GPUs",
+                inner.join(" × ")
+            );
+            let help = format!(
+                "keep {name} groups inside a node: make the product of {name} and the axes after it in the mesh divide gpus_per_node = {gpn}, move {name} last in the mesh, or allow it with `cross_node = [{name}]`"
+            );
+            let d = if cross_node.contains(&axis) {
+                Diagnostic::warning(
+                    "W0601",
+                    format!("{msg}: its collectives cross the inter-node link"),
+                )
+            } else {
+                Diagnostic::error("E0601", msg)
+            };
+            self.diags.push(
+                d.label(self.axis_span(axis), format!("{name} = {n}"))
+                    .label(
+                        self.at("cluster.gpus_per_node", self.cluster_span),
+                        format!("{gpn} GPUs per node"),
+                    )
+                    .help(help),
+            );
+        }
+    }
+
+    /// The data's token format must fit the vocabulary.
+    pub fn data(&mut self, e: &Elaborated, train: &Train) {
+        if let DataSource::File { format, span, .. } = &train.data {
+            let (max, name) = match format {
+                DataFormat::Bytes => (256u64, "bytes"),
+                DataFormat::U16 => (65_536, "u16"),
+                DataFormat::U32 => (u64::from(u32::MAX), "u32"),
+            };
+            let vocab = e.model.vocab;
+            if *format == DataFormat::Bytes && vocab < 256 {
+                self.diags.push(
+                    Diagnostic::error(
+                        "E0309",
+                        format!("byte data has token ids up to 255 but vocab = {vocab}"),
+                    )
+                    .label(*span, "read as bytes")
+                    .help("set vocab to 256 (or more) for byte-level text"),
+                );
+            } else if *format == DataFormat::U16 && vocab > max {
+                self.diags.push(
+                    Diagnostic::error(
+                        "E0309",
+                        format!("vocab = {vocab} does not fit {name} token ids"),
+                    )
+                    .label(*span, format!("read as {name}"))
+                    .help("store the tokens as u32 and read them `as u32`"),
+                );
+            }
+        }
+    }
+}
+
+/// Mark the nodes `parallel.recompute` asks for; named entries must match a kind or a path.
+pub fn recompute(model: &mut Model, r: &Recompute, span: Span, diags: &mut Diagnostics) {
+    for n in &mut model.nodes {
+        n.recompute = match r {
+            Recompute::None => false,
+            Recompute::Selective => matches!(n.kind, LayerKind::Attention { .. }),
+            Recompute::Full => n.layer.is_some(),
+            Recompute::Named(names) => names.iter().any(|w| matches_node(w, n)),
+        };
+    }
+    if let Recompute::Named(names) = r {
+        for w in names {
+            if !model.nodes.iter().any(|n| matches_node(w, n)) {
+                let kinds = ["Attention", "MLP", "LayerNorm", "RMSNorm", "Linear"];
+                let help = match suggest::closest(w, kinds) {
+                    Some(c) => format!("did you mean `{c}`? name layer kinds (`Attention`) or paths (`blocks.3.mlp`)"),
+                    None => "name layer kinds (`Attention`) or node paths (`blocks.3.mlp`)".to_string(),
+                };
+                diags.push(
+                    Diagnostic::error(
+                        "E0213",
+                        format!("`recompute` names `{w}`, which matches no layer"),
+                    )
+                    .label(span, "recompute list")
+                    .help(help),
+                );
+            }
+        }
+    }
+}
+
+fn matches_node(w: &str, n: &Node) -> bool {
+    n.kind.kind_name() == w
+        || n.name == w
+        || n.name.starts_with(w) && n.name.as_bytes().get(w.len()) == Some(&b'.')
+}

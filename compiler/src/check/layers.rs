@@ -1,0 +1,334 @@
+//! The built-in layer kinds as the language sees them: their parameters (positional order,
+//! defaults), how their arguments become a [`LayerKind`], and the shape each one needs and gives.
+
+use super::number::Number;
+use super::suggest;
+use crate::diag::{Diagnostic, Span};
+use crate::spec::{Activation, LayerKind, Rope, Shape};
+use std::collections::HashMap;
+
+/// The layer constructors users can call, and `RoPE`.
+pub const BUILTINS: [&str; 10] = [
+    "Embedding",
+    "PositionEmbedding",
+    "LayerNorm",
+    "RMSNorm",
+    "Linear",
+    "Attention",
+    "MLP",
+    "CrossEntropy",
+    "RoPE",
+    "Add",
+];
+
+/// Parameter names in positional order.
+pub fn params(kind: &str) -> &'static [&'static str] {
+    match kind {
+        "Embedding" => &["vocab", "dim"],
+        "PositionEmbedding" => &["seq", "dim"],
+        "LayerNorm" => &["dim", "eps", "bias"],
+        "RMSNorm" => &["dim", "eps"],
+        "Linear" => &["in", "out", "bias", "tied"],
+        "Attention" => &[
+            "dim", "heads", "kv_heads", "head_dim", "causal", "rope", "bias",
+        ],
+        "MLP" => &["dim", "hidden", "act", "bias"],
+        "RoPE" => &["theta"],
+        _ => &[],
+    }
+}
+
+/// The name a node of this kind gets when the source does not name it with `as`
+/// (numbered `ln1`, `ln2`, … when one scope has several).
+pub fn default_name(kind: &LayerKind) -> &'static str {
+    match kind {
+        LayerKind::Embedding { .. } => "embed",
+        LayerKind::PositionEmbedding { .. } => "pos",
+        LayerKind::LayerNorm { .. } | LayerKind::RmsNorm { .. } => "ln",
+        LayerKind::Linear { .. } => "linear",
+        LayerKind::Attention { .. } => "attn",
+        LayerKind::Mlp { .. } => "mlp",
+        LayerKind::Add => "add",
+        LayerKind::CrossEntropy => "loss",
+    }
+}
+
+/// One evaluated argument.
+#[derive(Clone, Debug)]
+pub enum ArgValue {
+    Num(Number),
+    Bool(bool, Span),
+    Word(String, Span),
+    Rope(Rope, Span),
+}
+
+impl ArgValue {
+    pub fn span(&self) -> Span {
+        match self {
+            ArgValue::Num(n) => n.span,
+            ArgValue::Bool(_, s) | ArgValue::Word(_, s) | ArgValue::Rope(_, s) => *s,
+        }
+    }
+}
+
+/// A constructed layer waiting for its input: `Attention(d, heads)` before `(x)`.
+#[derive(Clone, Debug)]
+pub struct Ctor {
+    pub kind: LayerKind,
+    /// `tied = Embedding` / `tied = embed`: resolved once every node has its name.
+    pub tied: Option<(String, Span)>,
+    /// The spans of the arguments, by parameter name (for diagnostics on shapes and grids).
+    pub arg_spans: HashMap<&'static str, Span>,
+}
+
+/// Arguments bound to parameter names.
+pub struct Bound {
+    pub kind: &'static str,
+    pub values: HashMap<&'static str, ArgValue>,
+    pub span: Span,
+}
+
+impl Bound {
+    fn count(&self, name: &'static str, default: Option<u64>) -> Result<(u64, Span), Diagnostic> {
+        match self.values.get(name) {
+            Some(ArgValue::Num(n)) => {
+                let v = n.as_count(&format!("{}'s {name}", self.kind))?;
+                if v == 0 {
+                    return Err(Diagnostic::error(
+                        "E0903",
+                        format!("{}'s {name} must be at least 1, found 0", self.kind),
+                    )
+                    .label(n.span, "zero")
+                    .help(format!("give {name} a positive size")));
+                }
+                Ok((v, n.span))
+            }
+            Some(other) => Err(self.wrong(name, "a number", other.span())),
+            None => match default {
+                Some(d) => Ok((d, self.span)),
+                None => Err(self.missing(name)),
+            },
+        }
+    }
+
+    fn float(&self, name: &'static str, default: f64) -> Result<f64, Diagnostic> {
+        match self.values.get(name) {
+            Some(ArgValue::Num(n)) if n.value > 0.0 => Ok(n.value),
+            Some(ArgValue::Num(n)) => Err(Diagnostic::error(
+                "E0903",
+                format!("{}'s {name} must be positive, found {}", self.kind, n.value),
+            )
+            .label(n.span, "not positive")
+            .help(format!("use a positive {name}, e.g. {default}"))),
+            Some(other) => Err(self.wrong(name, "a number", other.span())),
+            None => Ok(default),
+        }
+    }
+
+    fn flag(&self, name: &'static str, default: bool) -> Result<bool, Diagnostic> {
+        match self.values.get(name) {
+            Some(ArgValue::Bool(b, _)) => Ok(*b),
+            Some(other) => Err(self.wrong(name, "`true` or `false`", other.span())),
+            None => Ok(default),
+        }
+    }
+
+    fn word(&self, name: &'static str) -> Option<(&str, Span)> {
+        match self.values.get(name) {
+            Some(ArgValue::Word(w, s)) => Some((w.as_str(), *s)),
+            _ => None,
+        }
+    }
+
+    fn wrong(&self, name: &str, expected: &str, span: Span) -> Diagnostic {
+        Diagnostic::error(
+            "E0902",
+            format!("{}'s `{name}` must be {expected}", self.kind),
+        )
+        .label(span, "this value")
+        .help(format!("pass {expected} for `{name}`"))
+    }
+
+    fn missing(&self, name: &str) -> Diagnostic {
+        Diagnostic::error(
+            "E0207",
+            format!("{} is missing its `{name}` argument", self.kind),
+        )
+        .label(self.span, "called here")
+        .help(format!(
+            "{} takes ({})",
+            self.kind,
+            params(self.kind).join(", ")
+        ))
+    }
+
+    fn spans(&self) -> HashMap<&'static str, Span> {
+        self.values.iter().map(|(k, v)| (*k, v.span())).collect()
+    }
+}
+
+const ACTIVATIONS: [&str; 4] = ["gelu", "gelu_tanh", "relu", "swiglu"];
+
+/// Build the layer for `kind` from its bound arguments.
+pub fn construct(b: &Bound) -> Result<Ctor, Diagnostic> {
+    let mut tied = None;
+    let kind = match b.kind {
+        "Embedding" => LayerKind::Embedding {
+            vocab: b.count("vocab", None)?.0,
+            dim: b.count("dim", None)?.0,
+        },
+        "PositionEmbedding" => LayerKind::PositionEmbedding {
+            seq: b.count("seq", None)?.0,
+            dim: b.count("dim", None)?.0,
+        },
+        "LayerNorm" => LayerKind::LayerNorm {
+            dim: b.count("dim", None)?.0,
+            eps: b.float("eps", 1e-5)?,
+            bias: b.flag("bias", true)?,
+        },
+        "RMSNorm" => LayerKind::RmsNorm {
+            dim: b.count("dim", None)?.0,
+            eps: b.float("eps", 1e-5)?,
+        },
+        "Linear" => {
+            match b.values.get("tied") {
+                None => {}
+                Some(ArgValue::Word(w, s)) if w == "none" => {
+                    let _ = s;
+                }
+                Some(ArgValue::Word(w, s)) => tied = Some((w.clone(), *s)),
+                Some(other) => {
+                    return Err(b.wrong("tied", "a layer name like `Embedding`", other.span()))
+                }
+            }
+            LayerKind::Linear {
+                in_dim: b.count("in", None)?.0,
+                out_dim: b.count("out", None)?.0,
+                bias: b.flag("bias", true)?,
+                tied: None,
+            }
+        }
+        "Attention" => attention(b)?,
+        "MLP" => {
+            let act = match b.word("act") {
+                None if !b.values.contains_key("act") => Activation::Gelu,
+                Some(("gelu", _)) => Activation::Gelu,
+                Some(("gelu_tanh", _)) => Activation::GeluTanh,
+                Some(("relu", _)) => Activation::Relu,
+                Some(("swiglu", _)) => Activation::Swiglu,
+                _ => {
+                    let span = b.values.get("act").map(ArgValue::span).unwrap_or(b.span);
+                    return Err(Diagnostic::error("E0904", "unknown MLP activation")
+                        .label(span, "this activation")
+                        .help(format!("use {}", suggest::one_of(&ACTIVATIONS))));
+                }
+            };
+            let bias = b.flag("bias", act != Activation::Swiglu)?;
+            if bias && act == Activation::Swiglu {
+                let span = b.values.get("bias").map(ArgValue::span).unwrap_or(b.span);
+                return Err(Diagnostic::error("E0903", "a SwiGLU MLP has no biases")
+                    .label(span, "bias = true")
+                    .help(
+                        "remove `bias = true` (SwiGLU's gate/up/down projections are bias-free)",
+                    ));
+            }
+            LayerKind::Mlp {
+                dim: b.count("dim", None)?.0,
+                hidden: b.count("hidden", None)?.0,
+                act,
+                bias,
+            }
+        }
+        _ => {
+            return Err(
+                Diagnostic::error("E0202", format!("`{}` is not a layer", b.kind))
+                    .label(b.span, "here")
+                    .help(format!("layers are {}", suggest::one_of(&BUILTINS[..8]))),
+            )
+        }
+    };
+    Ok(Ctor {
+        kind,
+        tied,
+        arg_spans: b.spans(),
+    })
+}
+
+fn attention(b: &Bound) -> Result<LayerKind, Diagnostic> {
+    let (dim, dim_span) = b.count("dim", None)?;
+    let (heads, heads_span) = b.count("heads", None)?;
+    let (kv_heads, kv_span) = b.count("kv_heads", Some(heads))?;
+    let head_dim = if b.values.contains_key("head_dim") {
+        b.count("head_dim", None)?.0
+    } else if dim % heads != 0 {
+        return Err(Diagnostic::error(
+            "E0303",
+            format!("the model width d = {dim} is not divisible by heads = {heads}"),
+        )
+        .label(heads_span, format!("heads = {heads}"))
+        .label(dim_span, format!("d = {dim}"))
+        .help(format!(
+            "use a number of heads that divides {dim} ({}), or pass head_dim explicitly",
+            suggest::divisors(dim, 128)
+        )));
+    } else {
+        dim / heads
+    };
+    if heads % kv_heads != 0 || kv_heads > heads {
+        return Err(Diagnostic::error(
+            "E0304",
+            format!("kv_heads = {kv_heads} does not divide heads = {heads} (grouped-query attention shares each kv head among heads / kv_heads query heads)"),
+        )
+        .label(kv_span, format!("kv_heads = {kv_heads}"))
+        .label(heads_span, format!("heads = {heads}"))
+        .help(format!("set kv_heads to a divisor of {heads}: {}", suggest::divisors(heads, heads))));
+    }
+    let rope = match b.values.get("rope") {
+        None => None,
+        Some(ArgValue::Rope(r, _)) => Some(*r),
+        Some(ArgValue::Word(w, _)) if w == "none" => None,
+        Some(ArgValue::Bool(false, _)) => None,
+        Some(other) => return Err(b.wrong("rope", "`RoPE(theta = …)` or `none`", other.span())),
+    };
+    Ok(LayerKind::Attention {
+        dim,
+        heads,
+        kv_heads,
+        head_dim,
+        causal: b.flag("causal", true)?,
+        rope,
+        bias: b.flag("bias", true)?,
+    })
+}
+
+/// The input shape this layer needs (`None`: any hidden width, checked by the caller).
+pub fn input_shape(kind: &LayerKind) -> Shape {
+    match kind {
+        LayerKind::Embedding { .. } => Shape::Tokens,
+        LayerKind::PositionEmbedding { dim, .. }
+        | LayerKind::LayerNorm { dim, .. }
+        | LayerKind::RmsNorm { dim, .. }
+        | LayerKind::Attention { dim, .. }
+        | LayerKind::Mlp { dim, .. } => Shape::Hidden(*dim),
+        LayerKind::Linear { in_dim, .. } => Shape::Hidden(*in_dim),
+        LayerKind::Add | LayerKind::CrossEntropy => Shape::Scalar,
+    }
+}
+
+/// The output shape of this layer.
+pub fn output_shape(kind: &LayerKind) -> Shape {
+    match kind {
+        LayerKind::Embedding { dim, .. } => Shape::Hidden(*dim),
+        LayerKind::Linear { out_dim, .. } => Shape::Hidden(*out_dim),
+        LayerKind::CrossEntropy => Shape::Scalar,
+        other => input_shape(other),
+    }
+}
+
+pub fn describe(shape: &Shape) -> String {
+    match shape {
+        Shape::Tokens => "token ids [batch, seq]".to_string(),
+        Shape::Hidden(n) => format!("[batch, seq, {n}]"),
+        Shape::Scalar => "a scalar".to_string(),
+    }
+}

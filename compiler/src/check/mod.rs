@@ -1,0 +1,371 @@
+//! The checker: from a parsed `.par` file (plus stdlib modules and `--set` overrides) to a
+//! [`Spec`] and every diagnostic found on the way. Sections are checked independently, so an
+//! error in one does not hide the others.
+//!
+//! Order: parse → load `use`d stdlib modules → apply overrides to the sections → elaborate the
+//! model ([`model`]) → read `cluster`, `parallel`, `train` ([`sections`]) → cross-checks
+//! ([`grid`]: mesh vs cluster, sharding, sequence splits, pipeline layers, batch rule, schedule,
+//! placement, data) → recompute marks.
+
+mod gpu;
+mod grid;
+mod layers;
+mod model;
+mod number;
+mod sections;
+mod settings;
+mod suggest;
+
+use crate::diag::{Diagnostic, Diagnostics, FileId, Sources, Span};
+use crate::overrides::Override;
+use crate::spec::{Spec, Train};
+use crate::stdlib;
+use crate::syntax::ast::{BlockDef, Expr, File, Item};
+use crate::syntax::{parse_file, parse_value};
+use number::Number;
+use std::collections::HashMap;
+
+pub use settings::PATHS as SETTING_PATHS;
+
+/// The names one module (the main file or a stdlib module) sees.
+#[derive(Default)]
+pub struct Namespace {
+    /// File-level `let` constants.
+    pub consts: HashMap<String, Number>,
+    /// Blocks visible by name: `(module index, name in that module)`.
+    pub blocks: HashMap<String, (usize, String)>,
+    /// Blocks this module defines.
+    pub defs: HashMap<String, BlockDef>,
+}
+
+/// `model.NAME` overrides, taken by the model's `let`s as they are evaluated.
+#[derive(Default)]
+pub struct Overrides {
+    model: HashMap<String, Expr>,
+}
+
+impl Overrides {
+    pub fn take(&mut self, path: &str) -> Option<Expr> {
+        self.model.remove(path)
+    }
+}
+
+/// Parse and check `main` (already added to `sources`; stdlib modules and overrides are added as
+/// sources by the checker). `Some(spec)` when there are no errors.
+pub fn check(
+    sources: &mut Sources,
+    main: FileId,
+    overrides: &[Override],
+) -> (Option<Spec>, Diagnostics) {
+    let mut diags = Diagnostics::default();
+    let text = sources
+        .get(main)
+        .map(|f| f.text.clone())
+        .unwrap_or_default();
+    let file = match parse_file(main, &text) {
+        Ok(f) => f,
+        Err(d) => {
+            diags.push(d);
+            return (None, diags);
+        }
+    };
+    let mut ns: Vec<Namespace> = Vec::new();
+    let mut loaded: HashMap<String, usize> = HashMap::new();
+    load_module(&file, sources, &mut ns, &mut loaded, &mut diags);
+
+    let sections: Vec<_> = file
+        .items
+        .iter()
+        .filter_map(|i| match i {
+            Item::Section(s) => Some(s),
+            _ => None,
+        })
+        .collect();
+    let mut settings = settings::Settings::from_sections(&sections, &mut diags);
+    let mut model_overrides = Overrides::default();
+    let mut override_spans: HashMap<String, Span> = HashMap::new();
+    for o in overrides {
+        let text = o.source_text();
+        let id = sources.add(format!("--set {text}"), text.clone());
+        let path_span = Span::new(id, 0, o.path.len());
+        match parse_value(id, &text, o.path.len() + 1) {
+            Ok(expr) => {
+                if o.path.starts_with("model.") {
+                    model_overrides.model.insert(o.path.clone(), expr);
+                    override_spans.insert(o.path.clone(), path_span);
+                } else if !settings.apply_override(&o.path, &expr) {
+                    diags.push(unknown_override(&o.path, path_span, &[]));
+                }
+            }
+            Err(d) => diags.push(d),
+        }
+    }
+
+    let models: Vec<_> = file
+        .items
+        .iter()
+        .filter_map(|i| match i {
+            Item::Model(m) => Some(m),
+            _ => None,
+        })
+        .collect();
+    let mut elaborated = match models.as_slice() {
+        [] => {
+            diags.push(
+                Diagnostic::error("E0206", "the file has no `model`")
+                    .label(Span::new(main, 0, 0), "in this file")
+                    .help("add `model name { … }`; see examples/tiny.par"),
+            );
+            None
+        }
+        [m, rest @ ..] => {
+            for extra in rest {
+                diags.push(
+                    Diagnostic::error("E0204", "a file has one `model`")
+                        .label(extra.name.span, "second model")
+                        .label(m.name.span, "first model")
+                        .help("put each model in its own file"),
+                );
+            }
+            model::Elab::new(&ns, &mut model_overrides, &mut diags).model(m)
+        }
+    };
+    let model_consts: Vec<String> = models
+        .first()
+        .map(|m| {
+            m.stmts
+                .iter()
+                .filter_map(|s| match s {
+                    crate::syntax::ast::Stmt::Let(l) => Some(format!("model.{}", l.name.name)),
+                    _ => None,
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut left: Vec<_> = model_overrides.model.keys().cloned().collect();
+    left.sort();
+    for path in left {
+        let span = override_spans.get(&path).copied().unwrap_or_default();
+        let consts: Vec<&str> = model_consts.iter().map(String::as_str).collect();
+        diags.push(unknown_override(&path, span, &consts));
+    }
+
+    let mut consts = ns.first().map(|n| n.consts.clone()).unwrap_or_default();
+    if let Some(e) = &elaborated {
+        consts.extend(e.consts.iter().map(|(k, v)| (k.clone(), *v)));
+    }
+    let section_span = |name: &str| {
+        settings
+            .sections
+            .get(name)
+            .copied()
+            .unwrap_or(Span::new(main, 0, 0))
+    };
+    let (parallel_span, train_span, cluster_span) = (
+        section_span("parallel"),
+        section_span("train"),
+        section_span("cluster"),
+    );
+    let mut reader = sections::Reader {
+        settings: &settings,
+        consts: &consts,
+        diags: &mut diags,
+    };
+    let cluster = sections::cluster(&mut reader, cluster_span);
+    let mut pin = sections::parallel(&mut reader, parallel_span);
+    let train: Option<Train> = if settings.sections.contains_key("train") {
+        sections::train(&mut reader, train_span, cluster.gpu.name == "cpu")
+    } else {
+        reader.diags.push(
+            Diagnostic::error("E0206", "the file has no `train` section")
+                .label(Span::new(main, 0, 0), "in this file")
+                .help("add `train { global_batch = 8; steps = 100 }`"),
+        );
+        None
+    };
+
+    let mut grid = grid::Grid {
+        settings: &settings,
+        diags: &mut diags,
+        parallel_span,
+        train_span,
+        cluster_span,
+    };
+    grid.mesh_vs_cluster(&pin.parallel.mesh, &cluster);
+    grid.placement(&pin.parallel, &cluster, &pin.cross_node);
+    if let Some(t) = &train {
+        grid.batch(&mut pin, t);
+        grid.schedule(&pin.parallel, t);
+    }
+    if let Some(e) = elaborated.as_mut() {
+        grid.sharding(e, &pin.parallel.mesh);
+        grid.sequence(e, &pin.parallel);
+        grid.pipeline_layers(e, &pin.parallel);
+        if let Some(t) = &train {
+            grid.data(e, t);
+        }
+        let rspan = settings
+            .get("parallel.recompute")
+            .map(|x| x.span)
+            .unwrap_or(parallel_span);
+        grid::recompute(&mut e.model, &pin.parallel.recompute, rspan, &mut diags);
+    }
+    if diags.has_errors() {
+        return (None, diags);
+    }
+    let spec = match (elaborated, train) {
+        (Some(e), Some(train)) => Some(Spec {
+            model: e.model,
+            parallel: pin.parallel,
+            train,
+            cluster,
+        }),
+        _ => None,
+    };
+    (spec, diags)
+}
+
+fn unknown_override(path: &str, span: Span, model_consts: &[&str]) -> Diagnostic {
+    let mut all: Vec<&str> = settings::PATHS.to_vec();
+    all.extend(model_consts);
+    let help = match suggest::closest(path, all.iter().copied()) {
+        Some(c) => format!("did you mean `{c}`? valid paths: {}", all.join(", ")),
+        None => format!("valid paths: {}", all.join(", ")),
+    };
+    Diagnostic::error("E0905", format!("`--set {path}`: no such setting"))
+        .label(span, "unknown path")
+        .help(help)
+}
+
+/// Build the namespace of `file` (and, recursively, of the stdlib modules it uses). Returns its
+/// index in `ns`.
+fn load_module(
+    file: &File,
+    sources: &mut Sources,
+    ns: &mut Vec<Namespace>,
+    loaded: &mut HashMap<String, usize>,
+    diags: &mut Diagnostics,
+) -> usize {
+    let me = ns.len();
+    ns.push(Namespace::default());
+    for item in &file.items {
+        match item {
+            Item::Block(b) => {
+                if let Some(first) = ns[me].defs.get(&b.name.name) {
+                    diags.push(
+                        Diagnostic::error(
+                            "E0204",
+                            format!("block `{}` is defined twice", b.name.name),
+                        )
+                        .label(b.name.span, "defined again here")
+                        .label(first.name.span, "first definition")
+                        .help("rename one of them"),
+                    );
+                    continue;
+                }
+                ns[me].defs.insert(b.name.name.clone(), b.clone());
+                ns[me]
+                    .blocks
+                    .insert(b.name.name.clone(), (me, b.name.name.clone()));
+            }
+            Item::Let(l) => {
+                let empty = settings::Settings::default();
+                let consts = ns[me].consts.clone();
+                let mut r = sections::Reader {
+                    settings: &empty,
+                    consts: &consts,
+                    diags,
+                };
+                match r.eval_expr(&l.value) {
+                    Some(sections::SVal::Num(n)) => {
+                        ns[me].consts.insert(l.name.name.clone(), n);
+                    }
+                    Some(other) => {
+                        diags.push(
+                            Diagnostic::error("E0902", "a file-level `let` must be a number")
+                                .label(other.span(), "not a number")
+                                .help(
+                                    "file-level constants are numbers; put layers inside the model",
+                                ),
+                        );
+                    }
+                    None => {}
+                }
+            }
+            _ => {}
+        }
+    }
+    for item in &file.items {
+        let Item::Use(u) = item else { continue };
+        let segs: Vec<&str> = u.module.iter().map(|i| i.name.as_str()).collect();
+        let (root, name) = match segs.as_slice() {
+            [root, name] => (*root, *name),
+            _ => ("", ""),
+        };
+        let source = (root == "std").then(|| stdlib::module(name)).flatten();
+        let Some((fname, text)) = source else {
+            let names = stdlib::names();
+            let help = match suggest::closest(name, names.iter().copied()) {
+                Some(c) => format!("did you mean `std::{c}`?"),
+                None => format!(
+                    "the stdlib modules are {}",
+                    names
+                        .iter()
+                        .map(|n| format!("`std::{n}`"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            };
+            diags.push(
+                Diagnostic::error("E0205", format!("no module `{}`", segs.join("::")))
+                    .label(u.module_span, "not found")
+                    .help(help),
+            );
+            continue;
+        };
+        let idx = match loaded.get(name) {
+            Some(i) => *i,
+            None => {
+                let id = sources.add(fname, text);
+                match parse_file(id, text) {
+                    Ok(f) => {
+                        // Reserve the slot first so a module that uses itself cannot loop.
+                        loaded.insert(name.to_string(), ns.len());
+                        load_module(&f, sources, ns, loaded, diags)
+                    }
+                    Err(d) => {
+                        diags.push(d);
+                        continue;
+                    }
+                }
+            }
+        };
+        for imported in &u.names {
+            let found = ns
+                .get(idx)
+                .and_then(|m| m.defs.get(&imported.name))
+                .is_some();
+            if found {
+                ns[me]
+                    .blocks
+                    .insert(imported.name.clone(), (idx, imported.name.clone()));
+            } else {
+                let available: Vec<&str> = ns
+                    .get(idx)
+                    .map(|m| m.defs.keys().map(String::as_str).collect())
+                    .unwrap_or_default();
+                let mut available = available;
+                available.sort_unstable();
+                diags.push(
+                    Diagnostic::error("E0205", format!("`std::{name}` has no `{}`", imported.name))
+                        .label(imported.span, "not in this module")
+                        .help(format!(
+                            "std::{name} provides {}",
+                            suggest::one_of(&available)
+                        )),
+                );
+            }
+        }
+    }
+    me
+}

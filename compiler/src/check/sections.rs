@@ -1,0 +1,794 @@
+//! Reading the flattened sections ([`Settings`]) into the plan, the training recipe and the
+//! cluster of the [`Spec`](crate::spec::Spec), with defaults filled in and every bad value
+//! reported (each section is read to the end even after an error).
+
+use super::gpu;
+use super::number::{arith, Number, Unit};
+use super::settings::Settings;
+use super::suggest;
+use crate::diag::{Diagnostic, Diagnostics, Span};
+use crate::spec::*;
+use crate::syntax::ast::{Expr, ExprKind};
+use std::collections::HashMap;
+
+/// A section value after evaluation.
+#[derive(Clone, Debug)]
+pub enum SVal {
+    Num(Number),
+    Bool(bool, Span),
+    Str(String, Span),
+    Word(String, Span),
+    List(Vec<SVal>, Span),
+    /// `"file.txt" as bytes`
+    File(String, String, Span, Span),
+}
+
+impl SVal {
+    pub fn span(&self) -> Span {
+        match self {
+            SVal::Num(n) => n.span,
+            SVal::Bool(_, s) | SVal::Str(_, s) | SVal::Word(_, s) | SVal::List(_, s) => *s,
+            SVal::File(_, _, s, _) => *s,
+        }
+    }
+}
+
+pub struct Reader<'a> {
+    pub settings: &'a Settings,
+    pub consts: &'a HashMap<String, Number>,
+    pub diags: &'a mut Diagnostics,
+}
+
+impl Reader<'_> {
+    pub fn eval_expr(&mut self, e: &Expr) -> Option<SVal> {
+        self.eval(e)
+    }
+
+    fn eval(&mut self, e: &Expr) -> Option<SVal> {
+        match &e.kind {
+            ExprKind::Number { text, unit } => match Number::literal(text, unit.as_deref(), e.span)
+            {
+                Ok(n) => Some(SVal::Num(n)),
+                Err(d) => {
+                    self.diags.push(d);
+                    None
+                }
+            },
+            ExprKind::Bool(b) => Some(SVal::Bool(*b, e.span)),
+            ExprKind::Str(s) => Some(SVal::Str(s.clone(), e.span)),
+            ExprKind::Path(p) if p.len() == 1 => match self.consts.get(&p[0].name) {
+                Some(n) => Some(SVal::Num(Number { span: e.span, ..*n })),
+                None => Some(SVal::Word(p[0].name.clone(), e.span)),
+            },
+            ExprKind::Path(p) => {
+                let t: Vec<&str> = p.iter().map(|i| i.name.as_str()).collect();
+                Some(SVal::Word(t.join("."), e.span))
+            }
+            ExprKind::Neg(x) => match self.eval(x)? {
+                SVal::Num(n) => Some(SVal::Num(n.neg(e.span))),
+                other => self.wrong(&other, "a number"),
+            },
+            ExprKind::Binary(op, a, b) => {
+                let (a, b) = (self.eval(a)?, self.eval(b)?);
+                match (a, b) {
+                    (SVal::Num(x), SVal::Num(y)) => match arith(*op, x, y, e.span) {
+                        Ok(n) => Some(SVal::Num(n)),
+                        Err(d) => {
+                            self.diags.push(d);
+                            None
+                        }
+                    },
+                    (SVal::Word(w, s), _) | (_, SVal::Word(w, s)) => self.unknown_const(&w, s),
+                    (other, _) => self.wrong(&other, "a number"),
+                }
+            }
+            ExprKind::List(xs) | ExprKind::Tuple(xs) => {
+                let mut out = Vec::new();
+                for x in xs {
+                    out.push(self.eval(x)?);
+                }
+                Some(SVal::List(out, e.span))
+            }
+            ExprKind::Rename(x, fmt) => match self.eval(x)? {
+                SVal::Str(s, sp) => Some(SVal::File(s, fmt.name.clone(), sp, fmt.span)),
+                other => self.wrong(&other, "a file name string before `as`"),
+            },
+            _ => {
+                self.diags.push(
+                    Diagnostic::error("E0902", "this kind of value is not allowed here")
+                        .label(e.span, "here")
+                        .help("settings take numbers, names, strings, lists and `word { field: value }` records"),
+                );
+                None
+            }
+        }
+    }
+
+    fn unknown_const(&mut self, w: &str, s: Span) -> Option<SVal> {
+        let help = match suggest::closest(w, self.consts.keys().map(String::as_str)) {
+            Some(c) => format!("did you mean `{c}`?"),
+            None => "define it with `let` in the model".into(),
+        };
+        self.diags.push(
+            Diagnostic::error("E0201", format!("unknown name `{w}`"))
+                .label(s, "not defined")
+                .help(help),
+        );
+        None
+    }
+
+    fn wrong(&mut self, v: &SVal, expected: &str) -> Option<SVal> {
+        self.diags.push(
+            Diagnostic::error("E0902", format!("expected {expected}"))
+                .label(v.span(), "this value")
+                .help(format!("write {expected} here")),
+        );
+        None
+    }
+
+    pub fn value(&mut self, path: &str) -> Option<SVal> {
+        let e = self.settings.get(path)?.clone();
+        self.eval(&e)
+    }
+
+    pub fn span(&self, path: &str) -> Option<Span> {
+        self.settings.get(path).map(|e| e.span)
+    }
+
+    /// A whole number ≥ `min`.
+    pub fn count(&mut self, path: &str, min: u64) -> Option<u64> {
+        let leaf = path.rsplit('.').next().unwrap_or(path).to_string();
+        match self.value(path)? {
+            SVal::Num(n) => match n.as_count(&leaf) {
+                Ok(v) if v >= min => Some(v),
+                Ok(v) => {
+                    self.diags.push(
+                        Diagnostic::error(
+                            "E0903",
+                            format!("{leaf} must be at least {min}, found {v}"),
+                        )
+                        .label(n.span, "too small")
+                        .help(format!("set {leaf} to {min} or more")),
+                    );
+                    None
+                }
+                Err(d) => {
+                    self.diags.push(d);
+                    None
+                }
+            },
+            SVal::Word(w, s) => self.unknown_const(&w, s).and(None),
+            other => self
+                .wrong(&other, &format!("a whole number for {leaf}"))
+                .and(None),
+        }
+    }
+
+    pub fn float(&mut self, path: &str) -> Option<f64> {
+        match self.value(path)? {
+            SVal::Num(n) if n.value >= 0.0 && n.unit == Unit::None => Some(n.value),
+            SVal::Num(n) => {
+                let leaf = path.rsplit('.').next().unwrap_or(path);
+                self.diags.push(
+                    Diagnostic::error("E0903", format!("{leaf} must be a plain number ≥ 0"))
+                        .label(n.span, "this value")
+                        .help(format!("write {leaf} as a plain non-negative number")),
+                );
+                None
+            }
+            SVal::Word(w, s) => self.unknown_const(&w, s).and(None),
+            other => self.wrong(&other, "a number").and(None),
+        }
+    }
+
+    pub fn measure(&mut self, path: &str, unit: Unit) -> Option<f64> {
+        let leaf = path.rsplit('.').next().unwrap_or(path).to_string();
+        match self.value(path)? {
+            SVal::Num(n) => match n.as_measure(&leaf, unit) {
+                Ok(v) if v > 0.0 => Some(v),
+                Ok(_) => {
+                    self.diags.push(
+                        Diagnostic::error("E0903", format!("{leaf} must be positive"))
+                            .label(n.span, "not positive")
+                            .help(format!("give {leaf} as {}", unit.describe())),
+                    );
+                    None
+                }
+                Err(d) => {
+                    self.diags.push(d);
+                    None
+                }
+            },
+            other => self.wrong(&other, unit.describe()).and(None),
+        }
+    }
+
+    pub fn flag(&mut self, path: &str) -> Option<bool> {
+        match self.value(path)? {
+            SVal::Bool(b, _) => Some(b),
+            other => self.wrong(&other, "`true` or `false`").and(None),
+        }
+    }
+
+    /// One of `allowed` words.
+    pub fn word(&mut self, path: &str, allowed: &[&str]) -> Option<(String, Span)> {
+        let leaf = path.rsplit('.').next().unwrap_or(path).to_string();
+        match self.value(path)? {
+            SVal::Word(w, s) if allowed.contains(&w.as_str()) => Some((w, s)),
+            v => {
+                let got = match &v {
+                    SVal::Word(w, _) | SVal::Str(w, _) => w.clone(),
+                    SVal::Num(n) => n.value.to_string(),
+                    _ => "this".into(),
+                };
+                let help = match suggest::closest(&got, allowed.iter().copied()) {
+                    Some(c) => format!(
+                        "did you mean `{c}`? {leaf} is one of {}",
+                        suggest::one_of(allowed)
+                    ),
+                    None => format!("{leaf} is one of {}", suggest::one_of(allowed)),
+                };
+                self.diags.push(
+                    Diagnostic::error("E0904", format!("`{got}` is not a valid {leaf}"))
+                        .label(v.span(), "unknown value")
+                        .help(help),
+                );
+                None
+            }
+        }
+    }
+
+    fn reject_fields(&mut self, prefix: &str, allowed: &[&str], tag: &str) {
+        let p = format!("{prefix}.");
+        let extra: Vec<(String, Span)> = self
+            .settings
+            .values
+            .iter()
+            .filter(|(k, _)| k.starts_with(&p))
+            .filter(|(k, _)| !allowed.contains(&&k[p.len()..]))
+            .map(|(k, e)| (k[p.len()..].to_string(), e.span))
+            .collect();
+        for (field, span) in extra {
+            self.diags.push(
+                Diagnostic::error("E0203", format!("`{tag}` has no field `{field}`"))
+                    .label(span, "not a field of this choice")
+                    .help(if allowed.is_empty() {
+                        format!("`{tag}` takes no fields")
+                    } else {
+                        format!("`{tag}` takes {}", suggest::one_of(allowed))
+                    }),
+            );
+        }
+    }
+}
+
+/// What the parallel section says, before the cross-checks.
+pub struct ParallelIn {
+    pub parallel: Parallel,
+    /// The microbatch count was written (not derived from the batch rule).
+    pub microbatches_given: bool,
+    /// Axes the user allows to span nodes (`cross_node = [tp]`).
+    pub cross_node: Vec<Axis>,
+}
+
+pub fn parallel(r: &mut Reader, span: Span) -> ParallelIn {
+    let mut axes: Vec<(Axis, u32)> = Vec::new();
+    let mut order: Vec<Axis> = r.settings.mesh_order.clone();
+    // Axes the file does not name have size 1; put them first, in the default order.
+    for a in [Axis::Tp, Axis::Cp, Axis::Pp, Axis::Dp] {
+        if !order.contains(&a) {
+            order.insert(0, a);
+        }
+    }
+    for a in order {
+        let n = r
+            .count(&format!("parallel.{}", a.name()), 1)
+            .map(|v| v.min(u64::from(u32::MAX)) as u32)
+            .unwrap_or(1);
+        axes.push((a, n));
+    }
+    let mesh = Mesh { axes };
+    let zero = match r.count("parallel.zero", 0) {
+        None | Some(0) => ZeroStage::Zero0,
+        Some(1) => ZeroStage::Zero1,
+        Some(2) => ZeroStage::Zero2,
+        Some(3) => ZeroStage::Zero3,
+        Some(z) => {
+            let span = r.span("parallel.zero").unwrap_or(span);
+            r.diags.push(
+                Diagnostic::error("E0903", format!("there is no ZeRO stage {z}"))
+                    .label(span, "unknown stage")
+                    .help("zero is 0 (replicated), 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters)"),
+            );
+            ZeroStage::Zero0
+        }
+    };
+    let microbatches = r.count("parallel.microbatches", 1);
+    let virtual_stages = r.count("parallel.virtual", 1);
+    let schedule = match r.word("parallel.schedule", &["gpipe", "1f1b", "interleaved"]) {
+        Some((w, _)) if w == "gpipe" => PipelineSchedule::Gpipe,
+        Some((w, _)) if w == "interleaved" => PipelineSchedule::Interleaved {
+            virtual_stages: virtual_stages.unwrap_or(2).min(u64::from(u32::MAX)) as u32,
+        },
+        _ => PipelineSchedule::OneFOneB,
+    };
+    if let (Some(_), Some(s)) = (virtual_stages, r.span("parallel.virtual")) {
+        if !matches!(schedule, PipelineSchedule::Interleaved { .. }) {
+            r.diags.push(
+                Diagnostic::warning(
+                    "W0502",
+                    "`virtual` only matters for the interleaved schedule",
+                )
+                .label(s, "ignored")
+                .help("set `pipeline = interleaved { virtual: 2 }` or remove `virtual`"),
+            );
+        }
+    }
+    let recompute = recompute(r);
+    let sequence_parallel = r.flag("parallel.sequence_parallel").unwrap_or(false);
+    let bucket_bytes = r
+        .measure("parallel.bucket", Unit::Bytes)
+        .map(|b| b as u64)
+        .unwrap_or(25 * 1024 * 1024);
+    let mut cross_node = Vec::new();
+    if let Some(v) = r.value("parallel.cross_node") {
+        let items = match v {
+            SVal::List(xs, _) => xs,
+            one => vec![one],
+        };
+        for item in items {
+            match item {
+                SVal::Word(w, _) if w == "tp" => cross_node.push(Axis::Tp),
+                SVal::Word(w, _) if w == "cp" => cross_node.push(Axis::Cp),
+                other => {
+                    r.diags.push(
+                        Diagnostic::error(
+                            "E0904",
+                            "cross_node lists the axes allowed to span nodes: `tp`, `cp`",
+                        )
+                        .label(other.span(), "not tp or cp")
+                        .help("write `cross_node = [tp]`"),
+                    );
+                }
+            }
+        }
+    }
+    ParallelIn {
+        parallel: Parallel {
+            mesh,
+            zero,
+            schedule,
+            microbatches: microbatches.unwrap_or(0).min(u64::from(u32::MAX)) as u32,
+            recompute,
+            sequence_parallel,
+            bucket_bytes,
+            span,
+        },
+        microbatches_given: microbatches.is_some(),
+        cross_node,
+    }
+}
+
+fn recompute(r: &mut Reader) -> Recompute {
+    match r.value("parallel.recompute") {
+        None => Recompute::None,
+        Some(SVal::Word(w, s)) => match w.as_str() {
+            "none" => Recompute::None,
+            "selective" => Recompute::Selective,
+            "full" => Recompute::Full,
+            _ => Recompute::Named(vec![w]).with_span(r, s),
+        },
+        Some(SVal::List(xs, _)) => {
+            let mut names = Vec::new();
+            for x in xs {
+                match x {
+                    SVal::Word(w, _) | SVal::Str(w, _) => names.push(w),
+                    other => {
+                        r.wrong(&other, "a layer kind or path");
+                    }
+                }
+            }
+            Recompute::Named(names)
+        }
+        Some(other) => {
+            r.wrong(&other, "`none`, `selective`, `full` or a list of layers");
+            Recompute::None
+        }
+    }
+}
+
+trait WithSpan {
+    fn with_span(self, r: &mut Reader, s: Span) -> Self;
+}
+
+impl WithSpan for Recompute {
+    /// A single unknown word: most likely a typo of one of the modes.
+    fn with_span(self, r: &mut Reader, s: Span) -> Recompute {
+        if let Recompute::Named(names) = &self {
+            let w = names.first().map(String::as_str).unwrap_or("");
+            let modes = ["none", "selective", "full"];
+            if let Some(c) = suggest::closest(w, modes) {
+                r.diags.push(
+                    Diagnostic::error("E0904", format!("`{w}` is not a recompute mode"))
+                        .label(s, "unknown mode")
+                        .help(format!(
+                            "did you mean `{c}`? (a list like `[Attention]` names layers)"
+                        )),
+                );
+                return Recompute::None;
+            }
+        }
+        self
+    }
+}
+
+pub fn train(r: &mut Reader, span: Span, gpu_is_cpu: bool) -> Option<Train> {
+    let global_batch = r.count("train.global_batch", 1);
+    if r.span("train.global_batch").is_none() {
+        r.diags.push(
+            Diagnostic::error(
+                "E0206",
+                "`train` needs `global_batch` (sequences per optimizer step)",
+            )
+            .label(span, "in this section")
+            .help("add `global_batch = 8` (global_batch = micro_batch × microbatches × dp)"),
+        );
+    }
+    let micro_batch = r.count("train.micro_batch", 1).unwrap_or(1);
+    let precision = precision(r, gpu_is_cpu);
+    let optimizer = optimizer(r);
+    let steps = match r.span("train.steps") {
+        Some(_) => r.count("train.steps", 1).unwrap_or(1),
+        None => {
+            r.diags.push(
+                Diagnostic::error("E0206", "`train` needs `steps` (optimizer steps to run)")
+                    .label(span, "in this section")
+                    .help("add `steps = 1000`"),
+            );
+            1
+        }
+    };
+    let schedule = lr_schedule(r, steps);
+    let grad_clip = r.float("train.grad_clip").filter(|c| *c > 0.0);
+    let data = data(r);
+    let seed = r.count("train.seed", 0).unwrap_or(0);
+    let checkpoint =
+        if r.span("train.checkpoint.every").is_some() || r.span("train.checkpoint.dir").is_some() {
+            Some(Checkpointing {
+                every: r.count("train.checkpoint.every", 1).unwrap_or(1000),
+                dir: match r.value("train.checkpoint.dir") {
+                    Some(SVal::Str(s, _)) => s,
+                    Some(other) => {
+                        r.wrong(&other, "a folder name string like \"ckpt/\"");
+                        "checkpoints".into()
+                    }
+                    None => "checkpoints".into(),
+                },
+                keep: r
+                    .count("train.checkpoint.keep", 0)
+                    .unwrap_or(0)
+                    .min(u64::from(u32::MAX)) as u32,
+            })
+        } else {
+            None
+        };
+    let log_every = r.count("train.log_every", 1).unwrap_or(1);
+    Some(Train {
+        global_batch: global_batch?,
+        micro_batch,
+        precision,
+        optimizer,
+        schedule,
+        grad_clip,
+        data,
+        steps,
+        seed,
+        checkpoint,
+        log_every,
+        span,
+    })
+}
+
+fn precision(r: &mut Reader, gpu_is_cpu: bool) -> Precision {
+    let default = if gpu_is_cpu {
+        Precision::Fp32
+    } else {
+        Precision::Bf16
+    };
+    match r.word("train.precision", &["fp32", "bf16", "fp16"]) {
+        None => {
+            r.reject_fields("train.precision", &[], "precision");
+            default
+        }
+        Some((w, _)) if w == "fp32" => {
+            r.reject_fields("train.precision", &[], "fp32");
+            Precision::Fp32
+        }
+        Some((w, _)) if w == "bf16" => {
+            r.reject_fields("train.precision", &[], "bf16");
+            Precision::Bf16
+        }
+        Some(_) => {
+            r.reject_fields(
+                "train.precision",
+                &[
+                    "loss_scale",
+                    "loss_scale.init",
+                    "loss_scale.window",
+                    "loss_scale.hysteresis",
+                    "loss_scale.min",
+                ],
+                "fp16",
+            );
+            let loss_scale = match r.value("train.precision.loss_scale") {
+                Some(SVal::Num(n)) if n.value > 0.0 && n.unit == Unit::None => {
+                    LossScale::Static { scale: n.value }
+                }
+                Some(SVal::Word(w, s)) if w != "dynamic" => {
+                    r.diags.push(
+                        Diagnostic::error("E0904", format!("`{w}` is not a loss scale"))
+                            .label(s, "here")
+                            .help("use `dynamic`, `dynamic { init: 65536, window: 2000 }` or a number"),
+                    );
+                    LossScale::Static { scale: 1.0 }
+                }
+                Some(SVal::Num(n)) => {
+                    r.diags.push(
+                        Diagnostic::error("E0903", "a static loss scale must be a positive number")
+                            .label(n.span, "here")
+                            .help("use e.g. 1024, or `dynamic`"),
+                    );
+                    LossScale::Static { scale: 1.0 }
+                }
+                _ => LossScale::Dynamic {
+                    init: r
+                        .float("train.precision.loss_scale.init")
+                        .unwrap_or(65536.0),
+                    window: r
+                        .count("train.precision.loss_scale.window", 1)
+                        .unwrap_or(2000) as u32,
+                    hysteresis: r
+                        .count("train.precision.loss_scale.hysteresis", 1)
+                        .unwrap_or(2) as u32,
+                    min: r.float("train.precision.loss_scale.min").unwrap_or(1.0),
+                },
+            };
+            Precision::Fp16 { loss_scale }
+        }
+    }
+}
+
+fn optimizer(r: &mut Reader) -> Optimizer {
+    let kind = r.word("train.optimizer", &["adamw", "sgd"]).map(|(w, _)| w);
+    let lr = r.float("train.optimizer.lr");
+    let weight_decay = r.float("train.optimizer.weight_decay");
+    if kind.as_deref() == Some("sgd") {
+        r.reject_fields(
+            "train.optimizer",
+            &["lr", "momentum", "weight_decay"],
+            "sgd",
+        );
+        return Optimizer::Sgd {
+            lr: lr.unwrap_or(0.01),
+            momentum: r.float("train.optimizer.momentum").unwrap_or(0.0),
+            weight_decay: weight_decay.unwrap_or(0.0),
+        };
+    }
+    r.reject_fields(
+        "train.optimizer",
+        &["lr", "betas", "eps", "weight_decay"],
+        "adamw",
+    );
+    let (beta1, beta2) = match r.value("train.optimizer.betas") {
+        None => (0.9, 0.999),
+        Some(SVal::List(xs, s)) => match xs.as_slice() {
+            [SVal::Num(a), SVal::Num(b)]
+                if (0.0..1.0).contains(&a.value) && (0.0..1.0).contains(&b.value) =>
+            {
+                (a.value, b.value)
+            }
+            _ => {
+                r.diags.push(
+                    Diagnostic::error("E0903", "betas are two numbers in [0, 1)")
+                        .label(s, "here")
+                        .help("write `betas: (0.9, 0.95)`"),
+                );
+                (0.9, 0.999)
+            }
+        },
+        Some(other) => {
+            r.wrong(&other, "two numbers `(0.9, 0.95)`");
+            (0.9, 0.999)
+        }
+    };
+    Optimizer::AdamW {
+        lr: lr.unwrap_or(3e-4),
+        beta1,
+        beta2,
+        eps: r.float("train.optimizer.eps").unwrap_or(1e-8),
+        weight_decay: weight_decay.unwrap_or(0.0),
+    }
+}
+
+fn lr_schedule(r: &mut Reader, steps: u64) -> LrSchedule {
+    let kind = r
+        .word("train.schedule", &["constant", "cosine", "linear"])
+        .map(|(w, _)| w);
+    let warmup = r.count("train.schedule.warmup", 0).unwrap_or(0);
+    match kind.as_deref() {
+        Some("cosine") | Some("linear") => {
+            let tag = kind.as_deref().unwrap_or("cosine");
+            r.reject_fields("train.schedule", &["warmup", "min_lr", "decay_steps"], tag);
+            let min_lr = r.float("train.schedule.min_lr").unwrap_or(0.0);
+            let decay_steps = r.count("train.schedule.decay_steps", 1).unwrap_or(steps);
+            if tag == "cosine" {
+                LrSchedule::Cosine {
+                    warmup,
+                    min_lr,
+                    decay_steps,
+                }
+            } else {
+                LrSchedule::Linear {
+                    warmup,
+                    min_lr,
+                    decay_steps,
+                }
+            }
+        }
+        _ => {
+            r.reject_fields("train.schedule", &["warmup"], "constant");
+            LrSchedule::Constant { warmup }
+        }
+    }
+}
+
+fn data(r: &mut Reader) -> DataSource {
+    match r.value("train.data") {
+        None => DataSource::Synthetic,
+        Some(SVal::Word(w, _)) if w == "synthetic" => DataSource::Synthetic,
+        Some(SVal::File(path, fmt, span, fmt_span)) => {
+            let format = match fmt.as_str() {
+                "bytes" => DataFormat::Bytes,
+                "u16" => DataFormat::U16,
+                "u32" => DataFormat::U32,
+                _ => {
+                    r.diags.push(
+                        Diagnostic::error("E0904", format!("`{fmt}` is not a data format"))
+                            .label(fmt_span, "unknown format")
+                            .help("use `as bytes` (text, one token per byte), `as u16` or `as u32` (token ids)"),
+                    );
+                    DataFormat::Bytes
+                }
+            };
+            if path.is_empty() {
+                r.diags.push(
+                    Diagnostic::error("E0903", "the data file name is empty")
+                        .label(span, "empty")
+                        .help("write `data = \"data/train.bin\" as u16`"),
+                );
+            }
+            DataSource::File { path, format, span }
+        }
+        Some(other) => {
+            r.wrong(&other, "`\"file\" as bytes|u16|u32` or `synthetic`");
+            DataSource::Synthetic
+        }
+    }
+}
+
+pub fn cluster(r: &mut Reader, span: Span) -> Cluster {
+    let nodes = r.count("cluster.nodes", 1).unwrap_or(1).min(1 << 20) as u32;
+    let gpus_per_node = r
+        .count("cluster.gpus_per_node", 1)
+        .unwrap_or(1)
+        .min(1 << 20) as u32;
+    let mut names: Vec<&str> = gpu::NAMES.to_vec();
+    names.push("custom");
+    let gpu = match r.word("cluster.gpu", &names) {
+        Some((w, s)) if w == "custom" => custom_gpu(r, s),
+        Some((w, _)) => {
+            r.reject_fields("cluster.gpu", &[], &w);
+            gpu::lookup(&w).unwrap_or_else(|| custom_default())
+        }
+        None => gpu::lookup("cpu").unwrap_or_else(custom_default),
+    };
+    let intra = link(r, "cluster.intra", gpu::default_intra(&gpu.name));
+    let inter = link(r, "cluster.inter", gpu::default_inter(&gpu.name));
+    Cluster {
+        nodes,
+        gpus_per_node,
+        gpu,
+        intra,
+        inter,
+        span,
+    }
+}
+
+fn custom_default() -> Gpu {
+    Gpu {
+        name: "custom".into(),
+        memory_bytes: 0,
+        peak_flops: 1.0,
+        peak_flops_fp32: 1.0,
+        memory_bandwidth: 1.0,
+    }
+}
+
+fn custom_gpu(r: &mut Reader, span: Span) -> Gpu {
+    r.reject_fields(
+        "cluster.gpu",
+        &["memory", "flops", "flops_fp32", "bandwidth"],
+        "custom",
+    );
+    let need = |r: &mut Reader, field: &str, unit: Unit| -> f64 {
+        let path = format!("cluster.gpu.{field}");
+        if r.span(&path).is_none() {
+            r.diags.push(
+                Diagnostic::error("E0206", format!("a custom GPU needs `{field}`"))
+                    .label(span, "custom GPU")
+                    .help("write `gpu = custom { memory: 24 GB, flops: 165 TFLOP/s }`"),
+            );
+            return 1.0;
+        }
+        r.measure(&path, unit).unwrap_or(1.0)
+    };
+    let memory = need(r, "memory", Unit::Bytes);
+    let flops = need(r, "flops", Unit::FlopsPerSec);
+    let flops_fp32 = if r.span("cluster.gpu.flops_fp32").is_some() {
+        r.measure("cluster.gpu.flops_fp32", Unit::FlopsPerSec)
+            .unwrap_or(flops / 16.0)
+    } else {
+        flops / 16.0
+    };
+    let bandwidth = if r.span("cluster.gpu.bandwidth").is_some() {
+        r.measure("cluster.gpu.bandwidth", Unit::BytesPerSec)
+            .unwrap_or(1e12)
+    } else {
+        1e12
+    };
+    Gpu {
+        name: "custom".into(),
+        memory_bytes: memory as u64,
+        peak_flops: flops,
+        peak_flops_fp32: flops_fp32,
+        memory_bandwidth: bandwidth,
+    }
+}
+
+fn link(r: &mut Reader, path: &str, default: Link) -> Link {
+    let kind = match r.value(path) {
+        None => return default_with(r, path, default),
+        Some(SVal::Word(w, s)) => match gpu::link_latency(&w) {
+            Some(_) => w,
+            None => {
+                r.diags.push(
+                    Diagnostic::error("E0904", format!("`{w}` is not a link kind"))
+                        .label(s, "unknown link")
+                        .help("use nvlink, pcie, infiniband, roce, ethernet or shm"),
+                );
+                return default;
+            }
+        },
+        Some(other) => {
+            r.wrong(&other, "a link like `nvlink { bandwidth: 450 GB/s }`");
+            return default;
+        }
+    };
+    let latency = gpu::link_latency(&kind).unwrap_or(default.latency);
+    default_with(r, path, gpu::link(&kind, default.bandwidth, latency))
+}
+
+fn default_with(r: &mut Reader, path: &str, mut l: Link) -> Link {
+    r.reject_fields(path, &["bandwidth", "latency"], &l.kind.clone());
+    if r.span(&format!("{path}.bandwidth")).is_some() {
+        if let Some(b) = r.measure(&format!("{path}.bandwidth"), Unit::BytesPerSec) {
+            l.bandwidth = b;
+        }
+    }
+    if r.span(&format!("{path}.latency")).is_some() {
+        if let Some(t) = r.measure(&format!("{path}.latency"), Unit::Seconds) {
+            l.latency = t;
+        }
+    }
+    l
+}

@@ -1,0 +1,244 @@
+//! The `parallel`, `train` and `cluster` sections as one flat map of dotted paths
+//! (`parallel.tp`, `train.optimizer.lr`), with `--set` overrides applied on top. Records and
+//! tagged values flatten into sub-paths (`pipeline = 1f1b { microbatches: 8 }` sets
+//! `parallel.schedule` and `parallel.microbatches`), so the file and `--set` address every value
+//! the same way.
+
+use super::suggest;
+use crate::diag::{Diagnostic, Diagnostics, Span};
+use crate::spec::Axis;
+use crate::syntax::ast::{Expr, ExprKind, Ident, Section};
+use std::collections::BTreeMap;
+
+/// Every path a section or `--set` may name (canonical spelling).
+pub const PATHS: &[&str] = &[
+    "parallel.dp",
+    "parallel.pp",
+    "parallel.cp",
+    "parallel.tp",
+    "parallel.zero",
+    "parallel.schedule",
+    "parallel.microbatches",
+    "parallel.virtual",
+    "parallel.recompute",
+    "parallel.sequence_parallel",
+    "parallel.bucket",
+    "parallel.cross_node",
+    "train.global_batch",
+    "train.micro_batch",
+    "train.precision",
+    "train.precision.loss_scale",
+    "train.precision.loss_scale.init",
+    "train.precision.loss_scale.window",
+    "train.precision.loss_scale.hysteresis",
+    "train.precision.loss_scale.min",
+    "train.optimizer",
+    "train.optimizer.lr",
+    "train.optimizer.betas",
+    "train.optimizer.eps",
+    "train.optimizer.weight_decay",
+    "train.optimizer.momentum",
+    "train.schedule",
+    "train.schedule.warmup",
+    "train.schedule.min_lr",
+    "train.schedule.decay_steps",
+    "train.grad_clip",
+    "train.data",
+    "train.steps",
+    "train.seed",
+    "train.checkpoint.every",
+    "train.checkpoint.dir",
+    "train.checkpoint.keep",
+    "train.log_every",
+    "cluster.nodes",
+    "cluster.gpus_per_node",
+    "cluster.gpu",
+    "cluster.gpu.memory",
+    "cluster.gpu.flops",
+    "cluster.gpu.flops_fp32",
+    "cluster.gpu.bandwidth",
+    "cluster.intra",
+    "cluster.intra.bandwidth",
+    "cluster.intra.latency",
+    "cluster.inter",
+    "cluster.inter.bandwidth",
+    "cluster.inter.latency",
+];
+
+/// Other spellings of canonical paths.
+fn canonical(path: &str) -> String {
+    let p = path
+        .strip_prefix("parallel.mesh.")
+        .map(|axis| format!("parallel.{axis}"))
+        .unwrap_or_else(|| path.to_string());
+    match p.as_str() {
+        "parallel.pipeline" => "parallel.schedule".into(),
+        "parallel.pipeline.microbatches" | "parallel.schedule.microbatches" => {
+            "parallel.microbatches".into()
+        }
+        "parallel.pipeline.virtual" | "parallel.schedule.virtual" => "parallel.virtual".into(),
+        "parallel.sp" => "parallel.sequence_parallel".into(),
+        _ => p,
+    }
+}
+
+#[derive(Default)]
+pub struct Settings {
+    pub values: BTreeMap<String, Expr>,
+    /// Mesh axes in the order the file wrote them (outermost first).
+    pub mesh_order: Vec<Axis>,
+    /// Spans of the sections, by name.
+    pub sections: BTreeMap<String, Span>,
+}
+
+impl Settings {
+    pub fn get(&self, path: &str) -> Option<&Expr> {
+        self.values.get(path)
+    }
+
+    /// Read the sections of the main file.
+    pub fn from_sections(sections: &[&Section], diags: &mut Diagnostics) -> Settings {
+        let mut s = Settings::default();
+        for sec in sections {
+            let name = sec.name.name.as_str();
+            if !matches!(name, "parallel" | "train" | "cluster") {
+                let help = match suggest::closest(name, ["parallel", "train", "cluster"]) {
+                    Some(c) => format!("did you mean `{c}`?"),
+                    None => "the sections are `model`, `parallel`, `train` and `cluster`".into(),
+                };
+                diags.push(
+                    Diagnostic::error("E0203", format!("unknown section `{name}`"))
+                        .label(sec.name.span, "unknown section")
+                        .help(help),
+                );
+                continue;
+            }
+            if let Some(first) = s.sections.insert(name.to_string(), sec.span) {
+                diags.push(
+                    Diagnostic::error("E0204", format!("section `{name}` is written twice"))
+                        .label(sec.name.span, "again here")
+                        .label(first, "first here")
+                        .help("merge the two sections"),
+                );
+            }
+            for setting in &sec.settings {
+                let mut path = name.to_string();
+                for seg in &setting.path {
+                    path.push('.');
+                    path.push_str(&seg.name);
+                }
+                let mut flat = Vec::new();
+                flatten(&path, &setting.value, &mut flat);
+                for (p, e) in flat {
+                    let c = canonical(&p);
+                    if !PATHS.contains(&c.as_str()) {
+                        diags.push(unknown_path(
+                            &p,
+                            name,
+                            path_span(setting.path.as_slice(), &e),
+                        ));
+                        continue;
+                    }
+                    if let Some(axis) = axis_of(&c) {
+                        if !s.mesh_order.contains(&axis) {
+                            s.mesh_order.push(axis);
+                        }
+                    }
+                    if s.values.contains_key(&c) {
+                        diags.push(
+                            Diagnostic::error("E0204", format!("`{c}` is set twice"))
+                                .label(e.span, "set again here")
+                                .help("keep one of the two"),
+                        );
+                        continue;
+                    }
+                    s.values.insert(c, e);
+                }
+            }
+        }
+        s
+    }
+
+    /// Apply one `--set` override (already parsed). Returns false when the path is not a section
+    /// path (the caller then tries the model's constants).
+    pub fn apply_override(&mut self, path: &str, value: &Expr) -> bool {
+        let c = canonical(path);
+        if !PATHS.contains(&c.as_str()) {
+            return false;
+        }
+        let mut flat = Vec::new();
+        flatten(&c, value, &mut flat);
+        if matches!(value.kind, ExprKind::Tagged { .. } | ExprKind::Record(_)) {
+            let prefix = format!("{c}.");
+            self.values.retain(|k, _| !k.starts_with(&prefix));
+        }
+        for (p, e) in flat {
+            let pc = canonical(&p);
+            if let Some(axis) = axis_of(&pc) {
+                if !self.mesh_order.contains(&axis) {
+                    self.mesh_order.push(axis);
+                }
+            }
+            self.values.insert(pc, e);
+        }
+        true
+    }
+}
+
+fn path_span(path: &[Ident], e: &Expr) -> Span {
+    match (path.first(), path.last()) {
+        (Some(a), Some(b)) => a.span.to(b.span),
+        _ => e.span,
+    }
+}
+
+fn axis_of(path: &str) -> Option<Axis> {
+    match path {
+        "parallel.dp" => Some(Axis::Dp),
+        "parallel.pp" => Some(Axis::Pp),
+        "parallel.cp" => Some(Axis::Cp),
+        "parallel.tp" => Some(Axis::Tp),
+        _ => None,
+    }
+}
+
+/// The diagnostic for a path no section has.
+pub fn unknown_path(path: &str, section: &str, span: Span) -> Diagnostic {
+    let prefix = format!("{section}.");
+    let valid: Vec<&str> = PATHS
+        .iter()
+        .filter(|p| p.starts_with(&prefix))
+        .map(|p| &p[prefix.len()..])
+        .collect();
+    let leaf = path.strip_prefix(&prefix).unwrap_or(path);
+    let help = match suggest::closest(leaf, valid.iter().copied()) {
+        Some(c) => format!("did you mean `{c}`? {section} has: {}", valid.join(", ")),
+        None => format!("{section} has: {}", valid.join(", ")),
+    };
+    Diagnostic::error("E0203", format!("`{section}` has no setting `{leaf}`"))
+        .label(span, "unknown setting")
+        .help(help)
+}
+
+fn flatten(prefix: &str, e: &Expr, out: &mut Vec<(String, Expr)>) {
+    match &e.kind {
+        ExprKind::Tagged { tag, fields } => {
+            out.push((
+                prefix.to_string(),
+                Expr {
+                    kind: ExprKind::Path(vec![tag.clone()]),
+                    span: tag.span,
+                },
+            ));
+            for f in fields {
+                flatten(&format!("{prefix}.{}", f.name.name), &f.value, out);
+            }
+        }
+        ExprKind::Record(fields) => {
+            for f in fields {
+                flatten(&format!("{prefix}.{}", f.name.name), &f.value, out);
+            }
+        }
+        _ => out.push((prefix.to_string(), e.clone())),
+    }
+}

@@ -1,0 +1,677 @@
+//! The pest parser for `grammar/par.pest` and the builders that turn its parse tree into the
+//! [`ast`](super::ast). One builder per rule; pest's `Rule` names never reach the user: syntax
+//! errors name what was expected in words (`expected an expression`).
+
+use super::ast::*;
+use crate::diag::{Diagnostic, FileId, Span};
+use pest::iterators::Pair;
+use pest::Parser;
+
+#[derive(pest_derive::Parser)]
+#[grammar = "../../grammar/par.pest"]
+struct ParGrammar;
+
+type Pairs<'a> = pest::iterators::Pairs<'a, Rule>;
+
+/// Parse a whole `.par` file.
+pub fn parse_file(file: FileId, text: &str) -> Result<File, Diagnostic> {
+    if text.trim().is_empty() {
+        return Err(Diagnostic::error("E0102", "the file is empty")
+            .label(Span::new(file, 0, text.len()), "nothing here")
+            .help("a spec needs at least a `model { … }` and a `train { … }` section; see examples/tiny.par"));
+    }
+    let pairs = ParGrammar::parse(Rule::file, text).map_err(|e| syntax_error(file, text, e))?;
+    let b = Builder { file };
+    let mut items = Vec::new();
+    for pair in pairs.flatten().take(1) {
+        for item in pair.into_inner() {
+            match item.as_rule() {
+                Rule::use_decl => items.push(Item::Use(b.use_decl(item))),
+                Rule::let_decl => items.push(Item::Let(b.let_decl(item))),
+                Rule::block_def => items.push(Item::Block(b.block_def(item))),
+                Rule::model_def => items.push(Item::Model(b.model_def(item))),
+                Rule::section => items.push(Item::Section(b.section(item))),
+                _ => {}
+            }
+        }
+    }
+    Ok(File { items })
+}
+
+/// Parse the value of a `--set PATH=VALUE` override; `offset` is where it starts in `text`.
+pub fn parse_value(file: FileId, text: &str, offset: usize) -> Result<Expr, Diagnostic> {
+    let value = text.get(offset..).unwrap_or("");
+    let pairs = ParGrammar::parse(Rule::override_value, value).map_err(|e| {
+        let mut d = syntax_error(file, value, e);
+        for l in &mut d.labels {
+            l.span.start += offset as u32;
+            l.span.end += offset as u32;
+        }
+        d
+    })?;
+    let b = Builder { file };
+    let expr = pairs
+        .flatten()
+        .find(|p| p.as_rule() == Rule::expr)
+        .map(|p| b.expr(p))
+        .ok_or_else(|| {
+            Diagnostic::error("E0101", "expected a value after `=`")
+                .label(Span::new(file, offset, text.len()), "here")
+        })?;
+    Ok(shift(expr, offset as u32))
+}
+
+fn shift(mut e: Expr, by: u32) -> Expr {
+    fn span(s: &mut Span, by: u32) {
+        s.start += by;
+        s.end += by;
+    }
+    fn ident(i: &mut Ident, by: u32) {
+        span(&mut i.span, by);
+    }
+    fn walk(e: &mut Expr, by: u32) {
+        span(&mut e.span, by);
+        match &mut e.kind {
+            ExprKind::Number { .. } | ExprKind::Str(_) | ExprKind::Bool(_) => {}
+            ExprKind::Path(p) => p.iter_mut().for_each(|i| ident(i, by)),
+            ExprKind::Neg(a) => walk(a, by),
+            ExprKind::Binary(_, a, b) => {
+                walk(a, by);
+                walk(b, by);
+            }
+            ExprKind::Call { callee, args } => {
+                walk(callee, by);
+                for a in args {
+                    match a {
+                        Arg::Positional(x) => walk(x, by),
+                        Arg::Named(n, x) => {
+                            ident(n, by);
+                            walk(x, by);
+                        }
+                    }
+                }
+            }
+            ExprKind::Rename(x, n) => {
+                walk(x, by);
+                ident(n, by);
+            }
+            ExprKind::Tagged { tag, fields } => {
+                ident(tag, by);
+                for f in fields {
+                    ident(&mut f.name, by);
+                    walk(&mut f.value, by);
+                }
+            }
+            ExprKind::Record(fields) => {
+                for f in fields {
+                    ident(&mut f.name, by);
+                    walk(&mut f.value, by);
+                }
+            }
+            ExprKind::List(xs) | ExprKind::Tuple(xs) => xs.iter_mut().for_each(|x| walk(x, by)),
+            // Overrides are single values; a `repeat` there is refused by the checker, which
+            // only needs the outer span.
+            ExprKind::Repeat { count, .. } => walk(count, by),
+        }
+    }
+    walk(&mut e, by);
+    e
+}
+
+/// What a grammar rule is called in an error message.
+fn rule_words(rule: Rule) -> &'static str {
+    match rule {
+        Rule::EOI => "end of file",
+        Rule::ident | Rule::keyword => "a name",
+        Rule::path | Rule::segment => "a name",
+        Rule::module_path => "a module path like `std::gpt2`",
+        Rule::use_decl => "`use`",
+        Rule::let_decl => "`let`",
+        Rule::block_def => "`block`",
+        Rule::model_def => "`model`",
+        Rule::section => "a section like `train { … }`",
+        Rule::item => "`use`, `let`, `block`, `model` or a section",
+        Rule::param | Rule::params => "a parameter",
+        Rule::inputs => "an input name",
+        Rule::body => "`{`",
+        Rule::assign => "an assignment `name = …`",
+        Rule::stmt => "a statement",
+        Rule::input_decl => "`input`",
+        Rule::shard_decl => "`shard`",
+        Rule::shard_item => "`Kind.dim on axis`",
+        Rule::setting => "a setting `name = value`",
+        Rule::expr
+        | Rule::product
+        | Rule::unary
+        | Rule::postfix
+        | Rule::primary
+        | Rule::repeat_count
+        | Rule::arg
+        | Rule::override_value => "an expression",
+        Rule::add_op => "`+` or `-`",
+        Rule::mul_op => "`*` or `/`",
+        Rule::neg => "`-`",
+        Rule::rename => "`as`",
+        Rule::call_args => "`(`",
+        Rule::named_arg => "a named argument",
+        Rule::repeat_expr => "`repeat`",
+        Rule::tagged | Rule::record => "a record `{ name: value }`",
+        Rule::field => "a field `name: value`",
+        Rule::list => "a list `[…]`",
+        Rule::paren => "`(`",
+        Rule::schedule_word => "a schedule",
+        Rule::boolean => "`true` or `false`",
+        Rule::string | Rule::string_body => "a string",
+        Rule::quantity | Rule::number => "a number",
+        Rule::unit => "a unit",
+        Rule::file | Rule::WHITESPACE | Rule::COMMENT | Rule::ident_char => "text",
+    }
+}
+
+fn syntax_error(file: FileId, text: &str, e: pest::error::Error<Rule>) -> Diagnostic {
+    use pest::error::{ErrorVariant, InputLocation};
+    let (start, end) = match e.location {
+        InputLocation::Pos(p) => (p, p),
+        InputLocation::Span((s, e)) => (s, e),
+    };
+    let message = match &e.variant {
+        ErrorVariant::ParsingError { positives, .. } => {
+            let mut words: Vec<&str> = positives.iter().map(|r| rule_words(*r)).collect();
+            words.sort_unstable();
+            words.dedup();
+            match words.len() {
+                0 => "unexpected text".to_string(),
+                1 => format!("expected {}", words[0]),
+                n => format!("expected {} or {}", words[..n - 1].join(", "), words[n - 1]),
+            }
+        }
+        ErrorVariant::CustomError { message } => message.clone(),
+    };
+    let found: String = text
+        .get(start..)
+        .unwrap_or("")
+        .chars()
+        .take_while(|c| !c.is_whitespace())
+        .take(20)
+        .collect();
+    let end = if end > start {
+        end
+    } else {
+        (start + found.len()).min(text.len())
+    };
+    let label = if found.is_empty() {
+        "here".to_string()
+    } else {
+        format!("found `{found}`")
+    };
+    Diagnostic::error("E0101", format!("syntax error: {message}"))
+        .label(Span::new(file, start, end), label)
+        .help("see docs/language.md for the syntax")
+}
+
+struct Builder {
+    file: FileId,
+}
+
+impl Builder {
+    fn span(&self, p: &Pair<Rule>) -> Span {
+        let s = p.as_span();
+        Span::new(self.file, s.start(), s.end())
+    }
+
+    fn ident(&self, p: Pair<Rule>) -> Ident {
+        Ident {
+            name: p.as_str().to_string(),
+            span: self.span(&p),
+        }
+    }
+
+    fn idents(&self, pairs: Pairs) -> Vec<Ident> {
+        pairs
+            .filter(|p| matches!(p.as_rule(), Rule::ident | Rule::segment))
+            .map(|p| self.ident(p))
+            .collect()
+    }
+
+    fn use_decl(&self, p: Pair<Rule>) -> UseDecl {
+        let span = self.span(&p);
+        let mut module = Vec::new();
+        let mut module_span = span;
+        let mut names = Vec::new();
+        for c in p.into_inner() {
+            match c.as_rule() {
+                Rule::module_path => {
+                    module_span = self.span(&c);
+                    module = self.idents(c.into_inner());
+                }
+                Rule::ident => names.push(self.ident(c)),
+                _ => {}
+            }
+        }
+        UseDecl {
+            module,
+            module_span,
+            names,
+            span,
+        }
+    }
+
+    fn let_decl(&self, p: Pair<Rule>) -> LetDecl {
+        let span = self.span(&p);
+        let mut inner = p.into_inner();
+        let name = self.next_ident(&mut inner, span);
+        let value = self.next_expr(&mut inner, span);
+        LetDecl { name, value, span }
+    }
+
+    fn next_ident(&self, inner: &mut Pairs, at: Span) -> Ident {
+        match inner.next() {
+            Some(p) => self.ident(p),
+            None => Ident {
+                name: String::new(),
+                span: at,
+            },
+        }
+    }
+
+    fn next_expr(&self, inner: &mut Pairs, at: Span) -> Expr {
+        match inner.next() {
+            Some(p) => self.expr(p),
+            None => Expr {
+                kind: ExprKind::Tuple(Vec::new()),
+                span: at,
+            },
+        }
+    }
+
+    fn block_def(&self, p: Pair<Rule>) -> BlockDef {
+        let span = self.span(&p);
+        let mut name = Ident {
+            name: String::new(),
+            span,
+        };
+        let mut params = Vec::new();
+        let mut inputs = Vec::new();
+        let mut body = None;
+        for c in p.into_inner() {
+            match c.as_rule() {
+                Rule::ident => name = self.ident(c),
+                Rule::params => {
+                    for param in c.into_inner() {
+                        let mut pi = param.into_inner();
+                        let pname = self.next_ident(&mut pi, span);
+                        let default = pi.next().map(|e| self.expr(e));
+                        params.push(Param {
+                            name: pname,
+                            default,
+                        });
+                    }
+                }
+                Rule::inputs => inputs = self.idents(c.into_inner()),
+                Rule::body => body = Some(self.body(c)),
+                _ => {}
+            }
+        }
+        BlockDef {
+            name,
+            params,
+            inputs,
+            body: body.unwrap_or_else(|| self.empty_body(span)),
+            span,
+        }
+    }
+
+    fn empty_body(&self, span: Span) -> Body {
+        Body {
+            stmts: Vec::new(),
+            result: Box::new(Expr {
+                kind: ExprKind::Tuple(Vec::new()),
+                span,
+            }),
+        }
+    }
+
+    /// Statements then a final expression (used by `block` bodies and `repeat`).
+    fn body_parts(&self, pairs: Pairs, span: Span) -> Body {
+        let mut stmts = Vec::new();
+        let mut result = None;
+        for c in pairs {
+            match c.as_rule() {
+                Rule::let_decl => stmts.push(Stmt::Let(self.let_decl(c))),
+                Rule::assign => stmts.push(self.assign(c)),
+                Rule::expr => result = Some(self.expr(c)),
+                _ => {}
+            }
+        }
+        match result {
+            Some(r) => Body {
+                stmts,
+                result: Box::new(r),
+            },
+            None => Body {
+                stmts,
+                ..self.empty_body(span)
+            },
+        }
+    }
+
+    fn body(&self, p: Pair<Rule>) -> Body {
+        let span = self.span(&p);
+        self.body_parts(p.into_inner(), span)
+    }
+
+    fn assign(&self, p: Pair<Rule>) -> Stmt {
+        let span = self.span(&p);
+        let mut inner = p.into_inner();
+        let name = self.next_ident(&mut inner, span);
+        let value = self.next_expr(&mut inner, span);
+        Stmt::Assign { name, value, span }
+    }
+
+    fn model_def(&self, p: Pair<Rule>) -> ModelDef {
+        let span = self.span(&p);
+        let mut inner = p.into_inner();
+        let name = self.next_ident(&mut inner, span);
+        let mut stmts = Vec::new();
+        for c in inner {
+            match c.as_rule() {
+                Rule::let_decl => stmts.push(Stmt::Let(self.let_decl(c))),
+                Rule::assign => stmts.push(self.assign(c)),
+                Rule::input_decl => stmts.push(Stmt::Input(self.input_decl(c))),
+                Rule::shard_decl => stmts.push(Stmt::Shard(
+                    c.into_inner().map(|i| self.shard_item(i)).collect(),
+                )),
+                _ => {}
+            }
+        }
+        ModelDef { name, stmts, span }
+    }
+
+    fn input_decl(&self, p: Pair<Rule>) -> InputDecl {
+        let span = self.span(&p);
+        let mut inner = p.into_inner();
+        let name = self.next_ident(&mut inner, span);
+        let batch = self.next_expr(&mut inner, span);
+        let seq = self.next_expr(&mut inner, span);
+        let dtype = self.next_ident(&mut inner, span);
+        InputDecl {
+            name,
+            batch,
+            seq,
+            dtype,
+            span,
+        }
+    }
+
+    fn shard_item(&self, p: Pair<Rule>) -> ShardItem {
+        let span = self.span(&p);
+        let mut ids = self.idents(p.into_inner());
+        let axis = ids.pop();
+        let dim = ids.pop();
+        let kind = ids.pop();
+        let blank = || Ident {
+            name: String::new(),
+            span,
+        };
+        ShardItem {
+            kind,
+            dim: dim.unwrap_or_else(blank),
+            axis: axis.unwrap_or_else(blank),
+            span,
+        }
+    }
+
+    fn section(&self, p: Pair<Rule>) -> Section {
+        let span = self.span(&p);
+        let mut inner = p.into_inner();
+        let name = self.next_ident(&mut inner, span);
+        let settings = inner
+            .filter(|c| c.as_rule() == Rule::setting)
+            .map(|c| {
+                let sspan = self.span(&c);
+                let mut si = c.into_inner();
+                let path = si
+                    .next()
+                    .map(|p| self.idents(p.into_inner()))
+                    .unwrap_or_default();
+                let value = self.next_expr(&mut si, sspan);
+                Setting {
+                    path,
+                    value,
+                    span: sspan,
+                }
+            })
+            .collect();
+        Section {
+            name,
+            settings,
+            span,
+        }
+    }
+
+    fn expr(&self, p: Pair<Rule>) -> Expr {
+        let span = self.span(&p);
+        match p.as_rule() {
+            Rule::expr | Rule::product => self.binary(p.into_inner(), span),
+            Rule::unary => self.unary(p),
+            Rule::postfix => self.postfix(p),
+            Rule::repeat_count | Rule::override_value => {
+                let mut inner = p.into_inner();
+                self.next_expr(&mut inner, span)
+            }
+            _ => self.primary(p),
+        }
+    }
+
+    /// `a op b op c`, left-associative.
+    fn binary(&self, mut pairs: Pairs, span: Span) -> Expr {
+        let mut acc = self.next_expr(&mut pairs, span);
+        while let (Some(op), Some(rhs)) = (pairs.next(), pairs.next()) {
+            let op = match op.as_str() {
+                "+" => BinOp::Add,
+                "-" => BinOp::Sub,
+                "*" => BinOp::Mul,
+                _ => BinOp::Div,
+            };
+            let rhs = self.expr(rhs);
+            let span = acc.span.to(rhs.span);
+            acc = Expr {
+                kind: ExprKind::Binary(op, Box::new(acc), Box::new(rhs)),
+                span,
+            };
+        }
+        acc
+    }
+
+    fn unary(&self, p: Pair<Rule>) -> Expr {
+        let span = self.span(&p);
+        let mut negs = 0;
+        let mut operand = None;
+        for c in p.into_inner() {
+            match c.as_rule() {
+                Rule::neg => negs += 1,
+                _ => operand = Some(self.expr(c)),
+            }
+        }
+        let mut e = operand.unwrap_or_else(|| *self.empty_body(span).result);
+        for _ in 0..negs {
+            e = Expr {
+                kind: ExprKind::Neg(Box::new(e)),
+                span,
+            };
+        }
+        e
+    }
+
+    fn postfix(&self, p: Pair<Rule>) -> Expr {
+        let span = self.span(&p);
+        let mut inner = p.into_inner();
+        let mut e = self.next_expr(&mut inner, span);
+        for c in inner {
+            let cspan = self.span(&c);
+            match c.as_rule() {
+                Rule::call_args => {
+                    let args = c.into_inner().map(|a| self.arg(a)).collect();
+                    e = Expr {
+                        span: e.span.to(cspan),
+                        kind: ExprKind::Call {
+                            callee: Box::new(e),
+                            args,
+                        },
+                    };
+                }
+                Rule::rename => {
+                    let mut ri = c.into_inner();
+                    let name = self.next_ident(&mut ri, cspan);
+                    e = Expr {
+                        span: e.span.to(cspan),
+                        kind: ExprKind::Rename(Box::new(e), name),
+                    };
+                }
+                _ => {}
+            }
+        }
+        e
+    }
+
+    fn arg(&self, p: Pair<Rule>) -> Arg {
+        let span = self.span(&p);
+        let mut inner = p.into_inner();
+        match inner.next() {
+            Some(c) if c.as_rule() == Rule::named_arg => {
+                let mut ni = c.into_inner();
+                let name = self.next_ident(&mut ni, span);
+                Arg::Named(name, self.next_expr(&mut ni, span))
+            }
+            Some(c) => Arg::Positional(self.expr(c)),
+            None => Arg::Positional(self.next_expr(&mut inner, span)),
+        }
+    }
+
+    fn fields(&self, pairs: Pairs) -> Vec<Field> {
+        pairs
+            .filter(|f| f.as_rule() == Rule::field)
+            .map(|f| {
+                let fspan = self.span(&f);
+                let mut fi = f.into_inner();
+                Field {
+                    name: self.next_ident(&mut fi, fspan),
+                    value: self.next_expr(&mut fi, fspan),
+                }
+            })
+            .collect()
+    }
+
+    fn primary(&self, p: Pair<Rule>) -> Expr {
+        let span = self.span(&p);
+        let kind = match p.as_rule() {
+            Rule::quantity => {
+                let mut text = String::new();
+                let mut unit = None;
+                for c in p.into_inner() {
+                    match c.as_rule() {
+                        Rule::number => text = c.as_str().to_string(),
+                        Rule::unit => unit = Some(c.as_str().to_string()),
+                        _ => {}
+                    }
+                }
+                ExprKind::Number { text, unit }
+            }
+            Rule::string => ExprKind::Str(
+                p.into_inner()
+                    .next()
+                    .map(|s| unescape(s.as_str()))
+                    .unwrap_or_default(),
+            ),
+            Rule::boolean => ExprKind::Bool(p.as_str() == "true"),
+            Rule::schedule_word => ExprKind::Path(vec![Ident {
+                name: p.as_str().to_string(),
+                span,
+            }]),
+            Rule::path => ExprKind::Path(self.idents(p.into_inner())),
+            Rule::tagged => {
+                let mut inner = p.into_inner();
+                let tag = match inner.next() {
+                    Some(t) => Ident {
+                        name: t.as_str().to_string(),
+                        span: self.span(&t),
+                    },
+                    None => Ident {
+                        name: String::new(),
+                        span,
+                    },
+                };
+                ExprKind::Tagged {
+                    tag,
+                    fields: self.fields(inner),
+                }
+            }
+            Rule::record => ExprKind::Record(self.fields(p.into_inner())),
+            Rule::list => ExprKind::List(p.into_inner().map(|e| self.expr(e)).collect()),
+            Rule::paren => {
+                let mut xs: Vec<Expr> = p.into_inner().map(|e| self.expr(e)).collect();
+                if xs.len() == 1 {
+                    if let Some(x) = xs.pop() {
+                        return x;
+                    }
+                }
+                ExprKind::Tuple(xs)
+            }
+            Rule::repeat_expr => {
+                let mut inner = p.into_inner().peekable();
+                let count = match inner.next() {
+                    Some(c) => self.expr(c),
+                    None => *self.empty_body(span).result,
+                };
+                let name = match inner.peek() {
+                    Some(r) if r.as_rule() == Rule::rename => inner
+                        .next()
+                        .and_then(|r| r.into_inner().next())
+                        .map(|i| self.ident(i)),
+                    _ => None,
+                };
+                let mut stmts = Vec::new();
+                let mut result = None;
+                for c in inner {
+                    match c.as_rule() {
+                        Rule::let_decl => stmts.push(Stmt::Let(self.let_decl(c))),
+                        Rule::assign => stmts.push(self.assign(c)),
+                        Rule::expr => result = Some(self.expr(c)),
+                        _ => {}
+                    }
+                }
+                let result = Box::new(result.unwrap_or_else(|| *self.empty_body(span).result));
+                ExprKind::Repeat {
+                    count: Box::new(count),
+                    name,
+                    body: Body { stmts, result },
+                }
+            }
+            _ => return self.expr_fallback(p, span),
+        };
+        Expr { kind, span }
+    }
+
+    fn expr_fallback(&self, p: Pair<Rule>, span: Span) -> Expr {
+        let mut inner = p.into_inner();
+        self.next_expr(&mut inner, span)
+    }
+}
+
+fn unescape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\\' {
+            match chars.next() {
+                Some('n') => out.push('\n'),
+                Some('t') => out.push('\t'),
+                Some(other) => out.push(other),
+                None => {}
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
