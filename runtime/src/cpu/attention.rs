@@ -13,7 +13,6 @@
 //! gets `o = 0`, `lse = −inf` and contributes no gradient.
 use super::args::{expect_len, op_error, positions_for, product, rows_of};
 use super::dense::{gemm_checked, Strided, Threads};
-use super::math::exp;
 use crate::error::Result;
 use parc_compiler::ir::op::Segment;
 use rayon::prelude::*;
@@ -231,7 +230,11 @@ pub(crate) fn attention(
                     }
                     let mut sum = 0.0f32;
                     for (j, p) in row.iter_mut().enumerate() {
-                        *p = if g.visible(i, j) { exp(*p - max) } else { 0.0 };
+                        *p = if g.visible(i, j) {
+                            (*p - max).exp()
+                        } else {
+                            0.0
+                        };
                         sum += *p;
                     }
                     let inv = 1.0 / sum;
@@ -348,7 +351,7 @@ pub(crate) fn attention_bwd(
                         let ds_row = &mut dscores[r * skv..(r + 1) * skv];
                         for j in 0..skv {
                             if g.visible(i, j) && lse[i] != f32::NEG_INFINITY {
-                                let p = exp(p_row[j] - lse[i]);
+                                let p = (p_row[j] - lse[i]).exp();
                                 p_row[j] = p;
                                 ds_row[j] = g.scale * p * (ds_row[j] - delta);
                             } else {

@@ -3,7 +3,6 @@
 //! over tp in between), then the scaled loss and the logits gradient. Row sums are accumulated in
 //! f64; the loss sums rows in fixed chunks (deterministic).
 use super::args::{expect_len, rows_of};
-use super::math::exp;
 use super::par::{rows_per_task, sum_chunks};
 use crate::error::Result;
 use rayon::prelude::*;
@@ -41,7 +40,7 @@ pub(crate) fn ce_sum_exp(
         .zip(logits.par_chunks(vocab_local).zip(max.par_iter()))
         .with_min_len(rows_per_task(vocab_local))
         .for_each(|(s, (row, &m))| {
-            *s = row.iter().map(|&l| f64::from(exp(l - m))).sum::<f64>() as f32;
+            *s = row.iter().map(|&l| f64::from((l - m).exp())).sum::<f64>() as f32;
         });
     Ok(())
 }
@@ -111,7 +110,7 @@ pub(crate) fn ce_grad(
         .for_each(|(r, (d, l))| {
             let factor = scale / sumexp[r];
             for (d, &l) in d.iter_mut().zip(l) {
-                *d = factor * exp(l - max[r]);
+                *d = factor * (l - max[r]).exp();
             }
             if let Some(c) = local_column(targets[r], vocab_start, vocab_local) {
                 d[c] -= scale;

@@ -3,7 +3,6 @@
 //! Computed in f32 (`libm::erff` for gelu; gelu_tanh through the identity
 //! `0.5·(1 + tanh u) = σ(2u)`, one exponential per element).
 use super::args::{expect_len, op_error};
-use super::math::exp;
 use crate::error::Result;
 use crate::tensor::{Tensor, TensorData};
 use parc_compiler::ir::op::Act;
@@ -55,7 +54,7 @@ const INV_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
 const INV_SQRT_2PI: f32 = 0.398_942_3;
 
 fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + exp(-x))
+    1.0 / (1.0 + (-x).exp())
 }
 
 /// `0.5·(1 + tanh(u)) = σ(2u)` with `u = √(2/π)(x + 0.044715x³)`, and `du/dx`.
@@ -77,7 +76,7 @@ fn activation_derivative(act: Act, x: f32) -> f32 {
     match act {
         Act::Gelu => {
             let cdf = 0.5 * (1.0 + libm::erff(x * INV_SQRT_2));
-            cdf + x * INV_SQRT_2PI * exp(-0.5 * x * x)
+            cdf + x * INV_SQRT_2PI * (-0.5 * x * x).exp()
         }
         Act::GeluTanh => {
             // d/dx x·σ(2u) = σ(2u) + x·σ(2u)(1 − σ(2u))·2u'.

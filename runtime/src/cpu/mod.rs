@@ -15,7 +15,6 @@ mod dispatch;
 mod elementwise;
 mod embed;
 mod linear;
-mod math;
 mod norm;
 mod optim;
 mod par;
