@@ -30,6 +30,7 @@
 
 mod liveness;
 mod rendezvous;
+pub(crate) mod slice;
 #[cfg(test)]
 mod tests;
 

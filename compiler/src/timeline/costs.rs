@@ -1,0 +1,170 @@
+//! What each instruction costs in the simulated step.
+//!
+//! [`SpecCosts`] prices instructions from the spec's cluster (the default): a compute op takes
+//! max(FLOPs / peak, bytes touched / HBM bandwidth) (a roofline); matmuls count 2·rows·in·out
+//! FLOPs for each of forward, data-gradient and weight-gradient, attention 4·b·heads·s_q·s_kv·d
+//! forward and twice that backward (not halved for causal masks, as the cost model), everything
+//! else is memory bound. Elements take the spec's compute precision (2 bytes for bf16/fp16, 4
+//! for fp32) except i32 token ids. A collective over n ranks of a B-byte buffer (all-reduce and
+//! reduce-scatter: the input; all-gather: the output; broadcast: the buffer) takes, with the
+//! link of the group (intra-node when its set fits in one node, else inter-node), ring times:
+//! all-reduce 2(n−1)/n·B/bw + 2(n−1)·latency, all-gather and reduce-scatter (n−1)/n·B/bw +
+//! (n−1)·latency, broadcast B/bw + latency. A point-to-point transfer takes B/bw + latency.
+
+use crate::ir::op::Op;
+use crate::ir::{Buffer, CollectiveKind, DType, Instr, Program};
+use crate::spec::{Precision, Spec};
+
+/// Prices instructions for the timeline. Implement it to simulate other machines or, in tests,
+/// idealised costs.
+pub trait StepCosts {
+    /// Seconds of a compute instruction (`Instr::Compute`) of `program`.
+    fn compute(&self, program: &Program, instr: &Instr) -> f64;
+    /// Seconds of a collective over `n` ranks whose defining buffer holds `bytes`.
+    fn collective(&self, kind: CollectiveKind, n: u32, bytes: f64, crosses_nodes: bool) -> f64;
+    /// Seconds of one point-to-point transfer of `bytes`.
+    fn transfer(&self, bytes: f64, crosses_nodes: bool) -> f64;
+    /// Bytes of a buffer as moved on the wire and through memory.
+    fn bytes(&self, buffer: &Buffer) -> f64;
+}
+
+/// Costs from a spec's GPU and links.
+pub struct SpecCosts<'a> {
+    pub spec: &'a Spec,
+}
+
+impl SpecCosts<'_> {
+    fn peak(&self) -> f64 {
+        let gpu = &self.spec.cluster.gpu;
+        match self.spec.train.precision {
+            Precision::Fp32 => gpu.peak_flops_fp32,
+            _ => gpu.peak_flops,
+        }
+    }
+
+    fn link(&self, crosses_nodes: bool) -> (f64, f64) {
+        let link = if crosses_nodes {
+            &self.spec.cluster.inter
+        } else {
+            &self.spec.cluster.intra
+        };
+        (link.bandwidth, link.latency)
+    }
+}
+
+fn numel(program: &Program, b: Option<&crate::ir::BufferId>) -> f64 {
+    b.and_then(|b| program.buffer(*b))
+        .map(|b| b.numel() as f64)
+        .unwrap_or(0.0)
+}
+
+/// FLOPs of a compute op given its buffers.
+pub fn op_flops(program: &Program, op: &Op, inputs: &[crate::ir::BufferId]) -> f64 {
+    match op {
+        Op::Matmul { in_dim, .. } => {
+            let rows = numel(program, inputs.first()) / (*in_dim).max(1) as f64;
+            2.0 * rows * numel(program, inputs.get(1))
+        }
+        Op::MatmulBwdData { out_dim, .. } | Op::MatmulBwdWeight { out_dim, .. } => {
+            let rows = numel(program, inputs.first()) / (*out_dim).max(1) as f64;
+            let (in_dim, out_dim) = match op {
+                Op::MatmulBwdData { in_dim, out_dim } => (*in_dim, *out_dim),
+                Op::MatmulBwdWeight {
+                    in_dim, out_dim, ..
+                } => (*in_dim, *out_dim),
+                _ => (0, 0),
+            };
+            2.0 * rows * in_dim as f64 * out_dim as f64
+        }
+        Op::Attention {
+            batch,
+            heads,
+            head_dim,
+            q_positions,
+            kv_positions,
+            ..
+        }
+        | Op::AttentionBwd {
+            batch,
+            heads,
+            head_dim,
+            q_positions,
+            kv_positions,
+            ..
+        } => {
+            let sq = f64::from(crate::ir::op::segments_len(q_positions));
+            let skv = f64::from(crate::ir::op::segments_len(kv_positions));
+            let forward = 4.0 * (*batch * *heads * *head_dim) as f64 * sq * skv;
+            if matches!(op, Op::AttentionBwd { .. }) {
+                2.0 * forward
+            } else {
+                forward
+            }
+        }
+        _ => 0.0,
+    }
+}
+
+impl StepCosts for SpecCosts<'_> {
+    fn compute(&self, program: &Program, instr: &Instr) -> f64 {
+        let Instr::Compute {
+            op,
+            inputs,
+            outputs,
+            ..
+        } = instr
+        else {
+            return 0.0;
+        };
+        let flops = op_flops(program, op, inputs);
+        let touched: f64 = inputs
+            .iter()
+            .chain(outputs)
+            .filter_map(|b| program.buffer(*b))
+            .map(|b| self.bytes(b))
+            .sum();
+        let peak = self.peak();
+        let bw = self.spec.cluster.gpu.memory_bandwidth;
+        let math = if peak > 0.0 { flops / peak } else { 0.0 };
+        let memory = if bw > 0.0 { touched / bw } else { 0.0 };
+        math.max(memory)
+    }
+
+    fn collective(&self, kind: CollectiveKind, n: u32, bytes: f64, crosses_nodes: bool) -> f64 {
+        if n <= 1 {
+            return 0.0;
+        }
+        let (bw, latency) = self.link(crosses_nodes);
+        let steps = f64::from(n - 1);
+        let share = steps / f64::from(n);
+        let time = |volume: f64, hops: f64| {
+            if bw > 0.0 {
+                volume / bw + hops * latency
+            } else {
+                hops * latency
+            }
+        };
+        match kind {
+            CollectiveKind::AllReduce { .. } => time(2.0 * share * bytes, 2.0 * steps),
+            CollectiveKind::AllGather | CollectiveKind::ReduceScatter => time(share * bytes, steps),
+            CollectiveKind::Broadcast { .. } => time(bytes, 1.0),
+        }
+    }
+
+    fn transfer(&self, bytes: f64, crosses_nodes: bool) -> f64 {
+        let (bw, latency) = self.link(crosses_nodes);
+        if bw > 0.0 {
+            bytes / bw + latency
+        } else {
+            latency
+        }
+    }
+
+    fn bytes(&self, buffer: &Buffer) -> f64 {
+        let elem = match buffer.dtype {
+            DType::I32 => 4,
+            DType::F32 => self.spec.train.precision.compute_bytes(),
+        };
+        (buffer.numel() * elem) as f64
+    }
+}

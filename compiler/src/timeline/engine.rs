@@ -1,0 +1,498 @@
+//! The discrete-event simulation behind [`super::simulate`]: ranks run until they block on a
+//! rendezvous; a rendezvous completes (with its time) when its last member arrives, so the
+//! order ranks are run in does not change any time.
+
+use super::{RankTimeline, Row, StepCosts, Timeline, TraceEvent};
+use crate::ir::{BufferId, CollectiveKind, GroupId, Instr, P2pOp, Phase, Plan, Program};
+use crate::spec::Spec;
+use crate::verify::slice::Slice;
+use std::collections::HashMap;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Status {
+    Running,
+    Blocked,
+    Done,
+}
+
+#[derive(Clone, Copy)]
+struct Posted {
+    send: bool,
+    peer: u32,
+    tag: u32,
+    bytes: f64,
+}
+
+struct RankState {
+    pc: usize,
+    /// Compute stream clock.
+    t: f64,
+    /// Comm stream clock.
+    t_comm: f64,
+    /// When each buffer's last write (or a collective reading it) completes.
+    ready: Vec<f64>,
+    /// When the collective that last set `ready` started moving data (waiting before that is
+    /// waiting for other members: idle, not communication).
+    comm_start: Vec<f64>,
+    busy: f64,
+    comm: f64,
+    exposed: f64,
+    status: Status,
+    posted: Vec<Posted>,
+    /// Post time of the current p2p group, the latest start and end of its transfers.
+    p2p_posted_at: f64,
+    p2p_latest_start: f64,
+    p2p_end: f64,
+    /// The compute event being extended: (node, phase) key and the event.
+    open: Option<((Option<u32>, Phase), TraceEvent)>,
+    events: Vec<TraceEvent>,
+}
+
+struct Engine<'a> {
+    plan: &'a Plan,
+    spec: &'a Spec,
+    costs: &'a dyn StepCosts,
+    slice: Slice,
+    ranks: Vec<RankState>,
+    /// Collective arrivals per (group, first simulated member): (member, issue time).
+    arrivals: HashMap<(GroupId, usize), Vec<(usize, f64)>>,
+    /// crosses[g][set]: the set spans more than one node.
+    crosses: Vec<Vec<bool>>,
+}
+
+fn node_of(spec: &Spec, rank: u32) -> u32 {
+    rank / spec.cluster.gpus_per_node.max(1)
+}
+
+impl<'a> Engine<'a> {
+    fn program(&self, y: usize) -> Option<&'a Program> {
+        let id = self.plan.rank_program.get(self.slice.ranks[y] as usize)?;
+        self.plan.programs.get(id.0 as usize)
+    }
+
+    fn bytes(&self, program: &Program, b: BufferId) -> f64 {
+        program
+            .buffer(b)
+            .map(|buf| self.costs.bytes(buf))
+            .unwrap_or(0.0)
+    }
+
+    fn close_event(&mut self, y: usize) {
+        if let Some((_, e)) = self.ranks[y].open.take() {
+            self.ranks[y].events.push(e);
+        }
+    }
+
+    fn compute_event(
+        &mut self,
+        y: usize,
+        pc: usize,
+        node: Option<u32>,
+        phase: Phase,
+        start: f64,
+        dur: f64,
+    ) {
+        let key = (node, phase);
+        let rank = self.slice.ranks[y];
+        let state = &mut self.ranks[y];
+        if let Some((k, e)) = state.open.as_mut() {
+            if *k == key && (e.start + e.duration - start).abs() <= 1e-12 * start.abs().max(1.0) {
+                e.duration = start + dur - e.start;
+                e.last_instr = pc;
+                return;
+            }
+        }
+        let name = match node.and_then(|n| self.spec.model.nodes.get(n as usize)) {
+            Some(n) => format!("{} {}", n.name, phase.name()),
+            None => phase.name().to_string(),
+        };
+        let event = TraceEvent {
+            rank,
+            row: Row::Compute,
+            name,
+            start,
+            duration: dur,
+            first_instr: pc,
+            last_instr: pc,
+        };
+        if let Some((_, done)) = self.ranks[y].open.replace((key, event)) {
+            self.ranks[y].events.push(done);
+        }
+    }
+
+    fn run(&mut self, y: usize, woken: &mut Vec<usize>) {
+        let Some(program) = self.program(y) else {
+            self.ranks[y].status = Status::Done;
+            return;
+        };
+        while self.ranks[y].status == Status::Running {
+            let pc = self.ranks[y].pc;
+            let Some(instr) = program.instrs.get(pc) else {
+                self.close_event(y);
+                self.ranks[y].status = Status::Done;
+                return;
+            };
+            match instr {
+                Instr::Compute {
+                    inputs,
+                    outputs,
+                    node,
+                    phase,
+                    ..
+                } => {
+                    let dur = self.costs.compute(program, instr);
+                    let state = &mut self.ranks[y];
+                    let (deps, since) = inputs.iter().chain(outputs).fold(
+                        (state.t, state.t),
+                        |(deps, since), b| {
+                            let i = b.0 as usize;
+                            match (state.ready.get(i), state.comm_start.get(i)) {
+                                (Some(&r), Some(&c)) if r > deps => (r, c.max(state.t)),
+                                _ => (deps, since),
+                            }
+                        },
+                    );
+                    state.exposed += deps - since;
+                    state.busy += dur;
+                    state.t = deps + dur;
+                    for b in outputs {
+                        if let Some(r) = state.ready.get_mut(b.0 as usize) {
+                            *r = deps + dur;
+                        }
+                    }
+                    state.pc += 1;
+                    self.compute_event(y, pc, node.map(|n| n.0), *phase, deps, dur);
+                }
+                Instr::Collective { group, .. } => {
+                    let r = self.slice.ranks[y];
+                    let set = self
+                        .slice
+                        .member
+                        .get(group.0 as usize)
+                        .and_then(|m| m.get(r as usize))
+                        .copied()
+                        .flatten();
+                    let Some(set) = set else {
+                        self.ranks[y].status = Status::Blocked;
+                        return;
+                    };
+                    let members = self.slice.proj_sets[group.0 as usize][set as usize].clone();
+                    let key = (*group, members.first().copied().unwrap_or(y));
+                    self.ranks[y].status = Status::Blocked;
+                    let issue = self.ranks[y].t;
+                    let arrived = self.arrivals.entry(key).or_default();
+                    arrived.push((y, issue));
+                    if arrived.len() == members.len() {
+                        let arrived = self.arrivals.remove(&key).unwrap_or_default();
+                        self.complete_collective(*group, set, &arrived);
+                        for (m, _) in arrived {
+                            if m != y {
+                                woken.push(m);
+                            }
+                        }
+                    }
+                }
+                Instr::Send { .. } | Instr::Recv { .. } | Instr::P2p { .. } => {
+                    self.post(y, program, instr, woken);
+                }
+                Instr::Alloc { .. } | Instr::Free { .. } | Instr::LoadBatch { .. } => {
+                    self.ranks[y].pc += 1;
+                }
+            }
+        }
+    }
+
+    fn complete_collective(&mut self, group: GroupId, set: u32, arrived: &[(usize, f64)]) {
+        let n = self
+            .plan
+            .group(group)
+            .and_then(|g| g.sets.get(set as usize))
+            .map(|s| s.len() as u32)
+            .unwrap_or(1);
+        let crosses = self.crosses[group.0 as usize][set as usize];
+        let mut start: f64 = 0.0;
+        let mut dur: f64 = 0.0;
+        let mut label = String::new();
+        for &(m, issue) in arrived {
+            let Some(program) = self.program(m) else {
+                continue;
+            };
+            if let Some(Instr::Collective {
+                kind,
+                input,
+                output,
+                ..
+            }) = program.instrs.get(self.ranks[m].pc)
+            {
+                let state = &self.ranks[m];
+                let input_ready = state.ready.get(input.0 as usize).copied().unwrap_or(0.0);
+                start = start.max(issue).max(state.t_comm).max(input_ready);
+                let bytes = match kind {
+                    CollectiveKind::AllGather => self.bytes(program, *output),
+                    _ => self.bytes(program, *input),
+                };
+                dur = dur.max(self.costs.collective(*kind, n, bytes, crosses));
+                if label.is_empty() {
+                    let what = match kind {
+                        CollectiveKind::AllReduce { .. } => "all_reduce",
+                        CollectiveKind::AllGather => "all_gather",
+                        CollectiveKind::ReduceScatter => "reduce_scatter",
+                        CollectiveKind::Broadcast { .. } => "broadcast",
+                    };
+                    let name = self
+                        .plan
+                        .group(group)
+                        .map(|g| g.name.as_str())
+                        .unwrap_or("?");
+                    label = format!("{what} {name}");
+                }
+            }
+        }
+        let end = start + dur;
+        for &(m, _) in arrived {
+            let Some(program) = self.program(m) else {
+                continue;
+            };
+            let pc = self.ranks[m].pc;
+            let rank = self.slice.ranks[m];
+            let state = &mut self.ranks[m];
+            if let Some(Instr::Collective { input, output, .. }) = program.instrs.get(pc) {
+                for b in [input, output] {
+                    let i = b.0 as usize;
+                    if let (Some(r), Some(c)) =
+                        (state.ready.get_mut(i), state.comm_start.get_mut(i))
+                    {
+                        if end >= *r {
+                            *r = end;
+                            *c = start;
+                        }
+                    }
+                }
+            }
+            state.t_comm = end;
+            state.comm += dur;
+            state.pc += 1;
+            state.status = Status::Running;
+            state.events.push(TraceEvent {
+                rank,
+                row: Row::Comm,
+                name: label.clone(),
+                start,
+                duration: dur,
+                first_instr: pc,
+                last_instr: pc,
+            });
+        }
+    }
+
+    fn post(&mut self, y: usize, program: &Program, instr: &Instr, woken: &mut Vec<usize>) {
+        let r = self.slice.ranks[y];
+        let op = |send: bool, peer, buffer: BufferId, tag: u32| {
+            (
+                Posted {
+                    send,
+                    peer: self.plan.peer_rank(r, peer),
+                    tag,
+                    bytes: self.bytes(program, buffer),
+                },
+                buffer,
+            )
+        };
+        let ops: Vec<(Posted, BufferId)> = match instr {
+            Instr::Send { peer, buffer, tag } => vec![op(true, *peer, *buffer, *tag)],
+            Instr::Recv { peer, buffer, tag } => vec![op(false, *peer, *buffer, *tag)],
+            Instr::P2p { ops } => ops
+                .iter()
+                .map(|o| match o {
+                    P2pOp::Send { peer, buffer, tag } => op(true, *peer, *buffer, *tag),
+                    P2pOp::Recv { peer, buffer, tag } => op(false, *peer, *buffer, *tag),
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        // Sends wait for their data; receives for their buffer to be free.
+        let state = &mut self.ranks[y];
+        let (at, since) = ops.iter().fold((state.t, state.t), |(at, since), (_, b)| {
+            let i = b.0 as usize;
+            match (state.ready.get(i), state.comm_start.get(i)) {
+                (Some(&r), Some(&c)) if r > at => (r, c.max(state.t)),
+                _ => (at, since),
+            }
+        });
+        state.exposed += at - since;
+        state.t = at;
+        state.p2p_posted_at = at;
+        state.p2p_latest_start = at;
+        state.p2p_end = at;
+        let mut mine = Vec::new();
+        for (p, _) in &ops {
+            let q = self.slice.sim_of.get(p.peer as usize).copied();
+            let matched = q.and_then(|q| {
+                self.ranks[q]
+                    .posted
+                    .iter()
+                    .position(|o| o.send != p.send && o.peer == r && o.tag == p.tag)
+                    .map(|i| (q, i))
+            });
+            let Some((q, i)) = matched else {
+                mine.push(*p);
+                continue;
+            };
+            self.ranks[q].posted.remove(i);
+            let crosses = node_of(self.spec, r) != node_of(self.spec, p.peer);
+            let start = at.max(self.ranks[q].p2p_posted_at);
+            let end = start + self.costs.transfer(p.bytes, crosses);
+            for s in [y, q] {
+                let st = &mut self.ranks[s];
+                st.p2p_latest_start = st.p2p_latest_start.max(start);
+                st.p2p_end = st.p2p_end.max(end);
+            }
+            if self.ranks[q].posted.is_empty() && self.ranks[q].status == Status::Blocked {
+                self.finish_p2p(q);
+                woken.push(q);
+            }
+        }
+        self.ranks[y].posted = mine;
+        if self.ranks[y].posted.is_empty() {
+            self.finish_p2p(y);
+        } else {
+            self.ranks[y].status = Status::Blocked;
+        }
+    }
+
+    fn finish_p2p(&mut self, y: usize) {
+        let Some(program) = self.program(y) else {
+            return;
+        };
+        let rank = self.slice.ranks[y];
+        let pc = self.ranks[y].pc;
+        self.close_event(y);
+        let st = &mut self.ranks[y];
+        let transfer = st.p2p_end - st.p2p_latest_start;
+        st.exposed += transfer;
+        st.comm += transfer;
+        st.t = st.p2p_end;
+        if let Some(instr) = program.instrs.get(pc) {
+            for b in instr.writes() {
+                if let Some(r) = st.ready.get_mut(b.0 as usize) {
+                    *r = st.t;
+                }
+            }
+        }
+        if transfer > 0.0 {
+            st.events.push(TraceEvent {
+                rank,
+                row: Row::Comm,
+                name: "p2p".to_string(),
+                start: st.p2p_latest_start,
+                duration: transfer,
+                first_instr: pc,
+                last_instr: pc,
+            });
+        }
+        st.pc += 1;
+        st.status = Status::Running;
+    }
+}
+
+pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
+    let slice = Slice::new(plan);
+    let crosses = plan
+        .groups
+        .iter()
+        .map(|g| {
+            g.sets
+                .iter()
+                .map(|set| {
+                    let first = set.first().map(|&r| node_of(spec, r));
+                    set.iter().any(|&r| Some(node_of(spec, r)) != first)
+                })
+                .collect()
+        })
+        .collect();
+    let ranks = slice
+        .ranks
+        .iter()
+        .map(|&r| {
+            let buffers = plan.program_of(r).map(|p| p.buffers.len()).unwrap_or(0);
+            RankState {
+                pc: 0,
+                t: 0.0,
+                t_comm: 0.0,
+                ready: vec![0.0; buffers],
+                comm_start: vec![0.0; buffers],
+                busy: 0.0,
+                comm: 0.0,
+                exposed: 0.0,
+                status: Status::Running,
+                posted: Vec::new(),
+                p2p_posted_at: 0.0,
+                p2p_latest_start: 0.0,
+                p2p_end: 0.0,
+                open: None,
+                events: Vec::new(),
+            }
+        })
+        .collect();
+    let mut engine = Engine {
+        plan,
+        spec,
+        costs,
+        slice,
+        ranks,
+        arrivals: HashMap::new(),
+        crosses,
+    };
+    let n = engine.ranks.len();
+    let mut ready: Vec<usize> = (0..n).rev().collect();
+    let mut woken = Vec::new();
+    while let Some(y) = ready.pop() {
+        engine.run(y, &mut woken);
+        ready.append(&mut woken);
+    }
+    let complete = engine.ranks.iter().all(|s| s.status == Status::Done);
+    let ends: Vec<f64> = engine.ranks.iter().map(|s| s.t.max(s.t_comm)).collect();
+    let step = ends.iter().copied().fold(0.0, f64::max);
+    let mut ranks = Vec::with_capacity(n);
+    let mut events = Vec::new();
+    for (y, state) in engine.ranks.iter_mut().enumerate() {
+        let rank = engine.slice.ranks[y];
+        let program = plan.rank_program.get(rank as usize).copied();
+        let role = plan
+            .program_of(rank)
+            .map(|p| p.role.clone())
+            .unwrap_or_default();
+        if let Some((_, e)) = state.open.take() {
+            state.events.push(e);
+        }
+        let mut evs = std::mem::take(&mut state.events);
+        evs.sort_by(|a, b| a.start.total_cmp(&b.start));
+        events.extend(evs);
+        ranks.push(RankTimeline {
+            rank,
+            program: program.unwrap_or(crate::ir::ProgramId(0)),
+            role,
+            busy_seconds: state.busy,
+            comm_seconds: state.comm,
+            exposed_comm_seconds: state.exposed,
+            idle_seconds: (step - state.busy - state.exposed).max(0.0),
+            end_seconds: ends[y],
+        });
+    }
+    let mean = |f: &dyn Fn(&RankTimeline) -> f64| {
+        if n == 0 || step <= 0.0 {
+            0.0
+        } else {
+            ranks.iter().map(f).sum::<f64>() / n as f64 / step
+        }
+    };
+    Timeline {
+        step_seconds: step,
+        bubble_fraction: mean(&|r| r.idle_seconds),
+        exposed_comm_fraction: mean(&|r| r.exposed_comm_seconds),
+        dp_symmetric: engine.slice.dp_symmetric,
+        ranks,
+        events,
+        complete,
+    }
+}

@@ -1,0 +1,210 @@
+//! The timeline against the pipeline bubble formulas (uniform stage costs) and the spec-priced
+//! simulation's bookkeeping.
+
+use super::*;
+use crate::cost::testspec::{build, Dims, Plan as PlanChoice};
+use crate::ir::{Buffer, CollectiveKind, Instr, Phase, Program};
+use crate::lower::lower;
+use crate::spec::PipelineSchedule;
+
+/// Uniform stage costs: every forward op of a repeated layer costs `forward`, every backward
+/// op `backward`; everything else (embedding, head, loss, optimizer, communication) is free.
+struct Uniform<'a> {
+    spec: &'a Spec,
+    forward: f64,
+    backward: f64,
+}
+
+impl Uniform<'_> {
+    fn layer_op(&self, instr: &Instr) -> Option<Phase> {
+        match instr {
+            Instr::Compute {
+                node: Some(n),
+                phase,
+                ..
+            } if self
+                .spec
+                .model
+                .nodes
+                .get(n.0 as usize)
+                .is_some_and(|n| n.layer.is_some()) =>
+            {
+                Some(*phase)
+            }
+            _ => None,
+        }
+    }
+}
+
+impl StepCosts for Uniform<'_> {
+    fn compute(&self, _: &Program, instr: &Instr) -> f64 {
+        match self.layer_op(instr) {
+            Some(Phase::Forward) => self.forward,
+            Some(Phase::Backward) => self.backward,
+            _ => 0.0,
+        }
+    }
+    fn collective(&self, _: CollectiveKind, _: u32, _: f64, _: bool) -> f64 {
+        0.0
+    }
+    fn transfer(&self, _: f64, _: bool) -> f64 {
+        0.0
+    }
+    fn bytes(&self, b: &Buffer) -> f64 {
+        b.bytes() as f64
+    }
+}
+
+/// The simulated bubble with uniform stages; `equal`: a layer's backward costs what its
+/// forward costs, else every op costs 1 (backward ≈ 1.8 × forward in op count).
+fn uniform_bubble(p: u32, m: u32, schedule: PipelineSchedule, equal: bool) -> f64 {
+    let dims = Dims {
+        layers: 16,
+        ..Dims::tiny()
+    };
+    let spec = build(
+        &dims,
+        &PlanChoice {
+            pp: p,
+            microbatches: m,
+            schedule,
+            ..PlanChoice::default()
+        },
+    );
+    let plan = lower(&spec).unwrap();
+    let mut costs = Uniform {
+        spec: &spec,
+        forward: 1.0,
+        backward: 1.0,
+    };
+    if equal {
+        let count = |phase| {
+            plan.programs[0]
+                .instrs
+                .iter()
+                .filter(|i| costs.layer_op(i) == Some(phase))
+                .count() as f64
+        };
+        let (f, b) = (count(Phase::Forward), count(Phase::Backward));
+        costs.forward = 1.0 / f;
+        costs.backward = 1.0 / b;
+    }
+    let timeline = simulate_with(&plan, &spec, &costs);
+    assert!(timeline.complete);
+    timeline.bubble_fraction
+}
+
+fn assert_within_1_percent(got: f64, want: f64, what: &str) {
+    assert!(
+        (got - want).abs() <= 0.01 * want,
+        "{what}: simulated {got}, formula {want}"
+    );
+}
+
+#[test]
+fn gpipe_and_1f1b_bubble_match_the_formula() {
+    for schedule in [PipelineSchedule::Gpipe, PipelineSchedule::OneFOneB] {
+        for (p, m) in [(2, 2), (2, 8), (4, 4), (4, 8), (8, 8), (4, 16)] {
+            let want = f64::from(p - 1) / f64::from(m + p - 1);
+            for equal in [false, true] {
+                let got = uniform_bubble(p, m, schedule, equal);
+                let what = format!("{schedule:?} p {p} m {m} equal {equal}");
+                assert_within_1_percent(got, want, &what);
+            }
+        }
+    }
+}
+
+/// Narayanan et al.'s (p−1)/(v·m+p−1) assumes a chunk's backward takes as long as its forward;
+/// with backward ≈ 1.8 × forward the depth-first schedule idles more (see the module docs).
+#[test]
+fn interleaved_bubble_matches_the_formula() {
+    for (p, v, m) in [
+        (2, 2, 2),
+        (2, 2, 4),
+        (2, 4, 4),
+        (4, 2, 4),
+        (4, 2, 8),
+        (4, 4, 8),
+    ] {
+        let want = f64::from(p - 1) / f64::from(v * m + p - 1);
+        let got = uniform_bubble(
+            p,
+            m,
+            PipelineSchedule::Interleaved { virtual_stages: v },
+            true,
+        );
+        assert_within_1_percent(got, want, &format!("interleaved p {p} v {v} m {m}"));
+    }
+}
+
+#[test]
+fn spec_costs_account_every_second() {
+    let spec = build(
+        &Dims::tiny(),
+        &PlanChoice {
+            dp: 2,
+            pp: 2,
+            tp: 2,
+            gpus_per_node: 4,
+            ..PlanChoice::default()
+        },
+    );
+    let plan = lower(&spec).unwrap();
+    let timeline = simulate(&plan, &spec);
+    assert!(timeline.complete);
+    assert!(timeline.dp_symmetric);
+    assert_eq!(timeline.ranks.len(), 4);
+    for r in &timeline.ranks {
+        assert!(r.busy_seconds > 0.0 && r.comm_seconds > 0.0, "{r:?}");
+        let accounted = r.busy_seconds + r.exposed_comm_seconds + r.idle_seconds;
+        assert!((accounted - timeline.step_seconds).abs() < 1e-9 * timeline.step_seconds);
+        assert!(r.end_seconds <= timeline.step_seconds);
+    }
+    assert!(timeline.bubble_fraction > 0.0 && timeline.bubble_fraction < 1.0);
+    // Events lie inside the step, compute events never overlap on one rank.
+    for r in &timeline.ranks {
+        let mut last_end = 0.0;
+        for e in timeline
+            .events
+            .iter()
+            .filter(|e| e.rank == r.rank && e.row == Row::Compute)
+        {
+            assert!(e.start + 1e-15 >= last_end, "{e:?}");
+            last_end = e.start + e.duration;
+        }
+        assert!(last_end <= timeline.step_seconds * (1.0 + 1e-12));
+    }
+}
+
+#[test]
+fn chrome_trace_has_a_track_per_rank_with_two_rows() {
+    let spec = build(
+        &Dims::tiny(),
+        &PlanChoice {
+            pp: 2,
+            tp: 2,
+            ..PlanChoice::default()
+        },
+    );
+    let plan = lower(&spec).unwrap();
+    let timeline = simulate(&plan, &spec);
+    let trace: serde_json::Value = serde_json::from_str(&timeline.to_chrome_trace()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    for rank in 0..4u64 {
+        for tid in [0u64, 1] {
+            assert!(
+                events.iter().any(|e| e["ph"] == "X"
+                    && e["pid"].as_u64() == Some(rank)
+                    && e["tid"].as_u64() == Some(tid)),
+                "rank {rank} row {tid}"
+            );
+        }
+        assert!(events
+            .iter()
+            .any(|e| e["ph"] == "M" && e["pid"].as_u64() == Some(rank)));
+    }
+    assert!(events.iter().any(|e| e["name"]
+        .as_str()
+        .is_some_and(|n| n.starts_with("blocks.0.attn fwd"))));
+}
