@@ -132,6 +132,32 @@ impl Geometry {
     fn lse_offset(&self, b: usize, h: usize) -> usize {
         (b * self.heads + h) * self.q_pos.len()
     }
+
+    /// `scores[r, j] = scale · q_tile[r] · k[j]` for a tile of queries against all keys
+    /// (`q_tile` `[rows, head_dim]`, `k` `[seq_kv, head_dim]`, both contiguous).
+    fn scores(
+        &self,
+        op: &str,
+        q_tile: &[f32],
+        k: &[f32],
+        scores: &mut [f32],
+        threads: Threads,
+    ) -> Result<()> {
+        let (d, skv) = (self.head_dim, self.kv_pos.len());
+        let rows = q_tile.len() / d;
+        gemm_checked(
+            op,
+            (&mut scores[..rows * skv], Strided::row_major(rows, skv)),
+            false,
+            (q_tile, Strided::row_major(rows, d)),
+            (k, Strided::transposed(d, skv)),
+            threads,
+        )?;
+        for s in scores[..rows * skv].iter_mut() {
+            *s *= self.scale;
+        }
+        Ok(())
+    }
 }
 
 /// Dot product with eight fixed accumulators (vectorisable, fixed summation order).
@@ -145,32 +171,6 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     }
     let tail: f32 = a[main..].iter().zip(&b[main..]).map(|(x, y)| x * y).sum();
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
-}
-
-/// One sample's heads as contiguous `[seq, head_dim]` matrices.
-struct HeadMatrices<'a> {
-    g: &'a Geometry,
-    threads: Threads,
-}
-
-impl HeadMatrices<'_> {
-    /// `scores[r, j] = scale · q[i0 + r] · k[j]` for the `rows` queries of a tile.
-    fn scores(&self, op: &str, q_tile: &[f32], k: &[f32], scores: &mut [f32]) -> Result<()> {
-        let (d, skv) = (self.g.head_dim, self.g.kv_pos.len());
-        let rows = q_tile.len() / d;
-        gemm_checked(
-            op,
-            (&mut scores[..rows * skv], Strided::row_major(rows, skv)),
-            false,
-            (q_tile, Strided::row_major(rows, d)),
-            (k, Strided::transposed(d, skv)),
-            self.threads,
-        )?;
-        for s in scores[..rows * skv].iter_mut() {
-            *s *= self.g.scale;
-        }
-        Ok(())
-    }
 }
 
 /// Which parallelism the products inside tasks use: the pool when there are fewer tasks than
@@ -199,10 +199,7 @@ pub(crate) fn attention(
     expect_len(op, "lse", lse.len(), g.lse_len())?;
     let (sq, skv, d) = (g.q_pos.len(), g.kv_pos.len(), g.head_dim);
     let tasks = g.batch * g.heads;
-    let heads = HeadMatrices {
-        g: &g,
-        threads: inner_threads(tasks),
-    };
+    let threads = inner_threads(tasks);
     let results: Vec<Result<(Vec<f32>, Vec<f32>)>> = (0..tasks)
         .into_par_iter()
         .map(|task| {
@@ -215,7 +212,7 @@ pub(crate) fn attention(
             let mut probs = vec![0.0f32; QUERY_TILE.min(sq) * skv];
             for i0 in (0..sq).step_by(QUERY_TILE) {
                 let rows = QUERY_TILE.min(sq - i0);
-                heads.scores(op, &q[i0 * d..(i0 + rows) * d], &k, &mut probs)?;
+                g.scores(op, &q[i0 * d..(i0 + rows) * d], &k, &mut probs, threads)?;
                 for (r, row) in probs.chunks_mut(skv).take(rows).enumerate() {
                     let i = i0 + r;
                     let mut max = f32::NEG_INFINITY;
@@ -252,7 +249,7 @@ pub(crate) fn attention(
                     false,
                     (&probs[..rows * skv], Strided::row_major(rows, skv)),
                     (&v, Strided::row_major(skv, d)),
-                    heads.threads,
+                    threads,
                 )?;
             }
             Ok((out, lse))
@@ -304,11 +301,7 @@ pub(crate) fn attention_bwd(
     expect_len(op, "dv", dv.len(), g.kv_len())?;
     let (sq, skv, d) = (g.q_pos.len(), g.kv_pos.len(), g.head_dim);
     let tasks = g.batch * g.kv_heads;
-    let heads = HeadMatrices {
-        g: &g,
-        threads: inner_threads(tasks),
-    };
-    let threads = heads.threads;
+    let threads = inner_threads(tasks);
     let results: Vec<Result<KvHeadGrads>> = (0..tasks)
         .into_par_iter()
         .map(|task| {
@@ -333,7 +326,7 @@ pub(crate) fn attention_bwd(
                     let rows = QUERY_TILE.min(sq - i0);
                     let q_tile = &q[i0 * d..(i0 + rows) * d];
                     let do_tile = &d_out[i0 * d..(i0 + rows) * d];
-                    heads.scores(op, q_tile, &k, &mut probs)?;
+                    g.scores(op, q_tile, &k, &mut probs, threads)?;
                     // dP = dO Vᵀ.
                     gemm_checked(
                         op,
