@@ -1,16 +1,249 @@
-//! `parc run`.
+//! `parc run FILE [--set PATH=VALUE]… [--backend auto|cpu|cuda] [--log-format human|json]
+//! [--resume DIR]`: check the spec, lower it to per-rank programs, and train them on this
+//! machine, one thread per rank with the local comm. Exit codes as `main`: 0 trained, 1 the
+//! spec or the run failed, 2 usage or unreadable input.
+use crate::cmd_check::{parse_overrides, read_spec};
+use crate::diagnostics;
+use crate::run_progress::{LogFormat, Progress, Summary};
 use crate::SpecArgs;
+use parc_compiler::diag::{Diagnostics, Sources};
+use parc_compiler::ir::Plan;
+use parc_compiler::lower::lower;
+use parc_compiler::spec::{Precision, Spec};
+use parc_runtime::backend::Backend;
+use parc_runtime::cpu::CpuBackend;
+use parc_runtime::exec::{train, TrainOptions};
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendChoice {
+    /// CUDA when this build has it and a GPU is present, else the CPU.
+    Auto,
+    Cpu,
+    Cuda,
+}
 
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
     /// The .par file.
-    pub file: std::path::PathBuf,
+    pub file: PathBuf,
     #[command(flatten)]
     pub spec: SpecArgs,
+    /// Where the ranks compute.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub backend: BackendChoice,
+    /// `human`: a progress line on stderr; `json`: one JSON object per step on stdout.
+    #[arg(long = "log-format", value_enum, default_value = "human")]
+    pub log_format: LogFormat,
+    /// Continue from a checkpoint: a `step-N` folder, or a checkpoint dir (its newest).
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
+}
+
+/// The backend a run will use, after resolving `auto`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Resolved {
+    Cpu,
+    #[cfg(feature = "cuda")]
+    Cuda,
+}
+
+impl Resolved {
+    fn name(self) -> &'static str {
+        match self {
+            Resolved::Cpu => "cpu",
+            #[cfg(feature = "cuda")]
+            Resolved::Cuda => "cuda",
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn resolve_backend(choice: BackendChoice, quiet: bool) -> Result<Resolved, String> {
+    match choice {
+        BackendChoice::Cpu => Ok(Resolved::Cpu),
+        BackendChoice::Cuda => Err("--backend cuda: this parc was built without CUDA; rebuild \
+             with `cargo build --release --features cuda` on a machine with the CUDA driver, \
+             or use --backend cpu"
+            .to_string()),
+        BackendChoice::Auto => {
+            if !quiet {
+                eprintln!("backend: cpu (auto: this parc was built without CUDA)");
+            }
+            Ok(Resolved::Cpu)
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn resolve_backend(choice: BackendChoice, quiet: bool) -> Result<Resolved, String> {
+    match choice {
+        BackendChoice::Cpu => Ok(Resolved::Cpu),
+        BackendChoice::Cuda => Ok(Resolved::Cuda),
+        BackendChoice::Auto => match parc_runtime::cuda::CudaBackend::new(0) {
+            Ok(_) => {
+                if !quiet {
+                    eprintln!("backend: cuda (auto: a CUDA device is present)");
+                }
+                Ok(Resolved::Cuda)
+            }
+            Err(e) => {
+                if !quiet {
+                    eprintln!("backend: cpu (auto: no usable CUDA device: {e})");
+                }
+                Ok(Resolved::Cpu)
+            }
+        },
+    }
 }
 
 pub fn main(args: RunArgs) -> u8 {
-    let _ = (&args.file, &args.spec.set);
-    eprintln!("error: `parc run` is not implemented in this build yet");
-    2
+    let quiet = args.log_format == LogFormat::Json;
+    let backend = match resolve_backend(args.backend, quiet) {
+        Ok(b) => b,
+        Err(message) => {
+            eprintln!("error: {message}");
+            return 2;
+        }
+    };
+    let (spec, plan) = match compile(&args.file, &args.spec.set) {
+        Ok(compiled) => compiled,
+        Err(code) => return code,
+    };
+    let spec_dir = spec_folder(&args.file);
+    match run(&spec, &plan, &spec_dir, backend, &args) {
+        Ok(()) => 0,
+        Err(message) => {
+            eprintln!("error: {message}");
+            1
+        }
+    }
+}
+
+/// Read, check and lower the spec, rendering every diagnostic on stderr. `Err` is the exit
+/// code: 2 for unreadable input or a bad `--set`, 1 for a spec with errors.
+fn compile(file: &Path, set: &[String]) -> Result<(Spec, Plan), u8> {
+    let fail = |code: u8| {
+        move |message: String| {
+            eprintln!("error: {message}");
+            code
+        }
+    };
+    let overrides = parse_overrides(set).map_err(fail(2))?;
+    let text = read_spec(file).map_err(fail(2))?;
+    let mut sources = Sources::default();
+    let main = sources.add(file.display().to_string(), text);
+    let (spec, diags) = parc_compiler::check(&mut sources, main, &overrides);
+    let color = diagnostics::stderr_color();
+    let show = |diags: &Diagnostics| {
+        for d in &diags.items {
+            eprint!("{}", diagnostics::render(&sources, d, color));
+            eprintln!();
+        }
+    };
+    show(&diags);
+    let spec = match spec {
+        Some(spec) if !diags.has_errors() => spec,
+        _ => {
+            eprintln!(
+                "error: {} has errors; `parc check` shows them all",
+                file.display()
+            );
+            return Err(1);
+        }
+    };
+    match lower(&spec) {
+        Ok(plan) => Ok((spec, plan)),
+        Err(diags) => {
+            show(&diags);
+            eprintln!("error: the plan of {} cannot be lowered", file.display());
+            Err(1)
+        }
+    }
+}
+
+/// The folder data and checkpoint paths are relative to.
+fn spec_folder(file: &Path) -> PathBuf {
+    match file.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+fn run(
+    spec: &Spec,
+    plan: &Plan,
+    spec_dir: &Path,
+    backend: Resolved,
+    args: &RunArgs,
+) -> Result<(), String> {
+    match backend {
+        Resolved::Cpu => run_with(spec, plan, spec_dir, backend, args, |_, threads| {
+            CpuBackend::with_threads(threads)
+        }),
+        // Rank r of a local run uses GPU r.
+        #[cfg(feature = "cuda")]
+        Resolved::Cuda => run_with(spec, plan, spec_dir, backend, args, |rank, _| {
+            parc_runtime::cuda::CudaBackend::new(rank as usize)
+        }),
+    }
+}
+
+fn run_with<B: Backend>(
+    spec: &Spec,
+    plan: &Plan,
+    spec_dir: &Path,
+    backend: Resolved,
+    args: &RunArgs,
+    new_backend: impl Fn(u32, usize) -> parc_runtime::error::Result<B> + Sync,
+) -> Result<(), String> {
+    let quiet = args.log_format == LogFormat::Json;
+    if !quiet {
+        if backend == Resolved::Cpu && spec.train.precision != Precision::Fp32 {
+            eprintln!(
+                "note: the cpu backend computes in fp32 (the spec asks for {:?})",
+                spec.train.precision
+            );
+        }
+        eprintln!(
+            "training {} on {} rank{} ({} steps, global batch {} × seq {})",
+            spec.model.name,
+            plan.world,
+            if plan.world == 1 { "" } else { "s" },
+            spec.train.steps,
+            spec.train.global_batch,
+            spec.model.seq
+        );
+    }
+    let mut options = TrainOptions::new(spec_dir);
+    options.resume = args.resume.clone();
+    let progress = Progress::new(
+        args.log_format,
+        spec.train.steps,
+        spec.train.log_every,
+        std::io::stderr().is_terminal(),
+    );
+    let first_step = std::sync::atomic::AtomicU64::new(u64::MAX);
+    let on_step = |record: &parc_runtime::exec::StepRecord| {
+        let _ = first_step.compare_exchange(
+            u64::MAX,
+            record.step,
+            std::sync::atomic::Ordering::Relaxed,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        progress.step(
+            record,
+            first_step.load(std::sync::atomic::Ordering::Relaxed),
+        );
+    };
+    let result = train(spec, plan, &options, new_backend, &on_step).map_err(|e| e.to_string())?;
+    progress.finish(&Summary {
+        records: &result.records,
+        epochs: &result.epochs,
+        checkpoints: &result.checkpoints,
+        backend: backend.name(),
+        world: plan.world,
+    });
+    Ok(())
 }

@@ -1,0 +1,287 @@
+//! What `parc run` prints while it trains: a human progress line (step, bar, loss, lr,
+//! tokens/s, ETA) on stderr, or one JSON object per step on stdout (`--log-format json`), and a
+//! final summary in either form.
+//!
+//! JSON lines: `{"event":"step","step":N,"loss":…,"lr":…,"grad_norm":…,"tokens":…,
+//! "tokens_per_s":…,"elapsed_s":…}` where `step` counts completed steps (1-based, so the last
+//! line of a run has `step = train.steps`), then one `{"event":"summary",…}` line.
+use parc_runtime::data::EpochProgress;
+use parc_runtime::exec::StepRecord;
+use serde_json::json;
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Human,
+    Json,
+}
+
+/// Renders step records as they arrive.
+pub struct Progress {
+    format: LogFormat,
+    total_steps: u64,
+    log_every: u64,
+    /// Rewrite one line in place (stderr is a terminal) instead of printing a line per step.
+    in_place: bool,
+}
+
+/// `h:mm:ss` or `m:ss`.
+pub fn format_duration(seconds: f64) -> String {
+    let s = seconds.max(0.0).round() as u64;
+    let (h, m, s) = (s / 3600, (s / 60) % 60, s % 60);
+    if h > 0 {
+        format!("{h}:{m:02}:{s:02}")
+    } else {
+        format!("{m}:{s:02}")
+    }
+}
+
+/// `950`, `12.3k`, `4.56M`.
+pub fn format_rate(per_s: f64) -> String {
+    if per_s >= 1e6 {
+        format!("{:.2}M", per_s / 1e6)
+    } else if per_s >= 1e3 {
+        format!("{:.1}k", per_s / 1e3)
+    } else {
+        format!("{per_s:.0}")
+    }
+}
+
+/// Seconds left for the remaining steps at the average pace of the steps run so far.
+pub fn eta_seconds(record: &StepRecord, first_step: u64, total_steps: u64) -> f64 {
+    let done = record.step + 1 - first_step;
+    let left = total_steps.saturating_sub(record.step + 1);
+    record.elapsed_s / done.max(1) as f64 * left as f64
+}
+
+/// The human progress line for `record`.
+pub fn human_line(record: &StepRecord, first_step: u64, total_steps: u64) -> String {
+    const WIDTH: u64 = 20;
+    let done = record.step + 1;
+    let filled = (done * WIDTH)
+        .checked_div(total_steps)
+        .unwrap_or(WIDTH)
+        .min(WIDTH) as usize;
+    let bar = format!(
+        "{}{}",
+        "#".repeat(filled),
+        "-".repeat(WIDTH as usize - filled)
+    );
+    let digits = total_steps.to_string().len();
+    format!(
+        "step {done:>digits$}/{total_steps} [{bar}] loss {:.4}  lr {:.2e}  {} tok/s  ETA {}",
+        record.loss,
+        record.lr,
+        format_rate(record.tokens_per_s),
+        format_duration(eta_seconds(record, first_step, total_steps))
+    )
+}
+
+/// The JSON line for `record`.
+pub fn json_line(record: &StepRecord) -> String {
+    json!({
+        "event": "step",
+        "step": record.step + 1,
+        "loss": record.loss,
+        "lr": record.lr,
+        "grad_norm": record.grad_norm,
+        "tokens": record.tokens,
+        "tokens_per_s": record.tokens_per_s,
+        "elapsed_s": record.elapsed_s,
+    })
+    .to_string()
+}
+
+/// What the summary reports about a finished run.
+pub struct Summary<'a> {
+    pub records: &'a [StepRecord],
+    pub epochs: &'a [EpochProgress],
+    pub checkpoints: &'a [PathBuf],
+    pub backend: &'a str,
+    pub world: u32,
+}
+
+impl Summary<'_> {
+    fn tokens_per_s(&self) -> f64 {
+        let tokens: u64 = self.records.iter().map(|r| r.tokens).sum();
+        let elapsed = self.records.last().map_or(0.0, |r| r.elapsed_s);
+        if elapsed > 0.0 {
+            tokens as f64 / elapsed
+        } else {
+            0.0
+        }
+    }
+
+    pub fn json(&self) -> String {
+        let first = self.records.first();
+        let last = self.records.last();
+        json!({
+            "event": "summary",
+            "steps": last.map_or(0, |r| r.step + 1),
+            "steps_run": self.records.len(),
+            "first_loss": first.map(|r| r.loss),
+            "final_loss": last.map(|r| r.loss),
+            "elapsed_s": last.map_or(0.0, |r| r.elapsed_s),
+            "tokens_per_s": self.tokens_per_s(),
+            "backend": self.backend,
+            "world": self.world,
+            "epochs": self.epochs.iter().map(|e| json!({
+                "epoch": e.epoch, "samples_seen": e.seen, "samples": e.total,
+            })).collect::<Vec<_>>(),
+            "checkpoints": self.checkpoints.iter().map(|p| p.display().to_string())
+                .collect::<Vec<_>>(),
+        })
+        .to_string()
+    }
+
+    pub fn human(&self) -> String {
+        let (Some(first), Some(last)) = (self.records.first(), self.records.last()) else {
+            return "nothing to do: the run had already reached train.steps".to_string();
+        };
+        let epochs: Vec<String> = self
+            .epochs
+            .iter()
+            .map(|e| format!("epoch {} {}/{}", e.epoch, e.seen, e.total))
+            .collect();
+        let mut text = format!(
+            "done: {} steps in {} on {} rank{} ({}), loss {:.4} → {:.4}, {} tok/s\n\
+             samples seen: {}",
+            self.records.len(),
+            format_duration(last.elapsed_s),
+            self.world,
+            if self.world == 1 { "" } else { "s" },
+            self.backend,
+            first.loss,
+            last.loss,
+            format_rate(self.tokens_per_s()),
+            epochs.join(", ")
+        );
+        if let Some(path) = self.checkpoints.last() {
+            text.push_str(&format!("\nlast checkpoint: {}", path.display()));
+        }
+        text
+    }
+}
+
+impl Progress {
+    pub fn new(format: LogFormat, total_steps: u64, log_every: u64, in_place: bool) -> Progress {
+        Progress {
+            format,
+            total_steps,
+            log_every: log_every.max(1),
+            in_place,
+        }
+    }
+
+    /// Print `record`: every step as JSON; as a human line every `log_every` steps (and the
+    /// first and last), or every step when the line is rewritten in place.
+    pub fn step(&self, record: &StepRecord, first_step: u64) {
+        let done = record.step + 1;
+        let due = self.in_place
+            || done.is_multiple_of(self.log_every)
+            || done == self.total_steps
+            || record.step == first_step;
+        if self.format == LogFormat::Human && !due {
+            return;
+        }
+        match self.format {
+            LogFormat::Json => {
+                let mut out = std::io::stdout().lock();
+                let _ = writeln!(out, "{}", json_line(record));
+                let _ = out.flush();
+            }
+            LogFormat::Human => {
+                let line = human_line(record, first_step, self.total_steps);
+                let mut err = std::io::stderr().lock();
+                if self.in_place {
+                    let _ = write!(err, "\r{line}\x1b[K");
+                } else {
+                    let _ = writeln!(err, "{line}");
+                }
+                let _ = err.flush();
+            }
+        }
+    }
+
+    pub fn finish(&self, summary: &Summary<'_>) {
+        match self.format {
+            LogFormat::Json => println!("{}", summary.json()),
+            LogFormat::Human => {
+                if self.in_place {
+                    eprintln!();
+                }
+                eprintln!("{}", summary.human());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(step: u64, elapsed_s: f64) -> StepRecord {
+        StepRecord {
+            step,
+            loss: 2.5,
+            lr: 6e-4,
+            grad_norm: 1.25,
+            tokens: 512,
+            tokens_per_s: 12_345.0,
+            elapsed_s,
+        }
+    }
+
+    #[test]
+    fn durations_rates_and_eta() {
+        assert_eq!(format_duration(59.6), "1:00");
+        assert_eq!(format_duration(3725.0), "1:02:05");
+        assert_eq!(format_rate(950.0), "950");
+        assert_eq!(format_rate(12_345.0), "12.3k");
+        assert_eq!(format_rate(4_560_000.0), "4.56M");
+        // 10 steps (0..=9) took 5 s: 90 left at 0.5 s each.
+        assert_eq!(eta_seconds(&record(9, 5.0), 0, 100), 45.0);
+        // Resumed at step 50: 10 steps (50..=59) in 5 s, 40 left.
+        assert_eq!(eta_seconds(&record(59, 5.0), 50, 100), 20.0);
+    }
+
+    #[test]
+    fn the_human_line_has_step_bar_loss_lr_rate_and_eta() {
+        let line = human_line(&record(49, 10.0), 0, 200);
+        assert_eq!(
+            line,
+            "step  50/200 [#####---------------] loss 2.5000  lr 6.00e-4  12.3k tok/s  ETA 0:30"
+        );
+    }
+
+    #[test]
+    fn json_lines_carry_every_field_and_count_steps_from_one() {
+        let value: serde_json::Value = serde_json::from_str(&json_line(&record(0, 0.5))).unwrap();
+        assert_eq!(value["event"], "step");
+        assert_eq!(value["step"], 1);
+        assert_eq!(value["tokens"], 512);
+        for key in ["loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"] {
+            assert!(value[key].is_number(), "{key}");
+        }
+        let records = [record(0, 1.0), record(1, 2.0)];
+        let epochs = [EpochProgress {
+            epoch: 0,
+            seen: 16,
+            total: 100,
+        }];
+        let summary = Summary {
+            records: &records,
+            epochs: &epochs,
+            checkpoints: &[],
+            backend: "cpu",
+            world: 2,
+        };
+        let value: serde_json::Value = serde_json::from_str(&summary.json()).unwrap();
+        assert_eq!(value["event"], "summary");
+        assert_eq!(value["steps"], 2);
+        assert_eq!(value["tokens_per_s"], 512.0);
+        assert_eq!(value["epochs"][0]["samples_seen"], 16);
+        assert!(summary.human().contains("samples seen: epoch 0 16/100"));
+    }
+}

@@ -1,0 +1,221 @@
+//! `parc run` end to end through the binary: the bundled tiny example trains and its loss falls,
+//! JSON lines carry every field, checkpoints resume bit-identically from the CLI, and bad input
+//! (missing data, `--backend cuda` without CUDA, a bad --resume path) is a clear error with
+//! exit code 1 or 2, never a panic.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn parc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_parc"))
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("run parc")
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("parc-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn json_lines(output: &Output) -> Vec<Value> {
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect()
+}
+
+fn steps(lines: &[Value]) -> Vec<&Value> {
+    lines.iter().filter(|v| v["event"] == "step").collect()
+}
+
+/// A small, fast variant of the bundled example.
+const SMALL: [&str; 6] = [
+    "--set",
+    "train.steps=6",
+    "--set",
+    "train.micro_batch=2",
+    "--set",
+    "train.global_batch=4",
+];
+
+#[test]
+fn json_lines_have_every_field_and_a_summary() {
+    let mut args = vec!["run", "examples/tiny.par", "--log-format", "json"];
+    args.extend(SMALL);
+    let out = parc(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines = json_lines(&out);
+    let steps = steps(&lines);
+    assert_eq!(steps.len(), 6);
+    for (i, line) in steps.iter().enumerate() {
+        assert_eq!(line["step"], i as u64 + 1);
+        for key in [
+            "loss",
+            "lr",
+            "grad_norm",
+            "tokens",
+            "tokens_per_s",
+            "elapsed_s",
+        ] {
+            assert!(line[key].is_number(), "{key} in {line}");
+        }
+    }
+    let summary = lines.last().unwrap();
+    assert_eq!(summary["event"], "summary");
+    assert_eq!(summary["steps"], 6);
+    assert!(summary["epochs"][0]["samples_seen"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn the_bundled_example_learns_and_a_parallel_plan_matches_it() {
+    let base = [
+        "run",
+        "examples/tiny.par",
+        "--log-format",
+        "json",
+        "--set",
+        "train.steps=8",
+    ];
+    let single = parc(&base);
+    assert!(
+        single.status.success(),
+        "{}",
+        String::from_utf8_lossy(&single.stderr)
+    );
+    let losses = |out: &Output| -> Vec<f64> {
+        steps(&json_lines(out))
+            .iter()
+            .map(|v| v["loss"].as_f64().unwrap())
+            .collect()
+    };
+    let single_losses = losses(&single);
+    assert!(
+        single_losses[7] < single_losses[0] - 0.3,
+        "loss did not fall: {single_losses:?}"
+    );
+    let mut args = base.to_vec();
+    args.extend([
+        "--set",
+        "parallel.dp=2",
+        "--set",
+        "parallel.tp=2",
+        "--set",
+        "cluster.gpus_per_node=4",
+    ]);
+    let parallel = parc(&args);
+    assert!(
+        parallel.status.success(),
+        "{}",
+        String::from_utf8_lossy(&parallel.stderr)
+    );
+    for (a, b) in single_losses.iter().zip(losses(&parallel)) {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "{a} vs {b}");
+    }
+}
+
+#[test]
+fn a_killed_run_resumes_bit_identically() {
+    let dir = temp_dir("resume");
+    let ckpt = format!("train.checkpoint.dir=\"{}\"", dir.display());
+    let mut args = vec!["run", "examples/tiny.par", "--log-format", "json"];
+    args.extend(SMALL);
+    args.extend([
+        "--set",
+        "train.steps=10",
+        "--set",
+        "train.checkpoint.every=2",
+    ]);
+    args.extend(["--set", &ckpt]);
+    let full = parc(&args);
+    assert!(full.status.success(), "{}", stderr_of(&full));
+    let full_losses: Vec<(u64, String)> = steps(&json_lines(&full))
+        .iter()
+        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].to_string()))
+        .collect();
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    // Start again and kill the process once it reports step 3.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_parc"))
+        .args(&args)
+        .current_dir(root())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    for line in BufReader::new(stdout).lines() {
+        let line: Value = serde_json::from_str(&line.unwrap()).unwrap();
+        if line["step"].as_u64() == Some(3) {
+            break;
+        }
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    let dir_arg = dir.display().to_string();
+    let mut resume = args.clone();
+    resume.extend(["--resume", &dir_arg]);
+    let resumed = parc(&resume);
+    assert!(resumed.status.success(), "{}", stderr_of(&resumed));
+    let again: Vec<(u64, String)> = steps(&json_lines(&resumed))
+        .iter()
+        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].to_string()))
+        .collect();
+    assert!(
+        !again.is_empty() && again.last().unwrap().0 == 10,
+        "{again:?}"
+    );
+    let tail = &full_losses[full_losses.len() - again.len()..];
+    assert_eq!(tail, &again[..]);
+}
+
+fn stderr_of(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn bad_input_is_a_clear_error_not_a_panic() {
+    let cuda = parc(&["run", "examples/tiny.par", "--backend", "cuda"]);
+    assert_eq!(cuda.status.code(), Some(2));
+    assert!(
+        stderr_of(&cuda).contains("built without CUDA"),
+        "{}",
+        stderr_of(&cuda)
+    );
+
+    let dir = temp_dir("missing-data");
+    let spec = std::fs::read_to_string(root().join("examples/tiny.par")).unwrap();
+    let spec = spec.replace("data/tiny-shakespeare.txt", "data/absent.txt");
+    let file = dir.join("tiny.par");
+    std::fs::write(&file, spec).unwrap();
+    let missing = parc(&["run", file.to_str().unwrap()]);
+    assert_eq!(missing.status.code(), Some(1));
+    let err = stderr_of(&missing);
+    assert!(
+        err.contains("absent.txt") && err.contains("no such file"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+
+    let resume = parc(&["run", "examples/tiny.par", "--resume", "/nonexistent/ckpt"]);
+    assert_eq!(resume.status.code(), Some(1));
+    assert!(
+        stderr_of(&resume).contains("/nonexistent/ckpt"),
+        "{}",
+        stderr_of(&resume)
+    );
+}
