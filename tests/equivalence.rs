@@ -9,8 +9,10 @@
 mod fixtures;
 
 use fixtures::{spec, PlanChoice, TinyModel};
+use parc_compiler::diag::Sources;
 use parc_compiler::lower::lower;
-use parc_compiler::spec::{PipelineSchedule, Recompute, ZeroStage};
+use parc_compiler::spec::{PipelineSchedule, Recompute, Spec, ZeroStage};
+use parc_compiler::{check, parse_override};
 use parc_runtime::cpu::CpuBackend;
 use parc_runtime::exec::{train, TrainOptions, TrainResult};
 use std::time::Duration;
@@ -282,4 +284,97 @@ fn full_matrix_when_asked() {
         failures.len()
     );
     assert!(failures.is_empty(), "failed plans: {failures:#?}");
+}
+
+/// The bundled examples themselves (shrunk by `--set` to keep CI fast), on their real data.
+fn example(file: &str, sets: &[&str]) -> Spec {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join(file)).unwrap();
+    let mut sources = Sources::default();
+    let main = sources.add(file, text);
+    let shrink = [
+        "model.seq=16",
+        "model.d=32",
+        "model.ffn=64",
+        "train.steps=5",
+    ];
+    let overrides: Vec<_> = shrink
+        .iter()
+        .chain(sets)
+        .map(|s| parse_override(s).unwrap())
+        .collect();
+    let (spec, diags) = check(&mut sources, main, &overrides);
+    spec.unwrap_or_else(|| panic!("{file} {sets:?}: {:?}", diags.items))
+}
+
+fn run_example(spec: &Spec) -> TrainResult {
+    let plan = lower(spec).unwrap_or_else(|d| panic!("{:?}", d.items));
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut options = TrainOptions::new(root.join("examples"));
+    options.comm_timeout = Duration::from_secs(60);
+    options.threads_per_rank = Some(1);
+    train(
+        spec,
+        &plan,
+        &options,
+        |_, t| CpuBackend::with_threads(t),
+        &|_| {},
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn assert_example_equivalent(file: &str, plan: &[&str]) {
+    let single = run_example(&example(file, &[]));
+    let got = run_example(&example(file, plan));
+    assert_eq!(got.records.len(), 5);
+    assert_ne!(single.records[0].loss, single.records[4].loss);
+    for (a, b) in single.records.iter().zip(&got.records) {
+        let rel = (a.loss - b.loss).abs() / a.loss.abs();
+        assert!(
+            rel < 1e-5,
+            "{file} {plan:?} step {}: {} vs {}",
+            a.step,
+            b.loss,
+            a.loss
+        );
+    }
+    assert_eq!(single.params.len(), got.params.len());
+    for (a, b) in single.params.iter().zip(&got.params) {
+        for (x, y) in a.data.iter().zip(&b.data) {
+            assert!(
+                (x - y).abs() <= 1e-5 * x.abs().max(1.0),
+                "{file} {plan:?} {}: {y} vs {x}",
+                a.name
+            );
+        }
+    }
+}
+
+#[test]
+fn tiny_example_with_dp_tp_zero_and_sequence_parallelism() {
+    assert_example_equivalent(
+        "examples/tiny.par",
+        &[
+            "parallel.dp=2",
+            "parallel.tp=2",
+            "parallel.zero=2",
+            "parallel.sequence_parallel=true",
+            "cluster.gpus_per_node=4",
+        ],
+    );
+}
+
+#[test]
+fn tiny_llama_example_with_interleaved_pipeline_and_context_parallelism() {
+    assert_example_equivalent(
+        "examples/tiny-llama.par",
+        &[
+            "parallel.pp=2",
+            "parallel.cp=2",
+            "parallel.schedule=interleaved",
+            "parallel.virtual=2",
+            "parallel.recompute=full",
+            "cluster.gpus_per_node=4",
+        ],
+    );
 }
