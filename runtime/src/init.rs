@@ -86,49 +86,70 @@ pub fn fill_indices(
     Ok(())
 }
 
-/// Global flat indices of the tp-local tensor's elements, in its row-major order: the block
-/// `tp.index` of `tp.parts` along `tp.dim` of a tensor of `global_shape` (all of it when `tp` is
-/// None).
-pub fn tp_local_indices(global_shape: &[u64], tp: Option<TpSplit>) -> Result<Vec<u64>> {
-    let mut local_shape = global_shape.to_vec();
-    let mut offset = vec![0u64; global_shape.len()];
-    if let Some(split) = tp {
-        let dim = split.dim as usize;
-        let extent = global_shape.get(dim).copied().ok_or_else(|| {
-            RuntimeError::Unsupported(format!(
-                "tp split along dimension {dim} of a parameter of shape {global_shape:?}"
-            ))
-        })?;
-        if split.parts == 0 || extent % u64::from(split.parts) != 0 || split.index >= split.parts {
-            return Err(RuntimeError::Unsupported(format!(
-                "tp block {} of {} along dimension {dim} of a parameter of shape {global_shape:?}: \
-                 the dimension must divide evenly and the block must exist",
-                split.index, split.parts
-            )));
-        }
-        let block = extent / u64::from(split.parts);
-        local_shape[dim] = block;
-        offset[dim] = block * u64::from(split.index);
-    }
-    let count: u64 = local_shape.iter().product();
-    let mut indices = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
-    let mut coords = vec![0u64; local_shape.len()];
-    for _ in 0..count {
-        let flat = coords
-            .iter()
-            .zip(&offset)
-            .zip(global_shape)
-            .fold(0u64, |acc, ((&c, &o), &extent)| acc * extent + c + o);
-        indices.push(flat);
-        for d in (0..coords.len()).rev() {
-            coords[d] += 1;
-            if coords[d] < local_shape[d] {
-                break;
+/// The tp-local tensor of a parameter: block `tp.index` of `tp.parts` along `tp.dim` of the
+/// global tensor (all of it when there is no split), and the map from its row-major flat indices
+/// to global ones.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TpBlock {
+    global_shape: Vec<u64>,
+    local_shape: Vec<u64>,
+    offset: Vec<u64>,
+}
+
+impl TpBlock {
+    pub fn new(global_shape: &[u64], tp: Option<TpSplit>) -> Result<TpBlock> {
+        let mut local_shape = global_shape.to_vec();
+        let mut offset = vec![0u64; global_shape.len()];
+        if let Some(split) = tp {
+            let dim = split.dim as usize;
+            let extent = global_shape.get(dim).copied().ok_or_else(|| {
+                RuntimeError::Unsupported(format!(
+                    "tp split along dimension {dim} of a parameter of shape {global_shape:?}"
+                ))
+            })?;
+            let parts = u64::from(split.parts);
+            if extent.checked_rem(parts) != Some(0) || split.index >= split.parts {
+                return Err(RuntimeError::Unsupported(format!(
+                    "tp block {} of {} along dimension {dim} of a parameter of shape \
+                     {global_shape:?}: the dimension must divide evenly and the block must exist",
+                    split.index, split.parts
+                )));
             }
-            coords[d] = 0;
+            let block = extent / parts;
+            local_shape[dim] = block;
+            offset[dim] = block * u64::from(split.index);
         }
+        Ok(TpBlock {
+            global_shape: global_shape.to_vec(),
+            local_shape,
+            offset,
+        })
     }
-    Ok(indices)
+
+    /// Elements of the tp-local tensor.
+    pub fn numel(&self) -> u64 {
+        self.local_shape.iter().product()
+    }
+
+    /// The global flat index of the tp-local tensor's flat element `local`.
+    pub fn global_index(&self, mut local: u64) -> u64 {
+        let mut global = 0u64;
+        let mut stride = 1u64;
+        for d in (0..self.local_shape.len()).rev() {
+            let extent = self.local_shape[d].max(1);
+            global += (local % extent + self.offset[d]) * stride;
+            local /= extent;
+            stride *= self.global_shape[d];
+        }
+        global
+    }
+}
+
+/// Global flat indices of the tp-local tensor's elements, in its row-major order (see
+/// [`TpBlock`]).
+pub fn tp_local_indices(global_shape: &[u64], tp: Option<TpSplit>) -> Result<Vec<u64>> {
+    let block = TpBlock::new(global_shape, tp)?;
+    Ok((0..block.numel()).map(|i| block.global_index(i)).collect())
 }
 
 /// Where a ZeRO shard sits in the flat, zero-padded tp-local tensor.
@@ -151,21 +172,33 @@ pub fn fill_local_param(
     tp: Option<TpSplit>,
     zero: Option<ZeroShard>,
 ) -> Result<()> {
-    let local = tp_local_indices(global_shape, tp)?;
-    let indices: Vec<Option<u64>> = match zero {
-        None => local.into_iter().map(Some).collect(),
-        Some(shard) => {
-            let start = shard.index.saturating_mul(shard.shard_len);
-            (0..shard.shard_len)
-                .map(|j| {
-                    usize::try_from(start + j)
-                        .ok()
-                        .and_then(|i| local.get(i).copied())
-                })
-                .collect()
-        }
+    let block = TpBlock::new(global_shape, tp)?;
+    let numel = block.numel();
+    let (start, len) = match zero {
+        None => (0, numel),
+        Some(shard) => (shard.index.saturating_mul(shard.shard_len), shard.shard_len),
     };
-    fill_indices(out, init, seed, param, &indices)
+    if out.len() as u64 != len {
+        return Err(RuntimeError::Unsupported(format!(
+            "parameter {} init: a buffer of {} elements for a local copy of {len}",
+            param.0,
+            out.len()
+        )));
+    }
+    out.par_chunks_mut(4096)
+        .enumerate()
+        .for_each(|(chunk, values)| {
+            let base = start + (chunk * 4096) as u64;
+            for (j, value) in values.iter_mut().enumerate() {
+                let local = base + j as u64;
+                *value = if local < numel {
+                    init_value(init, seed, param, block.global_index(local))
+                } else {
+                    0.0
+                };
+            }
+        });
+    Ok(())
 }
 
 #[cfg(test)]
@@ -287,6 +320,35 @@ mod tests {
         }
         assert_eq!(gathered[..15], local[..]);
         assert_eq!(gathered[15], 0.0);
+    }
+
+    #[test]
+    fn listed_indices_pick_elements_and_none_is_padding() {
+        let init = Init::Normal { std: 1.0 };
+        let mut full = vec![0.0; 8];
+        fill_range(&mut full, init, 4, ParamId(6), 0);
+        let mut picked = vec![f32::NAN; 3];
+        fill_indices(&mut picked, init, 4, ParamId(6), &[Some(5), None, Some(2)]).unwrap();
+        assert_eq!(picked, vec![full[5], 0.0, full[2]]);
+        assert!(fill_indices(&mut picked, init, 4, ParamId(6), &[Some(1)]).is_err());
+    }
+
+    #[test]
+    fn tp_block_indices_of_a_3d_tensor_match_brute_force() {
+        let split = TpSplit {
+            dim: 1,
+            parts: 2,
+            index: 1,
+        };
+        let mut expected = Vec::new();
+        for a in 0..2u64 {
+            for b in 2..4u64 {
+                for c in 0..3u64 {
+                    expected.push((a * 4 + b) * 3 + c);
+                }
+            }
+        }
+        assert_eq!(tp_local_indices(&[2, 4, 3], Some(split)).unwrap(), expected);
     }
 
     #[test]
