@@ -185,7 +185,7 @@ fn run(
         // Rank r of a local run uses GPU r.
         #[cfg(feature = "cuda")]
         Resolved::Cuda => run_with(spec, plan, spec_dir, backend, args, |rank, _| {
-            parc_runtime::cuda::CudaBackend::new(rank as usize)
+            parc_runtime::cuda::CudaBackend::with_precision(rank as usize, spec.train.precision)
         }),
     }
 }
