@@ -49,3 +49,45 @@ fn llama70b_lowering_time() {
         );
     }
 }
+
+/// Phase timings of the bundled 70B/64-GPU example (`--ignored`, release): check, lower, verify.
+#[test]
+#[ignore]
+fn example_70b_phases() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/llama3-70b-64gpu.par");
+    let text = std::fs::read_to_string(path).unwrap();
+    for extra in [
+        vec![],
+        vec![
+            "parallel.dp=16",
+            "cluster.nodes=128",
+            "train.global_batch=1024",
+        ],
+    ] {
+        let overrides: Vec<_> = extra
+            .iter()
+            .map(|s| parc_compiler::parse_override(s).unwrap())
+            .collect();
+        let mut sources = parc_compiler::diag::Sources::default();
+        let main = sources.add(path, text.clone());
+        let t = std::time::Instant::now();
+        let (spec, diags) = parc_compiler::check(&mut sources, main, &overrides);
+        let spec = spec.unwrap_or_else(|| panic!("{:?}", diags.items));
+        let checked = t.elapsed();
+        let plan = lower(&spec).unwrap();
+        let lowered = t.elapsed();
+        let report = parc_compiler::verify::verify_spec(&plan, &spec);
+        let verified = t.elapsed();
+        let instrs: usize = plan.programs.iter().map(|p| p.instrs.len()).sum();
+        println!(
+            "world {} ({instrs} instrs): check {checked:?}, lower {:?}, verify {:?} ({})",
+            plan.world,
+            lowered - checked,
+            verified - lowered,
+            if report.is_ok() { "ok" } else { "FAILED" }
+        );
+        let t = std::time::Instant::now();
+        drop(plan);
+        println!("  drop {:?}", t.elapsed());
+    }
+}
