@@ -201,6 +201,7 @@ fn matrix(stride: usize, llama: bool) {
                                         microbatches: 2,
                                         recompute: recompute.clone(),
                                         sp,
+                                        ..PlanChoice::default()
                                     });
                                 }
                             }
@@ -229,4 +230,23 @@ fn matrix_sample() {
 fn matrix_full() {
     matrix(1, false);
     matrix(1, true);
+}
+
+/// Any mesh order: tp outermost and dp innermost changes every group and peer, not the math.
+#[test]
+fn mesh_order_does_not_matter() {
+    use parc_compiler::spec::Axis;
+    assert_same(
+        true,
+        PlanChoice {
+            dp: 2,
+            pp: 2,
+            cp: 2,
+            tp: 2,
+            zero: ZeroStage::Zero2,
+            sp: true,
+            order: [Axis::Tp, Axis::Cp, Axis::Pp, Axis::Dp],
+            ..PlanChoice::default()
+        },
+    );
 }

@@ -24,6 +24,8 @@ pub struct PlanChoice {
     pub microbatches: u32,
     pub recompute: Recompute,
     pub sp: bool,
+    /// Mesh axes outermost first.
+    pub order: [Axis; 4],
 }
 
 impl Default for PlanChoice {
@@ -38,6 +40,7 @@ impl Default for PlanChoice {
             microbatches: 2,
             recompute: Recompute::None,
             sp: false,
+            order: [Axis::Dp, Axis::Pp, Axis::Cp, Axis::Tp],
         }
     }
 }
@@ -280,12 +283,19 @@ pub fn sized_spec(model: TinyModel, plan: PlanChoice, dims: Dims) -> Spec {
         },
         parallel: Parallel {
             mesh: Mesh {
-                axes: vec![
-                    (Axis::Dp, plan.dp),
-                    (Axis::Pp, plan.pp),
-                    (Axis::Cp, plan.cp),
-                    (Axis::Tp, plan.tp),
-                ],
+                axes: plan
+                    .order
+                    .iter()
+                    .map(|a| {
+                        let n = match a {
+                            Axis::Dp => plan.dp,
+                            Axis::Pp => plan.pp,
+                            Axis::Cp => plan.cp,
+                            Axis::Tp => plan.tp,
+                        };
+                        (*a, n)
+                    })
+                    .collect(),
             },
             zero: plan.zero,
             schedule: plan.schedule,
