@@ -101,7 +101,7 @@ impl Grid<'_> {
                              value: u64,
                              on: bool,
                              diags: &mut Diagnostics| {
-                if !on || tp <= 1 || value % tp == 0 || !reported.insert((code, value)) {
+                if !on || tp <= 1 || value.is_multiple_of(tp) || !reported.insert((code, value)) {
                     return;
                 }
                 let at = spans.get(param).copied().unwrap_or(n.span);
@@ -160,7 +160,7 @@ impl Grid<'_> {
                 _ => {}
             }
         }
-        let model_span = e.model.span;
+        let model_span = e.name_span;
         if tp > 1 && !sh.attention_heads_on_tp {
             self.diags.push(
                 Diagnostic::error(
@@ -208,14 +208,14 @@ impl Grid<'_> {
             .iter()
             .any(|n| matches!(n.kind, LayerKind::Attention { causal: true, .. }));
         let chunks = if cp > 1 && causal { 2 * cp } else { cp };
-        if cp > 1 && seq % chunks != 0 {
+        if cp > 1 && !seq.is_multiple_of(chunks) {
             let why = if causal {
                 format!("2·cp = {chunks} (causal attention is balanced by giving each cp rank two chunks)")
             } else {
                 format!("cp = {cp}")
             };
             let ok: Vec<String> = (1..=64u64)
-                .filter(|c| seq % (if causal { 2 * c } else { *c }) == 0)
+                .filter(|c| seq.is_multiple_of(if causal { 2 * c } else { *c }))
                 .take(8)
                 .map(|c| c.to_string())
                 .collect();
@@ -237,7 +237,7 @@ impl Grid<'_> {
                         .label(span, "sequence_parallel = true")
                         .help("set tp > 1, or remove sequence_parallel"),
                 );
-            } else if (seq / cp.max(1)) % tp != 0 {
+            } else if !(seq / cp.max(1)).is_multiple_of(tp) {
                 let local = seq / cp.max(1);
                 self.diags.push(
                     Diagnostic::error("E0410", format!("sequence parallelism splits each rank's {local} tokens over tp = {tp}, which does not divide them"))
@@ -268,14 +268,14 @@ impl Grid<'_> {
         };
         let chunks = pp * v;
         let layers = e.model.layers;
-        if layers == 0 || layers % chunks != 0 {
+        if layers == 0 || !layers.is_multiple_of(chunks) {
             let label = if v > 1 {
                 format!("pp × virtual = {pp} × {v} = {chunks}")
             } else {
                 format!("pp = {pp}")
             };
             let fits: Vec<String> = (1..=layers.max(1))
-                .filter(|d| layers % d == 0)
+                .filter(|d| layers.is_multiple_of(*d))
                 .map(|d| d.to_string())
                 .collect();
             let help = if layers == 0 {
@@ -378,7 +378,7 @@ impl Grid<'_> {
             );
         }
         if let PipelineSchedule::Interleaved { .. } = p.schedule {
-            if pp > 1 && m % pp != 0 {
+            if pp > 1 && !m.is_multiple_of(pp) {
                 let up = m.div_ceil(pp) * pp;
                 self.diags.push(
                     Diagnostic::error("E0503", format!("the interleaved schedule needs microbatches ({m}) to be a multiple of pp = {pp}"))
@@ -400,7 +400,7 @@ impl Grid<'_> {
                 continue;
             }
             let reach = p.mesh.stride(axis).saturating_mul(n);
-            if reach <= gpn && gpn % reach == 0 {
+            if reach <= gpn && gpn.is_multiple_of(reach) {
                 continue;
             }
             let name = axis.name();

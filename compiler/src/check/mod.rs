@@ -210,6 +210,7 @@ pub fn check(
             .unwrap_or(parallel_span);
         grid::recompute(&mut e.model, &pin.parallel.recompute, rspan, &mut diags);
     }
+    let diags = dedup(diags);
     if diags.has_errors() {
         return (None, diags);
     }
@@ -223,6 +224,23 @@ pub fn check(
         _ => None,
     };
     (spec, diags)
+}
+
+/// The same diagnostic found again (a block called once per layer) is shown once.
+fn dedup(diags: Diagnostics) -> Diagnostics {
+    let mut seen = std::collections::HashSet::new();
+    let mut out = Diagnostics::default();
+    for d in diags.items {
+        let key = (
+            d.code,
+            d.message.clone(),
+            d.labels.iter().map(|l| l.span).collect::<Vec<_>>(),
+        );
+        if seen.insert(key) {
+            out.push(d);
+        }
+    }
+    out
 }
 
 fn unknown_override(path: &str, span: Span, model_consts: &[&str]) -> Diagnostic {

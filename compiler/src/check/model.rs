@@ -65,6 +65,8 @@ pub struct Elaborated {
     pub arg_spans: Vec<HashMap<&'static str, Span>>,
     /// Where the sequence length of the `tokens` input was written.
     pub seq_span: Span,
+    /// The model's name where it is declared (`model NAME`).
+    pub name_span: Span,
     /// Shard lines, resolved.
     pub shard_items: Vec<(ShardTarget, Span, Span)>,
 }
@@ -131,6 +133,7 @@ impl<'a> Elab<'a> {
 
     /// Elaborate `model` (from module 0, the main file).
     pub fn model(mut self, def: &ModelDef) -> Option<Elaborated> {
+        let errors_before = self.diags.error_count();
         let mut frame: Frame = HashMap::new();
         let mut inputs: Vec<(Ident, ValueId, Span)> = Vec::new();
         let mut seq: Option<(u64, Span)> = None;
@@ -206,7 +209,9 @@ impl<'a> Elab<'a> {
                 Stmt::Shard(items) => shard_lines.extend(items.iter().cloned()),
             }
         }
-        self.finish(def, inputs, seq, consts, &shard_lines)
+        // After an error the graph is incomplete: "no loss" or "unused input" would only echo it.
+        let quiet = self.diags.error_count() > errors_before;
+        self.finish(def, inputs, seq, consts, &shard_lines, quiet)
     }
 
     fn bind(&mut self, frame: &mut Frame, name: &Ident, v: Val, fresh: bool) {
@@ -931,12 +936,13 @@ impl<'a> Elab<'a> {
         seq: Option<(u64, Span)>,
         consts: HashMap<String, Number>,
         shard_lines: &[ShardItem],
+        quiet: bool,
     ) -> Option<Elaborated> {
         let names = self.assign_names();
-        let nodes = self.nodes.iter().zip(&names).enumerate();
+        let nodes = self.nodes.iter().zip(&names);
         let mut out_nodes: Vec<Node> = Vec::with_capacity(self.nodes.len());
         let mut arg_spans = Vec::with_capacity(self.nodes.len());
-        for (_, (p, name)) in nodes {
+        for (p, name) in nodes {
             self.values[p.output.0 as usize].name = name.clone();
             out_nodes.push(Node {
                 name: name.clone(),
@@ -967,6 +973,10 @@ impl<'a> Elab<'a> {
                 LayerKind::Embedding { vocab, dim } => (vocab, dim),
                 _ => (0, 0),
             },
+            [] if quiet => {
+                ok = false;
+                (0, 0)
+            }
             [] => {
                 ok = false;
                 self.diags.push(missing(
@@ -987,6 +997,7 @@ impl<'a> Elab<'a> {
         };
         let loss = match losses.as_slice() {
             [i] => Some(out_nodes[*i].output),
+            [] if quiet => None,
             [] => {
                 self.diags.push(missing(
                     "CrossEntropy loss",
@@ -1029,11 +1040,11 @@ impl<'a> Elab<'a> {
         let targets = losses
             .first()
             .and_then(|&i| out_nodes[i].inputs.get(1).copied());
-        for (name, id, span) in &inputs {
-            if Some(*id) != tokens && Some(*id) != targets {
+        for (name, id, _) in &inputs {
+            if !quiet && Some(*id) != tokens && Some(*id) != targets {
                 self.diags.push(
                     Diagnostic::warning("W0201", format!("input `{}` is never used", name.name))
-                        .label(*span, "declared here")
+                        .label(name.span, "declared here")
                         .help(
                             "remove it, or feed it to Embedding (tokens) or CrossEntropy (targets)",
                         ),
@@ -1083,6 +1094,7 @@ impl<'a> Elab<'a> {
             consts,
             arg_spans,
             seq_span,
+            name_span: def.name.span,
             shard_items,
         })
     }

@@ -154,11 +154,14 @@ impl Number {
             return Err(Diagnostic::error(
                 "E0901",
                 format!(
-                    "{what} must be a whole number, but {a} / {b} = {:.4}",
+                    "{a} / {b} = {:.4} is not a whole number, and it is used as a size",
                     a as f64 / b as f64
                 ),
             )
-            .label(self.span, "this division is not exact")
+            .label(
+                self.span,
+                format!("this division is not exact (used as {what})"),
+            )
             .help(format!(
                 "make {a} a multiple of {b} (e.g. {}), or {b} a divisor of {a}",
                 pick.join(" or ")

@@ -688,7 +688,7 @@ pub fn cluster(r: &mut Reader, span: Span) -> Cluster {
         Some((w, s)) if w == "custom" => custom_gpu(r, s),
         Some((w, _)) => {
             r.reject_fields("cluster.gpu", &[], &w);
-            gpu::lookup(&w).unwrap_or_else(|| custom_default())
+            gpu::lookup(&w).unwrap_or_else(custom_default)
         }
         None => gpu::lookup("cpu").unwrap_or_else(custom_default),
     };

@@ -43,7 +43,7 @@ pub fn one_of(items: &[&str]) -> String {
 /// `1, 2, 3, 4, 6 or 12`: the divisors of `n` (at most `limit` of them, then the largest).
 pub fn divisors(n: u64, up_to: u64) -> String {
     let ds: Vec<String> = (1..=n.min(up_to).min(1 << 20))
-        .filter(|d| n % d == 0)
+        .filter(|d| n.is_multiple_of(*d))
         .map(|d| d.to_string())
         .collect();
     let refs: Vec<&str> = ds.iter().map(String::as_str).collect();

@@ -20,8 +20,9 @@ pub fn parse_file(file: FileId, text: &str) -> Result<File, Diagnostic> {
             .label(Span::new(file, 0, text.len()), "nothing here")
             .help("a spec needs at least a `model { … }` and a `train { … }` section; see examples/tiny.par"));
     }
+    check_nesting(file, text, 0)?;
     let pairs = ParGrammar::parse(Rule::file, text).map_err(|e| syntax_error(file, text, e))?;
-    let b = Builder { file };
+    let b = Builder::new(file);
     let mut items = Vec::new();
     for pair in pairs.flatten().take(1) {
         for item in pair.into_inner() {
@@ -35,12 +36,39 @@ pub fn parse_file(file: FileId, text: &str) -> Result<File, Diagnostic> {
             }
         }
     }
+    if let Some(d) = b.too_deep.into_inner() {
+        return Err(d);
+    }
     Ok(File { items })
+}
+
+/// Refuse bracket nesting deeper than [`MAX_NESTING`] before pest recurses into it.
+fn check_nesting(file: FileId, text: &str, offset: usize) -> Result<(), Diagnostic> {
+    let mut depth = 0usize;
+    for (i, c) in text.char_indices() {
+        match c {
+            '(' | '[' | '{' => {
+                depth += 1;
+                if depth > MAX_NESTING {
+                    return Err(Diagnostic::error(
+                        "E0101",
+                        format!("brackets nest deeper than {MAX_NESTING} levels"),
+                    )
+                    .label(Span::new(file, offset + i, offset + i + 1), "too deep here")
+                    .help("flatten the expression with `let` constants"));
+                }
+            }
+            ')' | ']' | '}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// Parse the value of a `--set PATH=VALUE` override; `offset` is where it starts in `text`.
 pub fn parse_value(file: FileId, text: &str, offset: usize) -> Result<Expr, Diagnostic> {
     let value = text.get(offset..).unwrap_or("");
+    check_nesting(file, value, offset)?;
     let pairs = ParGrammar::parse(Rule::override_value, value).map_err(|e| {
         let mut d = syntax_error(file, value, e);
         for l in &mut d.labels {
@@ -49,7 +77,7 @@ pub fn parse_value(file: FileId, text: &str, offset: usize) -> Result<Expr, Diag
         }
         d
     })?;
-    let b = Builder { file };
+    let b = Builder::new(file);
     let expr = pairs
         .flatten()
         .find(|p| p.as_rule() == Rule::expr)
@@ -58,6 +86,9 @@ pub fn parse_value(file: FileId, text: &str, offset: usize) -> Result<Expr, Diag
             Diagnostic::error("E0101", "expected a value after `=`")
                 .label(Span::new(file, offset, text.len()), "here")
         })?;
+    if let Some(d) = b.too_deep.into_inner() {
+        return Err(d);
+    }
     Ok(shift(expr, offset as u32))
 }
 
@@ -209,14 +240,45 @@ fn syntax_error(file: FileId, text: &str, e: pest::error::Error<Rule>) -> Diagno
         .help("see docs/language.md for the syntax")
 }
 
+/// Brackets may nest this deep (pest and the checker recurse on nesting).
+const MAX_NESTING: usize = 128;
+/// Longest chain of operators or calls in one expression (the tree is as deep as the chain).
+const MAX_CHAIN: usize = 256;
+
 struct Builder {
     file: FileId,
+    /// The first "too deep" problem met while building; reported instead of the tree.
+    too_deep: std::cell::RefCell<Option<Diagnostic>>,
 }
 
 impl Builder {
+    fn new(file: FileId) -> Builder {
+        Builder {
+            file,
+            too_deep: std::cell::RefCell::new(None),
+        }
+    }
+
+    /// Note that an expression chain at `span` is longer than [`MAX_CHAIN`].
+    fn chain_too_long(&self, span: Span) {
+        let mut slot = self.too_deep.borrow_mut();
+        if slot.is_none() {
+            *slot = Some(
+                Diagnostic::error(
+                    "E0101",
+                    format!("this expression chains more than {MAX_CHAIN} operators or calls"),
+                )
+                .label(span, "too long")
+                .help("split it with `let` constants"),
+            );
+        }
+    }
+
+    /// The pair's span without the whitespace pest's implicit rules leave at its end.
     fn span(&self, p: &Pair<Rule>) -> Span {
         let s = p.as_span();
-        Span::new(self.file, s.start(), s.end())
+        let trimmed = p.as_str().trim_end().len();
+        Span::new(self.file, s.start(), s.start() + trimmed)
     }
 
     fn ident(&self, p: Pair<Rule>) -> Ident {
@@ -466,7 +528,13 @@ impl Builder {
     /// `a op b op c`, left-associative.
     fn binary(&self, mut pairs: Pairs, span: Span) -> Expr {
         let mut acc = self.next_expr(&mut pairs, span);
+        let mut chain = 0;
         while let (Some(op), Some(rhs)) = (pairs.next(), pairs.next()) {
+            chain += 1;
+            if chain > MAX_CHAIN {
+                self.chain_too_long(span);
+                break;
+            }
             let op = match op.as_str() {
                 "+" => BinOp::Add,
                 "-" => BinOp::Sub,
@@ -489,6 +557,7 @@ impl Builder {
         let mut operand = None;
         for c in p.into_inner() {
             match c.as_rule() {
+                Rule::neg if negs >= MAX_CHAIN => self.chain_too_long(span),
                 Rule::neg => negs += 1,
                 _ => operand = Some(self.expr(c)),
             }
@@ -507,7 +576,11 @@ impl Builder {
         let span = self.span(&p);
         let mut inner = p.into_inner();
         let mut e = self.next_expr(&mut inner, span);
-        for c in inner {
+        for (i, c) in inner.enumerate() {
+            if i >= MAX_CHAIN {
+                self.chain_too_long(span);
+                break;
+            }
             let cspan = self.span(&c);
             match c.as_rule() {
                 Rule::call_args => {

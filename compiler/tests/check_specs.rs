@@ -1,0 +1,264 @@
+//! The checker through its public entry point on the shipped specs: the Spec it builds (names,
+//! shapes, defaults, recompute marks), `--set` semantics, and that the tiny examples admit every
+//! dp/tp/pp/cp ∈ {1, 2} plan by overrides alone.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use parc_compiler::diag::Sources;
+use parc_compiler::spec::*;
+use parc_compiler::{check, parse_override, Override};
+
+fn example(name: &str) -> String {
+    std::fs::read_to_string(format!("{}/../examples/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap()
+}
+
+fn run(text: &str, sets: &[&str]) -> (Option<Spec>, Vec<&'static str>) {
+    let mut sources = Sources::default();
+    let main = sources.add("test.par", text);
+    let overrides: Vec<Override> = sets.iter().map(|s| parse_override(s).unwrap()).collect();
+    let (spec, diags) = check(&mut sources, main, &overrides);
+    (spec, diags.items.iter().map(|d| d.code).collect())
+}
+
+#[test]
+fn tiny_lowers_to_the_documented_node_names() {
+    let (spec, codes) = run(&example("tiny.par"), &[]);
+    assert!(codes.is_empty(), "{codes:?}");
+    let spec = spec.unwrap();
+    let names: Vec<&str> = spec.model.nodes.iter().map(|n| n.name.as_str()).collect();
+    assert_eq!(
+        &names[..8],
+        [
+            "embed",
+            "pos",
+            "blocks.0.ln1",
+            "blocks.0.attn",
+            "blocks.0.add1",
+            "blocks.0.ln2",
+            "blocks.0.mlp",
+            "blocks.0.add2"
+        ]
+    );
+    assert_eq!(&names[names.len() - 3..], ["ln_f", "head", "loss"]);
+    assert_eq!(
+        (
+            spec.model.seq,
+            spec.model.vocab,
+            spec.model.dim,
+            spec.model.layers
+        ),
+        (64, 256, 64, 4)
+    );
+    let head = spec.model.nodes.iter().find(|n| n.name == "head").unwrap();
+    assert!(matches!(
+        head.kind,
+        LayerKind::Linear {
+            tied: Some(NodeId(0)),
+            ..
+        }
+    ));
+    assert_eq!(spec.model.nodes[3].layer, Some(0));
+    assert_eq!(spec.parallel.microbatches, 4);
+    assert_eq!(spec.train.precision, Precision::Fp32);
+    assert_eq!(spec.parallel.bucket_bytes, 25 * 1024 * 1024);
+    assert!(matches!(
+        spec.train.data,
+        DataSource::File {
+            format: DataFormat::Bytes,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn tiny_llama_has_gqa_rope_and_swiglu() {
+    let (spec, codes) = run(&example("tiny-llama.par"), &[]);
+    assert!(codes.is_empty(), "{codes:?}");
+    let spec = spec.unwrap();
+    let attn = spec
+        .model
+        .nodes
+        .iter()
+        .find(|n| n.name == "blocks.2.attn")
+        .unwrap();
+    assert_eq!(
+        attn.kind,
+        LayerKind::Attention {
+            dim: 64,
+            heads: 8,
+            kv_heads: 4,
+            head_dim: 8,
+            causal: true,
+            rope: Some(Rope { theta: 10000.0 }),
+            bias: false
+        }
+    );
+    let mlp = spec
+        .model
+        .nodes
+        .iter()
+        .find(|n| n.name == "blocks.2.mlp")
+        .unwrap();
+    assert!(matches!(
+        mlp.kind,
+        LayerKind::Mlp {
+            act: Activation::Swiglu,
+            bias: false,
+            hidden: 256,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn tiny_admits_every_small_plan_by_overrides_alone() {
+    for file in ["tiny.par", "tiny-llama.par"] {
+        let text = example(file);
+        for dp in [1, 2] {
+            for pp in [1, 2] {
+                for cp in [1, 2] {
+                    for tp in [1, 2] {
+                        let world = dp * pp * cp * tp;
+                        let sets = [
+                            format!("parallel.dp={dp}"),
+                            format!("parallel.pp={pp}"),
+                            format!("parallel.cp={cp}"),
+                            format!("parallel.tp={tp}"),
+                            format!("cluster.gpus_per_node={world}"),
+                        ];
+                        let refs: Vec<&str> = sets.iter().map(String::as_str).collect();
+                        let (spec, codes) = run(&text, &refs);
+                        let errors: Vec<_> = codes.iter().filter(|c| c.starts_with('E')).collect();
+                        assert!(
+                            errors.is_empty(),
+                            "{file} dp{dp} pp{pp} cp{cp} tp{tp}: {codes:?}"
+                        );
+                        let spec = spec.unwrap();
+                        assert_eq!(spec.parallel.mesh.world(), world);
+                        assert_eq!(
+                            spec.train.global_batch,
+                            spec.train.micro_batch
+                                * u64::from(spec.parallel.microbatches)
+                                * dp as u64
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn overrides_last_wins_and_reach_every_section() {
+    let (spec, codes) = run(
+        &example("tiny.par"),
+        &[
+            "parallel.pp=4",
+            "parallel.pp=2",
+            "cluster.gpus_per_node=2",
+            "parallel.schedule=gpipe",
+            "parallel.recompute=selective",
+            "parallel.zero=1",
+            "train.steps=7",
+            "train.seed=3",
+            "train.micro_batch=1",
+            "model.layers=6",
+        ],
+    );
+    assert!(codes.iter().all(|c| c.starts_with('W')), "{codes:?}");
+    let spec = spec.unwrap();
+    assert_eq!(spec.parallel.mesh.size(Axis::Pp), 2);
+    assert_eq!(spec.parallel.schedule, PipelineSchedule::Gpipe);
+    assert_eq!(spec.parallel.zero, ZeroStage::Zero1);
+    assert_eq!(
+        (
+            spec.train.steps,
+            spec.train.seed,
+            spec.parallel.microbatches
+        ),
+        (7, 3, 8)
+    );
+    assert_eq!(spec.model.layers, 6);
+    let recomputed: Vec<&str> = spec
+        .model
+        .nodes
+        .iter()
+        .filter(|n| n.recompute)
+        .map(|n| n.name.as_str())
+        .collect();
+    assert_eq!(recomputed.len(), 6);
+    assert!(recomputed.iter().all(|n| n.ends_with(".attn")));
+}
+
+#[test]
+fn interleaved_and_named_recompute_by_override() {
+    let (spec, codes) = run(
+        &example("tiny.par"),
+        &[
+            "parallel.pp=2",
+            "cluster.gpus_per_node=2",
+            "parallel.schedule=interleaved",
+            "parallel.virtual=2",
+            "parallel.recompute=[MLP, blocks.1]",
+        ],
+    );
+    assert!(codes.iter().all(|c| c.starts_with('W')), "{codes:?}");
+    let spec = spec.unwrap();
+    assert_eq!(
+        spec.parallel.schedule,
+        PipelineSchedule::Interleaved { virtual_stages: 2 }
+    );
+    let r: Vec<&str> = spec
+        .model
+        .nodes
+        .iter()
+        .filter(|n| n.recompute)
+        .map(|n| n.name.as_str())
+        .collect();
+    assert!(
+        r.contains(&"blocks.3.mlp") && r.contains(&"blocks.1.ln1") && !r.contains(&"blocks.2.attn")
+    );
+}
+
+#[test]
+fn many_errors_in_one_run() {
+    let (spec, codes) = run(
+        &example("tiny.par"),
+        &[
+            "parallel.tp=3",
+            "parallel.pp=3",
+            "cluster.gpus_per_node=2",
+            "train.global_batch=7",
+        ],
+    );
+    assert!(spec.is_none());
+    for c in ["E0401", "E0402", "E0407", "E0501"] {
+        assert!(codes.contains(&c), "{c} missing from {codes:?}");
+    }
+}
+
+#[test]
+fn big_examples_check_clean() {
+    for f in [
+        "gpt2-124m.par",
+        "gpt2-350m.par",
+        "gpt2-1.5b-8gpu.par",
+        "llama3-8b-8gpu.par",
+        "llama3-70b-64gpu.par",
+    ] {
+        let (spec, codes) = run(&example(f), &[]);
+        assert!(codes.is_empty(), "{f}: {codes:?}");
+        assert!(spec.is_some());
+    }
+    let (spec, _) = run(&example("llama3-70b-64gpu.par"), &[]);
+    let spec = spec.unwrap();
+    assert_eq!(spec.model.nodes.len(), 2 + 6 * 80 + 2);
+    assert_eq!(spec.cluster.world(), 64);
+    assert_eq!(spec.cluster.inter.bandwidth, 50e9);
+    assert!(spec
+        .model
+        .nodes
+        .iter()
+        .filter(|n| n.layer.is_some())
+        .all(|n| n.recompute));
+}

@@ -1,0 +1,143 @@
+//! `parc check` on the shipped specs: every example checks clean (exit 0, no errors), every
+//! `examples/invalid/*.par` fails with the code its `// expect:` line names, and bad files get
+//! exit 2 with a clear message.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn par_files(dir: &str) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(root().join(dir))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "par"))
+        .collect();
+    v.sort();
+    v
+}
+
+fn check(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_parc"))
+        .current_dir(root())
+        .arg("check")
+        .args(args)
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn every_example_checks_clean() {
+    let files = par_files("examples");
+    assert!(files.len() >= 7);
+    for f in files {
+        let out = check(&[f.to_str().unwrap()]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{}:\n{stderr}", f.display());
+        assert!(
+            stderr.contains(": ok, 0 warnings"),
+            "{}:\n{stderr}",
+            f.display()
+        );
+    }
+}
+
+#[test]
+fn every_invalid_example_reports_its_code() {
+    let files = par_files("examples/invalid");
+    assert!(files.len() >= 5);
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        let code = text
+            .lines()
+            .find_map(|l| l.strip_prefix("// expect:"))
+            .map(str::trim)
+            .unwrap_or_else(|| panic!("{} has no `// expect: CODE` line", f.display()));
+        let out = check(&[f.to_str().unwrap(), "--format", "json"]);
+        assert_eq!(out.status.code(), Some(1), "{}", f.display());
+        let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let codes: Vec<&str> = doc["files"][0]["diagnostics"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["code"].as_str().unwrap())
+            .collect();
+        assert!(
+            codes.contains(&code),
+            "{}: wanted {code}, got {codes:?}",
+            f.display()
+        );
+    }
+}
+
+#[test]
+fn json_has_positions_and_the_report() {
+    let out = check(&["examples/tiny.par", "--format", "json"]);
+    assert_eq!(out.status.code(), Some(0));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["version"], 1);
+    let f = &doc["files"][0];
+    assert_eq!(f["ok"], true);
+    assert!(f["report"]["roles"]
+        .as_array()
+        .is_some_and(|r| !r.is_empty()));
+
+    let out = check(&[
+        "examples/tiny.par",
+        "--set",
+        "parallel.tp=3",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let d = doc["files"][0]["diagnostics"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["code"] == "E0402")
+        .unwrap();
+    assert_eq!(d["file"], "--set parallel.tp=3");
+    assert_eq!(
+        (d["line"].as_u64(), d["column"].as_u64()),
+        (Some(1), Some(13))
+    );
+    assert!(d["help"].as_str().unwrap().contains("divisor"));
+}
+
+#[test]
+fn unreadable_inputs_exit_2_with_a_sentence() {
+    let dir = std::env::temp_dir().join(format!("parc-check-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bin = dir.join("latin1.par");
+    std::fs::write(&bin, b"model m { let x = \xe9 }").unwrap();
+    let out = check(&[bin.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not UTF-8"));
+
+    let huge = dir.join("huge.par");
+    let f = std::fs::File::create(&huge).unwrap();
+    f.set_len(17 * 1024 * 1024).unwrap();
+    let out = check(&[huge.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("16 MiB"));
+
+    let out = check(&[dir.join("missing.par").to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+
+    let out = check(&["examples/tiny.par", "--set", "parallel.tp"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("PATH=VALUE"));
+
+    let empty = dir.join("empty.par");
+    std::fs::write(&empty, "").unwrap();
+    let out = check(&[empty.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("E0102"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
