@@ -1,146 +1,74 @@
-//! Golden text of small plans, one per axis: `tests/ir/golden/<name>.txt`. A difference fails
-//! with the first differing line; `PARC_BLESS=1 cargo test --test ir golden` rewrites them.
+//! Golden IR tests: every `tests/ir/*.par` is checked, lowered and verified, and its plan text
+//! must equal `tests/ir/<name>.txt`. A difference fails with the first differing line;
+//! `PARC_BLESS=1 cargo test --test ir golden` rewrites the expected files.
 
-use super::fixtures::{spec, PlanChoice, TinyModel};
+use parc_compiler::diag::Sources;
 use parc_compiler::ir::text::PlanText;
 use parc_compiler::lower::lower;
-use parc_compiler::spec::{PipelineSchedule, Recompute, ZeroStage};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-fn golden(name: &str, layers: u32, llama: bool, plan: PlanChoice) {
-    let s = spec(
-        TinyModel {
-            layers,
-            llama,
-            tied: !llama,
-        },
-        plan,
-    );
-    let names: Vec<String> = s.model.nodes.iter().map(|n| n.name.clone()).collect();
-    let p = lower(&s).unwrap_or_else(|d| panic!("{name}: {:?}", d.items));
-    let text = PlanText::new(&p).with_names(&names).to_string();
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/ir/golden")
-        .join(format!("{name}.txt"));
-    if std::env::var_os("PARC_BLESS").is_some() {
-        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-        std::fs::write(&path, &text).unwrap();
-        return;
+fn plan_text(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap();
+    let mut sources = Sources::default();
+    let main = sources.add(path.display().to_string(), text);
+    let (spec, diags) = parc_compiler::check(&mut sources, main, &[]);
+    let spec = spec.unwrap_or_else(|| panic!("{}: {:?}", path.display(), diags.items));
+    let plan = lower(&spec).unwrap_or_else(|d| panic!("{}: {:?}", path.display(), d.items));
+    if let Err(d) = parc_compiler::verify::verify_spec(&plan, &spec) {
+        panic!("{}: verifier: {:?}", path.display(), d.items);
     }
-    let expected = std::fs::read_to_string(&path)
-        .unwrap_or_else(|_| panic!("{} is missing: run with PARC_BLESS=1", path.display()));
-    if expected != text {
-        let line = expected
-            .lines()
-            .zip(text.lines())
-            .position(|(a, b)| a != b)
-            .unwrap_or_else(|| expected.lines().count().min(text.lines().count()));
-        panic!(
-            "{name}: plan text differs from {} at line {}:\n expected: {}\n      got: {}\n(PARC_BLESS=1 rewrites it)",
-            path.display(),
-            line + 1,
-            expected.lines().nth(line).unwrap_or("<end>"),
-            text.lines().nth(line).unwrap_or("<end>")
-        );
+    let names: Vec<String> = spec.model.nodes.iter().map(|n| n.name.clone()).collect();
+    PlanText::new(&plan).with_names(&names).to_string()
+}
+
+#[test]
+fn golden_plans() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/ir");
+    let mut specs: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "par"))
+        .collect();
+    specs.sort();
+    assert!(
+        specs.len() >= 10,
+        "expected the per-axis specs in {}",
+        dir.display()
+    );
+    let bless = std::env::var_os("PARC_BLESS").is_some();
+    let mut failures = Vec::new();
+    for spec in &specs {
+        let text = plan_text(spec);
+        let expected_path = spec.with_extension("txt");
+        if bless {
+            std::fs::write(&expected_path, &text).unwrap();
+            continue;
+        }
+        let Ok(expected) = std::fs::read_to_string(&expected_path) else {
+            failures.push(format!(
+                "{} is missing (PARC_BLESS=1 writes it)",
+                expected_path.display()
+            ));
+            continue;
+        };
+        if expected != text {
+            let line = expected
+                .lines()
+                .zip(text.lines())
+                .position(|(a, b)| a != b)
+                .unwrap_or_else(|| expected.lines().count().min(text.lines().count()));
+            failures.push(format!(
+                "{} differs at line {}:\n expected: {}\n      got: {}",
+                expected_path.display(),
+                line + 1,
+                expected.lines().nth(line).unwrap_or("<end>"),
+                text.lines().nth(line).unwrap_or("<end>")
+            ));
+        }
     }
-}
-
-fn one_mb() -> PlanChoice {
-    PlanChoice {
-        microbatches: 1,
-        ..PlanChoice::default()
-    }
-}
-
-#[test]
-fn golden_single_rank() {
-    golden("single", 1, false, one_mb());
-}
-
-#[test]
-fn golden_dp_buckets_and_zero() {
-    golden("dp2", 1, false, PlanChoice { dp: 2, ..one_mb() });
-    golden(
-        "dp2_zero1",
-        1,
-        false,
-        PlanChoice {
-            dp: 2,
-            zero: ZeroStage::Zero1,
-            ..one_mb()
-        },
-    );
-    golden(
-        "dp2_zero3",
-        1,
-        false,
-        PlanChoice {
-            dp: 2,
-            zero: ZeroStage::Zero3,
-            ..one_mb()
-        },
-    );
-}
-
-#[test]
-fn golden_tp() {
-    golden("tp2", 1, false, PlanChoice { tp: 2, ..one_mb() });
-    golden(
-        "tp2_sp_llama",
-        1,
-        true,
-        PlanChoice {
-            tp: 2,
-            sp: true,
-            ..one_mb()
-        },
-    );
-}
-
-#[test]
-fn golden_pp() {
-    golden(
-        "pp2_1f1b",
-        2,
-        false,
-        PlanChoice {
-            pp: 2,
-            microbatches: 2,
-            ..one_mb()
-        },
-    );
-    golden(
-        "pp2_interleaved",
-        4,
-        true,
-        PlanChoice {
-            pp: 2,
-            microbatches: 2,
-            schedule: PipelineSchedule::Interleaved { virtual_stages: 2 },
-            ..one_mb()
-        },
-    );
-}
-
-#[test]
-fn golden_cp_and_recompute() {
-    golden("cp2_llama", 1, true, PlanChoice { cp: 2, ..one_mb() });
-    golden(
-        "recompute_full",
-        1,
-        true,
-        PlanChoice {
-            recompute: Recompute::Full,
-            ..one_mb()
-        },
-    );
-    golden(
-        "recompute_selective",
-        1,
-        false,
-        PlanChoice {
-            recompute: Recompute::Selective,
-            ..one_mb()
-        },
+    assert!(
+        failures.is_empty(),
+        "{}\n(PARC_BLESS=1 rewrites the expected plans)",
+        failures.join("\n")
     );
 }
