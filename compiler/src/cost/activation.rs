@@ -17,7 +17,8 @@
 //! paper's sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)) with TP and sbh(34/t + 5as/(ht)) with
 //! TP+SP (see the tests). Selective recompute drops the attention core's outputs (the paper: the
 //! scores; parc: also the output projection input and the log-sum-exp, which it recomputes).
-//! Full or named recompute keeps only each recomputed run's input (the paper's 2sbh per layer).
+//! Full or named recompute keeps only each recomputed run's input (the paper's 2sbh per layer),
+//! plus, once, what the largest recomputed layer rebuilds for its backward.
 
 use super::schedule::InFlight;
 use crate::spec::{Activation, Axis, LayerKind, Precision, Recompute, Spec};
@@ -257,6 +258,8 @@ pub fn stage_activation_bytes(spec: &Spec, in_stage: &[bool], in_flight: InFligh
     let mut last_bytes = 0.0;
     let mut in_run = false;
     let mut seen_layer = false;
+    // What one recomputed layer rebuilds during its backward (the largest such layer).
+    let mut rebuilt: std::collections::BTreeMap<Option<u32>, f64> = Default::default();
     for (i, (node, &here)) in nodes.iter().zip(in_stage).enumerate() {
         if node.layer.is_some() {
             seen_layer = true;
@@ -266,6 +269,7 @@ pub fn stage_activation_bytes(spec: &Spec, in_stage: &[bool], in_flight: InFligh
             continue;
         }
         let bytes = if node.recompute && !selective {
+            *rebuilt.entry(node.layer).or_default() += node_bytes(spec, &node.kind, false);
             // A run of recomputed nodes keeps only its input.
             let starts_run =
                 !in_run || i == 0 || nodes.get(i - 1).map(|n| n.layer) != Some(node.layer);
@@ -285,8 +289,10 @@ pub fn stage_activation_bytes(spec: &Spec, in_stage: &[bool], in_flight: InFligh
             None => first_bytes += bytes,
         }
     }
+    let working_set = rebuilt.values().copied().fold(0.0, f64::max);
     let total = layer_bytes * in_flight.layer_microbatches
         + first_bytes * f64::from(in_flight.first_chunk)
-        + last_bytes * f64::from(in_flight.last_chunk);
+        + last_bytes * f64::from(in_flight.last_chunk)
+        + working_set;
     total.ceil() as u64
 }

@@ -8,7 +8,7 @@
 //! name.
 
 use super::Violation;
-use crate::ir::{BufferId, Instr, Phase, Program, ProgramId};
+use crate::ir::{BufferId, Instr, P2pOp, Phase, Program, ProgramId};
 use serde::Serialize;
 
 /// Liveness numbers of one program (every rank running it has them).
@@ -33,6 +33,30 @@ pub struct ProgramMemory {
 
 /// Cap on violations reported per program (one bug tends to repeat in every microbatch).
 const MAX_PER_PROGRAM: usize = 8;
+
+/// Call `f` with every buffer `instr` names (reads, writes, and the target of `Alloc`/`Free`),
+/// without allocating.
+pub(crate) fn buffers_of(instr: &Instr, mut f: impl FnMut(BufferId)) {
+    match instr {
+        Instr::Compute {
+            inputs, outputs, ..
+        } => inputs.iter().chain(outputs).for_each(|b| f(*b)),
+        Instr::Collective { input, output, .. } => {
+            f(*input);
+            f(*output);
+        }
+        Instr::Send { buffer, .. }
+        | Instr::Recv { buffer, .. }
+        | Instr::Alloc { buffer }
+        | Instr::Free { buffer } => f(*buffer),
+        Instr::P2p { ops } => ops.iter().for_each(|op| match op {
+            P2pOp::Send { buffer, .. } | P2pOp::Recv { buffer, .. } => f(*buffer),
+        }),
+        Instr::LoadBatch {
+            tokens, targets, ..
+        } => tokens.iter().chain(targets).for_each(|b| f(*b)),
+    }
+}
 
 fn microbatch_of(name: &str) -> Option<u32> {
     name.rsplit_once('@').and_then(|(_, mb)| mb.parse().ok())
@@ -61,7 +85,6 @@ pub fn analyse(program: &Program, id: ProgramId, rank: u32) -> (ProgramMemory, V
     let mut live = 0u64;
     let mut peak = 0u64;
     let mut peak_at = 0usize;
-    let mut peak_alive: Option<Vec<bool>> = None;
 
     let mut push = |code: &'static str, instr: usize, node, message: String| {
         if violations.len() < MAX_PER_PROGRAM {
@@ -82,21 +105,14 @@ pub fn analyse(program: &Program, id: ProgramId, rank: u32) -> (ProgramMemory, V
             .unwrap_or_else(|| format!("b{}", b.0))
     };
 
+    let mut used: Vec<BufferId> = Vec::new();
     for (i, instr) in program.instrs.iter().enumerate() {
         let node = match instr {
             Instr::Compute { node, .. } | Instr::Collective { node, .. } => *node,
             _ => None,
         };
-        let target = match instr {
-            Instr::Alloc { buffer } | Instr::Free { buffer } => Some(*buffer),
-            _ => None,
-        };
-        let used: Vec<BufferId> = instr
-            .reads()
-            .into_iter()
-            .chain(instr.writes())
-            .chain(target)
-            .collect();
+        used.clear();
+        buffers_of(instr, |b| used.push(b));
         if let Some(bad) = used.iter().find(|b| b.0 as usize >= n) {
             push(
                 "E0810",
@@ -130,7 +146,6 @@ pub fn analyse(program: &Program, id: ProgramId, rank: u32) -> (ProgramMemory, V
                     if live > peak {
                         peak = live;
                         peak_at = i;
-                        peak_alive = None;
                     }
                 }
             }
@@ -154,9 +169,6 @@ pub fn analyse(program: &Program, id: ProgramId, rank: u32) -> (ProgramMemory, V
                     };
                     push("E0812", i, node, why);
                 } else {
-                    if peak_alive.is_none() && live == peak {
-                        peak_alive = Some(alive.clone());
-                    }
                     alive[b] = false;
                     freed_at[b] = Some(i);
                     live -= buf.bytes();
@@ -174,11 +186,8 @@ pub fn analyse(program: &Program, id: ProgramId, rank: u32) -> (ProgramMemory, V
                         }
                     }
                 }
-                let mut used = used;
-                used.sort_unstable();
-                used.dedup();
-                for b in &used {
-                    if !alive[b.0 as usize] {
+                if let Some(b) = used.iter().find(|b| !alive[b.0 as usize]) {
+                    {
                         let why = match freed_at[b.0 as usize] {
                             Some(k) => {
                                 format!("uses {} after it was freed at instruction {k}", name(*b))
@@ -225,7 +234,23 @@ pub fn analyse(program: &Program, id: ProgramId, rank: u32) -> (ProgramMemory, V
             ),
         );
     }
-    let at_peak = peak_alive.unwrap_or(alive);
+    // Replay the transients' lifetimes up to the peak to break it down by kind.
+    let mut at_peak = vec![false; n];
+    for instr in program.instrs.iter().take(peak_at + 1) {
+        match instr {
+            Instr::Alloc { buffer } => {
+                if let Some(a) = at_peak.get_mut(buffer.0 as usize) {
+                    *a = true;
+                }
+            }
+            Instr::Free { buffer } => {
+                if let Some(a) = at_peak.get_mut(buffer.0 as usize) {
+                    *a = false;
+                }
+            }
+            _ => {}
+        }
+    }
     let mut by_kind: std::collections::BTreeMap<&'static str, u64> = Default::default();
     for (b, buf) in program.buffers.iter().enumerate() {
         if at_peak.get(b) == Some(&true) && !buf.kind.is_persistent() {

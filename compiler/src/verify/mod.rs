@@ -114,17 +114,56 @@ pub struct Outcome {
 
 /// Check every invariant of the module header; return the measured report and all violations.
 pub fn check(plan: &Plan) -> Outcome {
+    let mut first_rank = vec![0u32; plan.programs.len()];
+    for (r, p) in plan.rank_program.iter().enumerate().rev() {
+        if let Some(slot) = first_rank.get_mut(p.0 as usize) {
+            *slot = r as u32;
+        }
+    }
+    // Programs are independent here: analyse them on all cores, keep program order.
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .clamp(1, plan.programs.len().max(1));
+    let per_thread = plan.programs.len().div_ceil(threads).max(1);
+    let analysed: Vec<(ProgramMemory, Vec<Violation>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = plan
+            .programs
+            .chunks(per_thread)
+            .enumerate()
+            .map(|(c, chunk)| {
+                let first_rank = &first_rank;
+                scope.spawn(move || {
+                    chunk
+                        .iter()
+                        .enumerate()
+                        .map(|(k, program)| {
+                            let i = c * per_thread + k;
+                            let id = ProgramId(i as u32);
+                            liveness::analyse(program, id, first_rank[i])
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_default())
+            .collect()
+    });
+    // A worker that died (it cannot: the analysis has no panicking path) is redone here.
+    let analysed = if analysed.len() == plan.programs.len() {
+        analysed
+    } else {
+        plan.programs
+            .iter()
+            .enumerate()
+            .map(|(i, p)| liveness::analyse(p, ProgramId(i as u32), first_rank[i]))
+            .collect()
+    };
     let mut violations = Vec::new();
     let mut programs = Vec::with_capacity(plan.programs.len());
-    for (i, program) in plan.programs.iter().enumerate() {
-        let id = ProgramId(i as u32);
-        let first_rank = plan
-            .rank_program
-            .iter()
-            .position(|p| *p == id)
-            .map(|r| r as u32)
-            .unwrap_or(0);
-        let (memory, found) = liveness::analyse(program, id, first_rank);
+    for (memory, found) in analysed {
         programs.push(memory);
         violations.extend(found);
     }

@@ -148,9 +148,26 @@ impl<'a> World<'a> {
 
     /// Run simulated rank `y` until it blocks or ends; returns ranks it unblocked.
     fn run(&mut self, y: usize, woken: &mut Vec<usize>) {
+        let Some((_, program)) = self.program(y) else {
+            self.status[y] = Status::Done;
+            return;
+        };
         while self.status[y] == Status::Running {
-            let pc = self.pc[y];
-            let Some(instr) = self.instr(y, pc) else {
+            // Local instructions need no rendezvous: skip to the next that does.
+            let mut pc = self.pc[y];
+            while program.instrs.get(pc).is_some_and(|i| {
+                matches!(
+                    i,
+                    Instr::Compute { .. }
+                        | Instr::Alloc { .. }
+                        | Instr::Free { .. }
+                        | Instr::LoadBatch { .. }
+                )
+            }) {
+                pc += 1;
+            }
+            self.pc[y] = pc;
+            let Some(instr) = program.instrs.get(pc) else {
                 self.status[y] = Status::Done;
                 return;
             };
