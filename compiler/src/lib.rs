@@ -7,6 +7,7 @@ pub mod ir;
 pub mod lower;
 pub mod overrides;
 pub mod spec;
+pub mod timeline;
 pub mod stdlib;
 pub mod syntax;
 pub mod verify;
