@@ -218,6 +218,10 @@ fn run_with<B: Backend>(
     }
     let mut options = TrainOptions::new(spec_dir);
     options.resume = args.resume.clone();
+    if backend == Resolved::Cpu {
+        // Every rank lives in this process: all of them must fit in host memory.
+        options.memory_limit = available_memory();
+    }
     let progress = Progress::new(
         args.log_format,
         spec.train.steps,
@@ -246,4 +250,20 @@ fn run_with<B: Backend>(
         world: plan.world,
     });
     Ok(())
+}
+
+/// Bytes of host memory available now (Linux `MemAvailable`), if known.
+fn available_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    meminfo
+        .lines()
+        .find_map(|line| line.strip_prefix("MemAvailable:"))
+        .and_then(|rest| {
+            rest.trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .map(|kib| kib * 1024)
 }

@@ -20,6 +20,7 @@ use crate::data::{Dataset, EpochProgress};
 use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::Plan;
 use parc_compiler::spec::Spec;
+use parc_compiler::verify::VerifyReport;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -38,6 +39,10 @@ pub struct TrainOptions {
     pub comm_timeout: Duration,
     /// Kernel threads per rank (default: the machine's cores shared among the ranks).
     pub threads_per_rank: Option<usize>,
+    /// Refuse to start when all ranks' verified peak memory together exceeds this many bytes
+    /// (the CLI sets it to the host's available memory for the CPU backend, whose ranks all
+    /// live in this process).
+    pub memory_limit: Option<u64>,
 }
 
 impl TrainOptions {
@@ -48,6 +53,7 @@ impl TrainOptions {
             stop_after: None,
             comm_timeout: Duration::from_secs(120),
             threads_per_rank: None,
+            memory_limit: None,
         }
     }
 }
@@ -99,6 +105,29 @@ pub fn open_dataset(spec: &Spec, spec_dir: &Path) -> Result<Dataset> {
     )
 }
 
+/// Refuse a plan whose ranks together need more than `limit` bytes at their verified peaks.
+fn check_memory(plan: &Plan, report: &VerifyReport, limit: u64) -> Result<()> {
+    let peaks: Vec<u64> = plan
+        .rank_program
+        .iter()
+        .map(|id| report.program(*id).map_or(0, |p| p.peak_bytes))
+        .collect();
+    let total: u64 = peaks.iter().sum();
+    if total <= limit {
+        return Ok(());
+    }
+    let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+    Err(RuntimeError::Unsupported(format!(
+        "this plan needs {:.1} GiB of memory for its {} ranks at their peaks (up to {:.1} GiB per \
+         rank), but only {:.1} GiB is available here; shrink the model or batch with --set, or \
+         run it on GPUs",
+        gib(total),
+        plan.world,
+        gib(peaks.iter().copied().max().unwrap_or(0)),
+        gib(limit)
+    )))
+}
+
 /// What a rank thread hands back.
 struct RankOutcome {
     records: Vec<StepRecord>,
@@ -123,7 +152,7 @@ where
     F: Fn(u32, usize) -> Result<B> + Sync,
 {
     // The runtime runs only verified plans.
-    parc_compiler::verify::verify_spec(plan, spec).map_err(|diags| {
+    let report = parc_compiler::verify::verify_spec(plan, spec).map_err(|diags| {
         let problems: Vec<String> = diags
             .items
             .iter()
@@ -137,6 +166,9 @@ where
             ),
         }
     })?;
+    if let Some(limit) = options.memory_limit {
+        check_memory(plan, &report, limit)?;
+    }
     let dataset = Arc::new(open_dataset(spec, &options.spec_dir)?);
     let resume = options
         .resume
