@@ -26,6 +26,9 @@ pub struct PlanChoice {
     pub sp: bool,
     /// Mesh axes outermost first.
     pub order: [Axis; 4],
+    /// SGD with momentum instead of AdamW (Adam turns float noise in near-zero gradients into
+    /// visible parameter differences; SGD keeps parameters comparable at 1e-6).
+    pub sgd: bool,
 }
 
 impl Default for PlanChoice {
@@ -41,6 +44,7 @@ impl Default for PlanChoice {
             recompute: Recompute::None,
             sp: false,
             order: [Axis::Dp, Axis::Pp, Axis::Cp, Axis::Tp],
+            sgd: false,
         }
     }
 }
@@ -309,12 +313,20 @@ pub fn sized_spec(model: TinyModel, plan: PlanChoice, dims: Dims) -> Spec {
             global_batch: micro_batch * u64::from(plan.microbatches) * u64::from(plan.dp),
             micro_batch,
             precision: Precision::Fp32,
-            optimizer: Optimizer::AdamW {
-                lr: 1e-3,
-                beta1: 0.9,
-                beta2: 0.95,
-                eps: 1e-8,
-                weight_decay: 0.1,
+            optimizer: if plan.sgd {
+                Optimizer::Sgd {
+                    lr: 1e-1,
+                    momentum: 0.9,
+                    weight_decay: 0.1,
+                }
+            } else {
+                Optimizer::AdamW {
+                    lr: 1e-3,
+                    beta1: 0.9,
+                    beta2: 0.95,
+                    eps: 1e-8,
+                    weight_decay: 0.1,
+                }
             },
             schedule: LrSchedule::Constant { warmup: 0 },
             grad_clip: Some(1.0),

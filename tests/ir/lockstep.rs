@@ -15,6 +15,8 @@ use parc_runtime::init::{fill_local_param, ZeroShard};
 pub struct Run {
     pub losses: Vec<f64>,
     pub grad_norms: Vec<f64>,
+    /// Every global parameter after the last step, reassembled from the ranks' shards.
+    pub params: Vec<Vec<f32>>,
 }
 
 fn token(sample: u64, pos: u64, vocab: u64) -> i32 {
@@ -83,6 +85,7 @@ pub fn run(spec: &Spec, plan: &Plan, steps: u64) -> Result<Run, String> {
     let mut out = Run {
         losses: Vec::new(),
         grad_norms: Vec::new(),
+        params: Vec::new(),
     };
     for step in 0..steps {
         let scalars = StepScalars {
@@ -99,7 +102,80 @@ pub fn run(spec: &Spec, plan: &Plan, steps: u64) -> Result<Run, String> {
         out.grad_norms
             .push(f64::from(backends[rr].read_f32(sumsq).map_err(e)?[0]).sqrt());
     }
+    out.params = gather_params(plan, &progs, &backends)?;
     Ok(out)
+}
+
+/// Reassemble each global parameter from the first rank holding each of its tp blocks: the
+/// working copy, the full master, or (ZeRO-3) the master shards of the rank's ZeRO set.
+fn gather_params(
+    plan: &Plan,
+    progs: &[&parc_compiler::ir::Program],
+    backends: &[CpuBackend],
+) -> Result<Vec<Vec<f32>>, String> {
+    let e = |x: parc_runtime::error::RuntimeError| x.to_string();
+    let mut out: Vec<Vec<f32>> = plan
+        .params
+        .params
+        .iter()
+        .map(|p| vec![f32::NAN; p.shape.iter().product::<u64>() as usize])
+        .collect();
+    for r in 0..plan.world as usize {
+        for l in &progs[r].params {
+            let p = &plan.params.params[l.param.0 as usize];
+            let local: Vec<f32> = match (l.working, l.zero) {
+                (Some(w), _) => backends[r].read_f32(w).map_err(e)?,
+                (None, None) => backends[r].read_f32(l.master).map_err(e)?,
+                (None, Some(z)) => {
+                    let g = plan.group(z.group).ok_or("bad zero group")?;
+                    let (set, _) = g.set_of(r as u32).ok_or("rank not in its zero group")?;
+                    let mut flat = Vec::new();
+                    for &m in set {
+                        let prog = progs[m as usize];
+                        let Some(ml) = prog.params.iter().find(|x| x.param == l.param) else {
+                            return Err(format!("rank {m} lacks {}", p.name));
+                        };
+                        flat.extend(backends[m as usize].read_f32(ml.master).map_err(e)?);
+                    }
+                    let numel = prog_numel(&p.shape, l.tp);
+                    flat.truncate(numel);
+                    flat
+                }
+            };
+            let global = &mut out[l.param.0 as usize];
+            for (i, v) in local.iter().enumerate() {
+                global[global_index(&p.shape, l.tp, i as u64) as usize] = *v;
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn prog_numel(shape: &[u64], tp: Option<parc_compiler::ir::TpSplit>) -> usize {
+    let n: u64 = shape.iter().product();
+    (n / u64::from(tp.map_or(1, |t| t.parts))) as usize
+}
+
+/// Global flat index of tp-local flat element `i`.
+fn global_index(shape: &[u64], tp: Option<parc_compiler::ir::TpSplit>, i: u64) -> u64 {
+    let mut local = shape.to_vec();
+    let mut offset = vec![0u64; shape.len()];
+    if let Some(t) = tp {
+        let d = t.dim as usize;
+        local[d] = shape[d] / u64::from(t.parts);
+        offset[d] = local[d] * u64::from(t.index);
+    }
+    let mut rem = i;
+    let mut coords = vec![0u64; shape.len()];
+    for d in (0..shape.len()).rev() {
+        coords[d] = rem % local[d];
+        rem /= local[d];
+    }
+    coords
+        .iter()
+        .zip(&offset)
+        .zip(shape)
+        .fold(0, |acc, ((c, o), n)| acc * n + c + o)
 }
 
 type Pending = (bool, u32, u32, parc_compiler::ir::BufferId);
