@@ -262,3 +262,32 @@ fn big_examples_check_clean() {
         .filter(|n| n.layer.is_some())
         .all(|n| n.recompute));
 }
+
+#[test]
+fn a_record_override_sets_each_field() {
+    let (spec, codes) = run(
+        &example("tiny.par"),
+        &[
+            "parallel.mesh={dp: 2, tp: 2}",
+            "cluster.gpus_per_node=4",
+            "train.optimizer=sgd { lr: 0.1, momentum: 0.9 }",
+        ],
+    );
+    assert!(codes.iter().all(|c| c.starts_with('W')), "{codes:?}");
+    let spec = spec.unwrap();
+    assert_eq!(
+        (
+            spec.parallel.mesh.size(Axis::Dp),
+            spec.parallel.mesh.size(Axis::Tp)
+        ),
+        (2, 2)
+    );
+    assert_eq!(
+        spec.train.optimizer,
+        Optimizer::Sgd {
+            lr: 0.1,
+            momentum: 0.9,
+            weight_decay: 0.0
+        }
+    );
+}

@@ -163,11 +163,15 @@ impl Settings {
     /// path (the caller then tries the model's constants).
     pub fn apply_override(&mut self, path: &str, value: &Expr) -> bool {
         let c = canonical(path);
-        if !PATHS.contains(&c.as_str()) {
-            return false;
-        }
         let mut flat = Vec::new();
         flatten(&c, value, &mut flat);
+        // `--set parallel.mesh={dp: 2, tp: 2}`: a record for a path that only has sub-paths.
+        let known = |p: &str| PATHS.contains(&canonical(p).as_str());
+        if !known(&c)
+            && !(matches!(value.kind, ExprKind::Record(_)) && flat.iter().all(|(p, _)| known(p)))
+        {
+            return false;
+        }
         if matches!(value.kind, ExprKind::Tagged { .. } | ExprKind::Record(_)) {
             let prefix = format!("{c}.");
             self.values.retain(|k, _| !k.starts_with(&prefix));
