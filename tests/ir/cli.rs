@@ -1,0 +1,76 @@
+//! `parc plan` end to end: exit codes, the three emit forms, `--rank`, `--set`.
+
+use std::process::Command;
+
+fn plan(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_parc"))
+        .arg("plan")
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run parc");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+const TP2: [&str; 4] = ["--set", "parallel.tp=2", "--set", "cluster.gpus_per_node=2"];
+
+#[test]
+fn text_lists_every_program_or_one_rank() {
+    let (code, out, err) = plan(&["examples/tiny.par", TP2[0], TP2[1], TP2[2], TP2[3]]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("verified"), "{out}");
+    assert!(
+        out.contains("program 0 (pp 0 cp 0 tp 0)") && out.contains("program 1 (pp 0 cp 0 tp 1)")
+    );
+    let (code, out, _) = plan(&[
+        "examples/tiny.par",
+        TP2[0],
+        TP2[1],
+        TP2[2],
+        TP2[3],
+        "--rank",
+        "1",
+    ]);
+    assert_eq!(code, 0);
+    let header = |p: &str| out.lines().any(|l| l.starts_with(p));
+    assert!(!header("program 0 (") && header("program 1 ("), "{out}");
+}
+
+#[test]
+fn json_and_trace_parse() {
+    let (code, out, err) = plan(&["examples/tiny.par", "--emit", "json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("plan JSON");
+    assert_eq!(v["world"], 1);
+    assert!(v["programs"][0]["instrs"]
+        .as_array()
+        .is_some_and(|a| !a.is_empty()));
+    let (code, out, err) = plan(&[
+        "examples/tiny.par",
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        "cluster.gpus_per_node=2",
+        "--emit",
+        "trace",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("trace JSON");
+    assert!(v["traceEvents"].as_array().is_some_and(|a| a.len() > 4));
+}
+
+#[test]
+fn exit_codes() {
+    let (code, _, err) = plan(&["examples/does-not-exist.par"]);
+    assert_eq!(code, 2, "{err}");
+    let (code, _, err) = plan(&["examples/tiny.par", "--set", "parallel.tp=3"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("E0401"), "{err}");
+    let (code, _, err) = plan(&["examples/tiny.par", "--rank", "7"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--rank 7"), "{err}");
+}
