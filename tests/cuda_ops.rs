@@ -9,8 +9,10 @@
 //!
 //! Without a GPU (or built without `--features cuda`) every test prints
 //! `skipped: no CUDA device (…)` and passes.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 use parc_compiler::ir::op::{Act, Op, Segment};
 use parc_compiler::ir::{BufferId, DType};
+use parc_compiler::spec::Precision;
 use parc_runtime::backend::{Backend, StepScalars};
 use parc_runtime::cpu::CpuBackend;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -19,8 +21,8 @@ const ELEMENTWISE: f32 = 1e-5;
 const REDUCTION: f32 = 1e-4;
 
 #[cfg(feature = "cuda")]
-fn gpu() -> Option<Box<dyn Backend>> {
-    match parc_runtime::cuda::CudaBackend::new(0) {
+fn gpu_with(precision: Precision) -> Option<Box<dyn Backend>> {
+    match parc_runtime::cuda::CudaBackend::with_precision(0, precision) {
         Ok(b) => Some(Box::new(b)),
         Err(e) => {
             println!("skipped: no CUDA device ({e})");
@@ -30,9 +32,36 @@ fn gpu() -> Option<Box<dyn Backend>> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn gpu() -> Option<Box<dyn Backend>> {
+fn gpu_with(_precision: Precision) -> Option<Box<dyn Backend>> {
     println!("skipped: no CUDA device (this build has no `cuda` feature)");
     None
+}
+
+fn gpu() -> Option<Box<dyn Backend>> {
+    gpu_with(Precision::Fp32)
+}
+
+/// Precisions the backend does not have yet are refused before it touches a GPU, so this runs
+/// (and checks the message) everywhere the feature is built.
+#[cfg(feature = "cuda")]
+#[test]
+fn missing_precisions_are_refused_clearly() {
+    use parc_compiler::spec::LossScale;
+    for precision in [
+        Precision::Bf16,
+        Precision::Fp16 {
+            loss_scale: LossScale::Static { scale: 1024.0 },
+        },
+    ] {
+        let err = match parc_runtime::cuda::CudaBackend::with_precision(0, precision) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("{precision:?} accepted"),
+        };
+        assert!(
+            err.contains("does not run") && err.contains("fp32"),
+            "{err}"
+        );
+    }
 }
 
 /// splitmix64: small, seedable, good enough for test data.
@@ -169,7 +198,13 @@ impl Case {
 
 /// Runs every case on both backends and compares; prints the worst error per case.
 fn check(test: &str, cases: &[Case]) {
-    let Some(mut gpu) = gpu() else { return };
+    check_on(test, cases, Precision::Fp32)
+}
+
+fn check_on(test: &str, cases: &[Case], precision: Precision) {
+    let Some(mut gpu) = gpu_with(precision) else {
+        return;
+    };
     let mut failures = Vec::new();
     for case in cases {
         let mut cpu = CpuBackend::new();
@@ -366,7 +401,11 @@ fn norms() {
 
 #[test]
 fn matmuls() {
-    let mut r = Rng::new("matmuls");
+    check("matmuls", &matmul_cases("matmuls", REDUCTION));
+}
+
+fn matmul_cases(test: &str, tol: f32) -> Vec<Case> {
+    let mut r = Rng::new(test);
     let mut cases = Vec::new();
     for (rows, k, m) in [(37usize, 50usize, 70usize), (256, 128, 384), (1, 3, 5)] {
         let x = r.vec(rows * k, 1.0);
@@ -382,7 +421,7 @@ fn matmuls() {
             },
             vec![Data::F32(x.clone()), Data::F32(w.clone())],
             vec![r.vec(rows * m, 1.0)],
-            REDUCTION,
+            tol,
         ));
         cases.push(Case::new(
             format!("matmul+bias {rows}x{k}x{m}"),
@@ -397,7 +436,7 @@ fn matmuls() {
                 Data::F32(r.vec(m, 1.0)),
             ],
             vec![r.vec(rows * m, 1.0)],
-            REDUCTION,
+            tol,
         ));
         cases.push(Case::new(
             format!("matmul_bwd_data {rows}x{k}x{m}"),
@@ -407,7 +446,7 @@ fn matmuls() {
             },
             vec![Data::F32(dy.clone()), Data::F32(w)],
             vec![r.vec(rows * k, 1.0)],
-            REDUCTION,
+            tol,
         ));
         for bias in [false, true] {
             let mut outs = vec![r.vec(m * k, 1.0)];
@@ -423,11 +462,11 @@ fn matmuls() {
                 },
                 vec![Data::F32(dy.clone()), Data::F32(x.clone())],
                 outs,
-                REDUCTION,
+                tol,
             ));
         }
     }
-    check("matmuls", &cases);
+    cases
 }
 
 #[test]

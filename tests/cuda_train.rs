@@ -82,7 +82,9 @@ fn run(s: &Spec, which: Which, stop_after: Option<u64>, resume: Option<&Path>) -
             s,
             &plan,
             &options,
-            |rank, _| parc_runtime::cuda::CudaBackend::new(rank as usize),
+            |rank, _| {
+                parc_runtime::cuda::CudaBackend::with_precision(rank as usize, s.train.precision)
+            },
             &|_| {},
         ),
         #[cfg(not(feature = "cuda"))]

@@ -21,6 +21,8 @@ pub(crate) struct AttGeom {
     pub seq_kv: i64,
     pub causal: i32,
     pub scale: f32,
+    pub q_sorted: i32,
+    pub kv_sorted: i32,
 }
 
 /// Must match ATT_WARPS / ATT_TILE in kernels/attention.cu.
@@ -185,6 +187,14 @@ fn act_code(act: Act) -> i32 {
 
 fn segments_len(segments: &[Segment]) -> u64 {
     segments.iter().map(|s| u64::from(s.len)).sum()
+}
+
+/// Whether the positions of `segments` strictly increase (each segment starts at or after the
+/// previous one's end).
+fn ascending(segments: &[Segment]) -> bool {
+    segments
+        .windows(2)
+        .all(|w| u64::from(w[0].start) + u64::from(w[0].len) <= u64::from(w[1].start))
 }
 
 fn max_position(segments: &[Segment]) -> Option<u64> {
@@ -574,9 +584,11 @@ pub(crate) fn run(
             let forward = matches!(op, Op::Attention { .. });
             let (qi, ki, vi) = if forward { (0, 1, 2) } else { (1, 2, 3) };
             let (q, k, v) = (b.f32_in(qi)?, b.f32_in(ki)?, b.f32_in(vi)?);
-            let g = attention_geometry(
+            let mut g = attention_geometry(
                 &b, q, k, *batch, *heads, *kv_heads, *head_dim, *causal, *scale,
             )?;
+            g.q_sorted = i32::from(ascending(q_positions));
+            g.kv_sorted = i32::from(ascending(kv_positions));
             let (batch, heads, d) = (g.batch as usize, g.heads as usize, g.head_dim as usize);
             let (seq_q, seq_kv) = (g.seq_q as usize, g.seq_kv as usize);
             b.expect(v, "v", k.len)?;
@@ -1003,6 +1015,8 @@ fn attention_geometry(
         seq_kv: seq_kv as i64,
         causal: i32::from(causal),
         scale: scale as f32,
+        q_sorted: 0,
+        kv_sorted: 0,
     })
 }
 

@@ -1,5 +1,7 @@
 //! The CUDA backend (feature `cuda`): every `Op` of `parc_compiler::ir::op` forward and
-//! backward on one NVIDIA GPU, fp32, with the CPU backend's semantics (the differential test
+//! backward on one NVIDIA GPU with the CPU backend's semantics, in fp32 (token ids i32).
+//! The backend is told the run's precision when it is made (`with_precision`); bf16 and fp16
+//! are refused with a clear error until they exist. See docs/cuda.md (the differential test
 //! `tests/cuda_ops.rs` holds it to them). GEMMs go through cuBLASLt (`gemm`), everything else
 //! through CUDA C kernels compiled by NVRTC once per run (`compile`); `dispatch` maps each op
 //! onto them. All work is ordered on one stream; reads to the host synchronise it.
@@ -21,6 +23,7 @@ use device::driver_error;
 use gemm::Blas;
 use parc_compiler::ir::op::{Op, Segment};
 use parc_compiler::ir::{BufferId, DType};
+use parc_compiler::spec::Precision;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -88,6 +91,23 @@ impl CudaBackend {
     /// Open GPU `ordinal` and compile (or load from the cache) the kernels. Fails with a clear
     /// message ("no CUDA driver found: …", "no CUDA device found: …") where there is none.
     pub fn new(ordinal: usize) -> Result<CudaBackend> {
+        CudaBackend::with_precision(ordinal, Precision::Fp32)
+    }
+
+    /// A backend for a run in `precision` (the spec's `train.precision`). Only fp32 exists
+    /// yet; bf16 and fp16 are refused (before touching the GPU) with an error saying so.
+    pub fn with_precision(ordinal: usize, precision: Precision) -> Result<CudaBackend> {
+        let missing = match precision {
+            Precision::Fp32 => None,
+            Precision::Bf16 => Some("bf16"),
+            Precision::Fp16 { .. } => Some("fp16 with loss scaling"),
+        };
+        if let Some(name) = missing {
+            return Err(RuntimeError::Unsupported(format!(
+                "the CUDA backend does not run {name} yet; set `precision = fp32` in the spec's \
+                 train block (or use --backend cpu)"
+            )));
+        }
         let (ctx, stream) = device::open(ordinal)?;
         let kernels = Kernels::load(&ctx)?;
         let workspace = stream

@@ -11,7 +11,17 @@ struct AttGeom {
     long long batch, heads, kv_heads, head_dim, seq_q, seq_kv;
     int causal;
     float scale;
+    // Positions ascending (every plan's segments are): lets causal blocks skip whole tiles.
+    int q_sorted, kv_sorted;
 };
+
+// The largest query position a block of rows [i0, i0 + ATT_WARPS) can have, when causal with
+// sorted positions (keys past it are invisible to the whole block); else INT_MAX.
+__device__ __forceinline__ int block_max_qpos(const int* qpos, long long i0, const AttGeom& g) {
+    if (!(g.causal && g.q_sorted && g.kv_sorted)) return 0x7fffffff;
+    long long last = i0 + ATT_WARPS - 1;
+    return qpos[last < g.seq_q ? last : g.seq_q - 1];
+}
 
 __device__ __forceinline__ void load_row(float* dst, const float* base, int lane, int d) {
     #pragma unroll
@@ -52,7 +62,9 @@ extern "C" __global__ void attention_fwd(const float* q, const float* k, const f
     for (int t = 0; t < ATT_MAX_PER_LANE; t++) acc[t] = 0.0f;
     int pi = active ? qpos[i] : 0;
     float m = NEG_INF, l = 0.0f;
+    int limit = block_max_qpos(qpos, (long long)blockIdx.x * ATT_WARPS, g);
     for (long long j0 = 0; j0 < g.seq_kv; j0 += ATT_TILE) {
+        if (kvpos[j0] > limit) break;
         __syncthreads();
         load_tile(kt, k, j0, g.seq_kv, g.batch, b, kw, kvh * d, d);
         load_tile(vt, v, j0, g.seq_kv, g.batch, b, kw, kvh * d, d);
@@ -114,7 +126,9 @@ extern "C" __global__ void attention_bwd_dq(const float* dout, const float* q, c
     #pragma unroll
     for (int t = 0; t < ATT_MAX_PER_LANE; t++) acc[t] = 0.0f;
     bool any = active && li != NEG_INF;
+    int limit = block_max_qpos(qpos, (long long)blockIdx.x * ATT_WARPS, g);
     for (long long j0 = 0; j0 < g.seq_kv; j0 += ATT_TILE) {
+        if (kvpos[j0] > limit) break;
         __syncthreads();
         load_tile(kt, k, j0, g.seq_kv, g.batch, b, kw, kvh * d, d);
         load_tile(vt, v, j0, g.seq_kv, g.batch, b, kw, kvh * d, d);
@@ -157,9 +171,14 @@ extern "C" __global__ void attention_bwd_dkdv(const float* dout, const float* q,
     }
     #pragma unroll
     for (int t = 0; t < ATT_MAX_PER_LANE; t++) { dka[t] = 0.0f; dva[t] = 0.0f; }
+    int first_kpos = kvpos[(long long)blockIdx.x * ATT_WARPS];
     for (long long h = kvh * group; h < (kvh + 1) * group; h++) {
         long long bh = b * g.heads + h;
         for (long long i0 = 0; i0 < g.seq_q; i0 += ATT_TILE) {
+            // Causal with sorted positions: a query tile ending before the block's first key
+            // sees none of the block's keys.
+            long long i_last = i0 + ATT_TILE - 1 < g.seq_q ? i0 + ATT_TILE - 1 : g.seq_q - 1;
+            if (g.causal && g.q_sorted && g.kv_sorted && qpos[i_last] < first_kpos) continue;
             __syncthreads();
             load_tile(qt, q, i0, g.seq_q, g.batch, b, qw, h * d, d);
             load_tile(dot_, dout, i0, g.seq_q, g.batch, b, qw, h * d, d);

@@ -1,0 +1,84 @@
+//! GPT-2 124M on one GPU with the CUDA backend (fp32): tokens/s per step, for
+//! `bench/RESULTS.md`. Ignored by default (it needs a GPU and minutes); run it on the device
+//! machine with `cuda_bench --ignored --nocapture`. PARC_BENCH_STEPS (default 6) and
+//! PARC_BENCH_BATCH (default 8) size it. Without a GPU it prints `skipped: no CUDA device`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#[allow(dead_code)]
+#[path = "ir/fixtures.rs"]
+mod fixtures;
+
+#[cfg(feature = "cuda")]
+use fixtures::{sized_spec, Dims, PlanChoice, TinyModel};
+
+#[cfg(feature = "cuda")]
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+#[test]
+#[ignore = "needs a GPU and minutes: run on the device machine with --ignored"]
+fn gpt2_124m_tokens_per_second() {
+    #[cfg(not(feature = "cuda"))]
+    println!("skipped: no CUDA device (this build has no `cuda` feature)");
+    #[cfg(feature = "cuda")]
+    {
+        use parc_compiler::lower::lower;
+        use parc_runtime::cuda::CudaBackend;
+        use parc_runtime::exec::{train, TrainOptions};
+        if let Err(e) = CudaBackend::new(0) {
+            println!("skipped: no CUDA device ({e})");
+            return;
+        }
+        let batch = env_u64("PARC_BENCH_BATCH", 8);
+        let dims = Dims {
+            vocab: 50304,
+            dim: 768,
+            seq: 1024,
+            heads: 12,
+            kv_heads: 12,
+            ffn: 3072,
+            micro_batch: batch,
+        };
+        let model = TinyModel {
+            layers: 12,
+            llama: false,
+            tied: true,
+        };
+        let mut s = sized_spec(model, PlanChoice::default(), dims);
+        s.train.steps = env_u64("PARC_BENCH_STEPS", 6);
+        s.train.global_batch = batch;
+        let label = "cuda-fp32";
+        let precision = s.train.precision;
+        let plan = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
+        let options = TrainOptions::new(".");
+        let started = std::time::Instant::now();
+        let result = train(
+            &s,
+            &plan,
+            &options,
+            |rank, _| CudaBackend::with_precision(rank as usize, precision),
+            &|r| {
+                println!(
+                    "{{\"model\":\"124m\",\"backend\":\"{label}\",\"batch\":{batch},\"seq\":1024,\"step\":{},\"loss\":{:.4},\"grad_norm\":{:.4},\"tokens_per_s\":{:.0},\"elapsed_s\":{:.2}}}",
+                    r.step, r.loss, r.grad_norm, r.tokens_per_s, r.elapsed_s
+                )
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let steady: Vec<f64> = result
+            .records
+            .iter()
+            .skip(1)
+            .map(|r| r.tokens_per_s)
+            .collect();
+        let mean = steady.iter().sum::<f64>() / steady.len().max(1) as f64;
+        println!(
+            "gpt2-124m {label}: {} steps in {:.1}s, steady tokens/s {mean:.0} (steps after the first)",
+            result.records.len(),
+            started.elapsed().as_secs_f64()
+        );
+    }
+}
