@@ -173,20 +173,30 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
-/// Which parallelism the products inside tasks use: the pool when there are fewer tasks than
-/// threads (one long sequence), the calling thread otherwise.
-fn inner_threads(tasks: usize) -> Threads {
-    if tasks < rayon::current_num_threads() {
+/// Which parallelism the products inside tasks use: the pool when the op may use it and there
+/// are fewer tasks than threads (one long sequence), the calling thread otherwise.
+fn inner_threads(threads: Threads, tasks: usize) -> Threads {
+    if threads == Threads::Pool && tasks < rayon::current_num_threads() {
         Threads::Pool
     } else {
         Threads::Caller
     }
 }
 
+/// Tasks per rayon split: all of them (no split) when the op runs on the calling thread.
+fn tasks_per_split(threads: Threads, tasks: usize) -> usize {
+    match threads {
+        Threads::Pool => 1,
+        Threads::Caller => tasks.max(1),
+    }
+}
+
 /// Forward: o `[rows_q, heads·head_dim]`, lse `[batch, heads, seq_q]`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn attention(
     op: &str,
     shape: &AttentionShape,
+    op_threads: Threads,
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -199,9 +209,10 @@ pub(crate) fn attention(
     expect_len(op, "lse", lse.len(), g.lse_len())?;
     let (sq, skv, d) = (g.q_pos.len(), g.kv_pos.len(), g.head_dim);
     let tasks = g.batch * g.heads;
-    let threads = inner_threads(tasks);
+    let threads = inner_threads(op_threads, tasks);
     let results: Vec<Result<(Vec<f32>, Vec<f32>)>> = (0..tasks)
         .into_par_iter()
+        .with_min_len(tasks_per_split(op_threads, tasks))
         .map(|task| {
             let (b, h) = (task / g.heads, task % g.heads);
             let q = g.gather(q, g.heads, b, h);
@@ -286,6 +297,7 @@ struct KvHeadGrads {
 pub(crate) fn attention_bwd(
     op: &str,
     shape: &AttentionShape,
+    op_threads: Threads,
     t: &AttentionGrads,
     dq: &mut [f32],
     dk: &mut [f32],
@@ -301,9 +313,10 @@ pub(crate) fn attention_bwd(
     expect_len(op, "dv", dv.len(), g.kv_len())?;
     let (sq, skv, d) = (g.q_pos.len(), g.kv_pos.len(), g.head_dim);
     let tasks = g.batch * g.kv_heads;
-    let threads = inner_threads(tasks);
+    let threads = inner_threads(op_threads, tasks);
     let results: Vec<Result<KvHeadGrads>> = (0..tasks)
         .into_par_iter()
+        .with_min_len(tasks_per_split(op_threads, tasks))
         .map(|task| {
             let (b, kvh) = (task / g.kv_heads, task % g.kv_heads);
             let k = g.gather(t.k, g.kv_heads, b, kvh);

@@ -4,6 +4,7 @@
 use super::args::{dim, Inputs, Outputs};
 use super::attention::{attention, attention_bwd, AttentionGrads, AttentionShape};
 use super::cross_entropy::{ce_grad, ce_loss, ce_max, ce_sum_exp, ce_target_logit};
+use super::dense::Threads;
 use super::elementwise::{
     activation, activation_bwd, add, copy, copy_range, scale, swiglu, swiglu_bwd,
 };
@@ -16,8 +17,15 @@ use crate::backend::StepScalars;
 use crate::error::Result;
 use parc_compiler::ir::op::Op;
 
-/// Run `op` on bound buffers (counts already checked against its signature).
-pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, scalars: &StepScalars) -> Result<()> {
+/// Run `op` on bound buffers (counts already checked against its signature); `threads` says
+/// whether dense products and attention may use the pool.
+pub(crate) fn run(
+    op: &Op,
+    ins: &Inputs,
+    outs: &mut Outputs,
+    scalars: &StepScalars,
+    threads: Threads,
+) -> Result<()> {
     let name = ins.op;
     match op {
         Op::Embedding {
@@ -116,7 +124,7 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, scalars: &StepScala
                 dim(name, "in_dim", *in_dim)?,
                 dim(name, "out_dim", *out_dim)?,
             );
-            matmul(name, i, o, ins.f32(0)?, ins.f32(1)?, b, y)
+            matmul(name, threads, i, o, ins.f32(0)?, ins.f32(1)?, b, y)
         }
         Op::MatmulBwdData { in_dim, out_dim } => {
             let [dx] = outs.f32s()?;
@@ -124,7 +132,7 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, scalars: &StepScala
                 dim(name, "in_dim", *in_dim)?,
                 dim(name, "out_dim", *out_dim)?,
             );
-            matmul_bwd_data(name, i, o, ins.f32(0)?, ins.f32(1)?, dx)
+            matmul_bwd_data(name, threads, i, o, ins.f32(0)?, ins.f32(1)?, dx)
         }
         Op::MatmulBwdWeight {
             in_dim,
@@ -138,10 +146,10 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, scalars: &StepScala
             let (dy, x) = (ins.f32(0)?, ins.f32(1)?);
             if *bias {
                 let [dw, db] = outs.f32s()?;
-                matmul_bwd_weight(name, i, o, dy, x, dw, Some(db))
+                matmul_bwd_weight(name, threads, i, o, dy, x, dw, Some(db))
             } else {
                 let [dw] = outs.f32s()?;
-                matmul_bwd_weight(name, i, o, dy, x, dw, None)
+                matmul_bwd_weight(name, threads, i, o, dy, x, dw, None)
             }
         }
         Op::Rope {
@@ -206,7 +214,16 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, scalars: &StepScala
             };
             if matches!(op, Op::Attention { .. }) {
                 let [o, lse] = outs.f32s()?;
-                attention(name, &shape, ins.f32(0)?, ins.f32(1)?, ins.f32(2)?, o, lse)
+                attention(
+                    name,
+                    &shape,
+                    threads,
+                    ins.f32(0)?,
+                    ins.f32(1)?,
+                    ins.f32(2)?,
+                    o,
+                    lse,
+                )
             } else {
                 let tensors = AttentionGrads {
                     d_out: ins.f32(0)?,
@@ -217,7 +234,7 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, scalars: &StepScala
                     lse: ins.f32(5)?,
                 };
                 let [dq, dk, dv] = outs.f32s()?;
-                attention_bwd(name, &shape, &tensors, dq, dk, dv)
+                attention_bwd(name, &shape, threads, &tensors, dq, dk, dv)
             }
         }
         Op::Activation { act } => {

@@ -3,13 +3,14 @@
 //! Computed in f32 (`libm::erff` for gelu; gelu_tanh through the identity
 //! `0.5·(1 + tanh u) = σ(2u)`, one exponential per element).
 use super::args::{expect_len, op_error};
+use super::par::TASK_ELEMENTS;
 use crate::error::Result;
 use crate::tensor::{Tensor, TensorData};
 use parc_compiler::ir::op::Act;
 use rayon::prelude::*;
 
 /// Elements per rayon task for elementwise loops.
-const CHUNK: usize = 16_384;
+const CHUNK: usize = TASK_ELEMENTS;
 
 /// `out[i] = f(a[i])` in parallel chunks.
 fn map1(out: &mut [f32], a: &[f32], f: impl Fn(f32) -> f32 + Sync) {

@@ -7,8 +7,10 @@ use crate::error::Result;
 use rayon::prelude::*;
 
 /// `y = x Wᵀ (+ b)`: x `[rows, in]`, w `[out, in]`, b `[out]`, y `[rows, out]`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn matmul(
     op: &str,
+    threads: Threads,
     in_dim: usize,
     out_dim: usize,
     x: &[f32],
@@ -28,7 +30,7 @@ pub(crate) fn matmul(
         false,
         (x, Strided::row_major(rows, in_dim)),
         (w, Strided::transposed(in_dim, out_dim)),
-        Threads::Pool,
+        threads,
     )?;
     if let Some(b) = b {
         y.par_chunks_mut(out_dim)
@@ -45,6 +47,7 @@ pub(crate) fn matmul(
 /// `dx = dy W`: dy `[rows, out]`, w `[out, in]`, dx `[rows, in]`.
 pub(crate) fn matmul_bwd_data(
     op: &str,
+    threads: Threads,
     in_dim: usize,
     out_dim: usize,
     dy: &[f32],
@@ -60,7 +63,7 @@ pub(crate) fn matmul_bwd_data(
         false,
         (dy, Strided::row_major(rows, out_dim)),
         (w, Strided::row_major(out_dim, in_dim)),
-        Threads::Pool,
+        threads,
     )
 }
 
@@ -68,6 +71,7 @@ pub(crate) fn matmul_bwd_data(
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn matmul_bwd_weight(
     op: &str,
+    threads: Threads,
     in_dim: usize,
     out_dim: usize,
     dy: &[f32],
@@ -87,7 +91,7 @@ pub(crate) fn matmul_bwd_weight(
         true,
         (dy, Strided::transposed(out_dim, rows)),
         (x, Strided::row_major(rows, in_dim)),
-        Threads::Pool,
+        threads,
     )?;
     if let Some(db) = db {
         accumulate_rows(rows, db, |row, partial| {

@@ -7,6 +7,8 @@
 //! and the local comm get direct access: borrow a buffer as a slice, or [`CpuBackend::take`] a
 //! tensor out (for a collective running on another thread) and [`CpuBackend::put_back`] it.
 //! An op whose output is also one of its inputs sees the input's value from before the op.
+//! Ops on at most `par::TASK_ELEMENTS` elements in all run on the calling thread (no kernel loop
+//! splits at that size); larger ones run on the backend's pool.
 mod args;
 mod attention;
 mod cross_entropy;
@@ -24,6 +26,7 @@ use crate::backend::{Backend, StepScalars};
 use crate::error::{Result, RuntimeError};
 use crate::tensor::Tensor;
 use args::{signature, Inputs, Outputs};
+use dense::Threads;
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::{BufferId, DType};
 use std::sync::Arc;
@@ -350,7 +353,15 @@ impl CpuBackend {
             ids: outputs,
             tensors: taken.iter_mut().collect(),
         };
-        self.install(|| dispatch::run(op, &ins, &mut outs, scalars))
+        // An op small enough that no kernel loop would split runs right here: handing it to the
+        // pool would cost two thread switches for no parallelism (see `par`).
+        let elements: usize = ins.tensors.iter().map(|t| t.len()).sum::<usize>()
+            + outs.tensors.iter().map(|t| t.len()).sum::<usize>();
+        if elements <= par::TASK_ELEMENTS {
+            dispatch::run(op, &ins, &mut outs, scalars, Threads::Caller)
+        } else {
+            self.install(|| dispatch::run(op, &ins, &mut outs, scalars, Threads::Pool))
+        }
     }
 }
 

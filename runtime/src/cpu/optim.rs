@@ -2,13 +2,13 @@
 //! AdamW and SGD updates (in place on the master tensor and its state). The learning rate and the
 //! 1-based step come from the executor's `StepScalars`.
 use super::args::{expect_len, op_error};
-use super::par::sum_chunks;
+use super::par::{sum_chunks, TASK_ELEMENTS};
 use crate::backend::StepScalars;
 use crate::error::Result;
 use rayon::prelude::*;
 
 /// Elements per rayon task for the updates.
-const CHUNK: usize = 16_384;
+const CHUNK: usize = TASK_ELEMENTS;
 
 /// `sumsq[0] += Σ g²`.
 pub(crate) fn sum_squares(op: &str, g: &[f32], sumsq: &mut [f32]) -> Result<()> {

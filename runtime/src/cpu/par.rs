@@ -2,7 +2,14 @@
 //! depend only on the problem size (never on the thread count), each piece is computed
 //! sequentially, and partial results are combined in piece order — so every kernel returns
 //! bit-identical results on 1 or 64 threads.
+//!
+//! Every parallel loop gives each rayon task at least [`TASK_ELEMENTS`] elements, so a loop over
+//! a buffer of at most that size never splits: it runs on the calling thread without touching any
+//! pool, which is what lets the backend run small ops inline (see `CpuBackend::compute`).
 use rayon::prelude::*;
+
+/// The least work (elements) per rayon task in every kernel.
+pub(crate) const TASK_ELEMENTS: usize = 16_384;
 
 /// Rows per partial sum in [`accumulate_rows`]: fixed, so the summation order is too.
 const ROW_BLOCK: usize = 32;
@@ -12,7 +19,7 @@ const SUM_CHUNK: usize = 8192;
 /// Rows per rayon task for row-parallel kernels over rows of `cols` elements: enough work per task
 /// that scheduling costs stay small on tiny tensors.
 pub(crate) fn rows_per_task(cols: usize) -> usize {
-    (16_384 / cols.max(1)).max(1)
+    (TASK_ELEMENTS / cols.max(1)).max(1)
 }
 
 /// `acc[j] += Σ_rows contribution[j]`, where `contribute(row, partial)` adds one row's
@@ -25,6 +32,7 @@ where
     let width = acc.len();
     let partials: Vec<Vec<f64>> = (0..rows.div_ceil(ROW_BLOCK))
         .into_par_iter()
+        .with_min_len(rows_per_task(ROW_BLOCK * width))
         .map(|block| {
             let mut partial = vec![0.0f64; width];
             for row in block * ROW_BLOCK..((block + 1) * ROW_BLOCK).min(rows) {
@@ -51,6 +59,7 @@ where
 {
     let partials: Vec<f64> = (0..len.div_ceil(SUM_CHUNK))
         .into_par_iter()
+        .with_min_len(TASK_ELEMENTS.div_ceil(SUM_CHUNK))
         .map(|chunk| {
             (chunk * SUM_CHUNK..((chunk + 1) * SUM_CHUNK).min(len))
                 .map(&term)

@@ -350,3 +350,24 @@ fn results_are_bit_identical_for_any_thread_count() {
     }
     assert!(one == global, "global pool differs from 1 thread");
 }
+
+#[test]
+fn dense_products_do_not_depend_on_whether_they_run_on_the_pool() {
+    use crate::cpu::dense::Threads;
+    use crate::cpu::linear::matmul;
+    // Above gemm's threading threshold, so the pool run really splits.
+    let (rows, in_dim, out_dim) = (128usize, 96usize, 160usize);
+    let x = values(rows * in_dim, 80, 1.0);
+    let w = values(out_dim * in_dim, 81, 1.0);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(4)
+        .build()
+        .unwrap();
+    let run = |threads| {
+        let mut y = vec![f32::NAN; rows * out_dim];
+        pool.install(|| matmul("matmul", threads, in_dim, out_dim, &x, &w, None, &mut y))
+            .unwrap();
+        y.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+    };
+    assert!(run(Threads::Pool) == run(Threads::Caller));
+}
