@@ -59,7 +59,10 @@ pub(crate) fn buffers_of(instr: &Instr, mut f: impl FnMut(BufferId)) {
 }
 
 fn microbatch_of(name: &str) -> Option<u32> {
-    name.rsplit_once('@').and_then(|(_, mb)| mb.parse().ok())
+    // Bounded so a hand-made name cannot make the per-microbatch table huge.
+    name.rsplit_once('@')
+        .and_then(|(_, mb)| mb.parse().ok())
+        .filter(|&mb: &u32| mb < 1 << 20)
 }
 
 /// Check one program's buffer discipline and measure its liveness.
@@ -81,7 +84,7 @@ pub fn analyse(program: &Program, id: ProgramId, rank: u32) -> (ProgramMemory, V
         .map(|b| microbatch_of(&b.name))
         .collect();
     // Per microbatch: (first forward op, last backward op).
-    let mut spans: std::collections::BTreeMap<u32, (usize, usize)> = Default::default();
+    let mut spans: Vec<(usize, usize)> = Vec::new();
     let mut live = 0u64;
     let mut peak = 0u64;
     let mut peak_at = 0usize;
@@ -178,7 +181,11 @@ pub fn analyse(program: &Program, id: ProgramId, rank: u32) -> (ProgramMemory, V
                 if let Instr::Compute { outputs, phase, .. } = instr {
                     let mb = outputs.iter().find_map(|b| mb_of[b.0 as usize]);
                     if let Some(mb) = mb {
-                        let span = spans.entry(mb).or_insert((usize::MAX, 0));
+                        let mb = mb as usize;
+                        if spans.len() <= mb {
+                            spans.resize(mb + 1, (usize::MAX, 0));
+                        }
+                        let span = &mut spans[mb];
                         match phase {
                             Phase::Forward => span.0 = span.0.min(i),
                             Phase::Backward => span.1 = span.1.max(i),
@@ -202,7 +209,7 @@ pub fn analyse(program: &Program, id: ProgramId, rank: u32) -> (ProgramMemory, V
     }
     let end = program.instrs.len();
     let mut edges: Vec<(usize, i32)> = Vec::new();
-    for &(first, last) in spans.values() {
+    for &(first, last) in &spans {
         if first <= last {
             edges.push((first, 1));
             edges.push((last, -1));
