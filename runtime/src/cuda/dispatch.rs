@@ -160,7 +160,14 @@ impl Bound<'_> {
                 b.id.0, b.len
             )));
         }
-        Ok(b.len / cols)
+        let rows = b.len / cols;
+        if rows > i32::MAX as usize {
+            return Err(self.err(format!(
+                "{what} (buffer {}) has {rows} rows, more than one launch covers (2^31 - 1)",
+                b.id.0
+            )));
+        }
+        Ok(rows)
     }
 
     fn same(&self, bufs: &[(Buf, &str)], len: usize) -> Result<()> {
