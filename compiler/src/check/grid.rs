@@ -505,3 +505,52 @@ fn matches_node(w: &str, n: &Node) -> bool {
         || n.name == w
         || n.name.starts_with(w) && n.name.as_bytes().get(w.len()) == Some(&b'.')
 }
+
+/// Whole-job sizes parc supports: tokens per microbatch and parameters, so that the memory and
+/// FLOP estimates (and the buffers lowering sizes) fit in 64 bits.
+pub fn sizes(model: &Model, train: &Train, span: Span, diags: &mut Diagnostics) {
+    const MAX_TOKENS: u64 = 1 << 24;
+    const MAX_PARAMS: u128 = 1 << 46;
+    let tokens = u128::from(model.seq) * u128::from(train.micro_batch);
+    if tokens > u128::from(MAX_TOKENS) {
+        diags.push(
+            Diagnostic::error(
+                "E0903",
+                format!("a microbatch of {} × {} = {tokens} tokens is more than parc supports ({MAX_TOKENS})", train.micro_batch, model.seq),
+            )
+            .label(span, "micro_batch")
+            .help(format!("use micro_batch ≤ {}", (MAX_TOKENS / model.seq.max(1)).max(1))),
+        );
+    }
+    let params: u128 = model
+        .nodes
+        .iter()
+        .map(|n| match n.kind {
+            LayerKind::Embedding { vocab, dim } => u128::from(vocab) * u128::from(dim),
+            LayerKind::PositionEmbedding { seq, dim } => u128::from(seq) * u128::from(dim),
+            LayerKind::Linear {
+                in_dim, out_dim, ..
+            } => u128::from(in_dim) * u128::from(out_dim),
+            LayerKind::Attention {
+                dim,
+                heads,
+                kv_heads,
+                head_dim,
+                ..
+            } => {
+                u128::from(dim)
+                    * u128::from(head_dim)
+                    * (2 * u128::from(heads) + 2 * u128::from(kv_heads))
+            }
+            LayerKind::Mlp { dim, hidden, .. } => 3 * u128::from(dim) * u128::from(hidden),
+            _ => 0,
+        })
+        .sum();
+    if params > MAX_PARAMS {
+        diags.push(
+            Diagnostic::error("E0903", format!("the model has about {params} parameters, more than parc supports ({MAX_PARAMS})"))
+                .label(model.span, "this model")
+                .help("use smaller dimensions or fewer layers"),
+        );
+    }
+}

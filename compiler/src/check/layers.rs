@@ -7,6 +7,10 @@ use crate::diag::{Diagnostic, Span};
 use crate::spec::{Activation, LayerKind, Rope, Shape};
 use std::collections::HashMap;
 
+/// The largest layer dimension parc accepts (2^20): far above real models, low enough that
+/// parameter and activation sizes stay inside 64 bits.
+pub const MAX_DIM: u64 = 1 << 20;
+
 /// The layer constructors users can call, and `RoPE`.
 pub const BUILTINS: [&str; 10] = [
     "Embedding",
@@ -93,6 +97,17 @@ impl Bound {
         match self.values.get(name) {
             Some(ArgValue::Num(n)) => {
                 let v = n.as_count(&format!("{}'s {name}", self.kind))?;
+                if v > MAX_DIM {
+                    return Err(Diagnostic::error(
+                        "E0903",
+                        format!(
+                            "{}'s {name} = {v} is more than parc supports ({MAX_DIM})",
+                            self.kind
+                        ),
+                    )
+                    .label(n.span, "too large")
+                    .help(format!("use a {name} of at most {MAX_DIM}")));
+                }
                 if v == 0 {
                     return Err(Diagnostic::error(
                         "E0903",

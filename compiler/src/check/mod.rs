@@ -203,6 +203,11 @@ pub fn check(
         grid.pipeline_layers(e, &pin.parallel);
         if let Some(t) = &train {
             grid.data(e, t);
+            let span = settings
+                .get("train.micro_batch")
+                .map(|x| x.span)
+                .unwrap_or(train_span);
+            grid::sizes(&e.model, t, span, grid.diags);
         }
         let rspan = settings
             .get("parallel.recompute")

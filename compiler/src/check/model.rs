@@ -20,8 +20,8 @@ use std::collections::HashMap;
 /// Block calls nest at most this deep (a block calling itself is an error, not a hang).
 const MAX_DEPTH: u32 = 32;
 /// Upper bounds that keep `check` fast on any input.
-const MAX_LAYERS: u64 = 100_000;
-const MAX_NODES: usize = 1_000_000;
+const MAX_LAYERS: u64 = 4096;
+const MAX_NODES: usize = 100_000;
 
 /// A value during elaboration.
 #[derive(Clone, Debug)]
@@ -162,6 +162,22 @@ impl<'a> Elab<'a> {
                     }
                     if let Val::Num(n) = self.eval(&inp.seq, &frame, 0) {
                         match n.as_count("the sequence length") {
+                            Ok(s) if s > layers::MAX_DIM => {
+                                self.err(
+                                    Diagnostic::error(
+                                        "E0903",
+                                        format!(
+                                            "seq = {s} is more than parc supports ({})",
+                                            layers::MAX_DIM
+                                        ),
+                                    )
+                                    .label(n.span, "too large")
+                                    .help(format!(
+                                        "use a sequence length of at most {}",
+                                        layers::MAX_DIM
+                                    )),
+                                );
+                            }
                             Ok(s) if s > 0 => seq = Some((s, n.span)),
                             Ok(_) => {
                                 self.err(

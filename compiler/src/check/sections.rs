@@ -135,11 +135,23 @@ impl Reader<'_> {
         self.settings.get(path).map(|e| e.span)
     }
 
-    /// A whole number ≥ `min`.
+    /// A whole number ≥ `min` and at most the path's limit ([`limit`]).
     pub fn count(&mut self, path: &str, min: u64) -> Option<u64> {
         let leaf = path.rsplit('.').next().unwrap_or(path).to_string();
+        let max = limit(path);
         match self.value(path)? {
             SVal::Num(n) => match n.as_count(&leaf) {
+                Ok(v) if v > max => {
+                    self.diags.push(
+                        Diagnostic::error(
+                            "E0903",
+                            format!("{leaf} = {v} is more than parc supports ({max})"),
+                        )
+                        .label(n.span, "too large")
+                        .help(format!("use a {leaf} of at most {max}")),
+                    );
+                    None
+                }
                 Ok(v) if v >= min => Some(v),
                 Ok(v) => {
                     self.diags.push(
@@ -259,6 +271,23 @@ impl Reader<'_> {
                     }),
             );
         }
+    }
+}
+
+/// The largest value a counted setting may have: far above any real job, low enough that every
+/// product the cost model and lowering form stays inside 64 bits.
+pub fn limit(path: &str) -> u64 {
+    match path {
+        "parallel.dp"
+        | "parallel.pp"
+        | "parallel.cp"
+        | "parallel.tp"
+        | "cluster.nodes"
+        | "cluster.gpus_per_node" => 1 << 16,
+        "parallel.microbatches" | "parallel.virtual" => 1 << 16,
+        "train.micro_batch" => 1 << 20,
+        "train.global_batch" => 1 << 32,
+        _ => 1 << 48,
     }
 }
 

@@ -167,9 +167,9 @@ impl Settings {
         flatten(&c, value, &mut flat);
         // `--set parallel.mesh={dp: 2, tp: 2}`: a record for a path that only has sub-paths.
         let known = |p: &str| PATHS.contains(&canonical(p).as_str());
-        if !known(&c)
-            && !(matches!(value.kind, ExprKind::Record(_)) && flat.iter().all(|(p, _)| known(p)))
-        {
+        let record_of_known =
+            matches!(value.kind, ExprKind::Record(_)) && flat.iter().all(|(p, _)| known(p));
+        if !known(&c) && !record_of_known {
             return false;
         }
         if matches!(value.kind, ExprKind::Tagged { .. } | ExprKind::Record(_)) {
