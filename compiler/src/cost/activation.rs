@@ -11,14 +11,17 @@
 //! - attention scores, when the attention materialises them: softmax output a·s elements, plus
 //!   with dropout a 1-byte mask and the dropout output (the paper's 5as²b bytes); an attention
 //!   that keeps only its log-sum-exp (parc's, like FlashAttention) keeps a·4 bytes per token;
-//! - with dropout, one 1-byte mask of h after attention and after the MLP.
+//! - with dropout, one 1-byte mask of h after attention and after the MLP;
+//! - parc keeps the q/k/v and MLP inputs all-gathered under sequence parallelism (h per token
+//!   of the whole sequence) where Megatron keeps the shard and gathers it again in backward.
 //!
 //! With 16-bit activations, dropout, materialised scores, f = 4h and k = a this is exactly the
 //! paper's sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)) with TP and sbh(34/t + 5as/(ht)) with
 //! TP+SP (see the tests). Selective recompute drops the attention core's outputs (the paper: the
 //! scores; parc: also the output projection input and the log-sum-exp, which it recomputes).
 //! Full or named recompute keeps only each recomputed run's input (the paper's 2sbh per layer),
-//! plus, once, what the largest recomputed layer rebuilds for its backward.
+//! plus what the largest recomputed layer rebuilds for its backward, which is alive once the
+//! last chunk's logits are gone (the larger of the two counts).
 
 use super::schedule::InFlight;
 use crate::spec::{Activation, Axis, LayerKind, Precision, Recompute, Spec};
@@ -30,6 +33,9 @@ pub struct Keeps {
     pub dropout: bool,
     /// The softmax output is materialised and kept (otherwise only the log-sum-exp).
     pub scores: bool,
+    /// Under sequence parallelism the q/k/v and MLP inputs are kept all-gathered (whole
+    /// sequence) rather than as the sequence shard that backward gathers again.
+    pub gathered_inputs: bool,
 }
 
 impl Keeps {
@@ -37,11 +43,13 @@ impl Keeps {
     pub const PAPER: Keeps = Keeps {
         dropout: true,
         scores: true,
+        gathered_inputs: false,
     };
-    /// parc's layers: no dropout, attention keeps its log-sum-exp.
+    /// parc's layers: no dropout, attention keeps its log-sum-exp, matmul inputs kept gathered.
     pub const PARC: Keeps = Keeps {
         dropout: false,
         scores: false,
+        gathered_inputs: true,
     };
 }
 
@@ -85,6 +93,14 @@ impl LayerDims {
     fn sb(&self) -> f64 {
         self.s * self.b
     }
+    /// Tokens-per-rank factor for a block's kept input.
+    fn block_input(&self, keeps: Keeps) -> f64 {
+        if keeps.gathered_inputs {
+            self.sb()
+        } else {
+            self.replicated()
+        }
+    }
 
     /// Bytes the two norms keep (their inputs).
     pub fn norms(&self) -> f64 {
@@ -96,7 +112,7 @@ impl LayerDims {
         let (sb, t, e) = (self.sb(), self.t, self.elem);
         let qd = self.heads * self.head_dim;
         let kvd = self.kv_heads * self.head_dim;
-        let mut bytes = self.replicated() * self.h * e; // projection input
+        let mut bytes = self.block_input(keeps) * self.h * e; // projection input
         bytes += sb * (qd + 2.0 * kvd * self.cp) / t * e; // q, k, v
         if keeps.dropout {
             bytes += self.replicated() * self.h; // mask after the output projection
@@ -121,7 +137,7 @@ impl LayerDims {
     pub fn mlp(&self, keeps: Keeps) -> f64 {
         let (sb, t, e) = (self.sb(), self.t, self.elem);
         let act_in = if self.gated { 2.0 } else { 1.0 } * self.ffn;
-        let mut bytes = self.replicated() * self.h * e; // fc input
+        let mut bytes = self.block_input(keeps) * self.h * e; // fc input
         bytes += sb * (act_in + self.ffn) / t * e; // activation input, down projection input
         if keeps.dropout {
             bytes += self.replicated() * self.h;
@@ -289,10 +305,11 @@ pub fn stage_activation_bytes(spec: &Spec, in_stage: &[bool], in_flight: InFligh
             None => first_bytes += bytes,
         }
     }
+    // A layer is rebuilt in backward, after the head's backward has freed its microbatch's
+    // logits: the two peaks do not add up.
     let working_set = rebuilt.values().copied().fold(0.0, f64::max);
     let total = layer_bytes * in_flight.layer_microbatches
         + first_bytes * f64::from(in_flight.first_chunk)
-        + last_bytes * f64::from(in_flight.last_chunk)
-        + working_set;
+        + (last_bytes * f64::from(in_flight.last_chunk)).max(working_set);
     total.ceil() as u64
 }
