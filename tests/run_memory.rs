@@ -27,12 +27,28 @@ fn plans_larger_than_the_memory_limit_are_refused_with_numbers() {
     let plan = lower(&s).unwrap();
     let mut options = TrainOptions::new(".");
     options.memory_limit = Some(1024);
-    let err = train(&s, &plan, &options, |_, t| CpuBackend::with_threads(t), &|_| {})
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("for its 4 ranks") && err.contains("GiB is available"), "{err}");
+    let err = train(
+        &s,
+        &plan,
+        &options,
+        |_, t| CpuBackend::with_threads(t),
+        &|_| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("for its 4 ranks") && err.contains("GiB is available"),
+        "{err}"
+    );
     options.memory_limit = Some(1 << 30);
     options.stop_after = Some(1);
-    let ok = train(&s, &plan, &options, |_, t| CpuBackend::with_threads(t), &|_| {}).unwrap();
+    let ok = train(
+        &s,
+        &plan,
+        &options,
+        |_, t| CpuBackend::with_threads(t),
+        &|_| {},
+    )
+    .unwrap();
     assert_eq!(ok.records.len(), 1);
 }
