@@ -246,6 +246,7 @@ fn run_with<B: Backend>(
         records: &result.records,
         epochs: &result.epochs,
         checkpoints: &result.checkpoints,
+        model_export: result.model_export.as_ref(),
         backend: backend.name(),
         world: plan.world,
     });

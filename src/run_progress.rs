@@ -98,6 +98,8 @@ pub struct Summary<'a> {
     pub records: &'a [StepRecord],
     pub epochs: &'a [EpochProgress],
     pub checkpoints: &'a [PathBuf],
+    /// The final parameters as global tensors, when the run checkpoints.
+    pub model_export: Option<&'a PathBuf>,
     pub backend: &'a str,
     pub world: u32,
 }
@@ -131,6 +133,7 @@ impl Summary<'_> {
             })).collect::<Vec<_>>(),
             "checkpoints": self.checkpoints.iter().map(|p| p.display().to_string())
                 .collect::<Vec<_>>(),
+            "model": self.model_export.map(|p| p.display().to_string()),
         })
         .to_string()
     }
@@ -159,6 +162,9 @@ impl Summary<'_> {
         );
         if let Some(path) = self.checkpoints.last() {
             text.push_str(&format!("\nlast checkpoint: {}", path.display()));
+        }
+        if let Some(path) = self.model_export {
+            text.push_str(&format!("\nfinal parameters: {}", path.display()));
         }
         text
     }
@@ -274,6 +280,7 @@ mod tests {
             records: &records,
             epochs: &epochs,
             checkpoints: &[],
+            model_export: None,
             backend: "cpu",
             world: 2,
         };

@@ -1,7 +1,7 @@
 //! Resume: a run stopped after step k and resumed from its checkpoint gives the remaining
 //! losses and final parameters of an uninterrupted run bit for bit, on sharded plans too
-//! (ZeRO optimizer shards, pipeline stages, tp blocks). A checkpoint from another plan is
-//! refused.
+//! (ZeRO optimizer shards, pipeline stages, tp blocks); the exported `model.safetensors` holds
+//! the final global parameters. A checkpoint from another plan is refused.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #[allow(dead_code)]
 #[path = "ir/fixtures.rs"]
@@ -91,6 +91,18 @@ fn assert_resume_is_exact(name: &str, plan: impl Fn() -> PlanChoice) {
     }
     // The losses moved: the comparison above is not between constants.
     assert_ne!(full.records[0].loss, full.records[6].loss);
+    // The exported model holds the same global tensors as the run's result.
+    let export = std::fs::read(resumed.model_export.as_ref().unwrap()).unwrap();
+    let export = safetensors::SafeTensors::deserialize(&export).unwrap();
+    for p in &resumed.params {
+        let t = export.tensor(&p.name).unwrap();
+        let data: Vec<u32> = t
+            .data()
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        assert_eq!(data, bits(p.data.clone()), "{}", p.name);
+    }
 }
 
 #[test]

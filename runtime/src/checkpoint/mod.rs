@@ -12,14 +12,16 @@
 //! A checkpoint is written into `DIR/.step-00000010.tmp/` (each file: temp file, fsync,
 //! rename), the manifest last, then the folder is fsynced and renamed to `step-00000010` and
 //! `DIR` is fsynced: a crash leaves either the whole checkpoint or none of it. Only the newest
-//! `keep` checkpoints stay (0 keeps all).
+//! `keep` checkpoints stay (0 keeps all). At the end of a run, `DIR/model.safetensors` holds the
+//! final parameters as global tensors (plan-independent, for export), its step in the metadata.
 //!
 //! A checkpoint belongs to one plan: its manifest carries a hash of the lowered plan (programs,
 //! groups, parameter layout, world), and loading under another plan is refused with both hashes.
 pub mod store;
 
 pub use store::{
-    commit, find_latest, prepare, read_manifest, read_shard, staging_dir, write_shard, ShardTensor,
+    commit, find_latest, prepare, read_manifest, read_shard, staging_dir, write_model, write_shard,
+    ShardTensor,
 };
 
 use parc_compiler::ir::Plan;

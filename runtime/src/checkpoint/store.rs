@@ -71,9 +71,12 @@ pub fn prepare(dir: &Path, step: u64) -> Result<PathBuf> {
     Ok(staging)
 }
 
-/// Write `rank`'s tensors into the staging folder.
-pub fn write_shard(staging: &Path, rank: u32, tensors: &[ShardTensor]) -> Result<()> {
-    let path = staging.join(shard_file_name(rank));
+/// Serialize f32 tensors as one safetensors file at `path`, atomically.
+fn write_safetensors(
+    path: &Path,
+    tensors: &[ShardTensor],
+    metadata: Option<std::collections::HashMap<String, String>>,
+) -> Result<()> {
     let bytes: Vec<Vec<u8>> = tensors
         .iter()
         .map(|t| t.data.iter().flat_map(|x| x.to_le_bytes()).collect())
@@ -86,11 +89,30 @@ pub fn write_shard(staging: &Path, rank: u32, tensors: &[ShardTensor]) -> Result
             .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
             .collect();
         let view = TensorView::new(Dtype::F32, shape, data)
-            .map_err(|e| ckpt_error(&path, format!("tensor {}: {e}", tensor.name)))?;
+            .map_err(|e| ckpt_error(path, format!("tensor {}: {e}", tensor.name)))?;
         views.insert(tensor.name.clone(), view);
     }
-    let file = safetensors::serialize(views, None).map_err(|e| ckpt_error(&path, e))?;
-    write_atomic(&path, &file)
+    let file = safetensors::serialize(views, metadata).map_err(|e| ckpt_error(path, e))?;
+    write_atomic(path, &file)
+}
+
+/// Write `rank`'s tensors into the staging folder.
+pub fn write_shard(staging: &Path, rank: u32, tensors: &[ShardTensor]) -> Result<()> {
+    write_safetensors(&staging.join(shard_file_name(rank)), tensors, None)
+}
+
+/// Export the model's parameters as global tensors (independent of the plan: loadable by any
+/// safetensors reader) to `DIR/model.safetensors`, with the step in the file's metadata.
+pub fn write_model(dir: &Path, step: u64, params: &[ShardTensor]) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir).map_err(io_error(format!(
+        "creating checkpoint folder {} (is the path writable?)",
+        dir.display()
+    )))?;
+    let path = dir.join("model.safetensors");
+    let metadata = [("step".to_string(), step.to_string())].into();
+    write_safetensors(&path, params, Some(metadata))?;
+    sync_dir(dir)?;
+    Ok(path)
 }
 
 /// Finish the checkpoint of `manifest.step`: write the manifest, publish the staging folder as
@@ -301,6 +323,21 @@ mod tests {
             ("loss".to_string(), vec![1]),
             ("embed.weight".to_string(), vec![2, 3]),
         ]
+    }
+
+    #[test]
+    fn the_model_export_holds_global_tensors_and_the_step() {
+        let dir = temp_dir("model");
+        let path = write_model(&dir, 12, &tensors(0, 0)).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
+        let step = header
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get("step").cloned());
+        assert_eq!(step.as_deref(), Some("12"));
+        let back = SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(back.tensor("embed.weight").unwrap().shape(), [2, 3]);
     }
 
     #[test]

@@ -5,8 +5,10 @@
 //! (from the plan's report rank, as the step finishes) and the final parameters gathered to
 //! global tensors. Checkpoints are written every `train.checkpoint.every` steps (all ranks
 //! write their shard, rank 0 publishes the manifest after a barrier); `resume` continues from
-//! one. Plans are verified (`parc_compiler::verify`) before any rank starts: the runtime runs
-//! only verified programs. All parallelism lives in the programs: this module only dispatches.
+//! one. A run that checkpoints also exports its final parameters as global tensors
+//! (`DIR/model.safetensors`). Plans are verified (`parc_compiler::verify`) before any rank
+//! starts: the runtime runs only verified programs. All parallelism lives in the programs: this
+//! module only dispatches.
 pub mod gather;
 pub mod rank;
 
@@ -14,7 +16,7 @@ pub use gather::GlobalParam;
 pub use rank::{ParamPiece, RankExecutor};
 
 use crate::backend::Backend;
-use crate::checkpoint::{self, Manifest};
+use crate::checkpoint::{self, Manifest, ShardTensor};
 use crate::comm::{Comm, LocalComm};
 use crate::data::{Dataset, EpochProgress};
 use crate::error::{Result, RuntimeError};
@@ -85,6 +87,9 @@ pub struct TrainResult {
     pub epochs: Vec<EpochProgress>,
     /// Checkpoints written, oldest first.
     pub checkpoints: Vec<PathBuf>,
+    /// `DIR/model.safetensors`: the final parameters as global tensors, when the spec
+    /// checkpoints.
+    pub model_export: Option<PathBuf>,
     /// The step this run started at (non-zero when resumed).
     pub start_step: u64,
 }
@@ -260,11 +265,27 @@ where
         .map(|r| r.checkpoints.clone())
         .unwrap_or_default();
     let pieces: Vec<ParamPiece> = results.into_iter().flat_map(|r| r.pieces).collect();
+    let params = gather::assemble(&plan.params, &pieces)?;
+    let mut model_export = None;
+    if let Some(ckpt) = &spec.train.checkpoint {
+        let end = records.last().map_or(start_step, |r| r.step + 1);
+        let tensors: Vec<ShardTensor> = params
+            .iter()
+            .map(|p| ShardTensor {
+                name: p.name.clone(),
+                shape: p.shape.clone(),
+                data: p.data.clone(),
+            })
+            .collect();
+        let dir = options.spec_dir.join(&ckpt.dir);
+        model_export = Some(checkpoint::write_model(&dir, end, &tensors)?);
+    }
     Ok(TrainResult {
         records,
-        params: gather::assemble(&plan.params, &pieces)?,
+        params,
         epochs,
         checkpoints,
+        model_export,
         start_step,
     })
 }
