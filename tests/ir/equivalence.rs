@@ -4,7 +4,7 @@
 //! normalised update turns float noise in near-zero gradients (the key bias's is zero in exact
 //! arithmetic) into parameter differences of ~1e-6 between plans.
 
-use super::fixtures::{spec, PlanChoice, TinyModel};
+use super::fixtures::{spec_variant, PlanChoice, TinyModel, Variant};
 use super::lockstep::run;
 use parc_compiler::lower::lower;
 use parc_compiler::spec::{PipelineSchedule, Recompute, ZeroStage};
@@ -19,13 +19,17 @@ fn model(llama: bool) -> TinyModel {
     }
 }
 
-fn losses(llama: bool, plan: PlanChoice) -> super::lockstep::Run {
-    let s = spec(model(llama), plan);
+fn losses(llama: bool, plan: PlanChoice, variant: Variant) -> super::lockstep::Run {
+    let s = spec_variant(model(llama), plan, variant);
     let p = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
     run(&s, &p, STEPS).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn assert_same(llama: bool, plan: PlanChoice) {
+    assert_same_variant(llama, plan, Variant::default());
+}
+
+fn assert_same_variant(llama: bool, plan: PlanChoice, variant: Variant) {
     let desc = format!(
         "llama {llama} dp {} pp {} cp {} tp {} zero {:?} {:?} m {} {:?} sp {}",
         plan.dp,
@@ -42,12 +46,15 @@ fn assert_same(llama: bool, plan: PlanChoice) {
         llama,
         PlanChoice {
             microbatches: plan.microbatches * plan.dp,
-            sgd: plan.sgd,
             ..PlanChoice::default()
         },
+        Variant {
+            sgd: variant.sgd,
+            ..Variant::default()
+        },
     );
-    let sgd = plan.sgd;
-    let got = losses(llama, plan);
+    let sgd = variant.sgd;
+    let got = losses(llama, plan, variant);
     for (what, a, b) in [
         ("loss", &reference.losses, &got.losses),
         ("grad norm", &reference.grad_norms, &got.grad_norms),
@@ -214,7 +221,6 @@ fn matrix(stride: usize, llama: bool) {
                                         microbatches: 2,
                                         recompute: recompute.clone(),
                                         sp,
-                                        ..PlanChoice::default()
                                     });
                                 }
                             }
@@ -249,7 +255,7 @@ fn matrix_full() {
 #[test]
 fn mesh_order_does_not_matter() {
     use parc_compiler::spec::Axis;
-    assert_same(
+    assert_same_variant(
         true,
         PlanChoice {
             dp: 2,
@@ -258,8 +264,11 @@ fn mesh_order_does_not_matter() {
             tp: 2,
             zero: ZeroStage::Zero2,
             sp: true,
-            order: [Axis::Tp, Axis::Cp, Axis::Pp, Axis::Dp],
             ..PlanChoice::default()
+        },
+        Variant {
+            order: [Axis::Tp, Axis::Cp, Axis::Pp, Axis::Dp],
+            ..Variant::default()
         },
     );
 }
@@ -268,7 +277,7 @@ fn mesh_order_does_not_matter() {
 #[test]
 fn parameters_match_under_sgd() {
     for llama in [false, true] {
-        assert_same(
+        assert_same_variant(
             llama,
             PlanChoice {
                 dp: 2,
@@ -277,8 +286,11 @@ fn parameters_match_under_sgd() {
                 tp: 2,
                 zero: ZeroStage::Zero3,
                 sp: true,
-                sgd: true,
                 ..PlanChoice::default()
+            },
+            Variant {
+                sgd: true,
+                ..Variant::default()
             },
         );
     }

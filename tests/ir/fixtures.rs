@@ -24,11 +24,25 @@ pub struct PlanChoice {
     pub microbatches: u32,
     pub recompute: Recompute,
     pub sp: bool,
+}
+
+/// Less common choices, kept out of `PlanChoice` so its literal stays stable for its users.
+#[derive(Clone, Copy)]
+pub struct Variant {
     /// Mesh axes outermost first.
     pub order: [Axis; 4],
     /// SGD with momentum instead of AdamW (Adam turns float noise in near-zero gradients into
     /// visible parameter differences; SGD keeps parameters comparable at 1e-6).
     pub sgd: bool,
+}
+
+impl Default for Variant {
+    fn default() -> Self {
+        Variant {
+            order: [Axis::Dp, Axis::Pp, Axis::Cp, Axis::Tp],
+            sgd: false,
+        }
+    }
 }
 
 impl Default for PlanChoice {
@@ -43,8 +57,6 @@ impl Default for PlanChoice {
             microbatches: 2,
             recompute: Recompute::None,
             sp: false,
-            order: [Axis::Dp, Axis::Pp, Axis::Cp, Axis::Tp],
-            sgd: false,
         }
     }
 }
@@ -74,11 +86,24 @@ pub fn tiny_dims(llama: bool) -> Dims {
 }
 
 pub fn spec(model: TinyModel, plan: PlanChoice) -> Spec {
+    spec_variant(model, plan, Variant::default())
+}
+
+pub fn spec_variant(model: TinyModel, plan: PlanChoice, variant: Variant) -> Spec {
     let dims = tiny_dims(model.llama);
-    sized_spec(model, plan, dims)
+    sized_spec_variant(model, plan, dims, variant)
 }
 
 pub fn sized_spec(model: TinyModel, plan: PlanChoice, dims: Dims) -> Spec {
+    sized_spec_variant(model, plan, dims, Variant::default())
+}
+
+pub fn sized_spec_variant(
+    model: TinyModel,
+    plan: PlanChoice,
+    dims: Dims,
+    variant: Variant,
+) -> Spec {
     let Dims {
         vocab,
         dim,
@@ -287,7 +312,7 @@ pub fn sized_spec(model: TinyModel, plan: PlanChoice, dims: Dims) -> Spec {
         },
         parallel: Parallel {
             mesh: Mesh {
-                axes: plan
+                axes: variant
                     .order
                     .iter()
                     .map(|a| {
@@ -313,7 +338,7 @@ pub fn sized_spec(model: TinyModel, plan: PlanChoice, dims: Dims) -> Spec {
             global_batch: micro_batch * u64::from(plan.microbatches) * u64::from(plan.dp),
             micro_batch,
             precision: Precision::Fp32,
-            optimizer: if plan.sgd {
+            optimizer: if variant.sgd {
                 Optimizer::Sgd {
                     lr: 1e-1,
                     momentum: 0.9,

@@ -347,8 +347,9 @@ pub enum P2pOp {
 #[serde(rename_all = "snake_case", tag = "instr")]
 pub enum Instr {
     /// A compute op on local buffers; `inputs`/`outputs` follow the op's documented order.
+    /// The op is boxed so instructions stay small (most are `Alloc`/`Free`).
     Compute {
-        op: Op,
+        op: Box<Op>,
         inputs: Vec<BufferId>,
         outputs: Vec<BufferId>,
         /// The spec node this op implements (None for optimizer bookkeeping).

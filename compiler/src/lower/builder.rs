@@ -119,7 +119,7 @@ impl ProgramBuilder {
         phase: Phase,
     ) {
         self.instrs.push(Instr::Compute {
-            op,
+            op: Box::new(op),
             inputs: inputs.to_vec(),
             outputs: outputs.to_vec(),
             node,
