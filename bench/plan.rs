@@ -96,7 +96,12 @@ fn main() -> Result<(), String> {
             "  lower+verify {}",
             ms(t_lower + t_verify, c_lower + c_verify)
         );
-        println!("  timeline     {}", ms(t_timeline, c_timeline));
+        println!(
+            "  timeline     {} ({} trace events, rank 0's trace {:.1} MiB)",
+            ms(t_timeline, c_timeline),
+            tl.events.len(),
+            tl.to_chrome_trace_of(|r| r == 0).len() as f64 / f64::from(1u32 << 20)
+        );
         println!(
             "  peak {:.1} GiB per GPU (verifier, f32 buffers); simulated step {:.2} s, bubble {:.1}%, exposed comm {:.1}%",
             report.peak_bytes() as f64 / f64::from(1u32 << 30),

@@ -58,7 +58,12 @@ struct Engine<'a> {
     arrivals: HashMap<(GroupId, usize), Vec<(usize, f64)>>,
     /// crosses[g][set]: the set spans more than one node.
     crosses: Vec<Vec<bool>>,
+    /// Merge compute events per layer rather than per node (large plans).
+    coarse: bool,
 }
+
+/// Above this many simulated instructions, compute events are merged per layer.
+const COARSE_TRACE_INSTRUCTIONS: usize = 1_000_000;
 
 fn node_of(spec: &Spec, rank: u32) -> u32 {
     rank / spec.cluster.gpus_per_node.max(1)
@@ -92,7 +97,13 @@ impl<'a> Engine<'a> {
         start: f64,
         dur: f64,
     ) {
-        let key = (node, phase);
+        let spec_node = node.and_then(|n| self.spec.model.nodes.get(n as usize));
+        // Large plans merge a layer's ops (and small ones a node's) into one event.
+        let layer = spec_node.and_then(|n| n.layer).filter(|_| self.coarse);
+        let key = match layer {
+            Some(l) => (Some(l | 1 << 31), phase),
+            None => (node, phase),
+        };
         let rank = self.slice.ranks[y];
         let state = &mut self.ranks[y];
         if let Some((k, e)) = state.open.as_mut() {
@@ -102,9 +113,13 @@ impl<'a> Engine<'a> {
                 return;
             }
         }
-        let name = match node.and_then(|n| self.spec.model.nodes.get(n as usize)) {
-            Some(n) => format!("{} {}", n.name, phase.name()),
-            None => phase.name().to_string(),
+        let name = match (spec_node, layer) {
+            (Some(n), Some(_)) => {
+                let block = n.name.rsplit_once('.').map_or(n.name.as_str(), |(b, _)| b);
+                format!("{block} {}", phase.name())
+            }
+            (Some(n), None) => format!("{} {}", n.name, phase.name()),
+            (None, _) => phase.name().to_string(),
         };
         let event = TraceEvent {
             rank,
@@ -434,6 +449,12 @@ pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
             }
         })
         .collect();
+    let simulated: usize = slice
+        .ranks
+        .iter()
+        .filter_map(|&r| plan.program_of(r))
+        .map(|p| p.instrs.len())
+        .sum();
     let mut engine = Engine {
         plan,
         spec,
@@ -442,6 +463,7 @@ pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
         ranks,
         arrivals: HashMap::new(),
         crosses,
+        coarse: simulated > COARSE_TRACE_INSTRUCTIONS,
     };
     let n = engine.ranks.len();
     let mut ready: Vec<usize> = (0..n).rev().collect();

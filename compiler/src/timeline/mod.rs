@@ -48,8 +48,9 @@ pub struct Timeline {
     /// Mean over ranks of exposed communication / step.
     pub exposed_comm_fraction: f64,
     pub ranks: Vec<RankTimeline>,
-    /// Trace events, by rank then start time; consecutive compute ops of one node and phase
-    /// are merged into one event.
+    /// Trace events, by rank then start time; back-to-back compute ops of one node and phase
+    /// are merged into one event (of one layer and phase for plans over a million simulated
+    /// instructions).
     pub events: Vec<TraceEvent>,
     /// Whether only the dp-0 slice was simulated (its replicas are identical).
     pub dp_symmetric: bool,
@@ -107,8 +108,14 @@ impl Timeline {
     /// The Chrome trace-event JSON (open in Perfetto or chrome://tracing): one process per rank
     /// with a `compute` and a `comm` thread; times in microseconds.
     pub fn to_chrome_trace(&self) -> String {
+        self.to_chrome_trace_of(|_| true)
+    }
+
+    /// As [`Timeline::to_chrome_trace`], keeping only the ranks `keep` accepts (big plans'
+    /// traces are large: `parc plan --rank R` can keep one).
+    pub fn to_chrome_trace_of(&self, keep: impl Fn(u32) -> bool) -> String {
         let mut events = Vec::with_capacity(self.events.len() + 3 * self.ranks.len());
-        for r in &self.ranks {
+        for r in self.ranks.iter().filter(|r| keep(r.rank)) {
             events.push(serde_json::json!({
                 "name": "process_name", "ph": "M", "pid": r.rank,
                 "args": {"name": format!("rank {} ({})", r.rank, r.role)}
@@ -124,7 +131,7 @@ impl Timeline {
                 }));
             }
         }
-        for e in &self.events {
+        for e in self.events.iter().filter(|e| keep(e.rank)) {
             events.push(serde_json::json!({
                 "name": e.name,
                 "cat": match e.row { Row::Compute => "compute", Row::Comm => "comm" },
