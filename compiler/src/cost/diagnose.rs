@@ -101,9 +101,9 @@ fn alternatives(spec: &Spec) -> Vec<Alternative> {
         });
     }
     // Doubling tp or pp keeps the world size by halving dp.
-    if dp.is_multiple_of(2) && tp_fits(spec, tp * 2) {
+    if dp.is_multiple_of(2) && tp_fits(spec, tp.saturating_mul(2)) {
         let mut s = spec.clone();
-        set_axis(&mut s, Axis::Tp, tp * 2);
+        set_axis(&mut s, Axis::Tp, tp.saturating_mul(2));
         set_axis(&mut s, Axis::Dp, dp / 2);
         let sh = &mut s.model.sharding;
         sh.attention_heads_on_tp = true;
@@ -111,18 +111,23 @@ fn alternatives(spec: &Spec) -> Vec<Alternative> {
         sh.vocab_on_tp = true;
         s.train.global_batch /= 2;
         out.push(Alternative {
-            change: format!("tp = {} (dp = {})", tp * 2, dp / 2),
+            change: format!("tp = {} (dp = {})", tp.saturating_mul(2), dp / 2),
             spec: s,
         });
     }
     let (_, v) = super::pipeline_shape(spec);
-    if dp.is_multiple_of(2) && spec.model.layers.is_multiple_of(pp * 2 * v) {
+    if dp.is_multiple_of(2)
+        && spec
+            .model
+            .layers
+            .is_multiple_of(pp.saturating_mul(2).saturating_mul(v))
+    {
         let mut s = spec.clone();
-        set_axis(&mut s, Axis::Pp, pp * 2);
+        set_axis(&mut s, Axis::Pp, pp.saturating_mul(2));
         set_axis(&mut s, Axis::Dp, dp / 2);
         s.train.global_batch /= 2;
         out.push(Alternative {
-            change: format!("pp = {} (dp = {})", pp * 2, dp / 2),
+            change: format!("pp = {} (dp = {})", pp.saturating_mul(2), dp / 2),
             spec: s,
         });
     }
@@ -130,12 +135,12 @@ fn alternatives(spec: &Spec) -> Vec<Alternative> {
     if b.is_multiple_of(2) {
         let mut s = spec.clone();
         s.train.micro_batch = b / 2;
-        s.parallel.microbatches *= 2;
+        s.parallel.microbatches = s.parallel.microbatches.saturating_mul(2);
         out.push(Alternative {
             change: format!(
                 "micro_batch = {} (microbatches = {})",
                 b / 2,
-                spec.parallel.microbatches * 2
+                spec.parallel.microbatches.saturating_mul(2)
             ),
             spec: s,
         });

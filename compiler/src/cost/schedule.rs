@@ -32,13 +32,15 @@ pub fn chunk_microbatches_in_flight(
     m: u32,
     stage: u32,
 ) -> u32 {
-    let behind = p.saturating_sub(stage + 1);
-    match schedule {
-        PipelineSchedule::Gpipe => m * v.max(1),
-        PipelineSchedule::OneFOneB => (behind + 1).min(m),
+    // u64 so that no plan's numbers can overflow.
+    let (p, v, m) = (u64::from(p), u64::from(v.max(1)), u64::from(m));
+    let behind = p.saturating_sub(u64::from(stage) + 1);
+    let count = match schedule {
+        PipelineSchedule::Gpipe => m * v,
         PipelineSchedule::Interleaved { .. } if v > 1 => (2 * behind + (v - 1) * p + 1).min(v * m),
-        PipelineSchedule::Interleaved { .. } => (behind + 1).min(m),
-    }
+        PipelineSchedule::OneFOneB | PipelineSchedule::Interleaved { .. } => (behind + 1).min(m),
+    };
+    u32::try_from(count).unwrap_or(u32::MAX)
 }
 
 pub fn in_flight_layers_factor(
@@ -77,12 +79,25 @@ pub fn bubble_fraction(schedule: PipelineSchedule, p: u32, v: u32, m: u32) -> f6
 /// The smallest microbatch count whose bubble is below `limit` (for interleaving, a multiple of
 /// p as the schedule requires).
 pub fn microbatches_for_bubble(schedule: PipelineSchedule, p: u32, v: u32, limit: f64) -> u32 {
-    let mut m = 1u32;
     let step = match schedule {
         PipelineSchedule::Interleaved { .. } if v > 1 => p.max(1),
         _ => 1,
     };
-    m = m.max(step);
+    let work = match schedule {
+        PipelineSchedule::Interleaved { .. } => f64::from(v.max(1)),
+        _ => 1.0,
+    };
+    if p <= 1 || limit <= 0.0 {
+        return step;
+    }
+    // (p−1)/(w·m + p − 1) < limit  ⇔  m > (p−1)(1/limit − 1)/w.
+    let bound = f64::from(p - 1) * (1.0 / limit - 1.0) / work;
+    let first = (bound.floor() + 1.0).min(f64::from(u32::MAX / 2)) as u32;
+    let mut m = first.div_ceil(step).max(1) * step;
+    // Guard the float bound at its edge.
+    while m > step && bubble_fraction(schedule, p, v, m - step) < limit {
+        m -= step;
+    }
     while bubble_fraction(schedule, p, v, m) >= limit && m < u32::MAX / 2 {
         m += step;
     }
