@@ -459,3 +459,42 @@ fn report_serializes_to_json() {
     assert!(json["roles"][0]["memory"]["activations"].as_u64().unwrap() > 0);
     assert_eq!(json["roles"][0]["role"], "stage 0");
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+    /// Any plan, valid or not, gets a finite report and diagnostics without panicking.
+    #[test]
+    fn any_plan_is_estimated_without_panic(
+        dp in 1u32..=8, pp in 1u32..=8, cp in 1u32..=4, tp in 1u32..=8,
+        zero in 0u32..=3, schedule in 0u32..=2, v in 1u32..=4,
+        microbatches in 0u32..=40, micro_batch in 0u64..=4, layers in 0u32..=12,
+        recompute in 0u32..=2, sp in proptest::bool::ANY, fp32 in proptest::bool::ANY,
+    ) {
+        let dims = Dims { layers, ..Dims::tiny() };
+        let plan = Plan {
+            dp, pp, cp, tp,
+            zero: [ZeroStage::Zero0, ZeroStage::Zero1, ZeroStage::Zero2, ZeroStage::Zero3][zero as usize],
+            schedule: match schedule {
+                0 => PipelineSchedule::Gpipe,
+                1 => PipelineSchedule::OneFOneB,
+                _ => PipelineSchedule::Interleaved { virtual_stages: v },
+            },
+            microbatches,
+            micro_batch,
+            recompute: [Recompute::None, Recompute::Selective, Recompute::Full][recompute as usize].clone(),
+            sp,
+            precision: if fp32 { Precision::Fp32 } else { Precision::Bf16 },
+            ..Plan::default()
+        };
+        let spec = build(&dims, &plan);
+        let report = estimate(&spec);
+        proptest::prop_assert_eq!(report.roles.len() as u32, pp);
+        for role in &report.roles {
+            proptest::prop_assert!(role.flops.total().is_finite());
+            proptest::prop_assert!(role.compute_seconds.is_finite());
+            proptest::prop_assert!(role.comm.iter().all(|c| c.bytes.is_finite() && c.seconds.is_finite()));
+        }
+        proptest::prop_assert!((0.0..1.0).contains(&report.bubble_fraction));
+        let _ = diagnose(&spec, &report);
+    }
+}
