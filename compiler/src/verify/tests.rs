@@ -439,3 +439,40 @@ fn cost_model_agrees_with_measured_liveness() {
         }
     }
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(128))]
+    /// Random damage to a lowered plan (dropped, duplicated or swapped instructions, buffers out
+    /// of range) is verified without panicking, and removing or duplicating a `Free` is caught.
+    #[test]
+    fn damaged_plans_never_panic(
+        program in 0usize..8, at in 0usize..100_000, other in 0usize..100_000,
+        kind in 0u32..4, buffer in 0u32..100_000,
+    ) {
+        let mut plan = lowered(PlanChoice {
+            pp: 2,
+            tp: 2,
+            ..PlanChoice::default()
+        });
+        let p = program % plan.programs.len();
+        let instrs = &mut plan.programs[p].instrs;
+        let (i, j) = (at % instrs.len(), other % instrs.len());
+        let was_free = matches!(instrs[i], Instr::Free { .. });
+        match kind {
+            0 => {
+                instrs.remove(i);
+            }
+            1 => {
+                let copy = instrs[i].clone();
+                instrs.insert(i, copy);
+            }
+            2 => instrs.swap(i, j),
+            _ => instrs.insert(i, Instr::Free { buffer: BufferId(buffer) }),
+        }
+        let outcome = check(&plan);
+        let _ = verify_spec(&plan, &build(&Dims::tiny(), &PlanChoice { pp: 2, tp: 2, ..PlanChoice::default() }));
+        if was_free && kind <= 1 {
+            proptest::prop_assert!(!outcome.violations.is_empty());
+        }
+    }
+}
