@@ -92,6 +92,27 @@ impl Grid<'_> {
             sh.spans.push(*span);
         }
         let tp_span = self.axis_span(Axis::Tp);
+        // The tp sizes (up to 64) that divide every dimension sharded on tp.
+        let sharded: Vec<u64> = e
+            .model
+            .nodes
+            .iter()
+            .flat_map(|n| match n.kind {
+                LayerKind::Attention {
+                    heads, kv_heads, ..
+                } if sh.attention_heads_on_tp => {
+                    vec![heads, kv_heads]
+                }
+                LayerKind::Mlp { hidden, .. } if sh.mlp_hidden_on_tp => vec![hidden],
+                LayerKind::Embedding { vocab, .. } if sh.vocab_on_tp => vec![vocab],
+                _ => Vec::new(),
+            })
+            .collect();
+        let fits: Vec<String> = (1..=64u64)
+            .filter(|t| sharded.iter().all(|v| v.is_multiple_of(*t)))
+            .map(|t| t.to_string())
+            .collect();
+        let fits = fits.join(", ");
         let mut reported: BTreeSet<(&'static str, u64)> = BTreeSet::new();
         for (i, n) in e.model.nodes.iter().enumerate() {
             let spans = &e.arg_spans[i];
@@ -113,8 +134,8 @@ impl Grid<'_> {
                     .label(tp_span, format!("tp = {tp}"))
                     .label(at, format!("{what} = {value}"))
                     .help(format!(
-                        "set tp to a divisor of {what} = {value}: {}",
-                        suggest::divisors(value, value)
+                        "set tp to a divisor of {what} = {value}: {}; tp sizes that fit every dimension sharded on tp: {fits}",
+                        suggest::divisors(value, 64)
                     )),
                 );
             };
