@@ -291,3 +291,171 @@ fn a_record_override_sets_each_field() {
         }
     );
 }
+
+const FEATURES: &str = r#"
+// Every language feature in one spec.
+let width = 32 + 4 * 8            // 64: * binds tighter than +
+block Mix(d, hidden = 2 * d, act = relu)(x) {
+  let half = d / 2
+  y = x + MLP(d, hidden, act = act)(RMSNorm(d, eps = 1e-6)(x))
+  y + Attention(d, 4, head_dim = half, causal = false, bias = false)(LayerNorm(d, bias = false)(y)) as mix
+}
+
+model features {
+  let vocab = 512; let d = width; let seq = (16 + 16) * 2
+  input tokens  : [batch, seq] i32
+  input targets : [batch, seq] i32
+  x = PositionEmbedding(seq, d)(Embedding(vocab, d)(tokens))
+  x = repeat 2 as layers { Mix(d)(x) }
+  loss = CrossEntropy(Linear(d, vocab, tied = embed)(x) as out, targets)
+  shard Embedding.vocab on tp
+}
+
+parallel {
+  dp = 2
+  zero = 2
+  bucket = 4 MiB
+  recompute = full
+}
+
+train {
+  global_batch = 2 * 8; micro_batch = 2
+  precision = fp16 { loss_scale: dynamic { init: 1024, window: 100 } }
+  optimizer = sgd { lr: 0.1, momentum: 0.9, weight_decay: 1e-4 }
+  schedule = linear { warmup: 5, min_lr: 0.001, decay_steps: 50 }
+  steps = 60; seed = 7; log_every = 5
+  checkpoint = { every: 20, dir: "ckpt/", keep: 2 }
+  data = "tokens.bin" as u16
+}
+
+cluster {
+  nodes = 2; gpus_per_node = 1
+  gpu = custom { memory: 24 GiB, flops: 165 TFLOP/s, bandwidth: 1 TB/s }
+  intra = pcie { bandwidth: 32 GB/s }
+  inter = roce { bandwidth: 2 * 100 Gb/s, latency: 10 us }
+}
+"#;
+
+#[test]
+fn every_language_feature_reaches_the_spec() {
+    let (spec, codes) = run(FEATURES, &[]);
+    assert!(codes.is_empty(), "{codes:?}");
+    let s = spec.unwrap();
+    assert_eq!((s.model.dim, s.model.seq, s.model.layers), (64, 64, 2));
+    let names: Vec<&str> = s.model.nodes.iter().map(|n| n.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "embed",
+            "pos",
+            "layers.0.ln1",
+            "layers.0.mlp",
+            "layers.0.add1",
+            "layers.0.ln2",
+            "layers.0.mix",
+            "layers.0.add2",
+            "layers.1.ln1",
+            "layers.1.mlp",
+            "layers.1.add1",
+            "layers.1.ln2",
+            "layers.1.mix",
+            "layers.1.add2",
+            "out",
+            "loss"
+        ]
+    );
+    assert!(matches!(s.model.nodes[2].kind, LayerKind::RmsNorm { eps, .. } if eps == 1e-6));
+    assert!(matches!(
+        s.model.nodes[3].kind,
+        LayerKind::Mlp {
+            hidden: 128,
+            act: Activation::Relu,
+            bias: true,
+            ..
+        }
+    ));
+    assert_eq!(
+        s.model.nodes[6].kind,
+        LayerKind::Attention {
+            dim: 64,
+            heads: 4,
+            kv_heads: 4,
+            head_dim: 32,
+            causal: false,
+            rope: None,
+            bias: false
+        }
+    );
+    assert!(matches!(
+        s.model.nodes[14].kind,
+        LayerKind::Linear {
+            tied: Some(NodeId(0)),
+            bias: true,
+            ..
+        }
+    ));
+    assert!(s
+        .model
+        .nodes
+        .iter()
+        .all(|n| n.recompute == n.layer.is_some()));
+    assert!(s.model.sharding.vocab_on_tp && !s.model.sharding.attention_heads_on_tp);
+    assert_eq!(
+        (
+            s.parallel.mesh.size(Axis::Dp),
+            s.parallel.zero,
+            s.parallel.microbatches
+        ),
+        (2, ZeroStage::Zero2, 4)
+    );
+    assert_eq!(s.parallel.bucket_bytes, 4 << 20);
+    assert_eq!(
+        s.train.precision,
+        Precision::Fp16 {
+            loss_scale: LossScale::Dynamic {
+                init: 1024.0,
+                window: 100,
+                hysteresis: 2,
+                min: 1.0
+            }
+        }
+    );
+    assert_eq!(
+        s.train.optimizer,
+        Optimizer::Sgd {
+            lr: 0.1,
+            momentum: 0.9,
+            weight_decay: 1e-4
+        }
+    );
+    assert_eq!(
+        s.train.schedule,
+        LrSchedule::Linear {
+            warmup: 5,
+            min_lr: 0.001,
+            decay_steps: 50
+        }
+    );
+    assert_eq!((s.train.steps, s.train.seed, s.train.log_every), (60, 7, 5));
+    assert_eq!(
+        s.train.checkpoint,
+        Some(Checkpointing {
+            every: 20,
+            dir: "ckpt/".into(),
+            keep: 2
+        })
+    );
+    assert!(
+        matches!(&s.train.data, DataSource::File { path, format: DataFormat::U16, .. } if path == "tokens.bin")
+    );
+    assert_eq!(s.cluster.gpu.memory_bytes, 24 << 30);
+    assert_eq!(s.cluster.gpu.peak_flops, 165e12);
+    assert_eq!(
+        (s.cluster.intra.kind.as_str(), s.cluster.intra.bandwidth),
+        ("pcie", 32e9)
+    );
+    assert_eq!(
+        (s.cluster.inter.bandwidth, s.cluster.inter.latency),
+        (25e9, 10e-6)
+    );
+}

@@ -110,7 +110,12 @@ impl Number {
         let Some((_, scale, kind)) = UNITS.iter().find(|(u, _, _)| *u == unit) else {
             return Ok(base);
         };
-        let value = base.value * scale;
+        // Sub-unit scales divide by their exact reciprocal: 10 us is 1e-5 s, not 9.999…e-6.
+        let value = if *scale < 1.0 {
+            base.value / (1.0 / scale).round()
+        } else {
+            base.value * scale
+        };
         let int = (value.fract() == 0.0 && value.abs() < 9.0e15 && *kind == Unit::Bytes)
             .then_some(value as i64);
         Ok(Number {
