@@ -24,8 +24,9 @@ pub struct LocalState {
     pub state: Vec<BufferId>,
     pub tp: Option<TpSplit>,
     pub zero: Option<ZeroSplit>,
-    /// Full tp-local gradient accumulator (transient, allocated at step start).
-    pub grad: BufferId,
+    /// Full tp-local gradient accumulator (transient, allocated zeroed at the first backward
+    /// write, so forward never holds gradient memory).
+    pub grad: Option<BufferId>,
     /// The gradient the optimizer reads once reductions are done (the shard under ZeRO).
     pub final_grad: Option<BufferId>,
     /// Backward uses left before the gradient is complete.
@@ -204,11 +205,29 @@ impl Emitter<'_> {
         }
     }
 
-    /// The gradient accumulator of a parameter of `node`.
-    pub fn grad(&self, node: NodeId, local: &str) -> Option<BufferId> {
+    /// The gradient accumulator of a parameter of `node` (allocated on first use).
+    pub fn grad(&mut self, node: NodeId, local: &str) -> Option<BufferId> {
         let slot = self.params.get(node, local)?;
         let idx = *self.local_of.get(&slot.param)?;
-        Some(self.locals[idx].grad)
+        Some(self.grad_buffer(idx))
+    }
+
+    /// Local parameter `idx`'s gradient accumulator, allocated (zeroed) the first time.
+    pub fn grad_buffer(&mut self, idx: usize) -> BufferId {
+        if let Some(g) = self.locals[idx].grad {
+            return g;
+        }
+        let name = self
+            .params
+            .table
+            .params
+            .get(self.locals[idx].param.0 as usize)
+            .map(|p| format!("{}.grad", p.name))
+            .unwrap_or_default();
+        let shape = self.locals[idx].shape.clone();
+        let g = self.b.alloc(name, shape, BufferKind::Grad);
+        self.locals[idx].grad = Some(g);
+        g
     }
 
     /// Whether this rank adds a row-parallel bias (tp rank 0 only).

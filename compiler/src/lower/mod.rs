@@ -382,7 +382,7 @@ fn emit_program(
                     state,
                     tp: split,
                     zero,
-                    grad: master,
+                    grad: None,
                     final_grad: None,
                     uses_left: 0,
                     complete: false,

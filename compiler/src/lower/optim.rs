@@ -33,11 +33,9 @@ impl Emitter<'_> {
 
     /// The gradient of local parameter `idx` has received its last contribution.
     pub fn complete_grad(&mut self, idx: usize) {
-        let (rule, grad) = {
-            let l = &mut self.locals[idx];
-            l.complete = true;
-            (l.rule, l.grad)
-        };
+        self.locals[idx].complete = true;
+        let rule = self.locals[idx].rule;
+        let grad = self.grad_buffer(idx);
         if self.needs_tp_sync(rule) {
             if let Some(g) = self.groups.tp {
                 self.b.collective(
@@ -74,7 +72,7 @@ impl Emitter<'_> {
         }
         if self.zero == ZeroStage::Zero0 {
             if let [only] = items.as_slice() {
-                let g = self.locals[*only].grad;
+                let g = self.grad_buffer(*only);
                 self.b.collective(
                     CollectiveKind::AllReduce { op: ReduceOp::Sum },
                     group,
@@ -92,7 +90,7 @@ impl Emitter<'_> {
                 .alloc(format!("bucket.p{first}"), vec![total], BufferKind::Comm);
             let mut offset = 0;
             for &i in &items {
-                let (g, n) = (self.locals[i].grad, self.locals[i].numel);
+                let (g, n) = (self.grad_buffer(i), self.locals[i].numel);
                 let op = Op::CopyRange {
                     src_offset: 0,
                     dst_offset: offset,
@@ -110,7 +108,7 @@ impl Emitter<'_> {
             );
             let mut offset = 0;
             for &i in &items {
-                let (g, n) = (self.locals[i].grad, self.locals[i].numel);
+                let (g, n) = (self.grad_buffer(i), self.locals[i].numel);
                 let op = Op::CopyRange {
                     src_offset: offset,
                     dst_offset: 0,
@@ -124,9 +122,10 @@ impl Emitter<'_> {
             return;
         }
         for i in items {
-            let (g, n, zero, param) = {
+            let g = self.grad_buffer(i);
+            let (n, zero, param) = {
                 let l = &self.locals[i];
-                (l.grad, l.numel, l.zero, l.param)
+                (l.numel, l.zero, l.param)
             };
             let Some(z) = zero else {
                 self.locals[i].final_grad = Some(g);

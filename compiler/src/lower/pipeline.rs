@@ -86,18 +86,6 @@ impl Emitter<'_> {
             self.b
                 .compute(crate::ir::op::Op::Zero, &[], &[loss], None, Phase::Forward);
         }
-        for i in 0..self.locals.len() {
-            let name = self
-                .params
-                .table
-                .params
-                .get(self.locals[i].param.0 as usize)
-                .map(|p| format!("{}.grad", p.name))
-                .unwrap_or_default();
-            let shape = self.locals[i].shape.clone();
-            let g = self.b.alloc(name, shape, BufferKind::Grad);
-            self.locals[i].grad = g;
-        }
         let transfers = self.transfers(table);
         let mut groups: BTreeMap<u64, Vec<&Transfer>> = BTreeMap::new();
         for t in &transfers {
