@@ -148,6 +148,41 @@ fn alternatives(spec: &Spec) -> Vec<Alternative> {
     out
 }
 
+/// Greedily apply the change that lowers the peak most until the plan fits (at most four).
+fn combination(spec: &Spec, capacity: u64) -> Option<(Vec<String>, u64)> {
+    let mut current = spec.clone();
+    let mut current_peak = peak(&estimate(&current));
+    let mut changes = Vec::new();
+    for _ in 0..4 {
+        let best = alternatives(&current)
+            .into_iter()
+            .map(|alt| {
+                let p = peak(&estimate(&alt.spec));
+                (alt, p)
+            })
+            .min_by_key(|(_, p)| *p)?;
+        if best.1 >= current_peak {
+            return None;
+        }
+        changes.push(best.0.change);
+        current = best.0.spec;
+        current_peak = best.1;
+        if current_peak <= capacity {
+            return Some((changes, current_peak));
+        }
+    }
+    None
+}
+
+/// `a`, `a and b`, `a, b and c`.
+fn join_and(items: &[String]) -> String {
+    match items.split_last() {
+        None => String::new(),
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} and {last}", rest.join(", ")),
+    }
+}
+
 fn memory_error(spec: &Spec, report: &CostReport) -> Option<Diagnostic> {
     let capacity = spec.cluster.gpu.memory_bytes;
     let worst = report.worst_role()?;
@@ -165,7 +200,7 @@ fn memory_error(spec: &Spec, report: &CostReport) -> Option<Diagnostic> {
         .memory
         .by_size()
         .iter()
-        .filter(|(_, b)| *b > 0)
+        .filter(|(_, b)| *b >= 1 << 26)
         .map(|(name, b)| format!("{name} {}", gib(*b)))
         .collect();
     let mut d = Diagnostic::error(
@@ -205,11 +240,19 @@ fn memory_error(spec: &Spec, report: &CostReport) -> Option<Diagnostic> {
             gib(*after),
             gib(capacity)
         ),
-        (None, Some((change, after))) => format!(
-            "no single change fits; the largest saving is {change} ({} per rank, peak {}): combine it with the others below",
-            gib(need - after),
-            gib(*after)
-        ),
+        (None, Some((change, after))) => match combination(spec, capacity) {
+            Some((changes, peak)) => format!(
+                "no single change fits; together {} fit: peak {} of {}",
+                join_and(&changes),
+                gib(peak),
+                gib(capacity)
+            ),
+            None => format!(
+                "no combination of these changes fits; the largest saving is {change} ({} per rank, peak {}): also use more GPUs or a larger GPU",
+                gib(need - after),
+                gib(*after)
+            ),
+        },
         (None, None) => format!(
             "use a GPU with at least {} or more GPUs (nodes × gpus_per_node)",
             gib(need)

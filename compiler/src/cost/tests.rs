@@ -498,3 +498,28 @@ proptest::proptest! {
         let _ = diagnose(&spec, &report);
     }
 }
+
+#[test]
+fn diagnose_combines_changes_when_none_fits_alone() {
+    let spec = build(
+        &Dims::llama3_70b(),
+        &Plan {
+            dp: 8,
+            pp: 8,
+            tp: 1,
+            microbatches: 16,
+            micro_batch: 1,
+            precision: Precision::Bf16,
+            ..Plan::default()
+        },
+    );
+    let diags = diagnose(&spec, &estimate(&spec));
+    let e = diags.items.iter().find(|d| d.code == "E0701").unwrap();
+    let help = e.help.clone().unwrap_or_default();
+    assert!(
+        help.starts_with("no single change fits; together ") && help.contains(" fit: peak "),
+        "{help}"
+    );
+    // Activations dominate, so the greedy combination starts with full recompute.
+    assert!(help.contains("recompute = full"), "{help}");
+}
