@@ -201,3 +201,46 @@ fn print_plan() {
             .only(parc_compiler::ir::ProgramId(1))
     );
 }
+
+fn codes(s: &parc_compiler::spec::Spec) -> Vec<&'static str> {
+    match lower(s) {
+        Ok(_) => Vec::new(),
+        Err(d) => d.items.iter().map(|x| x.code).collect(),
+    }
+}
+
+#[test]
+fn what_lowering_rejects_is_a_diagnostic() {
+    // tp > 1 with attention, MLP and vocab left replicated.
+    let mut s = spec(
+        gpt(2),
+        PlanChoice {
+            tp: 2,
+            ..PlanChoice::default()
+        },
+    );
+    s.model.sharding.attention_heads_on_tp = false;
+    s.model.sharding.mlp_hidden_on_tp = false;
+    assert!(codes(&s).iter().all(|c| *c == "E0803") && codes(&s).len() == 4);
+    // More pipeline chunks than layers.
+    let s = spec(
+        gpt(2),
+        PlanChoice {
+            pp: 2,
+            schedule: PipelineSchedule::Interleaved { virtual_stages: 2 },
+            ..PlanChoice::default()
+        },
+    );
+    assert_eq!(codes(&s), vec!["E0801"]);
+    // Interleaving with microbatches not a multiple of pp.
+    let s = spec(
+        gpt(4),
+        PlanChoice {
+            pp: 2,
+            microbatches: 3,
+            schedule: PipelineSchedule::Interleaved { virtual_stages: 2 },
+            ..PlanChoice::default()
+        },
+    );
+    assert_eq!(codes(&s), vec!["E0802"]);
+}
