@@ -186,6 +186,13 @@ fn run(
         #[cfg(feature = "cuda")]
         Resolved::Cuda => run_with(spec, plan, spec_dir, backend, args, |rank, _| {
             parc_runtime::cuda::CudaBackend::with_precision(rank as usize, spec.train.precision)
+                .map_err(|e| {
+                    parc_runtime::error::RuntimeError::Unsupported(format!(
+                        "rank {rank} of a local CUDA run uses GPU {rank} (one GPU per rank, {} \
+                         ranks in this plan): {e}",
+                        plan.world
+                    ))
+                })
         }),
     }
 }
