@@ -22,13 +22,14 @@
 //! TP; sbh(34/t + 5as/(ht)) with TP+SP; sbh·34/t with selective recompute (+SP); 2sbh with
 //! full recompute. [`activation`] derives these from the tensors each layer keeps, which also
 //! covers what the paper does not (SwiGLU, GQA, ffn ≠ 4h, fp32, no dropout, attention that keeps
-//! only its log-sum-exp). Per stage: layers held × microbatches in flight ([`schedule`]), plus
-//! the first stage's embedding output and the last stage's final norm input, head input, and
-//! fp32 logits (kept by cross-entropy, 4·s·b·v/t bytes).
+//! only its log-sum-exp, inputs kept gathered under SP). Per stage: layers held × microbatches
+//! in flight ([`schedule`]), plus the last stage's final norm input, head input and fp32 logits
+//! (kept by cross-entropy, 4·s·b·v/t bytes) or, when larger, the working set of the largest
+//! recomputed layer. Checked against the verifier's measured liveness (`verify` tests).
 //!
-//! **Buffers.** Gradient buckets: 2 × `bucket_bytes` (one filling, one reducing) when dp·cp > 1
-//! and ZeRO < 3 reduce; ZeRO-3 also holds the gathered weights of the two largest layers
-//! (current and prefetched), in compute precision.
+//! **Buffers.** Gradient buckets: 2 × `bucket_bytes` (one filling, one reducing; at most the
+//! gradients' size) when dp·cp > 1; ZeRO-3 also holds the gathered weights of the two largest
+//! layers (current and prefetched), in compute precision.
 //!
 //! **FLOPs.** Per token 6 FLOPs per matmul weight (2 forward + 4 backward; embedding lookups are
 //! free, a tied head is a matmul) plus attention 12·d_attn·s per layer (PaLM's 6N + 12·L·d·T
