@@ -147,18 +147,27 @@ fn pipeline_schedules() {
 
 #[test]
 fn recompute_modes() {
-    for recompute in [
-        Recompute::Selective,
-        Recompute::Full,
-        Recompute::Named(vec!["MLP".into()]),
-    ] {
-        assert_same(
-            true,
-            PlanChoice {
-                recompute,
-                ..PlanChoice::default()
-            },
-        );
+    // Named kinds include the embedding (its tokens are kept for the recompute).
+    for llama in [false, true] {
+        for recompute in [
+            Recompute::Selective,
+            Recompute::Full,
+            Recompute::Named(vec!["MLP".into()]),
+            Recompute::Named(vec![
+                "Embedding".into(),
+                "LayerNorm".into(),
+                "RMSNorm".into(),
+                "Attention".into(),
+            ]),
+        ] {
+            assert_same(
+                llama,
+                PlanChoice {
+                    recompute,
+                    ..PlanChoice::default()
+                },
+            );
+        }
     }
 }
 
