@@ -25,8 +25,6 @@ enum Tokens {
 /// A validated token stream and its samples.
 #[derive(Clone, Debug)]
 pub struct Dataset {
-    /// What to call this dataset in messages (the file path, or `synthetic`).
-    name: String,
     tokens: Tokens,
     seq: u64,
 }
@@ -60,7 +58,6 @@ impl Dataset {
         }
         match source {
             DataSource::Synthetic => Ok(Dataset {
-                name: "synthetic".to_string(),
                 tokens: Tokens::Synthetic {
                     seed,
                     vocab,
@@ -124,18 +121,9 @@ impl Dataset {
             ));
         }
         Ok(Dataset {
-            name: name.to_string(),
             tokens: Tokens::Owned(tokens),
             seq,
         })
-    }
-
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    pub fn seq(&self) -> u64 {
-        self.seq
     }
 
     fn token_count(&self) -> u64 {
