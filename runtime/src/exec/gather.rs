@@ -15,7 +15,8 @@ pub struct GlobalParam {
 }
 
 /// Assemble every parameter of `table` from `pieces` (from all ranks). Replicas (dp copies)
-/// write the same elements; a parameter element no piece covers is an error.
+/// must hold bit-identical values; replicas that diverged, or an element no piece covers, are
+/// errors.
 pub fn assemble(table: &ParamTable, pieces: &[ParamPiece]) -> Result<Vec<GlobalParam>> {
     let mut params: Vec<(GlobalParam, Vec<bool>)> = table
         .params
@@ -43,8 +44,16 @@ pub fn assemble(table: &ParamTable, pieces: &[ParamPiece]) -> Result<Vec<GlobalP
         let start = piece.zero.map_or(0, |z| (z.index * z.shard_len) as usize);
         for (j, &value) in piece.data.iter().enumerate() {
             if let Some(&g) = local.get(start + j) {
-                global.data[g as usize] = value;
-                covered[g as usize] = true;
+                let g = g as usize;
+                if covered[g] && global.data[g].to_bits() != value.to_bits() {
+                    return Err(RuntimeError::Unsupported(format!(
+                        "parameter {} element {g}: replicas on different ranks hold {} and \
+                         {value}; they diverged (a lowering or backend bug)",
+                        global.name, global.data[g]
+                    )));
+                }
+                global.data[g] = value;
+                covered[g] = true;
             }
         }
     }
@@ -61,4 +70,66 @@ pub fn assemble(table: &ParamTable, pieces: &[ParamPiece]) -> Result<Vec<GlobalP
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::init::ZeroShard;
+    use parc_compiler::ir::{Init, Param, ParamId, TpSplit};
+    use parc_compiler::spec::NodeId;
+
+    fn table() -> ParamTable {
+        ParamTable {
+            params: vec![Param {
+                name: "w".to_string(),
+                shape: vec![2, 3],
+                init: Init::Zeros,
+                decay: true,
+                node: NodeId(0),
+            }],
+        }
+    }
+
+    fn piece(index: u32, zero: Option<ZeroShard>, data: Vec<f32>) -> ParamPiece {
+        ParamPiece {
+            param: ParamId(0),
+            tp: Some(TpSplit {
+                dim: 1,
+                parts: 3,
+                index,
+            }),
+            zero,
+            data,
+        }
+    }
+
+    #[test]
+    fn tp_blocks_and_zero_shards_reassemble_and_diverged_replicas_are_caught() {
+        // Columns split in 3 blocks of [2, 1]; block 1 is stored as two ZeRO shards of 1.
+        let shard = |index| {
+            Some(ZeroShard {
+                shard_len: 1,
+                index,
+            })
+        };
+        let pieces = vec![
+            piece(0, None, vec![0.0, 3.0]),
+            piece(1, shard(0), vec![1.0]),
+            piece(1, shard(1), vec![4.0]),
+            piece(2, None, vec![2.0, 5.0]),
+            piece(2, None, vec![2.0, 5.0]),
+        ];
+        let params = assemble(&table(), &pieces).unwrap();
+        assert_eq!(params[0].data, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+        let mut diverged = pieces.clone();
+        diverged[4].data[1] = 5.5;
+        let err = assemble(&table(), &diverged).unwrap_err().to_string();
+        assert!(
+            err.contains("element 5") && err.contains("diverged"),
+            "{err}"
+        );
+        let missing = assemble(&table(), &pieces[..3]).unwrap_err().to_string();
+        assert!(missing.contains("not fully held"), "{missing}");
+    }
 }
