@@ -126,10 +126,6 @@ pub fn main(args: PlanArgs) -> u8 {
     }
 }
 
-fn gib(bytes: u64) -> String {
-    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
-}
-
 /// Per-program verified memory and the simulated step.
 fn summary(plan: &Plan, spec: &Spec, report: &parc_compiler::verify::VerifyReport) -> String {
     let instrs: usize = plan.programs.iter().map(|p| p.instrs.len()).sum();
@@ -145,9 +141,9 @@ fn summary(plan: &Plan, spec: &Spec, report: &parc_compiler::verify::VerifyRepor
             "# program {} ({}): peak {} = {} persistent + {} transient, {} microbatches in flight",
             m.program.0,
             m.role,
-            gib(m.peak_bytes),
-            gib(m.persistent_bytes),
-            gib(m.peak_transient_bytes),
+            crate::report::bytes(m.peak_bytes as f64),
+            crate::report::bytes(m.persistent_bytes as f64),
+            crate::report::bytes(m.peak_transient_bytes as f64),
             m.peak_microbatches_in_flight
         );
     }
