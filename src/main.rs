@@ -13,7 +13,11 @@ use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
 #[derive(Parser, Debug)]
-#[command(name = "parc", version, about = "Compile and run distributed training from one .par file")]
+#[command(
+    name = "parc",
+    version,
+    about = "Compile and run distributed training from one .par file"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

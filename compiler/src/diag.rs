@@ -156,7 +156,13 @@ impl Diagnostic {
 
 impl fmt::Display for Diagnostic {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}[{}]: {}", self.severity_word(), self.code, self.message)
+        write!(
+            f,
+            "{}[{}]: {}",
+            self.severity_word(),
+            self.code,
+            self.message
+        )
     }
 }
 

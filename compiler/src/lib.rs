@@ -7,9 +7,9 @@ pub mod ir;
 pub mod lower;
 pub mod overrides;
 pub mod spec;
-pub mod timeline;
 pub mod stdlib;
 pub mod syntax;
+pub mod timeline;
 pub mod verify;
 
 pub use check::check;

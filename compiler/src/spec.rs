@@ -274,7 +274,9 @@ pub enum PipelineSchedule {
     Gpipe,
     OneFOneB,
     /// Interleaved 1F1B with `virtual_stages` model chunks per pipeline rank.
-    Interleaved { virtual_stages: u32 },
+    Interleaved {
+        virtual_stages: u32,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]

@@ -1,12 +1,12 @@
 //! parc's runtime: executes verified per-rank schedule programs on a backend with a comm.
 pub mod backend;
+pub mod checkpoint;
+pub mod comm;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod data;
 pub mod error;
+pub mod exec;
 pub mod init;
 pub mod tensor;
-pub mod data;
-pub mod comm;
-pub mod checkpoint;
-pub mod exec;
