@@ -127,7 +127,11 @@ pub fn main(args: PlanArgs) -> u8 {
 }
 
 /// Per-program verified memory and the simulated step.
-fn summary(plan: &Plan, spec: &Spec, report: &parc_compiler::verify::VerifyReport) -> String {
+pub(crate) fn summary(
+    plan: &Plan,
+    spec: &Spec,
+    report: &parc_compiler::verify::VerifyReport,
+) -> String {
     let instrs: usize = plan.programs.iter().map(|p| p.instrs.len()).sum();
     let mut out = format!(
         "# {} ranks, {} programs, {instrs} instructions; verified ({} ranks simulated)\n",

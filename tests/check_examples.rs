@@ -111,6 +111,40 @@ fn json_has_positions_and_the_report() {
 }
 
 #[test]
+fn small_plans_are_lowered_verified_and_simulated_by_check() {
+    let pp2 = [
+        "examples/tiny.par",
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        "cluster.gpus_per_node=2",
+        "--format",
+        "json",
+    ];
+    let out = check(&pp2);
+    assert_eq!(out.status.code(), Some(0));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let lowered = &doc["files"][0]["lowered"];
+    let programs = lowered["verified"]["programs"].as_array().unwrap();
+    assert_eq!(programs.len(), 2, "one program per pipeline stage");
+    // 1F1B: stage 0 holds p − 0 = 2 microbatches in flight, stage 1 holds 1.
+    assert_eq!(programs[0]["peak_microbatches_in_flight"], 2);
+    assert_eq!(programs[1]["peak_microbatches_in_flight"], 1);
+    assert!(programs.iter().all(|p| p["peak_bytes"].as_u64().unwrap() > 0));
+    let bubble = lowered["bubble_fraction"].as_f64().unwrap();
+    assert!(bubble > 0.1 && bubble < 0.5, "bubble {bubble}");
+
+    // `--lower never` skips it; the 80-layer × 64-microbatch 70B plan is skipped by `auto`.
+    let mut never = pp2.to_vec();
+    never.extend(["--lower", "never"]);
+    let doc: serde_json::Value = serde_json::from_slice(&check(&never).stdout).unwrap();
+    assert!(doc["files"][0]["lowered"].is_null());
+    let out = check(&["examples/llama3-70b-64gpu.par", "--format", "json"]);
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(doc["files"][0]["lowered"].is_null());
+}
+
+#[test]
 fn unreadable_inputs_exit_2_with_a_sentence() {
     let dir = std::env::temp_dir().join(format!("parc-check-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -196,14 +196,27 @@ impl Grid<'_> {
                 .help("add `shard Attention.heads on tp` to the model, or set tp = 1"),
             );
         }
-        if tp > 1 && !sh.mlp_hidden_on_tp {
+        let has = |kind: &str| e.model.nodes.iter().any(|n| n.kind.kind_name() == kind);
+        if tp > 1 && !sh.mlp_hidden_on_tp && has("MLP") {
             self.diags.push(
-                Diagnostic::warning(
-                    "W0401",
-                    format!("tp = {tp} but the MLP is not sharded: every tp rank repeats its work"),
+                Diagnostic::error(
+                    "E0413",
+                    format!("tp = {tp} but the MLP is not sharded on tp; parc lowers the MLP only hidden-parallel (Megatron column then row)"),
                 )
                 .label(tp_span, format!("tp = {tp}"))
-                .help("add `shard MLP.hidden on tp`"),
+                .label(model_span, "this model has no `shard MLP.hidden on tp`")
+                .help("add `shard MLP.hidden on tp` to the model, or set tp = 1"),
+            );
+        }
+        if tp > 1 && !sh.vocab_on_tp && has("Embedding") {
+            self.diags.push(
+                Diagnostic::error(
+                    "E0414",
+                    format!("tp = {tp} but the vocabulary is not sharded on tp; parc lowers the embedding, head and loss only vocab-parallel"),
+                )
+                .label(tp_span, format!("tp = {tp}"))
+                .label(model_span, "this model has no `shard Embedding.vocab on tp`")
+                .help("add `shard Embedding.vocab on tp` to the model, or set tp = 1"),
             );
         }
         if cp > 1 && !sh.seq_on_cp {
