@@ -130,7 +130,9 @@ fn small_plans_are_lowered_verified_and_simulated_by_check() {
     // 1F1B: stage 0 holds p − 0 = 2 microbatches in flight, stage 1 holds 1.
     assert_eq!(programs[0]["peak_microbatches_in_flight"], 2);
     assert_eq!(programs[1]["peak_microbatches_in_flight"], 1);
-    assert!(programs.iter().all(|p| p["peak_bytes"].as_u64().unwrap() > 0));
+    assert!(programs
+        .iter()
+        .all(|p| p["peak_bytes"].as_u64().unwrap() > 0));
     let bubble = lowered["bubble_fraction"].as_f64().unwrap();
     assert!(bubble > 0.1 && bubble < 0.5, "bubble {bubble}");
 
