@@ -1,7 +1,7 @@
-//! GPT-2 124M on one GPU with the CUDA backend (fp32): tokens/s per step, for
-//! `bench/RESULTS.md`. Ignored by default (it needs a GPU and minutes); run it on the device
-//! machine with `cuda_bench --ignored --nocapture`. PARC_BENCH_STEPS (default 6) and
-//! PARC_BENCH_BATCH (default 8) size it. Without a GPU it prints `skipped: no CUDA device`.
+//! GPT-2 124M on one GPU with the CUDA backend: tokens/s per step, for `bench/RESULTS.md`.
+//! Ignored by default (it needs a GPU and minutes); run it on the device machine with
+//! `cuda_bench --ignored --nocapture`. PARC_BENCH_STEPS (default 6) and PARC_BENCH_BATCH
+//! (default 8) size it; PARC_BENCH_PRECISION is `fp32` (default) or `bf16`. Without a GPU it prints `skipped: no CUDA device`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #[allow(dead_code)]
 #[path = "ir/fixtures.rs"]
@@ -50,8 +50,13 @@ fn gpt2_124m_tokens_per_second() {
         let mut s = sized_spec(model, PlanChoice::default(), dims);
         s.train.steps = env_u64("PARC_BENCH_STEPS", 6);
         s.train.global_batch = batch;
-        let label = "cuda-fp32";
-        let precision = s.train.precision;
+        use parc_compiler::spec::Precision;
+        let (label, precision) = match std::env::var("PARC_BENCH_PRECISION").as_deref() {
+            Ok("bf16") => ("cuda-bf16", Precision::Bf16),
+            Ok("fp32") | Err(_) => ("cuda-fp32", Precision::Fp32),
+            Ok(other) => panic!("PARC_BENCH_PRECISION={other}: use fp32 or bf16"),
+        };
+        s.train.precision = precision;
         let plan = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
         let options = TrainOptions::new(".");
         let started = std::time::Instant::now();

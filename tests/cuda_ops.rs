@@ -6,6 +6,11 @@
 //! Tolerance, per op, on `|gpu − cpu| ≤ tol · (|cpu| + rms(cpu))` (rms: the output's typical
 //! size, so values near zero after cancellation are judged on the output's scale):
 //! fp32 elementwise 1e-5; reductions, GEMMs, norms, cross-entropy, attention 1e-4.
+//! bf16 (`precision = bf16`: GEMM operands rounded to bf16, fp32 accumulation): GEMMs 2e-2
+//! against the fp32 CPU (each operand carries up to 2^-9 relative rounding; the sum's error is
+//! a random walk on the output's scale, a few 1e-3 in practice), and the worst error must also
+//! be above 1e-4, so a bf16 run that silently stayed fp32 fails; every other op is fp32 in a
+//! bf16 run and keeps the fp32 tolerances.
 //!
 //! Without a GPU (or built without `--features cuda`) every test prints
 //! `skipped: no CUDA device (…)` and passes.
@@ -19,6 +24,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 const ELEMENTWISE: f32 = 1e-5;
 const REDUCTION: f32 = 1e-4;
+const BF16_GEMM: f32 = 2e-2;
+/// A bf16 GEMM's worst error must exceed this (fp32 GEMMs stay below 2e-6).
+const BF16_ROUNDED: f32 = 1e-4;
 
 #[cfg(feature = "cuda")]
 fn gpu_with(precision: Precision) -> Option<Box<dyn Backend>> {
@@ -41,27 +49,23 @@ fn gpu() -> Option<Box<dyn Backend>> {
     gpu_with(Precision::Fp32)
 }
 
-/// Precisions the backend does not have yet are refused before it touches a GPU, so this runs
-/// (and checks the message) everywhere the feature is built.
+/// fp16 (no loss scaling yet) is refused before the backend touches a GPU, so this runs (and
+/// checks the message) everywhere the feature is built.
 #[cfg(feature = "cuda")]
 #[test]
-fn missing_precisions_are_refused_clearly() {
+fn fp16_is_refused_clearly() {
     use parc_compiler::spec::LossScale;
-    for precision in [
-        Precision::Bf16,
-        Precision::Fp16 {
-            loss_scale: LossScale::Static { scale: 1024.0 },
-        },
-    ] {
-        let err = match parc_runtime::cuda::CudaBackend::with_precision(0, precision) {
-            Err(e) => e.to_string(),
-            Ok(_) => panic!("{precision:?} accepted"),
-        };
-        assert!(
-            err.contains("does not run") && err.contains("fp32"),
-            "{err}"
-        );
-    }
+    let precision = Precision::Fp16 {
+        loss_scale: LossScale::Static { scale: 1024.0 },
+    };
+    let err = match parc_runtime::cuda::CudaBackend::with_precision(0, precision) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("{precision:?} accepted"),
+    };
+    assert!(
+        err.contains("does not run fp16") && err.contains("bf16"),
+        "{err}"
+    );
 }
 
 /// splitmix64: small, seedable, good enough for test data.
@@ -198,13 +202,16 @@ impl Case {
 
 /// Runs every case on both backends and compares; prints the worst error per case.
 fn check(test: &str, cases: &[Case]) {
-    check_on(test, cases, Precision::Fp32)
+    check_on(test, cases, Precision::Fp32);
 }
 
-fn check_on(test: &str, cases: &[Case], precision: Precision) {
+/// As `check`, with the GPU backend in `precision`; returns the worst error of every output
+/// (empty when skipped).
+fn check_on(test: &str, cases: &[Case], precision: Precision) -> Vec<f32> {
     let Some(mut gpu) = gpu_with(precision) else {
-        return;
+        return Vec::new();
     };
+    let mut worst_errors = Vec::new();
     let mut failures = Vec::new();
     for case in cases {
         let mut cpu = CpuBackend::new();
@@ -233,6 +240,7 @@ fn check_on(test: &str, cases: &[Case], precision: Precision) {
                 }
             }
             let (err, i) = worst;
+            worst_errors.push(err);
             println!(
                 "{test}/{} output {o}: {} values, worst relative error {err:.3e} at {i} (cuda {} cpu {}), tol {:.0e}",
                 case.name, w.len(), g.get(i).copied().unwrap_or(0.0), w.get(i).copied().unwrap_or(0.0), case.tol
@@ -250,6 +258,7 @@ fn check_on(test: &str, cases: &[Case], precision: Precision) {
         "{test}: CUDA differs from CPU:\n{}",
         failures.join("\n")
     );
+    worst_errors
 }
 
 fn seg(start: u32, len: u32) -> Segment {
@@ -402,6 +411,89 @@ fn norms() {
 #[test]
 fn matmuls() {
     check("matmuls", &matmul_cases("matmuls", REDUCTION));
+}
+
+#[test]
+fn matmuls_bf16() {
+    let cases = matmul_cases("matmuls_bf16", BF16_GEMM);
+    let worst = check_on("matmuls_bf16", &cases, Precision::Bf16);
+    // Most outputs must show bf16 rounding (the 1x3x5 cases and the bias sums may not).
+    let rounded = worst.iter().filter(|&&e| e > BF16_ROUNDED).count();
+    assert!(
+        worst.is_empty() || rounded * 2 > worst.len(),
+        "bf16 GEMMs agree with fp32 to {BF16_ROUNDED:.0e} in {} of {} outputs: the operands \
+         were not rounded to bf16",
+        worst.len() - rounded,
+        worst.len()
+    );
+}
+
+/// A bf16 GEMM with k = 1 and a weight of 1 returns its input rounded to bf16, exactly: checks
+/// the conversion's rounding (nearest, ties to even, carries into the exponent, overflow to
+/// infinity, NaN kept) against hand-computed values.
+#[test]
+fn bf16_operands_round_to_nearest_even() {
+    let Some(mut gpu) = gpu_with(Precision::Bf16) else {
+        return;
+    };
+    let ulp = 2f32.powi(-7); // bf16's spacing in [1, 2)
+    let big = 2f32.powi(127);
+    let cases: [(f32, f32); 10] = [
+        (1.0, 1.0),
+        (1.0 + ulp / 2.0, 1.0),                        // tie, 1.0 is even
+        (1.0 + 1.5 * ulp, 1.0 + 2.0 * ulp),            // tie, rounds up to even
+        (1.0 + ulp / 2.0 + 2f32.powi(-20), 1.0 + ulp), // above the tie
+        (-(1.0 + 0.25 * ulp), -1.0),                   // below half an ulp, negative
+        (2.0 - ulp / 4.0, 2.0),                        // carries into the exponent
+        (big * (1.0 + 0.75 * ulp), big * (1.0 + ulp)), // large, still finite
+        (f32::MAX, f32::INFINITY),                     // past bf16's largest
+        (f32::NEG_INFINITY, f32::NEG_INFINITY),
+        (f32::NAN, f32::NAN),
+    ];
+    let x: Vec<f32> = cases.iter().map(|c| c.0).collect();
+    let n = x.len() as u64;
+    gpu.alloc(BufferId(0), &[n], DType::F32).unwrap();
+    gpu.write_f32(BufferId(0), &x).unwrap();
+    gpu.alloc(BufferId(1), &[1], DType::F32).unwrap();
+    gpu.write_f32(BufferId(1), &[1.0]).unwrap();
+    gpu.alloc(BufferId(2), &[n], DType::F32).unwrap();
+    let op = Op::Matmul {
+        in_dim: 1,
+        out_dim: 1,
+        bias: false,
+    };
+    gpu.compute(&op, &[BufferId(0), BufferId(1)], &[BufferId(2)], &SCALARS)
+        .unwrap();
+    let y = gpu.read_f32(BufferId(2)).unwrap();
+    for ((input, want), got) in cases.iter().zip(&y) {
+        let same = if want.is_nan() {
+            got.is_nan()
+        } else {
+            got.to_bits() == want.to_bits()
+        };
+        println!("bf16({input:e}) = {got:e}, want {want:e}");
+        assert!(same, "bf16({input:e}) gave {got:e}, want {want:e}");
+    }
+}
+
+/// In a bf16 run every op but the GEMMs stays fp32: the same cases hold the fp32 tolerances.
+#[test]
+fn non_gemm_ops_stay_fp32_in_bf16_runs() {
+    let mut r = Rng::new("non_gemm_ops_stay_fp32_in_bf16_runs");
+    let c = AttConfig {
+        batch: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        causal: true,
+        q_positions: vec![seg(0, 40)],
+        kv_positions: vec![seg(0, 40)],
+    };
+    check_on(
+        "non_gemm_ops_stay_fp32_in_bf16_runs",
+        &attention_cases(&mut r, &c),
+        Precision::Bf16,
+    );
 }
 
 fn matmul_cases(test: &str, tol: f32) -> Vec<Case> {

@@ -2,6 +2,9 @@
 //! the CUDA and CPU backends (GPT-style: LayerNorm, learned positions, GELU; Llama-style:
 //! RMSNorm, RoPE, SwiGLU, GQA) gives the same loss and gradient norm every step, within
 //! 1e-4 relative at step 1 and 1e-3 after (fp32 rounding differences grow through AdamW).
+//! The same models with `precision = bf16` on CUDA (GEMM operands in bf16) against the fp32 CPU
+//! run: loss within 1e-2 relative and gradient norm within 2e-2 at every step, and at least one
+//! step must differ by more than 1e-5 (proof that bf16 rounding happened at all).
 //! Checkpoints cross backends: a CUDA run's checkpoint resumes on the CPU and the reverse, and
 //! the resumed losses match an uninterrupted run. Without a GPU every test prints
 //! `skipped: no CUDA device (…)`.
@@ -12,7 +15,7 @@ mod fixtures;
 
 use fixtures::{sized_spec, Dims, PlanChoice, TinyModel};
 use parc_compiler::lower::lower;
-use parc_compiler::spec::{Checkpointing, Spec};
+use parc_compiler::spec::{Checkpointing, Precision, Spec};
 use parc_runtime::cpu::CpuBackend;
 use parc_runtime::exec::{train, StepRecord, TrainOptions, TrainResult};
 use std::path::{Path, PathBuf};
@@ -94,21 +97,65 @@ fn run(s: &Spec, which: Which, stop_after: Option<u64>, resume: Option<&Path>) -
 }
 
 fn compare(name: &str, cuda: &[StepRecord], cpu: &[StepRecord]) {
+    compare_within(name, cuda, cpu, |step| {
+        let tol = if step == 0 { 1e-4 } else { 1e-3 };
+        (tol, tol)
+    });
+}
+
+/// Compares per step; `tols(step)` gives the (loss, grad norm) relative tolerances. Returns the
+/// largest relative difference seen.
+fn compare_within(
+    name: &str,
+    cuda: &[StepRecord],
+    cpu: &[StepRecord],
+    tols: impl Fn(u64) -> (f32, f32),
+) -> f32 {
     assert_eq!(cuda.len(), cpu.len(), "{name}: step counts");
+    let mut largest = 0.0f32;
     for (g, c) in cuda.iter().zip(cpu) {
-        let tol = if g.step == 0 { 1e-4 } else { 1e-3 };
+        let (loss_tol, norm_tol) = tols(g.step);
         let loss_err = (g.loss - c.loss).abs() / c.loss.abs();
         let norm_err = (g.grad_norm - c.grad_norm).abs() / c.grad_norm.abs();
         println!(
-            "{name} step {}: loss cuda {:.6} cpu {:.6} (rel {loss_err:.2e}); grad norm cuda {:.6} cpu {:.6} (rel {norm_err:.2e}); tol {tol:.0e}",
+            "{name} step {}: loss cuda {:.6} cpu {:.6} (rel {loss_err:.2e}, tol {loss_tol:.0e}); grad norm cuda {:.6} cpu {:.6} (rel {norm_err:.2e}, tol {norm_tol:.0e})",
             g.step, g.loss, c.loss, g.grad_norm, c.grad_norm
         );
         assert!(
-            loss_err <= tol && norm_err <= tol,
+            loss_err <= loss_tol && norm_err <= norm_tol,
             "{name} step {}: CUDA and CPU differ",
             g.step
         );
+        largest = largest.max(loss_err).max(norm_err);
     }
+    largest
+}
+
+/// `precision = bf16` on CUDA against the fp32 CPU run of the same model.
+fn bf16_matches_cpu(name: &str, llama: bool) {
+    if !gpu_present() {
+        return;
+    }
+    let mut s = model_spec(llama, 6);
+    s.train.precision = Precision::Bf16;
+    let cuda = run(&s, Which::Cuda, None, None);
+    s.train.precision = Precision::Fp32;
+    let cpu = run(&s, Which::Cpu, None, None);
+    let largest = compare_within(name, &cuda.records, &cpu.records, |_| (1e-2, 2e-2));
+    assert!(
+        largest > 1e-5,
+        "{name}: bf16 agrees with fp32 to {largest:.1e}: no bf16 rounding took place"
+    );
+}
+
+#[test]
+fn gpt_style_bf16_steps_match_cpu() {
+    bf16_matches_cpu("gpt-bf16", false);
+}
+
+#[test]
+fn llama_style_bf16_steps_match_cpu() {
+    bf16_matches_cpu("llama-bf16", true);
 }
 
 fn temp_dir(name: &str) -> PathBuf {

@@ -1,6 +1,8 @@
-//! GEMMs through cuBLASLt, fp32 in, fp32 compute (`CUBLAS_COMPUTE_32F`: no TF32, so results
-//! stay within float rounding of the CPU backend). Callers describe the product column-major,
-//! as cuBLAS sees memory; `dispatch` maps the row-major ops onto it (see [`Gemm`]).
+//! GEMMs through cuBLASLt with fp32 compute (`CUBLAS_COMPUTE_32F`: no TF32) and fp32 C/D.
+//! The A/B operands are fp32 (results within float rounding of the CPU backend) or bf16
+//! (`CUDA_R_16BF`, the backend's bf16 precision: the caller converts them first, see
+//! [`Operands`]). Callers describe the product column-major, as cuBLAS sees memory;
+//! `dispatch` maps the row-major ops onto it (see [`Gemm`]).
 use super::device::cublas_error;
 use crate::error::Result;
 use cudarc::cublaslt::{result, sys};
@@ -23,6 +25,28 @@ pub(crate) struct Gemm {
     pub c: CUdeviceptr,
     pub ldc: i64,
     pub beta: f32,
+}
+
+impl Gemm {
+    /// Elements of A as stored (`lda` per stored column).
+    pub fn a_len(&self) -> usize {
+        let cols = if self.trans_a { self.m } else { self.k };
+        (self.lda as u64 * cols) as usize
+    }
+
+    /// Elements of B as stored (`ldb` per stored column).
+    pub fn b_len(&self) -> usize {
+        let cols = if self.trans_b { self.k } else { self.n };
+        (self.ldb as u64 * cols) as usize
+    }
+}
+
+/// The element type of a GEMM's A and B operands (C/D and the accumulation are always fp32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Operands {
+    F32,
+    /// Raw bf16 bit patterns (`CUDA_R_16BF`).
+    Bf16,
 }
 
 /// The cuBLASLt handle and its workspace (owned by the backend, freed with it).
@@ -58,24 +82,33 @@ impl Blas {
         })
     }
 
-    pub fn run(&self, g: &Gemm, stream: sys::cudaStream_t) -> Result<()> {
+    /// Runs `g`; its A and B pointers hold `operands`-typed elements.
+    pub fn run(&self, g: &Gemm, operands: Operands, stream: sys::cudaStream_t) -> Result<()> {
+        let kind = match operands {
+            Operands::F32 => "fp32",
+            Operands::Bf16 => "bf16",
+        };
         let what = |step: &str| {
             format!(
-                "cuBLASLt {step} for a {}x{}x{} fp32 GEMM (trans_a={}, trans_b={})",
+                "cuBLASLt {step} for a {}x{}x{} {kind} GEMM (trans_a={}, trans_b={})",
                 g.m, g.n, g.k, g.trans_a, g.trans_b
             )
         };
         let f32_type = sys::cudaDataType_t::CUDA_R_32F;
-        let layout = |rows: u64, cols: u64, ld: i64| {
-            result::create_matrix_layout(f32_type, rows, cols, ld)
+        let ab_type = match operands {
+            Operands::F32 => f32_type,
+            Operands::Bf16 => sys::cudaDataType_t::CUDA_R_16BF,
+        };
+        let layout = |dtype: sys::cudaDataType_t, rows: u64, cols: u64, ld: i64| {
+            result::create_matrix_layout(dtype, rows, cols, ld)
                 .map(|l| Guard(l, result::destroy_matrix_layout))
                 .map_err(|e| cublas_error(&what("matrix layout"), e))
         };
         let (a_rows, a_cols) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
         let (b_rows, b_cols) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
-        let a_layout = layout(a_rows, a_cols, g.lda)?;
-        let b_layout = layout(b_rows, b_cols, g.ldb)?;
-        let c_layout = layout(g.m, g.n, g.ldc)?;
+        let a_layout = layout(ab_type, a_rows, a_cols, g.lda)?;
+        let b_layout = layout(ab_type, b_rows, b_cols, g.ldb)?;
+        let c_layout = layout(f32_type, g.m, g.n, g.ldc)?;
         let desc =
             result::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32_type)
                 .map(|d| Guard(d, result::destroy_matmul_desc))

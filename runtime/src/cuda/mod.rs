@@ -1,8 +1,11 @@
 //! The CUDA backend (feature `cuda`): every `Op` of `parc_compiler::ir::op` forward and
-//! backward on one NVIDIA GPU with the CPU backend's semantics, in fp32 (token ids i32).
-//! The backend is told the run's precision when it is made (`with_precision`); bf16 and fp16
-//! are refused with a clear error until they exist. See docs/cuda.md (the differential test
-//! `tests/cuda_ops.rs` holds it to them). GEMMs go through cuBLASLt (`gemm`), everything else
+//! backward on one NVIDIA GPU with the CPU backend's semantics (token ids i32, everything else
+//! stored fp32). The backend is told the run's precision when it is made (`with_precision`):
+//! fp32 computes everything in fp32; bf16 runs every GEMM on bf16 copies of its two operands
+//! (weights and activations rounded per use, fp32 accumulation and fp32 results), keeping
+//! master weights, gradients, optimizer state, norms, softmax and losses fp32; fp16 is refused
+//! with a clear error until loss scaling exists. See docs/cuda.md (the differential tests
+//! `tests/cuda_ops.rs` and `tests/cuda_train.rs` hold it to them, per precision). GEMMs go through cuBLASLt (`gemm`), everything else
 //! through CUDA C kernels compiled by NVRTC once per run (`compile`); `dispatch` maps each op
 //! onto them. All work is ordered on one stream; reads to the host synchronise it.
 //!
@@ -20,7 +23,7 @@ use cudarc::driver::result as cu;
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 use device::driver_error;
-use gemm::Blas;
+use gemm::{Blas, Operands};
 use parc_compiler::ir::op::{Op, Segment};
 use parc_compiler::ir::{BufferId, DType};
 use parc_compiler::spec::Precision;
@@ -68,6 +71,10 @@ pub struct CudaBackend {
     positions: HashMap<Vec<Segment>, (CudaSlice<u8>, usize)>,
     /// Scratch for reductions' partials; grows, never shrinks.
     scratch: Option<CudaSlice<u8>>,
+    /// The GEMM operand type: fp32, or bf16 for `precision = bf16`.
+    operands: Operands,
+    /// bf16 copies of the current GEMM's A and B (bf16 runs only); grows, never shrinks.
+    bf16_operands: Option<CudaSlice<u8>>,
     /// Kept alive for cuBLASLt.
     _workspace: CudaSlice<u8>,
 }
@@ -94,20 +101,22 @@ impl CudaBackend {
         CudaBackend::with_precision(ordinal, Precision::Fp32)
     }
 
-    /// A backend for a run in `precision` (the spec's `train.precision`). Only fp32 exists
-    /// yet; bf16 and fp16 are refused (before touching the GPU) with an error saying so.
+    /// A backend for a run in `precision` (the spec's `train.precision`): fp32, or bf16
+    /// GEMMs (see the module docs). fp16 is refused (before touching the GPU) with an error
+    /// saying so.
     pub fn with_precision(ordinal: usize, precision: Precision) -> Result<CudaBackend> {
-        let missing = match precision {
-            Precision::Fp32 => None,
-            Precision::Bf16 => Some("bf16"),
-            Precision::Fp16 { .. } => Some("fp16 with loss scaling"),
+        let operands = match precision {
+            Precision::Fp32 => Operands::F32,
+            Precision::Bf16 => Operands::Bf16,
+            Precision::Fp16 { .. } => {
+                return Err(RuntimeError::Unsupported(
+                    "the CUDA backend does not run fp16 with loss scaling yet; set \
+                     `precision = bf16` or `precision = fp32` in the spec's train block (or use \
+                     --backend cpu)"
+                        .into(),
+                ))
+            }
         };
-        if let Some(name) = missing {
-            return Err(RuntimeError::Unsupported(format!(
-                "the CUDA backend does not run {name} yet; set `precision = fp32` in the spec's \
-                 train block (or use --backend cpu)"
-            )));
-        }
         let (ctx, stream) = device::open(ordinal)?;
         let kernels = Kernels::load(&ctx)?;
         let workspace = stream
@@ -122,6 +131,8 @@ impl CudaBackend {
             slots: Vec::new(),
             positions: HashMap::new(),
             scratch: None,
+            operands,
+            bf16_operands: None,
             _workspace: workspace,
         })
     }
@@ -248,8 +259,48 @@ impl CudaBackend {
         self.launch(name, (blocks, 1, 1), (256, 1, 1), 0, args)
     }
 
-    pub(crate) fn gemm(&self, g: &gemm::Gemm) -> Result<()> {
-        self.blas.run(g, self.stream.cu_stream() as _)
+    /// Runs `g` (fp32 operands). In a bf16 run the operands are first rounded into bf16
+    /// copies and cuBLASLt reads those; C stays fp32.
+    pub(crate) fn gemm(&mut self, g: &gemm::Gemm) -> Result<()> {
+        let stream = self.stream.cu_stream() as _;
+        if self.operands == Operands::F32 {
+            return self.blas.run(g, Operands::F32, stream);
+        }
+        // B starts on a 256-byte boundary (cuBLASLt's preferred operand alignment).
+        let (a_len, b_len) = (g.a_len(), g.b_len());
+        let b_offset = (a_len * 2).next_multiple_of(256);
+        let bytes = b_offset + b_len * 2;
+        let big_enough = self
+            .bf16_operands
+            .as_ref()
+            .is_some_and(|s| s.len() >= bytes);
+        if !big_enough {
+            // Free the old copies first so peak memory holds only one of them.
+            self.bf16_operands = None;
+            self.bf16_operands = Some(self.alloc_bytes(bytes, "bf16 GEMM operands")?);
+        }
+        let base = match &self.bf16_operands {
+            Some(s) => raw_ptr(&self.stream, s),
+            None => return Err(RuntimeError::Unsupported("bf16 operands missing".into())),
+        };
+        let (a16, b16) = (base, base + b_offset as CUdeviceptr);
+        let n = |v: usize| Arg::I64(v as i64);
+        self.launch_n(
+            "f32_to_bf16",
+            a_len,
+            &[Arg::Ptr(g.a), Arg::Ptr(a16), n(a_len)],
+        )?;
+        self.launch_n(
+            "f32_to_bf16",
+            b_len,
+            &[Arg::Ptr(g.b), Arg::Ptr(b16), n(b_len)],
+        )?;
+        let rounded = gemm::Gemm {
+            a: a16,
+            b: b16,
+            ..*g
+        };
+        self.blas.run(&rounded, Operands::Bf16, stream)
     }
 
     pub(crate) fn copy_bytes(

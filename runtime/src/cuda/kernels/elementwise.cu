@@ -115,3 +115,17 @@ extern "C" __global__ void rope_fwd(const float* x, float* y, const int* pos, lo
         y[base + i + half] = hi * c + lo * s;
     }
 }
+
+// GEMM operands for bf16 runs: y[i] = x[i] rounded to bf16 (nearest, ties to even; NaN stays a
+// quiet NaN, infinities stay infinite), stored as the raw 16-bit pattern cuBLASLt reads as
+// CUDA_R_16BF. Bit arithmetic, so no cuda_bf16.h is needed under NVRTC.
+extern "C" __global__ void f32_to_bf16(const float* x, unsigned short* y, long long n) {
+    GRID_STRIDE(i, n) {
+        unsigned int u = __float_as_uint(x[i]);
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            y[i] = (unsigned short)((u >> 16) | 0x40u);
+        } else {
+            y[i] = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        }
+    }
+}
