@@ -1,10 +1,13 @@
 //! The schedule IR: one program per rank of local compute, communication and recompute.
 //! `op` holds the compute operations (the backend contract); the program structure (buffers,
-//! groups, instructions) lives in `program`, its stable text form in `text`.
+//! groups, instructions) lives in `program` (a compute instruction's buffer lists in
+//! `operands`), its stable text form in `text`.
 pub mod op;
+pub mod operands;
 pub mod program;
 pub mod text;
 
+pub use operands::Operands;
 pub use program::*;
 
 use serde::Serialize;

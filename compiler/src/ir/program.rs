@@ -41,9 +41,11 @@
 //!   same values.
 
 use super::op::{Op, Segment};
+use super::operands::Operands;
 use super::{BufferId, DType};
 use crate::spec::{Axis, Mesh, NodeId};
-use serde::Serialize;
+use serde::{Serialize, Serializer};
+use std::sync::Arc;
 
 /// Index into [`ParamTable::params`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -347,11 +349,13 @@ pub enum P2pOp {
 #[serde(rename_all = "snake_case", tag = "instr")]
 pub enum Instr {
     /// A compute op on local buffers; `inputs`/`outputs` follow the op's documented order.
-    /// The op is boxed so instructions stay small (most are `Alloc`/`Free`).
+    /// The op is behind a shared pointer so instructions stay small (most are `Alloc`/`Free`)
+    /// and equal ops (the same layer shape in every microbatch) share one allocation.
     Compute {
-        op: Box<Op>,
-        inputs: Vec<BufferId>,
-        outputs: Vec<BufferId>,
+        #[serde(serialize_with = "serialize_shared_op")]
+        op: Arc<Op>,
+        inputs: Operands,
+        outputs: Operands,
         /// The spec node this op implements (None for optimizer bookkeeping).
         node: Option<NodeId>,
         phase: Phase,
@@ -398,7 +402,7 @@ impl Instr {
     /// Buffers this instruction reads.
     pub fn reads(&self) -> Vec<BufferId> {
         match self {
-            Instr::Compute { inputs, .. } => inputs.clone(),
+            Instr::Compute { inputs, .. } => inputs.to_vec(),
             Instr::Collective { input, .. } => vec![*input],
             Instr::Send { buffer, .. } => vec![*buffer],
             Instr::P2p { ops } => ops
@@ -415,7 +419,7 @@ impl Instr {
     /// Buffers this instruction writes.
     pub fn writes(&self) -> Vec<BufferId> {
         match self {
-            Instr::Compute { outputs, .. } => outputs.clone(),
+            Instr::Compute { outputs, .. } => outputs.to_vec(),
             Instr::Collective { output, .. } => vec![*output],
             Instr::Recv { buffer, .. } => vec![*buffer],
             Instr::P2p { ops } => ops
@@ -431,4 +435,8 @@ impl Instr {
             Instr::Send { .. } | Instr::Alloc { .. } | Instr::Free { .. } => Vec::new(),
         }
     }
+}
+
+fn serialize_shared_op<S: Serializer>(op: &Arc<Op>, s: S) -> Result<S::Ok, S::Error> {
+    Op::serialize(op, s)
 }

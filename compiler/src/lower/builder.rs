@@ -4,14 +4,49 @@
 
 use crate::ir::op::Op;
 use crate::ir::{
-    Buffer, BufferId, BufferKind, CollectiveKind, DType, GroupId, Instr, P2pOp, Phase,
+    Buffer, BufferId, BufferKind, CollectiveKind, DType, GroupId, Instr, Operands, P2pOp, Phase,
 };
 use crate::spec::NodeId;
+use std::collections::HashMap;
+use std::mem::Discriminant;
+use std::sync::Arc;
+
+/// Equal ops emitted by one program share one allocation: a program repeats the same few
+/// dozen ops (one per layer shape and phase) in every microbatch.
+#[derive(Default)]
+struct OpPool {
+    /// Distinct ops seen so far, by variant; at most [`OpPool::PER_VARIANT`] each, so the scan
+    /// stays short (ops past that, e.g. many distinct `CopyRange`s, get their own allocation).
+    by_variant: HashMap<Discriminant<Op>, Vec<Arc<Op>>>,
+}
+
+impl OpPool {
+    const PER_VARIANT: usize = 64;
+
+    fn share(&mut self, op: Op) -> Arc<Op> {
+        let seen = self
+            .by_variant
+            .entry(std::mem::discriminant(&op))
+            .or_default();
+        if let Some(same) = seen.iter().find(|s| ***s == op) {
+            return Arc::clone(same);
+        }
+        let op = Arc::new(op);
+        if seen.len() < Self::PER_VARIANT {
+            seen.push(Arc::clone(&op));
+        }
+        op
+    }
+}
 
 pub struct ProgramBuilder {
     pub buffers: Vec<Buffer>,
     pub instrs: Vec<Instr>,
     refs: Vec<u32>,
+    ops: OpPool,
+    /// Compute ops given more buffers than [`Operands::CAPACITY`] (not emitted; a lowering bug
+    /// reported after the step).
+    pub oversized: u32,
 }
 
 impl ProgramBuilder {
@@ -20,6 +55,8 @@ impl ProgramBuilder {
             buffers: Vec::with_capacity(buffers),
             instrs: Vec::with_capacity(instrs),
             refs: Vec::with_capacity(buffers),
+            ops: OpPool::default(),
+            oversized: 0,
         }
     }
 
@@ -118,10 +155,16 @@ impl ProgramBuilder {
         node: Option<NodeId>,
         phase: Phase,
     ) {
+        let (Some(inputs), Some(outputs)) =
+            (Operands::from_slice(inputs), Operands::from_slice(outputs))
+        else {
+            self.oversized += 1;
+            return;
+        };
         self.instrs.push(Instr::Compute {
-            op: Box::new(op),
-            inputs: inputs.to_vec(),
-            outputs: outputs.to_vec(),
+            op: self.ops.share(op),
+            inputs,
+            outputs,
             node,
             phase,
         });

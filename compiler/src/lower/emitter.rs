@@ -115,7 +115,7 @@ impl Emitter<'_> {
     }
 
     pub fn name(&self, node: NodeId, what: &str, mb: u32) -> String {
-        format!("{}.{what}@{mb}", self.node_name(node))
+        buffer_name(self.node_name(node), what, mb)
     }
 
     /// The buffer compute ops read for a parameter of `node` (ZeRO-3: gathered by a prefetch
@@ -339,7 +339,7 @@ impl Emitter<'_> {
             }
             Some(prev) => {
                 let shape = self.b.shape(prev);
-                let name = format!("{}.dsum@{mb}", self.value_name(value));
+                let name = buffer_name(&self.value_name(value), "dsum", mb);
                 let sum = self.b.alloc(name, shape, BufferKind::ActivationGrad);
                 self.b
                     .compute(Op::Add, &[prev, dx], &[sum], Some(node), Phase::Backward);
@@ -357,5 +357,45 @@ impl Emitter<'_> {
             .get(v.0 as usize)
             .map(|x| x.name.clone())
             .unwrap_or_else(|| format!("v{}", v.0))
+    }
+}
+
+/// `{base}.{what}@{mb}`, the name of a per-microbatch buffer, built in one allocation (lowering
+/// names millions of buffers; `format!` grew each string several times).
+pub fn buffer_name(base: &str, what: &str, mb: u32) -> String {
+    let mut digits = [0u8; 10];
+    let mut start = digits.len();
+    let mut n = mb;
+    loop {
+        start -= 1;
+        digits[start] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    let mut name = String::with_capacity(base.len() + what.len() + 2 + digits.len() - start);
+    name.push_str(base);
+    name.push('.');
+    name.push_str(what);
+    name.push('@');
+    for &d in &digits[start..] {
+        name.push(char::from(d));
+    }
+    name
+}
+
+#[cfg(test)]
+mod tests {
+    use super::buffer_name;
+
+    #[test]
+    fn buffer_names_match_the_text_form() {
+        for mb in [0, 7, 10, 63, 4_294_967_295] {
+            assert_eq!(
+                buffer_name("blocks.3.attn", "q", mb),
+                format!("blocks.3.attn.q@{mb}")
+            );
+        }
     }
 }

@@ -446,6 +446,20 @@ fn emit_program(
     for e in em.errors.drain(..) {
         diags.push(e);
     }
+    if em.b.oversized > 0 {
+        diags.push(
+            Diagnostic::error(
+                "E0806",
+                format!(
+                    "internal lowering error: {} compute op(s) on pp {stage} cp {cp_index} tp {tp_index} take more than {} input or output buffers",
+                    em.b.oversized,
+                    crate::ir::Operands::CAPACITY
+                ),
+            )
+            .label(spec.parallel.span, "while lowering this plan")
+            .help("please report this with the spec file"),
+        );
+    }
     let leaked = em.b.live_transients();
     if !leaked.is_empty() {
         let names: Vec<String> = leaked

@@ -160,7 +160,7 @@ impl Emitter<'_> {
                     BufferKind::Activation
                 };
                 let what = if t.grad { "recv_grad" } else { "recv" };
-                let name = format!("{}.{what}@{}", self.value_name(t.value), t.mb);
+                let name = super::emitter::buffer_name(&self.value_name(t.value), what, t.mb);
                 let buf = self.b.alloc(name, vec![self.rows_hidden(), cols], kind);
                 self.mbs[mb].inbox.insert((t.to, t.value, t.grad), buf);
                 ops.push(P2pOp::Recv {
