@@ -7,7 +7,7 @@ pub mod operands;
 pub mod program;
 pub mod text;
 
-pub use operands::Operands;
+pub use operands::{Inputs, Operands, Outputs};
 pub use program::*;
 
 use serde::Serialize;

@@ -41,7 +41,7 @@
 //!   same values.
 
 use super::op::{Op, Segment};
-use super::operands::Operands;
+use super::operands::{Inputs, Outputs};
 use super::{BufferId, DType};
 use crate::spec::{Axis, Mesh, NodeId};
 use serde::{Serialize, Serializer};
@@ -354,8 +354,8 @@ pub enum Instr {
     Compute {
         #[serde(serialize_with = "serialize_shared_op")]
         op: Arc<Op>,
-        inputs: Operands,
-        outputs: Operands,
+        inputs: Inputs,
+        outputs: Outputs,
         /// The spec node this op implements (None for optimizer bookkeeping).
         node: Option<NodeId>,
         phase: Phase,

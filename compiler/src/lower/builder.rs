@@ -4,10 +4,10 @@
 
 use crate::ir::op::Op;
 use crate::ir::{
-    Buffer, BufferId, BufferKind, CollectiveKind, DType, GroupId, Instr, Operands, P2pOp, Phase,
+    Buffer, BufferId, BufferKind, CollectiveKind, DType, GroupId, Inputs, Instr, Outputs, P2pOp,
+    Phase,
 };
 use crate::spec::NodeId;
-use std::collections::HashMap;
 use std::mem::Discriminant;
 use std::sync::Arc;
 
@@ -15,19 +15,25 @@ use std::sync::Arc;
 /// dozen ops (one per layer shape and phase) in every microbatch.
 #[derive(Default)]
 struct OpPool {
-    /// Distinct ops seen so far, by variant; at most [`OpPool::PER_VARIANT`] each, so the scan
-    /// stays short (ops past that, e.g. many distinct `CopyRange`s, get their own allocation).
-    by_variant: HashMap<Discriminant<Op>, Vec<Arc<Op>>>,
+    /// Distinct ops seen so far, grouped by variant (a program uses a few dozen variants, so a
+    /// scan beats hashing); at most [`OpPool::PER_VARIANT`] each, so the scan stays short (ops
+    /// past that, e.g. many distinct `CopyRange`s, get their own allocation).
+    by_variant: Vec<(Discriminant<Op>, Vec<Arc<Op>>)>,
 }
 
 impl OpPool {
     const PER_VARIANT: usize = 64;
 
     fn share(&mut self, op: Op) -> Arc<Op> {
-        let seen = self
-            .by_variant
-            .entry(std::mem::discriminant(&op))
-            .or_default();
+        let variant = std::mem::discriminant(&op);
+        let slot = match self.by_variant.iter().position(|(v, _)| *v == variant) {
+            Some(i) => i,
+            None => {
+                self.by_variant.push((variant, Vec::new()));
+                self.by_variant.len() - 1
+            }
+        };
+        let seen = &mut self.by_variant[slot].1;
         if let Some(same) = seen.iter().find(|s| ***s == op) {
             return Arc::clone(same);
         }
@@ -44,8 +50,8 @@ pub struct ProgramBuilder {
     pub instrs: Vec<Instr>,
     refs: Vec<u32>,
     ops: OpPool,
-    /// Compute ops given more buffers than [`Operands::CAPACITY`] (not emitted; a lowering bug
-    /// reported after the step).
+    /// Compute ops given more buffers than [`Inputs`] or [`Outputs`] hold (not emitted; a
+    /// lowering bug reported after the step).
     pub oversized: u32,
 }
 
@@ -156,7 +162,7 @@ impl ProgramBuilder {
         phase: Phase,
     ) {
         let (Some(inputs), Some(outputs)) =
-            (Operands::from_slice(inputs), Operands::from_slice(outputs))
+            (Inputs::from_slice(inputs), Outputs::from_slice(outputs))
         else {
             self.oversized += 1;
             return;

@@ -451,9 +451,10 @@ fn emit_program(
             Diagnostic::error(
                 "E0806",
                 format!(
-                    "internal lowering error: {} compute op(s) on pp {stage} cp {cp_index} tp {tp_index} take more than {} input or output buffers",
+                    "internal lowering error: {} compute op(s) on pp {stage} cp {cp_index} tp {tp_index} take more than {} inputs or {} outputs",
                     em.b.oversized,
-                    crate::ir::Operands::CAPACITY
+                    crate::ir::operands::MAX_INPUTS,
+                    crate::ir::operands::MAX_OUTPUTS
                 ),
             )
             .label(spec.parallel.span, "while lowering this plan")

@@ -65,19 +65,31 @@ fn microbatch_of(name: &str) -> Option<u32> {
         .filter(|&mb: &u32| mb < 1 << 20)
 }
 
-/// Check one program's buffer discipline and measure its liveness.
-pub fn analyse(program: &Program, id: ProgramId, rank: u32) -> (ProgramMemory, Vec<Violation>) {
+/// Check one program's buffer discipline and measure its liveness. Also returns the indices of
+/// its instructions that need a rendezvous (collectives and transfers), so the all-rank
+/// simulation does not scan the millions of local instructions again.
+pub fn analyse(
+    program: &Program,
+    id: ProgramId,
+    rank: u32,
+) -> (ProgramMemory, Vec<Violation>, Vec<u32>) {
     let n = program.buffers.len();
     let mut violations = Vec::new();
     let mut alive = vec![false; n];
     let mut freed_at: Vec<Option<usize>> = vec![None; n];
     let mut persistent_bytes = 0u64;
+    // (bytes, persistent) of each buffer, contiguous: the instruction loop reads it per Alloc
+    // and Free instead of chasing each buffer's heap-allocated shape.
+    let mut sizes: Vec<(u64, bool)> = Vec::with_capacity(n);
     for (i, b) in program.buffers.iter().enumerate() {
-        if b.kind.is_persistent() {
+        let persistent = b.kind.is_persistent();
+        sizes.push((b.bytes(), persistent));
+        if persistent {
             alive[i] = true;
             persistent_bytes += b.bytes();
         }
     }
+    let mut rendezvous = Vec::new();
     let mb_of: Vec<Option<u32>> = program
         .buffers
         .iter()
@@ -128,8 +140,8 @@ pub fn analyse(program: &Program, id: ProgramId, rank: u32) -> (ProgramMemory, V
         match instr {
             Instr::Alloc { buffer } => {
                 let b = buffer.0 as usize;
-                let buf = &program.buffers[b];
-                if buf.kind.is_persistent() {
+                let (bytes, persistent) = sizes[b];
+                if persistent {
                     push(
                         "E0812",
                         i,
@@ -145,7 +157,7 @@ pub fn analyse(program: &Program, id: ProgramId, rank: u32) -> (ProgramMemory, V
                     );
                 } else {
                     alive[b] = true;
-                    live += buf.bytes();
+                    live += bytes;
                     if live > peak {
                         peak = live;
                         peak_at = i;
@@ -154,8 +166,8 @@ pub fn analyse(program: &Program, id: ProgramId, rank: u32) -> (ProgramMemory, V
             }
             Instr::Free { buffer } => {
                 let b = buffer.0 as usize;
-                let buf = &program.buffers[b];
-                if buf.kind.is_persistent() {
+                let (bytes, persistent) = sizes[b];
+                if persistent {
                     push(
                         "E0812",
                         i,
@@ -174,10 +186,19 @@ pub fn analyse(program: &Program, id: ProgramId, rank: u32) -> (ProgramMemory, V
                 } else {
                     alive[b] = false;
                     freed_at[b] = Some(i);
-                    live -= buf.bytes();
+                    live -= bytes;
                 }
             }
             _ => {
+                if matches!(
+                    instr,
+                    Instr::Collective { .. }
+                        | Instr::Send { .. }
+                        | Instr::Recv { .. }
+                        | Instr::P2p { .. }
+                ) {
+                    rendezvous.push(i as u32);
+                }
                 if let Instr::Compute { outputs, phase, .. } = instr {
                     let mb = outputs.iter().find_map(|b| mb_of[b.0 as usize]);
                     if let Some(mb) = mb {
@@ -280,5 +301,5 @@ pub fn analyse(program: &Program, id: ProgramId, rank: u32) -> (ProgramMemory, V
         peak_by_kind,
         peak_microbatches_in_flight: in_flight_peak,
     };
-    (memory, violations)
+    (memory, violations, rendezvous)
 }

@@ -126,7 +126,7 @@ pub fn check(plan: &Plan) -> Outcome {
         .unwrap_or(1)
         .clamp(1, plan.programs.len().max(1));
     let per_thread = plan.programs.len().div_ceil(threads).max(1);
-    let analysed: Vec<(ProgramMemory, Vec<Violation>)> = std::thread::scope(|scope| {
+    let analysed: Vec<(ProgramMemory, Vec<Violation>, Vec<u32>)> = std::thread::scope(|scope| {
         let handles: Vec<_> = plan
             .programs
             .chunks(per_thread)
@@ -163,13 +163,15 @@ pub fn check(plan: &Plan) -> Outcome {
     };
     let mut violations = Vec::new();
     let mut programs = Vec::with_capacity(plan.programs.len());
-    for (memory, found) in analysed {
+    let mut rendezvous_points = Vec::with_capacity(plan.programs.len());
+    for (memory, found, points) in analysed {
         programs.push(memory);
         violations.extend(found);
+        rendezvous_points.push(points);
     }
     // Rendezvous on programs with broken buffers would report the same fault twice.
     let (ranks_simulated, dp_symmetric) = if violations.is_empty() {
-        let sim = rendezvous::simulate(plan);
+        let sim = rendezvous::simulate(plan, &rendezvous_points);
         violations.extend(sim.violations);
         (sim.ranks_simulated, sim.dp_symmetric)
     } else {

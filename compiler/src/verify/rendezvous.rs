@@ -7,7 +7,6 @@ use super::slice::Slice;
 use super::Violation;
 use crate::ir::{CollectiveKind, GroupId, Instr, P2pOp, Plan, ProgramId};
 use crate::spec::NodeId;
-use std::collections::HashMap;
 
 pub struct Simulation {
     pub violations: Vec<Violation>,
@@ -45,10 +44,18 @@ struct World<'a> {
     member: Vec<Vec<Option<u32>>>,
     /// Simulated indices of each group set's representatives, ascending and deduplicated.
     proj_sets: Vec<Vec<Vec<usize>>>,
+    /// Each program's rendezvous instructions (collectives and transfers), ascending; local
+    /// instructions need no rendezvous and are never visited.
+    points: &'a [Vec<u32>],
+    /// Per simulated rank: its position in its program's `points`, and the instruction there
+    /// (the program's length once it is past the last).
+    next: Vec<usize>,
     pc: Vec<usize>,
     status: Vec<Status>,
     posted: Vec<Vec<Posted>>,
-    arrivals: HashMap<(GroupId, usize), Vec<usize>>,
+    /// arrivals[g][y]: how many members of the set of group `g` whose first simulated member
+    /// is `y` wait at a collective on it.
+    arrivals: Vec<Vec<u32>>,
     violations: Vec<Violation>,
 }
 
@@ -71,6 +78,23 @@ impl<'a> World<'a> {
 
     fn instr(&self, y: usize, pc: usize) -> Option<&'a Instr> {
         self.program(y).and_then(|(_, p)| p.instrs.get(pc))
+    }
+
+    /// Move simulated rank `y` to its next rendezvous instruction.
+    fn advance(&mut self, y: usize) {
+        self.next[y] += 1;
+        self.settle(y);
+    }
+
+    /// Point `pc[y]` at the rendezvous instruction `next[y]` names.
+    fn settle(&mut self, y: usize) {
+        let program = self.program(y);
+        let end = program.map(|(_, p)| p.instrs.len()).unwrap_or(0);
+        self.pc[y] = program
+            .and_then(|(id, _)| self.points.get(id.0 as usize))
+            .and_then(|points| points.get(self.next[y]))
+            .map(|&i| i as usize)
+            .unwrap_or(end);
     }
 
     fn numel(&self, y: usize, b: crate::ir::BufferId) -> u64 {
@@ -153,20 +177,8 @@ impl<'a> World<'a> {
             return;
         };
         while self.status[y] == Status::Running {
-            // Local instructions need no rendezvous: skip to the next that does.
-            let mut pc = self.pc[y];
-            while program.instrs.get(pc).is_some_and(|i| {
-                matches!(
-                    i,
-                    Instr::Compute { .. }
-                        | Instr::Alloc { .. }
-                        | Instr::Free { .. }
-                        | Instr::LoadBatch { .. }
-                )
-            }) {
-                pc += 1;
-            }
-            self.pc[y] = pc;
+            // `pc` is always at a rendezvous instruction (or the end): local ones are skipped.
+            let pc = self.pc[y];
             let Some(instr) = program.instrs.get(pc) else {
                 self.status[y] = Status::Done;
                 return;
@@ -192,27 +204,31 @@ impl<'a> World<'a> {
                         self.status[y] = Status::Done;
                         return;
                     };
-                    let members = self.proj_sets[group.0 as usize][set as usize].clone();
-                    let key = (*group, members.first().copied().unwrap_or(y));
+                    let (g, set_index) = (group.0 as usize, set as usize);
+                    // Borrowed out of `proj_sets` (and put back) so no list is copied per
+                    // collective.
+                    let members = std::mem::take(&mut self.proj_sets[g][set_index]);
+                    let first = members.first().copied().unwrap_or(y);
                     self.status[y] = Status::Collective;
-                    let arrived = self.arrivals.entry(key).or_default();
-                    arrived.push(y);
-                    if arrived.len() == members.len() {
-                        self.arrivals.remove(&key);
+                    let arrived = &mut self.arrivals[g][first];
+                    *arrived += 1;
+                    if *arrived as usize == members.len() {
+                        *arrived = 0;
                         self.complete_collective(*group, set, &members);
                         for &m in &members {
-                            self.pc[m] += 1;
+                            self.advance(m);
                             self.status[m] = Status::Running;
                             if m != y {
                                 woken.push(m);
                             }
                         }
                     }
+                    self.proj_sets[g][set_index] = members;
                 }
                 Instr::Send { .. } | Instr::Recv { .. } | Instr::P2p { .. } => {
                     self.post(y, instr, woken);
                 }
-                _ => self.pc[y] += 1,
+                _ => self.advance(y),
             }
         }
     }
@@ -244,7 +260,6 @@ impl<'a> World<'a> {
                 _ => None,
             })
             .collect();
-        let name = self.group_name(group);
         for &(m, pc, kind, input, output, node) in &issued {
             let fits = match kind {
                 CollectiveKind::AllGather => output == n * input,
@@ -258,6 +273,7 @@ impl<'a> World<'a> {
                 _ => true,
             };
             if !fits || !root_ok {
+                let name = self.group_name(group);
                 self.violation(
                     "E0814",
                     m,
@@ -282,6 +298,7 @@ impl<'a> World<'a> {
             return;
         }
         let strict = count(majority) * 2 > issued.len();
+        let name = self.group_name(group);
         let node_name =
             |n: Option<NodeId>| n.map(|n| format!(" for node n{}", n.0)).unwrap_or_default();
         let others: Vec<String> = issued
@@ -374,7 +391,7 @@ impl<'a> World<'a> {
                         );
                     }
                     if self.posted[q].is_empty() && self.status[q] == Status::Transfer {
-                        self.pc[q] += 1;
+                        self.advance(q);
                         self.status[q] = Status::Running;
                         woken.push(q);
                     }
@@ -383,7 +400,7 @@ impl<'a> World<'a> {
             }
         }
         if mine.is_empty() {
-            self.pc[y] += 1;
+            self.advance(y);
         } else {
             self.posted[y] = mine;
             self.status[y] = Status::Transfer;
@@ -431,11 +448,17 @@ impl<'a> World<'a> {
                         _ => continue,
                     };
                     let members = self.proj_sets[group.0 as usize][set as usize].clone();
-                    let key = (group, members.first().copied().unwrap_or(y));
-                    let arrived = self.arrivals.get(&key).cloned().unwrap_or_default();
+                    // Members that reached a collective on this group wait for the missing.
+                    let arrived = |m: usize| {
+                        self.status[m] == Status::Collective
+                            && matches!(
+                                self.instr(m, self.pc[m]),
+                                Some(Instr::Collective { group: h, .. }) if *h == group
+                            )
+                    };
                     let missing: Vec<String> = members
                         .iter()
-                        .filter(|m| !arrived.contains(m))
+                        .filter(|&&m| !arrived(m))
                         .map(|&m| {
                             format!(
                                 "rank {} is at instruction {} ({})",
@@ -494,7 +517,9 @@ impl<'a> World<'a> {
     }
 }
 
-pub fn simulate(plan: &Plan) -> Simulation {
+/// Simulate every rank (or the dp-symmetric slice) of `plan`; `points[p]` lists program `p`'s
+/// rendezvous instructions in order (from [`super::liveness::analyse`]).
+pub fn simulate(plan: &Plan, points: &[Vec<u32>]) -> Simulation {
     let Slice {
         ranks,
         sim_of,
@@ -509,12 +534,17 @@ pub fn simulate(plan: &Plan) -> Simulation {
         sim_of,
         member,
         proj_sets,
+        points,
+        next: vec![0; n],
         pc: vec![0; n],
         status: vec![Status::Running; n],
         posted: vec![Vec::new(); n],
-        arrivals: HashMap::new(),
+        arrivals: vec![vec![0; n]; plan.groups.len()],
         violations: Vec::new(),
     };
+    for y in 0..n {
+        w.settle(y);
+    }
     let mut ready: Vec<usize> = (0..n).rev().collect();
     let mut woken = Vec::new();
     while let Some(y) = ready.pop() {
