@@ -3,6 +3,7 @@
 
 use super::builder::ProgramBuilder;
 use super::context::{Chunks, Groups};
+use super::idmap::IdMap;
 use super::params::{Params, TpRule};
 use crate::diag::Diagnostic;
 use crate::ir::op::{Op, Segment};
@@ -10,7 +11,6 @@ use crate::ir::{
     BufferId, BufferKind, CollectiveKind, ParamId, Phase, ReduceOp, TpSplit, ZeroSplit,
 };
 use crate::spec::{NodeId, Spec, ValueId, ZeroStage};
-use std::collections::HashMap;
 
 /// A parameter held by this program while it is being emitted.
 pub struct LocalState {
@@ -41,15 +41,15 @@ pub struct LocalState {
 /// One microbatch's live tensors on this program.
 #[derive(Default)]
 pub struct MbState {
-    pub values: HashMap<ValueId, BufferId>,
-    pub grads: HashMap<ValueId, BufferId>,
-    pub saved: HashMap<NodeId, Vec<BufferId>>,
+    pub values: IdMap<ValueId, BufferId>,
+    pub grads: IdMap<ValueId, BufferId>,
+    pub saved: IdMap<NodeId, Vec<BufferId>>,
     /// Values kept for recomputing a segment: (segment, value) → buffer.
     pub seg_keep: Vec<(u32, ValueId, BufferId)>,
     /// Buffers received for a later unit: (chunk, value) → buffer (activations or grads).
-    pub inbox: HashMap<(u32, ValueId, bool), BufferId>,
+    pub inbox: IdMap<(u32, ValueId, bool), BufferId>,
     /// Buffers waiting to be sent after a unit: (chunk, value, is_grad) → buffer.
-    pub outbox: HashMap<(u32, ValueId, bool), BufferId>,
+    pub outbox: IdMap<(u32, ValueId, bool), BufferId>,
     pub tokens: Option<BufferId>,
     pub targets: Option<BufferId>,
 }
@@ -73,7 +73,7 @@ pub struct Emitter<'a> {
     /// Positions of this rank's sequence-parallel shard (= `positions` without SP).
     pub sp_positions: Vec<Segment>,
     pub locals: Vec<LocalState>,
-    pub local_of: HashMap<ParamId, usize>,
+    pub local_of: IdMap<ParamId, usize>,
     pub mbs: Vec<MbState>,
     pub segments: Vec<Option<u32>>,
     pub selective: bool,

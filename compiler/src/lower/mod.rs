@@ -16,6 +16,7 @@ mod backward;
 mod builder;
 mod context;
 mod emitter;
+mod idmap;
 mod layers;
 mod optim;
 mod params;
@@ -32,6 +33,7 @@ use crate::spec::{Axis, Spec, ZeroStage};
 use builder::ProgramBuilder;
 use context::{Chunks, Groups};
 use emitter::{Emitter, LocalState, MbState};
+use idmap::IdMap;
 use params::{Params, TpRule};
 use std::collections::HashMap;
 
@@ -276,7 +278,7 @@ fn emit_program(
 
     // Local parameters in order of first use.
     let mut locals: Vec<LocalState> = Vec::new();
-    let mut local_of = HashMap::new();
+    let mut local_of = IdMap::default();
     let mut uses: HashMap<u32, u32> = HashMap::new();
     for &c in &my_chunks {
         let (s, e) = sh.chunks.ranges[c as usize];

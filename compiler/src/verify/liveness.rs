@@ -7,6 +7,7 @@
 //! per-microbatch buffer `…@<microbatch>`; a compute op belongs to the microbatch its outputs
 //! name.
 
+use super::rendezvous::ProgramIndex;
 use super::Violation;
 use crate::ir::{BufferId, Instr, P2pOp, Phase, Program, ProgramId};
 use serde::Serialize;
@@ -65,14 +66,14 @@ fn microbatch_of(name: &str) -> Option<u32> {
         .filter(|&mb: &u32| mb < 1 << 20)
 }
 
-/// Check one program's buffer discipline and measure its liveness. Also returns the indices of
-/// its instructions that need a rendezvous (collectives and transfers), so the all-rank
-/// simulation does not scan the millions of local instructions again.
+/// Check one program's buffer discipline and measure its liveness. Also returns what the
+/// all-rank simulation needs of the program (its rendezvous instructions and buffer sizes), so
+/// it does not scan the millions of local instructions again.
 pub fn analyse(
     program: &Program,
     id: ProgramId,
     rank: u32,
-) -> (ProgramMemory, Vec<Violation>, Vec<u32>) {
+) -> (ProgramMemory, Vec<Violation>, ProgramIndex) {
     let n = program.buffers.len();
     let mut violations = Vec::new();
     let mut alive = vec![false; n];
@@ -81,15 +82,19 @@ pub fn analyse(
     // (bytes, persistent) of each buffer, contiguous: the instruction loop reads it per Alloc
     // and Free instead of chasing each buffer's heap-allocated shape.
     let mut sizes: Vec<(u64, bool)> = Vec::with_capacity(n);
+    let mut index = ProgramIndex {
+        points: Vec::new(),
+        numel: Vec::with_capacity(n),
+    };
     for (i, b) in program.buffers.iter().enumerate() {
         let persistent = b.kind.is_persistent();
         sizes.push((b.bytes(), persistent));
+        index.numel.push(b.numel());
         if persistent {
             alive[i] = true;
             persistent_bytes += b.bytes();
         }
     }
-    let mut rendezvous = Vec::new();
     let mb_of: Vec<Option<u32>> = program
         .buffers
         .iter()
@@ -197,7 +202,7 @@ pub fn analyse(
                         | Instr::Recv { .. }
                         | Instr::P2p { .. }
                 ) {
-                    rendezvous.push(i as u32);
+                    index.points.push((i as u32, instr.clone()));
                 }
                 if let Instr::Compute { outputs, phase, .. } = instr {
                     let mb = outputs.iter().find_map(|b| mb_of[b.0 as usize]);
@@ -301,5 +306,5 @@ pub fn analyse(
         peak_by_kind,
         peak_microbatches_in_flight: in_flight_peak,
     };
-    (memory, violations, rendezvous)
+    (memory, violations, index)
 }

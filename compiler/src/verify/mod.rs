@@ -126,31 +126,32 @@ pub fn check(plan: &Plan) -> Outcome {
         .unwrap_or(1)
         .clamp(1, plan.programs.len().max(1));
     let per_thread = plan.programs.len().div_ceil(threads).max(1);
-    let analysed: Vec<(ProgramMemory, Vec<Violation>, Vec<u32>)> = std::thread::scope(|scope| {
-        let handles: Vec<_> = plan
-            .programs
-            .chunks(per_thread)
-            .enumerate()
-            .map(|(c, chunk)| {
-                let first_rank = &first_rank;
-                scope.spawn(move || {
-                    chunk
-                        .iter()
-                        .enumerate()
-                        .map(|(k, program)| {
-                            let i = c * per_thread + k;
-                            let id = ProgramId(i as u32);
-                            liveness::analyse(program, id, first_rank[i])
-                        })
-                        .collect::<Vec<_>>()
+    let analysed: Vec<(ProgramMemory, Vec<Violation>, rendezvous::ProgramIndex)> =
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = plan
+                .programs
+                .chunks(per_thread)
+                .enumerate()
+                .map(|(c, chunk)| {
+                    let first_rank = &first_rank;
+                    scope.spawn(move || {
+                        chunk
+                            .iter()
+                            .enumerate()
+                            .map(|(k, program)| {
+                                let i = c * per_thread + k;
+                                let id = ProgramId(i as u32);
+                                liveness::analyse(program, id, first_rank[i])
+                            })
+                            .collect::<Vec<_>>()
+                    })
                 })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().unwrap_or_default())
-            .collect()
-    });
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap_or_default())
+                .collect()
+        });
     // A worker that died (it cannot: the analysis has no panicking path) is redone here.
     let analysed = if analysed.len() == plan.programs.len() {
         analysed
@@ -163,15 +164,15 @@ pub fn check(plan: &Plan) -> Outcome {
     };
     let mut violations = Vec::new();
     let mut programs = Vec::with_capacity(plan.programs.len());
-    let mut rendezvous_points = Vec::with_capacity(plan.programs.len());
-    for (memory, found, points) in analysed {
+    let mut indices = Vec::with_capacity(plan.programs.len());
+    for (memory, found, index) in analysed {
         programs.push(memory);
         violations.extend(found);
-        rendezvous_points.push(points);
+        indices.push(index);
     }
     // Rendezvous on programs with broken buffers would report the same fault twice.
     let (ranks_simulated, dp_symmetric) = if violations.is_empty() {
-        let sim = rendezvous::simulate(plan, &rendezvous_points);
+        let sim = rendezvous::simulate(plan, &indices);
         violations.extend(sim.violations);
         (sim.ranks_simulated, sim.dp_symmetric)
     } else {

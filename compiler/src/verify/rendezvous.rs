@@ -8,6 +8,16 @@ use super::Violation;
 use crate::ir::{CollectiveKind, GroupId, Instr, P2pOp, Plan, ProgramId};
 use crate::spec::NodeId;
 
+/// What the simulation needs of one program, gathered by the parallel liveness pass: its
+/// rendezvous instructions (collectives and transfers) with their indices, copied out so the
+/// simulation reads them contiguously instead of jumping through millions of local
+/// instructions, and each buffer's element count.
+#[derive(Default)]
+pub struct ProgramIndex {
+    pub points: Vec<(u32, Instr)>,
+    pub numel: Vec<u64>,
+}
+
 pub struct Simulation {
     pub violations: Vec<Violation>,
     pub ranks_simulated: u32,
@@ -46,7 +56,7 @@ struct World<'a> {
     proj_sets: Vec<Vec<Vec<usize>>>,
     /// Each program's rendezvous instructions (collectives and transfers), ascending; local
     /// instructions need no rendezvous and are never visited.
-    points: &'a [Vec<u32>],
+    index: &'a [ProgramIndex],
     /// Per simulated rank: its position in its program's `points`, and the instruction there
     /// (the program's length once it is past the last).
     next: Vec<usize>,
@@ -80,6 +90,13 @@ impl<'a> World<'a> {
         self.program(y).and_then(|(_, p)| p.instrs.get(pc))
     }
 
+    /// The rendezvous instruction simulated rank `y` is at (None past the last).
+    fn current(&self, y: usize) -> Option<&'a Instr> {
+        let (id, _) = self.program(y)?;
+        let (_, instr) = self.index.get(id.0 as usize)?.points.get(self.next[y])?;
+        Some(instr)
+    }
+
     /// Move simulated rank `y` to its next rendezvous instruction.
     fn advance(&mut self, y: usize) {
         self.next[y] += 1;
@@ -91,16 +108,17 @@ impl<'a> World<'a> {
         let program = self.program(y);
         let end = program.map(|(_, p)| p.instrs.len()).unwrap_or(0);
         self.pc[y] = program
-            .and_then(|(id, _)| self.points.get(id.0 as usize))
-            .and_then(|points| points.get(self.next[y]))
-            .map(|&i| i as usize)
+            .and_then(|(id, _)| self.index.get(id.0 as usize))
+            .and_then(|index| index.points.get(self.next[y]))
+            .map(|&(i, _)| i as usize)
             .unwrap_or(end);
     }
 
     fn numel(&self, y: usize, b: crate::ir::BufferId) -> u64 {
         self.program(y)
-            .and_then(|(_, p)| p.buffer(b))
-            .map(|b| b.numel())
+            .and_then(|(id, _)| self.index.get(id.0 as usize))
+            .and_then(|index| index.numel.get(b.0 as usize))
+            .copied()
             .unwrap_or(0)
     }
 
@@ -172,14 +190,14 @@ impl<'a> World<'a> {
 
     /// Run simulated rank `y` until it blocks or ends; returns ranks it unblocked.
     fn run(&mut self, y: usize, woken: &mut Vec<usize>) {
-        let Some((_, program)) = self.program(y) else {
+        if self.program(y).is_none() {
             self.status[y] = Status::Done;
             return;
-        };
+        }
         while self.status[y] == Status::Running {
             // `pc` is always at a rendezvous instruction (or the end): local ones are skipped.
             let pc = self.pc[y];
-            let Some(instr) = program.instrs.get(pc) else {
+            let Some(instr) = self.current(y) else {
                 self.status[y] = Status::Done;
                 return;
             };
@@ -242,7 +260,7 @@ impl<'a> World<'a> {
             .unwrap_or(1);
         let issued: Vec<(usize, usize, CollectiveKind, u64, u64, Option<NodeId>)> = members
             .iter()
-            .filter_map(|&m| match self.instr(m, self.pc[m]) {
+            .filter_map(|&m| match self.current(m) {
                 Some(Instr::Collective {
                     kind,
                     input,
@@ -517,9 +535,9 @@ impl<'a> World<'a> {
     }
 }
 
-/// Simulate every rank (or the dp-symmetric slice) of `plan`; `points[p]` lists program `p`'s
-/// rendezvous instructions in order (from [`super::liveness::analyse`]).
-pub fn simulate(plan: &Plan, points: &[Vec<u32>]) -> Simulation {
+/// Simulate every rank (or the dp-symmetric slice) of `plan`; `index[p]` is program `p`'s
+/// [`ProgramIndex`] (from [`super::liveness::analyse`]).
+pub fn simulate(plan: &Plan, index: &[ProgramIndex]) -> Simulation {
     let Slice {
         ranks,
         sim_of,
@@ -534,7 +552,7 @@ pub fn simulate(plan: &Plan, points: &[Vec<u32>]) -> Simulation {
         sim_of,
         member,
         proj_sets,
-        points,
+        index,
         next: vec![0; n],
         pc: vec![0; n],
         status: vec![Status::Running; n],
