@@ -9,7 +9,7 @@
 
 use super::rendezvous::ProgramIndex;
 use super::Violation;
-use crate::ir::{BufferId, Instr, P2pOp, Phase, Program, ProgramId};
+use crate::ir::{BufferId, BufferKind, Instr, P2pOp, Phase, Program, ProgramId};
 use serde::Serialize;
 
 /// Liveness numbers of one program (every rank running it has them).
@@ -30,6 +30,35 @@ pub struct ProgramMemory {
     pub peak_by_kind: Vec<(String, u64)>,
     /// The most microbatches whose activations are alive at once.
     pub peak_microbatches_in_flight: u32,
+}
+
+/// Every buffer kind, and how many there are (the live-bytes-by-kind table's size).
+const ALL_KINDS: [BufferKind; 9] = [
+    BufferKind::Param,
+    BufferKind::OptState,
+    BufferKind::Metric,
+    BufferKind::GatheredParam,
+    BufferKind::Grad,
+    BufferKind::Activation,
+    BufferKind::ActivationGrad,
+    BufferKind::Input,
+    BufferKind::Comm,
+];
+const KINDS: usize = ALL_KINDS.len();
+
+/// `kind`'s index in [`ALL_KINDS`] (exhaustive, so a new kind cannot be left out unnoticed).
+fn kind_slot(kind: BufferKind) -> usize {
+    match kind {
+        BufferKind::Param => 0,
+        BufferKind::OptState => 1,
+        BufferKind::Metric => 2,
+        BufferKind::GatheredParam => 3,
+        BufferKind::Grad => 4,
+        BufferKind::Activation => 5,
+        BufferKind::ActivationGrad => 6,
+        BufferKind::Input => 7,
+        BufferKind::Comm => 8,
+    }
 }
 
 /// Cap on violations reported per program (one bug tends to repeat in every microbatch).
@@ -60,10 +89,22 @@ pub(crate) fn buffers_of(instr: &Instr, mut f: impl FnMut(BufferId)) {
 }
 
 fn microbatch_of(name: &str) -> Option<u32> {
-    // Bounded so a hand-made name cannot make the per-microbatch table huge.
-    name.rsplit_once('@')
-        .and_then(|(_, mb)| mb.parse().ok())
-        .filter(|&mb: &u32| mb < 1 << 20)
+    // The decimal digits after the last `@` (read from the end: this runs once per buffer, on
+    // millions of names). Bounded so a hand-made name cannot make the per-microbatch table huge.
+    let bytes = name.as_bytes();
+    let digits = bytes
+        .iter()
+        .rev()
+        .take_while(|b| b.is_ascii_digit())
+        .count();
+    let at = bytes.len().checked_sub(digits + 1)?;
+    if digits == 0 || digits > 7 || bytes.get(at) != Some(&b'@') {
+        return None;
+    }
+    let mb = bytes[at + 1..]
+        .iter()
+        .fold(0u32, |n, &d| n * 10 + u32::from(d - b'0'));
+    (mb < 1 << 20).then_some(mb)
 }
 
 /// Check one program's buffer discipline and measure its liveness. Also returns what the
@@ -82,6 +123,9 @@ pub fn analyse(
     // (bytes, persistent) of each buffer, contiguous: the instruction loop reads it per Alloc
     // and Free instead of chasing each buffer's heap-allocated shape.
     let mut sizes: Vec<(u64, bool)> = Vec::with_capacity(n);
+    // Live transient (bytes, buffers) by kind, and its copy at the peak.
+    let mut live_by_kind = [(0u64, 0u32); KINDS];
+    let mut peak_by_kind_live = live_by_kind;
     let mut index = ProgramIndex {
         points: Vec::new(),
         numel: Vec::with_capacity(n),
@@ -163,9 +207,14 @@ pub fn analyse(
                 } else {
                     alive[b] = true;
                     live += bytes;
+                    if let Some(k) = live_by_kind.get_mut(kind_slot(program.buffers[b].kind)) {
+                        k.0 += bytes;
+                        k.1 += 1;
+                    }
                     if live > peak {
                         peak = live;
                         peak_at = i;
+                        peak_by_kind_live = live_by_kind;
                     }
                 }
             }
@@ -192,6 +241,10 @@ pub fn analyse(
                     alive[b] = false;
                     freed_at[b] = Some(i);
                     live -= bytes;
+                    if let Some(k) = live_by_kind.get_mut(kind_slot(program.buffers[b].kind)) {
+                        k.0 -= bytes;
+                        k.1 -= 1;
+                    }
                 }
             }
             _ => {
@@ -267,27 +320,12 @@ pub fn analyse(
             ),
         );
     }
-    // Replay the transients' lifetimes up to the peak to break it down by kind.
-    let mut at_peak = vec![false; n];
-    for instr in program.instrs.iter().take(peak_at + 1) {
-        match instr {
-            Instr::Alloc { buffer } => {
-                if let Some(a) = at_peak.get_mut(buffer.0 as usize) {
-                    *a = true;
-                }
-            }
-            Instr::Free { buffer } => {
-                if let Some(a) = at_peak.get_mut(buffer.0 as usize) {
-                    *a = false;
-                }
-            }
-            _ => {}
-        }
-    }
     let mut by_kind: std::collections::BTreeMap<&'static str, u64> = Default::default();
-    for (b, buf) in program.buffers.iter().enumerate() {
-        if at_peak.get(b) == Some(&true) && !buf.kind.is_persistent() {
-            *by_kind.entry(buf.kind.name()).or_default() += buf.bytes();
+    for kind in ALL_KINDS {
+        if let Some(&(bytes, count)) = peak_by_kind_live.get(kind_slot(kind)) {
+            if count > 0 {
+                by_kind.insert(kind.name(), bytes);
+            }
         }
     }
     let mut peak_by_kind: Vec<(String, u64)> = by_kind
@@ -307,4 +345,31 @@ pub fn analyse(
         peak_microbatches_in_flight: in_flight_peak,
     };
     (memory, violations, index)
+}
+
+#[cfg(test)]
+mod unit_tests {
+    use super::{kind_slot, microbatch_of, ALL_KINDS};
+
+    #[test]
+    fn every_kind_has_its_own_slot() {
+        for (i, &kind) in ALL_KINDS.iter().enumerate() {
+            assert_eq!(kind_slot(kind), i);
+        }
+    }
+
+    #[test]
+    fn microbatch_is_the_number_after_the_last_at() {
+        assert_eq!(microbatch_of("blocks.3.attn.q@12"), Some(12));
+        assert_eq!(microbatch_of("a@b@0"), Some(0));
+        assert_eq!(microbatch_of("tokens@7"), Some(7));
+        assert_eq!(microbatch_of("loss"), None);
+        assert_eq!(microbatch_of("x@"), None);
+        assert_eq!(microbatch_of("x@1a"), None);
+        assert_eq!(microbatch_of("x12"), None);
+        assert_eq!(microbatch_of("@3"), Some(3));
+        assert_eq!(microbatch_of("x@99999999"), None);
+        assert_eq!(microbatch_of("x@1048576"), None);
+        assert_eq!(microbatch_of("x@1048575"), Some(1_048_575));
+    }
 }
