@@ -66,7 +66,11 @@ fn lowered_plans_verify() {
             assert!(p.peak_bytes > p.persistent_bytes, "{desc}");
             // The breakdown by kind accounts for exactly the transients alive at the peak.
             let by_kind: u64 = p.peak_by_kind.iter().map(|(_, b)| b).sum();
-            assert_eq!(by_kind, p.peak_transient_bytes, "{desc}: {:?}", p.peak_by_kind);
+            assert_eq!(
+                by_kind, p.peak_transient_bytes,
+                "{desc}: {:?}",
+                p.peak_by_kind
+            );
         }
     }
 }
