@@ -1,9 +1,10 @@
 //! `parc run FILE [--set PATH=VALUE]… [--backend auto|cpu|cuda] [--log-format human|json]
-//! [--resume DIR]`: check the spec, lower it to per-rank programs, and train them on this
+//! [--resume DIR] [--profile] [--profile-step N]`: check the spec, lower it to per-rank programs, and train them on this
 //! machine, one thread per rank with the local comm. Exit codes as `main`: 0 trained, 1 the
 //! spec or the run failed, 2 usage or unreadable input.
 use crate::cmd_check::{parse_overrides, read_spec};
 use crate::diagnostics;
+use crate::run_profile;
 use crate::run_progress::{LogFormat, Progress, Summary};
 use crate::SpecArgs;
 use parc_compiler::diag::{Diagnostics, Sources};
@@ -39,6 +40,13 @@ pub struct RunArgs {
     /// Continue from a checkpoint: a `step-N` folder, or a checkpoint dir (its newest).
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    /// Time every op of one step (the third, or the last if fewer) and report where the
+    /// step's time went.
+    #[arg(long)]
+    pub profile: bool,
+    /// The 0-based step to profile (implies --profile).
+    #[arg(long = "profile-step", value_name = "N")]
+    pub profile_step: Option<u64>,
 }
 
 /// The backend a run will use, after resolving `auto`.
@@ -225,6 +233,8 @@ fn run_with<B: Backend>(
     }
     let mut options = TrainOptions::new(spec_dir);
     options.resume = args.resume.clone();
+    options.profile = args.profile || args.profile_step.is_some();
+    options.profile_step = args.profile_step;
     if backend == Resolved::Cpu {
         // Every rank lives in this process: all of them must fit in host memory.
         options.memory_limit = available_memory();
@@ -249,6 +259,10 @@ fn run_with<B: Backend>(
         );
     };
     let result = train(spec, plan, &options, new_backend, &on_step).map_err(|e| e.to_string())?;
+    let gpu = &spec.cluster.gpu;
+    if let (Some(profile), LogFormat::Json) = (&result.profile, args.log_format) {
+        println!("{}", run_profile::json(profile, gpu));
+    }
     progress.finish(&Summary {
         records: &result.records,
         epochs: &result.epochs,
@@ -257,6 +271,9 @@ fn run_with<B: Backend>(
         backend: backend.name(),
         world: plan.world,
     });
+    if let (Some(profile), LogFormat::Human) = (&result.profile, args.log_format) {
+        eprint!("{}", run_profile::human(profile, gpu));
+    }
     Ok(())
 }
 

@@ -224,3 +224,48 @@ fn bad_input_is_a_clear_error_not_a_panic() {
         stderr_of(&resume)
     );
 }
+
+#[test]
+fn profile_line_splits_the_step_into_kinds_that_sum_to_the_step() {
+    let mut args = vec![
+        "run",
+        "examples/tiny.par",
+        "--log-format",
+        "json",
+        "--profile",
+    ];
+    args.extend(SMALL);
+    let out = parc(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines = json_lines(&out);
+    let profiles: Vec<&Value> = lines.iter().filter(|v| v["event"] == "profile").collect();
+    assert_eq!(profiles.len(), 1);
+    let p = profiles[0];
+    assert_eq!(p["step"], 2);
+    assert_eq!(p["gpu"], "cpu");
+    assert_eq!(p["ceilings_nominal"], true);
+    assert!(p["step_ms"].as_f64().unwrap() > 0.0);
+    let kinds = p["kinds"].as_array().unwrap();
+    let share: f64 = kinds.iter().map(|k| k["share_pct"].as_f64().unwrap()).sum();
+    assert!((share - 100.0).abs() < 0.01, "shares sum to {share}");
+    let kind = |name: &str| kinds.iter().find(|k| k["kind"] == name).unwrap();
+    for name in [
+        "matmul_fwd",
+        "matmul_bwd_data",
+        "attention_fwd",
+        "attention_bwd",
+    ] {
+        assert!(kind(name)["count"].as_u64().unwrap() > 0, "{name}");
+        assert!(kind(name)["tflops"].as_f64().unwrap() > 0.0, "{name}");
+    }
+    for name in ["norm", "elementwise", "cross_entropy", "optimizer"] {
+        assert!(kind(name)["gbps"].as_f64().unwrap() > 0.0, "{name}");
+    }
+    assert!(kind("data_load")["count"].as_u64().unwrap() > 0);
+    // The summary stays the last line.
+    assert_eq!(lines.last().unwrap()["event"], "summary");
+}

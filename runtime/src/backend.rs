@@ -33,4 +33,9 @@ pub trait Backend {
     fn write_i32(&mut self, id: BufferId, data: &[i32]) -> Result<()>;
     /// Copy an f32 buffer to the host.
     fn read_f32(&self, id: BufferId) -> Result<Vec<f32>>;
+    /// Wait until all queued work has finished (for timing ops); backends that run ops
+    /// synchronously need not override it.
+    fn synchronize(&mut self) -> Result<()> {
+        Ok(())
+    }
 }

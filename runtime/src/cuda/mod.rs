@@ -337,7 +337,7 @@ impl CudaBackend {
                 format!("holds {} elements, got {} to write", s.len, data.len()),
             ));
         }
-        self.synchronize()?;
+        CudaBackend::synchronize(self)?;
         // SAFETY: the allocation holds exactly data.len() elements of this type.
         unsafe { cu::memcpy_htod_sync(s.ptr, data) }
             .map_err(|e| driver_error(&format!("writing buffer {}", id.0), e))
@@ -347,6 +347,10 @@ impl CudaBackend {
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
         "cuda"
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        CudaBackend::synchronize(self)
     }
 
     fn alloc(&mut self, id: BufferId, shape: &[u64], dtype: DType) -> Result<()> {

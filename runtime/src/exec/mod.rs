@@ -10,9 +10,11 @@
 //! starts: the runtime runs only verified programs. All parallelism lives in the programs: this
 //! module only dispatches.
 pub mod gather;
+pub mod profile;
 pub mod rank;
 
 pub use gather::GlobalParam;
+pub use profile::StepProfile;
 pub use rank::{ParamPiece, RankExecutor};
 
 use crate::backend::Backend;
@@ -45,6 +47,11 @@ pub struct TrainOptions {
     /// (the CLI sets it to the host's available memory for the CPU backend, whose ranks all
     /// live in this process).
     pub memory_limit: Option<u64>,
+    /// Time every instruction of one step on the report rank ([`TrainResult::profile`]).
+    pub profile: bool,
+    /// The 0-based step to profile (default: the run's third step, or its last if fewer);
+    /// clamped into the steps this run takes.
+    pub profile_step: Option<u64>,
 }
 
 impl TrainOptions {
@@ -56,6 +63,8 @@ impl TrainOptions {
             comm_timeout: Duration::from_secs(120),
             threads_per_rank: None,
             memory_limit: None,
+            profile: false,
+            profile_step: None,
         }
     }
 }
@@ -92,6 +101,8 @@ pub struct TrainResult {
     pub model_export: Option<PathBuf>,
     /// The step this run started at (non-zero when resumed).
     pub start_step: u64,
+    /// Where the profiled step's time went on the report rank, with `TrainOptions::profile`.
+    pub profile: Option<StepProfile>,
 }
 
 /// Samples in a synthetic dataset: fixed (not derived from `train.steps`), so a run extended
@@ -140,6 +151,7 @@ struct RankOutcome {
     epochs: Vec<EpochProgress>,
     checkpoints: Vec<PathBuf>,
     start_step: u64,
+    profile: Option<StepProfile>,
 }
 
 /// Train `plan` (lowered from `spec`) with one thread per rank. `new_backend` makes each
@@ -255,10 +267,11 @@ where
     let report = results
         .get(plan.report_rank as usize)
         .ok_or_else(|| RuntimeError::Unsupported("the plan's report rank does not exist".into()))?;
-    let (records, epochs, start_step) = (
+    let (records, epochs, start_step, profile) = (
         report.records.clone(),
         report.epochs.clone(),
         report.start_step,
+        report.profile.clone(),
     );
     let checkpoints = results
         .first()
@@ -287,6 +300,7 @@ where
         checkpoints,
         model_export,
         start_step,
+        profile,
     })
 }
 
@@ -343,10 +357,26 @@ impl RunContext<'_> {
         let started = Instant::now();
         let mut records = Vec::new();
         let mut checkpoints = Vec::new();
+        let profile_at = self.options.profile.then(|| {
+            let wanted = self
+                .options
+                .profile_step
+                .unwrap_or(start_step.saturating_add(2));
+            wanted.clamp(start_step, end.saturating_sub(1).max(start_step))
+        });
+        let mut profile = None;
         for step in start_step..end {
             let step_started = Instant::now();
             let lr = train.schedule.lr_at(train.optimizer.lr(), step);
-            let metrics = exec.step(step, lr)?;
+            let metrics = if is_report && profile_at == Some(step) {
+                let mut timed = StepProfile::new(step, exec.rank());
+                let metrics = exec.step(step, lr, Some(&mut timed))?;
+                timed.finish(step_started.elapsed().as_secs_f64());
+                profile = Some(timed);
+                metrics
+            } else {
+                exec.step(step, lr, None)?
+            };
             if is_report {
                 let seconds = step_started.elapsed().as_secs_f64();
                 let record = StepRecord {
@@ -377,6 +407,7 @@ impl RunContext<'_> {
             epochs: exec.sampler().progress(end),
             checkpoints,
             start_step,
+            profile,
         })
     }
 

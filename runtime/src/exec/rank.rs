@@ -6,6 +6,7 @@ use crate::checkpoint::{self, ShardTensor};
 use crate::comm::{Comm, PeerOp};
 use crate::data::{fill_microbatch, BatchLayout, Dataset, Sampler};
 use crate::error::{Result, RuntimeError};
+use crate::exec::profile::{self, StepProfile};
 use crate::init::{fill_local_param, ZeroShard};
 use parc_compiler::ir::op::{segments_len, Segment};
 use parc_compiler::ir::{
@@ -14,6 +15,7 @@ use parc_compiler::ir::{
 use parc_compiler::spec::Axis;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// A rank's local slice of one parameter, as stored (see [`super::gather`]).
 #[derive(Clone, Debug)]
@@ -181,15 +183,25 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         Ok(())
     }
 
-    /// Run the program once as 0-based training step `step`.
-    pub fn step(&mut self, step: u64, lr: f64) -> Result<StepMetrics> {
+    /// Run the program once as 0-based training step `step`. With `profile`, every
+    /// instruction is timed between backend synchronizations and added to it.
+    pub fn step(
+        &mut self,
+        step: u64,
+        lr: f64,
+        mut profile: Option<&mut StepProfile>,
+    ) -> Result<StepMetrics> {
         self.optimizer_step += 1;
         let scalars = StepScalars {
             lr,
             step: self.optimizer_step,
         };
         for (index, instr) in self.program.instrs.iter().enumerate() {
-            self.run(instr, step, &scalars).map_err(|e| match e {
+            let result = match profile.as_deref_mut() {
+                None => self.run(instr, step, &scalars),
+                Some(profile) => self.run_timed(instr, step, &scalars, profile),
+            };
+            result.map_err(|e| match e {
                 RuntimeError::Comm(_) => e,
                 other => RuntimeError::Op {
                     op: format!(
@@ -212,6 +224,65 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
             loss: read(self.program.loss)?,
             grad_sumsq: read(self.program.grad_sumsq)?,
         })
+    }
+
+    /// Run `instr` with the backend idle before and after, and add its time and work to
+    /// `profile`.
+    fn run_timed(
+        &mut self,
+        instr: &Instr,
+        step: u64,
+        scalars: &StepScalars,
+        profile: &mut StepProfile,
+    ) -> Result<()> {
+        self.backend.synchronize()?;
+        let started = Instant::now();
+        self.run(instr, step, scalars)?;
+        self.backend.synchronize()?;
+        let seconds = started.elapsed().as_secs_f64();
+        let bytes = |ids: &[BufferId]| -> f64 {
+            ids.iter()
+                .filter_map(|id| self.program.buffer(*id))
+                .map(|b| b.bytes() as f64)
+                .sum()
+        };
+        let (flops, moved) = match instr {
+            Instr::Compute {
+                op,
+                inputs,
+                outputs,
+                ..
+            } => {
+                let first = inputs
+                    .first()
+                    .and_then(|id| self.program.buffer(*id))
+                    .map_or(0, |b| b.numel());
+                (
+                    profile::flops(op, first).unwrap_or(0.0),
+                    bytes(inputs) + bytes(outputs),
+                )
+            }
+            Instr::Collective { input, output, .. } => (0.0, bytes(&[*input, *output])),
+            Instr::Send { buffer, .. } | Instr::Recv { buffer, .. } => (0.0, bytes(&[*buffer])),
+            Instr::P2p { ops } => {
+                let ids: Vec<BufferId> = ops
+                    .iter()
+                    .map(|op| match *op {
+                        P2pOp::Send { buffer, .. } | P2pOp::Recv { buffer, .. } => buffer,
+                    })
+                    .collect();
+                (0.0, bytes(&ids))
+            }
+            Instr::LoadBatch {
+                tokens, targets, ..
+            } => {
+                let ids: Vec<BufferId> = tokens.iter().chain(targets.iter()).copied().collect();
+                (0.0, bytes(&ids))
+            }
+            Instr::Alloc { .. } | Instr::Free { .. } => (0.0, 0.0),
+        };
+        profile.add(profile::classify(instr), seconds, flops, moved);
+        Ok(())
     }
 
     fn numel(&self, id: BufferId) -> Result<usize> {

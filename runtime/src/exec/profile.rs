@@ -1,0 +1,355 @@
+//! Per-kernel timing of one training step (`parc run --profile`): which kind of work each
+//! instruction is, how much arithmetic (FLOPs, for matmuls and attention) or memory traffic
+//! (bytes read + written, for memory-bound ops) it does, and the per-kind totals of one step.
+//!
+//! The executor fills a [`StepProfile`] only for the profiled step, so a run without
+//! `--profile` pays nothing. FLOPs come from an op's dimensions; bytes from the sizes of the
+//! buffers it reads and writes (a lower bound on its traffic).
+use parc_compiler::ir::op::{Op, Segment};
+use parc_compiler::ir::Instr;
+use serde::Serialize;
+
+/// The kinds of work a step's time is split into, in report order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OpKind {
+    MatmulFwd,
+    MatmulBwdData,
+    MatmulBwdWeight,
+    AttentionFwd,
+    AttentionBwd,
+    Norm,
+    Embedding,
+    Elementwise,
+    CrossEntropy,
+    Optimizer,
+    Collective,
+    P2p,
+    AllocFree,
+    DataLoad,
+    /// Step time outside the instructions (the loop, reading the step's metrics).
+    Other,
+}
+
+impl OpKind {
+    pub const ALL: [OpKind; 15] = [
+        OpKind::MatmulFwd,
+        OpKind::MatmulBwdData,
+        OpKind::MatmulBwdWeight,
+        OpKind::AttentionFwd,
+        OpKind::AttentionBwd,
+        OpKind::Norm,
+        OpKind::Embedding,
+        OpKind::Elementwise,
+        OpKind::CrossEntropy,
+        OpKind::Optimizer,
+        OpKind::Collective,
+        OpKind::P2p,
+        OpKind::AllocFree,
+        OpKind::DataLoad,
+        OpKind::Other,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            OpKind::MatmulFwd => "matmul_fwd",
+            OpKind::MatmulBwdData => "matmul_bwd_data",
+            OpKind::MatmulBwdWeight => "matmul_bwd_weight",
+            OpKind::AttentionFwd => "attention_fwd",
+            OpKind::AttentionBwd => "attention_bwd",
+            OpKind::Norm => "norm",
+            OpKind::Embedding => "embedding",
+            OpKind::Elementwise => "elementwise",
+            OpKind::CrossEntropy => "cross_entropy",
+            OpKind::Optimizer => "optimizer",
+            OpKind::Collective => "collective",
+            OpKind::P2p => "p2p",
+            OpKind::AllocFree => "alloc_free",
+            OpKind::DataLoad => "data_load",
+            OpKind::Other => "other",
+        }
+    }
+
+    /// Whether the kind is judged by arithmetic (TFLOP/s) rather than memory traffic (GB/s).
+    pub fn compute_bound(self) -> bool {
+        matches!(
+            self,
+            OpKind::MatmulFwd
+                | OpKind::MatmulBwdData
+                | OpKind::MatmulBwdWeight
+                | OpKind::AttentionFwd
+                | OpKind::AttentionBwd
+        )
+    }
+
+    /// Whether the kind moves data on the device, so GB/s against HBM bandwidth means
+    /// something (not for comm, allocation, data loading or the residual).
+    pub fn memory_bound(self) -> bool {
+        matches!(
+            self,
+            OpKind::Norm
+                | OpKind::Embedding
+                | OpKind::Elementwise
+                | OpKind::CrossEntropy
+                | OpKind::Optimizer
+        )
+    }
+}
+
+/// The kind of work `instr` is.
+pub fn classify(instr: &Instr) -> OpKind {
+    match instr {
+        Instr::Compute { op, .. } => op_kind(op),
+        Instr::Collective { .. } => OpKind::Collective,
+        Instr::Send { .. } | Instr::Recv { .. } | Instr::P2p { .. } => OpKind::P2p,
+        Instr::LoadBatch { .. } => OpKind::DataLoad,
+        Instr::Alloc { .. } | Instr::Free { .. } => OpKind::AllocFree,
+    }
+}
+
+fn op_kind(op: &Op) -> OpKind {
+    match op {
+        Op::Matmul { .. } => OpKind::MatmulFwd,
+        Op::MatmulBwdData { .. } => OpKind::MatmulBwdData,
+        Op::MatmulBwdWeight { .. } => OpKind::MatmulBwdWeight,
+        Op::Attention { .. } => OpKind::AttentionFwd,
+        Op::AttentionBwd { .. } => OpKind::AttentionBwd,
+        Op::LayerNorm { .. }
+        | Op::LayerNormBwd { .. }
+        | Op::RmsNorm { .. }
+        | Op::RmsNormBwd { .. } => OpKind::Norm,
+        Op::Embedding { .. }
+        | Op::EmbeddingBwd { .. }
+        | Op::PositionAdd { .. }
+        | Op::PositionAddBwd { .. } => OpKind::Embedding,
+        Op::Rope { .. }
+        | Op::RopeBwd { .. }
+        | Op::Activation { .. }
+        | Op::ActivationBwd { .. }
+        | Op::SwiGlu
+        | Op::SwiGluBwd
+        | Op::Add
+        | Op::Scale { .. }
+        | Op::Copy
+        | Op::Zero
+        | Op::CopyRange { .. } => OpKind::Elementwise,
+        Op::CeMax { .. }
+        | Op::CeSumExp { .. }
+        | Op::CeTargetLogit { .. }
+        | Op::CeLoss { .. }
+        | Op::CeGrad { .. } => OpKind::CrossEntropy,
+        Op::SumSquares | Op::ClipCoef { .. } | Op::AdamW { .. } | Op::Sgd { .. } => {
+            OpKind::Optimizer
+        }
+    }
+}
+
+/// (query, key) pairs one attention head scores per sequence: every pair, or with `causal`
+/// only keys at global positions ≤ the query's.
+fn attention_pairs(causal: bool, q: &[Segment], kv: &[Segment]) -> u64 {
+    let kv_len: u64 = kv.iter().map(|s| u64::from(s.len)).sum();
+    if !causal {
+        let q_len: u64 = q.iter().map(|s| u64::from(s.len)).sum();
+        return q_len * kv_len;
+    }
+    let keys_upto = |p: u64| -> u64 {
+        kv.iter()
+            .map(|s| {
+                let (start, len) = (u64::from(s.start), u64::from(s.len));
+                if p < start {
+                    0
+                } else {
+                    (p - start + 1).min(len)
+                }
+            })
+            .sum()
+    };
+    q.iter()
+        .flat_map(|s| u64::from(s.start)..u64::from(s.start) + u64::from(s.len))
+        .map(keys_upto)
+        .sum()
+}
+
+/// Floating-point operations of a compute-bound op (a multiply-add counts 2), or None for ops
+/// judged by bytes. `first_input_numel` is the element count of the op's first input (x for a
+/// matmul, dy for its backward), which gives the row count.
+pub fn flops(op: &Op, first_input_numel: u64) -> Option<f64> {
+    match op {
+        Op::Matmul {
+            in_dim, out_dim, ..
+        } => {
+            let rows = first_input_numel / (*in_dim).max(1);
+            Some(2.0 * (rows * in_dim * out_dim) as f64)
+        }
+        Op::MatmulBwdData { in_dim, out_dim }
+        | Op::MatmulBwdWeight {
+            in_dim, out_dim, ..
+        } => {
+            let rows = first_input_numel / (*out_dim).max(1);
+            Some(2.0 * (rows * in_dim * out_dim) as f64)
+        }
+        Op::Attention {
+            batch,
+            heads,
+            head_dim,
+            causal,
+            q_positions,
+            kv_positions,
+            ..
+        } => {
+            // QKᵀ and P·V: two multiply-adds per (pair, head_dim element).
+            let pairs = attention_pairs(*causal, q_positions, kv_positions);
+            Some(4.0 * (batch * heads * head_dim * pairs) as f64)
+        }
+        Op::AttentionBwd {
+            batch,
+            heads,
+            head_dim,
+            causal,
+            q_positions,
+            kv_positions,
+            ..
+        } => {
+            // dV, dP, dQ, dK (and the recomputed scores): 2.5 × the forward's two products.
+            let pairs = attention_pairs(*causal, q_positions, kv_positions);
+            Some(10.0 * (batch * heads * head_dim * pairs) as f64)
+        }
+        _ => None,
+    }
+}
+
+/// Totals of one kind of work over the profiled step.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct KindTotals {
+    pub kind: OpKind,
+    /// Instructions of this kind run.
+    pub count: u64,
+    pub seconds: f64,
+    /// FLOPs done (compute-bound kinds).
+    pub flops: f64,
+    /// Bytes of the buffers read and written.
+    pub bytes: f64,
+}
+
+/// Where one step's time went, on one rank.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepProfile {
+    /// 0-based step index profiled.
+    pub step: u64,
+    pub rank: u32,
+    /// Wall time of the whole step.
+    pub step_seconds: f64,
+    /// One entry per [`OpKind`], in [`OpKind::ALL`] order; `Other` holds the step time
+    /// outside the instructions, so the seconds sum to `step_seconds`.
+    pub kinds: Vec<KindTotals>,
+}
+
+impl StepProfile {
+    pub fn new(step: u64, rank: u32) -> StepProfile {
+        StepProfile {
+            step,
+            rank,
+            step_seconds: 0.0,
+            kinds: OpKind::ALL
+                .iter()
+                .map(|&kind| KindTotals {
+                    kind,
+                    count: 0,
+                    seconds: 0.0,
+                    flops: 0.0,
+                    bytes: 0.0,
+                })
+                .collect(),
+        }
+    }
+
+    /// Add one timed instruction.
+    pub fn add(&mut self, kind: OpKind, seconds: f64, flops: f64, bytes: f64) {
+        if let Some(totals) = self.kinds.iter_mut().find(|t| t.kind == kind) {
+            totals.count += 1;
+            totals.seconds += seconds;
+            totals.flops += flops;
+            totals.bytes += bytes;
+        }
+    }
+
+    /// Close the step: its wall time, and the part no instruction accounts for as `Other`.
+    pub fn finish(&mut self, step_seconds: f64) {
+        let timed: f64 = self
+            .kinds
+            .iter()
+            .filter(|t| t.kind != OpKind::Other)
+            .map(|t| t.seconds)
+            .sum();
+        self.step_seconds = step_seconds.max(timed);
+        if let Some(other) = self.kinds.iter_mut().find(|t| t.kind == OpKind::Other) {
+            other.seconds = self.step_seconds - timed;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seg(start: u32, len: u32) -> Vec<Segment> {
+        vec![Segment { start, len }]
+    }
+
+    #[test]
+    fn matmul_flops_are_two_per_multiply_add() {
+        let fwd = Op::Matmul {
+            in_dim: 64,
+            out_dim: 256,
+            bias: true,
+        };
+        // x is [8, 64]: 8 rows.
+        assert_eq!(flops(&fwd, 8 * 64), Some(2.0 * 8.0 * 64.0 * 256.0));
+        let bwd = Op::MatmulBwdData {
+            in_dim: 64,
+            out_dim: 256,
+        };
+        // dy is [8, 256].
+        assert_eq!(flops(&bwd, 8 * 256), Some(2.0 * 8.0 * 64.0 * 256.0));
+        assert_eq!(flops(&Op::Add, 100), None);
+    }
+
+    #[test]
+    fn causal_attention_scores_only_earlier_keys() {
+        assert_eq!(attention_pairs(false, &seg(0, 4), &seg(0, 4)), 16);
+        // 1 + 2 + 3 + 4 pairs.
+        assert_eq!(attention_pairs(true, &seg(0, 4), &seg(0, 4)), 10);
+        // A context-parallel chunk: queries 4..8 see all of keys 0..4.
+        assert_eq!(attention_pairs(true, &seg(4, 4), &seg(0, 4)), 16);
+        assert_eq!(attention_pairs(true, &seg(0, 4), &seg(4, 4)), 0);
+        let op = Op::Attention {
+            batch: 2,
+            heads: 3,
+            kv_heads: 3,
+            head_dim: 8,
+            causal: true,
+            scale: 0.35,
+            q_positions: seg(0, 4),
+            kv_positions: seg(0, 4),
+        };
+        assert_eq!(flops(&op, 0), Some(4.0 * 2.0 * 3.0 * 8.0 * 10.0));
+    }
+
+    #[test]
+    fn finish_puts_untimed_step_time_in_other() {
+        let mut p = StepProfile::new(2, 0);
+        p.add(OpKind::MatmulFwd, 0.3, 1e9, 0.0);
+        p.add(OpKind::Elementwise, 0.2, 0.0, 1e6);
+        p.finish(1.0);
+        let total: f64 = p.kinds.iter().map(|t| t.seconds).sum();
+        assert!((total - 1.0).abs() < 1e-12);
+        let other = p.kinds.iter().find(|t| t.kind == OpKind::Other).unwrap();
+        assert!((other.seconds - 0.5).abs() < 1e-12);
+        assert_eq!(
+            classify(&Instr::Free {
+                buffer: parc_compiler::ir::BufferId(0)
+            }),
+            OpKind::AllocFree
+        );
+    }
+}

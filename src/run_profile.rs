@@ -1,0 +1,160 @@
+//! The `parc run --profile` report: where the profiled step's time went, per kind of work,
+//! with achieved TFLOP/s (matmuls, attention) or GB/s (memory-bound ops) against the spec
+//! GPU's ceilings. Human: a table on stderr after the summary; JSON: one
+//! `{"event":"profile",…}` line on stdout before the summary line.
+use parc_compiler::spec::Gpu;
+use parc_runtime::exec::profile::{KindTotals, StepProfile};
+use serde_json::{json, Value};
+
+/// One row of the report, with its rates worked out.
+struct Row<'a> {
+    totals: &'a KindTotals,
+    share_pct: f64,
+    tflops: Option<f64>,
+    gbps: Option<f64>,
+    /// Achieved rate as a percentage of the ceiling that applies to this kind.
+    ceiling_pct: Option<f64>,
+}
+
+fn rows<'a>(profile: &'a StepProfile, gpu: &Gpu) -> Vec<Row<'a>> {
+    let step = profile.step_seconds.max(1e-12);
+    profile
+        .kinds
+        .iter()
+        .filter(|t| t.count > 0 || t.seconds > 0.0)
+        .map(|totals| {
+            let seconds = totals.seconds.max(1e-12);
+            let kind = totals.kind;
+            let tflops = kind.compute_bound().then(|| totals.flops / seconds / 1e12);
+            let gbps = kind.memory_bound().then(|| totals.bytes / seconds / 1e9);
+            let ceiling_pct = if let Some(t) = tflops {
+                (gpu.peak_flops > 0.0).then(|| 100.0 * t * 1e12 / gpu.peak_flops)
+            } else if let Some(g) = gbps {
+                (gpu.memory_bandwidth > 0.0).then(|| 100.0 * g * 1e9 / gpu.memory_bandwidth)
+            } else {
+                None
+            };
+            Row {
+                totals,
+                share_pct: 100.0 * totals.seconds / step,
+                tflops,
+                gbps,
+                ceiling_pct,
+            }
+        })
+        .collect()
+}
+
+fn nominal(gpu: &Gpu) -> bool {
+    gpu.name == "cpu"
+}
+
+/// The `{"event":"profile",…}` line.
+pub fn json(profile: &StepProfile, gpu: &Gpu) -> Value {
+    let kinds: Vec<Value> = rows(profile, gpu)
+        .iter()
+        .map(|r| {
+            json!({
+                "kind": r.totals.kind.name(),
+                "count": r.totals.count,
+                "ms": r.totals.seconds * 1e3,
+                "share_pct": r.share_pct,
+                "tflops": r.tflops,
+                "gbps": r.gbps,
+                "ceiling_pct": r.ceiling_pct,
+            })
+        })
+        .collect();
+    json!({
+        "event": "profile",
+        "step": profile.step,
+        "rank": profile.rank,
+        "step_ms": profile.step_seconds * 1e3,
+        "gpu": gpu.name,
+        "peak_tflops": gpu.peak_flops / 1e12,
+        "memory_bandwidth_gbps": gpu.memory_bandwidth / 1e9,
+        "ceilings_nominal": nominal(gpu),
+        "kinds": kinds,
+    })
+}
+
+/// The human table.
+pub fn human(profile: &StepProfile, gpu: &Gpu) -> String {
+    let mut out = format!(
+        "profile of step {} on rank {}: {:.2} ms; ceilings of the spec's gpu `{}`: {:.1} \
+         TFLOP/s, {:.0} GB/s{}\n",
+        profile.step,
+        profile.rank,
+        profile.step_seconds * 1e3,
+        gpu.name,
+        gpu.peak_flops / 1e12,
+        gpu.memory_bandwidth / 1e9,
+        if nominal(gpu) {
+            " (nominal: the cpu gpu has no real ceilings)"
+        } else {
+            ""
+        }
+    );
+    out.push_str(&format!(
+        "  {:<18} {:>6} {:>10} {:>7} {:>16} {:>9}\n",
+        "kind", "count", "ms", "% step", "achieved", "% ceiling"
+    ));
+    for r in rows(profile, gpu) {
+        let achieved = match (r.tflops, r.gbps) {
+            (Some(t), _) if t >= 1.0 => format!("{t:.1} TFLOP/s"),
+            (Some(t), _) => format!("{:.2} GFLOP/s", t * 1e3),
+            (_, Some(g)) => format!("{g:.1} GB/s"),
+            _ => "-".to_string(),
+        };
+        let ceiling = r
+            .ceiling_pct
+            .map_or_else(|| "-".to_string(), |p| format!("{p:.1}%"));
+        out.push_str(&format!(
+            "  {:<18} {:>6} {:>10.3} {:>6.1}% {:>16} {:>9}\n",
+            r.totals.kind.name(),
+            r.totals.count,
+            r.totals.seconds * 1e3,
+            r.share_pct,
+            achieved,
+            ceiling
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use parc_runtime::exec::profile::OpKind;
+
+    fn gpu() -> Gpu {
+        Gpu {
+            name: "h200".to_string(),
+            memory_bytes: 141 << 30,
+            peak_flops: 1e15,
+            peak_flops_fp32: 6e13,
+            memory_bandwidth: 4.8e12,
+        }
+    }
+
+    #[test]
+    fn rates_are_against_the_spec_gpu_ceilings() {
+        let mut p = StepProfile::new(2, 0);
+        // 1e12 FLOPs in 10 ms: 100 TFLOP/s = 10% of 1000.
+        p.add(OpKind::MatmulFwd, 0.01, 1e12, 0.0);
+        // 4.8e9 bytes in 10 ms: 480 GB/s = 10% of 4800.
+        p.add(OpKind::Elementwise, 0.01, 0.0, 4.8e9);
+        p.finish(0.04);
+        let v = json(&p, &gpu());
+        assert_eq!(v["event"], "profile");
+        let kinds = v["kinds"].as_array().unwrap();
+        assert_eq!(kinds.len(), 3);
+        assert!((kinds[0]["tflops"].as_f64().unwrap() - 100.0).abs() < 1e-6);
+        assert!((kinds[0]["ceiling_pct"].as_f64().unwrap() - 10.0).abs() < 1e-6);
+        assert!((kinds[1]["gbps"].as_f64().unwrap() - 480.0).abs() < 1e-6);
+        assert!((kinds[1]["ceiling_pct"].as_f64().unwrap() - 10.0).abs() < 1e-6);
+        assert_eq!(kinds[2]["kind"], "other");
+        assert!((kinds[2]["share_pct"].as_f64().unwrap() - 50.0).abs() < 1e-6);
+        assert!(human(&p, &gpu()).contains("matmul_fwd"));
+    }
+}
