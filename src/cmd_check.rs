@@ -118,8 +118,8 @@ fn lower_and_measure(spec: &Spec, diags: &mut Diagnostics) -> Option<Lowered> {
     let verified = parc_compiler::verify::verify_spec(&plan, spec)
         .map_err(|d| diags.extend(d))
         .ok()?;
-    let summary = crate::cmd_plan::summary(&plan, spec, &verified);
     let timeline = parc_compiler::timeline::simulate(&plan, spec);
+    let summary = crate::cmd_plan::summary(&plan, &verified, &timeline);
     Some(Lowered {
         verified,
         step_seconds: timeline.step_seconds,

@@ -16,7 +16,6 @@ use crate::SpecArgs;
 use parc_compiler::diag::{Diagnostics, Sources};
 use parc_compiler::ir::text::PlanText;
 use parc_compiler::ir::Plan;
-use parc_compiler::spec::Spec;
 use std::fmt::Write as _;
 use std::io::Write as _;
 
@@ -100,7 +99,8 @@ pub fn main(args: PlanArgs) -> u8 {
             if let Some(p) = only {
                 text = text.only(p);
             }
-            write!(out, "{}{text}", summary(&plan, &spec, &report))
+            let timeline = parc_compiler::timeline::simulate(&plan, &spec);
+            write!(out, "{}{text}", summary(&plan, &report, &timeline))
         }
         Emit::Json => {
             let json = match only.and_then(|p| plan.programs.get(p.0 as usize)) {
@@ -129,8 +129,8 @@ pub fn main(args: PlanArgs) -> u8 {
 /// Per-program verified memory and the simulated step.
 pub(crate) fn summary(
     plan: &Plan,
-    spec: &Spec,
     report: &parc_compiler::verify::VerifyReport,
+    t: &parc_compiler::timeline::Timeline,
 ) -> String {
     let instrs: usize = plan.programs.iter().map(|p| p.instrs.len()).sum();
     let mut out = format!(
@@ -151,7 +151,6 @@ pub(crate) fn summary(
             m.peak_microbatches_in_flight
         );
     }
-    let t = parc_compiler::timeline::simulate(plan, spec);
     let _ = writeln!(
         out,
         "# simulated step {:.3} s, bubble {:.1}%, exposed communication {:.1}%",
