@@ -11,6 +11,7 @@
 //!
 //! Buffers are device allocations keyed by `BufferId`. An op whose output is also one of its
 //! inputs sees the input's value from before the op (the input is copied first), as on the CPU.
+mod attention;
 mod compile;
 mod device;
 mod dispatch;
@@ -54,11 +55,11 @@ pub(crate) enum Arg {
     I32(i32),
     F32(f32),
     F64(f64),
-    Geom(dispatch::AttGeom),
+    Geom(attention::AttGeom),
 }
 
 // SAFETY: AttGeom is #[repr(C)] plain data matching the kernels' `struct AttGeom`.
-unsafe impl DeviceRepr for dispatch::AttGeom {}
+unsafe impl DeviceRepr for attention::AttGeom {}
 
 /// The CUDA backend. See the module docs.
 pub struct CudaBackend {

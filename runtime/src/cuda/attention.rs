@@ -1,0 +1,205 @@
+//! Attention (`Op::Attention`, `Op::AttentionBwd`) on the GPU: checks the op's geometry and
+//! buffers, uploads the q/kv global positions, and launches the kernels of
+//! `kernels/attention.cu` (flash style, fp32, exact).
+use super::dispatch::{p, segments_len, Bound};
+use super::{Arg, Buf, CudaBackend};
+use crate::error::Result;
+use parc_compiler::ir::op::{Op, Segment};
+
+/// Geometry of one attention call, as the kernels' `struct AttGeom`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AttGeom {
+    pub batch: i64,
+    pub heads: i64,
+    pub kv_heads: i64,
+    pub head_dim: i64,
+    pub seq_q: i64,
+    pub seq_kv: i64,
+    pub causal: i32,
+    pub scale: f32,
+    pub q_sorted: i32,
+    pub kv_sorted: i32,
+}
+
+/// Must match ATT_WARPS / ATT_TILE in kernels/attention.cu.
+const ATT_WARPS: u32 = 8;
+const ATT_TILE: usize = 32;
+/// Each lane holds at most 4 columns of a head (kernels' ATT_MAX_PER_LANE).
+const ATT_MAX_HEAD_DIM: usize = 128;
+/// Whether the positions of `segments` strictly increase (each segment starts at or after the
+/// previous one's end).
+fn ascending(segments: &[Segment]) -> bool {
+    segments
+        .windows(2)
+        .all(|w| u64::from(w[0].start) + u64::from(w[0].len) <= u64::from(w[1].start))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_geometry(
+    b: &Bound,
+    q: Buf,
+    k: Buf,
+    batch: u64,
+    heads: u64,
+    kv_heads: u64,
+    head_dim: u64,
+    causal: bool,
+    scale: f64,
+) -> Result<AttGeom> {
+    let (batch, heads, kv_heads, d) = (
+        b.dim("batch", batch)?,
+        b.dim("heads", heads)?,
+        b.dim("kv_heads", kv_heads)?,
+        b.dim("head_dim", head_dim)?,
+    );
+    if heads % kv_heads != 0 {
+        return Err(b.err(format!(
+            "heads = {heads} is not a multiple of kv_heads = {kv_heads}"
+        )));
+    }
+    if d > ATT_MAX_HEAD_DIM {
+        return Err(b.err(format!(
+            "head_dim = {d} is above {ATT_MAX_HEAD_DIM}, the largest the CUDA attention kernel takes"
+        )));
+    }
+    if !scale.is_finite() {
+        return Err(b.err(format!("scale = {scale} is not finite")));
+    }
+    if batch * heads > 65_535 {
+        return Err(b.err(format!("batch x heads = {} is above 65535", batch * heads)));
+    }
+    let seq_q = b.rows(q, "q", batch * heads * d)?;
+    let seq_kv = b.rows(k, "k", batch * kv_heads * d)?;
+    Ok(AttGeom {
+        batch: batch as i64,
+        heads: heads as i64,
+        kv_heads: kv_heads as i64,
+        head_dim: d as i64,
+        seq_q: seq_q as i64,
+        seq_kv: seq_kv as i64,
+        causal: i32::from(causal),
+        scale: scale as f32,
+        q_sorted: 0,
+        kv_sorted: 0,
+    })
+}
+
+/// Runs `op`, an `Attention` or `AttentionBwd` (any other op is an error).
+pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
+    let (Op::Attention {
+        batch,
+        heads,
+        kv_heads,
+        head_dim,
+        causal,
+        scale,
+        q_positions,
+        kv_positions,
+    }
+    | Op::AttentionBwd {
+        batch,
+        heads,
+        kv_heads,
+        head_dim,
+        causal,
+        scale,
+        q_positions,
+        kv_positions,
+    }) = op
+    else {
+        return Err(b.err("is not an attention op"));
+    };
+    let forward = matches!(op, Op::Attention { .. });
+    let (qi, ki, vi) = if forward { (0, 1, 2) } else { (1, 2, 3) };
+    let (q, k, v) = (b.f32_in(qi)?, b.f32_in(ki)?, b.f32_in(vi)?);
+    let mut g = attention_geometry(
+        b, q, k, *batch, *heads, *kv_heads, *head_dim, *causal, *scale,
+    )?;
+    g.q_sorted = i32::from(ascending(q_positions));
+    g.kv_sorted = i32::from(ascending(kv_positions));
+    let (batch, heads, d) = (g.batch as usize, g.heads as usize, g.head_dim as usize);
+    let (seq_q, seq_kv) = (g.seq_q as usize, g.seq_kv as usize);
+    b.expect(v, "v", k.len)?;
+    if segments_len(q_positions) != seq_q as u64 || segments_len(kv_positions) != seq_kv as u64 {
+        return Err(b.err(format!(
+            "q/kv positions cover {}/{} positions, the buffers hold {seq_q}/{seq_kv}",
+            segments_len(q_positions),
+            segments_len(kv_positions)
+        )));
+    }
+    let (qpos, _) = be.positions(q_positions)?;
+    let (kvpos, _) = be.positions(kv_positions)?;
+    let lse_len = batch * heads * seq_q;
+    let q_blocks = seq_q.div_ceil(ATT_WARPS as usize) as u32;
+    let block = (32, ATT_WARPS, 1);
+    let kv_smem = (2 * ATT_TILE * d * 4) as u32;
+    if forward {
+        let (o, lse) = (b.f32_out(0)?, b.f32_out(1)?);
+        b.expect(o, "o", q.len)?;
+        b.expect(lse, "lse", lse_len)?;
+        let args = [
+            p(q),
+            p(k),
+            p(v),
+            p(o),
+            p(lse),
+            Arg::Ptr(qpos),
+            Arg::Ptr(kvpos),
+            Arg::Geom(g),
+        ];
+        be.launch(
+            "attention_fwd",
+            (q_blocks, (batch * heads) as u32, 1),
+            block,
+            kv_smem,
+            &args,
+        )
+    } else {
+        let (dout, o, lse) = (b.f32_in(0)?, b.f32_in(4)?, b.f32_in(5)?);
+        b.same(&[(dout, "do"), (o, "o")], q.len)?;
+        b.expect(lse, "lse", lse_len)?;
+        let (dq, dk, dv) = (b.f32_out(0)?, b.f32_out(1)?, b.f32_out(2)?);
+        b.expect(dq, "dq", q.len)?;
+        b.same(&[(dk, "dk"), (dv, "dv")], k.len)?;
+        let delta = be.scratch(lse_len * 4)?;
+        let grid_q = (q_blocks, (batch * heads) as u32, 1);
+        be.launch(
+            "attention_delta",
+            grid_q,
+            block,
+            0,
+            &[p(dout), p(o), Arg::Ptr(delta), Arg::Geom(g)],
+        )?;
+        let args = [
+            p(dout),
+            p(q),
+            p(k),
+            p(v),
+            p(lse),
+            Arg::Ptr(delta),
+            p(dq),
+            Arg::Ptr(qpos),
+            Arg::Ptr(kvpos),
+            Arg::Geom(g),
+        ];
+        be.launch("attention_bwd_dq", grid_q, block, kv_smem, &args)?;
+        let kv_blocks = seq_kv.div_ceil(ATT_WARPS as usize) as u32;
+        let grid_kv = (kv_blocks, (batch * g.kv_heads as usize) as u32, 1);
+        let args = [
+            p(dout),
+            p(q),
+            p(k),
+            p(v),
+            p(lse),
+            Arg::Ptr(delta),
+            p(dk),
+            p(dv),
+            Arg::Ptr(qpos),
+            Arg::Ptr(kvpos),
+            Arg::Geom(g),
+        ];
+        let smem = kv_smem + (2 * ATT_TILE * 4) as u32;
+        be.launch("attention_bwd_dkdv", grid_kv, block, smem, &args)
+    }
+}
