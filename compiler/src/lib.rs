@@ -5,6 +5,7 @@ pub mod cost;
 pub mod diag;
 pub mod ir;
 pub mod lower;
+pub mod memplan;
 pub mod overrides;
 pub mod spec;
 pub mod stdlib;

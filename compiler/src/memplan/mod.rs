@@ -1,0 +1,208 @@
+//! The static memory planner: where every buffer of a [`Program`] lives, decided before the
+//! first step, so a backend makes one allocation for the persistent buffers and one arena for
+//! all transient ones and turns each `Alloc`/`Free` into binding/unbinding a planned offset.
+//!
+//! - **Persistent buffers** (parameters, optimizer state, metrics) are packed one after the
+//!   other in their own region, in buffer order.
+//! - **Transient buffers** get arena offsets from their live intervals (`Alloc` to `Free`,
+//!   inclusive instruction indices; a buffer allocated again after its `Free` has several).
+//!   Placement is greedy by size with best fit (the static planners of TFLite and XLA): largest
+//!   buffer first; each goes into the smallest gap between the buffers already placed whose
+//!   intervals overlap its own, or above the highest of them.
+//! - Every offset and every size is a multiple of [`ALIGN`] (256 bytes: cuBLASLt's preferred
+//!   operand alignment, and whole cache lines on the host).
+//! - [`check_layout`] proves a layout safe: no two buffers alive at the same instruction share a
+//!   byte, every buffer lies inside its region. [`plan_program`] runs it on every layout it makes,
+//!   so a layout that reaches a backend has been checked.
+//!
+//! The arena can never be smaller than [`MemoryLayout::aligned_peak_bytes`], the most (aligned)
+//! transient bytes alive at once; the difference is fragmentation.
+mod check;
+mod intervals;
+#[cfg(test)]
+mod tests;
+
+pub use check::check_layout;
+
+use crate::ir::{BufferId, Plan, Program};
+use serde::Serialize;
+
+/// Alignment, in bytes, of every offset and size the planner gives out.
+pub const ALIGN: u64 = 256;
+
+/// `bytes` rounded up to a multiple of [`ALIGN`] (at least one [`ALIGN`], so every buffer has
+/// an address of its own).
+pub fn aligned_size(bytes: u64) -> u64 {
+    bytes.max(1).div_ceil(ALIGN).saturating_mul(ALIGN)
+}
+
+/// Where one buffer lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "region", content = "offset")]
+pub enum Placement {
+    /// A transient buffer the program never allocates: it needs no memory.
+    Unused,
+    /// At this byte offset in the persistent region.
+    Persistent(u64),
+    /// At this byte offset in the transient arena.
+    Arena(u64),
+}
+
+/// Every buffer's place and the two regions' sizes, for one program.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MemoryLayout {
+    /// Indexed by `BufferId`.
+    #[serde(skip)]
+    pub placements: Vec<Placement>,
+    /// Bytes of the persistent region.
+    pub persistent_bytes: u64,
+    /// Bytes of the transient arena.
+    pub arena_bytes: u64,
+    /// The most transient bytes alive at once, each buffer's size rounded up to [`ALIGN`]: the
+    /// smallest arena any placement could use.
+    pub aligned_peak_bytes: u64,
+}
+
+impl MemoryLayout {
+    /// The place of `id` ([`Placement::Unused`] for an id outside the program).
+    pub fn placement(&self, id: BufferId) -> Placement {
+        self.placements
+            .get(id.0 as usize)
+            .copied()
+            .unwrap_or(Placement::Unused)
+    }
+
+    /// Persistent region plus arena: all the buffer memory a rank running the program needs.
+    pub fn total_bytes(&self) -> u64 {
+        self.persistent_bytes + self.arena_bytes
+    }
+}
+
+/// A program whose buffers cannot be planned (it breaks the verifier's buffer invariants), or a
+/// layout that fails [`check_layout`] (a planner bug).
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("memory plan of program `{role}`: {message}")]
+pub struct MemPlanError {
+    /// The program's role (`pp 1 cp 0 tp 1`).
+    pub role: String,
+    pub message: String,
+}
+
+/// Plan the memory of one program (see the module docs). Fails, naming the buffer and the
+/// instruction, on a program that allocates a live or persistent buffer, frees a dead one, or
+/// leaves one alive at the end of the step.
+pub fn plan_program(program: &Program) -> Result<MemoryLayout, MemPlanError> {
+    let error = |message: String| MemPlanError {
+        role: program.role.clone(),
+        message,
+    };
+    let live = intervals::live_intervals(program).map_err(error)?;
+    let mut placements = vec![Placement::Unused; program.buffers.len()];
+    let mut persistent_bytes = 0u64;
+    for (i, buffer) in program.buffers.iter().enumerate() {
+        if buffer.kind.is_persistent() {
+            placements[i] = Placement::Persistent(persistent_bytes);
+            persistent_bytes += aligned_size(buffer.bytes());
+        }
+    }
+    let sizes: Vec<u64> = program
+        .buffers
+        .iter()
+        .map(|b| aligned_size(b.bytes()))
+        .collect();
+    let arena_bytes = place_transients(&live, &sizes, &mut placements);
+    let layout = MemoryLayout {
+        placements,
+        persistent_bytes,
+        arena_bytes,
+        aligned_peak_bytes: live.aligned_peak(&sizes),
+    };
+    check_layout(program, &layout).map_err(|e| error(format!("planner bug: {e}")))?;
+    Ok(layout)
+}
+
+/// Plan every program of `plan`, in program order (programs are planned on all cores).
+pub fn plan_all(plan: &Plan) -> Result<Vec<MemoryLayout>, MemPlanError> {
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .clamp(1, plan.programs.len().max(1));
+    let per_thread = plan.programs.len().div_ceil(threads).max(1);
+    let planned: Vec<Result<Vec<MemoryLayout>, MemPlanError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = plan
+            .programs
+            .chunks(per_thread)
+            .map(|chunk| scope.spawn(move || chunk.iter().map(plan_program).collect()))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(MemPlanError {
+                        role: "?".into(),
+                        message: "a planner thread panicked (a planner bug)".into(),
+                    })
+                })
+            })
+            .collect()
+    });
+    let mut layouts = Vec::with_capacity(plan.programs.len());
+    for chunk in planned {
+        layouts.extend(chunk?);
+    }
+    Ok(layouts)
+}
+
+/// Greedy by size, best fit: give every buffer with live intervals an arena offset; returns the
+/// arena's size.
+fn place_transients(
+    live: &intervals::LiveIntervals,
+    sizes: &[u64],
+    placements: &mut [Placement],
+) -> u64 {
+    let mut order: Vec<u32> = live.buffers().collect();
+    order.sort_unstable_by_key(|&b| (std::cmp::Reverse(sizes[b as usize]), live.first_start(b), b));
+    let mut tree = intervals::IntervalTree::new(live.times());
+    let mut offsets = vec![0u64; sizes.len()];
+    // Which buffers a query already reported (a buffer can sit in several tree nodes).
+    let mut seen = vec![u32::MAX; sizes.len()];
+    let mut conflicts: Vec<u32> = Vec::new();
+    let mut taken: Vec<(u64, u64)> = Vec::new();
+    let mut arena = 0u64;
+    for (stamp, &b) in order.iter().enumerate() {
+        conflicts.clear();
+        for &(start, end) in live.of(b) {
+            tree.query(start, end, &mut conflicts);
+        }
+        taken.clear();
+        for &c in &conflicts {
+            if seen[c as usize] != stamp as u32 {
+                seen[c as usize] = stamp as u32;
+                let offset = offsets[c as usize];
+                taken.push((offset, offset + sizes[c as usize]));
+            }
+        }
+        taken.sort_unstable();
+        let size = sizes[b as usize];
+        // The smallest gap that fits, else above everything that overlaps in time.
+        let mut best: Option<(u64, u64)> = None;
+        let mut top = 0u64;
+        for &(start, end) in &taken {
+            if start >= top + size {
+                let gap = start - top;
+                if best.is_none_or(|(g, _)| gap < g) {
+                    best = Some((gap, top));
+                }
+            }
+            top = top.max(end);
+        }
+        let offset = best.map_or(top, |(_, at)| at);
+        offsets[b as usize] = offset;
+        placements[b as usize] = Placement::Arena(offset);
+        arena = arena.max(offset + size);
+        for &(start, end) in live.of(b) {
+            tree.insert(start, end, b);
+        }
+    }
+    arena
+}
