@@ -9,4 +9,5 @@ pub mod data;
 pub mod error;
 pub mod exec;
 pub mod init;
+pub mod launch;
 pub mod tensor;

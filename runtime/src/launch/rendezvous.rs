@@ -1,0 +1,852 @@
+//! The TCP rendezvous of a multi-process job: the small control plane every rank joins before
+//! any collective. Rank 0 listens on the master address; every other rank connects and says
+//! who it is ([`Member`]: rank, world size, host, pid, local rank, plan hash). Rank 0 waits until
+//! every rank came or the timeout passed (then it names the ranks that never came), checks that
+//! all agree on the world size and the plan, and answers every rank with the member list or the
+//! reason it refuses.
+//!
+//! After that the connections stay open as the job's failure channel and a byte broadcast:
+//! - [`Rendezvous::broadcast_bytes`] sends a payload from rank 0 to all (the NCCL unique id).
+//! - [`Rendezvous::abort`] tells every rank that this one failed and why (rank 0 relays);
+//!   a connection that closes before its rank said it finished is reported as that rank's
+//!   death. [`Rendezvous::failure`] is what comms poll while they wait, so a peer's failure
+//!   ends their waits at once instead of at a timeout.
+//! - [`Rendezvous::finish`] ends the job together: every rank reports done, rank 0 answers
+//!   when all have, so no rank mistakes another's normal exit for a death.
+//!
+//! Frames: a little-endian u32 length (of kind + payload), a kind byte, the payload.
+use crate::error::{Result, RuntimeError};
+use serde::{Deserialize, Serialize};
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long a rendezvous waits for every rank by default.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What a rank says about itself when it joins.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Member {
+    pub rank: u32,
+    pub world: u32,
+    pub local_rank: u32,
+    pub host: String,
+    pub pid: u32,
+    /// The plan's hash (`checkpoint::plan_hash`): every rank must run the same programs.
+    pub plan_hash: String,
+}
+
+impl Member {
+    fn describe(&self) -> String {
+        format!("rank {} (host {}, pid {})", self.rank, self.host, self.pid)
+    }
+}
+
+/// How to join.
+#[derive(Clone, Debug)]
+pub struct RendezvousConfig {
+    pub me: Member,
+    pub master_addr: String,
+    pub master_port: u16,
+    pub timeout: Duration,
+}
+
+impl RendezvousConfig {
+    /// This process as `rank` of `world`, on this host.
+    pub fn new(
+        rank: u32,
+        world: u32,
+        local_rank: u32,
+        plan_hash: &str,
+        master_addr: &str,
+        master_port: u16,
+    ) -> RendezvousConfig {
+        RendezvousConfig {
+            me: Member {
+                rank,
+                world,
+                local_rank,
+                host: host_name(),
+                pid: std::process::id(),
+                plan_hash: plan_hash.to_string(),
+            },
+            master_addr: master_addr.to_string(),
+            master_port,
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+}
+
+/// This machine's host name (for messages).
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown-host".to_string())
+}
+
+const HELLO: u8 = 1;
+const READY: u8 = 2;
+const REFUSED: u8 = 3;
+const BROADCAST: u8 = 4;
+const ABORT: u8 = 5;
+const DONE: u8 = 6;
+const BYE: u8 = 7;
+
+/// Largest frame accepted (a broadcast payload is small: an id, a config).
+const MAX_FRAME: u32 = 64 << 20;
+
+fn rdv_error(message: String) -> RuntimeError {
+    RuntimeError::Comm(format!("rendezvous: {message}"))
+}
+
+fn write_frame(stream: &mut TcpStream, kind: u8, payload: &[u8]) -> std::io::Result<()> {
+    let len = u32::try_from(payload.len() + 1)
+        .map_err(|_| std::io::Error::new(ErrorKind::InvalidInput, "frame too large"))?;
+    let mut frame = Vec::with_capacity(payload.len() + 5);
+    frame.extend_from_slice(&len.to_le_bytes());
+    frame.push(kind);
+    frame.extend_from_slice(payload);
+    stream.write_all(&frame)?;
+    stream.flush()
+}
+
+fn read_frame(stream: &mut TcpStream) -> std::io::Result<(u8, Vec<u8>)> {
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len);
+    if len == 0 || len > MAX_FRAME {
+        return Err(std::io::Error::new(
+            ErrorKind::InvalidData,
+            format!("a frame of {len} bytes is not a parc rendezvous frame"),
+        ));
+    }
+    let mut body = vec![0u8; len as usize];
+    stream.read_exact(&mut body)?;
+    let kind = body.remove(0);
+    Ok((kind, body))
+}
+
+fn abort_payload(rank: u32, reason: &str) -> Vec<u8> {
+    let mut payload = rank.to_le_bytes().to_vec();
+    payload.extend_from_slice(reason.as_bytes());
+    payload
+}
+
+fn parse_abort(payload: &[u8]) -> (u32, String) {
+    let rank = payload
+        .get(..4)
+        .and_then(|b| <[u8; 4]>::try_from(b).ok())
+        .map_or(u32::MAX, u32::from_le_bytes);
+    let reason = String::from_utf8_lossy(payload.get(4..).unwrap_or(&[])).into_owned();
+    (rank, reason)
+}
+
+/// The first failure the job heard of: (rank, reason).
+#[derive(Clone, Default)]
+pub struct FailureWatch {
+    first: Arc<Mutex<Option<(u32, String)>>>,
+}
+
+impl FailureWatch {
+    /// The first rank that failed and why, if any has.
+    pub fn failed(&self) -> Option<(u32, String)> {
+        self.first.lock().ok().and_then(|f| f.clone())
+    }
+
+    /// Record a failure; false when one was already recorded.
+    fn set(&self, rank: u32, reason: String) -> bool {
+        match self.first.lock() {
+            Ok(mut first) if first.is_none() => {
+                *first = Some((rank, reason));
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// One open connection: rank 0 holds one per peer, the others one to rank 0.
+struct Link {
+    peer: u32,
+    writer: Mutex<TcpStream>,
+}
+
+impl Link {
+    fn send(&self, kind: u8, payload: &[u8]) -> std::io::Result<()> {
+        let mut stream = self
+            .writer
+            .lock()
+            .map_err(|_| std::io::Error::other("a rendezvous writer panicked"))?;
+        write_frame(&mut stream, kind, payload)
+    }
+}
+
+struct Inner {
+    me: Member,
+    members: Vec<Member>,
+    timeout: Duration,
+    links: Vec<Arc<Link>>,
+    failure: FailureWatch,
+    /// Rank 0: peers that reported done; others: whether rank 0 said bye.
+    finished: Arc<Mutex<Vec<bool>>>,
+    /// Broadcast payloads from rank 0 (ranks other than 0).
+    broadcasts: Mutex<Receiver<Vec<u8>>>,
+}
+
+/// A completed rendezvous: the job's members and its control connections.
+#[derive(Clone)]
+pub struct Rendezvous {
+    inner: Arc<Inner>,
+}
+
+impl Rendezvous {
+    /// Join the job's rendezvous: rank 0 listens, the others connect. Returns when every rank
+    /// has joined and they agree, or fails naming who did not come or who disagrees.
+    pub fn join(config: &RendezvousConfig) -> Result<Rendezvous> {
+        let me = &config.me;
+        if me.rank >= me.world {
+            return Err(rdv_error(format!(
+                "rank {} is outside a world of {} processes",
+                me.rank, me.world
+            )));
+        }
+        if me.rank == 0 {
+            host(config)
+        } else {
+            connect(config)
+        }
+    }
+
+    pub fn rank(&self) -> u32 {
+        self.inner.me.rank
+    }
+
+    pub fn world(&self) -> u32 {
+        self.inner.me.world
+    }
+
+    /// Every member, in rank order.
+    pub fn members(&self) -> &[Member] {
+        &self.inner.members
+    }
+
+    /// The failure channel's state, for comms to poll while they wait.
+    pub fn failure(&self) -> FailureWatch {
+        self.inner.failure.clone()
+    }
+
+    /// Rank 0 passes `Some(payload)` and every other rank `None`; all get rank 0's payload.
+    /// Calls pair up in order. A rank that fails meanwhile ends the wait with its reason.
+    pub fn broadcast_bytes(&self, payload: Option<&[u8]>) -> Result<Vec<u8>> {
+        let inner = &self.inner;
+        if inner.me.rank == 0 {
+            let payload = payload.ok_or_else(|| {
+                rdv_error("rank 0 must give the payload of a broadcast".to_string())
+            })?;
+            for link in &inner.links {
+                link.send(BROADCAST, payload).map_err(|e| {
+                    rdv_error(format!(
+                        "rank 0 could not send a broadcast to rank {}: {e}",
+                        link.peer
+                    ))
+                })?;
+            }
+            return Ok(payload.to_vec());
+        }
+        let receiver = inner
+            .broadcasts
+            .lock()
+            .map_err(|_| rdv_error("a broadcast reader panicked".to_string()))?;
+        let deadline = Instant::now() + inner.timeout;
+        loop {
+            self.check_failed("waiting for a broadcast from rank 0")?;
+            match receiver.recv_timeout(Duration::from_millis(50)) {
+                Ok(payload) => return Ok(payload),
+                Err(RecvTimeoutError::Timeout) if Instant::now() < deadline => continue,
+                Err(RecvTimeoutError::Timeout) => {
+                    return Err(rdv_error(format!(
+                        "rank {} waited {:.1} s for a broadcast from rank 0, which never sent it",
+                        inner.me.rank,
+                        inner.timeout.as_secs_f64()
+                    )))
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    self.check_failed("waiting for a broadcast from rank 0")?;
+                    return Err(rdv_error(format!(
+                        "rank {}'s connection to rank 0 closed before a broadcast came",
+                        inner.me.rank
+                    )));
+                }
+            }
+        }
+    }
+
+    /// An error when another rank has failed (`while_doing` says what this rank was doing).
+    pub fn check_failed(&self, while_doing: &str) -> Result<()> {
+        match self.inner.failure.failed() {
+            Some((rank, reason)) if rank != self.inner.me.rank => Err(RuntimeError::Comm(format!(
+                "rank {} stopped {while_doing} because rank {rank} failed: {reason}",
+                self.inner.me.rank
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Tell every rank that this one failed with `reason` (rank 0 relays it to all).
+    pub fn abort(&self, reason: &str) {
+        let inner = &self.inner;
+        inner.failure.set(inner.me.rank, reason.to_string());
+        let payload = abort_payload(inner.me.rank, reason);
+        for link in &inner.links {
+            // A peer already gone cannot be told; the others still are.
+            let _ = link.send(ABORT, &payload);
+        }
+    }
+
+    /// End the job together: report done and wait (up to the timeout) until every rank has,
+    /// so closing connections is not taken for a death. Fails when a rank failed meanwhile.
+    pub fn finish(&self) -> Result<()> {
+        let inner = &self.inner;
+        let deadline = Instant::now() + inner.timeout;
+        if inner.me.rank != 0 {
+            if let Some(link) = inner.links.first() {
+                link.send(DONE, &[]).map_err(|e| {
+                    rdv_error(format!(
+                        "rank {} could not tell rank 0 it finished: {e}",
+                        inner.me.rank
+                    ))
+                })?;
+            }
+        }
+        loop {
+            self.check_failed("at the end of the run")?;
+            let all = inner
+                .finished
+                .lock()
+                .map(|f| f.iter().all(|&d| d))
+                .unwrap_or(true);
+            if all {
+                break;
+            }
+            if Instant::now() >= deadline {
+                let waiting: Vec<u32> = inner
+                    .finished
+                    .lock()
+                    .map(|f| {
+                        f.iter()
+                            .enumerate()
+                            .filter(|(_, d)| !**d)
+                            .map(|(r, _)| r as u32)
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                return Err(rdv_error(format!(
+                    "rank {} finished but ranks {waiting:?} did not within {:.1} s",
+                    inner.me.rank,
+                    inner.timeout.as_secs_f64()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if inner.me.rank == 0 {
+            for link in &inner.links {
+                let _ = link.send(BYE, &[]);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Rank 0: listen, collect every member, check them, answer.
+fn host(config: &RendezvousConfig) -> Result<Rendezvous> {
+    let me = &config.me;
+    let port = config.master_port;
+    let listener = TcpListener::bind(("0.0.0.0", port)).map_err(|e| {
+        rdv_error(format!(
+            "rank 0 cannot listen on port {port}: {e} (another job may hold it; set MASTER_PORT \
+             to a free port)"
+        ))
+    })?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| rdv_error(format!("rank 0 cannot poll its listener: {e}")))?;
+    let started = Instant::now();
+    let deadline = started + config.timeout;
+    let world = me.world as usize;
+    let mut joined: Vec<Option<(Member, TcpStream)>> = (0..world).map(|_| None).collect();
+    let mut problems: Vec<String> = Vec::new();
+    while joined.iter().skip(1).any(Option::is_none) && Instant::now() < deadline {
+        match listener.accept() {
+            Ok((stream, from)) => match read_hello(stream, deadline) {
+                Ok((member, stream)) => {
+                    let rank = member.rank as usize;
+                    match joined.get(rank) {
+                        None => problems.push(format!(
+                            "{} from {from} is outside a world of {} processes (it says {})",
+                            member.describe(),
+                            me.world,
+                            member.world
+                        )),
+                        Some(Some((first, _))) => problems.push(format!(
+                            "two processes say they are rank {rank}: {} and {}",
+                            first.describe(),
+                            member.describe()
+                        )),
+                        Some(None) if rank == 0 => problems.push(format!(
+                            "{} says it is rank 0, but this process (pid {}) is rank 0",
+                            member.describe(),
+                            me.pid
+                        )),
+                        Some(None) => joined[rank] = Some((member, stream)),
+                    }
+                }
+                // Not a parc rank (a port scan, a stale client): ignore it.
+                Err(_) => {}
+            },
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            Err(e) => return Err(rdv_error(format!("rank 0 could not accept a rank: {e}"))),
+        }
+    }
+    let mut members = vec![me.clone()];
+    let mut streams = Vec::new();
+    let mut missing = Vec::new();
+    for (rank, slot) in joined.into_iter().enumerate().skip(1) {
+        match slot {
+            Some((member, stream)) => {
+                members.push(member);
+                streams.push(stream);
+            }
+            None => missing.push(rank as u32),
+        }
+    }
+    if !missing.is_empty() {
+        let came: Vec<String> = members.iter().map(Member::describe).collect();
+        problems.insert(
+            0,
+            format!(
+                "ranks {missing:?} never came within {:.1} s (rank 0 listened on port {port}; \
+                 came: {}); start every rank, check MASTER_ADDR/MASTER_PORT, or raise the \
+                 timeout with --rendezvous-timeout",
+                config.timeout.as_secs_f64(),
+                came.join(", ")
+            ),
+        );
+    }
+    for member in &members {
+        if member.world != me.world {
+            problems.push(format!(
+                "{} says the job has {} processes, rank 0 says {}",
+                member.describe(),
+                member.world,
+                me.world
+            ));
+        }
+        if member.plan_hash != me.plan_hash {
+            problems.push(format!(
+                "{} lowered a different plan (hash {} vs rank 0's {}): every rank must run the \
+                 same spec with the same --set",
+                member.describe(),
+                member.plan_hash,
+                me.plan_hash
+            ));
+        }
+    }
+    if !problems.is_empty() {
+        let message = problems.join("; ");
+        for stream in &mut streams {
+            let _ = write_frame(stream, REFUSED, message.as_bytes());
+        }
+        return Err(rdv_error(message));
+    }
+    let listing = serde_json::to_vec(&members)
+        .map_err(|e| rdv_error(format!("cannot encode the member list: {e}")))?;
+    let failure = FailureWatch::default();
+    let finished = Arc::new(Mutex::new(vec![false; world]));
+    if let Ok(mut f) = finished.lock() {
+        f[0] = true;
+    }
+    let mut links = Vec::new();
+    let mut readers = Vec::new();
+    for (stream, member) in streams.iter_mut().zip(members.iter().skip(1)) {
+        write_frame(stream, READY, &listing).map_err(|e| {
+            rdv_error(format!(
+                "rank 0 could not answer {}: {e}",
+                member.describe()
+            ))
+        })?;
+        let reader = stream
+            .try_clone()
+            .map_err(|e| rdv_error(format!("cannot share a connection: {e}")))?;
+        let writer = stream
+            .try_clone()
+            .map_err(|e| rdv_error(format!("cannot share a connection: {e}")))?;
+        links.push(Arc::new(Link {
+            peer: member.rank,
+            writer: Mutex::new(writer),
+        }));
+        readers.push((member.rank, reader));
+    }
+    for (peer, reader) in readers {
+        let (links, failure, finished) = (links.clone(), failure.clone(), Arc::clone(&finished));
+        std::thread::Builder::new()
+            .name(format!("parc-rdv-{peer}"))
+            .spawn(move || host_reader(peer, reader, &links, &failure, &finished))
+            .map_err(|e| rdv_error(format!("cannot start a rendezvous reader: {e}")))?;
+    }
+    let (_, broadcasts) = channel();
+    Ok(Rendezvous {
+        inner: Arc::new(Inner {
+            me: me.clone(),
+            members,
+            timeout: config.timeout,
+            links,
+            failure,
+            finished,
+            broadcasts: Mutex::new(broadcasts),
+        }),
+    })
+}
+
+fn read_hello(mut stream: TcpStream, deadline: Instant) -> std::io::Result<(Member, TcpStream)> {
+    stream.set_nonblocking(false)?;
+    let wait = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(100));
+    stream.set_read_timeout(Some(wait.min(Duration::from_secs(10))))?;
+    let (kind, payload) = read_frame(&mut stream)?;
+    if kind != HELLO {
+        return Err(std::io::Error::new(ErrorKind::InvalidData, "not a hello"));
+    }
+    let member: Member = serde_json::from_slice(&payload)
+        .map_err(|e| std::io::Error::new(ErrorKind::InvalidData, e))?;
+    stream.set_read_timeout(None)?;
+    stream.set_nodelay(true)?;
+    Ok((member, stream))
+}
+
+/// Rank 0's reader of one peer: relays aborts, records done, reports a dropped connection.
+fn host_reader(
+    peer: u32,
+    mut stream: TcpStream,
+    links: &[Arc<Link>],
+    failure: &FailureWatch,
+    finished: &Mutex<Vec<bool>>,
+) {
+    let relay = |rank: u32, reason: &str| {
+        let payload = abort_payload(rank, reason);
+        for link in links.iter().filter(|l| l.peer != rank) {
+            let _ = link.send(ABORT, &payload);
+        }
+    };
+    loop {
+        match read_frame(&mut stream) {
+            Ok((ABORT, payload)) => {
+                let (rank, reason) = parse_abort(&payload);
+                if failure.set(rank, reason.clone()) {
+                    relay(rank, &reason);
+                }
+            }
+            Ok((DONE, _)) => {
+                if let Ok(mut f) = finished.lock() {
+                    if let Some(done) = f.get_mut(peer as usize) {
+                        *done = true;
+                    }
+                }
+            }
+            Ok(_) => {}
+            Err(e) => {
+                let done = finished
+                    .lock()
+                    .map(|f| f.get(peer as usize).copied().unwrap_or(true))
+                    .unwrap_or(true);
+                if !done {
+                    let reason = format!(
+                        "its process died: its connection to the rendezvous closed ({e}) \
+                         before it finished or reported an error (killed, or crashed)"
+                    );
+                    if failure.set(peer, reason.clone()) {
+                        relay(peer, &reason);
+                    }
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// Ranks other than 0: connect (retrying until the deadline), say hello, wait for the answer.
+fn connect(config: &RendezvousConfig) -> Result<Rendezvous> {
+    let me = &config.me;
+    let target = format!("{}:{}", config.master_addr, config.master_port);
+    let deadline = Instant::now() + config.timeout;
+    let mut last_error = String::from("no attempt");
+    let mut stream = loop {
+        let addrs: Vec<SocketAddr> = match target.to_socket_addrs() {
+            Ok(a) => a.collect(),
+            Err(e) => {
+                last_error = format!("cannot resolve {target}: {e}");
+                Vec::new()
+            }
+        };
+        let attempt = addrs.iter().find_map(|addr| {
+            match TcpStream::connect_timeout(addr, Duration::from_millis(500)) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    last_error = e.to_string();
+                    None
+                }
+            }
+        });
+        if let Some(s) = attempt {
+            break s;
+        }
+        if Instant::now() >= deadline {
+            return Err(rdv_error(format!(
+                "rank {} could not reach rank 0 at {target} within {:.1} s ({last_error}); is \
+                 rank 0 started, and are MASTER_ADDR/MASTER_PORT right?",
+                me.rank,
+                config.timeout.as_secs_f64()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let hello = serde_json::to_vec(me).map_err(|e| rdv_error(format!("cannot encode: {e}")))?;
+    let io = |e: std::io::Error| {
+        rdv_error(format!(
+            "rank {} lost its connection to rank 0 at {target} while joining: {e}",
+            me.rank
+        ))
+    };
+    stream.set_nodelay(true).map_err(io)?;
+    write_frame(&mut stream, HELLO, &hello).map_err(io)?;
+    // Rank 0 answers by its own deadline, which is at most one timeout after we connected.
+    stream
+        .set_read_timeout(Some(config.timeout + Duration::from_secs(5)))
+        .map_err(io)?;
+    let (kind, payload) = read_frame(&mut stream).map_err(|e| {
+        if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) {
+            rdv_error(format!(
+                "rank {} joined at {target} but rank 0 never completed the rendezvous",
+                me.rank
+            ))
+        } else {
+            io(e)
+        }
+    })?;
+    let members: Vec<Member> = match kind {
+        READY => serde_json::from_slice(&payload)
+            .map_err(|e| rdv_error(format!("rank 0 sent an unreadable member list: {e}")))?,
+        REFUSED => {
+            return Err(rdv_error(format!(
+                "rank 0 refused the job: {}",
+                String::from_utf8_lossy(&payload)
+            )))
+        }
+        other => {
+            return Err(rdv_error(format!(
+                "rank 0 answered with frame kind {other}, not a parc rendezvous answer"
+            )))
+        }
+    };
+    stream.set_read_timeout(None).map_err(io)?;
+    let failure = FailureWatch::default();
+    let finished = Arc::new(Mutex::new(vec![false]));
+    let reader = stream
+        .try_clone()
+        .map_err(|e| rdv_error(format!("cannot share a connection: {e}")))?;
+    let (sender, broadcasts) = channel();
+    {
+        let (failure, finished) = (failure.clone(), Arc::clone(&finished));
+        std::thread::Builder::new()
+            .name("parc-rdv-0".to_string())
+            .spawn(move || peer_reader(reader, &failure, &finished, &sender))
+            .map_err(|e| rdv_error(format!("cannot start a rendezvous reader: {e}")))?;
+    }
+    Ok(Rendezvous {
+        inner: Arc::new(Inner {
+            me: me.clone(),
+            members,
+            timeout: config.timeout,
+            links: vec![Arc::new(Link {
+                peer: 0,
+                writer: Mutex::new(stream),
+            })],
+            failure,
+            finished,
+            broadcasts: Mutex::new(broadcasts),
+        }),
+    })
+}
+
+/// A non-zero rank's reader of rank 0: broadcasts, relayed aborts, the final bye.
+fn peer_reader(
+    mut stream: TcpStream,
+    failure: &FailureWatch,
+    finished: &Mutex<Vec<bool>>,
+    broadcasts: &Sender<Vec<u8>>,
+) {
+    loop {
+        match read_frame(&mut stream) {
+            Ok((BROADCAST, payload)) => {
+                let _ = broadcasts.send(payload);
+            }
+            Ok((ABORT, payload)) => {
+                let (rank, reason) = parse_abort(&payload);
+                failure.set(rank, reason);
+            }
+            Ok((BYE, _)) => {
+                if let Ok(mut f) = finished.lock() {
+                    f.fill(true);
+                }
+                return;
+            }
+            Ok(_) => {}
+            Err(e) => {
+                let bye = finished
+                    .lock()
+                    .map(|f| f.iter().all(|&d| d))
+                    .unwrap_or(true);
+                if !bye {
+                    failure.set(
+                        0,
+                        format!(
+                            "its process died: its rendezvous connection closed ({e}) before \
+                             the job finished (killed, or crashed)"
+                        ),
+                    );
+                }
+                return;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn free_port() -> u16 {
+        TcpListener::bind(("127.0.0.1", 0))
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    fn config(rank: u32, world: u32, port: u16, hash: &str, timeout_ms: u64) -> RendezvousConfig {
+        let mut c = RendezvousConfig::new(rank, world, rank, hash, "127.0.0.1", port);
+        c.timeout = Duration::from_millis(timeout_ms);
+        c
+    }
+
+    /// Join ranks `ranks` of `world` on threads; results in the order given.
+    fn join_all(
+        ranks: &[u32],
+        world: u32,
+        hash: impl Fn(u32) -> String + Sync,
+        timeout_ms: u64,
+    ) -> Vec<Result<Rendezvous>> {
+        let port = free_port();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = ranks
+                .iter()
+                .map(|&r| {
+                    let hash = &hash;
+                    s.spawn(move || Rendezvous::join(&config(r, world, port, &hash(r), timeout_ms)))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn every_rank_joins_broadcasts_and_finishes() {
+        let joined = join_all(&[0, 1, 2, 3], 4, |_| "h".into(), 10_000);
+        let rdvs: Vec<Rendezvous> = joined.into_iter().map(Result::unwrap).collect();
+        for rdv in &rdvs {
+            let ranks: Vec<u32> = rdv.members().iter().map(|m| m.rank).collect();
+            assert_eq!(ranks, [0, 1, 2, 3]);
+        }
+        let got: Vec<Vec<u8>> = std::thread::scope(|s| {
+            let handles: Vec<_> = rdvs
+                .iter()
+                .map(|rdv| {
+                    s.spawn(move || {
+                        let payload = (rdv.rank() == 0).then_some(&b"nccl-id"[..]);
+                        let got = rdv.broadcast_bytes(payload).unwrap();
+                        rdv.finish().unwrap();
+                        got
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(got.iter().all(|g| g == b"nccl-id"));
+    }
+
+    #[test]
+    fn a_rank_that_never_comes_is_named() {
+        let started = Instant::now();
+        let joined = join_all(&[0, 1, 2], 4, |_| "h".into(), 1_000);
+        assert!(started.elapsed() < Duration::from_secs(8));
+        for result in joined {
+            let err = result.err().unwrap().to_string();
+            assert!(err.contains("ranks [3] never came"), "{err}");
+        }
+    }
+
+    #[test]
+    fn ranks_with_another_plan_or_world_are_refused() {
+        let joined = join_all(&[0, 1], 2, |r| format!("plan{r}"), 10_000);
+        for result in joined {
+            let err = result.err().unwrap().to_string();
+            assert!(err.contains("lowered a different plan"), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_failure_reaches_every_rank_and_a_dropped_rank_is_reported_dead() {
+        let joined = join_all(&[0, 1, 2], 3, |_| "h".into(), 10_000);
+        let mut rdvs: Vec<Rendezvous> = joined.into_iter().map(Result::unwrap).collect();
+        rdvs[2].abort("out of memory at step 3");
+        let wait = |rdv: &Rendezvous| {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while rdv.failure().failed().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            rdv.check_failed("in a test").unwrap_err().to_string()
+        };
+        for rdv in &rdvs[..2] {
+            let err = wait(rdv);
+            assert!(
+                err.contains("because rank 2 failed: out of memory at step 3"),
+                "{err}"
+            );
+        }
+        // A new job where rank 1 drops its connection without finishing.
+        let joined = join_all(&[0, 1, 2], 3, |_| "h".into(), 10_000);
+        rdvs = joined.into_iter().map(Result::unwrap).collect();
+        let dropped = rdvs.remove(1);
+        for link in &dropped.inner.links {
+            let _ = link
+                .writer
+                .lock()
+                .unwrap()
+                .shutdown(std::net::Shutdown::Both);
+        }
+        for rdv in &rdvs {
+            let err = wait(rdv);
+            assert!(
+                err.contains("because rank 1 failed: its process died"),
+                "{err}"
+            );
+        }
+    }
+}
