@@ -1,7 +1,8 @@
 //! `parc run FILE [--set PATH=VALUE]… [--backend auto|cpu|cuda] [--log-format human|json]
-//! [--resume DIR] [--profile] [--profile-step N]`: check the spec, lower it to per-rank programs, and train them on this
-//! machine, one thread per rank with the local comm. Exit codes as `main`: 0 trained, 1 the
-//! spec or the run failed, 2 usage or unreadable input.
+//! [--resume DIR] [--profile] [--profile-step N] [--save-init FILE] [--log-batches FILE]`:
+//! check the spec, lower it to per-rank programs, and train them on this machine, one thread
+//! per rank with the local comm. Exit codes as `main`: 0 trained, 1 the spec or the run
+//! failed, 2 usage or unreadable input.
 use crate::cmd_check::{parse_overrides, read_spec};
 use crate::diagnostics;
 use crate::run_profile;
@@ -47,6 +48,14 @@ pub struct RunArgs {
     /// The 0-based step to profile (implies --profile).
     #[arg(long = "profile-step", value_name = "N")]
     pub profile_step: Option<u64>,
+    /// Write the parameters before the first step (the initialisation) as global tensors to
+    /// this safetensors file, named as in the final `model.safetensors`.
+    #[arg(long = "save-init", value_name = "FILE")]
+    pub save_init: Option<PathBuf>,
+    /// Write every step's global batch (token offsets of its samples in the data file) to
+    /// this file as JSON lines before training.
+    #[arg(long = "log-batches", value_name = "FILE")]
+    pub log_batches: Option<PathBuf>,
 }
 
 /// The backend a run will use, after resolving `auto`.
@@ -235,6 +244,8 @@ fn run_with<B: Backend>(
     options.resume = args.resume.clone();
     options.profile = args.profile || args.profile_step.is_some();
     options.profile_step = args.profile_step;
+    options.save_init = args.save_init.clone();
+    options.log_batches = args.log_batches.clone();
     if backend == Resolved::Cpu {
         // Every rank lives in this process: all of them must fit in host memory.
         options.memory_limit = available_memory();

@@ -20,8 +20,8 @@
 pub mod store;
 
 pub use store::{
-    commit, find_latest, prepare, read_manifest, read_shard, staging_dir, write_model, write_shard,
-    ShardTensor,
+    commit, find_latest, prepare, read_manifest, read_shard, staging_dir, write_model,
+    write_params, write_shard, ShardTensor,
 };
 
 use parc_compiler::ir::Plan;

@@ -104,15 +104,26 @@ pub fn write_shard(staging: &Path, rank: u32, tensors: &[ShardTensor]) -> Result
 /// Export the model's parameters as global tensors (independent of the plan: loadable by any
 /// safetensors reader) to `DIR/model.safetensors`, with the step in the file's metadata.
 pub fn write_model(dir: &Path, step: u64, params: &[ShardTensor]) -> Result<PathBuf> {
-    std::fs::create_dir_all(dir).map_err(io_error(format!(
-        "creating checkpoint folder {} (is the path writable?)",
-        dir.display()
-    )))?;
     let path = dir.join("model.safetensors");
-    let metadata = [("step".to_string(), step.to_string())].into();
-    write_safetensors(&path, params, Some(metadata))?;
-    sync_dir(dir)?;
+    write_params(&path, step, params)?;
     Ok(path)
+}
+
+/// Write global parameters (as [`write_model`] does) to the file `path`, creating its folder,
+/// with `step` (the optimizer steps they have had) in the file's metadata.
+pub fn write_params(path: &Path, step: u64, params: &[ShardTensor]) -> Result<()> {
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    std::fs::create_dir_all(dir).map_err(io_error(format!(
+        "creating folder {} for {} (is the path writable?)",
+        dir.display(),
+        path.display()
+    )))?;
+    let metadata = [("step".to_string(), step.to_string())].into();
+    write_safetensors(path, params, Some(metadata))?;
+    sync_dir(dir)
 }
 
 /// Finish the checkpoint of `manifest.step`: write the manifest, publish the staging folder as

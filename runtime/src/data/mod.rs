@@ -6,8 +6,10 @@
 //! A *sample* is a window of `seq + 1` consecutive tokens; its first `seq` tokens are the inputs
 //! and its last `seq` the targets (inputs shifted by one). Sample `i` starts at token `i · seq`,
 //! so consecutive samples share one boundary token and every token of the file is used.
+pub mod batch_log;
 pub mod sampler;
 pub mod source;
 
+pub use batch_log::write_batch_log;
 pub use sampler::{BatchLayout, EpochProgress, Sampler};
 pub use source::{fill_microbatch, Dataset};

@@ -6,27 +6,32 @@
 //! global tensors. Checkpoints are written every `train.checkpoint.every` steps (all ranks
 //! write their shard, rank 0 publishes the manifest after a barrier); `resume` continues from
 //! one. A run that checkpoints also exports its final parameters as global tensors
-//! (`DIR/model.safetensors`). Plans are verified (`parc_compiler::verify`) before any rank
-//! starts: the runtime runs only verified programs. All parallelism lives in the programs: this
-//! module only dispatches.
+//! (`DIR/model.safetensors`); `save_init` writes the parameters before the first step the
+//! same way, and `log_batches` the token offsets of every step's batch. Plans are verified
+//! (`parc_compiler::verify`) before any rank starts: the runtime runs only verified programs.
+//! All parallelism lives in the programs: this module only dispatches.
 pub mod gather;
+pub mod loss_scale;
+pub mod process;
 pub mod profile;
 pub mod rank;
 
 pub use gather::GlobalParam;
+pub use loss_scale::{LossScaleStep, LossScaler};
+pub use process::{train_rank, ProcessRankResult};
 pub use profile::StepProfile;
 pub use rank::{ParamPiece, RankExecutor};
 
 use crate::backend::Backend;
 use crate::checkpoint::{self, Manifest, ShardTensor};
 use crate::comm::{Comm, LocalComm};
-use crate::data::{Dataset, EpochProgress};
+use crate::data::{write_batch_log, BatchLayout, Dataset, EpochProgress, Sampler};
 use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::Plan;
-use parc_compiler::spec::Spec;
+use parc_compiler::spec::{Axis, Spec};
 use parc_compiler::verify::VerifyReport;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// How to run: where the spec lives, resuming, and limits.
@@ -52,6 +57,13 @@ pub struct TrainOptions {
     /// The 0-based step to profile (default: the run's third step, or its last if fewer);
     /// clamped into the steps this run takes.
     pub profile_step: Option<u64>,
+    /// Write the parameters as global tensors to this safetensors file before the first step
+    /// this run takes (the initialisation, or the resumed checkpoint's), named as in
+    /// `DIR/model.safetensors`.
+    pub save_init: Option<PathBuf>,
+    /// Write the token offsets of every step's global batch to this file before training
+    /// (format: [`crate::data::batch_log`]).
+    pub log_batches: Option<PathBuf>,
 }
 
 impl TrainOptions {
@@ -65,6 +77,8 @@ impl TrainOptions {
             memory_limit: None,
             profile: false,
             profile_step: None,
+            save_init: None,
+            log_batches: None,
         }
     }
 }
@@ -77,13 +91,16 @@ pub struct StepRecord {
     /// Mean token cross-entropy over the global batch.
     pub loss: f32,
     pub lr: f64,
-    /// Global gradient norm before clipping.
+    /// Global gradient norm before clipping (of the unscaled gradients in an fp16 run; not
+    /// finite when the step overflowed).
     pub grad_norm: f32,
     /// Tokens in the global batch.
     pub tokens: u64,
     pub tokens_per_s: f64,
     /// Seconds since the run (or the resumed run) started, at the end of this step.
     pub elapsed_s: f64,
+    /// fp16 runs: the loss scale used, the next one, and whether the step was skipped.
+    pub loss_scale: Option<LossScaleStep>,
 }
 
 /// The outcome of [`train`].
@@ -144,6 +161,24 @@ fn check_memory(plan: &Plan, report: &VerifyReport, limit: u64) -> Result<()> {
     )))
 }
 
+/// Verify `plan` (the runtime runs only verified plans).
+fn verified(plan: &Plan, spec: &Spec) -> Result<VerifyReport> {
+    parc_compiler::verify::verify_spec(plan, spec).map_err(|diags| {
+        let problems: Vec<String> = diags
+            .items
+            .iter()
+            .map(|d| format!("{} {}", d.code, d.message))
+            .collect();
+        RuntimeError::Op {
+            op: "plan verification".to_string(),
+            what: format!(
+                "the lowered plan is unsafe to run (a lowering bug): {}",
+                problems.join("; ")
+            ),
+        }
+    })
+}
+
 /// What a rank thread hands back.
 struct RankOutcome {
     records: Vec<StepRecord>,
@@ -168,21 +203,7 @@ where
     B: Backend,
     F: Fn(u32, usize) -> Result<B> + Sync,
 {
-    // The runtime runs only verified plans.
-    let report = parc_compiler::verify::verify_spec(plan, spec).map_err(|diags| {
-        let problems: Vec<String> = diags
-            .items
-            .iter()
-            .map(|d| format!("{} {}", d.code, d.message))
-            .collect();
-        RuntimeError::Op {
-            op: "plan verification".to_string(),
-            what: format!(
-                "the lowered plan is unsafe to run (a lowering bug): {}",
-                problems.join("; ")
-            ),
-        }
-    })?;
+    let report = verified(plan, spec)?;
     if let Some(limit) = options.memory_limit {
         check_memory(plan, &report, limit)?;
     }
@@ -200,6 +221,26 @@ where
     if let Some(m) = &manifest {
         checkpoint::check_compatible(m, &hash, plan.world, spec.train.seed, dataset.num_samples())?;
     }
+    if let Some(path) = &options.log_batches {
+        let layout = BatchLayout {
+            dp: plan.mesh.size(Axis::Dp),
+            microbatches: plan.microbatches,
+            micro_batch: plan.micro_batch,
+        };
+        let mut sampler = Sampler::new(spec.train.seed, dataset.num_samples(), layout)?;
+        let start = manifest.as_ref().map_or(0, |m| m.step);
+        let end = options
+            .stop_after
+            .unwrap_or(spec.train.steps)
+            .min(spec.train.steps);
+        write_batch_log(
+            path,
+            &mut sampler,
+            spec.model.seq,
+            spec.train.seed,
+            start..end,
+        )?;
+    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = options
         .threads_per_rank
@@ -213,6 +254,10 @@ where
         resume: resume.as_deref().zip(manifest.as_ref()),
         plan_hash: &hash,
         on_step,
+        init_export: options.save_init.clone().map(|path| InitExport {
+            path,
+            pending: Mutex::new((Vec::new(), 0)),
+        }),
     };
     let outcomes: Vec<Result<RankOutcome>> = std::thread::scope(|scope| {
         let handles: Vec<_> = comms
@@ -282,14 +327,7 @@ where
     let mut model_export = None;
     if let Some(ckpt) = &spec.train.checkpoint {
         let end = records.last().map_or(start_step, |r| r.step + 1);
-        let tensors: Vec<ShardTensor> = params
-            .iter()
-            .map(|p| ShardTensor {
-                name: p.name.clone(),
-                shape: p.shape.clone(),
-                data: p.data.clone(),
-            })
-            .collect();
+        let tensors = global_tensors(params.clone());
         let dir = options.spec_dir.join(&ckpt.dir);
         model_export = Some(checkpoint::write_model(&dir, end, &tensors)?);
     }
@@ -304,6 +342,18 @@ where
     })
 }
 
+/// Global parameters as named tensors for a safetensors file.
+fn global_tensors(params: Vec<GlobalParam>) -> Vec<ShardTensor> {
+    params
+        .into_iter()
+        .map(|p| ShardTensor {
+            name: p.name,
+            shape: p.shape,
+            data: p.data,
+        })
+        .collect()
+}
+
 /// Everything the rank threads share.
 struct RunContext<'a> {
     spec: &'a Spec,
@@ -313,6 +363,33 @@ struct RunContext<'a> {
     resume: Option<(&'a Path, &'a Manifest)>,
     plan_hash: &'a str,
     on_step: &'a (dyn Fn(&StepRecord) + Sync),
+    init_export: Option<InitExport>,
+}
+
+/// `TrainOptions::save_init`: collects every rank's parameter pieces before its first step;
+/// the last rank to hand in its pieces writes the file while the others train on.
+struct InitExport {
+    path: PathBuf,
+    /// Pieces handed in so far and how many ranks handed them in.
+    pending: Mutex<(Vec<ParamPiece>, u32)>,
+}
+
+impl InitExport {
+    fn hand_in(&self, plan: &Plan, pieces: Vec<ParamPiece>, step: u64) -> Result<()> {
+        let complete = {
+            let mut pending = self.pending.lock().map_err(|_| {
+                RuntimeError::Comm("a rank failed while handing in its initial parameters".into())
+            })?;
+            pending.0.extend(pieces);
+            pending.1 += 1;
+            if pending.1 < plan.world {
+                return Ok(());
+            }
+            std::mem::take(&mut pending.0)
+        };
+        let tensors = global_tensors(gather::assemble(&plan.params, &complete)?);
+        checkpoint::write_params(&self.path, step, &tensors)
+    }
 }
 
 impl RunContext<'_> {
@@ -341,11 +418,18 @@ impl RunContext<'_> {
     fn rank_loop<B: Backend>(&self, exec: &mut RankExecutor<'_, B>) -> Result<RankOutcome> {
         let train = &self.spec.train;
         exec.init(train.seed)?;
+        exec.loss_scaler = LossScaler::for_precision(train.precision);
         let mut start_step = 0;
         if let Some((dir, manifest)) = self.resume {
             exec.load_shard(dir)?;
             exec.optimizer_step = manifest.optimizer_step;
             start_step = manifest.step;
+            if let (Some(scaler), Some(state)) = (exec.loss_scaler.as_mut(), manifest.loss_scale) {
+                scaler.restore(state)?;
+            }
+        }
+        if let Some(export) = &self.init_export {
+            export.hand_in(self.plan, exec.param_pieces()?, start_step)?;
         }
         let end = self
             .options
@@ -387,6 +471,7 @@ impl RunContext<'_> {
                     tokens,
                     tokens_per_s: tokens as f64 / seconds.max(1e-9),
                     elapsed_s: started.elapsed().as_secs_f64(),
+                    loss_scale: metrics.loss_scale,
                 };
                 (self.on_step)(&record);
                 records.push(record);
@@ -439,7 +524,7 @@ impl RunContext<'_> {
             optimizer_step: exec.optimizer_step,
             seed: self.spec.train.seed,
             samples: exec.sampler().samples(),
-            loss_scale: None,
+            loss_scale: exec.loss_scaler.as_ref().map(LossScaler::state),
             shards: (0..self.plan.world)
                 .map(checkpoint::shard_file_name)
                 .collect(),

@@ -1,0 +1,134 @@
+//! `parc run --save-init` and `--log-batches`, the two files the PyTorch peer
+//! (`bench/torch_peer.py`) needs to train from parc's initial weights on parc's batches: the
+//! init file is plan independent (a dp × tp run writes the same tensors as one rank), holds the
+//! weights before any step (not the trained ones), and the batch log lists every step's global
+//! batch as token offsets that are sample starts inside the data.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+use safetensors::SafeTensors;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("parc-parity-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Train the tiny example (2 layers, 3 steps) with `extra` settings, writing both files and
+/// (through a checkpoint) the final model into `dir`.
+fn run(dir: &Path, extra: &[&str]) {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let ckpt = format!("train.checkpoint.dir=\"{}\"", dir.join("ckpt").display());
+    let mut args = vec![
+        "run",
+        "examples/tiny.par",
+        "--log-format",
+        "json",
+        "--set",
+        "model.layers=2",
+        "--set",
+        "train.steps=3",
+        "--set",
+        "train.checkpoint.every=3",
+        "--set",
+        &ckpt,
+    ];
+    let init = dir.join("init.safetensors");
+    let batches = dir.join("batches.jsonl");
+    let (init, batches) = (init.to_str().unwrap(), batches.to_str().unwrap());
+    args.extend(["--save-init", init, "--log-batches", batches]);
+    args.extend(extra);
+    let out = Command::new(env!("CARGO_BIN_EXE_parc"))
+        .args(&args)
+        .current_dir(&root)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn tensors(path: &Path) -> (BTreeMap<String, Vec<u8>>, Option<String>) {
+    let bytes = std::fs::read(path).unwrap();
+    let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
+    let step = meta
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get("step").cloned());
+    let file = SafeTensors::deserialize(&bytes).unwrap();
+    let map = file
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| (name, view.data().to_vec()))
+        .collect();
+    (map, step)
+}
+
+#[test]
+fn init_weights_are_plan_independent_and_batches_are_logged_per_step() {
+    let one = temp_dir("one");
+    let split = temp_dir("split");
+    run(&one, &[]);
+    run(
+        &split,
+        &[
+            "--set",
+            "parallel.dp=2",
+            "--set",
+            "parallel.tp=2",
+            "--set",
+            "cluster.gpus_per_node=4",
+        ],
+    );
+    let (init, step) = tensors(&one.join("init.safetensors"));
+    assert_eq!(step.as_deref(), Some("0"));
+    assert_eq!(
+        init.len(),
+        36,
+        "2 layers × 16 + embed, pos, ln_f weight and bias"
+    );
+    let (split_init, _) = tensors(&split.join("init.safetensors"));
+    assert_eq!(init, split_init, "the init must not depend on the plan");
+    let ones: Vec<u8> = std::iter::repeat(1.0f32.to_le_bytes())
+        .take(64)
+        .flatten()
+        .collect();
+    assert_eq!(init["ln_f.weight"], ones);
+    let (trained, trained_step) = tensors(&one.join("ckpt/model.safetensors"));
+    assert_eq!(trained_step.as_deref(), Some("3"));
+    assert_ne!(init["embed.weight"], trained["embed.weight"]);
+
+    let log = std::fs::read_to_string(one.join("batches.jsonl")).unwrap();
+    let lines: Vec<Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 4, "a header and 3 steps");
+    assert_eq!(lines[0]["event"], "batches");
+    assert_eq!(lines[0]["seq"], 64);
+    assert_eq!(lines[0]["global_batch"], 8);
+    let data_len = std::fs::metadata(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/data/tiny-shakespeare.txt"),
+    )
+    .unwrap()
+    .len();
+    for (k, line) in lines[1..].iter().enumerate() {
+        assert_eq!(line["step"], k as u64 + 1);
+        let offsets = line["offsets"].as_array().unwrap();
+        assert_eq!(offsets.len(), 8);
+        for o in offsets {
+            let o = o.as_u64().unwrap();
+            assert!(o % 64 == 0 && o + 65 <= data_len, "offset {o}");
+        }
+    }
+    let split_log = std::fs::read_to_string(split.join("batches.jsonl")).unwrap();
+    assert_eq!(log, split_log, "any dp split reads the same global batches");
+    for dir in [one, split] {
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
