@@ -3,10 +3,13 @@
 //! final summary in either form.
 //!
 //! JSON lines: `{"event":"step","step":N,"loss":…,"lr":…,"grad_norm":…,"tokens":…,
-//! "tokens_per_s":…,"elapsed_s":…}` where `step` counts completed steps (1-based, so the last
-//! line of a run has `step = train.steps`), then one `{"event":"summary",…}` line.
+//! "tokens_per_s":…,"elapsed_s":…,"loss_scale":…,"skipped":…}` where `step` counts completed
+//! steps (1-based, so the last line of a run has `step = train.steps`), then one
+//! `{"event":"summary",…}` line. `loss_scale` is the fp16 loss scale the step used (null in
+//! other precisions); `skipped` is true for a step whose gradients overflowed (its update was
+//! skipped). A skipped step's human line is always printed (and kept on a terminal).
 use parc_runtime::data::EpochProgress;
-use parc_runtime::exec::StepRecord;
+use parc_runtime::exec::{LossScaleStep, StepRecord};
 use serde_json::json;
 use std::io::Write;
 use std::path::PathBuf;
@@ -55,6 +58,37 @@ pub fn eta_seconds(record: &StepRecord, first_step: u64, total_steps: u64) -> f6
     record.elapsed_s / done.max(1) as f64 * left as f64
 }
 
+/// A loss scale for people: `65536`, or `1.329e36` past nine digits.
+fn format_scale(scale: f64) -> String {
+    if scale.fract() == 0.0 && scale < 1e9 {
+        format!("{scale}")
+    } else {
+        format!("{scale:.3e}")
+    }
+}
+
+/// `scale 65536`, `scale 1024 → 2048`, or `skipped (overflow), scale 32768 → 16384`.
+fn scale_note(step: &LossScaleStep) -> String {
+    let scale = if step.next_scale == step.scale {
+        format!("scale {}", format_scale(step.scale))
+    } else {
+        format!(
+            "scale {} → {}",
+            format_scale(step.scale),
+            format_scale(step.next_scale)
+        )
+    };
+    if step.skipped {
+        format!("skipped (overflow), {scale}")
+    } else {
+        scale
+    }
+}
+
+fn skipped(record: &StepRecord) -> bool {
+    record.loss_scale.is_some_and(|s| s.skipped)
+}
+
 /// The human progress line for `record`.
 pub fn human_line(record: &StepRecord, first_step: u64, total_steps: u64) -> String {
     const WIDTH: u64 = 20;
@@ -69,13 +103,18 @@ pub fn human_line(record: &StepRecord, first_step: u64, total_steps: u64) -> Str
         "-".repeat(WIDTH as usize - filled)
     );
     let digits = total_steps.to_string().len();
-    format!(
+    let mut line = format!(
         "step {done:>digits$}/{total_steps} [{bar}] loss {:.4}  lr {:.2e}  {} tok/s  ETA {}",
         record.loss,
         record.lr,
         format_rate(record.tokens_per_s),
         format_duration(eta_seconds(record, first_step, total_steps))
-    )
+    );
+    if let Some(step) = &record.loss_scale {
+        line.push_str("  ");
+        line.push_str(&scale_note(step));
+    }
+    line
 }
 
 /// The JSON line for `record`.
@@ -89,6 +128,8 @@ pub fn json_line(record: &StepRecord) -> String {
         "tokens": record.tokens,
         "tokens_per_s": record.tokens_per_s,
         "elapsed_s": record.elapsed_s,
+        "loss_scale": record.loss_scale.map(|s| s.scale),
+        "skipped": skipped(record),
     })
     .to_string()
 }
@@ -134,8 +175,15 @@ impl Summary<'_> {
             "checkpoints": self.checkpoints.iter().map(|p| p.display().to_string())
                 .collect::<Vec<_>>(),
             "model": self.model_export.map(|p| p.display().to_string()),
+            "skipped_steps": self.skipped_steps(),
+            "loss_scale": last.and_then(|r| r.loss_scale).map(|s| s.next_scale),
         })
         .to_string()
+    }
+
+    /// Steps whose update was skipped because their gradients overflowed (fp16).
+    fn skipped_steps(&self) -> usize {
+        self.records.iter().filter(|r| skipped(r)).count()
     }
 
     pub fn human(&self) -> String {
@@ -160,6 +208,14 @@ impl Summary<'_> {
             format_rate(self.tokens_per_s()),
             epochs.join(", ")
         );
+        if let Some(scale) = last.loss_scale {
+            text.push_str(&format!(
+                "\nfp16 loss scale: {} at the end; {} of {} steps skipped (overflow)",
+                format_scale(scale.next_scale),
+                self.skipped_steps(),
+                self.records.len()
+            ));
+        }
         if let Some(path) = self.checkpoints.last() {
             text.push_str(&format!("\nlast checkpoint: {}", path.display()));
         }
@@ -181,13 +237,15 @@ impl Progress {
     }
 
     /// Print `record`: every step as JSON; as a human line every `log_every` steps (and the
-    /// first and last), or every step when the line is rewritten in place.
+    /// first and last, and every skipped step), or every step when the line is rewritten in
+    /// place (a skipped step's line is kept).
     pub fn step(&self, record: &StepRecord, first_step: u64) {
         let done = record.step + 1;
         let due = self.in_place
             || done.is_multiple_of(self.log_every)
             || done == self.total_steps
-            || record.step == first_step;
+            || record.step == first_step
+            || skipped(record);
         if self.format == LogFormat::Human && !due {
             return;
         }
@@ -200,8 +258,10 @@ impl Progress {
             LogFormat::Human => {
                 let line = human_line(record, first_step, self.total_steps);
                 let mut err = std::io::stderr().lock();
-                if self.in_place {
+                if self.in_place && !skipped(record) {
                     let _ = write!(err, "\r{line}\x1b[K");
+                } else if self.in_place {
+                    let _ = writeln!(err, "\r{line}\x1b[K");
                 } else {
                     let _ = writeln!(err, "{line}");
                 }
@@ -236,6 +296,7 @@ mod tests {
             tokens: 512,
             tokens_per_s: 12_345.0,
             elapsed_s,
+            loss_scale: None,
         }
     }
 
@@ -289,6 +350,55 @@ mod tests {
         assert_eq!(value["steps"], 2);
         assert_eq!(value["tokens_per_s"], 512.0);
         assert_eq!(value["epochs"][0]["samples_seen"], 16);
+        assert_eq!(value["skipped_steps"], 0);
+        assert!(value["loss_scale"].is_null());
         assert!(summary.human().contains("samples seen: epoch 0 16/100"));
+    }
+
+    #[test]
+    fn fp16_steps_show_their_scale_and_skips() {
+        let mut skipped = record(4, 1.0);
+        skipped.grad_norm = f32::INFINITY;
+        skipped.loss_scale = Some(LossScaleStep {
+            scale: 32768.0,
+            next_scale: 16384.0,
+            skipped: true,
+        });
+        let line = human_line(&skipped, 0, 200);
+        assert!(
+            line.ends_with("  skipped (overflow), scale 32768 → 16384"),
+            "{line}"
+        );
+        let value: serde_json::Value = serde_json::from_str(&json_line(&skipped)).unwrap();
+        assert_eq!(value["skipped"], true);
+        assert_eq!(value["loss_scale"], 32768.0);
+        assert!(value["grad_norm"].is_null());
+        let mut grown = record(5, 1.2);
+        grown.loss_scale = Some(LossScaleStep {
+            scale: 16384.0,
+            next_scale: 32768.0,
+            skipped: false,
+        });
+        assert!(human_line(&grown, 0, 200).ends_with("  scale 16384 → 32768"));
+        let value: serde_json::Value = serde_json::from_str(&json_line(&grown)).unwrap();
+        assert_eq!(value["skipped"], false);
+        let plain: serde_json::Value = serde_json::from_str(&json_line(&record(0, 0.1))).unwrap();
+        assert!(plain["loss_scale"].is_null() && plain["skipped"] == false);
+        let records = [skipped, grown];
+        let summary = Summary {
+            records: &records,
+            epochs: &[],
+            checkpoints: &[],
+            model_export: None,
+            backend: "cpu",
+            world: 1,
+        };
+        let value: serde_json::Value = serde_json::from_str(&summary.json()).unwrap();
+        assert_eq!(value["skipped_steps"], 1);
+        assert_eq!(value["loss_scale"], 32768.0);
+        assert!(summary
+            .human()
+            .contains("fp16 loss scale: 32768 at the end; 1 of 2 steps skipped (overflow)"));
+        assert_eq!(format_scale(2f64.powi(120)), "1.329e36");
     }
 }

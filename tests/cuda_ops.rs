@@ -141,7 +141,11 @@ struct Case {
     scalars: StepScalars,
 }
 
-const SCALARS: StepScalars = StepScalars { lr: 0.01, step: 3 };
+const SCALARS: StepScalars = StepScalars {
+    lr: 0.01,
+    step: 3,
+    loss_scale: None,
+};
 
 impl Case {
     fn new(
@@ -968,7 +972,11 @@ fn optimizer() {
             vec![r.vec(n, 1.0), r.vec(n, 0.01), r.positive(n, 0.0, 1e-4)],
             ELEMENTWISE,
         );
-        adam.scalars = StepScalars { lr: 3e-4, step };
+        adam.scalars = StepScalars {
+            lr: 3e-4,
+            step,
+            loss_scale: None,
+        };
         cases.push(adam);
         let mut sgd = Case::new(
             format!("sgd momentum step {step}"),
@@ -980,7 +988,11 @@ fn optimizer() {
             vec![r.vec(n, 1.0), r.vec(n, 0.1)],
             ELEMENTWISE,
         );
-        sgd.scalars = StepScalars { lr: 0.1, step };
+        sgd.scalars = StepScalars {
+            lr: 0.1,
+            step,
+            loss_scale: None,
+        };
         cases.push(sgd);
     }
     cases.push(Case::new(

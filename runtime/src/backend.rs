@@ -5,11 +5,17 @@ use parc_compiler::ir::op::Op;
 use parc_compiler::ir::{BufferId, DType};
 
 /// Per-step values an op may need that are not part of the program: the learning rate from the
-/// schedule and the 1-based optimizer step count (for Adam's bias correction).
+/// schedule, the 1-based optimizer step count (for Adam's bias correction) and, in fp16 runs,
+/// the loss scale.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepScalars {
     pub lr: f64,
     pub step: u64,
+    /// The loss scale of this step when the run scales its loss (fp16); None otherwise. With
+    /// it, `CeGrad` multiplies the loss gradient by it, `ClipCoef` divides it back out (and
+    /// marks an overflowed step with a NaN coefficient), and `AdamW`/`Sgd` leave a step with a
+    /// non-finite coefficient untouched (see `parc_compiler::ir::op`).
+    pub loss_scale: Option<f64>,
 }
 
 pub trait Backend {

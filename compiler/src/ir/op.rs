@@ -17,7 +17,10 @@
 //! - Token ids are i32 buffers; everything else is f32 on the CPU backend (the CUDA backend may
 //!   store activations in bf16/fp16, never master weights or optimizer state).
 //! - `lr` and the 1-based optimizer step count used by `AdamW`/`Sgd` are supplied by the executor
-//!   from the spec's schedule; they are not part of the op.
+//!   from the spec's schedule; they are not part of the op. So is the loss scale `s` of an fp16
+//!   run (`precision = fp16`; absent otherwise, which acts as `s = 1` with no skipping): `CeGrad`
+//!   multiplies by it, `ClipCoef` divides it back out and marks an overflowed step, and a marked
+//!   step leaves `AdamW`/`Sgd` parameters and state untouched.
 
 use serde::Serialize;
 
@@ -196,7 +199,7 @@ pub enum Op {
     /// target_logit)`. `scale` = 1 / (tokens in the global batch).
     CeLoss { scale: f64 },
     /// in: logits, targets, max, sumexp. out: dlogits `[rows, vocab_local]` =
-    /// `scale * (softmax − onehot(target))`.
+    /// `s * scale * (softmax − onehot(target))`, `s` the step's loss scale (1 without).
     CeGrad {
         vocab_start: u64,
         vocab_local: u64,
@@ -208,10 +211,15 @@ pub enum Op {
     SumSquares,
     /// in: sumsq `[1]` (the global squared gradient norm). out: coef `[1]` =
     /// `min(1, max_norm / (sqrt(sumsq) + 1e-6))`, or 1 when `max_norm` is None.
+    /// With a loss scale `s` (the gradients are `s` times too large): `coef =
+    /// min(1, max_norm / (sqrt(sumsq) / s + 1e-6)) / s` (or `1 / s`), and NaN when sumsq is
+    /// not finite (an overflow: the optimizer ops then skip the step). Without one the
+    /// coefficient is always finite.
     ClipCoef { max_norm: Option<f64> },
     /// in: g, coef `[1]`. out (in place, listed as outputs): param, m, v.
     /// g' = coef·g; m = β1 m + (1−β1) g'; v = β2 v + (1−β2) g'²; m̂ = m/(1−β1^t); v̂ = v/(1−β2^t);
     /// param -= lr·(m̂/(√v̂ + eps) + wd·param) where wd = `weight_decay` (0 for non-decayed).
+    /// A non-finite coef (an overflowed fp16 step) leaves param, m and v untouched.
     AdamW {
         beta1: f64,
         beta2: f64,
@@ -220,5 +228,6 @@ pub enum Op {
     },
     /// in: g, coef. out (in place): param, momentum (omit when `momentum` is 0).
     /// g' = coef·g + wd·param; buf = momentum·buf + g' (buf = g' at t = 1); param -= lr·buf.
+    /// A non-finite coef (an overflowed fp16 step) leaves param and momentum untouched.
     Sgd { momentum: f64, weight_decay: f64 },
 }

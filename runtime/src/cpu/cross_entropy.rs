@@ -83,7 +83,8 @@ pub(crate) fn ce_loss(
     Ok(())
 }
 
-/// `dlogits[r, j] = scale · (exp(logits[r, j] − max[r]) / sumexp[r] − [j is the target])`.
+/// `dlogits[r, j] = scale · (exp(logits[r, j] − max[r]) / sumexp[r] − [j is the target])`;
+/// in an fp16 run `scale` is the op's scale times the step's loss scale (the caller multiplies).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn ce_grad(
     op: &str,

@@ -329,7 +329,7 @@ pub(crate) fn run(
                 name,
                 *vocab_start,
                 v,
-                *grad_scale,
+                *grad_scale * scalars.loss_scale.unwrap_or(1.0),
                 ins.f32(0)?,
                 ins.i32(1)?,
                 ins.f32(2)?,
@@ -343,7 +343,7 @@ pub(crate) fn run(
         }
         Op::ClipCoef { max_norm } => {
             let [coef] = outs.f32s()?;
-            clip_coef(name, *max_norm, ins.f32(0)?, coef)
+            clip_coef(name, *max_norm, scalars.loss_scale, ins.f32(0)?, coef)
         }
         Op::AdamW {
             beta1,

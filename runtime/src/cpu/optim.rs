@@ -1,6 +1,8 @@
 //! Optimizer ops: the squared-gradient-norm partial sum, the global-norm clip coefficient, and the
-//! AdamW and SGD updates (in place on the master tensor and its state). The learning rate and the
-//! 1-based step come from the executor's `StepScalars`.
+//! AdamW and SGD updates (in place on the master tensor and its state). The learning rate, the
+//! 1-based step and the fp16 loss scale come from the executor's `StepScalars`: with a loss scale
+//! the clip coefficient also unscales the gradients, and is NaN for an overflowed step, which the
+//! updates then skip (parameters and state untouched).
 use super::args::{expect_len, op_error};
 use super::par::{sum_chunks, TASK_ELEMENTS};
 use crate::backend::StepScalars;
@@ -18,19 +20,29 @@ pub(crate) fn sum_squares(op: &str, g: &[f32], sumsq: &mut [f32]) -> Result<()> 
     Ok(())
 }
 
-/// `coef = min(1, max_norm / (√sumsq + 1e-6))`, or 1 without clipping.
+/// `coef = min(1, max_norm / (√sumsq + 1e-6))`, or 1 without clipping. With a loss scale `s`:
+/// `coef = min(1, max_norm / (√sumsq / s + 1e-6)) / s` (or `1 / s`), NaN when sumsq is not
+/// finite. A power-of-two `s` makes the unscaled update bit-identical to an unscaled run's.
 pub(crate) fn clip_coef(
     op: &str,
     max_norm: Option<f64>,
+    loss_scale: Option<f64>,
     sumsq: &[f32],
     coef: &mut [f32],
 ) -> Result<()> {
     expect_len(op, "sumsq", sumsq.len(), 1)?;
     expect_len(op, "coef", coef.len(), 1)?;
-    coef[0] = match max_norm {
+    let sumsq = f64::from(sumsq[0]);
+    let scale = loss_scale.unwrap_or(1.0);
+    if loss_scale.is_some() && !sumsq.is_finite() {
+        coef[0] = f32::NAN;
+        return Ok(());
+    }
+    let clip = match max_norm {
         None => 1.0,
-        Some(max_norm) => (max_norm / (f64::from(sumsq[0]).sqrt() + 1e-6)).min(1.0) as f32,
+        Some(max_norm) => (max_norm / (sumsq.sqrt() / scale + 1e-6)).min(1.0),
     };
+    coef[0] = (clip / scale) as f32;
     Ok(())
 }
 
@@ -79,6 +91,10 @@ pub(crate) fn adamw(
         scalars.lr as f32,
     );
     let coef = coef[0];
+    if !coef.is_finite() {
+        // An overflowed fp16 step: skipped.
+        return Ok(());
+    }
     param
         .par_chunks_mut(CHUNK)
         .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
@@ -113,6 +129,10 @@ pub(crate) fn sgd(
     expect_len(op, "coef", coef.len(), 1)?;
     expect_len(op, "param", param.len(), g.len())?;
     let (coef, wd, lr) = (coef[0], weight_decay as f32, scalars.lr as f32);
+    if !coef.is_finite() {
+        // An overflowed fp16 step: skipped.
+        return Ok(());
+    }
     match buf {
         None => {
             param
@@ -142,4 +162,110 @@ pub(crate) fn sgd(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SCALARS: StepScalars = StepScalars {
+        lr: 0.1,
+        step: 3,
+        loss_scale: Some(1024.0),
+    };
+
+    fn coef(max_norm: Option<f64>, loss_scale: Option<f64>, sumsq: f32) -> f32 {
+        let mut out = [7.0];
+        clip_coef("ClipCoef", max_norm, loss_scale, &[sumsq], &mut out).unwrap();
+        out[0]
+    }
+
+    #[test]
+    fn a_power_of_two_loss_scale_divides_out_of_the_clip_coefficient_exactly() {
+        for max_norm in [None, Some(1.0), Some(100.0)] {
+            for sumsq in [0.0f32, 0.37, 7.3, 5e4] {
+                let plain = coef(max_norm, None, sumsq);
+                let scaled = coef(max_norm, Some(1024.0), sumsq * 1024.0 * 1024.0);
+                assert_eq!(
+                    scaled.to_bits(),
+                    (plain / 1024.0).to_bits(),
+                    "{max_norm:?} {sumsq}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn an_overflowed_sum_marks_the_step_only_under_loss_scaling() {
+        for bad in [f32::INFINITY, f32::NAN] {
+            assert!(coef(None, Some(65536.0), bad).is_nan());
+            assert!(coef(Some(1.0), Some(65536.0), bad).is_nan());
+        }
+        // Without a loss scale the coefficient stays finite (as before fp16 existed).
+        assert_eq!(coef(None, None, f32::INFINITY), 1.0);
+        assert!(coef(Some(1.0), None, f32::INFINITY).is_finite());
+    }
+
+    #[test]
+    fn updates_with_a_non_finite_coefficient_leave_everything_untouched() {
+        let g = [1.0f32, -2.0, f32::INFINITY];
+        let config = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let (mut p, mut m, mut v) = ([0.5f32, 1.5, -2.5], [0.1f32, 0.2, 0.3], [0.01f32; 3]);
+        let before = (p, m, v);
+        adamw(
+            "AdamW",
+            &config,
+            &SCALARS,
+            &g,
+            &[f32::NAN],
+            &mut p,
+            &mut m,
+            &mut v,
+        )
+        .unwrap();
+        assert_eq!((p, m, v), before);
+        let (mut p, mut buf) = ([0.5f32, 1.5, -2.5], [0.1f32, 0.2, 0.3]);
+        sgd(
+            "Sgd",
+            0.9,
+            0.1,
+            &SCALARS,
+            &g,
+            &[f32::NAN],
+            &mut p,
+            Some(&mut buf),
+        )
+        .unwrap();
+        assert_eq!((p, buf), ([0.5, 1.5, -2.5], [0.1, 0.2, 0.3]));
+        sgd(
+            "Sgd",
+            0.0,
+            0.0,
+            &SCALARS,
+            &g,
+            &[f32::INFINITY],
+            &mut p,
+            None,
+        )
+        .unwrap();
+        assert_eq!(p, [0.5, 1.5, -2.5]);
+        // A finite coefficient still updates.
+        sgd(
+            "Sgd",
+            0.0,
+            0.0,
+            &SCALARS,
+            &g[..2],
+            &[0.5],
+            &mut p[..2],
+            None,
+        )
+        .unwrap();
+        assert_eq!(p[..2], [0.45, 1.6]);
+    }
 }

@@ -6,6 +6,7 @@ use crate::checkpoint::{self, ShardTensor};
 use crate::comm::{Comm, PeerOp};
 use crate::data::{fill_microbatch, BatchLayout, Dataset, Sampler};
 use crate::error::{Result, RuntimeError};
+use crate::exec::loss_scale::{LossScaleStep, LossScaler};
 use crate::exec::profile::{self, StepProfile};
 use crate::init::{fill_local_param, ZeroShard};
 use parc_compiler::ir::op::{segments_len, Segment};
@@ -31,7 +32,10 @@ pub struct ParamPiece {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepMetrics {
     pub loss: Option<f32>,
+    /// The squared global gradient norm, of the unscaled gradients in an fp16 run.
     pub grad_sumsq: Option<f32>,
+    /// What loss scaling did (fp16 runs).
+    pub loss_scale: Option<LossScaleStep>,
 }
 
 pub struct RankExecutor<'a, B: Backend> {
@@ -45,6 +49,8 @@ pub struct RankExecutor<'a, B: Backend> {
     dp_rank: u32,
     /// Optimizer updates applied so far.
     pub optimizer_step: u64,
+    /// The fp16 loss scaler (None: the run does not scale its loss).
+    pub loss_scaler: Option<LossScaler>,
 }
 
 fn plan_error(rank: u32, what: impl std::fmt::Display) -> RuntimeError {
@@ -82,6 +88,7 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
             sampler,
             dp_rank: plan.mesh.coord(rank, Axis::Dp),
             optimizer_step: 0,
+            loss_scaler: None,
         })
     }
 
@@ -195,6 +202,7 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         let scalars = StepScalars {
             lr,
             step: self.optimizer_step,
+            loss_scale: self.loss_scaler.as_ref().map(LossScaler::scale),
         };
         for (index, instr) in self.program.instrs.iter().enumerate() {
             let result = match profile.as_deref_mut() {
@@ -220,9 +228,30 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
             })
             .transpose()
         };
+        let loss = read(self.program.loss)?;
+        let mut grad_sumsq = read(self.program.grad_sumsq)?;
+        let loss_scale = match self.loss_scaler.as_mut() {
+            None => None,
+            Some(scaler) => {
+                let sumsq = grad_sumsq.ok_or_else(|| {
+                    plan_error(
+                        self.rank,
+                        "has no grad_sumsq buffer, which fp16 loss scaling reads",
+                    )
+                })?;
+                // Every rank holds the same global value, so all skip (or not) together.
+                let update = scaler.update(!sumsq.is_finite());
+                if update.skipped {
+                    self.optimizer_step -= 1;
+                }
+                grad_sumsq = Some((f64::from(sumsq) / update.scale.powi(2)) as f32);
+                Some(update)
+            }
+        };
         Ok(StepMetrics {
-            loss: read(self.program.loss)?,
-            grad_sumsq: read(self.program.grad_sumsq)?,
+            loss,
+            grad_sumsq,
+            loss_scale,
         })
     }
 

@@ -175,7 +175,11 @@ fn lowering_mistakes_are_clear_errors_naming_op_role_and_buffer() {
         eps: 1e-8,
         weight_decay: 0.0,
     };
-    let zero_step = StepScalars { lr: 0.1, step: 0 };
+    let zero_step = StepScalars {
+        lr: 0.1,
+        step: 0,
+        loss_scale: None,
+    };
     let text = error_text(h.run(
         &adam,
         &[Input::F(vec![0.0]), Input::F(vec![1.0])],

@@ -19,7 +19,11 @@ pub(super) enum Input {
     I(Vec<i32>),
 }
 
-pub(super) const SCALARS: StepScalars = StepScalars { lr: 0.1, step: 1 };
+pub(super) const SCALARS: StepScalars = StepScalars {
+    lr: 0.1,
+    step: 1,
+    loss_scale: None,
+};
 
 /// A backend plus an id counter, for running single ops on host data.
 pub(super) struct Harness {

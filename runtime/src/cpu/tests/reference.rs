@@ -780,7 +780,16 @@ fn adamw_matches_a_hand_computed_two_step_update() {
         let step = t as u64 + 1;
         let g_id = h.f32(g);
         h.backend
-            .compute(&op, &[g_id, c], &[param, m, v], &StepScalars { lr, step })
+            .compute(
+                &op,
+                &[g_id, c],
+                &[param, m, v],
+                &StepScalars {
+                    lr,
+                    step,
+                    loss_scale: None,
+                },
+            )
             .unwrap();
         for i in 0..3 {
             let g = f64::from(coef) * f64::from(g[i]);
@@ -810,6 +819,7 @@ fn sgd_with_and_without_momentum_matches_hand_computed_steps() {
         let scalars = StepScalars {
             lr,
             step: t as u64 + 1,
+            loss_scale: None,
         };
         let g_id = h.f32(g);
         let op = Op::Sgd {
