@@ -2,7 +2,7 @@
 //! executor drives it; `cpu` (the exact reference) and later `cuda` implement it.
 use crate::error::Result;
 use parc_compiler::ir::op::Op;
-use parc_compiler::ir::{BufferId, DType};
+use parc_compiler::ir::{BufferId, CollectiveKind, DType};
 
 /// Per-step values an op may need that are not part of the program: the learning rate from the
 /// schedule, the 1-based optimizer step count (for Adam's bias correction) and, in fp16 runs,
@@ -16,6 +16,22 @@ pub struct StepScalars {
     /// marks an overflowed step with a NaN coefficient), and `AdamW`/`Sgd` leave a step with a
     /// non-finite coefficient untouched (see `parc_compiler::ir::op`).
     pub loss_scale: Option<f64>,
+}
+
+/// One send or receive of a [`Backend::device_p2p`] batch: `peer` is a global rank, `tag` the
+/// IR's tag, `buffer` this rank's buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceTransfer {
+    Send {
+        peer: u32,
+        tag: u32,
+        buffer: BufferId,
+    },
+    Recv {
+        peer: u32,
+        tag: u32,
+        buffer: BufferId,
+    },
 }
 
 pub trait Backend {
@@ -43,5 +59,29 @@ pub trait Backend {
     /// synchronously need not override it.
     fn synchronize(&mut self) -> Result<()> {
         Ok(())
+    }
+    /// Run a collective on this backend's own buffers through a device communicator it owns
+    /// (NCCL), with the semantics of [`crate::comm::Comm`]: `group` holds global ranks in
+    /// group-rank order and contains this rank; all-gather concatenates in group order;
+    /// reduce-scatter gives member `i` chunk `i`; `input == output` is allowed for all-reduce
+    /// and broadcast. The work may complete later: the backend orders every later use of
+    /// `input` and `output` (ops, reads, writes, free) after it. `None` means this backend has
+    /// no device communicator and the executor moves the data through the host `Comm`.
+    fn device_collective(
+        &mut self,
+        _kind: CollectiveKind,
+        _group: &[u32],
+        _input: BufferId,
+        _output: BufferId,
+    ) -> Option<Result<()>> {
+        None
+    }
+    /// Issue `transfers` together (group semantics: two ranks exchanging in both directions
+    /// cannot deadlock) through the backend's device communicator, ordered like
+    /// [`Backend::device_collective`]. A device communicator may match messages by their order
+    /// per (sender, receiver) pair instead of by tag; the backend checks at set-up that the
+    /// plan's order and tags agree. `None`: use the host `Comm`.
+    fn device_p2p(&mut self, _transfers: &[DeviceTransfer]) -> Option<Result<()>> {
+        None
     }
 }

@@ -19,6 +19,7 @@
 //! Buffers are host `f32` slices: the CPU backend's storage. A device comm (NCCL) implements the
 //! same operation set over device memory; the executor's collective dispatch is the only place
 //! that moves data between a backend and a comm, so it is where a device comm plugs in.
+pub mod layout;
 pub mod local;
 
 pub use local::LocalComm;

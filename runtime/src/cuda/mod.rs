@@ -16,8 +16,10 @@ mod compile;
 mod device;
 mod dispatch;
 mod gemm;
+mod nccl;
+mod stream;
 
-use crate::backend::{Backend, StepScalars};
+use crate::backend::{Backend, DeviceTransfer, StepScalars};
 use crate::error::{Result, RuntimeError};
 use compile::Kernels;
 use cudarc::driver::result as cu;
@@ -26,10 +28,12 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, LaunchConfi
 use device::driver_error;
 use gemm::{Blas, Operands};
 use parc_compiler::ir::op::{Op, Segment};
-use parc_compiler::ir::{BufferId, DType};
+use parc_compiler::ir::{BufferId, CollectiveKind, DType};
 use parc_compiler::spec::Precision;
 use std::collections::HashMap;
 use std::sync::Arc;
+
+pub use nccl::{nccl_available, nccl_version, NcclId};
 
 /// One allocated buffer.
 struct Slot {
@@ -78,6 +82,8 @@ pub struct CudaBackend {
     bf16_operands: Option<CudaSlice<u8>>,
     /// Kept alive for cuBLASLt.
     _workspace: CudaSlice<u8>,
+    /// NCCL communicators and the communication stream, once `use_nccl` set them up.
+    nccl: Option<nccl::NcclComm>,
 }
 
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -135,6 +141,7 @@ impl CudaBackend {
             operands,
             bf16_operands: None,
             _workspace: workspace,
+            nccl: None,
         })
     }
 
@@ -325,6 +332,9 @@ impl CudaBackend {
     }
 
     fn write<T>(&mut self, id: BufferId, dtype: DType, data: &[T]) -> Result<()> {
+        if self.comm_uses(id) {
+            self.drain_comm()?;
+        }
         let s = self.slot(id)?;
         if s.dtype != dtype {
             return Err(buffer_error(
@@ -351,6 +361,7 @@ impl Backend for CudaBackend {
     }
 
     fn synchronize(&mut self) -> Result<()> {
+        self.drain_comm()?;
         CudaBackend::synchronize(self)
     }
 
@@ -380,6 +391,8 @@ impl Backend for CudaBackend {
     }
 
     fn free(&mut self, id: BufferId) -> Result<()> {
+        // Communication still using the buffer must finish before its bytes are reused.
+        self.order_after_comm([id])?;
         match self.slots.get_mut(id.0 as usize).and_then(Option::take) {
             Some(slot) => {
                 drop(slot.memory);
@@ -396,6 +409,7 @@ impl Backend for CudaBackend {
         outputs: &[BufferId],
         scalars: &StepScalars,
     ) -> Result<()> {
+        self.order_after_comm(inputs.iter().chain(outputs).copied())?;
         let outs = outputs
             .iter()
             .map(|&id| self.buf(id))
@@ -427,6 +441,7 @@ impl Backend for CudaBackend {
     }
 
     fn read_f32(&self, id: BufferId) -> Result<Vec<f32>> {
+        self.wait_comm_for(id)?;
         let s = self.slot(id)?;
         if s.dtype != DType::F32 {
             return Err(buffer_error(id, format!("is {:?}, expected f32", s.dtype)));
@@ -437,5 +452,21 @@ impl Backend for CudaBackend {
         unsafe { cu::memcpy_dtoh_sync(&mut host, s.ptr) }
             .map_err(|e| driver_error(&format!("reading buffer {}", id.0), e))?;
         Ok(host)
+    }
+
+    fn device_collective(
+        &mut self,
+        kind: CollectiveKind,
+        group: &[u32],
+        input: BufferId,
+        output: BufferId,
+    ) -> Option<Result<()>> {
+        self.nccl.as_ref()?;
+        Some(self.nccl_collective(kind, group, input, output))
+    }
+
+    fn device_p2p(&mut self, transfers: &[DeviceTransfer]) -> Option<Result<()>> {
+        self.nccl.as_ref()?;
+        Some(self.nccl_p2p(transfers))
     }
 }

@@ -1,7 +1,7 @@
 //! One rank's interpreter: owns the rank's backend, comm handle and sampler, sets up the
 //! persistent buffers (parameters from `init`, or a checkpoint), and runs its program once per
 //! step, dispatching every instruction without deciding anything itself.
-use crate::backend::{Backend, StepScalars};
+use crate::backend::{Backend, DeviceTransfer, StepScalars};
 use crate::checkpoint::{self, ShardTensor};
 use crate::comm::{Comm, PeerOp};
 use crate::data::{fill_microbatch, BatchLayout, Dataset, Sampler};
@@ -337,11 +337,27 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
                 ..
             } => self.collective(*kind, *group, *input, *output),
             Instr::Send { peer, buffer, tag } => {
+                let send = DeviceTransfer::Send {
+                    peer: self.peer_rank(*peer),
+                    tag: *tag,
+                    buffer: *buffer,
+                };
+                if let Some(done) = self.backend.device_p2p(&[send]) {
+                    return done;
+                }
                 let data = self.backend.read_f32(*buffer)?;
                 let to = self.peer_rank(*peer);
                 self.comm.send(to, *tag, &data)
             }
             Instr::Recv { peer, buffer, tag } => {
+                let recv = DeviceTransfer::Recv {
+                    peer: self.peer_rank(*peer),
+                    tag: *tag,
+                    buffer: *buffer,
+                };
+                if let Some(done) = self.backend.device_p2p(&[recv]) {
+                    return done;
+                }
                 let mut data = vec![0.0; self.numel(*buffer)?];
                 let from = self.peer_rank(*peer);
                 self.comm.recv(from, *tag, &mut data)?;
@@ -376,6 +392,9 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         output: BufferId,
     ) -> Result<()> {
         let (set, _) = self.group_set(group)?;
+        if let Some(done) = self.backend.device_collective(kind, &set, input, output) {
+            return done;
+        }
         let mut data = self.backend.read_f32(input)?;
         let result = match kind {
             CollectiveKind::AllReduce { op } => {
@@ -401,6 +420,24 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
     }
 
     fn p2p(&mut self, ops: &[P2pOp]) -> Result<()> {
+        let transfers: Vec<DeviceTransfer> = ops
+            .iter()
+            .map(|op| match *op {
+                P2pOp::Send { peer, buffer, tag } => DeviceTransfer::Send {
+                    peer: self.peer_rank(peer),
+                    tag,
+                    buffer,
+                },
+                P2pOp::Recv { peer, buffer, tag } => DeviceTransfer::Recv {
+                    peer: self.peer_rank(peer),
+                    tag,
+                    buffer,
+                },
+            })
+            .collect();
+        if let Some(done) = self.backend.device_p2p(&transfers) {
+            return done;
+        }
         let mut sends = Vec::new();
         let mut recvs = Vec::new();
         for op in ops {
