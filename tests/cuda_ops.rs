@@ -9,8 +9,10 @@
 //! bf16 (`precision = bf16`: GEMM operands rounded to bf16, fp32 accumulation): GEMMs 2e-2
 //! against the fp32 CPU (each operand carries up to 2^-9 relative rounding; the sum's error is
 //! a random walk on the output's scale, a few 1e-3 in practice), and the worst error must also
-//! be above 1e-4, so a bf16 run that silently stayed fp32 fails; every other op is fp32 in a
-//! bf16 run and keeps the fp32 tolerances.
+//! be above 1e-4, so a bf16 run that silently stayed fp32 fails; attention with head_dim 64 or
+//! 128 runs on tensor cores in a bf16 run (bf16 operands; the cases give it bf16-valued inputs,
+//! so P and dS carry the rounding): 2e-2, and it too must be above 1e-4;
+//! every other op is fp32 in a bf16 run and keeps the fp32 tolerances.
 //!
 //! Without a GPU (or built without `--features cuda`) every test prints
 //! `skipped: no CUDA device (…)` and passes.
@@ -25,6 +27,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 const ELEMENTWISE: f32 = 1e-5;
 const REDUCTION: f32 = 1e-4;
 const BF16_GEMM: f32 = 2e-2;
+/// bf16 tensor-core attention against the fp32 CPU on the same bf16-valued q, k, v, dO: P and
+/// dS are rounded to bf16 (2^-9 relative) for their products, softmax and sums stay fp32.
+const BF16_ATTENTION: f32 = 2e-2;
 /// A bf16 GEMM's worst error must exceed this (fp32 GEMMs stay below 2e-6).
 const BF16_ROUNDED: f32 = 1e-4;
 
@@ -480,22 +485,109 @@ fn bf16_operands_round_to_nearest_even() {
     }
 }
 
-/// In a bf16 run every op but the GEMMs stays fp32: the same cases hold the fp32 tolerances.
+/// In a bf16 run, attention with head_dim 64 or 128 runs on tensor cores (bf16 operands, fp32
+/// accumulation and softmax): within BF16_ATTENTION of the fp32 CPU, and its worst error must
+/// exceed BF16_ROUNDED (the operands were rounded, so the tensor-core kernels ran). Other head
+/// dims keep the exact fp32 kernels and the fp32 tolerance in a bf16 run.
 #[test]
-fn non_gemm_ops_stay_fp32_in_bf16_runs() {
-    let mut r = Rng::new("non_gemm_ops_stay_fp32_in_bf16_runs");
-    let c = AttConfig {
+fn attention_bf16() {
+    let mut r = Rng::new("attention_bf16");
+    let tc = [
+        // GQA, causal, a partial tile.
+        AttConfig {
+            batch: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            causal: true,
+            q_positions: vec![seg(0, 40)],
+            kv_positions: vec![seg(0, 40)],
+        },
+        // Several tiles: skipped, masked and whole ones.
+        AttConfig {
+            batch: 2,
+            heads: 2,
+            kv_heads: 2,
+            head_dim: 64,
+            causal: true,
+            q_positions: vec![seg(0, 300)],
+            kv_positions: vec![seg(0, 300)],
+        },
+        // Context parallel: two q segments, kv the whole sequence.
+        AttConfig {
+            batch: 1,
+            heads: 2,
+            kv_heads: 2,
+            head_dim: 128,
+            causal: true,
+            q_positions: vec![seg(16, 48), seg(160, 48)],
+            kv_positions: vec![seg(0, 208)],
+        },
+        // kv ahead of q: the first queries see no key (o = 0, lse = −inf).
+        AttConfig {
+            batch: 1,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 64,
+            causal: true,
+            q_positions: vec![seg(0, 70)],
+            kv_positions: vec![seg(5, 70)],
+        },
+        // Positions not ascending: every tile masked, none skipped.
+        AttConfig {
+            batch: 1,
+            heads: 2,
+            kv_heads: 2,
+            head_dim: 64,
+            causal: true,
+            q_positions: vec![seg(64, 64), seg(0, 64)],
+            kv_positions: vec![seg(64, 64), seg(0, 64)],
+        },
+        AttConfig {
+            batch: 2,
+            heads: 3,
+            kv_heads: 3,
+            head_dim: 64,
+            causal: false,
+            q_positions: vec![seg(0, 70)],
+            kv_positions: vec![seg(0, 70)],
+        },
+        AttConfig {
+            batch: 1,
+            heads: 4,
+            kv_heads: 1,
+            head_dim: 128,
+            causal: true,
+            q_positions: vec![seg(0, 200)],
+            kv_positions: vec![seg(0, 200)],
+        },
+    ];
+    let cases: Vec<Case> = tc
+        .iter()
+        .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
+        .collect();
+    let worst = check_on("attention_bf16", &cases, Precision::Bf16);
+    // Every output but lse (which can round to its fp32 value) must show bf16 rounding.
+    let rounded = worst.iter().filter(|&&e| e > BF16_ROUNDED).count();
+    assert!(
+        worst.is_empty() || rounded >= worst.len() - tc.len(),
+        "bf16 attention agrees with fp32 to {BF16_ROUNDED:.0e} in {} of {} outputs: the \
+         tensor-core kernels did not run",
+        worst.len() - rounded,
+        worst.len()
+    );
+    let exact = AttConfig {
         batch: 2,
         heads: 4,
         kv_heads: 2,
-        head_dim: 64,
+        head_dim: 32,
         causal: true,
         q_positions: vec![seg(0, 40)],
         kv_positions: vec![seg(0, 40)],
     };
     check_on(
-        "non_gemm_ops_stay_fp32_in_bf16_runs",
-        &attention_cases(&mut r, &c),
+        "attention_bf16_other_head_dims_stay_fp32",
+        &attention_cases(&mut r, &exact, REDUCTION, false),
         Precision::Bf16,
     );
 }
@@ -616,7 +708,17 @@ struct AttConfig {
     kv_positions: Vec<Segment>,
 }
 
-fn attention_cases(r: &mut Rng, c: &AttConfig) -> Vec<Case> {
+/// `x` rounded to the nearest bf16 (ties to even; finite inputs).
+fn round_bf16(x: f32) -> f32 {
+    let bits = x.to_bits();
+    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1));
+    f32::from_bits(rounded & 0xffff_0000)
+}
+
+/// Forward and backward cases of `c`, held to `tol`. With `bf16_inputs`, q, k, v and dO are
+/// bf16 values (as a bf16 run's tensor cores read them), so the comparison measures the
+/// kernels' own rounding (P and dS in bf16) rather than the inputs'.
+fn attention_cases(r: &mut Rng, c: &AttConfig, tol: f32, bf16_inputs: bool) -> Vec<Case> {
     let seq_q: u32 = c.q_positions.iter().map(|s| s.len).sum();
     let seq_kv: u32 = c.kv_positions.iter().map(|s| s.len).sum();
     let q_len = (u64::from(seq_q) * c.batch * c.heads * c.head_dim) as usize;
@@ -647,7 +749,13 @@ fn attention_cases(r: &mut Rng, c: &AttConfig) -> Vec<Case> {
         "b{} h{} kv{} d{} causal={} q{:?} kv{:?}",
         c.batch, c.heads, c.kv_heads, c.head_dim, c.causal, c.q_positions, c.kv_positions
     );
-    let (q, k, v) = (r.vec(q_len, 2.0), r.vec(kv_len, 2.0), r.vec(kv_len, 1.0));
+    let (mut q, mut k, mut v) = (r.vec(q_len, 2.0), r.vec(kv_len, 2.0), r.vec(kv_len, 1.0));
+    let mut dout = r.vec(q_len, 1.0);
+    if bf16_inputs {
+        for x in [&mut q, &mut k, &mut v, &mut dout] {
+            x.iter_mut().for_each(|e| *e = round_bf16(*e));
+        }
+    }
     let fwd_case = Case::new(
         format!("attention {name}"),
         fwd,
@@ -657,14 +765,14 @@ fn attention_cases(r: &mut Rng, c: &AttConfig) -> Vec<Case> {
             Data::F32(v.clone()),
         ],
         vec![r.vec(q_len, 1.0), r.vec(lse_len, 1.0)],
-        REDUCTION,
+        tol,
     );
     let out = fwd_case.run(&mut CpuBackend::new());
     let bwd_case = Case::new(
         format!("attention_bwd {name}"),
         bwd,
         vec![
-            Data::F32(r.vec(q_len, 1.0)),
+            Data::F32(dout),
             Data::F32(q),
             Data::F32(k),
             Data::F32(v),
@@ -672,7 +780,7 @@ fn attention_cases(r: &mut Rng, c: &AttConfig) -> Vec<Case> {
             Data::F32(out[1].clone()),
         ],
         vec![r.vec(q_len, 1.0), r.vec(kv_len, 1.0), r.vec(kv_len, 1.0)],
-        REDUCTION,
+        tol,
     );
     vec![fwd_case, bwd_case]
 }
@@ -741,7 +849,7 @@ fn attention() {
     ];
     let cases: Vec<Case> = configs
         .iter()
-        .flat_map(|c| attention_cases(&mut r, c))
+        .flat_map(|c| attention_cases(&mut r, c, REDUCTION, false))
         .collect();
     check("attention", &cases);
 }

@@ -1,9 +1,15 @@
 //! Attention (`Op::Attention`, `Op::AttentionBwd`) on the GPU: checks the op's geometry and
-//! buffers, uploads the q/kv global positions, and launches the kernels of
-//! `kernels/attention.cu` (flash style, fp32, exact).
+//! buffers, uploads the q/kv global positions, and launches one of two kernel families:
+//! - bf16 runs with head_dim 64 or 128: flash-attention-2 on tensor cores
+//!   (`kernels/attention_tc.cu`: bf16 `mma.sync` operands, fp32 accumulation and softmax);
+//! - everything else (fp32 runs, other head dims): the exact fp32 kernels of
+//!   `kernels/attention.cu`.
+use super::device::driver_error;
 use super::dispatch::{p, segments_len, Bound};
+use super::gemm::Operands;
 use super::{Arg, Buf, CudaBackend};
 use crate::error::Result;
+use cudarc::driver::sys::CUfunction_attribute;
 use parc_compiler::ir::op::{Op, Segment};
 
 /// Geometry of one attention call, as the kernels' `struct AttGeom`.
@@ -27,6 +33,82 @@ const ATT_WARPS: u32 = 8;
 const ATT_TILE: usize = 32;
 /// Each lane holds at most 4 columns of a head (kernels' ATT_MAX_PER_LANE).
 const ATT_MAX_HEAD_DIM: usize = 128;
+/// Query rows per CTA, keys per CTA (backward) and threads of the tensor-core kernels: must
+/// match TC_BR / TC_BC / TC_THREADS in kernels/attention_tc.cu.
+const TC_BR: usize = 64;
+const TC_BC: usize = 64;
+const TC_THREADS: u32 = 128;
+/// Shared memory a CTA may use without opting in to more.
+const DEFAULT_SMEM: u32 = 48 << 10;
+
+/// The tensor-core kernels' names and shared memory for one head dim, or None where the
+/// exact kernels run.
+struct TensorCore {
+    fwd: &'static str,
+    bwd: &'static str,
+    /// The backward's query tile (rows), per head dim (TC_BWD's BR in attention_tc.cu).
+    bwd_rows: usize,
+    head_dim: usize,
+}
+
+impl TensorCore {
+    fn for_head_dim(d: usize) -> Option<TensorCore> {
+        match d {
+            64 => Some(TensorCore {
+                fwd: "attention_fwd_tc_d64",
+                bwd: "attention_bwd_tc_d64",
+                bwd_rows: 64,
+                head_dim: 64,
+            }),
+            128 => Some(TensorCore {
+                fwd: "attention_fwd_tc_d128",
+                bwd: "attention_bwd_tc_d128",
+                bwd_rows: 32,
+                head_dim: 128,
+            }),
+            _ => None,
+        }
+    }
+
+    /// Bytes of one bf16 tile row (padded by 8 elements against bank conflicts).
+    fn row_bytes(&self) -> usize {
+        (self.head_dim + 8) * 2
+    }
+
+    /// Q, K, V tiles and the key positions.
+    fn fwd_smem(&self) -> u32 {
+        ((TC_BR + 2 * TC_BC) * self.row_bytes() + TC_BC * 4) as u32
+    }
+
+    /// K, V, Q, dO tiles, dSᵀ, and lse / delta / position per query row.
+    fn bwd_smem(&self) -> u32 {
+        let br = self.bwd_rows;
+        ((2 * TC_BC + 2 * br) * self.row_bytes() + TC_BC * (br + 8) * 2 + 3 * br * 4) as u32
+    }
+}
+
+/// Launches a tensor-core kernel, first letting it use `smem` bytes of shared memory.
+fn launch_tc(
+    be: &mut CudaBackend,
+    name: &'static str,
+    grid: (u32, u32, u32),
+    smem: u32,
+    args: &[Arg],
+) -> Result<()> {
+    if smem > DEFAULT_SMEM {
+        be.kernels
+            .function(name)?
+            .set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .map_err(|e| {
+                driver_error(&format!("allowing {name} {smem} bytes of shared memory"), e)
+            })?;
+    }
+    be.launch(name, grid, (TC_THREADS, 1, 1), smem, args)
+}
+
 /// Whether the positions of `segments` strictly increase (each segment starts at or after the
 /// previous one's end).
 fn ascending(segments: &[Segment]) -> bool {
@@ -131,6 +213,11 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
     let (qpos, _) = be.positions(q_positions)?;
     let (kvpos, _) = be.positions(kv_positions)?;
     let lse_len = batch * heads * seq_q;
+    let tensor_core = if be.operands == Operands::Bf16 {
+        TensorCore::for_head_dim(d)
+    } else {
+        None
+    };
     let q_blocks = seq_q.div_ceil(ATT_WARPS as usize) as u32;
     let block = (32, ATT_WARPS, 1);
     let kv_smem = (2 * ATT_TILE * d * 4) as u32;
@@ -148,6 +235,10 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
             Arg::Ptr(kvpos),
             Arg::Geom(g),
         ];
+        if let Some(tc) = &tensor_core {
+            let grid = (seq_q.div_ceil(TC_BR) as u32, (batch * heads) as u32, 1);
+            return launch_tc(be, tc.fwd, grid, tc.fwd_smem(), &args);
+        }
         be.launch(
             "attention_fwd",
             (q_blocks, (batch * heads) as u32, 1),
@@ -171,6 +262,30 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
             0,
             &[p(dout), p(o), Arg::Ptr(delta), Arg::Geom(g)],
         )?;
+        if let Some(tc) = &tensor_core {
+            // dQ is added into with atomics: start it at zero (the op overwrites it).
+            be.zero_bytes(dq.ptr, dq.len * 4)?;
+            let grid = (
+                seq_kv.div_ceil(TC_BC) as u32,
+                (batch * g.kv_heads as usize) as u32,
+                1,
+            );
+            let args = [
+                p(dout),
+                p(q),
+                p(k),
+                p(v),
+                p(lse),
+                Arg::Ptr(delta),
+                p(dq),
+                p(dk),
+                p(dv),
+                Arg::Ptr(qpos),
+                Arg::Ptr(kvpos),
+                Arg::Geom(g),
+            ];
+            return launch_tc(be, tc.bwd, grid, tc.bwd_smem(), &args);
+        }
         let args = [
             p(dout),
             p(q),

@@ -11,11 +11,12 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The kernel sources, in the order they are concatenated (helpers first).
-const SOURCES: [&str; 4] = [
+const SOURCES: [&str; 5] = [
     include_str!("kernels/common.cuh"),
     include_str!("kernels/elementwise.cu"),
     include_str!("kernels/norm_loss.cu"),
     include_str!("kernels/attention.cu"),
+    include_str!("kernels/attention_tc.cu"),
 ];
 
 /// Options that change the generated code: part of the cache key. `--fmad=false` keeps

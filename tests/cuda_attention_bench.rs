@@ -1,0 +1,178 @@
+//! Causal attention forward + backward TFLOP/s on one GPU, for `bench/RESULTS.md` beside
+//! PyTorch SDPA (`bench/attention.py`, same shapes; `bench/attention.sh` runs both in one
+//! device call). bf16 runs take the tensor-core kernels (head_dim 64 and 128); one fp32 point
+//! times the exact kernels they replace. FLOPs follow PyTorch's attention benchmark: causal
+//! forward 4·B·H·T²·d / 2, backward 2.5× the forward.
+//!
+//! Ignored by default (it needs a GPU): on the device machine,
+//! `cuda_attention_bench --ignored --nocapture`. Prints one JSON line per point. Without a GPU
+//! it prints `skipped: no CUDA device`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[test]
+#[ignore = "needs a GPU: run on the device machine with --ignored"]
+fn attention_tflops() {
+    #[cfg(not(feature = "cuda"))]
+    println!("skipped: no CUDA device (this build has no `cuda` feature)");
+    #[cfg(feature = "cuda")]
+    bench::run();
+}
+
+#[cfg(feature = "cuda")]
+mod bench {
+    use parc_compiler::ir::op::{Op, Segment};
+    use parc_compiler::ir::{BufferId, DType};
+    use parc_compiler::spec::Precision;
+    use parc_runtime::backend::{Backend, StepScalars};
+    use parc_runtime::cuda::CudaBackend;
+    use std::time::Instant;
+
+    struct Point {
+        precision: Precision,
+        batch: u64,
+        heads: u64,
+        seq: u64,
+        head_dim: u64,
+        iters: usize,
+    }
+
+    fn point(precision: Precision, batch: u64, heads: u64, seq: u64, head_dim: u64) -> Point {
+        // About the same work per point: fewer repeats for long sequences.
+        let iters = if seq >= 4096 { 5 } else { 20 };
+        Point {
+            precision,
+            batch,
+            heads,
+            seq,
+            head_dim,
+            iters,
+        }
+    }
+
+    /// Uniform values in [-1, 1) from a fixed xorshift stream (the speed does not depend on
+    /// the values, but zeros would hide unwritten outputs and can run faster).
+    fn fill(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn median(mut v: Vec<f64>) -> f64 {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    }
+
+    pub fn run() {
+        let points = [
+            point(Precision::Bf16, 8, 16, 1024, 64),
+            point(Precision::Bf16, 8, 16, 4096, 64),
+            point(Precision::Bf16, 8, 8, 1024, 128),
+            point(Precision::Bf16, 8, 8, 4096, 128),
+            // GPT-2 124M's attention at 8 x 1024.
+            point(Precision::Bf16, 8, 12, 1024, 64),
+            Point {
+                iters: 2,
+                ..point(Precision::Fp32, 8, 16, 1024, 64)
+            },
+        ];
+        for pt in &points {
+            let mut be = match CudaBackend::with_precision(0, pt.precision) {
+                Ok(b) => b,
+                Err(e) => {
+                    println!("skipped: no CUDA device ({e})");
+                    return;
+                }
+            };
+            measure(&mut be, pt);
+        }
+    }
+
+    fn measure(be: &mut CudaBackend, pt: &Point) {
+        let (b, h, t, d) = (pt.batch, pt.heads, pt.seq, pt.head_dim);
+        let n = (t * b * h * d) as usize;
+        let lse_n = (b * h * t) as usize;
+        let positions = vec![Segment {
+            start: 0,
+            len: t as u32,
+        }];
+        let scale = 1.0 / (d as f64).sqrt();
+        let fwd = Op::Attention {
+            batch: b,
+            heads: h,
+            kv_heads: h,
+            head_dim: d,
+            causal: true,
+            scale,
+            q_positions: positions.clone(),
+            kv_positions: positions.clone(),
+        };
+        let bwd = Op::AttentionBwd {
+            batch: b,
+            heads: h,
+            kv_heads: h,
+            head_dim: d,
+            causal: true,
+            scale,
+            q_positions: positions.clone(),
+            kv_positions: positions,
+        };
+        // q k v o lse do dq dk dv
+        let sizes = [n, n, n, n, lse_n, n, n, n, n];
+        for (i, &len) in sizes.iter().enumerate() {
+            let id = BufferId(i as u32);
+            be.alloc(id, &[len as u64], DType::F32).unwrap();
+            be.write_f32(id, &fill(len, i as u64 + 1)).unwrap();
+        }
+        let id = |i: u32| BufferId(i);
+        let scalars = StepScalars {
+            lr: 0.0,
+            step: 1,
+            loss_scale: None,
+        };
+        let (fwd_in, fwd_out) = ([id(0), id(1), id(2)], [id(3), id(4)]);
+        let (bwd_in, bwd_out) = (
+            [id(5), id(0), id(1), id(2), id(3), id(4)],
+            [id(6), id(7), id(8)],
+        );
+        let mut run = |op: &Op, ins: &[BufferId], outs: &[BufferId]| -> f64 {
+            be.synchronize().unwrap();
+            let start = Instant::now();
+            be.compute(op, ins, outs, &scalars).unwrap();
+            be.synchronize().unwrap();
+            start.elapsed().as_secs_f64()
+        };
+        // Warm-up: module load, first-use attributes, allocations.
+        run(&fwd, &fwd_in, &fwd_out);
+        run(&bwd, &bwd_in, &bwd_out);
+        let mut fwd_s = Vec::new();
+        let mut bwd_s = Vec::new();
+        for _ in 0..pt.iters {
+            fwd_s.push(run(&fwd, &fwd_in, &fwd_out));
+            bwd_s.push(run(&bwd, &bwd_in, &bwd_out));
+        }
+        let (fwd_t, bwd_t) = (median(fwd_s), median(bwd_s));
+        let fwd_flop = 4.0 * (b * h) as f64 * (t * t) as f64 * d as f64 / 2.0;
+        let bwd_flop = 2.5 * fwd_flop;
+        let label = match pt.precision {
+            Precision::Bf16 => "parc-bf16-tc",
+            _ => "parc-fp32-exact",
+        };
+        println!(
+            "{{\"impl\": \"{label}\", \"B\": {b}, \"H\": {h}, \"T\": {t}, \"D\": {d}, \"fwd_ms\": {:.3}, \"bwd_ms\": {:.3}, \"fwd_tflops\": {:.1}, \"bwd_tflops\": {:.1}, \"fwdbwd_tflops\": {:.1}}}",
+            fwd_t * 1e3,
+            bwd_t * 1e3,
+            fwd_flop / fwd_t / 1e12,
+            bwd_flop / bwd_t / 1e12,
+            (fwd_flop + bwd_flop) / (fwd_t + bwd_t) / 1e12
+        );
+        for i in 0..sizes.len() {
+            be.free(BufferId(i as u32)).unwrap();
+        }
+    }
+}
