@@ -1,7 +1,8 @@
 //! Resume: a run stopped after step k and resumed from its checkpoint gives the remaining
 //! losses and final parameters of an uninterrupted run bit for bit, on sharded plans too
 //! (ZeRO optimizer shards, pipeline stages, tp blocks); the exported `model.safetensors` holds
-//! the final global parameters. A checkpoint from another plan is refused.
+//! the final global parameters. A checkpoint from another plan is refused. An fp16 run resumes
+//! its dynamic loss scaler where it stopped (scale and the clean/overflow step counts).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #[allow(dead_code)]
 #[path = "ir/fixtures.rs"]
@@ -9,7 +10,7 @@ mod fixtures;
 
 use fixtures::{spec, PlanChoice, TinyModel};
 use parc_compiler::lower::lower;
-use parc_compiler::spec::{Checkpointing, Spec, ZeroStage};
+use parc_compiler::spec::{Checkpointing, LossScale, Precision, Spec, ZeroStage};
 use parc_runtime::cpu::CpuBackend;
 use parc_runtime::exec::{train, TrainOptions, TrainResult};
 use std::path::{Path, PathBuf};
@@ -62,14 +63,14 @@ fn bits(values: impl IntoIterator<Item = f32>) -> Vec<u32> {
 }
 
 fn assert_resume_is_exact(name: &str, plan: impl Fn() -> PlanChoice) {
-    let full = run(
-        &with_checkpoints(plan(), &temp_dir(&format!("{name}-full"))),
-        None,
-        None,
-    );
+    assert_resume_of_spec_is_exact(name, |dir| with_checkpoints(plan(), dir));
+}
+
+fn assert_resume_of_spec_is_exact(name: &str, make: impl Fn(&Path) -> Spec) {
+    let full = run(&make(&temp_dir(&format!("{name}-full"))), None, None);
     assert_eq!(full.records.len(), 7);
     let dir = temp_dir(name);
-    let s = with_checkpoints(plan(), &dir);
+    let s = make(&dir);
     // "Kill" after step 5: checkpoints after steps 2 and 4 exist, step 5's work is lost.
     let first = run(&s, Some(5), None);
     assert_eq!(first.records.len(), 5);
@@ -80,6 +81,14 @@ fn assert_resume_is_exact(name: &str, plan: impl Fn() -> PlanChoice) {
         bits(resumed.records.iter().map(|r| r.loss)),
         bits(full.records[4..].iter().map(|r| r.loss)),
         "{name}: losses after resume"
+    );
+    let scales = |records: &[parc_runtime::exec::StepRecord]| -> Vec<_> {
+        records.iter().map(|r| r.loss_scale).collect()
+    };
+    assert_eq!(
+        scales(&resumed.records),
+        scales(&full.records[4..]),
+        "{name}: loss scales after resume"
     );
     for (a, b) in full.params.iter().zip(&resumed.params) {
         assert_eq!(
@@ -120,6 +129,33 @@ fn resume_with_sharded_optimizer_pipeline_and_tp_is_bit_identical() {
         microbatches: 2,
         ..PlanChoice::default()
     });
+}
+
+/// Dynamic scaling that doubles every 3 clean steps: the checkpoint after step 4 holds scale
+/// 2048 with one clean step counted, so the resumed run must double at step 6 as the
+/// uninterrupted one does (a scaler restarted from `init` would not).
+#[test]
+fn resume_of_an_fp16_run_keeps_the_loss_scaler() {
+    assert_resume_of_spec_is_exact("fp16", |dir| {
+        let mut s = with_checkpoints(PlanChoice::default(), dir);
+        s.train.precision = Precision::Fp16 {
+            loss_scale: LossScale::Dynamic {
+                init: 1024.0,
+                window: 3,
+                hysteresis: 2,
+                min: 1.0,
+            },
+        };
+        s
+    });
+    let dir = temp_dir("fp16-manifest");
+    let mut s = with_checkpoints(PlanChoice::default(), &dir);
+    s.train.precision = Precision::Fp16 {
+        loss_scale: LossScale::Static { scale: 512.0 },
+    };
+    let result = run(&s, Some(2), None);
+    let manifest = parc_runtime::checkpoint::read_manifest(&result.checkpoints[0]).unwrap();
+    assert_eq!(manifest.loss_scale.map(|l| l.scale), Some(512.0));
 }
 
 #[test]
