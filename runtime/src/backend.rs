@@ -2,7 +2,9 @@
 //! executor drives it; `cpu` (the exact reference) and later `cuda` implement it.
 use crate::error::Result;
 use parc_compiler::ir::op::Op;
+use parc_compiler::ir::Program;
 use parc_compiler::ir::{BufferId, CollectiveKind, DType};
+use parc_compiler::memplan::MemoryLayout;
 
 /// Per-step values an op may need that are not part of the program: the learning rate from the
 /// schedule, the 1-based optimizer step count (for Adam's bias correction) and, in fp16 runs,
@@ -37,6 +39,15 @@ pub enum DeviceTransfer {
 pub trait Backend {
     /// Short name for logs (`cpu`, `cuda`).
     fn name(&self) -> &'static str;
+    /// Called once, before any `alloc`, with the program this backend will run and its memory
+    /// plan (`parc_compiler::memplan`, already checked). A backend that preallocates makes its
+    /// persistent region and transient arena here, and `alloc`/`free` of planned buffers then
+    /// bind and unbind their planned offsets (the zero-fill stays). The default ignores the plan:
+    /// every `alloc` allocates on its own.
+    fn prepare(&mut self, program: &Program, layout: &MemoryLayout) -> Result<()> {
+        let _ = (program, layout);
+        Ok(())
+    }
     /// Allocate `id` with `shape` (zero-filled). Allocating an id twice is an error.
     fn alloc(&mut self, id: BufferId, shape: &[u64], dtype: DType) -> Result<()>;
     /// Release `id`. Freeing an unallocated id is an error.

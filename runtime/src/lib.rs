@@ -10,4 +10,3 @@ pub mod error;
 pub mod exec;
 pub mod init;
 pub mod launch;
-pub mod tensor;

@@ -2,8 +2,8 @@
 //! (from `op.rs`), typed access to the buffers bound to them, and the shape checks the kernels run
 //! before indexing. Every mismatch is a `RuntimeError::Op` naming the op, the role and the buffer:
 //! a lowering bug must surface as a clear error, never as a panic or silent garbage.
+use super::memory::{View, ViewMut};
 use crate::error::{Result, RuntimeError};
-use crate::tensor::Tensor;
 use parc_compiler::ir::op::{Op, Segment};
 use parc_compiler::ir::BufferId;
 
@@ -180,7 +180,7 @@ pub(crate) struct Inputs<'a> {
     pub op: &'static str,
     pub roles: &'a [&'static str],
     pub ids: &'a [BufferId],
-    pub tensors: Vec<&'a Tensor>,
+    pub tensors: Vec<View<'a>>,
 }
 
 impl<'a> Inputs<'a> {
@@ -190,7 +190,7 @@ impl<'a> Inputs<'a> {
         format!("input {i} ({role}, buffer {id})")
     }
 
-    pub fn tensor(&self, i: usize) -> Result<&'a Tensor> {
+    pub fn tensor(&self, i: usize) -> Result<View<'a>> {
         self.tensors
             .get(i)
             .copied()
@@ -221,19 +221,19 @@ pub(crate) struct Outputs<'a> {
     pub op: &'static str,
     pub roles: &'a [&'static str],
     pub ids: &'a [BufferId],
-    pub tensors: Vec<&'a mut Tensor>,
+    pub tensors: Vec<ViewMut<'a>>,
 }
 
-impl Outputs<'_> {
+impl<'a> Outputs<'a> {
     fn describe(&self, i: usize) -> String {
         let role = self.roles.get(i).copied().unwrap_or("?");
         let id = self.ids.get(i).map_or(u32::MAX, |b| b.0);
         format!("output {i} ({role}, buffer {id})")
     }
 
-    pub fn tensor(&mut self, i: usize) -> Result<&mut Tensor> {
+    pub fn tensor(&mut self, i: usize) -> Result<&mut ViewMut<'a>> {
         let missing = op_error(self.op, format!("{} is missing", self.describe(i)));
-        self.tensors.get_mut(i).map(|t| &mut **t).ok_or(missing)
+        self.tensors.get_mut(i).ok_or(missing)
     }
 
     /// All `N` outputs as f32 slices, in order.

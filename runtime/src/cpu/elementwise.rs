@@ -3,9 +3,9 @@
 //! Computed in f32 (`libm::erff` for gelu; gelu_tanh through the identity
 //! `0.5·(1 + tanh u) = σ(2u)`, one exponential per element).
 use super::args::{expect_len, op_error};
+use super::memory::{View, ViewMut};
 use super::par::TASK_ELEMENTS;
 use crate::error::Result;
-use crate::tensor::{Tensor, TensorData};
 use parc_compiler::ir::op::Act;
 use rayon::prelude::*;
 
@@ -161,11 +161,11 @@ pub(crate) fn scale(op: &str, factor: f64, x: &[f32], y: &mut [f32]) -> Result<(
 }
 
 /// `y = x` for tensors of one dtype and length.
-pub(crate) fn copy(op: &str, x: &Tensor, y: &mut Tensor) -> Result<()> {
+pub(crate) fn copy(op: &str, x: View<'_>, y: &mut ViewMut<'_>) -> Result<()> {
     expect_len(op, "y", y.len(), x.len())?;
-    match (x.data(), y.data_mut()) {
-        (TensorData::F32(x), TensorData::F32(y)) => y.copy_from_slice(x),
-        (TensorData::I32(x), TensorData::I32(y)) => y.copy_from_slice(x),
+    match (x, y) {
+        (View::F32(x), ViewMut::F32(y)) => y.copy_from_slice(x),
+        (View::I32(x), ViewMut::I32(y)) => y.copy_from_slice(x),
         _ => return Err(op_error(op, "x and y have different dtypes")),
     }
     Ok(())
@@ -177,8 +177,8 @@ pub(crate) fn copy_range(
     src_offset: u64,
     dst_offset: u64,
     len: u64,
-    src: &Tensor,
-    dst: &mut Tensor,
+    src: View<'_>,
+    dst: &mut ViewMut<'_>,
 ) -> Result<()> {
     let range = |offset: u64, buffer_len: usize, what: &str| {
         let end = offset.checked_add(len);
@@ -194,9 +194,9 @@ pub(crate) fn copy_range(
     };
     let src_range = range(src_offset, src.len(), "src")?;
     let dst_range = range(dst_offset, dst.len(), "dst")?;
-    match (src.data(), dst.data_mut()) {
-        (TensorData::F32(s), TensorData::F32(d)) => d[dst_range].copy_from_slice(&s[src_range]),
-        (TensorData::I32(s), TensorData::I32(d)) => d[dst_range].copy_from_slice(&s[src_range]),
+    match (src, dst) {
+        (View::F32(s), ViewMut::F32(d)) => d[dst_range].copy_from_slice(&s[src_range]),
+        (View::I32(s), ViewMut::I32(d)) => d[dst_range].copy_from_slice(&s[src_range]),
         _ => return Err(op_error(op, "src and dst have different dtypes")),
     }
     Ok(())

@@ -9,14 +9,20 @@
 //! through CUDA C kernels compiled by NVRTC once per run (`compile`); `dispatch` maps each op
 //! onto them. All work is ordered on one stream; reads to the host synchronise it.
 //!
-//! Buffers are device allocations keyed by `BufferId`. An op whose output is also one of its
-//! inputs sees the input's value from before the op (the input is copied first), as on the CPU.
+//! Buffers are keyed by `BufferId`. Given the program's memory plan (`Backend::prepare`, which
+//! the executor always calls), the backend makes one allocation for the persistent buffers and
+//! one arena for the transient ones, and sizes every per-op scratch once (`storage`): `Alloc` is
+//! then a stream-ordered memset of the buffer's planned bytes and `Free` releases nothing, so a
+//! step makes no driver allocation. Without a plan each buffer is its own allocation. An op whose
+//! output is also one of its inputs sees the input's value from before the op (the input is
+//! copied first), as on the CPU.
 mod attention;
 mod compile;
 mod device;
 mod dispatch;
 mod gemm;
 mod nccl;
+mod storage;
 mod stream;
 
 use crate::backend::{Backend, DeviceTransfer, StepScalars};
@@ -28,7 +34,9 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, LaunchConfi
 use device::driver_error;
 use gemm::{Blas, Operands};
 use parc_compiler::ir::op::{Op, Segment};
+use parc_compiler::ir::Program;
 use parc_compiler::ir::{BufferId, CollectiveKind, DType};
+use parc_compiler::memplan::MemoryLayout;
 use parc_compiler::spec::Precision;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -37,7 +45,8 @@ pub use nccl::{nccl_available, nccl_version, NcclId};
 
 /// One allocated buffer.
 struct Slot {
-    memory: CudaSlice<u8>,
+    /// The buffer's own allocation; None for a planned buffer (it points into a region).
+    memory: Option<CudaSlice<u8>>,
     ptr: CUdeviceptr,
     len: usize,
     dtype: DType,
@@ -72,6 +81,10 @@ pub struct CudaBackend {
     kernels: Kernels,
     blas: Blas,
     slots: Vec<Option<Slot>>,
+    /// The memory plan's regions and pointers (empty until `prepare`).
+    planned: storage::PlannedRegions,
+    /// Copies of inputs that are also their op's output, sized by `prepare`.
+    aliased: Option<CudaSlice<u8>>,
     /// Global positions per `Segment` list, uploaded once.
     positions: HashMap<Vec<Segment>, (CudaSlice<u8>, usize)>,
     /// Scratch for reductions' partials; grows, never shrinks.
@@ -136,6 +149,8 @@ impl CudaBackend {
             kernels,
             blas,
             slots: Vec::new(),
+            planned: storage::PlannedRegions::default(),
+            aliased: None,
             positions: HashMap::new(),
             scratch: None,
             operands,
@@ -180,6 +195,48 @@ impl CudaBackend {
         self.stream
             .alloc_zeros::<u8>(bytes.max(4))
             .map_err(|e| driver_error(&format!("allocating {bytes} bytes for {what}"), e))
+    }
+
+    /// Device memory held now: the memory plan's regions, buffers allocated outside it, the
+    /// scratch (reduction partials, 16-bit GEMM operands, aliased inputs), uploaded positions
+    /// and the cuBLASLt workspace. With a memory plan this is fixed after `prepare` (scratch
+    /// sized from the program), so it is the run's peak buffer memory; the CUDA context and
+    /// the kernels' code are not counted.
+    pub fn reserved_bytes(&self) -> u64 {
+        let own: usize = self
+            .slots
+            .iter()
+            .flatten()
+            .filter_map(|s| s.memory.as_ref().map(CudaSlice::len))
+            .sum();
+        let scratch: usize = [&self.scratch, &self.bf16_operands, &self.aliased]
+            .into_iter()
+            .flatten()
+            .map(CudaSlice::len)
+            .sum();
+        let positions: usize = self.positions.values().map(|(m, _)| m.len()).sum();
+        self.planned.bytes + (own + scratch + positions + WORKSPACE_BYTES) as u64
+    }
+
+    /// Room for a copy of an aliased input of `bytes`: the next piece of the planned scratch,
+    /// or (without room there) an allocation of its own, kept in `own` until the op is queued.
+    fn aliased_copy(
+        &self,
+        own: &mut Vec<CudaSlice<u8>>,
+        used: &mut usize,
+        bytes: usize,
+    ) -> Result<CUdeviceptr> {
+        if let Some(scratch) = &self.aliased {
+            let start = *used;
+            if start + bytes <= scratch.len() {
+                *used = (start + bytes).next_multiple_of(256);
+                return Ok(raw_ptr(&self.stream, scratch) + start as CUdeviceptr);
+            }
+        }
+        let copy = self.alloc_bytes(bytes, "an aliased input")?;
+        let ptr = raw_ptr(&self.stream, &copy);
+        own.push(copy);
+        Ok(ptr)
     }
 
     /// Device pointer to `bytes` of scratch (valid until the next call; stream-ordered).
@@ -365,6 +422,37 @@ impl Backend for CudaBackend {
         CudaBackend::synchronize(self)
     }
 
+    fn prepare(&mut self, program: &Program, layout: &MemoryLayout) -> Result<()> {
+        if self.slots.iter().any(Option::is_some) {
+            return Err(RuntimeError::Unsupported(
+                "the CUDA backend was given a memory plan after buffers were allocated".into(),
+            ));
+        }
+        let region = |bytes: u64, what: &str| -> Result<(CudaSlice<u8>, CUdeviceptr)> {
+            let memory = self.alloc_bytes(bytes as usize, what)?;
+            let ptr = raw_ptr(&self.stream, &memory);
+            Ok((memory, ptr))
+        };
+        let persistent = region(layout.persistent_bytes, "the persistent buffers")?;
+        let arena = region(layout.arena_bytes, "the transient buffer arena")?;
+        self.planned = storage::PlannedRegions::new(program, layout, persistent, arena);
+        let needs = storage::program_needs(program);
+        self.scratch(needs.reduction_bytes)?;
+        if self.operands != Operands::F32 {
+            self.bf16_operands = None;
+            self.bf16_operands =
+                Some(self.alloc_bytes(needs.gemm_operand_bytes, "16-bit GEMM operands")?);
+        }
+        self.aliased = None;
+        if needs.aliased_bytes > 0 {
+            self.aliased = Some(self.alloc_bytes(needs.aliased_bytes, "aliased input copies")?);
+        }
+        for segments in &needs.segments {
+            self.positions(segments)?;
+        }
+        Ok(())
+    }
+
     fn alloc(&mut self, id: BufferId, shape: &[u64], dtype: DType) -> Result<()> {
         let len = shape
             .iter()
@@ -376,8 +464,27 @@ impl Backend for CudaBackend {
         if self.slots.get(index).is_some_and(Option::is_some) {
             return Err(buffer_error(id, "is already allocated"));
         }
-        let memory = self.alloc_bytes(len * dtype.bytes() as usize, &format!("buffer {}", id.0))?;
-        let ptr = raw_ptr(&self.stream, &memory);
+        let bytes = len * dtype.bytes() as usize;
+        let (memory, ptr) = match self.planned.pointer(index) {
+            // Its planned bytes, zeroed in stream order (after every earlier user of them).
+            Some((ptr, capacity)) => {
+                if bytes as u64 > capacity {
+                    return Err(buffer_error(
+                        id,
+                        format!("needs {bytes} bytes but was planned {capacity} (a planner bug)"),
+                    ));
+                }
+                if bytes > 0 {
+                    self.zero_bytes(ptr, bytes)?;
+                }
+                (None, ptr)
+            }
+            None => {
+                let memory = self.alloc_bytes(bytes, &format!("buffer {}", id.0))?;
+                let ptr = raw_ptr(&self.stream, &memory);
+                (Some(memory), ptr)
+            }
+        };
         if self.slots.len() <= index {
             self.slots.resize_with(index + 1, || None);
         }
@@ -416,16 +523,15 @@ impl Backend for CudaBackend {
             .collect::<Result<Vec<_>>>()?;
         // Inputs that are also outputs are read from a copy taken before the op.
         let mut copies = Vec::new();
+        let mut aliased_used = 0usize;
         let mut ins = Vec::with_capacity(inputs.len());
         for &id in inputs {
             let mut b = self.buf(id)?;
             if outputs.contains(&id) {
                 let bytes = b.len * b.dtype.bytes() as usize;
-                let copy = self.alloc_bytes(bytes, "an aliased input")?;
-                let ptr = raw_ptr(&self.stream, &copy);
+                let ptr = self.aliased_copy(&mut copies, &mut aliased_used, bytes)?;
                 self.copy_bytes(ptr, b.ptr, bytes)?;
                 b.ptr = ptr;
-                copies.push(copy);
             }
             ins.push(b);
         }

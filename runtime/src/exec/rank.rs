@@ -148,8 +148,13 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
             })
     }
 
-    /// Allocate the persistent buffers and initialise the parameters from the seed.
+    /// Plan the program's memory and hand the plan to the backend, allocate the persistent
+    /// buffers and initialise the parameters from the seed.
     pub fn init(&mut self, seed: u64) -> Result<()> {
+        // Every buffer's place is decided (and checked) before the first allocation.
+        let layout = parc_compiler::memplan::plan_program(self.program)
+            .map_err(|e| plan_error(self.rank, e))?;
+        self.backend.prepare(self.program, &layout)?;
         let buffers: Vec<_> = self.persistent().collect();
         for (id, buffer) in buffers {
             self.backend.alloc(id, &buffer.shape, buffer.dtype)?;

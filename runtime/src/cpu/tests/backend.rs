@@ -1,10 +1,11 @@
-//! The buffer table (alloc/free/take/put back), error reporting for lowering bugs (counts,
+//! Buffer storage (planned and unplanned placement, zero-fill, lifecycle), error reporting for lowering bugs (counts,
 //! dtypes, lengths: errors, never panics), in-place ops, and bit-identical results across
 //! thread counts.
 use super::*;
 use crate::error::RuntimeError;
-use crate::tensor::Tensor;
 use parc_compiler::ir::op::Act;
+use parc_compiler::ir::{Buffer, BufferKind, Instr, Program};
+use parc_compiler::memplan::{plan_program, Placement};
 
 #[test]
 fn buffers_are_zeroed_and_their_lifecycle_is_checked() {
@@ -21,29 +22,103 @@ fn buffers_are_zeroed_and_their_lifecycle_is_checked() {
     assert!(!b.is_allocated(BufferId(3)));
 }
 
+/// Buffers `b0` (persistent, 2 floats), `b1` and `b2` (transient, 64 floats, alive one after
+/// the other) and `b3` (i32, alive with both).
+fn planned_program() -> Program {
+    let buffer = |name: &str, n: u64, dtype, kind| Buffer {
+        name: name.into(),
+        shape: vec![n],
+        dtype,
+        kind,
+    };
+    let (alloc, free) = (
+        |b: u32| Instr::Alloc {
+            buffer: BufferId(b),
+        },
+        |b: u32| Instr::Free {
+            buffer: BufferId(b),
+        },
+    );
+    Program {
+        role: "test".into(),
+        coords: Vec::new(),
+        buffers: vec![
+            buffer("w", 2, DType::F32, BufferKind::Param),
+            buffer("x", 64, DType::F32, BufferKind::Activation),
+            buffer("y", 64, DType::F32, BufferKind::Activation),
+            buffer("ids", 8, DType::I32, BufferKind::Input),
+        ],
+        params: Vec::new(),
+        instrs: vec![alloc(3), alloc(1), free(1), alloc(2), free(2), free(3)],
+        loss: None,
+        grad_sumsq: None,
+    }
+}
+
 #[test]
-fn take_and_put_back_guard_the_buffer_meanwhile() {
+fn planned_buffers_reuse_their_planned_bytes_zeroed() {
+    let program = planned_program();
+    let layout = plan_program(&program).unwrap();
+    assert_eq!(
+        layout.placement(BufferId(1)),
+        layout.placement(BufferId(2)),
+        "x and y are never alive together"
+    );
+    assert!(matches!(
+        layout.placement(BufferId(0)),
+        Placement::Persistent(0)
+    ));
     let mut b = CpuBackend::new();
-    b.alloc(BufferId(0), &[3], DType::F32).unwrap();
-    b.alloc(BufferId(1), &[3], DType::F32).unwrap();
-    let mut t = b.take(BufferId(0)).unwrap();
-    assert!(b.take(BufferId(0)).is_err());
-    let err = b
-        .compute(&Op::Copy, &[BufferId(0)], &[BufferId(1)], &SCALARS)
-        .unwrap_err();
-    assert!(err.to_string().contains("taken out"), "{err}");
-    // An op whose output is taken fails and leaves its other buffers usable.
-    assert!(b
-        .compute(&Op::Copy, &[BufferId(1)], &[BufferId(0)], &SCALARS)
-        .is_err());
-    assert!(b.f32(BufferId(1)).is_ok());
-    let wrong = Tensor::zeros(BufferId(0), &[4], DType::F32).unwrap();
-    assert!(b.put_back(BufferId(0), wrong).is_err());
-    t.as_f32_mut().unwrap().copy_from_slice(&[1.0, 2.0, 3.0]);
-    b.put_back(BufferId(0), t).unwrap();
-    assert_eq!(b.f32(BufferId(0)).unwrap(), &[1.0, 2.0, 3.0]);
-    let again = Tensor::zeros(BufferId(0), &[3], DType::F32).unwrap();
-    assert!(b.put_back(BufferId(0), again).is_err());
+    b.prepare(&program, &layout).unwrap();
+    assert_eq!(b.reserved_bytes(), layout.total_bytes());
+    b.alloc(BufferId(0), &[2], DType::F32).unwrap();
+    b.write_f32(BufferId(0), &[5.0, 6.0]).unwrap();
+    b.alloc(BufferId(3), &[8], DType::I32).unwrap();
+    b.write_i32(BufferId(3), &[7; 8]).unwrap();
+    b.alloc(BufferId(1), &[64], DType::F32).unwrap();
+    b.write_f32(BufferId(1), &[1.5; 64]).unwrap();
+    b.free(BufferId(1)).unwrap();
+    b.alloc(BufferId(2), &[64], DType::F32).unwrap();
+    // y took x's bytes: zeroed again; the others are untouched.
+    assert_eq!(b.f32(BufferId(2)).unwrap(), &[0.0; 64]);
+    assert_eq!(b.f32(BufferId(0)).unwrap(), &[5.0, 6.0]);
+    assert_eq!(b.i32(BufferId(3)).unwrap(), &[7; 8]);
+    // Ops read and write planned buffers like any others.
+    b.compute(
+        &Op::Scale { factor: 2.0 },
+        &[BufferId(0)],
+        &[BufferId(0)],
+        &SCALARS,
+    )
+    .unwrap();
+    assert_eq!(b.f32(BufferId(0)).unwrap(), &[10.0, 12.0]);
+    assert_eq!(b.reserved_bytes(), layout.total_bytes(), "no growth");
+    // A plan comes before any allocation.
+    assert!(b.prepare(&program, &layout).is_err());
+}
+
+#[test]
+fn unplanned_buffers_reuse_freed_space_first_fit() {
+    let mut b = CpuBackend::new();
+    b.alloc(BufferId(0), &[16], DType::F32).unwrap();
+    b.alloc(BufferId(1), &[16], DType::F32).unwrap();
+    b.free(BufferId(0)).unwrap();
+    b.alloc(BufferId(2), &[8], DType::I32).unwrap();
+    assert_eq!(b.reserved_bytes(), 128, "b2 went into b0's freed bytes");
+    assert_eq!(b.i32(BufferId(2)).unwrap(), &[0; 8]);
+    b.alloc(BufferId(3), &[32], DType::F32).unwrap();
+    assert_eq!(b.reserved_bytes(), 256);
+    // Inputs and outputs of one op are disjoint views, repeated inputs allowed.
+    b.write_f32(BufferId(1), &[2.0; 16]).unwrap();
+    b.alloc(BufferId(4), &[16], DType::F32).unwrap();
+    b.compute(
+        &Op::Add,
+        &[BufferId(1), BufferId(1)],
+        &[BufferId(4)],
+        &SCALARS,
+    )
+    .unwrap();
+    assert_eq!(b.f32(BufferId(4)).unwrap(), &[4.0; 16]);
 }
 
 fn error_text(result: Result<Vec<Vec<f32>>>) -> String {

@@ -1,0 +1,245 @@
+//! Where the CUDA backend's memory comes from when it is given a memory plan
+//! (`Backend::prepare`): the planned regions (one device allocation for the persistent
+//! buffers, one for the transient arena; each planned buffer is a fixed pointer into them, so
+//! `Alloc` is a stream-ordered memset and `Free` releases nothing), and the sizes of the
+//! per-op scratch memory read off the program once, so no step allocates:
+//! - reduction partials (`dispatch`: `SumSquares`' per-block sums, the per-chunk column partials
+//!   of norm and bias gradients — at most 128 chunks of 8-byte sums per column — and attention
+//!   backward's `delta`, one f32 per `lse` element);
+//! - the 16-bit copies of a GEMM's two operands (bf16 runs), B on a 256-byte boundary;
+//! - copies of inputs that are also the op's output (read from before the op);
+//! - every distinct `Segment` list, whose positions are uploaded once.
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::CudaSlice;
+use parc_compiler::ir::op::{Op, Segment};
+use parc_compiler::ir::{Buffer, Instr, Program};
+use parc_compiler::memplan::{MemoryLayout, Placement, ALIGN};
+
+/// Most chunks a column reduction splits its rows into (`dispatch::chunking`).
+const MAX_CHUNKS: usize = 128;
+/// Most blocks of `SumSquares`' first pass.
+const MAX_SUMSQ_BLOCKS: usize = 1024;
+
+/// The scratch sizes and position lists one program needs (see the module docs).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct ProgramNeeds {
+    /// Bytes of reduction partials (the largest single op's).
+    pub reduction_bytes: usize,
+    /// Bytes of the 16-bit copies of the largest GEMM's two operands.
+    pub gemm_operand_bytes: usize,
+    /// Bytes of the largest op's inputs that are also its outputs (each 256-byte aligned).
+    pub aliased_bytes: usize,
+    /// Every distinct position list, in first-use order.
+    pub segments: Vec<Vec<Segment>>,
+}
+
+fn aligned(bytes: usize) -> usize {
+    bytes.next_multiple_of(ALIGN as usize)
+}
+
+/// Read every compute op of `program` for the scratch it will ask for.
+pub(crate) fn program_needs(program: &Program) -> ProgramNeeds {
+    let mut needs = ProgramNeeds::default();
+    let buffer = |id: Option<&parc_compiler::ir::BufferId>| -> Option<&Buffer> {
+        id.and_then(|id| program.buffer(*id))
+    };
+    let numel = |b: Option<&Buffer>| b.map_or(0, |b| b.numel() as usize);
+    for instr in &program.instrs {
+        let Instr::Compute {
+            op,
+            inputs,
+            outputs,
+            ..
+        } = instr
+        else {
+            continue;
+        };
+        let input = |i: usize| buffer(inputs.get(i));
+        let output = |i: usize| buffer(outputs.get(i));
+        let reduction = match &**op {
+            Op::SumSquares => MAX_SUMSQ_BLOCKS * 8,
+            // dw, and db when there is one, each reduced over row chunks.
+            Op::LayerNormBwd { .. } | Op::RmsNormBwd { .. } => {
+                MAX_CHUNKS * 8 * numel(output(1)).max(numel(output(2)))
+            }
+            Op::MatmulBwdWeight { bias: true, .. } => MAX_CHUNKS * 8 * numel(output(1)),
+            Op::AttentionBwd { .. } => numel(input(5)) * 4,
+            _ => 0,
+        };
+        needs.reduction_bytes = needs.reduction_bytes.max(reduction);
+        if matches!(
+            &**op,
+            Op::Matmul { .. } | Op::MatmulBwdData { .. } | Op::MatmulBwdWeight { .. }
+        ) {
+            let bytes = aligned(numel(input(0)) * 2) + numel(input(1)) * 2;
+            let other_order = aligned(numel(input(1)) * 2) + numel(input(0)) * 2;
+            needs.gemm_operand_bytes = needs.gemm_operand_bytes.max(bytes.max(other_order));
+        }
+        let mut aliased = 0usize;
+        for (i, id) in inputs.iter().enumerate() {
+            let first = inputs.iter().position(|x| x == id) == Some(i);
+            if first && outputs.iter().any(|o| o == id) {
+                aliased += aligned(buffer(Some(id)).map_or(0, |b| b.bytes() as usize));
+            }
+        }
+        needs.aliased_bytes = needs.aliased_bytes.max(aliased);
+        let lists: Vec<&Vec<Segment>> = match &**op {
+            Op::PositionAdd { positions, .. }
+            | Op::PositionAddBwd { positions, .. }
+            | Op::Rope { positions, .. }
+            | Op::RopeBwd { positions, .. } => vec![positions],
+            Op::Attention {
+                q_positions,
+                kv_positions,
+                ..
+            }
+            | Op::AttentionBwd {
+                q_positions,
+                kv_positions,
+                ..
+            } => vec![q_positions, kv_positions],
+            _ => Vec::new(),
+        };
+        for list in lists {
+            if !needs.segments.contains(list) {
+                needs.segments.push(list.clone());
+            }
+        }
+    }
+    needs
+}
+
+/// The planned regions and each planned buffer's device pointer and size.
+#[derive(Default)]
+pub(crate) struct PlannedRegions {
+    /// Persistent region, then arena (kept alive; the pointers below point into them).
+    _regions: Vec<CudaSlice<u8>>,
+    /// Per buffer id: its planned pointer and bytes, if the plan places it.
+    pointers: Vec<Option<(CUdeviceptr, u64)>>,
+    /// Bytes of the two regions.
+    pub bytes: u64,
+}
+
+impl PlannedRegions {
+    /// Pointers for every buffer `layout` places, given the regions and their base pointers.
+    pub fn new(
+        program: &Program,
+        layout: &MemoryLayout,
+        persistent: (CudaSlice<u8>, CUdeviceptr),
+        arena: (CudaSlice<u8>, CUdeviceptr),
+    ) -> PlannedRegions {
+        let pointers = program
+            .buffers
+            .iter()
+            .zip(&layout.placements)
+            .map(|(buffer, placement)| match *placement {
+                Placement::Persistent(at) => Some((persistent.1 + at, buffer.bytes())),
+                Placement::Arena(at) => Some((arena.1 + at, buffer.bytes())),
+                Placement::Unused => None,
+            })
+            .collect();
+        PlannedRegions {
+            _regions: vec![persistent.0, arena.0],
+            pointers,
+            bytes: layout.total_bytes(),
+        }
+    }
+
+    /// The planned pointer and size of buffer `index`.
+    pub fn pointer(&self, index: usize) -> Option<(CUdeviceptr, u64)> {
+        self.pointers.get(index).copied().flatten()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use parc_compiler::ir::{BufferId, BufferKind, DType, Inputs, Outputs, Phase};
+    use std::sync::Arc;
+
+    fn buffer(n: u64) -> Buffer {
+        Buffer {
+            name: format!("b{n}"),
+            shape: vec![n],
+            dtype: DType::F32,
+            kind: BufferKind::Activation,
+        }
+    }
+
+    fn compute(op: Op, inputs: &[u32], outputs: &[u32]) -> Instr {
+        let ids = |v: &[u32]| v.iter().map(|&b| BufferId(b)).collect::<Vec<_>>();
+        Instr::Compute {
+            op: Arc::new(op),
+            inputs: Inputs::from_slice(&ids(inputs)).unwrap(),
+            outputs: Outputs::from_slice(&ids(outputs)).unwrap(),
+            node: None,
+            phase: Phase::Forward,
+        }
+    }
+
+    #[test]
+    fn needs_are_the_largest_op_of_each_kind() {
+        let seg = |start, len| vec![Segment { start, len }];
+        // Buffer b has 1000·(b+1) elements.
+        let program = Program {
+            role: "test".into(),
+            coords: Vec::new(),
+            buffers: (0..8).map(|b| buffer(1000 * (b + 1))).collect(),
+            params: Vec::new(),
+            instrs: vec![
+                compute(
+                    Op::Matmul {
+                        in_dim: 1,
+                        out_dim: 1,
+                        bias: false,
+                    },
+                    &[0, 1],
+                    &[2],
+                ),
+                compute(
+                    Op::MatmulBwdWeight {
+                        in_dim: 1,
+                        out_dim: 1,
+                        bias: true,
+                    },
+                    &[2, 0],
+                    &[1, 3],
+                ),
+                compute(Op::SumSquares, &[7], &[0]),
+                compute(Op::Scale { factor: 2.0 }, &[4], &[4]),
+                compute(
+                    Op::Rope {
+                        batch: 1,
+                        heads: 1,
+                        head_dim: 2,
+                        theta: 1e4,
+                        positions: seg(0, 4),
+                    },
+                    &[5],
+                    &[6],
+                ),
+                compute(
+                    Op::RopeBwd {
+                        batch: 1,
+                        heads: 1,
+                        head_dim: 2,
+                        theta: 1e4,
+                        positions: seg(0, 4),
+                    },
+                    &[5],
+                    &[6],
+                ),
+            ],
+            loss: None,
+            grad_sumsq: None,
+        };
+        let needs = program_needs(&program);
+        // Bias gradient b3 (4000 floats): 128 chunks × 8 bytes per column.
+        assert_eq!(needs.reduction_bytes, 128 * 8 * 4000);
+        // The bwd-weight GEMM's operands b2 and b0: 3000 + 1000 halves, the first aligned.
+        assert_eq!(needs.gemm_operand_bytes, 6144 + 2000);
+        // b4 is read and written by one op.
+        assert_eq!(needs.aliased_bytes, 20224);
+        assert_eq!(needs.segments, vec![seg(0, 4)]);
+    }
+}
