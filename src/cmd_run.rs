@@ -35,6 +35,10 @@ pub struct RunArgs {
     /// Where the ranks compute.
     #[arg(long, value_enum, default_value = "auto")]
     pub backend: BackendChoice,
+    /// How the ranks communicate: `nccl` on the GPUs' own buffers, `local` through host
+    /// memory; `auto` is NCCL for a CUDA run of several ranks.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub comm: crate::run_comm::CommChoice,
     /// `human`: a progress line on stderr; `json`: one JSON object per step on stdout.
     #[arg(long = "log-format", value_enum, default_value = "human")]
     pub log_format: LogFormat,
@@ -196,21 +200,23 @@ fn run(
     args: &RunArgs,
 ) -> Result<(), String> {
     match backend {
-        Resolved::Cpu => run_with(spec, plan, spec_dir, backend, args, |_, threads| {
-            CpuBackend::with_threads(threads)
-        }),
+        Resolved::Cpu => {
+            crate::run_comm::check_cpu(args.comm)?;
+            run_with(spec, plan, spec_dir, backend, args, |_, threads| {
+                CpuBackend::with_threads(threads)
+            })
+        }
         // Rank r of a local run uses GPU r.
         #[cfg(feature = "cuda")]
-        Resolved::Cuda => run_with(spec, plan, spec_dir, backend, args, |rank, _| {
-            parc_runtime::cuda::CudaBackend::with_precision(rank as usize, spec.train.precision)
-                .map_err(|e| {
-                    parc_runtime::error::RuntimeError::Unsupported(format!(
-                        "rank {rank} of a local CUDA run uses GPU {rank} (one GPU per rank, {} \
-                         ranks in this plan): {e}",
-                        plan.world
-                    ))
-                })
-        }),
+        Resolved::Cuda => {
+            let quiet = args.log_format == LogFormat::Json;
+            let comm = crate::run_comm::resolve_cuda(args.comm, plan.world, quiet)?;
+            let timeout = TrainOptions::new(spec_dir).comm_timeout;
+            let gate = crate::run_comm::StartGate::new(plan.world, timeout);
+            run_with(spec, plan, spec_dir, backend, args, |rank, _| {
+                crate::run_comm::cuda_rank(rank, spec, plan, &comm, &gate)
+            })
+        }
     }
 }
 

@@ -7,6 +7,7 @@ mod cmd_plan;
 mod cmd_run;
 mod diagnostics;
 mod report;
+mod run_comm;
 mod run_profile;
 mod run_progress;
 

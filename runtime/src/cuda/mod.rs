@@ -22,6 +22,8 @@ mod device;
 mod dispatch;
 mod gemm;
 mod nccl;
+mod stream;
+mod nccl;
 mod storage;
 mod stream;
 

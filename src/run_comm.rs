@@ -1,0 +1,201 @@
+//! `parc run --comm auto|local|nccl`: how the ranks of a run communicate. `local` moves every
+//! collective through host memory between the rank threads of this process; `nccl` runs them
+//! on the GPUs' own buffers through NCCL (CUDA runs only), overlapped with compute. `auto` is
+//! NCCL for a CUDA run of several ranks when NCCL can be loaded, else local. This module also
+//! makes a CUDA rank's backend with NCCL attached.
+use parc_compiler::ir::Plan;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum CommChoice {
+    /// NCCL for a CUDA run of several ranks (when NCCL loads), else local.
+    Auto,
+    /// Through host memory, between the rank threads of this process.
+    Local,
+    /// NCCL on the GPUs' buffers (needs --backend cuda and the NCCL library).
+    Nccl,
+}
+
+/// A CPU run cannot use NCCL.
+pub fn check_cpu(choice: CommChoice) -> Result<(), String> {
+    match choice {
+        CommChoice::Nccl => Err(
+            "--comm nccl moves GPU buffers: use it with --backend cuda (a \
+             CPU run communicates with --comm local)"
+                .to_string(),
+        ),
+        CommChoice::Auto | CommChoice::Local => Ok(()),
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub use cuda::{cuda_rank, resolve_cuda, StartGate};
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::{CommChoice, Plan};
+    use parc_compiler::spec::Spec;
+    use parc_runtime::cuda::{nccl_available, nccl_version, CudaBackend, NcclId};
+    use parc_runtime::error::{Result, RuntimeError};
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+    use std::time::{Duration, Instant};
+
+    /// How a CUDA run's ranks communicate, resolved.
+    pub enum CudaComm {
+        Local,
+        /// NCCL, every rank joining the world communicator of this id.
+        Nccl(NcclId),
+    }
+
+    /// Resolve `--comm` for a CUDA run of `world` ranks; says what it chose unless `quiet`.
+    pub fn resolve_cuda(
+        choice: CommChoice,
+        world: u32,
+        quiet: bool,
+    ) -> std::result::Result<CudaComm, String> {
+        let nccl = || -> Result<(NcclId, String)> { Ok((NcclId::new()?, nccl_version()?)) };
+        let chosen = match choice {
+            CommChoice::Local => CudaComm::Local,
+            CommChoice::Nccl => {
+                let (id, version) = nccl().map_err(|e| format!("--comm nccl: {e}"))?;
+                if !quiet {
+                    eprintln!("comm: nccl {version}");
+                }
+                CudaComm::Nccl(id)
+            }
+            CommChoice::Auto if world > 1 => match nccl_available().and_then(|()| nccl()) {
+                Ok((id, version)) => {
+                    if !quiet {
+                        eprintln!("comm: nccl {version} (auto: {world} GPU ranks)");
+                    }
+                    CudaComm::Nccl(id)
+                }
+                Err(e) => {
+                    if !quiet {
+                        eprintln!("comm: local (auto: {e})");
+                    }
+                    CudaComm::Local
+                }
+            },
+            CommChoice::Auto => CudaComm::Local,
+        };
+        Ok(chosen)
+    }
+
+    /// Lets the rank threads of one process join NCCL only once every rank has opened its GPU:
+    /// joining the world communicator waits for all ranks, so a rank that failed before it
+    /// would leave the others waiting forever.
+    pub struct StartGate {
+        world: u32,
+        ready: AtomicU32,
+        failed: AtomicBool,
+        timeout: Duration,
+    }
+
+    impl StartGate {
+        pub fn new(world: u32, timeout: Duration) -> StartGate {
+            StartGate {
+                world,
+                ready: AtomicU32::new(0),
+                failed: AtomicBool::new(false),
+                timeout,
+            }
+        }
+
+        fn fail(&self) {
+            self.failed.store(true, Ordering::SeqCst);
+        }
+
+        /// This rank is ready; wait for the others (or fail when one failed or the timeout
+        /// passes).
+        fn pass(&self, rank: u32) -> Result<()> {
+            self.ready.fetch_add(1, Ordering::SeqCst);
+            let started = Instant::now();
+            while self.ready.load(Ordering::SeqCst) < self.world {
+                if self.failed.load(Ordering::SeqCst) {
+                    return Err(RuntimeError::Comm(format!(
+                        "rank {rank} stopped before joining NCCL because another rank could \
+                         not open its GPU"
+                    )));
+                }
+                if started.elapsed() > self.timeout {
+                    return Err(RuntimeError::Comm(format!(
+                        "rank {rank} waited {:.1} s for the other ranks to open their GPUs",
+                        self.timeout.as_secs_f64()
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Ok(())
+        }
+    }
+
+    /// Rank `rank`'s backend on GPU `rank`, with NCCL attached when `comm` says so.
+    pub fn cuda_rank(
+        rank: u32,
+        spec: &Spec,
+        plan: &Plan,
+        comm: &CudaComm,
+        gate: &StartGate,
+    ) -> Result<CudaBackend> {
+        let backend = CudaBackend::with_precision(rank as usize, spec.train.precision);
+        let mut backend = match backend {
+            Ok(b) => b,
+            Err(e) => {
+                gate.fail();
+                return Err(RuntimeError::Unsupported(format!(
+                    "rank {rank} of a local CUDA run uses GPU {rank} (one GPU per rank, {} ranks \
+                     in this plan): {e}",
+                    plan.world
+                )));
+            }
+        };
+        if let CudaComm::Nccl(id) = comm {
+            gate.pass(rank)?;
+            backend.use_nccl(id, rank, plan, gate.timeout)?;
+        }
+        Ok(backend)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::StartGate;
+        use std::time::Duration;
+
+        #[test]
+        fn waiting_ranks_stop_when_one_fails_to_open_its_gpu() {
+            let gate = StartGate::new(2, Duration::from_secs(30));
+            std::thread::scope(|s| {
+                let waiting = s.spawn(|| gate.pass(0));
+                gate.fail();
+                let err = waiting.join().unwrap().unwrap_err().to_string();
+                assert!(err.contains("another rank could not open its GPU"), "{err}");
+            });
+        }
+
+        #[test]
+        fn ranks_pass_once_all_are_ready_and_time_out_otherwise() {
+            let gate = StartGate::new(2, Duration::from_secs(30));
+            std::thread::scope(|s| {
+                let first = s.spawn(|| gate.pass(0));
+                assert!(gate.pass(1).is_ok());
+                assert!(first.join().unwrap().is_ok());
+            });
+            let lonely = StartGate::new(2, Duration::from_millis(20));
+            let err = lonely.pass(0).unwrap_err().to_string();
+            assert!(err.contains("waited"), "{err}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cpu_run_refuses_nccl_and_takes_the_others() {
+        let err = check_cpu(CommChoice::Nccl).unwrap_err();
+        assert!(err.contains("--backend cuda"), "{err}");
+        assert!(check_cpu(CommChoice::Auto).is_ok());
+        assert!(check_cpu(CommChoice::Local).is_ok());
+    }
+}
