@@ -22,8 +22,6 @@ mod device;
 mod dispatch;
 mod gemm;
 mod nccl;
-mod stream;
-mod nccl;
 mod storage;
 mod stream;
 
