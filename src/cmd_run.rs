@@ -52,6 +52,16 @@ pub struct RunArgs {
     /// The 0-based step to profile (implies --profile).
     #[arg(long = "profile-step", value_name = "N")]
     pub profile_step: Option<u64>,
+    /// Start N rank processes of this run on this host, one rank per process (see
+    /// docs/launch.md); the spec's mesh must have N ranks.
+    #[arg(long = "nproc-per-node", value_name = "N")]
+    pub nproc_per_node: Option<u32>,
+    /// Seconds the ranks of a multi-process run wait for each other to join.
+    #[arg(long = "rendezvous-timeout", value_name = "SECS", default_value_t = 60.0)]
+    pub rendezvous_timeout: f64,
+    /// Seconds a rank of a multi-process run waits for a peer in a collective or transfer.
+    #[arg(long = "comm-timeout", value_name = "SECS", default_value_t = 120.0)]
+    pub comm_timeout: f64,
     /// Write the parameters before the first step (the initialisation) as global tensors to
     /// this safetensors file, named as in the final `model.safetensors`.
     #[arg(long = "save-init", value_name = "FILE")]
@@ -64,14 +74,14 @@ pub struct RunArgs {
 
 /// The backend a run will use, after resolving `auto`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Resolved {
+pub(crate) enum Resolved {
     Cpu,
     #[cfg(feature = "cuda")]
     Cuda,
 }
 
 impl Resolved {
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Resolved::Cpu => "cpu",
             #[cfg(feature = "cuda")]
@@ -81,7 +91,7 @@ impl Resolved {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn resolve_backend(choice: BackendChoice, quiet: bool) -> Result<Resolved, String> {
+pub(crate) fn resolve_backend(choice: BackendChoice, quiet: bool) -> Result<Resolved, String> {
     match choice {
         BackendChoice::Cpu => Ok(Resolved::Cpu),
         BackendChoice::Cuda => Err("--backend cuda: this parc was built without CUDA; rebuild \
@@ -98,7 +108,7 @@ fn resolve_backend(choice: BackendChoice, quiet: bool) -> Result<Resolved, Strin
 }
 
 #[cfg(feature = "cuda")]
-fn resolve_backend(choice: BackendChoice, quiet: bool) -> Result<Resolved, String> {
+pub(crate) fn resolve_backend(choice: BackendChoice, quiet: bool) -> Result<Resolved, String> {
     match choice {
         BackendChoice::Cpu => Ok(Resolved::Cpu),
         BackendChoice::Cuda => Ok(Resolved::Cuda),
@@ -120,6 +130,15 @@ fn resolve_backend(choice: BackendChoice, quiet: bool) -> Result<Resolved, Strin
 }
 
 pub fn main(args: RunArgs) -> u8 {
+    match crate::run_launch::mode(&args) {
+        Ok(crate::run_launch::Mode::Single) => {}
+        Ok(crate::run_launch::Mode::Launcher(n)) => return crate::run_launch::launch(&args, n),
+        Ok(crate::run_launch::Mode::Rank(env)) => return crate::run_launch::run_rank(&args, env),
+        Err(message) => {
+            eprintln!("error: {message}");
+            return 2;
+        }
+    }
     let quiet = args.log_format == LogFormat::Json;
     let backend = match resolve_backend(args.backend, quiet) {
         Ok(b) => b,
@@ -144,7 +163,7 @@ pub fn main(args: RunArgs) -> u8 {
 
 /// Read, check and lower the spec, rendering every diagnostic on stderr. `Err` is the exit
 /// code: 2 for unreadable input or a bad `--set`, 1 for a spec with errors.
-fn compile(file: &Path, set: &[String]) -> Result<(Spec, Plan), u8> {
+pub(crate) fn compile(file: &Path, set: &[String]) -> Result<(Spec, Plan), u8> {
     let fail = |code: u8| {
         move |message: String| {
             eprintln!("error: {message}");
@@ -185,7 +204,7 @@ fn compile(file: &Path, set: &[String]) -> Result<(Spec, Plan), u8> {
 }
 
 /// The folder data and checkpoint paths are relative to.
-fn spec_folder(file: &Path) -> PathBuf {
+pub(crate) fn spec_folder(file: &Path) -> PathBuf {
     match file.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),

@@ -1,6 +1,6 @@
 //! Communication between ranks: the [`Comm`] trait the executor calls for every collective and
 //! point-to-point instruction, and its implementations (`local`: ranks as threads of one
-//! process).
+//! process; `mpi`, feature `mpi`: one rank per process over an MPI library).
 //!
 //! Semantics every implementation keeps (they are the IR's, see `parc_compiler::ir::program`):
 //! - A collective runs over `group`, a list of global ranks in group-rank order (ascending) that
@@ -21,6 +21,8 @@
 //! that moves data between a backend and a comm, so it is where a device comm plugs in.
 pub mod layout;
 pub mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 
 pub use local::LocalComm;
 
