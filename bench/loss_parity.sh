@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Loss parity with PyTorch: parc and the PyTorch peer (bench/torch_peer.py parity) train the same
+# GPT-2 from the same initial weights (`parc run --save-init`) on the same batches
+# (`parc run --log-batches`) with the same recipe, and bench/parity/compare.py compares the two
+# loss curves step by step. Exit code: 0 within tolerance, 1 over it (or a run failed), 2 setup.
+#
+#   bench/loss_parity.sh          the device run: examples/gpt2-124m.par on one GPU (--backend cuda)
+#                                 against the peer on CUDA, bf16, 200 steps of global batch 8 ×
+#                                 1024, gated on the 10-step moving averages within 1%
+#   bench/loss_parity.sh --cpu    the mapping proof, here: a 2-layer examples/tiny.par on the CPU
+#                                 backend against the peer on the CPU in fp32, 30 steps, gated on
+#                                 every step within 1e-4 relative
+#
+# Data: examples/data/tiny-shakespeare.txt as bytes (one token per byte; the 124M model keeps its
+# 50,304-token vocabulary). GPT-2's BPE cannot be used: its vocabulary file needs the network,
+# which neither this machine's tools nor the device machine have.
+# Environment: PARC (the binary; default .device/parc, else target/{release,debug}/parc),
+# PYTHON (default python3), STEPS, BATCH, PRECISION (bf16|fp32), TOLERANCE, GATE (step|window).
+# Output: $OUT/loss-parity-MODE/ (or .device/out/loss-parity-MODE/ without $OUT): plan.json,
+# batches.jsonl, parc.jsonl, peer.jsonl, parc.stderr, peer.stderr, comparison.txt,
+# comparison.json; the init weights are written to a temporary folder and removed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+mode=gpu
+if [[ "${1:-}" == "--cpu" ]]; then mode=cpu; shift; fi
+if [[ $# -gt 0 ]]; then
+    echo "usage: bench/loss_parity.sh [--cpu]   (settings through STEPS, BATCH, PRECISION, TOLERANCE, GATE)" >&2
+    exit 2
+fi
+
+target="${CARGO_TARGET_DIR:-target}"
+parc="${PARC:-}"
+if [[ -z "$parc" ]]; then
+    candidates=(.device/parc "$target/release/parc" "$target/debug/parc")
+    # here (--cpu) a fresh cargo build wins over a copy left in .device/
+    [[ "$mode" == cpu ]] && candidates=("$target/release/parc" "$target/debug/parc" .device/parc)
+    for candidate in "${candidates[@]}"; do
+        if [[ -x "$candidate" ]]; then parc="$candidate"; break; fi
+    done
+fi
+if [[ -z "$parc" || ! -x "$parc" ]]; then
+    echo "error: no parc binary: build one (cargo build --release [--features cuda]) and copy it to .device/parc, or set PARC" >&2
+    exit 2
+fi
+if ! "$parc" run --help | grep -q -- --save-init; then
+    echo "error: $parc has no --save-init (an older build): rebuild it and copy it to .device/parc" >&2
+    exit 2
+fi
+python="${PYTHON:-python3}"
+if ! "$python" -c "import torch" 2>/dev/null; then
+    echo "error: $python cannot import torch; install PyTorch (pip install torch) or set PYTHON" >&2
+    exit 2
+fi
+
+data=examples/data/tiny-shakespeare.txt
+if [[ "$mode" == gpu ]]; then
+    export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    spec=examples/gpt2-124m.par
+    steps="${STEPS:-200}"; batch="${BATCH:-8}"; precision="${PRECISION:-bf16}"
+    tolerance="${TOLERANCE:-0.01}"; gate="${GATE:-window}"
+    backend=cuda; device=cuda
+    lr=6e-4; warmup=20; min_lr=6e-5
+    sets=(--set "train.global_batch=$batch" --set "train.micro_batch=$batch")
+else
+    spec=examples/tiny.par
+    steps="${STEPS:-30}"; batch="${BATCH:-8}"; precision="${PRECISION:-fp32}"
+    tolerance="${TOLERANCE:-1e-4}"; gate="${GATE:-step}"
+    backend=cpu; device=cpu
+    lr=1e-3; warmup=5; min_lr=1e-4
+    # parc splits the batch into microbatches of 2 (gradient accumulation); the peer takes it whole
+    sets=(--set model.layers=2 --set "train.global_batch=$batch")
+fi
+scratch="$(mktemp -d)"
+trap 'rm -rf "$scratch"' EXIT
+sets+=(
+    --set "train.steps=$steps" --set "train.precision=$precision"
+    --set "train.data=\"data/tiny-shakespeare.txt\" as bytes"
+    --set "train.optimizer.lr=$lr" --set "train.schedule.warmup=$warmup"
+    --set "train.schedule.min_lr=$min_lr" --set "train.schedule.decay_steps=$steps"
+    --set "train.checkpoint.dir=\"$scratch/ckpt\""
+)
+out="${OUT:-.device/out}/loss-parity-$mode"
+mkdir -p "$out"
+echo "loss parity ($mode): $spec, $steps steps, global batch $batch, $precision, backend $backend; parc $parc; logs in $out"
+
+"$parc" plan "$spec" "${sets[@]}" --emit json > "$out/plan.json"
+
+echo "== parc run ($backend)"
+started=$SECONDS
+"$parc" run "$spec" "${sets[@]}" --backend "$backend" --log-format json \
+    --save-init "$scratch/init.safetensors" --log-batches "$out/batches.jsonl" \
+    > "$out/parc.jsonl" 2> "$out/parc.stderr" || {
+    echo "error: parc run failed; its stderr ($out/parc.stderr) ends with:" >&2
+    tail -20 "$out/parc.stderr" >&2
+    exit 1
+}
+echo "parc: $((SECONDS - started)) s"
+
+echo "== PyTorch peer ($device, $precision)"
+started=$SECONDS
+"$python" bench/torch_peer.py parity --plan "$out/plan.json" --init "$scratch/init.safetensors" \
+    --batches "$out/batches.jsonl" --data "$data" --format bytes \
+    --lr "$lr" --schedule cosine --warmup "$warmup" --min-lr "$min_lr" --decay-steps "$steps" \
+    --device "$device" --precision "$precision" --out "$out/peer.jsonl" \
+    > /dev/null 2> "$out/peer.stderr" || {
+    echo "error: the PyTorch peer failed; its stderr ($out/peer.stderr) ends with:" >&2
+    tail -20 "$out/peer.stderr" >&2
+    exit 1
+}
+echo "peer: $((SECONDS - started)) s"
+
+echo "== comparison"
+set +e
+"$python" bench/parity/compare.py "$out/parc.jsonl" "$out/peer.jsonl" --tolerance "$tolerance" \
+    --gate "$gate" --json "$out/comparison.json" | tee "$out/comparison.txt"
+status=${PIPESTATUS[0]}
+exit "$status"
