@@ -531,6 +531,15 @@ fn read_hello(mut stream: TcpStream, deadline: Instant) -> std::io::Result<(Memb
     Ok((member, stream))
 }
 
+/// How a connection ended, for a message: nothing for a plain close, else the error.
+fn closed_how(e: &std::io::Error) -> String {
+    if e.kind() == ErrorKind::UnexpectedEof {
+        String::new()
+    } else {
+        format!(" ({e})")
+    }
+}
+
 /// Rank 0's reader of one peer: relays aborts, records done, reports a dropped connection.
 fn host_reader(
     peer: u32,
@@ -568,8 +577,9 @@ fn host_reader(
                     .unwrap_or(true);
                 if !done {
                     let reason = format!(
-                        "its process died: its connection to the rendezvous closed ({e}) \
-                         before it finished or reported an error (killed, or crashed)"
+                        "its process died: its connection to the rendezvous closed{} before \
+                         it finished or reported an error (killed, or crashed)",
+                        closed_how(&e)
                     );
                     if failure.set(peer, reason.clone()) {
                         relay(peer, &reason);
@@ -717,8 +727,9 @@ fn peer_reader(
                     failure.set(
                         0,
                         format!(
-                            "its process died: its rendezvous connection closed ({e}) before \
-                             the job finished (killed, or crashed)"
+                            "its process died: its rendezvous connection closed{} before the \
+                             job finished (killed, or crashed)",
+                            closed_how(&e)
                         ),
                     );
                 }

@@ -1,0 +1,193 @@
+//! Multi-process `parc run` through the binary: a 4-process CPU run started by
+//! `--nproc-per-node 4` (mpiexec + the MPI comm) gives exactly the single-process losses; a rank
+//! that crashes ends the job with its error, quickly; a rendezvous missing a rank names it; a
+//! world size other than the mesh's is refused before any communication, with both numbers.
+//! The MPI tests need the `mpi` feature and `mpiexec` on PATH, and say so when they skip.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The tiny example as a 4-rank plan (dp = 2, tp = 2), small and short.
+fn plan_args(steps: u32) -> Vec<String> {
+    let mut args: Vec<String> = vec!["run".into(), "examples/tiny.par".into()];
+    for set in [
+        "parallel.dp=2".to_string(),
+        "parallel.tp=2".to_string(),
+        "cluster.gpus_per_node=4".to_string(),
+        "train.global_batch=4".to_string(),
+        "train.micro_batch=1".to_string(),
+        format!("train.steps={steps}"),
+    ] {
+        args.push("--set".into());
+        args.push(set);
+    }
+    args.extend(["--backend".into(), "cpu".into()]);
+    args
+}
+
+fn parc(args: &[String], env: &[(&str, String)]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_parc"));
+    command
+        .args(args)
+        .current_dir(root())
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env_remove("PARC_TEST_ABORT_RANK");
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    command
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+fn losses(output: &Output) -> Vec<u32> {
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["event"] == "step")
+        .map(|v| (v["loss"].as_f64().unwrap() as f32).to_bits())
+        .collect()
+}
+
+/// Why the MPI tests cannot run here, if they cannot.
+fn mpi_missing() -> Option<&'static str> {
+    if !cfg!(feature = "mpi") {
+        return Some("this parc was built without the `mpi` feature");
+    }
+    let on_path = std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join("mpiexec").is_file()));
+    (!on_path).then_some("mpiexec is not on PATH (install openmpi-bin)")
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind(("127.0.0.1", 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn four_processes_give_exactly_the_single_process_losses() {
+    if let Some(why) = mpi_missing() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let mut args = plan_args(4);
+    args.extend(["--log-format".into(), "json".into()]);
+    let single = parc(&args, &[]).output().unwrap();
+    assert!(single.status.success(), "{}", stderr(&single));
+    args.extend(["--nproc-per-node".into(), "4".into()]);
+    let multi = parc(&args, &[]).output().unwrap();
+    assert!(multi.status.success(), "{}", stderr(&multi));
+    let (one, four) = (losses(&single), losses(&multi));
+    assert_eq!(one.len(), 4);
+    assert_eq!(one, four, "losses (f32 bits) of 1 process vs 4 processes");
+    // Only the report rank prints, once.
+    let summaries = String::from_utf8_lossy(&multi.stdout)
+        .lines()
+        .filter(|l| l.contains("\"summary\""))
+        .count();
+    assert_eq!(summaries, 1);
+}
+
+#[test]
+fn a_crashed_rank_ends_the_job_with_its_error() {
+    if let Some(why) = mpi_missing() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let mut args = plan_args(1000);
+    args.extend(["--nproc-per-node".into(), "4".into()]);
+    let started = Instant::now();
+    let output = parc(&args, &[("PARC_TEST_ABORT_RANK", "2@1500".into())])
+        .output()
+        .unwrap();
+    let err = stderr(&output);
+    assert!(!output.status.success(), "{err}");
+    assert!(
+        err.contains("error: rank 2 failed") && err.contains("its process died"),
+        "{err}"
+    );
+    // The others stop at once (the rendezvous tells them), long before the comm timeout.
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_rendezvous_missing_a_rank_names_it() {
+    // Ranks 0-2 of 4 start with torchrun-style variables; rank 3 never does.
+    let port = free_port().to_string();
+    let mut args = plan_args(2);
+    args.extend(["--rendezvous-timeout".into(), "3".into()]);
+    let started = Instant::now();
+    let children: Vec<_> = (0..3)
+        .map(|rank| {
+            parc(
+                &args,
+                &[
+                    ("RANK", rank.to_string()),
+                    ("WORLD_SIZE", "4".into()),
+                    ("LOCAL_RANK", rank.to_string()),
+                    ("MASTER_ADDR", "127.0.0.1".into()),
+                    ("MASTER_PORT", port.clone()),
+                ],
+            )
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+        })
+        .collect();
+    for child in children {
+        let output = child.wait_with_output().unwrap();
+        let err = stderr(&output);
+        assert_eq!(output.status.code(), Some(1), "{err}");
+        assert!(err.contains("ranks [3] never came within 3.0 s"), "{err}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(60));
+}
+
+#[test]
+fn a_world_size_other_than_the_mesh_is_refused_with_both_numbers() {
+    let mut args = plan_args(2);
+    args.extend(["--nproc-per-node".into(), "3".into()]);
+    let output = parc(&args, &[]).output().unwrap();
+    let err = stderr(&output);
+    assert_eq!(output.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("mesh has 4 ranks") && err.contains("but 3 processes were launched"),
+        "{err}"
+    );
+    // Under a launcher's variables, before the rendezvous.
+    let output = parc(
+        &plan_args(2),
+        &[
+            ("RANK", "1".into()),
+            ("WORLD_SIZE", "2".into()),
+            ("LOCAL_RANK", "1".into()),
+            ("MASTER_ADDR", "127.0.0.1".into()),
+            ("MASTER_PORT", free_port().to_string()),
+        ],
+    )
+    .output()
+    .unwrap();
+    let err = stderr(&output);
+    assert_eq!(output.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("mesh has 4 ranks") && err.contains("but 2 processes were launched"),
+        "{err}"
+    );
+}
