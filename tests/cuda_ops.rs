@@ -13,6 +13,12 @@
 //! 128 runs on tensor cores in a bf16 run (bf16 operands; the cases give it bf16-valued inputs,
 //! so P and dS carry the rounding): 2e-2, and it too must be above 1e-4;
 //! every other op is fp32 in a bf16 run and keeps the fp32 tolerances.
+//! fp16 (`precision = fp16`: GEMM operands rounded to IEEE half, fp32 accumulation): GEMMs 5e-3
+//! (2^-11 relative rounding per operand, 4× finer than bf16), and the worst error must be above
+//! 2e-5; the conversion is checked bit-exactly (ties to even, subnormals, overflow to infinity
+//! past 65504). Under fp16 loss scaling (`StepScalars::loss_scale`) `CeGrad`, `ClipCoef` and
+//! the updates hold the fp32 tolerances, and an overflowed step's NaN coefficient leaves the
+//! parameters and optimizer state untouched on both backends.
 //!
 //! Without a GPU (or built without `--features cuda`) every test prints
 //! `skipped: no CUDA device (…)` and passes.
@@ -32,6 +38,15 @@ const BF16_GEMM: f32 = 2e-2;
 const BF16_ATTENTION: f32 = 2e-2;
 /// A bf16 GEMM's worst error must exceed this (fp32 GEMMs stay below 2e-6).
 const BF16_ROUNDED: f32 = 1e-4;
+const FP16_GEMM: f32 = 5e-3;
+/// An fp16 GEMM's worst error must exceed this.
+const FP16_ROUNDED: f32 = 2e-5;
+
+fn fp16(scale: f64) -> Precision {
+    Precision::Fp16 {
+        loss_scale: parc_compiler::spec::LossScale::Static { scale },
+    }
+}
 
 #[cfg(feature = "cuda")]
 fn gpu_with(precision: Precision) -> Option<Box<dyn Backend>> {
@@ -52,25 +67,6 @@ fn gpu_with(_precision: Precision) -> Option<Box<dyn Backend>> {
 
 fn gpu() -> Option<Box<dyn Backend>> {
     gpu_with(Precision::Fp32)
-}
-
-/// fp16 (no loss scaling yet) is refused before the backend touches a GPU, so this runs (and
-/// checks the message) everywhere the feature is built.
-#[cfg(feature = "cuda")]
-#[test]
-fn fp16_is_refused_clearly() {
-    use parc_compiler::spec::LossScale;
-    let precision = Precision::Fp16 {
-        loss_scale: LossScale::Static { scale: 1024.0 },
-    };
-    let err = match parc_runtime::cuda::CudaBackend::with_precision(0, precision) {
-        Err(e) => e.to_string(),
-        Ok(_) => panic!("{precision:?} accepted"),
-    };
-    assert!(
-        err.contains("does not run fp16") && err.contains("bf16"),
-        "{err}"
-    );
 }
 
 /// splitmix64: small, seedable, good enough for test data.
@@ -437,28 +433,26 @@ fn matmuls_bf16() {
     );
 }
 
-/// A bf16 GEMM with k = 1 and a weight of 1 returns its input rounded to bf16, exactly: checks
-/// the conversion's rounding (nearest, ties to even, carries into the exponent, overflow to
-/// infinity, NaN kept) against hand-computed values.
 #[test]
-fn bf16_operands_round_to_nearest_even() {
-    let Some(mut gpu) = gpu_with(Precision::Bf16) else {
+fn matmuls_fp16() {
+    let cases = matmul_cases("matmuls_fp16", FP16_GEMM);
+    let worst = check_on("matmuls_fp16", &cases, fp16(1024.0));
+    let rounded = worst.iter().filter(|&&e| e > FP16_ROUNDED).count();
+    assert!(
+        worst.is_empty() || rounded * 2 > worst.len(),
+        "fp16 GEMMs agree with fp32 to {FP16_ROUNDED:.0e} in {} of {} outputs: the operands \
+         were not rounded to fp16",
+        worst.len() - rounded,
+        worst.len()
+    );
+}
+
+/// A GEMM with k = 1 and a weight of 1 returns its input rounded to the run's operand type,
+/// exactly: `cases` pairs inputs with their hand-computed roundings.
+fn assert_gemm_operands_round(precision: Precision, label: &str, cases: &[(f32, f32)]) {
+    let Some(mut gpu) = gpu_with(precision) else {
         return;
     };
-    let ulp = 2f32.powi(-7); // bf16's spacing in [1, 2)
-    let big = 2f32.powi(127);
-    let cases: [(f32, f32); 10] = [
-        (1.0, 1.0),
-        (1.0 + ulp / 2.0, 1.0),                        // tie, 1.0 is even
-        (1.0 + 1.5 * ulp, 1.0 + 2.0 * ulp),            // tie, rounds up to even
-        (1.0 + ulp / 2.0 + 2f32.powi(-20), 1.0 + ulp), // above the tie
-        (-(1.0 + 0.25 * ulp), -1.0),                   // below half an ulp, negative
-        (2.0 - ulp / 4.0, 2.0),                        // carries into the exponent
-        (big * (1.0 + 0.75 * ulp), big * (1.0 + ulp)), // large, still finite
-        (f32::MAX, f32::INFINITY),                     // past bf16's largest
-        (f32::NEG_INFINITY, f32::NEG_INFINITY),
-        (f32::NAN, f32::NAN),
-    ];
     let x: Vec<f32> = cases.iter().map(|c| c.0).collect();
     let n = x.len() as u64;
     gpu.alloc(BufferId(0), &[n], DType::F32).unwrap();
@@ -480,9 +474,59 @@ fn bf16_operands_round_to_nearest_even() {
         } else {
             got.to_bits() == want.to_bits()
         };
-        println!("bf16({input:e}) = {got:e}, want {want:e}");
-        assert!(same, "bf16({input:e}) gave {got:e}, want {want:e}");
+        println!("{label}({input:e}) = {got:e}, want {want:e}");
+        assert!(same, "{label}({input:e}) gave {got:e}, want {want:e}");
     }
+}
+
+/// fp16 operands round as IEEE binary16: nearest, ties to even, carries into the exponent,
+/// the largest finite 65504 (and below-halfway values above it), infinity from 65520 up (a
+/// scaled gradient that overflows fp16 must become infinite so the step is skipped),
+/// subnormals down to 2^-24 with ties to even at the bottom, NaN kept.
+#[test]
+fn fp16_operands_round_to_nearest_even() {
+    let ulp = 2f32.powi(-10); // fp16's spacing in [1, 2)
+    let tiny = 2f32.powi(-24); // its smallest subnormal
+    let cases: [(f32, f32); 15] = [
+        (1.0, 1.0),
+        (1.0 + ulp / 2.0, 1.0),                        // tie, 1.0 is even
+        (1.0 + 1.5 * ulp, 1.0 + 2.0 * ulp),            // tie, rounds up to even
+        (1.0 + ulp / 2.0 + 2f32.powi(-20), 1.0 + ulp), // above the tie
+        (-(1.0 + 0.25 * ulp), -1.0),                   // below half an ulp, negative
+        (2.0 - ulp / 4.0, 2.0),                        // carries into the exponent
+        (65504.0, 65504.0),                            // the largest finite
+        (65519.0, 65504.0),                            // below the halfway point to 2^16
+        (65520.0, f32::INFINITY),                      // the halfway point rounds up: overflow
+        (-1e6, f32::NEG_INFINITY),
+        (tiny, tiny),
+        (1.5 * tiny, 2.0 * tiny), // tie between subnormals, to even
+        (tiny / 2.0, 0.0),        // tie with zero, to even
+        (0.75 * tiny, tiny),
+        (f32::NAN, f32::NAN),
+    ];
+    assert_gemm_operands_round(fp16(1.0), "fp16", &cases);
+}
+
+/// A bf16 GEMM with k = 1 and a weight of 1 returns its input rounded to bf16, exactly: checks
+/// the conversion's rounding (nearest, ties to even, carries into the exponent, overflow to
+/// infinity, NaN kept) against hand-computed values.
+#[test]
+fn bf16_operands_round_to_nearest_even() {
+    let ulp = 2f32.powi(-7); // bf16's spacing in [1, 2)
+    let big = 2f32.powi(127);
+    let cases: [(f32, f32); 10] = [
+        (1.0, 1.0),
+        (1.0 + ulp / 2.0, 1.0),                        // tie, 1.0 is even
+        (1.0 + 1.5 * ulp, 1.0 + 2.0 * ulp),            // tie, rounds up to even
+        (1.0 + ulp / 2.0 + 2f32.powi(-20), 1.0 + ulp), // above the tie
+        (-(1.0 + 0.25 * ulp), -1.0),                   // below half an ulp, negative
+        (2.0 - ulp / 4.0, 2.0),                        // carries into the exponent
+        (big * (1.0 + 0.75 * ulp), big * (1.0 + ulp)), // large, still finite
+        (f32::MAX, f32::INFINITY),                     // past bf16's largest
+        (f32::NEG_INFINITY, f32::NEG_INFINITY),
+        (f32::NAN, f32::NAN),
+    ];
+    assert_gemm_operands_round(Precision::Bf16, "bf16", &cases);
 }
 
 /// In a bf16 run, attention with head_dim 64 or 128 runs on tensor cores (bf16 operands, fp32
@@ -1114,6 +1158,91 @@ fn optimizer() {
         ELEMENTWISE,
     ));
     check("optimizer", &cases);
+}
+
+/// Under fp16 loss scaling (scale 1024 in `StepScalars`): the loss gradient carries the scale,
+/// the clip coefficient divides it back out (clipping or not, with or without a max norm) and
+/// is NaN for a non-finite squared norm, and the updates skip a non-finite coefficient.
+#[test]
+fn loss_scaled_ops() {
+    let mut r = Rng::new("loss_scaled_ops");
+    let scaled = StepScalars {
+        loss_scale: Some(1024.0),
+        ..SCALARS
+    };
+    let (rows, vocab) = (13usize, 300usize);
+    let logits = r.vec(rows * vocab, 6.0);
+    let max: Vec<f32> = logits
+        .chunks(vocab)
+        .map(|c| c.iter().copied().fold(f32::NEG_INFINITY, f32::max))
+        .collect();
+    let sumexp: Vec<f32> = logits
+        .chunks(vocab)
+        .zip(&max)
+        .map(|(c, m)| c.iter().map(|l| f64::from((l - m).exp())).sum::<f64>() as f32)
+        .collect();
+    let mut cases = vec![Case::new(
+        "ce_grad scaled",
+        Op::CeGrad {
+            vocab_start: 0,
+            vocab_local: vocab as u64,
+            scale: 1.0 / 26.0,
+        },
+        vec![
+            Data::F32(logits),
+            Data::I32(r.ids(rows, vocab as u64)),
+            Data::F32(max),
+            Data::F32(sumexp),
+        ],
+        vec![r.vec(rows * vocab, 1.0)],
+        REDUCTION,
+    )];
+    let big = 7.3 * 1024.0 * 1024.0;
+    for (name, max_norm, sumsq) in [
+        ("no max norm", None, big),
+        ("clipping", Some(1.0), big),
+        ("not clipping", Some(10.0), big),
+        ("overflow", Some(1.0), f32::INFINITY),
+        ("nan", None, f32::NAN),
+    ] {
+        cases.push(Case::new(
+            format!("clip_coef scaled {name}"),
+            Op::ClipCoef { max_norm },
+            vec![Data::F32(vec![sumsq])],
+            vec![r.vec(1, 1.0)],
+            ELEMENTWISE,
+        ));
+    }
+    let n = 5_003;
+    let g = r.vec(n, 100.0);
+    for coef in [f32::NAN, f32::INFINITY, 0.8 / 1024.0] {
+        cases.push(Case::new(
+            format!("adamw coef {coef:e}"),
+            Op::AdamW {
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+            },
+            vec![Data::F32(g.clone()), Data::F32(vec![coef])],
+            vec![r.vec(n, 1.0), r.vec(n, 0.01), r.positive(n, 0.0, 1e-4)],
+            ELEMENTWISE,
+        ));
+        cases.push(Case::new(
+            format!("sgd momentum coef {coef:e}"),
+            Op::Sgd {
+                momentum: 0.9,
+                weight_decay: 0.01,
+            },
+            vec![Data::F32(g.clone()), Data::F32(vec![coef])],
+            vec![r.vec(n, 1.0), r.vec(n, 0.1)],
+            ELEMENTWISE,
+        ));
+    }
+    for case in &mut cases {
+        case.scalars = scaled;
+    }
+    check("loss_scaled_ops", &cases);
 }
 
 /// A lowering bug (wrong lengths, counts, dtypes) is an error on the GPU too, never a crash.

@@ -5,6 +5,11 @@
 //! The same models with `precision = bf16` on CUDA (GEMM operands in bf16) against the fp32 CPU
 //! run: loss within 1e-2 relative and gradient norm within 2e-2 at every step, and at least one
 //! step must differ by more than 1e-5 (proof that bf16 rounding happened at all).
+//! `precision = fp16` with dynamic loss scaling (init 1024, doubling every 2 clean steps) on
+//! CUDA (GEMM operands in fp16) against the fp32 CPU run: the same tolerances (fp16 rounds
+//! more finely than bf16; the 1e-2 loss tolerance is the brief's), the same loss scales, no
+//! skipped step, and rounding visible; and a scale of 2^120 overflows fp16 on the GPU as it
+//! overflows f32 on the CPU: every step skipped, the parameters the initial ones bit for bit.
 //! Checkpoints cross backends: a CUDA run's checkpoint resumes on the CPU and the reverse, and
 //! the resumed losses match an uninterrupted run. Without a GPU every test prints
 //! `skipped: no CUDA device (…)`.
@@ -15,7 +20,7 @@ mod fixtures;
 
 use fixtures::{sized_spec, Dims, PlanChoice, TinyModel};
 use parc_compiler::lower::lower;
-use parc_compiler::spec::{Checkpointing, Precision, Spec};
+use parc_compiler::spec::{Checkpointing, LossScale, Precision, Spec};
 use parc_runtime::cpu::CpuBackend;
 use parc_runtime::exec::{train, StepRecord, TrainOptions, TrainResult};
 use std::path::{Path, PathBuf};
@@ -146,6 +151,79 @@ fn bf16_matches_cpu(name: &str, llama: bool) {
         largest > 1e-5,
         "{name}: bf16 agrees with fp32 to {largest:.1e}: no bf16 rounding took place"
     );
+}
+
+fn fp16_dynamic(init: f64, window: u32, min: f64) -> Precision {
+    Precision::Fp16 {
+        loss_scale: LossScale::Dynamic {
+            init,
+            window,
+            hysteresis: 2,
+            min,
+        },
+    }
+}
+
+/// `precision = fp16` (dynamic scaling from 1024) on CUDA against the fp32 CPU run.
+fn fp16_matches_cpu(name: &str, llama: bool) {
+    if !gpu_present() {
+        return;
+    }
+    let mut s = model_spec(llama, 6);
+    s.train.precision = fp16_dynamic(1024.0, 2, 1.0);
+    let cuda = run(&s, Which::Cuda, None, None);
+    let scaled_cpu = run(&s, Which::Cpu, None, None);
+    s.train.precision = Precision::Fp32;
+    let cpu = run(&s, Which::Cpu, None, None);
+    let scales = |r: &TrainResult| -> Vec<_> { r.records.iter().map(|r| r.loss_scale).collect() };
+    assert_eq!(scales(&cuda), scales(&scaled_cpu), "{name}: loss scales");
+    assert!(
+        cuda.records.iter().all(|r| !r.loss_scale.unwrap().skipped),
+        "{name}: a step overflowed at scale ≤ 4096"
+    );
+    let largest = compare_within(name, &cuda.records, &cpu.records, |_| (1e-2, 2e-2));
+    assert!(
+        largest > 1e-5,
+        "{name}: fp16 agrees with fp32 to {largest:.1e}: no fp16 rounding took place"
+    );
+}
+
+#[test]
+fn gpt_style_fp16_steps_match_cpu() {
+    fp16_matches_cpu("gpt-fp16", false);
+}
+
+#[test]
+fn llama_style_fp16_steps_match_cpu() {
+    fp16_matches_cpu("llama-fp16", true);
+}
+
+/// Scale 2^120: the scaled loss gradient overflows fp16 in the first backward GEMM, the norm
+/// is not finite, and the step is skipped on the GPU as on the CPU (where f32 overflows):
+/// same skip flags and scales, parameters still the initial ones bit for bit.
+#[test]
+fn fp16_overflow_skips_steps_on_cuda() {
+    if !gpu_present() {
+        return;
+    }
+    let (init, min) = (2f64.powi(120), 2f64.powi(119));
+    let mut s = model_spec(true, 3);
+    s.train.precision = fp16_dynamic(init, 1000, min);
+    let cuda = run(&s, Which::Cuda, None, None);
+    let cpu = run(&s, Which::Cpu, None, None);
+    let initial = run(&s, Which::Cpu, Some(0), None);
+    let steps = |r: &TrainResult| -> Vec<_> { r.records.iter().map(|r| r.loss_scale).collect() };
+    assert_eq!(steps(&cuda), steps(&cpu));
+    let used: Vec<(f64, bool)> = cuda
+        .records
+        .iter()
+        .map(|r| (r.loss_scale.unwrap().scale, r.loss_scale.unwrap().skipped))
+        .collect();
+    assert_eq!(used, [(init, true), (init, true), (min, true)]);
+    for (a, b) in initial.params.iter().zip(&cuda.params) {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a.data), bits(&b.data), "{} changed", a.name);
+    }
 }
 
 #[test]

@@ -721,7 +721,8 @@ pub(crate) fn run(
                 n(rows),
                 Arg::I64(start),
                 n(v),
-                Arg::F32(*scale as f32),
+                // fp16: the loss gradient carries the step's loss scale.
+                Arg::F32((*scale * scalars.loss_scale.unwrap_or(1.0)) as f32),
             ];
             be.launch_n("ce_grad", logits.len, &args)
         }
@@ -750,20 +751,28 @@ pub(crate) fn run(
             let (sumsq, coef) = (b.f32_in(0)?, b.f32_out(0)?);
             b.expect(sumsq, "sumsq", 1)?;
             b.expect(coef, "coef", 1)?;
-            match max_norm {
-                // No clipping: coef = 1 (written directly, no kernel needed).
-                None => {
+            match (max_norm, scalars.loss_scale) {
+                // No clipping, no loss scale: coef = 1 (written directly, no kernel needed).
+                (None, None) => {
                     let one = [1.0f32];
                     // SAFETY: coef holds exactly one f32; synchronous copy.
                     unsafe { cudarc::driver::result::memcpy_htod_sync(coef.ptr, &one) }
                         .map_err(|e| super::device::driver_error("writing the clip coefficient", e))
                 }
-                Some(m) => be.launch(
+                // A negative max norm means no clipping; a loss scale also unscales and marks
+                // an overflowed step with a NaN coefficient.
+                (max_norm, loss_scale) => be.launch(
                     "clip_coef",
                     (1, 1, 1),
                     (32, 1, 1),
                     0,
-                    &[p(sumsq), p(coef), Arg::F64(*m)],
+                    &[
+                        p(sumsq),
+                        p(coef),
+                        Arg::F64(max_norm.unwrap_or(-1.0)),
+                        Arg::F64(loss_scale.unwrap_or(1.0)),
+                        Arg::I32(i32::from(loss_scale.is_some())),
+                    ],
                 ),
             }
         }

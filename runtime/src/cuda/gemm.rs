@@ -1,7 +1,7 @@
 //! GEMMs through cuBLASLt with fp32 compute (`CUBLAS_COMPUTE_32F`: no TF32) and fp32 C/D.
-//! The A/B operands are fp32 (results within float rounding of the CPU backend) or bf16
-//! (`CUDA_R_16BF`, the backend's bf16 precision: the caller converts them first, see
-//! [`Operands`]). Callers describe the product column-major, as cuBLAS sees memory;
+//! The A/B operands are fp32 (results within float rounding of the CPU backend), bf16
+//! (`CUDA_R_16BF`, the backend's bf16 precision) or fp16 (`CUDA_R_16F`, its fp16 precision);
+//! for the 16-bit kinds the caller converts them first (see [`Operands`]). Callers describe the product column-major, as cuBLAS sees memory;
 //! `dispatch` maps the row-major ops onto it (see [`Gemm`]).
 use super::device::cublas_error;
 use crate::error::Result;
@@ -47,6 +47,28 @@ pub(crate) enum Operands {
     F32,
     /// Raw bf16 bit patterns (`CUDA_R_16BF`).
     Bf16,
+    /// Raw IEEE binary16 bit patterns (`CUDA_R_16F`).
+    F16,
+}
+
+impl Operands {
+    /// The kernel that rounds fp32 operands into this type (`(const float*, unsigned short*,
+    /// long long n)`); None for fp32, which cuBLASLt reads as stored.
+    pub fn conversion_kernel(self) -> Option<&'static str> {
+        match self {
+            Operands::F32 => None,
+            Operands::Bf16 => Some("f32_to_bf16"),
+            Operands::F16 => Some("f32_to_f16"),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Operands::F32 => "fp32",
+            Operands::Bf16 => "bf16",
+            Operands::F16 => "fp16",
+        }
+    }
 }
 
 /// The cuBLASLt handle and its workspace (owned by the backend, freed with it).
@@ -84,10 +106,7 @@ impl Blas {
 
     /// Runs `g`; its A and B pointers hold `operands`-typed elements.
     pub fn run(&self, g: &Gemm, operands: Operands, stream: sys::cudaStream_t) -> Result<()> {
-        let kind = match operands {
-            Operands::F32 => "fp32",
-            Operands::Bf16 => "bf16",
-        };
+        let kind = operands.name();
         let what = |step: &str| {
             format!(
                 "cuBLASLt {step} for a {}x{}x{} {kind} GEMM (trans_a={}, trans_b={})",
@@ -98,6 +117,7 @@ impl Blas {
         let ab_type = match operands {
             Operands::F32 => f32_type,
             Operands::Bf16 => sys::cudaDataType_t::CUDA_R_16BF,
+            Operands::F16 => sys::cudaDataType_t::CUDA_R_16F,
         };
         let layout = |dtype: sys::cudaDataType_t, rows: u64, cols: u64, ld: i64| {
             result::create_matrix_layout(dtype, rows, cols, ld)

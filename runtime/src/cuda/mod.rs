@@ -1,13 +1,15 @@
 //! The CUDA backend (feature `cuda`): every `Op` of `parc_compiler::ir::op` forward and
 //! backward on one NVIDIA GPU with the CPU backend's semantics (token ids i32, everything else
 //! stored fp32). The backend is told the run's precision when it is made (`with_precision`):
-//! fp32 computes everything in fp32; bf16 runs every GEMM on bf16 copies of its two operands
-//! (weights and activations rounded per use, fp32 accumulation and fp32 results), keeping
-//! master weights, gradients, optimizer state, norms, softmax and losses fp32; fp16 is refused
-//! with a clear error until loss scaling exists. See docs/cuda.md (the differential tests
-//! `tests/cuda_ops.rs` and `tests/cuda_train.rs` hold it to them, per precision). GEMMs go through cuBLASLt (`gemm`), everything else
-//! through CUDA C kernels compiled by NVRTC once per run (`compile`); `dispatch` maps each op
-//! onto them. All work is ordered on one stream; reads to the host synchronise it.
+//! fp32 computes everything in fp32; bf16 (fp16) runs every GEMM on bf16 (fp16) copies of its
+//! two operands (weights and activations rounded per use, fp32 accumulation and fp32 results),
+//! keeping master weights, gradients, optimizer state, norms, softmax and losses fp32; fp16's
+//! loss scaling comes from the executor (`StepScalars::loss_scale`) into the cross-entropy
+//! gradient, clip and optimizer kernels, and bf16 alone has tensor-core attention. See
+//! docs/cuda.md (the differential tests `tests/cuda_ops.rs` and `tests/cuda_train.rs` hold it
+//! to them, per precision). GEMMs go through cuBLASLt (`gemm`), everything else through CUDA C
+//! kernels compiled by NVRTC once per run (`compile`); `dispatch` maps each op onto them. All
+//! work is ordered on one stream; reads to the host synchronise it.
 //!
 //! Buffers are keyed by `BufferId`. Given the program's memory plan (`Backend::prepare`, which
 //! the executor always calls), the backend makes one allocation for the persistent buffers and
@@ -89,10 +91,11 @@ pub struct CudaBackend {
     positions: HashMap<Vec<Segment>, (CudaSlice<u8>, usize)>,
     /// Scratch for reductions' partials; grows, never shrinks.
     scratch: Option<CudaSlice<u8>>,
-    /// The GEMM operand type: fp32, or bf16 for `precision = bf16`.
+    /// The GEMM operand type: fp32, bf16 for `precision = bf16`, fp16 for `precision = fp16`.
     operands: Operands,
-    /// bf16 copies of the current GEMM's A and B (bf16 runs only); grows, never shrinks.
-    bf16_operands: Option<CudaSlice<u8>>,
+    /// 16-bit copies of the current GEMM's A and B (bf16 and fp16 runs); sized by `prepare`,
+    /// grows (never shrinks) without a memory plan.
+    half_operands: Option<CudaSlice<u8>>,
     /// Kept alive for cuBLASLt.
     _workspace: CudaSlice<u8>,
     /// NCCL communicators and the communication stream, once `use_nccl` set them up.
@@ -121,21 +124,13 @@ impl CudaBackend {
         CudaBackend::with_precision(ordinal, Precision::Fp32)
     }
 
-    /// A backend for a run in `precision` (the spec's `train.precision`): fp32, or bf16
-    /// GEMMs (see the module docs). fp16 is refused (before touching the GPU) with an error
-    /// saying so.
+    /// A backend for a run in `precision` (the spec's `train.precision`): fp32, bf16 or fp16
+    /// GEMMs (see the module docs; fp16's loss scale arrives with each op's `StepScalars`).
     pub fn with_precision(ordinal: usize, precision: Precision) -> Result<CudaBackend> {
         let operands = match precision {
             Precision::Fp32 => Operands::F32,
             Precision::Bf16 => Operands::Bf16,
-            Precision::Fp16 { .. } => {
-                return Err(RuntimeError::Unsupported(
-                    "the CUDA backend does not run fp16 with loss scaling yet; set \
-                     `precision = bf16` or `precision = fp32` in the spec's train block (or use \
-                     --backend cpu)"
-                        .into(),
-                ))
-            }
+            Precision::Fp16 { .. } => Operands::F16,
         };
         let (ctx, stream) = device::open(ordinal)?;
         let kernels = Kernels::load(&ctx)?;
@@ -154,7 +149,7 @@ impl CudaBackend {
             positions: HashMap::new(),
             scratch: None,
             operands,
-            bf16_operands: None,
+            half_operands: None,
             _workspace: workspace,
             nccl: None,
         })
@@ -209,7 +204,7 @@ impl CudaBackend {
             .flatten()
             .filter_map(|s| s.memory.as_ref().map(CudaSlice::len))
             .sum();
-        let scratch: usize = [&self.scratch, &self.bf16_operands, &self.aliased]
+        let scratch: usize = [&self.scratch, &self.half_operands, &self.aliased]
             .into_iter()
             .flatten()
             .map(CudaSlice::len)
@@ -324,48 +319,40 @@ impl CudaBackend {
         self.launch(name, (blocks, 1, 1), (256, 1, 1), 0, args)
     }
 
-    /// Runs `g` (fp32 operands). In a bf16 run the operands are first rounded into bf16
-    /// copies and cuBLASLt reads those; C stays fp32.
+    /// Runs `g` (fp32 operands). In a bf16 or fp16 run the operands are first rounded into
+    /// 16-bit copies and cuBLASLt reads those; C stays fp32.
     pub(crate) fn gemm(&mut self, g: &gemm::Gemm) -> Result<()> {
         let stream = self.stream.cu_stream() as _;
-        if self.operands == Operands::F32 {
+        let Some(convert) = self.operands.conversion_kernel() else {
             return self.blas.run(g, Operands::F32, stream);
-        }
+        };
         // B starts on a 256-byte boundary (cuBLASLt's preferred operand alignment).
         let (a_len, b_len) = (g.a_len(), g.b_len());
         let b_offset = (a_len * 2).next_multiple_of(256);
         let bytes = b_offset + b_len * 2;
         let big_enough = self
-            .bf16_operands
+            .half_operands
             .as_ref()
             .is_some_and(|s| s.len() >= bytes);
         if !big_enough {
             // Free the old copies first so peak memory holds only one of them.
-            self.bf16_operands = None;
-            self.bf16_operands = Some(self.alloc_bytes(bytes, "bf16 GEMM operands")?);
+            self.half_operands = None;
+            self.half_operands = Some(self.alloc_bytes(bytes, "16-bit GEMM operands")?);
         }
-        let base = match &self.bf16_operands {
+        let base = match &self.half_operands {
             Some(s) => raw_ptr(&self.stream, s),
-            None => return Err(RuntimeError::Unsupported("bf16 operands missing".into())),
+            None => return Err(RuntimeError::Unsupported("16-bit operands missing".into())),
         };
         let (a16, b16) = (base, base + b_offset as CUdeviceptr);
         let n = |v: usize| Arg::I64(v as i64);
-        self.launch_n(
-            "f32_to_bf16",
-            a_len,
-            &[Arg::Ptr(g.a), Arg::Ptr(a16), n(a_len)],
-        )?;
-        self.launch_n(
-            "f32_to_bf16",
-            b_len,
-            &[Arg::Ptr(g.b), Arg::Ptr(b16), n(b_len)],
-        )?;
+        self.launch_n(convert, a_len, &[Arg::Ptr(g.a), Arg::Ptr(a16), n(a_len)])?;
+        self.launch_n(convert, b_len, &[Arg::Ptr(g.b), Arg::Ptr(b16), n(b_len)])?;
         let rounded = gemm::Gemm {
             a: a16,
             b: b16,
             ..*g
         };
-        self.blas.run(&rounded, Operands::Bf16, stream)
+        self.blas.run(&rounded, self.operands, stream)
     }
 
     pub(crate) fn copy_bytes(
@@ -439,8 +426,8 @@ impl Backend for CudaBackend {
         let needs = storage::program_needs(program);
         self.scratch(needs.reduction_bytes)?;
         if self.operands != Operands::F32 {
-            self.bf16_operands = None;
-            self.bf16_operands =
+            self.half_operands = None;
+            self.half_operands =
                 Some(self.alloc_bytes(needs.gemm_operand_bytes, "16-bit GEMM operands")?);
         }
         self.aliased = None;

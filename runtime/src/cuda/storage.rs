@@ -6,7 +6,7 @@
 //! - reduction partials (`dispatch`: `SumSquares`' per-block sums, the per-chunk column partials
 //!   of norm and bias gradients — at most 128 chunks of 8-byte sums per column — and attention
 //!   backward's `delta`, one f32 per `lse` element);
-//! - the 16-bit copies of a GEMM's two operands (bf16 runs), B on a 256-byte boundary;
+//! - the 16-bit copies of a GEMM's two operands (bf16 and fp16 runs), B on a 256-byte boundary;
 //! - copies of inputs that are also the op's output (read from before the op);
 //! - every distinct `Segment` list, whose positions are uploaded once.
 use cudarc::driver::sys::CUdeviceptr;

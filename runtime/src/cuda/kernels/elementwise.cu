@@ -129,3 +129,16 @@ extern "C" __global__ void f32_to_bf16(const float* x, unsigned short* y, long l
         }
     }
 }
+
+// GEMM operands for fp16 runs: y[i] = x[i] rounded to IEEE binary16 (nearest, ties to even;
+// magnitudes from 65520 up become infinite, as a scaled gradient that overflows fp16 must, so
+// the step's norm is not finite and it is skipped; subnormals kept; NaN stays NaN), stored as
+// the raw 16-bit pattern cuBLASLt reads as CUDA_R_16F. One PTX conversion, so no cuda_fp16.h
+// is needed under NVRTC.
+extern "C" __global__ void f32_to_f16(const float* x, unsigned short* y, long long n) {
+    GRID_STRIDE(i, n) {
+        unsigned short h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x[i]));
+        y[i] = h;
+    }
+}

@@ -108,7 +108,8 @@ extern "C" __global__ void ce_loss(const float* max, const float* sumexp, const 
     if (threadIdx.x == 0) loss[0] = (float)((double)loss[0] + scale * s);
 }
 
-// dlogits = scale · (softmax − onehot(target)), without storing probabilities.
+// dlogits = scale · (softmax − onehot(target)), without storing probabilities (in an fp16 run
+// `scale` includes the loss scale).
 extern "C" __global__ void ce_grad(const float* logits, const int* targets, const float* max, const float* sumexp, float* dlogits, long long rows, long long vocab_start, long long vocab_local, float scale) {
     GRID_STRIDE(i, rows * vocab_local) {
         long long r = i / vocab_local, j = i % vocab_local;
@@ -119,15 +120,33 @@ extern "C" __global__ void ce_grad(const float* logits, const int* targets, cons
 }
 
 // ---------------------------------------------------------------- optimizer
-extern "C" __global__ void clip_coef(const float* sumsq, float* coef, double max_norm) {
+// Infinite or NaN (exponent bits all set).
+__device__ __forceinline__ bool not_finite(float x) {
+    return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u;
+}
+
+// coef = min(1, max_norm / (√sumsq / loss_scale + 1e-6)) / loss_scale, without clipping (max_norm
+// < 0) 1 / loss_scale. With `scaled` (fp16 loss scaling) a sumsq that is not finite marks an
+// overflowed step: coef = NaN, which the update kernels skip.
+extern "C" __global__ void clip_coef(const float* sumsq, float* coef, double max_norm, double loss_scale, int scaled) {
     if (threadIdx.x == 0 && blockIdx.x == 0) {
-        double c = max_norm / (sqrt((double)sumsq[0]) + 1e-6);
-        coef[0] = (float)(c < 1.0 ? c : 1.0);
+        if (scaled && not_finite(sumsq[0])) {
+            coef[0] = __int_as_float(0x7fc00000);
+            return;
+        }
+        double c = 1.0;
+        if (max_norm >= 0.0) {
+            c = max_norm / (sqrt((double)sumsq[0]) / loss_scale + 1e-6);
+            c = c < 1.0 ? c : 1.0;
+        }
+        coef[0] = (float)(c / loss_scale);
     }
 }
 
+// A non-finite coef (an overflowed fp16 step) leaves param, m and v untouched.
 extern "C" __global__ void adamw(const float* g, const float* coef, float* param, float* m, float* v, long long n, float beta1, float beta2, float eps, float wd, float lr, float bias1, float bias2) {
     float cf = coef[0];
+    if (not_finite(cf)) return;
     GRID_STRIDE(i, n) {
         float gi = cf * g[i];
         float mi = beta1 * m[i] + (1.0f - beta1) * gi;
@@ -139,9 +158,11 @@ extern "C" __global__ void adamw(const float* g, const float* coef, float* param
     }
 }
 
-// buf == null: plain SGD. first != 0: buf = g' (the first step).
+// buf == null: plain SGD. first != 0: buf = g' (the first step). A non-finite coef (an
+// overflowed fp16 step) leaves param and buf untouched.
 extern "C" __global__ void sgd(const float* g, const float* coef, float* param, float* buf, long long n, float momentum, float wd, float lr, int first) {
     float cf = coef[0];
+    if (not_finite(cf)) return;
     GRID_STRIDE(i, n) {
         float gi = cf * g[i] + wd * param[i];
         if (buf) {
