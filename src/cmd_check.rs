@@ -92,6 +92,8 @@ struct Checked {
 struct Lowered {
     /// The verifier's liveness analysis (buffers counted as the backends store them: f32).
     verified: VerifyReport,
+    /// Each program's memory plan beside its liveness peak.
+    memory_plans: Vec<parc_compiler::memplan::PlanSummary>,
     step_seconds: f64,
     bubble_fraction: f64,
     exposed_comm_fraction: f64,
@@ -118,10 +120,21 @@ fn lower_and_measure(spec: &Spec, diags: &mut Diagnostics) -> Option<Lowered> {
     let verified = parc_compiler::verify::verify_spec(&plan, spec)
         .map_err(|d| diags.extend(d))
         .ok()?;
+    let memory_plans = match crate::cmd_plan::memory_plans(&plan, &verified) {
+        Ok(m) => m,
+        Err(e) => {
+            diags.push(
+                parc_compiler::diag::Diagnostic::error("E0818", e.to_string())
+                    .help("this is a bug in parc's memory planner: please report it with the spec"),
+            );
+            return None;
+        }
+    };
     let timeline = parc_compiler::timeline::simulate(&plan, spec);
-    let summary = crate::cmd_plan::summary(&plan, &verified, &timeline);
+    let summary = crate::cmd_plan::summary(&plan, &verified, &memory_plans, &timeline);
     Some(Lowered {
         verified,
+        memory_plans,
         step_seconds: timeline.step_seconds,
         bubble_fraction: timeline.bubble_fraction,
         exposed_comm_fraction: timeline.exposed_comm_fraction,

@@ -1,10 +1,11 @@
 //! `parc plan FILE [--set PATH=VALUE]... [--rank R] [--emit text|json|trace]`: check the spec,
 //! lower it to per-rank programs, verify them and print them.
 //!
-//! - `text` (default): a summary (programs, instructions, verified peak memory per program,
-//!   simulated step time and bubble) then the plan's stable text form; with `--rank R` only
-//!   rank R's program.
-//! - `json`: the plan as JSON (with `--rank R`, that rank's program only).
+//! - `text` (default): a summary (programs, instructions, verified peak memory and the memory
+//!   plan's arena per program, simulated step time and bubble) then the plan's stable text
+//!   form; with `--rank R` only rank R's program.
+//! - `json`: the plan as JSON with its memory plans (`memory_plans`, one per program); with
+//!   `--rank R`, that rank's program only, with its `memory_plan`.
 //! - `trace`: the simulated timeline as Chrome trace-event JSON (open it in Perfetto).
 //!
 //! Exit codes: 0 success, 1 the spec, lowering or verification failed, 2 usage or unreadable
@@ -15,7 +16,8 @@ use crate::diagnostics;
 use crate::SpecArgs;
 use parc_compiler::diag::{Diagnostics, Sources};
 use parc_compiler::ir::text::PlanText;
-use parc_compiler::ir::Plan;
+use parc_compiler::ir::{Plan, Program};
+use parc_compiler::memplan::PlanSummary;
 use std::fmt::Write as _;
 use std::io::Write as _;
 
@@ -76,6 +78,13 @@ pub fn main(args: PlanArgs) -> u8 {
             return 1;
         }
     };
+    let memory = match memory_plans(&plan, &report) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 1;
+        }
+    };
     let only = match args.rank {
         None => None,
         Some(r) => match plan.rank_program.get(r as usize) {
@@ -100,12 +109,24 @@ pub fn main(args: PlanArgs) -> u8 {
                 text = text.only(p);
             }
             let timeline = parc_compiler::timeline::simulate(&plan, &spec);
-            write!(out, "{}{text}", summary(&plan, &report, &timeline))
+            write!(out, "{}{text}", summary(&plan, &report, &memory, &timeline))
         }
         Emit::Json => {
-            let json = match only.and_then(|p| plan.programs.get(p.0 as usize)) {
-                Some(program) => serde_json::to_writer_pretty(&mut out, program),
-                None => serde_json::to_writer_pretty(&mut out, &plan),
+            let json = match only.and_then(|p| Some((p, plan.programs.get(p.0 as usize)?))) {
+                Some((id, program)) => serde_json::to_writer_pretty(
+                    &mut out,
+                    &ProgramJson {
+                        program,
+                        memory_plan: memory.get(id.0 as usize),
+                    },
+                ),
+                None => serde_json::to_writer_pretty(
+                    &mut out,
+                    &PlanJson {
+                        plan: &plan,
+                        memory_plans: &memory,
+                    },
+                ),
             };
             json.map_err(std::io::Error::from)
                 .and_then(|()| writeln!(out))
@@ -126,10 +147,37 @@ pub fn main(args: PlanArgs) -> u8 {
     }
 }
 
-/// Per-program verified memory and the simulated step.
+/// The plan as JSON: its fields, then each program's memory plan.
+#[derive(serde::Serialize)]
+struct PlanJson<'a> {
+    #[serde(flatten)]
+    plan: &'a Plan,
+    memory_plans: &'a [PlanSummary],
+}
+
+/// One program as JSON: its fields, then its memory plan.
+#[derive(serde::Serialize)]
+struct ProgramJson<'a> {
+    #[serde(flatten)]
+    program: &'a Program,
+    memory_plan: Option<&'a PlanSummary>,
+}
+
+/// Plan every program's memory (`parc_compiler::memplan`) and compare it with the verified
+/// liveness peaks.
+pub(crate) fn memory_plans(
+    plan: &Plan,
+    report: &parc_compiler::verify::VerifyReport,
+) -> Result<Vec<PlanSummary>, parc_compiler::memplan::MemPlanError> {
+    let layouts = parc_compiler::memplan::plan_all(plan)?;
+    Ok(parc_compiler::memplan::summarize(&layouts, report))
+}
+
+/// Per-program verified memory and memory plan, and the simulated step.
 pub(crate) fn summary(
     plan: &Plan,
     report: &parc_compiler::verify::VerifyReport,
+    memory: &[PlanSummary],
     t: &parc_compiler::timeline::Timeline,
 ) -> String {
     let instrs: usize = plan.programs.iter().map(|p| p.instrs.len()).sum();
@@ -150,6 +198,15 @@ pub(crate) fn summary(
             crate::report::bytes(m.peak_transient_bytes as f64),
             m.peak_microbatches_in_flight
         );
+        if let Some(p) = memory.get(m.program.0 as usize) {
+            let _ = writeln!(
+                out,
+                "#   memory plan: arena {} (liveness peak {}, {:+.1}%)",
+                crate::report::bytes(p.arena_bytes as f64),
+                crate::report::bytes(p.liveness_peak_bytes as f64),
+                p.overhead * 100.0
+            );
+        }
     }
     let _ = writeln!(
         out,

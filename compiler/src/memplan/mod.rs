@@ -24,7 +24,8 @@ mod tests;
 
 pub use check::check_layout;
 
-use crate::ir::{BufferId, Plan, Program};
+use crate::ir::{BufferId, Plan, Program, ProgramId};
+use crate::verify::VerifyReport;
 use serde::Serialize;
 
 /// Alignment, in bytes, of every offset and size the planner gives out.
@@ -76,6 +77,33 @@ impl MemoryLayout {
     pub fn total_bytes(&self) -> u64 {
         self.persistent_bytes + self.arena_bytes
     }
+}
+
+/// One program's memory plan beside the verifier's liveness peak, for reports.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PlanSummary {
+    pub program: ProgramId,
+    pub persistent_bytes: u64,
+    pub arena_bytes: u64,
+    /// The verifier's peak of live transient bytes (sizes not rounded).
+    pub liveness_peak_bytes: u64,
+    /// `arena_bytes` over `liveness_peak_bytes`, minus one (0.05 = the arena is 5% larger).
+    pub overhead: f64,
+}
+
+/// Each program's layout beside its verified liveness peak, in program order.
+pub fn summarize(layouts: &[MemoryLayout], report: &VerifyReport) -> Vec<PlanSummary> {
+    layouts
+        .iter()
+        .zip(&report.programs)
+        .map(|(layout, memory)| PlanSummary {
+            program: memory.program,
+            persistent_bytes: layout.persistent_bytes,
+            arena_bytes: layout.arena_bytes,
+            liveness_peak_bytes: memory.peak_transient_bytes,
+            overhead: layout.arena_bytes as f64 / memory.peak_transient_bytes.max(1) as f64 - 1.0,
+        })
+        .collect()
 }
 
 /// A program whose buffers cannot be planned (it breaks the verifier's buffer invariants), or a
