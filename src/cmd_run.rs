@@ -250,10 +250,11 @@ fn run_with<B: Backend>(
     let quiet = args.log_format == LogFormat::Json;
     if !quiet {
         if backend == Resolved::Cpu && spec.train.precision != Precision::Fp32 {
-            eprintln!(
-                "note: the cpu backend computes in fp32 (the spec asks for {:?})",
-                spec.train.precision
-            );
+            let asked = match spec.train.precision {
+                Precision::Fp16 { .. } => "fp16; its loss scaling stays active",
+                _ => "bf16",
+            };
+            eprintln!("note: the cpu backend computes in fp32 (the spec asks for {asked})");
         }
         eprintln!(
             "training {} on {} rank{} ({} steps, global batch {} × seq {})",
