@@ -382,8 +382,10 @@ fn host(config: &RendezvousConfig) -> Result<Rendezvous> {
     let mut problems: Vec<String> = Vec::new();
     while joined.iter().skip(1).any(Option::is_none) && Instant::now() < deadline {
         match listener.accept() {
-            Ok((stream, from)) => match read_hello(stream, deadline) {
-                Ok((member, stream)) => {
+            Ok((stream, from)) => {
+                // A connection that is not a parc rank (a port scan, a stale client) is
+                // ignored.
+                if let Ok((member, stream)) = read_hello(stream, deadline) {
                     let rank = member.rank as usize;
                     match joined.get(rank) {
                         None => problems.push(format!(
@@ -405,9 +407,7 @@ fn host(config: &RendezvousConfig) -> Result<Rendezvous> {
                         Some(None) => joined[rank] = Some((member, stream)),
                     }
                 }
-                // Not a parc rank (a port scan, a stale client): ignore it.
-                Err(_) => {}
-            },
+            }
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(10))
             }
