@@ -2,9 +2,9 @@
 //! collective through host memory between the rank threads of this process; `nccl` runs them
 //! on the GPUs' own buffers through NCCL (CUDA runs only), overlapped with compute. `auto` is
 //! NCCL for a CUDA run of several ranks when NCCL can be loaded, else local. This module also
-//! makes a CUDA rank's backend with NCCL attached.
-use parc_compiler::ir::Plan;
-
+//! makes a CUDA rank's backend with NCCL attached: for rank threads of this process
+//! ([`cuda_rank`]) and for one rank of a multi-process run ([`cuda_process_rank`]: the NCCL id
+//! travels through the launcher's rendezvous).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum CommChoice {
     /// NCCL for a CUDA run of several ranks (when NCCL loads), else local.
@@ -28,14 +28,17 @@ pub fn check_cpu(choice: CommChoice) -> Result<(), String> {
 }
 
 #[cfg(feature = "cuda")]
-pub use cuda::{cuda_rank, resolve_cuda, StartGate};
+pub use cuda::{cuda_process_rank, cuda_rank, resolve_cuda, StartGate};
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use super::{CommChoice, Plan};
+    use super::CommChoice;
+    use parc_compiler::ir::Plan;
     use parc_compiler::spec::Spec;
     use parc_runtime::cuda::{nccl_available, nccl_version, CudaBackend, NcclId};
     use parc_runtime::error::{Result, RuntimeError};
+    use parc_runtime::exec::{train_rank, ProcessRankResult, StepRecord, TrainOptions};
+    use parc_runtime::launch::{LaunchEnv, Rendezvous};
     use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
     use std::time::{Duration, Instant};
 
@@ -154,6 +157,54 @@ mod cuda {
             backend.use_nccl(id, rank, plan, gate.timeout)?;
         }
         Ok(backend)
+    }
+
+    /// This process's rank of a multi-process CUDA run: GPU `env.local_rank`, NCCL joined
+    /// with the id rank 0 makes and the rendezvous carries to the others, and the NCCL host
+    /// comm as the rank's comm (its abort reaches the rendezvous; NCCL waits stop when the
+    /// rendezvous hears of another rank's failure).
+    pub fn cuda_process_rank(
+        choice: CommChoice,
+        spec: &Spec,
+        plan: &Plan,
+        options: &TrainOptions,
+        env: &LaunchEnv,
+        rendezvous: &Rendezvous,
+        on_step: &(dyn Fn(&StepRecord) + Sync),
+    ) -> std::result::Result<ProcessRankResult, String> {
+        if choice == CommChoice::Local {
+            return Err(
+                "--comm local runs the ranks as threads of one process; the ranks of a \
+                 multi-process CUDA run communicate through NCCL (--comm nccl or auto)"
+                    .to_string(),
+            );
+        }
+        let (rank, gpu) = (env.rank, env.local_rank);
+        let mut backend = CudaBackend::with_precision(gpu as usize, spec.train.precision)
+            .map_err(|e| format!("rank {rank} uses GPU {gpu} (its local rank): {e}"))?;
+        let id = if rank == 0 {
+            let id = NcclId::new().map_err(|e| format!("rank 0: {e}"))?;
+            rendezvous.broadcast_bytes(Some(&id.to_bytes()))
+        } else {
+            rendezvous.broadcast_bytes(None)
+        };
+        let id = id
+            .and_then(|bytes| NcclId::from_bytes(&bytes))
+            .map_err(|e| e.to_string())?;
+        backend
+            .use_nccl(&id, rank, plan, options.comm_timeout)
+            .map_err(|e| e.to_string())?;
+        let watch = rendezvous.clone();
+        backend
+            .watch_failures(Box::new(move || {
+                watch.check_failed("waiting for NCCL communication")
+            }))
+            .map_err(|e| e.to_string())?;
+        let notify = rendezvous.clone();
+        let comm = backend
+            .nccl_host_comm(Some(Box::new(move |reason: &str| notify.abort(reason))))
+            .map_err(|e| e.to_string())?;
+        train_rank(spec, plan, options, backend, Box::new(comm), on_step).map_err(|e| e.to_string())
     }
 
     #[cfg(test)]

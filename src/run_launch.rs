@@ -181,14 +181,15 @@ fn train_rank(
     let result = match backend {
         Resolved::Cpu => cpu_rank(spec, plan, &options, env, rendezvous, &on_step)?,
         #[cfg(feature = "cuda")]
-        Resolved::Cuda => {
-            return Err(format!(
-                "rank {} of {}: multi-process CUDA runs need the NCCL comm wired to the \
-                 rendezvous, which this parc does not have yet; run the ranks as threads of one \
-                 process (`parc run FILE --backend cuda` uses one GPU per rank)",
-                env.rank, env.world
-            ))
-        }
+        Resolved::Cuda => crate::run_comm::cuda_process_rank(
+            args.comm,
+            spec,
+            plan,
+            &options,
+            env,
+            rendezvous,
+            &on_step,
+        )?,
     };
     if is_report {
         progress.finish(&Summary {

@@ -92,8 +92,12 @@ impl CommLayout {
     }
 
     /// The communicator that serves `set` (global ranks in group-rank order), if it is a set of
-    /// one of the plan's families.
+    /// one of the plan's families or the whole world.
     pub fn key_of(&self, set: &[u32]) -> Option<CommKey> {
+        let whole = set.len() as u32 == self.world && set.iter().copied().eq(0..self.world);
+        if whole {
+            return Some(CommKey::World);
+        }
         self.keys.get(set).copied()
     }
 }
@@ -234,5 +238,13 @@ mod tests {
         let layout = CommLayout::of_partitions(1, [one.as_slice(), one.as_slice()]);
         assert!(layout.splits().is_empty());
         assert_eq!(layout.key_of(&[0]), Some(CommKey::World));
+    }
+
+    #[test]
+    fn the_whole_world_is_served_even_without_a_family_for_it() {
+        let layout = CommLayout::of_partitions(3, std::iter::empty());
+        assert_eq!(layout.key_of(&[0, 1, 2]), Some(CommKey::World));
+        assert_eq!(layout.key_of(&[0, 1]), None);
+        assert_eq!(layout.key_of(&[2, 1, 0]), None);
     }
 }

@@ -24,6 +24,7 @@ mod device;
 mod dispatch;
 mod gemm;
 mod nccl;
+mod nccl_host;
 mod storage;
 mod stream;
 
@@ -43,7 +44,8 @@ use parc_compiler::spec::Precision;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-pub use nccl::{nccl_available, nccl_version, NcclId};
+pub use nccl::{nccl_available, nccl_version, FailureProbe, NcclId};
+pub use nccl_host::{AbortNotice, NcclHostComm};
 
 /// One allocated buffer.
 struct Slot {

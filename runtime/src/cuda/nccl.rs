@@ -19,15 +19,18 @@
 //! - **No hang**: the host waits for queued communication by polling, checks NCCL's
 //!   asynchronous errors, and after the timeout aborts the communicators and fails naming the
 //!   last communication it queued.
-use super::stream::CommStream;
+use super::device::driver_error;
+use super::stream::{poll_until_idle, CommStream};
 use super::{Buf, CudaBackend};
 use crate::backend::DeviceTransfer;
 use crate::comm::layout::{check_p2p_order, CommKey, CommLayout};
 use crate::error::{Result, RuntimeError};
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::CudaStream;
 use cudarc::nccl::sys as nc;
 use parc_compiler::ir::{BufferId, CollectiveKind, DType, Plan, ReduceOp};
-use std::cell::Cell;
 use std::ffi::{c_int, c_void, CStr};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 /// `NCCL_SPLIT_NOCOLOR` of nccl.h: take part in a split without joining any communicator.
@@ -155,33 +158,46 @@ struct Communicator {
     what: String,
 }
 
-/// Every communicator of a rank, and the communication stream its work runs on.
-pub(crate) struct NcclComm {
+/// Every communicator of a rank. Shared ([`Shared`]) by the rank's backend (device buffers)
+/// and its host comm ([`super::nccl_host::NcclHostComm`]), which queue their work on the same
+/// communication stream so that every rank issues NCCL calls in program order.
+pub(crate) struct Communicators {
     rank: u32,
     world: Communicator,
     /// Split `i` of the layout: this rank's communicator in it, or None where it has no set.
     splits: Vec<Option<Communicator>>,
     layout: CommLayout,
-    pub(crate) stream: CommStream,
     /// The last communication queued, for a timeout's message.
     last_queued: String,
     /// Set once the communicators were aborted (after a failure): never used again.
-    aborted: Cell<bool>,
+    aborted: bool,
+    /// Checked while waiting, e.g. the launcher's news of another rank's failure.
+    probe: Option<FailureProbe>,
 }
 
-// SAFETY: NCCL communicators may be used from any thread, one call at a time; the backend that
-// owns this is used by one thread at a time (`&mut` for every NCCL call).
-unsafe impl Send for NcclComm {}
+/// A check that fails once the run has failed elsewhere (another rank died).
+pub type FailureProbe = Box<dyn Fn() -> Result<()> + Send>;
 
-impl NcclComm {
+/// The communicators as the backend and the host comm hold them.
+pub(crate) type Shared = Arc<Mutex<Communicators>>;
+
+// SAFETY: NCCL communicators may be used from any thread, one call at a time; the mutex in
+// `Shared` serialises every use.
+unsafe impl Send for Communicators {}
+
+pub(crate) fn lock(shared: &Shared) -> Result<MutexGuard<'_, Communicators>> {
+    shared
+        .lock()
+        .map_err(|_| RuntimeError::Comm("NCCL: a thread panicked while using NCCL".into()))
+}
+
+/// One send or receive on raw device memory: (is a send, global peer rank, pointer, f32s).
+pub(crate) type RawTransfer = (bool, u32, CUdeviceptr, usize);
+
+impl Communicators {
     /// Join the world communicator of `id` as `rank` of `layout.world()` and split the plan's
     /// communicators. Collective over every rank of the run. The CUDA context must be current.
-    pub(crate) fn new(
-        id: &NcclId,
-        rank: u32,
-        layout: CommLayout,
-        stream: CommStream,
-    ) -> Result<NcclComm> {
+    fn join(id: &NcclId, rank: u32, layout: CommLayout) -> Result<Communicators> {
         nccl_available()?;
         let world_size = layout.world();
         let mut raw: nc::ncclComm_t = std::ptr::null_mut();
@@ -191,7 +207,7 @@ impl NcclComm {
             None,
             || format!("rank {rank} joining the world communicator of {world_size} ranks"),
         )?;
-        let mut comm = NcclComm {
+        let mut comms = Communicators {
             rank,
             world: Communicator {
                 raw,
@@ -199,14 +215,14 @@ impl NcclComm {
             },
             splits: Vec::new(),
             layout,
-            stream,
             last_queued: String::new(),
-            aborted: Cell::new(false),
+            aborted: false,
+            probe: None,
         };
-        for index in 0..comm.layout.splits().len() {
-            let color = comm.layout.color(index, rank);
+        for index in 0..comms.layout.splits().len() {
+            let color = comms.layout.color(index, rank);
             let mut split: nc::ncclComm_t = std::ptr::null_mut();
-            let set = color.and_then(|c| comm.layout.splits()[index].get(c as usize));
+            let set = color.and_then(|c| comms.layout.splits()[index].get(c as usize));
             let what = match set {
                 Some(set) => format!("the communicator of ranks {set:?}"),
                 None => format!("split {index} (rank {rank} is in none of its sets)"),
@@ -215,24 +231,48 @@ impl NcclComm {
             check(
                 unsafe {
                     nc::ncclCommSplit(
-                        comm.world.raw,
+                        comms.world.raw,
                         color.map_or(SPLIT_NO_COLOR, |c| c as c_int),
                         rank as c_int,
                         &mut split,
                         std::ptr::null_mut(),
                     )
                 },
-                Some(comm.world.raw),
+                Some(comms.world.raw),
                 || format!("rank {rank} splitting {what} from the world communicator"),
             )?;
-            comm.splits.push(
+            comms.splits.push(
                 (!split.is_null() && color.is_some()).then_some(Communicator { raw: split, what }),
             );
         }
-        Ok(comm)
+        Ok(comms)
+    }
+
+    pub(crate) fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    pub(crate) fn world_size(&self) -> u32 {
+        self.layout.world()
+    }
+
+    pub(crate) fn set_probe(&mut self, probe: FailureProbe) {
+        self.probe = Some(probe);
+    }
+
+    fn usable(&self) -> Result<()> {
+        if self.aborted {
+            Err(RuntimeError::Comm(format!(
+                "NCCL: rank {}: the communicators were aborted after an earlier failure",
+                self.rank
+            )))
+        } else {
+            Ok(())
+        }
     }
 
     fn communicator(&self, set: &[u32]) -> Result<&Communicator> {
+        self.usable()?;
         let key = self.layout.key_of(set).ok_or_else(|| {
             RuntimeError::Comm(format!(
                 "NCCL: rank {}: no communicator for group {set:?} (not a set of the plan's \
@@ -251,11 +291,43 @@ impl NcclComm {
         }
     }
 
-    /// Block until all queued communication has finished (or fail: timeout, NCCL error). On
-    /// failure the communicators are aborted, so nothing waits on them afterwards.
-    pub(crate) fn wait(&self) -> Result<()> {
-        let (rank, world, splits) = (self.rank, &self.world, &self.splits);
-        let result = self.stream.wait(&mut || async_errors(rank, world, splits));
+    /// NCCL's asynchronous errors on every communicator, then the failure probe.
+    fn health(&self) -> Result<()> {
+        for c in std::iter::once(&self.world).chain(self.splits.iter().flatten()) {
+            let mut state = nc::ncclResult_t::ncclSuccess;
+            // SAFETY: the handle is live; writes one result.
+            check(
+                unsafe { nc::ncclCommGetAsyncError(c.raw, &mut state) },
+                Some(c.raw),
+                || format!("querying {}", c.what),
+            )?;
+            check(state, Some(c.raw), || {
+                format!("rank {}: {} failed", self.rank, c.what)
+            })?;
+        }
+        match &self.probe {
+            Some(probe) => probe(),
+            None => Ok(()),
+        }
+    }
+
+    /// Abort every communicator (after a failure or timeout: their queued work is dropped and
+    /// nothing waits on them any more).
+    pub(crate) fn abort(&mut self) {
+        if self.aborted {
+            return;
+        }
+        self.aborted = true;
+        for c in std::iter::once(&self.world).chain(self.splits.iter().flatten()) {
+            // SAFETY: the handle is live; `aborted` keeps it from being used or destroyed again.
+            unsafe { nc::ncclCommAbort(c.raw) };
+        }
+    }
+
+    /// Block until `stream` has run everything queued on it, checking [`Communicators::health`]
+    /// while waiting; on failure abort and say what was queued last.
+    pub(crate) fn wait(&mut self, stream: &CudaStream, timeout: Duration) -> Result<()> {
+        let result = poll_until_idle(stream, timeout, &mut || self.health());
         if let Err(e) = result {
             self.abort();
             let last = if self.last_queued.is_empty() {
@@ -268,27 +340,97 @@ impl NcclComm {
         Ok(())
     }
 
-    /// [`NcclComm::wait`], then forget every pending mark.
-    pub(crate) fn drain(&mut self) -> Result<()> {
-        self.wait()?;
-        self.stream.forget_all();
+    /// Queue collective `kind` over `group` on `stream`: `count` is NCCL's count (elements per
+    /// rank for all-gather and reduce-scatter, else the whole buffer).
+    ///
+    /// # Safety
+    /// `send` and `recv` must be device allocations of this context large enough for `kind`
+    /// and `count` over `group.len()` ranks, alive until the stream has run the operation.
+    pub(crate) unsafe fn collective(
+        &mut self,
+        kind: CollectiveKind,
+        group: &[u32],
+        (send, recv, count): (CUdeviceptr, CUdeviceptr, usize),
+        stream: &CudaStream,
+        what: String,
+    ) -> Result<()> {
+        let comm = self.communicator(group)?;
+        let raw = comm.raw;
+        let what = format!("rank {}: {what} over {}", self.rank, comm.what);
+        let stream = stream.cu_stream() as nc::cudaStream_t;
+        let (send, recv) = (send as *const c_void, recv as *mut c_void);
+        let f32t = nc::ncclDataType_t::ncclFloat32;
+        let result = match kind {
+            CollectiveKind::AllReduce { op } => {
+                let op = match op {
+                    ReduceOp::Sum => nc::ncclRedOp_t::ncclSum,
+                    ReduceOp::Max => nc::ncclRedOp_t::ncclMax,
+                };
+                nc::ncclAllReduce(send, recv, count, f32t, op, raw, stream)
+            }
+            CollectiveKind::AllGather => nc::ncclAllGather(send, recv, count, f32t, raw, stream),
+            CollectiveKind::ReduceScatter => {
+                let sum = nc::ncclRedOp_t::ncclSum;
+                nc::ncclReduceScatter(send, recv, count, f32t, sum, raw, stream)
+            }
+            CollectiveKind::Broadcast { root } => {
+                nc::ncclBroadcast(send, recv, count, f32t, root as c_int, raw, stream)
+            }
+        };
+        check(result, Some(raw), || what.clone())?;
+        self.last_queued = what;
         Ok(())
     }
 
-    fn abort(&self) {
-        if self.aborted.replace(true) {
-            return;
+    /// Queue `transfers` on `stream` as one NCCL group over the world communicator.
+    ///
+    /// # Safety
+    /// Every pointer must be a device allocation of this context holding its count of f32s,
+    /// alive until the stream has run the group.
+    pub(crate) unsafe fn transfers(
+        &mut self,
+        transfers: &[RawTransfer],
+        stream: &CudaStream,
+        what: String,
+    ) -> Result<()> {
+        self.usable()?;
+        let world = self.world.raw;
+        let what = format!("rank {}: {what}", self.rank);
+        let stream = stream.cu_stream() as nc::cudaStream_t;
+        let f32t = nc::ncclDataType_t::ncclFloat32;
+        check(nc::ncclGroupStart(), Some(world), || {
+            format!("{what}: starting the group")
+        })?;
+        let mut queued = Ok(());
+        for &(send, peer, ptr, len) in transfers {
+            let result = if send {
+                nc::ncclSend(
+                    ptr as *const c_void,
+                    len,
+                    f32t,
+                    peer as c_int,
+                    world,
+                    stream,
+                )
+            } else {
+                nc::ncclRecv(ptr as *mut c_void, len, f32t, peer as c_int, world, stream)
+            };
+            if queued.is_ok() {
+                queued = check(result, Some(world), || what.clone());
+            }
         }
-        for c in std::iter::once(&self.world).chain(self.splits.iter().flatten()) {
-            // SAFETY: the handle is live; `aborted` keeps it from being used or destroyed again.
-            unsafe { nc::ncclCommAbort(c.raw) };
-        }
+        // The group is always closed, even after a failed call inside it.
+        let closed = check(nc::ncclGroupEnd(), Some(world), || what.clone());
+        queued?;
+        closed?;
+        self.last_queued = what;
+        Ok(())
     }
 }
 
-impl Drop for NcclComm {
+impl Drop for Communicators {
     fn drop(&mut self) {
-        if self.aborted.get() {
+        if self.aborted {
             return;
         }
         for c in self
@@ -303,21 +445,28 @@ impl Drop for NcclComm {
     }
 }
 
-/// Poll NCCL's asynchronous errors on every communicator.
-fn async_errors(rank: u32, world: &Communicator, splits: &[Option<Communicator>]) -> Result<()> {
-    for c in std::iter::once(world).chain(splits.iter().flatten()) {
-        let mut state = nc::ncclResult_t::ncclSuccess;
-        // SAFETY: the handle is live; writes one result.
-        check(
-            unsafe { nc::ncclCommGetAsyncError(c.raw, &mut state) },
-            Some(c.raw),
-            || format!("querying {}", c.what),
-        )?;
-        check(state, Some(c.raw), || {
-            format!("rank {rank}: {} failed", c.what)
-        })?;
+/// The backend's side: the shared communicators and its communication stream.
+pub(crate) struct NcclComm {
+    pub(crate) comms: Shared,
+    pub(crate) stream: CommStream,
+}
+
+impl NcclComm {
+    /// Block until all queued communication has finished (or fail: timeout, NCCL error, the
+    /// failure probe); on failure the communicators are aborted.
+    pub(crate) fn wait(&self) -> Result<()> {
+        if !self.stream.has_queued() {
+            return Ok(());
+        }
+        lock(&self.comms)?.wait(self.stream.stream(), self.stream.timeout())
     }
-    Ok(())
+
+    /// [`NcclComm::wait`], then forget every pending mark.
+    pub(crate) fn drain(&mut self) -> Result<()> {
+        self.wait()?;
+        self.stream.forget_all();
+        Ok(())
+    }
 }
 
 fn f32_buffer(op: &str, b: &Buf) -> Result<()> {
@@ -370,15 +519,35 @@ impl CudaBackend {
         check_p2p_order(plan, rank).map_err(RuntimeError::Comm)?;
         self.ctx
             .bind_to_thread()
-            .map_err(|e| super::device::driver_error("making the context current for NCCL", e))?;
+            .map_err(|e| driver_error("making the context current for NCCL", e))?;
         let stream = CommStream::new(&self.ctx, timeout)?;
-        self.nccl = Some(NcclComm::new(id, rank, CommLayout::of_plan(plan), stream)?);
+        let comms = Communicators::join(id, rank, CommLayout::of_plan(plan))?;
+        self.nccl = Some(NcclComm {
+            comms: Arc::new(Mutex::new(comms)),
+            stream,
+        });
         Ok(())
     }
 
     /// Whether collectives run through NCCL.
     pub fn uses_nccl(&self) -> bool {
         self.nccl.is_some()
+    }
+
+    /// Stop waiting for communication (with an error) once `probe` fails: e.g. the launcher's
+    /// rendezvous reporting that another rank died, which NCCL itself would wait out.
+    pub fn watch_failures(&mut self, probe: FailureProbe) -> Result<()> {
+        let nccl = self.nccl_set_up()?;
+        lock(&nccl.comms)?.set_probe(probe);
+        Ok(())
+    }
+
+    fn nccl_set_up(&self) -> Result<&NcclComm> {
+        self.nccl.as_ref().ok_or_else(|| {
+            RuntimeError::Unsupported(
+                "NCCL is not set up on this backend (call use_nccl first)".into(),
+            )
+        })
     }
 
     /// Make the compute stream wait for queued communication on `ids` (before an op, a free).
@@ -425,86 +594,41 @@ impl CudaBackend {
         let (inp, out) = (self.buf(input)?, self.buf(output)?);
         f32_buffer(name, &inp)?;
         f32_buffer(name, &out)?;
-        let n = group.len();
-        let (want_in, count) = match kind {
-            CollectiveKind::AllReduce { .. } | CollectiveKind::Broadcast { .. } => {
-                (out.len, out.len)
-            }
-            CollectiveKind::AllGather => (out.len / n.max(1), out.len / n.max(1)),
-            CollectiveKind::ReduceScatter => (out.len * n, out.len),
-        };
-        let fits = inp.len == want_in
-            && match kind {
-                CollectiveKind::AllGather => out.len == inp.len * n,
-                _ => true,
-            };
-        if !fits {
-            return Err(sizes_error(
+        let count = collective_count(kind, group.len(), inp.len, out.len).map_err(|what| {
+            sizes_error(
                 name,
                 format!(
-                    "over {n} ranks: input buffer {} has {} elements and output buffer {} has {}",
-                    input.0, inp.len, output.0, out.len
+                    "input buffer {}, output buffer {}: {what}",
+                    input.0, output.0
                 ),
-            ));
-        }
-        if let CollectiveKind::Broadcast { root } = kind {
-            if root as usize >= n {
-                return Err(sizes_error(
-                    name,
-                    format!("root {root} is not a member index of a {n}-rank group"),
-                ));
-            }
-        }
-        let rank = self.ctx_rank();
-        let Some(nccl) = self.nccl.as_mut() else {
-            return Err(RuntimeError::Unsupported("NCCL is not set up".into()));
-        };
+            )
+        })?;
+        let nccl = self.nccl_set_up()?;
         nccl.stream.follow(&self.stream)?;
-        let comm = nccl.communicator(group)?;
-        let comm_what = comm.what.clone();
-        let stream = nccl.stream.stream().cu_stream() as nc::cudaStream_t;
-        let (send, recv) = (inp.ptr as *const c_void, out.ptr as *mut c_void);
-        let f32t = nc::ncclDataType_t::ncclFloat32;
+        let what = format!("{name} of buffer {} into buffer {}", input.0, output.0);
         // SAFETY: both buffers are live device allocations whose lengths were checked against
-        // `count` for this kind; the stream belongs to this context.
-        let result = unsafe {
-            match kind {
-                CollectiveKind::AllReduce { op } => {
-                    let op = match op {
-                        ReduceOp::Sum => nc::ncclRedOp_t::ncclSum,
-                        ReduceOp::Max => nc::ncclRedOp_t::ncclMax,
-                    };
-                    nc::ncclAllReduce(send, recv, count, f32t, op, comm.raw, stream)
-                }
-                CollectiveKind::AllGather => {
-                    nc::ncclAllGather(send, recv, count, f32t, comm.raw, stream)
-                }
-                CollectiveKind::ReduceScatter => nc::ncclReduceScatter(
-                    send,
-                    recv,
-                    count,
-                    f32t,
-                    nc::ncclRedOp_t::ncclSum,
-                    comm.raw,
-                    stream,
-                ),
-                CollectiveKind::Broadcast { root } => {
-                    nc::ncclBroadcast(send, recv, count, f32t, root as c_int, comm.raw, stream)
-                }
-            }
-        };
-        let what = format!(
-            "rank {rank}: {name} of buffer {} into buffer {} over {comm_what}",
-            input.0, output.0
-        );
-        check(result, Some(comm.raw), || what.clone())?;
-        nccl.last_queued = what;
-        nccl.stream.record(&[input, output])
+        // `count` for this kind; the buffers stay allocated until the recorded event (a free
+        // waits for it).
+        unsafe {
+            lock(&nccl.comms)?.collective(
+                kind,
+                group,
+                (inp.ptr, out.ptr, count),
+                nccl.stream.stream(),
+                what,
+            )?;
+        }
+        match &mut self.nccl {
+            Some(nccl) => nccl.stream.record(&[input, output]),
+            None => Ok(()),
+        }
     }
 
     /// [`crate::backend::Backend::device_p2p`] through NCCL: one NCCL group.
     pub(crate) fn nccl_p2p(&mut self, transfers: &[DeviceTransfer]) -> Result<()> {
-        let mut bound = Vec::with_capacity(transfers.len());
+        let mut raw: Vec<RawTransfer> = Vec::with_capacity(transfers.len());
+        let mut ids = Vec::with_capacity(transfers.len());
+        let mut words = Vec::with_capacity(transfers.len());
         for t in transfers {
             let (send, peer, buffer) = match *t {
                 DeviceTransfer::Send { peer, buffer, .. } => (true, peer, buffer),
@@ -512,76 +636,57 @@ impl CudaBackend {
             };
             let b = self.buf(buffer)?;
             f32_buffer(if send { "send" } else { "receive" }, &b)?;
-            bound.push((send, peer, b));
+            raw.push((send, peer, b.ptr, b.len));
+            ids.push(buffer);
+            words.push(if send {
+                format!("send buffer {} to rank {peer}", buffer.0)
+            } else {
+                format!("receive buffer {} from rank {peer}", buffer.0)
+            });
         }
-        let rank = self.ctx_rank();
-        let Some(nccl) = self.nccl.as_mut() else {
-            return Err(RuntimeError::Unsupported("NCCL is not set up".into()));
-        };
+        let nccl = self.nccl_set_up()?;
         nccl.stream.follow(&self.stream)?;
-        let world = nccl.world.raw;
-        let stream = nccl.stream.stream().cu_stream() as nc::cudaStream_t;
-        let describe = || {
-            bound
-                .iter()
-                .map(|(send, peer, b)| {
-                    if *send {
-                        format!("send buffer {} to rank {peer}", b.id.0)
-                    } else {
-                        format!("receive buffer {} from rank {peer}", b.id.0)
-                    }
-                })
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
-        // SAFETY: no arguments.
-        check(unsafe { nc::ncclGroupStart() }, Some(world), || {
-            format!("rank {rank}: starting a transfer group")
-        })?;
-        let mut first_error = Ok(());
-        for (send, peer, b) in &bound {
-            // SAFETY: each buffer is a live device allocation of `b.len` f32s; the peer is a
-            // global rank of the world communicator (the plan was checked).
-            let result = unsafe {
-                if *send {
-                    nc::ncclSend(
-                        b.ptr as *const c_void,
-                        b.len,
-                        nc::ncclDataType_t::ncclFloat32,
-                        *peer as c_int,
-                        world,
-                        stream,
-                    )
-                } else {
-                    nc::ncclRecv(
-                        b.ptr as *mut c_void,
-                        b.len,
-                        nc::ncclDataType_t::ncclFloat32,
-                        *peer as c_int,
-                        world,
-                        stream,
-                    )
-                }
-            };
-            if first_error.is_ok() {
-                first_error = check(result, Some(world), || {
-                    format!("rank {rank}: queueing {}", describe())
-                });
-            }
+        // SAFETY: every buffer is a live device allocation of its length in f32s, kept until
+        // the recorded event; peers are global ranks of the world communicator.
+        unsafe {
+            lock(&nccl.comms)?.transfers(&raw, nccl.stream.stream(), words.join(", "))?;
         }
-        // The group is always closed, even after a failed call inside it.
-        // SAFETY: no arguments.
-        let closed = check(unsafe { nc::ncclGroupEnd() }, Some(world), || {
-            format!("rank {rank}: {}", describe())
-        });
-        first_error?;
-        closed?;
-        nccl.last_queued = format!("rank {rank}: {}", describe());
-        let ids: Vec<BufferId> = bound.iter().map(|(_, _, b)| b.id).collect();
-        nccl.stream.record(&ids)
+        match &mut self.nccl {
+            Some(nccl) => nccl.stream.record(&ids),
+            None => Ok(()),
+        }
     }
+}
 
-    fn ctx_rank(&self) -> u32 {
-        self.nccl.as_ref().map_or(0, |n| n.rank)
+/// NCCL's count for collective `kind` over `n` ranks with `input`/`output` elements, or what is
+/// wrong with the sizes.
+pub(crate) fn collective_count(
+    kind: CollectiveKind,
+    n: usize,
+    input: usize,
+    output: usize,
+) -> std::result::Result<usize, String> {
+    let n = n.max(1);
+    let (fits, count) = match kind {
+        CollectiveKind::AllReduce { .. } | CollectiveKind::Broadcast { .. } => {
+            (input == output, output)
+        }
+        CollectiveKind::AllGather => (output == input * n, input),
+        CollectiveKind::ReduceScatter => (input == output * n, output),
+    };
+    if let CollectiveKind::Broadcast { root } = kind {
+        if root as usize >= n {
+            return Err(format!(
+                "root {root} is not a member index of a {n}-rank group"
+            ));
+        }
+    }
+    if fits {
+        Ok(count)
+    } else {
+        Err(format!(
+            "{input} and {output} elements do not fit a {n}-rank {}",
+            describe(kind)
+        ))
     }
 }

@@ -152,46 +152,56 @@ impl CommStream {
         self.pending.is_marked(id)
     }
 
-    /// Block the host until all queued communication has finished, polling so that it fails
-    /// after the timeout instead of hanging; `check` runs between polls (NCCL's asynchronous
-    /// errors) and its error ends the wait.
-    pub(crate) fn wait(&self, check: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        if self.pending.last() == 0 {
-            return Ok(());
-        }
-        let event = self
-            .stream
-            .record_event(None)
-            .map_err(|e| driver_error("recording a communication event", e))?;
-        let started = Instant::now();
-        let mut spins = 0u32;
-        loop {
-            match event.try_is_complete() {
-                Ok(true) => return Ok(()),
-                Ok(false) => {}
-                Err(e) => return Err(driver_error("waiting for communication", e)),
-            }
-            check()?;
-            if started.elapsed() > self.timeout {
-                return Err(RuntimeError::Comm(format!(
-                    "communication queued on the GPU did not complete within {} s: a peer \
-                     rank is stuck or died",
-                    self.timeout.as_secs_f64()
-                )));
-            }
-            spins += 1;
-            if spins < 1000 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(200));
-            }
-        }
+    /// Whether anything was ever queued (nothing to wait for otherwise).
+    pub(crate) fn has_queued(&self) -> bool {
+        self.pending.last() > 0
     }
 
-    /// After a [`CommStream::wait`]: nothing queued is pending any more.
+    /// How long a host wait for this stream may take.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// After the host waited for the stream: nothing queued is pending any more.
     pub(crate) fn forget_all(&mut self) {
         self.pending.clear();
         self.events.clear();
+    }
+}
+
+/// Block the host until `stream` has run everything queued on it so far, polling so that it
+/// fails after `timeout` instead of hanging; `check` runs between polls (NCCL's asynchronous
+/// errors, news of a failed peer) and its error ends the wait.
+pub(crate) fn poll_until_idle(
+    stream: &CudaStream,
+    timeout: Duration,
+    check: &mut dyn FnMut() -> Result<()>,
+) -> Result<()> {
+    let event = stream
+        .record_event(None)
+        .map_err(|e| driver_error("recording a communication event", e))?;
+    let started = Instant::now();
+    let mut spins = 0u32;
+    loop {
+        match event.try_is_complete() {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            Err(e) => return Err(driver_error("waiting for communication", e)),
+        }
+        check()?;
+        if started.elapsed() > timeout {
+            return Err(RuntimeError::Comm(format!(
+                "communication queued on the GPU did not complete within {:.1} s: a peer rank \
+                 is stuck or died",
+                timeout.as_secs_f64()
+            )));
+        }
+        spins += 1;
+        if spins < 1000 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(200));
+        }
     }
 }
 

@@ -1,0 +1,527 @@
+//! The NCCL device comm (`runtime/src/cuda/nccl.rs`, `--comm nccl`).
+//!
+//! Everywhere (no GPU needed): the communicator layout of real lowered plans (every rank's
+//! group sets resolve to a communicator, members of a set agree on it), and the check that
+//! NCCL's order matching pairs the same messages as the IR's tags, on every pipeline plan of
+//! the equivalence configurations and on a plan broken on purpose.
+//!
+//! On a GPU with NCCL (otherwise each prints `skipped: …` and passes):
+//! - one rank, world = 1 through NCCL: all-reduce (sum, max, in place), all-gather,
+//!   reduce-scatter and broadcast of a one-member group, grouped send/receive to itself, a
+//!   compute op reading a collective's output right after it (ordering across the streams);
+//! - training a one-GPU plan with NCCL gives exactly the losses of the run without it;
+//! - with two or more GPUs (skipped on one): dp = 2, tp = 2 and pp = 2 plans trained through
+//!   NCCL match the single-rank CPU run (loss 1e-4 relative at step 1, 1e-3 after).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#[allow(dead_code)]
+#[path = "ir/fixtures.rs"]
+mod fixtures;
+
+use fixtures::{spec, PlanChoice, TinyModel};
+use parc_compiler::ir::{CollectiveKind, DType, Instr, P2pOp, Plan, ReduceOp};
+use parc_compiler::lower::lower;
+use parc_compiler::spec::{PipelineSchedule, Spec, ZeroStage};
+use parc_runtime::comm::layout::{check_p2p_order, CommKey, CommLayout};
+use parc_runtime::cpu::CpuBackend;
+use parc_runtime::exec::{train, TrainOptions};
+
+fn plan_of(s: &Spec) -> Plan {
+    lower(s).unwrap_or_else(|d| panic!("{:?}", d.items))
+}
+
+fn model(llama: bool) -> TinyModel {
+    TinyModel {
+        layers: 8,
+        llama,
+        tied: !llama,
+    }
+}
+
+/// Plans with every kind of group and pipeline transfer.
+fn plans() -> Vec<(String, Plan)> {
+    let mut out = Vec::new();
+    let schedules = [
+        PipelineSchedule::OneFOneB,
+        PipelineSchedule::Gpipe,
+        PipelineSchedule::Interleaved { virtual_stages: 2 },
+    ];
+    for llama in [false, true] {
+        for schedule in schedules {
+            for (dp, pp, cp, tp, zero) in [
+                (1, 2, 1, 1, ZeroStage::Zero0),
+                (2, 2, 1, 2, ZeroStage::Zero1),
+                (1, 4, 1, 1, ZeroStage::Zero0),
+                (2, 2, 2, 1, ZeroStage::Zero3),
+            ] {
+                let choice = PlanChoice {
+                    dp,
+                    pp,
+                    cp,
+                    tp,
+                    zero,
+                    schedule,
+                    microbatches: 4,
+                    ..PlanChoice::default()
+                };
+                let name = format!(
+                    "{} dp{dp} pp{pp} cp{cp} tp{tp} {zero:?} {schedule:?}",
+                    if llama { "llama" } else { "gpt" }
+                );
+                out.push((name, plan_of(&spec(model(llama), choice))));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn nccl_order_matching_pairs_the_same_messages_as_the_plans_tags() {
+    let mut transfers = 0;
+    for (name, plan) in plans() {
+        for rank in 0..plan.world {
+            check_p2p_order(&plan, rank).unwrap_or_else(|e| panic!("{name}, rank {rank}: {e}"));
+        }
+        transfers += plan
+            .programs
+            .iter()
+            .flat_map(|p| &p.instrs)
+            .filter(|i| {
+                matches!(
+                    i,
+                    Instr::P2p { .. } | Instr::Send { .. } | Instr::Recv { .. }
+                )
+            })
+            .count();
+    }
+    assert!(transfers > 100, "the plans hold only {transfers} transfers");
+}
+
+#[test]
+fn a_plan_whose_send_order_disagrees_with_its_tags_is_refused() {
+    let choice = PlanChoice {
+        pp: 2,
+        microbatches: 4,
+        ..PlanChoice::default()
+    };
+    let mut plan = plan_of(&spec(model(false), choice));
+    // Swap the tags of the first two sends of stage 0: tag matching still pairs every message,
+    // order matching would pair them crosswise.
+    let program = plan.rank_program[0].0 as usize;
+    let mut sends: Vec<(usize, usize)> = Vec::new();
+    for (i, instr) in plan.programs[program].instrs.iter().enumerate() {
+        if let Instr::P2p { ops } = instr {
+            for (j, op) in ops.iter().enumerate() {
+                if matches!(op, P2pOp::Send { .. }) {
+                    sends.push((i, j));
+                }
+            }
+        }
+    }
+    assert!(sends.len() >= 2, "stage 0 sends {} messages", sends.len());
+    let tag_at = |plan: &Plan, (i, j): (usize, usize)| match &plan.programs[program].instrs[i] {
+        Instr::P2p { ops } => match ops[j] {
+            P2pOp::Send { tag, .. } => tag,
+            P2pOp::Recv { .. } => unreachable!(),
+        },
+        _ => unreachable!(),
+    };
+    let (a, b) = (sends[0], sends[1]);
+    let (tag_a, tag_b) = (tag_at(&plan, a), tag_at(&plan, b));
+    assert_ne!(tag_a, tag_b);
+    for ((i, j), tag) in [(a, tag_b), (b, tag_a)] {
+        if let Instr::P2p { ops } = &mut plan.programs[program].instrs[i] {
+            if let P2pOp::Send { tag: t, .. } = &mut ops[j] {
+                *t = tag;
+            }
+        }
+    }
+    let err = check_p2p_order(&plan, 0).unwrap_err();
+    assert!(err.contains("rank 0 sends tags"), "{err}");
+    assert!(err.contains("rank 1 receives tags"), "{err}");
+    assert!(err.contains("NCCL matches messages by order"), "{err}");
+}
+
+#[test]
+fn every_group_set_of_a_plan_has_one_communicator_its_members_share() {
+    for (name, plan) in plans() {
+        let layout = CommLayout::of_plan(&plan);
+        for group in &plan.groups {
+            for set in &group.sets {
+                let key = layout
+                    .key_of(set)
+                    .unwrap_or_else(|| panic!("{name}: no communicator for {set:?}"));
+                if let CommKey::Split(index) = key {
+                    let colors: Vec<_> = set.iter().map(|&r| layout.color(index, r)).collect();
+                    assert!(
+                        colors.iter().all(|c| c.is_some() && *c == colors[0]),
+                        "{name}: members of {set:?} got colours {colors:?}"
+                    );
+                    let members = &layout.splits()[index][colors[0].unwrap() as usize];
+                    assert_eq!(members, set, "{name}");
+                } else {
+                    assert_eq!(set.len() as u32, plan.world, "{name}");
+                }
+            }
+        }
+        // Distinct partitions only: never more splits than group families.
+        assert!(layout.splits().len() <= plan.groups.len(), "{name}");
+    }
+}
+
+/// `plan` (world 1) with an in-place all-reduce over the one-rank group after every
+/// compute op's f32 outputs: identities that put every buffer through NCCL and the
+/// communication stream, so the ordering between the streams is exercised by real training.
+fn with_identity_collectives(mut plan: Plan) -> Plan {
+    let group = parc_compiler::ir::GroupId(plan.groups.len() as u32);
+    plan.groups.push(parc_compiler::ir::Group {
+        name: "self".into(),
+        axes: vec![parc_compiler::spec::Axis::Dp],
+        sets: vec![vec![0]],
+    });
+    for program in &mut plan.programs {
+        let mut instrs = Vec::with_capacity(program.instrs.len() * 2);
+        for instr in program.instrs.drain(..) {
+            let extra: Vec<Instr> = match &instr {
+                Instr::Compute { outputs, node, .. } => outputs
+                    .iter()
+                    .filter(|&&id| program.buffers[id.0 as usize].dtype == DType::F32)
+                    .map(|&id| Instr::Collective {
+                        kind: CollectiveKind::AllReduce { op: ReduceOp::Sum },
+                        group,
+                        input: id,
+                        output: id,
+                        node: *node,
+                    })
+                    .collect(),
+                _ => Vec::new(),
+            };
+            instrs.push(instr);
+            instrs.extend(extra);
+        }
+        program.instrs = instrs;
+    }
+    plan
+}
+
+#[test]
+fn identity_collectives_plan_is_verified_and_trains_like_the_original_on_the_cpu() {
+    let mut s = spec(model(false), PlanChoice::default());
+    s.train.steps = 2;
+    let mut options = TrainOptions::new(".");
+    options.threads_per_rank = Some(1);
+    let cpu = |plan: &Plan| {
+        train(
+            &s,
+            plan,
+            &options,
+            |_, t| CpuBackend::with_threads(t),
+            &|_| {},
+        )
+        .unwrap()
+        .records
+        .iter()
+        .map(|r| r.loss)
+        .collect::<Vec<_>>()
+    };
+    let plan = plan_of(&s);
+    assert_eq!(cpu(&plan), cpu(&with_identity_collectives(plan.clone())));
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::*;
+    use parc_compiler::ir::op::Op;
+    use parc_compiler::ir::BufferId;
+    use parc_runtime::backend::{Backend, DeviceTransfer, StepScalars};
+    use parc_runtime::cuda::{nccl_available, nccl_version, CudaBackend, NcclId};
+    use parc_runtime::exec::TrainResult;
+    use std::time::Duration;
+
+    const TIMEOUT: Duration = Duration::from_secs(60);
+
+    /// Whether `gpus` GPUs and NCCL are here; prints why not.
+    fn have(gpus: usize) -> bool {
+        for ordinal in 0..gpus {
+            if let Err(e) = CudaBackend::new(ordinal) {
+                println!("skipped: needs {gpus} CUDA device(s): device {ordinal}: {e}");
+                return false;
+            }
+        }
+        if let Err(e) = nccl_available() {
+            println!("skipped: no NCCL ({e})");
+            return false;
+        }
+        println!("NCCL {}", nccl_version().unwrap());
+        true
+    }
+
+    fn one_rank_plan() -> Plan {
+        plan_of(&spec(model(false), PlanChoice::default()))
+    }
+
+    fn scalars() -> StepScalars {
+        StepScalars {
+            lr: 0.0,
+            step: 1,
+            loss_scale: None,
+        }
+    }
+
+    fn buffer(b: &mut CudaBackend, id: u32, data: &[f32]) -> BufferId {
+        let id = BufferId(id);
+        b.alloc(id, &[data.len() as u64], DType::F32).unwrap();
+        b.write_f32(id, data).unwrap();
+        id
+    }
+
+    #[test]
+    fn one_rank_collectives_and_self_transfers_through_nccl() {
+        if !have(1) {
+            return;
+        }
+        let plan = one_rank_plan();
+        let mut b = CudaBackend::new(0).unwrap();
+        b.use_nccl(&NcclId::new().unwrap(), 0, &plan, TIMEOUT)
+            .unwrap();
+        assert!(b.uses_nccl());
+        let data: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 - 7.0).collect();
+        let input = buffer(&mut b, 9_000, &data);
+        let out = buffer(&mut b, 9_001, &vec![123.0; data.len()]);
+        let me = [0u32];
+        let kinds = [
+            CollectiveKind::AllReduce { op: ReduceOp::Sum },
+            CollectiveKind::AllReduce { op: ReduceOp::Max },
+            CollectiveKind::AllGather,
+            CollectiveKind::ReduceScatter,
+            CollectiveKind::Broadcast { root: 0 },
+        ];
+        for kind in kinds {
+            b.write_f32(out, &vec![123.0; data.len()]).unwrap();
+            b.device_collective(kind, &me, input, out)
+                .expect("the NCCL backend runs collectives itself")
+                .unwrap();
+            assert_eq!(b.read_f32(out).unwrap(), data, "{kind:?}");
+        }
+        // In place.
+        b.device_collective(
+            CollectiveKind::AllReduce { op: ReduceOp::Sum },
+            &me,
+            input,
+            input,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(b.read_f32(input).unwrap(), data);
+        // A compute op queued right after a collective reads its result (stream ordering):
+        // out = all-reduce(input), then sum = Σ out².
+        b.write_f32(out, &vec![0.0; data.len()]).unwrap();
+        let sum = buffer(&mut b, 9_002, &[0.0]);
+        b.device_collective(
+            CollectiveKind::AllReduce { op: ReduceOp::Sum },
+            &me,
+            input,
+            out,
+        )
+        .unwrap()
+        .unwrap();
+        b.compute(&Op::SumSquares, &[out], &[sum], &scalars())
+            .unwrap();
+        let expected: f64 = data.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+        let got = f64::from(b.read_f32(sum).unwrap()[0]);
+        assert!(
+            (got - expected).abs() <= 1e-5 * expected,
+            "{got} vs {expected}"
+        );
+        // Grouped send and receive to itself.
+        let recv = buffer(&mut b, 9_003, &vec![0.0; data.len()]);
+        b.device_p2p(&[
+            DeviceTransfer::Send {
+                peer: 0,
+                tag: 7,
+                buffer: input,
+            },
+            DeviceTransfer::Recv {
+                peer: 0,
+                tag: 7,
+                buffer: recv,
+            },
+        ])
+        .unwrap()
+        .unwrap();
+        // Freeing a buffer right after a transfer used it is ordered after the transfer.
+        b.free(input).unwrap();
+        assert_eq!(b.read_f32(recv).unwrap(), data);
+        // A bad size is an error, not an out-of-bounds NCCL call.
+        let short = buffer(&mut b, 9_004, &[1.0; 10]);
+        let err = b
+            .device_collective(CollectiveKind::AllGather, &me, recv, short)
+            .unwrap()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("a lowering bug"), "{err}");
+        let err = b
+            .device_collective(
+                CollectiveKind::AllReduce { op: ReduceOp::Sum },
+                &[0, 1],
+                out,
+                out,
+            )
+            .unwrap()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no communicator for group [0, 1]"), "{err}");
+    }
+
+    fn run(s: &Spec, nccl: bool, cpu: bool) -> TrainResult {
+        let plan = plan_of(s);
+        let mut options = TrainOptions::new(".");
+        options.threads_per_rank = Some(1);
+        if cpu {
+            return train(
+                s,
+                &plan,
+                &options,
+                |_, t| CpuBackend::with_threads(t),
+                &|_| {},
+            )
+            .unwrap();
+        }
+        let id = NcclId::new().unwrap();
+        train(
+            s,
+            &plan,
+            &options,
+            |rank, _| {
+                let mut b = CudaBackend::new(rank as usize)?;
+                if nccl {
+                    b.use_nccl(&id, rank, &plan, TIMEOUT)?;
+                }
+                Ok(b)
+            },
+            &|_| {},
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn one_gpu_training_through_nccl_gives_the_same_losses() {
+        if !have(1) {
+            return;
+        }
+        let mut s = spec(model(false), PlanChoice::default());
+        s.train.steps = 4;
+        let plain = run(&s, false, false);
+        let nccl = run(&s, true, false);
+        let losses = |r: &TrainResult| r.records.iter().map(|r| r.loss).collect::<Vec<_>>();
+        println!(
+            "without NCCL {:?}\nwith NCCL    {:?}",
+            losses(&plain),
+            losses(&nccl)
+        );
+        assert_eq!(losses(&plain), losses(&nccl));
+        let norms = |r: &TrainResult| r.records.iter().map(|r| r.grad_norm).collect::<Vec<_>>();
+        assert_eq!(norms(&plain), norms(&nccl));
+    }
+
+    #[test]
+    fn identity_collectives_after_every_op_train_to_the_same_losses_through_nccl() {
+        if !have(1) {
+            return;
+        }
+        let mut s = spec(model(false), PlanChoice::default());
+        s.train.steps = 3;
+        let plain = run(&s, false, false);
+        let plan = with_identity_collectives(plan_of(&s));
+        let collectives = plan.programs[0]
+            .instrs
+            .iter()
+            .filter(|i| matches!(i, Instr::Collective { .. }))
+            .count();
+        assert!(collectives > 50, "{collectives} collectives");
+        let mut options = TrainOptions::new(".");
+        options.threads_per_rank = Some(1);
+        let id = NcclId::new().unwrap();
+        let nccl = train(
+            &s,
+            &plan,
+            &options,
+            |rank, _| {
+                let mut b = CudaBackend::new(rank as usize)?;
+                b.use_nccl(&id, rank, &plan, TIMEOUT)?;
+                Ok(b)
+            },
+            &|_| {},
+        )
+        .unwrap();
+        let losses = |r: &TrainResult| r.records.iter().map(|r| r.loss).collect::<Vec<_>>();
+        println!(
+            "{collectives} NCCL all-reduces a step; without {:?}, with {:?}",
+            losses(&plain),
+            losses(&nccl)
+        );
+        assert_eq!(losses(&plain), losses(&nccl));
+    }
+
+    #[test]
+    fn multi_gpu_plans_through_nccl_match_the_single_rank_cpu_run() {
+        if !have(2) {
+            return;
+        }
+        let gpus = (0..8).take_while(|&g| CudaBackend::new(g).is_ok()).count() as u32;
+        let choices = [
+            (2, 1, 1, 1, ZeroStage::Zero1),
+            (1, 1, 1, 2, ZeroStage::Zero0),
+            (1, 2, 1, 1, ZeroStage::Zero0),
+            (2, 1, 1, 2, ZeroStage::Zero3),
+            (2, 2, 1, 1, ZeroStage::Zero2),
+        ];
+        for (dp, pp, cp, tp, zero) in choices {
+            if dp * pp * cp * tp > gpus {
+                println!("skipped dp{dp} pp{pp} tp{tp}: needs {} GPUs", dp * pp * tp);
+                continue;
+            }
+            let choice = PlanChoice {
+                dp,
+                pp,
+                cp,
+                tp,
+                zero,
+                microbatches: 2,
+                ..PlanChoice::default()
+            };
+            let mut s = spec(model(false), choice);
+            s.train.steps = 4;
+            // The single rank with the same global batch.
+            let mut single = spec(
+                model(false),
+                PlanChoice {
+                    microbatches: 2 * dp,
+                    ..PlanChoice::default()
+                },
+            );
+            single.train.steps = 4;
+            let reference = run(&single, false, true);
+            let got = run(&s, true, false);
+            for (step, (a, b)) in reference.records.iter().zip(&got.records).enumerate() {
+                let tol = if step == 0 { 1e-4 } else { 1e-3 };
+                let rel = ((a.loss - b.loss) / a.loss).abs();
+                assert!(
+                    rel <= tol,
+                    "dp{dp} pp{pp} tp{tp} step {step}: cpu {} nccl {}",
+                    a.loss,
+                    b.loss
+                );
+            }
+            println!(
+                "dp{dp} pp{pp} tp{tp} {zero:?}: {} steps match",
+                got.records.len()
+            );
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn gpu_tests_skip_without_the_cuda_feature() {
+    println!("skipped: no CUDA device (this build has no `cuda` feature)");
+}
