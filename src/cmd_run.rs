@@ -57,7 +57,11 @@ pub struct RunArgs {
     #[arg(long = "nproc-per-node", value_name = "N")]
     pub nproc_per_node: Option<u32>,
     /// Seconds the ranks of a multi-process run wait for each other to join.
-    #[arg(long = "rendezvous-timeout", value_name = "SECS", default_value_t = 60.0)]
+    #[arg(
+        long = "rendezvous-timeout",
+        value_name = "SECS",
+        default_value_t = 60.0
+    )]
     pub rendezvous_timeout: f64,
     /// Seconds a rank of a multi-process run waits for a peer in a collective or transfer.
     #[arg(long = "comm-timeout", value_name = "SECS", default_value_t = 120.0)]
@@ -295,7 +299,8 @@ fn run_with<B: Backend>(
             first_step.load(std::sync::atomic::Ordering::Relaxed),
         );
     };
-    let result = train(spec, plan, &options, new_backend, &on_step).map_err(|e| e.to_string())?;
+    let result = train(spec, plan, &options, new_backend, &on_step)
+        .map_err(|e| crate::run_error::describe(&e, spec, &args.file, &args.spec.set))?;
     let gpu = &spec.cluster.gpu;
     if let (Some(profile), LogFormat::Json) = (&result.profile, args.log_format) {
         println!("{}", run_profile::json(profile, gpu));

@@ -8,6 +8,7 @@ mod cmd_run;
 mod diagnostics;
 mod report;
 mod run_comm;
+mod run_error;
 mod run_launch;
 mod run_profile;
 mod run_progress;

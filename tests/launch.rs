@@ -1,6 +1,8 @@
 //! Multi-process `parc run` through the binary: a 4-process CPU run started by
 //! `--nproc-per-node 4` (mpiexec + the MPI comm) gives exactly the single-process losses; a rank
-//! that crashes ends the job with its error, quickly; a rendezvous missing a rank names it; a
+//! that crashes ends the job with its error, quickly; a rank that hangs makes its peers' collective
+//! time out naming the waiting rank, the missing peer, the instruction and the spec line; a
+//! rendezvous missing a rank names it; a
 //! world size other than the mesh's is refused before any communication, with both numbers.
 //! The MPI tests need the `mpi` feature and `mpiexec` on PATH, and say so when they skip.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -38,7 +40,7 @@ fn parc(args: &[String], env: &[(&str, String)]) -> Command {
         .current_dir(root())
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env_remove("PARC_TEST_ABORT_RANK");
+        .env_remove("PARC_TEST_FAULT");
     for (key, value) in env {
         command.env(key, value);
     }
@@ -109,7 +111,7 @@ fn a_crashed_rank_ends_the_job_with_its_error() {
     let mut args = plan_args(1000);
     args.extend(["--nproc-per-node".into(), "4".into()]);
     let started = Instant::now();
-    let output = parc(&args, &[("PARC_TEST_ABORT_RANK", "2@1500".into())])
+    let output = parc(&args, &[("PARC_TEST_FAULT", "abort:2@1500".into())])
         .output()
         .unwrap();
     let err = stderr(&output);
@@ -124,6 +126,44 @@ fn a_crashed_rank_ends_the_job_with_its_error() {
         "took {:?}",
         started.elapsed()
     );
+}
+
+#[test]
+fn a_hung_rank_times_out_its_peers_naming_the_instruction_and_spec_line() {
+    if let Some(why) = mpi_missing() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let mut args = plan_args(1000);
+    args.extend([
+        "--nproc-per-node".into(),
+        "4".into(),
+        "--comm-timeout".into(),
+        "3".into(),
+    ]);
+    let started = Instant::now();
+    let output = parc(&args, &[("PARC_TEST_FAULT", "stop:2@1500".into())])
+        .output()
+        .unwrap();
+    let err = stderr(&output);
+    assert!(!output.status.success(), "{err}");
+    // Rank 2's tp partner (rank 3) waits for it in a collective.
+    assert!(
+        err.contains("rank 3 waited 3.0 s in all_reduce")
+            && err.contains("ranks [2] never sent their part"),
+        "{err}"
+    );
+    assert!(
+        err.contains("[rank 3 at instruction ") && err.contains("over its tp group]"),
+        "{err}"
+    );
+    assert!(
+        err.lines().any(|l| l.starts_with("[rank 3]   at ")
+            && l.contains(".par:")
+            && l.contains("layer `blocks.")),
+        "{err}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(60));
 }
 
 #[test]

@@ -12,6 +12,19 @@ pub enum RuntimeError {
     /// A communication failure: a peer that died or a collective that timed out.
     #[error("communication: {0}")]
     Comm(String),
+    /// A communication failure at one instruction of a rank's program: where the rank was
+    /// (`node`: the spec node the instruction implements, or the nearest before it, which a
+    /// caller holding the spec's sources renders as file:line).
+    #[error("{source} [rank {rank} at instruction {index} of program `{role}`: {instr}]")]
+    AtInstruction {
+        rank: u32,
+        role: String,
+        index: usize,
+        /// What the instruction does, e.g. `all_reduce on group dp`.
+        instr: String,
+        node: Option<parc_compiler::spec::NodeId>,
+        source: Box<RuntimeError>,
+    },
     /// Data files: missing, malformed, too short.
     #[error("data: {0}")]
     Data(String),

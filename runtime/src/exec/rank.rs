@@ -215,7 +215,7 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
                 Some(profile) => self.run_timed(instr, step, &scalars, profile),
             };
             result.map_err(|e| match e {
-                RuntimeError::Comm(_) => e,
+                RuntimeError::Comm(_) => self.at_instruction(index, instr, e),
                 other => RuntimeError::Op {
                     op: format!(
                         "rank {} ({}) instruction {index}",
@@ -258,6 +258,63 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
             grad_sumsq,
             loss_scale,
         })
+    }
+
+    /// Wrap a communication error with where this rank was: the instruction, and the spec
+    /// node it implements (for a transfer, the nearest node before it: the layer whose
+    /// activation or gradient it carries).
+    fn at_instruction(&self, index: usize, instr: &Instr, error: RuntimeError) -> RuntimeError {
+        let node_of = |i: &Instr| match i {
+            Instr::Compute { node, .. } | Instr::Collective { node, .. } => *node,
+            _ => None,
+        };
+        let node = self
+            .program
+            .instrs
+            .get(..=index)
+            .unwrap_or(&[])
+            .iter()
+            .rev()
+            .find_map(node_of);
+        let what = match instr {
+            Instr::Collective { kind, group, .. } => {
+                let family = self
+                    .plan
+                    .group(*group)
+                    .map_or_else(|| format!("#{}", group.0), |f| f.name.clone());
+                let kind = match kind {
+                    CollectiveKind::AllReduce { .. } => "all_reduce",
+                    CollectiveKind::AllGather => "all_gather",
+                    CollectiveKind::ReduceScatter => "reduce_scatter",
+                    CollectiveKind::Broadcast { .. } => "broadcast",
+                };
+                format!("{kind} over its {family} group")
+            }
+            Instr::Send { peer, tag, .. } => {
+                format!("send to rank {} (tag {tag})", self.peer_rank(*peer))
+            }
+            Instr::Recv { peer, tag, .. } => {
+                format!("receive from rank {} (tag {tag})", self.peer_rank(*peer))
+            }
+            Instr::P2p { ops } => {
+                let peers: Vec<u32> = ops
+                    .iter()
+                    .map(|op| match *op {
+                        P2pOp::Send { peer, .. } | P2pOp::Recv { peer, .. } => self.peer_rank(peer),
+                    })
+                    .collect();
+                format!("grouped transfers with ranks {peers:?}")
+            }
+            other => profile::classify(other).name().to_string(),
+        };
+        RuntimeError::AtInstruction {
+            rank: self.rank,
+            role: self.program.role.clone(),
+            index,
+            instr: what,
+            node,
+            source: Box::new(error),
+        }
     }
 
     /// Run `instr` with the backend idle before and after, and add its time and work to
