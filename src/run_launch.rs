@@ -11,8 +11,8 @@
 //!   refuses a world size other than the mesh's, joins the rendezvous, builds this process's
 //!   comm and trains its rank; only the plan's report rank prints progress and the summary.
 //!
-//! `PARC_TEST_ABORT_RANK=R@MS` makes rank R's process abort MS milliseconds after the
-//! rendezvous (a crash, for testing the failure handling).
+//! For testing the failure handling, `PARC_TEST_FAULT=abort:R@MS` makes rank R's process abort
+//! MS milliseconds after the rendezvous (a crash), `stop:R@MS` stop (SIGSTOP: a hang).
 use crate::cmd_run::{compile, resolve_backend, spec_folder, Resolved, RunArgs};
 use crate::run_progress::{LogFormat, Progress, Summary};
 use parc_compiler::ir::Plan;
@@ -117,20 +117,37 @@ fn rank_main(
     }
 }
 
-/// `PARC_TEST_ABORT_RANK=R@MS`: abort rank R's process MS ms from now (a simulated crash).
+/// `PARC_TEST_FAULT=abort:R@MS` or `stop:R@MS`: MS ms from now, rank R's process aborts (a
+/// crash) or stops (SIGSTOP, a hang that keeps its connections open).
 fn inject_fault(rank: u32) {
-    let Ok(spec) = std::env::var("PARC_TEST_ABORT_RANK") else {
+    let Ok(fault) = std::env::var("PARC_TEST_FAULT") else {
         return;
     };
-    let (who, after) = spec.split_once('@').unwrap_or((spec.as_str(), "0"));
+    let Some((kind, at)) = fault.split_once(':') else {
+        return;
+    };
+    let (who, after) = at.split_once('@').unwrap_or((at, "0"));
     if who.trim().parse::<u32>().ok() != Some(rank) {
         return;
     }
     let after = Duration::from_millis(after.trim().parse().unwrap_or(0));
+    let stop = match kind {
+        "abort" => false,
+        "stop" => true,
+        _ => return,
+    };
+    let kind = kind.to_string();
     std::thread::spawn(move || {
         std::thread::sleep(after);
-        eprintln!("PARC_TEST_ABORT_RANK: rank {rank} aborts now");
-        std::process::abort();
+        eprintln!("PARC_TEST_FAULT: rank {rank} {kind}s now");
+        if stop {
+            // SAFETY: raising a signal on this process.
+            unsafe {
+                libc::raise(libc::SIGSTOP);
+            }
+        } else {
+            std::process::abort();
+        }
     });
 }
 
@@ -179,16 +196,11 @@ fn train_rank(
         );
     }
     let result = match backend {
-        Resolved::Cpu => cpu_rank(spec, plan, &options, env, rendezvous, &on_step)?,
+        Resolved::Cpu => cpu_rank(spec, plan, &options, env, rendezvous, &on_step)
+            .map_err(|e| crate::run_error::describe(&e, spec, &args.file, &args.spec.set))?,
         #[cfg(feature = "cuda")]
         Resolved::Cuda => crate::run_comm::cuda_process_rank(
-            args.comm,
-            spec,
-            plan,
-            &options,
-            env,
-            rendezvous,
-            &on_step,
+            args.comm, spec, plan, &options, env, rendezvous, &on_step,
         )?,
     };
     if is_report {
@@ -215,16 +227,13 @@ fn cpu_rank(
     env: &LaunchEnv,
     rendezvous: &Rendezvous,
     on_step: &(dyn Fn(&parc_runtime::exec::StepRecord) + Sync),
-) -> Result<parc_runtime::exec::ProcessRankResult, String> {
+) -> parc_runtime::error::Result<parc_runtime::exec::ProcessRankResult> {
     use parc_runtime::comm::mpi::MpiComm;
-    let comm =
-        MpiComm::init(rendezvous.clone(), options.comm_timeout).map_err(|e| e.to_string())?;
+    let comm = MpiComm::init(rendezvous.clone(), options.comm_timeout)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let per_host = env.local_world.unwrap_or(env.world).max(1) as usize;
-    let backend = parc_runtime::cpu::CpuBackend::with_threads((cores / per_host).max(1))
-        .map_err(|e| e.to_string())?;
+    let backend = parc_runtime::cpu::CpuBackend::with_threads((cores / per_host).max(1))?;
     parc_runtime::exec::train_rank(spec, plan, options, backend, Box::new(comm), on_step)
-        .map_err(|e| e.to_string())
 }
 
 #[cfg(not(feature = "mpi"))]
@@ -235,14 +244,14 @@ fn cpu_rank(
     env: &LaunchEnv,
     _rendezvous: &Rendezvous,
     _on_step: &(dyn Fn(&parc_runtime::exec::StepRecord) + Sync),
-) -> Result<parc_runtime::exec::ProcessRankResult, String> {
-    Err(format!(
+) -> parc_runtime::error::Result<parc_runtime::exec::ProcessRankResult> {
+    Err(parc_runtime::error::RuntimeError::Unsupported(format!(
         "rank {} of {}: a multi-process CPU run needs the MPI comm, and this parc was built \
          without it; install Open MPI (`apt-get install libopenmpi-dev openmpi-bin`) and build \
          with `cargo build --release --features mpi`, or run every rank in one process \
          (`parc run FILE` without a launcher)",
         env.rank, env.world
-    ))
+    )))
 }
 
 // ------------------------------------------------------------------------------------------
@@ -318,8 +327,8 @@ fn launch_inner(args: &RunArgs, n: u32) -> Result<u8, (u8, String)> {
                 .arg("--tag-output")
                 .args(["-x", "MASTER_ADDR=127.0.0.1"])
                 .args(["-x", &format!("MASTER_PORT={port}")]);
-            if std::env::var_os("PARC_TEST_ABORT_RANK").is_some() {
-                command.args(["-x", "PARC_TEST_ABORT_RANK"]);
+            if std::env::var_os("PARC_TEST_FAULT").is_some() {
+                command.args(["-x", "PARC_TEST_FAULT"]);
             }
             command.arg(&exe).args(&child_args);
             let child = spawn(command)
@@ -489,10 +498,10 @@ fn relay(
     for line in BufReader::new(stream).lines() {
         let Ok(line) = line else { return };
         let (rank, to_stderr, text) = match rank {
-            Some(r) => (Some(r), is_stderr, line.as_str()),
+            Some(r) => (Some(r), is_stderr, line),
             None => match parse_tagged(&line) {
                 Some((r, err, text)) => (Some(r), err, text),
-                None => (None, true, line.as_str()),
+                None => (None, true, line),
             },
         };
         if let (Some(r), Some(message)) = (rank, text.strip_prefix("error: ")) {
@@ -514,17 +523,47 @@ fn relay(
     }
 }
 
-/// `[1,2]<stderr>:text` → (2, true, "text").
-fn parse_tagged(line: &str) -> Option<(u32, bool, &str)> {
-    let rest = line.strip_prefix('[')?;
-    let (ids, rest) = rest.split_once(']')?;
-    let rank = ids.rsplit(',').next()?.trim().parse().ok()?;
-    if let Some(text) = rest.strip_prefix("<stderr>:") {
-        Some((rank, true, text))
-    } else {
-        rest.strip_prefix("<stdout>:")
-            .map(|text| (rank, false, text))
+/// `[1,2]<stderr>:text` → (2, true, "text"). mpiexec tags every write, so a line printed in
+/// pieces carries more tags inside; they are removed.
+fn parse_tagged(line: &str) -> Option<(u32, bool, String)> {
+    let (rank, is_stderr, len) = tag_at(line)?;
+    Some((rank, is_stderr, strip_tags(line.get(len..).unwrap_or(""))))
+}
+
+/// The `[job,rank]<stdout>:` or `<stderr>:` tag at the start of `text`: (rank, is_stderr, its
+/// length in bytes).
+fn tag_at(text: &str) -> Option<(u32, bool, usize)> {
+    let rest = text.strip_prefix('[')?;
+    let (ids, after) = rest.split_once(']')?;
+    let (job, rank) = ids.split_once(',')?;
+    if job.is_empty() || !job.chars().all(|c| c.is_ascii_digit()) {
+        return None;
     }
+    let rank = rank.parse().ok()?;
+    let (is_stderr, tag) = if after.starts_with("<stderr>:") {
+        (true, "<stderr>:")
+    } else if after.starts_with("<stdout>:") {
+        (false, "<stdout>:")
+    } else {
+        return None;
+    };
+    Some((rank, is_stderr, 1 + ids.len() + 1 + tag.len()))
+}
+
+fn strip_tags(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find('[') {
+        out.push_str(&rest[..at]);
+        rest = &rest[at..];
+        let skip = tag_at(rest).map_or(1, |(_, _, len)| len);
+        if skip == 1 {
+            out.push('[');
+        }
+        rest = rest.get(skip..).unwrap_or("");
+    }
+    out.push_str(rest);
+    out
 }
 
 /// The rank a "stopped because rank R failed" message blames.
@@ -594,15 +633,24 @@ mod tests {
 
     #[test]
     fn tagged_mpiexec_lines_name_their_rank() {
-        assert_eq!(
-            parse_tagged("[1,2]<stderr>:error: boom"),
-            Some((2, true, "error: boom"))
-        );
-        assert_eq!(
-            parse_tagged("[9,0]<stdout>:{\"event\":1}"),
-            Some((0, false, "{\"event\":1}"))
+        let tagged = |line: &str, rank: u32, err: bool, text: &str| {
+            assert_eq!(
+                parse_tagged(line),
+                Some((rank, err, text.to_string())),
+                "{line}"
+            );
+        };
+        tagged("[1,2]<stderr>:error: boom", 2, true, "error: boom");
+        tagged("[9,0]<stdout>:{\"event\":1}", 0, false, "{\"event\":1}");
+        // A line printed in pieces is tagged once per piece.
+        tagged(
+            "[1,0]<stderr>:on [1,0]<stderr>:4 ranks [0, 1] [x",
+            0,
+            true,
+            "on 4 ranks [0, 1] [x",
         );
         assert_eq!(parse_tagged("mpiexec noticed that"), None);
+        assert_eq!(parse_tagged("[0, 1] x"), None);
     }
 
     #[test]
