@@ -44,8 +44,6 @@ use parc_compiler::spec::Precision;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-pub use nccl::{nccl_available, nccl_version, NcclId};
-
 pub use nccl::{nccl_available, nccl_version, FailureProbe, NcclId};
 pub use nccl_host::{AbortNotice, NcclHostComm};
 
