@@ -459,3 +459,28 @@ fn every_language_feature_reaches_the_spec() {
         (25e9, 10e-6)
     );
 }
+
+#[test]
+fn a_dynamic_loss_scale_must_be_positive_finite_in_f32_and_min_at_most_init() {
+    let tiny = example("tiny.par");
+    let fp16 = "train.precision=fp16";
+    let codes = |sets: &[&str]| {
+        let mut all = vec![fp16];
+        all.extend_from_slice(sets);
+        run(&tiny, &all).1
+    };
+    assert!(codes(&[]).is_empty());
+    assert!(codes(&["train.precision.loss_scale.init=1.329227995784916e36"]).is_empty());
+    assert_eq!(codes(&["train.precision.loss_scale.init=0"]), ["E0903"]);
+    assert_eq!(codes(&["train.precision.loss_scale.min=0"]), ["E0903"]);
+    assert_eq!(codes(&["train.precision.loss_scale.init=1e39"]), ["E0903"]);
+    assert_eq!(
+        codes(&[
+            "train.precision.loss_scale.init=1024",
+            "train.precision.loss_scale.min=2048"
+        ]),
+        ["E0903"]
+    );
+    // A default min above a small init is reported at the init.
+    assert_eq!(codes(&["train.precision.loss_scale.init=0.5"]), ["E0903"]);
+}

@@ -582,7 +582,54 @@ fn precision(r: &mut Reader, gpu_is_cpu: bool) -> Precision {
                     min: r.float("train.precision.loss_scale.min").unwrap_or(1.0),
                 },
             };
+            check_loss_scale(r, loss_scale);
             Precision::Fp16 { loss_scale }
+        }
+    }
+}
+
+/// A dynamic loss scale must start, and stay, inside f32's range above zero (the scale
+/// multiplies f32 gradients: 0 would erase them for good, past f32's largest value every step
+/// would overflow), and its `min` may not exceed its `init`.
+fn check_loss_scale(r: &mut Reader, loss_scale: LossScale) {
+    let LossScale::Dynamic { init, min, .. } = loss_scale else {
+        return;
+    };
+    let largest = f64::from(f32::MAX);
+    let mut valid = true;
+    for (field, value) in [("init", init), ("min", min)] {
+        let path = format!("train.precision.loss_scale.{field}");
+        if value > 0.0 && value <= largest {
+            continue;
+        }
+        valid = false;
+        if let Some(span) = r.span(&path) {
+            r.diags.push(
+                Diagnostic::error(
+                    "E0903",
+                    format!("the loss scale's {field} must be above 0 and at most {largest:e}"),
+                )
+                .label(span, "this value")
+                .help(format!(
+                    "fp16 scales gradients by it; use e.g. {field}: {}",
+                    if field == "init" { 65536 } else { 1 }
+                )),
+            );
+        }
+    }
+    if valid && min > init {
+        let span = r
+            .span("train.precision.loss_scale.min")
+            .or_else(|| r.span("train.precision.loss_scale.init"));
+        if let Some(span) = span {
+            r.diags.push(
+                Diagnostic::error(
+                    "E0903",
+                    format!("the loss scale's min ({min}) is above its init ({init})"),
+                )
+                .label(span, "this value")
+                .help(format!("set min to at most {init}, or init to at least {min}")),
+            );
         }
     }
 }
