@@ -17,15 +17,18 @@ fn root() -> PathBuf {
 
 /// The tiny example as a 4-rank plan (dp = 2, tp = 2), small and short.
 fn plan_args(steps: u32) -> Vec<String> {
+    plan_args_with(steps, &["parallel.dp=2", "parallel.tp=2"])
+}
+
+/// The tiny example as a small, short plan with `parallel` settings.
+fn plan_args_with(steps: u32, parallel: &[&str]) -> Vec<String> {
     let mut args: Vec<String> = vec!["run".into(), "examples/tiny.par".into()];
-    for set in [
-        "parallel.dp=2".to_string(),
-        "parallel.tp=2".to_string(),
+    for set in parallel.iter().map(|s| s.to_string()).chain([
         "cluster.gpus_per_node=4".to_string(),
         "train.global_batch=4".to_string(),
         "train.micro_batch=1".to_string(),
         format!("train.steps={steps}"),
-    ] {
+    ]) {
         args.push("--set".into());
         args.push(set);
     }
@@ -84,22 +87,32 @@ fn four_processes_give_exactly_the_single_process_losses() {
         eprintln!("skipped: {why}");
         return;
     }
-    let mut args = plan_args(4);
-    args.extend(["--log-format".into(), "json".into()]);
-    let single = parc(&args, &[]).output().unwrap();
-    assert!(single.status.success(), "{}", stderr(&single));
-    args.extend(["--nproc-per-node".into(), "4".into()]);
-    let multi = parc(&args, &[]).output().unwrap();
-    assert!(multi.status.success(), "{}", stderr(&multi));
-    let (one, four) = (losses(&single), losses(&multi));
-    assert_eq!(one.len(), 4);
-    assert_eq!(one, four, "losses (f32 bits) of 1 process vs 4 processes");
-    // Only the report rank prints, once.
-    let summaries = String::from_utf8_lossy(&multi.stdout)
-        .lines()
-        .filter(|l| l.contains("\"summary\""))
-        .count();
-    assert_eq!(summaries, 1);
+    // Tensor and data parallelism (all-reduce); pipeline stages with ZeRO-3 (grouped
+    // send/receive, reduce-scatter, all-gather), whose report rank is not rank 0.
+    for parallel in [
+        &["parallel.dp=2", "parallel.tp=2"][..],
+        &["parallel.dp=2", "parallel.pp=2", "parallel.zero=3"][..],
+    ] {
+        let mut args = plan_args_with(3, parallel);
+        args.extend(["--log-format".into(), "json".into()]);
+        let single = parc(&args, &[]).output().unwrap();
+        assert!(single.status.success(), "{}", stderr(&single));
+        args.extend(["--nproc-per-node".into(), "4".into()]);
+        let multi = parc(&args, &[]).output().unwrap();
+        assert!(multi.status.success(), "{parallel:?}: {}", stderr(&multi));
+        let (one, four) = (losses(&single), losses(&multi));
+        assert_eq!(one.len(), 3);
+        assert_eq!(
+            one, four,
+            "{parallel:?}: losses (f32 bits) of 1 process vs 4 processes"
+        );
+        // Only the report rank prints, once.
+        let summaries = String::from_utf8_lossy(&multi.stdout)
+            .lines()
+            .filter(|l| l.contains("\"summary\""))
+            .count();
+        assert_eq!(summaries, 1);
+    }
 }
 
 #[test]
