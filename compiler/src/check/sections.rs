@@ -628,7 +628,9 @@ fn check_loss_scale(r: &mut Reader, loss_scale: LossScale) {
                     format!("the loss scale's min ({min}) is above its init ({init})"),
                 )
                 .label(span, "this value")
-                .help(format!("set min to at most {init}, or init to at least {min}")),
+                .help(format!(
+                    "set min to at most {init}, or init to at least {min}"
+                )),
             );
         }
     }
