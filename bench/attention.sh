@@ -1,16 +1,28 @@
 #!/usr/bin/env bash
-# One device call: the bf16 attention differential tests, parc's attention micro-benchmark and
-# PyTorch SDPA's on the same shapes, then a table of both. Binaries come from .device/ (built
-# here: cargo test --release --features cuda --no-run --test cuda_ops --test cuda_attention_bench,
-# copied as .device/cuda_ops and .device/cuda_attention_bench). Logs go to $OUT (or /tmp).
+# One device call: the attention differential tests (fp32 and bf16), parc's attention
+# micro-benchmark and PyTorch SDPA's on the same shapes, then a table of both.
+# Usage: bench/attention.sh [DIR...]: each DIR holds a build's `cuda_ops` and
+# `cuda_attention_bench` test binaries (built here with `cargo test --release --features cuda
+# --no-run --test cuda_ops --test cuda_attention_bench`, copied and stripped), default .device;
+# several DIRs compare builds in one call. Logs go to $OUT (or /tmp), one folder per DIR.
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
-dev=${DEVICE_DIR:-.device}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader | tee "$out/gpu.txt"
-"$dev/cuda_ops" attention --nocapture --test-threads=1 >"$out/ops.log" 2>&1
-echo "cuda_ops attention: exit $?"; grep -E "attention|test result|panicked" "$out/ops.log" | cut -c1-200 | tail -60
-"$dev/cuda_attention_bench" --ignored --nocapture >"$out/parc.log" 2>&1
-echo "cuda_attention_bench: exit $?"; grep -E "^\{|panicked|skipped" "$out/parc.log"
-python3 bench/attention.py --parc "$out/parc.log" 2>&1 | tee "$out/sdpa.log"
+logs=()
+for dev in "${@:-.device}"; do
+    name=$(basename "$dev")
+    mkdir -p "$out/$name"
+    "$dev/cuda_ops" attention --nocapture --test-threads=1 >"$out/$name/ops.log" 2>&1
+    echo "== $name: cuda_ops attention exit $?"
+    grep -E "worst relative" "$out/$name/ops.log" | sed -E 's/.*(attention[a-z_]*)\/(attention[a-z_]*) (b[0-9]+ h[0-9]+ kv[0-9]+ d[0-9]+).* output ([0-9]).*worst relative error ([^ ]+).*/\1 \2 \3 out\4 \5/' | sort -k5 -g | tail -4
+    grep -E "test result|panicked" "$out/$name/ops.log"
+    "$dev/cuda_attention_bench" --ignored --nocapture >"$out/$name/parc.log" 2>&1
+    echo "== $name: cuda_attention_bench exit $?"
+    grep -E "panicked|skipped" "$out/$name/parc.log"
+    sed -i "s/\"impl\": \"parc-/\"impl\": \"$name-/" "$out/$name/parc.log"
+    logs+=("$out/$name/parc.log")
+done
+cat "${logs[@]}" >"$out/parc_all.log"
+python3 bench/attention.py --parc "$out/parc_all.log" 2>&1 | tee "$out/sdpa.log"

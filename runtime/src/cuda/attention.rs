@@ -9,7 +9,7 @@ use super::dispatch::{p, segments_len, Bound};
 use super::gemm::Operands;
 use super::{Arg, Buf, CudaBackend};
 use crate::error::Result;
-use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::sys::{CUdeviceptr, CUfunction_attribute};
 use parc_compiler::ir::op::{Op, Segment};
 
 /// Geometry of one attention call, as the kernels' `struct AttGeom`.
@@ -33,11 +33,12 @@ const ATT_WARPS: u32 = 8;
 const ATT_TILE: usize = 32;
 /// Each lane holds at most 4 columns of a head (kernels' ATT_MAX_PER_LANE).
 const ATT_MAX_HEAD_DIM: usize = 128;
-/// Query rows per CTA, keys per CTA (backward) and threads of the tensor-core kernels: must
-/// match TC_BR / TC_BC / TC_THREADS in kernels/attention_tc.cu.
-const TC_BR: usize = 64;
-const TC_BC: usize = 64;
-const TC_THREADS: u32 = 128;
+/// Query rows per forward CTA, keys per backward CTA and the threads of each kernel's CTA:
+/// must match TC_FWD_BR / TC_BC / TC_THREADS / TC_BWD_THREADS in kernels/attention_tc.cu.
+const TC_FWD_BR: usize = 128;
+const TC_BC: usize = 128;
+const TC_FWD_THREADS: u32 = 128;
+const TC_BWD_THREADS: u32 = 256;
 /// Shared memory a CTA may use without opting in to more.
 const DEFAULT_SMEM: u32 = 48 << 10;
 
@@ -46,7 +47,9 @@ const DEFAULT_SMEM: u32 = 48 << 10;
 struct TensorCore {
     fwd: &'static str,
     bwd: &'static str,
-    /// The backward's query tile (rows), per head dim (TC_BWD's BR in attention_tc.cu).
+    /// The forward's key tile (rows) and the backward's query tile, per head dim (TC_FWD's BC
+    /// and TC_BWD's BR in attention_tc.cu).
+    fwd_keys: usize,
     bwd_rows: usize,
     head_dim: usize,
 }
@@ -57,12 +60,14 @@ impl TensorCore {
             64 => Some(TensorCore {
                 fwd: "attention_fwd_tc_d64",
                 bwd: "attention_bwd_tc_d64",
+                fwd_keys: 64,
                 bwd_rows: 64,
                 head_dim: 64,
             }),
             128 => Some(TensorCore {
                 fwd: "attention_fwd_tc_d128",
                 bwd: "attention_bwd_tc_d128",
+                fwd_keys: 32,
                 bwd_rows: 32,
                 head_dim: 128,
             }),
@@ -75,15 +80,56 @@ impl TensorCore {
         (self.head_dim + 8) * 2
     }
 
-    /// Q, K, V tiles and the key positions.
+    /// The Q tile; K, V tiles and key positions in two stages.
     fn fwd_smem(&self) -> u32 {
-        ((TC_BR + 2 * TC_BC) * self.row_bytes() + TC_BC * 4) as u32
+        let bc = self.fwd_keys;
+        ((TC_FWD_BR + 4 * bc) * self.row_bytes() + 2 * bc * 4) as u32
     }
 
-    /// K, V, Q, dO tiles, dSᵀ, and lse / delta / position per query row.
+    /// K, V tiles; Q, dO tiles and lse / delta / position per query row in two stages; dSᵀ.
     fn bwd_smem(&self) -> u32 {
         let br = self.bwd_rows;
-        ((2 * TC_BC + 2 * br) * self.row_bytes() + TC_BC * (br + 8) * 2 + 3 * br * 4) as u32
+        let stage = 2 * br * self.row_bytes() + 3 * br * 4;
+        (2 * TC_BC * self.row_bytes() + 2 * stage + TC_BC * (br + 8) * 2) as u32
+    }
+}
+
+/// bf16 copies of fp32 buffers for the tensor-core kernels (which read bf16), in the backend's
+/// scratch memory (grows to the largest attention's copies, then is reused), each on a 256-byte
+/// boundary, with `extra_bytes` after them for the caller.
+struct Bf16Copies {
+    ptrs: Vec<CUdeviceptr>,
+    extra: CUdeviceptr,
+}
+
+impl Bf16Copies {
+    /// Rounds each of `bufs` (fp32, lengths multiples of 4) to bf16.
+    fn of(be: &mut CudaBackend, bufs: &[Buf], extra_bytes: usize) -> Result<Bf16Copies> {
+        let mut offsets = Vec::with_capacity(bufs.len());
+        let mut bytes = 0usize;
+        for b in bufs {
+            offsets.push(bytes);
+            bytes = (bytes + b.len * 2).next_multiple_of(256);
+        }
+        let base = be.scratch(bytes + extra_bytes)?;
+        let ptrs: Vec<CUdeviceptr> = offsets.iter().map(|&o| base + o as CUdeviceptr).collect();
+        for (b, &dst) in bufs.iter().zip(&ptrs) {
+            let n4 = b.len / 4;
+            be.launch_n(
+                "attention_to_bf16",
+                n4,
+                &[p(*b), Arg::Ptr(dst), Arg::I64(n4 as i64)],
+            )?;
+        }
+        Ok(Bf16Copies {
+            ptrs,
+            extra: base + bytes as CUdeviceptr,
+        })
+    }
+
+    /// The copy of the `i`th buffer given to `of`.
+    fn arg(&self, i: usize) -> Arg {
+        Arg::Ptr(self.ptrs[i])
     }
 }
 
@@ -92,6 +138,7 @@ fn launch_tc(
     be: &mut CudaBackend,
     name: &'static str,
     grid: (u32, u32, u32),
+    threads: u32,
     smem: u32,
     args: &[Arg],
 ) -> Result<()> {
@@ -106,7 +153,7 @@ fn launch_tc(
                 driver_error(&format!("allowing {name} {smem} bytes of shared memory"), e)
             })?;
     }
-    be.launch(name, grid, (TC_THREADS, 1, 1), smem, args)
+    be.launch(name, grid, (threads, 1, 1), smem, args)
 }
 
 /// Whether the positions of `segments` strictly increase (each segment starts at or after the
@@ -236,8 +283,19 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
             Arg::Geom(g),
         ];
         if let Some(tc) = &tensor_core {
-            let grid = (seq_q.div_ceil(TC_BR) as u32, (batch * heads) as u32, 1);
-            return launch_tc(be, tc.fwd, grid, tc.fwd_smem(), &args);
+            let copies = Bf16Copies::of(be, &[q, k, v], 0)?;
+            let args = [
+                copies.arg(0),
+                copies.arg(1),
+                copies.arg(2),
+                p(o),
+                p(lse),
+                Arg::Ptr(qpos),
+                Arg::Ptr(kvpos),
+                Arg::Geom(g),
+            ];
+            let grid = (seq_q.div_ceil(TC_FWD_BR) as u32, (batch * heads) as u32, 1);
+            return launch_tc(be, tc.fwd, grid, TC_FWD_THREADS, tc.fwd_smem(), &args);
         }
         be.launch(
             "attention_fwd",
@@ -253,7 +311,15 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
         let (dq, dk, dv) = (b.f32_out(0)?, b.f32_out(1)?, b.f32_out(2)?);
         b.expect(dq, "dq", q.len)?;
         b.same(&[(dk, "dk"), (dv, "dv")], k.len)?;
-        let delta = be.scratch(lse_len * 4)?;
+        // The tensor-core path's bf16 copies and delta share the scratch memory.
+        let copies = match tensor_core {
+            Some(_) => Some(Bf16Copies::of(be, &[dout, q, k, v], lse_len * 4)?),
+            None => None,
+        };
+        let delta = match &copies {
+            Some(c) => c.extra,
+            None => be.scratch(lse_len * 4)?,
+        };
         let grid_q = (q_blocks, (batch * heads) as u32, 1);
         be.launch(
             "attention_delta",
@@ -262,7 +328,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
             0,
             &[p(dout), p(o), Arg::Ptr(delta), Arg::Geom(g)],
         )?;
-        if let Some(tc) = &tensor_core {
+        if let (Some(tc), Some(copies)) = (&tensor_core, &copies) {
             // dQ is added into with atomics: start it at zero (the op overwrites it).
             be.zero_bytes(dq.ptr, dq.len * 4)?;
             let grid = (
@@ -271,10 +337,10 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
                 1,
             );
             let args = [
-                p(dout),
-                p(q),
-                p(k),
-                p(v),
+                copies.arg(0),
+                copies.arg(1),
+                copies.arg(2),
+                copies.arg(3),
                 p(lse),
                 Arg::Ptr(delta),
                 p(dq),
@@ -284,7 +350,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
                 Arg::Ptr(kvpos),
                 Arg::Geom(g),
             ];
-            return launch_tc(be, tc.bwd, grid, tc.bwd_smem(), &args);
+            return launch_tc(be, tc.bwd, grid, TC_BWD_THREADS, tc.bwd_smem(), &args);
         }
         let args = [
             p(dout),

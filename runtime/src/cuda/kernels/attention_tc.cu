@@ -1,26 +1,28 @@
 // Flash-attention-2 on tensor cores, for bf16 runs with head_dim 64 or 128 (FA2's algorithm,
-// written for parc's layouts): bf16 `mma.sync.m16n8k16` with fp32 accumulation, operands
-// staged through shared memory as bf16 (converted from the stored element type `In` while a
-// tile is loaded, so bf16 storage can plug in as another `In`), fragments read with `ldmatrix`.
-// Softmax is online in fp32 registers, in log2 units (scores times scale·log2 e, exp2).
-// Visibility is by global position (qpos/kvpos): with ascending positions, causal blocks skip
-// whole tiles and mask only the tiles that cross the diagonal; otherwise every tile is masked.
+// written for parc's layouts): bf16 `mma.sync.m16n8k16` with fp32 accumulation. The kernels
+// read bf16 q, k, v, dO in the stored layout [seq, batch, heads, head_dim] (attention_to_bf16
+// makes them from fp32 buffers; bf16 storage will hand them over as they are): tiles go to
+// shared memory with cp.async, two stages deep (the next tile loads while this one computes),
+// fragments come out with `ldmatrix`. Softmax is online in fp32 registers, in log2 units
+// (scores times scale·log2 e, exp2). Visibility is by global position (qpos/kvpos): with
+// ascending positions, causal blocks skip whole tiles and mask only the tiles that cross the
+// diagonal; otherwise every tile is masked.
 //
-// Forward: a CTA of TC_WARPS warps takes TC_BR query rows of one (batch, head), 16 per warp;
-// K/V stream through shared memory in tiles of TC_BC rows. Backward (after attention_delta):
-// a CTA takes TC_BC keys of one (batch, kv head), 16 per warp, loops over the GQA group's query
-// heads and their query tiles, keeps dK/dV in registers and adds dQ into the (zeroed) output
-// with float atomics.
+// Forward: a CTA of TC_WARPS warps takes TC_FWD_BR query rows of one (batch, head), 32 per
+// warp; K/V stream through shared memory in tiles of BC rows (64 for head_dim 64, 32 for 128).
+// Backward (after attention_delta): a CTA of TC_BWD_WARPS warps takes TC_BC keys of one
+// (batch, kv head), 16 per warp, loops over the GQA group's query heads and their query tiles,
+// keeps dK/dV in registers and adds dQ into the (zeroed) output with float atomics.
 #define TC_WARPS 4
 #define TC_THREADS (TC_WARPS * 32)
-#define TC_BR 64
-#define TC_BC 64
+// The backward's CTA: 8 warps of 16 keys each (more keys per CTA: fewer dQ atomics per FLOP).
+#define TC_BWD_WARPS 8
+#define TC_BWD_THREADS (TC_BWD_WARPS * 32)
+#define TC_BC (TC_BWD_WARPS * 16)
 #define TC_LOG2E 1.4426950408889634f
 #define TC_LN2 0.6931471805599453f
 #define TC_POS_INF __int_as_float(0x7f800000)
 #define TC_INT_MAX 0x7fffffff
-// float4 loads a thread keeps in flight while filling a tile.
-#define TC_LOADS 8
 
 typedef unsigned short bf16_t;
 
@@ -65,33 +67,37 @@ __device__ __forceinline__ void tc_red2(float* p, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
 }
 
-// Stored element type -> 4 floats.
-__device__ __forceinline__ float4 tc_load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+// Starts a 16-byte copy global -> shared (zero-filled when !valid; gmem must still be mapped).
+__device__ __forceinline__ void tc_cp16(void* smem, const void* gmem, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(tc_smem_addr(smem)), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+}
 
-// Fills s[ROWS][D + 8] (bf16) with rows [r0, r0 + ROWS) of one head (columns col..col+D) of a
-// [seq * batch, width] tensor (sequence row j of batch b is row j * batch + b); rows past seq
-// are zero.
-template <int D, int ROWS, typename In>
-__device__ __forceinline__ void tc_fill(bf16_t* s, const In* src, long long r0, long long seq, long long batch, long long b, long long width, long long col) {
-    constexpr int PER_ROW = D / 4;
-    constexpr int TOTAL = ROWS * PER_ROW / TC_THREADS;
-    static_assert(TOTAL % TC_LOADS == 0, "tile fill must split into whole load batches");
+__device__ __forceinline__ void tc_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+__device__ __forceinline__ void tc_cp_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// Starts filling s[ROWS][D + 8] with rows [r0, r0 + ROWS) of one head (columns col..col+D) of
+// a bf16 [seq * batch, width] tensor (sequence row j of batch b is row j * batch + b); rows
+// past seq are zero.
+template <int D, int ROWS, int THREADS>
+__device__ __forceinline__ void tc_fill(bf16_t* s, const bf16_t* src, long long r0, long long seq, long long batch, long long b, long long width, long long col) {
+    constexpr int PER_ROW = D / 8;
+    static_assert(ROWS * PER_ROW % THREADS == 0, "a tile must split evenly over the threads");
     #pragma unroll
-    for (int it0 = 0; it0 < TOTAL; it0 += TC_LOADS) {
-        float4 x[TC_LOADS];
-        #pragma unroll
-        for (int u = 0; u < TC_LOADS; u++) {
-            int idx = (it0 + u) * TC_THREADS + threadIdx.x;
-            int r = idx / PER_ROW, c = (idx % PER_ROW) * 4;
-            long long j = r0 + r;
-            x[u] = j < seq ? tc_load4(src + (j * batch + b) * width + col + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
-        #pragma unroll
-        for (int u = 0; u < TC_LOADS; u++) {
-            int idx = (it0 + u) * TC_THREADS + threadIdx.x;
-            int r = idx / PER_ROW, c = (idx % PER_ROW) * 4;
-            *reinterpret_cast<uint2*>(s + r * (D + 8) + c) = make_uint2(tc_pack(x[u].x, x[u].y), tc_pack(x[u].z, x[u].w));
-        }
+    for (int it = 0; it < ROWS * PER_ROW / THREADS; it++) {
+        int idx = it * THREADS + threadIdx.x;
+        int r = idx / PER_ROW, c = (idx % PER_ROW) * 8;
+        long long j = r0 + r;
+        bool valid = j < seq;
+        tc_cp16(s + r * (D + 8) + c, src + ((valid ? j : 0) * batch + b) * width + col + c, valid);
+    }
+}
+
+// fp32 -> bf16 (round to nearest even), 4 elements a thread and step; n4 = elements / 4.
+extern "C" __global__ void attention_to_bf16(const float4* x, uint2* y, long long n4) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x) {
+        float4 a = x[i];
+        y[i] = make_uint2(tc_pack(a.x, a.y), tc_pack(a.z, a.w));
     }
 }
 
@@ -136,148 +142,195 @@ __device__ __forceinline__ float tc_quad_sum(float v) {
     return v + __shfl_xor_sync(FULL_MASK, v, 2);
 }
 
-// grid: (ceil(seq_q / TC_BR), batch * heads); block: TC_THREADS;
-// shared: (TC_BR + 2 TC_BC) * (D + 8) * 2 + TC_BC * 4 bytes (Q, K, V tiles, key positions).
-template <int D, typename In>
-__device__ __forceinline__ void tc_attention_fwd(const In* q, const In* k, const In* v, float* o, float* lse, const int* qpos, const int* kvpos, const AttGeom& g) {
-    constexpr int LD = D + 8;
+// Query rows of one forward CTA: each warp takes TC_FWD_MT m-tiles of 16 rows, so every K/V
+// fragment read from shared memory feeds TC_FWD_MT tensor-core ops.
+#define TC_FWD_MT 2
+#define TC_FWD_BR (TC_WARPS * 16 * TC_FWD_MT)
+
+// grid: (ceil(seq_q / TC_FWD_BR), batch * heads); block: TC_THREADS; shared:
+// (TC_FWD_BR + 4 BC) * (D + 8) * 2 + 2 BC * 4 bytes (Q; K, V and key positions, two stages).
+template <int D, int BC>
+__device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* k, const bf16_t* v, float* o, float* lse, const int* qpos, const int* kvpos, const AttGeom& g) {
+    constexpr int LD = D + 8, TILE = BC * LD, MT = TC_FWD_MT, BR = TC_FWD_BR;
     extern __shared__ __align__(16) unsigned char tc_smem[];
     bf16_t* sq = reinterpret_cast<bf16_t*>(tc_smem);
-    bf16_t* sk = sq + TC_BR * LD;
-    bf16_t* sv = sk + TC_BC * LD;
-    int* skpos = reinterpret_cast<int*>(sv + TC_BC * LD);
+    bf16_t* skv = sq + BR * LD;  // stage s: K at skv + 2 s TILE, V after it
+    int* skpos = reinterpret_cast<int*>(skv + 4 * TILE);  // stage s at skpos + s BC
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
     long long bh = blockIdx.y, b = bh / g.heads, h = bh % g.heads;
     long long kvh = h / (g.heads / g.kv_heads);
     // Heaviest (latest) causal blocks first.
-    long long i0 = (long long)(gridDim.x - 1 - blockIdx.x) * TC_BR;
-    long long qw = g.heads * D, kw = g.kv_heads * D;
-    tc_fill<D, TC_BR>(sq, q, i0, g.seq_q, g.batch, b, qw, h * D);
-    long long ra = i0 + warp * 16 + gq, rb = ra + 8, last = g.seq_q - 1;
-    int pa = qpos[ra < last ? ra : last], pb = qpos[rb < last ? rb : last];
-    int first_pos = qpos[i0], last_pos = qpos[i0 + TC_BR - 1 < last ? i0 + TC_BR - 1 : last];
-    bool sorted = g.q_sorted && g.kv_sorted;
-    float sl2 = g.scale * TC_LOG2E;
-    float acc[D / 8][4];
+    long long i0 = (long long)(gridDim.x - 1 - blockIdx.x) * BR;
+    long long qw = g.heads * D, kw = g.kv_heads * D, last = g.seq_q - 1;
+    // This thread's rows: r = 2 mt + half is row i0 + warp 16 MT + 16 mt + 8 half + gq.
+    long long row[2 * MT];
+    int pos[2 * MT];
+    float m[2 * MT], l[2 * MT];
     #pragma unroll
-    for (int nb = 0; nb < D / 8; nb++) { acc[nb][0] = 0.0f; acc[nb][1] = 0.0f; acc[nb][2] = 0.0f; acc[nb][3] = 0.0f; }
-    float ma = NEG_INF, mb = NEG_INF, la = 0.0f, lb = 0.0f;
-    for (long long j0 = 0; j0 < g.seq_kv; j0 += TC_BC) {
-        if (g.causal && sorted && kvpos[j0] > last_pos) break;
-        long long jl = j0 + TC_BC - 1 < g.seq_kv - 1 ? j0 + TC_BC - 1 : g.seq_kv - 1;
-        bool whole = j0 + TC_BC <= g.seq_kv;
-        bool full = g.causal ? (sorted && whole && kvpos[jl] <= first_pos) : whole;
-        __syncthreads();
-        tc_fill<D, TC_BC>(sk, k, j0, g.seq_kv, g.batch, b, kw, kvh * D);
-        tc_fill<D, TC_BC>(sv, v, j0, g.seq_kv, g.batch, b, kw, kvh * D);
-        if (threadIdx.x < TC_BC) skpos[threadIdx.x] = j0 + threadIdx.x < g.seq_kv ? kvpos[j0 + threadIdx.x] : TC_INT_MAX;
-        __syncthreads();
-        float s[TC_BC / 8][4];
+    for (int r = 0; r < 2 * MT; r++) {
+        row[r] = i0 + warp * 16 * MT + 16 * (r >> 1) + 8 * (r & 1) + gq;
+        pos[r] = qpos[row[r] < last ? row[r] : last];
+        m[r] = NEG_INF;
+        l[r] = 0.0f;
+    }
+    int first_pos = qpos[i0], last_pos = qpos[i0 + BR - 1 < last ? i0 + BR - 1 : last];
+    bool sorted = g.q_sorted && g.kv_sorted;
+    long long tiles = (g.seq_kv + BC - 1) / BC;
+    float sl2 = g.scale * TC_LOG2E;
+    float acc[MT][D / 8][4];
+    #pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
         #pragma unroll
-        for (int nb = 0; nb < TC_BC / 8; nb++) { s[nb][0] = 0.0f; s[nb][1] = 0.0f; s[nb][2] = 0.0f; s[nb][3] = 0.0f; }
+        for (int nb = 0; nb < D / 8; nb++) { acc[mt][nb][0] = 0.0f; acc[mt][nb][1] = 0.0f; acc[mt][nb][2] = 0.0f; acc[mt][nb][3] = 0.0f; }
+    }
+    tc_fill<D, BR, TC_THREADS>(sq, q, i0, g.seq_q, g.batch, b, qw, h * D);
+    // Causal with ascending positions: tiles whose first key is past the block's last query
+    // are invisible to the whole block, and so is every later one.
+    bool more = !(g.causal && sorted && kvpos[0] > last_pos);
+    if (more) {
+        tc_fill<D, BC, TC_THREADS>(skv, k, 0, g.seq_kv, g.batch, b, kw, kvh * D);
+        tc_fill<D, BC, TC_THREADS>(skv + TILE, v, 0, g.seq_kv, g.batch, b, kw, kvh * D);
+        if (threadIdx.x < BC) skpos[threadIdx.x] = threadIdx.x < g.seq_kv ? kvpos[threadIdx.x] : TC_INT_MAX;
+    }
+    tc_cp_commit();
+    for (long long t = 0; more; t++) {
+        int stage = (int)(t & 1);
+        long long j0 = t * BC;
+        tc_cp_wait_all();
+        __syncthreads();  // tile t landed everywhere; every warp is done with tile t - 1
+        long long jn = j0 + BC;
+        more = t + 1 < tiles && !(g.causal && sorted && kvpos[jn] > last_pos);
+        if (more) {
+            bf16_t* nk = skv + 2 * (stage ^ 1) * TILE;
+            tc_fill<D, BC, TC_THREADS>(nk, k, jn, g.seq_kv, g.batch, b, kw, kvh * D);
+            tc_fill<D, BC, TC_THREADS>(nk + TILE, v, jn, g.seq_kv, g.batch, b, kw, kvh * D);
+            if (threadIdx.x < BC) skpos[(stage ^ 1) * BC + threadIdx.x] = jn + threadIdx.x < g.seq_kv ? kvpos[jn + threadIdx.x] : TC_INT_MAX;
+            tc_cp_commit();
+        }
+        const bf16_t* sk = skv + 2 * stage * TILE;
+        const bf16_t* sv = sk + TILE;
+        const int* kp_tile = skpos + stage * BC;
+        long long jl = j0 + BC - 1 < g.seq_kv - 1 ? j0 + BC - 1 : g.seq_kv - 1;
+        bool whole = j0 + BC <= g.seq_kv;
+        bool full = g.causal ? (sorted && whole && kvpos[jl] <= first_pos) : whole;
+        // S = Q K^T: MT x 16 rows x BC keys per warp.
+        float s[MT][BC / 8][4];
+        #pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            #pragma unroll
+            for (int nb = 0; nb < BC / 8; nb++) { s[mt][nb][0] = 0.0f; s[mt][nb][1] = 0.0f; s[mt][nb][2] = 0.0f; s[mt][nb][3] = 0.0f; }
+        }
         #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
-            unsigned qf[4];
-            tc_frag_a(qf, sq, LD, warp * 16, kk * 16, lane);
+            unsigned qf[MT][4];
             #pragma unroll
-            for (int nb = 0; nb < TC_BC / 8; nb += 2) {
+            for (int mt = 0; mt < MT; mt++) tc_frag_a(qf[mt], sq, LD, warp * 16 * MT + 16 * mt, kk * 16, lane);
+            #pragma unroll
+            for (int nb = 0; nb < BC / 8; nb += 2) {
                 unsigned bf[4];
                 tc_frag_b_rows(bf, sk, LD, nb * 8, kk * 16, lane);
-                tc_mma(s[nb], qf, bf[0], bf[1]);
-                tc_mma(s[nb + 1], qf, bf[2], bf[3]);
-            }
-        }
-        float xa = ma, xb = mb;
-        #pragma unroll
-        for (int nb = 0; nb < TC_BC / 8; nb++) {
-            #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                float va = s[nb][e] * sl2, vb = s[nb][2 + e] * sl2;
-                if (!full) {
-                    int kp = skpos[nb * 8 + 2 * tq + e];
-                    if (kp == TC_INT_MAX || (g.causal && kp > pa)) va = NEG_INF;
-                    if (kp == TC_INT_MAX || (g.causal && kp > pb)) vb = NEG_INF;
+                #pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    tc_mma(s[mt][nb], qf[mt], bf[0], bf[1]);
+                    tc_mma(s[mt][nb + 1], qf[mt], bf[2], bf[3]);
                 }
-                s[nb][e] = va;
-                s[nb][2 + e] = vb;
-                xa = fmaxf(xa, va);
-                xb = fmaxf(xb, vb);
             }
         }
-        xa = tc_quad_max(xa);
-        xb = tc_quad_max(xb);
-        // A row that has seen no key yet keeps max −inf: subtract 0 instead (every p is 0).
-        float ba = xa == NEG_INF ? 0.0f : xa, bb = xb == NEG_INF ? 0.0f : xb;
-        float ca = tc_exp2(ma - ba), cb = tc_exp2(mb - bb);
-        ma = xa;
-        mb = xb;
-        float sa = 0.0f, sb = 0.0f;
+        // Online softmax, per row (a row's columns are spread over the 4 lanes of a quad).
         #pragma unroll
-        for (int nb = 0; nb < TC_BC / 8; nb++) {
+        for (int mt = 0; mt < MT; mt++) {
             #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                s[nb][e] = tc_exp2(s[nb][e] - ba);
-                s[nb][2 + e] = tc_exp2(s[nb][2 + e] - bb);
-                sa += s[nb][e];
-                sb += s[nb][2 + e];
+            for (int half = 0; half < 2; half++) {
+                int r = 2 * mt + half;
+                float x = m[r];
+                #pragma unroll
+                for (int nb = 0; nb < BC / 8; nb++) {
+                    #pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        float val = s[mt][nb][2 * half + e] * sl2;
+                        if (!full) {
+                            int kp = kp_tile[nb * 8 + 2 * tq + e];
+                            if (kp == TC_INT_MAX || (g.causal && kp > pos[r])) val = NEG_INF;
+                        }
+                        s[mt][nb][2 * half + e] = val;
+                        x = fmaxf(x, val);
+                    }
+                }
+                x = tc_quad_max(x);
+                // A row that has seen no key yet keeps max −inf: subtract 0 instead (every p is 0).
+                float base = x == NEG_INF ? 0.0f : x;
+                float corr = tc_exp2(m[r] - base);
+                m[r] = x;
+                float sum = 0.0f;
+                #pragma unroll
+                for (int nb = 0; nb < BC / 8; nb++) {
+                    #pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        float p = tc_exp2(s[mt][nb][2 * half + e] - base);
+                        s[mt][nb][2 * half + e] = p;
+                        sum += p;
+                    }
+                }
+                l[r] = l[r] * corr + sum;
+                #pragma unroll
+                for (int nb = 0; nb < D / 8; nb++) {
+                    acc[mt][nb][2 * half] *= corr;
+                    acc[mt][nb][2 * half + 1] *= corr;
+                }
             }
         }
-        la = la * ca + sa;
-        lb = lb * cb + sb;
+        // O += P V.
         #pragma unroll
-        for (int nb = 0; nb < D / 8; nb++) { acc[nb][0] *= ca; acc[nb][1] *= ca; acc[nb][2] *= cb; acc[nb][3] *= cb; }
-        #pragma unroll
-        for (int kk = 0; kk < TC_BC / 16; kk++) {
-            unsigned a[4];
-            TC_ACC_TO_A(a, s, kk);
+        for (int kk = 0; kk < BC / 16; kk++) {
+            unsigned a[MT][4];
+            #pragma unroll
+            for (int mt = 0; mt < MT; mt++) TC_ACC_TO_A(a[mt], s[mt], kk);
             #pragma unroll
             for (int nb = 0; nb < D / 8; nb += 2) {
                 unsigned bf[4];
                 tc_frag_b_cols(bf, sv, LD, kk * 16, nb * 8, lane);
-                tc_mma(acc[nb], a, bf[0], bf[1]);
-                tc_mma(acc[nb + 1], a, bf[2], bf[3]);
+                #pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    tc_mma(acc[mt][nb], a[mt], bf[0], bf[1]);
+                    tc_mma(acc[mt][nb + 1], a[mt], bf[2], bf[3]);
+                }
             }
         }
     }
-    la = tc_quad_sum(la);
-    lb = tc_quad_sum(lb);
-    float ia = la > 0.0f ? 1.0f / la : 0.0f, ib = lb > 0.0f ? 1.0f / lb : 0.0f;
-    if (ra < g.seq_q) {
-        float* row = o + (ra * g.batch + b) * qw + h * D + 2 * tq;
-        #pragma unroll
-        for (int nb = 0; nb < D / 8; nb++) *reinterpret_cast<float2*>(row + nb * 8) = make_float2(acc[nb][0] * ia, acc[nb][1] * ia);
-        if (tq == 0) lse[bh * g.seq_q + ra] = la > 0.0f ? (ma + log2f(la)) * TC_LN2 : NEG_INF;
-    }
-    if (rb < g.seq_q) {
-        float* row = o + (rb * g.batch + b) * qw + h * D + 2 * tq;
-        #pragma unroll
-        for (int nb = 0; nb < D / 8; nb++) *reinterpret_cast<float2*>(row + nb * 8) = make_float2(acc[nb][2] * ib, acc[nb][3] * ib);
-        if (tq == 0) lse[bh * g.seq_q + rb] = lb > 0.0f ? (mb + log2f(lb)) * TC_LN2 : NEG_INF;
+    tc_cp_wait_all();
+    #pragma unroll
+    for (int r = 0; r < 2 * MT; r++) {
+        float sum = tc_quad_sum(l[r]);
+        float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        if (row[r] < g.seq_q) {
+            float* out = o + (row[r] * g.batch + b) * qw + h * D + 2 * tq;
+            int mt = r >> 1, half = r & 1;
+            #pragma unroll
+            for (int nb = 0; nb < D / 8; nb++) *reinterpret_cast<float2*>(out + nb * 8) = make_float2(acc[mt][nb][2 * half] * inv, acc[mt][nb][2 * half + 1] * inv);
+            if (tq == 0) lse[bh * g.seq_q + row[r]] = sum > 0.0f ? (m[r] + log2f(sum)) * TC_LN2 : NEG_INF;
+        }
     }
 }
 
 // dK, dV (overwritten) and dQ (+=, zeroed by the caller) for TC_BC keys of one (batch, kv
-// head). Query tiles of BR rows. grid: (ceil(seq_kv / TC_BC), batch * kv_heads); block:
-// TC_THREADS; shared: see tc_bwd_smem_bytes in attention.rs.
-template <int D, int BR, typename In>
-__device__ __forceinline__ void tc_attention_bwd(const In* dout, const In* q, const In* k, const In* v, const float* lse, const float* delta, float* dq, float* dk, float* dv, const int* qpos, const int* kvpos, const AttGeom& g) {
+// head); query tiles of BR rows. grid: (ceil(seq_kv / TC_BC), batch * kv_heads); block:
+// TC_BWD_THREADS; shared: 2 TC_BC (D + 8) * 2 (K, V) + 2 stages of [2 BR (D + 8) * 2 (Q, dO) +
+// 3 BR * 4 (lse, delta, position)] + TC_BC (BR + 8) * 2 (dS^T) bytes.
+template <int D, int BR>
+__device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse, const float* delta, float* dq, float* dk, float* dv, const int* qpos, const int* kvpos, const AttGeom& g) {
     constexpr int LD = D + 8, LDS = BR + 8;
+    // One stage: Q, dO tiles, then lse (log2 units; +inf: the row sees nothing), delta, position.
+    constexpr int STAGE = 2 * BR * LD * 2 + 3 * BR * 4;
     extern __shared__ __align__(16) unsigned char tc_smem[];
     bf16_t* sk = reinterpret_cast<bf16_t*>(tc_smem);
     bf16_t* sv = sk + TC_BC * LD;
-    bf16_t* sq = sv + TC_BC * LD;
-    bf16_t* sdo = sq + BR * LD;
-    bf16_t* sds = sdo + BR * LD;  // dS transposed: [key][query]
-    float* sl = reinterpret_cast<float*>(sds + TC_BC * LDS);  // lse in log2 units; +inf: row sees nothing
-    float* sd = sl + BR;                                       // delta
-    int* sp = reinterpret_cast<int*>(sd + BR);                 // query positions
+    unsigned char* stages = reinterpret_cast<unsigned char*>(sv + TC_BC * LD);
+    bf16_t* sds = reinterpret_cast<bf16_t*>(stages + 2 * STAGE);  // dS transposed: [key][query]
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
     long long bk = blockIdx.y, b = bk / g.kv_heads, kvh = bk % g.kv_heads;
     long long group = g.heads / g.kv_heads;
     long long j0 = (long long)blockIdx.x * TC_BC;
     long long qw = g.heads * D, kw = g.kv_heads * D;
-    tc_fill<D, TC_BC>(sk, k, j0, g.seq_kv, g.batch, b, kw, kvh * D);
-    tc_fill<D, TC_BC>(sv, v, j0, g.seq_kv, g.batch, b, kw, kvh * D);
     long long ka = j0 + warp * 16 + gq, kb = ka + 8;
     int pa = ka < g.seq_kv ? kvpos[ka] : TC_INT_MAX, pb = kb < g.seq_kv ? kvpos[kb] : TC_INT_MAX;
     long long jl = j0 + TC_BC - 1 < g.seq_kv - 1 ? j0 + TC_BC - 1 : g.seq_kv - 1;
@@ -285,152 +338,178 @@ __device__ __forceinline__ void tc_attention_bwd(const In* dout, const In* q, co
     bool sorted = g.q_sorted && g.kv_sorted;
     bool whole = j0 + TC_BC <= g.seq_kv;
     float sl2 = g.scale * TC_LOG2E;
+    // The query tiles this CTA visits, per head: [first, q_tiles). Causal with ascending
+    // positions: tiles ending before the first key see none of this CTA's keys.
+    long long q_tiles = (g.seq_q + BR - 1) / BR, first = 0;
+    if (g.causal && sorted) {
+        long long hi = q_tiles;
+        while (first < hi) {
+            long long mid = (first + hi) / 2, il = mid * BR + BR - 1 < g.seq_q - 1 ? mid * BR + BR - 1 : g.seq_q - 1;
+            if (qpos[il] < first_kpos) first = mid + 1; else hi = mid;
+        }
+    }
+    long long per_head = q_tiles - first, total = group * per_head;
     float dka[D / 8][4], dva[D / 8][4];
     #pragma unroll
     for (int nb = 0; nb < D / 8; nb++) {
         #pragma unroll
         for (int e = 0; e < 4; e++) { dka[nb][e] = 0.0f; dva[nb][e] = 0.0f; }
     }
-    for (long long h = kvh * group; h < (kvh + 1) * group; h++) {
-        long long bh = b * g.heads + h;
-        for (long long i0 = 0; i0 < g.seq_q; i0 += BR) {
-            long long il = i0 + BR - 1 < g.seq_q - 1 ? i0 + BR - 1 : g.seq_q - 1;
-            // Causal with ascending positions: a tile ending before the first key sees none.
-            if (g.causal && sorted && qpos[il] < first_kpos) continue;
-            bool full = g.causal ? (sorted && whole && qpos[i0] >= last_kpos) : true;
+    tc_fill<D, TC_BC, TC_BWD_THREADS>(sk, k, j0, g.seq_kv, g.batch, b, kw, kvh * D);
+    tc_fill<D, TC_BC, TC_BWD_THREADS>(sv, v, j0, g.seq_kv, g.batch, b, kw, kvh * D);
+    for (long long t = -1; t < total; t++) {
+        // Start loading tile t + 1 (then wait for tile t): its stage was last read in t - 1.
+        if (t >= 0) {
+            tc_cp_wait_all();
             __syncthreads();
-            tc_fill<D, BR>(sq, q, i0, g.seq_q, g.batch, b, qw, h * D);
-            tc_fill<D, BR>(sdo, dout, i0, g.seq_q, g.batch, b, qw, h * D);
-            for (int t = threadIdx.x; t < BR; t += TC_THREADS) {
-                long long i = i0 + t;
-                float l = i < g.seq_q ? lse[bh * g.seq_q + i] : NEG_INF;
-                sl[t] = l == NEG_INF ? TC_POS_INF : l * TC_LOG2E;
-                sd[t] = i < g.seq_q ? delta[bh * g.seq_q + i] : 0.0f;
-                sp[t] = i < g.seq_q ? qpos[i] : 0;
+        }
+        if (t + 1 < total) {
+            long long hn = kvh * group + (t + 1) / per_head, in0 = (first + (t + 1) % per_head) * BR;
+            long long bhn = b * g.heads + hn;
+            unsigned char* st = stages + ((t + 1) & 1) * STAGE;
+            bf16_t* nq = reinterpret_cast<bf16_t*>(st);
+            tc_fill<D, BR, TC_BWD_THREADS>(nq, q, in0, g.seq_q, g.batch, b, qw, hn * D);
+            tc_fill<D, BR, TC_BWD_THREADS>(nq + BR * LD, dout, in0, g.seq_q, g.batch, b, qw, hn * D);
+            float* nl = reinterpret_cast<float*>(nq + 2 * BR * LD);
+            for (int r = threadIdx.x; r < BR; r += TC_BWD_THREADS) {
+                long long i = in0 + r;
+                float l = i < g.seq_q ? lse[bhn * g.seq_q + i] : NEG_INF;
+                nl[r] = l == NEG_INF ? TC_POS_INF : l * TC_LOG2E;
+                nl[BR + r] = i < g.seq_q ? delta[bhn * g.seq_q + i] : 0.0f;
+                reinterpret_cast<int*>(nl + 2 * BR)[r] = i < g.seq_q ? qpos[i] : 0;
             }
-            __syncthreads();
-            // S^T = K Q^T: this warp's 16 keys x BR queries.
-            float st[BR / 8][4];
+        }
+        tc_cp_commit();
+        if (t < 0) continue;
+        long long h = kvh * group + t / per_head, i0 = (first + t % per_head) * BR;
+        const bf16_t* sq = reinterpret_cast<const bf16_t*>(stages + (t & 1) * STAGE);
+        const bf16_t* sdo = sq + BR * LD;
+        const float* sl = reinterpret_cast<const float*>(sdo + BR * LD);
+        const float* sd = sl + BR;
+        const int* sp = reinterpret_cast<const int*>(sd + BR);
+        bool full = g.causal ? (sorted && whole && qpos[i0] >= last_kpos) : true;
+        // S^T = K Q^T: this warp's 16 keys x BR queries.
+        float st[BR / 8][4];
+        #pragma unroll
+        for (int nb = 0; nb < BR / 8; nb++) { st[nb][0] = 0.0f; st[nb][1] = 0.0f; st[nb][2] = 0.0f; st[nb][3] = 0.0f; }
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            unsigned a[4];
+            tc_frag_a(a, sk, LD, warp * 16, kk * 16, lane);
             #pragma unroll
-            for (int nb = 0; nb < BR / 8; nb++) { st[nb][0] = 0.0f; st[nb][1] = 0.0f; st[nb][2] = 0.0f; st[nb][3] = 0.0f; }
+            for (int nb = 0; nb < BR / 8; nb += 2) {
+                unsigned bf[4];
+                tc_frag_b_rows(bf, sq, LD, nb * 8, kk * 16, lane);
+                tc_mma(st[nb], a, bf[0], bf[1]);
+                tc_mma(st[nb + 1], a, bf[2], bf[3]);
+            }
+        }
+        // P^T = exp(S^T scale − lse), masked.
+        #pragma unroll
+        for (int nb = 0; nb < BR / 8; nb++) {
             #pragma unroll
-            for (int kk = 0; kk < D / 16; kk++) {
+            for (int e = 0; e < 2; e++) {
+                int c = nb * 8 + 2 * tq + e;
+                float l = sl[c];
+                float xa = tc_exp2(st[nb][e] * sl2 - l), xb = tc_exp2(st[nb][2 + e] * sl2 - l);
+                if (!full && g.causal) {
+                    int qp = sp[c];
+                    if (pa > qp) xa = 0.0f;
+                    if (pb > qp) xb = 0.0f;
+                }
+                st[nb][e] = xa;
+                st[nb][2 + e] = xb;
+            }
+        }
+        // dV += P^T dO.
+        #pragma unroll
+        for (int kk = 0; kk < BR / 16; kk++) {
+            unsigned a[4];
+            TC_ACC_TO_A(a, st, kk);
+            #pragma unroll
+            for (int nb = 0; nb < D / 8; nb += 2) {
+                unsigned bf[4];
+                tc_frag_b_cols(bf, sdo, LD, kk * 16, nb * 8, lane);
+                tc_mma(dva[nb], a, bf[0], bf[1]);
+                tc_mma(dva[nb + 1], a, bf[2], bf[3]);
+            }
+        }
+        // dP^T = V dO^T.
+        float dpt[BR / 8][4];
+        #pragma unroll
+        for (int nb = 0; nb < BR / 8; nb++) { dpt[nb][0] = 0.0f; dpt[nb][1] = 0.0f; dpt[nb][2] = 0.0f; dpt[nb][3] = 0.0f; }
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            unsigned a[4];
+            tc_frag_a(a, sv, LD, warp * 16, kk * 16, lane);
+            #pragma unroll
+            for (int nb = 0; nb < BR / 8; nb += 2) {
+                unsigned bf[4];
+                tc_frag_b_rows(bf, sdo, LD, nb * 8, kk * 16, lane);
+                tc_mma(dpt[nb], a, bf[0], bf[1]);
+                tc_mma(dpt[nb + 1], a, bf[2], bf[3]);
+            }
+        }
+        // dS^T = scale · P^T ∘ (dP^T − delta); kept in dpt and stored (bf16) for dQ.
+        int ra = warp * 16 + gq;
+        #pragma unroll
+        for (int nb = 0; nb < BR / 8; nb++) {
+            #pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float dl = sd[nb * 8 + 2 * tq + e];
+                dpt[nb][e] = g.scale * st[nb][e] * (dpt[nb][e] - dl);
+                dpt[nb][2 + e] = g.scale * st[nb][2 + e] * (dpt[nb][2 + e] - dl);
+            }
+            *reinterpret_cast<unsigned*>(sds + ra * LDS + nb * 8 + 2 * tq) = tc_pack(dpt[nb][0], dpt[nb][1]);
+            *reinterpret_cast<unsigned*>(sds + (ra + 8) * LDS + nb * 8 + 2 * tq) = tc_pack(dpt[nb][2], dpt[nb][3]);
+        }
+        // dK += dS^T Q.
+        #pragma unroll
+        for (int kk = 0; kk < BR / 16; kk++) {
+            unsigned a[4];
+            TC_ACC_TO_A(a, dpt, kk);
+            #pragma unroll
+            for (int nb = 0; nb < D / 8; nb += 2) {
+                unsigned bf[4];
+                tc_frag_b_cols(bf, sq, LD, kk * 16, nb * 8, lane);
+                tc_mma(dka[nb], a, bf[0], bf[1]);
+                tc_mma(dka[nb + 1], a, bf[2], bf[3]);
+            }
+        }
+        __syncthreads();
+        // dQ += dS K, in units of 16 queries x 32 columns spread over the warps.
+        constexpr int MQ = BR / 16;
+        for (int u = warp; u < MQ * (D / 32); u += TC_BWD_WARPS) {
+            int m0 = (u % MQ) * 16, d0 = (u / MQ) * 32;
+            float dqa[4][4];
+            #pragma unroll
+            for (int nb = 0; nb < 4; nb++) { dqa[nb][0] = 0.0f; dqa[nb][1] = 0.0f; dqa[nb][2] = 0.0f; dqa[nb][3] = 0.0f; }
+            #pragma unroll
+            for (int kk = 0; kk < TC_BC / 16; kk++) {
                 unsigned a[4];
-                tc_frag_a(a, sk, LD, warp * 16, kk * 16, lane);
+                tc_frag_a_t(a, sds, LDS, m0, kk * 16, lane);
                 #pragma unroll
-                for (int nb = 0; nb < BR / 8; nb += 2) {
+                for (int nb = 0; nb < 4; nb += 2) {
                     unsigned bf[4];
-                    tc_frag_b_rows(bf, sq, LD, nb * 8, kk * 16, lane);
-                    tc_mma(st[nb], a, bf[0], bf[1]);
-                    tc_mma(st[nb + 1], a, bf[2], bf[3]);
+                    tc_frag_b_cols(bf, sk, LD, kk * 16, d0 + nb * 8, lane);
+                    tc_mma(dqa[nb], a, bf[0], bf[1]);
+                    tc_mma(dqa[nb + 1], a, bf[2], bf[3]);
                 }
             }
-            // P^T = exp(S^T scale − lse), masked.
-            #pragma unroll
-            for (int nb = 0; nb < BR / 8; nb++) {
+            long long ia = i0 + m0 + gq, ib = ia + 8;
+            if (ia < g.seq_q) {
+                float* row = dq + (ia * g.batch + b) * qw + h * D + d0 + 2 * tq;
                 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    int c = nb * 8 + 2 * tq + e;
-                    float l = sl[c];
-                    float xa = tc_exp2(st[nb][e] * sl2 - l), xb = tc_exp2(st[nb][2 + e] * sl2 - l);
-                    if (!full && g.causal) {
-                        int qp = sp[c];
-                        if (pa > qp) xa = 0.0f;
-                        if (pb > qp) xb = 0.0f;
-                    }
-                    st[nb][e] = xa;
-                    st[nb][2 + e] = xb;
-                }
+                for (int nb = 0; nb < 4; nb++) tc_red2(row + nb * 8, dqa[nb][0], dqa[nb][1]);
             }
-            // dV += P^T dO.
-            #pragma unroll
-            for (int kk = 0; kk < BR / 16; kk++) {
-                unsigned a[4];
-                TC_ACC_TO_A(a, st, kk);
+            if (ib < g.seq_q) {
+                float* row = dq + (ib * g.batch + b) * qw + h * D + d0 + 2 * tq;
                 #pragma unroll
-                for (int nb = 0; nb < D / 8; nb += 2) {
-                    unsigned bf[4];
-                    tc_frag_b_cols(bf, sdo, LD, kk * 16, nb * 8, lane);
-                    tc_mma(dva[nb], a, bf[0], bf[1]);
-                    tc_mma(dva[nb + 1], a, bf[2], bf[3]);
-                }
-            }
-            // dP^T = V dO^T.
-            float dpt[BR / 8][4];
-            #pragma unroll
-            for (int nb = 0; nb < BR / 8; nb++) { dpt[nb][0] = 0.0f; dpt[nb][1] = 0.0f; dpt[nb][2] = 0.0f; dpt[nb][3] = 0.0f; }
-            #pragma unroll
-            for (int kk = 0; kk < D / 16; kk++) {
-                unsigned a[4];
-                tc_frag_a(a, sv, LD, warp * 16, kk * 16, lane);
-                #pragma unroll
-                for (int nb = 0; nb < BR / 8; nb += 2) {
-                    unsigned bf[4];
-                    tc_frag_b_rows(bf, sdo, LD, nb * 8, kk * 16, lane);
-                    tc_mma(dpt[nb], a, bf[0], bf[1]);
-                    tc_mma(dpt[nb + 1], a, bf[2], bf[3]);
-                }
-            }
-            // dS^T = scale · P^T ∘ (dP^T − delta); kept in dpt and stored (bf16) for dQ.
-            int ra = warp * 16 + gq;
-            #pragma unroll
-            for (int nb = 0; nb < BR / 8; nb++) {
-                #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float dl = sd[nb * 8 + 2 * tq + e];
-                    dpt[nb][e] = g.scale * st[nb][e] * (dpt[nb][e] - dl);
-                    dpt[nb][2 + e] = g.scale * st[nb][2 + e] * (dpt[nb][2 + e] - dl);
-                }
-                *reinterpret_cast<unsigned*>(sds + ra * LDS + nb * 8 + 2 * tq) = tc_pack(dpt[nb][0], dpt[nb][1]);
-                *reinterpret_cast<unsigned*>(sds + (ra + 8) * LDS + nb * 8 + 2 * tq) = tc_pack(dpt[nb][2], dpt[nb][3]);
-            }
-            // dK += dS^T Q.
-            #pragma unroll
-            for (int kk = 0; kk < BR / 16; kk++) {
-                unsigned a[4];
-                TC_ACC_TO_A(a, dpt, kk);
-                #pragma unroll
-                for (int nb = 0; nb < D / 8; nb += 2) {
-                    unsigned bf[4];
-                    tc_frag_b_cols(bf, sq, LD, kk * 16, nb * 8, lane);
-                    tc_mma(dka[nb], a, bf[0], bf[1]);
-                    tc_mma(dka[nb + 1], a, bf[2], bf[3]);
-                }
-            }
-            __syncthreads();
-            // dQ += dS K, in units of 16 queries x 32 columns spread over the warps.
-            constexpr int MQ = BR / 16;
-            for (int u = warp; u < MQ * (D / 32); u += TC_WARPS) {
-                int m0 = (u % MQ) * 16, d0 = (u / MQ) * 32;
-                float dqa[4][4];
-                #pragma unroll
-                for (int nb = 0; nb < 4; nb++) { dqa[nb][0] = 0.0f; dqa[nb][1] = 0.0f; dqa[nb][2] = 0.0f; dqa[nb][3] = 0.0f; }
-                #pragma unroll
-                for (int kk = 0; kk < TC_BC / 16; kk++) {
-                    unsigned a[4];
-                    tc_frag_a_t(a, sds, LDS, m0, kk * 16, lane);
-                    #pragma unroll
-                    for (int nb = 0; nb < 4; nb += 2) {
-                        unsigned bf[4];
-                        tc_frag_b_cols(bf, sk, LD, kk * 16, d0 + nb * 8, lane);
-                        tc_mma(dqa[nb], a, bf[0], bf[1]);
-                        tc_mma(dqa[nb + 1], a, bf[2], bf[3]);
-                    }
-                }
-                long long ia = i0 + m0 + gq, ib = ia + 8;
-                if (ia < g.seq_q) {
-                    float* row = dq + (ia * g.batch + b) * qw + h * D + d0 + 2 * tq;
-                    #pragma unroll
-                    for (int nb = 0; nb < 4; nb++) tc_red2(row + nb * 8, dqa[nb][0], dqa[nb][1]);
-                }
-                if (ib < g.seq_q) {
-                    float* row = dq + (ib * g.batch + b) * qw + h * D + d0 + 2 * tq;
-                    #pragma unroll
-                    for (int nb = 0; nb < 4; nb++) tc_red2(row + nb * 8, dqa[nb][2], dqa[nb][3]);
-                }
+                for (int nb = 0; nb < 4; nb++) tc_red2(row + nb * 8, dqa[nb][2], dqa[nb][3]);
             }
         }
     }
+    tc_cp_wait_all();
     if (ka < g.seq_kv) {
         float* kr = dk + (ka * g.batch + b) * kw + kvh * D + 2 * tq;
         float* vr = dv + (ka * g.batch + b) * kw + kvh * D + 2 * tq;
@@ -451,20 +530,20 @@ __device__ __forceinline__ void tc_attention_bwd(const In* dout, const In* q, co
     }
 }
 
-#define TC_FWD(D)                                                                                    \
+#define TC_FWD(D, BC)                                                                                \
     extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_fwd_tc_d##D(                 \
-        const float* q, const float* k, const float* v, float* o, float* lse, const int* qpos,       \
+        const bf16_t* q, const bf16_t* k, const bf16_t* v, float* o, float* lse, const int* qpos,    \
         const int* kvpos, AttGeom g) {                                                                \
-        tc_attention_fwd<D, float>(q, k, v, o, lse, qpos, kvpos, g);                                  \
+        tc_attention_fwd<D, BC>(q, k, v, o, lse, qpos, kvpos, g);                                     \
     }
 #define TC_BWD(D, BR)                                                                                \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_bwd_tc_d##D(                 \
-        const float* dout, const float* q, const float* k, const float* v, const float* lse,         \
+    extern "C" __global__ void __launch_bounds__(TC_BWD_THREADS) attention_bwd_tc_d##D(                 \
+        const bf16_t* dout, const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,     \
         const float* delta, float* dq, float* dk, float* dv, const int* qpos, const int* kvpos,      \
         AttGeom g) {                                                                                  \
-        tc_attention_bwd<D, BR, float>(dout, q, k, v, lse, delta, dq, dk, dv, qpos, kvpos, g);        \
+        tc_attention_bwd<D, BR>(dout, q, k, v, lse, delta, dq, dk, dv, qpos, kvpos, g);               \
     }
-TC_FWD(64)
-TC_FWD(128)
+TC_FWD(64, 64)
+TC_FWD(128, 32)
 TC_BWD(64, 64)
 TC_BWD(128, 32)
