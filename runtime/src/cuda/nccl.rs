@@ -11,8 +11,8 @@
 //!   group order and reduce-scatter gives member `i` chunk `i`, as `crate::comm` requires.
 //! - **Point-to-point** goes over the world communicator with global ranks as peers, all of an
 //!   instruction's transfers inside one `ncclGroupStart`/`ncclGroupEnd`. NCCL matches messages
-//!   by order per (sender, receiver), not by tag: [`NcclComm::new`] refuses a plan whose order
-//!   and tags disagree ([`crate::comm::layout::check_p2p_order`]).
+//!   by order per (sender, receiver), not by tag: [`CudaBackend::use_nccl`] refuses a plan whose
+//!   order and tags disagree ([`crate::comm::layout::check_p2p_order`]).
 //! - **Reductions** are NCCL's: every member gets the same result, but the summation order is
 //!   NCCL's, not group-rank order, so a multi-rank result may differ from the CPU backend's in
 //!   the last bits (one rank: identical).
@@ -688,5 +688,40 @@ pub(crate) fn collective_count(
             "{input} and {output} elements do not fit a {n}-rank {}",
             describe(kind)
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_id_survives_its_trip_through_bytes_and_a_wrong_length_is_refused() {
+        let bytes: Vec<u8> = (0..NcclId::BYTES).map(|i| (i * 7 % 256) as u8).collect();
+        let id = NcclId::from_bytes(&bytes).unwrap();
+        assert_eq!(id.to_bytes(), bytes);
+        let err = NcclId::from_bytes(&bytes[..100]).unwrap_err().to_string();
+        assert!(err.contains("has 128 bytes, got 100"), "{err}");
+    }
+
+    #[test]
+    fn collective_sizes_are_checked_per_kind() {
+        let sum = CollectiveKind::AllReduce { op: ReduceOp::Sum };
+        assert_eq!(collective_count(sum, 4, 10, 10), Ok(10));
+        assert!(collective_count(sum, 4, 10, 11).is_err());
+        assert_eq!(
+            collective_count(CollectiveKind::AllGather, 4, 10, 40),
+            Ok(10)
+        );
+        assert!(collective_count(CollectiveKind::AllGather, 4, 10, 30).is_err());
+        assert_eq!(
+            collective_count(CollectiveKind::ReduceScatter, 4, 40, 10),
+            Ok(10)
+        );
+        assert!(collective_count(CollectiveKind::ReduceScatter, 4, 40, 40).is_err());
+        let bcast = |root| CollectiveKind::Broadcast { root };
+        assert_eq!(collective_count(bcast(3), 4, 5, 5), Ok(5));
+        let err = collective_count(bcast(4), 4, 5, 5).unwrap_err();
+        assert!(err.contains("root 4"), "{err}");
     }
 }
