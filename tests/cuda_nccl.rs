@@ -233,6 +233,7 @@ mod gpu {
     use parc_compiler::ir::op::Op;
     use parc_compiler::ir::BufferId;
     use parc_runtime::backend::{Backend, DeviceTransfer, StepScalars};
+    use parc_runtime::comm::{Comm, PeerOp};
     use parc_runtime::cuda::{nccl_available, nccl_version, CudaBackend, NcclId};
     use parc_runtime::exec::TrainResult;
     use std::time::Duration;
@@ -370,6 +371,83 @@ mod gpu {
             .unwrap_err()
             .to_string();
         assert!(err.contains("no communicator for group [0, 1]"), "{err}");
+        // The host comm over the same communicators (a multi-process rank's `Comm`).
+        let mut host = b.nccl_host_comm(None).unwrap();
+        assert_eq!((host.rank(), host.world()), (0, 1));
+        let mut v = vec![1.5f32, -2.0, 3.0];
+        host.all_reduce(&me, ReduceOp::Sum, &mut v).unwrap();
+        assert_eq!(v, [1.5, -2.0, 3.0]);
+        let mut gathered = vec![0.0; 3];
+        host.all_gather(&me, &v, &mut gathered).unwrap();
+        assert_eq!(gathered, v);
+        let mut scattered = vec![0.0; 3];
+        host.reduce_scatter(&me, &v, &mut scattered).unwrap();
+        assert_eq!(scattered, v);
+        host.broadcast(&me, 0, &mut v).unwrap();
+        assert_eq!(v, [1.5, -2.0, 3.0]);
+        let mut received = vec![0.0; 3];
+        host.group_p2p(&mut [
+            PeerOp::Send {
+                peer: 0,
+                tag: 1,
+                data: &v,
+            },
+            PeerOp::Recv {
+                peer: 0,
+                tag: 1,
+                out: &mut received,
+            },
+        ])
+        .unwrap();
+        assert_eq!(received, v);
+        host.barrier(&me).unwrap();
+        // The device path still works after host calls on the same stream.
+        b.device_collective(CollectiveKind::AllGather, &me, recv, out)
+            .unwrap()
+            .unwrap();
+        assert_eq!(b.read_f32(out).unwrap(), data);
+    }
+
+    /// `parc run examples/tiny.par --backend cuda` with `extra`: the losses' bits, or the error.
+    fn cli_losses(extra: &[&str]) -> Vec<u32> {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_parc"))
+            .args(["run", "examples/tiny.par", "--backend", "cuda"])
+            .args(["--log-format", "json", "--set", "train.steps=6"])
+            .args(extra)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "parc run {extra:?}: {stderr}");
+        let losses: Vec<u32> = String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["event"] == "step")
+            .map(|v| (v["loss"].as_f64().unwrap() as f32).to_bits())
+            .collect();
+        assert_eq!(losses.len(), 6, "parc run {extra:?}: {stderr}");
+        losses
+    }
+
+    #[test]
+    fn parc_run_gives_the_same_losses_with_and_without_nccl_and_launched() {
+        if !have(1) {
+            return;
+        }
+        let local = cli_losses(&["--comm", "local"]);
+        let nccl = cli_losses(&["--comm", "nccl"]);
+        // One rank process started by the launcher: NCCL id through the rendezvous, the NCCL
+        // host comm as its comm.
+        let launched = cli_losses(&["--nproc-per-node", "1"]);
+        let floats = |v: &[u32]| v.iter().map(|&b| f32::from_bits(b)).collect::<Vec<_>>();
+        println!(
+            "local    {:?}\nnccl     {:?}",
+            floats(&local),
+            floats(&nccl)
+        );
+        println!("launched {:?}", floats(&launched));
+        assert_eq!(local, nccl);
+        assert_eq!(local, launched);
     }
 
     fn run(s: &Spec, nccl: bool, cpu: bool) -> TrainResult {
