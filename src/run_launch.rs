@@ -246,13 +246,16 @@ fn cpu_rank(
     _on_step: &(dyn Fn(&parc_runtime::exec::StepRecord) + Sync),
 ) -> parc_runtime::error::Result<parc_runtime::exec::ProcessRankResult> {
     Err(parc_runtime::error::RuntimeError::Unsupported(format!(
-        "rank {} of {}: a multi-process CPU run needs the MPI comm, and this parc was built \
-         without it; install Open MPI (`apt-get install libopenmpi-dev openmpi-bin`) and build \
-         with `cargo build --release --features mpi`, or run every rank in one process \
-         (`parc run FILE` without a launcher)",
+        "rank {} of {}: {NO_MPI}",
         env.rank, env.world
     )))
 }
+
+/// Why a multi-process CPU run cannot start in a build without the `mpi` feature.
+const NO_MPI: &str = "a multi-process CPU run needs the MPI comm, and this parc was built \
+    without it; install Open MPI (`apt-get install libopenmpi-dev openmpi-bin`) and build with \
+    `cargo build --release --features mpi`, or run every rank in one process (`parc run FILE` \
+    without --nproc-per-node or a launcher)";
 
 // ------------------------------------------------------------------------------------------
 // Launcher
@@ -269,7 +272,10 @@ pub fn launch(args: &RunArgs, n: u32) -> u8 {
     match launch_inner(args, n) {
         Ok(code) => code,
         Err((code, message)) => {
-            eprintln!("error: {message}");
+            // An empty message: the error was already shown (the spec's diagnostics).
+            if !message.is_empty() {
+                eprintln!("error: {message}");
+            }
             code
         }
     }
@@ -305,6 +311,9 @@ fn launch_inner(args: &RunArgs, n: u32) -> Result<u8, (u8, String)> {
     let errors: Arc<Mutex<HashMap<u32, String>>> = Arc::default();
     let outcome = match backend {
         Resolved::Cpu => {
+            if !cfg!(feature = "mpi") {
+                return Err((1, NO_MPI.to_string()));
+            }
             let mpiexec = find_on_path(&["mpiexec", "mpirun"]).ok_or_else(|| {
                 (
                     1,

@@ -244,3 +244,17 @@ fn a_world_size_other_than_the_mesh_is_refused_with_both_numbers() {
         "{err}"
     );
 }
+
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn without_the_mpi_feature_a_cpu_launch_says_how_to_build_it() {
+    let mut args = plan_args(2);
+    args.extend(["--nproc-per-node".into(), "4".into()]);
+    let output = parc(&args, &[]).output().unwrap();
+    let err = stderr(&output);
+    assert_eq!(output.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("built without it") && err.contains("--features mpi"),
+        "{err}"
+    );
+}
