@@ -9,7 +9,10 @@
 //! - one rank, world = 1 through NCCL: all-reduce (sum, max, in place), all-gather,
 //!   reduce-scatter and broadcast of a one-member group, grouped send/receive to itself, a
 //!   compute op reading a collective's output right after it (ordering across the streams);
-//! - training a one-GPU plan with NCCL gives exactly the losses of the run without it;
+//! - large buffers passed between compute and collectives in every order (the streams' waits);
+//! - training a one-GPU plan with NCCL gives the losses of the run without it (within the
+//!   float-atomic noise of two GPU runs), also with an identity all-reduce after every op, and
+//!   `parc run` with `--comm local`, `--comm nccl` and `--nproc-per-node 1`;
 //! - with two or more GPUs (skipped on one): dp = 2, tp = 2 and pp = 2 plans trained through
 //!   NCCL match the single-rank CPU run (loss 1e-4 relative at step 1, 1e-3 after).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -256,6 +259,19 @@ mod gpu {
         true
     }
 
+    /// Two GPU runs of one plan agree only up to the order of the float atomics of the
+    /// embedding gradients: 1e-4 relative at the first step, 1e-3 after (as tests/cuda_train.rs).
+    fn assert_close(what: &str, a: &[f32], b: &[f32]) {
+        assert_eq!(a.len(), b.len(), "{what}: {a:?} vs {b:?}");
+        for (step, (x, y)) in a.iter().zip(b).enumerate() {
+            let tol = if step == 0 { 1e-4 } else { 1e-3 };
+            assert!(
+                ((x - y) / x).abs() <= tol,
+                "{what}, step {step}: {x} vs {y} ({a:?} vs {b:?})"
+            );
+        }
+    }
+
     fn one_rank_plan() -> Plan {
         plan_of(&spec(model(false), PlanChoice::default()))
     }
@@ -408,6 +424,49 @@ mod gpu {
         assert_eq!(b.read_f32(out).unwrap(), data);
     }
 
+    #[test]
+    fn compute_and_communication_wait_for_each_other_on_large_buffers() {
+        if !have(1) {
+            return;
+        }
+        let plan = one_rank_plan();
+        let mut b = CudaBackend::new(0).unwrap();
+        b.use_nccl(&NcclId::new().unwrap(), 0, &plan, TIMEOUT)
+            .unwrap();
+        // 32 Mi floats: NCCL's copy and the kernels take long enough that a missing wait
+        // between the streams shows up as stale or early data.
+        let n = 1usize << 25;
+        let p: Vec<f32> = (0..n).map(|i| (i % 1021) as f32 - 510.0).collect();
+        let me = [0u32];
+        let sum = CollectiveKind::AllReduce { op: ReduceOp::Sum };
+        let times = |k: f32| p.iter().map(|x| x * k).collect::<Vec<_>>();
+        for round in 0..3 {
+            let a = buffer(&mut b, 100, &p);
+            let out = buffer(&mut b, 101, &vec![0.0; n]);
+            let y = buffer(&mut b, 102, &vec![0.0; n]);
+            // Compute reads a collective's output (read after write across the streams).
+            b.device_collective(sum, &me, a, out).unwrap().unwrap();
+            b.compute(&Op::Scale { factor: 2.0 }, &[out], &[y], &scalars())
+                .unwrap();
+            // Compute overwrites a collective's input (write after read).
+            b.device_collective(sum, &me, a, out).unwrap().unwrap();
+            b.compute(&Op::Zero, &[], &[a], &scalars()).unwrap();
+            // A collective reads what compute just wrote.
+            b.compute(&Op::Scale { factor: 3.0 }, &[y], &[a], &scalars())
+                .unwrap();
+            let z = buffer(&mut b, 103, &vec![0.0; n]);
+            b.device_collective(CollectiveKind::Broadcast { root: 0 }, &me, a, z)
+                .unwrap()
+                .unwrap();
+            assert!(b.read_f32(y).unwrap() == times(2.0), "round {round}: y");
+            assert!(b.read_f32(out).unwrap() == p, "round {round}: out");
+            assert!(b.read_f32(z).unwrap() == times(6.0), "round {round}: z");
+            for id in [a, out, y, z] {
+                b.free(id).unwrap();
+            }
+        }
+    }
+
     /// `parc run examples/tiny.par --backend cuda` with `extra`: the losses' bits, or the error.
     fn cli_losses(extra: &[&str]) -> Vec<u32> {
         let output = std::process::Command::new(env!("CARGO_BIN_EXE_parc"))
@@ -446,8 +505,8 @@ mod gpu {
             floats(&nccl)
         );
         println!("launched {:?}", floats(&launched));
-        assert_eq!(local, nccl);
-        assert_eq!(local, launched);
+        assert_close("--comm nccl", &floats(&local), &floats(&nccl));
+        assert_close("--nproc-per-node 1", &floats(&local), &floats(&launched));
     }
 
     fn run(s: &Spec, nccl: bool, cpu: bool) -> TrainResult {
@@ -496,9 +555,9 @@ mod gpu {
             losses(&plain),
             losses(&nccl)
         );
-        assert_eq!(losses(&plain), losses(&nccl));
+        assert_close("loss", &losses(&plain), &losses(&nccl));
         let norms = |r: &TrainResult| r.records.iter().map(|r| r.grad_norm).collect::<Vec<_>>();
-        assert_eq!(norms(&plain), norms(&nccl));
+        assert_close("gradient norm", &norms(&plain), &norms(&nccl));
     }
 
     #[test]
@@ -537,7 +596,7 @@ mod gpu {
             losses(&plain),
             losses(&nccl)
         );
-        assert_eq!(losses(&plain), losses(&nccl));
+        assert_close("loss", &losses(&plain), &losses(&nccl));
     }
 
     #[test]
