@@ -467,13 +467,32 @@ mod gpu {
         }
     }
 
+    /// The `parc` binary: `PARC_BIN`, else the one cargo built beside this test (absent when
+    /// the test binary was copied to another machine).
+    fn parc_binary() -> Option<std::path::PathBuf> {
+        std::env::var_os("PARC_BIN")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| env!("CARGO_BIN_EXE_parc").into())
+            .canonicalize()
+            .ok()
+    }
+
+    /// The repository root: here when it holds the examples, else where this was built.
+    fn repo_root() -> std::path::PathBuf {
+        if std::path::Path::new("examples/tiny.par").is_file() {
+            ".".into()
+        } else {
+            env!("CARGO_MANIFEST_DIR").into()
+        }
+    }
+
     /// `parc run examples/tiny.par --backend cuda` with `extra`: the losses' bits, or the error.
-    fn cli_losses(extra: &[&str]) -> Vec<u32> {
-        let output = std::process::Command::new(env!("CARGO_BIN_EXE_parc"))
+    fn cli_losses(parc: &std::path::Path, extra: &[&str]) -> Vec<u32> {
+        let output = std::process::Command::new(parc)
             .args(["run", "examples/tiny.par", "--backend", "cuda"])
             .args(["--log-format", "json", "--set", "train.steps=6"])
             .args(extra)
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .current_dir(repo_root())
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&output.stderr);
@@ -493,11 +512,15 @@ mod gpu {
         if !have(1) {
             return;
         }
-        let local = cli_losses(&["--comm", "local"]);
-        let nccl = cli_losses(&["--comm", "nccl"]);
+        let Some(parc) = parc_binary() else {
+            println!("skipped: no parc binary (set PARC_BIN to a parc built with --features cuda)");
+            return;
+        };
+        let local = cli_losses(&parc, &["--comm", "local"]);
+        let nccl = cli_losses(&parc, &["--comm", "nccl"]);
         // One rank process started by the launcher: NCCL id through the rendezvous, the NCCL
         // host comm as its comm.
-        let launched = cli_losses(&["--nproc-per-node", "1"]);
+        let launched = cli_losses(&parc, &["--nproc-per-node", "1"]);
         let floats = |v: &[u32]| v.iter().map(|&b| f32::from_bits(b)).collect::<Vec<_>>();
         println!(
             "local    {:?}\nnccl     {:?}",
