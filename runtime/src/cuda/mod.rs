@@ -80,6 +80,9 @@ unsafe impl DeviceRepr for attention::AttGeom {}
 
 /// The CUDA backend. See the module docs.
 pub struct CudaBackend {
+    /// NCCL communicators and the communication stream, once `use_nccl` set them up. First:
+    /// fields drop in order, so queued communication ends before the buffers it uses are freed.
+    nccl: Option<nccl::NcclComm>,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     kernels: Kernels,
@@ -100,8 +103,6 @@ pub struct CudaBackend {
     half_operands: Option<CudaSlice<u8>>,
     /// Kept alive for cuBLASLt.
     _workspace: CudaSlice<u8>,
-    /// NCCL communicators and the communication stream, once `use_nccl` set them up.
-    nccl: Option<nccl::NcclComm>,
 }
 
 const WORKSPACE_BYTES: usize = 32 << 20;

@@ -469,6 +469,14 @@ impl NcclComm {
     }
 }
 
+impl Drop for NcclComm {
+    /// Queued communication finishes (or, failing or timing out, the communicators are
+    /// aborted) before the backend frees the buffers it uses (the backend drops this first).
+    fn drop(&mut self) {
+        let _ = self.wait();
+    }
+}
+
 fn f32_buffer(op: &str, b: &Buf) -> Result<()> {
     if b.dtype == DType::F32 {
         Ok(())
