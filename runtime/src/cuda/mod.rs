@@ -103,8 +103,6 @@ pub struct CudaBackend {
     half_operands: Option<CudaSlice<u8>>,
     /// Kept alive for cuBLASLt.
     _workspace: CudaSlice<u8>,
-    /// NCCL communicators and the communication stream, once `use_nccl` set them up.
-    nccl: Option<nccl::NcclComm>,
 }
 
 const WORKSPACE_BYTES: usize = 32 << 20;
