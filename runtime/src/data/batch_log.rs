@@ -9,11 +9,31 @@
 //! batch in stream order (dp rank `r`'s microbatch `j` is the slice starting at
 //! `(r · microbatches + j) · micro_batch`). A sample's inputs are tokens `[O, O + S)` of the
 //! data file and its targets `[O + 1, O + S + 1)`.
-use super::Sampler;
+use super::{BatchLayout, Sampler};
 use crate::error::{Result, RuntimeError};
+use parc_compiler::ir::Plan;
+use parc_compiler::spec::{Axis, Spec};
 use std::io::{BufWriter, Write};
 use std::ops::Range;
 use std::path::Path;
+
+/// Write the batch log of a run of `plan` over 0-based `steps` with a dataset of `samples`
+/// samples: the batches of the sampler every rank builds (the spec's seed, the plan's layout).
+pub fn write_run_batch_log(
+    path: &Path,
+    spec: &Spec,
+    plan: &Plan,
+    samples: u64,
+    steps: Range<u64>,
+) -> Result<()> {
+    let layout = BatchLayout {
+        dp: plan.mesh.size(Axis::Dp),
+        microbatches: plan.microbatches,
+        micro_batch: plan.micro_batch,
+    };
+    let mut sampler = Sampler::new(spec.train.seed, samples, layout)?;
+    write_batch_log(path, &mut sampler, spec.model.seq, spec.train.seed, steps)
+}
 
 /// Write the batch log of 0-based `steps` to `path` (replacing it).
 pub fn write_batch_log(

@@ -10,6 +10,6 @@ pub mod batch_log;
 pub mod sampler;
 pub mod source;
 
-pub use batch_log::write_batch_log;
+pub use batch_log::{write_batch_log, write_run_batch_log};
 pub use sampler::{BatchLayout, EpochProgress, Sampler};
 pub use source::{fill_microbatch, Dataset};
