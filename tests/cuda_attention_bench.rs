@@ -6,7 +6,8 @@
 //!
 //! Ignored by default (it needs a GPU): on the device machine,
 //! `cuda_attention_bench --ignored --nocapture`. Prints one JSON line per point. Without a GPU
-//! it prints `skipped: no CUDA device`.
+//! it prints `skipped: no CUDA device`. `PARC_ATT_POINT=B,H,T,D` runs only that bf16 point,
+//! once after the warm-up (for a profiler: its 3rd and 4th attention kernels are the timed ones).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[test]
@@ -68,7 +69,28 @@ mod bench {
         v[v.len() / 2]
     }
 
+    /// `PARC_ATT_POINT=B,H,T,D`, if set.
+    fn chosen_point() -> Option<Point> {
+        let text = std::env::var("PARC_ATT_POINT").ok()?;
+        let v: Vec<u64> = text
+            .split(',')
+            .map(|x| x.trim().parse().expect("PARC_ATT_POINT is B,H,T,D"))
+            .collect();
+        assert_eq!(v.len(), 4, "PARC_ATT_POINT is B,H,T,D");
+        Some(Point {
+            iters: 1,
+            ..point(Precision::Bf16, v[0], v[1], v[2], v[3])
+        })
+    }
+
     pub fn run() {
+        if let Some(pt) = chosen_point() {
+            match CudaBackend::with_precision(0, pt.precision) {
+                Ok(mut be) => measure(&mut be, &pt),
+                Err(e) => println!("skipped: no CUDA device ({e})"),
+            }
+            return;
+        }
         let points = [
             point(Precision::Bf16, 8, 16, 1024, 64),
             point(Precision::Bf16, 8, 16, 4096, 64),

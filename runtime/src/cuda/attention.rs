@@ -260,7 +260,8 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
     let (qpos, _) = be.positions(q_positions)?;
     let (kvpos, _) = be.positions(kv_positions)?;
     let lse_len = batch * heads * seq_q;
-    let tensor_core = if be.operands == Operands::Bf16 {
+    // The tensor-core kernels take the row max of raw scores, so they need scale > 0.
+    let tensor_core = if be.operands == Operands::Bf16 && g.scale > 0.0 {
         TensorCore::for_head_dim(d)
     } else {
         None

@@ -242,12 +242,13 @@ __device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* 
             #pragma unroll
             for (int half = 0; half < 2; half++) {
                 int r = 2 * mt + half;
-                float x = m[r];
+                // The max of the raw scores (scale > 0, so it is the max of the scaled ones).
+                float x = NEG_INF;
                 #pragma unroll
                 for (int nb = 0; nb < BC / 8; nb++) {
                     #pragma unroll
                     for (int e = 0; e < 2; e++) {
-                        float val = s[mt][nb][2 * half + e] * sl2;
+                        float val = s[mt][nb][2 * half + e];
                         if (!full) {
                             int kp = kp_tile[nb * 8 + 2 * tq + e];
                             if (kp == TC_INT_MAX || (g.causal && kp > pos[r])) val = NEG_INF;
@@ -256,7 +257,7 @@ __device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* 
                         x = fmaxf(x, val);
                     }
                 }
-                x = tc_quad_max(x);
+                x = fmaxf(m[r], tc_quad_max(x) * sl2);
                 // A row that has seen no key yet keeps max −inf: subtract 0 instead (every p is 0).
                 float base = x == NEG_INF ? 0.0f : x;
                 float corr = tc_exp2(m[r] - base);
@@ -266,7 +267,7 @@ __device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* 
                 for (int nb = 0; nb < BC / 8; nb++) {
                     #pragma unroll
                     for (int e = 0; e < 2; e++) {
-                        float p = tc_exp2(s[mt][nb][2 * half + e] - base);
+                        float p = tc_exp2(__fmaf_rn(s[mt][nb][2 * half + e], sl2, -base));
                         s[mt][nb][2 * half + e] = p;
                         sum += p;
                     }
@@ -411,7 +412,7 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
             for (int e = 0; e < 2; e++) {
                 int c = nb * 8 + 2 * tq + e;
                 float l = sl[c];
-                float xa = tc_exp2(st[nb][e] * sl2 - l), xb = tc_exp2(st[nb][2 + e] * sl2 - l);
+                float xa = tc_exp2(__fmaf_rn(st[nb][e], sl2, -l)), xb = tc_exp2(__fmaf_rn(st[nb][2 + e], sl2, -l));
                 if (!full && g.causal) {
                     int qp = sp[c];
                     if (pa > qp) xa = 0.0f;
@@ -450,15 +451,16 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
                 tc_mma(dpt[nb + 1], a, bf[2], bf[3]);
             }
         }
-        // dS^T = scale · P^T ∘ (dP^T − delta); kept in dpt and stored (bf16) for dQ.
+        // dS^T / scale = P^T ∘ (dP^T − delta); kept in dpt and stored (bf16) for dQ (the scale
+        // is applied to dK and dQ once, at their ends).
         int ra = warp * 16 + gq;
         #pragma unroll
         for (int nb = 0; nb < BR / 8; nb++) {
             #pragma unroll
             for (int e = 0; e < 2; e++) {
                 float dl = sd[nb * 8 + 2 * tq + e];
-                dpt[nb][e] = g.scale * st[nb][e] * (dpt[nb][e] - dl);
-                dpt[nb][2 + e] = g.scale * st[nb][2 + e] * (dpt[nb][2 + e] - dl);
+                dpt[nb][e] = st[nb][e] * (dpt[nb][e] - dl);
+                dpt[nb][2 + e] = st[nb][2 + e] * (dpt[nb][2 + e] - dl);
             }
             *reinterpret_cast<unsigned*>(sds + ra * LDS + nb * 8 + 2 * tq) = tc_pack(dpt[nb][0], dpt[nb][1]);
             *reinterpret_cast<unsigned*>(sds + (ra + 8) * LDS + nb * 8 + 2 * tq) = tc_pack(dpt[nb][2], dpt[nb][3]);
@@ -500,12 +502,12 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
             if (ia < g.seq_q) {
                 float* row = dq + (ia * g.batch + b) * qw + h * D + d0 + 2 * tq;
                 #pragma unroll
-                for (int nb = 0; nb < 4; nb++) tc_red2(row + nb * 8, dqa[nb][0], dqa[nb][1]);
+                for (int nb = 0; nb < 4; nb++) tc_red2(row + nb * 8, g.scale * dqa[nb][0], g.scale * dqa[nb][1]);
             }
             if (ib < g.seq_q) {
                 float* row = dq + (ib * g.batch + b) * qw + h * D + d0 + 2 * tq;
                 #pragma unroll
-                for (int nb = 0; nb < 4; nb++) tc_red2(row + nb * 8, dqa[nb][2], dqa[nb][3]);
+                for (int nb = 0; nb < 4; nb++) tc_red2(row + nb * 8, g.scale * dqa[nb][2], g.scale * dqa[nb][3]);
             }
         }
     }
@@ -515,7 +517,7 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
         float* vr = dv + (ka * g.batch + b) * kw + kvh * D + 2 * tq;
         #pragma unroll
         for (int nb = 0; nb < D / 8; nb++) {
-            *reinterpret_cast<float2*>(kr + nb * 8) = make_float2(dka[nb][0], dka[nb][1]);
+            *reinterpret_cast<float2*>(kr + nb * 8) = make_float2(g.scale * dka[nb][0], g.scale * dka[nb][1]);
             *reinterpret_cast<float2*>(vr + nb * 8) = make_float2(dva[nb][0], dva[nb][1]);
         }
     }
@@ -524,7 +526,7 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
         float* vr = dv + (kb * g.batch + b) * kw + kvh * D + 2 * tq;
         #pragma unroll
         for (int nb = 0; nb < D / 8; nb++) {
-            *reinterpret_cast<float2*>(kr + nb * 8) = make_float2(dka[nb][2], dka[nb][3]);
+            *reinterpret_cast<float2*>(kr + nb * 8) = make_float2(g.scale * dka[nb][2], g.scale * dka[nb][3]);
             *reinterpret_cast<float2*>(vr + nb * 8) = make_float2(dva[nb][2], dva[nb][3]);
         }
     }
