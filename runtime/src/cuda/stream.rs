@@ -124,6 +124,17 @@ impl CommStream {
             .map_err(|e| driver_error("recording a communication event", e))?;
         let seq = self.pending.record(buffers);
         self.events.push_back((seq, event));
+        // Events the compute stream never waited for (results only the host reads) would pile
+        // up: drop the finished ones; a mark whose event is gone needs no wait.
+        if self.events.len() > 64 {
+            while self
+                .events
+                .front()
+                .is_some_and(|(_, e)| e.try_is_complete().unwrap_or(false))
+            {
+                self.events.pop_front();
+            }
+        }
         Ok(())
     }
 
@@ -136,6 +147,7 @@ impl CommStream {
         let Some(seq) = self.pending.wait_for(ids) else {
             return Ok(());
         };
+        // No event with this number: it finished and was dropped, so there is nothing to wait for.
         if let Some((_, event)) = self.events.iter().find(|(s, _)| *s == seq) {
             compute
                 .wait(event)
