@@ -25,6 +25,7 @@ mod dispatch;
 mod gemm;
 mod nccl;
 mod nccl_host;
+mod nccl_watchdog;
 mod storage;
 mod stream;
 

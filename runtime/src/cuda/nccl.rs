@@ -18,8 +18,10 @@
 //!   the last bits (one rank: identical).
 //! - **No hang**: the host waits for queued communication by polling, checks NCCL's
 //!   asynchronous errors, and after the timeout aborts the communicators and fails naming the
-//!   last communication it queued.
+//!   last communication it queued. A watchdog thread ([`super::nccl_watchdog`]) does the same
+//!   for the waits it cannot poll (a host copy behind compute that waits for communication).
 use super::device::driver_error;
+use super::nccl_watchdog::Watchdog;
 use super::stream::{poll_until_idle, CommStream};
 use super::{Buf, CudaBackend};
 use crate::backend::DeviceTransfer;
@@ -169,8 +171,8 @@ pub(crate) struct Communicators {
     layout: CommLayout,
     /// The last communication queued, for a timeout's message.
     last_queued: String,
-    /// Set once the communicators were aborted (after a failure): never used again.
-    aborted: bool,
+    /// Why the communicators were aborted, once they were (after a failure): never used again.
+    aborted: Option<String>,
     /// Checked while waiting, e.g. the launcher's news of another rank's failure.
     probe: Option<FailureProbe>,
 }
@@ -216,7 +218,7 @@ impl Communicators {
             splits: Vec::new(),
             layout,
             last_queued: String::new(),
-            aborted: false,
+            aborted: None,
             probe: None,
         };
         for index in 0..comms.layout.splits().len() {
@@ -261,13 +263,12 @@ impl Communicators {
     }
 
     fn usable(&self) -> Result<()> {
-        if self.aborted {
-            Err(RuntimeError::Comm(format!(
-                "NCCL: rank {}: the communicators were aborted after an earlier failure",
+        match &self.aborted {
+            Some(reason) => Err(RuntimeError::Comm(format!(
+                "NCCL: rank {}: the communicators were aborted: {reason}",
                 self.rank
-            )))
-        } else {
-            Ok(())
+            ))),
+            None => Ok(()),
         }
     }
 
@@ -292,7 +293,8 @@ impl Communicators {
     }
 
     /// NCCL's asynchronous errors on every communicator, then the failure probe.
-    fn health(&self) -> Result<()> {
+    pub(crate) fn health(&self) -> Result<()> {
+        self.usable()?;
         for c in std::iter::once(&self.world).chain(self.splits.iter().flatten()) {
             let mut state = nc::ncclResult_t::ncclSuccess;
             // SAFETY: the handle is live; writes one result.
@@ -311,13 +313,13 @@ impl Communicators {
         }
     }
 
-    /// Abort every communicator (after a failure or timeout: their queued work is dropped and
-    /// nothing waits on them any more).
-    pub(crate) fn abort(&mut self) {
-        if self.aborted {
+    /// Abort every communicator because of `reason` (a failure or timeout): their queued work
+    /// ends and nothing waits on them any more.
+    pub(crate) fn abort(&mut self, reason: &str) {
+        if self.aborted.is_some() {
             return;
         }
-        self.aborted = true;
+        self.aborted = Some(reason.to_string());
         for c in std::iter::once(&self.world).chain(self.splits.iter().flatten()) {
             // SAFETY: the handle is live; `aborted` keeps it from being used or destroyed again.
             unsafe { nc::ncclCommAbort(c.raw) };
@@ -329,15 +331,20 @@ impl Communicators {
     pub(crate) fn wait(&mut self, stream: &CudaStream, timeout: Duration) -> Result<()> {
         let result = poll_until_idle(stream, timeout, &mut || self.health());
         if let Err(e) = result {
-            self.abort();
-            let last = if self.last_queued.is_empty() {
-                String::new()
-            } else {
-                format!(" (the last queued: {})", self.last_queued)
-            };
-            return Err(RuntimeError::Comm(format!("rank {}: {e}{last}", self.rank)));
+            let message = format!("rank {}: {e}{}", self.rank, self.last_queued_note());
+            self.abort(&message);
+            return Err(RuntimeError::Comm(message));
         }
         Ok(())
+    }
+
+    /// " (the last queued: …)", or nothing before any communication.
+    pub(crate) fn last_queued_note(&self) -> String {
+        if self.last_queued.is_empty() {
+            String::new()
+        } else {
+            format!(" (the last queued: {})", self.last_queued)
+        }
     }
 
     /// Queue collective `kind` over `group` on `stream`: `count` is NCCL's count (elements per
@@ -430,7 +437,7 @@ impl Communicators {
 
 impl Drop for Communicators {
     fn drop(&mut self) {
-        if self.aborted {
+        if self.aborted.is_some() {
             return;
         }
         for c in self
@@ -445,10 +452,12 @@ impl Drop for Communicators {
     }
 }
 
-/// The backend's side: the shared communicators and its communication stream.
+/// The backend's side: the shared communicators, its communication stream and the watchdog
+/// that aborts NCCL when that stream stops making progress.
 pub(crate) struct NcclComm {
     pub(crate) comms: Shared,
     pub(crate) stream: CommStream,
+    _watchdog: Watchdog,
 }
 
 impl NcclComm {
@@ -530,9 +539,12 @@ impl CudaBackend {
             .map_err(|e| driver_error("making the context current for NCCL", e))?;
         let stream = CommStream::new(&self.ctx, timeout)?;
         let comms = Communicators::join(id, rank, CommLayout::of_plan(plan))?;
+        let comms = Arc::new(Mutex::new(comms));
+        let watchdog = Watchdog::start(&self.ctx, stream.stream(), &comms, timeout)?;
         self.nccl = Some(NcclComm {
-            comms: Arc::new(Mutex::new(comms)),
+            comms,
             stream,
+            _watchdog: watchdog,
         });
         Ok(())
     }

@@ -249,7 +249,7 @@ impl Comm for NcclHostComm {
             notice(reason);
         }
         if let Ok(mut comms) = lock(&self.comms) {
-            comms.abort();
+            comms.abort(&format!("rank {} failed: {reason}", self.rank));
         }
     }
 }
