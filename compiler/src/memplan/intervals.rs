@@ -137,14 +137,18 @@ impl LiveIntervals {
     }
 }
 
-/// A segment tree over instruction indices holding placed buffers' intervals: each interval
-/// sits in the O(log n) nodes whose ranges tile it, so a query visits only nodes with something
-/// below them and reports each overlapping interval (a buffer may be reported more than once).
+/// A centered interval tree over instruction indices holding placed buffers' intervals. Each
+/// node of the implicit binary tree over `[0, leaves)` has a centre; an interval is stored once,
+/// at the highest node whose centre it contains, in two lists: sorted by start and by end. A
+/// query walks one root-to-leaf path per side and reports exactly the stored intervals that
+/// overlap it, each once per interval: O(log n + reported).
 pub(crate) struct IntervalTree {
     /// Leaves: a power of two ≥ the time axis' length.
     leaves: u32,
-    /// Buffers whose interval covers each node's whole range.
-    items: Vec<Vec<u32>>,
+    /// Per node: `(start, end, buffer)` sorted by start.
+    by_start: Vec<Vec<(u32, u32, u32)>>,
+    /// Per node: `(end, start, buffer)` sorted by end.
+    by_end: Vec<Vec<(u32, u32, u32)>>,
     /// Intervals stored in each node's subtree (skips empty subtrees).
     below: Vec<u32>,
 }
@@ -155,31 +159,36 @@ impl IntervalTree {
         let nodes = 2 * leaves as usize;
         IntervalTree {
             leaves,
-            items: vec![Vec::new(); nodes],
+            by_start: vec![Vec::new(); nodes],
+            by_end: vec![Vec::new(); nodes],
             below: vec![0; nodes],
         }
     }
 
     /// Store `buffer` alive over `[start, end]`.
     pub fn insert(&mut self, start: u32, end: u32, buffer: u32) {
-        self.insert_at(1, 0, self.leaves - 1, start, end, buffer);
+        let (mut node, mut lo, mut hi) = (1usize, 0u32, self.leaves - 1);
+        loop {
+            self.below[node] += 1;
+            let mid = lo + (hi - lo) / 2;
+            if end < mid && lo < hi {
+                (node, hi) = (2 * node, mid);
+            } else if start > mid && lo < hi {
+                (node, lo) = (2 * node + 1, mid + 1);
+            } else {
+                let starts = &mut self.by_start[node];
+                let at = starts.partition_point(|&(s, _, _)| s < start);
+                starts.insert(at, (start, end, buffer));
+                let ends = &mut self.by_end[node];
+                let at = ends.partition_point(|&(e, _, _)| e < end);
+                ends.insert(at, (end, start, buffer));
+                return;
+            }
+        }
     }
 
-    fn insert_at(&mut self, node: usize, lo: u32, hi: u32, start: u32, end: u32, buffer: u32) {
-        if end < lo || hi < start {
-            return;
-        }
-        self.below[node] += 1;
-        if start <= lo && hi <= end {
-            self.items[node].push(buffer);
-            return;
-        }
-        let mid = lo + (hi - lo) / 2;
-        self.insert_at(2 * node, lo, mid, start, end, buffer);
-        self.insert_at(2 * node + 1, mid + 1, hi, start, end, buffer);
-    }
-
-    /// Append every stored buffer alive somewhere in `[start, end]` to `out`.
+    /// Append every stored buffer alive somewhere in `[start, end]` to `out` (a buffer with
+    /// several stored intervals may appear once per interval).
     pub fn query(&self, start: u32, end: u32, out: &mut Vec<u32>) {
         self.query_at(1, 0, self.leaves - 1, start, end, out);
     }
@@ -188,10 +197,20 @@ impl IntervalTree {
         if end < lo || hi < start || self.below[node] == 0 {
             return;
         }
-        // Everything stored here covers [lo, hi], which meets [start, end].
-        out.extend_from_slice(&self.items[node]);
+        let mid = lo + (hi - lo) / 2;
+        // Every interval stored here contains `mid`.
+        if end < mid {
+            let starts = &self.by_start[node];
+            let n = starts.partition_point(|&(s, _, _)| s <= end);
+            out.extend(starts[..n].iter().map(|&(_, _, b)| b));
+        } else if start > mid {
+            let ends = &self.by_end[node];
+            let from = ends.partition_point(|&(e, _, _)| e < start);
+            out.extend(ends[from..].iter().map(|&(_, _, b)| b));
+        } else {
+            out.extend(self.by_start[node].iter().map(|&(_, _, b)| b));
+        }
         if lo < hi {
-            let mid = lo + (hi - lo) / 2;
             self.query_at(2 * node, lo, mid, start, end, out);
             self.query_at(2 * node + 1, mid + 1, hi, start, end, out);
         }

@@ -210,7 +210,7 @@ fn place_transients(
                 taken.push((offset, offset + sizes[c as usize]));
             }
         }
-        taken.sort_unstable();
+        taken.sort_unstable_by_key(|&(start, _)| start);
         let size = sizes[b as usize];
         // The smallest gap that fits, else above everything that overlaps in time.
         let mut best: Option<(u64, u64)> = None;

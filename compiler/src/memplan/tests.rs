@@ -306,3 +306,44 @@ proptest::proptest! {
         proptest::prop_assert!(worst <= 1.25, "{:?}: arena {:.3}× peak", choice, worst);
     }
 }
+
+/// One program of the 70B example's plan (46k transient buffers): prints the planning time
+/// (`cargo test --release -p parc-compiler --lib speed -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn speed_on_llama3_70b() {
+    let choice = PlanChoice {
+        tp: 8,
+        pp: 8,
+        schedule: PipelineSchedule::Interleaved { virtual_stages: 5 },
+        microbatches: 64,
+        micro_batch: 1,
+        recompute: Recompute::Full,
+        sp: true,
+        ..PlanChoice::default()
+    };
+    let plan = lowered(&Dims::llama3_70b(), &choice);
+    let p = &plan.programs[0];
+    let allocs = p
+        .instrs
+        .iter()
+        .filter(|i| matches!(i, Instr::Alloc { .. }))
+        .count();
+    eprintln!(
+        "instrs {} buffers {} allocs {allocs}",
+        p.instrs.len(),
+        p.buffers.len()
+    );
+    let t = std::time::Instant::now();
+    let layout = plan_program(p).unwrap();
+    eprintln!(
+        "plan_program {:?} arena {} peak {}",
+        t.elapsed(),
+        layout.arena_bytes,
+        layout.aligned_peak_bytes
+    );
+    let t = std::time::Instant::now();
+    check_layout(p, &layout).unwrap();
+    eprintln!("check {:?}", t.elapsed());
+    assert!(layout.arena_bytes as f64 <= 1.01 * layout.aligned_peak_bytes as f64);
+}
