@@ -108,13 +108,10 @@ fn rank_main(
     let rendezvous = Rendezvous::join(&config).map_err(|e| e.to_string())?;
     inject_fault(env.rank);
     let result = train_rank(args, env, backend, spec, plan, &rendezvous);
-    match &result {
-        Ok(()) => rendezvous.finish().map_err(|e| e.to_string()),
-        Err(message) => {
-            rendezvous.abort(&format!("rank {}: {message}", env.rank));
-            result
-        }
+    if let Err(message) = &result {
+        rendezvous.abort(&format!("rank {}: {message}", env.rank));
     }
+    result
 }
 
 /// `PARC_TEST_FAULT=abort:R@MS` or `stop:R@MS`: MS ms from now, rank R's process aborts (a
@@ -164,6 +161,8 @@ fn train_rank(
     options.profile = args.profile || args.profile_step.is_some();
     options.profile_step = args.profile_step;
     options.comm_timeout = timeout(args.comm_timeout, "--comm-timeout")?;
+    options.save_init = args.save_init.clone();
+    options.log_batches = args.log_batches.clone();
     let is_report = env.rank == plan.report_rank;
     let progress = Progress::new(
         args.log_format,
@@ -203,12 +202,14 @@ fn train_rank(
             args.comm, spec, plan, &options, env, rendezvous, &on_step,
         )?,
     };
+    // Every rank has finished (and rank 0 written the model export) before the summary.
+    rendezvous.finish().map_err(|e| e.to_string())?;
     if is_report {
         progress.finish(&Summary {
             records: &result.records,
             epochs: &result.epochs,
             checkpoints: &result.checkpoints,
-            model_export: None,
+            model_export: result.model_export.as_ref(),
             backend: backend.name(),
             world: plan.world,
         });

@@ -20,7 +20,7 @@
 pub mod store;
 
 pub use store::{
-    commit, find_latest, prepare, read_manifest, read_shard, staging_dir, write_model,
+    commit, find_latest, model_path, prepare, read_manifest, read_shard, staging_dir, write_model,
     write_params, write_shard, ShardTensor,
 };
 

@@ -101,10 +101,15 @@ pub fn write_shard(staging: &Path, rank: u32, tensors: &[ShardTensor]) -> Result
     write_safetensors(&staging.join(shard_file_name(rank)), tensors, None)
 }
 
+/// Where [`write_model`] puts the global parameters of a checkpoint folder `dir`.
+pub fn model_path(dir: &Path) -> PathBuf {
+    dir.join("model.safetensors")
+}
+
 /// Export the model's parameters as global tensors (independent of the plan: loadable by any
 /// safetensors reader) to `DIR/model.safetensors`, with the step in the file's metadata.
 pub fn write_model(dir: &Path, step: u64, params: &[ShardTensor]) -> Result<PathBuf> {
-    let path = dir.join("model.safetensors");
+    let path = model_path(dir);
     write_params(&path, step, params)?;
     Ok(path)
 }

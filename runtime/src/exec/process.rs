@@ -1,13 +1,19 @@
 //! One rank per process: [`train_rank`] runs only this process's rank of a verified plan with
 //! a comm the caller built (MPI on the CPU, NCCL on GPUs), where [`super::train`] runs every
 //! rank as a thread of this process. The rank runs exactly the code a thread rank runs
-//! (`RunContext::rank_main`): the same steps, checkpoints and abort on failure.
-use super::{open_dataset, RunContext, StepProfile, StepRecord};
+//! (`RunContext::rank_main`): the same steps, checkpoints and abort on failure. A run that
+//! checkpoints also exports its final parameters as global tensors, as a single-process run
+//! does: every rank sends its pieces to rank 0 through the comm, which assembles and writes
+//! them.
+use super::{
+    gather, global_tensors, open_dataset, ParamPiece, RunContext, StepProfile, StepRecord,
+};
 use crate::backend::Backend;
 use crate::checkpoint;
-use crate::comm::Comm;
+use crate::comm::{Comm, PeerOp};
 use crate::error::{Result, RuntimeError};
-use parc_compiler::ir::Plan;
+use crate::init::ZeroShard;
+use parc_compiler::ir::{Plan, ReduceOp};
 use parc_compiler::spec::Spec;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -20,12 +26,18 @@ pub struct ProcessRankResult {
     pub records: Vec<StepRecord>,
     /// Samples seen per epoch after the last step.
     pub epochs: Vec<crate::data::EpochProgress>,
-    /// Checkpoints written (rank 0 publishes them; empty on other ranks).
+    /// Checkpoints written, oldest first (rank 0 publishes them; every rank lists them).
     pub checkpoints: Vec<PathBuf>,
     pub start_step: u64,
     /// The profiled step, on the report rank with `TrainOptions::profile`.
     pub profile: Option<StepProfile>,
+    /// `DIR/model.safetensors`, the final parameters as global tensors, when the spec
+    /// checkpoints (rank 0 writes it; every rank returns its path once the run succeeded).
+    pub model_export: Option<PathBuf>,
 }
+
+/// Tag of the final parameter gather: after the last step no other transfer is in flight.
+const GATHER_TAG: u32 = 0;
 
 /// Train rank `comm.rank()` of `plan` in this process. `comm` connects it to the job's other
 /// processes (its world must be the plan's); `on_step` sees the records when this rank is the
@@ -49,6 +61,19 @@ pub fn train_rank<B: Backend>(
         return Err(RuntimeError::Unsupported(message));
     }
     let prepared = (|| {
+        // Both are the same for every plan of a spec: a single-process run writes them.
+        for (flag, asked) in [
+            ("--save-init", options.save_init.is_some()),
+            ("--log-batches", options.log_batches.is_some()),
+        ] {
+            if asked {
+                return Err(RuntimeError::Unsupported(format!(
+                    "{flag} is not available in a run of one process per rank; the file does \
+                     not depend on the plan, so write it with a single-process run of the same \
+                     spec (`parc run FILE {flag} …` without a launcher)"
+                )));
+            }
+        }
         super::verified(plan, spec)?;
         let dataset = Arc::new(open_dataset(spec, &options.spec_dir)?);
         let resume = options
@@ -89,13 +114,171 @@ pub fn train_rank<B: Backend>(
         on_step,
         init_export: None,
     };
-    let outcome = run.rank_main(rank, backend, comm)?;
+    let outcome = run.rank_main(rank, backend, Box::new(Lent(comm.as_mut())))?;
+    let end = options
+        .stop_after
+        .unwrap_or(spec.train.steps)
+        .min(spec.train.steps)
+        .max(outcome.start_step);
+    let mut checkpoints = outcome.checkpoints;
+    let model_export = match &spec.train.checkpoint {
+        Some(ckpt) => {
+            let dir = options.spec_dir.join(&ckpt.dir);
+            if rank != 0 && ckpt.every > 0 {
+                // Rank 0 published them; the others name them for their own summary.
+                checkpoints = (outcome.start_step + 1..=end)
+                    .filter(|done| done % ckpt.every == 0)
+                    .map(|done| dir.join(checkpoint::step_dir_name(done)))
+                    .collect();
+            }
+            match export_model(plan, comm.as_mut(), outcome.pieces, &dir, end) {
+                Ok(path) => Some(path),
+                Err(e) => {
+                    comm.abort(&format!("rank {rank}: {e}"));
+                    return Err(e);
+                }
+            }
+        }
+        None => None,
+    };
     Ok(ProcessRankResult {
         rank,
         records: outcome.records,
         epochs: outcome.epochs,
-        checkpoints: outcome.checkpoints,
+        checkpoints,
         start_step: outcome.start_step,
         profile: outcome.profile,
+        model_export,
     })
+}
+
+/// Send every rank's parameter pieces to rank 0, which assembles the global tensors (checking
+/// that replicas agree) and writes `dir/model.safetensors` after `step` steps. Rank 0 knows
+/// each rank's pieces and their sizes from the plan, so only the values travel. Returns the
+/// file's path on every rank once rank 0 has written it.
+fn export_model(
+    plan: &Plan,
+    comm: &mut dyn Comm,
+    pieces: Vec<ParamPiece>,
+    dir: &std::path::Path,
+    step: u64,
+) -> Result<PathBuf> {
+    let world: Vec<u32> = (0..plan.world).collect();
+    if comm.rank() != 0 {
+        let data: Vec<f32> = pieces.iter().flat_map(|p| p.data.iter().copied()).collect();
+        comm.send(0, GATHER_TAG, &data)?;
+    } else {
+        let mut all = pieces;
+        for rank in 1..plan.world {
+            let mut layout = pieces_of(plan, rank)?;
+            let total: usize = layout.iter().map(|p| p.data.len()).sum();
+            let mut data = vec![0.0f32; total];
+            comm.group_p2p(&mut [PeerOp::Recv {
+                peer: rank,
+                tag: GATHER_TAG,
+                out: &mut data,
+            }])?;
+            let mut values = data.into_iter();
+            for piece in &mut layout {
+                for (slot, value) in piece.data.iter_mut().zip(values.by_ref()) {
+                    *slot = value;
+                }
+            }
+            all.extend(layout);
+        }
+        let params = gather::assemble(&plan.params, &all)?;
+        let path = checkpoint::write_model(dir, step, &global_tensors(params))?;
+        if path != checkpoint::model_path(dir) {
+            return Err(RuntimeError::Checkpoint(format!(
+                "the model export went to {}, not where the ranks expect it",
+                path.display()
+            )));
+        }
+    }
+    // Every rank returns only once rank 0 has written the file.
+    let mut written = [0.0f32];
+    comm.all_reduce(&world, ReduceOp::Sum, &mut written)?;
+    Ok(checkpoint::model_path(dir))
+}
+
+/// The pieces rank `rank` stores (as `RankExecutor::param_pieces` lists them), with zeroed
+/// data of their sizes.
+fn pieces_of(plan: &Plan, rank: u32) -> Result<Vec<ParamPiece>> {
+    let missing = |what: String| RuntimeError::Op {
+        op: format!("rank {rank}"),
+        what: format!("{what} (a lowering bug)"),
+    };
+    let program = plan
+        .program_of(rank)
+        .ok_or_else(|| missing("has no program".to_string()))?;
+    program
+        .params
+        .iter()
+        .map(|local| {
+            let len = program
+                .buffer(local.master)
+                .map(|b| b.numel() as usize)
+                .ok_or_else(|| missing(format!("buffer {} is unknown", local.master.0)))?;
+            let zero = match local.zero {
+                None => None,
+                Some(split) => {
+                    let (_, index) = plan
+                        .group(split.group)
+                        .and_then(|family| family.set_of(rank))
+                        .ok_or_else(|| {
+                            missing(format!("is not in ZeRO group {}", split.group.0))
+                        })?;
+                    Some(ZeroShard {
+                        shard_len: split.shard_len,
+                        index: index as u64,
+                    })
+                }
+            };
+            Ok(ParamPiece {
+                param: local.param,
+                tp: local.tp,
+                zero,
+                data: vec![0.0; len],
+            })
+        })
+        .collect()
+}
+
+/// A comm lent to the executor (which takes its comm by box) and used again after it.
+struct Lent<'c, 'a>(&'c mut (dyn Comm + 'a));
+
+impl Comm for Lent<'_, '_> {
+    fn rank(&self) -> u32 {
+        self.0.rank()
+    }
+    fn world(&self) -> u32 {
+        self.0.world()
+    }
+    fn all_reduce(&mut self, group: &[u32], op: ReduceOp, data: &mut [f32]) -> Result<()> {
+        self.0.all_reduce(group, op, data)
+    }
+    fn all_gather(&mut self, group: &[u32], input: &[f32], output: &mut [f32]) -> Result<()> {
+        self.0.all_gather(group, input, output)
+    }
+    fn reduce_scatter(&mut self, group: &[u32], input: &[f32], output: &mut [f32]) -> Result<()> {
+        self.0.reduce_scatter(group, input, output)
+    }
+    fn broadcast(&mut self, group: &[u32], root: usize, data: &mut [f32]) -> Result<()> {
+        self.0.broadcast(group, root, data)
+    }
+    fn send(&mut self, peer: u32, tag: u32, data: &[f32]) -> Result<()> {
+        self.0.send(peer, tag, data)
+    }
+    fn recv(&mut self, peer: u32, tag: u32, out: &mut [f32]) -> Result<()> {
+        self.0.recv(peer, tag, out)
+    }
+    fn group_p2p(&mut self, ops: &mut [PeerOp<'_>]) -> Result<()> {
+        self.0.group_p2p(ops)
+    }
+    fn abort(&mut self, reason: &str) {
+        self.0.abort(reason)
+    }
+    fn barrier(&mut self, group: &[u32]) -> Result<()> {
+        self.0.barrier(group)
+    }
 }
