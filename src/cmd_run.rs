@@ -234,7 +234,7 @@ fn run(
         Resolved::Cuda => {
             let quiet = args.log_format == LogFormat::Json;
             let comm = crate::run_comm::resolve_cuda(args.comm, plan.world, quiet)?;
-            let timeout = TrainOptions::new(spec_dir).comm_timeout;
+            let timeout = crate::run_comm::comm_timeout(args.comm_timeout)?;
             let gate = crate::run_comm::StartGate::new(plan.world, timeout);
             run_with(spec, plan, spec_dir, backend, args, |rank, _| {
                 crate::run_comm::cuda_rank(rank, spec, plan, &comm, &gate)

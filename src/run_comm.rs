@@ -15,6 +15,16 @@ pub enum CommChoice {
     Nccl,
 }
 
+/// `--comm-timeout SECS` as a duration: how long NCCL waits before it gives up on a peer.
+#[cfg(feature = "cuda")]
+pub fn comm_timeout(seconds: f64) -> Result<std::time::Duration, String> {
+    if seconds.is_finite() && seconds > 0.0 {
+        Ok(std::time::Duration::from_secs_f64(seconds))
+    } else {
+        Err("--comm-timeout must be a positive number of seconds".to_string())
+    }
+}
+
 /// A CPU run cannot use NCCL.
 pub fn check_cpu(choice: CommChoice) -> Result<(), String> {
     match choice {
@@ -241,6 +251,18 @@ mod cuda {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_comm_timeout_must_be_positive() {
+        assert_eq!(
+            comm_timeout(2.5),
+            Ok(std::time::Duration::from_millis(2500))
+        );
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert!(comm_timeout(bad).unwrap_err().contains("positive"), "{bad}");
+        }
+    }
 
     #[test]
     fn a_cpu_run_refuses_nccl_and_takes_the_others() {
