@@ -385,3 +385,51 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
         be.launch("attention_bwd_dkdv", grid_kv, block, smem, &args)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The smallest opt-in shared memory per block among GPUs with bf16 `mma.sync` (A100:
+    /// 163 KB; H100 / H200: 227 KB).
+    const MAX_SMEM: u32 = 163 << 10;
+
+    #[test]
+    fn tensor_core_kernels_exist_for_head_dims_64_and_128_only() {
+        for d in [8, 16, 32, 48, 80, 96, 256] {
+            assert!(TensorCore::for_head_dim(d).is_none(), "head_dim {d}");
+        }
+        for d in [64, 128] {
+            let tc = TensorCore::for_head_dim(d).expect("a tensor-core kernel");
+            assert_eq!(tc.head_dim, d);
+            assert!(tc.fwd.ends_with(&format!("_d{d}")) && tc.bwd.ends_with(&format!("_d{d}")));
+        }
+    }
+
+    /// Two CTAs of each kernel fit an SM's shared memory with room to spare, and the sizes
+    /// follow the kernels' layouts (attention_tc.cu's comments).
+    #[test]
+    fn tensor_core_shared_memory_fits() {
+        let d64 = TensorCore::for_head_dim(64).expect("d64");
+        // Q 128 rows + K, V 64 rows x 2 stages, 72 bf16 a row; key positions 2 x 64.
+        assert_eq!(d64.fwd_smem(), (128 + 4 * 64) * 144 + 2 * 64 * 4);
+        // K, V 128 rows; 2 stages of Q, dO 64 rows and 3 x 64 floats; dS^T 128 x 72 bf16.
+        assert_eq!(
+            d64.bwd_smem(),
+            2 * 128 * 144 + 2 * (2 * 64 * 144 + 3 * 64 * 4) + 128 * 72 * 2
+        );
+        for d in [64, 128] {
+            let tc = TensorCore::for_head_dim(d).expect("a tensor-core kernel");
+            assert!(
+                tc.fwd_smem() <= MAX_SMEM / 2,
+                "d{d} forward: {}",
+                tc.fwd_smem()
+            );
+            assert!(
+                tc.bwd_smem() <= MAX_SMEM,
+                "d{d} backward: {}",
+                tc.bwd_smem()
+            );
+        }
+    }
+}
