@@ -1,8 +1,8 @@
 //! Attention (`Op::Attention`, `Op::AttentionBwd`) on the GPU: checks the op's geometry and
 //! buffers, uploads the q/kv global positions, and launches one of two kernel families:
-//! - bf16 runs with head_dim 64 or 128: flash-attention-2 on tensor cores
+//! - bf16 runs with head_dim 64 or 128 and a positive scale: flash-attention-2 on tensor cores
 //!   (`kernels/attention_tc.cu`: bf16 `mma.sync` operands, fp32 accumulation and softmax);
-//! - everything else (fp32 runs, other head dims): the exact fp32 kernels of
+//! - everything else (fp32 and fp16 runs, other head dims): the exact fp32 kernels of
 //!   `kernels/attention.cu`.
 use super::device::driver_error;
 use super::dispatch::{p, segments_len, Bound};
