@@ -313,6 +313,14 @@ fn run_with<B: Backend>(
         backend: backend.name(),
         world: plan.world,
     });
+    if let (Some(reserved), LogFormat::Human) = (result.reserved_bytes, args.log_format) {
+        eprintln!(
+            "memory held by the {} backend: {} per rank at most (buffers as planned, scratch, \
+             workspace)",
+            backend.name(),
+            crate::report::bytes(reserved as f64)
+        );
+    }
     if let (Some(profile), LogFormat::Human) = (&result.profile, args.log_format) {
         eprint!("{}", run_profile::human(profile, gpu));
     }

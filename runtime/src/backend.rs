@@ -48,6 +48,11 @@ pub trait Backend {
         let _ = (program, layout);
         Ok(())
     }
+    /// Bytes of memory this backend holds for buffers, scratch and workspaces, where it
+    /// knows them (None: not reported). With a memory plan this is fixed after `prepare`.
+    fn reserved_bytes(&self) -> Option<u64> {
+        None
+    }
     /// Allocate `id` with `shape` (zero-filled). Allocating an id twice is an error.
     fn alloc(&mut self, id: BufferId, shape: &[u64], dtype: DType) -> Result<()>;
     /// Release `id`. Freeing an unallocated id is an error.

@@ -133,6 +133,10 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
+    fn reserved_bytes(&self) -> Option<u64> {
+        Some(CpuBackend::reserved_bytes(self))
+    }
+
     fn prepare(&mut self, program: &Program, layout: &MemoryLayout) -> Result<()> {
         self.memory.prepare(program, layout)
     }

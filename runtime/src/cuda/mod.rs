@@ -408,6 +408,10 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
+    fn reserved_bytes(&self) -> Option<u64> {
+        Some(CudaBackend::reserved_bytes(self))
+    }
+
     fn synchronize(&mut self) -> Result<()> {
         self.drain_comm()?;
         CudaBackend::synchronize(self)

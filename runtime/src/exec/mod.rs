@@ -120,6 +120,9 @@ pub struct TrainResult {
     pub start_step: u64,
     /// Where the profiled step's time went on the report rank, with `TrainOptions::profile`.
     pub profile: Option<StepProfile>,
+    /// The most memory one rank's backend held at the end (`Backend::reserved_bytes`), when
+    /// the backend reports it.
+    pub reserved_bytes: Option<u64>,
 }
 
 /// Samples in a synthetic dataset: fixed (not derived from `train.steps`), so a run extended
@@ -187,6 +190,7 @@ struct RankOutcome {
     checkpoints: Vec<PathBuf>,
     start_step: u64,
     profile: Option<StepProfile>,
+    reserved_bytes: Option<u64>,
 }
 
 /// Train `plan` (lowered from `spec`) with one thread per rank. `new_backend` makes each
@@ -322,6 +326,7 @@ where
         .first()
         .map(|r| r.checkpoints.clone())
         .unwrap_or_default();
+    let reserved_bytes = results.iter().filter_map(|r| r.reserved_bytes).max();
     let pieces: Vec<ParamPiece> = results.into_iter().flat_map(|r| r.pieces).collect();
     let params = gather::assemble(&plan.params, &pieces)?;
     let mut model_export = None;
@@ -339,6 +344,7 @@ where
         model_export,
         start_step,
         profile,
+        reserved_bytes,
     })
 }
 
@@ -493,6 +499,7 @@ impl RunContext<'_> {
             checkpoints,
             start_step,
             profile,
+            reserved_bytes: exec.reserved_bytes(),
         })
     }
 

@@ -100,6 +100,11 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         &self.sampler
     }
 
+    /// What the backend reports holding (`Backend::reserved_bytes`).
+    pub fn reserved_bytes(&self) -> Option<u64> {
+        self.backend.reserved_bytes()
+    }
+
     pub fn comm(&mut self) -> &mut (dyn Comm + 'a) {
         self.comm.as_mut()
     }
