@@ -1,10 +1,10 @@
 //! Multi-process `parc run` through the binary: a 4-process CPU run started by
 //! `--nproc-per-node 4` (mpiexec + the MPI comm) gives exactly the single-process losses,
-//! checkpoints and exported parameters; a rank
-//! that crashes ends the job with its error, quickly; a rank that hangs makes its peers' collective
-//! time out naming the waiting rank, the missing peer, the instruction and the spec line; a
-//! rendezvous missing a rank names it; a
-//! world size other than the mesh's is refused before any communication, with both numbers.
+//! checkpoints and exported parameters; a rank that crashes ends the job with its error,
+//! quickly; a rank that hangs makes its peers' collective time out naming the waiting rank, the
+//! missing peer, the instruction and the spec line; a rendezvous missing a rank names it; a world
+//! size other than the mesh's is refused before any communication, with both numbers; the MPI
+//! comm itself checks collective order, names missing peers and hears aborts.
 //! The MPI tests need the `mpi` feature and `mpiexec` on PATH, and say so when they skip.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 use serde_json::Value;
@@ -288,4 +288,126 @@ fn without_the_mpi_feature_a_cpu_launch_says_how_to_build_it() {
         err.contains("built without it") && err.contains("--features mpi"),
         "{err}"
     );
+}
+
+/// The MPI comm itself, two ranks under mpiexec (each runs [`mpi_comm_rank`]): collectives
+/// equal the local comm's arithmetic bit for bit; members issuing different collectives are
+/// told so; a peer that never comes is named at the timeout; a peer's abort reaches a waiting
+/// rank at once.
+#[cfg(feature = "mpi")]
+#[test]
+fn mpi_comm_checks_order_names_missing_peers_and_hears_aborts() {
+    if let Some(why) = mpi_missing() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let output = Command::new("mpiexec")
+        .args(["-n", "2", "--oversubscribe", "--bind-to", "none"])
+        .args(["-x", "MASTER_ADDR=127.0.0.1"])
+        .args(["-x", &format!("MASTER_PORT={}", free_port())])
+        .arg(std::env::current_exe().unwrap())
+        .args(["mpi_comm_rank", "--exact", "--ignored", "--nocapture"])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&output.stdout);
+    let all = format!("{out}\n{}", stderr(&output));
+    for line in [
+        "rank 0: collectives exact",
+        "rank 1: collectives exact",
+        "rank 0: mismatch: communication: collective mismatch on group [0, 1], call #4: rank 0 \
+         issued all_reduce(sum) of 2 elements but rank 1 issued all_gather of 1 elements",
+        "rank 1: mismatch: communication: collective mismatch on group [0, 1], call #4: rank 1 \
+         issued all_gather of 1 elements but rank 0 issued all_reduce(sum) of 2 elements",
+        "rank 0: timeout: communication: rank 0 waited 1.5 s in all_reduce(sum) of 1 elements \
+         on group [0, 1] (call #5): ranks [1] never sent their part",
+        "rank 0: abort: communication: rank 0 stopped in all_reduce(sum) of 1 elements on group \
+         [0, 1] (call #6) because rank 1 failed: rank 1 gave up",
+    ] {
+        assert!(all.contains(line), "missing {line:?} in:\n{all}");
+    }
+}
+
+/// One rank of [`mpi_comm_checks_order_names_missing_peers_and_hears_aborts`].
+#[cfg(feature = "mpi")]
+#[test]
+#[ignore = "a rank of mpi_comm_checks_order_names_missing_peers_and_hears_aborts (mpiexec)"]
+fn mpi_comm_rank() {
+    use parc_compiler::ir::ReduceOp;
+    use parc_runtime::comm::mpi::MpiComm;
+    use parc_runtime::comm::{Comm, PeerOp};
+    use parc_runtime::launch::{detect_process, Rendezvous, RendezvousConfig};
+    let env = detect_process().unwrap().unwrap();
+    let config = RendezvousConfig::new(
+        env.rank,
+        env.world,
+        env.local_rank,
+        "test",
+        &env.master_addr,
+        env.master_port,
+    );
+    let rendezvous = Rendezvous::join(&config).unwrap();
+    let mut comm = MpiComm::init(rendezvous, Duration::from_millis(1500)).unwrap();
+    let me = comm.rank();
+    let group = [0, 1];
+    // Values whose float sum depends on the order of addition.
+    let input = |r: u32| [1e8 * (r as f32 - 0.5), 0.1 * r as f32 + 1e-3, -(r as f32)];
+    let mut sum = input(me);
+    comm.all_reduce(&group, ReduceOp::Sum, &mut sum).unwrap();
+    let mut want = input(0);
+    for (w, x) in want.iter_mut().zip(input(1)) {
+        *w += x;
+    }
+    let mut gathered = [0.0; 6];
+    comm.all_gather(&group, &input(me), &mut gathered).unwrap();
+    let mut scattered = [0.0; 3];
+    let contribution: Vec<f32> = (0..6).map(|i| i as f32 * (me as f32 + 1.0)).collect();
+    comm.reduce_scatter(&group, &contribution, &mut scattered)
+        .unwrap();
+    let mut shared = [me as f32; 2];
+    comm.broadcast(&group, 1, &mut shared).unwrap();
+    let mine = [me as f32; 4];
+    let mut theirs = [9.0; 4];
+    comm.group_p2p(&mut [
+        PeerOp::Recv {
+            peer: 1 - me,
+            tag: 3,
+            out: &mut theirs,
+        },
+        PeerOp::Send {
+            peer: 1 - me,
+            tag: 3,
+            data: &mine,
+        },
+    ])
+    .unwrap();
+    let base = 3.0 * me as f32;
+    let exact = sum.map(f32::to_bits) == want.map(f32::to_bits)
+        && gathered[..3] == input(0)
+        && gathered[3..] == input(1)
+        && scattered == [3.0 * base, 3.0 * (base + 1.0), 3.0 * (base + 2.0)]
+        && shared == [1.0; 2]
+        && theirs == [(1 - me) as f32; 4];
+    if exact {
+        println!("rank {me}: collectives exact");
+    }
+    // Call #4 on the group: different collectives.
+    let mismatch = if me == 0 {
+        comm.all_reduce(&group, ReduceOp::Sum, &mut [1.0, 2.0])
+    } else {
+        comm.all_gather(&group, &[1.0], &mut [0.0; 2])
+    };
+    println!("rank {me}: mismatch: {}", mismatch.unwrap_err());
+    // Call #5: rank 1 never comes; call #6: rank 1 aborts while rank 0 waits.
+    if me == 0 {
+        let timeout = comm.all_reduce(&group, ReduceOp::Sum, &mut [1.0]);
+        println!("rank 0: timeout: {}", timeout.unwrap_err());
+        let abort = comm.all_reduce(&group, ReduceOp::Sum, &mut [1.0]);
+        println!("rank 0: abort: {}", abort.unwrap_err());
+    } else {
+        std::thread::sleep(Duration::from_millis(2500));
+        comm.abort("rank 1 gave up");
+        std::thread::sleep(Duration::from_millis(1500));
+    }
 }
