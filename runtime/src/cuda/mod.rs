@@ -93,6 +93,8 @@ pub struct CudaBackend {
     planned: storage::PlannedRegions,
     /// Copies of inputs that are also their op's output, sized by `prepare`.
     aliased: Option<CudaSlice<u8>>,
+    /// Device allocations made so far (see `driver_allocations`).
+    allocations: std::cell::Cell<u64>,
     /// Global positions per `Segment` list, uploaded once.
     positions: HashMap<Vec<Segment>, (CudaSlice<u8>, usize)>,
     /// Scratch for reductions' partials; grows, never shrinks.
@@ -150,6 +152,7 @@ impl CudaBackend {
             slots: Vec::new(),
             planned: storage::PlannedRegions::default(),
             aliased: None,
+            allocations: std::cell::Cell::new(0),
             positions: HashMap::new(),
             scratch: None,
             operands,
@@ -190,7 +193,15 @@ impl CudaBackend {
         })
     }
 
+    /// Device allocations this backend has made (regions, scratch, buffers outside the memory
+    /// plan, aliased-input copies), not counting the cuBLASLt workspace. With a memory plan it
+    /// stops growing after `prepare`: a training step allocates nothing.
+    pub fn driver_allocations(&self) -> u64 {
+        self.allocations.get()
+    }
+
     fn alloc_bytes(&self, bytes: usize, what: &str) -> Result<CudaSlice<u8>> {
+        self.allocations.set(self.allocations.get() + 1);
         self.stream
             .alloc_zeros::<u8>(bytes.max(4))
             .map_err(|e| driver_error(&format!("allocating {bytes} bytes for {what}"), e))

@@ -100,6 +100,11 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         &self.sampler
     }
 
+    /// The rank's backend (for inspection: memory held, allocations made).
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
     /// What the backend reports holding (`Backend::reserved_bytes`).
     pub fn reserved_bytes(&self) -> Option<u64> {
         self.backend.reserved_bytes()
