@@ -136,7 +136,7 @@ pub(crate) fn resolve_backend(choice: BackendChoice, quiet: bool) -> Result<Reso
 pub fn main(args: RunArgs) -> u8 {
     match crate::run_launch::mode(&args) {
         Ok(crate::run_launch::Mode::Single) => {}
-        Ok(crate::run_launch::Mode::Launcher(n)) => return crate::run_launch::launch(&args, n),
+        Ok(crate::run_launch::Mode::Launcher(n)) => return crate::run_supervise::launch(&args, n),
         Ok(crate::run_launch::Mode::Rank(env)) => return crate::run_launch::run_rank(&args, env),
         Err(message) => {
             eprintln!("error: {message}");

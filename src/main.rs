@@ -12,6 +12,7 @@ mod run_error;
 mod run_launch;
 mod run_profile;
 mod run_progress;
+mod run_supervise;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
