@@ -442,7 +442,7 @@ impl Backend for CudaBackend {
         let persistent = region(layout.persistent_bytes, "the persistent buffers")?;
         let arena = region(layout.arena_bytes, "the transient buffer arena")?;
         self.planned = storage::PlannedRegions::new(program, layout, persistent, arena);
-        let needs = storage::program_needs(program);
+        let needs = storage::program_needs(program, self.operands != Operands::F32);
         self.scratch(needs.reduction_bytes)?;
         if self.operands != Operands::F32 {
             self.half_operands = None;

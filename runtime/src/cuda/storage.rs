@@ -5,7 +5,8 @@
 //! per-op scratch memory read off the program once, so no step allocates:
 //! - reduction partials (`dispatch`: `SumSquares`' per-block sums, the per-chunk column partials
 //!   of norm and bias gradients — at most 128 chunks of 8-byte sums per column — and attention
-//!   backward's `delta`, one f32 per `lse` element);
+//!   backward's `delta`, one f32 per `lse` element), which share one scratch buffer with the
+//!   tensor-core attention's bf16 copies of q, k, v (and dO) in 16-bit runs (`attention`);
 //! - the 16-bit copies of a GEMM's two operands (bf16 and fp16 runs), B on a 256-byte boundary;
 //! - copies of inputs that are also the op's output (read from before the op);
 //! - every distinct `Segment` list, whose positions are uploaded once.
@@ -37,8 +38,9 @@ fn aligned(bytes: usize) -> usize {
     bytes.next_multiple_of(ALIGN as usize)
 }
 
-/// Read every compute op of `program` for the scratch it will ask for.
-pub(crate) fn program_needs(program: &Program) -> ProgramNeeds {
+/// Read every compute op of `program` for the scratch it will ask for; `half_operands`: the run
+/// rounds GEMM (and tensor-core attention) operands to 16 bits.
+pub(crate) fn program_needs(program: &Program, half_operands: bool) -> ProgramNeeds {
     let mut needs = ProgramNeeds::default();
     let buffer = |id: Option<&parc_compiler::ir::BufferId>| -> Option<&Buffer> {
         id.and_then(|id| program.buffer(*id))
@@ -63,6 +65,14 @@ pub(crate) fn program_needs(program: &Program) -> ProgramNeeds {
                 MAX_CHUNKS * 8 * numel(output(1)).max(numel(output(2)))
             }
             Op::MatmulBwdWeight { bias: true, .. } => MAX_CHUNKS * 8 * numel(output(1)),
+            // 16-bit copies of q, k, v (tensor cores), each 256-byte aligned.
+            Op::Attention { .. } if half_operands => {
+                (0..3).map(|i| aligned(numel(input(i)) * 2)).sum()
+            }
+            // Copies of dO, q, k, v, then delta.
+            Op::AttentionBwd { .. } if half_operands => {
+                (0..4).map(|i| aligned(numel(input(i)) * 2)).sum::<usize>() + numel(input(5)) * 4
+            }
             Op::AttentionBwd { .. } => numel(input(5)) * 4,
             _ => 0,
         };
@@ -233,7 +243,7 @@ mod tests {
             loss: None,
             grad_sumsq: None,
         };
-        let needs = program_needs(&program);
+        let needs = program_needs(&program, false);
         // Bias gradient b3 (4000 floats): 128 chunks × 8 bytes per column.
         assert_eq!(needs.reduction_bytes, 128 * 8 * 4000);
         // The bwd-weight GEMM's operands b2 and b0: 3000 + 1000 halves, the first aligned.
@@ -241,5 +251,54 @@ mod tests {
         // b4 is read and written by one op.
         assert_eq!(needs.aliased_bytes, 20224);
         assert_eq!(needs.segments, vec![seg(0, 4)]);
+        assert_eq!(program_needs(&program, true), needs, "no attention here");
+    }
+
+    #[test]
+    fn half_runs_reserve_the_attention_copies() {
+        let att = |backward: bool| {
+            let (batch, heads, kv_heads, head_dim, causal, scale) = (1, 2, 2, 64, true, 0.125);
+            let positions = vec![Segment { start: 0, len: 8 }];
+            if backward {
+                Op::AttentionBwd {
+                    batch,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    causal,
+                    scale,
+                    q_positions: positions.clone(),
+                    kv_positions: positions,
+                }
+            } else {
+                Op::Attention {
+                    batch,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    causal,
+                    scale,
+                    q_positions: positions.clone(),
+                    kv_positions: positions,
+                }
+            }
+        };
+        // q, k, v, o: 8 rows × 128; lse: 2 heads × 8.
+        let mut buffers: Vec<Buffer> = (0..4).map(|_| buffer(1024)).collect();
+        buffers.push(buffer(16));
+        let program = Program {
+            role: "test".into(),
+            coords: Vec::new(),
+            buffers,
+            params: Vec::new(),
+            instrs: vec![
+                compute(att(false), &[0, 1, 2], &[3, 4]),
+                compute(att(true), &[3, 0, 1, 2, 3, 4], &[0, 1, 2]),
+            ],
+            loss: None,
+            grad_sumsq: None,
+        };
+        assert_eq!(program_needs(&program, false).reduction_bytes, 64);
+        assert_eq!(program_needs(&program, true).reduction_bytes, 4 * 2048 + 64);
     }
 }
