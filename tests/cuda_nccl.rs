@@ -14,7 +14,9 @@
 //!   float-atomic noise of two GPU runs), also with an identity all-reduce after every op, and
 //!   `parc run` with `--comm local`, `--comm nccl` and `--nproc-per-node 1`;
 //! - with two or more GPUs (skipped on one): dp = 2, tp = 2 and pp = 2 plans trained through
-//!   NCCL match the single-rank CPU run (loss 1e-4 relative at step 1, 1e-3 after).
+//!   NCCL match the single-rank CPU run (loss 1e-4 relative at step 1, 1e-3 after);
+//! - ignored, for measurements: `nccl_bus_bandwidth`, all-reduce/all-gather/reduce-scatter bus
+//!   bandwidth through parc's device path on every visible GPU, 1 MB to 4 GiB.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #[allow(dead_code)]
 #[path = "ir/fixtures.rs"]
@@ -465,6 +467,106 @@ mod gpu {
                 b.free(id).unwrap();
             }
         }
+    }
+
+    /// Bus bandwidth of all-reduce, all-gather and reduce-scatter through parc's own device
+    /// path (`Backend::device_collective` on the NCCL backend) on every visible GPU, one rank
+    /// thread per GPU, from 1 MB to `PARC_BENCH_MAX_BYTES` (4 GiB by default), reported as
+    /// nccl-tests does: algbw = bytes / time, busbw = algbw × 2(n−1)/n for all-reduce and
+    /// × (n−1)/n for all-gather and reduce-scatter (bytes: the larger buffer). Ignored; run
+    /// `cuda_nccl nccl_bus_bandwidth --ignored --nocapture` (issue 8, item 2).
+    #[test]
+    #[ignore]
+    fn nccl_bus_bandwidth() {
+        if !have(1) {
+            return;
+        }
+        let gpus = (0..8).take_while(|&g| CudaBackend::new(g).is_ok()).count() as u32;
+        let plan = plan_of(&spec(
+            model(false),
+            PlanChoice {
+                dp: gpus,
+                microbatches: 1,
+                ..PlanChoice::default()
+            },
+        ));
+        let max: u64 = std::env::var("PARC_BENCH_MAX_BYTES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(4 << 30);
+        let sizes: Vec<u64> = std::iter::successors(Some(1u64 << 20), |s| Some(s * 4))
+            .take_while(|&s| s <= max)
+            .collect();
+        let kinds = [
+            (
+                "all-reduce",
+                CollectiveKind::AllReduce { op: ReduceOp::Sum },
+            ),
+            ("all-gather", CollectiveKind::AllGather),
+            ("reduce-scatter", CollectiveKind::ReduceScatter),
+        ];
+        let id = NcclId::new().unwrap();
+        let group: Vec<u32> = (0..gpus).collect();
+        let start = std::sync::Barrier::new(gpus as usize);
+        println!("{gpus} GPU(s), NCCL {}", nccl_version().unwrap());
+        println!(
+            "{:<15} {:>10} {:>11} {:>12} {:>12}",
+            "collective", "bytes", "time (us)", "algbw GB/s", "busbw GB/s"
+        );
+        std::thread::scope(|scope| {
+            for rank in 0..gpus {
+                let (plan, sizes, group, start, id) = (&plan, &sizes, &group, &start, &id);
+                scope.spawn(move || {
+                    let mut b = CudaBackend::new(rank as usize).unwrap();
+                    b.use_nccl(id, rank, plan, Duration::from_secs(300))
+                        .unwrap();
+                    let n = u64::from(gpus);
+                    for (name, kind) in kinds {
+                        for &bytes in sizes {
+                            let big = (bytes / 4 / n * n) as usize;
+                            let (input, output) = match kind {
+                                CollectiveKind::AllGather => (big / n as usize, big),
+                                CollectiveKind::ReduceScatter => (big, big / n as usize),
+                                _ => (big, big),
+                            };
+                            let (i, o) = (BufferId(1_000_000), BufferId(1_000_001));
+                            b.alloc(i, &[input as u64], DType::F32).unwrap();
+                            b.alloc(o, &[output as u64], DType::F32).unwrap();
+                            let iters = (((1u64 << 30) / bytes).clamp(5, 50)) as u32;
+                            let mut run = |times: u32| {
+                                for _ in 0..times {
+                                    b.device_collective(kind, group, i, o).unwrap().unwrap();
+                                }
+                                b.synchronize().unwrap();
+                            };
+                            run(2);
+                            start.wait();
+                            let began = std::time::Instant::now();
+                            run(iters);
+                            let seconds = began.elapsed().as_secs_f64() / f64::from(iters);
+                            start.wait();
+                            b.free(i).unwrap();
+                            b.free(o).unwrap();
+                            if rank == 0 {
+                                let moved = (big * 4) as f64;
+                                let algbw = moved / seconds / 1e9;
+                                let nf = n as f64;
+                                let factor = match kind {
+                                    CollectiveKind::AllReduce { .. } => 2.0 * (nf - 1.0) / nf,
+                                    _ => (nf - 1.0) / nf,
+                                };
+                                println!(
+                                    "{name:<15} {:>10} {:>11.1} {algbw:>12.1} {:>12.1}",
+                                    big * 4,
+                                    seconds * 1e6,
+                                    algbw * factor
+                                );
+                            }
+                        }
+                    }
+                });
+            }
+        });
     }
 
     /// The `parc` binary: `PARC_BIN`, else the one cargo built beside this test (absent when
