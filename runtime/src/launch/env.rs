@@ -202,11 +202,7 @@ fn master(env: &EnvMap, kind: LauncherKind, world: u32) -> Result<(String, u16)>
         Some(v) if !v.is_empty() => v.parse::<u16>().map_err(|_| {
             launch_error(format!("MASTER_PORT={v:?} is not a port number (1-65535)"))
         })?,
-        _ => match (kind, number(env, "SLURM_JOB_ID")?) {
-            // One port per Slurm job, so two jobs sharing a node do not meet.
-            (LauncherKind::Slurm, Some(job)) => 20000 + (job % 20000) as u16,
-            _ => DEFAULT_MASTER_PORT,
-        },
+        _ => job_port(env, kind)?,
     };
     if let Some(addr) = env
         .get("MASTER_ADDR")
@@ -270,6 +266,35 @@ fn master(env: &EnvMap, kind: LauncherKind, world: u32) -> Result<(String, u16)>
         }
     };
     Ok((addr, port))
+}
+
+/// The rendezvous port without `MASTER_PORT`: one per job where the launcher names the job
+/// (Slurm's job and step, the PMIx namespace of `mpirun` and `srun --mpi=pmix`), so two jobs
+/// sharing a host do not meet; else [`DEFAULT_MASTER_PORT`].
+fn job_port(env: &EnvMap, kind: LauncherKind) -> Result<u16> {
+    let job = match kind {
+        LauncherKind::Torchrun => None,
+        LauncherKind::Slurm => match number(env, "SLURM_JOB_ID")? {
+            Some(job) => Some(format!(
+                "{job}.{}",
+                number(env, "SLURM_STEP_ID")?.unwrap_or(0)
+            )),
+            None => None,
+        },
+        LauncherKind::OpenMpi | LauncherKind::Pmi => env
+            .get("PMIX_NAMESPACE")
+            .map(|v| v.trim().to_string())
+            .filter(|v| !v.is_empty()),
+    };
+    Ok(match job {
+        Some(job) => {
+            let hash = job.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+            });
+            20000 + (hash % 20000) as u16
+        }
+        None => DEFAULT_MASTER_PORT,
+    })
 }
 
 /// Expand Slurm's compact hostlist: `node[01-04,07],gpu-a[1-2]-ib` →
@@ -430,6 +455,21 @@ mod tests {
             (e.master_addr.as_str(), e.master_port),
             ("127.0.0.1", 29500)
         );
+        // Under mpirun (PMIx), one port per job.
+        let port = |ns: &str| {
+            detect(&env(&[
+                ("OMPI_COMM_WORLD_RANK", "0"),
+                ("OMPI_COMM_WORLD_SIZE", "2"),
+                ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+                ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+                ("PMIX_NAMESPACE", ns),
+            ]))
+            .unwrap()
+            .unwrap()
+            .master_port
+        };
+        assert_ne!(port("574423041"), port("574423042"));
+        assert!((20000..40000).contains(&port("574423041")));
         let err = detect(&env(&[
             ("OMPI_COMM_WORLD_RANK", "3"),
             ("OMPI_COMM_WORLD_SIZE", "16"),
@@ -480,7 +520,8 @@ mod tests {
                 local_rank: 1,
                 local_world: Some(8),
                 master_addr: "gpu07".into(),
-                master_port: 20000 + 3456,
+                master_port: job_port(&env(&[("SLURM_JOB_ID", "123456")]), LauncherKind::Slurm)
+                    .unwrap(),
             }
         );
         // Non-uniform task counts are not one number; the step's nodelist wins over the job's.
