@@ -152,7 +152,7 @@ impl MpiComm {
             )?;
             (rank as u32, size as u32)
         };
-        let comm = MpiComm {
+        let mut comm = MpiComm {
             rank,
             world,
             timeout,
@@ -161,6 +161,8 @@ impl MpiComm {
             failed: false,
         };
         if (rank, world) != (comm.rendezvous.rank(), comm.rendezvous.world()) {
+            // Not finalized on drop: the other processes may never get there.
+            comm.failed = true;
             return Err(mpi_error(format!(
                 "MPI says this is rank {rank} of {world}, but the launcher's variables say rank \
                  {} of {}; start the ranks with one launcher (mpiexec, or srun --mpi=pmix)",
