@@ -94,8 +94,7 @@ fn init_weights_are_plan_independent_and_batches_are_logged_per_step() {
     );
     let (split_init, _) = tensors(&split.join("init.safetensors"));
     assert_eq!(init, split_init, "the init must not depend on the plan");
-    let ones: Vec<u8> = std::iter::repeat(1.0f32.to_le_bytes())
-        .take(64)
+    let ones: Vec<u8> = std::iter::repeat_n(1.0f32.to_le_bytes(), 64)
         .flatten()
         .collect();
     assert_eq!(init["ln_f.weight"], ones);
