@@ -50,6 +50,7 @@ mod cuda {
     use parc_runtime::exec::{train_rank, ProcessRankResult, StepRecord, TrainOptions};
     use parc_runtime::launch::{LaunchEnv, Rendezvous};
     use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+    use std::sync::{Arc, Mutex};
     use std::time::{Duration, Instant};
 
     /// How a CUDA run's ranks communicate, resolved.
@@ -94,14 +95,17 @@ mod cuda {
         Ok(chosen)
     }
 
-    /// Lets the rank threads of one process join NCCL only once every rank has opened its GPU:
-    /// joining the world communicator waits for all ranks, so a rank that failed before it
-    /// would leave the others waiting forever.
+    /// What the rank threads of one process share about NCCL. They join it only once every
+    /// rank has opened its GPU (joining waits for all ranks, so a rank that failed before would
+    /// leave the others waiting forever), and a rank that fails later records it here, which
+    /// stops the others' NCCL waits at once instead of at the timeout.
     pub struct StartGate {
         world: u32,
         ready: AtomicU32,
         failed: AtomicBool,
         timeout: Duration,
+        /// The first rank that failed after joining, and why.
+        failure: Arc<Mutex<Option<(u32, String)>>>,
     }
 
     impl StartGate {
@@ -111,6 +115,7 @@ mod cuda {
                 ready: AtomicU32::new(0),
                 failed: AtomicBool::new(false),
                 timeout,
+                failure: Arc::new(Mutex::new(None)),
             }
         }
 
@@ -142,6 +147,29 @@ mod cuda {
         }
     }
 
+    impl StartGate {
+        /// Fails once another rank than `rank` recorded a failure.
+        fn probe(&self, rank: u32) -> impl Fn() -> Result<()> + Send + 'static {
+            let failure = Arc::clone(&self.failure);
+            move || match failure.lock().ok().and_then(|f| f.clone()) {
+                Some((failed, reason)) if failed != rank => Err(RuntimeError::Comm(format!(
+                    "rank {rank} stopped because rank {failed} failed: {reason}"
+                ))),
+                _ => Ok(()),
+            }
+        }
+
+        /// Records that `rank` failed (the first failure wins).
+        fn notice(&self, rank: u32) -> impl Fn(&str) + Send + 'static {
+            let failure = Arc::clone(&self.failure);
+            move |reason: &str| {
+                if let Ok(mut first) = failure.lock() {
+                    first.get_or_insert_with(|| (rank, reason.to_string()));
+                }
+            }
+        }
+    }
+
     /// Rank `rank`'s backend on GPU `rank`, with NCCL attached when `comm` says so.
     pub fn cuda_rank(
         rank: u32,
@@ -165,6 +193,8 @@ mod cuda {
         if let CudaComm::Nccl(id) = comm {
             gate.pass(rank)?;
             backend.use_nccl(id, rank, plan, gate.timeout)?;
+            backend.watch_failures(Box::new(gate.probe(rank)))?;
+            backend.on_abort(Box::new(gate.notice(rank)))?;
         }
         Ok(backend)
     }
@@ -231,6 +261,21 @@ mod cuda {
                 let err = waiting.join().unwrap().unwrap_err().to_string();
                 assert!(err.contains("another rank could not open its GPU"), "{err}");
             });
+        }
+
+        #[test]
+        fn a_rank_that_fails_stops_the_others_waits_and_the_first_failure_wins() {
+            let gate = StartGate::new(3, Duration::from_secs(30));
+            let (probe0, probe1) = (gate.probe(0), gate.probe(1));
+            assert!(probe0().is_ok() && probe1().is_ok());
+            gate.notice(1)("rank 1: op failed");
+            gate.notice(2)("rank 2: later");
+            let err = probe0().unwrap_err().to_string();
+            assert!(
+                err.contains("rank 0 stopped because rank 1 failed: rank 1: op failed"),
+                "{err}"
+            );
+            assert!(probe1().is_ok(), "the failed rank does not stop itself");
         }
 
         #[test]

@@ -100,4 +100,8 @@ pub trait Backend {
     fn device_p2p(&mut self, _transfers: &[DeviceTransfer]) -> Option<Result<()>> {
         None
     }
+    /// This rank failed with `reason`: a backend with a device communicator aborts it and tells
+    /// the other ranks' backends (where it can), so nothing waits on this rank until a timeout.
+    /// The executor calls it after the comm's abort; the default does nothing.
+    fn abort(&mut self, _reason: &str) {}
 }

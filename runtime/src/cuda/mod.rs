@@ -581,4 +581,8 @@ impl Backend for CudaBackend {
         self.nccl.as_ref()?;
         Some(self.nccl_p2p(transfers))
     }
+
+    fn abort(&mut self, reason: &str) {
+        self.abort_nccl(reason);
+    }
 }

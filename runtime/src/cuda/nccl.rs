@@ -175,10 +175,16 @@ pub(crate) struct Communicators {
     aborted: Option<String>,
     /// Checked while waiting, e.g. the launcher's news of another rank's failure.
     probe: Option<FailureProbe>,
+    /// Tells the other ranks when this one fails (see [`CudaBackend::on_abort`]).
+    notice: Option<AbortNotice>,
 }
 
 /// A check that fails once the run has failed elsewhere (another rank died).
 pub type FailureProbe = Box<dyn Fn() -> Result<()> + Send>;
+
+/// What to do when this rank fails: tell the other ranks (the launcher's rendezvous, or the
+/// rank threads of this process), with the reason.
+pub type AbortNotice = Box<dyn Fn(&str) + Send>;
 
 /// The communicators as the backend and the host comm hold them.
 pub(crate) type Shared = Arc<Mutex<Communicators>>;
@@ -220,6 +226,7 @@ impl Communicators {
             last_queued: String::new(),
             aborted: None,
             probe: None,
+            notice: None,
         };
         for index in 0..comms.layout.splits().len() {
             let color = comms.layout.color(index, rank);
@@ -260,6 +267,18 @@ impl Communicators {
 
     pub(crate) fn set_probe(&mut self, probe: FailureProbe) {
         self.probe = Some(probe);
+    }
+
+    fn set_notice(&mut self, notice: AbortNotice) {
+        self.notice = Some(notice);
+    }
+
+    /// This rank failed with `reason`: tell the others, then abort.
+    fn fail(&mut self, reason: &str) {
+        if let Some(notice) = &self.notice {
+            notice(reason);
+        }
+        self.abort(reason);
     }
 
     fn usable(&self) -> Result<()> {
@@ -560,6 +579,23 @@ impl CudaBackend {
         let nccl = self.nccl_set_up()?;
         lock(&nccl.comms)?.set_probe(probe);
         Ok(())
+    }
+
+    /// Call `notice` with the reason when this rank fails (the executor's
+    /// [`crate::backend::Backend::abort`]), e.g. to stop the other rank threads' NCCL waits.
+    pub fn on_abort(&mut self, notice: AbortNotice) -> Result<()> {
+        let nccl = self.nccl_set_up()?;
+        lock(&nccl.comms)?.set_notice(notice);
+        Ok(())
+    }
+
+    /// [`crate::backend::Backend::abort`]: tell the others and abort the communicators.
+    pub(crate) fn abort_nccl(&mut self, reason: &str) {
+        if let Some(nccl) = &self.nccl {
+            if let Ok(mut comms) = lock(&nccl.comms) {
+                comms.fail(reason);
+            }
+        }
     }
 
     fn nccl_set_up(&self) -> Result<&NcclComm> {

@@ -20,8 +20,7 @@ use parc_compiler::ir::{CollectiveKind, ReduceOp};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// What to do when this rank fails: tell the other processes (e.g. the launcher's rendezvous).
-pub type AbortNotice = Box<dyn Fn(&str) + Send>;
+pub use super::nccl::AbortNotice;
 
 /// See the module docs. Made by [`CudaBackend::nccl_host_comm`].
 pub struct NcclHostComm {

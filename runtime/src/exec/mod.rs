@@ -416,7 +416,7 @@ impl RunContext<'_> {
         )?;
         let result = self.rank_loop(&mut exec);
         if let Err(e) = &result {
-            exec.comm().abort(&format!("rank {rank}: {e}"));
+            exec.abort(&format!("rank {rank}: {e}"));
         }
         result
     }

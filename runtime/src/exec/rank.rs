@@ -114,6 +114,13 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         self.comm.as_mut()
     }
 
+    /// This rank failed with `reason`: tell the other ranks through the comm, then the backend
+    /// (a device communicator's peers).
+    pub fn abort(&mut self, reason: &str) {
+        self.comm.abort(reason);
+        self.backend.abort(reason);
+    }
+
     /// Persistent buffers (parameters, optimizer state, metrics), in buffer order.
     fn persistent(&self) -> impl Iterator<Item = (BufferId, &'a parc_compiler::ir::Buffer)> {
         let program: &'a Program = self.program;
