@@ -1,11 +1,12 @@
 //! Multi-process `parc run` through the binary: a 4-process CPU run started by
 //! `--nproc-per-node 4` (mpiexec + the MPI comm) gives exactly the single-process losses,
-//! checkpoints and exported parameters; a rank that crashes ends the job with its error,
-//! quickly; a rank that hangs makes its peers' collective time out naming the waiting rank, the
-//! missing peer, the instruction and the spec line; a rendezvous missing a rank names it; a world
-//! size other than the mesh's is refused before any communication, with both numbers; the MPI
-//! comm itself checks collective order, names missing peers and hears aborts.
-//! The MPI tests need the `mpi` feature and `mpiexec` on PATH, and say so when they skip.
+//! checkpoints and exported parameters, and resumes bit-identically; a rank that crashes ends
+//! the job with its error, quickly; a rank that hangs makes its peers' collective time out
+//! naming the waiting rank, the missing peer, the instruction and the spec line; a rendezvous
+//! missing a rank names it; a world size other than the mesh's is refused before any
+//! communication, with both numbers; the MPI comm itself checks collective order, names missing
+//! peers and hears aborts. The MPI tests need the `mpi` feature and `mpiexec` on PATH, and say
+//! so when they skip.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 use serde_json::Value;
 use std::path::PathBuf;
@@ -116,10 +117,28 @@ fn four_processes_give_exactly_the_single_process_losses() {
             .unwrap();
         assert!(single.status.success(), "{}", stderr(&single));
         args.extend(["--nproc-per-node".into(), "4".into()]);
-        let multi = parc(&[args, ckpt(&four_dir)].concat(), &[])
+        let multi = parc(&[args.clone(), ckpt(&four_dir)].concat(), &[])
             .output()
             .unwrap();
         assert!(multi.status.success(), "{parallel:?}: {}", stderr(&multi));
+        // Resuming the 4-process run from its step-2 checkpoint continues bit-identically.
+        let resume = vec![
+            "--resume".into(),
+            four_dir.join("step-00000002").display().to_string(),
+        ];
+        let resumed = parc(&[args, ckpt(&four_dir), resume].concat(), &[])
+            .output()
+            .unwrap();
+        assert!(
+            resumed.status.success(),
+            "{parallel:?}: {}",
+            stderr(&resumed)
+        );
+        assert_eq!(
+            losses(&resumed),
+            losses(&multi)[2..],
+            "{parallel:?}: resumed"
+        );
         // The same checkpoint shards and final parameters, byte for byte.
         for file in ["model.safetensors", "step-00000002/rank-00003.safetensors"] {
             let read = |dir: &PathBuf| std::fs::read(dir.join(file)).unwrap();
