@@ -25,10 +25,10 @@ pub use rank::{ParamPiece, RankExecutor};
 use crate::backend::Backend;
 use crate::checkpoint::{self, Manifest, ShardTensor};
 use crate::comm::{Comm, LocalComm};
-use crate::data::{write_batch_log, BatchLayout, Dataset, EpochProgress, Sampler};
+use crate::data::{write_run_batch_log, Dataset, EpochProgress};
 use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::Plan;
-use parc_compiler::spec::{Axis, Spec};
+use parc_compiler::spec::Spec;
 use parc_compiler::verify::VerifyReport;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -226,24 +226,12 @@ where
         checkpoint::check_compatible(m, &hash, plan.world, spec.train.seed, dataset.num_samples())?;
     }
     if let Some(path) = &options.log_batches {
-        let layout = BatchLayout {
-            dp: plan.mesh.size(Axis::Dp),
-            microbatches: plan.microbatches,
-            micro_batch: plan.micro_batch,
-        };
-        let mut sampler = Sampler::new(spec.train.seed, dataset.num_samples(), layout)?;
         let start = manifest.as_ref().map_or(0, |m| m.step);
         let end = options
             .stop_after
             .unwrap_or(spec.train.steps)
             .min(spec.train.steps);
-        write_batch_log(
-            path,
-            &mut sampler,
-            spec.model.seq,
-            spec.train.seed,
-            start..end,
-        )?;
+        write_run_batch_log(path, spec, plan, dataset.num_samples(), start..end)?;
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = options
