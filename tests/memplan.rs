@@ -1,3 +1,5 @@
+//! The memory plans of the IR test specs (`tests/ir/*.par`): checked, and each arena within 5%
+//! of its aligned liveness peak (which no placement can beat).
 //! The memory plan at run time: a rank's backend holds exactly its program's planned regions
 //! and a training step allocates nothing. CPU: the backend's vector is the plan's persistent
 //! region plus arena, before and after steps. CUDA (skips visibly without a GPU): no device
@@ -61,6 +63,44 @@ fn losses<B: Backend>(exec: &mut RankExecutor<'_, B>, steps: u64) -> Vec<f32> {
     (0..steps)
         .map(|step| exec.step(step, 1e-3, None).unwrap().loss.unwrap())
         .collect()
+}
+
+#[test]
+fn the_ir_test_plans_pack_within_five_percent_of_their_peak() {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/ir");
+    let mut specs: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "par"))
+        .collect();
+    specs.sort();
+    assert!(specs.len() >= 10, "the per-axis specs in {}", dir.display());
+    for path in specs {
+        let mut sources = parc_compiler::diag::Sources::default();
+        let main = sources.add(
+            path.display().to_string(),
+            std::fs::read_to_string(&path).unwrap(),
+        );
+        let (spec, diags) = parc_compiler::check(&mut sources, main, &[]);
+        let spec = spec.unwrap_or_else(|| panic!("{}: {:?}", path.display(), diags.items));
+        let plan = lower(&spec).unwrap_or_else(|d| panic!("{:?}", d.items));
+        let report = parc_compiler::verify::verify(&plan).unwrap();
+        for (program, memory) in plan.programs.iter().zip(&report.programs) {
+            let layout = plan_program(program).unwrap();
+            parc_compiler::memplan::check_layout(program, &layout).unwrap();
+            let ratio = layout.arena_bytes as f64 / layout.aligned_peak_bytes as f64;
+            println!(
+                "{} {}: arena {} aligned peak {} liveness peak {} ({ratio:.4})",
+                path.display(),
+                program.role,
+                layout.arena_bytes,
+                layout.aligned_peak_bytes,
+                memory.peak_transient_bytes
+            );
+            assert!(layout.aligned_peak_bytes >= memory.peak_transient_bytes);
+            assert!(ratio <= 1.05, "{}: arena {ratio:.3}× peak", path.display());
+        }
+    }
 }
 
 #[test]

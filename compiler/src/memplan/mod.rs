@@ -27,6 +27,7 @@ pub use check::check_layout;
 use crate::ir::{BufferId, Plan, Program, ProgramId};
 use crate::verify::VerifyReport;
 use serde::Serialize;
+use std::cmp::Reverse;
 
 /// Alignment, in bytes, of every offset and size the planner gives out.
 pub const ALIGN: u64 = 256;
@@ -138,12 +139,26 @@ pub fn plan_program(program: &Program) -> Result<MemoryLayout, MemPlanError> {
         .iter()
         .map(|b| aligned_size(b.bytes()))
         .collect();
-    let arena_bytes = place_transients(&live, &sizes, &mut placements);
+    let aligned_peak_bytes = live.aligned_peak(&sizes);
+    // Largest first; where that leaves gaps, also try allocation order and keep the smaller.
+    let mut order: Vec<u32> = live.buffers().collect();
+    order.sort_unstable_by_key(|&b| (Reverse(sizes[b as usize]), live.first_start(b), b));
+    let (mut offsets, mut arena_bytes) = place_transients(&live, &sizes, &order);
+    if arena_bytes > aligned_peak_bytes {
+        order.sort_unstable_by_key(|&b| (live.first_start(b), Reverse(sizes[b as usize]), b));
+        let (in_order, arena) = place_transients(&live, &sizes, &order);
+        if arena < arena_bytes {
+            (offsets, arena_bytes) = (in_order, arena);
+        }
+    }
+    for b in live.buffers() {
+        placements[b as usize] = Placement::Arena(offsets[b as usize]);
+    }
     let layout = MemoryLayout {
         placements,
         persistent_bytes,
         arena_bytes,
-        aligned_peak_bytes: live.aligned_peak(&sizes),
+        aligned_peak_bytes,
     };
     check_layout(program, &layout).map_err(|e| error(format!("planner bug: {e}")))?;
     Ok(layout)
@@ -181,15 +196,14 @@ pub fn plan_all(plan: &Plan) -> Result<Vec<MemoryLayout>, MemPlanError> {
     Ok(layouts)
 }
 
-/// Greedy by size, best fit: give every buffer with live intervals an arena offset; returns the
-/// arena's size.
+/// Best fit in the given order: each buffer of `order` goes into the smallest gap left by the
+/// buffers already placed whose intervals overlap its own, else above them. Returns every
+/// buffer's offset (by id) and the arena's size.
 fn place_transients(
     live: &intervals::LiveIntervals,
     sizes: &[u64],
-    placements: &mut [Placement],
-) -> u64 {
-    let mut order: Vec<u32> = live.buffers().collect();
-    order.sort_unstable_by_key(|&b| (std::cmp::Reverse(sizes[b as usize]), live.first_start(b), b));
+    order: &[u32],
+) -> (Vec<u64>, u64) {
     let mut tree = intervals::IntervalTree::new(live.times());
     let mut offsets = vec![0u64; sizes.len()];
     // Which buffers a query already reported (a buffer can sit in several tree nodes).
@@ -226,11 +240,10 @@ fn place_transients(
         }
         let offset = best.map_or(top, |(_, at)| at);
         offsets[b as usize] = offset;
-        placements[b as usize] = Placement::Arena(offset);
         arena = arena.max(offset + size);
         for &(start, end) in live.of(b) {
             tree.insert(start, end, b);
         }
     }
-    arena
+    (offsets, arena)
 }
