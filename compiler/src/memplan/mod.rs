@@ -8,7 +8,9 @@
 //!   inclusive instruction indices; a buffer allocated again after its `Free` has several).
 //!   Placement is greedy by size with best fit (the static planners of TFLite and XLA): largest
 //!   buffer first; each goes into the smallest gap between the buffers already placed whose
-//!   intervals overlap its own, or above the highest of them.
+//!   intervals overlap its own, or above the highest of them. Where that leaves the arena above
+//!   the aligned liveness peak, the same best fit in allocation order is tried too and the
+//!   smaller arena kept.
 //! - Every offset and every size is a multiple of [`ALIGN`] (256 bytes: cuBLASLt's preferred
 //!   operand alignment, and whole cache lines on the host).
 //! - [`check_layout`] proves a layout safe: no two buffers alive at the same instruction share a
