@@ -312,6 +312,7 @@ fn run_with<B: Backend>(
         model_export: result.model_export.as_ref(),
         backend: backend.name(),
         world: plan.world,
+        reserved_bytes: result.reserved_bytes,
     });
     if let (Some(reserved), LogFormat::Human) = (result.reserved_bytes, args.log_format) {
         eprintln!(

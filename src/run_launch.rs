@@ -199,6 +199,7 @@ fn train_rank(
             model_export: result.model_export.as_ref(),
             backend: backend.name(),
             world: plan.world,
+            reserved_bytes: None,
         });
         if let (Some(profile), LogFormat::Human) = (&result.profile, args.log_format) {
             eprint!("{}", crate::run_profile::human(profile, &spec.cluster.gpu));

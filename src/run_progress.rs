@@ -7,7 +7,9 @@
 //! steps (1-based, so the last line of a run has `step = train.steps`), then one
 //! `{"event":"summary",…}` line. `loss_scale` is the fp16 loss scale the step used (null in
 //! other precisions); `skipped` is true for a step whose gradients overflowed (its update was
-//! skipped). A skipped step's human line is always printed (and kept on a terminal).
+//! skipped). A skipped step's human line is always printed (and kept on a terminal). The
+//! summary's `memory_reserved_bytes` is the most memory one rank's backend held (null when the
+//! run does not know it).
 use parc_runtime::data::EpochProgress;
 use parc_runtime::exec::{LossScaleStep, StepRecord};
 use serde_json::json;
@@ -143,6 +145,8 @@ pub struct Summary<'a> {
     pub model_export: Option<&'a PathBuf>,
     pub backend: &'a str,
     pub world: u32,
+    /// The most memory one rank's backend held (`TrainResult::reserved_bytes`), when known.
+    pub reserved_bytes: Option<u64>,
 }
 
 impl Summary<'_> {
@@ -177,6 +181,7 @@ impl Summary<'_> {
             "model": self.model_export.map(|p| p.display().to_string()),
             "skipped_steps": self.skipped_steps(),
             "loss_scale": last.and_then(|r| r.loss_scale).map(|s| s.next_scale),
+            "memory_reserved_bytes": self.reserved_bytes,
         })
         .to_string()
     }
@@ -344,12 +349,14 @@ mod tests {
             model_export: None,
             backend: "cpu",
             world: 2,
+            reserved_bytes: Some(4096),
         };
         let value: serde_json::Value = serde_json::from_str(&summary.json()).unwrap();
         assert_eq!(value["event"], "summary");
         assert_eq!(value["steps"], 2);
         assert_eq!(value["tokens_per_s"], 512.0);
         assert_eq!(value["epochs"][0]["samples_seen"], 16);
+        assert_eq!(value["memory_reserved_bytes"], 4096);
         assert_eq!(value["skipped_steps"], 0);
         assert!(value["loss_scale"].is_null());
         assert!(summary.human().contains("samples seen: epoch 0 16/100"));
@@ -392,6 +399,7 @@ mod tests {
             model_export: None,
             backend: "cpu",
             world: 1,
+            reserved_bytes: None,
         };
         let value: serde_json::Value = serde_json::from_str(&summary.json()).unwrap();
         assert_eq!(value["skipped_steps"], 1);
