@@ -15,7 +15,8 @@
 # nothing) and the batch above as one microbatch; its checkpoint export goes to a temporary folder.
 # Peak memory: PyTorch's allocator maximum, and for both the largest `memory.used` that
 # nvidia-smi reports while the run's process lives (CUDA context and workspaces included), above
-# the reading before it started; parc's own figure too when its JSON summary reports one.
+# the reading before it started; for parc also its JSON summary's memory_reserved_bytes (what its
+# backend held: planned buffers, scratch, cuBLASLt workspace).
 # Output: $OUT/gpu-bench/ (or .device/out/gpu-bench/): every run's JSON lines, stderr and memory
 # samples, and summary.txt / summary.json.
 set -uo pipefail

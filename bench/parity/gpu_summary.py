@@ -45,10 +45,11 @@ def smi_peak_gib(path):
 
 
 def parc_own_peak_gib(summary):
-    """A peak-memory figure from parc's summary, when this build reports one."""
-    for key, value in summary.items():
-        if isinstance(value, (int, float)) and "mem" in key and key.endswith("bytes"):
-            return value / 2**30, key
+    """parc's own figure: `memory_reserved_bytes` of its JSON summary (what its backend held:
+    planned buffers, scratch, workspace), when this build reports it."""
+    value = summary.get("memory_reserved_bytes")
+    if isinstance(value, (int, float)):
+        return value / 2**30, "memory_reserved_bytes"
     return None, None
 
 
@@ -117,7 +118,7 @@ def main():
     for r in ratios:
         mem = "".join(f", peak {k.split('_')[1]} ×{r[k]:.2f}" for k in ("peak_smi", "peak_alloc") if k in r)
         print(f"{r['model']}: parc / torch {r['against']}: tokens/s ×{r['tokens_per_s']:.3f}{mem}")
-    print("peak alloc: PyTorch's allocator maximum (parc's own figure where its summary has one); "
+    print("peak alloc: PyTorch's allocator maximum; parc's memory_reserved_bytes (what its backend held). "
           "peak smi: nvidia-smi memory.used above the idle reading, CUDA context included")
     for m in missing:
         print(f"missing: {m}")
