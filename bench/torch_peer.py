@@ -108,12 +108,15 @@ def bench_one(name, L, d, h, B, T=1024, V=50304, compile_=False, steps=30, warm=
 
 def bench_main(argv):
     p = argparse.ArgumentParser(prog="torch_peer.py bench")
-    p.add_argument("models", nargs="*", default=["124m"], choices=sorted(CONFIGS))
+    p.add_argument("models", nargs="*", help=f"any of {', '.join(CONFIGS)} (default: 124m)")
     p.add_argument("--batch", type=int, help="sequences per step (default: 32 for 124m, 16 otherwise)")
     p.add_argument("--steps", type=int, default=30); p.add_argument("--warm", type=int, default=10)
     p.add_argument("--modes", default="eager,compile", help="comma-separated: eager, compile")
     a = p.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = True
+    unknown = [w for w in a.models if w not in CONFIGS]
+    if unknown:
+        sys.exit(f"unknown model {unknown[0]!r}: use {', '.join(CONFIGS)}")
     for w in a.models or ["124m"]:
         L, d, h, B = CONFIGS[w]
         for mode in a.modes.split(","):
