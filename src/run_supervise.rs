@@ -52,7 +52,8 @@ fn launch_inner(args: &RunArgs, n: u32) -> Result<u8, (u8, String)> {
         )
     })?;
     let child_args = rank_args();
-    let port = free_port().map_err(|e| (1, format!("no free port for the rendezvous: {e}")))?;
+    let port =
+        launch::free_port().map_err(|e| (1, format!("no free port for the rendezvous: {e}")))?;
     // SAFETY: the handler only stores to an atomic.
     unsafe {
         libc::signal(
@@ -152,12 +153,6 @@ fn rank_args() -> Vec<std::ffi::OsString> {
         out.push(arg);
     }
     out
-}
-
-fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind(("127.0.0.1", 0))?
-        .local_addr()?
-        .port())
 }
 
 fn find_on_path(names: &[&str]) -> Option<std::path::PathBuf> {

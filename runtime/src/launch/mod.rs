@@ -11,7 +11,7 @@ pub mod env;
 pub mod rendezvous;
 
 pub use env::{detect, detect_process, LaunchEnv, LauncherKind};
-pub use rendezvous::{FailureWatch, Member, Rendezvous, RendezvousConfig};
+pub use rendezvous::{free_port, FailureWatch, Member, Rendezvous, RendezvousConfig};
 
 use crate::error::{Result, RuntimeError};
 use parc_compiler::spec::{Axis, Mesh};

@@ -89,6 +89,30 @@ pub fn host_name() -> String {
         .unwrap_or_else(|| "unknown-host".to_string())
 }
 
+/// A free port for the rendezvous, below the kernel's ephemeral range so no outgoing
+/// connection (the ranks' own, or another job's) takes it between now and rank 0's listen.
+pub fn free_port() -> std::io::Result<u16> {
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let (low, high) = (20000u16, ephemeral_low.max(20001));
+    // Start at a point that differs per launch so concurrent launchers do not race for one.
+    let seed = std::process::id() as u64
+        ^ std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos() as u64);
+    let span = u64::from(high - low);
+    for i in 0..span {
+        let port = low + ((seed + i) % span) as u16;
+        if TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    // Everything below the ephemeral range is taken: let the kernel pick.
+    Ok(TcpListener::bind(("127.0.0.1", 0))?.local_addr()?.port())
+}
+
 const HELLO: u8 = 1;
 const READY: u8 = 2;
 const REFUSED: u8 = 3;
@@ -607,6 +631,13 @@ fn connect(config: &RendezvousConfig) -> Result<Rendezvous> {
         };
         let attempt = addrs.iter().find_map(|addr| {
             match TcpStream::connect_timeout(addr, Duration::from_millis(500)) {
+                // Connecting to a local port in the ephemeral range where nothing listens yet
+                // can connect the socket to itself (TCP simultaneous open); that is not rank
+                // 0, and it would hold rank 0's port.
+                Ok(s) if is_self_connected(&s) => {
+                    last_error = "nothing listens there yet".to_string();
+                    None
+                }
                 Ok(s) => Some(s),
                 Err(e) => {
                     last_error = e.to_string();
@@ -695,6 +726,10 @@ fn connect(config: &RendezvousConfig) -> Result<Rendezvous> {
     })
 }
 
+fn is_self_connected(stream: &TcpStream) -> bool {
+    matches!((stream.local_addr(), stream.peer_addr()), (Ok(a), Ok(b)) if a == b)
+}
+
 /// A non-zero rank's reader of rank 0: broadcasts, relayed aborts, the final bye.
 fn peer_reader(
     mut stream: TcpStream,
@@ -743,14 +778,6 @@ fn peer_reader(
 mod tests {
     use super::*;
 
-    fn free_port() -> u16 {
-        TcpListener::bind(("127.0.0.1", 0))
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-    }
-
     fn config(rank: u32, world: u32, port: u16, hash: &str, timeout_ms: u64) -> RendezvousConfig {
         let mut c = RendezvousConfig::new(rank, world, rank, hash, "127.0.0.1", port);
         c.timeout = Duration::from_millis(timeout_ms);
@@ -764,7 +791,7 @@ mod tests {
         hash: impl Fn(u32) -> String + Sync,
         timeout_ms: u64,
     ) -> Vec<Result<Rendezvous>> {
-        let port = free_port();
+        let port = free_port().unwrap();
         std::thread::scope(|s| {
             let handles: Vec<_> = ranks
                 .iter()
