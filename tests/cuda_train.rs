@@ -297,3 +297,126 @@ fn checkpoints_cross_backends() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// The model's optimizer updates as runs the CUDA backend fuses (`parc_runtime::optimizer_runs`):
+/// without ZeRO every parameter's update is in one run (the gradient `Free`s between updates do
+/// not split it). Needs no GPU.
+#[test]
+fn every_update_of_a_single_gpu_program_is_one_fused_run() {
+    use parc_compiler::ir::{op::Op, Instr};
+    use parc_runtime::optimizer_runs::find_runs;
+    for (llama, sgd) in [(false, false), (true, false), (false, true)] {
+        let mut s = model_spec(llama, 1);
+        if sgd {
+            s.train.optimizer = parc_compiler::spec::Optimizer::Sgd {
+                lr: 1e-1,
+                momentum: 0.9,
+                weight_decay: 0.1,
+            };
+        }
+        let plan = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
+        let program = &plan.programs[0];
+        let updates: Vec<usize> = (program.instrs.iter().enumerate())
+            .filter(|(_, i)| {
+                matches!(i, Instr::Compute { op, .. } if matches!(**op, Op::AdamW { .. } | Op::Sgd { .. }))
+            })
+            .map(|(index, _)| index)
+            .collect();
+        let runs = find_runs(program);
+        assert_eq!(runs.len(), 1, "llama {llama} sgd {sgd}: {runs:?}");
+        let fused: Vec<usize> = runs[0].members.iter().map(|m| m.index).collect();
+        assert_eq!(fused, updates, "llama {llama} sgd {sgd}");
+        assert!(updates.len() > 10, "llama {llama} sgd {sgd}");
+        // Decayed matrices and undecayed norms and biases share the run.
+        let decays: std::collections::BTreeSet<u64> = runs[0]
+            .members
+            .iter()
+            .map(|m| m.weight_decay.to_bits())
+            .collect();
+        assert_eq!(decays.len(), 2, "llama {llama} sgd {sgd}");
+    }
+}
+
+/// `steps` steps of `spec` on the GPU with the fused optimizer and with one launch per tensor:
+/// bit-identical losses, gradient norms, loss scales, parameters and optimizer state; the fused
+/// backend fused every update into one run, the other none.
+#[cfg(feature = "cuda")]
+fn fused_equals_per_tensor(name: &str, spec: &Spec, steps: u64, lr: f64) {
+    use parc_runtime::comm::LocalComm;
+    use parc_runtime::cuda::CudaBackend;
+    use parc_runtime::exec::{open_dataset, LossScaler, RankExecutor};
+    let plan = lower(spec).unwrap_or_else(|d| panic!("{:?}", d.items));
+    let train_with = |fused: bool| {
+        let backend = CudaBackend::with_precision(0, spec.train.precision)
+            .unwrap()
+            .with_fused_optimizer(fused);
+        let comm = LocalComm::world(1, std::time::Duration::from_secs(30)).remove(0);
+        let dataset = std::sync::Arc::new(open_dataset(spec, Path::new(".")).unwrap());
+        let mut exec =
+            RankExecutor::new(&plan, 0, backend, Box::new(comm), dataset, spec.train.seed).unwrap();
+        exec.loss_scaler = LossScaler::for_precision(spec.train.precision);
+        exec.init(spec.train.seed).unwrap();
+        let runs = exec.backend().fused_optimizer_runs();
+        let metrics: Vec<String> = (0..steps)
+            .map(|step| {
+                let m = exec.step(step, lr, None).unwrap();
+                let bits = |v: Option<f32>| v.map(f32::to_bits);
+                format!(
+                    "{:?} {:?} {:?}",
+                    bits(m.loss),
+                    bits(m.grad_sumsq),
+                    m.loss_scale
+                )
+            })
+            .collect();
+        let state: Vec<(String, Vec<u32>)> = exec
+            .shard_tensors()
+            .unwrap()
+            .into_iter()
+            .map(|t| (t.name, t.data.iter().map(|x| x.to_bits()).collect()))
+            .collect();
+        (runs, metrics, state)
+    };
+    let (fused_runs, fused_metrics, fused_state) = train_with(true);
+    let (tensor_runs, tensor_metrics, tensor_state) = train_with(false);
+    println!("{name}: fused runs {fused_runs:?}; steps {fused_metrics:?}");
+    assert_eq!(fused_runs.len(), 1, "{name}: fused runs {fused_runs:?}");
+    assert!(tensor_runs.is_empty(), "{name}: {tensor_runs:?}");
+    assert_eq!(fused_metrics, tensor_metrics, "{name}: step metrics");
+    assert_eq!(fused_state.len(), tensor_state.len());
+    for (f, t) in fused_state.iter().zip(&tensor_state) {
+        assert_eq!(f.0, t.0);
+        assert!(f.1 == t.1, "{name}: {} differs after {steps} steps", f.0);
+    }
+}
+
+#[test]
+fn fused_optimizer_equals_per_tensor_updates() {
+    if !gpu_present() {
+        return;
+    }
+    #[cfg(feature = "cuda")]
+    {
+        fused_equals_per_tensor("gpt-adamw", &model_spec(false, 4), 4, 1e-3);
+        fused_equals_per_tensor("llama-adamw", &model_spec(true, 4), 4, 1e-3);
+        let mut sgd = model_spec(false, 4);
+        sgd.train.optimizer = parc_compiler::spec::Optimizer::Sgd {
+            lr: 1e-1,
+            momentum: 0.9,
+            weight_decay: 0.1,
+        };
+        fused_equals_per_tensor("gpt-sgd-momentum", &sgd, 4, 1e-1);
+        sgd.train.optimizer = parc_compiler::spec::Optimizer::Sgd {
+            lr: 1e-1,
+            momentum: 0.0,
+            weight_decay: 0.1,
+        };
+        fused_equals_per_tensor("gpt-sgd", &sgd, 3, 1e-1);
+        // fp16: scaled steps, and an overflowing scale whose skipped steps leave everything.
+        let mut fp16 = model_spec(true, 4);
+        fp16.train.precision = fp16_dynamic(1024.0, 2, 1.0);
+        fused_equals_per_tensor("llama-fp16", &fp16, 4, 1e-3);
+        fp16.train.precision = fp16_dynamic(2f64.powi(120), 1000, 2f64.powi(119));
+        fused_equals_per_tensor("llama-fp16-overflow", &fp16, 2, 1e-3);
+    }
+}

@@ -789,9 +789,8 @@ pub(crate) fn run(
             b.expect(coef, "coef", 1)?;
             let (param, m, v) = (b.f32_out(0)?, b.f32_out(1)?, b.f32_out(2)?);
             b.same(&[(param, "param"), (m, "m"), (v, "v")], g.len)?;
-            let step = i32::try_from(scalars.step).unwrap_or(i32::MAX);
-            let bias1 = (1.0 - beta1.powi(step)) as f32;
-            let bias2 = (1.0 - beta2.powi(step)) as f32;
+            let (bias1, bias2) =
+                super::optimizer::adam_bias_corrections(*beta1, *beta2, scalars.step);
             let args = [
                 p(g),
                 p(coef),

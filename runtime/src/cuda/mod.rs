@@ -26,6 +26,7 @@ mod gemm;
 mod nccl;
 mod nccl_host;
 mod nccl_watchdog;
+mod optimizer;
 mod storage;
 mod stream;
 
@@ -104,6 +105,8 @@ pub struct CudaBackend {
     /// 16-bit copies of the current GEMM's A and B (bf16 and fp16 runs); sized by `prepare`,
     /// grows (never shrinks) without a memory plan.
     half_operands: Option<CudaSlice<u8>>,
+    /// The fused optimizer's runs and tables (built by `prepare`).
+    fused: optimizer::FusedOptimizer,
     /// Kept alive for cuBLASLt.
     _workspace: CudaSlice<u8>,
 }
@@ -157,6 +160,7 @@ impl CudaBackend {
             scratch: None,
             operands,
             half_operands: None,
+            fused: optimizer::FusedOptimizer::default(),
             _workspace: workspace,
             nccl: None,
         })
@@ -225,7 +229,8 @@ impl CudaBackend {
             .map(CudaSlice::len)
             .sum();
         let positions: usize = self.positions.values().map(|(m, _)| m.len()).sum();
-        self.planned.bytes + (own + scratch + positions + WORKSPACE_BYTES) as u64
+        let tables = self.fused.bytes();
+        self.planned.bytes + (own + scratch + positions + tables + WORKSPACE_BYTES) as u64
     }
 
     /// Room for a copy of an aliased input of `bytes`: the next piece of the planned scratch,
@@ -456,7 +461,7 @@ impl Backend for CudaBackend {
         for segments in &needs.segments {
             self.positions(segments)?;
         }
-        Ok(())
+        self.prepare_fused_optimizer(program)
     }
 
     fn alloc(&mut self, id: BufferId, shape: &[u64], dtype: DType) -> Result<()> {
@@ -466,6 +471,8 @@ impl Backend for CudaBackend {
                 usize::try_from(d).ok().and_then(|d| acc.checked_mul(d))
             })
             .ok_or_else(|| buffer_error(id, format!("shape {shape:?} is too large")))?;
+        self.fused
+            .check_between_runs(&format!("Alloc of buffer {}", id.0))?;
         let index = id.0 as usize;
         if self.slots.get(index).is_some_and(Option::is_some) {
             return Err(buffer_error(id, "is already allocated"));
@@ -522,6 +529,9 @@ impl Backend for CudaBackend {
         outputs: &[BufferId],
         scalars: &StepScalars,
     ) -> Result<()> {
+        if self.fused_optimizer(op, inputs, outputs, scalars)? {
+            return Ok(());
+        }
         self.order_after_comm(inputs.iter().chain(outputs).copied())?;
         let outs = outputs
             .iter()
