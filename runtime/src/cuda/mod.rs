@@ -25,6 +25,7 @@ mod dispatch;
 mod gemm;
 mod nccl;
 mod nccl_host;
+mod nccl_inflight;
 mod nccl_watchdog;
 mod optimizer;
 mod storage;
@@ -478,6 +479,8 @@ impl Backend for CudaBackend {
             return Err(buffer_error(id, "is already allocated"));
         }
         let bytes = len * dtype.bytes() as usize;
+        // Communication on the buffer waits for its zero-fill (and earlier users of its bytes).
+        self.order_after_comm([id])?;
         let (memory, ptr) = match self.planned.pointer(index) {
             // Its planned bytes, zeroed in stream order (after every earlier user of them).
             Some((ptr, capacity)) => {
@@ -594,5 +597,13 @@ impl Backend for CudaBackend {
 
     fn abort(&mut self, reason: &str) {
         self.abort_nccl(reason);
+    }
+
+    fn begin_instruction(&mut self, index: usize) {
+        self.nccl_instruction(index);
+    }
+
+    fn stuck_instruction(&self) -> Option<usize> {
+        self.nccl_stuck_instruction()
     }
 }
