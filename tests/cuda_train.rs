@@ -20,7 +20,7 @@ mod fixtures;
 
 use fixtures::{sized_spec, Dims, PlanChoice, TinyModel};
 use parc_compiler::lower::lower;
-use parc_compiler::spec::{Checkpointing, LossScale, Precision, Spec};
+use parc_compiler::spec::{Checkpointing, LossScale, Precision, Spec, ZeroStage};
 use parc_runtime::cpu::CpuBackend;
 use parc_runtime::exec::{train, StepRecord, TrainOptions, TrainResult};
 use std::path::{Path, PathBuf};
@@ -49,6 +49,10 @@ fn gpu_present() -> bool {
 }
 
 fn model_spec(llama: bool, steps: u64) -> Spec {
+    planned_model_spec(llama, steps, PlanChoice::default())
+}
+
+fn planned_model_spec(llama: bool, steps: u64, choice: PlanChoice) -> Spec {
     let dims = Dims {
         vocab: 96,
         dim: 64,
@@ -64,7 +68,7 @@ fn model_spec(llama: bool, steps: u64) -> Spec {
             llama,
             tied: !llama,
         },
-        PlanChoice::default(),
+        choice,
         dims,
     );
     s.train.steps = steps;
@@ -298,15 +302,37 @@ fn checkpoints_cross_backends() {
     }
 }
 
+/// A dp = 2 ZeRO plan of the GPT-style model.
+fn zero_spec(zero: ZeroStage, steps: u64) -> Spec {
+    let choice = PlanChoice {
+        dp: 2,
+        zero,
+        ..PlanChoice::default()
+    };
+    planned_model_spec(false, steps, choice)
+}
+
 /// The model's optimizer updates as runs the CUDA backend fuses (`parc_runtime::optimizer_runs`):
-/// without ZeRO every parameter's update is in one run (the gradient `Free`s between updates do
-/// not split it). Needs no GPU.
+/// every parameter's update of a rank's program is in one run, without ZeRO (the gradient
+/// `Free`s between updates do not split it) and with ZeRO 1, 2 and 3 (nor do the all-gathers of
+/// the updated shards). Needs no GPU.
 #[test]
-fn every_update_of_a_single_gpu_program_is_one_fused_run() {
+fn every_update_of_a_program_is_one_fused_run() {
     use parc_compiler::ir::{op::Op, Instr};
     use parc_runtime::optimizer_runs::find_runs;
-    for (llama, sgd) in [(false, false), (true, false), (false, true)] {
-        let mut s = model_spec(llama, 1);
+    let cases = [
+        (false, false, None),
+        (true, false, None),
+        (false, true, None),
+        (false, false, Some(ZeroStage::Zero1)),
+        (false, false, Some(ZeroStage::Zero2)),
+        (false, false, Some(ZeroStage::Zero3)),
+    ];
+    for (llama, sgd, zero) in cases {
+        let mut s = match zero {
+            None => model_spec(llama, 1),
+            Some(zero) => zero_spec(zero, 1),
+        };
         if sgd {
             s.train.optimizer = parc_compiler::spec::Optimizer::Sgd {
                 lr: 1e-1,
@@ -316,6 +342,7 @@ fn every_update_of_a_single_gpu_program_is_one_fused_run() {
         }
         let plan = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
         let program = &plan.programs[0];
+        let (llama, sgd) = (format!("{llama} {zero:?}"), sgd);
         let updates: Vec<usize> = (program.instrs.iter().enumerate())
             .filter(|(_, i)| {
                 matches!(i, Instr::Compute { op, .. } if matches!(**op, Op::AdamW { .. } | Op::Sgd { .. }))
@@ -390,6 +417,38 @@ fn fused_equals_per_tensor(name: &str, spec: &Spec, steps: u64, lr: f64) {
     }
 }
 
+/// A dp = 2 ZeRO plan trained by two ranks sharing GPU 0 (host comm), fused and per tensor:
+/// bit-identical losses, gradient norms and final parameters (the all-gathers of the updated
+/// shards sit between the fused run's updates).
+#[cfg(feature = "cuda")]
+fn zero_fused_equals_per_tensor(zero: ZeroStage) {
+    use parc_runtime::cuda::CudaBackend;
+    let s = zero_spec(zero, 3);
+    let plan = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
+    let train_with = |fused: bool| {
+        let mut options = TrainOptions::new(".");
+        options.threads_per_rank = Some(1);
+        let make = |_, _| {
+            CudaBackend::with_precision(0, s.train.precision).map(|b| b.with_fused_optimizer(fused))
+        };
+        let result = train(&s, &plan, &options, make, &|_| {}).unwrap_or_else(|e| panic!("{e}"));
+        let steps: Vec<(u32, u32)> = (result.records.iter())
+            .map(|r| (r.loss.to_bits(), r.grad_norm.to_bits()))
+            .collect();
+        let params: Vec<(String, Vec<u32>)> = (result.params.iter())
+            .map(|p| (p.name.clone(), p.data.iter().map(|x| x.to_bits()).collect()))
+            .collect();
+        (steps, params)
+    };
+    let (fused, per_tensor) = (train_with(true), train_with(false));
+    println!("{zero:?}: steps (loss, grad norm bits) {:?}", fused.0);
+    assert_eq!(fused.0, per_tensor.0, "{zero:?}: step metrics");
+    assert_eq!(fused.1.len(), per_tensor.1.len());
+    for (f, t) in fused.1.iter().zip(&per_tensor.1) {
+        assert!(f == t, "{zero:?}: {} differs", f.0);
+    }
+}
+
 #[test]
 fn fused_optimizer_equals_per_tensor_updates() {
     if !gpu_present() {
@@ -418,5 +477,7 @@ fn fused_optimizer_equals_per_tensor_updates() {
         fused_equals_per_tensor("llama-fp16", &fp16, 4, 1e-3);
         fp16.train.precision = fp16_dynamic(2f64.powi(120), 1000, 2f64.powi(119));
         fused_equals_per_tensor("llama-fp16-overflow", &fp16, 2, 1e-3);
+        zero_fused_equals_per_tensor(ZeroStage::Zero1);
+        zero_fused_equals_per_tensor(ZeroStage::Zero3);
     }
 }

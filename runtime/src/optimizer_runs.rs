@@ -3,17 +3,20 @@
 //! per parameter tensor (the CPU backend, ZeRO sharding and checkpoints rely on it); this module
 //! only reads a program and finds the maximal runs that can be fused without changing any
 //! result:
-//! - consecutive `AdamW` (or `Sgd`) compute instructions with the same hyper-parameters except
-//!   the weight decay (the one per-tensor field), with nothing between them but `Free`s;
-//! - each one well formed (the op's documented arity, f32 buffers, a one-element coefficient,
-//!   param and state as long as the gradient, no buffer both read and written);
-//! - independent: no member writes a buffer an earlier member reads or writes, or reads one an
-//!   earlier member writes, and no `Free` inside the run releases a buffer a later member uses
-//!   (so running every member at the first one's position gives the same values as running
-//!   them in turn).
+//! - `AdamW` (or `Sgd`) compute instructions with the same hyper-parameters except the weight
+//!   decay (the one per-tensor field), each well formed (the op's documented arity, f32
+//!   buffers, a one-element coefficient, param and state as long as the gradient, no buffer
+//!   both read and written);
+//! - independent of each other: no member writes a buffer an earlier member reads or writes, or
+//!   reads one an earlier member writes;
+//! - and of what lies between them: the other instructions between the first member and a later
+//!   one (gradient `Free`s; with ZeRO 1 and 2 each update's `Alloc`, all-gather, `CopyRange`
+//!   and `Free`) neither write (`Alloc` and `Free` count as writes) a buffer that member uses
+//!   nor read one it writes.
 //!
-//! A run has at least two members; anything else (a ZeRO all-gather after each update, an op
-//! that does not qualify) ends the run and leaves those instructions to the per-tensor path.
+//! So running every member at the first one's position gives every instruction the values it
+//! sees when the members run in turn. A run has at least two members; an update that cannot
+//! join the run (other hyper-parameters, a conflict) ends it and may start the next.
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::{BufferId, DType, Inputs, Instr, Outputs, Program};
 use std::collections::HashSet;
@@ -131,12 +134,14 @@ fn member(program: &Program, index: usize, instr: &Instr) -> Option<(RunKind, Ru
     ))
 }
 
-/// A run being collected, with the buffers its members use and the ones freed inside it.
+/// A run being collected: the buffers its members read and write, and the buffers the other
+/// instructions since its first member read and write.
 struct OpenRun {
     run: OptimizerRun,
     read: HashSet<BufferId>,
     written: HashSet<BufferId>,
-    freed: HashSet<BufferId>,
+    between_read: HashSet<BufferId>,
+    between_written: HashSet<BufferId>,
 }
 
 impl OpenRun {
@@ -148,19 +153,29 @@ impl OpenRun {
             },
             read: HashSet::new(),
             written: HashSet::new(),
-            freed: HashSet::new(),
+            between_read: HashSet::new(),
+            between_written: HashSet::new(),
         };
         open.push(first);
         open
     }
 
     fn accepts(&self, kind: RunKind, m: &RunMember) -> bool {
+        let untouched =
+            |b: &BufferId| !self.written.contains(b) && !self.between_written.contains(b);
+        let unread = |b: &BufferId| !self.read.contains(b) && !self.between_read.contains(b);
         kind == self.run.kind
-            && m.buffers().all(|b| !self.freed.contains(&b))
-            && m.inputs.iter().all(|b| !self.written.contains(b))
-            && m.outputs
-                .iter()
-                .all(|b| !self.written.contains(b) && !self.read.contains(b))
+            && m.inputs.iter().all(untouched)
+            && m.outputs.iter().all(|b| untouched(b) && unread(b))
+    }
+
+    /// Records an instruction between members.
+    fn pass(&mut self, instr: &Instr) {
+        self.between_read.extend(instr.reads());
+        self.between_written.extend(instr.writes());
+        if let Instr::Alloc { buffer } | Instr::Free { buffer } = instr {
+            self.between_written.insert(*buffer);
+        }
     }
 
     fn push(&mut self, m: RunMember) {
@@ -182,14 +197,10 @@ pub fn find_runs(program: &Program) -> Vec<OptimizerRun> {
         }
     };
     for (index, instr) in program.instrs.iter().enumerate() {
-        if let Instr::Free { buffer } = instr {
-            if let Some(o) = open.as_mut() {
-                o.freed.insert(*buffer);
-            }
-            continue;
-        }
         let Some((kind, m)) = member(program, index, instr) else {
-            close(&mut open, &mut runs);
+            if let Some(o) = open.as_mut() {
+                o.pass(instr);
+            }
             continue;
         };
         match open.as_mut() {
@@ -331,37 +342,74 @@ mod tests {
     }
 
     #[test]
-    fn other_instructions_and_other_hyper_parameters_split_runs() {
+    fn zero_style_gathers_between_updates_stay_inside_the_run() {
+        // ZeRO 1/2: each update is followed by its gradient's Free and the all-gather of the
+        // updated master into a flat buffer, copied into the working parameter (here tensor
+        // t's flat buffer is 81 + 2t, its working copy 82 + 2t).
+        let mut instrs = Vec::new();
+        for t in 0..3u32 {
+            let (flat, working) = (81 + 2 * t, 82 + 2 * t);
+            instrs.push(adam_of(ADAM, t));
+            instrs.push(grad_free(t));
+            instrs.push(Instr::Alloc {
+                buffer: BufferId(flat),
+            });
+            instrs.push(Instr::Collective {
+                kind: CollectiveKind::AllGather,
+                group: GroupId(0),
+                input: BufferId(2 + 4 * t),
+                output: BufferId(flat),
+                node: None,
+            });
+            let copy = Op::CopyRange {
+                src_offset: 0,
+                dst_offset: 0,
+                len: 5,
+            };
+            instrs.push(compute(copy, &[flat], &[working]));
+            instrs.push(Instr::Free {
+                buffer: BufferId(flat),
+            });
+        }
+        assert_eq!(indices(&program(instrs)), vec![vec![0, 6, 12]]);
+    }
+
+    #[test]
+    fn instructions_touching_a_later_update_and_other_hyper_parameters_split_runs() {
         let other_betas = Op::AdamW {
             beta1: 0.8,
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.1,
         };
-        let gather = Instr::Collective {
-            kind: CollectiveKind::AllGather,
-            group: GroupId(0),
-            input: BufferId(50),
-            output: BufferId(51),
-            node: None,
-        };
         let p = program(vec![
             adam_of(ADAM, 0),
             adam_of(ADAM, 1),
-            gather,
+            // Writes tensor 2's gradient: tensor 2 must see it.
+            compute(Op::Zero, &[], &[9]),
             adam_of(ADAM, 2),
             adam_of(ADAM, 3),
-            adam_of(other_betas.clone(), 4),
-            adam_of(other_betas, 5),
+            // Reads tensor 4's param: it must see the value before tensor 4's update.
+            compute(Op::Copy, &[18], &[98]),
+            adam_of(ADAM, 4),
+            adam_of(ADAM, 5),
+            adam_of(other_betas.clone(), 6),
+            adam_of(other_betas, 7),
+            adam_of(ADAM, 8),
+            // Allocates (zeroes) tensor 9's m.
             Instr::Alloc {
-                buffer: BufferId(60),
+                buffer: BufferId(39),
             },
-            adam_of(ADAM, 6),
+            adam_of(ADAM, 9),
+            // Touches nothing of tensor 10's.
             compute(Op::Zero, &[], &[98]),
-            adam_of(ADAM, 7),
+            adam_of(ADAM, 10),
         ]);
-        // The lone updates (8, 10) are left to the per-tensor path.
-        assert_eq!(indices(&p), vec![vec![0, 1], vec![3, 4], vec![5, 6]]);
+        // The lone update 10 is left to the per-tensor path.
+        assert_eq!(
+            indices(&p),
+            vec![vec![0, 1], vec![3, 4], vec![6, 7], vec![8, 9], vec![12, 14]]
+        );
     }
 
     #[test]
@@ -375,11 +423,12 @@ mod tests {
             compute(sgd(0.9, 0.0), &[5, 0], &[6, 7]),
             compute(sgd(0.0, 0.1), &[9, 0], &[10]),
             compute(sgd(0.0, 0.1), &[13, 0], &[14]),
-            // Momentum 0 takes no buffer: with one it is malformed and ends the run.
+            // Momentum 0 takes no buffer: with one it is malformed, not a member, and (touching
+            // nothing of the next update's) stays between members.
             compute(sgd(0.0, 0.1), &[17, 0], &[18, 19]),
             compute(sgd(0.0, 0.1), &[21, 0], &[22]),
         ]);
-        assert_eq!(indices(&p), vec![vec![0, 1], vec![2, 3]]);
+        assert_eq!(indices(&p), vec![vec![0, 1], vec![2, 3, 5]]);
         assert_eq!(find_runs(&p)[1].kind, RunKind::Sgd { momentum: 0.0 });
     }
 

@@ -472,8 +472,7 @@ impl Backend for CudaBackend {
                 usize::try_from(d).ok().and_then(|d| acc.checked_mul(d))
             })
             .ok_or_else(|| buffer_error(id, format!("shape {shape:?} is too large")))?;
-        self.fused
-            .check_between_runs(&format!("Alloc of buffer {}", id.0))?;
+        self.fused.check_alloc(id)?;
         let index = id.0 as usize;
         if self.slots.get(index).is_some_and(Option::is_some) {
             return Err(buffer_error(id, "is already allocated"));

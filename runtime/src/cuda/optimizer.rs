@@ -7,8 +7,10 @@
 //! allocation of its own. When the executor reaches a run's first instruction the backend
 //! checks the buffers are still where the table says, orders the launch after any
 //! communication on them, and launches `adamw_multi` / `sgd_multi` (kernels/optimizer.cu) over
-//! the whole run; the run's later instructions must then arrive next, in order, with the same
-//! step scalars, and become no-ops (anything else is an error: their update already ran). The
+//! the whole run; the run's later updates must then arrive in order, with the same step
+//! scalars, and become no-ops (an update out of order, or an `Alloc` of a buffer a pending
+//! update uses, is an error: that update already ran); the instructions between them run as
+//! usual. The
 //! kernels share their per-element code with the per-tensor ones, so the results are
 //! bit-identical, including the skipped update of an fp16 step whose coefficient is not
 //! finite. Without a memory plan, or with `with_fused_optimizer(false)`, every instruction
@@ -143,22 +145,24 @@ impl FusedOptimizer {
         self.runs.iter().map(|r| r.table.len()).sum()
     }
 
-    /// An error if a launched run still waits for its later instructions: `what` (an `Alloc`)
-    /// would run after an update that the program orders after it.
-    pub fn check_between_runs(&self, what: &str) -> Result<()> {
-        match &self.cursor {
+    /// An error if a launched run's later update uses buffer `id`: allocating (zeroing) it now
+    /// would come after that update ran (the run detection keeps such an `Alloc` out of a run,
+    /// so this only trips when the instructions arrive out of the program's order).
+    pub fn check_alloc(&self, id: BufferId) -> Result<()> {
+        let Some(c) = &self.cursor else {
+            return Ok(());
+        };
+        let members = &self.runs[c.run].run.members;
+        match members[c.next..]
+            .iter()
+            .find(|m| m.buffers().any(|b| b == id))
+        {
             None => Ok(()),
-            Some(c) => {
-                let members = &self.runs[c.run].run.members;
-                Err(RuntimeError::Unsupported(format!(
-                    "{what} came inside the fused optimizer run of instructions {}..={} (before \
-                     instruction {}), which the program does not allow; run the program's \
-                     instructions in order",
-                    members[0].index,
-                    members[members.len() - 1].index,
-                    members[c.next].index
-                )))
-            }
+            Some(m) => Err(table_error(format!(
+                "Alloc of buffer {} came after the fused launch at instruction {} already ran \
+                 instruction {}'s update, which uses it; run the program's instructions in order",
+                id.0, members[0].index, m.index
+            ))),
         }
     }
 }
@@ -253,16 +257,26 @@ impl CudaBackend {
         outputs: &[BufferId],
         scalars: &StepScalars,
     ) -> Result<bool> {
-        if let Some(cursor) = self.fused.cursor.take() {
+        if !matches!(op, Op::AdamW { .. } | Op::Sgd { .. }) {
+            return Ok(false);
+        }
+        if let Some(cursor) = self.fused.cursor {
             let members = &self.fused.runs[cursor.run].run.members;
             let expected = &members[cursor.next];
             if !expected.is(op, inputs, outputs) {
-                return Err(table_error(format!(
-                    "instruction {}'s update already ran in the fused launch at instruction {}, \
-                     but the next op was a different one ({op:?} on inputs {inputs:?}); run the \
-                     program's instructions in order",
-                    expected.index, members[0].index
-                )));
+                // An update between members that is not one (the run detection let it be).
+                if let Some(later) = members[cursor.next..]
+                    .iter()
+                    .find(|m| m.is(op, inputs, outputs))
+                {
+                    return Err(table_error(format!(
+                        "instruction {}'s update came before instruction {}'s, both already run \
+                         by the fused launch at instruction {}; run the program's instructions \
+                         in order",
+                        later.index, expected.index, members[0].index
+                    )));
+                }
+                return Ok(false);
             }
             if cursor.scalars != *scalars {
                 return Err(table_error(format!(
@@ -271,16 +285,11 @@ impl CudaBackend {
                     expected.index, cursor.scalars, members[0].index
                 )));
             }
-            if cursor.next + 1 < members.len() {
-                self.fused.cursor = Some(Cursor {
-                    next: cursor.next + 1,
-                    ..cursor
-                });
-            }
+            self.fused.cursor = (cursor.next + 1 < members.len()).then_some(Cursor {
+                next: cursor.next + 1,
+                ..cursor
+            });
             return Ok(true);
-        }
-        if !matches!(op, Op::AdamW { .. } | Op::Sgd { .. }) {
-            return Ok(false);
         }
         let Some(&run) = outputs.first().and_then(|p| self.fused.by_first.get(p)) else {
             return Ok(false);
