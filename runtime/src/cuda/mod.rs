@@ -571,6 +571,7 @@ impl Backend for CudaBackend {
             return Err(buffer_error(id, format!("is {:?}, expected f32", s.dtype)));
         }
         self.synchronize()?;
+        self.check_comm_intact()?;
         let mut host = vec![0.0f32; s.len];
         // SAFETY: the allocation holds exactly s.len f32s; the stream is idle.
         unsafe { cu::memcpy_dtoh_sync(&mut host, s.ptr) }

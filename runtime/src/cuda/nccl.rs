@@ -705,6 +705,16 @@ impl CudaBackend {
         }
     }
 
+    /// After the host waited for compute: fail if the communicators were aborted meanwhile
+    /// (the watchdog found communication stuck; compute that waited for it ran on data it never
+    /// got), with the reason, which names the stuck call.
+    pub(crate) fn check_comm_intact(&self) -> Result<()> {
+        match &self.nccl {
+            Some(nccl) => lock(&nccl.comms)?.usable(),
+            None => Ok(()),
+        }
+    }
+
     /// Before the host reads `id`: wait for queued communication that may still write it.
     pub(crate) fn wait_comm_for(&self, id: BufferId) -> Result<()> {
         match &self.nccl {
