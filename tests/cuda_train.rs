@@ -364,89 +364,194 @@ fn every_update_of_a_program_is_one_fused_run() {
     }
 }
 
-/// `steps` steps of `spec` on the GPU with the fused optimizer and with one launch per tensor:
-/// bit-identical losses, gradient norms, loss scales, parameters and optimizer state; the fused
-/// backend fused every update into one run, the other none.
-#[cfg(feature = "cuda")]
-fn fused_equals_per_tensor(name: &str, spec: &Spec, steps: u64, lr: f64) {
-    use parc_runtime::comm::LocalComm;
-    use parc_runtime::cuda::CudaBackend;
-    use parc_runtime::exec::{open_dataset, LossScaler, RankExecutor};
-    let plan = lower(spec).unwrap_or_else(|d| panic!("{:?}", d.items));
-    let train_with = |fused: bool| {
-        let backend = CudaBackend::with_precision(0, spec.train.precision)
-            .unwrap()
-            .with_fused_optimizer(fused);
-        let comm = LocalComm::world(1, std::time::Duration::from_secs(30)).remove(0);
-        let dataset = std::sync::Arc::new(open_dataset(spec, Path::new(".")).unwrap());
-        let mut exec =
-            RankExecutor::new(&plan, 0, backend, Box::new(comm), dataset, spec.train.seed).unwrap();
-        exec.loss_scaler = LossScaler::for_precision(spec.train.precision);
-        exec.init(spec.train.seed).unwrap();
-        let runs = exec.backend().fused_optimizer_runs();
-        let metrics: Vec<String> = (0..steps)
-            .map(|step| {
-                let m = exec.step(step, lr, None).unwrap();
-                let bits = |v: Option<f32>| v.map(f32::to_bits);
-                format!(
-                    "{:?} {:?} {:?}",
-                    bits(m.loss),
-                    bits(m.grad_sumsq),
-                    m.loss_scale
-                )
-            })
-            .collect();
-        let state: Vec<(String, Vec<u32>)> = exec
-            .shard_tensors()
-            .unwrap()
-            .into_iter()
-            .map(|t| (t.name, t.data.iter().map(|x| x.to_bits()).collect()))
-            .collect();
-        (runs, metrics, state)
-    };
-    let (fused_runs, fused_metrics, fused_state) = train_with(true);
-    let (tensor_runs, tensor_metrics, tensor_state) = train_with(false);
-    println!("{name}: fused runs {fused_runs:?}; steps {fused_metrics:?}");
-    assert_eq!(fused_runs.len(), 1, "{name}: fused runs {fused_runs:?}");
-    assert!(tensor_runs.is_empty(), "{name}: {tensor_runs:?}");
-    assert_eq!(fused_metrics, tensor_metrics, "{name}: step metrics");
-    assert_eq!(fused_state.len(), tensor_state.len());
-    for (f, t) in fused_state.iter().zip(&tensor_state) {
-        assert_eq!(f.0, t.0);
-        assert!(f.1 == t.1, "{name}: {} differs after {steps} steps", f.0);
+/// A small deterministic generator (xorshift64*) for the optimizer test's inputs.
+struct Xorshift(u64);
+
+impl Xorshift {
+    /// Uniform in (-1, 1).
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let bits = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40;
+        (bits as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 }
 
-/// A dp = 2 ZeRO plan trained by two ranks sharing GPU 0 (host comm), fused and per tensor:
-/// bit-identical losses, gradient norms and final parameters (the all-gathers of the updated
-/// shards sit between the fused run's updates).
+/// Drives `program`'s optimizer phase (from its first optimizer-phase instruction to the end)
+/// directly through a CUDA backend, `steps` times, with the same inputs whatever `fused` is:
+/// the persistent buffers start random (second moments non-negative), and every step the
+/// transient buffers live at the phase's start get fresh random values (in `overflow_step`,
+/// one gradient element is infinite: an fp16 run skips that step). Collectives are emulated
+/// (the output is the input repeated), so a ZeRO rank's phase runs alone. Returns the fused
+/// runs the backend found and every persistent buffer's bits at the end.
 #[cfg(feature = "cuda")]
-fn zero_fused_equals_per_tensor(zero: ZeroStage) {
+fn optimizer_phase(
+    program: &parc_compiler::ir::Program,
+    precision: Precision,
+    fused: bool,
+    steps: u64,
+    overflow_step: Option<u64>,
+) -> (Vec<usize>, Vec<(String, Vec<u32>)>) {
+    use parc_compiler::ir::{op::Op, BufferId, DType, Instr, Phase};
+    use parc_compiler::memplan::plan_program;
+    use parc_runtime::backend::{Backend, StepScalars};
     use parc_runtime::cuda::CudaBackend;
-    let s = zero_spec(zero, 3);
-    let plan = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
-    let train_with = |fused: bool| {
-        let mut options = TrainOptions::new(".");
-        options.threads_per_rank = Some(1);
-        let make = |_, _| {
-            CudaBackend::with_precision(0, s.train.precision).map(|b| b.with_fused_optimizer(fused))
-        };
-        let result = train(&s, &plan, &options, make, &|_| {}).unwrap_or_else(|e| panic!("{e}"));
-        let steps: Vec<(u32, u32)> = (result.records.iter())
-            .map(|r| (r.loss.to_bits(), r.grad_norm.to_bits()))
-            .collect();
-        let params: Vec<(String, Vec<u32>)> = (result.params.iter())
-            .map(|p| (p.name.clone(), p.data.iter().map(|x| x.to_bits()).collect()))
-            .collect();
-        (steps, params)
-    };
-    let (fused, per_tensor) = (train_with(true), train_with(false));
-    println!("{zero:?}: steps (loss, grad norm bits) {:?}", fused.0);
-    assert_eq!(fused.0, per_tensor.0, "{zero:?}: step metrics");
-    assert_eq!(fused.1.len(), per_tensor.1.len());
-    for (f, t) in fused.1.iter().zip(&per_tensor.1) {
-        assert!(f == t, "{zero:?}: {} differs", f.0);
+    use std::collections::HashSet;
+    let start = (program.instrs.iter())
+        .position(|i| {
+            matches!(
+                i,
+                Instr::Compute {
+                    phase: Phase::Optimizer,
+                    ..
+                }
+            )
+        })
+        .expect("an optimizer phase");
+    // Transient buffers live at the phase's start: allocated before it and not freed.
+    let mut live: Vec<BufferId> = Vec::new();
+    for instr in &program.instrs[..start] {
+        match instr {
+            Instr::Alloc { buffer } => live.push(*buffer),
+            Instr::Free { buffer } => live.retain(|b| b != buffer),
+            _ => {}
+        }
     }
+    // Second moments: the last output of each AdamW.
+    let second_moments: HashSet<BufferId> = (program.instrs.iter())
+        .filter_map(|i| match i {
+            Instr::Compute { op, outputs, .. } if matches!(**op, Op::AdamW { .. }) => {
+                outputs.last().copied()
+            }
+            _ => None,
+        })
+        .collect();
+    let mut rng = Xorshift(0x9e37_79b9_7f4a_7c15);
+    let mut backend = CudaBackend::with_precision(0, precision)
+        .unwrap()
+        .with_fused_optimizer(fused);
+    backend
+        .prepare(program, &plan_program(program).unwrap())
+        .unwrap();
+    let mut allocated = HashSet::new();
+    let fill = |backend: &mut CudaBackend, id: BufferId, rng: &mut Xorshift| {
+        let b = program.buffer(id).unwrap();
+        if b.dtype == DType::F32 {
+            let abs = second_moments.contains(&id);
+            let data: Vec<f32> = (0..b.numel())
+                .map(|_| if abs { rng.next().abs() } else { rng.next() })
+                .collect();
+            backend.write_f32(id, &data).unwrap();
+        }
+    };
+    let persistent: Vec<BufferId> = (0..program.buffers.len() as u32)
+        .map(BufferId)
+        .filter(|&id| program.buffer(id).unwrap().kind.is_persistent())
+        .collect();
+    for &id in &persistent {
+        let b = program.buffer(id).unwrap();
+        backend.alloc(id, &b.shape, b.dtype).unwrap();
+        fill(&mut backend, id, &mut rng);
+    }
+    let loss_scale = matches!(precision, Precision::Fp16 { .. }).then_some(1024.0);
+    for step in 1..=steps {
+        for &id in &live {
+            if allocated.insert(id) {
+                let b = program.buffer(id).unwrap();
+                backend.alloc(id, &b.shape, b.dtype).unwrap();
+            }
+            fill(&mut backend, id, &mut rng);
+        }
+        if overflow_step == Some(step) {
+            let grad = (program.instrs[start..].iter())
+                .find_map(|i| match i {
+                    Instr::Compute { op, inputs, .. } if matches!(**op, Op::SumSquares) => {
+                        Some(inputs[0])
+                    }
+                    _ => None,
+                })
+                .unwrap();
+            let mut data = backend.read_f32(grad).unwrap();
+            data[0] = f32::INFINITY;
+            backend.write_f32(grad, &data).unwrap();
+        }
+        let scalars = StepScalars {
+            lr: 1e-2,
+            step,
+            loss_scale,
+        };
+        for instr in &program.instrs[start..] {
+            match instr {
+                Instr::Compute {
+                    op,
+                    inputs,
+                    outputs,
+                    ..
+                } => backend.compute(op, inputs, outputs, &scalars).unwrap(),
+                Instr::Alloc { buffer } => {
+                    let b = program.buffer(*buffer).unwrap();
+                    backend.alloc(*buffer, &b.shape, b.dtype).unwrap();
+                    allocated.insert(*buffer);
+                }
+                Instr::Free { buffer } => {
+                    backend.free(*buffer).unwrap();
+                    allocated.remove(buffer);
+                }
+                Instr::Collective { input, output, .. } => {
+                    let data = backend.read_f32(*input).unwrap();
+                    let len = program.buffer(*output).unwrap().numel() as usize;
+                    let out: Vec<f32> = data.iter().copied().cycle().take(len).collect();
+                    backend.write_f32(*output, &out).unwrap();
+                }
+                other => panic!("unexpected instruction in the optimizer phase: {other:?}"),
+            }
+        }
+    }
+    let state = (persistent.iter())
+        .filter(|&&id| program.buffer(id).unwrap().dtype == DType::F32)
+        .map(|&id| {
+            let bits = backend
+                .read_f32(id)
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect();
+            (program.buffer(id).unwrap().name.clone(), bits)
+        })
+        .collect();
+    (backend.fused_optimizer_runs(), state)
+}
+
+/// The optimizer phase of `spec`'s rank-0 program, fused and per tensor, on the same inputs:
+/// every parameter and optimizer state bit for bit after `steps` steps; the fused backend fused
+/// all updates into one run (and changed something), the other none.
+#[cfg(feature = "cuda")]
+fn fused_equals_per_tensor(name: &str, spec: &Spec, steps: u64, overflow_step: Option<u64>) {
+    let plan = lower(spec).unwrap_or_else(|d| panic!("{:?}", d.items));
+    let program = &plan.programs[0];
+    let precision = spec.train.precision;
+    let (fused_runs, fused) = optimizer_phase(program, precision, true, steps, overflow_step);
+    let (tensor_runs, per_tensor) =
+        optimizer_phase(program, precision, false, steps, overflow_step);
+    let (_, before) = optimizer_phase(program, precision, false, 0, None);
+    println!("{name}: fused runs {fused_runs:?}");
+    assert_eq!(fused_runs.len(), 1, "{name}: fused runs {fused_runs:?}");
+    assert!(tensor_runs.is_empty(), "{name}: {tensor_runs:?}");
+    assert_eq!(fused.len(), per_tensor.len());
+    for (f, t) in fused.iter().zip(&per_tensor) {
+        assert_eq!(f.0, t.0);
+        assert!(f.1 == t.1, "{name}: {} differs after {steps} steps", f.0);
+    }
+    let changed = fused
+        .iter()
+        .zip(&before)
+        .filter(|(f, b)| f.1 != b.1)
+        .count();
+    assert!(
+        changed > fused_runs[0],
+        "{name}: only {changed} buffers changed"
+    );
 }
 
 #[test]
@@ -456,28 +561,27 @@ fn fused_optimizer_equals_per_tensor_updates() {
     }
     #[cfg(feature = "cuda")]
     {
-        fused_equals_per_tensor("gpt-adamw", &model_spec(false, 4), 4, 1e-3);
-        fused_equals_per_tensor("llama-adamw", &model_spec(true, 4), 4, 1e-3);
-        let mut sgd = model_spec(false, 4);
-        sgd.train.optimizer = parc_compiler::spec::Optimizer::Sgd {
+        use parc_compiler::spec::Optimizer;
+        fused_equals_per_tensor("gpt-adamw", &model_spec(false, 1), 3, None);
+        fused_equals_per_tensor("llama-adamw", &model_spec(true, 1), 3, None);
+        let mut sgd = model_spec(false, 1);
+        sgd.train.optimizer = Optimizer::Sgd {
             lr: 1e-1,
             momentum: 0.9,
             weight_decay: 0.1,
         };
-        fused_equals_per_tensor("gpt-sgd-momentum", &sgd, 4, 1e-1);
-        sgd.train.optimizer = parc_compiler::spec::Optimizer::Sgd {
+        fused_equals_per_tensor("gpt-sgd-momentum", &sgd, 3, None);
+        sgd.train.optimizer = Optimizer::Sgd {
             lr: 1e-1,
             momentum: 0.0,
             weight_decay: 0.1,
         };
-        fused_equals_per_tensor("gpt-sgd", &sgd, 3, 1e-1);
-        // fp16: scaled steps, and an overflowing scale whose skipped steps leave everything.
-        let mut fp16 = model_spec(true, 4);
+        fused_equals_per_tensor("gpt-sgd", &sgd, 2, None);
+        // fp16 (loss scale 1024): step 2's gradient overflows and every tensor skips it.
+        let mut fp16 = model_spec(true, 1);
         fp16.train.precision = fp16_dynamic(1024.0, 2, 1.0);
-        fused_equals_per_tensor("llama-fp16", &fp16, 4, 1e-3);
-        fp16.train.precision = fp16_dynamic(2f64.powi(120), 1000, 2f64.powi(119));
-        fused_equals_per_tensor("llama-fp16-overflow", &fp16, 2, 1e-3);
-        zero_fused_equals_per_tensor(ZeroStage::Zero1);
-        zero_fused_equals_per_tensor(ZeroStage::Zero3);
+        fused_equals_per_tensor("llama-fp16", &fp16, 3, Some(2));
+        // ZeRO 1: the all-gathers of the updated shards lie between the fused updates.
+        fused_equals_per_tensor("gpt-zero1", &zero_spec(ZeroStage::Zero1, 1), 3, None);
     }
 }
