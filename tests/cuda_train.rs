@@ -11,8 +11,10 @@
 //! skipped step, and rounding visible; and a scale of 2^120 overflows fp16 on the GPU as it
 //! overflows f32 on the CPU: every step skipped, the parameters the initial ones bit for bit.
 //! Checkpoints cross backends: a CUDA run's checkpoint resumes on the CPU and the reverse, and
-//! the resumed losses match an uninterrupted run. Without a GPU every test prints
-//! `skipped: no CUDA device (…)`.
+//! the resumed losses match an uninterrupted run. The fused optimizer (one launch per run of
+//! updates) gives the per-tensor launches' parameters and state bit for bit on the same inputs
+//! (AdamW, SGD, an fp16 overflow step, a ZeRO-1 rank). Without a GPU every GPU test prints
+//! `skipped: no CUDA device (…)`; the run detection on the lowered programs needs none.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #[allow(dead_code)]
 #[path = "ir/fixtures.rs"]
