@@ -367,8 +367,10 @@ fn every_update_of_a_program_is_one_fused_run() {
 }
 
 /// A small deterministic generator (xorshift64*) for the optimizer test's inputs.
+#[cfg(feature = "cuda")]
 struct Xorshift(u64);
 
+#[cfg(feature = "cuda")]
 impl Xorshift {
     /// Uniform in (-1, 1).
     fn next(&mut self) -> f32 {
