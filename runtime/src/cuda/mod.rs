@@ -341,11 +341,13 @@ impl CudaBackend {
     }
 
     /// Runs `g` (fp32 operands). In a bf16 or fp16 run the operands are first rounded into
-    /// 16-bit copies and cuBLASLt reads those; C stays fp32.
+    /// 16-bit copies (one launch for both) and cuBLASLt reads those; C stays fp32. The first
+    /// run of each distinct 16-bit GEMM picks its algorithm by timing (`gemm`); one that
+    /// accumulates is timed into the scratch after the copies (`storage` sizes it).
     pub(crate) fn gemm(&mut self, g: &gemm::Gemm) -> Result<()> {
-        let stream = self.stream.cu_stream() as _;
+        let stream = self.stream.cu_stream();
         let Some(convert) = self.operands.conversion_kernel() else {
-            return self.blas.run(g, Operands::F32, stream);
+            return self.blas.run(g, Operands::F32, stream, None);
         };
         // B starts on a 256-byte boundary (cuBLASLt's preferred operand alignment).
         let (a_len, b_len) = (g.a_len(), g.b_len());
@@ -360,20 +362,50 @@ impl CudaBackend {
             self.half_operands = None;
             self.half_operands = Some(self.alloc_bytes(bytes, "16-bit GEMM operands")?);
         }
-        let base = match &self.half_operands {
-            Some(s) => raw_ptr(&self.stream, s),
+        let (base, room) = match &self.half_operands {
+            Some(s) => (raw_ptr(&self.stream, s), s.len()),
             None => return Err(RuntimeError::Unsupported("16-bit operands missing".into())),
         };
         let (a16, b16) = (base, base + b_offset as CUdeviceptr);
         let n = |v: usize| Arg::I64(v as i64);
-        self.launch_n(convert, a_len, &[Arg::Ptr(g.a), Arg::Ptr(a16), n(a_len)])?;
-        self.launch_n(convert, b_len, &[Arg::Ptr(g.b), Arg::Ptr(b16), n(b_len)])?;
+        self.launch_n(
+            convert,
+            (a_len + b_len).div_ceil(4),
+            &[
+                Arg::Ptr(g.a),
+                Arg::Ptr(a16),
+                n(a_len),
+                Arg::Ptr(g.b),
+                Arg::Ptr(b16),
+                n(b_len),
+            ],
+        )?;
         let rounded = gemm::Gemm {
             a: a16,
             b: b16,
             ..*g
         };
-        self.blas.run(&rounded, self.operands, stream)
+        let tune_offset = bytes.next_multiple_of(256);
+        let tune_out = (tune_offset + g.c_len() * 4 <= room
+            && !self.blas.settled(g, self.operands))
+        .then_some(base + tune_offset as CUdeviceptr);
+        self.blas.run(&rounded, self.operands, stream, tune_out)
+    }
+
+    /// Starts (from zero) or stops timing the GEMMs' cuBLASLt kernels alone, without their
+    /// operand conversions (for GEMM benchmarks): while on, every GEMM waits for its kernels.
+    pub fn time_gemm_kernels(&mut self, on: bool) -> Result<()> {
+        self.blas.time_matmuls(on)
+    }
+
+    /// Milliseconds of GEMM kernel time since `time_gemm_kernels(true)`; None when off.
+    pub fn gemm_kernel_ms(&self) -> Option<f64> {
+        self.blas.matmul_ms()
+    }
+
+    /// Whether cuBLASLt offers `g` (with its bias epilogue) for this run's operand type.
+    pub(crate) fn gemm_supported(&mut self, g: &gemm::Gemm) -> Result<bool> {
+        self.blas.supports(g, self.operands)
     }
 
     pub(crate) fn copy_bytes(

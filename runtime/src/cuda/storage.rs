@@ -7,7 +7,8 @@
 //!   of norm and bias gradients — at most 128 chunks of 8-byte sums per column — and attention
 //!   backward's `delta`, one f32 per `lse` element), which share one scratch buffer with the
 //!   tensor-core attention's bf16 copies of q, k, v (and dO) in 16-bit runs (`attention`);
-//! - the 16-bit copies of a GEMM's two operands (bf16 and fp16 runs), B on a 256-byte boundary;
+//! - the 16-bit copies of a GEMM's two operands (bf16 and fp16 runs), B on a 256-byte boundary,
+//!   then for a bwd-weight GEMM a dw-sized fp32 D its algorithms are timed into (`gemm`);
 //! - copies of inputs that are also the op's output (read from before the op);
 //! - every distinct `Segment` list, whose positions are uploaded once.
 use cudarc::driver::sys::CUdeviceptr;
@@ -26,7 +27,8 @@ const MAX_SUMSQ_BLOCKS: usize = 1024;
 pub(crate) struct ProgramNeeds {
     /// Bytes of reduction partials (the largest single op's).
     pub reduction_bytes: usize,
-    /// Bytes of the 16-bit copies of the largest GEMM's two operands.
+    /// Bytes of the 16-bit copies of the largest GEMM's two operands (and, for a bwd-weight
+    /// GEMM of a 16-bit run, the fp32 scratch its algorithms are timed into).
     pub gemm_operand_bytes: usize,
     /// Bytes of the largest op's inputs that are also its outputs (each 256-byte aligned).
     pub aliased_bytes: usize,
@@ -83,7 +85,14 @@ pub(crate) fn program_needs(program: &Program, half_operands: bool) -> ProgramNe
         ) {
             let bytes = aligned(numel(input(0)) * 2) + numel(input(1)) * 2;
             let other_order = aligned(numel(input(1)) * 2) + numel(input(0)) * 2;
-            needs.gemm_operand_bytes = needs.gemm_operand_bytes.max(bytes.max(other_order));
+            // A bwd-weight GEMM accumulates into dw, so its algorithms are timed into an fp32
+            // dw-sized scratch after the copies (`gemm`).
+            let tuning = match &**op {
+                Op::MatmulBwdWeight { .. } if half_operands => numel(output(0)) * 4,
+                _ => 0,
+            };
+            let bytes = aligned(bytes.max(other_order)) + tuning;
+            needs.gemm_operand_bytes = needs.gemm_operand_bytes.max(bytes);
         }
         let mut aliased = 0usize;
         for (i, id) in inputs.iter().enumerate() {
@@ -246,12 +255,19 @@ mod tests {
         let needs = program_needs(&program, false);
         // Bias gradient b3 (4000 floats): 128 chunks × 8 bytes per column.
         assert_eq!(needs.reduction_bytes, 128 * 8 * 4000);
-        // The bwd-weight GEMM's operands b2 and b0: 3000 + 1000 halves, the first aligned.
-        assert_eq!(needs.gemm_operand_bytes, 6144 + 2000);
+        // The bwd-weight GEMM's operands b2 and b0: 3000 + 1000 halves, each aligned.
+        assert_eq!(needs.gemm_operand_bytes, 8192);
         // b4 is read and written by one op.
         assert_eq!(needs.aliased_bytes, 20224);
         assert_eq!(needs.segments, vec![seg(0, 4)]);
-        assert_eq!(program_needs(&program, true), needs, "no attention here");
+        // A 16-bit run also times the bwd-weight GEMM into a copy of dw (b1: 2000 floats).
+        let half = program_needs(&program, true);
+        assert_eq!(half.gemm_operand_bytes, 8192 + 8000);
+        let no_attention = ProgramNeeds {
+            gemm_operand_bytes: needs.gemm_operand_bytes,
+            ..half
+        };
+        assert_eq!(no_attention, needs, "no attention here");
     }
 
     #[test]
