@@ -5,7 +5,8 @@
 //!
 //! Buffers live in one vector of words per rank (`memory`): at the offsets of the program's memory
 //! plan when the executor gave one (`Backend::prepare`), so `Alloc` and `Free` only zero-fill and
-//! release a planned range. Besides the `Backend` trait, callers can borrow a buffer as a slice.
+//! release a planned range; a buffer the plan exempts from zeroing is filled with NaN instead,
+//! so a wrong exemption poisons the loss (`memory`). Besides the `Backend` trait, callers can borrow a buffer as a slice.
 //! An op whose output is also one of its inputs sees the input's value from before the op.
 //! Ops on at most `par::TASK_ELEMENTS` elements in all run on the calling thread (no kernel loop
 //! splits at that size); larger ones run on the backend's pool.
