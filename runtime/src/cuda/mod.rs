@@ -14,8 +14,9 @@
 //! Buffers are keyed by `BufferId`. Given the program's memory plan (`Backend::prepare`, which
 //! the executor always calls), the backend makes one allocation for the persistent buffers and
 //! one arena for the transient ones, and sizes every per-op scratch once (`storage`): `Alloc` is
-//! then a stream-ordered memset of the buffer's planned bytes and `Free` releases nothing, so a
-//! step makes no driver allocation. Without a plan each buffer is its own allocation. An op whose
+//! then a stream-ordered memset of the buffer's planned bytes (none where the plan says its first
+//! use overwrites it: `MemoryLayout::needs_zero`) and `Free` releases nothing, so a step makes no
+//! driver allocation. Without a plan each buffer is its own allocation. An op whose
 //! output is also one of its inputs sees the input's value from before the op (the input is
 //! copied first), as on the CPU.
 mod attention;
@@ -510,10 +511,12 @@ impl Backend for CudaBackend {
             return Err(buffer_error(id, "is already allocated"));
         }
         let bytes = len * dtype.bytes() as usize;
-        // Communication on the buffer waits for its zero-fill (and earlier users of its bytes).
+        // Communication on the buffer waits for the compute queued up to here (earlier users of
+        // its bytes, and its zero-fill where it gets one): the alloc counts as work on it.
         self.order_after_comm([id])?;
         let (memory, ptr) = match self.planned.pointer(index) {
-            // Its planned bytes, zeroed in stream order (after every earlier user of them).
+            // Its planned bytes, zeroed in stream order (after every earlier user of them)
+            // unless the plan says its first use writes all of them.
             Some((ptr, capacity)) => {
                 if bytes as u64 > capacity {
                     return Err(buffer_error(
@@ -521,7 +524,7 @@ impl Backend for CudaBackend {
                         format!("needs {bytes} bytes but was planned {capacity} (a planner bug)"),
                     ));
                 }
-                if bytes > 0 {
+                if bytes > 0 && self.planned.needs_zero(index) {
                     self.zero_bytes(ptr, bytes)?;
                 }
                 (None, ptr)

@@ -1,7 +1,8 @@
 //! Where the CUDA backend's memory comes from when it is given a memory plan
 //! (`Backend::prepare`): the planned regions (one device allocation for the persistent
 //! buffers, one for the transient arena; each planned buffer is a fixed pointer into them, so
-//! `Alloc` is a stream-ordered memset and `Free` releases nothing), and the sizes of the
+//! `Alloc` is a stream-ordered memset — none for a buffer the plan says is fully written before
+//! it is read (`MemoryLayout::needs_zero`) — and `Free` releases nothing), and the sizes of the
 //! per-op scratch memory read off the program once, so no step allocates:
 //! - reduction partials (`dispatch`: `SumSquares`' per-block sums, the per-chunk column partials
 //!   of norm and bias gradients — at most 128 chunks of 8-byte sums per column — and attention
@@ -135,6 +136,8 @@ pub(crate) struct PlannedRegions {
     _regions: Vec<CudaSlice<u8>>,
     /// Per buffer id: its planned pointer and bytes, if the plan places it.
     pointers: Vec<Option<(CUdeviceptr, u64)>>,
+    /// Per buffer id: whether its allocation must be zero-filled.
+    needs_zero: Vec<bool>,
     /// Bytes of the two regions.
     pub bytes: u64,
 }
@@ -160,6 +163,7 @@ impl PlannedRegions {
         PlannedRegions {
             _regions: vec![persistent.0, arena.0],
             pointers,
+            needs_zero: layout.needs_zero.clone(),
             bytes: layout.total_bytes(),
         }
     }
@@ -167,6 +171,11 @@ impl PlannedRegions {
     /// The planned pointer and size of buffer `index`.
     pub fn pointer(&self, index: usize) -> Option<(CUdeviceptr, u64)> {
         self.pointers.get(index).copied().flatten()
+    }
+
+    /// Whether allocating buffer `index` must zero-fill it (true where the plan does not say).
+    pub fn needs_zero(&self, index: usize) -> bool {
+        self.needs_zero.get(index).copied().unwrap_or(true)
     }
 }
 
