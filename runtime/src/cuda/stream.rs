@@ -37,9 +37,9 @@ use std::time::{Duration, Instant};
 /// CUDA): the events themselves live in [`CommStream`].
 #[derive(Debug, Default)]
 pub(crate) struct Pending {
-    /// Buffer → sequence number of the last communication event that uses it.
+    /// Buffer → sequence number of the last event after work that uses it.
     marks: HashMap<BufferId, u64>,
-    /// The compute stream already waits for every event up to this one (0: none).
+    /// The other stream already waits for every event up to this one (0: none).
     waited_through: u64,
     /// Sequence number of the last event recorded (events are numbered from 1).
     last: u64,
