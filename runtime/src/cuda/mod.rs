@@ -98,6 +98,8 @@ pub struct CudaBackend {
     aliased: Option<CudaSlice<u8>>,
     /// Device allocations made so far (see `driver_allocations`).
     allocations: std::cell::Cell<u64>,
+    /// Fill buffers the memory plan exempts from zeroing with NaN ([`CudaBackend::poison_unzeroed`]).
+    poison_unzeroed: bool,
     /// Global positions per `Segment` list, uploaded once.
     positions: HashMap<Vec<Segment>, (CudaSlice<u8>, usize)>,
     /// Scratch for reductions' partials; grows, never shrinks.
@@ -158,6 +160,7 @@ impl CudaBackend {
             planned: storage::PlannedRegions::default(),
             aliased: None,
             allocations: std::cell::Cell::new(0),
+            poison_unzeroed: false,
             positions: HashMap::new(),
             scratch: None,
             operands,
@@ -204,6 +207,15 @@ impl CudaBackend {
     /// stops growing after `prepare`: a training step allocates nothing.
     pub fn driver_allocations(&self) -> u64 {
         self.allocations.get()
+    }
+
+    /// From now on fill every buffer the memory plan exempts from zero-filling
+    /// (`MemoryLayout::needs_zero`) with NaN instead of leaving its stale bytes, as the CPU
+    /// backend always does: a kernel that reads such a buffer before writing all of it then
+    /// poisons the loss instead of computing on harmless leftovers. For tests; it costs the
+    /// memsets the exemption saves.
+    pub fn poison_unzeroed(&mut self) {
+        self.poison_unzeroed = true;
     }
 
     fn alloc_bytes(&self, bytes: usize, what: &str) -> Result<CudaSlice<u8>> {
@@ -526,6 +538,19 @@ impl Backend for CudaBackend {
                 }
                 if bytes > 0 && self.planned.needs_zero(index) {
                     self.zero_bytes(ptr, bytes)?;
+                } else if bytes > 0 && self.poison_unzeroed {
+                    // A quiet NaN in every 4-byte word (f32 and i32 buffers alike).
+                    // SAFETY: the planned range holds `bytes` (a multiple of 4) bytes.
+                    unsafe {
+                        cudarc::driver::sys::cuMemsetD32Async(
+                            ptr,
+                            0x7fc0_0000,
+                            bytes / 4,
+                            self.stream.cu_stream(),
+                        )
+                    }
+                    .result()
+                    .map_err(|e| driver_error("poisoning an unzeroed buffer", e))?;
                 }
                 (None, ptr)
             }
