@@ -4,42 +4,59 @@
 //! bytes per allocation (on the GPU one kernel per `Alloc`). [`zero_needs`] marks the buffers
 //! whose zeros can be observed; a backend may skip the fill of every other one.
 //!
-//! After each `Alloc` of a buffer the analysis looks at the first instruction that touches it:
-//! - it reads the buffer (an op input, a collective's input, a send): zeros needed;
-//! - it writes every element without reading any (an op output documented as overwritten, a
-//!   `CopyRange` covering the whole destination, a collective's output, a receive, a loaded
-//!   batch): no zeros needed;
-//! - it writes part of it or accumulates into it (outputs documented "(+=)", in-place optimizer
-//!   state, a `CopyRange` into a slice): zeros needed;
+//! After each `Alloc` of a buffer the analysis follows the instructions that touch it until its
+//! zeros can no longer matter:
+//! - one reads the buffer (an op input, a collective's input, a send): zeros needed;
+//! - one writes every element without reading any (an op output documented as overwritten, a
+//!   collective's output, a receive, a loaded batch): no zeros needed;
+//! - one accumulates into it (outputs documented "(+=)", in-place optimizer state): zeros
+//!   needed;
+//! - `CopyRange`s write element ranges: once the ranges written since the `Alloc` cover the
+//!   whole buffer (one copy of all of it, or the copies that fill a gradient bucket) no zeros
+//!   are needed; any other use before that counts as above, as if nothing had been written
+//!   (a read may read an unwritten element, so zeros are needed; a ZeRO-padded copy, whose
+//!   padding no copy writes, needs them);
 //! - the buffer is freed untouched: no zeros needed (nothing can see them).
 //!
 //! A buffer allocated several times needs zeros if any of its allocations does (backends see
 //! buffer ids, not instructions). Persistent buffers always do (optimizer state and metrics
-//! start at zero). Anything the analysis cannot place is marked as needing zeros.
+//! start at zero).
 use crate::ir::op::Op;
 use crate::ir::{BufferId, Instr, P2pOp, Program};
+
+/// How an instruction uses a buffer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Use {
+    /// Reads some elements, or adds into them.
+    Reads,
+    /// Writes every element, reading none.
+    Overwrites,
+    /// Writes the elements `[start, end)` only, reading none.
+    WritesRange(u64, u64),
+}
 
 /// Per `BufferId` of `program`: whether an allocation of it must be zero-filled (see the
 /// module docs).
 pub fn zero_needs(program: &Program) -> Vec<bool> {
-    let count = program.buffers.len();
-    let mut needs: Vec<bool> = program
-        .buffers
-        .iter()
-        .map(|b| b.kind.is_persistent())
-        .collect();
-    // Allocated and not yet touched since.
-    let mut fresh = vec![false; count];
+    let mut tracker = Tracker {
+        needs: program
+            .buffers
+            .iter()
+            .map(|b| b.kind.is_persistent())
+            .collect(),
+        fresh: vec![None; program.buffers.len()],
+        numel: program.buffers.iter().map(|b| b.numel()).collect(),
+    };
     for instr in &program.instrs {
         match instr {
             Instr::Alloc { buffer } => {
-                if let Some(f) = fresh.get_mut(buffer.0 as usize) {
-                    *f = true;
+                if let Some(f) = tracker.fresh.get_mut(buffer.0 as usize) {
+                    *f = Some(Vec::new());
                 }
             }
             Instr::Free { buffer } => {
-                if let Some(f) = fresh.get_mut(buffer.0 as usize) {
-                    *f = false;
+                if let Some(f) = tracker.fresh.get_mut(buffer.0 as usize) {
+                    *f = None;
                 }
             }
             Instr::Compute {
@@ -51,24 +68,23 @@ pub fn zero_needs(program: &Program) -> Vec<bool> {
                 // Reads come first: an output that is also an input is read before it is
                 // written.
                 for &id in inputs.iter() {
-                    touch(&mut fresh, &mut needs, id, false);
+                    tracker.touch(id, Use::Reads);
                 }
                 for (index, &id) in outputs.iter().enumerate() {
-                    let numel = program.buffer(id).map(|b| b.numel());
-                    touch(&mut fresh, &mut needs, id, overwrites(op, index, numel));
+                    tracker.touch(id, output_use(op, index));
                 }
             }
             Instr::Collective { input, output, .. } => {
-                touch(&mut fresh, &mut needs, *input, false);
-                touch(&mut fresh, &mut needs, *output, true);
+                tracker.touch(*input, Use::Reads);
+                tracker.touch(*output, Use::Overwrites);
             }
-            Instr::Send { buffer, .. } => touch(&mut fresh, &mut needs, *buffer, false),
-            Instr::Recv { buffer, .. } => touch(&mut fresh, &mut needs, *buffer, true),
+            Instr::Send { buffer, .. } => tracker.touch(*buffer, Use::Reads),
+            Instr::Recv { buffer, .. } => tracker.touch(*buffer, Use::Overwrites),
             Instr::P2p { ops } => {
                 for op in ops {
                     match *op {
-                        P2pOp::Send { buffer, .. } => touch(&mut fresh, &mut needs, buffer, false),
-                        P2pOp::Recv { buffer, .. } => touch(&mut fresh, &mut needs, buffer, true),
+                        P2pOp::Send { buffer, .. } => tracker.touch(buffer, Use::Reads),
+                        P2pOp::Recv { buffer, .. } => tracker.touch(buffer, Use::Overwrites),
                     }
                 }
             }
@@ -76,42 +92,75 @@ pub fn zero_needs(program: &Program) -> Vec<bool> {
                 tokens, targets, ..
             } => {
                 for &id in tokens.iter().chain(targets.iter()) {
-                    touch(&mut fresh, &mut needs, id, true);
+                    tracker.touch(id, Use::Overwrites);
                 }
             }
         }
     }
-    needs
+    tracker.needs
 }
 
-/// The first use of `id` since its `Alloc` (if it is fresh) decides whether it needs zeros.
-fn touch(fresh: &mut [bool], needs: &mut [bool], id: BufferId, overwrites: bool) {
-    let i = id.0 as usize;
-    if fresh.get(i).copied().unwrap_or(false) {
-        fresh[i] = false;
-        if !overwrites {
-            needs[i] = true;
+/// The analysis' state while it walks the instructions.
+struct Tracker {
+    needs: Vec<bool>,
+    /// Per buffer: allocated, and its zeros may still matter (with the element ranges written
+    /// since, all by `CopyRange`s); None otherwise.
+    fresh: Vec<Option<Vec<(u64, u64)>>>,
+    numel: Vec<u64>,
+}
+
+impl Tracker {
+    /// `id` is used as `how`: decide whether its zeros are needed, if that is still open.
+    fn touch(&mut self, id: BufferId, how: Use) {
+        let i = id.0 as usize;
+        let Some(Some(written)) = self.fresh.get_mut(i) else {
+            return;
+        };
+        match how {
+            Use::Overwrites => self.fresh[i] = None,
+            Use::Reads => {
+                self.needs[i] = true;
+                self.fresh[i] = None;
+            }
+            Use::WritesRange(start, end) => {
+                written.push((start, end));
+                if covers(written, self.numel[i]) {
+                    self.fresh[i] = None;
+                }
+            }
         }
     }
 }
 
-/// Whether `op` writes every element of its output `index` (of `numel` elements, None when
-/// unknown) without reading its old value, per the semantics in `crate::ir::op`.
-fn overwrites(op: &Op, index: usize, numel: Option<u64>) -> bool {
+/// Whether the ranges cover `[0, numel)` (sorts them).
+fn covers(ranges: &mut [(u64, u64)], numel: u64) -> bool {
+    ranges.sort_unstable();
+    let mut reached = 0u64;
+    for &(start, end) in ranges.iter() {
+        if start > reached {
+            return false;
+        }
+        reached = reached.max(end);
+    }
+    reached >= numel
+}
+
+/// How `op` uses its output `index`, per the semantics in `crate::ir::op`.
+fn output_use(op: &Op, index: usize) -> Use {
     match op {
         // Outputs documented "(+=)": dtable; dw and db.
         Op::EmbeddingBwd { .. }
         | Op::PositionAddBwd { .. }
         | Op::MatmulBwdWeight { .. }
         | Op::CeLoss { .. }
-        | Op::SumSquares => false,
-        Op::LayerNormBwd { .. } | Op::RmsNormBwd { .. } => index == 0,
+        | Op::SumSquares => Use::Reads,
+        Op::LayerNormBwd { .. } | Op::RmsNormBwd { .. } if index == 0 => Use::Overwrites,
+        Op::LayerNormBwd { .. } | Op::RmsNormBwd { .. } => Use::Reads,
         // Updated in place.
-        Op::AdamW { .. } | Op::Sgd { .. } => false,
-        // Only the destination range is written.
+        Op::AdamW { .. } | Op::Sgd { .. } => Use::Reads,
         Op::CopyRange {
             dst_offset, len, ..
-        } => *dst_offset == 0 && numel == Some(*len),
+        } => Use::WritesRange(*dst_offset, dst_offset.saturating_add(*len)),
         Op::Embedding { .. }
         | Op::PositionAdd { .. }
         | Op::LayerNorm { .. }
@@ -134,7 +183,7 @@ fn overwrites(op: &Op, index: usize, numel: Option<u64>) -> bool {
         | Op::CeSumExp { .. }
         | Op::CeTargetLogit { .. }
         | Op::CeGrad { .. }
-        | Op::ClipCoef { .. } => true,
+        | Op::ClipCoef { .. } => Use::Overwrites,
     }
 }
 
@@ -273,23 +322,46 @@ mod tests {
     }
 
     #[test]
-    fn copy_range_overwrites_only_when_it_covers_the_destination() {
-        // b1: [0, 4) of 4 elements; b2: [0, 3) of 4 (ZeRO padding left); b3: [1, 5) of 5.
+    fn copy_ranges_overwrite_once_they_cover_the_destination() {
+        // b1: [0, 4) of 4; b2: [0, 3) of 4 (ZeRO padding left), then read; b3: [1, 5) of 5,
+        // then read; b4: a bucket of 6 filled by three copies out of order, then read; b5:
+        // half written, then freed (nothing reads its zeros).
+        let read = |b: u32| compute(Op::Copy, &[b], &[6]);
         let p = program(
-            &[-4, 4, 4, 5],
+            &[-4, 4, 4, 5, 6, 4, 8],
             vec![
+                alloc(6),
                 alloc(1),
                 compute(copy_range(0, 4), &[0], &[1]),
+                read(1),
                 alloc(2),
                 compute(copy_range(0, 3), &[0], &[2]),
+                read(2),
                 alloc(3),
                 compute(copy_range(1, 4), &[0], &[3]),
+                read(3),
+                alloc(4),
+                compute(copy_range(0, 2), &[0], &[4]),
+                compute(copy_range(4, 2), &[0], &[4]),
+                compute(copy_range(2, 2), &[0], &[4]),
+                read(4),
+                alloc(5),
+                compute(copy_range(0, 2), &[0], &[5]),
+                free(5),
                 free(1),
                 free(2),
                 free(3),
+                free(4),
+                free(6),
             ],
         );
-        assert_eq!(zero_needs(&p), vec![true, false, true, true]);
+        assert_eq!(
+            zero_needs(&p),
+            vec![true, false, true, true, false, false, false]
+        );
+        assert!(covers(&mut [(3, 4), (0, 2), (1, 3)], 4));
+        assert!(!covers(&mut [(0, 2), (3, 4)], 4));
+        assert!(!covers(&mut [], 1));
     }
 
     #[test]
@@ -379,6 +451,14 @@ mod tests {
                 let layout = super::super::plan_program(program).unwrap();
                 assert_eq!(layout.needs_zero, needs);
                 assert!(layout.zeroed_allocs < layout.allocs / 4, "{layout:?}");
+                let buckets = program.buffers.iter().zip(&needs);
+                let buckets: Vec<bool> = buckets
+                    .filter(|(b, _)| b.name.starts_with("bucket."))
+                    .map(|(_, need)| *need)
+                    .collect();
+                // Gradient buckets are filled by copies that cover them.
+                assert_eq!(buckets.is_empty(), zero != ZeroStage::Zero0);
+                assert!(buckets.iter().all(|need| !need), "{buckets:?}");
                 for (buffer, need) in program.buffers.iter().zip(&needs) {
                     if *need {
                         assert!(
