@@ -244,3 +244,66 @@ fn what_lowering_rejects_is_a_diagnostic() {
     );
     assert_eq!(codes(&s), vec!["E0802"]);
 }
+
+/// ZeRO-3 prefetch: every all-gather is read, first by the copy of the node that uses it (no
+/// gather of a parameter its node does not read, such as a bias in backward), and without
+/// recompute every gather but a forward unit's first has compute of another node between it
+/// and that copy, which it overlaps. (Recompute re-runs a segment's forward on demand, so its
+/// gathers are not all prefetched.)
+#[test]
+fn zero3_gathers_run_while_the_node_before_computes() {
+    use parc_compiler::ir::{CollectiveKind, Instr};
+    for (model, recompute) in [
+        (gpt(3), Recompute::None),
+        (llama(3), Recompute::None),
+        (gpt(3), Recompute::Full),
+    ] {
+        let (microbatches, llama) = (2, model.llama);
+        let s = spec(
+            model,
+            PlanChoice {
+                dp: 2,
+                zero: ZeroStage::Zero3,
+                microbatches,
+                recompute: recompute.clone(),
+                ..PlanChoice::default()
+            },
+        );
+        let plan = lower(&s).unwrap();
+        let instrs = &plan.programs[0].instrs;
+        let (mut gathers, mut overlapped) = (0, 0);
+        for (g, instr) in instrs.iter().enumerate() {
+            let Instr::Collective {
+                kind: CollectiveKind::AllGather,
+                output,
+                node,
+                ..
+            } = instr
+            else {
+                continue;
+            };
+            gathers += 1;
+            let (r, reader) = instrs[g + 1..]
+                .iter()
+                .enumerate()
+                .find(|(_, i)| matches!(i, Instr::Compute { .. }) && i.reads().contains(output))
+                .unwrap_or_else(|| panic!("{recompute:?}: gather {g} {instr:?} is never read"));
+            let Instr::Compute { node: read_by, .. } = reader else {
+                unreachable!()
+            };
+            assert_eq!(read_by, node, "instruction {g}: read by another node");
+            let between = &instrs[g + 1..g + 1 + r];
+            if between
+                .iter()
+                .any(|i| matches!(i, Instr::Compute { node: n, .. } if n.is_some() && n != node))
+            {
+                overlapped += 1;
+            }
+        }
+        println!("llama {llama} {recompute:?}: {overlapped} of {gathers} gathers overlap compute");
+        assert!(gathers > 0);
+        if recompute == Recompute::None {
+            assert_eq!(gathers - overlapped, microbatches, "llama {llama}");
+        }
+    }
+}

@@ -8,6 +8,24 @@ use crate::ir::op::{Act, Op};
 use crate::ir::{BufferId, BufferKind, CollectiveKind, Phase};
 use crate::spec::{Activation, LayerKind, NodeId};
 
+/// Whether the backward of a `kind` node reads its parameter `local` (ZeRO-3 prefetches only
+/// those ahead of a backward that does not recompute the node): embeddings read none (their
+/// gradients are scattered from the tokens or positions), the other layers read their weight
+/// matrices and norm weights, never a bias. Must match the `weight` calls below;
+/// `tests/ir/lowering.rs` checks that every prefetched parameter is read and that backward
+/// gathers nothing on demand outside recompute.
+pub(super) fn backward_reads(kind: &LayerKind, local: &str) -> bool {
+    match kind {
+        LayerKind::Embedding { .. } | LayerKind::PositionEmbedding { .. } => false,
+        LayerKind::LayerNorm { .. } | LayerKind::RmsNorm { .. } | LayerKind::Linear { .. } => {
+            local == "weight"
+        }
+        LayerKind::Attention { .. } => matches!(local, "wq" | "wk" | "wv" | "wo"),
+        LayerKind::Mlp { .. } => matches!(local, "fc" | "proj" | "gate" | "up" | "down"),
+        LayerKind::Add | LayerKind::CrossEntropy => false,
+    }
+}
+
 impl Emitter<'_> {
     /// Emit the backward of `node` for microbatch `mb`, consuming its saved tensors and the
     /// gradient of its output.

@@ -185,14 +185,20 @@ impl Emitter<'_> {
         full
     }
 
-    /// ZeRO-3 prefetch: issue the all-gathers of `node`'s parameters now, before the node
-    /// emitted next, so they overlap with its compute (one node ahead); the node that uses
-    /// them unpads them ([`Emitter::weight`]).
-    pub fn prefetch(&mut self, node: NodeId) {
+    /// ZeRO-3 prefetch: issue the all-gathers of `node`'s parameters whose local name
+    /// `wanted` accepts now, before the node emitted next, so they overlap with its compute
+    /// (one node ahead); the node that uses them unpads them ([`Emitter::weight`]).
+    pub fn prefetch(&mut self, node: NodeId, wanted: impl Fn(&str) -> bool) {
         if self.zero != ZeroStage::Zero3 {
             return;
         }
-        let params: Vec<_> = self.params.slots(node).iter().map(|s| s.param).collect();
+        let params: Vec<_> = self
+            .params
+            .slots(node)
+            .iter()
+            .filter(|s| wanted(s.local))
+            .map(|s| s.param)
+            .collect();
         for p in params {
             let Some(&idx) = self.local_of.get(&p) else {
                 continue;

@@ -7,6 +7,7 @@
 //! it is sent on) and once by every saved-tensor list; the last release frees it. Recomputed
 //! segments keep only their inputs through forward.
 
+use super::backward::backward_reads;
 use super::emitter::Emitter;
 use super::schedule::{Dir, Timetable, Unit};
 use crate::ir::op::segments_len;
@@ -344,9 +345,9 @@ impl Emitter<'_> {
         for i in (start..end).rev() {
             let node = NodeId(i as u32);
             if i + 1 == end {
-                self.prefetch_prev(start..end);
+                self.prefetch_prev(start..end, &recomputed);
             }
-            self.prefetch_prev(start..i);
+            self.prefetch_prev(start..i, &recomputed);
             if let Some(seg) = self.segments[i] {
                 if !recomputed.contains(&seg) {
                     recomputed.push(seg);
@@ -405,18 +406,41 @@ impl Emitter<'_> {
             .into_iter()
             .find(|&j| !self.params.slots(NodeId(j as u32)).is_empty());
         if let Some(j) = next {
-            self.prefetch(NodeId(j as u32));
+            self.prefetch(NodeId(j as u32), |_| true);
         }
     }
 
-    /// Prefetch the parameters of the last node in `range` that has any.
-    fn prefetch_prev(&mut self, range: std::ops::Range<usize>) {
-        let prev = range
-            .into_iter()
-            .rev()
-            .find(|&j| !self.params.slots(NodeId(j as u32)).is_empty());
+    /// Whether node `j`'s backward reads its parameter `local`: all of them where its recompute
+    /// segment is still to re-run its forward (not in `recomputed`), else those
+    /// [`backward_reads`] names.
+    fn read_in_backward(&self, j: usize, local: &str, recomputed: &[u32]) -> bool {
+        self.segments[j].is_some_and(|s| !recomputed.contains(&s))
+            || self
+                .spec
+                .model
+                .nodes
+                .get(j)
+                .is_some_and(|n| backward_reads(&n.kind, local))
+    }
+
+    /// Prefetch, for backward, the parameters of the last node in `range` that reads any
+    /// (`recomputed`: the segments whose forward already re-ran).
+    fn prefetch_prev(&mut self, range: std::ops::Range<usize>, recomputed: &[u32]) {
+        let prev = range.into_iter().rev().find(|&j| {
+            self.params
+                .slots(NodeId(j as u32))
+                .iter()
+                .any(|s| self.read_in_backward(j, s.local, recomputed))
+        });
         if let Some(j) = prev {
-            self.prefetch(NodeId(j as u32));
+            let wanted: Vec<&'static str> = self
+                .params
+                .slots(NodeId(j as u32))
+                .iter()
+                .map(|s| s.local)
+                .filter(|l| self.read_in_backward(j, l, recomputed))
+                .collect();
+            self.prefetch(NodeId(j as u32), |l| wanted.contains(&l));
         }
     }
 
