@@ -113,7 +113,6 @@ fn bf16_plans_verify_over_the_plan_matrix() {
                 microbatches: 4,
                 recompute: recompute.clone(),
                 sp,
-                ..PlanChoice::default()
             };
             let plan = bf16_plan(
                 TinyModel {

@@ -23,7 +23,7 @@ fn rounding_is_to_nearest_even() {
 #[test]
 fn bf16_buffers_round_on_write_and_take_two_bytes() {
     let mut b = CpuBackend::new();
-    let values = [1.0, 1.0 + 1.0 / 256.0, 3.14159, -2.5e-3, 65504.0];
+    let values = [1.0, 1.0 + 1.0 / 256.0, 2.71, -2.5e-3, 65504.0];
     b.alloc(BufferId(0), &[5], DType::Bf16).unwrap();
     assert_eq!(b.allocated_bytes(), 10);
     assert_eq!(b.read_f32(BufferId(0)).unwrap(), vec![0.0; 5]);
@@ -83,7 +83,9 @@ fn ops_on_bf16_equal_f32_ops_on_widened_inputs_rounded_once() {
     let x = values(rows * dim, 1);
     let w = values(dim, 2);
     let bias = values(dim, 3);
-    let cases: Vec<(Op, Vec<Vec<f32>>, Vec<DType>, Vec<usize>, Vec<DType>)> = vec![
+    // (op, inputs, input types, output lengths, output types)
+    type Case = (Op, Vec<Vec<f32>>, Vec<DType>, Vec<usize>, Vec<DType>);
+    let cases: Vec<Case> = vec![
         (
             Op::Activation { act: Act::Gelu },
             vec![x.clone()],
@@ -167,7 +169,7 @@ fn accumulating_into_bf16_reads_adds_and_rounds() {
         &[DType::Bf16, DType::F32],
         &[DType::Bf16],
     );
-    assert_eq!(got[0], rounded(&vec![0.5 + 1.0 / 512.0; 6]));
+    assert_eq!(got[0], rounded(&[0.5 + 1.0 / 512.0; 6]));
     let mut b = CpuBackend::new();
     b.alloc(BufferId(0), &[6], DType::Bf16).unwrap();
     b.alloc(BufferId(1), &[6], DType::F32).unwrap();
