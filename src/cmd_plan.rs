@@ -201,10 +201,13 @@ pub(crate) fn summary(
         if let Some(p) = memory.get(m.program.0 as usize) {
             let _ = writeln!(
                 out,
-                "#   memory plan: arena {} (liveness peak {}, {:+.1}%)",
+                "#   memory plan: arena {} (liveness peak {}, {:+.1}%), {} of {} allocations \
+                 need zeroing",
                 crate::report::bytes(p.arena_bytes as f64),
                 crate::report::bytes(p.liveness_peak_bytes as f64),
-                p.overhead * 100.0
+                p.overhead * 100.0,
+                p.zeroed_allocs,
+                p.allocs
             );
         }
     }

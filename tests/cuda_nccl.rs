@@ -9,12 +9,18 @@
 //! - one rank, world = 1 through NCCL: all-reduce (sum, max, in place), all-gather,
 //!   reduce-scatter and broadcast of a one-member group, grouped send/receive to itself, a
 //!   compute op reading a collective's output right after it (ordering across the streams);
-//! - large buffers passed between compute and collectives in every order (the streams' waits);
+//! - large buffers passed between compute and collectives in every order (the streams' waits),
+//!   on buffers outside the program (communication waits for all compute) and on the
+//!   program's communication buffers (it waits only for their last compute, not for unrelated
+//!   compute queued after it);
 //! - training a one-GPU plan with NCCL gives the losses of the run without it (within the
 //!   float-atomic noise of two GPU runs), also with an identity all-reduce after every op, and
 //!   `parc run` with `--comm local`, `--comm nccl` and `--nproc-per-node 1`;
-//! - with two or more GPUs (skipped on one): dp = 2, tp = 2 and pp = 2 plans trained through
-//!   NCCL match the single-rank CPU run (loss 1e-4 relative at step 1, 1e-3 after);
+//! - with two or more GPUs (skipped on one): dp = 2 (ZeRO-1 and ZeRO-3 with prefetch), tp = 2
+//!   and pp = 2 plans trained through NCCL match the single-rank CPU run (loss 1e-4 relative
+//!   at step 1, 1e-3 after); a rank that stalls before a ZeRO-3 all-gather makes the run fail
+//!   within the timeout, naming that all-gather's instruction and its layer (not the last
+//!   communication its peer queued);
 //! - ignored, for measurements: `nccl_bus_bandwidth`, all-reduce/all-gather/reduce-scatter bus
 //!   bandwidth through parc's device path on every visible GPU, 1 MB to 4 GiB.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -240,6 +246,7 @@ mod gpu {
     use parc_runtime::backend::{Backend, DeviceTransfer, StepScalars};
     use parc_runtime::comm::{Comm, PeerOp};
     use parc_runtime::cuda::{nccl_available, nccl_version, CudaBackend, NcclId};
+    use parc_runtime::error::RuntimeError as Error;
     use parc_runtime::exec::TrainResult;
     use std::time::Duration;
 
@@ -464,6 +471,81 @@ mod gpu {
             assert!(b.read_f32(out).unwrap() == p, "round {round}: out");
             assert!(b.read_f32(z).unwrap() == times(6.0), "round {round}: z");
             for id in [a, out, y, z] {
+                b.free(id).unwrap();
+            }
+        }
+    }
+
+    /// `one_rank_plan()` with an (unexecuted) all-reduce over the one-rank group on each of
+    /// `ids` appended to its program, so that NCCL set up from it knows them as communication
+    /// buffers.
+    fn plan_knowing(ids: &[u32]) -> Plan {
+        let mut plan = one_rank_plan();
+        let group = parc_compiler::ir::GroupId(plan.groups.len() as u32);
+        plan.groups.push(parc_compiler::ir::Group {
+            name: "self".into(),
+            axes: vec![parc_compiler::spec::Axis::Dp],
+            sets: vec![vec![0]],
+        });
+        for &id in ids {
+            plan.programs[0].instrs.push(Instr::Collective {
+                kind: CollectiveKind::AllReduce { op: ReduceOp::Sum },
+                group,
+                input: BufferId(id),
+                output: BufferId(id),
+                node: None,
+            });
+        }
+        plan
+    }
+
+    #[test]
+    fn communication_waits_for_the_last_compute_on_its_buffers_not_for_later_compute() {
+        if !have(1) {
+            return;
+        }
+        let plan = plan_knowing(&[200, 201]);
+        let mut b = CudaBackend::new(0).unwrap();
+        b.use_nccl(&NcclId::new().unwrap(), 0, &plan, TIMEOUT)
+            .unwrap();
+        let n = 1usize << 25;
+        let p: Vec<f32> = (0..n).map(|i| (i % 1021) as f32 - 510.0).collect();
+        let me = [0u32];
+        let sum = CollectiveKind::AllReduce { op: ReduceOp::Sum };
+        let times = |k: f32| p.iter().map(|x| x * k).collect::<Vec<_>>();
+        for round in 0..3 {
+            // 200 and 201 are communication buffers of the plan; 210 and 211 are not.
+            let src = buffer(&mut b, 210, &p);
+            let a = buffer(&mut b, 200, &vec![0.0; n]);
+            let out = buffer(&mut b, 201, &vec![0.0; n]);
+            let busy = buffer(&mut b, 211, &vec![0.0; n]);
+            // The last writer of the collective's input, then unrelated compute it need not
+            // wait for: the collective must still see the writer's result.
+            b.compute(&Op::Scale { factor: 2.0 }, &[src], &[a], &scalars())
+                .unwrap();
+            for _ in 0..4 {
+                b.compute(&Op::Scale { factor: 3.0 }, &[src], &[busy], &scalars())
+                    .unwrap();
+            }
+            b.device_collective(sum, &me, a, out).unwrap().unwrap();
+            // A reader of the collective's output, then unrelated compute, then a collective
+            // that overwrites that output: the reader must see the first result.
+            b.compute(&Op::Scale { factor: 1.0 }, &[out], &[busy], &scalars())
+                .unwrap();
+            b.compute(&Op::Scale { factor: 5.0 }, &[src], &[src], &scalars())
+                .unwrap();
+            b.compute(&Op::Zero, &[], &[a], &scalars()).unwrap();
+            b.device_collective(sum, &me, a, out).unwrap().unwrap();
+            assert!(
+                b.read_f32(busy).unwrap() == times(2.0),
+                "round {round}: busy"
+            );
+            assert!(
+                b.read_f32(out).unwrap() == vec![0.0; n],
+                "round {round}: out"
+            );
+            assert!(b.read_f32(src).unwrap() == times(5.0), "round {round}: src");
+            for id in [src, a, out, busy] {
                 b.free(id).unwrap();
             }
         }
@@ -732,6 +814,7 @@ mod gpu {
         let gpus = (0..8).take_while(|&g| CudaBackend::new(g).is_ok()).count() as u32;
         let choices = [
             (2, 1, 1, 1, ZeroStage::Zero1),
+            (2, 1, 1, 1, ZeroStage::Zero3),
             (1, 1, 1, 2, ZeroStage::Zero0),
             (1, 2, 1, 1, ZeroStage::Zero0),
             (2, 1, 1, 2, ZeroStage::Zero3),
@@ -779,6 +862,162 @@ mod gpu {
                 got.records.len()
             );
         }
+    }
+
+    /// A CUDA backend whose host stalls for `stall` when its executor reaches instruction
+    /// `at` of step `step` (0-based), before running it: a rank stuck outside NCCL.
+    struct Stalling {
+        inner: CudaBackend,
+        at: usize,
+        step: u32,
+        stall: Duration,
+        steps_begun: u32,
+    }
+
+    impl Backend for Stalling {
+        fn name(&self) -> &'static str {
+            self.inner.name()
+        }
+        fn prepare(
+            &mut self,
+            program: &parc_compiler::ir::Program,
+            layout: &parc_compiler::memplan::MemoryLayout,
+        ) -> parc_runtime::error::Result<()> {
+            self.inner.prepare(program, layout)
+        }
+        fn reserved_bytes(&self) -> Option<u64> {
+            Backend::reserved_bytes(&self.inner)
+        }
+        fn alloc(&mut self, id: BufferId, shape: &[u64], dtype: DType) -> Result<(), Error> {
+            self.inner.alloc(id, shape, dtype)
+        }
+        fn free(&mut self, id: BufferId) -> Result<(), Error> {
+            self.inner.free(id)
+        }
+        fn compute(
+            &mut self,
+            op: &Op,
+            inputs: &[BufferId],
+            outputs: &[BufferId],
+            scalars: &StepScalars,
+        ) -> Result<(), Error> {
+            self.inner.compute(op, inputs, outputs, scalars)
+        }
+        fn write_f32(&mut self, id: BufferId, data: &[f32]) -> Result<(), Error> {
+            self.inner.write_f32(id, data)
+        }
+        fn write_i32(&mut self, id: BufferId, data: &[i32]) -> Result<(), Error> {
+            self.inner.write_i32(id, data)
+        }
+        fn read_f32(&self, id: BufferId) -> Result<Vec<f32>, Error> {
+            self.inner.read_f32(id)
+        }
+        fn synchronize(&mut self) -> Result<(), Error> {
+            Backend::synchronize(&mut self.inner)
+        }
+        fn device_collective(
+            &mut self,
+            kind: CollectiveKind,
+            group: &[u32],
+            input: BufferId,
+            output: BufferId,
+        ) -> Option<Result<(), Error>> {
+            self.inner.device_collective(kind, group, input, output)
+        }
+        fn device_p2p(&mut self, transfers: &[DeviceTransfer]) -> Option<Result<(), Error>> {
+            self.inner.device_p2p(transfers)
+        }
+        fn abort(&mut self, reason: &str) {
+            self.inner.abort(reason)
+        }
+        fn begin_instruction(&mut self, index: usize) {
+            if index == 0 {
+                self.steps_begun += 1;
+            }
+            if index == self.at && self.steps_begun == self.step + 1 {
+                std::thread::sleep(self.stall);
+            }
+            self.inner.begin_instruction(index)
+        }
+        fn stuck_instruction(&self) -> Option<usize> {
+            self.inner.stuck_instruction()
+        }
+    }
+
+    #[test]
+    fn a_rank_stalled_before_an_all_gather_is_reported_at_that_instruction() {
+        if !have(2) {
+            return;
+        }
+        let choice = PlanChoice {
+            dp: 2,
+            zero: ZeroStage::Zero3,
+            microbatches: 2,
+            ..PlanChoice::default()
+        };
+        let mut s = spec(model(false), choice);
+        s.train.steps = 3;
+        let plan = plan_of(&s);
+        let program = &plan.programs[0];
+        // The third ZeRO-3 all-gather of the step: its peer has queued the ones before it and
+        // will queue later ones behind it.
+        let gather = program
+            .instrs
+            .iter()
+            .enumerate()
+            .filter(|(_, i)| {
+                matches!(
+                    i,
+                    Instr::Collective {
+                        kind: CollectiveKind::AllGather,
+                        ..
+                    }
+                )
+            })
+            .map(|(index, _)| index)
+            .nth(2)
+            .unwrap();
+        let timeout = Duration::from_secs(3);
+        let mut options = TrainOptions::new(".");
+        options.threads_per_rank = Some(1);
+        let id = NcclId::new().unwrap();
+        let started = std::time::Instant::now();
+        let err = train(
+            &s,
+            &plan,
+            &options,
+            |rank, _| {
+                let mut inner = CudaBackend::new(rank as usize)?;
+                inner.use_nccl(&id, rank, &plan, timeout)?;
+                let stall = if rank == 1 {
+                    timeout * 3
+                } else {
+                    Duration::ZERO
+                };
+                Ok(Stalling {
+                    inner,
+                    at: gather,
+                    step: 1,
+                    stall,
+                    steps_begun: 0,
+                })
+            },
+            &|_| {},
+        )
+        .unwrap_err();
+        println!("{err}");
+        assert!(started.elapsed() < timeout * 8, "{:?}", started.elapsed());
+        match &err {
+            Error::AtInstruction {
+                index, instr, node, ..
+            } => {
+                assert_eq!(*index, gather, "{err}");
+                assert!(instr.contains("all_gather"), "{err}");
+                assert!(node.is_some(), "{err}");
+            }
+            other => panic!("not located at an instruction: {other}"),
+        }
+        assert!(err.to_string().contains("all-gather"), "{err}");
     }
 }
 

@@ -11,8 +11,10 @@
 //! skipped step, and rounding visible; and a scale of 2^120 overflows fp16 on the GPU as it
 //! overflows f32 on the CPU: every step skipped, the parameters the initial ones bit for bit.
 //! Checkpoints cross backends: a CUDA run's checkpoint resumes on the CPU and the reverse, and
-//! the resumed losses match an uninterrupted run. Without a GPU every test prints
-//! `skipped: no CUDA device (…)`.
+//! the resumed losses match an uninterrupted run. The fused optimizer (one launch per run of
+//! updates) gives the per-tensor launches' parameters and state bit for bit on the same inputs
+//! (AdamW, SGD, an fp16 overflow step, a ZeRO-1 rank). Without a GPU every GPU test prints
+//! `skipped: no CUDA device (…)`; the run detection on the lowered programs needs none.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #[allow(dead_code)]
 #[path = "ir/fixtures.rs"]
@@ -20,7 +22,7 @@ mod fixtures;
 
 use fixtures::{sized_spec, Dims, PlanChoice, TinyModel};
 use parc_compiler::lower::lower;
-use parc_compiler::spec::{Checkpointing, LossScale, Precision, Spec};
+use parc_compiler::spec::{Checkpointing, LossScale, Precision, Spec, ZeroStage};
 use parc_runtime::cpu::CpuBackend;
 use parc_runtime::exec::{train, StepRecord, TrainOptions, TrainResult};
 use std::path::{Path, PathBuf};
@@ -49,6 +51,10 @@ fn gpu_present() -> bool {
 }
 
 fn model_spec(llama: bool, steps: u64) -> Spec {
+    planned_model_spec(llama, steps, PlanChoice::default())
+}
+
+fn planned_model_spec(llama: bool, steps: u64, choice: PlanChoice) -> Spec {
     let dims = Dims {
         vocab: 96,
         dim: 64,
@@ -64,7 +70,7 @@ fn model_spec(llama: bool, steps: u64) -> Spec {
             llama,
             tied: !llama,
         },
-        PlanChoice::default(),
+        choice,
         dims,
     );
     s.train.steps = steps;
@@ -295,5 +301,291 @@ fn checkpoints_cross_backends() {
         assert_eq!(tail.start_step, 4, "{name}");
         compare(name, &tail.records, &full.records[4..]);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// A dp = 2 ZeRO plan of the GPT-style model.
+fn zero_spec(zero: ZeroStage, steps: u64) -> Spec {
+    let choice = PlanChoice {
+        dp: 2,
+        zero,
+        ..PlanChoice::default()
+    };
+    planned_model_spec(false, steps, choice)
+}
+
+/// The model's optimizer updates as runs the CUDA backend fuses (`parc_runtime::optimizer_runs`):
+/// every parameter's update of a rank's program is in one run, without ZeRO (the gradient
+/// `Free`s between updates do not split it) and with ZeRO 1, 2 and 3 (nor do the all-gathers of
+/// the updated shards). Needs no GPU.
+#[test]
+fn every_update_of_a_program_is_one_fused_run() {
+    use parc_compiler::ir::{op::Op, Instr};
+    use parc_runtime::optimizer_runs::find_runs;
+    let cases = [
+        (false, false, None),
+        (true, false, None),
+        (false, true, None),
+        (false, false, Some(ZeroStage::Zero1)),
+        (false, false, Some(ZeroStage::Zero2)),
+        (false, false, Some(ZeroStage::Zero3)),
+    ];
+    for (llama, sgd, zero) in cases {
+        let mut s = match zero {
+            None => model_spec(llama, 1),
+            Some(zero) => zero_spec(zero, 1),
+        };
+        if sgd {
+            s.train.optimizer = parc_compiler::spec::Optimizer::Sgd {
+                lr: 1e-1,
+                momentum: 0.9,
+                weight_decay: 0.1,
+            };
+        }
+        let plan = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
+        let program = &plan.programs[0];
+        let (llama, sgd) = (format!("{llama} {zero:?}"), sgd);
+        let updates: Vec<usize> = (program.instrs.iter().enumerate())
+            .filter(|(_, i)| {
+                matches!(i, Instr::Compute { op, .. } if matches!(**op, Op::AdamW { .. } | Op::Sgd { .. }))
+            })
+            .map(|(index, _)| index)
+            .collect();
+        let runs = find_runs(program);
+        assert_eq!(runs.len(), 1, "llama {llama} sgd {sgd}: {runs:?}");
+        let fused: Vec<usize> = runs[0].members.iter().map(|m| m.index).collect();
+        assert_eq!(fused, updates, "llama {llama} sgd {sgd}");
+        assert!(updates.len() > 10, "llama {llama} sgd {sgd}");
+        // Decayed matrices and undecayed norms and biases share the run.
+        let decays: std::collections::BTreeSet<u64> = runs[0]
+            .members
+            .iter()
+            .map(|m| m.weight_decay.to_bits())
+            .collect();
+        assert_eq!(decays.len(), 2, "llama {llama} sgd {sgd}");
+    }
+}
+
+/// A small deterministic generator (xorshift64*) for the optimizer test's inputs.
+#[cfg(feature = "cuda")]
+struct Xorshift(u64);
+
+#[cfg(feature = "cuda")]
+impl Xorshift {
+    /// Uniform in (-1, 1).
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let bits = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40;
+        (bits as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// Drives `program`'s optimizer phase (from its first optimizer-phase instruction to the end)
+/// directly through a CUDA backend, `steps` times, with the same inputs whatever `fused` is:
+/// the persistent buffers start random (second moments non-negative), and every step the
+/// transient buffers live at the phase's start get fresh random values (in `overflow_step`,
+/// one gradient element is infinite: an fp16 run skips that step). Collectives are emulated
+/// (the output is the input repeated), so a ZeRO rank's phase runs alone. Returns the fused
+/// runs the backend found and every persistent buffer's bits at the end.
+#[cfg(feature = "cuda")]
+fn optimizer_phase(
+    program: &parc_compiler::ir::Program,
+    precision: Precision,
+    fused: bool,
+    steps: u64,
+    overflow_step: Option<u64>,
+) -> (Vec<usize>, Vec<(String, Vec<u32>)>) {
+    use parc_compiler::ir::{op::Op, BufferId, DType, Instr, Phase};
+    use parc_compiler::memplan::plan_program;
+    use parc_runtime::backend::{Backend, StepScalars};
+    use parc_runtime::cuda::CudaBackend;
+    use std::collections::HashSet;
+    let start = (program.instrs.iter())
+        .position(|i| {
+            matches!(
+                i,
+                Instr::Compute {
+                    phase: Phase::Optimizer,
+                    ..
+                }
+            )
+        })
+        .expect("an optimizer phase");
+    // Transient buffers live at the phase's start: allocated before it and not freed.
+    let mut live: Vec<BufferId> = Vec::new();
+    for instr in &program.instrs[..start] {
+        match instr {
+            Instr::Alloc { buffer } => live.push(*buffer),
+            Instr::Free { buffer } => live.retain(|b| b != buffer),
+            _ => {}
+        }
+    }
+    // Second moments: the last output of each AdamW.
+    let second_moments: HashSet<BufferId> = (program.instrs.iter())
+        .filter_map(|i| match i {
+            Instr::Compute { op, outputs, .. } if matches!(**op, Op::AdamW { .. }) => {
+                outputs.last().copied()
+            }
+            _ => None,
+        })
+        .collect();
+    let mut rng = Xorshift(0x9e37_79b9_7f4a_7c15);
+    let mut backend = CudaBackend::with_precision(0, precision)
+        .unwrap()
+        .with_fused_optimizer(fused);
+    backend
+        .prepare(program, &plan_program(program).unwrap())
+        .unwrap();
+    let mut allocated = HashSet::new();
+    let fill = |backend: &mut CudaBackend, id: BufferId, rng: &mut Xorshift| {
+        let b = program.buffer(id).unwrap();
+        if b.dtype == DType::F32 {
+            let abs = second_moments.contains(&id);
+            let data: Vec<f32> = (0..b.numel())
+                .map(|_| if abs { rng.next().abs() } else { rng.next() })
+                .collect();
+            backend.write_f32(id, &data).unwrap();
+        }
+    };
+    let persistent: Vec<BufferId> = (0..program.buffers.len() as u32)
+        .map(BufferId)
+        .filter(|&id| program.buffer(id).unwrap().kind.is_persistent())
+        .collect();
+    for &id in &persistent {
+        let b = program.buffer(id).unwrap();
+        backend.alloc(id, &b.shape, b.dtype).unwrap();
+        fill(&mut backend, id, &mut rng);
+    }
+    let loss_scale = matches!(precision, Precision::Fp16 { .. }).then_some(1024.0);
+    for step in 1..=steps {
+        for &id in &live {
+            if allocated.insert(id) {
+                let b = program.buffer(id).unwrap();
+                backend.alloc(id, &b.shape, b.dtype).unwrap();
+            }
+            fill(&mut backend, id, &mut rng);
+        }
+        if overflow_step == Some(step) {
+            let grad = (program.instrs[start..].iter())
+                .find_map(|i| match i {
+                    Instr::Compute { op, inputs, .. } if matches!(**op, Op::SumSquares) => {
+                        Some(inputs[0])
+                    }
+                    _ => None,
+                })
+                .unwrap();
+            let mut data = backend.read_f32(grad).unwrap();
+            data[0] = f32::INFINITY;
+            backend.write_f32(grad, &data).unwrap();
+        }
+        let scalars = StepScalars {
+            lr: 1e-2,
+            step,
+            loss_scale,
+        };
+        for instr in &program.instrs[start..] {
+            match instr {
+                Instr::Compute {
+                    op,
+                    inputs,
+                    outputs,
+                    ..
+                } => backend.compute(op, inputs, outputs, &scalars).unwrap(),
+                Instr::Alloc { buffer } => {
+                    let b = program.buffer(*buffer).unwrap();
+                    backend.alloc(*buffer, &b.shape, b.dtype).unwrap();
+                    allocated.insert(*buffer);
+                }
+                Instr::Free { buffer } => {
+                    backend.free(*buffer).unwrap();
+                    allocated.remove(buffer);
+                }
+                Instr::Collective { input, output, .. } => {
+                    let data = backend.read_f32(*input).unwrap();
+                    let len = program.buffer(*output).unwrap().numel() as usize;
+                    let out: Vec<f32> = data.iter().copied().cycle().take(len).collect();
+                    backend.write_f32(*output, &out).unwrap();
+                }
+                other => panic!("unexpected instruction in the optimizer phase: {other:?}"),
+            }
+        }
+    }
+    let state = (persistent.iter())
+        .filter(|&&id| program.buffer(id).unwrap().dtype == DType::F32)
+        .map(|&id| {
+            let bits = backend
+                .read_f32(id)
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect();
+            (program.buffer(id).unwrap().name.clone(), bits)
+        })
+        .collect();
+    (backend.fused_optimizer_runs(), state)
+}
+
+/// The optimizer phase of `spec`'s rank-0 program, fused and per tensor, on the same inputs:
+/// every parameter and optimizer state bit for bit after `steps` steps; the fused backend fused
+/// all updates into one run (and changed something), the other none.
+#[cfg(feature = "cuda")]
+fn fused_equals_per_tensor(name: &str, spec: &Spec, steps: u64, overflow_step: Option<u64>) {
+    let plan = lower(spec).unwrap_or_else(|d| panic!("{:?}", d.items));
+    let program = &plan.programs[0];
+    let precision = spec.train.precision;
+    let (fused_runs, fused) = optimizer_phase(program, precision, true, steps, overflow_step);
+    let (tensor_runs, per_tensor) =
+        optimizer_phase(program, precision, false, steps, overflow_step);
+    let (_, before) = optimizer_phase(program, precision, false, 0, None);
+    println!("{name}: fused runs {fused_runs:?}");
+    assert_eq!(fused_runs.len(), 1, "{name}: fused runs {fused_runs:?}");
+    assert!(tensor_runs.is_empty(), "{name}: {tensor_runs:?}");
+    assert_eq!(fused.len(), per_tensor.len());
+    for (f, t) in fused.iter().zip(&per_tensor) {
+        assert_eq!(f.0, t.0);
+        assert!(f.1 == t.1, "{name}: {} differs after {steps} steps", f.0);
+    }
+    let changed = fused
+        .iter()
+        .zip(&before)
+        .filter(|(f, b)| f.1 != b.1)
+        .count();
+    assert!(
+        changed > fused_runs[0],
+        "{name}: only {changed} buffers changed"
+    );
+}
+
+#[test]
+fn fused_optimizer_equals_per_tensor_updates() {
+    if !gpu_present() {
+        return;
+    }
+    #[cfg(feature = "cuda")]
+    {
+        use parc_compiler::spec::Optimizer;
+        fused_equals_per_tensor("gpt-adamw", &model_spec(false, 1), 3, None);
+        fused_equals_per_tensor("llama-adamw", &model_spec(true, 1), 3, None);
+        let mut sgd = model_spec(false, 1);
+        sgd.train.optimizer = Optimizer::Sgd {
+            lr: 1e-1,
+            momentum: 0.9,
+            weight_decay: 0.1,
+        };
+        fused_equals_per_tensor("gpt-sgd-momentum", &sgd, 3, None);
+        sgd.train.optimizer = Optimizer::Sgd {
+            lr: 1e-1,
+            momentum: 0.0,
+            weight_decay: 0.1,
+        };
+        fused_equals_per_tensor("gpt-sgd", &sgd, 2, None);
+        // fp16 (loss scale 1024): step 2's gradient overflows and every tensor skips it.
+        let mut fp16 = model_spec(true, 1);
+        fp16.train.precision = fp16_dynamic(1024.0, 2, 1.0);
+        fused_equals_per_tensor("llama-fp16", &fp16, 3, Some(2));
+        // ZeRO 1: the all-gathers of the updated shards lie between the fused updates.
+        fused_equals_per_tensor("gpt-zero1", &zero_spec(ZeroStage::Zero1, 1), 3, None);
     }
 }

@@ -42,8 +42,10 @@ pub trait Backend {
     /// Called once, before any `alloc`, with the program this backend will run and its memory
     /// plan (`parc_compiler::memplan`, already checked). A backend that preallocates makes its
     /// persistent region and transient arena here, and `alloc`/`free` of planned buffers then
-    /// bind and unbind their planned offsets (the zero-fill stays). The default ignores the plan:
-    /// every `alloc` allocates on its own.
+    /// bind and unbind their planned offsets. The plan also says which buffers need their
+    /// zero-fill ([`MemoryLayout::needs_zero`]): the others are fully written by their first use
+    /// before anything reads them, so `alloc` may leave their bytes as they are. The default
+    /// ignores the plan: every `alloc` allocates on its own.
     fn prepare(&mut self, program: &Program, layout: &MemoryLayout) -> Result<()> {
         let _ = (program, layout);
         Ok(())
@@ -53,7 +55,9 @@ pub trait Backend {
     fn reserved_bytes(&self) -> Option<u64> {
         None
     }
-    /// Allocate `id` with `shape` (zero-filled). Allocating an id twice is an error.
+    /// Allocate `id` with `shape`, zero-filled unless the plan given to `prepare` says the
+    /// buffer needs no zeros (then its contents are unspecified until written). Allocating an id
+    /// twice is an error.
     fn alloc(&mut self, id: BufferId, shape: &[u64], dtype: DType) -> Result<()>;
     /// Release `id`. Freeing an unallocated id is an error.
     fn free(&mut self, id: BufferId) -> Result<()>;
@@ -111,4 +115,14 @@ pub trait Backend {
     /// the other ranks' backends (where it can), so nothing waits on this rank until a timeout.
     /// The executor calls it after the comm's abort; the default does nothing.
     fn abort(&mut self, _reason: &str) {}
+    /// The executor is about to run instruction `index` of the program. A backend that queues
+    /// communication to complete later keeps it to say which instruction queued the work that
+    /// got stuck ([`Backend::stuck_instruction`]); the default ignores it.
+    fn begin_instruction(&mut self, _index: usize) {}
+    /// After a communication error: the instruction whose queued communication never
+    /// finished, where the backend knows it. The executor then reports the rank stuck there
+    /// (and that instruction's spec line) rather than where it noticed. Default: None.
+    fn stuck_instruction(&self) -> Option<usize> {
+        None
+    }
 }

@@ -10,3 +10,4 @@ pub mod error;
 pub mod exec;
 pub mod init;
 pub mod launch;
+pub mod optimizer_runs;

@@ -12,8 +12,10 @@
 //! - RoPE rotates pairs `(i, i + head_dim/2)` of each head ("rotate half", as Llama/HF), angle
 //!   `pos * theta^(-2i/head_dim)` for `i < head_dim/2`.
 //! - Every op lists its inputs and outputs in order; the IR instruction's buffer lists follow that
-//!   order exactly. "(+=)" marks an output the op accumulates into (the lowering zeroes it first
-//!   with `Zero`); all other outputs are overwritten.
+//!   order exactly. "(+=)" marks an output the op accumulates into (its first accumulation
+//!   starts from the zeros of its `Alloc` or of a `Zero`); all other outputs are overwritten:
+//!   every element written, none read (the memory planner relies on this to skip zero-fills,
+//!   `memplan::zero_needs`).
 //! - Token ids are i32 buffers; everything else is f32 on the CPU backend (the CUDA backend may
 //!   store activations in bf16/fp16, never master weights or optimizer state).
 //! - `lr` and the 1-based optimizer step count used by `AdamW`/`Sgd` are supplied by the executor

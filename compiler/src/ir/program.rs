@@ -407,7 +407,8 @@ pub enum Instr {
         tokens: Option<BufferId>,
         targets: Option<BufferId>,
     },
-    /// Create a zero-filled transient buffer.
+    /// Create a zero-filled transient buffer. (A backend may skip the fill where no
+    /// instruction can see it: `memplan::zero_needs`.)
     Alloc { buffer: BufferId },
     /// Destroy a transient buffer.
     Free { buffer: BufferId },

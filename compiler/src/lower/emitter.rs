@@ -84,7 +84,7 @@ pub struct Emitter<'a> {
     pub bucket_bytes: u64,
     /// ZeRO-3 parameters gathered for the node being emitted.
     pub gathered: Vec<BufferId>,
-    /// ZeRO-3 parameters gathered ahead of the node that uses them.
+    /// ZeRO-3 parameters gathered ahead of the node that uses them (their flat gather buffers).
     pub prefetched: Vec<(ParamId, BufferId)>,
     pub errors: Vec<Diagnostic>,
     /// Phase of the compute being emitted (forward, recompute or backward).
@@ -127,35 +127,49 @@ impl Emitter<'_> {
         if self.zero != ZeroStage::Zero3 || l.zero.is_none() {
             return Some(l.working.unwrap_or(l.master));
         }
-        let full = match self.prefetched.iter().position(|(p, _)| *p == slot.param) {
+        let flat = match self.prefetched.iter().position(|(p, _)| *p == slot.param) {
             Some(i) => self.prefetched.remove(i).1,
             None => self.gather(idx, node)?,
         };
+        let full = self.unpad_gathered(idx, flat, node);
         self.gathered.push(full);
         Some(full)
     }
 
-    /// All-gather local parameter `idx`'s ZeRO-3 shards into a transient full tensor.
-    fn gather(&mut self, idx: usize, node: NodeId) -> Option<BufferId> {
-        let l = &self.locals[idx];
-        let (master, shape, numel, z) = (l.master, l.shape.clone(), l.numel, l.zero?);
-        let name = self
-            .params
+    fn param_name(&self, idx: usize) -> String {
+        self.params
             .table
             .params
-            .get(l.param.0 as usize)
+            .get(self.locals[idx].param.0 as usize)
             .map(|p| p.name.clone())
-            .unwrap_or_default();
+            .unwrap_or_default()
+    }
+
+    /// All-gather local parameter `idx`'s ZeRO-3 shards into a transient flat buffer (the
+    /// shards concatenated, padding included); [`Emitter::unpad_gathered`] makes the tensor.
+    fn gather(&mut self, idx: usize, node: NodeId) -> Option<BufferId> {
+        let (master, z) = (self.locals[idx].master, self.locals[idx].zero?);
         let flat = self.b.alloc(
-            format!("{name}.gather"),
+            format!("{}.gather", self.param_name(idx)),
             vec![u64::from(z.parts) * z.shard_len],
             BufferKind::Comm,
         );
         self.b
             .collective(CollectiveKind::AllGather, z.group, master, flat, Some(node));
-        let full = self
-            .b
-            .alloc(format!("{name}.full"), shape, BufferKind::GatheredParam);
+        Some(flat)
+    }
+
+    /// Copy parameter `idx`'s gathered `flat` buffer (from [`Emitter::gather`]) into a full
+    /// tensor of its shape for `node`, and free `flat`. Emitted where `node` uses the
+    /// parameter, not where the gather was issued, so a prefetched gather runs while the nodes
+    /// in between compute (this copy is the first compute that waits for it).
+    fn unpad_gathered(&mut self, idx: usize, flat: BufferId, node: NodeId) -> BufferId {
+        let (shape, numel) = (self.locals[idx].shape.clone(), self.locals[idx].numel);
+        let full = self.b.alloc(
+            format!("{}.full", self.param_name(idx)),
+            shape,
+            BufferKind::GatheredParam,
+        );
         self.b.compute(
             Op::CopyRange {
                 src_offset: 0,
@@ -168,11 +182,12 @@ impl Emitter<'_> {
             self.phase,
         );
         self.b.release(flat);
-        Some(full)
+        full
     }
 
-    /// ZeRO-3 prefetch: gather `node`'s parameters now, before the node emitted next, so the
-    /// all-gathers overlap with its compute (one node ahead).
+    /// ZeRO-3 prefetch: issue the all-gathers of `node`'s parameters now, before the node
+    /// emitted next, so they overlap with its compute (one node ahead); the node that uses
+    /// them unpads them ([`Emitter::weight`]).
     pub fn prefetch(&mut self, node: NodeId) {
         if self.zero != ZeroStage::Zero3 {
             return;
@@ -185,13 +200,13 @@ impl Emitter<'_> {
             if self.locals[idx].zero.is_none() || self.prefetched.iter().any(|(q, _)| *q == p) {
                 continue;
             }
-            if let Some(full) = self.gather(idx, node) {
-                self.prefetched.push((p, full));
+            if let Some(flat) = self.gather(idx, node) {
+                self.prefetched.push((p, flat));
             }
         }
     }
 
-    /// Free prefetched parameters nobody used (end of a unit).
+    /// Free the gather buffers of prefetched parameters nobody used (end of a unit).
     pub fn drop_prefetched(&mut self) {
         for (_, b) in std::mem::take(&mut self.prefetched) {
             self.b.release(b);

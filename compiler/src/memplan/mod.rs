@@ -17,16 +17,21 @@
 //!   byte, every buffer lies inside its region. [`plan_program`] runs it on every layout it makes,
 //!   so a layout that reaches a backend has been checked.
 //!
+//! - [`zero_needs`] marks the buffers whose `Alloc` must zero-fill them (read or accumulated
+//!   into before being fully written); a backend skips the fill of the others.
+//!
 //! The arena can never be smaller than [`MemoryLayout::aligned_peak_bytes`], the most (aligned)
 //! transient bytes alive at once; the difference is fragmentation.
 mod check;
 mod intervals;
 #[cfg(test)]
 mod tests;
+mod zeroing;
 
 pub use check::check_layout;
+pub use zeroing::zero_needs;
 
-use crate::ir::{BufferId, Plan, Program, ProgramId};
+use crate::ir::{BufferId, Instr, Plan, Program, ProgramId};
 use crate::verify::VerifyReport;
 use serde::Serialize;
 use std::cmp::Reverse;
@@ -65,6 +70,14 @@ pub struct MemoryLayout {
     /// The most transient bytes alive at once, each buffer's size rounded up to [`ALIGN`]: the
     /// smallest arena any placement could use.
     pub aligned_peak_bytes: u64,
+    /// Indexed by `BufferId`: whether allocating the buffer must zero-fill it ([`zero_needs`]).
+    /// A backend may leave the others' bytes as they are.
+    #[serde(skip)]
+    pub needs_zero: Vec<bool>,
+    /// `Alloc` instructions in one step.
+    pub allocs: u64,
+    /// Those of them whose buffer needs zero-filling.
+    pub zeroed_allocs: u64,
 }
 
 impl MemoryLayout {
@@ -74,6 +87,11 @@ impl MemoryLayout {
             .get(id.0 as usize)
             .copied()
             .unwrap_or(Placement::Unused)
+    }
+
+    /// Whether allocating `id` must zero-fill it (true for an id outside the program).
+    pub fn needs_zero(&self, id: BufferId) -> bool {
+        self.needs_zero.get(id.0 as usize).copied().unwrap_or(true)
     }
 
     /// Persistent region plus arena: all the buffer memory a rank running the program needs.
@@ -92,6 +110,9 @@ pub struct PlanSummary {
     pub liveness_peak_bytes: u64,
     /// `arena_bytes` over `liveness_peak_bytes`, minus one (0.05 = the arena is 5% larger).
     pub overhead: f64,
+    /// `Alloc` instructions per step, and those that must zero-fill their buffer.
+    pub allocs: u64,
+    pub zeroed_allocs: u64,
 }
 
 /// Each program's layout beside its verified liveness peak, in program order.
@@ -105,6 +126,8 @@ pub fn summarize(layouts: &[MemoryLayout], report: &VerifyReport) -> Vec<PlanSum
             arena_bytes: layout.arena_bytes,
             liveness_peak_bytes: memory.peak_transient_bytes,
             overhead: layout.arena_bytes as f64 / memory.peak_transient_bytes.max(1) as f64 - 1.0,
+            allocs: layout.allocs,
+            zeroed_allocs: layout.zeroed_allocs,
         })
         .collect()
 }
@@ -156,11 +179,22 @@ pub fn plan_program(program: &Program) -> Result<MemoryLayout, MemPlanError> {
     for b in live.buffers() {
         placements[b as usize] = Placement::Arena(offsets[b as usize]);
     }
+    let needs_zero = zero_needs(program);
+    let (mut allocs, mut zeroed_allocs) = (0u64, 0u64);
+    for instr in &program.instrs {
+        if let Instr::Alloc { buffer } = instr {
+            allocs += 1;
+            zeroed_allocs += u64::from(needs_zero.get(buffer.0 as usize).copied().unwrap_or(true));
+        }
+    }
     let layout = MemoryLayout {
         placements,
         persistent_bytes,
         arena_bytes,
         aligned_peak_bytes,
+        needs_zero,
+        allocs,
+        zeroed_allocs,
     };
     check_layout(program, &layout).map_err(|e| error(format!("planner bug: {e}")))?;
     Ok(layout)

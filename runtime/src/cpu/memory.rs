@@ -2,7 +2,9 @@
 //! (f32 and i32 one element per word, bf16 two per word, element `2k` in the low half of word
 //! `k`, as the bytes lie on a little-endian device). With a memory plan (`Backend::prepare`) the vector is sized once — the
 //! persistent region, then the transient arena — and each buffer lives at its planned offset;
-//! `alloc` only zero-fills its words. Buffers without a planned place (a backend used without a
+//! `alloc` only zero-fills its words, or, for a buffer the plan says is fully written before it
+//! is read ([`MemoryLayout::needs_zero`]), fills them with NaN ([`POISON`]): a wrong mark then
+//! shows as a NaN loss instead of passing on stale bytes that happen to be harmless. Buffers without a planned place (a backend used without a
 //! plan, as op tests do) go above the planned regions, first fit, the vector growing as needed.
 //!
 //! An op borrows its inputs and outputs at once: [`Memory::split`] cuts the vector into
@@ -11,6 +13,10 @@
 use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::{BufferId, DType, Program};
 use parc_compiler::memplan::{MemoryLayout, Placement};
+
+/// The word an allocation the plan exempts from zero-filling is filled with: a quiet NaN as
+/// f32 (and an id far outside any vocabulary as i32), so reading it before writing it shows.
+const POISON: u32 = 0x7fc0_0000;
 
 /// Where one allocated buffer lives.
 #[derive(Clone, Copy, Debug)]
@@ -152,6 +158,8 @@ pub(crate) struct Memory {
     planned: Vec<Option<usize>>,
     /// Words of the planned regions; unplanned buffers go above.
     planned_words: usize,
+    /// Per buffer id: the plan says its allocation need not be zero-filled.
+    skip_zero: Vec<bool>,
 }
 
 /// Number of elements of `shape`, or an error naming `id` when it does not fit in memory.
@@ -192,6 +200,9 @@ impl Memory {
             })
             .collect();
         self.planned_words = arena_start + words(layout.arena_bytes);
+        self.skip_zero = (0..program.buffers.len())
+            .map(|b| !layout.needs_zero(BufferId(b as u32)))
+            .collect();
         self.words = Vec::new();
         self.grow(self.planned_words)
     }
@@ -231,8 +242,8 @@ impl Memory {
         self.slots.iter().flatten()
     }
 
-    /// Give `id` its `len` zeroed elements: at its planned offset, else first fit above the
-    /// planned regions.
+    /// Give `id` its `len` elements, zeroed (poisoned where the plan says no zeros are needed):
+    /// at its planned offset, else first fit above the planned regions.
     pub fn alloc(&mut self, id: BufferId, len: usize, dtype: DType) -> Result<()> {
         let index = id.0 as usize;
         if self.slots.get(index).is_some_and(Option::is_some) {
@@ -253,7 +264,12 @@ impl Memory {
             None => self.first_fit(len),
         };
         self.grow(offset + len)?;
-        self.words[offset..offset + len].fill(0);
+        let fill = if self.skip_zero.get(index).copied().unwrap_or(false) {
+            POISON
+        } else {
+            0
+        };
+        self.words[offset..offset + len].fill(fill);
         if self.slots.len() <= index {
             self.slots.resize(index + 1, None);
         }

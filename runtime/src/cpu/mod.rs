@@ -6,7 +6,8 @@
 //!
 //! Buffers live in one vector of words per rank (`memory`): at the offsets of the program's memory
 //! plan when the executor gave one (`Backend::prepare`), so `Alloc` and `Free` only zero-fill and
-//! release a planned range. Besides the `Backend` trait, callers can borrow a buffer as a slice.
+//! release a planned range; a buffer the plan exempts from zeroing is filled with NaN instead,
+//! so a wrong exemption poisons the loss (`memory`). Besides the `Backend` trait, callers can borrow a buffer as a slice.
 //! An op whose output is also one of its inputs sees the input's value from before the op.
 //! bf16 buffers (a `precision = bf16` plan's activations) are staged through f32 around each op:
 //! inputs widened exactly, outputs widened before the op (an accumulating op reads them) and

@@ -405,16 +405,8 @@ pub(crate) fn run(
             b.expect(w, "w", m * k)?;
             let y = b.f32_out(0)?;
             b.expect(y, "y", rows * m)?;
-            let beta = if *bias {
-                let bb = b.f32_in(2)?;
-                b.expect(bb, "b", m)?;
-                be.launch_n("broadcast_rows", rows * m, &[p(bb), p(y), n(rows), n(m)])?;
-                1.0
-            } else {
-                0.0
-            };
-            // yᵀ (m × rows) = W (m × k, stored k × m) · xᵀ (k × rows).
-            be.gemm(&Gemm {
+            // yᵀ (m × rows) = W (m × k, stored k × m) · xᵀ (k × rows) (+ b per row of yᵀ).
+            let mut g = Gemm {
                 trans_a: true,
                 trans_b: false,
                 m: m as u64,
@@ -426,8 +418,22 @@ pub(crate) fn run(
                 ldb: k as i64,
                 c: y.ptr,
                 ldc: m as i64,
-                beta,
-            })
+                beta: 0.0,
+                bias: None,
+            };
+            if *bias {
+                let bb = b.f32_in(2)?;
+                b.expect(bb, "b", m)?;
+                g.bias = Some(bb.ptr);
+                // The bias in cuBLASLt's epilogue where it offers one, else y = b first and
+                // the product accumulated onto it.
+                if !be.gemm_supported(&g)? {
+                    be.launch_n("broadcast_rows", rows * m, &[p(bb), p(y), n(rows), n(m)])?;
+                    g.bias = None;
+                    g.beta = 1.0;
+                }
+            }
+            be.gemm(&g)
         }
         Op::MatmulBwdData { in_dim, out_dim } => {
             let (k_in, m_out) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
@@ -450,6 +456,7 @@ pub(crate) fn run(
                 c: dx.ptr,
                 ldc: k_in as i64,
                 beta: 0.0,
+                bias: None,
             })
         }
         Op::MatmulBwdWeight {
@@ -477,6 +484,7 @@ pub(crate) fn run(
                 c: dw.ptr,
                 ldc: k_in as i64,
                 beta: 1.0,
+                bias: None,
             })?;
             if *bias {
                 let db = b.f32_out(1)?;
@@ -789,9 +797,8 @@ pub(crate) fn run(
             b.expect(coef, "coef", 1)?;
             let (param, m, v) = (b.f32_out(0)?, b.f32_out(1)?, b.f32_out(2)?);
             b.same(&[(param, "param"), (m, "m"), (v, "v")], g.len)?;
-            let step = i32::try_from(scalars.step).unwrap_or(i32::MAX);
-            let bias1 = (1.0 - beta1.powi(step)) as f32;
-            let bias2 = (1.0 - beta2.powi(step)) as f32;
+            let (bias1, bias2) =
+                super::optimizer::adam_bias_corrections(*beta1, *beta2, scalars.step);
             let args = [
                 p(g),
                 p(coef),

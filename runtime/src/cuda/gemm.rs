@@ -1,17 +1,35 @@
 //! GEMMs through cuBLASLt with fp32 compute (`CUBLAS_COMPUTE_32F`: no TF32) and fp32 C/D.
 //! The A/B operands are fp32 (results within float rounding of the CPU backend), bf16
 //! (`CUDA_R_16BF`, the backend's bf16 precision) or fp16 (`CUDA_R_16F`, its fp16 precision);
-//! for the 16-bit kinds the caller converts them first (see [`Operands`]). Callers describe the product column-major, as cuBLAS sees memory;
-//! `dispatch` maps the row-major ops onto it (see [`Gemm`]).
-use super::device::cublas_error;
+//! for the 16-bit kinds the caller converts them first (see [`Operands`]). Callers describe the
+//! product column-major, as cuBLAS sees memory; `dispatch` maps the row-major ops onto it (see
+//! [`Gemm`]). An optional fp32 bias per row of D is added in cuBLASLt's epilogue
+//! (`CUBLASLT_EPILOGUE_BIAS`).
+//!
+//! Plans: the descriptors of each distinct GEMM (shape, transposes, leading dimensions, operand
+//! type, whether it accumulates, whether it has a bias) are made once and cached for the
+//! backend's life, with the algorithm to run. fp32 GEMMs run cuBLASLt's first heuristic choice
+//! (the exact path is unchanged); 16-bit GEMMs ask the heuristic for up to [`CANDIDATES`]
+//! algorithms and, on first use, time each on the real operands (CUDA events, best of
+//! [`TIMED_RUNS`] after one warm-up) and keep the fastest for the rest of the run. A candidate
+//! writes D before the real run overwrites it, so a GEMM that accumulates (beta ≠ 0) is timed
+//! into a scratch D the caller provides (`tune_out`), and without one runs the first choice.
+use super::device::{cublas_error, driver_error};
 use crate::error::Result;
 use cudarc::cublaslt::{result, sys};
-use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::result::event;
+use cudarc::driver::sys::{CUdeviceptr, CUevent, CUevent_flags, CUstream};
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::mem::size_of;
 
-/// A column-major `C = alpha · op(A) · op(B) + beta · C`, `op(A)` m×k, `op(B)` k×n, C m×n.
-/// A transposed operand is stored k×m (or n×k) with its leading dimension.
+/// Heuristic candidates timed per 16-bit GEMM.
+const CANDIDATES: usize = 8;
+/// Timed runs per candidate (the fastest counts).
+const TIMED_RUNS: usize = 2;
+
+/// A column-major `C = alpha · op(A) · op(B) + beta · C (+ bias)`, `op(A)` m×k, `op(B)` k×n,
+/// C m×n. A transposed operand is stored k×m (or n×k) with its leading dimension.
 pub(crate) struct Gemm {
     pub trans_a: bool,
     pub trans_b: bool,
@@ -25,6 +43,8 @@ pub(crate) struct Gemm {
     pub c: CUdeviceptr,
     pub ldc: i64,
     pub beta: f32,
+    /// m fp32 values added to every column of the product (the epilogue's bias), if any.
+    pub bias: Option<CUdeviceptr>,
 }
 
 impl Gemm {
@@ -39,10 +59,31 @@ impl Gemm {
         let cols = if self.trans_b { self.k } else { self.n };
         (self.ldb as u64 * cols) as usize
     }
+
+    /// Elements of C as stored (`ldc` per column).
+    pub fn c_len(&self) -> usize {
+        (self.ldc as u64 * self.n) as usize
+    }
+
+    fn key(&self, operands: Operands) -> PlanKey {
+        PlanKey {
+            trans_a: self.trans_a,
+            trans_b: self.trans_b,
+            m: self.m,
+            n: self.n,
+            k: self.k,
+            lda: self.lda,
+            ldb: self.ldb,
+            ldc: self.ldc,
+            operands,
+            accumulates: self.beta != 0.0,
+            bias: self.bias.is_some(),
+        }
+    }
 }
 
 /// The element type of a GEMM's A and B operands (C/D and the accumulation are always fp32).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Operands {
     F32,
     /// Raw bf16 bit patterns (`CUDA_R_16BF`).
@@ -52,13 +93,14 @@ pub(crate) enum Operands {
 }
 
 impl Operands {
-    /// The kernel that rounds fp32 operands into this type (`(const float*, unsigned short*,
-    /// long long n)`); None for fp32, which cuBLASLt reads as stored.
+    /// The kernel that rounds both fp32 operands of a GEMM into this type in one launch
+    /// (`(const float* a, unsigned short* a16, long long na, const float* b, unsigned short*
+    /// b16, long long nb)`); None for fp32, which cuBLASLt reads as stored.
     pub fn conversion_kernel(self) -> Option<&'static str> {
         match self {
             Operands::F32 => None,
-            Operands::Bf16 => Some("f32_to_bf16"),
-            Operands::F16 => Some("f32_to_f16"),
+            Operands::Bf16 => Some("f32_to_bf16_pair"),
+            Operands::F16 => Some("f32_to_f16_pair"),
         }
     }
 
@@ -69,13 +111,45 @@ impl Operands {
             Operands::F16 => "fp16",
         }
     }
+
+    fn data_type(self) -> sys::cudaDataType_t {
+        match self {
+            Operands::F32 => sys::cudaDataType_t::CUDA_R_32F,
+            Operands::Bf16 => sys::cudaDataType_t::CUDA_R_16BF,
+            Operands::F16 => sys::cudaDataType_t::CUDA_R_16F,
+        }
+    }
 }
 
-/// The cuBLASLt handle and its workspace (owned by the backend, freed with it).
-pub(crate) struct Blas {
-    handle: sys::cublasLtHandle_t,
-    workspace: CUdeviceptr,
-    workspace_size: usize,
+/// What makes two GEMMs share a plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct PlanKey {
+    trans_a: bool,
+    trans_b: bool,
+    m: u64,
+    n: u64,
+    k: u64,
+    lda: i64,
+    ldb: i64,
+    ldc: i64,
+    operands: Operands,
+    accumulates: bool,
+    bias: bool,
+}
+
+impl PlanKey {
+    fn describe(&self) -> String {
+        format!(
+            "a {}x{}x{} {} GEMM (trans_a={}, trans_b={}{})",
+            self.m,
+            self.n,
+            self.k,
+            self.operands.name(),
+            self.trans_a,
+            self.trans_b,
+            if self.bias { ", bias epilogue" } else { "" }
+        )
+    }
 }
 
 /// Destroys a cuBLASLt object on every exit path.
@@ -92,6 +166,62 @@ impl<T: Copy> Drop for Guard<T> {
     }
 }
 
+/// One GEMM's descriptors and the algorithms cuBLASLt offers for it.
+struct Plan {
+    desc: Guard<sys::cublasLtMatmulDesc_t>,
+    a: Guard<sys::cublasLtMatrixLayout_t>,
+    b: Guard<sys::cublasLtMatrixLayout_t>,
+    c: Guard<sys::cublasLtMatrixLayout_t>,
+    /// The heuristic's algorithms, best guess first; after tuning, the fastest alone.
+    algos: Vec<sys::cublasLtMatmulAlgo_t>,
+    /// Whether `algos[0]` is final (fp32 plans, and 16-bit plans once timed).
+    settled: bool,
+}
+
+/// A CUDA event, destroyed on drop.
+struct Event(CUevent);
+
+impl Event {
+    fn new() -> Result<Event> {
+        event::create(CUevent_flags::CU_EVENT_DEFAULT)
+            .map(Event)
+            .map_err(|e| driver_error("creating a CUDA event to time GEMM algorithms", e))
+    }
+
+    fn record(&self, stream: CUstream) -> Result<()> {
+        // SAFETY: the event is live and the stream is the backend's.
+        unsafe { event::record(self.0, stream) }
+            .map_err(|e| driver_error("recording a CUDA event", e))
+    }
+
+    /// Milliseconds from `self` to `end`, waiting for `end`.
+    fn until(&self, end: &Event) -> Result<f32> {
+        // SAFETY: both events are live and were recorded on one stream.
+        unsafe { event::synchronize(end.0) }
+            .map_err(|e| driver_error("waiting for a timed GEMM", e))?;
+        // SAFETY: as above; both have completed.
+        unsafe { event::elapsed(self.0, end.0) }
+            .map_err(|e| driver_error("reading a GEMM's time", e))
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once here.
+        let _ = unsafe { event::destroy(self.0) };
+    }
+}
+
+/// The cuBLASLt handle, its workspace (owned by the backend, freed with it) and the plans.
+pub(crate) struct Blas {
+    handle: sys::cublasLtHandle_t,
+    workspace: CUdeviceptr,
+    workspace_size: usize,
+    plans: HashMap<PlanKey, Plan>,
+    /// Set by [`Blas::time_matmuls`]: events around each matmul and the time summed so far.
+    timer: Option<(Event, Event, f64)>,
+}
+
 impl Blas {
     /// `workspace` is device memory of `workspace_size` bytes the backend keeps alive.
     pub fn new(workspace: CUdeviceptr, workspace_size: usize) -> Result<Blas> {
@@ -101,59 +231,237 @@ impl Blas {
             handle,
             workspace,
             workspace_size,
+            plans: HashMap::new(),
+            timer: None,
         })
     }
 
-    /// Runs `g`; its A and B pointers hold `operands`-typed elements.
-    pub fn run(&self, g: &Gemm, operands: Operands, stream: sys::cudaStream_t) -> Result<()> {
-        let kind = operands.name();
-        let what = |step: &str| {
-            format!(
-                "cuBLASLt {step} for a {}x{}x{} {kind} GEMM (trans_a={}, trans_b={})",
-                g.m, g.n, g.k, g.trans_a, g.trans_b
+    /// Starts (`true`: from zero) or stops timing the matmuls alone: each one of `run` is then
+    /// bracketed by CUDA events and waited for, so the GPU time of the cuBLASLt kernels (not
+    /// the operand conversions, nor algorithm tuning) adds up in [`Blas::matmul_ms`].
+    pub fn time_matmuls(&mut self, on: bool) -> Result<()> {
+        self.timer = if on {
+            Some((Event::new()?, Event::new()?, 0.0))
+        } else {
+            None
+        };
+        Ok(())
+    }
+
+    /// Milliseconds of matmul GPU time since `time_matmuls(true)`; None when not timing.
+    pub fn matmul_ms(&self) -> Option<f64> {
+        self.timer.as_ref().map(|t| t.2)
+    }
+
+    /// Whether cuBLASLt has an algorithm for `g` with `operands` (false only where none
+    /// exists, e.g. a bias epilogue it does not offer for these types); makes the plan.
+    pub fn supports(&mut self, g: &Gemm, operands: Operands) -> Result<bool> {
+        let key = g.key(operands);
+        if !self.plans.contains_key(&key) {
+            let plan = self.make_plan(&key)?;
+            self.plans.insert(key, plan);
+        }
+        Ok(self.plans.get(&key).is_some_and(|p| !p.algos.is_empty()))
+    }
+
+    /// Whether the algorithm for `g` is chosen (false before its first run, and while a 16-bit
+    /// GEMM that accumulates has not yet been given a `tune_out` to be timed into).
+    pub fn settled(&self, g: &Gemm, operands: Operands) -> bool {
+        self.plans.get(&g.key(operands)).is_some_and(|p| p.settled)
+    }
+
+    /// Runs `g`; its A and B pointers hold `operands`-typed elements. On the first run of a
+    /// 16-bit GEMM the candidates are timed first (see the module docs): into C itself when
+    /// beta is 0, else into `tune_out` (fp32, `g.c_len()` elements), and without it not at all.
+    pub fn run(
+        &mut self,
+        g: &Gemm,
+        operands: Operands,
+        stream: CUstream,
+        tune_out: Option<CUdeviceptr>,
+    ) -> Result<()> {
+        if !self.supports(g, operands)? {
+            return Err(cublas_error(
+                &format!(
+                    "cuBLASLt algorithm search for {}",
+                    g.key(operands).describe()
+                ),
+                "no algorithm supports it",
+            ));
+        }
+        let key = g.key(operands);
+        let timed_into = if key.accumulates { tune_out } else { Some(g.c) };
+        let unsettled = self.plans.get(&key).is_some_and(|p| !p.settled);
+        if let (true, Some(d)) = (unsettled, timed_into) {
+            let best = self.fastest(&key, g, d, stream)?;
+            if let Some(plan) = self.plans.get_mut(&key) {
+                plan.algos = vec![best];
+                plan.settled = true;
+            }
+        }
+        let plan = self.plans.get(&key).ok_or_else(|| {
+            cublas_error(&format!("cuBLASLt plan for {}", key.describe()), "missing")
+        })?;
+        let algo = plan.algos[0];
+        if let Some((start, _, _)) = &self.timer {
+            start.record(stream)?;
+        }
+        self.launch(plan, g, &algo, g.c, stream)
+            .map_err(|e| cublas_error(&format!("cuBLASLt matmul for {}", key.describe()), e))?;
+        if let Some((start, end, total)) = &mut self.timer {
+            end.record(stream)?;
+            *total += f64::from(start.until(end)?);
+        }
+        Ok(())
+    }
+
+    /// Times every candidate of `key`'s plan on `g`'s operands writing D at `d`; the fastest.
+    fn fastest(
+        &self,
+        key: &PlanKey,
+        g: &Gemm,
+        d: CUdeviceptr,
+        stream: CUstream,
+    ) -> Result<sys::cublasLtMatmulAlgo_t> {
+        let plan = self.plans.get(key).ok_or_else(|| {
+            cublas_error(&format!("cuBLASLt plan for {}", key.describe()), "missing")
+        })?;
+        let (start, end) = (Event::new()?, Event::new()?);
+        let mut best: Option<(f32, sys::cublasLtMatmulAlgo_t)> = None;
+        for algo in &plan.algos {
+            // A candidate cuBLASLt refuses at launch is skipped (the heuristic offered it,
+            // but the check runs only here).
+            if self.launch(plan, g, algo, d, stream).is_err() {
+                continue;
+            }
+            let mut fastest = f32::INFINITY;
+            for _ in 0..TIMED_RUNS {
+                start.record(stream)?;
+                self.launch(plan, g, algo, d, stream).map_err(|e| {
+                    cublas_error(&format!("timing cuBLASLt on {}", key.describe()), e)
+                })?;
+                end.record(stream)?;
+                fastest = fastest.min(start.until(&end)?);
+            }
+            if best.is_none_or(|(ms, _)| fastest < ms) {
+                best = Some((fastest, *algo));
+            }
+        }
+        best.map(|(_, algo)| algo).ok_or_else(|| {
+            cublas_error(
+                &format!("cuBLASLt matmul for {}", key.describe()),
+                "every algorithm the heuristic offered failed to launch",
             )
-        };
+        })
+    }
+
+    /// Queues `g` with `algo`, reading C at `g.c` and writing D at `d`.
+    fn launch(
+        &self,
+        plan: &Plan,
+        g: &Gemm,
+        algo: &sys::cublasLtMatmulAlgo_t,
+        d: CUdeviceptr,
+        stream: CUstream,
+    ) -> std::result::Result<(), result::CublasError> {
+        if let Some(bias) = g.bias {
+            // SAFETY: desc is live; the attribute is a device pointer (8 bytes).
+            unsafe {
+                result::set_matmul_desc_attribute(
+                    plan.desc.0,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    (&bias as *const CUdeviceptr).cast(),
+                    size_of::<CUdeviceptr>(),
+                )
+            }?;
+        }
+        let alpha = 1.0f32;
+        let beta = g.beta;
+        // SAFETY: the pointers are device allocations the backend checked to hold the
+        // described matrices (D like C); the workspace outlives the call (stream-ordered).
+        unsafe {
+            result::matmul(
+                self.handle,
+                plan.desc.0,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                g.a as *const c_void,
+                plan.a.0,
+                g.b as *const c_void,
+                plan.b.0,
+                g.c as *const c_void,
+                plan.c.0,
+                d as *mut c_void,
+                plan.c.0,
+                algo,
+                self.workspace as *mut c_void,
+                self.workspace_size,
+                stream as sys::cudaStream_t,
+            )
+        }
+    }
+
+    /// The descriptors of `key` and the heuristic's algorithms for them (none: unsupported).
+    fn make_plan(&self, key: &PlanKey) -> Result<Plan> {
+        let what = |step: &str| format!("cuBLASLt {step} for {}", key.describe());
         let f32_type = sys::cudaDataType_t::CUDA_R_32F;
-        let ab_type = match operands {
-            Operands::F32 => f32_type,
-            Operands::Bf16 => sys::cudaDataType_t::CUDA_R_16BF,
-            Operands::F16 => sys::cudaDataType_t::CUDA_R_16F,
-        };
+        let ab_type = key.operands.data_type();
         let layout = |dtype: sys::cudaDataType_t, rows: u64, cols: u64, ld: i64| {
             result::create_matrix_layout(dtype, rows, cols, ld)
                 .map(|l| Guard(l, result::destroy_matrix_layout))
                 .map_err(|e| cublas_error(&what("matrix layout"), e))
         };
-        let (a_rows, a_cols) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
-        let (b_rows, b_cols) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
-        let a_layout = layout(ab_type, a_rows, a_cols, g.lda)?;
-        let b_layout = layout(ab_type, b_rows, b_cols, g.ldb)?;
-        let c_layout = layout(f32_type, g.m, g.n, g.ldc)?;
+        let (a_rows, a_cols) = if key.trans_a {
+            (key.k, key.m)
+        } else {
+            (key.m, key.k)
+        };
+        let (b_rows, b_cols) = if key.trans_b {
+            (key.n, key.k)
+        } else {
+            (key.k, key.n)
+        };
+        let a = layout(ab_type, a_rows, a_cols, key.lda)?;
+        let b = layout(ab_type, b_rows, b_cols, key.ldb)?;
+        let c = layout(f32_type, key.m, key.n, key.ldc)?;
         let desc =
             result::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32_type)
                 .map(|d| Guard(d, result::destroy_matmul_desc))
                 .map_err(|e| cublas_error(&what("matmul descriptor"), e))?;
-        for (attr, transpose) in [
-            (
-                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                g.trans_a,
-            ),
-            (
-                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-                g.trans_b,
-            ),
-        ] {
-            let op = i32::from(transpose);
-            // SAFETY: desc is live; the attribute is a 4-byte cublasOperation_t.
+        let set = |attr: sys::cublasLtMatmulDescAttributes_t, value: i32, name: &str| {
+            // SAFETY: desc is live; each attribute set here is a 4-byte enum.
             unsafe {
                 result::set_matmul_desc_attribute(
                     desc.0,
                     attr,
-                    (&op as *const i32).cast(),
+                    (&value as *const i32).cast(),
                     size_of::<i32>(),
                 )
             }
-            .map_err(|e| cublas_error(&what("transpose attribute"), e))?;
+            .map_err(|e| cublas_error(&what(name), e))
+        };
+        use sys::cublasLtMatmulDescAttributes_t as A;
+        set(
+            A::CUBLASLT_MATMUL_DESC_TRANSA,
+            i32::from(key.trans_a),
+            "transpose attribute",
+        )?;
+        set(
+            A::CUBLASLT_MATMUL_DESC_TRANSB,
+            i32::from(key.trans_b),
+            "transpose attribute",
+        )?;
+        if key.bias {
+            set(
+                A::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS as i32,
+                "bias epilogue",
+            )?;
+            set(
+                A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                f32_type as i32,
+                "bias type",
+            )?;
         }
         let pref = result::create_matmul_pref()
             .map(|p| Guard(p, result::destroy_matmul_pref))
@@ -169,49 +477,58 @@ impl Blas {
             )
         }
         .map_err(|e| cublas_error(&what("workspace preference"), e))?;
-        // SAFETY: every descriptor is live for the call.
-        let heuristic = unsafe {
-            result::get_matmul_algo_heuristic(
+        let wanted = if key.operands == Operands::F32 {
+            1
+        } else {
+            CANDIDATES
+        };
+        // SAFETY: an all-zero heuristic result is a valid value of this plain C struct.
+        let mut found: Vec<sys::cublasLtMatmulHeuristicResult_t> =
+            vec![unsafe { std::mem::zeroed() }; wanted];
+        let mut count: i32 = 0;
+        // SAFETY: every descriptor is live for the call; `found` has room for `wanted` results.
+        let status = unsafe {
+            sys::cublasLtMatmulAlgoGetHeuristic(
                 self.handle,
                 desc.0,
-                a_layout.0,
-                b_layout.0,
-                c_layout.0,
-                c_layout.0,
+                a.0,
+                b.0,
+                c.0,
+                c.0,
                 pref.0,
+                wanted as i32,
+                found.as_mut_ptr(),
+                &mut count,
             )
-        }
-        .map_err(|e| cublas_error(&what("algorithm search"), e))?;
-        let alpha = 1.0f32;
-        let beta = g.beta;
-        // SAFETY: the pointers are device allocations the backend checked to hold the
-        // described matrices; the workspace outlives the call (stream-ordered).
-        unsafe {
-            result::matmul(
-                self.handle,
-                desc.0,
-                (&alpha as *const f32).cast(),
-                (&beta as *const f32).cast(),
-                g.a as *const c_void,
-                a_layout.0,
-                g.b as *const c_void,
-                b_layout.0,
-                g.c as *const c_void,
-                c_layout.0,
-                g.c as *mut c_void,
-                c_layout.0,
-                &heuristic.algo,
-                self.workspace as *mut c_void,
-                self.workspace_size,
-                stream,
-            )
-        }
-        .map_err(|e| cublas_error(&what("matmul"), e))
+        };
+        let algos = match status {
+            sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS => found
+                .iter()
+                .take(count.max(0) as usize)
+                .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+                .map(|r| r.algo)
+                .collect(),
+            // No algorithm, or (for a bias epilogue) a combination cuBLASLt rejects: the caller
+            // adds the bias itself.
+            sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED => Vec::new(),
+            _ if key.bias => Vec::new(),
+            other => return Err(cublas_error(&what("algorithm search"), other)),
+        };
+        Ok(Plan {
+            settled: algos.len() <= 1,
+            desc,
+            a,
+            b,
+            c,
+            algos,
+        })
     }
 }
 
 impl Drop for Blas {
     fn drop(&mut self) {
+        // The plans' descriptors go before the handle.
+        self.plans.clear();
         // SAFETY: the handle was created in `new` and is destroyed once.
         let _ = unsafe { result::destroy_handle(self.handle) };
     }

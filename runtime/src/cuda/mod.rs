@@ -14,8 +14,9 @@
 //! Buffers are keyed by `BufferId`. Given the program's memory plan (`Backend::prepare`, which
 //! the executor always calls), the backend makes one allocation for the persistent buffers and
 //! one arena for the transient ones, and sizes every per-op scratch once (`storage`): `Alloc` is
-//! then a stream-ordered memset of the buffer's planned bytes and `Free` releases nothing, so a
-//! step makes no driver allocation. Without a plan each buffer is its own allocation. An op whose
+//! then a stream-ordered memset of the buffer's planned bytes (none where the plan says its first
+//! use overwrites it: `MemoryLayout::needs_zero`) and `Free` releases nothing, so a step makes no
+//! driver allocation. Without a plan each buffer is its own allocation. An op whose
 //! output is also one of its inputs sees the input's value from before the op (the input is
 //! copied first), as on the CPU.
 mod attention;
@@ -25,7 +26,9 @@ mod dispatch;
 mod gemm;
 mod nccl;
 mod nccl_host;
+mod nccl_inflight;
 mod nccl_watchdog;
+mod optimizer;
 mod storage;
 mod stream;
 
@@ -104,6 +107,8 @@ pub struct CudaBackend {
     /// 16-bit copies of the current GEMM's A and B (bf16 and fp16 runs); sized by `prepare`,
     /// grows (never shrinks) without a memory plan.
     half_operands: Option<CudaSlice<u8>>,
+    /// The fused optimizer's runs and tables (built by `prepare`).
+    fused: optimizer::FusedOptimizer,
     /// Kept alive for cuBLASLt.
     _workspace: CudaSlice<u8>,
 }
@@ -157,6 +162,7 @@ impl CudaBackend {
             scratch: None,
             operands,
             half_operands: None,
+            fused: optimizer::FusedOptimizer::default(),
             _workspace: workspace,
             nccl: None,
         })
@@ -225,7 +231,8 @@ impl CudaBackend {
             .map(CudaSlice::len)
             .sum();
         let positions: usize = self.positions.values().map(|(m, _)| m.len()).sum();
-        self.planned.bytes + (own + scratch + positions + WORKSPACE_BYTES) as u64
+        let tables = self.fused.bytes();
+        self.planned.bytes + (own + scratch + positions + tables + WORKSPACE_BYTES) as u64
     }
 
     /// Room for a copy of an aliased input of `bytes`: the next piece of the planned scratch,
@@ -335,11 +342,13 @@ impl CudaBackend {
     }
 
     /// Runs `g` (fp32 operands). In a bf16 or fp16 run the operands are first rounded into
-    /// 16-bit copies and cuBLASLt reads those; C stays fp32.
+    /// 16-bit copies (one launch for both) and cuBLASLt reads those; C stays fp32. The first
+    /// run of each distinct 16-bit GEMM picks its algorithm by timing (`gemm`); one that
+    /// accumulates is timed into the scratch after the copies (`storage` sizes it).
     pub(crate) fn gemm(&mut self, g: &gemm::Gemm) -> Result<()> {
-        let stream = self.stream.cu_stream() as _;
+        let stream = self.stream.cu_stream();
         let Some(convert) = self.operands.conversion_kernel() else {
-            return self.blas.run(g, Operands::F32, stream);
+            return self.blas.run(g, Operands::F32, stream, None);
         };
         // B starts on a 256-byte boundary (cuBLASLt's preferred operand alignment).
         let (a_len, b_len) = (g.a_len(), g.b_len());
@@ -354,20 +363,50 @@ impl CudaBackend {
             self.half_operands = None;
             self.half_operands = Some(self.alloc_bytes(bytes, "16-bit GEMM operands")?);
         }
-        let base = match &self.half_operands {
-            Some(s) => raw_ptr(&self.stream, s),
+        let (base, room) = match &self.half_operands {
+            Some(s) => (raw_ptr(&self.stream, s), s.len()),
             None => return Err(RuntimeError::Unsupported("16-bit operands missing".into())),
         };
         let (a16, b16) = (base, base + b_offset as CUdeviceptr);
         let n = |v: usize| Arg::I64(v as i64);
-        self.launch_n(convert, a_len, &[Arg::Ptr(g.a), Arg::Ptr(a16), n(a_len)])?;
-        self.launch_n(convert, b_len, &[Arg::Ptr(g.b), Arg::Ptr(b16), n(b_len)])?;
+        self.launch_n(
+            convert,
+            (a_len + b_len).div_ceil(4),
+            &[
+                Arg::Ptr(g.a),
+                Arg::Ptr(a16),
+                n(a_len),
+                Arg::Ptr(g.b),
+                Arg::Ptr(b16),
+                n(b_len),
+            ],
+        )?;
         let rounded = gemm::Gemm {
             a: a16,
             b: b16,
             ..*g
         };
-        self.blas.run(&rounded, self.operands, stream)
+        let tune_offset = bytes.next_multiple_of(256);
+        let tune_out = (tune_offset + g.c_len() * 4 <= room
+            && !self.blas.settled(g, self.operands))
+        .then_some(base + tune_offset as CUdeviceptr);
+        self.blas.run(&rounded, self.operands, stream, tune_out)
+    }
+
+    /// Starts (from zero) or stops timing the GEMMs' cuBLASLt kernels alone, without their
+    /// operand conversions (for GEMM benchmarks): while on, every GEMM waits for its kernels.
+    pub fn time_gemm_kernels(&mut self, on: bool) -> Result<()> {
+        self.blas.time_matmuls(on)
+    }
+
+    /// Milliseconds of GEMM kernel time since `time_gemm_kernels(true)`; None when off.
+    pub fn gemm_kernel_ms(&self) -> Option<f64> {
+        self.blas.matmul_ms()
+    }
+
+    /// Whether cuBLASLt offers `g` (with its bias epilogue) for this run's operand type.
+    pub(crate) fn gemm_supported(&mut self, g: &gemm::Gemm) -> Result<bool> {
+        self.blas.supports(g, self.operands)
     }
 
     pub(crate) fn copy_bytes(
@@ -456,7 +495,7 @@ impl Backend for CudaBackend {
         for segments in &needs.segments {
             self.positions(segments)?;
         }
-        Ok(())
+        self.prepare_fused_optimizer(program)
     }
 
     fn alloc(&mut self, id: BufferId, shape: &[u64], dtype: DType) -> Result<()> {
@@ -466,13 +505,18 @@ impl Backend for CudaBackend {
                 usize::try_from(d).ok().and_then(|d| acc.checked_mul(d))
             })
             .ok_or_else(|| buffer_error(id, format!("shape {shape:?} is too large")))?;
+        self.fused.check_alloc(id)?;
         let index = id.0 as usize;
         if self.slots.get(index).is_some_and(Option::is_some) {
             return Err(buffer_error(id, "is already allocated"));
         }
         let bytes = len * dtype.bytes() as usize;
+        // Communication on the buffer waits for the compute queued up to here (earlier users of
+        // its bytes, and its zero-fill where it gets one): the alloc counts as work on it.
+        self.order_after_comm([id])?;
         let (memory, ptr) = match self.planned.pointer(index) {
-            // Its planned bytes, zeroed in stream order (after every earlier user of them).
+            // Its planned bytes, zeroed in stream order (after every earlier user of them)
+            // unless the plan says its first use writes all of them.
             Some((ptr, capacity)) => {
                 if bytes as u64 > capacity {
                     return Err(buffer_error(
@@ -480,7 +524,7 @@ impl Backend for CudaBackend {
                         format!("needs {bytes} bytes but was planned {capacity} (a planner bug)"),
                     ));
                 }
-                if bytes > 0 {
+                if bytes > 0 && self.planned.needs_zero(index) {
                     self.zero_bytes(ptr, bytes)?;
                 }
                 (None, ptr)
@@ -522,6 +566,9 @@ impl Backend for CudaBackend {
         outputs: &[BufferId],
         scalars: &StepScalars,
     ) -> Result<()> {
+        if self.fused_optimizer(op, inputs, outputs, scalars)? {
+            return Ok(());
+        }
         self.order_after_comm(inputs.iter().chain(outputs).copied())?;
         let outs = outputs
             .iter()
@@ -559,6 +606,7 @@ impl Backend for CudaBackend {
             return Err(buffer_error(id, format!("is {:?}, expected f32", s.dtype)));
         }
         self.synchronize()?;
+        self.check_comm_intact()?;
         let mut host = vec![0.0f32; s.len];
         // SAFETY: the allocation holds exactly s.len f32s; the stream is idle.
         unsafe { cu::memcpy_dtoh_sync(&mut host, s.ptr) }
@@ -584,5 +632,13 @@ impl Backend for CudaBackend {
 
     fn abort(&mut self, reason: &str) {
         self.abort_nccl(reason);
+    }
+
+    fn begin_instruction(&mut self, index: usize) {
+        self.nccl_instruction(index);
+    }
+
+    fn stuck_instruction(&self) -> Option<usize> {
+        self.nccl_stuck_instruction()
     }
 }

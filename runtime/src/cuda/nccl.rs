@@ -18,17 +18,22 @@
 //!   the last bits (one rank: identical).
 //! - **No hang**: the host waits for queued communication by polling, checks NCCL's
 //!   asynchronous errors, and after the timeout aborts the communicators and fails naming the
-//!   last communication it queued. A watchdog thread ([`super::nccl_watchdog`]) does the same
-//!   for the waits it cannot poll (a host copy behind compute that waits for communication).
+//!   communication that is stuck: the first queued call not finished
+//!   ([`super::nccl_inflight`]), with the program instruction that issued it, which the
+//!   executor turns into the rank, instruction and spec line of the error
+//!   ([`CudaBackend::stuck_instruction`]). A watchdog thread ([`super::nccl_watchdog`]) does the
+//!   same for the waits it cannot poll (a host copy behind compute that waits for
+//!   communication).
 use super::device::driver_error;
+use super::nccl_inflight::{InFlight, Queued};
 use super::nccl_watchdog::Watchdog;
-use super::stream::{poll_until_idle, CommStream};
+use super::stream::{comm_buffers, poll_until_idle, CommStream};
 use super::{Buf, CudaBackend};
 use crate::backend::DeviceTransfer;
 use crate::comm::layout::{check_p2p_order, CommKey, CommLayout};
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaEvent, CudaStream};
 use cudarc::nccl::sys as nc;
 use parc_compiler::ir::{BufferId, CollectiveKind, DType, Plan, ReduceOp};
 use std::ffi::{c_int, c_void, CStr};
@@ -169,8 +174,10 @@ pub(crate) struct Communicators {
     /// Split `i` of the layout: this rank's communicator in it, or None where it has no set.
     splits: Vec<Option<Communicator>>,
     layout: CommLayout,
-    /// The last communication queued, for a timeout's message.
-    last_queued: String,
+    /// The calls queued and not yet seen finished, for a timeout's message.
+    inflight: InFlight<CudaEvent>,
+    /// The call found stuck when the communicators failed (the first unfinished one).
+    stuck: Option<Queued>,
     /// Why the communicators were aborted, once they were (after a failure): never used again.
     aborted: Option<String>,
     /// Checked while waiting, e.g. the launcher's news of another rank's failure.
@@ -199,6 +206,11 @@ pub(crate) fn lock(shared: &Shared) -> Result<MutexGuard<'_, Communicators>> {
         .map_err(|_| RuntimeError::Comm("NCCL: a thread panicked while using NCCL".into()))
 }
 
+/// Whether the stream has passed `event` (an error, e.g. after an abort, counts as not).
+fn event_finished(event: &CudaEvent) -> bool {
+    event.try_is_complete().unwrap_or(false)
+}
+
 /// One send or receive on raw device memory: (is a send, global peer rank, pointer, f32s).
 pub(crate) type RawTransfer = (bool, u32, CUdeviceptr, usize);
 
@@ -223,7 +235,8 @@ impl Communicators {
             },
             splits: Vec::new(),
             layout,
-            last_queued: String::new(),
+            inflight: InFlight::default(),
+            stuck: None,
             aborted: None,
             probe: None,
             notice: None,
@@ -346,28 +359,55 @@ impl Communicators {
     }
 
     /// Block until `stream` has run everything queued on it, checking [`Communicators::health`]
-    /// while waiting; on failure abort and say what was queued last.
+    /// while waiting; on failure abort and say which communication is stuck.
     pub(crate) fn wait(&mut self, stream: &CudaStream, timeout: Duration) -> Result<()> {
         let result = poll_until_idle(stream, timeout, &mut || self.health());
         if let Err(e) = result {
-            let message = format!("rank {}: {e}{}", self.rank, self.last_queued_note());
+            let note = self.stuck_note();
+            let message = format!("rank {}: {e}{note}", self.rank);
             self.abort(&message);
             return Err(RuntimeError::Comm(message));
         }
         Ok(())
     }
 
-    /// " (the last queued: …)", or nothing before any communication.
-    pub(crate) fn last_queued_note(&self) -> String {
-        if self.last_queued.is_empty() {
-            String::new()
-        } else {
-            format!(" (the last queued: {})", self.last_queued)
+    /// Find the call the communication stream is stuck in (the first unfinished one; call it
+    /// before aborting, which ends every call) and describe it: " (stuck in: …)", or
+    /// " (the last queued: …)" where every queued call finished, or nothing before any.
+    pub(crate) fn stuck_note(&mut self) -> String {
+        if self.stuck.is_none() {
+            self.stuck = self.inflight.first_unfinished(event_finished).cloned();
+        }
+        match (&self.stuck, self.inflight.last()) {
+            (Some(stuck), _) => format!(" (stuck in: {})", stuck.describe()),
+            (None, Some(last)) => format!(" (the last queued: {})", last.describe()),
+            (None, None) => String::new(),
         }
     }
 
+    /// The instruction whose call was found stuck when the communicators failed.
+    pub(crate) fn stuck_instruction(&self) -> Option<usize> {
+        self.stuck.as_ref().and_then(|q| q.instruction)
+    }
+
+    /// Record an event after the call just queued on `stream` as `what`, from `instruction`.
+    fn queued(
+        &mut self,
+        stream: &CudaStream,
+        instruction: Option<usize>,
+        what: String,
+    ) -> Result<()> {
+        let event = stream
+            .record_event(None)
+            .map_err(|e| driver_error("recording an event after an NCCL call", e))?;
+        self.inflight
+            .push(event, Queued { instruction, what }, event_finished);
+        Ok(())
+    }
+
     /// Queue collective `kind` over `group` on `stream`: `count` is NCCL's count (elements per
-    /// rank for all-gather and reduce-scatter, else the whole buffer).
+    /// rank for all-gather and reduce-scatter, else the whole buffer); `instruction` is the
+    /// program instruction it comes from, if any.
     ///
     /// # Safety
     /// `send` and `recv` must be device allocations of this context large enough for `kind`
@@ -378,12 +418,12 @@ impl Communicators {
         group: &[u32],
         (send, recv, count): (CUdeviceptr, CUdeviceptr, usize),
         stream: &CudaStream,
-        what: String,
+        (instruction, what): (Option<usize>, String),
     ) -> Result<()> {
         let comm = self.communicator(group)?;
         let raw = comm.raw;
         let what = format!("rank {}: {what} over {}", self.rank, comm.what);
-        let stream = stream.cu_stream() as nc::cudaStream_t;
+        let cu_stream = stream.cu_stream() as nc::cudaStream_t;
         let (send, recv) = (send as *const c_void, recv as *mut c_void);
         let f32t = nc::ncclDataType_t::ncclFloat32;
         let result = match kind {
@@ -392,23 +432,23 @@ impl Communicators {
                     ReduceOp::Sum => nc::ncclRedOp_t::ncclSum,
                     ReduceOp::Max => nc::ncclRedOp_t::ncclMax,
                 };
-                nc::ncclAllReduce(send, recv, count, f32t, op, raw, stream)
+                nc::ncclAllReduce(send, recv, count, f32t, op, raw, cu_stream)
             }
-            CollectiveKind::AllGather => nc::ncclAllGather(send, recv, count, f32t, raw, stream),
+            CollectiveKind::AllGather => nc::ncclAllGather(send, recv, count, f32t, raw, cu_stream),
             CollectiveKind::ReduceScatter => {
                 let sum = nc::ncclRedOp_t::ncclSum;
-                nc::ncclReduceScatter(send, recv, count, f32t, sum, raw, stream)
+                nc::ncclReduceScatter(send, recv, count, f32t, sum, raw, cu_stream)
             }
             CollectiveKind::Broadcast { root } => {
-                nc::ncclBroadcast(send, recv, count, f32t, root as c_int, raw, stream)
+                nc::ncclBroadcast(send, recv, count, f32t, root as c_int, raw, cu_stream)
             }
         };
         check(result, Some(raw), || what.clone())?;
-        self.last_queued = what;
-        Ok(())
+        self.queued(stream, instruction, what)
     }
 
-    /// Queue `transfers` on `stream` as one NCCL group over the world communicator.
+    /// Queue `transfers` on `stream` as one NCCL group over the world communicator, from
+    /// program instruction `instruction` if any.
     ///
     /// # Safety
     /// Every pointer must be a device allocation of this context holding its count of f32s,
@@ -417,12 +457,12 @@ impl Communicators {
         &mut self,
         transfers: &[RawTransfer],
         stream: &CudaStream,
-        what: String,
+        (instruction, what): (Option<usize>, String),
     ) -> Result<()> {
         self.usable()?;
         let world = self.world.raw;
         let what = format!("rank {}: {what}", self.rank);
-        let stream = stream.cu_stream() as nc::cudaStream_t;
+        let cu_stream = stream.cu_stream() as nc::cudaStream_t;
         let f32t = nc::ncclDataType_t::ncclFloat32;
         check(nc::ncclGroupStart(), Some(world), || {
             format!("{what}: starting the group")
@@ -436,10 +476,17 @@ impl Communicators {
                     f32t,
                     peer as c_int,
                     world,
-                    stream,
+                    cu_stream,
                 )
             } else {
-                nc::ncclRecv(ptr as *mut c_void, len, f32t, peer as c_int, world, stream)
+                nc::ncclRecv(
+                    ptr as *mut c_void,
+                    len,
+                    f32t,
+                    peer as c_int,
+                    world,
+                    cu_stream,
+                )
             };
             if queued.is_ok() {
                 queued = check(result, Some(world), || what.clone());
@@ -449,8 +496,7 @@ impl Communicators {
         let closed = check(nc::ncclGroupEnd(), Some(world), || what.clone());
         queued?;
         closed?;
-        self.last_queued = what;
-        Ok(())
+        self.queued(stream, instruction, what)
     }
 }
 
@@ -476,6 +522,8 @@ impl Drop for Communicators {
 pub(crate) struct NcclComm {
     pub(crate) comms: Shared,
     pub(crate) stream: CommStream,
+    /// The program instruction the executor runs now ([`CudaBackend::begin_instruction`]).
+    instruction: Option<usize>,
     _watchdog: Watchdog,
 }
 
@@ -503,6 +551,10 @@ impl Drop for NcclComm {
     fn drop(&mut self) {
         let _ = self.wait();
     }
+}
+
+fn not_set_up() -> RuntimeError {
+    RuntimeError::Unsupported("NCCL is not set up on this backend (call use_nccl first)".into())
 }
 
 fn f32_buffer(op: &str, b: &Buf) -> Result<()> {
@@ -553,16 +605,23 @@ impl CudaBackend {
         timeout: Duration,
     ) -> Result<()> {
         check_p2p_order(plan, rank).map_err(RuntimeError::Comm)?;
+        let program = plan.program_of(rank).ok_or_else(|| {
+            RuntimeError::Comm(format!(
+                "NCCL: rank {rank} has no program in a plan of {} ranks",
+                plan.world
+            ))
+        })?;
         self.ctx
             .bind_to_thread()
             .map_err(|e| driver_error("making the context current for NCCL", e))?;
-        let stream = CommStream::new(&self.ctx, timeout)?;
+        let stream = CommStream::new(&self.ctx, comm_buffers(program), timeout)?;
         let comms = Communicators::join(id, rank, CommLayout::of_plan(plan))?;
         let comms = Arc::new(Mutex::new(comms));
         let watchdog = Watchdog::start(&self.ctx, stream.stream(), &comms, timeout)?;
         self.nccl = Some(NcclComm {
             comms,
             stream,
+            instruction: None,
             _watchdog: watchdog,
         });
         Ok(())
@@ -599,14 +658,30 @@ impl CudaBackend {
     }
 
     fn nccl_set_up(&self) -> Result<&NcclComm> {
-        self.nccl.as_ref().ok_or_else(|| {
-            RuntimeError::Unsupported(
-                "NCCL is not set up on this backend (call use_nccl first)".into(),
-            )
-        })
+        self.nccl.as_ref().ok_or_else(not_set_up)
     }
 
-    /// Make the compute stream wait for queued communication on `ids` (before an op, a free).
+    fn nccl_set_up_mut(&mut self) -> Result<&mut NcclComm> {
+        self.nccl.as_mut().ok_or_else(not_set_up)
+    }
+
+    /// [`crate::backend::Backend::begin_instruction`]: later NCCL calls come from `index`.
+    pub(crate) fn nccl_instruction(&mut self, index: usize) {
+        if let Some(nccl) = &mut self.nccl {
+            nccl.instruction = Some(index);
+        }
+    }
+
+    /// [`crate::backend::Backend::stuck_instruction`]: the instruction whose NCCL call was found
+    /// stuck when the communicators failed.
+    pub(crate) fn nccl_stuck_instruction(&self) -> Option<usize> {
+        let nccl = self.nccl.as_ref()?;
+        lock(&nccl.comms).ok()?.stuck_instruction()
+    }
+
+    /// Before compute-stream work on `ids` (an op, an `Alloc`, a `Free`): make the compute
+    /// stream wait for queued communication on them, and let later communication on them wait
+    /// for this work (see [`super::stream`]).
     pub(crate) fn order_after_comm(
         &mut self,
         ids: impl IntoIterator<Item = BufferId>,
@@ -626,6 +701,16 @@ impl CudaBackend {
     pub(crate) fn drain_comm(&mut self) -> Result<()> {
         match &mut self.nccl {
             Some(nccl) => nccl.drain(),
+            None => Ok(()),
+        }
+    }
+
+    /// After the host waited for compute: fail if the communicators were aborted meanwhile
+    /// (the watchdog found communication stuck; compute that waited for it ran on data it never
+    /// got), with the reason, which names the stuck call.
+    pub(crate) fn check_comm_intact(&self) -> Result<()> {
+        match &self.nccl {
+            Some(nccl) => lock(&nccl.comms)?.usable(),
             None => Ok(()),
         }
     }
@@ -659,8 +744,9 @@ impl CudaBackend {
                 ),
             )
         })?;
-        let nccl = self.nccl_set_up()?;
-        nccl.stream.follow(&self.stream)?;
+        let compute = Arc::clone(&self.stream);
+        let nccl = self.nccl_set_up_mut()?;
+        nccl.stream.follow_uses(&compute, &[input, output])?;
         let what = format!("{name} of buffer {} into buffer {}", input.0, output.0);
         // SAFETY: both buffers are live device allocations whose lengths were checked against
         // `count` for this kind; the buffers stay allocated until the recorded event (a free
@@ -671,7 +757,7 @@ impl CudaBackend {
                 group,
                 (inp.ptr, out.ptr, count),
                 nccl.stream.stream(),
-                what,
+                (nccl.instruction, what),
             )?;
         }
         match &mut self.nccl {
@@ -700,12 +786,17 @@ impl CudaBackend {
                 format!("receive buffer {} from rank {peer}", buffer.0)
             });
         }
-        let nccl = self.nccl_set_up()?;
-        nccl.stream.follow(&self.stream)?;
+        let compute = Arc::clone(&self.stream);
+        let nccl = self.nccl_set_up_mut()?;
+        nccl.stream.follow_uses(&compute, &ids)?;
         // SAFETY: every buffer is a live device allocation of its length in f32s, kept until
         // the recorded event; peers are global ranks of the world communicator.
         unsafe {
-            lock(&nccl.comms)?.transfers(&raw, nccl.stream.stream(), words.join(", "))?;
+            lock(&nccl.comms)?.transfers(
+                &raw,
+                nccl.stream.stream(),
+                (nccl.instruction, words.join(", ")),
+            )?;
         }
         match &mut self.nccl {
             Some(nccl) => nccl.stream.record(&ids),

@@ -145,7 +145,7 @@ impl NcclHostComm {
                 group,
                 (send, recv, count),
                 &self.stream,
-                format!("host {name} of {} elements", input.len()),
+                (None, format!("host {name} of {} elements", input.len())),
             )?;
         }
         self.wait()?;
@@ -232,7 +232,7 @@ impl Comm for NcclHostComm {
         }
         // SAFETY: every region lies in the staging buffer with its length in f32s.
         unsafe {
-            lock(&self.comms)?.transfers(&raw, &self.stream, what.join(", "))?;
+            lock(&self.comms)?.transfers(&raw, &self.stream, (None, what.join(", ")))?;
         }
         self.wait()?;
         for (op, &offset) in ops.iter_mut().zip(&offsets) {

@@ -66,7 +66,7 @@ impl Drop for Watchdog {
 
 fn abort(comms: &Shared, reason: &str) {
     if let Ok(mut c) = comms.lock() {
-        let reason = format!("{reason}{}", c.last_queued_note());
+        let reason = format!("{reason}{}", c.stuck_note());
         c.abort(&reason);
     }
 }

@@ -1,13 +1,15 @@
 //! Where the CUDA backend's memory comes from when it is given a memory plan
 //! (`Backend::prepare`): the planned regions (one device allocation for the persistent
 //! buffers, one for the transient arena; each planned buffer is a fixed pointer into them, so
-//! `Alloc` is a stream-ordered memset and `Free` releases nothing), and the sizes of the
+//! `Alloc` is a stream-ordered memset — none for a buffer the plan says is fully written before
+//! it is read (`MemoryLayout::needs_zero`) — and `Free` releases nothing), and the sizes of the
 //! per-op scratch memory read off the program once, so no step allocates:
 //! - reduction partials (`dispatch`: `SumSquares`' per-block sums, the per-chunk column partials
 //!   of norm and bias gradients — at most 128 chunks of 8-byte sums per column — and attention
 //!   backward's `delta`, one f32 per `lse` element), which share one scratch buffer with the
 //!   tensor-core attention's bf16 copies of q, k, v (and dO) in 16-bit runs (`attention`);
-//! - the 16-bit copies of a GEMM's two operands (bf16 and fp16 runs), B on a 256-byte boundary;
+//! - the 16-bit copies of a GEMM's two operands (bf16 and fp16 runs), B on a 256-byte boundary,
+//!   then for a bwd-weight GEMM a dw-sized fp32 D its algorithms are timed into (`gemm`);
 //! - copies of inputs that are also the op's output (read from before the op);
 //! - every distinct `Segment` list, whose positions are uploaded once.
 use cudarc::driver::sys::CUdeviceptr;
@@ -26,7 +28,8 @@ const MAX_SUMSQ_BLOCKS: usize = 1024;
 pub(crate) struct ProgramNeeds {
     /// Bytes of reduction partials (the largest single op's).
     pub reduction_bytes: usize,
-    /// Bytes of the 16-bit copies of the largest GEMM's two operands.
+    /// Bytes of the 16-bit copies of the largest GEMM's two operands (and, for a bwd-weight
+    /// GEMM of a 16-bit run, the fp32 scratch its algorithms are timed into).
     pub gemm_operand_bytes: usize,
     /// Bytes of the largest op's inputs that are also its outputs (each 256-byte aligned).
     pub aliased_bytes: usize,
@@ -83,7 +86,14 @@ pub(crate) fn program_needs(program: &Program, half_operands: bool) -> ProgramNe
         ) {
             let bytes = aligned(numel(input(0)) * 2) + numel(input(1)) * 2;
             let other_order = aligned(numel(input(1)) * 2) + numel(input(0)) * 2;
-            needs.gemm_operand_bytes = needs.gemm_operand_bytes.max(bytes.max(other_order));
+            // A bwd-weight GEMM accumulates into dw, so its algorithms are timed into an fp32
+            // dw-sized scratch after the copies (`gemm`).
+            let tuning = match &**op {
+                Op::MatmulBwdWeight { .. } if half_operands => numel(output(0)) * 4,
+                _ => 0,
+            };
+            let bytes = aligned(bytes.max(other_order)) + tuning;
+            needs.gemm_operand_bytes = needs.gemm_operand_bytes.max(bytes);
         }
         let mut aliased = 0usize;
         for (i, id) in inputs.iter().enumerate() {
@@ -126,6 +136,8 @@ pub(crate) struct PlannedRegions {
     _regions: Vec<CudaSlice<u8>>,
     /// Per buffer id: its planned pointer and bytes, if the plan places it.
     pointers: Vec<Option<(CUdeviceptr, u64)>>,
+    /// Per buffer id: whether its allocation must be zero-filled.
+    needs_zero: Vec<bool>,
     /// Bytes of the two regions.
     pub bytes: u64,
 }
@@ -151,6 +163,7 @@ impl PlannedRegions {
         PlannedRegions {
             _regions: vec![persistent.0, arena.0],
             pointers,
+            needs_zero: layout.needs_zero.clone(),
             bytes: layout.total_bytes(),
         }
     }
@@ -158,6 +171,11 @@ impl PlannedRegions {
     /// The planned pointer and size of buffer `index`.
     pub fn pointer(&self, index: usize) -> Option<(CUdeviceptr, u64)> {
         self.pointers.get(index).copied().flatten()
+    }
+
+    /// Whether allocating buffer `index` must zero-fill it (true where the plan does not say).
+    pub fn needs_zero(&self, index: usize) -> bool {
+        self.needs_zero.get(index).copied().unwrap_or(true)
     }
 }
 
@@ -246,12 +264,19 @@ mod tests {
         let needs = program_needs(&program, false);
         // Bias gradient b3 (4000 floats): 128 chunks × 8 bytes per column.
         assert_eq!(needs.reduction_bytes, 128 * 8 * 4000);
-        // The bwd-weight GEMM's operands b2 and b0: 3000 + 1000 halves, the first aligned.
-        assert_eq!(needs.gemm_operand_bytes, 6144 + 2000);
+        // The bwd-weight GEMM's operands b2 and b0: 3000 + 1000 halves, each aligned.
+        assert_eq!(needs.gemm_operand_bytes, 8192);
         // b4 is read and written by one op.
         assert_eq!(needs.aliased_bytes, 20224);
         assert_eq!(needs.segments, vec![seg(0, 4)]);
-        assert_eq!(program_needs(&program, true), needs, "no attention here");
+        // A 16-bit run also times the bwd-weight GEMM into a copy of dw (b1: 2000 floats).
+        let half = program_needs(&program, true);
+        assert_eq!(half.gemm_operand_bytes, 8192 + 8000);
+        let no_attention = ProgramNeeds {
+            gemm_operand_bytes: needs.gemm_operand_bytes,
+            ..half
+        };
+        assert_eq!(no_attention, needs, "no attention here");
     }
 
     #[test]

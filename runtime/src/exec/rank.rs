@@ -231,12 +231,13 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
             loss_scale: self.loss_scaler.as_ref().map(LossScaler::scale),
         };
         for (index, instr) in self.program.instrs.iter().enumerate() {
+            self.backend.begin_instruction(index);
             let result = match profile.as_deref_mut() {
                 None => self.run(instr, step, &scalars),
                 Some(profile) => self.run_timed(instr, step, &scalars, profile),
             };
             result.map_err(|e| match e {
-                RuntimeError::Comm(_) => self.at_instruction(index, instr, e),
+                RuntimeError::Comm(_) => self.locate_comm_error(Some(index), e),
                 other => RuntimeError::Op {
                     op: format!(
                         "rank {} ({}) instruction {index}",
@@ -254,8 +255,9 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
             })
             .transpose()
         };
-        let loss = read(self.program.loss)?;
-        let mut grad_sumsq = read(self.program.grad_sumsq)?;
+        let loss = read(self.program.loss).map_err(|e| self.locate_comm_error(None, e))?;
+        let mut grad_sumsq =
+            read(self.program.grad_sumsq).map_err(|e| self.locate_comm_error(None, e))?;
         let loss_scale = match self.loss_scaler.as_mut() {
             None => None,
             Some(scaler) => {
@@ -279,6 +281,26 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
             grad_sumsq,
             loss_scale,
         })
+    }
+
+    /// Wrap communication error `error`, noticed at instruction `current` (None: after the
+    /// last), with where this rank was: the instruction whose queued communication the backend
+    /// found stuck where it knows one (an asynchronous device comm notices a peer's failure
+    /// later, at a wait), else `current`. Other errors, and a failure after the last
+    /// instruction with no stuck one, stay as they are.
+    fn locate_comm_error(&self, current: Option<usize>, error: RuntimeError) -> RuntimeError {
+        if !matches!(error, RuntimeError::Comm(_)) {
+            return error;
+        }
+        let index = self
+            .backend
+            .stuck_instruction()
+            .filter(|&i| i < self.program.instrs.len())
+            .or(current);
+        match index.and_then(|i| Some((i, self.program.instrs.get(i)?))) {
+            Some((index, instr)) => self.at_instruction(index, instr, error),
+            None => error,
+        }
     }
 
     /// Wrap a communication error with where this rank was: the instruction, and the spec

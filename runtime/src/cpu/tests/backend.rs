@@ -58,7 +58,10 @@ fn planned_program() -> Program {
 #[test]
 fn planned_buffers_reuse_their_planned_bytes_zeroed() {
     let program = planned_program();
-    let layout = plan_program(&program).unwrap();
+    let mut layout = plan_program(&program).unwrap();
+    // Nothing uses x or y, so the plan exempts them from zeroing; make y a buffer that needs it.
+    assert!(!layout.needs_zero(BufferId(2)));
+    layout.needs_zero[2] = true;
     assert_eq!(
         layout.placement(BufferId(1)),
         layout.placement(BufferId(2)),
@@ -95,6 +98,29 @@ fn planned_buffers_reuse_their_planned_bytes_zeroed() {
     assert_eq!(b.reserved_bytes(), layout.total_bytes(), "no growth");
     // A plan comes before any allocation.
     assert!(b.prepare(&program, &layout).is_err());
+}
+
+#[test]
+fn buffers_the_plan_exempts_from_zeroing_are_poisoned_with_nan() {
+    let program = planned_program();
+    let layout = plan_program(&program).unwrap();
+    assert!(
+        layout.needs_zero(BufferId(0)),
+        "persistent buffers start at zero"
+    );
+    assert!(!layout.needs_zero(BufferId(1)) && !layout.needs_zero(BufferId(3)));
+    let mut b = CpuBackend::new();
+    b.prepare(&program, &layout).unwrap();
+    b.alloc(BufferId(0), &[2], DType::F32).unwrap();
+    assert_eq!(b.f32(BufferId(0)).unwrap(), &[0.0; 2]);
+    b.alloc(BufferId(1), &[64], DType::F32).unwrap();
+    assert!(b.f32(BufferId(1)).unwrap().iter().all(|x| x.is_nan()));
+    b.alloc(BufferId(3), &[8], DType::I32).unwrap();
+    assert!(b.i32(BufferId(3)).unwrap().iter().all(|&id| id > 1 << 30));
+    // Without a plan every buffer is zeroed.
+    let mut unplanned = CpuBackend::new();
+    unplanned.alloc(BufferId(1), &[64], DType::F32).unwrap();
+    assert_eq!(unplanned.f32(BufferId(1)).unwrap(), &[0.0; 64]);
 }
 
 #[test]

@@ -116,29 +116,72 @@ extern "C" __global__ void rope_fwd(const float* x, float* y, const int* pos, lo
     }
 }
 
-// GEMM operands for bf16 runs: y[i] = x[i] rounded to bf16 (nearest, ties to even; NaN stays a
-// quiet NaN, infinities stay infinite), stored as the raw 16-bit pattern cuBLASLt reads as
-// CUDA_R_16BF. Bit arithmetic, so no cuda_bf16.h is needed under NVRTC.
-extern "C" __global__ void f32_to_bf16(const float* x, unsigned short* y, long long n) {
-    GRID_STRIDE(i, n) {
-        unsigned int u = __float_as_uint(x[i]);
-        if ((u & 0x7fffffffu) > 0x7f800000u) {
-            y[i] = (unsigned short)((u >> 16) | 0x40u);
+// GEMM operands for bf16 runs: x rounded to bf16 (nearest, ties to even; NaN stays a quiet NaN,
+// infinities stay infinite), as the raw 16-bit pattern cuBLASLt reads as CUDA_R_16BF. Bit
+// arithmetic, so no cuda_bf16.h is needed under NVRTC.
+__device__ __forceinline__ unsigned short round_bf16(float x) {
+    unsigned int u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return (unsigned short)((u >> 16) | 0x40u);
+    }
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// GEMM operands for fp16 runs: x rounded to IEEE binary16 (nearest, ties to even; magnitudes
+// from 65520 up become infinite, as a scaled gradient that overflows fp16 must, so the step's
+// norm is not finite and it is skipped; subnormals kept; NaN stays NaN), as the raw 16-bit
+// pattern cuBLASLt reads as CUDA_R_16F. One PTX conversion, so no cuda_fp16.h under NVRTC.
+__device__ __forceinline__ unsigned short round_f16(float x) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+
+template <bool BF16>
+__device__ __forceinline__ unsigned short round16(float x) {
+    return BF16 ? round_bf16(x) : round_f16(x);
+}
+
+// Both operands of one GEMM in one launch: a16[i] = round(a[i]) for i < na, b16[i] = round(b[i])
+// for i < nb. Where an array and its copy are 16- and 8-byte aligned, four elements move per
+// load and store (the grid strides over the quads of a, then of b; block 0 rounds the tails);
+// otherwise one element at a time.
+template <bool BF16>
+__device__ void round_pair(const float* a, unsigned short* a16, long long na,
+                           const float* b, unsigned short* b16, long long nb) {
+    bool va = ((unsigned long long)a % 16 == 0) && ((unsigned long long)a16 % 8 == 0);
+    bool vb = ((unsigned long long)b % 16 == 0) && ((unsigned long long)b16 % 8 == 0);
+    long long qa = va ? na / 4 : 0, qb = vb ? nb / 4 : 0;
+    GRID_STRIDE(q, qa + qb) {
+        const float* src = q < qa ? a : b;
+        unsigned short* dst = q < qa ? a16 : b16;
+        long long j = q < qa ? q : q - qa;
+        float4 v = reinterpret_cast<const float4*>(src)[j];
+        ushort4 r;
+        r.x = round16<BF16>(v.x);
+        r.y = round16<BF16>(v.y);
+        r.z = round16<BF16>(v.z);
+        r.w = round16<BF16>(v.w);
+        reinterpret_cast<ushort4*>(dst)[j] = r;
+    }
+    // Elements past the quads: the tails of vectorised arrays, all of a scalar one.
+    long long ra = na - 4 * qa, rb = nb - 4 * qb;
+    GRID_STRIDE(i, ra + rb) {
+        if (i < ra) {
+            a16[4 * qa + i] = round16<BF16>(a[4 * qa + i]);
         } else {
-            y[i] = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+            long long j = 4 * qb + (i - ra);
+            b16[j] = round16<BF16>(b[j]);
         }
     }
 }
 
-// GEMM operands for fp16 runs: y[i] = x[i] rounded to IEEE binary16 (nearest, ties to even;
-// magnitudes from 65520 up become infinite, as a scaled gradient that overflows fp16 must, so
-// the step's norm is not finite and it is skipped; subnormals kept; NaN stays NaN), stored as
-// the raw 16-bit pattern cuBLASLt reads as CUDA_R_16F. One PTX conversion, so no cuda_fp16.h
-// is needed under NVRTC.
-extern "C" __global__ void f32_to_f16(const float* x, unsigned short* y, long long n) {
-    GRID_STRIDE(i, n) {
-        unsigned short h;
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x[i]));
-        y[i] = h;
-    }
+extern "C" __global__ void f32_to_bf16_pair(const float* a, unsigned short* a16, long long na,
+                                            const float* b, unsigned short* b16, long long nb) {
+    round_pair<true>(a, a16, na, b, b16, nb);
+}
+
+extern "C" __global__ void f32_to_f16_pair(const float* a, unsigned short* a16, long long na,
+                                           const float* b, unsigned short* b16, long long nb) {
+    round_pair<false>(a, a16, na, b, b16, nb);
 }

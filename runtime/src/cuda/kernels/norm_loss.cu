@@ -142,35 +142,3 @@ extern "C" __global__ void clip_coef(const float* sumsq, float* coef, double max
         coef[0] = (float)(c / loss_scale);
     }
 }
-
-// A non-finite coef (an overflowed fp16 step) leaves param, m and v untouched.
-extern "C" __global__ void adamw(const float* g, const float* coef, float* param, float* m, float* v, long long n, float beta1, float beta2, float eps, float wd, float lr, float bias1, float bias2) {
-    float cf = coef[0];
-    if (not_finite(cf)) return;
-    GRID_STRIDE(i, n) {
-        float gi = cf * g[i];
-        float mi = beta1 * m[i] + (1.0f - beta1) * gi;
-        float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        float m_hat = mi / bias1, v_hat = vi / bias2;
-        param[i] -= lr * (m_hat / (sqrtf(v_hat) + eps) + wd * param[i]);
-    }
-}
-
-// buf == null: plain SGD. first != 0: buf = g' (the first step). A non-finite coef (an
-// overflowed fp16 step) leaves param and buf untouched.
-extern "C" __global__ void sgd(const float* g, const float* coef, float* param, float* buf, long long n, float momentum, float wd, float lr, int first) {
-    float cf = coef[0];
-    if (not_finite(cf)) return;
-    GRID_STRIDE(i, n) {
-        float gi = cf * g[i] + wd * param[i];
-        if (buf) {
-            float b = first ? gi : momentum * buf[i] + gi;
-            buf[i] = b;
-            param[i] -= lr * b;
-        } else {
-            param[i] -= lr * gi;
-        }
-    }
-}

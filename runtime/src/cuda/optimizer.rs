@@ -1,0 +1,436 @@
+//! The fused optimizer: one multi-tensor AdamW (or SGD) launch per run of optimizer
+//! instructions instead of one launch per parameter tensor. The program keeps one instruction
+//! per tensor; `crate::optimizer_runs` finds the runs that may be fused. Because the memory
+//! plan gives every buffer one device address for the whole run, `prepare` writes each run's
+//! table once (per tensor: pointers to g, coef, param and state, the element count and the
+//! weight decay; per block: which tensor and which chunk of `CHUNK_LEN` elements) into a device
+//! allocation of its own. When the executor reaches a run's first instruction the backend
+//! checks the buffers are still where the table says, orders the launch after any
+//! communication on them, and launches `adamw_multi` / `sgd_multi` (kernels/optimizer.cu) over
+//! the whole run; the run's later updates must then arrive in order, with the same step
+//! scalars, and become no-ops (an update out of order, or an `Alloc` of a buffer a pending
+//! update uses, is an error: that update already ran); the instructions between them run as
+//! usual. The
+//! kernels share their per-element code with the per-tensor ones, so the results are
+//! bit-identical, including the skipped update of an fp16 step whose coefficient is not
+//! finite. Without a memory plan, or with `with_fused_optimizer(false)`, every instruction
+//! takes the per-tensor path.
+use super::device::driver_error;
+use super::{raw_ptr, Arg, CudaBackend};
+use crate::backend::StepScalars;
+use crate::error::{Result, RuntimeError};
+use crate::optimizer_runs::{find_runs, OptimizerRun, RunKind};
+use cudarc::driver::result as cu;
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::CudaSlice;
+use parc_compiler::ir::op::Op;
+use parc_compiler::ir::{BufferId, Program};
+use std::collections::HashMap;
+
+/// Elements one block of a multi-tensor launch updates.
+const CHUNK_LEN: u64 = 16384;
+/// Threads per block of a multi-tensor launch.
+const THREADS: u32 = 256;
+/// Bytes of one `OptTensor` (kernels/optimizer.cu): five pointers, n, wd, padding.
+const TENSOR_BYTES: usize = 56;
+/// Bytes of one `OptChunk`: tensor index and first element, both i64.
+const CHUNK_BYTES: usize = 16;
+
+/// Adam's bias corrections `1 - β₁ᵗ`, `1 - β₂ᵗ` for the 1-based step `t`, as the kernels take
+/// them (one definition for the per-tensor and the fused launch).
+pub(super) fn adam_bias_corrections(beta1: f64, beta2: f64, step: u64) -> (f32, f32) {
+    let t = i32::try_from(step).unwrap_or(i32::MAX);
+    ((1.0 - beta1.powi(t)) as f32, (1.0 - beta2.powi(t)) as f32)
+}
+
+/// One tensor of a table: device pointers to g, coef, param, state0, state1 (0 for none).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct TableTensor {
+    pointers: [CUdeviceptr; 5],
+    numel: u64,
+    weight_decay: f32,
+}
+
+/// A run's table as bytes: the tensors, then (at `chunks_offset`) one chunk per block.
+#[derive(Debug, PartialEq)]
+struct TableBytes {
+    bytes: Vec<u8>,
+    chunks_offset: usize,
+    blocks: u32,
+}
+
+/// Lays out `tensors` as `OptTensor`s followed by the `OptChunk`s that cover every element of
+/// every tensor once (empty tensors get none).
+fn encode_table(tensors: &[TableTensor]) -> Result<TableBytes> {
+    let mut bytes = Vec::with_capacity(tensors.len() * TENSOR_BYTES);
+    for t in tensors {
+        for p in t.pointers {
+            bytes.extend_from_slice(&p.to_le_bytes());
+        }
+        bytes.extend_from_slice(&t.numel.to_le_bytes());
+        bytes.extend_from_slice(&t.weight_decay.to_le_bytes());
+        bytes.extend_from_slice(&0i32.to_le_bytes());
+    }
+    let chunks_offset = bytes.len().next_multiple_of(CHUNK_BYTES);
+    bytes.resize(chunks_offset, 0);
+    let mut blocks = 0u64;
+    for (index, t) in tensors.iter().enumerate() {
+        let mut start = 0u64;
+        while start < t.numel {
+            bytes.extend_from_slice(&(index as u64).to_le_bytes());
+            bytes.extend_from_slice(&start.to_le_bytes());
+            start += CHUNK_LEN;
+            blocks += 1;
+        }
+    }
+    let blocks = u32::try_from(blocks)
+        .ok()
+        .filter(|&b| b <= i32::MAX as u32)
+        .ok_or_else(|| {
+            RuntimeError::Unsupported(format!(
+                "a fused optimizer run needs {blocks} blocks, more than one launch has (2^31 - 1)"
+            ))
+        })?;
+    Ok(TableBytes {
+        bytes,
+        chunks_offset,
+        blocks,
+    })
+}
+
+/// One run on the device.
+struct DeviceRun {
+    run: OptimizerRun,
+    /// The table (kept alive; `tensors` and `chunks` point into it).
+    table: CudaSlice<u8>,
+    tensors: CUdeviceptr,
+    chunks: CUdeviceptr,
+    blocks: u32,
+    /// Per member, what the table holds for it.
+    entries: Vec<TableTensor>,
+}
+
+/// Where the executor is inside a launched run.
+#[derive(Clone, Copy)]
+struct Cursor {
+    run: usize,
+    /// The member expected next.
+    next: usize,
+    scalars: StepScalars,
+}
+
+/// The fused runs of the prepared program and the executor's position in them.
+pub(super) struct FusedOptimizer {
+    enabled: bool,
+    runs: Vec<DeviceRun>,
+    /// A run's first member's param buffer → the run.
+    by_first: HashMap<BufferId, usize>,
+    cursor: Option<Cursor>,
+}
+
+impl Default for FusedOptimizer {
+    fn default() -> FusedOptimizer {
+        FusedOptimizer {
+            enabled: true,
+            runs: Vec::new(),
+            by_first: HashMap::new(),
+            cursor: None,
+        }
+    }
+}
+
+impl FusedOptimizer {
+    /// Device bytes of the tables.
+    pub fn bytes(&self) -> usize {
+        self.runs.iter().map(|r| r.table.len()).sum()
+    }
+
+    /// An error if a launched run's later update uses buffer `id`: allocating (zeroing) it now
+    /// would come after that update ran (the run detection keeps such an `Alloc` out of a run,
+    /// so this only trips when the instructions arrive out of the program's order).
+    pub fn check_alloc(&self, id: BufferId) -> Result<()> {
+        let Some(c) = &self.cursor else {
+            return Ok(());
+        };
+        let members = &self.runs[c.run].run.members;
+        match members[c.next..]
+            .iter()
+            .find(|m| m.buffers().any(|b| b == id))
+        {
+            None => Ok(()),
+            Some(m) => Err(table_error(format!(
+                "Alloc of buffer {} came after the fused launch at instruction {} already ran \
+                 instruction {}'s update, which uses it; run the program's instructions in order",
+                id.0, members[0].index, m.index
+            ))),
+        }
+    }
+}
+
+fn table_error(what: String) -> RuntimeError {
+    RuntimeError::Op {
+        op: "fused optimizer".into(),
+        what,
+    }
+}
+
+impl CudaBackend {
+    /// `false`: update every tensor with its own launch (the per-tensor path), e.g. to compare
+    /// against the fused one. Takes effect at `prepare`.
+    pub fn with_fused_optimizer(mut self, fused: bool) -> CudaBackend {
+        self.fused.enabled = fused;
+        self
+    }
+
+    /// The fused runs of the prepared program: how many instructions each covers (empty
+    /// before `prepare`, without a memory plan, or with the fused optimizer off).
+    pub fn fused_optimizer_runs(&self) -> Vec<usize> {
+        self.fused
+            .runs
+            .iter()
+            .map(|r| r.run.members.len())
+            .collect()
+    }
+
+    /// Builds and uploads the table of every fusable run of `program` whose buffers the memory
+    /// plan places (called from `prepare`, after the planned regions exist).
+    pub(super) fn prepare_fused_optimizer(&mut self, program: &Program) -> Result<()> {
+        let enabled = self.fused.enabled;
+        self.fused = FusedOptimizer {
+            enabled,
+            ..FusedOptimizer::default()
+        };
+        if !enabled {
+            return Ok(());
+        }
+        for run in find_runs(program) {
+            let pointer = |id: BufferId| self.planned.pointer(id.0 as usize).map(|(p, _)| p);
+            let entries: Option<Vec<TableTensor>> = run
+                .members
+                .iter()
+                .map(|m| {
+                    let mut pointers = [0; 5];
+                    let ids = [m.inputs[0], m.inputs[1]]
+                        .into_iter()
+                        .chain(m.outputs.iter().copied());
+                    for (slot, id) in pointers.iter_mut().zip(ids) {
+                        *slot = pointer(id)?;
+                    }
+                    Some(TableTensor {
+                        pointers,
+                        numel: m.numel,
+                        weight_decay: m.weight_decay as f32,
+                    })
+                })
+                .collect();
+            // A buffer outside the plan has no fixed address: leave the run per-tensor.
+            let Some(entries) = entries else { continue };
+            let param = run.members[0].outputs[0];
+            if self.fused.by_first.contains_key(&param) {
+                continue;
+            }
+            let encoded = encode_table(&entries)?;
+            let table = self.alloc_bytes(encoded.bytes.len(), "a fused optimizer table")?;
+            let base = raw_ptr(&self.stream, &table);
+            // SAFETY: the allocation holds at least encoded.bytes.len() bytes; synchronous copy.
+            unsafe { cu::memcpy_htod_sync(base, &encoded.bytes) }
+                .map_err(|e| driver_error("uploading a fused optimizer table", e))?;
+            self.fused.by_first.insert(param, self.fused.runs.len());
+            self.fused.runs.push(DeviceRun {
+                run,
+                table,
+                tensors: base,
+                chunks: base + encoded.chunks_offset as CUdeviceptr,
+                blocks: encoded.blocks,
+                entries,
+            });
+        }
+        Ok(())
+    }
+
+    /// Handles `op` if it belongs to a fused run: the run's first instruction launches the whole
+    /// run, its later ones are no-ops. Returns false for every other op (the per-tensor path).
+    pub(super) fn fused_optimizer(
+        &mut self,
+        op: &Op,
+        inputs: &[BufferId],
+        outputs: &[BufferId],
+        scalars: &StepScalars,
+    ) -> Result<bool> {
+        if !matches!(op, Op::AdamW { .. } | Op::Sgd { .. }) {
+            return Ok(false);
+        }
+        if let Some(cursor) = self.fused.cursor {
+            let members = &self.fused.runs[cursor.run].run.members;
+            let expected = &members[cursor.next];
+            if !expected.is(op, inputs, outputs) {
+                // An update between members that is not one (the run detection let it be).
+                if let Some(later) = members[cursor.next..]
+                    .iter()
+                    .find(|m| m.is(op, inputs, outputs))
+                {
+                    return Err(table_error(format!(
+                        "instruction {}'s update came before instruction {}'s, both already run \
+                         by the fused launch at instruction {}; run the program's instructions \
+                         in order",
+                        later.index, expected.index, members[0].index
+                    )));
+                }
+                return Ok(false);
+            }
+            if cursor.scalars != *scalars {
+                return Err(table_error(format!(
+                    "instruction {} came with step scalars {scalars:?}, but its update already \
+                     ran with {:?} (instruction {})",
+                    expected.index, cursor.scalars, members[0].index
+                )));
+            }
+            self.fused.cursor = (cursor.next + 1 < members.len()).then_some(Cursor {
+                next: cursor.next + 1,
+                ..cursor
+            });
+            return Ok(true);
+        }
+        let Some(&run) = outputs.first().and_then(|p| self.fused.by_first.get(p)) else {
+            return Ok(false);
+        };
+        if !self.fused.runs[run].run.members[0].is(op, inputs, outputs) {
+            return Ok(false);
+        }
+        self.launch_fused(run, scalars)?;
+        self.fused.cursor = Some(Cursor {
+            run,
+            next: 1,
+            scalars: *scalars,
+        });
+        Ok(true)
+    }
+
+    /// Checks run `index`'s buffers are bound where its table points, then launches it.
+    fn launch_fused(&mut self, index: usize, scalars: &StepScalars) -> Result<()> {
+        if scalars.step == 0 {
+            return Err(table_error(
+                "the optimizer step count is 1-based; got step 0".into(),
+            ));
+        }
+        let mut ids = Vec::new();
+        {
+            let run = &self.fused.runs[index];
+            for (m, entry) in run.run.members.iter().zip(&run.entries) {
+                let member_ids = [m.inputs[0], m.inputs[1]]
+                    .into_iter()
+                    .chain(m.outputs.iter().copied());
+                for (id, &want) in member_ids.zip(&entry.pointers) {
+                    let b = self.buf(id)?;
+                    let want_len = if id == m.inputs[1] {
+                        1
+                    } else {
+                        m.numel as usize
+                    };
+                    if b.ptr != want || b.len != want_len {
+                        return Err(table_error(format!(
+                            "buffer {} of instruction {} is bound at {:#x} with {} elements, but \
+                             the table built at prepare has {want:#x} with {want_len} (a backend \
+                             bug: planned buffers never move)",
+                            id.0, m.index, b.ptr, b.len
+                        )));
+                    }
+                    ids.push(id);
+                }
+            }
+        }
+        self.order_after_comm(ids)?;
+        let run = &self.fused.runs[index];
+        let (tensors, chunks, blocks) = (run.tensors, run.chunks, run.blocks);
+        let lr = scalars.lr as f32;
+        let chunk_len = Arg::I64(CHUNK_LEN as i64);
+        match run.run.kind {
+            RunKind::AdamW { beta1, beta2, eps } => {
+                let (bias1, bias2) = adam_bias_corrections(beta1, beta2, scalars.step);
+                let args = [
+                    Arg::Ptr(tensors),
+                    Arg::Ptr(chunks),
+                    chunk_len,
+                    Arg::F32(beta1 as f32),
+                    Arg::F32(beta2 as f32),
+                    Arg::F32(eps as f32),
+                    Arg::F32(lr),
+                    Arg::F32(bias1),
+                    Arg::F32(bias2),
+                ];
+                self.launch("adamw_multi", (blocks, 1, 1), (THREADS, 1, 1), 0, &args)
+            }
+            RunKind::Sgd { momentum } => {
+                let args = [
+                    Arg::Ptr(tensors),
+                    Arg::Ptr(chunks),
+                    chunk_len,
+                    Arg::F32(momentum as f32),
+                    Arg::F32(lr),
+                    Arg::I32(i32::from(scalars.step == 1)),
+                ];
+                self.launch("sgd_multi", (blocks, 1, 1), (THREADS, 1, 1), 0, &args)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read_u64(bytes: &[u8], at: usize) -> u64 {
+        u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap())
+    }
+
+    #[test]
+    fn table_layout_matches_the_kernels_structs() {
+        let tensors = [
+            TableTensor {
+                pointers: [1, 2, 3, 4, 5],
+                numel: 2 * CHUNK_LEN + 1,
+                weight_decay: 0.1,
+            },
+            TableTensor {
+                pointers: [6, 7, 8, 0, 0],
+                numel: 0,
+                weight_decay: 0.0,
+            },
+            TableTensor {
+                pointers: [9, 10, 11, 12, 13],
+                numel: CHUNK_LEN,
+                weight_decay: 0.0,
+            },
+        ];
+        let t = encode_table(&tensors).unwrap();
+        // 3 × 56 bytes of tensors, rounded up to the chunks' 16.
+        assert_eq!(t.chunks_offset, 176);
+        // Tensor 2 (index 2) starts 112 bytes in: g, coef, param, state0, state1, n, wd, padding.
+        let second = 2 * TENSOR_BYTES;
+        let pointers: Vec<u64> = (0..5).map(|k| read_u64(&t.bytes, second + 8 * k)).collect();
+        assert_eq!(pointers, vec![9, 10, 11, 12, 13]);
+        assert_eq!(read_u64(&t.bytes, second + 40), CHUNK_LEN);
+        let wd = f32::from_le_bytes(t.bytes[48..52].try_into().unwrap());
+        assert_eq!(wd, 0.1f32);
+        // Chunks: three of tensor 0 (the last holds one element), none of the empty tensor 1,
+        // one of tensor 2.
+        assert_eq!(t.blocks, 4);
+        let chunks: Vec<(u64, u64)> = (0..4)
+            .map(|c| {
+                let at = t.chunks_offset + c * CHUNK_BYTES;
+                (read_u64(&t.bytes, at), read_u64(&t.bytes, at + 8))
+            })
+            .collect();
+        assert_eq!(
+            chunks,
+            vec![(0, 0), (0, CHUNK_LEN), (0, 2 * CHUNK_LEN), (2, 0)]
+        );
+        assert_eq!(t.bytes.len(), t.chunks_offset + 4 * CHUNK_BYTES);
+    }
+
+    #[test]
+    fn bias_corrections_are_one_minus_the_betas_powers() {
+        assert_eq!(adam_bias_corrections(0.5, 0.25, 1), (0.5, 0.75));
+        assert_eq!(adam_bias_corrections(0.5, 0.25, 2), (0.75, 0.9375));
+    }
+}

@@ -1,0 +1,477 @@
+//! Runs of optimizer instructions a backend may update in one multi-tensor launch (the CUDA
+//! backend's fused AdamW/SGD, `cuda::optimizer`). The IR keeps one `AdamW`/`Sgd` instruction
+//! per parameter tensor (the CPU backend, ZeRO sharding and checkpoints rely on it); this module
+//! only reads a program and finds the maximal runs that can be fused without changing any
+//! result:
+//! - `AdamW` (or `Sgd`) compute instructions with the same hyper-parameters except the weight
+//!   decay (the one per-tensor field), each well formed (the op's documented arity, f32
+//!   buffers, a one-element coefficient, param and state as long as the gradient, no buffer
+//!   both read and written);
+//! - independent of each other: no member writes a buffer an earlier member reads or writes, or
+//!   reads one an earlier member writes;
+//! - and of what lies between them: the other instructions between the first member and a later
+//!   one (gradient `Free`s; with ZeRO 1 and 2 each update's `Alloc`, all-gather, `CopyRange`
+//!   and `Free`) neither write (`Alloc` and `Free` count as writes) a buffer that member uses
+//!   nor read one it writes.
+//!
+//! So running every member at the first one's position gives every instruction the values it
+//! sees when the members run in turn. A run has at least two members; an update that cannot
+//! join the run (other hyper-parameters, a conflict) ends it and may start the next.
+use parc_compiler::ir::op::Op;
+use parc_compiler::ir::{BufferId, DType, Inputs, Instr, Outputs, Program};
+use std::collections::HashSet;
+use std::sync::Arc;
+
+/// What every member of a run shares: the op's hyper-parameters other than the weight decay.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RunKind {
+    AdamW { beta1: f64, beta2: f64, eps: f64 },
+    Sgd { momentum: f64 },
+}
+
+impl RunKind {
+    /// The run kind of `op` and its weight decay, for `AdamW` and `Sgd`.
+    pub fn of(op: &Op) -> Option<(RunKind, f64)> {
+        match *op {
+            Op::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => Some((RunKind::AdamW { beta1, beta2, eps }, weight_decay)),
+            Op::Sgd {
+                momentum,
+                weight_decay,
+            } => Some((RunKind::Sgd { momentum }, weight_decay)),
+            _ => None,
+        }
+    }
+
+    /// Outputs a member has: param, m, v (AdamW); param and, with momentum, its buffer (SGD).
+    fn outputs(self) -> usize {
+        match self {
+            RunKind::AdamW { .. } => 3,
+            RunKind::Sgd { momentum } => 1 + usize::from(momentum != 0.0),
+        }
+    }
+}
+
+/// One optimizer instruction of a run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunMember {
+    /// Its position in the program's instructions.
+    pub index: usize,
+    pub op: Arc<Op>,
+    /// g, coef.
+    pub inputs: Inputs,
+    /// param, then the state (m, v; or the momentum buffer).
+    pub outputs: Outputs,
+    /// The weight decay of this tensor.
+    pub weight_decay: f64,
+    /// Elements of the gradient (and of param and each state buffer).
+    pub numel: u64,
+}
+
+impl RunMember {
+    /// Whether a compute call with these operands is this instruction.
+    pub fn is(&self, op: &Op, inputs: &[BufferId], outputs: &[BufferId]) -> bool {
+        *self.op == *op && *self.inputs == *inputs && *self.outputs == *outputs
+    }
+
+    /// Its buffers: inputs, then outputs.
+    pub fn buffers(&self) -> impl Iterator<Item = BufferId> + '_ {
+        self.inputs.iter().chain(self.outputs.iter()).copied()
+    }
+}
+
+/// A maximal run of fusable optimizer instructions (see the module docs).
+#[derive(Clone, Debug, PartialEq)]
+pub struct OptimizerRun {
+    pub kind: RunKind,
+    /// In program order; at least two.
+    pub members: Vec<RunMember>,
+}
+
+/// The member `instr` (at `index`) would be, if it is a well-formed optimizer instruction.
+fn member(program: &Program, index: usize, instr: &Instr) -> Option<(RunKind, RunMember)> {
+    let Instr::Compute {
+        op,
+        inputs,
+        outputs,
+        ..
+    } = instr
+    else {
+        return None;
+    };
+    let (kind, weight_decay) = RunKind::of(op)?;
+    if inputs.len() != 2 || outputs.len() != kind.outputs() {
+        return None;
+    }
+    let numel = |id: BufferId| {
+        program
+            .buffer(id)
+            .filter(|b| b.dtype == DType::F32)
+            .map(|b| b.numel())
+    };
+    let n = numel(inputs[0])?;
+    if numel(inputs[1])? != 1 || outputs.iter().any(|&o| numel(o) != Some(n)) {
+        return None;
+    }
+    let distinct: HashSet<BufferId> = outputs.iter().copied().collect();
+    if distinct.len() != outputs.len() || outputs.iter().any(|o| inputs.contains(o)) {
+        return None;
+    }
+    Some((
+        kind,
+        RunMember {
+            index,
+            op: op.clone(),
+            inputs: *inputs,
+            outputs: *outputs,
+            weight_decay,
+            numel: n,
+        },
+    ))
+}
+
+/// A run being collected: the buffers its members read and write, and the buffers the other
+/// instructions since its first member read and write.
+struct OpenRun {
+    run: OptimizerRun,
+    read: HashSet<BufferId>,
+    written: HashSet<BufferId>,
+    between_read: HashSet<BufferId>,
+    between_written: HashSet<BufferId>,
+}
+
+impl OpenRun {
+    fn new(kind: RunKind, first: RunMember) -> OpenRun {
+        let mut open = OpenRun {
+            run: OptimizerRun {
+                kind,
+                members: Vec::new(),
+            },
+            read: HashSet::new(),
+            written: HashSet::new(),
+            between_read: HashSet::new(),
+            between_written: HashSet::new(),
+        };
+        open.push(first);
+        open
+    }
+
+    fn accepts(&self, kind: RunKind, m: &RunMember) -> bool {
+        let untouched =
+            |b: &BufferId| !self.written.contains(b) && !self.between_written.contains(b);
+        let unread = |b: &BufferId| !self.read.contains(b) && !self.between_read.contains(b);
+        kind == self.run.kind
+            && m.inputs.iter().all(untouched)
+            && m.outputs.iter().all(|b| untouched(b) && unread(b))
+    }
+
+    /// Records an instruction between members.
+    fn pass(&mut self, instr: &Instr) {
+        self.between_read.extend(instr.reads());
+        self.between_written.extend(instr.writes());
+        if let Instr::Alloc { buffer } | Instr::Free { buffer } = instr {
+            self.between_written.insert(*buffer);
+        }
+    }
+
+    fn push(&mut self, m: RunMember) {
+        self.read.extend(m.inputs.iter().copied());
+        self.written.extend(m.outputs.iter().copied());
+        self.run.members.push(m);
+    }
+}
+
+/// The maximal fusable runs of `program`, in program order (see the module docs).
+pub fn find_runs(program: &Program) -> Vec<OptimizerRun> {
+    let mut runs = Vec::new();
+    let mut open: Option<OpenRun> = None;
+    let close = |open: &mut Option<OpenRun>, runs: &mut Vec<OptimizerRun>| {
+        if let Some(done) = open.take() {
+            if done.run.members.len() >= 2 {
+                runs.push(done.run);
+            }
+        }
+    };
+    for (index, instr) in program.instrs.iter().enumerate() {
+        let Some((kind, m)) = member(program, index, instr) else {
+            if let Some(o) = open.as_mut() {
+                o.pass(instr);
+            }
+            continue;
+        };
+        match open.as_mut() {
+            Some(o) if o.accepts(kind, &m) => o.push(m),
+            _ => {
+                close(&mut open, &mut runs);
+                open = Some(OpenRun::new(kind, m));
+            }
+        }
+    }
+    close(&mut open, &mut runs);
+    runs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use parc_compiler::ir::{Buffer, BufferKind, CollectiveKind, GroupId, Phase};
+
+    const ADAM: Op = Op::AdamW {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+
+    fn adam_wd(weight_decay: f64) -> Op {
+        Op::AdamW {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay,
+        }
+    }
+
+    fn compute(op: Op, inputs: &[u32], outputs: &[u32]) -> Instr {
+        let ids = |v: &[u32]| v.iter().map(|&b| BufferId(b)).collect::<Vec<_>>();
+        Instr::Compute {
+            op: Arc::new(op),
+            inputs: Inputs::from_slice(&ids(inputs)).unwrap(),
+            outputs: Outputs::from_slice(&ids(outputs)).unwrap(),
+            node: None,
+            phase: Phase::Optimizer,
+        }
+    }
+
+    /// Buffer 0 is the clip coefficient ([1]); tensor t (from 0) has g, param, m, v at
+    /// 1 + 4t .. 4 + 4t, each of 10 + t elements; buffer 99 is a [7] i32 buffer.
+    fn program(instrs: Vec<Instr>) -> Program {
+        let mut buffers = vec![buffer(1, DType::F32)];
+        for t in 0..20u64 {
+            for _ in 0..4 {
+                buffers.push(buffer(10 + t, DType::F32));
+            }
+        }
+        while buffers.len() < 99 {
+            buffers.push(buffer(5, DType::F32));
+        }
+        buffers.push(buffer(7, DType::I32));
+        Program {
+            role: "test".into(),
+            coords: Vec::new(),
+            buffers,
+            params: Vec::new(),
+            instrs,
+            loss: None,
+            grad_sumsq: None,
+        }
+    }
+
+    fn buffer(n: u64, dtype: DType) -> Buffer {
+        Buffer {
+            name: format!("b{n}"),
+            shape: vec![n],
+            dtype,
+            kind: BufferKind::Activation,
+        }
+    }
+
+    /// AdamW of tensor t with `op`: in g_t, coef; out param_t, m_t, v_t.
+    fn adam_of(op: Op, t: u32) -> Instr {
+        let b = 1 + 4 * t;
+        compute(op, &[b, 0], &[b + 1, b + 2, b + 3])
+    }
+
+    fn grad_free(t: u32) -> Instr {
+        Instr::Free {
+            buffer: BufferId(1 + 4 * t),
+        }
+    }
+
+    /// Each run as its members' instruction indices.
+    fn indices(p: &Program) -> Vec<Vec<usize>> {
+        find_runs(p)
+            .iter()
+            .map(|r| r.members.iter().map(|m| m.index).collect())
+            .collect()
+    }
+
+    #[test]
+    fn updates_with_frees_between_form_one_run_with_per_tensor_decay() {
+        let p = program(vec![
+            compute(Op::Zero, &[], &[98]),
+            adam_of(ADAM, 0),
+            grad_free(0),
+            adam_of(adam_wd(0.0), 1),
+            grad_free(1),
+            adam_of(ADAM, 2),
+            grad_free(2),
+            Instr::Free {
+                buffer: BufferId(0),
+            },
+        ]);
+        let runs = find_runs(&p);
+        assert_eq!(indices(&p), vec![vec![1, 3, 5]]);
+        let run = &runs[0];
+        assert_eq!(
+            run.kind,
+            RunKind::AdamW {
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8
+            }
+        );
+        let decays: Vec<f64> = run.members.iter().map(|m| m.weight_decay).collect();
+        assert_eq!(decays, vec![0.1, 0.0, 0.1]);
+        let sizes: Vec<u64> = run.members.iter().map(|m| m.numel).collect();
+        assert_eq!(sizes, vec![10, 11, 12]);
+        assert!(run.members[1].is(
+            &adam_wd(0.0),
+            &[BufferId(5), BufferId(0)],
+            &[BufferId(6), BufferId(7), BufferId(8)]
+        ));
+        assert!(!run.members[1].is(
+            &ADAM,
+            &[BufferId(5), BufferId(0)],
+            &[BufferId(6), BufferId(7), BufferId(8)]
+        ));
+    }
+
+    #[test]
+    fn zero_style_gathers_between_updates_stay_inside_the_run() {
+        // ZeRO 1/2: each update is followed by its gradient's Free and the all-gather of the
+        // updated master into a flat buffer, copied into the working parameter (here tensor
+        // t's flat buffer is 81 + 2t, its working copy 82 + 2t).
+        let mut instrs = Vec::new();
+        for t in 0..3u32 {
+            let (flat, working) = (81 + 2 * t, 82 + 2 * t);
+            instrs.push(adam_of(ADAM, t));
+            instrs.push(grad_free(t));
+            instrs.push(Instr::Alloc {
+                buffer: BufferId(flat),
+            });
+            instrs.push(Instr::Collective {
+                kind: CollectiveKind::AllGather,
+                group: GroupId(0),
+                input: BufferId(2 + 4 * t),
+                output: BufferId(flat),
+                node: None,
+            });
+            let copy = Op::CopyRange {
+                src_offset: 0,
+                dst_offset: 0,
+                len: 5,
+            };
+            instrs.push(compute(copy, &[flat], &[working]));
+            instrs.push(Instr::Free {
+                buffer: BufferId(flat),
+            });
+        }
+        assert_eq!(indices(&program(instrs)), vec![vec![0, 6, 12]]);
+    }
+
+    #[test]
+    fn instructions_touching_a_later_update_and_other_hyper_parameters_split_runs() {
+        let other_betas = Op::AdamW {
+            beta1: 0.8,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let p = program(vec![
+            adam_of(ADAM, 0),
+            adam_of(ADAM, 1),
+            // Writes tensor 2's gradient: tensor 2 must see it.
+            compute(Op::Zero, &[], &[9]),
+            adam_of(ADAM, 2),
+            adam_of(ADAM, 3),
+            // Reads tensor 4's param: it must see the value before tensor 4's update.
+            compute(Op::Copy, &[18], &[98]),
+            adam_of(ADAM, 4),
+            adam_of(ADAM, 5),
+            adam_of(other_betas.clone(), 6),
+            adam_of(other_betas, 7),
+            adam_of(ADAM, 8),
+            // Allocates (zeroes) tensor 9's m.
+            Instr::Alloc {
+                buffer: BufferId(39),
+            },
+            adam_of(ADAM, 9),
+            // Touches nothing of tensor 10's.
+            compute(Op::Zero, &[], &[98]),
+            adam_of(ADAM, 10),
+        ]);
+        // The lone update 10 is left to the per-tensor path.
+        assert_eq!(
+            indices(&p),
+            vec![vec![0, 1], vec![3, 4], vec![6, 7], vec![8, 9], vec![12, 14]]
+        );
+    }
+
+    #[test]
+    fn sgd_runs_follow_momentum() {
+        let sgd = |momentum: f64, weight_decay: f64| Op::Sgd {
+            momentum,
+            weight_decay,
+        };
+        let p = program(vec![
+            compute(sgd(0.9, 0.1), &[1, 0], &[2, 3]),
+            compute(sgd(0.9, 0.0), &[5, 0], &[6, 7]),
+            compute(sgd(0.0, 0.1), &[9, 0], &[10]),
+            compute(sgd(0.0, 0.1), &[13, 0], &[14]),
+            // Momentum 0 takes no buffer: with one it is malformed, not a member, and (touching
+            // nothing of the next update's) stays between members.
+            compute(sgd(0.0, 0.1), &[17, 0], &[18, 19]),
+            compute(sgd(0.0, 0.1), &[21, 0], &[22]),
+        ]);
+        assert_eq!(indices(&p), vec![vec![0, 1], vec![2, 3, 5]]);
+        assert_eq!(find_runs(&p)[1].kind, RunKind::Sgd { momentum: 0.0 });
+    }
+
+    #[test]
+    fn dependent_updates_are_not_fused() {
+        // Buffers 81..=98 all hold 5 elements.
+        let p = program(vec![
+            compute(ADAM, &[81, 0], &[82, 83, 84]),
+            // Reads the param the update before it writes: it must see the update.
+            compute(ADAM, &[82, 0], &[85, 86, 87]),
+            compute(ADAM, &[88, 0], &[89, 90, 91]),
+            // Writes the gradient the update before it reads.
+            compute(ADAM, &[92, 0], &[88, 93, 94]),
+            // The next update's gradient is freed inside the run, before that update.
+            Instr::Free {
+                buffer: BufferId(95),
+            },
+            compute(ADAM, &[95, 0], &[96, 97, 98]),
+            adam_of(ADAM, 6),
+            adam_of(ADAM, 7),
+        ]);
+        assert_eq!(indices(&p), vec![vec![1, 2], vec![5, 6, 7]]);
+    }
+
+    #[test]
+    fn malformed_updates_are_left_to_the_per_tensor_path() {
+        let p = program(vec![
+            // Wrong arity.
+            compute(ADAM, &[1, 0], &[2, 3]),
+            compute(ADAM, &[5, 0], &[6, 7]),
+            // m shorter than g.
+            compute(ADAM, &[9, 0], &[10, 11, 1]),
+            compute(ADAM, &[13, 0], &[14, 15, 5]),
+            // An i32 gradient; a coefficient of 10 elements.
+            compute(ADAM, &[99, 0], &[17, 18, 19]),
+            compute(ADAM, &[21, 1], &[22, 23, 24]),
+            // Param also read as the gradient; param written twice.
+            compute(ADAM, &[25, 0], &[25, 26, 27]),
+            compute(ADAM, &[29, 0], &[30, 30, 31]),
+            // Every operand right: the only run.
+            adam_of(ADAM, 8),
+            adam_of(ADAM, 9),
+        ]);
+        assert_eq!(indices(&p), vec![vec![8, 9]]);
+    }
+}

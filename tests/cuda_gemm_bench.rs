@@ -1,0 +1,172 @@
+//! The GEMMs of one GPT-2 124M step (B×T = 32×1024 rows) alone, for `bench/RESULTS.md`: every
+//! linear layer's forward (with its bias), backward-data and backward-weight (with its bias
+//! gradient) op on the CUDA backend in bf16, as TFLOP/s of the whole op (operand conversions,
+//! bias, algorithm already chosen) and of its cuBLASLt kernels alone. Ignored by default (it
+//! needs a GPU); run it on the device machine with `cuda_gemm_bench --ignored --nocapture`.
+//! PARC_BENCH_ROWS (default 32768) sets the token rows. Without a GPU it prints `skipped`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[test]
+#[ignore = "needs a GPU: run on the device machine with --ignored"]
+fn gpt2_124m_step_gemms() {
+    #[cfg(not(feature = "cuda"))]
+    println!("skipped: no CUDA device (this build has no `cuda` feature)");
+    #[cfg(feature = "cuda")]
+    bench::run();
+}
+
+#[cfg(feature = "cuda")]
+mod bench {
+    use parc_compiler::ir::op::Op;
+    use parc_compiler::ir::{BufferId, DType};
+    use parc_compiler::spec::Precision;
+    use parc_runtime::backend::{Backend, StepScalars};
+    use parc_runtime::cuda::CudaBackend;
+    use std::time::Instant;
+
+    /// Timed repetitions per op (the median counts), after one untimed run that picks the
+    /// algorithm.
+    const REPS: usize = 5;
+
+    /// Uniform values in [-scale, scale) from a fixed LCG (never zeros: see METHOD.md).
+    fn random(len: usize, seed: u64, scale: f32) -> Vec<f32> {
+        let mut state = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (0..len)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+            })
+            .collect()
+    }
+
+    fn median(mut v: Vec<f64>) -> f64 {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    }
+
+    /// Median milliseconds of `op` over REPS runs, whole op and cuBLASLt kernels alone.
+    fn time(
+        be: &mut CudaBackend,
+        op: &Op,
+        inputs: &[BufferId],
+        outputs: &[BufferId],
+    ) -> (f64, f64) {
+        let scalars = StepScalars {
+            lr: 0.0,
+            step: 1,
+            loss_scale: None,
+        };
+        be.compute(op, inputs, outputs, &scalars).unwrap();
+        Backend::synchronize(be).unwrap();
+        let mut whole = Vec::new();
+        for _ in 0..REPS {
+            let t = Instant::now();
+            be.compute(op, inputs, outputs, &scalars).unwrap();
+            Backend::synchronize(be).unwrap();
+            whole.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        let mut kernels = Vec::new();
+        for _ in 0..REPS {
+            be.time_gemm_kernels(true).unwrap();
+            be.compute(op, inputs, outputs, &scalars).unwrap();
+            Backend::synchronize(be).unwrap();
+            kernels.push(be.gemm_kernel_ms().unwrap());
+        }
+        be.time_gemm_kernels(false).unwrap();
+        (median(whole), median(kernels))
+    }
+
+    pub fn run() {
+        let mut be = match CudaBackend::with_precision(0, Precision::Bf16) {
+            Ok(be) => be,
+            Err(e) => {
+                println!("skipped: no CUDA device ({e})");
+                return;
+            }
+        };
+        let rows: u64 = std::env::var("PARC_BENCH_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(32768);
+        // (name, in, out, bias, times per step)
+        let layers = [
+            ("qkv", 768u64, 2304u64, true, 12u32),
+            ("proj", 768, 768, true, 12),
+            ("fc", 768, 3072, true, 12),
+            ("fc2", 3072, 768, true, 12),
+            ("head", 768, 50304, false, 1),
+        ];
+        let mut lines = Vec::new();
+        let mut step_ms = [0.0f64; 2];
+        let mut next = 0u32;
+        let mut id = || {
+            next += 1;
+            BufferId(next)
+        };
+        for (name, din, dout, bias, per_step) in layers {
+            let (x, w, b, y, dx, dw, db) = (id(), id(), id(), id(), id(), id(), id());
+            for (buf, shape) in [
+                (x, vec![rows, din]),
+                (w, vec![dout, din]),
+                (b, vec![dout]),
+                (y, vec![rows, dout]),
+                (dx, vec![rows, din]),
+                (dw, vec![dout, din]),
+                (db, vec![dout]),
+            ] {
+                be.alloc(buf, &shape, DType::F32).unwrap();
+            }
+            let n = |s: &[u64]| s.iter().product::<u64>() as usize;
+            be.write_f32(x, &random(n(&[rows, din]), 1, 1.0)).unwrap();
+            be.write_f32(w, &random(n(&[dout, din]), 2, 0.05)).unwrap();
+            be.write_f32(b, &random(dout as usize, 3, 0.1)).unwrap();
+            let flops = 2.0 * rows as f64 * din as f64 * dout as f64;
+            let fwd = Op::Matmul {
+                in_dim: din,
+                out_dim: dout,
+                bias,
+            };
+            let fwd_in: Vec<BufferId> = if bias { vec![x, w, b] } else { vec![x, w] };
+            // The forward output doubles as the backward's dy (random, never zero).
+            let bwd_data = Op::MatmulBwdData {
+                in_dim: din,
+                out_dim: dout,
+            };
+            let bwd_weight = Op::MatmulBwdWeight {
+                in_dim: din,
+                out_dim: dout,
+                bias,
+            };
+            let dw_out: Vec<BufferId> = if bias { vec![dw, db] } else { vec![dw] };
+            let kinds: [(&str, &Op, Vec<BufferId>, Vec<BufferId>); 3] = [
+                ("fwd", &fwd, fwd_in, vec![y]),
+                ("bwd-data", &bwd_data, vec![y, w], vec![dx]),
+                ("bwd-weight", &bwd_weight, vec![y, x], dw_out),
+            ];
+            for (kind, op, ins, outs) in kinds {
+                let (whole, kernels) = time(&mut be, op, &ins, &outs);
+                step_ms[0] += whole * f64::from(per_step);
+                step_ms[1] += kernels * f64::from(per_step);
+                let line = format!(
+                    "{{\"gemm\":\"{name}\",\"kind\":\"{kind}\",\"rows\":{rows},\"in\":{din},\"out\":{dout},\"bias\":{bias},\"op_ms\":{whole:.4},\"kernel_ms\":{kernels:.4},\"op_tflops\":{:.1},\"kernel_tflops\":{:.1}}}",
+                    flops / whole / 1e9,
+                    flops / kernels / 1e9
+                );
+                println!("{line}");
+                lines.push(line);
+            }
+            for buf in [x, w, b, y, dx, dw, db] {
+                be.free(buf).unwrap();
+            }
+        }
+        println!(
+            "one 124M step's GEMMs (12 layers + head, {rows} rows): {:.2} ms as ops, {:.2} ms in cuBLASLt kernels",
+            step_ms[0], step_ms[1]
+        );
+        assert_eq!(lines.len(), 15);
+    }
+}
