@@ -1,11 +1,13 @@
 //! The CPU backend's buffer storage: one vector of 4-byte words per rank holding every buffer
 //! (f32 and i32 one element per word, bf16 two per word, element `2k` in the low half of word
-//! `k`, as the bytes lie on a little-endian device). With a memory plan (`Backend::prepare`) the vector is sized once — the
-//! persistent region, then the transient arena — and each buffer lives at its planned offset;
-//! `alloc` only zero-fills its words, or, for a buffer the plan says is fully written before it
-//! is read ([`MemoryLayout::needs_zero`]), fills them with NaN ([`POISON`]): a wrong mark then
-//! shows as a NaN loss instead of passing on stale bytes that happen to be harmless. Buffers without a planned place (a backend used without a
-//! plan, as op tests do) go above the planned regions, first fit, the vector growing as needed.
+//! `k`, as the bytes lie on a little-endian device). With a memory plan (`Backend::prepare`)
+//! the vector is sized once — the persistent region, then the transient arena — and each
+//! buffer lives at its planned offset; `alloc` only zero-fills its words, or, for a buffer the
+//! plan says is fully written before it is read ([`MemoryLayout::needs_zero`]), fills them with
+//! NaN ([`POISON`], [`POISON_BF16`]): a wrong mark then shows as a NaN loss instead of passing
+//! on stale bytes that happen to be harmless. Buffers without a planned place (a backend used
+//! without a plan, as op tests do) go above the planned regions, first fit, the vector growing
+//! as needed.
 //!
 //! An op borrows its inputs and outputs at once: [`Memory::split`] cuts the vector into
 //! disjoint slices (two live buffers never overlap, which the planner's checker proved and this
@@ -17,6 +19,8 @@ use parc_compiler::memplan::{MemoryLayout, Placement};
 /// The word an allocation the plan exempts from zero-filling is filled with: a quiet NaN as
 /// f32 (and an id far outside any vocabulary as i32), so reading it before writing it shows.
 const POISON: u32 = 0x7fc0_0000;
+/// The same for bf16 buffers: a quiet bf16 NaN in both halves of the word.
+const POISON_BF16: u32 = 0x7fc0_7fc0;
 
 /// Where one allocated buffer lives.
 #[derive(Clone, Copy, Debug)]
@@ -264,10 +268,10 @@ impl Memory {
             None => self.first_fit(len),
         };
         self.grow(offset + len)?;
-        let fill = if self.skip_zero.get(index).copied().unwrap_or(false) {
-            POISON
-        } else {
-            0
+        let fill = match (self.skip_zero.get(index).copied().unwrap_or(false), dtype) {
+            (false, _) => 0,
+            (true, DType::Bf16) => POISON_BF16,
+            (true, DType::F32 | DType::I32) => POISON,
         };
         self.words[offset..offset + len].fill(fill);
         if self.slots.len() <= index {
