@@ -69,3 +69,74 @@ pub(super) fn assign(program: &mut Program, precision: Precision) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::op::Op;
+    use crate::ir::{Buffer, CollectiveKind, GroupId, Inputs, Outputs, Phase, ReduceOp};
+    use std::sync::Arc;
+
+    /// b0 → all-reduce → b1 → all-reduce → b2, b2 the `max` (f32) of `CeMax` on logits b3,
+    /// b4 a parameter.
+    fn chained() -> Program {
+        let buffer = |name: &str, kind| Buffer {
+            name: name.into(),
+            shape: vec![4],
+            dtype: DType::F32,
+            kind,
+        };
+        let reduce = |input: u32, output: u32| Instr::Collective {
+            kind: CollectiveKind::AllReduce { op: ReduceOp::Max },
+            group: GroupId(0),
+            input: BufferId(input),
+            output: BufferId(output),
+            node: None,
+        };
+        let ids = |v: &[u32]| v.iter().map(|&b| BufferId(b)).collect::<Vec<_>>();
+        Program {
+            role: "test".into(),
+            coords: Vec::new(),
+            buffers: vec![
+                buffer("a", BufferKind::Activation),
+                buffer("b", BufferKind::Activation),
+                buffer("c", BufferKind::Activation),
+                buffer("logits", BufferKind::Activation),
+                buffer("w", BufferKind::Param),
+            ],
+            params: Vec::new(),
+            instrs: vec![
+                reduce(0, 1),
+                reduce(1, 2),
+                Instr::Compute {
+                    op: Arc::new(Op::CeMax { vocab_local: 4 }),
+                    inputs: Inputs::from_slice(&ids(&[3])).unwrap(),
+                    outputs: Outputs::from_slice(&ids(&[2])).unwrap(),
+                    node: None,
+                    phase: Phase::Forward,
+                },
+            ],
+            loss: None,
+            grad_sumsq: None,
+        }
+    }
+
+    fn dtypes(p: &Program) -> Vec<DType> {
+        p.buffers.iter().map(|b| b.dtype).collect()
+    }
+
+    #[test]
+    fn an_fp32_use_excludes_every_buffer_a_collective_chain_ties_to_it() {
+        let mut p = chained();
+        assign(&mut p, Precision::Bf16);
+        use DType::{Bf16, F32};
+        assert_eq!(dtypes(&p), vec![F32, F32, F32, Bf16, F32]);
+    }
+
+    #[test]
+    fn fp32_leaves_the_program_alone() {
+        let mut p = chained();
+        assign(&mut p, Precision::Fp32);
+        assert_eq!(dtypes(&p), vec![DType::F32; 5]);
+    }
+}
