@@ -2,7 +2,8 @@
 //! of its aligned liveness peak (which no placement can beat).
 //! The memory plan at run time: a rank's backend holds exactly its program's planned regions
 //! and a training step allocates nothing. CPU: the backend's vector is the plan's persistent
-//! region plus arena, before and after steps, fp32 and bf16 (packed activations). CUDA (skips visibly without a GPU): no device
+//! region plus arena, before and after steps, fp32 and bf16 (packed activations). CUDA (skips
+//! visibly without a GPU): no device
 //! allocation during three steps of a GPT-style and a Llama-style model, fp32 and bf16, and the
 //! memory held (`reserved_bytes`) does not change and covers the plan; the losses match the
 //! CPU's (1e-4 relative fp32, 1e-2 bf16), so the planned offsets hold the right data. Head dim
