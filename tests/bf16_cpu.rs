@@ -11,7 +11,7 @@ mod fixtures;
 
 use fixtures::{spec, PlanChoice, TinyModel};
 use parc_compiler::lower::lower;
-use parc_compiler::spec::{PipelineSchedule, Precision, ZeroStage};
+use parc_compiler::spec::{PipelineSchedule, Precision, Recompute, ZeroStage};
 use parc_runtime::cpu::CpuBackend;
 use parc_runtime::exec::{train, TrainOptions, TrainResult};
 use std::time::Duration;
@@ -104,9 +104,30 @@ fn parallel_bf16_plans_agree_with_the_single_rank() {
                 cp: 2,
                 ..PlanChoice::default()
             },
+            PlanChoice {
+                dp: 2,
+                tp: 2,
+                zero: ZeroStage::Zero3,
+                recompute: Recompute::Full,
+                ..PlanChoice::default()
+            },
+            PlanChoice {
+                pp: 2,
+                schedule: PipelineSchedule::Gpipe,
+                microbatches: 2,
+                recompute: Recompute::Selective,
+                ..PlanChoice::default()
+            },
         ]
     };
-    let names = ["dp 2 zero 1", "tp 2 sp", "pp 2 1f1b", "cp 2"];
+    let names = [
+        "dp 2 zero 1",
+        "tp 2 sp",
+        "pp 2 1f1b",
+        "cp 2",
+        "dp 2 tp 2 zero 3 full recompute",
+        "pp 2 gpipe selective recompute",
+    ];
     for llama in [false, true] {
         for (plan, name) in plans().into_iter().zip(names) {
             let (microbatches, dp) = (plan.microbatches, plan.dp);
