@@ -24,8 +24,7 @@ mod bench {
     use parc_runtime::cuda::CudaBackend;
     use std::time::Instant;
 
-    /// Timed repetitions per op (the median counts), after one untimed run that picks the
-    /// algorithm.
+    /// Timed repetitions per op (the median counts).
     const REPS: usize = 5;
 
     /// Uniform values in [-scale, scale) from a fixed LCG (never zeros: see METHOD.md).
@@ -48,36 +47,43 @@ mod bench {
         v[v.len() / 2]
     }
 
-    /// Median milliseconds of `op` over REPS runs, whole op and cuBLASLt kernels alone.
-    fn time(
+    /// One layer's ops in step order (forward, backward-data, backward-weight), REPS times
+    /// after one untimed round that picks the algorithms: per op, the median milliseconds of
+    /// the whole op and of its cuBLASLt kernels alone. In step order, as in training, the
+    /// backward-weight GEMM reads the 16-bit dy the backward-data GEMM made.
+    fn time_layer(
         be: &mut CudaBackend,
-        op: &Op,
-        inputs: &[BufferId],
-        outputs: &[BufferId],
-    ) -> (f64, f64) {
+        ops: &[(&Op, Vec<BufferId>, Vec<BufferId>)],
+    ) -> Vec<(f64, f64)> {
         let scalars = StepScalars {
             lr: 0.0,
             step: 1,
             loss_scale: None,
         };
-        be.compute(op, inputs, outputs, &scalars).unwrap();
-        Backend::synchronize(be).unwrap();
-        let mut whole = Vec::new();
-        for _ in 0..REPS {
-            let t = Instant::now();
-            be.compute(op, inputs, outputs, &scalars).unwrap();
-            Backend::synchronize(be).unwrap();
-            whole.push(t.elapsed().as_secs_f64() * 1e3);
-        }
-        let mut kernels = Vec::new();
-        for _ in 0..REPS {
-            be.time_gemm_kernels(true).unwrap();
-            be.compute(op, inputs, outputs, &scalars).unwrap();
-            Backend::synchronize(be).unwrap();
-            kernels.push(be.gemm_kernel_ms().unwrap());
+        let mut whole = vec![Vec::new(); ops.len()];
+        let mut kernels = vec![Vec::new(); ops.len()];
+        for round in 0..=2 * REPS {
+            let timed_kernels = round > REPS;
+            for (i, (op, inputs, outputs)) in ops.iter().enumerate() {
+                be.time_gemm_kernels(timed_kernels).unwrap();
+                Backend::synchronize(be).unwrap();
+                let t = Instant::now();
+                be.compute(op, inputs, outputs, &scalars).unwrap();
+                Backend::synchronize(be).unwrap();
+                let ms = t.elapsed().as_secs_f64() * 1e3;
+                if timed_kernels {
+                    kernels[i].push(be.gemm_kernel_ms().unwrap());
+                } else if round > 0 {
+                    whole[i].push(ms);
+                }
+            }
         }
         be.time_gemm_kernels(false).unwrap();
-        (median(whole), median(kernels))
+        whole
+            .into_iter()
+            .map(median)
+            .zip(kernels.into_iter().map(median))
+            .collect()
     }
 
     pub fn run() {
@@ -142,13 +148,13 @@ mod bench {
                 bias,
             };
             let dw_out: Vec<BufferId> = if bias { vec![dw, db] } else { vec![dw] };
-            let kinds: [(&str, &Op, Vec<BufferId>, Vec<BufferId>); 3] = [
-                ("fwd", &fwd, fwd_in, vec![y]),
-                ("bwd-data", &bwd_data, vec![y, w], vec![dx]),
-                ("bwd-weight", &bwd_weight, vec![y, x], dw_out),
+            let ops = [
+                (&fwd, fwd_in, vec![y]),
+                (&bwd_data, vec![y, w], vec![dx]),
+                (&bwd_weight, vec![y, x], dw_out),
             ];
-            for (kind, op, ins, outs) in kinds {
-                let (whole, kernels) = time(&mut be, op, &ins, &outs);
+            let kinds = ["fwd", "bwd-data", "bwd-weight"];
+            for (kind, (whole, kernels)) in kinds.into_iter().zip(time_layer(&mut be, &ops)) {
                 step_ms[0] += whole * f64::from(per_step);
                 step_ms[1] += kernels * f64::from(per_step);
                 let line = format!(

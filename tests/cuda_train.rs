@@ -10,6 +10,8 @@
 //! more finely than bf16; the 1e-2 loss tolerance is the brief's), the same loss scales, no
 //! skipped step, and rounding visible; and a scale of 2^120 overflows fp16 on the GPU as it
 //! overflows f32 on the CPU: every step skipped, the parameters the initial ones bit for bit.
+//! The CUDA runs fill the buffers the memory plan exempts from zero-filling with NaN until
+//! written (`CudaBackend::poison_unzeroed`), so a kernel that reads one first fails the loss.
 //! Checkpoints cross backends: a CUDA run's checkpoint resumes on the CPU and the reverse, and
 //! the resumed losses match an uninterrupted run. The fused optimizer (one launch per run of
 //! updates) gives the per-tensor launches' parameters and state bit for bit on the same inputs
@@ -97,7 +99,12 @@ fn run(s: &Spec, which: Which, stop_after: Option<u64>, resume: Option<&Path>) -
             &plan,
             &options,
             |rank, _| {
+                // Buffers exempt from zero-filling hold NaN until written, as on the CPU.
                 parc_runtime::cuda::CudaBackend::with_precision(rank as usize, s.train.precision)
+                    .map(|mut backend| {
+                        backend.poison_unzeroed();
+                        backend
+                    })
             },
             &|_| {},
         ),

@@ -152,6 +152,23 @@ fn data_parallel_with_each_zero_stage() {
     }
 }
 
+/// Three dp ranks do not divide the tiny model's parameters, so ZeRO pads their flat copies: a
+/// gradient copied into a padded copy leaves the padding to the allocation's zeros (the memory
+/// plan must keep that zero-fill; the CPU backend poisons the ones it skips with NaN).
+#[test]
+fn zero_padding_with_three_data_parallel_ranks() {
+    for zero in [ZeroStage::Zero1, ZeroStage::Zero3] {
+        assert_equivalent(
+            false,
+            PlanChoice {
+                dp: 3,
+                zero,
+                ..PlanChoice::default()
+            },
+        );
+    }
+}
+
 #[test]
 fn tensor_parallel_with_and_without_sequence_parallelism() {
     for llama in [false, true] {

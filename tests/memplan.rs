@@ -6,8 +6,10 @@
 //! visibly without a GPU): no device
 //! allocation during three steps of a GPT-style and a Llama-style model, fp32 and bf16, and the
 //! memory held (`reserved_bytes`) does not change and covers the plan; the losses match the
-//! CPU's (1e-4 relative fp32, 1e-2 bf16), so the planned offsets hold the right data. Head dim
-//! 64, so bf16 attention runs on the tensor-core kernels (whose copies use the scratch).
+//! CPU's (1e-4 relative fp32, 1e-2 bf16), so the planned offsets hold the right data, with the
+//! buffers the plan exempts from zero-filling poisoned with NaN until written (so no kernel
+//! reads one before writing all of it). Head dim 64, so bf16 attention runs on the tensor-core
+//! kernels (whose copies use the scratch).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #[allow(dead_code)]
 #[path = "ir/fixtures.rs"]
@@ -135,11 +137,10 @@ fn cuda_steps_allocate_nothing() {
         for (precision, tol) in [(Precision::Fp32, 1e-4f32), (Precision::Bf16, 1e-2)] {
             let (spec, plan) = model(llama, precision);
             let layout = plan_program(&plan.programs[0]).unwrap();
-            let mut gpu = executor(
-                &spec,
-                &plan,
-                CudaBackend::with_precision(0, precision).unwrap(),
-            );
+            let mut backend = CudaBackend::with_precision(0, precision).unwrap();
+            // Buffers exempt from zero-filling hold NaN until written, as on the CPU.
+            backend.poison_unzeroed();
+            let mut gpu = executor(&spec, &plan, backend);
             let (allocations, reserved) = (
                 gpu.backend().driver_allocations(),
                 gpu.backend().reserved_bytes(),

@@ -162,7 +162,7 @@ pub(crate) struct Memory {
     planned: Vec<Option<usize>>,
     /// Words of the planned regions; unplanned buffers go above.
     planned_words: usize,
-    /// Per buffer id: the plan says its allocation need not be zero-filled.
+    /// Per buffer id: the plan places it and says its allocation need not be zero-filled.
     skip_zero: Vec<bool>,
 }
 
@@ -205,7 +205,10 @@ impl Memory {
             .collect();
         self.planned_words = arena_start + words(layout.arena_bytes);
         self.skip_zero = (0..program.buffers.len())
-            .map(|b| !layout.needs_zero(BufferId(b as u32)))
+            .map(|b| {
+                let id = BufferId(b as u32);
+                layout.placement(id) != Placement::Unused && !layout.needs_zero(id)
+            })
             .collect();
         self.words = Vec::new();
         self.grow(self.planned_words)

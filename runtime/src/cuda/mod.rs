@@ -98,6 +98,8 @@ pub struct CudaBackend {
     aliased: Option<CudaSlice<u8>>,
     /// Device allocations made so far (see `driver_allocations`).
     allocations: std::cell::Cell<u64>,
+    /// Fill buffers the memory plan exempts from zeroing with NaN ([`CudaBackend::poison_unzeroed`]).
+    poison_unzeroed: bool,
     /// Global positions per `Segment` list, uploaded once.
     positions: HashMap<Vec<Segment>, (CudaSlice<u8>, usize)>,
     /// Scratch for reductions' partials; grows, never shrinks.
@@ -107,6 +109,11 @@ pub struct CudaBackend {
     /// 16-bit copies of the current GEMM's A and B (bf16 and fp16 runs); sized by `prepare`,
     /// grows (never shrinks) without a memory plan.
     half_operands: Option<CudaSlice<u8>>,
+    /// The fp32 pointer and length of the operand whose 16-bit copy starts `half_operands`
+    /// (the last GEMM's B), while it is known to be unchanged: a GEMM whose B is the same
+    /// buffer (a layer's backward-data then backward-weight GEMM share dy) reads that copy
+    /// instead of rounding B again. See `reuse_half_b` for what clears it.
+    half_b: Option<(CUdeviceptr, usize)>,
     /// The fused optimizer's runs and tables (built by `prepare`).
     fused: optimizer::FusedOptimizer,
     /// Kept alive for cuBLASLt.
@@ -158,10 +165,12 @@ impl CudaBackend {
             planned: storage::PlannedRegions::default(),
             aliased: None,
             allocations: std::cell::Cell::new(0),
+            poison_unzeroed: false,
             positions: HashMap::new(),
             scratch: None,
             operands,
             half_operands: None,
+            half_b: None,
             fused: optimizer::FusedOptimizer::default(),
             _workspace: workspace,
             nccl: None,
@@ -204,6 +213,15 @@ impl CudaBackend {
     /// stops growing after `prepare`: a training step allocates nothing.
     pub fn driver_allocations(&self) -> u64 {
         self.allocations.get()
+    }
+
+    /// From now on fill every buffer the memory plan exempts from zero-filling
+    /// (`MemoryLayout::needs_zero`) with NaN instead of leaving its stale bytes, as the CPU
+    /// backend always does: a kernel that reads such a buffer before writing all of it then
+    /// poisons the loss instead of computing on harmless leftovers. For tests; it costs the
+    /// memsets the exemption saves.
+    pub fn poison_unzeroed(&mut self) {
+        self.poison_unzeroed = true;
     }
 
     fn alloc_bytes(&self, bytes: usize, what: &str) -> Result<CudaSlice<u8>> {
@@ -350,10 +368,10 @@ impl CudaBackend {
         let Some(convert) = self.operands.conversion_kernel() else {
             return self.blas.run(g, Operands::F32, stream, None);
         };
-        // B starts on a 256-byte boundary (cuBLASLt's preferred operand alignment).
+        // B first, then A on a 256-byte boundary (cuBLASLt's preferred operand alignment).
         let (a_len, b_len) = (g.a_len(), g.b_len());
-        let b_offset = (a_len * 2).next_multiple_of(256);
-        let bytes = b_offset + b_len * 2;
+        let a_offset = (b_len * 2).next_multiple_of(256);
+        let bytes = a_offset + a_len * 2;
         let big_enough = self
             .half_operands
             .as_ref()
@@ -361,24 +379,32 @@ impl CudaBackend {
         if !big_enough {
             // Free the old copies first so peak memory holds only one of them.
             self.half_operands = None;
+            self.half_b = None;
             self.half_operands = Some(self.alloc_bytes(bytes, "16-bit GEMM operands")?);
         }
         let (base, room) = match &self.half_operands {
             Some(s) => (raw_ptr(&self.stream, s), s.len()),
             None => return Err(RuntimeError::Unsupported("16-bit operands missing".into())),
         };
-        let (a16, b16) = (base, base + b_offset as CUdeviceptr);
+        let (b16, a16) = (base, base + a_offset as CUdeviceptr);
+        // B's copy is still there when the last GEMM had the same, unchanged B.
+        let b_todo = if self.half_b == Some((g.b, b_len)) {
+            0
+        } else {
+            b_len
+        };
+        self.half_b = None;
         let n = |v: usize| Arg::I64(v as i64);
         self.launch_n(
             convert,
-            (a_len + b_len).div_ceil(4),
+            (a_len + b_todo).div_ceil(4),
             &[
                 Arg::Ptr(g.a),
                 Arg::Ptr(a16),
                 n(a_len),
                 Arg::Ptr(g.b),
                 Arg::Ptr(b16),
-                n(b_len),
+                n(b_todo),
             ],
         )?;
         let rounded = gemm::Gemm {
@@ -390,7 +416,40 @@ impl CudaBackend {
         let tune_out = (tune_offset + g.c_len() * 4 <= room
             && !self.blas.settled(g, self.operands))
         .then_some(base + tune_offset as CUdeviceptr);
-        self.blas.run(&rounded, self.operands, stream, tune_out)
+        self.blas.run(&rounded, self.operands, stream, tune_out)?;
+        self.half_b = Some((g.b, b_len));
+        Ok(())
+    }
+
+    /// Before `compute` runs an op: whether the 16-bit copy of the last GEMM's B may still be
+    /// read. An op writes only its outputs (and the backend's scratch), so the copy stays
+    /// unless an output overlaps that B, or an input is also an output (then the op reads a
+    /// scratch copy of it that later ops reuse). `alloc` zero-fills only memory no live buffer
+    /// holds, so it keeps the copy; a write from the host or a `free` of a buffer overlapping
+    /// B, and any communication, clear it.
+    fn reuse_half_b(&mut self, inputs: &[BufferId], outputs: &[BufferId]) {
+        if inputs.iter().any(|id| outputs.contains(id)) {
+            self.half_b = None;
+        }
+        for &id in outputs {
+            self.keep_half_b_unless_written(id);
+        }
+    }
+
+    /// Clears `half_b` where buffer `id` (about to be written or freed) overlaps that B.
+    fn keep_half_b_unless_written(&mut self, id: BufferId) {
+        let Some((b, b_len)) = self.half_b else {
+            return;
+        };
+        let b_end = b + (b_len * 4) as CUdeviceptr;
+        // An unknown buffer is an error its caller reports; forgetting the copy is safe.
+        let overlaps = self.slot(id).map_or(true, |o| {
+            let o_end = o.ptr + (o.len * o.dtype.bytes() as usize) as CUdeviceptr;
+            o.ptr < b_end && b < o_end
+        });
+        if overlaps {
+            self.half_b = None;
+        }
     }
 
     /// Starts (from zero) or stops timing the GEMMs' cuBLASLt kernels alone, without their
@@ -430,6 +489,7 @@ impl CudaBackend {
     }
 
     fn write<T>(&mut self, id: BufferId, dtype: DType, data: &[T]) -> Result<()> {
+        self.keep_half_b_unless_written(id);
         if self.comm_uses(id) {
             self.drain_comm()?;
         }
@@ -468,6 +528,7 @@ impl Backend for CudaBackend {
     }
 
     fn prepare(&mut self, program: &Program, layout: &MemoryLayout) -> Result<()> {
+        self.half_b = None;
         if self.slots.iter().any(Option::is_some) {
             return Err(RuntimeError::Unsupported(
                 "the CUDA backend was given a memory plan after buffers were allocated".into(),
@@ -526,6 +587,19 @@ impl Backend for CudaBackend {
                 }
                 if bytes > 0 && self.planned.needs_zero(index) {
                     self.zero_bytes(ptr, bytes)?;
+                } else if bytes > 0 && self.poison_unzeroed {
+                    // A quiet NaN in every 4-byte word (f32 and i32 buffers alike).
+                    // SAFETY: the planned range holds `bytes` (a multiple of 4) bytes.
+                    unsafe {
+                        cudarc::driver::sys::cuMemsetD32Async(
+                            ptr,
+                            0x7fc0_0000,
+                            bytes / 4,
+                            self.stream.cu_stream(),
+                        )
+                    }
+                    .result()
+                    .map_err(|e| driver_error("poisoning an unzeroed buffer", e))?;
                 }
                 (None, ptr)
             }
@@ -548,6 +622,7 @@ impl Backend for CudaBackend {
     }
 
     fn free(&mut self, id: BufferId) -> Result<()> {
+        self.keep_half_b_unless_written(id);
         // Communication still using the buffer must finish before its bytes are reused.
         self.order_after_comm([id])?;
         match self.slots.get_mut(id.0 as usize).and_then(Option::take) {
@@ -566,6 +641,7 @@ impl Backend for CudaBackend {
         outputs: &[BufferId],
         scalars: &StepScalars,
     ) -> Result<()> {
+        self.reuse_half_b(inputs, outputs);
         if self.fused_optimizer(op, inputs, outputs, scalars)? {
             return Ok(());
         }
@@ -621,11 +697,13 @@ impl Backend for CudaBackend {
         input: BufferId,
         output: BufferId,
     ) -> Option<Result<()>> {
+        self.half_b = None;
         self.nccl.as_ref()?;
         Some(self.nccl_collective(kind, group, input, output))
     }
 
     fn device_p2p(&mut self, transfers: &[DeviceTransfer]) -> Option<Result<()>> {
+        self.half_b = None;
         self.nccl.as_ref()?;
         Some(self.nccl_p2p(transfers))
     }
