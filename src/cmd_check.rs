@@ -213,7 +213,7 @@ fn human(results: &[Checked]) {
                 print!("{}", crate::report::render_human(report));
             }
             if let Some(lowered) = &r.lowered {
-                println!("\nlowered plan (verified; buffers counted in f32):");
+                println!("\nlowered plan (verified; buffers at their stored sizes):");
                 print!("{}", lowered.summary.replace("# ", "  "));
             }
             eprintln!("{}: ok, {}", r.file, plural(w, "warning"));

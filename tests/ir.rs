@@ -12,3 +12,5 @@ mod golden;
 mod lowering;
 #[path = "ir/scale.rs"]
 mod scale;
+#[path = "ir/storage.rs"]
+mod storage;

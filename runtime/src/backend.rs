@@ -69,11 +69,18 @@ pub trait Backend {
         outputs: &[BufferId],
         scalars: &StepScalars,
     ) -> Result<()>;
-    /// Copy host data into an f32 buffer (length must match).
+    /// Whether this backend stores `DType::Bf16` buffers (rounding on write, as the CPU
+    /// backend defines). One that does not is given programs with their bf16 buffers stored
+    /// f32 instead (`Program::with_f32_storage`, done by the executor before `prepare`).
+    fn stores_bf16(&self) -> bool {
+        false
+    }
+    /// Copy host data into an f32 buffer (length must match); into a bf16 buffer (on a backend
+    /// that stores bf16) each element is rounded to the nearest bf16.
     fn write_f32(&mut self, id: BufferId, data: &[f32]) -> Result<()>;
     /// Copy host data into an i32 buffer (length must match).
     fn write_i32(&mut self, id: BufferId, data: &[i32]) -> Result<()>;
-    /// Copy an f32 buffer to the host.
+    /// Copy an f32 buffer to the host (a bf16 buffer widened exactly to f32).
     fn read_f32(&self, id: BufferId) -> Result<Vec<f32>>;
     /// Wait until all queued work has finished (for timing ops); backends that run ops
     /// synchronously need not override it.

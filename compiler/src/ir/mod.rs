@@ -5,6 +5,7 @@
 pub mod op;
 pub mod operands;
 pub mod program;
+pub mod storage;
 pub mod text;
 
 pub use operands::{Inputs, Operands, Outputs};
@@ -16,16 +17,30 @@ use serde::Serialize;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub struct BufferId(pub u32);
 
-/// Element type of a buffer.
+/// Element type of a buffer. `Bf16` stores an f32 value rounded to bfloat16 (8 exponent bits, 7
+/// mantissa bits); which buffers use it is decided by the lowering (see `storage`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DType {
     F32,
     I32,
+    Bf16,
 }
 
 impl DType {
+    /// Bytes per element.
     pub fn bytes(self) -> u64 {
-        4
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::Bf16 => 2,
+        }
+    }
+    /// The name in the text form (`f32`, `i32`, `bf16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::I32 => "i32",
+            DType::Bf16 => "bf16",
+        }
     }
 }

@@ -16,8 +16,11 @@
 //!   starts from the zeros of its `Alloc` or of a `Zero`); all other outputs are overwritten:
 //!   every element written, none read (the memory planner relies on this to skip zero-fills,
 //!   `memplan::zero_needs`).
-//! - Token ids are i32 buffers; everything else is f32 on the CPU backend (the CUDA backend may
-//!   store activations in bf16/fp16, never master weights or optimizer state).
+//! - Token ids are i32 buffers; everything else is f32, except that a `precision = bf16` plan
+//!   stores activations and their gradients in bf16. Which operand accepts which type, and
+//!   what an op on bf16 operands computes (read widened, compute in f32, round each written
+//!   element to nearest-even), is `storage`; master weights, gradients, optimizer state and
+//!   statistics are always f32.
 //! - `lr` and the 1-based optimizer step count used by `AdamW`/`Sgd` are supplied by the executor
 //!   from the spec's schedule; they are not part of the op. So is the loss scale `s` of an fp16
 //!   run (`precision = fp16`; absent otherwise, which acts as `s = 1` with no skipping): `CeGrad`

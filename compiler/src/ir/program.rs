@@ -183,6 +183,21 @@ impl Program {
     pub fn buffer(&self, id: BufferId) -> Option<&Buffer> {
         self.buffers.get(id.0 as usize)
     }
+    /// Whether any buffer is stored in bf16.
+    pub fn uses_bf16(&self) -> bool {
+        self.buffers.iter().any(|b| b.dtype == DType::Bf16)
+    }
+    /// This program with its bf16 buffers stored in f32: the same computation without the
+    /// rounding on write, for a backend that does not store bf16 (`Backend::stores_bf16`).
+    pub fn with_f32_storage(&self) -> Program {
+        let mut program = self.clone();
+        for b in &mut program.buffers {
+            if b.dtype == DType::Bf16 {
+                b.dtype = DType::F32;
+            }
+        }
+        program
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]

@@ -177,10 +177,7 @@ impl fmt::Display for PlanText<'_> {
                     "  buffer b{bi} {} {} {} {}",
                     b.name,
                     shape(&b.shape),
-                    match b.dtype {
-                        super::DType::F32 => "f32",
-                        super::DType::I32 => "i32",
-                    },
+                    b.dtype.name(),
                     b.kind.name()
                 )?;
             }

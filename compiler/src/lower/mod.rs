@@ -8,7 +8,8 @@
 //! - `layers` / `backward`: forward and backward of each layer kind (autodiff at op level);
 //! - `pipeline`: one program's step (units, transfers, recompute, lifetimes);
 //! - `optim`: gradient reductions (buckets, ZeRO), gradient norm, optimizer;
-//! - `builder` / `emitter`: buffer and instruction emission state.
+//! - `builder` / `emitter`: buffer and instruction emission state;
+//! - `storage`: which buffers a bf16 run stores in bf16.
 //!
 //! Programs are shared by ranks that differ only in their dp coordinate.
 
@@ -22,6 +23,7 @@ mod optim;
 mod params;
 mod pipeline;
 mod schedule;
+mod storage;
 
 pub use schedule::{stage_order, Dir, Unit};
 
@@ -498,7 +500,7 @@ fn emit_program(
             zero: l.zero,
         })
         .collect();
-    Ok(Program {
+    let mut program = Program {
         role: format!("pp {stage} cp {cp_index} tp {tp_index}"),
         coords: vec![
             (Axis::Pp, stage),
@@ -510,5 +512,7 @@ fn emit_program(
         instrs: em.b.instrs,
         loss,
         grad_sumsq: Some(grad_sumsq),
-    })
+    };
+    storage::assign(&mut program, spec.train.precision);
+    Ok(program)
 }

@@ -164,6 +164,7 @@ impl StepCosts for SpecCosts<'_> {
         let elem = match buffer.dtype {
             DType::I32 => 4,
             DType::F32 => self.spec.train.precision.compute_bytes(),
+            DType::Bf16 => 2,
         };
         (buffer.numel() * elem) as f64
     }

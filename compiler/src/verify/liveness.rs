@@ -129,11 +129,13 @@ pub fn analyse(
     let mut index = ProgramIndex {
         points: Vec::new(),
         numel: Vec::with_capacity(n),
+        dtype: Vec::with_capacity(n),
     };
     for (i, b) in program.buffers.iter().enumerate() {
         let persistent = b.kind.is_persistent();
         sizes.push((b.bytes(), persistent));
         index.numel.push(b.numel());
+        index.dtype.push(b.dtype);
         if persistent {
             alive[i] = true;
             persistent_bytes += b.bytes();

@@ -16,18 +16,22 @@
 //!    names a group belongs to one of its sets (E0815).
 //! 5. **Point-to-point matches**: with rendezvous semantics (a `Send` completes only with the
 //!    peer's matching `Recv`: same pair of ranks, same tag; a `P2p` group completes when all of
-//!    its operations have) every transfer is matched with equal element counts (E0816), and
+//!    its operations have) every transfer is matched with equal element counts and types (E0816), and
 //!    every rank runs to the end of its program: no deadlock, no unmatched or misordered
 //!    transfer, no collective some member never reaches (E0817, with where each stuck rank
 //!    waits).
 //!
-//! Invariants 1–3 and the liveness numbers are per program (ranks sharing a program are alike);
+//! 6. **Types fit**: every operand's dtype is one its op accepts (`ir::storage`), a
+//!    collective's input and output share one type, `LoadBatch` fills i32 buffers (E0819).
+//!
+//! Invariants 1–3, 6 and the liveness numbers are per program (ranks sharing a program are alike);
 //! 4–5 come from simulating all ranks together ([`rendezvous`]). Ranks whose programs differ
 //! only in the dp coordinate are simulated once: when every rank runs the program of its dp-0
 //! counterpart and no transfer crosses dp, the dp-0 slice's run is the whole run (each rank is
 //! in its counterpart's state at every step, by induction), so a 1,024-GPU plan with dp = 16
 //! simulates 64 ranks. Otherwise every rank is simulated.
 
+mod dtypes;
 mod liveness;
 mod rendezvous;
 pub(crate) mod slice;
@@ -165,10 +169,13 @@ pub fn check(plan: &Plan) -> Outcome {
     let mut violations = Vec::new();
     let mut programs = Vec::with_capacity(plan.programs.len());
     let mut indices = Vec::with_capacity(plan.programs.len());
-    for (memory, found, index) in analysed {
+    for (i, (memory, found, index)) in analysed.into_iter().enumerate() {
         programs.push(memory);
         violations.extend(found);
         indices.push(index);
+        if let Some(program) = plan.programs.get(i) {
+            violations.extend(dtypes::check(program, ProgramId(i as u32), first_rank[i]));
+        }
     }
     // Rendezvous on programs with broken buffers would report the same fault twice.
     let (ranks_simulated, dp_symmetric) = if violations.is_empty() {

@@ -16,6 +16,8 @@ use crate::spec::NodeId;
 pub struct ProgramIndex {
     pub points: Vec<(u32, Instr)>,
     pub numel: Vec<u64>,
+    /// Each buffer's element type (a transfer moves elements without converting them).
+    pub dtype: Vec<crate::ir::DType>,
 }
 
 pub struct Simulation {
@@ -32,6 +34,7 @@ struct Posted {
     peer: u32,
     tag: u32,
     numel: u64,
+    dtype: Option<crate::ir::DType>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,6 +123,13 @@ impl<'a> World<'a> {
             .and_then(|index| index.numel.get(b.0 as usize))
             .copied()
             .unwrap_or(0)
+    }
+
+    fn dtype(&self, y: usize, b: crate::ir::BufferId) -> Option<crate::ir::DType> {
+        self.program(y)
+            .and_then(|(id, _)| self.index.get(id.0 as usize))
+            .and_then(|index| index.dtype.get(b.0 as usize))
+            .copied()
     }
 
     fn group_name(&self, g: GroupId) -> String {
@@ -352,12 +362,14 @@ impl<'a> World<'a> {
                 peer: self.plan.peer_rank(r, *peer),
                 tag: *tag,
                 numel: self.numel(y, *buffer),
+                dtype: self.dtype(y, *buffer),
             }],
             Instr::Recv { peer, buffer, tag } => vec![Posted {
                 send: false,
                 peer: self.plan.peer_rank(r, *peer),
                 tag: *tag,
                 numel: self.numel(y, *buffer),
+                dtype: self.dtype(y, *buffer),
             }],
             Instr::P2p { ops } => ops
                 .iter()
@@ -367,12 +379,14 @@ impl<'a> World<'a> {
                         peer: self.plan.peer_rank(r, *peer),
                         tag: *tag,
                         numel: self.numel(y, *buffer),
+                        dtype: self.dtype(y, *buffer),
                     },
                     P2pOp::Recv { peer, buffer, tag } => Posted {
                         send: false,
                         peer: self.plan.peer_rank(r, *peer),
                         tag: *tag,
                         numel: self.numel(y, *buffer),
+                        dtype: self.dtype(y, *buffer),
                     },
                 })
                 .collect(),
@@ -390,7 +404,7 @@ impl<'a> World<'a> {
             match matched {
                 Some((q, i)) => {
                     let theirs = self.posted[q].remove(i);
-                    if theirs.numel != op.numel {
+                    if theirs.numel != op.numel || theirs.dtype != op.dtype {
                         let pc = self.pc[y];
                         self.violation(
                             "E0816",
@@ -398,13 +412,15 @@ impl<'a> World<'a> {
                             pc,
                             None,
                             format!(
-                                "{} tag {} {} rank {} has {} elements but the other side's buffer has {}",
+                                "{} tag {} {} rank {} has {} {} elements but the other side's buffer has {} {}",
                                 if op.send { "send of" } else { "receive of" },
                                 op.tag,
                                 if op.send { "to" } else { "from" },
                                 op.peer,
                                 op.numel,
-                                theirs.numel
+                                op.dtype.map_or("?", |d| d.name()),
+                                theirs.numel,
+                                theirs.dtype.map_or("?", |d| d.name())
                             ),
                         );
                     }

@@ -483,3 +483,86 @@ proptest::proptest! {
         }
     }
 }
+
+/// The buffer with `name` in `program` of `plan`.
+fn buffer_named(plan: &Plan, program: usize, name: &str) -> BufferId {
+    let at = plan.programs[program]
+        .buffers
+        .iter()
+        .position(|b| b.name == name)
+        .unwrap_or_else(|| panic!("no buffer {name}"));
+    BufferId(at as u32)
+}
+
+#[test]
+fn a_statistic_stored_in_bf16_is_a_type_error_at_its_first_use() {
+    use crate::ir::DType;
+    let mut plan = lowered(PlanChoice {
+        precision: crate::spec::Precision::Bf16,
+        ..PlanChoice::default()
+    });
+    assert!(check(&plan).violations.is_empty());
+    let rstd = plan.programs[0]
+        .buffers
+        .iter()
+        .position(|b| b.name.contains(".rstd@"))
+        .unwrap();
+    let name = plan.programs[0].buffers[rstd].name.clone();
+    plan.programs[0].buffers[rstd].dtype = DType::Bf16;
+    let outcome = check(&plan);
+    assert_eq!(codes(&outcome)[0], "E0819", "{:#?}", outcome.violations);
+    let first_use = plan.programs[0]
+        .instrs
+        .iter()
+        .position(|i| {
+            matches!(i, Instr::Compute { .. }) && i.writes().contains(&BufferId(rstd as u32))
+        })
+        .unwrap();
+    let v = &outcome.violations[0];
+    assert_eq!(v.instr, first_use);
+    assert!(
+        v.message.contains(&name) && v.message.contains("takes f32"),
+        "{}",
+        v.message
+    );
+    // Token ids in a float buffer are refused too.
+    let mut plan = lowered(PlanChoice::default());
+    let tokens = buffer_named(&plan, 0, "tokens@0");
+    plan.programs[0].buffers[tokens.0 as usize].dtype = DType::F32;
+    assert!(codes(&check(&plan)).contains(&"E0819"));
+}
+
+#[test]
+fn a_transfer_between_types_is_a_mismatch() {
+    use crate::ir::DType;
+    let mut plan = lowered(PlanChoice {
+        pp: 2,
+        precision: crate::spec::Precision::Bf16,
+        ..PlanChoice::default()
+    });
+    assert!(check(&plan).violations.is_empty());
+    let (p, i, k) = first_recv(&plan);
+    let Instr::P2p { ops } = &plan.programs[p].instrs[i] else {
+        unreachable!()
+    };
+    let P2pOp::Recv { buffer, .. } = ops[k] else {
+        unreachable!()
+    };
+    assert_eq!(
+        plan.programs[p].buffers[buffer.0 as usize].dtype,
+        DType::Bf16
+    );
+    // The receiving side alone stored in f32 (its uses accept it): the transfer is caught.
+    plan.programs[p].buffers[buffer.0 as usize].dtype = DType::F32;
+    let outcome = check(&plan);
+    let hit = outcome
+        .violations
+        .iter()
+        .find(|v| v.code == "E0816")
+        .unwrap_or_else(|| panic!("{:#?}", outcome.violations));
+    assert!(
+        hit.message.contains("bf16") && hit.message.contains("f32"),
+        "{}",
+        hit.message
+    );
+}

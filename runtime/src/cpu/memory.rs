@@ -1,10 +1,13 @@
 //! The CPU backend's buffer storage: one vector of 4-byte words per rank holding every buffer
-//! (f32 and i32 alike). With a memory plan (`Backend::prepare`) the vector is sized once — the
-//! persistent region, then the transient arena — and each buffer lives at its planned offset;
-//! `alloc` only zero-fills its words, or, for a buffer the plan says is fully written before it
-//! is read ([`MemoryLayout::needs_zero`]), fills them with NaN ([`POISON`]): a wrong mark then
-//! shows as a NaN loss instead of passing on stale bytes that happen to be harmless. Buffers without a planned place (a backend used without a
-//! plan, as op tests do) go above the planned regions, first fit, the vector growing as needed.
+//! (f32 and i32 one element per word, bf16 two per word, element `2k` in the low half of word
+//! `k`, as the bytes lie on a little-endian device). With a memory plan (`Backend::prepare`)
+//! the vector is sized once — the persistent region, then the transient arena — and each
+//! buffer lives at its planned offset; `alloc` only zero-fills its words, or, for a buffer the
+//! plan says is fully written before it is read ([`MemoryLayout::needs_zero`]), fills them with
+//! NaN ([`POISON`], [`POISON_BF16`]): a wrong mark then shows as a NaN loss instead of passing
+//! on stale bytes that happen to be harmless. Buffers without a planned place (a backend used
+//! without a plan, as op tests do) go above the planned regions, first fit, the vector growing
+//! as needed.
 //!
 //! An op borrows its inputs and outputs at once: [`Memory::split`] cuts the vector into
 //! disjoint slices (two live buffers never overlap, which the planner's checker proved and this
@@ -16,15 +19,37 @@ use parc_compiler::memplan::{MemoryLayout, Placement};
 /// The word an allocation the plan exempts from zero-filling is filled with: a quiet NaN as
 /// f32 (and an id far outside any vocabulary as i32), so reading it before writing it shows.
 const POISON: u32 = 0x7fc0_0000;
+/// The same for bf16 buffers: a quiet bf16 NaN in both halves of the word.
+const POISON_BF16: u32 = 0x7fc0_7fc0;
 
 /// Where one allocated buffer lives.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Slot {
     /// First word.
     pub offset: usize,
-    /// Elements (= words).
+    /// Elements.
     pub len: usize,
+    /// Words holding them (`len`, or `ceil(len / 2)` for bf16).
+    pub words: usize,
     pub dtype: DType,
+}
+
+/// Words holding `len` elements of `dtype`.
+fn words_for(len: usize, dtype: DType) -> usize {
+    match dtype {
+        DType::F32 | DType::I32 => len,
+        DType::Bf16 => len.div_ceil(2),
+    }
+}
+
+/// The f32 value of a stored bf16 element (exact).
+pub(crate) fn widen_bf16(bits: u16) -> f32 {
+    half::bf16::from_bits(bits).to_f32()
+}
+
+/// `x` rounded to the nearest bf16, ties to even (NaN stays NaN, overflow becomes infinity).
+pub(crate) fn round_bf16(x: f32) -> u16 {
+    half::bf16::from_f32(x).to_bits()
 }
 
 /// A read-only view of one buffer's elements.
@@ -32,6 +57,8 @@ pub(crate) struct Slot {
 pub(crate) enum View<'a> {
     F32(&'a [f32]),
     I32(&'a [i32]),
+    /// Stored bf16 bits (kernels see them widened: the backend stages bf16 through f32).
+    Bf16(&'a [u16]),
 }
 
 /// A writable view of one buffer's elements.
@@ -39,52 +66,73 @@ pub(crate) enum View<'a> {
 pub(crate) enum ViewMut<'a> {
     F32(&'a mut [f32]),
     I32(&'a mut [i32]),
+    Bf16(&'a mut [u16]),
 }
 
 impl<'a> View<'a> {
-    pub(crate) fn of(words: &'a [u32], dtype: DType) -> View<'a> {
+    /// The first `len` elements of `dtype` in `words`.
+    pub(crate) fn of(words: &'a [u32], len: usize, dtype: DType) -> View<'a> {
         match dtype {
             DType::F32 => View::F32(bytemuck::cast_slice(words)),
             DType::I32 => View::I32(bytemuck::cast_slice(words)),
+            DType::Bf16 => {
+                let halves: &[u16] = bytemuck::cast_slice(words);
+                View::Bf16(&halves[..len.min(halves.len())])
+            }
         }
     }
     pub fn len(&self) -> usize {
         match self {
             View::F32(v) => v.len(),
             View::I32(v) => v.len(),
+            View::Bf16(v) => v.len(),
         }
     }
     pub fn as_f32(&self) -> Option<&'a [f32]> {
         match *self {
             View::F32(v) => Some(v),
-            View::I32(_) => None,
+            View::I32(_) | View::Bf16(_) => None,
         }
     }
     pub fn as_i32(&self) -> Option<&'a [i32]> {
         match *self {
             View::I32(v) => Some(v),
-            View::F32(_) => None,
+            View::F32(_) | View::Bf16(_) => None,
+        }
+    }
+    /// The name of the element type, for messages.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            View::F32(_) => "f32",
+            View::I32(_) => "i32",
+            View::Bf16(_) => "bf16",
         }
     }
 }
 
 impl<'a> ViewMut<'a> {
-    fn of(words: &'a mut [u32], dtype: DType) -> ViewMut<'a> {
+    fn of(words: &'a mut [u32], len: usize, dtype: DType) -> ViewMut<'a> {
         match dtype {
             DType::F32 => ViewMut::F32(bytemuck::cast_slice_mut(words)),
             DType::I32 => ViewMut::I32(bytemuck::cast_slice_mut(words)),
+            DType::Bf16 => {
+                let halves: &mut [u16] = bytemuck::cast_slice_mut(words);
+                let len = len.min(halves.len());
+                ViewMut::Bf16(&mut halves[..len])
+            }
         }
     }
     pub fn len(&self) -> usize {
         match self {
             ViewMut::F32(v) => v.len(),
             ViewMut::I32(v) => v.len(),
+            ViewMut::Bf16(v) => v.len(),
         }
     }
     pub fn as_f32_mut(&mut self) -> Option<&mut [f32]> {
         match self {
             ViewMut::F32(v) => Some(v),
-            ViewMut::I32(_) => None,
+            ViewMut::I32(_) | ViewMut::Bf16(_) => None,
         }
     }
     /// Set every element to zero.
@@ -92,6 +140,7 @@ impl<'a> ViewMut<'a> {
         match self {
             ViewMut::F32(v) => v.fill(0.0),
             ViewMut::I32(v) => v.fill(0),
+            ViewMut::Bf16(v) => v.fill(0),
         }
     }
 }
@@ -207,12 +256,14 @@ impl Memory {
         if self.slots.get(index).is_some_and(Option::is_some) {
             return Err(buffer_error(id, "is already allocated"));
         }
+        let elements = len;
+        let len = words_for(elements, dtype);
         let offset = match self.planned.get(index).copied().flatten() {
             Some(offset) => {
                 if offset + len > self.planned_words {
                     return Err(buffer_error(
                         id,
-                        format!("{len} elements do not fit its planned place (a planner bug)"),
+                        format!("{elements} elements do not fit its planned place (a planner bug)"),
                     ));
                 }
                 offset
@@ -220,16 +271,21 @@ impl Memory {
             None => self.first_fit(len),
         };
         self.grow(offset + len)?;
-        let fill = if self.skip_zero.get(index).copied().unwrap_or(false) {
-            POISON
-        } else {
-            0
+        let fill = match (self.skip_zero.get(index).copied().unwrap_or(false), dtype) {
+            (false, _) => 0,
+            (true, DType::Bf16) => POISON_BF16,
+            (true, DType::F32 | DType::I32) => POISON,
         };
         self.words[offset..offset + len].fill(fill);
         if self.slots.len() <= index {
             self.slots.resize(index + 1, None);
         }
-        self.slots[index] = Some(Slot { offset, len, dtype });
+        self.slots[index] = Some(Slot {
+            offset,
+            len: elements,
+            words: len,
+            dtype,
+        });
         Ok(())
     }
 
@@ -238,7 +294,7 @@ impl Memory {
         let mut taken: Vec<(usize, usize)> = self
             .live()
             .filter(|s| s.offset >= self.planned_words)
-            .map(|s| (s.offset, s.offset + s.len))
+            .map(|s| (s.offset, s.offset + s.words))
             .collect();
         taken.sort_unstable();
         let mut at = self.planned_words;
@@ -263,13 +319,18 @@ impl Memory {
 
     pub fn view(&self, id: BufferId) -> Result<View<'_>> {
         let s = self.slot(id)?;
-        Ok(View::of(&self.words[s.offset..s.offset + s.len], s.dtype))
+        Ok(View::of(
+            &self.words[s.offset..s.offset + s.words],
+            s.len,
+            s.dtype,
+        ))
     }
 
     pub fn view_mut(&mut self, id: BufferId) -> Result<ViewMut<'_>> {
         let s = self.slot(id)?;
         Ok(ViewMut::of(
-            &mut self.words[s.offset..s.offset + s.len],
+            &mut self.words[s.offset..s.offset + s.words],
+            s.len,
             s.dtype,
         ))
     }
@@ -277,7 +338,39 @@ impl Memory {
     /// A copy of `id`'s words (for an input that is also the op's output).
     pub fn copy_words(&self, id: BufferId) -> Result<Vec<u32>> {
         let s = self.slot(id)?;
-        Ok(self.words[s.offset..s.offset + s.len].to_vec())
+        Ok(self.words[s.offset..s.offset + s.words].to_vec())
+    }
+
+    /// The elements of bf16 buffer `id`, widened to f32 (exact).
+    pub fn widened(&self, id: BufferId) -> Result<Vec<f32>> {
+        match self.view(id)? {
+            View::Bf16(bits) => Ok(bits.iter().map(|&b| widen_bf16(b)).collect()),
+            other => Err(buffer_error(
+                id,
+                format!("is {}, not bf16 (a backend bug)", other.type_name()),
+            )),
+        }
+    }
+
+    /// Store `values` into bf16 buffer `id`, each rounded to the nearest bf16.
+    pub fn store_rounded(&mut self, id: BufferId, values: &[f32]) -> Result<()> {
+        match self.view_mut(id)? {
+            ViewMut::Bf16(bits) if bits.len() == values.len() => {
+                for (b, &v) in bits.iter_mut().zip(values) {
+                    *b = round_bf16(v);
+                }
+                Ok(())
+            }
+            ViewMut::Bf16(bits) => Err(buffer_error(
+                id,
+                format!(
+                    "holds {} elements, cannot write {}",
+                    bits.len(),
+                    values.len()
+                ),
+            )),
+            _ => Err(buffer_error(id, "is not bf16 (a backend bug)")),
+        }
     }
 
     /// Read-only views of `shared` and writable views of `exclusive`, all at once. `shared` may
@@ -314,10 +407,10 @@ impl Memory {
             }
             let tail = std::mem::take(&mut rest);
             let (_, tail) = tail.split_at_mut(s.offset - base);
-            let (mine, tail) = tail.split_at_mut(s.len);
+            let (mine, tail) = tail.split_at_mut(s.words);
             cut[k] = Some(mine);
             rest = tail;
-            base = s.offset + s.len;
+            base = s.offset + s.words;
         }
         let mut views: Vec<(BufferId, Slot, Option<&mut [u32]>)> = ids
             .iter()
@@ -332,7 +425,7 @@ impl Memory {
             match entry {
                 Some((_, s, words @ Some(_))) => {
                     if let Some(w) = words.take() {
-                        outs.push(ViewMut::of(w, s.dtype));
+                        outs.push(ViewMut::of(w, s.len, s.dtype));
                     }
                 }
                 _ => return Err(buffer_error(id, "is bound twice to one op")),
@@ -343,7 +436,7 @@ impl Memory {
             .filter_map(|(id, s, w)| {
                 w.map(|w| {
                     let w: &[u32] = w;
-                    (id, View::of(w, s.dtype))
+                    (id, View::of(w, s.len, s.dtype))
                 })
             })
             .collect();

@@ -1,5 +1,6 @@
 //! The CPU backend: the exact reference every other backend and every parallel plan is measured
-//! against. f32 activations and parameters, i32 token ids; every op forward and backward as
+//! against. f32 (or bf16-stored) activations, f32 parameters, i32 token ids; every op forward
+//! and backward as
 //! documented in `parc_compiler::ir::op`; deterministic (bit-identical results for any thread
 //! count: see `par`). Matmuls go through the `gemm` crate, other kernels split rows over rayon.
 //!
@@ -8,6 +9,10 @@
 //! release a planned range; a buffer the plan exempts from zeroing is filled with NaN instead,
 //! so a wrong exemption poisons the loss (`memory`). Besides the `Backend` trait, callers can borrow a buffer as a slice.
 //! An op whose output is also one of its inputs sees the input's value from before the op.
+//! bf16 buffers (a `precision = bf16` plan's activations) are staged through f32 around each op:
+//! inputs widened exactly, outputs widened before the op (an accumulating op reads them) and
+//! rounded to the nearest bf16 after it, so every kernel computes in f32 and the CPU defines
+//! what bf16 storage means (`parc_compiler::ir::storage`).
 //! Ops on at most `par::TASK_ELEMENTS` elements in all run on the calling thread (no kernel loop
 //! splits at that size); larger ones run on the backend's pool.
 mod args;
@@ -81,31 +86,41 @@ impl CpuBackend {
 
     /// Borrow an f32 buffer.
     pub fn f32(&self, id: BufferId) -> Result<&[f32]> {
-        self.memory
-            .view(id)?
-            .as_f32()
-            .ok_or_else(|| buffer_error(id, "is i32, expected f32"))
+        let view = self.memory.view(id)?;
+        view.as_f32().ok_or_else(|| {
+            buffer_error(
+                id,
+                format!(
+                    "is {}, expected f32 (read bf16 with read_f32)",
+                    view.type_name()
+                ),
+            )
+        })
     }
 
     pub fn f32_mut(&mut self, id: BufferId) -> Result<&mut [f32]> {
         match self.memory.view_mut(id)? {
             ViewMut::F32(v) => Ok(v),
             ViewMut::I32(_) => Err(buffer_error(id, "is i32, expected f32")),
+            ViewMut::Bf16(_) => Err(buffer_error(
+                id,
+                "is bf16, expected f32 (write bf16 with write_f32)",
+            )),
         }
     }
 
     /// Borrow an i32 buffer.
     pub fn i32(&self, id: BufferId) -> Result<&[i32]> {
-        self.memory
-            .view(id)?
-            .as_i32()
-            .ok_or_else(|| buffer_error(id, "is f32, expected i32"))
+        let view = self.memory.view(id)?;
+        view.as_i32()
+            .ok_or_else(|| buffer_error(id, format!("is {}, expected i32", view.type_name())))
     }
 
     pub fn i32_mut(&mut self, id: BufferId) -> Result<&mut [i32]> {
         match self.memory.view_mut(id)? {
             ViewMut::I32(v) => Ok(v),
             ViewMut::F32(_) => Err(buffer_error(id, "is f32, expected i32")),
+            ViewMut::Bf16(_) => Err(buffer_error(id, "is bf16, expected i32")),
         }
     }
 
@@ -183,31 +198,68 @@ impl Backend for CpuBackend {
                 ));
             }
         }
-        // An input that is also an output reads a copy taken before the op.
-        let mut copies: Vec<(BufferId, Vec<u32>, DType)> = Vec::new();
+        // bf16 operands go through f32 staging (module docs); an input that is also an output
+        // reads a copy taken before the op.
+        let is_bf16 = |memory: &Memory, id: BufferId| -> Result<bool> {
+            Ok(memory.slot(id)?.dtype == DType::Bf16)
+        };
+        let mut staged_in: Vec<(BufferId, Vec<f32>)> = Vec::new();
+        let mut copies: Vec<(BufferId, Vec<u32>, usize, DType)> = Vec::new();
         for &id in inputs {
-            if outputs.contains(&id) && !copies.iter().any(|(c, _, _)| *c == id) {
-                let dtype = self.memory.slot(id)?.dtype;
-                copies.push((id, self.memory.copy_words(id)?, dtype));
+            if is_bf16(&self.memory, id)? {
+                if !staged_in.iter().any(|(c, _)| *c == id) {
+                    staged_in.push((id, self.memory.widened(id)?));
+                }
+            } else if outputs.contains(&id) && !copies.iter().any(|(c, ..)| *c == id) {
+                let slot = self.memory.slot(id)?;
+                copies.push((id, self.memory.copy_words(id)?, slot.len, slot.dtype));
+            }
+        }
+        let mut staged_out: Vec<(BufferId, Vec<f32>)> = Vec::new();
+        for &id in outputs {
+            if is_bf16(&self.memory, id)? {
+                staged_out.push((id, self.memory.widened(id)?));
             }
         }
         let direct: Vec<BufferId> = inputs
             .iter()
             .copied()
-            .filter(|id| !outputs.contains(id))
+            .filter(|id| !outputs.contains(id) && !staged_in.iter().any(|(c, _)| c == id))
+            .collect();
+        let direct_outputs: Vec<BufferId> = outputs
+            .iter()
+            .copied()
+            .filter(|id| !staged_out.iter().any(|(c, _)| c == id))
             .collect();
         let pool = self.pool.clone();
-        let (direct_views, out_views) = self.memory.split(&direct, outputs)?;
+        let (direct_views, direct_out_views) = self.memory.split(&direct, &direct_outputs)?;
         let mut direct_views = direct_views.into_iter();
         let mut views = Vec::with_capacity(inputs.len());
         for id in inputs {
-            let view = match copies.iter().find(|(c, _, _)| c == id) {
-                Some((_, words, dtype)) => View::of(words, *dtype),
-                None => direct_views
+            let staged = staged_in.iter().find(|(c, _)| c == id);
+            let copy = copies.iter().find(|(c, ..)| c == id);
+            let view = match (staged, copy) {
+                (Some((_, values)), _) => View::F32(values),
+                (None, Some((_, words, len, dtype))) => View::of(words, *len, *dtype),
+                (None, None) => direct_views
                     .next()
                     .ok_or_else(|| buffer_error(*id, "lost its binding (a backend bug)"))?,
             };
             views.push(view);
+        }
+        let mut direct_out_views = direct_out_views.into_iter();
+        let mut staged_out_views = staged_out.iter_mut();
+        let mut out_views = Vec::with_capacity(outputs.len());
+        for id in outputs {
+            let view = if direct_outputs.contains(id) {
+                direct_out_views.next()
+            } else {
+                staged_out_views
+                    .next()
+                    .map(|(_, values)| ViewMut::F32(values.as_mut_slice()))
+            };
+            out_views
+                .push(view.ok_or_else(|| buffer_error(*id, "lost its binding (a backend bug)"))?);
         }
         let ins = Inputs {
             op: sig.name,
@@ -225,7 +277,7 @@ impl Backend for CpuBackend {
         // pool would cost two thread switches for no parallelism (see `par`).
         let elements: usize = ins.tensors.iter().map(|t| t.len()).sum::<usize>()
             + outs.tensors.iter().map(|t| t.len()).sum::<usize>();
-        match pool {
+        let ran = match pool {
             Some(pool) if elements > par::TASK_ELEMENTS => {
                 pool.install(|| dispatch::run(op, &ins, &mut outs, scalars, Threads::Pool))
             }
@@ -233,10 +285,20 @@ impl Backend for CpuBackend {
                 dispatch::run(op, &ins, &mut outs, scalars, Threads::Pool)
             }
             _ => dispatch::run(op, &ins, &mut outs, scalars, Threads::Caller),
+        };
+        drop((ins, outs));
+        ran?;
+        for (id, values) in &staged_out {
+            self.memory.store_rounded(*id, values)?;
         }
+        Ok(())
     }
 
+    /// Into a bf16 buffer, each element is rounded to the nearest bf16.
     fn write_f32(&mut self, id: BufferId, data: &[f32]) -> Result<()> {
+        if self.memory.slot(id)?.dtype == DType::Bf16 {
+            return self.memory.store_rounded(id, data);
+        }
         let dst = self.f32_mut(id)?;
         if dst.len() != data.len() {
             return Err(buffer_error(
@@ -260,8 +322,16 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    /// A bf16 buffer reads widened to f32 (exact).
     fn read_f32(&self, id: BufferId) -> Result<Vec<f32>> {
+        if self.memory.slot(id)?.dtype == DType::Bf16 {
+            return self.memory.widened(id);
+        }
         Ok(self.f32(id)?.to_vec())
+    }
+
+    fn stores_bf16(&self) -> bool {
+        true
     }
 }
 

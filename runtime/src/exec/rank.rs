@@ -11,7 +11,7 @@ use crate::exec::profile::{self, StepProfile};
 use crate::init::{fill_local_param, ZeroShard};
 use parc_compiler::ir::op::{segments_len, Segment};
 use parc_compiler::ir::{
-    BufferId, CollectiveKind, GroupId, Instr, LocalParam, P2pOp, Peer, Plan, Program,
+    BufferId, CollectiveKind, DType, GroupId, Instr, LocalParam, P2pOp, Peer, Plan, Program,
 };
 use parc_compiler::spec::Axis;
 use std::path::Path;
@@ -168,10 +168,14 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
     /// Plan the program's memory and hand the plan to the backend, allocate the persistent
     /// buffers and initialise the parameters from the seed.
     pub fn init(&mut self, seed: u64) -> Result<()> {
-        // Every buffer's place is decided (and checked) before the first allocation.
-        let layout = parc_compiler::memplan::plan_program(self.program)
-            .map_err(|e| plan_error(self.rank, e))?;
-        self.backend.prepare(self.program, &layout)?;
+        // Every buffer's place is decided (and checked) before the first allocation, at the
+        // sizes this backend stores (bf16 buffers as f32 on a backend without bf16 storage).
+        let widened = (!self.backend.stores_bf16() && self.program.uses_bf16())
+            .then(|| self.program.with_f32_storage());
+        let program = widened.as_ref().unwrap_or(self.program);
+        let layout =
+            parc_compiler::memplan::plan_program(program).map_err(|e| plan_error(self.rank, e))?;
+        self.backend.prepare(program, &layout)?;
         let buffers: Vec<_> = self.persistent().collect();
         for (id, buffer) in buffers {
             self.backend.alloc(id, &buffer.shape, buffer.dtype)?;
@@ -475,9 +479,20 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
                 let b = self.program.buffer(*buffer).ok_or_else(|| {
                     plan_error(self.rank, format!("buffer {} is unknown", buffer.0))
                 })?;
-                self.backend.alloc(*buffer, &b.shape, b.dtype)
+                let dtype = self.storage_dtype(b.dtype);
+                self.backend.alloc(*buffer, &b.shape, dtype)
             }
             Instr::Free { buffer } => self.backend.free(*buffer),
+        }
+    }
+
+    /// The type this rank's backend stores a buffer of `dtype` in: bf16 only where the backend
+    /// stores bf16, f32 otherwise (`Backend::stores_bf16`).
+    fn storage_dtype(&self, dtype: DType) -> DType {
+        if dtype == DType::Bf16 && !self.backend.stores_bf16() {
+            DType::F32
+        } else {
+            dtype
         }
     }
 

@@ -3,6 +3,7 @@
 //! parallel splits, GQA vs MHA, vocab-parallel cross-entropy, optimizer steps), and the buffer
 //! table, error reporting and thread-count determinism (`backend`).
 mod backend;
+mod bf16;
 mod gradients;
 mod reference;
 

@@ -1,0 +1,142 @@
+//! The storage pass: which buffers of an emitted program a bf16 run (`train.precision = bf16`)
+//! stores in bf16 (docs/architecture.md, "bf16 activation storage"). A buffer becomes bf16 when
+//! it is an activation or an activation gradient and every operand it is bound to accepts bf16
+//! (`ir::storage`); a collective's input and output keep one type, so a pair with an fp32 side
+//! stays fp32 on both. Everything else (parameters, gradients, optimizer state, statistics,
+//! metrics, tokens, buckets) stays as emitted. Other precisions leave the program unchanged.
+use crate::ir::storage::{operand_classes, StorageClass};
+use crate::ir::{BufferId, BufferKind, DType, Instr, Program};
+use crate::spec::Precision;
+
+/// Give `program`'s buffers their storage types for a run in `precision`.
+pub(super) fn assign(program: &mut Program, precision: Precision) {
+    if precision != Precision::Bf16 {
+        return;
+    }
+    let mut eligible: Vec<bool> = program
+        .buffers
+        .iter()
+        .map(|b| {
+            b.dtype == DType::F32
+                && matches!(b.kind, BufferKind::Activation | BufferKind::ActivationGrad)
+        })
+        .collect();
+    let exclude = |id: BufferId, eligible: &mut Vec<bool>| {
+        if let Some(e) = eligible.get_mut(id.0 as usize) {
+            *e = false;
+        }
+    };
+    let mut collectives = Vec::new();
+    for instr in &program.instrs {
+        match instr {
+            Instr::Compute {
+                op,
+                inputs,
+                outputs,
+                ..
+            } => {
+                let (ins, outs) = operand_classes(op);
+                let bound = inputs.iter().zip(ins).chain(outputs.iter().zip(outs));
+                for (id, class) in bound {
+                    if class != StorageClass::Float {
+                        exclude(*id, &mut eligible);
+                    }
+                }
+            }
+            Instr::Collective { input, output, .. } => collectives.push((*input, *output)),
+            _ => {}
+        }
+    }
+    // Excluding one side of a collective can exclude another collective's side: repeat until
+    // no pair disagrees (each round excludes at least one buffer, so this ends).
+    loop {
+        let mut changed = false;
+        for &(input, output) in &collectives {
+            let at = |id: BufferId| eligible.get(id.0 as usize).copied();
+            if at(input) != at(output) {
+                exclude(input, &mut eligible);
+                exclude(output, &mut eligible);
+                changed = true;
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    for (buffer, bf16) in program.buffers.iter_mut().zip(eligible) {
+        if bf16 {
+            buffer.dtype = DType::Bf16;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::op::Op;
+    use crate::ir::{Buffer, CollectiveKind, GroupId, Inputs, Outputs, Phase, ReduceOp};
+    use std::sync::Arc;
+
+    /// b0 → all-reduce → b1 → all-reduce → b2, b2 the `max` (f32) of `CeMax` on logits b3,
+    /// b4 a parameter.
+    fn chained() -> Program {
+        let buffer = |name: &str, kind| Buffer {
+            name: name.into(),
+            shape: vec![4],
+            dtype: DType::F32,
+            kind,
+        };
+        let reduce = |input: u32, output: u32| Instr::Collective {
+            kind: CollectiveKind::AllReduce { op: ReduceOp::Max },
+            group: GroupId(0),
+            input: BufferId(input),
+            output: BufferId(output),
+            node: None,
+        };
+        let ids = |v: &[u32]| v.iter().map(|&b| BufferId(b)).collect::<Vec<_>>();
+        Program {
+            role: "test".into(),
+            coords: Vec::new(),
+            buffers: vec![
+                buffer("a", BufferKind::Activation),
+                buffer("b", BufferKind::Activation),
+                buffer("c", BufferKind::Activation),
+                buffer("logits", BufferKind::Activation),
+                buffer("w", BufferKind::Param),
+            ],
+            params: Vec::new(),
+            instrs: vec![
+                reduce(0, 1),
+                reduce(1, 2),
+                Instr::Compute {
+                    op: Arc::new(Op::CeMax { vocab_local: 4 }),
+                    inputs: Inputs::from_slice(&ids(&[3])).unwrap(),
+                    outputs: Outputs::from_slice(&ids(&[2])).unwrap(),
+                    node: None,
+                    phase: Phase::Forward,
+                },
+            ],
+            loss: None,
+            grad_sumsq: None,
+        }
+    }
+
+    fn dtypes(p: &Program) -> Vec<DType> {
+        p.buffers.iter().map(|b| b.dtype).collect()
+    }
+
+    #[test]
+    fn an_fp32_use_excludes_every_buffer_a_collective_chain_ties_to_it() {
+        let mut p = chained();
+        assign(&mut p, Precision::Bf16);
+        use DType::{Bf16, F32};
+        assert_eq!(dtypes(&p), vec![F32, F32, F32, Bf16, F32]);
+    }
+
+    #[test]
+    fn fp32_leaves_the_program_alone() {
+        let mut p = chained();
+        assign(&mut p, Precision::Fp32);
+        assert_eq!(dtypes(&p), vec![DType::F32; 5]);
+    }
+}

@@ -1,0 +1,104 @@
+//! Invariant 6 of the verifier: every buffer has an element type its uses accept (E0819).
+//! A compute instruction's operands are checked against the op's storage classes
+//! (`ir::storage`), a collective's input and output must share one type (a collective moves
+//! elements, it does not convert them), and `LoadBatch` fills i32 buffers. Buffers that do not
+//! exist are invariant 1's (E0810) and skipped here.
+use super::Violation;
+use crate::ir::storage::operand_classes;
+use crate::ir::{BufferId, Instr, Program, ProgramId};
+
+/// Violations reported per program at most (the first ones say what is wrong).
+const MAX_PER_PROGRAM: usize = 16;
+
+/// Every dtype violation of `program` (run by `rank`, the lowest rank running it).
+pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violation> {
+    let mut violations = Vec::new();
+    let describe = |b: BufferId| {
+        program
+            .buffer(b)
+            .map(|x| format!("b{} `{}` ({})", b.0, x.name, x.dtype.name()))
+            .unwrap_or_else(|| format!("b{}", b.0))
+    };
+    for (i, instr) in program.instrs.iter().enumerate() {
+        let mut push = |node, message: String| {
+            if violations.len() < MAX_PER_PROGRAM {
+                violations.push(Violation {
+                    code: "E0819",
+                    rank,
+                    program: id,
+                    instr: i,
+                    node,
+                    message,
+                });
+            }
+        };
+        match instr {
+            Instr::Compute {
+                op,
+                inputs,
+                outputs,
+                node,
+                ..
+            } => {
+                let (in_classes, out_classes) = operand_classes(op);
+                let bound = [
+                    ("input", inputs.to_vec(), in_classes),
+                    ("output", outputs.to_vec(), out_classes),
+                ];
+                for (side, ids, classes) in bound {
+                    for (k, (b, class)) in ids.iter().zip(classes).enumerate() {
+                        let Some(buffer) = program.buffer(*b) else {
+                            continue;
+                        };
+                        if !class.accepts(buffer.dtype) {
+                            push(
+                                *node,
+                                format!(
+                                    "{side} {k} of {op:?} is {} but takes {}",
+                                    describe(*b),
+                                    class.describe()
+                                ),
+                            );
+                        }
+                    }
+                }
+            }
+            Instr::Collective {
+                input,
+                output,
+                node,
+                ..
+            } => {
+                let types = (program.buffer(*input), program.buffer(*output));
+                if let (Some(a), Some(b)) = types {
+                    if a.dtype != b.dtype {
+                        push(
+                            *node,
+                            format!(
+                                "a collective from {} into {} would convert; its input and \
+                                 output must share one type",
+                                describe(*input),
+                                describe(*output)
+                            ),
+                        );
+                    }
+                }
+            }
+            Instr::LoadBatch {
+                tokens, targets, ..
+            } => {
+                for b in tokens.iter().chain(targets) {
+                    let buffer = program.buffer(*b);
+                    if buffer.is_some_and(|x| x.dtype != crate::ir::DType::I32) {
+                        push(
+                            None,
+                            format!("LoadBatch fills {} with i32 tokens", describe(*b)),
+                        );
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    violations
+}
