@@ -6,7 +6,7 @@
 //! keeping master weights, gradients, optimizer state, norms, softmax and losses fp32; fp16's
 //! loss scaling comes from the executor (`StepScalars::loss_scale`) into the cross-entropy
 //! gradient, clip and optimizer kernels, and bf16 alone has tensor-core attention. See
-//! docs/cuda.md (the differential tests `tests/cuda_ops.rs` and `tests/cuda_train.rs` hold it
+//! docs/cuda.md (the differential tests `tests/cuda_ops/` and `tests/cuda_train.rs` hold it
 //! to them, per precision). GEMMs go through cuBLASLt (`gemm`), everything else through CUDA C
 //! kernels compiled by NVRTC once per run (`compile`); `dispatch` maps each op onto them. All
 //! work is ordered on one stream; reads to the host synchronise it.

@@ -1,0 +1,251 @@
+//! The shared machinery of the CUDA op tests: seeded random inputs (`Rng`), one op call with
+//! its input and initial output data (`Case`), running it on a backend, and `check`/`check_on`,
+//! which compare the CUDA backend against the CPU reference under the per-op tolerances below.
+use parc_compiler::ir::op::{Op, Segment};
+use parc_compiler::ir::{BufferId, DType};
+use parc_compiler::spec::Precision;
+use parc_runtime::backend::{Backend, StepScalars};
+use parc_runtime::cpu::CpuBackend;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+pub const ELEMENTWISE: f32 = 1e-5;
+pub const REDUCTION: f32 = 1e-4;
+pub const BF16_GEMM: f32 = 2e-2;
+/// bf16 tensor-core attention against the fp32 CPU on the same bf16-valued q, k, v, dO: P and
+/// dS are rounded to bf16 (2^-9 relative) for their products, softmax and sums stay fp32.
+/// Seen on an H200: forward ≤ 7e-3; backward ≤ 2.1e-2 (dS = P∘(dP − δ) cancels, and dK, dQ
+/// sum its rounding over every query or key).
+pub const BF16_ATTENTION: (f32, f32) = (2e-2, 5e-2);
+/// A bf16 GEMM's worst error must exceed this (fp32 GEMMs stay below 2e-6).
+pub const BF16_ROUNDED: f32 = 1e-4;
+pub const FP16_GEMM: f32 = 5e-3;
+/// An fp16 GEMM's worst error must exceed this.
+pub const FP16_ROUNDED: f32 = 2e-5;
+
+pub fn fp16(scale: f64) -> Precision {
+    Precision::Fp16 {
+        loss_scale: parc_compiler::spec::LossScale::Static { scale },
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub fn gpu_with(precision: Precision) -> Option<Box<dyn Backend>> {
+    match parc_runtime::cuda::CudaBackend::with_precision(0, precision) {
+        Ok(b) => Some(Box::new(b)),
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn gpu_with(_precision: Precision) -> Option<Box<dyn Backend>> {
+    println!("skipped: no CUDA device (this build has no `cuda` feature)");
+    None
+}
+
+pub fn gpu() -> Option<Box<dyn Backend>> {
+    gpu_with(Precision::Fp32)
+}
+
+/// splitmix64: small, seedable, good enough for test data.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(test: &str) -> Rng {
+        let seed = std::env::var("PARC_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(1, |d| d.as_nanos() as u64)
+            });
+        println!("{test}: seed {seed} (PARC_TEST_SEED={seed} replays it)");
+        Rng(seed)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.unit() * scale).collect()
+    }
+
+    pub fn positive(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| lo + (self.unit() + 1.0) * 0.5 * (hi - lo))
+            .collect()
+    }
+
+    pub fn ids(&mut self, n: usize, below: u64) -> Vec<i32> {
+        (0..n).map(|_| (self.next() % below) as i32).collect()
+    }
+}
+
+#[derive(Clone)]
+pub enum Data {
+    F32(Vec<f32>),
+    I32(Vec<i32>),
+}
+
+impl Data {
+    fn len(&self) -> usize {
+        match self {
+            Data::F32(v) => v.len(),
+            Data::I32(v) => v.len(),
+        }
+    }
+}
+
+/// One op call: its inputs' data and its outputs' initial data (f32), as buffers 0.., then
+/// n_inputs... Optionally an output may be one of the inputs (in place).
+pub struct Case {
+    name: String,
+    op: Op,
+    inputs: Vec<Data>,
+    outputs: Vec<Vec<f32>>,
+    /// For each output: Some(i) when it is input i's buffer (in place).
+    pub aliases: Vec<Option<usize>>,
+    tol: f32,
+    pub scalars: StepScalars,
+}
+
+pub const SCALARS: StepScalars = StepScalars {
+    lr: 0.01,
+    step: 3,
+    loss_scale: None,
+};
+
+impl Case {
+    pub fn new(
+        name: impl Into<String>,
+        op: Op,
+        inputs: Vec<Data>,
+        outputs: Vec<Vec<f32>>,
+        tol: f32,
+    ) -> Case {
+        let aliases = vec![None; outputs.len()];
+        Case {
+            name: name.into(),
+            op,
+            inputs,
+            outputs,
+            aliases,
+            tol,
+            scalars: SCALARS,
+        }
+    }
+
+    /// Runs the case on `b`; returns the outputs after the op.
+    pub fn run(&self, b: &mut dyn Backend) -> Vec<Vec<f32>> {
+        let mut ids_in = Vec::new();
+        for (i, d) in self.inputs.iter().enumerate() {
+            let id = BufferId(i as u32);
+            let shape = [d.len() as u64];
+            match d {
+                Data::F32(v) => {
+                    b.alloc(id, &shape, DType::F32).unwrap();
+                    b.write_f32(id, v).unwrap();
+                }
+                Data::I32(v) => {
+                    b.alloc(id, &shape, DType::I32).unwrap();
+                    b.write_i32(id, v).unwrap();
+                }
+            }
+            ids_in.push(id);
+        }
+        let mut ids_out = Vec::new();
+        for (o, init) in self.outputs.iter().enumerate() {
+            let id = match self.aliases[o] {
+                Some(i) => BufferId(i as u32),
+                None => {
+                    let id = BufferId((self.inputs.len() + o) as u32);
+                    b.alloc(id, &[init.len() as u64], DType::F32).unwrap();
+                    b.write_f32(id, init).unwrap();
+                    id
+                }
+            };
+            ids_out.push(id);
+        }
+        b.compute(&self.op, &ids_in, &ids_out, &self.scalars)
+            .unwrap_or_else(|e| panic!("{} on {}: {e}", self.name, b.name()));
+        ids_out.iter().map(|&id| b.read_f32(id).unwrap()).collect()
+    }
+}
+
+/// Runs every case on both backends and compares; prints the worst error per case.
+pub fn check(test: &str, cases: &[Case]) {
+    check_on(test, cases, Precision::Fp32);
+}
+
+/// As `check`, with the GPU backend in `precision`; returns the worst error of every output
+/// (empty when skipped).
+pub fn check_on(test: &str, cases: &[Case], precision: Precision) -> Vec<f32> {
+    let Some(mut gpu) = gpu_with(precision) else {
+        return Vec::new();
+    };
+    let mut worst_errors = Vec::new();
+    let mut failures = Vec::new();
+    for case in cases {
+        let mut cpu = CpuBackend::new();
+        let want = case.run(&mut cpu);
+        let got = case.run(gpu.as_mut());
+        // Free the case's buffers on the GPU so the next case can reuse the ids.
+        let n = case.inputs.len() + case.outputs.len();
+        for i in 0..n {
+            let _ = gpu.free(BufferId(i as u32));
+        }
+        for (o, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert_eq!(w.len(), g.len());
+            let rms = (w.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / w.len().max(1) as f64)
+                .sqrt() as f32;
+            let mut worst = (0.0f32, 0usize);
+            for (i, (a, b)) in g.iter().zip(w).enumerate() {
+                let err = if a.is_finite() && b.is_finite() {
+                    (a - b).abs() / (b.abs() + rms).max(f32::MIN_POSITIVE)
+                } else if a == b || (a.is_nan() && b.is_nan()) {
+                    0.0
+                } else {
+                    f32::INFINITY
+                };
+                if err > worst.0 || err.is_nan() {
+                    worst = (err, i);
+                }
+            }
+            let (err, i) = worst;
+            worst_errors.push(err);
+            println!(
+                "{test}/{} output {o}: {} values, worst relative error {err:.3e} at {i} (cuda {} cpu {}), tol {:.0e}",
+                case.name, w.len(), g.get(i).copied().unwrap_or(0.0), w.get(i).copied().unwrap_or(0.0), case.tol
+            );
+            if err.is_nan() || err > case.tol {
+                failures.push(format!(
+                    "{} output {o}: error {err:.3e} > {:.0e} at {i}",
+                    case.name, case.tol
+                ));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{test}: CUDA differs from CPU:\n{}",
+        failures.join("\n")
+    );
+    worst_errors
+}
+
+pub fn seg(start: u32, len: u32) -> Segment {
+    Segment { start, len }
+}

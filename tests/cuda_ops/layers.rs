@@ -1,0 +1,189 @@
+//! The per-position layers: embeddings and learned positions, layer and RMS norms, rotary
+//! embeddings, each forward and backward.
+use crate::harness::{check, seg, Case, Data, Rng, ELEMENTWISE, REDUCTION};
+use parc_compiler::ir::op::Op;
+use parc_runtime::cpu::CpuBackend;
+
+#[test]
+fn embeddings_and_positions() {
+    let mut r = Rng::new("embeddings_and_positions");
+    let (rows, dim, vocab_start, vocab_local) = (37, 24, 5u64, 20u64);
+    let ids = r.ids(rows, 30);
+    let table = r.vec(vocab_local as usize * dim, 1.0);
+    let emb = Op::Embedding {
+        vocab_start,
+        vocab_local,
+        dim: dim as u64,
+    };
+    let emb_bwd = Op::EmbeddingBwd {
+        vocab_start,
+        vocab_local,
+        dim: dim as u64,
+    };
+    // Context-parallel-like chunk: two segments of the global sequence, batch 3.
+    let positions = vec![seg(0, 4), seg(12, 4)];
+    let (batch, seq_table) = (3usize, 16usize);
+    let prow = 8 * batch;
+    let pos_add = Op::PositionAdd {
+        batch: batch as u64,
+        dim: dim as u64,
+        positions: positions.clone(),
+    };
+    let pos_bwd = Op::PositionAddBwd {
+        batch: batch as u64,
+        dim: dim as u64,
+        positions,
+    };
+    check(
+        "embeddings_and_positions",
+        &[
+            Case::new(
+                "embedding",
+                emb,
+                vec![Data::I32(ids.clone()), Data::F32(table.clone())],
+                vec![r.vec(rows * dim, 1.0)],
+                ELEMENTWISE,
+            ),
+            Case::new(
+                "embedding_bwd",
+                emb_bwd,
+                vec![Data::I32(ids), Data::F32(r.vec(rows * dim, 1.0))],
+                vec![r.vec(table.len(), 1.0)],
+                REDUCTION,
+            ),
+            Case::new(
+                "position_add",
+                pos_add,
+                vec![
+                    Data::F32(r.vec(prow * dim, 1.0)),
+                    Data::F32(r.vec(seq_table * dim, 1.0)),
+                ],
+                vec![r.vec(prow * dim, 1.0)],
+                ELEMENTWISE,
+            ),
+            Case::new(
+                "position_add_bwd",
+                pos_bwd,
+                vec![Data::F32(r.vec(prow * dim, 1.0))],
+                vec![r.vec(seq_table * dim, 1.0)],
+                REDUCTION,
+            ),
+        ],
+    );
+}
+
+#[test]
+fn norms() {
+    let mut r = Rng::new("norms");
+    let mut cases = Vec::new();
+    for (rows, dim) in [(13usize, 96usize), (5, 1000)] {
+        let x = r.vec(rows * dim, 2.0);
+        let w = r.vec(dim, 1.0);
+        let bias = r.vec(dim, 1.0);
+        let dy = r.vec(rows * dim, 1.0);
+        for with_bias in [false, true] {
+            let mut ins = vec![Data::F32(x.clone()), Data::F32(w.clone())];
+            if with_bias {
+                ins.push(Data::F32(bias.clone()));
+            }
+            let ln = Op::LayerNorm {
+                dim: dim as u64,
+                eps: 1e-5,
+                bias: with_bias,
+            };
+            let outs = vec![r.vec(rows * dim, 1.0), r.vec(rows, 1.0), r.vec(rows, 1.0)];
+            let fwd = Case::new(
+                format!("layer_norm {rows}x{dim} bias={with_bias}"),
+                ln.clone(),
+                ins.clone(),
+                outs,
+                REDUCTION,
+            );
+            // The backward takes mean/rstd from the CPU forward.
+            let stats = fwd.run(&mut CpuBackend::new());
+            let bwd_ins = vec![
+                Data::F32(dy.clone()),
+                Data::F32(x.clone()),
+                Data::F32(w.clone()),
+                Data::F32(stats[1].clone()),
+                Data::F32(stats[2].clone()),
+            ];
+            let mut bwd_outs = vec![r.vec(rows * dim, 1.0), r.vec(dim, 1.0)];
+            if with_bias {
+                bwd_outs.push(r.vec(dim, 1.0));
+            }
+            cases.push(fwd);
+            cases.push(Case::new(
+                format!("layer_norm_bwd {rows}x{dim} bias={with_bias}"),
+                Op::LayerNormBwd {
+                    dim: dim as u64,
+                    bias: with_bias,
+                },
+                bwd_ins,
+                bwd_outs,
+                REDUCTION,
+            ));
+        }
+        let rms = Case::new(
+            format!("rms_norm {rows}x{dim}"),
+            Op::RmsNorm {
+                dim: dim as u64,
+                eps: 1e-6,
+            },
+            vec![Data::F32(x.clone()), Data::F32(w.clone())],
+            vec![r.vec(rows * dim, 1.0), r.vec(rows, 1.0)],
+            REDUCTION,
+        );
+        let rstd = rms.run(&mut CpuBackend::new())[1].clone();
+        cases.push(rms);
+        cases.push(Case::new(
+            format!("rms_norm_bwd {rows}x{dim}"),
+            Op::RmsNormBwd { dim: dim as u64 },
+            vec![Data::F32(dy), Data::F32(x), Data::F32(w), Data::F32(rstd)],
+            vec![r.vec(rows * dim, 1.0), r.vec(dim, 1.0)],
+            REDUCTION,
+        ));
+    }
+    check("norms", &cases);
+}
+
+#[test]
+fn rope() {
+    let mut r = Rng::new("rope");
+    let positions = vec![seg(0, 5), seg(1000, 5)];
+    let (batch, heads, head_dim) = (2u64, 3u64, 16u64);
+    let n = (10 * batch * heads * head_dim) as usize;
+    let fwd = Op::Rope {
+        batch,
+        heads,
+        head_dim,
+        theta: 10000.0,
+        positions: positions.clone(),
+    };
+    let bwd = Op::RopeBwd {
+        batch,
+        heads,
+        head_dim,
+        theta: 500000.0,
+        positions,
+    };
+    check(
+        "rope",
+        &[
+            Case::new(
+                "rope",
+                fwd,
+                vec![Data::F32(r.vec(n, 1.0))],
+                vec![r.vec(n, 1.0)],
+                ELEMENTWISE,
+            ),
+            Case::new(
+                "rope_bwd",
+                bwd,
+                vec![Data::F32(r.vec(n, 1.0))],
+                vec![r.vec(n, 1.0)],
+                ELEMENTWISE,
+            ),
+        ],
+    );
+}

@@ -1,0 +1,189 @@
+//! GEMMs (`Matmul`, its data and weight backwards, with and without bias) in fp32, bf16 and
+//! fp16 runs, and the bit-exact rounding of bf16 and fp16 GEMM operands.
+use crate::harness::{
+    check, check_on, fp16, gpu_with, Case, Data, Rng, BF16_GEMM, BF16_ROUNDED, FP16_GEMM,
+    FP16_ROUNDED, REDUCTION, SCALARS,
+};
+use parc_compiler::ir::op::Op;
+use parc_compiler::ir::{BufferId, DType};
+use parc_compiler::spec::Precision;
+
+fn matmul_cases(test: &str, tol: f32) -> Vec<Case> {
+    let mut r = Rng::new(test);
+    let mut cases = Vec::new();
+    for (rows, k, m) in [(37usize, 50usize, 70usize), (256, 128, 384), (1, 3, 5)] {
+        let x = r.vec(rows * k, 1.0);
+        let w = r.vec(m * k, 1.0);
+        let dy = r.vec(rows * m, 1.0);
+        let (i, o) = (k as u64, m as u64);
+        cases.push(Case::new(
+            format!("matmul {rows}x{k}x{m}"),
+            Op::Matmul {
+                in_dim: i,
+                out_dim: o,
+                bias: false,
+            },
+            vec![Data::F32(x.clone()), Data::F32(w.clone())],
+            vec![r.vec(rows * m, 1.0)],
+            tol,
+        ));
+        cases.push(Case::new(
+            format!("matmul+bias {rows}x{k}x{m}"),
+            Op::Matmul {
+                in_dim: i,
+                out_dim: o,
+                bias: true,
+            },
+            vec![
+                Data::F32(x.clone()),
+                Data::F32(w.clone()),
+                Data::F32(r.vec(m, 1.0)),
+            ],
+            vec![r.vec(rows * m, 1.0)],
+            tol,
+        ));
+        cases.push(Case::new(
+            format!("matmul_bwd_data {rows}x{k}x{m}"),
+            Op::MatmulBwdData {
+                in_dim: i,
+                out_dim: o,
+            },
+            vec![Data::F32(dy.clone()), Data::F32(w)],
+            vec![r.vec(rows * k, 1.0)],
+            tol,
+        ));
+        for bias in [false, true] {
+            let mut outs = vec![r.vec(m * k, 1.0)];
+            if bias {
+                outs.push(r.vec(m, 1.0));
+            }
+            cases.push(Case::new(
+                format!("matmul_bwd_weight {rows}x{k}x{m} bias={bias}"),
+                Op::MatmulBwdWeight {
+                    in_dim: i,
+                    out_dim: o,
+                    bias,
+                },
+                vec![Data::F32(dy.clone()), Data::F32(x.clone())],
+                outs,
+                tol,
+            ));
+        }
+    }
+    cases
+}
+
+#[test]
+fn matmuls() {
+    check("matmuls", &matmul_cases("matmuls", REDUCTION));
+}
+
+#[test]
+fn matmuls_bf16() {
+    let cases = matmul_cases("matmuls_bf16", BF16_GEMM);
+    let worst = check_on("matmuls_bf16", &cases, Precision::Bf16);
+    assert_mostly_rounded(&worst, BF16_ROUNDED, "bf16");
+}
+
+#[test]
+fn matmuls_fp16() {
+    let cases = matmul_cases("matmuls_fp16", FP16_GEMM);
+    let worst = check_on("matmuls_fp16", &cases, fp16(1024.0));
+    assert_mostly_rounded(&worst, FP16_ROUNDED, "fp16");
+}
+
+/// Most GEMM outputs' worst errors (`worst`, empty when skipped) must exceed `rounded`, the
+/// sign that the operands were rounded to `label` (the 1x3x5 cases and the bias sums may not
+/// show it).
+fn assert_mostly_rounded(worst: &[f32], rounded: f32, label: &str) {
+    let n = worst.iter().filter(|&&e| e > rounded).count();
+    assert!(
+        worst.is_empty() || n * 2 > worst.len(),
+        "{label} GEMMs agree with fp32 to {rounded:.0e} in {} of {} outputs: the operands \
+         were not rounded to {label}",
+        worst.len() - n,
+        worst.len()
+    );
+}
+
+/// A GEMM with k = 1 and a weight of 1 returns its input rounded to the run's operand type,
+/// exactly: `cases` pairs inputs with their hand-computed roundings.
+fn assert_gemm_operands_round(precision: Precision, label: &str, cases: &[(f32, f32)]) {
+    let Some(mut gpu) = gpu_with(precision) else {
+        return;
+    };
+    let x: Vec<f32> = cases.iter().map(|c| c.0).collect();
+    let n = x.len() as u64;
+    gpu.alloc(BufferId(0), &[n], DType::F32).unwrap();
+    gpu.write_f32(BufferId(0), &x).unwrap();
+    gpu.alloc(BufferId(1), &[1], DType::F32).unwrap();
+    gpu.write_f32(BufferId(1), &[1.0]).unwrap();
+    gpu.alloc(BufferId(2), &[n], DType::F32).unwrap();
+    let op = Op::Matmul {
+        in_dim: 1,
+        out_dim: 1,
+        bias: false,
+    };
+    gpu.compute(&op, &[BufferId(0), BufferId(1)], &[BufferId(2)], &SCALARS)
+        .unwrap();
+    let y = gpu.read_f32(BufferId(2)).unwrap();
+    for ((input, want), got) in cases.iter().zip(&y) {
+        let same = if want.is_nan() {
+            got.is_nan()
+        } else {
+            got.to_bits() == want.to_bits()
+        };
+        println!("{label}({input:e}) = {got:e}, want {want:e}");
+        assert!(same, "{label}({input:e}) gave {got:e}, want {want:e}");
+    }
+}
+
+/// fp16 operands round as IEEE binary16: nearest, ties to even, carries into the exponent,
+/// the largest finite 65504 (and below-halfway values above it), infinity from 65520 up (a
+/// scaled gradient that overflows fp16 must become infinite so the step is skipped),
+/// subnormals down to 2^-24 with ties to even at the bottom, NaN kept.
+#[test]
+fn fp16_operands_round_to_nearest_even() {
+    let ulp = 2f32.powi(-10); // fp16's spacing in [1, 2)
+    let tiny = 2f32.powi(-24); // its smallest subnormal
+    let cases: [(f32, f32); 15] = [
+        (1.0, 1.0),
+        (1.0 + ulp / 2.0, 1.0),                        // tie, 1.0 is even
+        (1.0 + 1.5 * ulp, 1.0 + 2.0 * ulp),            // tie, rounds up to even
+        (1.0 + ulp / 2.0 + 2f32.powi(-20), 1.0 + ulp), // above the tie
+        (-(1.0 + 0.25 * ulp), -1.0),                   // below half an ulp, negative
+        (2.0 - ulp / 4.0, 2.0),                        // carries into the exponent
+        (65504.0, 65504.0),                            // the largest finite
+        (65519.0, 65504.0),                            // below the halfway point to 2^16
+        (65520.0, f32::INFINITY),                      // the halfway point rounds up: overflow
+        (-1e6, f32::NEG_INFINITY),
+        (tiny, tiny),
+        (1.5 * tiny, 2.0 * tiny), // tie between subnormals, to even
+        (tiny / 2.0, 0.0),        // tie with zero, to even
+        (0.75 * tiny, tiny),
+        (f32::NAN, f32::NAN),
+    ];
+    assert_gemm_operands_round(fp16(1.0), "fp16", &cases);
+}
+
+/// A bf16 GEMM with k = 1 and a weight of 1 returns its input rounded to bf16, exactly: checks
+/// the conversion's rounding (nearest, ties to even, carries into the exponent, overflow to
+/// infinity, NaN kept) against hand-computed values.
+#[test]
+fn bf16_operands_round_to_nearest_even() {
+    let ulp = 2f32.powi(-7); // bf16's spacing in [1, 2)
+    let big = 2f32.powi(127);
+    let cases: [(f32, f32); 10] = [
+        (1.0, 1.0),
+        (1.0 + ulp / 2.0, 1.0),                        // tie, 1.0 is even
+        (1.0 + 1.5 * ulp, 1.0 + 2.0 * ulp),            // tie, rounds up to even
+        (1.0 + ulp / 2.0 + 2f32.powi(-20), 1.0 + ulp), // above the tie
+        (-(1.0 + 0.25 * ulp), -1.0),                   // below half an ulp, negative
+        (2.0 - ulp / 4.0, 2.0),                        // carries into the exponent
+        (big * (1.0 + 0.75 * ulp), big * (1.0 + ulp)), // large, still finite
+        (f32::MAX, f32::INFINITY),                     // past bf16's largest
+        (f32::NEG_INFINITY, f32::NEG_INFINITY),
+        (f32::NAN, f32::NAN),
+    ];
+    assert_gemm_operands_round(Precision::Bf16, "bf16", &cases);
+}
