@@ -141,6 +141,31 @@ pub fn open_dataset(spec: &Spec, spec_dir: &Path) -> Result<Dataset> {
     )
 }
 
+/// Where a run continues from: the newest checkpoint under `options.resume` and its manifest
+/// (both `None` for a fresh run), refused unless written by this plan, world, seed and
+/// dataset; and `plan`'s hash, which the run's own checkpoints record.
+fn resume_point(
+    plan: &Plan,
+    spec: &Spec,
+    options: &TrainOptions,
+    dataset: &Dataset,
+) -> Result<(Option<PathBuf>, Option<Manifest>, String)> {
+    let resume = options
+        .resume
+        .as_deref()
+        .map(checkpoint::find_latest)
+        .transpose()?;
+    let manifest = resume
+        .as_deref()
+        .map(checkpoint::read_manifest)
+        .transpose()?;
+    let hash = checkpoint::plan_hash(plan);
+    if let Some(m) = &manifest {
+        checkpoint::check_compatible(m, &hash, plan.world, spec.train.seed, dataset.num_samples())?;
+    }
+    Ok((resume, manifest, hash))
+}
+
 /// Refuse a plan whose ranks together need more than `limit` bytes at their verified peaks.
 fn check_memory(plan: &Plan, report: &VerifyReport, limit: u64) -> Result<()> {
     let peaks: Vec<u64> = plan
@@ -212,19 +237,7 @@ where
         check_memory(plan, &report, limit)?;
     }
     let dataset = Arc::new(open_dataset(spec, &options.spec_dir)?);
-    let resume = options
-        .resume
-        .as_deref()
-        .map(checkpoint::find_latest)
-        .transpose()?;
-    let manifest = resume
-        .as_deref()
-        .map(checkpoint::read_manifest)
-        .transpose()?;
-    let hash = checkpoint::plan_hash(plan);
-    if let Some(m) = &manifest {
-        checkpoint::check_compatible(m, &hash, plan.world, spec.train.seed, dataset.num_samples())?;
-    }
+    let (resume, manifest, hash) = resume_point(plan, spec, options, &dataset)?;
     if let Some(path) = &options.log_batches {
         let start = manifest.as_ref().map_or(0, |m| m.step);
         let end = options

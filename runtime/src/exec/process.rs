@@ -76,25 +76,7 @@ pub fn train_rank<B: Backend>(
         }
         super::verified(plan, spec)?;
         let dataset = Arc::new(open_dataset(spec, &options.spec_dir)?);
-        let resume = options
-            .resume
-            .as_deref()
-            .map(checkpoint::find_latest)
-            .transpose()?;
-        let manifest = resume
-            .as_deref()
-            .map(checkpoint::read_manifest)
-            .transpose()?;
-        let hash = checkpoint::plan_hash(plan);
-        if let Some(m) = &manifest {
-            checkpoint::check_compatible(
-                m,
-                &hash,
-                plan.world,
-                spec.train.seed,
-                dataset.num_samples(),
-            )?;
-        }
+        let (resume, manifest, hash) = super::resume_point(plan, spec, options, &dataset)?;
         Ok((dataset, resume, manifest, hash))
     })();
     let (dataset, resume, manifest, hash) = match prepared {
