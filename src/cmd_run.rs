@@ -144,19 +144,28 @@ pub fn main(args: RunArgs) -> u8 {
         }
     }
     let quiet = args.log_format == LogFormat::Json;
-    let backend = match resolve_backend(args.backend, quiet) {
-        Ok(b) => b,
-        Err(message) => {
-            eprintln!("error: {message}");
-            return 2;
-        }
-    };
-    let (spec, plan) = match compile(&args.file, &args.spec.set) {
-        Ok(compiled) => compiled,
+    let (backend, spec, plan) = match backend_and_plan(&args, quiet) {
+        Ok(prepared) => prepared,
         Err(code) => return code,
     };
     let spec_dir = spec_folder(&args.file);
-    match run(&spec, &plan, &spec_dir, backend, &args) {
+    exit_code(run(&spec, &plan, &spec_dir, backend, &args))
+}
+
+/// The backend `args` asks for and its spec compiled to a plan. `Err` is the exit code, the
+/// error already on stderr: 2 for a backend that cannot run, else as `compile`.
+pub(crate) fn backend_and_plan(args: &RunArgs, quiet: bool) -> Result<(Resolved, Spec, Plan), u8> {
+    let backend = resolve_backend(args.backend, quiet).map_err(|message| {
+        eprintln!("error: {message}");
+        2
+    })?;
+    let (spec, plan) = compile(&args.file, &args.spec.set)?;
+    Ok((backend, spec, plan))
+}
+
+/// A run's exit code: 0, or 1 with its error on stderr.
+pub(crate) fn exit_code(outcome: Result<(), String>) -> u8 {
+    match outcome {
         Ok(()) => 0,
         Err(message) => {
             eprintln!("error: {message}");

@@ -7,7 +7,7 @@
 //!
 //! For testing the failure handling, `PARC_TEST_FAULT=abort:R@MS` makes rank R's process abort
 //! MS milliseconds after the rendezvous (a crash), `stop:R@MS` stop (SIGSTOP: a hang).
-use crate::cmd_run::{compile, resolve_backend, spec_folder, Resolved, RunArgs};
+use crate::cmd_run::{backend_and_plan, exit_code, spec_folder, Resolved, RunArgs};
 use crate::run_progress::{LogFormat, Progress, Summary};
 use parc_compiler::ir::Plan;
 use parc_compiler::spec::Spec;
@@ -48,24 +48,11 @@ pub(crate) fn timeout(seconds: f64, flag: &str) -> Result<Duration, String> {
 /// Run this process's rank of a launched job; the exit code.
 pub fn run_rank(args: &RunArgs, env: LaunchEnv) -> u8 {
     let quiet = args.log_format == LogFormat::Json || env.rank != 0;
-    let backend = match resolve_backend(args.backend, quiet) {
-        Ok(b) => b,
-        Err(message) => {
-            eprintln!("error: {message}");
-            return 2;
-        }
-    };
-    let (spec, plan) = match compile(&args.file, &args.spec.set) {
-        Ok(compiled) => compiled,
+    let (backend, spec, plan) = match backend_and_plan(args, quiet) {
+        Ok(prepared) => prepared,
         Err(code) => return code,
     };
-    match rank_main(args, &env, backend, &spec, &plan) {
-        Ok(()) => 0,
-        Err(message) => {
-            eprintln!("error: {message}");
-            1
-        }
-    }
+    exit_code(rank_main(args, &env, backend, &spec, &plan))
 }
 
 fn rank_main(
