@@ -3,8 +3,9 @@
 # one-GPU run, parc's own collective bandwidth, data-parallel weak scaling, tensor and pipeline
 # parallel throughput, and ZeRO memory against `parc check`, in one call; each phase selectable.
 #
-#   bench/multi_gpu.sh                       every phase on all GPUs that nvidia-smi lists
-#   PHASES="correctness bandwidth" bench/multi_gpu.sh
+#   bench/multi_gpu.sh                       every phase on all GPUs that nvidia-smi lists (more
+#                                            than one 10-minute device call on 8 GPUs: split it,
+#   PHASES="correctness bandwidth" bench/multi_gpu.sh      then "scaling", then "tp pp zero")
 #   BACKEND=cpu NGPU=2 bench/multi_gpu.sh    the plumbing dry run, here: the CPU backend, ranks as
 #                                            threads of one process, tiny specs (see DRY below)
 #   CHECK_ONLY=1 NGPU=8 bench/multi_gpu.sh   only `parc check` every plan the real run would use
