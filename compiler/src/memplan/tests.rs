@@ -7,8 +7,8 @@ use crate::lower::lower;
 use crate::spec::{PipelineSchedule, Recompute, ZeroStage};
 
 /// A program over buffers of `sizes` f32 elements (kind `act`, or `param` where the size is
-/// negative) and the instructions `ops`: `+b` allocates buffer b, `-b` frees it.
-fn program(sizes: &[i64], ops: &[i32]) -> Program {
+/// negative) running `instrs`. The zero-fill analysis's tests build theirs with it too.
+pub(super) fn program_of(sizes: &[i64], instrs: Vec<Instr>) -> Program {
     let buffers = sizes
         .iter()
         .enumerate()
@@ -23,6 +23,19 @@ fn program(sizes: &[i64], ops: &[i32]) -> Program {
             },
         })
         .collect();
+    Program {
+        role: "test".into(),
+        coords: Vec::new(),
+        buffers,
+        params: Vec::new(),
+        instrs,
+        loss: None,
+        grad_sumsq: None,
+    }
+}
+
+/// [`program_of`] with only allocations and frees: `+b` allocates buffer b, `-b` frees it.
+fn program(sizes: &[i64], ops: &[i32]) -> Program {
     let instrs = ops
         .iter()
         .map(|&o| {
@@ -34,15 +47,7 @@ fn program(sizes: &[i64], ops: &[i32]) -> Program {
             }
         })
         .collect();
-    Program {
-        role: "test".into(),
-        coords: Vec::new(),
-        buffers,
-        params: Vec::new(),
-        instrs,
-        loss: None,
-        grad_sumsq: None,
-    }
+    program_of(sizes, instrs)
 }
 
 fn arena_offset(layout: &MemoryLayout, b: u32) -> u64 {

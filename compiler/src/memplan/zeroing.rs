@@ -191,37 +191,12 @@ fn output_use(op: &Op, index: usize) -> Use {
 mod tests {
     use super::*;
     use crate::cost::testspec::{build, Dims, Plan as PlanChoice};
-    use crate::ir::{Buffer, BufferKind, CollectiveKind, DType, GroupId, Inputs, Outputs, Phase};
+    use crate::ir::{BufferKind, CollectiveKind, GroupId, Inputs, Outputs, Phase};
     use crate::lower::lower;
     use crate::spec::ZeroStage;
     use std::sync::Arc;
 
-    /// Buffers of `sizes` f32 elements (kind `act`, or `param` where the size is negative).
-    fn program(sizes: &[i64], instrs: Vec<Instr>) -> Program {
-        let buffers = sizes
-            .iter()
-            .enumerate()
-            .map(|(i, &s)| Buffer {
-                name: format!("b{i}"),
-                shape: vec![s.unsigned_abs()],
-                dtype: DType::F32,
-                kind: if s < 0 {
-                    BufferKind::Param
-                } else {
-                    BufferKind::Activation
-                },
-            })
-            .collect();
-        Program {
-            role: "test".into(),
-            coords: Vec::new(),
-            buffers,
-            params: Vec::new(),
-            instrs,
-            loss: None,
-            grad_sumsq: None,
-        }
-    }
+    use crate::memplan::tests::program_of as program;
 
     fn alloc(b: u32) -> Instr {
         Instr::Alloc {
