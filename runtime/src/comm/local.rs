@@ -6,7 +6,7 @@
 //!
 //! Every wait is bounded by the fabric's timeout and re-checks whether a peer aborted; members
 //! that issue different collectives for the same call number are reported with both ops.
-use super::{Comm, PeerOp};
+use super::{combine, length_mismatch, Comm, PeerOp};
 use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::ReduceOp;
 use std::collections::{HashMap, VecDeque};
@@ -290,11 +290,7 @@ impl LocalComm {
 }
 
 fn length_error(what: &str, group: &[u32], input: usize, output: usize) -> RuntimeError {
-    RuntimeError::Comm(format!(
-        "{what} on group {group:?}: input of {input} and output of {output} elements do not fit \
-         {} members",
-        group.len()
-    ))
+    RuntimeError::Comm(length_mismatch(what, group, input, output))
 }
 
 impl Comm for LocalComm {
@@ -317,12 +313,7 @@ impl Comm for LocalComm {
             data.copy_from_slice(first);
         }
         for input in members {
-            for (acc, &x) in data.iter_mut().zip(input.iter()) {
-                *acc = match op {
-                    ReduceOp::Sum => *acc + x,
-                    ReduceOp::Max => acc.max(x),
-                };
-            }
+            combine(data, input, op);
         }
         Ok(())
     }
@@ -358,9 +349,7 @@ impl Comm for LocalComm {
             if i == 0 {
                 output.copy_from_slice(chunk);
             } else {
-                for (acc, &x) in output.iter_mut().zip(chunk) {
-                    *acc += x;
-                }
+                combine(output, chunk, ReduceOp::Sum);
             }
         }
         Ok(())

@@ -29,6 +29,26 @@ pub use local::LocalComm;
 use crate::error::Result;
 use parc_compiler::ir::ReduceOp;
 
+/// `acc ← acc op x` elementwise: the step every comm applies to the members' contributions, one
+/// member after another in group-rank order (the first is copied), so all agree bit for bit.
+pub(crate) fn combine(acc: &mut [f32], x: &[f32], op: ReduceOp) {
+    for (a, &v) in acc.iter_mut().zip(x) {
+        *a = match op {
+            ReduceOp::Sum => *a + v,
+            ReduceOp::Max => a.max(v),
+        };
+    }
+}
+
+/// The message for a collective whose input and output lengths do not fit its group.
+pub(crate) fn length_mismatch(what: &str, group: &[u32], input: usize, output: usize) -> String {
+    format!(
+        "{what} on group {group:?}: input of {input} and output of {output} elements do not fit \
+         {} members",
+        group.len()
+    )
+}
+
 /// One send or receive of a [`Comm::group_p2p`] batch.
 #[derive(Debug)]
 pub enum PeerOp<'a> {

@@ -21,7 +21,7 @@
 //! operation and the peers it still waits for, or at once when the rendezvous reports that a
 //! rank failed. After a failure the process must exit: buffers of unfinished sends are leaked
 //! on purpose (MPI may still read them), and MPI is not finalized.
-use super::{Comm, PeerOp};
+use super::{combine, length_mismatch, Comm, PeerOp};
 use crate::error::{Result, RuntimeError};
 use crate::launch::Rendezvous;
 use mpi::ffi;
@@ -485,11 +485,39 @@ impl Drop for MpiComm {
 }
 
 fn length_error(what: &str, group: &[u32], input: usize, output: usize) -> RuntimeError {
-    mpi_error(format!(
-        "{what} on group {group:?}: input of {input} and output of {output} elements do not fit \
-         {} members",
-        group.len()
-    ))
+    mpi_error(length_mismatch(what, group, input, output))
+}
+
+/// Reduce into `out` the contributions of a group of `members` in group-rank order: this
+/// member's `own` at index `me`, the others' from `received` (their bytes in group order, `me`
+/// left out).
+fn reduce_members(
+    out: &mut [f32],
+    own: &[f32],
+    received: &[Vec<u8>],
+    (me, members): (usize, usize),
+    op: ReduceOp,
+) {
+    let mut theirs = received.iter();
+    let mut other = vec![0.0f32; out.len()];
+    for j in 0..members {
+        let member: &[f32] = if j == me {
+            own
+        } else {
+            match theirs.next() {
+                Some(bytes) => {
+                    read_f32s(bytes, &mut other);
+                    &other
+                }
+                None => continue,
+            }
+        };
+        if j == 0 {
+            out.copy_from_slice(member);
+        } else {
+            combine(out, member, op);
+        }
+    }
 }
 
 impl Comm for MpiComm {
@@ -516,31 +544,7 @@ impl Comm for MpiComm {
         )?;
         // Combine in group-rank order, this member's own input in its place.
         let own = data.to_vec();
-        let mut theirs = received.iter();
-        let mut input = vec![0.0f32; data.len()];
-        for j in 0..group.len() {
-            let member: &[f32] = if j == me {
-                &own
-            } else {
-                match theirs.next() {
-                    Some(bytes) => {
-                        read_f32s(bytes, &mut input);
-                        &input
-                    }
-                    None => continue,
-                }
-            };
-            if j == 0 {
-                data.copy_from_slice(member);
-            } else {
-                for (acc, &x) in data.iter_mut().zip(member) {
-                    *acc = match op {
-                        ReduceOp::Sum => *acc + x,
-                        ReduceOp::Max => acc.max(x),
-                    };
-                }
-            }
-        }
+        reduce_members(data, &own, &received, (me, group.len()), op);
         Ok(())
     }
 
@@ -592,29 +596,8 @@ impl Comm for MpiComm {
         let others: Vec<usize> = (0..group.len()).filter(|&j| j != me).collect();
         let received =
             self.collective(group, Call::ReduceScatter, input.len(), parts, &others, n)?;
-        let own = input.get(me * n..(me + 1) * n).unwrap_or(&[]).to_vec();
-        let mut theirs = received.iter();
-        let mut chunk = vec![0.0f32; n];
-        for j in 0..group.len() {
-            let member: &[f32] = if j == me {
-                &own
-            } else {
-                match theirs.next() {
-                    Some(bytes) => {
-                        read_f32s(bytes, &mut chunk);
-                        &chunk
-                    }
-                    None => continue,
-                }
-            };
-            if j == 0 {
-                output.copy_from_slice(member);
-            } else {
-                for (acc, &x) in output.iter_mut().zip(member) {
-                    *acc += x;
-                }
-            }
-        }
+        let own = input.get(me * n..(me + 1) * n).unwrap_or(&[]);
+        reduce_members(output, own, &received, (me, group.len()), ReduceOp::Sum);
         Ok(())
     }
 
