@@ -217,6 +217,17 @@ pub(crate) fn compile(file: &Path, set: &[String]) -> Result<(Spec, Plan), u8> {
 }
 
 /// The folder data and checkpoint paths are relative to.
+/// The training options every way of running takes from the command line.
+pub(crate) fn train_options(args: &RunArgs, spec_dir: &Path) -> TrainOptions {
+    let mut options = TrainOptions::new(spec_dir);
+    options.resume = args.resume.clone();
+    options.profile = args.profile || args.profile_step.is_some();
+    options.profile_step = args.profile_step;
+    options.save_init = args.save_init.clone();
+    options.log_batches = args.log_batches.clone();
+    options
+}
+
 pub(crate) fn spec_folder(file: &Path) -> PathBuf {
     match file.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
@@ -279,12 +290,7 @@ fn run_with<B: Backend>(
             spec.model.seq
         );
     }
-    let mut options = TrainOptions::new(spec_dir);
-    options.resume = args.resume.clone();
-    options.profile = args.profile || args.profile_step.is_some();
-    options.profile_step = args.profile_step;
-    options.save_init = args.save_init.clone();
-    options.log_batches = args.log_batches.clone();
+    let mut options = train_options(args, spec_dir);
     if backend == Resolved::Cpu {
         // Every rank lives in this process: all of them must fit in host memory.
         options.memory_limit = available_memory();
@@ -295,19 +301,7 @@ fn run_with<B: Backend>(
         spec.train.log_every,
         std::io::stderr().is_terminal(),
     );
-    let first_step = std::sync::atomic::AtomicU64::new(u64::MAX);
-    let on_step = |record: &parc_runtime::exec::StepRecord| {
-        let _ = first_step.compare_exchange(
-            u64::MAX,
-            record.step,
-            std::sync::atomic::Ordering::Relaxed,
-            std::sync::atomic::Ordering::Relaxed,
-        );
-        progress.step(
-            record,
-            first_step.load(std::sync::atomic::Ordering::Relaxed),
-        );
-    };
+    let on_step = |record: &parc_runtime::exec::StepRecord| progress.step(record);
     let result = train(spec, plan, &options, new_backend, &on_step)
         .map_err(|e| crate::run_error::describe(&e, spec, &args.file, &args.spec.set))?;
     let gpu = &spec.cluster.gpu;

@@ -7,13 +7,12 @@
 //!
 //! For testing the failure handling, `PARC_TEST_FAULT=abort:R@MS` makes rank R's process abort
 //! MS milliseconds after the rendezvous (a crash), `stop:R@MS` stop (SIGSTOP: a hang).
-use crate::cmd_run::{backend_and_plan, exit_code, spec_folder, Resolved, RunArgs};
+use crate::cmd_run::{backend_and_plan, exit_code, spec_folder, train_options, Resolved, RunArgs};
 use crate::run_progress::{LogFormat, Progress, Summary};
 use parc_compiler::ir::Plan;
 use parc_compiler::spec::Spec;
 use parc_runtime::launch::{self, LaunchEnv, Rendezvous, RendezvousConfig};
 use std::io::IsTerminal;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 /// How this `parc run` process takes part in a run.
@@ -130,13 +129,8 @@ fn train_rank(
     plan: &Plan,
     rendezvous: &Rendezvous,
 ) -> Result<(), String> {
-    let mut options = parc_runtime::exec::TrainOptions::new(spec_folder(&args.file));
-    options.resume = args.resume.clone();
-    options.profile = args.profile || args.profile_step.is_some();
-    options.profile_step = args.profile_step;
+    let mut options = train_options(args, &spec_folder(&args.file));
     options.comm_timeout = timeout(args.comm_timeout, "--comm-timeout")?;
-    options.save_init = args.save_init.clone();
-    options.log_batches = args.log_batches.clone();
     let is_report = env.rank == plan.report_rank;
     let progress = Progress::new(
         args.log_format,
@@ -144,18 +138,10 @@ fn train_rank(
         spec.train.log_every,
         std::io::stderr().is_terminal(),
     );
-    let first_step = std::sync::atomic::AtomicU64::new(u64::MAX);
     let on_step = |record: &parc_runtime::exec::StepRecord| {
-        if !is_report {
-            return;
+        if is_report {
+            progress.step(record);
         }
-        let _ = first_step.compare_exchange(
-            u64::MAX,
-            record.step,
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-        );
-        progress.step(record, first_step.load(Ordering::Relaxed));
     };
     if is_report && args.log_format == LogFormat::Human {
         eprintln!(

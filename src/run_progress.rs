@@ -15,6 +15,7 @@ use parc_runtime::exec::{LossScaleStep, StepRecord};
 use serde_json::json;
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum LogFormat {
@@ -29,6 +30,9 @@ pub struct Progress {
     log_every: u64,
     /// Rewrite one line in place (stderr is a terminal) instead of printing a line per step.
     in_place: bool,
+    /// The first step this run reports (a resumed run starts past 0), `u64::MAX` until then:
+    /// rates and the ETA count from it.
+    first_step: AtomicU64,
 }
 
 /// `h:mm:ss` or `m:ss`.
@@ -238,13 +242,21 @@ impl Progress {
             total_steps,
             log_every: log_every.max(1),
             in_place,
+            first_step: AtomicU64::new(u64::MAX),
         }
     }
 
     /// Print `record`: every step as JSON; as a human line every `log_every` steps (and the
     /// first and last, and every skipped step), or every step when the line is rewritten in
     /// place (a skipped step's line is kept).
-    pub fn step(&self, record: &StepRecord, first_step: u64) {
+    pub fn step(&self, record: &StepRecord) {
+        let _ = self.first_step.compare_exchange(
+            u64::MAX,
+            record.step,
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
+        let first_step = self.first_step.load(Ordering::Relaxed);
         let done = record.step + 1;
         let due = self.in_place
             || done.is_multiple_of(self.log_every)
