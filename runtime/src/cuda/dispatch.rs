@@ -2,8 +2,7 @@
 //! every length against the op's attributes (a bad program is an error, never an
 //! out-of-bounds kernel), then launches. Row-major GEMMs map onto cuBLAS's column-major view:
 //! a row-major `[r, c]` matrix is a column-major `c × r` one with leading dimension `c`.
-use super::gemm::Gemm;
-use super::{attention, Arg, Buf, CudaBackend};
+use super::{attention, matmul, Arg, Buf, CudaBackend};
 use crate::backend::StepScalars;
 use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::op::{Act, Op, Segment};
@@ -159,7 +158,7 @@ pub(super) fn p(b: Buf) -> Arg {
     Arg::Ptr(b.ptr)
 }
 
-fn n(v: usize) -> Arg {
+pub(super) fn n(v: usize) -> Arg {
     Arg::I64(v as i64)
 }
 
@@ -394,104 +393,8 @@ pub(crate) fn run(
             )?;
             norm_dw(be, dy, x, 0, rstd, dw, rows, d)
         }
-        Op::Matmul {
-            in_dim,
-            out_dim,
-            bias,
-        } => {
-            let (k, m) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
-            let (x, w) = (b.f32_in(0)?, b.f32_in(1)?);
-            let rows = b.rows(x, "x", k)?;
-            b.expect(w, "w", m * k)?;
-            let y = b.f32_out(0)?;
-            b.expect(y, "y", rows * m)?;
-            // yᵀ (m × rows) = W (m × k, stored k × m) · xᵀ (k × rows) (+ b per row of yᵀ).
-            let mut g = Gemm {
-                trans_a: true,
-                trans_b: false,
-                m: m as u64,
-                n: rows as u64,
-                k: k as u64,
-                a: w.ptr,
-                lda: k as i64,
-                b: x.ptr,
-                ldb: k as i64,
-                c: y.ptr,
-                ldc: m as i64,
-                beta: 0.0,
-                bias: None,
-            };
-            if *bias {
-                let bb = b.f32_in(2)?;
-                b.expect(bb, "b", m)?;
-                g.bias = Some(bb.ptr);
-                // The bias in cuBLASLt's epilogue where it offers one, else y = b first and
-                // the product accumulated onto it.
-                if !be.gemm_supported(&g)? {
-                    be.launch_n("broadcast_rows", rows * m, &[p(bb), p(y), n(rows), n(m)])?;
-                    g.bias = None;
-                    g.beta = 1.0;
-                }
-            }
-            be.gemm(&g)
-        }
-        Op::MatmulBwdData { in_dim, out_dim } => {
-            let (k_in, m_out) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
-            let (dy, w) = (b.f32_in(0)?, b.f32_in(1)?);
-            let rows = b.rows(dy, "dy", m_out)?;
-            b.expect(w, "w", m_out * k_in)?;
-            let dx = b.f32_out(0)?;
-            b.expect(dx, "dx", rows * k_in)?;
-            // dxᵀ (in × rows) = Wᵀ (in × out, as stored) · dyᵀ (out × rows).
-            be.gemm(&Gemm {
-                trans_a: false,
-                trans_b: false,
-                m: k_in as u64,
-                n: rows as u64,
-                k: m_out as u64,
-                a: w.ptr,
-                lda: k_in as i64,
-                b: dy.ptr,
-                ldb: m_out as i64,
-                c: dx.ptr,
-                ldc: k_in as i64,
-                beta: 0.0,
-                bias: None,
-            })
-        }
-        Op::MatmulBwdWeight {
-            in_dim,
-            out_dim,
-            bias,
-        } => {
-            let (k_in, m_out) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
-            let (dy, x) = (b.f32_in(0)?, b.f32_in(1)?);
-            let rows = b.rows(dy, "dy", m_out)?;
-            b.expect(x, "x", rows * k_in)?;
-            let dw = b.f32_out(0)?;
-            b.expect(dw, "dw", m_out * k_in)?;
-            // dWᵀ (in × out) += xᵀ (in × rows, as stored) · dy (rows × out, stored out × rows).
-            be.gemm(&Gemm {
-                trans_a: false,
-                trans_b: true,
-                m: k_in as u64,
-                n: m_out as u64,
-                k: rows as u64,
-                a: x.ptr,
-                lda: k_in as i64,
-                b: dy.ptr,
-                ldb: m_out as i64,
-                c: dw.ptr,
-                ldc: k_in as i64,
-                beta: 1.0,
-                bias: None,
-            })?;
-            if *bias {
-                let db = b.f32_out(1)?;
-                b.expect(db, "db", m_out)?;
-                col_sum_into(be, dy, db, rows, m_out)?;
-            }
-            Ok(())
+        Op::Matmul { .. } | Op::MatmulBwdData { .. } | Op::MatmulBwdWeight { .. } => {
+            matmul::run(be, &b, op)
         }
         Op::Rope {
             batch,
@@ -892,7 +795,13 @@ fn norm_dw(
 }
 
 /// out[cols] (+=) column sums of x[rows, cols].
-fn col_sum_into(be: &mut CudaBackend, x: Buf, out: Buf, rows: usize, cols: usize) -> Result<()> {
+pub(super) fn col_sum_into(
+    be: &mut CudaBackend,
+    x: Buf,
+    out: Buf,
+    rows: usize,
+    cols: usize,
+) -> Result<()> {
     let (chunk_rows, chunks) = chunking(rows);
     let part = be.scratch(chunks * cols * 8)?;
     let grid = (cols.div_ceil(256) as u32, chunks as u32, 1);

@@ -24,6 +24,7 @@ mod compile;
 mod device;
 mod dispatch;
 mod gemm;
+mod matmul;
 mod nccl;
 mod nccl_host;
 mod nccl_inflight;
@@ -357,115 +358,6 @@ impl CudaBackend {
             return Ok(());
         }
         self.launch(name, (blocks, 1, 1), (256, 1, 1), 0, args)
-    }
-
-    /// Runs `g` (fp32 operands). In a bf16 or fp16 run the operands are first rounded into
-    /// 16-bit copies (one launch for both) and cuBLASLt reads those; C stays fp32. The first
-    /// run of each distinct 16-bit GEMM picks its algorithm by timing (`gemm`); one that
-    /// accumulates is timed into the scratch after the copies (`storage` sizes it).
-    pub(crate) fn gemm(&mut self, g: &gemm::Gemm) -> Result<()> {
-        let stream = self.stream.cu_stream();
-        let Some(convert) = self.operands.conversion_kernel() else {
-            return self.blas.run(g, Operands::F32, stream, None);
-        };
-        // B first, then A on a 256-byte boundary (cuBLASLt's preferred operand alignment).
-        let (a_len, b_len) = (g.a_len(), g.b_len());
-        let a_offset = (b_len * 2).next_multiple_of(256);
-        let bytes = a_offset + a_len * 2;
-        let big_enough = self
-            .half_operands
-            .as_ref()
-            .is_some_and(|s| s.len() >= bytes);
-        if !big_enough {
-            // Free the old copies first so peak memory holds only one of them.
-            self.half_operands = None;
-            self.half_b = None;
-            self.half_operands = Some(self.alloc_bytes(bytes, "16-bit GEMM operands")?);
-        }
-        let (base, room) = match &self.half_operands {
-            Some(s) => (raw_ptr(&self.stream, s), s.len()),
-            None => return Err(RuntimeError::Unsupported("16-bit operands missing".into())),
-        };
-        let (b16, a16) = (base, base + a_offset as CUdeviceptr);
-        // B's copy is still there when the last GEMM had the same, unchanged B.
-        let b_todo = if self.half_b == Some((g.b, b_len)) {
-            0
-        } else {
-            b_len
-        };
-        self.half_b = None;
-        let n = |v: usize| Arg::I64(v as i64);
-        self.launch_n(
-            convert,
-            (a_len + b_todo).div_ceil(4),
-            &[
-                Arg::Ptr(g.a),
-                Arg::Ptr(a16),
-                n(a_len),
-                Arg::Ptr(g.b),
-                Arg::Ptr(b16),
-                n(b_todo),
-            ],
-        )?;
-        let rounded = gemm::Gemm {
-            a: a16,
-            b: b16,
-            ..*g
-        };
-        let tune_offset = bytes.next_multiple_of(256);
-        let tune_out = (tune_offset + g.c_len() * 4 <= room
-            && !self.blas.settled(g, self.operands))
-        .then_some(base + tune_offset as CUdeviceptr);
-        self.blas.run(&rounded, self.operands, stream, tune_out)?;
-        self.half_b = Some((g.b, b_len));
-        Ok(())
-    }
-
-    /// Before `compute` runs an op: whether the 16-bit copy of the last GEMM's B may still be
-    /// read. An op writes only its outputs (and the backend's scratch), so the copy stays
-    /// unless an output overlaps that B, or an input is also an output (then the op reads a
-    /// scratch copy of it that later ops reuse). `alloc` zero-fills only memory no live buffer
-    /// holds, so it keeps the copy; a write from the host or a `free` of a buffer overlapping
-    /// B, and any communication, clear it.
-    fn reuse_half_b(&mut self, inputs: &[BufferId], outputs: &[BufferId]) {
-        if inputs.iter().any(|id| outputs.contains(id)) {
-            self.half_b = None;
-        }
-        for &id in outputs {
-            self.keep_half_b_unless_written(id);
-        }
-    }
-
-    /// Clears `half_b` where buffer `id` (about to be written or freed) overlaps that B.
-    fn keep_half_b_unless_written(&mut self, id: BufferId) {
-        let Some((b, b_len)) = self.half_b else {
-            return;
-        };
-        let b_end = b + (b_len * 4) as CUdeviceptr;
-        // An unknown buffer is an error its caller reports; forgetting the copy is safe.
-        let overlaps = self.slot(id).map_or(true, |o| {
-            let o_end = o.ptr + (o.len * o.dtype.bytes() as usize) as CUdeviceptr;
-            o.ptr < b_end && b < o_end
-        });
-        if overlaps {
-            self.half_b = None;
-        }
-    }
-
-    /// Starts (from zero) or stops timing the GEMMs' cuBLASLt kernels alone, without their
-    /// operand conversions (for GEMM benchmarks): while on, every GEMM waits for its kernels.
-    pub fn time_gemm_kernels(&mut self, on: bool) -> Result<()> {
-        self.blas.time_matmuls(on)
-    }
-
-    /// Milliseconds of GEMM kernel time since `time_gemm_kernels(true)`; None when off.
-    pub fn gemm_kernel_ms(&self) -> Option<f64> {
-        self.blas.matmul_ms()
-    }
-
-    /// Whether cuBLASLt offers `g` (with its bias epilogue) for this run's operand type.
-    pub(crate) fn gemm_supported(&mut self, g: &gemm::Gemm) -> Result<bool> {
-        self.blas.supports(g, self.operands)
     }
 
     pub(crate) fn copy_bytes(
