@@ -106,6 +106,26 @@ impl Bound<'_> {
         self.typed(self.ins[i], DType::F32, &format!("input {i}"))
     }
 
+    /// Input `i`, f32 or bf16 (a `Float` operand of `parc_compiler::ir::storage`).
+    pub(super) fn float_in(&self, i: usize) -> Result<Buf> {
+        self.float(self.ins[i], &format!("input {i}"))
+    }
+
+    /// Output `i`, f32 or bf16 (a `Float` operand of `parc_compiler::ir::storage`).
+    pub(super) fn float_out(&self, i: usize) -> Result<Buf> {
+        self.float(self.outs[i], &format!("output {i}"))
+    }
+
+    fn float(&self, b: Buf, role: &str) -> Result<Buf> {
+        if !matches!(b.dtype, DType::F32 | DType::Bf16) {
+            return Err(self.err(format!(
+                "{role} (buffer {}) is {:?}, expected f32 or bf16",
+                b.id.0, b.dtype
+            )));
+        }
+        Ok(b)
+    }
+
     fn i32_in(&self, i: usize) -> Result<Buf> {
         self.typed(self.ins[i], DType::I32, &format!("input {i}"))
     }
