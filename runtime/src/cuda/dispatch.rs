@@ -1,8 +1,11 @@
 //! Dispatch of one `Op` onto the CUDA kernels and cuBLASLt: checks the buffer count, dtypes and
 //! every length against the op's attributes (a bad program is an error, never an
-//! out-of-bounds kernel), then launches. Row-major GEMMs map onto cuBLAS's column-major view:
-//! a row-major `[r, c]` matrix is a column-major `c × r` one with leading dimension `c`.
-use super::{attention, matmul, Arg, Buf, CudaBackend};
+//! out-of-bounds kernel), then launches. Operand dtypes follow `parc_compiler::ir::storage`:
+//! a *float* operand (`Bound::float_in`/`float_out`) is f32 or bf16 and reaches its kernel as
+//! a `FloatArg` (pointer + bf16 flag); *fp32* operands (`f32_in`/`f32_out`) are f32 only.
+//! Row-major GEMMs map onto cuBLAS's column-major view: a row-major `[r, c]` matrix is a
+//! column-major `c × r` one with leading dimension `c`.
+use super::{attention, matmul, Arg, Buf, CudaBackend, FloatArg};
 use crate::backend::StepScalars;
 use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::op::{Act, Op, Segment};
@@ -178,6 +181,11 @@ pub(super) fn p(b: Buf) -> Arg {
     Arg::Ptr(b.ptr)
 }
 
+/// A Float operand (f32 or bf16) as its kernel takes it.
+pub(super) fn fv(b: Buf) -> Arg {
+    Arg::Float(FloatArg::at(b, 0))
+}
+
 pub(super) fn n(v: usize) -> Arg {
     Arg::I64(v as i64)
 }
@@ -239,26 +247,25 @@ pub(crate) fn run(
             let ids = b.i32_in(0)?;
             let rows = ids.len;
             let start = i64::try_from(*vocab_start).map_err(|_| b.err("vocab_start too large"))?;
-            let out = b.f32_out(0)?;
             if matches!(op, Op::Embedding { .. }) {
-                let table = b.f32_in(1)?;
+                let (table, out) = (b.f32_in(1)?, b.float_out(0)?);
                 b.expect(table, "table", v * d)?;
                 b.expect(out, "y", rows * d)?;
                 let args = [
                     p(ids),
                     p(table),
-                    p(out),
+                    fv(out),
                     n(rows),
                     n(d),
                     Arg::I64(start),
                     n(v),
                 ];
-                be.launch_n("embedding_fwd", rows * d, &args)
+                be.launch_vec("embedding_fwd", rows * d, &args)
             } else {
-                let dy = b.f32_in(1)?;
+                let (dy, out) = (b.float_in(1)?, b.f32_out(0)?);
                 b.expect(dy, "dy", rows * d)?;
                 b.expect(out, "dtable", v * d)?;
-                let args = [p(ids), p(dy), p(out), n(rows), n(d), Arg::I64(start), n(v)];
+                let args = [p(ids), fv(dy), p(out), n(rows), n(d), Arg::I64(start), n(v)];
                 be.launch_n("embedding_bwd", rows * d, &args)
             }
         }
@@ -275,9 +282,9 @@ pub(crate) fn run(
             let forward = matches!(op, Op::PositionAdd { .. });
             let (batch, d) = (b.dim("batch", *batch)?, b.dim("dim", *dim)?);
             let (x, table) = if forward {
-                (b.f32_in(0)?, b.f32_in(1)?)
+                (b.float_in(0)?, b.f32_in(1)?)
             } else {
-                (b.f32_in(0)?, b.f32_out(0)?)
+                (b.float_in(0)?, b.f32_out(0)?)
             };
             let rows = b.rows(x, if forward { "x" } else { "dy" }, d)?;
             let table_rows = b.rows(table, "table", d)?;
@@ -296,12 +303,20 @@ pub(crate) fn run(
             }
             let (pos, _) = be.positions(positions)?;
             if forward {
-                let y = b.f32_out(0)?;
+                let y = b.float_out(0)?;
                 b.expect(y, "y", rows * d)?;
-                let args = [p(x), p(table), p(y), Arg::Ptr(pos), n(rows), n(batch), n(d)];
-                be.launch_n("position_add_fwd", rows * d, &args)
+                let args = [
+                    fv(x),
+                    p(table),
+                    fv(y),
+                    Arg::Ptr(pos),
+                    n(rows),
+                    n(batch),
+                    n(d),
+                ];
+                be.launch_vec("position_add_fwd", rows * d, &args)
             } else {
-                let args = [p(x), p(table), Arg::Ptr(pos), n(seq), n(batch), n(d)];
+                let args = [fv(x), p(table), Arg::Ptr(pos), n(seq), n(batch), n(d)];
                 be.launch_n("position_add_bwd", seq * d, &args)
             }
         }
@@ -310,7 +325,7 @@ pub(crate) fn run(
             if eps.is_nan() || *eps < 0.0 {
                 return Err(b.err(format!("eps = {eps} must be non-negative")));
             }
-            let (x, w) = (b.f32_in(0)?, b.f32_in(1)?);
+            let (x, w) = (b.float_in(0)?, b.f32_in(1)?);
             let rows = b.rows(x, "x", d)?;
             b.expect(w, "w", d)?;
             let bias_ptr = if *bias {
@@ -320,14 +335,14 @@ pub(crate) fn run(
             } else {
                 0
             };
-            let (y, mean, rstd) = (b.f32_out(0)?, b.f32_out(1)?, b.f32_out(2)?);
+            let (y, mean, rstd) = (b.float_out(0)?, b.f32_out(1)?, b.f32_out(2)?);
             b.expect(y, "y", rows * d)?;
             b.same(&[(mean, "mean"), (rstd, "rstd")], rows)?;
             let args = [
-                p(x),
+                fv(x),
                 p(w),
                 Arg::Ptr(bias_ptr),
-                p(y),
+                fv(y),
                 p(mean),
                 p(rstd),
                 n(d),
@@ -344,8 +359,8 @@ pub(crate) fn run(
         Op::LayerNormBwd { dim, bias } => {
             let d = b.dim("dim", *dim)?;
             let (dy, x, w, mean, rstd) = (
-                b.f32_in(0)?,
-                b.f32_in(1)?,
+                b.float_in(0)?,
+                b.float_in(1)?,
                 b.f32_in(2)?,
                 b.f32_in(3)?,
                 b.f32_in(4)?,
@@ -354,10 +369,20 @@ pub(crate) fn run(
             b.same(&[(dy, "dy")], rows * d)?;
             b.expect(w, "w", d)?;
             b.same(&[(mean, "mean"), (rstd, "rstd")], rows)?;
-            let (dx, dw) = (b.f32_out(0)?, b.f32_out(1)?);
+            let (dx, dw) = (b.float_out(0)?, b.f32_out(1)?);
             b.expect(dx, "dx", rows * d)?;
             b.expect(dw, "dw", d)?;
-            let args = [p(dy), p(x), p(w), p(mean), p(rstd), p(dx), n(d)];
+            // The last argument: accumulate into dx (0: overwrite).
+            let args = [
+                fv(dy),
+                fv(x),
+                p(w),
+                p(mean),
+                p(rstd),
+                fv(dx),
+                n(d),
+                Arg::I32(0),
+            ];
             be.launch(
                 "layer_norm_bwd_dx",
                 (rows as u32, 1, 1),
@@ -378,13 +403,13 @@ pub(crate) fn run(
             if eps.is_nan() || *eps < 0.0 {
                 return Err(b.err(format!("eps = {eps} must be non-negative")));
             }
-            let (x, w) = (b.f32_in(0)?, b.f32_in(1)?);
+            let (x, w) = (b.float_in(0)?, b.f32_in(1)?);
             let rows = b.rows(x, "x", d)?;
             b.expect(w, "w", d)?;
-            let (y, rstd) = (b.f32_out(0)?, b.f32_out(1)?);
+            let (y, rstd) = (b.float_out(0)?, b.f32_out(1)?);
             b.expect(y, "y", rows * d)?;
             b.expect(rstd, "rstd", rows)?;
-            let args = [p(x), p(w), p(y), p(rstd), n(d), Arg::F64(*eps)];
+            let args = [fv(x), p(w), fv(y), p(rstd), n(d), Arg::F64(*eps)];
             be.launch(
                 "rms_norm_fwd",
                 (rows as u32, 1, 1),
@@ -395,15 +420,16 @@ pub(crate) fn run(
         }
         Op::RmsNormBwd { dim } => {
             let d = b.dim("dim", *dim)?;
-            let (dy, x, w, rstd) = (b.f32_in(0)?, b.f32_in(1)?, b.f32_in(2)?, b.f32_in(3)?);
+            let (dy, x, w, rstd) = (b.float_in(0)?, b.float_in(1)?, b.f32_in(2)?, b.f32_in(3)?);
             let rows = b.rows(x, "x", d)?;
             b.expect(dy, "dy", rows * d)?;
             b.expect(w, "w", d)?;
             b.expect(rstd, "rstd", rows)?;
-            let (dx, dw) = (b.f32_out(0)?, b.f32_out(1)?);
+            let (dx, dw) = (b.float_out(0)?, b.f32_out(1)?);
             b.expect(dx, "dx", rows * d)?;
             b.expect(dw, "dw", d)?;
-            let args = [p(dy), p(x), p(w), p(rstd), p(dx), n(d)];
+            // The last argument: accumulate into dx (0: overwrite).
+            let args = [fv(dy), fv(x), p(w), p(rstd), fv(dx), n(d), Arg::I32(0)];
             be.launch(
                 "rms_norm_bwd_dx",
                 (rows as u32, 1, 1),
@@ -441,7 +467,7 @@ pub(crate) fn run(
             if theta.is_nan() || *theta <= 0.0 {
                 return Err(b.err(format!("theta = {theta} must be positive")));
             }
-            let x = b.f32_in(0)?;
+            let x = b.float_in(0)?;
             let rows = b.rows(x, "x", heads * hd)?;
             if !rows.is_multiple_of(batch) || segments_len(positions) != (rows / batch) as u64 {
                 return Err(b.err(format!(
@@ -449,7 +475,7 @@ pub(crate) fn run(
                     segments_len(positions)
                 )));
             }
-            let y = b.f32_out(0)?;
+            let y = b.float_out(0)?;
             b.expect(y, "y", x.len)?;
             let (pos, _) = be.positions(positions)?;
             let sign = if matches!(op, Op::Rope { .. }) {
@@ -458,8 +484,8 @@ pub(crate) fn run(
                 -1.0
             };
             let args = [
-                p(x),
-                p(y),
+                fv(x),
+                fv(y),
                 Arg::Ptr(pos),
                 n(rows),
                 n(batch),
@@ -472,72 +498,68 @@ pub(crate) fn run(
         }
         Op::Attention { .. } | Op::AttentionBwd { .. } => attention::run(be, &b, op),
         Op::Activation { act } => {
-            let x = b.f32_in(0)?;
-            let y = b.f32_out(0)?;
+            let (x, y) = (b.float_in(0)?, b.float_out(0)?);
             b.expect(y, "y", x.len)?;
-            be.launch_n(
+            be.launch_vec(
                 "activation_fwd",
                 x.len,
-                &[Arg::I32(act_code(*act)), p(x), p(y), n(x.len)],
+                &[Arg::I32(act_code(*act)), fv(x), fv(y), n(x.len)],
             )
         }
         Op::ActivationBwd { act } => {
-            let (dy, x) = (b.f32_in(0)?, b.f32_in(1)?);
-            let dx = b.f32_out(0)?;
+            let (dy, x) = (b.float_in(0)?, b.float_in(1)?);
+            let dx = b.float_out(0)?;
             b.same(&[(dy, "dy"), (dx, "dx")], x.len)?;
-            let args = [Arg::I32(act_code(*act)), p(dy), p(x), p(dx), n(x.len)];
-            be.launch_n("activation_bwd", x.len, &args)
+            let args = [Arg::I32(act_code(*act)), fv(dy), fv(x), fv(dx), n(x.len)];
+            be.launch_vec("activation_bwd", x.len, &args)
         }
         Op::SwiGlu => {
-            let (gate, up) = (b.f32_in(0)?, b.f32_in(1)?);
-            let y = b.f32_out(0)?;
+            let (gate, up) = (b.float_in(0)?, b.float_in(1)?);
+            let y = b.float_out(0)?;
             b.same(&[(up, "up"), (y, "y")], gate.len)?;
-            be.launch_n("swiglu_fwd", gate.len, &[p(gate), p(up), p(y), n(gate.len)])
+            let args = [fv(gate), fv(up), fv(y), n(gate.len)];
+            be.launch_vec("swiglu_fwd", gate.len, &args)
         }
         Op::SwiGluBwd => {
-            let (dy, gate, up) = (b.f32_in(0)?, b.f32_in(1)?, b.f32_in(2)?);
-            let (dg, du) = (b.f32_out(0)?, b.f32_out(1)?);
+            let (dy, gate, up) = (b.float_in(0)?, b.float_in(1)?, b.float_in(2)?);
+            let (dg, du) = (b.float_out(0)?, b.float_out(1)?);
             b.same(
                 &[(dy, "dy"), (up, "up"), (dg, "dgate"), (du, "dup")],
                 gate.len,
             )?;
-            let args = [p(dy), p(gate), p(up), p(dg), p(du), n(gate.len)];
-            be.launch_n("swiglu_bwd", gate.len, &args)
+            let args = [fv(dy), fv(gate), fv(up), fv(dg), fv(du), n(gate.len)];
+            be.launch_vec("swiglu_bwd", gate.len, &args)
         }
         Op::Add => {
-            let (x, y_in) = (b.f32_in(0)?, b.f32_in(1)?);
-            let y = b.f32_out(0)?;
+            let (x, y_in) = (b.float_in(0)?, b.float_in(1)?);
+            let y = b.float_out(0)?;
             b.same(&[(y_in, "b"), (y, "y")], x.len)?;
-            be.launch_n("add_fwd", x.len, &[p(x), p(y_in), p(y), n(x.len)])
+            be.launch_vec("add_fwd", x.len, &[fv(x), fv(y_in), fv(y), n(x.len)])
         }
         Op::Scale { factor } => {
-            let x = b.f32_in(0)?;
-            let y = b.f32_out(0)?;
+            let (x, y) = (b.float_in(0)?, b.float_out(0)?);
             b.expect(y, "y", x.len)?;
-            be.launch_n(
+            be.launch_vec(
                 "scale_fwd",
                 x.len,
-                &[p(x), p(y), Arg::F32(*factor as f32), n(x.len)],
+                &[fv(x), fv(y), Arg::F32(*factor as f32), n(x.len)],
             )
         }
         Op::Copy => {
-            let (x, y) = (ins[0], outs[0]);
-            if x.dtype != y.dtype {
-                return Err(b.err("x and y have different dtypes"));
-            }
+            let (x, y) = (b.float_in(0)?, b.float_out(0)?);
             b.expect(y, "y", x.len)?;
-            be.copy_bytes(y.ptr, x.ptr, x.len * 4)
+            copy_elements(be, x, 0, y, 0, x.len)
         }
-        Op::Zero => be.zero_bytes(outs[0].ptr, outs[0].len * 4),
+        Op::Zero => {
+            let y = b.float_out(0)?;
+            be.zero_bytes(y.ptr, y.bytes())
+        }
         Op::CopyRange {
             src_offset,
             dst_offset,
             len,
         } => {
-            let (src, dst) = (ins[0], outs[0]);
-            if src.dtype != dst.dtype {
-                return Err(b.err("src and dst have different dtypes"));
-            }
+            let (src, dst) = (b.float_in(0)?, b.float_out(0)?);
             for (what, offset, buf) in [("src", *src_offset, src), ("dst", *dst_offset, dst)] {
                 if offset
                     .checked_add(*len)
@@ -549,15 +571,19 @@ pub(crate) fn run(
                     )));
                 }
             }
-            be.copy_bytes(
-                dst.ptr + dst_offset * 4,
-                src.ptr + src_offset * 4,
-                *len as usize * 4,
+            // In range of both buffers (checked above), so each fits a usize.
+            copy_elements(
+                be,
+                src,
+                *src_offset as usize,
+                dst,
+                *dst_offset as usize,
+                *len as usize,
             )
         }
         Op::CeMax { vocab_local } | Op::CeSumExp { vocab_local } => {
             let v = b.dim("vocab_local", *vocab_local)?;
-            let logits = b.f32_in(0)?;
+            let logits = b.float_in(0)?;
             let rows = b.rows(logits, "logits", v)?;
             let out = b.f32_out(0)?;
             b.expect(
@@ -576,12 +602,12 @@ pub(crate) fn run(
                     grid,
                     (NORM_THREADS, 1, 1),
                     0,
-                    &[p(logits), p(out), n(v)],
+                    &[fv(logits), p(out), n(v)],
                 )
             } else {
                 let max = b.f32_in(1)?;
                 b.expect(max, "max", rows)?;
-                let args = [p(logits), p(max), p(out), n(v)];
+                let args = [fv(logits), p(max), p(out), n(v)];
                 be.launch("ce_sum_exp", grid, (NORM_THREADS, 1, 1), 0, &args)
             }
         }
@@ -590,14 +616,14 @@ pub(crate) fn run(
             vocab_local,
         } => {
             let v = b.dim("vocab_local", *vocab_local)?;
-            let (logits, targets) = (b.f32_in(0)?, b.i32_in(1)?);
+            let (logits, targets) = (b.float_in(0)?, b.i32_in(1)?);
             let rows = b.rows(logits, "logits", v)?;
             b.expect(targets, "targets", rows)?;
             let out = b.f32_out(0)?;
             b.expect(out, "target_logit", rows)?;
             let start = i64::try_from(*vocab_start).map_err(|_| b.err("vocab_start too large"))?;
             let args = [
-                p(logits),
+                fv(logits),
                 p(targets),
                 p(out),
                 n(rows),
@@ -634,28 +660,28 @@ pub(crate) fn run(
         } => {
             let v = b.dim("vocab_local", *vocab_local)?;
             let (logits, targets, max, sumexp) =
-                (b.f32_in(0)?, b.i32_in(1)?, b.f32_in(2)?, b.f32_in(3)?);
+                (b.float_in(0)?, b.i32_in(1)?, b.f32_in(2)?, b.f32_in(3)?);
             let rows = b.rows(logits, "logits", v)?;
             b.same(
                 &[(targets, "targets"), (max, "max"), (sumexp, "sumexp")],
                 rows,
             )?;
-            let d = b.f32_out(0)?;
+            let d = b.float_out(0)?;
             b.expect(d, "dlogits", logits.len)?;
             let start = i64::try_from(*vocab_start).map_err(|_| b.err("vocab_start too large"))?;
             let args = [
-                p(logits),
+                fv(logits),
                 p(targets),
                 p(max),
                 p(sumexp),
-                p(d),
+                fv(d),
                 n(rows),
                 Arg::I64(start),
                 n(v),
                 // fp16: the loss gradient carries the step's loss scale.
                 Arg::F32((*scale * scalars.loss_scale.unwrap_or(1.0)) as f32),
             ];
-            be.launch_n("ce_grad", logits.len, &args)
+            be.launch_vec("ce_grad", logits.len, &args)
         }
         Op::SumSquares => {
             let g = b.f32_in(0)?;
@@ -773,6 +799,32 @@ pub(crate) fn run(
     }
 }
 
+/// y[dst..dst+len] = x[src..src+len] (element offsets): a byte copy where both have one
+/// dtype, else a conversion (f32 → bf16 rounds to nearest-even, bf16 → f32 widens exactly).
+fn copy_elements(
+    be: &mut CudaBackend,
+    x: Buf,
+    src: usize,
+    y: Buf,
+    dst: usize,
+    len: usize,
+) -> Result<()> {
+    if x.dtype == y.dtype {
+        let bytes = x.elem_bytes();
+        return be.copy_bytes(
+            y.ptr + (dst * bytes) as u64,
+            x.ptr + (src * bytes) as u64,
+            len * bytes,
+        );
+    }
+    let args = [
+        Arg::Float(FloatArg::at(x, src)),
+        Arg::Float(FloatArg::at(y, dst)),
+        n(len),
+    ];
+    be.launch_vec("convert", len, &args)
+}
+
 /// Rows of a column-partial reduction: enough chunks to fill the GPU, each of ≥ 64 rows.
 fn chunking(rows: usize) -> (usize, usize) {
     let chunk_rows = rows.div_ceil(128).max(64);
@@ -795,8 +847,8 @@ fn norm_dw(
     let part = be.scratch(chunks * d * 8)?;
     let grid = (d.div_ceil(256) as u32, chunks as u32, 1);
     let args = [
-        p(dy),
-        p(x),
+        fv(dy),
+        fv(x),
         Arg::Ptr(mean),
         p(rstd),
         Arg::Ptr(part),
@@ -830,7 +882,7 @@ pub(super) fn col_sum_into(
         grid,
         (256, 1, 1),
         0,
-        &[p(x), Arg::Ptr(part), n(rows), n(cols), n(chunk_rows)],
+        &[fv(x), Arg::Ptr(part), n(rows), n(cols), n(chunk_rows)],
     )?;
     be.launch(
         "add_partials",

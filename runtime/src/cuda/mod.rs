@@ -70,6 +70,44 @@ pub(crate) struct Buf {
     pub dtype: DType,
 }
 
+impl Buf {
+    /// Bytes per element (4 for f32 and i32, 2 for bf16).
+    pub fn elem_bytes(&self) -> usize {
+        self.dtype.bytes() as usize
+    }
+
+    /// Bytes of the whole buffer.
+    pub fn bytes(&self) -> usize {
+        self.len * self.elem_bytes()
+    }
+
+    /// Whether the buffer stores bf16.
+    pub fn is_bf16(&self) -> bool {
+        self.dtype == DType::Bf16
+    }
+}
+
+/// A Float operand as a kernel receives it (`struct Fv` in kernels/common.cuh): the pointer
+/// and whether it points at bf16 (else f32), padded to 16 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FloatArg {
+    ptr: CUdeviceptr,
+    bf16: i32,
+    pad: i32,
+}
+
+impl FloatArg {
+    /// `b` from element `offset` on.
+    pub fn at(b: Buf, offset: usize) -> FloatArg {
+        FloatArg {
+            ptr: b.ptr + (offset * b.elem_bytes()) as CUdeviceptr,
+            bf16: i32::from(b.is_bf16()),
+            pad: 0,
+        }
+    }
+}
+
 /// A kernel argument.
 pub(crate) enum Arg {
     Ptr(CUdeviceptr),
@@ -78,10 +116,13 @@ pub(crate) enum Arg {
     F32(f32),
     F64(f64),
     Geom(attention::AttGeom),
+    Float(FloatArg),
 }
 
 // SAFETY: AttGeom is #[repr(C)] plain data matching the kernels' `struct AttGeom`.
 unsafe impl DeviceRepr for attention::AttGeom {}
+// SAFETY: FloatArg is #[repr(C)] plain data matching the kernels' `struct Fv`.
+unsafe impl DeviceRepr for FloatArg {}
 
 /// The CUDA backend. See the module docs.
 pub struct CudaBackend {
@@ -337,6 +378,7 @@ impl CudaBackend {
                 Arg::F32(v) => b.arg(v),
                 Arg::F64(v) => b.arg(v),
                 Arg::Geom(g) => b.arg(g),
+                Arg::Float(f) => b.arg(f),
             };
         }
         let cfg = LaunchConfig {
@@ -360,6 +402,16 @@ impl CudaBackend {
         self.launch(name, (blocks, 1, 1), (256, 1, 1), 0, args)
     }
 
+    /// Launch a kernel that moves 8 elements per thread (kernels/common.cuh's `map1`/`map2`)
+    /// over `n` elements: ~n / 8 threads, 256 a block.
+    pub(crate) fn launch_vec(&mut self, name: &'static str, n: usize, args: &[Arg]) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let blocks = n.div_ceil(8 * 256).clamp(1, 1 << 16) as u32;
+        self.launch(name, (blocks, 1, 1), (256, 1, 1), 0, args)
+    }
+
     pub(crate) fn copy_bytes(
         &self,
         dst: CUdeviceptr,
@@ -378,6 +430,22 @@ impl CudaBackend {
         // SAFETY: callers pass a whole allocation's pointer and size.
         unsafe { cu::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) }
             .map_err(|e| driver_error("zeroing device memory", e))
+    }
+
+    /// Fill `bytes` at `ptr` with quiet NaNs of `dtype`: one per 4-byte word (f32 and i32
+    /// buffers alike), one per 2-byte element for bf16.
+    fn poison(&self, ptr: CUdeviceptr, bytes: usize, dtype: DType) -> Result<()> {
+        let stream = self.stream.cu_stream();
+        // SAFETY: the planned range holds `bytes` bytes, a multiple of the element size.
+        let done = unsafe {
+            if dtype == DType::Bf16 {
+                cudarc::driver::sys::cuMemsetD16Async(ptr, 0x7fc0, bytes / 2, stream)
+            } else {
+                cudarc::driver::sys::cuMemsetD32Async(ptr, 0x7fc0_0000, bytes / 4, stream)
+            }
+        };
+        done.result()
+            .map_err(|e| driver_error("poisoning an unzeroed buffer", e))
     }
 
     fn write<T>(&mut self, id: BufferId, dtype: DType, data: &[T]) -> Result<()> {
@@ -480,18 +548,7 @@ impl Backend for CudaBackend {
                 if bytes > 0 && self.planned.needs_zero(index) {
                     self.zero_bytes(ptr, bytes)?;
                 } else if bytes > 0 && self.poison_unzeroed {
-                    // A quiet NaN in every 4-byte word (f32 and i32 buffers alike).
-                    // SAFETY: the planned range holds `bytes` (a multiple of 4) bytes.
-                    unsafe {
-                        cudarc::driver::sys::cuMemsetD32Async(
-                            ptr,
-                            0x7fc0_0000,
-                            bytes / 4,
-                            self.stream.cu_stream(),
-                        )
-                    }
-                    .result()
-                    .map_err(|e| driver_error("poisoning an unzeroed buffer", e))?;
+                    self.poison(ptr, bytes, dtype)?;
                 }
                 (None, ptr)
             }
@@ -559,7 +616,16 @@ impl Backend for CudaBackend {
         dispatch::run(self, op, &ins, &outs, scalars)
     }
 
+    /// Into a bf16 buffer each element is rounded to the nearest bf16 (ties to even) on the
+    /// host.
     fn write_f32(&mut self, id: BufferId, data: &[f32]) -> Result<()> {
+        if self.slot(id)?.dtype == DType::Bf16 {
+            let bits: Vec<u16> = data
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            return self.write(id, DType::Bf16, &bits);
+        }
         self.write(id, DType::F32, data)
     }
 
@@ -567,18 +633,32 @@ impl Backend for CudaBackend {
         self.write(id, DType::I32, data)
     }
 
+    /// A bf16 buffer is read widened exactly to f32.
     fn read_f32(&self, id: BufferId) -> Result<Vec<f32>> {
         self.wait_comm_for(id)?;
         let s = self.slot(id)?;
-        if s.dtype != DType::F32 {
-            return Err(buffer_error(id, format!("is {:?}, expected f32", s.dtype)));
+        if !matches!(s.dtype, DType::F32 | DType::Bf16) {
+            return Err(buffer_error(
+                id,
+                format!("is {:?}, expected f32 or bf16", s.dtype),
+            ));
         }
         self.synchronize()?;
         self.check_comm_intact()?;
+        let what = || format!("reading buffer {}", id.0);
+        if s.dtype == DType::Bf16 {
+            let mut bits = vec![0u16; s.len];
+            // SAFETY: the allocation holds exactly s.len bf16s; the stream is idle.
+            unsafe { cu::memcpy_dtoh_sync(&mut bits, s.ptr) }
+                .map_err(|e| driver_error(&what(), e))?;
+            return Ok(bits
+                .into_iter()
+                .map(|b| half::bf16::from_bits(b).to_f32())
+                .collect());
+        }
         let mut host = vec![0.0f32; s.len];
         // SAFETY: the allocation holds exactly s.len f32s; the stream is idle.
-        unsafe { cu::memcpy_dtoh_sync(&mut host, s.ptr) }
-            .map_err(|e| driver_error(&format!("reading buffer {}", id.0), e))?;
+        unsafe { cu::memcpy_dtoh_sync(&mut host, s.ptr) }.map_err(|e| driver_error(&what(), e))?;
         Ok(host)
     }
 

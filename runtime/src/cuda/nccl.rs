@@ -211,8 +211,21 @@ fn event_finished(event: &CudaEvent) -> bool {
     event.try_is_complete().unwrap_or(false)
 }
 
-/// One send or receive on raw device memory: (is a send, global peer rank, pointer, f32s).
-pub(crate) type RawTransfer = (bool, u32, CUdeviceptr, usize);
+/// One send or receive on raw device memory: (is a send, global peer rank, pointer, elements,
+/// element type: f32 or bf16).
+pub(crate) type RawTransfer = (bool, u32, CUdeviceptr, usize, DType);
+
+/// NCCL's element type for `dtype`: f32, or bf16 (reduced in bf16 by NCCL, as PyTorch DDP
+/// reduces bf16 gradients); anything else is an error naming `what`.
+fn nccl_type(dtype: DType, what: &str) -> Result<nc::ncclDataType_t> {
+    match dtype {
+        DType::F32 => Ok(nc::ncclDataType_t::ncclFloat32),
+        DType::Bf16 => Ok(nc::ncclDataType_t::ncclBfloat16),
+        other => Err(RuntimeError::Comm(format!(
+            "{what}: NCCL moves f32 and bf16 buffers, not {other:?}"
+        ))),
+    }
+}
 
 impl Communicators {
     /// Join the world communicator of `id` as `rank` of `layout.world()` and split the plan's
@@ -411,12 +424,13 @@ impl Communicators {
     ///
     /// # Safety
     /// `send` and `recv` must be device allocations of this context large enough for `kind`
-    /// and `count` over `group.len()` ranks, alive until the stream has run the operation.
+    /// and `count` elements of `dtype` over `group.len()` ranks, alive until the stream has
+    /// run the operation.
     pub(crate) unsafe fn collective(
         &mut self,
         kind: CollectiveKind,
         group: &[u32],
-        (send, recv, count): (CUdeviceptr, CUdeviceptr, usize),
+        (send, recv, count, dtype): (CUdeviceptr, CUdeviceptr, usize, DType),
         stream: &CudaStream,
         (instruction, what): (Option<usize>, String),
     ) -> Result<()> {
@@ -425,22 +439,22 @@ impl Communicators {
         let what = format!("rank {}: {what} over {}", self.rank, comm.what);
         let cu_stream = stream.cu_stream() as nc::cudaStream_t;
         let (send, recv) = (send as *const c_void, recv as *mut c_void);
-        let f32t = nc::ncclDataType_t::ncclFloat32;
+        let elem = nccl_type(dtype, &what)?;
         let result = match kind {
             CollectiveKind::AllReduce { op } => {
                 let op = match op {
                     ReduceOp::Sum => nc::ncclRedOp_t::ncclSum,
                     ReduceOp::Max => nc::ncclRedOp_t::ncclMax,
                 };
-                nc::ncclAllReduce(send, recv, count, f32t, op, raw, cu_stream)
+                nc::ncclAllReduce(send, recv, count, elem, op, raw, cu_stream)
             }
-            CollectiveKind::AllGather => nc::ncclAllGather(send, recv, count, f32t, raw, cu_stream),
+            CollectiveKind::AllGather => nc::ncclAllGather(send, recv, count, elem, raw, cu_stream),
             CollectiveKind::ReduceScatter => {
                 let sum = nc::ncclRedOp_t::ncclSum;
-                nc::ncclReduceScatter(send, recv, count, f32t, sum, raw, cu_stream)
+                nc::ncclReduceScatter(send, recv, count, elem, sum, raw, cu_stream)
             }
             CollectiveKind::Broadcast { root } => {
-                nc::ncclBroadcast(send, recv, count, f32t, root as c_int, raw, cu_stream)
+                nc::ncclBroadcast(send, recv, count, elem, root as c_int, raw, cu_stream)
             }
         };
         check(result, Some(raw), || what.clone())?;
@@ -451,8 +465,8 @@ impl Communicators {
     /// program instruction `instruction` if any.
     ///
     /// # Safety
-    /// Every pointer must be a device allocation of this context holding its count of f32s,
-    /// alive until the stream has run the group.
+    /// Every pointer must be a device allocation of this context holding its count of
+    /// elements of its type, alive until the stream has run the group.
     pub(crate) unsafe fn transfers(
         &mut self,
         transfers: &[RawTransfer],
@@ -463,17 +477,20 @@ impl Communicators {
         let world = self.world.raw;
         let what = format!("rank {}: {what}", self.rank);
         let cu_stream = stream.cu_stream() as nc::cudaStream_t;
-        let f32t = nc::ncclDataType_t::ncclFloat32;
+        let types = transfers
+            .iter()
+            .map(|t| nccl_type(t.4, &what))
+            .collect::<Result<Vec<_>>>()?;
         check(nc::ncclGroupStart(), Some(world), || {
             format!("{what}: starting the group")
         })?;
         let mut queued = Ok(());
-        for &(send, peer, ptr, len) in transfers {
+        for (&(send, peer, ptr, len, _), &elem) in transfers.iter().zip(&types) {
             let result = if send {
                 nc::ncclSend(
                     ptr as *const c_void,
                     len,
-                    f32t,
+                    elem,
                     peer as c_int,
                     world,
                     cu_stream,
@@ -482,7 +499,7 @@ impl Communicators {
                 nc::ncclRecv(
                     ptr as *mut c_void,
                     len,
-                    f32t,
+                    elem,
                     peer as c_int,
                     world,
                     cu_stream,
@@ -557,14 +574,14 @@ fn not_set_up() -> RuntimeError {
     RuntimeError::Unsupported("NCCL is not set up on this backend (call use_nccl first)".into())
 }
 
-fn f32_buffer(op: &str, b: &Buf) -> Result<()> {
-    if b.dtype == DType::F32 {
+fn float_buffer(op: &str, b: &Buf) -> Result<()> {
+    if matches!(b.dtype, DType::F32 | DType::Bf16) {
         Ok(())
     } else {
         Err(RuntimeError::Op {
             op: op.into(),
             what: format!(
-                "buffer {} is {:?}; NCCL comm moves f32 buffers",
+                "buffer {} is {:?}; NCCL comm moves f32 and bf16 buffers",
                 b.id.0, b.dtype
             ),
         })
@@ -733,8 +750,18 @@ impl CudaBackend {
     ) -> Result<()> {
         let name = describe(kind);
         let (inp, out) = (self.buf(input)?, self.buf(output)?);
-        f32_buffer(name, &inp)?;
-        f32_buffer(name, &out)?;
+        float_buffer(name, &inp)?;
+        float_buffer(name, &out)?;
+        if inp.dtype != out.dtype {
+            return Err(sizes_error(
+                name,
+                format!(
+                    "input buffer {} is {:?} but output buffer {} is {:?}; a collective keeps \
+                     one element type",
+                    input.0, inp.dtype, output.0, out.dtype
+                ),
+            ));
+        }
         let count = collective_count(kind, group.len(), inp.len, out.len).map_err(|what| {
             sizes_error(
                 name,
@@ -755,7 +782,7 @@ impl CudaBackend {
             lock(&nccl.comms)?.collective(
                 kind,
                 group,
-                (inp.ptr, out.ptr, count),
+                (inp.ptr, out.ptr, count, inp.dtype),
                 nccl.stream.stream(),
                 (nccl.instruction, what),
             )?;
@@ -777,8 +804,8 @@ impl CudaBackend {
                 DeviceTransfer::Recv { peer, buffer, .. } => (false, peer, buffer),
             };
             let b = self.buf(buffer)?;
-            f32_buffer(if send { "send" } else { "receive" }, &b)?;
-            raw.push((send, peer, b.ptr, b.len));
+            float_buffer(if send { "send" } else { "receive" }, &b)?;
+            raw.push((send, peer, b.ptr, b.len, b.dtype));
             ids.push(buffer);
             words.push(if send {
                 format!("send buffer {} to rank {peer}", buffer.0)
@@ -789,7 +816,7 @@ impl CudaBackend {
         let compute = Arc::clone(&self.stream);
         let nccl = self.nccl_set_up_mut()?;
         nccl.stream.follow_uses(&compute, &ids)?;
-        // SAFETY: every buffer is a live device allocation of its length in f32s, kept until
+        // SAFETY: every buffer is a live device allocation of its length and type, kept until
         // the recorded event; peers are global ranks of the world communicator.
         unsafe {
             lock(&nccl.comms)?.transfers(

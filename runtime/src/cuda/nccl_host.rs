@@ -16,7 +16,7 @@ use crate::error::{Result, RuntimeError};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
-use parc_compiler::ir::{CollectiveKind, ReduceOp};
+use parc_compiler::ir::{CollectiveKind, DType, ReduceOp};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -143,7 +143,7 @@ impl NcclHostComm {
             lock(&self.comms)?.collective(
                 kind,
                 group,
-                (send, recv, count),
+                (send, recv, count, DType::F32),
                 &self.stream,
                 (None, format!("host {name} of {} elements", input.len())),
             )?;
@@ -221,11 +221,11 @@ impl Comm for NcclHostComm {
             match op {
                 PeerOp::Send { peer, tag, data } => {
                     self.upload(ptr, data)?;
-                    raw.push((true, *peer, ptr, data.len()));
+                    raw.push((true, *peer, ptr, data.len(), DType::F32));
                     what.push(format!("host send of tag {tag} to rank {peer}"));
                 }
                 PeerOp::Recv { peer, tag, out } => {
-                    raw.push((false, *peer, ptr, out.len()));
+                    raw.push((false, *peer, ptr, out.len(), DType::F32));
                     what.push(format!("host receive of tag {tag} from rank {peer}"));
                 }
             }

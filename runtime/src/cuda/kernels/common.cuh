@@ -2,6 +2,139 @@
 // Every kernel is extern "C" so the host finds it by name; sizes are long long, pointers raw.
 #define NEG_INF __int_as_float(0xff800000)
 #define FULL_MASK 0xffffffffu
+#define GRID_STRIDE(i, n) for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)
+
+// ---------------------------------------------------------------- bf16 storage
+// The one copy of parc's bf16 conversions (every .cu file uses these). Bit arithmetic, so no
+// cuda_bf16.h is needed under NVRTC.
+
+// x rounded to the nearest bf16, ties to even (NaN stays a quiet NaN, infinities stay
+// infinite, overflow becomes infinite), as the raw 16-bit pattern (cuBLASLt's CUDA_R_16BF).
+__device__ __forceinline__ unsigned short round_bf16(float x) {
+    unsigned int u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return (unsigned short)((u >> 16) | 0x40u);
+    }
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The f32 value of a bf16 bit pattern (exact).
+__device__ __forceinline__ float widen_bf16(unsigned short h) {
+    return __uint_as_float((unsigned int)h << 16);
+}
+
+// x rounded to IEEE binary16 (nearest, ties to even; magnitudes from 65520 up become
+// infinite; subnormals kept; NaN stays NaN), as the raw 16-bit pattern (CUDA_R_16F). One PTX
+// conversion, so no cuda_fp16.h under NVRTC.
+__device__ __forceinline__ unsigned short round_f16(float x) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+
+// A Float operand (storage class Float: f32 or bf16), as the host passes it (`FloatArg` in
+// runtime/src/cuda/mod.rs: pointer, then the flag, then padding; 16 bytes). The flag is a
+// kernel argument, so every thread takes the same branch: one kernel serves every mix of f32
+// and bf16 operands. Reads widen exactly; writes round once to nearest-even.
+struct Fv {
+    void* p;
+    int bf16;
+    int pad_;
+};
+
+__device__ __forceinline__ float ld(Fv a, long long i) {
+    return a.bf16 ? widen_bf16(((const unsigned short*)a.p)[i]) : ((const float*)a.p)[i];
+}
+
+__device__ __forceinline__ void st(Fv a, long long i, float v) {
+    if (a.bf16) ((unsigned short*)a.p)[i] = round_bf16(v);
+    else ((float*)a.p)[i] = v;
+}
+
+// += in the operand's own type: bf16 reads, adds in f32 and rounds once.
+__device__ __forceinline__ void st_add(Fv a, long long i, float v) {
+    st(a, i, ld(a, i) + v);
+}
+
+// Eight consecutive elements, moved as 16-byte loads and stores (one for bf16, two for f32).
+struct F8 {
+    float v[8];
+};
+
+// Whether 8-element vectors of `a` start on 16-byte boundaries (planned buffers always do).
+__device__ __forceinline__ bool vec_ok(Fv a) {
+    return ((unsigned long long)a.p & 15ull) == 0;
+}
+
+// Elements 8j .. 8j+7 of a (vec_ok(a)).
+__device__ __forceinline__ F8 ld8(Fv a, long long j) {
+    F8 r;
+    if (a.bf16) {
+        uint4 u = ((const uint4*)a.p)[j];
+        unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            r.v[2 * k] = __uint_as_float(w[k] << 16);
+            r.v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+        }
+    } else {
+        float4 x = ((const float4*)a.p)[2 * j], y = ((const float4*)a.p)[2 * j + 1];
+        r.v[0] = x.x; r.v[1] = x.y; r.v[2] = x.z; r.v[3] = x.w;
+        r.v[4] = y.x; r.v[5] = y.y; r.v[6] = y.z; r.v[7] = y.w;
+    }
+    return r;
+}
+
+__device__ __forceinline__ void st8(Fv a, long long j, const F8& r) {
+    if (a.bf16) {
+        unsigned w[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            w[k] = (unsigned)round_bf16(r.v[2 * k]) | ((unsigned)round_bf16(r.v[2 * k + 1]) << 16);
+        uint4 u;
+        u.x = w[0]; u.y = w[1]; u.z = w[2]; u.w = w[3];
+        ((uint4*)a.p)[j] = u;
+    } else {
+        float4 x, y;
+        x.x = r.v[0]; x.y = r.v[1]; x.z = r.v[2]; x.w = r.v[3];
+        y.x = r.v[4]; y.y = r.v[5]; y.z = r.v[6]; y.w = r.v[7];
+        ((float4*)a.p)[2 * j] = x;
+        ((float4*)a.p)[2 * j + 1] = y;
+    }
+}
+
+// y[i] = f(x[i]) over n elements: 8-element vectors where both are 16-byte aligned, the rest
+// (the tail, or everything when unaligned) one at a time. Launch with ~n / 8 threads.
+template <typename F>
+__device__ __forceinline__ void map1(Fv x, Fv y, long long n, F f) {
+    long long n8 = (vec_ok(x) && vec_ok(y)) ? n / 8 : 0;
+    GRID_STRIDE(j, n8) {
+        F8 a = ld8(x, j), r;
+#pragma unroll
+        for (int k = 0; k < 8; k++) r.v[k] = f(a.v[k]);
+        st8(y, j, r);
+    }
+    GRID_STRIDE(t, n - 8 * n8) {
+        long long i = 8 * n8 + t;
+        st(y, i, f(ld(x, i)));
+    }
+}
+
+// y[i] = f(a[i], b[i]), vectorised as map1.
+template <typename F>
+__device__ __forceinline__ void map2(Fv a, Fv b, Fv y, long long n, F f) {
+    long long n8 = (vec_ok(a) && vec_ok(b) && vec_ok(y)) ? n / 8 : 0;
+    GRID_STRIDE(j, n8) {
+        F8 u = ld8(a, j), w = ld8(b, j), r;
+#pragma unroll
+        for (int k = 0; k < 8; k++) r.v[k] = f(u.v[k], w.v[k]);
+        st8(y, j, r);
+    }
+    GRID_STRIDE(t, n - 8 * n8) {
+        long long i = 8 * n8 + t;
+        st(y, i, f(ld(a, i), ld(b, i)));
+    }
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
@@ -65,13 +198,13 @@ extern "C" __global__ void add_partials(const double* part, float* out, long lon
 }
 
 // Column sums of x[rows, cols] per chunk of rows: part[chunk, j] = sum of x[r, j] over the chunk.
-extern "C" __global__ void col_sum_partial(const float* x, double* part, long long rows, long long cols, long long chunk_rows) {
+extern "C" __global__ void col_sum_partial(Fv x, double* part, long long rows, long long cols, long long chunk_rows) {
     long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     long long c = blockIdx.y;
     if (j >= cols) return;
     long long r0 = c * chunk_rows, r1 = min(rows, r0 + chunk_rows);
     double s = 0.0;
-    for (long long r = r0; r < r1; r++) s += (double)x[r * cols + j];
+    for (long long r = r0; r < r1; r++) s += (double)ld(x, r * cols + j);
     part[c * cols + j] = s;
 }
 

@@ -1,5 +1,7 @@
-// Elementwise ops, embeddings and RoPE. Math in double where the CPU reference uses f64.
-#define GRID_STRIDE(i, n) for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)
+// Elementwise ops, embeddings, RoPE and conversions. Math in double where the CPU reference
+// uses f64. Float operands are `Fv` (f32 or bf16, common.cuh); the memory-bound kernels move
+// 8 elements per 16-byte access where their operands are aligned (map1/map2) and are launched
+// with ~n / 8 threads (`CudaBackend::launch_vec`).
 
 #define SQRT_2_OVER_PI 0.7978845608028654
 #define GELU_TANH_CUBIC 0.044715
@@ -27,38 +29,61 @@ __device__ __forceinline__ double act_derivative(int act, double x) {
     return x > 0.0 ? 1.0 : 0.0;
 }
 
-extern "C" __global__ void activation_fwd(int act, const float* x, float* y, long long n) {
-    GRID_STRIDE(i, n) y[i] = (float)act_value(act, (double)x[i]);
+extern "C" __global__ void activation_fwd(int act, Fv x, Fv y, long long n) {
+    map1(x, y, n, [act](float v) { return (float)act_value(act, (double)v); });
 }
 
-extern "C" __global__ void activation_bwd(int act, const float* dy, const float* x, float* dx, long long n) {
-    GRID_STRIDE(i, n) dx[i] = (float)((double)dy[i] * act_derivative(act, (double)x[i]));
+extern "C" __global__ void activation_bwd(int act, Fv dy, Fv x, Fv dx, long long n) {
+    map2(dy, x, dx, n, [act](float d, float v) { return (float)((double)d * act_derivative(act, (double)v)); });
 }
 
 __device__ __forceinline__ double sigmoid_d(double x) { return 1.0 / (1.0 + exp(-x)); }
 
-extern "C" __global__ void swiglu_fwd(const float* gate, const float* up, float* y, long long n) {
-    GRID_STRIDE(i, n) {
-        double g = (double)gate[i];
-        y[i] = (float)(g * sigmoid_d(g) * (double)up[i]);
+extern "C" __global__ void swiglu_fwd(Fv gate, Fv up, Fv y, long long n) {
+    map2(gate, up, y, n, [](float gf, float u) {
+        double g = (double)gf;
+        return (float)(g * sigmoid_d(g) * (double)u);
+    });
+}
+
+__device__ __forceinline__ void swiglu_bwd_element(float dyf, float gf, float uf, float& dg, float& du) {
+    double g = (double)gf, d = (double)dyf, u = (double)uf;
+    double s = sigmoid_d(g);
+    dg = (float)(d * u * s * (1.0 + g * (1.0 - s)));
+    du = (float)(d * g * s);
+}
+
+extern "C" __global__ void swiglu_bwd(Fv dy, Fv gate, Fv up, Fv dgate, Fv dup, long long n) {
+    bool vec = vec_ok(dy) && vec_ok(gate) && vec_ok(up) && vec_ok(dgate) && vec_ok(dup);
+    long long n8 = vec ? n / 8 : 0;
+    GRID_STRIDE(j, n8) {
+        F8 d = ld8(dy, j), g = ld8(gate, j), u = ld8(up, j), rg, ru;
+#pragma unroll
+        for (int k = 0; k < 8; k++) swiglu_bwd_element(d.v[k], g.v[k], u.v[k], rg.v[k], ru.v[k]);
+        st8(dgate, j, rg);
+        st8(dup, j, ru);
+    }
+    GRID_STRIDE(t, n - 8 * n8) {
+        long long i = 8 * n8 + t;
+        float rg, ru;
+        swiglu_bwd_element(ld(dy, i), ld(gate, i), ld(up, i), rg, ru);
+        st(dgate, i, rg);
+        st(dup, i, ru);
     }
 }
 
-extern "C" __global__ void swiglu_bwd(const float* dy, const float* gate, const float* up, float* dgate, float* dup, long long n) {
-    GRID_STRIDE(i, n) {
-        double g = (double)gate[i], d = (double)dy[i], u = (double)up[i];
-        double s = sigmoid_d(g);
-        dgate[i] = (float)(d * u * s * (1.0 + g * (1.0 - s)));
-        dup[i] = (float)(d * g * s);
-    }
+extern "C" __global__ void add_fwd(Fv a, Fv b, Fv y, long long n) {
+    map2(a, b, y, n, [](float u, float v) { return u + v; });
 }
 
-extern "C" __global__ void add_fwd(const float* a, const float* b, float* y, long long n) {
-    GRID_STRIDE(i, n) y[i] = a[i] + b[i];
+extern "C" __global__ void scale_fwd(Fv x, Fv y, float factor, long long n) {
+    map1(x, y, n, [factor](float v) { return factor * v; });
 }
 
-extern "C" __global__ void scale_fwd(const float* x, float* y, float factor, long long n) {
-    GRID_STRIDE(i, n) y[i] = factor * x[i];
+// y = x converted between f32 and bf16 (Copy / CopyRange across types; the host offsets the
+// pointers).
+extern "C" __global__ void convert(Fv x, Fv y, long long n) {
+    map1(x, y, n, [](float v) { return v; });
 }
 
 // y[r, c] = b[c]: the bias a GEMM with beta = 1 then adds x Wᵀ to.
@@ -66,43 +91,80 @@ extern "C" __global__ void broadcast_rows(const float* b, float* y, long long ro
     GRID_STRIDE(i, rows * cols) y[i] = b[i % cols];
 }
 
-// Rows whose id is outside [vocab_start, vocab_start + vocab_local) are zero.
-extern "C" __global__ void embedding_fwd(const int* ids, const float* table, float* y, long long rows, long long dim, long long vocab_start, long long vocab_local) {
+// Rows whose id is outside [vocab_start, vocab_start + vocab_local) are zero. Vectors of 8
+// where dim is a multiple of 8 and table and y are aligned.
+extern "C" __global__ void embedding_fwd(const int* ids, const float* table, Fv y, long long rows, long long dim, long long vocab_start, long long vocab_local) {
+    bool vec = dim % 8 == 0 && vec_ok(y) && ((unsigned long long)table & 15ull) == 0;
+    if (vec) {
+        long long d8 = dim / 8;
+        GRID_STRIDE(j, rows * d8) {
+            long long r = j / d8, c = (j % d8) * 8;
+            long long local = (long long)ids[r] - vocab_start;
+            F8 v;
+            if (local >= 0 && local < vocab_local) {
+                const float4* src = (const float4*)(table + local * dim + c);
+                float4 a = src[0], b = src[1];
+                v.v[0] = a.x; v.v[1] = a.y; v.v[2] = a.z; v.v[3] = a.w;
+                v.v[4] = b.x; v.v[5] = b.y; v.v[6] = b.z; v.v[7] = b.w;
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; k++) v.v[k] = 0.0f;
+            }
+            st8(y, j, v);
+        }
+        return;
+    }
     GRID_STRIDE(i, rows * dim) {
         long long r = i / dim, c = i % dim;
         long long local = (long long)ids[r] - vocab_start;
-        y[i] = (local >= 0 && local < vocab_local) ? table[local * dim + c] : 0.0f;
+        st(y, i, (local >= 0 && local < vocab_local) ? table[local * dim + c] : 0.0f);
     }
 }
 
-extern "C" __global__ void embedding_bwd(const int* ids, const float* dy, float* dtable, long long rows, long long dim, long long vocab_start, long long vocab_local) {
+extern "C" __global__ void embedding_bwd(const int* ids, Fv dy, float* dtable, long long rows, long long dim, long long vocab_start, long long vocab_local) {
     GRID_STRIDE(i, rows * dim) {
         long long r = i / dim, c = i % dim;
         long long local = (long long)ids[r] - vocab_start;
-        if (local >= 0 && local < vocab_local) atomicAdd(&dtable[local * dim + c], dy[i]);
+        if (local >= 0 && local < vocab_local) atomicAdd(&dtable[local * dim + c], ld(dy, i));
     }
 }
 
-// pos[s]: global position of local sequence index s; row = s * batch + b.
-extern "C" __global__ void position_add_fwd(const float* x, const float* table, float* y, const int* pos, long long rows, long long batch, long long dim) {
+// pos[s]: global position of local sequence index s; row = s * batch + b. Vectors of 8 as
+// embedding_fwd.
+extern "C" __global__ void position_add_fwd(Fv x, const float* table, Fv y, const int* pos, long long rows, long long batch, long long dim) {
+    bool vec = dim % 8 == 0 && vec_ok(x) && vec_ok(y) && ((unsigned long long)table & 15ull) == 0;
+    if (vec) {
+        long long d8 = dim / 8;
+        GRID_STRIDE(j, rows * d8) {
+            long long r = j / d8, c = (j % d8) * 8;
+            const float4* src = (const float4*)(table + (long long)pos[r / batch] * dim + c);
+            float4 a = src[0], b = src[1];
+            float t[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            F8 v = ld8(x, j);
+#pragma unroll
+            for (int k = 0; k < 8; k++) v.v[k] = v.v[k] + t[k];
+            st8(y, j, v);
+        }
+        return;
+    }
     GRID_STRIDE(i, rows * dim) {
         long long r = i / dim, c = i % dim;
-        y[i] = x[i] + table[(long long)pos[r / batch] * dim + c];
+        st(y, i, ld(x, i) + table[(long long)pos[r / batch] * dim + c]);
     }
 }
 
 // One thread per (s, c): sums the batch's rows of position s, then adds into dtable.
-extern "C" __global__ void position_add_bwd(const float* dy, float* dtable, const int* pos, long long seq, long long batch, long long dim) {
+extern "C" __global__ void position_add_bwd(Fv dy, float* dtable, const int* pos, long long seq, long long batch, long long dim) {
     GRID_STRIDE(i, seq * dim) {
         long long s = i / dim, c = i % dim;
         float acc = 0.0f;
-        for (long long b = 0; b < batch; b++) acc += dy[(s * batch + b) * dim + c];
+        for (long long b = 0; b < batch; b++) acc += ld(dy, (s * batch + b) * dim + c);
         atomicAdd(&dtable[(long long)pos[s] * dim + c], acc);
     }
 }
 
 // Rotate-half RoPE; sign = -1 applies the inverse rotation (the backward).
-extern "C" __global__ void rope_fwd(const float* x, float* y, const int* pos, long long rows, long long batch, long long heads, long long head_dim, double theta, double sign) {
+extern "C" __global__ void rope_fwd(Fv x, Fv y, const int* pos, long long rows, long long batch, long long heads, long long head_dim, double theta, double sign) {
     long long half = head_dim / 2;
     GRID_STRIDE(t, rows * heads * half) {
         long long i = t % half, h = (t / half) % heads, r = t / (half * heads);
@@ -110,31 +172,10 @@ extern "C" __global__ void rope_fwd(const float* x, float* y, const int* pos, lo
         double angle = sign * (double)pos[r / batch] * inv_freq;
         float c = (float)cos(angle), s = (float)sin(angle);
         long long base = r * heads * head_dim + h * head_dim;
-        float lo = x[base + i], hi = x[base + i + half];
-        y[base + i] = lo * c - hi * s;
-        y[base + i + half] = hi * c + lo * s;
+        float lo = ld(x, base + i), hi = ld(x, base + i + half);
+        st(y, base + i, lo * c - hi * s);
+        st(y, base + i + half, hi * c + lo * s);
     }
-}
-
-// GEMM operands for bf16 runs: x rounded to bf16 (nearest, ties to even; NaN stays a quiet NaN,
-// infinities stay infinite), as the raw 16-bit pattern cuBLASLt reads as CUDA_R_16BF. Bit
-// arithmetic, so no cuda_bf16.h is needed under NVRTC.
-__device__ __forceinline__ unsigned short round_bf16(float x) {
-    unsigned int u = __float_as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        return (unsigned short)((u >> 16) | 0x40u);
-    }
-    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-// GEMM operands for fp16 runs: x rounded to IEEE binary16 (nearest, ties to even; magnitudes
-// from 65520 up become infinite, as a scaled gradient that overflows fp16 must, so the step's
-// norm is not finite and it is skipped; subnormals kept; NaN stays NaN), as the raw 16-bit
-// pattern cuBLASLt reads as CUDA_R_16F. One PTX conversion, so no cuda_fp16.h under NVRTC.
-__device__ __forceinline__ unsigned short round_f16(float x) {
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-    return h;
 }
 
 template <bool BF16>

@@ -1,102 +1,109 @@
 // LayerNorm, RMSNorm (one block per row, double statistics) and the cross-entropy pieces.
+// Activation operands are `Fv` (f32 or bf16, common.cuh); weights and statistics are f32. A
+// norm backward's dx is overwritten, or added to when `accumulate_dx` is set (read-add-round
+// for bf16).
 
-extern "C" __global__ void layer_norm_fwd(const float* x, const float* w, const float* b, float* y, float* mean, float* rstd, long long dim, double eps) {
-    long long r = blockIdx.x;
-    const float* xr = x + r * dim;
+extern "C" __global__ void layer_norm_fwd(Fv x, const float* w, const float* b, Fv y, float* mean, float* rstd, long long dim, double eps) {
+    long long r = blockIdx.x, o = r * dim;
     double s = 0.0;
-    for (long long j = threadIdx.x; j < dim; j += blockDim.x) s += (double)xr[j];
+    for (long long j = threadIdx.x; j < dim; j += blockDim.x) s += (double)ld(x, o + j);
     double m = block_sum_d(s) / (double)dim;
     double v = 0.0;
-    for (long long j = threadIdx.x; j < dim; j += blockDim.x) { double d = (double)xr[j] - m; v += d * d; }
+    for (long long j = threadIdx.x; j < dim; j += blockDim.x) { double d = (double)ld(x, o + j) - m; v += d * d; }
     double var = block_sum_d(v) / (double)dim;
     float mf = (float)m, rf = (float)(1.0 / sqrt(var + eps));
     if (threadIdx.x == 0) { mean[r] = mf; rstd[r] = rf; }
     for (long long j = threadIdx.x; j < dim; j += blockDim.x)
-        y[r * dim + j] = (xr[j] - mf) * rf * w[j] + (b ? b[j] : 0.0f);
+        st(y, o + j, (ld(x, o + j) - mf) * rf * w[j] + (b ? b[j] : 0.0f));
 }
 
-extern "C" __global__ void layer_norm_bwd_dx(const float* dy, const float* x, const float* w, const float* mean, const float* rstd, float* dx, long long dim) {
-    long long r = blockIdx.x;
+extern "C" __global__ void layer_norm_bwd_dx(Fv dy, Fv x, const float* w, const float* mean, const float* rstd, Fv dx, long long dim, int accumulate_dx) {
+    long long r = blockIdx.x, o = r * dim;
     float mf = mean[r], rf = rstd[r];
     double sg = 0.0, sgx = 0.0;
     for (long long j = threadIdx.x; j < dim; j += blockDim.x) {
-        double g = (double)(dy[r * dim + j] * w[j]);
+        double g = (double)(ld(dy, o + j) * w[j]);
         sg += g;
-        sgx += g * (double)((x[r * dim + j] - mf) * rf);
+        sgx += g * (double)((ld(x, o + j) - mf) * rf);
     }
     float mean_g = (float)(block_sum_d(sg) / (double)dim);
     float mean_gx = (float)(block_sum_d(sgx) / (double)dim);
     for (long long j = threadIdx.x; j < dim; j += blockDim.x) {
-        float xhat = (x[r * dim + j] - mf) * rf;
-        dx[r * dim + j] = rf * (dy[r * dim + j] * w[j] - mean_g - xhat * mean_gx);
+        float xhat = (ld(x, o + j) - mf) * rf;
+        float v = rf * (ld(dy, o + j) * w[j] - mean_g - xhat * mean_gx);
+        st(dx, o + j, accumulate_dx ? ld(dx, o + j) + v : v);
     }
 }
 
 // part_w[chunk, j] = Σ dy·xhat over the chunk's rows (layer norm: xhat = (x − mean)·rstd,
 // rms norm: mean == null, xhat = x·rstd).
-extern "C" __global__ void norm_dw_partial(const float* dy, const float* x, const float* mean, const float* rstd, double* part, long long rows, long long dim, long long chunk_rows) {
+extern "C" __global__ void norm_dw_partial(Fv dy, Fv x, const float* mean, const float* rstd, double* part, long long rows, long long dim, long long chunk_rows) {
     long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     long long c = blockIdx.y;
     if (j >= dim) return;
     long long r0 = c * chunk_rows, r1 = min(rows, r0 + chunk_rows);
     double s = 0.0;
     for (long long r = r0; r < r1; r++) {
-        float xhat = mean ? (x[r * dim + j] - mean[r]) * rstd[r] : x[r * dim + j] * rstd[r];
-        s += (double)(dy[r * dim + j] * xhat);
+        float xv = ld(x, r * dim + j);
+        float xhat = mean ? (xv - mean[r]) * rstd[r] : xv * rstd[r];
+        s += (double)(ld(dy, r * dim + j) * xhat);
     }
     part[c * dim + j] = s;
 }
 
-extern "C" __global__ void rms_norm_fwd(const float* x, const float* w, float* y, float* rstd, long long dim, double eps) {
-    long long r = blockIdx.x;
-    const float* xr = x + r * dim;
+extern "C" __global__ void rms_norm_fwd(Fv x, const float* w, Fv y, float* rstd, long long dim, double eps) {
+    long long r = blockIdx.x, o = r * dim;
     double s = 0.0;
-    for (long long j = threadIdx.x; j < dim; j += blockDim.x) { double v = (double)xr[j]; s += v * v; }
+    for (long long j = threadIdx.x; j < dim; j += blockDim.x) { double v = (double)ld(x, o + j); s += v * v; }
     double ms = block_sum_d(s) / (double)dim;
     float rf = (float)(1.0 / sqrt(ms + eps));
     if (threadIdx.x == 0) rstd[r] = rf;
-    for (long long j = threadIdx.x; j < dim; j += blockDim.x) y[r * dim + j] = xr[j] * rf * w[j];
+    for (long long j = threadIdx.x; j < dim; j += blockDim.x) st(y, o + j, ld(x, o + j) * rf * w[j]);
 }
 
-extern "C" __global__ void rms_norm_bwd_dx(const float* dy, const float* x, const float* w, const float* rstd, float* dx, long long dim) {
-    long long r = blockIdx.x;
+extern "C" __global__ void rms_norm_bwd_dx(Fv dy, Fv x, const float* w, const float* rstd, Fv dx, long long dim, int accumulate_dx) {
+    long long r = blockIdx.x, o = r * dim;
     float rf = rstd[r];
     double sgx = 0.0;
     for (long long j = threadIdx.x; j < dim; j += blockDim.x)
-        sgx += (double)(dy[r * dim + j] * w[j]) * (double)(x[r * dim + j] * rf);
+        sgx += (double)(ld(dy, o + j) * w[j]) * (double)(ld(x, o + j) * rf);
     float mean_gx = (float)(block_sum_d(sgx) / (double)dim);
-    for (long long j = threadIdx.x; j < dim; j += blockDim.x)
-        dx[r * dim + j] = rf * (dy[r * dim + j] * w[j] - x[r * dim + j] * rf * mean_gx);
+    for (long long j = threadIdx.x; j < dim; j += blockDim.x) {
+        float v = rf * (ld(dy, o + j) * w[j] - ld(x, o + j) * rf * mean_gx);
+        st(dx, o + j, accumulate_dx ? ld(dx, o + j) + v : v);
+    }
 }
 
 // ---------------------------------------------------------------- cross-entropy
+// The split form (vocab split across tensor-parallel ranks): one pass over the [rows, vocab]
+// logits per op. Logits and dlogits are `Fv`; the reductions are f32.
 __device__ __forceinline__ long long local_column(int target, long long vocab_start, long long vocab_local) {
     long long c = (long long)target - vocab_start;
     return (c >= 0 && c < vocab_local) ? c : -1;
 }
 
-extern "C" __global__ void ce_max(const float* logits, float* max, long long vocab) {
+extern "C" __global__ void ce_max(Fv logits, float* max, long long vocab) {
     long long r = blockIdx.x;
     float m = NEG_INF;
-    for (long long j = threadIdx.x; j < vocab; j += blockDim.x) m = fmaxf(m, logits[r * vocab + j]);
+    for (long long j = threadIdx.x; j < vocab; j += blockDim.x) m = fmaxf(m, ld(logits, r * vocab + j));
     m = block_max(m);
     if (threadIdx.x == 0) max[r] = m;
 }
 
-extern "C" __global__ void ce_sum_exp(const float* logits, const float* max, float* sumexp, long long vocab) {
+extern "C" __global__ void ce_sum_exp(Fv logits, const float* max, float* sumexp, long long vocab) {
     long long r = blockIdx.x;
     float m = max[r];
     double s = 0.0;
-    for (long long j = threadIdx.x; j < vocab; j += blockDim.x) s += (double)expf(logits[r * vocab + j] - m);
+    for (long long j = threadIdx.x; j < vocab; j += blockDim.x) s += (double)expf(ld(logits, r * vocab + j) - m);
     s = block_sum_d(s);
     if (threadIdx.x == 0) sumexp[r] = (float)s;
 }
 
-extern "C" __global__ void ce_target_logit(const float* logits, const int* targets, float* out, long long rows, long long vocab_start, long long vocab_local) {
+extern "C" __global__ void ce_target_logit(Fv logits, const int* targets, float* out, long long rows, long long vocab_start, long long vocab_local) {
     long long r = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (r >= rows) return;
     long long c = local_column(targets[r], vocab_start, vocab_local);
-    out[r] = c >= 0 ? logits[r * vocab_local + c] : 0.0f;
+    out[r] = c >= 0 ? ld(logits, r * vocab_local + c) : 0.0f;
 }
 
 // One block: loss[0] += scale · Σ (ln sumexp + max − target_logit).
@@ -108,14 +115,32 @@ extern "C" __global__ void ce_loss(const float* max, const float* sumexp, const 
     if (threadIdx.x == 0) loss[0] = (float)((double)loss[0] + scale * s);
 }
 
+__device__ __forceinline__ float ce_grad_element(float logit, long long j, long long target_col, float max, float sumexp, float scale) {
+    float d = (scale / sumexp) * expf(logit - max);
+    if (target_col == j) d -= scale;
+    return d;
+}
+
 // dlogits = scale · (softmax − onehot(target)), without storing probabilities (in an fp16 run
-// `scale` includes the loss scale).
-extern "C" __global__ void ce_grad(const float* logits, const int* targets, const float* max, const float* sumexp, float* dlogits, long long rows, long long vocab_start, long long vocab_local, float scale) {
+// `scale` includes the loss scale). Vectors of 8 where vocab_local is a multiple of 8.
+extern "C" __global__ void ce_grad(Fv logits, const int* targets, const float* max, const float* sumexp, Fv dlogits, long long rows, long long vocab_start, long long vocab_local, float scale) {
+    if (vocab_local % 8 == 0 && vec_ok(logits) && vec_ok(dlogits)) {
+        long long v8 = vocab_local / 8;
+        GRID_STRIDE(q, rows * v8) {
+            long long r = q / v8, j0 = (q % v8) * 8;
+            long long t = local_column(targets[r], vocab_start, vocab_local);
+            float m = max[r], se = sumexp[r];
+            F8 x = ld8(logits, q), d;
+#pragma unroll
+            for (int k = 0; k < 8; k++) d.v[k] = ce_grad_element(x.v[k], j0 + k, t, m, se, scale);
+            st8(dlogits, q, d);
+        }
+        return;
+    }
     GRID_STRIDE(i, rows * vocab_local) {
         long long r = i / vocab_local, j = i % vocab_local;
-        float d = (scale / sumexp[r]) * expf(logits[i] - max[r]);
-        if (local_column(targets[r], vocab_start, vocab_local) == j) d -= scale;
-        dlogits[i] = d;
+        long long t = local_column(targets[r], vocab_start, vocab_local);
+        st(dlogits, i, ce_grad_element(ld(logits, i), j, t, max[r], sumexp[r], scale));
     }
 }
 
