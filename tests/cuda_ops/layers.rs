@@ -1,12 +1,50 @@
 //! The per-position layers: embeddings and learned positions, layer and RMS norms, rotary
-//! embeddings, each forward and backward.
-use crate::harness::{check, seg, Case, Data, Rng, ELEMENTWISE, REDUCTION};
+//! embeddings, each forward and backward, with f32 buffers and with bf16 storage.
+use crate::harness::{check, check_on, seg, Case, Data, Rng, BF16_STORED, ELEMENTWISE, REDUCTION};
 use parc_compiler::ir::op::Op;
+use parc_compiler::spec::Precision;
 use parc_runtime::cpu::CpuBackend;
 
 #[test]
 fn embeddings_and_positions() {
     let mut r = Rng::new("embeddings_and_positions");
+    check("embeddings_and_positions", &embedding_cases(&mut r));
+}
+
+#[test]
+fn norms() {
+    let mut r = Rng::new("norms");
+    check("norms", &norm_cases(&mut r));
+}
+
+#[test]
+fn rope() {
+    let mut r = Rng::new("rope");
+    check("rope", &rope_cases(&mut r));
+}
+
+/// Every layer op with its float operands (activations, their gradients) stored in bf16 on
+/// both backends: embedding and position-add forwards only round what both compute the same
+/// way (exact); gradients into fp32 tables keep the reduction tolerance; norms and RoPE
+/// within one bf16 step.
+#[test]
+fn layers_bf16_storage() {
+    let mut r = Rng::new("layers_bf16_storage");
+    let mut all: Vec<Case> = Vec::new();
+    for case in embedding_cases(&mut r) {
+        let tol = if case.name().ends_with("_bwd") {
+            REDUCTION
+        } else {
+            0.0
+        };
+        all.push(case.stored_bf16(tol));
+    }
+    let rest = norm_cases(&mut r).into_iter().chain(rope_cases(&mut r));
+    all.extend(rest.map(|case| case.stored_bf16(BF16_STORED)));
+    check_on("layers_bf16_storage", &all, Precision::Bf16);
+}
+
+fn embedding_cases(r: &mut Rng) -> Vec<Case> {
     let (rows, dim, vocab_start, vocab_local) = (37, 24, 5u64, 20u64);
     let ids = r.ids(rows, 30);
     let table = r.vec(vocab_local as usize * dim, 1.0);
@@ -34,47 +72,42 @@ fn embeddings_and_positions() {
         dim: dim as u64,
         positions,
     };
-    check(
-        "embeddings_and_positions",
-        &[
-            Case::new(
-                "embedding",
-                emb,
-                vec![Data::I32(ids.clone()), Data::F32(table.clone())],
-                vec![r.vec(rows * dim, 1.0)],
-                ELEMENTWISE,
-            ),
-            Case::new(
-                "embedding_bwd",
-                emb_bwd,
-                vec![Data::I32(ids), Data::F32(r.vec(rows * dim, 1.0))],
-                vec![r.vec(table.len(), 1.0)],
-                REDUCTION,
-            ),
-            Case::new(
-                "position_add",
-                pos_add,
-                vec![
-                    Data::F32(r.vec(prow * dim, 1.0)),
-                    Data::F32(r.vec(seq_table * dim, 1.0)),
-                ],
-                vec![r.vec(prow * dim, 1.0)],
-                ELEMENTWISE,
-            ),
-            Case::new(
-                "position_add_bwd",
-                pos_bwd,
-                vec![Data::F32(r.vec(prow * dim, 1.0))],
-                vec![r.vec(seq_table * dim, 1.0)],
-                REDUCTION,
-            ),
-        ],
-    );
+    vec![
+        Case::new(
+            "embedding",
+            emb,
+            vec![Data::I32(ids.clone()), Data::F32(table.clone())],
+            vec![r.vec(rows * dim, 1.0)],
+            ELEMENTWISE,
+        ),
+        Case::new(
+            "embedding_bwd",
+            emb_bwd,
+            vec![Data::I32(ids), Data::F32(r.vec(rows * dim, 1.0))],
+            vec![r.vec(table.len(), 1.0)],
+            REDUCTION,
+        ),
+        Case::new(
+            "position_add",
+            pos_add,
+            vec![
+                Data::F32(r.vec(prow * dim, 1.0)),
+                Data::F32(r.vec(seq_table * dim, 1.0)),
+            ],
+            vec![r.vec(prow * dim, 1.0)],
+            ELEMENTWISE,
+        ),
+        Case::new(
+            "position_add_bwd",
+            pos_bwd,
+            vec![Data::F32(r.vec(prow * dim, 1.0))],
+            vec![r.vec(seq_table * dim, 1.0)],
+            REDUCTION,
+        ),
+    ]
 }
 
-#[test]
-fn norms() {
-    let mut r = Rng::new("norms");
+fn norm_cases(r: &mut Rng) -> Vec<Case> {
     let mut cases = Vec::new();
     for (rows, dim) in [(13usize, 96usize), (5, 1000)] {
         let x = r.vec(rows * dim, 2.0);
@@ -108,11 +141,11 @@ fn norms() {
                 Data::F32(stats[1].clone()),
                 Data::F32(stats[2].clone()),
             ];
+            cases.push(fwd);
             let mut bwd_outs = vec![r.vec(rows * dim, 1.0), r.vec(dim, 1.0)];
             if with_bias {
                 bwd_outs.push(r.vec(dim, 1.0));
             }
-            cases.push(fwd);
             cases.push(Case::new(
                 format!("layer_norm_bwd {rows}x{dim} bias={with_bias}"),
                 Op::LayerNormBwd {
@@ -144,12 +177,10 @@ fn norms() {
             REDUCTION,
         ));
     }
-    check("norms", &cases);
+    cases
 }
 
-#[test]
-fn rope() {
-    let mut r = Rng::new("rope");
+fn rope_cases(r: &mut Rng) -> Vec<Case> {
     let positions = vec![seg(0, 5), seg(1000, 5)];
     let (batch, heads, head_dim) = (2u64, 3u64, 16u64);
     let n = (10 * batch * heads * head_dim) as usize;
@@ -167,23 +198,20 @@ fn rope() {
         theta: 500000.0,
         positions,
     };
-    check(
-        "rope",
-        &[
-            Case::new(
-                "rope",
-                fwd,
-                vec![Data::F32(r.vec(n, 1.0))],
-                vec![r.vec(n, 1.0)],
-                ELEMENTWISE,
-            ),
-            Case::new(
-                "rope_bwd",
-                bwd,
-                vec![Data::F32(r.vec(n, 1.0))],
-                vec![r.vec(n, 1.0)],
-                ELEMENTWISE,
-            ),
-        ],
-    );
+    vec![
+        Case::new(
+            "rope",
+            fwd,
+            vec![Data::F32(r.vec(n, 1.0))],
+            vec![r.vec(n, 1.0)],
+            ELEMENTWISE,
+        ),
+        Case::new(
+            "rope_bwd",
+            bwd,
+            vec![Data::F32(r.vec(n, 1.0))],
+            vec![r.vec(n, 1.0)],
+            ELEMENTWISE,
+        ),
+    ]
 }

@@ -1,13 +1,38 @@
 //! The loss and the step: cross-entropy's pieces, the gradient norm and clip coefficient,
 //! AdamW and SGD updates, and all of them under fp16 loss scaling (an overflowed step's NaN
 //! coefficient leaves parameters and optimizer state untouched).
-use crate::harness::{check, Case, Data, Rng, ELEMENTWISE, REDUCTION, SCALARS};
+use crate::harness::{
+    check, check_on, Case, Data, Rng, BF16_STORED, ELEMENTWISE, REDUCTION, SCALARS,
+};
 use parc_compiler::ir::op::Op;
+use parc_compiler::spec::Precision;
 use parc_runtime::backend::StepScalars;
 
 #[test]
 fn cross_entropy() {
     let mut r = Rng::new("cross_entropy");
+    check("cross_entropy", &cross_entropy_cases(&mut r));
+}
+
+/// The split cross-entropy ops on bf16 logits (and a bf16 dlogits): max and target logit
+/// select a stored value (exact), the f32 reductions keep their tolerance, dlogits is within
+/// one bf16 step.
+#[test]
+fn cross_entropy_bf16_storage() {
+    let mut r = Rng::new("cross_entropy_bf16_storage");
+    let cases = cross_entropy_cases(&mut r).into_iter().map(|case| {
+        let tol = match case.name() {
+            "ce_max" | "ce_target_logit" => 0.0,
+            "ce_grad" => BF16_STORED,
+            _ => REDUCTION,
+        };
+        case.stored_bf16(tol)
+    });
+    let cases: Vec<Case> = cases.collect();
+    check_on("cross_entropy_bf16_storage", &cases, Precision::Bf16);
+}
+
+fn cross_entropy_cases(r: &mut Rng) -> Vec<Case> {
     let (rows, vocab_start, vocab_local) = (29usize, 100u64, 1000usize);
     let logits = r.vec(rows * vocab_local, 8.0);
     // Targets inside and outside this rank's vocab range.
@@ -15,62 +40,59 @@ fn cross_entropy() {
     let (max, sumexp) = row_max_and_sum_exp(&logits, vocab_local);
     let v = vocab_local as u64;
     let scale = 1.0 / 64.0;
-    check(
-        "cross_entropy",
-        &[
-            Case::new(
-                "ce_max",
-                Op::CeMax { vocab_local: v },
-                vec![Data::F32(logits.clone())],
-                vec![r.vec(rows, 1.0)],
-                ELEMENTWISE,
-            ),
-            Case::new(
-                "ce_sum_exp",
-                Op::CeSumExp { vocab_local: v },
-                vec![Data::F32(logits.clone()), Data::F32(max.clone())],
-                vec![r.vec(rows, 1.0)],
-                REDUCTION,
-            ),
-            Case::new(
-                "ce_target_logit",
-                Op::CeTargetLogit {
-                    vocab_start,
-                    vocab_local: v,
-                },
-                vec![Data::F32(logits.clone()), Data::I32(targets.clone())],
-                vec![r.vec(rows, 1.0)],
-                ELEMENTWISE,
-            ),
-            Case::new(
-                "ce_loss",
-                Op::CeLoss { scale },
-                vec![
-                    Data::F32(max.clone()),
-                    Data::F32(sumexp.clone()),
-                    Data::F32(r.vec(rows, 3.0)),
-                ],
-                vec![r.vec(1, 1.0)],
-                REDUCTION,
-            ),
-            Case::new(
-                "ce_grad",
-                Op::CeGrad {
-                    vocab_start,
-                    vocab_local: v,
-                    scale,
-                },
-                vec![
-                    Data::F32(logits),
-                    Data::I32(targets),
-                    Data::F32(max),
-                    Data::F32(sumexp),
-                ],
-                vec![r.vec(rows * vocab_local, 1.0)],
-                REDUCTION,
-            ),
-        ],
-    );
+    vec![
+        Case::new(
+            "ce_max",
+            Op::CeMax { vocab_local: v },
+            vec![Data::F32(logits.clone())],
+            vec![r.vec(rows, 1.0)],
+            ELEMENTWISE,
+        ),
+        Case::new(
+            "ce_sum_exp",
+            Op::CeSumExp { vocab_local: v },
+            vec![Data::F32(logits.clone()), Data::F32(max.clone())],
+            vec![r.vec(rows, 1.0)],
+            REDUCTION,
+        ),
+        Case::new(
+            "ce_target_logit",
+            Op::CeTargetLogit {
+                vocab_start,
+                vocab_local: v,
+            },
+            vec![Data::F32(logits.clone()), Data::I32(targets.clone())],
+            vec![r.vec(rows, 1.0)],
+            ELEMENTWISE,
+        ),
+        Case::new(
+            "ce_loss",
+            Op::CeLoss { scale },
+            vec![
+                Data::F32(max.clone()),
+                Data::F32(sumexp.clone()),
+                Data::F32(r.vec(rows, 3.0)),
+            ],
+            vec![r.vec(1, 1.0)],
+            REDUCTION,
+        ),
+        Case::new(
+            "ce_grad",
+            Op::CeGrad {
+                vocab_start,
+                vocab_local: v,
+                scale,
+            },
+            vec![
+                Data::F32(logits),
+                Data::I32(targets),
+                Data::F32(max),
+                Data::F32(sumexp),
+            ],
+            vec![r.vec(rows * vocab_local, 1.0)],
+            REDUCTION,
+        ),
+    ]
 }
 
 #[test]
