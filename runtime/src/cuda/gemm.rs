@@ -1,13 +1,17 @@
-//! GEMMs through cuBLASLt with fp32 compute (`CUBLAS_COMPUTE_32F`: no TF32) and fp32 C/D.
-//! The A/B operands are fp32 (results within float rounding of the CPU backend), bf16
-//! (`CUDA_R_16BF`, the backend's bf16 precision) or fp16 (`CUDA_R_16F`, its fp16 precision);
-//! for the 16-bit kinds the caller converts them first (see [`Operands`]). Callers describe the
-//! product column-major, as cuBLAS sees memory; `dispatch` maps the row-major ops onto it (see
-//! [`Gemm`]). An optional fp32 bias per row of D is added in cuBLASLt's epilogue
-//! (`CUBLASLT_EPILOGUE_BIAS`).
+//! GEMMs through cuBLASLt with fp32 compute (`CUBLAS_COMPUTE_32F`: no TF32). The A/B operands
+//! are fp32 (results within float rounding of the CPU backend), bf16 (`CUDA_R_16BF`, the
+//! backend's bf16 precision) or fp16 (`CUDA_R_16F`, its fp16 precision); the caller hands 16-bit
+//! operands as stored, as cached casts or as per-use copies (`gemm_operands`). C/D are fp32, or
+//! bf16 with bf16 A/B (a bf16-stored output: the fp32 result `alpha·AB + beta·C` is rounded
+//! once, so an accumulating GEMM reads, adds and rounds). Callers describe the product
+//! column-major, as cuBLAS sees memory; `matmul` maps the row-major ops onto it (see [`Gemm`]).
+//! The epilogue ([`Epilogue`]) can add a bias per row of D (`CUBLASLT_EPILOGUE_BIAS`, fp32
+//! values, or bf16 where cuBLASLt takes no fp32 bias beside a bf16 D) or write the column sums
+//! of op(B) over k as fp32 (`CUBLASLT_EPILOGUE_BGRADB`, a bias gradient); a combination
+//! cuBLASLt does not offer is reported by [`Blas::supports`] and the caller does it another way.
 //!
 //! Plans: the descriptors of each distinct GEMM (shape, transposes, leading dimensions, operand
-//! type, whether it accumulates, whether it has a bias) are made once and cached for the
+//! and output types, whether it accumulates, its epilogue) are made once and cached for the
 //! backend's life, with the algorithm to run. fp32 GEMMs run cuBLASLt's first heuristic choice
 //! (the exact path is unchanged); 16-bit GEMMs ask the heuristic for up to [`CANDIDATES`]
 //! algorithms and, on first use, time each on the real operands (CUDA events, best of
@@ -30,6 +34,7 @@ const TIMED_RUNS: usize = 2;
 
 /// A column-major `C = alpha · op(A) · op(B) + beta · C (+ bias)`, `op(A)` m×k, `op(B)` k×n,
 /// C m×n. A transposed operand is stored k×m (or n×k) with its leading dimension.
+#[derive(Clone, Copy, Debug)]
 pub(crate) struct Gemm {
     pub trans_a: bool,
     pub trans_b: bool,
@@ -43,8 +48,76 @@ pub(crate) struct Gemm {
     pub c: CUdeviceptr,
     pub ldc: i64,
     pub beta: f32,
-    /// m fp32 values added to every column of the product (the epilogue's bias), if any.
-    pub bias: Option<CUdeviceptr>,
+    /// The element type of C and D (bf16 only with 16-bit A/B).
+    pub out: Output,
+    pub epilogue: Epilogue,
+}
+
+/// The element type of a GEMM's C and D.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Output {
+    F32,
+    /// Raw bf16 bit patterns (`CUDA_R_16BF`); each element rounded once from the fp32 result.
+    Bf16,
+}
+
+impl Output {
+    pub fn bytes(self) -> usize {
+        match self {
+            Output::F32 => 4,
+            Output::Bf16 => 2,
+        }
+    }
+
+    fn data_type(self) -> sys::cudaDataType_t {
+        match self {
+            Output::F32 => sys::cudaDataType_t::CUDA_R_32F,
+            Output::Bf16 => sys::cudaDataType_t::CUDA_R_16BF,
+        }
+    }
+}
+
+/// What cuBLASLt's epilogue does besides `alpha·AB + beta·C`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Epilogue {
+    None,
+    /// m values at `ptr` (fp32, or bf16 when `bf16`) added to every column of the product.
+    Bias {
+        ptr: CUdeviceptr,
+        bf16: bool,
+    },
+    /// The n column sums of op(B) over k written (not added) as fp32 at `ptr`: for a
+    /// backward-weight GEMM whose B is dy, the bias gradient.
+    BiasGradB {
+        ptr: CUdeviceptr,
+    },
+}
+
+/// An [`Epilogue`] without its pointer: what a plan depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum EpilogueKind {
+    None,
+    BiasF32,
+    BiasBf16,
+    BiasGradB,
+}
+
+impl Epilogue {
+    fn kind(self) -> EpilogueKind {
+        match self {
+            Epilogue::None => EpilogueKind::None,
+            Epilogue::Bias { bf16: false, .. } => EpilogueKind::BiasF32,
+            Epilogue::Bias { bf16: true, .. } => EpilogueKind::BiasBf16,
+            Epilogue::BiasGradB { .. } => EpilogueKind::BiasGradB,
+        }
+    }
+
+    fn pointer(self) -> Option<CUdeviceptr> {
+        match self {
+            Epilogue::None => None,
+            Epilogue::Bias { ptr, .. } | Epilogue::BiasGradB { ptr } => Some(ptr),
+        }
+    }
 }
 
 impl Gemm {
@@ -76,8 +149,9 @@ impl Gemm {
             ldb: self.ldb,
             ldc: self.ldc,
             operands,
+            out: self.out,
             accumulates: self.beta != 0.0,
-            bias: self.bias.is_some(),
+            epilogue: self.epilogue.kind(),
         }
     }
 }
@@ -133,21 +207,31 @@ struct PlanKey {
     ldb: i64,
     ldc: i64,
     operands: Operands,
+    out: Output,
     accumulates: bool,
-    bias: bool,
+    epilogue: EpilogueKind,
 }
 
 impl PlanKey {
     fn describe(&self) -> String {
         format!(
-            "a {}x{}x{} {} GEMM (trans_a={}, trans_b={}{})",
+            "a {}x{}x{} {} GEMM with {} output (trans_a={}, trans_b={}{})",
             self.m,
             self.n,
             self.k,
             self.operands.name(),
+            match self.out {
+                Output::F32 => "fp32",
+                Output::Bf16 => "bf16",
+            },
             self.trans_a,
             self.trans_b,
-            if self.bias { ", bias epilogue" } else { "" }
+            match self.epilogue {
+                EpilogueKind::None => "",
+                EpilogueKind::BiasF32 => ", fp32 bias epilogue",
+                EpilogueKind::BiasBf16 => ", bf16 bias epilogue",
+                EpilogueKind::BiasGradB => ", bias-gradient epilogue",
+            }
         )
     }
 }
@@ -254,7 +338,7 @@ impl Blas {
     }
 
     /// Whether cuBLASLt has an algorithm for `g` with `operands` (false only where none
-    /// exists, e.g. a bias epilogue it does not offer for these types); makes the plan.
+    /// exists, e.g. an epilogue it does not offer for these types); makes the plan.
     pub fn supports(&mut self, g: &Gemm, operands: Operands) -> Result<bool> {
         let key = g.key(operands);
         if !self.plans.contains_key(&key) {
@@ -272,7 +356,8 @@ impl Blas {
 
     /// Runs `g`; its A and B pointers hold `operands`-typed elements. On the first run of a
     /// 16-bit GEMM the candidates are timed first (see the module docs): into C itself when
-    /// beta is 0, else into `tune_out` (fp32, `g.c_len()` elements), and without it not at all.
+    /// beta is 0, else into `tune_out` (`g.c_len()` elements of `g.out`), and without it not
+    /// at all. A bias-gradient epilogue writes its vector on every timed run too.
     pub fn run(
         &mut self,
         g: &Gemm,
@@ -364,7 +449,7 @@ impl Blas {
         d: CUdeviceptr,
         stream: CUstream,
     ) -> std::result::Result<(), result::CublasError> {
-        if let Some(bias) = g.bias {
+        if let Some(bias) = g.epilogue.pointer() {
             // SAFETY: desc is live; the attribute is a device pointer (8 bytes).
             unsafe {
                 result::set_matmul_desc_attribute(
@@ -423,7 +508,7 @@ impl Blas {
         };
         let a = layout(ab_type, a_rows, a_cols, key.lda)?;
         let b = layout(ab_type, b_rows, b_cols, key.ldb)?;
-        let c = layout(f32_type, key.m, key.n, key.ldc)?;
+        let c = layout(key.out.data_type(), key.m, key.n, key.ldc)?;
         let desc =
             result::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32_type)
                 .map(|d| Guard(d, result::destroy_matmul_desc))
@@ -451,16 +536,25 @@ impl Blas {
             i32::from(key.trans_b),
             "transpose attribute",
         )?;
-        if key.bias {
+        use sys::cublasLtEpilogue_t as E;
+        let epilogue = match key.epilogue {
+            EpilogueKind::None => None,
+            EpilogueKind::BiasF32 => Some((E::CUBLASLT_EPILOGUE_BIAS, f32_type)),
+            EpilogueKind::BiasBf16 => {
+                Some((E::CUBLASLT_EPILOGUE_BIAS, sys::cudaDataType_t::CUDA_R_16BF))
+            }
+            EpilogueKind::BiasGradB => Some((E::CUBLASLT_EPILOGUE_BGRADB, f32_type)),
+        };
+        if let Some((epilogue, vector_type)) = epilogue {
             set(
                 A::CUBLASLT_MATMUL_DESC_EPILOGUE,
-                sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS as i32,
-                "bias epilogue",
+                epilogue as i32,
+                "epilogue",
             )?;
             set(
                 A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-                f32_type as i32,
-                "bias type",
+                vector_type as i32,
+                "epilogue vector type",
             )?;
         }
         let pref = result::create_matmul_pref()
@@ -508,10 +602,10 @@ impl Blas {
                 .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
                 .map(|r| r.algo)
                 .collect(),
-            // No algorithm, or (for a bias epilogue) a combination cuBLASLt rejects: the caller
-            // adds the bias itself.
+            // No algorithm, or (with an epilogue) a combination cuBLASLt rejects: the caller
+            // does the epilogue's work another way.
             sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED => Vec::new(),
-            _ if key.bias => Vec::new(),
+            _ if key.epilogue != EpilogueKind::None => Vec::new(),
             other => return Err(cublas_error(&what("algorithm search"), other)),
         };
         Ok(Plan {

@@ -1,14 +1,39 @@
 //! The GEMM ops (`Matmul`, `MatmulBwdData`, `MatmulBwdWeight`) on cuBLASLt: how each maps onto
 //! a column-major GEMM (a row-major `[r, c]` matrix is a column-major `c × r` one with leading
-//! dimension `c`), and how the backend feeds the operands to `gemm::Blas` — in 16-bit runs,
-//! rounded copies of fp32 operands, reusing the last GEMM's B copy while it is unchanged.
+//! dimension `c`), which epilogue adds its bias or computes its bias gradient, and what is done
+//! where cuBLASLt offers no such epilogue. Activation operands and outputs are f32 or bf16
+//! (`Float`), weights, biases and their gradients f32; `gemm_operands` feeds the operands.
+//!
+//! Bias: the forward adds b in the epilogue (fp32 values; with a bf16 output where cuBLASLt
+//! takes no fp32 bias there, b's bf16 cast), else (f32 output) y = b first and the product
+//! accumulated onto it. Bias gradient in a 16-bit run: cuBLASLt's BGRADB epilogue on the
+//! backward-weight GEMM writes the column sums of dy into a scratch vector, then a k = 1 fp32
+//! GEMM adds that into db (`db = t·1 + db`, exact as an add: db is +=); where the epilogue is
+//! not offered, and in fp32 runs, a column-sum kernel (`dispatch::col_sum_into`).
 use super::dispatch::{col_sum_into, n, p, Bound};
-use super::gemm::{self, Gemm, Operands};
-use super::{raw_ptr, Arg, CudaBackend};
-use crate::error::{Result, RuntimeError};
+use super::gemm::{Epilogue, Gemm, Operands, Output};
+use super::gemm_operands::Operand;
+use super::{Buf, CudaBackend};
+use crate::error::Result;
 use cudarc::driver::sys::CUdeviceptr;
 use parc_compiler::ir::op::Op;
-use parc_compiler::ir::BufferId;
+use parc_compiler::ir::DType;
+
+/// The GEMM output type of buffer `b` (a `Float` output).
+fn output(b: Buf) -> Output {
+    match b.dtype {
+        DType::Bf16 => Output::Bf16,
+        _ => Output::F32,
+    }
+}
+
+fn activation(buf: Buf) -> Operand {
+    Operand { buf, weight: false }
+}
+
+fn weight(buf: Buf) -> Operand {
+    Operand { buf, weight: true }
+}
 
 /// Run one GEMM op (buffer count already checked by `dispatch`).
 pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
@@ -19,10 +44,10 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
             bias,
         } => {
             let (k, m) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
-            let (x, w) = (b.f32_in(0)?, b.f32_in(1)?);
+            let (x, w) = (b.float_in(0)?, b.f32_in(1)?);
             let rows = b.rows(x, "x", k)?;
             b.expect(w, "w", m * k)?;
-            let y = b.f32_out(0)?;
+            let y = b.float_out(0)?;
             b.expect(y, "y", rows * m)?;
             // yᵀ (m × rows) = W (m × k, stored k × m) · xᵀ (k × rows) (+ b per row of yᵀ).
             let mut g = Gemm {
@@ -38,31 +63,28 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
                 c: y.ptr,
                 ldc: m as i64,
                 beta: 0.0,
-                bias: None,
+                out: output(y),
+                epilogue: Epilogue::None,
             };
             if *bias {
                 let bb = b.f32_in(2)?;
                 b.expect(bb, "b", m)?;
-                g.bias = Some(bb.ptr);
-                // The bias in cuBLASLt's epilogue where it offers one, else y = b first and
-                // the product accumulated onto it.
-                if !be.gemm_supported(&g)? {
-                    be.launch_n("broadcast_rows", rows * m, &[p(bb), p(y), n(rows), n(m)])?;
-                    g.bias = None;
+                g.epilogue = bias_epilogue(be, b, &g, bb, y, rows)?;
+                if g.epilogue == Epilogue::None {
                     g.beta = 1.0;
                 }
             }
-            be.gemm(&g)
+            be.gemm(&g, weight(w), activation(x))
         }
         Op::MatmulBwdData { in_dim, out_dim } => {
             let (k_in, m_out) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
-            let (dy, w) = (b.f32_in(0)?, b.f32_in(1)?);
+            let (dy, w) = (b.float_in(0)?, b.f32_in(1)?);
             let rows = b.rows(dy, "dy", m_out)?;
             b.expect(w, "w", m_out * k_in)?;
-            let dx = b.f32_out(0)?;
+            let dx = b.float_out(0)?;
             b.expect(dx, "dx", rows * k_in)?;
             // dxᵀ (in × rows) = Wᵀ (in × out, as stored) · dyᵀ (out × rows).
-            be.gemm(&Gemm {
+            let g = Gemm {
                 trans_a: false,
                 trans_b: false,
                 m: k_in as u64,
@@ -75,8 +97,10 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
                 c: dx.ptr,
                 ldc: k_in as i64,
                 beta: 0.0,
-                bias: None,
-            })
+                out: output(dx),
+                epilogue: Epilogue::None,
+            };
+            be.gemm(&g, weight(w), activation(dy))
         }
         Op::MatmulBwdWeight {
             in_dim,
@@ -84,13 +108,13 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
             bias,
         } => {
             let (k_in, m_out) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
-            let (dy, x) = (b.f32_in(0)?, b.f32_in(1)?);
+            let (dy, x) = (b.float_in(0)?, b.float_in(1)?);
             let rows = b.rows(dy, "dy", m_out)?;
             b.expect(x, "x", rows * k_in)?;
             let dw = b.f32_out(0)?;
             b.expect(dw, "dw", m_out * k_in)?;
             // dWᵀ (in × out) += xᵀ (in × rows, as stored) · dy (rows × out, stored out × rows).
-            be.gemm(&Gemm {
+            let g = Gemm {
                 trans_a: false,
                 trans_b: true,
                 m: k_in as u64,
@@ -103,113 +127,116 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
                 c: dw.ptr,
                 ldc: k_in as i64,
                 beta: 1.0,
-                bias: None,
-            })?;
-            if *bias {
-                let db = b.f32_out(1)?;
-                b.expect(db, "db", m_out)?;
-                col_sum_into(be, dy, db, rows, m_out)?;
+                out: Output::F32,
+                epilogue: Epilogue::None,
+            };
+            if !*bias {
+                return be.gemm(&g, activation(x), activation(dy));
             }
-            Ok(())
+            let db = b.f32_out(1)?;
+            b.expect(db, "db", m_out)?;
+            if be.operands != Operands::F32 {
+                let (one, t) = be.gemm_vectors(m_out)?;
+                let with_grad = Gemm {
+                    epilogue: Epilogue::BiasGradB { ptr: t },
+                    ..g
+                };
+                if be.blas.supports(&with_grad, be.operands)? {
+                    be.gemm(&with_grad, activation(x), activation(dy))?;
+                    return add_into(be, t, one, db, m_out);
+                }
+            }
+            be.gemm(&g, activation(x), activation(dy))?;
+            col_sum_into(be, dy, db, rows, m_out)
         }
         _ => Err(b.err("is not a GEMM op")),
     }
 }
 
-impl CudaBackend {
-    /// Runs `g` (fp32 operands). In a bf16 or fp16 run the operands are first rounded into
-    /// 16-bit copies (one launch for both) and cuBLASLt reads those; C stays fp32. The first
-    /// run of each distinct 16-bit GEMM picks its algorithm by timing (`gemm`); one that
-    /// accumulates is timed into the scratch after the copies (`storage` sizes it).
-    pub(crate) fn gemm(&mut self, g: &gemm::Gemm) -> Result<()> {
-        let stream = self.stream.cu_stream();
-        let Some(convert) = self.operands.conversion_kernel() else {
-            return self.blas.run(g, Operands::F32, stream, None);
-        };
-        // B first, then A on a 256-byte boundary (cuBLASLt's preferred operand alignment).
-        let (a_len, b_len) = (g.a_len(), g.b_len());
-        let a_offset = (b_len * 2).next_multiple_of(256);
-        let bytes = a_offset + a_len * 2;
-        let big_enough = self
-            .half_operands
-            .as_ref()
-            .is_some_and(|s| s.len() >= bytes);
-        if !big_enough {
-            // Free the old copies first so peak memory holds only one of them.
-            self.half_operands = None;
-            self.half_b = None;
-            self.half_operands = Some(self.alloc_bytes(bytes, "16-bit GEMM operands")?);
-        }
-        let (base, room) = match &self.half_operands {
-            Some(s) => (raw_ptr(&self.stream, s), s.len()),
-            None => return Err(RuntimeError::Unsupported("16-bit operands missing".into())),
-        };
-        let (b16, a16) = (base, base + a_offset as CUdeviceptr);
-        // B's copy is still there when the last GEMM had the same, unchanged B.
-        let b_todo = if self.half_b == Some((g.b, b_len)) {
-            0
-        } else {
-            b_len
-        };
-        self.half_b = None;
-        let n = |v: usize| Arg::I64(v as i64);
-        self.launch_n(
-            convert,
-            (a_len + b_todo).div_ceil(4),
-            &[
-                Arg::Ptr(g.a),
-                Arg::Ptr(a16),
-                n(a_len),
-                Arg::Ptr(g.b),
-                Arg::Ptr(b16),
-                n(b_todo),
-            ],
-        )?;
-        let rounded = gemm::Gemm {
-            a: a16,
-            b: b16,
+/// The epilogue that adds bias `bb` to `g` (whose D is `y`, `rows` × m), or `Epilogue::None`
+/// after y = b was written for the product to accumulate onto (f32 y only).
+fn bias_epilogue(
+    be: &mut CudaBackend,
+    b: &Bound<'_>,
+    g: &Gemm,
+    bb: Buf,
+    y: Buf,
+    rows: usize,
+) -> Result<Epilogue> {
+    let fp32_bias = Epilogue::Bias {
+        ptr: bb.ptr,
+        bf16: false,
+    };
+    if be.blas.supports(
+        &Gemm {
+            epilogue: fp32_bias,
             ..*g
+        },
+        be.operands,
+    )? {
+        return Ok(fp32_bias);
+    }
+    if g.out == Output::Bf16 {
+        // b's bf16 cast (cached), or a per-use copy in the vector area.
+        let ptr = match be.weight_cast(bb)? {
+            Some(ptr) => ptr,
+            None => {
+                let (_, t) = be.gemm_vectors(bb.len)?;
+                be.round_copy(bb.ptr, t, bb.len)?;
+                t
+            }
         };
-        let tune_offset = bytes.next_multiple_of(256);
-        let tune_out = (tune_offset + g.c_len() * 4 <= room
-            && !self.blas.settled(g, self.operands))
-        .then_some(base + tune_offset as CUdeviceptr);
-        self.blas.run(&rounded, self.operands, stream, tune_out)?;
-        self.half_b = Some((g.b, b_len));
-        Ok(())
-    }
-
-    /// Before `compute` runs an op: whether the 16-bit copy of the last GEMM's B may still be
-    /// read. An op writes only its outputs (and the backend's scratch), so the copy stays
-    /// unless an output overlaps that B, or an input is also an output (then the op reads a
-    /// scratch copy of it that later ops reuse). `alloc` zero-fills only memory no live buffer
-    /// holds, so it keeps the copy; a write from the host or a `free` of a buffer overlapping
-    /// B, and any communication, clear it.
-    pub(super) fn reuse_half_b(&mut self, inputs: &[BufferId], outputs: &[BufferId]) {
-        if inputs.iter().any(|id| outputs.contains(id)) {
-            self.half_b = None;
+        let bf16_bias = Epilogue::Bias { ptr, bf16: true };
+        if be.blas.supports(
+            &Gemm {
+                epilogue: bf16_bias,
+                ..*g
+            },
+            be.operands,
+        )? {
+            return Ok(bf16_bias);
         }
-        for &id in outputs {
-            self.keep_half_b_unless_written(id);
-        }
+        return Err(b.err(
+            "cuBLASLt offers no bias epilogue for this bf16-output GEMM (fp32 or bf16 bias)",
+        ));
     }
+    be.launch_n(
+        "broadcast_rows",
+        rows * bb.len,
+        &[p(bb), p(y), n(rows), n(bb.len)],
+    )?;
+    Ok(Epilogue::None)
+}
 
-    /// Clears `half_b` where buffer `id` (about to be written or freed) overlaps that B.
-    pub(super) fn keep_half_b_unless_written(&mut self, id: BufferId) {
-        let Some((b, b_len)) = self.half_b else {
-            return;
-        };
-        let b_end = b + (b_len * 4) as CUdeviceptr;
-        // An unknown buffer is an error its caller reports; forgetting the copy is safe.
-        let overlaps = self.slot(id).map_or(true, |o| {
-            let o_end = o.ptr + (o.len * o.dtype.bytes() as usize) as CUdeviceptr;
-            o.ptr < b_end && b < o_end
-        });
-        if overlaps {
-            self.half_b = None;
-        }
-    }
+/// `db += t` (`len` fp32 values) as a k = 1 fp32 GEMM: `db = t · [1.0] + 1 · db`.
+fn add_into(
+    be: &mut CudaBackend,
+    t: CUdeviceptr,
+    one: CUdeviceptr,
+    db: Buf,
+    len: usize,
+) -> Result<()> {
+    let g = Gemm {
+        trans_a: false,
+        trans_b: false,
+        m: len as u64,
+        n: 1,
+        k: 1,
+        a: t,
+        lda: len as i64,
+        b: one,
+        ldb: 1,
+        c: db.ptr,
+        ldc: len as i64,
+        beta: 1.0,
+        out: Output::F32,
+        epilogue: Epilogue::None,
+    };
+    let stream = be.stream.cu_stream();
+    be.blas.run(&g, Operands::F32, stream, None)
+}
 
+impl CudaBackend {
     /// Starts (from zero) or stops timing the GEMMs' cuBLASLt kernels alone, without their
     /// operand conversions (for GEMM benchmarks): while on, every GEMM waits for its kernels.
     pub fn time_gemm_kernels(&mut self, on: bool) -> Result<()> {
@@ -219,10 +246,5 @@ impl CudaBackend {
     /// Milliseconds of GEMM kernel time since `time_gemm_kernels(true)`; None when off.
     pub fn gemm_kernel_ms(&self) -> Option<f64> {
         self.blas.matmul_ms()
-    }
-
-    /// Whether cuBLASLt offers `g` (with its bias epilogue) for this run's operand type.
-    pub(crate) fn gemm_supported(&mut self, g: &gemm::Gemm) -> Result<bool> {
-        self.blas.supports(g, self.operands)
     }
 }

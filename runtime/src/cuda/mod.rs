@@ -24,6 +24,7 @@ mod compile;
 mod device;
 mod dispatch;
 mod gemm;
+mod gemm_operands;
 mod matmul;
 mod nccl;
 mod nccl_host;
@@ -148,14 +149,9 @@ pub struct CudaBackend {
     scratch: Option<CudaSlice<u8>>,
     /// The GEMM operand type: fp32, bf16 for `precision = bf16`, fp16 for `precision = fp16`.
     operands: Operands,
-    /// 16-bit copies of the current GEMM's A and B (bf16 and fp16 runs); sized by `prepare`,
-    /// grows (never shrinks) without a memory plan.
-    half_operands: Option<CudaSlice<u8>>,
-    /// The fp32 pointer and length of the operand whose 16-bit copy starts `half_operands`
-    /// (the last GEMM's B), while it is known to be unchanged: a GEMM whose B is the same
-    /// buffer (a layer's backward-data then backward-weight GEMM share dy) reads that copy
-    /// instead of rounding B again. See `reuse_half_b` for what clears it.
-    half_b: Option<(CUdeviceptr, usize)>,
+    /// The GEMMs' 16-bit operand memory: per-use copies, cached weight casts, bias vectors
+    /// (`gemm_operands`).
+    gemm_operands: gemm_operands::GemmOperands,
     /// The fused optimizer's runs and tables (built by `prepare`).
     fused: optimizer::FusedOptimizer,
     /// Kept alive for cuBLASLt.
@@ -211,8 +207,7 @@ impl CudaBackend {
             positions: HashMap::new(),
             scratch: None,
             operands,
-            half_operands: None,
-            half_b: None,
+            gemm_operands: gemm_operands::GemmOperands::default(),
             fused: optimizer::FusedOptimizer::default(),
             _workspace: workspace,
             nccl: None,
@@ -285,11 +280,12 @@ impl CudaBackend {
             .flatten()
             .filter_map(|s| s.memory.as_ref().map(CudaSlice::len))
             .sum();
-        let scratch: usize = [&self.scratch, &self.half_operands, &self.aliased]
+        let scratch: usize = [&self.scratch, &self.aliased]
             .into_iter()
             .flatten()
             .map(CudaSlice::len)
-            .sum();
+            .sum::<usize>()
+            + self.gemm_operand_bytes();
         let positions: usize = self.positions.values().map(|(m, _)| m.len()).sum();
         let tables = self.fused.bytes();
         self.planned.bytes + (own + scratch + positions + tables + WORKSPACE_BYTES) as u64
@@ -449,7 +445,7 @@ impl CudaBackend {
     }
 
     fn write<T>(&mut self, id: BufferId, dtype: DType, data: &[T]) -> Result<()> {
-        self.keep_half_b_unless_written(id);
+        self.gemm_buffer_written(id);
         if self.comm_uses(id) {
             self.drain_comm()?;
         }
@@ -488,7 +484,6 @@ impl Backend for CudaBackend {
     }
 
     fn prepare(&mut self, program: &Program, layout: &MemoryLayout) -> Result<()> {
-        self.half_b = None;
         if self.slots.iter().any(Option::is_some) {
             return Err(RuntimeError::Unsupported(
                 "the CUDA backend was given a memory plan after buffers were allocated".into(),
@@ -504,11 +499,7 @@ impl Backend for CudaBackend {
         self.planned = storage::PlannedRegions::new(program, layout, persistent, arena);
         let needs = storage::program_needs(program, self.operands != Operands::F32);
         self.scratch(needs.reduction_bytes)?;
-        if self.operands != Operands::F32 {
-            self.half_operands = None;
-            self.half_operands =
-                Some(self.alloc_bytes(needs.gemm_operand_bytes, "16-bit GEMM operands")?);
-        }
+        self.prepare_gemm(program, needs.gemm_operand_bytes)?;
         self.aliased = None;
         if needs.aliased_bytes > 0 {
             self.aliased = Some(self.alloc_bytes(needs.aliased_bytes, "aliased input copies")?);
@@ -571,7 +562,7 @@ impl Backend for CudaBackend {
     }
 
     fn free(&mut self, id: BufferId) -> Result<()> {
-        self.keep_half_b_unless_written(id);
+        self.gemm_buffer_freed(id);
         // Communication still using the buffer must finish before its bytes are reused.
         self.order_after_comm([id])?;
         match self.slots.get_mut(id.0 as usize).and_then(Option::take) {
@@ -590,7 +581,7 @@ impl Backend for CudaBackend {
         outputs: &[BufferId],
         scalars: &StepScalars,
     ) -> Result<()> {
-        self.reuse_half_b(inputs, outputs);
+        self.gemm_before_compute(op, inputs, outputs);
         if self.fused_optimizer(op, inputs, outputs, scalars)? {
             return Ok(());
         }
@@ -669,13 +660,21 @@ impl Backend for CudaBackend {
         input: BufferId,
         output: BufferId,
     ) -> Option<Result<()>> {
-        self.half_b = None;
+        self.gemm_comm_writes(&[input, output]);
         self.nccl.as_ref()?;
         Some(self.nccl_collective(kind, group, input, output))
     }
 
     fn device_p2p(&mut self, transfers: &[DeviceTransfer]) -> Option<Result<()>> {
-        self.half_b = None;
+        let buffers: Vec<BufferId> = transfers
+            .iter()
+            .map(|t| match t {
+                DeviceTransfer::Send { buffer, .. } | DeviceTransfer::Recv { buffer, .. } => {
+                    *buffer
+                }
+            })
+            .collect();
+        self.gemm_comm_writes(&buffers);
         self.nccl.as_ref()?;
         Some(self.nccl_p2p(transfers))
     }

@@ -8,8 +8,9 @@
 //!   of norm and bias gradients — at most 128 chunks of 8-byte sums per column — and attention
 //!   backward's `delta`, one f32 per `lse` element), which share one scratch buffer with the
 //!   tensor-core attention's bf16 copies of q, k, v (and dO) in 16-bit runs (`attention`);
-//! - the 16-bit copies of a GEMM's two operands (bf16 and fp16 runs), B on a 256-byte boundary,
-//!   then for a bwd-weight GEMM a dw-sized fp32 D its algorithms are timed into (`gemm`);
+//! - the GEMMs' per-use 16-bit copies of f32 operands (bf16 and fp16 runs; bf16-stored operands
+//!   and cached weight casts need none), then for a bwd-weight GEMM a dw-sized D its algorithms
+//!   are timed into (`gemm_operands::scratch_bytes`);
 //! - copies of inputs that are also the op's output (read from before the op);
 //! - every distinct `Segment` list, whose positions are uploaded once.
 use cudarc::driver::sys::CUdeviceptr;
@@ -28,8 +29,7 @@ const MAX_SUMSQ_BLOCKS: usize = 1024;
 pub(crate) struct ProgramNeeds {
     /// Bytes of reduction partials (the largest single op's).
     pub reduction_bytes: usize,
-    /// Bytes of the 16-bit copies of the largest GEMM's two operands (and, for a bwd-weight
-    /// GEMM of a 16-bit run, the fp32 scratch its algorithms are timed into).
+    /// Bytes of the largest GEMM's scratch (`gemm_operands::scratch_bytes`).
     pub gemm_operand_bytes: usize,
     /// Bytes of the largest op's inputs that are also its outputs (each 256-byte aligned).
     pub aliased_bytes: usize,
@@ -80,21 +80,16 @@ pub(crate) fn program_needs(program: &Program, half_operands: bool) -> ProgramNe
             _ => 0,
         };
         needs.reduction_bytes = needs.reduction_bytes.max(reduction);
-        if matches!(
-            &**op,
-            Op::Matmul { .. } | Op::MatmulBwdData { .. } | Op::MatmulBwdWeight { .. }
-        ) {
-            let bytes = aligned(numel(input(0)) * 2) + numel(input(1)) * 2;
-            let other_order = aligned(numel(input(1)) * 2) + numel(input(0)) * 2;
-            // A bwd-weight GEMM accumulates into dw, so its algorithms are timed into an fp32
-            // dw-sized scratch after the copies (`gemm`).
-            let tuning = match &**op {
-                Op::MatmulBwdWeight { .. } if half_operands => numel(output(0)) * 4,
-                _ => 0,
-            };
-            let bytes = aligned(bytes.max(other_order)) + tuning;
-            needs.gemm_operand_bytes = needs.gemm_operand_bytes.max(bytes);
-        }
+        let gemm = super::gemm_operands::scratch_bytes(
+            op,
+            &inputs.iter().map(|id| buffer(Some(id))).collect::<Vec<_>>(),
+            &outputs
+                .iter()
+                .map(|id| buffer(Some(id)))
+                .collect::<Vec<_>>(),
+            half_operands,
+        );
+        needs.gemm_operand_bytes = needs.gemm_operand_bytes.max(gemm);
         let mut aliased = 0usize;
         for (i, id) in inputs.iter().enumerate() {
             let first = inputs.iter().position(|x| x == id) == Some(i);
@@ -264,14 +259,15 @@ mod tests {
         let needs = program_needs(&program, false);
         // Bias gradient b3 (4000 floats): 128 chunks × 8 bytes per column.
         assert_eq!(needs.reduction_bytes, 128 * 8 * 4000);
-        // The bwd-weight GEMM's operands b2 and b0: 3000 + 1000 halves, each aligned.
-        assert_eq!(needs.gemm_operand_bytes, 8192);
+        // An fp32 run's GEMMs read their operands as stored.
+        assert_eq!(needs.gemm_operand_bytes, 0);
         // b4 is read and written by one op.
         assert_eq!(needs.aliased_bytes, 20224);
         assert_eq!(needs.segments, vec![seg(0, 4)]);
-        // A 16-bit run also times the bwd-weight GEMM into a copy of dw (b1: 2000 floats).
+        // A 16-bit run copies the bwd-weight GEMM's f32 operands b2 and b0 (3000 + 1000
+        // halves, each aligned) and times it into a copy of dw (b1: 2000 floats).
         let half = program_needs(&program, true);
-        assert_eq!(half.gemm_operand_bytes, 8192 + 8000);
+        assert_eq!(half.gemm_operand_bytes, 6144 + 2048 + 8000);
         let no_attention = ProgramNeeds {
             gemm_operand_bytes: needs.gemm_operand_bytes,
             ..half
