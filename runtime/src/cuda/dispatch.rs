@@ -12,6 +12,8 @@ use parc_compiler::ir::op::{Act, Op, Segment};
 use parc_compiler::ir::DType;
 
 const NORM_THREADS: u32 = 256;
+/// Rows a norm kernel's block covers: one warp per row.
+const NORM_ROWS_PER_BLOCK: usize = NORM_THREADS as usize / 32;
 
 fn op_name(op: &Op) -> &'static str {
     match op {
@@ -345,16 +347,11 @@ pub(crate) fn run(
                 fv(y),
                 p(mean),
                 p(rstd),
+                n(rows),
                 n(d),
                 Arg::F64(*eps),
             ];
-            be.launch(
-                "layer_norm_fwd",
-                (rows as u32, 1, 1),
-                (NORM_THREADS, 1, 1),
-                0,
-                &args,
-            )
+            launch_rows(be, "layer_norm_fwd", rows, &args)
         }
         Op::LayerNormBwd { dim, bias } => {
             let d = b.dim("dim", *dim)?;
@@ -380,16 +377,11 @@ pub(crate) fn run(
                 p(mean),
                 p(rstd),
                 fv(dx),
+                n(rows),
                 n(d),
                 Arg::I32(0),
             ];
-            be.launch(
-                "layer_norm_bwd_dx",
-                (rows as u32, 1, 1),
-                (NORM_THREADS, 1, 1),
-                0,
-                &args,
-            )?;
+            launch_rows(be, "layer_norm_bwd_dx", rows, &args)?;
             norm_dw(be, dy, x, mean.ptr, rstd, dw, rows, d)?;
             if *bias {
                 let db = b.f32_out(2)?;
@@ -409,14 +401,8 @@ pub(crate) fn run(
             let (y, rstd) = (b.float_out(0)?, b.f32_out(1)?);
             b.expect(y, "y", rows * d)?;
             b.expect(rstd, "rstd", rows)?;
-            let args = [fv(x), p(w), fv(y), p(rstd), n(d), Arg::F64(*eps)];
-            be.launch(
-                "rms_norm_fwd",
-                (rows as u32, 1, 1),
-                (NORM_THREADS, 1, 1),
-                0,
-                &args,
-            )
+            let args = [fv(x), p(w), fv(y), p(rstd), n(rows), n(d), Arg::F64(*eps)];
+            launch_rows(be, "rms_norm_fwd", rows, &args)
         }
         Op::RmsNormBwd { dim } => {
             let d = b.dim("dim", *dim)?;
@@ -429,14 +415,17 @@ pub(crate) fn run(
             b.expect(dx, "dx", rows * d)?;
             b.expect(dw, "dw", d)?;
             // The last argument: accumulate into dx (0: overwrite).
-            let args = [fv(dy), fv(x), p(w), p(rstd), fv(dx), n(d), Arg::I32(0)];
-            be.launch(
-                "rms_norm_bwd_dx",
-                (rows as u32, 1, 1),
-                (NORM_THREADS, 1, 1),
-                0,
-                &args,
-            )?;
+            let args = [
+                fv(dy),
+                fv(x),
+                p(w),
+                p(rstd),
+                fv(dx),
+                n(rows),
+                n(d),
+                Arg::I32(0),
+            ];
+            launch_rows(be, "rms_norm_bwd_dx", rows, &args)?;
             norm_dw(be, dy, x, 0, rstd, dw, rows, d)
         }
         Op::Matmul { .. } | Op::MatmulBwdData { .. } | Op::MatmulBwdWeight { .. } => {
@@ -823,6 +812,12 @@ fn copy_elements(
         n(len),
     ];
     be.launch_vec("convert", len, &args)
+}
+
+/// Launch a norm kernel over `rows` rows, one warp each.
+fn launch_rows(be: &mut CudaBackend, name: &'static str, rows: usize, args: &[Arg]) -> Result<()> {
+    let blocks = rows.div_ceil(NORM_ROWS_PER_BLOCK) as u32;
+    be.launch(name, (blocks, 1, 1), (NORM_THREADS, 1, 1), 0, args)
 }
 
 /// Rows of a column-partial reduction: enough chunks to fill the GPU, each of ≥ 64 rows.

@@ -1,38 +1,91 @@
-// LayerNorm, RMSNorm (one block per row, double statistics) and the cross-entropy pieces.
+// LayerNorm, RMSNorm (one warp per row, double statistics) and the cross-entropy pieces.
 // Activation operands are `Fv` (f32 or bf16, common.cuh); weights and statistics are f32. A
 // norm backward's dx is overwritten, or added to when `accumulate_dx` is set (read-add-round
 // for bf16).
 
-extern "C" __global__ void layer_norm_fwd(Fv x, const float* w, const float* b, Fv y, float* mean, float* rstd, long long dim, double eps) {
-    long long r = blockIdx.x, o = r * dim;
-    double s = 0.0;
-    for (long long j = threadIdx.x; j < dim; j += blockDim.x) s += (double)ld(x, o + j);
-    double m = block_sum_d(s) / (double)dim;
-    double v = 0.0;
-    for (long long j = threadIdx.x; j < dim; j += blockDim.x) { double d = (double)ld(x, o + j) - m; v += d * d; }
-    double var = block_sum_d(v) / (double)dim;
-    float mf = (float)m, rf = (float)(1.0 / sqrt(var + eps));
-    if (threadIdx.x == 0) { mean[r] = mf; rstd[r] = rf; }
-    for (long long j = threadIdx.x; j < dim; j += blockDim.x)
-        st(y, o + j, (ld(x, o + j) - mf) * rf * w[j] + (b ? b[j] : 0.0f));
+// The norms run one warp per row (8 rows per block of 256): a row's elements are read in
+// 8-wide 16-byte vectors where dim is a multiple of 8 and x, y (dy, dx) are aligned, else one
+// at a time; the repeated passes over a row hit L1. Statistics are double, reduced with warp
+// shuffles (no block barrier).
+
+// Runs f8(j) for the 8-element vectors of a row lane `lane` owns (j = 8·lane + 256·k) when
+// `vec`, else f1(j) for its single elements (j = lane + 32·k).
+template <typename F8f, typename F1f>
+__device__ __forceinline__ void row_loop(bool vec, long long dim, int lane, F8f f8, F1f f1) {
+    if (vec) {
+        for (long long j = 8 * lane; j < dim; j += 256) f8(j);
+    } else {
+        for (long long j = lane; j < dim; j += 32) f1(j);
+    }
 }
 
-extern "C" __global__ void layer_norm_bwd_dx(Fv dy, Fv x, const float* w, const float* mean, const float* rstd, Fv dx, long long dim, int accumulate_dx) {
-    long long r = blockIdx.x, o = r * dim;
+extern "C" __global__ void layer_norm_fwd(Fv x, const float* w, const float* b, Fv y, float* mean, float* rstd, long long rows, long long dim, double eps) {
+    long long r = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (r >= rows) return;
+    long long o = r * dim;
+    bool vec = dim % 8 == 0 && vec_ok(x) && vec_ok(y);
+    double s = 0.0;
+    row_loop(vec, dim, lane,
+        [&](long long j) { F8 v = ld8(x, (o + j) / 8); for (int k = 0; k < 8; k++) s += (double)v.v[k]; },
+        [&](long long j) { s += (double)ld(x, o + j); });
+    double m = warp_sum_d(s) / (double)dim;
+    double q = 0.0;
+    row_loop(vec, dim, lane,
+        [&](long long j) { F8 v = ld8(x, (o + j) / 8); for (int k = 0; k < 8; k++) { double d = (double)v.v[k] - m; q += d * d; } },
+        [&](long long j) { double d = (double)ld(x, o + j) - m; q += d * d; });
+    double var = warp_sum_d(q) / (double)dim;
+    float mf = (float)m, rf = (float)(1.0 / sqrt(var + eps));
+    if (lane == 0) { mean[r] = mf; rstd[r] = rf; }
+    row_loop(vec, dim, lane,
+        [&](long long j) {
+            F8 v = ld8(x, (o + j) / 8);
+            for (int k = 0; k < 8; k++) v.v[k] = (v.v[k] - mf) * rf * w[j + k] + (b ? b[j + k] : 0.0f);
+            st8(y, (o + j) / 8, v);
+        },
+        [&](long long j) { st(y, o + j, (ld(x, o + j) - mf) * rf * w[j] + (b ? b[j] : 0.0f)); });
+}
+
+extern "C" __global__ void layer_norm_bwd_dx(Fv dy, Fv x, const float* w, const float* mean, const float* rstd, Fv dx, long long rows, long long dim, int accumulate_dx) {
+    long long r = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (r >= rows) return;
+    long long o = r * dim;
+    bool vec = dim % 8 == 0 && vec_ok(dy) && vec_ok(x) && vec_ok(dx);
     float mf = mean[r], rf = rstd[r];
     double sg = 0.0, sgx = 0.0;
-    for (long long j = threadIdx.x; j < dim; j += blockDim.x) {
-        double g = (double)(ld(dy, o + j) * w[j]);
-        sg += g;
-        sgx += g * (double)((ld(x, o + j) - mf) * rf);
-    }
-    float mean_g = (float)(block_sum_d(sg) / (double)dim);
-    float mean_gx = (float)(block_sum_d(sgx) / (double)dim);
-    for (long long j = threadIdx.x; j < dim; j += blockDim.x) {
-        float xhat = (ld(x, o + j) - mf) * rf;
-        float v = rf * (ld(dy, o + j) * w[j] - mean_g - xhat * mean_gx);
-        st(dx, o + j, accumulate_dx ? ld(dx, o + j) + v : v);
-    }
+    row_loop(vec, dim, lane,
+        [&](long long j) {
+            F8 d = ld8(dy, (o + j) / 8), v = ld8(x, (o + j) / 8);
+            for (int k = 0; k < 8; k++) {
+                double g = (double)(d.v[k] * w[j + k]);
+                sg += g;
+                sgx += g * (double)((v.v[k] - mf) * rf);
+            }
+        },
+        [&](long long j) {
+            double g = (double)(ld(dy, o + j) * w[j]);
+            sg += g;
+            sgx += g * (double)((ld(x, o + j) - mf) * rf);
+        });
+    float mean_g = (float)(warp_sum_d(sg) / (double)dim);
+    float mean_gx = (float)(warp_sum_d(sgx) / (double)dim);
+    row_loop(vec, dim, lane,
+        [&](long long j) {
+            F8 d = ld8(dy, (o + j) / 8), v = ld8(x, (o + j) / 8), out;
+            if (accumulate_dx) out = ld8(dx, (o + j) / 8);
+            for (int k = 0; k < 8; k++) {
+                float xhat = (v.v[k] - mf) * rf;
+                float g = rf * (d.v[k] * w[j + k] - mean_g - xhat * mean_gx);
+                out.v[k] = accumulate_dx ? out.v[k] + g : g;
+            }
+            st8(dx, (o + j) / 8, out);
+        },
+        [&](long long j) {
+            float xhat = (ld(x, o + j) - mf) * rf;
+            float g = rf * (ld(dy, o + j) * w[j] - mean_g - xhat * mean_gx);
+            st(dx, o + j, accumulate_dx ? ld(dx, o + j) + g : g);
+        });
 }
 
 // part_w[chunk, j] = Σ dy·xhat over the chunk's rows (layer norm: xhat = (x − mean)·rstd,
@@ -51,27 +104,57 @@ extern "C" __global__ void norm_dw_partial(Fv dy, Fv x, const float* mean, const
     part[c * dim + j] = s;
 }
 
-extern "C" __global__ void rms_norm_fwd(Fv x, const float* w, Fv y, float* rstd, long long dim, double eps) {
-    long long r = blockIdx.x, o = r * dim;
+extern "C" __global__ void rms_norm_fwd(Fv x, const float* w, Fv y, float* rstd, long long rows, long long dim, double eps) {
+    long long r = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (r >= rows) return;
+    long long o = r * dim;
+    bool vec = dim % 8 == 0 && vec_ok(x) && vec_ok(y);
     double s = 0.0;
-    for (long long j = threadIdx.x; j < dim; j += blockDim.x) { double v = (double)ld(x, o + j); s += v * v; }
-    double ms = block_sum_d(s) / (double)dim;
+    row_loop(vec, dim, lane,
+        [&](long long j) { F8 v = ld8(x, (o + j) / 8); for (int k = 0; k < 8; k++) s += (double)v.v[k] * (double)v.v[k]; },
+        [&](long long j) { double v = (double)ld(x, o + j); s += v * v; });
+    double ms = warp_sum_d(s) / (double)dim;
     float rf = (float)(1.0 / sqrt(ms + eps));
-    if (threadIdx.x == 0) rstd[r] = rf;
-    for (long long j = threadIdx.x; j < dim; j += blockDim.x) st(y, o + j, ld(x, o + j) * rf * w[j]);
+    if (lane == 0) rstd[r] = rf;
+    row_loop(vec, dim, lane,
+        [&](long long j) {
+            F8 v = ld8(x, (o + j) / 8);
+            for (int k = 0; k < 8; k++) v.v[k] = v.v[k] * rf * w[j + k];
+            st8(y, (o + j) / 8, v);
+        },
+        [&](long long j) { st(y, o + j, ld(x, o + j) * rf * w[j]); });
 }
 
-extern "C" __global__ void rms_norm_bwd_dx(Fv dy, Fv x, const float* w, const float* rstd, Fv dx, long long dim, int accumulate_dx) {
-    long long r = blockIdx.x, o = r * dim;
+extern "C" __global__ void rms_norm_bwd_dx(Fv dy, Fv x, const float* w, const float* rstd, Fv dx, long long rows, long long dim, int accumulate_dx) {
+    long long r = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (r >= rows) return;
+    long long o = r * dim;
+    bool vec = dim % 8 == 0 && vec_ok(dy) && vec_ok(x) && vec_ok(dx);
     float rf = rstd[r];
     double sgx = 0.0;
-    for (long long j = threadIdx.x; j < dim; j += blockDim.x)
-        sgx += (double)(ld(dy, o + j) * w[j]) * (double)(ld(x, o + j) * rf);
-    float mean_gx = (float)(block_sum_d(sgx) / (double)dim);
-    for (long long j = threadIdx.x; j < dim; j += blockDim.x) {
-        float v = rf * (ld(dy, o + j) * w[j] - ld(x, o + j) * rf * mean_gx);
-        st(dx, o + j, accumulate_dx ? ld(dx, o + j) + v : v);
-    }
+    row_loop(vec, dim, lane,
+        [&](long long j) {
+            F8 d = ld8(dy, (o + j) / 8), v = ld8(x, (o + j) / 8);
+            for (int k = 0; k < 8; k++) sgx += (double)(d.v[k] * w[j + k]) * (double)(v.v[k] * rf);
+        },
+        [&](long long j) { sgx += (double)(ld(dy, o + j) * w[j]) * (double)(ld(x, o + j) * rf); });
+    float mean_gx = (float)(warp_sum_d(sgx) / (double)dim);
+    row_loop(vec, dim, lane,
+        [&](long long j) {
+            F8 d = ld8(dy, (o + j) / 8), v = ld8(x, (o + j) / 8), out;
+            if (accumulate_dx) out = ld8(dx, (o + j) / 8);
+            for (int k = 0; k < 8; k++) {
+                float g = rf * (d.v[k] * w[j + k] - v.v[k] * rf * mean_gx);
+                out.v[k] = accumulate_dx ? out.v[k] + g : g;
+            }
+            st8(dx, (o + j) / 8, out);
+        },
+        [&](long long j) {
+            float g = rf * (ld(dy, o + j) * w[j] - ld(x, o + j) * rf * mean_gx);
+            st(dx, o + j, accumulate_dx ? ld(dx, o + j) + g : g);
+        });
 }
 
 // ---------------------------------------------------------------- cross-entropy
