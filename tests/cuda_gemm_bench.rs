@@ -1,9 +1,12 @@
 //! The GEMMs of one GPT-2 124M step (B×T = 32×1024 rows) alone, for `bench/RESULTS.md`: every
 //! linear layer's forward (with its bias), backward-data and backward-weight (with its bias
-//! gradient) op on the CUDA backend in bf16, as TFLOP/s of the whole op (operand conversions,
-//! bias, algorithm already chosen) and of its cuBLASLt kernels alone. Ignored by default (it
-//! needs a GPU); run it on the device machine with `cuda_gemm_bench --ignored --nocapture`.
-//! PARC_BENCH_ROWS (default 32768) sets the token rows. Without a GPU it prints `skipped`.
+//! gradient) op on the CUDA backend in a bf16 run, as TFLOP/s of the whole op (operand
+//! conversions, weight casts, bias, algorithm already chosen) and of its cuBLASLt kernels
+//! alone; once with bf16 activation storage (x, y, dx bf16; w, b, dw, db f32: operands read as
+//! stored, weights through their cached cast, bias gradient in the epilogue) and once with
+//! every buffer f32 (activations rounded per use). Ignored by default (it needs a GPU); run it
+//! on the device machine with `cuda_gemm_bench --ignored --nocapture`. PARC_BENCH_ROWS
+//! (default 32768) sets the token rows. Without a GPU it prints `skipped`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[test]
@@ -49,11 +52,14 @@ mod bench {
 
     /// One layer's ops in step order (forward, backward-data, backward-weight), REPS times
     /// after one untimed round that picks the algorithms: per op, the median milliseconds of
-    /// the whole op and of its cuBLASLt kernels alone. In step order, as in training, the
-    /// backward-weight GEMM reads the 16-bit dy the backward-data GEMM made.
+    /// the whole op and of its cuBLASLt kernels alone. As in training, each round starts with
+    /// a changed weight (`weight` written again, untimed), so its forward GEMM makes the bf16
+    /// cast its backward-data GEMM reuses; with f32 activations the backward-weight GEMM reads
+    /// the bf16 copy of dy the backward-data GEMM made.
     fn time_layer(
         be: &mut CudaBackend,
         ops: &[(&Op, Vec<BufferId>, Vec<BufferId>)],
+        weight: (BufferId, &[f32]),
     ) -> Vec<(f64, f64)> {
         let scalars = StepScalars {
             lr: 0.0,
@@ -64,6 +70,7 @@ mod bench {
         let mut kernels = vec![Vec::new(); ops.len()];
         for round in 0..=2 * REPS {
             let timed_kernels = round > REPS;
+            be.write_f32(weight.0, weight.1).unwrap();
             for (i, (op, inputs, outputs)) in ops.iter().enumerate() {
                 be.time_gemm_kernels(timed_kernels).unwrap();
                 Backend::synchronize(be).unwrap();
@@ -87,17 +94,29 @@ mod bench {
     }
 
     pub fn run() {
-        let mut be = match CudaBackend::with_precision(0, Precision::Bf16) {
-            Ok(be) => be,
-            Err(e) => {
-                println!("skipped: no CUDA device ({e})");
-                return;
-            }
-        };
         let rows: u64 = std::env::var("PARC_BENCH_ROWS")
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(32768);
+        for storage in [DType::Bf16, DType::F32] {
+            // A fresh backend each time: algorithms and casts chosen anew.
+            let mut be = match CudaBackend::with_precision(0, Precision::Bf16) {
+                Ok(be) => be,
+                Err(e) => {
+                    println!("skipped: no CUDA device ({e})");
+                    return;
+                }
+            };
+            run_storage(&mut be, rows, storage);
+        }
+    }
+
+    /// Every layer's three GEMM ops with activations stored as `storage`.
+    fn run_storage(be: &mut CudaBackend, rows: u64, storage: DType) {
+        let label = match storage {
+            DType::Bf16 => "bf16",
+            _ => "f32",
+        };
         // (name, in, out, bias, times per step)
         let layers = [
             ("qkv", 768u64, 2304u64, true, 12u32),
@@ -115,20 +134,21 @@ mod bench {
         };
         for (name, din, dout, bias, per_step) in layers {
             let (x, w, b, y, dx, dw, db) = (id(), id(), id(), id(), id(), id(), id());
-            for (buf, shape) in [
-                (x, vec![rows, din]),
-                (w, vec![dout, din]),
-                (b, vec![dout]),
-                (y, vec![rows, dout]),
-                (dx, vec![rows, din]),
-                (dw, vec![dout, din]),
-                (db, vec![dout]),
+            for (buf, shape, dtype) in [
+                (x, vec![rows, din], storage),
+                (w, vec![dout, din], DType::F32),
+                (b, vec![dout], DType::F32),
+                (y, vec![rows, dout], storage),
+                (dx, vec![rows, din], storage),
+                (dw, vec![dout, din], DType::F32),
+                (db, vec![dout], DType::F32),
             ] {
-                be.alloc(buf, &shape, DType::F32).unwrap();
+                be.alloc(buf, &shape, dtype).unwrap();
             }
             let n = |s: &[u64]| s.iter().product::<u64>() as usize;
             be.write_f32(x, &random(n(&[rows, din]), 1, 1.0)).unwrap();
-            be.write_f32(w, &random(n(&[dout, din]), 2, 0.05)).unwrap();
+            let w_data = random(n(&[dout, din]), 2, 0.05);
+            be.write_f32(w, &w_data).unwrap();
             be.write_f32(b, &random(dout as usize, 3, 0.1)).unwrap();
             let flops = 2.0 * rows as f64 * din as f64 * dout as f64;
             let fwd = Op::Matmul {
@@ -154,11 +174,13 @@ mod bench {
                 (&bwd_weight, vec![y, x], dw_out),
             ];
             let kinds = ["fwd", "bwd-data", "bwd-weight"];
-            for (kind, (whole, kernels)) in kinds.into_iter().zip(time_layer(&mut be, &ops)) {
+            for (kind, (whole, kernels)) in
+                kinds.into_iter().zip(time_layer(be, &ops, (w, &w_data)))
+            {
                 step_ms[0] += whole * f64::from(per_step);
                 step_ms[1] += kernels * f64::from(per_step);
                 let line = format!(
-                    "{{\"gemm\":\"{name}\",\"kind\":\"{kind}\",\"rows\":{rows},\"in\":{din},\"out\":{dout},\"bias\":{bias},\"op_ms\":{whole:.4},\"kernel_ms\":{kernels:.4},\"op_tflops\":{:.1},\"kernel_tflops\":{:.1}}}",
+                    "{{\"storage\":\"{label}\",\"gemm\":\"{name}\",\"kind\":\"{kind}\",\"rows\":{rows},\"in\":{din},\"out\":{dout},\"bias\":{bias},\"op_ms\":{whole:.4},\"kernel_ms\":{kernels:.4},\"op_tflops\":{:.1},\"kernel_tflops\":{:.1}}}",
                     flops / whole / 1e9,
                     flops / kernels / 1e9
                 );
@@ -170,7 +192,7 @@ mod bench {
             }
         }
         println!(
-            "one 124M step's GEMMs (12 layers + head, {rows} rows): {:.2} ms as ops, {:.2} ms in cuBLASLt kernels",
+            "one 124M step's GEMMs ({label} activations; 12 layers + head, {rows} rows): {:.2} ms as ops, {:.2} ms in cuBLASLt kernels",
             step_ms[0], step_ms[1]
         );
         assert_eq!(lines.len(), 15);

@@ -1,5 +1,8 @@
 //! GEMMs (`Matmul`, its data and weight backwards, with and without bias) in fp32, bf16 and
-//! fp16 runs, and the bit-exact rounding of bf16 and fp16 GEMM operands.
+//! fp16 runs; with bf16 storage (bf16 activation operands and outputs, f32 weights, biases and
+//! their gradients; and runs mixing f32 and bf16 activations); that a bf16 run's cached weight
+//! casts follow every write to the weight; and the bit-exact rounding of bf16 and fp16 GEMM
+//! operands.
 use crate::harness::{
     check, check_on, fp16, gpu_with, Case, Data, Rng, BF16_GEMM, BF16_ROUNDED, FP16_GEMM,
     FP16_ROUNDED, REDUCTION, SCALARS,
@@ -7,6 +10,8 @@ use crate::harness::{
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::{BufferId, DType};
 use parc_compiler::spec::Precision;
+use parc_runtime::backend::Backend;
+use parc_runtime::cpu::CpuBackend;
 
 fn matmul_cases(test: &str, tol: f32) -> Vec<Case> {
     let mut r = Rng::new(test);
@@ -83,6 +88,156 @@ fn matmuls_bf16() {
     let cases = matmul_cases("matmuls_bf16", BF16_GEMM);
     let worst = check_on("matmuls_bf16", &cases, Precision::Bf16);
     assert_mostly_rounded(&worst, BF16_ROUNDED, "bf16");
+}
+
+/// Both backends store the activations bf16 (x, y, dy, dx) and keep w, b, dw, db f32: the GPU
+/// reads them straight from the bf16 buffers and writes bf16 y/dx, the CPU rounds its f32
+/// result once on write. The GPU also rounds w to bf16 (the CPU does not), hence the bf16 GEMM
+/// tolerance; dw and db accumulate onto their random starting values.
+#[test]
+fn matmuls_bf16_storage() {
+    let cases: Vec<Case> = matmul_cases("matmuls_bf16_storage", BF16_GEMM)
+        .into_iter()
+        .map(|c| c.stored_bf16(BF16_GEMM))
+        .collect();
+    let worst = check_on("matmuls_bf16_storage", &cases, Precision::Bf16);
+    assert_mostly_rounded(&worst, BF16_ROUNDED, "bf16");
+}
+
+/// A bf16 run where some activation operands stay f32 (a buffer the plan keeps f32): those go
+/// through per-use bf16 copies, the rest are read as stored; outputs of either type.
+#[test]
+fn matmuls_bf16_mixed_storage() {
+    let (f, h) = (DType::F32, DType::Bf16);
+    let mut cases = Vec::new();
+    for case in matmul_cases("matmuls_bf16_mixed_storage", BF16_GEMM) {
+        let (ins, outs): (&[DType], &[DType]) = match case.name() {
+            n if n.starts_with("matmul+bias") => (&[f, f, f], &[h]),
+            n if n.starts_with("matmul ") => (&[h, f], &[f]),
+            n if n.starts_with("matmul_bwd_data") => (&[f, f], &[h]),
+            n if n.contains("bias=true") => (&[h, f], &[f, f]),
+            _ => (&[f, h], &[f]),
+        };
+        cases.push(case.with_dtypes(ins, outs, BF16_GEMM));
+    }
+    check_on("matmuls_bf16_mixed_storage", &cases, Precision::Bf16);
+}
+
+/// One step of a weight-cast check: a host write, an op, or a read to compare.
+enum Step {
+    Write(u32, Vec<f32>),
+    Compute(Op, Vec<u32>, Vec<u32>),
+    Read(u32),
+}
+
+/// Allocates `buffers` (element count, dtype) as ids 0.., runs `steps`; the values read.
+fn run_steps(b: &mut dyn Backend, buffers: &[(usize, DType)], steps: &[Step]) -> Vec<Vec<f32>> {
+    for (i, &(len, dtype)) in buffers.iter().enumerate() {
+        b.alloc(BufferId(i as u32), &[len as u64], dtype).unwrap();
+    }
+    let ids = |v: &[u32]| v.iter().map(|&i| BufferId(i)).collect::<Vec<_>>();
+    let mut reads = Vec::new();
+    for step in steps {
+        match step {
+            Step::Write(id, data) => b.write_f32(BufferId(*id), data).unwrap(),
+            Step::Compute(op, ins, outs) => b
+                .compute(op, &ids(ins), &ids(outs), &SCALARS)
+                .unwrap_or_else(|e| panic!("{op:?} on {}: {e}", b.name())),
+            Step::Read(id) => reads.push(b.read_f32(BufferId(*id)).unwrap()),
+        }
+    }
+    reads
+}
+
+/// A bf16 run reads each f32 weight through a cached bf16 cast: after the weight changes —
+/// written from the host, updated by an optimizer op, overwritten by another op — the next
+/// forward and backward-data GEMMs must use the new weight. Each read must match the CPU
+/// (which reads the weight as it is now) and differ from the read before it.
+#[test]
+fn bf16_weight_casts_follow_the_weight() {
+    let Some(mut gpu) = gpu_with(Precision::Bf16) else {
+        return;
+    };
+    let mut r = Rng::new("bf16_weight_casts_follow_the_weight");
+    let (rows, k, m) = (64usize, 96usize, 80usize);
+    // 0 x, 1 w, 2 b, 3 y, 4 dy, 5 dx (activations bf16), 6 g, 7 coef, 8 w2 (f32).
+    let (h, f) = (DType::Bf16, DType::F32);
+    let buffers = [
+        (rows * k, h),
+        (m * k, f),
+        (m, f),
+        (rows * m, h),
+        (rows * m, h),
+        (rows * k, h),
+        (m * k, f),
+        (1, f),
+        (m * k, f),
+    ];
+    let forward = Op::Matmul {
+        in_dim: k as u64,
+        out_dim: m as u64,
+        bias: true,
+    };
+    let backward = Op::MatmulBwdData {
+        in_dim: k as u64,
+        out_dim: m as u64,
+    };
+    let sgd = Op::Sgd {
+        momentum: 0.0,
+        weight_decay: 0.0,
+    };
+    let use_w = || {
+        vec![
+            Step::Compute(forward.clone(), vec![0, 1, 2], vec![3]),
+            Step::Read(3),
+            Step::Compute(backward.clone(), vec![4, 1], vec![5]),
+            Step::Read(5),
+        ]
+    };
+    let mut steps = vec![
+        Step::Write(0, r.vec(rows * k, 1.0)),
+        Step::Write(1, r.vec(m * k, 1.0)),
+        Step::Write(2, r.vec(m, 1.0)),
+        Step::Write(4, r.vec(rows * m, 1.0)),
+        // lr 0.01 · g of 50: each weight moves by about 0.5.
+        Step::Write(6, r.vec(m * k, 50.0)),
+        Step::Write(7, vec![1.0]),
+        Step::Write(8, r.vec(m * k, 1.0)),
+    ];
+    steps.extend(use_w());
+    steps.push(Step::Write(1, r.vec(m * k, 1.0)));
+    steps.extend(use_w());
+    steps.push(Step::Compute(sgd, vec![6, 7], vec![1]));
+    steps.extend(use_w());
+    steps.push(Step::Compute(Op::Copy, vec![8], vec![1]));
+    steps.extend(use_w());
+    let want = run_steps(&mut CpuBackend::new(), &buffers, &steps);
+    let got = run_steps(gpu.as_mut(), &buffers, &steps);
+    let worst = |a: &[f32], b: &[f32]| {
+        let rms = (b.iter().map(|v| v * v).sum::<f32>() / b.len() as f32).sqrt();
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs() / (y.abs() + rms))
+            .fold(0.0f32, f32::max)
+    };
+    let labels = ["first", "after write_f32", "after Sgd", "after Copy"];
+    for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+        let (label, what) = (labels[i / 2], ["y", "dx"][i % 2]);
+        let err = worst(g, w);
+        println!("{what} {label}: worst relative error {err:.3e} against the CPU");
+        assert!(
+            err <= BF16_GEMM,
+            "{what} {label}: error {err:.3e} > {BF16_GEMM:.0e}"
+        );
+        if i >= 2 {
+            let moved = worst(&got[i - 2], w);
+            println!("{what} {label}: differs from the previous {what} by {moved:.3e}");
+            assert!(
+                moved > 10.0 * BF16_GEMM,
+                "{what} {label} hardly changed ({moved:.3e}): the GEMM read a stale weight cast"
+            );
+        }
+    }
 }
 
 #[test]
