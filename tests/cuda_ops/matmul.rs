@@ -92,16 +92,18 @@ fn matmuls_bf16() {
 
 /// Both backends store the activations bf16 (x, y, dy, dx) and keep w, b, dw, db f32: the GPU
 /// reads them straight from the bf16 buffers and writes bf16 y/dx, the CPU rounds its f32
-/// result once on write. The GPU also rounds w to bf16 (the CPU does not), hence the bf16 GEMM
-/// tolerance; dw and db accumulate onto their random starting values.
+/// result once on write (the harness checks a bf16 output holds bf16 values). The GPU also
+/// rounds w to bf16 (the CPU does not), hence the bf16 GEMM tolerance; dw and db, products of
+/// bf16 values summed in fp32 on both, accumulate onto their random starting values. (No
+/// "was it rounded" check: dw and db agree to fp32 rounding here, and y's error is mostly
+/// where the two round a nearly equal f32 to neighbouring bf16 values.)
 #[test]
 fn matmuls_bf16_storage() {
     let cases: Vec<Case> = matmul_cases("matmuls_bf16_storage", BF16_GEMM)
         .into_iter()
         .map(|c| c.stored_bf16(BF16_GEMM))
         .collect();
-    let worst = check_on("matmuls_bf16_storage", &cases, Precision::Bf16);
-    assert_mostly_rounded(&worst, BF16_ROUNDED, "bf16");
+    check_on("matmuls_bf16_storage", &cases, Precision::Bf16);
 }
 
 /// A bf16 run where some activation operands stay f32 (a buffer the plan keeps f32): those go

@@ -141,9 +141,13 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
                     epilogue: Epilogue::BiasGradB { ptr: t },
                     ..g
                 };
-                if be.blas.supports(&with_grad, be.operands)? {
+                let add = add_into(t, one, db, m_out);
+                if be.blas.supports(&with_grad, be.operands)?
+                    && be.blas.supports(&add, Operands::F32)?
+                {
                     be.gemm(&with_grad, activation(x), activation(dy))?;
-                    return add_into(be, t, one, db, m_out);
+                    let stream = be.stream.cu_stream();
+                    return be.blas.run(&add, Operands::F32, stream, None);
                 }
             }
             be.gemm(&g, activation(x), activation(dy))?;
@@ -208,15 +212,10 @@ fn bias_epilogue(
     Ok(Epilogue::None)
 }
 
-/// `db += t` (`len` fp32 values) as a k = 1 fp32 GEMM: `db = t · [1.0] + 1 · db`.
-fn add_into(
-    be: &mut CudaBackend,
-    t: CUdeviceptr,
-    one: CUdeviceptr,
-    db: Buf,
-    len: usize,
-) -> Result<()> {
-    let g = Gemm {
+/// `db += t` (`len` fp32 values) as a k = 1 fp32 GEMM: `db = t · [1.0] + 1 · db` (one
+/// rounding, as an add; `one` holds 1.0).
+fn add_into(t: CUdeviceptr, one: CUdeviceptr, db: Buf, len: usize) -> Gemm {
+    Gemm {
         trans_a: false,
         trans_b: false,
         m: len as u64,
@@ -231,9 +230,7 @@ fn add_into(
         beta: 1.0,
         out: Output::F32,
         epilogue: Epilogue::None,
-    };
-    let stream = be.stream.cu_stream();
-    be.blas.run(&g, Operands::F32, stream, None)
+    }
 }
 
 impl CudaBackend {
