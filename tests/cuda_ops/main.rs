@@ -28,6 +28,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod attention;
+mod cross_entropy;
 mod elementwise;
 mod errors;
 mod harness;

@@ -13,9 +13,10 @@
 //!   `pos * theta^(-2i/head_dim)` for `i < head_dim/2`.
 //! - Every op lists its inputs and outputs in order; the IR instruction's buffer lists follow that
 //!   order exactly. "(+=)" marks an output the op accumulates into (its first accumulation
-//!   starts from the zeros of its `Alloc` or of a `Zero`); all other outputs are overwritten:
-//!   every element written, none read (the memory planner relies on this to skip zero-fills,
-//!   `memplan::zero_needs`).
+//!   starts from the zeros of its `Alloc` or of a `Zero`); "(in place)" marks an output that
+//!   is one of the op's inputs, updated where it lies (`Op::in_place`); all other outputs are
+//!   overwritten: every element written, none read (the memory planner relies on this to skip
+//!   zero-fills, `memplan::zero_needs`).
 //! - Token ids are i32 buffers; everything else is f32, except that a `precision = bf16` plan
 //!   stores activations and their gradients in bf16. Which operand accepts which type, and
 //!   what an op on bf16 operands computes (read widened, compute in f32, round each written
@@ -24,8 +25,9 @@
 //! - `lr` and the 1-based optimizer step count used by `AdamW`/`Sgd` are supplied by the executor
 //!   from the spec's schedule; they are not part of the op. So is the loss scale `s` of an fp16
 //!   run (`precision = fp16`; absent otherwise, which acts as `s = 1` with no skipping): `CeGrad`
-//!   multiplies by it, `ClipCoef` divides it back out and marks an overflowed step, and a marked
-//!   step leaves `AdamW`/`Sgd` parameters and state untouched.
+//!   and `CrossEntropy` multiply the loss gradient by it, `ClipCoef` divides it back out and
+//!   marks an overflowed step, and a marked step leaves `AdamW`/`Sgd` parameters and state
+//!   untouched.
 
 use serde::Serialize;
 
@@ -191,6 +193,18 @@ pub enum Op {
     },
 
     // ------------------------------------------------------------------ cross-entropy
+    /// The whole loss of an unsplit vocabulary in one pass per row (llm.c's fused classifier),
+    /// writing the loss gradient over the logits.
+    /// in: logits `[rows, vocab]`, targets `[rows]` i32. out: dlogits — the logits buffer
+    /// itself (in place: output 0 is input 0) — and loss `[1]` (+=).
+    /// Per row, with `max` = the row's largest logit, `sumexp = Σ_j exp(logit_j − max)` and
+    /// `target_logit` = the logit of the row's target (0 when the target is outside
+    /// `[0, vocab)`): `loss += scale * Σ_rows (ln sumexp + max − target_logit)` and
+    /// `dlogits = s * scale * (softmax − onehot(target))`, `s` the step's loss scale (1
+    /// without): exactly what `CeMax`, `CeSumExp`, `CeTargetLogit`, `CeLoss` and `CeGrad`
+    /// compute together with `vocab_start = 0`, minus the dlogits buffer. `scale` = 1 / (tokens
+    /// in the global batch).
+    CrossEntropy { vocab: u64, scale: f64 },
     // Vocab-parallel decomposition (Megatron): with the vocab split over tp, the lowering
     // all-reduces `max` (Max), `sumexp` (Sum) and `target_logit` (Sum) over tp between the steps.
     /// in: logits `[rows, vocab_local]`. out: max `[rows]`.
@@ -235,4 +249,17 @@ pub enum Op {
     /// g' = coef·g + wd·param; buf = momentum·buf + g' (buf = g' at t = 1); param -= lr·buf.
     /// A non-finite coef (an overflowed fp16 step) leaves param and momentum untouched.
     Sgd { momentum: f64, weight_decay: f64 },
+}
+
+impl Op {
+    /// The (input, output) positions an op updates in place: the instruction binds both to
+    /// one buffer (the verifier checks it, E0820) and the op reads every element of it before
+    /// it writes that element, so a backend runs it on the buffer as it is, with no copy of
+    /// the input taken first (other ops whose output is also an input read a copy).
+    pub fn in_place(&self) -> &'static [(usize, usize)] {
+        match self {
+            Op::CrossEntropy { .. } => &[(0, 0)],
+            _ => &[],
+        }
+    }
 }

@@ -85,6 +85,7 @@ pub fn operand_classes(op: &Op) -> (Vec<StorageClass>, Vec<StorageClass>) {
         Op::Add => (vec![Float; 2], vec![Float]),
         Op::Scale { .. } | Op::Copy | Op::CopyRange { .. } => (vec![Float], vec![Float]),
         Op::Zero => (vec![], vec![Float]),
+        Op::CrossEntropy { .. } => (vec![Float, Tokens], vec![Float, Fp32]),
         Op::CeMax { .. } => (vec![Float], vec![Fp32]),
         Op::CeSumExp { .. } => (vec![Float, Fp32], vec![Fp32]),
         Op::CeTargetLogit { .. } => (vec![Float, Tokens], vec![Fp32]),

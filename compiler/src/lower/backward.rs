@@ -58,6 +58,15 @@ impl Emitter<'_> {
         let tp = u64::from(self.tp);
         let sv = |i: usize| saved.get(i).copied();
         let dx: Option<BufferId> = match (&kind, dy) {
+            // The fused loss left dlogits in the logits buffer: it becomes the gradient (held
+            // once more, as the saved list's hold is released below).
+            (LayerKind::CrossEntropy, _) if self.fuses_loss(node) => {
+                let dlogits = sv(0);
+                if let Some(d) = dlogits {
+                    self.b.retain(d);
+                }
+                dlogits
+            }
             (LayerKind::CrossEntropy, _) => {
                 if let (Some(logits), Some(targets), Some(mx), Some(se)) =
                     (sv(0), sv(1), sv(2), sv(3))

@@ -272,6 +272,21 @@ impl Emitter<'_> {
         let rows = self.rows_full();
         let shape = self.b.shape(logits);
         let vl = shape.get(1).copied().unwrap_or(0);
+        if self.fuses_loss(node) {
+            // One pass per row; the logits buffer then holds dlogits for the backward.
+            self.b.compute(
+                Op::CrossEntropy {
+                    vocab: vl,
+                    scale: self.loss_scale(),
+                },
+                &[logits, targets],
+                &[logits, loss],
+                Some(node),
+                phase,
+            );
+            self.b.retain(logits);
+            return vec![logits];
+        }
         let vstart = if self.groups.tp.is_some() {
             u64::from(self.tp_index) * vl
         } else {
@@ -332,6 +347,29 @@ impl Emitter<'_> {
         self.b.retain(logits);
         self.b.retain(targets);
         vec![logits, targets, mx, se]
+    }
+
+    /// Whether the loss of `node` is the fused `CrossEntropy` (which overwrites its logits
+    /// with their gradient): its vocabulary is not split over tp (a split one needs collectives
+    /// between the pieces) and it is the only reader of the logits (another would see dlogits).
+    pub fn fuses_loss(&self, node: NodeId) -> bool {
+        let Some(logits) = self
+            .spec
+            .model
+            .nodes
+            .get(node.0 as usize)
+            .and_then(|n| n.inputs.first())
+        else {
+            return false;
+        };
+        let readers = self
+            .spec
+            .model
+            .nodes
+            .iter()
+            .filter(|n| n.inputs.contains(logits))
+            .count();
+        self.groups.tp.is_none() && readers == 1
     }
 
     /// 1 / (tokens in the global batch).

@@ -154,6 +154,8 @@ fn output_use(op: &Op, index: usize) -> Use {
         | Op::MatmulBwdWeight { .. }
         | Op::CeLoss { .. }
         | Op::SumSquares => Use::Reads,
+        // dlogits is the logits, read first (in place); the loss accumulates.
+        Op::CrossEntropy { .. } => Use::Reads,
         Op::LayerNormBwd { .. } | Op::RmsNormBwd { .. } if index == 0 => Use::Overwrites,
         Op::LayerNormBwd { .. } | Op::RmsNormBwd { .. } => Use::Reads,
         // Updated in place.

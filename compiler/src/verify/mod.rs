@@ -23,15 +23,18 @@
 //!
 //! 6. **Types fit**: every operand's dtype is one its op accepts (`ir::storage`), a
 //!    collective's input and output share one type, `LoadBatch` fills i32 buffers (E0819).
+//! 7. **In place is one buffer**: an op that updates an input in place (`Op::in_place`) names
+//!    the same buffer as that input and as the output it becomes (E0820).
 //!
-//! Invariants 1–3, 6 and the liveness numbers are per program (ranks sharing a program are alike);
-//! 4–5 come from simulating all ranks together ([`rendezvous`]). Ranks whose programs differ
-//! only in the dp coordinate are simulated once: when every rank runs the program of its dp-0
-//! counterpart and no transfer crosses dp, the dp-0 slice's run is the whole run (each rank is
-//! in its counterpart's state at every step, by induction), so a 1,024-GPU plan with dp = 16
+//! Invariants 1–3, 6, 7 and the liveness numbers are per program (ranks sharing a program are
+//! alike); 4–5 come from simulating all ranks together ([`rendezvous`]). Ranks whose programs
+//! differ only in the dp coordinate are simulated once: when every rank runs the program of its
+//! dp-0 counterpart and no transfer crosses dp, the dp-0 slice's run is the whole run (each rank
+//! is in its counterpart's state at every step, by induction), so a 1,024-GPU plan with dp = 16
 //! simulates 64 ranks. Otherwise every rank is simulated.
 
 mod dtypes;
+mod in_place;
 mod liveness;
 mod rendezvous;
 pub(crate) mod slice;
@@ -175,6 +178,7 @@ pub fn check(plan: &Plan) -> Outcome {
         indices.push(index);
         if let Some(program) = plan.programs.get(i) {
             violations.extend(dtypes::check(program, ProgramId(i as u32), first_rank[i]));
+            violations.extend(in_place::check(program, ProgramId(i as u32), first_rank[i]));
         }
     }
     // Rendezvous on programs with broken buffers would report the same fault twice.

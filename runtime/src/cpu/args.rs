@@ -77,6 +77,11 @@ pub(crate) fn signature(op: &Op) -> Signature {
         Op::Copy => sig("copy", &["x"], &["y"]),
         Op::Zero => sig("zero", &[], &["buffer"]),
         Op::CopyRange { .. } => sig("copy_range", &["src"], &["dst"]),
+        Op::CrossEntropy { .. } => sig(
+            "cross_entropy",
+            &["logits", "targets"],
+            &["dlogits", "loss"],
+        ),
         Op::CeMax { .. } => sig("ce_max", &["logits"], &["max"]),
         Op::CeSumExp { .. } => sig("ce_sum_exp", &["logits", "max"], &["sumexp"]),
         Op::CeTargetLogit { .. } => {

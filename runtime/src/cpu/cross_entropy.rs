@@ -1,7 +1,9 @@
-//! The vocab-parallel cross-entropy pieces (Megatron's decomposition): per-row max, sum of
-//! exponentials and target logit over this rank's vocab slice (the lowering all-reduces them
-//! over tp in between), then the scaled loss and the logits gradient. Row sums are accumulated in
-//! f64; the loss sums rows in fixed chunks (deterministic).
+//! Cross-entropy: the vocab-parallel pieces (Megatron's decomposition: per-row max, sum of
+//! exponentials and target logit over this rank's vocab slice, which the lowering all-reduces
+//! over tp in between, then the scaled loss and the logits gradient) and the fused loss of an
+//! unsplit vocabulary, which is defined as those pieces run back to back (so plans with either
+//! agree exactly). Row sums are accumulated in f64; the loss sums rows in fixed chunks
+//! (deterministic).
 use super::args::{expect_len, rows_of};
 use super::par::{rows_per_task, sum_chunks};
 use crate::error::Result;
@@ -118,4 +120,35 @@ pub(crate) fn ce_grad(
             }
         });
     Ok(())
+}
+
+/// `Op::CrossEntropy`: `loss[0] += scale · Σ_r (ln sumexp[r] + max[r] − target_logit[r])` and
+/// `dlogits = grad_scale · (softmax − onehot(target))` over an unsplit vocabulary, computed as
+/// the split pieces compute them (`vocab_start` 0). `logits` is the op's input as it was before
+/// the op (the backend hands a copy when `dlogits` is the same buffer); `grad_scale` is the op's
+/// scale times the step's loss scale.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn cross_entropy(
+    op: &str,
+    vocab: usize,
+    scale: f64,
+    grad_scale: f64,
+    logits: &[f32],
+    targets: &[i32],
+    dlogits: &mut [f32],
+    loss: &mut [f32],
+) -> Result<()> {
+    let rows = rows_of(op, "logits", logits.len(), vocab)?;
+    expect_len(op, "targets", targets.len(), rows)?;
+    expect_len(op, "dlogits", dlogits.len(), logits.len())?;
+    expect_len(op, "loss", loss.len(), 1)?;
+    let (mut max, mut sumexp, mut target_logit) =
+        (vec![0.0; rows], vec![0.0; rows], vec![0.0; rows]);
+    ce_max(op, vocab, logits, &mut max)?;
+    ce_sum_exp(op, vocab, logits, &max, &mut sumexp)?;
+    ce_target_logit(op, 0, vocab, logits, targets, &mut target_logit)?;
+    ce_loss(op, scale, &max, &sumexp, &target_logit, loss)?;
+    ce_grad(
+        op, 0, vocab, grad_scale, logits, targets, &max, &sumexp, dlogits,
+    )
 }

@@ -3,7 +3,7 @@
 //! order, and calls the kernel, which checks every length before touching memory.
 use super::args::{dim, Inputs, Outputs};
 use super::attention::{attention, attention_bwd, AttentionGrads, AttentionShape};
-use super::cross_entropy::{ce_grad, ce_loss, ce_max, ce_sum_exp, ce_target_logit};
+use super::cross_entropy::{ce_grad, ce_loss, ce_max, ce_sum_exp, ce_target_logit, cross_entropy};
 use super::dense::Threads;
 use super::elementwise::{
     activation, activation_bwd, add, copy, copy_range, scale, swiglu, swiglu_bwd,
@@ -278,6 +278,19 @@ pub(crate) fn run(
             ins.tensor(0)?,
             outs.tensor(0)?,
         ),
+        Op::CrossEntropy { vocab, scale } => {
+            let [dlogits, loss] = outs.f32s()?;
+            cross_entropy(
+                name,
+                dim(name, "vocab", *vocab)?,
+                *scale,
+                *scale * scalars.loss_scale.unwrap_or(1.0),
+                ins.f32(0)?,
+                ins.i32(1)?,
+                dlogits,
+                loss,
+            )
+        }
         Op::CeMax { vocab_local } => {
             let [max] = outs.f32s()?;
             ce_max(

@@ -11,13 +11,14 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The kernel sources, in the order they are concatenated (helpers first).
-const SOURCES: [&str; 6] = [
+const SOURCES: [&str; 7] = [
     include_str!("kernels/common.cuh"),
     include_str!("kernels/elementwise.cu"),
     include_str!("kernels/norm_loss.cu"),
     include_str!("kernels/optimizer.cu"),
     include_str!("kernels/attention.cu"),
     include_str!("kernels/attention_tc.cu"),
+    include_str!("kernels/cross_entropy.cu"),
 ];
 
 /// Options that change the generated code: part of the cache key. `--fmad=false` keeps

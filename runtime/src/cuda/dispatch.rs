@@ -5,7 +5,7 @@
 //! a `FloatArg` (pointer + bf16 flag); *fp32* operands (`f32_in`/`f32_out`) are f32 only.
 //! Row-major GEMMs map onto cuBLAS's column-major view: a row-major `[r, c]` matrix is a
 //! column-major `c × r` one with leading dimension `c`.
-use super::{attention, matmul, Arg, Buf, CudaBackend, FloatArg};
+use super::{attention, cross_entropy, matmul, Arg, Buf, CudaBackend, FloatArg};
 use crate::backend::StepScalars;
 use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::op::{Act, Op, Segment};
@@ -41,6 +41,7 @@ fn op_name(op: &Op) -> &'static str {
         Op::Copy => "Copy",
         Op::Zero => "Zero",
         Op::CopyRange { .. } => "CopyRange",
+        Op::CrossEntropy { .. } => "CrossEntropy",
         Op::CeMax { .. } => "CeMax",
         Op::CeSumExp { .. } => "CeSumExp",
         Op::CeTargetLogit { .. } => "CeTargetLogit",
@@ -75,6 +76,7 @@ fn arity(op: &Op) -> (usize, usize) {
         Op::Zero => (0, 1),
         Op::CeMax { .. } | Op::SumSquares | Op::ClipCoef { .. } => (1, 1),
         Op::CeSumExp { .. } | Op::CeTargetLogit { .. } => (2, 1),
+        Op::CrossEntropy { .. } => (2, 2),
         Op::CeLoss { .. } => (3, 1),
         Op::CeGrad { .. } => (4, 1),
         Op::AdamW { .. } => (2, 3),
@@ -131,7 +133,7 @@ impl Bound<'_> {
         Ok(b)
     }
 
-    fn i32_in(&self, i: usize) -> Result<Buf> {
+    pub(super) fn i32_in(&self, i: usize) -> Result<Buf> {
         self.typed(self.ins[i], DType::I32, &format!("input {i}"))
     }
 
@@ -570,6 +572,7 @@ pub(crate) fn run(
                 *len as usize,
             )
         }
+        Op::CrossEntropy { .. } => cross_entropy::run(be, &b, op, scalars),
         Op::CeMax { vocab_local } | Op::CeSumExp { vocab_local } => {
             let v = b.dim("vocab_local", *vocab_local)?;
             let logits = b.float_in(0)?;

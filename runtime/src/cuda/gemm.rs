@@ -357,7 +357,8 @@ impl Blas {
     /// Runs `g`; its A and B pointers hold `operands`-typed elements. On the first run of a
     /// 16-bit GEMM the candidates are timed first (see the module docs): into C itself when
     /// beta is 0, else into `tune_out` (`g.c_len()` elements of `g.out`), and without it not
-    /// at all. A bias-gradient epilogue writes its vector on every timed run too.
+    /// at all. A bias-gradient epilogue writes its vector on every timed run too. A GEMM with
+    /// an epilogue that fails to launch makes its plan unsupported (see `supports`).
     pub fn run(
         &mut self,
         g: &Gemm,
@@ -375,6 +376,28 @@ impl Blas {
             ));
         }
         let key = g.key(operands);
+        let result = self.run_planned(&key, g, stream, tune_out);
+        if result.is_err() && key.epilogue != EpilogueKind::None {
+            // cuBLASLt refused the epilogue at launch although its heuristic offered it: from
+            // now on `supports` says no, so the caller can do the epilogue's work another way
+            // (nothing was written: a refused launch queues no work).
+            if let Some(plan) = self.plans.get_mut(&key) {
+                plan.algos.clear();
+                plan.settled = true;
+            }
+        }
+        result
+    }
+
+    /// `run` for a GEMM whose plan exists and has an algorithm.
+    fn run_planned(
+        &mut self,
+        key: &PlanKey,
+        g: &Gemm,
+        stream: CUstream,
+        tune_out: Option<CUdeviceptr>,
+    ) -> Result<()> {
+        let key = *key;
         let timed_into = if key.accumulates { tune_out } else { Some(g.c) };
         let unsettled = self.plans.get(&key).is_some_and(|p| !p.settled);
         if let (true, Some(d)) = (unsettled, timed_into) {
@@ -387,7 +410,12 @@ impl Blas {
         let plan = self.plans.get(&key).ok_or_else(|| {
             cublas_error(&format!("cuBLASLt plan for {}", key.describe()), "missing")
         })?;
-        let algo = plan.algos[0];
+        let algo = *plan.algos.first().ok_or_else(|| {
+            cublas_error(
+                &format!("cuBLASLt plan for {}", key.describe()),
+                "no algorithm",
+            )
+        })?;
         if let Some((start, _, _)) = &self.timer {
             start.record(stream)?;
         }

@@ -50,7 +50,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
             let y = b.float_out(0)?;
             b.expect(y, "y", rows * m)?;
             // yᵀ (m × rows) = W (m × k, stored k × m) · xᵀ (k × rows) (+ b per row of yᵀ).
-            let mut g = Gemm {
+            let g = Gemm {
                 trans_a: true,
                 trans_b: false,
                 m: m as u64,
@@ -66,15 +66,28 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
                 out: output(y),
                 epilogue: Epilogue::None,
             };
-            if *bias {
-                let bb = b.f32_in(2)?;
-                b.expect(bb, "b", m)?;
-                g.epilogue = bias_epilogue(be, b, &g, bb, y, rows)?;
-                if g.epilogue == Epilogue::None {
-                    g.beta = 1.0;
+            if !*bias {
+                return be.gemm(&g, weight(w), activation(x));
+            }
+            let bb = b.f32_in(2)?;
+            b.expect(bb, "b", m)?;
+            // An epilogue cuBLASLt refuses at launch becomes unsupported (`gemm::Blas::run`):
+            // then the next choice (at most fp32 bias, bf16 bias, y = b first).
+            loop {
+                let epilogue = bias_epilogue(be, b, &g, bb, y, rows)?;
+                let beta = if epilogue == Epilogue::None { 1.0 } else { 0.0 };
+                let with_bias = Gemm {
+                    epilogue,
+                    beta,
+                    ..g
+                };
+                match be.gemm(&with_bias, weight(w), activation(x)) {
+                    Err(_)
+                        if epilogue != Epilogue::None
+                            && !be.blas.supports(&with_bias, be.operands)? => {}
+                    done => return done,
                 }
             }
-            be.gemm(&g, weight(w), activation(x))
         }
         Op::MatmulBwdData { in_dim, out_dim } => {
             let (k_in, m_out) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
@@ -145,9 +158,15 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
                 if be.blas.supports(&with_grad, be.operands)?
                     && be.blas.supports(&add, Operands::F32)?
                 {
-                    be.gemm(&with_grad, activation(x), activation(dy))?;
-                    let stream = be.stream.cu_stream();
-                    return be.blas.run(&add, Operands::F32, stream, None);
+                    match be.gemm(&with_grad, activation(x), activation(dy)) {
+                        Ok(()) => {
+                            let stream = be.stream.cu_stream();
+                            return be.blas.run(&add, Operands::F32, stream, None);
+                        }
+                        // Refused at launch (`gemm::Blas::run`): the column sum below.
+                        Err(_) if !be.blas.supports(&with_grad, be.operands)? => {}
+                        Err(e) => return Err(e),
+                    }
                 }
             }
             be.gemm(&g, activation(x), activation(dy))?;

@@ -18,9 +18,11 @@
 //! use overwrites it: `MemoryLayout::needs_zero`) and `Free` releases nothing, so a step makes no
 //! driver allocation. Without a plan each buffer is its own allocation. An op whose
 //! output is also one of its inputs sees the input's value from before the op (the input is
-//! copied first), as on the CPU.
+//! copied first), as on the CPU, unless the op updates it in place (`Op::in_place`: the fused
+//! cross-entropy overwrites its logits with dlogits without a copy).
 mod attention;
 mod compile;
+mod cross_entropy;
 mod device;
 mod dispatch;
 mod gemm;
@@ -590,13 +592,15 @@ impl Backend for CudaBackend {
             .iter()
             .map(|&id| self.buf(id))
             .collect::<Result<Vec<_>>>()?;
-        // Inputs that are also outputs are read from a copy taken before the op.
+        // Inputs that are also outputs are read from a copy taken before the op, except where
+        // the op updates them in place (`Op::in_place`: it reads each element before writing it).
         let mut copies = Vec::new();
         let mut aliased_used = 0usize;
         let mut ins = Vec::with_capacity(inputs.len());
-        for &id in inputs {
+        for (i, &id) in inputs.iter().enumerate() {
             let mut b = self.buf(id)?;
-            if outputs.contains(&id) {
+            let in_place = op.in_place().iter().any(|&(input, _)| input == i);
+            if outputs.contains(&id) && !in_place {
                 let bytes = b.len * b.dtype.bytes() as usize;
                 let ptr = self.aliased_copy(&mut copies, &mut aliased_used, bytes)?;
                 self.copy_bytes(ptr, b.ptr, bytes)?;

@@ -6,12 +6,14 @@
 //! per-op scratch memory read off the program once, so no step allocates:
 //! - reduction partials (`dispatch`: `SumSquares`' per-block sums, the per-chunk column partials
 //!   of norm and bias gradients — at most 128 chunks of 8-byte sums per column — and attention
-//!   backward's `delta`, one f32 per `lse` element), which share one scratch buffer with the
-//!   tensor-core attention's bf16 copies of q, k, v (and dO) in 16-bit runs (`attention`);
+//!   backward's `delta`, one f32 per `lse` element, the fused cross-entropy's per-row losses),
+//!   which share one scratch buffer with the tensor-core attention's bf16 copies of q, k, v
+//!   (and dO) in 16-bit runs (`attention`);
 //! - the GEMMs' per-use 16-bit copies of f32 operands (bf16 and fp16 runs; bf16-stored operands
 //!   and cached weight casts need none), then for a bwd-weight GEMM a dw-sized D its algorithms
 //!   are timed into (`gemm_operands::scratch_bytes`);
-//! - copies of inputs that are also the op's output (read from before the op);
+//! - copies of inputs that are also the op's output (read from before the op), except those the
+//!   op updates in place (`Op::in_place`);
 //! - every distinct `Segment` list, whose positions are uploaded once.
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::CudaSlice;
@@ -77,6 +79,8 @@ pub(crate) fn program_needs(program: &Program, half_operands: bool) -> ProgramNe
                 (0..4).map(|i| aligned(numel(input(i)) * 2)).sum::<usize>() + numel(input(5)) * 4
             }
             Op::AttentionBwd { .. } => numel(input(5)) * 4,
+            // Each row's loss (f64), summed in a fixed order after (`cross_entropy`).
+            Op::CrossEntropy { .. } => numel(input(1)) * 8,
             _ => 0,
         };
         needs.reduction_bytes = needs.reduction_bytes.max(reduction);
@@ -93,7 +97,8 @@ pub(crate) fn program_needs(program: &Program, half_operands: bool) -> ProgramNe
         let mut aliased = 0usize;
         for (i, id) in inputs.iter().enumerate() {
             let first = inputs.iter().position(|x| x == id) == Some(i);
-            if first && outputs.iter().any(|o| o == id) {
+            let in_place = op.in_place().iter().any(|&(input, _)| input == i);
+            if first && !in_place && outputs.iter().any(|o| o == id) {
                 aliased += aligned(buffer(Some(id)).map_or(0, |b| b.bytes() as usize));
             }
         }

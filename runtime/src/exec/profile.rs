@@ -133,7 +133,8 @@ fn op_kind(op: &Op) -> OpKind {
         | Op::Copy
         | Op::Zero
         | Op::CopyRange { .. } => OpKind::Elementwise,
-        Op::CeMax { .. }
+        Op::CrossEntropy { .. }
+        | Op::CeMax { .. }
         | Op::CeSumExp { .. }
         | Op::CeTargetLogit { .. }
         | Op::CeLoss { .. }

@@ -1,9 +1,11 @@
 //! Tests of the CPU backend: finite-difference gradient checks of every backward op against its
 //! forward (`gradients`), known values and decompositions (`reference`: naive attention, context-
-//! parallel splits, GQA vs MHA, vocab-parallel cross-entropy, optimizer steps), and the buffer
-//! table, error reporting and thread-count determinism (`backend`).
+//! parallel splits, GQA vs MHA, vocab-parallel cross-entropy, optimizer steps), the fused
+//! cross-entropy against its split pieces (`fused_loss`), and the buffer table, error reporting
+//! and thread-count determinism (`backend`).
 mod backend;
 mod bf16;
+mod fused_loss;
 mod gradients;
 mod reference;
 

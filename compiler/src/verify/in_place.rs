@@ -1,0 +1,46 @@
+//! Invariant 7 of the verifier: an op that updates an operand in place (`Op::in_place`, e.g.
+//! `CrossEntropy` writing dlogits over its logits) binds that input and that output to one
+//! buffer (E0820). Backends rely on it: they run such an op on the buffer without copying the
+//! input first, so an instruction naming two buffers there would read one and leave the other
+//! unwritten.
+use super::Violation;
+use crate::ir::{Instr, Program, ProgramId};
+
+/// Every in-place binding violation of `program` (run by `rank`, the lowest rank running it).
+pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violation> {
+    let mut violations = Vec::new();
+    for (i, instr) in program.instrs.iter().enumerate() {
+        let Instr::Compute {
+            op,
+            inputs,
+            outputs,
+            node,
+            ..
+        } = instr
+        else {
+            continue;
+        };
+        for &(input, output) in op.in_place() {
+            let (a, b) = (inputs.get(input), outputs.get(output));
+            if a.is_none() || a != b {
+                let name = |b: Option<&crate::ir::BufferId>| {
+                    b.map_or_else(|| "nothing".to_string(), |b| format!("b{}", b.0))
+                };
+                violations.push(Violation {
+                    code: "E0820",
+                    rank,
+                    program: id,
+                    instr: i,
+                    node: *node,
+                    message: format!(
+                        "{op:?} updates input {input} in place as output {output}, but input \
+                         {input} is {} and output {output} is {}",
+                        name(a),
+                        name(b)
+                    ),
+                });
+            }
+        }
+    }
+    violations
+}
