@@ -1,7 +1,9 @@
 //! Causal attention forward + backward TFLOP/s on one GPU, for `bench/RESULTS.md` beside
 //! PyTorch SDPA (`bench/attention.py`, same shapes; `bench/attention.sh` runs both in one
-//! device call). bf16 runs take the tensor-core kernels (head_dim 64 and 128); one fp32 point
-//! times the exact kernels they replace. FLOPs follow PyTorch's attention benchmark: causal
+//! device call). bf16 runs take the tensor-core kernels (head_dim 64 and 128) on bf16 buffers
+//! (q, k, v, o, dO, dQ, dK, dV stored bf16, as a bf16 run's plan stores them; label
+//! `parc-bf16-tc`); one point repeats GPT-2 124M's shape on f32 buffers (`parc-bf16-f32buf`:
+//! the operands copied to bf16 first), and one fp32 point times the exact kernels. FLOPs follow PyTorch's attention benchmark: causal
 //! forward 4·B·H·T²·d / 2, backward 2.5× the forward.
 //!
 //! Ignored by default (it needs a GPU): on the device machine,
@@ -30,6 +32,8 @@ mod bench {
 
     struct Point {
         precision: Precision,
+        /// How q, k, v, o, dO, dQ, dK, dV are stored (lse is always f32).
+        stored: DType,
         batch: u64,
         heads: u64,
         seq: u64,
@@ -40,8 +44,13 @@ mod bench {
     fn point(precision: Precision, batch: u64, heads: u64, seq: u64, head_dim: u64) -> Point {
         // About the same work per point: fewer repeats for long sequences.
         let iters = if seq >= 4096 { 5 } else { 20 };
+        let stored = match precision {
+            Precision::Bf16 => DType::Bf16,
+            _ => DType::F32,
+        };
         Point {
             precision,
+            stored,
             batch,
             heads,
             seq,
@@ -96,8 +105,12 @@ mod bench {
             point(Precision::Bf16, 8, 16, 4096, 64),
             point(Precision::Bf16, 8, 8, 1024, 128),
             point(Precision::Bf16, 8, 8, 4096, 128),
-            // GPT-2 124M's attention at 8 x 1024.
+            // GPT-2 124M's attention at 8 x 1024, on bf16 and on f32 buffers.
             point(Precision::Bf16, 8, 12, 1024, 64),
+            Point {
+                stored: DType::F32,
+                ..point(Precision::Bf16, 8, 12, 1024, 64)
+            },
             Point {
                 iters: 2,
                 ..point(Precision::Fp32, 8, 16, 1024, 64)
@@ -148,7 +161,8 @@ mod bench {
         let sizes = [n, n, n, n, lse_n, n, n, n, n];
         for (i, &len) in sizes.iter().enumerate() {
             let id = BufferId(i as u32);
-            be.alloc(id, &[len as u64], DType::F32).unwrap();
+            let dtype = if i == 4 { DType::F32 } else { pt.stored };
+            be.alloc(id, &[len as u64], dtype).unwrap();
             be.write_f32(id, &fill(len, i as u64 + 1)).unwrap();
         }
         let id = |i: u32| BufferId(i);
@@ -181,8 +195,9 @@ mod bench {
         let (fwd_t, bwd_t) = (median(fwd_s), median(bwd_s));
         let fwd_flop = 4.0 * (b * h) as f64 * (t * t) as f64 * d as f64 / 2.0;
         let bwd_flop = 2.5 * fwd_flop;
-        let label = match pt.precision {
-            Precision::Bf16 => "parc-bf16-tc",
+        let label = match (pt.precision, pt.stored) {
+            (Precision::Bf16, DType::Bf16) => "parc-bf16-tc",
+            (Precision::Bf16, _) => "parc-bf16-f32buf",
             _ => "parc-fp32-exact",
         };
         println!(

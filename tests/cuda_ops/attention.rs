@@ -1,11 +1,15 @@
 //! Attention, forward and backward: the fp32 kernels on small and GQA shapes, context-parallel
 //! segments and kv ahead of q, and in a bf16 run the tensor-core kernels (head_dim 64 or 128)
-//! within `BF16_ATTENTION`, while other head dims stay exact fp32.
+//! within `BF16_ATTENTION`, while other head dims stay exact fp32; then bf16 storage (bf16
+//! q/k/v/o/dO/dQ/dK/dV buffers) on both kernel families against the CPU's bf16 run.
 use crate::harness::{
-    check, check_on, seg, Case, Data, Rng, BF16_ATTENTION, BF16_ROUNDED, REDUCTION,
+    check, check_on, gpu_with, seg, Case, Data, Rng, BF16_ATTENTION, BF16_ROUNDED, REDUCTION,
+    SCALARS,
 };
 use parc_compiler::ir::op::{Op, Segment};
+use parc_compiler::ir::{BufferId, DType};
 use parc_compiler::spec::Precision;
+use parc_runtime::backend::Backend;
 use parc_runtime::cpu::CpuBackend;
 
 /// One attention shape: batch, heads, kv heads (GQA when fewer), head dim, causal mask, and the
@@ -51,15 +55,8 @@ fn round_bf16(x: f32) -> f32 {
     f32::from_bits(rounded & 0xffff_0000)
 }
 
-/// Forward and backward cases of `c`, held to `tol` (forward, backward). With `bf16_inputs`, q, k, v and dO are
-/// bf16 values (as a bf16 run's tensor cores read them), so the comparison measures the
-/// kernels' own rounding (P and dS in bf16) rather than the inputs'.
-fn attention_cases(r: &mut Rng, c: &AttConfig, tol: (f32, f32), bf16_inputs: bool) -> Vec<Case> {
-    let seq_q: u32 = c.q_positions.iter().map(|s| s.len).sum();
-    let seq_kv: u32 = c.kv_positions.iter().map(|s| s.len).sum();
-    let q_len = (u64::from(seq_q) * c.batch * c.heads * c.head_dim) as usize;
-    let kv_len = (u64::from(seq_kv) * c.batch * c.kv_heads * c.head_dim) as usize;
-    let lse_len = (c.batch * c.heads * u64::from(seq_q)) as usize;
+/// The forward and backward ops of `c`, with scale 1/√head_dim.
+fn attention_ops(c: &AttConfig) -> (Op, Op) {
     let scale = 1.0 / (c.head_dim as f64).sqrt();
     let fwd = Op::Attention {
         batch: c.batch,
@@ -81,6 +78,19 @@ fn attention_cases(r: &mut Rng, c: &AttConfig, tol: (f32, f32), bf16_inputs: boo
         q_positions: c.q_positions.clone(),
         kv_positions: c.kv_positions.clone(),
     };
+    (fwd, bwd)
+}
+
+/// Forward and backward cases of `c`, held to `tol` (forward, backward). With `bf16_inputs`, q, k, v and dO are
+/// bf16 values (as a bf16 run's tensor cores read them), so the comparison measures the
+/// kernels' own rounding (P and dS in bf16) rather than the inputs'.
+fn attention_cases(r: &mut Rng, c: &AttConfig, tol: (f32, f32), bf16_inputs: bool) -> Vec<Case> {
+    let seq_q: u32 = c.q_positions.iter().map(|s| s.len).sum();
+    let seq_kv: u32 = c.kv_positions.iter().map(|s| s.len).sum();
+    let q_len = (u64::from(seq_q) * c.batch * c.heads * c.head_dim) as usize;
+    let kv_len = (u64::from(seq_kv) * c.batch * c.kv_heads * c.head_dim) as usize;
+    let lse_len = (c.batch * c.heads * u64::from(seq_q)) as usize;
+    let (fwd, bwd) = attention_ops(c);
     let name = format!(
         "b{} h{} kv{} d{} causal={} q{:?} kv{:?}",
         c.batch, c.heads, c.kv_heads, c.head_dim, c.causal, c.q_positions, c.kv_positions
@@ -190,5 +200,214 @@ fn attention_bf16() {
         "attention_bf16_other_head_dims_stay_fp32",
         &attention_cases(&mut r, &exact, (REDUCTION, REDUCTION), false),
         Precision::Bf16,
+    );
+}
+
+/// One buffer of a bf16-storage case: its data and how it is stored.
+type Typed = (Vec<f32>, DType);
+
+/// Runs `op` on `b` with every input and output buffer allocated in its own dtype (inputs
+/// written, outputs filled with their initial data first); returns the outputs, widened.
+fn run_typed(b: &mut dyn Backend, op: &Op, inputs: &[Typed], outputs: &[Typed]) -> Vec<Vec<f32>> {
+    let mut ids = Vec::new();
+    for (i, (data, dtype)) in inputs.iter().chain(outputs).enumerate() {
+        let id = BufferId(i as u32);
+        b.alloc(id, &[data.len() as u64], *dtype).unwrap();
+        b.write_f32(id, data).unwrap();
+        ids.push(id);
+    }
+    let (ins, outs) = ids.split_at(inputs.len());
+    b.compute(op, ins, outs, &SCALARS)
+        .unwrap_or_else(|e| panic!("{op:?} on {}: {e}", b.name()));
+    let got = outs.iter().map(|&id| b.read_f32(id).unwrap()).collect();
+    for &id in &ids {
+        b.free(id).unwrap();
+    }
+    got
+}
+
+/// The worst `|got − want| / (|want| + rms(want))` and where it is (the harness's measure).
+fn worst_error(got: &[f32], want: &[f32]) -> (f32, usize) {
+    assert_eq!(got.len(), want.len());
+    let rms = (want.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / want.len().max(1) as f64)
+        .sqrt() as f32;
+    let mut worst = (0.0f32, 0usize);
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        let err = if a.is_finite() && b.is_finite() {
+            (a - b).abs() / (b.abs() + rms).max(f32::MIN_POSITIVE)
+        } else if a == b {
+            0.0
+        } else {
+            f32::INFINITY
+        };
+        if err > worst.0 || err.is_nan() {
+            worst = (err, i);
+        }
+    }
+    worst
+}
+
+/// One bf16 ulp at the output's scale: the exact kernels and the CPU compute the same f32
+/// values up to summation order, then each round once, so they differ by at most one bf16
+/// step (2^-8 relative) where a value sits near a rounding boundary.
+const BF16_STORED_EXACT: f32 = 8e-3;
+
+/// Buffers stored bf16 (as a bf16 run's plan stores activations): the tensor-core kernels read
+/// q, k, v, dO in place and write O, dQ, dK, dV as bf16 (lse stays f32), the exact kernels
+/// (other head dims) read and write bf16 too; both against the CPU backend's run on the same
+/// bf16 buffers (widen, compute in f32, round each output once). Also one case with q and o
+/// kept f32 (q copied to bf16 for the tensor cores, o written f32).
+#[test]
+fn attention_bf16_storage() {
+    let Some(mut gpu) = gpu_with(Precision::Bf16) else {
+        return;
+    };
+    let mut r = Rng::new("attention_bf16_storage");
+    let (bf, f32) = (DType::Bf16, DType::F32);
+    // q, k, v, o, lse, dO, dq, dk, dv (lse is always f32).
+    let all_bf16 = [bf, bf, bf, bf, f32, bf, bf, bf, bf];
+    // q, o and dq f32, the rest bf16.
+    let mixed = [f32, bf, bf, f32, f32, bf, f32, bf, bf];
+    let tc = BF16_ATTENTION;
+    let exact = (BF16_STORED_EXACT, BF16_STORED_EXACT);
+    let cases: Vec<(AttConfig, [DType; 9], (f32, f32))> = vec![
+        // GQA, causal, a partial tile.
+        (
+            AttConfig::new(2, 4, 2, 64, true, &[(0, 40)], &[(0, 40)]),
+            all_bf16,
+            tc,
+        ),
+        // Several tiles: skipped, masked and whole ones; load balance over 3 query tiles.
+        (
+            AttConfig::new(2, 2, 2, 64, true, &[(0, 300)], &[(0, 300)]),
+            all_bf16,
+            tc,
+        ),
+        // Context parallel: two q segments, kv the whole sequence.
+        (
+            AttConfig::new(1, 2, 2, 128, true, &[(16, 48), (160, 48)], &[(0, 208)]),
+            all_bf16,
+            tc,
+        ),
+        // kv ahead of q: the first queries see no key (o = 0, lse = −inf).
+        (
+            AttConfig::new(1, 2, 1, 64, true, &[(0, 70)], &[(5, 70)]),
+            all_bf16,
+            tc,
+        ),
+        // Positions not ascending: every tile masked, none skipped.
+        (
+            AttConfig::new(
+                1,
+                2,
+                2,
+                64,
+                true,
+                &[(64, 64), (0, 64)],
+                &[(64, 64), (0, 64)],
+            ),
+            all_bf16,
+            tc,
+        ),
+        // Not causal, a partial key block (masked keys past seq_kv).
+        (
+            AttConfig::new(2, 3, 3, 64, false, &[(0, 70)], &[(0, 70)]),
+            all_bf16,
+            tc,
+        ),
+        // GQA 4:1, head dim 128, several key blocks.
+        (
+            AttConfig::new(1, 4, 1, 128, true, &[(0, 200)], &[(0, 200)]),
+            mixed,
+            tc,
+        ),
+        // The exact kernels (head dim 32) on bf16 buffers, GQA, CP segments.
+        (
+            AttConfig::new(2, 4, 2, 32, true, &[(8, 24), (48, 16)], &[(0, 64)]),
+            all_bf16,
+            exact,
+        ),
+        (
+            AttConfig::new(1, 2, 1, 16, false, &[(0, 33)], &[(0, 33)]),
+            mixed,
+            exact,
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (c, dtypes, tol) in &cases {
+        let seq_q: u32 = c.q_positions.iter().map(|s| s.len).sum();
+        let seq_kv: u32 = c.kv_positions.iter().map(|s| s.len).sum();
+        let q_len = (u64::from(seq_q) * c.batch * c.heads * c.head_dim) as usize;
+        let kv_len = (u64::from(seq_kv) * c.batch * c.kv_heads * c.head_dim) as usize;
+        let lse_len = (c.batch * c.heads * u64::from(seq_q)) as usize;
+        let (fwd, bwd) = attention_ops(c);
+        let name = format!(
+            "b{} h{} kv{} d{} causal={} q{:?} kv{:?} {:?}",
+            c.batch,
+            c.heads,
+            c.kv_heads,
+            c.head_dim,
+            c.causal,
+            c.q_positions,
+            c.kv_positions,
+            dtypes
+        );
+        let [qt, kt, vt, ot, lt, dot, dqt, dkt, dvt] = *dtypes;
+        // bf16 values even in f32 buffers, so the tensor cores' copies of them are exact and the
+        // comparison measures the kernels' own rounding.
+        let input = |r: &mut Rng, n: usize, scale: f32| -> Vec<f32> {
+            r.vec(n, scale).into_iter().map(round_bf16).collect()
+        };
+        let fwd_in = [
+            (input(&mut r, q_len, 2.0), qt),
+            (input(&mut r, kv_len, 2.0), kt),
+            (input(&mut r, kv_len, 1.0), vt),
+        ];
+        let fwd_out = [(r.vec(q_len, 1.0), ot), (r.vec(lse_len, 1.0), lt)];
+        let want = run_typed(&mut CpuBackend::new(), &fwd, &fwd_in, &fwd_out);
+        let got = run_typed(gpu.as_mut(), &fwd, &fwd_in, &fwd_out);
+        let bwd_in = [
+            (input(&mut r, q_len, 1.0), dot),
+            fwd_in[0].clone(),
+            fwd_in[1].clone(),
+            fwd_in[2].clone(),
+            (want[0].clone(), ot),
+            (want[1].clone(), lt),
+        ];
+        let bwd_out = [
+            (r.vec(q_len, 1.0), dqt),
+            (r.vec(kv_len, 1.0), dkt),
+            (r.vec(kv_len, 1.0), dvt),
+        ];
+        let want_b = run_typed(&mut CpuBackend::new(), &bwd, &bwd_in, &bwd_out);
+        let got_b = run_typed(gpu.as_mut(), &bwd, &bwd_in, &bwd_out);
+        let outputs = [
+            ("o", ot, tol.0, &got[0], &want[0]),
+            ("lse", lt, tol.0, &got[1], &want[1]),
+            ("dq", dqt, tol.1, &got_b[0], &want_b[0]),
+            ("dk", dkt, tol.1, &got_b[1], &want_b[1]),
+            ("dv", dvt, tol.1, &got_b[2], &want_b[2]),
+        ];
+        for (what, dtype, tol, g, w) in outputs {
+            let (err, i) = worst_error(g, w);
+            println!(
+                "attention_bf16_storage/{name} {what} ({dtype:?}): {} values, worst relative error {err:.3e} at {i} (cuda {} cpu {}), tol {tol:.0e}",
+                w.len(), g[i], w[i]
+            );
+            if err.is_nan() || err > tol {
+                failures.push(format!("{name} {what}: error {err:.3e} > {tol:.0e} at {i}"));
+            }
+            // A bf16 output holds only bf16 values (read back widened).
+            if dtype == DType::Bf16 {
+                if let Some(x) = g.iter().find(|x| x.is_finite() && round_bf16(**x) != **x) {
+                    failures.push(format!("{name} {what}: {x} is not a bf16 value"));
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "attention_bf16_storage: CUDA differs from CPU:\n{}",
+        failures.join("\n")
     );
 }

@@ -1,9 +1,15 @@
 //! Attention (`Op::Attention`, `Op::AttentionBwd`) on the GPU: checks the op's geometry and
-//! buffers, uploads the q/kv global positions, and launches one of two kernel families:
+//! buffers, uploads the q/kv global positions, lays out the op's scratch memory (the same
+//! layout `storage::program_needs` reserves, via [`scratch_bytes`]), and launches one of two
+//! kernel families:
 //! - bf16 runs with head_dim 64 or 128 and a positive scale: flash-attention-2 on tensor cores
-//!   (`kernels/attention_tc.cu`: bf16 `mma.sync` operands, fp32 accumulation and softmax);
+//!   (`kernels/attention_tc.cu`: bf16 `mma.sync` operands, fp32 accumulation and softmax). They
+//!   read bf16 q, k, v, dO buffers in place and bf16 copies of f32 ones, write O, dK, dV in
+//!   their buffers' type, and accumulate dQ in f32 (in a scratch accumulator rounded once into
+//!   a bf16 dQ);
 //! - everything else (fp32 and fp16 runs, other head dims): the exact fp32 kernels of
-//!   `kernels/attention.cu`.
+//!   `kernels/attention.cu`, which read and write f32 or bf16 buffers (bf16 widened on load,
+//!   rounded once on store).
 use super::device::driver_error;
 use super::dispatch::{p, segments_len, Bound};
 use super::gemm::Operands;
@@ -11,6 +17,7 @@ use super::{Arg, Buf, CudaBackend};
 use crate::error::Result;
 use cudarc::driver::sys::{CUdeviceptr, CUfunction_attribute};
 use parc_compiler::ir::op::{Op, Segment};
+use parc_compiler::ir::DType;
 
 /// Geometry of one attention call, as the kernels' `struct AttGeom`.
 #[repr(C)]
@@ -26,7 +33,20 @@ pub(crate) struct AttGeom {
     pub scale: f32,
     pub q_sorted: i32,
     pub kv_sorted: i32,
+    /// Which of q, k, v, o, dO, dQ, dK, dV are bf16 (`BF16_*` bits; the rest are f32).
+    pub bf16: i32,
+    pub pad: i32,
 }
+
+/// Bits of `AttGeom::bf16`: must match ATT_BF16_* in kernels/attention.cu.
+const BF16_Q: i32 = 1;
+const BF16_K: i32 = 2;
+const BF16_V: i32 = 4;
+const BF16_O: i32 = 8;
+const BF16_DO: i32 = 16;
+const BF16_DQ: i32 = 32;
+const BF16_DK: i32 = 64;
+const BF16_DV: i32 = 128;
 
 /// Must match ATT_WARPS / ATT_TILE in kernels/attention.cu.
 const ATT_WARPS: u32 = 8;
@@ -41,6 +61,10 @@ const TC_FWD_THREADS: u32 = 128;
 const TC_BWD_THREADS: u32 = 256;
 /// Shared memory a CTA may use without opting in to more.
 const DEFAULT_SMEM: u32 = 48 << 10;
+/// The most blocks a grid's y dimension takes.
+const MAX_GRID_Y: usize = 65_535;
+/// Alignment of each piece of an attention call's scratch.
+const SCRATCH_ALIGN: usize = 256;
 
 /// The tensor-core kernels' names and shared memory for one head dim, or None where the
 /// exact kernels run.
@@ -75,6 +99,16 @@ impl TensorCore {
         }
     }
 
+    /// The tensor-core kernels for this op, or None where the exact kernels run: they need a
+    /// bf16 run (`bf16_run`), head_dim 64 or 128, and a positive scale (they take the row max
+    /// of raw scores).
+    fn for_op(bf16_run: bool, head_dim: u64, scale: f64) -> Option<TensorCore> {
+        if !bf16_run || (scale as f32) <= 0.0 {
+            return None;
+        }
+        TensorCore::for_head_dim(usize::try_from(head_dim).ok()?)
+    }
+
     /// Bytes of one bf16 tile row (padded by 8 elements against bank conflicts).
     fn row_bytes(&self) -> usize {
         (self.head_dim + 8) * 2
@@ -86,7 +120,7 @@ impl TensorCore {
         ((TC_FWD_BR + 4 * bc) * self.row_bytes() + 2 * bc * 4) as u32
     }
 
-    /// K, V tiles; Q, dO tiles and lse / delta / position per query row in two stages; dSᵀ.
+    /// K, V tiles; Q, dO tiles and lse2 / delta / position per query row in two stages; dSᵀ.
     fn bwd_smem(&self) -> u32 {
         let br = self.bwd_rows;
         let stage = 2 * br * self.row_bytes() + 3 * br * 4;
@@ -94,43 +128,119 @@ impl TensorCore {
     }
 }
 
-/// bf16 copies of fp32 buffers for the tensor-core kernels (which read bf16), in the backend's
-/// scratch memory (grows to the largest attention's copies, then is reused), each on a 256-byte
-/// boundary, with `extra_bytes` after them for the caller.
-struct Bf16Copies {
-    ptrs: Vec<CUdeviceptr>,
-    extra: CUdeviceptr,
+/// One attention call's scratch memory, in order, each piece on a 256-byte boundary: bf16
+/// copies of the f32 operands the tensor-core kernels read (bf16 operands are read in place);
+/// for the backward, `delta` and `lse2` (one f32 per (batch, head, query) with the query rows
+/// padded to a multiple of 4: kernels' `att_rows`); and, when a tensor-core backward's dQ is
+/// bf16, its f32 accumulator.
+#[derive(Debug, PartialEq)]
+struct ScratchLayout {
+    /// Per operand: the offset of its bf16 copy, or None where it is read in place.
+    copies: Vec<Option<usize>>,
+    /// Offsets of delta and lse2 (backward only).
+    stats: Option<(usize, usize)>,
+    /// Offset of the f32 dQ accumulator.
+    dq_acc: Option<usize>,
+    bytes: usize,
 }
 
-impl Bf16Copies {
-    /// Rounds each of `bufs` (fp32, lengths multiples of 4) to bf16.
-    fn of(be: &mut CudaBackend, bufs: &[Buf], extra_bytes: usize) -> Result<Bf16Copies> {
-        let mut offsets = Vec::with_capacity(bufs.len());
+impl ScratchLayout {
+    /// `operands`: (elements, stored bf16) of the operands the kernels read as bf16 (empty
+    /// for the exact kernels); `stats_rows`: batch · heads · padded query rows (backward);
+    /// `dq_acc`: the elements of an f32 dQ accumulator, if one is needed.
+    fn new(operands: &[(usize, bool)], stats_rows: Option<usize>, dq_acc: Option<usize>) -> Self {
         let mut bytes = 0usize;
-        for b in bufs {
-            offsets.push(bytes);
-            bytes = (bytes + b.len * 2).next_multiple_of(256);
+        let mut take = |n: usize| {
+            let at = bytes;
+            bytes = (bytes + n).next_multiple_of(SCRATCH_ALIGN);
+            at
+        };
+        let copies = operands
+            .iter()
+            .map(|&(len, bf16)| (!bf16).then(|| take(len * 2)))
+            .collect();
+        let stats = stats_rows.map(|rows| (take(rows * 4), take(rows * 4)));
+        let dq_acc = dq_acc.map(|len| take(len * 4));
+        ScratchLayout {
+            copies,
+            stats,
+            dq_acc,
+            bytes,
         }
-        let base = be.scratch(bytes + extra_bytes)?;
-        let ptrs: Vec<CUdeviceptr> = offsets.iter().map(|&o| base + o as CUdeviceptr).collect();
-        for (b, &dst) in bufs.iter().zip(&ptrs) {
-            let n4 = b.len / 4;
-            be.launch_n(
-                "attention_to_bf16",
-                n4,
-                &[p(*b), Arg::Ptr(dst), Arg::I64(n4 as i64)],
-            )?;
-        }
-        Ok(Bf16Copies {
-            ptrs,
-            extra: base + bytes as CUdeviceptr,
-        })
     }
+}
 
-    /// The copy of the `i`th buffer given to `of`.
-    fn arg(&self, i: usize) -> Arg {
-        Arg::Ptr(self.ptrs[i])
+/// Rows of one (batch, head)'s delta / lse2: seq_q rounded up to a multiple of 4.
+fn stats_rows(batch: usize, heads: usize, seq_q: usize) -> usize {
+    batch * heads * seq_q.next_multiple_of(4)
+}
+
+/// The layout of an attention op's scratch from its attributes and its buffers' (elements,
+/// dtype): inputs then outputs in the op's order. None for any other op.
+fn layout_for(
+    op: &Op,
+    bf16_run: bool,
+    ins: &[(usize, DType)],
+    outs: &[(usize, DType)],
+) -> Option<ScratchLayout> {
+    let (Op::Attention {
+        batch,
+        heads,
+        head_dim,
+        scale,
+        ..
     }
+    | Op::AttentionBwd {
+        batch,
+        heads,
+        head_dim,
+        scale,
+        ..
+    }) = op
+    else {
+        return None;
+    };
+    let tc = TensorCore::for_op(bf16_run, *head_dim, *scale).is_some();
+    let bf16 = |b: &(usize, DType)| (b.0, b.1 == DType::Bf16);
+    match op {
+        Op::Attention { .. } => {
+            let operands: Vec<(usize, bool)> = if tc {
+                ins.iter().take(3).map(bf16).collect()
+            } else {
+                Vec::new()
+            };
+            Some(ScratchLayout::new(&operands, None, None))
+        }
+        _ => {
+            // dO, q, k, v, o, lse; dq, dk, dv.
+            let operands: Vec<(usize, bool)> = if tc {
+                ins.iter().take(4).map(bf16).collect()
+            } else {
+                Vec::new()
+            };
+            let (batch, heads) = (*batch as usize, *heads as usize);
+            let rows = ins.get(5).map_or(0, |lse| lse.0);
+            let seq_q = rows / (batch * heads).max(1);
+            let dq = outs.first().copied().unwrap_or((0, DType::F32));
+            let dq_acc = (tc && dq.1 == DType::Bf16).then_some(dq.0);
+            Some(ScratchLayout::new(
+                &operands,
+                Some(stats_rows(batch, heads, seq_q)),
+                dq_acc,
+            ))
+        }
+    }
+}
+
+/// Bytes of scratch memory `op` (an attention op; 0 for any other) asks the backend for, given
+/// its buffers' (elements, dtype), inputs then outputs; `bf16_run`: a bf16 run (tensor cores).
+pub(crate) fn scratch_bytes(
+    op: &Op,
+    bf16_run: bool,
+    ins: &[(usize, DType)],
+    outs: &[(usize, DType)],
+) -> usize {
+    layout_for(op, bf16_run, ins, outs).map_or(0, |l| l.bytes)
 }
 
 /// Launches a tensor-core kernel, first letting it use `smem` bytes of shared memory.
@@ -156,12 +266,48 @@ fn launch_tc(
     be.launch(name, grid, (threads, 1, 1), smem, args)
 }
 
+/// Rounds each f32 operand that has a bf16 copy in `layout` into it; returns every operand's
+/// bf16 pointer (the buffer itself where it is bf16).
+fn bf16_operands(
+    be: &mut CudaBackend,
+    bufs: &[Buf],
+    layout: &ScratchLayout,
+    base: CUdeviceptr,
+) -> Result<Vec<CUdeviceptr>> {
+    let mut ptrs = Vec::with_capacity(bufs.len());
+    for (b, copy) in bufs.iter().zip(&layout.copies) {
+        match copy {
+            None => ptrs.push(b.ptr),
+            Some(at) => {
+                let dst = base + *at as CUdeviceptr;
+                let n4 = b.len / 4;
+                be.launch_n(
+                    "attention_to_bf16",
+                    n4,
+                    &[p(*b), Arg::Ptr(dst), Arg::I64(n4 as i64)],
+                )?;
+                ptrs.push(dst);
+            }
+        }
+    }
+    Ok(ptrs)
+}
+
 /// Whether the positions of `segments` strictly increase (each segment starts at or after the
 /// previous one's end).
 fn ascending(segments: &[Segment]) -> bool {
     segments
         .windows(2)
         .all(|w| u64::from(w[0].start) + u64::from(w[0].len) <= u64::from(w[1].start))
+}
+
+/// `bit` when `b` is bf16, else 0.
+fn bf16_bit(b: Buf, bit: i32) -> i32 {
+    if b.dtype == DType::Bf16 {
+        bit
+    } else {
+        0
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -211,7 +357,19 @@ fn attention_geometry(
         scale: scale as f32,
         q_sorted: 0,
         kv_sorted: 0,
+        bf16: bf16_bit(q, BF16_Q) | bf16_bit(k, BF16_K),
+        pad: 0,
     })
+}
+
+/// The y extent of a tensor-core grid of `tiles` tiles, or an error naming the limit.
+fn grid_y(b: &Bound, tiles: usize, what: &str) -> Result<u32> {
+    if tiles > MAX_GRID_Y {
+        return Err(b.err(format!(
+            "{what} needs {tiles} tiles of the tensor-core kernel, above {MAX_GRID_Y}"
+        )));
+    }
+    Ok(tiles as u32)
 }
 
 /// Runs `op`, an `Attention` or `AttentionBwd` (any other op is an error).
@@ -241,12 +399,13 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
     };
     let forward = matches!(op, Op::Attention { .. });
     let (qi, ki, vi) = if forward { (0, 1, 2) } else { (1, 2, 3) };
-    let (q, k, v) = (b.f32_in(qi)?, b.f32_in(ki)?, b.f32_in(vi)?);
+    let (q, k, v) = (b.float_in(qi)?, b.float_in(ki)?, b.float_in(vi)?);
     let mut g = attention_geometry(
         b, q, k, *batch, *heads, *kv_heads, *head_dim, *causal, *scale,
     )?;
     g.q_sorted = i32::from(ascending(q_positions));
     g.kv_sorted = i32::from(ascending(kv_positions));
+    g.bf16 |= bf16_bit(v, BF16_V);
     let (batch, heads, d) = (g.batch as usize, g.heads as usize, g.head_dim as usize);
     let (seq_q, seq_kv) = (g.seq_q as usize, g.seq_kv as usize);
     b.expect(v, "v", k.len)?;
@@ -260,19 +419,40 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
     let (qpos, _) = be.positions(q_positions)?;
     let (kvpos, _) = be.positions(kv_positions)?;
     let lse_len = batch * heads * seq_q;
-    // The tensor-core kernels take the row max of raw scores, so they need scale > 0.
-    let tensor_core = if be.operands == Operands::Bf16 && g.scale > 0.0 {
-        TensorCore::for_head_dim(d)
-    } else {
-        None
-    };
+    let bf16_run = be.operands == Operands::Bf16;
+    let tensor_core = TensorCore::for_op(bf16_run, *head_dim, *scale);
     let q_blocks = seq_q.div_ceil(ATT_WARPS as usize) as u32;
     let block = (32, ATT_WARPS, 1);
     let kv_smem = (2 * ATT_TILE * d * 4) as u32;
+    let shape =
+        |bufs: &[Buf]| -> Vec<(usize, DType)> { bufs.iter().map(|b| (b.len, b.dtype)).collect() };
     if forward {
-        let (o, lse) = (b.f32_out(0)?, b.f32_out(1)?);
+        let (o, lse) = (b.float_out(0)?, b.f32_out(1)?);
         b.expect(o, "o", q.len)?;
         b.expect(lse, "lse", lse_len)?;
+        g.bf16 |= bf16_bit(o, BF16_O);
+        if let Some(tc) = &tensor_core {
+            let layout = layout_for(op, bf16_run, &shape(&[q, k, v]), &shape(&[o, lse]))
+                .ok_or_else(|| b.err("has no scratch layout"))?;
+            let base = be.scratch(layout.bytes)?;
+            let ptrs = bf16_operands(be, &[q, k, v], &layout, base)?;
+            let args = [
+                Arg::Ptr(ptrs[0]),
+                Arg::Ptr(ptrs[1]),
+                Arg::Ptr(ptrs[2]),
+                p(o),
+                p(lse),
+                Arg::Ptr(qpos),
+                Arg::Ptr(kvpos),
+                Arg::Geom(g),
+            ];
+            let grid = (
+                (batch * heads) as u32,
+                grid_y(b, seq_q.div_ceil(TC_FWD_BR), "seq_q")?,
+                1,
+            );
+            return launch_tc(be, tc.fwd, grid, TC_FWD_THREADS, tc.fwd_smem(), &args);
+        }
         let args = [
             p(q),
             p(k),
@@ -283,21 +463,6 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
             Arg::Ptr(kvpos),
             Arg::Geom(g),
         ];
-        if let Some(tc) = &tensor_core {
-            let copies = Bf16Copies::of(be, &[q, k, v], 0)?;
-            let args = [
-                copies.arg(0),
-                copies.arg(1),
-                copies.arg(2),
-                p(o),
-                p(lse),
-                Arg::Ptr(qpos),
-                Arg::Ptr(kvpos),
-                Arg::Geom(g),
-            ];
-            let grid = (seq_q.div_ceil(TC_FWD_BR) as u32, (batch * heads) as u32, 1);
-            return launch_tc(be, tc.fwd, grid, TC_FWD_THREADS, tc.fwd_smem(), &args);
-        }
         be.launch(
             "attention_fwd",
             (q_blocks, (batch * heads) as u32, 1),
@@ -306,52 +471,83 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
             &args,
         )
     } else {
-        let (dout, o, lse) = (b.f32_in(0)?, b.f32_in(4)?, b.f32_in(5)?);
+        let (dout, o, lse) = (b.float_in(0)?, b.float_in(4)?, b.f32_in(5)?);
         b.same(&[(dout, "do"), (o, "o")], q.len)?;
         b.expect(lse, "lse", lse_len)?;
-        let (dq, dk, dv) = (b.f32_out(0)?, b.f32_out(1)?, b.f32_out(2)?);
+        let (dq, dk, dv) = (b.float_out(0)?, b.float_out(1)?, b.float_out(2)?);
         b.expect(dq, "dq", q.len)?;
         b.same(&[(dk, "dk"), (dv, "dv")], k.len)?;
-        // The tensor-core path's bf16 copies and delta share the scratch memory.
-        let copies = match tensor_core {
-            Some(_) => Some(Bf16Copies::of(be, &[dout, q, k, v], lse_len * 4)?),
-            None => None,
-        };
-        let delta = match &copies {
-            Some(c) => c.extra,
-            None => be.scratch(lse_len * 4)?,
-        };
+        g.bf16 |= bf16_bit(o, BF16_O)
+            | bf16_bit(dout, BF16_DO)
+            | bf16_bit(dq, BF16_DQ)
+            | bf16_bit(dk, BF16_DK)
+            | bf16_bit(dv, BF16_DV);
+        let layout = layout_for(
+            op,
+            bf16_run,
+            &shape(&[dout, q, k, v, o, lse]),
+            &shape(&[dq, dk, dv]),
+        )
+        .ok_or_else(|| b.err("has no scratch layout"))?;
+        let base = be.scratch(layout.bytes)?;
+        let (delta, lse2) = layout
+            .stats
+            .map(|(d, l)| (base + d as CUdeviceptr, base + l as CUdeviceptr))
+            .ok_or_else(|| b.err("has no delta in its scratch layout"))?;
         let grid_q = (q_blocks, (batch * heads) as u32, 1);
         be.launch(
             "attention_delta",
             grid_q,
             block,
             0,
-            &[p(dout), p(o), Arg::Ptr(delta), Arg::Geom(g)],
+            &[
+                p(dout),
+                p(o),
+                p(lse),
+                Arg::Ptr(delta),
+                Arg::Ptr(lse2),
+                Arg::Geom(g),
+            ],
         )?;
-        if let (Some(tc), Some(copies)) = (&tensor_core, &copies) {
-            // dQ is added into with atomics: start it at zero (the op overwrites it).
-            be.zero_bytes(dq.ptr, dq.len * 4)?;
+        if let Some(tc) = &tensor_core {
+            let ptrs = bf16_operands(be, &[dout, q, k, v], &layout, base)?;
+            // dQ is added into with atomics: an f32 accumulator (dq itself when it is f32),
+            // zeroed first (the op overwrites dq).
+            let dq_acc = match layout.dq_acc {
+                Some(at) => base + at as CUdeviceptr,
+                None => dq.ptr,
+            };
+            be.zero_bytes(dq_acc, dq.len * 4)?;
             let grid = (
-                seq_kv.div_ceil(TC_BC) as u32,
                 (batch * g.kv_heads as usize) as u32,
+                grid_y(b, seq_kv.div_ceil(TC_BC), "seq_kv")?,
                 1,
             );
             let args = [
-                copies.arg(0),
-                copies.arg(1),
-                copies.arg(2),
-                copies.arg(3),
-                p(lse),
+                Arg::Ptr(ptrs[0]),
+                Arg::Ptr(ptrs[1]),
+                Arg::Ptr(ptrs[2]),
+                Arg::Ptr(ptrs[3]),
+                Arg::Ptr(lse2),
                 Arg::Ptr(delta),
-                p(dq),
+                Arg::Ptr(dq_acc),
                 p(dk),
                 p(dv),
                 Arg::Ptr(qpos),
                 Arg::Ptr(kvpos),
                 Arg::Geom(g),
             ];
-            return launch_tc(be, tc.bwd, grid, TC_BWD_THREADS, tc.bwd_smem(), &args);
+            launch_tc(be, tc.bwd, grid, TC_BWD_THREADS, tc.bwd_smem(), &args)?;
+            if layout.dq_acc.is_some() {
+                // Each bf16 dQ element rounded once from its f32 sum.
+                let n4 = dq.len / 4;
+                be.launch_n(
+                    "attention_to_bf16",
+                    n4,
+                    &[Arg::Ptr(dq_acc), p(dq), Arg::I64(n4 as i64)],
+                )?;
+            }
+            return Ok(());
         }
         let args = [
             p(dout),
@@ -431,5 +627,84 @@ mod tests {
                 tc.bwd_smem()
             );
         }
+    }
+
+    fn op(forward: bool, head_dim: u64) -> Op {
+        let positions = vec![Segment { start: 0, len: 10 }];
+        let (batch, heads, kv_heads, causal, scale) = (2, 4, 2, true, 0.125);
+        let (q_positions, kv_positions) = (positions.clone(), positions);
+        if forward {
+            Op::Attention {
+                batch,
+                heads,
+                kv_heads,
+                head_dim,
+                causal,
+                scale,
+                q_positions,
+                kv_positions,
+            }
+        } else {
+            Op::AttentionBwd {
+                batch,
+                heads,
+                kv_heads,
+                head_dim,
+                causal,
+                scale,
+                q_positions,
+                kv_positions,
+            }
+        }
+    }
+
+    /// bf16 operands are read in place (no copy), f32 ones copied; the backward's delta and
+    /// lse2 pad each (batch, head)'s 10 query rows to 12; a bf16 dQ gets an f32 accumulator
+    /// on the tensor-core path only; every piece starts on a 256-byte boundary.
+    #[test]
+    fn scratch_holds_copies_of_f32_operands_only() {
+        let (f, b) = (DType::F32, DType::Bf16);
+        let (q, kv, lse) = (10 * 2 * 4 * 64, 10 * 2 * 2 * 64, 2 * 4 * 10);
+        let fwd = op(true, 64);
+        assert_eq!(
+            scratch_bytes(&fwd, true, &[(q, b), (kv, b), (kv, b)], &[]),
+            0
+        );
+        assert_eq!(
+            scratch_bytes(&fwd, true, &[(q, f), (kv, b), (kv, f)], &[]),
+            (q * 2).next_multiple_of(256) + (kv * 2).next_multiple_of(256)
+        );
+        // fp32 runs and other head dims: the exact kernels, no copies.
+        assert_eq!(
+            scratch_bytes(&fwd, false, &[(q, f), (kv, f), (kv, f)], &[]),
+            0
+        );
+        assert_eq!(
+            scratch_bytes(&op(true, 32), true, &[(q, f), (kv, f), (kv, f)], &[]),
+            0
+        );
+        let bwd = op(false, 64);
+        let stats = (2 * 4 * 12 * 4usize).next_multiple_of(256);
+        let ins = |t: DType| [(q, t), (q, t), (kv, t), (kv, t), (q, t), (lse, f)];
+        let outs = |t: DType| [(q, t), (kv, t), (kv, t)];
+        assert_eq!(scratch_bytes(&bwd, true, &ins(b), &outs(f)), 2 * stats);
+        assert_eq!(
+            scratch_bytes(&bwd, true, &ins(b), &outs(b)),
+            2 * stats + (q * 4).next_multiple_of(256)
+        );
+        let copies = 2 * (q * 2).next_multiple_of(256) + 2 * (kv * 2).next_multiple_of(256);
+        assert_eq!(
+            scratch_bytes(&bwd, true, &ins(f), &outs(f)),
+            copies + 2 * stats
+        );
+        assert_eq!(scratch_bytes(&bwd, false, &ins(b), &outs(b)), 2 * stats);
+        let layout = layout_for(&bwd, true, &ins(f), &outs(b)).expect("a layout");
+        assert_eq!(layout.copies.len(), 4);
+        let offsets = layout.copies.iter().flatten().copied();
+        let stats_at = layout.stats.expect("delta and lse2");
+        for at in offsets.chain([stats_at.0, stats_at.1, layout.dq_acc.expect("dq")]) {
+            assert_eq!(at % 256, 0);
+        }
+        assert_eq!(scratch_bytes(&Op::Copy, true, &[], &[]), 0);
     }
 }

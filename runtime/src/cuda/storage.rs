@@ -70,15 +70,18 @@ pub(crate) fn program_needs(program: &Program, half_operands: bool) -> ProgramNe
                 MAX_CHUNKS * 8 * numel(output(1)).max(numel(output(2)))
             }
             Op::MatmulBwdWeight { bias: true, .. } => MAX_CHUNKS * 8 * numel(output(1)),
-            // 16-bit copies of q, k, v (tensor cores), each 256-byte aligned.
-            Op::Attention { .. } if half_operands => {
-                (0..3).map(|i| aligned(numel(input(i)) * 2)).sum()
+            // bf16 copies of f32 operands (tensor cores), delta, lse2, a bf16 dQ's accumulator.
+            Op::Attention { .. } | Op::AttentionBwd { .. } => {
+                use parc_compiler::ir::{BufferId, DType};
+                let shapes = |ids: &[BufferId]| -> Vec<(usize, DType)> {
+                    let shape = |b: &Buffer| (b.numel() as usize, b.dtype);
+                    ids.iter()
+                        .map(|id| buffer(Some(id)).map_or((0, DType::F32), shape))
+                        .collect()
+                };
+                let (ins, outs) = (shapes(inputs), shapes(outputs));
+                super::attention::scratch_bytes(op, half_operands, &ins, &outs)
             }
-            // Copies of dO, q, k, v, then delta.
-            Op::AttentionBwd { .. } if half_operands => {
-                (0..4).map(|i| aligned(numel(input(i)) * 2)).sum::<usize>() + numel(input(5)) * 4
-            }
-            Op::AttentionBwd { .. } => numel(input(5)) * 4,
             // Each row's loss (f64), summed in a fixed order after (`cross_entropy`).
             Op::CrossEntropy { .. } => numel(input(1)) * 8,
             _ => 0,
@@ -324,7 +327,12 @@ mod tests {
             loss: None,
             grad_sumsq: None,
         };
-        assert_eq!(program_needs(&program, false).reduction_bytes, 64);
-        assert_eq!(program_needs(&program, true).reduction_bytes, 4 * 2048 + 64);
+        // delta and lse2 (16 floats each, on 256-byte boundaries); then, before them, the bf16
+        // copies of the four f32 operands dO, q, k, v.
+        assert_eq!(program_needs(&program, false).reduction_bytes, 2 * 256);
+        assert_eq!(
+            program_needs(&program, true).reduction_bytes,
+            4 * 2048 + 2 * 256
+        );
     }
 }

@@ -2,7 +2,9 @@
 // (batch, head); the other side streams through shared memory in tiles of ATT_TILE rows; each
 // lane holds head_dim/32 (≤ 4) columns. Softmax is online (running max and sum), so no T×T
 // matrix exists; the backward recomputes probabilities from lse. Visibility is by global
-// position (qpos/kvpos), so context-parallel chunks mask correctly.
+// position (qpos/kvpos), so context-parallel chunks mask correctly. Every q, k, v, o, dO, dQ,
+// dK, dV buffer is f32 or bf16 (AttGeom::bf16, one ATT_BF16_* bit each): bf16 reads widen
+// exactly, bf16 writes round once to nearest-even (the CPU backend's semantics).
 #define ATT_WARPS 8
 #define ATT_TILE 32
 #define ATT_MAX_PER_LANE 4
@@ -13,7 +15,37 @@ struct AttGeom {
     float scale;
     // Positions ascending (every plan's segments are): lets causal blocks skip whole tiles.
     int q_sorted, kv_sorted;
+    // Which buffers are bf16 (the rest are f32): ATT_BF16_* bits.
+    int bf16;
+    int pad_;
 };
+
+#define ATT_BF16_Q 1
+#define ATT_BF16_K 2
+#define ATT_BF16_V 4
+#define ATT_BF16_O 8
+#define ATT_BF16_DO 16
+#define ATT_BF16_DQ 32
+#define ATT_BF16_DK 64
+#define ATT_BF16_DV 128
+
+// The row stride of attention_delta's delta and lse2 scratch: seq_q rounded up to a multiple of
+// 4, so every (batch, head)'s rows start on a 16-byte boundary (the tensor-core backward copies
+// them with cp.async).
+__device__ __forceinline__ int att_rows(const AttGeom& g) {
+    return (int)((g.seq_q + 3) & ~3LL);
+}
+
+// Element i of an f32 or bf16 buffer, as f32 (exact).
+__device__ __forceinline__ float att_ld(const void* p, long long i, bool bf16) {
+    return bf16 ? widen_bf16(((const unsigned short*)p)[i]) : ((const float*)p)[i];
+}
+
+// Writes element i of an f32 or bf16 buffer (bf16: rounded once, to nearest even).
+__device__ __forceinline__ void att_st(void* p, long long i, float v, bool bf16) {
+    if (bf16) ((unsigned short*)p)[i] = round_bf16(v);
+    else ((float*)p)[i] = v;
+}
 
 // The largest query position a block of rows [i0, i0 + ATT_WARPS) can have, when causal with
 // sorted positions (keys past it are invisible to the whole block); else INT_MAX.
@@ -23,9 +55,10 @@ __device__ __forceinline__ int block_max_qpos(const int* qpos, long long i0, con
     return qpos[last < g.seq_q ? last : g.seq_q - 1];
 }
 
-__device__ __forceinline__ void load_row(float* dst, const float* base, int lane, int d) {
+// This lane's columns of the row at element offset off of src.
+__device__ __forceinline__ void load_row(float* dst, const void* src, long long off, bool bf16, int lane, int d) {
     #pragma unroll
-    for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; dst[t] = e < d ? base[e] : 0.0f; }
+    for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; dst[t] = e < d ? att_ld(src, off + e, bf16) : 0.0f; }
 }
 
 __device__ __forceinline__ float dot_lane(const float* a, const float* row, int lane, int d) {
@@ -37,16 +70,16 @@ __device__ __forceinline__ float dot_lane(const float* a, const float* row, int 
 
 // Loads rows [j0, j0 + ATT_TILE) of one head (column offset col) of a [seq * batch, width]
 // tensor into tile[ATT_TILE][d]; rows past seq are zero.
-__device__ void load_tile(float* tile, const float* src, long long j0, long long seq, long long batch, long long b, long long width, long long col, int d) {
+__device__ void load_tile(float* tile, const void* src, bool bf16, long long j0, long long seq, long long batch, long long b, long long width, long long col, int d) {
     for (int i = threadIdx.y * 32 + threadIdx.x; i < ATT_TILE * d; i += 32 * ATT_WARPS) {
         int jj = i / d, e = i % d;
         long long j = j0 + jj;
-        tile[i] = j < seq ? src[(j * batch + b) * width + col + e] : 0.0f;
+        tile[i] = j < seq ? att_ld(src, (j * batch + b) * width + col + e, bf16) : 0.0f;
     }
 }
 
 // grid: (ceil(seq_q / ATT_WARPS), batch * heads); block: (32, ATT_WARPS).
-extern "C" __global__ void attention_fwd(const float* q, const float* k, const float* v, float* o, float* lse, const int* qpos, const int* kvpos, AttGeom g) {
+extern "C" __global__ void attention_fwd(const void* q, const void* k, const void* v, void* o, float* lse, const int* qpos, const int* kvpos, AttGeom g) {
     extern __shared__ float smem[];
     int d = (int)g.head_dim, lane = threadIdx.x;
     float* kt = smem;
@@ -57,7 +90,7 @@ extern "C" __global__ void attention_fwd(const float* q, const float* k, const f
     bool active = i < g.seq_q;
     long long qw = g.heads * g.head_dim, kw = g.kv_heads * g.head_dim;
     float qr[ATT_MAX_PER_LANE], acc[ATT_MAX_PER_LANE];
-    if (active) load_row(qr, q + (i * g.batch + b) * qw + h * d, lane, d);
+    if (active) load_row(qr, q, (i * g.batch + b) * qw + h * d, g.bf16 & ATT_BF16_Q, lane, d);
     #pragma unroll
     for (int t = 0; t < ATT_MAX_PER_LANE; t++) acc[t] = 0.0f;
     int pi = active ? qpos[i] : 0;
@@ -66,8 +99,8 @@ extern "C" __global__ void attention_fwd(const float* q, const float* k, const f
     for (long long j0 = 0; j0 < g.seq_kv; j0 += ATT_TILE) {
         if (kvpos[j0] > limit) break;
         __syncthreads();
-        load_tile(kt, k, j0, g.seq_kv, g.batch, b, kw, kvh * d, d);
-        load_tile(vt, v, j0, g.seq_kv, g.batch, b, kw, kvh * d, d);
+        load_tile(kt, k, g.bf16 & ATT_BF16_K, j0, g.seq_kv, g.batch, b, kw, kvh * d, d);
+        load_tile(vt, v, g.bf16 & ATT_BF16_V, j0, g.seq_kv, g.batch, b, kw, kvh * d, d);
         __syncthreads();
         if (!active) continue;
         for (int jj = 0; jj < ATT_TILE && j0 + jj < g.seq_kv; jj++) {
@@ -83,27 +116,38 @@ extern "C" __global__ void attention_fwd(const float* q, const float* k, const f
         }
     }
     if (!active) return;
-    float* orow = o + (i * g.batch + b) * qw + h * d;
+    long long orow = (i * g.batch + b) * qw + h * d;
     #pragma unroll
-    for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; if (e < d) orow[e] = l > 0.0f ? acc[t] / l : 0.0f; }
+    for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; if (e < d) att_st(o, orow + e, l > 0.0f ? acc[t] / l : 0.0f, g.bf16 & ATT_BF16_O); }
     if (lane == 0) lse[bh * g.seq_q + i] = l > 0.0f ? m + logf(l) : NEG_INF;
 }
 
-// delta[(b*heads + h)*seq_q + i] = dO_i · O_i. grid: (ceil(seq_q / ATT_WARPS), batch*heads).
-extern "C" __global__ void attention_delta(const float* dout, const float* o, float* delta, AttGeom g) {
+// delta[(b*heads + h)*att_rows(g) + i] = dO_i · O_i, and lse2 (same index) = lse · log2 e (+inf where
+// lse is −inf: the row sees no key), which the tensor-core backward reads.
+// grid: (ceil(seq_q / ATT_WARPS), batch*heads).
+extern "C" __global__ void attention_delta(const void* dout, const void* o, const float* lse, float* delta, float* lse2, AttGeom g) {
     int d = (int)g.head_dim, lane = threadIdx.x;
     long long bh = blockIdx.y, b = bh / g.heads, h = bh % g.heads;
     long long i = (long long)blockIdx.x * ATT_WARPS + threadIdx.y;
     if (i >= g.seq_q) return;
     long long off = (i * g.batch + b) * g.heads * g.head_dim + h * d;
-    float a[ATT_MAX_PER_LANE];
-    load_row(a, dout + off, lane, d);
-    float s = dot_lane(a, o + off, lane, d);
-    if (lane == 0) delta[bh * g.seq_q + i] = s;
+    float a[ATT_MAX_PER_LANE], c[ATT_MAX_PER_LANE];
+    load_row(a, dout, off, g.bf16 & ATT_BF16_DO, lane, d);
+    load_row(c, o, off, g.bf16 & ATT_BF16_O, lane, d);
+    float s = 0.0f;
+    #pragma unroll
+    for (int t = 0; t < ATT_MAX_PER_LANE; t++) s += a[t] * c[t];
+    s = warp_sum(s);
+    if (lane == 0) {
+        long long r = bh * att_rows(g) + i;
+        float l = lse[bh * g.seq_q + i];
+        delta[r] = s;
+        lse2[r] = l == NEG_INF ? __int_as_float(0x7f800000) : l * 1.4426950408889634f;
+    }
 }
 
 // dq_i = scale Σ_j p_ij (dO_i·v_j − delta_i) k_j. Same grid as the forward.
-extern "C" __global__ void attention_bwd_dq(const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, float* dq, const int* qpos, const int* kvpos, AttGeom g) {
+extern "C" __global__ void attention_bwd_dq(const void* dout, const void* q, const void* k, const void* v, const float* lse, const float* delta, void* dq, const int* qpos, const int* kvpos, AttGeom g) {
     extern __shared__ float smem[];
     int d = (int)g.head_dim, lane = threadIdx.x;
     float* kt = smem;
@@ -117,10 +161,10 @@ extern "C" __global__ void attention_bwd_dq(const float* dout, const float* q, c
     float li = NEG_INF, di = 0.0f;
     int pi = 0;
     if (active) {
-        load_row(qr, q + (i * g.batch + b) * qw + h * d, lane, d);
-        load_row(dor, dout + (i * g.batch + b) * qw + h * d, lane, d);
+        load_row(qr, q, (i * g.batch + b) * qw + h * d, g.bf16 & ATT_BF16_Q, lane, d);
+        load_row(dor, dout, (i * g.batch + b) * qw + h * d, g.bf16 & ATT_BF16_DO, lane, d);
         li = lse[bh * g.seq_q + i];
-        di = delta[bh * g.seq_q + i];
+        di = delta[bh * att_rows(g) + i];
         pi = qpos[i];
     }
     #pragma unroll
@@ -130,8 +174,8 @@ extern "C" __global__ void attention_bwd_dq(const float* dout, const float* q, c
     for (long long j0 = 0; j0 < g.seq_kv; j0 += ATT_TILE) {
         if (kvpos[j0] > limit) break;
         __syncthreads();
-        load_tile(kt, k, j0, g.seq_kv, g.batch, b, kw, kvh * d, d);
-        load_tile(vt, v, j0, g.seq_kv, g.batch, b, kw, kvh * d, d);
+        load_tile(kt, k, g.bf16 & ATT_BF16_K, j0, g.seq_kv, g.batch, b, kw, kvh * d, d);
+        load_tile(vt, v, g.bf16 & ATT_BF16_V, j0, g.seq_kv, g.batch, b, kw, kvh * d, d);
         __syncthreads();
         if (!any) continue;
         for (int jj = 0; jj < ATT_TILE && j0 + jj < g.seq_kv; jj++) {
@@ -143,14 +187,14 @@ extern "C" __global__ void attention_bwd_dq(const float* dout, const float* q, c
         }
     }
     if (!active) return;
-    float* row = dq + (i * g.batch + b) * qw + h * d;
+    long long row = (i * g.batch + b) * qw + h * d;
     #pragma unroll
-    for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; if (e < d) row[e] = g.scale * acc[t]; }
+    for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; if (e < d) att_st(dq, row + e, g.scale * acc[t], g.bf16 & ATT_BF16_DQ); }
 }
 
 // Per key row j of kv head kvh: dv_j = Σ_{h in group, i} p_ij dO_i, dk_j = scale Σ ds_ij q_i.
 // grid: (ceil(seq_kv / ATT_WARPS), batch * kv_heads); smem: q and dO tiles, lse and delta.
-extern "C" __global__ void attention_bwd_dkdv(const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, float* dk, float* dv, const int* qpos, const int* kvpos, AttGeom g) {
+extern "C" __global__ void attention_bwd_dkdv(const void* dout, const void* q, const void* k, const void* v, const float* lse, const float* delta, void* dk, void* dv, const int* qpos, const int* kvpos, AttGeom g) {
     extern __shared__ float smem[];
     int d = (int)g.head_dim, lane = threadIdx.x;
     float* qt = smem;
@@ -165,8 +209,8 @@ extern "C" __global__ void attention_bwd_dkdv(const float* dout, const float* q,
     float kr[ATT_MAX_PER_LANE], vr[ATT_MAX_PER_LANE], dka[ATT_MAX_PER_LANE], dva[ATT_MAX_PER_LANE];
     int pj = 0;
     if (active) {
-        load_row(kr, k + (j * g.batch + b) * kw + kvh * d, lane, d);
-        load_row(vr, v + (j * g.batch + b) * kw + kvh * d, lane, d);
+        load_row(kr, k, (j * g.batch + b) * kw + kvh * d, g.bf16 & ATT_BF16_K, lane, d);
+        load_row(vr, v, (j * g.batch + b) * kw + kvh * d, g.bf16 & ATT_BF16_V, lane, d);
         pj = kvpos[j];
     }
     #pragma unroll
@@ -180,12 +224,12 @@ extern "C" __global__ void attention_bwd_dkdv(const float* dout, const float* q,
             long long i_last = i0 + ATT_TILE - 1 < g.seq_q ? i0 + ATT_TILE - 1 : g.seq_q - 1;
             if (g.causal && g.q_sorted && g.kv_sorted && qpos[i_last] < first_kpos) continue;
             __syncthreads();
-            load_tile(qt, q, i0, g.seq_q, g.batch, b, qw, h * d, d);
-            load_tile(dot_, dout, i0, g.seq_q, g.batch, b, qw, h * d, d);
+            load_tile(qt, q, g.bf16 & ATT_BF16_Q, i0, g.seq_q, g.batch, b, qw, h * d, d);
+            load_tile(dot_, dout, g.bf16 & ATT_BF16_DO, i0, g.seq_q, g.batch, b, qw, h * d, d);
             for (int t = threadIdx.y * 32 + threadIdx.x; t < ATT_TILE; t += 32 * ATT_WARPS) {
                 long long i = i0 + t;
                 lt[t] = i < g.seq_q ? lse[bh * g.seq_q + i] : NEG_INF;
-                dt[t] = i < g.seq_q ? delta[bh * g.seq_q + i] : 0.0f;
+                dt[t] = i < g.seq_q ? delta[bh * att_rows(g) + i] : 0.0f;
             }
             __syncthreads();
             if (!active) continue;
@@ -205,8 +249,13 @@ extern "C" __global__ void attention_bwd_dkdv(const float* dout, const float* q,
         }
     }
     if (!active) return;
-    float* dkr = dk + (j * g.batch + b) * kw + kvh * d;
-    float* dvr = dv + (j * g.batch + b) * kw + kvh * d;
+    long long row = (j * g.batch + b) * kw + kvh * d;
     #pragma unroll
-    for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; if (e < d) { dkr[e] = g.scale * dka[t]; dvr[e] = dva[t]; } }
+    for (int t = 0; t < ATT_MAX_PER_LANE; t++) {
+        int e = lane + 32 * t;
+        if (e < d) {
+            att_st(dk, row + e, g.scale * dka[t], g.bf16 & ATT_BF16_DK);
+            att_st(dv, row + e, dva[t], g.bf16 & ATT_BF16_DV);
+        }
+    }
 }

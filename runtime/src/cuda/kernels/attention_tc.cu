@@ -1,18 +1,23 @@
 // Flash-attention-2 on tensor cores, for bf16 runs with head_dim 64 or 128 (FA2's algorithm,
 // written for parc's layouts): bf16 `mma.sync.m16n8k16` with fp32 accumulation. The kernels
-// read bf16 q, k, v, dO in the stored layout [seq, batch, heads, head_dim] (attention_to_bf16
-// makes them from fp32 buffers; bf16 storage will hand them over as they are): tiles go to
-// shared memory with cp.async, two stages deep (the next tile loads while this one computes),
-// fragments come out with `ldmatrix`. Softmax is online in fp32 registers, in log2 units
-// (scores times scale·log2 e, exp2). Visibility is by global position (qpos/kvpos): with
-// ascending positions, causal blocks skip whole tiles and mask only the tiles that cross the
-// diagonal; otherwise every tile is masked.
+// read bf16 q, k, v, dO in the stored layout [seq, batch, heads, head_dim] — the buffers
+// themselves when they are bf16, else attention_to_bf16's copies — and write O, dK, dV as f32 or
+// bf16 (AttGeom::bf16; each bf16 element rounded once) and dQ into an f32 accumulator (the
+// caller rounds it to a bf16 dQ once). Tiles go to shared memory with cp.async, two stages deep
+// (the next tile loads while this one computes); key and query positions, lse and delta ride
+// along in the same cp.async groups, so the loops issue no blocking global load. Fragments come
+// out with `ldmatrix`. Softmax is online in fp32 registers, in log2 units (scores times
+// scale·log2 e, exp2). Visibility is by global position (qpos/kvpos): with ascending positions,
+// causal blocks skip whole tiles and mask only the tiles that cross the diagonal (the ranges are
+// found once per CTA by binary search); otherwise every tile is masked.
 //
 // Forward: a CTA of TC_WARPS warps takes TC_FWD_BR query rows of one (batch, head), 32 per
-// warp; K/V stream through shared memory in tiles of BC rows (64 for head_dim 64, 32 for 128).
+// warp; K/V stream through shared memory in tiles of BC rows. The grid is (batch·heads, query
+// tiles), the last query tiles (the longest, causal) launched first for every head.
 // Backward (after attention_delta): a CTA of TC_BWD_WARPS warps takes TC_BC keys of one
 // (batch, kv head), 16 per warp, loops over the GQA group's query heads and their query tiles,
-// keeps dK/dV in registers and adds dQ into the (zeroed) output with float atomics.
+// keeps dK/dV in registers and adds dQ into the (zeroed) f32 accumulator with float atomics;
+// the grid is (batch·kv heads, key blocks), the first key blocks (the longest) launched first.
 #define TC_WARPS 4
 #define TC_THREADS (TC_WARPS * 32)
 // The backward's CTA: 8 warps of 16 keys each (more keys per CTA: fewer dQ atomics per FLOP).
@@ -21,8 +26,8 @@
 #define TC_BC (TC_BWD_WARPS * 16)
 #define TC_LOG2E 1.4426950408889634f
 #define TC_LN2 0.6931471805599453f
-#define TC_POS_INF __int_as_float(0x7f800000)
 #define TC_INT_MAX 0x7fffffff
+#define TC_INT_MIN (-0x7fffffff - 1)
 
 typedef unsigned short bf16_t;
 
@@ -67,30 +72,39 @@ __device__ __forceinline__ void tc_red2(float* p, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
 }
 
-// Starts a 16-byte copy global -> shared (zero-filled when !valid; gmem must still be mapped).
-__device__ __forceinline__ void tc_cp16(void* smem, const void* gmem, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(tc_smem_addr(smem)), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+// Starts a 16-byte copy global -> shared of which the first `bytes` (0..16) come from gmem and
+// the rest are zero (gmem must be mapped and 16-byte aligned even when bytes is 0).
+__device__ __forceinline__ void tc_cp16(void* smem, const void* gmem, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(tc_smem_addr(smem)), "l"(gmem), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ void tc_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 __device__ __forceinline__ void tc_cp_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
-// Starts filling s[ROWS][D + 8] with rows [r0, r0 + ROWS) of one head (columns col..col+D) of
-// a bf16 [seq * batch, width] tensor (sequence row j of batch b is row j * batch + b); rows
-// past seq are zero.
+// Starts filling s[ROWS][D + 8] with rows [r0, r0 + ROWS) of one head of a bf16 tensor: row j
+// starts at src + j * stride (src points at the head's first column of row 0); rows at or past
+// seq are zero.
 template <int D, int ROWS, int THREADS>
-__device__ __forceinline__ void tc_fill(bf16_t* s, const bf16_t* src, long long r0, long long seq, long long batch, long long b, long long width, long long col) {
+__device__ __forceinline__ void tc_fill(bf16_t* s, const bf16_t* src, int r0, int seq, long long stride) {
     constexpr int PER_ROW = D / 8;
     static_assert(ROWS * PER_ROW % THREADS == 0, "a tile must split evenly over the threads");
     #pragma unroll
     for (int it = 0; it < ROWS * PER_ROW / THREADS; it++) {
         int idx = it * THREADS + threadIdx.x;
         int r = idx / PER_ROW, c = (idx % PER_ROW) * 8;
-        long long j = r0 + r;
+        int j = r0 + r;
         bool valid = j < seq;
-        tc_cp16(s + r * (D + 8) + c, src + ((valid ? j : 0) * batch + b) * width + col + c, valid);
+        tc_cp16(s + r * (D + 8) + c, src + (valid ? j : 0) * stride + c, valid ? 16 : 0);
     }
+}
+
+// Starts copying 4 of the 4-byte words src[first .. first + 4) to s (16-byte aligned both);
+// words at or past `end` are zero.
+__device__ __forceinline__ void tc_fill_words(void* s, const void* src, int first, int end) {
+    int left = end - first;
+    int bytes = left >= 4 ? 16 : (left > 0 ? 4 * left : 0);
+    tc_cp16(s, static_cast<const int*>(src) + (bytes > 0 ? first : 0), bytes);
 }
 
 // fp32 -> bf16 (round to nearest even), 4 elements a thread and step; n4 = elements / 4.
@@ -99,6 +113,12 @@ extern "C" __global__ void attention_to_bf16(const float4* x, uint2* y, long lon
         float4 a = x[i];
         y[i] = make_uint2(tc_pack(a.x, a.y), tc_pack(a.z, a.w));
     }
+}
+
+// Writes two adjacent output elements (index i even) as f32 or, when bf16, rounded to bf16.
+__device__ __forceinline__ void tc_store2(void* p, long long i, float a, float b, bool bf16) {
+    if (bf16) *reinterpret_cast<unsigned*>(static_cast<bf16_t*>(p) + i) = tc_pack(a, b);
+    else *reinterpret_cast<float2*>(static_cast<float*>(p) + i) = make_float2(a, b);
 }
 
 // A fragment (16x16) of rows [row0, row0 + 16), columns [col0, col0 + 16) of s (row stride ld).
@@ -142,40 +162,65 @@ __device__ __forceinline__ float tc_quad_sum(float v) {
     return v + __shfl_xor_sync(FULL_MASK, v, 2);
 }
 
+// The number of tiles t in [lo, hi) for which pred(t) holds, when it holds for a prefix of them.
+template <typename P>
+__device__ __forceinline__ int tc_prefix(int lo, int hi, P pred) {
+    int a = lo, b = hi;
+    while (a < b) {
+        int mid = (a + b) >> 1;
+        if (pred(mid)) a = mid + 1; else b = mid;
+    }
+    return a - lo;
+}
+
 // Query rows of one forward CTA: each warp takes TC_FWD_MT m-tiles of 16 rows, so every K/V
 // fragment read from shared memory feeds TC_FWD_MT tensor-core ops.
 #define TC_FWD_MT 2
 #define TC_FWD_BR (TC_WARPS * 16 * TC_FWD_MT)
 
-// grid: (ceil(seq_q / TC_FWD_BR), batch * heads); block: TC_THREADS; shared:
+// grid: (batch * heads, ceil(seq_q / TC_FWD_BR)); block: TC_THREADS; shared:
 // (TC_FWD_BR + 4 BC) * (D + 8) * 2 + 2 BC * 4 bytes (Q; K, V and key positions, two stages).
 template <int D, int BC>
-__device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* k, const bf16_t* v, float* o, float* lse, const int* qpos, const int* kvpos, const AttGeom& g) {
+__device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* k, const bf16_t* v, void* o, float* lse, const int* qpos, const int* kvpos, const AttGeom& g) {
     constexpr int LD = D + 8, TILE = BC * LD, MT = TC_FWD_MT, BR = TC_FWD_BR;
     extern __shared__ __align__(16) unsigned char tc_smem[];
     bf16_t* sq = reinterpret_cast<bf16_t*>(tc_smem);
     bf16_t* skv = sq + BR * LD;  // stage s: K at skv + 2 s TILE, V after it
     int* skpos = reinterpret_cast<int*>(skv + 4 * TILE);  // stage s at skpos + s BC
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
-    long long bh = blockIdx.y, b = bh / g.heads, h = bh % g.heads;
-    long long kvh = h / (g.heads / g.kv_heads);
-    // Heaviest (latest) causal blocks first.
-    long long i0 = (long long)(gridDim.x - 1 - blockIdx.x) * BR;
-    long long qw = g.heads * D, kw = g.kv_heads * D, last = g.seq_q - 1;
+    int bh = blockIdx.x, b = bh / (int)g.heads, h = bh % (int)g.heads;
+    int kvh = h / (int)(g.heads / g.kv_heads);
+    int seq_q = (int)g.seq_q, seq_kv = (int)g.seq_kv;
+    // The last query tiles (the longest, causal) first.
+    int i0 = (int)(gridDim.y - 1 - blockIdx.y) * BR;
+    long long q_stride = g.batch * g.heads * D, kv_stride = g.batch * g.kv_heads * D;
+    const bf16_t* qh = q + ((long long)b * g.heads + h) * D;
+    const bf16_t* kh = k + ((long long)b * g.kv_heads + kvh) * D;
+    const bf16_t* vh = v + ((long long)b * g.kv_heads + kvh) * D;
+    tc_fill<D, BR, TC_THREADS>(sq, qh, i0, seq_q, q_stride);
     // This thread's rows: r = 2 mt + half is row i0 + warp 16 MT + 16 mt + 8 half + gq.
-    long long row[2 * MT];
+    int last = seq_q - 1;
     int pos[2 * MT];
     float m[2 * MT], l[2 * MT];
     #pragma unroll
     for (int r = 0; r < 2 * MT; r++) {
-        row[r] = i0 + warp * 16 * MT + 16 * (r >> 1) + 8 * (r & 1) + gq;
-        pos[r] = qpos[row[r] < last ? row[r] : last];
+        int row = i0 + warp * 16 * MT + 16 * (r >> 1) + 8 * (r & 1) + gq;
+        pos[r] = qpos[row < last ? row : last];
         m[r] = NEG_INF;
         l[r] = 0.0f;
     }
     int first_pos = qpos[i0], last_pos = qpos[i0 + BR - 1 < last ? i0 + BR - 1 : last];
     bool sorted = g.q_sorted && g.kv_sorted;
-    long long tiles = (g.seq_kv + BC - 1) / BC;
+    // Tiles [0, tiles) are visited; [0, full) need no mask (every key valid and visible).
+    int tiles = (seq_kv + BC - 1) / BC, full = seq_kv / BC;
+    if (g.causal && sorted) {
+        // A tile whose first key is past the block's last query is invisible to it, and so is
+        // every later one; a whole tile whose last key is at or before the first query is full.
+        tiles = tc_prefix(0, tiles, [&](int t) { return kvpos[t * BC] <= last_pos; });
+        full = tc_prefix(0, full, [&](int t) { return kvpos[t * BC + BC - 1] <= first_pos; });
+    } else if (g.causal) {
+        full = 0;
+    }
     float sl2 = g.scale * TC_LOG2E;
     float acc[MT][D / 8][4];
     #pragma unroll
@@ -183,36 +228,29 @@ __device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* 
         #pragma unroll
         for (int nb = 0; nb < D / 8; nb++) { acc[mt][nb][0] = 0.0f; acc[mt][nb][1] = 0.0f; acc[mt][nb][2] = 0.0f; acc[mt][nb][3] = 0.0f; }
     }
-    tc_fill<D, BR, TC_THREADS>(sq, q, i0, g.seq_q, g.batch, b, qw, h * D);
-    // Causal with ascending positions: tiles whose first key is past the block's last query
-    // are invisible to the whole block, and so is every later one.
-    bool more = !(g.causal && sorted && kvpos[0] > last_pos);
-    if (more) {
-        tc_fill<D, BC, TC_THREADS>(skv, k, 0, g.seq_kv, g.batch, b, kw, kvh * D);
-        tc_fill<D, BC, TC_THREADS>(skv + TILE, v, 0, g.seq_kv, g.batch, b, kw, kvh * D);
-        if (threadIdx.x < BC) skpos[threadIdx.x] = threadIdx.x < g.seq_kv ? kvpos[threadIdx.x] : TC_INT_MAX;
+    if (tiles > 0) {
+        tc_fill<D, BC, TC_THREADS>(skv, kh, 0, seq_kv, kv_stride);
+        tc_fill<D, BC, TC_THREADS>(skv + TILE, vh, 0, seq_kv, kv_stride);
+        if (threadIdx.x < BC / 4) tc_fill_words(skpos + 4 * threadIdx.x, kvpos, 4 * threadIdx.x, seq_kv);
     }
     tc_cp_commit();
-    for (long long t = 0; more; t++) {
-        int stage = (int)(t & 1);
-        long long j0 = t * BC;
+    for (int t = 0; t < tiles; t++) {
+        int stage = t & 1;
+        int j0 = t * BC;
         tc_cp_wait_all();
         __syncthreads();  // tile t landed everywhere; every warp is done with tile t - 1
-        long long jn = j0 + BC;
-        more = t + 1 < tiles && !(g.causal && sorted && kvpos[jn] > last_pos);
-        if (more) {
+        if (t + 1 < tiles) {
+            int jn = j0 + BC;
             bf16_t* nk = skv + 2 * (stage ^ 1) * TILE;
-            tc_fill<D, BC, TC_THREADS>(nk, k, jn, g.seq_kv, g.batch, b, kw, kvh * D);
-            tc_fill<D, BC, TC_THREADS>(nk + TILE, v, jn, g.seq_kv, g.batch, b, kw, kvh * D);
-            if (threadIdx.x < BC) skpos[(stage ^ 1) * BC + threadIdx.x] = jn + threadIdx.x < g.seq_kv ? kvpos[jn + threadIdx.x] : TC_INT_MAX;
+            tc_fill<D, BC, TC_THREADS>(nk, kh, jn, seq_kv, kv_stride);
+            tc_fill<D, BC, TC_THREADS>(nk + TILE, vh, jn, seq_kv, kv_stride);
+            if (threadIdx.x < BC / 4) tc_fill_words(skpos + (stage ^ 1) * BC + 4 * threadIdx.x, kvpos, jn + 4 * threadIdx.x, seq_kv);
             tc_cp_commit();
         }
         const bf16_t* sk = skv + 2 * stage * TILE;
         const bf16_t* sv = sk + TILE;
         const int* kp_tile = skpos + stage * BC;
-        long long jl = j0 + BC - 1 < g.seq_kv - 1 ? j0 + BC - 1 : g.seq_kv - 1;
-        bool whole = j0 + BC <= g.seq_kv;
-        bool full = g.causal ? (sorted && whole && kvpos[jl] <= first_pos) : whole;
+        int kv_left = seq_kv - j0;
         // S = Q K^T: MT x 16 rows x BC keys per warp.
         float s[MT][BC / 8][4];
         #pragma unroll
@@ -237,6 +275,7 @@ __device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* 
             }
         }
         // Online softmax, per row (a row's columns are spread over the 4 lanes of a quad).
+        bool masked = t >= full;
         #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
             #pragma unroll
@@ -249,9 +288,9 @@ __device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* 
                     #pragma unroll
                     for (int e = 0; e < 2; e++) {
                         float val = s[mt][nb][2 * half + e];
-                        if (!full) {
-                            int kp = kp_tile[nb * 8 + 2 * tq + e];
-                            if (kp == TC_INT_MAX || (g.causal && kp > pos[r])) val = NEG_INF;
+                        if (masked) {
+                            int c = nb * 8 + 2 * tq + e;
+                            if (c >= kv_left || (g.causal && kp_tile[c] > pos[r])) val = NEG_INF;
                         }
                         s[mt][nb][2 * half + e] = val;
                         x = fmaxf(x, val);
@@ -299,96 +338,112 @@ __device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* 
         }
     }
     tc_cp_wait_all();
+    bool o_bf16 = g.bf16 & ATT_BF16_O;
     #pragma unroll
     for (int r = 0; r < 2 * MT; r++) {
         float sum = tc_quad_sum(l[r]);
         float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        if (row[r] < g.seq_q) {
-            float* out = o + (row[r] * g.batch + b) * qw + h * D + 2 * tq;
+        int row = i0 + warp * 16 * MT + 16 * (r >> 1) + 8 * (r & 1) + gq;
+        if (row < seq_q) {
+            long long out = row * q_stride + ((long long)b * g.heads + h) * D + 2 * tq;
             int mt = r >> 1, half = r & 1;
             #pragma unroll
-            for (int nb = 0; nb < D / 8; nb++) *reinterpret_cast<float2*>(out + nb * 8) = make_float2(acc[mt][nb][2 * half] * inv, acc[mt][nb][2 * half + 1] * inv);
-            if (tq == 0) lse[bh * g.seq_q + row[r]] = sum > 0.0f ? (m[r] + log2f(sum)) * TC_LN2 : NEG_INF;
+            for (int nb = 0; nb < D / 8; nb++) tc_store2(o, out + nb * 8, acc[mt][nb][2 * half] * inv, acc[mt][nb][2 * half + 1] * inv, o_bf16);
+            if (tq == 0) lse[(long long)bh * seq_q + row] = sum > 0.0f ? (m[r] + log2f(sum)) * TC_LN2 : NEG_INF;
         }
     }
 }
 
-// dK, dV (overwritten) and dQ (+=, zeroed by the caller) for TC_BC keys of one (batch, kv
-// head); query tiles of BR rows. grid: (ceil(seq_kv / TC_BC), batch * kv_heads); block:
-// TC_BWD_THREADS; shared: 2 TC_BC (D + 8) * 2 (K, V) + 2 stages of [2 BR (D + 8) * 2 (Q, dO) +
-// 3 BR * 4 (lse, delta, position)] + TC_BC (BR + 8) * 2 (dS^T) bytes.
+// dK, dV (overwritten, f32 or bf16) and dQ (+= into the zeroed f32 dq_acc) for TC_BC keys of
+// one (batch, kv head); query tiles of BR rows. lse2 and delta (attention_delta's) are indexed
+// (batch · heads + head) · att_rows(g) + query. grid: (batch * kv_heads, ceil(seq_kv / TC_BC));
+// block: TC_BWD_THREADS; shared: 2 TC_BC (D + 8) * 2 (K, V) + 2 stages of [2 BR (D + 8) * 2
+// (Q, dO) + 3 BR * 4 (lse2, delta, position)] + TC_BC (BR + 8) * 2 (dS^T) bytes.
 template <int D, int BR>
-__device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse, const float* delta, float* dq, float* dk, float* dv, const int* qpos, const int* kvpos, const AttGeom& g) {
+__device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse2, const float* delta, float* dq_acc, void* dk, void* dv, const int* qpos, const int* kvpos, const AttGeom& g) {
     constexpr int LD = D + 8, LDS = BR + 8;
-    // One stage: Q, dO tiles, then lse (log2 units; +inf: the row sees nothing), delta, position.
+    // One stage: Q, dO tiles, then lse2 (+inf: the row sees nothing), delta, position.
     constexpr int STAGE = 2 * BR * LD * 2 + 3 * BR * 4;
+    static_assert(3 * BR / 4 <= TC_BWD_THREADS, "one 16-byte piece of a stage's rows a thread");
     extern __shared__ __align__(16) unsigned char tc_smem[];
     bf16_t* sk = reinterpret_cast<bf16_t*>(tc_smem);
     bf16_t* sv = sk + TC_BC * LD;
     unsigned char* stages = reinterpret_cast<unsigned char*>(sv + TC_BC * LD);
     bf16_t* sds = reinterpret_cast<bf16_t*>(stages + 2 * STAGE);  // dS transposed: [key][query]
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
-    long long bk = blockIdx.y, b = bk / g.kv_heads, kvh = bk % g.kv_heads;
-    long long group = g.heads / g.kv_heads;
-    long long j0 = (long long)blockIdx.x * TC_BC;
-    long long qw = g.heads * D, kw = g.kv_heads * D;
-    long long ka = j0 + warp * 16 + gq, kb = ka + 8;
-    int pa = ka < g.seq_kv ? kvpos[ka] : TC_INT_MAX, pb = kb < g.seq_kv ? kvpos[kb] : TC_INT_MAX;
-    long long jl = j0 + TC_BC - 1 < g.seq_kv - 1 ? j0 + TC_BC - 1 : g.seq_kv - 1;
+    int bk = blockIdx.x, b = bk / (int)g.kv_heads, kvh = bk % (int)g.kv_heads;
+    int group = (int)(g.heads / g.kv_heads);
+    int seq_q = (int)g.seq_q, seq_kv = (int)g.seq_kv, rows_ld = att_rows(g);
+    int j0 = blockIdx.y * TC_BC;
+    long long q_stride = g.batch * g.heads * D, kv_stride = g.batch * g.kv_heads * D;
+    const bf16_t* kh = k + ((long long)b * g.kv_heads + kvh) * D;
+    const bf16_t* vh = v + ((long long)b * g.kv_heads + kvh) * D;
+    tc_fill<D, TC_BC, TC_BWD_THREADS>(sk, kh, j0, seq_kv, kv_stride);
+    tc_fill<D, TC_BC, TC_BWD_THREADS>(sv, vh, j0, seq_kv, kv_stride);
+    int ka = j0 + warp * 16 + gq, kb = ka + 8;
+    // Causal masking: a key hides from queries at earlier positions; keys past seq_kv hide from
+    // every query (INT_MAX); non-causal valid keys from none (INT_MIN).
+    int pa = ka < seq_kv ? (g.causal ? kvpos[ka] : TC_INT_MIN) : TC_INT_MAX;
+    int pb = kb < seq_kv ? (g.causal ? kvpos[kb] : TC_INT_MIN) : TC_INT_MAX;
+    int jl = j0 + TC_BC - 1 < seq_kv - 1 ? j0 + TC_BC - 1 : seq_kv - 1;
     int first_kpos = kvpos[j0], last_kpos = kvpos[jl];
     bool sorted = g.q_sorted && g.kv_sorted;
-    bool whole = j0 + TC_BC <= g.seq_kv;
+    bool whole = j0 + TC_BC <= seq_kv;
     float sl2 = g.scale * TC_LOG2E;
-    // The query tiles this CTA visits, per head: [first, q_tiles). Causal with ascending
-    // positions: tiles ending before the first key see none of this CTA's keys.
-    long long q_tiles = (g.seq_q + BR - 1) / BR, first = 0;
+    // The query tiles this CTA visits, per head: [first, q_tiles); of them [first_full,
+    // q_tiles) need no mask. Causal with ascending positions: tiles ending before the first
+    // key see none of this CTA's keys; tiles starting at or after the last key see all.
+    int q_tiles = (seq_q + BR - 1) / BR, first = 0, first_full = whole ? 0 : q_tiles;
     if (g.causal && sorted) {
-        long long hi = q_tiles;
-        while (first < hi) {
-            long long mid = (first + hi) / 2, il = mid * BR + BR - 1 < g.seq_q - 1 ? mid * BR + BR - 1 : g.seq_q - 1;
-            if (qpos[il] < first_kpos) first = mid + 1; else hi = mid;
-        }
+        first = tc_prefix(0, q_tiles, [&](int t) {
+            int il = t * BR + BR - 1 < seq_q - 1 ? t * BR + BR - 1 : seq_q - 1;
+            return qpos[il] < first_kpos;
+        });
+        first_full = whole ? first + tc_prefix(first, q_tiles, [&](int t) { return qpos[t * BR] < last_kpos; }) : q_tiles;
+    } else if (g.causal) {
+        first_full = q_tiles;
     }
-    long long per_head = q_tiles - first, total = group * per_head;
+    int per_head = q_tiles - first, total = group * per_head;
     float dka[D / 8][4], dva[D / 8][4];
     #pragma unroll
     for (int nb = 0; nb < D / 8; nb++) {
         #pragma unroll
         for (int e = 0; e < 4; e++) { dka[nb][e] = 0.0f; dva[nb][e] = 0.0f; }
     }
-    tc_fill<D, TC_BC, TC_BWD_THREADS>(sk, k, j0, g.seq_kv, g.batch, b, kw, kvh * D);
-    tc_fill<D, TC_BC, TC_BWD_THREADS>(sv, v, j0, g.seq_kv, g.batch, b, kw, kvh * D);
-    for (long long t = -1; t < total; t++) {
+    for (int t = -1; t < total; t++) {
         // Start loading tile t + 1 (then wait for tile t): its stage was last read in t - 1.
         if (t >= 0) {
             tc_cp_wait_all();
             __syncthreads();
         }
         if (t + 1 < total) {
-            long long hn = kvh * group + (t + 1) / per_head, in0 = (first + (t + 1) % per_head) * BR;
-            long long bhn = b * g.heads + hn;
+            int hn = kvh * group + (t + 1) / per_head, in0 = (first + (t + 1) % per_head) * BR;
+            long long bhn = (long long)b * g.heads + hn;
             unsigned char* st = stages + ((t + 1) & 1) * STAGE;
             bf16_t* nq = reinterpret_cast<bf16_t*>(st);
-            tc_fill<D, BR, TC_BWD_THREADS>(nq, q, in0, g.seq_q, g.batch, b, qw, hn * D);
-            tc_fill<D, BR, TC_BWD_THREADS>(nq + BR * LD, dout, in0, g.seq_q, g.batch, b, qw, hn * D);
+            tc_fill<D, BR, TC_BWD_THREADS>(nq, q + bhn * D, in0, seq_q, q_stride);
+            tc_fill<D, BR, TC_BWD_THREADS>(nq + BR * LD, dout + bhn * D, in0, seq_q, q_stride);
             float* nl = reinterpret_cast<float*>(nq + 2 * BR * LD);
-            for (int r = threadIdx.x; r < BR; r += TC_BWD_THREADS) {
-                long long i = in0 + r;
-                float l = i < g.seq_q ? lse[bhn * g.seq_q + i] : NEG_INF;
-                nl[r] = l == NEG_INF ? TC_POS_INF : l * TC_LOG2E;
-                nl[BR + r] = i < g.seq_q ? delta[bhn * g.seq_q + i] : 0.0f;
-                reinterpret_cast<int*>(nl + 2 * BR)[r] = i < g.seq_q ? qpos[i] : 0;
+            int piece = threadIdx.x;
+            if (piece < BR / 4) {
+                tc_fill_words(nl + 4 * piece, lse2 + bhn * rows_ld, in0 + 4 * piece, seq_q);
+            } else if (piece < BR / 2) {
+                piece -= BR / 4;
+                tc_fill_words(nl + BR + 4 * piece, delta + bhn * rows_ld, in0 + 4 * piece, seq_q);
+            } else if (piece < 3 * BR / 4) {
+                piece -= BR / 2;
+                tc_fill_words(nl + 2 * BR + 4 * piece, qpos, in0 + 4 * piece, seq_q);
             }
         }
         tc_cp_commit();
         if (t < 0) continue;
-        long long h = kvh * group + t / per_head, i0 = (first + t % per_head) * BR;
+        int h = kvh * group + t / per_head, tile = first + t % per_head, i0 = tile * BR;
         const bf16_t* sq = reinterpret_cast<const bf16_t*>(stages + (t & 1) * STAGE);
         const bf16_t* sdo = sq + BR * LD;
         const float* sl = reinterpret_cast<const float*>(sdo + BR * LD);
         const float* sd = sl + BR;
         const int* sp = reinterpret_cast<const int*>(sd + BR);
-        bool full = g.causal ? (sorted && whole && qpos[i0] >= last_kpos) : true;
+        bool masked = tile < first_full;
         // S^T = K Q^T: this warp's 16 keys x BR queries.
         float st[BR / 8][4];
         #pragma unroll
@@ -405,7 +460,8 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
                 tc_mma(st[nb + 1], a, bf[2], bf[3]);
             }
         }
-        // P^T = exp(S^T scale − lse), masked.
+        // P^T = exp(S^T scale − lse), masked. Query rows past seq_q have zero Q and dO, so
+        // whatever P they get adds nothing.
         #pragma unroll
         for (int nb = 0; nb < BR / 8; nb++) {
             #pragma unroll
@@ -413,7 +469,7 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
                 int c = nb * 8 + 2 * tq + e;
                 float l = sl[c];
                 float xa = tc_exp2(__fmaf_rn(st[nb][e], sl2, -l)), xb = tc_exp2(__fmaf_rn(st[nb][2 + e], sl2, -l));
-                if (!full && g.causal) {
+                if (masked) {
                     int qp = sp[c];
                     if (pa > qp) xa = 0.0f;
                     if (pb > qp) xb = 0.0f;
@@ -481,6 +537,7 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
         __syncthreads();
         // dQ += dS K, in units of 16 queries x 32 columns spread over the warps.
         constexpr int MQ = BR / 16;
+        float* dqh = dq_acc + ((long long)b * g.heads + h) * D;
         for (int u = warp; u < MQ * (D / 32); u += TC_BWD_WARPS) {
             int m0 = (u % MQ) * 16, d0 = (u / MQ) * 32;
             float dqa[4][4];
@@ -498,52 +555,52 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
                     tc_mma(dqa[nb + 1], a, bf[2], bf[3]);
                 }
             }
-            long long ia = i0 + m0 + gq, ib = ia + 8;
-            if (ia < g.seq_q) {
-                float* row = dq + (ia * g.batch + b) * qw + h * D + d0 + 2 * tq;
+            int ia = i0 + m0 + gq, ib = ia + 8;
+            if (ia < seq_q) {
+                float* row = dqh + ia * q_stride + d0 + 2 * tq;
                 #pragma unroll
                 for (int nb = 0; nb < 4; nb++) tc_red2(row + nb * 8, g.scale * dqa[nb][0], g.scale * dqa[nb][1]);
             }
-            if (ib < g.seq_q) {
-                float* row = dq + (ib * g.batch + b) * qw + h * D + d0 + 2 * tq;
+            if (ib < seq_q) {
+                float* row = dqh + ib * q_stride + d0 + 2 * tq;
                 #pragma unroll
                 for (int nb = 0; nb < 4; nb++) tc_red2(row + nb * 8, g.scale * dqa[nb][2], g.scale * dqa[nb][3]);
             }
         }
     }
     tc_cp_wait_all();
-    if (ka < g.seq_kv) {
-        float* kr = dk + (ka * g.batch + b) * kw + kvh * D + 2 * tq;
-        float* vr = dv + (ka * g.batch + b) * kw + kvh * D + 2 * tq;
+    bool dk_bf16 = g.bf16 & ATT_BF16_DK, dv_bf16 = g.bf16 & ATT_BF16_DV;
+    long long head = ((long long)b * g.kv_heads + kvh) * D + 2 * tq;
+    if (ka < seq_kv) {
+        long long row = ka * kv_stride + head;
         #pragma unroll
         for (int nb = 0; nb < D / 8; nb++) {
-            *reinterpret_cast<float2*>(kr + nb * 8) = make_float2(g.scale * dka[nb][0], g.scale * dka[nb][1]);
-            *reinterpret_cast<float2*>(vr + nb * 8) = make_float2(dva[nb][0], dva[nb][1]);
+            tc_store2(dk, row + nb * 8, g.scale * dka[nb][0], g.scale * dka[nb][1], dk_bf16);
+            tc_store2(dv, row + nb * 8, dva[nb][0], dva[nb][1], dv_bf16);
         }
     }
-    if (kb < g.seq_kv) {
-        float* kr = dk + (kb * g.batch + b) * kw + kvh * D + 2 * tq;
-        float* vr = dv + (kb * g.batch + b) * kw + kvh * D + 2 * tq;
+    if (kb < seq_kv) {
+        long long row = kb * kv_stride + head;
         #pragma unroll
         for (int nb = 0; nb < D / 8; nb++) {
-            *reinterpret_cast<float2*>(kr + nb * 8) = make_float2(g.scale * dka[nb][2], g.scale * dka[nb][3]);
-            *reinterpret_cast<float2*>(vr + nb * 8) = make_float2(dva[nb][2], dva[nb][3]);
+            tc_store2(dk, row + nb * 8, g.scale * dka[nb][2], g.scale * dka[nb][3], dk_bf16);
+            tc_store2(dv, row + nb * 8, dva[nb][2], dva[nb][3], dv_bf16);
         }
     }
 }
 
 #define TC_FWD(D, BC)                                                                                \
     extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_fwd_tc_d##D(                 \
-        const bf16_t* q, const bf16_t* k, const bf16_t* v, float* o, float* lse, const int* qpos,    \
+        const bf16_t* q, const bf16_t* k, const bf16_t* v, void* o, float* lse, const int* qpos,     \
         const int* kvpos, AttGeom g) {                                                                \
         tc_attention_fwd<D, BC>(q, k, v, o, lse, qpos, kvpos, g);                                     \
     }
 #define TC_BWD(D, BR)                                                                                \
-    extern "C" __global__ void __launch_bounds__(TC_BWD_THREADS) attention_bwd_tc_d##D(                 \
-        const bf16_t* dout, const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,     \
-        const float* delta, float* dq, float* dk, float* dv, const int* qpos, const int* kvpos,      \
+    extern "C" __global__ void __launch_bounds__(TC_BWD_THREADS) attention_bwd_tc_d##D(              \
+        const bf16_t* dout, const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse2,    \
+        const float* delta, float* dq_acc, void* dk, void* dv, const int* qpos, const int* kvpos,    \
         AttGeom g) {                                                                                  \
-        tc_attention_bwd<D, BR>(dout, q, k, v, lse, delta, dq, dk, dv, qpos, kvpos, g);               \
+        tc_attention_bwd<D, BR>(dout, q, k, v, lse2, delta, dq_acc, dk, dv, qpos, kvpos, g);          \
     }
 TC_FWD(64, 64)
 TC_FWD(128, 32)
