@@ -108,6 +108,9 @@ mod bench {
                 }
             };
             run_storage(&mut be, rows, storage);
+            for line in be.gemm_plans() {
+                println!("plan: {line}");
+            }
         }
     }
 

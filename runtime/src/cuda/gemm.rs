@@ -260,6 +260,8 @@ struct Plan {
     algos: Vec<sys::cublasLtMatmulAlgo_t>,
     /// Whether `algos[0]` is final (fp32 plans, and 16-bit plans once timed).
     settled: bool,
+    /// The chosen algorithm's time in milliseconds, once timed.
+    timed_ms: Option<f32>,
 }
 
 /// A CUDA event, destroyed on drop.
@@ -337,6 +339,26 @@ impl Blas {
         self.timer.as_ref().map(|t| t.2)
     }
 
+    /// One line per plan made so far: the GEMM, and whether cuBLASLt runs it (with how many
+    /// candidate algorithms, or the one timed fastest) or offers nothing for it.
+    pub fn describe_plans(&self) -> Vec<String> {
+        let mut lines: Vec<String> = self
+            .plans
+            .iter()
+            .map(|(key, plan)| {
+                let state = match (plan.algos.len(), plan.timed_ms) {
+                    (0, _) => "unsupported".to_string(),
+                    (_, Some(ms)) => format!("timed, fastest {ms:.3} ms"),
+                    (1, None) => "the heuristic's choice".to_string(),
+                    (n, None) => format!("{n} candidates, not yet timed"),
+                };
+                format!("{}: {state}", key.describe())
+            })
+            .collect();
+        lines.sort();
+        lines
+    }
+
     /// Whether cuBLASLt has an algorithm for `g` with `operands` (false only where none
     /// exists, e.g. an epilogue it does not offer for these types); makes the plan.
     pub fn supports(&mut self, g: &Gemm, operands: Operands) -> Result<bool> {
@@ -401,9 +423,10 @@ impl Blas {
         let timed_into = if key.accumulates { tune_out } else { Some(g.c) };
         let unsettled = self.plans.get(&key).is_some_and(|p| !p.settled);
         if let (true, Some(d)) = (unsettled, timed_into) {
-            let best = self.fastest(&key, g, d, stream)?;
+            let (ms, best) = self.fastest(&key, g, d, stream)?;
             if let Some(plan) = self.plans.get_mut(&key) {
                 plan.algos = vec![best];
+                plan.timed_ms = Some(ms);
                 plan.settled = true;
             }
         }
@@ -428,14 +451,15 @@ impl Blas {
         Ok(())
     }
 
-    /// Times every candidate of `key`'s plan on `g`'s operands writing D at `d`; the fastest.
+    /// Times every candidate of `key`'s plan on `g`'s operands writing D at `d`: the fastest
+    /// and its milliseconds.
     fn fastest(
         &self,
         key: &PlanKey,
         g: &Gemm,
         d: CUdeviceptr,
         stream: CUstream,
-    ) -> Result<sys::cublasLtMatmulAlgo_t> {
+    ) -> Result<(f32, sys::cublasLtMatmulAlgo_t)> {
         let plan = self.plans.get(key).ok_or_else(|| {
             cublas_error(&format!("cuBLASLt plan for {}", key.describe()), "missing")
         })?;
@@ -460,7 +484,7 @@ impl Blas {
                 best = Some((fastest, *algo));
             }
         }
-        best.map(|(_, algo)| algo).ok_or_else(|| {
+        best.ok_or_else(|| {
             cublas_error(
                 &format!("cuBLASLt matmul for {}", key.describe()),
                 "every algorithm the heuristic offered failed to launch",
@@ -638,6 +662,7 @@ impl Blas {
         };
         Ok(Plan {
             settled: algos.len() <= 1,
+            timed_ms: None,
             desc,
             a,
             b,

@@ -259,6 +259,12 @@ impl CudaBackend {
         self.blas.time_matmuls(on)
     }
 
+    /// The GEMM plans made so far, one line each: shape, operand and output types, epilogue,
+    /// and whether cuBLASLt runs it (an unsupported epilogue shows which fallback ran).
+    pub fn gemm_plans(&self) -> Vec<String> {
+        self.blas.describe_plans()
+    }
+
     /// Milliseconds of GEMM kernel time since `time_gemm_kernels(true)`; None when off.
     pub fn gemm_kernel_ms(&self) -> Option<f64> {
         self.blas.matmul_ms()
