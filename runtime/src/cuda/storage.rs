@@ -284,6 +284,35 @@ mod tests {
     }
 
     #[test]
+    fn the_fused_loss_takes_no_copy_of_its_logits() {
+        // Logits b0 (30 rows × 100) updated in place, targets b1, loss b2; b3 an ordinary op
+        // whose output is its input, for contrast.
+        let program = Program {
+            role: "test".into(),
+            coords: Vec::new(),
+            buffers: vec![buffer(3000), buffer(30), buffer(1), buffer(3000)],
+            params: Vec::new(),
+            instrs: vec![
+                compute(
+                    Op::CrossEntropy {
+                        vocab: 100,
+                        scale: 0.5,
+                    },
+                    &[0, 1],
+                    &[0, 2],
+                ),
+                compute(Op::Scale { factor: 2.0 }, &[3], &[3]),
+            ],
+            loss: None,
+            grad_sumsq: None,
+        };
+        let needs = program_needs(&program, false);
+        // Only Scale's input is copied (12000 bytes, aligned); the loss keeps one f64 per row.
+        assert_eq!(needs.aliased_bytes, 12032);
+        assert_eq!(needs.reduction_bytes, 30 * 8);
+    }
+
+    #[test]
     fn half_runs_reserve_the_attention_copies() {
         let att = |backward: bool| {
             let (batch, heads, kv_heads, head_dim, causal, scale) = (1, 2, 2, 64, true, 0.125);
