@@ -14,9 +14,9 @@ pub struct StepScalars {
     pub lr: f64,
     pub step: u64,
     /// The loss scale of this step when the run scales its loss (fp16); None otherwise. With
-    /// it, `CeGrad` multiplies the loss gradient by it, `ClipCoef` divides it back out (and
-    /// marks an overflowed step with a NaN coefficient), and `AdamW`/`Sgd` leave a step with a
-    /// non-finite coefficient untouched (see `parc_compiler::ir::op`).
+    /// it, `CeGrad` and `CrossEntropy` multiply the loss gradient by it, `ClipCoef` divides it
+    /// back out (and marks an overflowed step with a NaN coefficient), and `AdamW`/`Sgd` leave
+    /// a step with a non-finite coefficient untouched (see `parc_compiler::ir::op`).
     pub loss_scale: Option<f64>,
 }
 

@@ -1,12 +1,13 @@
 //! fp16 loss scaling: the scaler each rank keeps (PyTorch's `GradScaler`, Megatron's
 //! `DynamicGradScaler`, DeepSpeed's consecutive hysteresis).
 //!
-//! The ops do the arithmetic from `StepScalars::loss_scale` (`CeGrad` multiplies the loss
-//! gradient by the scale, `ClipCoef` divides it back out of the global gradient norm and
-//! of the update, and marks a step whose global squared norm is not finite, after which
-//! `AdamW`/`Sgd` leave parameters and state untouched). This module only decides the scale of the
-//! next step from whether this one overflowed. Every rank reads the same global squared norm,
-//! so every rank's scaler makes the same decisions without talking to the others.
+//! The ops do the arithmetic from `StepScalars::loss_scale` (`CeGrad` and the fused
+//! `CrossEntropy` multiply the loss gradient by the scale, `ClipCoef` divides it back out of the
+//! global gradient norm and of the update, and marks a step whose global squared norm is not
+//! finite, after which `AdamW`/`Sgd` leave parameters and state untouched). This module only
+//! decides the scale of the next step from whether this one overflowed. Every rank reads the
+//! same global squared norm, so every rank's scaler makes the same decisions without talking to
+//! the others.
 //!
 //! Rules (`precision = fp16 { loss_scale: … }` in the spec):
 //! - static `N`: the scale is always `N`; an overflowing step is still skipped.
