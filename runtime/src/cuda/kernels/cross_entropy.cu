@@ -55,12 +55,18 @@ template <> struct XentVec<unsigned short> {
     static __device__ __forceinline__ void put(unsigned short* p, float v) { *p = round_bf16(v); }
 };
 
+// A running sum of exp(x - m) rebased to the max mx >= m (exp(0) = 1 needs no rescale; an
+// empty part, m = -inf, has s = 0).
+__device__ __forceinline__ float xent_rebase(float m, float s, float mx) {
+    return m == mx ? s : (m == NEG_INF ? 0.0f : s * expf(m - mx));
+}
+
 // (m, s) <- the running (max, sum of exp(x - max)) of both parts. An empty part is (-inf, 0).
 __device__ __forceinline__ void xent_merge(float& m, float& s, float m2, float s2) {
     float mx = fmaxf(m, m2);
     if (mx == NEG_INF) return;
-    float a = m == NEG_INF ? 0.0f : s * expf(m - mx);
-    float b = m2 == NEG_INF ? 0.0f : s2 * expf(m2 - mx);
+    float a = xent_rebase(m, s, mx);
+    float b = xent_rebase(m2, s2, mx);
     s = a + b;
     m = mx;
 }
@@ -73,7 +79,7 @@ __device__ __forceinline__ void xent_add(float& m, float& s, const float* v) {
     for (int k = 1; k < N; k++) vm = fmaxf(vm, v[k]);
     float mx = fmaxf(m, vm);
     if (mx == NEG_INF) return;
-    float acc = m == NEG_INF ? 0.0f : s * expf(m - mx);
+    float acc = xent_rebase(m, s, mx);
 #pragma unroll
     for (int k = 0; k < N; k++) acc += expf(v[k] - mx);
     s = acc;
