@@ -164,6 +164,7 @@ mod bench {
             let bwd_data = Op::MatmulBwdData {
                 in_dim: din,
                 out_dim: dout,
+                accumulate: false,
             };
             let bwd_weight = Op::MatmulBwdWeight {
                 in_dim: din,

@@ -15,7 +15,8 @@ mod fixtures;
 
 use fixtures::{spec_variant, PlanChoice, TinyModel, Variant};
 use parc_compiler::diag::Sources;
-use parc_compiler::lower::lower;
+use parc_compiler::ir::{Instr, Plan};
+use parc_compiler::lower::{lower, lower_with, LowerOptions};
 use parc_compiler::spec::{Axis, PipelineSchedule, Recompute, Spec, ZeroStage};
 use parc_compiler::{check, parse_override};
 use parc_runtime::cpu::CpuBackend;
@@ -35,12 +36,16 @@ fn model(llama: bool) -> TinyModel {
 fn run(llama: bool, plan: PlanChoice, variant: Variant) -> TrainResult {
     let s = spec_variant(model(llama), plan, variant);
     let p = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
+    run_plan(&s, &p)
+}
+
+fn run_plan(s: &Spec, p: &Plan) -> TrainResult {
     let mut options = TrainOptions::new(".");
     options.comm_timeout = Duration::from_secs(30);
     options.threads_per_rank = Some(1);
     train(
-        &s,
-        &p,
+        s,
+        p,
         &options,
         |_, threads| CpuBackend::with_threads(threads),
         &|_| {},
@@ -148,6 +153,112 @@ fn data_parallel_with_each_zero_stage() {
                 zero,
                 ..PlanChoice::default()
             },
+        );
+    }
+}
+
+/// Adding gradient contributions in place (`LowerOptions::accumulate_in_place`, the default:
+/// a producer's `+=` into the gradient already there, one gradient handed to both inputs of a
+/// residual `Add` without a copy) changes no bit of an f32 run: every plan trains exactly as
+/// its plain form (each contribution summed by an `Add` into a fresh buffer, each residual
+/// gradient copied): the same losses, gradient norms and parameters, bit for bit, across tp
+/// with and without SP, pipelines, ZeRO, cp and recompute. A `+=` adds the finished value once
+/// (`a + b`, as the `Add` did), and the summation order of every gradient is kept.
+#[test]
+fn accumulating_gradients_in_place_changes_no_bit() {
+    let plans = [
+        (false, PlanChoice::default()),
+        (true, PlanChoice::default()),
+        (
+            false,
+            PlanChoice {
+                tp: 2,
+                sp: true,
+                ..PlanChoice::default()
+            },
+        ),
+        (
+            true,
+            PlanChoice {
+                tp: 2,
+                ..PlanChoice::default()
+            },
+        ),
+        (
+            false,
+            PlanChoice {
+                pp: 2,
+                schedule: PipelineSchedule::Interleaved { virtual_stages: 2 },
+                microbatches: 4,
+                ..PlanChoice::default()
+            },
+        ),
+        (
+            true,
+            PlanChoice {
+                dp: 2,
+                cp: 2,
+                zero: ZeroStage::Zero3,
+                recompute: Recompute::Full,
+                ..PlanChoice::default()
+            },
+        ),
+        (
+            false,
+            PlanChoice {
+                pp: 2,
+                dp: 2,
+                zero: ZeroStage::Zero2,
+                microbatches: 2,
+                recompute: Recompute::Selective,
+                ..PlanChoice::default()
+            },
+        ),
+    ];
+    let bits = |r: &TrainResult| {
+        let steps = r
+            .records
+            .iter()
+            .map(|x| (x.loss.to_bits(), x.grad_norm.to_bits()));
+        let params = r
+            .params
+            .iter()
+            .flat_map(|p| p.data.iter().map(|v| v.to_bits()));
+        (steps.collect::<Vec<_>>(), params.collect::<Vec<_>>())
+    };
+    let instrs = |p: &Plan| -> usize { p.programs.iter().map(|q| q.instrs.len()).sum() };
+    let is_add_or_copy = |i: &Instr| {
+        matches!(i, Instr::Compute { op, .. }
+            if matches!(**op, parc_compiler::ir::op::Op::Add | parc_compiler::ir::op::Op::Copy))
+    };
+    for (llama, plan) in plans {
+        let desc = describe(llama, &plan, Variant::default());
+        let s = spec_variant(model(llama), plan, Variant::default());
+        let in_place = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
+        let plain = LowerOptions {
+            accumulate_in_place: false,
+        };
+        let plain = lower_with(&s, plain).unwrap_or_else(|d| panic!("{:?}", d.items));
+        // The two plans differ: the in-place one drops Adds and Copies.
+        let adds = |p: &Plan| -> usize {
+            let per = |q: &parc_compiler::ir::Program| {
+                q.instrs.iter().filter(|i| is_add_or_copy(i)).count()
+            };
+            p.programs.iter().map(per).sum()
+        };
+        assert!(
+            instrs(&in_place) < instrs(&plain) && adds(&in_place) < adds(&plain),
+            "{desc}: {} instructions ({} Add/Copy) in place vs {} ({}) plain",
+            instrs(&in_place),
+            adds(&in_place),
+            instrs(&plain),
+            adds(&plain)
+        );
+        let (a, b) = (run_plan(&s, &in_place), run_plan(&s, &plain));
+        assert_eq!(a.records.len(), STEPS, "{desc}");
+        assert!(
+            bits(&a) == bits(&b),
+            "{desc}: in-place accumulation changed the run"
         );
     }
 }

@@ -142,20 +142,24 @@ fn norm_cases(r: &mut Rng) -> Vec<Case> {
                 Data::F32(stats[2].clone()),
             ];
             cases.push(fwd);
-            let mut bwd_outs = vec![r.vec(rows * dim, 1.0), r.vec(dim, 1.0)];
-            if with_bias {
-                bwd_outs.push(r.vec(dim, 1.0));
+            // dx starts random: accumulate adds into it, otherwise it is overwritten.
+            for accumulate in [false, true] {
+                let mut bwd_outs = vec![r.vec(rows * dim, 1.0), r.vec(dim, 1.0)];
+                if with_bias {
+                    bwd_outs.push(r.vec(dim, 1.0));
+                }
+                cases.push(Case::new(
+                    format!("layer_norm_bwd {rows}x{dim} bias={with_bias} accumulate={accumulate}"),
+                    Op::LayerNormBwd {
+                        dim: dim as u64,
+                        bias: with_bias,
+                        accumulate,
+                    },
+                    bwd_ins.clone(),
+                    bwd_outs,
+                    REDUCTION,
+                ));
             }
-            cases.push(Case::new(
-                format!("layer_norm_bwd {rows}x{dim} bias={with_bias}"),
-                Op::LayerNormBwd {
-                    dim: dim as u64,
-                    bias: with_bias,
-                },
-                bwd_ins,
-                bwd_outs,
-                REDUCTION,
-            ));
         }
         let rms = Case::new(
             format!("rms_norm {rows}x{dim}"),
@@ -169,13 +173,19 @@ fn norm_cases(r: &mut Rng) -> Vec<Case> {
         );
         let rstd = rms.run(&mut CpuBackend::new())[1].clone();
         cases.push(rms);
-        cases.push(Case::new(
-            format!("rms_norm_bwd {rows}x{dim}"),
-            Op::RmsNormBwd { dim: dim as u64 },
-            vec![Data::F32(dy), Data::F32(x), Data::F32(w), Data::F32(rstd)],
-            vec![r.vec(rows * dim, 1.0), r.vec(dim, 1.0)],
-            REDUCTION,
-        ));
+        for accumulate in [false, true] {
+            let ins = [&dy, &x, &w, &rstd].map(|v| Data::F32(v.clone()));
+            cases.push(Case::new(
+                format!("rms_norm_bwd {rows}x{dim} accumulate={accumulate}"),
+                Op::RmsNormBwd {
+                    dim: dim as u64,
+                    accumulate,
+                },
+                ins.to_vec(),
+                vec![r.vec(rows * dim, 1.0), r.vec(dim, 1.0)],
+                REDUCTION,
+            ));
+        }
     }
     cases
 }

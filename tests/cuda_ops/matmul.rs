@@ -47,16 +47,20 @@ fn matmul_cases(test: &str, tol: f32) -> Vec<Case> {
             vec![r.vec(rows * m, 1.0)],
             tol,
         ));
-        cases.push(Case::new(
-            format!("matmul_bwd_data {rows}x{k}x{m}"),
-            Op::MatmulBwdData {
-                in_dim: i,
-                out_dim: o,
-            },
-            vec![Data::F32(dy.clone()), Data::F32(w)],
-            vec![r.vec(rows * k, 1.0)],
-            tol,
-        ));
+        // dx starts random: accumulate adds into it, otherwise it is overwritten.
+        for accumulate in [false, true] {
+            cases.push(Case::new(
+                format!("matmul_bwd_data {rows}x{k}x{m} accumulate={accumulate}"),
+                Op::MatmulBwdData {
+                    in_dim: i,
+                    out_dim: o,
+                    accumulate,
+                },
+                vec![Data::F32(dy.clone()), Data::F32(w.clone())],
+                vec![r.vec(rows * k, 1.0)],
+                tol,
+            ));
+        }
         for bias in [false, true] {
             let mut outs = vec![r.vec(m * k, 1.0)];
             if bias {
@@ -183,6 +187,7 @@ fn bf16_weight_casts_follow_the_weight() {
     let backward = Op::MatmulBwdData {
         in_dim: k as u64,
         out_dim: m as u64,
+        accumulate: false,
     };
     let sgd = Op::Sgd {
         momentum: 0.0,

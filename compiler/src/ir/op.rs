@@ -97,13 +97,18 @@ pub enum Op {
     /// in: x `[rows, dim]`, w `[dim]`, b `[dim]` (only when `bias`).
     /// out: y `[rows, dim]`, mean `[rows]`, rstd `[rows]`.
     LayerNorm { dim: u64, eps: f64, bias: bool },
-    /// in: dy, x, w, mean, rstd. out: dx `[rows, dim]`, dw `[dim]` (+=), db `[dim]` (+=, only
-    /// when `bias`).
-    LayerNormBwd { dim: u64, bias: bool },
+    /// in: dy, x, w, mean, rstd. out: dx `[rows, dim]` (+= when `accumulate`, else
+    /// overwritten), dw `[dim]` (+=), db `[dim]` (+=, only when `bias`).
+    LayerNormBwd {
+        dim: u64,
+        bias: bool,
+        accumulate: bool,
+    },
     /// in: x `[rows, dim]`, w `[dim]`. out: y `[rows, dim]`, rstd `[rows]`.
     RmsNorm { dim: u64, eps: f64 },
-    /// in: dy, x, w, rstd. out: dx `[rows, dim]`, dw `[dim]` (+=).
-    RmsNormBwd { dim: u64 },
+    /// in: dy, x, w, rstd. out: dx `[rows, dim]` (+= when `accumulate`, else overwritten),
+    /// dw `[dim]` (+=).
+    RmsNormBwd { dim: u64, accumulate: bool },
 
     // ------------------------------------------------------------------ linear
     /// in: x `[rows, in]`, w `[out, in]`, b `[out]` (only when `bias`). out: y `[rows, out]`.
@@ -112,8 +117,15 @@ pub enum Op {
         out_dim: u64,
         bias: bool,
     },
-    /// in: dy `[rows, out]`, w `[out, in]`. out: dx `[rows, in]`.
-    MatmulBwdData { in_dim: u64, out_dim: u64 },
+    /// in: dy `[rows, out]`, w `[out, in]`. out: dx `[rows, in]` = dy W (+= when `accumulate`,
+    /// else overwritten). An accumulating dx adds the finished product once per element (`dx +
+    /// (dy W)`, in bf16 read, added in f32 and rounded once), exactly what an `Add` of the old
+    /// dx and a separate product computes in f32.
+    MatmulBwdData {
+        in_dim: u64,
+        out_dim: u64,
+        accumulate: bool,
+    },
     /// in: dy `[rows, out]`, x `[rows, in]`. out: dw `[out, in]` (+=), db `[out]` (+=, only
     /// when `bias`).
     MatmulBwdWeight {
@@ -260,6 +272,52 @@ impl Op {
         match self {
             Op::CrossEntropy { .. } => &[(0, 0)],
             _ => &[],
+        }
+    }
+
+    /// Whether the op adds into its output `output` (an output documented "(+=)"): it reads
+    /// that buffer's value and writes the sum back, so the buffer must hold zeros or an
+    /// earlier value first, and it must not also be one of the op's inputs (the verifier
+    /// checks it, E0821: a backend would read an input the op is writing).
+    pub fn accumulates(&self, output: usize) -> bool {
+        match self {
+            Op::EmbeddingBwd { .. }
+            | Op::PositionAddBwd { .. }
+            | Op::MatmulBwdWeight { .. }
+            | Op::CeLoss { .. }
+            | Op::SumSquares => true,
+            Op::CrossEntropy { .. } => output == 1,
+            Op::MatmulBwdData { accumulate, .. } => *accumulate,
+            Op::LayerNormBwd { accumulate, .. } | Op::RmsNormBwd { accumulate, .. } => {
+                output > 0 || *accumulate
+            }
+            // Overwritten outputs; `CopyRange` writes only its range; the optimizer ops
+            // update their outputs in place (documented as such, not as "+=").
+            Op::Embedding { .. }
+            | Op::PositionAdd { .. }
+            | Op::LayerNorm { .. }
+            | Op::RmsNorm { .. }
+            | Op::Matmul { .. }
+            | Op::Rope { .. }
+            | Op::RopeBwd { .. }
+            | Op::Attention { .. }
+            | Op::AttentionBwd { .. }
+            | Op::Activation { .. }
+            | Op::ActivationBwd { .. }
+            | Op::SwiGlu
+            | Op::SwiGluBwd
+            | Op::Add
+            | Op::Scale { .. }
+            | Op::Copy
+            | Op::Zero
+            | Op::CopyRange { .. }
+            | Op::CeMax { .. }
+            | Op::CeSumExp { .. }
+            | Op::CeTargetLogit { .. }
+            | Op::CeGrad { .. }
+            | Op::ClipCoef { .. }
+            | Op::AdamW { .. }
+            | Op::Sgd { .. } => false,
         }
     }
 }

@@ -6,7 +6,7 @@ use super::emitter::Emitter;
 use super::layers::AttnShape;
 use crate::ir::op::{Act, Op};
 use crate::ir::{BufferId, BufferKind, CollectiveKind, Phase};
-use crate::spec::{Activation, LayerKind, NodeId};
+use crate::spec::{Activation, LayerKind, NodeId, ValueId};
 
 /// Whether the backward of a `kind` node reads its parameter `local` (ZeRO-3 prefetches only
 /// those ahead of a backward that does not recompute the node): embeddings read none (their
@@ -131,11 +131,7 @@ impl Emitter<'_> {
                 Some(dy)
             }
             (LayerKind::LayerNorm { dim, bias, .. }, Some(dy)) => {
-                let dx = self.b.alloc(
-                    self.name(node, "dx", mb),
-                    self.b.shape(dy),
-                    BufferKind::ActivationGrad,
-                );
+                let (dx, accumulate) = self.norm_dx(mb, node, inputs.first(), dy);
                 let w = self.weight(node, "weight");
                 let mut outs = vec![dx];
                 outs.extend(self.grad(node, "weight"));
@@ -146,6 +142,7 @@ impl Emitter<'_> {
                     let op = Op::LayerNormBwd {
                         dim: *dim,
                         bias: *bias,
+                        accumulate,
                     };
                     self.b.compute(
                         op,
@@ -160,20 +157,19 @@ impl Emitter<'_> {
                     self.grad_used(node, "bias");
                 }
                 self.b.release(dy);
-                Some(dx)
+                (!accumulate).then_some(dx)
             }
             (LayerKind::RmsNorm { dim, .. }, Some(dy)) => {
-                let dx = self.b.alloc(
-                    self.name(node, "dx", mb),
-                    self.b.shape(dy),
-                    BufferKind::ActivationGrad,
-                );
+                let (dx, accumulate) = self.norm_dx(mb, node, inputs.first(), dy);
                 let w = self.weight(node, "weight");
                 let mut outs = vec![dx];
                 outs.extend(self.grad(node, "weight"));
                 if let (Some(x), Some(rstd), Some(w)) = (sv(0), sv(1), w) {
                     self.b.compute(
-                        Op::RmsNormBwd { dim: *dim },
+                        Op::RmsNormBwd {
+                            dim: *dim,
+                            accumulate,
+                        },
                         &[dy, x, w, rstd],
                         &outs,
                         Some(node),
@@ -182,7 +178,7 @@ impl Emitter<'_> {
                 }
                 self.grad_used(node, "weight");
                 self.b.release(dy);
-                Some(dx)
+                (!accumulate).then_some(dx)
             }
             (
                 LayerKind::Linear {
@@ -195,6 +191,9 @@ impl Emitter<'_> {
             ) => {
                 let split = self.groups.tp.is_some();
                 let ol = if split { out_dim / tp } else { *out_dim };
+                // Without tp, dx is complete as computed and may add into the input's
+                // gradient; a tp partial sum is reduced first and then contributed.
+                let into = self.unreduced_target(mb, inputs.first(), &[rows, *in_dim]);
                 let dxp = self.matmul_backward(
                     mb,
                     node,
@@ -203,10 +202,16 @@ impl Emitter<'_> {
                     ("weight", if *bias { Some("bias") } else { None }),
                     (*in_dim, ol),
                     rows,
+                    into,
                 );
                 self.b.release(dy);
                 let name = self.name(node, "dx", mb);
-                dxp.map(|d| self.tp_reduce(d, *in_dim, name, BufferKind::ActivationGrad, node))
+                match into {
+                    Some(_) => None,
+                    None => dxp.map(|d| {
+                        self.tp_reduce(d, *in_dim, name, BufferKind::ActivationGrad, node)
+                    }),
+                }
             }
             (LayerKind::Attention { .. }, Some(dy)) => {
                 let shape = AttnShape::of(&kind, tp);
@@ -220,17 +225,29 @@ impl Emitter<'_> {
                     bias,
                 },
                 Some(dy),
-            ) => self.mlp_backward(mb, node, dy, &saved, (*dim, hidden / tp), *act, *bias),
+            ) => {
+                let shape = (*dim, hidden / tp);
+                let input = inputs.first();
+                self.mlp_backward(mb, node, (dy, input), &saved, shape, *act, *bias)
+            }
             (LayerKind::Add, Some(dy)) => {
                 if let Some(second) = inputs.get(1) {
-                    let copy = self.b.alloc(
-                        self.name(node, "dx2", mb),
-                        self.b.shape(dy),
-                        BufferKind::ActivationGrad,
-                    );
-                    self.b
-                        .compute(Op::Copy, &[dy], &[copy], Some(node), Phase::Backward);
-                    self.contribute(mb, *second, copy, node);
+                    // Both inputs get dy itself, held twice: while either branch still reads
+                    // it, nothing adds into it (`accumulation_target` needs a single holder).
+                    let dx2 = if self.accumulate_in_place {
+                        self.b.retain(dy);
+                        dy
+                    } else {
+                        let copy = self.b.alloc(
+                            self.name(node, "dx2", mb),
+                            self.b.shape(dy),
+                            BufferKind::ActivationGrad,
+                        );
+                        self.b
+                            .compute(Op::Copy, &[dy], &[copy], Some(node), Phase::Backward);
+                        copy
+                    };
+                    self.contribute(mb, *second, dx2, node);
                 }
                 Some(dy)
             }
@@ -250,7 +267,9 @@ impl Emitter<'_> {
         }
     }
 
-    /// dx = dy W (returned, full rows), dW (+db) accumulated. `x` is the saved input.
+    /// dx = dy W, dW (+db) accumulated. `x` is the saved input. dx goes into a fresh buffer
+    /// (returned with one holder, full rows), or, given `into`, is added into that buffer
+    /// (returned; the caller keeps its holder).
     #[allow(clippy::too_many_arguments)]
     fn matmul_backward(
         &mut self,
@@ -261,15 +280,23 @@ impl Emitter<'_> {
         (w, b): (&'static str, Option<&'static str>),
         (in_dim, out_dim): (u64, u64),
         rows: u64,
+        into: Option<BufferId>,
     ) -> Option<BufferId> {
         let wbuf = self.weight(node, w)?;
-        let dx = self.b.alloc(
-            self.name(node, &format!("d{w}_in"), mb),
-            vec![rows, in_dim],
-            BufferKind::ActivationGrad,
-        );
+        let dx = match into {
+            Some(acc) => acc,
+            None => self.b.alloc(
+                self.name(node, &format!("d{w}_in"), mb),
+                vec![rows, in_dim],
+                BufferKind::ActivationGrad,
+            ),
+        };
         self.b.compute(
-            Op::MatmulBwdData { in_dim, out_dim },
+            Op::MatmulBwdData {
+                in_dim,
+                out_dim,
+                accumulate: into.is_some(),
+            },
             &[dy, wbuf],
             &[dx],
             Some(node),
@@ -331,6 +358,7 @@ impl Emitter<'_> {
             ("wo", bias("bo")),
             (q_cols, s.dim),
             rows,
+            None,
         );
         self.b.release(dyf);
         let d_o = d_o?;
@@ -393,26 +421,15 @@ impl Emitter<'_> {
             (dk, "wk", bias("bk"), kv_cols),
             (dv, "wv", bias("bv"), kv_cols),
         ];
+        // dx = dq Wq + dk Wk + dv Wv: the first product writes dx, the others add into it.
         let mut dx: Option<BufferId> = None;
         for (d, w, b, cols) in parts {
-            let part = self.matmul_backward(mb, node, d, Some(xf), (w, b), (s.dim, cols), rows);
+            let into = dx.filter(|_| self.accumulate_in_place);
+            let part =
+                self.matmul_backward(mb, node, d, Some(xf), (w, b), (s.dim, cols), rows, into);
             self.b.release(d);
             let Some(part) = part else { continue };
-            dx = Some(match dx {
-                None => part,
-                Some(acc) => {
-                    let sum = self.b.alloc(
-                        self.name(node, &format!("dx_{w}"), mb),
-                        vec![rows, s.dim],
-                        BufferKind::ActivationGrad,
-                    );
-                    self.b
-                        .compute(Op::Add, &[acc, part], &[sum], Some(node), Phase::Backward);
-                    self.b.release(acc);
-                    self.b.release(part);
-                    sum
-                }
-            });
+            dx = Some(self.add_part(mb, node, dx, part, &format!("dx_{w}")));
         }
         let name = self.name(node, "dx", mb);
         dx.map(|d| self.tp_reduce(d, s.dim, name, BufferKind::ActivationGrad, node))
@@ -423,7 +440,7 @@ impl Emitter<'_> {
         &mut self,
         mb: u32,
         node: NodeId,
-        dy: BufferId,
+        (dy, input): (BufferId, Option<&ValueId>),
         saved: &[BufferId],
         (dim, hl): (u64, u64),
         a: Activation,
@@ -453,6 +470,7 @@ impl Emitter<'_> {
             (out_w, out_b),
             (hl, dim),
             rows,
+            None,
         );
         self.b.release(dyf);
         let da = da?;
@@ -476,21 +494,16 @@ impl Emitter<'_> {
                 Phase::Backward,
             );
             self.b.release(da);
-            let xg = self.matmul_backward(mb, node, dg, Some(xf), ("gate", None), (dim, hl), rows);
+            let gate = ("gate", None);
+            let xg = self.matmul_backward(mb, node, dg, Some(xf), gate, (dim, hl), rows, None);
             self.b.release(dg);
-            let xu = self.matmul_backward(mb, node, du, Some(xf), ("up", None), (dim, hl), rows);
+            // dx = dg Wgate + du Wup: the second product adds into the first.
+            let into = xg.filter(|_| self.accumulate_in_place);
+            let up = ("up", None);
+            let xu = self.matmul_backward(mb, node, du, Some(xf), up, (dim, hl), rows, into);
             self.b.release(du);
             let (xg, xu) = (xg?, xu?);
-            let sum = self.b.alloc(
-                self.name(node, "dx_sum", mb),
-                vec![rows, dim],
-                BufferKind::ActivationGrad,
-            );
-            self.b
-                .compute(Op::Add, &[xg, xu], &[sum], Some(node), Phase::Backward);
-            self.b.release(xg);
-            self.b.release(xu);
-            sum
+            self.add_part(mb, node, Some(xg), xu, "dx_sum")
         } else {
             let h = *saved.get(1)?;
             let dh = self.b.alloc(
@@ -511,6 +524,8 @@ impl Emitter<'_> {
                 Phase::Backward,
             );
             self.b.release(da);
+            // One product makes dx: without tp it may add into the input's gradient.
+            let into = self.unreduced_target(mb, input, &[rows, dim]);
             let dx = self.matmul_backward(
                 mb,
                 node,
@@ -519,11 +534,76 @@ impl Emitter<'_> {
                 ("fc", bias_of("fc_bias")),
                 (dim, hl),
                 rows,
+                into,
             );
             self.b.release(dh);
+            if into.is_some() {
+                return None;
+            }
             dx?
         };
         let name = self.name(node, "dx", mb);
         Some(self.tp_reduce(dxp, dim, name, BufferKind::ActivationGrad, node))
+    }
+
+    /// The buffer a layer's backward writes its input's gradient into with an `LayerNormBwd`
+    /// or `RmsNormBwd` shaped like `dy`: `input`'s gradient, added into (true), where
+    /// [`Emitter::accumulation_target`] allows it, else a fresh one (false) to contribute.
+    fn norm_dx(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        input: Option<&ValueId>,
+        dy: BufferId,
+    ) -> (BufferId, bool) {
+        let shape = self.b.shape(dy);
+        match input.and_then(|v| self.accumulation_target(mb, *v, &shape)) {
+            Some(grad) => (grad, true),
+            None => {
+                let name = self.name(node, "dx", mb);
+                let dx = self.b.alloc(name, shape, BufferKind::ActivationGrad);
+                (dx, false)
+            }
+        }
+    }
+
+    /// [`Emitter::accumulation_target`] for a dx that needs no tp reduction: only without tp
+    /// (a partial sum added into the gradient would be all-reduced with it). `shape`: dx's.
+    fn unreduced_target(
+        &self,
+        mb: u32,
+        input: Option<&ValueId>,
+        shape: &[u64],
+    ) -> Option<BufferId> {
+        if self.groups.tp.is_some() {
+            return None;
+        }
+        input.and_then(|v| self.accumulation_target(mb, *v, shape))
+    }
+
+    /// `acc + part` for a layer summing its input's gradient from several products: `part`
+    /// itself when it is the first (`acc` None) or was added into `acc` already, else an `Add`
+    /// into a fresh buffer named `what` (consuming both holders).
+    fn add_part(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        acc: Option<BufferId>,
+        part: BufferId,
+        what: &str,
+    ) -> BufferId {
+        let Some(acc) = acc.filter(|a| *a != part) else {
+            return part;
+        };
+        let sum = self.b.alloc(
+            self.name(node, what, mb),
+            self.b.shape(part),
+            BufferKind::ActivationGrad,
+        );
+        self.b
+            .compute(Op::Add, &[acc, part], &[sum], Some(node), Phase::Backward);
+        self.b.release(acc);
+        self.b.release(part);
+        sum
     }
 }

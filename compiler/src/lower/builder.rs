@@ -143,6 +143,12 @@ impl ProgramBuilder {
         }
     }
 
+    /// How many holders a transient buffer has (0 once freed; persistent buffers report 0,
+    /// they are not counted).
+    pub fn holders(&self, id: BufferId) -> u32 {
+        self.refs.get(id.0 as usize).copied().unwrap_or(0)
+    }
+
     /// Transient buffers still held (a lowering bug if non-empty at the end of a step).
     pub fn live_transients(&self) -> Vec<BufferId> {
         self.refs

@@ -89,6 +89,8 @@ pub struct Emitter<'a> {
     pub errors: Vec<Diagnostic>,
     /// Phase of the compute being emitted (forward, recompute or backward).
     pub phase: Phase,
+    /// `LowerOptions::accumulate_in_place`.
+    pub accumulate_in_place: bool,
 }
 
 impl Emitter<'_> {
@@ -349,6 +351,31 @@ impl Emitter<'_> {
             );
             partial
         }
+    }
+
+    /// The gradient of `value` that an op about to be emitted may add its contribution into
+    /// with its `+=` form (`MatmulBwdData`, `LayerNormBwd`, `RmsNormBwd` with `accumulate`),
+    /// instead of writing a fresh buffer that [`Emitter::contribute`] then sums with an `Add`;
+    /// None when the contribution must take that path.
+    ///
+    /// Safe exactly when the gradient's only holder is the gradient map: the lowering reads a
+    /// buffer only through a holder (a node's `dy`, saved tensors, the gradient map, pipeline
+    /// in/outboxes, recompute keeps) and drops it after its last read, so one holder means every
+    /// other read of the current value — e.g. the other branch of an `Add` whose backward handed
+    /// both inputs this same buffer — is already emitted, before the `+=` in program order (a
+    /// rank runs its program in order; a backend orders a write after communication still
+    /// reading the buffer). The one reader left is the consumer of `value`'s gradient, which
+    /// wants the sum. The op's own inputs are holders too, so the target is never one of them
+    /// (the verifier checks that, E0821). The caller must not all-reduce or reduce-scatter what
+    /// it accumulates: a tp partial sum goes to [`Emitter::contribute`] after its reduction.
+    /// `shape`: the contribution's (a gradient of another shape is not a target).
+    pub fn accumulation_target(&self, mb: u32, value: ValueId, shape: &[u64]) -> Option<BufferId> {
+        if !self.accumulate_in_place {
+            return None;
+        }
+        let grad = *self.mbs.get(mb as usize)?.grads.get(&value)?;
+        let alone = self.b.holders(grad) == 1;
+        (alone && self.b.buffers.get(grad.0 as usize)?.shape == shape).then_some(grad)
     }
 
     /// Add a gradient contribution to `value` (takes ownership of `dx`'s holder).

@@ -39,8 +39,32 @@ use idmap::IdMap;
 use params::{Params, TpRule};
 use std::collections::HashMap;
 
+/// Choices of the lowering that do not change what a plan computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LowerOptions {
+    /// Add a gradient contribution into the gradient already there through the producing op's
+    /// `+=` where that is safe (see `Emitter::accumulation_target`), and hand one gradient to
+    /// both inputs of an `Add` without a copy. Off: every contribution is summed by an `Add`
+    /// into a fresh buffer and an `Add`'s backward copies its gradient (the plain form, which
+    /// computes bit-identical f32 results; tests compare the two).
+    pub accumulate_in_place: bool,
+}
+
+impl Default for LowerOptions {
+    fn default() -> Self {
+        LowerOptions {
+            accumulate_in_place: true,
+        }
+    }
+}
+
 /// Lower a checked spec to per-rank programs.
 pub fn lower(spec: &Spec) -> Result<Plan, Diagnostics> {
+    lower_with(spec, LowerOptions::default())
+}
+
+/// [`lower`] with explicit [`LowerOptions`].
+pub fn lower_with(spec: &Spec, options: LowerOptions) -> Result<Plan, Diagnostics> {
     let diags = context::validate(spec);
     if diags.has_errors() {
         return Err(diags);
@@ -167,6 +191,7 @@ pub fn lower(spec: &Spec) -> Result<Plan, Diagnostics> {
         zero,
         table: &table,
         param_stages: &param_stages,
+        options,
     };
     let programs = emit_all(&shared_ctx, &roles)?;
     let report_rank = mesh.rank_of(&[(Axis::Pp, p - 1)]);
@@ -198,6 +223,7 @@ struct Shared<'a> {
     zero: ZeroStage,
     table: &'a schedule::Timetable,
     param_stages: &'a HashMap<u32, Vec<u32>>,
+    options: LowerOptions,
 }
 
 /// Emit every role's program, spread over the machine's cores (programs are independent).
@@ -444,6 +470,7 @@ fn emit_program(
         prefetched: Vec::new(),
         errors: Vec::new(),
         phase: crate::ir::Phase::Forward,
+        accumulate_in_place: sh.options.accumulate_in_place,
     };
     em.emit_step(sh.table);
     let mut diags = Diagnostics::default();

@@ -156,8 +156,16 @@ fn output_use(op: &Op, index: usize) -> Use {
         | Op::SumSquares => Use::Reads,
         // dlogits is the logits, read first (in place); the loss accumulates.
         Op::CrossEntropy { .. } => Use::Reads,
-        Op::LayerNormBwd { .. } | Op::RmsNormBwd { .. } if index == 0 => Use::Overwrites,
+        // dx is overwritten unless it accumulates; dw, db accumulate.
+        Op::LayerNormBwd { accumulate, .. } | Op::RmsNormBwd { accumulate, .. }
+            if index == 0 && !*accumulate =>
+        {
+            Use::Overwrites
+        }
         Op::LayerNormBwd { .. } | Op::RmsNormBwd { .. } => Use::Reads,
+        Op::MatmulBwdData {
+            accumulate: true, ..
+        } => Use::Reads,
         // Updated in place.
         Op::AdamW { .. } | Op::Sgd { .. } => Use::Reads,
         Op::CopyRange {
@@ -168,7 +176,9 @@ fn output_use(op: &Op, index: usize) -> Use {
         | Op::LayerNorm { .. }
         | Op::RmsNorm { .. }
         | Op::Matmul { .. }
-        | Op::MatmulBwdData { .. }
+        | Op::MatmulBwdData {
+            accumulate: false, ..
+        }
         | Op::Rope { .. }
         | Op::RopeBwd { .. }
         | Op::Attention { .. }

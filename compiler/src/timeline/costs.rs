@@ -4,7 +4,8 @@
 //! max(FLOPs / peak, bytes touched / HBM bandwidth) (a roofline); matmuls count 2·rows·in·out
 //! FLOPs for each of forward, data-gradient and weight-gradient, attention 4·b·heads·s_q·s_kv·d
 //! forward and twice that backward (not halved for causal masks, as the cost model), everything
-//! else is memory bound. Elements take the spec's compute precision (2 bytes for bf16/fp16, 4
+//! else is memory bound (an output the op accumulates into is touched twice: read and
+//! written). Elements take the spec's compute precision (2 bytes for bf16/fp16, 4
 //! for fp32) except i32 token ids. A collective over n ranks of a B-byte buffer (all-reduce and
 //! reduce-scatter: the input; all-gather: the output; broadcast: the buffer) takes, with the
 //! link of the group (intra-node when its set fits in one node, else inter-node), ring times:
@@ -68,7 +69,9 @@ pub fn op_flops(program: &Program, op: &Op, inputs: &[crate::ir::BufferId]) -> f
         Op::MatmulBwdData { out_dim, .. } | Op::MatmulBwdWeight { out_dim, .. } => {
             let rows = numel(program, inputs.first()) / (*out_dim).max(1) as f64;
             let (in_dim, out_dim) = match op {
-                Op::MatmulBwdData { in_dim, out_dim } => (*in_dim, *out_dim),
+                Op::MatmulBwdData {
+                    in_dim, out_dim, ..
+                } => (*in_dim, *out_dim),
                 Op::MatmulBwdWeight {
                     in_dim, out_dim, ..
                 } => (*in_dim, *out_dim),
@@ -117,9 +120,16 @@ impl StepCosts for SpecCosts<'_> {
             return 0.0;
         };
         let flops = op_flops(program, op, inputs);
+        // An accumulating output is read and written.
+        let accumulated = outputs
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| op.accumulates(*i))
+            .map(|(_, b)| b);
         let touched: f64 = inputs
             .iter()
             .chain(outputs)
+            .chain(accumulated)
             .filter_map(|b| program.buffer(*b))
             .map(|b| self.bytes(b))
             .sum();

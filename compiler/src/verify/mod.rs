@@ -25,14 +25,17 @@
 //!    collective's input and output share one type, `LoadBatch` fills i32 buffers (E0819).
 //! 7. **In place is one buffer**: an op that updates an input in place (`Op::in_place`) names
 //!    the same buffer as that input and as the output it becomes (E0820).
+//! 8. **Accumulation reads no input**: an output an op adds into (`Op::accumulates`) is not
+//!    also one of its inputs (E0821).
 //!
-//! Invariants 1–3, 6, 7 and the liveness numbers are per program (ranks sharing a program are
+//! Invariants 1–3, 6–8 and the liveness numbers are per program (ranks sharing a program are
 //! alike); 4–5 come from simulating all ranks together ([`rendezvous`]). Ranks whose programs
 //! differ only in the dp coordinate are simulated once: when every rank runs the program of its
 //! dp-0 counterpart and no transfer crosses dp, the dp-0 slice's run is the whole run (each rank
 //! is in its counterpart's state at every step, by induction), so a 1,024-GPU plan with dp = 16
 //! simulates 64 ranks. Otherwise every rank is simulated.
 
+mod accumulation;
 mod dtypes;
 mod in_place;
 mod liveness;
@@ -179,6 +182,11 @@ pub fn check(plan: &Plan) -> Outcome {
         if let Some(program) = plan.programs.get(i) {
             violations.extend(dtypes::check(program, ProgramId(i as u32), first_rank[i]));
             violations.extend(in_place::check(program, ProgramId(i as u32), first_rank[i]));
+            violations.extend(accumulation::check(
+                program,
+                ProgramId(i as u32),
+                first_rank[i],
+            ));
         }
     }
     // Rendezvous on programs with broken buffers would report the same fault twice.

@@ -589,3 +589,31 @@ fn a_transfer_between_types_is_a_mismatch() {
         hit.message
     );
 }
+
+#[test]
+fn an_accumulating_output_that_is_also_an_input_is_reported() {
+    use crate::ir::op::Op;
+    use crate::ir::Outputs;
+    let mut plan = lowered(PlanChoice::default());
+    assert!(check(&plan).violations.is_empty());
+    // The lowering adds the k and v products into q's (MatmulBwdData with accumulate): bind
+    // the first such dx to the op's own dy.
+    let instrs = &mut plan.programs[0].instrs;
+    let at = instrs
+        .iter()
+        .position(|i| {
+            matches!(i, Instr::Compute { op, .. }
+                if matches!(**op, Op::MatmulBwdData { accumulate: true, .. }))
+        })
+        .expect("an accumulating MatmulBwdData");
+    if let Instr::Compute {
+        inputs, outputs, ..
+    } = &mut instrs[at]
+    {
+        *outputs = Outputs::from_slice(&[inputs[0]]).unwrap();
+    }
+    let outcome = check(&plan);
+    assert_eq!(codes(&outcome), ["E0821"], "{:#?}", outcome.violations);
+    assert_eq!(outcome.violations[0].instr, at);
+    assert!(outcome.violations[0].message.contains("also its input 0"));
+}

@@ -85,7 +85,11 @@ pub(crate) fn run(
             let d = dim(name, "dim", *d)?;
             layer_norm(name, d, *eps, ins.f32(0)?, ins.f32(1)?, b, y, mean, rstd)
         }
-        Op::LayerNormBwd { dim: d, bias } => {
+        Op::LayerNormBwd {
+            dim: d,
+            bias,
+            accumulate,
+        } => {
             let d = dim(name, "dim", *d)?;
             let (dy, x, w, mean, rstd) = (
                 ins.f32(0)?,
@@ -96,10 +100,21 @@ pub(crate) fn run(
             );
             if *bias {
                 let [dx, dw, db] = outs.f32s()?;
-                layer_norm_bwd(name, d, dy, x, w, mean, rstd, dx, dw, Some(db))
+                layer_norm_bwd(
+                    name,
+                    d,
+                    dy,
+                    x,
+                    w,
+                    mean,
+                    rstd,
+                    (dx, *accumulate),
+                    dw,
+                    Some(db),
+                )
             } else {
                 let [dx, dw] = outs.f32s()?;
-                layer_norm_bwd(name, d, dy, x, w, mean, rstd, dx, dw, None)
+                layer_norm_bwd(name, d, dy, x, w, mean, rstd, (dx, *accumulate), dw, None)
             }
         }
         Op::RmsNorm { dim: d, eps } => {
@@ -107,11 +122,11 @@ pub(crate) fn run(
             let d = dim(name, "dim", *d)?;
             rms_norm(name, d, *eps, ins.f32(0)?, ins.f32(1)?, y, rstd)
         }
-        Op::RmsNormBwd { dim: d } => {
+        Op::RmsNormBwd { dim: d, accumulate } => {
             let [dx, dw] = outs.f32s()?;
             let d = dim(name, "dim", *d)?;
             let (dy, x, w, rstd) = (ins.f32(0)?, ins.f32(1)?, ins.f32(2)?, ins.f32(3)?);
-            rms_norm_bwd(name, d, dy, x, w, rstd, dx, dw)
+            rms_norm_bwd(name, d, dy, x, w, rstd, (dx, *accumulate), dw)
         }
         Op::Matmul {
             in_dim,
@@ -126,13 +141,18 @@ pub(crate) fn run(
             );
             matmul(name, threads, i, o, ins.f32(0)?, ins.f32(1)?, b, y)
         }
-        Op::MatmulBwdData { in_dim, out_dim } => {
+        Op::MatmulBwdData {
+            in_dim,
+            out_dim,
+            accumulate,
+        } => {
             let [dx] = outs.f32s()?;
             let (i, o) = (
                 dim(name, "in_dim", *in_dim)?,
                 dim(name, "out_dim", *out_dim)?,
             );
-            matmul_bwd_data(name, threads, i, o, ins.f32(0)?, ins.f32(1)?, dx)
+            let (dy, w) = (ins.f32(0)?, ins.f32(1)?);
+            matmul_bwd_data(name, threads, i, o, dy, w, dx, *accumulate)
         }
         Op::MatmulBwdWeight {
             in_dim,

@@ -44,7 +44,11 @@ pub(crate) fn matmul(
     Ok(())
 }
 
-/// `dx = dy W`: dy `[rows, out]`, w `[out, in]`, dx `[rows, in]`.
+/// `dx = dy W`, or with `accumulate` `dx += dy W`: dy `[rows, out]`, w `[out, in]`, dx
+/// `[rows, in]`. Accumulating adds the finished product to each element once (the product is
+/// formed apart first: the GEMM's own accumulation would add it in k-blocks), so the result
+/// is bit-identical to an `Add` of the old dx and a separate product.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn matmul_bwd_data(
     op: &str,
     threads: Threads,
@@ -53,18 +57,35 @@ pub(crate) fn matmul_bwd_data(
     dy: &[f32],
     w: &[f32],
     dx: &mut [f32],
+    accumulate: bool,
 ) -> Result<()> {
     let rows = rows_of(op, "dy", dy.len(), out_dim)?;
     expect_len(op, "w", w.len(), product(op, "w", &[out_dim, in_dim])?)?;
     expect_len(op, "dx", dx.len(), product(op, "dx", &[rows, in_dim])?)?;
-    gemm_checked(
-        op,
-        (dx, Strided::row_major(rows, in_dim)),
-        false,
-        (dy, Strided::row_major(rows, out_dim)),
-        (w, Strided::row_major(out_dim, in_dim)),
-        threads,
-    )
+    let product_into = |out: &mut [f32]| {
+        gemm_checked(
+            op,
+            (out, Strided::row_major(rows, in_dim)),
+            false,
+            (dy, Strided::row_major(rows, out_dim)),
+            (w, Strided::row_major(out_dim, in_dim)),
+            threads,
+        )
+    };
+    if !accumulate {
+        return product_into(dx);
+    }
+    let mut part = vec![0.0f32; dx.len()];
+    product_into(&mut part)?;
+    dx.par_chunks_mut(in_dim)
+        .zip(part.par_chunks(in_dim))
+        .with_min_len(rows_per_task(in_dim))
+        .for_each(|(dx, part)| {
+            for (d, &p) in dx.iter_mut().zip(part) {
+                *d += p;
+            }
+        });
+    Ok(())
 }
 
 /// `dw += dyᵀ x`, `db += Σ_rows dy`: dy `[rows, out]`, x `[rows, in]`, dw `[out, in]`.

@@ -47,8 +47,18 @@ pub(crate) fn layer_norm(
     Ok(())
 }
 
-/// LayerNorm backward: `dx = rstd·(ĝ − mean(ĝ) − x̂·mean(ĝ·x̂))` with `ĝ = dy·w`,
-/// `x̂ = (x − mean)·rstd`; `dw += Σ dy·x̂`, `db += Σ dy`.
+/// `dst` set to `v`, or `v` added to it (the op's `accumulate`: one f32 addition of the
+/// finished value, as an `Add` of the old dx and a separate dx would compute).
+fn store(dst: &mut f32, v: f32, accumulate: bool) {
+    if accumulate {
+        *dst += v;
+    } else {
+        *dst = v;
+    }
+}
+
+/// LayerNorm backward: `dx (+)= rstd·(ĝ − mean(ĝ) − x̂·mean(ĝ·x̂))` with `ĝ = dy·w`,
+/// `x̂ = (x − mean)·rstd`; `dw += Σ dy·x̂`, `db += Σ dy`. `accumulate`: dx is added into.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn layer_norm_bwd(
     op: &str,
@@ -58,7 +68,7 @@ pub(crate) fn layer_norm_bwd(
     w: &[f32],
     mean: &[f32],
     rstd: &[f32],
-    dx: &mut [f32],
+    (dx, accumulate): (&mut [f32], bool),
     dw: &mut [f32],
     db: Option<&mut [f32]>,
 ) -> Result<()> {
@@ -88,7 +98,8 @@ pub(crate) fn layer_norm_bwd(
             let mean_g = (sum_g / dim as f64) as f32;
             let mean_gx = (sum_gx / dim as f64) as f32;
             for (j, dx) in dx.iter_mut().enumerate() {
-                *dx = rstd[row] * (dy[j] * w[j] - mean_g - xhat(row, j) * mean_gx);
+                let v = rstd[row] * (dy[j] * w[j] - mean_g - xhat(row, j) * mean_gx);
+                store(dx, v, accumulate);
             }
         });
     accumulate_rows(rows, dw, |row, partial| {
@@ -148,7 +159,7 @@ pub(crate) fn rms_norm_bwd(
     x: &[f32],
     w: &[f32],
     rstd: &[f32],
-    dx: &mut [f32],
+    (dx, accumulate): (&mut [f32], bool),
     dw: &mut [f32],
 ) -> Result<()> {
     let rows = rows_of(op, "x", x.len(), dim)?;
@@ -169,7 +180,7 @@ pub(crate) fn rms_norm_bwd(
                 .sum();
             let mean_gx = (sum_gx / dim as f64) as f32;
             for (j, dx) in dx.iter_mut().enumerate() {
-                *dx = r * (dy[j] * w[j] - x[j] * r * mean_gx);
+                store(dx, r * (dy[j] * w[j] - x[j] * r * mean_gx), accumulate);
             }
         });
     accumulate_rows(rows, dw, |row, partial| {

@@ -355,7 +355,11 @@ pub(crate) fn run(
             ];
             launch_rows(be, "layer_norm_fwd", rows, &args)
         }
-        Op::LayerNormBwd { dim, bias } => {
+        Op::LayerNormBwd {
+            dim,
+            bias,
+            accumulate,
+        } => {
             let d = b.dim("dim", *dim)?;
             let (dy, x, w, mean, rstd) = (
                 b.float_in(0)?,
@@ -381,7 +385,7 @@ pub(crate) fn run(
                 fv(dx),
                 n(rows),
                 n(d),
-                Arg::I32(0),
+                Arg::I32(i32::from(*accumulate)),
             ];
             launch_rows(be, "layer_norm_bwd_dx", rows, &args)?;
             norm_dw(be, dy, x, mean.ptr, rstd, dw, rows, d)?;
@@ -406,7 +410,7 @@ pub(crate) fn run(
             let args = [fv(x), p(w), fv(y), p(rstd), n(rows), n(d), Arg::F64(*eps)];
             launch_rows(be, "rms_norm_fwd", rows, &args)
         }
-        Op::RmsNormBwd { dim } => {
+        Op::RmsNormBwd { dim, accumulate } => {
             let d = b.dim("dim", *dim)?;
             let (dy, x, w, rstd) = (b.float_in(0)?, b.float_in(1)?, b.f32_in(2)?, b.f32_in(3)?);
             let rows = b.rows(x, "x", d)?;
@@ -425,7 +429,7 @@ pub(crate) fn run(
                 fv(dx),
                 n(rows),
                 n(d),
-                Arg::I32(0),
+                Arg::I32(i32::from(*accumulate)),
             ];
             launch_rows(be, "rms_norm_bwd_dx", rows, &args)?;
             norm_dw(be, dy, x, 0, rstd, dw, rows, d)

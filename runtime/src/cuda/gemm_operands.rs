@@ -117,8 +117,9 @@ fn cached_with_plan(buffer: &Buffer) -> bool {
 
 /// Bytes of GEMM scratch `op` needs in a run whose GEMMs are 16-bit (`half`; fp32 runs need
 /// none): the per-use copies of its f32 operands that are not cached casts, each aligned, then
-/// for an op that accumulates (a backward-weight GEMM) room to time its algorithms into a D
-/// of its output's type. `inputs`/`outputs`: the op's buffers (None where unknown).
+/// for an op that accumulates (a backward-weight GEMM, an accumulating backward-data one)
+/// room to time its algorithms into a D of its output's type. `inputs`/`outputs`: the op's
+/// buffers (None where unknown).
 pub(crate) fn scratch_bytes(
     op: &Op,
     inputs: &[Option<&Buffer>],
@@ -135,7 +136,10 @@ pub(crate) fn scratch_bytes(
         .map(|(b, _)| aligned(b.numel() as usize * 2))
         .sum();
     let tuning = match op {
-        Op::MatmulBwdWeight { .. } => outputs
+        Op::MatmulBwdWeight { .. }
+        | Op::MatmulBwdData {
+            accumulate: true, ..
+        } => outputs
             .first()
             .copied()
             .flatten()
@@ -574,7 +578,15 @@ mod tests {
                     &[0, 1, 2],
                     &[3],
                 ),
-                compute(Op::MatmulBwdData { in_dim, out_dim }, &[3, 1], &[0]),
+                compute(
+                    Op::MatmulBwdData {
+                        in_dim,
+                        out_dim,
+                        accumulate: false,
+                    },
+                    &[3, 1],
+                    &[0],
+                ),
                 compute(
                     Op::MatmulBwdWeight {
                         in_dim,

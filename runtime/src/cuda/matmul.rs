@@ -89,14 +89,18 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
                 }
             }
         }
-        Op::MatmulBwdData { in_dim, out_dim } => {
+        Op::MatmulBwdData {
+            in_dim,
+            out_dim,
+            accumulate,
+        } => {
             let (k_in, m_out) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
             let (dy, w) = (b.float_in(0)?, b.f32_in(1)?);
             let rows = b.rows(dy, "dy", m_out)?;
             b.expect(w, "w", m_out * k_in)?;
             let dx = b.float_out(0)?;
             b.expect(dx, "dx", rows * k_in)?;
-            // dxᵀ (in × rows) = Wᵀ (in × out, as stored) · dyᵀ (out × rows).
+            // dxᵀ (in × rows) (+)= Wᵀ (in × out, as stored) · dyᵀ (out × rows).
             let g = Gemm {
                 trans_a: false,
                 trans_b: false,
@@ -109,7 +113,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
                 ldb: m_out as i64,
                 c: dx.ptr,
                 ldc: k_in as i64,
-                beta: 0.0,
+                beta: if *accumulate { 1.0 } else { 0.0 },
                 out: output(dx),
                 epilogue: Epilogue::None,
             };

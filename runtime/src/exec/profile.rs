@@ -182,7 +182,9 @@ pub fn flops(op: &Op, first_input_numel: u64) -> Option<f64> {
             let rows = first_input_numel / (*in_dim).max(1);
             Some(2.0 * (rows * in_dim * out_dim) as f64)
         }
-        Op::MatmulBwdData { in_dim, out_dim }
+        Op::MatmulBwdData {
+            in_dim, out_dim, ..
+        }
         | Op::MatmulBwdWeight {
             in_dim, out_dim, ..
         } => {
@@ -309,6 +311,7 @@ mod tests {
         let bwd = Op::MatmulBwdData {
             in_dim: 64,
             out_dim: 256,
+            accumulate: false,
         };
         // dy is [8, 256].
         assert_eq!(flops(&bwd, 8 * 256), Some(2.0 * 8.0 * 64.0 * 256.0));

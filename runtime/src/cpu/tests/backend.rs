@@ -364,6 +364,7 @@ fn op_sequence_bits(backend: CpuBackend) -> Vec<Vec<u32>> {
         Op::MatmulBwdData {
             in_dim: dim as u64,
             out_dim: hidden as u64,
+            accumulate: false,
         },
         vec![dy, w1],
         vec![rows * dim],
@@ -372,6 +373,7 @@ fn op_sequence_bits(backend: CpuBackend) -> Vec<Vec<u32>> {
         Op::LayerNormBwd {
             dim: dim as u64,
             bias: false,
+            accumulate: false,
         },
         vec![
             Input::F(values(rows * dim, 74, 1.0)),

@@ -183,3 +183,139 @@ fn accumulating_into_bf16_reads_adds_and_rounds() {
         .unwrap();
     assert_eq!(b.read_f32(BufferId(0)).unwrap(), rounded(&values(6, 9)));
 }
+
+/// The ops whose dx may accumulate (`MatmulBwdData`, `LayerNormBwd`, `RmsNormBwd` with
+/// `accumulate`) add the finished dx once: in f32 bit-identical to an `Add` of the old dx and
+/// the overwritten form's dx (what the lowering's plain form computes), and into a bf16 dx the
+/// old value read, the f32 dx added and the sum rounded once.
+#[test]
+fn accumulating_dx_adds_the_finished_value_once() {
+    use DType::{Bf16, F32};
+    let (rows, dim, out) = (4usize, 8usize, 3usize);
+    let x = values(rows * dim, 11);
+    let w = values(dim, 12);
+    let dy = values(rows * dim, 13);
+    let ln = run_as(
+        &Op::LayerNorm {
+            dim: dim as u64,
+            eps: 1e-5,
+            bias: false,
+        },
+        &[x.clone(), w.clone()],
+        &[vec![0.0; rows * dim], vec![0.0; rows], vec![0.0; rows]],
+        &[F32, F32],
+        &[F32, F32, F32],
+    );
+    let rms = run_as(
+        &Op::RmsNorm {
+            dim: dim as u64,
+            eps: 1e-6,
+        },
+        &[x.clone(), w.clone()],
+        &[vec![0.0; rows * dim], vec![0.0; rows]],
+        &[F32, F32],
+        &[F32, F32],
+    );
+    let norm_ins = vec![
+        dy.clone(),
+        x.clone(),
+        w.clone(),
+        ln[1].clone(),
+        ln[2].clone(),
+    ];
+    let rms_ins = vec![dy.clone(), x.clone(), w.clone(), rms[1].clone()];
+    let dy_out = values(rows * out, 14);
+    let mm_ins = vec![dy_out, values(out * dim, 15)];
+    // (op with accumulate off, on; inputs; input types; dx length; the other outputs' lengths)
+    type Case = (Op, Op, Vec<Vec<f32>>, Vec<DType>, usize, Vec<usize>);
+    let ln_op = |accumulate| Op::LayerNormBwd {
+        dim: dim as u64,
+        bias: false,
+        accumulate,
+    };
+    let rms_op = |accumulate| Op::RmsNormBwd {
+        dim: dim as u64,
+        accumulate,
+    };
+    let mm_op = |accumulate| Op::MatmulBwdData {
+        in_dim: dim as u64,
+        out_dim: out as u64,
+        accumulate,
+    };
+    let cases: Vec<Case> = vec![
+        (
+            ln_op(false),
+            ln_op(true),
+            norm_ins,
+            vec![F32; 5],
+            rows * dim,
+            vec![dim],
+        ),
+        (
+            rms_op(false),
+            rms_op(true),
+            rms_ins,
+            vec![F32; 4],
+            rows * dim,
+            vec![dim],
+        ),
+        (
+            mm_op(false),
+            mm_op(true),
+            mm_ins,
+            vec![F32; 2],
+            rows * dim,
+            vec![],
+        ),
+    ];
+    let old_dx = values(rows * dim, 16);
+    for (plain, accumulating, inputs, types, dx_len, others) in cases {
+        let start = |dx: Vec<f32>| {
+            let mut v = vec![dx];
+            v.extend(others.iter().map(|&n| vec![0.0; n]));
+            v
+        };
+        let out_types = |dx: DType| {
+            let mut t = vec![dx];
+            t.extend(others.iter().map(|_| F32));
+            t
+        };
+        let fresh = run_as(
+            &plain,
+            &inputs,
+            &start(vec![0.0; dx_len]),
+            &types,
+            &out_types(F32),
+        );
+        let added = run_as(
+            &Op::Add,
+            &[old_dx.clone(), fresh[0].clone()],
+            &[vec![0.0; dx_len]],
+            &[F32, F32],
+            &[F32],
+        );
+        let got = run_as(
+            &accumulating,
+            &inputs,
+            &start(old_dx.clone()),
+            &types,
+            &out_types(F32),
+        );
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got[0]), bits(&added[0]), "{accumulating:?}");
+        assert_ne!(got[0], fresh[0], "{accumulating:?}: the old dx was added");
+        // The other outputs do not depend on the flag.
+        assert_eq!(got[1..], fresh[1..], "{accumulating:?}");
+        // bf16 dx: read, add the f32 dx, round once.
+        let got = run_as(
+            &accumulating,
+            &inputs,
+            &start(old_dx.clone()),
+            &types,
+            &out_types(Bf16),
+        );
+        let old = rounded(&old_dx);
+        let once: Vec<f32> = old.iter().zip(&fresh[0]).map(|(a, b)| a + b).collect();
+        assert_eq!(got[0], rounded(&once), "{accumulating:?} into bf16");
+    }
+}

@@ -78,6 +78,7 @@ fn check_layer_norm(bias: bool) {
     let bwd = Op::LayerNormBwd {
         dim: dim as u64,
         bias,
+        accumulate: false,
     };
     let bwd_inputs = [
         Input::F(cot[0].clone()),
@@ -121,7 +122,10 @@ fn rms_norm_backward_matches_differences() {
     let out_lens = [rows * dim, rows];
     let cot = vec![values(rows * dim, 12, 1.0), vec![]];
     let fwd_out = eval(&fwd, &inputs, &out_lens);
-    let bwd = Op::RmsNormBwd { dim: dim as u64 };
+    let bwd = Op::RmsNormBwd {
+        dim: dim as u64,
+        accumulate: false,
+    };
     let bwd_inputs = [
         Input::F(cot[0].clone()),
         inputs[0].clone(),
@@ -165,6 +169,7 @@ fn matmul_backward_data_and_weight_match_differences() {
         &Op::MatmulBwdData {
             in_dim: in_dim as u64,
             out_dim: out_dim as u64,
+            accumulate: false,
         },
         &[dy.clone(), inputs[1].clone()],
         &[rows * in_dim],

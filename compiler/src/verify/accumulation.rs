@@ -1,0 +1,53 @@
+//! Invariant 8 of the verifier: an output an op adds into (`Op::accumulates`, the "(+=)"
+//! outputs) is not also one of that op's inputs (E0821). The lowering adds gradient
+//! contributions into the gradient already there (`lower::Emitter::accumulation_target`); a
+//! `+=` target that the op also reads as an input would be read while the op writes it (a GEMM
+//! or norm kernel reads its inputs across rows as it writes dx), so a backend could not run it
+//! in place. The cross-instruction half of the argument — no later instruction wants the value
+//! from before the `+=` — is the lowering's, from its holder counts; it is not visible in the
+//! IR.
+use super::Violation;
+use crate::ir::{Instr, Program, ProgramId};
+
+/// Violations reported per program at most (the first ones say what is wrong).
+const MAX_PER_PROGRAM: usize = 16;
+
+/// Every accumulating output of `program` that is also an input of its instruction (run by
+/// `rank`, the lowest rank running it).
+pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violation> {
+    let mut violations = Vec::new();
+    for (i, instr) in program.instrs.iter().enumerate() {
+        let Instr::Compute {
+            op,
+            inputs,
+            outputs,
+            node,
+            ..
+        } = instr
+        else {
+            continue;
+        };
+        for (k, out) in outputs.iter().enumerate() {
+            let Some(input) = inputs.iter().position(|b| b == out) else {
+                continue;
+            };
+            if !op.accumulates(k) || violations.len() >= MAX_PER_PROGRAM {
+                continue;
+            }
+            let name = program.buffer(*out).map_or("?", |b| b.name.as_str());
+            violations.push(Violation {
+                code: "E0821",
+                rank,
+                program: id,
+                instr: i,
+                node: *node,
+                message: format!(
+                    "{op:?} adds into output {k}, b{} `{name}`, which is also its input \
+                     {input}: an accumulating output must be a buffer the op does not read",
+                    out.0
+                ),
+            });
+        }
+    }
+    violations
+}
