@@ -248,9 +248,10 @@ fn node_bytes(spec: &Spec, kind: &LayerKind, selective: bool) -> f64 {
             let vocab_split = super::tp_divides(spec, kind);
             let input = d.s * d.b * *in_dim as f64 * d.elem;
             let out = *out_dim as f64 / if vocab_split { d.t } else { 1.0 };
-            // Cross-entropy keeps the logits in fp32 when they are the vocab.
+            // The loss keeps the logits when they are the vocab, stored like activations (the
+            // fused loss writes dlogits over them: no second buffer).
             let logits = if *out_dim == spec.model.vocab {
-                d.s * d.b * out * 4.0
+                d.s * d.b * out * d.elem
             } else {
                 0.0
             };

@@ -23,8 +23,9 @@
 //! full recompute. [`activation`] derives these from the tensors each layer keeps, which also
 //! covers what the paper does not (SwiGLU, GQA, ffn ≠ 4h, fp32, no dropout, attention that keeps
 //! only its log-sum-exp, inputs kept gathered under SP). Per stage: layers held × microbatches
-//! in flight ([`schedule`]), plus the last stage's final norm input, head input and fp32 logits
-//! (kept by cross-entropy, 4·s·b·v/t bytes) or, when larger, the working set of the largest
+//! in flight ([`schedule`]), plus the last stage's final norm input, head input and logits
+//! (kept by the loss, s·b·v/t activation elements; the fused loss writes dlogits over them, so
+//! there is no second such buffer) or, when larger, the working set of the largest
 //! recomputed layer. Checked against the verifier's measured liveness (`verify` tests).
 //!
 //! **Buffers.** Gradient buckets: 2 × `bucket_bytes` (one filling, one reducing; at most the
