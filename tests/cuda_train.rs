@@ -4,7 +4,10 @@
 //! 1e-4 relative at step 1 and 1e-3 after (fp32 rounding differences grow through AdamW).
 //! The same models with `precision = bf16` on CUDA (GEMM operands in bf16) against the fp32 CPU
 //! run: loss within 1e-2 relative and gradient norm within 2e-2 at every step, and at least one
-//! step must differ by more than 1e-5 (proof that bf16 rounding happened at all).
+//! step must differ by more than 1e-5 (proof that bf16 rounding happened at all). The CUDA
+//! backend stores a bf16 plan's activations in bf16 (`Backend::stores_bf16`), as the CPU does,
+//! and the two bf16 runs agree within the same tolerances (the GPU also rounds GEMM weights,
+//! the CPU does not).
 //! `precision = fp16` with dynamic loss scaling (init 1024, doubling every 2 clean steps) on
 //! CUDA (GEMM operands in fp16) against the fp32 CPU run: the same tolerances (fp16 rounds
 //! more finely than bf16; the 1e-2 loss tolerance is the brief's), the same loss scales, no
@@ -166,6 +169,34 @@ fn bf16_matches_cpu(name: &str, llama: bool) {
     );
 }
 
+#[cfg(feature = "cuda")]
+fn cuda_stores_bf16() -> bool {
+    use parc_runtime::backend::Backend;
+    parc_runtime::cuda::CudaBackend::with_precision(0, Precision::Bf16)
+        .is_ok_and(|b| b.stores_bf16())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_stores_bf16() -> bool {
+    false
+}
+
+/// `precision = bf16` on both backends, each storing the activations in bf16.
+fn bf16_storage_matches_cpu_bf16(name: &str, llama: bool) {
+    if !gpu_present() {
+        return;
+    }
+    assert!(
+        cuda_stores_bf16(),
+        "{name}: the CUDA backend does not store bf16"
+    );
+    let mut s = model_spec(llama, 6);
+    s.train.precision = Precision::Bf16;
+    let cuda = run(&s, Which::Cuda, None, None);
+    let cpu = run(&s, Which::Cpu, None, None);
+    compare_within(name, &cuda.records, &cpu.records, |_| (1e-2, 2e-2));
+}
+
 fn fp16_dynamic(init: f64, window: u32, min: f64) -> Precision {
     Precision::Fp16 {
         loss_scale: LossScale::Dynamic {
@@ -247,6 +278,16 @@ fn gpt_style_bf16_steps_match_cpu() {
 #[test]
 fn llama_style_bf16_steps_match_cpu() {
     bf16_matches_cpu("llama-bf16", true);
+}
+
+#[test]
+fn gpt_style_bf16_storage_matches_cpu_bf16() {
+    bf16_storage_matches_cpu_bf16("gpt-bf16-storage", false);
+}
+
+#[test]
+fn llama_style_bf16_storage_matches_cpu_bf16() {
+    bf16_storage_matches_cpu_bf16("llama-bf16-storage", true);
 }
 
 fn temp_dir(name: &str) -> PathBuf {

@@ -9,7 +9,8 @@
 //! CPU's (1e-4 relative fp32, 1e-2 bf16), so the planned offsets hold the right data, with the
 //! buffers the plan exempts from zero-filling poisoned with NaN until written (so no kernel
 //! reads one before writing all of it). Head dim 64, so bf16 attention runs on the tensor-core
-//! kernels (whose copies use the scratch).
+//! kernels. bf16 storage halves the activations: a model whose activations outweigh the fixed
+//! workspace and scratch holds less in bf16 than in fp32 (both printed).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #[allow(dead_code)]
 #[path = "ir/fixtures.rs"]
@@ -37,6 +38,10 @@ fn model(llama: bool, precision: Precision) -> (Spec, Plan) {
         ffn: 256,
         micro_batch: 4,
     };
+    sized_model(llama, precision, dims)
+}
+
+fn sized_model(llama: bool, precision: Precision, dims: Dims) -> (Spec, Plan) {
     let mut spec = sized_spec(
         TinyModel {
             layers: 2,
@@ -167,6 +172,44 @@ fn cuda_steps_allocate_nothing() {
             }
         }
     }
+    // 16 × 512 rows of width 256: ~0.2 GB of fp32 activations against the 32 MiB cuBLASLt
+    // workspace and the scratch.
+    let held = |precision: Precision| {
+        let dims = Dims {
+            vocab: 512,
+            dim: 256,
+            seq: 512,
+            heads: 4,
+            kv_heads: 4,
+            ffn: 1024,
+            micro_batch: 16,
+        };
+        let (spec, plan) = sized_model(false, precision, dims);
+        let planned = plan_program(&plan.programs[0]).unwrap().total_bytes();
+        let mut gpu = executor(
+            &spec,
+            &plan,
+            CudaBackend::with_precision(0, precision).unwrap(),
+        );
+        let allocations = gpu.backend().driver_allocations();
+        losses(&mut gpu, 1);
+        assert_eq!(
+            gpu.backend().driver_allocations(),
+            allocations,
+            "a step allocated"
+        );
+        (planned, gpu.backend().reserved_bytes())
+    };
+    let (fp32, bf16) = (held(Precision::Fp32), held(Precision::Bf16));
+    println!(
+        "16x512 rows, width 256: fp32 plans {} and holds {} bytes; bf16 plans {} and holds {}",
+        fp32.0, fp32.1, bf16.0, bf16.1
+    );
+    assert!(bf16.0 < fp32.0, "bf16 storage does not shrink the plan");
+    assert!(
+        bf16.1 < fp32.1,
+        "the CUDA backend holds no less for bf16 storage"
+    );
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -1,11 +1,13 @@
 //! The CUDA backend (feature `cuda`): every `Op` of `parc_compiler::ir::op` forward and
-//! backward on one NVIDIA GPU with the CPU backend's semantics (token ids i32, everything else
-//! stored fp32). The backend is told the run's precision when it is made (`with_precision`):
-//! fp32 computes everything in fp32; bf16 (fp16) runs every GEMM on bf16 (fp16) copies of its
-//! two operands (weights and activations rounded per use, fp32 accumulation and fp32 results),
-//! keeping master weights, gradients, optimizer state, norms, softmax and losses fp32; fp16's
+//! backward on one NVIDIA GPU with the CPU backend's semantics (token ids i32, activations of
+//! a bf16 run stored bf16, everything else fp32). The backend is told the run's precision when
+//! it is made (`with_precision`): fp32 computes everything in fp32; a bf16 run stores the
+//! plan's bf16 activations as bf16 (`stores_bf16`: kernels read them widened and round what
+//! they write, per operand, `FloatArg`) and runs GEMMs and tensor-core attention on bf16
+//! operands with fp32 accumulation; fp16 runs every GEMM on fp16 copies of its operands.
+//! Master weights, gradients, optimizer state, norm statistics and losses stay fp32; fp16's
 //! loss scaling comes from the executor (`StepScalars::loss_scale`) into the cross-entropy
-//! gradient, clip and optimizer kernels, and bf16 alone has tensor-core attention. See
+//! gradient, clip and optimizer kernels. See
 //! docs/cuda.md (the differential tests `tests/cuda_ops/` and `tests/cuda_train.rs` hold it
 //! to them, per precision). GEMMs go through cuBLASLt (`gemm`), everything else through CUDA C
 //! kernels compiled by NVRTC once per run (`compile`); `dispatch` maps each op onto them. All
@@ -474,6 +476,12 @@ impl CudaBackend {
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
         "cuda"
+    }
+
+    /// A bf16 run stores its activations in bf16 (docs/cuda.md, "bf16 activation storage");
+    /// fp32 and fp16 runs store f32.
+    fn stores_bf16(&self) -> bool {
+        self.operands == Operands::Bf16
     }
 
     fn reserved_bytes(&self) -> Option<u64> {
