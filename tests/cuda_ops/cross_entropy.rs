@@ -119,7 +119,7 @@ fn fused_cross_entropy_is_in_place_and_deterministic() {
         step: 1,
         loss_scale: None,
     };
-    let mut run = |gpu: &mut CudaBackend| {
+    let run = |gpu: &mut CudaBackend| {
         gpu.write_f32(l, &logits).unwrap();
         gpu.write_f32(loss, &[0.0]).unwrap();
         gpu.compute(&op, &[l, t], &[l, loss], &scalars).unwrap();
