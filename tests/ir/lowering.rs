@@ -309,3 +309,63 @@ fn zero3_gathers_run_while_the_node_before_computes() {
         }
     }
 }
+
+/// The backward of a pre-norm block sums every gradient in place (docs/architecture.md,
+/// "Gradient accumulation in place"): no `Copy` and no `Add` in backward, with or without tp and
+/// SP; per layer and microbatch both norms' dx add into the residual gradient and the k and v
+/// data products into q's (Llama: also SwiGLU's up product into gate's), before any tp
+/// all-reduce.
+#[test]
+fn backward_sums_residual_gradients_in_place() {
+    use parc_compiler::ir::op::Op;
+    use parc_compiler::ir::{Instr, Phase};
+    let (layers, microbatches) = (3u32, 2u32);
+    for (model, tp) in [
+        (gpt(layers), 1),
+        (llama(layers), 1),
+        (gpt(layers), 2),
+        (llama(layers), 2),
+    ] {
+        let llama = model.llama;
+        let s = spec(
+            model,
+            PlanChoice {
+                tp,
+                sp: tp > 1 && llama,
+                microbatches,
+                ..PlanChoice::default()
+            },
+        );
+        let plan = lower(&s).unwrap();
+        for program in &plan.programs {
+            let (mut adds, mut accumulating) = (0, 0);
+            for instr in &program.instrs {
+                let Instr::Compute {
+                    op,
+                    phase: Phase::Backward,
+                    ..
+                } = instr
+                else {
+                    continue;
+                };
+                match **op {
+                    Op::Add | Op::Copy => adds += 1,
+                    Op::MatmulBwdData {
+                        accumulate: true, ..
+                    }
+                    | Op::LayerNormBwd {
+                        accumulate: true, ..
+                    }
+                    | Op::RmsNormBwd {
+                        accumulate: true, ..
+                    } => accumulating += 1,
+                    _ => {}
+                }
+            }
+            let per_layer = if llama { 5 } else { 4 };
+            let desc = format!("llama {llama} tp {tp} {}", program.role);
+            assert_eq!(adds, 0, "{desc}: Add or Copy in backward");
+            assert_eq!(accumulating, per_layer * layers * microbatches, "{desc}");
+        }
+    }
+}

@@ -271,6 +271,45 @@ mod tests {
     }
 
     #[test]
+    fn a_dx_that_accumulates_needs_zeros_one_that_is_overwritten_does_not() {
+        // b0 = w; b1 = dy; b2, b3 dx of MatmulBwdData and LayerNormBwd without and with
+        // accumulate (b4..b7: the norm's statistics and dw).
+        for accumulate in [false, true] {
+            let data = Op::MatmulBwdData {
+                in_dim: 2,
+                out_dim: 2,
+                accumulate,
+            };
+            let norm = Op::LayerNormBwd {
+                dim: 2,
+                bias: false,
+                accumulate,
+            };
+            let p = program(
+                &[-4, 4, 4, 4, 2, 2, -2, 2],
+                vec![
+                    alloc(1),
+                    compute(Op::Zero, &[], &[1]),
+                    alloc(2),
+                    compute(data, &[1, 0], &[2]),
+                    alloc(3),
+                    alloc(7),
+                    compute(norm, &[1, 1, 6, 4, 5], &[3, 7]),
+                    free(1),
+                    free(2),
+                    free(3),
+                    free(7),
+                ],
+            );
+            let needs = zero_needs(&p);
+            assert_eq!(
+                (needs[2], needs[3], needs[7]),
+                (accumulate, accumulate, true)
+            );
+        }
+    }
+
+    #[test]
     fn an_output_that_is_also_an_input_is_read_first() {
         let p = program(
             &[4],
