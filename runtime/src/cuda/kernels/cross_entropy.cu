@@ -165,13 +165,14 @@ __device__ __forceinline__ void xent_row(T* logits, const int* targets, double* 
     }
 }
 
-// One block per row of `logits` [rows, vocab] (f32), blockDim a multiple of 32, at most 1024.
-extern "C" __global__ void cross_entropy_rows_f32(float* logits, const int* targets, double* row_loss, long long vocab, float grad_scale) {
+// One block per row of `logits` [rows, vocab] (f32), blockDim a multiple of 32, at most 1024
+// (the bound keeps the registers within what a 1024-thread block may use).
+extern "C" __global__ void __launch_bounds__(1024) cross_entropy_rows_f32(float* logits, const int* targets, double* row_loss, long long vocab, float grad_scale) {
     xent_row<float>(logits, targets, row_loss, vocab, grad_scale);
 }
 
 // As cross_entropy_rows_f32, for bf16 logits (raw 16-bit patterns).
-extern "C" __global__ void cross_entropy_rows_bf16(unsigned short* logits, const int* targets, double* row_loss, long long vocab, float grad_scale) {
+extern "C" __global__ void __launch_bounds__(1024) cross_entropy_rows_bf16(unsigned short* logits, const int* targets, double* row_loss, long long vocab, float grad_scale) {
     xent_row<unsigned short>(logits, targets, row_loss, vocab, grad_scale);
 }
 
