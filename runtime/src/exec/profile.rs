@@ -4,7 +4,8 @@
 //!
 //! The executor fills a [`StepProfile`] only for the profiled step, so a run without
 //! `--profile` pays nothing. FLOPs come from an op's dimensions; bytes from the sizes of the
-//! buffers it reads and writes (a lower bound on its traffic).
+//! buffers it reads and writes, an output it adds into counted twice (a lower bound on its
+//! traffic).
 use parc_compiler::ir::op::{Op, Segment};
 use parc_compiler::ir::Instr;
 use serde::Serialize;

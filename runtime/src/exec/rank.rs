@@ -391,9 +391,16 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
                     .first()
                     .and_then(|id| self.program.buffer(*id))
                     .map_or(0, |b| b.numel());
+                // An output the op adds into is read as well as written.
+                let accumulated: Vec<BufferId> = outputs
+                    .iter()
+                    .enumerate()
+                    .filter(|(k, _)| op.accumulates(*k))
+                    .map(|(_, id)| *id)
+                    .collect();
                 (
                     profile::flops(op, first).unwrap_or(0.0),
-                    bytes(inputs) + bytes(outputs),
+                    bytes(inputs) + bytes(outputs) + bytes(&accumulated),
                 )
             }
             Instr::Collective { input, output, .. } => (0.0, bytes(&[*input, *output])),
