@@ -390,7 +390,9 @@ fn nccl_bus_bandwidth() {
                             for _ in 0..times {
                                 b.device_collective(kind, group, i, o).unwrap().unwrap();
                             }
-                            b.synchronize().unwrap();
+                            // The trait's synchronize: it also waits for the communication
+                            // stream (the inherent one waits for the compute stream only).
+                            Backend::synchronize(&mut b).unwrap();
                         };
                         run(2);
                         start.wait();

@@ -225,7 +225,9 @@ impl CudaBackend {
             .map_err(|e| driver_error("reading the device name", e))
     }
 
-    /// Wait for all queued work; surfaces asynchronous kernel errors.
+    /// Wait for the work queued on the compute stream; surfaces asynchronous kernel errors.
+    /// Communication queued on the NCCL stream is not waited for: `Backend::synchronize` waits
+    /// for both.
     pub fn synchronize(&self) -> Result<()> {
         self.stream
             .synchronize()
