@@ -109,7 +109,9 @@ fn embedding_cases(r: &mut Rng) -> Vec<Case> {
 
 fn norm_cases(r: &mut Rng) -> Vec<Case> {
     let mut cases = Vec::new();
-    for (rows, dim) in [(13usize, 96usize), (5, 1000)] {
+    // dims that are multiples of 8 take the 16-byte vector paths, 20 the scalar ones; 300 and
+    // 600 rows split the weight gradient into several row chunks.
+    for (rows, dim) in [(13usize, 96usize), (5, 1000), (300, 20), (600, 64)] {
         let x = r.vec(rows * dim, 2.0);
         let w = r.vec(dim, 1.0);
         let bias = r.vec(dim, 1.0);

@@ -833,6 +833,25 @@ fn chunking(rows: usize) -> (usize, usize) {
     (chunk_rows, rows.div_ceil(chunk_rows))
 }
 
+/// Launch a column-partial pass over `cols` columns in `chunks` chunks: the vector kernel
+/// (blocks of 32 × 8 threads, 256 columns of 8-element vectors each) where `cols` is a multiple
+/// of 8 and every operand is 16-byte aligned, else the scalar one (a thread per column). Both
+/// take `args` and write the same partials.
+fn launch_column_partials(
+    be: &mut CudaBackend,
+    (cols, chunks): (usize, usize),
+    operands: &[Buf],
+    (scalar, vector): (&'static str, &'static str),
+    args: &[Arg],
+) -> Result<()> {
+    let grid = (cols.div_ceil(256) as u32, chunks as u32, 1);
+    if cols.is_multiple_of(8) && operands.iter().all(|b| b.ptr % 16 == 0) {
+        be.launch(vector, grid, (32, 8, 1), 0, args)
+    } else {
+        be.launch(scalar, grid, (256, 1, 1), 0, args)
+    }
+}
+
 /// dw (+=) Σ_rows dy·xhat, through per-chunk partials (deterministic, double accumulation).
 #[allow(clippy::too_many_arguments)]
 fn norm_dw(
@@ -847,7 +866,6 @@ fn norm_dw(
 ) -> Result<()> {
     let (chunk_rows, chunks) = chunking(rows);
     let part = be.scratch(chunks * d * 8)?;
-    let grid = (d.div_ceil(256) as u32, chunks as u32, 1);
     let args = [
         fv(dy),
         fv(x),
@@ -858,7 +876,8 @@ fn norm_dw(
         n(d),
         n(chunk_rows),
     ];
-    be.launch("norm_dw_partial", grid, (256, 1, 1), 0, &args)?;
+    let names = ("norm_dw_partial", "norm_dw_partial8");
+    launch_column_partials(be, (d, chunks), &[dy, x], names, &args)?;
     be.launch(
         "add_partials",
         (d.div_ceil(256) as u32, 1, 1),
@@ -878,14 +897,9 @@ pub(super) fn col_sum_into(
 ) -> Result<()> {
     let (chunk_rows, chunks) = chunking(rows);
     let part = be.scratch(chunks * cols * 8)?;
-    let grid = (cols.div_ceil(256) as u32, chunks as u32, 1);
-    be.launch(
-        "col_sum_partial",
-        grid,
-        (256, 1, 1),
-        0,
-        &[fv(x), Arg::Ptr(part), n(rows), n(cols), n(chunk_rows)],
-    )?;
+    let args = [fv(x), Arg::Ptr(part), n(rows), n(cols), n(chunk_rows)];
+    let names = ("col_sum_partial", "col_sum_partial8");
+    launch_column_partials(be, (cols, chunks), &[x], names, &args)?;
     be.launch(
         "add_partials",
         (cols.div_ceil(256) as u32, 1, 1),

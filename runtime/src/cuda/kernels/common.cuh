@@ -208,6 +208,42 @@ extern "C" __global__ void col_sum_partial(Fv x, double* part, long long rows, l
     part[c * cols + j] = s;
 }
 
+// Column partials with 8-column vectors (cols a multiple of 8, operands 16-byte aligned): a
+// block of (32, 8) threads takes 256 columns of one chunk of rows; thread (tx, ty) sums rows
+// r0 + ty, r0 + ty + 8, … of its 8 columns (`row8(r, c)`: the 8 f32 values of row r from column
+// c), then the 8 row phases are added in shared memory in a fixed order (deterministic).
+// part[chunk, j] as col_sum_partial writes it.
+template <typename F>
+__device__ __forceinline__ void col_partial8(long long rows, long long cols, long long chunk_rows, double* part, F row8) {
+    __shared__ double acc[8][256];
+    long long c0 = (blockIdx.x * 32 + (long long)threadIdx.x) * 8;
+    long long chunk = blockIdx.y;
+    long long r0 = chunk * chunk_rows, r1 = min(rows, r0 + chunk_rows);
+    double s[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+    if (c0 < cols) {
+        for (long long r = r0 + threadIdx.y; r < r1; r += 8) {
+            F8 v = row8(r, c0);
+#pragma unroll
+            for (int k = 0; k < 8; k++) s[k] += (double)v.v[k];
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < 8; k++) acc[threadIdx.y][threadIdx.x * 8 + k] = s[k];
+    __syncthreads();
+    int t = threadIdx.y * 32 + threadIdx.x;
+    long long col = blockIdx.x * 256LL + t;
+    if (col < cols) {
+        double total = 0.0;
+#pragma unroll
+        for (int phase = 0; phase < 8; phase++) total += acc[phase][t];
+        part[chunk * cols + col] = total;
+    }
+}
+
+extern "C" __global__ void col_sum_partial8(Fv x, double* part, long long rows, long long cols, long long chunk_rows) {
+    col_partial8(rows, cols, chunk_rows, part, [&](long long r, long long c) { return ld8(x, (r * cols + c) / 8); });
+}
+
 // Per-block sums of squares (double) of x[n]; part has one slot per block.
 extern "C" __global__ void sum_squares_partial(const float* x, double* part, long long n) {
     double s = 0.0;

@@ -1,56 +1,59 @@
-// Elementwise ops, embeddings, RoPE and conversions. Math in double where the CPU reference
-// uses f64. Float operands are `Fv` (f32 or bf16, common.cuh); the memory-bound kernels move
-// 8 elements per 16-byte access where their operands are aligned (map1/map2) and are launched
-// with ~n / 8 threads (`CudaBackend::launch_vec`).
+// Elementwise ops, embeddings, RoPE and conversions. Float operands are `Fv` (f32 or bf16,
+// common.cuh); the memory-bound kernels move 8 elements per 16-byte access where their operands
+// are aligned (map1/map2) and are launched with ~n / 8 threads (`CudaBackend::launch_vec`).
+// Activations and SwiGLU compute in f32 with the CPU backend's formulas, operation for operation
+// (runtime/src/cpu/elementwise.rs: gelu_tanh through 0.5·(1 + tanh u) = σ(2u), one exponential
+// per element): f64 math made GELU compute-bound (H200 runs f64 at half the f32 rate, and
+// f64 tanh/erf take many more instructions).
 
-#define SQRT_2_OVER_PI 0.7978845608028654
-#define GELU_TANH_CUBIC 0.044715
-#define FRAC_1_SQRT_2 0.7071067811865476
-#define INV_SQRT_2PI 0.3989422804014327
+#define SQRT_2_OVER_PI 0.7978846f
+#define GELU_TANH_CUBIC 0.044715f
+#define INV_SQRT_2 0.70710677f
+#define INV_SQRT_2PI 0.3989423f
+
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // act: 0 = gelu (erf), 1 = gelu_tanh, 2 = relu
-__device__ __forceinline__ double act_value(int act, double x) {
-    if (act == 0) return 0.5 * x * (1.0 + erf(x * FRAC_1_SQRT_2));
-    if (act == 1) return 0.5 * x * (1.0 + tanh(SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x)));
-    return x > 0.0 ? x : 0.0;
+__device__ __forceinline__ float act_value(int act, float x) {
+    if (act == 0) return 0.5f * x * (1.0f + erff(x * INV_SQRT_2));
+    if (act == 1) {
+        float u = SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x);
+        return x * sigmoid_f(2.0f * u);
+    }
+    return fmaxf(x, 0.0f);
 }
 
-__device__ __forceinline__ double act_derivative(int act, double x) {
+__device__ __forceinline__ float act_derivative(int act, float x) {
     if (act == 0) {
-        double cdf = 0.5 * (1.0 + erf(x * FRAC_1_SQRT_2));
-        double pdf = exp(-0.5 * x * x) * INV_SQRT_2PI;
-        return cdf + x * pdf;
+        float cdf = 0.5f * (1.0f + erff(x * INV_SQRT_2));
+        return cdf + x * INV_SQRT_2PI * expf(-0.5f * x * x);
     }
     if (act == 1) {
-        double t = tanh(SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x));
-        double d_inner = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_TANH_CUBIC * x * x);
-        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner;
+        // d/dx x·σ(2u) = σ(2u) + x·σ(2u)(1 − σ(2u))·2u'.
+        float u = SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x);
+        float du = SQRT_2_OVER_PI * (1.0f + 3.0f * GELU_TANH_CUBIC * x * x);
+        float s = sigmoid_f(2.0f * u);
+        return s + x * s * (1.0f - s) * 2.0f * du;
     }
-    return x > 0.0 ? 1.0 : 0.0;
+    return x > 0.0f ? 1.0f : 0.0f;
 }
 
 extern "C" __global__ void activation_fwd(int act, Fv x, Fv y, long long n) {
-    map1(x, y, n, [act](float v) { return (float)act_value(act, (double)v); });
+    map1(x, y, n, [act](float v) { return act_value(act, v); });
 }
 
 extern "C" __global__ void activation_bwd(int act, Fv dy, Fv x, Fv dx, long long n) {
-    map2(dy, x, dx, n, [act](float d, float v) { return (float)((double)d * act_derivative(act, (double)v)); });
+    map2(dy, x, dx, n, [act](float d, float v) { return d * act_derivative(act, v); });
 }
-
-__device__ __forceinline__ double sigmoid_d(double x) { return 1.0 / (1.0 + exp(-x)); }
 
 extern "C" __global__ void swiglu_fwd(Fv gate, Fv up, Fv y, long long n) {
-    map2(gate, up, y, n, [](float gf, float u) {
-        double g = (double)gf;
-        return (float)(g * sigmoid_d(g) * (double)u);
-    });
+    map2(gate, up, y, n, [](float g, float u) { return g * sigmoid_f(g) * u; });
 }
 
-__device__ __forceinline__ void swiglu_bwd_element(float dyf, float gf, float uf, float& dg, float& du) {
-    double g = (double)gf, d = (double)dyf, u = (double)uf;
-    double s = sigmoid_d(g);
-    dg = (float)(d * u * s * (1.0 + g * (1.0 - s)));
-    du = (float)(d * g * s);
+__device__ __forceinline__ void swiglu_bwd_element(float dy, float g, float u, float& dg, float& du) {
+    float s = sigmoid_f(g);
+    dg = dy * u * s * (1.0f + g * (1.0f - s));
+    du = dy * g * s;
 }
 
 extern "C" __global__ void swiglu_bwd(Fv dy, Fv gate, Fv up, Fv dgate, Fv dup, long long n) {

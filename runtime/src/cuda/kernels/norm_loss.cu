@@ -104,6 +104,20 @@ extern "C" __global__ void norm_dw_partial(Fv dy, Fv x, const float* mean, const
     part[c * dim + j] = s;
 }
 
+// norm_dw_partial with 8-column vectors (col_partial8's conditions and layout).
+extern "C" __global__ void norm_dw_partial8(Fv dy, Fv x, const float* mean, const float* rstd, double* part, long long rows, long long dim, long long chunk_rows) {
+    col_partial8(rows, dim, chunk_rows, part, [&](long long r, long long c) {
+        F8 d = ld8(dy, (r * dim + c) / 8), v = ld8(x, (r * dim + c) / 8);
+        float m = mean ? mean[r] : 0.0f, rs = rstd[r];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            float xhat = mean ? (v.v[k] - m) * rs : v.v[k] * rs;
+            d.v[k] = d.v[k] * xhat;
+        }
+        return d;
+    });
+}
+
 extern "C" __global__ void rms_norm_fwd(Fv x, const float* w, Fv y, float* rstd, long long rows, long long dim, double eps) {
     long long r = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;

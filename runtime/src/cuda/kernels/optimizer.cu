@@ -2,31 +2,48 @@
 // multi-tensor (`adamw_multi`, `sgd_multi`: one launch per run of optimizer instructions, see
 // runtime/src/cuda/optimizer.rs). Both forms call the same per-element functions, so a fused
 // update is bit-identical to the per-tensor one. Uses not_finite (norm_loss.cu) and GRID_STRIDE
-// (elementwise.cu), which come earlier in the concatenated source.
+// (common.cuh), which come earlier in the concatenated source. The multi-tensor kernels load
+// OPT_UNROLL elements' operands before updating any (the state may alias nothing the compiler
+// can prove, so a plain loop waits for each element's stores before the next loads).
+#define OPT_UNROLL 4
 
-// One element of AdamW; cf is the (finite) clip coefficient.
-__device__ __forceinline__ void adamw_element(const float* g, float* param, float* m, float* v, long long i, float cf, float beta1, float beta2, float eps, float wd, float lr, float bias1, float bias2) {
-    float gi = cf * g[i];
-    float mi = beta1 * m[i] + (1.0f - beta1) * gi;
-    float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
+// AdamW on one element's values; cf is the (finite) clip coefficient.
+__device__ __forceinline__ void adamw_update(float g, float& p, float& m, float& v, float cf, float beta1, float beta2, float eps, float wd, float lr, float bias1, float bias2) {
+    float gi = cf * g;
+    float mi = beta1 * m + (1.0f - beta1) * gi;
+    float vi = beta2 * v + (1.0f - beta2) * gi * gi;
+    m = mi;
+    v = vi;
     float m_hat = mi / bias1, v_hat = vi / bias2;
-    float p = param[i];
-    param[i] = p - lr * (m_hat / (sqrtf(v_hat) + eps) + wd * p);
+    p = p - lr * (m_hat / (sqrtf(v_hat) + eps) + wd * p);
 }
 
-// One element of SGD; buf == null: plain SGD; first != 0: buf = g' (the first step).
-__device__ __forceinline__ void sgd_element(const float* g, float* param, float* buf, long long i, float cf, float momentum, float wd, float lr, int first) {
-    float p = param[i];
-    float gi = cf * g[i] + wd * p;
-    if (buf) {
-        float b = first ? gi : momentum * buf[i] + gi;
-        buf[i] = b;
-        param[i] = p - lr * b;
+// One element of AdamW in place.
+__device__ __forceinline__ void adamw_element(const float* g, float* param, float* m, float* v, long long i, float cf, float beta1, float beta2, float eps, float wd, float lr, float bias1, float bias2) {
+    float p = param[i], mi = m[i], vi = v[i];
+    adamw_update(g[i], p, mi, vi, cf, beta1, beta2, eps, wd, lr, bias1, bias2);
+    m[i] = mi;
+    v[i] = vi;
+    param[i] = p;
+}
+
+// SGD on one element's values; has_buf false: plain SGD; first != 0: buf = g' (the first step).
+__device__ __forceinline__ void sgd_update(float g, float& p, float& b, bool has_buf, float cf, float momentum, float wd, float lr, int first) {
+    float gi = cf * g + wd * p;
+    if (has_buf) {
+        b = first ? gi : momentum * b + gi;
+        p = p - lr * b;
     } else {
-        param[i] = p - lr * gi;
+        p = p - lr * gi;
     }
+}
+
+// One element of SGD in place; buf == null: plain SGD.
+__device__ __forceinline__ void sgd_element(const float* g, float* param, float* buf, long long i, float cf, float momentum, float wd, float lr, int first) {
+    float p = param[i], b = (buf && !first) ? buf[i] : 0.0f;
+    sgd_update(g[i], p, b, buf != nullptr, cf, momentum, wd, lr, first);
+    if (buf) buf[i] = b;
+    param[i] = p;
 }
 
 // A non-finite coef (an overflowed fp16 step) leaves param, m and v untouched.
@@ -69,8 +86,23 @@ extern "C" __global__ void adamw_multi(const OptTensor* tensors, const OptChunk*
     float cf = t.coef[0];
     if (not_finite(cf)) return;
     long long end = c.start + chunk_len < t.n ? c.start + chunk_len : t.n;
-    for (long long i = c.start + threadIdx.x; i < end; i += blockDim.x) {
-        adamw_element(t.g, t.param, t.state0, t.state1, i, cf, beta1, beta2, eps, t.wd, lr, bias1, bias2);
+    for (long long base = c.start + threadIdx.x; base < end; base += OPT_UNROLL * blockDim.x) {
+        float g[OPT_UNROLL], p[OPT_UNROLL], m[OPT_UNROLL], v[OPT_UNROLL];
+#pragma unroll
+        for (int u = 0; u < OPT_UNROLL; u++) {
+            long long i = base + u * (long long)blockDim.x;
+            if (i < end) { g[u] = t.g[i]; p[u] = t.param[i]; m[u] = t.state0[i]; v[u] = t.state1[i]; }
+        }
+#pragma unroll
+        for (int u = 0; u < OPT_UNROLL; u++) {
+            long long i = base + u * (long long)blockDim.x;
+            if (i < end) {
+                adamw_update(g[u], p[u], m[u], v[u], cf, beta1, beta2, eps, t.wd, lr, bias1, bias2);
+                t.state0[i] = m[u];
+                t.state1[i] = v[u];
+                t.param[i] = p[u];
+            }
+        }
     }
 }
 
@@ -80,7 +112,22 @@ extern "C" __global__ void sgd_multi(const OptTensor* tensors, const OptChunk* c
     float cf = t.coef[0];
     if (not_finite(cf)) return;
     long long end = c.start + chunk_len < t.n ? c.start + chunk_len : t.n;
-    for (long long i = c.start + threadIdx.x; i < end; i += blockDim.x) {
-        sgd_element(t.g, t.param, t.state0, i, cf, momentum, t.wd, lr, first);
+    bool has_buf = t.state0 != nullptr;
+    for (long long base = c.start + threadIdx.x; base < end; base += OPT_UNROLL * blockDim.x) {
+        float g[OPT_UNROLL], p[OPT_UNROLL], b[OPT_UNROLL];
+#pragma unroll
+        for (int u = 0; u < OPT_UNROLL; u++) {
+            long long i = base + u * (long long)blockDim.x;
+            if (i < end) { g[u] = t.g[i]; p[u] = t.param[i]; b[u] = (has_buf && !first) ? t.state0[i] : 0.0f; }
+        }
+#pragma unroll
+        for (int u = 0; u < OPT_UNROLL; u++) {
+            long long i = base + u * (long long)blockDim.x;
+            if (i < end) {
+                sgd_update(g[u], p[u], b[u], has_buf, cf, momentum, t.wd, lr, first);
+                if (has_buf) t.state0[i] = b[u];
+                t.param[i] = p[u];
+            }
+        }
     }
 }
