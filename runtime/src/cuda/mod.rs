@@ -705,3 +705,26 @@ impl Backend for CudaBackend {
         self.nccl_stuck_instruction()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `FloatArg` must match kernels/common.cuh's `struct Fv { void* p; int bf16; int pad_; }`.
+    #[test]
+    fn a_float_argument_is_laid_out_as_the_kernels_read_it() {
+        assert_eq!(std::mem::size_of::<FloatArg>(), 16);
+        assert_eq!(std::mem::align_of::<FloatArg>(), 8);
+        assert_eq!(std::mem::offset_of!(FloatArg, bf16), 8);
+        let buf = |dtype| Buf {
+            id: BufferId(0),
+            ptr: 0x1000,
+            len: 64,
+            dtype,
+        };
+        let f = FloatArg::at(buf(DType::F32), 5);
+        assert_eq!((f.ptr, f.bf16), (0x1000 + 20, 0));
+        let h = FloatArg::at(buf(DType::Bf16), 5);
+        assert_eq!((h.ptr, h.bf16), (0x1000 + 10, 1));
+    }
+}

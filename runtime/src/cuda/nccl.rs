@@ -879,6 +879,21 @@ mod tests {
     }
 
     #[test]
+    fn f32_and_bf16_buffers_have_nccl_types_and_nothing_else_does() {
+        let f32t = nccl_type(DType::F32, "x").unwrap();
+        assert!(matches!(f32t, nc::ncclDataType_t::ncclFloat32));
+        let bf16 = nccl_type(DType::Bf16, "x").unwrap();
+        assert!(matches!(bf16, nc::ncclDataType_t::ncclBfloat16));
+        let err = nccl_type(DType::I32, "all-reduce of buffer 3")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("all-reduce of buffer 3") && err.contains("I32"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn collective_sizes_are_checked_per_kind() {
         let sum = CollectiveKind::AllReduce { op: ReduceOp::Sum };
         assert_eq!(collective_count(sum, 4, 10, 10), Ok(10));
