@@ -364,4 +364,26 @@ mod tests {
             4 * 2048 + 2 * 256
         );
     }
+
+    #[test]
+    fn aliased_copies_take_the_stored_bytes() {
+        // 1000 elements scaled in place: 4000 bytes in f32, 2000 in bf16 (256-byte aligned).
+        let in_place = |dtype| {
+            let program = Program {
+                role: "test".into(),
+                coords: Vec::new(),
+                buffers: vec![Buffer {
+                    dtype,
+                    ..buffer(1000)
+                }],
+                params: Vec::new(),
+                instrs: vec![compute(Op::Scale { factor: 2.0 }, &[0], &[0])],
+                loss: None,
+                grad_sumsq: None,
+            };
+            program_needs(&program, true).aliased_bytes
+        };
+        assert_eq!(in_place(DType::F32), 4096);
+        assert_eq!(in_place(DType::Bf16), 2048);
+    }
 }
