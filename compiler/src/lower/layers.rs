@@ -687,3 +687,62 @@ impl AttnShape {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::cost::testspec::{build, Dims, Plan as PlanChoice};
+    use crate::ir::op::Op;
+    use crate::ir::{Instr, Plan};
+    use crate::lower::lower;
+    use crate::spec::{LayerKind, Node, Shape, Spec, Value, ValueId};
+
+    /// The loss ops of every program of `spec`'s plan (which must verify).
+    fn loss_ops(spec: &Spec) -> Vec<&'static str> {
+        let plan: Plan = lower(spec).unwrap_or_else(|d| panic!("{:?}", d.items));
+        crate::verify::verify(&plan).unwrap_or_else(|d| panic!("{:?}", d.items));
+        let mut ops = Vec::new();
+        for instr in plan.programs.iter().flat_map(|p| &p.instrs) {
+            if let Instr::Compute { op, .. } = instr {
+                match **op {
+                    Op::CrossEntropy { .. } => ops.push("fused"),
+                    Op::CeMax { .. } => ops.push("split"),
+                    _ => {}
+                }
+            }
+        }
+        ops.dedup();
+        ops
+    }
+
+    #[test]
+    fn the_loss_is_fused_unless_the_vocab_is_split_or_the_logits_have_another_reader() {
+        let dims = Dims::tiny();
+        assert_eq!(loss_ops(&build(&dims, &PlanChoice::default())), ["fused"]);
+        let tp = PlanChoice {
+            tp: 2,
+            ..PlanChoice::default()
+        };
+        assert_eq!(loss_ops(&build(&dims, &tp)), ["split"]);
+        // A second reader of the logits, after the loss: it must see the logits, not dlogits.
+        let mut spec = build(&dims, &PlanChoice::default());
+        let loss = spec.model.nodes.len() - 1;
+        let logits = spec.model.nodes[loss].inputs[0];
+        let out = ValueId(spec.model.values.len() as u32);
+        spec.model.values.push(Value {
+            name: "logits2".into(),
+            shape: Shape::Hidden(dims.vocab),
+            span: Default::default(),
+        });
+        let reader = Node {
+            name: "reread".into(),
+            kind: LayerKind::Add,
+            inputs: vec![logits, logits],
+            output: out,
+            layer: None,
+            recompute: false,
+            span: Default::default(),
+        };
+        spec.model.nodes.push(reader);
+        assert_eq!(loss_ops(&spec), ["split"]);
+    }
+}
