@@ -70,6 +70,9 @@ const SCRATCH_ALIGN: usize = 256;
 /// exact kernels run.
 struct TensorCore {
     fwd: &'static str,
+    /// delta and lse2 for the backward, and the dQ accumulator zeroed (16-byte aligned
+    /// buffers; else `attention_delta` and a memset).
+    delta: &'static str,
     bwd: &'static str,
     /// The forward's key tile (rows) and the backward's query tile, per head dim (TC_FWD's BC
     /// and TC_BWD's BR in attention_tc.cu).
@@ -83,6 +86,7 @@ impl TensorCore {
         match d {
             64 => Some(TensorCore {
                 fwd: "attention_fwd_tc_d64",
+                delta: "attention_delta_tc_d64",
                 bwd: "attention_bwd_tc_d64",
                 fwd_keys: 64,
                 bwd_rows: 64,
@@ -90,9 +94,10 @@ impl TensorCore {
             }),
             128 => Some(TensorCore {
                 fwd: "attention_fwd_tc_d128",
+                delta: "attention_delta_tc_d128",
                 bwd: "attention_bwd_tc_d128",
-                fwd_keys: 32,
-                bwd_rows: 32,
+                fwd_keys: 64,
+                bwd_rows: 64,
                 head_dim: 128,
             }),
             _ => None,
@@ -495,90 +500,90 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
             .map(|(d, l)| (base + d as CUdeviceptr, base + l as CUdeviceptr))
             .ok_or_else(|| b.err("has no delta in its scratch layout"))?;
         let grid_q = (q_blocks, (batch * heads) as u32, 1);
-        be.launch(
-            "attention_delta",
-            grid_q,
-            block,
-            0,
-            &[
+        // attention_delta's arguments, or attention_delta_tc's with the dQ accumulator it zeroes.
+        let delta_args = |dq_acc: Option<CUdeviceptr>| {
+            let mut args = vec![p(dout), p(o), p(lse), Arg::Ptr(delta), Arg::Ptr(lse2)];
+            args.extend(dq_acc.map(Arg::Ptr));
+            args.push(Arg::Geom(g));
+            args
+        };
+        let Some(tc) = &tensor_core else {
+            be.launch("attention_delta", grid_q, block, 0, &delta_args(None))?;
+            let args = [
                 p(dout),
-                p(o),
+                p(q),
+                p(k),
+                p(v),
                 p(lse),
                 Arg::Ptr(delta),
-                Arg::Ptr(lse2),
+                p(dq),
+                Arg::Ptr(qpos),
+                Arg::Ptr(kvpos),
                 Arg::Geom(g),
-            ],
-        )?;
-        if let Some(tc) = &tensor_core {
-            let ptrs = bf16_operands(be, &[dout, q, k, v], &layout, base)?;
-            // dQ is added into with atomics: an f32 accumulator (dq itself when it is f32),
-            // zeroed first (the op overwrites dq).
-            let dq_acc = match layout.dq_acc {
-                Some(at) => base + at as CUdeviceptr,
-                None => dq.ptr,
-            };
-            be.zero_bytes(dq_acc, dq.len * 4)?;
-            let grid = (
-                (batch * g.kv_heads as usize) as u32,
-                grid_y(b, seq_kv.div_ceil(TC_BC), "seq_kv")?,
-                1,
-            );
+            ];
+            be.launch("attention_bwd_dq", grid_q, block, kv_smem, &args)?;
+            let kv_blocks = seq_kv.div_ceil(ATT_WARPS as usize) as u32;
+            let grid_kv = (kv_blocks, (batch * g.kv_heads as usize) as u32, 1);
             let args = [
-                Arg::Ptr(ptrs[0]),
-                Arg::Ptr(ptrs[1]),
-                Arg::Ptr(ptrs[2]),
-                Arg::Ptr(ptrs[3]),
-                Arg::Ptr(lse2),
+                p(dout),
+                p(q),
+                p(k),
+                p(v),
+                p(lse),
                 Arg::Ptr(delta),
-                Arg::Ptr(dq_acc),
                 p(dk),
                 p(dv),
                 Arg::Ptr(qpos),
                 Arg::Ptr(kvpos),
                 Arg::Geom(g),
             ];
-            launch_tc(be, tc.bwd, grid, TC_BWD_THREADS, tc.bwd_smem(), &args)?;
-            if layout.dq_acc.is_some() {
-                // Each bf16 dQ element rounded once from its f32 sum.
-                let n4 = dq.len / 4;
-                be.launch_n(
-                    "attention_to_bf16",
-                    n4,
-                    &[Arg::Ptr(dq_acc), p(dq), Arg::I64(n4 as i64)],
-                )?;
-            }
-            return Ok(());
+            let smem = kv_smem + (2 * ATT_TILE * 4) as u32;
+            return be.launch("attention_bwd_dkdv", grid_kv, block, smem, &args);
+        };
+        let ptrs = bf16_operands(be, &[dout, q, k, v], &layout, base)?;
+        // dQ is added into with atomics: an f32 accumulator (dq itself when it is f32),
+        // zeroed first (the op overwrites dq).
+        let dq_acc = match layout.dq_acc {
+            Some(at) => base + at as CUdeviceptr,
+            None => dq.ptr,
+        };
+        if [dout.ptr, o.ptr, dq_acc].iter().all(|ptr| ptr % 16 == 0) {
+            let threads = batch * heads * seq_q * (d / 8);
+            be.launch_n(tc.delta, threads, &delta_args(Some(dq_acc)))?;
+        } else {
+            be.launch("attention_delta", grid_q, block, 0, &delta_args(None))?;
+            be.zero_bytes(dq_acc, dq.len * 4)?;
         }
+        let grid = (
+            (batch * g.kv_heads as usize) as u32,
+            grid_y(b, seq_kv.div_ceil(TC_BC), "seq_kv")?,
+            1,
+        );
         let args = [
-            p(dout),
-            p(q),
-            p(k),
-            p(v),
-            p(lse),
+            Arg::Ptr(ptrs[0]),
+            Arg::Ptr(ptrs[1]),
+            Arg::Ptr(ptrs[2]),
+            Arg::Ptr(ptrs[3]),
+            Arg::Ptr(lse2),
             Arg::Ptr(delta),
-            p(dq),
-            Arg::Ptr(qpos),
-            Arg::Ptr(kvpos),
-            Arg::Geom(g),
-        ];
-        be.launch("attention_bwd_dq", grid_q, block, kv_smem, &args)?;
-        let kv_blocks = seq_kv.div_ceil(ATT_WARPS as usize) as u32;
-        let grid_kv = (kv_blocks, (batch * g.kv_heads as usize) as u32, 1);
-        let args = [
-            p(dout),
-            p(q),
-            p(k),
-            p(v),
-            p(lse),
-            Arg::Ptr(delta),
+            Arg::Ptr(dq_acc),
             p(dk),
             p(dv),
             Arg::Ptr(qpos),
             Arg::Ptr(kvpos),
             Arg::Geom(g),
         ];
-        let smem = kv_smem + (2 * ATT_TILE * 4) as u32;
-        be.launch("attention_bwd_dkdv", grid_kv, block, smem, &args)
+        launch_tc(be, tc.bwd, grid, TC_BWD_THREADS, tc.bwd_smem(), &args)?;
+        if layout.dq_acc.is_some() {
+            // Each bf16 dQ element rounded once from its f32 sum.
+            let n4 = dq.len / 4;
+            be.launch_n(
+                "attention_to_bf16",
+                n4,
+                &[Arg::Ptr(dq_acc), p(dq), Arg::I64(n4 as i64)],
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -586,9 +591,10 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
 mod tests {
     use super::*;
 
-    /// The smallest opt-in shared memory per block among GPUs with bf16 `mma.sync` (A100:
-    /// 163 KB; H100 / H200: 227 KB).
-    const MAX_SMEM: u32 = 163 << 10;
+    /// Opt-in shared memory per block: A100 (the smallest among GPUs with bf16 `mma.sync`) and
+    /// H100 / H200.
+    const A100_SMEM: u32 = 163 << 10;
+    const H100_SMEM: u32 = 227 << 10;
 
     #[test]
     fn tensor_core_kernels_exist_for_head_dims_64_and_128_only() {
@@ -602,13 +608,14 @@ mod tests {
         }
     }
 
-    /// Two CTAs of each kernel fit an SM's shared memory with room to spare, and the sizes
-    /// follow the kernels' layouts (attention_tc.cu's comments).
+    /// Every kernel fits an A100's shared memory, two forward CTAs (what their registers
+    /// allow) an H100's, and the sizes follow the kernels' layouts (attention_tc.cu's comments).
     #[test]
     fn tensor_core_shared_memory_fits() {
         let d64 = TensorCore::for_head_dim(64).expect("d64");
-        // Q 128 rows + K, V 64 rows x 2 stages, 72 bf16 a row; key positions 2 x 64.
-        assert_eq!(d64.fwd_smem(), (128 + 4 * 64) * 144 + 2 * 64 * 4);
+        let bc = d64.fwd_keys;
+        // Q 128 rows + K, V bc rows x 2 stages, 72 bf16 a row; key positions 2 x bc.
+        assert_eq!(d64.fwd_smem() as usize, (128 + 4 * bc) * 144 + 2 * bc * 4);
         // K, V 128 rows; 2 stages of Q, dO 64 rows and 3 x 64 floats; dS^T 128 x 72 bf16.
         assert_eq!(
             d64.bwd_smem(),
@@ -616,16 +623,9 @@ mod tests {
         );
         for d in [64, 128] {
             let tc = TensorCore::for_head_dim(d).expect("a tensor-core kernel");
-            assert!(
-                tc.fwd_smem() <= MAX_SMEM / 2,
-                "d{d} forward: {}",
-                tc.fwd_smem()
-            );
-            assert!(
-                tc.bwd_smem() <= MAX_SMEM,
-                "d{d} backward: {}",
-                tc.bwd_smem()
-            );
+            let (fwd, bwd) = (tc.fwd_smem(), tc.bwd_smem());
+            assert!(fwd <= H100_SMEM / 2, "d{d} forward: {fwd}");
+            assert!(bwd <= A100_SMEM, "d{d} backward: {bwd}");
         }
     }
 

@@ -9,12 +9,12 @@
 // out with `ldmatrix`. Softmax is online in fp32 registers, in log2 units (scores times
 // scale·log2 e, exp2). Visibility is by global position (qpos/kvpos): with ascending positions,
 // causal blocks skip whole tiles and mask only the tiles that cross the diagonal (the ranges are
-// found once per CTA by binary search); otherwise every tile is masked.
+// counted once per CTA, a warp testing 32 tiles at a time); otherwise every tile is masked.
 //
 // Forward: a CTA of TC_WARPS warps takes TC_FWD_BR query rows of one (batch, head), 32 per
 // warp; K/V stream through shared memory in tiles of BC rows. The grid is (batch·heads, query
 // tiles), the last query tiles (the longest, causal) launched first for every head.
-// Backward (after attention_delta): a CTA of TC_BWD_WARPS warps takes TC_BC keys of one
+// Backward (after attention_delta_tc, which also zeroes the dQ accumulator): a CTA of TC_BWD_WARPS warps takes TC_BC keys of one
 // (batch, kv head), 16 per warp, loops over the GQA group's query heads and their query tiles,
 // keeps dK/dV in registers and adds dQ into the (zeroed) f32 accumulator with float atomics;
 // the grid is (batch·kv heads, key blocks), the first key blocks (the longest) launched first.
@@ -27,6 +27,9 @@
 #define TC_LOG2E 1.4426950408889634f
 #define TC_LN2 0.6931471805599453f
 #define TC_INT_MAX 0x7fffffff
+// How far (log2 units) a row's scores may rise above the forward's running max before it is
+// raised: p = 2^(score − max) stays ≤ 2^8.
+#define TC_MAX_SLACK 8.0f
 #define TC_INT_MIN (-0x7fffffff - 1)
 
 typedef unsigned short bf16_t;
@@ -115,6 +118,44 @@ extern "C" __global__ void attention_to_bf16(const float4* x, uint2* y, long lon
     }
 }
 
+// Before the tensor-core backward, per (query, batch, head) row of the stored layout: delta =
+// dO·O and lse2 = lse · log2 e (+inf where lse is −inf: the row sees no key), indexed as
+// attention_delta's (att_rows), and the row of the f32 dQ accumulator zeroed. D/8 threads a
+// row, 8 elements each (16-byte loads: the head dim is a multiple of 8 and the buffers 16-byte
+// aligned); any grid of 256-thread blocks (grid-stride).
+template <int D>
+__device__ __forceinline__ void tc_attention_delta(const void* dout, const void* o, const float* lse, float* delta, float* lse2, float* dq_acc, const AttGeom& g) {
+    constexpr int PER_ROW = D / 8;
+    static_assert(32 % PER_ROW == 0, "a row's threads share a warp");
+    long long rows = g.seq_q * g.batch * g.heads, n = rows * PER_ROW;
+    Fv a = {const_cast<void*>(dout), (g.bf16 & ATT_BF16_DO) != 0, 0};
+    Fv b = {const_cast<void*>(o), (g.bf16 & ATT_BF16_O) != 0, 0};
+    // Grid-stride by whole warps, so every lane of a warp takes part in each shuffle.
+    long long step = (long long)gridDim.x * blockDim.x;
+    for (long long t0 = blockIdx.x * (long long)blockDim.x + (threadIdx.x & ~31); t0 < n; t0 += step) {
+        long long t = t0 + (threadIdx.x & 31), r = t / PER_ROW;
+        bool valid = t < n;
+        float s = 0.0f;
+        if (valid) {
+            F8 x = ld8(a, t), y = ld8(b, t);
+            #pragma unroll
+            for (int e = 0; e < 8; e++) s += x.v[e] * y.v[e];
+            float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            reinterpret_cast<float4*>(dq_acc)[2 * t] = zero;
+            reinterpret_cast<float4*>(dq_acc)[2 * t + 1] = zero;
+        }
+        #pragma unroll
+        for (int off = PER_ROW / 2; off > 0; off >>= 1) s += __shfl_xor_sync(FULL_MASK, s, off);
+        if (valid && t % PER_ROW == 0) {
+            long long h = r % g.heads, bb = (r / g.heads) % g.batch, i = r / (g.heads * g.batch);
+            long long bh = bb * g.heads + h;
+            float l = lse[bh * g.seq_q + i];
+            delta[bh * att_rows(g) + i] = s;
+            lse2[bh * att_rows(g) + i] = l == NEG_INF ? __int_as_float(0x7f800000) : l * TC_LOG2E;
+        }
+    }
+}
+
 // Writes two adjacent output elements (index i even) as f32 or, when bf16, rounded to bf16.
 __device__ __forceinline__ void tc_store2(void* p, long long i, float a, float b, bool bf16) {
     if (bf16) *reinterpret_cast<unsigned*>(static_cast<bf16_t*>(p) + i) = tc_pack(a, b);
@@ -162,15 +203,17 @@ __device__ __forceinline__ float tc_quad_sum(float v) {
     return v + __shfl_xor_sync(FULL_MASK, v, 2);
 }
 
-// The number of tiles t in [lo, hi) for which pred(t) holds, when it holds for a prefix of them.
+// The number of t in [lo, hi) for which pred(t) holds (a prefix of them, where the callers use
+// it), counted a warp at a time: each lane tests one t per round, the loads of a round in
+// flight together.
 template <typename P>
-__device__ __forceinline__ int tc_prefix(int lo, int hi, P pred) {
-    int a = lo, b = hi;
-    while (a < b) {
-        int mid = (a + b) >> 1;
-        if (pred(mid)) a = mid + 1; else b = mid;
+__device__ __forceinline__ int tc_count(int lo, int hi, P pred) {
+    int n = 0;
+    for (int base = lo; base < hi; base += 32) {
+        int t = base + (threadIdx.x & 31);
+        n += __popc(__ballot_sync(FULL_MASK, t < hi && pred(t)));
     }
-    return a - lo;
+    return n;
 }
 
 // Query rows of one forward CTA: each warp takes TC_FWD_MT m-tiles of 16 rows, so every K/V
@@ -209,6 +252,11 @@ __device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* 
         m[r] = NEG_INF;
         l[r] = 0.0f;
     }
+    // Tile 0 loads while the visited range is found (unused when the block sees no key).
+    tc_fill<D, BC, TC_THREADS>(skv, kh, 0, seq_kv, kv_stride);
+    tc_fill<D, BC, TC_THREADS>(skv + TILE, vh, 0, seq_kv, kv_stride);
+    if (threadIdx.x < BC / 4) tc_fill_words(skpos + 4 * threadIdx.x, kvpos, 4 * threadIdx.x, seq_kv);
+    tc_cp_commit();
     int first_pos = qpos[i0], last_pos = qpos[i0 + BR - 1 < last ? i0 + BR - 1 : last];
     bool sorted = g.q_sorted && g.kv_sorted;
     // Tiles [0, tiles) are visited; [0, full) need no mask (every key valid and visible).
@@ -216,8 +264,8 @@ __device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* 
     if (g.causal && sorted) {
         // A tile whose first key is past the block's last query is invisible to it, and so is
         // every later one; a whole tile whose last key is at or before the first query is full.
-        tiles = tc_prefix(0, tiles, [&](int t) { return kvpos[t * BC] <= last_pos; });
-        full = tc_prefix(0, full, [&](int t) { return kvpos[t * BC + BC - 1] <= first_pos; });
+        tiles = tc_count(0, tiles, [&](int t) { return kvpos[t * BC] <= last_pos; });
+        full = tc_count(0, full, [&](int t) { return kvpos[t * BC + BC - 1] <= first_pos; });
     } else if (g.causal) {
         full = 0;
     }
@@ -228,12 +276,6 @@ __device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* 
         #pragma unroll
         for (int nb = 0; nb < D / 8; nb++) { acc[mt][nb][0] = 0.0f; acc[mt][nb][1] = 0.0f; acc[mt][nb][2] = 0.0f; acc[mt][nb][3] = 0.0f; }
     }
-    if (tiles > 0) {
-        tc_fill<D, BC, TC_THREADS>(skv, kh, 0, seq_kv, kv_stride);
-        tc_fill<D, BC, TC_THREADS>(skv + TILE, vh, 0, seq_kv, kv_stride);
-        if (threadIdx.x < BC / 4) tc_fill_words(skpos + 4 * threadIdx.x, kvpos, 4 * threadIdx.x, seq_kv);
-    }
-    tc_cp_commit();
     for (int t = 0; t < tiles; t++) {
         int stage = t & 1;
         int j0 = t * BC;
@@ -274,8 +316,13 @@ __device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* 
                 }
             }
         }
-        // Online softmax, per row (a row's columns are spread over the 4 lanes of a quad).
+        // Online softmax, per row (a row's columns are spread over the 4 lanes of a quad). The
+        // running max m is raised only when some row of the warp would otherwise see a p above
+        // 2^TC_MAX_SLACK (then every row's O and sum are rescaled, as in plain FA2); so most
+        // tiles skip the rescale, and p ≤ 2^TC_MAX_SLACK stays far from fp32/bf16 overflow.
         bool masked = t >= full;
+        float xr[2 * MT];
+        bool grow = false;
         #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
             #pragma unroll
@@ -296,11 +343,31 @@ __device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* 
                         x = fmaxf(x, val);
                     }
                 }
-                x = fmaxf(m[r], tc_quad_max(x) * sl2);
+                xr[r] = fmaxf(m[r], tc_quad_max(x) * sl2);
+                grow = grow || xr[r] > m[r] + TC_MAX_SLACK;
+            }
+        }
+        if (__any_sync(FULL_MASK, grow)) {
+            #pragma unroll
+            for (int r = 0; r < 2 * MT; r++) {
                 // A row that has seen no key yet keeps max −inf: subtract 0 instead (every p is 0).
-                float base = x == NEG_INF ? 0.0f : x;
-                float corr = tc_exp2(m[r] - base);
-                m[r] = x;
+                float corr = tc_exp2(m[r] - (xr[r] == NEG_INF ? 0.0f : xr[r]));
+                m[r] = xr[r];
+                l[r] *= corr;
+                int mt = r >> 1, half = r & 1;
+                #pragma unroll
+                for (int nb = 0; nb < D / 8; nb++) {
+                    acc[mt][nb][2 * half] *= corr;
+                    acc[mt][nb][2 * half + 1] *= corr;
+                }
+            }
+        }
+        #pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            #pragma unroll
+            for (int half = 0; half < 2; half++) {
+                int r = 2 * mt + half;
+                float base = m[r] == NEG_INF ? 0.0f : m[r];
                 float sum = 0.0f;
                 #pragma unroll
                 for (int nb = 0; nb < BC / 8; nb++) {
@@ -311,12 +378,7 @@ __device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* 
                         sum += p;
                     }
                 }
-                l[r] = l[r] * corr + sum;
-                #pragma unroll
-                for (int nb = 0; nb < D / 8; nb++) {
-                    acc[mt][nb][2 * half] *= corr;
-                    acc[mt][nb][2 * half + 1] *= corr;
-                }
+                l[r] += sum;
             }
         }
         // O += P V.
@@ -395,15 +457,19 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
     // key see none of this CTA's keys; tiles starting at or after the last key see all.
     int q_tiles = (seq_q + BR - 1) / BR, first = 0, first_full = whole ? 0 : q_tiles;
     if (g.causal && sorted) {
-        first = tc_prefix(0, q_tiles, [&](int t) {
+        first = tc_count(0, q_tiles, [&](int t) {
             int il = t * BR + BR - 1 < seq_q - 1 ? t * BR + BR - 1 : seq_q - 1;
             return qpos[il] < first_kpos;
         });
-        first_full = whole ? first + tc_prefix(first, q_tiles, [&](int t) { return qpos[t * BR] < last_kpos; }) : q_tiles;
+        first_full = whole ? tc_count(0, q_tiles, [&](int t) { return qpos[t * BR] < last_kpos; }) : q_tiles;
     } else if (g.causal) {
         first_full = q_tiles;
     }
     int per_head = q_tiles - first, total = group * per_head;
+    // head_dim 64: this warp's K and V fragments stay in registers (16 each) instead of being
+    // read from shared memory every tile (the backward is bound by shared-memory reads).
+    constexpr bool KV_REGS = D <= 64;
+    unsigned kf[KV_REGS ? D / 16 : 1][4], vf[KV_REGS ? D / 16 : 1][4];
     float dka[D / 8][4], dva[D / 8][4];
     #pragma unroll
     for (int nb = 0; nb < D / 8; nb++) {
@@ -444,6 +510,14 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
         const float* sd = sl + BR;
         const int* sp = reinterpret_cast<const int*>(sd + BR);
         bool masked = tile < first_full;
+        if (KV_REGS && t == 0) {
+            // K and V landed with tile 0: this warp's A fragments of them, for every tile.
+            #pragma unroll
+            for (int kk = 0; kk < D / 16; kk++) {
+                tc_frag_a(kf[kk], sk, LD, warp * 16, kk * 16, lane);
+                tc_frag_a(vf[kk], sv, LD, warp * 16, kk * 16, lane);
+            }
+        }
         // S^T = K Q^T: this warp's 16 keys x BR queries.
         float st[BR / 8][4];
         #pragma unroll
@@ -451,7 +525,8 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
         #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
             unsigned a[4];
-            tc_frag_a(a, sk, LD, warp * 16, kk * 16, lane);
+            if (KV_REGS) { a[0] = kf[kk][0]; a[1] = kf[kk][1]; a[2] = kf[kk][2]; a[3] = kf[kk][3]; }
+            else tc_frag_a(a, sk, LD, warp * 16, kk * 16, lane);
             #pragma unroll
             for (int nb = 0; nb < BR / 8; nb += 2) {
                 unsigned bf[4];
@@ -498,7 +573,8 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
         #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
             unsigned a[4];
-            tc_frag_a(a, sv, LD, warp * 16, kk * 16, lane);
+            if (KV_REGS) { a[0] = vf[kk][0]; a[1] = vf[kk][1]; a[2] = vf[kk][2]; a[3] = vf[kk][3]; }
+            else tc_frag_a(a, sv, LD, warp * 16, kk * 16, lane);
             #pragma unroll
             for (int nb = 0; nb < BR / 8; nb += 2) {
                 unsigned bf[4];
@@ -595,6 +671,11 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
         const int* kvpos, AttGeom g) {                                                                \
         tc_attention_fwd<D, BC>(q, k, v, o, lse, qpos, kvpos, g);                                     \
     }
+#define TC_DELTA(D)                                                                                  \
+    extern "C" __global__ void attention_delta_tc_d##D(const void* dout, const void* o,               \
+        const float* lse, float* delta, float* lse2, float* dq_acc, AttGeom g) {                      \
+        tc_attention_delta<D>(dout, o, lse, delta, lse2, dq_acc, g);                                  \
+    }
 #define TC_BWD(D, BR)                                                                                \
     extern "C" __global__ void __launch_bounds__(TC_BWD_THREADS) attention_bwd_tc_d##D(              \
         const bf16_t* dout, const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse2,    \
@@ -603,6 +684,8 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
         tc_attention_bwd<D, BR>(dout, q, k, v, lse2, delta, dq_acc, dk, dv, qpos, kvpos, g);          \
     }
 TC_FWD(64, 64)
-TC_FWD(128, 32)
+TC_FWD(128, 64)
+TC_DELTA(64)
+TC_DELTA(128)
 TC_BWD(64, 64)
-TC_BWD(128, 32)
+TC_BWD(128, 64)
