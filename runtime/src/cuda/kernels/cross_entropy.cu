@@ -11,30 +11,44 @@
 // Logits are f32 or bf16 (`T`: float or unsigned short; read widened, dlogits rounded once to
 // nearest-even). Each row is moved as 16-byte vectors from its first 16-byte boundary on; the
 // elements before it (a row of an odd vocabulary can start anywhere) and after the last whole
-// vector go one at a time.
+// vector go one at a time. The second pass walks each thread's vectors backwards (the ones the
+// first pass read last are the likeliest still in L2) and loads and stores them as streaming
+// (evict-first: the row is not read again here, and dlogits go to DRAM for the head's GEMMs),
+// so the rows other blocks are between their two passes keep their L2 lines.
 
-// 16 bytes of `T`, widened to f32 on load and rounded on store.
+// 16 bytes of `T`, widened to f32 on load and rounded on store; `load_last` reads for the last
+// time and `store` writes, both streaming (`__ldcs`/`__stcs`: evict first from L2).
 template <typename T> struct XentVec;
 
 template <> struct XentVec<float> {
     static constexpr int N = 4;
-    static __device__ __forceinline__ void load(const float* p, float* v) {
-        float4 x = *reinterpret_cast<const float4*>(p);
+    static __device__ __forceinline__ void unpack(float4 x, float* v) {
         v[0] = x.x; v[1] = x.y; v[2] = x.z; v[3] = x.w;
+    }
+    static __device__ __forceinline__ void load(const float* p, float* v) {
+        unpack(*reinterpret_cast<const float4*>(p), v);
+    }
+    static __device__ __forceinline__ void load_last(const float* p, float* v) {
+        unpack(__ldcs(reinterpret_cast<const float4*>(p)), v);
     }
     static __device__ __forceinline__ void store(float* p, const float* v) {
         float4 x;
         x.x = v[0]; x.y = v[1]; x.z = v[2]; x.w = v[3];
-        *reinterpret_cast<float4*>(p) = x;
+        __stcs(reinterpret_cast<float4*>(p), x);
     }
     static __device__ __forceinline__ float get(const float* p) { return *p; }
-    static __device__ __forceinline__ void put(float* p, float v) { *p = v; }
+    static __device__ __forceinline__ void put(float* p, float v) { __stcs(p, v); }
 };
 
 template <> struct XentVec<unsigned short> {
     static constexpr int N = 8;
     static __device__ __forceinline__ void load(const unsigned short* p, float* v) {
-        uint4 u = *reinterpret_cast<const uint4*>(p);
+        unpack(*reinterpret_cast<const uint4*>(p), v);
+    }
+    static __device__ __forceinline__ void load_last(const unsigned short* p, float* v) {
+        unpack(__ldcs(reinterpret_cast<const uint4*>(p)), v);
+    }
+    static __device__ __forceinline__ void unpack(uint4 u, float* v) {
         unsigned w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
         for (int k = 0; k < 4; k++) {
@@ -49,10 +63,10 @@ template <> struct XentVec<unsigned short> {
             w[k] = (unsigned)round_bf16(v[2 * k]) | ((unsigned)round_bf16(v[2 * k + 1]) << 16);
         uint4 u;
         u.x = w[0]; u.y = w[1]; u.z = w[2]; u.w = w[3];
-        *reinterpret_cast<uint4*>(p) = u;
+        __stcs(reinterpret_cast<uint4*>(p), u);
     }
     static __device__ __forceinline__ float get(const unsigned short* p) { return widen_bf16(*p); }
-    static __device__ __forceinline__ void put(unsigned short* p, float v) { *p = round_bf16(v); }
+    static __device__ __forceinline__ void put(unsigned short* p, float v) { __stcs(p, round_bf16(v)); }
 };
 
 // A running sum of exp(x - m) rebased to the max mx >= m (exp(0) = 1 needs no rescale; an
@@ -147,10 +161,14 @@ __device__ __forceinline__ void xent_row(T* logits, const int* targets, double* 
         if (j == target) d -= grad_scale;
         V::put(row + j, d);
     }
-    for (long long k = threadIdx.x; k < vectors; k += blockDim.x) {
+    // This thread's vectors, last first.
+    const long long first = threadIdx.x;
+    const long long last =
+        first < vectors ? first + (vectors - 1 - first) / blockDim.x * blockDim.x : -1;
+    for (long long k = last; k >= first; k -= blockDim.x) {
         const long long j0 = head + k * V::N;
         float v[V::N];
-        V::load(row + j0, v);
+        V::load_last(row + j0, v);
 #pragma unroll
         for (int i = 0; i < V::N; i++) {
             v[i] = factor * expf(v[i] - m);
