@@ -184,7 +184,11 @@ class SpecModel:
         if att["kv_heads"] != att["heads"]:
             sys.exit("the plan's attention has grouped KV heads; the peer supports GPT-2 multi-head attention")
         self.eps = one("layer_norm", ["eps"])["eps"]
-        act = one("activation", ["act"])["act"]
+        # The activation is an op of its own, or fused into the first MLP projection's matmul.
+        acts = {o["act"] for o in kinds("activation")} | {o["act"] for o in kinds("matmul") if o.get("act")}
+        if len(acts) != 1:
+            sys.exit(f"the plan's activations are {sorted(acts)}; the peer supports a GPT-2 model with one")
+        act = acts.pop()
         if act != "gelu_tanh":
             sys.exit(f"the plan's activation is {act}; the peer supports gelu_tanh")
         adam = kinds("adam_w")

@@ -158,6 +158,7 @@ mod bench {
                 in_dim: din,
                 out_dim: dout,
                 bias,
+                act: None,
             };
             let fwd_in: Vec<BufferId> = if bias { vec![x, w, b] } else { vec![x, w] };
             // The forward output doubles as the backward's dy (random, never zero).
@@ -165,6 +166,7 @@ mod bench {
                 in_dim: din,
                 out_dim: dout,
                 accumulate: false,
+                act_grad: None,
             };
             let bwd_weight = Op::MatmulBwdWeight {
                 in_dim: din,

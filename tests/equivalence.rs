@@ -157,16 +157,10 @@ fn data_parallel_with_each_zero_stage() {
     }
 }
 
-/// Adding gradient contributions in place (`LowerOptions::accumulate_in_place`, the default:
-/// a producer's `+=` into the gradient already there, one gradient handed to both inputs of a
-/// residual `Add` without a copy) changes no bit of an f32 run: every plan trains exactly as
-/// its plain form (each contribution summed by an `Add` into a fresh buffer, each residual
-/// gradient copied): the same losses, gradient norms and parameters, bit for bit, across tp
-/// with and without SP, pipelines, ZeRO, cp and recompute. A `+=` adds the finished value once
-/// (`a + b`, as the `Add` did), and the summation order of every gradient is kept.
-#[test]
-fn accumulating_gradients_in_place_changes_no_bit() {
-    let plans = [
+/// Plans that exercise every lowering path a `LowerOptions` switch touches: GPT and Llama,
+/// tp with and without SP, pipelines, dp with cp, ZeRO and both recompute modes.
+fn option_plans() -> Vec<(bool, PlanChoice)> {
+    vec![
         (false, PlanChoice::default()),
         (true, PlanChoice::default()),
         (
@@ -214,18 +208,32 @@ fn accumulating_gradients_in_place_changes_no_bit() {
                 ..PlanChoice::default()
             },
         ),
-    ];
-    let bits = |r: &TrainResult| {
-        let steps = r
-            .records
-            .iter()
-            .map(|x| (x.loss.to_bits(), x.grad_norm.to_bits()));
-        let params = r
-            .params
-            .iter()
-            .flat_map(|p| p.data.iter().map(|v| v.to_bits()));
-        (steps.collect::<Vec<_>>(), params.collect::<Vec<_>>())
-    };
+    ]
+}
+
+/// The bits of every step's loss and gradient norm, and of every trained parameter.
+fn run_bits(r: &TrainResult) -> (Vec<(u32, u32)>, Vec<u32>) {
+    let steps = r
+        .records
+        .iter()
+        .map(|x| (x.loss.to_bits(), x.grad_norm.to_bits()));
+    let params = r
+        .params
+        .iter()
+        .flat_map(|p| p.data.iter().map(|v| v.to_bits()));
+    (steps.collect(), params.collect())
+}
+
+/// Adding gradient contributions in place (`LowerOptions::accumulate_in_place`, the default:
+/// a producer's `+=` into the gradient already there, one gradient handed to both inputs of a
+/// residual `Add` without a copy) changes no bit of an f32 run: every plan trains exactly as
+/// its plain form (each contribution summed by an `Add` into a fresh buffer, each residual
+/// gradient copied): the same losses, gradient norms and parameters, bit for bit, across tp
+/// with and without SP, pipelines, ZeRO, cp and recompute. A `+=` adds the finished value once
+/// (`a + b`, as the `Add` did), and the summation order of every gradient is kept.
+#[test]
+fn accumulating_gradients_in_place_changes_no_bit() {
+    let plans = option_plans();
     let instrs = |p: &Plan| -> usize { p.programs.iter().map(|q| q.instrs.len()).sum() };
     let is_add_or_copy = |i: &Instr| {
         matches!(i, Instr::Compute { op, .. }
@@ -237,6 +245,7 @@ fn accumulating_gradients_in_place_changes_no_bit() {
         let in_place = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
         let plain = LowerOptions {
             accumulate_in_place: false,
+            ..LowerOptions::default()
         };
         let plain = lower_with(&s, plain).unwrap_or_else(|d| panic!("{:?}", d.items));
         // The two plans differ: the in-place one drops Adds and Copies.
@@ -257,8 +266,57 @@ fn accumulating_gradients_in_place_changes_no_bit() {
         let (a, b) = (run_plan(&s, &in_place), run_plan(&s, &plain));
         assert_eq!(a.records.len(), STEPS, "{desc}");
         assert!(
-            bits(&a) == bits(&b),
+            run_bits(&a) == run_bits(&b),
             "{desc}: in-place accumulation changed the run"
+        );
+    }
+}
+
+/// Fusing GPT-2's gelu_tanh into its GEMMs (`LowerOptions::fuse_epilogues`, the default: the
+/// first MLP projection's `Matmul` writes the activation too, the second's backward-data
+/// product writes the pre-activation's gradient) changes no bit of an f32 run: per element the
+/// fused ops compute the expressions the separate `Activation` / `ActivationBwd` computed, on
+/// the same f32 values. Across tp with SP, pipelines, dp with cp, ZeRO and both recompute
+/// modes. Llama's SwiGLU MLP is not fused: its plan is unchanged.
+#[test]
+fn fusing_activations_into_gemms_changes_no_bit() {
+    let unfused = LowerOptions {
+        fuse_epilogues: false,
+        ..LowerOptions::default()
+    };
+    let is_activation = |i: &Instr| {
+        matches!(i, Instr::Compute { op, .. } if matches!(**op,
+            parc_compiler::ir::op::Op::Activation { .. }
+            | parc_compiler::ir::op::Op::ActivationBwd { .. }))
+    };
+    let count = |p: &Plan, f: &dyn Fn(&Instr) -> bool| -> usize {
+        p.programs
+            .iter()
+            .map(|q| q.instrs.iter().filter(|i| f(i)).count())
+            .sum()
+    };
+    let llama = spec_variant(model(true), PlanChoice::default(), Variant::default());
+    let (fused, plain) = (
+        lower(&llama).unwrap_or_else(|d| panic!("{:?}", d.items)),
+        lower_with(&llama, unfused).unwrap_or_else(|d| panic!("{:?}", d.items)),
+    );
+    assert_eq!(
+        format!("{:?}", fused.programs),
+        format!("{:?}", plain.programs),
+        "llama: SwiGLU is never fused"
+    );
+    for (_, plan) in option_plans() {
+        let desc = describe(false, &plan, Variant::default());
+        let s = spec_variant(model(false), plan, Variant::default());
+        let fused = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
+        let plain = lower_with(&s, unfused).unwrap_or_else(|d| panic!("{:?}", d.items));
+        assert_eq!(count(&fused, &is_activation), 0, "{desc}: fused");
+        assert!(count(&plain, &is_activation) > 0, "{desc}: plain");
+        let (a, b) = (run_plan(&s, &fused), run_plan(&s, &plain));
+        assert_eq!(a.records.len(), STEPS, "{desc}");
+        assert!(
+            run_bits(&a) == run_bits(&b),
+            "{desc}: fusing the activation into the GEMMs changed the run"
         );
     }
 }

@@ -16,6 +16,7 @@ fn bad_programs_are_errors() {
         in_dim: 2,
         out_dim: 2,
         bias: false,
+        act: None,
     };
     let err = b
         .compute(

@@ -1,13 +1,14 @@
-//! GEMMs (`Matmul`, its data and weight backwards, with and without bias) in fp32, bf16 and
-//! fp16 runs; with bf16 storage (bf16 activation operands and outputs, f32 weights, biases and
-//! their gradients; and runs mixing f32 and bf16 activations); that a bf16 run's cached weight
-//! casts follow every write to the weight; and the bit-exact rounding of bf16 and fp16 GEMM
-//! operands.
+//! GEMMs (`Matmul`, its data and weight backwards, with and without bias, with a fused
+//! activation or activation gradient: gelu_tanh by cuBLASLt's epilogues, relu by the separate
+//! kernels) in fp32, bf16 and fp16 runs; with bf16 storage (bf16 activation operands and
+//! outputs, f32 weights, biases and their gradients; and runs mixing f32 and bf16
+//! activations); that a bf16 run's cached weight casts follow every write to the weight; and
+//! the bit-exact rounding of bf16 and fp16 GEMM operands.
 use crate::harness::{
     check, check_on, fp16, gpu_with, Case, Data, Rng, BF16_GEMM, BF16_ROUNDED, FP16_GEMM,
     FP16_ROUNDED, REDUCTION, SCALARS,
 };
-use parc_compiler::ir::op::Op;
+use parc_compiler::ir::op::{Act, Op};
 use parc_compiler::ir::{BufferId, DType};
 use parc_compiler::spec::Precision;
 use parc_runtime::backend::Backend;
@@ -27,6 +28,7 @@ fn matmul_cases(test: &str, tol: f32) -> Vec<Case> {
                 in_dim: i,
                 out_dim: o,
                 bias: false,
+                act: None,
             },
             vec![Data::F32(x.clone()), Data::F32(w.clone())],
             vec![r.vec(rows * m, 1.0)],
@@ -38,6 +40,7 @@ fn matmul_cases(test: &str, tol: f32) -> Vec<Case> {
                 in_dim: i,
                 out_dim: o,
                 bias: true,
+                act: None,
             },
             vec![
                 Data::F32(x.clone()),
@@ -55,8 +58,48 @@ fn matmul_cases(test: &str, tol: f32) -> Vec<Case> {
                     in_dim: i,
                     out_dim: o,
                     accumulate,
+                    act_grad: None,
                 },
                 vec![Data::F32(dy.clone()), Data::F32(w.clone())],
+                vec![r.vec(rows * k, 1.0)],
+                tol,
+            ));
+        }
+        // Fused activations: gelu_tanh through cuBLASLt's GELU epilogues, relu through the
+        // separate kernels (no epilogue takes it); y and a (forward), dx (backward) start
+        // random and are overwritten.
+        for act in [Act::GeluTanh, Act::Relu] {
+            for bias in [false, true] {
+                let mut ins = vec![Data::F32(x.clone()), Data::F32(w.clone())];
+                if bias {
+                    ins.push(Data::F32(r.vec(m, 1.0)));
+                }
+                cases.push(Case::new(
+                    format!("matmul_act {act:?} bias={bias} {rows}x{k}x{m}"),
+                    Op::Matmul {
+                        in_dim: i,
+                        out_dim: o,
+                        bias,
+                        act: Some(act),
+                    },
+                    ins,
+                    vec![r.vec(rows * m, 1.0), r.vec(rows * m, 1.0)],
+                    tol,
+                ));
+            }
+            cases.push(Case::new(
+                format!("matmul_bwd_data_act {act:?} {rows}x{k}x{m}"),
+                Op::MatmulBwdData {
+                    in_dim: i,
+                    out_dim: o,
+                    accumulate: false,
+                    act_grad: Some(act),
+                },
+                vec![
+                    Data::F32(dy.clone()),
+                    Data::F32(w.clone()),
+                    Data::F32(r.vec(rows * k, 2.0)),
+                ],
                 vec![r.vec(rows * k, 1.0)],
                 tol,
             ));
@@ -118,6 +161,10 @@ fn matmuls_bf16_mixed_storage() {
     let mut cases = Vec::new();
     for case in matmul_cases("matmuls_bf16_mixed_storage", BF16_GEMM) {
         let (ins, outs): (&[DType], &[DType]) = match case.name() {
+            // bf16 y and a; then an f32 y beside a bf16 a (no fused epilogue: the kernel).
+            n if n.starts_with("matmul_act") && n.contains("bias=true") => (&[f, f, f], &[h, h]),
+            n if n.starts_with("matmul_act") => (&[h, f], &[f, h]),
+            n if n.starts_with("matmul_bwd_data_act") => (&[f, f, h], &[h]),
             n if n.starts_with("matmul+bias") => (&[f, f, f], &[h]),
             n if n.starts_with("matmul ") => (&[h, f], &[f]),
             n if n.starts_with("matmul_bwd_data") => (&[f, f], &[h]),
@@ -183,11 +230,13 @@ fn bf16_weight_casts_follow_the_weight() {
         in_dim: k as u64,
         out_dim: m as u64,
         bias: true,
+        act: None,
     };
     let backward = Op::MatmulBwdData {
         in_dim: k as u64,
         out_dim: m as u64,
         accumulate: false,
+        act_grad: None,
     };
     let sgd = Op::Sgd {
         momentum: 0.0,
@@ -285,6 +334,7 @@ fn assert_gemm_operands_round(precision: Precision, label: &str, cases: &[(f32, 
         in_dim: 1,
         out_dim: 1,
         bias: false,
+        act: None,
     };
     gpu.compute(&op, &[BufferId(0), BufferId(1)], &[BufferId(2)], &SCALARS)
         .unwrap();

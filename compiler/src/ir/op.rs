@@ -111,20 +111,31 @@ pub enum Op {
     RmsNormBwd { dim: u64, accumulate: bool },
 
     // ------------------------------------------------------------------ linear
-    /// in: x `[rows, in]`, w `[out, in]`, b `[out]` (only when `bias`). out: y `[rows, out]`.
+    /// in: x `[rows, in]`, w `[out, in]`, b `[out]` (only when `bias`). out: y `[rows, out]`,
+    /// then, only when `act` is set, a `[rows, out]` = act(y) (a fused activation, as a GEMM
+    /// epilogue computes it: y is the pre-activation the backward reads). `a` is computed from
+    /// y's f32 value before y is rounded to a bf16 output, so in f32 the op is exactly a
+    /// `Matmul` followed by an `Activation`, and in bf16 each output is rounded once.
     Matmul {
         in_dim: u64,
         out_dim: u64,
         bias: bool,
+        act: Option<Act>,
     },
-    /// in: dy `[rows, out]`, w `[out, in]`. out: dx `[rows, in]` = dy W (+= when `accumulate`,
-    /// else overwritten). An accumulating dx adds the finished product once per element (`dx +
-    /// (dy W)`, in bf16 read, added in f32 and rounded once), exactly what an `Add` of the old
-    /// dx and a separate product computes in f32.
+    /// in: dy `[rows, out]`, w `[out, in]`, then, only when `act_grad` is set, pre `[rows, in]`
+    /// (the saved pre-activation of the layer whose activation feeds this product). out: dx
+    /// `[rows, in]` = dy W (+= when `accumulate`, else overwritten), or with `act_grad` dx =
+    /// (dy W) ⊙ act'(pre), formed from the product's f32 value and rounded once: in f32
+    /// exactly a `MatmulBwdData` followed by an `ActivationBwd` (a GEMM's activation-gradient
+    /// epilogue). `act_grad` requires `accumulate` = false (the verifier checks it, E0822).
+    /// An accumulating dx adds the finished product once per element (`dx + (dy W)`, in bf16
+    /// read, added in f32 and rounded once), exactly what an `Add` of the old dx and a
+    /// separate product computes in f32.
     MatmulBwdData {
         in_dim: u64,
         out_dim: u64,
         accumulate: bool,
+        act_grad: Option<Act>,
     },
     /// in: dy `[rows, out]`, x `[rows, in]`. out: dw `[out, in]` (+=), db `[out]` (+=, only
     /// when `bias`).

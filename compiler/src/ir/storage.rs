@@ -69,8 +69,13 @@ pub fn operand_classes(op: &Op) -> (Vec<StorageClass>, Vec<StorageClass>) {
         ),
         Op::RmsNorm { .. } => (vec![Float, Fp32], vec![Float, Fp32]),
         Op::RmsNormBwd { .. } => (vec![Float, Float, Fp32, Fp32], vec![Float, Fp32]),
-        Op::Matmul { bias, .. } => (with(&[Float, Fp32], *bias, Fp32), vec![Float]),
-        Op::MatmulBwdData { .. } => (vec![Float, Fp32], vec![Float]),
+        Op::Matmul { bias, act, .. } => (
+            with(&[Float, Fp32], *bias, Fp32),
+            with(&[Float], act.is_some(), Float),
+        ),
+        Op::MatmulBwdData { act_grad, .. } => {
+            (with(&[Float, Fp32], act_grad.is_some(), Float), vec![Float])
+        }
         Op::MatmulBwdWeight { bias, .. } => (vec![Float, Float], with(&[Fp32], *bias, Fp32)),
         Op::Rope { .. } | Op::RopeBwd { .. } => (vec![Float], vec![Float]),
         Op::Attention { .. } => (vec![Float; 3], vec![Float, Fp32]),

@@ -202,7 +202,7 @@ impl Emitter<'_> {
                     ("weight", if *bias { Some("bias") } else { None }),
                     (*in_dim, ol),
                     rows,
-                    into,
+                    (into, None),
                 );
                 self.b.release(dy);
                 let name = self.name(node, "dx", mb);
@@ -280,9 +280,11 @@ impl Emitter<'_> {
         (w, b): (&'static str, Option<&'static str>),
         (in_dim, out_dim): (u64, u64),
         rows: u64,
-        into: Option<BufferId>,
+        (into, act_grad): (Option<BufferId>, Option<(Act, BufferId)>),
     ) -> Option<BufferId> {
         let wbuf = self.weight(node, w)?;
+        let mut ins = vec![dy, wbuf];
+        ins.extend(act_grad.map(|(_, pre)| pre));
         let dx = match into {
             Some(acc) => acc,
             None => self.b.alloc(
@@ -296,8 +298,9 @@ impl Emitter<'_> {
                 in_dim,
                 out_dim,
                 accumulate: into.is_some(),
+                act_grad: act_grad.map(|(act, _)| act),
             },
-            &[dy, wbuf],
+            &ins,
             &[dx],
             Some(node),
             Phase::Backward,
@@ -358,7 +361,7 @@ impl Emitter<'_> {
             ("wo", bias("bo")),
             (q_cols, s.dim),
             rows,
-            None,
+            (None, None),
         );
         self.b.release(dyf);
         let d_o = d_o?;
@@ -425,8 +428,16 @@ impl Emitter<'_> {
         let mut dx: Option<BufferId> = None;
         for (d, w, b, cols) in parts {
             let into = dx.filter(|_| self.accumulate_in_place);
-            let part =
-                self.matmul_backward(mb, node, d, Some(xf), (w, b), (s.dim, cols), rows, into);
+            let part = self.matmul_backward(
+                mb,
+                node,
+                d,
+                Some(xf),
+                (w, b),
+                (s.dim, cols),
+                rows,
+                (into, None),
+            );
             self.b.release(d);
             let Some(part) = part else { continue };
             dx = Some(self.add_part(mb, node, dx, part, &format!("dx_{w}")));
@@ -462,6 +473,18 @@ impl Emitter<'_> {
         } else {
             bias_of("proj_bias")
         };
+        let op_act = match a {
+            Activation::Gelu => Act::Gelu,
+            Activation::GeluTanh => Act::GeluTanh,
+            Activation::Relu | Activation::Swiglu => Act::Relu,
+        };
+        // Fused (`fuses_activation`): the product is multiplied by act'(h) as it is written,
+        // so it is h's gradient directly.
+        let fused = self.fuses_activation(a);
+        let act_grad = match (fused, saved.get(1)) {
+            (true, Some(&h)) => Some((op_act, h)),
+            _ => None,
+        };
         let da = self.matmul_backward(
             mb,
             node,
@@ -470,7 +493,7 @@ impl Emitter<'_> {
             (out_w, out_b),
             (hl, dim),
             rows,
-            None,
+            (None, act_grad),
         );
         self.b.release(dyf);
         let da = da?;
@@ -495,35 +518,37 @@ impl Emitter<'_> {
             );
             self.b.release(da);
             let gate = ("gate", None);
-            let xg = self.matmul_backward(mb, node, dg, Some(xf), gate, (dim, hl), rows, None);
+            let xg =
+                self.matmul_backward(mb, node, dg, Some(xf), gate, (dim, hl), rows, (None, None));
             self.b.release(dg);
             // dx = dg Wgate + du Wup: the second product adds into the first.
             let into = xg.filter(|_| self.accumulate_in_place);
             let up = ("up", None);
-            let xu = self.matmul_backward(mb, node, du, Some(xf), up, (dim, hl), rows, into);
+            let xu =
+                self.matmul_backward(mb, node, du, Some(xf), up, (dim, hl), rows, (into, None));
             self.b.release(du);
             let (xg, xu) = (xg?, xu?);
             self.add_part(mb, node, Some(xg), xu, "dx_sum")
         } else {
-            let h = *saved.get(1)?;
-            let dh = self.b.alloc(
-                self.name(node, "dh", mb),
-                vec![rows, hl],
-                BufferKind::ActivationGrad,
-            );
-            let op_act = match a {
-                Activation::Gelu => Act::Gelu,
-                Activation::GeluTanh => Act::GeluTanh,
-                Activation::Relu | Activation::Swiglu => Act::Relu,
+            let dh = if fused {
+                da
+            } else {
+                let h = *saved.get(1)?;
+                let dh = self.b.alloc(
+                    self.name(node, "dh", mb),
+                    vec![rows, hl],
+                    BufferKind::ActivationGrad,
+                );
+                self.b.compute(
+                    Op::ActivationBwd { act: op_act },
+                    &[da, h],
+                    &[dh],
+                    Some(node),
+                    Phase::Backward,
+                );
+                self.b.release(da);
+                dh
             };
-            self.b.compute(
-                Op::ActivationBwd { act: op_act },
-                &[da, h],
-                &[dh],
-                Some(node),
-                Phase::Backward,
-            );
-            self.b.release(da);
             // One product makes dx: without tp it may add into the input's gradient.
             let into = self.unreduced_target(mb, input, &[rows, dim]);
             let dx = self.matmul_backward(
@@ -534,7 +559,7 @@ impl Emitter<'_> {
                 ("fc", bias_of("fc_bias")),
                 (dim, hl),
                 rows,
-                into,
+                (into, None),
             );
             self.b.release(dh);
             if into.is_some() {

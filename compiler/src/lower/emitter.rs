@@ -91,6 +91,8 @@ pub struct Emitter<'a> {
     pub phase: Phase,
     /// `LowerOptions::accumulate_in_place`.
     pub accumulate_in_place: bool,
+    /// `LowerOptions::fuse_epilogues`.
+    pub fuse_epilogues: bool,
 }
 
 impl Emitter<'_> {

@@ -207,6 +207,7 @@ impl Emitter<'_> {
                     in_dim,
                     out_dim: ol,
                     bias,
+                    act: None,
                 };
                 self.b.compute(op, &ins, &[y], Some(node), phase);
                 self.set_output(mb, node, y);
@@ -409,9 +410,51 @@ impl Emitter<'_> {
             in_dim,
             out_dim,
             bias,
+            act: None,
         };
         self.b.compute(op, &ins, &[y], Some(node), self.phase);
         y
+    }
+
+    /// Whether an MLP with activation `a` runs it inside its GEMMs (`LowerOptions::
+    /// fuse_epilogues`): only `gelu_tanh`, which cuBLASLt's GELU epilogues compute by the same
+    /// definition; `gelu` (erf) and `relu` keep their separate ops (cuBLASLt's relu epilogue
+    /// saves a bit mask, not the pre-activation the IR's backward reads).
+    pub fn fuses_activation(&self, a: Activation) -> bool {
+        self.fuse_epilogues && a == Activation::GeluTanh
+    }
+
+    /// [`Self::matmul`] with a fused activation: the pre-activation `h` and `act(h)`.
+    fn matmul_act(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        x: BufferId,
+        (w, b): (&str, Option<&str>),
+        (in_dim, out_dim): (u64, u64),
+        act: Act,
+    ) -> (BufferId, BufferId) {
+        let rows = self.b.shape(x).first().copied().unwrap_or(0);
+        let mut ins = vec![x];
+        ins.extend(self.weight(node, w));
+        let bias = b.is_some_and(|b| self.adds_bias(node, b));
+        if let (true, Some(bn)) = (bias, b) {
+            ins.extend(self.weight(node, bn));
+        }
+        let mut out = |what: &str| {
+            let name = self.name(node, what, mb);
+            self.b
+                .alloc(name, vec![rows, out_dim], BufferKind::Activation)
+        };
+        let (h, a) = (out("h"), out("a"));
+        let op = Op::Matmul {
+            in_dim,
+            out_dim,
+            bias,
+            act: Some(act),
+        };
+        self.b.compute(op, &ins, &[h, a], Some(node), self.phase);
+        (h, a)
     }
 
     fn attention_forward(
@@ -612,6 +655,17 @@ impl Emitter<'_> {
             );
             self.b.compute(Op::SwiGlu, &[g, u], &[h], Some(node), phase);
             (vec![g, u], h, "down", None)
+        } else if self.fuses_activation(a) {
+            // One GEMM writes the pre-activation h (saved) and the activation.
+            let (h, out) = self.matmul_act(
+                mb,
+                node,
+                xf,
+                ("fc", bias_of("fc_bias")),
+                (dim, hidden_local),
+                act(a),
+            );
+            (vec![h], out, "proj", bias_of("proj_bias"))
         } else {
             let h = self.matmul(
                 mb,

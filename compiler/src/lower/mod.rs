@@ -48,12 +48,19 @@ pub struct LowerOptions {
     /// into a fresh buffer and an `Add`'s backward copies its gradient (the plain form, which
     /// computes bit-identical f32 results; tests compare the two).
     pub accumulate_in_place: bool,
+    /// Fuse an MLP's activation into its GEMMs (GPT-2's `gelu_tanh`, the one activation a
+    /// cuBLASLt epilogue computes by its exact definition): the first projection's `Matmul`
+    /// also writes the activation (`act`), and the second projection's backward-data product
+    /// writes the pre-activation's gradient (`act_grad`), with no `Activation` /
+    /// `ActivationBwd` op between. Off: the separate ops (bit-identical in f32; tests compare).
+    pub fuse_epilogues: bool,
 }
 
 impl Default for LowerOptions {
     fn default() -> Self {
         LowerOptions {
             accumulate_in_place: true,
+            fuse_epilogues: true,
         }
     }
 }
@@ -471,6 +478,7 @@ fn emit_program(
         errors: Vec::new(),
         phase: crate::ir::Phase::Forward,
         accumulate_in_place: sh.options.accumulate_in_place,
+        fuse_epilogues: sh.options.fuse_epilogues,
     };
     em.emit_step(sh.table);
     let mut diags = Diagnostics::default();

@@ -279,6 +279,7 @@ mod tests {
                 in_dim: 2,
                 out_dim: 2,
                 accumulate,
+                act_grad: None,
             };
             let norm = Op::LayerNormBwd {
                 dim: 2,

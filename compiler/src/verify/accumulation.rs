@@ -5,8 +5,10 @@
 //! or norm kernel reads its inputs across rows as it writes dx), so a backend could not run it
 //! in place. The cross-instruction half of the argument — no later instruction wants the value
 //! from before the `+=` — is the lowering's, from its holder counts; it is not visible in the
-//! IR.
+//! IR. Also E0822: a `MatmulBwdData` with an activation gradient (`act_grad`) does not
+//! accumulate (its dx is the product times act'(pre), overwritten).
 use super::Violation;
+use crate::ir::op::Op;
 use crate::ir::{Instr, Program, ProgramId};
 
 /// Violations reported per program at most (the first ones say what is wrong).
@@ -27,6 +29,26 @@ pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violatio
         else {
             continue;
         };
+        if let Op::MatmulBwdData {
+            accumulate: true,
+            act_grad: Some(act),
+            ..
+        } = &**op
+        {
+            if violations.len() < MAX_PER_PROGRAM {
+                violations.push(Violation {
+                    code: "E0822",
+                    rank,
+                    program: id,
+                    instr: i,
+                    node: *node,
+                    message: format!(
+                        "{op:?} both accumulates dx and multiplies it by {act:?}'s derivative: \
+                         an activation-gradient product must overwrite dx"
+                    ),
+                });
+            }
+        }
         for (k, out) in outputs.iter().enumerate() {
             let Some(input) = inputs.iter().position(|b| b == out) else {
                 continue;

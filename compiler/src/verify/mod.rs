@@ -26,7 +26,8 @@
 //! 7. **In place is one buffer**: an op that updates an input in place (`Op::in_place`) names
 //!    the same buffer as that input and as the output it becomes (E0820).
 //! 8. **Accumulation reads no input**: an output an op adds into (`Op::accumulates`) is not
-//!    also one of its inputs (E0821).
+//!    also one of its inputs (E0821); a `MatmulBwdData` with `act_grad` does not accumulate
+//!    (E0822).
 //!
 //! Invariants 1–3, 6–8 and the liveness numbers are per program (ranks sharing a program are
 //! alike); 4–5 come from simulating all ranks together ([`rendezvous`]). Ranks whose programs

@@ -49,12 +49,16 @@ pub(crate) fn signature(op: &Op) -> Signature {
         },
         Op::RmsNorm { .. } => sig("rms_norm", &["x", "w"], &["y", "rstd"]),
         Op::RmsNormBwd { .. } => sig("rms_norm_bwd", &["dy", "x", "w", "rstd"], &["dx", "dw"]),
-        Op::Matmul { bias, .. } => Signature {
+        Op::Matmul { bias, act, .. } => Signature {
             name: "matmul",
             inputs: with(&["x", "w"], *bias, "b"),
-            outputs: vec!["y"],
+            outputs: with(&["y"], act.is_some(), "a"),
         },
-        Op::MatmulBwdData { .. } => sig("matmul_bwd_data", &["dy", "w"], &["dx"]),
+        Op::MatmulBwdData { act_grad, .. } => Signature {
+            name: "matmul_bwd_data",
+            inputs: with(&["dy", "w"], act_grad.is_some(), "pre"),
+            outputs: vec!["dx"],
+        },
         Op::MatmulBwdWeight { bias, .. } => Signature {
             name: "matmul_bwd_weight",
             inputs: vec!["dy", "x"],

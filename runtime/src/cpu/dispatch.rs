@@ -1,12 +1,13 @@
 //! Dispatch of one `Op` to its kernel: converts the op's attributes to sizes (rejecting zero or
 //! unrepresentable dimensions), binds typed slices for its inputs and outputs in the documented
 //! order, and calls the kernel, which checks every length before touching memory.
-use super::args::{dim, Inputs, Outputs};
+use super::args::{dim, op_error, Inputs, Outputs};
 use super::attention::{attention, attention_bwd, AttentionGrads, AttentionShape};
 use super::cross_entropy::{ce_grad, ce_loss, ce_max, ce_sum_exp, ce_target_logit, cross_entropy};
 use super::dense::Threads;
 use super::elementwise::{
-    activation, activation_bwd, add, copy, copy_range, scale, swiglu, swiglu_bwd,
+    activation, activation_bwd, activation_bwd_in_place, add, copy, copy_range, scale, swiglu,
+    swiglu_bwd,
 };
 use super::embed::{embedding, embedding_bwd, position_add, position_add_bwd};
 use super::linear::{matmul, matmul_bwd_data, matmul_bwd_weight};
@@ -132,19 +133,32 @@ pub(crate) fn run(
             in_dim,
             out_dim,
             bias,
+            act,
         } => {
             let b = if *bias { Some(ins.f32(2)?) } else { None };
-            let [y] = outs.f32s()?;
             let (i, o) = (
                 dim(name, "in_dim", *in_dim)?,
                 dim(name, "out_dim", *out_dim)?,
             );
-            matmul(name, threads, i, o, ins.f32(0)?, ins.f32(1)?, b, y)
+            let (x, w) = (ins.f32(0)?, ins.f32(1)?);
+            match act {
+                None => {
+                    let [y] = outs.f32s()?;
+                    matmul(name, threads, i, o, x, w, b, y)
+                }
+                // The activation reads y's f32 value, before a bf16 y is rounded.
+                Some(act) => {
+                    let [y, a] = outs.f32s()?;
+                    matmul(name, threads, i, o, x, w, b, y)?;
+                    activation(name, *act, y, a)
+                }
+            }
         }
         Op::MatmulBwdData {
             in_dim,
             out_dim,
             accumulate,
+            act_grad,
         } => {
             let [dx] = outs.f32s()?;
             let (i, o) = (
@@ -152,7 +166,17 @@ pub(crate) fn run(
                 dim(name, "out_dim", *out_dim)?,
             );
             let (dy, w) = (ins.f32(0)?, ins.f32(1)?);
-            matmul_bwd_data(name, threads, i, o, dy, w, dx, *accumulate)
+            matmul_bwd_data(name, threads, i, o, dy, w, dx, *accumulate)?;
+            match act_grad {
+                None => Ok(()),
+                Some(_) if *accumulate => Err(op_error(
+                    name,
+                    "an activation-gradient product (act_grad) cannot accumulate into dx \
+                     (the verifier rejects it, E0822)",
+                )),
+                // The product's f32 value times act'(pre), rounded once when dx is written.
+                Some(act) => activation_bwd_in_place(name, *act, ins.f32(2)?, dx),
+            }
         }
         Op::MatmulBwdWeight {
             in_dim,

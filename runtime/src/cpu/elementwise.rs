@@ -113,6 +113,20 @@ pub(crate) fn activation_bwd(
     Ok(())
 }
 
+/// `dx = dx · act'(x)`: an activation gradient applied to a product already in `dx` (a
+/// `MatmulBwdData` with `act_grad`); per element exactly `activation_bwd`'s expression.
+pub(crate) fn activation_bwd_in_place(op: &str, act: Act, x: &[f32], dx: &mut [f32]) -> Result<()> {
+    expect_len(op, "pre", x.len(), dx.len())?;
+    dx.par_chunks_mut(CHUNK)
+        .zip(x.par_chunks(CHUNK))
+        .for_each(|(dx, x)| {
+            for (d, &x) in dx.iter_mut().zip(x) {
+                *d *= activation_derivative(act, x);
+            }
+        });
+    Ok(())
+}
+
 /// `y = silu(gate) · up`.
 pub(crate) fn swiglu(op: &str, gate: &[f32], up: &[f32], y: &mut [f32]) -> Result<()> {
     expect_len(op, "up", up.len(), gate.len())?;

@@ -64,8 +64,8 @@ fn arity(op: &Op) -> (usize, usize) {
         Op::LayerNormBwd { bias, .. } => (5, 2 + opt(*bias)),
         Op::RmsNorm { .. } => (2, 2),
         Op::RmsNormBwd { .. } => (4, 2),
-        Op::Matmul { bias, .. } => (2 + opt(*bias), 1),
-        Op::MatmulBwdData { .. } => (2, 1),
+        Op::Matmul { bias, act, .. } => (2 + opt(*bias), 1 + opt(act.is_some())),
+        Op::MatmulBwdData { act_grad, .. } => (2 + opt(act_grad.is_some()), 1),
         Op::MatmulBwdWeight { bias, .. } => (2, 1 + opt(*bias)),
         Op::Rope { .. } | Op::RopeBwd { .. } => (1, 1),
         Op::Attention { .. } => (3, 2),
@@ -194,7 +194,7 @@ pub(super) fn n(v: usize) -> Arg {
     Arg::I64(v as i64)
 }
 
-fn act_code(act: Act) -> i32 {
+pub(super) fn act_code(act: Act) -> i32 {
     match act {
         Act::Gelu => 0,
         Act::GeluTanh => 1,

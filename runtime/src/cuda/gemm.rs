@@ -7,7 +7,9 @@
 //! column-major, as cuBLAS sees memory; `matmul` maps the row-major ops onto it (see [`Gemm`]).
 //! The epilogue ([`Epilogue`]) can add a bias per row of D (`CUBLASLT_EPILOGUE_BIAS`, fp32
 //! values, or bf16 where cuBLASLt takes no fp32 bias beside a bf16 D) or write the column sums
-//! of op(B) over k as fp32 (`CUBLASLT_EPILOGUE_BGRADB`, a bias gradient); a combination
+//! of op(B) over k as fp32 (`CUBLASLT_EPILOGUE_BGRADB`, a bias gradient), apply GELU (tanh
+//! approximation) and write the pre-activation as an auxiliary output (`GELU_AUX[_BIAS]`), or
+//! multiply by GELU's derivative at an auxiliary pre-activation input (`DGELU`); a combination
 //! cuBLASLt does not offer is reported by [`Blas::supports`] and the caller does it another way.
 //!
 //! Plans: the descriptors of each distinct GEMM (shape, transposes, leading dimensions, operand
@@ -91,6 +93,18 @@ pub(crate) enum Epilogue {
     BiasGradB {
         ptr: CUdeviceptr,
     },
+    /// GELU (tanh approximation) of the product, plus the bias when given (as `Bias`): D =
+    /// gelu(p), and the pre-activation p (m × n, leading dimension ldc, D's type) written at
+    /// `aux` (`CUBLASLT_EPILOGUE_GELU_AUX[_BIAS]`).
+    GeluAux {
+        bias: Option<(CUdeviceptr, bool)>,
+        aux: CUdeviceptr,
+    },
+    /// D = product ⊙ gelu'(pre), the pre-activation read at `aux` (m × n, leading dimension
+    /// ldc, D's type): the GELU gradient (`CUBLASLT_EPILOGUE_DGELU`).
+    DGelu {
+        aux: CUdeviceptr,
+    },
 }
 
 /// An [`Epilogue`] without its pointer: what a plan depends on.
@@ -100,6 +114,10 @@ enum EpilogueKind {
     BiasF32,
     BiasBf16,
     BiasGradB,
+    GeluAux,
+    GeluAuxBiasF32,
+    GeluAuxBiasBf16,
+    DGelu,
 }
 
 impl Epilogue {
@@ -109,13 +127,33 @@ impl Epilogue {
             Epilogue::Bias { bf16: false, .. } => EpilogueKind::BiasF32,
             Epilogue::Bias { bf16: true, .. } => EpilogueKind::BiasBf16,
             Epilogue::BiasGradB { .. } => EpilogueKind::BiasGradB,
+            Epilogue::GeluAux { bias: None, .. } => EpilogueKind::GeluAux,
+            Epilogue::GeluAux {
+                bias: Some((_, false)),
+                ..
+            } => EpilogueKind::GeluAuxBiasF32,
+            Epilogue::GeluAux {
+                bias: Some((_, true)),
+                ..
+            } => EpilogueKind::GeluAuxBiasBf16,
+            Epilogue::DGelu { .. } => EpilogueKind::DGelu,
         }
     }
 
+    /// The vector pointer (`CUBLASLT_MATMUL_DESC_BIAS_POINTER`: a bias or a bias gradient).
     fn pointer(self) -> Option<CUdeviceptr> {
         match self {
-            Epilogue::None => None,
+            Epilogue::None | Epilogue::DGelu { .. } => None,
             Epilogue::Bias { ptr, .. } | Epilogue::BiasGradB { ptr } => Some(ptr),
+            Epilogue::GeluAux { bias, .. } => bias.map(|(ptr, _)| ptr),
+        }
+    }
+
+    /// The auxiliary matrix pointer (`CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER`).
+    fn aux(self) -> Option<CUdeviceptr> {
+        match self {
+            Epilogue::GeluAux { aux, .. } | Epilogue::DGelu { aux } => Some(aux),
+            Epilogue::None | Epilogue::Bias { .. } | Epilogue::BiasGradB { .. } => None,
         }
     }
 }
@@ -231,6 +269,10 @@ impl PlanKey {
                 EpilogueKind::BiasF32 => ", fp32 bias epilogue",
                 EpilogueKind::BiasBf16 => ", bf16 bias epilogue",
                 EpilogueKind::BiasGradB => ", bias-gradient epilogue",
+                EpilogueKind::GeluAux => ", GELU epilogue",
+                EpilogueKind::GeluAuxBiasF32 => ", fp32 bias + GELU epilogue",
+                EpilogueKind::GeluAuxBiasBf16 => ", bf16 bias + GELU epilogue",
+                EpilogueKind::DGelu => ", GELU-gradient epilogue",
             }
         )
     }
@@ -501,13 +543,21 @@ impl Blas {
         d: CUdeviceptr,
         stream: CUstream,
     ) -> std::result::Result<(), result::CublasError> {
-        if let Some(bias) = g.epilogue.pointer() {
+        use sys::cublasLtMatmulDescAttributes_t as A;
+        for (attr, ptr) in [
+            (A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.epilogue.pointer()),
+            (
+                A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                g.epilogue.aux(),
+            ),
+        ] {
+            let Some(ptr) = ptr else { continue };
             // SAFETY: desc is live; the attribute is a device pointer (8 bytes).
             unsafe {
                 result::set_matmul_desc_attribute(
                     plan.desc.0,
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                    (&bias as *const CUdeviceptr).cast(),
+                    attr,
+                    (&ptr as *const CUdeviceptr).cast(),
                     size_of::<CUdeviceptr>(),
                 )
             }?;
@@ -589,13 +639,21 @@ impl Blas {
             "transpose attribute",
         )?;
         use sys::cublasLtEpilogue_t as E;
+        let bf16_type = sys::cudaDataType_t::CUDA_R_16BF;
+        // The epilogue and the type of its vector (None: it has none).
         let epilogue = match key.epilogue {
             EpilogueKind::None => None,
-            EpilogueKind::BiasF32 => Some((E::CUBLASLT_EPILOGUE_BIAS, f32_type)),
-            EpilogueKind::BiasBf16 => {
-                Some((E::CUBLASLT_EPILOGUE_BIAS, sys::cudaDataType_t::CUDA_R_16BF))
+            EpilogueKind::BiasF32 => Some((E::CUBLASLT_EPILOGUE_BIAS, Some(f32_type))),
+            EpilogueKind::BiasBf16 => Some((E::CUBLASLT_EPILOGUE_BIAS, Some(bf16_type))),
+            EpilogueKind::BiasGradB => Some((E::CUBLASLT_EPILOGUE_BGRADB, Some(f32_type))),
+            EpilogueKind::GeluAux => Some((E::CUBLASLT_EPILOGUE_GELU_AUX, None)),
+            EpilogueKind::GeluAuxBiasF32 => {
+                Some((E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS, Some(f32_type)))
             }
-            EpilogueKind::BiasGradB => Some((E::CUBLASLT_EPILOGUE_BGRADB, f32_type)),
+            EpilogueKind::GeluAuxBiasBf16 => {
+                Some((E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS, Some(bf16_type)))
+            }
+            EpilogueKind::DGelu => Some((E::CUBLASLT_EPILOGUE_DGELU, None)),
         };
         if let Some((epilogue, vector_type)) = epilogue {
             set(
@@ -603,11 +661,45 @@ impl Blas {
                 epilogue as i32,
                 "epilogue",
             )?;
-            set(
-                A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-                vector_type as i32,
-                "epilogue vector type",
-            )?;
+            if let Some(vector_type) = vector_type {
+                set(
+                    A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                    vector_type as i32,
+                    "epilogue vector type",
+                )?;
+            }
+        }
+        if matches!(
+            key.epilogue,
+            EpilogueKind::GeluAux
+                | EpilogueKind::GeluAuxBiasF32
+                | EpilogueKind::GeluAuxBiasBf16
+                | EpilogueKind::DGelu
+        ) {
+            // The auxiliary matrix is shaped and typed like D (its type left at the default,
+            // D's); cuBLASLt wants its leading dimension a multiple of 8.
+            if key.ldc % 8 != 0 {
+                return Ok(Plan {
+                    settled: true,
+                    timed_ms: None,
+                    desc,
+                    a,
+                    b,
+                    c,
+                    algos: Vec::new(),
+                });
+            }
+            let ld = key.ldc;
+            // SAFETY: desc is live; the attribute is an int64_t.
+            unsafe {
+                result::set_matmul_desc_attribute(
+                    desc.0,
+                    A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+                    (&ld as *const i64).cast(),
+                    size_of::<i64>(),
+                )
+            }
+            .map_err(|e| cublas_error(&what("auxiliary leading dimension"), e))?;
         }
         let pref = result::create_matmul_pref()
             .map(|p| Guard(p, result::destroy_matmul_pref))

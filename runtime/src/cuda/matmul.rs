@@ -10,13 +10,20 @@
 //! backward-weight GEMM writes the column sums of dy into a scratch vector, then a k = 1 fp32
 //! GEMM adds that into db (`db = t·1 + db`, exact as an add: db is +=); where the epilogue is
 //! not offered, and in fp32 runs, a column-sum kernel (`dispatch::col_sum_into`).
-use super::dispatch::{col_sum_into, n, p, Bound};
+//!
+//! Fused activations: a forward with `act` gelu_tanh runs the GELU epilogue (D = the
+//! activation, the pre-activation y its auxiliary output), a backward-data product with
+//! `act_grad` gelu_tanh the DGELU epilogue (the saved pre-activation its auxiliary input); both
+//! need the auxiliary matrix in D's type. Otherwise, or where cuBLASLt refuses, the GEMM
+//! writes y (dx) as without, then the `activation_fwd` (`activation_bwd`, in place on dx)
+//! kernel runs.
+use super::dispatch::{act_code, col_sum_into, fv, n, p, Bound};
 use super::gemm::{Epilogue, Gemm, Operands, Output};
 use super::gemm_operands::Operand;
-use super::{Buf, CudaBackend};
+use super::{Arg, Buf, CudaBackend};
 use crate::error::Result;
 use cudarc::driver::sys::CUdeviceptr;
-use parc_compiler::ir::op::Op;
+use parc_compiler::ir::op::{Act, Op};
 use parc_compiler::ir::DType;
 
 /// The GEMM output type of buffer `b` (a `Float` output).
@@ -42,6 +49,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
             in_dim,
             out_dim,
             bias,
+            act,
         } => {
             let (k, m) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
             let (x, w) = (b.float_in(0)?, b.f32_in(1)?);
@@ -49,6 +57,10 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
             b.expect(w, "w", m * k)?;
             let y = b.float_out(0)?;
             b.expect(y, "y", rows * m)?;
+            let bb = if *bias { Some(b.f32_in(2)?) } else { None };
+            if let Some(bb) = bb {
+                b.expect(bb, "b", m)?;
+            }
             // yᵀ (m × rows) = W (m × k, stored k × m) · xᵀ (k × rows) (+ b per row of yᵀ).
             let g = Gemm {
                 trans_a: true,
@@ -66,33 +78,28 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
                 out: output(y),
                 epilogue: Epilogue::None,
             };
-            if !*bias {
-                return be.gemm(&g, weight(w), activation(x));
+            let Some(act) = act else {
+                return matmul_bias(be, b, &g, (w, x), bb, y, rows);
+            };
+            let a = b.float_out(1)?;
+            b.expect(a, "a", rows * m)?;
+            if *act == Act::GeluTanh
+                && a.dtype == y.dtype
+                && gelu_epilogue(be, &g, (w, x), bb, (y, a))?
+            {
+                return Ok(());
             }
-            let bb = b.f32_in(2)?;
-            b.expect(bb, "b", m)?;
-            // An epilogue cuBLASLt refuses at launch becomes unsupported (`gemm::Blas::run`):
-            // then the next choice (at most fp32 bias, bf16 bias, y = b first).
-            loop {
-                let epilogue = bias_epilogue(be, b, &g, bb, y, rows)?;
-                let beta = if epilogue == Epilogue::None { 1.0 } else { 0.0 };
-                let with_bias = Gemm {
-                    epilogue,
-                    beta,
-                    ..g
-                };
-                match be.gemm(&with_bias, weight(w), activation(x)) {
-                    Err(_)
-                        if epilogue != Epilogue::None
-                            && !be.blas.supports(&with_bias, be.operands)? => {}
-                    done => return done,
-                }
-            }
+            // No GELU epilogue (or another activation): y as without one, then a = act(y)
+            // from y as stored (a bf16 y is rounded before the activation reads it).
+            matmul_bias(be, b, &g, (w, x), bb, y, rows)?;
+            let args = [Arg::I32(act_code(*act)), fv(y), fv(a), n(y.len)];
+            be.launch_vec("activation_fwd", y.len, &args)
         }
         Op::MatmulBwdData {
             in_dim,
             out_dim,
             accumulate,
+            act_grad,
         } => {
             let (k_in, m_out) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
             let (dy, w) = (b.float_in(0)?, b.f32_in(1)?);
@@ -117,7 +124,35 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
                 out: output(dx),
                 epilogue: Epilogue::None,
             };
-            be.gemm(&g, weight(w), activation(dy))
+            let Some(act) = act_grad else {
+                return be.gemm(&g, weight(w), activation(dy));
+            };
+            if *accumulate {
+                return Err(b.err(
+                    "an activation-gradient product (act_grad) cannot accumulate into dx (the \
+                     verifier rejects it, E0822)",
+                ));
+            }
+            let pre = b.float_in(2)?;
+            b.expect(pre, "pre", rows * k_in)?;
+            if *act == Act::GeluTanh && pre.dtype == dx.dtype {
+                let fused = Gemm {
+                    epilogue: Epilogue::DGelu { aux: pre.ptr },
+                    ..g
+                };
+                if be.blas.supports(&fused, be.operands)? {
+                    match be.gemm(&fused, weight(w), activation(dy)) {
+                        // Refused at launch (`gemm::Blas::run`): the separate kernel below.
+                        Err(_) if !be.blas.supports(&fused, be.operands)? => {}
+                        done => return done,
+                    }
+                }
+            }
+            // The product into dx, then dx = dx ⊙ act'(pre) in place (a bf16 dx is rounded
+            // in between).
+            be.gemm(&g, weight(w), activation(dy))?;
+            let args = [Arg::I32(act_code(*act)), fv(dx), fv(pre), fv(dx), n(dx.len)];
+            be.launch_vec("activation_bwd", dx.len, &args)
         }
         Op::MatmulBwdWeight {
             in_dim,
@@ -180,6 +215,91 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
     }
 }
 
+/// `g` (D = y) plus bias `bb` where given: by an epilogue where cuBLASLt offers one, else
+/// (f32 y) after y = b was written (`bias_epilogue`).
+fn matmul_bias(
+    be: &mut CudaBackend,
+    b: &Bound<'_>,
+    g: &Gemm,
+    (w, x): (Buf, Buf),
+    bb: Option<Buf>,
+    y: Buf,
+    rows: usize,
+) -> Result<()> {
+    let Some(bb) = bb else {
+        return be.gemm(g, weight(w), activation(x));
+    };
+    // An epilogue cuBLASLt refuses at launch becomes unsupported (`gemm::Blas::run`): then
+    // the next choice (at most fp32 bias, bf16 bias, y = b first).
+    loop {
+        let epilogue = bias_epilogue(be, b, g, bb, y, rows)?;
+        let beta = if epilogue == Epilogue::None { 1.0 } else { 0.0 };
+        let with_bias = Gemm {
+            epilogue,
+            beta,
+            ..*g
+        };
+        match be.gemm(&with_bias, weight(w), activation(x)) {
+            Err(_)
+                if epilogue != Epilogue::None && !be.blas.supports(&with_bias, be.operands)? => {}
+            done => return done,
+        }
+    }
+}
+
+/// `g` with cuBLASLt's GELU epilogue: D = a = gelu(y), the pre-activation y (bias `bb`
+/// added where given, fp32 or, beside a bf16 D where cuBLASLt takes no fp32 one, its bf16
+/// cast) written as the auxiliary output. False (nothing run) where cuBLASLt offers or
+/// launches no such epilogue: the caller runs the separate path.
+fn gelu_epilogue(
+    be: &mut CudaBackend,
+    g: &Gemm,
+    (w, x): (Buf, Buf),
+    bb: Option<Buf>,
+    (y, a): (Buf, Buf),
+) -> Result<bool> {
+    let at = |bias| Gemm {
+        c: a.ptr,
+        out: output(a),
+        epilogue: Epilogue::GeluAux { bias, aux: y.ptr },
+        ..*g
+    };
+    let mut choices = Vec::new();
+    match bb {
+        None => choices.push(at(None)),
+        Some(bb) => {
+            choices.push(at(Some((bb.ptr, false))));
+            if output(a) == Output::Bf16 {
+                choices.push(at(Some((bias_bf16(be, bb)?, true))));
+            }
+        }
+    }
+    for fused in choices {
+        if !be.blas.supports(&fused, be.operands)? {
+            continue;
+        }
+        match be.gemm(&fused, weight(w), activation(x)) {
+            Ok(()) => return Ok(true),
+            // Refused at launch (`gemm::Blas::run`): the next choice.
+            Err(_) if !be.blas.supports(&fused, be.operands)? => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(false)
+}
+
+/// A bf16 copy of the f32 bias `bb`: its cached cast, or a per-use copy in the vector area.
+fn bias_bf16(be: &mut CudaBackend, bb: Buf) -> Result<CUdeviceptr> {
+    Ok(match be.weight_cast(bb)? {
+        Some(ptr) => ptr,
+        None => {
+            let (_, t) = be.gemm_vectors(bb.len)?;
+            be.round_copy(bb.ptr, t, bb.len)?;
+            t
+        }
+    })
+}
+
 /// The epilogue that adds bias `bb` to `g` (whose D is `y`, `rows` × m), or `Epilogue::None`
 /// after y = b was written for the product to accumulate onto (f32 y only).
 fn bias_epilogue(
@@ -204,15 +324,7 @@ fn bias_epilogue(
         return Ok(fp32_bias);
     }
     if g.out == Output::Bf16 {
-        // b's bf16 cast (cached), or a per-use copy in the vector area.
-        let ptr = match be.weight_cast(bb)? {
-            Some(ptr) => ptr,
-            None => {
-                let (_, t) = be.gemm_vectors(bb.len)?;
-                be.round_copy(bb.ptr, t, bb.len)?;
-                t
-            }
-        };
+        let ptr = bias_bf16(be, bb)?;
         let bf16_bias = Epilogue::Bias { ptr, bf16: true };
         if be.blas.supports(
             &Gemm {

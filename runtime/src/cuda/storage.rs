@@ -223,6 +223,7 @@ mod tests {
                         in_dim: 1,
                         out_dim: 1,
                         bias: false,
+                        act: None,
                     },
                     &[0, 1],
                     &[2],

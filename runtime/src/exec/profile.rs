@@ -306,6 +306,7 @@ mod tests {
             in_dim: 64,
             out_dim: 256,
             bias: true,
+            act: None,
         };
         // x is [8, 64]: 8 rows.
         assert_eq!(flops(&fwd, 8 * 64), Some(2.0 * 8.0 * 64.0 * 256.0));
@@ -313,6 +314,7 @@ mod tests {
             in_dim: 64,
             out_dim: 256,
             accumulate: false,
+            act_grad: None,
         };
         // dy is [8, 256].
         assert_eq!(flops(&bwd, 8 * 256), Some(2.0 * 8.0 * 64.0 * 256.0));

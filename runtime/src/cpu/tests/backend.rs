@@ -160,6 +160,7 @@ fn lowering_mistakes_are_clear_errors_naming_op_role_and_buffer() {
         in_dim: 4,
         out_dim: 3,
         bias: false,
+        act: None,
     };
     let mut h = Harness::new();
     // Wrong output length.
@@ -178,6 +179,7 @@ fn lowering_mistakes_are_clear_errors_naming_op_role_and_buffer() {
         in_dim: 4,
         out_dim: 3,
         bias: true,
+        act: None,
     };
     let text = error_text(h.run(
         &with_bias,
@@ -341,6 +343,7 @@ fn op_sequence_bits(backend: CpuBackend) -> Vec<Vec<u32>> {
             in_dim: dim as u64,
             out_dim: hidden as u64,
             bias: true,
+            act: None,
         },
         vec![Input::F(ln[0].clone()), w1.clone(), b1],
         vec![rows * hidden],
@@ -365,6 +368,7 @@ fn op_sequence_bits(backend: CpuBackend) -> Vec<Vec<u32>> {
             in_dim: dim as u64,
             out_dim: hidden as u64,
             accumulate: false,
+            act_grad: None,
         },
         vec![dy, w1],
         vec![rows * dim],

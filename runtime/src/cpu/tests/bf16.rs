@@ -116,6 +116,7 @@ fn ops_on_bf16_equal_f32_ops_on_widened_inputs_rounded_once() {
                 in_dim: dim as u64,
                 out_dim: 2,
                 bias: false,
+                act: None,
             },
             vec![x.clone(), values(2 * dim, 5)],
             vec![Bf16, F32],
@@ -241,6 +242,7 @@ fn accumulating_dx_adds_the_finished_value_once() {
         in_dim: dim as u64,
         out_dim: out as u64,
         accumulate,
+        act_grad: None,
     };
     let cases: Vec<Case> = vec![
         (

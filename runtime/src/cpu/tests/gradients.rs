@@ -156,6 +156,7 @@ fn matmul_backward_data_and_weight_match_differences() {
         in_dim: in_dim as u64,
         out_dim: out_dim as u64,
         bias: true,
+        act: None,
     };
     let inputs = vec![
         Input::F(values(rows * in_dim, 13, 1.0)),
@@ -170,6 +171,7 @@ fn matmul_backward_data_and_weight_match_differences() {
             in_dim: in_dim as u64,
             out_dim: out_dim as u64,
             accumulate: false,
+            act_grad: None,
         },
         &[dy.clone(), inputs[1].clone()],
         &[rows * in_dim],

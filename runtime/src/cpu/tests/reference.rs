@@ -377,6 +377,7 @@ fn matmul_matches_a_naive_product_on_blocked_sizes() {
             in_dim: in_dim as u64,
             out_dim: out_dim as u64,
             bias: true,
+            act: None,
         },
         &[
             Input::F(x.clone()),
