@@ -82,10 +82,17 @@ pub struct Emitter<'a> {
     /// Completed gradients waiting for their bucket to fill: (local index).
     pub bucket: Vec<usize>,
     pub bucket_bytes: u64,
-    /// ZeRO-3 parameters gathered for the node being emitted.
-    pub gathered: Vec<BufferId>,
+    /// ZeRO-3 parameters gathered for the node being emitted (their full tensors).
+    pub gathered: Vec<(ParamId, BufferId)>,
     /// ZeRO-3 parameters gathered ahead of the node that uses them (their flat gather buffers).
     pub prefetched: Vec<(ParamId, BufferId)>,
+    /// ZeRO-3 parameters of the node being emitted whose full tensors [`Emitter::end_node`]
+    /// moves to `kept` instead of freeing.
+    pub keep: Vec<ParamId>,
+    /// ZeRO-3 full tensors a forward unit keeps for the backward unit that follows it at once
+    /// (its last node's weights, read again first thing in backward), so that backward neither
+    /// gathers them again nor waits for a gather with no compute before it.
+    pub kept: Vec<(ParamId, BufferId)>,
     pub errors: Vec<Diagnostic>,
     /// Phase of the compute being emitted (forward, recompute or backward).
     pub phase: Phase,
@@ -122,8 +129,8 @@ impl Emitter<'_> {
         buffer_name(self.node_name(node), what, mb)
     }
 
-    /// The buffer compute ops read for a parameter of `node` (ZeRO-3: gathered by a prefetch
-    /// or now, freed by [`Emitter::end_node`]).
+    /// The buffer compute ops read for a parameter of `node` (ZeRO-3: kept from the forward,
+    /// or gathered by a prefetch or now; freed by [`Emitter::end_node`]).
     pub fn weight(&mut self, node: NodeId, local: &str) -> Option<BufferId> {
         let slot = self.params.get(node, local)?;
         let idx = *self.local_of.get(&slot.param)?;
@@ -131,12 +138,17 @@ impl Emitter<'_> {
         if self.zero != ZeroStage::Zero3 || l.zero.is_none() {
             return Some(l.working.unwrap_or(l.master));
         }
-        let flat = match self.prefetched.iter().position(|(p, _)| *p == slot.param) {
-            Some(i) => self.prefetched.remove(i).1,
-            None => self.gather(idx, node)?,
+        let full = match self.kept.iter().position(|(p, _)| *p == slot.param) {
+            Some(i) => self.kept.remove(i).1,
+            None => {
+                let flat = match self.prefetched.iter().position(|(p, _)| *p == slot.param) {
+                    Some(i) => self.prefetched.remove(i).1,
+                    None => self.gather(idx, node)?,
+                };
+                self.unpad_gathered(idx, flat, node)
+            }
         };
-        let full = self.unpad_gathered(idx, flat, node);
-        self.gathered.push(full);
+        self.gathered.push((slot.param, full));
         Some(full)
     }
 
@@ -207,7 +219,8 @@ impl Emitter<'_> {
             let Some(&idx) = self.local_of.get(&p) else {
                 continue;
             };
-            if self.locals[idx].zero.is_none() || self.prefetched.iter().any(|(q, _)| *q == p) {
+            let held = |list: &[(ParamId, BufferId)]| list.iter().any(|(q, _)| *q == p);
+            if self.locals[idx].zero.is_none() || held(&self.prefetched) || held(&self.kept) {
                 continue;
             }
             if let Some(flat) = self.gather(idx, node) {
@@ -223,10 +236,24 @@ impl Emitter<'_> {
         }
     }
 
-    /// Release the parameters gathered for the node just emitted.
+    /// Free the full tensors kept from a forward that its backward did not read (end of a
+    /// backward unit).
+    pub fn drop_kept(&mut self) {
+        for (_, b) in std::mem::take(&mut self.kept) {
+            self.b.release(b);
+        }
+    }
+
+    /// Release the parameters gathered for the node just emitted, except those named in
+    /// `keep`, which move to `kept`.
     pub fn end_node(&mut self) {
-        for g in std::mem::take(&mut self.gathered) {
-            self.b.release(g);
+        let keep = std::mem::take(&mut self.keep);
+        for (p, g) in std::mem::take(&mut self.gathered) {
+            if keep.contains(&p) && !self.kept.iter().any(|(q, _)| *q == p) {
+                self.kept.push((p, g));
+            } else {
+                self.b.release(g);
+            }
         }
     }
 

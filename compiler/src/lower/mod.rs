@@ -475,6 +475,8 @@ fn emit_program(
         bucket_bytes: spec.parallel.bucket_bytes,
         gathered: Vec::new(),
         prefetched: Vec::new(),
+        keep: Vec::new(),
+        kept: Vec::new(),
         errors: Vec::new(),
         phase: crate::ir::Phase::Forward,
         accumulate_in_place: sh.options.accumulate_in_place,

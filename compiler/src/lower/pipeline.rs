@@ -117,7 +117,15 @@ impl Emitter<'_> {
             }
             if let Some(u) = units.get(&tick).copied() {
                 match u.dir {
-                    Dir::Forward => self.forward_unit(u.microbatch, u.chunk),
+                    Dir::Forward => {
+                        let next = units.range(tick + 1..).next().map(|(_, n)| *n);
+                        let backward_next = next
+                            == Some(Unit {
+                                dir: Dir::Backward,
+                                ..u
+                            });
+                        self.forward_unit(u.microbatch, u.chunk, backward_next);
+                    }
                     Dir::Backward => self.backward_unit(u.microbatch, u.chunk),
                 }
             }
@@ -205,8 +213,20 @@ impl Emitter<'_> {
         }
     }
 
-    fn forward_unit(&mut self, mb: u32, chunk: u32) {
+    /// `backward_next`: this stage runs the same microbatch's backward through `chunk` right
+    /// after, so the ZeRO-3 weights of the last node with parameters stay gathered for it
+    /// ([`Emitter::kept`]; as FSDP keeps the root unsharded after forward and DeepSpeed keeps a
+    /// parameter reused within its reuse distance): the backward starts with no gather to wait
+    /// for (the fused loss, the only node after the head, has no backward compute to hide one
+    /// behind) and one all-gather per microbatch fewer. It holds no more memory than the
+    /// backward of that node does.
+    fn forward_unit(&mut self, mb: u32, chunk: u32, backward_next: bool) {
         let (start, end) = self.node_range(chunk);
+        let keep_at = if backward_next {
+            self.keep_for_backward(start..end)
+        } else {
+            None
+        };
         let m = mb as usize;
         let model = &self.spec.model;
         let (tokens_v, targets_v) = (model.tokens, model.targets);
@@ -291,6 +311,11 @@ impl Emitter<'_> {
                 self.prefetch_next(start..end);
             }
             self.prefetch_next(i + 1..end);
+            if let Some((at, params)) = &keep_at {
+                if *at == i {
+                    self.keep = params.clone();
+                }
+            }
             let saved = self.forward_node(mb, node);
             if self.segments[i].is_some() {
                 for s in saved {
@@ -370,6 +395,7 @@ impl Emitter<'_> {
             }
         }
         self.drop_prefetched();
+        self.drop_kept();
         let inputs: Vec<ValueId> = self
             .chunks
             .inputs
@@ -398,6 +424,31 @@ impl Emitter<'_> {
         for b in leftover {
             self.b.release(b);
         }
+    }
+
+    /// The last node in `range` with parameters and the ZeRO-3 parameters of it that its
+    /// backward reads, if that node is not recomputed (a recompute would take them first).
+    fn keep_for_backward(
+        &self,
+        range: std::ops::Range<usize>,
+    ) -> Option<(usize, Vec<crate::ir::ParamId>)> {
+        if self.zero != crate::spec::ZeroStage::Zero3 {
+            return None;
+        }
+        let j = range
+            .rev()
+            .find(|&j| !self.params.slots(NodeId(j as u32)).is_empty())?;
+        if self.segments[j].is_some() {
+            return None;
+        }
+        let params: Vec<_> = self
+            .params
+            .slots(NodeId(j as u32))
+            .iter()
+            .filter(|s| self.read_in_backward(j, s.local, &[]))
+            .map(|s| s.param)
+            .collect();
+        (!params.is_empty()).then_some((j, params))
     }
 
     /// Prefetch the parameters of the first node in `range` that has any.
