@@ -96,7 +96,7 @@ impl TensorCore {
                 fwd: "attention_fwd_tc_d128",
                 delta: "attention_delta_tc_d128",
                 bwd: "attention_bwd_tc_d128",
-                fwd_keys: 64,
+                fwd_keys: 32,
                 bwd_rows: 64,
                 head_dim: 128,
             }),

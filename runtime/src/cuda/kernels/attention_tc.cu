@@ -27,9 +27,6 @@
 #define TC_LOG2E 1.4426950408889634f
 #define TC_LN2 0.6931471805599453f
 #define TC_INT_MAX 0x7fffffff
-// How far (log2 units) a row's scores may rise above the forward's running max before it is
-// raised: p = 2^(score − max) stays ≤ 2^8.
-#define TC_MAX_SLACK 8.0f
 #define TC_INT_MIN (-0x7fffffff - 1)
 
 typedef unsigned short bf16_t;
@@ -102,12 +99,26 @@ __device__ __forceinline__ void tc_fill(bf16_t* s, const bf16_t* src, int r0, in
     }
 }
 
-// Starts copying 4 of the 4-byte words src[first .. first + 4) to s (16-byte aligned both);
-// words at or past `end` are zero.
+// Starts a 4-byte copy global -> shared (zero when bytes is 0; gmem must still be mapped).
+__device__ __forceinline__ void tc_cp4(void* smem, const void* gmem, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(tc_smem_addr(smem)), "l"(gmem), "r"(bytes) : "memory");
+}
+
+// Starts copying the 4-byte words src[first .. first + 4) to s (16-byte aligned both); words
+// at or past `end` are zero and never read (the last few go one word at a time, so nothing
+// past the allocation is touched).
 __device__ __forceinline__ void tc_fill_words(void* s, const void* src, int first, int end) {
+    const int* w = static_cast<const int*>(src);
     int left = end - first;
-    int bytes = left >= 4 ? 16 : (left > 0 ? 4 * left : 0);
-    tc_cp16(s, static_cast<const int*>(src) + (bytes > 0 ? first : 0), bytes);
+    if (left >= 4) {
+        tc_cp16(s, w + first, 16);
+    } else {
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            bool valid = i < left;
+            tc_cp4(static_cast<int*>(s) + i, w + (valid ? first + i : 0), valid ? 4 : 0);
+        }
+    }
 }
 
 // fp32 -> bf16 (round to nearest even), 4 elements a thread and step; n4 = elements / 4.
@@ -316,13 +327,8 @@ __device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* 
                 }
             }
         }
-        // Online softmax, per row (a row's columns are spread over the 4 lanes of a quad). The
-        // running max m is raised only when some row of the warp would otherwise see a p above
-        // 2^TC_MAX_SLACK (then every row's O and sum are rescaled, as in plain FA2); so most
-        // tiles skip the rescale, and p ≤ 2^TC_MAX_SLACK stays far from fp32/bf16 overflow.
+        // Online softmax, per row (a row's columns are spread over the 4 lanes of a quad).
         bool masked = t >= full;
-        float xr[2 * MT];
-        bool grow = false;
         #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
             #pragma unroll
@@ -343,31 +349,11 @@ __device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* 
                         x = fmaxf(x, val);
                     }
                 }
-                xr[r] = fmaxf(m[r], tc_quad_max(x) * sl2);
-                grow = grow || xr[r] > m[r] + TC_MAX_SLACK;
-            }
-        }
-        if (__any_sync(FULL_MASK, grow)) {
-            #pragma unroll
-            for (int r = 0; r < 2 * MT; r++) {
+                x = fmaxf(m[r], tc_quad_max(x) * sl2);
                 // A row that has seen no key yet keeps max −inf: subtract 0 instead (every p is 0).
-                float corr = tc_exp2(m[r] - (xr[r] == NEG_INF ? 0.0f : xr[r]));
-                m[r] = xr[r];
-                l[r] *= corr;
-                int mt = r >> 1, half = r & 1;
-                #pragma unroll
-                for (int nb = 0; nb < D / 8; nb++) {
-                    acc[mt][nb][2 * half] *= corr;
-                    acc[mt][nb][2 * half + 1] *= corr;
-                }
-            }
-        }
-        #pragma unroll
-        for (int mt = 0; mt < MT; mt++) {
-            #pragma unroll
-            for (int half = 0; half < 2; half++) {
-                int r = 2 * mt + half;
-                float base = m[r] == NEG_INF ? 0.0f : m[r];
+                float base = x == NEG_INF ? 0.0f : x;
+                float corr = tc_exp2(m[r] - base);
+                m[r] = x;
                 float sum = 0.0f;
                 #pragma unroll
                 for (int nb = 0; nb < BC / 8; nb++) {
@@ -378,7 +364,12 @@ __device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* 
                         sum += p;
                     }
                 }
-                l[r] += sum;
+                l[r] = l[r] * corr + sum;
+                #pragma unroll
+                for (int nb = 0; nb < D / 8; nb++) {
+                    acc[mt][nb][2 * half] *= corr;
+                    acc[mt][nb][2 * half + 1] *= corr;
+                }
             }
         }
         // O += P V.
@@ -684,7 +675,7 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
         tc_attention_bwd<D, BR>(dout, q, k, v, lse2, delta, dq_acc, dk, dv, qpos, kvpos, g);          \
     }
 TC_FWD(64, 64)
-TC_FWD(128, 64)
+TC_FWD(128, 32)
 TC_DELTA(64)
 TC_DELTA(128)
 TC_BWD(64, 64)
