@@ -23,6 +23,12 @@
 //!   marks.
 //! - Host reads and writes of a marked buffer wait for the communication stream to drain (with
 //!   a timeout: a peer that never arrives is an error, not a hang).
+//!
+//! Events are recycled ([`EventRing`]): once the other stream's wait for an event is queued (a
+//! wait uses the event as recorded when the wait is queued; recording it again later does not
+//! change that wait), or it finished with no wait needed, or the host waited for everything, the
+//! event goes back to a spare list and is recorded again for later work, so a step creates a
+//! handful of events instead of one per compute op on a communication buffer.
 use crate::cuda::device::driver_error;
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
@@ -185,34 +191,116 @@ impl ComputeUses {
     }
 }
 
+/// Keep at most this many events the other stream has not waited for; beyond it, finished ones
+/// are recycled (a mark whose event is gone needs no wait).
+const KEPT_EVENTS: usize = 64;
+
+/// The events recorded on one stream that the other stream may still wait for, by sequence
+/// number (oldest first), and the spare events free to be recorded again. An event leaves the
+/// live list only when nothing can wait for it any more: the other stream's wait for it (or a
+/// later one, which covers it) is queued, it finished, or the host waited for everything; it
+/// then becomes spare. Generic over the event so the recycling is tested without a GPU.
+#[derive(Debug)]
+pub(crate) struct EventRing<E> {
+    live: VecDeque<(u64, E)>,
+    spare: Vec<E>,
+}
+
+impl<E> Default for EventRing<E> {
+    fn default() -> EventRing<E> {
+        EventRing {
+            live: VecDeque::new(),
+            spare: Vec::new(),
+        }
+    }
+}
+
+impl<E> EventRing<E> {
+    /// An event to record next: a spare one, or `create`'s.
+    pub(crate) fn take_or(&mut self, create: impl FnOnce() -> Result<E>) -> Result<E> {
+        match self.spare.pop() {
+            Some(e) => Ok(e),
+            None => create(),
+        }
+    }
+
+    /// `event` was just recorded as sequence number `seq` (increasing); beyond
+    /// [`KEPT_EVENTS`] live ones, the finished ones at the front are recycled.
+    pub(crate) fn push(&mut self, seq: u64, event: E, finished: impl Fn(&E) -> bool) {
+        self.live.push_back((seq, event));
+        if self.live.len() > KEPT_EVENTS {
+            while self.live.front().is_some_and(|(_, e)| finished(e)) {
+                self.recycle_front();
+            }
+        }
+    }
+
+    /// The live event of sequence number `seq` (None: it finished and was recycled, or the
+    /// other stream already waits for it).
+    pub(crate) fn get(&self, seq: u64) -> Option<&E> {
+        self.live.iter().find(|(s, _)| *s == seq).map(|(_, e)| e)
+    }
+
+    /// The other stream's wait for every event up to `seq` is queued: recycle them.
+    pub(crate) fn passed_through(&mut self, seq: u64) {
+        while self.live.front().is_some_and(|(s, _)| *s <= seq) {
+            self.recycle_front();
+        }
+    }
+
+    /// An event used once and waited for at once (not numbered) goes back to the spares.
+    pub(crate) fn give_back(&mut self, event: E) {
+        self.spare.push(event);
+    }
+
+    /// The host waited for all the work: every live event is spare.
+    pub(crate) fn recycle_all(&mut self) {
+        while !self.live.is_empty() {
+            self.recycle_front();
+        }
+    }
+
+    fn recycle_front(&mut self) {
+        if let Some((_, e)) = self.live.pop_front() {
+            self.spare.push(e);
+        }
+    }
+}
+
 /// The communication stream, its recorded events, the [`Pending`] marks of communication and
 /// the [`ComputeUses`] of communication buffers on the compute stream.
 pub(crate) struct CommStream {
     stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
     pending: Pending,
-    /// Events by sequence number, oldest first; dropped once the compute stream waited.
-    events: VecDeque<(u64, CudaEvent)>,
-    /// Compute-stream work on communication buffers, and its events by sequence number.
+    /// Communication events; recycled once the compute stream waits for them.
+    events: EventRing<CudaEvent>,
+    /// Compute-stream work on communication buffers, and its events.
     uses: ComputeUses,
-    compute_events: VecDeque<(u64, CudaEvent)>,
+    compute_events: EventRing<CudaEvent>,
     /// How long the host waits for queued communication before failing.
     timeout: Duration,
 }
 
-/// Keep at most this many events the other stream has not waited for; beyond it, finished ones
-/// are dropped (a mark whose event is gone needs no wait).
-const KEPT_EVENTS: usize = 64;
+/// Record `stream`'s work so far into a spare event of `ring`, or a new one.
+fn record_into(
+    ring: &mut EventRing<CudaEvent>,
+    ctx: &Arc<CudaContext>,
+    stream: &CudaStream,
+    what: &str,
+) -> Result<CudaEvent> {
+    let event = ring.take_or(|| {
+        ctx.new_event(None)
+            .map_err(|e| driver_error(&format!("creating {what}"), e))
+    })?;
+    event
+        .record(stream)
+        .map_err(|e| driver_error(&format!("recording {what}"), e))?;
+    Ok(event)
+}
 
-/// Drop the finished events at the front of `events` once there are more than [`KEPT_EVENTS`].
-fn drop_finished(events: &mut VecDeque<(u64, CudaEvent)>) {
-    if events.len() > KEPT_EVENTS {
-        while events
-            .front()
-            .is_some_and(|(_, e)| e.try_is_complete().unwrap_or(false))
-        {
-            events.pop_front();
-        }
-    }
+fn finished(event: &CudaEvent) -> bool {
+    event.try_is_complete().unwrap_or(false)
 }
 
 impl CommStream {
@@ -227,10 +315,11 @@ impl CommStream {
             .map_err(|e| driver_error("creating the communication stream", e))?;
         Ok(CommStream {
             stream,
+            ctx: ctx.clone(),
             pending: Pending::default(),
-            events: VecDeque::new(),
+            events: EventRing::default(),
             uses: ComputeUses::new(comm_buffers),
-            compute_events: VecDeque::new(),
+            compute_events: EventRing::default(),
             timeout,
         })
     }
@@ -244,12 +333,14 @@ impl CommStream {
         if buffers.is_empty() {
             return Ok(());
         }
-        let event = compute
-            .record_event(None)
-            .map_err(|e| driver_error("recording a compute event for communication", e))?;
+        let event = record_into(
+            &mut self.compute_events,
+            &self.ctx,
+            compute,
+            "a compute event for communication",
+        )?;
         let seq = self.uses.recorded(buffers);
-        self.compute_events.push_back((seq, event));
-        drop_finished(&mut self.compute_events);
+        self.compute_events.push(seq, event, finished);
         Ok(())
     }
 
@@ -263,34 +354,38 @@ impl CommStream {
             CommWait::Nothing => {}
             // No event with this number: it finished and was dropped.
             CommWait::Event(seq) => {
-                if let Some((_, event)) = self.compute_events.iter().find(|(s, _)| *s == seq) {
+                if let Some(event) = self.compute_events.get(seq) {
                     self.stream.wait(event).map_err(ordering)?;
                 }
             }
-            CommWait::Everything => self.stream.join(compute).map_err(ordering)?,
+            CommWait::Everything => {
+                let event = record_into(
+                    &mut self.compute_events,
+                    &self.ctx,
+                    compute,
+                    "a compute event for communication",
+                )?;
+                self.stream.wait(&event).map_err(ordering)?;
+                self.compute_events.give_back(event);
+            }
         }
-        let waited = self.uses.waited_through();
-        while self
-            .compute_events
-            .front()
-            .is_some_and(|(s, _)| *s <= waited)
-        {
-            self.compute_events.pop_front();
-        }
+        self.compute_events
+            .passed_through(self.uses.waited_through());
         Ok(())
     }
 
     /// Record that the communication just queued uses `buffers`.
     pub(crate) fn record(&mut self, buffers: &[BufferId]) -> Result<()> {
-        let event = self
-            .stream
-            .record_event(None)
-            .map_err(|e| driver_error("recording a communication event", e))?;
+        let event = record_into(
+            &mut self.events,
+            &self.ctx,
+            &self.stream,
+            "a communication event",
+        )?;
         let seq = self.pending.record(buffers);
-        self.events.push_back((seq, event));
-        // Events the compute stream never waited for (results only the host reads) would pile
-        // up: drop the finished ones.
-        drop_finished(&mut self.events);
+        // Events the compute stream never waits for (results only the host reads) would pile
+        // up: the ring recycles finished ones.
+        self.events.push(seq, event, finished);
         Ok(())
     }
 
@@ -309,14 +404,12 @@ impl CommStream {
             return Ok(());
         };
         // No event with this number: it finished and was dropped, so there is nothing to wait for.
-        if let Some((_, event)) = self.events.iter().find(|(s, _)| *s == seq) {
+        if let Some(event) = self.events.get(seq) {
             compute
                 .wait(event)
                 .map_err(|e| driver_error("ordering compute after communication", e))?;
         }
-        while self.events.front().is_some_and(|(s, _)| *s <= seq) {
-            self.events.pop_front();
-        }
+        self.events.passed_through(seq);
         Ok(())
     }
 
@@ -338,7 +431,7 @@ impl CommStream {
     /// After the host waited for the stream: nothing queued is pending any more.
     pub(crate) fn forget_all(&mut self) {
         self.pending.clear();
-        self.events.clear();
+        self.events.recycle_all();
     }
 }
 
@@ -380,7 +473,8 @@ pub(crate) fn poll_until_idle(
 
 #[cfg(test)]
 mod tests {
-    use super::{comm_buffers, CommWait, ComputeUses, Pending};
+    use super::{comm_buffers, CommWait, ComputeUses, EventRing, Pending, KEPT_EVENTS};
+    use crate::error::Result;
     use parc_compiler::ir::{
         BufferId, CollectiveKind, GroupId, Instr, P2pOp, Peer, Program, ReduceOp,
     };
@@ -565,6 +659,116 @@ mod tests {
         assert_eq!(r.communicate(&[GRAD, SHARD_GRAD]), Some(next_backward));
         // Waiting for a later event covers the earlier ones.
         assert_eq!(r.communicate(&[SHARD_GRAD]), None);
+    }
+
+    /// A stand-in for a CUDA event: which one it is (by creation order) and whether the work
+    /// recorded into it finished.
+    #[derive(Debug)]
+    struct Fake {
+        id: usize,
+        done: bool,
+    }
+
+    /// An [`EventRing`] of fakes that counts the events it had to create.
+    struct Recorder {
+        ring: EventRing<Fake>,
+        created: usize,
+    }
+
+    impl Recorder {
+        fn new() -> Recorder {
+            Recorder {
+                ring: EventRing::default(),
+                created: 0,
+            }
+        }
+
+        /// Record event `seq` (`done`: its work already finished); returns the event's id.
+        fn record(&mut self, seq: u64, done: bool) -> usize {
+            let created = &mut self.created;
+            let mut e = self
+                .ring
+                .take_or(|| -> Result<Fake> {
+                    *created += 1;
+                    Ok(Fake { id: *created, done })
+                })
+                .unwrap();
+            e.done = done;
+            let id = e.id;
+            self.ring.push(seq, e, |e| e.done);
+            id
+        }
+    }
+
+    #[test]
+    fn an_event_is_recorded_again_only_after_the_other_side_passed_it() {
+        let mut r = Recorder::new();
+        let (e1, e2, e3) = (r.record(1, false), r.record(2, false), r.record(3, false));
+        assert_eq!((e1, e2, e3), (1, 2, 3));
+        // The other stream's wait for event 2 is queued: 1 and 2 are free, 3 is not.
+        r.ring.passed_through(2);
+        assert!(r.ring.get(1).is_none() && r.ring.get(2).is_none());
+        assert_eq!(r.ring.get(3).map(|e| e.id), Some(3));
+        let (e4, e5) = (r.record(4, false), r.record(5, false));
+        assert!([1, 2].contains(&e4) && [1, 2].contains(&e5) && e4 != e5);
+        // Only now a new event: 3, 4 and 5 are still live.
+        assert_eq!(r.record(6, false), 4);
+        assert_eq!(r.created, 4);
+        assert_eq!(r.ring.get(3).map(|e| e.id), Some(3));
+        assert_eq!(r.ring.get(4).map(|e| e.id), Some(e4));
+    }
+
+    #[test]
+    fn a_step_of_compute_on_communication_buffers_creates_a_handful_of_events() {
+        // Thousands of compute ops on communication buffers, each followed by an event, with the
+        // communication stream waiting for the latest one every eight ops (the events between
+        // have not finished): the events are reused instead of created per op.
+        let mut uses = ComputeUses::new([BufferId(1), BufferId(2)].into_iter().collect());
+        let mut r = Recorder::new();
+        for op in 0..5000u32 {
+            let buffer = BufferId(1 + op % 2);
+            let before = uses.begin([buffer]);
+            if !before.is_empty() {
+                let seq = uses.recorded(&before);
+                r.record(seq, false);
+            }
+            if op % 8 == 7 {
+                let latest = uses.flush();
+                if !latest.is_empty() {
+                    let seq = uses.recorded(&latest);
+                    r.record(seq, false);
+                }
+                let CommWait::Event(seq) = uses.wait_for(&[buffer]) else {
+                    panic!("op {op}: the collective must wait for the compute before it");
+                };
+                assert!(
+                    r.ring.get(seq).is_some(),
+                    "op {op}: event {seq} was recycled"
+                );
+                r.ring.passed_through(uses.waited_through());
+            }
+        }
+        assert!(r.created <= 9, "{} events for 5000 ops", r.created);
+    }
+
+    #[test]
+    fn finished_events_nobody_waits_for_are_recycled_unfinished_ones_kept() {
+        let mut r = Recorder::new();
+        for seq in 1..=1000 {
+            r.record(seq, true);
+        }
+        assert!(r.created <= KEPT_EVENTS + 1, "{} events", r.created);
+        let mut r = Recorder::new();
+        for seq in 1..=200 {
+            r.record(seq, false);
+        }
+        assert_eq!(r.created, 200);
+        assert!(r.ring.get(1).is_some(), "an unfinished event was recycled");
+        // After a host wait every event is spare again.
+        r.ring.recycle_all();
+        assert!(r.ring.get(200).is_none());
+        r.record(201, false);
+        assert_eq!(r.created, 200);
     }
 
     #[test]
