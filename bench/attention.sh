@@ -16,7 +16,8 @@ for dev in "${@:-.device}"; do
     mkdir -p "$out/$name"
     "$dev/cuda_ops" attention --nocapture --test-threads=1 >"$out/$name/ops.log" 2>&1
     echo "== $name: cuda_ops attention exit $?"
-    grep -E "worst relative" "$out/$name/ops.log" | sed -E 's/.*(attention[a-z_]*)\/(attention[a-z_]*) (b[0-9]+ h[0-9]+ kv[0-9]+ d[0-9]+).* output ([0-9]).*worst relative error ([^ ]+).*/\1 \2 \3 out\4 \5/' | sort -k5 -g | tail -4
+    # The worst relative error per test (each line: "<test>/<case> ... worst relative error E").
+    awk '/worst relative error/ { split($0, a, "/"); t = a[1]; for (i = 1; i < NF; i++) if ($i == "error") e = $(i + 1) + 0; if (!(t in w) || e > w[t]) w[t] = e } END { for (t in w) printf "  %s: worst %.3e\n", t, w[t] }' "$out/$name/ops.log" | sort
     grep -E "test result|panicked" "$out/$name/ops.log"
     "$dev/cuda_attention_bench" --ignored --nocapture >"$out/$name/parc.log" 2>&1
     echo "== $name: cuda_attention_bench exit $?"
