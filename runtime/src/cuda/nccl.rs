@@ -410,8 +410,15 @@ impl Communicators {
         instruction: Option<usize>,
         what: String,
     ) -> Result<()> {
-        let event = stream
-            .record_event(None)
+        let event = match self.inflight.spare() {
+            Some(event) => event,
+            None => stream
+                .context()
+                .new_event(None)
+                .map_err(|e| driver_error("creating an event for an NCCL call", e))?,
+        };
+        event
+            .record(stream)
             .map_err(|e| driver_error("recording an event after an NCCL call", e))?;
         self.inflight
             .push(event, Queued { instruction, what }, event_finished);

@@ -3,6 +3,8 @@
 //! stream. The stream runs in order, so when a wait times out the first unfinished entry is
 //! the operation that is stuck (the last queued one may merely be waiting behind it): its
 //! instruction is what the failure names ([`super::CudaBackend::stuck_instruction`]).
+//! Finished entries' events are kept as spares and recorded again for later calls
+//! ([`InFlight::spare`]), so a step does not create one event per NCCL call.
 //! Generic over the event so that the bookkeeping is tested without a GPU.
 use std::collections::VecDeque;
 
@@ -29,6 +31,8 @@ impl Queued {
 #[derive(Debug)]
 pub(crate) struct InFlight<E> {
     entries: VecDeque<(E, Queued)>,
+    /// Events of dropped (finished) entries, free to be recorded again.
+    spares: Vec<E>,
     /// The last call queued (kept after it finished, for messages).
     last: Option<Queued>,
 }
@@ -37,6 +41,7 @@ impl<E> Default for InFlight<E> {
     fn default() -> Self {
         InFlight {
             entries: VecDeque::new(),
+            spares: Vec::new(),
             last: None,
         }
     }
@@ -44,13 +49,22 @@ impl<E> Default for InFlight<E> {
 
 impl<E> InFlight<E> {
     /// `queued` was queued and `event` recorded after it. Entries whose event `finished`
-    /// reports done are dropped from the front first (the stream finishes them in order).
+    /// reports done are dropped from the front first (the stream finishes them in order);
+    /// their events become spares.
     pub fn push(&mut self, event: E, queued: Queued, finished: impl Fn(&E) -> bool) {
         while self.entries.front().is_some_and(|(e, _)| finished(e)) {
-            self.entries.pop_front();
+            if let Some((e, _)) = self.entries.pop_front() {
+                self.spares.push(e);
+            }
         }
         self.last = Some(queued.clone());
         self.entries.push_back((event, queued));
+    }
+
+    /// A finished entry's event to record the next call into (None: create one). Nothing
+    /// waits for these events (only the host queries them), so a finished one is free.
+    pub fn spare(&mut self) -> Option<E> {
+        self.spares.pop()
     }
 
     /// The oldest call whose event is not finished: the one the stream is stuck in.
@@ -113,6 +127,34 @@ mod tests {
         // Only the calls the stream had not finished when the last was queued remain.
         assert_eq!(f.entries.len(), 2);
         assert_eq!(f.first_unfinished(finished), Some(&queued(100)));
+    }
+
+    #[test]
+    fn finished_calls_events_are_recorded_again_unfinished_ones_never() {
+        // Events are (id, finished-after-call): a call's event finishes when the stream passes
+        // that call number. Each call takes a spare event if there is one.
+        let done = Cell::new(0usize);
+        let finished = |e: &(usize, usize)| e.1 <= done.get();
+        let mut f = InFlight::default();
+        let mut created = 0;
+        for call in 1..=1000 {
+            let id = match f.spare() {
+                Some((id, _)) => id,
+                None => {
+                    created += 1;
+                    created
+                }
+            };
+            assert!(
+                f.entries.iter().all(|((live, _), _)| *live != id),
+                "call {call}: event {id} is still in flight"
+            );
+            f.push((id, call), queued(call), finished);
+            // The stream runs two calls behind the host.
+            done.set(call.saturating_sub(2));
+        }
+        assert!(created <= 4, "{created} events for 1000 calls");
+        assert_eq!(f.first_unfinished(finished), Some(&queued(999)));
     }
 
     #[test]

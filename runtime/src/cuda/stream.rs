@@ -271,7 +271,6 @@ impl<E> EventRing<E> {
 /// the [`ComputeUses`] of communication buffers on the compute stream.
 pub(crate) struct CommStream {
     stream: Arc<CudaStream>,
-    ctx: Arc<CudaContext>,
     pending: Pending,
     /// Communication events; recycled once the compute stream waits for them.
     events: EventRing<CudaEvent>,
@@ -285,12 +284,13 @@ pub(crate) struct CommStream {
 /// Record `stream`'s work so far into a spare event of `ring`, or a new one.
 fn record_into(
     ring: &mut EventRing<CudaEvent>,
-    ctx: &Arc<CudaContext>,
     stream: &CudaStream,
     what: &str,
 ) -> Result<CudaEvent> {
     let event = ring.take_or(|| {
-        ctx.new_event(None)
+        stream
+            .context()
+            .new_event(None)
             .map_err(|e| driver_error(&format!("creating {what}"), e))
     })?;
     event
@@ -315,7 +315,6 @@ impl CommStream {
             .map_err(|e| driver_error("creating the communication stream", e))?;
         Ok(CommStream {
             stream,
-            ctx: ctx.clone(),
             pending: Pending::default(),
             events: EventRing::default(),
             uses: ComputeUses::new(comm_buffers),
@@ -335,7 +334,6 @@ impl CommStream {
         }
         let event = record_into(
             &mut self.compute_events,
-            &self.ctx,
             compute,
             "a compute event for communication",
         )?;
@@ -361,7 +359,6 @@ impl CommStream {
             CommWait::Everything => {
                 let event = record_into(
                     &mut self.compute_events,
-                    &self.ctx,
                     compute,
                     "a compute event for communication",
                 )?;
@@ -376,12 +373,7 @@ impl CommStream {
 
     /// Record that the communication just queued uses `buffers`.
     pub(crate) fn record(&mut self, buffers: &[BufferId]) -> Result<()> {
-        let event = record_into(
-            &mut self.events,
-            &self.ctx,
-            &self.stream,
-            "a communication event",
-        )?;
+        let event = record_into(&mut self.events, &self.stream, "a communication event")?;
         let seq = self.pending.record(buffers);
         // Events the compute stream never waits for (results only the host reads) would pile
         // up: the ring recycles finished ones.
