@@ -218,7 +218,7 @@ pub fn find_runs(program: &Program) -> Vec<OptimizerRun> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use parc_compiler::ir::{Buffer, BufferKind, CollectiveKind, GroupId, Phase};
+    use parc_compiler::ir::{Buffer, BufferKind, CollectiveKind, GroupId};
 
     const ADAM: Op = Op::AdamW {
         beta1: 0.9,
@@ -233,17 +233,6 @@ mod tests {
             beta2: 0.95,
             eps: 1e-8,
             weight_decay,
-        }
-    }
-
-    fn compute(op: Op, inputs: &[u32], outputs: &[u32]) -> Instr {
-        let ids = |v: &[u32]| v.iter().map(|&b| BufferId(b)).collect::<Vec<_>>();
-        Instr::Compute {
-            op: Arc::new(op),
-            inputs: Inputs::from_slice(&ids(inputs)).unwrap(),
-            outputs: Outputs::from_slice(&ids(outputs)).unwrap(),
-            node: None,
-            phase: Phase::Optimizer,
         }
     }
 
@@ -283,7 +272,7 @@ mod tests {
     /// AdamW of tensor t with `op`: in g_t, coef; out param_t, m_t, v_t.
     fn adam_of(op: Op, t: u32) -> Instr {
         let b = 1 + 4 * t;
-        compute(op, &[b, 0], &[b + 1, b + 2, b + 3])
+        Instr::compute(op, &[b, 0], &[b + 1, b + 2, b + 3])
     }
 
     fn grad_free(t: u32) -> Instr {
@@ -303,7 +292,7 @@ mod tests {
     #[test]
     fn updates_with_frees_between_form_one_run_with_per_tensor_decay() {
         let p = program(vec![
-            compute(Op::Zero, &[], &[98]),
+            Instr::compute(Op::Zero, &[], &[98]),
             adam_of(ADAM, 0),
             grad_free(0),
             adam_of(adam_wd(0.0), 1),
@@ -366,7 +355,7 @@ mod tests {
                 dst_offset: 0,
                 len: 5,
             };
-            instrs.push(compute(copy, &[flat], &[working]));
+            instrs.push(Instr::compute(copy, &[flat], &[working]));
             instrs.push(Instr::Free {
                 buffer: BufferId(flat),
             });
@@ -386,11 +375,11 @@ mod tests {
             adam_of(ADAM, 0),
             adam_of(ADAM, 1),
             // Writes tensor 2's gradient: tensor 2 must see it.
-            compute(Op::Zero, &[], &[9]),
+            Instr::compute(Op::Zero, &[], &[9]),
             adam_of(ADAM, 2),
             adam_of(ADAM, 3),
             // Reads tensor 4's param: it must see the value before tensor 4's update.
-            compute(Op::Copy, &[18], &[98]),
+            Instr::compute(Op::Copy, &[18], &[98]),
             adam_of(ADAM, 4),
             adam_of(ADAM, 5),
             adam_of(other_betas.clone(), 6),
@@ -402,7 +391,7 @@ mod tests {
             },
             adam_of(ADAM, 9),
             // Touches nothing of tensor 10's.
-            compute(Op::Zero, &[], &[98]),
+            Instr::compute(Op::Zero, &[], &[98]),
             adam_of(ADAM, 10),
         ]);
         // The lone update 10 is left to the per-tensor path.
@@ -419,14 +408,14 @@ mod tests {
             weight_decay,
         };
         let p = program(vec![
-            compute(sgd(0.9, 0.1), &[1, 0], &[2, 3]),
-            compute(sgd(0.9, 0.0), &[5, 0], &[6, 7]),
-            compute(sgd(0.0, 0.1), &[9, 0], &[10]),
-            compute(sgd(0.0, 0.1), &[13, 0], &[14]),
+            Instr::compute(sgd(0.9, 0.1), &[1, 0], &[2, 3]),
+            Instr::compute(sgd(0.9, 0.0), &[5, 0], &[6, 7]),
+            Instr::compute(sgd(0.0, 0.1), &[9, 0], &[10]),
+            Instr::compute(sgd(0.0, 0.1), &[13, 0], &[14]),
             // Momentum 0 takes no buffer: with one it is malformed, not a member, and (touching
             // nothing of the next update's) stays between members.
-            compute(sgd(0.0, 0.1), &[17, 0], &[18, 19]),
-            compute(sgd(0.0, 0.1), &[21, 0], &[22]),
+            Instr::compute(sgd(0.0, 0.1), &[17, 0], &[18, 19]),
+            Instr::compute(sgd(0.0, 0.1), &[21, 0], &[22]),
         ]);
         assert_eq!(indices(&p), vec![vec![0, 1], vec![2, 3, 5]]);
         assert_eq!(find_runs(&p)[1].kind, RunKind::Sgd { momentum: 0.0 });
@@ -436,17 +425,17 @@ mod tests {
     fn dependent_updates_are_not_fused() {
         // Buffers 81..=98 all hold 5 elements.
         let p = program(vec![
-            compute(ADAM, &[81, 0], &[82, 83, 84]),
+            Instr::compute(ADAM, &[81, 0], &[82, 83, 84]),
             // Reads the param the update before it writes: it must see the update.
-            compute(ADAM, &[82, 0], &[85, 86, 87]),
-            compute(ADAM, &[88, 0], &[89, 90, 91]),
+            Instr::compute(ADAM, &[82, 0], &[85, 86, 87]),
+            Instr::compute(ADAM, &[88, 0], &[89, 90, 91]),
             // Writes the gradient the update before it reads.
-            compute(ADAM, &[92, 0], &[88, 93, 94]),
+            Instr::compute(ADAM, &[92, 0], &[88, 93, 94]),
             // The next update's gradient is freed inside the run, before that update.
             Instr::Free {
                 buffer: BufferId(95),
             },
-            compute(ADAM, &[95, 0], &[96, 97, 98]),
+            Instr::compute(ADAM, &[95, 0], &[96, 97, 98]),
             adam_of(ADAM, 6),
             adam_of(ADAM, 7),
         ]);
@@ -457,17 +446,17 @@ mod tests {
     fn malformed_updates_are_left_to_the_per_tensor_path() {
         let p = program(vec![
             // Wrong arity.
-            compute(ADAM, &[1, 0], &[2, 3]),
-            compute(ADAM, &[5, 0], &[6, 7]),
+            Instr::compute(ADAM, &[1, 0], &[2, 3]),
+            Instr::compute(ADAM, &[5, 0], &[6, 7]),
             // m shorter than g.
-            compute(ADAM, &[9, 0], &[10, 11, 1]),
-            compute(ADAM, &[13, 0], &[14, 15, 5]),
+            Instr::compute(ADAM, &[9, 0], &[10, 11, 1]),
+            Instr::compute(ADAM, &[13, 0], &[14, 15, 5]),
             // An i32 gradient; a coefficient of 10 elements.
-            compute(ADAM, &[99, 0], &[17, 18, 19]),
-            compute(ADAM, &[21, 1], &[22, 23, 24]),
+            Instr::compute(ADAM, &[99, 0], &[17, 18, 19]),
+            Instr::compute(ADAM, &[21, 1], &[22, 23, 24]),
             // Param also read as the gradient; param written twice.
-            compute(ADAM, &[25, 0], &[25, 26, 27]),
-            compute(ADAM, &[29, 0], &[30, 30, 31]),
+            Instr::compute(ADAM, &[25, 0], &[25, 26, 27]),
+            Instr::compute(ADAM, &[29, 0], &[30, 30, 31]),
             // Every operand right: the only run.
             adam_of(ADAM, 8),
             adam_of(ADAM, 9),

@@ -42,6 +42,20 @@ impl<const N: usize> Operands<N> {
         out.ids[..ids.len()].copy_from_slice(ids);
         Some(out)
     }
+
+    /// The buffers numbered `ids` (`BufferId(n)` for each `n`); a list longer than `N` does
+    /// not compile.
+    pub fn numbered<const K: usize>(ids: &[u32; K]) -> Operands<N> {
+        const { assert!(K <= N, "more buffers than the operand list holds") };
+        let mut out = Operands {
+            len: K as u8,
+            ids: [BufferId(0); N],
+        };
+        for (slot, &id) in out.ids.iter_mut().zip(ids) {
+            *slot = BufferId(id);
+        }
+        out
+    }
 }
 
 impl<const N: usize> Deref for Operands<N> {

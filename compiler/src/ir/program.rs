@@ -415,6 +415,24 @@ pub enum Instr {
 }
 
 impl Instr {
+    /// A forward-phase compute instruction of `op`, with no spec node, on the buffers numbered
+    /// `inputs` and `outputs` (in the op's order): for programs written by hand (tests, tools).
+    /// An op with more operands than an instruction holds does not compile. The lowering uses
+    /// its builder instead, which shares equal ops between instructions.
+    pub fn compute<const I: usize, const O: usize>(
+        op: Op,
+        inputs: &[u32; I],
+        outputs: &[u32; O],
+    ) -> Instr {
+        Instr::Compute {
+            op: Arc::new(op),
+            inputs: Inputs::numbered(inputs),
+            outputs: Outputs::numbered(outputs),
+            node: None,
+            phase: Phase::Forward,
+        }
+    }
+
     /// Buffers this instruction reads.
     pub fn reads(&self) -> Vec<BufferId> {
         match self {

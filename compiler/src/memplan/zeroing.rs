@@ -203,10 +203,9 @@ fn output_use(op: &Op, index: usize) -> Use {
 mod tests {
     use super::*;
     use crate::cost::testspec::{build, Dims, Plan as PlanChoice};
-    use crate::ir::{BufferKind, CollectiveKind, GroupId, Inputs, Outputs, Phase};
+    use crate::ir::{BufferKind, CollectiveKind, GroupId};
     use crate::lower::lower;
     use crate::spec::ZeroStage;
-    use std::sync::Arc;
 
     use crate::memplan::tests::program_of as program;
 
@@ -219,17 +218,6 @@ mod tests {
     fn free(b: u32) -> Instr {
         Instr::Free {
             buffer: BufferId(b),
-        }
-    }
-
-    fn compute(op: Op, inputs: &[u32], outputs: &[u32]) -> Instr {
-        let ids = |v: &[u32]| v.iter().map(|&b| BufferId(b)).collect::<Vec<_>>();
-        Instr::Compute {
-            op: Arc::new(op),
-            inputs: Inputs::from_slice(&ids(inputs)).unwrap(),
-            outputs: Outputs::from_slice(&ids(outputs)).unwrap(),
-            node: None,
-            phase: Phase::Forward,
         }
     }
 
@@ -256,10 +244,10 @@ mod tests {
             &[-4, 4, 4, 2, 4],
             vec![
                 alloc(1),
-                compute(Op::Scale { factor: 2.0 }, &[0], &[1]),
+                Instr::compute(Op::Scale { factor: 2.0 }, &[0], &[1]),
                 alloc(2),
                 alloc(3),
-                compute(weight_grad(true), &[1, 1], &[2, 3]),
+                Instr::compute(weight_grad(true), &[1, 1], &[2, 3]),
                 alloc(4),
                 free(4),
                 free(1),
@@ -290,12 +278,12 @@ mod tests {
                 &[-4, 4, 4, 4, 2, 2, -2, 2],
                 vec![
                     alloc(1),
-                    compute(Op::Zero, &[], &[1]),
+                    Instr::compute(Op::Zero, &[], &[1]),
                     alloc(2),
-                    compute(data, &[1, 0], &[2]),
+                    Instr::compute(data, &[1, 0], &[2]),
                     alloc(3),
                     alloc(7),
-                    compute(norm, &[1, 1, 6, 4, 5], &[3, 7]),
+                    Instr::compute(norm, &[1, 1, 6, 4, 5], &[3, 7]),
                     free(1),
                     free(2),
                     free(3),
@@ -316,7 +304,7 @@ mod tests {
             &[4],
             vec![
                 alloc(0),
-                compute(Op::Scale { factor: 2.0 }, &[0], &[0]),
+                Instr::compute(Op::Scale { factor: 2.0 }, &[0], &[0]),
                 free(0),
             ],
         );
@@ -331,15 +319,15 @@ mod tests {
             &[4, 4, 4],
             vec![
                 alloc(2),
-                compute(Op::Zero, &[], &[2]),
+                Instr::compute(Op::Zero, &[], &[2]),
                 alloc(0),
-                compute(Op::Copy, &[2], &[0]),
-                compute(weight_grad(false), &[2, 2], &[0]),
+                Instr::compute(Op::Copy, &[2], &[0]),
+                Instr::compute(weight_grad(false), &[2, 2], &[0]),
                 alloc(1),
-                compute(Op::Copy, &[2], &[1]),
+                Instr::compute(Op::Copy, &[2], &[1]),
                 free(1),
                 alloc(1),
-                compute(weight_grad(false), &[2, 2], &[1]),
+                Instr::compute(weight_grad(false), &[2, 2], &[1]),
                 free(1),
                 free(0),
                 free(2),
@@ -353,27 +341,27 @@ mod tests {
         // b1: [0, 4) of 4; b2: [0, 3) of 4 (ZeRO padding left), then read; b3: [1, 5) of 5,
         // then read; b4: a bucket of 6 filled by three copies out of order, then read; b5:
         // half written, then freed (nothing reads its zeros).
-        let read = |b: u32| compute(Op::Copy, &[b], &[6]);
+        let read = |b: u32| Instr::compute(Op::Copy, &[b], &[6]);
         let p = program(
             &[-4, 4, 4, 5, 6, 4, 8],
             vec![
                 alloc(6),
                 alloc(1),
-                compute(copy_range(0, 4), &[0], &[1]),
+                Instr::compute(copy_range(0, 4), &[0], &[1]),
                 read(1),
                 alloc(2),
-                compute(copy_range(0, 3), &[0], &[2]),
+                Instr::compute(copy_range(0, 3), &[0], &[2]),
                 read(2),
                 alloc(3),
-                compute(copy_range(1, 4), &[0], &[3]),
+                Instr::compute(copy_range(1, 4), &[0], &[3]),
                 read(3),
                 alloc(4),
-                compute(copy_range(0, 2), &[0], &[4]),
-                compute(copy_range(4, 2), &[0], &[4]),
-                compute(copy_range(2, 2), &[0], &[4]),
+                Instr::compute(copy_range(0, 2), &[0], &[4]),
+                Instr::compute(copy_range(4, 2), &[0], &[4]),
+                Instr::compute(copy_range(2, 2), &[0], &[4]),
                 read(4),
                 alloc(5),
-                compute(copy_range(0, 2), &[0], &[5]),
+                Instr::compute(copy_range(0, 2), &[0], &[5]),
                 free(5),
                 free(1),
                 free(2),
@@ -412,7 +400,7 @@ mod tests {
             &[4, 8, 4, 4, 4, 4, 4],
             vec![
                 alloc(0),
-                compute(Op::Zero, &[], &[0]),
+                Instr::compute(Op::Zero, &[], &[0]),
                 alloc(1),
                 collective(0, 1),
                 alloc(2),
