@@ -5,7 +5,9 @@ FLOPs as in PyTorch's attention benchmark: causal forward 4*B*H*T^2*d/2, backwar
 import argparse
 import json
 
-POINTS = [(8, 16, 1024, 64), (8, 16, 4096, 64), (8, 8, 1024, 128), (8, 8, 4096, 128), (8, 12, 1024, 64)]
+# The micro-benchmark's shapes, then GPT-2 124M's and 350M's training-step shapes.
+POINTS = [(8, 16, 1024, 64), (8, 16, 4096, 64), (8, 8, 1024, 128), (8, 8, 4096, 128), (8, 12, 1024, 64),
+          (32, 12, 1024, 64), (16, 16, 1024, 64)]
 
 
 def sdpa_points():

@@ -107,6 +107,9 @@ mod bench {
             point(Precision::Bf16, 8, 8, 4096, 128),
             // GPT-2 124M's attention at 8 x 1024, on bf16 and on f32 buffers.
             point(Precision::Bf16, 8, 12, 1024, 64),
+            // The training steps' shapes: GPT-2 124M at 32 x 1024, 350M at 16 x 1024.
+            point(Precision::Bf16, 32, 12, 1024, 64),
+            point(Precision::Bf16, 16, 16, 1024, 64),
             Point {
                 stored: DType::F32,
                 ..point(Precision::Bf16, 8, 12, 1024, 64)
