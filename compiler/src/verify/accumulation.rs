@@ -7,17 +7,14 @@
 //! from before the `+=` — is the lowering's, from its holder counts; it is not visible in the
 //! IR. Also E0822: a `MatmulBwdData` with an activation gradient (`act_grad`) does not
 //! accumulate (its dx is the product times act'(pre), overwritten).
-use super::Violation;
+use super::{Findings, Violation};
 use crate::ir::op::Op;
 use crate::ir::{Instr, Program, ProgramId};
-
-/// Violations reported per program at most (the first ones say what is wrong).
-const MAX_PER_PROGRAM: usize = 16;
 
 /// Every accumulating output of `program` that is also an input of its instruction (run by
 /// `rank`, the lowest rank running it).
 pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violation> {
-    let mut violations = Vec::new();
+    let mut found = Findings::new(id, rank);
     for (i, instr) in program.instrs.iter().enumerate() {
         let Instr::Compute {
             op,
@@ -35,41 +32,29 @@ pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violatio
             ..
         } = &**op
         {
-            if violations.len() < MAX_PER_PROGRAM {
-                violations.push(Violation {
-                    code: "E0822",
-                    rank,
-                    program: id,
-                    instr: i,
-                    node: *node,
-                    message: format!(
-                        "{op:?} both accumulates dx and multiplies it by {act:?}'s derivative: \
-                         an activation-gradient product must overwrite dx"
-                    ),
-                });
-            }
+            found.push("E0822", i, *node, || {
+                format!(
+                    "{op:?} both accumulates dx and multiplies it by {act:?}'s derivative: \
+                     an activation-gradient product must overwrite dx"
+                )
+            });
         }
         for (k, out) in outputs.iter().enumerate() {
             let Some(input) = inputs.iter().position(|b| b == out) else {
                 continue;
             };
-            if !op.accumulates(k) || violations.len() >= MAX_PER_PROGRAM {
+            if !op.accumulates(k) {
                 continue;
             }
             let name = program.buffer(*out).map_or("?", |b| b.name.as_str());
-            violations.push(Violation {
-                code: "E0821",
-                rank,
-                program: id,
-                instr: i,
-                node: *node,
-                message: format!(
+            found.push("E0821", i, *node, || {
+                format!(
                     "{op:?} adds into output {k}, b{} `{name}`, which is also its input \
                      {input}: an accumulating output must be a buffer the op does not read",
                     out.0
-                ),
+                )
             });
         }
     }
-    violations
+    found.into_vec()
 }

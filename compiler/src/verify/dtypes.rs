@@ -3,16 +3,13 @@
 //! (`ir::storage`), a collective's input and output must share one type (a collective moves
 //! elements, it does not convert them), and `LoadBatch` fills i32 buffers. Buffers that do not
 //! exist are invariant 1's (E0810) and skipped here.
-use super::Violation;
+use super::{Findings, Violation};
 use crate::ir::storage::operand_classes;
 use crate::ir::{BufferId, Instr, Program, ProgramId};
 
-/// Violations reported per program at most (the first ones say what is wrong).
-const MAX_PER_PROGRAM: usize = 16;
-
 /// Every dtype violation of `program` (run by `rank`, the lowest rank running it).
 pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violation> {
-    let mut violations = Vec::new();
+    let mut found = Findings::new(id, rank);
     let describe = |b: BufferId| {
         program
             .buffer(b)
@@ -20,18 +17,7 @@ pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violatio
             .unwrap_or_else(|| format!("b{}", b.0))
     };
     for (i, instr) in program.instrs.iter().enumerate() {
-        let mut push = |node, message: String| {
-            if violations.len() < MAX_PER_PROGRAM {
-                violations.push(Violation {
-                    code: "E0819",
-                    rank,
-                    program: id,
-                    instr: i,
-                    node,
-                    message,
-                });
-            }
-        };
+        let mut push = |node, message: String| found.push("E0819", i, node, || message);
         match instr {
             Instr::Compute {
                 op,
@@ -100,5 +86,5 @@ pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violatio
             _ => {}
         }
     }
-    violations
+    found.into_vec()
 }

@@ -3,12 +3,12 @@
 //! buffer (E0820). Backends rely on it: they run such an op on the buffer without copying the
 //! input first, so an instruction naming two buffers there would read one and leave the other
 //! unwritten.
-use super::Violation;
+use super::{Findings, Violation};
 use crate::ir::{Instr, Program, ProgramId};
 
 /// Every in-place binding violation of `program` (run by `rank`, the lowest rank running it).
 pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violation> {
-    let mut violations = Vec::new();
+    let mut found = Findings::new(id, rank);
     for (i, instr) in program.instrs.iter().enumerate() {
         let Instr::Compute {
             op,
@@ -26,21 +26,16 @@ pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violatio
                 let name = |b: Option<&crate::ir::BufferId>| {
                     b.map_or_else(|| "nothing".to_string(), |b| format!("b{}", b.0))
                 };
-                violations.push(Violation {
-                    code: "E0820",
-                    rank,
-                    program: id,
-                    instr: i,
-                    node: *node,
-                    message: format!(
+                found.push("E0820", i, *node, || {
+                    format!(
                         "{op:?} updates input {input} in place as output {output}, but input \
                          {input} is {} and output {output} is {}",
                         name(a),
                         name(b)
-                    ),
+                    )
                 });
             }
         }
     }
-    violations
+    found.into_vec()
 }

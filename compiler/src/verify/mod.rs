@@ -116,6 +116,52 @@ impl Violation {
     }
 }
 
+/// The violations one per-program check (invariants 6–8) finds in a program run by `rank` (the
+/// lowest rank running it): at most [`Findings::MAX`], the first ones, which say what is wrong.
+pub(super) struct Findings {
+    program: ProgramId,
+    rank: u32,
+    found: Vec<Violation>,
+}
+
+impl Findings {
+    /// Violations kept per program and check.
+    const MAX: usize = 16;
+
+    pub(super) fn new(program: ProgramId, rank: u32) -> Findings {
+        Findings {
+            program,
+            rank,
+            found: Vec::new(),
+        }
+    }
+
+    /// Violation `code` at instruction `instr` (of spec node `node`); `message` is built only
+    /// while fewer than [`Findings::MAX`] are kept.
+    pub(super) fn push(
+        &mut self,
+        code: &'static str,
+        instr: usize,
+        node: Option<NodeId>,
+        message: impl FnOnce() -> String,
+    ) {
+        if self.found.len() < Findings::MAX {
+            self.found.push(Violation {
+                code,
+                rank: self.rank,
+                program: self.program,
+                instr,
+                node,
+                message: message(),
+            });
+        }
+    }
+
+    pub(super) fn into_vec(self) -> Vec<Violation> {
+        self.found
+    }
+}
+
 /// Everything the verifier found: the report and every violation (empty when the plan passed).
 #[derive(Clone, Debug)]
 pub struct Outcome {

@@ -617,3 +617,21 @@ fn an_accumulating_output_that_is_also_an_input_is_reported() {
     assert_eq!(outcome.violations[0].instr, at);
     assert!(outcome.violations[0].message.contains("also its input 0"));
 }
+
+#[test]
+fn a_check_keeps_its_first_sixteen_violations_per_program() {
+    let mut found = Findings::new(ProgramId(2), 5);
+    let mut built = 0;
+    for i in 0..40 {
+        found.push("E0820", i, None, || {
+            built += 1;
+            format!("violation {i}")
+        });
+    }
+    let found = found.into_vec();
+    assert_eq!(found.len(), 16);
+    assert_eq!(built, 16, "messages past the limit are not built");
+    assert_eq!((found[3].instr, found[3].rank), (3, 5));
+    assert_eq!(found[3].program, ProgramId(2));
+    assert_eq!(found[15].message, "violation 15");
+}
