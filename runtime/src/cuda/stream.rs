@@ -327,16 +327,21 @@ impl CommStream {
         &self.stream
     }
 
+    /// An event recorded on `compute` after the work queued so far.
+    fn compute_event(&mut self, compute: &CudaStream) -> Result<CudaEvent> {
+        record_into(
+            &mut self.compute_events,
+            compute,
+            "a compute event for communication",
+        )
+    }
+
     /// Record an event on `compute` after the work queued so far, for `buffers`.
     fn record_compute(&mut self, compute: &CudaStream, buffers: &[BufferId]) -> Result<()> {
         if buffers.is_empty() {
             return Ok(());
         }
-        let event = record_into(
-            &mut self.compute_events,
-            compute,
-            "a compute event for communication",
-        )?;
+        let event = self.compute_event(compute)?;
         let seq = self.uses.recorded(buffers);
         self.compute_events.push(seq, event, finished);
         Ok(())
@@ -357,11 +362,7 @@ impl CommStream {
                 }
             }
             CommWait::Everything => {
-                let event = record_into(
-                    &mut self.compute_events,
-                    compute,
-                    "a compute event for communication",
-                )?;
+                let event = self.compute_event(compute)?;
                 self.stream.wait(&event).map_err(ordering)?;
                 self.compute_events.give_back(event);
             }
