@@ -28,30 +28,9 @@ fn pieces(
     grad_scale: f64,
     loss0: f32,
 ) -> Vec<Vec<f32>> {
-    let rows = targets.len();
     let v = vocab as u64;
+    let [max, sumexp, target] = ce_pieces(logits, targets, 0, v, None);
     let l = Input::F(logits.to_vec());
-    let max = eval(
-        &Op::CeMax { vocab_local: v },
-        std::slice::from_ref(&l),
-        &[rows],
-    )
-    .remove(0);
-    let sumexp = eval(
-        &Op::CeSumExp { vocab_local: v },
-        &[l.clone(), Input::F(max.clone())],
-        &[rows],
-    )
-    .remove(0);
-    let target = eval(
-        &Op::CeTargetLogit {
-            vocab_start: 0,
-            vocab_local: v,
-        },
-        &[l.clone(), Input::I(targets.to_vec())],
-        &[rows],
-    )
-    .remove(0);
     let loss = eval_from(
         &Op::CeLoss { scale: SCALE },
         &[

@@ -606,41 +606,6 @@ fn position_add_uses_global_positions_of_each_row() {
 
 // ---------------------------------------------------------------- cross-entropy
 
-/// max, sumexp, target_logit of a vocab slice, given the global max for sumexp.
-fn ce_pieces(
-    logits: &[f32],
-    targets: &[i32],
-    vocab_start: u64,
-    vocab_local: u64,
-    global_max: Option<&[f32]>,
-) -> [Vec<f32>; 3] {
-    let rows = targets.len();
-    let l = Input::F(logits.to_vec());
-    let max = eval(
-        &Op::CeMax { vocab_local },
-        std::slice::from_ref(&l),
-        &[rows],
-    )
-    .remove(0);
-    let use_max = global_max.map_or(max.clone(), <[f32]>::to_vec);
-    let sumexp = eval(
-        &Op::CeSumExp { vocab_local },
-        &[l.clone(), Input::F(use_max)],
-        &[rows],
-    )
-    .remove(0);
-    let target = eval(
-        &Op::CeTargetLogit {
-            vocab_start,
-            vocab_local,
-        },
-        &[l, Input::I(targets.to_vec())],
-        &[rows],
-    )
-    .remove(0);
-    [max, sumexp, target]
-}
-
 fn columns(logits: &[f32], vocab: usize, range: std::ops::Range<usize>) -> Vec<f32> {
     logits
         .chunks(vocab)
