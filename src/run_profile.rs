@@ -49,6 +49,16 @@ fn nominal(gpu: &Gpu) -> bool {
     gpu.name == "cpu"
 }
 
+/// How the instructions were timed: `device` (marks on the device's queue, no waiting between
+/// instructions) or `synchronized` (on the host, the backend idle before and after each).
+fn timing(profile: &StepProfile) -> &'static str {
+    if profile.device_timed {
+        "device"
+    } else {
+        "synchronized"
+    }
+}
+
 /// The `{"event":"profile",…}` line.
 pub fn json(profile: &StepProfile, gpu: &Gpu) -> Value {
     let kinds: Vec<Value> = rows(profile, gpu)
@@ -74,6 +84,7 @@ pub fn json(profile: &StepProfile, gpu: &Gpu) -> Value {
         "peak_tflops": gpu.peak_flops / 1e12,
         "memory_bandwidth_gbps": gpu.memory_bandwidth / 1e9,
         "ceilings_nominal": nominal(gpu),
+        "timing": timing(profile),
         "kinds": kinds,
     })
 }
@@ -81,11 +92,16 @@ pub fn json(profile: &StepProfile, gpu: &Gpu) -> Value {
 /// The human table.
 pub fn human(profile: &StepProfile, gpu: &Gpu) -> String {
     let mut out = format!(
-        "profile of step {} on rank {}: {:.2} ms; ceilings of the spec's gpu `{}`: {:.1} \
-         TFLOP/s, {:.0} GB/s{}\n",
+        "profile of step {} on rank {}: {:.2} ms, {}; ceilings of the spec's gpu `{}`: \
+         {:.1} TFLOP/s, {:.0} GB/s{}\n",
         profile.step,
         profile.rank,
         profile.step_seconds * 1e3,
+        if profile.device_timed {
+            "instructions timed on the device (no per-instruction synchronization)"
+        } else {
+            "each instruction timed between synchronizations"
+        },
         gpu.name,
         gpu.peak_flops / 1e12,
         gpu.memory_bandwidth / 1e9,
@@ -156,5 +172,9 @@ mod tests {
         assert_eq!(kinds[2]["kind"], "other");
         assert!((kinds[2]["share_pct"].as_f64().unwrap() - 50.0).abs() < 1e-6);
         assert!(human(&p, &gpu()).contains("matmul_fwd"));
+        assert_eq!(v["timing"], "synchronized");
+        p.device_timed = true;
+        assert_eq!(json(&p, &gpu())["timing"], "device");
+        assert!(human(&p, &gpu()).contains("timed on the device"));
     }
 }

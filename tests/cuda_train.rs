@@ -18,7 +18,8 @@
 //! Checkpoints cross backends: a CUDA run's checkpoint resumes on the CPU and the reverse, and
 //! the resumed losses match an uninterrupted run. The fused optimizer (one launch per run of
 //! updates) gives the per-tensor launches' parameters and state bit for bit on the same inputs
-//! (AdamW, SGD, an fp16 overflow step, a ZeRO-1 rank). Without a GPU every GPU test prints
+//! (AdamW, also with widths that are not multiples of 4; SGD, an fp16 overflow step, a ZeRO-1
+//! rank). Without a GPU every GPU test prints
 //! `skipped: no CUDA device (…)`; the run detection on the lowered programs needs none.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #[allow(dead_code)]
@@ -412,6 +413,31 @@ fn every_update_of_a_program_is_one_fused_run() {
             .collect();
         assert_eq!(decays.len(), 2, "llama {llama} sgd {sgd}");
     }
+    // GPT-2 124M at micro-batch 32 (issue 6's benchmark): its updates are one launch.
+    let gpt2 = Dims {
+        vocab: 50304,
+        dim: 768,
+        seq: 1024,
+        heads: 12,
+        kv_heads: 12,
+        ffn: 3072,
+        micro_batch: 32,
+    };
+    let model = TinyModel {
+        layers: 12,
+        llama: false,
+        tied: true,
+    };
+    let plan = lower(&sized_spec(model, PlanChoice::default(), gpt2))
+        .unwrap_or_else(|d| panic!("{:?}", d.items));
+    let program = &plan.programs[0];
+    let updates = (program.instrs.iter())
+        .filter(|i| matches!(i, Instr::Compute { op, .. } if matches!(**op, Op::AdamW { .. })))
+        .count();
+    let runs = find_runs(program);
+    assert_eq!(runs.len(), 1, "gpt2-124m: {} runs", runs.len());
+    assert_eq!(runs[0].members.len(), updates);
+    assert!(updates > 12 * 10, "gpt2-124m: {updates} updates");
 }
 
 /// A small deterministic generator (xorshift64*) for the optimizer test's inputs.
@@ -615,6 +641,24 @@ fn fused_optimizer_equals_per_tensor_updates() {
         use parc_compiler::spec::Optimizer;
         fused_equals_per_tensor("gpt-adamw", &model_spec(false, 1), 3, None);
         fused_equals_per_tensor("llama-adamw", &model_spec(true, 1), 3, None);
+        // Widths that are not multiples of 4 (the float4 path's element tails) and a table
+        // of 301 × 66 = 19,866 elements (two chunks, the second ending in a tail).
+        let odd = Dims {
+            vocab: 301,
+            dim: 66,
+            seq: 16,
+            heads: 2,
+            kv_heads: 2,
+            ffn: 130,
+            micro_batch: 2,
+        };
+        let odd_model = TinyModel {
+            layers: 1,
+            llama: false,
+            tied: true,
+        };
+        let odd = sized_spec(odd_model, PlanChoice::default(), odd);
+        fused_equals_per_tensor("gpt-adamw-odd-widths", &odd, 3, None);
         let mut sgd = model_spec(false, 1);
         sgd.train.optimizer = Optimizer::Sgd {
             lr: 1e-1,

@@ -8,7 +8,8 @@
 //! memory held (`reserved_bytes`) does not change and covers the plan; the losses match the
 //! CPU's (1e-4 relative fp32, 1e-2 bf16), so the planned offsets hold the right data, with the
 //! buffers the plan exempts from zero-filling poisoned with NaN until written (so no kernel
-//! reads one before writing all of it). Head dim 64, so bf16 attention runs on the tensor-core
+//! reads one before writing all of it); a profiled step (device-timed: every instruction timed
+//! once by events) allocates nothing either. Head dim 64, so bf16 attention runs on the tensor-core
 //! kernels. bf16 storage halves the activations: a model whose activations outweigh the fixed
 //! workspace and scratch holds less in bf16 than in fp32 (both printed).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -170,6 +171,16 @@ fn cuda_steps_allocate_nothing() {
                     "llama {llama} {precision:?} step {step}: loss cuda {g} cpu {c}"
                 );
             }
+            // A profiled step is timed on the device (events, no per-instruction waits),
+            // every instruction once, and allocates nothing either.
+            let mut profile = parc_runtime::exec::StepProfile::new(3, 0);
+            gpu.step(3, 1e-3, Some(&mut profile)).unwrap();
+            assert!(profile.device_timed);
+            let timed: u64 = profile.kinds.iter().map(|k| k.count).sum();
+            assert_eq!(timed as usize, plan.programs[0].instrs.len());
+            assert!(profile.kinds.iter().all(|k| k.seconds >= 0.0));
+            assert!(profile.kinds.iter().map(|k| k.seconds).sum::<f64>() > 0.0);
+            assert_eq!(gpu.backend().driver_allocations(), allocations);
         }
     }
     // 16 × 512 rows of width 256: ~0.2 GB of fp32 activations against the 32 MiB cuBLASLt

@@ -87,6 +87,18 @@ pub trait Backend {
     fn synchronize(&mut self) -> Result<()> {
         Ok(())
     }
+    /// For `--profile`: record a time mark on the device's queue of work, after everything
+    /// queued so far, without waiting for it. `Ok(false)`: this backend keeps no device clock
+    /// (its ops finish before they return), and the executor times each instruction on the
+    /// host between [`Backend::synchronize`] calls instead. The default keeps none.
+    fn mark_time(&mut self) -> Result<bool> {
+        Ok(false)
+    }
+    /// Seconds between consecutive marks of [`Backend::mark_time`] since the last call (one
+    /// value fewer than marks), after waiting for the device; the marks are then forgotten.
+    fn marked_intervals(&mut self) -> Result<Vec<f64>> {
+        Ok(Vec::new())
+    }
     /// Run a collective on this backend's own buffers through a device communicator it owns
     /// (NCCL), with the semantics of [`crate::comm::Comm`]: `group` holds global ranks in
     /// group-rank order and contains this rank; all-gather concatenates in group order;

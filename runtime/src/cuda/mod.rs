@@ -158,6 +158,8 @@ pub struct CudaBackend {
     gemm_operands: gemm_operands::GemmOperands,
     /// The fused optimizer's runs and tables (built by `prepare`).
     fused: optimizer::FusedOptimizer,
+    /// `--profile`'s time marks on the compute stream since the last `marked_intervals`.
+    time_marks: Vec<cudarc::driver::CudaEvent>,
     /// Kept alive for cuBLASLt.
     _workspace: CudaSlice<u8>,
 }
@@ -213,6 +215,7 @@ impl CudaBackend {
             operands,
             gemm_operands: gemm_operands::GemmOperands::default(),
             fused: optimizer::FusedOptimizer::default(),
+            time_marks: Vec::new(),
             _workspace: workspace,
             nccl: None,
         })
@@ -493,6 +496,31 @@ impl Backend for CudaBackend {
     fn synchronize(&mut self) -> Result<()> {
         self.drain_comm()?;
         CudaBackend::synchronize(self)
+    }
+
+    /// A timing event recorded on the compute stream (work on the communication stream is
+    /// seen where the compute stream waits for it).
+    fn mark_time(&mut self) -> Result<bool> {
+        let event = self
+            .stream
+            .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| driver_error("recording a profiling event", e))?;
+        self.time_marks.push(event);
+        Ok(true)
+    }
+
+    fn marked_intervals(&mut self) -> Result<Vec<f64>> {
+        let marks = std::mem::take(&mut self.time_marks);
+        CudaBackend::synchronize(self)?;
+        marks
+            .windows(2)
+            .map(|pair| {
+                pair[0]
+                    .elapsed_ms(&pair[1])
+                    .map(|ms| f64::from(ms) / 1e3)
+                    .map_err(|e| driver_error("reading a profiling event's time", e))
+            })
+            .collect()
     }
 
     fn prepare(&mut self, program: &Program, layout: &MemoryLayout) -> Result<()> {

@@ -3,9 +3,11 @@
 //! (bytes read + written, for memory-bound ops) it does, and the per-kind totals of one step.
 //!
 //! The executor fills a [`StepProfile`] only for the profiled step, so a run without
-//! `--profile` pays nothing. FLOPs come from an op's dimensions; bytes from the sizes of the
-//! buffers it reads and writes, an output it adds into counted twice (a lower bound on its
-//! traffic).
+//! `--profile` pays nothing. A backend with a device clock (CUDA: events on its stream) times
+//! the instructions where they run, without per-instruction synchronization; others are timed
+//! on the host around synchronizations ([`StepProfile::device_timed`] says which). FLOPs come
+//! from an op's dimensions; bytes from the sizes of the buffers it reads and writes, an output
+//! it adds into counted twice (a lower bound on its traffic).
 use parc_compiler::ir::op::{Op, Segment};
 use parc_compiler::ir::Instr;
 use serde::Serialize;
@@ -243,6 +245,11 @@ pub struct StepProfile {
     pub rank: u32,
     /// Wall time of the whole step.
     pub step_seconds: f64,
+    /// Whether the instructions were timed on the device's queue (between time marks the
+    /// backend recorded after each one, with no waiting between them: the step ran as it does
+    /// unprofiled, and an instruction's time includes any idle gap before it) rather than on
+    /// the host between synchronizations (each instruction alone, launch and wait included).
+    pub device_timed: bool,
     /// One entry per [`OpKind`], in [`OpKind::ALL`] order; `Other` holds the step time
     /// outside the instructions, so the seconds sum to `step_seconds`.
     pub kinds: Vec<KindTotals>,
@@ -254,6 +261,7 @@ impl StepProfile {
             step,
             rank,
             step_seconds: 0.0,
+            device_timed: false,
             kinds: OpKind::ALL
                 .iter()
                 .map(|&kind| KindTotals {

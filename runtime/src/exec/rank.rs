@@ -217,7 +217,9 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
     }
 
     /// Run the program once as 0-based training step `step`. With `profile`, every
-    /// instruction is timed between backend synchronizations and added to it.
+    /// instruction is timed and added to it: between time marks on the device's queue where
+    /// the backend keeps them ([`Backend::mark_time`]: no waiting between instructions, so the
+    /// step runs as it does unprofiled), else between backend synchronizations.
     pub fn step(
         &mut self,
         step: u64,
@@ -230,11 +232,25 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
             step: self.optimizer_step,
             loss_scale: self.loss_scaler.as_ref().map(LossScaler::scale),
         };
+        // Device-timed profiling: the work of each instruction, timed once the step is queued.
+        let mut device_timed: Option<Vec<(profile::OpKind, f64, f64)>> = None;
+        if profile.is_some() {
+            self.backend.synchronize()?;
+            if self.backend.mark_time()? {
+                device_timed = Some(Vec::with_capacity(self.program.instrs.len()));
+            }
+        }
         for (index, instr) in self.program.instrs.iter().enumerate() {
             self.backend.begin_instruction(index);
-            let result = match profile.as_deref_mut() {
-                None => self.run(instr, step, &scalars),
-                Some(profile) => self.run_timed(instr, step, &scalars, profile),
+            let result = match (profile.as_deref_mut(), device_timed.as_mut()) {
+                (None, _) => self.run(instr, step, &scalars),
+                (Some(_), Some(work)) => self.run(instr, step, &scalars).and_then(|()| {
+                    self.backend.mark_time()?;
+                    let (flops, bytes) = self.work_of(instr);
+                    work.push((profile::classify(instr), flops, bytes));
+                    Ok(())
+                }),
+                (Some(profile), None) => self.run_timed(instr, step, &scalars, profile),
             };
             result.map_err(|e| match e {
                 RuntimeError::Comm(_) => self.locate_comm_error(Some(index), e),
@@ -246,6 +262,24 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
                     what: other.to_string(),
                 },
             })?;
+        }
+        if let (Some(profile), Some(work)) = (profile, device_timed) {
+            let intervals = self.backend.marked_intervals()?;
+            if intervals.len() != work.len() {
+                return Err(plan_error(
+                    self.rank,
+                    format!(
+                        "the backend's profile has {} instruction times for {} instructions \
+                         (a backend bug)",
+                        intervals.len(),
+                        work.len()
+                    ),
+                ));
+            }
+            profile.device_timed = true;
+            for ((kind, flops, bytes), seconds) in work.into_iter().zip(intervals) {
+                profile.add(kind, seconds, flops, bytes);
+            }
         }
         let read = |id: Option<BufferId>| -> Result<Option<f32>> {
             id.map(|id| {
@@ -374,13 +408,21 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         self.run(instr, step, scalars)?;
         self.backend.synchronize()?;
         let seconds = started.elapsed().as_secs_f64();
+        let (flops, moved) = self.work_of(instr);
+        profile.add(profile::classify(instr), seconds, flops, moved);
+        Ok(())
+    }
+
+    /// The FLOPs (matmuls, attention) and bytes of the buffers read and written of `instr`,
+    /// for the profile.
+    fn work_of(&self, instr: &Instr) -> (f64, f64) {
         let bytes = |ids: &[BufferId]| -> f64 {
             ids.iter()
                 .filter_map(|id| self.program.buffer(*id))
                 .map(|b| b.bytes() as f64)
                 .sum()
         };
-        let (flops, moved) = match instr {
+        match instr {
             Instr::Compute {
                 op,
                 inputs,
@@ -421,9 +463,7 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
                 (0.0, bytes(&ids))
             }
             Instr::Alloc { .. } | Instr::Free { .. } => (0.0, 0.0),
-        };
-        profile.add(profile::classify(instr), seconds, flops, moved);
-        Ok(())
+        }
     }
 
     fn numel(&self, id: BufferId) -> Result<usize> {

@@ -80,12 +80,48 @@ struct OptChunk {
     long long start;
 };
 
+// Whether every pointer starts on a 16-byte boundary (float4 access).
+__device__ __forceinline__ bool opt_vec_ok(const void* a, const void* b, const void* c, const void* d) {
+    return (((unsigned long long)a | (unsigned long long)b | (unsigned long long)c | (unsigned long long)d) & 15ull) == 0;
+}
+
+// AdamW on 4 consecutive elements held in float4s.
+__device__ __forceinline__ void adamw_update4(float4 g, float4& p, float4& m, float4& v, float cf, float beta1, float beta2, float eps, float wd, float lr, float bias1, float bias2) {
+    adamw_update(g.x, p.x, m.x, v.x, cf, beta1, beta2, eps, wd, lr, bias1, bias2);
+    adamw_update(g.y, p.y, m.y, v.y, cf, beta1, beta2, eps, wd, lr, bias1, bias2);
+    adamw_update(g.z, p.z, m.z, v.z, cf, beta1, beta2, eps, wd, lr, bias1, bias2);
+    adamw_update(g.w, p.w, m.w, v.w, cf, beta1, beta2, eps, wd, lr, bias1, bias2);
+}
+
+// Where g, param, m and v are 16-byte aligned (planned buffers are; chunk starts are multiples
+// of chunk_len, a multiple of 8), a chunk moves in float4s, two per thread per round (all
+// loads before any store), its last n % 4 elements one at a time; else one element at a time.
 extern "C" __global__ void adamw_multi(const OptTensor* tensors, const OptChunk* chunks, long long chunk_len, float beta1, float beta2, float eps, float lr, float bias1, float bias2) {
     OptChunk c = chunks[blockIdx.x];
     OptTensor t = tensors[c.tensor];
     float cf = t.coef[0];
     if (not_finite(cf)) return;
     long long end = c.start + chunk_len < t.n ? c.start + chunk_len : t.n;
+    if (c.start % 4 == 0 && opt_vec_ok(t.g, t.param, t.state0, t.state1)) {
+        const float4* g4 = (const float4*)t.g;
+        float4 *p4 = (float4*)t.param, *m4 = (float4*)t.state0, *v4 = (float4*)t.state1;
+        long long q0 = c.start / 4, q1 = end / 4;
+        for (long long base = q0 + threadIdx.x; base < q1; base += 2 * (long long)blockDim.x) {
+            long long q = base, r = base + blockDim.x;
+            float4 ga = g4[q], pa = p4[q], ma = m4[q], va = v4[q];
+            float4 gb, pb, mb, vb;
+            if (r < q1) { gb = g4[r]; pb = p4[r]; mb = m4[r]; vb = v4[r]; }
+            adamw_update4(ga, pa, ma, va, cf, beta1, beta2, eps, t.wd, lr, bias1, bias2);
+            m4[q] = ma; v4[q] = va; p4[q] = pa;
+            if (r < q1) {
+                adamw_update4(gb, pb, mb, vb, cf, beta1, beta2, eps, t.wd, lr, bias1, bias2);
+                m4[r] = mb; v4[r] = vb; p4[r] = pb;
+            }
+        }
+        for (long long i = 4 * q1 + threadIdx.x; i < end; i += blockDim.x)
+            adamw_element(t.g, t.param, t.state0, t.state1, i, cf, beta1, beta2, eps, t.wd, lr, bias1, bias2);
+        return;
+    }
     for (long long base = c.start + threadIdx.x; base < end; base += OPT_UNROLL * blockDim.x) {
         float g[OPT_UNROLL], p[OPT_UNROLL], m[OPT_UNROLL], v[OPT_UNROLL];
 #pragma unroll
