@@ -159,6 +159,7 @@ mod bench {
                 out_dim: dout,
                 bias,
                 act: None,
+                residual: false,
             };
             let fwd_in: Vec<BufferId> = if bias { vec![x, w, b] } else { vec![x, w] };
             // The forward output doubles as the backward's dy (random, never zero).

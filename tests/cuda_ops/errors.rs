@@ -17,6 +17,7 @@ fn bad_programs_are_errors() {
         out_dim: 2,
         bias: false,
         act: None,
+        residual: false,
     };
     let err = b
         .compute(

@@ -1,6 +1,6 @@
 //! GEMMs (`Matmul`, its data and weight backwards, with and without bias, with a fused
 //! activation or activation gradient: gelu_tanh by cuBLASLt's epilogues, relu by the separate
-//! kernels) in fp32, bf16 and fp16 runs; with bf16 storage (bf16 activation operands and
+//! kernels; with a fused residual add) in fp32, bf16 and fp16 runs; with bf16 storage (bf16 activation operands and
 //! outputs, f32 weights, biases and their gradients; and runs mixing f32 and bf16
 //! activations); that a bf16 run's cached weight casts follow every write to the weight; and
 //! the bit-exact rounding of bf16 and fp16 GEMM operands.
@@ -29,6 +29,7 @@ fn matmul_cases(test: &str, tol: f32) -> Vec<Case> {
                 out_dim: o,
                 bias: false,
                 act: None,
+                residual: false,
             },
             vec![Data::F32(x.clone()), Data::F32(w.clone())],
             vec![r.vec(rows * m, 1.0)],
@@ -41,6 +42,7 @@ fn matmul_cases(test: &str, tol: f32) -> Vec<Case> {
                 out_dim: o,
                 bias: true,
                 act: None,
+                residual: false,
             },
             vec![
                 Data::F32(x.clone()),
@@ -81,6 +83,7 @@ fn matmul_cases(test: &str, tol: f32) -> Vec<Case> {
                         out_dim: o,
                         bias,
                         act: Some(act),
+                        residual: false,
                     },
                     ins,
                     vec![r.vec(rows * m, 1.0), r.vec(rows * m, 1.0)],
@@ -103,6 +106,34 @@ fn matmul_cases(test: &str, tol: f32) -> Vec<Case> {
                 vec![r.vec(rows * k, 1.0)],
                 tol,
             ));
+        }
+        // A fused residual (r added by the GEMM: C = r, beta = 1), alone and under a fused
+        // GELU (the residual is part of the pre-activation).
+        for act in [None, Some(Act::GeluTanh)] {
+            for bias in [false, true] {
+                let mut ins = vec![Data::F32(x.clone()), Data::F32(w.clone())];
+                if bias {
+                    ins.push(Data::F32(r.vec(m, 1.0)));
+                }
+                ins.push(Data::F32(r.vec(rows * m, 1.0)));
+                let mut outs = vec![r.vec(rows * m, 1.0)];
+                if act.is_some() {
+                    outs.push(r.vec(rows * m, 1.0));
+                }
+                cases.push(Case::new(
+                    format!("matmul_residual act={act:?} bias={bias} {rows}x{k}x{m}"),
+                    Op::Matmul {
+                        in_dim: i,
+                        out_dim: o,
+                        bias,
+                        act,
+                        residual: true,
+                    },
+                    ins,
+                    outs,
+                    tol,
+                ));
+            }
         }
         for bias in [false, true] {
             let mut outs = vec![r.vec(m * k, 1.0)];
@@ -161,6 +192,17 @@ fn matmuls_bf16_mixed_storage() {
     let mut cases = Vec::new();
     for case in matmul_cases("matmuls_bf16_mixed_storage", BF16_GEMM) {
         let (ins, outs): (&[DType], &[DType]) = match case.name() {
+            // An f32 residual beside a bf16 y: added by the kernel after the GEMM.
+            n if n.starts_with("matmul_residual") => {
+                let bias = n.contains("bias=true");
+                let act = n.contains("act=Some");
+                match (bias, act) {
+                    (true, true) => (&[h, f, f, f], &[h, h]),
+                    (true, false) => (&[h, f, f, f], &[h]),
+                    (false, true) => (&[h, f, f], &[h, h]),
+                    (false, false) => (&[h, f, f], &[h]),
+                }
+            }
             // bf16 y and a; then an f32 y beside a bf16 a (no fused epilogue: the kernel).
             n if n.starts_with("matmul_act") && n.contains("bias=true") => (&[f, f, f], &[h, h]),
             n if n.starts_with("matmul_act") => (&[h, f], &[f, h]),
@@ -231,6 +273,7 @@ fn bf16_weight_casts_follow_the_weight() {
         out_dim: m as u64,
         bias: true,
         act: None,
+        residual: false,
     };
     let backward = Op::MatmulBwdData {
         in_dim: k as u64,
@@ -335,6 +378,7 @@ fn assert_gemm_operands_round(precision: Precision, label: &str, cases: &[(f32, 
         out_dim: 1,
         bias: false,
         act: None,
+        residual: false,
     };
     gpu.compute(&op, &[BufferId(0), BufferId(1)], &[BufferId(2)], &SCALARS)
         .unwrap();

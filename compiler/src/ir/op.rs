@@ -111,16 +111,20 @@ pub enum Op {
     RmsNormBwd { dim: u64, accumulate: bool },
 
     // ------------------------------------------------------------------ linear
-    /// in: x `[rows, in]`, w `[out, in]`, b `[out]` (only when `bias`). out: y `[rows, out]`,
-    /// then, only when `act` is set, a `[rows, out]` = act(y) (a fused activation, as a GEMM
-    /// epilogue computes it: y is the pre-activation the backward reads). `a` is computed from
-    /// y's f32 value before y is rounded to a bf16 output, so in f32 the op is exactly a
-    /// `Matmul` followed by an `Activation`, and in bf16 each output is rounded once.
+    /// in: x `[rows, in]`, w `[out, in]`, b `[out]` (only when `bias`), r `[rows, out]` (only
+    /// when `residual`). out: y `[rows, out]` = x Wᵀ + b (+ r: a residual add fused into the
+    /// GEMM, added to the finished `x Wᵀ + b`, so in f32 exactly a `Matmul` followed by an
+    /// `Add`; in bf16 r is read as stored and y rounded once), then, only when `act` is set,
+    /// a `[rows, out]` = act(y) (a fused activation, as a GEMM epilogue computes it: y is the
+    /// pre-activation the backward reads). `a` is computed from y's f32 value before y is
+    /// rounded to a bf16 output, so in f32 the op is exactly a `Matmul` followed by an
+    /// `Activation`, and in bf16 each output is rounded once.
     Matmul {
         in_dim: u64,
         out_dim: u64,
         bias: bool,
         act: Option<Act>,
+        residual: bool,
     },
     /// in: dy `[rows, out]`, w `[out, in]`, then, only when `act_grad` is set, pre `[rows, in]`
     /// (the saved pre-activation of the layer whose activation feeds this product). out: dx

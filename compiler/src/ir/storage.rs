@@ -69,8 +69,13 @@ pub fn operand_classes(op: &Op) -> (Vec<StorageClass>, Vec<StorageClass>) {
         ),
         Op::RmsNorm { .. } => (vec![Float, Fp32], vec![Float, Fp32]),
         Op::RmsNormBwd { .. } => (vec![Float, Float, Fp32, Fp32], vec![Float, Fp32]),
-        Op::Matmul { bias, act, .. } => (
-            with(&[Float, Fp32], *bias, Fp32),
+        Op::Matmul {
+            bias,
+            act,
+            residual,
+            ..
+        } => (
+            with(&with(&[Float, Fp32], *bias, Fp32), *residual, Float),
             with(&[Float], act.is_some(), Float),
         ),
         Op::MatmulBwdData { act_grad, .. } => {

@@ -206,6 +206,75 @@ impl ProgramBuilder {
         self.instrs.push(Instr::P2p { ops });
     }
 
+    /// Turns the `Matmul` that last wrote `y` into one that also adds `r` (`residual`), so
+    /// that `y` becomes `y + r`, when that is the same as adding afterwards: the op is
+    /// `node`'s in `phase`, writes `y` alone and has no activation or residual yet; no later
+    /// instruction reads `y` (it would see the sum); `r` exists and is not written after it.
+    /// Whether it did.
+    pub fn add_residual(&mut self, y: BufferId, r: BufferId, node: NodeId, phase: Phase) -> bool {
+        let Some(i) = self
+            .instrs
+            .iter()
+            .rposition(|ins| ins.writes().contains(&y))
+        else {
+            return false;
+        };
+        let later = self.instrs.get(i + 1..).unwrap_or_default();
+        if later.iter().any(|ins| {
+            ins.reads().contains(&y)
+                || ins.writes().contains(&r)
+                || matches!(ins, Instr::Alloc { buffer } if *buffer == r)
+        }) {
+            return false;
+        }
+        let Some(Instr::Compute {
+            op,
+            inputs,
+            outputs,
+            node: Some(n),
+            phase: p,
+        }) = self.instrs.get(i)
+        else {
+            return false;
+        };
+        let (n, p, outputs) = (*n, *p, *outputs);
+        let Op::Matmul {
+            in_dim,
+            out_dim,
+            bias,
+            act: None,
+            residual: false,
+        } = **op
+        else {
+            return false;
+        };
+        if n != node || p != phase || outputs.to_vec() != [y] {
+            return false;
+        }
+        let mut with_r = inputs.to_vec();
+        with_r.push(r);
+        let Some(inputs) = Inputs::from_slice(&with_r) else {
+            return false;
+        };
+        let op = self.ops.share(Op::Matmul {
+            in_dim,
+            out_dim,
+            bias,
+            act: None,
+            residual: true,
+        });
+        if let Some(slot) = self.instrs.get_mut(i) {
+            *slot = Instr::Compute {
+                op,
+                inputs,
+                outputs,
+                node: Some(n),
+                phase: p,
+            };
+        }
+        true
+    }
+
     pub fn push(&mut self, instr: Instr) {
         self.instrs.push(instr);
     }

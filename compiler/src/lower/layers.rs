@@ -208,6 +208,7 @@ impl Emitter<'_> {
                     out_dim: ol,
                     bias,
                     act: None,
+                    residual: false,
                 };
                 self.b.compute(op, &ins, &[y], Some(node), phase);
                 self.set_output(mb, node, y);
@@ -246,12 +247,19 @@ impl Emitter<'_> {
                     self.missing(node, "second input");
                     return Vec::new();
                 };
-                let shape = self.b.shape(x);
-                let y = self
-                    .b
-                    .alloc(self.name(node, "y", mb), shape, BufferKind::Activation);
-                self.b.compute(Op::Add, &[x, x2], &[y], Some(node), phase);
-                self.set_output(mb, node, y);
+                if let Some(y) = self.fused_residual(node, x, x2) {
+                    // The GEMM that wrote one input added the other: its output is this
+                    // node's (one more holder, as a fresh output would have).
+                    self.b.retain(y);
+                    self.set_output(mb, node, y);
+                } else {
+                    let shape = self.b.shape(x);
+                    let y = self
+                        .b
+                        .alloc(self.name(node, "y", mb), shape, BufferKind::Activation);
+                    self.b.compute(Op::Add, &[x, x2], &[y], Some(node), phase);
+                    self.set_output(mb, node, y);
+                }
                 Vec::new()
             }
             LayerKind::CrossEntropy => self.loss_forward(mb, node, x),
@@ -411,9 +419,42 @@ impl Emitter<'_> {
             out_dim,
             bias,
             act: None,
+            residual: false,
         };
         self.b.compute(op, &ins, &[y], Some(node), self.phase);
         y
+    }
+
+    /// Fuses the residual `Add` `node` (inputs `x`, `x2`) into the GEMM that wrote one input,
+    /// which then adds the other (`Matmul { residual }`); the buffer holding the sum, or None
+    /// (the `Add` stays). Only where it is exact and safe (`LowerOptions::fuse_epilogues`):
+    /// without tp (a row-parallel product is a partial sum, reduced after the GEMM), when the
+    /// input's value is read by this node alone (nothing else may see the sum) and produced
+    /// in the same recompute segment (a recomputed segment reads its inputs again), and when
+    /// the GEMM is that producer's last write of it (`ProgramBuilder::add_residual`).
+    fn fused_residual(&mut self, node: NodeId, x: BufferId, x2: BufferId) -> Option<BufferId> {
+        if !self.fuse_epilogues || self.groups.tp.is_some() || x == x2 {
+            return None;
+        }
+        let nodes = &self.spec.model.nodes;
+        let values = nodes.get(node.0 as usize)?.inputs.clone();
+        let segment = self.segments.get(node.0 as usize).copied().flatten();
+        for (value, y, r) in [(values.get(1)?, x2, x), (values.first()?, x, x2)] {
+            let Some(producer) = nodes.iter().position(|p| p.output == *value) else {
+                continue;
+            };
+            let readers = nodes.iter().filter(|c| c.inputs.contains(value)).count();
+            let same_segment = self.segments.get(producer).copied().flatten() == segment;
+            if readers == 1
+                && same_segment
+                && self
+                    .b
+                    .add_residual(y, r, NodeId(producer as u32), self.phase)
+            {
+                return Some(y);
+            }
+        }
+        None
     }
 
     /// Whether an MLP with activation `a` runs it inside its GEMMs (`LowerOptions::
@@ -452,6 +493,7 @@ impl Emitter<'_> {
             out_dim,
             bias,
             act: Some(act),
+            residual: false,
         };
         self.b.compute(op, &ins, &[h, a], Some(node), self.phase);
         (h, a)

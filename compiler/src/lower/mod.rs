@@ -52,7 +52,9 @@ pub struct LowerOptions {
     /// cuBLASLt epilogue computes by its exact definition): the first projection's `Matmul`
     /// also writes the activation (`act`), and the second projection's backward-data product
     /// writes the pre-activation's gradient (`act_grad`), with no `Activation` /
-    /// `ActivationBwd` op between. Off: the separate ops (bit-identical in f32; tests compare).
+    /// `ActivationBwd` op between; and a residual `Add` of a GEMM's output is added by that GEMM
+    /// (`Matmul { residual }`) where exact (`Emitter::fused_residual`: no tp, one reader).
+    /// Off: the separate ops (bit-identical in f32; tests compare).
     pub fuse_epilogues: bool,
 }
 

@@ -49,9 +49,14 @@ pub(crate) fn signature(op: &Op) -> Signature {
         },
         Op::RmsNorm { .. } => sig("rms_norm", &["x", "w"], &["y", "rstd"]),
         Op::RmsNormBwd { .. } => sig("rms_norm_bwd", &["dy", "x", "w", "rstd"], &["dx", "dw"]),
-        Op::Matmul { bias, act, .. } => Signature {
+        Op::Matmul {
+            bias,
+            act,
+            residual,
+            ..
+        } => Signature {
             name: "matmul",
-            inputs: with(&["x", "w"], *bias, "b"),
+            inputs: with(&with(&["x", "w"], *bias, "b"), *residual, "r"),
             outputs: with(&["y"], act.is_some(), "a"),
         },
         Op::MatmulBwdData { act_grad, .. } => Signature {

@@ -6,8 +6,8 @@ use super::attention::{attention, attention_bwd, AttentionGrads, AttentionShape}
 use super::cross_entropy::{ce_grad, ce_loss, ce_max, ce_sum_exp, ce_target_logit, cross_entropy};
 use super::dense::Threads;
 use super::elementwise::{
-    activation, activation_bwd, activation_bwd_in_place, add, copy, copy_range, scale, swiglu,
-    swiglu_bwd,
+    activation, activation_bwd, activation_bwd_in_place, add, add_in_place, copy, copy_range,
+    scale, swiglu, swiglu_bwd,
 };
 use super::embed::{embedding, embedding_bwd, position_add, position_add_bwd};
 use super::linear::{matmul, matmul_bwd_data, matmul_bwd_weight};
@@ -134,22 +134,36 @@ pub(crate) fn run(
             out_dim,
             bias,
             act,
+            residual,
         } => {
             let b = if *bias { Some(ins.f32(2)?) } else { None };
+            let r = if *residual {
+                Some(ins.f32(2 + usize::from(*bias))?)
+            } else {
+                None
+            };
             let (i, o) = (
                 dim(name, "in_dim", *in_dim)?,
                 dim(name, "out_dim", *out_dim)?,
             );
             let (x, w) = (ins.f32(0)?, ins.f32(1)?);
+            // y = x Wᵀ + b, then + r (what an `Add` after it computes), then the activation
+            // from y's f32 value (before a bf16 y is rounded).
+            let product = |y: &mut [f32]| -> Result<()> {
+                matmul(name, threads, i, o, x, w, b, y)?;
+                match r {
+                    Some(r) => add_in_place(name, r, y),
+                    None => Ok(()),
+                }
+            };
             match act {
                 None => {
                     let [y] = outs.f32s()?;
-                    matmul(name, threads, i, o, x, w, b, y)
+                    product(y)
                 }
-                // The activation reads y's f32 value, before a bf16 y is rounded.
                 Some(act) => {
                     let [y, a] = outs.f32s()?;
-                    matmul(name, threads, i, o, x, w, b, y)?;
+                    product(y)?;
                     activation(name, *act, y, a)
                 }
             }

@@ -127,6 +127,19 @@ pub(crate) fn activation_bwd_in_place(op: &str, act: Act, x: &[f32], dx: &mut [f
     Ok(())
 }
 
+/// `y = y + r` (per element `y + r`, the sum `add` forms: f32 addition commutes exactly).
+pub(crate) fn add_in_place(op: &str, r: &[f32], y: &mut [f32]) -> Result<()> {
+    expect_len(op, "r", r.len(), y.len())?;
+    y.par_chunks_mut(CHUNK)
+        .zip(r.par_chunks(CHUNK))
+        .for_each(|(y, r)| {
+            for (y, &r) in y.iter_mut().zip(r) {
+                *y += r;
+            }
+        });
+    Ok(())
+}
+
 /// `y = silu(gate) · up`.
 pub(crate) fn swiglu(op: &str, gate: &[f32], up: &[f32], y: &mut [f32]) -> Result<()> {
     expect_len(op, "up", up.len(), gate.len())?;

@@ -3,8 +3,8 @@
 //! backend's bf16 precision) or fp16 (`CUDA_R_16F`, its fp16 precision); the caller hands 16-bit
 //! operands as stored, as cached casts or as per-use copies (`gemm_operands`). C/D are fp32, or
 //! bf16 with bf16 A/B (a bf16-stored output: the fp32 result `alpha·AB + beta·C` is rounded
-//! once, so an accumulating GEMM reads, adds and rounds). Callers describe the product
-//! column-major, as cuBLAS sees memory; `matmul` maps the row-major ops onto it (see [`Gemm`]).
+//! once, so an accumulating GEMM reads, adds and rounds; C may be another matrix than D,
+//! `c_in`: a residual). Callers describe the product column-major, as cuBLAS sees memory; `matmul` maps the row-major ops onto it (see [`Gemm`]).
 //! The epilogue ([`Epilogue`]) can add a bias per row of D (`CUBLASLT_EPILOGUE_BIAS`, fp32
 //! values, or bf16 where cuBLASLt takes no fp32 bias beside a bf16 D) or write the column sums
 //! of op(B) over k as fp32 (`CUBLASLT_EPILOGUE_BGRADB`, a bias gradient), apply GELU (tanh
@@ -49,6 +49,9 @@ pub(crate) struct Gemm {
     pub ldb: i64,
     pub c: CUdeviceptr,
     pub ldc: i64,
+    /// Where C is read when it is not D (`c` is then D alone): `D = alpha·AB + beta·C_in`,
+    /// C_in shaped and typed like D (a residual added by the GEMM). None: C is D.
+    pub c_in: Option<CUdeviceptr>,
     pub beta: f32,
     /// The element type of C and D (bf16 only with 16-bit A/B).
     pub out: Output,
@@ -462,7 +465,12 @@ impl Blas {
         tune_out: Option<CUdeviceptr>,
     ) -> Result<()> {
         let key = *key;
-        let timed_into = if key.accumulates { tune_out } else { Some(g.c) };
+        // A candidate overwrites D: timed into D itself unless D is also the C it reads.
+        let timed_into = if key.accumulates && g.c_in.is_none() {
+            tune_out
+        } else {
+            Some(g.c)
+        };
         let unsettled = self.plans.get(&key).is_some_and(|p| !p.settled);
         if let (true, Some(d)) = (unsettled, timed_into) {
             let (ms, best) = self.fastest(&key, g, d, stream)?;
@@ -534,7 +542,7 @@ impl Blas {
         })
     }
 
-    /// Queues `g` with `algo`, reading C at `g.c` and writing D at `d`.
+    /// Queues `g` with `algo`, reading C at `g.c_in` (else `g.c`) and writing D at `d`.
     fn launch(
         &self,
         plan: &Plan,
@@ -576,7 +584,7 @@ impl Blas {
                 plan.a.0,
                 g.b as *const c_void,
                 plan.b.0,
-                g.c as *const c_void,
+                g.c_in.unwrap_or(g.c) as *const c_void,
                 plan.c.0,
                 d as *mut c_void,
                 plan.c.0,

@@ -381,7 +381,7 @@ impl CudaBackend {
             Source::Ready(_) => 0,
         };
         let copies = b_bytes + a_bytes;
-        let tuning = if g.beta != 0.0 && !self.blas.settled(g, self.operands) {
+        let tuning = if g.beta != 0.0 && g.c_in.is_none() && !self.blas.settled(g, self.operands) {
             g.c_len() * g.out.bytes()
         } else {
             0
@@ -575,6 +575,7 @@ mod tests {
                         out_dim,
                         bias: true,
                         act: None,
+                        residual: false,
                     },
                     &[0, 1, 2],
                     &[3],
@@ -604,6 +605,7 @@ mod tests {
                         out_dim,
                         bias: false,
                         act: None,
+                        residual: false,
                     },
                     &[7, 6],
                     &[3],

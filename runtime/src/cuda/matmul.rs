@@ -11,6 +11,10 @@
 //! GEMM adds that into db (`db = t·1 + db`, exact as an add: db is +=); where the epilogue is
 //! not offered, and in fp32 runs, a column-sum kernel (`dispatch::col_sum_into`).
 //!
+//! Fused residual: a forward with `residual` reads r as the GEMM's C (beta = 1, D = y, or with
+//! a fused activation D = a) where r has D's type; otherwise the GEMM writes y and the
+//! `add_fwd` kernel adds r in place.
+//!
 //! Fused activations: a forward with `act` gelu_tanh runs the GELU epilogue (D = the
 //! activation, the pre-activation y its auxiliary output), a backward-data product with
 //! `act_grad` gelu_tanh the DGELU epilogue (the saved pre-activation its auxiliary input); both
@@ -50,6 +54,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
             out_dim,
             bias,
             act,
+            residual,
         } => {
             let (k, m) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
             let (x, w) = (b.float_in(0)?, b.f32_in(1)?);
@@ -60,6 +65,14 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
             let bb = if *bias { Some(b.f32_in(2)?) } else { None };
             if let Some(bb) = bb {
                 b.expect(bb, "b", m)?;
+            }
+            let r = if *residual {
+                Some(b.float_in(2 + usize::from(*bias))?)
+            } else {
+                None
+            };
+            if let Some(r) = r {
+                b.expect(r, "r", rows * m)?;
             }
             // yᵀ (m × rows) = W (m × k, stored k × m) · xᵀ (k × rows) (+ b per row of yᵀ).
             let g = Gemm {
@@ -74,26 +87,56 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
                 ldb: k as i64,
                 c: y.ptr,
                 ldc: m as i64,
+                c_in: None,
                 beta: 0.0,
                 out: output(y),
                 epilogue: Epilogue::None,
             };
-            let Some(act) = act else {
-                return matmul_bias(be, b, &g, (w, x), bb, y, rows);
+            let a = match act {
+                Some(_) => Some(b.float_out(1)?),
+                None => None,
             };
-            let a = b.float_out(1)?;
-            b.expect(a, "a", rows * m)?;
-            if *act == Act::GeluTanh
-                && a.dtype == y.dtype
-                && gelu_epilogue(be, &g, (w, x), bb, (y, a))?
-            {
+            if let Some(a) = a {
+                b.expect(a, "a", rows * m)?;
+            }
+            // The residual as the GEMM's C (beta = 1) beside a D of its type.
+            let d = a.unwrap_or(y);
+            let with_r = match r {
+                Some(r) if r.dtype == d.dtype => Some(Gemm {
+                    c_in: Some(r.ptr),
+                    beta: 1.0,
+                    ..g
+                }),
+                _ => None,
+            };
+            let fused = match (act, a) {
+                (Some(Act::GeluTanh), Some(a))
+                    if a.dtype == y.dtype && r.is_none_or(|_| with_r.is_some()) =>
+                {
+                    gelu_epilogue(be, &with_r.unwrap_or(g), (w, x), bb, (y, a))?
+                }
+                (None, _) => match with_r {
+                    Some(gr) => residual_epilogue(be, &gr, (w, x), bb)?,
+                    None => false,
+                },
+                _ => false,
+            };
+            if fused {
                 return Ok(());
             }
-            // No GELU epilogue (or another activation): y as without one, then a = act(y)
-            // from y as stored (a bf16 y is rounded before the activation reads it).
+            // Without a fused form: y as without a residual, y += r (an `Add`), then a =
+            // act(y) from y as stored (a bf16 y is rounded before each step reads it).
             matmul_bias(be, b, &g, (w, x), bb, y, rows)?;
-            let args = [Arg::I32(act_code(*act)), fv(y), fv(a), n(y.len)];
-            be.launch_vec("activation_fwd", y.len, &args)
+            if let Some(r) = r {
+                be.launch_vec("add_fwd", y.len, &[fv(y), fv(r), fv(y), n(y.len)])?;
+            }
+            match (act, a) {
+                (Some(act), Some(a)) => {
+                    let args = [Arg::I32(act_code(*act)), fv(y), fv(a), n(y.len)];
+                    be.launch_vec("activation_fwd", y.len, &args)
+                }
+                _ => Ok(()),
+            }
         }
         Op::MatmulBwdData {
             in_dim,
@@ -120,6 +163,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
                 ldb: m_out as i64,
                 c: dx.ptr,
                 ldc: k_in as i64,
+                c_in: None,
                 beta: if *accumulate { 1.0 } else { 0.0 },
                 out: output(dx),
                 epilogue: Epilogue::None,
@@ -178,6 +222,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
                 ldb: m_out as i64,
                 c: dw.ptr,
                 ldc: k_in as i64,
+                c_in: None,
                 beta: 1.0,
                 out: Output::F32,
                 epilogue: Epilogue::None,
@@ -288,6 +333,45 @@ fn gelu_epilogue(
     Ok(false)
 }
 
+/// `g` (C = the residual, beta = 1, D = y) plus bias `bb` where given, by the bias epilogue
+/// (fp32, or beside a bf16 D its bf16 cast). False (nothing run) where cuBLASLt offers or
+/// launches none: the caller adds the residual apart.
+fn residual_epilogue(
+    be: &mut CudaBackend,
+    g: &Gemm,
+    (w, x): (Buf, Buf),
+    bb: Option<Buf>,
+) -> Result<bool> {
+    let mut choices = Vec::new();
+    match bb {
+        None => choices.push(Epilogue::None),
+        Some(bb) => {
+            choices.push(Epilogue::Bias {
+                ptr: bb.ptr,
+                bf16: false,
+            });
+            if g.out == Output::Bf16 {
+                choices.push(Epilogue::Bias {
+                    ptr: bias_bf16(be, bb)?,
+                    bf16: true,
+                });
+            }
+        }
+    }
+    for epilogue in choices {
+        let fused = Gemm { epilogue, ..*g };
+        if !be.blas.supports(&fused, be.operands)? {
+            continue;
+        }
+        match be.gemm(&fused, weight(w), activation(x)) {
+            Ok(()) => return Ok(true),
+            Err(_) if epilogue != Epilogue::None && !be.blas.supports(&fused, be.operands)? => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(false)
+}
+
 /// A bf16 copy of the f32 bias `bb`: its cached cast, or a per-use copy in the vector area.
 fn bias_bf16(be: &mut CudaBackend, bb: Buf) -> Result<CUdeviceptr> {
     Ok(match be.weight_cast(bb)? {
@@ -362,6 +446,7 @@ fn add_into(t: CUdeviceptr, one: CUdeviceptr, db: Buf, len: usize) -> Gemm {
         ldb: 1,
         c: db.ptr,
         ldc: len as i64,
+        c_in: None,
         beta: 1.0,
         out: Output::F32,
         epilogue: Epilogue::None,

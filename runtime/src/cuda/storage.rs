@@ -224,6 +224,7 @@ mod tests {
                         out_dim: 1,
                         bias: false,
                         act: None,
+                        residual: false,
                     },
                     &[0, 1],
                     &[2],

@@ -315,6 +315,7 @@ mod tests {
             out_dim: 256,
             bias: true,
             act: None,
+            residual: false,
         };
         // x is [8, 64]: 8 rows.
         assert_eq!(flops(&fwd, 8 * 64), Some(2.0 * 8.0 * 64.0 * 256.0));

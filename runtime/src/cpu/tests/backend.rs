@@ -161,6 +161,7 @@ fn lowering_mistakes_are_clear_errors_naming_op_role_and_buffer() {
         out_dim: 3,
         bias: false,
         act: None,
+        residual: false,
     };
     let mut h = Harness::new();
     // Wrong output length.
@@ -180,6 +181,7 @@ fn lowering_mistakes_are_clear_errors_naming_op_role_and_buffer() {
         out_dim: 3,
         bias: true,
         act: None,
+        residual: false,
     };
     let text = error_text(h.run(
         &with_bias,
@@ -344,6 +346,7 @@ fn op_sequence_bits(backend: CpuBackend) -> Vec<Vec<u32>> {
             out_dim: hidden as u64,
             bias: true,
             act: None,
+            residual: false,
         },
         vec![Input::F(ln[0].clone()), w1.clone(), b1],
         vec![rows * hidden],

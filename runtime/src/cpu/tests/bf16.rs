@@ -117,6 +117,7 @@ fn ops_on_bf16_equal_f32_ops_on_widened_inputs_rounded_once() {
                 out_dim: 2,
                 bias: false,
                 act: None,
+                residual: false,
             },
             vec![x.clone(), values(2 * dim, 5)],
             vec![Bf16, F32],

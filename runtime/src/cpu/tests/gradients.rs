@@ -157,6 +157,7 @@ fn matmul_backward_data_and_weight_match_differences() {
         out_dim: out_dim as u64,
         bias: true,
         act: None,
+        residual: false,
     };
     let inputs = vec![
         Input::F(values(rows * in_dim, 13, 1.0)),

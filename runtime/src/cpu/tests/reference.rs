@@ -378,6 +378,7 @@ fn matmul_matches_a_naive_product_on_blocked_sizes() {
             out_dim: out_dim as u64,
             bias: true,
             act: None,
+            residual: false,
         },
         &[
             Input::F(x.clone()),
