@@ -224,6 +224,24 @@ fn run_bits(r: &TrainResult) -> (Vec<(u32, u32)>, Vec<u32>) {
     (steps.collect(), params.collect())
 }
 
+/// Instructions of `plan` (all programs) that `f` accepts.
+fn count(plan: &Plan, f: impl Fn(&Instr) -> bool) -> usize {
+    plan.programs
+        .iter()
+        .map(|q| q.instrs.iter().filter(|i| f(i)).count())
+        .sum()
+}
+
+/// Two lowerings of `s` train alike, bit for bit (`what` names the difference between them).
+fn assert_same_run(s: &Spec, a: &Plan, b: &Plan, desc: &str, what: &str) {
+    let (a, b) = (run_plan(s, a), run_plan(s, b));
+    assert_eq!(a.records.len(), STEPS, "{desc}");
+    assert!(
+        run_bits(&a) == run_bits(&b),
+        "{desc}: {what} changed the run"
+    );
+}
+
 /// Adding gradient contributions in place (`LowerOptions::accumulate_in_place`, the default:
 /// a producer's `+=` into the gradient already there, one gradient handed to both inputs of a
 /// residual `Add` without a copy) changes no bit of an f32 run: every plan trains exactly as
@@ -234,7 +252,7 @@ fn run_bits(r: &TrainResult) -> (Vec<(u32, u32)>, Vec<u32>) {
 #[test]
 fn accumulating_gradients_in_place_changes_no_bit() {
     let plans = option_plans();
-    let instrs = |p: &Plan| -> usize { p.programs.iter().map(|q| q.instrs.len()).sum() };
+    let instrs = |p: &Plan| count(p, |_| true);
     let is_add_or_copy = |i: &Instr| {
         matches!(i, Instr::Compute { op, .. }
             if matches!(**op, parc_compiler::ir::op::Op::Add | parc_compiler::ir::op::Op::Copy))
@@ -249,12 +267,7 @@ fn accumulating_gradients_in_place_changes_no_bit() {
         };
         let plain = lower_with(&s, plain).unwrap_or_else(|d| panic!("{:?}", d.items));
         // The two plans differ: the in-place one drops Adds and Copies.
-        let adds = |p: &Plan| -> usize {
-            let per = |q: &parc_compiler::ir::Program| {
-                q.instrs.iter().filter(|i| is_add_or_copy(i)).count()
-            };
-            p.programs.iter().map(per).sum()
-        };
+        let adds = |p: &Plan| count(p, is_add_or_copy);
         assert!(
             instrs(&in_place) < instrs(&plain) && adds(&in_place) < adds(&plain),
             "{desc}: {} instructions ({} Add/Copy) in place vs {} ({}) plain",
@@ -263,12 +276,7 @@ fn accumulating_gradients_in_place_changes_no_bit() {
             instrs(&plain),
             adds(&plain)
         );
-        let (a, b) = (run_plan(&s, &in_place), run_plan(&s, &plain));
-        assert_eq!(a.records.len(), STEPS, "{desc}");
-        assert!(
-            run_bits(&a) == run_bits(&b),
-            "{desc}: in-place accumulation changed the run"
-        );
+        assert_same_run(&s, &in_place, &plain, &desc, "in-place accumulation");
     }
 }
 
@@ -295,12 +303,6 @@ fn fusing_epilogues_changes_no_bit() {
         matches!(i, Instr::Compute { op, phase, .. }
             if matches!(**op, parc_compiler::ir::op::Op::Add) && *phase == Phase::Forward)
     };
-    let count = |p: &Plan, f: &dyn Fn(&Instr) -> bool| -> usize {
-        p.programs
-            .iter()
-            .map(|q| q.instrs.iter().filter(|i| f(i)).count())
-            .sum()
-    };
     let mut plans: Vec<(bool, PlanChoice)> = option_plans()
         .into_iter()
         .map(|(_, plan)| (false, plan))
@@ -325,12 +327,7 @@ fn fusing_epilogues_changes_no_bit() {
         } else {
             assert!(adds.0 < adds.1, "{desc}: forward adds {adds:?}");
         }
-        let (a, b) = (run_plan(&s, &fused), run_plan(&s, &plain));
-        assert_eq!(a.records.len(), STEPS, "{desc}");
-        assert!(
-            run_bits(&a) == run_bits(&b),
-            "{desc}: fusing into the GEMMs changed the run"
-        );
+        assert_same_run(&s, &fused, &plain, &desc, "fusing into the GEMMs");
     }
 }
 

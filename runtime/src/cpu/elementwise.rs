@@ -34,6 +34,17 @@ fn map2(out: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Syn
         });
 }
 
+/// `out[i] = f(out[i], a[i])` in parallel chunks.
+fn update(out: &mut [f32], a: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) {
+    out.par_chunks_mut(CHUNK)
+        .zip(a.par_chunks(CHUNK))
+        .for_each(|(out, a)| {
+            for (o, &a) in out.iter_mut().zip(a) {
+                *o = f(*o, a);
+            }
+        });
+}
+
 /// `out[i] = f(a[i], b[i], c[i])` in parallel chunks.
 fn map3(out: &mut [f32], a: &[f32], b: &[f32], c: &[f32], f: impl Fn(f32, f32, f32) -> f32 + Sync) {
     out.par_chunks_mut(CHUNK)
@@ -117,26 +128,14 @@ pub(crate) fn activation_bwd(
 /// `MatmulBwdData` with `act_grad`); per element exactly `activation_bwd`'s expression.
 pub(crate) fn activation_bwd_in_place(op: &str, act: Act, x: &[f32], dx: &mut [f32]) -> Result<()> {
     expect_len(op, "pre", x.len(), dx.len())?;
-    dx.par_chunks_mut(CHUNK)
-        .zip(x.par_chunks(CHUNK))
-        .for_each(|(dx, x)| {
-            for (d, &x) in dx.iter_mut().zip(x) {
-                *d *= activation_derivative(act, x);
-            }
-        });
+    update(dx, x, |d, x| d * activation_derivative(act, x));
     Ok(())
 }
 
 /// `y = y + r` (per element `y + r`, the sum `add` forms: f32 addition commutes exactly).
 pub(crate) fn add_in_place(op: &str, r: &[f32], y: &mut [f32]) -> Result<()> {
     expect_len(op, "r", r.len(), y.len())?;
-    y.par_chunks_mut(CHUNK)
-        .zip(r.par_chunks(CHUNK))
-        .for_each(|(y, r)| {
-            for (y, &r) in y.iter_mut().zip(r) {
-                *y += r;
-            }
-        });
+    update(y, r, |y, r| y + r);
     Ok(())
 }
 
