@@ -315,12 +315,12 @@ fn fusing_epilogues_changes_no_bit() {
         let fused = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
         let plain = lower_with(&s, unfused).unwrap_or_else(|d| panic!("{:?}", d.items));
         if !llama {
-            assert_eq!(count(&fused, &is_activation), 0, "{desc}: fused");
-            assert!(count(&plain, &is_activation) > 0, "{desc}: plain");
+            assert_eq!(count(&fused, is_activation), 0, "{desc}: fused");
+            assert!(count(&plain, is_activation) > 0, "{desc}: plain");
         }
         let adds = (
-            count(&fused, &is_forward_add),
-            count(&plain, &is_forward_add),
+            count(&fused, is_forward_add),
+            count(&plain, is_forward_add),
         );
         if tp > 1 {
             assert_eq!(adds.0, adds.1, "{desc}: tp keeps the residual adds");
