@@ -157,6 +157,29 @@ fn data_parallel_with_each_zero_stage() {
     }
 }
 
+/// ZeRO-3 on a pipeline: the last stage runs each microbatch's backward right after its
+/// forward, so the forward keeps the head's gathered weight for it (1F1B), and interleaving
+/// puts other chunks between some forwards and their backwards (no weight kept there).
+#[test]
+fn zero3_through_pipeline_schedules() {
+    for (schedule, microbatches) in [
+        (PipelineSchedule::OneFOneB, 3),
+        (PipelineSchedule::Interleaved { virtual_stages: 2 }, 4),
+    ] {
+        assert_equivalent(
+            false,
+            PlanChoice {
+                dp: 2,
+                pp: 2,
+                zero: ZeroStage::Zero3,
+                schedule,
+                microbatches,
+                ..PlanChoice::default()
+            },
+        );
+    }
+}
+
 /// Plans that exercise every lowering path a `LowerOptions` switch touches: GPT and Llama,
 /// tp with and without SP, pipelines, dp with cp, ZeRO and both recompute modes.
 fn option_plans() -> Vec<(bool, PlanChoice)> {
@@ -318,10 +341,7 @@ fn fusing_epilogues_changes_no_bit() {
             assert_eq!(count(&fused, is_activation), 0, "{desc}: fused");
             assert!(count(&plain, is_activation) > 0, "{desc}: plain");
         }
-        let adds = (
-            count(&fused, is_forward_add),
-            count(&plain, is_forward_add),
-        );
+        let adds = (count(&fused, is_forward_add), count(&plain, is_forward_add));
         if tp > 1 {
             assert_eq!(adds.0, adds.1, "{desc}: tp keeps the residual adds");
         } else {

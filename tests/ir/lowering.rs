@@ -321,6 +321,49 @@ fn zero3_gathers_run_while_the_node_before_computes() {
     }
 }
 
+/// ZeRO-3 on a 1F1B pipeline: the last stage runs each microbatch's backward right after its
+/// forward, so it gathers the head's weight once per microbatch (the forward keeps it).
+#[test]
+fn zero3_last_pipeline_stage_gathers_the_head_once_per_microbatch() {
+    use parc_compiler::ir::{CollectiveKind, Instr};
+    let microbatches = 3;
+    let s = spec(
+        gpt(4),
+        PlanChoice {
+            dp: 2,
+            pp: 2,
+            zero: ZeroStage::Zero3,
+            microbatches,
+            ..PlanChoice::default()
+        },
+    );
+    let plan = lower(&s).unwrap();
+    let head = s.model.nodes.iter().position(|n| n.name == "head").unwrap();
+    let per_program: Vec<usize> = plan
+        .programs
+        .iter()
+        .map(|p| {
+            p.instrs
+                .iter()
+                .filter(|i| {
+                    matches!(i, Instr::Collective { kind: CollectiveKind::AllGather, node: Some(n), .. }
+                        if n.0 as usize == head)
+                })
+                .count()
+        })
+        .collect();
+    assert!(
+        per_program.contains(&(microbatches as usize)),
+        "{per_program:?}"
+    );
+    assert!(
+        per_program
+            .iter()
+            .all(|&n| n == 0 || n == microbatches as usize),
+        "{per_program:?}"
+    );
+}
+
 /// The backward of a pre-norm block sums every gradient in place (docs/architecture.md,
 /// "Gradient accumulation in place"): no `Copy` and no `Add` in backward, with or without tp and
 /// SP; per layer and microbatch both norms' dx add into the residual gradient and the k and v
