@@ -318,12 +318,7 @@ fn run_with<B: Backend>(
         reserved_bytes: result.reserved_bytes,
     });
     if let (Some(reserved), LogFormat::Human) = (result.reserved_bytes, args.log_format) {
-        eprintln!(
-            "memory held by the {} backend: {} per rank at most (buffers as planned, scratch, \
-             workspace)",
-            backend.name(),
-            crate::report::bytes(reserved as f64)
-        );
+        print_reserved(backend.name(), reserved);
     }
     if let (Some(profile), LogFormat::Human) = (&result.profile, args.log_format) {
         eprint!("{}", run_profile::human(profile, gpu));
@@ -345,4 +340,13 @@ fn available_memory() -> Option<u64> {
                 .ok()
         })
         .map(|kib| kib * 1024)
+}
+
+/// The human summary's line on the most memory one rank's backend held.
+pub(crate) fn print_reserved(backend: &str, reserved: u64) {
+    eprintln!(
+        "memory held by the {backend} backend: {} per rank at most (buffers as planned, scratch, \
+         workspace)",
+        crate::report::bytes(reserved as f64)
+    );
 }

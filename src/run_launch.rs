@@ -172,8 +172,11 @@ fn train_rank(
             model_export: result.model_export.as_ref(),
             backend: backend.name(),
             world: plan.world,
-            reserved_bytes: None,
+            reserved_bytes: result.reserved_bytes,
         });
+        if let (Some(reserved), LogFormat::Human) = (result.reserved_bytes, args.log_format) {
+            crate::cmd_run::print_reserved(backend.name(), reserved);
+        }
         if let (Some(profile), LogFormat::Human) = (&result.profile, args.log_format) {
             eprint!("{}", crate::run_profile::human(profile, &spec.cluster.gpu));
         }

@@ -8,8 +8,8 @@
 //! `{"event":"summary",…}` line. `loss_scale` is the fp16 loss scale the step used (null in
 //! other precisions); `skipped` is true for a step whose gradients overflowed (its update was
 //! skipped). A skipped step's human line is always printed (and kept on a terminal). The
-//! summary's `memory_reserved_bytes` is the most memory one rank's backend held (null when the
-//! run does not know it).
+//! summary's `memory_reserved_bytes` is the most memory one rank's backend held, over all ranks
+//! also when each rank is its own process (null when the run does not know it).
 use parc_runtime::data::EpochProgress;
 use parc_runtime::exec::{LossScaleStep, StepRecord};
 use serde_json::json;

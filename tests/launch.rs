@@ -160,6 +160,16 @@ fn four_processes_give_exactly_the_single_process_losses() {
             .filter(|l| l.contains("\"summary\""))
             .count();
         assert_eq!(summaries, 1);
+        // The most memory one rank held: the same whether the ranks are threads or processes.
+        let reserved = |output: &std::process::Output| {
+            let text = String::from_utf8_lossy(&output.stdout).into_owned();
+            let line = text.lines().find(|l| l.contains("\"summary\"")).unwrap();
+            let summary: serde_json::Value = serde_json::from_str(line).unwrap();
+            summary["memory_reserved_bytes"].as_u64()
+        };
+        let held = reserved(&multi);
+        assert!(held.is_some_and(|b| b > 0), "{parallel:?}: {held:?}");
+        assert_eq!(held, reserved(&single), "{parallel:?}: memory held");
     }
 }
 

@@ -34,6 +34,9 @@ pub struct ProcessRankResult {
     /// `DIR/model.safetensors`, the final parameters as global tensors, when the spec
     /// checkpoints (rank 0 writes it; every rank returns its path once the run succeeded).
     pub model_export: Option<PathBuf>,
+    /// The most memory any rank's backend held (`Backend::reserved_bytes`; the same on every
+    /// rank), None when no rank's backend reports it.
+    pub reserved_bytes: Option<u64>,
 }
 
 /// Tag of the final parameter gather: after the last step no other transfer is in flight.
@@ -123,6 +126,13 @@ pub fn train_rank<B: Backend>(
         }
         None => None,
     };
+    let reserved_bytes = match most_reserved(comm.as_mut(), plan.world, outcome.reserved_bytes) {
+        Ok(bytes) => bytes,
+        Err(e) => {
+            comm.abort(&format!("rank {rank}: {e}"));
+            return Err(e);
+        }
+    };
     Ok(ProcessRankResult {
         rank,
         records: outcome.records,
@@ -131,7 +141,33 @@ pub fn train_rank<B: Backend>(
         start_step: outcome.start_step,
         profile: outcome.profile,
         model_export,
+        reserved_bytes,
     })
+}
+
+/// Largest byte count a backend reports exactly in two f32 halves of 24 bits each.
+const RESERVED_LIMIT: u64 = 1 << 48;
+
+/// The largest of every rank's `reserved` (None where a backend does not know), gathered over
+/// the whole world: the comm moves f32, so each count travels as two exact 24-bit halves, and
+/// an unknown one as -1.
+fn most_reserved(comm: &mut dyn Comm, world: u32, reserved: Option<u64>) -> Result<Option<u64>> {
+    const LOW_BITS: u32 = 24;
+    let mine = match reserved {
+        Some(bytes) if bytes < RESERVED_LIMIT => [
+            (bytes >> LOW_BITS) as f32,
+            (bytes & ((1 << LOW_BITS) - 1)) as f32,
+        ],
+        _ => [-1.0, -1.0],
+    };
+    let group: Vec<u32> = (0..world).collect();
+    let mut all = vec![0.0f32; 2 * world as usize];
+    comm.all_gather(&group, &mine, &mut all)?;
+    Ok(all
+        .chunks_exact(2)
+        .filter(|halves| halves[0] >= 0.0)
+        .map(|halves| ((halves[0] as u64) << LOW_BITS) | halves[1] as u64)
+        .max())
 }
 
 /// Send every rank's parameter pieces to rank 0, which assembles the global tensors (checking
