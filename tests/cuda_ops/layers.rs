@@ -109,9 +109,19 @@ fn embedding_cases(r: &mut Rng) -> Vec<Case> {
 
 fn norm_cases(r: &mut Rng) -> Vec<Case> {
     let mut cases = Vec::new();
-    // dims that are multiples of 8 take the 16-byte vector paths, 20 the scalar ones; 300 and
-    // 600 rows split the weight gradient into several row chunks.
-    for (rows, dim) in [(13usize, 96usize), (5, 1000), (300, 20), (600, 64)] {
+    // dims that are multiples of 8 up to 1024 take the forwards' register paths (1000 leaves
+    // some lanes without a last vector), 1040 and every backward the 16-byte vector loops, 20
+    // the scalar ones; 300, 600 and 33,000 rows split the weight gradient into several row
+    // chunks (33,000: all 128, of 258 rows).
+    let shapes = [
+        (13usize, 96usize),
+        (5, 1000),
+        (300, 20),
+        (600, 64),
+        (40, 1040),
+        (33_000, 8),
+    ];
+    for (rows, dim) in shapes {
         let x = r.vec(rows * dim, 2.0);
         let w = r.vec(dim, 1.0);
         let bias = r.vec(dim, 1.0);

@@ -65,7 +65,10 @@ fn arity(op: &Op) -> (usize, usize) {
         Op::RmsNorm { .. } => (2, 2),
         Op::RmsNormBwd { .. } => (4, 2),
         Op::Matmul {
-            bias, act, residual, ..
+            bias,
+            act,
+            residual,
+            ..
         } => (2 + opt(*bias) + opt(*residual), 1 + opt(act.is_some())),
         Op::MatmulBwdData { act_grad, .. } => (2 + opt(act_grad.is_some()), 1),
         Op::MatmulBwdWeight { bias, .. } => (2, 1 + opt(*bias)),

@@ -19,12 +19,73 @@ __device__ __forceinline__ void row_loop(bool vec, long long dim, int lane, F8f 
     }
 }
 
+// The forwards hold a row of at most NORM_REG_DIM elements in registers: lane `lane` owns the
+// 8-element vectors j = 8·lane + 256·k, k < NORM_REG_VECS (those with j < dim). The row is
+// read from memory once; the statistics are summed in the same order as row_loop's vector
+// path, so the values are those of the loops.
+#define NORM_REG_VECS 4
+#define NORM_REG_DIM (256 * NORM_REG_VECS)
+
+// Whether f32 vectors of `p` (weights, biases) start on 16-byte boundaries.
+__device__ __forceinline__ bool f32_vec_ok(const float* p) {
+    return ((unsigned long long)p & 15ull) == 0;
+}
+
+// w[j .. j+8) of an f32 vector (f32_vec_ok(w), j a multiple of 8).
+__device__ __forceinline__ F8 ld8_f32(const float* w, long long j) {
+    F8 r;
+    float4 a = ((const float4*)w)[j / 4], b = ((const float4*)w)[j / 4 + 1];
+    r.v[0] = a.x; r.v[1] = a.y; r.v[2] = a.z; r.v[3] = a.w;
+    r.v[4] = b.x; r.v[5] = b.y; r.v[6] = b.z; r.v[7] = b.w;
+    return r;
+}
+
+// Whether a row of `dim` elements takes the register path (vectors, aligned operands).
+__device__ __forceinline__ bool norm_regs_ok(long long dim, const float* w) {
+    return dim % 8 == 0 && dim <= NORM_REG_DIM && f32_vec_ok(w);
+}
+
 extern "C" __global__ void layer_norm_fwd(Fv x, const float* w, const float* b, Fv y, float* mean, float* rstd, long long rows, long long dim, double eps) {
     long long r = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (r >= rows) return;
     long long o = r * dim;
     bool vec = dim % 8 == 0 && vec_ok(x) && vec_ok(y);
+    if (vec && norm_regs_ok(dim, w) && (!b || f32_vec_ok(b))) {
+        F8 v[NORM_REG_VECS];
+        double s = 0.0;
+#pragma unroll
+        for (int k = 0; k < NORM_REG_VECS; k++) {
+            long long j = 8 * lane + 256 * k;
+            if (j < dim) {
+                v[k] = ld8(x, (o + j) / 8);
+                for (int e = 0; e < 8; e++) s += (double)v[k].v[e];
+            }
+        }
+        double m = warp_sum_d(s) / (double)dim;
+        double q = 0.0;
+#pragma unroll
+        for (int k = 0; k < NORM_REG_VECS; k++) {
+            if (8 * lane + 256 * k < dim) {
+                for (int e = 0; e < 8; e++) { double d = (double)v[k].v[e] - m; q += d * d; }
+            }
+        }
+        double var = warp_sum_d(q) / (double)dim;
+        float mf = (float)m, rf = (float)(1.0 / sqrt(var + eps));
+        if (lane == 0) { mean[r] = mf; rstd[r] = rf; }
+#pragma unroll
+        for (int k = 0; k < NORM_REG_VECS; k++) {
+            long long j = 8 * lane + 256 * k;
+            if (j < dim) {
+                F8 wv = ld8_f32(w, j), out;
+                F8 bv;
+                if (b) bv = ld8_f32(b, j);
+                for (int e = 0; e < 8; e++) out.v[e] = (v[k].v[e] - mf) * rf * wv.v[e] + (b ? bv.v[e] : 0.0f);
+                st8(y, (o + j) / 8, out);
+            }
+        }
+        return;
+    }
     double s = 0.0;
     row_loop(vec, dim, lane,
         [&](long long j) { F8 v = ld8(x, (o + j) / 8); for (int k = 0; k < 8; k++) s += (double)v.v[k]; },
@@ -124,6 +185,31 @@ extern "C" __global__ void rms_norm_fwd(Fv x, const float* w, Fv y, float* rstd,
     if (r >= rows) return;
     long long o = r * dim;
     bool vec = dim % 8 == 0 && vec_ok(x) && vec_ok(y);
+    if (vec && norm_regs_ok(dim, w)) {
+        F8 v[NORM_REG_VECS];
+        double s = 0.0;
+#pragma unroll
+        for (int k = 0; k < NORM_REG_VECS; k++) {
+            long long j = 8 * lane + 256 * k;
+            if (j < dim) {
+                v[k] = ld8(x, (o + j) / 8);
+                for (int e = 0; e < 8; e++) s += (double)v[k].v[e] * (double)v[k].v[e];
+            }
+        }
+        double ms = warp_sum_d(s) / (double)dim;
+        float rf = (float)(1.0 / sqrt(ms + eps));
+        if (lane == 0) rstd[r] = rf;
+#pragma unroll
+        for (int k = 0; k < NORM_REG_VECS; k++) {
+            long long j = 8 * lane + 256 * k;
+            if (j < dim) {
+                F8 wv = ld8_f32(w, j), out;
+                for (int e = 0; e < 8; e++) out.v[e] = v[k].v[e] * rf * wv.v[e];
+                st8(y, (o + j) / 8, out);
+            }
+        }
+        return;
+    }
     double s = 0.0;
     row_loop(vec, dim, lane,
         [&](long long j) { F8 v = ld8(x, (o + j) / 8); for (int k = 0; k < 8; k++) s += (double)v.v[k] * (double)v.v[k]; },
