@@ -1,6 +1,7 @@
 //! The GEMMs of one GPT-2 124M step (B×T = 32×1024 rows) alone, for `bench/RESULTS.md`: every
-//! linear layer's forward (with its bias), backward-data and backward-weight (with its bias
-//! gradient) op on the CUDA backend in a bf16 run, as TFLOP/s of the whole op (operand
+//! linear layer's forward (with its bias; fc with its fused gelu_tanh, the output projections
+//! with their fused residual add), backward-data (fc2's with the fused GELU gradient) and
+//! backward-weight (with its bias gradient) op on the CUDA backend in a bf16 run, as TFLOP/s of the whole op (operand
 //! conversions, weight casts, bias, algorithm already chosen) and of its cuBLASLt kernels
 //! alone; once with bf16 activation storage (x, y, dx bf16; w, b, dw, db f32: operands read as
 //! stored, weights through their cached cast, bias gradient in the epilogue) and once with
@@ -20,7 +21,7 @@ fn gpt2_124m_step_gemms() {
 
 #[cfg(feature = "cuda")]
 mod bench {
-    use parc_compiler::ir::op::Op;
+    use parc_compiler::ir::op::{Act, Op};
     use parc_compiler::ir::{BufferId, DType};
     use parc_compiler::spec::Precision;
     use parc_runtime::backend::{Backend, StepScalars};
@@ -137,11 +138,19 @@ mod bench {
         };
         for (name, din, dout, bias, per_step) in layers {
             let (x, w, b, y, dx, dw, db) = (id(), id(), id(), id(), id(), id(), id());
+            // As the lowering fuses them: fc's gelu_tanh (a: the activation), the output
+            // projections' residual add (r), fc2's backward-data GELU gradient (x as pre).
+            let (a, r) = (id(), id());
+            let act = (name == "fc").then_some(Act::GeluTanh);
+            let residual = name == "proj" || name == "fc2";
+            let act_grad = (name == "fc2").then_some(Act::GeluTanh);
             for (buf, shape, dtype) in [
                 (x, vec![rows, din], storage),
                 (w, vec![dout, din], DType::F32),
                 (b, vec![dout], DType::F32),
                 (y, vec![rows, dout], storage),
+                (a, vec![rows, dout], storage),
+                (r, vec![rows, dout], storage),
                 (dx, vec![rows, din], storage),
                 (dw, vec![dout, din], DType::F32),
                 (db, vec![dout], DType::F32),
@@ -153,21 +162,31 @@ mod bench {
             let w_data = random(n(&[dout, din]), 2, 0.05);
             be.write_f32(w, &w_data).unwrap();
             be.write_f32(b, &random(dout as usize, 3, 0.1)).unwrap();
+            be.write_f32(r, &random(n(&[rows, dout]), 4, 1.0)).unwrap();
             let flops = 2.0 * rows as f64 * din as f64 * dout as f64;
             let fwd = Op::Matmul {
                 in_dim: din,
                 out_dim: dout,
                 bias,
-                act: None,
-                residual: false,
+                act,
+                residual,
             };
-            let fwd_in: Vec<BufferId> = if bias { vec![x, w, b] } else { vec![x, w] };
+            let mut fwd_in: Vec<BufferId> = if bias { vec![x, w, b] } else { vec![x, w] };
+            if residual {
+                fwd_in.push(r);
+            }
+            let fwd_out = if act.is_some() { vec![y, a] } else { vec![y] };
             // The forward output doubles as the backward's dy (random, never zero).
             let bwd_data = Op::MatmulBwdData {
                 in_dim: din,
                 out_dim: dout,
                 accumulate: false,
-                act_grad: None,
+                act_grad,
+            };
+            let bwd_in = if act_grad.is_some() {
+                vec![y, w, x]
+            } else {
+                vec![y, w]
             };
             let bwd_weight = Op::MatmulBwdWeight {
                 in_dim: din,
@@ -176,8 +195,8 @@ mod bench {
             };
             let dw_out: Vec<BufferId> = if bias { vec![dw, db] } else { vec![dw] };
             let ops = [
-                (&fwd, fwd_in, vec![y]),
-                (&bwd_data, vec![y, w], vec![dx]),
+                (&fwd, fwd_in, fwd_out),
+                (&bwd_data, bwd_in, vec![dx]),
                 (&bwd_weight, vec![y, x], dw_out),
             ];
             let kinds = ["fwd", "bwd-data", "bwd-weight"];
@@ -194,7 +213,7 @@ mod bench {
                 println!("{line}");
                 lines.push(line);
             }
-            for buf in [x, w, b, y, dx, dw, db] {
+            for buf in [x, w, b, y, a, r, dx, dw, db] {
                 be.free(buf).unwrap();
             }
         }
