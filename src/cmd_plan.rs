@@ -209,6 +209,18 @@ pub(crate) fn summary(
                 p.zeroed_allocs,
                 p.allocs
             );
+            let o = &p.comm_overlap;
+            if o.collectives > 0 {
+                let _ = writeln!(
+                    out,
+                    "#   collective overlap: {} collectives, {} waited for by the next \
+                     instruction, {} instructions wait, median run-ahead {} instructions",
+                    o.collectives,
+                    o.waited_at_once,
+                    o.waiting_instructions,
+                    o.median_run_ahead()
+                );
+            }
         }
     }
     let _ = writeln!(

@@ -82,6 +82,13 @@ pub struct Emitter<'a> {
     /// Completed gradients waiting for their bucket to fill: (local index).
     pub bucket: Vec<usize>,
     pub bucket_bytes: u64,
+    /// Flat buckets whose all-reduce is queued, with their gradients (local indices, in packing
+    /// order): unpacked only after the whole backward, so nothing waits for the all-reduce
+    /// while backward still has compute to overlap it with.
+    pub reduced: Vec<(BufferId, Vec<usize>)>,
+    /// ZeRO-2/3 padded gradient copies whose reduce-scatter is queued: freed once the next
+    /// bucket's reductions are queued (a `Free` waits for the collective using the buffer).
+    pub scattered: Vec<BufferId>,
     /// ZeRO-3 parameters gathered for the node being emitted (their full tensors).
     pub gathered: Vec<(ParamId, BufferId)>,
     /// ZeRO-3 parameters gathered ahead of the node that uses them (their flat gather buffers).

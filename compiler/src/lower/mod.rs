@@ -475,6 +475,8 @@ fn emit_program(
         grad_sumsq,
         bucket: Vec::new(),
         bucket_bytes: spec.parallel.bucket_bytes,
+        reduced: Vec::new(),
+        scattered: Vec::new(),
         gathered: Vec::new(),
         prefetched: Vec::new(),
         keep: Vec::new(),

@@ -7,9 +7,12 @@
 //! - Data parallel (dp × cp, since cp ranks see different tokens of the same samples): without
 //!   ZeRO, complete gradients are packed into flat buckets of `bucket_bytes` and each bucket is
 //!   all-reduced (sum) as soon as it fills, so the runtime can overlap it with the rest of
-//!   backward. ZeRO-2/3 reduce-scatter each bucket's gradients as they complete (padded flat
-//!   copies, see `ir::program`) and free the full gradients; ZeRO-1 reduce-scatters after the
-//!   whole backward.
+//!   backward; the gradients are freed once packed and copied back out of the buckets only
+//!   after the last bucket's all-reduce is queued, so no compute waits for an all-reduce while
+//!   backward still runs (a read of the bucket, or its `Free`, would). ZeRO-2/3 reduce-scatter
+//!   each bucket's gradients as they complete (padded flat copies, see `ir::program`), free the
+//!   full gradients, and free the padded copies once the next bucket's reduce-scatters are
+//!   queued; ZeRO-1 reduce-scatters after the whole backward.
 //! - A parameter held by two pipeline stages (tied embedding and head) has its gradient
 //!   all-reduced over the `embed` group (first and last stage) at the end of the step.
 //! - Gradient norm: each program sums the squares of the gradient elements it owns — tp-split
@@ -98,6 +101,9 @@ impl Emitter<'_> {
                 };
                 self.b.compute(op, &[g], &[flat], None, Phase::Backward);
                 offset += n;
+                // The bucket holds the gradient now; `unpack_reduced` copies it back out.
+                self.b.release(g);
+                self.locals[i].grad = None;
             }
             self.b.collective(
                 CollectiveKind::AllReduce { op: ReduceOp::Sum },
@@ -106,21 +112,12 @@ impl Emitter<'_> {
                 flat,
                 None,
             );
-            let mut offset = 0;
-            for &i in &items {
-                let (g, n) = (self.grad_buffer(i), self.locals[i].numel);
-                let op = Op::CopyRange {
-                    src_offset: offset,
-                    dst_offset: 0,
-                    len: n,
-                };
-                self.b.compute(op, &[flat], &[g], None, Phase::Backward);
-                offset += n;
-                self.locals[i].final_grad = Some(g);
-            }
-            self.b.release(flat);
+            self.reduced.push((flat, items));
             return;
         }
+        // The previous bucket's padded copies: its reduce-scatters ran while this bucket's
+        // backward computed.
+        let scattered = std::mem::take(&mut self.scattered);
         for i in items {
             let g = self.grad_buffer(i);
             let (n, zero, param) = {
@@ -157,8 +154,47 @@ impl Emitter<'_> {
             );
             self.b
                 .collective(CollectiveKind::ReduceScatter, group, padded, shard, None);
-            self.b.release(padded);
+            self.scattered.push(padded);
             self.locals[i].final_grad = Some(shard);
+        }
+        for padded in scattered {
+            self.b.release(padded);
+        }
+    }
+
+    /// After the last bucket's all-reduce is queued: copy every reduced bucket's gradients
+    /// into gradient buffers of their own, oldest bucket first (its all-reduce finishes first),
+    /// and free the padded copies of the last reduce-scatters.
+    fn unpack_reduced(&mut self) {
+        for (flat, items) in std::mem::take(&mut self.reduced) {
+            let mut offset = 0;
+            for i in items {
+                let (param, shape, n) = {
+                    let l = &self.locals[i];
+                    (l.param, l.shape.clone(), l.numel)
+                };
+                let name = self
+                    .params
+                    .table
+                    .params
+                    .get(param.0 as usize)
+                    .map(|p| format!("{}.grad_reduced", p.name))
+                    .unwrap_or_default();
+                let g = self.b.alloc(name, shape, BufferKind::Grad);
+                self.locals[i].grad = Some(g);
+                let op = Op::CopyRange {
+                    src_offset: offset,
+                    dst_offset: 0,
+                    len: n,
+                };
+                self.b.compute(op, &[flat], &[g], None, Phase::Backward);
+                offset += n;
+                self.locals[i].final_grad = Some(g);
+            }
+            self.b.release(flat);
+        }
+        for padded in std::mem::take(&mut self.scattered) {
+            self.b.release(padded);
         }
     }
 
@@ -170,6 +206,7 @@ impl Emitter<'_> {
             }
         }
         self.flush_bucket();
+        self.unpack_reduced();
         if let Some(g) = self.groups.embed {
             for i in 0..self.locals.len() {
                 if let (true, Some(fg)) = (self.locals[i].shared, self.locals[i].final_grad) {

@@ -19,16 +19,21 @@
 //!
 //! - [`zero_needs`] marks the buffers whose `Alloc` must zero-fill them (read or accumulated
 //!   into before being fully written); a backend skips the fill of the others.
+//! - [`comm_overlap`] measures how far each collective can run ahead of the compute that waits
+//!   for it under the executor's ordering rules (a `Free` of a buffer a queued collective uses
+//!   waits for it, since the plan hands its bytes on).
 //!
 //! The arena can never be smaller than [`MemoryLayout::aligned_peak_bytes`], the most (aligned)
 //! transient bytes alive at once; the difference is fragmentation.
 mod check;
 mod intervals;
+mod overlap;
 #[cfg(test)]
 mod tests;
 mod zeroing;
 
 pub use check::check_layout;
+pub use overlap::{comm_overlap, CommOverlap};
 pub use zeroing::zero_needs;
 
 use crate::ir::{BufferId, Instr, Plan, Program, ProgramId};
@@ -78,6 +83,8 @@ pub struct MemoryLayout {
     pub allocs: u64,
     /// Those of them whose buffer needs zero-filling.
     pub zeroed_allocs: u64,
+    /// How far each collective runs ahead of the compute that waits for it.
+    pub comm_overlap: CommOverlap,
 }
 
 impl MemoryLayout {
@@ -113,6 +120,8 @@ pub struct PlanSummary {
     /// `Alloc` instructions per step, and those that must zero-fill their buffer.
     pub allocs: u64,
     pub zeroed_allocs: u64,
+    /// Collectives, those waited for by the very next instruction, and the median run-ahead.
+    pub comm_overlap: CommOverlap,
 }
 
 /// Each program's layout beside its verified liveness peak, in program order.
@@ -128,6 +137,7 @@ pub fn summarize(layouts: &[MemoryLayout], report: &VerifyReport) -> Vec<PlanSum
             overhead: layout.arena_bytes as f64 / memory.peak_transient_bytes.max(1) as f64 - 1.0,
             allocs: layout.allocs,
             zeroed_allocs: layout.zeroed_allocs,
+            comm_overlap: layout.comm_overlap.clone(),
         })
         .collect()
 }
@@ -195,6 +205,7 @@ pub fn plan_program(program: &Program) -> Result<MemoryLayout, MemPlanError> {
         needs_zero,
         allocs,
         zeroed_allocs,
+        comm_overlap: comm_overlap(program),
     };
     check_layout(program, &layout).map_err(|e| error(format!("planner bug: {e}")))?;
     Ok(layout)

@@ -210,7 +210,20 @@ impl<'a> Engine<'a> {
                 Instr::Send { .. } | Instr::Recv { .. } | Instr::P2p { .. } => {
                     self.post(y, program, instr, woken);
                 }
-                Instr::Alloc { .. } | Instr::Free { .. } | Instr::LoadBatch { .. } => {
+                Instr::Free { buffer } => {
+                    // The runtime hands a freed buffer's bytes on, so the compute stream first
+                    // waits for a collective still using it.
+                    let state = &mut self.ranks[y];
+                    let i = buffer.0 as usize;
+                    if let (Some(&r), Some(&c)) = (state.ready.get(i), state.comm_start.get(i)) {
+                        if r > state.t {
+                            state.exposed += r - c.max(state.t);
+                            state.t = r;
+                        }
+                    }
+                    state.pc += 1;
+                }
+                Instr::Alloc { .. } | Instr::LoadBatch { .. } => {
                     self.ranks[y].pc += 1;
                 }
             }

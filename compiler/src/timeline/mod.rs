@@ -14,7 +14,8 @@
 //!   sides have posted it and a group completes when all its transfers have. Waiting for the
 //!   peer to post is idle time (the pipeline bubble); the transfer itself is exposed
 //!   communication.
-//! - `Alloc`, `Free` and `LoadBatch` take no time.
+//! - `Alloc`, `Free` and `LoadBatch` take no time, but a `Free` of a buffer a collective still
+//!   uses waits for it, as the runtime does (the memory plan hands the bytes on).
 //!
 //! Checked against the formulas with uniform stage costs and free communication: GPipe and
 //! 1F1B give (p−1)/(m+p−1) for any forward/backward cost ratio; interleaved 1F1B gives
