@@ -1,10 +1,12 @@
 //! Tests of the CPU backend: finite-difference gradient checks of every backward op against its
 //! forward (`gradients`), known values and decompositions (`reference`: naive attention, context-
 //! parallel splits, GQA vs MHA, vocab-parallel cross-entropy, optimizer steps), the fused
-//! cross-entropy against its split pieces (`fused_loss`), and the buffer table, error reporting
+//! cross-entropy against its split pieces (`fused_loss`), the GEMMs' fused activation and
+//! residual forms against the separate ops (`fused_gemm`), and the buffer table, error reporting
 //! and thread-count determinism (`backend`).
 mod backend;
 mod bf16;
+mod fused_gemm;
 mod fused_loss;
 mod gradients;
 mod reference;
