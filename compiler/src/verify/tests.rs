@@ -619,6 +619,39 @@ fn an_accumulating_output_that_is_also_an_input_is_reported() {
 }
 
 #[test]
+fn an_accumulating_activation_gradient_is_reported() {
+    use crate::ir::op::{Act, Op};
+    use std::sync::Arc;
+    let mut plan = lowered(PlanChoice::default());
+    assert!(check(&plan).violations.is_empty());
+    // The fused GELU gradient of the MLP's second projection, made to accumulate.
+    let instrs = &mut plan.programs[0].instrs;
+    let at = instrs
+        .iter()
+        .position(|i| {
+            matches!(i, Instr::Compute { op, .. }
+                if matches!(**op, Op::MatmulBwdData { act_grad: Some(_), .. }))
+        })
+        .expect("a MatmulBwdData with act_grad");
+    if let Instr::Compute { op, .. } = &mut instrs[at] {
+        if let Op::MatmulBwdData {
+            in_dim, out_dim, ..
+        } = **op
+        {
+            *op = Arc::new(Op::MatmulBwdData {
+                in_dim,
+                out_dim,
+                accumulate: true,
+                act_grad: Some(Act::GeluTanh),
+            });
+        }
+    }
+    let outcome = check(&plan);
+    assert_eq!(codes(&outcome), ["E0822"], "{:#?}", outcome.violations);
+    assert_eq!(outcome.violations[0].instr, at);
+}
+
+#[test]
 fn a_check_keeps_its_first_sixteen_violations_per_program() {
     let mut found = Findings::new(ProgramId(2), 5);
     let mut built = 0;

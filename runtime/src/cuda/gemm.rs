@@ -256,7 +256,7 @@ struct PlanKey {
 impl PlanKey {
     fn describe(&self) -> String {
         format!(
-            "a {}x{}x{} {} GEMM with {} output (trans_a={}, trans_b={}{})",
+            "a {}x{}x{} {} GEMM with {} output (trans_a={}, trans_b={}{}{})",
             self.m,
             self.n,
             self.k,
@@ -267,6 +267,7 @@ impl PlanKey {
             },
             self.trans_a,
             self.trans_b,
+            if self.accumulates { ", beta 1" } else { "" },
             match self.epilogue {
                 EpilogueKind::None => "",
                 EpilogueKind::BiasF32 => ", fp32 bias epilogue",
