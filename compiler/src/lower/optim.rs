@@ -54,6 +54,11 @@ impl Emitter<'_> {
             self.locals[idx].final_grad = Some(grad);
             return;
         }
+        if self.zero == ZeroStage::Zero0 && self.locals[idx].numel * 4 >= self.bucket_bytes {
+            // A gradient that fills a bucket by itself is all-reduced alone, in place: no copies
+            // into and out of a bucket (GPT-2's embedding, the last gradient to complete).
+            self.flush_bucket();
+        }
         self.bucket.push(idx);
         if self.zero == ZeroStage::Zero1 {
             return;
