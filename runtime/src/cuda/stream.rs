@@ -1,6 +1,7 @@
 //! Overlap of communication with compute: the communication stream and which buffers it still
 //! uses. Compute ops run on the backend's compute stream; collectives and transfers on a
-//! separate (non-blocking) communication stream, so they run while later compute runs.
+//! separate (non-blocking, highest-priority) communication stream, so they run while later
+//! compute runs.
 //!
 //! The ordering rules, in stream terms:
 //! - The buffers some collective or transfer of the rank's program uses ([`comm_buffers`],
@@ -310,8 +311,15 @@ impl CommStream {
         comm_buffers: HashSet<BufferId>,
         timeout: Duration,
     ) -> Result<CommStream> {
+        // The highest priority the device allows: a collective's kernels get SMs as soon as
+        // blocks of the compute kernels running then retire, instead of after every block of
+        // those kernels has been scheduled (what PyTorch's TORCH_NCCL_HIGH_PRIORITY option does).
+        ctx.bind_to_thread()
+            .map_err(|e| driver_error("making the context current", e))?;
+        let (_, highest) = cudarc::driver::result::stream::get_priority_range()
+            .map_err(|e| driver_error("reading the stream priority range", e))?;
         let stream = ctx
-            .new_stream()
+            .new_stream_with_priority(highest)
             .map_err(|e| driver_error("creating the communication stream", e))?;
         Ok(CommStream {
             stream,
