@@ -20,13 +20,15 @@
 //!   owner's stage, ZeRO shards on every dp × cp rank, full gradients on cp rank 0 (dp ranks
 //!   share programs, so without ZeRO the sum runs over pp × cp × tp and dp is left out) — then
 //!   all-reduces the sum. `ClipCoef` and `AdamW`/`Sgd` run on each local master; ZeRO-1/2
-//!   all-gather the updated shards into the working copy.
+//!   all-gather the updated shards and copy them into the working copy a bucket's worth of
+//!   gathers later.
 
 use super::emitter::Emitter;
 use super::params::TpRule;
 use crate::ir::op::Op;
-use crate::ir::{BufferKind, CollectiveKind, Phase, ReduceOp};
+use crate::ir::{BufferId, BufferKind, CollectiveKind, Phase, ReduceOp};
 use crate::spec::{Optimizer, ZeroStage};
+use std::collections::VecDeque;
 
 impl Emitter<'_> {
     fn needs_tp_sync(&self, rule: TpRule) -> bool {
@@ -264,6 +266,9 @@ impl Emitter<'_> {
             None,
             Phase::Optimizer,
         );
+        // ZeRO-1/2 gathers of updated shards whose copy into the working copy is still to come.
+        let mut gathering: VecDeque<(BufferId, BufferId, u64)> = VecDeque::new();
+        let mut gathering_bytes = 0u64;
         for i in 0..self.locals.len() {
             let Some(fg) = self.locals[i].final_grad else {
                 continue;
@@ -319,15 +324,35 @@ impl Emitter<'_> {
                 );
                 self.b
                     .collective(CollectiveKind::AllGather, z.group, master, flat, None);
-                let op = Op::CopyRange {
-                    src_offset: 0,
-                    dst_offset: 0,
-                    len: numel,
-                };
-                self.b.compute(op, &[flat], &[w], None, Phase::Optimizer);
-                self.b.release(flat);
+                gathering.push_back((flat, w, numel));
+                gathering_bytes += numel * 4;
+                // A gathered parameter is copied into its working copy once a bucket's worth of
+                // later gathers is queued behind its own, so the compute stream does not wait
+                // for each gather as soon as it is issued.
+                while let Some(&(flat, w, numel)) = gathering.front() {
+                    if gathering.len() < 2 || gathering_bytes - numel * 4 < self.bucket_bytes {
+                        break;
+                    }
+                    gathering.pop_front();
+                    gathering_bytes -= numel * 4;
+                    self.copy_gathered(flat, w, numel);
+                }
             }
         }
+        for (flat, w, numel) in gathering {
+            self.copy_gathered(flat, w, numel);
+        }
         self.b.release(coef);
+    }
+
+    /// Copy an all-gathered parameter (`flat`, padding included) into its working copy `w`.
+    fn copy_gathered(&mut self, flat: BufferId, w: BufferId, numel: u64) {
+        let op = Op::CopyRange {
+            src_offset: 0,
+            dst_offset: 0,
+            len: numel,
+        };
+        self.b.compute(op, &[flat], &[w], None, Phase::Optimizer);
+        self.b.release(flat);
     }
 }

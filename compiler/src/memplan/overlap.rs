@@ -267,4 +267,16 @@ mod tests {
         let overlapped = ahead.iter().filter(|&&a| a > 10).count();
         assert!(overlapped * 2 > scatters.len(), "run-ahead {ahead:?}");
     }
+
+    #[test]
+    fn zero1_and_zero2_gathers_of_updated_shards_run_under_later_updates() {
+        for zero in [ZeroStage::Zero1, ZeroStage::Zero2] {
+            let plan = dp2(zero, 1);
+            let program = &plan.programs[0];
+            let gathers = collectives_of(program, |k| matches!(k, CollectiveKind::AllGather));
+            assert!(gathers.len() >= 4, "{zero:?}: {} gathers", gathers.len());
+            let o = comm_overlap(program);
+            assert_eq!(o.waited_at_once, 0, "{zero:?}: {:?}", o.run_ahead);
+        }
+    }
 }
