@@ -208,3 +208,72 @@ fn chrome_trace_has_a_track_per_rank_with_two_rows() {
         .as_str()
         .is_some_and(|n| n.starts_with("blocks.0.attn fwd"))));
 }
+
+/// Every compute op costs a microsecond, every collective a millisecond.
+struct SlowCollectives;
+
+impl StepCosts for SlowCollectives {
+    fn compute(&self, _: &Program, _: &Instr) -> f64 {
+        1e-6
+    }
+    fn collective(&self, _: CollectiveKind, _: u32, _: f64, _: bool) -> f64 {
+        1e-3
+    }
+    fn transfer(&self, _: f64, _: bool) -> f64 {
+        0.0
+    }
+    fn bytes(&self, b: &Buffer) -> f64 {
+        b.bytes() as f64
+    }
+}
+
+#[test]
+fn freeing_a_buffer_a_collective_still_uses_waits_for_it() {
+    let mut spec = build(
+        &Dims::tiny(),
+        &PlanChoice {
+            dp: 2,
+            microbatches: 1,
+            ..PlanChoice::default()
+        },
+    );
+    // Buckets small enough that the first all-reduce runs early in backward.
+    spec.parallel.bucket_bytes = 4096;
+    let mut plan = lower(&spec).unwrap();
+    let program = &mut plan.programs[0];
+    let (at, bucket) = program
+        .instrs
+        .iter()
+        .enumerate()
+        .find_map(|(i, instr)| match instr {
+            Instr::Collective { output, .. } => Some((i, *output)),
+            _ => None,
+        })
+        .unwrap();
+    // The first gradient all-reduce's buffer freed (and allocated again) right after it: the
+    // compute after the free must start once the all-reduce has ended.
+    program
+        .instrs
+        .insert(at + 1, Instr::Free { buffer: bucket });
+    program
+        .instrs
+        .insert(at + 2, Instr::Alloc { buffer: bucket });
+    let timeline = simulate_with(&plan, &spec, &SlowCollectives);
+    assert!(timeline.complete);
+    let comm_end = timeline
+        .events
+        .iter()
+        .find(|e| e.rank == 0 && e.row == Row::Comm && e.first_instr == at)
+        .map(|e| e.start + e.duration)
+        .unwrap();
+    for e in timeline
+        .events
+        .iter()
+        .filter(|e| e.rank == 0 && e.row == Row::Compute && e.first_instr > at)
+    {
+        assert!(
+            e.start >= comm_end - 1e-12,
+            "{e:?} starts before the all-reduce ends at {comm_end}"
+        );
+    }
+}
