@@ -5,11 +5,12 @@
 //!   which only tp rank 0 adds, and, under sequence parallelism, every replicated parameter
 //!   applied to sequence shards: norms, position embedding), it is all-reduced over tp.
 //! - Data parallel (dp × cp, since cp ranks see different tokens of the same samples): without
-//!   ZeRO, complete gradients are packed into flat buckets of `bucket_bytes` and each bucket is
-//!   all-reduced (sum) as soon as it fills, so the runtime can overlap it with the rest of
-//!   backward; the gradients are freed once packed and copied back out of the buckets only
-//!   after the last bucket's all-reduce is queued, so no compute waits for an all-reduce while
-//!   backward still runs (a read of the bucket, or its `Free`, would). ZeRO-2/3 reduce-scatter
+//!   ZeRO, a large complete gradient is all-reduced alone in place at once; small ones are
+//!   packed into flat buckets of `bucket_bytes` and each bucket is all-reduced (sum) as soon as
+//!   it fills, so the runtime can overlap it with the rest of backward; the gradients are freed
+//!   once packed and copied back out of the buckets only after the last bucket's all-reduce is
+//!   queued, so no compute waits for an all-reduce while backward still runs (a read of the
+//!   bucket, or its `Free`, would). ZeRO-2/3 reduce-scatter
 //!   each bucket's gradients as they complete (padded flat copies, see `ir::program`), free the
 //!   full gradients, and free the padded copies once the next bucket's reduce-scatters are
 //!   queued; ZeRO-1 reduce-scatters after the whole backward.
@@ -29,6 +30,11 @@ use crate::ir::op::Op;
 use crate::ir::{BufferId, BufferKind, CollectiveKind, Phase, ReduceOp};
 use crate::spec::{Optimizer, ZeroStage};
 use std::collections::VecDeque;
+
+/// Without ZeRO, a gradient of at least `bucket_bytes / IN_PLACE_FRACTION` bytes is all-reduced
+/// on its own, in place (NCCL runs near its full bandwidth from a few MB: 25 MiB buckets put
+/// GPT-2's 4 MB weight matrices in place), so only small gradients are copied into buckets.
+const IN_PLACE_FRACTION: u64 = 8;
 
 impl Emitter<'_> {
     fn needs_tp_sync(&self, rule: TpRule) -> bool {
@@ -56,10 +62,16 @@ impl Emitter<'_> {
             self.locals[idx].final_grad = Some(grad);
             return;
         }
-        if self.zero == ZeroStage::Zero0 && self.locals[idx].numel * 4 >= self.bucket_bytes {
-            // A gradient that fills a bucket by itself is all-reduced alone, in place: no copies
-            // into and out of a bucket (GPT-2's embedding, the last gradient to complete).
+        if self.zero == ZeroStage::Zero0
+            && self.locals[idx].numel * 4 * IN_PLACE_FRACTION >= self.bucket_bytes
+        {
+            // A large gradient is all-reduced alone, in place, as soon as it completes: no
+            // copies into and out of a bucket (weight matrices, GPT-2's embedding); the small
+            // ones (biases, norms) keep filling the bucket.
+            let waiting = std::mem::replace(&mut self.bucket, vec![idx]);
             self.flush_bucket();
+            self.bucket = waiting;
+            return;
         }
         self.bucket.push(idx);
         if self.zero == ZeroStage::Zero1 {
