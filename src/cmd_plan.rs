@@ -214,7 +214,7 @@ pub(crate) fn summary(
                 let _ = writeln!(
                     out,
                     "#   collective overlap: {} collectives, {} waited for by the next \
-                     instruction, {} instructions wait, median run-ahead {} instructions",
+                     instruction, {} waiting instruction(s), median run-ahead {} instructions",
                     o.collectives,
                     o.waited_at_once,
                     o.waiting_instructions,
