@@ -192,6 +192,7 @@ mod bench {
                 in_dim: din,
                 out_dim: dout,
                 bias,
+                accumulate_param_grad: true,
             };
             let dw_out: Vec<BufferId> = if bias { vec![dw, db] } else { vec![dw] };
             let ops = [

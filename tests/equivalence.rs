@@ -303,6 +303,65 @@ fn accumulating_gradients_in_place_changes_no_bit() {
     }
 }
 
+/// The first contribution to each freshly allocated parameter gradient overwriting it
+/// (`LowerOptions::overwrite_first_grads`, the default: `accumulate_param_grad` = false on
+/// that `MatmulBwdWeight` / norm backward / `PositionAddBwd`) changes no bit of an f32 run and
+/// drops those gradients' zero-fills: across tp with and without SP, pipelines with several
+/// micro-batches (gradient accumulation), ZeRO-2/3 buckets, cp, recompute, and the tied
+/// embedding (the head's product overwrites, the embedding's scatter adds).
+#[test]
+fn overwriting_first_gradient_contributions_changes_no_bit() {
+    let adding = LowerOptions {
+        overwrite_first_grads: false,
+        ..LowerOptions::default()
+    };
+    let overwriting = |i: &Instr| {
+        matches!(i, Instr::Compute { op, .. }
+            if matches!(op.param_grad_outputs(), Some((_, false))))
+    };
+    let zero_filled = |p: &Plan| -> usize {
+        p.programs
+            .iter()
+            .map(|q| {
+                let needs = parc_compiler::memplan::zero_needs(q);
+                q.buffers
+                    .iter()
+                    .zip(needs)
+                    .filter(|(b, n)| *n && !b.kind.is_persistent())
+                    .count()
+            })
+            .sum()
+    };
+    let mut plans = option_plans();
+    plans.push((
+        false,
+        PlanChoice {
+            dp: 2,
+            microbatches: 2,
+            ..PlanChoice::default()
+        },
+    ));
+    for (llama, plan) in plans {
+        let desc = describe(llama, &plan, Variant::default());
+        let s = spec_variant(model(llama), plan, Variant::default());
+        let first = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
+        let add = lower_with(&s, adding).unwrap_or_else(|d| panic!("{:?}", d.items));
+        assert!(
+            count(&first, overwriting) > 0 && count(&add, overwriting) == 0,
+            "{desc}: {} overwriting gradient ops (adding form: {})",
+            count(&first, overwriting),
+            count(&add, overwriting)
+        );
+        assert!(
+            zero_filled(&first) < zero_filled(&add),
+            "{desc}: {} zero-filled buffers overwriting vs {} adding",
+            zero_filled(&first),
+            zero_filled(&add)
+        );
+        assert_same_run(&s, &first, &add, &desc, "overwriting first contributions");
+    }
+}
+
 /// Fusing GPT-2's gelu_tanh and the residual adds into the GEMMs (`LowerOptions::
 /// fuse_epilogues`, the default: the first MLP projection's `Matmul` writes the activation
 /// too, the second's backward-data product writes the pre-activation's gradient, and the

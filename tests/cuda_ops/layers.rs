@@ -71,6 +71,7 @@ fn embedding_cases(r: &mut Rng) -> Vec<Case> {
         batch: batch as u64,
         dim: dim as u64,
         positions,
+        accumulate_param_grad: true,
     };
     vec![
         Case::new(
@@ -166,6 +167,7 @@ fn norm_cases(r: &mut Rng) -> Vec<Case> {
                         dim: dim as u64,
                         bias: with_bias,
                         accumulate,
+                        accumulate_param_grad: true,
                     },
                     bwd_ins.clone(),
                     bwd_outs,
@@ -192,6 +194,7 @@ fn norm_cases(r: &mut Rng) -> Vec<Case> {
                 Op::RmsNormBwd {
                     dim: dim as u64,
                     accumulate,
+                    accumulate_param_grad: true,
                 },
                 ins.to_vec(),
                 vec![r.vec(rows * dim, 1.0), r.vec(dim, 1.0)],

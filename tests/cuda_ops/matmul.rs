@@ -146,6 +146,7 @@ fn matmul_cases(test: &str, tol: f32) -> Vec<Case> {
                     in_dim: i,
                     out_dim: o,
                     bias,
+                    accumulate_param_grad: true,
                 },
                 vec![Data::F32(dy.clone()), Data::F32(x.clone())],
                 outs,

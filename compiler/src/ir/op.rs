@@ -86,11 +86,14 @@ pub enum Op {
         dim: u64,
         positions: Vec<Segment>,
     },
-    /// in: dy `[rows, dim]`. out: dtable `[seq, dim]` (+=). (dx = dy: the lowering reuses dy.)
+    /// in: dy `[rows, dim]`. out: dtable `[seq, dim]` (+= when `accumulate_param_grad`, else
+    /// overwritten: the step's first contribution to a fresh gradient). (dx = dy: the lowering
+    /// reuses dy.)
     PositionAddBwd {
         batch: u64,
         dim: u64,
         positions: Vec<Segment>,
+        accumulate_param_grad: bool,
     },
 
     // ------------------------------------------------------------------ norms
@@ -98,17 +101,23 @@ pub enum Op {
     /// out: y `[rows, dim]`, mean `[rows]`, rstd `[rows]`.
     LayerNorm { dim: u64, eps: f64, bias: bool },
     /// in: dy, x, w, mean, rstd. out: dx `[rows, dim]` (+= when `accumulate`, else
-    /// overwritten), dw `[dim]` (+=), db `[dim]` (+=, only when `bias`).
+    /// overwritten), dw `[dim]` and db `[dim]` (only when `bias`): += when
+    /// `accumulate_param_grad`, else overwritten (the first contribution to fresh gradients).
     LayerNormBwd {
         dim: u64,
         bias: bool,
         accumulate: bool,
+        accumulate_param_grad: bool,
     },
     /// in: x `[rows, dim]`, w `[dim]`. out: y `[rows, dim]`, rstd `[rows]`.
     RmsNorm { dim: u64, eps: f64 },
     /// in: dy, x, w, rstd. out: dx `[rows, dim]` (+= when `accumulate`, else overwritten),
-    /// dw `[dim]` (+=).
-    RmsNormBwd { dim: u64, accumulate: bool },
+    /// dw `[dim]` (+= when `accumulate_param_grad`, else overwritten).
+    RmsNormBwd {
+        dim: u64,
+        accumulate: bool,
+        accumulate_param_grad: bool,
+    },
 
     // ------------------------------------------------------------------ linear
     /// in: x `[rows, in]`, w `[out, in]`, b `[out]` (only when `bias`), r `[rows, out]` (only
@@ -141,12 +150,16 @@ pub enum Op {
         accumulate: bool,
         act_grad: Option<Act>,
     },
-    /// in: dy `[rows, out]`, x `[rows, in]`. out: dw `[out, in]` (+=), db `[out]` (+=, only
-    /// when `bias`).
+    /// in: dy `[rows, out]`, x `[rows, in]`. out: dw `[out, in]` = dyᵀ x and db `[out]` = the
+    /// column sums of dy (only when `bias`): both += when `accumulate_param_grad`, else
+    /// overwritten (the first contribution to fresh gradients: no zero-fill needed). An
+    /// accumulating output adds the finished value once per element (`dw + (dyᵀ x)`), so in
+    /// f32 an overwrite is bit-identical to adding into zeros.
     MatmulBwdWeight {
         in_dim: u64,
         out_dim: u64,
         bias: bool,
+        accumulate_param_grad: bool,
     },
 
     // ------------------------------------------------------------------ attention
@@ -290,21 +303,90 @@ impl Op {
         }
     }
 
+    /// For an op that writes parameter gradients with an `accumulate_param_grad` flag
+    /// (`MatmulBwdWeight`, `LayerNormBwd`, `RmsNormBwd`, `PositionAddBwd`): the index of its
+    /// first parameter-gradient output (the flag governs that output and every later one) and
+    /// the flag. None for every other op.
+    pub fn param_grad_outputs(&self) -> Option<(usize, bool)> {
+        match self {
+            Op::MatmulBwdWeight {
+                accumulate_param_grad,
+                ..
+            }
+            | Op::PositionAddBwd {
+                accumulate_param_grad,
+                ..
+            } => Some((0, *accumulate_param_grad)),
+            Op::LayerNormBwd {
+                accumulate_param_grad,
+                ..
+            }
+            | Op::RmsNormBwd {
+                accumulate_param_grad,
+                ..
+            } => Some((1, *accumulate_param_grad)),
+            _ => None,
+        }
+    }
+
+    /// The op with its `accumulate_param_grad` set to `accumulate` (unchanged for an op
+    /// without one, see [`Op::param_grad_outputs`]).
+    pub fn with_param_grad_accumulation(&self, accumulate: bool) -> Op {
+        let mut op = self.clone();
+        match &mut op {
+            Op::MatmulBwdWeight {
+                accumulate_param_grad,
+                ..
+            }
+            | Op::PositionAddBwd {
+                accumulate_param_grad,
+                ..
+            }
+            | Op::LayerNormBwd {
+                accumulate_param_grad,
+                ..
+            }
+            | Op::RmsNormBwd {
+                accumulate_param_grad,
+                ..
+            } => *accumulate_param_grad = accumulate,
+            _ => {}
+        }
+        op
+    }
+
     /// Whether the op adds into its output `output` (an output documented "(+=)"): it reads
     /// that buffer's value and writes the sum back, so the buffer must hold zeros or an
     /// earlier value first, and it must not also be one of the op's inputs (the verifier
     /// checks it, E0821: a backend would read an input the op is writing).
     pub fn accumulates(&self, output: usize) -> bool {
         match self {
-            Op::EmbeddingBwd { .. }
-            | Op::PositionAddBwd { .. }
-            | Op::MatmulBwdWeight { .. }
-            | Op::CeLoss { .. }
-            | Op::SumSquares => true,
+            Op::EmbeddingBwd { .. } | Op::CeLoss { .. } | Op::SumSquares => true,
+            Op::PositionAddBwd {
+                accumulate_param_grad,
+                ..
+            }
+            | Op::MatmulBwdWeight {
+                accumulate_param_grad,
+                ..
+            } => *accumulate_param_grad,
             Op::CrossEntropy { .. } => output == 1,
             Op::MatmulBwdData { accumulate, .. } => *accumulate,
-            Op::LayerNormBwd { accumulate, .. } | Op::RmsNormBwd { accumulate, .. } => {
-                output > 0 || *accumulate
+            Op::LayerNormBwd {
+                accumulate,
+                accumulate_param_grad,
+                ..
+            }
+            | Op::RmsNormBwd {
+                accumulate,
+                accumulate_param_grad,
+                ..
+            } => {
+                if output > 0 {
+                    *accumulate_param_grad
+                } else {
+                    *accumulate
+                }
             }
             // Overwritten outputs; `CopyRange` writes only its range; the optimizer ops
             // update their outputs in place (documented as such, not as "+=").

@@ -124,6 +124,7 @@ impl Emitter<'_> {
                         batch: self.micro_batch,
                         dim: *dim,
                         positions: self.sp_positions.clone(),
+                        accumulate_param_grad: true,
                     };
                     self.b.compute(op, &[dy], &[g], Some(node), Phase::Backward);
                 }
@@ -143,6 +144,7 @@ impl Emitter<'_> {
                         dim: *dim,
                         bias: *bias,
                         accumulate,
+                        accumulate_param_grad: true,
                     };
                     self.b.compute(
                         op,
@@ -169,6 +171,7 @@ impl Emitter<'_> {
                         Op::RmsNormBwd {
                             dim: *dim,
                             accumulate,
+                            accumulate_param_grad: true,
                         },
                         &[dy, x, w, rstd],
                         &outs,
@@ -317,6 +320,7 @@ impl Emitter<'_> {
                     in_dim,
                     out_dim,
                     bias,
+                    accumulate_param_grad: true,
                 },
                 &[dy, x],
                 &outs,

@@ -17,6 +17,7 @@ mod backward;
 mod builder;
 mod context;
 mod emitter;
+pub(crate) mod first_write;
 mod idmap;
 mod layers;
 mod optim;
@@ -56,6 +57,11 @@ pub struct LowerOptions {
     /// (`Matmul { residual }`) where exact (`Emitter::fused_residual`: no tp, one reader).
     /// Off: the separate ops (bit-identical in f32; tests compare).
     pub fuse_epilogues: bool,
+    /// The first contribution to a freshly allocated parameter gradient overwrites it
+    /// (`accumulate_param_grad` = false) instead of adding into its zero-fill, which a backend
+    /// then skips (see `first_write`). Off: every contribution adds (bit-identical in f32;
+    /// tests compare).
+    pub overwrite_first_grads: bool,
 }
 
 impl Default for LowerOptions {
@@ -63,6 +69,7 @@ impl Default for LowerOptions {
         LowerOptions {
             accumulate_in_place: true,
             fuse_epilogues: true,
+            overwrite_first_grads: true,
         }
     }
 }
@@ -554,6 +561,9 @@ fn emit_program(
         loss,
         grad_sumsq: Some(grad_sumsq),
     };
+    if sh.options.overwrite_first_grads {
+        first_write::overwrite_first_contributions(&mut program);
+    }
     storage::assign(&mut program, spec.train.precision);
     Ok(program)
 }

@@ -148,24 +148,20 @@ fn covers(ranges: &mut [(u64, u64)], numel: u64) -> bool {
 /// How `op` uses its output `index`, per the semantics in `crate::ir::op`.
 fn output_use(op: &Op, index: usize) -> Use {
     match op {
-        // Outputs documented "(+=)": dtable; dw and db.
-        Op::EmbeddingBwd { .. }
-        | Op::PositionAddBwd { .. }
-        | Op::MatmulBwdWeight { .. }
-        | Op::CeLoss { .. }
-        | Op::SumSquares => Use::Reads,
+        // Outputs documented "(+=)": dtable; the loss; the squared norm.
+        Op::EmbeddingBwd { .. } | Op::CeLoss { .. } | Op::SumSquares => Use::Reads,
         // dlogits is the logits, read first (in place); the loss accumulates.
         Op::CrossEntropy { .. } => Use::Reads,
-        // dx is overwritten unless it accumulates; dw, db accumulate.
-        Op::LayerNormBwd { accumulate, .. } | Op::RmsNormBwd { accumulate, .. }
-            if index == 0 && !*accumulate =>
+        // dx, dw, db: added into when the op's flags say so, else overwritten.
+        Op::LayerNormBwd { .. }
+        | Op::RmsNormBwd { .. }
+        | Op::MatmulBwdData { .. }
+        | Op::MatmulBwdWeight { .. }
+        | Op::PositionAddBwd { .. }
+            if op.accumulates(index) =>
         {
-            Use::Overwrites
+            Use::Reads
         }
-        Op::LayerNormBwd { .. } | Op::RmsNormBwd { .. } => Use::Reads,
-        Op::MatmulBwdData {
-            accumulate: true, ..
-        } => Use::Reads,
         // Updated in place.
         Op::AdamW { .. } | Op::Sgd { .. } => Use::Reads,
         Op::CopyRange {
@@ -176,9 +172,11 @@ fn output_use(op: &Op, index: usize) -> Use {
         | Op::LayerNorm { .. }
         | Op::RmsNorm { .. }
         | Op::Matmul { .. }
-        | Op::MatmulBwdData {
-            accumulate: false, ..
-        }
+        | Op::MatmulBwdData { .. }
+        | Op::MatmulBwdWeight { .. }
+        | Op::PositionAddBwd { .. }
+        | Op::LayerNormBwd { .. }
+        | Op::RmsNormBwd { .. }
         | Op::Rope { .. }
         | Op::RopeBwd { .. }
         | Op::Attention { .. }
@@ -234,6 +232,7 @@ mod tests {
             in_dim: 2,
             out_dim: 2,
             bias,
+            accumulate_param_grad: true,
         }
     }
 
@@ -259,6 +258,25 @@ mod tests {
     }
 
     #[test]
+    fn a_first_gradient_write_needs_no_zeros_an_adding_one_does() {
+        // b0 = x; b1, b2 dw and db of a MatmulBwdWeight that overwrites or adds.
+        for accumulate in [false, true] {
+            let op = weight_grad(true).with_param_grad_accumulation(accumulate);
+            let p = program(
+                &[-4, 4, 2],
+                vec![
+                    alloc(1),
+                    alloc(2),
+                    Instr::compute(op, &[0, 0], &[1, 2]),
+                    free(1),
+                    free(2),
+                ],
+            );
+            assert_eq!(zero_needs(&p), vec![true, accumulate, accumulate]);
+        }
+    }
+
+    #[test]
     fn a_dx_that_accumulates_needs_zeros_one_that_is_overwritten_does_not() {
         // b0 = w; b1 = dy; b2, b3 dx of MatmulBwdData and LayerNormBwd without and with
         // accumulate (b4..b7: the norm's statistics and dw).
@@ -273,6 +291,7 @@ mod tests {
                 dim: 2,
                 bias: false,
                 accumulate,
+                accumulate_param_grad: true,
             };
             let p = program(
                 &[-4, 4, 4, 4, 2, 2, -2, 2],

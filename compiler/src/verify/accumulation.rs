@@ -6,7 +6,11 @@
 //! in place. The cross-instruction half of the argument — no later instruction wants the value
 //! from before the `+=` — is the lowering's, from its holder counts; it is not visible in the
 //! IR. Also E0822: a `MatmulBwdData` with an activation gradient (`act_grad`) does not
-//! accumulate (its dx is the product times act'(pre), overwritten).
+//! accumulate (its dx is the product times act'(pre), overwritten). And E0823: an op that
+//! overwrites its parameter gradients (`accumulate_param_grad` = false) is their first writer
+//! since their allocation (`lower::first_write::may_overwrite`): an overwrite of a gradient
+//! that holds an earlier contribution, a reduced value or a persistent accumulator would drop
+//! it.
 use super::{Findings, Violation};
 use crate::ir::op::Op;
 use crate::ir::{Instr, Program, ProgramId};
@@ -15,6 +19,7 @@ use crate::ir::{Instr, Program, ProgramId};
 /// `rank`, the lowest rank running it).
 pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violation> {
     let mut found = Findings::new(id, rank);
+    let may_overwrite = crate::lower::first_write::may_overwrite(program);
     for (i, instr) in program.instrs.iter().enumerate() {
         let Instr::Compute {
             op,
@@ -38,6 +43,18 @@ pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violatio
                      an activation-gradient product must overwrite dx"
                 )
             });
+        }
+        if let Some((first, false)) = op.param_grad_outputs() {
+            if !may_overwrite.get(i).copied().unwrap_or(false) {
+                found.push("E0823", i, *node, || {
+                    format!(
+                        "{op:?} overwrites its parameter gradient(s) from output {first} on, \
+                         but one of them is not freshly allocated and untouched (or is also an \
+                         input): only a gradient's first writer since its allocation may \
+                         overwrite it"
+                    )
+                });
+            }
         }
         for (k, out) in outputs.iter().enumerate() {
             let Some(input) = inputs.iter().position(|b| b == out) else {

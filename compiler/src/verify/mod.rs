@@ -27,7 +27,8 @@
 //!    the same buffer as that input and as the output it becomes (E0820).
 //! 8. **Accumulation reads no input**: an output an op adds into (`Op::accumulates`) is not
 //!    also one of its inputs (E0821); a `MatmulBwdData` with `act_grad` does not accumulate
-//!    (E0822).
+//!    (E0822); an op overwriting its parameter gradients is their first writer since their
+//!    allocation (E0823).
 //!
 //! Invariants 1–3, 6–8 and the liveness numbers are per program (ranks sharing a program are
 //! alike); 4–5 come from simulating all ranks together ([`rendezvous`]). Ranks whose programs

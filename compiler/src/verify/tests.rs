@@ -652,6 +652,29 @@ fn an_accumulating_activation_gradient_is_reported() {
 }
 
 #[test]
+fn an_overwrite_of_a_gradient_written_before_is_reported() {
+    use std::sync::Arc;
+    let mut plan = lowered(PlanChoice::default());
+    assert!(check(&plan).violations.is_empty());
+    // The last parameter-gradient op that adds (a later micro-batch's contribution, or the
+    // tied embedding's second product), made to overwrite what the first one wrote.
+    let instrs = &mut plan.programs[0].instrs;
+    let at = instrs
+        .iter()
+        .rposition(|i| {
+            matches!(i, Instr::Compute { op, .. }
+                if matches!(op.param_grad_outputs(), Some((_, true))))
+        })
+        .expect("an adding parameter-gradient op");
+    if let Instr::Compute { op, .. } = &mut instrs[at] {
+        *op = Arc::new(op.with_param_grad_accumulation(false));
+    }
+    let outcome = check(&plan);
+    assert_eq!(codes(&outcome), ["E0823"], "{:#?}", outcome.violations);
+    assert_eq!(outcome.violations[0].instr, at);
+}
+
+#[test]
 fn a_check_keeps_its_first_sixteen_violations_per_program() {
     let mut found = Findings::new(ProgramId(2), 5);
     let mut built = 0;

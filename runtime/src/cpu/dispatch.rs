@@ -69,8 +69,10 @@ pub(crate) fn run(
             batch,
             dim: d,
             positions,
+            accumulate_param_grad,
         } => {
             let [dtable] = outs.f32s()?;
+            first_write(*accumulate_param_grad, [&mut *dtable]);
             position_add_bwd(
                 name,
                 dim(name, "batch", *batch)?,
@@ -90,6 +92,7 @@ pub(crate) fn run(
             dim: d,
             bias,
             accumulate,
+            accumulate_param_grad,
         } => {
             let d = dim(name, "dim", *d)?;
             let (dy, x, w, mean, rstd) = (
@@ -101,6 +104,7 @@ pub(crate) fn run(
             );
             if *bias {
                 let [dx, dw, db] = outs.f32s()?;
+                first_write(*accumulate_param_grad, [&mut *dw, &mut *db]);
                 layer_norm_bwd(
                     name,
                     d,
@@ -115,6 +119,7 @@ pub(crate) fn run(
                 )
             } else {
                 let [dx, dw] = outs.f32s()?;
+                first_write(*accumulate_param_grad, [&mut *dw]);
                 layer_norm_bwd(name, d, dy, x, w, mean, rstd, (dx, *accumulate), dw, None)
             }
         }
@@ -123,8 +128,13 @@ pub(crate) fn run(
             let d = dim(name, "dim", *d)?;
             rms_norm(name, d, *eps, ins.f32(0)?, ins.f32(1)?, y, rstd)
         }
-        Op::RmsNormBwd { dim: d, accumulate } => {
+        Op::RmsNormBwd {
+            dim: d,
+            accumulate,
+            accumulate_param_grad,
+        } => {
             let [dx, dw] = outs.f32s()?;
+            first_write(*accumulate_param_grad, [&mut *dw]);
             let d = dim(name, "dim", *d)?;
             let (dy, x, w, rstd) = (ins.f32(0)?, ins.f32(1)?, ins.f32(2)?, ins.f32(3)?);
             rms_norm_bwd(name, d, dy, x, w, rstd, (dx, *accumulate), dw)
@@ -196,6 +206,7 @@ pub(crate) fn run(
             in_dim,
             out_dim,
             bias,
+            accumulate_param_grad,
         } => {
             let (i, o) = (
                 dim(name, "in_dim", *in_dim)?,
@@ -204,9 +215,11 @@ pub(crate) fn run(
             let (dy, x) = (ins.f32(0)?, ins.f32(1)?);
             if *bias {
                 let [dw, db] = outs.f32s()?;
+                first_write(*accumulate_param_grad, [&mut *dw, &mut *db]);
                 matmul_bwd_weight(name, threads, i, o, dy, x, dw, Some(db))
             } else {
                 let [dw] = outs.f32s()?;
+                first_write(*accumulate_param_grad, [&mut *dw]);
                 matmul_bwd_weight(name, threads, i, o, dy, x, dw, None)
             }
         }
@@ -470,6 +483,16 @@ pub(crate) fn run(
                     None,
                 )
             }
+        }
+    }
+}
+
+/// An op that overwrites its parameter gradients (`accumulate_param_grad` false) writes what
+/// adding into zeros writes: the gradients are cleared, then the accumulating kernel runs.
+fn first_write<const N: usize>(accumulate: bool, grads: [&mut [f32]; N]) {
+    if !accumulate {
+        for g in grads {
+            g.fill(0.0);
         }
     }
 }

@@ -240,6 +240,7 @@ pub(crate) fn run(
             outs.len()
         )));
     }
+    clear_first_writes(be, op, outs)?;
     match op {
         Op::Embedding {
             vocab_start,
@@ -287,6 +288,7 @@ pub(crate) fn run(
             batch,
             dim,
             positions,
+            ..
         } => {
             let forward = matches!(op, Op::PositionAdd { .. });
             let (batch, d) = (b.dim("batch", *batch)?, b.dim("dim", *dim)?);
@@ -364,6 +366,7 @@ pub(crate) fn run(
             dim,
             bias,
             accumulate,
+            ..
         } => {
             let d = b.dim("dim", *dim)?;
             let (dy, x, w, mean, rstd) = (
@@ -415,7 +418,9 @@ pub(crate) fn run(
             let args = [fv(x), p(w), fv(y), p(rstd), n(rows), n(d), Arg::F64(*eps)];
             launch_rows(be, "rms_norm_fwd", rows, &args)
         }
-        Op::RmsNormBwd { dim, accumulate } => {
+        Op::RmsNormBwd {
+            dim, accumulate, ..
+        } => {
             let d = b.dim("dim", *dim)?;
             let (dy, x, w, rstd) = (b.float_in(0)?, b.float_in(1)?, b.f32_in(2)?, b.f32_in(3)?);
             let rows = b.rows(x, "x", d)?;
@@ -890,6 +895,18 @@ fn norm_dw(
         0,
         &[Arg::Ptr(part), p(dw), n(d), n(chunks)],
     )
+}
+
+/// An op that overwrites its parameter gradients (`Op::param_grad_outputs` with the flag
+/// false) writes what adding into zeros writes: the gradients are cleared, then the op's
+/// accumulating kernels run.
+fn clear_first_writes(be: &mut CudaBackend, op: &Op, outs: &[Buf]) -> Result<()> {
+    if let Some((first, false)) = op.param_grad_outputs() {
+        for g in outs.get(first..).unwrap_or_default() {
+            be.zero_bytes(g.ptr, g.len * g.elem_bytes())?;
+        }
+    }
+    Ok(())
 }
 
 /// out[cols] (+=) column sums of x[rows, cols].

@@ -595,6 +595,7 @@ mod tests {
                         in_dim,
                         out_dim,
                         bias: true,
+                        accumulate_param_grad: true,
                     },
                     &[3, 0],
                     &[4, 5],

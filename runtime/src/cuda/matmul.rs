@@ -205,6 +205,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
             in_dim,
             out_dim,
             bias,
+            ..
         } => {
             let (k_in, m_out) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
             let (dy, x) = (b.float_in(0)?, b.float_in(1)?);

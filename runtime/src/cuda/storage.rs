@@ -234,6 +234,7 @@ mod tests {
                         in_dim: 1,
                         out_dim: 1,
                         bias: true,
+                        accumulate_param_grad: true,
                     },
                     &[2, 0],
                     &[1, 3],

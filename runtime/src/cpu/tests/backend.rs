@@ -362,6 +362,7 @@ fn op_sequence_bits(backend: CpuBackend) -> Vec<Vec<u32>> {
             in_dim: dim as u64,
             out_dim: hidden as u64,
             bias: true,
+            accumulate_param_grad: true,
         },
         vec![dy.clone(), Input::F(ln[0].clone())],
         vec![hidden * dim, hidden],
@@ -381,6 +382,7 @@ fn op_sequence_bits(backend: CpuBackend) -> Vec<Vec<u32>> {
             dim: dim as u64,
             bias: false,
             accumulate: false,
+            accumulate_param_grad: true,
         },
         vec![
             Input::F(values(rows * dim, 74, 1.0)),

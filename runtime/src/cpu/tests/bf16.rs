@@ -234,10 +234,12 @@ fn accumulating_dx_adds_the_finished_value_once() {
         dim: dim as u64,
         bias: false,
         accumulate,
+        accumulate_param_grad: true,
     };
     let rms_op = |accumulate| Op::RmsNormBwd {
         dim: dim as u64,
         accumulate,
+        accumulate_param_grad: true,
     };
     let mm_op = |accumulate| Op::MatmulBwdData {
         in_dim: dim as u64,

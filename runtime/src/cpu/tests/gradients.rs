@@ -53,6 +53,7 @@ fn position_add_backward_matches_differences_with_split_segments() {
         batch,
         dim: dim as u64,
         positions,
+        accumulate_param_grad: true,
     };
     let out = eval_from(&bwd, &[Input::F(cot[0].clone())], &[vec![1.0; 8 * dim]]);
     assert_gradient("dtable", &numeric_table, &minus_one(&out[0]));
@@ -79,6 +80,7 @@ fn check_layer_norm(bias: bool) {
         dim: dim as u64,
         bias,
         accumulate: false,
+        accumulate_param_grad: true,
     };
     let bwd_inputs = [
         Input::F(cot[0].clone()),
@@ -125,6 +127,7 @@ fn rms_norm_backward_matches_differences() {
     let bwd = Op::RmsNormBwd {
         dim: dim as u64,
         accumulate: false,
+        accumulate_param_grad: true,
     };
     let bwd_inputs = [
         Input::F(cot[0].clone()),
@@ -187,6 +190,7 @@ fn matmul_backward_data_and_weight_match_differences() {
             in_dim: in_dim as u64,
             out_dim: out_dim as u64,
             bias: true,
+            accumulate_param_grad: true,
         },
         &[dy, inputs[0].clone()],
         &[vec![1.0; out_dim * in_dim], vec![1.0; out_dim]],
@@ -474,5 +478,75 @@ fn attention_backward_matches_a_directional_difference_across_query_tiles() {
             (numeric - analytic).abs() <= 1e-3 * analytic.abs().max(1.0),
             "input {which}: numeric {numeric} vs analytic {analytic}"
         );
+    }
+}
+
+/// An op that overwrites its parameter gradients (`accumulate_param_grad` false) ignores what
+/// they held and writes, bit for bit, what the adding form writes into zeros; its other
+/// outputs (a norm's dx) are unchanged.
+#[test]
+fn overwriting_parameter_gradients_equals_adding_into_zeros() {
+    let (rows, dim, out) = (6usize, 4usize, 3usize);
+    let f = |n, seed| Input::F(values(n, seed, 1.0));
+    let rstd = Input::F(values(rows, 5, 0.5).iter().map(|v| v + 1.0).collect());
+    let cases = [
+        (
+            Op::MatmulBwdWeight {
+                in_dim: dim as u64,
+                out_dim: out as u64,
+                bias: true,
+                accumulate_param_grad: true,
+            },
+            vec![f(rows * out, 1), f(rows * dim, 2)],
+            vec![out * dim, out],
+        ),
+        (
+            Op::LayerNormBwd {
+                dim: dim as u64,
+                bias: true,
+                accumulate: false,
+                accumulate_param_grad: true,
+            },
+            vec![
+                f(rows * dim, 3),
+                f(rows * dim, 4),
+                f(dim, 6),
+                f(rows, 7),
+                rstd.clone(),
+            ],
+            vec![rows * dim, dim, dim],
+        ),
+        (
+            Op::RmsNormBwd {
+                dim: dim as u64,
+                accumulate: false,
+                accumulate_param_grad: true,
+            },
+            vec![f(rows * dim, 8), f(rows * dim, 9), f(dim, 10), rstd],
+            vec![rows * dim, dim],
+        ),
+        (
+            Op::PositionAddBwd {
+                batch: 2,
+                dim: dim as u64,
+                positions: vec![seg(1, 3)],
+                accumulate_param_grad: true,
+            },
+            vec![f(rows * dim, 11)],
+            vec![5 * dim],
+        ),
+    ];
+    for (op, inputs, lens) in cases {
+        let zeros: Vec<Vec<f32>> = lens.iter().map(|&n| vec![0.0; n]).collect();
+        let stale: Vec<Vec<f32>> = lens.iter().map(|&n| vec![7.5; n]).collect();
+        let overwriting = op.with_param_grad_accumulation(false);
+        let added = eval_from(&op, &inputs, &zeros);
+        let written = eval_from(&overwriting, &inputs, &stale);
+        let bits = |v: &[Vec<f32>]| -> Vec<Vec<u32>> {
+            v.iter()
+                .map(|x| x.iter().map(|y| y.to_bits()).collect())
+                .collect()
+        };
+        assert_eq!(bits(&added), bits(&written), "{overwriting:?}");
     }
 }
