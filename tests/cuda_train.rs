@@ -456,13 +456,20 @@ impl Xorshift {
     }
 }
 
+/// Every persistent f32 buffer's name and bits.
+#[cfg(feature = "cuda")]
+type BufferBits = Vec<(String, Vec<u32>)>;
+
 /// Drives `program`'s optimizer phase (from its first optimizer-phase instruction to the end)
 /// directly through a CUDA backend, `steps` times, with the same inputs whatever `fused` is:
 /// the persistent buffers start random (second moments non-negative), and every step the
 /// transient buffers live at the phase's start get fresh random values (in `overflow_step`,
 /// one gradient element is infinite: an fp16 run skips that step). Collectives are emulated
-/// (the output is the input repeated), so a ZeRO rank's phase runs alone. Returns the fused
-/// runs the backend found and every persistent buffer's bits at the end.
+/// (the output is the input repeated), so a ZeRO rank's phase runs alone. `fused` turns both
+/// the fused optimizer and the fused `SumSquares` on or off. Returns the fused runs the
+/// backend found (the optimizer's, then the sums of squares'; each as its members' count) and
+/// every persistent buffer's bits at the end (the squared gradient norm `grad_sumsq` among
+/// them).
 #[cfg(feature = "cuda")]
 fn optimizer_phase(
     program: &parc_compiler::ir::Program,
@@ -470,7 +477,7 @@ fn optimizer_phase(
     fused: bool,
     steps: u64,
     overflow_step: Option<u64>,
-) -> (Vec<usize>, Vec<(String, Vec<u32>)>) {
+) -> (Vec<usize>, Vec<usize>, BufferBits) {
     use parc_compiler::ir::{op::Op, BufferId, DType, Instr, Phase};
     use parc_compiler::memplan::plan_program;
     use parc_runtime::backend::{Backend, StepScalars};
@@ -508,7 +515,8 @@ fn optimizer_phase(
     let mut rng = Xorshift(0x9e37_79b9_7f4a_7c15);
     let mut backend = CudaBackend::with_precision(0, precision)
         .unwrap()
-        .with_fused_optimizer(fused);
+        .with_fused_optimizer(fused)
+        .with_fused_sum_squares(fused);
     backend
         .prepare(program, &plan_program(program).unwrap())
         .unwrap();
@@ -598,24 +606,57 @@ fn optimizer_phase(
             (program.buffer(id).unwrap().name.clone(), bits)
         })
         .collect();
-    (backend.fused_optimizer_runs(), state)
+    (
+        backend.fused_optimizer_runs(),
+        backend.fused_sum_squares_runs(),
+        state,
+    )
 }
 
 /// The optimizer phase of `spec`'s rank-0 program, fused and per tensor, on the same inputs:
-/// every parameter and optimizer state bit for bit after `steps` steps; the fused backend fused
-/// all updates into one run (and changed something), the other none.
+/// every parameter and optimizer state bit for bit after `steps` steps, and the squared gradient
+/// norm of the last step; the fused backend fused all updates into one run and all gradients'
+/// sums of squares into another (and changed something), the other none.
 #[cfg(feature = "cuda")]
 fn fused_equals_per_tensor(name: &str, spec: &Spec, steps: u64, overflow_step: Option<u64>) {
+    use parc_compiler::ir::{op::Op, Instr};
     let plan = lower(spec).unwrap_or_else(|d| panic!("{:?}", d.items));
     let program = &plan.programs[0];
     let precision = spec.train.precision;
-    let (fused_runs, fused) = optimizer_phase(program, precision, true, steps, overflow_step);
-    let (tensor_runs, per_tensor) =
+    let (fused_runs, sumsq_runs, fused) =
+        optimizer_phase(program, precision, true, steps, overflow_step);
+    let (tensor_runs, tensor_sumsq_runs, per_tensor) =
         optimizer_phase(program, precision, false, steps, overflow_step);
-    let (_, before) = optimizer_phase(program, precision, false, 0, None);
-    println!("{name}: fused runs {fused_runs:?}");
+    let (_, _, before) = optimizer_phase(program, precision, false, 0, None);
+    println!("{name}: fused runs {fused_runs:?}, SumSquares runs {sumsq_runs:?}");
     assert_eq!(fused_runs.len(), 1, "{name}: fused runs {fused_runs:?}");
     assert!(tensor_runs.is_empty(), "{name}: {tensor_runs:?}");
+    // Every gradient's SumSquares in one run (each parameter tensor has one).
+    let sum_squares = (program.instrs.iter())
+        .filter(|i| matches!(i, Instr::Compute { op, .. } if matches!(**op, Op::SumSquares)))
+        .count();
+    assert_eq!(sumsq_runs, vec![sum_squares], "{name}");
+    assert!(sum_squares >= 2, "{name}: {sum_squares} SumSquares");
+    assert!(
+        tensor_sumsq_runs.is_empty(),
+        "{name}: {tensor_sumsq_runs:?}"
+    );
+    // The squared gradient norm, bit for bit, and not trivially zero.
+    let norm = |state: &[(String, Vec<u32>)]| {
+        (state.iter())
+            .find(|(n, _)| n == "grad_sumsq")
+            .map(|(_, bits)| bits.clone())
+            .expect("a grad_sumsq buffer")
+    };
+    assert_eq!(
+        norm(&fused),
+        norm(&per_tensor),
+        "{name}: grad_sumsq differs"
+    );
+    assert!(
+        f32::from_bits(norm(&fused)[0]) > 0.0,
+        "{name}: grad_sumsq is 0"
+    );
     assert_eq!(fused.len(), per_tensor.len());
     for (f, t) in fused.iter().zip(&per_tensor) {
         assert_eq!(f.0, t.0);

@@ -17,6 +17,12 @@
 //! So running every member at the first one's position gives every instruction the values it
 //! sees when the members run in turn. A run has at least two members; an update that cannot
 //! join the run (other hyper-parameters, a conflict) ends it and may start the next.
+//!
+//! Gradient clipping's `SumSquares` instructions (one per gradient tensor, adjacent in the
+//! program) form runs too ([`find_sum_squares_runs`]): adjacent well-formed instructions (an
+//! f32 input, a one-element f32 output that is not the input) whose input no earlier member
+//! writes. A backend may then read every member's input first and add the sums into the
+//! outputs afterwards, in program order, with the same result.
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::{BufferId, DType, Inputs, Instr, Outputs, Program};
 use std::collections::HashSet;
@@ -210,6 +216,86 @@ pub fn find_runs(program: &Program) -> Vec<OptimizerRun> {
                 open = Some(OpenRun::new(kind, m));
             }
         }
+    }
+    close(&mut open, &mut runs);
+    runs
+}
+
+/// One `SumSquares` instruction of a run: `output[0] += Σ input²`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SumSquaresMember {
+    /// Its position in the program's instructions.
+    pub index: usize,
+    pub input: BufferId,
+    pub output: BufferId,
+    /// Elements of the input.
+    pub numel: u64,
+}
+
+impl SumSquaresMember {
+    /// Whether a compute call with these operands is this instruction.
+    pub fn is(&self, op: &Op, inputs: &[BufferId], outputs: &[BufferId]) -> bool {
+        matches!(op, Op::SumSquares) && inputs == [self.input] && outputs == [self.output]
+    }
+}
+
+/// A maximal run of adjacent `SumSquares` instructions (see the module docs); at least two
+/// members, in program order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SumSquaresRun {
+    pub members: Vec<SumSquaresMember>,
+}
+
+/// The member `instr` (at `index`) would be, if it is a well-formed `SumSquares`.
+fn sum_squares_member(program: &Program, index: usize, instr: &Instr) -> Option<SumSquaresMember> {
+    let Instr::Compute {
+        op,
+        inputs,
+        outputs,
+        ..
+    } = instr
+    else {
+        return None;
+    };
+    if !matches!(**op, Op::SumSquares) || inputs.len() != 1 || outputs.len() != 1 {
+        return None;
+    }
+    let (input, output) = (inputs[0], outputs[0]);
+    let f32_numel = |id: BufferId| {
+        program
+            .buffer(id)
+            .filter(|b| b.dtype == DType::F32)
+            .map(|b| b.numel())
+    };
+    let numel = f32_numel(input)?;
+    (f32_numel(output)? == 1 && input != output).then_some(SumSquaresMember {
+        index,
+        input,
+        output,
+        numel,
+    })
+}
+
+/// The maximal runs of adjacent `SumSquares` instructions of `program` whose inputs no earlier
+/// member of the run writes, in program order (see the module docs).
+pub fn find_sum_squares_runs(program: &Program) -> Vec<SumSquaresRun> {
+    let mut runs = Vec::new();
+    let mut open: Vec<SumSquaresMember> = Vec::new();
+    let close = |open: &mut Vec<SumSquaresMember>, runs: &mut Vec<SumSquaresRun>| {
+        let members = std::mem::take(open);
+        if members.len() >= 2 {
+            runs.push(SumSquaresRun { members });
+        }
+    };
+    for (index, instr) in program.instrs.iter().enumerate() {
+        let Some(m) = sum_squares_member(program, index, instr) else {
+            close(&mut open, &mut runs);
+            continue;
+        };
+        if open.iter().any(|earlier| earlier.output == m.input) {
+            close(&mut open, &mut runs);
+        }
+        open.push(m);
     }
     close(&mut open, &mut runs);
     runs
@@ -462,5 +548,83 @@ mod tests {
             adam_of(ADAM, 9),
         ]);
         assert_eq!(indices(&p), vec![vec![8, 9]]);
+    }
+
+    fn sum_squares(input: u32, output: u32) -> Instr {
+        Instr::compute(Op::SumSquares, &[input], &[output])
+    }
+
+    fn sum_squares_indices(p: &Program) -> Vec<Vec<usize>> {
+        find_sum_squares_runs(p)
+            .iter()
+            .map(|r| r.members.iter().map(|m| m.index).collect())
+            .collect()
+    }
+
+    #[test]
+    fn adjacent_sum_squares_into_one_scalar_form_one_run() {
+        // Buffer 0 is the [1] accumulator; gradients 1, 5, 9 have 10, 11, 12 elements.
+        let p = program(vec![
+            Instr::compute(Op::Zero, &[], &[0]),
+            sum_squares(1, 0),
+            sum_squares(5, 0),
+            sum_squares(9, 0),
+            Instr::compute(
+                Op::ClipCoef {
+                    max_norm: Some(1.0),
+                },
+                &[0],
+                &[4],
+            ),
+        ]);
+        let runs = find_sum_squares_runs(&p);
+        assert_eq!(sum_squares_indices(&p), vec![vec![1, 2, 3]]);
+        let sizes: Vec<u64> = runs[0].members.iter().map(|m| m.numel).collect();
+        assert_eq!(sizes, vec![10, 11, 12]);
+        assert!(runs[0].members[1].is(&Op::SumSquares, &[BufferId(5)], &[BufferId(0)]));
+        assert!(!runs[0].members[1].is(&Op::SumSquares, &[BufferId(5)], &[BufferId(4)]));
+        assert!(!runs[0].members[1].is(&Op::Copy, &[BufferId(5)], &[BufferId(0)]));
+    }
+
+    #[test]
+    fn other_instructions_and_dependences_split_sum_squares_runs() {
+        let mut p = program(vec![
+            sum_squares(1, 0),
+            sum_squares(5, 0),
+            // Anything between ends the run, even a Free of an unrelated buffer.
+            Instr::Free {
+                buffer: BufferId(98),
+            },
+            sum_squares(9, 0),
+            // A lone member is left to the per-instruction path.
+            Instr::compute(Op::Zero, &[], &[98]),
+            sum_squares(13, 0),
+            sum_squares(17, 0),
+            // Reads the output earlier members add into: a new run starts.
+            sum_squares(0, 98),
+            sum_squares(21, 98),
+            // Another output is fine in the same run.
+            sum_squares(25, 0),
+        ]);
+        // A second one-element accumulator.
+        p.buffers[98] = buffer(1, DType::F32);
+        assert_eq!(
+            sum_squares_indices(&p),
+            vec![vec![0, 1], vec![5, 6], vec![7, 8, 9]]
+        );
+    }
+
+    #[test]
+    fn malformed_sum_squares_are_left_to_the_per_instruction_path() {
+        let p = program(vec![
+            // An i32 input; an output of 10 elements; the input as the output; two inputs.
+            sum_squares(99, 0),
+            sum_squares(1, 5),
+            sum_squares(0, 0),
+            Instr::compute(Op::SumSquares, &[1, 5], &[0]),
+            sum_squares(9, 0),
+            sum_squares(13, 0),
+        ]);
+        assert_eq!(sum_squares_indices(&p), vec![vec![4, 5]]);
     }
 }

@@ -15,7 +15,7 @@ const NORM_THREADS: u32 = 256;
 /// Rows a norm kernel's block covers: one warp per row.
 const NORM_ROWS_PER_BLOCK: usize = NORM_THREADS as usize / 32;
 
-fn op_name(op: &Op) -> &'static str {
+pub(super) fn op_name(op: &Op) -> &'static str {
     match op {
         Op::Embedding { .. } => "Embedding",
         Op::EmbeddingBwd { .. } => "EmbeddingBwd",
@@ -693,7 +693,7 @@ pub(crate) fn run(
             let g = b.f32_in(0)?;
             let out = b.f32_out(0)?;
             b.expect(out, "sumsq", 1)?;
-            let blocks = g.len.div_ceil(256).clamp(1, 1024);
+            let blocks = super::sum_squares::blocks_for(g.len);
             let part = be.scratch(blocks * 8)?;
             be.launch(
                 "sum_squares_partial",

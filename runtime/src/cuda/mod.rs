@@ -37,6 +37,7 @@ mod nccl_watchdog;
 mod optimizer;
 mod storage;
 mod stream;
+mod sum_squares;
 
 use crate::backend::{Backend, DeviceTransfer, StepScalars};
 use crate::error::{Result, RuntimeError};
@@ -158,6 +159,8 @@ pub struct CudaBackend {
     gemm_operands: gemm_operands::GemmOperands,
     /// The fused optimizer's runs and tables (built by `prepare`).
     fused: optimizer::FusedOptimizer,
+    /// The fused `SumSquares` runs and tables (built by `prepare`).
+    sum_squares: sum_squares::FusedSumSquares,
     /// `--profile`'s time marks on the compute stream since the last `marked_intervals`.
     time_marks: Vec<cudarc::driver::CudaEvent>,
     /// Kept alive for cuBLASLt.
@@ -215,6 +218,7 @@ impl CudaBackend {
             operands,
             gemm_operands: gemm_operands::GemmOperands::default(),
             fused: optimizer::FusedOptimizer::default(),
+            sum_squares: sum_squares::FusedSumSquares::default(),
             time_marks: Vec::new(),
             _workspace: workspace,
             nccl: None,
@@ -296,7 +300,7 @@ impl CudaBackend {
             .sum::<usize>()
             + self.gemm_operand_bytes();
         let positions: usize = self.positions.values().map(|(m, _)| m.len()).sum();
-        let tables = self.fused.bytes();
+        let tables = self.fused.bytes() + self.sum_squares.bytes();
         self.planned.bytes + (own + scratch + positions + tables + WORKSPACE_BYTES) as u64
     }
 
@@ -547,7 +551,8 @@ impl Backend for CudaBackend {
         for segments in &needs.segments {
             self.positions(segments)?;
         }
-        self.prepare_fused_optimizer(program)
+        self.prepare_fused_optimizer(program)?;
+        self.prepare_fused_sum_squares(program)
     }
 
     fn alloc(&mut self, id: BufferId, shape: &[u64], dtype: DType) -> Result<()> {
@@ -622,6 +627,9 @@ impl Backend for CudaBackend {
         scalars: &StepScalars,
     ) -> Result<()> {
         self.gemm_before_compute(op, inputs, outputs);
+        if self.fused_sum_squares(op, inputs, outputs)? {
+            return Ok(());
+        }
         if self.fused_optimizer(op, inputs, outputs, scalars)? {
             return Ok(());
         }

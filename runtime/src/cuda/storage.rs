@@ -23,8 +23,6 @@ use parc_compiler::memplan::{MemoryLayout, Placement, ALIGN};
 
 /// Most chunks a column reduction splits its rows into (`dispatch::chunking`).
 const MAX_CHUNKS: usize = 128;
-/// Most blocks of `SumSquares`' first pass.
-const MAX_SUMSQ_BLOCKS: usize = 1024;
 
 /// The scratch sizes and position lists one program needs (see the module docs).
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -64,7 +62,7 @@ pub(crate) fn program_needs(program: &Program, half_operands: bool) -> ProgramNe
         let input = |i: usize| buffer(inputs.get(i));
         let output = |i: usize| buffer(outputs.get(i));
         let reduction = match &**op {
-            Op::SumSquares => MAX_SUMSQ_BLOCKS * 8,
+            Op::SumSquares => super::sum_squares::MAX_BLOCKS * 8,
             // dw, and db when there is one, each reduced over row chunks.
             Op::LayerNormBwd { .. } | Op::RmsNormBwd { .. } => {
                 MAX_CHUNKS * 8 * numel(output(1)).max(numel(output(2)))

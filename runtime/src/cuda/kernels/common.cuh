@@ -244,14 +244,20 @@ extern "C" __global__ void col_sum_partial8(Fv x, double* part, long long rows, 
     col_partial8(rows, cols, chunk_rows, part, [&](long long r, long long c) { return ld8(x, (r * cols + c) / 8); });
 }
 
-// Per-block sums of squares (double) of x[n]; part has one slot per block.
-extern "C" __global__ void sum_squares_partial(const float* x, double* part, long long n) {
+// Block `block` of `blocks`' sum of squares (double) of x[n], every thread of the block
+// getting it (one definition for the per-tensor and the multi-tensor kernel).
+__device__ double sum_squares_block(const float* x, long long n, long long block, long long blocks) {
     double s = 0.0;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    for (long long i = block * (long long)blockDim.x + threadIdx.x; i < n; i += blocks * blockDim.x) {
         double v = (double)x[i];
         s += v * v;
     }
-    s = block_sum_d(s);
+    return block_sum_d(s);
+}
+
+// Per-block sums of squares (double) of x[n]; part has one slot per block.
+extern "C" __global__ void sum_squares_partial(const float* x, double* part, long long n) {
+    double s = sum_squares_block(x, n, blockIdx.x, gridDim.x);
     if (threadIdx.x == 0) part[blockIdx.x] = s;
 }
 
@@ -261,4 +267,60 @@ extern "C" __global__ void sum_partials_into(const double* part, float* out, lon
     for (long long i = threadIdx.x; i < n; i += blockDim.x) s += part[i];
     s = block_sum_d(s);
     if (threadIdx.x == 0) out[0] = (float)((double)out[0] + s);
+}
+
+// One tensor of a multi-tensor sum of squares (runtime/src/cuda/sum_squares.rs writes them):
+// out[0] += Σ x[0..n)², its `blocks` partials at part[first..first + blocks).
+struct SsqTensor {
+    const float* x;
+    float* out;
+    long long n;
+    long long first;
+    long long blocks;
+};
+
+// Block b of the run's partials: block b - first of its tensor (block_tensor[b]), exactly as
+// sum_squares_partial's block of a launch of `blocks` blocks over that tensor alone.
+extern "C" __global__ void sum_squares_partial_multi(const SsqTensor* tensors, const int* block_tensor, double* part) {
+    SsqTensor t = tensors[block_tensor[blockIdx.x]];
+    double s = sum_squares_block(t.x, t.n, (long long)blockIdx.x - t.first, t.blocks);
+    if (threadIdx.x == 0) part[blockIdx.x] = s;
+}
+
+// Adds each of `count` tensors' partials into its output in tensor order, with the result
+// sum_partials_into (256 threads) gives per tensor. One block of 256 threads: warp w reduces
+// tensors w, w + 8, ..., each lane playing the 8 threads lane + 32k of sum_partials_into (the
+// same per-thread sums, the same shuffle trees: warp sums, then the 8 warp totals), into
+// sums[]; thread 0 then adds them into the outputs in order (an output shared by consecutive
+// tensors is kept in a register between them).
+extern "C" __global__ void sum_partials_into_multi(const SsqTensor* tensors, const double* part, double* sums, long long count) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (long long k = warp; k < count; k += 8) {
+        long long first = tensors[k].first, n = tensors[k].blocks;
+        double mine = 0.0;
+#pragma unroll
+        for (int w = 0; w < 8; w++) {
+            double s = 0.0;
+            for (long long i = lane + 32 * w; i < n; i += 256) s += part[first + i];
+            s = warp_sum_d(s);
+            if (lane == w) mine = s;
+        }
+        mine = warp_sum_d(lane < 8 ? mine : 0.0);
+        if (lane == 0) sums[k] = mine;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float* out = nullptr;
+        float value = 0.0f;
+        for (long long k = 0; k < count; k++) {
+            float* o = tensors[k].out;
+            if (o != out) {
+                if (out != nullptr) out[0] = value;
+                out = o;
+                value = out[0];
+            }
+            value = (float)((double)value + sums[k]);
+        }
+        if (out != nullptr) out[0] = value;
+    }
 }

@@ -1,0 +1,375 @@
+//! Gradient clipping's sums of squares in two launches per run instead of two per gradient
+//! tensor. The program keeps one `SumSquares` instruction per gradient (`out[0] += Σ g²`);
+//! `crate::optimizer_runs::find_sum_squares_runs` finds the runs of adjacent ones. Because the
+//! memory plan gives every buffer one device address for the whole run, `prepare` writes each
+//! run's table once into a device allocation of its own: per tensor its input and output
+//! pointers, element count and its partials' place; per block the tensor it reduces; then room
+//! for the partials and the per-tensor sums. When the executor reaches a run's first
+//! instruction the backend checks the buffers are still where the table says, orders the
+//! launches after any communication on them and launches `sum_squares_partial_multi` (every
+//! tensor's per-block partials, the same blocks as the per-tensor `sum_squares_partial` launch
+//! over that tensor gives) and `sum_partials_into_multi` (each tensor's partials summed as
+//! `sum_partials_into` does, added into its output in program order), so the outputs are bit
+//! for bit the per-instruction ones. The run's later instructions must then arrive in order and
+//! become no-ops; any other compute before the run's last instruction is an error. Without a
+//! memory plan, or with `with_fused_sum_squares(false)`, every instruction takes the
+//! per-instruction path (kernels/common.cuh).
+use super::device::driver_error;
+use super::dispatch::op_name;
+use super::{raw_ptr, Arg, CudaBackend};
+use crate::error::{Result, RuntimeError};
+use crate::optimizer_runs::{find_sum_squares_runs, SumSquaresRun};
+use cudarc::driver::result as cu;
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::CudaSlice;
+use parc_compiler::ir::op::Op;
+use parc_compiler::ir::{BufferId, Program};
+use std::collections::HashMap;
+
+/// Threads per block of both passes (`sum_partials_into_multi` assumes 256).
+const THREADS: u32 = 256;
+/// Most blocks of one tensor's first pass.
+pub(super) const MAX_BLOCKS: usize = 1024;
+/// Bytes of one `SsqTensor` (kernels/common.cuh): x, out, n, first, blocks.
+const TENSOR_BYTES: usize = 40;
+
+/// Blocks of the first pass over a tensor of `n` elements (both paths).
+pub(super) fn blocks_for(n: usize) -> usize {
+    n.div_ceil(THREADS as usize).clamp(1, MAX_BLOCKS)
+}
+
+/// A run's table as bytes and where its parts lie in the allocation (byte offsets).
+#[derive(Debug, PartialEq)]
+struct TableLayout {
+    /// The tensors, then (at `block_tensor`) one i32 tensor index per block.
+    bytes: Vec<u8>,
+    block_tensor: usize,
+    /// One f64 partial per block.
+    partials: usize,
+    /// One f64 sum per tensor.
+    sums: usize,
+    /// The whole allocation.
+    total: usize,
+    blocks: u32,
+}
+
+/// Lays out the `SsqTensor`s of tensors with these (input pointer, output pointer, numel) and
+/// the block → tensor map, the partials of tensor k following those of tensor k − 1.
+fn encode_table(tensors: &[(CUdeviceptr, CUdeviceptr, u64)]) -> Result<TableLayout> {
+    let mut bytes = Vec::with_capacity(tensors.len() * TENSOR_BYTES);
+    let mut block_tensor = Vec::new();
+    let mut first = 0u64;
+    for (index, &(x, out, n)) in tensors.iter().enumerate() {
+        let blocks = blocks_for(usize::try_from(n).unwrap_or(usize::MAX)) as u64;
+        for v in [x, out, n, first, blocks] {
+            bytes.extend_from_slice(&v.to_le_bytes());
+        }
+        let index = i32::try_from(index).map_err(|_| too_large(tensors.len() as u64))?;
+        block_tensor.extend(std::iter::repeat_n(index, blocks as usize));
+        first += blocks;
+    }
+    let blocks = u32::try_from(first)
+        .ok()
+        .filter(|&b| b <= i32::MAX as u32)
+        .ok_or_else(|| too_large(first))?;
+    let block_tensor_at = bytes.len();
+    for index in block_tensor {
+        bytes.extend_from_slice(&index.to_le_bytes());
+    }
+    let partials = bytes.len().next_multiple_of(8);
+    let sums = partials + 8 * blocks as usize;
+    Ok(TableLayout {
+        bytes,
+        block_tensor: block_tensor_at,
+        partials,
+        sums,
+        total: sums + 8 * tensors.len(),
+        blocks,
+    })
+}
+
+fn too_large(what: u64) -> RuntimeError {
+    RuntimeError::Unsupported(format!(
+        "a fused sum-of-squares run needs {what} blocks or tensors, more than one launch has \
+         (2^31 - 1)"
+    ))
+}
+
+/// One run on the device.
+struct DeviceRun {
+    run: SumSquaresRun,
+    /// The table, partials and sums (kept alive; the pointers below point into it).
+    table: CudaSlice<u8>,
+    tensors: CUdeviceptr,
+    block_tensor: CUdeviceptr,
+    partials: CUdeviceptr,
+    sums: CUdeviceptr,
+    blocks: u32,
+    /// Per member, the input and output pointers the table holds.
+    pointers: Vec<(CUdeviceptr, CUdeviceptr)>,
+}
+
+/// Where the executor is inside a launched run: the member expected next.
+#[derive(Clone, Copy)]
+struct Cursor {
+    run: usize,
+    next: usize,
+}
+
+/// The fused runs of the prepared program and the executor's position in them.
+pub(super) struct FusedSumSquares {
+    enabled: bool,
+    runs: Vec<DeviceRun>,
+    /// A run's first member's input buffer → the run.
+    by_first: HashMap<BufferId, usize>,
+    cursor: Option<Cursor>,
+}
+
+impl Default for FusedSumSquares {
+    fn default() -> FusedSumSquares {
+        FusedSumSquares {
+            enabled: true,
+            runs: Vec::new(),
+            by_first: HashMap::new(),
+            cursor: None,
+        }
+    }
+}
+
+impl FusedSumSquares {
+    /// Device bytes of the tables.
+    pub fn bytes(&self) -> usize {
+        self.runs.iter().map(|r| r.table.len()).sum()
+    }
+}
+
+fn run_error(what: String) -> RuntimeError {
+    RuntimeError::Op {
+        op: "fused SumSquares".into(),
+        what,
+    }
+}
+
+impl CudaBackend {
+    /// `false`: sum every gradient's squares with its own two launches (the per-instruction
+    /// path), e.g. to compare against the fused one. Takes effect at `prepare`.
+    pub fn with_fused_sum_squares(mut self, fused: bool) -> CudaBackend {
+        self.sum_squares.enabled = fused;
+        self
+    }
+
+    /// The fused `SumSquares` runs of the prepared program: how many instructions each covers
+    /// (empty before `prepare`, without a memory plan, or with fusion off).
+    pub fn fused_sum_squares_runs(&self) -> Vec<usize> {
+        (self.sum_squares.runs.iter())
+            .map(|r| r.run.members.len())
+            .collect()
+    }
+
+    /// Builds and uploads the table of every run of `program` whose buffers the memory plan
+    /// places (called from `prepare`, after the planned regions exist).
+    pub(super) fn prepare_fused_sum_squares(&mut self, program: &Program) -> Result<()> {
+        let enabled = self.sum_squares.enabled;
+        self.sum_squares = FusedSumSquares {
+            enabled,
+            ..FusedSumSquares::default()
+        };
+        if !enabled {
+            return Ok(());
+        }
+        for run in find_sum_squares_runs(program) {
+            let pointer = |id: BufferId| self.planned.pointer(id.0 as usize).map(|(p, _)| p);
+            let pointers: Option<Vec<(CUdeviceptr, CUdeviceptr)>> = (run.members.iter())
+                .map(|m| Some((pointer(m.input)?, pointer(m.output)?)))
+                .collect();
+            // A buffer outside the plan has no fixed address: leave the run per-instruction.
+            let Some(pointers) = pointers else { continue };
+            let first = run.members[0].input;
+            if self.sum_squares.by_first.contains_key(&first) {
+                continue;
+            }
+            let tensors: Vec<(CUdeviceptr, CUdeviceptr, u64)> = (pointers.iter())
+                .zip(&run.members)
+                .map(|(&(x, out), m)| (x, out, m.numel))
+                .collect();
+            let layout = encode_table(&tensors)?;
+            let table = self.alloc_bytes(layout.total, "a fused sum-of-squares table")?;
+            let base = raw_ptr(&self.stream, &table);
+            // SAFETY: the allocation holds layout.total >= layout.bytes.len() bytes;
+            // synchronous copy.
+            unsafe { cu::memcpy_htod_sync(base, &layout.bytes) }
+                .map_err(|e| driver_error("uploading a fused sum-of-squares table", e))?;
+            let at = |offset: usize| base + offset as CUdeviceptr;
+            self.sum_squares
+                .by_first
+                .insert(first, self.sum_squares.runs.len());
+            self.sum_squares.runs.push(DeviceRun {
+                run,
+                tensors: base,
+                block_tensor: at(layout.block_tensor),
+                partials: at(layout.partials),
+                sums: at(layout.sums),
+                table,
+                blocks: layout.blocks,
+                pointers,
+            });
+        }
+        Ok(())
+    }
+
+    /// Handles `op` if it belongs to a fused run: the run's first instruction launches the whole
+    /// run, its later ones are no-ops. Returns false for every other op (the per-instruction
+    /// path); any op but the expected member while a launched run is pending is an error.
+    pub(super) fn fused_sum_squares(
+        &mut self,
+        op: &Op,
+        inputs: &[BufferId],
+        outputs: &[BufferId],
+    ) -> Result<bool> {
+        if let Some(cursor) = self.sum_squares.cursor {
+            let members = &self.sum_squares.runs[cursor.run].run.members;
+            let expected = &members[cursor.next];
+            if !expected.is(op, inputs, outputs) {
+                return Err(run_error(format!(
+                    "{} came while instruction {}'s SumSquares was expected: the fused launch \
+                     at instruction {} already added instructions {}..={} into their outputs; \
+                     run the program's instructions in order",
+                    op_name(op),
+                    expected.index,
+                    members[0].index,
+                    expected.index,
+                    members[members.len() - 1].index
+                )));
+            }
+            self.sum_squares.cursor = (cursor.next + 1 < members.len()).then_some(Cursor {
+                next: cursor.next + 1,
+                ..cursor
+            });
+            return Ok(true);
+        }
+        if !matches!(op, Op::SumSquares) {
+            return Ok(false);
+        }
+        let Some(&run) = inputs
+            .first()
+            .and_then(|x| self.sum_squares.by_first.get(x))
+        else {
+            return Ok(false);
+        };
+        if !self.sum_squares.runs[run].run.members[0].is(op, inputs, outputs) {
+            return Ok(false);
+        }
+        self.launch_fused_sum_squares(run)?;
+        self.sum_squares.cursor = Some(Cursor { run, next: 1 });
+        Ok(true)
+    }
+
+    /// Checks run `index`'s buffers are bound where its table points, then launches it.
+    fn launch_fused_sum_squares(&mut self, index: usize) -> Result<()> {
+        let mut ids = Vec::new();
+        {
+            let run = &self.sum_squares.runs[index];
+            for (m, &(x, out)) in run.run.members.iter().zip(&run.pointers) {
+                for (id, want, want_len) in [(m.input, x, m.numel as usize), (m.output, out, 1)] {
+                    let b = self.buf(id)?;
+                    if b.ptr != want
+                        || b.len != want_len
+                        || b.dtype != parc_compiler::ir::DType::F32
+                    {
+                        return Err(run_error(format!(
+                            "buffer {} of instruction {} is bound at {:#x} with {} {:?} \
+                             elements, but the table built at prepare has {want:#x} with \
+                             {want_len} f32 (a backend bug: planned buffers never move)",
+                            id.0, m.index, b.ptr, b.len, b.dtype
+                        )));
+                    }
+                    ids.push(id);
+                }
+            }
+        }
+        self.order_after_comm(ids)?;
+        let run = &self.sum_squares.runs[index];
+        let count = run.run.members.len() as i64;
+        let (tensors, partials, sums) = (run.tensors, run.partials, run.sums);
+        let first = [
+            Arg::Ptr(tensors),
+            Arg::Ptr(run.block_tensor),
+            Arg::Ptr(partials),
+        ];
+        let blocks = run.blocks;
+        self.launch(
+            "sum_squares_partial_multi",
+            (blocks, 1, 1),
+            (THREADS, 1, 1),
+            0,
+            &first,
+        )?;
+        let second = [
+            Arg::Ptr(tensors),
+            Arg::Ptr(partials),
+            Arg::Ptr(sums),
+            Arg::I64(count),
+        ];
+        self.launch(
+            "sum_partials_into_multi",
+            (1, 1, 1),
+            (THREADS, 1, 1),
+            0,
+            &second,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read_u64(bytes: &[u8], at: usize) -> u64 {
+        u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap())
+    }
+
+    #[test]
+    fn table_layout_matches_the_kernels_struct_and_the_per_tensor_blocks() {
+        // 1 block (an empty tensor still gets one, as the per-tensor launch does), 3 blocks
+        // (513 elements), the 1024-block cap.
+        let t = encode_table(&[(1, 2, 0), (3, 4, 513), (5, 2, 10_000_000)]).unwrap();
+        assert_eq!(t.blocks, 1 + 3 + 1024);
+        let tensor = |k: usize| -> Vec<u64> {
+            (0..5)
+                .map(|f| read_u64(&t.bytes, k * TENSOR_BYTES + 8 * f))
+                .collect()
+        };
+        assert_eq!(tensor(0), vec![1, 2, 0, 0, 1]);
+        assert_eq!(tensor(1), vec![3, 4, 513, 1, 3]);
+        assert_eq!(tensor(2), vec![5, 2, 10_000_000, 4, 1024]);
+        assert_eq!(t.block_tensor, 3 * TENSOR_BYTES);
+        let map: Vec<i32> = (0..t.blocks as usize)
+            .map(|b| {
+                let at = t.block_tensor + 4 * b;
+                i32::from_le_bytes(t.bytes[at..at + 4].try_into().unwrap())
+            })
+            .collect();
+        assert_eq!(&map[..5], &[0, 1, 1, 1, 2]);
+        assert!(map[4..].iter().all(|&k| k == 2));
+        // 120 + 4 × 1028 = 4232 bytes, already a multiple of 8.
+        assert_eq!(t.bytes.len(), 4232);
+        assert_eq!(t.partials, 4232);
+        assert_eq!(t.sums, 4232 + 8 * 1028);
+        assert_eq!(t.total, t.sums + 8 * 3);
+    }
+
+    #[test]
+    fn partials_start_eight_byte_aligned() {
+        let t = encode_table(&[(1, 2, 256)]).unwrap();
+        assert_eq!((t.blocks, t.bytes.len()), (1, 44));
+        assert_eq!(t.partials, 48);
+    }
+
+    #[test]
+    fn blocks_follow_the_per_tensor_launch() {
+        assert_eq!(blocks_for(0), 1);
+        assert_eq!(blocks_for(256), 1);
+        assert_eq!(blocks_for(257), 2);
+        assert_eq!(blocks_for(1 << 30), MAX_BLOCKS);
+    }
+}
