@@ -100,7 +100,15 @@ fn embedding_cases(r: &mut Rng) -> Vec<Case> {
         ),
         Case::new(
             "position_add_bwd",
-            pos_bwd,
+            pos_bwd.clone(),
+            vec![Data::F32(r.vec(prow * dim, 1.0))],
+            vec![r.vec(seq_table * dim, 1.0)],
+            REDUCTION,
+        ),
+        // A first contribution overwrites the random table (rows at no position: zero).
+        Case::new(
+            "position_add_bwd overwrite",
+            pos_bwd.with_param_grad_accumulation(false),
             vec![Data::F32(r.vec(prow * dim, 1.0))],
             vec![r.vec(seq_table * dim, 1.0)],
             REDUCTION,
@@ -155,19 +163,24 @@ fn norm_cases(r: &mut Rng) -> Vec<Case> {
                 Data::F32(stats[2].clone()),
             ];
             cases.push(fwd);
-            // dx starts random: accumulate adds into it, otherwise it is overwritten.
-            for accumulate in [false, true] {
+            // dx, dw, db start random: accumulate adds into dx, accumulate_param_grad into
+            // dw and db; otherwise they are overwritten.
+            for (accumulate, param) in [(false, true), (true, true), (false, false), (true, false)]
+            {
                 let mut bwd_outs = vec![r.vec(rows * dim, 1.0), r.vec(dim, 1.0)];
                 if with_bias {
                     bwd_outs.push(r.vec(dim, 1.0));
                 }
                 cases.push(Case::new(
-                    format!("layer_norm_bwd {rows}x{dim} bias={with_bias} accumulate={accumulate}"),
+                    format!(
+                        "layer_norm_bwd {rows}x{dim} bias={with_bias} accumulate={accumulate} \
+                         accumulate_param_grad={param}"
+                    ),
                     Op::LayerNormBwd {
                         dim: dim as u64,
                         bias: with_bias,
                         accumulate,
-                        accumulate_param_grad: true,
+                        accumulate_param_grad: param,
                     },
                     bwd_ins.clone(),
                     bwd_outs,
@@ -187,14 +200,17 @@ fn norm_cases(r: &mut Rng) -> Vec<Case> {
         );
         let rstd = rms.run(&mut CpuBackend::new())[1].clone();
         cases.push(rms);
-        for accumulate in [false, true] {
+        for (accumulate, param) in [(false, true), (true, true), (false, false), (true, false)] {
             let ins = [&dy, &x, &w, &rstd].map(|v| Data::F32(v.clone()));
             cases.push(Case::new(
-                format!("rms_norm_bwd {rows}x{dim} accumulate={accumulate}"),
+                format!(
+                    "rms_norm_bwd {rows}x{dim} accumulate={accumulate} \
+                     accumulate_param_grad={param}"
+                ),
                 Op::RmsNormBwd {
                     dim: dim as u64,
                     accumulate,
-                    accumulate_param_grad: true,
+                    accumulate_param_grad: param,
                 },
                 ins.to_vec(),
                 vec![r.vec(rows * dim, 1.0), r.vec(dim, 1.0)],

@@ -135,18 +135,20 @@ fn matmul_cases(test: &str, tol: f32) -> Vec<Case> {
                 ));
             }
         }
-        for bias in [false, true] {
+        // dw (and db) added into their random initial values, or overwritten (a first
+        // contribution: beta 0, the bias-gradient epilogue or column sum written into db).
+        for (bias, accumulate) in [(false, true), (true, true), (false, false), (true, false)] {
             let mut outs = vec![r.vec(m * k, 1.0)];
             if bias {
                 outs.push(r.vec(m, 1.0));
             }
             cases.push(Case::new(
-                format!("matmul_bwd_weight {rows}x{k}x{m} bias={bias}"),
+                format!("matmul_bwd_weight {rows}x{k}x{m} bias={bias} accumulate={accumulate}"),
                 Op::MatmulBwdWeight {
                     in_dim: i,
                     out_dim: o,
                     bias,
-                    accumulate_param_grad: true,
+                    accumulate_param_grad: accumulate,
                 },
                 vec![Data::F32(dy.clone()), Data::F32(x.clone())],
                 outs,

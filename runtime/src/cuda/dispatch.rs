@@ -240,7 +240,6 @@ pub(crate) fn run(
             outs.len()
         )));
     }
-    clear_first_writes(be, op, outs)?;
     match op {
         Op::Embedding {
             vocab_start,
@@ -327,6 +326,18 @@ pub(crate) fn run(
                 ];
                 be.launch_vec("position_add_fwd", rows * d, &args)
             } else {
+                // The kernel adds each position's column sums atomically: a first
+                // contribution (`accumulate_param_grad` false) clears the table first (rows
+                // at no position stay zero).
+                if matches!(
+                    op,
+                    Op::PositionAddBwd {
+                        accumulate_param_grad: false,
+                        ..
+                    }
+                ) {
+                    be.zero_bytes(table.ptr, table.len * table.elem_bytes())?;
+                }
                 let args = [fv(x), p(table), Arg::Ptr(pos), n(seq), n(batch), n(d)];
                 be.launch_n("position_add_bwd", seq * d, &args)
             }
@@ -366,7 +377,7 @@ pub(crate) fn run(
             dim,
             bias,
             accumulate,
-            ..
+            accumulate_param_grad,
         } => {
             let d = b.dim("dim", *dim)?;
             let (dy, x, w, mean, rstd) = (
@@ -396,11 +407,20 @@ pub(crate) fn run(
                 Arg::I32(i32::from(*accumulate)),
             ];
             launch_rows(be, "layer_norm_bwd_dx", rows, &args)?;
-            norm_dw(be, dy, x, mean.ptr, rstd, dw, rows, d)?;
+            norm_dw(
+                be,
+                dy,
+                x,
+                mean.ptr,
+                rstd,
+                (dw, *accumulate_param_grad),
+                rows,
+                d,
+            )?;
             if *bias {
                 let db = b.f32_out(2)?;
                 b.expect(db, "db", d)?;
-                col_sum_into(be, dy, db, rows, d)?;
+                col_sum_into(be, dy, (db, *accumulate_param_grad), rows, d)?;
             }
             Ok(())
         }
@@ -419,7 +439,9 @@ pub(crate) fn run(
             launch_rows(be, "rms_norm_fwd", rows, &args)
         }
         Op::RmsNormBwd {
-            dim, accumulate, ..
+            dim,
+            accumulate,
+            accumulate_param_grad,
         } => {
             let d = b.dim("dim", *dim)?;
             let (dy, x, w, rstd) = (b.float_in(0)?, b.float_in(1)?, b.f32_in(2)?, b.f32_in(3)?);
@@ -442,7 +464,7 @@ pub(crate) fn run(
                 Arg::I32(i32::from(*accumulate)),
             ];
             launch_rows(be, "rms_norm_bwd_dx", rows, &args)?;
-            norm_dw(be, dy, x, 0, rstd, dw, rows, d)
+            norm_dw(be, dy, x, 0, rstd, (dw, *accumulate_param_grad), rows, d)
         }
         Op::Matmul { .. } | Op::MatmulBwdData { .. } | Op::MatmulBwdWeight { .. } => {
             matmul::run(be, &b, op)
@@ -870,7 +892,7 @@ fn norm_dw(
     x: Buf,
     mean: u64,
     rstd: Buf,
-    dw: Buf,
+    (dw, accumulate): (Buf, bool),
     rows: usize,
     d: usize,
 ) -> Result<()> {
@@ -893,27 +915,21 @@ fn norm_dw(
         (d.div_ceil(256) as u32, 1, 1),
         (256, 1, 1),
         0,
-        &[Arg::Ptr(part), p(dw), n(d), n(chunks)],
+        &[
+            Arg::Ptr(part),
+            p(dw),
+            n(d),
+            n(chunks),
+            Arg::I32(i32::from(accumulate)),
+        ],
     )
 }
 
-/// An op that overwrites its parameter gradients (`Op::param_grad_outputs` with the flag
-/// false) writes what adding into zeros writes: the gradients are cleared, then the op's
-/// accumulating kernels run.
-fn clear_first_writes(be: &mut CudaBackend, op: &Op, outs: &[Buf]) -> Result<()> {
-    if let Some((first, false)) = op.param_grad_outputs() {
-        for g in outs.get(first..).unwrap_or_default() {
-            be.zero_bytes(g.ptr, g.len * g.elem_bytes())?;
-        }
-    }
-    Ok(())
-}
-
-/// out[cols] (+=) column sums of x[rows, cols].
+/// out[cols] (+= when `accumulate`, else overwritten) column sums of x[rows, cols].
 pub(super) fn col_sum_into(
     be: &mut CudaBackend,
     x: Buf,
-    out: Buf,
+    (out, accumulate): (Buf, bool),
     rows: usize,
     cols: usize,
 ) -> Result<()> {
@@ -927,6 +943,12 @@ pub(super) fn col_sum_into(
         (cols.div_ceil(256) as u32, 1, 1),
         (256, 1, 1),
         0,
-        &[Arg::Ptr(part), p(out), n(cols), n(chunks)],
+        &[
+            Arg::Ptr(part),
+            p(out),
+            n(cols),
+            n(chunks),
+            Arg::I32(i32::from(accumulate)),
+        ],
     )
 }

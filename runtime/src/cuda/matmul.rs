@@ -205,7 +205,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
             in_dim,
             out_dim,
             bias,
-            ..
+            accumulate_param_grad: accumulate,
         } => {
             let (k_in, m_out) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
             let (dy, x) = (b.float_in(0)?, b.float_in(1)?);
@@ -213,7 +213,8 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
             b.expect(x, "x", rows * k_in)?;
             let dw = b.f32_out(0)?;
             b.expect(dw, "dw", m_out * k_in)?;
-            // dWᵀ (in × out) += xᵀ (in × rows, as stored) · dy (rows × out, stored out × rows).
+            // dWᵀ (in × out) += xᵀ (in × rows, as stored) · dy (rows × out, stored out × rows);
+            // beta 0 (dW overwritten) for a first contribution.
             let g = Gemm {
                 trans_a: false,
                 trans_b: true,
@@ -227,7 +228,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
                 c: dw.ptr,
                 ldc: k_in as i64,
                 c_in: None,
-                beta: 1.0,
+                beta: if *accumulate { 1.0 } else { 0.0 },
                 out: Output::F32,
                 epilogue: Epilogue::None,
             };
@@ -237,16 +238,21 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
             let db = b.f32_out(1)?;
             b.expect(db, "db", m_out)?;
             if be.operands != Operands::F32 {
+                // The epilogue writes the column sums: into db itself for a first
+                // contribution, else into `t`, added into db by a k = 1 GEMM.
                 let (one, t) = be.gemm_vectors(m_out)?;
                 let with_grad = Gemm {
-                    epilogue: Epilogue::BiasGradB { ptr: t },
+                    epilogue: Epilogue::BiasGradB {
+                        ptr: if *accumulate { t } else { db.ptr },
+                    },
                     ..g
                 };
                 let add = add_into(t, one, db, m_out);
                 if be.blas.supports(&with_grad, be.operands)?
-                    && be.blas.supports(&add, Operands::F32)?
+                    && (!*accumulate || be.blas.supports(&add, Operands::F32)?)
                 {
                     match be.gemm(&with_grad, activation(x), activation(dy)) {
+                        Ok(()) if !*accumulate => return Ok(()),
                         Ok(()) => {
                             let stream = be.stream.cu_stream();
                             return be.blas.run(&add, Operands::F32, stream, None);
@@ -258,7 +264,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
                 }
             }
             be.gemm(&g, activation(x), activation(dy))?;
-            col_sum_into(be, dy, db, rows, m_out)
+            col_sum_into(be, dy, (db, *accumulate), rows, m_out)
         }
         _ => Err(b.err("is not a GEMM op")),
     }

@@ -188,13 +188,14 @@ __device__ float block_max(float v) {
     return r;
 }
 
-// Adds per-chunk column partials (chunks x cols, doubles) into out[cols] (+=).
-extern "C" __global__ void add_partials(const double* part, float* out, long long cols, long long chunks) {
+// Adds per-chunk column partials (chunks x cols, doubles) into out[cols] (+=), or, with
+// accumulate 0, writes their sum over out (a gradient's first contribution).
+extern "C" __global__ void add_partials(const double* part, float* out, long long cols, long long chunks, int accumulate) {
     long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (j >= cols) return;
     double s = 0.0;
     for (long long c = 0; c < chunks; c++) s += part[c * cols + j];
-    out[j] = (float)((double)out[j] + s);
+    out[j] = accumulate ? (float)((double)out[j] + s) : (float)s;
 }
 
 // Column sums of x[rows, cols] per chunk of rows: part[chunk, j] = sum of x[r, j] over the chunk.
