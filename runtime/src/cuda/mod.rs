@@ -11,7 +11,8 @@
 //! docs/cuda.md (the differential tests `tests/cuda_ops/` and `tests/cuda_train.rs` hold it
 //! to them, per precision). GEMMs go through cuBLASLt (`gemm`), everything else through CUDA C
 //! kernels compiled by NVRTC once per run (`compile`); `dispatch` maps each op onto them. All
-//! work is ordered on one stream; reads to the host synchronise it.
+//! work is ordered on one stream; reads to the host synchronise it, small host writes queue on
+//! it through page-locked slots (`staging`), larger ones synchronise it.
 //!
 //! Buffers are keyed by `BufferId`. Given the program's memory plan (`Backend::prepare`, which
 //! the executor always calls), the backend makes one allocation for the persistent buffers and
@@ -36,6 +37,7 @@ mod nccl_inflight;
 mod nccl_watchdog;
 mod optimizer;
 mod storage;
+mod staging;
 mod stream;
 mod sum_squares;
 
@@ -135,6 +137,9 @@ pub struct CudaBackend {
     /// NCCL communicators and the communication stream, once `use_nccl` set them up. First:
     /// fields drop in order, so queued communication ends before the buffers it uses are freed.
     nccl: Option<nccl::NcclComm>,
+    /// Page-locked slots of small host writes (`staging`); before the buffers, so a pending
+    /// copy completes before its destination is freed.
+    staging: staging::Staging,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     kernels: Kernels,
@@ -222,6 +227,7 @@ impl CudaBackend {
             time_marks: Vec::new(),
             _workspace: workspace,
             nccl: None,
+            staging: staging::Staging::default(),
         })
     }
 
@@ -474,6 +480,15 @@ impl CudaBackend {
                 id,
                 format!("holds {} elements, got {} to write", s.len, data.len()),
             ));
+        }
+        let bytes = std::mem::size_of_val(data);
+        if staging::staged(bytes) {
+            // SAFETY: T is one of the plain numeric types the buffers hold (f32, i32, u16 bf16
+            // bits): its bytes are initialised, with no padding.
+            let src = unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), bytes) };
+            // Queued on the compute stream: after the ops queued before (earlier readers of
+            // the buffer), before those queued after; the host does not wait.
+            return self.staging.upload(&self.ctx, &self.stream, s.ptr, src);
         }
         CudaBackend::synchronize(self)?;
         // SAFETY: the allocation holds exactly data.len() elements of this type.
