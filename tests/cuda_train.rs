@@ -369,8 +369,22 @@ fn zero_spec(zero: ZeroStage, steps: u64) -> Spec {
 /// the updated shards). Needs no GPU.
 #[test]
 fn every_update_of_a_program_is_one_fused_run() {
-    use parc_compiler::ir::{op::Op, Instr};
-    use parc_runtime::optimizer_runs::find_runs;
+    use parc_compiler::ir::{op::Op, Instr, Program};
+    use parc_runtime::optimizer_runs::{find_runs, find_sum_squares_runs};
+    // Every SumSquares of a program (one per gradient tensor) in one run, in program order.
+    let one_sum_squares_run = |program: &Program, name: &str| -> usize {
+        let all: Vec<usize> = (program.instrs.iter().enumerate())
+            .filter(
+                |(_, i)| matches!(i, Instr::Compute { op, .. } if matches!(**op, Op::SumSquares)),
+            )
+            .map(|(index, _)| index)
+            .collect();
+        let runs = find_sum_squares_runs(program);
+        assert_eq!(runs.len(), 1, "{name}: SumSquares runs {runs:?}");
+        let fused: Vec<usize> = runs[0].members.iter().map(|m| m.index).collect();
+        assert_eq!(fused, all, "{name}");
+        all.len()
+    };
     let cases = [
         (false, false, None),
         (true, false, None),
@@ -412,6 +426,8 @@ fn every_update_of_a_program_is_one_fused_run() {
             .map(|m| m.weight_decay.to_bits())
             .collect();
         assert_eq!(decays.len(), 2, "llama {llama} sgd {sgd}");
+        let name = format!("llama {llama} sgd {sgd}");
+        assert!(one_sum_squares_run(program, &name) > 10, "{name}");
     }
     // GPT-2 124M at micro-batch 32 (issue 6's benchmark): its updates are one launch.
     let gpt2 = Dims {
@@ -438,6 +454,8 @@ fn every_update_of_a_program_is_one_fused_run() {
     assert_eq!(runs.len(), 1, "gpt2-124m: {} runs", runs.len());
     assert_eq!(runs[0].members.len(), updates);
     assert!(updates > 12 * 10, "gpt2-124m: {updates} updates");
+    // Its 196 gradients' sums of squares: two launches, not 392.
+    assert_eq!(one_sum_squares_run(program, "gpt2-124m"), updates);
 }
 
 /// A small deterministic generator (xorshift64*) for the optimizer test's inputs.
