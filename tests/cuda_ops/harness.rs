@@ -129,6 +129,9 @@ pub struct Case {
     pub aliases: Vec<Option<usize>>,
     tol: f32,
     pub scalars: StepScalars,
+    /// Whose rms scales an output's errors: None, its own; Some(j), output j's (an activation
+    /// that zeroes most of its product is judged against the product it came from).
+    scale_of: Option<usize>,
 }
 
 pub const SCALARS: StepScalars = StepScalars {
@@ -164,7 +167,14 @@ impl Case {
             aliases,
             tol,
             scalars: SCALARS,
+            scale_of: None,
         }
+    }
+
+    /// Judge every output's errors against output `j`'s rms (see `scale_of`).
+    pub fn errors_scaled_by_output(mut self, j: usize) -> Case {
+        self.scale_of = Some(j);
+        self
     }
 
     pub fn name(&self) -> &str {
@@ -290,7 +300,9 @@ pub fn check_on(test: &str, cases: &[Case], precision: Precision) -> Vec<f32> {
                     ));
                 }
             }
-            let rms = (w.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / w.len().max(1) as f64)
+            let scale = want.get(case.scale_of.unwrap_or(o)).unwrap_or(w);
+            let rms = (scale.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>()
+                / scale.len().max(1) as f64)
                 .sqrt() as f32;
             let mut worst = (0.0f32, 0usize);
             for (i, (a, b)) in g.iter().zip(w).enumerate() {

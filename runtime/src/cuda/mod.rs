@@ -36,8 +36,8 @@ mod nccl_host;
 mod nccl_inflight;
 mod nccl_watchdog;
 mod optimizer;
-mod storage;
 mod staging;
+mod storage;
 mod stream;
 mod sum_squares;
 
