@@ -145,55 +145,18 @@ fn covers(ranges: &mut [(u64, u64)], numel: u64) -> bool {
     reached >= numel
 }
 
-/// How `op` uses its output `index`, per the semantics in `crate::ir::op`.
+/// How `op` uses its output `index`, per the semantics in `crate::ir::op`: an output it adds
+/// into (`Op::accumulates`) or that is also its input (`Op::in_place`: read, then overwritten)
+/// is read; the optimizer ops update theirs in place; `CopyRange` writes only its range; every
+/// other output is overwritten.
 fn output_use(op: &Op, index: usize) -> Use {
     match op {
-        // Outputs documented "(+=)": dtable; the loss; the squared norm.
-        Op::EmbeddingBwd { .. } | Op::CeLoss { .. } | Op::SumSquares => Use::Reads,
-        // dlogits is the logits, read first (in place); the loss accumulates.
-        Op::CrossEntropy { .. } => Use::Reads,
-        // dx, dw, db: added into when the op's flags say so, else overwritten.
-        Op::LayerNormBwd { .. }
-        | Op::RmsNormBwd { .. }
-        | Op::MatmulBwdData { .. }
-        | Op::MatmulBwdWeight { .. }
-        | Op::PositionAddBwd { .. }
-            if op.accumulates(index) =>
-        {
-            Use::Reads
-        }
-        // Updated in place.
         Op::AdamW { .. } | Op::Sgd { .. } => Use::Reads,
         Op::CopyRange {
             dst_offset, len, ..
         } => Use::WritesRange(*dst_offset, dst_offset.saturating_add(*len)),
-        Op::Embedding { .. }
-        | Op::PositionAdd { .. }
-        | Op::LayerNorm { .. }
-        | Op::RmsNorm { .. }
-        | Op::Matmul { .. }
-        | Op::MatmulBwdData { .. }
-        | Op::MatmulBwdWeight { .. }
-        | Op::PositionAddBwd { .. }
-        | Op::LayerNormBwd { .. }
-        | Op::RmsNormBwd { .. }
-        | Op::Rope { .. }
-        | Op::RopeBwd { .. }
-        | Op::Attention { .. }
-        | Op::AttentionBwd { .. }
-        | Op::Activation { .. }
-        | Op::ActivationBwd { .. }
-        | Op::SwiGlu
-        | Op::SwiGluBwd
-        | Op::Add
-        | Op::Scale { .. }
-        | Op::Copy
-        | Op::Zero
-        | Op::CeMax { .. }
-        | Op::CeSumExp { .. }
-        | Op::CeTargetLogit { .. }
-        | Op::CeGrad { .. }
-        | Op::ClipCoef { .. } => Use::Overwrites,
+        _ if op.accumulates(index) || op.in_place().iter().any(|&(_, o)| o == index) => Use::Reads,
+        _ => Use::Overwrites,
     }
 }
 
