@@ -13,24 +13,11 @@ writes DIR/summary.json; exits 1 when a run left no result (the table shows what
 """
 import argparse, json, os, sys
 
+from jsonl import json_lines
+
 PEAK_FLOPS = 989e12
 SHAPES = {"124m": (12, 768), "350m": (24, 1024), "774m": (36, 1280)}  # layers, d
 SEQ = 1024
-
-
-def read_json_lines(path):
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line.startswith("{"):
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    pass
-    return out
 
 
 def smi_peak_gib(path):
@@ -64,7 +51,7 @@ def main():
         layers, d = SHAPES[model]
         torch_rows = {}
         for mode in a.modes:
-            lines = read_json_lines(os.path.join(a.dir, f"torch-{model}-{mode}.jsonl"))
+            lines = json_lines(os.path.join(a.dir, f"torch-{model}-{mode}.jsonl"))
             if not lines:
                 missing.append(f"torch {model} {mode}")
                 continue
@@ -82,7 +69,7 @@ def main():
             params = report.get("params_total")
         except (OSError, ValueError, KeyError, IndexError):
             pass
-        lines = read_json_lines(os.path.join(a.dir, f"parc-{model}.jsonl"))
+        lines = json_lines(os.path.join(a.dir, f"parc-{model}.jsonl"))
         steps = [l for l in lines if l.get("event") == "step"]
         summary = next((l for l in lines if l.get("event") == "summary"), {})
         if len(steps) < 2 or params is None:

@@ -15,23 +15,10 @@ a loss is off by more than the tolerance.
 """
 import argparse, json, os, re, sys
 
+from jsonl import json_lines
+
 PEAK_FLOPS = 989e12
 NCCL_RING_BUSBW = 370.0  # GB/s, NCCL's own figure on 8 H100/H200, NVLink multicast off
-
-
-def json_lines(path):
-    out = []
-    if not os.path.exists(path):
-        return out
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line.startswith("{"):
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    pass
-    return out
 
 
 def load_check(path):
@@ -272,7 +259,7 @@ def zero(runs, problems):
         rows.append(row)
         print(f"{r.name:<18} {fmt(reserved, '12.2f'):>12} {fmt(r.smi_gib, '8.2f'):>8} {fmt(plan, '9.2f'):>9} "
               f"{fmt(cost, '9.2f'):>9} {fmt(row['reserved_over_plan'], '13.3f'):>13} {fmt(row['smi_over_plan'], '9.3f'):>9}")
-    print("reserved: the run's memory_reserved_bytes (null for one process per rank); smi: nvidia-smi's largest "
+    print("reserved: the run's memory_reserved_bytes (the most any rank's backend held); smi: nvidia-smi's largest "
           "memory.used of any GPU above idle (CUDA context, NCCL buffers included); plan: check's memory plan "
           "(persistent + arena, largest program); cost: the cost model's largest role total")
     return rows
