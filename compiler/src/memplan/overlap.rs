@@ -92,10 +92,10 @@ fn settle(upto: usize, at: usize, in_flight: &mut Vec<usize>, report: &mut CommO
 #[cfg(test)]
 mod tests {
     use super::comm_overlap;
-    use crate::cost::testspec::{build, Dims, Plan as PlanChoice};
+    use crate::cost::testspec::{build, Plan as PlanChoice};
     use crate::ir::op::Op;
     use crate::ir::{BufferId, CollectiveKind, GroupId, Instr, ReduceOp};
-    use crate::memplan::tests::program_of;
+    use crate::memplan::tests::{program_of, small_model};
     use crate::spec::ZeroStage;
 
     fn all_reduce(b: u32) -> Instr {
@@ -192,17 +192,7 @@ mod tests {
 
     /// A dp-2 GPT-2-style plan with buckets small enough that backward fills several.
     fn dp2(zero: ZeroStage, microbatches: u32) -> crate::ir::Plan {
-        let dims = Dims {
-            vocab: 512,
-            dim: 128,
-            seq: 64,
-            heads: 4,
-            kv_heads: 4,
-            ffn: 512,
-            layers: 4,
-            llama: false,
-            tied: true,
-        };
+        let dims = small_model();
         let choice = PlanChoice {
             dp: 2,
             zero,
