@@ -168,10 +168,18 @@ pub(crate) fn exit_code(outcome: Result<(), String>) -> u8 {
     match outcome {
         Ok(()) => 0,
         Err(message) => {
-            eprintln!("error: {message}");
+            print_error(&message);
             1
         }
     }
+}
+
+/// `error: message` on stderr in one write, so that a launcher reading several ranks at once
+/// gets it whole (`eprintln!` writes each piece of its format separately).
+pub(crate) fn print_error(message: &str) {
+    use std::io::Write;
+    let text = format!("error: {message}\n");
+    let _ = std::io::stderr().lock().write_all(text.as_bytes());
 }
 
 /// Read, check and lower the spec, rendering every diagnostic on stderr. `Err` is the exit

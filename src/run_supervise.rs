@@ -247,47 +247,114 @@ fn supervise(
 }
 
 /// Copy one child stream line by line: stdout unprefixed, stderr as `[rank R] line`. Lines of
-/// `mpiexec --tag-output` (`[job,R]<stderr>:text`) name their rank; other mpiexec lines are
-/// prefixed `[mpiexec]`. Each rank's last `error:` line is kept for the final report.
+/// `mpiexec --tag-output` (`[job,R]<stderr>:text`) name their rank and are put back together
+/// per rank (see [`Untangle`]); other mpiexec lines are prefixed `[mpiexec]`. Each rank's last
+/// `error:` line is kept for the final report.
 fn relay(
     stream: impl std::io::Read,
     rank: Option<u32>,
     is_stderr: bool,
     errors: &Mutex<HashMap<u32, String>>,
 ) {
+    let mut untangle = Untangle::default();
     for line in BufReader::new(stream).lines() {
-        let Ok(line) = line else { return };
+        let Ok(line) = line else { break };
         let (rank, to_stderr, text) = match rank {
             Some(r) => (Some(r), is_stderr, line),
-            None => match parse_tagged(&line) {
+            None if tag_at(&line).is_some() => match untangle.line(&line) {
                 Some((r, err, text)) => (Some(r), err, text),
-                None => (None, true, line),
+                None => continue,
             },
+            None => (None, true, line),
         };
-        if let (Some(r), Some(message)) = (rank, text.strip_prefix("error: ")) {
-            if let Ok(mut errors) = errors.lock() {
-                errors.insert(r, message.to_string());
-            }
-        }
-        if to_stderr {
-            let mut err = std::io::stderr().lock();
-            let _ = match rank {
-                Some(r) => writeln!(err, "[rank {r}] {text}"),
-                None => writeln!(err, "[mpiexec] {text}"),
-            };
-        } else {
-            let mut out = std::io::stdout().lock();
-            let _ = writeln!(out, "{text}");
-            let _ = out.flush();
-        }
+        emit(rank, to_stderr, &text, errors);
+    }
+    for (r, err, text) in untangle.rest() {
+        emit(Some(r), err, &text, errors);
     }
 }
 
-/// `[1,2]<stderr>:text` → (2, true, "text"). mpiexec tags every write, so a line printed in
-/// pieces carries more tags inside; they are removed.
-fn parse_tagged(line: &str) -> Option<(u32, bool, String)> {
-    let (rank, is_stderr, len) = tag_at(line)?;
-    Some((rank, is_stderr, strip_tags(line.get(len..).unwrap_or(""))))
+fn emit(rank: Option<u32>, to_stderr: bool, text: &str, errors: &Mutex<HashMap<u32, String>>) {
+    if let (Some(r), Some(message)) = (rank, text.strip_prefix("error: ")) {
+        if let Ok(mut errors) = errors.lock() {
+            errors.insert(r, message.to_string());
+        }
+    }
+    if to_stderr {
+        let mut err = std::io::stderr().lock();
+        let _ = match rank {
+            Some(r) => writeln!(err, "[rank {r}] {text}"),
+            None => writeln!(err, "[mpiexec] {text}"),
+        };
+    } else {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{text}");
+        let _ = out.flush();
+    }
+}
+
+/// Puts ranks' lines back together from `mpiexec --tag-output`. mpiexec tags every write it
+/// reads, and a write that does not end a line leaves the line open, so two ranks printing at
+/// once give `[1,1]<stderr>:error: [1,0]<stderr>:error: whole line of rank 0` and later
+/// `[1,1]<stderr>:rest of rank 1's line`. Every piece but a line's last is the start of its
+/// rank's next line and waits here; the last piece ends its rank's line.
+#[derive(Default)]
+struct Untangle {
+    open: HashMap<(u32, bool), String>,
+}
+
+impl Untangle {
+    /// The line that `line` ends, as (rank, is_stderr, text); `None` for a line that is not
+    /// tagged.
+    fn line(&mut self, line: &str) -> Option<(u32, bool, String)> {
+        let mut pieces = tagged_pieces(line)?;
+        let (rank, is_stderr, last) = pieces.pop()?;
+        for (r, err, text) in pieces {
+            self.open.entry((r, err)).or_default().push_str(&text);
+        }
+        let mut whole = self.open.remove(&(rank, is_stderr)).unwrap_or_default();
+        whole.push_str(&last);
+        Some((rank, is_stderr, whole))
+    }
+
+    /// Lines still open when the stream ended, by rank.
+    fn rest(self) -> Vec<(u32, bool, String)> {
+        let mut rest: Vec<_> = self
+            .open
+            .into_iter()
+            .filter(|(_, text)| !text.is_empty())
+            .map(|((r, err), text)| (r, err, text))
+            .collect();
+        rest.sort();
+        rest
+    }
+}
+
+/// `[1,2]<stderr>:a [1,0]<stdout>:b` → [(2, true, "a "), (0, false, "b")]; `None` unless the
+/// line starts with a tag.
+fn tagged_pieces(line: &str) -> Option<Vec<(u32, bool, String)>> {
+    let (mut rank, mut is_stderr, len) = tag_at(line)?;
+    let mut pieces = Vec::new();
+    let mut text = String::new();
+    let mut rest = line.get(len..).unwrap_or("");
+    while let Some(at) = rest.find('[') {
+        text.push_str(&rest[..at]);
+        rest = &rest[at..];
+        match tag_at(rest) {
+            Some((r, err, len)) => {
+                pieces.push((rank, is_stderr, std::mem::take(&mut text)));
+                (rank, is_stderr) = (r, err);
+                rest = rest.get(len..).unwrap_or("");
+            }
+            None => {
+                text.push('[');
+                rest = rest.get(1..).unwrap_or("");
+            }
+        }
+    }
+    text.push_str(rest);
+    pieces.push((rank, is_stderr, text));
+    Some(pieces)
 }
 
 /// The `[job,rank]<stdout>:` or `<stderr>:` tag at the start of `text`: (rank, is_stderr, its
@@ -308,22 +375,6 @@ fn tag_at(text: &str) -> Option<(u32, bool, usize)> {
         return None;
     };
     Some((rank, is_stderr, 1 + ids.len() + 1 + tag.len()))
-}
-
-fn strip_tags(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut rest = text;
-    while let Some(at) = rest.find('[') {
-        out.push_str(&rest[..at]);
-        rest = &rest[at..];
-        let skip = tag_at(rest).map_or(1, |(_, _, len)| len);
-        if skip == 1 {
-            out.push('[');
-        }
-        rest = rest.get(skip..).unwrap_or("");
-    }
-    out.push_str(rest);
-    out
 }
 
 /// The rank a "stopped because rank R failed" message blames.
@@ -393,9 +444,10 @@ mod tests {
 
     #[test]
     fn tagged_mpiexec_lines_name_their_rank() {
-        let tagged = |line: &str, rank: u32, err: bool, text: &str| {
+        let mut untangle = Untangle::default();
+        let mut tagged = |line: &str, rank: u32, err: bool, text: &str| {
             assert_eq!(
-                parse_tagged(line),
+                untangle.line(line),
                 Some((rank, err, text.to_string())),
                 "{line}"
             );
@@ -409,8 +461,36 @@ mod tests {
             true,
             "on 4 ranks [0, 1] [x",
         );
-        assert_eq!(parse_tagged("mpiexec noticed that"), None);
-        assert_eq!(parse_tagged("[0, 1] x"), None);
+        assert_eq!(untangle.line("mpiexec noticed that"), None);
+        assert_eq!(untangle.line("[0, 1] x"), None);
+        assert!(untangle.rest().is_empty());
+    }
+
+    #[test]
+    fn two_ranks_printing_at_once_keep_their_own_lines() {
+        // Rank 1 wrote "error: ", then rank 0 a whole line, then rank 1 the rest of its line.
+        let mut untangle = Untangle::default();
+        assert_eq!(
+            untangle.line("[1,1]<stderr>:error: [1,0]<stderr>:error: a [0] b"),
+            Some((0, true, "error: a [0] b".to_string()))
+        );
+        assert_eq!(
+            untangle.line("[1,0]<stderr>:  at x.par:1:2"),
+            Some((0, true, "  at x.par:1:2".to_string()))
+        );
+        assert_eq!(
+            untangle.line("[1,1]<stderr>:communication: c"),
+            Some((1, true, "error: communication: c".to_string()))
+        );
+        // A rank's stdout and stderr are separate lines.
+        assert_eq!(
+            untangle.line("[1,2]<stdout>:{\"a\":[1,2]}[1,2]<stderr>:warn"),
+            Some((2, true, "warn".to_string()))
+        );
+        assert_eq!(
+            untangle.rest(),
+            vec![(2, false, "{\"a\":[1,2]}".to_string())]
+        );
     }
 
     #[test]
