@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Build here what a one-GPU device call runs, into DIR (default .device, git-ignored): the parc
+# binary with the CUDA backend and the GPU test binaries, stripped. The device machine builds
+# nothing; carry DIR in the call and run bench/device_call.sh there.
+#
+#   bench/device_build.sh [DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=${1:-.device}
+mkdir -p "$dir"
+cargo build --release --features cuda
+target=${CARGO_TARGET_DIR:-target}
+install -m 755 "$target/release/parc" "$dir/parc"
+# The test binaries' paths, from cargo's JSON messages.
+cargo test --release --features cuda --no-run --message-format=json \
+    --test cuda_ops --test cuda_train --test memplan --test cuda_nccl --test cuda_attention_bench \
+  | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["target"]["name"], m["executable"])' \
+  | while read -r name exe; do install -m 755 "$exe" "$dir/$name"; done
+strip "$dir"/parc "$dir"/cuda_*  "$dir"/memplan
+ls -la "$dir"
+du -sh "$dir"
