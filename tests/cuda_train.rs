@@ -369,14 +369,12 @@ fn zero_spec(zero: ZeroStage, steps: u64) -> Spec {
 /// the updated shards). Needs no GPU.
 #[test]
 fn every_update_of_a_program_is_one_fused_run() {
-    use parc_compiler::ir::{op::Op, Instr, Program};
+    use parc_compiler::ir::{op::Op, Program};
     use parc_runtime::optimizer_runs::{find_runs, find_sum_squares_runs};
     // Every SumSquares of a program (one per gradient tensor) in one run, in program order.
     let one_sum_squares_run = |program: &Program, name: &str| -> usize {
-        let all: Vec<usize> = (program.instrs.iter().enumerate())
-            .filter(
-                |(_, i)| matches!(i, Instr::Compute { op, .. } if matches!(**op, Op::SumSquares)),
-            )
+        let all: Vec<usize> = (program.computes())
+            .filter(|(_, c)| matches!(c.op, Op::SumSquares))
             .map(|(index, _)| index)
             .collect();
         let runs = find_sum_squares_runs(program);
@@ -408,10 +406,8 @@ fn every_update_of_a_program_is_one_fused_run() {
         let plan = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
         let program = &plan.programs[0];
         let (llama, sgd) = (format!("{llama} {zero:?}"), sgd);
-        let updates: Vec<usize> = (program.instrs.iter().enumerate())
-            .filter(|(_, i)| {
-                matches!(i, Instr::Compute { op, .. } if matches!(**op, Op::AdamW { .. } | Op::Sgd { .. }))
-            })
+        let updates: Vec<usize> = (program.computes())
+            .filter(|(_, c)| matches!(c.op, Op::AdamW { .. } | Op::Sgd { .. }))
             .map(|(index, _)| index)
             .collect();
         let runs = find_runs(program);
@@ -448,7 +444,7 @@ fn every_update_of_a_program_is_one_fused_run() {
         .unwrap_or_else(|d| panic!("{:?}", d.items));
     let program = &plan.programs[0];
     let updates = (program.instrs.iter())
-        .filter(|i| matches!(i, Instr::Compute { op, .. } if matches!(**op, Op::AdamW { .. })))
+        .filter(|i| matches!(i.op(), Some(Op::AdamW { .. })))
         .count();
     let runs = find_runs(program);
     assert_eq!(runs.len(), 1, "gpt2-124m: {} runs", runs.len());
@@ -502,15 +498,7 @@ fn optimizer_phase(
     use parc_runtime::cuda::CudaBackend;
     use std::collections::HashSet;
     let start = (program.instrs.iter())
-        .position(|i| {
-            matches!(
-                i,
-                Instr::Compute {
-                    phase: Phase::Optimizer,
-                    ..
-                }
-            )
-        })
+        .position(|i| i.as_compute().is_some_and(|c| c.phase == Phase::Optimizer))
         .expect("an optimizer phase");
     // Transient buffers live at the phase's start: allocated before it and not freed.
     let mut live: Vec<BufferId> = Vec::new();
@@ -522,13 +510,9 @@ fn optimizer_phase(
         }
     }
     // Second moments: the last output of each AdamW.
-    let second_moments: HashSet<BufferId> = (program.instrs.iter())
-        .filter_map(|i| match i {
-            Instr::Compute { op, outputs, .. } if matches!(**op, Op::AdamW { .. }) => {
-                outputs.last().copied()
-            }
-            _ => None,
-        })
+    let second_moments: HashSet<BufferId> = (program.computes())
+        .filter(|(_, c)| matches!(c.op, Op::AdamW { .. }))
+        .filter_map(|(_, c)| c.outputs.last().copied())
         .collect();
     let mut rng = Xorshift(0x9e37_79b9_7f4a_7c15);
     let mut backend = CudaBackend::with_precision(0, precision)
@@ -568,13 +552,9 @@ fn optimizer_phase(
             fill(&mut backend, id, &mut rng);
         }
         if overflow_step == Some(step) {
-            let grad = (program.instrs[start..].iter())
-                .find_map(|i| match i {
-                    Instr::Compute { op, inputs, .. } if matches!(**op, Op::SumSquares) => {
-                        Some(inputs[0])
-                    }
-                    _ => None,
-                })
+            let grad = (program.computes())
+                .find(|&(i, c)| i >= start && matches!(c.op, Op::SumSquares))
+                .map(|(_, c)| c.inputs[0])
                 .unwrap();
             let mut data = backend.read_f32(grad).unwrap();
             data[0] = f32::INFINITY;
@@ -637,7 +617,7 @@ fn optimizer_phase(
 /// sums of squares into another (and changed something), the other none.
 #[cfg(feature = "cuda")]
 fn fused_equals_per_tensor(name: &str, spec: &Spec, steps: u64, overflow_step: Option<u64>) {
-    use parc_compiler::ir::{op::Op, Instr};
+    use parc_compiler::ir::op::Op;
     let plan = lower(spec).unwrap_or_else(|d| panic!("{:?}", d.items));
     let program = &plan.programs[0];
     let precision = spec.train.precision;
@@ -651,7 +631,7 @@ fn fused_equals_per_tensor(name: &str, spec: &Spec, steps: u64, overflow_step: O
     assert!(tensor_runs.is_empty(), "{name}: {tensor_runs:?}");
     // Every gradient's SumSquares in one run (each parameter tensor has one).
     let sum_squares = (program.instrs.iter())
-        .filter(|i| matches!(i, Instr::Compute { op, .. } if matches!(**op, Op::SumSquares)))
+        .filter(|i| matches!(i.op(), Some(Op::SumSquares)))
         .count();
     assert_eq!(sumsq_runs, vec![sum_squares], "{name}");
     assert!(sum_squares >= 2, "{name}: {sum_squares} SumSquares");

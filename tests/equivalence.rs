@@ -15,6 +15,7 @@ mod fixtures;
 
 use fixtures::{spec_variant, PlanChoice, TinyModel, Variant};
 use parc_compiler::diag::Sources;
+use parc_compiler::ir::op::Op;
 use parc_compiler::ir::{Instr, Phase, Plan};
 use parc_compiler::lower::{lower, lower_with, LowerOptions};
 use parc_compiler::spec::{Axis, PipelineSchedule, Recompute, Spec, ZeroStage};
@@ -276,10 +277,7 @@ fn assert_same_run(s: &Spec, a: &Plan, b: &Plan, desc: &str, what: &str) {
 fn accumulating_gradients_in_place_changes_no_bit() {
     let plans = option_plans();
     let instrs = |p: &Plan| count(p, |_| true);
-    let is_add_or_copy = |i: &Instr| {
-        matches!(i, Instr::Compute { op, .. }
-            if matches!(**op, parc_compiler::ir::op::Op::Add | parc_compiler::ir::op::Op::Copy))
-    };
+    let is_add_or_copy = |i: &Instr| matches!(i.op(), Some(Op::Add | Op::Copy));
     for (llama, plan) in plans {
         let desc = describe(llama, &plan, Variant::default());
         let s = spec_variant(model(llama), plan, Variant::default());
@@ -315,10 +313,8 @@ fn overwriting_first_gradient_contributions_changes_no_bit() {
         overwrite_first_grads: false,
         ..LowerOptions::default()
     };
-    let overwriting = |i: &Instr| {
-        matches!(i, Instr::Compute { op, .. }
-            if matches!(op.param_grad_outputs(), Some((_, false))))
-    };
+    let overwriting =
+        |i: &Instr| matches!(i.op().and_then(Op::param_grad_outputs), Some((_, false)));
     let zero_filled = |p: &Plan| -> usize {
         p.programs
             .iter()
@@ -377,13 +373,13 @@ fn fusing_epilogues_changes_no_bit() {
         ..LowerOptions::default()
     };
     let is_activation = |i: &Instr| {
-        matches!(i, Instr::Compute { op, .. } if matches!(**op,
-            parc_compiler::ir::op::Op::Activation { .. }
-            | parc_compiler::ir::op::Op::ActivationBwd { .. }))
+        matches!(
+            i.op(),
+            Some(Op::Activation { .. } | Op::ActivationBwd { .. })
+        )
     };
     let is_forward_add = |i: &Instr| {
-        matches!(i, Instr::Compute { op, phase, .. }
-            if matches!(**op, parc_compiler::ir::op::Op::Add) && *phase == Phase::Forward)
+        (i.as_compute()).is_some_and(|c| matches!(c.op, Op::Add) && c.phase == Phase::Forward)
     };
     let mut plans: Vec<(bool, PlanChoice)> = option_plans()
         .into_iter()

@@ -24,9 +24,8 @@
 //! writes. A backend may then read every member's input first and add the sums into the
 //! outputs afterwards, in program order, with the same result.
 use parc_compiler::ir::op::Op;
-use parc_compiler::ir::{BufferId, DType, Inputs, Instr, Outputs, Program};
+use parc_compiler::ir::{BufferId, Compute, DType, Inputs, Instr, Outputs, Program};
 use std::collections::HashSet;
-use std::sync::Arc;
 
 /// What every member of a run shares: the op's hyper-parameters other than the weight decay.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -67,7 +66,7 @@ impl RunKind {
 pub struct RunMember {
     /// Its position in the program's instructions.
     pub index: usize,
-    pub op: Arc<Op>,
+    pub op: Op,
     /// g, coef.
     pub inputs: Inputs,
     /// param, then the state (m, v; or the momentum buffer).
@@ -81,7 +80,7 @@ pub struct RunMember {
 impl RunMember {
     /// Whether a compute call with these operands is this instruction.
     pub fn is(&self, op: &Op, inputs: &[BufferId], outputs: &[BufferId]) -> bool {
-        *self.op == *op && *self.inputs == *inputs && *self.outputs == *outputs
+        self.op == *op && *self.inputs == *inputs && *self.outputs == *outputs
     }
 
     /// Its buffers: inputs, then outputs.
@@ -100,15 +99,12 @@ pub struct OptimizerRun {
 
 /// The member `instr` (at `index`) would be, if it is a well-formed optimizer instruction.
 fn member(program: &Program, index: usize, instr: &Instr) -> Option<(RunKind, RunMember)> {
-    let Instr::Compute {
+    let Compute {
         op,
         inputs,
         outputs,
         ..
-    } = instr
-    else {
-        return None;
-    };
+    } = instr.as_compute()?;
     let (kind, weight_decay) = RunKind::of(op)?;
     if inputs.len() != 2 || outputs.len() != kind.outputs() {
         return None;
@@ -248,16 +244,13 @@ pub struct SumSquaresRun {
 
 /// The member `instr` (at `index`) would be, if it is a well-formed `SumSquares`.
 fn sum_squares_member(program: &Program, index: usize, instr: &Instr) -> Option<SumSquaresMember> {
-    let Instr::Compute {
+    let Compute {
         op,
         inputs,
         outputs,
         ..
-    } = instr
-    else {
-        return None;
-    };
-    if !matches!(**op, Op::SumSquares) || inputs.len() != 1 || outputs.len() != 1 {
+    } = instr.as_compute()?;
+    if !matches!(op, Op::SumSquares) || inputs.len() != 1 || outputs.len() != 1 {
         return None;
     }
     let (input, output) = (inputs[0], outputs[0]);

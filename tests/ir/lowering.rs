@@ -288,12 +288,9 @@ fn zero3_gathers_run_while_the_node_before_computes() {
             let (r, reader) = instrs[g + 1..]
                 .iter()
                 .enumerate()
-                .find(|(_, i)| matches!(i, Instr::Compute { .. }) && i.reads().contains(output))
+                .find_map(|(r, i)| Some((r, i.as_compute().filter(|c| c.inputs.contains(output))?)))
                 .unwrap_or_else(|| panic!("{recompute:?}: gather {g} {instr:?} is never read"));
-            let Instr::Compute { node: read_by, .. } = reader else {
-                unreachable!()
-            };
-            assert_eq!(read_by, node, "instruction {g}: read by another node");
+            assert_eq!(reader.node, *node, "instruction {g}: read by another node");
             let between = &instrs[g + 1..g + 1 + r];
             if between
                 .iter()
@@ -372,7 +369,7 @@ fn zero3_last_pipeline_stage_gathers_the_head_once_per_microbatch() {
 #[test]
 fn backward_sums_residual_gradients_in_place() {
     use parc_compiler::ir::op::Op;
-    use parc_compiler::ir::{Instr, Phase};
+    use parc_compiler::ir::Phase;
     let (layers, microbatches) = (3u32, 2u32);
     for (model, tp) in [
         (gpt(layers), 1),
@@ -393,16 +390,11 @@ fn backward_sums_residual_gradients_in_place() {
         let plan = lower(&s).unwrap();
         for program in &plan.programs {
             let (mut adds, mut accumulating) = (0, 0);
-            for instr in &program.instrs {
-                let Instr::Compute {
-                    op,
-                    phase: Phase::Backward,
-                    ..
-                } = instr
-                else {
+            for (_, c) in program.computes() {
+                if c.phase != Phase::Backward {
                     continue;
-                };
-                match **op {
+                }
+                match c.op {
                     Op::Add | Op::Copy => adds += 1,
                     Op::MatmulBwdData {
                         accumulate: true, ..

@@ -198,6 +198,13 @@ impl Program {
         }
         program
     }
+    /// Each compute instruction's index in [`Program::instrs`] and its parts, in order.
+    pub fn computes(&self) -> impl Iterator<Item = (usize, Compute<'_>)> {
+        self.instrs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, instr)| Some((i, instr.as_compute()?)))
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -414,6 +421,17 @@ pub enum Instr {
     Free { buffer: BufferId },
 }
 
+/// An [`Instr::Compute`]'s parts, borrowed ([`Instr::as_compute`], [`Program::computes`]), for
+/// code that reads compute instructions and passes over the rest.
+#[derive(Clone, Copy, Debug)]
+pub struct Compute<'a> {
+    pub op: &'a Op,
+    pub inputs: &'a Inputs,
+    pub outputs: &'a Outputs,
+    pub node: Option<NodeId>,
+    pub phase: Phase,
+}
+
 impl Instr {
     /// A forward-phase compute instruction of `op`, with no spec node, on the buffers numbered
     /// `inputs` and `outputs` (in the op's order): for programs written by hand (tests, tools).
@@ -430,6 +448,34 @@ impl Instr {
             outputs: Outputs::numbered(outputs),
             node: None,
             phase: Phase::Forward,
+        }
+    }
+
+    /// The parts of a compute instruction; `None` for every other kind.
+    pub fn as_compute(&self) -> Option<Compute<'_>> {
+        match self {
+            Instr::Compute {
+                op,
+                inputs,
+                outputs,
+                node,
+                phase,
+            } => Some(Compute {
+                op,
+                inputs,
+                outputs,
+                node: *node,
+                phase: *phase,
+            }),
+            _ => None,
+        }
+    }
+
+    /// The op of a compute instruction; `None` for every other kind.
+    pub fn op(&self) -> Option<&Op> {
+        match self {
+            Instr::Compute { op, .. } => Some(op),
+            _ => None,
         }
     }
 

@@ -788,7 +788,7 @@ impl AttnShape {
 mod tests {
     use crate::cost::testspec::{build, Dims, Plan as PlanChoice};
     use crate::ir::op::Op;
-    use crate::ir::{Instr, Plan};
+    use crate::ir::Plan;
     use crate::lower::lower;
     use crate::spec::{LayerKind, Node, Shape, Spec, Value, ValueId};
 
@@ -797,13 +797,11 @@ mod tests {
         let plan: Plan = lower(spec).unwrap_or_else(|d| panic!("{:?}", d.items));
         crate::verify::verify(&plan).unwrap_or_else(|d| panic!("{:?}", d.items));
         let mut ops = Vec::new();
-        for instr in plan.programs.iter().flat_map(|p| &p.instrs) {
-            if let Instr::Compute { op, .. } = instr {
-                match **op {
-                    Op::CrossEntropy { .. } => ops.push("fused"),
-                    Op::CeMax { .. } => ops.push("split"),
-                    _ => {}
-                }
+        for (_, c) in plan.programs.iter().flat_map(|p| p.computes()) {
+            match c.op {
+                Op::CrossEntropy { .. } => ops.push("fused"),
+                Op::CeMax { .. } => ops.push("split"),
+                _ => {}
             }
         }
         ops.dedup();

@@ -74,8 +74,7 @@ pub(super) fn assign(program: &mut Program, precision: Precision) {
 mod tests {
     use super::*;
     use crate::ir::op::Op;
-    use crate::ir::{Buffer, CollectiveKind, GroupId, Inputs, Outputs, Phase, ReduceOp};
-    use std::sync::Arc;
+    use crate::ir::{Buffer, CollectiveKind, GroupId, ReduceOp};
 
     /// b0 → all-reduce → b1 → all-reduce → b2, b2 the `max` (f32) of `CeMax` on logits b3,
     /// b4 a parameter.
@@ -93,7 +92,6 @@ mod tests {
             output: BufferId(output),
             node: None,
         };
-        let ids = |v: &[u32]| v.iter().map(|&b| BufferId(b)).collect::<Vec<_>>();
         Program {
             role: "test".into(),
             coords: Vec::new(),
@@ -108,13 +106,7 @@ mod tests {
             instrs: vec![
                 reduce(0, 1),
                 reduce(1, 2),
-                Instr::Compute {
-                    op: Arc::new(Op::CeMax { vocab_local: 4 }),
-                    inputs: Inputs::from_slice(&ids(&[3])).unwrap(),
-                    outputs: Outputs::from_slice(&ids(&[2])).unwrap(),
-                    node: None,
-                    phase: Phase::Forward,
-                },
+                Instr::compute(Op::CeMax { vocab_local: 4 }, &[3], &[2]),
             ],
             loss: None,
             grad_sumsq: None,

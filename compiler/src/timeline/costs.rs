@@ -110,25 +110,21 @@ pub fn op_flops(program: &Program, op: &Op, inputs: &[crate::ir::BufferId]) -> f
 
 impl StepCosts for SpecCosts<'_> {
     fn compute(&self, program: &Program, instr: &Instr) -> f64 {
-        let Instr::Compute {
-            op,
-            inputs,
-            outputs,
-            ..
-        } = instr
-        else {
+        let Some(c) = instr.as_compute() else {
             return 0.0;
         };
-        let flops = op_flops(program, op, inputs);
+        let flops = op_flops(program, c.op, c.inputs);
         // An accumulating output is read and written.
-        let accumulated = outputs
+        let accumulated = c
+            .outputs
             .iter()
             .enumerate()
-            .filter(|(i, _)| op.accumulates(*i))
+            .filter(|(i, _)| c.op.accumulates(*i))
             .map(|(_, b)| b);
-        let touched: f64 = inputs
+        let touched: f64 = c
+            .inputs
             .iter()
-            .chain(outputs)
+            .chain(c.outputs)
             .chain(accumulated)
             .filter_map(|b| program.buffer(*b))
             .map(|b| self.bytes(b))

@@ -13,31 +13,22 @@
 //! it.
 use super::{Findings, Violation};
 use crate::ir::op::Op;
-use crate::ir::{Instr, Program, ProgramId};
+use crate::ir::{Program, ProgramId};
 
 /// Every accumulating output of `program` that is also an input of its instruction (run by
 /// `rank`, the lowest rank running it).
 pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violation> {
     let mut found = Findings::new(id, rank);
     let may_overwrite = crate::lower::first_write::may_overwrite(program);
-    for (i, instr) in program.instrs.iter().enumerate() {
-        let Instr::Compute {
-            op,
-            inputs,
-            outputs,
-            node,
-            ..
-        } = instr
-        else {
-            continue;
-        };
+    for (i, c) in program.computes() {
+        let op = c.op;
         if let Op::MatmulBwdData {
             accumulate: true,
             act_grad: Some(act),
             ..
-        } = &**op
+        } = op
         {
-            found.push("E0822", i, *node, || {
+            found.push("E0822", i, c.node, || {
                 format!(
                     "{op:?} both accumulates dx and multiplies it by {act:?}'s derivative: \
                      an activation-gradient product must overwrite dx"
@@ -46,7 +37,7 @@ pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violatio
         }
         if let Some((first, false)) = op.param_grad_outputs() {
             if !may_overwrite.get(i).copied().unwrap_or(false) {
-                found.push("E0823", i, *node, || {
+                found.push("E0823", i, c.node, || {
                     format!(
                         "{op:?} overwrites its parameter gradient(s) from output {first} on, \
                          but one of them is not freshly allocated and untouched (or is also an \
@@ -56,15 +47,15 @@ pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violatio
                 });
             }
         }
-        for (k, out) in outputs.iter().enumerate() {
-            let Some(input) = inputs.iter().position(|b| b == out) else {
+        for (k, out) in c.outputs.iter().enumerate() {
+            let Some(input) = c.inputs.iter().position(|b| b == out) else {
                 continue;
             };
             if !op.accumulates(k) {
                 continue;
             }
             let name = program.buffer(*out).map_or("?", |b| b.name.as_str());
-            found.push("E0821", i, *node, || {
+            found.push("E0821", i, c.node, || {
                 format!(
                     "{op:?} adds into output {k}, b{} `{name}`, which is also its input \
                      {input}: an accumulating output must be a buffer the op does not read",

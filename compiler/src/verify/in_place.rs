@@ -4,29 +4,20 @@
 //! input first, so an instruction naming two buffers there would read one and leave the other
 //! unwritten.
 use super::{Findings, Violation};
-use crate::ir::{Instr, Program, ProgramId};
+use crate::ir::{Program, ProgramId};
 
 /// Every in-place binding violation of `program` (run by `rank`, the lowest rank running it).
 pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violation> {
     let mut found = Findings::new(id, rank);
-    for (i, instr) in program.instrs.iter().enumerate() {
-        let Instr::Compute {
-            op,
-            inputs,
-            outputs,
-            node,
-            ..
-        } = instr
-        else {
-            continue;
-        };
+    for (i, c) in program.computes() {
+        let op = c.op;
         for &(input, output) in op.in_place() {
-            let (a, b) = (inputs.get(input), outputs.get(output));
+            let (a, b) = (c.inputs.get(input), c.outputs.get(output));
             if a.is_none() || a != b {
                 let name = |b: Option<&crate::ir::BufferId>| {
                     b.map_or_else(|| "nothing".to_string(), |b| format!("b{}", b.0))
                 };
-                found.push("E0820", i, *node, || {
+                found.push("E0820", i, c.node, || {
                     format!(
                         "{op:?} updates input {input} in place as output {output}, but input \
                          {input} is {} and output {output} is {}",

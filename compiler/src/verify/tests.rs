@@ -653,6 +653,7 @@ fn an_accumulating_activation_gradient_is_reported() {
 
 #[test]
 fn an_overwrite_of_a_gradient_written_before_is_reported() {
+    use crate::ir::op::Op;
     use std::sync::Arc;
     let mut plan = lowered(PlanChoice::default());
     assert!(check(&plan).violations.is_empty());
@@ -661,10 +662,7 @@ fn an_overwrite_of_a_gradient_written_before_is_reported() {
     let instrs = &mut plan.programs[0].instrs;
     let at = instrs
         .iter()
-        .rposition(|i| {
-            matches!(i, Instr::Compute { op, .. }
-                if matches!(op.param_grad_outputs(), Some((_, true))))
-        })
+        .rposition(|i| matches!(i.op().and_then(Op::param_grad_outputs), Some((_, true))))
         .expect("an adding parameter-gradient op");
     if let Instr::Compute { op, .. } = &mut instrs[at] {
         *op = Arc::new(op.with_param_grad_accumulation(false));

@@ -27,7 +27,7 @@ use cudarc::driver::result as cu;
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::CudaSlice;
 use parc_compiler::ir::op::Op;
-use parc_compiler::ir::{Buffer, BufferId, BufferKind, DType, Instr, Program};
+use parc_compiler::ir::{Buffer, BufferId, BufferKind, DType, Program};
 use std::collections::HashMap;
 
 /// Alignment of every piece of GEMM memory (cuBLASLt's preferred operand alignment).
@@ -154,21 +154,13 @@ pub(crate) fn scratch_bytes(
 fn planned_casts(program: &Program) -> (Vec<(BufferId, usize)>, usize) {
     let mut casts: Vec<(BufferId, usize)> = Vec::new();
     let mut vector_len = 0usize;
-    for instr in &program.instrs {
-        let Instr::Compute {
-            op,
-            inputs,
-            outputs,
-            ..
-        } = instr
-        else {
-            continue;
-        };
+    for (_, c) in program.computes() {
+        let (inputs, outputs) = (c.inputs, c.outputs);
         let numel = |id: Option<&BufferId>| {
             id.and_then(|id| program.buffer(*id))
                 .map_or(0, |b| b.numel() as usize)
         };
-        let weights: &[usize] = match &**op {
+        let weights: &[usize] = match c.op {
             Op::Matmul { bias: true, .. } => {
                 vector_len = vector_len.max(numel(inputs.get(2)));
                 &[1, 2]
@@ -525,8 +517,7 @@ impl CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use parc_compiler::ir::{Inputs, Outputs, Phase};
-    use std::sync::Arc;
+    use parc_compiler::ir::Instr;
 
     fn buffer(n: u64, dtype: DType, kind: BufferKind) -> Buffer {
         Buffer {
@@ -534,17 +525,6 @@ mod tests {
             shape: vec![n],
             dtype,
             kind,
-        }
-    }
-
-    fn compute(op: Op, inputs: &[u32], outputs: &[u32]) -> Instr {
-        let ids = |v: &[u32]| v.iter().map(|&b| BufferId(b)).collect::<Vec<_>>();
-        Instr::Compute {
-            op: Arc::new(op),
-            inputs: Inputs::from_slice(&ids(inputs)).unwrap(),
-            outputs: Outputs::from_slice(&ids(outputs)).unwrap(),
-            node: None,
-            phase: Phase::Forward,
         }
     }
 
@@ -569,7 +549,7 @@ mod tests {
             buffers,
             params: Vec::new(),
             instrs: vec![
-                compute(
+                Instr::compute(
                     Op::Matmul {
                         in_dim,
                         out_dim,
@@ -580,7 +560,7 @@ mod tests {
                     &[0, 1, 2],
                     &[3],
                 ),
-                compute(
+                Instr::compute(
                     Op::MatmulBwdData {
                         in_dim,
                         out_dim,
@@ -590,7 +570,7 @@ mod tests {
                     &[3, 1],
                     &[0],
                 ),
-                compute(
+                Instr::compute(
                     Op::MatmulBwdWeight {
                         in_dim,
                         out_dim,
@@ -600,7 +580,7 @@ mod tests {
                     &[3, 0],
                     &[4, 5],
                 ),
-                compute(
+                Instr::compute(
                     Op::Matmul {
                         in_dim,
                         out_dim,
@@ -618,17 +598,9 @@ mod tests {
     }
 
     fn op_bytes(program: &Program, i: usize, half: bool) -> usize {
-        let Instr::Compute {
-            op,
-            inputs,
-            outputs,
-            ..
-        } = &program.instrs[i]
-        else {
-            unreachable!()
-        };
+        let c = program.instrs[i].as_compute().unwrap();
         let look = |ids: &[BufferId]| ids.iter().map(|id| program.buffer(*id)).collect::<Vec<_>>();
-        scratch_bytes(op, &look(inputs), &look(outputs), half)
+        scratch_bytes(c.op, &look(c.inputs), &look(c.outputs), half)
     }
 
     #[test]
