@@ -360,12 +360,14 @@ mod tests {
         }
     }
 
-    /// Each run as its members' instruction indices.
-    fn indices(p: &Program) -> Vec<Vec<usize>> {
-        find_runs(p)
-            .iter()
-            .map(|r| r.members.iter().map(|m| m.index).collect())
-            .collect()
+    /// Each run (optimizer or `SumSquares`: both have members with an `index`) as its members'
+    /// instruction indices.
+    macro_rules! indices {
+        ($runs:expr) => {
+            ($runs.iter())
+                .map(|r| r.members.iter().map(|m| m.index).collect())
+                .collect::<Vec<Vec<usize>>>()
+        };
     }
 
     #[test]
@@ -383,7 +385,7 @@ mod tests {
             },
         ]);
         let runs = find_runs(&p);
-        assert_eq!(indices(&p), vec![vec![1, 3, 5]]);
+        assert_eq!(indices!(runs), vec![vec![1, 3, 5]]);
         let run = &runs[0];
         assert_eq!(
             run.kind,
@@ -439,7 +441,7 @@ mod tests {
                 buffer: BufferId(flat),
             });
         }
-        assert_eq!(indices(&program(instrs)), vec![vec![0, 6, 12]]);
+        assert_eq!(indices!(find_runs(&program(instrs))), vec![vec![0, 6, 12]]);
     }
 
     #[test]
@@ -475,7 +477,7 @@ mod tests {
         ]);
         // The lone update 10 is left to the per-tensor path.
         assert_eq!(
-            indices(&p),
+            indices!(find_runs(&p)),
             vec![vec![0, 1], vec![3, 4], vec![6, 7], vec![8, 9], vec![12, 14]]
         );
     }
@@ -496,7 +498,7 @@ mod tests {
             Instr::compute(sgd(0.0, 0.1), &[17, 0], &[18, 19]),
             Instr::compute(sgd(0.0, 0.1), &[21, 0], &[22]),
         ]);
-        assert_eq!(indices(&p), vec![vec![0, 1], vec![2, 3, 5]]);
+        assert_eq!(indices!(find_runs(&p)), vec![vec![0, 1], vec![2, 3, 5]]);
         assert_eq!(find_runs(&p)[1].kind, RunKind::Sgd { momentum: 0.0 });
     }
 
@@ -518,7 +520,7 @@ mod tests {
             adam_of(ADAM, 6),
             adam_of(ADAM, 7),
         ]);
-        assert_eq!(indices(&p), vec![vec![1, 2], vec![5, 6, 7]]);
+        assert_eq!(indices!(find_runs(&p)), vec![vec![1, 2], vec![5, 6, 7]]);
     }
 
     #[test]
@@ -540,18 +542,11 @@ mod tests {
             adam_of(ADAM, 8),
             adam_of(ADAM, 9),
         ]);
-        assert_eq!(indices(&p), vec![vec![8, 9]]);
+        assert_eq!(indices!(find_runs(&p)), vec![vec![8, 9]]);
     }
 
     fn sum_squares(input: u32, output: u32) -> Instr {
         Instr::compute(Op::SumSquares, &[input], &[output])
-    }
-
-    fn sum_squares_indices(p: &Program) -> Vec<Vec<usize>> {
-        find_sum_squares_runs(p)
-            .iter()
-            .map(|r| r.members.iter().map(|m| m.index).collect())
-            .collect()
     }
 
     #[test]
@@ -571,7 +566,7 @@ mod tests {
             ),
         ]);
         let runs = find_sum_squares_runs(&p);
-        assert_eq!(sum_squares_indices(&p), vec![vec![1, 2, 3]]);
+        assert_eq!(indices!(runs), vec![vec![1, 2, 3]]);
         let sizes: Vec<u64> = runs[0].members.iter().map(|m| m.numel).collect();
         assert_eq!(sizes, vec![10, 11, 12]);
         assert!(runs[0].members[1].is(&Op::SumSquares, &[BufferId(5)], &[BufferId(0)]));
@@ -602,7 +597,7 @@ mod tests {
         // A second one-element accumulator.
         p.buffers[98] = buffer(1, DType::F32);
         assert_eq!(
-            sum_squares_indices(&p),
+            indices!(find_sum_squares_runs(&p)),
             vec![vec![0, 1], vec![5, 6], vec![7, 8, 9]]
         );
     }
@@ -618,6 +613,6 @@ mod tests {
             sum_squares(9, 0),
             sum_squares(13, 0),
         ]);
-        assert_eq!(sum_squares_indices(&p), vec![vec![4, 5]]);
+        assert_eq!(indices!(find_sum_squares_runs(&p)), vec![vec![4, 5]]);
     }
 }
