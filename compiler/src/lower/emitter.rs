@@ -8,7 +8,7 @@ use super::params::{Params, TpRule};
 use crate::diag::Diagnostic;
 use crate::ir::op::{Op, Segment};
 use crate::ir::{
-    BufferId, BufferKind, CollectiveKind, ParamId, Phase, ReduceOp, TpSplit, ZeroSplit,
+    BufferId, BufferKind, CollectiveKind, Param, ParamId, Phase, ReduceOp, TpSplit, ZeroSplit,
 };
 use crate::spec::{NodeId, Spec, ValueId, ZeroStage};
 
@@ -159,13 +159,15 @@ impl Emitter<'_> {
         Some(full)
     }
 
-    fn param_name(&self, idx: usize) -> String {
-        self.params
-            .table
-            .params
-            .get(self.locals[idx].param.0 as usize)
-            .map(|p| p.name.clone())
-            .unwrap_or_default()
+    /// The global parameter of local parameter `idx`.
+    pub fn param(&self, idx: usize) -> Option<&Param> {
+        let id = self.locals.get(idx)?.param;
+        self.params.table.params.get(id.0 as usize)
+    }
+
+    /// The name of local parameter `idx` (`blocks.3.attn.wq`), for its buffers' names.
+    pub fn param_name(&self, idx: usize) -> String {
+        self.param(idx).map(|p| p.name.clone()).unwrap_or_default()
     }
 
     /// All-gather local parameter `idx`'s ZeRO-3 shards into a transient flat buffer (the
@@ -276,13 +278,7 @@ impl Emitter<'_> {
         if let Some(g) = self.locals[idx].grad {
             return g;
         }
-        let name = self
-            .params
-            .table
-            .params
-            .get(self.locals[idx].param.0 as usize)
-            .map(|p| format!("{}.grad", p.name))
-            .unwrap_or_default();
+        let name = format!("{}.grad", self.param_name(idx));
         let shape = self.locals[idx].shape.clone();
         let g = self.b.alloc(name, shape, BufferKind::Grad);
         self.locals[idx].grad = Some(g);

@@ -139,21 +139,12 @@ impl Emitter<'_> {
         let scattered = std::mem::take(&mut self.scattered);
         for i in items {
             let g = self.grad_buffer(i);
-            let (n, zero, param) = {
-                let l = &self.locals[i];
-                (l.numel, l.zero, l.param)
-            };
+            let (n, zero) = (self.locals[i].numel, self.locals[i].zero);
             let Some(z) = zero else {
                 self.locals[i].final_grad = Some(g);
                 continue;
             };
-            let name = self
-                .params
-                .table
-                .params
-                .get(param.0 as usize)
-                .map(|p| p.name.clone())
-                .unwrap_or_default();
+            let name = self.param_name(i);
             let padded = self.b.alloc(
                 format!("{name}.grad_flat"),
                 vec![u64::from(z.parts) * z.shard_len],
@@ -188,17 +179,8 @@ impl Emitter<'_> {
         for (flat, items) in std::mem::take(&mut self.reduced) {
             let mut offset = 0;
             for i in items {
-                let (param, shape, n) = {
-                    let l = &self.locals[i];
-                    (l.param, l.shape.clone(), l.numel)
-                };
-                let name = self
-                    .params
-                    .table
-                    .params
-                    .get(param.0 as usize)
-                    .map(|p| format!("{}.grad_reduced", p.name))
-                    .unwrap_or_default();
+                let (shape, n) = (self.locals[i].shape.clone(), self.locals[i].numel);
+                let name = format!("{}.grad_reduced", self.param_name(i));
                 let g = self.b.alloc(name, shape, BufferKind::Grad);
                 self.locals[i].grad = Some(g);
                 let op = Op::CopyRange {
@@ -286,12 +268,7 @@ impl Emitter<'_> {
                 continue;
             };
             let l = &self.locals[i];
-            let decay = self
-                .params
-                .table
-                .params
-                .get(l.param.0 as usize)
-                .is_some_and(|p| p.decay);
+            let decay = self.param(i).is_some_and(|p| p.decay);
             let mut outs = vec![l.master];
             outs.extend(l.state.iter().copied());
             let op = match self.spec.train.optimizer {
@@ -319,16 +296,9 @@ impl Emitter<'_> {
             self.b
                 .compute(op, &[fg, coef], &outs, None, Phase::Optimizer);
             self.b.release(fg);
-            let (master, working, zero, numel, param) =
-                (l.master, l.working, l.zero, l.numel, l.param);
+            let (master, working, zero, numel) = (l.master, l.working, l.zero, l.numel);
             if let (Some(w), Some(z)) = (working, zero) {
-                let name = self
-                    .params
-                    .table
-                    .params
-                    .get(param.0 as usize)
-                    .map(|p| p.name.clone())
-                    .unwrap_or_default();
+                let name = self.param_name(i);
                 let flat = self.b.alloc(
                     format!("{name}.param_flat"),
                     vec![u64::from(z.parts) * z.shard_len],
