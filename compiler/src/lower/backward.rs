@@ -78,11 +78,7 @@ impl Emitter<'_> {
                     } else {
                         0
                     };
-                    let dl = self.b.alloc(
-                        self.name(node, "dlogits", mb),
-                        shape,
-                        BufferKind::ActivationGrad,
-                    );
+                    let dl = self.activation_grad(node, "dlogits", mb, shape);
                     let op = Op::CeGrad {
                         vocab_start: vstart,
                         vocab_local: vl,
@@ -241,11 +237,7 @@ impl Emitter<'_> {
                         self.b.retain(dy);
                         dy
                     } else {
-                        let copy = self.b.alloc(
-                            self.name(node, "dx2", mb),
-                            self.b.shape(dy),
-                            BufferKind::ActivationGrad,
-                        );
+                        let copy = self.activation_grad(node, "dx2", mb, self.b.shape(dy));
                         self.b
                             .compute(Op::Copy, &[dy], &[copy], Some(node), Phase::Backward);
                         copy
@@ -290,11 +282,7 @@ impl Emitter<'_> {
         ins.extend(act_grad.map(|(_, pre)| pre));
         let dx = match into {
             Some(acc) => acc,
-            None => self.b.alloc(
-                self.name(node, &format!("d{w}_in"), mb),
-                vec![rows, in_dim],
-                BufferKind::ActivationGrad,
-            ),
+            None => self.activation_grad(node, &format!("d{w}_in"), mb, vec![rows, in_dim]),
         };
         self.b.compute(
             Op::MatmulBwdData {
@@ -370,21 +358,9 @@ impl Emitter<'_> {
         self.b.release(dyf);
         let d_o = d_o?;
         let k_rows = self.b.shape(k).first().copied().unwrap_or(0);
-        let dq = self.b.alloc(
-            self.name(node, "dq", mb),
-            vec![rows, q_cols],
-            BufferKind::ActivationGrad,
-        );
-        let dk = self.b.alloc(
-            self.name(node, "dk", mb),
-            vec![k_rows, kv_cols],
-            BufferKind::ActivationGrad,
-        );
-        let dv = self.b.alloc(
-            self.name(node, "dv", mb),
-            vec![k_rows, kv_cols],
-            BufferKind::ActivationGrad,
-        );
+        let dq = self.activation_grad(node, "dq", mb, vec![rows, q_cols]);
+        let dk = self.activation_grad(node, "dk", mb, vec![k_rows, kv_cols]);
+        let dv = self.activation_grad(node, "dv", mb, vec![k_rows, kv_cols]);
         let op = self.attention_op(&s, true);
         self.b.compute(
             op,
@@ -403,11 +379,7 @@ impl Emitter<'_> {
             Some(g) => {
                 let mut local = Vec::new();
                 for (d, what) in [(dk, "dk_local"), (dv, "dv_local")] {
-                    let l = self.b.alloc(
-                        self.name(node, what, mb),
-                        vec![rows, kv_cols],
-                        BufferKind::ActivationGrad,
-                    );
+                    let l = self.activation_grad(node, what, mb, vec![rows, kv_cols]);
                     self.b
                         .collective(CollectiveKind::ReduceScatter, g, d, l, Some(node));
                     self.b.release(d);
@@ -503,16 +475,8 @@ impl Emitter<'_> {
         let da = da?;
         let dxp = if a == Activation::Swiglu {
             let (g, u) = (*saved.get(1)?, *saved.get(2)?);
-            let dg = self.b.alloc(
-                self.name(node, "dg", mb),
-                vec![rows, hl],
-                BufferKind::ActivationGrad,
-            );
-            let du = self.b.alloc(
-                self.name(node, "du", mb),
-                vec![rows, hl],
-                BufferKind::ActivationGrad,
-            );
+            let dg = self.activation_grad(node, "dg", mb, vec![rows, hl]);
+            let du = self.activation_grad(node, "du", mb, vec![rows, hl]);
             self.b.compute(
                 Op::SwiGluBwd,
                 &[da, g, u],
@@ -538,11 +502,7 @@ impl Emitter<'_> {
                 da
             } else {
                 let h = *saved.get(1)?;
-                let dh = self.b.alloc(
-                    self.name(node, "dh", mb),
-                    vec![rows, hl],
-                    BufferKind::ActivationGrad,
-                );
+                let dh = self.activation_grad(node, "dh", mb, vec![rows, hl]);
                 self.b.compute(
                     Op::ActivationBwd { act: op_act },
                     &[da, h],
@@ -624,11 +584,7 @@ impl Emitter<'_> {
         let Some(acc) = acc.filter(|a| *a != part) else {
             return part;
         };
-        let sum = self.b.alloc(
-            self.name(node, what, mb),
-            self.b.shape(part),
-            BufferKind::ActivationGrad,
-        );
+        let sum = self.activation_grad(node, what, mb, self.b.shape(part));
         self.b
             .compute(Op::Add, &[acc, part], &[sum], Some(node), Phase::Backward);
         self.b.release(acc);

@@ -136,6 +136,24 @@ impl Emitter<'_> {
         buffer_name(self.node_name(node), what, mb)
     }
 
+    /// Allocate `node`'s activation `what` of microbatch `mb` (named by [`Emitter::name`]).
+    pub fn activation(&mut self, node: NodeId, what: &str, mb: u32, shape: Vec<u64>) -> BufferId {
+        let name = self.name(node, what, mb);
+        self.b.alloc(name, shape, BufferKind::Activation)
+    }
+
+    /// Allocate `node`'s activation gradient `what` of microbatch `mb`.
+    pub fn activation_grad(
+        &mut self,
+        node: NodeId,
+        what: &str,
+        mb: u32,
+        shape: Vec<u64>,
+    ) -> BufferId {
+        let name = self.name(node, what, mb);
+        self.b.alloc(name, shape, BufferKind::ActivationGrad)
+    }
+
     /// The buffer compute ops read for a parameter of `node` (ZeRO-3: kept from the forward,
     /// or gathered by a prefetch or now; freed by [`Emitter::end_node`]).
     pub fn weight(&mut self, node: NodeId, local: &str) -> Option<BufferId> {

@@ -91,11 +91,7 @@ impl Emitter<'_> {
                 };
                 let split = self.groups.tp.is_some();
                 let vl = if split { vocab / tp } else { vocab };
-                let y = self.b.alloc(
-                    self.name(node, "y", mb),
-                    vec![rows, dim],
-                    BufferKind::Activation,
-                );
+                let y = self.activation(node, "y", mb, vec![rows, dim]);
                 let op = Op::Embedding {
                     vocab_start: u64::from(self.tp_index) * vl * u64::from(split),
                     vocab_local: vl,
@@ -118,11 +114,7 @@ impl Emitter<'_> {
                     self.missing(node, "weight");
                     return Vec::new();
                 };
-                let y = self.b.alloc(
-                    self.name(node, "y", mb),
-                    vec![rows_h, dim],
-                    BufferKind::Activation,
-                );
+                let y = self.activation(node, "y", mb, vec![rows_h, dim]);
                 let op = Op::PositionAdd {
                     batch: self.micro_batch,
                     dim,
@@ -138,21 +130,9 @@ impl Emitter<'_> {
                 if bias {
                     ins.extend(self.weight(node, "bias"));
                 }
-                let y = self.b.alloc(
-                    self.name(node, "y", mb),
-                    vec![rows_h, dim],
-                    BufferKind::Activation,
-                );
-                let mean = self.b.alloc(
-                    self.name(node, "mean", mb),
-                    vec![rows_h],
-                    BufferKind::Activation,
-                );
-                let rstd = self.b.alloc(
-                    self.name(node, "rstd", mb),
-                    vec![rows_h],
-                    BufferKind::Activation,
-                );
+                let y = self.activation(node, "y", mb, vec![rows_h, dim]);
+                let mean = self.activation(node, "mean", mb, vec![rows_h]);
+                let rstd = self.activation(node, "rstd", mb, vec![rows_h]);
                 let op = Op::LayerNorm { dim, eps, bias };
                 self.b
                     .compute(op, &ins, &[y, mean, rstd], Some(node), phase);
@@ -163,16 +143,8 @@ impl Emitter<'_> {
             LayerKind::RmsNorm { dim, eps } => {
                 let mut ins = vec![x];
                 ins.extend(self.weight(node, "weight"));
-                let y = self.b.alloc(
-                    self.name(node, "y", mb),
-                    vec![rows_h, dim],
-                    BufferKind::Activation,
-                );
-                let rstd = self.b.alloc(
-                    self.name(node, "rstd", mb),
-                    vec![rows_h],
-                    BufferKind::Activation,
-                );
+                let y = self.activation(node, "y", mb, vec![rows_h, dim]);
+                let rstd = self.activation(node, "rstd", mb, vec![rows_h]);
                 self.b.compute(
                     Op::RmsNorm { dim, eps },
                     &ins,
@@ -198,11 +170,7 @@ impl Emitter<'_> {
                 if bias {
                     ins.extend(self.weight(node, "bias"));
                 }
-                let y = self.b.alloc(
-                    self.name(node, "y", mb),
-                    vec![rows, ol],
-                    BufferKind::Activation,
-                );
+                let y = self.activation(node, "y", mb, vec![rows, ol]);
                 let op = Op::Matmul {
                     in_dim,
                     out_dim: ol,
@@ -254,9 +222,7 @@ impl Emitter<'_> {
                     self.set_output(mb, node, y);
                 } else {
                     let shape = self.b.shape(x);
-                    let y = self
-                        .b
-                        .alloc(self.name(node, "y", mb), shape, BufferKind::Activation);
+                    let y = self.activation(node, "y", mb, shape);
                     self.b.compute(Op::Add, &[x, x2], &[y], Some(node), phase);
                     self.set_output(mb, node, y);
                 }
@@ -301,11 +267,7 @@ impl Emitter<'_> {
         } else {
             0
         };
-        let mx = self.b.alloc(
-            self.name(node, "max", mb),
-            vec![rows],
-            BufferKind::Activation,
-        );
+        let mx = self.activation(node, "max", mb, vec![rows]);
         self.b.compute(
             Op::CeMax { vocab_local: vl },
             &[logits],
@@ -314,11 +276,7 @@ impl Emitter<'_> {
             phase,
         );
         self.tp_all_reduce(mx, ReduceOp::Max, node);
-        let se = self.b.alloc(
-            self.name(node, "sumexp", mb),
-            vec![rows],
-            BufferKind::Activation,
-        );
+        let se = self.activation(node, "sumexp", mb, vec![rows]);
         self.b.compute(
             Op::CeSumExp { vocab_local: vl },
             &[logits, mx],
@@ -327,11 +285,7 @@ impl Emitter<'_> {
             phase,
         );
         self.tp_all_reduce(se, ReduceOp::Sum, node);
-        let tl = self.b.alloc(
-            self.name(node, "target", mb),
-            vec![rows],
-            BufferKind::Activation,
-        );
+        let tl = self.activation(node, "target", mb, vec![rows]);
         self.b.compute(
             Op::CeTargetLogit {
                 vocab_start: vstart,
@@ -409,11 +363,7 @@ impl Emitter<'_> {
         if let (true, Some(bn)) = (bias, b) {
             ins.extend(self.weight(node, bn));
         }
-        let y = self.b.alloc(
-            self.name(node, what, mb),
-            vec![rows, out_dim],
-            BufferKind::Activation,
-        );
+        let y = self.activation(node, what, mb, vec![rows, out_dim]);
         let op = Op::Matmul {
             in_dim,
             out_dim,
@@ -526,19 +476,11 @@ impl Emitter<'_> {
             None => (k, v),
             Some(g) => {
                 let rows_all = self.rows_full() * u64::from(self.cp);
-                let kf = self.b.alloc(
-                    self.name(node, "k_all", mb),
-                    vec![rows_all, kv_cols],
-                    BufferKind::Activation,
-                );
+                let kf = self.activation(node, "k_all", mb, vec![rows_all, kv_cols]);
                 self.b
                     .collective(CollectiveKind::AllGather, g, k, kf, Some(node));
                 self.b.release(k);
-                let vf = self.b.alloc(
-                    self.name(node, "v_all", mb),
-                    vec![rows_all, kv_cols],
-                    BufferKind::Activation,
-                );
+                let vf = self.activation(node, "v_all", mb, vec![rows_all, kv_cols]);
                 self.b
                     .collective(CollectiveKind::AllGather, g, v, vf, Some(node));
                 self.b.release(v);
@@ -584,16 +526,8 @@ impl Emitter<'_> {
     ) -> (BufferId, BufferId) {
         let rows = self.rows_full();
         let seq_q = u64::from(crate::ir::op::segments_len(&self.positions));
-        let o = self.b.alloc(
-            self.name(node, "o", mb),
-            vec![rows, s.heads * s.head_dim],
-            BufferKind::Activation,
-        );
-        let lse = self.b.alloc(
-            self.name(node, "lse", mb),
-            vec![self.micro_batch, s.heads, seq_q],
-            BufferKind::Activation,
-        );
+        let o = self.activation(node, "o", mb, vec![rows, s.heads * s.head_dim]);
+        let lse = self.activation(node, "lse", mb, vec![self.micro_batch, s.heads, seq_q]);
         let op = self.attention_op(s, false);
         self.b.compute(op, &[q, k, v], &[o, lse], Some(node), phase);
         (o, lse)
@@ -690,11 +624,7 @@ impl Emitter<'_> {
         let (saved_mid, act_out, out_w, out_b) = if a == Activation::Swiglu {
             let g = self.matmul(mb, node, xf, ("gate", None), (dim, hidden_local), "g");
             let u = self.matmul(mb, node, xf, ("up", None), (dim, hidden_local), "u");
-            let h = self.b.alloc(
-                self.name(node, "a", mb),
-                vec![self.rows_full(), hidden_local],
-                BufferKind::Activation,
-            );
+            let h = self.activation(node, "a", mb, vec![self.rows_full(), hidden_local]);
             self.b.compute(Op::SwiGlu, &[g, u], &[h], Some(node), phase);
             (vec![g, u], h, "down", None)
         } else if self.fuses_activation(a) {
@@ -717,11 +647,7 @@ impl Emitter<'_> {
                 (dim, hidden_local),
                 "h",
             );
-            let out = self.b.alloc(
-                self.name(node, "a", mb),
-                vec![self.rows_full(), hidden_local],
-                BufferKind::Activation,
-            );
+            let out = self.activation(node, "a", mb, vec![self.rows_full(), hidden_local]);
             self.b.compute(
                 Op::Activation { act: act(a) },
                 &[h],
