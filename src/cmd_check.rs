@@ -94,6 +94,9 @@ struct Lowered {
     verified: VerifyReport,
     /// Each program's memory plan beside its liveness peak.
     memory_plans: Vec<parc_compiler::memplan::PlanSummary>,
+    /// Each program's predicted memory per GPU on the CUDA backend: the plan, the backend's
+    /// scratch and casts, the CUDA context and NCCL.
+    device_memory: Vec<parc_compiler::memplan::DeviceMemory>,
     step_seconds: f64,
     bubble_fraction: f64,
     exposed_comm_fraction: f64,
@@ -131,10 +134,14 @@ fn lower_and_measure(spec: &Spec, diags: &mut Diagnostics) -> Option<Lowered> {
         }
     };
     let timeline = parc_compiler::timeline::simulate(&plan, spec);
-    let summary = crate::cmd_plan::summary(&plan, &verified, &memory_plans, &timeline);
+    let half = spec.train.precision != parc_compiler::spec::Precision::Fp32;
+    let device_memory = parc_compiler::memplan::device_memory(&plan, &memory_plans, half);
+    let mut summary = crate::cmd_plan::summary(&plan, &verified, &memory_plans, &timeline);
+    summary.push_str(&crate::report::render_device_memory(&plan, &device_memory));
     Some(Lowered {
         verified,
         memory_plans,
+        device_memory,
         step_seconds: timeline.step_seconds,
         bubble_fraction: timeline.bubble_fraction,
         exposed_comm_fraction: timeline.exposed_comm_fraction,

@@ -2,6 +2,8 @@
 //! colour, deterministic (same report, same bytes) so it can be golden-tested.
 
 use parc_compiler::cost::{CostReport, RoleCost};
+use parc_compiler::ir::Plan;
+use parc_compiler::memplan::{DeviceLine, DeviceMemory};
 use parc_compiler::spec::Axis;
 use std::fmt::Write;
 
@@ -194,6 +196,83 @@ pub fn render_human(report: &CostReport) -> String {
         for w in whats {
             let _ = writeln!(out, "{w}");
         }
+    }
+    out
+}
+
+/// The predicted memory per GPU of each program on the CUDA backend (`parc check`'s lowered
+/// section; `# `-prefixed like the rest of it): one row per program — the memory plan, each
+/// overhead, the backend's reserved total, the whole GPU — then how each overhead is made.
+pub fn render_device_memory(plan: &Plan, device: &[DeviceMemory]) -> String {
+    let mut names: Vec<&'static str> = Vec::new();
+    for d in device {
+        for line in d.backend.iter().chain(&d.runtime) {
+            if !names.contains(&line.what) {
+                names.push(line.what);
+            }
+        }
+    }
+    let backend_names: Vec<&'static str> = names
+        .iter()
+        .copied()
+        .filter(|n| {
+            device
+                .iter()
+                .any(|d| d.backend.iter().any(|l| l.what == *n))
+        })
+        .collect();
+    let runtime_names: Vec<&'static str> = names
+        .iter()
+        .copied()
+        .filter(|n| !backend_names.contains(n))
+        .collect();
+    let mut header = vec!["program".to_string(), "planned".to_string()];
+    header.extend(backend_names.iter().map(|n| n.to_string()));
+    header.push("reserved".to_string());
+    header.extend(runtime_names.iter().map(|n| n.to_string()));
+    header.push("per GPU".to_string());
+    let mut rows = vec![header];
+    for d in device {
+        let cell = |lines: &[DeviceLine], name: &str| {
+            lines
+                .iter()
+                .find(|l| l.what == name)
+                .map_or("-".to_string(), |l| bytes(l.bytes as f64))
+        };
+        let role = plan
+            .programs
+            .get(d.program.0 as usize)
+            .map_or(String::new(), |p| p.role.clone());
+        let mut row = vec![
+            format!("{} ({role})", d.program.0),
+            bytes(d.planned_bytes as f64),
+        ];
+        row.extend(backend_names.iter().map(|n| cell(&d.backend, n)));
+        row.push(bytes(d.reserved_bytes as f64));
+        row.extend(runtime_names.iter().map(|n| cell(&d.runtime, n)));
+        row.push(bytes(d.total_bytes as f64));
+        rows.push(row);
+    }
+    let mut table_text = String::new();
+    table(&mut table_text, &rows);
+    let mut out = String::from(
+        "# memory per GPU on the CUDA backend (predicted; reserved = the run's \
+         memory_reserved_bytes, per GPU = nvidia-smi; docs/memory.md):\n",
+    );
+    for line in table_text.lines() {
+        let _ = writeln!(out, "#   {line}");
+    }
+    let mut seen: Vec<String> = Vec::new();
+    for d in device {
+        for line in d.backend.iter().chain(&d.runtime) {
+            let text = format!("#   {}: {}", line.what, line.basis);
+            if !seen.contains(&text) {
+                seen.push(text);
+            }
+        }
+    }
+    for text in seen {
+        let _ = writeln!(out, "{text}");
     }
     out
 }

@@ -5,7 +5,8 @@
 //! region plus arena, before and after steps, fp32 and bf16 (packed activations). CUDA (skips
 //! visibly without a GPU): no device
 //! allocation during three steps of a GPT-style and a Llama-style model, fp32 and bf16, and the
-//! memory held (`reserved_bytes`) does not change and covers the plan; the losses match the
+//! memory held (`reserved_bytes`) does not change, covers the plan and is what `parc check`
+//! predicts (`memplan::predicted_reserved`, within 1 MiB); the losses match the
 //! CPU's (1e-4 relative fp32, 1e-2 bf16), so the planned offsets hold the right data, with the
 //! buffers the plan exempts from zero-filling poisoned with NaN until written (so no kernel
 //! reads one before writing all of it); a profiled step (device-timed: every instruction timed
@@ -152,6 +153,18 @@ fn cuda_steps_allocate_nothing() {
                 gpu.backend().reserved_bytes(),
             );
             assert!(reserved >= layout.total_bytes());
+            // `parc check`'s prediction of it leaves out only position lists and the fused
+            // optimizer's tables (KiBs).
+            let predicted = parc_compiler::memplan::predicted_reserved(
+                &plan.programs[0],
+                layout.total_bytes(),
+                precision != Precision::Fp32,
+            );
+            assert!(
+                reserved.abs_diff(predicted) <= 1 << 20,
+                "llama {llama} {precision:?}: {reserved} bytes held, parc check predicts \
+                 {predicted}"
+            );
             let on_gpu = losses(&mut gpu, 3);
             println!(
                 "llama {llama} {precision:?}: {allocations} allocations, {reserved} bytes held \

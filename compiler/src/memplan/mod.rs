@@ -23,9 +23,14 @@
 //!   for it under the executor's ordering rules (a `Free` of a buffer a queued collective uses
 //!   waits for it, since the plan hands its bytes on).
 //!
+//! - [`device_memory`] predicts what a GPU holds for a rank of a CUDA run beyond the planned
+//!   regions (the backend's scratch and weight casts, the CUDA context, NCCL's buffers), line by
+//!   line, so `parc check` can predict nvidia-smi's per-GPU figure.
+//!
 //! The arena can never be smaller than [`MemoryLayout::aligned_peak_bytes`], the most (aligned)
 //! transient bytes alive at once; the difference is fragmentation.
 mod check;
+mod device;
 mod intervals;
 mod overlap;
 #[cfg(test)]
@@ -33,6 +38,9 @@ mod tests;
 mod zeroing;
 
 pub use check::check_layout;
+pub use device::{
+    backend_scratch, device_memory, predicted_reserved, BackendScratch, DeviceLine, DeviceMemory,
+};
 pub use overlap::{comm_overlap, CommOverlap};
 pub use zeroing::zero_needs;
 

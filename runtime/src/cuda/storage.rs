@@ -265,6 +265,8 @@ mod tests {
             loss: None,
             grad_sumsq: None,
         };
+        assert_prediction_agrees(&program, false);
+        assert_prediction_agrees(&program, true);
         let needs = program_needs(&program, false);
         // Bias gradient b3 (4000 floats): 128 chunks × 8 bytes per column.
         assert_eq!(needs.reduction_bytes, 128 * 8 * 4000);
@@ -357,6 +359,8 @@ mod tests {
             loss: None,
             grad_sumsq: None,
         };
+        assert_prediction_agrees(&program, false);
+        assert_prediction_agrees(&program, true);
         // delta and lse2 (16 floats each, on 256-byte boundaries); then, before them, the bf16
         // copies of the four f32 operands dO, q, k, v.
         assert_eq!(program_needs(&program, false).reduction_bytes, 2 * 256);
@@ -364,6 +368,56 @@ mod tests {
             program_needs(&program, true).reduction_bytes,
             4 * 2048 + 2 * 256
         );
+    }
+
+    /// The compiler's prediction of this scratch (`memplan::backend_scratch`, which `parc
+    /// check` adds to the plan) agrees with the sizes `prepare` reserves.
+    fn assert_prediction_agrees(program: &Program, half: bool) {
+        let needs = program_needs(program, half);
+        let predicted = parc_compiler::memplan::backend_scratch(program, half);
+        let what = format!("program {} (half {half})", program.role);
+        assert_eq!(predicted.reduction, needs.reduction_bytes as u64, "{what}");
+        assert_eq!(
+            predicted.gemm_operands, needs.gemm_operand_bytes as u64,
+            "{what}"
+        );
+        assert_eq!(predicted.aliased, needs.aliased_bytes as u64, "{what}");
+    }
+
+    #[test]
+    fn parc_checks_prediction_matches_the_reserved_scratch() {
+        // examples/tiny.par at head dim 64 (tensor-core attention in 16-bit runs), bf16, under
+        // plans that change which operands are f32 and cast: plain, ZeRO-3, tp 2 with sp, pp 2.
+        let text = include_str!("../../../examples/tiny.par").to_string();
+        let plans: [&[&str]; 4] = [
+            &["parallel.dp=2"],
+            &["parallel.dp=2", "parallel.zero=3"],
+            &["parallel.tp=2", "parallel.sequence_parallel=true"],
+            &["parallel.pp=2", "parallel.schedule=interleaved"],
+        ];
+        for sets in plans {
+            let mut all = vec![
+                "model.d=256",
+                "train.precision=bf16",
+                "cluster.gpus_per_node=2",
+                "train.data=synthetic",
+            ];
+            all.extend(sets);
+            let overrides: Vec<_> = all
+                .iter()
+                .map(|s| parc_compiler::parse_override(s).unwrap())
+                .collect();
+            let mut sources = parc_compiler::diag::Sources::default();
+            let main = sources.add("tiny.par", text.clone());
+            let (spec, diags) = parc_compiler::check(&mut sources, main, &overrides);
+            let spec = spec.unwrap_or_else(|| panic!("{sets:?}: {:?}", diags.items));
+            let plan = parc_compiler::lower::lower(&spec)
+                .unwrap_or_else(|d| panic!("{sets:?}: {:?}", d.items));
+            for program in &plan.programs {
+                assert_prediction_agrees(program, true);
+                assert_prediction_agrees(program, false);
+            }
+        }
     }
 
     #[test]
