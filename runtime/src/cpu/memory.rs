@@ -145,11 +145,24 @@ impl<'a> ViewMut<'a> {
     }
 }
 
-fn buffer_error(id: BufferId, what: impl Into<String>) -> RuntimeError {
+pub(super) fn buffer_error(id: BufferId, what: impl Into<String>) -> RuntimeError {
     RuntimeError::Buffer {
         id: id.0,
         what: what.into(),
     }
+}
+
+/// Copy `data` into `dst`, the elements of buffer `id`, which must hold as many.
+pub(super) fn copy_exact<T: Copy>(id: BufferId, dst: &mut [T], data: &[T]) -> Result<()> {
+    if dst.len() != data.len() {
+        return Err(length_error(id, dst.len(), data.len()));
+    }
+    dst.copy_from_slice(data);
+    Ok(())
+}
+
+fn length_error(id: BufferId, holds: usize, writes: usize) -> RuntimeError {
+    buffer_error(id, format!("holds {holds} elements, cannot write {writes}"))
 }
 
 /// Every buffer of one rank. See the module docs.
@@ -361,14 +374,7 @@ impl Memory {
                 }
                 Ok(())
             }
-            ViewMut::Bf16(bits) => Err(buffer_error(
-                id,
-                format!(
-                    "holds {} elements, cannot write {}",
-                    bits.len(),
-                    values.len()
-                ),
-            )),
+            ViewMut::Bf16(bits) => Err(length_error(id, bits.len(), values.len())),
             _ => Err(buffer_error(id, "is not bf16 (a backend bug)")),
         }
     }

@@ -33,7 +33,7 @@ use crate::backend::{Backend, StepScalars};
 use crate::error::{Result, RuntimeError};
 use args::{signature, Inputs, Outputs};
 use dense::Threads;
-use memory::{element_count, Memory, View, ViewMut};
+use memory::{buffer_error, copy_exact, element_count, Memory, View, ViewMut};
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::{BufferId, DType, Program};
 use parc_compiler::memplan::MemoryLayout;
@@ -49,13 +49,6 @@ pub struct CpuBackend {
 impl Default for CpuBackend {
     fn default() -> Self {
         CpuBackend::new()
-    }
-}
-
-fn buffer_error(id: BufferId, what: impl Into<String>) -> RuntimeError {
-    RuntimeError::Buffer {
-        id: id.0,
-        what: what.into(),
     }
 }
 
@@ -299,27 +292,11 @@ impl Backend for CpuBackend {
         if self.memory.slot(id)?.dtype == DType::Bf16 {
             return self.memory.store_rounded(id, data);
         }
-        let dst = self.f32_mut(id)?;
-        if dst.len() != data.len() {
-            return Err(buffer_error(
-                id,
-                format!("holds {} elements, cannot write {}", dst.len(), data.len()),
-            ));
-        }
-        dst.copy_from_slice(data);
-        Ok(())
+        copy_exact(id, self.f32_mut(id)?, data)
     }
 
     fn write_i32(&mut self, id: BufferId, data: &[i32]) -> Result<()> {
-        let dst = self.i32_mut(id)?;
-        if dst.len() != data.len() {
-            return Err(buffer_error(
-                id,
-                format!("holds {} elements, cannot write {}", dst.len(), data.len()),
-            ));
-        }
-        dst.copy_from_slice(data);
-        Ok(())
+        copy_exact(id, self.i32_mut(id)?, data)
     }
 
     /// A bf16 buffer reads widened to f32 (exact).

@@ -16,7 +16,21 @@ fn buffers_are_zeroed_and_their_lifecycle_is_checked() {
     assert_eq!(b.allocated_bytes(), 16);
     assert!(b.f32(BufferId(0)).is_err());
     assert!(b.i32(BufferId(3)).is_err());
-    assert!(b.write_f32(BufferId(3), &[1.0; 3]).is_err());
+    // Writes of the wrong length into f32, i32 and bf16 buffers name both lengths.
+    b.alloc(BufferId(4), &[2], DType::I32).unwrap();
+    b.alloc(BufferId(5), &[2], DType::Bf16).unwrap();
+    let written = [
+        b.write_f32(BufferId(3), &[1.0; 3]),
+        b.write_i32(BufferId(4), &[1; 3]),
+        b.write_f32(BufferId(5), &[1.0; 3]),
+    ];
+    for (result, holds) in written.into_iter().zip([4, 2, 2]) {
+        let text = result.unwrap_err().to_string();
+        assert!(
+            text.contains(&format!("holds {holds} elements, cannot write 3")),
+            "{text}"
+        );
+    }
     b.free(BufferId(3)).unwrap();
     assert!(b.free(BufferId(3)).is_err());
     assert!(!b.is_allocated(BufferId(3)));
