@@ -11,9 +11,10 @@ use crate::SpecArgs;
 use parc_compiler::diag::{Diagnostics, Sources};
 use parc_compiler::ir::Plan;
 use parc_compiler::lower::lower;
-use parc_compiler::spec::{Precision, Spec};
+use parc_compiler::spec::{Gpu, Precision, Spec};
 use parc_runtime::backend::Backend;
 use parc_runtime::cpu::CpuBackend;
+use parc_runtime::exec::profile::StepProfile;
 use parc_runtime::exec::{train, TrainOptions};
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -312,11 +313,7 @@ fn run_with<B: Backend>(
     let on_step = |record: &parc_runtime::exec::StepRecord| progress.step(record);
     let result = train(spec, plan, &options, new_backend, &on_step)
         .map_err(|e| crate::run_error::describe(&e, spec, &args.file, &args.spec.set))?;
-    let gpu = &spec.cluster.gpu;
-    if let (Some(profile), LogFormat::Json) = (&result.profile, args.log_format) {
-        println!("{}", run_profile::json(profile, gpu));
-    }
-    progress.finish(&Summary {
+    let summary = Summary {
         records: &result.records,
         epochs: &result.epochs,
         checkpoints: &result.checkpoints,
@@ -324,14 +321,34 @@ fn run_with<B: Backend>(
         backend: backend.name(),
         world: plan.world,
         reserved_bytes: result.reserved_bytes,
-    });
-    if let (Some(reserved), LogFormat::Human) = (result.reserved_bytes, args.log_format) {
-        print_reserved(backend.name(), reserved);
-    }
-    if let (Some(profile), LogFormat::Human) = (&result.profile, args.log_format) {
-        eprint!("{}", run_profile::human(profile, gpu));
-    }
+    };
+    let (profile, gpu) = (result.profile.as_ref(), &spec.cluster.gpu);
+    finish_report(&progress, &summary, profile, args.log_format, gpu);
     Ok(())
+}
+
+/// What the report rank prints when training has ended: the profiled step as JSON (before the
+/// summary line), the summary, then in the human format the memory the backend held and the
+/// profile's table.
+pub(crate) fn finish_report(
+    progress: &Progress,
+    summary: &Summary,
+    profile: Option<&StepProfile>,
+    format: LogFormat,
+    gpu: &Gpu,
+) {
+    if let (Some(profile), LogFormat::Json) = (profile, format) {
+        println!("{}", run_profile::json(profile, gpu));
+    }
+    progress.finish(summary);
+    if format == LogFormat::Human {
+        if let Some(reserved) = summary.reserved_bytes {
+            print_reserved(summary.backend, reserved);
+        }
+        if let Some(profile) = profile {
+            eprint!("{}", run_profile::human(profile, gpu));
+        }
+    }
 }
 
 /// Bytes of host memory available now (Linux `MemAvailable`), if known.
@@ -351,7 +368,7 @@ fn available_memory() -> Option<u64> {
 }
 
 /// The human summary's line on the most memory one rank's backend held.
-pub(crate) fn print_reserved(backend: &str, reserved: u64) {
+fn print_reserved(backend: &str, reserved: u64) {
     eprintln!(
         "memory held by the {backend} backend: {} per rank at most (buffers as planned, scratch, \
          workspace)",

@@ -7,7 +7,9 @@
 //!
 //! For testing the failure handling, `PARC_TEST_FAULT=abort:R@MS` makes rank R's process abort
 //! MS milliseconds after the rendezvous (a crash), `stop:R@MS` stop (SIGSTOP: a hang).
-use crate::cmd_run::{backend_and_plan, exit_code, spec_folder, train_options, Resolved, RunArgs};
+use crate::cmd_run::{
+    backend_and_plan, exit_code, finish_report, spec_folder, train_options, Resolved, RunArgs,
+};
 use crate::run_progress::{LogFormat, Progress, Summary};
 use parc_compiler::ir::Plan;
 use parc_compiler::spec::Spec;
@@ -165,7 +167,7 @@ fn train_rank(
     // Every rank has finished (and rank 0 written the model export) before the summary.
     rendezvous.finish().map_err(|e| e.to_string())?;
     if is_report {
-        progress.finish(&Summary {
+        let summary = Summary {
             records: &result.records,
             epochs: &result.epochs,
             checkpoints: &result.checkpoints,
@@ -173,13 +175,9 @@ fn train_rank(
             backend: backend.name(),
             world: plan.world,
             reserved_bytes: result.reserved_bytes,
-        });
-        if let (Some(reserved), LogFormat::Human) = (result.reserved_bytes, args.log_format) {
-            crate::cmd_run::print_reserved(backend.name(), reserved);
-        }
-        if let (Some(profile), LogFormat::Human) = (&result.profile, args.log_format) {
-            eprint!("{}", crate::run_profile::human(profile, &spec.cluster.gpu));
-        }
+        };
+        let (profile, gpu) = (result.profile.as_ref(), &spec.cluster.gpu);
+        finish_report(&progress, &summary, profile, args.log_format, gpu);
     }
     Ok(())
 }

@@ -101,7 +101,7 @@ fn four_processes_give_exactly_the_single_process_losses() {
         &["parallel.dp=2", "parallel.pp=2", "parallel.zero=3"][..],
     ] {
         let mut args = plan_args_with(3, parallel);
-        args.extend(["--log-format".into(), "json".into()]);
+        args.extend(["--log-format".into(), "json".into(), "--profile".into()]);
         args.extend(["--set".into(), "train.checkpoint.every=2".into()]);
         let ckpt = |dir: &PathBuf| {
             vec![
@@ -154,12 +154,14 @@ fn four_processes_give_exactly_the_single_process_losses() {
             one, four,
             "{parallel:?}: losses (f32 bits) of 1 process vs 4 processes"
         );
-        // Only the report rank prints, once.
-        let summaries = String::from_utf8_lossy(&multi.stdout)
-            .lines()
-            .filter(|l| l.contains("\"summary\""))
-            .count();
-        assert_eq!(summaries, 1);
+        // Only the report rank prints its profiled step and the summary, once each.
+        for event in ["\"profile\"", "\"summary\""] {
+            let lines = String::from_utf8_lossy(&multi.stdout)
+                .lines()
+                .filter(|l| l.contains(event))
+                .count();
+            assert_eq!(lines, 1, "{parallel:?}: {event} lines");
+        }
         // The most memory one rank held: the same whether the ranks are threads or processes.
         let reserved = |output: &std::process::Output| {
             let text = String::from_utf8_lossy(&output.stdout).into_owned();
