@@ -10,6 +10,8 @@ pub mod overrides;
 pub mod spec;
 pub mod stdlib;
 pub mod syntax;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 pub mod timeline;
 pub mod verify;
 

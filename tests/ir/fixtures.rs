@@ -1,11 +1,13 @@
-//! Hand-built specs for the IR tests (GPT-2 style and Llama style tiny models), so lowering
-//! is tested without the parser, plus a plan simulator that executes every rank's program
-//! symbolically: buffer lifetimes, shapes of collectives and transfers, and rendezvous
-//! progress (an unmatched or misordered transfer or collective shows up as no progress).
+//! Hand-built specs for the IR tests (GPT-2 style and Llama style tiny models, the decoder of
+//! `parc_compiler::testing` on a CPU cluster), so lowering is tested without the parser, plus
+//! a plan simulator that executes every rank's program symbolically: buffer lifetimes, shapes
+//! of collectives and transfers, and rendezvous progress (an unmatched or misordered transfer
+//! or collective shows up as no progress).
 
 use parc_compiler::diag::Span;
 use parc_compiler::ir::{CollectiveKind, Instr, P2pOp, Plan};
 use parc_compiler::spec::*;
+use parc_compiler::testing::decoder_model;
 use std::collections::HashSet;
 
 pub struct TinyModel {
@@ -104,212 +106,20 @@ pub fn sized_spec_variant(
     dims: Dims,
     variant: Variant,
 ) -> Spec {
-    let Dims {
-        vocab,
-        dim,
-        seq,
-        heads,
-        kv_heads,
-        ffn,
-        micro_batch,
-    } = dims;
-    let mut values: Vec<Value> = Vec::new();
-    let mut nodes: Vec<Node> = Vec::new();
-    let value = |values: &mut Vec<Value>, name: String, shape: Shape| {
-        values.push(Value {
-            name,
-            shape,
-            span: Span::default(),
-        });
-        ValueId(values.len() as u32 - 1)
+    let decoder = parc_compiler::testing::Dims {
+        vocab: dims.vocab,
+        dim: dims.dim,
+        seq: dims.seq,
+        heads: dims.heads,
+        kv_heads: dims.kv_heads,
+        ffn: dims.ffn,
+        layers: model.layers,
+        llama: model.llama,
+        tied: model.tied,
     };
-    let tokens = value(&mut values, "tokens".into(), Shape::Tokens);
-    let targets = value(&mut values, "targets".into(), Shape::Tokens);
-    let node = |nodes: &mut Vec<Node>,
-                values: &mut Vec<Value>,
-                name: String,
-                kind: LayerKind,
-                inputs: Vec<ValueId>,
-                shape: Shape,
-                layer: Option<u32>| {
-        let out = value(values, name.clone(), shape);
-        let recompute = match (&plan.recompute, &kind, layer) {
-            (Recompute::Selective, LayerKind::Attention { .. }, _) => true,
-            (Recompute::Full, _, Some(_)) => true,
-            (Recompute::Named(names), k, _) => names.iter().any(|n| n == k.kind_name()),
-            _ => false,
-        };
-        nodes.push(Node {
-            name,
-            kind,
-            inputs,
-            output: out,
-            layer,
-            recompute,
-            span: Span::default(),
-        });
-        out
-    };
-    let h = Shape::Hidden(dim);
-    let mut x = node(
-        &mut nodes,
-        &mut values,
-        "embed".into(),
-        LayerKind::Embedding { vocab, dim },
-        vec![tokens],
-        h.clone(),
-        None,
-    );
-    if !model.llama {
-        x = node(
-            &mut nodes,
-            &mut values,
-            "pos".into(),
-            LayerKind::PositionEmbedding { seq, dim },
-            vec![x],
-            h.clone(),
-            None,
-        );
-    }
-    let norm = |llama: bool| {
-        if llama {
-            LayerKind::RmsNorm { dim, eps: 1e-5 }
-        } else {
-            LayerKind::LayerNorm {
-                dim,
-                eps: 1e-5,
-                bias: true,
-            }
-        }
-    };
-    for l in 0..model.layers {
-        let p = format!("blocks.{l}");
-        let a_in = node(
-            &mut nodes,
-            &mut values,
-            format!("{p}.ln1"),
-            norm(model.llama),
-            vec![x],
-            h.clone(),
-            Some(l),
-        );
-        let attn = node(
-            &mut nodes,
-            &mut values,
-            format!("{p}.attn"),
-            LayerKind::Attention {
-                dim,
-                heads,
-                kv_heads,
-                head_dim: dim / heads,
-                causal: true,
-                rope: model.llama.then_some(Rope { theta: 10000.0 }),
-                bias: !model.llama,
-            },
-            vec![a_in],
-            h.clone(),
-            Some(l),
-        );
-        x = node(
-            &mut nodes,
-            &mut values,
-            format!("{p}.add1"),
-            LayerKind::Add,
-            vec![x, attn],
-            h.clone(),
-            Some(l),
-        );
-        let m_in = node(
-            &mut nodes,
-            &mut values,
-            format!("{p}.ln2"),
-            norm(model.llama),
-            vec![x],
-            h.clone(),
-            Some(l),
-        );
-        let mlp = node(
-            &mut nodes,
-            &mut values,
-            format!("{p}.mlp"),
-            LayerKind::Mlp {
-                dim,
-                hidden: ffn,
-                act: if model.llama {
-                    Activation::Swiglu
-                } else {
-                    Activation::GeluTanh
-                },
-                bias: !model.llama,
-            },
-            vec![m_in],
-            h.clone(),
-            Some(l),
-        );
-        x = node(
-            &mut nodes,
-            &mut values,
-            format!("{p}.add2"),
-            LayerKind::Add,
-            vec![x, mlp],
-            h.clone(),
-            Some(l),
-        );
-    }
-    let xf = node(
-        &mut nodes,
-        &mut values,
-        "ln_f".into(),
-        norm(model.llama),
-        vec![x],
-        h.clone(),
-        None,
-    );
-    let logits = node(
-        &mut nodes,
-        &mut values,
-        "head".into(),
-        LayerKind::Linear {
-            in_dim: dim,
-            out_dim: vocab,
-            bias: false,
-            tied: model.tied.then_some(NodeId(0)),
-        },
-        vec![xf],
-        Shape::Hidden(vocab),
-        None,
-    );
-    let loss = node(
-        &mut nodes,
-        &mut values,
-        "loss".into(),
-        LayerKind::CrossEntropy,
-        vec![logits, targets],
-        Shape::Scalar,
-        None,
-    );
-    let tp_on = plan.tp > 1;
+    let micro_batch = dims.micro_batch;
     Spec {
-        model: Model {
-            name: "tiny".into(),
-            span: Span::default(),
-            seq,
-            vocab,
-            dim,
-            layers: model.layers,
-            values,
-            nodes,
-            tokens,
-            targets,
-            loss,
-            sharding: Sharding {
-                attention_heads_on_tp: tp_on,
-                mlp_hidden_on_tp: tp_on,
-                vocab_on_tp: tp_on,
-                seq_on_cp: plan.cp > 1,
-                spans: Vec::new(),
-            },
-        },
+        model: decoder_model(&decoder, "tiny", &plan.recompute, plan.tp, plan.cp),
         parallel: Parallel {
             mesh: Mesh {
                 axes: variant

@@ -1,51 +1,10 @@
 //! Hand-built specs of any size for cost-model, verifier and timeline tests (the parser is not
-//! needed): a GPT-2-style or Llama-style decoder with the given dimensions and plan.
+//! needed): a GPT-2-style or Llama-style decoder ([`crate::testing::decoder_model`]) with the
+//! given dimensions and plan, on H100s.
 
 use crate::diag::Span;
 use crate::spec::*;
-
-#[derive(Clone, Debug)]
-pub struct Dims {
-    pub vocab: u64,
-    pub dim: u64,
-    pub seq: u64,
-    pub heads: u64,
-    pub kv_heads: u64,
-    pub ffn: u64,
-    pub layers: u32,
-    pub llama: bool,
-    pub tied: bool,
-}
-
-impl Dims {
-    pub fn tiny() -> Dims {
-        Dims {
-            vocab: 32,
-            dim: 16,
-            seq: 8,
-            heads: 4,
-            kv_heads: 4,
-            ffn: 64,
-            layers: 4,
-            llama: false,
-            tied: true,
-        }
-    }
-    /// Llama-3-70B: 80 layers, d 8192, 64 heads, 8 kv heads, ffn 28672, vocab 128256.
-    pub fn llama3_70b() -> Dims {
-        Dims {
-            vocab: 128256,
-            dim: 8192,
-            seq: 8192,
-            heads: 64,
-            kv_heads: 8,
-            ffn: 28672,
-            layers: 80,
-            llama: true,
-            tied: false,
-        }
-    }
-}
+pub use crate::testing::Dims;
 
 #[derive(Clone, Debug)]
 pub struct Plan {
@@ -83,155 +42,10 @@ impl Default for Plan {
 }
 
 pub fn build(d: &Dims, plan: &Plan) -> Spec {
-    let mut values: Vec<Value> = Vec::new();
-    let mut nodes: Vec<Node> = Vec::new();
-    let mut value = |name: &str, shape: Shape| {
-        values.push(Value {
-            name: name.to_string(),
-            shape,
-            span: Span::default(),
-        });
-        ValueId(values.len() as u32 - 1)
-    };
-    let tokens = value("tokens", Shape::Tokens);
-    let targets = value("targets", Shape::Tokens);
-    let mut node_values = Vec::new();
-    let mut add = |name: String, kind: LayerKind, inputs: Vec<ValueId>, layer: Option<u32>| {
-        let out = ValueId((2 + node_values.len()) as u32);
-        node_values.push(name.clone());
-        let recompute = match (&plan.recompute, &kind, layer) {
-            (Recompute::Selective, LayerKind::Attention { .. }, _) => true,
-            (Recompute::Full, _, Some(_)) => true,
-            (Recompute::Named(names), k, _) => names.iter().any(|n| n == k.kind_name()),
-            _ => false,
-        };
-        nodes.push(Node {
-            name,
-            kind,
-            inputs,
-            output: out,
-            layer,
-            recompute,
-            span: Span::default(),
-        });
-        out
-    };
-    let dim = d.dim;
-    let norm = || {
-        if d.llama {
-            LayerKind::RmsNorm { dim, eps: 1e-5 }
-        } else {
-            LayerKind::LayerNorm {
-                dim,
-                eps: 1e-5,
-                bias: true,
-            }
-        }
-    };
-    let mut x = add(
-        "embed".into(),
-        LayerKind::Embedding {
-            vocab: d.vocab,
-            dim,
-        },
-        vec![tokens],
-        None,
-    );
-    if !d.llama {
-        x = add(
-            "pos".into(),
-            LayerKind::PositionEmbedding { seq: d.seq, dim },
-            vec![x],
-            None,
-        );
-    }
-    for l in 0..d.layers {
-        let p = format!("blocks.{l}");
-        let a = add(format!("{p}.ln1"), norm(), vec![x], Some(l));
-        let a = add(
-            format!("{p}.attn"),
-            LayerKind::Attention {
-                dim,
-                heads: d.heads,
-                kv_heads: d.kv_heads,
-                head_dim: dim / d.heads,
-                causal: true,
-                rope: d.llama.then_some(Rope { theta: 10000.0 }),
-                bias: !d.llama,
-            },
-            vec![a],
-            Some(l),
-        );
-        x = add(format!("{p}.add1"), LayerKind::Add, vec![x, a], Some(l));
-        let m = add(format!("{p}.ln2"), norm(), vec![x], Some(l));
-        let m = add(
-            format!("{p}.mlp"),
-            LayerKind::Mlp {
-                dim,
-                hidden: d.ffn,
-                act: if d.llama {
-                    Activation::Swiglu
-                } else {
-                    Activation::GeluTanh
-                },
-                bias: !d.llama,
-            },
-            vec![m],
-            Some(l),
-        );
-        x = add(format!("{p}.add2"), LayerKind::Add, vec![x, m], Some(l));
-    }
-    let xf = add("ln_f".into(), norm(), vec![x], None);
-    let logits = add(
-        "head".into(),
-        LayerKind::Linear {
-            in_dim: dim,
-            out_dim: d.vocab,
-            bias: false,
-            tied: d.tied.then_some(NodeId(0)),
-        },
-        vec![xf],
-        None,
-    );
-    let loss = add(
-        "loss".into(),
-        LayerKind::CrossEntropy,
-        vec![logits, targets],
-        None,
-    );
-    for (i, name) in node_values.iter().enumerate() {
-        let shape = if i + 1 == node_values.len() {
-            Shape::Scalar
-        } else if name == "head" {
-            Shape::Hidden(d.vocab)
-        } else {
-            Shape::Hidden(dim)
-        };
-        value(name, shape);
-    }
     let world = plan.dp * plan.pp * plan.cp * plan.tp;
     let gpn = plan.gpus_per_node.min(world).max(1);
     Spec {
-        model: Model {
-            name: "test".into(),
-            span: Span::default(),
-            seq: d.seq,
-            vocab: d.vocab,
-            dim,
-            layers: d.layers,
-            values,
-            nodes,
-            tokens,
-            targets,
-            loss,
-            sharding: Sharding {
-                attention_heads_on_tp: plan.tp > 1,
-                mlp_hidden_on_tp: plan.tp > 1,
-                vocab_on_tp: plan.tp > 1,
-                seq_on_cp: plan.cp > 1,
-                spans: Vec::new(),
-            },
-        },
+        model: crate::testing::decoder_model(d, "test", &plan.recompute, plan.tp, plan.cp),
         parallel: Parallel {
             mesh: Mesh {
                 axes: vec![

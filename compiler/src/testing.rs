@@ -1,0 +1,182 @@
+//! Models built in code for tests, without the parser (feature `testing`; always in this
+//! crate's own tests): a GPT-2-style or Llama-style decoder of any size ([`decoder_model`]).
+//! The compiler's tests (`cost::testspec`) and the workspace's integration tests
+//! (`tests/ir/fixtures.rs`) wrap it in their own plans, training settings and clusters.
+
+use crate::diag::Span;
+use crate::spec::{
+    Activation, LayerKind, Model, Node, NodeId, Recompute, Rope, Shape, Sharding, Value, ValueId,
+};
+
+/// A decoder's sizes and style.
+#[derive(Clone, Debug)]
+pub struct Dims {
+    pub vocab: u64,
+    pub dim: u64,
+    pub seq: u64,
+    pub heads: u64,
+    pub kv_heads: u64,
+    pub ffn: u64,
+    pub layers: u32,
+    /// Llama style (RMSNorm, RoPE, SwiGLU, no biases, no position table) instead of GPT-2's.
+    pub llama: bool,
+    /// The head reuses the embedding table.
+    pub tied: bool,
+}
+
+impl Dims {
+    pub fn tiny() -> Dims {
+        Dims {
+            vocab: 32,
+            dim: 16,
+            seq: 8,
+            heads: 4,
+            kv_heads: 4,
+            ffn: 64,
+            layers: 4,
+            llama: false,
+            tied: true,
+        }
+    }
+    /// Llama-3-70B: 80 layers, d 8192, 64 heads, 8 kv heads, ffn 28672, vocab 128256.
+    pub fn llama3_70b() -> Dims {
+        Dims {
+            vocab: 128256,
+            dim: 8192,
+            seq: 8192,
+            heads: 64,
+            kv_heads: 8,
+            ffn: 28672,
+            layers: 80,
+            llama: true,
+            tied: false,
+        }
+    }
+}
+
+/// The decoder `d` as the model `name`: tokens → embedding (→ position table) → `d.layers`
+/// blocks (norm, attention, residual add, norm, MLP, residual add) → final norm → head →
+/// cross-entropy. Node `i`'s output is value `2 + i`, named like the node (`blocks.3.attn`).
+/// `recompute` marks nodes as the spec's `recompute` would; with `tp` > 1 the attention heads,
+/// MLP hidden and vocab are sharded over tp, with `cp` > 1 the sequence over cp.
+pub fn decoder_model(d: &Dims, name: &str, recompute: &Recompute, tp: u32, cp: u32) -> Model {
+    let mut values: Vec<Value> = Vec::new();
+    let mut nodes: Vec<Node> = Vec::new();
+    let mut value = |name: String, shape: Shape| {
+        values.push(Value {
+            name,
+            shape,
+            span: Span::default(),
+        });
+        ValueId(values.len() as u32 - 1)
+    };
+    let tokens = value("tokens".into(), Shape::Tokens);
+    let targets = value("targets".into(), Shape::Tokens);
+    let dim = d.dim;
+    let mut add = |name: String, kind: LayerKind, inputs: Vec<ValueId>, layer: Option<u32>| {
+        let shape = match kind {
+            LayerKind::CrossEntropy => Shape::Scalar,
+            LayerKind::Linear { out_dim, .. } => Shape::Hidden(out_dim),
+            _ => Shape::Hidden(dim),
+        };
+        let output = value(name.clone(), shape);
+        let recomputed = match (recompute, &kind, layer) {
+            (Recompute::Selective, LayerKind::Attention { .. }, _) => true,
+            (Recompute::Full, _, Some(_)) => true,
+            (Recompute::Named(names), k, _) => names.iter().any(|n| n == k.kind_name()),
+            _ => false,
+        };
+        nodes.push(Node {
+            name,
+            kind,
+            inputs,
+            output,
+            layer,
+            recompute: recomputed,
+            span: Span::default(),
+        });
+        output
+    };
+    let norm = || {
+        if d.llama {
+            LayerKind::RmsNorm { dim, eps: 1e-5 }
+        } else {
+            LayerKind::LayerNorm {
+                dim,
+                eps: 1e-5,
+                bias: true,
+            }
+        }
+    };
+    let embedding = LayerKind::Embedding {
+        vocab: d.vocab,
+        dim,
+    };
+    let mut x = add("embed".into(), embedding, vec![tokens], None);
+    if !d.llama {
+        let table = LayerKind::PositionEmbedding { seq: d.seq, dim };
+        x = add("pos".into(), table, vec![x], None);
+    }
+    for l in 0..d.layers {
+        let p = format!("blocks.{l}");
+        let a = add(format!("{p}.ln1"), norm(), vec![x], Some(l));
+        let attention = LayerKind::Attention {
+            dim,
+            heads: d.heads,
+            kv_heads: d.kv_heads,
+            head_dim: dim / d.heads,
+            causal: true,
+            rope: d.llama.then_some(Rope { theta: 10000.0 }),
+            bias: !d.llama,
+        };
+        let a = add(format!("{p}.attn"), attention, vec![a], Some(l));
+        x = add(format!("{p}.add1"), LayerKind::Add, vec![x, a], Some(l));
+        let m = add(format!("{p}.ln2"), norm(), vec![x], Some(l));
+        let mlp = LayerKind::Mlp {
+            dim,
+            hidden: d.ffn,
+            act: if d.llama {
+                Activation::Swiglu
+            } else {
+                Activation::GeluTanh
+            },
+            bias: !d.llama,
+        };
+        let m = add(format!("{p}.mlp"), mlp, vec![m], Some(l));
+        x = add(format!("{p}.add2"), LayerKind::Add, vec![x, m], Some(l));
+    }
+    let xf = add("ln_f".into(), norm(), vec![x], None);
+    let head = LayerKind::Linear {
+        in_dim: dim,
+        out_dim: d.vocab,
+        bias: false,
+        tied: d.tied.then_some(NodeId(0)),
+    };
+    let logits = add("head".into(), head, vec![xf], None);
+    let loss = add(
+        "loss".into(),
+        LayerKind::CrossEntropy,
+        vec![logits, targets],
+        None,
+    );
+    Model {
+        name: name.into(),
+        span: Span::default(),
+        seq: d.seq,
+        vocab: d.vocab,
+        dim,
+        layers: d.layers,
+        values,
+        nodes,
+        tokens,
+        targets,
+        loss,
+        sharding: Sharding {
+            attention_heads_on_tp: tp > 1,
+            mlp_hidden_on_tp: tp > 1,
+            vocab_on_tp: tp > 1,
+            seq_on_cp: cp > 1,
+            spans: Vec::new(),
+        },
+    }
+}
