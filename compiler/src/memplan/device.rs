@@ -303,20 +303,17 @@ fn backend_lines(program: &Program, half: bool) -> Vec<DeviceLine> {
 fn communication(plan: &Plan, program: &Program) -> (Vec<u64>, usize) {
     let mut partitions: Vec<(&[Vec<u32>], u64)> = Vec::new();
     let mut peers: HashSet<Peer> = HashSet::new();
-    let whole: Vec<u32> = (0..plan.world).collect();
     for instr in &program.instrs {
         match instr {
             Instr::Collective { group, .. } => {
                 let Some(g) = plan.groups.get(group.0 as usize) else {
                     continue;
                 };
+                // One communicator per distinct partition (the whole world as one set is the
+                // world communicator), as `runtime/src/comm/layout.rs` splits them.
                 let size = g.sets.iter().map(Vec::len).max().unwrap_or(0) as u64;
-                // The whole world as one set is the world communicator, like any other here.
                 let sets = g.sets.as_slice();
-                let same = |p: &(&[Vec<u32>], u64)| {
-                    p.0 == sets || (p.0.len() == 1 && sets.len() == 1 && sets[0] == whole)
-                };
-                if size > 1 && !partitions.iter().any(same) {
+                if size > 1 && !partitions.iter().any(|p| p.0 == sets) {
                     partitions.push((sets, size));
                 }
             }
@@ -509,6 +506,45 @@ mod tests {
         assert!(d.runtime.iter().all(|l| !l.what.starts_with("NCCL")));
         let sum: u64 = d.backend.iter().chain(&d.runtime).map(|l| l.bytes).sum();
         assert_eq!(d.total_bytes, d.planned_bytes + sum);
+    }
+
+    #[test]
+    fn each_distinct_communicator_a_stage_uses_has_its_buffers() {
+        // pp 4, tied embedding: the first and last stages all-reduce the embedding's gradient
+        // over their pair and the gradient norm over the world; the middle ones the norm only.
+        let dims = crate::memplan::tests::small_model();
+        let choice = PlanChoice {
+            pp: 4,
+            microbatches: 4,
+            ..PlanChoice::default()
+        };
+        let (plan, device) = predict(&dims, &choice);
+        let connection = NCCL_CHANNELS * NCCL_CONNECTION_BYTES;
+        let collectives: Vec<Option<u64>> = device
+            .iter()
+            .map(|d| line(&d.runtime, "NCCL collectives"))
+            .collect();
+        let (pair, world) = (2 * connection, 3 * connection);
+        assert_eq!(plan.programs.len(), 4);
+        assert_eq!(
+            collectives,
+            [
+                Some(pair + world),
+                Some(world),
+                Some(world),
+                Some(pair + world)
+            ]
+        );
+        // Stages 0 and 3 have one neighbour, the middle ones two.
+        let peers: Vec<Option<u64>> = device
+            .iter()
+            .map(|d| line(&d.runtime, "NCCL p2p"))
+            .collect();
+        let peer = NCCL_CHANNELS * NCCL_P2P_PEER_CHANNEL_BYTES;
+        assert_eq!(
+            peers,
+            [Some(peer), Some(2 * peer), Some(2 * peer), Some(peer)]
+        );
     }
 
     #[test]
