@@ -53,11 +53,7 @@ fn json_lines_have_every_field_and_a_summary() {
     let mut args = vec!["run", "examples/tiny.par", "--log-format", "json"];
     args.extend(SMALL);
     let out = parc(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", stderr_of(&out));
     let lines = json_lines(&out);
     let steps = steps(&lines);
     assert_eq!(steps.len(), 6);
@@ -91,11 +87,7 @@ fn the_bundled_example_learns_and_a_parallel_plan_matches_it() {
         "train.steps=8",
     ];
     let single = parc(&base);
-    assert!(
-        single.status.success(),
-        "{}",
-        String::from_utf8_lossy(&single.stderr)
-    );
+    assert!(single.status.success(), "{}", stderr_of(&single));
     let losses = |out: &Output| -> Vec<f64> {
         steps(&json_lines(out))
             .iter()
@@ -117,11 +109,7 @@ fn the_bundled_example_learns_and_a_parallel_plan_matches_it() {
         "cluster.gpus_per_node=4",
     ]);
     let parallel = parc(&args);
-    assert!(
-        parallel.status.success(),
-        "{}",
-        String::from_utf8_lossy(&parallel.stderr)
-    );
+    assert!(parallel.status.success(), "{}", stderr_of(&parallel));
     for (a, b) in single_losses.iter().zip(losses(&parallel)) {
         assert!((a - b).abs() <= 1e-5 * a.abs(), "{a} vs {b}");
     }
@@ -147,10 +135,7 @@ fn a_killed_run_resumes_bit_identically() {
     args.extend(["--set", &ckpt]);
     let full = parc(&args);
     assert!(full.status.success(), "{}", stderr_of(&full));
-    let full_losses: Vec<(u64, String)> = steps(&json_lines(&full))
-        .iter()
-        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].to_string()))
-        .collect();
+    let full_losses = step_losses(&full);
     std::fs::remove_dir_all(&dir).unwrap();
 
     // Start again and kill the process once it reports step 3.
@@ -176,10 +161,7 @@ fn a_killed_run_resumes_bit_identically() {
     resume.extend(["--resume", &dir_arg]);
     let resumed = parc(&resume);
     assert!(resumed.status.success(), "{}", stderr_of(&resumed));
-    let again: Vec<(u64, String)> = steps(&json_lines(&resumed))
-        .iter()
-        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].to_string()))
-        .collect();
+    let again = step_losses(&resumed);
     assert!(
         again.len() >= 10 && again.last().unwrap().0 == 60,
         "{again:?}"
@@ -190,6 +172,14 @@ fn a_killed_run_resumes_bit_identically() {
 
 fn stderr_of(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Each step's number and loss (as printed) from a `--log-format json` run.
+fn step_losses(out: &Output) -> Vec<(u64, String)> {
+    steps(&json_lines(out))
+        .iter()
+        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].to_string()))
+        .collect()
 }
 
 #[test]
@@ -236,11 +226,7 @@ fn profile_line_splits_the_step_into_kinds_that_sum_to_the_step() {
     ];
     args.extend(SMALL);
     let out = parc(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", stderr_of(&out));
     let lines = json_lines(&out);
     let profiles: Vec<&Value> = lines.iter().filter(|v| v["event"] == "profile").collect();
     assert_eq!(profiles.len(), 1);
