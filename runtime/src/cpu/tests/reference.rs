@@ -95,6 +95,29 @@ impl AttnCase {
         }
         (o, lse)
     }
+
+    /// The forward op on random q, k, v (seeds `seed`, `seed + 1`, `seed + 2`, magnitude
+    /// `scale`) against [`AttnCase::naive`]: o and the log-sum-exp within 1e-5 relative (f32
+    /// kernels against an f64 definition).
+    fn forward_matches_naive(&self, seed: u64, scale: f32) {
+        let (sq, skv) = (self.q_pos.len(), self.kv_pos.len());
+        let q = values(sq * self.batch * self.heads * self.head_dim, seed, scale);
+        let kv_len = skv * self.batch * self.kv_heads * self.head_dim;
+        let (k, v) = (
+            values(kv_len, seed + 1, scale),
+            values(kv_len, seed + 2, scale),
+        );
+        let op = self.op(segments_of(&self.q_pos), segments_of(&self.kv_pos), false);
+        let inputs = [
+            Input::F(q.clone()),
+            Input::F(k.clone()),
+            Input::F(v.clone()),
+        ];
+        let out = eval(&op, &inputs, &[q.len(), self.batch * self.heads * sq]);
+        let (o, lse) = self.naive(&q, &k, &v);
+        assert_close("o", &out[0], &o, 1e-5);
+        assert_close("lse", &out[1], &lse, 1e-5);
+    }
 }
 
 fn segments_of(positions: &[u32]) -> Vec<Segment> {
@@ -131,23 +154,7 @@ fn attention_matches_naive_softmax_causal_gqa_with_permuted_keys() {
         q_pos: (0..6).collect(),
         kv_pos: vec![3, 4, 5, 0, 1, 2],
     };
-    let q = values(6 * 2 * 4 * 8, 40, 1.5);
-    let k = values(6 * 2 * 2 * 8, 41, 1.5);
-    let v = values(6 * 2 * 2 * 8, 42, 1.5);
-    let op = case.op(segments_of(&case.q_pos), segments_of(&case.kv_pos), false);
-    let out = eval(
-        &op,
-        &[
-            Input::F(q.clone()),
-            Input::F(k.clone()),
-            Input::F(v.clone()),
-        ],
-        &[q.len(), 2 * 4 * 6],
-    );
-    let (o, lse) = case.naive(&q, &k, &v);
-    // f32 kernels against an f64 definition: 1e-5 relative.
-    assert_close("o", &out[0], &o, 1e-5);
-    assert_close("lse", &out[1], &lse, 1e-5);
+    case.forward_matches_naive(40, 1.5);
 }
 
 #[test]
@@ -161,22 +168,7 @@ fn attention_without_mask_matches_naive_softmax() {
         q_pos: (0..3).collect(),
         kv_pos: (0..7).collect(),
     };
-    let q = values(3 * 2 * 5, 43, 1.0);
-    let k = values(7 * 2 * 5, 44, 1.0);
-    let v = values(7 * 2 * 5, 45, 1.0);
-    let op = case.op(vec![seg(0, 3)], vec![seg(0, 7)], false);
-    let out = eval(
-        &op,
-        &[
-            Input::F(q.clone()),
-            Input::F(k.clone()),
-            Input::F(v.clone()),
-        ],
-        &[q.len(), 6],
-    );
-    let (o, lse) = case.naive(&q, &k, &v);
-    assert_close("o", &out[0], &o, 1e-5);
-    assert_close("lse", &out[1], &lse, 1e-5);
+    case.forward_matches_naive(43, 1.0);
 }
 
 #[test]
@@ -830,20 +822,5 @@ fn attention_over_several_query_tiles_matches_naive_softmax() {
         q_pos: (0..130).collect(),
         kv_pos: (0..130).collect(),
     };
-    let q = values(130 * 2 * 2 * 4, 63, 1.5);
-    let k = values(130 * 2 * 4, 64, 1.5);
-    let v = values(130 * 2 * 4, 65, 1.5);
-    let op = case.op(vec![seg(0, 130)], vec![seg(0, 130)], false);
-    let out = eval(
-        &op,
-        &[
-            Input::F(q.clone()),
-            Input::F(k.clone()),
-            Input::F(v.clone()),
-        ],
-        &[q.len(), 2 * 2 * 130],
-    );
-    let (o, lse) = case.naive(&q, &k, &v);
-    assert_close("o", &out[0], &o, 1e-5);
-    assert_close("lse", &out[1], &lse, 1e-5);
+    case.forward_matches_naive(63, 1.5);
 }
