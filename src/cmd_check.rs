@@ -100,6 +100,9 @@ struct Lowered {
     step_seconds: f64,
     bubble_fraction: f64,
     exposed_comm_fraction: f64,
+    /// The simulated share of the step the report rank (a pipeline's last stage) waits: idle
+    /// plus exposed communication (what `parc run --profile` measures there as p2p time).
+    report_rank_stall_fraction: Option<f64>,
     #[serde(skip)]
     summary: String,
 }
@@ -138,10 +141,17 @@ fn lower_and_measure(spec: &Spec, diags: &mut Diagnostics) -> Option<Lowered> {
     let device_memory = parc_compiler::memplan::device_memory(&plan, &memory_plans, half);
     let mut summary = crate::cmd_plan::summary(&plan, &verified, &memory_plans, &timeline);
     summary.push_str(&crate::report::render_device_memory(&plan, &device_memory));
+    let report_program = plan.rank_program.get(plan.report_rank as usize).copied();
+    let report_rank_stall_fraction = timeline
+        .ranks
+        .iter()
+        .find(|r| Some(r.program) == report_program && timeline.step_seconds > 0.0)
+        .map(|r| (r.idle_seconds + r.exposed_comm_seconds) / timeline.step_seconds);
     Some(Lowered {
         verified,
         memory_plans,
         device_memory,
+        report_rank_stall_fraction,
         step_seconds: timeline.step_seconds,
         bubble_fraction: timeline.bubble_fraction,
         exposed_comm_fraction: timeline.exposed_comm_fraction,
