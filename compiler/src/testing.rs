@@ -1,11 +1,13 @@
-//! Models built in code for tests, without the parser (feature `testing`; always in this
-//! crate's own tests): a GPT-2-style or Llama-style decoder of any size ([`decoder_model`]).
-//! The compiler's tests (`cost::testspec`) and the workspace's integration tests
-//! (`tests/ir/fixtures.rs`) wrap it in their own plans, training settings and clusters.
+//! Specs' parts built in code for tests, without the parser (feature `testing`; always in
+//! this crate's own tests): a GPT-2-style or Llama-style decoder of any size
+//! ([`decoder_model`]) and the training settings the tests share ([`train`]). The compiler's
+//! tests (`cost::testspec`) and the workspace's integration tests (`tests/ir/fixtures.rs`) put
+//! them in specs with their own plans and clusters.
 
 use crate::diag::Span;
 use crate::spec::{
-    Activation, LayerKind, Model, Node, NodeId, Recompute, Rope, Shape, Sharding, Value, ValueId,
+    Activation, DataSource, LayerKind, LrSchedule, Model, Node, NodeId, Optimizer, Precision,
+    Recompute, Rope, Shape, Sharding, Train, Value, ValueId,
 };
 
 /// A decoder's sizes and style.
@@ -178,5 +180,41 @@ pub fn decoder_model(d: &Dims, name: &str, recompute: &Recompute, tp: u32, cp: u
             seq_on_cp: cp > 1,
             spans: Vec::new(),
         },
+    }
+}
+
+/// AdamW at lr 1e-3, betas 0.9 and 0.95, eps 1e-8, weight decay 0.1.
+pub fn adamw() -> Optimizer {
+    Optimizer::AdamW {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    }
+}
+
+/// Training with `optimizer` in `precision`, `micro_batch` sequences per microbatch and
+/// `global_batch` per step: a constant learning rate, gradients clipped at norm 1, synthetic
+/// data, 5 steps from seed 0, no checkpoints, every step logged.
+pub fn train(
+    micro_batch: u64,
+    global_batch: u64,
+    precision: Precision,
+    optimizer: Optimizer,
+) -> Train {
+    Train {
+        global_batch,
+        micro_batch,
+        precision,
+        optimizer,
+        schedule: LrSchedule::Constant { warmup: 0 },
+        grad_clip: Some(1.0),
+        data: DataSource::Synthetic,
+        steps: 5,
+        seed: 0,
+        checkpoint: None,
+        log_every: 1,
+        span: Span::default(),
     }
 }

@@ -7,7 +7,7 @@
 use parc_compiler::diag::Span;
 use parc_compiler::ir::{CollectiveKind, Instr, P2pOp, Plan};
 use parc_compiler::spec::*;
-use parc_compiler::testing::decoder_model;
+use parc_compiler::testing::{adamw, decoder_model, train};
 use std::collections::HashSet;
 
 pub struct TinyModel {
@@ -118,6 +118,15 @@ pub fn sized_spec_variant(
         tied: model.tied,
     };
     let micro_batch = dims.micro_batch;
+    let optimizer = if variant.sgd {
+        Optimizer::Sgd {
+            lr: 1e-1,
+            momentum: 0.9,
+            weight_decay: 0.1,
+        }
+    } else {
+        adamw()
+    };
     Spec {
         model: decoder_model(&decoder, "tiny", &plan.recompute, plan.tp, plan.cp),
         parallel: Parallel {
@@ -144,34 +153,12 @@ pub fn sized_spec_variant(
             bucket_bytes: 4096,
             span: Span::default(),
         },
-        train: Train {
-            global_batch: micro_batch * u64::from(plan.microbatches) * u64::from(plan.dp),
+        train: train(
             micro_batch,
-            precision: Precision::Fp32,
-            optimizer: if variant.sgd {
-                Optimizer::Sgd {
-                    lr: 1e-1,
-                    momentum: 0.9,
-                    weight_decay: 0.1,
-                }
-            } else {
-                Optimizer::AdamW {
-                    lr: 1e-3,
-                    beta1: 0.9,
-                    beta2: 0.95,
-                    eps: 1e-8,
-                    weight_decay: 0.1,
-                }
-            },
-            schedule: LrSchedule::Constant { warmup: 0 },
-            grad_clip: Some(1.0),
-            data: DataSource::Synthetic,
-            steps: 5,
-            seed: 0,
-            checkpoint: None,
-            log_every: 1,
-            span: Span::default(),
-        },
+            micro_batch * u64::from(plan.microbatches) * u64::from(plan.dp),
+            Precision::Fp32,
+            optimizer,
+        ),
         cluster: Cluster {
             nodes: 1,
             gpus_per_node: plan.dp * plan.pp * plan.cp * plan.tp,

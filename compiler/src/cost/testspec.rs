@@ -4,6 +4,7 @@
 
 use crate::diag::Span;
 use crate::spec::*;
+use crate::testing;
 pub use crate::testing::Dims;
 
 #[derive(Clone, Debug)]
@@ -45,7 +46,7 @@ pub fn build(d: &Dims, plan: &Plan) -> Spec {
     let world = plan.dp * plan.pp * plan.cp * plan.tp;
     let gpn = plan.gpus_per_node.min(world).max(1);
     Spec {
-        model: crate::testing::decoder_model(d, "test", &plan.recompute, plan.tp, plan.cp),
+        model: testing::decoder_model(d, "test", &plan.recompute, plan.tp, plan.cp),
         parallel: Parallel {
             mesh: Mesh {
                 axes: vec![
@@ -63,26 +64,12 @@ pub fn build(d: &Dims, plan: &Plan) -> Spec {
             bucket_bytes: 25 << 20,
             span: Span::new(crate::diag::FileId(0), 10, 20),
         },
-        train: Train {
-            global_batch: plan.micro_batch * u64::from(plan.microbatches) * u64::from(plan.dp),
-            micro_batch: plan.micro_batch,
-            precision: plan.precision,
-            optimizer: Optimizer::AdamW {
-                lr: 1e-3,
-                beta1: 0.9,
-                beta2: 0.95,
-                eps: 1e-8,
-                weight_decay: 0.1,
-            },
-            schedule: LrSchedule::Constant { warmup: 0 },
-            grad_clip: Some(1.0),
-            data: DataSource::Synthetic,
-            steps: 5,
-            seed: 0,
-            checkpoint: None,
-            log_every: 1,
-            span: Span::default(),
-        },
+        train: testing::train(
+            plan.micro_batch,
+            plan.micro_batch * u64::from(plan.microbatches) * u64::from(plan.dp),
+            plan.precision,
+            testing::adamw(),
+        ),
         cluster: Cluster {
             nodes: world.div_ceil(gpn),
             gpus_per_node: gpn,
