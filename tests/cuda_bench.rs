@@ -9,7 +9,7 @@
 mod fixtures;
 
 #[cfg(feature = "cuda")]
-use fixtures::{sized_spec, Dims, PlanChoice, TinyModel};
+use fixtures::gpt2_124m;
 
 #[cfg(feature = "cuda")]
 fn env_u64(name: &str, default: u64) -> u64 {
@@ -34,21 +34,7 @@ fn gpt2_124m_tokens_per_second() {
             return;
         }
         let batch = env_u64("PARC_BENCH_BATCH", 8);
-        let dims = Dims {
-            vocab: 50304,
-            dim: 768,
-            seq: 1024,
-            heads: 12,
-            kv_heads: 12,
-            ffn: 3072,
-            micro_batch: batch,
-        };
-        let model = TinyModel {
-            layers: 12,
-            llama: false,
-            tied: true,
-        };
-        let mut s = sized_spec(model, PlanChoice::default(), dims);
+        let mut s = gpt2_124m(batch);
         s.train.steps = env_u64("PARC_BENCH_STEPS", 6);
         s.train.global_batch = batch;
         use parc_compiler::spec::{LossScale, Precision};

@@ -26,7 +26,7 @@
 #[path = "ir/fixtures.rs"]
 mod fixtures;
 
-use fixtures::{sized_spec, Dims, PlanChoice, TinyModel};
+use fixtures::{gpt2_124m, sized_spec, Dims, PlanChoice, TinyModel};
 use parc_compiler::lower::lower;
 use parc_compiler::spec::{Checkpointing, LossScale, Precision, Spec, ZeroStage};
 use parc_runtime::cpu::CpuBackend;
@@ -426,22 +426,7 @@ fn every_update_of_a_program_is_one_fused_run() {
         assert!(one_sum_squares_run(program, &name) > 10, "{name}");
     }
     // GPT-2 124M at micro-batch 32 (issue 6's benchmark): its updates are one launch.
-    let gpt2 = Dims {
-        vocab: 50304,
-        dim: 768,
-        seq: 1024,
-        heads: 12,
-        kv_heads: 12,
-        ffn: 3072,
-        micro_batch: 32,
-    };
-    let model = TinyModel {
-        layers: 12,
-        llama: false,
-        tied: true,
-    };
-    let plan = lower(&sized_spec(model, PlanChoice::default(), gpt2))
-        .unwrap_or_else(|d| panic!("{:?}", d.items));
+    let plan = lower(&gpt2_124m(32)).unwrap_or_else(|d| panic!("{:?}", d.items));
     let program = &plan.programs[0];
     let updates = (program.instrs.iter())
         .filter(|i| matches!(i.op(), Some(Op::AdamW { .. })))

@@ -96,6 +96,27 @@ pub fn spec_variant(model: TinyModel, plan: PlanChoice, variant: Variant) -> Spe
     sized_spec_variant(model, plan, dims, variant)
 }
 
+/// GPT-2 124M (12 layers, d 768, 12 heads, ffn 3072, the vocab padded to 50304, seq 1024, a
+/// tied head) at `micro_batch`, on one rank.
+#[allow(dead_code)] // for the GPU tests; the IR tests include this file too
+pub fn gpt2_124m(micro_batch: u64) -> Spec {
+    let dims = Dims {
+        vocab: 50304,
+        dim: 768,
+        seq: 1024,
+        heads: 12,
+        kv_heads: 12,
+        ffn: 3072,
+        micro_batch,
+    };
+    let model = TinyModel {
+        layers: 12,
+        llama: false,
+        tied: true,
+    };
+    sized_spec(model, PlanChoice::default(), dims)
+}
+
 pub fn sized_spec(model: TinyModel, plan: PlanChoice, dims: Dims) -> Spec {
     sized_spec_variant(model, plan, dims, Variant::default())
 }
