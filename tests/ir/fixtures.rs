@@ -7,7 +7,7 @@
 use parc_compiler::diag::Span;
 use parc_compiler::ir::{CollectiveKind, Instr, P2pOp, Plan};
 use parc_compiler::spec::*;
-use parc_compiler::testing::{adamw, decoder_model, train};
+use parc_compiler::testing::{adamw, decoder_model, train, Dims as Decoder};
 use std::collections::HashSet;
 
 pub struct TinyModel {
@@ -127,7 +127,7 @@ pub fn sized_spec_variant(
     dims: Dims,
     variant: Variant,
 ) -> Spec {
-    let decoder = parc_compiler::testing::Dims {
+    let decoder = Decoder {
         vocab: dims.vocab,
         dim: dims.dim,
         seq: dims.seq,
@@ -138,7 +138,17 @@ pub fn sized_spec_variant(
         llama: model.llama,
         tied: model.tied,
     };
-    let micro_batch = dims.micro_batch;
+    decoder_spec(&decoder, plan, dims.micro_batch, variant)
+}
+
+/// The decoder `decoder` trained with `plan` at `micro_batch` sequences per microbatch, on a
+/// CPU cluster of one node.
+pub fn decoder_spec(
+    decoder: &Decoder,
+    plan: PlanChoice,
+    micro_batch: u64,
+    variant: Variant,
+) -> Spec {
     let optimizer = if variant.sgd {
         Optimizer::Sgd {
             lr: 1e-1,
@@ -149,7 +159,7 @@ pub fn sized_spec_variant(
         adamw()
     };
     Spec {
-        model: decoder_model(&decoder, "tiny", &plan.recompute, plan.tp, plan.cp),
+        model: decoder_model(decoder, "tiny", &plan.recompute, plan.tp, plan.cp),
         parallel: Parallel {
             mesh: Mesh {
                 axes: variant

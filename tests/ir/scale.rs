@@ -2,35 +2,21 @@
 //! program sized as expected. Timed runs are benchmarks (`bench/`), not tests; the release-mode
 //! timing check here is `--ignored`.
 
-use super::fixtures::{sized_spec, Dims, PlanChoice, TinyModel};
+use super::fixtures::{decoder_spec, PlanChoice, Variant};
 use parc_compiler::lower::lower;
 use parc_compiler::spec::{PipelineSchedule, Spec};
+use parc_compiler::testing::Dims;
 
 pub fn llama70b(dp: u32, microbatches: u32) -> Spec {
-    sized_spec(
-        TinyModel {
-            layers: 80,
-            llama: true,
-            tied: false,
-        },
-        PlanChoice {
-            dp,
-            pp: 8,
-            tp: 8,
-            microbatches,
-            schedule: PipelineSchedule::Interleaved { virtual_stages: 5 },
-            ..PlanChoice::default()
-        },
-        Dims {
-            vocab: 128256,
-            dim: 8192,
-            seq: 8192,
-            heads: 64,
-            kv_heads: 8,
-            ffn: 28672,
-            micro_batch: 1,
-        },
-    )
+    let plan = PlanChoice {
+        dp,
+        pp: 8,
+        tp: 8,
+        microbatches,
+        schedule: PipelineSchedule::Interleaved { virtual_stages: 5 },
+        ..PlanChoice::default()
+    };
+    decoder_spec(&Dims::llama3_70b(), plan, 1, Variant::default())
 }
 
 #[test]
