@@ -141,6 +141,12 @@ pub(crate) fn expect_len(op: &str, what: &str, got: usize, expected: usize) -> R
     }
 }
 
+/// Fails unless buffer `what`, of `len` elements, holds a tensor of `shape` (whose element
+/// count must not overflow).
+pub(crate) fn expect_shape(op: &str, what: &str, len: usize, shape: &[usize]) -> Result<()> {
+    expect_len(op, what, len, product(op, what, shape)?)
+}
+
 /// Rows of a `[rows, cols]` buffer `what` of `len` elements (`len` must be a multiple of `cols`).
 pub(crate) fn rows_of(op: &str, what: &str, len: usize, cols: usize) -> Result<usize> {
     if len.checked_rem(cols) == Some(0) {

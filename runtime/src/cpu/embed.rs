@@ -2,7 +2,7 @@
 //! vocab_local)` and writes zero rows for other ids) and learned position embedding (indexed by
 //! each row's global position), forward and backward. The backward scatters add rows in row
 //! order, so repeated ids accumulate deterministically.
-use super::args::{expect_len, op_error, positions_for, product, rows_of};
+use super::args::{expect_len, expect_shape, op_error, positions_for, rows_of};
 use super::par::rows_per_task;
 use crate::error::Result;
 use parc_compiler::ir::op::Segment;
@@ -26,13 +26,8 @@ pub(crate) fn embedding(
     table: &[f32],
     y: &mut [f32],
 ) -> Result<()> {
-    expect_len(
-        op,
-        "table",
-        table.len(),
-        product(op, "table", &[vocab_local, dim])?,
-    )?;
-    expect_len(op, "y", y.len(), product(op, "y", &[ids.len(), dim])?)?;
+    expect_shape(op, "table", table.len(), &[vocab_local, dim])?;
+    expect_shape(op, "y", y.len(), &[ids.len(), dim])?;
     y.par_chunks_mut(dim)
         .zip(ids.par_iter())
         .with_min_len(rows_per_task(dim))
@@ -53,13 +48,8 @@ pub(crate) fn embedding_bwd(
     dy: &[f32],
     dtable: &mut [f32],
 ) -> Result<()> {
-    expect_len(
-        op,
-        "dtable",
-        dtable.len(),
-        product(op, "dtable", &[vocab_local, dim])?,
-    )?;
-    expect_len(op, "dy", dy.len(), product(op, "dy", &[ids.len(), dim])?)?;
+    expect_shape(op, "dtable", dtable.len(), &[vocab_local, dim])?;
+    expect_shape(op, "dy", dy.len(), &[ids.len(), dim])?;
     for (&id, dy) in ids.iter().zip(dy.chunks(dim)) {
         if let Some(row) = local_row(id, vocab_start, vocab_local) {
             for (d, &g) in dtable[row * dim..(row + 1) * dim].iter_mut().zip(dy) {

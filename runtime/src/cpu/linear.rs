@@ -1,6 +1,6 @@
 //! Linear layers: `y = x Wᵀ (+ b)` with `W` `[out, in]`, and its data and weight gradients, as
 //! dense products (`dense`) on the current rayon pool.
-use super::args::{expect_len, product, rows_of};
+use super::args::{expect_len, expect_shape, rows_of};
 use super::dense::{gemm_checked, Strided, Threads};
 use super::par::{accumulate_rows, rows_per_task};
 use crate::error::Result;
@@ -19,8 +19,8 @@ pub(crate) fn matmul(
     y: &mut [f32],
 ) -> Result<()> {
     let rows = rows_of(op, "x", x.len(), in_dim)?;
-    expect_len(op, "w", w.len(), product(op, "w", &[out_dim, in_dim])?)?;
-    expect_len(op, "y", y.len(), product(op, "y", &[rows, out_dim])?)?;
+    expect_shape(op, "w", w.len(), &[out_dim, in_dim])?;
+    expect_shape(op, "y", y.len(), &[rows, out_dim])?;
     if let Some(b) = b {
         expect_len(op, "b", b.len(), out_dim)?;
     }
@@ -60,8 +60,8 @@ pub(crate) fn matmul_bwd_data(
     accumulate: bool,
 ) -> Result<()> {
     let rows = rows_of(op, "dy", dy.len(), out_dim)?;
-    expect_len(op, "w", w.len(), product(op, "w", &[out_dim, in_dim])?)?;
-    expect_len(op, "dx", dx.len(), product(op, "dx", &[rows, in_dim])?)?;
+    expect_shape(op, "w", w.len(), &[out_dim, in_dim])?;
+    expect_shape(op, "dx", dx.len(), &[rows, in_dim])?;
     let product_into = |out: &mut [f32]| {
         gemm_checked(
             op,
@@ -101,8 +101,8 @@ pub(crate) fn matmul_bwd_weight(
     db: Option<&mut [f32]>,
 ) -> Result<()> {
     let rows = rows_of(op, "dy", dy.len(), out_dim)?;
-    expect_len(op, "x", x.len(), product(op, "x", &[rows, in_dim])?)?;
-    expect_len(op, "dw", dw.len(), product(op, "dw", &[out_dim, in_dim])?)?;
+    expect_shape(op, "x", x.len(), &[rows, in_dim])?;
+    expect_shape(op, "dw", dw.len(), &[out_dim, in_dim])?;
     if let Some(db) = &db {
         expect_len(op, "db", db.len(), out_dim)?;
     }
