@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # Issue 8 on one multi-GPU host (nvidia-h200-x2/x4/x8): every parallel axis through NCCL against the
 # one-GPU run, parc's own collective bandwidth, data-parallel weak scaling, tensor and pipeline
-# parallel throughput, and ZeRO memory against `parc check`, in one call; each phase selectable.
+# parallel throughput and bubble, and ZeRO memory against `parc check`'s per-GPU prediction; each
+# phase selectable, every call held to a time budget.
 #
-#   bench/multi_gpu.sh                       every phase on all GPUs that nvidia-smi lists (more
-#                                            than one 10-minute device call on 8 GPUs: split it,
-#   PHASES="correctness bandwidth" bench/multi_gpu.sh      then "scaling", then "tp pp zero")
+# A full pass on 8 GPUs is three device calls of at most 9 minutes (docs/launch.md has them;
+# estimated from the x2/x4 runs' per-run seconds: ~330 s, ~405 s, ~220 s):
+#   PHASES="correctness bandwidth scaling" bench/multi_gpu.sh
+#   PHASES="zero tp" bench/multi_gpu.sh
+#   PHASES="pp" bench/multi_gpu.sh
+# then, here, `bench/parity/multi_gpu_summary.py CALL1/multi-gpu CALL2/multi-gpu CALL3/multi-gpu`
+# prints issue 8's acceptance lines over all three.
 #   BACKEND=cpu NGPU=2 bench/multi_gpu.sh    the plumbing dry run, here: the CPU backend, ranks as
 #                                            threads of one process, tiny specs (see DRY below)
 #   CHECK_ONLY=1 NGPU=8 bench/multi_gpu.sh   only `parc check` every plan the real run would use
@@ -20,23 +25,35 @@
 #   scaling      GPT-2 124M (32 × 1024 per GPU) and 350M (16 × 1024 per GPU), dp 1 → 2 → 4 → 8
 #                (up to NGPU), tokens/s and efficiency against n × the one-GPU rate (goal ≥ 95%)
 #   tp, pp       examples/gpt2-1.5b-8gpu.par at d 1536 / 24 heads (25 heads do not divide by tp;
-#                1.4B parameters, head dim 64), tp 2/4/8 and pp 2/4 in 1F1B and interleaved,
-#                tokens/s and MFU; pp runs profile their last step (the p2p share, waiting for
-#                peers included, is the report rank's measured stall) beside (p−1)/(m+p−1)
-#   zero         GPT-2 350M dp NGPU (at most 8) with ZeRO 0/1/2/3: per-GPU peak memory
-#                (memory_reserved_bytes when the run reports it, nvidia-smi's largest memory.used
-#                over all GPUs above idle) against `parc check`'s memory plan (persistent + arena)
+#                1.4B parameters, head dim 64), tp 2/4/8 and pp 2/4 in 1F1B and interleaved (2
+#                chunks per rank), tokens/s and MFU; pp runs profile their last step: the report
+#                rank's (last stage's) device-timed share waiting in pipeline transfers is the
+#                measured bubble, against (p−1)/(m+p−1) (interleaved: (p−1)/(v·m+p−1))
+#   zero         GPT-2 350M dp NGPU (at most 8) with ZeRO 0/1/2/3: nvidia-smi's peak memory per
+#                GPU (every GPU sampled each 100 ms; the processes on each GPU each 500 ms, to
+#                catch a stray context) against `parc check`'s per-GPU prediction, and the run's
+#                memory_reserved_bytes against check's prediction of it; NCCL logs its channels
+#                (NCCL_DEBUG=INFO, INIT) into the runs' stderr
 # Every `--set` combination is first checked with `parc check --format json`; an invalid one is
 # logged as such and skipped. NCCL_NVLS_ENABLE=0 for every run.
 #
+# Time budget: TOTAL (seconds, default 510) for the whole call. Before each run the script
+# estimates its seconds (per-run figures of the x2/x4 calls, scaled by ranks: est_seconds below);
+# a run that would end past TOTAL is not started but logged as skipped (runs.jsonl skipped=1), and
+# the summary names every skipped run with the command that runs them (ONLY="names…"). Each run's
+# timeout is the smaller of PHASE_TIMEOUT and the time left.
+#
 # Environment: PARC (.device/parc), NCCL_TEST (.device/cuda_nccl), PYTHON (python3), NGPU (GPUs
 # to use; default nvidia-smi's count), BACKEND (cuda | cpu), STEPS (scaling/tp/pp/zero steps, 8),
-# CORRECT_STEPS (20), TOLERANCE (1e-2), PHASE_TIMEOUT (seconds per run, 300), DRY (1 when
-# BACKEND=cpu: every model spec is examples/tiny.par at small batches, no nvidia-smi, no tests),
-# CHECK_ONLY (1: check the plans, run nothing; needs no GPU).
+# CORRECT_STEPS (20), TOLERANCE (1e-2), PHASE_TIMEOUT (seconds per run, 300), TOTAL (510),
+# ONLY (run names: run only these, of the selected phases), DRY (1 when BACKEND=cpu: every model
+# spec is examples/tiny.par at small batches, no nvidia-smi, no tests), CHECK_ONLY (1: check the
+# plans, run nothing; needs no GPU).
 # Output: $OUT/multi-gpu/ (or .device/out/multi-gpu/): runs.jsonl (one line per run), each run's
-# NAME.jsonl / NAME.stderr / NAME.smi / NAME-check.json, bandwidth.txt, summary.txt, summary.json.
-# Exit: 0 when every run finished and every loss matched, 1 otherwise, 2 on setup errors.
+# NAME.jsonl / NAME.stderr / NAME.smi / NAME.apps / NAME-check.json, bandwidth.txt, summary.txt,
+# summary.json.
+# Exit: 0 when every run finished, every loss matched and no acceptance line failed, 1
+# otherwise, 2 on setup errors.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -53,6 +70,8 @@ steps="${STEPS:-8}"
 correct_steps="${CORRECT_STEPS:-20}"
 tolerance="${TOLERANCE:-1e-2}"
 phase_timeout="${PHASE_TIMEOUT:-300}"
+total="${TOTAL:-510}"
+only="${ONLY:-}"
 out="${OUT:-.device/out}/multi-gpu"
 mkdir -p "$out"
 : > "$out/runs.jsonl"
@@ -71,8 +90,13 @@ if [[ -z "$ngpu" || "$ngpu" -lt 1 ]]; then
     exit 2
 fi
 scratch="$(mktemp -d)"
-sampler=""
-trap 'if [[ -n "$sampler" ]]; then kill "$sampler" 2>/dev/null; fi; rm -rf "$scratch"' EXIT
+samplers=()
+stop_samplers() {
+    local pid
+    for pid in "${samplers[@]}"; do kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; done
+    samplers=()
+}
+trap 'stop_samplers; rm -rf "$scratch"' EXIT
 # cudarc looks for libnccl.so, Debian's libnccl2 installs only libnccl.so.2 (docs/cuda.md, NCCL)
 if [[ -e /usr/lib/x86_64-linux-gnu/libnccl.so.2 ]]; then
     mkdir -p "$scratch/nccl"
@@ -80,7 +104,8 @@ if [[ -e /usr/lib/x86_64-linux-gnu/libnccl.so.2 ]]; then
     export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$scratch/nccl"
 fi
 {
-    echo "multi-gpu: $ngpu GPU(s), backend $backend, phases: $phases, parc $parc"
+    echo "multi-gpu: $ngpu GPU(s), backend $backend, phases: $phases, parc $parc, budget ${total} s"
+    echo "NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE"
     if [[ "$dry" != 1 && "$check_only" != 1 ]]; then
         nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
         nvidia-smi topo -m
@@ -115,23 +140,68 @@ EOF
 }
 
 # start_sampler NAME: sample every GPU's memory.used each 100 ms into NAME.smi ("index, MiB"
-# lines; the block before "---" is the reading before the run); the sampler's pid goes to
-# $sampler (nothing in the dry run).
+# lines; the block before "---" is the reading before the run) and the processes holding memory
+# on each GPU each 500 ms into NAME.apps ("pid, bus id, MiB" lines, samples separated by "---");
+# the samplers' pids go to $samplers (nothing in the dry run; stop_samplers ends them).
 start_sampler() {
     local name="$1"
     [[ "$dry" == 1 ]] && return
     nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits > "$out/$name.smi"
     echo "---" >> "$out/$name.smi"
     nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 100 >> "$out/$name.smi" &
-    sampler=$!
+    samplers=($!)
+    (while true; do
+        nvidia-smi --query-compute-apps=pid,gpu_bus_id,used_memory --format=csv,noheader,nounits
+        echo "---"
+        sleep 0.5
+    done) > "$out/$name.apps" 2>/dev/null &
+    samplers+=($!)
+}
+
+# est_seconds NAME RANKS: the expected seconds of one run, from the per-run seconds of the x2 and
+# x4 calls (bench/RESULTS.md, session 3; .device/{3,8}/multi-gpu/runs.jsonl): start-up grows
+# with the ranks (processes, NCCL set-up, each rank's parameter initialisation). The 1.4B runs
+# have no measurement yet: 350M's scaled by its 4× parameters.
+est_seconds() {
+    local name="$1" n="$2"
+    case "$name" in
+        tiny-*) echo $((2 + 6 * n / 5)) ;;
+        cuda_nccl-multi) echo $((5 + 5 * n / 2)) ;;
+        bandwidth) echo $((2 + 3 * n / 2)) ;;
+        scale-124m-*) echo $((3 + 11 * n / 4)) ;;
+        scale-350m-*) echo $((7 + 6 * n)) ;;
+        zero*) echo $((8 + 6 * n)) ;;
+        xl-tp*) echo $((30 + 4 * n)) ;;
+        xl-pp*) echo $((40 + 5 * n)) ;;
+        *) echo 30 ;;
+    esac
+}
+
+# budget_allows NAME PHASE RANKS: whether the run is selected (ONLY) and fits the budget; a run
+# that does not fit is logged as skipped. Sets $run_timeout for the run.
+budget_allows() {
+    local name="$1" phase="$2" ranks="$3"
+    if [[ -n "$only" && " $only " != *" $name "* ]]; then return 1; fi
+    [[ "$check_only" == 1 ]] && return 0
+    local left=$((total - SECONDS)) need
+    need=$(est_seconds "$name" "$ranks")
+    if [[ "$left" -lt "$need" ]]; then
+        echo "$name: skipped: about $need s needed, $left s of the ${total} s budget left"
+        log_run "$name" "$phase" "$ranks" 4 0 skipped=1
+        return 1
+    fi
+    run_timeout=$((left < phase_timeout ? left : phase_timeout))
+    return 0
 }
 
 # parc_run NAME PHASE RANKS SPEC SETS...: `parc check` the plan, then `parc run` it on RANKS
 # GPUs (one process per rank through --nproc-per-node; threads in the dry run), with the run-only
 # flags in the array run_flags; the array shape (layers=… d=… seq=…, for MFU) goes to runs.jsonl.
-run_flags=(); shape=()
+run_flags=(); shape=(); run_env=()
+run_timeout="$phase_timeout"
 parc_run() {
     local name="$1" phase="$2" ranks="$3" spec="$4"; shift 4
+    budget_allows "$name" "$phase" "$ranks" || return 0
     local sets=("$@" --set "cluster.gpus_per_node=$ranks" --set "train.checkpoint.dir=\"$scratch/ckpt-$name\"")
     if ! "$parc" check "$spec" "${sets[@]}" --format json > "$out/$name-check.json" 2> "$out/$name-check.stderr"; then
         echo "$name: invalid plan, skipped: $(grep -m1 -o '"message": *"[^"]*"' "$out/$name-check.json")"
@@ -145,33 +215,40 @@ parc_run() {
     fi
     local launch=()
     if [[ "$dry" != 1 && "$ranks" -gt 1 ]]; then launch=(--nproc-per-node "$ranks"); fi
-    sampler=""
     start_sampler "$name"
     local started=$SECONDS
-    timeout "$phase_timeout" "$parc" run "$spec" "${sets[@]}" --backend "$backend" --log-format json \
-        "${launch[@]}" "${run_flags[@]}" > "$out/$name.jsonl" 2> "$out/$name.stderr"
+    env "${run_env[@]}" timeout "$run_timeout" "$parc" run "$spec" "${sets[@]}" --backend "$backend" \
+        --log-format json "${launch[@]}" "${run_flags[@]}" > "$out/$name.jsonl" 2> "$out/$name.stderr"
     local code=$?
-    if [[ -n "$sampler" ]]; then kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null; sampler=""; fi
+    stop_samplers
     rm -rf "$scratch/ckpt-$name"
-    echo "$name: $ranks rank(s), exit $code after $((SECONDS - started)) s"
+    echo "$name: $ranks rank(s), exit $code after $((SECONDS - started)) s (estimated $(est_seconds "$name" "$ranks") s)"
     if [[ $code -ne 0 ]]; then tail -5 "$out/$name.stderr"; status=1; fi
-    log_run "$name" "$phase" "$ranks" "$code" "$((SECONDS - started))" spec="$spec" "${shape[@]}"
+    log_run "$name" "$phase" "$ranks" "$code" "$((SECONDS - started))" spec="$spec" "${shape[@]}" \
+        $(budget_cut "$code")
+}
+
+# budget_cut EXIT: "budget_cut=1" when a run was killed by a timeout shortened to the budget's
+# remainder (the summary treats it as skipped, not failed).
+budget_cut() {
+    if [[ "$1" -eq 124 && "$run_timeout" -lt "$phase_timeout" ]]; then echo budget_cut=1; fi
 }
 
 has_phase() { [[ " $phases " == *" $1 "* ]]; }
 
 if has_phase correctness; then
     echo "== correctness"
-    if [[ "$dry" != 1 && "$check_only" != 1 ]]; then
+    if [[ "$dry" != 1 && "$check_only" != 1 ]] && budget_allows cuda_nccl-multi correctness "$ngpu"; then
         if [[ -x "$nccl_test" ]]; then
             started=$SECONDS
-            PARC_BIN="$(realpath "$parc")" timeout "$phase_timeout" "$nccl_test" \
+            PARC_BIN="$(realpath "$parc")" timeout "$run_timeout" "$nccl_test" \
                 multi_gpu_plans_through_nccl_match_the_single_rank_cpu_run --nocapture \
                 > "$out/cuda_nccl-multi.txt" 2>&1
             code=$?
             echo "cuda_nccl multi_gpu_plans_through_nccl_match_the_single_rank_cpu_run: exit $code"
             [[ $code -ne 0 ]] && { tail -15 "$out/cuda_nccl-multi.txt"; status=1; }
-            log_run cuda_nccl-multi correctness "$ngpu" "$code" "$((SECONDS - started))" test=1
+            log_run cuda_nccl-multi correctness "$ngpu" "$code" "$((SECONDS - started))" test=1 \
+                $(budget_cut "$code")
         else
             echo "no test binary at $nccl_test: build it (cargo test --release --features cuda --test cuda_nccl --no-run) and copy it there, or set NCCL_TEST"
             log_run cuda_nccl-multi correctness "$ngpu" 127 0 test=1
@@ -217,14 +294,16 @@ if has_phase bandwidth; then
     echo "== bandwidth"
     if [[ "$dry" == 1 || "$check_only" == 1 ]]; then
         echo "bandwidth: skipped (needs GPUs)"
+    elif ! budget_allows bandwidth bandwidth "$ngpu"; then
+        :
     elif [[ -x "$nccl_test" ]]; then
         started=$SECONDS
-        timeout "$phase_timeout" "$nccl_test" nccl_bus_bandwidth --ignored --nocapture \
+        timeout "$run_timeout" "$nccl_test" nccl_bus_bandwidth --ignored --nocapture \
             > "$out/bandwidth.txt" 2>&1
         code=$?
         echo "cuda_nccl nccl_bus_bandwidth: exit $code"
         [[ $code -ne 0 ]] && { tail -15 "$out/bandwidth.txt"; status=1; }
-        log_run bandwidth bandwidth "$ngpu" "$code" "$((SECONDS - started))" test=1
+        log_run bandwidth bandwidth "$ngpu" "$code" "$((SECONDS - started))" test=1 $(budget_cut "$code")
     else
         echo "no test binary at $nccl_test (see correctness)"
         log_run bandwidth bandwidth "$ngpu" 127 0 test=1
@@ -286,12 +365,15 @@ fi
 if has_phase zero; then
     echo "== zero"
     n="${counts[-1]}"; shape=("${shape_350m[@]}")
+    # NCCL prints its channels and connections: what its buffers are made of (docs/memory.md).
+    run_env=(NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT)
     for z in 0 1 2 3; do
         parc_run "zero$z-350m-dp$n" zero "$n" "$spec_350m" --set "parallel.dp=$n" --set "parallel.zero=$z" \
             --set "train.global_batch=$((batch_350m * n))" --set "train.micro_batch=$batch_350m" \
             --set "train.steps=$((steps < 4 ? steps : 4))" --set train.data=synthetic \
             --set parallel.recompute=none
     done
+    run_env=()
 fi
 
 if [[ "$check_only" == 1 ]]; then
