@@ -140,7 +140,8 @@ fn lower_and_measure(spec: &Spec, diags: &mut Diagnostics) -> Option<Lowered> {
     let half = spec.train.precision != parc_compiler::spec::Precision::Fp32;
     let device_memory = parc_compiler::memplan::device_memory(&plan, &memory_plans, half);
     let mut summary = crate::cmd_plan::summary(&plan, &verified, &memory_plans, &timeline);
-    summary.push_str(&crate::report::render_device_memory(&plan, &device_memory));
+    let roles: Vec<String> = plan.programs.iter().map(|p| p.role.clone()).collect();
+    summary.push_str(&crate::report::render_device_memory(&roles, &device_memory));
     let report_program = plan.rank_program.get(plan.report_rank as usize).copied();
     let report_rank_stall_fraction = timeline
         .ranks

@@ -2,7 +2,6 @@
 //! colour, deterministic (same report, same bytes) so it can be golden-tested.
 
 use parc_compiler::cost::{CostReport, RoleCost};
-use parc_compiler::ir::Plan;
 use parc_compiler::memplan::{DeviceLine, DeviceMemory};
 use parc_compiler::spec::Axis;
 use std::fmt::Write;
@@ -203,7 +202,8 @@ pub fn render_human(report: &CostReport) -> String {
 /// The predicted memory per GPU of each program on the CUDA backend (`parc check`'s lowered
 /// section; `# `-prefixed like the rest of it): one row per program — the memory plan, each
 /// overhead, the backend's reserved total, the whole GPU — then how each overhead is made.
-pub fn render_device_memory(plan: &Plan, device: &[DeviceMemory]) -> String {
+/// `roles`: each program's role, by program id.
+pub fn render_device_memory(roles: &[String], device: &[DeviceMemory]) -> String {
     let mut names: Vec<&'static str> = Vec::new();
     for d in device {
         for line in d.backend.iter().chain(&d.runtime) {
@@ -239,10 +239,7 @@ pub fn render_device_memory(plan: &Plan, device: &[DeviceMemory]) -> String {
                 .find(|l| l.what == name)
                 .map_or("-".to_string(), |l| bytes(l.bytes as f64))
         };
-        let role = plan
-            .programs
-            .get(d.program.0 as usize)
-            .map_or(String::new(), |p| p.role.clone());
+        let role = roles.get(d.program.0 as usize).map_or("", String::as_str);
         let mut row = vec![
             format!("{} ({role})", d.program.0),
             bytes(d.planned_bytes as f64),
@@ -322,6 +319,46 @@ mod tests {
                 },
             ],
         }
+    }
+
+    #[test]
+    fn device_memory_table_has_a_column_per_line_and_its_basis_once() {
+        use parc_compiler::ir::ProgramId;
+        let line = |what, mib: u64, basis: &str| DeviceLine {
+            what,
+            bytes: mib << 20,
+            basis: basis.to_string(),
+        };
+        let program = |id, p2p: bool| {
+            let backend = vec![line("cuBLASLt", 32, "workspace")];
+            let mut runtime = vec![line("CUDA context", 512, "measured")];
+            if p2p {
+                runtime.push(line("NCCL p2p", 448, "1 peer"));
+            }
+            let planned_bytes = 10 << 30;
+            let reserved_bytes = planned_bytes + (32 << 20);
+            let extra: u64 = runtime.iter().map(|l| l.bytes).sum();
+            DeviceMemory {
+                program: ProgramId(id),
+                planned_bytes,
+                backend,
+                runtime,
+                reserved_bytes,
+                total_bytes: reserved_bytes + extra,
+            }
+        };
+        let roles = ["pp 0".to_string(), "pp 1".to_string()];
+        let text = render_device_memory(&roles, &[program(0, true), program(1, false)]);
+        let want = "\
+# memory per GPU on the CUDA backend (predicted; reserved = the run's memory_reserved_bytes, per GPU = nvidia-smi; docs/memory.md):
+#   program    planned  cuBLASLt  reserved  CUDA context   NCCL p2p   per GPU
+#   0 (pp 0)  10.0 GiB  32.0 MiB  10.0 GiB     512.0 MiB  448.0 MiB  11.0 GiB
+#   1 (pp 1)  10.0 GiB  32.0 MiB  10.0 GiB     512.0 MiB          -  10.5 GiB
+#   cuBLASLt: workspace
+#   CUDA context: measured
+#   NCCL p2p: 1 peer
+";
+        assert_eq!(text, want);
     }
 
     #[test]
