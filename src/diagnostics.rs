@@ -69,11 +69,17 @@ fn source_of(sources: &Sources, file: FileId) -> NamedSource<String> {
     }
 }
 
-fn labeled(sources: &Sources, span: Span, message: &str) -> LabeledSpan {
-    let len = sources.get(span.file).map(|f| f.text.len()).unwrap_or(0);
-    let start = (span.start as usize).min(len);
-    let end = (span.end as usize).clamp(start, len);
-    LabeledSpan::new(Some(message.to_string()), start, end - start)
+/// `d`'s labels that point into `file`, each clamped to the file's text.
+fn labels_in(sources: &Sources, d: &Diagnostic, file: FileId) -> Vec<LabeledSpan> {
+    let len = sources.get(file).map(|f| f.text.len()).unwrap_or(0);
+    (d.labels.iter())
+        .filter(|l| l.span.file == file)
+        .map(|l| {
+            let start = (l.span.start as usize).min(len);
+            let end = (l.span.end as usize).clamp(start, len);
+            LabeledSpan::new(Some(l.message.clone()), start, end - start)
+        })
+        .collect()
 }
 
 fn report(sources: &Sources, d: &Diagnostic) -> Report {
@@ -106,12 +112,7 @@ fn report(sources: &Sources, d: &Diagnostic) -> Report {
             ),
             help: None,
             source: source_of(sources, f),
-            labels: d
-                .labels
-                .iter()
-                .filter(|l| l.span.file == f)
-                .map(|l| labeled(sources, l.span, &l.message))
-                .collect(),
+            labels: labels_in(sources, d, f),
             related: Vec::new(),
         })
         .collect();
@@ -121,12 +122,7 @@ fn report(sources: &Sources, d: &Diagnostic) -> Report {
         message: d.message.clone(),
         help,
         source: source_of(sources, primary),
-        labels: d
-            .labels
-            .iter()
-            .filter(|l| l.span.file == primary)
-            .map(|l| labeled(sources, l.span, &l.message))
-            .collect(),
+        labels: labels_in(sources, d, primary),
         related,
     }
 }
