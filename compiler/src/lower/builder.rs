@@ -227,31 +227,24 @@ impl ProgramBuilder {
         }) {
             return false;
         }
-        let Some(Instr::Compute {
-            op,
-            inputs,
-            outputs,
-            node: Some(n),
-            phase: p,
-        }) = self.instrs.get(i)
-        else {
+        let Some(c) = self.instrs.get(i).and_then(Instr::as_compute) else {
             return false;
         };
-        let (n, p, outputs) = (*n, *p, *outputs);
         let Op::Matmul {
             in_dim,
             out_dim,
             bias,
             act: None,
             residual: false,
-        } = **op
+        } = *c.op
         else {
             return false;
         };
-        if n != node || p != phase || outputs.to_vec() != [y] {
+        if c.node != Some(node) || c.phase != phase || c.outputs.to_vec() != [y] {
             return false;
         }
-        let mut with_r = inputs.to_vec();
+        let outputs = *c.outputs;
+        let mut with_r = c.inputs.to_vec();
         with_r.push(r);
         let Some(inputs) = Inputs::from_slice(&with_r) else {
             return false;
@@ -268,8 +261,8 @@ impl ProgramBuilder {
                 op,
                 inputs,
                 outputs,
-                node: Some(n),
-                phase: p,
+                node: Some(node),
+                phase,
             };
         }
         true
