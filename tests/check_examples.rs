@@ -135,6 +135,27 @@ fn small_plans_are_lowered_verified_and_simulated_by_check() {
         .all(|p| p["peak_bytes"].as_u64().unwrap() > 0));
     let bubble = lowered["bubble_fraction"].as_f64().unwrap();
     assert!(bubble > 0.1 && bubble < 0.5, "bubble {bubble}");
+    // The last stage waits part of the step; the per-GPU prediction adds the backend's and
+    // NCCL's memory (one pipeline peer) to each stage's memory plan.
+    let stall = lowered["report_rank_stall_fraction"].as_f64().unwrap();
+    assert!(stall > 0.0 && stall < 1.0, "stall {stall}");
+    let device = lowered["device_memory"].as_array().unwrap();
+    assert_eq!(device.len(), 2);
+    for d in device {
+        let (planned, reserved, total) = (
+            d["planned_bytes"].as_u64().unwrap(),
+            d["reserved_bytes"].as_u64().unwrap(),
+            d["total_bytes"].as_u64().unwrap(),
+        );
+        assert!(planned > 0 && reserved > planned && total > reserved, "{d}");
+        let runtime: Vec<&str> = d["runtime"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l["what"].as_str().unwrap())
+            .collect();
+        assert!(runtime.contains(&"NCCL p2p"), "{runtime:?}");
+    }
 
     // `--lower never` skips it; the 80-layer × 64-microbatch 70B plan is skipped by `auto`.
     let mut never = pp2.to_vec();
