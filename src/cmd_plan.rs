@@ -2,8 +2,8 @@
 //! lower it to per-rank programs, verify them and print them.
 //!
 //! - `text` (default): a summary (programs, instructions, verified peak memory and the memory
-//!   plan's arena per program, simulated step time and bubble) then the plan's stable text
-//!   form; with `--rank R` only rank R's program.
+//!   plan's arena per program, simulated step time and bubble, the predicted memory per GPU on
+//!   the CUDA backend) then the plan's stable text form; with `--rank R` only rank R's program.
 //! - `json`: the plan as JSON with its memory plans (`memory_plans`, one per program); with
 //!   `--rank R`, that rank's program only, with its `memory_plan`.
 //! - `trace`: the simulated timeline as Chrome trace-event JSON (open it in Perfetto).
@@ -109,7 +109,15 @@ pub fn main(args: PlanArgs) -> u8 {
                 text = text.only(p);
             }
             let timeline = parc_compiler::timeline::simulate(&plan, &spec);
-            write!(out, "{}{text}", summary(&plan, &report, &memory, &timeline))
+            let half = spec.train.precision != parc_compiler::spec::Precision::Fp32;
+            let device = parc_compiler::memplan::device_memory(&plan, &memory, half);
+            let roles: Vec<String> = plan.programs.iter().map(|p| p.role.clone()).collect();
+            write!(
+                out,
+                "{}{}{text}",
+                summary(&plan, &report, &memory, &timeline),
+                crate::report::render_device_memory(&roles, &device)
+            )
         }
         Emit::Json => {
             let json = match only.and_then(|p| Some((p, plan.programs.get(p.0 as usize)?))) {
