@@ -43,9 +43,9 @@ const SUM_SQUARES_BLOCKS: u64 = 1024;
 /// Head dims the tensor-core attention kernels take (`attention::TensorCore::for_head_dim`).
 const TENSOR_CORE_HEAD_DIMS: [u64; 2] = [64, 128];
 
-/// NCCL channels per communicator on NVLink/NVSwitch H100/H200 hosts (NCCL ≥ 2.18 logs "32
-/// coll channels, … 32 p2p channels per peer"; NVIDIA/nccl#1685 counts 32 channels per pair of
-/// GPUs on 8 H100s).
+/// NCCL channels per communicator on NVLink/NVSwitch H100/H200 hosts (NVIDIA/nccl#1685 counts
+/// 32 channels per pair of GPUs on 8 H100s; `bench/multi_gpu.sh`'s ZeRO runs print NCCL's own
+/// count from its INIT log).
 pub const NCCL_CHANNELS: u64 = 32;
 /// One connection's buffers for all three protocols: LL 512 KiB (8 lines × 512 threads × 8
 /// steps × 16 B) + LL128 4.69 MiB (120 × 640 × 8 × 8 B) + Simple 4 MiB (`NCCL_BUFFSIZE`),
