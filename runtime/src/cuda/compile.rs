@@ -150,7 +150,7 @@ mod tests {
         assert_ne!(fnv1a(&["ab", "c"]), fnv1a(&["a", "bc"]));
     }
 
-    /// Every kernel compiles for Ampere and Hopper. Needs only NVRTC, no GPU: CI installs it
+    /// Every kernel compiles for Ampere and Hopper, to PTX and through ptxas. Needs only NVRTC, no GPU: CI installs it
     /// (pip `nvidia-cuda-nvrtc`, on `LD_LIBRARY_PATH`); without it the test says so and passes.
     /// The PTX lands in the disk cache, where `bench/kernel_stats.sh` hands it to ptxas.
     #[test]
@@ -166,6 +166,11 @@ mod tests {
                 ptx.contains(".visible .entry"),
                 "{arch}: no kernels in the PTX"
             );
+        }
+        // A real architecture makes NVRTC assemble the PTX too (ptxas), which rejects
+        // instructions the GPU lacks that PTX generation lets through (inline asm).
+        for arch in ["sm_80", "sm_90"] {
+            ptx_for(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
         }
     }
 }

@@ -69,7 +69,13 @@ __device__ __forceinline__ void tc_mma(float* c, const unsigned* a, unsigned b0,
 
 // Adds two adjacent floats into global memory (one vector reduction on sm_90).
 __device__ __forceinline__ void tc_red2(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+    // Vector reductions are sm_90's; earlier GPUs add the two floats one by one.
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
 }
 
 // Starts a 16-byte copy global -> shared of which the first `bytes` (0..16) come from gmem and
