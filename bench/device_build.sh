@@ -12,8 +12,10 @@ cargo build --release --features cuda
 target=${CARGO_TARGET_DIR:-target}
 install -m 755 "$target/release/parc" "$dir/parc"
 # The test binaries' paths, from cargo's JSON messages.
-cargo test --release --features cuda --no-run --message-format=json \
-    --test cuda_ops --test cuda_train --test memplan --test cuda_nccl --test cuda_attention_bench \
+# Every GPU test binary: tests/cuda_*(.rs or folder) and memplan.
+tests=(--test memplan)
+for t in tests/cuda_*; do tests+=(--test "$(basename "$t" .rs)"); done
+cargo test --release --features cuda --no-run --message-format=json "${tests[@]}" \
   | python3 -c '
 import json, sys
 for line in sys.stdin:

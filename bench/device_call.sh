@@ -9,6 +9,7 @@
 #   rates     parc alone on GPT-2 124M (32 × 1024) and 350M (16 × 1024), 8 steps, mean tokens/s
 #             of steps 2..8, once per variant
 #   attention bench/attention.sh: parc's attention micro-benchmark beside PyTorch SDPA
+#   membound  bench/membound.sh where it exists: the norm and cross-entropy kernel variants
 #   profile   `parc run --profile` of a 124M step (default variant)
 #   bench     bench/gpu.sh: PyTorch (MODES, default compile) and parc side by side, ratios
 #   parity    bench/loss_parity.sh: 200 bf16 steps of parc and PyTorch from the same weights
@@ -84,6 +85,10 @@ fi
 if [[ $phases == *" attention "* ]]; then
     step attention 240 bash bench/attention.sh "$dir"
     tail -20 "$out/attention.log"
+fi
+if [[ $phases == *" membound "* && -f bench/membound.sh ]]; then
+    step membound-call 400 bash bench/membound.sh "$dir"
+    tail -30 "$out/membound-call.log"
 fi
 if [[ $phases == *" profile "* ]]; then
     step profile 120 "$dir/parc" run examples/gpt2-124m.par --backend cuda --set train.global_batch=32 \
