@@ -4,7 +4,7 @@
 //! N_d data-parallel ranks, ZeRO-2 also the gradients, ZeRO-3 also the weights.
 
 use super::MemoryTerms;
-use crate::spec::{Activation, Axis, LayerKind, Optimizer, Precision, Spec, ZeroStage};
+use crate::spec::{Axis, LayerKind, Optimizer, Precision, Spec, ZeroStage};
 
 /// Model-state bytes of one rank holding Ψ parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -47,55 +47,19 @@ pub fn model_state_bytes(
     }
 }
 
-/// Global parameter count of one node (a tied head owns none).
-pub fn node_params(kind: &LayerKind) -> u64 {
-    match kind {
-        LayerKind::Embedding { vocab, dim } => vocab * dim,
-        LayerKind::PositionEmbedding { seq, dim } => seq * dim,
-        LayerKind::LayerNorm { dim, bias, .. } => dim * (1 + u64::from(*bias)),
-        LayerKind::RmsNorm { dim, .. } => *dim,
-        LayerKind::Linear {
-            in_dim,
-            out_dim,
-            bias,
-            tied,
-        } => {
-            let w = if tied.is_some() { 0 } else { in_dim * out_dim };
-            w + if *bias { *out_dim } else { 0 }
-        }
-        LayerKind::Attention {
-            dim,
-            heads,
-            kv_heads,
-            head_dim,
-            bias,
-            ..
-        } => {
-            let q = heads * head_dim;
-            let kv = kv_heads * head_dim;
-            let w = 2 * q * dim + 2 * kv * dim;
-            w + if *bias { q + 2 * kv + dim } else { 0 }
-        }
-        LayerKind::Mlp {
-            dim,
-            hidden,
-            act,
-            bias,
-        } => {
-            if *act == Activation::Swiglu {
-                3 * hidden * dim
-            } else {
-                2 * hidden * dim + if *bias { hidden + dim } else { 0 }
-            }
-        }
-        LayerKind::Add | LayerKind::CrossEntropy => 0,
-    }
+/// Global parameter count of one node (a tied head owns none): the parameters the lowering
+/// declares for it.
+pub fn node_params(spec: &Spec, kind: &LayerKind) -> u64 {
+    crate::lower::params::declared(spec, kind)
+        .iter()
+        .map(|p| p.numel())
+        .sum()
 }
 
 /// Parameters of one node held by one tp rank: divided by tp where the spec shards the layer
 /// (the row-parallel output bias stays whole, a rounding detail we ignore).
 fn node_params_local(spec: &Spec, kind: &LayerKind) -> u64 {
-    let n = node_params(kind);
+    let n = node_params(spec, kind);
     let t = u64::from(spec.parallel.mesh.size(Axis::Tp).max(1));
     if super::tp_divides(spec, kind) {
         n.div_ceil(t)
@@ -106,7 +70,9 @@ fn node_params_local(spec: &Spec, kind: &LayerKind) -> u64 {
 
 /// Whole-model parameter count (tied weights once).
 pub fn total_params(spec: &Spec) -> u64 {
-    spec.model.nodes.iter().map(|n| node_params(&n.kind)).sum()
+    (spec.model.nodes.iter())
+        .map(|n| node_params(spec, &n.kind))
+        .sum()
 }
 
 /// Parameters one rank of a stage holds: its nodes' tp-local parameters, plus a copy of a tied

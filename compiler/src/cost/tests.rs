@@ -233,7 +233,7 @@ fn params_per_node_match_the_layer_shapes() {
             .nodes
             .iter()
             .find(|n| n.name == name)
-            .map(|n| node_params(&n.kind))
+            .map(|n| node_params(&spec, &n.kind))
     };
     // wq wk wv wo 4·16·16 + biases 3·16 + 16.
     assert_eq!(by_kind("blocks.0.attn"), Some(4 * 256 + 64));
@@ -318,7 +318,7 @@ fn flops_follow_6n_plus_attention() {
         .map(|n| match n.kind {
             LayerKind::Attention { .. } | LayerKind::Mlp { .. } => {
                 // Weights only, no biases.
-                (node_params(&n.kind)
+                (node_params(&spec, &n.kind)
                     - if matches!(n.kind, LayerKind::Attention { .. }) {
                         64
                     } else {

@@ -21,7 +21,7 @@ pub(crate) mod first_write;
 mod idmap;
 mod layers;
 mod optim;
-mod params;
+pub(crate) mod params;
 mod pipeline;
 mod schedule;
 mod storage;
@@ -173,7 +173,8 @@ pub fn lower_with(spec: &Spec, options: LowerOptions) -> Result<Plan, Diagnostic
     let orders: Vec<Vec<Unit>> = (0..p)
         .map(|s| schedule::stage_order(spec.parallel.schedule, p, v, spec.parallel.microbatches, s))
         .collect();
-    let Some(table) = schedule::simulate(orders, chunk_count) else {
+    let durations = schedule::UnitCosts::new(spec, &chunks);
+    let Some(table) = schedule::simulate(orders, chunk_count, &|u| durations.ticks(u)) else {
         return Err(one(Diagnostic::error(
             "E0805",
             "the pipeline schedule cannot complete: a stage waits on a unit that never runs",

@@ -82,13 +82,141 @@ impl TableBuilder<'_> {
 
 const STD: f64 = 0.02;
 
-pub fn build(spec: &Spec) -> Params {
+/// One parameter a node declares: its local name, global shape, initialisation and tp split.
+pub(crate) struct Declared {
+    pub local: &'static str,
+    pub shape: Vec<u64>,
+    pub init: Init,
+    pub rule: TpRule,
+}
+
+impl Declared {
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().product()
+    }
+}
+
+/// The declarations of one node, in table order.
+struct Declarations(Vec<Declared>);
+
+impl Declarations {
+    fn add(&mut self, local: &'static str, shape: Vec<u64>, init: Init, rule: TpRule) {
+        self.0.push(Declared {
+            local,
+            shape,
+            init,
+            rule,
+        });
+    }
+}
+
+/// The parameters a node of `kind` owns in `spec`, in table order (see the module docs; a
+/// tied head owns none).
+pub(crate) fn declared(spec: &Spec, kind: &LayerKind) -> Vec<Declared> {
     let layers = spec.model.layers.max(1) as f64;
     let residual_std = STD / (2.0 * layers).sqrt();
     let sh: &Sharding = &spec.model.sharding;
+    let normal = Init::Normal { std: STD };
+    let col = |on: bool| if on { TpRule::Rows } else { TpRule::Replicated };
+    let row = |on: bool| if on { TpRule::Cols } else { TpRule::Replicated };
+    let row_bias = |on: bool| {
+        if on {
+            TpRule::RowParallelBias
+        } else {
+            TpRule::Replicated
+        }
+    };
+    let mut d = Declarations(Vec::new());
+    match kind {
+        LayerKind::Embedding { vocab, dim } => {
+            d.add("weight", vec![*vocab, *dim], normal, col(sh.vocab_on_tp));
+        }
+        LayerKind::PositionEmbedding { seq, dim } => {
+            d.add("weight", vec![*seq, *dim], normal, TpRule::Replicated);
+        }
+        LayerKind::LayerNorm { dim, bias, .. } => {
+            d.add("weight", vec![*dim], Init::Ones, TpRule::Replicated);
+            if *bias {
+                d.add("bias", vec![*dim], Init::Zeros, TpRule::Replicated);
+            }
+        }
+        LayerKind::RmsNorm { dim, .. } => {
+            d.add("weight", vec![*dim], Init::Ones, TpRule::Replicated);
+        }
+        LayerKind::Linear {
+            in_dim,
+            out_dim,
+            bias,
+            tied,
+        } => {
+            let on = sh.vocab_on_tp && *out_dim == spec.model.vocab;
+            if tied.is_none() {
+                d.add("weight", vec![*out_dim, *in_dim], normal, col(on));
+            }
+            if *bias {
+                d.add("bias", vec![*out_dim], Init::Zeros, col(on));
+            }
+        }
+        LayerKind::Attention {
+            dim,
+            heads,
+            kv_heads,
+            head_dim,
+            bias,
+            ..
+        } => {
+            let on = sh.attention_heads_on_tp;
+            let q = heads * head_dim;
+            let kv = kv_heads * head_dim;
+            d.add("wq", vec![q, *dim], normal, col(on));
+            if *bias {
+                d.add("bq", vec![q], Init::Zeros, col(on));
+            }
+            d.add("wk", vec![kv, *dim], normal, col(on));
+            if *bias {
+                d.add("bk", vec![kv], Init::Zeros, col(on));
+            }
+            d.add("wv", vec![kv, *dim], normal, col(on));
+            if *bias {
+                d.add("bv", vec![kv], Init::Zeros, col(on));
+            }
+            let wo_init = Init::Normal { std: residual_std };
+            d.add("wo", vec![*dim, q], wo_init, row(on));
+            if *bias {
+                d.add("bo", vec![*dim], Init::Zeros, row_bias(on));
+            }
+        }
+        LayerKind::Mlp {
+            dim,
+            hidden,
+            act,
+            bias,
+        } => {
+            let on = sh.mlp_hidden_on_tp;
+            let out_init = Init::Normal { std: residual_std };
+            if *act == Activation::Swiglu {
+                d.add("gate", vec![*hidden, *dim], normal, col(on));
+                d.add("up", vec![*hidden, *dim], normal, col(on));
+                d.add("down", vec![*dim, *hidden], out_init, row(on));
+            } else {
+                d.add("fc", vec![*hidden, *dim], normal, col(on));
+                if *bias {
+                    d.add("fc_bias", vec![*hidden], Init::Zeros, col(on));
+                }
+                d.add("proj", vec![*dim, *hidden], out_init, row(on));
+                if *bias {
+                    d.add("proj_bias", vec![*dim], Init::Zeros, row_bias(on));
+                }
+            }
+        }
+        LayerKind::Add | LayerKind::CrossEntropy => {}
+    }
+    d.0
+}
+
+pub fn build(spec: &Spec) -> Params {
     let mut table = ParamTable::default();
     let mut by_node: Vec<Vec<Slot>> = Vec::new();
-    let normal = Init::Normal { std: STD };
     for (i, node) in spec.model.nodes.iter().enumerate() {
         let mut b = TableBuilder {
             table,
@@ -96,98 +224,8 @@ pub fn build(spec: &Spec) -> Params {
             node_id: NodeId(i as u32),
             slots: Vec::new(),
         };
-        let col = |on: bool| if on { TpRule::Rows } else { TpRule::Replicated };
-        let row = |on: bool| if on { TpRule::Cols } else { TpRule::Replicated };
-        let row_bias = |on: bool| {
-            if on {
-                TpRule::RowParallelBias
-            } else {
-                TpRule::Replicated
-            }
-        };
-        match &node.kind {
-            LayerKind::Embedding { vocab, dim } => {
-                b.add("weight", vec![*vocab, *dim], normal, col(sh.vocab_on_tp));
-            }
-            LayerKind::PositionEmbedding { seq, dim } => {
-                b.add("weight", vec![*seq, *dim], normal, TpRule::Replicated);
-            }
-            LayerKind::LayerNorm { dim, bias, .. } => {
-                b.add("weight", vec![*dim], Init::Ones, TpRule::Replicated);
-                if *bias {
-                    b.add("bias", vec![*dim], Init::Zeros, TpRule::Replicated);
-                }
-            }
-            LayerKind::RmsNorm { dim, .. } => {
-                b.add("weight", vec![*dim], Init::Ones, TpRule::Replicated);
-            }
-            LayerKind::Linear {
-                in_dim,
-                out_dim,
-                bias,
-                tied,
-            } => {
-                let on = sh.vocab_on_tp && *out_dim == spec.model.vocab;
-                if tied.is_none() {
-                    b.add("weight", vec![*out_dim, *in_dim], normal, col(on));
-                }
-                if *bias {
-                    b.add("bias", vec![*out_dim], Init::Zeros, col(on));
-                }
-            }
-            LayerKind::Attention {
-                dim,
-                heads,
-                kv_heads,
-                head_dim,
-                bias,
-                ..
-            } => {
-                let on = sh.attention_heads_on_tp;
-                let q = heads * head_dim;
-                let kv = kv_heads * head_dim;
-                b.add("wq", vec![q, *dim], normal, col(on));
-                if *bias {
-                    b.add("bq", vec![q], Init::Zeros, col(on));
-                }
-                b.add("wk", vec![kv, *dim], normal, col(on));
-                if *bias {
-                    b.add("bk", vec![kv], Init::Zeros, col(on));
-                }
-                b.add("wv", vec![kv, *dim], normal, col(on));
-                if *bias {
-                    b.add("bv", vec![kv], Init::Zeros, col(on));
-                }
-                let wo_init = Init::Normal { std: residual_std };
-                b.add("wo", vec![*dim, q], wo_init, row(on));
-                if *bias {
-                    b.add("bo", vec![*dim], Init::Zeros, row_bias(on));
-                }
-            }
-            LayerKind::Mlp {
-                dim,
-                hidden,
-                act,
-                bias,
-            } => {
-                let on = sh.mlp_hidden_on_tp;
-                let out_init = Init::Normal { std: residual_std };
-                if *act == Activation::Swiglu {
-                    b.add("gate", vec![*hidden, *dim], normal, col(on));
-                    b.add("up", vec![*hidden, *dim], normal, col(on));
-                    b.add("down", vec![*dim, *hidden], out_init, row(on));
-                } else {
-                    b.add("fc", vec![*hidden, *dim], normal, col(on));
-                    if *bias {
-                        b.add("fc_bias", vec![*hidden], Init::Zeros, col(on));
-                    }
-                    b.add("proj", vec![*dim, *hidden], out_init, row(on));
-                    if *bias {
-                        b.add("proj_bias", vec![*dim], Init::Zeros, row_bias(on));
-                    }
-                }
-            }
-            LayerKind::Add | LayerKind::CrossEntropy => {}
+        for d in declared(spec, &node.kind) {
+            b.add(d.local, d.shape, d.init, d.rule);
         }
         table = b.table;
         by_node.push(b.slots);
