@@ -26,11 +26,10 @@
 #[path = "ir/fixtures.rs"]
 mod fixtures;
 
-use fixtures::{gpt2_124m, sized_spec, Dims, PlanChoice, TinyModel};
+use fixtures::{gpt2_124m, sized_spec, train_cpu, Dims, PlanChoice, TinyModel};
 use parc_compiler::lower::lower;
 use parc_compiler::spec::{Checkpointing, LossScale, Precision, Spec, ZeroStage};
-use parc_runtime::cpu::CpuBackend;
-use parc_runtime::exec::{train, StepRecord, TrainOptions, TrainResult};
+use parc_runtime::exec::{StepRecord, TrainOptions, TrainResult};
 use std::path::{Path, PathBuf};
 
 #[derive(Clone, Copy, PartialEq)]
@@ -90,15 +89,9 @@ fn run(s: &Spec, which: Which, stop_after: Option<u64>, resume: Option<&Path>) -
     options.stop_after = stop_after;
     options.resume = resume.map(Path::to_path_buf);
     let result = match which {
-        Which::Cpu => train(
-            s,
-            &plan,
-            &options,
-            |_, t| CpuBackend::with_threads(t),
-            &|_| {},
-        ),
+        Which::Cpu => train_cpu(s, &plan, &options),
         #[cfg(feature = "cuda")]
-        Which::Cuda => train(
+        Which::Cuda => parc_runtime::exec::train(
             s,
             &plan,
             &options,

@@ -13,15 +13,14 @@
 #[path = "ir/fixtures.rs"]
 mod fixtures;
 
-use fixtures::{spec_variant, PlanChoice, TinyModel, Variant};
+use fixtures::{spec_variant, train_cpu, PlanChoice, TinyModel, Variant};
 use parc_compiler::diag::Sources;
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::{Instr, Phase, Plan};
 use parc_compiler::lower::{lower, lower_with, LowerOptions};
 use parc_compiler::spec::{Axis, PipelineSchedule, Recompute, Spec, ZeroStage};
 use parc_compiler::{check, parse_override};
-use parc_runtime::cpu::CpuBackend;
-use parc_runtime::exec::{train, TrainOptions, TrainResult};
+use parc_runtime::exec::{TrainOptions, TrainResult};
 use std::time::Duration;
 
 const STEPS: usize = 5;
@@ -44,14 +43,7 @@ fn run_plan(s: &Spec, p: &Plan) -> TrainResult {
     let mut options = TrainOptions::new(".");
     options.comm_timeout = Duration::from_secs(30);
     options.threads_per_rank = Some(1);
-    train(
-        s,
-        p,
-        &options,
-        |_, threads| CpuBackend::with_threads(threads),
-        &|_| {},
-    )
-    .unwrap_or_else(|e| panic!("{e}"))
+    train_cpu(s, p, &options).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn describe(llama: bool, p: &PlanChoice, variant: Variant) -> String {
@@ -711,14 +703,7 @@ fn run_example(spec: &Spec) -> TrainResult {
     let mut options = TrainOptions::new(root.join("examples"));
     options.comm_timeout = Duration::from_secs(60);
     options.threads_per_rank = Some(1);
-    train(
-        spec,
-        &plan,
-        &options,
-        |_, t| CpuBackend::with_threads(t),
-        &|_| {},
-    )
-    .unwrap_or_else(|e| panic!("{e}"))
+    train_cpu(spec, &plan, &options).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn assert_example_equivalent(file: &str, plan: &[&str]) {

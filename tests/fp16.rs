@@ -10,12 +10,11 @@
 #[path = "ir/fixtures.rs"]
 mod fixtures;
 
-use fixtures::{spec, PlanChoice, TinyModel};
+use fixtures::{spec, train_cpu, PlanChoice, TinyModel};
 use parc_compiler::lower::lower;
 use parc_compiler::spec::{Checkpointing, LossScale, Precision, Spec, ZeroStage};
 use parc_runtime::checkpoint::{read_manifest, LossScaleState};
-use parc_runtime::cpu::CpuBackend;
-use parc_runtime::exec::{train, TrainOptions, TrainResult};
+use parc_runtime::exec::{TrainOptions, TrainResult};
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
@@ -50,14 +49,7 @@ fn run(s: &Spec, stop_after: Option<u64>) -> TrainResult {
     options.comm_timeout = Duration::from_secs(30);
     options.threads_per_rank = Some(1);
     options.stop_after = stop_after;
-    train(
-        s,
-        &plan,
-        &options,
-        |_, t| CpuBackend::with_threads(t),
-        &|_| {},
-    )
-    .unwrap_or_else(|e| panic!("{e}"))
+    train_cpu(s, &plan, &options).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn temp_dir(name: &str) -> PathBuf {

@@ -5,10 +5,9 @@
 #[path = "ir/fixtures.rs"]
 mod fixtures;
 
-use fixtures::{spec, PlanChoice, TinyModel};
+use fixtures::{spec, train_cpu, PlanChoice, TinyModel};
 use parc_compiler::lower::lower;
-use parc_runtime::cpu::CpuBackend;
-use parc_runtime::exec::{train, TrainOptions};
+use parc_runtime::exec::TrainOptions;
 
 #[test]
 fn plans_larger_than_the_memory_limit_are_refused_with_numbers() {
@@ -27,28 +26,13 @@ fn plans_larger_than_the_memory_limit_are_refused_with_numbers() {
     let plan = lower(&s).unwrap();
     let mut options = TrainOptions::new(".");
     options.memory_limit = Some(1024);
-    let err = train(
-        &s,
-        &plan,
-        &options,
-        |_, t| CpuBackend::with_threads(t),
-        &|_| {},
-    )
-    .unwrap_err()
-    .to_string();
+    let err = train_cpu(&s, &plan, &options).unwrap_err().to_string();
     assert!(
         err.contains("for its 4 ranks") && err.contains("GiB is available"),
         "{err}"
     );
     options.memory_limit = Some(1 << 30);
     options.stop_after = Some(1);
-    let ok = train(
-        &s,
-        &plan,
-        &options,
-        |_, t| CpuBackend::with_threads(t),
-        &|_| {},
-    )
-    .unwrap();
+    let ok = train_cpu(&s, &plan, &options).unwrap();
     assert_eq!(ok.records.len(), 1);
 }

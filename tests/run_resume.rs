@@ -8,11 +8,10 @@
 #[path = "ir/fixtures.rs"]
 mod fixtures;
 
-use fixtures::{spec, PlanChoice, TinyModel};
+use fixtures::{spec, train_cpu, PlanChoice, TinyModel};
 use parc_compiler::lower::lower;
 use parc_compiler::spec::{Checkpointing, LossScale, Precision, Spec, ZeroStage};
-use parc_runtime::cpu::CpuBackend;
-use parc_runtime::exec::{train, TrainOptions, TrainResult};
+use parc_runtime::exec::{TrainOptions, TrainResult};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -48,14 +47,7 @@ fn run(s: &Spec, stop_after: Option<u64>, resume: Option<&Path>) -> TrainResult 
     options.threads_per_rank = Some(1);
     options.stop_after = stop_after;
     options.resume = resume.map(Path::to_path_buf);
-    train(
-        s,
-        &plan,
-        &options,
-        |_, t| CpuBackend::with_threads(t),
-        &|_| {},
-    )
-    .unwrap_or_else(|e| panic!("{e}"))
+    train_cpu(s, &plan, &options).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn bits(values: impl IntoIterator<Item = f32>) -> Vec<u32> {
@@ -177,15 +169,7 @@ fn a_checkpoint_of_another_plan_is_refused() {
     let plan = lower(&other).unwrap();
     let mut options = TrainOptions::new(".");
     options.resume = Some(dir);
-    let err = train(
-        &other,
-        &plan,
-        &options,
-        |_, t| CpuBackend::with_threads(t),
-        &|_| {},
-    )
-    .unwrap_err()
-    .to_string();
+    let err = train_cpu(&other, &plan, &options).unwrap_err().to_string();
     assert!(
         err.contains("written by plan") && err.contains("same .par file"),
         "{err}"

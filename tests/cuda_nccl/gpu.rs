@@ -9,7 +9,7 @@ use parc_runtime::backend::{Backend, DeviceTransfer, StepScalars};
 use parc_runtime::comm::{Comm, PeerOp};
 use parc_runtime::cuda::{nccl_available, nccl_version, CudaBackend, NcclId};
 use parc_runtime::error::RuntimeError as Error;
-use parc_runtime::exec::TrainResult;
+use parc_runtime::exec::{train, TrainResult};
 use std::time::Duration;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -494,14 +494,7 @@ fn run(s: &Spec, nccl: bool, cpu: bool) -> TrainResult {
     let mut options = TrainOptions::new(".");
     options.threads_per_rank = Some(1);
     if cpu {
-        return train(
-            s,
-            &plan,
-            &options,
-            |_, t| CpuBackend::with_threads(t),
-            &|_| {},
-        )
-        .unwrap();
+        return train_cpu(s, &plan, &options).unwrap();
     }
     let id = NcclId::new().unwrap();
     train(

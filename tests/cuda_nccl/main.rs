@@ -31,13 +31,12 @@
 #[path = "../ir/fixtures.rs"]
 mod fixtures;
 
-use fixtures::{spec, PlanChoice, TinyModel};
+use fixtures::{spec, train_cpu, PlanChoice, TinyModel};
 use parc_compiler::ir::{CollectiveKind, DType, Instr, P2pOp, Plan, ReduceOp};
 use parc_compiler::lower::lower;
 use parc_compiler::spec::{PipelineSchedule, Spec, ZeroStage};
 use parc_runtime::comm::layout::{check_p2p_order, CommKey, CommLayout};
-use parc_runtime::cpu::CpuBackend;
-use parc_runtime::exec::{train, TrainOptions};
+use parc_runtime::exec::TrainOptions;
 
 fn plan_of(s: &Spec) -> Plan {
     lower(s).unwrap_or_else(|d| panic!("{:?}", d.items))
@@ -224,18 +223,12 @@ fn identity_collectives_plan_is_verified_and_trains_like_the_original_on_the_cpu
     let mut options = TrainOptions::new(".");
     options.threads_per_rank = Some(1);
     let cpu = |plan: &Plan| {
-        train(
-            &s,
-            plan,
-            &options,
-            |_, t| CpuBackend::with_threads(t),
-            &|_| {},
-        )
-        .unwrap()
-        .records
-        .iter()
-        .map(|r| r.loss)
-        .collect::<Vec<_>>()
+        train_cpu(&s, plan, &options)
+            .unwrap()
+            .records
+            .iter()
+            .map(|r| r.loss)
+            .collect::<Vec<_>>()
     };
     let plan = plan_of(&s);
     assert_eq!(cpu(&plan), cpu(&with_identity_collectives(plan.clone())));

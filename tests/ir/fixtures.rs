@@ -2,7 +2,7 @@
 //! `parc_compiler::testing` on a CPU cluster), so lowering is tested without the parser, plus
 //! a plan simulator that executes every rank's program symbolically: buffer lifetimes, shapes
 //! of collectives and transfers, and rendezvous progress (an unmatched or misordered transfer
-//! or collective shows up as no progress).
+//! or collective shows up as no progress); [`train_cpu`] trains a spec's plan on the CPU.
 
 use parc_compiler::diag::Span;
 use parc_compiler::ir::{CollectiveKind, Instr, P2pOp, Plan};
@@ -94,6 +94,17 @@ pub fn spec(model: TinyModel, plan: PlanChoice) -> Spec {
 pub fn spec_variant(model: TinyModel, plan: PlanChoice, variant: Variant) -> Spec {
     let dims = tiny_dims(model.llama);
     sized_spec_variant(model, plan, dims, variant)
+}
+
+/// `parc_runtime::exec::train` on the CPU backend, each rank with the threads `train` gives it.
+#[allow(dead_code)] // for the tests that train; the IR tests include this file too
+pub fn train_cpu(
+    s: &Spec,
+    plan: &Plan,
+    options: &parc_runtime::exec::TrainOptions,
+) -> parc_runtime::error::Result<parc_runtime::exec::TrainResult> {
+    let backend = |_, threads| parc_runtime::cpu::CpuBackend::with_threads(threads);
+    parc_runtime::exec::train(s, plan, options, backend, &|_| {})
 }
 
 /// GPT-2 124M (12 layers, d 768, 12 heads, ffn 3072, the vocab padded to 50304, seq 1024, a
