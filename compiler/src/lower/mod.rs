@@ -173,8 +173,7 @@ pub fn lower_with(spec: &Spec, options: LowerOptions) -> Result<Plan, Diagnostic
     let orders: Vec<Vec<Unit>> = (0..p)
         .map(|s| schedule::stage_order(spec.parallel.schedule, p, v, spec.parallel.microbatches, s))
         .collect();
-    let durations = schedule::UnitCosts::new(spec, &chunks);
-    let Some(table) = schedule::simulate(orders, chunk_count, &|u| durations.ticks(u)) else {
+    let Some(table) = schedule::simulate(orders, chunk_count) else {
         return Err(one(Diagnostic::error(
             "E0805",
             "the pipeline schedule cannot complete: a stage waits on a unit that never runs",
