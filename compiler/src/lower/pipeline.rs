@@ -5,7 +5,10 @@
 //!
 //! Activation lifetimes: a value is held once per later consumer in its chunk (plus once when
 //! it is sent on) and once by every saved-tensor list; the last release frees it. Recomputed
-//! segments keep only their inputs through forward.
+//! segments keep only their inputs through forward. A sent buffer is released after the unit
+//! that follows its transfer group: a runtime may queue the group and go on (CUDA: NCCL's
+//! stream) but orders a free after the transfer, which ends only once the peer has posted its
+//! side, so a free right after the group would stall the sender until the peer reached it.
 
 use super::backward::backward_reads;
 use super::emitter::Emitter;
@@ -109,13 +112,17 @@ impl Emitter<'_> {
             .copied()
             .max()
             .unwrap_or(0);
+        // Sent buffers wait here until the next unit has been emitted (see the module docs).
+        let mut in_flight: Vec<BufferId> = Vec::new();
         for tick in 0..=last_tick {
             if let Some(ts) = groups.get(&tick) {
                 let mut ts = ts.clone();
                 ts.sort_by_key(|t| t.tag);
-                self.emit_p2p(&ts);
+                let sent = self.emit_p2p(&ts);
+                in_flight.extend(sent);
             }
             if let Some(u) = units.get(&tick).copied() {
+                let sent_before = std::mem::take(&mut in_flight);
                 match u.dir {
                     Dir::Forward => {
                         let next = units.range(tick + 1..).next().map(|(_, n)| *n);
@@ -128,12 +135,19 @@ impl Emitter<'_> {
                     }
                     Dir::Backward => self.backward_unit(u.microbatch, u.chunk),
                 }
+                for buf in sent_before {
+                    self.b.release(buf);
+                }
             }
+        }
+        for buf in in_flight {
+            self.b.release(buf);
         }
         self.finish_step();
     }
 
-    fn emit_p2p(&mut self, ts: &[&Transfer]) {
+    /// Emit one grouped transfer; returns the buffers it sends, for the caller to release.
+    fn emit_p2p(&mut self, ts: &[&Transfer]) -> Vec<BufferId> {
         let mut ops = Vec::new();
         let mut sent = Vec::new();
         for t in ts {
@@ -183,9 +197,7 @@ impl Emitter<'_> {
             }
         }
         self.b.p2p(ops);
-        for buf in sent {
-            self.b.release(buf);
-        }
+        sent
     }
 
     fn node_range(&self, chunk: u32) -> (usize, usize) {

@@ -338,17 +338,14 @@ impl<'a> Engine<'a> {
                 .collect(),
             _ => Vec::new(),
         };
-        // Sends wait for their data; receives for their buffer to be free.
+        // The group goes on the comm stream once the compute stream has reached it, its sends'
+        // data is written, its receives' buffers are free and the comm stream's earlier work is
+        // done; the compute stream goes on.
         let state = &mut self.ranks[y];
-        let (at, since) = ops.iter().fold((state.t, state.t), |(at, since), (_, b)| {
-            let i = b.0 as usize;
-            match (state.ready.get(i), state.comm_start.get(i)) {
-                (Some(&r), Some(&c)) if r > at => (r, c.max(state.t)),
-                _ => (at, since),
-            }
-        });
-        state.exposed += at - since;
-        state.t = at;
+        let at = ops
+            .iter()
+            .filter_map(|(_, b)| state.ready.get(b.0 as usize).copied())
+            .fold(state.t.max(state.t_comm), f64::max);
         state.p2p_posted_at = at;
         state.p2p_latest_start = at;
         state.p2p_end = at;
@@ -394,16 +391,19 @@ impl<'a> Engine<'a> {
         };
         let rank = self.slice.ranks[y];
         let pc = self.ranks[y].pc;
-        self.close_event(y);
         let st = &mut self.ranks[y];
         let transfer = st.p2p_end - st.p2p_latest_start;
-        st.exposed += transfer;
         st.comm += transfer;
-        st.t = st.p2p_end;
+        st.t_comm = st.p2p_end;
+        // Compute that reads a received buffer, or frees or overwrites a sent one, waits for the
+        // group: up to its latest transfer's start for the peers (idle), then for the transfer
+        // (exposed communication).
         if let Some(instr) = program.instrs.get(pc) {
-            for b in instr.writes() {
-                if let Some(r) = st.ready.get_mut(b.0 as usize) {
-                    *r = st.t;
+            for b in instr.reads().into_iter().chain(instr.writes()) {
+                let i = b.0 as usize;
+                if let (Some(r), Some(c)) = (st.ready.get_mut(i), st.comm_start.get_mut(i)) {
+                    *r = st.p2p_end;
+                    *c = st.p2p_latest_start;
                 }
             }
         }

@@ -10,18 +10,20 @@
 //!   the compute stream does not wait for it, only for its output when an op uses it (this is
 //!   how gradient buckets overlap backward). Waiting for such an output is *exposed
 //!   communication*.
-//! - **Point-to-point** instructions block the compute stream: each transfer starts when both
-//!   sides have posted it and a group completes when all its transfers have. Waiting for the
-//!   peer to post is idle time (the pipeline bubble); the transfer itself is exposed
-//!   communication.
+//! - A **point-to-point** group goes on the comm stream too (as the CUDA backend queues it on
+//!   NCCL's stream): it is posted once the compute stream has reached it, its sends' data is
+//!   written and the comm stream's earlier work is done; each transfer starts when both sides
+//!   have posted it and the group completes when all its transfers have. The compute stream
+//!   goes on; it waits for the group only where an op reads a received buffer or a sent or
+//!   received buffer is freed or overwritten. Such a wait is idle time (the pipeline bubble)
+//!   until the group's last transfer starts, exposed communication after.
 //! - `Alloc`, `Free` and `LoadBatch` take no time, but a `Free` of a buffer a collective still
 //!   uses waits for it, as the runtime does (the memory plan hands the bytes on).
 //!
-//! Checked against the formulas with uniform stage costs and free communication: GPipe and
-//! 1F1B give (p−1)/(m+p−1) for any forward/backward cost ratio; interleaved 1F1B gives
-//! Narayanan et al.'s (p−1)/(v·m+p−1) when a chunk's backward costs what its forward does
-//! (their analysis's assumption); with backward ≈ 2 × forward the lowered depth-first schedule
-//! idles more (p 4, v 2, m 8: 26% against 16%).
+//! Checked against the formulas with uniform stage costs and free communication, for the mean
+//! over stages and for the last stage: GPipe and 1F1B give (p−1)/(m+p−1), interleaved 1F1B
+//! Narayanan et al.'s (p−1)/(v·m+p−1), for any forward/backward cost ratio (the lowering frees
+//! a sent buffer only after the next unit, so no stage waits for its peer to take a send).
 //!
 //! Per rank, idle = step − busy − exposed communication, where the step ends when the last rank
 //! finishes; the bubble fraction is the mean idle time over the step. Ranks are simulated with
