@@ -99,6 +99,13 @@ pub trait Backend {
     fn marked_intervals(&mut self) -> Result<Vec<f64>> {
         Ok(Vec::new())
     }
+    /// For `--profile`: make the device's queue of work wait now for the queued communication
+    /// that uses `buffers` (the wait the next instruction on them would start with), so a
+    /// [`Backend::mark_time`] after it times the wait apart from the instruction's work. The
+    /// default does nothing: communication is done when its call returns.
+    fn wait_for_communication(&mut self, _buffers: &[BufferId]) -> Result<()> {
+        Ok(())
+    }
     /// Run a collective on this backend's own buffers through a device communicator it owns
     /// (NCCL), with the semantics of [`crate::comm::Comm`]: `group` holds global ranks in
     /// group-rank order and contains this rank; all-gather concatenates in group order;

@@ -528,6 +528,10 @@ impl Backend for CudaBackend {
         Ok(true)
     }
 
+    fn wait_for_communication(&mut self, buffers: &[BufferId]) -> Result<()> {
+        self.order_after_comm(buffers.iter().copied())
+    }
+
     fn marked_intervals(&mut self) -> Result<Vec<f64>> {
         let marks = std::mem::take(&mut self.time_marks);
         CudaBackend::synchronize(self)?;

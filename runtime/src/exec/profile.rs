@@ -9,8 +9,9 @@
 //! from an op's dimensions; bytes from the sizes of the buffers it reads and writes, an output
 //! it adds into counted twice (a lower bound on its traffic).
 use parc_compiler::ir::op::{Op, Segment};
-use parc_compiler::ir::Instr;
+use parc_compiler::ir::{BufferId, Instr, Program};
 use serde::Serialize;
+use std::collections::HashSet;
 
 /// The kinds of work a step's time is split into, in report order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -108,6 +109,38 @@ pub fn classify(instr: &Instr) -> OpKind {
         Instr::LoadBatch { .. } => OpKind::DataLoad,
         Instr::Alloc { .. } | Instr::Free { .. } => OpKind::AllocFree,
     }
+}
+
+/// The buffers a pipeline transfer (`Send`, `Recv`, `P2p`) of `program` sends or receives.
+pub fn transferred_buffers(program: &Program) -> HashSet<BufferId> {
+    program
+        .instrs
+        .iter()
+        .filter(|i| {
+            matches!(
+                i,
+                Instr::Send { .. } | Instr::Recv { .. } | Instr::P2p { .. }
+            )
+        })
+        .flat_map(|i| i.reads().into_iter().chain(i.writes()))
+        .collect()
+}
+
+/// The buffers of `transferred` that a local instruction (compute, `Alloc`, `Free`) uses: a
+/// device that queues transfers makes such an instruction first wait for them, which a
+/// device-timed profile counts as p2p time (the pipeline bubble as the stage sees it).
+pub fn transfer_waits(instr: &Instr, transferred: &HashSet<BufferId>) -> Vec<BufferId> {
+    let used = match instr {
+        Instr::Compute { .. } => instr.reads().into_iter().chain(instr.writes()).collect(),
+        Instr::Alloc { buffer } | Instr::Free { buffer } => vec![*buffer],
+        _ => Vec::new(),
+    };
+    let mut waits: Vec<BufferId> = used
+        .into_iter()
+        .filter(|b| transferred.contains(b))
+        .collect();
+    waits.dedup();
+    waits
 }
 
 fn op_kind(op: &Op) -> OpKind {
@@ -306,6 +339,73 @@ mod tests {
 
     fn seg(start: u32, len: u32) -> Vec<Segment> {
         vec![Segment { start, len }]
+    }
+
+    #[test]
+    fn waits_are_the_local_uses_of_transferred_buffers() {
+        use parc_compiler::ir::{CollectiveKind, GroupId, P2pOp, Peer, ReduceOp};
+        use parc_compiler::spec::Axis;
+        let b = BufferId;
+        let peer = Peer {
+            axis: Axis::Pp,
+            coord: 1,
+        };
+        let program = Program {
+            role: "test".into(),
+            coords: Vec::new(),
+            buffers: Vec::new(),
+            params: Vec::new(),
+            instrs: vec![
+                Instr::Alloc { buffer: b(2) },
+                Instr::P2p {
+                    ops: vec![
+                        P2pOp::Send {
+                            peer,
+                            buffer: b(1),
+                            tag: 0,
+                        },
+                        P2pOp::Recv {
+                            peer,
+                            buffer: b(2),
+                            tag: 1,
+                        },
+                    ],
+                },
+                Instr::Collective {
+                    kind: CollectiveKind::AllReduce { op: ReduceOp::Sum },
+                    group: GroupId(0),
+                    input: b(3),
+                    output: b(3),
+                    node: None,
+                },
+                Instr::compute(Op::Add, &[2, 2], &[4]),
+                Instr::compute(Op::Add, &[3, 4], &[5]),
+                Instr::Free { buffer: b(1) },
+            ],
+            loss: None,
+            grad_sumsq: None,
+        };
+        let transferred = transferred_buffers(&program);
+        let mut ids: Vec<u32> = transferred.iter().map(|b| b.0).collect();
+        ids.sort();
+        assert_eq!(ids, [1, 2]);
+        let waits: Vec<Vec<u32>> = program
+            .instrs
+            .iter()
+            .map(|i| {
+                transfer_waits(i, &transferred)
+                    .iter()
+                    .map(|b| b.0)
+                    .collect()
+            })
+            .collect();
+        // The transfer itself and the collective's buffer are not waits; the received buffer's
+        // reader (once, though it reads it twice) and the sent buffer's free are.
+        let none: Vec<u32> = Vec::new();
+        assert_eq!(
+            waits,
+            [vec![2], none.clone(), none.clone(), vec![2], none, vec![1]]
+        );
     }
 
     #[test]

@@ -14,6 +14,7 @@ use parc_compiler::ir::{
     BufferId, CollectiveKind, DType, GroupId, Instr, LocalParam, P2pOp, Peer, Plan, Program,
 };
 use parc_compiler::spec::Axis;
+use std::collections::HashSet;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -234,22 +235,39 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         };
         // Device-timed profiling: the work of each instruction, timed once the step is queued.
         let mut device_timed: Option<Vec<(profile::OpKind, f64, f64)>> = None;
+        let mut transferred = HashSet::new();
         if profile.is_some() {
             self.backend.synchronize()?;
             if self.backend.mark_time()? {
                 device_timed = Some(Vec::with_capacity(self.program.instrs.len()));
+                transferred = profile::transferred_buffers(self.program);
             }
         }
         for (index, instr) in self.program.instrs.iter().enumerate() {
             self.backend.begin_instruction(index);
             let result = match (profile.as_deref_mut(), device_timed.as_mut()) {
                 (None, _) => self.run(instr, step, &scalars),
-                (Some(_), Some(work)) => self.run(instr, step, &scalars).and_then(|()| {
-                    self.backend.mark_time()?;
-                    let (flops, bytes) = self.work_of(instr);
-                    work.push((profile::classify(instr), flops, bytes));
-                    Ok(())
-                }),
+                (Some(_), Some(work)) => {
+                    // The device's wait for a pipeline transfer is timed as p2p, apart from the
+                    // work of the instruction that waits.
+                    let waits = profile::transfer_waits(instr, &transferred);
+                    let waited = if waits.is_empty() {
+                        Ok(())
+                    } else {
+                        self.backend
+                            .wait_for_communication(&waits)
+                            .and_then(|()| self.backend.mark_time())
+                            .map(|_| work.push((profile::OpKind::P2p, 0.0, 0.0)))
+                    };
+                    waited
+                        .and_then(|()| self.run(instr, step, &scalars))
+                        .and_then(|()| {
+                            self.backend.mark_time()?;
+                            let (flops, bytes) = self.work_of(instr);
+                            work.push((profile::classify(instr), flops, bytes));
+                            Ok(())
+                        })
+                }
                 (Some(profile), None) => self.run_timed(instr, step, &scalars, profile),
             };
             result.map_err(|e| match e {
