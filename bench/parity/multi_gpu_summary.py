@@ -281,7 +281,9 @@ def tp_pp(runs, problems):
         measured = None
         if r.profile is not None and pp > 1:
             kinds = {k["kind"]: k for k in r.profile.get("kinds", [])}
-            measured = kinds.get("p2p", {}).get("share_pct", 0.0) / 100
+            # the device's waits for communication are timed as p2p (pipeline transfers) and
+            # collective (the end of step's reductions wait for the other stages to finish)
+            measured = sum(kinds.get(k, {}).get("share_pct", 0.0) for k in ("p2p", "collective")) / 100
         last = lowered.get("report_rank_stall_fraction") if pp > 1 else None
         row = dict(run=r.name, gpus=r.meta["ranks"], pp=pp, virtual=v, microbatches=m, tokens_per_s=rate,
                    mfu=r.mfu(rate), bubble_theory=theory,
@@ -294,9 +296,10 @@ def tp_pp(runs, problems):
     if any(r["bubble_theory"] is not None for r in rows):
         print("ideal bubble: (p-1)/(m+p-1); interleaved (p-1)/(v·m+p-1) with v chunks per rank; "
               "check (all): `parc check`'s simulated bubble, the mean idle share over ranks; check (last): its "
-              "simulated share of the last stage idle or waiting for transfers; measured: the profiled last "
-              "step's share of the report rank (the last stage) in pipeline sends/receives (device-timed), "
-              "waiting and transfers included")
+              "simulated share of the last stage idle or waiting for communication; measured: the profiled last "
+              "step's share of the report rank (the last stage) waiting for communication (device-timed p2p "
+              "and collective: pipeline transfers, and the end of step's reductions that wait for the other "
+              "stages), peers and transfers included")
     return rows
 
 

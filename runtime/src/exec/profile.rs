@@ -11,7 +11,7 @@
 use parc_compiler::ir::op::{Op, Segment};
 use parc_compiler::ir::{BufferId, Instr, Program};
 use serde::Serialize;
-use std::collections::HashSet;
+use std::collections::HashMap;
 
 /// The kinds of work a step's time is split into, in report order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -111,36 +111,53 @@ pub fn classify(instr: &Instr) -> OpKind {
     }
 }
 
-/// The buffers a pipeline transfer (`Send`, `Recv`, `P2p`) of `program` sends or receives.
-pub fn transferred_buffers(program: &Program) -> HashSet<BufferId> {
-    program
-        .instrs
-        .iter()
-        .filter(|i| {
-            matches!(
-                i,
-                Instr::Send { .. } | Instr::Recv { .. } | Instr::P2p { .. }
-            )
-        })
-        .flat_map(|i| i.reads().into_iter().chain(i.writes()))
-        .collect()
+/// The buffers communication of `program` uses, each with its kind: `P2p` for what a pipeline
+/// transfer (`Send`, `Recv`, `P2p`) sends or receives, `Collective` for a collective's input and
+/// output (a buffer both use counts as `P2p`).
+pub fn communicated_buffers(program: &Program) -> HashMap<BufferId, OpKind> {
+    let mut kinds = HashMap::new();
+    for instr in &program.instrs {
+        let kind = match instr {
+            Instr::Send { .. } | Instr::Recv { .. } | Instr::P2p { .. } => OpKind::P2p,
+            Instr::Collective { .. } => OpKind::Collective,
+            _ => continue,
+        };
+        for b in instr.reads().into_iter().chain(instr.writes()) {
+            let entry = kinds.entry(b).or_insert(kind);
+            if kind == OpKind::P2p {
+                *entry = OpKind::P2p;
+            }
+        }
+    }
+    kinds
 }
 
-/// The buffers of `transferred` that a local instruction (compute, `Alloc`, `Free`) uses: a
-/// device that queues transfers makes such an instruction first wait for them, which a
-/// device-timed profile counts as p2p time (the pipeline bubble as the stage sees it).
-pub fn transfer_waits(instr: &Instr, transferred: &HashSet<BufferId>) -> Vec<BufferId> {
+/// The buffers of `communicated` that a local instruction (compute, `Alloc`, `Free`) uses, and
+/// the kind its wait counts as (`P2p` if any is a transfer's): a device that queues
+/// communication makes such an instruction first wait for it, which a device-timed profile
+/// times apart from the instruction's work. None when it uses none.
+pub fn communication_wait(
+    instr: &Instr,
+    communicated: &HashMap<BufferId, OpKind>,
+) -> Option<(OpKind, Vec<BufferId>)> {
     let used = match instr {
         Instr::Compute { .. } => instr.reads().into_iter().chain(instr.writes()).collect(),
         Instr::Alloc { buffer } | Instr::Free { buffer } => vec![*buffer],
         _ => Vec::new(),
     };
-    let mut waits: Vec<BufferId> = used
-        .into_iter()
-        .filter(|b| transferred.contains(b))
-        .collect();
-    waits.dedup();
-    waits
+    let mut kind = None;
+    let mut waits: Vec<BufferId> = Vec::new();
+    for b in used {
+        if let Some(&k) = communicated.get(&b) {
+            if kind != Some(OpKind::P2p) {
+                kind = Some(k);
+            }
+            if !waits.contains(&b) {
+                waits.push(b);
+            }
+        }
+    }
+    kind.map(|k| (k, waits))
 }
 
 fn op_kind(op: &Op) -> OpKind {
@@ -342,7 +359,7 @@ mod tests {
     }
 
     #[test]
-    fn waits_are_the_local_uses_of_transferred_buffers() {
+    fn waits_are_the_local_uses_of_communicated_buffers() {
         use parc_compiler::ir::{CollectiveKind, GroupId, P2pOp, Peer, ReduceOp};
         use parc_compiler::spec::Axis;
         let b = BufferId;
@@ -385,26 +402,33 @@ mod tests {
             loss: None,
             grad_sumsq: None,
         };
-        let transferred = transferred_buffers(&program);
-        let mut ids: Vec<u32> = transferred.iter().map(|b| b.0).collect();
-        ids.sort();
-        assert_eq!(ids, [1, 2]);
-        let waits: Vec<Vec<u32>> = program
+        let communicated = communicated_buffers(&program);
+        let mut kinds: Vec<(u32, OpKind)> = communicated.iter().map(|(b, k)| (b.0, *k)).collect();
+        kinds.sort_by_key(|(b, _)| *b);
+        assert_eq!(
+            kinds,
+            [(1, OpKind::P2p), (2, OpKind::P2p), (3, OpKind::Collective)]
+        );
+        let waits: Vec<Option<(OpKind, Vec<u32>)>> = program
             .instrs
             .iter()
             .map(|i| {
-                transfer_waits(i, &transferred)
-                    .iter()
-                    .map(|b| b.0)
-                    .collect()
+                communication_wait(i, &communicated)
+                    .map(|(k, bufs)| (k, bufs.iter().map(|b| b.0).collect()))
             })
             .collect();
-        // The transfer itself and the collective's buffer are not waits; the received buffer's
-        // reader (once, though it reads it twice) and the sent buffer's free are.
-        let none: Vec<u32> = Vec::new();
+        // The communication itself waits for nothing here; the received buffer's reader (once,
+        // though it reads it twice), the collective's reader and the sent buffer's free do.
         assert_eq!(
             waits,
-            [vec![2], none.clone(), none.clone(), vec![2], none, vec![1]]
+            [
+                Some((OpKind::P2p, vec![2])),
+                None,
+                None,
+                Some((OpKind::P2p, vec![2])),
+                Some((OpKind::Collective, vec![3])),
+                Some((OpKind::P2p, vec![1])),
+            ]
         );
     }
 

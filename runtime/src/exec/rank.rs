@@ -14,7 +14,7 @@ use parc_compiler::ir::{
     BufferId, CollectiveKind, DType, GroupId, Instr, LocalParam, P2pOp, Peer, Plan, Program,
 };
 use parc_compiler::spec::Axis;
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -235,12 +235,12 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         };
         // Device-timed profiling: the work of each instruction, timed once the step is queued.
         let mut device_timed: Option<Vec<(profile::OpKind, f64, f64)>> = None;
-        let mut transferred = HashSet::new();
+        let mut communicated = HashMap::new();
         if profile.is_some() {
             self.backend.synchronize()?;
             if self.backend.mark_time()? {
                 device_timed = Some(Vec::with_capacity(self.program.instrs.len()));
-                transferred = profile::transferred_buffers(self.program);
+                communicated = profile::communicated_buffers(self.program);
             }
         }
         for (index, instr) in self.program.instrs.iter().enumerate() {
@@ -248,16 +248,15 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
             let result = match (profile.as_deref_mut(), device_timed.as_mut()) {
                 (None, _) => self.run(instr, step, &scalars),
                 (Some(_), Some(work)) => {
-                    // The device's wait for a pipeline transfer is timed as p2p, apart from the
-                    // work of the instruction that waits.
-                    let waits = profile::transfer_waits(instr, &transferred);
-                    let waited = if waits.is_empty() {
-                        Ok(())
-                    } else {
-                        self.backend
-                            .wait_for_communication(&waits)
+                    // The device's wait for queued communication is timed apart from the work
+                    // of the instruction that waits, as p2p or collective.
+                    let waited = match profile::communication_wait(instr, &communicated) {
+                        None => Ok(()),
+                        Some((kind, buffers)) => self
+                            .backend
+                            .wait_for_communication(&buffers)
                             .and_then(|()| self.backend.mark_time())
-                            .map(|_| work.push((profile::OpKind::P2p, 0.0, 0.0)))
+                            .map(|_| work.push((kind, 0.0, 0.0))),
                     };
                     waited
                         .and_then(|()| self.run(instr, step, &scalars))
