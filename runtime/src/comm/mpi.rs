@@ -178,6 +178,31 @@ impl MpiComm {
         error
     }
 
+    /// Whether every rank in `peers` is itself waiting (as the rendezvous board says) and,
+    /// following whom they wait for, some rank other than this one waits for nobody: then
+    /// that rank hangs, and a rank waiting for it directly will time out and name it. False
+    /// when a peer is not waiting (it hangs, or is slow), or when the waits only lead back
+    /// here (ranks waiting for each other: issued in different orders).
+    fn stuck_behind(&self, peers: &[u32]) -> bool {
+        let mut seen = vec![false; self.world as usize];
+        let mut queue: Vec<u32> = peers.to_vec();
+        let mut leads_to_a_hang = false;
+        while let Some(rank) = queue.pop() {
+            if rank == self.rank || std::mem::replace(&mut seen[rank as usize], true) {
+                continue;
+            }
+            let waits = self.rendezvous.waiting_for(rank);
+            if waits.is_empty() {
+                if peers.contains(&rank) {
+                    return false;
+                }
+                leads_to_a_hang = true;
+            }
+            queue.extend(waits.into_iter().filter(|&r| r < self.world));
+        }
+        leads_to_a_hang
+    }
+
     fn peer_failed(&mut self, doing: &str) -> Result<()> {
         let result = self.rendezvous.check_failed(doing);
         result.map_err(|e| self.fail(e))
@@ -233,7 +258,12 @@ impl MpiComm {
         }
         let mut received: Vec<Option<Vec<u8>>> = vec![None; from.len()];
         let mut sent = vec![false; sends.len()];
-        let deadline = Instant::now() + self.timeout;
+        let started = Instant::now();
+        let mut deadline = started + self.timeout;
+        // A wait this long is told to the other ranks (see `stuck_behind`).
+        let report_after = (self.timeout / 8).min(Duration::from_millis(250));
+        let mut reported = false;
+        let mut extensions = 0u32;
         let mut idle = 0u32;
         loop {
             let mut progress = false;
@@ -270,13 +300,17 @@ impl MpiComm {
                 }
             }
             if sent.iter().all(|&s| s) && received.iter().all(Option::is_some) {
+                if reported {
+                    self.rendezvous.report_waiting(&[]);
+                }
                 return Ok(received.into_iter().flatten().collect());
             }
             if let Err(e) = self.peer_failed(&format!("in {}", doing())) {
                 std::mem::forget(sends);
                 return Err(e);
             }
-            if Instant::now() >= deadline {
+            let now = Instant::now();
+            if now >= deadline || (!reported && now >= started + report_after) {
                 let unsent: Vec<u32> = sends
                     .iter()
                     .zip(&sent)
@@ -289,6 +323,22 @@ impl MpiComm {
                     .filter(|(_, r)| r.is_none())
                     .map(|((p, _), _)| *p)
                     .collect();
+                let mut peers: Vec<u32> = missing.iter().chain(&unsent).copied().collect();
+                peers.sort_unstable();
+                peers.dedup();
+                if !reported {
+                    self.rendezvous.report_waiting(&peers);
+                    reported = true;
+                }
+                if now < deadline {
+                    continue;
+                }
+                // Behind a rank that waits for a hung one: give it the time to name it.
+                if extensions < self.world && self.stuck_behind(&peers) {
+                    extensions += 1;
+                    deadline = now + self.timeout;
+                    continue;
+                }
                 std::mem::forget(sends);
                 let mut waits = Vec::new();
                 if !missing.is_empty() {

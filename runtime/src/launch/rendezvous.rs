@@ -11,6 +11,10 @@
 //!   a connection that closes before its rank said it finished is reported as that rank's
 //!   death. [`Rendezvous::failure`] is what comms poll while they wait, so a peer's failure
 //!   ends their waits at once instead of at a timeout.
+//! - [`Rendezvous::report_waiting`] tells every rank which ranks this one has been waiting for
+//!   (rank 0 relays), and [`Rendezvous::waiting_for`] reads the board: a comm whose wait times
+//!   out on a rank that is itself waiting for others waits on, so the error names the rank that
+//!   hangs rather than one stuck behind it.
 //! - [`Rendezvous::finish`] ends the job together: every rank reports done, rank 0 answers
 //!   when all have, so no rank mistakes another's normal exit for a death.
 //!
@@ -120,6 +124,7 @@ const BROADCAST: u8 = 4;
 const ABORT: u8 = 5;
 const DONE: u8 = 6;
 const BYE: u8 = 7;
+const WAITING: u8 = 8;
 
 /// Largest frame accepted (a broadcast payload is small: an id, a config).
 const MAX_FRAME: u32 = 64 << 20;
@@ -194,6 +199,53 @@ impl FailureWatch {
     }
 }
 
+/// Which ranks each rank has been waiting for in a comm (empty: none), as last reported.
+#[derive(Clone)]
+struct WaitBoard {
+    waits: Arc<Mutex<Vec<Vec<u32>>>>,
+}
+
+impl WaitBoard {
+    fn new(world: u32) -> WaitBoard {
+        WaitBoard {
+            waits: Arc::new(Mutex::new(vec![Vec::new(); world as usize])),
+        }
+    }
+
+    fn set(&self, rank: u32, waiting_for: Vec<u32>) {
+        if let Ok(mut waits) = self.waits.lock() {
+            if let Some(slot) = waits.get_mut(rank as usize) {
+                *slot = waiting_for;
+            }
+        }
+    }
+
+    fn get(&self, rank: u32) -> Vec<u32> {
+        self.waits
+            .lock()
+            .ok()
+            .and_then(|w| w.get(rank as usize).cloned())
+            .unwrap_or_default()
+    }
+}
+
+fn waiting_payload(rank: u32, waiting_for: &[u32]) -> Vec<u8> {
+    let mut payload = rank.to_le_bytes().to_vec();
+    for r in waiting_for {
+        payload.extend_from_slice(&r.to_le_bytes());
+    }
+    payload
+}
+
+fn parse_waiting(payload: &[u8]) -> Option<(u32, Vec<u32>)> {
+    let mut words = payload
+        .chunks_exact(4)
+        .filter_map(|b| <[u8; 4]>::try_from(b).ok())
+        .map(u32::from_le_bytes);
+    let rank = words.next()?;
+    Some((rank, words.collect()))
+}
+
 /// One open connection: rank 0 holds one per peer, the others one to rank 0.
 struct Link {
     peer: u32,
@@ -216,6 +268,7 @@ struct Inner {
     timeout: Duration,
     links: Vec<Arc<Link>>,
     failure: FailureWatch,
+    waits: WaitBoard,
     /// Rank 0: peers that reported done; others: whether rank 0 said bye.
     finished: Arc<Mutex<Vec<bool>>>,
     /// Broadcast payloads from rank 0 (ranks other than 0).
@@ -308,6 +361,22 @@ impl Rendezvous {
                 }
             }
         }
+    }
+
+    /// Tell every rank that this one has been waiting for `ranks` in a comm (empty: it no
+    /// longer waits). Best effort: a rank that cannot be told only misses a hint.
+    pub fn report_waiting(&self, ranks: &[u32]) {
+        let inner = &self.inner;
+        inner.waits.set(inner.me.rank, ranks.to_vec());
+        let payload = waiting_payload(inner.me.rank, ranks);
+        for link in &inner.links {
+            let _ = link.send(WAITING, &payload);
+        }
+    }
+
+    /// Whom `rank` last reported waiting for (empty: it reported no wait, or it ended).
+    pub fn waiting_for(&self, rank: u32) -> Vec<u32> {
+        self.inner.waits.get(rank)
     }
 
     /// An error when another rank has failed (`while_doing` says what this rank was doing).
@@ -492,6 +561,7 @@ fn host(config: &RendezvousConfig) -> Result<Rendezvous> {
     let listing = serde_json::to_vec(&members)
         .map_err(|e| rdv_error(format!("cannot encode the member list: {e}")))?;
     let failure = FailureWatch::default();
+    let waits = WaitBoard::new(me.world);
     let finished = Arc::new(Mutex::new(vec![false; world]));
     if let Ok(mut f) = finished.lock() {
         f[0] = true;
@@ -519,9 +589,10 @@ fn host(config: &RendezvousConfig) -> Result<Rendezvous> {
     }
     for (peer, reader) in readers {
         let (links, failure, finished) = (links.clone(), failure.clone(), Arc::clone(&finished));
+        let waits = waits.clone();
         std::thread::Builder::new()
             .name(format!("parc-rdv-{peer}"))
-            .spawn(move || host_reader(peer, reader, &links, &failure, &finished))
+            .spawn(move || host_reader(peer, reader, &links, &failure, &waits, &finished))
             .map_err(|e| rdv_error(format!("cannot start a rendezvous reader: {e}")))?;
     }
     let (_, broadcasts) = channel();
@@ -532,6 +603,7 @@ fn host(config: &RendezvousConfig) -> Result<Rendezvous> {
             timeout: config.timeout,
             links,
             failure,
+            waits,
             finished,
             broadcasts: Mutex::new(broadcasts),
         }),
@@ -564,12 +636,14 @@ fn closed_how(e: &std::io::Error) -> String {
     }
 }
 
-/// Rank 0's reader of one peer: relays aborts, records done, reports a dropped connection.
+/// Rank 0's reader of one peer: relays aborts and waits, records done, reports a dropped
+/// connection.
 fn host_reader(
     peer: u32,
     mut stream: TcpStream,
     links: &[Arc<Link>],
     failure: &FailureWatch,
+    waits: &WaitBoard,
     finished: &Mutex<Vec<bool>>,
 ) {
     let relay = |rank: u32, reason: &str| {
@@ -584,6 +658,14 @@ fn host_reader(
                 let (rank, reason) = parse_abort(&payload);
                 if failure.set(rank, reason.clone()) {
                     relay(rank, &reason);
+                }
+            }
+            Ok((WAITING, payload)) => {
+                if let Some((rank, ranks)) = parse_waiting(&payload) {
+                    waits.set(rank, ranks);
+                    for link in links.iter().filter(|l| l.peer != rank) {
+                        let _ = link.send(WAITING, &payload);
+                    }
                 }
             }
             Ok((DONE, _)) => {
@@ -698,16 +780,17 @@ fn connect(config: &RendezvousConfig) -> Result<Rendezvous> {
     };
     stream.set_read_timeout(None).map_err(io)?;
     let failure = FailureWatch::default();
+    let waits = WaitBoard::new(me.world);
     let finished = Arc::new(Mutex::new(vec![false]));
     let reader = stream
         .try_clone()
         .map_err(|e| rdv_error(format!("cannot share a connection: {e}")))?;
     let (sender, broadcasts) = channel();
     {
-        let (failure, finished) = (failure.clone(), Arc::clone(&finished));
+        let (failure, finished, waits) = (failure.clone(), Arc::clone(&finished), waits.clone());
         std::thread::Builder::new()
             .name("parc-rdv-0".to_string())
-            .spawn(move || peer_reader(reader, &failure, &finished, &sender))
+            .spawn(move || peer_reader(reader, &failure, &waits, &finished, &sender))
             .map_err(|e| rdv_error(format!("cannot start a rendezvous reader: {e}")))?;
     }
     Ok(Rendezvous {
@@ -720,6 +803,7 @@ fn connect(config: &RendezvousConfig) -> Result<Rendezvous> {
                 writer: Mutex::new(stream),
             })],
             failure,
+            waits,
             finished,
             broadcasts: Mutex::new(broadcasts),
         }),
@@ -730,10 +814,11 @@ fn is_self_connected(stream: &TcpStream) -> bool {
     matches!((stream.local_addr(), stream.peer_addr()), (Ok(a), Ok(b)) if a == b)
 }
 
-/// A non-zero rank's reader of rank 0: broadcasts, relayed aborts, the final bye.
+/// A non-zero rank's reader of rank 0: broadcasts, relayed aborts and waits, the final bye.
 fn peer_reader(
     mut stream: TcpStream,
     failure: &FailureWatch,
+    waits: &WaitBoard,
     finished: &Mutex<Vec<bool>>,
     broadcasts: &Sender<Vec<u8>>,
 ) {
@@ -745,6 +830,11 @@ fn peer_reader(
             Ok((ABORT, payload)) => {
                 let (rank, reason) = parse_abort(&payload);
                 failure.set(rank, reason);
+            }
+            Ok((WAITING, payload)) => {
+                if let Some((rank, ranks)) = parse_waiting(&payload) {
+                    waits.set(rank, ranks);
+                }
             }
             Ok((BYE, _)) => {
                 if let Ok(mut f) = finished.lock() {
@@ -847,6 +937,41 @@ mod tests {
             let err = result.err().unwrap().to_string();
             assert!(err.contains("lowered a different plan"), "{err}");
         }
+    }
+
+    #[test]
+    fn every_rank_sees_whom_the_others_wait_for() {
+        let joined = join_all(&[0, 1, 2], 3, |_| "h".into(), 10_000);
+        let rdvs: Vec<Rendezvous> = joined.into_iter().map(Result::unwrap).collect();
+        // Rank 1 (through rank 0's relay) and rank 0 (directly) report waits.
+        rdvs[1].report_waiting(&[0]);
+        rdvs[0].report_waiting(&[2]);
+        let sees = |rdv: &Rendezvous, rank: u32, expect: &[u32]| {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while rdv.waiting_for(rank) != expect && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert_eq!(
+                rdv.waiting_for(rank),
+                expect,
+                "rank {} on rank {rank}",
+                rdv.rank()
+            );
+        };
+        for rdv in &rdvs {
+            sees(rdv, 1, &[0]);
+            sees(rdv, 0, &[2]);
+            sees(rdv, 2, &[]);
+        }
+        rdvs[1].report_waiting(&[]);
+        for rdv in &rdvs {
+            sees(rdv, 1, &[]);
+        }
+        assert_eq!(
+            parse_waiting(&waiting_payload(7, &[1, 2])),
+            Some((7, vec![1, 2]))
+        );
+        assert_eq!(parse_waiting(&[1, 2]), None);
     }
 
     #[test]
