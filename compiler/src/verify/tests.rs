@@ -602,8 +602,13 @@ fn an_accumulating_output_that_is_also_an_input_is_reported() {
     let at = instrs
         .iter()
         .position(|i| {
-            matches!(i, Instr::Compute { op, .. }
-                if matches!(**op, Op::MatmulBwdData { accumulate: true, .. }))
+            matches!(
+                i.op(),
+                Some(Op::MatmulBwdData {
+                    accumulate: true,
+                    ..
+                })
+            )
         })
         .expect("an accumulating MatmulBwdData");
     if let Instr::Compute {
@@ -629,8 +634,13 @@ fn an_accumulating_activation_gradient_is_reported() {
     let at = instrs
         .iter()
         .position(|i| {
-            matches!(i, Instr::Compute { op, .. }
-                if matches!(**op, Op::MatmulBwdData { act_grad: Some(_), .. }))
+            matches!(
+                i.op(),
+                Some(Op::MatmulBwdData {
+                    act_grad: Some(_),
+                    ..
+                })
+            )
         })
         .expect("a MatmulBwdData with act_grad");
     if let Instr::Compute { op, .. } = &mut instrs[at] {
