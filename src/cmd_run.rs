@@ -140,7 +140,7 @@ pub fn main(args: RunArgs) -> u8 {
         Ok(crate::run_launch::Mode::Launcher(n)) => return crate::run_supervise::launch(&args, n),
         Ok(crate::run_launch::Mode::Rank(env)) => return crate::run_launch::run_rank(&args, env),
         Err(message) => {
-            eprintln!("error: {message}");
+            print_error(&message);
             return 2;
         }
     }
@@ -157,7 +157,7 @@ pub fn main(args: RunArgs) -> u8 {
 /// error already on stderr: 2 for a backend that cannot run, else as `compile`.
 pub(crate) fn backend_and_plan(args: &RunArgs, quiet: bool) -> Result<(Resolved, Spec, Plan), u8> {
     let backend = resolve_backend(args.backend, quiet).map_err(|message| {
-        eprintln!("error: {message}");
+        print_error(&message);
         2
     })?;
     let (spec, plan) = compile(&args.file, &args.spec.set)?;
@@ -188,7 +188,7 @@ pub(crate) fn print_error(message: &str) {
 pub(crate) fn compile(file: &Path, set: &[String]) -> Result<(Spec, Plan), u8> {
     let fail = |code: u8| {
         move |message: String| {
-            eprintln!("error: {message}");
+            print_error(&message);
             code
         }
     };

@@ -30,7 +30,7 @@ pub fn launch(args: &RunArgs, n: u32) -> u8 {
         Err((code, message)) => {
             // An empty message: the error was already shown (the spec's diagnostics).
             if !message.is_empty() {
-                eprintln!("error: {message}");
+                crate::cmd_run::print_error(&message);
             }
             code
         }
