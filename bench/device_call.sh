@@ -21,13 +21,8 @@ cd "$(dirname "$0")/.."
 dir=${1:-.device}
 out=${OUT:-$dir/out}
 mkdir -p "$out"
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export NCCL_NVLS_ENABLE=0
-# The device machine's NCCL has no unversioned libnccl.so; cudarc looks that name up.
-if [[ -e /usr/lib/x86_64-linux-gnu/libnccl.so.2 ]]; then
-    mkdir -p "$dir/nccl" && ln -sf /usr/lib/x86_64-linux-gnu/libnccl.so.2 "$dir/nccl/libnccl.so"
-    export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$PWD/$dir/nccl
-fi
+source bench/device_env.sh
+link_nccl "$dir/nccl"
 phases=" ${PHASES:-tests rates} "
 t0=$SECONDS
 # step NAME TIMEOUT COMMAND...: run it into $out/NAME.log, print its outcome lines.
@@ -39,16 +34,11 @@ step() {
 }
 # rate FILE LABEL: mean tokens/s of steps 2.. of a JSON-lines run.
 rate() {
-    python3 - "$1" "$2" <<'PY'
-import json, sys
-steps = []
-for line in open(sys.argv[1]):
-    try:
-        e = json.loads(line)
-    except ValueError:
-        continue
-    if e.get("event") == "step" and "tokens_per_s" in e:
-        steps.append(e["tokens_per_s"])
+    PYTHONPATH=bench/parity python3 - "$1" "$2" <<'PY'
+import sys
+from jsonl import json_lines
+steps = [e["tokens_per_s"] for e in json_lines(sys.argv[1])
+         if e.get("event") == "step" and "tokens_per_s" in e]
 r = steps[1:]
 if r:
     print(f"{sys.argv[2]}: steps 2..{len(steps)}: mean {sum(r) / len(r):,.0f} tokens/s, max {max(r):,.0f}")

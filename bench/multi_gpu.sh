@@ -56,8 +56,7 @@
 # otherwise, 2 on setup errors.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export NCCL_NVLS_ENABLE=0
+source bench/device_env.sh
 
 parc="${PARC:-.device/parc}"
 nccl_test="${NCCL_TEST:-.device/cuda_nccl}"
@@ -97,12 +96,7 @@ stop_samplers() {
     samplers=()
 }
 trap 'stop_samplers; rm -rf "$scratch"' EXIT
-# cudarc looks for libnccl.so, Debian's libnccl2 installs only libnccl.so.2 (docs/cuda.md, NCCL)
-if [[ -e /usr/lib/x86_64-linux-gnu/libnccl.so.2 ]]; then
-    mkdir -p "$scratch/nccl"
-    ln -s /usr/lib/x86_64-linux-gnu/libnccl.so.2 "$scratch/nccl/libnccl.so"
-    export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$scratch/nccl"
-fi
+link_nccl "$scratch/nccl"
 {
     echo "multi-gpu: $ngpu GPU(s), backend $backend, phases: $phases, parc $parc, budget ${total} s"
     echo "NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE"
