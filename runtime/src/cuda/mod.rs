@@ -40,6 +40,7 @@ mod staging;
 mod storage;
 mod stream;
 mod sum_squares;
+mod variants;
 
 use crate::backend::{Backend, DeviceTransfer, StepScalars};
 use crate::error::{Result, RuntimeError};
@@ -168,6 +169,8 @@ pub struct CudaBackend {
     sum_squares: sum_squares::FusedSumSquares,
     /// `--profile`'s time marks on the compute stream since the last `marked_intervals`.
     time_marks: Vec<cudarc::driver::CudaEvent>,
+    /// Which implementation runs each op that has kernel variants (`variants`).
+    variants: variants::KernelVariants,
     /// Kept alive for cuBLASLt.
     _workspace: CudaSlice<u8>,
 }
@@ -202,6 +205,7 @@ impl CudaBackend {
             Precision::Bf16 => Operands::Bf16,
             Precision::Fp16 { .. } => Operands::F16,
         };
+        let variants = variants::KernelVariants::from_env()?;
         let (ctx, stream) = device::open(ordinal)?;
         let kernels = Kernels::load(&ctx)?;
         let workspace = stream
@@ -225,10 +229,18 @@ impl CudaBackend {
             fused: optimizer::FusedOptimizer::default(),
             sum_squares: sum_squares::FusedSumSquares::default(),
             time_marks: Vec::new(),
+            variants,
             _workspace: workspace,
             nccl: None,
             staging: staging::Staging::default(),
         })
+    }
+
+    /// Run variant `name` of `op`'s kernel from now on (tests; runs choose with
+    /// `PARC_<OP>_KERNEL`, read when the backend is made). An unknown op or name is an error
+    /// listing the choices.
+    pub fn set_kernel_variant(&mut self, op: &str, name: &str) -> Result<()> {
+        self.variants.set(op, name)
     }
 
     /// The device's name, e.g. for the `--backend auto` message.
