@@ -5,12 +5,13 @@
 #
 # Needs NVRTC and ptxas, e.g. from PyPI:
 #   pip install --target /opt/cuda-pip nvidia-cuda-nvrtc nvidia-cuda-nvcc
-#   CUDA_PIP=/opt/cuda-pip bench/kernel_stats.sh [sm_90] [kernel-name-filter]
+#   CUDA_PIP=/opt/cuda-pip bench/kernel_stats.sh [sm_90a] [kernel-name-filter]
+# (sm_90a: what an H100/H200 runs, docs/cuda.md; sm_80 or sm_90 for the other targets.)
 # Output: one line per kernel: name, registers, spill stores/loads and static shared memory
 # (bytes; dynamic shared memory is set at launch and not shown).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-sm=${1:-sm_90}
+sm=${1:-sm_90a}
 filter=${2:-}
 pip_root=${CUDA_PIP:-$(python3 -c 'import site; print(site.getsitepackages()[0])')}
 lib=$(dirname "$(find "$pip_root" -name 'libnvrtc.so*' -print -quit 2>/dev/null || true)")
@@ -18,7 +19,6 @@ ptxas=${PTXAS:-$(find "$pip_root" -name ptxas -type f -print -quit 2>/dev/null |
 [ -n "$lib" ] && [ "$lib" != . ] || { echo "no libnvrtc under $pip_root (pip install nvidia-cuda-nvrtc)" >&2; exit 2; }
 [ -x "$ptxas" ] || { echo "no ptxas under $pip_root (pip install nvidia-cuda-nvcc, or set PTXAS)" >&2; exit 2; }
 arch=compute_${sm#sm_}
-arch=${arch%a}
 cache=$(mktemp -d)
 trap 'rm -rf "$cache"' EXIT
 LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" XDG_CACHE_HOME="$cache" \

@@ -2,6 +2,12 @@
 //! cached by content hash: in memory for every backend of the process, and on disk as PTX
 //! under `$XDG_CACHE_HOME/parc` (or `~/.cache/parc`) so later runs skip NVRTC. A disk cache
 //! that cannot be read or written is only skipped; compile errors carry NVRTC's log.
+//!
+//! A Hopper GPU (compute capability 9.0: H100, H200) gets the program compiled for
+//! `compute_90a`, the architecture-specific target whose PTX may use warpgroup MMA (`wgmma`),
+//! the tensor memory accelerator and `setmaxnreg`. Kernels that need them are written inside
+//! `#ifdef __CUDA_ARCH_FEAT_SM90_ALL` (defined only for that target), so the same sources
+//! still compile for every other GPU, where the host never launches them.
 use super::device::driver_error;
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
@@ -101,6 +107,16 @@ fn ptx_for(arch: &str) -> Result<String> {
     Ok(ptx)
 }
 
+/// The NVRTC target for a GPU of compute capability `major.minor`: its virtual architecture,
+/// with Hopper's architecture-specific features for 9.0 (module docs).
+fn arch_for(major: i32, minor: i32) -> String {
+    if (major, minor) == (9, 0) {
+        "compute_90a".to_string()
+    } else {
+        format!("compute_{major}{minor}")
+    }
+}
+
 /// The loaded kernel module and the functions looked up so far.
 pub(crate) struct Kernels {
     module: Arc<CudaModule>,
@@ -112,7 +128,7 @@ impl Kernels {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| driver_error("reading the compute capability", e))?;
-        let arch = format!("compute_{major}{minor}");
+        let arch = arch_for(major, minor);
         let ptx = ptx_for(&arch)?;
         let module = ctx
             .load_module(Ptx::from_src(ptx))
@@ -142,6 +158,14 @@ mod tests {
     use super::*;
 
     #[test]
+    fn hopper_gets_its_architecture_specific_target() {
+        assert_eq!(arch_for(9, 0), "compute_90a");
+        assert_eq!(arch_for(8, 0), "compute_80");
+        assert_eq!(arch_for(8, 9), "compute_89");
+        assert_eq!(arch_for(10, 0), "compute_100");
+    }
+
+    #[test]
     fn cache_key_changes_with_any_part() {
         let base = fnv1a(&["src", "compute_90"]);
         assert_eq!(base, fnv1a(&["src", "compute_90"]));
@@ -160,7 +184,7 @@ mod tests {
             eprintln!("skipped: NVRTC not found (put libnvrtc on LD_LIBRARY_PATH)");
             return;
         }
-        for arch in ["compute_80", "compute_90"] {
+        for arch in ["compute_80", "compute_90", "compute_90a"] {
             let ptx = ptx_for(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
             assert!(
                 ptx.contains(".visible .entry"),
@@ -169,7 +193,7 @@ mod tests {
         }
         // A real architecture makes NVRTC assemble the PTX too (ptxas), which rejects
         // instructions the GPU lacks that PTX generation lets through (inline asm).
-        for arch in ["sm_80", "sm_90"] {
+        for arch in ["sm_80", "sm_90", "sm_90a"] {
             ptx_for(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
         }
     }
