@@ -14,7 +14,16 @@ struct Choice {
 }
 
 /// Every op that has more than one implementation now.
-const CHOICES: &[Choice] = &[];
+const CHOICES: &[Choice] = &[
+    // A 16-bit run's bias gradient: cuBLASLt's BGRADB epilogue on the backward-weight GEMM
+    // (plus a k = 1 GEMM where db accumulates), or the GEMM alone and the column-sum kernels
+    // over dy (`dispatch::col_sum_into`, what fp32 runs use).
+    Choice {
+        op: "bias_grad",
+        env: "PARC_BIAS_GRAD_KERNEL",
+        names: &["epilogue", "colsum"],
+    },
+];
 
 /// The variant chosen for each op of [`CHOICES`] (an index into its `names`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,7 +96,6 @@ impl KernelVariants {
     }
 
     /// Whether `op` runs variant `name`.
-    #[cfg_attr(not(test), allow(dead_code))] // until an op has variants again
     pub fn is(&self, op: &str, name: &str) -> bool {
         self.chosen(op) == name
     }
