@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# One call on a one-GPU device machine that judges kernel variants (docs/architecture.md: a kernel
+# written without a GPU lands as a PARC_<OP>_KERNEL variant): the GPU tests with the default
+# kernels and again with every new variant on, each micro-benchmark, a device-timed profile of a
+# GPT-2 124M step both ways, and tokens/s of the defaults, of each variant alone and of all of
+# them, on 124M and 350M. Binaries come from bench/device_build.sh (carry DIR).
+#
+#   NEW="PARC_A_KERNEL=x PARC_B_KERNEL=y" bench/variants_call.sh [DIR]
+#
+# NEW: the variants to judge, space-separated VAR=name settings. PHASES (default
+# "tests micro profile rates") picks parts; SHAPES (default "124m 350m") the rates' models;
+# SINGLES=0 skips the one-variant-at-a-time rates. Output: one log per step under $OUT (or
+# DIR/out); a summary on stdout, the rates table last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+dir=${1:-.device}
+out=${OUT:-$dir/out}
+mkdir -p "$out"
+source bench/device_env.sh
+link_nccl "$dir/nccl"
+read -r -a new <<< "${NEW:-}"
+phases=" ${PHASES:-tests micro profile rates} "
+t0=$SECONDS
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
+
+# step NAME TIMEOUT ENV... -- COMMAND...: run into $out/NAME.log, print its outcome lines.
+step() {
+    local name=$1 limit=$2; shift 2
+    local envs=()
+    while [[ $1 != -- ]]; do envs+=("$1"); shift; done
+    shift
+    env "${envs[@]}" timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    echo "== $name rc=$? at $((SECONDS - t0)) s"
+    grep -E "test result|FAILED|panicked|^error|failures:" "$out/$name.log" | head -12
+}
+
+if [[ $phases == *" tests "* ]]; then
+    for mode in default new; do
+        envs=()
+        [[ $mode == new ]] && envs=("${new[@]}")
+        [[ $mode == new && ${#new[@]} -eq 0 ]] && continue
+        step "ops-$mode" 240 "${envs[@]}" -- "$dir/cuda_ops" --nocapture --test-threads 1
+        step "train-$mode" 200 "${envs[@]}" -- "$dir/cuda_train" --nocapture --test-threads 1
+        step "memplan-$mode" 90 "${envs[@]}" -- "$dir/memplan" cuda_steps_allocate_nothing --nocapture
+    done
+fi
+
+if [[ $phases == *" micro "* ]]; then
+    for bench in "$dir"/cuda_*_bench; do
+        name=$(basename "$bench")
+        step "$name" 150 -- "$bench" --ignored --nocapture --test-threads 1
+        # The benches print their tables; show them (lines with a '|' or 'GB/s'/'TFLOP/s').
+        grep -E "\||GB/s|TFLOP/s" "$out/$name.log" | head -40
+    done
+    if [[ -x $dir/cuda_attention_bench && ${#new[@]} -gt 0 ]]; then
+        step cuda_attention_bench-new 150 "${new[@]}" -- "$dir/cuda_attention_bench" --ignored --nocapture
+        sed -i 's/"impl": "parc-/"impl": "new-/' "$out/cuda_attention_bench-new.log"
+        grep -hE '^\{' "$out/cuda_attention_bench.log" "$out/cuda_attention_bench-new.log" > "$out/attn_all.log"
+        PYTHONUNBUFFERED=1 timeout 120 python3 bench/attention.py --parc "$out/attn_all.log" > "$out/sdpa.log" 2>&1
+        echo "== sdpa rc=$?"
+        tail -20 "$out/sdpa.log"
+    fi
+fi
+
+# run_parc NAME MODEL BATCH STEPS [FLAGS...] -- [VAR=VALUE...]
+run_parc() {
+    local name=$1 model=$2 batch=$3 steps=$4; shift 4
+    local flags=()
+    while [[ $1 != -- ]]; do flags+=("$1"); shift; done
+    shift
+    env "$@" timeout 150 "$dir/parc" run "examples/gpt2-$model.par" --backend cuda \
+        --set train.global_batch="$batch" --set train.micro_batch="$batch" --set train.steps="$steps" \
+        --set train.data=synthetic --set parallel.recompute=none \
+        --set "train.checkpoint.dir=\"/tmp/parc-ck-$name\"" "${flags[@]}" > "$out/$name.log" 2>&1
+}
+
+if [[ $phases == *" profile "* ]]; then
+    for mode in default new; do
+        envs=()
+        [[ $mode == new ]] && envs=("${new[@]}")
+        [[ $mode == new && ${#new[@]} -eq 0 ]] && continue
+        run_parc "profile-$mode" 124m 32 3 --profile -- "${envs[@]}"
+        echo "== profile-$mode rc=$? at $((SECONDS - t0)) s"
+        grep -vE '^\s*(step|$)' "$out/profile-$mode.log" | tail -24
+    done
+fi
+
+# rate LOG LABEL: mean tokens/s of steps 2.. of a JSON-lines run.
+rate() {
+    PYTHONPATH=bench/parity python3 - "$1" "$2" <<'PY'
+import sys
+from jsonl import json_lines
+steps = [e["tokens_per_s"] for e in json_lines(sys.argv[1])
+         if e.get("event") == "step" and "tokens_per_s" in e]
+r = steps[1:]
+if r:
+    print(f"{sys.argv[2]:<60} {sum(r) / len(r):>10,.0f} tokens/s (max {max(r):,.0f}, steps 2..{len(steps)})")
+else:
+    print(f"{sys.argv[2]:<60} no timed steps (see its log)")
+PY
+}
+
+if [[ $phases == *" rates "* ]]; then
+    settings=("default")
+    if [[ ${SINGLES:-1} != 0 ]]; then
+        for v in "${new[@]}"; do settings+=("$v"); done
+    fi
+    [[ ${#new[@]} -gt 0 ]] && settings+=("${new[*]}")
+    table=()
+    read -r -a shapes <<< "${SHAPES:-124m 350m}"
+    for shape in "${shapes[@]}"; do
+        batch=32
+        [[ $shape == 350m ]] && batch=16
+        for s in "${settings[@]}"; do
+            # One-variant runs only on the first shape (they find which variant pays).
+            [[ $shape != "${shapes[0]}" && $s != default && $s != "${new[*]}" ]] && continue
+            envs=()
+            [[ $s != default ]] && read -r -a envs <<< "$s"
+            name="rate-$shape-$(printf '%s' "$s" | tr -c 'A-Za-z0-9=_' '_' | cut -c1-80)"
+            run_parc "$name" "$shape" "$batch" 8 --log-format json -- "${envs[@]}"
+            table+=("$(rate "$out/$name.log" "$shape $s")")
+        done
+    done
+    echo "== rates at $((SECONDS - t0)) s"
+    printf '%s\n' "${table[@]}"
+fi
+echo "total $((SECONDS - t0)) s"
