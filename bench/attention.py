@@ -54,7 +54,7 @@ def main():
     sdpa = {(r["B"], r["H"], r["T"], r["D"]): r for r in sdpa_points()}
     if not args.parc:
         return
-    print(f"{'impl':16} {'B':>2} {'H':>3} {'T':>5} {'D':>4} {'fwd TF/s':>9} {'bwd TF/s':>9} {'f+b TF/s':>9} {'SDPA f+b':>9} {'ratio':>6}")
+    print(f"{'impl':28} {'B':>2} {'H':>3} {'T':>5} {'D':>4} {'fwd TF/s':>9} {'bwd TF/s':>9} {'f+b TF/s':>9} {'SDPA f+b':>9} {'ratio':>6}")
     with open(args.parc) as fh:
         for line in fh:
             line = line.strip()
@@ -63,7 +63,7 @@ def main():
             r = json.loads(line)
             s = sdpa.get((r["B"], r["H"], r["T"], r["D"]))
             ref = s["fwdbwd_tflops"] if s else float("nan")
-            print(f"{r['impl']:16} {r['B']:>2} {r['H']:>3} {r['T']:>5} {r['D']:>4} {r['fwd_tflops']:>9} {r['bwd_tflops']:>9} "
+            print(f"{r['impl']:28} {r['B']:>2} {r['H']:>3} {r['T']:>5} {r['D']:>4} {r['fwd_tflops']:>9} {r['bwd_tflops']:>9} "
                   f"{r['fwdbwd_tflops']:>9} {ref:>9} {r['fwdbwd_tflops'] / ref:>6.2f}")
 
 

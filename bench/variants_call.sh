@@ -46,19 +46,21 @@ if [[ $phases == *" tests "* ]]; then
 fi
 
 if [[ $phases == *" micro "* ]]; then
+    # Every micro-benchmark but cuda_bench (a whole step: the rates below), the attention one
+    # last (it times the variants itself, then PyTorch SDPA on the same points).
     for bench in "$dir"/cuda_*_bench; do
         name=$(basename "$bench")
+        [[ $name == cuda_bench || $name == cuda_attention_bench ]] && continue
         step "$name" 150 -- "$bench" --ignored --nocapture --test-threads 1
-        # The benches print their tables; show them (lines with a '|' or 'GB/s'/'TFLOP/s').
-        grep -E "\||GB/s|TFLOP/s" "$out/$name.log" | head -40
+        # The benches print tables or JSON lines; show them.
+        grep -E "\||GB/s|TFLOP/s|gbps|tflops" "$out/$name.log" | head -40
     done
-    if [[ -x $dir/cuda_attention_bench && ${#new[@]} -gt 0 ]]; then
-        step cuda_attention_bench-new 150 "${new[@]}" -- "$dir/cuda_attention_bench" --ignored --nocapture
-        sed -i 's/"impl": "parc-/"impl": "new-/' "$out/cuda_attention_bench-new.log"
-        grep -hE '^\{' "$out/cuda_attention_bench.log" "$out/cuda_attention_bench-new.log" > "$out/attn_all.log"
-        PYTHONUNBUFFERED=1 timeout 120 python3 bench/attention.py --parc "$out/attn_all.log" > "$out/sdpa.log" 2>&1
+    if [[ -x $dir/cuda_attention_bench ]]; then
+        step cuda_attention_bench 200 -- "$dir/cuda_attention_bench" --ignored --nocapture
+        grep -hE '^\{' "$out/cuda_attention_bench.log" > "$out/attn_all.log"
+        PYTHONUNBUFFERED=1 timeout 150 python3 bench/attention.py --parc "$out/attn_all.log" > "$out/sdpa.log" 2>&1
         echo "== sdpa rc=$?"
-        tail -20 "$out/sdpa.log"
+        tail -24 "$out/sdpa.log"
     fi
 fi
 
