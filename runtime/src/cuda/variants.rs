@@ -14,7 +14,13 @@ struct Choice {
 }
 
 /// Every op that has more than one implementation now.
-const CHOICES: &[Choice] = &[];
+const CHOICES: &[Choice] = &[Choice {
+    // bf16 attention forward, head_dim 64 / 128: attention_tc.cu's mma.sync kernel, or the
+    // Hopper warpgroup-MMA one (attention_wgmma_fwd.cu; Hopper GPUs only).
+    op: "attention_fwd",
+    env: "PARC_ATTENTION_FWD_KERNEL",
+    names: &["fa2", "wgmma"],
+}];
 
 /// The variant chosen for each op of [`CHOICES`] (an index into its `names`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,7 +93,6 @@ impl KernelVariants {
     }
 
     /// Whether `op` runs variant `name`.
-    #[cfg_attr(not(test), allow(dead_code))] // until an op has variants again
     pub fn is(&self, op: &str, name: &str) -> bool {
         self.chosen(op) == name
     }
