@@ -6,6 +6,11 @@
 //! the operands copied to bf16 first), and one fp32 point times the exact kernels. FLOPs follow PyTorch's attention benchmark: causal
 //! forward 4·B·H·T²·d / 2, backward 2.5× the forward.
 //!
+//! Each bf16 point runs once per variant of the `attention_fwd` kernel (`fa2`, labelled as
+//! before, and on a Hopper GPU `wgmma`, labelled `…-wgmma`; the backward is the same kernel in
+//! both), set on the backend in a loop; the `PARC_ATT_POINT` run takes the variant from
+//! `PARC_ATTENTION_FWD_KERNEL` instead.
+//!
 //! Ignored by default (it needs a GPU): on the device machine,
 //! `cuda_attention_bench --ignored --nocapture`. Prints one JSON line per point. Without a GPU
 //! it prints `skipped: no CUDA device`. `PARC_ATT_POINT=B,H,T,D` runs only that bf16 point,
@@ -95,7 +100,7 @@ mod bench {
     pub fn run() {
         if let Some(pt) = chosen_point() {
             match CudaBackend::with_precision(0, pt.precision) {
-                Ok(mut be) => measure(&mut be, &pt),
+                Ok(mut be) => measure(&mut be, &pt, ""),
                 Err(e) => println!("skipped: no CUDA device ({e})"),
             }
             return;
@@ -127,11 +132,20 @@ mod bench {
                     return;
                 }
             };
-            measure(&mut be, pt);
+            // The forward variants this point times: wgmma where the GPU has it.
+            let mut variants = vec![("fa2", "")];
+            if matches!(pt.precision, Precision::Bf16) && be.is_hopper().unwrap() {
+                variants.push(("wgmma", "-wgmma"));
+            }
+            for (variant, suffix) in variants {
+                be.set_kernel_variant("attention_fwd", variant).unwrap();
+                measure(&mut be, pt, suffix);
+            }
         }
     }
 
-    fn measure(be: &mut CudaBackend, pt: &Point) {
+    /// Times `pt` on `be`; `suffix` is appended to the label (the forward variant).
+    fn measure(be: &mut CudaBackend, pt: &Point, suffix: &str) {
         let (b, h, t, d) = (pt.batch, pt.heads, pt.seq, pt.head_dim);
         let n = (t * b * h * d) as usize;
         let lse_n = (b * h * t) as usize;
@@ -204,7 +218,7 @@ mod bench {
             _ => "parc-fp32-exact",
         };
         println!(
-            "{{\"impl\": \"{label}\", \"B\": {b}, \"H\": {h}, \"T\": {t}, \"D\": {d}, \"fwd_ms\": {:.3}, \"bwd_ms\": {:.3}, \"fwd_tflops\": {:.1}, \"bwd_tflops\": {:.1}, \"fwdbwd_tflops\": {:.1}}}",
+            "{{\"impl\": \"{label}{suffix}\", \"B\": {b}, \"H\": {h}, \"T\": {t}, \"D\": {d}, \"fwd_ms\": {:.3}, \"bwd_ms\": {:.3}, \"fwd_tflops\": {:.1}, \"bwd_tflops\": {:.1}, \"fwdbwd_tflops\": {:.1}}}",
             fwd_t * 1e3,
             bwd_t * 1e3,
             fwd_flop / fwd_t / 1e12,

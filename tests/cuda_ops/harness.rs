@@ -273,12 +273,17 @@ pub fn check_on(test: &str, cases: &[Case], precision: Precision) -> Vec<f32> {
     let Some(mut gpu) = gpu_with(precision) else {
         return Vec::new();
     };
+    check_with(test, cases, gpu.as_mut())
+}
+
+/// As `check_on`, on a GPU backend the caller made (e.g. with a kernel variant chosen).
+pub fn check_with(test: &str, cases: &[Case], gpu: &mut dyn Backend) -> Vec<f32> {
     let mut worst_errors = Vec::new();
     let mut failures = Vec::new();
     for case in cases {
         let mut cpu = CpuBackend::new();
         let want = case.run(&mut cpu);
-        let got = case.run(gpu.as_mut());
+        let got = case.run(gpu);
         // Free the case's buffers on the GPU so the next case can reuse the ids.
         let n = case.inputs.len() + case.outputs.len();
         for i in 0..n {

@@ -23,6 +23,13 @@ const CHOICES: &[Choice] = &[
         env: "PARC_BIAS_GRAD_KERNEL",
         names: &["epilogue", "colsum"],
     },
+    // bf16 attention forward, head_dim 64 / 128: attention_tc.cu's mma.sync kernel, or the
+    // Hopper warpgroup-MMA one (attention_wgmma_fwd.cu; Hopper GPUs only).
+    Choice {
+        op: "attention_fwd",
+        env: "PARC_ATTENTION_FWD_KERNEL",
+        names: &["fa2", "wgmma"],
+    },
 ];
 
 /// The variant chosen for each op of [`CHOICES`] (an index into its `names`).
