@@ -342,7 +342,9 @@ extern "C" __global__ void sum_partials_into_multi(const SsqTensor* tensors, con
 // does into sums[k], and the block that completes the last tensor adds the sums into the
 // outputs in tensor order. The counters (count + 1 of them, zero between launches) are reset
 // by the blocks that find them complete. Which block finishes does not change any value:
-// every sum has a fixed order.
+// every sum has a fixed order. The gradient loads are read-only ones (__ldg): with those ptxas
+// keeps a step's SSQ_GROUP loads in flight (64 registers); with streaming (.cs) loads it chose 40
+// registers and kept two.
 extern "C" __global__ void __launch_bounds__(256) sum_squares_one_pass(const SsqTensor* tensors, const int* block_tensor, const int2* groups, double* part, double* sums, unsigned* counters, long long count) {
     __shared__ double warp_part[SSQ_GROUP][8];
     __shared__ double block_part[SSQ_GROUP];
@@ -364,7 +366,7 @@ extern "C" __global__ void __launch_bounds__(256) sum_squares_one_pass(const Ssq
         for (; i + (SSQ_GROUP - 1) * stride < t.n; i += SSQ_GROUP * stride) {
             float x[SSQ_GROUP];
 #pragma unroll
-            for (int u = 0; u < SSQ_GROUP; u++) x[u] = __ldcs(t.x + i + u * stride);
+            for (int u = 0; u < SSQ_GROUP; u++) x[u] = __ldg(t.x + i + u * stride);
 #pragma unroll
             for (int u = 0; u < SSQ_GROUP; u++) {
                 double v = (double)x[u];
@@ -381,7 +383,7 @@ extern "C" __global__ void __launch_bounds__(256) sum_squares_one_pass(const Ssq
 #pragma unroll
             for (int j = 0; j < SSQ_GROUP; j++) {
                 long long at = i + j * (long long)blockDim.x;
-                x[j] = (j < in_group && at < t.n) ? __ldcs(t.x + at) : 0.0f;
+                x[j] = (j < in_group && at < t.n) ? __ldg(t.x + at) : 0.0f;
             }
 #pragma unroll
             for (int j = 0; j < SSQ_GROUP; j++) {
