@@ -30,6 +30,22 @@ const CHOICES: &[Choice] = &[
         env: "PARC_ATTENTION_FWD_KERNEL",
         names: &["fa2", "wgmma"],
     },
+    // The fused AdamW launch (cuda/optimizer.rs): one block per chunk (`adamw_multi`), or a
+    // grid sized to the GPU striding over the chunks with 4 float4s per operand in flight per
+    // thread (`adamw_multi_persistent`). SGD runs `sgd_multi` under both.
+    Choice {
+        op: "optimizer",
+        env: "PARC_OPTIMIZER_KERNEL",
+        names: &["chunked", "persistent"],
+    },
+    // The fused SumSquares run (cuda/sum_squares.rs): two launches (`sum_squares_partial_multi`,
+    // then one block of `sum_partials_into_multi`), or one (`sum_squares_one_pass`: grouped
+    // virtual blocks, the last block of each tensor and of the run finishing the sums).
+    Choice {
+        op: "sum_squares",
+        env: "PARC_SUM_SQUARES_KERNEL",
+        names: &["two_pass", "one_pass"],
+    },
 ];
 
 /// The variant chosen for each op of [`CHOICES`] (an index into its `names`).
