@@ -10,6 +10,8 @@
 //! `cuda_attention_bench --ignored --nocapture`. Prints one JSON line per point. Without a GPU
 //! it prints `skipped: no CUDA device`. `PARC_ATT_POINT=B,H,T,D` runs only that bf16 point,
 //! once after the warm-up (for a profiler: its 3rd and 4th attention kernels are the timed ones).
+//! On a Hopper GPU every bf16 head_dim-64 point runs twice: with the default (`fa2`) backward,
+//! then with the `wgmma` one (label suffix `-wgmmabwd`); the bench sets the variant itself.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[test]
@@ -95,7 +97,12 @@ mod bench {
     pub fn run() {
         if let Some(pt) = chosen_point() {
             match CudaBackend::with_precision(0, pt.precision) {
-                Ok(mut be) => measure(&mut be, &pt),
+                Ok(mut be) => {
+                    measure(&mut be, &pt, "fa2");
+                    if pt.head_dim == 64 && be.is_hopper().unwrap() {
+                        measure(&mut be, &pt, "wgmma");
+                    }
+                }
                 Err(e) => println!("skipped: no CUDA device ({e})"),
             }
             return;
@@ -127,11 +134,18 @@ mod bench {
                     return;
                 }
             };
-            measure(&mut be, pt);
+            measure(&mut be, pt, "fa2");
+            // The wgmma backward (Hopper, bf16, head_dim 64) on the same point.
+            if pt.precision == Precision::Bf16 && pt.head_dim == 64 && be.is_hopper().unwrap() {
+                measure(&mut be, pt, "wgmma");
+            }
         }
     }
 
-    fn measure(be: &mut CudaBackend, pt: &Point) {
+    /// Times `pt` with attention backward variant `variant` (PARC_ATTENTION_BWD_KERNEL's names; set
+    /// here, whatever the environment says); the label says which when it is not the default.
+    fn measure(be: &mut CudaBackend, pt: &Point, variant: &str) {
+        be.set_kernel_variant("attention_bwd", variant).unwrap();
         let (b, h, t, d) = (pt.batch, pt.heads, pt.seq, pt.head_dim);
         let n = (t * b * h * d) as usize;
         let lse_n = (b * h * t) as usize;
@@ -202,6 +216,11 @@ mod bench {
             (Precision::Bf16, DType::Bf16) => "parc-bf16-tc",
             (Precision::Bf16, _) => "parc-bf16-f32buf",
             _ => "parc-fp32-exact",
+        };
+        let label = if variant == "fa2" {
+            label.to_string()
+        } else {
+            format!("{label}-{variant}bwd")
         };
         println!(
             "{{\"impl\": \"{label}\", \"B\": {b}, \"H\": {h}, \"T\": {t}, \"D\": {d}, \"fwd_ms\": {:.3}, \"bwd_ms\": {:.3}, \"fwd_tflops\": {:.1}, \"bwd_tflops\": {:.1}, \"fwdbwd_tflops\": {:.1}}}",

@@ -273,12 +273,40 @@ pub fn check_on(test: &str, cases: &[Case], precision: Precision) -> Vec<f32> {
     let Some(mut gpu) = gpu_with(precision) else {
         return Vec::new();
     };
+    check_with(test, cases, gpu.as_mut())
+}
+
+/// A Hopper GPU backend in `precision` running variant `name` of `op`, or None (printed)
+/// without a GPU or on another GPU (the variant is Hopper-only).
+#[cfg(feature = "cuda")]
+pub fn hopper_variant(
+    precision: Precision,
+    op: &str,
+    name: &str,
+) -> Option<parc_runtime::cuda::CudaBackend> {
+    let mut b = match parc_runtime::cuda::CudaBackend::with_precision(0, precision) {
+        Ok(b) => b,
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            return None;
+        }
+    };
+    if !b.is_hopper().expect("the compute capability") {
+        println!("skipped: {op}={name} runs on Hopper GPUs only");
+        return None;
+    }
+    b.set_kernel_variant(op, name).expect("a known variant");
+    Some(b)
+}
+
+/// As `check_on`, on the GPU backend `gpu` (e.g. one running a kernel variant).
+pub fn check_with(test: &str, cases: &[Case], gpu: &mut dyn Backend) -> Vec<f32> {
     let mut worst_errors = Vec::new();
     let mut failures = Vec::new();
     for case in cases {
         let mut cpu = CpuBackend::new();
         let want = case.run(&mut cpu);
-        let got = case.run(gpu.as_mut());
+        let got = case.run(gpu);
         // Free the case's buffers on the GPU so the next case can reuse the ids.
         let n = case.inputs.len() + case.outputs.len();
         for i in 0..n {

@@ -14,7 +14,15 @@ struct Choice {
 }
 
 /// Every op that has more than one implementation now.
-const CHOICES: &[Choice] = &[];
+const CHOICES: &[Choice] = &[
+    // The attention backward (bf16 runs, head_dim 64): attention_tc.cu's mma.sync kernel, or
+    // attention_wgmma_bwd.cu's warpgroup-MMA one (Hopper only).
+    Choice {
+        op: "attention_bwd",
+        env: "PARC_ATTENTION_BWD_KERNEL",
+        names: &["fa2", "wgmma"],
+    },
+];
 
 /// The variant chosen for each op of [`CHOICES`] (an index into its `names`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,7 +95,6 @@ impl KernelVariants {
     }
 
     /// Whether `op` runs variant `name`.
-    #[cfg_attr(not(test), allow(dead_code))] // until an op has variants again
     pub fn is(&self, op: &str, name: &str) -> bool {
         self.chosen(op) == name
     }
