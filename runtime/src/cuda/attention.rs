@@ -712,6 +712,8 @@ mod tests {
             assert!(fwd <= H100_SMEM / 2, "d{d} forward: {fwd}");
             assert!(bwd <= A100_SMEM, "d{d} backward: {bwd}");
         }
+        // The wgmma backward (Hopper only): attention_wgmma_bwd.cu's 83456 bytes.
+        const { assert!(WGMMA_BWD_SMEM == 83_456 && WGMMA_BWD_SMEM <= H100_SMEM) };
     }
 
     fn op(forward: bool, head_dim: u64) -> Op {
