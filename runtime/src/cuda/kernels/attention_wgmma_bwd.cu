@@ -18,6 +18,8 @@
 //   dK  += dS^T Q      likewise
 //   dS^T -> shared memory (bf16), then dQ = dS K: warpgroup w takes head-dim columns
 //   [32 w, 32 w + 32), m64n32k16 x8, A (dS^T) and B (K) both MN-major; f32 atomics.
+// Each product is its own wgmma group, so exp(S^T) overlaps dP^T's multiply and dS^T's
+// arithmetic overlaps dV's.
 // Shared-memory tiles are in wgmma's no-swizzle ("interleaved") layout: 8 x 8 core matrices of
 // 16-byte rows, 128 contiguous bytes each; a tile of 64 columns keeps its core matrix (row
 // group rg, column group cg) at byte (8 rg + cg) * 128 (wb_off). So one tile serves as a K-major
@@ -49,6 +51,8 @@ __device__ __forceinline__ unsigned long long wb_mnmajor(const void* p) { return
 __device__ __forceinline__ void wb_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wb_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wb_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// Waits for all but the latest committed group.
+__device__ __forceinline__ void wb_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 // Ordinary shared-memory writes (st, cp.async) become visible to wgmma (the async proxy).
 __device__ __forceinline__ void wb_fence_proxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
@@ -205,24 +209,24 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS) attention_bwd_wgmma_d64
         bool masked = tile < first_full;
         // S^T = K_w Q^T and dP^T = V_w dO^T (k-steps of 16 head-dim columns: 256 bytes).
         float s[32], dp[32];
+        // Two groups: the exponentials of S^T run while dP^T is still being multiplied.
         wb_fence();
         #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) wb_mma64_ss<0, 0>(s, wb_kmajor(sk + wg * 8192 + kk * 256), wb_kmajor(sq + kk * 256), kk);
+        wb_commit();
         #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) wb_mma64_ss<0, 0>(dp, wb_kmajor(sv + wg * 8192 + kk * 256), wb_kmajor(sdo + kk * 256), kk);
         wb_commit();
-        wb_wait0();
+        wb_wait1();
         wb_pin<32>(s);
-        wb_pin<32>(dp);
-        // P^T = exp(S^T scale − lse), masked; dS^T / scale = P^T ∘ (dP^T − delta) (the scale is
-        // applied to dK and dQ once, at their ends). Element (nb, e) of the accumulators is
-        // query column nb 8 + 2 tq + (e & 1), key row gq + 8 (e >> 1).
+        // P^T = exp(S^T scale − lse), masked. Element (nb, e) of the accumulators is query
+        // column nb 8 + 2 tq + (e & 1), key row gq + 8 (e >> 1).
         #pragma unroll
         for (int nb = 0; nb < BR / 8; nb++) {
             #pragma unroll
             for (int e = 0; e < 2; e++) {
                 int c = nb * 8 + 2 * tq + e;
-                float l = sl[c], dl = sd[c];
+                float l = sl[c];
                 float xa = tc_exp2(__fmaf_rn(s[4 * nb + e], sl2, -l)), xb = tc_exp2(__fmaf_rn(s[4 * nb + 2 + e], sl2, -l));
                 if (masked) {
                     int qp = sp[c];
@@ -231,12 +235,29 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS) attention_bwd_wgmma_d64
                 }
                 s[4 * nb + e] = xa;
                 s[4 * nb + 2 + e] = xb;
-                dp[4 * nb + e] = xa * (dp[4 * nb + e] - dl);
-                dp[4 * nb + 2 + e] = xb * (dp[4 * nb + 2 + e] - dl);
             }
         }
+        // dV += P^T dO (k-steps of 16 queries: two row groups, 2048 bytes), running while dS is
+        // formed; then dP^T's group is done (wait for all but the latest).
         unsigned pf[4][4], dsf[4][4];
         wb_acc_to_a(pf, s);
+        wb_fence();
+        #pragma unroll
+        for (int kk = 0; kk < BR / 16; kk++) wb_mma64_rs<1>(dva, pf[kk], wb_mnmajor(sdo + kk * 2048));
+        wb_commit();
+        wb_wait1();
+        wb_pin<32>(dp);
+        // dS^T / scale = P^T ∘ (dP^T − delta) (the scale is applied to dK and dQ once, at their
+        // ends).
+        #pragma unroll
+        for (int nb = 0; nb < BR / 8; nb++) {
+            #pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float dl = sd[nb * 8 + 2 * tq + e];
+                dp[4 * nb + e] = s[4 * nb + e] * (dp[4 * nb + e] - dl);
+                dp[4 * nb + 2 + e] = s[4 * nb + 2 + e] * (dp[4 * nb + 2 + e] - dl);
+            }
+        }
         wb_acc_to_a(dsf, dp);
         // dS^T to shared memory for dQ: rows warp 16 + gq (+ 8), query columns 8 nb + 2 tq
         // (one 128-byte core-matrix row set per warp and nb: no bank conflicts).
@@ -248,10 +269,8 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS) attention_bwd_wgmma_d64
             *reinterpret_cast<unsigned*>(sds + wb_off(r, c + 8)) = dsf[kk][2];
             *reinterpret_cast<unsigned*>(sds + wb_off(r + 8, c + 8)) = dsf[kk][3];
         }
-        // dV += P^T dO, dK += dS^T Q (k-steps of 16 queries: two row groups, 2048 bytes).
+        // dK += dS^T Q.
         wb_fence();
-        #pragma unroll
-        for (int kk = 0; kk < BR / 16; kk++) wb_mma64_rs<1>(dva, pf[kk], wb_mnmajor(sdo + kk * 2048));
         #pragma unroll
         for (int kk = 0; kk < BR / 16; kk++) wb_mma64_rs<1>(dka, dsf[kk], wb_mnmajor(sq + kk * 2048));
         wb_commit();
