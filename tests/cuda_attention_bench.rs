@@ -15,6 +15,8 @@
 //! `cuda_attention_bench --ignored --nocapture`. Prints one JSON line per point. Without a GPU
 //! it prints `skipped: no CUDA device`. `PARC_ATT_POINT=B,H,T,D` runs only that bf16 point,
 //! once after the warm-up (for a profiler: its 3rd and 4th attention kernels are the timed ones).
+//! On a Hopper GPU every bf16 head_dim-64 point runs twice: with the default (`fa2`) backward,
+//! then with the `wgmma` one (label suffix `-wgmmabwd`); the bench sets the variant itself.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[test]
@@ -100,7 +102,11 @@ mod bench {
     pub fn run() {
         if let Some(pt) = chosen_point() {
             match CudaBackend::with_precision(0, pt.precision) {
-                Ok(mut be) => measure(&mut be, &pt, ""),
+                Ok(mut be) => {
+                    for (fwd, bwd) in variant_pairs(&be, &pt) {
+                        measure(&mut be, &pt, fwd, bwd);
+                    }
+                }
                 Err(e) => println!("skipped: no CUDA device ({e})"),
             }
             return;
@@ -132,20 +138,29 @@ mod bench {
                     return;
                 }
             };
-            // The forward variants this point times: wgmma where the GPU has it.
-            let mut variants = vec![("fa2", "")];
-            if matches!(pt.precision, Precision::Bf16) && be.is_hopper().unwrap() {
-                variants.push(("wgmma", "-wgmma"));
-            }
-            for (variant, suffix) in variants {
-                be.set_kernel_variant("attention_fwd", variant).unwrap();
-                measure(&mut be, pt, suffix);
+            for (fwd, bwd) in variant_pairs(&be, pt) {
+                measure(&mut be, pt, fwd, bwd);
             }
         }
     }
 
-    /// Times `pt` on `be`; `suffix` is appended to the label (the forward variant).
-    fn measure(be: &mut CudaBackend, pt: &Point, suffix: &str) {
+    /// The (forward, backward) attention variants a point is timed with: the defaults, and on
+    /// a Hopper GPU in a bf16 run the wgmma kernels (the backward's for head_dim 64 only; each
+    /// pair times both directions, so one pair per new kernel measures each).
+    fn variant_pairs(be: &CudaBackend, pt: &Point) -> Vec<(&'static str, &'static str)> {
+        let mut pairs = vec![("fa2", "fa2")];
+        if matches!(pt.precision, Precision::Bf16) && be.is_hopper().unwrap() {
+            pairs.push(("wgmma", if pt.head_dim == 64 { "wgmma" } else { "fa2" }));
+        }
+        pairs
+    }
+
+    /// Times `pt` with attention variants `fwd` and `bwd` (PARC_ATTENTION_FWD_KERNEL's and
+    /// PARC_ATTENTION_BWD_KERNEL's names, set here whatever the environment says); the label
+    /// names the variants that are not the default.
+    fn measure(be: &mut CudaBackend, pt: &Point, fwd: &str, bwd: &str) {
+        be.set_kernel_variant("attention_fwd", fwd).unwrap();
+        be.set_kernel_variant("attention_bwd", bwd).unwrap();
         let (b, h, t, d) = (pt.batch, pt.heads, pt.seq, pt.head_dim);
         let n = (t * b * h * d) as usize;
         let lse_n = (b * h * t) as usize;
@@ -217,8 +232,15 @@ mod bench {
             (Precision::Bf16, _) => "parc-bf16-f32buf",
             _ => "parc-fp32-exact",
         };
+        let mut label = label.to_string();
+        if fwd != "fa2" {
+            label = format!("{label}-{fwd}");
+        }
+        if bwd != "fa2" {
+            label = format!("{label}-{bwd}bwd");
+        }
         println!(
-            "{{\"impl\": \"{label}{suffix}\", \"B\": {b}, \"H\": {h}, \"T\": {t}, \"D\": {d}, \"fwd_ms\": {:.3}, \"bwd_ms\": {:.3}, \"fwd_tflops\": {:.1}, \"bwd_tflops\": {:.1}, \"fwdbwd_tflops\": {:.1}}}",
+            "{{\"impl\": \"{label}\", \"B\": {b}, \"H\": {h}, \"T\": {t}, \"D\": {d}, \"fwd_ms\": {:.3}, \"bwd_ms\": {:.3}, \"fwd_tflops\": {:.1}, \"bwd_tflops\": {:.1}, \"fwdbwd_tflops\": {:.1}}}",
             fwd_t * 1e3,
             bwd_t * 1e3,
             fwd_flop / fwd_t / 1e12,

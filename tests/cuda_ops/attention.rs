@@ -424,6 +424,123 @@ fn check_storage(test: &str, gpu: &mut dyn Backend) {
     );
 }
 
+/// The `wgmma` attention backward (PARC_ATTENTION_BWD_KERNEL=wgmma; Hopper only): the test sets
+/// the variant on its own backend, whatever the environment says, and runs attention_bf16's and
+/// attention_bf16_storage's cases against the CPU under the same tolerances (head dim 128 runs
+/// the mma.sync kernel under either variant). First the exact layout self-test, so a wgmma
+/// layout mistake is named before the attention cases fail.
+#[cfg(feature = "cuda")]
+#[test]
+fn attention_bf16_wgmma_bwd() {
+    let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, "attention_bwd", "wgmma")
+    else {
+        return;
+    };
+    let mut r = Rng::new("attention_bf16_wgmma_bwd");
+    wgmma_layouts(&mut gpu, &mut r);
+    let cases: Vec<Case> = tc_configs()
+        .iter()
+        .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
+        .collect();
+    crate::harness::check_with("attention_bf16_wgmma_bwd", &cases, &mut gpu);
+    // GPT-2's sequence (T 1024, d 64) on a few heads, GQA 2:1: 8 key blocks, every tile kind.
+    let gpt2 = AttConfig::new(1, 4, 2, 64, true, &[(0, 1024)], &[(0, 1024)]);
+    crate::harness::check_with(
+        "attention_bf16_wgmma_bwd_gpt2",
+        &attention_cases(&mut r, &gpt2, BF16_ATTENTION, true),
+        &mut gpu,
+    );
+    check_storage("attention_bf16_storage_wgmma_bwd", &mut gpu);
+}
+
+/// One self-test mode: its number, what it checks, inputs a and b, and the exact output.
+#[cfg(feature = "cuda")]
+type SelfTestMode<'a> = (i32, &'a str, &'a [f32], &'a [f32], &'a [f32]);
+
+/// kernels/attention_wgmma_bwd.cu's attention_wgmma_selftest against exact products of small
+/// integers (|x| ≤ 2: every sum is exact in bf16 and f32), one mode per operand layout the wgmma
+/// backward uses: 0 = S^T's (A, B K-major), 1 = dV's / dK's (accumulators reused as A
+/// registers, B MN-major), 2 = dQ's (A, B MN-major, n32 at a column offset).
+#[cfg(feature = "cuda")]
+fn wgmma_layouts(gpu: &mut parc_runtime::cuda::CudaBackend, r: &mut Rng) {
+    let mut small = |n: usize| -> Vec<f32> {
+        r.vec(n, 2.5)
+            .into_iter()
+            .map(|x| x.round().clamp(-2.0, 2.0))
+            .collect()
+    };
+    let (a64, b64, c) = (small(64 * 64), small(64 * 64), small(64 * 64));
+    let (a128, b128) = (small(128 * 64), small(128 * 64));
+    let s: Vec<f32> = (0..64 * 64)
+        .map(|i| {
+            (0..64)
+                .map(|k| a64[i / 64 * 64 + k] * b64[i % 64 * 64 + k])
+                .sum()
+        })
+        .collect();
+    let sc: Vec<f32> = (0..64 * 64)
+        .map(|i| {
+            (0..64)
+                .map(|k| s[i / 64 * 64 + k] * c[k * 64 + i % 64])
+                .sum()
+        })
+        .collect();
+    let atb: Vec<f32> = (0..64 * 64)
+        .map(|i| {
+            (0..128)
+                .map(|k| a128[k * 64 + i / 64] * b128[k * 64 + i % 64])
+                .sum()
+        })
+        .collect();
+    let modes: [SelfTestMode; 3] = [
+        (0, "A B^T, A and B K-major (S^T = K Q^T)", &a64, &b64, &s),
+        (
+            1,
+            "(A B^T) C, accumulators as A registers, C MN-major (dV += P^T dO)",
+            &a64,
+            &b64,
+            &sc,
+        ),
+        (
+            2,
+            "A^T B, A and B MN-major, m64n32 at columns 0 and 32 (dQ = dS K)",
+            &a128,
+            &b128,
+            &atb,
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (mode, what, a, b, want) in modes {
+        let got = gpu
+            .wgmma_selftest(mode, a, b, &c)
+            .unwrap_or_else(|e| panic!("wgmma self-test mode {mode}: {e}"));
+        let wrong: Vec<usize> = (0..want.len()).filter(|&i| got[i] != want[i]).collect();
+        println!(
+            "wgmma self-test mode {mode} ({what}): {} of 4096 wrong",
+            wrong.len()
+        );
+        if let Some(&i) = wrong.first() {
+            // Where the wrong value does appear in the reference hints at the layout mistake.
+            let seen = want.iter().position(|&w| w == got[i] && got[i] != 0.0);
+            failures.push(format!(
+                "mode {mode} ({what}): {} of 4096 wrong; first at row {} column {}: got {} \
+                 want {} (that value is the reference's at {:?})",
+                wrong.len(),
+                i / 64,
+                i % 64,
+                got[i],
+                want[i],
+                seen.map(|j| (j / 64, j % 64))
+            ));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "wgmma layouts:\n{}",
+        failures.join("\n")
+    );
+}
+
 /// A bf16 CUDA backend that runs the `wgmma` attention forward (variant set on the backend, so
 /// PARC_ATTENTION_FWD_KERNEL does not matter), or None, printed as skipped, without a Hopper GPU.
 #[cfg(feature = "cuda")]

@@ -276,7 +276,30 @@ pub fn check_on(test: &str, cases: &[Case], precision: Precision) -> Vec<f32> {
     check_with(test, cases, gpu.as_mut())
 }
 
-/// As `check_on`, on a GPU backend the caller made (e.g. with a kernel variant chosen).
+/// A Hopper GPU backend in `precision` running variant `name` of `op`, or None (printed)
+/// without a GPU or on another GPU (the variant is Hopper-only).
+#[cfg(feature = "cuda")]
+pub fn hopper_variant(
+    precision: Precision,
+    op: &str,
+    name: &str,
+) -> Option<parc_runtime::cuda::CudaBackend> {
+    let mut b = match parc_runtime::cuda::CudaBackend::with_precision(0, precision) {
+        Ok(b) => b,
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            return None;
+        }
+    };
+    if !b.is_hopper().expect("the compute capability") {
+        println!("skipped: {op}={name} runs on Hopper GPUs only");
+        return None;
+    }
+    b.set_kernel_variant(op, name).expect("a known variant");
+    Some(b)
+}
+
+/// As `check_on`, on the GPU backend `gpu` (e.g. one running a kernel variant).
 pub fn check_with(test: &str, cases: &[Case], gpu: &mut dyn Backend) -> Vec<f32> {
     let mut worst_errors = Vec::new();
     let mut failures = Vec::new();

@@ -267,6 +267,79 @@ pub(crate) fn scratch_bytes(
     layout_for(op, bf16_run, ins, outs).map_or(0, |l| l.bytes)
 }
 
+/// The wgmma backward (kernels/attention_wgmma_bwd.cu) takes head_dim 64 only (other head dims
+/// run the mma.sync one whatever the variant); its CTA has TC_BWD_THREADS threads for TC_BC
+/// keys, like attention_bwd_tc's, and uses the same scratch. Its shared memory: K, V and dSᵀ
+/// tiles of TC_BC × 64 bf16, two stages of 64-row Q and dO tiles with lse2 / delta / position.
+const WGMMA_BWD_HEAD_DIM: usize = 64;
+const WGMMA_BWD_SMEM: u32 = (3 * TC_BC * 64 * 2 + 2 * (2 * 64 * 64 * 2 + 3 * 64 * 4)) as u32;
+
+/// Fails unless the GPU is a Hopper (compute capability 9.0), the only one whose program holds
+/// the compute_90a kernels (`what` names the variant that needs them).
+fn require_hopper(be: &CudaBackend, what: &str) -> Result<()> {
+    if !be.is_hopper()? {
+        return Err(crate::error::RuntimeError::Unsupported(format!(
+            "{what} needs a Hopper GPU (compute capability 9.0; this one is {}): unset the \
+             variant's PARC_*_KERNEL or choose its default",
+            be.device_name()?
+        )));
+    }
+    Ok(())
+}
+
+/// Runs `attention_wgmma_selftest` (kernels/attention_wgmma_bwd.cu) in `mode` on the row-major
+/// f32 inputs (small integers, exact in bf16; a and b 64 × 64, 128 × 64 in mode 2; c 64 × 64)
+/// and returns its 64 × 64 output: checks the wgmma shared-memory layouts and register
+/// mappings the wgmma backward relies on, for GPU tests. Hopper only.
+pub(super) fn wgmma_selftest(
+    be: &mut CudaBackend,
+    mode: i32,
+    a: &[f32],
+    b: &[f32],
+    c: &[f32],
+) -> Result<Vec<f32>> {
+    require_hopper(be, "attention_wgmma_selftest")?;
+    let rows = if mode == 2 { 128 } else { 64 };
+    let n = rows * 64;
+    if a.len() != n || b.len() != n || c.len() != 64 * 64 {
+        return Err(crate::error::RuntimeError::Unsupported(format!(
+            "wgmma_selftest mode {mode}: a and b need {n} values, c 4096"
+        )));
+    }
+    let inputs = [a, b, c];
+    let memory = inputs
+        .iter()
+        .map(|x| be.alloc_bytes(x.len() * 4, "a wgmma self-test input"))
+        .collect::<Result<Vec<_>>>()?;
+    let out = be.alloc_bytes(64 * 64 * 4, "the wgmma self-test output")?;
+    // The allocations' zero fills are queued on the stream: done before the copies below.
+    be.synchronize()?;
+    let ptrs: Vec<CUdeviceptr> = memory
+        .iter()
+        .map(|m| super::raw_ptr(&be.stream, m))
+        .collect();
+    for (&ptr, data) in ptrs.iter().zip(inputs) {
+        // SAFETY: the allocation holds data.len() f32s; the copy completes before returning.
+        unsafe { cudarc::driver::result::memcpy_htod_sync(ptr, data) }
+            .map_err(|e| driver_error("uploading a wgmma self-test input", e))?;
+    }
+    let out_ptr = super::raw_ptr(&be.stream, &out);
+    let args = [
+        Arg::Ptr(ptrs[0]),
+        Arg::Ptr(ptrs[1]),
+        Arg::Ptr(ptrs[2]),
+        Arg::Ptr(out_ptr),
+        Arg::I32(mode),
+    ];
+    be.launch("attention_wgmma_selftest", (1, 1, 1), (128, 1, 1), 0, &args)?;
+    be.synchronize()?;
+    let mut host = vec![0.0f32; 64 * 64];
+    // SAFETY: out holds 4096 f32s; the stream is idle.
+    unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut host, out_ptr) }
+        .map_err(|e| driver_error("reading the wgmma self-test output", e))?;
+    Ok(host)
+}
+
 /// Launches a tensor-core kernel, first letting it use `smem` bytes of shared memory.
 fn launch_tc(
     be: &mut CudaBackend,
@@ -396,28 +469,6 @@ fn grid_y(b: &Bound, tiles: usize, what: &str) -> Result<u32> {
     Ok(tiles as u32)
 }
 
-/// Whether the backend's GPU is a Hopper (compute capability 9.0), which alone has the
-/// `wgmma` kernels (compiled for compute_90a only).
-fn hopper(be: &CudaBackend) -> Result<bool> {
-    let cc = be
-        .ctx
-        .compute_capability()
-        .map_err(|e| driver_error("reading the compute capability", e))?;
-    Ok(cc == (9, 0))
-}
-
-/// An error unless the GPU can run the `wgmma` forward.
-fn require_hopper(be: &CudaBackend) -> Result<()> {
-    if hopper(be)? {
-        return Ok(());
-    }
-    Err(RuntimeError::Unsupported(format!(
-        "PARC_ATTENTION_FWD_KERNEL=wgmma: the warpgroup-MMA attention forward needs a Hopper \
-         GPU (compute capability 9.0), and {} is not one: choose `fa2` (the default)",
-        be.device_name().unwrap_or_else(|_| "this GPU".into())
-    )))
-}
-
 /// Runs `op`, an `Attention` or `AttentionBwd` (any other op is an error).
 pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
     let (Op::Attention {
@@ -493,7 +544,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
                 Arg::Geom(g),
             ];
             if be.variants.is("attention_fwd", "wgmma") {
-                require_hopper(be)?;
+                require_hopper(be, "attention_fwd=wgmma")?;
                 let (name, warpgroups, smem) = tc.wgmma_fwd();
                 let rows = 64 * warpgroups;
                 let grid = (
@@ -625,7 +676,19 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
             Arg::Ptr(kvpos),
             Arg::Geom(g),
         ];
-        launch_tc(be, tc.bwd, grid, TC_BWD_THREADS, tc.bwd_smem(), &args)?;
+        if tc.head_dim == WGMMA_BWD_HEAD_DIM && be.variants.is("attention_bwd", "wgmma") {
+            require_hopper(be, "attention_bwd=wgmma")?;
+            launch_tc(
+                be,
+                "attention_bwd_wgmma_d64",
+                grid,
+                TC_BWD_THREADS,
+                WGMMA_BWD_SMEM,
+                &args,
+            )?;
+        } else {
+            launch_tc(be, tc.bwd, grid, TC_BWD_THREADS, tc.bwd_smem(), &args)?;
+        }
         if layout.dq_acc.is_some() {
             // Each bf16 dQ element rounded once from its f32 sum.
             let n4 = dq.len / 4;
@@ -687,11 +750,6 @@ fn compare_exact(what: &str, got: &[f32], want: &[f32], cols: usize) -> Option<S
 }
 
 impl CudaBackend {
-    /// Whether this GPU runs the `wgmma` kernels (a Hopper: compute capability 9.0).
-    pub fn is_hopper(&self) -> Result<bool> {
-        hopper(self)
-    }
-
     /// Checks, on their own, the shared-memory layouts, matrix descriptors and register
     /// fragments the `wgmma` attention forward relies on, for `head_dim` 64 or 128 (one
     /// warpgroup, `attention_wgmma_layout_check_d*`): S = A·Bᵀ with A and B (64 × head_dim)
@@ -699,7 +757,7 @@ impl CudaBackend {
     /// (64 × head_dim) MN-major, on small integers, so every product is exact. Returns one
     /// line per product that came out wrong (empty: all exact). Hopper GPUs only.
     pub fn attention_wgmma_layout_check(&mut self, head_dim: usize) -> Result<Vec<String>> {
-        require_hopper(self)?;
+        require_hopper(self, "attention_wgmma_layout_check")?;
         let name = match head_dim {
             64 => "attention_wgmma_layout_check_d64",
             128 => "attention_wgmma_layout_check_d128",
@@ -815,6 +873,8 @@ mod tests {
             assert!(fwd <= H100_SMEM / 2, "d{d} forward: {fwd}");
             assert!(bwd <= A100_SMEM, "d{d} backward: {bwd}");
         }
+        // The wgmma backward (Hopper only): attention_wgmma_bwd.cu's 83456 bytes.
+        const { assert!(WGMMA_BWD_SMEM == 83_456 && WGMMA_BWD_SMEM <= H100_SMEM) };
     }
 
     /// The wgmma forward's shared memory follows its kernel's layout (1024-byte alignment

@@ -46,6 +46,13 @@ const CHOICES: &[Choice] = &[
         env: "PARC_SUM_SQUARES_KERNEL",
         names: &["two_pass", "one_pass"],
     },
+    // The attention backward (bf16 runs, head_dim 64): attention_tc.cu's mma.sync kernel, or
+    // attention_wgmma_bwd.cu's warpgroup-MMA one (Hopper only).
+    Choice {
+        op: "attention_bwd",
+        env: "PARC_ATTENTION_BWD_KERNEL",
+        names: &["fa2", "wgmma"],
+    },
 ];
 
 /// The variant chosen for each op of [`CHOICES`] (an index into its `names`).
