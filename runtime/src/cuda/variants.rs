@@ -14,7 +14,13 @@ struct Choice {
 }
 
 /// Every op that has more than one implementation now.
-const CHOICES: &[Choice] = &[];
+const CHOICES: &[Choice] = &[Choice {
+    // `rows`: a block per row, two passes over the row in global memory; `staged`: persistent
+    // CTAs that stage each row in shared memory (cross_entropy.rs).
+    op: "cross_entropy",
+    env: "PARC_CROSS_ENTROPY_KERNEL",
+    names: &["rows", "staged"],
+}];
 
 /// The variant chosen for each op of [`CHOICES`] (an index into its `names`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,7 +93,6 @@ impl KernelVariants {
     }
 
     /// Whether `op` runs variant `name`.
-    #[cfg_attr(not(test), allow(dead_code))] // until an op has variants again
     pub fn is(&self, op: &str, name: &str) -> bool {
         self.chosen(op) == name
     }
