@@ -1,9 +1,9 @@
 // The fused cross-entropy of an unsplit vocabulary (`Op::CrossEntropy`), in place. Variant `rows`
-// (the default; `staged` is further down), one block per row: the first pass reads the row once for its max and sum of exponentials (online: each
-// thread keeps a running max and a sum rescaled whenever the max grows; the block then merges
-// the pairs) and thread 0 reads the target logit; thread 0 writes the row's loss
-// ln(sumexp) + max - target_logit (f64) to `row_loss`; the second pass overwrites the row with
-// dlogits = grad_scale * (exp(x - max) / sumexp - [j == target]). Every element is read by the
+// (the default; `staged` is further down), one block per row: the first pass reads the row once
+// for its max and sum of exponentials (online: each thread keeps a running max and a sum
+// rescaled whenever the max grows; the block then merges the pairs) and thread 0 reads the
+// target logit; thread 0 writes the row's loss ln(sumexp) + max - target_logit (f64) to
+// `row_loss`; the second pass overwrites the row with dlogits = grad_scale * (exp(x - max) / sumexp - [j == target]). Every element is read by the
 // first pass before the block's reduction (a barrier) and written after it, by the thread that
 // reads it again, so the update needs no copy of the logits. `cross_entropy_loss_sum` then adds
 // scale * the row losses into the loss in a fixed order (deterministic).
