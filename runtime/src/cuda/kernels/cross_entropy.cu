@@ -3,7 +3,8 @@
 // for its max and sum of exponentials (online: each thread keeps a running max and a sum
 // rescaled whenever the max grows; the block then merges the pairs) and thread 0 reads the
 // target logit; thread 0 writes the row's loss ln(sumexp) + max - target_logit (f64) to
-// `row_loss`; the second pass overwrites the row with dlogits = grad_scale * (exp(x - max) / sumexp - [j == target]). Every element is read by the
+// `row_loss`; the second pass overwrites the row with
+// dlogits = grad_scale * (exp(x - max) / sumexp - [j == target]). Every element is read by the
 // first pass before the block's reduction (a barrier) and written after it, by the thread that
 // reads it again, so the update needs no copy of the logits. `cross_entropy_loss_sum` then adds
 // scale * the row losses into the loss in a fixed order (deterministic).
