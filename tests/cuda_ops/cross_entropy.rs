@@ -53,7 +53,7 @@ fn case(r: &mut Rng, name: String, rows: usize, vocab: usize, spread: f32, tol: 
 
 /// (rows, vocab): tiny and odd vocabularies, GPT-2's padded (50,304) and real (50,257) one;
 /// the last three have more rows than the staged kernel starts CTAs on an H200 (132 for GPT-2's
-/// rows; 16 a SM for 37 columns, 8 for 1,000), so its CTAs loop and prefetch.
+/// rows, at most 2,112 for the small ones), so each CTA takes several rows and prefetches.
 const SHAPES: [(usize, usize); 9] = [
     (7, 1),
     (19, 37),
