@@ -54,6 +54,28 @@ pub fn gpu() -> Option<Box<dyn Backend>> {
     gpu_with(Precision::Fp32)
 }
 
+/// A GPU backend in `precision` that runs kernel variant `name` of `op`
+/// (`PARC_<OP>_KERNEL`, cuda/variants.rs).
+#[cfg(feature = "cuda")]
+pub fn gpu_variant(precision: Precision, (op, name): (&str, &str)) -> Option<Box<dyn Backend>> {
+    match parc_runtime::cuda::CudaBackend::with_precision(0, precision) {
+        Ok(mut b) => {
+            b.set_kernel_variant(op, name).unwrap();
+            Some(Box::new(b))
+        }
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn gpu_variant(_precision: Precision, _variant: (&str, &str)) -> Option<Box<dyn Backend>> {
+    println!("skipped: no CUDA device (this build has no `cuda` feature)");
+    None
+}
+
 /// splitmix64: small, seedable, good enough for test data.
 pub struct Rng(u64);
 
@@ -270,7 +292,23 @@ pub fn check(test: &str, cases: &[Case]) {
 /// As `check`, with the GPU backend in `precision`; returns the worst error of every output
 /// (empty when skipped).
 pub fn check_on(test: &str, cases: &[Case], precision: Precision) -> Vec<f32> {
-    let Some(mut gpu) = gpu_with(precision) else {
+    check_against(test, cases, gpu_with(precision))
+}
+
+/// As `check_on`, with the GPU backend running kernel variant `variant` (op, name).
+pub fn check_variant(
+    test: &str,
+    cases: &[Case],
+    precision: Precision,
+    variant: (&str, &str),
+) -> Vec<f32> {
+    check_against(test, cases, gpu_variant(precision, variant))
+}
+
+/// Runs every case on the CPU and on `gpu` (None: skipped) and compares; returns the worst
+/// error of every output.
+fn check_against(test: &str, cases: &[Case], gpu: Option<Box<dyn Backend>>) -> Vec<f32> {
+    let Some(mut gpu) = gpu else {
         return Vec::new();
     };
     check_with(test, cases, gpu.as_mut())

@@ -171,6 +171,8 @@ pub struct CudaBackend {
     time_marks: Vec<cudarc::driver::CudaEvent>,
     /// Which implementation runs each op that has kernel variants (`variants`).
     variants: variants::KernelVariants,
+    /// The device's SM count and shared memory (launch shapes of persistent kernels).
+    limits: device::DeviceLimits,
     /// Kept alive for cuBLASLt.
     _workspace: CudaSlice<u8>,
 }
@@ -207,6 +209,7 @@ impl CudaBackend {
         };
         let variants = variants::KernelVariants::from_env()?;
         let (ctx, stream) = device::open(ordinal)?;
+        let limits = device::limits(&ctx)?;
         let kernels = Kernels::load(&ctx)?;
         let workspace = stream
             .alloc_zeros::<u8>(WORKSPACE_BYTES)
@@ -230,6 +233,7 @@ impl CudaBackend {
             sum_squares: sum_squares::FusedSumSquares::default(),
             time_marks: Vec::new(),
             variants,
+            limits,
             _workspace: workspace,
             nccl: None,
             staging: staging::Staging::default(),

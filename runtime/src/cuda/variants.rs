@@ -53,6 +53,13 @@ const CHOICES: &[Choice] = &[
         env: "PARC_ATTENTION_BWD_KERNEL",
         names: &["fa2", "wgmma"],
     },
+    // `rows`: a block per row, two passes over the row in global memory; `staged`: persistent
+    // CTAs that stage each row in shared memory (cross_entropy.rs).
+    Choice {
+        op: "cross_entropy",
+        env: "PARC_CROSS_ENTROPY_KERNEL",
+        names: &["rows", "staged"],
+    },
 ];
 
 /// The variant chosen for each op of [`CHOICES`] (an index into its `names`).
