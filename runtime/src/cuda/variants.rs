@@ -14,7 +14,21 @@ struct Choice {
 }
 
 /// Every op that has more than one implementation now.
-const CHOICES: &[Choice] = &[];
+const CHOICES: &[Choice] = &[
+    // LayerNorm/RMSNorm forwards: one row per warp, or two (`norm_variants`).
+    Choice {
+        op: "norm_fwd",
+        env: "PARC_NORM_FWD_KERNEL",
+        names: &["warp", "multirow"],
+    },
+    // LayerNorm/RMSNorm backwards: dx, then the dw/db column partials in two more passes, or
+    // all in one pass (`norm_variants`).
+    Choice {
+        op: "norm_bwd",
+        env: "PARC_NORM_BWD_KERNEL",
+        names: &["warp", "fused"],
+    },
+];
 
 /// The variant chosen for each op of [`CHOICES`] (an index into its `names`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,7 +101,6 @@ impl KernelVariants {
     }
 
     /// Whether `op` runs variant `name`.
-    #[cfg_attr(not(test), allow(dead_code))] // until an op has variants again
     pub fn is(&self, op: &str, name: &str) -> bool {
         self.chosen(op) == name
     }
