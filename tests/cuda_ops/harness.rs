@@ -270,9 +270,49 @@ pub fn check(test: &str, cases: &[Case]) {
 /// As `check`, with the GPU backend in `precision`; returns the worst error of every output
 /// (empty when skipped).
 pub fn check_on(test: &str, cases: &[Case], precision: Precision) -> Vec<f32> {
-    let Some(mut gpu) = gpu_with(precision) else {
+    let Some(gpu) = gpu_with(precision) else {
         return Vec::new();
     };
+    check_against(test, cases, gpu)
+}
+
+/// A GPU backend in `precision` running kernel variant `name` of `op` (`PARC_<OP>_KERNEL`).
+#[cfg(feature = "cuda")]
+pub fn gpu_variant(precision: Precision, (op, name): (&str, &str)) -> Option<Box<dyn Backend>> {
+    match parc_runtime::cuda::CudaBackend::with_precision(0, precision) {
+        Ok(mut b) => {
+            b.set_kernel_variant(op, name)
+                .unwrap_or_else(|e| panic!("variant {name} of {op}: {e}"));
+            Some(Box::new(b))
+        }
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn gpu_variant(_precision: Precision, _variant: (&str, &str)) -> Option<Box<dyn Backend>> {
+    println!("skipped: no CUDA device (this build has no `cuda` feature)");
+    None
+}
+
+/// As `check_on`, with kernel variant `variant` = (op, name) chosen on the GPU backend.
+pub fn check_variant(
+    test: &str,
+    cases: &[Case],
+    precision: Precision,
+    variant: (&str, &str),
+) -> Vec<f32> {
+    let Some(gpu) = gpu_variant(precision, variant) else {
+        return Vec::new();
+    };
+    check_against(test, cases, gpu)
+}
+
+/// Runs every case on the CPU backend and on `gpu` and compares (see `check_on`).
+fn check_against(test: &str, cases: &[Case], mut gpu: Box<dyn Backend>) -> Vec<f32> {
     let mut worst_errors = Vec::new();
     let mut failures = Vec::new();
     for case in cases {
