@@ -3,8 +3,8 @@
 //! one row per warp; `norm_bwd` = `fused` (PARC_NORM_BWD_KERNEL) computes dx and the dw (and
 //! db) column partials in one pass over dy and x, where the `warp` path reads them twice more
 //! for the partials over four more launches. Each takes rows of a multiple of 8 elements, at
-//! most [`MAX_DIM`], with 16-byte aligned operands (and, for the fused backward, dy and x of
-//! one dtype); otherwise it says so (`Ok(false)`) and the caller runs the `warp` kernels.
+//! most [`MAX_DIM`], with 16-byte aligned operands (and, for the fused backward, dy, x and dx
+//! of one dtype); otherwise it says so (`Ok(false)`) and the caller runs the `warp` kernels.
 //!
 //! The fused backward's partials are f32, one row per block for dw and one for db: at most
 //! 128 blocks × 2 × dim × 4 bytes, within the 128 chunks × dim × 8 bytes that
@@ -162,7 +162,8 @@ pub(super) struct NormBwd {
 
 /// Runs the fused backward (dx, dw, db) when it is chosen and takes the rows (`Ok(true)`).
 pub(super) fn backward(be: &mut CudaBackend, f: &NormBwd) -> Result<bool> {
-    if !be.variants.is("norm_bwd", "fused") || f.dy.dtype != f.x.dtype {
+    let one_dtype = f.dy.dtype == f.x.dtype && f.dx.dtype == f.x.dtype;
+    if !be.variants.is("norm_bwd", "fused") || !one_dtype {
         return Ok(false);
     }
     let Some(v) = vectors(f.d, &[f.dy.ptr, f.x.ptr, f.dx.ptr, f.w.ptr]) else {

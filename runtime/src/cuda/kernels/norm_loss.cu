@@ -425,8 +425,8 @@ NORM_FWD_MULTIROW(4, false, _f32)
 // A fused LayerNorm (LN) or RMSNorm backward: dx and the dw (and db) column partials in one
 // pass over dy and x. Block c owns rows [c·band, (c+1)·band); each warp takes rows warp,
 // warp + warps, … of the band, lane `lane` the vectors j = 8·lane + 256·k (k < NV, j < dim),
-// keeping the row's dy and x as stored (`B16`: both bf16, else both f32; dx may be either)
-// for dx's second pass, and its columns' Σ dy·xhat and Σ dy over its rows in f32 registers. The
+// keeping the row's dy and x (and an accumulated dx) as stored (`B16`: all bf16, else all
+// f32) for dx's second pass, and its columns' Σ dy·xhat and Σ dy over its rows in f32 registers. The
 // block then adds its warps' sums in warp order in double and writes one f32 partial row per
 // block: part[c, j] (dw), part[blocks + c, j] (db, when `with_db`). Row statistics and dx
 // are exactly layer_norm_bwd_dx's / rms_norm_bwd_dx's.
@@ -472,6 +472,16 @@ __device__ __forceinline__ void norm_bwd_fused(Fv dy, Fv x, const float* w, cons
                 }
             }
         }
+        // An accumulated dx is loaded before the row's shuffle reductions, which hide its
+        // latency.
+        Raw rdx[NV];
+        if (accumulate_dx) {
+#pragma unroll
+            for (int k = 0; k < NV; k++) {
+                long long j = 8 * lane + 256 * k;
+                if (j < dim) ld_raw(dx.p, (o + j) / 8, rdx[k]);
+            }
+        }
         float mean_g = LN ? (float)(warp_sum_d(sg) / (double)dim) : 0.0f;
         float mean_gx = (float)(warp_sum_d(sgx) / (double)dim);
 #pragma unroll
@@ -479,7 +489,7 @@ __device__ __forceinline__ void norm_bwd_fused(Fv dy, Fv x, const float* w, cons
             long long j = 8 * lane + 256 * k;
             if (j < dim) {
                 F8 d = widen(rd[k]), v = widen(rx[k]), wv = ld8_f32(w, j), out;
-                if (accumulate_dx) out = ld8(dx, (o + j) / 8);
+                if (accumulate_dx) out = widen(rdx[k]);
 #pragma unroll
                 for (int e = 0; e < 8; e++) {
                     float g;
