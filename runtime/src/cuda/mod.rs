@@ -35,6 +35,7 @@ mod nccl;
 mod nccl_host;
 mod nccl_inflight;
 mod nccl_watchdog;
+mod norm_variants;
 mod optimizer;
 mod staging;
 mod storage;

@@ -60,6 +60,19 @@ const CHOICES: &[Choice] = &[
         env: "PARC_CROSS_ENTROPY_KERNEL",
         names: &["rows", "staged"],
     },
+    // LayerNorm/RMSNorm forwards: one row per warp, or two (`norm_variants`).
+    Choice {
+        op: "norm_fwd",
+        env: "PARC_NORM_FWD_KERNEL",
+        names: &["warp", "multirow"],
+    },
+    // LayerNorm/RMSNorm backwards: dx, then the dw/db column partials in two more passes, or
+    // all in one pass (`norm_variants`).
+    Choice {
+        op: "norm_bwd",
+        env: "PARC_NORM_BWD_KERNEL",
+        names: &["warp", "fused"],
+    },
 ];
 
 /// The variant chosen for each op of [`CHOICES`] (an index into its `names`).
