@@ -6,17 +6,15 @@
 //! the operands copied to bf16 first), and one fp32 point times the exact kernels. FLOPs follow PyTorch's attention benchmark: causal
 //! forward 4·B·H·T²·d / 2, backward 2.5× the forward.
 //!
-//! Each bf16 point runs once per variant of the `attention_fwd` kernel (`fa2`, labelled as
-//! before, and on a Hopper GPU `wgmma`, labelled `…-wgmma`; the backward is the same kernel in
-//! both), set on the backend in a loop; the `PARC_ATT_POINT` run takes the variant from
-//! `PARC_ATTENTION_FWD_KERNEL` instead.
+//! Each bf16 point runs with the default kernels (`fa2` both ways, labelled as before) and, on a
+//! Hopper GPU, with the `wgmma` forward and (head_dim 64) the `wgmma` backward (labelled
+//! `…-wgmma-wgmmabwd`): each run times both directions, so one run per new kernel measures
+//! each. The bench sets the variants on the backend, whatever PARC_ATTENTION_*_KERNEL say.
 //!
 //! Ignored by default (it needs a GPU): on the device machine,
 //! `cuda_attention_bench --ignored --nocapture`. Prints one JSON line per point. Without a GPU
 //! it prints `skipped: no CUDA device`. `PARC_ATT_POINT=B,H,T,D` runs only that bf16 point,
 //! once after the warm-up (for a profiler: its 3rd and 4th attention kernels are the timed ones).
-//! On a Hopper GPU every bf16 head_dim-64 point runs twice: with the default (`fa2`) backward,
-//! then with the `wgmma` one (label suffix `-wgmmabwd`); the bench sets the variant itself.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[test]
@@ -158,9 +156,9 @@ mod bench {
     /// Times `pt` with attention variants `fwd` and `bwd` (PARC_ATTENTION_FWD_KERNEL's and
     /// PARC_ATTENTION_BWD_KERNEL's names, set here whatever the environment says); the label
     /// names the variants that are not the default.
-    fn measure(be: &mut CudaBackend, pt: &Point, fwd: &str, bwd: &str) {
-        be.set_kernel_variant("attention_fwd", fwd).unwrap();
-        be.set_kernel_variant("attention_bwd", bwd).unwrap();
+    fn measure(be: &mut CudaBackend, pt: &Point, fwd_kernel: &str, bwd_kernel: &str) {
+        be.set_kernel_variant("attention_fwd", fwd_kernel).unwrap();
+        be.set_kernel_variant("attention_bwd", bwd_kernel).unwrap();
         let (b, h, t, d) = (pt.batch, pt.heads, pt.seq, pt.head_dim);
         let n = (t * b * h * d) as usize;
         let lse_n = (b * h * t) as usize;
@@ -233,11 +231,11 @@ mod bench {
             _ => "parc-fp32-exact",
         };
         let mut label = label.to_string();
-        if fwd != "fa2" {
-            label = format!("{label}-{fwd}");
+        if fwd_kernel != "fa2" {
+            label = format!("{label}-{fwd_kernel}");
         }
-        if bwd != "fa2" {
-            label = format!("{label}-{bwd}bwd");
+        if bwd_kernel != "fa2" {
+            label = format!("{label}-{bwd_kernel}bwd");
         }
         println!(
             "{{\"impl\": \"{label}\", \"B\": {b}, \"H\": {h}, \"T\": {t}, \"D\": {d}, \"fwd_ms\": {:.3}, \"bwd_ms\": {:.3}, \"fwd_tflops\": {:.1}, \"bwd_tflops\": {:.1}, \"fwdbwd_tflops\": {:.1}}}",
