@@ -6,6 +6,11 @@
 //! the operands copied to bf16 first), and one fp32 point times the exact kernels. FLOPs follow PyTorch's attention benchmark: causal
 //! forward 4·B·H·T²·d / 2, backward 2.5× the forward.
 //!
+//! Each bf16 point runs with the default kernels (`fa2` both ways, labelled as before) and, on a
+//! Hopper GPU, with the `wgmma` forward and (head_dim 64) the `wgmma` backward (labelled
+//! `…-wgmma-wgmmabwd`): each run times both directions, so one run per new kernel measures
+//! each. The bench sets the variants on the backend, whatever PARC_ATTENTION_*_KERNEL say.
+//!
 //! Ignored by default (it needs a GPU): on the device machine,
 //! `cuda_attention_bench --ignored --nocapture`. Prints one JSON line per point. Without a GPU
 //! it prints `skipped: no CUDA device`. `PARC_ATT_POINT=B,H,T,D` runs only that bf16 point,
@@ -95,7 +100,11 @@ mod bench {
     pub fn run() {
         if let Some(pt) = chosen_point() {
             match CudaBackend::with_precision(0, pt.precision) {
-                Ok(mut be) => measure(&mut be, &pt),
+                Ok(mut be) => {
+                    for (fwd, bwd) in variant_pairs(&be, &pt) {
+                        measure(&mut be, &pt, fwd, bwd);
+                    }
+                }
                 Err(e) => println!("skipped: no CUDA device ({e})"),
             }
             return;
@@ -127,11 +136,29 @@ mod bench {
                     return;
                 }
             };
-            measure(&mut be, pt);
+            for (fwd, bwd) in variant_pairs(&be, pt) {
+                measure(&mut be, pt, fwd, bwd);
+            }
         }
     }
 
-    fn measure(be: &mut CudaBackend, pt: &Point) {
+    /// The (forward, backward) attention variants a point is timed with: the defaults, and on
+    /// a Hopper GPU in a bf16 run the wgmma kernels (the backward's for head_dim 64 only; each
+    /// pair times both directions, so one pair per new kernel measures each).
+    fn variant_pairs(be: &CudaBackend, pt: &Point) -> Vec<(&'static str, &'static str)> {
+        let mut pairs = vec![("fa2", "fa2")];
+        if matches!(pt.precision, Precision::Bf16) && be.is_hopper().unwrap() {
+            pairs.push(("wgmma", if pt.head_dim == 64 { "wgmma" } else { "fa2" }));
+        }
+        pairs
+    }
+
+    /// Times `pt` with attention variants `fwd` and `bwd` (PARC_ATTENTION_FWD_KERNEL's and
+    /// PARC_ATTENTION_BWD_KERNEL's names, set here whatever the environment says); the label
+    /// names the variants that are not the default.
+    fn measure(be: &mut CudaBackend, pt: &Point, fwd_kernel: &str, bwd_kernel: &str) {
+        be.set_kernel_variant("attention_fwd", fwd_kernel).unwrap();
+        be.set_kernel_variant("attention_bwd", bwd_kernel).unwrap();
         let (b, h, t, d) = (pt.batch, pt.heads, pt.seq, pt.head_dim);
         let n = (t * b * h * d) as usize;
         let lse_n = (b * h * t) as usize;
@@ -203,6 +230,13 @@ mod bench {
             (Precision::Bf16, _) => "parc-bf16-f32buf",
             _ => "parc-fp32-exact",
         };
+        let mut label = label.to_string();
+        if fwd_kernel != "fa2" {
+            label = format!("{label}-{fwd_kernel}");
+        }
+        if bwd_kernel != "fa2" {
+            label = format!("{label}-{bwd_kernel}bwd");
+        }
         println!(
             "{{\"impl\": \"{label}\", \"B\": {b}, \"H\": {h}, \"T\": {t}, \"D\": {d}, \"fwd_ms\": {:.3}, \"bwd_ms\": {:.3}, \"fwd_tflops\": {:.1}, \"bwd_tflops\": {:.1}, \"fwdbwd_tflops\": {:.1}}}",
             fwd_t * 1e3,

@@ -461,12 +461,13 @@ type BufferBits = Vec<(String, Vec<u32>)>;
 /// the fused optimizer and the fused `SumSquares` on or off. Returns the fused runs the
 /// backend found (the optimizer's, then the sums of squares'; each as its members' count) and
 /// every persistent buffer's bits at the end (the squared gradient norm `grad_sumsq` among
-/// them).
+/// them). `variants`: the kernel variants (op, name) the backend runs.
 #[cfg(feature = "cuda")]
 fn optimizer_phase(
     program: &parc_compiler::ir::Program,
     precision: Precision,
     fused: bool,
+    variants: &[(&str, &str)],
     steps: u64,
     overflow_step: Option<u64>,
 ) -> (Vec<usize>, Vec<usize>, BufferBits) {
@@ -497,6 +498,9 @@ fn optimizer_phase(
         .unwrap()
         .with_fused_optimizer(fused)
         .with_fused_sum_squares(fused);
+    for (op, name) in variants {
+        backend.set_kernel_variant(op, name).unwrap();
+    }
     backend
         .prepare(program, &plan_program(program).unwrap())
         .unwrap();
@@ -589,34 +593,58 @@ fn optimizer_phase(
     )
 }
 
-/// The optimizer phase of `spec`'s rank-0 program, fused and per tensor, on the same inputs:
-/// every parameter and optimizer state bit for bit after `steps` steps, and the squared gradient
-/// norm of the last step; the fused backend fused all updates into one run and all gradients'
-/// sums of squares into another (and changed something), the other none.
+/// The fused launches' kernel variants (`PARC_OPTIMIZER_KERNEL`, `PARC_SUM_SQUARES_KERNEL`):
+/// today's kernels, then the persistent AdamW with the one-pass sums of squares.
+#[cfg(feature = "cuda")]
+const FUSED_VARIANTS: [[(&str, &str); 2]; 2] = [
+    [("optimizer", "chunked"), ("sum_squares", "two_pass")],
+    [("optimizer", "persistent"), ("sum_squares", "one_pass")],
+];
+
+/// The optimizer phase of `spec`'s rank-0 program, fused (with each of [`FUSED_VARIANTS`]) and
+/// per tensor, on the same inputs: every parameter and optimizer state bit for bit after
+/// `steps` steps, and the squared gradient norm of the last step; the fused backend fused all
+/// updates into one run and all gradients' sums of squares into another (and changed
+/// something), the other none.
 #[cfg(feature = "cuda")]
 fn fused_equals_per_tensor(name: &str, spec: &Spec, steps: u64, overflow_step: Option<u64>) {
-    use parc_compiler::ir::op::Op;
     let plan = lower(spec).unwrap_or_else(|d| panic!("{:?}", d.items));
     let program = &plan.programs[0];
     let precision = spec.train.precision;
-    let (fused_runs, sumsq_runs, fused) =
-        optimizer_phase(program, precision, true, steps, overflow_step);
     let (tensor_runs, tensor_sumsq_runs, per_tensor) =
-        optimizer_phase(program, precision, false, steps, overflow_step);
-    let (_, _, before) = optimizer_phase(program, precision, false, 0, None);
+        optimizer_phase(program, precision, false, &[], steps, overflow_step);
+    let (_, _, before) = optimizer_phase(program, precision, false, &[], 0, None);
+    assert!(tensor_runs.is_empty(), "{name}: {tensor_runs:?}");
+    assert!(
+        tensor_sumsq_runs.is_empty(),
+        "{name}: {tensor_sumsq_runs:?}"
+    );
+    for variants in &FUSED_VARIANTS {
+        let name = format!("{name} {variants:?}");
+        let fused = optimizer_phase(program, precision, true, variants, steps, overflow_step);
+        fused_matches(&name, program, steps, fused, &per_tensor, &before);
+    }
+}
+
+/// One fused run of [`fused_equals_per_tensor`] against the per-tensor one.
+#[cfg(feature = "cuda")]
+fn fused_matches(
+    name: &str,
+    program: &parc_compiler::ir::Program,
+    steps: u64,
+    (fused_runs, sumsq_runs, fused): (Vec<usize>, Vec<usize>, BufferBits),
+    per_tensor: &BufferBits,
+    before: &BufferBits,
+) {
+    use parc_compiler::ir::op::Op;
     println!("{name}: fused runs {fused_runs:?}, SumSquares runs {sumsq_runs:?}");
     assert_eq!(fused_runs.len(), 1, "{name}: fused runs {fused_runs:?}");
-    assert!(tensor_runs.is_empty(), "{name}: {tensor_runs:?}");
     // Every gradient's SumSquares in one run (each parameter tensor has one).
     let sum_squares = (program.instrs.iter())
         .filter(|i| matches!(i.op(), Some(Op::SumSquares)))
         .count();
     assert_eq!(sumsq_runs, vec![sum_squares], "{name}");
     assert!(sum_squares >= 2, "{name}: {sum_squares} SumSquares");
-    assert!(
-        tensor_sumsq_runs.is_empty(),
-        "{name}: {tensor_sumsq_runs:?}"
-    );
     // The squared gradient norm, bit for bit, and not trivially zero.
     let norm = |state: &[(String, Vec<u32>)]| {
         (state.iter())
@@ -624,25 +652,17 @@ fn fused_equals_per_tensor(name: &str, spec: &Spec, steps: u64, overflow_step: O
             .map(|(_, bits)| bits.clone())
             .expect("a grad_sumsq buffer")
     };
-    assert_eq!(
-        norm(&fused),
-        norm(&per_tensor),
-        "{name}: grad_sumsq differs"
-    );
+    assert_eq!(norm(&fused), norm(per_tensor), "{name}: grad_sumsq differs");
     assert!(
         f32::from_bits(norm(&fused)[0]) > 0.0,
         "{name}: grad_sumsq is 0"
     );
     assert_eq!(fused.len(), per_tensor.len());
-    for (f, t) in fused.iter().zip(&per_tensor) {
+    for (f, t) in fused.iter().zip(per_tensor) {
         assert_eq!(f.0, t.0);
         assert!(f.1 == t.1, "{name}: {} differs after {steps} steps", f.0);
     }
-    let changed = fused
-        .iter()
-        .zip(&before)
-        .filter(|(f, b)| f.1 != b.1)
-        .count();
+    let changed = fused.iter().zip(before).filter(|(f, b)| f.1 != b.1).count();
     assert!(
         changed > fused_runs[0],
         "{name}: only {changed} buffers changed"
@@ -695,6 +715,21 @@ fn fused_optimizer_equals_per_tensor_updates() {
         fused_equals_per_tensor("llama-fp16", &fp16, 3, Some(2));
         // ZeRO 1: the all-gathers of the updated shards lie between the fused updates.
         fused_equals_per_tensor("gpt-zero1", &zero_spec(ZeroStage::Zero1, 1), 3, None);
+    }
+}
+
+/// GPT-2 124M's own optimizer phase (196 tensors up to the 38.6M-element token table), fused
+/// with each kernel variant and per tensor: bit for bit after 2 steps. Only the real sizes
+/// reach the one-pass sum of squares' paths for large tensors (a virtual block with 8 or more
+/// elements per thread, groups of 2 to 7 virtual blocks) and more than a few chunks per block
+/// of the persistent AdamW; the second step checks the one-pass counters were reset.
+#[test]
+fn fused_optimizer_equals_per_tensor_updates_at_gpt2_124m() {
+    #[cfg(not(feature = "cuda"))]
+    gpu_present();
+    #[cfg(feature = "cuda")]
+    if gpu_present() {
+        fused_equals_per_tensor("gpt2-124m", &gpt2_124m(1), 2, None);
     }
 }
 

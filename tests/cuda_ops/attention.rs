@@ -1,7 +1,9 @@
 //! Attention, forward and backward: the fp32 kernels on small and GQA shapes, context-parallel
 //! segments and kv ahead of q, and in a bf16 run the tensor-core kernels (head_dim 64 or 128)
 //! within `BF16_ATTENTION`, while other head dims stay exact fp32; then bf16 storage (bf16
-//! q/k/v/o/dO/dQ/dK/dV buffers) on both kernel families against the CPU's bf16 run.
+//! q/k/v/o/dO/dQ/dK/dV buffers) on both kernel families against the CPU's bf16 run. On a
+//! Hopper GPU the same again for the `wgmma` forward variant (set on its backend), after an
+//! exact check of its wgmma layouts on their own.
 use crate::harness::{
     check, check_on, gpu_with, seg, Case, Data, Rng, BF16_ATTENTION, BF16_ROUNDED, REDUCTION,
     SCALARS,
@@ -156,10 +158,9 @@ fn attention() {
 /// accumulation and softmax): within BF16_ATTENTION of the fp32 CPU, and its worst error must
 /// exceed BF16_ROUNDED (the operands were rounded, so the tensor-core kernels ran). Other head
 /// dims keep the exact fp32 kernels and the fp32 tolerance in a bf16 run.
-#[test]
-fn attention_bf16() {
-    let mut r = Rng::new("attention_bf16");
-    let tc = [
+/// The shapes the tensor-core kernels are checked on in a bf16 run.
+fn tc_configs() -> Vec<AttConfig> {
+    vec![
         // GQA, causal, a partial tile.
         AttConfig::new(2, 4, 2, 64, true, &[(0, 40)], &[(0, 40)]),
         // Several tiles: skipped, masked and whole ones.
@@ -180,7 +181,13 @@ fn attention_bf16() {
         ),
         AttConfig::new(2, 3, 3, 64, false, &[(0, 70)], &[(0, 70)]),
         AttConfig::new(1, 4, 1, 128, true, &[(0, 200)], &[(0, 200)]),
-    ];
+    ]
+}
+
+#[test]
+fn attention_bf16() {
+    let mut r = Rng::new("attention_bf16");
+    let tc = tc_configs();
     let cases: Vec<Case> = tc
         .iter()
         .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
@@ -262,7 +269,12 @@ fn attention_bf16_storage() {
     let Some(mut gpu) = gpu_with(Precision::Bf16) else {
         return;
     };
-    let mut r = Rng::new("attention_bf16_storage");
+    check_storage("attention_bf16_storage", gpu.as_mut());
+}
+
+/// `attention_bf16_storage`'s cases on `gpu` (a bf16 backend), reported under `test`.
+fn check_storage(test: &str, gpu: &mut dyn Backend) {
+    let mut r = Rng::new(test);
     let (bf, f32) = (DType::Bf16, DType::F32);
     // q, k, v, o, lse, dO, dq, dk, dv (lse is always f32).
     let all_bf16 = [bf, bf, bf, bf, f32, bf, bf, bf, bf];
@@ -365,7 +377,7 @@ fn attention_bf16_storage() {
         ];
         let fwd_out = [(r.vec(q_len, 1.0), ot), (r.vec(lse_len, 1.0), lt)];
         let want = run_typed(&mut CpuBackend::new(), &fwd, &fwd_in, &fwd_out);
-        let got = run_typed(gpu.as_mut(), &fwd, &fwd_in, &fwd_out);
+        let got = run_typed(gpu, &fwd, &fwd_in, &fwd_out);
         let bwd_in = [
             (input(&mut r, q_len, 1.0), dot),
             fwd_in[0].clone(),
@@ -380,7 +392,7 @@ fn attention_bf16_storage() {
             (r.vec(kv_len, 1.0), dvt),
         ];
         let want_b = run_typed(&mut CpuBackend::new(), &bwd, &bwd_in, &bwd_out);
-        let got_b = run_typed(gpu.as_mut(), &bwd, &bwd_in, &bwd_out);
+        let got_b = run_typed(gpu, &bwd, &bwd_in, &bwd_out);
         let outputs = [
             ("o", ot, tol.0, &got[0], &want[0]),
             ("lse", lt, tol.0, &got[1], &want[1]),
@@ -391,7 +403,7 @@ fn attention_bf16_storage() {
         for (what, dtype, tol, g, w) in outputs {
             let (err, i) = worst_error(g, w);
             println!(
-                "attention_bf16_storage/{name} {what} ({dtype:?}): {} values, worst relative error {err:.3e} at {i} (cuda {} cpu {}), tol {tol:.0e}",
+                "{test}/{name} {what} ({dtype:?}): {} values, worst relative error {err:.3e} at {i} (cuda {} cpu {}), tol {tol:.0e}",
                 w.len(), g[i], w[i]
             );
             if err.is_nan() || err > tol {
@@ -407,7 +419,233 @@ fn attention_bf16_storage() {
     }
     assert!(
         failures.is_empty(),
-        "attention_bf16_storage: CUDA differs from CPU:\n{}",
+        "{test}: CUDA differs from CPU:\n{}",
         failures.join("\n")
     );
+}
+
+/// The `wgmma` attention backward (PARC_ATTENTION_BWD_KERNEL=wgmma; Hopper only): the test sets
+/// the variant on its own backend, whatever the environment says, and runs attention_bf16's and
+/// attention_bf16_storage's cases against the CPU under the same tolerances (head dim 128 runs
+/// the mma.sync kernel under either variant). First the exact layout self-test, so a wgmma
+/// layout mistake is named before the attention cases fail.
+#[cfg(feature = "cuda")]
+#[test]
+fn attention_bf16_wgmma_bwd() {
+    let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, "attention_bwd", "wgmma")
+    else {
+        return;
+    };
+    let mut r = Rng::new("attention_bf16_wgmma_bwd");
+    wgmma_layouts(&mut gpu, &mut r);
+    let cases: Vec<Case> = tc_configs()
+        .iter()
+        .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
+        .collect();
+    crate::harness::check_with("attention_bf16_wgmma_bwd", &cases, &mut gpu);
+    // GPT-2's sequence (T 1024, d 64) on a few heads, GQA 2:1: 8 key blocks, every tile kind.
+    let gpt2 = AttConfig::new(1, 4, 2, 64, true, &[(0, 1024)], &[(0, 1024)]);
+    crate::harness::check_with(
+        "attention_bf16_wgmma_bwd_gpt2",
+        &attention_cases(&mut r, &gpt2, BF16_ATTENTION, true),
+        &mut gpu,
+    );
+    check_storage("attention_bf16_storage_wgmma_bwd", &mut gpu);
+}
+
+/// One self-test mode: its number, what it checks, inputs a and b, and the exact output.
+#[cfg(feature = "cuda")]
+type SelfTestMode<'a> = (i32, &'a str, &'a [f32], &'a [f32], &'a [f32]);
+
+/// kernels/attention_wgmma_bwd.cu's attention_wgmma_selftest against exact products of small
+/// integers (|x| ≤ 2: every sum is exact in bf16 and f32), one mode per operand layout the wgmma
+/// backward uses: 0 = S^T's (A, B K-major), 1 = dV's / dK's (accumulators reused as A
+/// registers, B MN-major), 2 = dQ's (A, B MN-major, n32 at a column offset).
+#[cfg(feature = "cuda")]
+fn wgmma_layouts(gpu: &mut parc_runtime::cuda::CudaBackend, r: &mut Rng) {
+    let mut small = |n: usize| -> Vec<f32> {
+        r.vec(n, 2.5)
+            .into_iter()
+            .map(|x| x.round().clamp(-2.0, 2.0))
+            .collect()
+    };
+    let (a64, b64, c) = (small(64 * 64), small(64 * 64), small(64 * 64));
+    let (a128, b128) = (small(128 * 64), small(128 * 64));
+    let s: Vec<f32> = (0..64 * 64)
+        .map(|i| {
+            (0..64)
+                .map(|k| a64[i / 64 * 64 + k] * b64[i % 64 * 64 + k])
+                .sum()
+        })
+        .collect();
+    let sc: Vec<f32> = (0..64 * 64)
+        .map(|i| {
+            (0..64)
+                .map(|k| s[i / 64 * 64 + k] * c[k * 64 + i % 64])
+                .sum()
+        })
+        .collect();
+    let atb: Vec<f32> = (0..64 * 64)
+        .map(|i| {
+            (0..128)
+                .map(|k| a128[k * 64 + i / 64] * b128[k * 64 + i % 64])
+                .sum()
+        })
+        .collect();
+    let modes: [SelfTestMode; 3] = [
+        (0, "A B^T, A and B K-major (S^T = K Q^T)", &a64, &b64, &s),
+        (
+            1,
+            "(A B^T) C, accumulators as A registers, C MN-major (dV += P^T dO)",
+            &a64,
+            &b64,
+            &sc,
+        ),
+        (
+            2,
+            "A^T B, A and B MN-major, m64n32 at columns 0 and 32 (dQ = dS K)",
+            &a128,
+            &b128,
+            &atb,
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (mode, what, a, b, want) in modes {
+        let got = gpu
+            .wgmma_selftest(mode, a, b, &c)
+            .unwrap_or_else(|e| panic!("wgmma self-test mode {mode}: {e}"));
+        let wrong: Vec<usize> = (0..want.len()).filter(|&i| got[i] != want[i]).collect();
+        println!(
+            "wgmma self-test mode {mode} ({what}): {} of 4096 wrong",
+            wrong.len()
+        );
+        if let Some(&i) = wrong.first() {
+            // Where the wrong value does appear in the reference hints at the layout mistake.
+            let seen = want.iter().position(|&w| w == got[i] && got[i] != 0.0);
+            failures.push(format!(
+                "mode {mode} ({what}): {} of 4096 wrong; first at row {} column {}: got {} \
+                 want {} (that value is the reference's at {:?})",
+                wrong.len(),
+                i / 64,
+                i % 64,
+                got[i],
+                want[i],
+                seen.map(|j| (j / 64, j % 64))
+            ));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "wgmma layouts:\n{}",
+        failures.join("\n")
+    );
+}
+
+/// A bf16 CUDA backend that runs the `wgmma` attention forward (variant set on the backend, so
+/// PARC_ATTENTION_FWD_KERNEL does not matter), or None, printed as skipped, without a Hopper GPU.
+#[cfg(feature = "cuda")]
+fn wgmma_gpu() -> Option<parc_runtime::cuda::CudaBackend> {
+    let mut gpu = match parc_runtime::cuda::CudaBackend::with_precision(0, Precision::Bf16) {
+        Ok(b) => b,
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            return None;
+        }
+    };
+    if !gpu.is_hopper().unwrap() {
+        println!("skipped: the wgmma attention forward needs a Hopper GPU");
+        return None;
+    }
+    gpu.set_kernel_variant("attention_fwd", "wgmma").unwrap();
+    Some(gpu)
+}
+
+/// The wgmma forward's building blocks on their own, exactly (small integers): the swizzled
+/// shared-memory tiles, both descriptor kinds (K-major Q and K, MN-major V), the accumulator
+/// and A-register fragment layouts, for head_dim 64 and 128. A failure names the product.
+#[test]
+fn attention_wgmma_layouts() {
+    #[cfg(not(feature = "cuda"))]
+    println!("skipped: no CUDA device (this build has no `cuda` feature)");
+    #[cfg(feature = "cuda")]
+    {
+        let Some(mut gpu) = wgmma_gpu() else {
+            return;
+        };
+        let mut wrong = Vec::new();
+        for d in [64, 128] {
+            let lines = gpu.attention_wgmma_layout_check(d).unwrap();
+            println!(
+                "attention_wgmma_layouts d{d}: {} wrong products",
+                lines.len()
+            );
+            wrong.extend(lines);
+        }
+        assert!(
+            wrong.is_empty(),
+            "wgmma layouts wrong:\n{}",
+            wrong.join("\n")
+        );
+    }
+}
+
+/// The `wgmma` forward against the CPU on the tensor-core shapes and more: 3-warpgroup d128
+/// CTAs with warpgroups wholly past seq_q, GQA, CP segments, kv ahead of q, unsorted
+/// positions, a partial key tile, and a GPT-2-length causal sequence. Forward tolerance of
+/// `BF16_ATTENTION`; the backward is the default kernel's and is not run here.
+#[test]
+fn attention_bf16_wgmma() {
+    #[cfg(not(feature = "cuda"))]
+    println!("skipped: no CUDA device (this build has no `cuda` feature)");
+    #[cfg(feature = "cuda")]
+    {
+        let Some(mut gpu) = wgmma_gpu() else {
+            return;
+        };
+        let mut r = Rng::new("attention_bf16_wgmma");
+        let mut configs = tc_configs();
+        configs.extend([
+            // d128: 3 warpgroups of 64 rows; the second CTA holds 8 rows (2 warpgroups idle).
+            AttConfig::new(1, 2, 2, 128, true, &[(0, 200)], &[(0, 200)]),
+            AttConfig::new(2, 2, 1, 128, false, &[(0, 77)], &[(0, 77)]),
+            AttConfig::new(1, 2, 1, 128, true, &[(0, 70)], &[(5, 70)]),
+            AttConfig::new(
+                1,
+                2,
+                2,
+                128,
+                true,
+                &[(64, 64), (0, 64)],
+                &[(64, 64), (0, 64)],
+            ),
+            // One query row, one key.
+            AttConfig::new(1, 1, 1, 64, true, &[(0, 1)], &[(0, 1)]),
+            // CP with d64: q segments inside one tile and across tiles.
+            AttConfig::new(2, 4, 2, 64, true, &[(8, 56), (200, 72)], &[(0, 272)]),
+            // GPT-2's sequence length and head dim, causal: many skipped and diagonal tiles.
+            AttConfig::new(1, 2, 2, 64, true, &[(0, 1024)], &[(0, 1024)]),
+        ]);
+        // Forward cases only (every other one).
+        let cases: Vec<Case> = configs
+            .iter()
+            .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
+            .step_by(2)
+            .collect();
+        crate::harness::check_with("attention_bf16_wgmma", &cases, &mut gpu);
+    }
+}
+
+/// `attention_bf16_storage` with the `wgmma` forward: bf16 buffers read in place, O written
+/// bf16, and (mixed case) q copied from f32, O written f32.
+#[test]
+fn attention_bf16_storage_wgmma() {
+    #[cfg(not(feature = "cuda"))]
+    println!("skipped: no CUDA device (this build has no `cuda` feature)");
+    #[cfg(feature = "cuda")]
+    {
+        let Some(mut gpu) = wgmma_gpu() else {
+            return;
+        };
+        check_storage("attention_bf16_storage_wgmma", &mut gpu);
+    }
 }

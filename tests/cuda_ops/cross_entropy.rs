@@ -1,28 +1,34 @@
 //! The fused cross-entropy (`Op::CrossEntropy`): dlogits written over the logits (the op's
 //! output 0 is its input 0's buffer) and the loss accumulated, against the CPU reference, with
-//! f32 and bf16 logits; vocabularies that are not multiples of 8 or 128 (rows then start off the
-//! 16-byte grid, so the kernel's scalar head and tail run), a target at its row's max, targets
-//! outside the vocabulary, large logits (exp underflows for all but the max), and fp16's loss
-//! scale. The in-place update takes no copy of the logits (no allocation after the first call)
-//! and the loss is the same, bit for bit, on every run.
-use crate::harness::{check, check_on, Case, Data, Rng, BF16_STORED, ELEMENTWISE};
+//! f32 and bf16 logits, for both kernel variants (`rows`, `staged`: cuda/cross_entropy.rs);
+//! vocabularies that are not multiples of 8 or 128 (rows then start off the 16-byte grid, so
+//! the kernels' partial edge chunks run), GPT-2's 50,257, a target at its row's max, targets at
+//! a row's first and last column (in its edge chunks), targets outside the vocabulary, large
+//! logits (exp underflows for all but the max), and fp16's loss scale; enough rows that the
+//! staged kernel's persistent CTAs take several rows each (its double-buffered path). The
+//! in-place update takes no copy of the logits (no allocation after the first call) and the
+//! loss is the same, bit for bit, on every run.
+use crate::harness::{check_variant, Case, Data, Rng, BF16_STORED, ELEMENTWISE};
 use parc_compiler::ir::op::Op;
 use parc_compiler::spec::Precision;
 use parc_runtime::backend::StepScalars;
 
+/// The kernel variants of `Op::CrossEntropy`, each tested against the CPU.
+const VARIANTS: [&str; 2] = ["rows", "staged"];
+
 const SCALE: f64 = 1.0 / 4096.0;
 
 /// Logits `rows × vocab` of size `spread` and targets: row 0's target holds the row's max,
-/// row 1's is `vocab` and row 2's −1 (outside: no target logit, no one-hot), the others
-/// random inside.
+/// row 1's is `vocab` and row 2's −1 (outside: no target logit, no one-hot), row 3's is the
+/// first column and row 4's the last, the others random inside.
 fn data(r: &mut Rng, rows: usize, vocab: usize, spread: f32) -> (Vec<f32>, Vec<i32>) {
     let mut logits = r.vec(rows * vocab, spread);
     let mut targets = r.ids(rows, vocab as u64);
     let top = logits[..vocab].iter().copied().fold(f32::MIN, f32::max);
     logits[targets[0] as usize] = top + spread.max(1.0);
-    if rows > 2 {
-        targets[1] = vocab as i32;
-        targets[2] = -1;
+    let ends = [vocab as i32, -1, 0, vocab as i32 - 1];
+    for (t, end) in targets.iter_mut().skip(1).zip(ends) {
+        *t = end;
     }
     (logits, targets)
 }
@@ -45,13 +51,19 @@ fn case(r: &mut Rng, name: String, rows: usize, vocab: usize, spread: f32, tol: 
     c
 }
 
-const SHAPES: [(usize, usize); 6] = [
+/// (rows, vocab): tiny and odd vocabularies, GPT-2's padded (50,304) and real (50,257) one;
+/// the last three have more rows than the staged kernel starts CTAs on an H200 (132 for GPT-2's
+/// rows, at most 2,112 for the small ones), so each CTA takes several rows and prefetches.
+const SHAPES: [(usize, usize); 9] = [
     (7, 1),
     (19, 37),
     (33, 1000),
     (9, 5003),
     (5, 50_304),
-    (3, 50_257),
+    (6, 50_257),
+    (300, 50_257),
+    (4_500, 37),
+    (2_500, 1000),
 ];
 
 /// A case per shape of [`SHAPES`] and logit spread (3e4: exp underflows for all but the max).
@@ -68,28 +80,34 @@ fn shape_cases(r: &mut Rng, tol: f32) -> Vec<Case> {
 
 #[test]
 fn fused_cross_entropy_f32() {
-    let mut r = Rng::new("fused_cross_entropy_f32");
-    let mut cases = shape_cases(&mut r, ELEMENTWISE);
-    // fp16: dlogits carry the step's loss scale, the loss does not.
-    let mut scaled = case(&mut r, "loss scale".into(), 11, 3001, 8.0, ELEMENTWISE);
-    scaled.scalars = StepScalars {
-        loss_scale: Some(65536.0),
-        ..scaled.scalars
-    };
-    cases.push(scaled);
-    check("fused_cross_entropy_f32", &cases);
+    for variant in VARIANTS {
+        let test = format!("fused_cross_entropy_f32 {variant}");
+        let mut r = Rng::new(&test);
+        let mut cases = shape_cases(&mut r, ELEMENTWISE);
+        // fp16: dlogits carry the step's loss scale, the loss does not.
+        let mut scaled = case(&mut r, "loss scale".into(), 11, 3001, 8.0, ELEMENTWISE);
+        scaled.scalars = StepScalars {
+            loss_scale: Some(65536.0),
+            ..scaled.scalars
+        };
+        cases.push(scaled);
+        check_variant(&test, &cases, Precision::Fp32, ("cross_entropy", variant));
+    }
 }
 
 /// bf16 logits: both backends read the same bf16 values and round their dlogits once, so
 /// they differ by at most one bf16 step where the f32 results differ in their last bits.
 #[test]
 fn fused_cross_entropy_bf16() {
-    let mut r = Rng::new("fused_cross_entropy_bf16");
-    let cases: Vec<Case> = shape_cases(&mut r, BF16_STORED)
-        .into_iter()
-        .map(|c| c.stored_bf16(BF16_STORED))
-        .collect();
-    check_on("fused_cross_entropy_bf16", &cases, Precision::Bf16);
+    for variant in VARIANTS {
+        let test = format!("fused_cross_entropy_bf16 {variant}");
+        let mut r = Rng::new(&test);
+        let cases: Vec<Case> = shape_cases(&mut r, BF16_STORED)
+            .into_iter()
+            .map(|c| c.stored_bf16(BF16_STORED))
+            .collect();
+        check_variant(&test, &cases, Precision::Bf16, ("cross_entropy", variant));
+    }
 }
 
 /// No copy of the logits: after the first call (which sizes the row-loss scratch) a call
@@ -98,6 +116,13 @@ fn fused_cross_entropy_bf16() {
 #[cfg(feature = "cuda")]
 #[test]
 fn fused_cross_entropy_is_in_place_and_deterministic() {
+    for variant in VARIANTS {
+        in_place_and_deterministic(variant);
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn in_place_and_deterministic(variant: &str) {
     use parc_compiler::ir::{BufferId, DType};
     use parc_runtime::backend::Backend;
     use parc_runtime::cuda::CudaBackend;
@@ -108,7 +133,10 @@ fn fused_cross_entropy_is_in_place_and_deterministic() {
             return;
         }
     };
-    let mut r = Rng::new("fused_cross_entropy_is_in_place_and_deterministic");
+    gpu.set_kernel_variant("cross_entropy", variant).unwrap();
+    let mut r = Rng::new(&format!(
+        "fused_cross_entropy_is_in_place_and_deterministic {variant}"
+    ));
     let (rows, vocab) = (64, 50_304);
     let (logits, targets) = data(&mut r, rows, vocab, 8.0);
     let op = Op::CrossEntropy {
@@ -137,20 +165,20 @@ fn fused_cross_entropy_is_in_place_and_deterministic() {
     assert_eq!(
         gpu.driver_allocations(),
         allocations,
-        "the in-place update allocated (a copy of the logits?)"
+        "{variant}: the in-place update allocated (a copy of the logits?)"
     );
     assert_eq!(
         first.1.to_bits(),
         second.1.to_bits(),
-        "loss differs between runs"
+        "{variant}: loss differs between runs"
     );
-    assert_eq!(first.0, second.0, "dlogits differ between runs");
+    assert_eq!(first.0, second.0, "{variant}: dlogits differ between runs");
     // Each row of dlogits sums to ~0 (softmax sums to 1, minus the one-hot) where the target
     // is inside the vocabulary.
     for (row, &target) in first.0.chunks(vocab).zip(&targets) {
         let sum: f64 = row.iter().map(|&d| f64::from(d)).sum();
         if (0..vocab as i32).contains(&target) {
-            assert!(sum.abs() < 1e-5 * SCALE, "row {sum} is not ~0");
+            assert!(sum.abs() < 1e-5 * SCALE, "{variant}: row {sum} is not ~0");
         }
     }
 }

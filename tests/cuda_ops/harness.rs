@@ -54,6 +54,28 @@ pub fn gpu() -> Option<Box<dyn Backend>> {
     gpu_with(Precision::Fp32)
 }
 
+/// A GPU backend in `precision` that runs kernel variant `name` of `op`
+/// (`PARC_<OP>_KERNEL`, cuda/variants.rs).
+#[cfg(feature = "cuda")]
+pub fn gpu_variant(precision: Precision, (op, name): (&str, &str)) -> Option<Box<dyn Backend>> {
+    match parc_runtime::cuda::CudaBackend::with_precision(0, precision) {
+        Ok(mut b) => {
+            b.set_kernel_variant(op, name).unwrap();
+            Some(Box::new(b))
+        }
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn gpu_variant(_precision: Precision, _variant: (&str, &str)) -> Option<Box<dyn Backend>> {
+    println!("skipped: no CUDA device (this build has no `cuda` feature)");
+    None
+}
+
 /// splitmix64: small, seedable, good enough for test data.
 pub struct Rng(u64);
 
@@ -270,15 +292,59 @@ pub fn check(test: &str, cases: &[Case]) {
 /// As `check`, with the GPU backend in `precision`; returns the worst error of every output
 /// (empty when skipped).
 pub fn check_on(test: &str, cases: &[Case], precision: Precision) -> Vec<f32> {
-    let Some(mut gpu) = gpu_with(precision) else {
+    check_against(test, cases, gpu_with(precision))
+}
+
+/// As `check_on`, with the GPU backend running kernel variant `variant` (op, name).
+pub fn check_variant(
+    test: &str,
+    cases: &[Case],
+    precision: Precision,
+    variant: (&str, &str),
+) -> Vec<f32> {
+    check_against(test, cases, gpu_variant(precision, variant))
+}
+
+/// Runs every case on the CPU and on `gpu` (None: skipped) and compares; returns the worst
+/// error of every output.
+fn check_against(test: &str, cases: &[Case], gpu: Option<Box<dyn Backend>>) -> Vec<f32> {
+    let Some(mut gpu) = gpu else {
         return Vec::new();
     };
+    check_with(test, cases, gpu.as_mut())
+}
+
+/// A Hopper GPU backend in `precision` running variant `name` of `op`, or None (printed)
+/// without a GPU or on another GPU (the variant is Hopper-only).
+#[cfg(feature = "cuda")]
+pub fn hopper_variant(
+    precision: Precision,
+    op: &str,
+    name: &str,
+) -> Option<parc_runtime::cuda::CudaBackend> {
+    let mut b = match parc_runtime::cuda::CudaBackend::with_precision(0, precision) {
+        Ok(b) => b,
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            return None;
+        }
+    };
+    if !b.is_hopper().expect("the compute capability") {
+        println!("skipped: {op}={name} runs on Hopper GPUs only");
+        return None;
+    }
+    b.set_kernel_variant(op, name).expect("a known variant");
+    Some(b)
+}
+
+/// As `check_on`, on the GPU backend `gpu` (e.g. one running a kernel variant).
+pub fn check_with(test: &str, cases: &[Case], gpu: &mut dyn Backend) -> Vec<f32> {
     let mut worst_errors = Vec::new();
     let mut failures = Vec::new();
     for case in cases {
         let mut cpu = CpuBackend::new();
         let want = case.run(&mut cpu);
-        let got = case.run(gpu.as_mut());
+        let got = case.run(gpu);
         // Free the case's buffers on the GPU so the next case can reuse the ids.
         let n = case.inputs.len() + case.outputs.len();
         for i in 0..n {

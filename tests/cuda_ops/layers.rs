@@ -1,6 +1,8 @@
 //! The per-position layers: embeddings and learned positions, layer and RMS norms, rotary
 //! embeddings, each forward and backward, with f32 buffers and with bf16 storage.
-use crate::harness::{check, check_on, seg, Case, Data, Rng, BF16_STORED, ELEMENTWISE, REDUCTION};
+use crate::harness::{
+    check, check_on, check_variant, seg, Case, Data, Rng, BF16_STORED, ELEMENTWISE, REDUCTION,
+};
 use parc_compiler::ir::op::Op;
 use parc_compiler::spec::Precision;
 use parc_runtime::cpu::CpuBackend;
@@ -14,7 +16,7 @@ fn embeddings_and_positions() {
 #[test]
 fn norms() {
     let mut r = Rng::new("norms");
-    check("norms", &norm_cases(&mut r));
+    check("norms", &norm_cases(&mut r, &NORM_SHAPES));
 }
 
 #[test]
@@ -39,7 +41,9 @@ fn layers_bf16_storage() {
         };
         all.push(case.stored_bf16(tol));
     }
-    let rest = norm_cases(&mut r).into_iter().chain(rope_cases(&mut r));
+    let rest = norm_cases(&mut r, &NORM_SHAPES)
+        .into_iter()
+        .chain(rope_cases(&mut r));
     all.extend(rest.map(|case| case.stored_bf16(BF16_STORED)));
     check_on("layers_bf16_storage", &all, Precision::Bf16);
 }
@@ -116,21 +120,60 @@ fn embedding_cases(r: &mut Rng) -> Vec<Case> {
     ]
 }
 
-fn norm_cases(r: &mut Rng) -> Vec<Case> {
+/// (rows, dim) of the norm tests: dims that are multiples of 8 up to 1024 take the forwards'
+/// register paths (1000 leaves some lanes without a last vector), 1040 and every backward the
+/// 16-byte vector loops, 20 the scalar ones; 300, 600 and 33,000 rows split the weight
+/// gradient into several row chunks (33,000: all 128, of 258 rows).
+const NORM_SHAPES: [(usize, usize); 6] = [
+    (13, 96),
+    (5, 1000),
+    (300, 20),
+    (600, 64),
+    (40, 1040),
+    (33_000, 8),
+];
+
+/// NORM_SHAPES and GPT-2's widths for the norm variants (`norm_variants`): 768 and 1024 with
+/// odd row counts, so the fused backward's bands of rows end mid-band and mid-warp (4,099
+/// rows: 128 bands of 33, the last of 8), and 1000 gives lanes without a last vector. 20
+/// (odd multiple of 4) and 1040 (too wide) take the `warp` kernels.
+const VARIANT_SHAPES: [(usize, usize); 9] = [
+    (13, 96),
+    (5, 1000),
+    (300, 20),
+    (600, 64),
+    (40, 1040),
+    (33_000, 8),
+    (37, 768),
+    (1537, 768),
+    (4099, 1024),
+];
+
+/// The norm kernel variants (PARC_NORM_FWD_KERNEL=multirow, PARC_NORM_BWD_KERNEL=fused)
+/// against the CPU on every norm case, f32 and bf16-stored, with the `norms` and
+/// `layers_bf16_storage` tolerances.
+#[test]
+fn norm_variants() {
+    for variant in [("norm_fwd", "multirow"), ("norm_bwd", "fused")] {
+        let test = format!("norm_variants {}={}", variant.0, variant.1);
+        let mut r = Rng::new(&test);
+        check_variant(
+            &test,
+            &norm_cases(&mut r, &VARIANT_SHAPES),
+            Precision::Fp32,
+            variant,
+        );
+        let bf16: Vec<Case> = norm_cases(&mut r, &VARIANT_SHAPES)
+            .into_iter()
+            .map(|case| case.stored_bf16(BF16_STORED))
+            .collect();
+        check_variant(&format!("{test} bf16"), &bf16, Precision::Bf16, variant);
+    }
+}
+
+fn norm_cases(r: &mut Rng, shapes: &[(usize, usize)]) -> Vec<Case> {
     let mut cases = Vec::new();
-    // dims that are multiples of 8 up to 1024 take the forwards' register paths (1000 leaves
-    // some lanes without a last vector), 1040 and every backward the 16-byte vector loops, 20
-    // the scalar ones; 300, 600 and 33,000 rows split the weight gradient into several row
-    // chunks (33,000: all 128, of 258 rows).
-    let shapes = [
-        (13usize, 96usize),
-        (5, 1000),
-        (300, 20),
-        (600, 64),
-        (40, 1040),
-        (33_000, 8),
-    ];
-    for (rows, dim) in shapes {
+    for &(rows, dim) in shapes {
         let x = r.vec(rows * dim, 2.0);
         let w = r.vec(dim, 1.0);
         let bias = r.vec(dim, 1.0);

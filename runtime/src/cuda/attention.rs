@@ -6,15 +6,17 @@
 //!   (`kernels/attention_tc.cu`: bf16 `mma.sync` operands, fp32 accumulation and softmax). They
 //!   read bf16 q, k, v, dO buffers in place and bf16 copies of f32 ones, write O, dK, dV in
 //!   their buffers' type, and accumulate dQ in f32 (in a scratch accumulator rounded once into
-//!   a bf16 dQ);
+//!   a bf16 dQ). The forward has a second implementation for Hopper GPUs, variant `wgmma` of
+//!   op `attention_fwd` (`PARC_ATTENTION_FWD_KERNEL`, default `fa2`): warpgroup MMA
+//!   (`kernels/attention_wgmma_fwd.cu`), same inputs, outputs and semantics;
 //! - everything else (fp32 and fp16 runs, other head dims): the exact fp32 kernels of
 //!   `kernels/attention.cu`, which read and write f32 or bf16 buffers (bf16 widened on load,
 //!   rounded once on store).
 use super::device::driver_error;
 use super::dispatch::{p, segments_len, Bound};
 use super::gemm::Operands;
-use super::{Arg, Buf, CudaBackend};
-use crate::error::Result;
+use super::{cu, raw_ptr, Arg, Buf, CudaBackend};
+use crate::error::{Result, RuntimeError};
 use cudarc::driver::sys::{CUdeviceptr, CUfunction_attribute};
 use parc_compiler::ir::op::{Op, Segment};
 use parc_compiler::ir::DType;
@@ -59,6 +61,10 @@ const TC_FWD_BR: usize = 128;
 const TC_BC: usize = 128;
 const TC_FWD_THREADS: u32 = 128;
 const TC_BWD_THREADS: u32 = 256;
+/// The `wgmma` forward (attention_wgmma_fwd.cu's WG_FWD): 64 query rows per warpgroup, key
+/// tiles of WGMMA_KEYS rows, 1024 bytes for aligning the tiles to the 128-byte swizzle's period.
+const WGMMA_KEYS: usize = 64;
+const WGMMA_ALIGN: usize = 1024;
 /// Shared memory a CTA may use without opting in to more.
 const DEFAULT_SMEM: u32 = 48 << 10;
 /// The most blocks a grid's y dimension takes.
@@ -123,6 +129,19 @@ impl TensorCore {
     fn fwd_smem(&self) -> u32 {
         let bc = self.fwd_keys;
         ((TC_FWD_BR + 4 * bc) * self.row_bytes() + 2 * bc * 4) as u32
+    }
+
+    /// The `wgmma` forward's kernel, warpgroups (of 128 threads, 64 query rows each) and
+    /// shared memory: the alignment slack, Q (unpadded bf16 rows, swizzled), K and V tiles
+    /// in two stages and the key positions of each stage.
+    fn wgmma_fwd(&self) -> (&'static str, usize, u32) {
+        let (name, warpgroups) = match self.head_dim {
+            64 => ("attention_fwd_wgmma_d64", 2),
+            _ => ("attention_fwd_wgmma_d128", 3),
+        };
+        let row = self.head_dim * 2;
+        let smem = WGMMA_ALIGN + (64 * warpgroups + 4 * WGMMA_KEYS) * row + 2 * WGMMA_KEYS * 4;
+        (name, warpgroups, smem as u32)
     }
 
     /// K, V tiles; Q, dO tiles and lse2 / delta / position per query row in two stages; dSᵀ.
@@ -246,6 +265,79 @@ pub(crate) fn scratch_bytes(
     outs: &[(usize, DType)],
 ) -> usize {
     layout_for(op, bf16_run, ins, outs).map_or(0, |l| l.bytes)
+}
+
+/// The wgmma backward (kernels/attention_wgmma_bwd.cu) takes head_dim 64 only (other head dims
+/// run the mma.sync one whatever the variant); its CTA has TC_BWD_THREADS threads for TC_BC
+/// keys, like attention_bwd_tc's, and uses the same scratch. Its shared memory: K, V and dSᵀ
+/// tiles of TC_BC × 64 bf16, two stages of 64-row Q and dO tiles with lse2 / delta / position.
+const WGMMA_BWD_HEAD_DIM: usize = 64;
+const WGMMA_BWD_SMEM: u32 = (3 * TC_BC * 64 * 2 + 2 * (2 * 64 * 64 * 2 + 3 * 64 * 4)) as u32;
+
+/// Fails unless the GPU is a Hopper (compute capability 9.0), the only one whose program holds
+/// the compute_90a kernels (`what` names the variant that needs them).
+fn require_hopper(be: &CudaBackend, what: &str) -> Result<()> {
+    if !be.is_hopper()? {
+        return Err(crate::error::RuntimeError::Unsupported(format!(
+            "{what} needs a Hopper GPU (compute capability 9.0; this one is {}): unset the \
+             variant's PARC_*_KERNEL or choose its default",
+            be.device_name()?
+        )));
+    }
+    Ok(())
+}
+
+/// Runs `attention_wgmma_selftest` (kernels/attention_wgmma_bwd.cu) in `mode` on the row-major
+/// f32 inputs (small integers, exact in bf16; a and b 64 × 64, 128 × 64 in mode 2; c 64 × 64)
+/// and returns its 64 × 64 output: checks the wgmma shared-memory layouts and register
+/// mappings the wgmma backward relies on, for GPU tests. Hopper only.
+pub(super) fn wgmma_selftest(
+    be: &mut CudaBackend,
+    mode: i32,
+    a: &[f32],
+    b: &[f32],
+    c: &[f32],
+) -> Result<Vec<f32>> {
+    require_hopper(be, "attention_wgmma_selftest")?;
+    let rows = if mode == 2 { 128 } else { 64 };
+    let n = rows * 64;
+    if a.len() != n || b.len() != n || c.len() != 64 * 64 {
+        return Err(crate::error::RuntimeError::Unsupported(format!(
+            "wgmma_selftest mode {mode}: a and b need {n} values, c 4096"
+        )));
+    }
+    let inputs = [a, b, c];
+    let memory = inputs
+        .iter()
+        .map(|x| be.alloc_bytes(x.len() * 4, "a wgmma self-test input"))
+        .collect::<Result<Vec<_>>>()?;
+    let out = be.alloc_bytes(64 * 64 * 4, "the wgmma self-test output")?;
+    // The allocations' zero fills are queued on the stream: done before the copies below.
+    be.synchronize()?;
+    let ptrs: Vec<CUdeviceptr> = memory
+        .iter()
+        .map(|m| super::raw_ptr(&be.stream, m))
+        .collect();
+    for (&ptr, data) in ptrs.iter().zip(inputs) {
+        // SAFETY: the allocation holds data.len() f32s; the copy completes before returning.
+        unsafe { cudarc::driver::result::memcpy_htod_sync(ptr, data) }
+            .map_err(|e| driver_error("uploading a wgmma self-test input", e))?;
+    }
+    let out_ptr = super::raw_ptr(&be.stream, &out);
+    let args = [
+        Arg::Ptr(ptrs[0]),
+        Arg::Ptr(ptrs[1]),
+        Arg::Ptr(ptrs[2]),
+        Arg::Ptr(out_ptr),
+        Arg::I32(mode),
+    ];
+    be.launch("attention_wgmma_selftest", (1, 1, 1), (128, 1, 1), 0, &args)?;
+    be.synchronize()?;
+    let mut host = vec![0.0f32; 64 * 64];
+    // SAFETY: out holds 4096 f32s; the stream is idle.
+    unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut host, out_ptr) }
+        .map_err(|e| driver_error("reading the wgmma self-test output", e))?;
+    Ok(host)
 }
 
 /// Launches a tensor-core kernel, first letting it use `smem` bytes of shared memory.
@@ -451,6 +543,17 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
                 Arg::Ptr(kvpos),
                 Arg::Geom(g),
             ];
+            if be.variants.is("attention_fwd", "wgmma") {
+                require_hopper(be, "attention_fwd=wgmma")?;
+                let (name, warpgroups, smem) = tc.wgmma_fwd();
+                let rows = 64 * warpgroups;
+                let grid = (
+                    (batch * heads) as u32,
+                    grid_y(b, seq_q.div_ceil(rows), "seq_q")?,
+                    1,
+                );
+                return launch_tc(be, name, grid, 128 * warpgroups as u32, smem, &args);
+            }
             let grid = (
                 (batch * heads) as u32,
                 grid_y(b, seq_q.div_ceil(TC_FWD_BR), "seq_q")?,
@@ -573,7 +676,19 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
             Arg::Ptr(kvpos),
             Arg::Geom(g),
         ];
-        launch_tc(be, tc.bwd, grid, TC_BWD_THREADS, tc.bwd_smem(), &args)?;
+        if tc.head_dim == WGMMA_BWD_HEAD_DIM && be.variants.is("attention_bwd", "wgmma") {
+            require_hopper(be, "attention_bwd=wgmma")?;
+            launch_tc(
+                be,
+                "attention_bwd_wgmma_d64",
+                grid,
+                TC_BWD_THREADS,
+                WGMMA_BWD_SMEM,
+                &args,
+            )?;
+        } else {
+            launch_tc(be, tc.bwd, grid, TC_BWD_THREADS, tc.bwd_smem(), &args)?;
+        }
         if layout.dq_acc.is_some() {
             // Each bf16 dQ element rounded once from its f32 sum.
             let n4 = dq.len / 4;
@@ -584,6 +699,137 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
             )?;
         }
         Ok(())
+    }
+}
+
+/// Deterministic small integers in [-3, 3] as bf16 bits (exact in bf16, and their products'
+/// sums exact in f32), from `seed`.
+fn small_ints(n: usize, seed: u32) -> Vec<u16> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            let v = (x % 7) as f32 - 3.0;
+            (v.to_bits() >> 16) as u16
+        })
+        .collect()
+}
+
+fn bf16_value(bits: u16) -> f32 {
+    f32::from_bits(u32::from(bits) << 16)
+}
+
+/// `want` against `got` (rows × cols, row-major): a line naming `what`, how many entries
+/// differ and the first few, or None when all agree.
+fn compare_exact(what: &str, got: &[f32], want: &[f32], cols: usize) -> Option<String> {
+    let bad: Vec<usize> = (0..want.len()).filter(|&i| got[i] != want[i]).collect();
+    if bad.is_empty() {
+        return None;
+    }
+    let first: Vec<String> = bad
+        .iter()
+        .take(4)
+        .map(|&i| {
+            format!(
+                "(row {}, col {}): got {} want {}",
+                i / cols,
+                i % cols,
+                got[i],
+                want[i]
+            )
+        })
+        .collect();
+    Some(format!(
+        "{what}: {} of {} entries wrong; first {}",
+        bad.len(),
+        want.len(),
+        first.join(", ")
+    ))
+}
+
+impl CudaBackend {
+    /// Checks, on their own, the shared-memory layouts, matrix descriptors and register
+    /// fragments the `wgmma` attention forward relies on, for `head_dim` 64 or 128 (one
+    /// warpgroup, `attention_wgmma_layout_check_d*`): S = A·Bᵀ with A and B (64 × head_dim)
+    /// K-major in swizzled shared memory, and O = P·V with P (64 × 64) in registers and V
+    /// (64 × head_dim) MN-major, on small integers, so every product is exact. Returns one
+    /// line per product that came out wrong (empty: all exact). Hopper GPUs only.
+    pub fn attention_wgmma_layout_check(&mut self, head_dim: usize) -> Result<Vec<String>> {
+        require_hopper(self, "attention_wgmma_layout_check")?;
+        let name = match head_dim {
+            64 => "attention_wgmma_layout_check_d64",
+            128 => "attention_wgmma_layout_check_d128",
+            _ => {
+                return Err(RuntimeError::Unsupported(format!(
+                    "the wgmma layout check takes head_dim 64 or 128, not {head_dim}"
+                )))
+            }
+        };
+        let d = head_dim;
+        let (a, bm, p, v) = (
+            small_ints(64 * d, 1),
+            small_ints(64 * d, 2),
+            small_ints(64 * 64, 3),
+            small_ints(64 * d, 4),
+        );
+        let mut inputs = Vec::new();
+        for host in [&a, &bm, &p, &v] {
+            let memory = self.alloc_bytes(host.len() * 2, "the wgmma layout check's inputs")?;
+            let ptr = raw_ptr(&self.stream, &memory);
+            // SAFETY: memory holds host.len() u16s; the copy completes before returning.
+            unsafe { cu::memcpy_htod_sync(ptr, host.as_slice()) }
+                .map_err(|e| driver_error("uploading the wgmma layout check's inputs", e))?;
+            inputs.push((memory, ptr));
+        }
+        let s_out = self.alloc_bytes(64 * 64 * 4, "the wgmma layout check's S")?;
+        let o_out = self.alloc_bytes(64 * d * 4, "the wgmma layout check's O")?;
+        let (s_ptr, o_ptr) = (raw_ptr(&self.stream, &s_out), raw_ptr(&self.stream, &o_out));
+        let mut args: Vec<Arg> = inputs.iter().map(|(_, ptr)| Arg::Ptr(*ptr)).collect();
+        args.extend([Arg::Ptr(s_ptr), Arg::Ptr(o_ptr)]);
+        let smem = (WGMMA_ALIGN + 3 * 64 * d * 2) as u32;
+        launch_tc(self, name, (1, 1, 1), 128, smem, &args)?;
+        self.synchronize()?;
+        let mut s_got = vec![0f32; 64 * 64];
+        let mut o_got = vec![0f32; 64 * d];
+        // SAFETY: each allocation holds exactly the f32s read; the stream is synchronized.
+        unsafe {
+            cu::memcpy_dtoh_sync(&mut s_got, s_ptr)
+                .and_then(|()| cu::memcpy_dtoh_sync(&mut o_got, o_ptr))
+        }
+        .map_err(|e| driver_error("reading the wgmma layout check's results", e))?;
+        let mut s_want = vec![0f32; 64 * 64];
+        for i in 0..64 {
+            for j in 0..64 {
+                s_want[i * 64 + j] = (0..d)
+                    .map(|k| bf16_value(a[i * d + k]) * bf16_value(bm[j * d + k]))
+                    .sum();
+            }
+        }
+        let mut o_want = vec![0f32; 64 * d];
+        for i in 0..64 {
+            for n in 0..d {
+                o_want[i * d + n] = (0..64)
+                    .map(|k| bf16_value(p[i * 64 + k]) * bf16_value(v[k * d + n]))
+                    .sum();
+            }
+        }
+        let s_what = format!(
+            "d{d} S = A·Bᵀ (wg_mma_ss_n64: A and B K-major from 128-byte-swizzled shared \
+             memory, descriptors wg_desc_k; accumulator layout)"
+        );
+        let o_what = format!(
+            "d{d} O = P·V (wg_mma_rs_n{d}: P as A fragments in registers, V MN-major from \
+             swizzled shared memory, wg_desc_mn with LBO = one 64-column block)"
+        );
+        Ok([
+            compare_exact(&s_what, &s_got, &s_want, 64),
+            compare_exact(&o_what, &o_got, &o_want, d),
+        ]
+        .into_iter()
+        .flatten()
+        .collect())
     }
 }
 
@@ -627,6 +873,25 @@ mod tests {
             assert!(fwd <= H100_SMEM / 2, "d{d} forward: {fwd}");
             assert!(bwd <= A100_SMEM, "d{d} backward: {bwd}");
         }
+        // The wgmma backward (Hopper only): attention_wgmma_bwd.cu's 83456 bytes.
+        const { assert!(WGMMA_BWD_SMEM == 83_456 && WGMMA_BWD_SMEM <= H100_SMEM) };
+    }
+
+    /// The wgmma forward's shared memory follows its kernel's layout (1024-byte alignment
+    /// slack, Q 64 rows a warpgroup, K and V in two stages, key positions): two d64 CTAs (what
+    /// their ≤ 128 registers allow) fit an H100, and one d128 CTA.
+    #[test]
+    fn wgmma_forward_shared_memory_fits() {
+        let d64 = TensorCore::for_head_dim(64).expect("d64");
+        let (name, warpgroups, smem) = d64.wgmma_fwd();
+        assert_eq!((name, warpgroups), ("attention_fwd_wgmma_d64", 2));
+        assert_eq!(smem as usize, 1024 + 128 * 128 + 4 * 64 * 128 + 2 * 64 * 4);
+        assert!(smem <= H100_SMEM / 2, "d64: {smem}");
+        let d128 = TensorCore::for_head_dim(128).expect("d128");
+        let (name, warpgroups, smem) = d128.wgmma_fwd();
+        assert_eq!((name, warpgroups), ("attention_fwd_wgmma_d128", 3));
+        assert_eq!(smem as usize, 1024 + 192 * 256 + 4 * 64 * 256 + 2 * 64 * 4);
+        assert!(smem <= H100_SMEM, "d128: {smem}");
     }
 
     fn op(forward: bool, head_dim: u64) -> Op {

@@ -1,7 +1,9 @@
 //! Opening the GPU: checks that the driver, NVRTC and cuBLASLt libraries can be loaded (cudarc
 //! loads them at run time, and would panic on first use otherwise), creates the context and
-//! stream, and turns every cudarc error into a `RuntimeError` that says what was being done.
+//! stream, reads the limits launch shapes depend on, and turns every cudarc error into a
+//! `RuntimeError` that says what was being done.
 use crate::error::{Result, RuntimeError};
+use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaStream};
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -60,4 +62,40 @@ pub(crate) fn open(ordinal: usize) -> Result<(Arc<CudaContext>, Arc<CudaStream>)
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.default_stream();
     Ok((ctx, stream))
+}
+
+/// What some kernels size their launch by: persistent kernels start one CTA per SM, and kernels
+/// that keep a whole row in shared memory need to know how much a block may take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DeviceLimits {
+    /// Streaming multiprocessors.
+    pub sms: usize,
+    /// Shared memory one block may use once it opts in (bytes; static plus dynamic).
+    pub smem_per_block: usize,
+    /// Shared memory of one SM, shared by its resident blocks (bytes).
+    pub smem_per_sm: usize,
+}
+
+/// The [`DeviceLimits`] of the context's device.
+pub(crate) fn limits(ctx: &CudaContext) -> Result<DeviceLimits> {
+    let read = |attribute: CUdevice_attribute, what: &str| -> Result<usize> {
+        let v = ctx
+            .attribute(attribute)
+            .map_err(|e| driver_error(&format!("reading the device's {what}"), e))?;
+        usize::try_from(v).map_err(|_| driver_error(&format!("the device's {what}"), v))
+    };
+    Ok(DeviceLimits {
+        sms: read(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            "multiprocessor count",
+        )?,
+        smem_per_block: read(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            "shared memory per block",
+        )?,
+        smem_per_sm: read(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+            "shared memory per multiprocessor",
+        )?,
+    })
 }

@@ -5,6 +5,7 @@
 //! a `FloatArg` (pointer + bf16 flag); *fp32* operands (`f32_in`/`f32_out`) are f32 only.
 //! Row-major GEMMs map onto cuBLAS's column-major view: a row-major `[r, c]` matrix is a
 //! column-major `c × r` one with leading dimension `c`.
+use super::norm_variants::{self, NormBwd, NormFwd};
 use super::{attention, cross_entropy, matmul, Arg, Buf, CudaBackend, FloatArg};
 use crate::backend::StepScalars;
 use crate::error::{Result, RuntimeError};
@@ -360,6 +361,20 @@ pub(crate) fn run(
             let (y, mean, rstd) = (b.float_out(0)?, b.f32_out(1)?, b.f32_out(2)?);
             b.expect(y, "y", rows * d)?;
             b.same(&[(mean, "mean"), (rstd, "rstd")], rows)?;
+            let variant = NormFwd {
+                x,
+                w,
+                bias: bias_ptr,
+                y,
+                mean: mean.ptr,
+                rstd,
+                rows,
+                d,
+                eps: *eps,
+            };
+            if norm_variants::forward(be, &variant)? {
+                return Ok(());
+            }
             let args = [
                 fv(x),
                 p(w),
@@ -394,6 +409,30 @@ pub(crate) fn run(
             let (dx, dw) = (b.float_out(0)?, b.f32_out(1)?);
             b.expect(dx, "dx", rows * d)?;
             b.expect(dw, "dw", d)?;
+            let db = if *bias {
+                let db = b.f32_out(2)?;
+                b.expect(db, "db", d)?;
+                Some(db)
+            } else {
+                None
+            };
+            let variant = NormBwd {
+                dy,
+                x,
+                w,
+                mean: mean.ptr,
+                rstd,
+                dx,
+                dw,
+                db,
+                rows,
+                d,
+                accumulate_dx: *accumulate,
+                accumulate_param: *accumulate_param_grad,
+            };
+            if norm_variants::backward(be, &variant)? {
+                return Ok(());
+            }
             // The last argument: accumulate into dx (0: overwrite).
             let args = [
                 fv(dy),
@@ -417,9 +456,7 @@ pub(crate) fn run(
                 rows,
                 d,
             )?;
-            if *bias {
-                let db = b.f32_out(2)?;
-                b.expect(db, "db", d)?;
+            if let Some(db) = db {
                 col_sum_into(be, dy, (db, *accumulate_param_grad), rows, d)?;
             }
             Ok(())
@@ -435,6 +472,20 @@ pub(crate) fn run(
             let (y, rstd) = (b.float_out(0)?, b.f32_out(1)?);
             b.expect(y, "y", rows * d)?;
             b.expect(rstd, "rstd", rows)?;
+            let variant = NormFwd {
+                x,
+                w,
+                bias: 0,
+                y,
+                mean: 0,
+                rstd,
+                rows,
+                d,
+                eps: *eps,
+            };
+            if norm_variants::forward(be, &variant)? {
+                return Ok(());
+            }
             let args = [fv(x), p(w), fv(y), p(rstd), n(rows), n(d), Arg::F64(*eps)];
             launch_rows(be, "rms_norm_fwd", rows, &args)
         }
@@ -452,6 +503,23 @@ pub(crate) fn run(
             let (dx, dw) = (b.float_out(0)?, b.f32_out(1)?);
             b.expect(dx, "dx", rows * d)?;
             b.expect(dw, "dw", d)?;
+            let variant = NormBwd {
+                dy,
+                x,
+                w,
+                mean: 0,
+                rstd,
+                dx,
+                dw,
+                db: None,
+                rows,
+                d,
+                accumulate_dx: *accumulate,
+                accumulate_param: *accumulate_param_grad,
+            };
+            if norm_variants::backward(be, &variant)? {
+                return Ok(());
+            }
             // The last argument: accumulate into dx (0: overwrite).
             let args = [
                 fv(dy),

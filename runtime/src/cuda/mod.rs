@@ -35,6 +35,7 @@ mod nccl;
 mod nccl_host;
 mod nccl_inflight;
 mod nccl_watchdog;
+mod norm_variants;
 mod optimizer;
 mod staging;
 mod storage;
@@ -171,6 +172,8 @@ pub struct CudaBackend {
     time_marks: Vec<cudarc::driver::CudaEvent>,
     /// Which implementation runs each op that has kernel variants (`variants`).
     variants: variants::KernelVariants,
+    /// The device's SM count and shared memory (launch shapes of persistent kernels).
+    limits: device::DeviceLimits,
     /// Kept alive for cuBLASLt.
     _workspace: CudaSlice<u8>,
 }
@@ -207,6 +210,7 @@ impl CudaBackend {
         };
         let variants = variants::KernelVariants::from_env()?;
         let (ctx, stream) = device::open(ordinal)?;
+        let limits = device::limits(&ctx)?;
         let kernels = Kernels::load(&ctx)?;
         let workspace = stream
             .alloc_zeros::<u8>(WORKSPACE_BYTES)
@@ -230,6 +234,7 @@ impl CudaBackend {
             sum_squares: sum_squares::FusedSumSquares::default(),
             time_marks: Vec::new(),
             variants,
+            limits,
             _workspace: workspace,
             nccl: None,
             staging: staging::Staging::default(),
@@ -241,6 +246,29 @@ impl CudaBackend {
     /// listing the choices.
     pub fn set_kernel_variant(&mut self, op: &str, name: &str) -> Result<()> {
         self.variants.set(op, name)
+    }
+
+    /// The wgmma layout self-test behind the `wgmma` attention backward (Hopper only; for GPU
+    /// tests): `mode` 0, 1 or 2 of kernels/attention_wgmma_bwd.cu's attention_wgmma_selftest on
+    /// row-major f32 inputs of small integers, returning its 64 × 64 output.
+    pub fn wgmma_selftest(
+        &mut self,
+        mode: i32,
+        a: &[f32],
+        b: &[f32],
+        c: &[f32],
+    ) -> Result<Vec<f32>> {
+        attention::wgmma_selftest(self, mode, a, b, c)
+    }
+
+    /// Whether the GPU is a Hopper (compute capability 9.0: the program holds its compute_90a
+    /// kernels, e.g. the `wgmma` attention backward).
+    pub fn is_hopper(&self) -> Result<bool> {
+        let cc = self
+            .ctx
+            .compute_capability()
+            .map_err(|e| driver_error("reading the compute capability", e))?;
+        Ok(cc == (9, 0))
     }
 
     /// The device's name, e.g. for the `--backend auto` message.

@@ -10,7 +10,11 @@
 //! tensor's per-block partials, the same blocks as the per-tensor `sum_squares_partial` launch
 //! over that tensor gives) and `sum_partials_into_multi` (each tensor's partials summed as
 //! `sum_partials_into` does, added into its output in program order), so the outputs are bit
-//! for bit the per-instruction ones. The run's later instructions must then arrive in order and
+//! for bit the per-instruction ones. The `sum_squares` kernel variant `one_pass`
+//! (`PARC_SUM_SQUARES_KERNEL`) launches `sum_squares_one_pass` instead: the same sums in the
+//! same order in one launch, several of those blocks to one real block, and no single-block
+//! second pass (the last block of each tensor, then of the run, finishes it; counters in the
+//! table's allocation say which). The run's later instructions must then arrive in order and
 //! become no-ops; any other compute before the run's last instruction is an error. Without a
 //! memory plan, or with `with_fused_sum_squares(false)`, every instruction takes the
 //! per-instruction path (kernels/common.cuh).
@@ -32,6 +36,13 @@ const THREADS: u32 = 256;
 pub(super) const MAX_BLOCKS: usize = 1024;
 /// Bytes of one `SsqTensor` (kernels/common.cuh): x, out, n, first, blocks.
 const TENSOR_BYTES: usize = 40;
+/// Most virtual blocks one block of `sum_squares_one_pass` takes (`SSQ_GROUP`).
+const GROUP: u64 = 8;
+/// Elements per thread a `sum_squares_one_pass` block is given where its tensor allows: small
+/// tensors' virtual blocks (one element per thread) go 8 to a block, the 2.4M-element
+/// matrices' (9 per thread) 7; a large tensor's virtual block (the vocabulary table's: 147)
+/// stays alone, so its 1024 blocks still spread over the GPU.
+const GROUP_ELEMENTS: u64 = 64;
 
 /// Blocks of the first pass over a tensor of `n` elements (both paths).
 pub(super) fn blocks_for(n: usize) -> usize {
@@ -41,16 +52,22 @@ pub(super) fn blocks_for(n: usize) -> usize {
 /// A run's table as bytes and where its parts lie in the allocation (byte offsets).
 #[derive(Debug, PartialEq)]
 struct TableLayout {
-    /// The tensors, then (at `block_tensor`) one i32 tensor index per block.
+    /// The tensors, then (at `block_tensor`) one i32 tensor index per block, then (at `groups`)
+    /// the one-pass kernel's blocks: an i32 pair (first block, blocks) each.
     bytes: Vec<u8>,
     block_tensor: usize,
+    groups: usize,
     /// One f64 partial per block.
     partials: usize,
     /// One f64 sum per tensor.
     sums: usize,
+    /// The one-pass kernel's counters: one u32 per tensor and one for the run (zero).
+    counters: usize,
     /// The whole allocation.
     total: usize,
     blocks: u32,
+    /// Blocks of the one-pass launch.
+    group_count: u32,
 }
 
 /// Lays out the `SsqTensor`s of tensors with these (input pointer, output pointer, numel) and
@@ -58,6 +75,7 @@ struct TableLayout {
 fn encode_table(tensors: &[(CUdeviceptr, CUdeviceptr, u64)]) -> Result<TableLayout> {
     let mut bytes = Vec::with_capacity(tensors.len() * TENSOR_BYTES);
     let mut block_tensor = Vec::new();
+    let mut groups = Vec::new();
     let mut first = 0u64;
     for (index, &(x, out, n)) in tensors.iter().enumerate() {
         let blocks = blocks_for(usize::try_from(n).unwrap_or(usize::MAX)) as u64;
@@ -66,6 +84,13 @@ fn encode_table(tensors: &[(CUdeviceptr, CUdeviceptr, u64)]) -> Result<TableLayo
         }
         let index = i32::try_from(index).map_err(|_| too_large(tensors.len() as u64))?;
         block_tensor.extend(std::iter::repeat_n(index, blocks as usize));
+        let per_thread = n.div_ceil(blocks * THREADS as u64).max(1);
+        let group = (GROUP_ELEMENTS / per_thread).clamp(1, GROUP);
+        let mut local = 0;
+        while local < blocks {
+            groups.push((first + local, group.min(blocks - local)));
+            local += group;
+        }
         first += blocks;
     }
     let blocks = u32::try_from(first)
@@ -76,15 +101,28 @@ fn encode_table(tensors: &[(CUdeviceptr, CUdeviceptr, u64)]) -> Result<TableLayo
     for index in block_tensor {
         bytes.extend_from_slice(&index.to_le_bytes());
     }
+    // int2s: 8-byte aligned.
+    let groups_at = bytes.len().next_multiple_of(8);
+    bytes.resize(groups_at, 0);
+    for &(group_first, count) in &groups {
+        // Both fit: group_first < blocks <= i32::MAX, count <= GROUP.
+        bytes.extend_from_slice(&(group_first as i32).to_le_bytes());
+        bytes.extend_from_slice(&(count as i32).to_le_bytes());
+    }
     let partials = bytes.len().next_multiple_of(8);
     let sums = partials + 8 * blocks as usize;
+    let counters = sums + 8 * tensors.len();
     Ok(TableLayout {
         bytes,
         block_tensor: block_tensor_at,
+        groups: groups_at,
         partials,
         sums,
-        total: sums + 8 * tensors.len(),
+        counters,
+        total: counters + 4 * (tensors.len() + 1),
         blocks,
+        // No more groups than blocks.
+        group_count: groups.len() as u32,
     })
 }
 
@@ -104,7 +142,10 @@ struct DeviceRun {
     block_tensor: CUdeviceptr,
     partials: CUdeviceptr,
     sums: CUdeviceptr,
+    groups: CUdeviceptr,
+    counters: CUdeviceptr,
     blocks: u32,
+    group_count: u32,
     /// Per member, the input and output pointers the table holds.
     pointers: Vec<(CUdeviceptr, CUdeviceptr)>,
 }
@@ -209,8 +250,11 @@ impl CudaBackend {
                 block_tensor: at(layout.block_tensor),
                 partials: at(layout.partials),
                 sums: at(layout.sums),
+                groups: at(layout.groups),
+                counters: at(layout.counters),
                 table,
                 blocks: layout.blocks,
+                group_count: layout.group_count,
                 pointers,
             });
         }
@@ -291,6 +335,19 @@ impl CudaBackend {
         let run = &self.sum_squares.runs[index];
         let count = run.run.members.len() as i64;
         let (tensors, partials, sums) = (run.tensors, run.partials, run.sums);
+        if self.variants.is("sum_squares", "one_pass") {
+            let args = [
+                Arg::Ptr(tensors),
+                Arg::Ptr(run.block_tensor),
+                Arg::Ptr(run.groups),
+                Arg::Ptr(partials),
+                Arg::Ptr(sums),
+                Arg::Ptr(run.counters),
+                Arg::I64(count),
+            ];
+            let grid = (run.group_count, 1, 1);
+            return self.launch("sum_squares_one_pass", grid, (THREADS, 1, 1), 0, &args);
+        }
         let first = [
             Arg::Ptr(tensors),
             Arg::Ptr(run.block_tensor),
@@ -351,18 +408,56 @@ mod tests {
             .collect();
         assert_eq!(&map[..5], &[0, 1, 1, 1, 2]);
         assert!(map[4..].iter().all(|&k| k == 2));
-        // 120 + 4 × 1028 = 4232 bytes, already a multiple of 8.
-        assert_eq!(t.bytes.len(), 4232);
-        assert_eq!(t.partials, 4232);
-        assert_eq!(t.sums, 4232 + 8 * 1028);
-        assert_eq!(t.total, t.sums + 8 * 3);
+        // 120 + 4 × 1028 = 4232 bytes, already a multiple of 8; then the one-pass groups:
+        // the empty tensor's block, the 3 blocks of 513 elements (one element per thread) as
+        // one group, the large tensor's 1024 blocks (39 elements per thread) one each.
+        assert_eq!(t.groups, 4232);
+        assert_eq!(t.group_count, 2 + 1024);
+        let group = |g: usize| -> (i32, i32) {
+            let at = t.groups + 8 * g;
+            let int = |at: usize| i32::from_le_bytes(t.bytes[at..at + 4].try_into().unwrap());
+            (int(at), int(at + 4))
+        };
+        assert_eq!(
+            (0..4).map(group).collect::<Vec<_>>(),
+            vec![(0, 1), (1, 3), (4, 1), (5, 1)]
+        );
+        assert_eq!(group(1025), (1027, 1));
+        assert_eq!(t.bytes.len(), 4232 + 8 * 1026);
+        assert_eq!(t.partials, t.bytes.len());
+        assert_eq!(t.sums, t.partials + 8 * 1028);
+        assert_eq!(t.counters, t.sums + 8 * 3);
+        assert_eq!(t.total, t.counters + 4 * 4);
+    }
+
+    #[test]
+    fn one_pass_groups_cover_every_block_once_within_a_tensor() {
+        // 2.4M elements (9 per thread: 7 blocks a group), 590k (3: 8 a group), 38.6M (alone).
+        let sizes = [2_359_296, 589_824, 38_597_376, 5];
+        let tensors: Vec<_> = sizes.iter().map(|&n| (1, 2, n)).collect();
+        let t = encode_table(&tensors).unwrap();
+        let mut next = 0;
+        let mut widths = Vec::new();
+        for g in 0..t.group_count as usize {
+            let at = t.groups + 8 * g;
+            let int = |at: usize| i32::from_le_bytes(t.bytes[at..at + 4].try_into().unwrap());
+            let (first, count) = (int(at), int(at + 4));
+            assert_eq!(first, next, "group {g}");
+            next += count;
+            widths.push(count);
+        }
+        assert_eq!(next as u32, t.blocks);
+        // 1024 = 146 × 7 + 2; 1024 = 128 × 8; 1024 × 1; 1.
+        assert_eq!(t.group_count, 147 + 128 + 1024 + 1);
+        assert_eq!((widths[0], widths[146], widths[147]), (7, 2, 8));
     }
 
     #[test]
     fn partials_start_eight_byte_aligned() {
         let t = encode_table(&[(1, 2, 256)]).unwrap();
-        assert_eq!((t.blocks, t.bytes.len()), (1, 44));
-        assert_eq!(t.partials, 48);
+        assert_eq!((t.blocks, t.groups), (1, 48));
+        assert_eq!(t.bytes.len(), 56);
+        assert_eq!(t.partials, 56);
     }
 
     #[test]

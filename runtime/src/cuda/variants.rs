@@ -23,6 +23,56 @@ const CHOICES: &[Choice] = &[
         env: "PARC_BIAS_GRAD_KERNEL",
         names: &["epilogue", "colsum"],
     },
+    // bf16 attention forward, head_dim 64 / 128: attention_tc.cu's mma.sync kernel, or the
+    // Hopper warpgroup-MMA one (attention_wgmma_fwd.cu; Hopper GPUs only).
+    Choice {
+        op: "attention_fwd",
+        env: "PARC_ATTENTION_FWD_KERNEL",
+        names: &["fa2", "wgmma"],
+    },
+    // The fused AdamW launch (cuda/optimizer.rs): one block per chunk (`adamw_multi`), or a
+    // grid sized to the GPU striding over the chunks with 4 float4s per operand in flight per
+    // thread (`adamw_multi_persistent`). SGD runs `sgd_multi` under both.
+    Choice {
+        op: "optimizer",
+        env: "PARC_OPTIMIZER_KERNEL",
+        names: &["chunked", "persistent"],
+    },
+    // The fused SumSquares run (cuda/sum_squares.rs): two launches (`sum_squares_partial_multi`,
+    // then one block of `sum_partials_into_multi`), or one (`sum_squares_one_pass`: grouped
+    // virtual blocks, the last block of each tensor and of the run finishing the sums).
+    Choice {
+        op: "sum_squares",
+        env: "PARC_SUM_SQUARES_KERNEL",
+        names: &["two_pass", "one_pass"],
+    },
+    // The attention backward (bf16 runs, head_dim 64): attention_tc.cu's mma.sync kernel, or
+    // attention_wgmma_bwd.cu's warpgroup-MMA one (Hopper only).
+    Choice {
+        op: "attention_bwd",
+        env: "PARC_ATTENTION_BWD_KERNEL",
+        names: &["fa2", "wgmma"],
+    },
+    // `rows`: a block per row, two passes over the row in global memory; `staged`: persistent
+    // CTAs that stage each row in shared memory (cross_entropy.rs).
+    Choice {
+        op: "cross_entropy",
+        env: "PARC_CROSS_ENTROPY_KERNEL",
+        names: &["rows", "staged"],
+    },
+    // LayerNorm/RMSNorm forwards: one row per warp, or two (`norm_variants`).
+    Choice {
+        op: "norm_fwd",
+        env: "PARC_NORM_FWD_KERNEL",
+        names: &["warp", "multirow"],
+    },
+    // LayerNorm/RMSNorm backwards: dx, then the dw/db column partials in two more passes, or
+    // all in one pass (`norm_variants`).
+    Choice {
+        op: "norm_bwd",
+        env: "PARC_NORM_BWD_KERNEL",
+        names: &["warp", "fused"],
+    },
 ];
 
 /// The variant chosen for each op of [`CHOICES`] (an index into its `names`).

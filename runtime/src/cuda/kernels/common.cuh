@@ -325,3 +325,137 @@ extern "C" __global__ void sum_partials_into_multi(const SsqTensor* tensors, con
         if (out != nullptr) out[0] = value;
     }
 }
+
+// Most virtual blocks (sum_squares_partial_multi's blocks) one block of sum_squares_one_pass
+// takes, and the elements per thread of a virtual block the host keeps one real block to
+// (runtime/src/cuda/sum_squares.rs `GROUP_ELEMENTS`).
+#define SSQ_GROUP 8
+
+// The whole run's sums of squares in one launch, bit for bit those of sum_squares_partial_multi
+// then sum_partials_into_multi. Block b (256 threads) takes the groups[b] = (first, count)
+// virtual blocks first .. first + count - 1 of one tensor: thread t keeps one accumulator per
+// virtual block and adds the same elements in the same order as thread t of that block does,
+// with up to SSQ_GROUP loads in flight where the virtual block had one (a group of one virtual
+// block, a large tensor's, has its own steps in flight instead); each accumulator is then
+// reduced as block_sum_d does (the same warp trees: warp j finishes virtual block j). The block
+// that completes a tensor's partials (a per-tensor counter) sums them as sum_partials_into
+// does into sums[k], and the block that completes the last tensor adds the sums into the
+// outputs in tensor order. The counters (count + 1 of them, zero between launches) are reset
+// by the blocks that find them complete. Which block finishes does not change any value:
+// every sum has a fixed order. The gradient loads are read-only ones (__ldg): with those ptxas
+// keeps a step's SSQ_GROUP loads in flight (64 registers); with streaming (.cs) loads it chose 40
+// registers and kept two.
+extern "C" __global__ void __launch_bounds__(256) sum_squares_one_pass(const SsqTensor* tensors, const int* block_tensor, const int2* groups, double* part, double* sums, unsigned* counters, long long count) {
+    __shared__ double warp_part[SSQ_GROUP][8];
+    __shared__ double block_part[SSQ_GROUP];
+    __shared__ double stage_sum[256];
+    __shared__ float* stage_out[256];
+    __shared__ int last;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int2 group = groups[blockIdx.x];
+    int g0 = group.x, in_group = group.y;
+    int k = block_tensor[g0];
+    SsqTensor t = tensors[k];
+    long long local = (long long)g0 - t.first;
+    long long stride = t.blocks * blockDim.x;
+    double s[SSQ_GROUP];
+#pragma unroll
+    for (int j = 0; j < SSQ_GROUP; j++) s[j] = 0.0;
+    long long i = local * blockDim.x + threadIdx.x;
+    if (in_group == 1) {
+        for (; i + (SSQ_GROUP - 1) * stride < t.n; i += SSQ_GROUP * stride) {
+            float x[SSQ_GROUP];
+#pragma unroll
+            for (int u = 0; u < SSQ_GROUP; u++) x[u] = __ldg(t.x + i + u * stride);
+#pragma unroll
+            for (int u = 0; u < SSQ_GROUP; u++) {
+                double v = (double)x[u];
+                s[0] += v * v;
+            }
+        }
+        for (; i < t.n; i += stride) {
+            double v = (double)t.x[i];
+            s[0] += v * v;
+        }
+    } else {
+        for (; i < t.n; i += stride) {
+            float x[SSQ_GROUP];
+#pragma unroll
+            for (int j = 0; j < SSQ_GROUP; j++) {
+                long long at = i + j * (long long)blockDim.x;
+                x[j] = (j < in_group && at < t.n) ? __ldg(t.x + at) : 0.0f;
+            }
+#pragma unroll
+            for (int j = 0; j < SSQ_GROUP; j++) {
+                if (j < in_group && i + j * (long long)blockDim.x < t.n) {
+                    double v = (double)x[j];
+                    s[j] += v * v;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < SSQ_GROUP; j++) {
+        double w = warp_sum_d(s[j]);
+        if (lane == 0) warp_part[j][warp] = w;
+    }
+    __syncthreads();
+    if (warp < in_group) {
+        double v = warp_sum_d(lane < 8 ? warp_part[warp][lane] : 0.0);
+        if (lane == 0) block_part[warp] = v;
+    }
+    __syncthreads();
+    // One writer, a fence, then the count (the threadFenceReduction pattern): the block that
+    // sees the count complete reads every partial of the tensor.
+    if (threadIdx.x == 0) {
+        for (int j = 0; j < in_group; j++) part[g0 + j] = block_part[j];
+        __threadfence();
+        unsigned done = atomicAdd(&counters[k], (unsigned)in_group);
+        last = done + (unsigned)in_group == (unsigned)t.blocks;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    double a = 0.0;
+    for (long long p = threadIdx.x; p < t.blocks; p += blockDim.x) a += __ldcg(part + t.first + p);
+    a = block_sum_d(a);
+    if (threadIdx.x == 0) {
+        counters[k] = 0;
+        sums[k] = a;
+        __threadfence();
+        unsigned done = atomicAdd(&counters[count], 1u);
+        last = done + 1 == (unsigned)count;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // sum_partials_into_multi's in-order adds, each round's sums and outputs staged in shared
+    // memory so thread 0's serial chain does not wait on global loads.
+    float* out = nullptr;
+    float value = 0.0f;
+    for (long long base = 0; base < count; base += 256) {
+        long long kk = base + threadIdx.x;
+        if (kk < count) {
+            stage_sum[threadIdx.x] = __ldcg(sums + kk);
+            stage_out[threadIdx.x] = tensors[kk].out;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int round = (int)min(256LL, count - base);
+            for (int q = 0; q < round; q++) {
+                float* o = stage_out[q];
+                if (o != out) {
+                    if (out != nullptr) out[0] = value;
+                    out = o;
+                    value = out[0];
+                }
+                value = (float)((double)value + stage_sum[q]);
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        if (out != nullptr) out[0] = value;
+        counters[count] = 0;
+    }
+}

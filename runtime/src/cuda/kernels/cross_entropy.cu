@@ -1,8 +1,9 @@
-// The fused cross-entropy of an unsplit vocabulary (`Op::CrossEntropy`), in place. One block per
-// row: the first pass reads the row once for its max and sum of exponentials (online: each
-// thread keeps a running max and a sum rescaled whenever the max grows; the block then merges
-// the pairs) and thread 0 reads the target logit; thread 0 writes the row's loss
-// ln(sumexp) + max - target_logit (f64) to `row_loss`; the second pass overwrites the row with
+// The fused cross-entropy of an unsplit vocabulary (`Op::CrossEntropy`), in place. Variant `rows`
+// (the default; `staged` is further down), one block per row: the first pass reads the row once
+// for its max and sum of exponentials (online: each thread keeps a running max and a sum
+// rescaled whenever the max grows; the block then merges the pairs) and thread 0 reads the
+// target logit; thread 0 writes the row's loss ln(sumexp) + max - target_logit (f64) to
+// `row_loss`; the second pass overwrites the row with
 // dlogits = grad_scale * (exp(x - max) / sumexp - [j == target]). Every element is read by the
 // first pass before the block's reduction (a barrier) and written after it, by the thread that
 // reads it again, so the update needs no copy of the logits. `cross_entropy_loss_sum` then adds
@@ -192,6 +193,301 @@ extern "C" __global__ void __launch_bounds__(1024) cross_entropy_rows_f32(float*
 // As cross_entropy_rows_f32, for bf16 logits (raw 16-bit patterns).
 extern "C" __global__ void __launch_bounds__(1024) cross_entropy_rows_bf16(unsigned short* logits, const int* targets, double* row_loss, long long vocab, float grad_scale) {
     xent_row<unsigned short>(logits, targets, row_loss, vocab, grad_scale);
+}
+
+// ---------------------------------------------------------------- staged (variant `staged`)
+// The same op and semantics, with each row staged in shared memory so it crosses HBM once each
+// way: a persistent CTA of up to 1024 threads (one per SM) takes rows blockIdx.x, + gridDim.x,
+// ...; with `stages` = 2 the next row's copy (cp.async, issued up front: ~100 KB in flight per
+// SM for GPT-2's bf16 rows) lands in one buffer while the CTA works on the row in the other,
+// with 1 (rows too long for two buffers, e.g. GPT-2's in f32) it is fetched then processed.
+// A row is moved as the 16-byte chunks that cover it, from the 16-byte boundary at or before
+// its first element (an odd vocabulary starts rows anywhere): chunk k of a row holds columns
+// k·N - h .. k·N - h + N - 1 (N elements a chunk, h the elements before the row in chunk 0);
+// only the edge chunks hold columns outside the row, which count as -inf and are never
+// written. The last chunk's copy stops at the row's end (cp.async's source size; the rest is
+// zero-filled), so nothing past the buffer is read; the buffer starts on a 16-byte boundary
+// (the host checks), so nothing before it is either. Chunk k is copied, read and written only
+// by thread k mod blockDim.x, in every row, so a thread's own cp.async wait orders the copy
+// before its reads and its pass-2 reads before the next copy into that buffer: the only
+// barrier per row is the (max, sum) merge. Per row: pass 1a takes the thread's max over its
+// chunks (bf16 pairs compared packed, exact), 1b its sum of exp(x - max), the block merges the
+// pairs (xent_merge: as the rows kernel), the owner of the target's chunk writes the row loss
+// (f64, as above), and pass 2 writes grad_scale / sum · exp(x - max), minus grad_scale at the
+// target, as 16-byte streaming stores; chunks at the row's edges or holding the target go one
+// element at a time (round_bf16). Whole bf16 chunks are rounded by cvt.rn.bf16x2.f32, one
+// instruction a pair where round_bf16 takes about six an element: both round to nearest even
+// and differ only in the bits of a NaN, so a row whose max or grad_scale / sum is not finite
+// (a NaN logit makes the sum NaN) takes round_bf16 throughout.
+
+__device__ __forceinline__ unsigned xent_smem_addr(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// Starts a 16-byte copy global -> shared of which the first `bytes` (1..16) come from `src`
+// (16-byte aligned) and the rest are zero.
+__device__ __forceinline__ void xent_cp16(uint4* dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(xent_smem_addr(dst)), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void xent_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Waits until at most `PENDING` of this thread's newest copy groups are still in flight.
+template <int PENDING>
+__device__ __forceinline__ void xent_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory"); }
+
+__device__ __forceinline__ bool xent_finite(float x) {
+    return (__float_as_uint(x) & 0x7fffffffu) < 0x7f800000u;
+}
+
+// One 16-byte chunk of `T` in shared memory: N elements; `Max` the running max of a thread's
+// chunks (bf16: a packed pair, compared two at a time).
+template <typename T> struct XentChunk;
+
+template <> struct XentChunk<float> {
+    static constexpr int N = 4;
+    typedef float Max;
+    static __device__ __forceinline__ Max max_init() { return NEG_INF; }
+    static __device__ __forceinline__ Max fold(Max m, uint4 u) {
+        return fmaxf(m, fmaxf(fmaxf(__uint_as_float(u.x), __uint_as_float(u.y)),
+                              fmaxf(__uint_as_float(u.z), __uint_as_float(u.w))));
+    }
+    static __device__ __forceinline__ float finish(Max m) { return m; }
+    static __device__ __forceinline__ void unpack(uint4 u, float* v) {
+        v[0] = __uint_as_float(u.x); v[1] = __uint_as_float(u.y);
+        v[2] = __uint_as_float(u.z); v[3] = __uint_as_float(u.w);
+    }
+    // Elements whose column c0 + e is outside [0, cols) become -inf.
+    static __device__ __forceinline__ uint4 mask(uint4 u, int c0, int cols) {
+        const unsigned inf = 0xff800000u;
+        if (c0 < 0 || c0 >= cols) u.x = inf;
+        if (c0 + 1 < 0 || c0 + 1 >= cols) u.y = inf;
+        if (c0 + 2 < 0 || c0 + 2 >= cols) u.z = inf;
+        if (c0 + 3 < 0 || c0 + 3 >= cols) u.w = inf;
+        return u;
+    }
+    static __device__ __forceinline__ uint4 pack(const float* v, bool) {
+        uint4 u;
+        u.x = __float_as_uint(v[0]); u.y = __float_as_uint(v[1]);
+        u.z = __float_as_uint(v[2]); u.w = __float_as_uint(v[3]);
+        return u;
+    }
+    static __device__ __forceinline__ float get(const float* p) { return *p; }
+    static __device__ __forceinline__ void put(float* p, float v) { __stcs(p, v); }
+};
+
+// max.bf16x2 returns the other operand where one is NaN, as fmaxf does, and is exact.
+__device__ __forceinline__ unsigned xent_bmax2(unsigned a, unsigned b) {
+    unsigned d;
+    asm("max.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+template <> struct XentChunk<unsigned short> {
+    static constexpr int N = 8;
+    typedef unsigned Max;
+    static __device__ __forceinline__ Max max_init() { return 0xff80ff80u; }
+    static __device__ __forceinline__ Max fold(Max m, uint4 u) {
+        return xent_bmax2(m, xent_bmax2(xent_bmax2(u.x, u.y), xent_bmax2(u.z, u.w)));
+    }
+    static __device__ __forceinline__ float finish(Max m) {
+        return fmaxf(__uint_as_float(m << 16), __uint_as_float(m & 0xffff0000u));
+    }
+    static __device__ __forceinline__ void unpack(uint4 u, float* v) {
+        unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            v[2 * k] = __uint_as_float(w[k] << 16);
+            v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+        }
+    }
+    static __device__ __forceinline__ uint4 mask(uint4 u, int c0, int cols) {
+        unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            if (c0 + e < 0 || c0 + e >= cols)
+                w[e >> 1] = (e & 1) ? ((w[e >> 1] & 0xffffu) | 0xff800000u) : ((w[e >> 1] & 0xffff0000u) | 0xff80u);
+        }
+        u.x = w[0]; u.y = w[1]; u.z = w[2]; u.w = w[3];
+        return u;
+    }
+    // `fast`: every value is finite, so the hardware's nearest-even conversion gives
+    // round_bf16's bits.
+    static __device__ __forceinline__ uint4 pack(const float* v, bool fast) {
+        unsigned w[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            if (fast)
+                asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[k]) : "f"(v[2 * k + 1]), "f"(v[2 * k]));
+            else
+                w[k] = (unsigned)round_bf16(v[2 * k]) | ((unsigned)round_bf16(v[2 * k + 1]) << 16);
+        }
+        uint4 u;
+        u.x = w[0]; u.y = w[1]; u.z = w[2]; u.w = w[3];
+        return u;
+    }
+    static __device__ __forceinline__ float get(const unsigned short* p) { return widen_bf16(*p); }
+    static __device__ __forceinline__ void put(unsigned short* p, float v) { __stcs(p, round_bf16(v)); }
+};
+
+// Where row r of `logits` lies in memory: `a0` the 16-byte boundary at or before its first
+// element, `h` the elements between them, `chunks` the 16-byte chunks from a0 that cover it.
+template <typename T>
+struct XentSpan {
+    unsigned long long a0;
+    int h;
+    int chunks;
+    __device__ __forceinline__ XentSpan(const T* logits, long long r, int cols) {
+        const unsigned long long a = (unsigned long long)(logits + r * cols);
+        a0 = a & ~15ull;
+        h = (int)((a - a0) / sizeof(T));
+        chunks = (h + cols + XentChunk<T>::N - 1) / XentChunk<T>::N;
+    }
+};
+
+// Starts copying row r (if r < rows) into `stage`: this thread's chunks, the last one cut at
+// the row's end.
+template <typename T>
+__device__ __forceinline__ void xent_fetch(uint4* stage, const T* logits, long long r, long long rows, int cols) {
+    if (r >= rows) return;
+    const XentSpan<T> sp(logits, r, cols);
+    const unsigned long long end = (unsigned long long)(logits + r * cols + cols);
+    for (int k = threadIdx.x; k < sp.chunks; k += blockDim.x) {
+        const unsigned long long src = sp.a0 + 16ull * k;
+        const int bytes = end - src < 16ull ? (int)(end - src) : 16;
+        xent_cp16(stage + k, (const void*)src, bytes);
+    }
+}
+
+// Every thread's (m, s) merged over the block, as xent_block_merge, into `part` (2 × 32
+// floats: maxes, then sums; the caller alternates two of them between rows, so a warp that
+// runs ahead into the next row's merge never overwrites slots another warp still reads).
+__device__ __forceinline__ void xent_block_merge_into(float& m, float& s, float* part) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    for (int o = 16; o > 0; o >>= 1) {
+        float m2 = __shfl_xor_sync(FULL_MASK, m, o);
+        float s2 = __shfl_xor_sync(FULL_MASK, s, o);
+        xent_merge(m, s, m2, s2);
+    }
+    if (lane == 0) {
+        part[warp] = m;
+        part[32 + warp] = s;
+    }
+    __syncthreads();
+    m = NEG_INF;
+    s = 0.0f;
+    for (int w = 0; w < warps; w++) xent_merge(m, s, part[w], part[32 + w]);
+}
+
+// Pass 2 of row r: dlogits over this thread's chunks of the row. `FAST`: the row's max and
+// factor are finite (XentChunk::pack).
+template <typename T, bool FAST>
+__device__ __forceinline__ void xent_staged_write(const uint4* stage, T* logits, const XentSpan<T>& sp, long long r, int cols, int target, float m, float factor, float grad_scale) {
+    typedef XentChunk<T> C;
+    T* row = logits + r * cols;
+    uint4* chunk = reinterpret_cast<uint4*>(sp.a0);
+    for (int k = threadIdx.x; k < sp.chunks; k += blockDim.x) {
+        float v[C::N];
+        C::unpack(stage[k], v);
+#pragma unroll
+        for (int e = 0; e < C::N; e++) v[e] = factor * expf(v[e] - m);
+        const int c0 = k * C::N - sp.h;
+        if (c0 >= 0 && c0 + C::N <= cols && (unsigned)target - (unsigned)c0 >= (unsigned)C::N) {
+            __stcs(chunk + k, C::pack(v, FAST));
+        } else {
+#pragma unroll
+            for (int e = 0; e < C::N; e++) {
+                const int j = c0 + e;
+                if (j == target) v[e] -= grad_scale;
+                if (j >= 0 && j < cols) C::put(row + j, v[e]);
+            }
+        }
+    }
+}
+
+// Row r, whose copy in `stage` this thread's wait has completed (for its own chunks).
+template <typename T>
+__device__ __forceinline__ void xent_staged_row(const uint4* stage, T* logits, const int* targets, double* row_loss, long long r, int cols, float grad_scale, float* part) {
+    typedef XentChunk<T> C;
+    const XentSpan<T> sp(logits, r, cols);
+    const int target = targets[r];
+    const int last = sp.chunks - 1;
+
+    typename C::Max mx = C::max_init();
+    for (int k = threadIdx.x; k < sp.chunks; k += blockDim.x) {
+        uint4 u = stage[k];
+        if (k == 0 || k == last) u = C::mask(u, k * C::N - sp.h, cols);
+        mx = C::fold(mx, u);
+    }
+    float m = C::finish(mx), s = 0.0f;
+    // A thread without elements (or with only -inf) keeps the empty pair (-inf, 0).
+    if (m != NEG_INF) {
+        for (int k = threadIdx.x; k < sp.chunks; k += blockDim.x) {
+            uint4 u = stage[k];
+            if (k == 0 || k == last) u = C::mask(u, k * C::N - sp.h, cols);
+            float v[C::N];
+            C::unpack(u, v);
+            float part_sum = expf(v[0] - m);
+#pragma unroll
+            for (int e = 1; e < C::N; e++) part_sum += expf(v[e] - m);
+            s += part_sum;
+        }
+    }
+    xent_block_merge_into(m, s, part);
+
+    // The target logit lives in its chunk, which its owner copied (so may read) itself.
+    const bool has_target = target >= 0 && target < cols;
+    const int owner = has_target ? (int)(((sp.h + target) / C::N) % blockDim.x) : 0;
+    if ((int)threadIdx.x == owner) {
+        const float target_logit = has_target ? C::get(reinterpret_cast<const T*>(stage) + sp.h + target) : 0.0f;
+        row_loss[r] = log((double)s) + (double)m - (double)target_logit;
+    }
+
+    const float factor = grad_scale / s;
+    if (xent_finite(m) && xent_finite(factor))
+        xent_staged_write<T, true>(stage, logits, sp, r, cols, target, m, factor, grad_scale);
+    else
+        xent_staged_write<T, false>(stage, logits, sp, r, cols, target, m, factor, grad_scale);
+}
+
+// The persistent loop: rows blockIdx.x, + gridDim.x, ...; `stages` (1 or 2) buffers of
+// `stage_chunks` 16-byte chunks each in dynamic shared memory (at least every row's chunks).
+template <typename T>
+__device__ __forceinline__ void xent_staged(T* logits, const int* targets, double* row_loss, long long rows, long long vocab, float grad_scale, int stages, int stage_chunks) {
+    extern __shared__ uint4 xent_stage[];
+    __shared__ float part[2][64];
+    const int cols = (int)vocab;
+    const long long step = gridDim.x;
+    long long r = blockIdx.x;
+    if (stages == 2) {
+        xent_fetch<T>(xent_stage, logits, r, rows, cols);
+        xent_commit();
+    }
+    for (int it = 0; r < rows; it++, r += step) {
+        uint4* stage = xent_stage;
+        if (stages == 2) {
+            stage += (it & 1) * stage_chunks;
+            // The other buffer held the previous row, which this thread has finished with.
+            xent_fetch<T>(xent_stage + ((it + 1) & 1) * stage_chunks, logits, r + step, rows, cols);
+            xent_commit();
+            xent_wait<1>();
+        } else {
+            xent_fetch<T>(stage, logits, r, rows, cols);
+            xent_commit();
+            xent_wait<0>();
+        }
+        xent_staged_row<T>(stage, logits, targets, row_loss, r, cols, grad_scale, part[it & 1]);
+    }
+}
+
+// Rows of `logits` [rows, vocab] (f32) staged in shared memory (above); one CTA per SM.
+extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_staged_f32(float* logits, const int* targets, double* row_loss, long long rows, long long vocab, float grad_scale, int stages, int stage_chunks) {
+    xent_staged<float>(logits, targets, row_loss, rows, vocab, grad_scale, stages, stage_chunks);
+}
+
+// As cross_entropy_staged_f32, for bf16 logits (raw 16-bit patterns).
+extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_staged_bf16(unsigned short* logits, const int* targets, double* row_loss, long long rows, long long vocab, float grad_scale, int stages, int stage_chunks) {
+    xent_staged<unsigned short>(logits, targets, row_loss, rows, vocab, grad_scale, stages, stage_chunks);
 }
 
 // One block: loss[0] += scale * Σ row_loss (each thread sums a fixed stride of rows, then the

@@ -257,6 +257,311 @@ extern "C" __global__ void rms_norm_bwd_dx(Fv dy, Fv x, const float* w, const fl
         });
 }
 
+// ---------------------------------------------------------------- norm variants
+// The `multirow` forwards (PARC_NORM_FWD_KERNEL) and the `fused` backwards
+// (PARC_NORM_BWD_KERNEL), for rows of a multiple of 8 elements, at most 256·NV, with every
+// operand 16-byte aligned (the host falls back to the kernels above otherwise). Each keeps the
+// arithmetic of the kernel it replaces: the same per-lane element order, double statistics and
+// the same f32 expressions, so forward outputs and dx are those of the `warp` kernels.
+
+// One 8-element vector as it is stored, kept in registers between the passes of a multirow
+// forward or a fused backward (bf16: 4 words, not the 8 floats it widens to).
+struct RawB {
+    uint4 u;
+};
+struct RawF {
+    float4 a, b;
+};
+template <bool B16> struct RawOf { typedef RawF T; };
+template <> struct RawOf<true> { typedef RawB T; };
+
+__device__ __forceinline__ void ld_raw(const void* p, long long j, RawB& r) { r.u = ((const uint4*)p)[j]; }
+__device__ __forceinline__ void ld_raw(const void* p, long long j, RawF& r) {
+    r.a = ((const float4*)p)[2 * j];
+    r.b = ((const float4*)p)[2 * j + 1];
+}
+__device__ __forceinline__ F8 widen(const RawB& r) {
+    F8 f;
+    unsigned w[4] = {r.u.x, r.u.y, r.u.z, r.u.w};
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        f.v[2 * k] = __uint_as_float(w[k] << 16);
+        f.v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    }
+    return f;
+}
+__device__ __forceinline__ F8 widen(const RawF& r) {
+    F8 f;
+    f.v[0] = r.a.x; f.v[1] = r.a.y; f.v[2] = r.a.z; f.v[3] = r.a.w;
+    f.v[4] = r.b.x; f.v[5] = r.b.y; f.v[6] = r.b.z; f.v[7] = r.b.w;
+    return f;
+}
+
+// Rows one warp of a multirow forward normalises together: all their vectors are loaded
+// before the first reduction, so twice the bytes of a one-row warp are in flight, and the two
+// rows' shuffle chains interleave.
+#define NORM_FWD_RPW 2
+
+// LayerNorm (LN: mean, optional bias) or RMSNorm forward of rows r0, r0 + 1 (those < rows);
+// lane `lane` owns vectors j = 8·lane + 256·k, k < NV, j < dim, holding x as stored (`B16`:
+// bf16, else f32; y may be either). Blocks of 256 threads.
+template <int NV, bool B16, bool LN>
+__device__ __forceinline__ void norm_fwd_multirow(Fv x, const float* w, const float* b, Fv y, float* mean, float* rstd, long long rows, long long dim, double eps) {
+    int lane = threadIdx.x & 31;
+    long long r0 = (blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5)) * NORM_FWD_RPW;
+    if (r0 >= rows) return;
+    typedef typename RawOf<B16>::T Raw;
+    Raw v[NORM_FWD_RPW][NV];
+#pragma unroll
+    for (int i = 0; i < NORM_FWD_RPW; i++) {
+        if (r0 + i < rows) {
+#pragma unroll
+            for (int k = 0; k < NV; k++) {
+                long long j = 8 * lane + 256 * k;
+                if (j < dim) ld_raw(x.p, ((r0 + i) * dim + j) / 8, v[i][k]);
+            }
+        }
+    }
+    double s[NORM_FWD_RPW];
+#pragma unroll
+    for (int i = 0; i < NORM_FWD_RPW; i++) {
+        s[i] = 0.0;
+        if (r0 + i < rows) {
+#pragma unroll
+            for (int k = 0; k < NV; k++) {
+                if (8 * lane + 256 * k < dim) {
+                    F8 f = widen(v[i][k]);
+                    for (int e = 0; e < 8; e++) {
+                        double t = (double)f.v[e];
+                        s[i] += LN ? t : t * t;
+                    }
+                }
+            }
+        }
+    }
+    float mf[NORM_FWD_RPW], rf[NORM_FWD_RPW];
+    if (LN) {
+        double m[NORM_FWD_RPW], q[NORM_FWD_RPW];
+#pragma unroll
+        for (int i = 0; i < NORM_FWD_RPW; i++) m[i] = warp_sum_d(s[i]) / (double)dim;
+#pragma unroll
+        for (int i = 0; i < NORM_FWD_RPW; i++) {
+            q[i] = 0.0;
+            if (r0 + i < rows) {
+#pragma unroll
+                for (int k = 0; k < NV; k++) {
+                    if (8 * lane + 256 * k < dim) {
+                        F8 f = widen(v[i][k]);
+                        for (int e = 0; e < 8; e++) { double d = (double)f.v[e] - m[i]; q[i] += d * d; }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < NORM_FWD_RPW; i++) {
+            double var = warp_sum_d(q[i]) / (double)dim;
+            mf[i] = (float)m[i];
+            rf[i] = (float)(1.0 / sqrt(var + eps));
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < NORM_FWD_RPW; i++) {
+            double ms = warp_sum_d(s[i]) / (double)dim;
+            mf[i] = 0.0f;
+            rf[i] = (float)(1.0 / sqrt(ms + eps));
+        }
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int i = 0; i < NORM_FWD_RPW; i++) {
+            if (r0 + i < rows) {
+                if (LN) mean[r0 + i] = mf[i];
+                rstd[r0 + i] = rf[i];
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+        long long j = 8 * lane + 256 * k;
+        if (j < dim) {
+            F8 wv = ld8_f32(w, j), bv;
+            if (LN && b) bv = ld8_f32(b, j);
+#pragma unroll
+            for (int i = 0; i < NORM_FWD_RPW; i++) {
+                if (r0 + i < rows) {
+                    F8 f = widen(v[i][k]), out;
+                    for (int e = 0; e < 8; e++) {
+                        out.v[e] = LN ? (f.v[e] - mf[i]) * rf[i] * wv.v[e] + (b ? bv.v[e] : 0.0f)
+                                      : f.v[e] * rf[i] * wv.v[e];
+                    }
+                    st8(y, ((r0 + i) * dim + j) / 8, out);
+                }
+            }
+        }
+    }
+}
+
+#define NORM_FWD_MULTIROW(NV, B16, SUFFIX)                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) layer_norm_fwd_multirow##NV##SUFFIX(Fv x, const float* w, const float* b, Fv y, float* mean, float* rstd, long long rows, long long dim, double eps) { \
+        norm_fwd_multirow<NV, B16, true>(x, w, b, y, mean, rstd, rows, dim, eps);                                                              \
+    }                                                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) rms_norm_fwd_multirow##NV##SUFFIX(Fv x, const float* w, Fv y, float* rstd, long long rows, long long dim, double eps) { \
+        norm_fwd_multirow<NV, B16, false>(x, w, nullptr, y, nullptr, rstd, rows, dim, eps);                                                     \
+    }
+NORM_FWD_MULTIROW(1, true, _bf16)
+NORM_FWD_MULTIROW(2, true, _bf16)
+NORM_FWD_MULTIROW(3, true, _bf16)
+NORM_FWD_MULTIROW(4, true, _bf16)
+NORM_FWD_MULTIROW(1, false, _f32)
+NORM_FWD_MULTIROW(2, false, _f32)
+NORM_FWD_MULTIROW(3, false, _f32)
+NORM_FWD_MULTIROW(4, false, _f32)
+
+// Warps of a fused backward's block (most 16): 16 while the row and the dw/db partials fit in
+// 128 registers, fewer for wider rows (norm_variants.rs's BWD_THREADS mirrors the
+// __launch_bounds__ below).
+#define NORM_BWD_MAX_WARPS 16
+
+// A fused LayerNorm (LN) or RMSNorm backward: dx and the dw (and db) column partials in one
+// pass over dy and x. Block c owns rows [c·band, (c+1)·band); each warp takes rows warp,
+// warp + warps, … of the band, lane `lane` the vectors j = 8·lane + 256·k (k < NV, j < dim),
+// keeping the row's dy and x (and an accumulated dx) as stored (`B16`: all bf16, else all
+// f32) for dx's second pass, and its columns' Σ dy·xhat and Σ dy over its rows in f32 registers. The
+// block then adds its warps' sums in warp order in double and writes one f32 partial row per
+// block: part[c, j] (dw), part[blocks + c, j] (db, when `with_db`). Row statistics and dx
+// are exactly layer_norm_bwd_dx's / rms_norm_bwd_dx's.
+template <int NV, bool B16, bool LN>
+__device__ __forceinline__ void norm_bwd_fused(Fv dy, Fv x, const float* w, const float* mean, const float* rstd, Fv dx, float* part, long long rows, long long dim, long long band, int accumulate_dx, int with_db) {
+    typedef typename RawOf<B16>::T Raw;
+    // 16-byte aligned: each lane stores its 8 columns as two float4s.
+    __shared__ __align__(16) float red[LN ? 2 : 1][NORM_BWD_MAX_WARPS][256];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    long long r0 = blockIdx.x * band, r1 = min(rows, r0 + band);
+    float aw[NV][8], ab[NV][8];
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+#pragma unroll
+        for (int e = 0; e < 8; e++) { aw[k][e] = 0.0f; ab[k][e] = 0.0f; }
+    }
+    for (long long r = r0 + warp; r < r1; r += warps) {
+        long long o = r * dim;
+        Raw rd[NV], rx[NV];
+#pragma unroll
+        for (int k = 0; k < NV; k++) {
+            long long j = 8 * lane + 256 * k;
+            if (j < dim) {
+                ld_raw(dy.p, (o + j) / 8, rd[k]);
+                ld_raw(x.p, (o + j) / 8, rx[k]);
+            }
+        }
+        float mf = LN ? mean[r] : 0.0f, rf = rstd[r];
+        double sg = 0.0, sgx = 0.0;
+#pragma unroll
+        for (int k = 0; k < NV; k++) {
+            long long j = 8 * lane + 256 * k;
+            if (j < dim) {
+                F8 d = widen(rd[k]), v = widen(rx[k]), wv = ld8_f32(w, j);
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    float xhat = LN ? (v.v[e] - mf) * rf : v.v[e] * rf;
+                    double g = (double)(d.v[e] * wv.v[e]);
+                    if (LN) sg += g;
+                    sgx += g * (double)xhat;
+                    aw[k][e] += d.v[e] * xhat;
+                    if (LN) ab[k][e] += d.v[e];
+                }
+            }
+        }
+        // An accumulated dx is loaded before the row's shuffle reductions, which hide its
+        // latency.
+        Raw rdx[NV];
+        if (accumulate_dx) {
+#pragma unroll
+            for (int k = 0; k < NV; k++) {
+                long long j = 8 * lane + 256 * k;
+                if (j < dim) ld_raw(dx.p, (o + j) / 8, rdx[k]);
+            }
+        }
+        float mean_g = LN ? (float)(warp_sum_d(sg) / (double)dim) : 0.0f;
+        float mean_gx = (float)(warp_sum_d(sgx) / (double)dim);
+#pragma unroll
+        for (int k = 0; k < NV; k++) {
+            long long j = 8 * lane + 256 * k;
+            if (j < dim) {
+                F8 d = widen(rd[k]), v = widen(rx[k]), wv = ld8_f32(w, j), out;
+                if (accumulate_dx) out = widen(rdx[k]);
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    float g;
+                    if (LN) {
+                        float xhat = (v.v[e] - mf) * rf;
+                        g = rf * (d.v[e] * wv.v[e] - mean_g - xhat * mean_gx);
+                    } else {
+                        g = rf * (d.v[e] * wv.v[e] - v.v[e] * rf * mean_gx);
+                    }
+                    out.v[e] = accumulate_dx ? out.v[e] + g : g;
+                }
+                st8(dx, (o + j) / 8, out);
+            }
+        }
+    }
+    // The block's column sums, one 256-column slice (k) at a time through shared memory.
+    int sums = (LN && with_db) ? 2 : 1;
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+        __syncthreads();
+        float4* dwv = (float4*)&red[0][warp][8 * lane];
+        dwv[0] = make_float4(aw[k][0], aw[k][1], aw[k][2], aw[k][3]);
+        dwv[1] = make_float4(aw[k][4], aw[k][5], aw[k][6], aw[k][7]);
+        if (LN) {
+            float4* dbv = (float4*)&red[LN ? 1 : 0][warp][8 * lane];
+            dbv[0] = make_float4(ab[k][0], ab[k][1], ab[k][2], ab[k][3]);
+            dbv[1] = make_float4(ab[k][4], ab[k][5], ab[k][6], ab[k][7]);
+        }
+        __syncthreads();
+        for (int t = threadIdx.x; t < 256 * sums; t += blockDim.x) {
+            int q = t >> 8, c = t & 255;
+            long long col = 256LL * k + c;
+            if (col < dim) {
+                double s = 0.0;
+                for (int u = 0; u < warps; u++) s += (double)red[q][u][c];
+                part[((long long)q * gridDim.x + blockIdx.x) * dim + col] = (float)s;
+            }
+        }
+    }
+}
+
+#define NORM_BWD_FUSED(NV, B16, SUFFIX, THREADS)                                                                                                \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) layer_norm_bwd_fused##NV##SUFFIX(Fv dy, Fv x, const float* w, const float* mean, const float* rstd, Fv dx, float* part, long long rows, long long dim, long long band, int accumulate_dx, int with_db) { \
+        norm_bwd_fused<NV, B16, true>(dy, x, w, mean, rstd, dx, part, rows, dim, band, accumulate_dx, with_db);                               \
+    }                                                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) rms_norm_bwd_fused##NV##SUFFIX(Fv dy, Fv x, const float* w, const float* rstd, Fv dx, float* part, long long rows, long long dim, long long band, int accumulate_dx) { \
+        norm_bwd_fused<NV, B16, false>(dy, x, w, nullptr, rstd, dx, part, rows, dim, band, accumulate_dx, 0);                                  \
+    }
+NORM_BWD_FUSED(1, true, _bf16, 512)
+NORM_BWD_FUSED(2, true, _bf16, 512)
+NORM_BWD_FUSED(3, true, _bf16, 512)
+NORM_BWD_FUSED(4, true, _bf16, 384)
+NORM_BWD_FUSED(1, false, _f32, 512)
+NORM_BWD_FUSED(2, false, _f32, 512)
+NORM_BWD_FUSED(3, false, _f32, 384)
+NORM_BWD_FUSED(4, false, _f32, 256)
+
+// dw[j] (+= when `accumulate`, else =) the sum over the fused backward's `chunks` partial rows
+// part[c, j], in chunk order in double; db from part[chunks + c, j] likewise when db is set.
+extern "C" __global__ void norm_bwd_fused_finish(const float* part, float* dw, float* db, long long dim, long long chunks, int accumulate) {
+    long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (j >= dim) return;
+    double s = 0.0;
+    for (long long c = 0; c < chunks; c++) s += (double)part[c * dim + j];
+    dw[j] = accumulate ? (float)((double)dw[j] + s) : (float)s;
+    if (db) {
+        double t = 0.0;
+        for (long long c = 0; c < chunks; c++) t += (double)part[(chunks + c) * dim + j];
+        db[j] = accumulate ? (float)((double)db[j] + t) : (float)t;
+    }
+}
+
 // ---------------------------------------------------------------- cross-entropy
 // The split form (vocab split across tensor-parallel ranks): one pass over the [rows, vocab]
 // logits per op. Logits and dlogits are `Fv`; the reductions are f32.

@@ -1,0 +1,212 @@
+//! The fused optimizer's two launches alone, at GPT-2 124M's and 350M's parameter shapes (the
+//! lowered programs' own optimizer phases, micro-batch 1: the batch does not change them): the
+//! fused `SumSquares` run (gradient clipping's sums of squares, `PARC_SUM_SQUARES_KERNEL`) and
+//! the fused AdamW run (`PARC_OPTIMIZER_KERNEL`), for each kernel variant, as milliseconds and
+//! GB/s of the ideal traffic (sum of squares: 4 bytes per parameter read; AdamW: g, p, m, v
+//! read and p, m, v written, 28 bytes per parameter). Each launch is timed on the host around
+//! a synchronised `compute` of its run's first instruction (the one that launches the whole
+//! run; the launch's few microseconds included), the median of several steps after a
+//! warm-up step. Ignored by default (it needs a GPU); run it on the device machine with
+//! `cuda_optim_bench --ignored --nocapture`. Without a GPU it prints `skipped`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#[allow(dead_code)]
+#[path = "ir/fixtures.rs"]
+mod fixtures;
+
+#[test]
+#[ignore = "needs a GPU: run on the device machine with --ignored"]
+fn gpt2_optimizer_launches() {
+    #[cfg(not(feature = "cuda"))]
+    println!("skipped: no CUDA device (this build has no `cuda` feature)");
+    #[cfg(feature = "cuda")]
+    bench::run();
+}
+
+#[cfg(feature = "cuda")]
+mod bench {
+    use super::fixtures::{gpt2_124m, sized_spec, Dims, PlanChoice, TinyModel};
+    use parc_compiler::ir::op::Op;
+    use parc_compiler::ir::{BufferId, DType, Instr, Phase, Program};
+    use parc_compiler::lower::lower;
+    use parc_compiler::memplan::plan_program;
+    use parc_compiler::spec::Spec;
+    use parc_runtime::backend::{Backend, StepScalars};
+    use parc_runtime::cuda::CudaBackend;
+    use std::collections::HashSet;
+    use std::time::Instant;
+
+    /// Timed steps per variant (the median counts), after one warm-up step.
+    const REPS: usize = 7;
+
+    /// (optimizer variant, sum_squares variant) pairs timed: today's kernels first.
+    const VARIANTS: [(&str, &str); 2] = [("chunked", "two_pass"), ("persistent", "one_pass")];
+
+    fn gpt2_350m() -> Spec {
+        let dims = Dims {
+            vocab: 50304,
+            dim: 1024,
+            seq: 1024,
+            heads: 16,
+            kv_heads: 16,
+            ffn: 4096,
+            micro_batch: 1,
+        };
+        let model = TinyModel {
+            layers: 24,
+            llama: false,
+            tied: true,
+        };
+        sized_spec(model, PlanChoice::default(), dims)
+    }
+
+    fn median(mut v: Vec<f64>) -> f64 {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    }
+
+    /// Uniform values in [0, scale) from a fixed LCG (non-negative: valid second moments).
+    fn random(len: usize, seed: u64, scale: f32) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(6364136223846793005) | 1;
+        (0..len)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (state >> 40) as f32 / (1u64 << 24) as f32 * scale
+            })
+            .collect()
+    }
+
+    pub fn run() {
+        if CudaBackend::new(0).is_err() {
+            println!("skipped: no CUDA device");
+            return;
+        }
+        println!("model  parameters  launch        variant     ms      GB/s");
+        for (name, spec) in [("124M", gpt2_124m(1)), ("350M", gpt2_350m())] {
+            let plan = lower(&spec).unwrap_or_else(|d| panic!("{:?}", d.items));
+            time_model(name, &plan.programs[0]);
+        }
+    }
+
+    /// Drives `program`'s optimizer phase REPS + 1 times per variant, timing the launches of
+    /// its first `SumSquares` and its first AdamW (each launches its whole fused run).
+    fn time_model(name: &str, program: &Program) {
+        let start = (program.instrs.iter())
+            .position(|i| i.as_compute().is_some_and(|c| c.phase == Phase::Optimizer))
+            .expect("an optimizer phase");
+        let mut live: Vec<BufferId> = Vec::new();
+        for instr in &program.instrs[..start] {
+            match instr {
+                Instr::Alloc { buffer } => live.push(*buffer),
+                Instr::Free { buffer } => live.retain(|b| b != buffer),
+                _ => {}
+            }
+        }
+        let first_sumsq = (program.instrs.iter().enumerate().skip(start))
+            .find(|(_, i)| matches!(i.op(), Some(Op::SumSquares)))
+            .map(|(k, _)| k)
+            .expect("a SumSquares");
+        let first_adamw = (program.instrs.iter().enumerate().skip(start))
+            .find(|(_, i)| matches!(i.op(), Some(Op::AdamW { .. })))
+            .map(|(k, _)| k)
+            .expect("an AdamW");
+        let params: u64 = (program.computes())
+            .filter(|(_, c)| matches!(c.op, Op::AdamW { .. }))
+            .map(|(_, c)| program.buffer(c.inputs[0]).unwrap().numel())
+            .sum();
+        let mut backend = CudaBackend::new(0).unwrap();
+        backend
+            .prepare(program, &plan_program(program).unwrap())
+            .unwrap();
+        let mut allocated = HashSet::new();
+        let fill = |backend: &mut CudaBackend, id: BufferId, seed: u64| {
+            let b = program.buffer(id).unwrap();
+            if b.dtype == DType::F32 {
+                let data = random(b.numel() as usize, seed, 1e-3);
+                backend.write_f32(id, &data).unwrap();
+            }
+        };
+        for id in (0..program.buffers.len() as u32).map(BufferId) {
+            let b = program.buffer(id).unwrap();
+            if b.kind.is_persistent() {
+                backend.alloc(id, &b.shape, b.dtype).unwrap();
+                fill(&mut backend, id, id.0 as u64);
+            }
+        }
+        for &id in &live {
+            let b = program.buffer(id).unwrap();
+            backend.alloc(id, &b.shape, b.dtype).unwrap();
+            allocated.insert(id);
+            fill(&mut backend, id, 1000 + id.0 as u64);
+        }
+        for (optimizer, sum_squares) in VARIANTS {
+            backend.set_kernel_variant("optimizer", optimizer).unwrap();
+            backend
+                .set_kernel_variant("sum_squares", sum_squares)
+                .unwrap();
+            let (mut sumsq_s, mut adamw_s) = (Vec::new(), Vec::new());
+            for step in 1..=REPS as u64 + 1 {
+                let scalars = StepScalars {
+                    lr: 1e-4,
+                    step,
+                    loss_scale: None,
+                };
+                for (k, instr) in program.instrs.iter().enumerate().skip(start) {
+                    match instr {
+                        Instr::Compute {
+                            op,
+                            inputs,
+                            outputs,
+                            ..
+                        } => {
+                            let timed = k == first_sumsq || k == first_adamw;
+                            if timed {
+                                backend.synchronize().unwrap();
+                            }
+                            let t = Instant::now();
+                            backend.compute(op, inputs, outputs, &scalars).unwrap();
+                            if timed {
+                                backend.synchronize().unwrap();
+                                let s = t.elapsed().as_secs_f64();
+                                if step > 1 && k == first_sumsq {
+                                    sumsq_s.push(s);
+                                } else if step > 1 {
+                                    adamw_s.push(s);
+                                }
+                            }
+                        }
+                        Instr::Alloc { buffer } => {
+                            let b = program.buffer(*buffer).unwrap();
+                            backend.alloc(*buffer, &b.shape, b.dtype).unwrap();
+                            allocated.insert(*buffer);
+                        }
+                        Instr::Free { buffer } => {
+                            backend.free(*buffer).unwrap();
+                            allocated.remove(buffer);
+                        }
+                        other => panic!("unexpected instruction in the optimizer phase: {other:?}"),
+                    }
+                }
+                // The next step's gradients: the phase freed them; bind them again (their
+                // contents are whatever the plan's region holds, which times the same).
+                for &id in &live {
+                    if allocated.insert(id) {
+                        let b = program.buffer(id).unwrap();
+                        backend.alloc(id, &b.shape, b.dtype).unwrap();
+                    }
+                }
+            }
+            for (launch, variant, bytes, s) in [
+                ("SumSquares", sum_squares, 4 * params, median(sumsq_s)),
+                ("AdamW", optimizer, 28 * params, median(adamw_s)),
+            ] {
+                println!(
+                    "{name:<6} {params:>10}  {launch:<12}  {variant:<10} {:>6.3}  {:>8.0}",
+                    s * 1e3,
+                    bytes as f64 / s / 1e9
+                );
+            }
+        }
+    }
+}
