@@ -147,7 +147,7 @@ mod bench {
     /// pair times both directions, so one pair per new kernel measures each).
     fn variant_pairs(be: &CudaBackend, pt: &Point) -> Vec<(&'static str, &'static str)> {
         let mut pairs = vec![("fa2", "fa2")];
-        if matches!(pt.precision, Precision::Bf16) && be.is_hopper().unwrap() {
+        if matches!(pt.precision, Precision::Bf16) && be.is_hopper() {
             pairs.push(("wgmma", if pt.head_dim == 64 { "wgmma" } else { "fa2" }));
         }
         pairs

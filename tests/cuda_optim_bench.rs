@@ -1,7 +1,7 @@
 //! The fused optimizer's two launches alone, at GPT-2 124M's and 350M's parameter shapes (the
 //! lowered programs' own optimizer phases, micro-batch 1: the batch does not change them): the
-//! fused `SumSquares` run (gradient clipping's sums of squares, `PARC_SUM_SQUARES_KERNEL`) and
-//! the fused AdamW run (`PARC_OPTIMIZER_KERNEL`), for each kernel variant, as milliseconds and
+//! fused `SumSquares` run (gradient clipping's sums of squares) and
+//! the fused AdamW run, as milliseconds and
 //! GB/s of the ideal traffic (sum of squares: 4 bytes per parameter read; AdamW: g, p, m, v
 //! read and p, m, v written, 28 bytes per parameter). Each launch is timed on the host around
 //! a synchronised `compute` of its run's first instruction (the one that launches the whole
@@ -35,11 +35,8 @@ mod bench {
     use std::collections::HashSet;
     use std::time::Instant;
 
-    /// Timed steps per variant (the median counts), after one warm-up step.
+    /// Timed steps (the median counts), after one warm-up step.
     const REPS: usize = 7;
-
-    /// (optimizer variant, sum_squares variant) pairs timed: today's kernels first.
-    const VARIANTS: [(&str, &str); 2] = [("chunked", "two_pass"), ("persistent", "one_pass")];
 
     fn gpt2_350m() -> Spec {
         let dims = Dims {
@@ -82,14 +79,14 @@ mod bench {
             println!("skipped: no CUDA device");
             return;
         }
-        println!("model  parameters  launch        variant     ms      GB/s");
+        println!("model  parameters  launch        kernel                ms      GB/s");
         for (name, spec) in [("124M", gpt2_124m(1)), ("350M", gpt2_350m())] {
             let plan = lower(&spec).unwrap_or_else(|d| panic!("{:?}", d.items));
             time_model(name, &plan.programs[0]);
         }
     }
 
-    /// Drives `program`'s optimizer phase REPS + 1 times per variant, timing the launches of
+    /// Drives `program`'s optimizer phase REPS + 1 times, timing the launches of
     /// its first `SumSquares` and its first AdamW (each launches its whole fused run).
     fn time_model(name: &str, program: &Program) {
         let start = (program.instrs.iter())
@@ -140,11 +137,7 @@ mod bench {
             allocated.insert(id);
             fill(&mut backend, id, 1000 + id.0 as u64);
         }
-        for (optimizer, sum_squares) in VARIANTS {
-            backend.set_kernel_variant("optimizer", optimizer).unwrap();
-            backend
-                .set_kernel_variant("sum_squares", sum_squares)
-                .unwrap();
+        {
             let (mut sumsq_s, mut adamw_s) = (Vec::new(), Vec::new());
             for step in 1..=REPS as u64 + 1 {
                 let scalars = StepScalars {
@@ -197,12 +190,17 @@ mod bench {
                     }
                 }
             }
-            for (launch, variant, bytes, s) in [
-                ("SumSquares", sum_squares, 4 * params, median(sumsq_s)),
-                ("AdamW", optimizer, 28 * params, median(adamw_s)),
+            for (launch, kernel, bytes, s) in [
+                (
+                    "SumSquares",
+                    "sum_squares_one_pass",
+                    4 * params,
+                    median(sumsq_s),
+                ),
+                ("AdamW", "adamw_multi", 28 * params, median(adamw_s)),
             ] {
                 println!(
-                    "{name:<6} {params:>10}  {launch:<12}  {variant:<10} {:>6.3}  {:>8.0}",
+                    "{name:<6} {params:>10}  {launch:<12}  {kernel:<20} {:>6.3}  {:>8.0}",
                     s * 1e3,
                     bytes as f64 / s / 1e9
                 );

@@ -461,13 +461,12 @@ type BufferBits = Vec<(String, Vec<u32>)>;
 /// the fused optimizer and the fused `SumSquares` on or off. Returns the fused runs the
 /// backend found (the optimizer's, then the sums of squares'; each as its members' count) and
 /// every persistent buffer's bits at the end (the squared gradient norm `grad_sumsq` among
-/// them). `variants`: the kernel variants (op, name) the backend runs.
+/// them).
 #[cfg(feature = "cuda")]
 fn optimizer_phase(
     program: &parc_compiler::ir::Program,
     precision: Precision,
     fused: bool,
-    variants: &[(&str, &str)],
     steps: u64,
     overflow_step: Option<u64>,
 ) -> (Vec<usize>, Vec<usize>, BufferBits) {
@@ -498,9 +497,6 @@ fn optimizer_phase(
         .unwrap()
         .with_fused_optimizer(fused)
         .with_fused_sum_squares(fused);
-    for (op, name) in variants {
-        backend.set_kernel_variant(op, name).unwrap();
-    }
     backend
         .prepare(program, &plan_program(program).unwrap())
         .unwrap();
@@ -593,37 +589,25 @@ fn optimizer_phase(
     )
 }
 
-/// The fused launches' kernel variants (`PARC_OPTIMIZER_KERNEL`, `PARC_SUM_SQUARES_KERNEL`):
-/// today's kernels, then the persistent AdamW with the one-pass sums of squares.
-#[cfg(feature = "cuda")]
-const FUSED_VARIANTS: [[(&str, &str); 2]; 2] = [
-    [("optimizer", "chunked"), ("sum_squares", "two_pass")],
-    [("optimizer", "persistent"), ("sum_squares", "one_pass")],
-];
-
-/// The optimizer phase of `spec`'s rank-0 program, fused (with each of [`FUSED_VARIANTS`]) and
-/// per tensor, on the same inputs: every parameter and optimizer state bit for bit after
-/// `steps` steps, and the squared gradient norm of the last step; the fused backend fused all
-/// updates into one run and all gradients' sums of squares into another (and changed
-/// something), the other none.
+/// The optimizer phase of `spec`'s rank-0 program, fused and per tensor, on the same inputs:
+/// every parameter and optimizer state bit for bit after `steps` steps, and the squared gradient
+/// norm of the last step; the fused backend fused all updates into one run and all gradients'
+/// sums of squares into another (and changed something), the other none.
 #[cfg(feature = "cuda")]
 fn fused_equals_per_tensor(name: &str, spec: &Spec, steps: u64, overflow_step: Option<u64>) {
     let plan = lower(spec).unwrap_or_else(|d| panic!("{:?}", d.items));
     let program = &plan.programs[0];
     let precision = spec.train.precision;
     let (tensor_runs, tensor_sumsq_runs, per_tensor) =
-        optimizer_phase(program, precision, false, &[], steps, overflow_step);
-    let (_, _, before) = optimizer_phase(program, precision, false, &[], 0, None);
+        optimizer_phase(program, precision, false, steps, overflow_step);
+    let (_, _, before) = optimizer_phase(program, precision, false, 0, None);
     assert!(tensor_runs.is_empty(), "{name}: {tensor_runs:?}");
     assert!(
         tensor_sumsq_runs.is_empty(),
         "{name}: {tensor_sumsq_runs:?}"
     );
-    for variants in &FUSED_VARIANTS {
-        let name = format!("{name} {variants:?}");
-        let fused = optimizer_phase(program, precision, true, variants, steps, overflow_step);
-        fused_matches(&name, program, steps, fused, &per_tensor, &before);
-    }
+    let fused = optimizer_phase(program, precision, true, steps, overflow_step);
+    fused_matches(name, program, steps, fused, &per_tensor, &before);
 }
 
 /// One fused run of [`fused_equals_per_tensor`] against the per-tensor one.
@@ -719,10 +703,9 @@ fn fused_optimizer_equals_per_tensor_updates() {
 }
 
 /// GPT-2 124M's own optimizer phase (196 tensors up to the 38.6M-element token table), fused
-/// with each kernel variant and per tensor: bit for bit after 2 steps. Only the real sizes
-/// reach the one-pass sum of squares' paths for large tensors (a virtual block with 8 or more
-/// elements per thread, groups of 2 to 7 virtual blocks) and more than a few chunks per block
-/// of the persistent AdamW; the second step checks the one-pass counters were reset.
+/// and per tensor: bit for bit after 2 steps. Only the real sizes reach the one-pass sum of
+/// squares' paths for large tensors (a virtual block with 8 or more elements per thread,
+/// groups of 2 to 7 virtual blocks); the second step checks its counters were reset.
 #[test]
 fn fused_optimizer_equals_per_tensor_updates_at_gpt2_124m() {
     #[cfg(not(feature = "cuda"))]

@@ -424,11 +424,11 @@ fn check_storage(test: &str, gpu: &mut dyn Backend) {
     );
 }
 
-/// The `wgmma` attention backward (PARC_ATTENTION_BWD_KERNEL=wgmma; Hopper only): the test sets
-/// the variant on its own backend, whatever the environment says, and runs attention_bf16's and
-/// attention_bf16_storage's cases against the CPU under the same tolerances (head dim 128 runs
-/// the mma.sync kernel under either variant). First the exact layout self-test, so a wgmma
-/// layout mistake is named before the attention cases fail.
+/// The `wgmma` attention backward (Hopper's default; the test sets it on its own backend,
+/// whatever PARC_ATTENTION_BWD_KERNEL says): first the exact layout self-test, so a wgmma layout
+/// mistake is named before the attention cases fail, then attention_bf16's and
+/// attention_bf16_storage's cases and a GPT-2-length sequence against the CPU under the same
+/// tolerances (head dim 128 runs the mma.sync backward under either variant).
 #[cfg(feature = "cuda")]
 #[test]
 fn attention_bf16_wgmma_bwd() {
@@ -541,25 +541,6 @@ fn wgmma_layouts(gpu: &mut parc_runtime::cuda::CudaBackend, r: &mut Rng) {
     );
 }
 
-/// A bf16 CUDA backend that runs the `wgmma` attention forward (variant set on the backend, so
-/// PARC_ATTENTION_FWD_KERNEL does not matter), or None, printed as skipped, without a Hopper GPU.
-#[cfg(feature = "cuda")]
-fn wgmma_gpu() -> Option<parc_runtime::cuda::CudaBackend> {
-    let mut gpu = match parc_runtime::cuda::CudaBackend::with_precision(0, Precision::Bf16) {
-        Ok(b) => b,
-        Err(e) => {
-            println!("skipped: no CUDA device ({e})");
-            return None;
-        }
-    };
-    if !gpu.is_hopper().unwrap() {
-        println!("skipped: the wgmma attention forward needs a Hopper GPU");
-        return None;
-    }
-    gpu.set_kernel_variant("attention_fwd", "wgmma").unwrap();
-    Some(gpu)
-}
-
 /// The wgmma forward's building blocks on their own, exactly (small integers): the swizzled
 /// shared-memory tiles, both descriptor kinds (K-major Q and K, MN-major V), the accumulator
 /// and A-register fragment layouts, for head_dim 64 and 128. A failure names the product.
@@ -569,7 +550,9 @@ fn attention_wgmma_layouts() {
     println!("skipped: no CUDA device (this build has no `cuda` feature)");
     #[cfg(feature = "cuda")]
     {
-        let Some(mut gpu) = wgmma_gpu() else {
+        let Some(mut gpu) =
+            crate::harness::hopper_variant(Precision::Bf16, "attention_fwd", "wgmma")
+        else {
             return;
         };
         let mut wrong = Vec::new();
@@ -589,17 +572,19 @@ fn attention_wgmma_layouts() {
     }
 }
 
-/// The `wgmma` forward against the CPU on the tensor-core shapes and more: 3-warpgroup d128
-/// CTAs with warpgroups wholly past seq_q, GQA, CP segments, kv ahead of q, unsorted
-/// positions, a partial key tile, and a GPT-2-length causal sequence. Forward tolerance of
-/// `BF16_ATTENTION`; the backward is the default kernel's and is not run here.
+/// The `wgmma` forward (Hopper's default) against the CPU on the tensor-core shapes and more:
+/// 3-warpgroup d128 CTAs with warpgroups wholly past seq_q, GQA, CP segments, kv ahead of q,
+/// unsorted positions, a partial key tile, and a GPT-2-length causal sequence. Forward
+/// tolerance of `BF16_ATTENTION`; the backward runs in `attention_bf16` and its siblings.
 #[test]
 fn attention_bf16_wgmma() {
     #[cfg(not(feature = "cuda"))]
     println!("skipped: no CUDA device (this build has no `cuda` feature)");
     #[cfg(feature = "cuda")]
     {
-        let Some(mut gpu) = wgmma_gpu() else {
+        let Some(mut gpu) =
+            crate::harness::hopper_variant(Precision::Bf16, "attention_fwd", "wgmma")
+        else {
             return;
         };
         let mut r = Rng::new("attention_bf16_wgmma");
@@ -635,17 +620,40 @@ fn attention_bf16_wgmma() {
     }
 }
 
-/// `attention_bf16_storage` with the `wgmma` forward: bf16 buffers read in place, O written
-/// bf16, and (mixed case) q copied from f32, O written f32.
+/// The `fa2` (mma.sync) kernels both ways, which every GPU but a Hopper runs by default: on a
+/// Hopper they run only where a test asks for them, so this one does, on attention_bf16's and
+/// attention_bf16_storage's cases and a GPT-2-length sequence.
 #[test]
-fn attention_bf16_storage_wgmma() {
+fn attention_bf16_mma_sync() {
     #[cfg(not(feature = "cuda"))]
     println!("skipped: no CUDA device (this build has no `cuda` feature)");
     #[cfg(feature = "cuda")]
     {
-        let Some(mut gpu) = wgmma_gpu() else {
-            return;
+        let mut gpu = match parc_runtime::cuda::CudaBackend::with_precision(0, Precision::Bf16) {
+            Ok(b) => b,
+            Err(e) => {
+                println!("skipped: no CUDA device ({e})");
+                return;
+            }
         };
-        check_storage("attention_bf16_storage_wgmma", &mut gpu);
+        gpu.set_kernel_variant("attention_fwd", "fa2").unwrap();
+        gpu.set_kernel_variant("attention_bwd", "fa2").unwrap();
+        let mut r = Rng::new("attention_bf16_mma_sync");
+        let mut configs = tc_configs();
+        configs.push(AttConfig::new(
+            1,
+            4,
+            2,
+            64,
+            true,
+            &[(0, 1024)],
+            &[(0, 1024)],
+        ));
+        let cases: Vec<Case> = configs
+            .iter()
+            .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
+            .collect();
+        crate::harness::check_with("attention_bf16_mma_sync", &cases, &mut gpu);
+        check_storage("attention_bf16_storage_mma_sync", &mut gpu);
     }
 }

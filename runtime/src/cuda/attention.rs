@@ -2,13 +2,13 @@
 //! buffers, uploads the q/kv global positions, lays out the op's scratch memory (the same
 //! layout `storage::program_needs` reserves, via [`scratch_bytes`]), and launches one of two
 //! kernel families:
-//! - bf16 runs with head_dim 64 or 128 and a positive scale: flash-attention-2 on tensor cores
-//!   (`kernels/attention_tc.cu`: bf16 `mma.sync` operands, fp32 accumulation and softmax). They
-//!   read bf16 q, k, v, dO buffers in place and bf16 copies of f32 ones, write O, dK, dV in
-//!   their buffers' type, and accumulate dQ in f32 (in a scratch accumulator rounded once into
-//!   a bf16 dQ). The forward has a second implementation for Hopper GPUs, variant `wgmma` of
-//!   op `attention_fwd` (`PARC_ATTENTION_FWD_KERNEL`, default `fa2`): warpgroup MMA
-//!   (`kernels/attention_wgmma_fwd.cu`), same inputs, outputs and semantics;
+//! - bf16 runs with head_dim 64 or 128 and a positive scale: flash attention on tensor cores,
+//!   bf16 operands, fp32 accumulation and softmax. On a Hopper GPU with warpgroup MMA
+//!   (`kernels/attention_wgmma_fwd.cu`, and for head_dim 64 `kernels/attention_wgmma_bwd.cu`);
+//!   elsewhere, and under `PARC_ATTENTION_{FWD,BWD}_KERNEL=fa2`, FA2's `mma.sync` kernels
+//!   (`kernels/attention_tc.cu`). All read bf16 q, k, v, dO buffers in place and bf16 copies
+//!   of f32 ones, write O, dK, dV in their buffers' type, and accumulate dQ in f32 (in a
+//!   scratch accumulator rounded once into a bf16 dQ), with the same semantics;
 //! - everything else (fp32 and fp16 runs, other head dims): the exact fp32 kernels of
 //!   `kernels/attention.cu`, which read and write f32 or bf16 buffers (bf16 widened on load,
 //!   rounded once on store).
@@ -275,12 +275,12 @@ const WGMMA_BWD_HEAD_DIM: usize = 64;
 const WGMMA_BWD_SMEM: u32 = (3 * TC_BC * 64 * 2 + 2 * (2 * 64 * 64 * 2 + 3 * 64 * 4)) as u32;
 
 /// Fails unless the GPU is a Hopper (compute capability 9.0), the only one whose program holds
-/// the compute_90a kernels (`what` names the variant that needs them).
+/// the compute_90a kernels (`what` names the test kernel that needs them; the attention ops
+/// themselves run the mma.sync kernels elsewhere).
 fn require_hopper(be: &CudaBackend, what: &str) -> Result<()> {
-    if !be.is_hopper()? {
+    if !be.is_hopper() {
         return Err(crate::error::RuntimeError::Unsupported(format!(
-            "{what} needs a Hopper GPU (compute capability 9.0; this one is {}): unset the \
-             variant's PARC_*_KERNEL or choose its default",
+            "{what} needs a Hopper GPU (compute capability 9.0; this one is {})",
             be.device_name()?
         )));
     }
@@ -543,8 +543,8 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
                 Arg::Ptr(kvpos),
                 Arg::Geom(g),
             ];
-            if be.variants.is("attention_fwd", "wgmma") {
-                require_hopper(be, "attention_fwd=wgmma")?;
+            // The warpgroup-MMA forward where the GPU has it (a Hopper), else mma.sync.
+            if be.variants.is("attention_fwd", "wgmma") && be.is_hopper() {
                 let (name, warpgroups, smem) = tc.wgmma_fwd();
                 let rows = 64 * warpgroups;
                 let grid = (
@@ -676,8 +676,8 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
             Arg::Ptr(kvpos),
             Arg::Geom(g),
         ];
-        if tc.head_dim == WGMMA_BWD_HEAD_DIM && be.variants.is("attention_bwd", "wgmma") {
-            require_hopper(be, "attention_bwd=wgmma")?;
+        let wgmma = be.variants.is("attention_bwd", "wgmma") && be.is_hopper();
+        if tc.head_dim == WGMMA_BWD_HEAD_DIM && wgmma {
             launch_tc(
                 be,
                 "attention_bwd_wgmma_d64",

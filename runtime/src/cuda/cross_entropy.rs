@@ -5,9 +5,9 @@
 //! one-block kernel adds the scaled row losses into the loss in a fixed order, so the loss is
 //! the same every run. Logits are f32 or bf16; the loss is f32.
 //!
-//! Two kernels (variant `cross_entropy`, `PARC_CROSS_ENTROPY_KERNEL`): `rows` (the default), a
-//! block per row that reads the row from global memory twice (the second time hoping for L2);
-//! `staged`, persistent CTAs (one per SM) that copy each row into shared memory with cp.async,
+//! Two kernels (variant `cross_entropy`, `PARC_CROSS_ENTROPY_KERNEL`): `rows`, a block per row
+//! that reads the row from global memory twice (the second time hoping for L2); `staged`, the
+//! default (measured on one H200 at 3.08 ms against 3.71 for GPT-2 124M's logits), persistent CTAs (one per SM) that copy each row into shared memory with cp.async,
 //! the next row's copy in flight while they work on this one, so each logit crosses HBM once
 //! each way. `staged` needs the logits on a 16-byte boundary and a row (plus 16 bytes) within
 //! a block's shared memory — GPT-2's 50,257 columns take two buffers in bf16 (2 × 98 KB) and

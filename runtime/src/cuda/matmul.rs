@@ -9,8 +9,7 @@
 //! accumulated onto it. Bias gradient in a 16-bit run: cuBLASLt's BGRADB epilogue on the
 //! backward-weight GEMM writes the column sums of dy into a scratch vector, then a k = 1 fp32
 //! GEMM adds that into db (`db = t·1 + db`, exact as an add: db is +=); where the epilogue is
-//! not offered, in fp32 runs and under the `colsum` variant (`PARC_BIAS_GRAD_KERNEL`), a
-//! column-sum kernel (`dispatch::col_sum_into`).
+//! not offered, and in fp32 runs, a column-sum kernel (`dispatch::col_sum_into`).
 //!
 //! Fused residual: a forward with `residual` reads r as the GEMM's C (beta = 1, D = y, or with
 //! a fused activation D = a) where r has D's type; otherwise the GEMM writes y and the
@@ -238,7 +237,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
             }
             let db = b.f32_out(1)?;
             b.expect(db, "db", m_out)?;
-            if be.operands != Operands::F32 && be.variants.is("bias_grad", "epilogue") {
+            if be.operands != Operands::F32 {
                 // The epilogue writes the column sums: into db itself for a first
                 // contribution, else into `t`, added into db by a k = 1 GEMM.
                 let (one, t) = be.gemm_vectors(m_out)?;

@@ -172,6 +172,9 @@ pub struct CudaBackend {
     time_marks: Vec<cudarc::driver::CudaEvent>,
     /// Which implementation runs each op that has kernel variants (`variants`).
     variants: variants::KernelVariants,
+    /// Whether the GPU is a Hopper (compute capability 9.0), which alone runs the kernels
+    /// compiled for compute_90a's features (`wgmma`).
+    hopper: bool,
     /// The device's SM count and shared memory (launch shapes of persistent kernels).
     limits: device::DeviceLimits,
     /// Kept alive for cuBLASLt.
@@ -212,6 +215,10 @@ impl CudaBackend {
         let (ctx, stream) = device::open(ordinal)?;
         let limits = device::limits(&ctx)?;
         let kernels = Kernels::load(&ctx)?;
+        let hopper = ctx
+            .compute_capability()
+            .map_err(|e| driver_error("reading the compute capability", e))?
+            == (9, 0);
         let workspace = stream
             .alloc_zeros::<u8>(WORKSPACE_BYTES)
             .map_err(|e| driver_error("allocating the cuBLASLt workspace", e))?;
@@ -234,6 +241,7 @@ impl CudaBackend {
             sum_squares: sum_squares::FusedSumSquares::default(),
             time_marks: Vec::new(),
             variants,
+            hopper,
             limits,
             _workspace: workspace,
             nccl: None,
@@ -262,13 +270,9 @@ impl CudaBackend {
     }
 
     /// Whether the GPU is a Hopper (compute capability 9.0: the program holds its compute_90a
-    /// kernels, e.g. the `wgmma` attention backward).
-    pub fn is_hopper(&self) -> Result<bool> {
-        let cc = self
-            .ctx
-            .compute_capability()
-            .map_err(|e| driver_error("reading the compute capability", e))?;
-        Ok(cc == (9, 0))
+    /// kernels, e.g. the `wgmma` attention), read once when the backend was made.
+    pub fn is_hopper(&self) -> bool {
+        self.hopper
     }
 
     /// The device's name, e.g. for the `--backend auto` message.

@@ -1,4 +1,5 @@
-//! The norm ops' kernel variants (`variants.rs`): `norm_fwd` = `multirow` (PARC_NORM_FWD_KERNEL)
+//! The norm ops' default kernels (`variants.rs`; `warp`, in dispatch.rs, is their fallback):
+//! `norm_fwd` = `multirow` (PARC_NORM_FWD_KERNEL)
 //! normalises two rows per warp, holding them as stored, so more bytes are in flight than with
 //! one row per warp; `norm_bwd` = `fused` (PARC_NORM_BWD_KERNEL) computes dx and the dw (and
 //! db) column partials in one pass over dy and x, where the `warp` path reads them twice more

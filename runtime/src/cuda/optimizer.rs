@@ -13,17 +13,15 @@
 //! usual. The
 //! kernels share their per-element code with the per-tensor ones, so the results are
 //! bit-identical, including the skipped update of an fp16 step whose coefficient is not
-//! finite. The `optimizer` kernel variant `persistent` (`PARC_OPTIMIZER_KERNEL`) runs an AdamW
-//! run as `adamw_multi_persistent` over the same table: a grid of two blocks per SM striding
-//! over the chunks, four float4s of each operand in flight per thread. Without a memory plan,
-//! or with `with_fused_optimizer(false)`, every instruction takes the per-tensor path.
+//! finite. Without a memory plan, or with `with_fused_optimizer(false)`, every instruction
+//! takes the per-tensor path.
 use super::device::driver_error;
 use super::{raw_ptr, Arg, CudaBackend};
 use crate::backend::StepScalars;
 use crate::error::{Result, RuntimeError};
 use crate::optimizer_runs::{find_runs, OptimizerRun, RunKind};
 use cudarc::driver::result as cu;
-use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr};
+use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::CudaSlice;
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::{BufferId, Program};
@@ -37,8 +35,6 @@ const THREADS: u32 = 256;
 const TENSOR_BYTES: usize = 56;
 /// Bytes of one `OptChunk`: tensor index and first element, both i64.
 const CHUNK_BYTES: usize = 16;
-/// Blocks per SM of `adamw_multi_persistent` (what its `__launch_bounds__` guarantee fit).
-const PERSISTENT_BLOCKS_PER_SM: u32 = 2;
 
 /// Adam's bias corrections `1 - β₁ᵗ`, `1 - β₂ᵗ` for the 1-based step `t`, as the kernels take
 /// them (one definition for the per-tensor and the fused launch).
@@ -130,9 +126,6 @@ pub(super) struct FusedOptimizer {
     /// A run's first member's param buffer → the run.
     by_first: HashMap<BufferId, usize>,
     cursor: Option<Cursor>,
-    /// The grid of `adamw_multi_persistent` (the `optimizer` variant `persistent`): blocks
-    /// that fit on the GPU at once (0 before `prepare`).
-    persistent_grid: u32,
 }
 
 impl Default for FusedOptimizer {
@@ -142,7 +135,6 @@ impl Default for FusedOptimizer {
             runs: Vec::new(),
             by_first: HashMap::new(),
             cursor: None,
-            persistent_grid: 0,
         }
     }
 }
@@ -211,10 +203,6 @@ impl CudaBackend {
         if !enabled {
             return Ok(());
         }
-        let sms = (self.ctx)
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| driver_error("reading the device's multiprocessor count", e))?;
-        self.fused.persistent_grid = (sms.max(1) as u32) * PERSISTENT_BLOCKS_PER_SM;
         for run in find_runs(program) {
             let pointer = |id: BufferId| self.planned.pointer(id.0 as usize).map(|(p, _)| p);
             let entries: Option<Vec<TableTensor>> = run
@@ -359,23 +347,6 @@ impl CudaBackend {
         match run.run.kind {
             RunKind::AdamW { beta1, beta2, eps } => {
                 let (bias1, bias2) = adam_bias_corrections(beta1, beta2, scalars.step);
-                if self.variants.is("optimizer", "persistent") {
-                    let args = [
-                        Arg::Ptr(tensors),
-                        Arg::Ptr(chunks),
-                        Arg::I64(i64::from(blocks)),
-                        chunk_len,
-                        Arg::F32(beta1 as f32),
-                        Arg::F32(beta2 as f32),
-                        Arg::F32(eps as f32),
-                        Arg::F32(lr),
-                        Arg::F32(bias1),
-                        Arg::F32(bias2),
-                    ];
-                    let grid = blocks.min(self.fused.persistent_grid);
-                    let name = "adamw_multi_persistent";
-                    return self.launch(name, (grid, 1, 1), (THREADS, 1, 1), 0, &args);
-                }
                 let args = [
                     Arg::Ptr(tensors),
                     Arg::Ptr(chunks),

@@ -13,65 +13,47 @@ struct Choice {
     names: &'static [&'static str],
 }
 
-/// Every op that has more than one implementation now.
+/// Every op that has more than one implementation now. The measured kernel is first (the
+/// default); a name after it is a kernel the default falls back to where its own conditions do
+/// not hold, kept selectable so the device tests can run it on a GPU where the default would
+/// not fall back (e.g. the mma.sync attention on a Hopper, which other GPUs run).
 const CHOICES: &[Choice] = &[
-    // A 16-bit run's bias gradient: cuBLASLt's BGRADB epilogue on the backward-weight GEMM
-    // (plus a k = 1 GEMM where db accumulates), or the GEMM alone and the column-sum kernels
-    // over dy (`dispatch::col_sum_into`, what fp32 runs use).
-    Choice {
-        op: "bias_grad",
-        env: "PARC_BIAS_GRAD_KERNEL",
-        names: &["epilogue", "colsum"],
-    },
-    // bf16 attention forward, head_dim 64 / 128: attention_tc.cu's mma.sync kernel, or the
-    // Hopper warpgroup-MMA one (attention_wgmma_fwd.cu; Hopper GPUs only).
+    // bf16 attention forward, head_dim 64 / 128: the Hopper warpgroup-MMA kernel
+    // (attention_wgmma_fwd.cu; other GPUs run `fa2`), or attention_tc.cu's mma.sync kernel.
     Choice {
         op: "attention_fwd",
         env: "PARC_ATTENTION_FWD_KERNEL",
-        names: &["fa2", "wgmma"],
+        names: &["wgmma", "fa2"],
     },
-    // The fused AdamW launch (cuda/optimizer.rs): one block per chunk (`adamw_multi`), or a
-    // grid sized to the GPU striding over the chunks with 4 float4s per operand in flight per
-    // thread (`adamw_multi_persistent`). SGD runs `sgd_multi` under both.
-    Choice {
-        op: "optimizer",
-        env: "PARC_OPTIMIZER_KERNEL",
-        names: &["chunked", "persistent"],
-    },
-    // The fused SumSquares run (cuda/sum_squares.rs): two launches (`sum_squares_partial_multi`,
-    // then one block of `sum_partials_into_multi`), or one (`sum_squares_one_pass`: grouped
-    // virtual blocks, the last block of each tensor and of the run finishing the sums).
-    Choice {
-        op: "sum_squares",
-        env: "PARC_SUM_SQUARES_KERNEL",
-        names: &["two_pass", "one_pass"],
-    },
-    // The attention backward (bf16 runs, head_dim 64): attention_tc.cu's mma.sync kernel, or
-    // attention_wgmma_bwd.cu's warpgroup-MMA one (Hopper only).
+    // The bf16 attention backward: attention_wgmma_bwd.cu's warpgroup-MMA kernel (Hopper,
+    // head_dim 64; otherwise `fa2`), or attention_tc.cu's mma.sync kernel.
     Choice {
         op: "attention_bwd",
         env: "PARC_ATTENTION_BWD_KERNEL",
-        names: &["fa2", "wgmma"],
+        names: &["wgmma", "fa2"],
     },
-    // `rows`: a block per row, two passes over the row in global memory; `staged`: persistent
-    // CTAs that stage each row in shared memory (cross_entropy.rs).
+    // The fused cross-entropy: persistent CTAs that stage each row in shared memory (`staged`;
+    // `rows` where a row does not fit or the logits are unaligned), or a block per row with
+    // two passes over it in global memory (`rows`).
     Choice {
         op: "cross_entropy",
         env: "PARC_CROSS_ENTROPY_KERNEL",
-        names: &["rows", "staged"],
+        names: &["staged", "rows"],
     },
-    // LayerNorm/RMSNorm forwards: one row per warp, or two (`norm_variants`).
+    // LayerNorm/RMSNorm forwards: two rows per warp (`multirow`; `warp` for rows wider than
+    // 1024, not a multiple of 8, or unaligned), or one row per warp (`norm_variants`).
     Choice {
         op: "norm_fwd",
         env: "PARC_NORM_FWD_KERNEL",
-        names: &["warp", "multirow"],
+        names: &["multirow", "warp"],
     },
-    // LayerNorm/RMSNorm backwards: dx, then the dw/db column partials in two more passes, or
-    // all in one pass (`norm_variants`).
+    // LayerNorm/RMSNorm backwards: dx and the dw/db column partials in one pass over dy and x
+    // (`fused`; `warp` where the forward's conditions or one dtype for dy, x, dx do not hold),
+    // or dx, then the partials in two more passes (`warp`).
     Choice {
         op: "norm_bwd",
         env: "PARC_NORM_BWD_KERNEL",
-        names: &["warp", "fused"],
+        names: &["fused", "warp"],
     },
 ];
 

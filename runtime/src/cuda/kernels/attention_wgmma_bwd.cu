@@ -1,6 +1,6 @@
 // Flash-attention backward on Hopper's warpgroup MMA (`wgmma`, compute_90a only: everything
-// here sits under __CUDA_ARCH_FEAT_SM90_ALL and the host refuses the variant on other GPUs),
-// for bf16 runs with head_dim 64: variant `wgmma` of op attention_bwd. Same contract as
+// here sits under __CUDA_ARCH_FEAT_SM90_ALL and the host runs `fa2` on other GPUs), for bf16
+// runs with head_dim 64: variant `wgmma` of op attention_bwd, the default on a Hopper. Same contract as
 // attention_tc.cu's tc_attention_bwd (whose helpers it uses: tc_cp16, tc_count, tc_red2, …):
 // after attention_delta_tc, a CTA takes WB_BC keys of one (batch, kv head), loops over the GQA
 // group's query heads and their query tiles of WB_BR rows (two cp.async stages), keeps dK / dV

@@ -1,6 +1,6 @@
-// Flash-attention forward on Hopper's warpgroup MMA (`wgmma`, sm_90a), the `wgmma` variant of
-// op attention_fwd (PARC_ATTENTION_FWD_KERNEL; attention_tc.cu's mma.sync kernel is `fa2`, the
-// default). Same semantics as tc_attention_fwd: bf16 q, k, v in the stored layout [seq, batch,
+// Flash-attention forward on Hopper's warpgroup MMA (`wgmma`, sm_90a): variant `wgmma` of op
+// attention_fwd, the default on a Hopper (PARC_ATTENTION_FWD_KERNEL; attention_tc.cu's
+// mma.sync kernel, `fa2`, is what other GPUs run). Same semantics as tc_attention_fwd: bf16 q, k, v in the stored layout [seq, batch,
 // heads, head_dim], GQA, visibility by global position (ascending positions skip invisible
 // tiles and mask only diagonal ones; otherwise every tile is masked), zero-filled rows past
 // seq, fully masked rows o = 0 and lse = −inf, O f32 or bf16 (AttGeom::bf16), lse f32 in

@@ -280,59 +280,14 @@ struct SsqTensor {
     long long blocks;
 };
 
-// Block b of the run's partials: block b - first of its tensor (block_tensor[b]), exactly as
-// sum_squares_partial's block of a launch of `blocks` blocks over that tensor alone.
-extern "C" __global__ void sum_squares_partial_multi(const SsqTensor* tensors, const int* block_tensor, double* part) {
-    SsqTensor t = tensors[block_tensor[blockIdx.x]];
-    double s = sum_squares_block(t.x, t.n, (long long)blockIdx.x - t.first, t.blocks);
-    if (threadIdx.x == 0) part[blockIdx.x] = s;
-}
-
-// Adds each of `count` tensors' partials into its output in tensor order, with the result
-// sum_partials_into (256 threads) gives per tensor. One block of 256 threads: warp w reduces
-// tensors w, w + 8, ..., each lane playing the 8 threads lane + 32k of sum_partials_into (the
-// same per-thread sums, the same shuffle trees: warp sums, then the 8 warp totals), into
-// sums[]; thread 0 then adds them into the outputs in order (an output shared by consecutive
-// tensors is kept in a register between them).
-extern "C" __global__ void sum_partials_into_multi(const SsqTensor* tensors, const double* part, double* sums, long long count) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (long long k = warp; k < count; k += 8) {
-        long long first = tensors[k].first, n = tensors[k].blocks;
-        double mine = 0.0;
-#pragma unroll
-        for (int w = 0; w < 8; w++) {
-            double s = 0.0;
-            for (long long i = lane + 32 * w; i < n; i += 256) s += part[first + i];
-            s = warp_sum_d(s);
-            if (lane == w) mine = s;
-        }
-        mine = warp_sum_d(lane < 8 ? mine : 0.0);
-        if (lane == 0) sums[k] = mine;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float* out = nullptr;
-        float value = 0.0f;
-        for (long long k = 0; k < count; k++) {
-            float* o = tensors[k].out;
-            if (o != out) {
-                if (out != nullptr) out[0] = value;
-                out = o;
-                value = out[0];
-            }
-            value = (float)((double)value + sums[k]);
-        }
-        if (out != nullptr) out[0] = value;
-    }
-}
-
-// Most virtual blocks (sum_squares_partial_multi's blocks) one block of sum_squares_one_pass
-// takes, and the elements per thread of a virtual block the host keeps one real block to
+// Most virtual blocks (the blocks a per-tensor sum_squares_partial launch over its tensor would
+// have) one block of sum_squares_one_pass takes, and the elements per thread of a virtual block the host keeps one real block to
 // (runtime/src/cuda/sum_squares.rs `GROUP_ELEMENTS`).
 #define SSQ_GROUP 8
 
-// The whole run's sums of squares in one launch, bit for bit those of sum_squares_partial_multi
-// then sum_partials_into_multi. Block b (256 threads) takes the groups[b] = (first, count)
+// The whole run's sums of squares in one launch, bit for bit those of each tensor's
+// sum_squares_partial then sum_partials_into launches, added into the outputs in tensor order
+// (an output shared by consecutive tensors rounded to f32 after each add). Block b (256 threads) takes the groups[b] = (first, count)
 // virtual blocks first .. first + count - 1 of one tensor: thread t keeps one accumulator per
 // virtual block and adds the same elements in the same order as thread t of that block does,
 // with up to SSQ_GROUP loads in flight where the virtual block had one (a group of one virtual
@@ -429,7 +384,7 @@ extern "C" __global__ void __launch_bounds__(256) sum_squares_one_pass(const Ssq
     __syncthreads();
     if (!last) return;
     __threadfence();
-    // sum_partials_into_multi's in-order adds, each round's sums and outputs staged in shared
+    // The in-order adds into the outputs, each round's sums and outputs staged in shared
     // memory so thread 0's serial chain does not wait on global loads.
     float* out = nullptr;
     float value = 0.0f;

@@ -1,5 +1,5 @@
 // The fused cross-entropy of an unsplit vocabulary (`Op::CrossEntropy`), in place. Variant `rows`
-// (the default; `staged` is further down), one block per row: the first pass reads the row once
+// (what the default, `staged` further down, falls back to), one block per row: the first pass reads the row once
 // for its max and sum of exponentials (online: each thread keeps a running max and a sum
 // rescaled whenever the max grows; the block then merges the pairs) and thread 0 reads the
 // target logit; thread 0 writes the row's loss ln(sumexp) + max - target_logit (f64) to

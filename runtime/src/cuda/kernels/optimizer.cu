@@ -93,29 +93,6 @@ __device__ __forceinline__ void adamw_update4(float4 g, float4& p, float4& m, fl
     adamw_update(g.w, p.w, m.w, v.w, cf, beta1, beta2, eps, wd, lr, bias1, bias2);
 }
 
-// A chunk's elements [start, end) of tensor t one at a time, OPT_UNROLL in flight per thread (the
-// path of unaligned operands, shared by both multi-tensor AdamW kernels).
-__device__ __forceinline__ void adamw_chunk_scalar(const OptTensor& t, long long start, long long end, float cf, float beta1, float beta2, float eps, float lr, float bias1, float bias2) {
-    for (long long base = start + threadIdx.x; base < end; base += OPT_UNROLL * blockDim.x) {
-        float g[OPT_UNROLL], p[OPT_UNROLL], m[OPT_UNROLL], v[OPT_UNROLL];
-#pragma unroll
-        for (int u = 0; u < OPT_UNROLL; u++) {
-            long long i = base + u * (long long)blockDim.x;
-            if (i < end) { g[u] = t.g[i]; p[u] = t.param[i]; m[u] = t.state0[i]; v[u] = t.state1[i]; }
-        }
-#pragma unroll
-        for (int u = 0; u < OPT_UNROLL; u++) {
-            long long i = base + u * (long long)blockDim.x;
-            if (i < end) {
-                adamw_update(g[u], p[u], m[u], v[u], cf, beta1, beta2, eps, t.wd, lr, bias1, bias2);
-                t.state0[i] = m[u];
-                t.state1[i] = v[u];
-                t.param[i] = p[u];
-            }
-        }
-    }
-}
-
 // Where g, param, m and v are 16-byte aligned (planned buffers are; chunk starts are multiples
 // of chunk_len, a multiple of 8), a chunk moves in float4s, two per thread per round (all
 // loads before any store), its last n % 4 elements one at a time; else one element at a time.
@@ -145,61 +122,23 @@ extern "C" __global__ void adamw_multi(const OptTensor* tensors, const OptChunk*
             adamw_element(t.g, t.param, t.state0, t.state1, i, cf, beta1, beta2, eps, t.wd, lr, bias1, bias2);
         return;
     }
-    adamw_chunk_scalar(t, c.start, end, cf, beta1, beta2, eps, lr, bias1, bias2);
-}
-
-// float4 groups of each operand one thread of adamw_multi_persistent holds in flight, and its
-// block size (the host launches 256: optimizer.rs `THREADS`; a constant, so the OPT_WIDE
-// addresses of an operand are one register plus immediate offsets).
-#define OPT_WIDE 4
-#define OPT_THREADS 256
-
-// adamw_multi's update as a grid sized to the GPU (the host launches 2 blocks per SM, what
-// __launch_bounds__ guarantees fit): block b takes chunks b, b + gridDim.x, ..., so no block
-// launch or table lookup waits between chunks on an SM, and each thread keeps OPT_WIDE float4s
-// of g, param, m and v (256 bytes) in flight per round instead of two of each. The loads and
-// stores are global-space streaming ones (every operand is read and written once). The same
-// per-element code as adamw_multi: bit-identical results.
-extern "C" __global__ void __launch_bounds__(OPT_THREADS, 2) adamw_multi_persistent(const OptTensor* tensors, const OptChunk* chunks, long long chunk_count, long long chunk_len, float beta1, float beta2, float eps, float lr, float bias1, float bias2) {
-    for (long long ci = blockIdx.x; ci < chunk_count; ci += gridDim.x) {
-        OptChunk c = chunks[ci];
-        OptTensor t = tensors[c.tensor];
-        float cf = t.coef[0];
-        if (not_finite(cf)) continue;
-        long long end = c.start + chunk_len < t.n ? c.start + chunk_len : t.n;
-        if (c.start % 4 != 0 || !opt_vec_ok(t.g, t.param, t.state0, t.state1)) {
-            // Unaligned operands (not planned buffers): one element at a time, a cold path
-            // kept small so the vector path keeps its registers.
-            for (long long i = c.start + threadIdx.x; i < end; i += OPT_THREADS)
-                adamw_element(t.g, t.param, t.state0, t.state1, i, cf, beta1, beta2, eps, t.wd, lr, bias1, bias2);
-            continue;
+    for (long long base = c.start + threadIdx.x; base < end; base += OPT_UNROLL * blockDim.x) {
+        float g[OPT_UNROLL], p[OPT_UNROLL], m[OPT_UNROLL], v[OPT_UNROLL];
+#pragma unroll
+        for (int u = 0; u < OPT_UNROLL; u++) {
+            long long i = base + u * (long long)blockDim.x;
+            if (i < end) { g[u] = t.g[i]; p[u] = t.param[i]; m[u] = t.state0[i]; v[u] = t.state1[i]; }
         }
-        long long q0 = c.start / 4, q1 = end / 4;
-        for (long long base = q0 + threadIdx.x; base < q1; base += OPT_WIDE * OPT_THREADS) {
-            const float4* g4 = (const float4*)t.g + base;
-            float4 *p4 = (float4*)t.param + base, *m4 = (float4*)t.state0 + base, *v4 = (float4*)t.state1 + base;
-            float4 g[OPT_WIDE], p[OPT_WIDE], m[OPT_WIDE], v[OPT_WIDE];
 #pragma unroll
-            for (int u = 0; u < OPT_WIDE; u++) {
-                if (base + u * OPT_THREADS < q1) {
-                    g[u] = __ldcs(g4 + u * OPT_THREADS);
-                    p[u] = __ldcs(p4 + u * OPT_THREADS);
-                    m[u] = __ldcs(m4 + u * OPT_THREADS);
-                    v[u] = __ldcs(v4 + u * OPT_THREADS);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < OPT_WIDE; u++) {
-                if (base + u * OPT_THREADS < q1) {
-                    adamw_update4(g[u], p[u], m[u], v[u], cf, beta1, beta2, eps, t.wd, lr, bias1, bias2);
-                    __stcs(m4 + u * OPT_THREADS, m[u]);
-                    __stcs(v4 + u * OPT_THREADS, v[u]);
-                    __stcs(p4 + u * OPT_THREADS, p[u]);
-                }
+        for (int u = 0; u < OPT_UNROLL; u++) {
+            long long i = base + u * (long long)blockDim.x;
+            if (i < end) {
+                adamw_update(g[u], p[u], m[u], v[u], cf, beta1, beta2, eps, t.wd, lr, bias1, bias2);
+                t.state0[i] = m[u];
+                t.state1[i] = v[u];
+                t.param[i] = p[u];
             }
         }
-        for (long long i = 4 * q1 + threadIdx.x; i < end; i += OPT_THREADS)
-            adamw_element(t.g, t.param, t.state0, t.state1, i, cf, beta1, beta2, eps, t.wd, lr, bias1, bias2);
     }
 }
 
