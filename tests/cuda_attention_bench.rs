@@ -143,12 +143,16 @@ mod bench {
     }
 
     /// The (forward, backward) attention variants a point is timed with: the defaults, and on
-    /// a Hopper GPU in a bf16 run the wgmma kernels (the backward's for head_dim 64 only; each
-    /// pair times both directions, so one pair per new kernel measures each).
+    /// a Hopper GPU in a bf16 run the wgmma kernels (the backward's, and its pipelined wgmma2,
+    /// for head_dim 64 only; each pair times both directions, so one pair per new kernel
+    /// measures each).
     fn variant_pairs(be: &CudaBackend, pt: &Point) -> Vec<(&'static str, &'static str)> {
         let mut pairs = vec![("fa2", "fa2")];
         if matches!(pt.precision, Precision::Bf16) && be.is_hopper().unwrap() {
             pairs.push(("wgmma", if pt.head_dim == 64 { "wgmma" } else { "fa2" }));
+            if pt.head_dim == 64 {
+                pairs.push(("wgmma", "wgmma2"));
+            }
         }
         pairs
     }

@@ -47,11 +47,12 @@ const CHOICES: &[Choice] = &[
         names: &["two_pass", "one_pass"],
     },
     // The attention backward (bf16 runs, head_dim 64): attention_tc.cu's mma.sync kernel, or
-    // attention_wgmma_bwd.cu's warpgroup-MMA one (Hopper only).
+    // attention_wgmma_bwd.cu's warpgroup-MMA one (Hopper only), or its software-pipelined
+    // `wgmma2` (dQ's multiply and atomics overlapping the next query tile's products).
     Choice {
         op: "attention_bwd",
         env: "PARC_ATTENTION_BWD_KERNEL",
-        names: &["fa2", "wgmma"],
+        names: &["fa2", "wgmma", "wgmma2"],
     },
     // `rows`: a block per row, two passes over the row in global memory; `staged`: persistent
     // CTAs that stage each row in shared memory (cross_entropy.rs).
