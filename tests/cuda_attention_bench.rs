@@ -8,8 +8,8 @@
 //!
 //! Each bf16 point runs with the default kernels (`fa2` both ways, labelled as before) and, on a
 //! Hopper GPU, with the `wgmma` forward and (head_dim 64) the `wgmma` backward (labelled
-//! `…-wgmma-wgmmabwd`): each run times both directions, so one run per new kernel measures
-//! each. The bench sets the variants on the backend, whatever PARC_ATTENTION_*_KERNEL say.
+//! `…-wgmma-wgmmabwd`) and its pipelined `wgmma2` (`…-wgmma-wgmma2bwd`): each run times both
+//! directions, so one run per new kernel measures each. The bench sets the variants on the backend, whatever PARC_ATTENTION_*_KERNEL say.
 //!
 //! Ignored by default (it needs a GPU): on the device machine,
 //! `cuda_attention_bench --ignored --nocapture`. Prints one JSON line per point. Without a GPU
