@@ -320,6 +320,228 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS) attention_bwd_wgmma_d64
     }
 }
 
+// Adds four adjacent floats into global memory (16-byte aligned; one vector reduction, sm_90).
+__device__ __forceinline__ void wb_red4(float* p, float a, float b, float c, float d) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+
+// Adds a warpgroup's dQ tile (64 queries x 32 head-dim columns, accumulator layout: rows
+// wi 16 + gq (+ 8), columns 8 nb + 2 tq) times scale into row-major dq rows (row i at
+// dqh + i q_stride; rows at or past seq_q skipped). Lanes tq and tq ^ 1 swap halves so that an
+// even tq adds four adjacent columns of row ia and an odd one four of row ib: half the
+// reductions of two-float ones, each 16-byte aligned (dq_acc is, and so is every row).
+__device__ __forceinline__ void wb_dq_add(float* dqh, const float* dq, int ia, int seq_q, long long q_stride, float scale, int tq) {
+    bool odd = tq & 1;
+    int i = odd ? ia + 8 : ia;
+    float* row = dqh + i * q_stride + 2 * (tq & ~1);
+    #pragma unroll
+    for (int nb = 0; nb < 4; nb++) {
+        // Even lanes keep row ia's pair and send row ib's; odd lanes the other way round.
+        float k0 = odd ? dq[4 * nb + 2] : dq[4 * nb], k1 = odd ? dq[4 * nb + 3] : dq[4 * nb + 1];
+        float s0 = odd ? dq[4 * nb] : dq[4 * nb + 2], s1 = odd ? dq[4 * nb + 1] : dq[4 * nb + 3];
+        float r0 = __shfl_xor_sync(FULL_MASK, s0, 1), r1 = __shfl_xor_sync(FULL_MASK, s1, 1);
+        if (i < seq_q) {
+            if (odd) wb_red4(row + nb * 8, scale * r0, scale * r1, scale * k0, scale * k1);
+            else wb_red4(row + nb * 8, scale * k0, scale * k1, scale * r0, scale * r1);
+        }
+    }
+}
+
+// Variant `wgmma2` of attention_bwd: attention_bwd_wgmma_d64's products, layouts and
+// semantics, software-pipelined across query tiles so the tensor cores stay busy through the
+// dQ step. Tile t's dQ = dS K is issued and left running: the loop goes on to the barrier of
+// tile t + 1 and the issue of its loads, waits for dQ(t) only then, issues S^T / dP^T(t + 1),
+// and adds dQ(t) into dq_acc while they multiply. (dQ(t) is waited for with wait_group 0
+// before S^T(t + 1) is issued, not with wait_group 2 after it: ptxas serializes every wgmma of
+// the kernel, C7514, when accumulators are read after a wait_group N > 0 that completes a
+// group committed in the previous loop iteration.) Because dQ(t) of one warpgroup may still
+// read dS^T(t) while the other warpgroup forms dS^T(t + 1), dS^T is double-buffered
+// (sds[t & 1]): dS^T(t + 2) is stored after a barrier that follows every thread's wait for
+// dQ(t). Before each top barrier a thread waits for all but its latest group (dQ), so the
+// Q / dO stage refilled after that barrier is read by no wgmma in flight. dQ's reductions are
+// four floats wide (wb_dq_add): the host launches this kernel only on a 16-byte aligned dq_acc.
+// grid, block and arguments as attention_bwd_wgmma_d64's; shared: theirs + one more dS^T tile
+// (WB_BC 64 * 2 bytes) = 99840.
+extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) attention_bwd_wgmma2_d64(const bf16_t* dout, const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse2, const float* delta, float* dq_acc, void* dk, void* dv, const int* qpos, const int* kvpos, AttGeom g) {
+    constexpr int D = 64, BR = WB_BR, BC = WB_BC;
+    constexpr int QT = BR * D * 2, KT = BC * D * 2;  // bytes of a Q (dO) and of a K (V, dS^T) tile
+    constexpr int STAGE = 2 * QT + 3 * BR * 4;
+    static_assert(3 * BR / 4 <= WB_THREADS, "one 16-byte piece of a stage's rows a thread");
+    extern __shared__ __align__(128) unsigned char wb_smem[];
+    unsigned char* sk = wb_smem;
+    unsigned char* sv = sk + KT;
+    unsigned char* stages = sv + KT;
+    unsigned char* sds0 = stages + 2 * STAGE;  // dS^T: [key][query], two buffers of KT bytes
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+    int wg = warp >> 2, wi = warp & 3;
+    int bk = blockIdx.x, b = bk / (int)g.kv_heads, kvh = bk % (int)g.kv_heads;
+    int group = (int)(g.heads / g.kv_heads);
+    int seq_q = (int)g.seq_q, seq_kv = (int)g.seq_kv, rows_ld = att_rows(g);
+    int j0 = blockIdx.y * BC;
+    long long q_stride = g.batch * g.heads * D, kv_stride = g.batch * g.kv_heads * D;
+    const bf16_t* kh = k + ((long long)b * g.kv_heads + kvh) * D;
+    const bf16_t* vh = v + ((long long)b * g.kv_heads + kvh) * D;
+    wb_fill<BC>(sk, kh, j0, seq_kv, kv_stride);
+    wb_fill<BC>(sv, vh, j0, seq_kv, kv_stride);
+    int ka = j0 + warp * 16 + gq, kb = ka + 8;
+    int pa = ka < seq_kv ? (g.causal ? kvpos[ka] : TC_INT_MIN) : TC_INT_MAX;
+    int pb = kb < seq_kv ? (g.causal ? kvpos[kb] : TC_INT_MIN) : TC_INT_MAX;
+    int jl = j0 + BC - 1 < seq_kv - 1 ? j0 + BC - 1 : seq_kv - 1;
+    int first_kpos = kvpos[j0], last_kpos = kvpos[jl];
+    bool sorted = g.q_sorted && g.kv_sorted;
+    bool whole = j0 + BC <= seq_kv;
+    float sl2 = g.scale * TC_LOG2E;
+    int q_tiles = (seq_q + BR - 1) / BR, first = 0, first_full = whole ? 0 : q_tiles;
+    if (g.causal && sorted) {
+        first = tc_count(0, q_tiles, [&](int t) {
+            int il = t * BR + BR - 1 < seq_q - 1 ? t * BR + BR - 1 : seq_q - 1;
+            return qpos[il] < first_kpos;
+        });
+        first_full = whole ? tc_count(0, q_tiles, [&](int t) { return qpos[t * BR] < last_kpos; }) : q_tiles;
+    } else if (g.causal) {
+        first_full = q_tiles;
+    }
+    int per_head = q_tiles - first, total = group * per_head;
+    float dka[32], dva[32], dq[16];
+    #pragma unroll
+    for (int i = 0; i < 32; i++) { dka[i] = 0.0f; dva[i] = 0.0f; }
+    // The previous tile's dQ destination: its head's dq_acc and its first query row of this
+    // thread (wi 16 + gq of the tile).
+    float* prev_dqh = dq_acc;
+    int prev_ia = 0;
+    for (int t = -1; t < total; t++) {
+        // Start loading tile t + 1 (then wait for tile t): its stage was last read in t - 1,
+        // by wgmmas (S^T, dP^T, dV, dK of t - 1) every thread waited for before this barrier;
+        // only dQ(t - 1) may still run, reading sds[(t - 1) & 1] and K.
+        if (t >= 0) {
+            wb_wait1();
+            tc_cp_wait_all();
+            wb_fence_proxy();
+            __syncthreads();
+        }
+        if (t + 1 < total) {
+            int hn = kvh * group + (t + 1) / per_head, in0 = (first + (t + 1) % per_head) * BR;
+            long long bhn = (long long)b * g.heads + hn;
+            unsigned char* st = stages + ((t + 1) & 1) * STAGE;
+            wb_fill<BR>(st, q + bhn * D, in0, seq_q, q_stride);
+            wb_fill<BR>(st + QT, dout + bhn * D, in0, seq_q, q_stride);
+            float* nl = reinterpret_cast<float*>(st + 2 * QT);
+            int piece = threadIdx.x;
+            if (piece < BR / 4) {
+                tc_fill_words(nl + 4 * piece, lse2 + bhn * rows_ld, in0 + 4 * piece, seq_q);
+            } else if (piece < BR / 2) {
+                piece -= BR / 4;
+                tc_fill_words(nl + BR + 4 * piece, delta + bhn * rows_ld, in0 + 4 * piece, seq_q);
+            } else if (piece < 3 * BR / 4) {
+                piece -= BR / 2;
+                tc_fill_words(nl + 2 * BR + 4 * piece, qpos, in0 + 4 * piece, seq_q);
+            }
+        }
+        tc_cp_commit();
+        if (t < 0) continue;
+        int h = kvh * group + t / per_head, tile = first + t % per_head, i0 = tile * BR;
+        const unsigned char* sq = stages + (t & 1) * STAGE;
+        const unsigned char* sdo = sq + QT;
+        const float* sl = reinterpret_cast<const float*>(sdo + QT);
+        const float* sd = sl + BR;
+        const int* sp = reinterpret_cast<const int*>(sd + BR);
+        unsigned char* sds = sds0 + (t & 1) * KT;
+        bool masked = tile < first_full;
+        wb_wait0();
+        wb_pin<16>(dq);
+        float s[32], dp[32];
+        wb_fence();
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) wb_mma64_ss<0, 0>(s, wb_kmajor(sk + wg * 8192 + kk * 256), wb_kmajor(sq + kk * 256), kk);
+        wb_commit();
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) wb_mma64_ss<0, 0>(dp, wb_kmajor(sv + wg * 8192 + kk * 256), wb_kmajor(sdo + kk * 256), kk);
+        wb_commit();
+        if (t > 0) wb_dq_add(prev_dqh, dq, prev_ia, seq_q, q_stride, g.scale, tq);
+        wb_wait1();
+        wb_pin<32>(s);
+        // P^T = exp(S^T scale − lse), masked, exactly as attention_bwd_wgmma_d64.
+        #pragma unroll
+        for (int nb = 0; nb < BR / 8; nb++) {
+            #pragma unroll
+            for (int e = 0; e < 2; e++) {
+                int c = nb * 8 + 2 * tq + e;
+                float l = sl[c];
+                float xa = tc_exp2(__fmaf_rn(s[4 * nb + e], sl2, -l)), xb = tc_exp2(__fmaf_rn(s[4 * nb + 2 + e], sl2, -l));
+                if (masked) {
+                    int qp = sp[c];
+                    if (pa > qp) xa = 0.0f;
+                    if (pb > qp) xb = 0.0f;
+                }
+                s[4 * nb + e] = xa;
+                s[4 * nb + 2 + e] = xb;
+            }
+        }
+        unsigned pf[4][4], dsf[4][4];
+        wb_acc_to_a(pf, s);
+        wb_fence();
+        #pragma unroll
+        for (int kk = 0; kk < BR / 16; kk++) wb_mma64_rs<1>(dva, pf[kk], wb_mnmajor(sdo + kk * 2048));
+        wb_commit();
+        wb_wait1();
+        wb_pin<32>(dp);
+        #pragma unroll
+        for (int nb = 0; nb < BR / 8; nb++) {
+            #pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float dl = sd[nb * 8 + 2 * tq + e];
+                dp[4 * nb + e] = s[4 * nb + e] * (dp[4 * nb + e] - dl);
+                dp[4 * nb + 2 + e] = s[4 * nb + 2 + e] * (dp[4 * nb + 2 + e] - dl);
+            }
+        }
+        wb_acc_to_a(dsf, dp);
+        #pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            int r = warp * 16 + gq, c = kk * 16 + 2 * tq;
+            *reinterpret_cast<unsigned*>(sds + wb_off(r, c)) = dsf[kk][0];
+            *reinterpret_cast<unsigned*>(sds + wb_off(r + 8, c)) = dsf[kk][1];
+            *reinterpret_cast<unsigned*>(sds + wb_off(r, c + 8)) = dsf[kk][2];
+            *reinterpret_cast<unsigned*>(sds + wb_off(r + 8, c + 8)) = dsf[kk][3];
+        }
+        wb_fence();
+        #pragma unroll
+        for (int kk = 0; kk < BR / 16; kk++) wb_mma64_rs<1>(dka, dsf[kk], wb_mnmajor(sq + kk * 2048));
+        wb_commit();
+        wb_fence_proxy();
+        __syncthreads();
+        wb_fence();
+        #pragma unroll
+        for (int kk = 0; kk < BC / 16; kk++) wb_mma32_ss<1, 1>(dq, wb_mnmajor(sds + kk * 2048), wb_mnmajor(sk + kk * 2048 + wg * 512), kk);
+        wb_commit();
+        prev_dqh = dq_acc + ((long long)b * g.heads + h) * D + wg * 32;
+        prev_ia = i0 + wi * 16 + gq;
+    }
+    wb_wait0();
+    wb_pin<16>(dq);
+    wb_pin<32>(dva);
+    wb_pin<32>(dka);
+    if (total > 0) wb_dq_add(prev_dqh, dq, prev_ia, seq_q, q_stride, g.scale, tq);
+    tc_cp_wait_all();
+    bool dk_bf16 = g.bf16 & ATT_BF16_DK, dv_bf16 = g.bf16 & ATT_BF16_DV;
+    long long head = ((long long)b * g.kv_heads + kvh) * D + 2 * tq;
+    if (ka < seq_kv) {
+        long long row = ka * kv_stride + head;
+        #pragma unroll
+        for (int nb = 0; nb < D / 8; nb++) {
+            tc_store2(dk, row + nb * 8, g.scale * dka[4 * nb], g.scale * dka[4 * nb + 1], dk_bf16);
+            tc_store2(dv, row + nb * 8, dva[4 * nb], dva[4 * nb + 1], dv_bf16);
+        }
+    }
+    if (kb < seq_kv) {
+        long long row = kb * kv_stride + head;
+        #pragma unroll
+        for (int nb = 0; nb < D / 8; nb++) {
+            tc_store2(dk, row + nb * 8, g.scale * dka[4 * nb + 2], g.scale * dka[4 * nb + 3], dk_bf16);
+            tc_store2(dv, row + nb * 8, dva[4 * nb + 2], dva[4 * nb + 3], dv_bf16);
+        }
+    }
+}
+
 // The wgmma layouts above, checked exactly with small integers (one warpgroup; shared tiles in
 // wb_off's layout; out row-major 64 x 64):
 // mode 0: out = A B^T, a [64 m][64 k], b [64 n][64 k]: K-major A and B (S^T's operands);
