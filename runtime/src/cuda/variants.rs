@@ -54,11 +54,12 @@ const CHOICES: &[Choice] = &[
         names: &["fa2", "wgmma"],
     },
     // `rows`: a block per row, two passes over the row in global memory; `staged`: persistent
-    // CTAs that stage each row in shared memory (cross_entropy.rs).
+    // CTAs that stage each row in shared memory (cross_entropy.rs); `staged_fast`: `staged`
+    // with base-2 exponentials and the 1/sum folded into them.
     Choice {
         op: "cross_entropy",
         env: "PARC_CROSS_ENTROPY_KERNEL",
-        names: &["rows", "staged"],
+        names: &["rows", "staged", "staged_fast"],
     },
     // LayerNorm/RMSNorm forwards: one row per warp, or two (`norm_variants`).
     Choice {
