@@ -493,10 +493,12 @@ extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_staged_bf16(
 // ---------------------------------------------------------------- staged_fast (variant `staged_fast`)
 // `staged`'s rows, copies, chunk ownership, single barrier per row and formulas (the loss
 // ln(sum) + max - target logit in f64, dlogits grad_scale / sum · e^(x - max), minus grad_scale
-// at the target, rounded once), in fewer instructions: `staged`'s SASS runs ~36 an element
-// (each expf ~9, every chunk tested for being an edge) plus a block merge of ~700 a warp and
-// row (32 serial merges, each with an expf); this runs ~14 (sm_90a: the copy 9 a 16-byte
-// chunk, the max 8, the sum 45, the dlogits 53, for bf16's 8 elements) and ~60 for the merge.
+// at the target, rounded once), in fewer instructions: `staged`'s SASS (sm_90a, bf16) runs ~30
+// an element (each expf ~9, every chunk tested for being an edge) plus a block merge of ~700 a
+// warp and row (32 serial merges, each with an expf: ~14 an element more at 32 warps), which
+// at ~10 µs a row an SM is more than HBM's ~7.5 µs for the row's 200 KB; this runs ~14 (per
+// 16-byte chunk of 8 elements: the copy 9, the max 8, the sum 45, the dlogits 53) and ~60 a
+// warp for the merge, ~4 µs a row, under the memory time.
 // - e^(x - max) is ex2.approx.ftz((x - max)·L), L = log2(e) as an f32: an FADD, an FMUL and one
 //   MUFU.EX2 (~2 ulp; results below 2^-126 flush to 0). x - max is rounded once and 0 at the
 //   max, whose term is then exactly 1, as expf(0) is: a row that is all its max (large logits)
