@@ -9,12 +9,12 @@
 //! block per row that reads the row from global memory twice (the second time hoping for L2);
 //! `staged`, persistent CTAs (one per SM) that copy each row into shared memory with cp.async,
 //! the next row's copy in flight while they work on this one, so each logit crosses HBM once
-//! each way; `staged_fast`, the same launch with about a third of `staged`'s instructions an
-//! element (base-2 exponentials on the MUFU with 1/sum folded into them, a shuffle-only block
-//! merge: kernels/cross_entropy.cu), so that the SM's arithmetic hides under the row's HBM
-//! traffic. The staged kernels need the logits on a 16-byte boundary and a row (plus 16 bytes)
-//! within a block's shared memory — GPT-2's 50,257 columns take two buffers in bf16 (2 × 98 KB)
-//! and one in f32 — and run `rows` otherwise.
+//! each way; `staged_fast`, the same launch and formulas in about 40% of `staged`'s
+//! instructions an element (each exponential one MUFU ex2, a shuffle-only block merge, no edge
+//! tests in the loops: kernels/cross_entropy.cu), so that the SM's arithmetic hides under the
+//! row's HBM traffic. The staged kernels need the logits on a 16-byte boundary and a row (plus
+//! 16 bytes) within a block's shared memory — GPT-2's 50,257 columns take two buffers in bf16
+//! (2 × 98 KB) and one in f32 — and run `rows` otherwise.
 use super::device::{driver_error, DeviceLimits};
 use super::dispatch::{n, p, Bound};
 use super::{Arg, CudaBackend};

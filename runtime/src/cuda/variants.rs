@@ -55,7 +55,7 @@ const CHOICES: &[Choice] = &[
     },
     // `rows`: a block per row, two passes over the row in global memory; `staged`: persistent
     // CTAs that stage each row in shared memory (cross_entropy.rs); `staged_fast`: `staged`
-    // with base-2 exponentials and the 1/sum folded into them.
+    // in fewer instructions (ex2.approx exponentials, a shuffle-only merge).
     Choice {
         op: "cross_entropy",
         env: "PARC_CROSS_ENTROPY_KERNEL",
