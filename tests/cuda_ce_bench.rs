@@ -1,11 +1,11 @@
 //! The fused cross-entropy (`Op::CrossEntropy`) alone, for each of its kernel variants (`rows`,
-//! `staged`: cuda/cross_entropy.rs, `PARC_CROSS_ENTROPY_KERNEL`), at GPT-2's shapes: 124M's
-//! 32 × 1024 rows and 350M's 16 × 1024 of the 50,257-column vocabulary, bf16 logits as a bf16
-//! run stores them, and 350M's rows in f32. Each point prints the median milliseconds of the
-//! op (CUDA events around it: the row kernel and the one-block loss sum) over REPS runs on
-//! fresh logits, and GB/s of its ideal traffic, each logit read once and its dlogit written
-//! once (2 · rows · vocab · element bytes), for `bench/RESULTS.md`; the loss of the first call
-//! too, which the variants should agree on to about 1e-6 (they sum in different orders).
+//! `staged`, `staged_fast`: cuda/cross_entropy.rs, `PARC_CROSS_ENTROPY_KERNEL`), at GPT-2's shapes:
+//! 124M's 32 × 1024 rows and 350M's 16 × 1024 of the 50,257-column vocabulary, bf16 logits as a
+//! bf16 run stores them, and 350M's rows in f32. Each point prints the median milliseconds of the
+//! op (CUDA events around it: the row kernel and the one-block loss sum) over REPS runs on fresh
+//! logits, and GB/s of its ideal traffic, each logit read once and its dlogit written once (2 ·
+//! rows · vocab · element bytes), for `bench/RESULTS.md`; the loss of the first call too, which the
+//! variants should agree on to about 1e-6 (they sum in different orders).
 //!
 //! Ignored by default (it needs a GPU): on the device machine,
 //! `cuda_ce_bench --ignored --nocapture`. Prints one JSON line per point and variant; without a
@@ -30,7 +30,7 @@ mod bench {
     use parc_runtime::cuda::CudaBackend;
 
     const VOCAB: usize = 50_257;
-    const VARIANTS: [&str; 2] = ["rows", "staged"];
+    const VARIANTS: [&str; 3] = ["rows", "staged", "staged_fast"];
     /// Timed runs per point (the median counts).
     const REPS: usize = 10;
     /// Rows of random logits written from the host once, then copied on the device over the
