@@ -35,12 +35,11 @@ const CHOICES: &[Choice] = &[
     },
     // The fused cross-entropy: persistent CTAs that stage each row in shared memory (`staged`;
     // `rows` where a row does not fit or the logits are unaligned), or a block per row with
-    // two passes over it in global memory (`rows`), or `staged` in fewer instructions
-    // (`staged_fast`: ex2.approx exponentials, a shuffle-only merge).
+    // two passes over it in global memory (`rows`).
     Choice {
         op: "cross_entropy",
         env: "PARC_CROSS_ENTROPY_KERNEL",
-        names: &["staged", "rows", "staged_fast"],
+        names: &["staged", "rows"],
     },
     // LayerNorm/RMSNorm forwards: two rows per warp (`multirow`; `warp` for rows wider than
     // 1024, not a multiple of 8, or unaligned), or one row per warp (`norm_variants`).
