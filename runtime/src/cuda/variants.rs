@@ -25,13 +25,13 @@ const CHOICES: &[Choice] = &[
         env: "PARC_ATTENTION_FWD_KERNEL",
         names: &["wgmma", "fa2"],
     },
-    // The bf16 attention backward: attention_wgmma_bwd.cu's warpgroup-MMA kernel (Hopper,
-    // head_dim 64; otherwise `fa2`), attention_tc.cu's mma.sync kernel, or the wgmma kernel
-    // software-pipelined (`wgmma2`: dQ's multiply and atomics overlap the next query tile's).
+    // The bf16 attention backward: attention_wgmma_bwd.cu's software-pipelined warpgroup-MMA
+    // kernel (Hopper, head_dim 64, a 16-byte aligned dQ accumulator; otherwise `fa2`), or
+    // attention_tc.cu's mma.sync kernel (`fa2`).
     Choice {
         op: "attention_bwd",
         env: "PARC_ATTENTION_BWD_KERNEL",
-        names: &["wgmma", "fa2", "wgmma2"],
+        names: &["wgmma", "fa2"],
     },
     // The fused cross-entropy: persistent CTAs that stage each row in shared memory (`staged`;
     // `rows` where a row does not fit or the logits are unaligned), or a block per row with
