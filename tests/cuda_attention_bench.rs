@@ -6,10 +6,10 @@
 //! the operands copied to bf16 first), and one fp32 point times the exact kernels. FLOPs follow PyTorch's attention benchmark: causal
 //! forward 4·B·H·T²·d / 2, backward 2.5× the forward.
 //!
-//! Each bf16 point runs with the default kernels (`fa2` both ways, labelled as before) and, on a
-//! Hopper GPU, with the `wgmma` forward and (head_dim 64) the `wgmma` backward (labelled
-//! `…-wgmma-wgmmabwd`) and its pipelined `wgmma2` (`…-wgmma-wgmma2bwd`): each run times both
-//! directions, so one run per new kernel measures each. The bench sets the variants on the backend, whatever PARC_ATTENTION_*_KERNEL say.
+//! Each bf16 point runs with the `fa2` kernels both ways (labelled as before) and, on a Hopper
+//! GPU, with the `wgmma` forward and (head_dim 64) the `wgmma` backward (labelled
+//! `…-wgmma-wgmmabwd`): each run times both directions. The bench sets the variants on the
+//! backend, whatever PARC_ATTENTION_*_KERNEL say.
 //!
 //! Ignored by default (it needs a GPU): on the device machine,
 //! `cuda_attention_bench --ignored --nocapture`. Prints one JSON line per point. Without a GPU
@@ -142,17 +142,13 @@ mod bench {
         }
     }
 
-    /// The (forward, backward) attention variants a point is timed with: the defaults, and on
-    /// a Hopper GPU in a bf16 run the wgmma kernels (the backward's, and its pipelined wgmma2,
-    /// for head_dim 64 only; each pair times both directions, so one pair per new kernel
-    /// measures each).
+    /// The (forward, backward) attention variants a point is timed with: `fa2`, and on a
+    /// Hopper GPU in a bf16 run the wgmma kernels (the backward's for head_dim 64 only; each
+    /// pair times both directions).
     fn variant_pairs(be: &CudaBackend, pt: &Point) -> Vec<(&'static str, &'static str)> {
         let mut pairs = vec![("fa2", "fa2")];
         if matches!(pt.precision, Precision::Bf16) && be.is_hopper() {
             pairs.push(("wgmma", if pt.head_dim == 64 { "wgmma" } else { "fa2" }));
-            if pt.head_dim == 64 {
-                pairs.push(("wgmma", "wgmma2"));
-            }
         }
         pairs
     }

@@ -1,7 +1,7 @@
-//! The fused cross-entropy (`Op::CrossEntropy`) alone, for each of its kernel variants (`rows`,
-//! `staged`, `staged_fast`: cuda/cross_entropy.rs, `PARC_CROSS_ENTROPY_KERNEL`), at GPT-2's shapes:
-//! 124M's 32 × 1024 rows and 350M's 16 × 1024 of the 50,257-column vocabulary, bf16 logits as a
-//! bf16 run stores them, and 350M's rows in f32. Each point prints the median milliseconds of the
+//! The fused cross-entropy (`Op::CrossEntropy`) alone, for each of its kernel variants (`staged`,
+//! `rows`: cuda/cross_entropy.rs, `PARC_CROSS_ENTROPY_KERNEL`), at GPT-2's shapes: 124M's
+//! 32 × 1024 rows and 350M's 16 × 1024 of the 50,257-column vocabulary, bf16 logits as a bf16
+//! run stores them, and 350M's rows in f32. Each point prints the median milliseconds of the
 //! op (CUDA events around it: the row kernel and the one-block loss sum) over REPS runs on fresh
 //! logits, and GB/s of its ideal traffic, each logit read once and its dlogit written once (2 ·
 //! rows · vocab · element bytes), for `bench/RESULTS.md`; the loss of the first call too, which the
@@ -30,7 +30,7 @@ mod bench {
     use parc_runtime::cuda::CudaBackend;
 
     const VOCAB: usize = 50_257;
-    const VARIANTS: [&str; 3] = ["rows", "staged", "staged_fast"];
+    const VARIANTS: [&str; 2] = ["staged", "rows"];
     /// Timed runs per point (the median counts).
     const REPS: usize = 10;
     /// Rows of random logits written from the host once, then copied on the device over the

@@ -424,39 +424,34 @@ fn check_storage(test: &str, gpu: &mut dyn Backend) {
     );
 }
 
-/// The `wgmma` attention backward and its pipelined `wgmma2` (PARC_ATTENTION_BWD_KERNEL; Hopper
-/// only): the test sets each on its own backend, whatever the environment says, and runs
-/// attention_bf16's and attention_bf16_storage's cases and a GPT-2-length sequence against the
-/// CPU under the same tolerances (head dim 128 runs the mma.sync kernel under either variant).
-/// First the exact layout self-test, so a wgmma layout mistake is named before the attention
-/// cases fail.
+/// The `wgmma` attention backward (PARC_ATTENTION_BWD_KERNEL; Hopper only): the test sets it
+/// on its own backend, whatever the environment says, and runs attention_bf16's and
+/// attention_bf16_storage's cases and a GPT-2-length sequence against the CPU under the same
+/// tolerances (head dim 128 runs the mma.sync kernel under either variant). First the exact
+/// layout self-test, so a wgmma layout mistake is named before the attention cases fail.
 #[cfg(feature = "cuda")]
 #[test]
 fn attention_bf16_wgmma_bwd() {
-    for name in ["wgmma", "wgmma2"] {
-        let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, "attention_bwd", name)
-        else {
-            return;
-        };
-        let test = format!("attention_bf16_{name}_bwd");
-        let mut r = Rng::new(&test);
-        if name == "wgmma" {
-            wgmma_layouts(&mut gpu, &mut r);
-        }
-        let cases: Vec<Case> = tc_configs()
-            .iter()
-            .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
-            .collect();
-        crate::harness::check_with(&test, &cases, &mut gpu);
-        // GPT-2's sequence (T 1024, d 64) on a few heads, GQA 2:1: 8 key blocks, every tile kind.
-        let gpt2 = AttConfig::new(1, 4, 2, 64, true, &[(0, 1024)], &[(0, 1024)]);
-        crate::harness::check_with(
-            &format!("{test}_gpt2"),
-            &attention_cases(&mut r, &gpt2, BF16_ATTENTION, true),
-            &mut gpu,
-        );
-        check_storage(&format!("attention_bf16_storage_{name}_bwd"), &mut gpu);
-    }
+    let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, "attention_bwd", "wgmma")
+    else {
+        return;
+    };
+    let test = "attention_bf16_wgmma_bwd";
+    let mut r = Rng::new(test);
+    wgmma_layouts(&mut gpu, &mut r);
+    let cases: Vec<Case> = tc_configs()
+        .iter()
+        .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
+        .collect();
+    crate::harness::check_with(test, &cases, &mut gpu);
+    // GPT-2's sequence (T 1024, d 64) on a few heads, GQA 2:1: 8 key blocks, every tile kind.
+    let gpt2 = AttConfig::new(1, 4, 2, 64, true, &[(0, 1024)], &[(0, 1024)]);
+    crate::harness::check_with(
+        &format!("{test}_gpt2"),
+        &attention_cases(&mut r, &gpt2, BF16_ATTENTION, true),
+        &mut gpu,
+    );
+    check_storage("attention_bf16_storage_wgmma_bwd", &mut gpu);
 }
 
 /// One self-test mode: its number, what it checks, inputs a and b, and the exact output.

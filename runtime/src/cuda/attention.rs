@@ -269,13 +269,12 @@ pub(crate) fn scratch_bytes(
 
 /// The wgmma backward (kernels/attention_wgmma_bwd.cu) takes head_dim 64 only (other head dims
 /// run the mma.sync one whatever the variant); its CTA has TC_BWD_THREADS threads for TC_BC
-/// keys, like attention_bwd_tc's, and uses the same scratch. Its shared memory: K, V and dSᵀ
-/// tiles of TC_BC × 64 bf16, two stages of 64-row Q and dO tiles with lse2 / delta / position.
+/// keys, like attention_bwd_tc's, and uses the same scratch. Its shared memory: K and V tiles
+/// of TC_BC × 64 bf16, two stages of 64-row Q and dO tiles with lse2 / delta / position, and
+/// two dSᵀ tiles of TC_BC × 64 bf16 (dQ of one query tile still reads its dSᵀ while the next
+/// tile forms its own).
 const WGMMA_BWD_HEAD_DIM: usize = 64;
-const WGMMA_BWD_SMEM: u32 = (3 * TC_BC * 64 * 2 + 2 * (2 * 64 * 64 * 2 + 3 * 64 * 4)) as u32;
-/// The pipelined `wgmma2` backward (attention_bwd_wgmma2_d64): the same plus a second dSᵀ
-/// tile (dQ of one query tile still reads its dSᵀ while the next tile forms its own).
-const WGMMA2_BWD_SMEM: u32 = WGMMA_BWD_SMEM + (TC_BC * 64 * 2) as u32;
+const WGMMA_BWD_SMEM: u32 = (4 * TC_BC * 64 * 2 + 2 * (2 * 64 * 64 * 2 + 3 * 64 * 4)) as u32;
 
 /// Fails unless the GPU is a Hopper (compute capability 9.0), the only one whose program holds
 /// the compute_90a kernels (`what` names the test kernel that needs them; the attention ops
@@ -679,20 +678,10 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
             Arg::Ptr(kvpos),
             Arg::Geom(g),
         ];
-        // Hopper: wgmma (or, chosen, its pipelined wgmma2, which adds dQ four floats at a time
-        // and so needs a 16-byte aligned dQ accumulator, else wgmma runs); elsewhere fa2.
-        let wgmma2 = be.variants.is("attention_bwd", "wgmma2") && be.is_hopper();
-        let wgmma = (wgmma2 || be.variants.is("attention_bwd", "wgmma")) && be.is_hopper();
-        if tc.head_dim == WGMMA_BWD_HEAD_DIM && wgmma2 && dq_acc % 16 == 0 {
-            launch_tc(
-                be,
-                "attention_bwd_wgmma2_d64",
-                grid,
-                TC_BWD_THREADS,
-                WGMMA2_BWD_SMEM,
-                &args,
-            )?;
-        } else if tc.head_dim == WGMMA_BWD_HEAD_DIM && wgmma {
+        // Hopper: wgmma, which adds dQ four floats at a time and so needs a 16-byte aligned dQ
+        // accumulator; otherwise, and elsewhere, fa2.
+        let wgmma = be.variants.is("attention_bwd", "wgmma") && be.is_hopper();
+        if tc.head_dim == WGMMA_BWD_HEAD_DIM && wgmma && dq_acc % 16 == 0 {
             launch_tc(
                 be,
                 "attention_bwd_wgmma_d64",
@@ -888,10 +877,8 @@ mod tests {
             assert!(fwd <= H100_SMEM / 2, "d{d} forward: {fwd}");
             assert!(bwd <= A100_SMEM, "d{d} backward: {bwd}");
         }
-        // The wgmma backward (Hopper only): attention_wgmma_bwd.cu's 83456 bytes.
-        const { assert!(WGMMA_BWD_SMEM == 83_456 && WGMMA_BWD_SMEM <= H100_SMEM) };
-        // wgmma2: a second dSᵀ tile, 99840 bytes.
-        const { assert!(WGMMA2_BWD_SMEM == 99_840 && WGMMA2_BWD_SMEM <= H100_SMEM) };
+        // The wgmma backward (Hopper only): attention_wgmma_bwd.cu's 99840 bytes.
+        const { assert!(WGMMA_BWD_SMEM == 99_840 && WGMMA_BWD_SMEM <= H100_SMEM) };
     }
 
     /// The wgmma forward's shared memory follows its kernel's layout (1024-byte alignment

@@ -5,17 +5,16 @@
 //! one-block kernel adds the scaled row losses into the loss in a fixed order, so the loss is
 //! the same every run. Logits are f32 or bf16; the loss is f32.
 //!
-//! Three kernels (variant `cross_entropy`, `PARC_CROSS_ENTROPY_KERNEL`): `rows`, a block per
-//! row that reads the row from global memory twice (the second time hoping for L2); `staged`,
-//! the default (measured on one H200 at 3.08 ms against 3.71 for GPT-2 124M's logits),
-//! persistent CTAs (one per SM) that copy each row into shared memory with cp.async,
-//! the next row's copy in flight while they work on this one, so each logit crosses HBM once
-//! each way; `staged_fast`, the same launch and formulas in about 40% of `staged`'s
-//! instructions an element (each exponential one MUFU ex2, a shuffle-only block merge, no edge
-//! tests in the loops: kernels/cross_entropy.cu), so that the SM's arithmetic hides under the
-//! row's HBM traffic. The staged kernels need the logits on a 16-byte boundary and a row (plus
-//! 16 bytes) within a block's shared memory — GPT-2's 50,257 columns take two buffers in bf16
-//! (2 × 98 KB) and one in f32 — and run `rows` otherwise.
+//! Two kernels (variant `cross_entropy`, `PARC_CROSS_ENTROPY_KERNEL`): `staged`, the default,
+//! persistent CTAs (one per SM) that copy each row into shared memory with cp.async, the next
+//! row's copy in flight while they work on this one, so each logit crosses HBM once each way,
+//! in few instructions an element (each exponential one MUFU ex2, a shuffle-only block merge,
+//! no edge tests in the loops: kernels/cross_entropy.cu) so that the SM's arithmetic hides
+//! under the row's HBM traffic (measured on one H200 at 1.77 ms for GPT-2 124M's 32,768 ×
+//! 50,257 bf16 logits, 3.71 TB/s); and `rows`, a block per row that reads the row from global
+//! memory twice (the second time hoping for L2; 3.73 ms there). `staged` needs the logits on a
+//! 16-byte boundary and a row (plus 16 bytes) within a block's shared memory — GPT-2's 50,257
+//! columns take two buffers in bf16 (2 × 98 KB) and one in f32 — and runs `rows` otherwise.
 use super::device::{driver_error, DeviceLimits};
 use super::dispatch::{n, p, Bound};
 use super::{Arg, CudaBackend};
@@ -57,18 +56,16 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op, scalars: &StepScalar
     let row_loss = be.scratch(rows * 8)?;
     // fp16: the loss gradient carries the step's loss scale; the loss does not.
     let grad_scale = (*scale * scalars.loss_scale.unwrap_or(1.0)) as f32;
-    let fast = be.variants.is("cross_entropy", "staged_fast");
-    let staged = (fast || be.variants.is("cross_entropy", "staged")) && logits.ptr % 16 == 0;
+    let staged = be.variants.is("cross_entropy", "staged") && logits.ptr % 16 == 0;
     match staged
         .then(|| Staged::plan(rows, v, logits.elem_bytes(), &be.limits))
         .flatten()
     {
         Some(plan) => {
-            let kernel = match (fast, logits.is_bf16()) {
-                (false, true) => "cross_entropy_staged_bf16",
-                (false, false) => "cross_entropy_staged_f32",
-                (true, true) => "cross_entropy_staged_fast_bf16",
-                (true, false) => "cross_entropy_staged_fast_f32",
+            let kernel = if logits.is_bf16() {
+                "cross_entropy_staged_bf16"
+            } else {
+                "cross_entropy_staged_f32"
             };
             be.kernels
                 .function(kernel)?
@@ -135,8 +132,7 @@ const STAGED_STATIC_SMEM: usize = 512;
 /// Shared memory the driver keeps for each resident block (CUDA's reserved 1 KB).
 const BLOCK_RESERVED_SMEM: usize = 1024;
 
-/// The launch of `cross_entropy_staged_*` and `cross_entropy_staged_fast_*` (the same
-/// parameters; kernels/cross_entropy.cu, "staged").
+/// The launch of `cross_entropy_staged_*` (kernels/cross_entropy.cu, "staged").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Staged {
     /// Row buffers in shared memory: 2 (the next row loads while this one is worked on) or 1.

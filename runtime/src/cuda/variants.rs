@@ -25,22 +25,21 @@ const CHOICES: &[Choice] = &[
         env: "PARC_ATTENTION_FWD_KERNEL",
         names: &["wgmma", "fa2"],
     },
-    // The bf16 attention backward: attention_wgmma_bwd.cu's warpgroup-MMA kernel (Hopper,
-    // head_dim 64; otherwise `fa2`), attention_tc.cu's mma.sync kernel, or the wgmma kernel
-    // software-pipelined (`wgmma2`: dQ's multiply and atomics overlap the next query tile's).
+    // The bf16 attention backward: attention_wgmma_bwd.cu's software-pipelined warpgroup-MMA
+    // kernel (Hopper, head_dim 64, a 16-byte aligned dQ accumulator; otherwise `fa2`), or
+    // attention_tc.cu's mma.sync kernel (`fa2`).
     Choice {
         op: "attention_bwd",
         env: "PARC_ATTENTION_BWD_KERNEL",
-        names: &["wgmma", "fa2", "wgmma2"],
+        names: &["wgmma", "fa2"],
     },
     // The fused cross-entropy: persistent CTAs that stage each row in shared memory (`staged`;
     // `rows` where a row does not fit or the logits are unaligned), or a block per row with
-    // two passes over it in global memory (`rows`), or `staged` in fewer instructions
-    // (`staged_fast`: ex2.approx exponentials, a shuffle-only merge).
+    // two passes over it in global memory (`rows`).
     Choice {
         op: "cross_entropy",
         env: "PARC_CROSS_ENTROPY_KERNEL",
-        names: &["staged", "rows", "staged_fast"],
+        names: &["staged", "rows"],
     },
     // LayerNorm/RMSNorm forwards: two rows per warp (`multirow`; `warp` for rows wider than
     // 1024, not a multiple of 8, or unaligned), or one row per warp (`norm_variants`).

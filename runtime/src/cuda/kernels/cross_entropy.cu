@@ -195,7 +195,7 @@ extern "C" __global__ void __launch_bounds__(1024) cross_entropy_rows_bf16(unsig
     xent_row<unsigned short>(logits, targets, row_loss, vocab, grad_scale);
 }
 
-// ---------------------------------------------------------------- staged (variant `staged`)
+// ---------------------------------------------------------------- staged (the default)
 // The same op and semantics, with each row staged in shared memory so it crosses HBM once each
 // way: a persistent CTA of up to 1024 threads (one per SM) takes rows blockIdx.x, + gridDim.x,
 // ...; with `stages` = 2 the next row's copy (cp.async, issued up front: ~100 KB in flight per
@@ -205,20 +205,49 @@ extern "C" __global__ void __launch_bounds__(1024) cross_entropy_rows_bf16(unsig
 // its first element (an odd vocabulary starts rows anywhere): chunk k of a row holds columns
 // k·N - h .. k·N - h + N - 1 (N elements a chunk, h the elements before the row in chunk 0);
 // only the edge chunks hold columns outside the row, which count as -inf and are never
-// written. The last chunk's copy stops at the row's end (cp.async's source size; the rest is
-// zero-filled), so nothing past the buffer is read; the buffer starts on a 16-byte boundary
-// (the host checks), so nothing before it is either. Chunk k is copied, read and written only
-// by thread k mod blockDim.x, in every row, so a thread's own cp.async wait orders the copy
-// before its reads and its pass-2 reads before the next copy into that buffer: the only
-// barrier per row is the (max, sum) merge. Per row: pass 1a takes the thread's max over its
-// chunks (bf16 pairs compared packed, exact), 1b its sum of exp(x - max), the block merges the
-// pairs (xent_merge: as the rows kernel), the owner of the target's chunk writes the row loss
-// (f64, as above), and pass 2 writes grad_scale / sum · exp(x - max), minus grad_scale at the
-// target, as 16-byte streaming stores; chunks at the row's edges or holding the target go one
-// element at a time (round_bf16). Whole bf16 chunks are rounded by cvt.rn.bf16x2.f32, one
-// instruction a pair where round_bf16 takes about six an element: both round to nearest even
-// and differ only in the bits of a NaN, so a row whose max or grad_scale / sum is not finite
-// (a NaN logit makes the sum NaN) takes round_bf16 throughout.
+// written. The copy moves whole chunks without a source size and the last one with its size,
+// so it stops at the row's end (cp.async zero-fills the rest) and nothing past the buffer is
+// read; the buffer starts on a 16-byte boundary (the host checks), so nothing before it is
+// either. Chunk k is copied, read and written only by thread k mod blockDim.x, in every row,
+// so a thread's own cp.async wait orders the copy before its reads and its pass-2 reads before
+// the next copy into that buffer: the only barrier per row is the (max, sum) merge. Per row:
+// pass 1a takes the thread's max over its chunks (bf16 pairs compared packed, exact), 1b its
+// sum of e^(x - max), the block merges the pairs, the owner of the target's chunk writes the
+// row loss ln(sum) + max - target logit (f64, as above), and pass 2 writes
+// grad_scale / sum · e^(x - max) as 16-byte streaming stores, minus grad_scale at the target,
+// rounded once. Whole bf16 chunks are rounded by cvt.rn.bf16x2.f32, one instruction a pair
+// where round_bf16 takes about six an element: both round to nearest even and differ only in
+// the bits of a NaN, so a row whose max or grad_scale / sum is not finite (a NaN logit makes
+// the sum NaN) is written by xent_write_nonfinite instead (expf, round_bf16 throughout).
+//
+// The kernel is built for few instructions an element, so that the SMs' arithmetic hides
+// under the rows' HBM traffic. Its first version (expf, ~9 instructions each, every chunk
+// tested for being an edge, and a block merge of 32 serial merges with an expf each) ran ~30
+// SASS instructions an element (sm_90a, bf16) plus ~700 a warp and row for the merge (~14 an
+// element more at 32 warps): ~10 µs a row an SM, more than HBM's ~7.5 µs for the row's 200 KB.
+// This one runs ~14 (per 16-byte chunk of 8 elements: the copy 9, the max 8, the sum 45, the
+// dlogits 53) and ~60 a warp for the merge, ~4 µs a row, under the memory time (measured on
+// one H200 for GPT-2 124M's 32,768 × 50,257 bf16 logits: 1.77 ms, 3.71 TB/s, against the first
+// version's 3.08 ms).
+// - e^(x - max) is ex2.approx.ftz((x - max)·L), L = log2(e) as an f32: an FADD, an FMUL and one
+//   MUFU.EX2 (~2 ulp; results below 2^-126 flush to 0). x - max is rounded once and 0 at the
+//   max, whose term is then exactly 1, as expf(0) is: a row that is all its max (large logits)
+//   gets sum 1, dlogit grad_scale there and exactly 0 at a target there. Folding 1/sum into
+//   the exponent (2^(x·L - B)) would save the FMUL but leave ~1e-6 of grad_scale at such a
+//   target, and buy nothing: with two MUFUs an element and 16 MUFU results a clock an SM (8
+//   issue slots a MUFU) the ~14 instructions already fit under the MUFU's time. L's rounding
+//   (1.3e-8) scales each exponent by 1 + 1.3e-8: negligible where e^(x - max) is not.
+// - The block merge: each warp reduces its lanes' (max, sum) pairs with shuffles (the max,
+//   then the sums rebased to it), lane w of every warp then reads warp w's pair after the
+//   barrier and reduces those the same way: every thread gets the same result, in a fixed
+//   order.
+// - A row's partial edge chunks (chunk 0 when the row starts off the 16-byte grid, the last
+//   one when it ends off it) are done by their owners after the loops, so the loops test
+//   nothing per chunk; the target's dlogit is written with its chunk, then again by the same
+//   thread with -grad_scale (a thread's stores to one address stay in order).
+// - The next row's copy is issued whole at the start of a row, before the wait for this one:
+//   it then has a whole row's time to land (~100 KB in flight an SM, far more than HBM's
+//   latency needs), and splitting it would move only its ~0.6 instructions an element.
 
 __device__ __forceinline__ unsigned xent_smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
@@ -311,13 +340,13 @@ template <> struct XentChunk<unsigned short> {
         u.x = w[0]; u.y = w[1]; u.z = w[2]; u.w = w[3];
         return u;
     }
-    // `fast`: every value is finite, so the hardware's nearest-even conversion gives
+    // `finite`: every value is finite, so the hardware's nearest-even conversion gives
     // round_bf16's bits.
-    static __device__ __forceinline__ uint4 pack(const float* v, bool fast) {
+    static __device__ __forceinline__ uint4 pack(const float* v, bool finite) {
         unsigned w[4];
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            if (fast)
+            if (finite)
                 asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[k]) : "f"(v[2 * k + 1]), "f"(v[2 * k]));
             else
                 w[k] = (unsigned)round_bf16(v[2 * k]) | ((unsigned)round_bf16(v[2 * k + 1]) << 16);
@@ -345,44 +374,11 @@ struct XentSpan {
     }
 };
 
-// Starts copying row r (if r < rows) into `stage`: this thread's chunks, the last one cut at
-// the row's end.
+// Pass 2 of row r for a row whose max or factor (grad_scale / sum) is not finite: dlogits over
+// this thread's chunks of the row, e^(x - max) by expf and bf16 rounded by round_bf16
+// (XentChunk::pack), so NaNs keep round_bf16's bits, the target's dlogit with its chunk.
 template <typename T>
-__device__ __forceinline__ void xent_fetch(uint4* stage, const T* logits, long long r, long long rows, int cols) {
-    if (r >= rows) return;
-    const XentSpan<T> sp(logits, r, cols);
-    const unsigned long long end = (unsigned long long)(logits + r * cols + cols);
-    for (int k = threadIdx.x; k < sp.chunks; k += blockDim.x) {
-        const unsigned long long src = sp.a0 + 16ull * k;
-        const int bytes = end - src < 16ull ? (int)(end - src) : 16;
-        xent_cp16(stage + k, (const void*)src, bytes);
-    }
-}
-
-// Every thread's (m, s) merged over the block, as xent_block_merge, into `part` (2 × 32
-// floats: maxes, then sums; the caller alternates two of them between rows, so a warp that
-// runs ahead into the next row's merge never overwrites slots another warp still reads).
-__device__ __forceinline__ void xent_block_merge_into(float& m, float& s, float* part) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-    for (int o = 16; o > 0; o >>= 1) {
-        float m2 = __shfl_xor_sync(FULL_MASK, m, o);
-        float s2 = __shfl_xor_sync(FULL_MASK, s, o);
-        xent_merge(m, s, m2, s2);
-    }
-    if (lane == 0) {
-        part[warp] = m;
-        part[32 + warp] = s;
-    }
-    __syncthreads();
-    m = NEG_INF;
-    s = 0.0f;
-    for (int w = 0; w < warps; w++) xent_merge(m, s, part[w], part[32 + w]);
-}
-
-// Pass 2 of row r: dlogits over this thread's chunks of the row. `FAST`: the row's max and
-// factor are finite (XentChunk::pack).
-template <typename T, bool FAST>
-__device__ __forceinline__ void xent_staged_write(const uint4* stage, T* logits, const XentSpan<T>& sp, long long r, int cols, int target, float m, float factor, float grad_scale) {
+__device__ __forceinline__ void xent_write_nonfinite(const uint4* stage, T* logits, const XentSpan<T>& sp, long long r, int cols, int target, float m, float factor, float grad_scale) {
     typedef XentChunk<T> C;
     T* row = logits + r * cols;
     uint4* chunk = reinterpret_cast<uint4*>(sp.a0);
@@ -393,7 +389,7 @@ __device__ __forceinline__ void xent_staged_write(const uint4* stage, T* logits,
         for (int e = 0; e < C::N; e++) v[e] = factor * expf(v[e] - m);
         const int c0 = k * C::N - sp.h;
         if (c0 >= 0 && c0 + C::N <= cols && (unsigned)target - (unsigned)c0 >= (unsigned)C::N) {
-            __stcs(chunk + k, C::pack(v, FAST));
+            __stcs(chunk + k, C::pack(v, false));
         } else {
 #pragma unroll
             for (int e = 0; e < C::N; e++) {
@@ -405,49 +401,142 @@ __device__ __forceinline__ void xent_staged_write(const uint4* stage, T* logits,
     }
 }
 
+#define XENT_LOG2E 1.44269504088896340736f
+
+__device__ __forceinline__ float xent_ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// e^(x - m) as above (the difference and the product rounded once each, 0 at x = m).
+__device__ __forceinline__ float xent_exp_approx(float x, float m) {
+    return xent_ex2(__fmul_rn(__fadd_rn(x, -m), XENT_LOG2E));
+}
+
+// A running sum of e^(x - m) rebased to the max mx >= m, in the same base-2 form (m == mx
+// covers both being -inf; an empty part, m = -inf, has s = 0, and exp2f(-inf) is 0).
+__device__ __forceinline__ float xent_rebase_approx(float m, float s, float mx) {
+    return m == mx ? s : s * exp2f(__fmul_rn(m - mx, XENT_LOG2E));
+}
+
+// (m, s) of the whole block in every thread (blockDim a multiple of 32, at most 1024), through
+// `part` (2 × 32 floats: maxes, then sums; the caller alternates two of them between rows, so a
+// warp that runs ahead into the next row's merge never overwrites slots another warp still
+// reads).
+__device__ __forceinline__ void xent_block_merge_staged(float& m, float& s, float* part) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const float wm = warp_max(m);
+    s = warp_sum(xent_rebase_approx(m, s, wm));
+    if (lane == 0) {
+        part[warp] = wm;
+        part[32 + warp] = s;
+    }
+    __syncthreads();
+    const float pm = lane < warps ? part[lane] : NEG_INF;
+    const float ps = lane < warps ? part[32 + lane] : 0.0f;
+    m = warp_max(pm);
+    s = warp_sum(xent_rebase_approx(pm, ps, m));
+}
+
+// Calls f(k, edge) for each of this thread's chunks k of a row of `chunks` chunks (k mod
+// blockDim.x == threadIdx.x) whose interior chunks are [first, end): those with edge = false
+// in a loop, then chunk 0 (if first == 1) and chunk `end` (if end < chunks: a partial last
+// chunk) with edge = true. end < first only for a row of one partial chunk, visited once.
+template <typename F>
+__device__ __forceinline__ void xent_each_chunk(int first, int end, int chunks, F f) {
+    int k = threadIdx.x;
+    if (k < first) {
+        f(0, true);
+        k += blockDim.x;
+    }
+    for (; k < end; k += blockDim.x) f(k, false);
+    if (k == end && end < chunks) f(end, true);
+}
+
+// Starts copying row r (if r < rows) into `stage`: this thread's chunks, the last one cut at
+// the row's end.
+template <typename T>
+__device__ __forceinline__ void xent_fetch(uint4* stage, const T* logits, long long r, long long rows, int cols) {
+    if (r >= rows) return;
+    const XentSpan<T> sp(logits, r, cols);
+    const char* src = reinterpret_cast<const char*>(sp.a0);
+    const int last = sp.chunks - 1;
+    int k = threadIdx.x;
+    for (; k < last; k += blockDim.x)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(xent_smem_addr(stage + k)), "l"(src + 16ll * k) : "memory");
+    if (k == last) {
+        const unsigned long long end = (unsigned long long)(logits + r * cols + cols);
+        xent_cp16(stage + last, src + 16ll * last, (int)(end - (sp.a0 + 16ull * last)));
+    }
+}
+
 // Row r, whose copy in `stage` this thread's wait has completed (for its own chunks).
 template <typename T>
 __device__ __forceinline__ void xent_staged_row(const uint4* stage, T* logits, const int* targets, double* row_loss, long long r, int cols, float grad_scale, float* part) {
     typedef XentChunk<T> C;
     const XentSpan<T> sp(logits, r, cols);
     const int target = targets[r];
-    const int last = sp.chunks - 1;
+    const int first = sp.h ? 1 : 0;
+    const int end = (sp.h + cols) % C::N ? sp.chunks - 1 : sp.chunks;
 
     typename C::Max mx = C::max_init();
-    for (int k = threadIdx.x; k < sp.chunks; k += blockDim.x) {
+    xent_each_chunk(first, end, sp.chunks, [&](int k, bool edge) {
         uint4 u = stage[k];
-        if (k == 0 || k == last) u = C::mask(u, k * C::N - sp.h, cols);
+        if (edge) u = C::mask(u, k * C::N - sp.h, cols);
         mx = C::fold(mx, u);
-    }
+    });
     float m = C::finish(mx), s = 0.0f;
     // A thread without elements (or with only -inf) keeps the empty pair (-inf, 0).
     if (m != NEG_INF) {
-        for (int k = threadIdx.x; k < sp.chunks; k += blockDim.x) {
+        xent_each_chunk(first, end, sp.chunks, [&](int k, bool edge) {
             uint4 u = stage[k];
-            if (k == 0 || k == last) u = C::mask(u, k * C::N - sp.h, cols);
+            if (edge) u = C::mask(u, k * C::N - sp.h, cols);
             float v[C::N];
             C::unpack(u, v);
-            float part_sum = expf(v[0] - m);
 #pragma unroll
-            for (int e = 1; e < C::N; e++) part_sum += expf(v[e] - m);
-            s += part_sum;
-        }
+            for (int e = 0; e < C::N; e++) v[e] = xent_exp_approx(v[e], m);
+            // A tree, not a chain: the same number of additions, half the latency.
+#pragma unroll
+            for (int w = C::N / 2; w > 0; w /= 2)
+#pragma unroll
+                for (int e = 0; e < w; e++) v[e] += v[e + w];
+            s += v[0];
+        });
     }
-    xent_block_merge_into(m, s, part);
+    xent_block_merge_staged(m, s, part);
 
     // The target logit lives in its chunk, which its owner copied (so may read) itself.
     const bool has_target = target >= 0 && target < cols;
     const int owner = has_target ? (int)(((sp.h + target) / C::N) % blockDim.x) : 0;
-    if ((int)threadIdx.x == owner) {
-        const float target_logit = has_target ? C::get(reinterpret_cast<const T*>(stage) + sp.h + target) : 0.0f;
+    const bool owns_target = has_target && (int)threadIdx.x == owner;
+    const float target_logit = owns_target ? C::get(reinterpret_cast<const T*>(stage) + sp.h + target) : 0.0f;
+    if ((int)threadIdx.x == owner)
         row_loss[r] = log((double)s) + (double)m - (double)target_logit;
-    }
 
     const float factor = grad_scale / s;
-    if (xent_finite(m) && xent_finite(factor))
-        xent_staged_write<T, true>(stage, logits, sp, r, cols, target, m, factor, grad_scale);
-    else
-        xent_staged_write<T, false>(stage, logits, sp, r, cols, target, m, factor, grad_scale);
+    if (!(xent_finite(m) && xent_finite(factor))) {
+        xent_write_nonfinite<T>(stage, logits, sp, r, cols, target, m, factor, grad_scale);
+        return;
+    }
+    T* row = logits + r * cols;
+    uint4* chunk = reinterpret_cast<uint4*>(sp.a0);
+    xent_each_chunk(first, end, sp.chunks, [&](int k, bool edge) {
+        float v[C::N];
+        C::unpack(stage[k], v);
+#pragma unroll
+        for (int e = 0; e < C::N; e++) v[e] = __fmul_rn(factor, xent_exp_approx(v[e], m));
+        if (!edge) {
+            __stcs(chunk + k, C::pack(v, true));
+        } else {
+#pragma unroll
+            for (int e = 0; e < C::N; e++) {
+                const int j = k * C::N - sp.h + e;
+                if (j >= 0 && j < cols) C::put(row + j, v[e]);
+            }
+        }
+    });
+    if (owns_target) C::put(row + target, __fmul_rn(factor, xent_exp_approx(target_logit, m)) - grad_scale);
 }
 
 // The persistent loop: rows blockIdx.x, + gridDim.x, ...; `stages` (1 or 2) buffers of
@@ -488,212 +577,6 @@ extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_staged_f32(f
 // As cross_entropy_staged_f32, for bf16 logits (raw 16-bit patterns).
 extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_staged_bf16(unsigned short* logits, const int* targets, double* row_loss, long long rows, long long vocab, float grad_scale, int stages, int stage_chunks) {
     xent_staged<unsigned short>(logits, targets, row_loss, rows, vocab, grad_scale, stages, stage_chunks);
-}
-
-// ---------------------------------------------------------------- staged_fast (variant `staged_fast`)
-// `staged`'s rows, copies, chunk ownership, single barrier per row and formulas (the loss
-// ln(sum) + max - target logit in f64, dlogits grad_scale / sum · e^(x - max), minus grad_scale
-// at the target, rounded once), in fewer instructions: `staged`'s SASS (sm_90a, bf16) runs ~30
-// an element (each expf ~9, every chunk tested for being an edge) plus a block merge of ~700 a
-// warp and row (32 serial merges, each with an expf: ~14 an element more at 32 warps), which
-// at ~10 µs a row an SM is more than HBM's ~7.5 µs for the row's 200 KB; this runs ~14 (per
-// 16-byte chunk of 8 elements: the copy 9, the max 8, the sum 45, the dlogits 53) and ~60 a
-// warp for the merge, ~4 µs a row, under the memory time.
-// - e^(x - max) is ex2.approx.ftz((x - max)·L), L = log2(e) as an f32: an FADD, an FMUL and one
-//   MUFU.EX2 (~2 ulp; results below 2^-126 flush to 0). x - max is rounded once and 0 at the
-//   max, whose term is then exactly 1, as expf(0) is: a row that is all its max (large logits)
-//   gets sum 1, dlogit grad_scale there and exactly 0 at a target there. Folding 1/sum into
-//   the exponent (2^(x·L - B)) would save the FMUL but leave ~1e-6 of grad_scale at such a
-//   target, and buy nothing: with two MUFUs an element and 16 MUFU results a clock an SM (8
-//   issue slots a MUFU) the ~14 instructions already fit under the MUFU's time. L's rounding
-//   (1.3e-8) scales each exponent by 1 + 1.3e-8: negligible where e^(x - max) is not.
-// - The block merge: each warp reduces its lanes' (max, sum) pairs with shuffles (the max,
-//   then the sums rebased to it), lane w of every warp then reads warp w's pair after the
-//   barrier and reduces those the same way: every thread gets the same result, in a fixed
-//   order.
-// - A row's partial edge chunks (chunk 0 when the row starts off the 16-byte grid, the last
-//   one when it ends off it) are done by their owners after the loops, so the loops test
-//   nothing per chunk; the target's dlogit is written with its chunk, then again by the same
-//   thread with -grad_scale (a thread's stores to one address stay in order). The copy of a
-//   row moves whole chunks without a source size, the last one alone with its size.
-// - The next row's copy is still issued whole at the start of a row, before the wait for this
-//   one: it then has a whole row's time to land (~100 KB in flight an SM, far more than HBM's
-//   latency needs), and splitting it would move only its ~0.6 instructions an element.
-// A row whose max or grad_scale / sum is not finite takes `staged`'s write (xent_staged_write,
-// round_bf16 throughout), as `staged` does.
-
-#define XENT_LOG2E 1.44269504088896340736f
-
-__device__ __forceinline__ float xent_ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// e^(x - m) as above (the difference and the product rounded once each, 0 at x = m).
-__device__ __forceinline__ float xent_exp_fast(float x, float m) {
-    return xent_ex2(__fmul_rn(__fadd_rn(x, -m), XENT_LOG2E));
-}
-
-// A running sum of e^(x - m) rebased to the max mx >= m, in the same base-2 form (m == mx
-// covers both being -inf; an empty part, m = -inf, has s = 0, and exp2f(-inf) is 0).
-__device__ __forceinline__ float xent_rebase_fast(float m, float s, float mx) {
-    return m == mx ? s : s * exp2f(__fmul_rn(m - mx, XENT_LOG2E));
-}
-
-// (m, s) of the whole block in every thread (blockDim a multiple of 32, at most 1024), through
-// `part` (2 × 32 floats, alternated between rows as in xent_block_merge_into).
-__device__ __forceinline__ void xent_block_merge_fast(float& m, float& s, float* part) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const float wm = warp_max(m);
-    s = warp_sum(xent_rebase_fast(m, s, wm));
-    if (lane == 0) {
-        part[warp] = wm;
-        part[32 + warp] = s;
-    }
-    __syncthreads();
-    const float pm = lane < warps ? part[lane] : NEG_INF;
-    const float ps = lane < warps ? part[32 + lane] : 0.0f;
-    m = warp_max(pm);
-    s = warp_sum(xent_rebase_fast(pm, ps, m));
-}
-
-// Calls f(k, edge) for each of this thread's chunks k of a row of `chunks` chunks (k mod
-// blockDim.x == threadIdx.x) whose interior chunks are [first, end): those with edge = false
-// in a loop, then chunk 0 (if first == 1) and chunk `end` (if end < chunks: a partial last
-// chunk) with edge = true. end < first only for a row of one partial chunk, visited once.
-template <typename F>
-__device__ __forceinline__ void xent_each_chunk(int first, int end, int chunks, F f) {
-    int k = threadIdx.x;
-    if (k < first) {
-        f(0, true);
-        k += blockDim.x;
-    }
-    for (; k < end; k += blockDim.x) f(k, false);
-    if (k == end && end < chunks) f(end, true);
-}
-
-// Starts copying row r (if r < rows) into `stage`, as xent_fetch.
-template <typename T>
-__device__ __forceinline__ void xent_fetch_fast(uint4* stage, const T* logits, long long r, long long rows, int cols) {
-    if (r >= rows) return;
-    const XentSpan<T> sp(logits, r, cols);
-    const char* src = reinterpret_cast<const char*>(sp.a0);
-    const int last = sp.chunks - 1;
-    int k = threadIdx.x;
-    for (; k < last; k += blockDim.x)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(xent_smem_addr(stage + k)), "l"(src + 16ll * k) : "memory");
-    if (k == last) {
-        const unsigned long long end = (unsigned long long)(logits + r * cols + cols);
-        xent_cp16(stage + last, src + 16ll * last, (int)(end - (sp.a0 + 16ull * last)));
-    }
-}
-
-// Row r, whose copy in `stage` this thread's wait has completed (for its own chunks).
-template <typename T>
-__device__ __forceinline__ void xent_fast_row(const uint4* stage, T* logits, const int* targets, double* row_loss, long long r, int cols, float grad_scale, float* part) {
-    typedef XentChunk<T> C;
-    const XentSpan<T> sp(logits, r, cols);
-    const int target = targets[r];
-    const int first = sp.h ? 1 : 0;
-    const int end = (sp.h + cols) % C::N ? sp.chunks - 1 : sp.chunks;
-
-    typename C::Max mx = C::max_init();
-    xent_each_chunk(first, end, sp.chunks, [&](int k, bool edge) {
-        uint4 u = stage[k];
-        if (edge) u = C::mask(u, k * C::N - sp.h, cols);
-        mx = C::fold(mx, u);
-    });
-    float m = C::finish(mx), s = 0.0f;
-    // A thread without elements (or with only -inf) keeps the empty pair (-inf, 0).
-    if (m != NEG_INF) {
-        xent_each_chunk(first, end, sp.chunks, [&](int k, bool edge) {
-            uint4 u = stage[k];
-            if (edge) u = C::mask(u, k * C::N - sp.h, cols);
-            float v[C::N];
-            C::unpack(u, v);
-#pragma unroll
-            for (int e = 0; e < C::N; e++) v[e] = xent_exp_fast(v[e], m);
-            // A tree, not a chain: the same number of additions, half the latency.
-#pragma unroll
-            for (int w = C::N / 2; w > 0; w /= 2)
-#pragma unroll
-                for (int e = 0; e < w; e++) v[e] += v[e + w];
-            s += v[0];
-        });
-    }
-    xent_block_merge_fast(m, s, part);
-
-    // The target logit lives in its chunk, which its owner copied (so may read) itself.
-    const bool has_target = target >= 0 && target < cols;
-    const int owner = has_target ? (int)(((sp.h + target) / C::N) % blockDim.x) : 0;
-    const bool owns_target = has_target && (int)threadIdx.x == owner;
-    const float target_logit = owns_target ? C::get(reinterpret_cast<const T*>(stage) + sp.h + target) : 0.0f;
-    if ((int)threadIdx.x == owner)
-        row_loss[r] = log((double)s) + (double)m - (double)target_logit;
-
-    const float factor = grad_scale / s;
-    if (!(xent_finite(m) && xent_finite(factor))) {
-        xent_staged_write<T, false>(stage, logits, sp, r, cols, target, m, factor, grad_scale);
-        return;
-    }
-    T* row = logits + r * cols;
-    uint4* chunk = reinterpret_cast<uint4*>(sp.a0);
-    xent_each_chunk(first, end, sp.chunks, [&](int k, bool edge) {
-        float v[C::N];
-        C::unpack(stage[k], v);
-#pragma unroll
-        for (int e = 0; e < C::N; e++) v[e] = __fmul_rn(factor, xent_exp_fast(v[e], m));
-        if (!edge) {
-            __stcs(chunk + k, C::pack(v, true));
-        } else {
-#pragma unroll
-            for (int e = 0; e < C::N; e++) {
-                const int j = k * C::N - sp.h + e;
-                if (j >= 0 && j < cols) C::put(row + j, v[e]);
-            }
-        }
-    });
-    if (owns_target) C::put(row + target, __fmul_rn(factor, xent_exp_fast(target_logit, m)) - grad_scale);
-}
-
-// The persistent loop of xent_staged, with xent_fetch_fast and xent_fast_row.
-template <typename T>
-__device__ __forceinline__ void xent_staged_fast(T* logits, const int* targets, double* row_loss, long long rows, long long vocab, float grad_scale, int stages, int stage_chunks) {
-    extern __shared__ uint4 xent_stage[];
-    __shared__ float part[2][64];
-    const int cols = (int)vocab;
-    const long long step = gridDim.x;
-    long long r = blockIdx.x;
-    if (stages == 2) {
-        xent_fetch_fast<T>(xent_stage, logits, r, rows, cols);
-        xent_commit();
-    }
-    for (int it = 0; r < rows; it++, r += step) {
-        uint4* stage = xent_stage;
-        if (stages == 2) {
-            stage += (it & 1) * stage_chunks;
-            // The other buffer held the previous row, which this thread has finished with.
-            xent_fetch_fast<T>(xent_stage + ((it + 1) & 1) * stage_chunks, logits, r + step, rows, cols);
-            xent_commit();
-            xent_wait<1>();
-        } else {
-            xent_fetch_fast<T>(stage, logits, r, rows, cols);
-            xent_commit();
-            xent_wait<0>();
-        }
-        xent_fast_row<T>(stage, logits, targets, row_loss, r, cols, grad_scale, part[it & 1]);
-    }
-}
-
-// As cross_entropy_staged_f32, in fewer instructions (above).
-extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_staged_fast_f32(float* logits, const int* targets, double* row_loss, long long rows, long long vocab, float grad_scale, int stages, int stage_chunks) {
-    xent_staged_fast<float>(logits, targets, row_loss, rows, vocab, grad_scale, stages, stage_chunks);
-}
-
-// As cross_entropy_staged_bf16, in fewer instructions (above).
-extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_staged_fast_bf16(unsigned short* logits, const int* targets, double* row_loss, long long rows, long long vocab, float grad_scale, int stages, int stage_chunks) {
-    xent_staged_fast<unsigned short>(logits, targets, row_loss, rows, vocab, grad_scale, stages, stage_chunks);
 }
 
 // One block: loss[0] += scale * Σ row_loss (each thread sums a fixed stride of rows, then the
