@@ -4,7 +4,7 @@
 # what each kernel uses on the chosen SM. For working on kernels on a machine with no GPU.
 #
 # Needs NVRTC and ptxas, e.g. from PyPI:
-#   pip install --target /opt/cuda-pip nvidia-cuda-nvrtc nvidia-cuda-nvcc
+#   pip install --target /opt/cuda-pip "nvidia-cuda-nvrtc==13.0.*" nvidia-cuda-nvcc   (13.0: the GPU machine's NVRTC)
 #   CUDA_PIP=/opt/cuda-pip bench/kernel_stats.sh [sm_90a] [kernel-name-filter]
 # (sm_90a: what an H100/H200 runs, docs/cuda.md; sm_80 or sm_90 for the other targets.)
 # Output: one line per kernel: name, registers, spill stores/loads and static shared memory

@@ -105,7 +105,17 @@ mod bench {
                         measure(&mut be, &pt, fwd, bwd);
                     }
                 }
-                Err(e) => println!("skipped: no CUDA device ({e})"),
+                Err(e) => {
+                    assert!(
+                        parc_runtime::cuda::gpu_absent(&e),
+                        "a GPU is there, but the CUDA backend failed: {e}"
+                    );
+                    assert!(
+                        parc_runtime::cuda::gpu_absent(&e),
+                        "a GPU is there, but the CUDA backend failed: {e}"
+                    );
+                    println!("skipped: no CUDA device ({e})");
+                }
             }
             return;
         }
@@ -132,6 +142,10 @@ mod bench {
             let mut be = match CudaBackend::with_precision(0, pt.precision) {
                 Ok(b) => b,
                 Err(e) => {
+                    assert!(
+                        parc_runtime::cuda::gpu_absent(&e),
+                        "a GPU is there, but the CUDA backend failed: {e}"
+                    );
                     println!("skipped: no CUDA device ({e})");
                     return;
                 }

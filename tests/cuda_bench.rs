@@ -30,6 +30,10 @@ fn gpt2_124m_tokens_per_second() {
         use parc_runtime::cuda::CudaBackend;
         use parc_runtime::exec::{train, TrainOptions};
         if let Err(e) = CudaBackend::new(0) {
+            assert!(
+                parc_runtime::cuda::gpu_absent(&e),
+                "a GPU is there, but the CUDA backend failed: {e}"
+            );
             println!("skipped: no CUDA device ({e})");
             return;
         }

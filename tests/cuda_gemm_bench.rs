@@ -104,6 +104,10 @@ mod bench {
             let mut be = match CudaBackend::with_precision(0, Precision::Bf16) {
                 Ok(be) => be,
                 Err(e) => {
+                    assert!(
+                        parc_runtime::cuda::gpu_absent(&e),
+                        "a GPU is there, but the CUDA backend failed: {e}"
+                    );
                     println!("skipped: no CUDA device ({e})");
                     return;
                 }

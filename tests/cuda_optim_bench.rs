@@ -75,8 +75,12 @@ mod bench {
     }
 
     pub fn run() {
-        if CudaBackend::new(0).is_err() {
-            println!("skipped: no CUDA device");
+        if let Err(e) = CudaBackend::new(0) {
+            assert!(
+                parc_runtime::cuda::gpu_absent(&e),
+                "a GPU is there, but the CUDA backend failed: {e}"
+            );
+            println!("skipped: no CUDA device ({e})");
             return;
         }
         println!("model  parameters  launch        kernel                ms      GB/s");

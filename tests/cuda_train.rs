@@ -43,6 +43,10 @@ fn gpu_present() -> bool {
     match parc_runtime::cuda::CudaBackend::new(0) {
         Ok(_) => true,
         Err(e) => {
+            assert!(
+                parc_runtime::cuda::gpu_absent(&e),
+                "a GPU is there, but the CUDA backend failed: {e}"
+            );
             println!("skipped: no CUDA device ({e})");
             false
         }

@@ -137,6 +137,10 @@ fn the_cpu_backend_holds_exactly_the_plan() {
 fn cuda_steps_allocate_nothing() {
     use parc_runtime::cuda::CudaBackend;
     if let Err(e) = CudaBackend::new(0) {
+        assert!(
+            parc_runtime::cuda::gpu_absent(&e),
+            "a GPU is there, but the CUDA backend failed: {e}"
+        );
         println!("skipped: no CUDA device ({e})");
         return;
     }

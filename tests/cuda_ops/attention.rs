@@ -633,6 +633,10 @@ fn attention_bf16_mma_sync() {
         let mut gpu = match parc_runtime::cuda::CudaBackend::with_precision(0, Precision::Bf16) {
             Ok(b) => b,
             Err(e) => {
+                assert!(
+                    parc_runtime::cuda::gpu_absent(&e),
+                    "a GPU is there, but the CUDA backend failed: {e}"
+                );
                 println!("skipped: no CUDA device ({e})");
                 return;
             }

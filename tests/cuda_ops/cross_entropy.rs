@@ -129,6 +129,10 @@ fn in_place_and_deterministic(variant: &str) {
     let mut gpu = match CudaBackend::new(0) {
         Ok(b) => b,
         Err(e) => {
+            assert!(
+                parc_runtime::cuda::gpu_absent(&e),
+                "a GPU is there, but the CUDA backend failed: {e}"
+            );
             println!("skipped: no CUDA device ({e})");
             return;
         }

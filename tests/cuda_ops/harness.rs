@@ -38,6 +38,10 @@ pub fn gpu_with(precision: Precision) -> Option<Box<dyn Backend>> {
     match parc_runtime::cuda::CudaBackend::with_precision(0, precision) {
         Ok(b) => Some(Box::new(b)),
         Err(e) => {
+            assert!(
+                parc_runtime::cuda::gpu_absent(&e),
+                "a GPU is there, but the CUDA backend failed: {e}"
+            );
             println!("skipped: no CUDA device ({e})");
             None
         }
@@ -64,6 +68,10 @@ pub fn gpu_variant(precision: Precision, (op, name): (&str, &str)) -> Option<Box
             Some(Box::new(b))
         }
         Err(e) => {
+            assert!(
+                parc_runtime::cuda::gpu_absent(&e),
+                "a GPU is there, but the CUDA backend failed: {e}"
+            );
             println!("skipped: no CUDA device ({e})");
             None
         }
@@ -325,6 +333,10 @@ pub fn hopper_variant(
     let mut b = match parc_runtime::cuda::CudaBackend::with_precision(0, precision) {
         Ok(b) => b,
         Err(e) => {
+            assert!(
+                parc_runtime::cuda::gpu_absent(&e),
+                "a GPU is there, but the CUDA backend failed: {e}"
+            );
             println!("skipped: no CUDA device ({e})");
             return None;
         }

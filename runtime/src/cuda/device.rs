@@ -16,6 +16,21 @@ pub(crate) fn cublas_error(context: &str, e: impl Debug) -> RuntimeError {
     RuntimeError::Unsupported(format!("{context}: {e:?}"))
 }
 
+/// How the errors of a machine without a usable GPU begin (`open`'s three kinds: no driver, a
+/// missing CUDA library, no device), which [`gpu_absent`] recognises.
+const NO_DRIVER: &str = "no CUDA driver found";
+const NO_LIBRARY: &str = "the CUDA driver is there but";
+const NO_DEVICE: &str = "no CUDA device found";
+
+/// Whether `error` (from making a `CudaBackend`) says the machine has no usable GPU — no
+/// driver, a CUDA library missing, or no device — rather than that a GPU is there and
+/// something on it failed (a kernel that does not compile, a driver call that fails). GPU
+/// tests skip on the first and must fail on the second.
+pub fn gpu_absent(error: &RuntimeError) -> bool {
+    matches!(error, RuntimeError::Unsupported(m)
+        if [NO_DRIVER, NO_LIBRARY, NO_DEVICE].iter().any(|p| m.starts_with(p)))
+}
+
 const LIBRARY_HELP: &str = "install the NVIDIA driver and CUDA 13 (libcuda, libnvrtc, \
      libcublasLt) and put their directory (e.g. /usr/local/cuda/lib64) on LD_LIBRARY_PATH, \
      or use --backend cpu";
@@ -32,7 +47,7 @@ pub(crate) fn open(ordinal: usize) -> Result<(Arc<CudaContext>, Arc<CudaStream>)
     };
     if !driver {
         return Err(RuntimeError::Unsupported(format!(
-            "no CUDA driver found: libcuda could not be loaded; {LIBRARY_HELP}"
+            "{NO_DRIVER}: libcuda could not be loaded; {LIBRARY_HELP}"
         )));
     }
     for (present, name) in [
@@ -41,18 +56,18 @@ pub(crate) fn open(ordinal: usize) -> Result<(Arc<CudaContext>, Arc<CudaStream>)
     ] {
         if !present {
             return Err(RuntimeError::Unsupported(format!(
-                "the CUDA driver is there but {name} could not be loaded; {LIBRARY_HELP}"
+                "{NO_LIBRARY} {name} could not be loaded; {LIBRARY_HELP}"
             )));
         }
     }
     let count = CudaContext::device_count().map_err(|e| {
         RuntimeError::Unsupported(format!(
-            "no CUDA device found: the driver could not count devices ({e:?}); {LIBRARY_HELP}"
+            "{NO_DEVICE}: the driver could not count devices ({e:?}); {LIBRARY_HELP}"
         ))
     })?;
     if usize::try_from(count).map_or(true, |c| c <= ordinal) {
         return Err(RuntimeError::Unsupported(format!(
-            "no CUDA device found: device {ordinal} requested, the driver sees {count}"
+            "{NO_DEVICE}: device {ordinal} requested, the driver sees {count}"
         )));
     }
     let ctx = CudaContext::new(ordinal)
@@ -98,4 +113,26 @@ pub(crate) fn limits(ctx: &CudaContext) -> Result<DeviceLimits> {
             "shared memory per multiprocessor",
         )?,
     })
+}
+
+#[cfg(test)]
+mod gpu_absent_tests {
+    use super::*;
+
+    #[test]
+    fn only_a_missing_gpu_reads_as_absent() {
+        let absent = [
+            format!("{NO_DRIVER}: libcuda could not be loaded"),
+            format!("{NO_LIBRARY} NVRTC (libnvrtc) could not be loaded"),
+            format!("{NO_DEVICE}: device 0 requested, the driver sees 0"),
+        ];
+        for m in absent {
+            assert!(gpu_absent(&RuntimeError::Unsupported(m.clone())), "{m}");
+        }
+        let present = RuntimeError::Unsupported(
+            "NVRTC could not compile parc's CUDA kernels for compute_90a: ...".into(),
+        );
+        assert!(!gpu_absent(&present));
+        assert!(!gpu_absent(&RuntimeError::Comm(NO_DEVICE.to_string())));
+    }
 }

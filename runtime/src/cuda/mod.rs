@@ -59,6 +59,7 @@ use parc_compiler::spec::Precision;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+pub use device::gpu_absent;
 pub use nccl::{nccl_available, nccl_version, FailureProbe, NcclId};
 pub use nccl_host::{AbortNotice, NcclHostComm};
 
