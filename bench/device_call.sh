@@ -32,20 +32,6 @@ step() {
     echo "== $name rc=$? at $((SECONDS - t0)) s"
     grep -E "test result|FAILED|panicked|^error" "$out/$name.log" | head -12
 }
-# rate FILE LABEL: mean tokens/s of steps 2.. of a JSON-lines run.
-rate() {
-    PYTHONPATH=bench/parity python3 - "$1" "$2" <<'PY'
-import sys
-from jsonl import json_lines
-steps = [e["tokens_per_s"] for e in json_lines(sys.argv[1])
-         if e.get("event") == "step" and "tokens_per_s" in e]
-r = steps[1:]
-if r:
-    print(f"{sys.argv[2]}: steps 2..{len(steps)}: mean {sum(r) / len(r):,.0f} tokens/s, max {max(r):,.0f}")
-else:
-    print(f"{sys.argv[2]}: no timed steps (see the run's stderr)")
-PY
-}
 parc_run() { # parc_run NAME MODEL BATCH [VAR=VALUE...]: 8 steps of GPT-2 MODEL, JSON into $out/NAME.jsonl
     local name=$1 model=$2 batch=$3; shift 3
     env "$@" timeout 120 "$dir/parc" run "examples/gpt2-$model.par" --backend cuda --log-format json \

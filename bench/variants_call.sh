@@ -87,20 +87,6 @@ if [[ $phases == *" profile "* ]]; then
     done
 fi
 
-# rate LOG LABEL: mean tokens/s of steps 2.. of a JSON-lines run.
-rate() {
-    PYTHONPATH=bench/parity python3 - "$1" "$2" <<'PY'
-import sys
-from jsonl import json_lines
-steps = [e["tokens_per_s"] for e in json_lines(sys.argv[1])
-         if e.get("event") == "step" and "tokens_per_s" in e]
-r = steps[1:]
-if r:
-    print(f"{sys.argv[2]:<60} {sum(r) / len(r):>10,.0f} tokens/s (max {max(r):,.0f}, steps 2..{len(steps)})")
-else:
-    print(f"{sys.argv[2]:<60} no timed steps (see its log)")
-PY
-}
 
 if [[ $phases == *" rates "* ]]; then
     settings=("default")
