@@ -630,16 +630,8 @@ fn attention_bf16_mma_sync() {
     println!("skipped: no CUDA device (this build has no `cuda` feature)");
     #[cfg(feature = "cuda")]
     {
-        let mut gpu = match parc_runtime::cuda::CudaBackend::with_precision(0, Precision::Bf16) {
-            Ok(b) => b,
-            Err(e) => {
-                assert!(
-                    parc_runtime::cuda::gpu_absent(&e),
-                    "a GPU is there, but the CUDA backend failed: {e}"
-                );
-                println!("skipped: no CUDA device ({e})");
-                return;
-            }
+        let Some(mut gpu) = crate::harness::cuda_backend(Precision::Bf16) else {
+            return;
         };
         gpu.set_kernel_variant("attention_fwd", "fa2").unwrap();
         gpu.set_kernel_variant("attention_bwd", "fa2").unwrap();

@@ -126,16 +126,9 @@ fn in_place_and_deterministic(variant: &str) {
     use parc_compiler::ir::{BufferId, DType};
     use parc_runtime::backend::Backend;
     use parc_runtime::cuda::CudaBackend;
-    let mut gpu = match CudaBackend::new(0) {
-        Ok(b) => b,
-        Err(e) => {
-            assert!(
-                parc_runtime::cuda::gpu_absent(&e),
-                "a GPU is there, but the CUDA backend failed: {e}"
-            );
-            println!("skipped: no CUDA device ({e})");
-            return;
-        }
+    // CudaBackend::new(0) is the fp32 backend.
+    let Some(mut gpu) = crate::harness::cuda_backend(Precision::Fp32) else {
+        return;
     };
     gpu.set_kernel_variant("cross_entropy", variant).unwrap();
     let mut r = Rng::new(&format!(

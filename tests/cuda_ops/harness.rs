@@ -33,10 +33,13 @@ pub fn fp16(scale: f64) -> Precision {
     }
 }
 
+/// The CUDA backend of GPU 0 in `precision`, or None, printed as skipped, on a machine without
+/// a usable GPU; a GPU that is there but whose backend fails (e.g. a kernel NVRTC refuses) fails
+/// the test.
 #[cfg(feature = "cuda")]
-pub fn gpu_with(precision: Precision) -> Option<Box<dyn Backend>> {
+pub fn cuda_backend(precision: Precision) -> Option<parc_runtime::cuda::CudaBackend> {
     match parc_runtime::cuda::CudaBackend::with_precision(0, precision) {
-        Ok(b) => Some(Box::new(b)),
+        Ok(b) => Some(b),
         Err(e) => {
             assert!(
                 parc_runtime::cuda::gpu_absent(&e),
@@ -46,6 +49,11 @@ pub fn gpu_with(precision: Precision) -> Option<Box<dyn Backend>> {
             None
         }
     }
+}
+
+#[cfg(feature = "cuda")]
+pub fn gpu_with(precision: Precision) -> Option<Box<dyn Backend>> {
+    cuda_backend(precision).map(|b| Box::new(b) as Box<dyn Backend>)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -62,20 +70,9 @@ pub fn gpu() -> Option<Box<dyn Backend>> {
 /// (`PARC_<OP>_KERNEL`, cuda/variants.rs).
 #[cfg(feature = "cuda")]
 pub fn gpu_variant(precision: Precision, (op, name): (&str, &str)) -> Option<Box<dyn Backend>> {
-    match parc_runtime::cuda::CudaBackend::with_precision(0, precision) {
-        Ok(mut b) => {
-            b.set_kernel_variant(op, name).unwrap();
-            Some(Box::new(b))
-        }
-        Err(e) => {
-            assert!(
-                parc_runtime::cuda::gpu_absent(&e),
-                "a GPU is there, but the CUDA backend failed: {e}"
-            );
-            println!("skipped: no CUDA device ({e})");
-            None
-        }
-    }
+    let mut b = cuda_backend(precision)?;
+    b.set_kernel_variant(op, name).unwrap();
+    Some(Box::new(b))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -330,17 +327,7 @@ pub fn hopper_variant(
     op: &str,
     name: &str,
 ) -> Option<parc_runtime::cuda::CudaBackend> {
-    let mut b = match parc_runtime::cuda::CudaBackend::with_precision(0, precision) {
-        Ok(b) => b,
-        Err(e) => {
-            assert!(
-                parc_runtime::cuda::gpu_absent(&e),
-                "a GPU is there, but the CUDA backend failed: {e}"
-            );
-            println!("skipped: no CUDA device ({e})");
-            return None;
-        }
-    };
+    let mut b = cuda_backend(precision)?;
     if !b.is_hopper() {
         println!("skipped: {op}={name} runs on Hopper GPUs only");
         return None;
