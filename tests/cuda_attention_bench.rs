@@ -190,6 +190,7 @@ mod bench {
             scale,
             q_positions: positions.clone(),
             kv_positions: positions.clone(),
+            packed: false,
         };
         let bwd = Op::AttentionBwd {
             batch: b,
@@ -200,6 +201,7 @@ mod bench {
             scale,
             q_positions: positions.clone(),
             kv_positions: positions,
+            packed: false,
         };
         // q k v o lse do dq dk dv
         let sizes = [n, n, n, n, lse_n, n, n, n, n];

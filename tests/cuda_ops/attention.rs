@@ -69,6 +69,7 @@ fn attention_ops(c: &AttConfig) -> (Op, Op) {
         scale,
         q_positions: c.q_positions.clone(),
         kv_positions: c.kv_positions.clone(),
+        packed: false,
     };
     let bwd = Op::AttentionBwd {
         batch: c.batch,
@@ -79,6 +80,7 @@ fn attention_ops(c: &AttConfig) -> (Op, Op) {
         scale,
         q_positions: c.q_positions.clone(),
         kv_positions: c.kv_positions.clone(),
+        packed: false,
     };
     (fwd, bwd)
 }

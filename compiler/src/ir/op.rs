@@ -180,7 +180,10 @@ pub enum Op {
         positions: Vec<Segment>,
     },
     /// Scaled dot-product attention, softmax scale `scale` (1/sqrt(head_dim) by default).
-    /// in: q `[rows_q, heads*head_dim]`, k `[rows_kv, kv_heads*head_dim]`, v (as k).
+    /// in: q `[rows_q, heads*head_dim]`, k `[rows_kv, kv_heads*head_dim]`, v (as k); or, when
+    /// `packed`, one qkv `[rows, (heads + 2*kv_heads)*head_dim]` whose every row holds that
+    /// row's q heads, then its k heads, then its v heads (what one fused projection GEMM
+    /// writes; needs `q_positions == kv_positions`).
     /// out: o `[rows_q, heads*head_dim]`, lse `[batch, heads, seq_q]` (log-sum-exp of the scaled
     /// scores per query). `rows_q = len(q_positions) * batch`, `rows_kv = len(kv_positions) * batch`.
     /// When `causal`, query at global position p attends keys at positions ≤ p.
@@ -193,8 +196,10 @@ pub enum Op {
         scale: f64,
         q_positions: Vec<Segment>,
         kv_positions: Vec<Segment>,
+        packed: bool,
     },
-    /// in: do, q, k, v, o, lse. out: dq, dk, dv (overwritten).
+    /// in: do, q, k, v, o, lse. out: dq, dk, dv (overwritten). When `packed`: in do, qkv, o,
+    /// lse; out dqkv, laid out as qkv (every element written).
     AttentionBwd {
         batch: u64,
         heads: u64,
@@ -204,6 +209,7 @@ pub enum Op {
         scale: f64,
         q_positions: Vec<Segment>,
         kv_positions: Vec<Segment>,
+        packed: bool,
     },
 
     // ------------------------------------------------------------------ elementwise

@@ -83,11 +83,13 @@ pub fn operand_classes(op: &Op) -> (Vec<StorageClass>, Vec<StorageClass>) {
         }
         Op::MatmulBwdWeight { bias, .. } => (vec![Float, Float], with(&[Fp32], *bias, Fp32)),
         Op::Rope { .. } | Op::RopeBwd { .. } => (vec![Float], vec![Float]),
-        Op::Attention { .. } => (vec![Float; 3], vec![Float, Fp32]),
-        Op::AttentionBwd { .. } => (
+        Op::Attention { packed: false, .. } => (vec![Float; 3], vec![Float, Fp32]),
+        Op::Attention { packed: true, .. } => (vec![Float], vec![Float, Fp32]),
+        Op::AttentionBwd { packed: false, .. } => (
             vec![Float, Float, Float, Float, Float, Fp32],
             vec![Float; 3],
         ),
+        Op::AttentionBwd { packed: true, .. } => (vec![Float, Float, Float, Fp32], vec![Float]),
         Op::Activation { .. } => (vec![Float], vec![Float]),
         Op::ActivationBwd { .. } => (vec![Float; 2], vec![Float]),
         Op::SwiGlu => (vec![Float; 2], vec![Float]),

@@ -361,7 +361,7 @@ impl Emitter<'_> {
         let dq = self.activation_grad(node, "dq", mb, vec![rows, q_cols]);
         let dk = self.activation_grad(node, "dk", mb, vec![k_rows, kv_cols]);
         let dv = self.activation_grad(node, "dv", mb, vec![k_rows, kv_cols]);
-        let op = self.attention_op(&s, true);
+        let op = self.attention_op(&s, true, false);
         self.b.compute(
             op,
             &[d_o, q, k, v, o, lse],

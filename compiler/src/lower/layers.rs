@@ -528,12 +528,12 @@ impl Emitter<'_> {
         let seq_q = u64::from(crate::ir::op::segments_len(&self.positions));
         let o = self.activation(node, "o", mb, vec![rows, s.heads * s.head_dim]);
         let lse = self.activation(node, "lse", mb, vec![self.micro_batch, s.heads, seq_q]);
-        let op = self.attention_op(s, false);
+        let op = self.attention_op(s, false, false);
         self.b.compute(op, &[q, k, v], &[o, lse], Some(node), phase);
         (o, lse)
     }
 
-    pub fn attention_op(&self, s: &AttnShape, backward: bool) -> Op {
+    pub fn attention_op(&self, s: &AttnShape, backward: bool, packed: bool) -> Op {
         let (batch, heads, kv_heads, head_dim, causal) =
             (self.micro_batch, s.heads, s.kv_heads, s.head_dim, s.causal);
         let scale = 1.0 / (s.head_dim as f64).sqrt();
@@ -549,6 +549,7 @@ impl Emitter<'_> {
                 scale,
                 q_positions,
                 kv_positions,
+                packed,
             }
         } else {
             Op::Attention {
@@ -560,6 +561,7 @@ impl Emitter<'_> {
                 scale,
                 q_positions,
                 kv_positions,
+                packed,
             }
         }
     }

@@ -262,6 +262,7 @@ pub(crate) fn run(
             scale: softmax_scale,
             q_positions,
             kv_positions,
+            packed,
         }
         | Op::AttentionBwd {
             batch,
@@ -272,7 +273,13 @@ pub(crate) fn run(
             scale: softmax_scale,
             q_positions,
             kv_positions,
+            packed,
         } => {
+            if *packed {
+                return Err(crate::error::RuntimeError::Unsupported(format!(
+                    "{name}: packed q/k/v attention is not implemented by the CPU backend yet"
+                )));
+            }
             let shape = AttentionShape {
                 batch: dim(name, "batch", *batch)?,
                 heads: dim(name, "heads", *heads)?,

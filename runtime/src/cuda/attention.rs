@@ -482,6 +482,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
         scale,
         q_positions,
         kv_positions,
+        packed,
     }
     | Op::AttentionBwd {
         batch,
@@ -492,10 +493,14 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
         scale,
         q_positions,
         kv_positions,
+        packed,
     }) = op
     else {
         return Err(b.err("is not an attention op"));
     };
+    if *packed {
+        return Err(b.err("packed q/k/v attention is not implemented by the CUDA backend yet"));
+    }
     let forward = matches!(op, Op::Attention { .. });
     let (qi, ki, vi) = if forward { (0, 1, 2) } else { (1, 2, 3) };
     let (q, k, v) = (b.float_in(qi)?, b.float_in(ki)?, b.float_in(vi)?);
@@ -912,6 +917,7 @@ mod tests {
                 scale,
                 q_positions,
                 kv_positions,
+                packed: false,
             }
         } else {
             Op::AttentionBwd {
@@ -923,6 +929,7 @@ mod tests {
                 scale,
                 q_positions,
                 kv_positions,
+                packed: false,
             }
         }
     }

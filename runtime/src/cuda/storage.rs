@@ -330,6 +330,7 @@ mod tests {
                     scale,
                     q_positions: positions.clone(),
                     kv_positions: positions,
+                    packed: false,
                 }
             } else {
                 Op::Attention {
@@ -341,6 +342,7 @@ mod tests {
                     scale,
                     q_positions: positions.clone(),
                     kv_positions: positions,
+                    packed: false,
                 }
             }
         };

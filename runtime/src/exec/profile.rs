@@ -471,6 +471,7 @@ mod tests {
             scale: 0.35,
             q_positions: seg(0, 4),
             kv_positions: seg(0, 4),
+            packed: false,
         };
         assert_eq!(flops(&op, 0), Some(4.0 * 2.0 * 3.0 * 8.0 * 10.0));
     }

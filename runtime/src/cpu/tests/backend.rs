@@ -253,6 +253,7 @@ fn lowering_mistakes_are_clear_errors_naming_op_role_and_buffer() {
         scale: 1.0,
         q_positions: vec![seg(0, 1)],
         kv_positions: vec![seg(0, 1)],
+        packed: false,
     };
     let inputs = [
         Input::F(vec![0.0; 4]),
@@ -420,6 +421,7 @@ fn op_sequence_bits(backend: CpuBackend) -> Vec<Vec<u32>> {
                 scale: 0.25,
                 q_positions: segments.0,
                 kv_positions: segments.1,
+                packed: false,
             }
         } else {
             Op::Attention {
@@ -431,6 +433,7 @@ fn op_sequence_bits(backend: CpuBackend) -> Vec<Vec<u32>> {
                 scale: 0.25,
                 q_positions: segments.0,
                 kv_positions: segments.1,
+                packed: false,
             }
         }
     };

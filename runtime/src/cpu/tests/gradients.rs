@@ -250,6 +250,7 @@ fn check_attention(causal: bool, heads: u64, kv_heads: u64) {
         scale,
         q_positions: q_positions.clone(),
         kv_positions: kv_positions.clone(),
+        packed: false,
     };
     let inputs = vec![
         Input::F(values(q_len, 19, 1.0)),
@@ -268,6 +269,7 @@ fn check_attention(causal: bool, heads: u64, kv_heads: u64) {
         scale,
         q_positions,
         kv_positions,
+        packed: false,
     };
     let bwd_inputs = [
         Input::F(cot[0].clone()),
@@ -435,6 +437,7 @@ fn attention_backward_matches_a_directional_difference_across_query_tiles() {
         scale: 0.3,
         q_positions: q_positions.clone(),
         kv_positions: kv_positions.clone(),
+        packed: false,
     };
     let inputs = vec![
         Input::F(values(q_len, 90, 1.0)),
@@ -452,6 +455,7 @@ fn attention_backward_matches_a_directional_difference_across_query_tiles() {
         scale: 0.3,
         q_positions,
         kv_positions,
+        packed: false,
     };
     let mut bwd_inputs = vec![Input::F(cot[0].clone())];
     bwd_inputs.extend(inputs.iter().cloned());

@@ -38,6 +38,7 @@ impl AttnCase {
                 scale: self.scale(),
                 q_positions,
                 kv_positions,
+                packed: false,
             }
         } else {
             Op::Attention {
@@ -49,6 +50,7 @@ impl AttnCase {
                 scale: self.scale(),
                 q_positions,
                 kv_positions,
+                packed: false,
             }
         }
     }
