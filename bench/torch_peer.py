@@ -22,8 +22,8 @@ The schedule flags repeat the spec's `train.schedule` (the plan does not carry t
 compare.py checks that both runs used the same lr at every step.
 
 How parc's GPT-2 maps onto this model (see compiler/src/ir/op.rs and runtime/src/cpu/):
-- parc's Linear weights are [out, in] like torch's; attn.wq/wk/wv (and bq/bk/bv) are concatenated
-  along dim 0 into the fused qkv projection; the head is tied to embed.weight (vocab padded).
+- parc's Linear weights are [out, in] like torch's; attn.wqkv (and bqkv) is the fused qkv
+  projection, rows q then k then v, as the peer's; the head is tied to embed.weight (vocab padded).
 - LayerNorm eps, attention scale and causality, and the activation (gelu_tanh only) are read from
   the plan's ops; there is no dropout.
 - AdamW: parc's update is p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p) with wd only on
@@ -203,7 +203,7 @@ class SpecModel:
         expected = {"embed.weight", "pos.weight", "ln_f.weight", "ln_f.bias"}
         for i in range(self.layers):
             expected |= {f"blocks.{i}.{n}" for n in (
-                "ln1.weight", "ln1.bias", "attn.wq", "attn.bq", "attn.wk", "attn.bk", "attn.wv", "attn.bv",
+                "ln1.weight", "ln1.bias", "attn.wqkv", "attn.bqkv",
                 "attn.wo", "attn.bo", "ln2.weight", "ln2.bias", "mlp.fc", "mlp.fc_bias", "mlp.proj", "mlp.proj_bias")}
         if set(self.params) != expected:
             sys.exit("the plan's parameters are not the GPT-2 block's (bias everywhere, tied head): "
@@ -226,8 +226,7 @@ def load_parc_weights(model, spec, init):
     for i, b in enumerate(model.blocks):
         p = f"blocks.{i}."
         put(b.ln1.weight, p + "ln1.weight"); put(b.ln1.bias, p + "ln1.bias")
-        put(b.qkv.weight, p + "attn.wq", p + "attn.wk", p + "attn.wv")
-        put(b.qkv.bias, p + "attn.bq", p + "attn.bk", p + "attn.bv")
+        put(b.qkv.weight, p + "attn.wqkv"); put(b.qkv.bias, p + "attn.bqkv")
         put(b.proj.weight, p + "attn.wo"); put(b.proj.bias, p + "attn.bo")
         put(b.ln2.weight, p + "ln2.weight"); put(b.ln2.bias, p + "ln2.bias")
         put(b.fc.weight, p + "mlp.fc"); put(b.fc.bias, p + "mlp.fc_bias")

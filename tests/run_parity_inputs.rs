@@ -89,8 +89,8 @@ fn init_weights_are_plan_independent_and_batches_are_logged_per_step() {
     assert_eq!(step.as_deref(), Some("0"));
     assert_eq!(
         init.len(),
-        36,
-        "2 layers × 16 + embed, pos, ln_f weight and bias"
+        28,
+        "2 layers × 12 (q, k, v fused in one weight and bias) + embed, pos, ln_f weight and bias"
     );
     let (split_init, _) = tensors(&split.join("init.safetensors"));
     assert_eq!(init, split_init, "the init must not depend on the plan");

@@ -79,7 +79,7 @@ pub struct Value {
 #[derive(Clone, Debug, Serialize)]
 pub struct Node {
     /// Dotted path naming this layer instance, e.g. `embed`, `blocks.3.attn`, `blocks.3.ln1`,
-    /// `head`. Parameter names derive from it (`blocks.3.attn.wq`). Stable across runs.
+    /// `head`. Parameter names derive from it (`blocks.3.attn.wqkv`). Stable across runs.
     pub name: String,
     pub kind: LayerKind,
     pub inputs: Vec<ValueId>,
@@ -126,8 +126,8 @@ pub enum LayerKind {
         bias: bool,
         tied: Option<NodeId>,
     },
-    /// Self-attention block without its norm or residual: q/k/v projections (`wq [heads*head_dim,
-    /// dim]`, `wk`/`wv [kv_heads*head_dim, dim]`, biases `bq`/`bk`/`bv` when `bias`), optional RoPE
+    /// Self-attention block without its norm or residual: one fused q/k/v projection (`wqkv
+    /// [(heads + 2*kv_heads)*head_dim, dim]`, rows q then k then v; bias `bqkv` when `bias`), optional RoPE
     /// on q and k, scaled-dot-product attention (causal when `causal`), output projection
     /// `wo [dim, heads*head_dim]` (+ `bo`).
     Attention {

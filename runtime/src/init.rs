@@ -87,42 +87,62 @@ pub fn fill_indices(
 }
 
 /// The tp-local tensor of a parameter: block `tp.index` of `tp.parts` along `tp.dim` of the
-/// global tensor (all of it when there is no split), and the map from its row-major flat indices
-/// to global ones.
+/// global tensor (of each of `tp.sections` along it, concatenated; all of it when there is no
+/// split), and the map from its row-major flat indices to global ones.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TpBlock {
     global_shape: Vec<u64>,
     local_shape: Vec<u64>,
-    offset: Vec<u64>,
+    /// The split dimension (`global_shape.len()` when there is none).
+    dim: usize,
+    /// Along `dim`: runs of `(local start, global start, length)`, ascending.
+    runs: Vec<(u64, u64, u64)>,
 }
 
 impl TpBlock {
     pub fn new(global_shape: &[u64], tp: Option<TpSplit>) -> Result<TpBlock> {
         let mut local_shape = global_shape.to_vec();
-        let mut offset = vec![0u64; global_shape.len()];
-        if let Some(split) = tp {
-            let dim = split.dim as usize;
-            let extent = global_shape.get(dim).copied().ok_or_else(|| {
-                RuntimeError::Unsupported(format!(
-                    "tp split along dimension {dim} of a parameter of shape {global_shape:?}"
-                ))
-            })?;
-            let parts = u64::from(split.parts);
-            if extent.checked_rem(parts) != Some(0) || split.index >= split.parts {
-                return Err(RuntimeError::Unsupported(format!(
-                    "tp block {} of {} along dimension {dim} of a parameter of shape \
-                     {global_shape:?}: the dimension must divide evenly and the block must exist",
-                    split.index, split.parts
-                )));
-            }
-            let block = extent / parts;
-            local_shape[dim] = block;
-            offset[dim] = block * u64::from(split.index);
+        let Some(split) = tp else {
+            return Ok(TpBlock {
+                global_shape: global_shape.to_vec(),
+                local_shape,
+                dim: global_shape.len(),
+                runs: Vec::new(),
+            });
+        };
+        let dim = split.dim as usize;
+        let extent = global_shape.get(dim).copied().ok_or_else(|| {
+            RuntimeError::Unsupported(format!(
+                "tp split along dimension {dim} of a parameter of shape {global_shape:?}"
+            ))
+        })?;
+        let sections: Vec<u64> = match split.sections {
+            None => vec![extent],
+            Some(s) => s.iter().copied().filter(|&n| n > 0).collect(),
+        };
+        let parts = u64::from(split.parts);
+        let uneven = sections.iter().any(|&n| n.checked_rem(parts) != Some(0));
+        if uneven || split.index >= split.parts || sections.iter().sum::<u64>() != extent {
+            return Err(RuntimeError::Unsupported(format!(
+                "tp block {} of {} along dimension {dim} (sections {sections:?}) of a parameter \
+                 of shape {global_shape:?}: every section must divide evenly, the sections must \
+                 cover the dimension and the block must exist",
+                split.index, split.parts
+            )));
         }
+        let (mut runs, mut local, mut global) = (Vec::new(), 0u64, 0u64);
+        for n in sections {
+            let block = n / parts;
+            runs.push((local, global + block * u64::from(split.index), block));
+            local += block;
+            global += n;
+        }
+        local_shape[dim] = local;
         Ok(TpBlock {
             global_shape: global_shape.to_vec(),
             local_shape,
-            offset,
+            dim,
+            runs,
         })
     }
 
@@ -137,7 +157,13 @@ impl TpBlock {
         let mut stride = 1u64;
         for d in (0..self.local_shape.len()).rev() {
             let extent = self.local_shape[d].max(1);
-            global += (local % extent + self.offset[d]) * stride;
+            let mut at = local % extent;
+            if d == self.dim {
+                // The last run starting at or before `at` holds it.
+                let run = self.runs.iter().rev().find(|r| r.0 <= at);
+                at = run.map_or(at, |&(l, g, _)| g + (at - l));
+            }
+            global += at * stride;
             local /= extent;
             stride *= self.global_shape[d];
         }
@@ -254,6 +280,7 @@ mod tests {
             dim: 1,
             parts: 2,
             index: 1,
+            sections: None,
         };
         fill_local_param(
             &mut cols_block,
@@ -274,6 +301,7 @@ mod tests {
             dim: 0,
             parts: 3,
             index: 2,
+            sections: None,
         };
         fill_local_param(
             &mut rows_block,
@@ -295,6 +323,7 @@ mod tests {
             dim: 1,
             parts: 2,
             index: 0,
+            sections: None,
         };
         let mut local = vec![0.0; 15];
         fill_local_param(&mut local, init, 3, ParamId(0), &[5, 6], Some(split), None).unwrap();
@@ -339,6 +368,7 @@ mod tests {
             dim: 1,
             parts: 2,
             index: 1,
+            sections: None,
         };
         let mut expected = Vec::new();
         for a in 0..2u64 {
@@ -352,17 +382,42 @@ mod tests {
     }
 
     #[test]
+    fn sectioned_tp_blocks_take_the_same_block_of_every_section() {
+        // A fused projection of 4 q rows, 2 k rows, 2 v rows (2 columns each), split in 2:
+        // rank 1 holds q rows 2..4, k row 5, v row 7.
+        let split = TpSplit {
+            dim: 0,
+            parts: 2,
+            index: 1,
+            sections: Some([4, 2, 2]),
+        };
+        let rows: Vec<u64> = tp_local_indices(&[8, 2], Some(split))
+            .unwrap()
+            .iter()
+            .map(|i| i / 2)
+            .collect();
+        assert_eq!(rows, vec![2, 2, 3, 3, 5, 5, 7, 7]);
+        let odd = TpSplit {
+            sections: Some([4, 3, 1]),
+            ..split
+        };
+        assert!(tp_local_indices(&[8, 2], Some(odd)).is_err());
+    }
+
+    #[test]
     fn layout_errors_are_reported() {
         let split = TpSplit {
             dim: 0,
             parts: 4,
             index: 0,
+            sections: None,
         };
         assert!(tp_local_indices(&[6, 2], Some(split)).is_err());
         let split = TpSplit {
             dim: 2,
             parts: 1,
             index: 0,
+            sections: None,
         };
         assert!(tp_local_indices(&[6, 2], Some(split)).is_err());
         let mut out = vec![0.0; 3];

@@ -235,7 +235,7 @@ fn params_per_node_match_the_layer_shapes() {
             .find(|n| n.name == name)
             .map(|n| node_params(&spec, &n.kind))
     };
-    // wq wk wv wo 4·16·16 + biases 3·16 + 16.
+    // wqkv wo 4·16·16 + biases 3·16 + 16.
     assert_eq!(by_kind("blocks.0.attn"), Some(4 * 256 + 64));
     // fc, proj 2·64·16 + biases 64 + 16.
     assert_eq!(by_kind("blocks.0.mlp"), Some(2 * 1024 + 80));

@@ -227,6 +227,12 @@ pub enum Op {
     Scale { factor: f64 },
     /// in: x. out: a copy of x.
     Copy,
+    /// in: x `[rows, Σ widths]`. out: one `[rows, widths[i]]` per width: x's column blocks in
+    /// order (a fused q/k/v projection's output split for rope or context parallelism).
+    SplitColumns { widths: Vec<u64> },
+    /// in: one `[rows, widths[i]]` per width. out: x `[rows, Σ widths]`, their columns side by
+    /// side (the inverse of `SplitColumns`).
+    ConcatColumns { widths: Vec<u64> },
     /// in: nothing. out: the buffer, set to zero.
     Zero,
     /// in: src. out: dst, with `dst[dst_offset + i] = src[src_offset + i]` for `i < len` (flat
@@ -413,6 +419,8 @@ impl Op {
             | Op::Scale { .. }
             | Op::Copy
             | Op::Zero
+            | Op::SplitColumns { .. }
+            | Op::ConcatColumns { .. }
             | Op::CopyRange { .. }
             | Op::CeMax { .. }
             | Op::CeSumExp { .. }

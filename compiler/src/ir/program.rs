@@ -29,8 +29,8 @@
 //!   of them have (NCCL group semantics); lowering uses it where two stages exchange in both
 //!   directions, so no program can deadlock.
 //! - **Parameter layout.** A global parameter (see [`ParamTable`]) is first split over tp by
-//!   [`TpSplit`] (contiguous blocks along one dimension; block `index` of `parts`), giving the
-//!   *tp-local tensor*. Under ZeRO ≥ 1 that tensor is flattened (row-major) and padded with zeros
+//!   [`TpSplit`] (contiguous blocks along one dimension; block `index` of `parts`, or that block
+//!   of each of a fused projection's sections), giving the *tp-local tensor*. Under ZeRO ≥ 1 that tensor is flattened (row-major) and padded with zeros
 //!   to `parts * shard_len` elements, `shard_len = ceil(numel / parts)`; the caller's shard is
 //!   flat elements `[i * shard_len, (i + 1) * shard_len)` where `i` is its index in the
 //!   [`ZeroSplit::group`] set. Elements past `numel` are padding: initialised to zero and never
@@ -87,7 +87,7 @@ pub struct ParamTable {
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Param {
-    /// `node name . local name`, e.g. `blocks.3.attn.wq`.
+    /// `node name . local name`, e.g. `blocks.3.attn.wqkv`.
     pub name: String,
     /// Global shape, e.g. `[out, in]` for a linear weight.
     pub shape: Vec<u64>,
@@ -291,12 +291,16 @@ pub struct LocalParam {
     pub zero: Option<ZeroSplit>,
 }
 
-/// Block `index` of `parts` equal contiguous blocks along dimension `dim` of the global tensor.
+/// Block `index` of `parts` equal contiguous blocks along dimension `dim` of the global tensor;
+/// or, with `sections`, dimension `dim` is that many consecutive sections of these extents (a
+/// fused q/k/v projection's q rows, k rows, v rows) and the tp-local tensor is block `index` of
+/// `parts` of each section, concatenated in section order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct TpSplit {
     pub dim: u32,
     pub parts: u32,
     pub index: u32,
+    pub sections: Option<[u64; 3]>,
 }
 
 /// Flat split of the tp-local tensor: `parts` shards of `shard_len` elements (the last padded);

@@ -12,8 +12,8 @@
 //!   to f32, computes in f32 and rounds each bf16 output element to the nearest bf16 (ties to
 //!   even) once, when it writes it; an accumulating output is read, added to and rounded.
 //!
-//! `Copy`, `CopyRange` and `Zero` take any float type on either side (a copy between f32 and
-//! bf16 converts); their operands are `Float`.
+//! `Copy`, `CopyRange`, `SplitColumns`, `ConcatColumns` and `Zero` take any float type on either
+//! side (a copy between f32 and bf16 converts); their operands are `Float`.
 use super::op::Op;
 use super::DType;
 
@@ -97,6 +97,8 @@ pub fn operand_classes(op: &Op) -> (Vec<StorageClass>, Vec<StorageClass>) {
         Op::Add => (vec![Float; 2], vec![Float]),
         Op::Scale { .. } | Op::Copy | Op::CopyRange { .. } => (vec![Float], vec![Float]),
         Op::Zero => (vec![], vec![Float]),
+        Op::SplitColumns { widths } => (vec![Float], vec![Float; widths.len()]),
+        Op::ConcatColumns { widths } => (vec![Float; widths.len()], vec![Float]),
         Op::CrossEntropy { .. } => (vec![Float, Tokens], vec![Float, Fp32]),
         Op::CeMax { .. } => (vec![Float], vec![Fp32]),
         Op::CeSumExp { .. } => (vec![Float, Fp32], vec![Fp32]),

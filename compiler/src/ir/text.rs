@@ -106,6 +106,9 @@ fn local_param(l: &LocalParam) -> String {
     let _ = write!(s, " state [{}]", buffers(&l.state));
     if let Some(tp) = l.tp {
         let _ = write!(s, " tp dim {} part {}/{}", tp.dim, tp.index, tp.parts);
+        if let Some(sections) = tp.sections {
+            let _ = write!(s, " of each of sections {}", shape(&sections));
+        }
     }
     if let Some(z) = l.zero {
         let _ = write!(s, " zero {} × {} over g{}", z.parts, z.shard_len, z.group.0);

@@ -20,7 +20,7 @@ pub(super) fn backward_reads(kind: &LayerKind, local: &str) -> bool {
         LayerKind::LayerNorm { .. } | LayerKind::RmsNorm { .. } | LayerKind::Linear { .. } => {
             local == "weight"
         }
-        LayerKind::Attention { .. } => matches!(local, "wq" | "wk" | "wv" | "wo"),
+        LayerKind::Attention { .. } => matches!(local, "wqkv" | "wo"),
         LayerKind::Mlp { .. } => matches!(local, "fc" | "proj" | "gate" | "up" | "down"),
         LayerKind::Add | LayerKind::CrossEntropy => false,
     }
@@ -333,12 +333,15 @@ impl Emitter<'_> {
     ) -> Option<BufferId> {
         let rows = self.rows_full();
         let (q_cols, kv_cols) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
-        let (xf, q, k, v) = (saved.first()?, saved.get(1)?, saved.get(2)?, saved.get(3)?);
-        let (xf, q, k, v) = (*xf, *q, *k, *v);
-        let (o, lse, recomputed) = match (saved.get(4), saved.get(5)) {
+        // Saved: xf, then qkv (packed) or q, k, v, then o and lse unless selective.
+        let packed = self.packs_qkv(&s);
+        let xf = *saved.first()?;
+        let n_in = if packed { 1 } else { 3 };
+        let qkv: Vec<BufferId> = saved.get(1..1 + n_in)?.to_vec();
+        let (o, lse, recomputed) = match (saved.get(1 + n_in), saved.get(2 + n_in)) {
             (Some(o), Some(lse)) => (*o, *lse, false),
             _ => {
-                let (o, lse) = self.attention_core(mb, node, (q, k, v), &s, Phase::Recompute);
+                let (o, lse) = self.attention_core(mb, node, &qkv, &s, Phase::Recompute);
                 (o, lse, true)
             }
         };
@@ -357,23 +360,59 @@ impl Emitter<'_> {
         );
         self.b.release(dyf);
         let d_o = d_o?;
-        let k_rows = self.b.shape(k).first().copied().unwrap_or(0);
-        let dq = self.activation_grad(node, "dq", mb, vec![rows, q_cols]);
-        let dk = self.activation_grad(node, "dk", mb, vec![k_rows, kv_cols]);
-        let dv = self.activation_grad(node, "dv", mb, vec![k_rows, kv_cols]);
-        let op = self.attention_op(&s, true, false);
-        self.b.compute(
-            op,
-            &[d_o, q, k, v, o, lse],
-            &[dq, dk, dv],
-            Some(node),
-            Phase::Backward,
-        );
-        self.b.release(d_o);
+        let qkv_cols = q_cols + 2 * kv_cols;
+        let op = self.attention_op(&s, true, packed);
+        let dqkv = if packed {
+            let dqkv = self.activation_grad(node, "dqkv", mb, vec![rows, qkv_cols]);
+            let ins = [d_o, *qkv.first()?, o, lse];
+            self.b
+                .compute(op, &ins, &[dqkv], Some(node), Phase::Backward);
+            self.b.release(d_o);
+            dqkv
+        } else {
+            let (q, k, v) = (*qkv.first()?, *qkv.get(1)?, *qkv.get(2)?);
+            self.attention_grads_split(mb, node, op, [d_o, q, k, v, o, lse], &s)
+        };
         if recomputed {
             self.b.release(o);
             self.b.release(lse);
         }
+        let dx = self.matmul_backward(
+            mb,
+            node,
+            dqkv,
+            Some(xf),
+            ("wqkv", bias("bqkv")),
+            (s.dim, qkv_cols),
+            rows,
+            (None, None),
+        );
+        self.b.release(dqkv);
+        let name = self.name(node, "dx", mb);
+        dx.map(|d| self.tp_reduce(d, s.dim, name, BufferKind::ActivationGrad, node))
+    }
+
+    /// Attention's backward on separate q, k, v (consumes `d_o`, the first of `ins`): dk and dv
+    /// reduce-scattered back over context parallelism, dq and dk un-rotated under rope, then
+    /// joined into one `[rows, q + 2 kv]` gradient of the fused projection's output.
+    fn attention_grads_split(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        op: Op,
+        ins: [BufferId; 6],
+        s: &AttnShape,
+    ) -> BufferId {
+        let rows = self.rows_full();
+        let (q_cols, kv_cols) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
+        let [d_o, _, k, ..] = ins;
+        let k_rows = self.b.shape(k).first().copied().unwrap_or(0);
+        let dq = self.activation_grad(node, "dq", mb, vec![rows, q_cols]);
+        let dk = self.activation_grad(node, "dk", mb, vec![k_rows, kv_cols]);
+        let dv = self.activation_grad(node, "dv", mb, vec![k_rows, kv_cols]);
+        self.b
+            .compute(op, &ins, &[dq, dk, dv], Some(node), Phase::Backward);
+        self.b.release(d_o);
         let (dk, dv) = match self.groups.cp {
             None => (dk, dv),
             Some(g) => {
@@ -395,31 +434,19 @@ impl Emitter<'_> {
                 self.rope(mb, node, dk, s.kv_heads, s.head_dim, theta, "dk_pre", true),
             ),
         };
-        let parts = [
-            (dq, "wq", bias("bq"), q_cols),
-            (dk, "wk", bias("bk"), kv_cols),
-            (dv, "wv", bias("bv"), kv_cols),
-        ];
-        // dx = dq Wq + dk Wk + dv Wv: the first product writes dx, the others add into it.
-        let mut dx: Option<BufferId> = None;
-        for (d, w, b, cols) in parts {
-            let into = dx.filter(|_| self.accumulate_in_place);
-            let part = self.matmul_backward(
-                mb,
-                node,
-                d,
-                Some(xf),
-                (w, b),
-                (s.dim, cols),
-                rows,
-                (into, None),
-            );
+        let dqkv = self.activation_grad(node, "dqkv", mb, vec![rows, q_cols + 2 * kv_cols]);
+        let widths = vec![q_cols, kv_cols, kv_cols];
+        self.b.compute(
+            Op::ConcatColumns { widths },
+            &[dq, dk, dv],
+            &[dqkv],
+            Some(node),
+            Phase::Backward,
+        );
+        for d in [dq, dk, dv] {
             self.b.release(d);
-            let Some(part) = part else { continue };
-            dx = Some(self.add_part(mb, node, dx, part, &format!("dx_{w}")));
         }
-        let name = self.name(node, "dx", mb);
-        dx.map(|d| self.tp_reduce(d, s.dim, name, BufferKind::ActivationGrad, node))
+        dqkv
     }
 
     #[allow(clippy::too_many_arguments)]

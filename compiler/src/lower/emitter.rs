@@ -183,7 +183,7 @@ impl Emitter<'_> {
         self.params.table.params.get(id.0 as usize)
     }
 
-    /// The name of local parameter `idx` (`blocks.3.attn.wq`), for its buffers' names.
+    /// The name of local parameter `idx` (`blocks.3.attn.wqkv`), for its buffers' names.
     pub fn param_name(&self, idx: usize) -> String {
         self.param(idx).map(|p| p.name.clone()).unwrap_or_default()
     }

@@ -461,9 +461,42 @@ impl Emitter<'_> {
         let kv_cols = s.kv_heads * s.head_dim;
         let xf = self.sp_gather(x, s.dim, self.name(node, "xg", mb), node);
         let bias = |n: &'static str| if s.bias { Some(n) } else { None };
-        let q = self.matmul(mb, node, xf, ("wq", bias("bq")), (s.dim, q_cols), "q");
-        let k = self.matmul(mb, node, xf, ("wk", bias("bk")), (s.dim, kv_cols), "k");
-        let v = self.matmul(mb, node, xf, ("wv", bias("bv")), (s.dim, kv_cols), "v");
+        // One fused projection (rows q, k, v of `wqkv`) writes every row's q, k and v heads.
+        let widths = [q_cols, kv_cols, kv_cols];
+        let qkv_cols = q_cols + 2 * kv_cols;
+        let qkv = self.matmul(
+            mb,
+            node,
+            xf,
+            ("wqkv", bias("bqkv")),
+            (s.dim, qkv_cols),
+            "qkv",
+        );
+        if self.packs_qkv(&s) {
+            // The attention reads q, k and v where the projection wrote them.
+            let (o, lse) = self.attention_core(mb, node, &[qkv], &s, phase);
+            self.attention_output(mb, node, o, &s);
+            return if self.selective_here(node) {
+                self.b.release(o);
+                self.b.release(lse);
+                vec![xf, qkv]
+            } else {
+                vec![xf, qkv, o, lse]
+            };
+        }
+        let rows = self.b.shape(qkv).first().copied().unwrap_or(0);
+        let [q, k, v] = [("q", q_cols), ("k", kv_cols), ("v", kv_cols)]
+            .map(|(what, w)| self.activation(node, what, mb, vec![rows, w]));
+        self.b.compute(
+            Op::SplitColumns {
+                widths: widths.to_vec(),
+            },
+            &[qkv],
+            &[q, k, v],
+            Some(node),
+            phase,
+        );
+        self.b.release(qkv);
         let (q, k) = match s.theta {
             None => (q, k),
             Some(theta) => {
@@ -487,7 +520,28 @@ impl Emitter<'_> {
                 (kf, vf)
             }
         };
-        let (o, lse) = self.attention_core(mb, node, (q, k, v), &s, phase);
+        let (o, lse) = self.attention_core(mb, node, &[q, k, v], &s, phase);
+        self.attention_output(mb, node, o, &s);
+        if self.selective_here(node) {
+            self.b.release(o);
+            self.b.release(lse);
+            vec![xf, q, k, v]
+        } else {
+            vec![xf, q, k, v, o, lse]
+        }
+    }
+
+    /// Whether attention reads q, k and v packed in the fused projection's output (one
+    /// buffer, no split): always but where rope rotates q and k first or context parallelism
+    /// gathers k and v over the group (both want them as separate buffers).
+    pub fn packs_qkv(&self, s: &AttnShape) -> bool {
+        s.theta.is_none() && self.groups.cp.is_none()
+    }
+
+    /// The output projection of attention's `o` and its tp reduction: the node's output.
+    fn attention_output(&mut self, mb: u32, node: NodeId, o: BufferId, s: &AttnShape) {
+        let q_cols = s.heads * s.head_dim;
+        let bias = |n: &'static str| if s.bias { Some(n) } else { None };
         let yp = self.matmul(mb, node, o, ("wo", bias("bo")), (q_cols, s.dim), "y");
         let y = self.tp_reduce(
             yp,
@@ -497,13 +551,6 @@ impl Emitter<'_> {
             node,
         );
         self.set_output(mb, node, y);
-        if self.selective_here(node) {
-            self.b.release(o);
-            self.b.release(lse);
-            vec![xf, q, k, v]
-        } else {
-            vec![xf, q, k, v, o, lse]
-        }
     }
 
     pub fn selective_here(&self, node: NodeId) -> bool {
@@ -520,7 +567,7 @@ impl Emitter<'_> {
         &mut self,
         mb: u32,
         node: NodeId,
-        (q, k, v): (BufferId, BufferId, BufferId),
+        qkv: &[BufferId],
         s: &AttnShape,
         phase: crate::ir::Phase,
     ) -> (BufferId, BufferId) {
@@ -528,8 +575,8 @@ impl Emitter<'_> {
         let seq_q = u64::from(crate::ir::op::segments_len(&self.positions));
         let o = self.activation(node, "o", mb, vec![rows, s.heads * s.head_dim]);
         let lse = self.activation(node, "lse", mb, vec![self.micro_batch, s.heads, seq_q]);
-        let op = self.attention_op(s, false, false);
-        self.b.compute(op, &[q, k, v], &[o, lse], Some(node), phase);
+        let op = self.attention_op(s, false, qkv.len() == 1);
+        self.b.compute(op, qkv, &[o, lse], Some(node), phase);
         (o, lse)
     }
 

@@ -340,11 +340,19 @@ fn emit_program(
                         dim: 0,
                         parts: tp,
                         index: tp_index,
+                        sections: None,
+                    }),
+                    TpRule::RowSections(sections) if tp > 1 => Some(TpSplit {
+                        dim: 0,
+                        parts: tp,
+                        index: tp_index,
+                        sections: Some(sections),
                     }),
                     TpRule::Cols if tp > 1 => Some(TpSplit {
                         dim: 1,
                         parts: tp,
                         index: tp_index,
+                        sections: None,
                     }),
                     _ => None,
                 };

@@ -1,13 +1,14 @@
 //! The global parameter table: every parameter of every node, its name, global shape,
 //! initialisation, weight decay and how tensor parallelism splits it.
 //!
-//! Names are `node.local`: `embed.weight`, `blocks.3.attn.wq`, `blocks.3.mlp.proj_bias`.
+//! Names are `node.local`: `embed.weight`, `blocks.3.attn.wqkv`, `blocks.3.mlp.proj_bias`.
 //! Initialisation follows GPT-2: weights N(0, 0.02), the residual output projections (`wo`,
 //! `proj`, `down`) N(0, 0.02/√(2·layers)), biases zeros, norm weights ones. Weight decay applies
 //! to 2-D tensors only. A tied `Linear` owns no weight: it reuses its Embedding's.
 //!
-//! Tensor-parallel splits (Megatron): q/k/v weights and biases, MLP fc/gate/up and their biases
-//! are column-parallel (split dim 0), `wo`/`proj`/`down` row-parallel (split dim 1), the
+//! Tensor-parallel splits (Megatron): the fused q/k/v weight and bias (rows: every q head, then
+//! every k head, then every v head) are column-parallel per section, MLP fc/gate/up and their
+//! biases column-parallel (split dim 0), `wo`/`proj`/`down` row-parallel (split dim 1), the
 //! embedding and a vocab-sized head vocab-parallel (dim 0). Everything else is replicated.
 
 use crate::ir::{Init, Param, ParamId, ParamTable};
@@ -19,6 +20,9 @@ pub enum TpRule {
     Replicated,
     /// Column-parallel or vocab-parallel: split along dim 0.
     Rows,
+    /// A fused column-parallel projection: dim 0 is these consecutive sections (q, k, v
+    /// rows), each split along dim 0, so every rank holds its own heads of each.
+    RowSections([u64; 3]),
     /// Row-parallel weight: split along dim 1.
     Cols,
     /// The bias of a row-parallel linear: replicated, added by tp rank 0 only before the
@@ -168,17 +172,15 @@ pub(crate) fn declared(spec: &Spec, kind: &LayerKind) -> Vec<Declared> {
             let on = sh.attention_heads_on_tp;
             let q = heads * head_dim;
             let kv = kv_heads * head_dim;
-            d.add("wq", vec![q, *dim], normal, col(on));
+            // One fused projection (GPT-2's c_attn): rows q, then k, then v.
+            let qkv = if on {
+                TpRule::RowSections([q, kv, kv])
+            } else {
+                TpRule::Replicated
+            };
+            d.add("wqkv", vec![q + 2 * kv, *dim], normal, qkv);
             if *bias {
-                d.add("bq", vec![q], Init::Zeros, col(on));
-            }
-            d.add("wk", vec![kv, *dim], normal, col(on));
-            if *bias {
-                d.add("bk", vec![kv], Init::Zeros, col(on));
-            }
-            d.add("wv", vec![kv, *dim], normal, col(on));
-            if *bias {
-                d.add("bv", vec![kv], Init::Zeros, col(on));
+                d.add("bqkv", vec![q + 2 * kv], Init::Zeros, qkv);
             }
             let wo_init = Init::Normal { std: residual_std };
             d.add("wo", vec![*dim, q], wo_init, row(on));

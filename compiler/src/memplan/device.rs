@@ -200,7 +200,8 @@ pub fn backend_scratch(program: &Program, half: bool) -> BackendScratch {
 }
 
 /// An attention op's scratch (`attention::ScratchLayout`): with tensor cores (16-bit runs,
-/// head dim 64 or 128) a bf16 copy of each f32 operand read (q, k, v; the backward also dO),
+/// head dim 64 or 128) a bf16 copy of each f32 operand read (q, k, v or the packed qkv; the
+/// backward also dO),
 /// then for the backward `delta` and `lse2` (one f32 per lse row, rows padded to 4 per head)
 /// and, where dQ is stored bf16, its f32 accumulator; each piece 256-byte aligned.
 fn attention_scratch(
@@ -230,9 +231,19 @@ fn attention_scratch(
     let tc = half && (*scale as f32) > 0.0 && TENSOR_CORE_HEAD_DIMS.contains(head_dim);
     let buffer = |i: usize, ids: &[BufferId]| ids.get(i).and_then(|id| program.buffer(*id));
     let backward = matches!(op, Op::AttentionBwd { .. });
+    let packed = matches!(
+        op,
+        Op::Attention { packed: true, .. } | Op::AttentionBwd { packed: true, .. }
+    );
+    // Inputs: [dO,] q, k, v[, o, lse], or packed [dO,] qkv[, o, lse].
+    let (operands, o_at) = match (backward, packed) {
+        (false, false) => (3, 0),
+        (false, true) => (1, 0),
+        (true, false) => (4, 4),
+        (true, true) => (2, 2),
+    };
     let mut bytes = 0;
     if tc {
-        let operands = if backward { 4 } else { 3 };
         for i in 0..operands {
             if let Some(b) = buffer(i, inputs).filter(|b| b.dtype == DType::F32) {
                 bytes += aligned(b.numel() * 2);
@@ -240,12 +251,14 @@ fn attention_scratch(
         }
     }
     if backward {
-        let rows = buffer(5, inputs).map_or(0, Buffer::numel);
+        let rows = buffer(o_at + 1, inputs).map_or(0, Buffer::numel);
         let per_head = (batch * heads).max(1);
         let stats = per_head * (rows / per_head).next_multiple_of(4) * 4;
         bytes += 2 * aligned(stats);
+        // dQ's accumulator has o's shape ([rows, heads·head_dim]; dq or dqkv's q columns).
         if let Some(dq) = buffer(0, outputs).filter(|b| tc && b.dtype == DType::Bf16) {
-            bytes += aligned(dq.numel() * 4);
+            let o = buffer(o_at, inputs).map_or(dq.numel(), Buffer::numel);
+            bytes += aligned(o * 4);
         }
     }
     bytes

@@ -9,8 +9,8 @@
 //!   Placement is greedy by size with best fit (the static planners of TFLite and XLA): largest
 //!   buffer first; each goes into the smallest gap between the buffers already placed whose
 //!   intervals overlap its own, or above the highest of them. Where that leaves the arena above
-//!   the aligned liveness peak, the same best fit in allocation order is tried too and the
-//!   smaller arena kept.
+//!   the aligned liveness peak, the same best fit in allocation order, then by bytes × lifetime
+//!   (largest first), is tried too and the smallest arena kept.
 //! - Every offset and every size is a multiple of [`ALIGN`] (256 bytes: cuBLASLt's preferred
 //!   operand alignment, and whole cache lines on the host).
 //! - [`check_layout`] proves a layout safe: no two buffers alive at the same instruction share a
@@ -192,6 +192,17 @@ pub fn plan_program(program: &Program) -> Result<MemoryLayout, MemPlanError> {
         let (in_order, arena) = place_transients(&live, &sizes, &order);
         if arena < arena_bytes {
             (offsets, arena_bytes) = (in_order, arena);
+        }
+    }
+    if arena_bytes > aligned_peak_bytes {
+        // Largest bytes × lifetime first: long-lived buffers at the bottom, short ones filling
+        // the gaps above them.
+        let lifetime =
+            |b: u32| -> u64 { live.of(b).iter().map(|&(s, e)| u64::from(e - s) + 1).sum() };
+        order.sort_unstable_by_key(|&b| (Reverse(sizes[b as usize] * lifetime(b)), b));
+        let (by_area, arena) = place_transients(&live, &sizes, &order);
+        if arena < arena_bytes {
+            (offsets, arena_bytes) = (by_area, arena);
         }
     }
     for b in live.buffers() {

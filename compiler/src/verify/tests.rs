@@ -596,25 +596,30 @@ fn an_accumulating_output_that_is_also_an_input_is_reported() {
     use crate::ir::Outputs;
     let mut plan = lowered(PlanChoice::default());
     assert!(check(&plan).violations.is_empty());
-    // The lowering adds the k and v products into q's (MatmulBwdData with accumulate): bind
-    // the first such dx to the op's own dy.
+    // A backward-data product made to accumulate, bound to its own dy.
     let instrs = &mut plan.programs[0].instrs;
     let at = instrs
         .iter()
-        .position(|i| {
-            matches!(
-                i.op(),
-                Some(Op::MatmulBwdData {
-                    accumulate: true,
-                    ..
-                })
-            )
-        })
-        .expect("an accumulating MatmulBwdData");
+        .position(|i| matches!(i.op(), Some(Op::MatmulBwdData { act_grad: None, .. })))
+        .expect("a MatmulBwdData");
     if let Instr::Compute {
-        inputs, outputs, ..
+        op,
+        inputs,
+        outputs,
+        ..
     } = &mut instrs[at]
     {
+        if let Op::MatmulBwdData {
+            in_dim, out_dim, ..
+        } = **op
+        {
+            *op = std::sync::Arc::new(Op::MatmulBwdData {
+                in_dim,
+                out_dim,
+                accumulate: true,
+                act_grad: None,
+            });
+        }
         *outputs = Outputs::from_slice(&[inputs[0]]).unwrap();
     }
     let outcome = check(&plan);

@@ -31,6 +31,9 @@ fn with(base: &[&'static str], flag: bool, extra: &'static str) -> Vec<&'static 
     roles
 }
 
+/// The roles of `SplitColumns`' outputs and `ConcatColumns`' inputs (the IR's operand limit).
+const PARTS: [&str; 3] = ["part0", "part1", "part2"];
+
 pub(crate) fn signature(op: &Op) -> Signature {
     match op {
         Op::Embedding { .. } => sig("embedding", &["ids", "table"], &["y"]),
@@ -71,7 +74,11 @@ pub(crate) fn signature(op: &Op) -> Signature {
         },
         Op::Rope { .. } => sig("rope", &["x"], &["y"]),
         Op::RopeBwd { .. } => sig("rope_bwd", &["dy"], &["dx"]),
+        Op::Attention { packed: true, .. } => sig("attention", &["qkv"], &["o", "lse"]),
         Op::Attention { .. } => sig("attention", &["q", "k", "v"], &["o", "lse"]),
+        Op::AttentionBwd { packed: true, .. } => {
+            sig("attention_bwd", &["do", "qkv", "o", "lse"], &["dqkv"])
+        }
         Op::AttentionBwd { .. } => sig(
             "attention_bwd",
             &["do", "q", "k", "v", "o", "lse"],
@@ -86,6 +93,16 @@ pub(crate) fn signature(op: &Op) -> Signature {
         Op::Copy => sig("copy", &["x"], &["y"]),
         Op::Zero => sig("zero", &[], &["buffer"]),
         Op::CopyRange { .. } => sig("copy_range", &["src"], &["dst"]),
+        Op::SplitColumns { widths } => Signature {
+            name: "split_columns",
+            inputs: vec!["x"],
+            outputs: PARTS.iter().copied().take(widths.len()).collect(),
+        },
+        Op::ConcatColumns { widths } => Signature {
+            name: "concat_columns",
+            inputs: PARTS.iter().copied().take(widths.len()).collect(),
+            outputs: vec!["y"],
+        },
         Op::CrossEntropy { .. } => sig(
             "cross_entropy",
             &["logits", "targets"],

@@ -6,8 +6,8 @@ use super::attention::{attention, attention_bwd, AttentionGrads, AttentionShape}
 use super::cross_entropy::{ce_grad, ce_loss, ce_max, ce_sum_exp, ce_target_logit, cross_entropy};
 use super::dense::Threads;
 use super::elementwise::{
-    activation, activation_bwd, activation_bwd_in_place, add, add_in_place, copy, copy_range,
-    scale, swiglu, swiglu_bwd,
+    activation, activation_bwd, activation_bwd_in_place, add, add_in_place, concat_columns, copy,
+    copy_range, scale, split_columns, swiglu, swiglu_bwd,
 };
 use super::embed::{embedding, embedding_bwd, position_add, position_add_bwd};
 use super::linear::{matmul, matmul_bwd_data, matmul_bwd_weight};
@@ -275,11 +275,6 @@ pub(crate) fn run(
             kv_positions,
             packed,
         } => {
-            if *packed {
-                return Err(crate::error::RuntimeError::Unsupported(format!(
-                    "{name}: packed q/k/v attention is not implemented by the CPU backend yet"
-                )));
-            }
             let shape = AttentionShape {
                 batch: dim(name, "batch", *batch)?,
                 heads: dim(name, "heads", *heads)?,
@@ -290,29 +285,65 @@ pub(crate) fn run(
                 q_positions,
                 kv_positions,
             };
-            if matches!(op, Op::Attention { .. }) {
-                let [o, lse] = outs.f32s()?;
-                attention(
+            if *packed && q_positions != kv_positions {
+                return Err(op_error(
                     name,
-                    &shape,
-                    threads,
-                    ins.f32(0)?,
-                    ins.f32(1)?,
-                    ins.f32(2)?,
-                    o,
-                    lse,
-                )
-            } else {
-                let tensors = AttentionGrads {
-                    d_out: ins.f32(0)?,
-                    q: ins.f32(1)?,
-                    k: ins.f32(2)?,
-                    v: ins.f32(3)?,
-                    o: ins.f32(4)?,
-                    lse: ins.f32(5)?,
-                };
-                let [dq, dk, dv] = outs.f32s()?;
-                attention_bwd(name, &shape, threads, &tensors, dq, dk, dv)
+                    "packed q/k/v needs the same query and key positions (one row holds both)",
+                ));
+            }
+            // Packed q/k/v: split into the separate layout and back (the exact reference
+            // computes the same either way).
+            let widths = [
+                *heads * *head_dim,
+                *kv_heads * *head_dim,
+                *kv_heads * *head_dim,
+            ];
+            let unpack = |qkv: &[f32]| -> Result<[Vec<f32>; 3]> {
+                let rows = qkv.len() / (widths.iter().sum::<u64>().max(1) as usize);
+                let mut parts = widths.map(|w| vec![0.0f32; rows * w as usize]);
+                let [q, k, v] = &mut parts;
+                split_columns(name, &widths, qkv, &mut [q, k, v])?;
+                Ok(parts)
+            };
+            match (op, *packed) {
+                (Op::Attention { .. }, false) => {
+                    let [o, lse] = outs.f32s()?;
+                    let (q, k, v) = (ins.f32(0)?, ins.f32(1)?, ins.f32(2)?);
+                    attention(name, &shape, threads, q, k, v, o, lse)
+                }
+                (Op::Attention { .. }, true) => {
+                    let [o, lse] = outs.f32s()?;
+                    let [q, k, v] = unpack(ins.f32(0)?)?;
+                    attention(name, &shape, threads, &q, &k, &v, o, lse)
+                }
+                (_, false) => {
+                    let tensors = AttentionGrads {
+                        d_out: ins.f32(0)?,
+                        q: ins.f32(1)?,
+                        k: ins.f32(2)?,
+                        v: ins.f32(3)?,
+                        o: ins.f32(4)?,
+                        lse: ins.f32(5)?,
+                    };
+                    let [dq, dk, dv] = outs.f32s()?;
+                    attention_bwd(name, &shape, threads, &tensors, dq, dk, dv)
+                }
+                (_, true) => {
+                    let [q, k, v] = unpack(ins.f32(1)?)?;
+                    let tensors = AttentionGrads {
+                        d_out: ins.f32(0)?,
+                        q: &q,
+                        k: &k,
+                        v: &v,
+                        o: ins.f32(2)?,
+                        lse: ins.f32(3)?,
+                    };
+                    let [dqkv] = outs.f32s()?;
+                    let mut grads = [&q, &k, &v].map(|t| vec![0.0f32; t.len()]);
+                    let [dq, dk, dv] = &mut grads;
+                    attention_bwd(name, &shape, threads, &tensors, dq, dk, dv)?;
+                    concat_columns(name, &widths, &[dq, dk, dv], dqkv)
+                }
             }
         }
         Op::Activation { act } => {
@@ -343,6 +374,22 @@ pub(crate) fn run(
         Op::Zero => {
             outs.tensor(0)?.fill_zero();
             Ok(())
+        }
+        Op::SplitColumns { widths } => {
+            let x = ins.f32(0)?;
+            match widths.len() {
+                1 => split_columns(name, widths, x, &mut outs.f32s::<1>()?),
+                2 => split_columns(name, widths, x, &mut outs.f32s::<2>()?),
+                3 => split_columns(name, widths, x, &mut outs.f32s::<3>()?),
+                _ => Err(op_error(name, "takes one to three widths")),
+            }
+        }
+        Op::ConcatColumns { widths } => {
+            let parts = (0..ins.tensors.len())
+                .map(|i| ins.f32(i))
+                .collect::<Result<Vec<_>>>()?;
+            let [y] = outs.f32s()?;
+            concat_columns(name, widths, &parts, y)
         }
         Op::CopyRange {
             src_offset,

@@ -197,6 +197,72 @@ pub(crate) fn copy(op: &str, x: View<'_>, y: &mut ViewMut<'_>) -> Result<()> {
     Ok(())
 }
 
+/// The rows of a `[rows, Σ widths]` matrix of `len` elements (an error when it does not divide).
+fn column_rows(op: &str, widths: &[u64], len: usize) -> Result<usize> {
+    let total: u64 = widths.iter().sum();
+    if total == 0 || !(len as u64).is_multiple_of(total) {
+        return Err(op_error(
+            op,
+            format!("{len} elements are not rows of {total} columns (widths {widths:?})"),
+        ));
+    }
+    Ok((len as u64 / total) as usize)
+}
+
+/// `parts[i] = x[:, columns of block i]` for a `[rows, Σ widths]` x (`Op::SplitColumns`).
+pub(crate) fn split_columns(
+    op: &str,
+    widths: &[u64],
+    x: &[f32],
+    parts: &mut [&mut [f32]],
+) -> Result<()> {
+    let rows = column_rows(op, widths, x.len())?;
+    let total: usize = widths.iter().sum::<u64>() as usize;
+    if parts.len() != widths.len() {
+        return Err(op_error(
+            op,
+            format!("{} outputs for {} widths", parts.len(), widths.len()),
+        ));
+    }
+    let mut col = 0usize;
+    for (part, &w) in parts.iter_mut().zip(widths) {
+        let w = w as usize;
+        expect_len(op, "part", part.len(), rows * w)?;
+        for r in 0..rows {
+            part[r * w..(r + 1) * w].copy_from_slice(&x[r * total + col..r * total + col + w]);
+        }
+        col += w;
+    }
+    Ok(())
+}
+
+/// `y[:, columns of block i] = parts[i]` for a `[rows, Σ widths]` y (`Op::ConcatColumns`).
+pub(crate) fn concat_columns(
+    op: &str,
+    widths: &[u64],
+    parts: &[&[f32]],
+    y: &mut [f32],
+) -> Result<()> {
+    let rows = column_rows(op, widths, y.len())?;
+    let total: usize = widths.iter().sum::<u64>() as usize;
+    if parts.len() != widths.len() {
+        return Err(op_error(
+            op,
+            format!("{} inputs for {} widths", parts.len(), widths.len()),
+        ));
+    }
+    let mut col = 0usize;
+    for (part, &w) in parts.iter().zip(widths) {
+        let w = w as usize;
+        expect_len(op, "part", part.len(), rows * w)?;
+        for r in 0..rows {
+            y[r * total + col..r * total + col + w].copy_from_slice(&part[r * w..(r + 1) * w]);
+        }
+        col += w;
+    }
+    Ok(())
+}
+
 /// `dst[dst_offset + i] = src[src_offset + i]` for `i < len`.
 pub(crate) fn copy_range(
     op: &str,

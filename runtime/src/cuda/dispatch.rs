@@ -42,6 +42,8 @@ pub(super) fn op_name(op: &Op) -> &'static str {
         Op::Copy => "Copy",
         Op::Zero => "Zero",
         Op::CopyRange { .. } => "CopyRange",
+        Op::SplitColumns { .. } => "SplitColumns",
+        Op::ConcatColumns { .. } => "ConcatColumns",
         Op::CrossEntropy { .. } => "CrossEntropy",
         Op::CeMax { .. } => "CeMax",
         Op::CeSumExp { .. } => "CeSumExp",
@@ -80,6 +82,8 @@ fn arity(op: &Op) -> (usize, usize) {
         Op::ActivationBwd { .. } | Op::SwiGlu | Op::Add => (2, 1),
         Op::SwiGluBwd => (3, 2),
         Op::Zero => (0, 1),
+        Op::SplitColumns { widths } => (1, widths.len()),
+        Op::ConcatColumns { widths } => (widths.len(), 1),
         Op::CeMax { .. } | Op::SumSquares | Op::ClipCoef { .. } => (1, 1),
         Op::CeSumExp { .. } | Op::CeTargetLogit { .. } => (2, 1),
         Op::CrossEntropy { .. } => (2, 2),
@@ -648,6 +652,52 @@ pub(crate) fn run(
         Op::Zero => {
             let y = b.float_out(0)?;
             be.zero_bytes(y.ptr, y.bytes())
+        }
+        Op::SplitColumns { widths } | Op::ConcatColumns { widths } => {
+            let split = matches!(op, Op::SplitColumns { .. });
+            let total: u64 = widths.iter().sum();
+            let whole = if split {
+                b.float_in(0)?
+            } else {
+                b.float_out(0)?
+            };
+            let rows = b.rows(whole, "the whole matrix", b.dim("total width", total)?)?;
+            let mut col = 0usize;
+            for (i, &w) in widths.iter().enumerate() {
+                let w = b.dim("width", w)?;
+                let part = if split {
+                    b.float_out(i)?
+                } else {
+                    b.float_in(i)?
+                };
+                b.expect(part, "part", rows * w)?;
+                let (x, x_ld, y, y_ld) = if split {
+                    (
+                        FloatArg::at(whole, col),
+                        total as usize,
+                        FloatArg::at(part, 0),
+                        w,
+                    )
+                } else {
+                    (
+                        FloatArg::at(part, 0),
+                        w,
+                        FloatArg::at(whole, col),
+                        total as usize,
+                    )
+                };
+                let args = [
+                    Arg::Float(x),
+                    n(x_ld),
+                    Arg::Float(y),
+                    n(y_ld),
+                    n(rows),
+                    n(w),
+                ];
+                be.launch_vec("copy_columns", rows * w, &args)?;
+                col += w;
+            }
+            Ok(())
         }
         Op::CopyRange {
             src_offset,

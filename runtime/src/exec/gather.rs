@@ -98,6 +98,7 @@ mod tests {
                 dim: 1,
                 parts: 3,
                 index,
+                sections: None,
             }),
             zero,
             data,

@@ -185,6 +185,8 @@ fn op_kind(op: &Op) -> OpKind {
         | Op::Scale { .. }
         | Op::Copy
         | Op::Zero
+        | Op::SplitColumns { .. }
+        | Op::ConcatColumns { .. }
         | Op::CopyRange { .. } => OpKind::Elementwise,
         Op::CrossEntropy { .. }
         | Op::CeMax { .. }

@@ -554,3 +554,96 @@ fn overwriting_parameter_gradients_equals_adding_into_zeros() {
         assert_eq!(bits(&added), bits(&written), "{overwriting:?}");
     }
 }
+
+/// Packed q/k/v (one `[rows, (heads + 2 kv_heads)·d]` buffer, `Op::Attention { packed }`)
+/// computes what the separate layout does on the split columns, and its backward writes their
+/// gradients side by side; `SplitColumns` and `ConcatColumns` are each other's inverse.
+#[test]
+fn packed_attention_is_the_split_layouts_attention() {
+    let (batch, heads, kv_heads, head_dim) = (2u64, 4u64, 2u64, 4u64);
+    let positions = vec![seg(0, 5)];
+    let rows = (5 * batch) as usize;
+    let widths = vec![heads * head_dim, kv_heads * head_dim, kv_heads * head_dim];
+    let total: usize = widths.iter().sum::<u64>() as usize;
+    let op = |backward: bool, packed: bool| {
+        let (q_positions, kv_positions) = (positions.clone(), positions.clone());
+        let scale = 0.5;
+        if backward {
+            Op::AttentionBwd {
+                batch,
+                heads,
+                kv_heads,
+                head_dim,
+                causal: true,
+                scale,
+                q_positions,
+                kv_positions,
+                packed,
+            }
+        } else {
+            Op::Attention {
+                batch,
+                heads,
+                kv_heads,
+                head_dim,
+                causal: true,
+                scale,
+                q_positions,
+                kv_positions,
+                packed,
+            }
+        }
+    };
+    let qkv = values(rows * total, 31, 1.0);
+    let part_lens: Vec<usize> = widths.iter().map(|&w| rows * w as usize).collect();
+    let split = Op::SplitColumns {
+        widths: widths.clone(),
+    };
+    let parts = eval(&split, &[Input::F(qkv.clone())], &part_lens);
+    let concat = Op::ConcatColumns {
+        widths: widths.clone(),
+    };
+    let parts_in: Vec<Input> = parts.iter().cloned().map(Input::F).collect();
+    assert_eq!(eval(&concat, &parts_in, &[qkv.len()])[0], qkv);
+    // Column block 1 of row 3 is k's row 3.
+    let (q_w, kv_w) = (widths[0] as usize, widths[1] as usize);
+    assert_eq!(
+        parts[1][3 * kv_w..4 * kv_w],
+        qkv[3 * total + q_w..3 * total + q_w + kv_w]
+    );
+
+    let (o_len, lse_len) = (part_lens[0], (batch * heads * 5) as usize);
+    let unpacked = eval(&op(false, false), &parts_in, &[o_len, lse_len]);
+    let packed = eval(
+        &op(false, true),
+        &[Input::F(qkv.clone())],
+        &[o_len, lse_len],
+    );
+    assert_eq!(packed, unpacked);
+    let d_o = values(o_len, 32, 1.0);
+    let stats = [Input::F(unpacked[0].clone()), Input::F(unpacked[1].clone())];
+    let mut ins = vec![Input::F(d_o.clone())];
+    ins.extend(parts_in.iter().cloned());
+    ins.extend(stats.iter().cloned());
+    let grads = eval(&op(true, false), &ins, &part_lens);
+    let grads_in: Vec<Input> = grads.into_iter().map(Input::F).collect();
+    let joined = eval(&concat, &grads_in, &[qkv.len()]);
+    let packed_ins = [
+        Input::F(d_o.clone()),
+        Input::F(qkv.clone()),
+        stats[0].clone(),
+        stats[1].clone(),
+    ];
+    let dqkv = eval(&op(true, true), &packed_ins, &[qkv.len()]);
+    assert_eq!(dqkv, joined);
+    // And it is the gradient of the packed forward.
+    let cot = vec![d_o, vec![]];
+    let numeric = op_gradient(
+        &op(false, true),
+        &[Input::F(qkv)],
+        &[o_len, lse_len],
+        &cot,
+        0,
+    );
+    assert_gradient("dqkv", &numeric, &dqkv[0]);
+}

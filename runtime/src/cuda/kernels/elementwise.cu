@@ -89,6 +89,26 @@ extern "C" __global__ void convert(Fv x, Fv y, long long n) {
     map1(x, y, n, [](float v) { return v; });
 }
 
+// y[r · y_ld + c] = x[r · x_ld + c] for c < width (SplitColumns / ConcatColumns: one column
+// block a launch; the host offsets the pointers to the block's first column), converting
+// between f32 and bf16. 8-element vectors where the width, both row strides and both pointers
+// allow them (a fused q/k/v projection's blocks always do).
+extern "C" __global__ void copy_columns(Fv x, long long x_ld, Fv y, long long y_ld, long long rows, long long width) {
+    bool vec = width % 8 == 0 && x_ld % 8 == 0 && y_ld % 8 == 0 && vec_ok(x) && vec_ok(y);
+    if (vec) {
+        long long w8 = width / 8;
+        GRID_STRIDE(j, rows * w8) {
+            long long r = j / w8, c8 = j % w8;
+            st8(y, (r * y_ld) / 8 + c8, ld8(x, (r * x_ld) / 8 + c8));
+        }
+    } else {
+        GRID_STRIDE(i, rows * width) {
+            long long r = i / width, c = i % width;
+            st(y, r * y_ld + c, ld(x, r * x_ld + c));
+        }
+    }
+}
+
 // y[r, c] = b[c]: the bias a GEMM with beta = 1 then adds x Wᵀ to.
 extern "C" __global__ void broadcast_rows(const float* b, float* y, long long rows, long long cols) {
     GRID_STRIDE(i, rows * cols) y[i] = b[i % cols];
