@@ -29,10 +29,39 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::mem::size_of;
 
-/// Heuristic candidates timed per 16-bit GEMM.
+/// Heuristic candidates timed per 16-bit GEMM (`top8`).
 const CANDIDATES: usize = 8;
-/// Timed runs per candidate (the fastest counts).
+/// Timed runs per candidate (the fastest counts; `top8`).
 const TIMED_RUNS: usize = 2;
+/// Heuristic results asked for by the `wide` search (cuBLASLt returns what it has).
+const WIDE_HEURISTIC: usize = 64;
+/// Heuristic algorithms (the first distinct ones) the `wide` search also runs split-K.
+const SPLIT_BASES: usize = 4;
+/// The split-K counts tried on a small-output, long-K GEMM (`wide`).
+const SPLITS: [u32; 7] = [2, 3, 4, 6, 8, 12, 16];
+/// Fewest k values a split-K slice keeps: below that a slice's prologue outweighs its work.
+const MIN_SPLIT_K: u64 = 256;
+/// Screening runs per `wide` candidate after its warm-up (the fastest counts).
+const SCREEN_RUNS: usize = 2;
+/// `wide` candidates re-timed after screening, and their timed runs (the median counts).
+const FINALISTS: usize = 3;
+const FINAL_RUNS: usize = 5;
+/// The GPU time a `wide` search aims to spend per GEMM: the candidates screened are cut to
+/// what fits, judged by the first one's time, but never below [`CANDIDATES`].
+const SEARCH_BUDGET_MS: f32 = 100.0;
+
+/// How a 16-bit GEMM's algorithm is chosen on first use (the `gemm_search` kernel variant).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Search {
+    /// The heuristic's first [`CANDIDATES`], each timed best of [`TIMED_RUNS`] after a warm-up.
+    Top8,
+    /// Up to [`WIDE_HEURISTIC`] heuristic results plus split-K variants of its first
+    /// [`SPLIT_BASES`] on GEMMs whose k is at least twice m and n (backward-weight: a small
+    /// output with fewer tiles than SMs, a long k), each checked by `cublasLtMatmulAlgoCheck`;
+    /// screened on [`SCREEN_RUNS`] back-to-back runs within [`SEARCH_BUDGET_MS`], the
+    /// [`FINALISTS`] fastest re-timed over [`FINAL_RUNS`] runs, the lowest median kept.
+    Wide,
+}
 
 /// A column-major `C = alpha · op(A) · op(B) + beta · C (+ bias)`, `op(A)` m×k, `op(B)` k×n,
 /// C m×n. A transposed operand is stored k×m (or n×k) with its leading dimension.
@@ -306,8 +335,8 @@ struct Plan {
     algos: Vec<sys::cublasLtMatmulAlgo_t>,
     /// Whether `algos[0]` is final (fp32 plans, and 16-bit plans once timed).
     settled: bool,
-    /// The chosen algorithm's time in milliseconds, once timed.
-    timed_ms: Option<f32>,
+    /// The chosen algorithm's time in milliseconds and how many candidates were timed.
+    timed_ms: Option<(f32, usize)>,
 }
 
 /// A CUDA event, destroyed on drop.
@@ -350,6 +379,8 @@ pub(crate) struct Blas {
     workspace: CUdeviceptr,
     workspace_size: usize,
     plans: HashMap<PlanKey, Plan>,
+    /// How 16-bit GEMMs choose their algorithm.
+    search: Search,
     /// Set by [`Blas::time_matmuls`]: events around each matmul and the time summed so far.
     timer: Option<(Event, Event, f64)>,
 }
@@ -364,8 +395,18 @@ impl Blas {
             workspace,
             workspace_size,
             plans: HashMap::new(),
+            search: Search::Top8,
             timer: None,
         })
+    }
+
+    /// Chooses 16-bit GEMMs' algorithms by `search` from now on: a change drops the plans made
+    /// so far (they are remade, and their algorithms timed again, on next use).
+    pub fn set_search(&mut self, search: Search) {
+        if search != self.search {
+            self.search = search;
+            self.plans.clear();
+        }
     }
 
     /// Starts (`true`: from zero) or stops timing the matmuls alone: each one of `run` is then
@@ -392,11 +433,15 @@ impl Blas {
             .plans
             .iter()
             .map(|(key, plan)| {
-                let state = match (plan.algos.len(), plan.timed_ms) {
-                    (0, _) => "unsupported".to_string(),
-                    (_, Some(ms)) => format!("timed, fastest {ms:.3} ms"),
-                    (1, None) => "the heuristic's choice".to_string(),
-                    (n, None) => format!("{n} candidates, not yet timed"),
+                let state = match (plan.algos.first(), plan.algos.len(), plan.timed_ms) {
+                    (None, _, _) => "unsupported".to_string(),
+                    (Some(algo), _, Some((ms, of))) => {
+                        format!("timed, fastest of {of} {ms:.3} ms: {}", algo_summary(algo))
+                    }
+                    (Some(algo), 1, None) => {
+                        format!("the heuristic's choice: {}", algo_summary(algo))
+                    }
+                    (_, n, None) => format!("{n} candidates, not yet timed"),
                 };
                 format!("{}: {state}", key.describe())
             })
@@ -474,10 +519,13 @@ impl Blas {
         };
         let unsettled = self.plans.get(&key).is_some_and(|p| !p.settled);
         if let (true, Some(d)) = (unsettled, timed_into) {
-            let (ms, best) = self.fastest(&key, g, d, stream)?;
+            let (ms, best, timed) = match self.search {
+                Search::Top8 => self.fastest(&key, g, d, stream)?,
+                Search::Wide => self.fastest_wide(&key, g, d, stream)?,
+            };
             if let Some(plan) = self.plans.get_mut(&key) {
                 plan.algos = vec![best];
-                plan.timed_ms = Some(ms);
+                plan.timed_ms = Some((ms, timed));
                 plan.settled = true;
             }
         }
@@ -502,20 +550,21 @@ impl Blas {
         Ok(())
     }
 
-    /// Times every candidate of `key`'s plan on `g`'s operands writing D at `d`: the fastest
-    /// and its milliseconds.
+    /// Times every candidate of `key`'s plan on `g`'s operands writing D at `d` (`top8`): the
+    /// fastest, its milliseconds and how many candidates ran.
     fn fastest(
         &self,
         key: &PlanKey,
         g: &Gemm,
         d: CUdeviceptr,
         stream: CUstream,
-    ) -> Result<(f32, sys::cublasLtMatmulAlgo_t)> {
+    ) -> Result<(f32, sys::cublasLtMatmulAlgo_t, usize)> {
         let plan = self.plans.get(key).ok_or_else(|| {
             cublas_error(&format!("cuBLASLt plan for {}", key.describe()), "missing")
         })?;
         let (start, end) = (Event::new()?, Event::new()?);
         let mut best: Option<(f32, sys::cublasLtMatmulAlgo_t)> = None;
+        let mut timed = 0;
         for algo in &plan.algos {
             // A candidate cuBLASLt refuses at launch is skipped (the heuristic offered it,
             // but the check runs only here).
@@ -531,16 +580,110 @@ impl Blas {
                 end.record(stream)?;
                 fastest = fastest.min(start.until(&end)?);
             }
+            timed += 1;
             if best.is_none_or(|(ms, _)| fastest < ms) {
                 best = Some((fastest, *algo));
             }
         }
-        best.ok_or_else(|| {
+        best.map(|(ms, algo)| (ms, algo, timed)).ok_or_else(|| {
             cublas_error(
                 &format!("cuBLASLt matmul for {}", key.describe()),
                 "every algorithm the heuristic offered failed to launch",
             )
         })
+    }
+
+    /// The `wide` search (see [`Search::Wide`]) over `key`'s candidates on `g`'s operands,
+    /// writing D at `d`: the fastest, its median milliseconds and how many were screened.
+    fn fastest_wide(
+        &self,
+        key: &PlanKey,
+        g: &Gemm,
+        d: CUdeviceptr,
+        stream: CUstream,
+    ) -> Result<(f32, sys::cublasLtMatmulAlgo_t, usize)> {
+        let plan = self.plans.get(key).ok_or_else(|| {
+            cublas_error(&format!("cuBLASLt plan for {}", key.describe()), "missing")
+        })?;
+        let events = (0..=FINAL_RUNS)
+            .map(|_| Event::new())
+            .collect::<Result<Vec<Event>>>()?;
+        let mut limit = plan.algos.len();
+        // (fastest screening run, candidate)
+        let mut screened: Vec<(f32, usize)> = Vec::new();
+        for (i, algo) in plan.algos.iter().enumerate() {
+            if i >= limit {
+                break;
+            }
+            // The warm-up; a candidate cuBLASLt refuses at launch is skipped.
+            if self.launch(plan, g, algo, d, stream).is_err() {
+                continue;
+            }
+            let times = self.time_runs(key, plan, g, algo, d, stream, &events[..=SCREEN_RUNS])?;
+            let ms = times.iter().copied().fold(f32::INFINITY, f32::min);
+            if screened.is_empty() {
+                // The budget: each screened candidate costs 1 + SCREEN_RUNS runs, the
+                // finalists FINALISTS · FINAL_RUNS more, all about as long as this first one.
+                let runs = SEARCH_BUDGET_MS / ms.max(1e-3) - (FINALISTS * FINAL_RUNS) as f32;
+                let fits = (runs / (1 + SCREEN_RUNS) as f32).max(0.0) as usize;
+                limit = limit.min(fits.max(CANDIDATES));
+            }
+            screened.push((ms, i));
+        }
+        let screened_count = screened.len();
+        screened.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut best: Option<(f32, usize)> = None;
+        for &(_, i) in screened.iter().take(FINALISTS) {
+            let mut times = self.time_runs(key, plan, g, &plan.algos[i], d, stream, &events)?;
+            times.sort_by(f32::total_cmp);
+            let median = times[times.len() / 2];
+            if best.is_none_or(|(ms, _)| median < ms) {
+                best = Some((median, i));
+            }
+        }
+        best.map(|(ms, i)| (ms, plan.algos[i], screened_count))
+            .ok_or_else(|| {
+                cublas_error(
+                    &format!("cuBLASLt matmul for {}", key.describe()),
+                    "every candidate algorithm failed to launch",
+                )
+            })
+    }
+
+    /// Runs `algo` once between each pair of neighbouring `events`, back to back on the stream
+    /// as in a step, and returns each run's milliseconds.
+    #[allow(clippy::too_many_arguments)]
+    fn time_runs(
+        &self,
+        key: &PlanKey,
+        plan: &Plan,
+        g: &Gemm,
+        algo: &sys::cublasLtMatmulAlgo_t,
+        d: CUdeviceptr,
+        stream: CUstream,
+        events: &[Event],
+    ) -> Result<Vec<f32>> {
+        let Some((first, rest)) = events.split_first() else {
+            return Ok(Vec::new());
+        };
+        first.record(stream)?;
+        for end in rest {
+            self.launch(plan, g, algo, d, stream).map_err(|e| {
+                cublas_error(
+                    &format!(
+                        "timing cuBLASLt algorithm {} on {}",
+                        algo_summary(algo),
+                        key.describe()
+                    ),
+                    e,
+                )
+            })?;
+            end.record(stream)?;
+        }
+        events
+            .windows(2)
+            .map(|pair| pair[0].until(&pair[1]))
+            .collect()
     }
 
     /// Queues `g` with `algo`, reading C at `g.c_in` (else `g.c`) and writing D at `d`.
@@ -724,10 +867,10 @@ impl Blas {
             )
         }
         .map_err(|e| cublas_error(&what("workspace preference"), e))?;
-        let wanted = if key.operands == Operands::F32 {
-            1
-        } else {
-            CANDIDATES
+        let wanted = match (key.operands, self.search) {
+            (Operands::F32, _) => 1,
+            (_, Search::Top8) => CANDIDATES,
+            (_, Search::Wide) => WIDE_HEURISTIC,
         };
         // SAFETY: an all-zero heuristic result is a valid value of this plain C struct.
         let mut found: Vec<sys::cublasLtMatmulHeuristicResult_t> =
@@ -748,7 +891,7 @@ impl Blas {
                 &mut count,
             )
         };
-        let algos = match status {
+        let mut algos: Vec<sys::cublasLtMatmulAlgo_t> = match status {
             sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS => found
                 .iter()
                 .take(count.max(0) as usize)
@@ -761,6 +904,14 @@ impl Blas {
             _ if key.epilogue != EpilogueKind::None => Vec::new(),
             other => return Err(cublas_error(&what("algorithm search"), other)),
         };
+        if self.search == Search::Wide && key.operands != Operands::F32 {
+            // The split-K variants go after the heuristic's first CANDIDATES, so a budget
+            // that cuts the list (a large GEMM) keeps what `top8` would time.
+            let split = self.split_k_variants(key, (&desc, &a, &b, &c), &algos);
+            let tail = algos.split_off(algos.len().min(CANDIDATES));
+            algos.extend(split);
+            algos.extend(tail);
+        }
         Ok(Plan {
             settled: algos.len() <= 1,
             timed_ms: None,
@@ -771,6 +922,227 @@ impl Blas {
             algos,
         })
     }
+}
+
+impl Blas {
+    /// Split-K variants of the first [`SPLIT_BASES`] of `found` that support it, for a GEMM
+    /// whose k is at least twice m and n (none otherwise): each count of [`SPLITS`] leaving at
+    /// least [`MIN_SPLIT_K`] per slice, with the first reduction scheme the algorithm offers of
+    /// fp32 workspace (`COMPUTE_TYPE`), in place and output type, that `cublasLtMatmulAlgoCheck`
+    /// accepts within the workspace. A query cuBLASLt refuses drops that variant only: the
+    /// search is an optimisation, and the heuristic's own candidates remain.
+    #[allow(clippy::type_complexity)]
+    fn split_k_variants(
+        &self,
+        key: &PlanKey,
+        (desc, a, b, c): (
+            &Guard<sys::cublasLtMatmulDesc_t>,
+            &Guard<sys::cublasLtMatrixLayout_t>,
+            &Guard<sys::cublasLtMatrixLayout_t>,
+            &Guard<sys::cublasLtMatrixLayout_t>,
+        ),
+        found: &[sys::cublasLtMatmulAlgo_t],
+    ) -> Vec<sys::cublasLtMatmulAlgo_t> {
+        use sys::cublasLtMatmulAlgoCapAttributes_t as Cap;
+        use sys::cublasLtMatmulAlgoConfigAttributes_t as Config;
+        use sys::cublasLtReductionScheme_t as R;
+        let mut variants = Vec::new();
+        if key.k < 2 * key.m.max(key.n) {
+            return variants;
+        }
+        let mut bases: Vec<sys::cublasLtMatmulAlgo_t> = Vec::new();
+        for algo in found {
+            if bases.len() == SPLIT_BASES {
+                break;
+            }
+            // The same kernel with another split count is the same base.
+            let mut base = *algo;
+            if set_config(&mut base, Config::CUBLASLT_ALGO_CONFIG_SPLITK_NUM, 1).is_some()
+                && !bases.contains(&base)
+            {
+                bases.push(base);
+            }
+        }
+        for base in bases {
+            if cap(&base, Cap::CUBLASLT_ALGO_CAP_SPLITK_SUPPORT) != Some(1) {
+                continue;
+            }
+            let mask = cap(&base, Cap::CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK).unwrap_or(0);
+            let Some(scheme) = [
+                R::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE,
+                R::CUBLASLT_REDUCTION_SCHEME_INPLACE,
+                R::CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE,
+            ]
+            .into_iter()
+            .find(|&s| mask & s as u32 != 0) else {
+                continue;
+            };
+            for splits in SPLITS {
+                if key.k / u64::from(splits) < MIN_SPLIT_K {
+                    continue;
+                }
+                let mut algo = base;
+                if set_config(&mut algo, Config::CUBLASLT_ALGO_CONFIG_SPLITK_NUM, splits).is_none()
+                    || set_config(
+                        &mut algo,
+                        Config::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+                        scheme as u32,
+                    )
+                    .is_none()
+                    || found.contains(&algo)
+                    || variants.contains(&algo)
+                {
+                    continue;
+                }
+                // SAFETY: an all-zero heuristic result is a valid value of this C struct.
+                let mut checked: sys::cublasLtMatmulHeuristicResult_t =
+                    unsafe { std::mem::zeroed() };
+                // SAFETY: every descriptor is live for the call; `algo` and `checked` are
+                // valid for reads and writes of their types.
+                let status = unsafe {
+                    sys::cublasLtMatmulAlgoCheck(
+                        self.handle,
+                        desc.0,
+                        a.0,
+                        b.0,
+                        c.0,
+                        c.0,
+                        &algo,
+                        &mut checked,
+                    )
+                };
+                if status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+                    && checked.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+                    && checked.workspaceSize <= self.workspace_size
+                {
+                    variants.push(algo);
+                }
+            }
+        }
+        variants
+    }
+}
+
+/// A 4-byte capability of `algo` (None where cuBLASLt does not answer).
+fn cap(
+    algo: &sys::cublasLtMatmulAlgo_t,
+    attr: sys::cublasLtMatmulAlgoCapAttributes_t,
+) -> Option<u32> {
+    let mut value: u32 = 0;
+    let mut written: usize = 0;
+    // SAFETY: `algo` is an initialised algorithm; `value` has room for the 4 bytes asked for.
+    let status = unsafe {
+        sys::cublasLtMatmulAlgoCapGetAttribute(
+            algo,
+            attr,
+            (&mut value as *mut u32).cast(),
+            size_of::<u32>(),
+            &mut written,
+        )
+    };
+    (status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS && written == size_of::<u32>())
+        .then_some(value)
+}
+
+/// A 4-byte configuration value of `algo` (None where cuBLASLt does not answer).
+fn config(
+    algo: &sys::cublasLtMatmulAlgo_t,
+    attr: sys::cublasLtMatmulAlgoConfigAttributes_t,
+) -> Option<u32> {
+    let mut value: u32 = 0;
+    let mut written: usize = 0;
+    // SAFETY: as in `cap`.
+    let status = unsafe {
+        sys::cublasLtMatmulAlgoConfigGetAttribute(
+            algo,
+            attr,
+            (&mut value as *mut u32).cast(),
+            size_of::<u32>(),
+            &mut written,
+        )
+    };
+    (status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS && written == size_of::<u32>())
+        .then_some(value)
+}
+
+/// Sets a 4-byte configuration value of `algo` (the split count and reduction scheme are
+/// `int32_t` / `uint32_t`); None where cuBLASLt refuses it.
+fn set_config(
+    algo: &mut sys::cublasLtMatmulAlgo_t,
+    attr: sys::cublasLtMatmulAlgoConfigAttributes_t,
+    value: u32,
+) -> Option<()> {
+    // SAFETY: `algo` is an initialised algorithm; `value` is 4 readable bytes.
+    let status = unsafe {
+        sys::cublasLtMatmulAlgoConfigSetAttribute(
+            algo,
+            attr,
+            (&value as *const u32).cast(),
+            size_of::<u32>(),
+        )
+    };
+    (status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS).then_some(())
+}
+
+/// The names of cuBLASLt's first tile ids (`cublasLtMatmulTile_t`, m × n per CTA).
+const TILES: [&str; 36] = [
+    "undefined",
+    "8x8",
+    "8x16",
+    "16x8",
+    "8x32",
+    "16x16",
+    "32x8",
+    "8x64",
+    "16x32",
+    "32x16",
+    "64x8",
+    "32x32",
+    "32x64",
+    "64x32",
+    "32x128",
+    "64x64",
+    "128x32",
+    "64x128",
+    "128x64",
+    "64x256",
+    "128x128",
+    "256x64",
+    "64x512",
+    "128x256",
+    "256x128",
+    "512x64",
+    "64x96",
+    "96x64",
+    "96x128",
+    "128x160",
+    "160x128",
+    "192x128",
+    "128x192",
+    "128x96",
+    "32x256",
+    "256x32",
+];
+
+/// `algo`'s configuration in a few words: id, tile, stages, split-K and its reduction
+/// scheme, CTA swizzling, custom option (for plan listings; `?` where cuBLASLt does not say).
+fn algo_summary(algo: &sys::cublasLtMatmulAlgo_t) -> String {
+    use sys::cublasLtMatmulAlgoConfigAttributes_t as Config;
+    let get = |attr| config(algo, attr).map_or("?".to_string(), |v| v.to_string());
+    let tile = config(algo, Config::CUBLASLT_ALGO_CONFIG_TILE_ID).map_or("?".to_string(), |t| {
+        TILES
+            .get(t as usize)
+            .map_or(format!("#{t}"), |name| name.to_string())
+    });
+    format!(
+        "algo {} tile {tile} stages {} split-K {} (reduction {}) swizzle {} custom {}",
+        get(Config::CUBLASLT_ALGO_CONFIG_ID),
+        get(Config::CUBLASLT_ALGO_CONFIG_STAGES_ID),
+        get(Config::CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+        get(Config::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME),
+        get(Config::CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
+        get(Config::CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION),
+    )
 }
 
 impl Drop for Blas {
