@@ -6,9 +6,10 @@
 //! conversions, weight casts, bias, algorithm already chosen) and of its cuBLASLt kernels
 //! alone, with bf16 activation storage as training runs them (x, y, dx bf16; w, b, dw, db f32:
 //! operands read as stored, weights through their cached cast, bias gradient in the epilogue).
-//! Each model runs once per `gemm_search` variant (`top8`, `wide`: how cuBLASLt's algorithm is
-//! chosen, a fresh backend each) and a table puts their kernel TFLOP/s side by side; each
-//! variant's plans are printed with the algorithm that won (id, tile, stages, split-K).
+//! Each model runs once per `gemm_search` variant (`top8`, `wide`, `enumerate`: how cuBLASLt's
+//! algorithm is chosen, a fresh backend each) and a table puts their kernel TFLOP/s side by
+//! side; each variant's plans are printed with the algorithm that won (id, tile, stages,
+//! split-K) and how long the ops' first round (with the searches) took.
 //! PARC_BENCH_F32=1 also runs every buffer f32 (activations rounded per use). Ignored by
 //! default (it needs a GPU); run it on the device machine with `cuda_gemm_bench --ignored
 //! --nocapture`. PARC_BENCH_ROWS sets the token rows of both models (default 32768 and
@@ -66,7 +67,7 @@ mod bench {
         be: &mut CudaBackend,
         ops: &[(&Op, Vec<BufferId>, Vec<BufferId>)],
         weight: (BufferId, &[f32]),
-    ) -> Vec<(f64, f64)> {
+    ) -> (Vec<(f64, f64)>, f64) {
         let scalars = StepScalars {
             lr: 0.0,
             step: 1,
@@ -74,6 +75,7 @@ mod bench {
         };
         let mut whole = vec![Vec::new(); ops.len()];
         let mut kernels = vec![Vec::new(); ops.len()];
+        let mut first_round_ms = 0.0;
         for round in 0..=2 * REPS {
             let timed_kernels = round > REPS;
             be.write_f32(weight.0, weight.1).unwrap();
@@ -88,15 +90,18 @@ mod bench {
                     kernels[i].push(be.gemm_kernel_ms().unwrap());
                 } else if round > 0 {
                     whole[i].push(ms);
+                } else {
+                    first_round_ms += ms;
                 }
             }
         }
         be.time_gemm_kernels(false).unwrap();
-        whole
+        let medians = whole
             .into_iter()
             .map(median)
             .zip(kernels.into_iter().map(median))
-            .collect()
+            .collect();
+        (medians, first_round_ms)
     }
 
     /// The benchmarked models: name, d, token rows by default, layers per step.
@@ -104,7 +109,7 @@ mod bench {
         [("124m", 768, 32768, 12), ("350m", 1024, 16384, 24)];
 
     /// The `gemm_search` variants compared, the default first.
-    const SEARCHES: [&str; 2] = ["top8", "wide"];
+    const SEARCHES: [&str; 3] = ["top8", "wide", "enumerate"];
 
     /// One timed GEMM op: (model, storage, gemm, kind, m·n·k as "rows x in x out", kernel
     /// TFLOP/s) under one search.
@@ -144,13 +149,8 @@ mod bench {
                         }
                     };
                     be.set_kernel_variant("gemm_search", search).unwrap();
-                    let started = Instant::now();
                     let mut rows_out =
                         run_storage(&mut be, model, (d, rows, layers), storage, search);
-                    println!(
-                        "{model} {search}: {:.1} s with algorithm searches",
-                        started.elapsed().as_secs_f64()
-                    );
                     for line in be.gemm_plans() {
                         println!("plan {model} {search}: {line}");
                     }
@@ -161,33 +161,41 @@ mod bench {
         print_side_by_side(&results);
     }
 
-    /// A table of every op's kernel TFLOP/s under each search, and the gain over the first.
+    /// A table of every op's kernel TFLOP/s under each search, and each one's gain over the
+    /// first (the default).
     fn print_side_by_side(results: &[Vec<Row>]) {
+        let others = &SEARCHES[1..];
         println!();
         println!(
-            "| model | storage | gemm | kind | rows x in x out | {} | {} / {} |",
+            "| model | storage | gemm | kind | rows x in x out | {} | {} |",
             SEARCHES
                 .iter()
                 .map(|s| format!("{s} TFLOP/s"))
                 .collect::<Vec<_>>()
                 .join(" | "),
-            SEARCHES[SEARCHES.len() - 1],
-            SEARCHES[0]
+            others
+                .iter()
+                .map(|s| format!("{s} / {}", SEARCHES[0]))
+                .collect::<Vec<_>>()
+                .join(" | ")
         );
         println!(
-            "|---|---|---|---|---|{}---|",
-            "---:|".repeat(SEARCHES.len())
+            "|---|---|---|---|---|{}",
+            "---:|".repeat(SEARCHES.len() + others.len())
         );
         for (i, (model, storage, gemm, kind, shape, first)) in results[0].iter().enumerate() {
             let rates: Vec<f64> = results.iter().map(|r| r[i].5).collect();
-            println!(
-                "| {model} | {storage} | {gemm} | {kind} | {shape} | {} | {:.3} |",
-                rates
-                    .iter()
-                    .map(|t| format!("{t:.1}"))
+            let show = |v: &[f64], digits: usize| {
+                v.iter()
+                    .map(|t| format!("{t:.digits$}"))
                     .collect::<Vec<_>>()
-                    .join(" | "),
-                rates[rates.len() - 1] / first
+                    .join(" | ")
+            };
+            let gains: Vec<f64> = rates[1..].iter().map(|t| t / first).collect();
+            println!(
+                "| {model} | {storage} | {gemm} | {kind} | {shape} | {} | {} |",
+                show(&rates, 1),
+                show(&gains, 3)
             );
         }
     }
@@ -215,6 +223,7 @@ mod bench {
         ];
         let mut out = Vec::new();
         let mut step_ms = [0.0f64; 2];
+        let mut first_round_ms = 0.0;
         let mut next = 0u32;
         let mut id = || {
             next += 1;
@@ -287,9 +296,9 @@ mod bench {
                 (&bwd_weight, vec![y, x], dw_out),
             ];
             let kinds = ["fwd", "bwd-data", "bwd-weight"];
-            for (kind, (whole, kernels)) in
-                kinds.into_iter().zip(time_layer(be, &ops, (w, &w_data)))
-            {
+            let (medians, first_ms) = time_layer(be, &ops, (w, &w_data));
+            first_round_ms += first_ms;
+            for (kind, (whole, kernels)) in kinds.into_iter().zip(medians) {
                 step_ms[0] += whole * f64::from(per_step);
                 step_ms[1] += kernels * f64::from(per_step);
                 let line = format!(
@@ -312,7 +321,7 @@ mod bench {
             }
         }
         println!(
-            "one {model} step's GEMMs ({search} search, {label} activations; {layers} layers + head, {rows} rows): {:.2} ms as ops, {:.2} ms in cuBLASLt kernels",
+            "one {model} step's GEMMs ({search} search, {label} activations; {layers} layers + head, {rows} rows): {:.2} ms as ops, {:.2} ms in cuBLASLt kernels; the first round of the 15 ops, with their algorithm searches, {first_round_ms:.0} ms",
             step_ms[0], step_ms[1]
         );
         assert_eq!(out.len(), 15);

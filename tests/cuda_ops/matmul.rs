@@ -181,8 +181,9 @@ fn matmuls_bf16() {
     assert_mostly_rounded(&worst, BF16_ROUNDED, "bf16");
 }
 
-/// The `wide` GEMM algorithm search (`gemm_search`, cuda/gemm.rs: up to 64 heuristic
-/// candidates and split-K variants) against the CPU in bf16 runs, f32 and bf16 storage: odd
+/// The `wide` and `enumerate` GEMM algorithm searches (`gemm_search`, cuda/gemm.rs: up to 64
+/// heuristic candidates and split-K variants; and algorithms built from cuBLASLt's ids and
+/// tiles) against the CPU in bf16 runs, f32 and bf16 storage: odd
 /// shapes, and long-k shapes whose backward-weight GEMM (m·n small, k ≥ 2·max(m, n)) gets
 /// split-K candidates — 16384 × 64 × 96 is one output tile, where a split almost surely wins —
 /// with every bias / accumulate combination (accumulating ones timed into the scratch D), and
@@ -192,8 +193,13 @@ fn matmuls_bf16() {
 #[test]
 fn matmuls_bf16_wide_search() {
     let test = "matmuls_bf16_wide_search";
-    for bf16_storage in [false, true] {
-        let label = format!("{test} bf16_storage={bf16_storage}");
+    for (search, bf16_storage) in [
+        ("wide", false),
+        ("wide", true),
+        ("enumerate", false),
+        ("enumerate", true),
+    ] {
+        let label = format!("{test} {search} bf16_storage={bf16_storage}");
         let mut cases = matmul_cases_at(
             &label,
             BF16_GEMM,
@@ -226,7 +232,7 @@ fn matmuls_bf16_wide_search() {
                 .map(|c| c.stored_bf16(BF16_GEMM))
                 .collect();
         }
-        let Some(mut gpu) = gpu_search(Precision::Bf16, "wide") else {
+        let Some(mut gpu) = gpu_search(Precision::Bf16, search) else {
             return;
         };
         crate::harness::check_with(&label, &cases, &mut gpu);

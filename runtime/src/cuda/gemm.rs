@@ -46,6 +46,8 @@ const SCREEN_RUNS: usize = 2;
 /// `wide` candidates re-timed after screening, and their timed runs (the median counts).
 const FINALISTS: usize = 3;
 const FINAL_RUNS: usize = 5;
+/// Most algorithms `enumerate` builds from cuBLASLt's ids, tiles and stages.
+const ENUMERATED: usize = 256;
 /// The GPU time a `wide` search aims to spend per GEMM: the candidates screened are cut to
 /// what fits, judged by the first one's time, but never below [`CANDIDATES`].
 const SEARCH_BUDGET_MS: f32 = 100.0;
@@ -61,6 +63,11 @@ pub(crate) enum Search {
     /// screened on [`SCREEN_RUNS`] back-to-back runs within [`SEARCH_BUDGET_MS`], the
     /// [`FINALISTS`] fastest re-timed over [`FINAL_RUNS`] runs, the lowest median kept.
     Wide,
+    /// `Wide`'s candidates, then up to [`ENUMERATED`] more built explicitly: every algorithm
+    /// id cuBLASLt has for the types (`cublasLtMatmulAlgoGetIds`, `cublasLtMatmulAlgoInit`)
+    /// with each tile it supports (a share of the total per id), split-K 1, each checked by
+    /// `cublasLtMatmulAlgoCheck`; timed as `Wide` (the budget cuts the list on large GEMMs).
+    Enumerate,
 }
 
 /// A column-major `C = alpha · op(A) · op(B) + beta · C (+ bias)`, `op(A)` m×k, `op(B)` k×n,
@@ -337,6 +344,8 @@ struct Plan {
     settled: bool,
     /// The chosen algorithm's time in milliseconds and how many candidates were timed.
     timed_ms: Option<(f32, usize)>,
+    /// How many of the candidates were split-K variants the search built (`wide`).
+    split_variants: usize,
 }
 
 /// A CUDA event, destroyed on drop.
@@ -435,9 +444,11 @@ impl Blas {
             .map(|(key, plan)| {
                 let state = match (plan.algos.first(), plan.algos.len(), plan.timed_ms) {
                     (None, _, _) => "unsupported".to_string(),
-                    (Some(algo), _, Some((ms, of))) => {
-                        format!("timed, fastest of {of} {ms:.3} ms: {}", algo_summary(algo))
-                    }
+                    (Some(algo), _, Some((ms, of))) => format!(
+                        "timed, fastest of {of} ({} split-K built) {ms:.3} ms: {}",
+                        plan.split_variants,
+                        algo_summary(algo)
+                    ),
                     (Some(algo), 1, None) => {
                         format!("the heuristic's choice: {}", algo_summary(algo))
                     }
@@ -521,7 +532,7 @@ impl Blas {
         if let (true, Some(d)) = (unsettled, timed_into) {
             let (ms, best, timed) = match self.search {
                 Search::Top8 => self.fastest(&key, g, d, stream)?,
-                Search::Wide => self.fastest_wide(&key, g, d, stream)?,
+                Search::Wide | Search::Enumerate => self.fastest_wide(&key, g, d, stream)?,
             };
             if let Some(plan) = self.plans.get_mut(&key) {
                 plan.algos = vec![best];
@@ -832,6 +843,7 @@ impl Blas {
             // D's); cuBLASLt wants its leading dimension a multiple of 8.
             if key.ldc % 8 != 0 {
                 return Ok(Plan {
+                    split_variants: 0,
                     settled: true,
                     timed_ms: None,
                     desc,
@@ -870,7 +882,7 @@ impl Blas {
         let wanted = match (key.operands, self.search) {
             (Operands::F32, _) => 1,
             (_, Search::Top8) => CANDIDATES,
-            (_, Search::Wide) => WIDE_HEURISTIC,
+            (_, Search::Wide | Search::Enumerate) => WIDE_HEURISTIC,
         };
         // SAFETY: an all-zero heuristic result is a valid value of this plain C struct.
         let mut found: Vec<sys::cublasLtMatmulHeuristicResult_t> =
@@ -904,15 +916,22 @@ impl Blas {
             _ if key.epilogue != EpilogueKind::None => Vec::new(),
             other => return Err(cublas_error(&what("algorithm search"), other)),
         };
-        if self.search == Search::Wide && key.operands != Operands::F32 {
+        let mut split_variants = 0;
+        if self.search != Search::Top8 && key.operands != Operands::F32 && !algos.is_empty() {
             // The split-K variants go after the heuristic's first CANDIDATES, so a budget
             // that cuts the list (a large GEMM) keeps what `top8` would time.
             let split = self.split_k_variants(key, (&desc, &a, &b, &c), &algos);
+            split_variants = split.len();
             let tail = algos.split_off(algos.len().min(CANDIDATES));
             algos.extend(split);
             algos.extend(tail);
+            if self.search == Search::Enumerate {
+                let more = self.enumerated(key, (&desc, &a, &b, &c), &algos);
+                algos.extend(more);
+            }
         }
         Ok(Plan {
+            split_variants,
             settled: algos.len() <= 1,
             timed_ms: None,
             desc,
@@ -931,16 +950,10 @@ impl Blas {
     /// fp32 workspace (`COMPUTE_TYPE`), in place and output type, that `cublasLtMatmulAlgoCheck`
     /// accepts within the workspace. A query cuBLASLt refuses drops that variant only: the
     /// search is an optimisation, and the heuristic's own candidates remain.
-    #[allow(clippy::type_complexity)]
     fn split_k_variants(
         &self,
         key: &PlanKey,
-        (desc, a, b, c): (
-            &Guard<sys::cublasLtMatmulDesc_t>,
-            &Guard<sys::cublasLtMatrixLayout_t>,
-            &Guard<sys::cublasLtMatrixLayout_t>,
-            &Guard<sys::cublasLtMatrixLayout_t>,
-        ),
+        descs: Descriptors<'_>,
         found: &[sys::cublasLtMatmulAlgo_t],
     ) -> Vec<sys::cublasLtMatmulAlgo_t> {
         use sys::cublasLtMatmulAlgoCapAttributes_t as Cap;
@@ -994,33 +1007,185 @@ impl Blas {
                 {
                     continue;
                 }
-                // SAFETY: an all-zero heuristic result is a valid value of this C struct.
-                let mut checked: sys::cublasLtMatmulHeuristicResult_t =
-                    unsafe { std::mem::zeroed() };
-                // SAFETY: every descriptor is live for the call; `algo` and `checked` are
-                // valid for reads and writes of their types.
-                let status = unsafe {
-                    sys::cublasLtMatmulAlgoCheck(
-                        self.handle,
-                        desc.0,
-                        a.0,
-                        b.0,
-                        c.0,
-                        c.0,
-                        &algo,
-                        &mut checked,
-                    )
-                };
-                if status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-                    && checked.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-                    && checked.workspaceSize <= self.workspace_size
-                {
+                if self.check(&algo, descs) {
                     variants.push(algo);
                 }
             }
         }
         variants
     }
+}
+
+impl Blas {
+    /// Whether `cublasLtMatmulAlgoCheck` accepts `algo` for the descriptors within the
+    /// workspace.
+    fn check(&self, algo: &sys::cublasLtMatmulAlgo_t, (desc, a, b, c): Descriptors<'_>) -> bool {
+        // SAFETY: an all-zero heuristic result is a valid value of this C struct.
+        let mut checked: sys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        // SAFETY: every descriptor is live for the call; `algo` and `checked` are valid for
+        // reads and writes of their types.
+        let status = unsafe {
+            sys::cublasLtMatmulAlgoCheck(
+                self.handle,
+                desc.0,
+                a.0,
+                b.0,
+                c.0,
+                c.0,
+                algo,
+                &mut checked,
+            )
+        };
+        status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+            && checked.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+            && checked.workspaceSize <= self.workspace_size
+    }
+
+    /// Up to [`ENUMERATED`] algorithms for `key` built from cuBLASLt's ids for its types: per
+    /// id its supported tiles, largest first, each with the stage count left to cuBLASLt or
+    /// else the first one `check` accepts (split-K 1), that `found` lacks (see
+    /// [`Search::Enumerate`]). None where cuBLASLt lists nothing.
+    fn enumerated(
+        &self,
+        key: &PlanKey,
+        descs: Descriptors<'_>,
+        found: &[sys::cublasLtMatmulAlgo_t],
+    ) -> Vec<sys::cublasLtMatmulAlgo_t> {
+        use sys::cublasLtMatmulAlgoCapAttributes_t as Cap;
+        use sys::cublasLtMatmulAlgoConfigAttributes_t as Config;
+        let compute = sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+        let scale = sys::cudaDataType_t::CUDA_R_32F;
+        let (ab, cd) = (key.operands.data_type(), key.out.data_type());
+        let mut ids = vec![0i32; 256];
+        let mut count: i32 = 0;
+        // SAFETY: the handle is live; `ids` has room for the count asked for.
+        let status = unsafe {
+            sys::cublasLtMatmulAlgoGetIds(
+                self.handle,
+                compute,
+                scale,
+                ab,
+                ab,
+                cd,
+                cd,
+                ids.len() as i32,
+                ids.as_mut_ptr(),
+                &mut count,
+            )
+        };
+        let mut out = Vec::new();
+        if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return out;
+        }
+        ids.truncate(count.clamp(0, 256) as usize);
+        // Spread over the ids: each keeps at most its share of ENUMERATED and makes at most
+        // four checks per algorithm it may keep (a check costs microseconds of host time, and
+        // most tile × stage pairs of an id do not fit the shape or epilogue).
+        let share = (ENUMERATED / ids.len().max(1)).max(1);
+        for id in ids {
+            // SAFETY: an all-zero algorithm is a valid value of this plain C struct, which
+            // AlgoInit overwrites.
+            let mut base: sys::cublasLtMatmulAlgo_t = unsafe { std::mem::zeroed() };
+            // SAFETY: the handle is live; `base` is writable.
+            let status = unsafe {
+                sys::cublasLtMatmulAlgoInit(
+                    self.handle,
+                    compute,
+                    scale,
+                    ab,
+                    ab,
+                    cd,
+                    cd,
+                    id,
+                    &mut base,
+                )
+            };
+            if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                continue;
+            }
+            let mut tiles = cap_list(&base, Cap::CUBLASLT_ALGO_CAP_TILE_IDS);
+            // Largest tiles first (the ones a big GEMM wants; the share may cut the rest); an
+            // id without a list takes the undefined (0) tile: its kernel decides.
+            tiles.sort_by_key(|&t| std::cmp::Reverse(tile_area(t)));
+            if tiles.is_empty() {
+                tiles.push(0);
+            }
+            // Per tile the stage count is left to cuBLASLt (0) where it accepts that, else
+            // the first supported count it accepts.
+            let mut stages = cap_list(&base, Cap::CUBLASLT_ALGO_CAP_STAGES_IDS);
+            stages.retain(|&s| s != 0);
+            stages.insert(0, 0);
+            let (mut kept, mut checks) = (0, 0);
+            'tiles: for &tile in &tiles {
+                for &stage in &stages {
+                    if out.len() == ENUMERATED {
+                        return out;
+                    }
+                    if kept == share || checks == 4 * share {
+                        break 'tiles;
+                    }
+                    let mut algo = base;
+                    if set_config(&mut algo, Config::CUBLASLT_ALGO_CONFIG_TILE_ID, tile).is_none()
+                        || set_config(&mut algo, Config::CUBLASLT_ALGO_CONFIG_STAGES_ID, stage)
+                            .is_none()
+                    {
+                        continue;
+                    }
+                    if found.contains(&algo) || out.contains(&algo) {
+                        continue 'tiles;
+                    }
+                    checks += 1;
+                    if self.check(&algo, descs) {
+                        out.push(algo);
+                        kept += 1;
+                        continue 'tiles;
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// A plan's matmul descriptor and its A, B and C/D layouts.
+type Descriptors<'a> = (
+    &'a Guard<sys::cublasLtMatmulDesc_t>,
+    &'a Guard<sys::cublasLtMatrixLayout_t>,
+    &'a Guard<sys::cublasLtMatrixLayout_t>,
+    &'a Guard<sys::cublasLtMatrixLayout_t>,
+);
+
+/// A list-valued capability of `algo` (tile or stage ids, `uint32_t` each; empty where
+/// cuBLASLt does not answer).
+fn cap_list(
+    algo: &sys::cublasLtMatmulAlgo_t,
+    attr: sys::cublasLtMatmulAlgoCapAttributes_t,
+) -> Vec<u32> {
+    let mut bytes: usize = 0;
+    // SAFETY: a null buffer of size 0 asks only for the size, written to `bytes`.
+    let status = unsafe {
+        sys::cublasLtMatmulAlgoCapGetAttribute(algo, attr, std::ptr::null_mut(), 0, &mut bytes)
+    };
+    if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS || bytes == 0 {
+        return Vec::new();
+    }
+    let mut values = vec![0u32; bytes.div_ceil(size_of::<u32>())];
+    let mut written: usize = 0;
+    // SAFETY: `values` has room for `bytes` bytes.
+    let status = unsafe {
+        sys::cublasLtMatmulAlgoCapGetAttribute(
+            algo,
+            attr,
+            values.as_mut_ptr().cast(),
+            values.len() * size_of::<u32>(),
+            &mut written,
+        )
+    };
+    if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        return Vec::new();
+    }
+    values.truncate(written / size_of::<u32>());
+    values
 }
 
 /// A 4-byte capability of `algo` (None where cuBLASLt does not answer).
@@ -1123,6 +1288,15 @@ const TILES: [&str; 36] = [
     "32x256",
     "256x32",
 ];
+
+/// A tile's m × n elements from its [`TILES`] name (0 for the undefined and unnamed ones).
+fn tile_area(tile: u32) -> u32 {
+    TILES
+        .get(tile as usize)
+        .and_then(|name| name.split_once('x'))
+        .and_then(|(m, n)| Some(m.parse::<u32>().ok()? * n.parse::<u32>().ok()?))
+        .unwrap_or(0)
+}
 
 /// `algo`'s configuration in a few words: id, tile, stages, split-K and its reduction
 /// scheme, CTA swizzling, custom option (for plan listings; `?` where cuBLASLt does not say).

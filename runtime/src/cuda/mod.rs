@@ -193,10 +193,10 @@ fn buffer_error(id: BufferId, what: impl Into<String>) -> RuntimeError {
 
 /// The GEMM algorithm search the `gemm_search` variant names.
 fn gemm_search(variants: &variants::KernelVariants) -> gemm::Search {
-    if variants.is("gemm_search", "wide") {
-        gemm::Search::Wide
-    } else {
-        gemm::Search::Top8
+    match variants.chosen("gemm_search") {
+        "wide" => gemm::Search::Wide,
+        "enumerate" => gemm::Search::Enumerate,
+        _ => gemm::Search::Top8,
     }
 }
 
