@@ -10,6 +10,7 @@
 //! algorithm is chosen, a fresh backend each) and a table puts their kernel TFLOP/s side by
 //! side; each variant's plans are printed with the algorithm that won (id, tile, stages,
 //! split-K) and how long the ops' first round (with the searches) took.
+//! PARC_BENCH_SEARCHES (comma-separated, the baseline first) picks the variants compared.
 //! PARC_BENCH_F32=1 also runs every buffer f32 (activations rounded per use). Ignored by
 //! default (it needs a GPU); run it on the device machine with `cuda_gemm_bench --ignored
 //! --nocapture`. PARC_BENCH_ROWS sets the token rows of both models (default 32768 and
@@ -108,8 +109,9 @@ mod bench {
     const MODELS: [(&str, u64, u64, u32); 2] =
         [("124m", 768, 32768, 12), ("350m", 1024, 16384, 24)];
 
-    /// The `gemm_search` variants compared, the default first.
-    const SEARCHES: [&str; 3] = ["top8", "wide", "enumerate"];
+    /// The `gemm_search` variants compared by default, the default first (PARC_BENCH_SEARCHES,
+    /// comma-separated, picks others).
+    const SEARCHES: &str = "top8,wide,enumerate";
 
     /// One timed GEMM op: (model, storage, gemm, kind, m·n·k as "rows x in x out", kernel
     /// TFLOP/s) under one search.
@@ -130,12 +132,21 @@ mod bench {
         if std::env::var("PARC_BENCH_F32").is_ok_and(|v| v == "1") {
             storages.push(DType::F32);
         }
-        // Per search: every op's row, in one order for all searches.
-        let mut results: Vec<Vec<Row>> = vec![Vec::new(); SEARCHES.len()];
+        let searches_env = std::env::var("PARC_BENCH_SEARCHES").unwrap_or_default();
+        let searches: Vec<&str> = if searches_env.is_empty() {
+            SEARCHES.split(',').collect()
+        } else {
+            searches_env.split(',').collect()
+        };
+        // The JSON lines, printed last so that the tables come first in a device call's summary
+        // (bench/variants_call.sh shows the first 40 table or rate lines).
+        let mut json = Vec::new();
         for (model, d, default_rows, layers) in MODELS {
             let rows = rows_override.unwrap_or(default_rows);
+            // Per search: every op's row, in one order for all searches.
+            let mut results: Vec<Vec<Row>> = vec![Vec::new(); searches.len()];
             for &storage in &storages {
-                for (s, search) in SEARCHES.into_iter().enumerate() {
+                for (s, &search) in searches.iter().enumerate() {
                     // A fresh backend each time: algorithms and casts chosen anew.
                     let mut be = match CudaBackend::with_precision(0, Precision::Bf16) {
                         Ok(be) => be,
@@ -149,39 +160,43 @@ mod bench {
                         }
                     };
                     be.set_kernel_variant("gemm_search", search).unwrap();
-                    let mut rows_out =
+                    let (mut rows_out, mut lines) =
                         run_storage(&mut be, model, (d, rows, layers), storage, search);
                     for line in be.gemm_plans() {
                         println!("plan {model} {search}: {line}");
                     }
                     results[s].append(&mut rows_out);
+                    json.append(&mut lines);
                 }
             }
+            print_side_by_side(&searches, &results);
         }
-        print_side_by_side(&results);
+        for line in json {
+            println!("{line}");
+        }
     }
 
     /// A table of every op's kernel TFLOP/s under each search, and each one's gain over the
     /// first (the default).
-    fn print_side_by_side(results: &[Vec<Row>]) {
-        let others = &SEARCHES[1..];
+    fn print_side_by_side(searches: &[&str], results: &[Vec<Row>]) {
+        let others = &searches[1..];
         println!();
         println!(
             "| model | storage | gemm | kind | rows x in x out | {} | {} |",
-            SEARCHES
+            searches
                 .iter()
                 .map(|s| format!("{s} TFLOP/s"))
                 .collect::<Vec<_>>()
                 .join(" | "),
             others
                 .iter()
-                .map(|s| format!("{s} / {}", SEARCHES[0]))
+                .map(|s| format!("{s} / {}", searches[0]))
                 .collect::<Vec<_>>()
                 .join(" | ")
         );
         println!(
             "|---|---|---|---|---|{}",
-            "---:|".repeat(SEARCHES.len() + others.len())
+            "---:|".repeat(searches.len() + others.len())
         );
         for (i, (model, storage, gemm, kind, shape, first)) in results[0].iter().enumerate() {
             let rates: Vec<f64> = results.iter().map(|r| r[i].5).collect();
@@ -201,14 +216,15 @@ mod bench {
     }
 
     /// Every layer's three GEMM ops of `model` (d, token rows, layers per step) with
-    /// activations stored as `storage`, under GEMM search `search`; one row per op.
+    /// activations stored as `storage`, under GEMM search `search`: one row and one JSON line
+    /// per op.
     fn run_storage(
         be: &mut CudaBackend,
         model: &str,
         (d, rows, layers): (u64, u64, u32),
         storage: DType,
         search: &str,
-    ) -> Vec<Row> {
+    ) -> (Vec<Row>, Vec<String>) {
         let label = match storage {
             DType::Bf16 => "bf16",
             _ => "f32",
@@ -222,6 +238,7 @@ mod bench {
             ("head", d, 50304, false, 1),
         ];
         let mut out = Vec::new();
+        let mut lines = Vec::new();
         let mut step_ms = [0.0f64; 2];
         let mut first_round_ms = 0.0;
         let mut next = 0u32;
@@ -306,7 +323,7 @@ mod bench {
                     flops / whole / 1e9,
                     flops / kernels / 1e9
                 );
-                println!("{line}");
+                lines.push(line);
                 out.push((
                     model.to_string(),
                     label,
@@ -325,6 +342,6 @@ mod bench {
             step_ms[0], step_ms[1]
         );
         assert_eq!(out.len(), 15);
-        out
+        (out, lines)
     }
 }
