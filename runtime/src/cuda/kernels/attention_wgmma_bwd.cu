@@ -133,13 +133,13 @@ __device__ __forceinline__ void wb_red4(float* p, float a, float b, float c, flo
 
 // Adds a warpgroup's dQ tile (64 queries x 32 head-dim columns, accumulator layout: rows
 // wi 16 + gq (+ 8), columns 8 nb + 2 tq) times scale into row-major dq rows (row i at
-// dqh + i q_stride; rows at or past seq_q skipped). Lanes tq and tq ^ 1 swap halves so that an
+// dqh + i stride; rows at or past seq_q skipped). Lanes tq and tq ^ 1 swap halves so that an
 // even tq adds four adjacent columns of row ia and an odd one four of row ib: half the
 // reductions of two-float ones, each 16-byte aligned (dq_acc is, and so is every row).
-__device__ __forceinline__ void wb_dq_add(float* dqh, const float* dq, int ia, int seq_q, long long q_stride, float scale, int tq) {
+__device__ __forceinline__ void wb_dq_add(float* dqh, const float* dq, int ia, int seq_q, long long stride, float scale, int tq) {
     bool odd = tq & 1;
     int i = odd ? ia + 8 : ia;
-    float* row = dqh + i * q_stride + 2 * (tq & ~1);
+    float* row = dqh + i * stride + 2 * (tq & ~1);
     #pragma unroll
     for (int nb = 0; nb < 4; nb++) {
         // Even lanes keep row ia's pair and send row ib's; odd lanes the other way round.
@@ -184,9 +184,12 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) attention_bwd_wgmma_
     int group = (int)(g.heads / g.kv_heads);
     int seq_q = (int)g.seq_q, seq_kv = (int)g.seq_kv, rows_ld = att_rows(g);
     int j0 = blockIdx.y * BC;
-    long long q_stride = g.batch * g.heads * D, kv_stride = g.batch * g.kv_heads * D;
-    const bf16_t* kh = k + ((long long)b * g.kv_heads + kvh) * D;
-    const bf16_t* vh = v + ((long long)b * g.kv_heads + kvh) * D;
+    // Elements from one sequence position to the next (batch rows of the stored layout).
+    int q_stride = (int)g.batch * g.ld_q, kv_stride = (int)g.batch * g.ld_kv, o_stride = (int)g.batch * g.ld_o;
+    // The dQ accumulator is compact: (batch, head) rows of D.
+    long long dqa_stride = g.batch * g.heads * D;
+    const bf16_t* kh = k + b * g.ld_kv + kvh * D;
+    const bf16_t* vh = v + b * g.ld_kv + kvh * D;
     wb_fill<BC>(sk, kh, j0, seq_kv, kv_stride);
     wb_fill<BC>(sv, vh, j0, seq_kv, kv_stride);
     // This thread's accumulator rows are keys warp 16 + gq and + 8 (warpgroup wg's rows 16 wi
@@ -231,8 +234,8 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) attention_bwd_wgmma_
             int hn = kvh * group + (t + 1) / per_head, in0 = (first + (t + 1) % per_head) * BR;
             long long bhn = (long long)b * g.heads + hn;
             unsigned char* st = stages + ((t + 1) & 1) * STAGE;
-            wb_fill<BR>(st, q + bhn * D, in0, seq_q, q_stride);
-            wb_fill<BR>(st + QT, dout + bhn * D, in0, seq_q, q_stride);
+            wb_fill<BR>(st, q + b * g.ld_q + hn * D, in0, seq_q, q_stride);
+            wb_fill<BR>(st + QT, dout + b * g.ld_o + hn * D, in0, seq_q, o_stride);
             float* nl = reinterpret_cast<float*>(st + 2 * QT);
             int piece = threadIdx.x;
             if (piece < BR / 4) {
@@ -268,7 +271,7 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) attention_bwd_wgmma_
         #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) wb_mma64_ss<0, 0>(dp, wb_kmajor(sv + wg * 8192 + kk * 256), wb_kmajor(sdo + kk * 256), kk);
         wb_commit();
-        if (t > 0) wb_dq_add(prev_dqh, dq, prev_ia, seq_q, q_stride, g.scale, tq);
+        if (t > 0) wb_dq_add(prev_dqh, dq, prev_ia, seq_q, dqa_stride, g.scale, tq);
         wb_wait1();
         wb_pin<32>(s);
         // P^T = exp(S^T scale − lse), masked. Element (nb, e) of the accumulators is query
@@ -340,12 +343,12 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) attention_bwd_wgmma_
     wb_pin<16>(dq);
     wb_pin<32>(dva);
     wb_pin<32>(dka);
-    if (total > 0) wb_dq_add(prev_dqh, dq, prev_ia, seq_q, q_stride, g.scale, tq);
+    if (total > 0) wb_dq_add(prev_dqh, dq, prev_ia, seq_q, dqa_stride, g.scale, tq);
     tc_cp_wait_all();
     bool dk_bf16 = g.bf16 & ATT_BF16_DK, dv_bf16 = g.bf16 & ATT_BF16_DV;
-    long long head = ((long long)b * g.kv_heads + kvh) * D + 2 * tq;
+    int dkv_stride = (int)g.batch * g.ld_dkv, head = b * g.ld_dkv + kvh * D + 2 * tq;
     if (ka < seq_kv) {
-        long long row = ka * kv_stride + head;
+        long long row = (long long)ka * dkv_stride + head;
         #pragma unroll
         for (int nb = 0; nb < D / 8; nb++) {
             tc_store2(dk, row + nb * 8, g.scale * dka[4 * nb], g.scale * dka[4 * nb + 1], dk_bf16);
@@ -353,7 +356,7 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) attention_bwd_wgmma_
         }
     }
     if (kb < seq_kv) {
-        long long row = kb * kv_stride + head;
+        long long row = (long long)kb * dkv_stride + head;
         #pragma unroll
         for (int nb = 0; nb < D / 8; nb++) {
             tc_store2(dk, row + nb * 8, g.scale * dka[4 * nb + 2], g.scale * dka[4 * nb + 3], dk_bf16);

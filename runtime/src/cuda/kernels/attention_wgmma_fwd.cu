@@ -163,10 +163,11 @@ __device__ __forceinline__ void wg_attention_fwd(const bf16_t* q, const bf16_t* 
     int seq_q = (int)g.seq_q, seq_kv = (int)g.seq_kv;
     // The last query tiles (the longest, causal) first.
     int i0 = (int)(gridDim.y - 1 - blockIdx.y) * BR;
-    long long q_stride = g.batch * g.heads * D, kv_stride = g.batch * g.kv_heads * D;
-    const bf16_t* qh = q + ((long long)b * g.heads + h) * D;
-    const bf16_t* kh = k + ((long long)b * g.kv_heads + kvh) * D;
-    const bf16_t* vh = v + ((long long)b * g.kv_heads + kvh) * D;
+    // Elements from one sequence position to the next (batch rows of the stored layout).
+    int q_stride = (int)g.batch * g.ld_q, kv_stride = (int)g.batch * g.ld_kv, o_stride = (int)g.batch * g.ld_o;
+    const bf16_t* qh = q + b * g.ld_q + h * D;
+    const bf16_t* kh = k + b * g.ld_kv + kvh * D;
+    const bf16_t* vh = v + b * g.ld_kv + kvh * D;
     wg_fill<D, BR, THREADS>(sq, qh, i0, seq_q, q_stride);
     wg_fill<D, BC, THREADS>(skv, kh, 0, seq_kv, kv_stride);
     wg_fill<D, BC, THREADS>(skv + KV_BYTES, vh, 0, seq_kv, kv_stride);
@@ -299,7 +300,7 @@ __device__ __forceinline__ void wg_attention_fwd(const bf16_t* q, const bf16_t* 
         float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
         int row = wg_row0 + 16 * warp + 8 * half + gq;
         if (row < seq_q) {
-            long long out = row * q_stride + ((long long)b * g.heads + h) * D + 2 * tq;
+            long long out = (long long)row * o_stride + b * g.ld_o + h * D + 2 * tq;
             #pragma unroll
             for (int nb = 0; nb < D / 8; nb++) tc_store2(o, out + nb * 8, acc[4 * nb + 2 * half] * inv, acc[4 * nb + 2 * half + 1] * inv, o_bf16);
             if (tq == 0) lse[(long long)bh * seq_q + row] = sum > 0.0f ? (m[half] + log2f(sum)) * TC_LN2 : NEG_INF;
