@@ -3,12 +3,17 @@
 //! device call). bf16 runs take the tensor-core kernels (head_dim 64 and 128) on bf16 buffers
 //! (q, k, v, o, dO, dQ, dK, dV stored bf16, as a bf16 run's plan stores them; label
 //! `parc-bf16-tc`); one point repeats GPT-2 124M's shape on f32 buffers (`parc-bf16-f32buf`:
-//! the operands copied to bf16 first), and one fp32 point times the exact kernels. FLOPs follow PyTorch's attention benchmark: causal
+//! the operands copied to bf16 first), and one fp32 point times the exact kernels. GPT-2 124M's
+//! training shape runs once more with q, k, v packed in one qkv buffer (and dq, dk, dv in one
+//! dqkv; `…-packed`), the layout one fused projection GEMM writes: the kernels read and write it
+//! through row strides, so it should time as the unpacked point does. FLOPs follow PyTorch's attention benchmark: causal
 //! forward 4·B·H·T²·d / 2, backward 2.5× the forward.
 //!
 //! Each bf16 point runs with the `fa2` kernels both ways (labelled as before) and, on a Hopper
 //! GPU, with the `wgmma` forward and (head_dim 64) the `wgmma` backward (labelled
-//! `…-wgmma-wgmmabwd`): each run times both directions. The bench sets the variants on the
+//! `…-wgmma-wgmmabwd`), and for head_dim 64 with each 128-key-tile forward variant
+//! (`…-wgmma_bc128-wgmmabwd`, `…-wgmma_bc128_wg3-wgmmabwd`) and the 64-key-CTA backward
+//! variant (`…-wgmma-wgmma_bc64bwd`): each run times both directions. The bench sets the variants on the
 //! backend, whatever PARC_ATTENTION_*_KERNEL say.
 //!
 //! Ignored by default (it needs a GPU): on the device machine,
@@ -44,6 +49,8 @@ mod bench {
         seq: u64,
         head_dim: u64,
         iters: usize,
+        /// q, k, v in one packed qkv buffer (dq, dk, dv in one dqkv).
+        packed: bool,
     }
 
     fn point(precision: Precision, batch: u64, heads: u64, seq: u64, head_dim: u64) -> Point {
@@ -61,6 +68,7 @@ mod bench {
             seq,
             head_dim,
             iters,
+            packed: false,
         }
     }
 
@@ -130,6 +138,10 @@ mod bench {
             point(Precision::Bf16, 32, 12, 1024, 64),
             point(Precision::Bf16, 16, 16, 1024, 64),
             Point {
+                packed: true,
+                ..point(Precision::Bf16, 32, 12, 1024, 64)
+            },
+            Point {
                 stored: DType::F32,
                 ..point(Precision::Bf16, 8, 12, 1024, 64)
             },
@@ -163,6 +175,14 @@ mod bench {
         let mut pairs = vec![("fa2", "fa2")];
         if matches!(pt.precision, Precision::Bf16) && be.is_hopper() {
             pairs.push(("wgmma", if pt.head_dim == 64 { "wgmma" } else { "fa2" }));
+            // The 128-key-tile forwards and the 64-key-CTA backward are head_dim 64's (128
+            // would rerun `wgmma`'s kernel, `fa2`'s backward).
+            if pt.head_dim == 64 {
+                for fwd in ["wgmma_bc128", "wgmma_bc128_wg3"] {
+                    pairs.push((fwd, "wgmma"));
+                }
+                pairs.push(("wgmma", "wgmma_bc64"));
+            }
         }
         pairs
     }
@@ -190,7 +210,7 @@ mod bench {
             scale,
             q_positions: positions.clone(),
             kv_positions: positions.clone(),
-            packed: false,
+            packed: pt.packed,
         };
         let bwd = Op::AttentionBwd {
             batch: b,
@@ -201,11 +221,16 @@ mod bench {
             scale,
             q_positions: positions.clone(),
             kv_positions: positions,
-            packed: false,
+            packed: pt.packed,
         };
-        // q k v o lse do dq dk dv
-        let sizes = [n, n, n, n, lse_n, n, n, n, n];
-        for (i, &len) in sizes.iter().enumerate() {
+        // q k v o lse do dq dk dv; packed: qkv (as q, k and v) and dqkv (as dq, dk and dv),
+        // buffers 1, 2, 7 and 8 left empty.
+        let sizes = if pt.packed {
+            [3 * n, 0, 0, n, lse_n, n, 3 * n, 0, 0]
+        } else {
+            [n, n, n, n, lse_n, n, n, n, n]
+        };
+        for (i, &len) in sizes.iter().enumerate().filter(|(_, &len)| len > 0) {
             let id = BufferId(i as u32);
             let dtype = if i == 4 { DType::F32 } else { pt.stored };
             be.alloc(id, &[len as u64], dtype).unwrap();
@@ -217,11 +242,21 @@ mod bench {
             step: 1,
             loss_scale: None,
         };
-        let (fwd_in, fwd_out) = ([id(0), id(1), id(2)], [id(3), id(4)]);
-        let (bwd_in, bwd_out) = (
-            [id(5), id(0), id(1), id(2), id(3), id(4)],
-            [id(6), id(7), id(8)],
-        );
+        let (fwd_in, fwd_out, bwd_in, bwd_out) = if pt.packed {
+            (
+                vec![id(0)],
+                vec![id(3), id(4)],
+                vec![id(5), id(0), id(3), id(4)],
+                vec![id(6)],
+            )
+        } else {
+            (
+                vec![id(0), id(1), id(2)],
+                vec![id(3), id(4)],
+                vec![id(5), id(0), id(1), id(2), id(3), id(4)],
+                vec![id(6), id(7), id(8)],
+            )
+        };
         let mut run = |op: &Op, ins: &[BufferId], outs: &[BufferId]| -> f64 {
             be.synchronize().unwrap();
             let start = Instant::now();
@@ -253,6 +288,9 @@ mod bench {
         if bwd_kernel != "fa2" {
             label = format!("{label}-{bwd_kernel}bwd");
         }
+        if pt.packed {
+            label = format!("{label}-packed");
+        }
         println!(
             "{{\"impl\": \"{label}\", \"B\": {b}, \"H\": {h}, \"T\": {t}, \"D\": {d}, \"fwd_ms\": {:.3}, \"bwd_ms\": {:.3}, \"fwd_tflops\": {:.1}, \"bwd_tflops\": {:.1}, \"fwdbwd_tflops\": {:.1}}}",
             fwd_t * 1e3,
@@ -261,7 +299,7 @@ mod bench {
             bwd_flop / bwd_t / 1e12,
             (fwd_flop + bwd_flop) / (fwd_t + bwd_t) / 1e12
         );
-        for i in 0..sizes.len() {
+        for (i, _) in sizes.iter().enumerate().filter(|(_, &len)| len > 0) {
             be.free(BufferId(i as u32)).unwrap();
         }
     }

@@ -430,31 +430,45 @@ fn check_storage(test: &str, gpu: &mut dyn Backend) {
 /// on its own backend, whatever the environment says, and runs attention_bf16's and
 /// attention_bf16_storage's cases and a GPT-2-length sequence against the CPU under the same
 /// tolerances (head dim 128 runs the mma.sync kernel under either variant). First the exact
-/// layout self-test, so a wgmma layout mistake is named before the attention cases fail.
+/// layout self-test, so a wgmma layout mistake is named before the attention cases fail. The
+/// same for every wgmma variant (`WGMMA_BWD_VARIANTS`: the 64-key CTAs too).
 #[cfg(feature = "cuda")]
 #[test]
 fn attention_bf16_wgmma_bwd() {
-    let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, "attention_bwd", "wgmma")
-    else {
-        return;
-    };
-    let test = "attention_bf16_wgmma_bwd";
-    let mut r = Rng::new(test);
-    wgmma_layouts(&mut gpu, &mut r);
-    let cases: Vec<Case> = tc_configs()
-        .iter()
-        .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
-        .collect();
-    crate::harness::check_with(test, &cases, &mut gpu);
-    // GPT-2's sequence (T 1024, d 64) on a few heads, GQA 2:1: 8 key blocks, every tile kind.
-    let gpt2 = AttConfig::new(1, 4, 2, 64, true, &[(0, 1024)], &[(0, 1024)]);
-    crate::harness::check_with(
-        &format!("{test}_gpt2"),
-        &attention_cases(&mut r, &gpt2, BF16_ATTENTION, true),
-        &mut gpu,
-    );
-    check_storage("attention_bf16_storage_wgmma_bwd", &mut gpu);
+    for variant in WGMMA_BWD_VARIANTS {
+        let Some(mut gpu) =
+            crate::harness::hopper_variant(Precision::Bf16, "attention_bwd", variant)
+        else {
+            return;
+        };
+        let test = format!("attention_bf16_wgmma_bwd_{variant}");
+        let mut r = Rng::new(&test);
+        if variant == "wgmma" {
+            wgmma_layouts(&mut gpu, &mut r);
+        }
+        let cases: Vec<Case> = tc_configs()
+            .iter()
+            .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
+            .collect();
+        crate::harness::check_with(&test, &cases, &mut gpu);
+        // GPT-2's sequence (T 1024, d 64) on a few heads, GQA 2:1: 8 key blocks, every tile kind.
+        let gpt2 = AttConfig::new(1, 4, 2, 64, true, &[(0, 1024)], &[(0, 1024)]);
+        crate::harness::check_with(
+            &format!("{test}_gpt2"),
+            &attention_cases(&mut r, &gpt2, BF16_ATTENTION, true),
+            &mut gpu,
+        );
+        check_storage(
+            &format!("attention_bf16_storage_wgmma_bwd_{variant}"),
+            &mut gpu,
+        );
+    }
 }
+
+/// attention_bwd's warpgroup-MMA variants (cuda/variants.rs): the default (128 keys a CTA),
+/// then one warpgroup of 64 keys a CTA (head_dim 64; head_dim 128 runs `fa2` under both).
+#[cfg(feature = "cuda")]
+const WGMMA_BWD_VARIANTS: [&str; 2] = ["wgmma", "wgmma_bc64"];
 
 /// One self-test mode: its number, what it checks, inputs a and b, and the exact output.
 #[cfg(feature = "cuda")]
@@ -579,18 +593,20 @@ fn attention_wgmma_layouts() {
 /// 3-warpgroup d128 CTAs with warpgroups wholly past seq_q, GQA, CP segments, kv ahead of q,
 /// unsorted positions, a partial key tile, and a GPT-2-length causal sequence. Forward
 /// tolerance of `BF16_ATTENTION`; the backward runs in `attention_bf16` and its siblings.
+/// The same for every wgmma variant (`WGMMA_FWD_VARIANTS`: the 128-key tiles too).
 #[test]
 fn attention_bf16_wgmma() {
     #[cfg(not(feature = "cuda"))]
     println!("skipped: no CUDA device (this build has no `cuda` feature)");
     #[cfg(feature = "cuda")]
-    {
+    for variant in WGMMA_FWD_VARIANTS {
         let Some(mut gpu) =
-            crate::harness::hopper_variant(Precision::Bf16, "attention_fwd", "wgmma")
+            crate::harness::hopper_variant(Precision::Bf16, "attention_fwd", variant)
         else {
             return;
         };
-        let mut r = Rng::new("attention_bf16_wgmma");
+        let test = format!("attention_bf16_wgmma_{variant}");
+        let mut r = Rng::new(&test);
         let mut configs = tc_configs();
         configs.extend([
             // d128: 3 warpgroups of 64 rows; the second CTA holds 8 rows (2 warpgroups idle).
@@ -619,9 +635,14 @@ fn attention_bf16_wgmma() {
             .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
             .step_by(2)
             .collect();
-        crate::harness::check_with("attention_bf16_wgmma", &cases, &mut gpu);
+        crate::harness::check_with(&test, &cases, &mut gpu);
     }
 }
+
+/// attention_fwd's warpgroup-MMA variants (cuda/variants.rs): the default, then the 128-key
+/// tile ones (head_dim 64; head_dim 128 runs the default's kernel under them).
+#[cfg(feature = "cuda")]
+const WGMMA_FWD_VARIANTS: [&str; 3] = ["wgmma", "wgmma_bc128", "wgmma_bc128_wg3"];
 
 /// The `fa2` (mma.sync) kernels both ways, which every GPU but a Hopper runs by default: on a
 /// Hopper they run only where a test asks for them, so this one does, on attention_bf16's and
@@ -654,5 +675,214 @@ fn attention_bf16_mma_sync() {
             .collect();
         crate::harness::check_with("attention_bf16_mma_sync", &cases, &mut gpu);
         check_storage("attention_bf16_storage_mma_sync", &mut gpu);
+    }
+}
+
+/// `c`'s ops with q, k, v packed into one qkv (and dq, dk, dv into one dqkv).
+#[cfg(feature = "cuda")]
+fn packed_ops(c: &AttConfig) -> (Op, Op) {
+    let (mut fwd, mut bwd) = attention_ops(c);
+    for op in [&mut fwd, &mut bwd] {
+        if let Op::Attention { packed, .. } | Op::AttentionBwd { packed, .. } = op {
+            *packed = true;
+        }
+    }
+    (fwd, bwd)
+}
+
+/// Rows of q, k, v (`widths` elements each) interleaved into one packed buffer, each row q's
+/// heads, then k's, then v's (what one fused projection writes).
+#[cfg(feature = "cuda")]
+fn pack(parts: [&[f32]; 3], widths: [usize; 3]) -> Vec<f32> {
+    let rows = parts[0].len() / widths[0];
+    let mut out = Vec::with_capacity(rows * widths.iter().sum::<usize>());
+    for r in 0..rows {
+        for (part, &w) in parts.iter().zip(&widths) {
+            out.extend_from_slice(&part[r * w..(r + 1) * w]);
+        }
+    }
+    out
+}
+
+/// `pack` undone: the three column ranges of every row, each gathered into its own tensor.
+#[cfg(feature = "cuda")]
+fn unpack(packed: &[f32], widths: [usize; 3]) -> [Vec<f32>; 3] {
+    let mut out = [Vec::new(), Vec::new(), Vec::new()];
+    for row in packed.chunks(widths.iter().sum()) {
+        let mut at = 0;
+        for (part, &w) in out.iter_mut().zip(&widths) {
+            part.extend_from_slice(&row[at..at + w]);
+            at += w;
+        }
+    }
+    out
+}
+
+/// The shapes packed attention is checked on: head dims 64 and 128, GQA, batch > 1, sequences
+/// that are no multiple of any tile, unsorted positions (every tile masked), one causal
+/// GPT-2-length sequence; head dims 32 and 16 for the exact kernels of a bf16 run.
+#[cfg(feature = "cuda")]
+fn packed_configs() -> Vec<AttConfig> {
+    vec![
+        AttConfig::new(2, 4, 2, 64, true, &[(0, 200)], &[(0, 200)]),
+        AttConfig::new(3, 2, 2, 64, false, &[(0, 77)], &[(0, 77)]),
+        AttConfig::new(2, 4, 1, 128, true, &[(0, 130)], &[(0, 130)]),
+        AttConfig::new(1, 3, 3, 128, false, &[(0, 45)], &[(0, 45)]),
+        AttConfig::new(
+            2,
+            2,
+            1,
+            64,
+            true,
+            &[(64, 64), (0, 64)],
+            &[(64, 64), (0, 64)],
+        ),
+        AttConfig::new(2, 2, 2, 64, true, &[(0, 1024)], &[(0, 1024)]),
+        AttConfig::new(2, 4, 2, 32, true, &[(0, 45)], &[(0, 45)]),
+        AttConfig::new(1, 2, 1, 16, false, &[(0, 33)], &[(0, 33)]),
+    ]
+}
+
+/// Packed q/k/v (`packed: true`) against the unpacked op on the same GPU backend `gpu`, every
+/// float buffer stored `dtype` (lse f32): o, lse, dk and dv must be bit-identical (the same
+/// kernels read the same values through other row strides), dq within `dq_tol` (the
+/// tensor-core backward adds it with atomics in no fixed order; exact kernels give 0 error).
+/// dqkv starts from random values, so an element the backward leaves unwritten shows. Returns
+/// one line per mismatch.
+#[cfg(feature = "cuda")]
+fn packed_vs_unpacked(test: &str, gpu: &mut dyn Backend, dtype: DType, dq_tol: f32) -> Vec<String> {
+    let mut r = Rng::new(test);
+    let f32t = DType::F32;
+    let mut failures = Vec::new();
+    for c in &packed_configs() {
+        let seq: u32 = c.q_positions.iter().map(|s| s.len).sum();
+        let rows = seq as usize * c.batch as usize;
+        let (qw, kw) = (
+            (c.heads * c.head_dim) as usize,
+            (c.kv_heads * c.head_dim) as usize,
+        );
+        let widths = [qw, kw, kw];
+        let lse_len = (c.batch * c.heads) as usize * seq as usize;
+        let name = format!(
+            "{test} b{} h{} kv{} d{} causal={} q{:?} {dtype:?}",
+            c.batch, c.heads, c.kv_heads, c.head_dim, c.causal, c.q_positions
+        );
+        let (fwd, bwd) = attention_ops(c);
+        let (pfwd, pbwd) = packed_ops(c);
+        // bf16 values even in f32 buffers (the tensor cores' copies are exact).
+        let mut input = |n: usize, scale: f32| -> Vec<f32> {
+            r.vec(n, scale).into_iter().map(round_bf16).collect()
+        };
+        let (q, k, v, dout) = (
+            input(rows * qw, 2.0),
+            input(rows * kw, 2.0),
+            input(rows * kw, 1.0),
+            input(rows * qw, 1.0),
+        );
+        let (o0, lse0) = (input(rows * qw, 1.0), input(lse_len, 1.0));
+        let grads0 = [
+            input(rows * qw, 1.0),
+            input(rows * kw, 1.0),
+            input(rows * kw, 1.0),
+        ];
+        let qkv = pack([&q, &k, &v], widths);
+        let dqkv0 = pack([&grads0[0], &grads0[1], &grads0[2]], widths);
+        let fwd_out = [(o0, dtype), (lse0, f32t)];
+        let want = run_typed(
+            gpu,
+            &fwd,
+            &[(q.clone(), dtype), (k.clone(), dtype), (v.clone(), dtype)],
+            &fwd_out,
+        );
+        let got = run_typed(gpu, &pfwd, &[(qkv.clone(), dtype)], &fwd_out);
+        let saved = [(want[0].clone(), dtype), (want[1].clone(), f32t)];
+        let mut bwd_in = vec![(dout.clone(), dtype), (q, dtype), (k, dtype), (v, dtype)];
+        bwd_in.extend(saved.iter().cloned());
+        let bwd_out: Vec<Typed> = grads0.iter().map(|g| (g.clone(), dtype)).collect();
+        let want_b = run_typed(gpu, &bwd, &bwd_in, &bwd_out);
+        let mut pbwd_in = vec![(dout, dtype), (qkv, dtype)];
+        pbwd_in.extend(saved.iter().cloned());
+        let got_b = run_typed(gpu, &pbwd, &pbwd_in, &[(dqkv0, dtype)]);
+        let [dq, dk, dv] = unpack(&got_b[0], widths);
+        let outputs = [
+            ("o", &got[0], &want[0], 0.0),
+            ("lse", &got[1], &want[1], 0.0),
+            ("dq", &dq, &want_b[0], dq_tol),
+            ("dk", &dk, &want_b[1], 0.0),
+            ("dv", &dv, &want_b[2], 0.0),
+        ];
+        for (what, g, w, tol) in outputs {
+            let differ = g
+                .iter()
+                .zip(w.iter())
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            let (err, i) = worst_error(g, w);
+            println!(
+                "{name} {what}: {differ} of {} values differ from unpacked, worst relative \
+                 error {err:.3e} at {i}, tol {tol:.0e}",
+                w.len()
+            );
+            if g.len() != w.len() || err.is_nan() || err > tol || (tol == 0.0 && differ > 0) {
+                failures.push(format!(
+                    "{name} {what}: {differ} values differ, worst error {err:.3e} at {i} \
+                     (packed {} unpacked {}), tol {tol:.0e}",
+                    g[i], w[i]
+                ));
+            }
+        }
+    }
+    failures
+}
+
+/// Packed q/k/v on every CUDA kernel path against the unpacked op on the same GPU: the `wgmma`
+/// forward and backward (Hopper only; every tile variant of each) and `fa2`, each on bf16 buffers and on f32 ones (copied
+/// to bf16 whole; the backward then accumulates dQ in dqkv's own q columns), head dims 64 and
+/// 128 (and 32 / 16 on the exact kernels of a bf16 run); and the exact fp32 kernels of an fp32
+/// run on f32 buffers.
+#[test]
+fn attention_packed() {
+    #[cfg(not(feature = "cuda"))]
+    println!("skipped: no CUDA device (this build has no `cuda` feature)");
+    #[cfg(feature = "cuda")]
+    {
+        let mut failures = Vec::new();
+        let pairs = WGMMA_FWD_VARIANTS
+            .iter()
+            .map(|&fwd| (fwd, "wgmma"))
+            .chain([("wgmma", "wgmma_bc64"), ("fa2", "fa2")]);
+        for (fwd, bwd) in pairs {
+            let Some(mut gpu) = crate::harness::cuda_backend(Precision::Bf16) else {
+                return;
+            };
+            if fwd.starts_with("wgmma") && !gpu.is_hopper() {
+                println!("skipped: attention_packed with wgmma runs on Hopper GPUs only");
+                continue;
+            }
+            gpu.set_kernel_variant("attention_fwd", fwd).unwrap();
+            gpu.set_kernel_variant("attention_bwd", bwd).unwrap();
+            let test = format!("attention_packed_{fwd}_{bwd}");
+            // bf16 dq: the atomics' order can move a value across a bf16 rounding boundary.
+            failures.extend(packed_vs_unpacked(
+                &test,
+                &mut gpu,
+                DType::Bf16,
+                BF16_STORED_EXACT,
+            ));
+            failures.extend(packed_vs_unpacked(&test, &mut gpu, DType::F32, 1e-5));
+        }
+        if let Some(mut gpu) = crate::harness::cuda_backend(Precision::Fp32) {
+            failures.extend(packed_vs_unpacked(
+                "attention_packed_fp32",
+                &mut gpu,
+                DType::F32,
+                0.0,
+            ));
+        }
+        assert!(
+            failures.is_empty(),
+            "packed attention differs from unpacked:\n{}",
+            failures.join("\n")
+        );
     }
 }

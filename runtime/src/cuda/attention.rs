@@ -12,6 +12,11 @@
 //! - everything else (fp32 and fp16 runs, other head dims): the exact fp32 kernels of
 //!   `kernels/attention.cu`, which read and write f32 or bf16 buffers (bf16 widened on load,
 //!   rounded once on store).
+//!
+//! A `packed` op's q, k, v (and its backward's dq, dk, dv) are column ranges of one qkv (dqkv)
+//! buffer: both families read and write them in place through `AttGeom`'s row strides, and the
+//! tensor-core backward's f32 dQ accumulator is then always scratch, converted into dqkv's q
+//! columns (`attention_dq_out`).
 use super::device::driver_error;
 use super::dispatch::{p, segments_len, Bound};
 use super::gemm::Operands;
@@ -31,6 +36,17 @@ pub(crate) struct AttGeom {
     pub head_dim: i64,
     pub seq_q: i64,
     pub seq_kv: i64,
+    /// Row strides (elements between consecutive rows of the stored `[seq · batch, width]`
+    /// layout) of q; k and v; o and dO; dq; dk and dv. Each tensor's own width, except that a
+    /// packed op's q, k, v (dq, dk, dv) are column ranges of one qkv (dqkv) buffer,
+    /// `(heads + 2 kv_heads) · head_dim` wide. 32-bit, with batch times each of them below
+    /// 2^31 (`attention_geometry` checks).
+    pub ld_q: i32,
+    pub ld_kv: i32,
+    pub ld_o: i32,
+    pub ld_dq: i32,
+    pub ld_dkv: i32,
+    pub pad_ld: i32,
     pub causal: i32,
     pub scale: f32,
     pub q_sorted: i32,
@@ -61,9 +77,8 @@ const TC_FWD_BR: usize = 128;
 const TC_BC: usize = 128;
 const TC_FWD_THREADS: u32 = 128;
 const TC_BWD_THREADS: u32 = 256;
-/// The `wgmma` forward (attention_wgmma_fwd.cu's WG_FWD): 64 query rows per warpgroup, key
-/// tiles of WGMMA_KEYS rows, 1024 bytes for aligning the tiles to the 128-byte swizzle's period.
-const WGMMA_KEYS: usize = 64;
+/// The `wgmma` forward (attention_wgmma_fwd.cu's WG_FWD): 64 query rows per warpgroup, 1024
+/// bytes for aligning the tiles to the 128-byte swizzle's period.
 const WGMMA_ALIGN: usize = 1024;
 /// Shared memory a CTA may use without opting in to more.
 const DEFAULT_SMEM: u32 = 48 << 10;
@@ -131,16 +146,20 @@ impl TensorCore {
         ((TC_FWD_BR + 4 * bc) * self.row_bytes() + 2 * bc * 4) as u32
     }
 
-    /// The `wgmma` forward's kernel, warpgroups (of 128 threads, 64 query rows each) and
-    /// shared memory: the alignment slack, Q (unpadded bf16 rows, swizzled), K and V tiles
-    /// in two stages and the key positions of each stage.
-    fn wgmma_fwd(&self) -> (&'static str, usize, u32) {
-        let (name, warpgroups) = match self.head_dim {
-            64 => ("attention_fwd_wgmma_d64", 2),
-            _ => ("attention_fwd_wgmma_d128", 3),
+    /// The `wgmma` forward's kernel under attention_fwd variant `variant` (a `wgmma…` one),
+    /// its warpgroups (of 128 threads, 64 query rows each) and shared memory: the alignment
+    /// slack, Q (unpadded bf16 rows, swizzled), K and V tiles (WG_FWD's BC keys) in two stages
+    /// and the key positions of each stage. The key-tile variants are head_dim 64's; head_dim
+    /// 128 runs its one kernel under all of them.
+    fn wgmma_fwd(&self, variant: &str) -> (&'static str, usize, u32) {
+        let (name, warpgroups, keys) = match (self.head_dim, variant) {
+            (64, "wgmma_bc128") => ("attention_fwd_wgmma_bc128_d64", 2, 128),
+            (64, "wgmma_bc128_wg3") => ("attention_fwd_wgmma_bc128w3_d64", 3, 128),
+            (64, _) => ("attention_fwd_wgmma_d64", 2, 64),
+            _ => ("attention_fwd_wgmma_d128", 3, 64),
         };
         let row = self.head_dim * 2;
-        let smem = WGMMA_ALIGN + (64 * warpgroups + 4 * WGMMA_KEYS) * row + 2 * WGMMA_KEYS * 4;
+        let smem = WGMMA_ALIGN + (64 * warpgroups + 4 * keys) * row + 2 * keys * 4;
         (name, warpgroups, smem as u32)
     }
 
@@ -212,6 +231,7 @@ fn layout_for(
         heads,
         head_dim,
         scale,
+        packed,
         ..
     }
     | Op::AttentionBwd {
@@ -219,6 +239,7 @@ fn layout_for(
         heads,
         head_dim,
         scale,
+        packed,
         ..
     }) = op
     else {
@@ -228,25 +249,35 @@ fn layout_for(
     let bf16 = |b: &(usize, DType)| (b.0, b.1 == DType::Bf16);
     match op {
         Op::Attention { .. } => {
+            // q, k, v; or, packed, qkv (copied whole: q, k, v are column ranges of the copy).
             let operands: Vec<(usize, bool)> = if tc {
-                ins.iter().take(3).map(bf16).collect()
+                ins.iter()
+                    .take(if *packed { 1 } else { 3 })
+                    .map(bf16)
+                    .collect()
             } else {
                 Vec::new()
             };
             Some(ScratchLayout::new(&operands, None, None))
         }
         _ => {
-            // dO, q, k, v, o, lse; dq, dk, dv.
+            // dO, q, k, v, o, lse; dq, dk, dv. Packed: dO, qkv, o, lse; dqkv.
             let operands: Vec<(usize, bool)> = if tc {
-                ins.iter().take(4).map(bf16).collect()
+                ins.iter()
+                    .take(if *packed { 2 } else { 4 })
+                    .map(bf16)
+                    .collect()
             } else {
                 Vec::new()
             };
             let (batch, heads) = (*batch as usize, *heads as usize);
-            let rows = ins.get(5).map_or(0, |lse| lse.0);
+            let rows = ins.get(if *packed { 3 } else { 5 }).map_or(0, |lse| lse.0);
             let seq_q = rows / (batch * heads).max(1);
-            let dq = outs.first().copied().unwrap_or((0, DType::F32));
-            let dq_acc = (tc && dq.1 == DType::Bf16).then_some(dq.0);
+            // The kernels accumulate dQ in f32 rows of heads · head_dim (dO's shape): dq itself
+            // where it is such (f32, unpacked), else this scratch, converted into dq after.
+            let dq_dtype = outs.first().map_or(DType::F32, |dq| dq.1);
+            let do_len = ins.first().map_or(0, |dout| dout.0);
+            let dq_acc = (tc && (*packed || dq_dtype == DType::Bf16)).then_some(do_len);
             Some(ScratchLayout::new(
                 &operands,
                 Some(stats_rows(batch, heads, seq_q)),
@@ -268,13 +299,23 @@ pub(crate) fn scratch_bytes(
 }
 
 /// The wgmma backward (kernels/attention_wgmma_bwd.cu) takes head_dim 64 only (other head dims
-/// run the mma.sync one whatever the variant); its CTA has TC_BWD_THREADS threads for TC_BC
-/// keys, like attention_bwd_tc's, and uses the same scratch. Its shared memory: K and V tiles
-/// of TC_BC × 64 bf16, two stages of 64-row Q and dO tiles with lse2 / delta / position, and
-/// two dSᵀ tiles of TC_BC × 64 bf16 (dQ of one query tile still reads its dSᵀ while the next
-/// tile forms its own).
+/// run the mma.sync one whatever the variant) and uses attention_bwd_tc's scratch.
 const WGMMA_BWD_HEAD_DIM: usize = 64;
-const WGMMA_BWD_SMEM: u32 = (4 * TC_BC * 64 * 2 + 2 * (2 * 64 * 64 * 2 + 3 * 64 * 4)) as u32;
+
+/// The wgmma backward's kernel under attention_bwd variant `variant` (`wgmma` or
+/// `wgmma_bc64`), its threads (a warpgroup of 128 per 64 keys), keys per CTA and shared
+/// memory: K and V tiles of keys × 64 bf16, two stages of 64-row Q and dO tiles with lse2 /
+/// delta / position, and two dSᵀ tiles of keys × 64 bf16 (dQ of one query tile still reads
+/// its dSᵀ while the next tile forms its own).
+const fn wgmma_bwd(variant_bc64: bool) -> (&'static str, u32, usize, u32) {
+    let (name, keys) = if variant_bc64 {
+        ("attention_bwd_wgmma_bc64_d64", 64)
+    } else {
+        ("attention_bwd_wgmma_d64", TC_BC)
+    };
+    let smem = 4 * keys * 64 * 2 + 2 * (2 * 64 * 64 * 2 + 3 * 64 * 4);
+    (name, (keys * 2) as u32, keys, smem as u32)
+}
 
 /// Fails unless the GPU is a Hopper (compute capability 9.0), the only one whose program holds
 /// the compute_90a kernels (`what` names the test kernel that needs them; the attention ops
@@ -409,24 +450,75 @@ fn bf16_bit(b: Buf, bit: i32) -> i32 {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// An attention op's dimensions, each checked to be in 1..2^31: batch, heads, kv heads, head dim.
+#[derive(Clone, Copy)]
+struct Dims {
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+}
+
+impl Dims {
+    fn new(b: &Bound, batch: u64, heads: u64, kv_heads: u64, head_dim: u64) -> Result<Dims> {
+        Ok(Dims {
+            batch: b.dim("batch", batch)?,
+            heads: b.dim("heads", heads)?,
+            kv_heads: b.dim("kv_heads", kv_heads)?,
+            d: b.dim("head_dim", head_dim)?,
+        })
+    }
+
+    /// Elements of one row of a packed qkv (dqkv): q's heads, then k's, then v's.
+    fn packed_width(&self) -> usize {
+        (self.heads + 2 * self.kv_heads) * self.d
+    }
+}
+
+/// q, k, v (or dq, dk, dv) as views of one packed buffer `qkv` (named `what`): each starts at
+/// its first column of row 0 and counts its own elements (rows × its width); their row stride
+/// is the packed width (AttGeom's ld_q / ld_kv, ld_dq / ld_dkv).
+fn split_packed(b: &Bound, qkv: Buf, what: &str, dims: Dims) -> Result<[Buf; 3]> {
+    let rows = b.rows(qkv, what, dims.packed_width())?;
+    let (qw, kw) = (dims.heads * dims.d, dims.kv_heads * dims.d);
+    let view = |col: usize, width: usize| Buf {
+        ptr: qkv.ptr + (col * qkv.elem_bytes()) as CUdeviceptr,
+        len: rows * width,
+        ..qkv
+    };
+    Ok([view(0, qw), view(qw, kw), view(qw + kw, kw)])
+}
+
+/// The bf16 pointers of q, k, v, from those of the operand buffers the kernels read (`ptrs`:
+/// q, k, v; or, packed, qkv, whose bf16 form — the buffer or its copy — holds them at their
+/// columns).
+fn qkv_bf16(ptrs: &[CUdeviceptr], g: &AttGeom, packed: bool) -> [CUdeviceptr; 3] {
+    if packed {
+        let (qw, kw) = (
+            (g.heads * g.head_dim * 2) as u64,
+            (g.kv_heads * g.head_dim * 2) as u64,
+        );
+        [ptrs[0], ptrs[0] + qw, ptrs[0] + qw + kw]
+    } else {
+        [ptrs[0], ptrs[1], ptrs[2]]
+    }
+}
+
 fn attention_geometry(
     b: &Bound,
     q: Buf,
     k: Buf,
-    batch: u64,
-    heads: u64,
-    kv_heads: u64,
-    head_dim: u64,
+    dims: Dims,
     causal: bool,
     scale: f64,
+    packed: bool,
 ) -> Result<AttGeom> {
-    let (batch, heads, kv_heads, d) = (
-        b.dim("batch", batch)?,
-        b.dim("heads", heads)?,
-        b.dim("kv_heads", kv_heads)?,
-        b.dim("head_dim", head_dim)?,
-    );
+    let Dims {
+        batch,
+        heads,
+        kv_heads,
+        d,
+    } = dims;
     if heads % kv_heads != 0 {
         return Err(b.err(format!(
             "heads = {heads} is not a multiple of kv_heads = {kv_heads}"
@@ -445,6 +537,19 @@ fn attention_geometry(
     }
     let seq_q = b.rows(q, "q", batch * heads * d)?;
     let seq_kv = b.rows(k, "k", batch * kv_heads * d)?;
+    let (qw, kw) = (heads * d, kv_heads * d);
+    let (ld_q, ld_kv) = if packed {
+        (dims.packed_width(), dims.packed_width())
+    } else {
+        (qw, kw)
+    };
+    // The kernels step from one sequence position to the next by batch · stride, in 32 bits.
+    let widest = ld_q.max(ld_kv);
+    if batch * widest > i32::MAX as usize {
+        return Err(b.err(format!(
+            "batch x row width = {batch} x {widest} is above 2^31 - 1, the most the CUDA              attention kernels index per sequence position"
+        )));
+    }
     Ok(AttGeom {
         batch: batch as i64,
         heads: heads as i64,
@@ -452,6 +557,13 @@ fn attention_geometry(
         head_dim: d as i64,
         seq_q: seq_q as i64,
         seq_kv: seq_kv as i64,
+        // dq, dk, dv are laid out as q, k, v; o and dO are never packed.
+        ld_q: ld_q as i32,
+        ld_kv: ld_kv as i32,
+        ld_o: qw as i32,
+        ld_dq: ld_q as i32,
+        ld_dkv: ld_kv as i32,
+        pad_ld: 0,
         causal: i32::from(causal),
         scale: scale as f32,
         q_sorted: 0,
@@ -471,7 +583,10 @@ fn grid_y(b: &Bound, tiles: usize, what: &str) -> Result<u32> {
     Ok(tiles as u32)
 }
 
-/// Runs `op`, an `Attention` or `AttentionBwd` (any other op is an error).
+/// Runs `op`, an `Attention` or `AttentionBwd` (any other op is an error). A packed op's q, k,
+/// v (dq, dk, dv) are views of its qkv (dqkv) buffer read (written) in place through the row
+/// strides of AttGeom: no kernel copies them apart (a bf16 copy of an f32 qkv, on the
+/// tensor-core path, copies the whole buffer and keeps its layout).
 pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
     let (Op::Attention {
         batch,
@@ -498,15 +613,31 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
     else {
         return Err(b.err("is not an attention op"));
     };
-    if *packed {
-        return Err(b.err("packed q/k/v attention is not implemented by the CUDA backend yet"));
-    }
+    let packed = *packed;
     let forward = matches!(op, Op::Attention { .. });
-    let (qi, ki, vi) = if forward { (0, 1, 2) } else { (1, 2, 3) };
-    let (q, k, v) = (b.float_in(qi)?, b.float_in(ki)?, b.float_in(vi)?);
-    let mut g = attention_geometry(
-        b, q, k, *batch, *heads, *kv_heads, *head_dim, *causal, *scale,
-    )?;
+    let dims = Dims::new(b, *batch, *heads, *kv_heads, *head_dim)?;
+    // The buffers holding q, k, v: three, or one packed qkv (input 0 forward, 1 backward).
+    let qkv_bufs: Vec<Buf> = if packed {
+        if q_positions != kv_positions {
+            return Err(b.err(
+                "is packed (q, k, v in one buffer, one row each) but its q_positions and \
+                 kv_positions differ: a packed op needs them equal",
+            ));
+        }
+        vec![b.float_in(usize::from(!forward))?]
+    } else {
+        let first = usize::from(!forward);
+        (first..first + 3)
+            .map(|i| b.float_in(i))
+            .collect::<Result<_>>()?
+    };
+    let (q, k, v) = if packed {
+        let [q, k, v] = split_packed(b, qkv_bufs[0], "qkv", dims)?;
+        (q, k, v)
+    } else {
+        (qkv_bufs[0], qkv_bufs[1], qkv_bufs[2])
+    };
+    let mut g = attention_geometry(b, q, k, dims, *causal, *scale, packed)?;
     g.q_sorted = i32::from(ascending(q_positions));
     g.kv_sorted = i32::from(ascending(kv_positions));
     g.bf16 |= bf16_bit(v, BF16_V);
@@ -536,14 +667,15 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
         b.expect(lse, "lse", lse_len)?;
         g.bf16 |= bf16_bit(o, BF16_O);
         if let Some(tc) = &tensor_core {
-            let layout = layout_for(op, bf16_run, &shape(&[q, k, v]), &shape(&[o, lse]))
+            let layout = layout_for(op, bf16_run, &shape(&qkv_bufs), &shape(&[o, lse]))
                 .ok_or_else(|| b.err("has no scratch layout"))?;
             let base = be.scratch(layout.bytes)?;
-            let ptrs = bf16_operands(be, &[q, k, v], &layout, base)?;
+            let ptrs = bf16_operands(be, &qkv_bufs, &layout, base)?;
+            let [qp, kp, vp] = qkv_bf16(&ptrs, &g, packed);
             let args = [
-                Arg::Ptr(ptrs[0]),
-                Arg::Ptr(ptrs[1]),
-                Arg::Ptr(ptrs[2]),
+                Arg::Ptr(qp),
+                Arg::Ptr(kp),
+                Arg::Ptr(vp),
                 p(o),
                 p(lse),
                 Arg::Ptr(qpos),
@@ -551,8 +683,9 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
                 Arg::Geom(g),
             ];
             // The warpgroup-MMA forward where the GPU has it (a Hopper), else mma.sync.
-            if be.variants.is("attention_fwd", "wgmma") && be.is_hopper() {
-                let (name, warpgroups, smem) = tc.wgmma_fwd();
+            let variant = be.variants.chosen("attention_fwd");
+            if variant.starts_with("wgmma") && be.is_hopper() {
+                let (name, warpgroups, smem) = tc.wgmma_fwd(variant);
                 let rows = 64 * warpgroups;
                 let grid = (
                     (batch * heads) as u32,
@@ -586,10 +719,20 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
             &args,
         )
     } else {
-        let (dout, o, lse) = (b.float_in(0)?, b.float_in(4)?, b.f32_in(5)?);
+        let (o_at, lse_at) = if packed { (2, 3) } else { (4, 5) };
+        let (dout, o, lse) = (b.float_in(0)?, b.float_in(o_at)?, b.f32_in(lse_at)?);
         b.same(&[(dout, "do"), (o, "o")], q.len)?;
         b.expect(lse, "lse", lse_len)?;
-        let (dq, dk, dv) = (b.float_out(0)?, b.float_out(1)?, b.float_out(2)?);
+        // The buffers dq, dk, dv are written into: three, or one dqkv laid out as qkv.
+        let (dq, dk, dv, dq_buf) = if packed {
+            let dqkv = b.float_out(0)?;
+            b.expect(dqkv, "dqkv", qkv_bufs[0].len)?;
+            let [dq, dk, dv] = split_packed(b, dqkv, "dqkv", dims)?;
+            (dq, dk, dv, dqkv)
+        } else {
+            let dq = b.float_out(0)?;
+            (dq, b.float_out(1)?, b.float_out(2)?, dq)
+        };
         b.expect(dq, "dq", q.len)?;
         b.same(&[(dk, "dk"), (dv, "dv")], k.len)?;
         g.bf16 |= bf16_bit(o, BF16_O)
@@ -597,13 +740,16 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
             | bf16_bit(dq, BF16_DQ)
             | bf16_bit(dk, BF16_DK)
             | bf16_bit(dv, BF16_DV);
-        let layout = layout_for(
-            op,
-            bf16_run,
-            &shape(&[dout, q, k, v, o, lse]),
-            &shape(&[dq, dk, dv]),
-        )
-        .ok_or_else(|| b.err("has no scratch layout"))?;
+        let mut ins = vec![dout];
+        ins.extend(&qkv_bufs);
+        ins.extend([o, lse]);
+        let outs: Vec<Buf> = if packed {
+            vec![dq_buf]
+        } else {
+            vec![dq, dk, dv]
+        };
+        let layout = layout_for(op, bf16_run, &shape(&ins), &shape(&outs))
+            .ok_or_else(|| b.err("has no scratch layout"))?;
         let base = be.scratch(layout.bytes)?;
         let (delta, lse2) = layout
             .stats
@@ -650,9 +796,12 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
             let smem = kv_smem + (2 * ATT_TILE * 4) as u32;
             return be.launch("attention_bwd_dkdv", grid_kv, block, smem, &args);
         };
-        let ptrs = bf16_operands(be, &[dout, q, k, v], &layout, base)?;
-        // dQ is added into with atomics: an f32 accumulator (dq itself when it is f32),
-        // zeroed first (the op overwrites dq).
+        let mut bf16_in = vec![dout];
+        bf16_in.extend(&qkv_bufs);
+        let ptrs = bf16_operands(be, &bf16_in, &layout, base)?;
+        let [qp, kp, vp] = qkv_bf16(&ptrs[1..], &g, packed);
+        // dQ is added into with atomics: an f32 accumulator of compact rows (dq itself when
+        // it is f32 and not packed), zeroed first (the op overwrites dq).
         let dq_acc = match layout.dq_acc {
             Some(at) => base + at as CUdeviceptr,
             None => dq.ptr,
@@ -671,9 +820,9 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
         );
         let args = [
             Arg::Ptr(ptrs[0]),
-            Arg::Ptr(ptrs[1]),
-            Arg::Ptr(ptrs[2]),
-            Arg::Ptr(ptrs[3]),
+            Arg::Ptr(qp),
+            Arg::Ptr(kp),
+            Arg::Ptr(vp),
             Arg::Ptr(lse2),
             Arg::Ptr(delta),
             Arg::Ptr(dq_acc),
@@ -683,28 +832,24 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
             Arg::Ptr(kvpos),
             Arg::Geom(g),
         ];
-        // Hopper: wgmma, which adds dQ four floats at a time and so needs a 16-byte aligned dQ
-        // accumulator; otherwise, and elsewhere, fa2.
-        let wgmma = be.variants.is("attention_bwd", "wgmma") && be.is_hopper();
+        // Hopper: wgmma (either CTA size), which adds dQ four floats at a time and so needs a
+        // 16-byte aligned dQ accumulator; otherwise, and elsewhere, fa2.
+        let variant = be.variants.chosen("attention_bwd");
+        let wgmma = variant.starts_with("wgmma") && be.is_hopper();
         if tc.head_dim == WGMMA_BWD_HEAD_DIM && wgmma && dq_acc % 16 == 0 {
-            launch_tc(
-                be,
-                "attention_bwd_wgmma_d64",
-                grid,
-                TC_BWD_THREADS,
-                WGMMA_BWD_SMEM,
-                &args,
-            )?;
+            let (name, threads, keys, smem) = wgmma_bwd(variant == "wgmma_bc64");
+            let grid = (grid.0, grid_y(b, seq_kv.div_ceil(keys), "seq_kv")?, 1);
+            launch_tc(be, name, grid, threads, smem, &args)?;
         } else {
             launch_tc(be, tc.bwd, grid, TC_BWD_THREADS, tc.bwd_smem(), &args)?;
         }
         if layout.dq_acc.is_some() {
-            // Each bf16 dQ element rounded once from its f32 sum.
-            let n4 = dq.len / 4;
+            // Into dq's rows: each bf16 element rounded once from its f32 sum (an f32 one, of
+            // a packed dqkv, copied).
             be.launch_n(
-                "attention_to_bf16",
-                n4,
-                &[Arg::Ptr(dq_acc), p(dq), Arg::I64(n4 as i64)],
+                "attention_dq_out",
+                dq.len / 4,
+                &[Arg::Ptr(dq_acc), p(dq), Arg::Geom(g)],
             )?;
         }
         Ok(())
@@ -882,25 +1027,49 @@ mod tests {
             assert!(fwd <= H100_SMEM / 2, "d{d} forward: {fwd}");
             assert!(bwd <= A100_SMEM, "d{d} backward: {bwd}");
         }
-        // The wgmma backward (Hopper only): attention_wgmma_bwd.cu's 99840 bytes.
-        const { assert!(WGMMA_BWD_SMEM == 99_840 && WGMMA_BWD_SMEM <= H100_SMEM) };
+        // The wgmma backwards (Hopper only): attention_wgmma_bwd.cu's 99840 and 67072 bytes,
+        // 256 threads for 128 keys and 128 for 64; two of the 64-key CTAs fit an H100.
+        assert_eq!(
+            wgmma_bwd(false),
+            ("attention_bwd_wgmma_d64", 256, 128, 99_840)
+        );
+        assert_eq!(
+            wgmma_bwd(true),
+            ("attention_bwd_wgmma_bc64_d64", 128, 64, 67_072)
+        );
+        const { assert!(2 * 67_072 <= H100_SMEM) };
     }
 
     /// The wgmma forward's shared memory follows its kernel's layout (1024-byte alignment
     /// slack, Q 64 rows a warpgroup, K and V in two stages, key positions): two d64 CTAs (what
-    /// their ≤ 128 registers allow) fit an H100, and one d128 CTA.
+    /// their ≤ 128 registers allow) fit an H100, and one d128 CTA, and one of each key-tile
+    /// variant (128 keys, 2 or 3 warpgroups); head_dim 128 ignores those variants.
     #[test]
     fn wgmma_forward_shared_memory_fits() {
         let d64 = TensorCore::for_head_dim(64).expect("d64");
-        let (name, warpgroups, smem) = d64.wgmma_fwd();
+        let (name, warpgroups, smem) = d64.wgmma_fwd("wgmma");
         assert_eq!((name, warpgroups), ("attention_fwd_wgmma_d64", 2));
         assert_eq!(smem as usize, 1024 + 128 * 128 + 4 * 64 * 128 + 2 * 64 * 4);
         assert!(smem <= H100_SMEM / 2, "d64: {smem}");
+        for (variant, kernel, wgs) in [
+            ("wgmma_bc128", "attention_fwd_wgmma_bc128_d64", 2),
+            ("wgmma_bc128_wg3", "attention_fwd_wgmma_bc128w3_d64", 3),
+        ] {
+            let (name, warpgroups, smem) = d64.wgmma_fwd(variant);
+            assert_eq!((name, warpgroups), (kernel, wgs));
+            assert_eq!(
+                smem as usize,
+                1024 + 64 * wgs * 128 + 4 * 128 * 128 + 2 * 128 * 4
+            );
+            assert!(smem <= H100_SMEM, "{variant}: {smem}");
+        }
         let d128 = TensorCore::for_head_dim(128).expect("d128");
-        let (name, warpgroups, smem) = d128.wgmma_fwd();
-        assert_eq!((name, warpgroups), ("attention_fwd_wgmma_d128", 3));
-        assert_eq!(smem as usize, 1024 + 192 * 256 + 4 * 64 * 256 + 2 * 64 * 4);
-        assert!(smem <= H100_SMEM, "d128: {smem}");
+        for variant in ["wgmma", "wgmma_bc128", "wgmma_bc128_wg3"] {
+            let (name, warpgroups, smem) = d128.wgmma_fwd(variant);
+            assert_eq!((name, warpgroups), ("attention_fwd_wgmma_d128", 3));
+            assert_eq!(smem as usize, 1024 + 192 * 256 + 4 * 64 * 256 + 2 * 64 * 4);
+            assert!(smem <= H100_SMEM, "d128: {smem}");
+        }
     }
 
     fn op(forward: bool, head_dim: u64) -> Op {
@@ -982,5 +1151,49 @@ mod tests {
             assert_eq!(at % 256, 0);
         }
         assert_eq!(scratch_bytes(&Op::Copy, true, &[], &[]), 0);
+    }
+
+    /// `op` with q, k, v packed into one buffer.
+    fn packed(mut op: Op) -> Op {
+        if let Op::Attention { packed, .. } | Op::AttentionBwd { packed, .. } = &mut op {
+            *packed = true;
+        }
+        op
+    }
+
+    /// A packed op's scratch: a copy of the whole qkv where it is f32 (and of dO), never of
+    /// its parts; the backward's dQ accumulator whatever dqkv's dtype (dq is a column range
+    /// of it, so the kernels never accumulate in place), sized as dO.
+    #[test]
+    fn packed_scratch_copies_qkv_whole_and_always_accumulates_dq_apart() {
+        let (f, b) = (DType::F32, DType::Bf16);
+        // 10 positions x batch 2; 4 heads, 2 kv heads of 64: rows of (4 + 2 * 2) * 64.
+        let (q, qkv, lse): (usize, usize, usize) = (10 * 2 * 4 * 64, 10 * 2 * 8 * 64, 2 * 4 * 10);
+        let fwd = packed(op(true, 64));
+        assert_eq!(scratch_bytes(&fwd, true, &[(qkv, b)], &[]), 0);
+        assert_eq!(
+            scratch_bytes(&fwd, true, &[(qkv, f)], &[]),
+            (qkv * 2).next_multiple_of(256)
+        );
+        assert_eq!(scratch_bytes(&fwd, false, &[(qkv, f)], &[]), 0);
+        let bwd = packed(op(false, 64));
+        let stats = (2 * 4 * 12 * 4usize).next_multiple_of(256);
+        let acc = (q * 4).next_multiple_of(256);
+        let ins = |t: DType| [(q, t), (qkv, t), (q, t), (lse, f)];
+        for dqkv in [b, f] {
+            assert_eq!(
+                scratch_bytes(&bwd, true, &ins(b), &[(qkv, dqkv)]),
+                2 * stats + acc
+            );
+        }
+        let copies = (q * 2).next_multiple_of(256) + (qkv * 2).next_multiple_of(256);
+        assert_eq!(
+            scratch_bytes(&bwd, true, &ins(f), &[(qkv, f)]),
+            copies + 2 * stats + acc
+        );
+        // The exact kernels: delta and lse2 only.
+        assert_eq!(scratch_bytes(&bwd, false, &ins(f), &[(qkv, f)]), 2 * stats);
+        let layout = layout_for(&bwd, true, &ins(f), &[(qkv, b)]).expect("a layout");
+        assert_eq!(layout.copies.len(), 2);
     }
 }

@@ -76,8 +76,16 @@ fn arity(op: &Op) -> (usize, usize) {
         Op::MatmulBwdData { act_grad, .. } => (2 + opt(act_grad.is_some()), 1),
         Op::MatmulBwdWeight { bias, .. } => (2, 1 + opt(*bias)),
         Op::Rope { .. } | Op::RopeBwd { .. } => (1, 1),
-        Op::Attention { .. } => (3, 2),
-        Op::AttentionBwd { .. } => (6, 3),
+        // q, k, v (or one packed qkv) -> o, lse.
+        Op::Attention { packed, .. } => (if *packed { 1 } else { 3 }, 2),
+        // dO, q, k, v (or qkv), o, lse -> dq, dk, dv (or one dqkv).
+        Op::AttentionBwd { packed, .. } => {
+            if *packed {
+                (4, 1)
+            } else {
+                (6, 3)
+            }
+        }
         Op::Activation { .. } | Op::Scale { .. } | Op::Copy | Op::CopyRange { .. } => (1, 1),
         Op::ActivationBwd { .. } | Op::SwiGlu | Op::Add => (2, 1),
         Op::SwiGluBwd => (3, 2),

@@ -8,7 +8,7 @@
 //!   of norm and bias gradients — at most 128 chunks of 8-byte sums per column — and attention
 //!   backward's `delta`, one f32 per `lse` element, the fused cross-entropy's per-row losses),
 //!   which share one scratch buffer with the tensor-core attention's bf16 copies of q, k, v
-//!   (and dO) in 16-bit runs (`attention`);
+//!   (and dO; or the whole packed qkv) in 16-bit runs (`attention`);
 //! - the GEMMs' per-use 16-bit copies of f32 operands (bf16 and fp16 runs; bf16-stored operands
 //!   and cached weight casts need none), then for a bwd-weight GEMM a dw-sized D its algorithms
 //!   are timed into (`gemm_operands::scratch_bytes`);

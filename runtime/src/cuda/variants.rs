@@ -19,19 +19,23 @@ struct Choice {
 /// not fall back (e.g. the mma.sync attention on a Hopper, which other GPUs run).
 const CHOICES: &[Choice] = &[
     // bf16 attention forward, head_dim 64 / 128: the Hopper warpgroup-MMA kernel
-    // (attention_wgmma_fwd.cu; other GPUs run `fa2`), or attention_tc.cu's mma.sync kernel.
+    // (attention_wgmma_fwd.cu; other GPUs run `fa2`), or attention_tc.cu's mma.sync kernel;
+    // `wgmma_bc128` / `wgmma_bc128_wg3`: the wgmma kernel with 128-key tiles, 2 or 3
+    // warpgroups, one CTA an SM (head_dim 64; head_dim 128 runs `wgmma`'s kernel), not yet
+    // measured.
     Choice {
         op: "attention_fwd",
         env: "PARC_ATTENTION_FWD_KERNEL",
-        names: &["wgmma", "fa2"],
+        names: &["wgmma", "fa2", "wgmma_bc128", "wgmma_bc128_wg3"],
     },
     // The bf16 attention backward: attention_wgmma_bwd.cu's software-pipelined warpgroup-MMA
     // kernel (Hopper, head_dim 64, a 16-byte aligned dQ accumulator; otherwise `fa2`), or
-    // attention_tc.cu's mma.sync kernel (`fa2`).
+    // attention_tc.cu's mma.sync kernel (`fa2`); `wgmma_bc64`: the wgmma kernel with CTAs of
+    // one warpgroup and 64 keys, two an SM (same conditions), not yet measured.
     Choice {
         op: "attention_bwd",
         env: "PARC_ATTENTION_BWD_KERNEL",
-        names: &["wgmma", "fa2"],
+        names: &["wgmma", "fa2", "wgmma_bc64"],
     },
     // The fused cross-entropy: persistent CTAs that stage each row in shared memory (`staged`;
     // `rows` where a row does not fit or the logits are unaligned), or a block per row with

@@ -11,6 +11,14 @@
 
 struct AttGeom {
     long long batch, heads, kv_heads, head_dim, seq_q, seq_kv;
+    // Row strides (elements between consecutive rows of the stored [seq · batch, width]
+    // layout) of q; of k and v; of o and dO; of dq; of dk and dv. Each is its tensor's own
+    // width (heads or kv_heads times head_dim) unless q, k, v (and dq, dk, dv) are column
+    // ranges of one packed qkv (dqkv) buffer, whose rows are (heads + 2 kv_heads) · head_dim
+    // wide. (The tensor-core backward's f32 dQ accumulator is always compact, heads ·
+    // head_dim wide.) 32-bit, the host checking that batch times any of them fits: fewer
+    // registers in the tensor-core kernels.
+    int ld_q, ld_kv, ld_o, ld_dq, ld_dkv, pad_ld_;
     int causal;
     float scale;
     // Positions ascending (every plan's segments are): lets causal blocks skip whole tiles.
@@ -69,7 +77,7 @@ __device__ __forceinline__ float dot_lane(const float* a, const float* row, int 
 }
 
 // Loads rows [j0, j0 + ATT_TILE) of one head (column offset col) of a [seq * batch, width]
-// tensor into tile[ATT_TILE][d]; rows past seq are zero.
+// tensor (width: its row stride) into tile[ATT_TILE][d]; rows past seq are zero.
 __device__ void load_tile(float* tile, const void* src, bool bf16, long long j0, long long seq, long long batch, long long b, long long width, long long col, int d) {
     for (int i = threadIdx.y * 32 + threadIdx.x; i < ATT_TILE * d; i += 32 * ATT_WARPS) {
         int jj = i / d, e = i % d;
@@ -88,9 +96,8 @@ extern "C" __global__ void attention_fwd(const void* q, const void* k, const voi
     long long kvh = h / (g.heads / g.kv_heads);
     long long i = (long long)blockIdx.x * ATT_WARPS + threadIdx.y;
     bool active = i < g.seq_q;
-    long long qw = g.heads * g.head_dim, kw = g.kv_heads * g.head_dim;
     float qr[ATT_MAX_PER_LANE], acc[ATT_MAX_PER_LANE];
-    if (active) load_row(qr, q, (i * g.batch + b) * qw + h * d, g.bf16 & ATT_BF16_Q, lane, d);
+    if (active) load_row(qr, q, (i * g.batch + b) * g.ld_q + h * d, g.bf16 & ATT_BF16_Q, lane, d);
     #pragma unroll
     for (int t = 0; t < ATT_MAX_PER_LANE; t++) acc[t] = 0.0f;
     int pi = active ? qpos[i] : 0;
@@ -99,8 +106,8 @@ extern "C" __global__ void attention_fwd(const void* q, const void* k, const voi
     for (long long j0 = 0; j0 < g.seq_kv; j0 += ATT_TILE) {
         if (kvpos[j0] > limit) break;
         __syncthreads();
-        load_tile(kt, k, g.bf16 & ATT_BF16_K, j0, g.seq_kv, g.batch, b, kw, kvh * d, d);
-        load_tile(vt, v, g.bf16 & ATT_BF16_V, j0, g.seq_kv, g.batch, b, kw, kvh * d, d);
+        load_tile(kt, k, g.bf16 & ATT_BF16_K, j0, g.seq_kv, g.batch, b, g.ld_kv, kvh * d, d);
+        load_tile(vt, v, g.bf16 & ATT_BF16_V, j0, g.seq_kv, g.batch, b, g.ld_kv, kvh * d, d);
         __syncthreads();
         if (!active) continue;
         for (int jj = 0; jj < ATT_TILE && j0 + jj < g.seq_kv; jj++) {
@@ -116,7 +123,7 @@ extern "C" __global__ void attention_fwd(const void* q, const void* k, const voi
         }
     }
     if (!active) return;
-    long long orow = (i * g.batch + b) * qw + h * d;
+    long long orow = (i * g.batch + b) * g.ld_o + h * d;
     #pragma unroll
     for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; if (e < d) att_st(o, orow + e, l > 0.0f ? acc[t] / l : 0.0f, g.bf16 & ATT_BF16_O); }
     if (lane == 0) lse[bh * g.seq_q + i] = l > 0.0f ? m + logf(l) : NEG_INF;
@@ -130,7 +137,7 @@ extern "C" __global__ void attention_delta(const void* dout, const void* o, cons
     long long bh = blockIdx.y, b = bh / g.heads, h = bh % g.heads;
     long long i = (long long)blockIdx.x * ATT_WARPS + threadIdx.y;
     if (i >= g.seq_q) return;
-    long long off = (i * g.batch + b) * g.heads * g.head_dim + h * d;
+    long long off = (i * g.batch + b) * g.ld_o + h * d;
     float a[ATT_MAX_PER_LANE], c[ATT_MAX_PER_LANE];
     load_row(a, dout, off, g.bf16 & ATT_BF16_DO, lane, d);
     load_row(c, o, off, g.bf16 & ATT_BF16_O, lane, d);
@@ -156,13 +163,12 @@ extern "C" __global__ void attention_bwd_dq(const void* dout, const void* q, con
     long long kvh = h / (g.heads / g.kv_heads);
     long long i = (long long)blockIdx.x * ATT_WARPS + threadIdx.y;
     bool active = i < g.seq_q;
-    long long qw = g.heads * g.head_dim, kw = g.kv_heads * g.head_dim;
     float qr[ATT_MAX_PER_LANE], dor[ATT_MAX_PER_LANE], acc[ATT_MAX_PER_LANE];
     float li = NEG_INF, di = 0.0f;
     int pi = 0;
     if (active) {
-        load_row(qr, q, (i * g.batch + b) * qw + h * d, g.bf16 & ATT_BF16_Q, lane, d);
-        load_row(dor, dout, (i * g.batch + b) * qw + h * d, g.bf16 & ATT_BF16_DO, lane, d);
+        load_row(qr, q, (i * g.batch + b) * g.ld_q + h * d, g.bf16 & ATT_BF16_Q, lane, d);
+        load_row(dor, dout, (i * g.batch + b) * g.ld_o + h * d, g.bf16 & ATT_BF16_DO, lane, d);
         li = lse[bh * g.seq_q + i];
         di = delta[bh * att_rows(g) + i];
         pi = qpos[i];
@@ -174,8 +180,8 @@ extern "C" __global__ void attention_bwd_dq(const void* dout, const void* q, con
     for (long long j0 = 0; j0 < g.seq_kv; j0 += ATT_TILE) {
         if (kvpos[j0] > limit) break;
         __syncthreads();
-        load_tile(kt, k, g.bf16 & ATT_BF16_K, j0, g.seq_kv, g.batch, b, kw, kvh * d, d);
-        load_tile(vt, v, g.bf16 & ATT_BF16_V, j0, g.seq_kv, g.batch, b, kw, kvh * d, d);
+        load_tile(kt, k, g.bf16 & ATT_BF16_K, j0, g.seq_kv, g.batch, b, g.ld_kv, kvh * d, d);
+        load_tile(vt, v, g.bf16 & ATT_BF16_V, j0, g.seq_kv, g.batch, b, g.ld_kv, kvh * d, d);
         __syncthreads();
         if (!any) continue;
         for (int jj = 0; jj < ATT_TILE && j0 + jj < g.seq_kv; jj++) {
@@ -187,7 +193,7 @@ extern "C" __global__ void attention_bwd_dq(const void* dout, const void* q, con
         }
     }
     if (!active) return;
-    long long row = (i * g.batch + b) * qw + h * d;
+    long long row = (i * g.batch + b) * g.ld_dq + h * d;
     #pragma unroll
     for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; if (e < d) att_st(dq, row + e, g.scale * acc[t], g.bf16 & ATT_BF16_DQ); }
 }
@@ -205,12 +211,11 @@ extern "C" __global__ void attention_bwd_dkdv(const void* dout, const void* q, c
     long long group = g.heads / g.kv_heads;
     long long j = (long long)blockIdx.x * ATT_WARPS + threadIdx.y;
     bool active = j < g.seq_kv;
-    long long qw = g.heads * g.head_dim, kw = g.kv_heads * g.head_dim;
     float kr[ATT_MAX_PER_LANE], vr[ATT_MAX_PER_LANE], dka[ATT_MAX_PER_LANE], dva[ATT_MAX_PER_LANE];
     int pj = 0;
     if (active) {
-        load_row(kr, k, (j * g.batch + b) * kw + kvh * d, g.bf16 & ATT_BF16_K, lane, d);
-        load_row(vr, v, (j * g.batch + b) * kw + kvh * d, g.bf16 & ATT_BF16_V, lane, d);
+        load_row(kr, k, (j * g.batch + b) * g.ld_kv + kvh * d, g.bf16 & ATT_BF16_K, lane, d);
+        load_row(vr, v, (j * g.batch + b) * g.ld_kv + kvh * d, g.bf16 & ATT_BF16_V, lane, d);
         pj = kvpos[j];
     }
     #pragma unroll
@@ -224,8 +229,8 @@ extern "C" __global__ void attention_bwd_dkdv(const void* dout, const void* q, c
             long long i_last = i0 + ATT_TILE - 1 < g.seq_q ? i0 + ATT_TILE - 1 : g.seq_q - 1;
             if (g.causal && g.q_sorted && g.kv_sorted && qpos[i_last] < first_kpos) continue;
             __syncthreads();
-            load_tile(qt, q, g.bf16 & ATT_BF16_Q, i0, g.seq_q, g.batch, b, qw, h * d, d);
-            load_tile(dot_, dout, g.bf16 & ATT_BF16_DO, i0, g.seq_q, g.batch, b, qw, h * d, d);
+            load_tile(qt, q, g.bf16 & ATT_BF16_Q, i0, g.seq_q, g.batch, b, g.ld_q, h * d, d);
+            load_tile(dot_, dout, g.bf16 & ATT_BF16_DO, i0, g.seq_q, g.batch, b, g.ld_o, h * d, d);
             for (int t = threadIdx.y * 32 + threadIdx.x; t < ATT_TILE; t += 32 * ATT_WARPS) {
                 long long i = i0 + t;
                 lt[t] = i < g.seq_q ? lse[bh * g.seq_q + i] : NEG_INF;
@@ -249,7 +254,7 @@ extern "C" __global__ void attention_bwd_dkdv(const void* dout, const void* q, c
         }
     }
     if (!active) return;
-    long long row = (j * g.batch + b) * kw + kvh * d;
+    long long row = (j * g.batch + b) * g.ld_dkv + kvh * d;
     #pragma unroll
     for (int t = 0; t < ATT_MAX_PER_LANE; t++) {
         int e = lane + 32 * t;

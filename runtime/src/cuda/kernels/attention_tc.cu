@@ -135,11 +135,27 @@ extern "C" __global__ void attention_to_bf16(const float4* x, uint2* y, long lon
     }
 }
 
+// The tensor-core backward's f32 dQ accumulator (compact rows of heads · head_dim) into dq
+// (row stride ld_dq: its own width, or a packed dqkv's), as bf16 rounded once to nearest even
+// or (a packed f32 dqkv) as f32; 4 elements a thread and step (16-byte loads, 8- or 16-byte
+// stores: the strides are multiples of 4).
+extern "C" __global__ void attention_dq_out(const float* acc, void* dq, AttGeom g) {
+    long long w = g.heads * g.head_dim, w4 = w / 4, n4 = g.seq_q * g.batch * w4;
+    bool bf16 = g.bf16 & ATT_BF16_DQ;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / w4, c = (i % w4) * 4, at = r * g.ld_dq + c;
+        float4 a = reinterpret_cast<const float4*>(acc)[i];
+        if (bf16) *reinterpret_cast<uint2*>(static_cast<bf16_t*>(dq) + at) = make_uint2(tc_pack(a.x, a.y), tc_pack(a.z, a.w));
+        else *reinterpret_cast<float4*>(static_cast<float*>(dq) + at) = a;
+    }
+}
+
 // Before the tensor-core backward, per (query, batch, head) row of the stored layout: delta =
 // dO·O and lse2 = lse · log2 e (+inf where lse is −inf: the row sees no key), indexed as
-// attention_delta's (att_rows), and the row of the f32 dQ accumulator zeroed. D/8 threads a
-// row, 8 elements each (16-byte loads: the head dim is a multiple of 8 and the buffers 16-byte
-// aligned); any grid of 256-thread blocks (grid-stride).
+// attention_delta's (att_rows), and the row of the (compact) f32 dQ accumulator zeroed. D/8
+// threads a row, 8 elements each (16-byte loads and stores: the head dim and dO's and O's row
+// stride are multiples of 8 and the buffers 16-byte aligned); any grid of 256-thread blocks
+// (grid-stride).
 template <int D>
 __device__ __forceinline__ void tc_attention_delta(const void* dout, const void* o, const float* lse, float* delta, float* lse2, float* dq_acc, const AttGeom& g) {
     constexpr int PER_ROW = D / 8;
@@ -154,7 +170,9 @@ __device__ __forceinline__ void tc_attention_delta(const void* dout, const void*
         bool valid = t < n;
         float s = 0.0f;
         if (valid) {
-            F8 x = ld8(a, t), y = ld8(b, t);
+            // Row r / heads of the stored layout, head r % heads, columns 8 (t % PER_ROW) on.
+            long long at = (r / g.heads) * g.ld_o + (r % g.heads) * D + (t % PER_ROW) * 8;
+            F8 x = ld8(a, at / 8), y = ld8(b, at / 8);
             #pragma unroll
             for (int e = 0; e < 8; e++) s += x.v[e] * y.v[e];
             float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -253,10 +271,11 @@ __device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* 
     int seq_q = (int)g.seq_q, seq_kv = (int)g.seq_kv;
     // The last query tiles (the longest, causal) first.
     int i0 = (int)(gridDim.y - 1 - blockIdx.y) * BR;
-    long long q_stride = g.batch * g.heads * D, kv_stride = g.batch * g.kv_heads * D;
-    const bf16_t* qh = q + ((long long)b * g.heads + h) * D;
-    const bf16_t* kh = k + ((long long)b * g.kv_heads + kvh) * D;
-    const bf16_t* vh = v + ((long long)b * g.kv_heads + kvh) * D;
+    // Elements from one sequence position to the next (batch rows of the stored layout).
+    int q_stride = (int)g.batch * g.ld_q, kv_stride = (int)g.batch * g.ld_kv, o_stride = (int)g.batch * g.ld_o;
+    const bf16_t* qh = q + b * g.ld_q + h * D;
+    const bf16_t* kh = k + b * g.ld_kv + kvh * D;
+    const bf16_t* vh = v + b * g.ld_kv + kvh * D;
     tc_fill<D, BR, TC_THREADS>(sq, qh, i0, seq_q, q_stride);
     // This thread's rows: r = 2 mt + half is row i0 + warp 16 MT + 16 mt + 8 half + gq.
     int last = seq_q - 1;
@@ -404,7 +423,7 @@ __device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* 
         float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
         int row = i0 + warp * 16 * MT + 16 * (r >> 1) + 8 * (r & 1) + gq;
         if (row < seq_q) {
-            long long out = row * q_stride + ((long long)b * g.heads + h) * D + 2 * tq;
+            long long out = (long long)row * o_stride + b * g.ld_o + h * D + 2 * tq;
             int mt = r >> 1, half = r & 1;
             #pragma unroll
             for (int nb = 0; nb < D / 8; nb++) tc_store2(o, out + nb * 8, acc[mt][nb][2 * half] * inv, acc[mt][nb][2 * half + 1] * inv, o_bf16);
@@ -434,9 +453,10 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
     int group = (int)(g.heads / g.kv_heads);
     int seq_q = (int)g.seq_q, seq_kv = (int)g.seq_kv, rows_ld = att_rows(g);
     int j0 = blockIdx.y * TC_BC;
-    long long q_stride = g.batch * g.heads * D, kv_stride = g.batch * g.kv_heads * D;
-    const bf16_t* kh = k + ((long long)b * g.kv_heads + kvh) * D;
-    const bf16_t* vh = v + ((long long)b * g.kv_heads + kvh) * D;
+    // Elements from one sequence position to the next (batch rows of the stored layout).
+    int kv_stride = (int)g.batch * g.ld_kv;
+    const bf16_t* kh = k + b * g.ld_kv + kvh * D;
+    const bf16_t* vh = v + b * g.ld_kv + kvh * D;
     tc_fill<D, TC_BC, TC_BWD_THREADS>(sk, kh, j0, seq_kv, kv_stride);
     tc_fill<D, TC_BC, TC_BWD_THREADS>(sv, vh, j0, seq_kv, kv_stride);
     int ka = j0 + warp * 16 + gq, kb = ka + 8;
@@ -484,8 +504,8 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
             long long bhn = (long long)b * g.heads + hn;
             unsigned char* st = stages + ((t + 1) & 1) * STAGE;
             bf16_t* nq = reinterpret_cast<bf16_t*>(st);
-            tc_fill<D, BR, TC_BWD_THREADS>(nq, q + bhn * D, in0, seq_q, q_stride);
-            tc_fill<D, BR, TC_BWD_THREADS>(nq + BR * LD, dout + bhn * D, in0, seq_q, q_stride);
+            tc_fill<D, BR, TC_BWD_THREADS>(nq, q + b * g.ld_q + hn * D, in0, seq_q, (int)g.batch * g.ld_q);
+            tc_fill<D, BR, TC_BWD_THREADS>(nq + BR * LD, dout + b * g.ld_o + hn * D, in0, seq_q, (int)g.batch * g.ld_o);
             float* nl = reinterpret_cast<float*>(nq + 2 * BR * LD);
             int piece = threadIdx.x;
             if (piece < BR / 4) {
@@ -610,7 +630,10 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
         __syncthreads();
         // dQ += dS K, in units of 16 queries x 32 columns spread over the warps.
         constexpr int MQ = BR / 16;
+        // The accumulator is compact: (batch, head) rows of D, a sequence position apart by
+        // batch · heads · D.
         float* dqh = dq_acc + ((long long)b * g.heads + h) * D;
+        long long dqa_stride = g.batch * g.heads * D;
         for (int u = warp; u < MQ * (D / 32); u += TC_BWD_WARPS) {
             int m0 = (u % MQ) * 16, d0 = (u / MQ) * 32;
             float dqa[4][4];
@@ -630,12 +653,12 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
             }
             int ia = i0 + m0 + gq, ib = ia + 8;
             if (ia < seq_q) {
-                float* row = dqh + ia * q_stride + d0 + 2 * tq;
+                float* row = dqh + ia * dqa_stride + d0 + 2 * tq;
                 #pragma unroll
                 for (int nb = 0; nb < 4; nb++) tc_red2(row + nb * 8, g.scale * dqa[nb][0], g.scale * dqa[nb][1]);
             }
             if (ib < seq_q) {
-                float* row = dqh + ib * q_stride + d0 + 2 * tq;
+                float* row = dqh + ib * dqa_stride + d0 + 2 * tq;
                 #pragma unroll
                 for (int nb = 0; nb < 4; nb++) tc_red2(row + nb * 8, g.scale * dqa[nb][2], g.scale * dqa[nb][3]);
             }
@@ -643,9 +666,9 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
     }
     tc_cp_wait_all();
     bool dk_bf16 = g.bf16 & ATT_BF16_DK, dv_bf16 = g.bf16 & ATT_BF16_DV;
-    long long head = ((long long)b * g.kv_heads + kvh) * D + 2 * tq;
+    int dkv_stride = (int)g.batch * g.ld_dkv, head = b * g.ld_dkv + kvh * D + 2 * tq;
     if (ka < seq_kv) {
-        long long row = ka * kv_stride + head;
+        long long row = (long long)ka * dkv_stride + head;
         #pragma unroll
         for (int nb = 0; nb < D / 8; nb++) {
             tc_store2(dk, row + nb * 8, g.scale * dka[nb][0], g.scale * dka[nb][1], dk_bf16);
@@ -653,7 +676,7 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
         }
     }
     if (kb < seq_kv) {
-        long long row = kb * kv_stride + head;
+        long long row = (long long)kb * dkv_stride + head;
         #pragma unroll
         for (int nb = 0; nb < D / 8; nb++) {
             tc_store2(dk, row + nb * 8, g.scale * dka[nb][2], g.scale * dka[nb][3], dk_bf16);
