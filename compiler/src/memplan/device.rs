@@ -255,9 +255,11 @@ fn attention_scratch(
         let per_head = (batch * heads).max(1);
         let stats = per_head * (rows / per_head).next_multiple_of(4) * 4;
         bytes += 2 * aligned(stats);
-        // dQ's accumulator has o's shape ([rows, heads·head_dim]; dq or dqkv's q columns).
-        if let Some(dq) = buffer(0, outputs).filter(|b| tc && b.dtype == DType::Bf16) {
-            let o = buffer(o_at, inputs).map_or(dq.numel(), Buffer::numel);
+        // dQ's f32 accumulator has o's shape ([rows, heads·head_dim]): where dq is bf16, and
+        // always for a packed op (dqkv's q columns are not compact rows).
+        let dq = buffer(0, outputs);
+        if tc && (packed || dq.is_some_and(|b| b.dtype == DType::Bf16)) {
+            let o = buffer(o_at, inputs).map_or(0, Buffer::numel);
             bytes += aligned(o * 4);
         }
     }
