@@ -46,7 +46,10 @@ pub(crate) struct AttGeom {
     pub ld_o: i32,
     pub ld_dq: i32,
     pub ld_dkv: i32,
-    pub pad_ld: i32,
+    /// 1: the tensor-core kernels' grid is (tiles, heads), one head's tiles launched together
+    /// so they share its K and V (backward: Q and dO) in L2; 0: (heads, tiles). See
+    /// [`launch_tc`].
+    pub tiles_first: i32,
     pub causal: i32,
     pub scale: f32,
     pub q_sorted: i32,
@@ -387,11 +390,21 @@ pub(super) fn wgmma_selftest(
 fn launch_tc(
     be: &mut CudaBackend,
     name: &'static str,
-    grid: (u32, u32, u32),
+    (heads, tiles, _): (u32, u32, u32),
     threads: u32,
     smem: u32,
     args: &[Arg],
 ) -> Result<()> {
+    // The kernels read the order from AttGeom::tiles_first, set by `run` only where the heads
+    // fit a grid's y extent.
+    let tiles_first = args
+        .iter()
+        .any(|a| matches!(a, Arg::Geom(g) if g.tiles_first != 0));
+    let grid = if tiles_first {
+        (tiles, heads, 1)
+    } else {
+        (heads, tiles, 1)
+    };
     if smem > DEFAULT_SMEM {
         be.kernels
             .function(name)?
@@ -563,7 +576,7 @@ fn attention_geometry(
         ld_o: qw as i32,
         ld_dq: ld_q as i32,
         ld_dkv: ld_kv as i32,
-        pad_ld: 0,
+        tiles_first: 0,
         causal: i32::from(causal),
         scale: scale as f32,
         q_sorted: 0,
@@ -641,6 +654,9 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
     g.q_sorted = i32::from(ascending(q_positions));
     g.kv_sorted = i32::from(ascending(kv_positions));
     g.bf16 |= bf16_bit(v, BF16_V);
+    let heads_fit = (g.batch * g.heads).max(g.batch * g.kv_heads) <= MAX_GRID_Y as i64;
+    let tiles_first = be.variants.chosen("attention_grid") == "tiles_first";
+    g.tiles_first = i32::from(tiles_first && heads_fit);
     let (batch, heads, d) = (g.batch as usize, g.heads as usize, g.head_dim as usize);
     let (seq_q, seq_kv) = (g.seq_q as usize, g.seq_kv as usize);
     b.expect(v, "v", k.len)?;

@@ -18,7 +18,11 @@ struct AttGeom {
     // wide. (The tensor-core backward's f32 dQ accumulator is always compact, heads ·
     // head_dim wide.) 32-bit, the host checking that batch times any of them fits: fewer
     // registers in the tensor-core kernels.
-    int ld_q, ld_kv, ld_o, ld_dq, ld_dkv, pad_ld_;
+    int ld_q, ld_kv, ld_o, ld_dq, ld_dkv;
+    // The tensor-core kernels' grid order: 0 = (batch · heads, tiles), 1 = (tiles, batch ·
+    // heads), so that one head's tiles run together and share its K and V (backward: Q, dO)
+    // in L2 (att_tile / att_head below).
+    int tiles_first;
     int causal;
     float scale;
     // Positions ascending (every plan's segments are): lets causal blocks skip whole tiles.
@@ -27,6 +31,12 @@ struct AttGeom {
     int bf16;
     int pad_;
 };
+
+// The head (batch · heads, or batch · kv_heads) and the tile of this CTA, and the tiles per
+// head, under either grid order (AttGeom::tiles_first).
+#define ATT_HEAD(g) ((g).tiles_first ? (int)blockIdx.y : (int)blockIdx.x)
+#define ATT_TILE_IDX(g) ((g).tiles_first ? (int)blockIdx.x : (int)blockIdx.y)
+#define ATT_TILES(g) ((g).tiles_first ? (int)gridDim.x : (int)gridDim.y)
 
 #define ATT_BF16_Q 1
 #define ATT_BF16_K 2

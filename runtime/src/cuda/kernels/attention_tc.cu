@@ -266,11 +266,11 @@ __device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* 
     bf16_t* skv = sq + BR * LD;  // stage s: K at skv + 2 s TILE, V after it
     int* skpos = reinterpret_cast<int*>(skv + 4 * TILE);  // stage s at skpos + s BC
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
-    int bh = blockIdx.x, b = bh / (int)g.heads, h = bh % (int)g.heads;
+    int bh = ATT_HEAD(g), b = bh / (int)g.heads, h = bh % (int)g.heads;
     int kvh = h / (int)(g.heads / g.kv_heads);
     int seq_q = (int)g.seq_q, seq_kv = (int)g.seq_kv;
     // The last query tiles (the longest, causal) first.
-    int i0 = (int)(gridDim.y - 1 - blockIdx.y) * BR;
+    int i0 = (ATT_TILES(g) - 1 - ATT_TILE_IDX(g)) * BR;
     // Elements from one sequence position to the next (batch rows of the stored layout).
     int q_stride = (int)g.batch * g.ld_q, kv_stride = (int)g.batch * g.ld_kv, o_stride = (int)g.batch * g.ld_o;
     const bf16_t* qh = q + b * g.ld_q + h * D;
@@ -449,10 +449,10 @@ __device__ __forceinline__ void tc_attention_bwd(const bf16_t* dout, const bf16_
     unsigned char* stages = reinterpret_cast<unsigned char*>(sv + TC_BC * LD);
     bf16_t* sds = reinterpret_cast<bf16_t*>(stages + 2 * STAGE);  // dS transposed: [key][query]
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
-    int bk = blockIdx.x, b = bk / (int)g.kv_heads, kvh = bk % (int)g.kv_heads;
+    int bk = ATT_HEAD(g), b = bk / (int)g.kv_heads, kvh = bk % (int)g.kv_heads;
     int group = (int)(g.heads / g.kv_heads);
     int seq_q = (int)g.seq_q, seq_kv = (int)g.seq_kv, rows_ld = att_rows(g);
-    int j0 = blockIdx.y * TC_BC;
+    int j0 = ATT_TILE_IDX(g) * TC_BC;
     // Elements from one sequence position to the next (batch rows of the stored layout).
     int kv_stride = (int)g.batch * g.ld_kv;
     const bf16_t* kh = k + b * g.ld_kv + kvh * D;

@@ -187,10 +187,10 @@ __device__ __forceinline__ void wb_attention_bwd(const bf16_t* dout, const bf16_
     unsigned char* sds0 = stages + 2 * STAGE;  // dS^T: [key][query], two buffers of KT bytes
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
     int wg = warp >> 2, wi = warp & 3;
-    int bk = blockIdx.x, b = bk / (int)g.kv_heads, kvh = bk % (int)g.kv_heads;
+    int bk = ATT_HEAD(g), b = bk / (int)g.kv_heads, kvh = bk % (int)g.kv_heads;
     int group = (int)(g.heads / g.kv_heads);
     int seq_q = (int)g.seq_q, seq_kv = (int)g.seq_kv, rows_ld = att_rows(g);
-    int j0 = blockIdx.y * BC;
+    int j0 = ATT_TILE_IDX(g) * BC;
     // Elements from one sequence position to the next (batch rows of the stored layout).
     int q_stride = (int)g.batch * g.ld_q, kv_stride = (int)g.batch * g.ld_kv, o_stride = (int)g.batch * g.ld_o;
     // The dQ accumulator is compact: (batch, head) rows of D.

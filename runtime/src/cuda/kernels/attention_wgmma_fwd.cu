@@ -179,11 +179,11 @@ __device__ __forceinline__ void wg_attention_fwd(const bf16_t* q, const bf16_t* 
     unsigned q_addr = tc_smem_addr(sq), kv_addr = tc_smem_addr(skv);
     int wg = threadIdx.x / WG_THREADS, warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
     int gq = lane >> 2, tq = lane & 3;
-    int bh = blockIdx.x, b = bh / (int)g.heads, h = bh % (int)g.heads;
+    int bh = ATT_HEAD(g), b = bh / (int)g.heads, h = bh % (int)g.heads;
     int kvh = h / (int)(g.heads / g.kv_heads);
     int seq_q = (int)g.seq_q, seq_kv = (int)g.seq_kv;
     // The last query tiles (the longest, causal) first.
-    int i0 = (int)(gridDim.y - 1 - blockIdx.y) * BR;
+    int i0 = (ATT_TILES(g) - 1 - ATT_TILE_IDX(g)) * BR;
     // Elements from one sequence position to the next (batch rows of the stored layout).
     int q_stride = (int)g.batch * g.ld_q, kv_stride = (int)g.batch * g.ld_kv, o_stride = (int)g.batch * g.ld_o;
     const bf16_t* qh = q + b * g.ld_q + h * D;
