@@ -270,7 +270,7 @@ impl CudaBackend {
     }
 
     /// The wgmma layout self-test behind the `wgmma` attention backward (Hopper only; for GPU
-    /// tests): `mode` 0, 1, 2 or 3 of kernels/attention_wgmma_bwd.cu's attention_wgmma_selftest on
+    /// tests): `mode` 0, 1 or 2 of kernels/attention_wgmma_bwd.cu's attention_wgmma_selftest on
     /// row-major f32 inputs of small integers, returning its 64 × 64 output.
     pub fn wgmma_selftest(
         &mut self,

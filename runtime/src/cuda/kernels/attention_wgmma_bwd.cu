@@ -402,9 +402,7 @@ WB_BWD(_bc64_d64, 1, 2)
 // mode 1: out = bf16(A B^T) C, c [64 k][64 n]: mode 0's accumulators as A registers, C MN-major
 //         (dV's and dK's operands);
 // mode 2: out = A^T B, a [128 k][64 m], b [128 k][64 n]: MN-major A and B, m64n32 at columns 0
-//         and 32 (dQ's operands);
-// mode 3: out = A^T B, a [64 k][64 m], b [64 k][64 n]: MN-major A and B, one m64n64 (dQ's
-//         operands in variant `wgmma_bc64`).
+//         and 32 (dQ's operands).
 extern "C" __global__ void __launch_bounds__(128) attention_wgmma_selftest(const float* a, const float* b, const float* c, float* out, int mode) {
     __shared__ __align__(128) unsigned char sa[128 * 64 * 2], sb[128 * 64 * 2], sc[64 * 64 * 2];
     int rows = mode == 2 ? 128 : 64;
@@ -433,17 +431,6 @@ extern "C" __global__ void __launch_bounds__(128) attention_wgmma_selftest(const
         return;
     }
     float s[32];
-    if (mode == 3) {
-        wb_fence();
-        #pragma unroll
-        for (int kk = 0; kk < 4; kk++) wb_mma64_ss<1, 1>(s, wb_mnmajor(sa + kk * 2048), wb_mnmajor(sb + kk * 2048), kk);
-        wb_commit();
-        wb_wait0();
-        wb_pin<32>(s);
-        #pragma unroll
-        for (int i = 0; i < 32; i++) out[(warp * 16 + gq + 8 * ((i >> 1) & 1)) * 64 + 8 * (i >> 2) + 2 * tq + (i & 1)] = s[i];
-        return;
-    }
     wb_fence();
     #pragma unroll
     for (int kk = 0; kk < 4; kk++) wb_mma64_ss<0, 0>(s, wb_kmajor(sa + kk * 256), wb_kmajor(sb + kk * 256), kk);
