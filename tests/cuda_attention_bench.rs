@@ -11,9 +11,7 @@
 //!
 //! Each bf16 point runs with the `fa2` kernels both ways (labelled as before) and, on a Hopper
 //! GPU, with the `wgmma` forward and (head_dim 64) the `wgmma` backward (labelled
-//! `…-wgmma-wgmmabwd`), and for head_dim 64 with each 128-key-tile forward variant
-//! (`…-wgmma_bc128-wgmmabwd`, `…-wgmma_bc128_wg3-wgmmabwd`) and the 64-key-CTA backward
-//! variant (`…-wgmma-wgmma_bc64bwd`): each run times both directions. The bench sets the variants on the
+//! `…-wgmma-wgmmabwd`): each run times both directions. The bench sets the variants on the
 //! backend, whatever PARC_ATTENTION_*_KERNEL say.
 //!
 //! Ignored by default (it needs a GPU): on the device machine,
@@ -175,14 +173,6 @@ mod bench {
         let mut pairs = vec![("fa2", "fa2")];
         if matches!(pt.precision, Precision::Bf16) && be.is_hopper() {
             pairs.push(("wgmma", if pt.head_dim == 64 { "wgmma" } else { "fa2" }));
-            // The 128-key-tile forwards and the 64-key-CTA backward are head_dim 64's (128
-            // would rerun `wgmma`'s kernel, `fa2`'s backward).
-            if pt.head_dim == 64 {
-                for fwd in ["wgmma_bc128", "wgmma_bc128_wg3"] {
-                    pairs.push((fwd, "wgmma"));
-                }
-                pairs.push(("wgmma", "wgmma_bc64"));
-            }
         }
         pairs
     }

@@ -430,45 +430,31 @@ fn check_storage(test: &str, gpu: &mut dyn Backend) {
 /// on its own backend, whatever the environment says, and runs attention_bf16's and
 /// attention_bf16_storage's cases and a GPT-2-length sequence against the CPU under the same
 /// tolerances (head dim 128 runs the mma.sync kernel under either variant). First the exact
-/// layout self-test, so a wgmma layout mistake is named before the attention cases fail. The
-/// same for every wgmma variant (`WGMMA_BWD_VARIANTS`: the 64-key CTAs too).
+/// layout self-test, so a wgmma layout mistake is named before the attention cases fail.
 #[cfg(feature = "cuda")]
 #[test]
 fn attention_bf16_wgmma_bwd() {
-    for variant in WGMMA_BWD_VARIANTS {
-        let Some(mut gpu) =
-            crate::harness::hopper_variant(Precision::Bf16, "attention_bwd", variant)
-        else {
-            return;
-        };
-        let test = format!("attention_bf16_wgmma_bwd_{variant}");
-        let mut r = Rng::new(&test);
-        if variant == "wgmma" {
-            wgmma_layouts(&mut gpu, &mut r);
-        }
-        let cases: Vec<Case> = tc_configs()
-            .iter()
-            .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
-            .collect();
-        crate::harness::check_with(&test, &cases, &mut gpu);
-        // GPT-2's sequence (T 1024, d 64) on a few heads, GQA 2:1: 8 key blocks, every tile kind.
-        let gpt2 = AttConfig::new(1, 4, 2, 64, true, &[(0, 1024)], &[(0, 1024)]);
-        crate::harness::check_with(
-            &format!("{test}_gpt2"),
-            &attention_cases(&mut r, &gpt2, BF16_ATTENTION, true),
-            &mut gpu,
-        );
-        check_storage(
-            &format!("attention_bf16_storage_wgmma_bwd_{variant}"),
-            &mut gpu,
-        );
-    }
+    let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, "attention_bwd", "wgmma")
+    else {
+        return;
+    };
+    let test = "attention_bf16_wgmma_bwd";
+    let mut r = Rng::new(test);
+    wgmma_layouts(&mut gpu, &mut r);
+    let cases: Vec<Case> = tc_configs()
+        .iter()
+        .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
+        .collect();
+    crate::harness::check_with(test, &cases, &mut gpu);
+    // GPT-2's sequence (T 1024, d 64) on a few heads, GQA 2:1: 8 key blocks, every tile kind.
+    let gpt2 = AttConfig::new(1, 4, 2, 64, true, &[(0, 1024)], &[(0, 1024)]);
+    crate::harness::check_with(
+        &format!("{test}_gpt2"),
+        &attention_cases(&mut r, &gpt2, BF16_ATTENTION, true),
+        &mut gpu,
+    );
+    check_storage("attention_bf16_storage_wgmma_bwd", &mut gpu);
 }
-
-/// attention_bwd's warpgroup-MMA variants (cuda/variants.rs): the default (128 keys a CTA),
-/// then one warpgroup of 64 keys a CTA (head_dim 64; head_dim 128 runs `fa2` under both).
-#[cfg(feature = "cuda")]
-const WGMMA_BWD_VARIANTS: [&str; 2] = ["wgmma", "wgmma_bc64"];
 
 /// One self-test mode: its number, what it checks, inputs a and b, and the exact output.
 #[cfg(feature = "cuda")]
@@ -593,20 +579,18 @@ fn attention_wgmma_layouts() {
 /// 3-warpgroup d128 CTAs with warpgroups wholly past seq_q, GQA, CP segments, kv ahead of q,
 /// unsorted positions, a partial key tile, and a GPT-2-length causal sequence. Forward
 /// tolerance of `BF16_ATTENTION`; the backward runs in `attention_bf16` and its siblings.
-/// The same for every wgmma variant (`WGMMA_FWD_VARIANTS`: the 128-key tiles too).
 #[test]
 fn attention_bf16_wgmma() {
     #[cfg(not(feature = "cuda"))]
     println!("skipped: no CUDA device (this build has no `cuda` feature)");
     #[cfg(feature = "cuda")]
-    for variant in WGMMA_FWD_VARIANTS {
+    {
         let Some(mut gpu) =
-            crate::harness::hopper_variant(Precision::Bf16, "attention_fwd", variant)
+            crate::harness::hopper_variant(Precision::Bf16, "attention_fwd", "wgmma")
         else {
             return;
         };
-        let test = format!("attention_bf16_wgmma_{variant}");
-        let mut r = Rng::new(&test);
+        let mut r = Rng::new("attention_bf16_wgmma");
         let mut configs = tc_configs();
         configs.extend([
             // d128: 3 warpgroups of 64 rows; the second CTA holds 8 rows (2 warpgroups idle).
@@ -635,14 +619,9 @@ fn attention_bf16_wgmma() {
             .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
             .step_by(2)
             .collect();
-        crate::harness::check_with(&test, &cases, &mut gpu);
+        crate::harness::check_with("attention_bf16_wgmma", &cases, &mut gpu);
     }
 }
-
-/// attention_fwd's warpgroup-MMA variants (cuda/variants.rs): the default, then the 128-key
-/// tile ones (head_dim 64; head_dim 128 runs the default's kernel under them).
-#[cfg(feature = "cuda")]
-const WGMMA_FWD_VARIANTS: [&str; 3] = ["wgmma", "wgmma_bc128", "wgmma_bc128_wg3"];
 
 /// The `fa2` (mma.sync) kernels both ways, which every GPU but a Hopper runs by default: on a
 /// Hopper they run only where a test asks for them, so this one does, on attention_bf16's and
@@ -679,7 +658,6 @@ fn attention_bf16_mma_sync() {
 }
 
 /// `c`'s ops with q, k, v packed into one qkv (and dq, dk, dv into one dqkv).
-#[cfg(feature = "cuda")]
 fn packed_ops(c: &AttConfig) -> (Op, Op) {
     let (mut fwd, mut bwd) = attention_ops(c);
     for op in [&mut fwd, &mut bwd] {
@@ -692,7 +670,6 @@ fn packed_ops(c: &AttConfig) -> (Op, Op) {
 
 /// Rows of q, k, v (`widths` elements each) interleaved into one packed buffer, each row q's
 /// heads, then k's, then v's (what one fused projection writes).
-#[cfg(feature = "cuda")]
 fn pack(parts: [&[f32]; 3], widths: [usize; 3]) -> Vec<f32> {
     let rows = parts[0].len() / widths[0];
     let mut out = Vec::with_capacity(rows * widths.iter().sum::<usize>());
@@ -705,7 +682,6 @@ fn pack(parts: [&[f32]; 3], widths: [usize; 3]) -> Vec<f32> {
 }
 
 /// `pack` undone: the three column ranges of every row, each gathered into its own tensor.
-#[cfg(feature = "cuda")]
 fn unpack(packed: &[f32], widths: [usize; 3]) -> [Vec<f32>; 3] {
     let mut out = [Vec::new(), Vec::new(), Vec::new()];
     for row in packed.chunks(widths.iter().sum()) {
@@ -721,7 +697,6 @@ fn unpack(packed: &[f32], widths: [usize; 3]) -> [Vec<f32>; 3] {
 /// The shapes packed attention is checked on: head dims 64 and 128, GQA, batch > 1, sequences
 /// that are no multiple of any tile, unsorted positions (every tile masked), one causal
 /// GPT-2-length sequence; head dims 32 and 16 for the exact kernels of a bf16 run.
-#[cfg(feature = "cuda")]
 fn packed_configs() -> Vec<AttConfig> {
     vec![
         AttConfig::new(2, 4, 2, 64, true, &[(0, 200)], &[(0, 200)]),
@@ -749,7 +724,6 @@ fn packed_configs() -> Vec<AttConfig> {
 /// tensor-core backward adds it with atomics in no fixed order; exact kernels give 0 error).
 /// dqkv starts from random values, so an element the backward leaves unwritten shows. Returns
 /// one line per mismatch.
-#[cfg(feature = "cuda")]
 fn packed_vs_unpacked(test: &str, gpu: &mut dyn Backend, dtype: DType, dq_tol: f32) -> Vec<String> {
     let mut r = Rng::new(test);
     let f32t = DType::F32;
@@ -836,7 +810,7 @@ fn packed_vs_unpacked(test: &str, gpu: &mut dyn Backend, dtype: DType, dq_tol: f
 }
 
 /// Packed q/k/v on every CUDA kernel path against the unpacked op on the same GPU: the `wgmma`
-/// forward and backward (Hopper only; every tile variant of each) and `fa2`, each on bf16 buffers and on f32 ones (copied
+/// forward and backward (Hopper only) and `fa2`, each on bf16 buffers and on f32 ones (copied
 /// to bf16 whole; the backward then accumulates dQ in dqkv's own q columns), head dims 64 and
 /// 128 (and 32 / 16 on the exact kernels of a bf16 run); and the exact fp32 kernels of an fp32
 /// run on f32 buffers.
@@ -847,21 +821,17 @@ fn attention_packed() {
     #[cfg(feature = "cuda")]
     {
         let mut failures = Vec::new();
-        let pairs = WGMMA_FWD_VARIANTS
-            .iter()
-            .map(|&fwd| (fwd, "wgmma"))
-            .chain([("wgmma", "wgmma_bc64"), ("fa2", "fa2")]);
-        for (fwd, bwd) in pairs {
+        for (fwd, bwd) in [("wgmma", "wgmma"), ("fa2", "fa2")] {
             let Some(mut gpu) = crate::harness::cuda_backend(Precision::Bf16) else {
                 return;
             };
-            if fwd.starts_with("wgmma") && !gpu.is_hopper() {
+            if fwd == "wgmma" && !gpu.is_hopper() {
                 println!("skipped: attention_packed with wgmma runs on Hopper GPUs only");
                 continue;
             }
             gpu.set_kernel_variant("attention_fwd", fwd).unwrap();
             gpu.set_kernel_variant("attention_bwd", bwd).unwrap();
-            let test = format!("attention_packed_{fwd}_{bwd}");
+            let test = format!("attention_packed_{fwd}");
             // bf16 dq: the atomics' order can move a value across a bf16 rounding boundary.
             failures.extend(packed_vs_unpacked(
                 &test,

@@ -80,8 +80,9 @@ const TC_FWD_BR: usize = 128;
 const TC_BC: usize = 128;
 const TC_FWD_THREADS: u32 = 128;
 const TC_BWD_THREADS: u32 = 256;
-/// The `wgmma` forward (attention_wgmma_fwd.cu's WG_FWD): 64 query rows per warpgroup, 1024
-/// bytes for aligning the tiles to the 128-byte swizzle's period.
+/// The `wgmma` forward (attention_wgmma_fwd.cu's WG_FWD): 64 query rows per warpgroup, key
+/// tiles of WGMMA_KEYS rows, 1024 bytes for aligning the tiles to the 128-byte swizzle's period.
+const WGMMA_KEYS: usize = 64;
 const WGMMA_ALIGN: usize = 1024;
 /// Shared memory a CTA may use without opting in to more.
 const DEFAULT_SMEM: u32 = 48 << 10;
@@ -149,20 +150,16 @@ impl TensorCore {
         ((TC_FWD_BR + 4 * bc) * self.row_bytes() + 2 * bc * 4) as u32
     }
 
-    /// The `wgmma` forward's kernel under attention_fwd variant `variant` (a `wgmma…` one),
-    /// its warpgroups (of 128 threads, 64 query rows each) and shared memory: the alignment
-    /// slack, Q (unpadded bf16 rows, swizzled), K and V tiles (WG_FWD's BC keys) in two stages
-    /// and the key positions of each stage. The key-tile variants are head_dim 64's; head_dim
-    /// 128 runs its one kernel under all of them.
-    fn wgmma_fwd(&self, variant: &str) -> (&'static str, usize, u32) {
-        let (name, warpgroups, keys) = match (self.head_dim, variant) {
-            (64, "wgmma_bc128") => ("attention_fwd_wgmma_bc128_d64", 2, 128),
-            (64, "wgmma_bc128_wg3") => ("attention_fwd_wgmma_bc128w3_d64", 3, 128),
-            (64, _) => ("attention_fwd_wgmma_d64", 2, 64),
-            _ => ("attention_fwd_wgmma_d128", 3, 64),
+    /// The `wgmma` forward's kernel, warpgroups (of 128 threads, 64 query rows each) and
+    /// shared memory: the alignment slack, Q (unpadded bf16 rows, swizzled), K and V tiles
+    /// in two stages and the key positions of each stage.
+    fn wgmma_fwd(&self) -> (&'static str, usize, u32) {
+        let (name, warpgroups) = match self.head_dim {
+            64 => ("attention_fwd_wgmma_d64", 2),
+            _ => ("attention_fwd_wgmma_d128", 3),
         };
         let row = self.head_dim * 2;
-        let smem = WGMMA_ALIGN + (64 * warpgroups + 4 * keys) * row + 2 * keys * 4;
+        let smem = WGMMA_ALIGN + (64 * warpgroups + 4 * WGMMA_KEYS) * row + 2 * WGMMA_KEYS * 4;
         (name, warpgroups, smem as u32)
     }
 
@@ -302,23 +299,13 @@ pub(crate) fn scratch_bytes(
 }
 
 /// The wgmma backward (kernels/attention_wgmma_bwd.cu) takes head_dim 64 only (other head dims
-/// run the mma.sync one whatever the variant) and uses attention_bwd_tc's scratch.
+/// run the mma.sync one whatever the variant); its CTA has TC_BWD_THREADS threads for TC_BC
+/// keys, like attention_bwd_tc's, and uses the same scratch. Its shared memory: K and V tiles
+/// of TC_BC × 64 bf16, two stages of 64-row Q and dO tiles with lse2 / delta / position, and
+/// two dSᵀ tiles of TC_BC × 64 bf16 (dQ of one query tile still reads its dSᵀ while the next
+/// tile forms its own).
 const WGMMA_BWD_HEAD_DIM: usize = 64;
-
-/// The wgmma backward's kernel under attention_bwd variant `variant` (`wgmma` or
-/// `wgmma_bc64`), its threads (a warpgroup of 128 per 64 keys), keys per CTA and shared
-/// memory: K and V tiles of keys × 64 bf16, two stages of 64-row Q and dO tiles with lse2 /
-/// delta / position, and two dSᵀ tiles of keys × 64 bf16 (dQ of one query tile still reads
-/// its dSᵀ while the next tile forms its own).
-const fn wgmma_bwd(variant_bc64: bool) -> (&'static str, u32, usize, u32) {
-    let (name, keys) = if variant_bc64 {
-        ("attention_bwd_wgmma_bc64_d64", 64)
-    } else {
-        ("attention_bwd_wgmma_d64", TC_BC)
-    };
-    let smem = 4 * keys * 64 * 2 + 2 * (2 * 64 * 64 * 2 + 3 * 64 * 4);
-    (name, (keys * 2) as u32, keys, smem as u32)
-}
+const WGMMA_BWD_SMEM: u32 = (4 * TC_BC * 64 * 2 + 2 * (2 * 64 * 64 * 2 + 3 * 64 * 4)) as u32;
 
 /// Fails unless the GPU is a Hopper (compute capability 9.0), the only one whose program holds
 /// the compute_90a kernels (`what` names the test kernel that needs them; the attention ops
@@ -699,9 +686,8 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
                 Arg::Geom(g),
             ];
             // The warpgroup-MMA forward where the GPU has it (a Hopper), else mma.sync.
-            let variant = be.variants.chosen("attention_fwd");
-            if variant.starts_with("wgmma") && be.is_hopper() {
-                let (name, warpgroups, smem) = tc.wgmma_fwd(variant);
+            if be.variants.is("attention_fwd", "wgmma") && be.is_hopper() {
+                let (name, warpgroups, smem) = tc.wgmma_fwd();
                 let rows = 64 * warpgroups;
                 let grid = (
                     (batch * heads) as u32,
@@ -848,14 +834,18 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
             Arg::Ptr(kvpos),
             Arg::Geom(g),
         ];
-        // Hopper: wgmma (either CTA size), which adds dQ four floats at a time and so needs a
-        // 16-byte aligned dQ accumulator; otherwise, and elsewhere, fa2.
-        let variant = be.variants.chosen("attention_bwd");
-        let wgmma = variant.starts_with("wgmma") && be.is_hopper();
+        // Hopper: wgmma, which adds dQ four floats at a time and so needs a 16-byte aligned dQ
+        // accumulator; otherwise, and elsewhere, fa2.
+        let wgmma = be.variants.is("attention_bwd", "wgmma") && be.is_hopper();
         if tc.head_dim == WGMMA_BWD_HEAD_DIM && wgmma && dq_acc % 16 == 0 {
-            let (name, threads, keys, smem) = wgmma_bwd(variant == "wgmma_bc64");
-            let grid = (grid.0, grid_y(b, seq_kv.div_ceil(keys), "seq_kv")?, 1);
-            launch_tc(be, name, grid, threads, smem, &args)?;
+            launch_tc(
+                be,
+                "attention_bwd_wgmma_d64",
+                grid,
+                TC_BWD_THREADS,
+                WGMMA_BWD_SMEM,
+                &args,
+            )?;
         } else {
             launch_tc(be, tc.bwd, grid, TC_BWD_THREADS, tc.bwd_smem(), &args)?;
         }
@@ -1043,49 +1033,25 @@ mod tests {
             assert!(fwd <= H100_SMEM / 2, "d{d} forward: {fwd}");
             assert!(bwd <= A100_SMEM, "d{d} backward: {bwd}");
         }
-        // The wgmma backwards (Hopper only): attention_wgmma_bwd.cu's 99840 and 67072 bytes,
-        // 256 threads for 128 keys and 128 for 64; two of the 64-key CTAs fit an H100.
-        assert_eq!(
-            wgmma_bwd(false),
-            ("attention_bwd_wgmma_d64", 256, 128, 99_840)
-        );
-        assert_eq!(
-            wgmma_bwd(true),
-            ("attention_bwd_wgmma_bc64_d64", 128, 64, 67_072)
-        );
-        const { assert!(2 * 67_072 <= H100_SMEM) };
+        // The wgmma backward (Hopper only): attention_wgmma_bwd.cu's 99840 bytes.
+        const { assert!(WGMMA_BWD_SMEM == 99_840 && WGMMA_BWD_SMEM <= H100_SMEM) };
     }
 
     /// The wgmma forward's shared memory follows its kernel's layout (1024-byte alignment
     /// slack, Q 64 rows a warpgroup, K and V in two stages, key positions): two d64 CTAs (what
-    /// their ≤ 128 registers allow) fit an H100, and one d128 CTA, and one of each key-tile
-    /// variant (128 keys, 2 or 3 warpgroups); head_dim 128 ignores those variants.
+    /// their ≤ 128 registers allow) fit an H100, and one d128 CTA.
     #[test]
     fn wgmma_forward_shared_memory_fits() {
         let d64 = TensorCore::for_head_dim(64).expect("d64");
-        let (name, warpgroups, smem) = d64.wgmma_fwd("wgmma");
+        let (name, warpgroups, smem) = d64.wgmma_fwd();
         assert_eq!((name, warpgroups), ("attention_fwd_wgmma_d64", 2));
         assert_eq!(smem as usize, 1024 + 128 * 128 + 4 * 64 * 128 + 2 * 64 * 4);
         assert!(smem <= H100_SMEM / 2, "d64: {smem}");
-        for (variant, kernel, wgs) in [
-            ("wgmma_bc128", "attention_fwd_wgmma_bc128_d64", 2),
-            ("wgmma_bc128_wg3", "attention_fwd_wgmma_bc128w3_d64", 3),
-        ] {
-            let (name, warpgroups, smem) = d64.wgmma_fwd(variant);
-            assert_eq!((name, warpgroups), (kernel, wgs));
-            assert_eq!(
-                smem as usize,
-                1024 + 64 * wgs * 128 + 4 * 128 * 128 + 2 * 128 * 4
-            );
-            assert!(smem <= H100_SMEM, "{variant}: {smem}");
-        }
         let d128 = TensorCore::for_head_dim(128).expect("d128");
-        for variant in ["wgmma", "wgmma_bc128", "wgmma_bc128_wg3"] {
-            let (name, warpgroups, smem) = d128.wgmma_fwd(variant);
-            assert_eq!((name, warpgroups), ("attention_fwd_wgmma_d128", 3));
-            assert_eq!(smem as usize, 1024 + 192 * 256 + 4 * 64 * 256 + 2 * 64 * 4);
-            assert!(smem <= H100_SMEM, "d128: {smem}");
-        }
+        let (name, warpgroups, smem) = d128.wgmma_fwd();
+        assert_eq!((name, warpgroups), ("attention_fwd_wgmma_d128", 3));
+        assert_eq!(smem as usize, 1024 + 192 * 256 + 4 * 64 * 256 + 2 * 64 * 4);
+        assert!(smem <= H100_SMEM, "d128: {smem}");
     }
 
     fn op(forward: bool, head_dim: u64) -> Op {

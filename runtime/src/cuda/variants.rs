@@ -19,23 +19,19 @@ struct Choice {
 /// not fall back (e.g. the mma.sync attention on a Hopper, which other GPUs run).
 const CHOICES: &[Choice] = &[
     // bf16 attention forward, head_dim 64 / 128: the Hopper warpgroup-MMA kernel
-    // (attention_wgmma_fwd.cu; other GPUs run `fa2`), or attention_tc.cu's mma.sync kernel;
-    // `wgmma_bc128` / `wgmma_bc128_wg3`: the wgmma kernel with 128-key tiles, 2 or 3
-    // warpgroups, one CTA an SM (head_dim 64; head_dim 128 runs `wgmma`'s kernel), not yet
-    // measured.
+    // (attention_wgmma_fwd.cu; other GPUs run `fa2`), or attention_tc.cu's mma.sync kernel.
     Choice {
         op: "attention_fwd",
         env: "PARC_ATTENTION_FWD_KERNEL",
-        names: &["wgmma", "fa2", "wgmma_bc128", "wgmma_bc128_wg3"],
+        names: &["wgmma", "fa2"],
     },
     // The bf16 attention backward: attention_wgmma_bwd.cu's software-pipelined warpgroup-MMA
     // kernel (Hopper, head_dim 64, a 16-byte aligned dQ accumulator; otherwise `fa2`), or
-    // attention_tc.cu's mma.sync kernel (`fa2`); `wgmma_bc64`: the wgmma kernel with CTAs of
-    // one warpgroup and 64 keys, two an SM (same conditions), not yet measured.
+    // attention_tc.cu's mma.sync kernel (`fa2`).
     Choice {
         op: "attention_bwd",
         env: "PARC_ATTENTION_BWD_KERNEL",
-        names: &["wgmma", "fa2", "wgmma_bc64"],
+        names: &["wgmma", "fa2"],
     },
     // The order of the tensor-core attention kernels' grids: (batch · heads, tiles), the
     // heads varying fastest (`heads_first`), or (tiles, batch · heads), one head's tiles

@@ -2,8 +2,7 @@
 // here sits under __CUDA_ARCH_FEAT_SM90_ALL and the host runs `fa2` on other GPUs), for bf16
 // runs with head_dim 64: attention_bwd_wgmma_d64, variant `wgmma` of op attention_bwd, the
 // default on a Hopper. Same contract as attention_tc.cu's tc_attention_bwd (whose helpers it uses: tc_cp16, tc_count, tc_red2, …):
-// after attention_delta_tc, a CTA takes 128 keys (64 in variant `wgmma_bc64`, attention_bwd_wgmma_bc64_d64: one
-// warpgroup, two CTAs an SM) of one (batch, kv head), loops over the GQA
+// after attention_delta_tc, a CTA takes WB_BC keys of one (batch, kv head), loops over the GQA
 // group's query heads and their query tiles of WB_BR rows (two cp.async stages), keeps dK / dV
 // in registers, writes them (f32 or bf16, AttGeom::bf16) and adds dQ into the zeroed f32
 // accumulator with vector atomics; causal masking by global position exactly as there.
@@ -32,9 +31,9 @@
 // attention_wgmma_selftest checks these layouts and the accumulator -> A-register mapping with
 // exact small-integer products (tests/cuda_ops/attention.rs names a failing mode precisely).
 #ifdef __CUDA_ARCH_FEAT_SM90_ALL
-// Query rows of a tile; keys of a CTA are 64 per warpgroup (WGS: 2, or 1 in variant
-// `wgmma_bc64`).
+#define WB_BC 128
 #define WB_BR 64
+#define WB_THREADS 256
 
 // Byte offset of element (r, c) in a 64-column tile of the interleaved layout above.
 __device__ __forceinline__ int wb_off(int r, int c) {
@@ -114,13 +113,12 @@ __device__ __forceinline__ void wb_acc_to_a(unsigned (*a)[4], const float* c) {
 // a bf16 tensor (row j at src + j * stride; rows at or past seq are zero). Piece idx (16 bytes)
 // lands at byte 16 idx, which is row 8 (idx >> 6) + (idx & 7), column 8 ((idx >> 3) & 7) of
 // wb_off: eight consecutive threads fill one core matrix (conflict-free 128-byte stores).
-// THREADS: the CTA's.
-template <int ROWS, int THREADS>
+template <int ROWS>
 __device__ __forceinline__ void wb_fill(unsigned char* s, const bf16_t* src, int r0, int seq, long long stride) {
-    static_assert(ROWS * 8 % THREADS == 0, "a tile must split evenly over the threads");
+    static_assert(ROWS * 8 % WB_THREADS == 0, "a tile must split evenly over the threads");
     #pragma unroll
-    for (int it = 0; it < ROWS * 8 / THREADS; it++) {
-        int idx = it * THREADS + threadIdx.x;
+    for (int it = 0; it < ROWS * 8 / WB_THREADS; it++) {
+        int idx = it * WB_THREADS + threadIdx.x;
         int r = ((idx >> 6) << 3) + (idx & 7), c = ((idx >> 3) & 7) * 8;
         int j = r0 + r;
         bool valid = j < seq;
@@ -166,20 +164,15 @@ __device__ __forceinline__ void wb_dq_add(float* dqh, const float* dq, int ia, i
 // dQ(t). Before each top barrier a thread waits for all but its latest group (dQ), so the
 // Q / dO stage refilled after that barrier is read by no wgmma in flight. dQ's reductions are
 // four floats wide (wb_dq_add): the host launches this kernel only on a 16-byte aligned dq_acc
-// (else `fa2`). WGS warpgroups of 128 threads, BC = 64 WGS keys. grid: (batch * kv_heads,
-// ceil(seq_kv / BC)); block: 128 WGS; shared: 2 BC 64 * 2 (K, V) + 2 stages of [2 WB_BR 64 * 2
-// (Q, dO) + 3 WB_BR * 4 (lse2, delta, position)] + 2 BC 64 * 2 (dS^T, two buffers) bytes =
-// 99840 (WGS 2) or 67072 (WGS 1). Arguments as attention_bwd_tc_d64's. With one warpgroup its
-// dQ step is one m64n64 product over the CTA's 64 keys (dQ 32 registers a thread, not 16).
-template <int WGS>
-__device__ __forceinline__ void wb_attention_bwd(const bf16_t* dout, const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse2, const float* delta, float* dq_acc, void* dk, void* dv, const int* qpos, const int* kvpos, const AttGeom& g) {
-    static_assert(WGS == 1 || WGS == 2, "dQ's columns split over one or two warpgroups");
-    constexpr int D = 64, BR = WB_BR, BC = 64 * WGS, THREADS = 128 * WGS;
-    // dQ's columns per warpgroup, and their accumulators a thread.
-    constexpr int DQ_COLS = D / WGS, DQ_REGS = DQ_COLS / 2;
+// (else `fa2`). grid: (batch * kv_heads, ceil(seq_kv / WB_BC)); block: WB_THREADS; shared:
+// 2 WB_BC 64 * 2 (K, V) + 2 stages of [2 WB_BR 64 * 2 (Q, dO) + 3 WB_BR * 4 (lse2, delta,
+// position)] + 2 WB_BC 64 * 2 (dS^T, two buffers) bytes = 99840. Arguments as
+// attention_bwd_tc_d64's.
+extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) attention_bwd_wgmma_d64(const bf16_t* dout, const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse2, const float* delta, float* dq_acc, void* dk, void* dv, const int* qpos, const int* kvpos, AttGeom g) {
+    constexpr int D = 64, BR = WB_BR, BC = WB_BC;
     constexpr int QT = BR * D * 2, KT = BC * D * 2;  // bytes of a Q (dO) and of a K (V, dS^T) tile
     constexpr int STAGE = 2 * QT + 3 * BR * 4;
-    static_assert(3 * BR / 4 <= THREADS, "one 16-byte piece of a stage's rows a thread");
+    static_assert(3 * BR / 4 <= WB_THREADS, "one 16-byte piece of a stage's rows a thread");
     extern __shared__ __align__(128) unsigned char wb_smem[];
     unsigned char* sk = wb_smem;
     unsigned char* sv = sk + KT;
@@ -197,8 +190,8 @@ __device__ __forceinline__ void wb_attention_bwd(const bf16_t* dout, const bf16_
     long long dqa_stride = g.batch * g.heads * D;
     const bf16_t* kh = k + b * g.ld_kv + kvh * D;
     const bf16_t* vh = v + b * g.ld_kv + kvh * D;
-    wb_fill<BC, THREADS>(sk, kh, j0, seq_kv, kv_stride);
-    wb_fill<BC, THREADS>(sv, vh, j0, seq_kv, kv_stride);
+    wb_fill<BC>(sk, kh, j0, seq_kv, kv_stride);
+    wb_fill<BC>(sv, vh, j0, seq_kv, kv_stride);
     // This thread's accumulator rows are keys warp 16 + gq and + 8 (warpgroup wg's rows 16 wi
     // + gq), as in tc_attention_bwd; masking by key position exactly as there.
     int ka = j0 + warp * 16 + gq, kb = ka + 8;
@@ -220,7 +213,7 @@ __device__ __forceinline__ void wb_attention_bwd(const bf16_t* dout, const bf16_
         first_full = q_tiles;
     }
     int per_head = q_tiles - first, total = group * per_head;
-    float dka[32], dva[32], dq[DQ_REGS];
+    float dka[32], dva[32], dq[16];
     #pragma unroll
     for (int i = 0; i < 32; i++) { dka[i] = 0.0f; dva[i] = 0.0f; }
     // The previous tile's dQ destination: its head's dq_acc and its first query row of this
@@ -241,8 +234,8 @@ __device__ __forceinline__ void wb_attention_bwd(const bf16_t* dout, const bf16_
             int hn = kvh * group + (t + 1) / per_head, in0 = (first + (t + 1) % per_head) * BR;
             long long bhn = (long long)b * g.heads + hn;
             unsigned char* st = stages + ((t + 1) & 1) * STAGE;
-            wb_fill<BR, THREADS>(st, q + b * g.ld_q + hn * D, in0, seq_q, q_stride);
-            wb_fill<BR, THREADS>(st + QT, dout + b * g.ld_o + hn * D, in0, seq_q, o_stride);
+            wb_fill<BR>(st, q + b * g.ld_q + hn * D, in0, seq_q, q_stride);
+            wb_fill<BR>(st + QT, dout + b * g.ld_o + hn * D, in0, seq_q, o_stride);
             float* nl = reinterpret_cast<float*>(st + 2 * QT);
             int piece = threadIdx.x;
             if (piece < BR / 4) {
@@ -266,7 +259,7 @@ __device__ __forceinline__ void wb_attention_bwd(const bf16_t* dout, const bf16_
         unsigned char* sds = sds0 + (t & 1) * KT;
         bool masked = tile < first_full;
         wb_wait0();
-        wb_pin<DQ_REGS>(dq);
+        wb_pin<16>(dq);
         // S^T = K_w Q^T and dP^T = V_w dO^T (k-steps of 16 head-dim columns: 256 bytes), two
         // groups: the exponentials of S^T run while dP^T is still being multiplied (and the
         // previous tile's dQ is added into dq_acc).
@@ -278,10 +271,7 @@ __device__ __forceinline__ void wb_attention_bwd(const bf16_t* dout, const bf16_
         #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) wb_mma64_ss<0, 0>(dp, wb_kmajor(sv + wg * 8192 + kk * 256), wb_kmajor(sdo + kk * 256), kk);
         wb_commit();
-        if (t > 0) {
-            #pragma unroll
-            for (int c = 0; c < DQ_COLS / 32; c++) wb_dq_add(prev_dqh + 32 * c, dq + 16 * c, prev_ia, seq_q, dqa_stride, g.scale, tq);
-        }
+        if (t > 0) wb_dq_add(prev_dqh, dq, prev_ia, seq_q, dqa_stride, g.scale, tq);
         wb_wait1();
         wb_pin<32>(s);
         // P^T = exp(S^T scale − lse), masked. Element (nb, e) of the accumulators is query
@@ -341,26 +331,19 @@ __device__ __forceinline__ void wb_attention_bwd(const bf16_t* dout, const bf16_
         wb_commit();
         wb_fence_proxy();
         __syncthreads();
-        // dQ = dS K for head-dim columns [DQ_COLS wg, DQ_COLS (wg + 1)) (k-steps of 16 keys),
-        // left running.
+        // dQ = dS K for head-dim columns [32 wg, 32 wg + 32) (k-steps of 16 keys), left running.
         wb_fence();
         #pragma unroll
-        for (int kk = 0; kk < BC / 16; kk++) {
-            if constexpr (WGS == 2) wb_mma32_ss<1, 1>(dq, wb_mnmajor(sds + kk * 2048), wb_mnmajor(sk + kk * 2048 + wg * 512), kk);
-            else wb_mma64_ss<1, 1>(dq, wb_mnmajor(sds + kk * 2048), wb_mnmajor(sk + kk * 2048), kk);
-        }
+        for (int kk = 0; kk < BC / 16; kk++) wb_mma32_ss<1, 1>(dq, wb_mnmajor(sds + kk * 2048), wb_mnmajor(sk + kk * 2048 + wg * 512), kk);
         wb_commit();
-        prev_dqh = dq_acc + ((long long)b * g.heads + h) * D + wg * DQ_COLS;
+        prev_dqh = dq_acc + ((long long)b * g.heads + h) * D + wg * 32;
         prev_ia = i0 + wi * 16 + gq;
     }
     wb_wait0();
-    wb_pin<DQ_REGS>(dq);
+    wb_pin<16>(dq);
     wb_pin<32>(dva);
     wb_pin<32>(dka);
-    if (total > 0) {
-        #pragma unroll
-        for (int c = 0; c < DQ_COLS / 32; c++) wb_dq_add(prev_dqh + 32 * c, dq + 16 * c, prev_ia, seq_q, dqa_stride, g.scale, tq);
-    }
+    if (total > 0) wb_dq_add(prev_dqh, dq, prev_ia, seq_q, dqa_stride, g.scale, tq);
     tc_cp_wait_all();
     bool dk_bf16 = g.bf16 & ATT_BF16_DK, dv_bf16 = g.bf16 & ATT_BF16_DV;
     int dkv_stride = (int)g.batch * g.ld_dkv, head = b * g.ld_dkv + kvh * D + 2 * tq;
@@ -381,20 +364,6 @@ __device__ __forceinline__ void wb_attention_bwd(const bf16_t* dout, const bf16_
         }
     }
 }
-
-#define WB_BWD(NAME, WGS, MINB)                                                                            \
-    extern "C" __global__ void __launch_bounds__(128 * WGS, MINB) attention_bwd_wgmma##NAME(              \
-        const bf16_t* dout, const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse2,          \
-        const float* delta, float* dq_acc, void* dk, void* dv, const int* qpos, const int* kvpos,          \
-        AttGeom g) {                                                                                        \
-        wb_attention_bwd<WGS>(dout, q, k, v, lse2, delta, dq_acc, dk, dv, qpos, kvpos, g);                  \
-    }
-// The default: two warpgroups, 128 keys, one CTA an SM.
-WB_BWD(_d64, 2, 1)
-// Variant `wgmma_bc64` of attention_bwd (not yet measured): one warpgroup, 64 keys, two CTAs
-// an SM (the same 8 warps an SM, each CTA's barriers over 4 of them; twice the Q / dO tile
-// loads and dQ atomics per key).
-WB_BWD(_bc64_d64, 1, 2)
 
 // The wgmma layouts above, checked exactly with small integers (one warpgroup; shared tiles in
 // wb_off's layout; out row-major 64 x 64):

@@ -94,27 +94,6 @@ __device__ __forceinline__ void wg_mma_ss_n64(float (&d)[32], unsigned long long
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
-// d (64x128, fp32 accumulators) (+)= A·B, A and B from shared memory (descriptors), both K-major.
-__device__ __forceinline__ void wg_mma_ss_n128(float (&d)[64], unsigned long long a, unsigned long long b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(a), "l"(b), "r"(accumulate));
-}
-
-// S (+)= Q·Kᵀ for one k step: N = BC keys.
-template <int BC>
-__device__ __forceinline__ void wg_mma_qk(float (&s)[BC / 2], unsigned long long a, unsigned long long b, int accumulate);
-template <>
-__device__ __forceinline__ void wg_mma_qk<64>(float (&s)[32], unsigned long long a, unsigned long long b, int accumulate) {
-    wg_mma_ss_n64(s, a, b, accumulate);
-}
-template <>
-__device__ __forceinline__ void wg_mma_qk<128>(float (&s)[64], unsigned long long a, unsigned long long b, int accumulate) {
-    wg_mma_ss_n128(s, a, b, accumulate);
-}
-
 // d (64x64, fp32 accumulators) += A·B, A (64x16 bf16) from registers in the accumulator-like
 // fragment layout, B from shared memory, MN-major (imm-trans-b = 1).
 __device__ __forceinline__ void wg_mma_rs_n64(float (&d)[32], const unsigned (&a)[4], unsigned long long b, int accumulate) {
@@ -166,7 +145,7 @@ __device__ __forceinline__ void wg_mma_pv<128>(float (&o)[64], const unsigned (&
 // Q (64 WGS rows) + two stages of K, V (BC rows) + 2 BC key positions.
 template <int D, int BC, int WGS>
 __device__ __forceinline__ void wg_attention_fwd(const bf16_t* q, const bf16_t* k, const bf16_t* v, void* o, float* lse, const int* qpos, const int* kvpos, const AttGeom& g) {
-    static_assert(BC == 64 || BC == 128, "S is one m64n64 or m64n128 accumulator");
+    static_assert(BC == 64, "S is one m64n64 accumulator");
     constexpr int BR = 64 * WGS, THREADS = WG_THREADS * WGS;
     constexpr int Q_BYTES = WG_TILE_BYTES(BR, D), KV_BYTES = WG_TILE_BYTES(BC, D);
     extern __shared__ __align__(16) unsigned char wg_smem_raw[];
@@ -252,7 +231,7 @@ __device__ __forceinline__ void wg_attention_fwd(const bf16_t* q, const bf16_t* 
         wg_fence();
         #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
-            wg_mma_qk<BC>(s, wg_desc_k<BR>(q_addr, 64 * wg, kk), wg_desc_k<BC>(k_addr, 0, kk), kk > 0);
+            wg_mma_ss_n64(s, wg_desc_k<BR>(q_addr, 64 * wg, kk), wg_desc_k<BC>(k_addr, 0, kk), kk > 0);
         }
         wg_commit();
         wg_wait_all();
@@ -392,29 +371,19 @@ __device__ __forceinline__ void wg_layout_check(const bf16_t* a, const bf16_t* b
     }
 }
 
-// NAME: the kernel's name (attention_fwd_wgmma<NAME>); D, BC, WGS as wg_attention_fwd's; MINB
-// CTAs an SM (__launch_bounds__: caps the registers a thread at 65536 / (128 WGS MINB)).
-#define WG_FWD(NAME, D, BC, WGS, MINB)                                                                     \
-    extern "C" __global__ void __launch_bounds__(WG_THREADS * WGS, MINB) attention_fwd_wgmma##NAME(     \
+#define WG_FWD(D, BC, WGS, MINB)                                                                           \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS * WGS, MINB) attention_fwd_wgmma_d##D(      \
         const bf16_t* q, const bf16_t* k, const bf16_t* v, void* o, float* lse, const int* qpos,           \
         const int* kvpos, AttGeom g) {                                                                      \
         wg_attention_fwd<D, BC, WGS>(q, k, v, o, lse, qpos, kvpos, g);                                      \
-    }
-#define WG_LAYOUT_CHECK(D)                                                                                 \
+    }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(WG_THREADS) attention_wgmma_layout_check_d##D(             \
         const bf16_t* a, const bf16_t* b, const bf16_t* p, const bf16_t* v, float* s_out, float* o_out) {   \
         wg_layout_check<D>(a, b, p, v, s_out, o_out);                                                       \
     }
 // d64: two warpgroups, two CTAs an SM (≤ 128 registers a thread); d128: three warpgroups, one
 // CTA an SM (O alone is 64 registers a thread).
-WG_FWD(_d64, 64, 64, 2, 2)
-WG_FWD(_d128, 128, 64, 3, 1)
-// Variants `wgmma_bc128` / `wgmma_bc128_wg3` of attention_fwd (head_dim 64; not yet measured):
-// key tiles of 128 (S one m64n128 accumulator, 64 registers a thread: half the barriers and
-// twice the N of each Q·Kᵀ wgmma), one CTA an SM, two or three warpgroups.
-WG_FWD(_bc128_d64, 64, 128, 2, 1)
-WG_FWD(_bc128w3_d64, 64, 128, 3, 1)
-WG_LAYOUT_CHECK(64)
-WG_LAYOUT_CHECK(128)
+WG_FWD(64, 64, 2, 2)
+WG_FWD(128, 64, 3, 1)
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
