@@ -33,15 +33,6 @@ const CHOICES: &[Choice] = &[
         env: "PARC_ATTENTION_BWD_KERNEL",
         names: &["wgmma", "fa2"],
     },
-    // The order of the tensor-core attention kernels' grids: (batch · heads, tiles), the
-    // heads varying fastest (`heads_first`), or (tiles, batch · heads), one head's tiles
-    // launched together so that they share its K and V (backward: Q and dO) in L2
-    // (`tiles_first`; ncu saw the forward's L2 hit rate at 18% against cuDNN's 58%).
-    Choice {
-        op: "attention_grid",
-        env: "PARC_ATTENTION_GRID_KERNEL",
-        names: &["heads_first", "tiles_first"],
-    },
     // The fused cross-entropy: persistent CTAs that stage each row in shared memory (`staged`;
     // `rows` where a row does not fit or the logits are unaligned), or a block per row with
     // two passes over it in global memory (`rows`).
