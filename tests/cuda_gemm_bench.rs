@@ -1,25 +1,18 @@
-//! The GEMMs of one GPT-2 124M step (B×T = 32×1024 rows, d 768) and one 350M step (16×1024
-//! rows, d 1024) alone, for `bench/RESULTS.md`: every linear layer's forward (with its bias; fc
-//! with its fused gelu_tanh, the output projections with their fused residual add),
-//! backward-data (fc2's with the fused GELU gradient) and backward-weight (with its bias
-//! gradient) op on the CUDA backend in a bf16 run, as TFLOP/s of the whole op (operand
+//! The GEMMs of one GPT-2 124M step (B×T = 32×1024 rows) alone, for `bench/RESULTS.md`: every
+//! linear layer's forward (with its bias; fc with its fused gelu_tanh, the output projections
+//! with their fused residual add), backward-data (fc2's with the fused GELU gradient) and
+//! backward-weight (with its bias gradient) op on the CUDA backend in a bf16 run, as TFLOP/s of the whole op (operand
 //! conversions, weight casts, bias, algorithm already chosen) and of its cuBLASLt kernels
-//! alone, with bf16 activation storage as training runs them (x, y, dx bf16; w, b, dw, db f32:
-//! operands read as stored, weights through their cached cast, bias gradient in the epilogue).
-//! Each model runs once per `gemm_search` variant (`top8`, `wide`, `enumerate`: how cuBLASLt's
-//! algorithm is chosen, a fresh backend each) and a table puts their kernel TFLOP/s side by
-//! side; each variant's plans are printed with the algorithm that won (id, tile, stages,
-//! split-K) and how long the ops' first round (with the searches) took.
-//! PARC_BENCH_SEARCHES (comma-separated, the baseline first) picks the variants compared.
-//! PARC_BENCH_F32=1 also runs every buffer f32 (activations rounded per use). Ignored by
-//! default (it needs a GPU); run it on the device machine with `cuda_gemm_bench --ignored
-//! --nocapture`. PARC_BENCH_ROWS sets the token rows of both models (default 32768 and
-//! 16384). Without a GPU it prints `skipped`.
+//! alone; once with bf16 activation storage (x, y, dx bf16; w, b, dw, db f32: operands read as
+//! stored, weights through their cached cast, bias gradient in the epilogue) and once with
+//! every buffer f32 (activations rounded per use). Ignored by default (it needs a GPU); run it
+//! on the device machine with `cuda_gemm_bench --ignored --nocapture`. PARC_BENCH_ROWS
+//! (default 32768) sets the token rows. Without a GPU it prints `skipped`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[test]
 #[ignore = "needs a GPU: run on the device machine with --ignored"]
-fn gpt2_step_gemms() {
+fn gpt2_124m_step_gemms() {
     #[cfg(not(feature = "cuda"))]
     println!("skipped: no CUDA device (this build has no `cuda` feature)");
     #[cfg(feature = "cuda")]
@@ -68,7 +61,7 @@ mod bench {
         be: &mut CudaBackend,
         ops: &[(&Op, Vec<BufferId>, Vec<BufferId>)],
         weight: (BufferId, &[f32]),
-    ) -> (Vec<(f64, f64)>, f64) {
+    ) -> Vec<(f64, f64)> {
         let scalars = StepScalars {
             lr: 0.0,
             step: 1,
@@ -76,7 +69,6 @@ mod bench {
         };
         let mut whole = vec![Vec::new(); ops.len()];
         let mut kernels = vec![Vec::new(); ops.len()];
-        let mut first_round_ms = 0.0;
         for round in 0..=2 * REPS {
             let timed_kernels = round > REPS;
             be.write_f32(weight.0, weight.1).unwrap();
@@ -91,162 +83,64 @@ mod bench {
                     kernels[i].push(be.gemm_kernel_ms().unwrap());
                 } else if round > 0 {
                     whole[i].push(ms);
-                } else {
-                    first_round_ms += ms;
                 }
             }
         }
         be.time_gemm_kernels(false).unwrap();
-        let medians = whole
+        whole
             .into_iter()
             .map(median)
             .zip(kernels.into_iter().map(median))
-            .collect();
-        (medians, first_round_ms)
+            .collect()
     }
-
-    /// The benchmarked models: name, d, token rows by default, layers per step.
-    const MODELS: [(&str, u64, u64, u32); 2] =
-        [("124m", 768, 32768, 12), ("350m", 1024, 16384, 24)];
-
-    /// The `gemm_search` variants compared by default, the default first (PARC_BENCH_SEARCHES,
-    /// comma-separated, picks others).
-    const SEARCHES: &str = "top8,wide,enumerate";
-
-    /// One timed GEMM op: (model, storage, gemm, kind, m·n·k as "rows x in x out", kernel
-    /// TFLOP/s) under one search.
-    type Row = (
-        String,
-        &'static str,
-        &'static str,
-        &'static str,
-        String,
-        f64,
-    );
 
     pub fn run() {
-        let rows_override: Option<u64> = std::env::var("PARC_BENCH_ROWS")
+        let rows: u64 = std::env::var("PARC_BENCH_ROWS")
             .ok()
-            .and_then(|v| v.parse().ok());
-        let mut storages = vec![DType::Bf16];
-        if std::env::var("PARC_BENCH_F32").is_ok_and(|v| v == "1") {
-            storages.push(DType::F32);
-        }
-        let searches_env = std::env::var("PARC_BENCH_SEARCHES").unwrap_or_default();
-        let searches: Vec<&str> = if searches_env.is_empty() {
-            SEARCHES.split(',').collect()
-        } else {
-            searches_env.split(',').collect()
-        };
-        // The JSON lines, printed last so that the tables come first in a device call's summary
-        // (bench/variants_call.sh shows the first 40 table or rate lines).
-        let mut json = Vec::new();
-        for (model, d, default_rows, layers) in MODELS {
-            let rows = rows_override.unwrap_or(default_rows);
-            // Per search: every op's row, in one order for all searches.
-            let mut results: Vec<Vec<Row>> = vec![Vec::new(); searches.len()];
-            for &storage in &storages {
-                for (s, &search) in searches.iter().enumerate() {
-                    // A fresh backend each time: algorithms and casts chosen anew.
-                    let mut be = match CudaBackend::with_precision(0, Precision::Bf16) {
-                        Ok(be) => be,
-                        Err(e) => {
-                            assert!(
-                                parc_runtime::cuda::gpu_absent(&e),
-                                "a GPU is there, but the CUDA backend failed: {e}"
-                            );
-                            println!("skipped: no CUDA device ({e})");
-                            return;
-                        }
-                    };
-                    be.set_kernel_variant("gemm_search", search).unwrap();
-                    let (mut rows_out, mut lines) =
-                        run_storage(&mut be, model, (d, rows, layers), storage, search);
-                    for line in be.gemm_plans() {
-                        println!("plan {model} {search}: {line}");
-                    }
-                    results[s].append(&mut rows_out);
-                    json.append(&mut lines);
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(32768);
+        for storage in [DType::Bf16, DType::F32] {
+            // A fresh backend each time: algorithms and casts chosen anew.
+            let mut be = match CudaBackend::with_precision(0, Precision::Bf16) {
+                Ok(be) => be,
+                Err(e) => {
+                    assert!(
+                        parc_runtime::cuda::gpu_absent(&e),
+                        "a GPU is there, but the CUDA backend failed: {e}"
+                    );
+                    println!("skipped: no CUDA device ({e})");
+                    return;
                 }
-            }
-            print_side_by_side(&searches, &results);
-        }
-        for line in json {
-            println!("{line}");
-        }
-    }
-
-    /// A table of every op's kernel TFLOP/s under each search, and each one's gain over the
-    /// first (the default).
-    fn print_side_by_side(searches: &[&str], results: &[Vec<Row>]) {
-        let others = &searches[1..];
-        println!();
-        println!(
-            "| model | storage | gemm | kind | rows x in x out | {} | {} |",
-            searches
-                .iter()
-                .map(|s| format!("{s} TFLOP/s"))
-                .collect::<Vec<_>>()
-                .join(" | "),
-            others
-                .iter()
-                .map(|s| format!("{s} / {}", searches[0]))
-                .collect::<Vec<_>>()
-                .join(" | ")
-        );
-        println!(
-            "|---|---|---|---|---|{}",
-            "---:|".repeat(searches.len() + others.len())
-        );
-        for (i, (model, storage, gemm, kind, shape, first)) in results[0].iter().enumerate() {
-            let rates: Vec<f64> = results.iter().map(|r| r[i].5).collect();
-            let show = |v: &[f64], digits: usize| {
-                v.iter()
-                    .map(|t| format!("{t:.digits$}"))
-                    .collect::<Vec<_>>()
-                    .join(" | ")
             };
-            let gains: Vec<f64> = rates[1..].iter().map(|t| t / first).collect();
-            println!(
-                "| {model} | {storage} | {gemm} | {kind} | {shape} | {} | {} |",
-                show(&rates, 1),
-                show(&gains, 3)
-            );
+            run_storage(&mut be, rows, storage);
+            for line in be.gemm_plans() {
+                println!("plan: {line}");
+            }
         }
     }
 
-    /// Every layer's three GEMM ops of `model` (d, token rows, layers per step) with
-    /// activations stored as `storage`, under GEMM search `search`: one row and one JSON line
-    /// per op.
-    fn run_storage(
-        be: &mut CudaBackend,
-        model: &str,
-        (d, rows, layers): (u64, u64, u32),
-        storage: DType,
-        search: &str,
-    ) -> (Vec<Row>, Vec<String>) {
+    /// Every layer's three GEMM ops with activations stored as `storage`.
+    fn run_storage(be: &mut CudaBackend, rows: u64, storage: DType) {
         let label = match storage {
             DType::Bf16 => "bf16",
             _ => "f32",
         };
         // (name, in, out, bias, times per step)
-        let gemms = [
-            ("qkv", d, 3 * d, true, layers),
-            ("proj", d, d, true, layers),
-            ("fc", d, 4 * d, true, layers),
-            ("fc2", 4 * d, d, true, layers),
-            ("head", d, 50304, false, 1),
+        let layers = [
+            ("qkv", 768u64, 2304u64, true, 12u32),
+            ("proj", 768, 768, true, 12),
+            ("fc", 768, 3072, true, 12),
+            ("fc2", 3072, 768, true, 12),
+            ("head", 768, 50304, false, 1),
         ];
-        let mut out = Vec::new();
         let mut lines = Vec::new();
         let mut step_ms = [0.0f64; 2];
-        let mut first_round_ms = 0.0;
         let mut next = 0u32;
         let mut id = || {
             next += 1;
             BufferId(next)
         };
-        for (name, din, dout, bias, per_step) in gemms {
+        for (name, din, dout, bias, per_step) in layers {
             let (x, w, b, y, dx, dw, db) = (id(), id(), id(), id(), id(), id(), id());
             // As the lowering fuses them: fc's gelu_tanh (a: the activation), the output
             // projections' residual add (r), fc2's backward-data GELU gradient (x as pre).
@@ -272,9 +166,7 @@ mod bench {
             let w_data = random(n(&[dout, din]), 2, 0.05);
             be.write_f32(w, &w_data).unwrap();
             be.write_f32(b, &random(dout as usize, 3, 0.1)).unwrap();
-            if residual {
-                be.write_f32(r, &random(n(&[rows, dout]), 4, 1.0)).unwrap();
-            }
+            be.write_f32(r, &random(n(&[rows, dout]), 4, 1.0)).unwrap();
             let flops = 2.0 * rows as f64 * din as f64 * dout as f64;
             let fwd = Op::Matmul {
                 in_dim: din,
@@ -313,35 +205,27 @@ mod bench {
                 (&bwd_weight, vec![y, x], dw_out),
             ];
             let kinds = ["fwd", "bwd-data", "bwd-weight"];
-            let (medians, first_ms) = time_layer(be, &ops, (w, &w_data));
-            first_round_ms += first_ms;
-            for (kind, (whole, kernels)) in kinds.into_iter().zip(medians) {
+            for (kind, (whole, kernels)) in
+                kinds.into_iter().zip(time_layer(be, &ops, (w, &w_data)))
+            {
                 step_ms[0] += whole * f64::from(per_step);
                 step_ms[1] += kernels * f64::from(per_step);
                 let line = format!(
-                    "{{\"model\":\"{model}\",\"search\":\"{search}\",\"storage\":\"{label}\",\"gemm\":\"{name}\",\"kind\":\"{kind}\",\"rows\":{rows},\"in\":{din},\"out\":{dout},\"bias\":{bias},\"op_ms\":{whole:.4},\"kernel_ms\":{kernels:.4},\"op_tflops\":{:.1},\"kernel_tflops\":{:.1}}}",
+                    "{{\"storage\":\"{label}\",\"gemm\":\"{name}\",\"kind\":\"{kind}\",\"rows\":{rows},\"in\":{din},\"out\":{dout},\"bias\":{bias},\"op_ms\":{whole:.4},\"kernel_ms\":{kernels:.4},\"op_tflops\":{:.1},\"kernel_tflops\":{:.1}}}",
                     flops / whole / 1e9,
                     flops / kernels / 1e9
                 );
+                println!("{line}");
                 lines.push(line);
-                out.push((
-                    model.to_string(),
-                    label,
-                    name,
-                    kind,
-                    format!("{rows}x{din}x{dout}"),
-                    flops / kernels / 1e9,
-                ));
             }
             for buf in [x, w, b, y, a, r, dx, dw, db] {
                 be.free(buf).unwrap();
             }
         }
         println!(
-            "one {model} step's GEMMs ({search} search, {label} activations; {layers} layers + head, {rows} rows): {:.2} ms as ops, {:.2} ms in cuBLASLt kernels; the first round of the 15 ops, with their algorithm searches, {first_round_ms:.0} ms",
+            "one 124M step's GEMMs ({label} activations; 12 layers + head, {rows} rows): {:.2} ms as ops, {:.2} ms in cuBLASLt kernels",
             step_ms[0], step_ms[1]
         );
-        assert_eq!(out.len(), 15);
-        (out, lines)
+        assert_eq!(lines.len(), 15);
     }
 }

@@ -15,14 +15,9 @@ use parc_runtime::backend::Backend;
 use parc_runtime::cpu::CpuBackend;
 
 fn matmul_cases(test: &str, tol: f32) -> Vec<Case> {
-    matmul_cases_at(test, tol, &[(37, 50, 70), (256, 128, 384), (1, 3, 5)])
-}
-
-/// Every GEMM op's cases at each (rows, in, out) of `shapes`.
-fn matmul_cases_at(test: &str, tol: f32, shapes: &[(usize, usize, usize)]) -> Vec<Case> {
     let mut r = Rng::new(test);
     let mut cases = Vec::new();
-    for &(rows, k, m) in shapes {
+    for (rows, k, m) in [(37usize, 50usize, 70usize), (256, 128, 384), (1, 3, 5)] {
         let x = r.vec(rows * k, 1.0);
         let w = r.vec(m * k, 1.0);
         let dy = r.vec(rows * m, 1.0);
@@ -179,75 +174,6 @@ fn matmuls_bf16() {
     let cases = matmul_cases("matmuls_bf16", BF16_GEMM);
     let worst = check_on("matmuls_bf16", &cases, Precision::Bf16);
     assert_mostly_rounded(&worst, BF16_ROUNDED, "bf16");
-}
-
-/// The `wide` and `enumerate` GEMM algorithm searches (`gemm_search`, cuda/gemm.rs: up to 64
-/// heuristic candidates and split-K variants; and algorithms built from cuBLASLt's ids and
-/// tiles) against the CPU in bf16 runs, f32 and bf16 storage: odd
-/// shapes, and long-k shapes whose backward-weight GEMM (m·n small, k ≥ 2·max(m, n)) gets
-/// split-K candidates — 16384 × 64 × 96 is one output tile, where a split almost surely wins —
-/// with every bias / accumulate combination (accumulating ones timed into the scratch D), and
-/// a GPT-2 768 × 768 backward-weight at 8192 rows. Each backend's plans are printed with the
-/// algorithm chosen, so a failure shows which configuration ran.
-#[cfg(feature = "cuda")]
-#[test]
-fn matmuls_bf16_wide_search() {
-    let test = "matmuls_bf16_wide_search";
-    for (search, bf16_storage) in [
-        ("wide", false),
-        ("wide", true),
-        ("enumerate", false),
-        ("enumerate", true),
-    ] {
-        let label = format!("{test} {search} bf16_storage={bf16_storage}");
-        let mut cases = matmul_cases_at(
-            &label,
-            BF16_GEMM,
-            &[(37, 50, 70), (1, 3, 5), (16384, 64, 96), (4096, 256, 384)],
-        );
-        let mut r = Rng::new(&label);
-        let (rows, k, m) = (8192usize, 768usize, 768usize);
-        let (x, dy) = (r.vec(rows * k, 1.0), r.vec(rows * m, 1.0));
-        for (bias, accumulate) in [(true, true), (false, false)] {
-            let mut outs = vec![r.vec(m * k, 1.0)];
-            if bias {
-                outs.push(r.vec(m, 1.0));
-            }
-            cases.push(Case::new(
-                format!("matmul_bwd_weight {rows}x{k}x{m} bias={bias} accumulate={accumulate}"),
-                Op::MatmulBwdWeight {
-                    in_dim: k as u64,
-                    out_dim: m as u64,
-                    bias,
-                    accumulate_param_grad: accumulate,
-                },
-                vec![Data::F32(dy.clone()), Data::F32(x.clone())],
-                outs,
-                BF16_GEMM,
-            ));
-        }
-        if bf16_storage {
-            cases = cases
-                .into_iter()
-                .map(|c| c.stored_bf16(BF16_GEMM))
-                .collect();
-        }
-        let Some(mut gpu) = gpu_search(Precision::Bf16, search) else {
-            return;
-        };
-        crate::harness::check_with(&label, &cases, &mut gpu);
-        for line in gpu.gemm_plans() {
-            println!("{label} plan: {line}");
-        }
-    }
-}
-
-/// A bf16 GPU backend running GEMM search `name`, or None (printed) without a GPU.
-#[cfg(feature = "cuda")]
-fn gpu_search(precision: Precision, name: &str) -> Option<parc_runtime::cuda::CudaBackend> {
-    let mut b = crate::harness::cuda_backend(precision)?;
-    b.set_kernel_variant("gemm_search", name).unwrap();
-    Some(b)
 }
 
 /// Both backends store the activations bf16 (x, y, dy, dx) and keep w, b, dw, db f32: the GPU

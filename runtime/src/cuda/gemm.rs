@@ -29,46 +29,10 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::mem::size_of;
 
-/// Heuristic candidates timed per 16-bit GEMM (`top8`).
+/// Heuristic candidates timed per 16-bit GEMM.
 const CANDIDATES: usize = 8;
-/// Timed runs per candidate (the fastest counts; `top8`).
+/// Timed runs per candidate (the fastest counts).
 const TIMED_RUNS: usize = 2;
-/// Heuristic results asked for by the `wide` search (cuBLASLt returns what it has).
-const WIDE_HEURISTIC: usize = 64;
-/// Heuristic algorithms (the first distinct ones) the `wide` search also runs split-K.
-const SPLIT_BASES: usize = 4;
-/// The split-K counts tried on a small-output, long-K GEMM (`wide`).
-const SPLITS: [u32; 7] = [2, 3, 4, 6, 8, 12, 16];
-/// Fewest k values a split-K slice keeps: below that a slice's prologue outweighs its work.
-const MIN_SPLIT_K: u64 = 256;
-/// Screening runs per `wide` candidate after its warm-up (the fastest counts).
-const SCREEN_RUNS: usize = 2;
-/// `wide` candidates re-timed after screening, and their timed runs (the median counts).
-const FINALISTS: usize = 3;
-const FINAL_RUNS: usize = 5;
-/// Most algorithms `enumerate` builds from cuBLASLt's ids, tiles and stages.
-const ENUMERATED: usize = 256;
-/// The GPU time a `wide` search aims to spend per GEMM: the candidates screened are cut to
-/// what fits, judged by the first one's time, but never below [`CANDIDATES`].
-const SEARCH_BUDGET_MS: f32 = 100.0;
-
-/// How a 16-bit GEMM's algorithm is chosen on first use (the `gemm_search` kernel variant).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Search {
-    /// The heuristic's first [`CANDIDATES`], each timed best of [`TIMED_RUNS`] after a warm-up.
-    Top8,
-    /// Up to [`WIDE_HEURISTIC`] heuristic results plus split-K variants of its first
-    /// [`SPLIT_BASES`] on GEMMs whose k is at least twice m and n (backward-weight: a small
-    /// output with fewer tiles than SMs, a long k), each checked by `cublasLtMatmulAlgoCheck`;
-    /// screened on [`SCREEN_RUNS`] back-to-back runs within [`SEARCH_BUDGET_MS`], the
-    /// [`FINALISTS`] fastest re-timed over [`FINAL_RUNS`] runs, the lowest median kept.
-    Wide,
-    /// `Wide`'s candidates, then up to [`ENUMERATED`] more built explicitly: every algorithm
-    /// id cuBLASLt has for the types (`cublasLtMatmulAlgoGetIds`, `cublasLtMatmulAlgoInit`)
-    /// with each tile it supports (a share of the total per id), split-K 1, each checked by
-    /// `cublasLtMatmulAlgoCheck`; timed as `Wide` (the budget cuts the list on large GEMMs).
-    Enumerate,
-}
 
 /// A column-major `C = alpha · op(A) · op(B) + beta · C (+ bias)`, `op(A)` m×k, `op(B)` k×n,
 /// C m×n. A transposed operand is stored k×m (or n×k) with its leading dimension.
@@ -342,10 +306,8 @@ struct Plan {
     algos: Vec<sys::cublasLtMatmulAlgo_t>,
     /// Whether `algos[0]` is final (fp32 plans, and 16-bit plans once timed).
     settled: bool,
-    /// The chosen algorithm's time in milliseconds and how many candidates were timed.
-    timed_ms: Option<(f32, usize)>,
-    /// How many of the candidates were split-K variants the search built (`wide`).
-    split_variants: usize,
+    /// The chosen algorithm's time in milliseconds, once timed.
+    timed_ms: Option<f32>,
 }
 
 /// A CUDA event, destroyed on drop.
@@ -388,8 +350,6 @@ pub(crate) struct Blas {
     workspace: CUdeviceptr,
     workspace_size: usize,
     plans: HashMap<PlanKey, Plan>,
-    /// How 16-bit GEMMs choose their algorithm.
-    search: Search,
     /// Set by [`Blas::time_matmuls`]: events around each matmul and the time summed so far.
     timer: Option<(Event, Event, f64)>,
 }
@@ -404,18 +364,8 @@ impl Blas {
             workspace,
             workspace_size,
             plans: HashMap::new(),
-            search: Search::Top8,
             timer: None,
         })
-    }
-
-    /// Chooses 16-bit GEMMs' algorithms by `search` from now on: a change drops the plans made
-    /// so far (they are remade, and their algorithms timed again, on next use).
-    pub fn set_search(&mut self, search: Search) {
-        if search != self.search {
-            self.search = search;
-            self.plans.clear();
-        }
     }
 
     /// Starts (`true`: from zero) or stops timing the matmuls alone: each one of `run` is then
@@ -442,17 +392,11 @@ impl Blas {
             .plans
             .iter()
             .map(|(key, plan)| {
-                let state = match (plan.algos.first(), plan.algos.len(), plan.timed_ms) {
-                    (None, _, _) => "unsupported".to_string(),
-                    (Some(algo), _, Some((ms, of))) => format!(
-                        "timed, fastest of {of} ({} split-K built) {ms:.3} ms: {}",
-                        plan.split_variants,
-                        algo_summary(algo)
-                    ),
-                    (Some(algo), 1, None) => {
-                        format!("the heuristic's choice: {}", algo_summary(algo))
-                    }
-                    (_, n, None) => format!("{n} candidates, not yet timed"),
+                let state = match (plan.algos.len(), plan.timed_ms) {
+                    (0, _) => "unsupported".to_string(),
+                    (_, Some(ms)) => format!("timed, fastest {ms:.3} ms"),
+                    (1, None) => "the heuristic's choice".to_string(),
+                    (n, None) => format!("{n} candidates, not yet timed"),
                 };
                 format!("{}: {state}", key.describe())
             })
@@ -530,13 +474,10 @@ impl Blas {
         };
         let unsettled = self.plans.get(&key).is_some_and(|p| !p.settled);
         if let (true, Some(d)) = (unsettled, timed_into) {
-            let (ms, best, timed) = match self.search {
-                Search::Top8 => self.fastest(&key, g, d, stream)?,
-                Search::Wide | Search::Enumerate => self.fastest_wide(&key, g, d, stream)?,
-            };
+            let (ms, best) = self.fastest(&key, g, d, stream)?;
             if let Some(plan) = self.plans.get_mut(&key) {
                 plan.algos = vec![best];
-                plan.timed_ms = Some((ms, timed));
+                plan.timed_ms = Some(ms);
                 plan.settled = true;
             }
         }
@@ -561,21 +502,20 @@ impl Blas {
         Ok(())
     }
 
-    /// Times every candidate of `key`'s plan on `g`'s operands writing D at `d` (`top8`): the
-    /// fastest, its milliseconds and how many candidates ran.
+    /// Times every candidate of `key`'s plan on `g`'s operands writing D at `d`: the fastest
+    /// and its milliseconds.
     fn fastest(
         &self,
         key: &PlanKey,
         g: &Gemm,
         d: CUdeviceptr,
         stream: CUstream,
-    ) -> Result<(f32, sys::cublasLtMatmulAlgo_t, usize)> {
+    ) -> Result<(f32, sys::cublasLtMatmulAlgo_t)> {
         let plan = self.plans.get(key).ok_or_else(|| {
             cublas_error(&format!("cuBLASLt plan for {}", key.describe()), "missing")
         })?;
         let (start, end) = (Event::new()?, Event::new()?);
         let mut best: Option<(f32, sys::cublasLtMatmulAlgo_t)> = None;
-        let mut timed = 0;
         for algo in &plan.algos {
             // A candidate cuBLASLt refuses at launch is skipped (the heuristic offered it,
             // but the check runs only here).
@@ -591,110 +531,16 @@ impl Blas {
                 end.record(stream)?;
                 fastest = fastest.min(start.until(&end)?);
             }
-            timed += 1;
             if best.is_none_or(|(ms, _)| fastest < ms) {
                 best = Some((fastest, *algo));
             }
         }
-        best.map(|(ms, algo)| (ms, algo, timed)).ok_or_else(|| {
+        best.ok_or_else(|| {
             cublas_error(
                 &format!("cuBLASLt matmul for {}", key.describe()),
                 "every algorithm the heuristic offered failed to launch",
             )
         })
-    }
-
-    /// The `wide` search (see [`Search::Wide`]) over `key`'s candidates on `g`'s operands,
-    /// writing D at `d`: the fastest, its median milliseconds and how many were screened.
-    fn fastest_wide(
-        &self,
-        key: &PlanKey,
-        g: &Gemm,
-        d: CUdeviceptr,
-        stream: CUstream,
-    ) -> Result<(f32, sys::cublasLtMatmulAlgo_t, usize)> {
-        let plan = self.plans.get(key).ok_or_else(|| {
-            cublas_error(&format!("cuBLASLt plan for {}", key.describe()), "missing")
-        })?;
-        let events = (0..=FINAL_RUNS)
-            .map(|_| Event::new())
-            .collect::<Result<Vec<Event>>>()?;
-        let mut limit = plan.algos.len();
-        // (fastest screening run, candidate)
-        let mut screened: Vec<(f32, usize)> = Vec::new();
-        for (i, algo) in plan.algos.iter().enumerate() {
-            if i >= limit {
-                break;
-            }
-            // The warm-up; a candidate cuBLASLt refuses at launch is skipped.
-            if self.launch(plan, g, algo, d, stream).is_err() {
-                continue;
-            }
-            let times = self.time_runs(key, plan, g, algo, d, stream, &events[..=SCREEN_RUNS])?;
-            let ms = times.iter().copied().fold(f32::INFINITY, f32::min);
-            if screened.is_empty() {
-                // The budget: each screened candidate costs 1 + SCREEN_RUNS runs, the
-                // finalists FINALISTS · FINAL_RUNS more, all about as long as this first one.
-                let runs = SEARCH_BUDGET_MS / ms.max(1e-3) - (FINALISTS * FINAL_RUNS) as f32;
-                let fits = (runs / (1 + SCREEN_RUNS) as f32).max(0.0) as usize;
-                limit = limit.min(fits.max(CANDIDATES));
-            }
-            screened.push((ms, i));
-        }
-        let screened_count = screened.len();
-        screened.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let mut best: Option<(f32, usize)> = None;
-        for &(_, i) in screened.iter().take(FINALISTS) {
-            let mut times = self.time_runs(key, plan, g, &plan.algos[i], d, stream, &events)?;
-            times.sort_by(f32::total_cmp);
-            let median = times[times.len() / 2];
-            if best.is_none_or(|(ms, _)| median < ms) {
-                best = Some((median, i));
-            }
-        }
-        best.map(|(ms, i)| (ms, plan.algos[i], screened_count))
-            .ok_or_else(|| {
-                cublas_error(
-                    &format!("cuBLASLt matmul for {}", key.describe()),
-                    "every candidate algorithm failed to launch",
-                )
-            })
-    }
-
-    /// Runs `algo` once between each pair of neighbouring `events`, back to back on the stream
-    /// as in a step, and returns each run's milliseconds.
-    #[allow(clippy::too_many_arguments)]
-    fn time_runs(
-        &self,
-        key: &PlanKey,
-        plan: &Plan,
-        g: &Gemm,
-        algo: &sys::cublasLtMatmulAlgo_t,
-        d: CUdeviceptr,
-        stream: CUstream,
-        events: &[Event],
-    ) -> Result<Vec<f32>> {
-        let Some((first, rest)) = events.split_first() else {
-            return Ok(Vec::new());
-        };
-        first.record(stream)?;
-        for end in rest {
-            self.launch(plan, g, algo, d, stream).map_err(|e| {
-                cublas_error(
-                    &format!(
-                        "timing cuBLASLt algorithm {} on {}",
-                        algo_summary(algo),
-                        key.describe()
-                    ),
-                    e,
-                )
-            })?;
-            end.record(stream)?;
-        }
-        events
-            .windows(2)
-            .map(|pair| pair[0].until(&pair[1]))
-            .collect()
     }
 
     /// Queues `g` with `algo`, reading C at `g.c_in` (else `g.c`) and writing D at `d`.
@@ -843,7 +689,6 @@ impl Blas {
             // D's); cuBLASLt wants its leading dimension a multiple of 8.
             if key.ldc % 8 != 0 {
                 return Ok(Plan {
-                    split_variants: 0,
                     settled: true,
                     timed_ms: None,
                     desc,
@@ -879,10 +724,10 @@ impl Blas {
             )
         }
         .map_err(|e| cublas_error(&what("workspace preference"), e))?;
-        let wanted = match (key.operands, self.search) {
-            (Operands::F32, _) => 1,
-            (_, Search::Top8) => CANDIDATES,
-            (_, Search::Wide | Search::Enumerate) => WIDE_HEURISTIC,
+        let wanted = if key.operands == Operands::F32 {
+            1
+        } else {
+            CANDIDATES
         };
         // SAFETY: an all-zero heuristic result is a valid value of this plain C struct.
         let mut found: Vec<sys::cublasLtMatmulHeuristicResult_t> =
@@ -903,7 +748,7 @@ impl Blas {
                 &mut count,
             )
         };
-        let mut algos: Vec<sys::cublasLtMatmulAlgo_t> = match status {
+        let algos = match status {
             sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS => found
                 .iter()
                 .take(count.max(0) as usize)
@@ -916,22 +761,7 @@ impl Blas {
             _ if key.epilogue != EpilogueKind::None => Vec::new(),
             other => return Err(cublas_error(&what("algorithm search"), other)),
         };
-        let mut split_variants = 0;
-        if self.search != Search::Top8 && key.operands != Operands::F32 && !algos.is_empty() {
-            // The split-K variants go after the heuristic's first CANDIDATES, so a budget
-            // that cuts the list (a large GEMM) keeps what `top8` would time.
-            let split = self.split_k_variants(key, (&desc, &a, &b, &c), &algos);
-            split_variants = split.len();
-            let tail = algos.split_off(algos.len().min(CANDIDATES));
-            algos.extend(split);
-            algos.extend(tail);
-            if self.search == Search::Enumerate {
-                let more = self.enumerated(key, (&desc, &a, &b, &c), &algos);
-                algos.extend(more);
-            }
-        }
         Ok(Plan {
-            split_variants,
             settled: algos.len() <= 1,
             timed_ms: None,
             desc,
@@ -941,382 +771,6 @@ impl Blas {
             algos,
         })
     }
-}
-
-impl Blas {
-    /// Split-K variants of the first [`SPLIT_BASES`] of `found` that support it, for a GEMM
-    /// whose k is at least twice m and n (none otherwise): each count of [`SPLITS`] leaving at
-    /// least [`MIN_SPLIT_K`] per slice, with the first reduction scheme the algorithm offers of
-    /// fp32 workspace (`COMPUTE_TYPE`), in place and output type, that `cublasLtMatmulAlgoCheck`
-    /// accepts within the workspace. A query cuBLASLt refuses drops that variant only: the
-    /// search is an optimisation, and the heuristic's own candidates remain.
-    fn split_k_variants(
-        &self,
-        key: &PlanKey,
-        descs: Descriptors<'_>,
-        found: &[sys::cublasLtMatmulAlgo_t],
-    ) -> Vec<sys::cublasLtMatmulAlgo_t> {
-        use sys::cublasLtMatmulAlgoCapAttributes_t as Cap;
-        use sys::cublasLtMatmulAlgoConfigAttributes_t as Config;
-        use sys::cublasLtReductionScheme_t as R;
-        let mut variants = Vec::new();
-        if key.k < 2 * key.m.max(key.n) {
-            return variants;
-        }
-        let mut bases: Vec<sys::cublasLtMatmulAlgo_t> = Vec::new();
-        for algo in found {
-            if bases.len() == SPLIT_BASES {
-                break;
-            }
-            // The same kernel with another split count is the same base.
-            let mut base = *algo;
-            if set_config(&mut base, Config::CUBLASLT_ALGO_CONFIG_SPLITK_NUM, 1).is_some()
-                && !bases.contains(&base)
-            {
-                bases.push(base);
-            }
-        }
-        for base in bases {
-            if cap(&base, Cap::CUBLASLT_ALGO_CAP_SPLITK_SUPPORT) != Some(1) {
-                continue;
-            }
-            let mask = cap(&base, Cap::CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK).unwrap_or(0);
-            let Some(scheme) = [
-                R::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE,
-                R::CUBLASLT_REDUCTION_SCHEME_INPLACE,
-                R::CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE,
-            ]
-            .into_iter()
-            .find(|&s| mask & s as u32 != 0) else {
-                continue;
-            };
-            for splits in SPLITS {
-                if key.k / u64::from(splits) < MIN_SPLIT_K {
-                    continue;
-                }
-                let mut algo = base;
-                if set_config(&mut algo, Config::CUBLASLT_ALGO_CONFIG_SPLITK_NUM, splits).is_none()
-                    || set_config(
-                        &mut algo,
-                        Config::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
-                        scheme as u32,
-                    )
-                    .is_none()
-                    || found.contains(&algo)
-                    || variants.contains(&algo)
-                {
-                    continue;
-                }
-                if self.check(&algo, descs) {
-                    variants.push(algo);
-                }
-            }
-        }
-        variants
-    }
-}
-
-impl Blas {
-    /// Whether `cublasLtMatmulAlgoCheck` accepts `algo` for the descriptors within the
-    /// workspace.
-    fn check(&self, algo: &sys::cublasLtMatmulAlgo_t, (desc, a, b, c): Descriptors<'_>) -> bool {
-        // SAFETY: an all-zero heuristic result is a valid value of this C struct.
-        let mut checked: sys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
-        // SAFETY: every descriptor is live for the call; `algo` and `checked` are valid for
-        // reads and writes of their types.
-        let status = unsafe {
-            sys::cublasLtMatmulAlgoCheck(
-                self.handle,
-                desc.0,
-                a.0,
-                b.0,
-                c.0,
-                c.0,
-                algo,
-                &mut checked,
-            )
-        };
-        status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-            && checked.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-            && checked.workspaceSize <= self.workspace_size
-    }
-
-    /// Up to [`ENUMERATED`] algorithms for `key` built from cuBLASLt's ids for its types: per
-    /// id its supported tiles, largest first, each with the stage count left to cuBLASLt or
-    /// else the first one `check` accepts (split-K 1), that `found` lacks (see
-    /// [`Search::Enumerate`]). None where cuBLASLt lists nothing.
-    fn enumerated(
-        &self,
-        key: &PlanKey,
-        descs: Descriptors<'_>,
-        found: &[sys::cublasLtMatmulAlgo_t],
-    ) -> Vec<sys::cublasLtMatmulAlgo_t> {
-        use sys::cublasLtMatmulAlgoCapAttributes_t as Cap;
-        use sys::cublasLtMatmulAlgoConfigAttributes_t as Config;
-        let compute = sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
-        let scale = sys::cudaDataType_t::CUDA_R_32F;
-        let (ab, cd) = (key.operands.data_type(), key.out.data_type());
-        let mut ids = vec![0i32; 256];
-        let mut count: i32 = 0;
-        // SAFETY: the handle is live; `ids` has room for the count asked for.
-        let status = unsafe {
-            sys::cublasLtMatmulAlgoGetIds(
-                self.handle,
-                compute,
-                scale,
-                ab,
-                ab,
-                cd,
-                cd,
-                ids.len() as i32,
-                ids.as_mut_ptr(),
-                &mut count,
-            )
-        };
-        let mut out = Vec::new();
-        if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-            return out;
-        }
-        ids.truncate(count.clamp(0, 256) as usize);
-        // Spread over the ids: each keeps at most its share of ENUMERATED and makes at most
-        // four checks per algorithm it may keep (a check costs microseconds of host time, and
-        // most tile × stage pairs of an id do not fit the shape or epilogue).
-        let share = (ENUMERATED / ids.len().max(1)).max(1);
-        for id in ids {
-            // SAFETY: an all-zero algorithm is a valid value of this plain C struct, which
-            // AlgoInit overwrites.
-            let mut base: sys::cublasLtMatmulAlgo_t = unsafe { std::mem::zeroed() };
-            // SAFETY: the handle is live; `base` is writable.
-            let status = unsafe {
-                sys::cublasLtMatmulAlgoInit(
-                    self.handle,
-                    compute,
-                    scale,
-                    ab,
-                    ab,
-                    cd,
-                    cd,
-                    id,
-                    &mut base,
-                )
-            };
-            if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-                continue;
-            }
-            let mut tiles = cap_list(&base, Cap::CUBLASLT_ALGO_CAP_TILE_IDS);
-            // Largest tiles first (the ones a big GEMM wants; the share may cut the rest); an
-            // id without a list takes the undefined (0) tile: its kernel decides.
-            tiles.sort_by_key(|&t| std::cmp::Reverse(tile_area(t)));
-            if tiles.is_empty() {
-                tiles.push(0);
-            }
-            // Per tile the stage count is left to cuBLASLt (0) where it accepts that, else
-            // the first supported count it accepts.
-            let mut stages = cap_list(&base, Cap::CUBLASLT_ALGO_CAP_STAGES_IDS);
-            stages.retain(|&s| s != 0);
-            stages.insert(0, 0);
-            let (mut kept, mut checks) = (0, 0);
-            'tiles: for &tile in &tiles {
-                for &stage in &stages {
-                    if out.len() == ENUMERATED {
-                        return out;
-                    }
-                    if kept == share || checks == 4 * share {
-                        break 'tiles;
-                    }
-                    let mut algo = base;
-                    if set_config(&mut algo, Config::CUBLASLT_ALGO_CONFIG_TILE_ID, tile).is_none()
-                        || set_config(&mut algo, Config::CUBLASLT_ALGO_CONFIG_STAGES_ID, stage)
-                            .is_none()
-                    {
-                        continue;
-                    }
-                    if found.contains(&algo) || out.contains(&algo) {
-                        continue 'tiles;
-                    }
-                    checks += 1;
-                    if self.check(&algo, descs) {
-                        out.push(algo);
-                        kept += 1;
-                        continue 'tiles;
-                    }
-                }
-            }
-        }
-        out
-    }
-}
-
-/// A plan's matmul descriptor and its A, B and C/D layouts.
-type Descriptors<'a> = (
-    &'a Guard<sys::cublasLtMatmulDesc_t>,
-    &'a Guard<sys::cublasLtMatrixLayout_t>,
-    &'a Guard<sys::cublasLtMatrixLayout_t>,
-    &'a Guard<sys::cublasLtMatrixLayout_t>,
-);
-
-/// A list-valued capability of `algo` (tile or stage ids, `uint32_t` each; empty where
-/// cuBLASLt does not answer).
-fn cap_list(
-    algo: &sys::cublasLtMatmulAlgo_t,
-    attr: sys::cublasLtMatmulAlgoCapAttributes_t,
-) -> Vec<u32> {
-    let mut bytes: usize = 0;
-    // SAFETY: a null buffer of size 0 asks only for the size, written to `bytes`.
-    let status = unsafe {
-        sys::cublasLtMatmulAlgoCapGetAttribute(algo, attr, std::ptr::null_mut(), 0, &mut bytes)
-    };
-    if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS || bytes == 0 {
-        return Vec::new();
-    }
-    let mut values = vec![0u32; bytes.div_ceil(size_of::<u32>())];
-    let mut written: usize = 0;
-    // SAFETY: `values` has room for `bytes` bytes.
-    let status = unsafe {
-        sys::cublasLtMatmulAlgoCapGetAttribute(
-            algo,
-            attr,
-            values.as_mut_ptr().cast(),
-            values.len() * size_of::<u32>(),
-            &mut written,
-        )
-    };
-    if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-        return Vec::new();
-    }
-    values.truncate(written / size_of::<u32>());
-    values
-}
-
-/// A 4-byte capability of `algo` (None where cuBLASLt does not answer).
-fn cap(
-    algo: &sys::cublasLtMatmulAlgo_t,
-    attr: sys::cublasLtMatmulAlgoCapAttributes_t,
-) -> Option<u32> {
-    let mut value: u32 = 0;
-    let mut written: usize = 0;
-    // SAFETY: `algo` is an initialised algorithm; `value` has room for the 4 bytes asked for.
-    let status = unsafe {
-        sys::cublasLtMatmulAlgoCapGetAttribute(
-            algo,
-            attr,
-            (&mut value as *mut u32).cast(),
-            size_of::<u32>(),
-            &mut written,
-        )
-    };
-    (status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS && written == size_of::<u32>())
-        .then_some(value)
-}
-
-/// A 4-byte configuration value of `algo` (None where cuBLASLt does not answer).
-fn config(
-    algo: &sys::cublasLtMatmulAlgo_t,
-    attr: sys::cublasLtMatmulAlgoConfigAttributes_t,
-) -> Option<u32> {
-    let mut value: u32 = 0;
-    let mut written: usize = 0;
-    // SAFETY: as in `cap`.
-    let status = unsafe {
-        sys::cublasLtMatmulAlgoConfigGetAttribute(
-            algo,
-            attr,
-            (&mut value as *mut u32).cast(),
-            size_of::<u32>(),
-            &mut written,
-        )
-    };
-    (status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS && written == size_of::<u32>())
-        .then_some(value)
-}
-
-/// Sets a 4-byte configuration value of `algo` (the split count and reduction scheme are
-/// `int32_t` / `uint32_t`); None where cuBLASLt refuses it.
-fn set_config(
-    algo: &mut sys::cublasLtMatmulAlgo_t,
-    attr: sys::cublasLtMatmulAlgoConfigAttributes_t,
-    value: u32,
-) -> Option<()> {
-    // SAFETY: `algo` is an initialised algorithm; `value` is 4 readable bytes.
-    let status = unsafe {
-        sys::cublasLtMatmulAlgoConfigSetAttribute(
-            algo,
-            attr,
-            (&value as *const u32).cast(),
-            size_of::<u32>(),
-        )
-    };
-    (status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS).then_some(())
-}
-
-/// The names of cuBLASLt's first tile ids (`cublasLtMatmulTile_t`, m × n per CTA).
-const TILES: [&str; 36] = [
-    "undefined",
-    "8x8",
-    "8x16",
-    "16x8",
-    "8x32",
-    "16x16",
-    "32x8",
-    "8x64",
-    "16x32",
-    "32x16",
-    "64x8",
-    "32x32",
-    "32x64",
-    "64x32",
-    "32x128",
-    "64x64",
-    "128x32",
-    "64x128",
-    "128x64",
-    "64x256",
-    "128x128",
-    "256x64",
-    "64x512",
-    "128x256",
-    "256x128",
-    "512x64",
-    "64x96",
-    "96x64",
-    "96x128",
-    "128x160",
-    "160x128",
-    "192x128",
-    "128x192",
-    "128x96",
-    "32x256",
-    "256x32",
-];
-
-/// A tile's m × n elements from its [`TILES`] name (0 for the undefined and unnamed ones).
-fn tile_area(tile: u32) -> u32 {
-    TILES
-        .get(tile as usize)
-        .and_then(|name| name.split_once('x'))
-        .and_then(|(m, n)| Some(m.parse::<u32>().ok()? * n.parse::<u32>().ok()?))
-        .unwrap_or(0)
-}
-
-/// `algo`'s configuration in a few words: id, tile, stages, split-K and its reduction
-/// scheme, CTA swizzling, custom option (for plan listings; `?` where cuBLASLt does not say).
-fn algo_summary(algo: &sys::cublasLtMatmulAlgo_t) -> String {
-    use sys::cublasLtMatmulAlgoConfigAttributes_t as Config;
-    let get = |attr| config(algo, attr).map_or("?".to_string(), |v| v.to_string());
-    let tile = config(algo, Config::CUBLASLT_ALGO_CONFIG_TILE_ID).map_or("?".to_string(), |t| {
-        TILES
-            .get(t as usize)
-            .map_or(format!("#{t}"), |name| name.to_string())
-    });
-    format!(
-        "algo {} tile {tile} stages {} split-K {} (reduction {}) swizzle {} custom {}",
-        get(Config::CUBLASLT_ALGO_CONFIG_ID),
-        get(Config::CUBLASLT_ALGO_CONFIG_STAGES_ID),
-        get(Config::CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
-        get(Config::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME),
-        get(Config::CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
-        get(Config::CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION),
-    )
 }
 
 impl Drop for Blas {

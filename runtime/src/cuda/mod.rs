@@ -191,15 +191,6 @@ fn buffer_error(id: BufferId, what: impl Into<String>) -> RuntimeError {
     }
 }
 
-/// The GEMM algorithm search the `gemm_search` variant names.
-fn gemm_search(variants: &variants::KernelVariants) -> gemm::Search {
-    match variants.chosen("gemm_search") {
-        "wide" => gemm::Search::Wide,
-        "enumerate" => gemm::Search::Enumerate,
-        _ => gemm::Search::Top8,
-    }
-}
-
 fn raw_ptr(stream: &CudaStream, memory: &CudaSlice<u8>) -> CUdeviceptr {
     use cudarc::driver::DevicePtr;
     let (ptr, _sync) = memory.device_ptr(stream);
@@ -232,8 +223,7 @@ impl CudaBackend {
         let workspace = stream
             .alloc_zeros::<u8>(WORKSPACE_BYTES)
             .map_err(|e| driver_error("allocating the cuBLASLt workspace", e))?;
-        let mut blas = Blas::new(raw_ptr(&stream, &workspace), WORKSPACE_BYTES)?;
-        blas.set_search(gemm_search(&variants));
+        let blas = Blas::new(raw_ptr(&stream, &workspace), WORKSPACE_BYTES)?;
         Ok(CudaBackend {
             ctx,
             stream,
@@ -264,9 +254,7 @@ impl CudaBackend {
     /// `PARC_<OP>_KERNEL`, read when the backend is made). An unknown op or name is an error
     /// listing the choices.
     pub fn set_kernel_variant(&mut self, op: &str, name: &str) -> Result<()> {
-        self.variants.set(op, name)?;
-        self.blas.set_search(gemm_search(&self.variants));
-        Ok(())
+        self.variants.set(op, name)
     }
 
     /// The wgmma layout self-test behind the `wgmma` attention backward (Hopper only; for GPU

@@ -56,15 +56,6 @@ const CHOICES: &[Choice] = &[
         env: "PARC_NORM_BWD_KERNEL",
         names: &["fused", "warp"],
     },
-    // How a 16-bit GEMM's cuBLASLt algorithm is chosen on first use (gemm.rs, `Search`): the
-    // heuristic's first 8 timed (`top8`), or up to 64 of its results plus split-K variants on
-    // small-output long-k GEMMs, screened within about 100 ms per GEMM (`wide`), or those and
-    // algorithms built from every id, tile and stage count cuBLASLt has (`enumerate`).
-    Choice {
-        op: "gemm_search",
-        env: "PARC_GEMM_SEARCH_KERNEL",
-        names: &["top8", "wide", "enumerate"],
-    },
 ];
 
 /// The variant chosen for each op of [`CHOICES`] (an index into its `names`).
