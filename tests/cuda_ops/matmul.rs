@@ -221,7 +221,17 @@ fn matmuls_bf16_mixed_storage() {
             n if n.contains("bias=true") => (&[h, f], &[f, f]),
             _ => (&[f, h], &[f]),
         };
-        cases.push(case.with_dtypes(ins, outs, BF16_GEMM));
+        // A 1x3x5 product is a sum of 3 or 5 terms: bf16 operands (2^-9 relative each) can
+        // leave a result that cancels to a few percent of its terms' size off by more than
+        // the larger shapes' bound, and an activation gradient then zeroes or shrinks some of
+        // its 3 values (a device run saw 6.3% under ReLU'). These cases check the tails' indexing,
+        // which a wrong element would miss by far more.
+        let tol = if case.name().contains(" 1x3x5") {
+            0.15
+        } else {
+            BF16_GEMM
+        };
+        cases.push(case.with_dtypes(ins, outs, tol));
     }
     check_on("matmuls_bf16_mixed_storage", &cases, Precision::Bf16);
 }
