@@ -1,18 +1,22 @@
-//! The GEMMs of one GPT-2 124M step (B×T = 32×1024 rows) alone, for `bench/RESULTS.md`: every
-//! linear layer's forward (with its bias; fc with its fused gelu_tanh, the output projections
-//! with their fused residual add), backward-data (fc2's with the fused GELU gradient) and
-//! backward-weight (with its bias gradient) op on the CUDA backend in a bf16 run, as TFLOP/s of the whole op (operand
+//! The GEMMs of one GPT-2 124M step (B×T = 32×1024 rows, d 768) and one 350M step (16×1024
+//! rows, d 1024) alone, for `bench/RESULTS.md`: every linear layer's forward (with its bias; fc
+//! with its fused gelu_tanh, the output projections with their fused residual add),
+//! backward-data (fc2's with the fused GELU gradient) and backward-weight (with its bias
+//! gradient) op on the CUDA backend in a bf16 run, as TFLOP/s of the whole op (operand
 //! conversions, weight casts, bias, algorithm already chosen) and of its cuBLASLt kernels
-//! alone; once with bf16 activation storage (x, y, dx bf16; w, b, dw, db f32: operands read as
-//! stored, weights through their cached cast, bias gradient in the epilogue) and once with
-//! every buffer f32 (activations rounded per use). Ignored by default (it needs a GPU); run it
-//! on the device machine with `cuda_gemm_bench --ignored --nocapture`. PARC_BENCH_ROWS
-//! (default 32768) sets the token rows. Without a GPU it prints `skipped`.
+//! alone, with bf16 activation storage as training runs them (x, y, dx bf16; w, b, dw, db f32:
+//! operands read as stored, weights through their cached cast, bias gradient in the epilogue).
+//! Each model gets a table of every op's kernel TFLOP/s, its plans printed with the algorithm
+//! that won (id, tile, stages, split-K) and how long the ops' first round (with the algorithm
+//! searches) took. PARC_BENCH_F32=1 also runs every buffer f32 (activations rounded per use). Ignored by
+//! default (it needs a GPU); run it on the device machine with `cuda_gemm_bench --ignored
+//! --nocapture`. PARC_BENCH_ROWS sets the token rows of both models (default 32768 and
+//! 16384). Without a GPU it prints `skipped`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[test]
 #[ignore = "needs a GPU: run on the device machine with --ignored"]
-fn gpt2_124m_step_gemms() {
+fn gpt2_step_gemms() {
     #[cfg(not(feature = "cuda"))]
     println!("skipped: no CUDA device (this build has no `cuda` feature)");
     #[cfg(feature = "cuda")]
@@ -61,7 +65,7 @@ mod bench {
         be: &mut CudaBackend,
         ops: &[(&Op, Vec<BufferId>, Vec<BufferId>)],
         weight: (BufferId, &[f32]),
-    ) -> Vec<(f64, f64)> {
+    ) -> (Vec<(f64, f64)>, f64) {
         let scalars = StepScalars {
             lr: 0.0,
             step: 1,
@@ -69,6 +73,7 @@ mod bench {
         };
         let mut whole = vec![Vec::new(); ops.len()];
         let mut kernels = vec![Vec::new(); ops.len()];
+        let mut first_round_ms = 0.0;
         for round in 0..=2 * REPS {
             let timed_kernels = round > REPS;
             be.write_f32(weight.0, weight.1).unwrap();
@@ -83,64 +88,117 @@ mod bench {
                     kernels[i].push(be.gemm_kernel_ms().unwrap());
                 } else if round > 0 {
                     whole[i].push(ms);
+                } else {
+                    first_round_ms += ms;
                 }
             }
         }
         be.time_gemm_kernels(false).unwrap();
-        whole
+        let medians = whole
             .into_iter()
             .map(median)
             .zip(kernels.into_iter().map(median))
-            .collect()
+            .collect();
+        (medians, first_round_ms)
     }
 
+    /// The benchmarked models: name, d, token rows by default, layers per step.
+    const MODELS: [(&str, u64, u64, u32); 2] =
+        [("124m", 768, 32768, 12), ("350m", 1024, 16384, 24)];
+
+    /// One timed GEMM op: (model, storage, gemm, kind, m·n·k as "rows x in x out", kernel
+    /// TFLOP/s).
+    type Row = (
+        String,
+        &'static str,
+        &'static str,
+        &'static str,
+        String,
+        f64,
+    );
+
     pub fn run() {
-        let rows: u64 = std::env::var("PARC_BENCH_ROWS")
+        let rows_override: Option<u64> = std::env::var("PARC_BENCH_ROWS")
             .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(32768);
-        for storage in [DType::Bf16, DType::F32] {
-            // A fresh backend each time: algorithms and casts chosen anew.
-            let mut be = match CudaBackend::with_precision(0, Precision::Bf16) {
-                Ok(be) => be,
-                Err(e) => {
-                    assert!(
-                        parc_runtime::cuda::gpu_absent(&e),
-                        "a GPU is there, but the CUDA backend failed: {e}"
-                    );
-                    println!("skipped: no CUDA device ({e})");
-                    return;
+            .and_then(|v| v.parse().ok());
+        let mut storages = vec![DType::Bf16];
+        if std::env::var("PARC_BENCH_F32").is_ok_and(|v| v == "1") {
+            storages.push(DType::F32);
+        }
+        // The JSON lines, printed last so that the tables come first in a device call's summary
+        // (bench/variants_call.sh shows the first 40 table or rate lines).
+        let mut json = Vec::new();
+        for (model, d, default_rows, layers) in MODELS {
+            let rows = rows_override.unwrap_or(default_rows);
+            let mut results: Vec<Row> = Vec::new();
+            for &storage in &storages {
+                // A fresh backend each time: algorithms and casts chosen anew.
+                let mut be = match CudaBackend::with_precision(0, Precision::Bf16) {
+                    Ok(be) => be,
+                    Err(e) => {
+                        assert!(
+                            parc_runtime::cuda::gpu_absent(&e),
+                            "a GPU is there, but the CUDA backend failed: {e}"
+                        );
+                        println!("skipped: no CUDA device ({e})");
+                        return;
+                    }
+                };
+                let (mut rows_out, mut lines) =
+                    run_storage(&mut be, model, (d, rows, layers), storage);
+                for line in be.gemm_plans() {
+                    println!("plan {model}: {line}");
                 }
-            };
-            run_storage(&mut be, rows, storage);
-            for line in be.gemm_plans() {
-                println!("plan: {line}");
+                results.append(&mut rows_out);
+                json.append(&mut lines);
             }
+            print_table(&results);
+        }
+        for line in json {
+            println!("{line}");
         }
     }
 
-    /// Every layer's three GEMM ops with activations stored as `storage`.
-    fn run_storage(be: &mut CudaBackend, rows: u64, storage: DType) {
+    /// A table of every op's kernel TFLOP/s.
+    fn print_table(results: &[Row]) {
+        println!();
+        println!("| model | storage | gemm | kind | rows x in x out | kernel TFLOP/s |");
+        println!("|---|---|---|---|---|---:|");
+        for (model, storage, gemm, kind, shape, tflops) in results {
+            println!("| {model} | {storage} | {gemm} | {kind} | {shape} | {tflops:.1} |");
+        }
+    }
+
+    /// Every layer's three GEMM ops of `model` (d, token rows, layers per step) with
+    /// activations stored as `storage`: one row and one JSON line per op.
+    fn run_storage(
+        be: &mut CudaBackend,
+        model: &str,
+        (d, rows, layers): (u64, u64, u32),
+        storage: DType,
+    ) -> (Vec<Row>, Vec<String>) {
         let label = match storage {
             DType::Bf16 => "bf16",
             _ => "f32",
         };
         // (name, in, out, bias, times per step)
-        let layers = [
-            ("qkv", 768u64, 2304u64, true, 12u32),
-            ("proj", 768, 768, true, 12),
-            ("fc", 768, 3072, true, 12),
-            ("fc2", 3072, 768, true, 12),
-            ("head", 768, 50304, false, 1),
+        let gemms = [
+            ("qkv", d, 3 * d, true, layers),
+            ("proj", d, d, true, layers),
+            ("fc", d, 4 * d, true, layers),
+            ("fc2", 4 * d, d, true, layers),
+            ("head", d, 50304, false, 1),
         ];
+        let mut out = Vec::new();
         let mut lines = Vec::new();
         let mut step_ms = [0.0f64; 2];
+        let mut first_round_ms = 0.0;
         let mut next = 0u32;
         let mut id = || {
             next += 1;
             BufferId(next)
         };
-        for (name, din, dout, bias, per_step) in layers {
+        for (name, din, dout, bias, per_step) in gemms {
             let (x, w, b, y, dx, dw, db) = (id(), id(), id(), id(), id(), id(), id());
             // As the lowering fuses them: fc's gelu_tanh (a: the activation), the output
             // projections' residual add (r), fc2's backward-data GELU gradient (x as pre).
@@ -166,7 +224,9 @@ mod bench {
             let w_data = random(n(&[dout, din]), 2, 0.05);
             be.write_f32(w, &w_data).unwrap();
             be.write_f32(b, &random(dout as usize, 3, 0.1)).unwrap();
-            be.write_f32(r, &random(n(&[rows, dout]), 4, 1.0)).unwrap();
+            if residual {
+                be.write_f32(r, &random(n(&[rows, dout]), 4, 1.0)).unwrap();
+            }
             let flops = 2.0 * rows as f64 * din as f64 * dout as f64;
             let fwd = Op::Matmul {
                 in_dim: din,
@@ -205,27 +265,35 @@ mod bench {
                 (&bwd_weight, vec![y, x], dw_out),
             ];
             let kinds = ["fwd", "bwd-data", "bwd-weight"];
-            for (kind, (whole, kernels)) in
-                kinds.into_iter().zip(time_layer(be, &ops, (w, &w_data)))
-            {
+            let (medians, first_ms) = time_layer(be, &ops, (w, &w_data));
+            first_round_ms += first_ms;
+            for (kind, (whole, kernels)) in kinds.into_iter().zip(medians) {
                 step_ms[0] += whole * f64::from(per_step);
                 step_ms[1] += kernels * f64::from(per_step);
                 let line = format!(
-                    "{{\"storage\":\"{label}\",\"gemm\":\"{name}\",\"kind\":\"{kind}\",\"rows\":{rows},\"in\":{din},\"out\":{dout},\"bias\":{bias},\"op_ms\":{whole:.4},\"kernel_ms\":{kernels:.4},\"op_tflops\":{:.1},\"kernel_tflops\":{:.1}}}",
+                    "{{\"model\":\"{model}\",\"storage\":\"{label}\",\"gemm\":\"{name}\",\"kind\":\"{kind}\",\"rows\":{rows},\"in\":{din},\"out\":{dout},\"bias\":{bias},\"op_ms\":{whole:.4},\"kernel_ms\":{kernels:.4},\"op_tflops\":{:.1},\"kernel_tflops\":{:.1}}}",
                     flops / whole / 1e9,
                     flops / kernels / 1e9
                 );
-                println!("{line}");
                 lines.push(line);
+                out.push((
+                    model.to_string(),
+                    label,
+                    name,
+                    kind,
+                    format!("{rows}x{din}x{dout}"),
+                    flops / kernels / 1e9,
+                ));
             }
             for buf in [x, w, b, y, a, r, dx, dw, db] {
                 be.free(buf).unwrap();
             }
         }
         println!(
-            "one 124M step's GEMMs ({label} activations; 12 layers + head, {rows} rows): {:.2} ms as ops, {:.2} ms in cuBLASLt kernels",
+            "one {model} step's GEMMs ({label} activations; {layers} layers + head, {rows} rows): {:.2} ms as ops, {:.2} ms in cuBLASLt kernels; the first round of the 15 ops, with their algorithm searches, {first_round_ms:.0} ms",
             step_ms[0], step_ms[1]
         );
-        assert_eq!(lines.len(), 15);
+        assert_eq!(out.len(), 15);
+        (out, lines)
     }
 }

@@ -386,17 +386,22 @@ impl Blas {
     }
 
     /// One line per plan made so far: the GEMM, and whether cuBLASLt runs it (with how many
-    /// candidate algorithms, or the one timed fastest) or offers nothing for it.
+    /// candidate algorithms, or the one timed fastest and its configuration) or offers nothing
+    /// for it.
     pub fn describe_plans(&self) -> Vec<String> {
         let mut lines: Vec<String> = self
             .plans
             .iter()
             .map(|(key, plan)| {
-                let state = match (plan.algos.len(), plan.timed_ms) {
-                    (0, _) => "unsupported".to_string(),
-                    (_, Some(ms)) => format!("timed, fastest {ms:.3} ms"),
-                    (1, None) => "the heuristic's choice".to_string(),
-                    (n, None) => format!("{n} candidates, not yet timed"),
+                let state = match (plan.algos.first(), plan.algos.len(), plan.timed_ms) {
+                    (None, _, _) => "unsupported".to_string(),
+                    (Some(algo), _, Some(ms)) => {
+                        format!("timed, fastest {ms:.3} ms: {}", algo_summary(algo))
+                    }
+                    (Some(algo), 1, None) => {
+                        format!("the heuristic's choice: {}", algo_summary(algo))
+                    }
+                    (_, n, None) => format!("{n} candidates, not yet timed"),
                 };
                 format!("{}: {state}", key.describe())
             })
@@ -771,6 +776,90 @@ impl Blas {
             algos,
         })
     }
+}
+
+/// A 4-byte configuration value of `algo` (None where cuBLASLt does not answer).
+fn config(
+    algo: &sys::cublasLtMatmulAlgo_t,
+    attr: sys::cublasLtMatmulAlgoConfigAttributes_t,
+) -> Option<u32> {
+    let mut value: u32 = 0;
+    let mut written: usize = 0;
+    // SAFETY: `algo` is an initialised algorithm; `value` has room for the 4 bytes asked for
+    // and `written` receives how many cuBLASLt wrote.
+    let status = unsafe {
+        sys::cublasLtMatmulAlgoConfigGetAttribute(
+            algo,
+            attr,
+            (&mut value as *mut u32).cast(),
+            size_of::<u32>(),
+            &mut written,
+        )
+    };
+    (status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS && written == size_of::<u32>())
+        .then_some(value)
+}
+
+/// The names of cuBLASLt's first tile ids (`cublasLtMatmulTile_t`, m × n per CTA).
+const TILES: [&str; 36] = [
+    "undefined",
+    "8x8",
+    "8x16",
+    "16x8",
+    "8x32",
+    "16x16",
+    "32x8",
+    "8x64",
+    "16x32",
+    "32x16",
+    "64x8",
+    "32x32",
+    "32x64",
+    "64x32",
+    "32x128",
+    "64x64",
+    "128x32",
+    "64x128",
+    "128x64",
+    "64x256",
+    "128x128",
+    "256x64",
+    "64x512",
+    "128x256",
+    "256x128",
+    "512x64",
+    "64x96",
+    "96x64",
+    "96x128",
+    "128x160",
+    "160x128",
+    "192x128",
+    "128x192",
+    "128x96",
+    "32x256",
+    "256x32",
+];
+
+/// `algo`'s configuration in a few words: id, tile, stages, split-K and its reduction
+/// scheme, CTA swizzling, custom option (for plan listings, so a device run shows which kernel
+/// won; `?` where cuBLASLt does not say).
+fn algo_summary(algo: &sys::cublasLtMatmulAlgo_t) -> String {
+    use sys::cublasLtMatmulAlgoConfigAttributes_t as Config;
+    let get = |attr| config(algo, attr).map_or("?".to_string(), |v| v.to_string());
+    let tile = config(algo, Config::CUBLASLT_ALGO_CONFIG_TILE_ID).map_or("?".to_string(), |t| {
+        TILES
+            .get(t as usize)
+            .map_or(format!("#{t}"), |name| name.to_string())
+    });
+    format!(
+        "algo {} tile {tile} stages {} split-K {} (reduction {}) swizzle {} custom {}",
+        get(Config::CUBLASLT_ALGO_CONFIG_ID),
+        get(Config::CUBLASLT_ALGO_CONFIG_STAGES_ID),
+        get(Config::CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+        get(Config::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME),
+        get(Config::CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
+        get(Config::CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION),
+    )
 }
 
 impl Drop for Blas {
