@@ -462,7 +462,6 @@ impl Emitter<'_> {
         let xf = self.sp_gather(x, s.dim, self.name(node, "xg", mb), node);
         let bias = |n: &'static str| if s.bias { Some(n) } else { None };
         // One fused projection (rows q, k, v of `wqkv`) writes every row's q, k and v heads.
-        let widths = [q_cols, kv_cols, kv_cols];
         let qkv_cols = q_cols + 2 * kv_cols;
         let qkv = self.matmul(
             mb,
@@ -472,29 +471,55 @@ impl Emitter<'_> {
             (s.dim, qkv_cols),
             "qkv",
         );
-        if self.packs_qkv(&s) {
-            // The attention reads q, k and v where the projection wrote them.
-            let (o, lse) = self.attention_core(mb, node, &[qkv], &s, phase);
-            self.attention_output(mb, node, o, &s);
-            return if self.selective_here(node) {
-                self.b.release(o);
-                self.b.release(lse);
-                vec![xf, qkv]
-            } else {
-                vec![xf, qkv, o, lse]
-            };
+        // Attention reads q, k and v where the projection wrote them, or as separate buffers.
+        let inputs = if self.packs_qkv(&s) {
+            vec![qkv]
+        } else {
+            self.split_qkv(mb, node, qkv, &s).to_vec()
+        };
+        let (o, lse) = self.attention_core(mb, node, &inputs, &s, phase);
+        let yp = self.matmul(mb, node, o, ("wo", bias("bo")), (q_cols, s.dim), "y");
+        let y = self.tp_reduce(
+            yp,
+            s.dim,
+            self.name(node, "out", mb),
+            BufferKind::Activation,
+            node,
+        );
+        self.set_output(mb, node, y);
+        let mut saved = vec![xf];
+        saved.extend(inputs);
+        if self.selective_here(node) {
+            self.b.release(o);
+            self.b.release(lse);
+        } else {
+            saved.extend([o, lse]);
         }
+        saved
+    }
+
+    /// Whether attention reads q, k and v packed in the fused projection's output (one
+    /// buffer, no split): always but where rope rotates q and k first or context parallelism
+    /// gathers k and v over the group (both want them as separate buffers).
+    pub fn packs_qkv(&self, s: &AttnShape) -> bool {
+        s.theta.is_none() && self.groups.cp.is_none()
+    }
+
+    /// The fused projection's output (consumed) as the q, k and v attention reads: split into
+    /// three buffers, q and k rotated under rope, k and v gathered over context parallelism.
+    fn split_qkv(&mut self, mb: u32, node: NodeId, qkv: BufferId, s: &AttnShape) -> [BufferId; 3] {
+        let (q_cols, kv_cols) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
         let rows = self.b.shape(qkv).first().copied().unwrap_or(0);
         let [q, k, v] = [("q", q_cols), ("k", kv_cols), ("v", kv_cols)]
             .map(|(what, w)| self.activation(node, what, mb, vec![rows, w]));
         self.b.compute(
             Op::SplitColumns {
-                widths: widths.to_vec(),
+                widths: vec![q_cols, kv_cols, kv_cols],
             },
             &[qkv],
             &[q, k, v],
             Some(node),
-            phase,
+            self.phase,
         );
         self.b.release(qkv);
         let (q, k) = match s.theta {
@@ -520,37 +545,7 @@ impl Emitter<'_> {
                 (kf, vf)
             }
         };
-        let (o, lse) = self.attention_core(mb, node, &[q, k, v], &s, phase);
-        self.attention_output(mb, node, o, &s);
-        if self.selective_here(node) {
-            self.b.release(o);
-            self.b.release(lse);
-            vec![xf, q, k, v]
-        } else {
-            vec![xf, q, k, v, o, lse]
-        }
-    }
-
-    /// Whether attention reads q, k and v packed in the fused projection's output (one
-    /// buffer, no split): always but where rope rotates q and k first or context parallelism
-    /// gathers k and v over the group (both want them as separate buffers).
-    pub fn packs_qkv(&self, s: &AttnShape) -> bool {
-        s.theta.is_none() && self.groups.cp.is_none()
-    }
-
-    /// The output projection of attention's `o` and its tp reduction: the node's output.
-    fn attention_output(&mut self, mb: u32, node: NodeId, o: BufferId, s: &AttnShape) {
-        let q_cols = s.heads * s.head_dim;
-        let bias = |n: &'static str| if s.bias { Some(n) } else { None };
-        let yp = self.matmul(mb, node, o, ("wo", bias("bo")), (q_cols, s.dim), "y");
-        let y = self.tp_reduce(
-            yp,
-            s.dim,
-            self.name(node, "out", mb),
-            BufferKind::Activation,
-            node,
-        );
-        self.set_output(mb, node, y);
+        [q, k, v]
     }
 
     pub fn selective_here(&self, node: NodeId) -> bool {
