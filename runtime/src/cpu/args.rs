@@ -281,16 +281,24 @@ impl<'a> Outputs<'a> {
                 format!("expects {N} outputs, got {}", self.tensors.len()),
             ));
         }
-        let descriptions: Vec<String> = (0..N).map(|i| self.describe(i)).collect();
-        let mut slices = Vec::with_capacity(N);
-        for (tensor, description) in self.tensors.iter_mut().zip(descriptions) {
-            let slice = tensor
-                .as_f32_mut()
-                .ok_or_else(|| op_error(self.op, format!("{description} is i32, expected f32")))?;
-            slices.push(slice);
-        }
-        slices
+        let op = self.op;
+        self.f32_vec()?
             .try_into()
-            .map_err(|_| op_error(self.op, format!("expects {N} outputs")))
+            .map_err(|_| op_error(op, format!("expects {N} outputs")))
+    }
+
+    /// Every output as an f32 slice, in order (an op whose output count varies).
+    pub fn f32_vec(&mut self) -> Result<Vec<&mut [f32]>> {
+        let descriptions: Vec<String> = (0..self.tensors.len()).map(|i| self.describe(i)).collect();
+        let op = self.op;
+        self.tensors
+            .iter_mut()
+            .zip(descriptions)
+            .map(|(tensor, description)| {
+                tensor
+                    .as_f32_mut()
+                    .ok_or_else(|| op_error(op, format!("{description} is i32, expected f32")))
+            })
+            .collect()
     }
 }

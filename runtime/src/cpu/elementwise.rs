@@ -8,6 +8,7 @@ use super::par::TASK_ELEMENTS;
 use crate::error::Result;
 use parc_compiler::ir::op::Act;
 use rayon::prelude::*;
+use std::ops::Range;
 
 /// Elements per rayon task for elementwise loops.
 const CHUNK: usize = TASK_ELEMENTS;
@@ -197,16 +198,42 @@ pub(crate) fn copy(op: &str, x: View<'_>, y: &mut ViewMut<'_>) -> Result<()> {
     Ok(())
 }
 
-/// The rows of a `[rows, Σ widths]` matrix of `len` elements (an error when it does not divide).
-fn column_rows(op: &str, widths: &[u64], len: usize) -> Result<usize> {
-    let total: u64 = widths.iter().sum();
-    if total == 0 || !(len as u64).is_multiple_of(total) {
+/// Checks a `[rows, Σ widths]` matrix of `whole_len` elements against its column blocks
+/// (`part_lens[i]` = rows × `widths[i]`), then calls `copy(i, whole range, part range)` for
+/// every row of every block: `SplitColumns` and `ConcatColumns` differ only in the direction.
+fn column_blocks(
+    op: &str,
+    widths: &[u64],
+    whole_len: usize,
+    part_lens: &[usize],
+    mut copy: impl FnMut(usize, Range<usize>, Range<usize>),
+) -> Result<()> {
+    let total = widths.iter().sum::<u64>() as usize;
+    if total == 0 || !whole_len.is_multiple_of(total) {
         return Err(op_error(
             op,
-            format!("{len} elements are not rows of {total} columns (widths {widths:?})"),
+            format!("{whole_len} elements are not rows of {total} columns (widths {widths:?})"),
         ));
     }
-    Ok((len as u64 / total) as usize)
+    if part_lens.len() != widths.len() {
+        return Err(op_error(
+            op,
+            format!("{} parts for {} widths", part_lens.len(), widths.len()),
+        ));
+    }
+    let rows = whole_len / total;
+    for (&len, &w) in part_lens.iter().zip(widths) {
+        expect_len(op, "part", len, rows * w as usize)?;
+    }
+    let mut col = 0usize;
+    for (i, &w) in widths.iter().enumerate() {
+        let w = w as usize;
+        for r in 0..rows {
+            copy(i, r * total + col..r * total + col + w, r * w..(r + 1) * w);
+        }
+        col += w;
+    }
+    Ok(())
 }
 
 /// `parts[i] = x[:, columns of block i]` for a `[rows, Σ widths]` x (`Op::SplitColumns`).
@@ -216,24 +243,10 @@ pub(crate) fn split_columns(
     x: &[f32],
     parts: &mut [&mut [f32]],
 ) -> Result<()> {
-    let rows = column_rows(op, widths, x.len())?;
-    let total: usize = widths.iter().sum::<u64>() as usize;
-    if parts.len() != widths.len() {
-        return Err(op_error(
-            op,
-            format!("{} outputs for {} widths", parts.len(), widths.len()),
-        ));
-    }
-    let mut col = 0usize;
-    for (part, &w) in parts.iter_mut().zip(widths) {
-        let w = w as usize;
-        expect_len(op, "part", part.len(), rows * w)?;
-        for r in 0..rows {
-            part[r * w..(r + 1) * w].copy_from_slice(&x[r * total + col..r * total + col + w]);
-        }
-        col += w;
-    }
-    Ok(())
+    let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+    column_blocks(op, widths, x.len(), &lens, |i, whole, part| {
+        parts[i][part].copy_from_slice(&x[whole]);
+    })
 }
 
 /// `y[:, columns of block i] = parts[i]` for a `[rows, Σ widths]` y (`Op::ConcatColumns`).
@@ -243,24 +256,10 @@ pub(crate) fn concat_columns(
     parts: &[&[f32]],
     y: &mut [f32],
 ) -> Result<()> {
-    let rows = column_rows(op, widths, y.len())?;
-    let total: usize = widths.iter().sum::<u64>() as usize;
-    if parts.len() != widths.len() {
-        return Err(op_error(
-            op,
-            format!("{} inputs for {} widths", parts.len(), widths.len()),
-        ));
-    }
-    let mut col = 0usize;
-    for (part, &w) in parts.iter().zip(widths) {
-        let w = w as usize;
-        expect_len(op, "part", part.len(), rows * w)?;
-        for r in 0..rows {
-            y[r * total + col..r * total + col + w].copy_from_slice(&part[r * w..(r + 1) * w]);
-        }
-        col += w;
-    }
-    Ok(())
+    let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+    column_blocks(op, widths, y.len(), &lens, |i, whole, part| {
+        y[whole].copy_from_slice(&parts[i][part]);
+    })
 }
 
 /// `dst[dst_offset + i] = src[src_offset + i]` for `i < len`.
