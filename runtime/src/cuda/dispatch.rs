@@ -10,6 +10,7 @@ use super::{attention, cross_entropy, matmul, Arg, Buf, CudaBackend, FloatArg};
 use crate::backend::StepScalars;
 use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::op::{Act, Op, Segment};
+use parc_compiler::ir::storage::operand_classes;
 use parc_compiler::ir::DType;
 
 const NORM_THREADS: u32 = 256;
@@ -54,51 +55,6 @@ pub(super) fn op_name(op: &Op) -> &'static str {
         Op::ClipCoef { .. } => "ClipCoef",
         Op::AdamW { .. } => "AdamW",
         Op::Sgd { .. } => "Sgd",
-    }
-}
-
-/// (inputs, outputs) the op takes, as documented on its variant.
-fn arity(op: &Op) -> (usize, usize) {
-    let opt = |flag: bool| usize::from(flag);
-    match op {
-        Op::Embedding { .. } | Op::EmbeddingBwd { .. } | Op::PositionAdd { .. } => (2, 1),
-        Op::PositionAddBwd { .. } => (1, 1),
-        Op::LayerNorm { bias, .. } => (2 + opt(*bias), 3),
-        Op::LayerNormBwd { bias, .. } => (5, 2 + opt(*bias)),
-        Op::RmsNorm { .. } => (2, 2),
-        Op::RmsNormBwd { .. } => (4, 2),
-        Op::Matmul {
-            bias,
-            act,
-            residual,
-            ..
-        } => (2 + opt(*bias) + opt(*residual), 1 + opt(act.is_some())),
-        Op::MatmulBwdData { act_grad, .. } => (2 + opt(act_grad.is_some()), 1),
-        Op::MatmulBwdWeight { bias, .. } => (2, 1 + opt(*bias)),
-        Op::Rope { .. } | Op::RopeBwd { .. } => (1, 1),
-        // q, k, v (or one packed qkv) -> o, lse.
-        Op::Attention { packed, .. } => (if *packed { 1 } else { 3 }, 2),
-        // dO, q, k, v (or qkv), o, lse -> dq, dk, dv (or one dqkv).
-        Op::AttentionBwd { packed, .. } => {
-            if *packed {
-                (4, 1)
-            } else {
-                (6, 3)
-            }
-        }
-        Op::Activation { .. } | Op::Scale { .. } | Op::Copy | Op::CopyRange { .. } => (1, 1),
-        Op::ActivationBwd { .. } | Op::SwiGlu | Op::Add => (2, 1),
-        Op::SwiGluBwd => (3, 2),
-        Op::Zero => (0, 1),
-        Op::SplitColumns { widths } => (1, widths.len()),
-        Op::ConcatColumns { widths } => (widths.len(), 1),
-        Op::CeMax { .. } | Op::SumSquares | Op::ClipCoef { .. } => (1, 1),
-        Op::CeSumExp { .. } | Op::CeTargetLogit { .. } => (2, 1),
-        Op::CrossEntropy { .. } => (2, 2),
-        Op::CeLoss { .. } => (3, 1),
-        Op::CeGrad { .. } => (4, 1),
-        Op::AdamW { .. } => (2, 3),
-        Op::Sgd { momentum, .. } => (2, 1 + opt(*momentum != 0.0)),
     }
 }
 
@@ -245,7 +201,9 @@ pub(crate) fn run(
         ins,
         outs,
     };
-    let (want_in, want_out) = arity(op);
+    // The op contract's operand lists (`ir::storage`) give how many buffers it binds.
+    let (classes_in, classes_out) = operand_classes(op);
+    let (want_in, want_out) = (classes_in.len(), classes_out.len());
     if ins.len() != want_in || outs.len() != want_out {
         return Err(b.err(format!(
             "takes {want_in} inputs and {want_out} outputs, got {} and {}",
@@ -669,7 +627,8 @@ pub(crate) fn run(
             } else {
                 b.float_out(0)?
             };
-            let rows = b.rows(whole, "the whole matrix", b.dim("total width", total)?)?;
+            let cols = b.dim("total width", total)?;
+            let rows = b.rows(whole, "the whole matrix", cols)?;
             let mut col = 0usize;
             for (i, &w) in widths.iter().enumerate() {
                 let w = b.dim("width", w)?;
@@ -680,19 +639,9 @@ pub(crate) fn run(
                 };
                 b.expect(part, "part", rows * w)?;
                 let (x, x_ld, y, y_ld) = if split {
-                    (
-                        FloatArg::at(whole, col),
-                        total as usize,
-                        FloatArg::at(part, 0),
-                        w,
-                    )
+                    (FloatArg::at(whole, col), cols, FloatArg::at(part, 0), w)
                 } else {
-                    (
-                        FloatArg::at(part, 0),
-                        w,
-                        FloatArg::at(whole, col),
-                        total as usize,
-                    )
+                    (FloatArg::at(part, 0), w, FloatArg::at(whole, col), cols)
                 };
                 let args = [
                     Arg::Float(x),
