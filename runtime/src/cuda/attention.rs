@@ -373,20 +373,17 @@ pub(super) fn wgmma_selftest(
     Ok(host)
 }
 
-/// Launches a tensor-core kernel, first letting it use `smem` bytes of shared memory.
+/// Launches a tensor-core kernel over `heads` × `tiles` CTAs, first letting it use `smem` bytes
+/// of shared memory: the grid is (tiles, heads) where `tiles_first` (the kernel reads the same
+/// order from `AttGeom::tiles_first`), else (heads, tiles).
 fn launch_tc(
     be: &mut CudaBackend,
     name: &'static str,
-    (heads, tiles, _): (u32, u32, u32),
+    (heads, tiles, tiles_first): (u32, u32, bool),
     threads: u32,
     smem: u32,
     args: &[Arg],
 ) -> Result<()> {
-    // The kernels read the order from AttGeom::tiles_first, set by `run` only where the heads
-    // fit a grid's y extent.
-    let tiles_first = args
-        .iter()
-        .any(|a| matches!(a, Arg::Geom(g) if g.tiles_first != 0));
     let grid = if tiles_first {
         (tiles, heads, 1)
     } else {
@@ -694,14 +691,14 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
                 let grid = (
                     (batch * heads) as u32,
                     grid_y(b, seq_q.div_ceil(rows), "seq_q")?,
-                    1,
+                    g.tiles_first != 0,
                 );
                 return launch_tc(be, name, grid, 128 * warpgroups as u32, smem, &args);
             }
             let grid = (
                 (batch * heads) as u32,
                 grid_y(b, seq_q.div_ceil(TC_FWD_BR), "seq_q")?,
-                1,
+                g.tiles_first != 0,
             );
             return launch_tc(be, tc.fwd, grid, TC_FWD_THREADS, tc.fwd_smem(), &args);
         }
@@ -820,7 +817,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
         let grid = (
             (batch * g.kv_heads as usize) as u32,
             grid_y(b, seq_kv.div_ceil(TC_BC), "seq_kv")?,
-            1,
+            g.tiles_first != 0,
         );
         let args = [
             Arg::Ptr(ptrs[0]),
@@ -951,7 +948,7 @@ impl CudaBackend {
         let mut args: Vec<Arg> = inputs.iter().map(|(_, ptr)| Arg::Ptr(*ptr)).collect();
         args.extend([Arg::Ptr(s_ptr), Arg::Ptr(o_ptr)]);
         let smem = (WGMMA_ALIGN + 3 * 64 * d * 2) as u32;
-        launch_tc(self, name, (1, 1, 1), 128, smem, &args)?;
+        launch_tc(self, name, (1, 1, false), 128, smem, &args)?;
         self.synchronize()?;
         let mut s_got = vec![0f32; 64 * 64];
         let mut o_got = vec![0f32; 64 * d];
