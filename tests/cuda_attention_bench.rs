@@ -11,7 +11,8 @@
 //!
 //! Each bf16 point runs with the `fa2` kernels both ways (labelled as before) and, on a Hopper
 //! GPU, with the `wgmma` forward and (head_dim 64) the `wgmma` backward (labelled
-//! `…-wgmma-wgmmabwd`): each run times both directions. The bench sets the variants on the
+//! `…-wgmma-wgmmabwd`), and for head_dim 64 with the warp-specialized forwards (`…-ws-…`,
+//! `…-ws64-…`): each run times both directions. The bench sets the variants on the
 //! backend, whatever PARC_ATTENTION_*_KERNEL say.
 //!
 //! Ignored by default (it needs a GPU): on the device machine,
@@ -173,6 +174,11 @@ mod bench {
         let mut pairs = vec![("fa2", "fa2")];
         if matches!(pt.precision, Precision::Bf16) && be.is_hopper() {
             pairs.push(("wgmma", if pt.head_dim == 64 { "wgmma" } else { "fa2" }));
+            if pt.head_dim == 64 {
+                // The warp-specialized forwards (head_dim 64 only; d128 would time wgmma).
+                pairs.push(("ws", "ws"));
+                pairs.push(("ws64", "ws"));
+            }
         }
         pairs
     }

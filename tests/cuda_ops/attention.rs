@@ -434,13 +434,35 @@ fn check_storage(test: &str, gpu: &mut dyn Backend) {
 #[cfg(feature = "cuda")]
 #[test]
 fn attention_bf16_wgmma_bwd() {
-    let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, "attention_bwd", "wgmma")
+    for variant in ["wgmma", "ws"] {
+        hopper_backward_cases(variant);
+    }
+}
+
+/// attention_bf16_wgmma_bwd's cases on the Hopper backward `variant` (`wgmma`, or the
+/// warp-specialized `ws`, which adds more heads than SMs: a persistent CTA's ring wraps).
+#[cfg(feature = "cuda")]
+fn hopper_backward_cases(variant: &str) {
+    let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, "attention_bwd", variant)
     else {
         return;
     };
-    let test = "attention_bf16_wgmma_bwd";
+    let test = format!("attention_bf16_{variant}_bwd");
+    let test = test.as_str();
     let mut r = Rng::new(test);
     wgmma_layouts(&mut gpu, &mut r);
+    if variant == "ws" {
+        for c in [
+            AttConfig::new(2, 80, 40, 64, true, &[(0, 256)], &[(0, 256)]),
+            AttConfig::new(3, 50, 50, 64, false, &[(0, 200)], &[(0, 200)]),
+        ] {
+            crate::harness::check_with(
+                &format!("{test}_many_items"),
+                &attention_cases(&mut r, &c, BF16_ATTENTION, true),
+                &mut gpu,
+            );
+        }
+    }
     let cases: Vec<Case> = tc_configs()
         .iter()
         .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
@@ -453,7 +475,7 @@ fn attention_bf16_wgmma_bwd() {
         &attention_cases(&mut r, &gpt2, BF16_ATTENTION, true),
         &mut gpu,
     );
-    check_storage("attention_bf16_storage_wgmma_bwd", &mut gpu);
+    check_storage(&format!("attention_bf16_storage_{variant}_bwd"), &mut gpu);
 }
 
 /// One self-test mode: its number, what it checks, inputs a and b, and the exact output.
@@ -585,42 +607,54 @@ fn attention_bf16_wgmma() {
     println!("skipped: no CUDA device (this build has no `cuda` feature)");
     #[cfg(feature = "cuda")]
     {
-        let Some(mut gpu) =
-            crate::harness::hopper_variant(Precision::Bf16, "attention_fwd", "wgmma")
-        else {
-            return;
-        };
-        let mut r = Rng::new("attention_bf16_wgmma");
-        let mut configs = tc_configs();
-        configs.extend([
-            // d128: 3 warpgroups of 64 rows; the second CTA holds 8 rows (2 warpgroups idle).
-            AttConfig::new(1, 2, 2, 128, true, &[(0, 200)], &[(0, 200)]),
-            AttConfig::new(2, 2, 1, 128, false, &[(0, 77)], &[(0, 77)]),
-            AttConfig::new(1, 2, 1, 128, true, &[(0, 70)], &[(5, 70)]),
-            AttConfig::new(
-                1,
-                2,
-                2,
-                128,
-                true,
-                &[(64, 64), (0, 64)],
-                &[(64, 64), (0, 64)],
-            ),
-            // One query row, one key.
-            AttConfig::new(1, 1, 1, 64, true, &[(0, 1)], &[(0, 1)]),
-            // CP with d64: q segments inside one tile and across tiles.
-            AttConfig::new(2, 4, 2, 64, true, &[(8, 56), (200, 72)], &[(0, 272)]),
-            // GPT-2's sequence length and head dim, causal: many skipped and diagonal tiles.
-            AttConfig::new(1, 2, 2, 64, true, &[(0, 1024)], &[(0, 1024)]),
-        ]);
-        // Forward cases only (every other one).
-        let cases: Vec<Case> = configs
-            .iter()
-            .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
-            .step_by(2)
-            .collect();
-        crate::harness::check_with("attention_bf16_wgmma", &cases, &mut gpu);
+        for variant in ["wgmma", "ws", "ws64"] {
+            wgmma_forward_cases(variant);
+        }
     }
+}
+
+/// attention_bf16_wgmma's cases on the Hopper forward `variant` (`wgmma`, or the
+/// warp-specialized `ws` / `ws64`, which take head_dim 64 and leave d128 to `wgmma`).
+#[cfg(feature = "cuda")]
+fn wgmma_forward_cases(variant: &str) {
+    let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, "attention_fwd", variant)
+    else {
+        return;
+    };
+    let mut r = Rng::new("attention_bf16_wgmma");
+    let mut configs = tc_configs();
+    configs.extend([
+        // d128: 3 warpgroups of 64 rows; the second CTA holds 8 rows (2 warpgroups idle).
+        AttConfig::new(1, 2, 2, 128, true, &[(0, 200)], &[(0, 200)]),
+        AttConfig::new(2, 2, 1, 128, false, &[(0, 77)], &[(0, 77)]),
+        AttConfig::new(1, 2, 1, 128, true, &[(0, 70)], &[(5, 70)]),
+        AttConfig::new(
+            1,
+            2,
+            2,
+            128,
+            true,
+            &[(64, 64), (0, 64)],
+            &[(64, 64), (0, 64)],
+        ),
+        // One query row, one key.
+        AttConfig::new(1, 1, 1, 64, true, &[(0, 1)], &[(0, 1)]),
+        // CP with d64: q segments inside one tile and across tiles.
+        AttConfig::new(2, 4, 2, 64, true, &[(8, 56), (200, 72)], &[(0, 272)]),
+        // GPT-2's sequence length and head dim, causal: many skipped and diagonal tiles.
+        AttConfig::new(1, 2, 2, 64, true, &[(0, 1024)], &[(0, 1024)]),
+        // More work items than a GPU has SMs: a persistent CTA takes several, its ring
+        // of K/V slots wrapping across them (causal GQA; partial non-causal tiles).
+        AttConfig::new(2, 80, 40, 64, true, &[(0, 256)], &[(0, 256)]),
+        AttConfig::new(3, 50, 50, 64, false, &[(0, 200)], &[(0, 200)]),
+    ]);
+    // Forward cases only (every other one).
+    let cases: Vec<Case> = configs
+        .iter()
+        .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
+        .step_by(2)
+        .collect();
+    crate::harness::check_with(&format!("attention_bf16_{variant}"), &cases, &mut gpu);
 }
 
 /// The `fa2` (mma.sync) kernels both ways, which every GPU but a Hopper runs by default: on a
@@ -821,11 +855,11 @@ fn attention_packed() {
     #[cfg(feature = "cuda")]
     {
         let mut failures = Vec::new();
-        for (fwd, bwd) in [("wgmma", "wgmma"), ("fa2", "fa2")] {
+        for (fwd, bwd) in [("wgmma", "wgmma"), ("ws", "ws"), ("fa2", "fa2")] {
             let Some(mut gpu) = crate::harness::cuda_backend(Precision::Bf16) else {
                 return;
             };
-            if fwd == "wgmma" && !gpu.is_hopper() {
+            if fwd != "fa2" && !gpu.is_hopper() {
                 println!("skipped: attention_packed with wgmma runs on Hopper GPUs only");
                 continue;
             }

@@ -20,6 +20,7 @@
 use super::device::driver_error;
 use super::dispatch::{p, segments_len, Bound};
 use super::gemm::Operands;
+use super::tma::{self, Elem, TmaMap};
 use super::{cu, raw_ptr, Arg, Buf, CudaBackend};
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::sys::{CUdeviceptr, CUfunction_attribute};
@@ -84,6 +85,107 @@ const TC_BWD_THREADS: u32 = 256;
 /// tiles of WGMMA_KEYS rows, 1024 bytes for aligning the tiles to the 128-byte swizzle's period.
 const WGMMA_KEYS: usize = 64;
 const WGMMA_ALIGN: usize = 1024;
+/// The warp-specialized forward (attention_ws_fwd.cu): query rows per work item, threads (a
+/// producer and two consumer warpgroups), K/V ring slots, and the key tile of variant `ws`
+/// (`ws64` takes 64).
+const WS_BR: usize = 128;
+const WS_THREADS: u32 = 384;
+const WS_STAGES: usize = 3;
+const WS_FWD_KEYS: usize = 128;
+
+/// The warp-specialized forward's shared memory: alignment slack, Q, the K/V ring of `keys`-row
+/// tiles (bf16, head_dim 64), and its mbarriers (a full and an empty one per slot, two for Q).
+fn ws_fwd_smem(keys: usize) -> u32 {
+    (WGMMA_ALIGN + WS_BR * 128 + WS_STAGES * 2 * keys * 128 + 8 * (2 * WS_STAGES + 2)) as u32
+}
+
+/// The warp-specialized backward (attention_ws_bwd.cu): keys per work item, query rows per
+/// ring slot, ring slots, and its shared memory: alignment slack, K and V, the slots (Q, dO,
+/// and 1 KiB for their lse2 and delta rows), each consumer's dSᵀ tile and two dQ tiles, and the
+/// mbarriers.
+const WSB_BC: usize = 128;
+const WSB_BR: usize = 64;
+const WSB_STAGES: usize = 2;
+const WSB_SMEM: u32 = (WGMMA_ALIGN
+    + 2 * WSB_BC * 128
+    + WSB_STAGES * (2 * WSB_BR * 128 + 1024)
+    + 2 * 64 * WSB_BR * 2
+    + 4 * WSB_BR * 64 * 4
+    + 8 * (2 * WSB_STAGES + 2)) as u32;
+
+/// The TMA tensor map of one bf16 operand of the stored layout (q, k, v or dO; `ptr` at its
+/// first column): a matrix of one sequence position per row (the batch's rows side by side),
+/// from the view's first column to its last head's last one, row stride `ld` elements, copied
+/// in boxes of one head (64 columns) by `box_rows` positions, swizzled.
+fn operand_map(
+    g: &AttGeom,
+    ptr: CUdeviceptr,
+    ld: i32,
+    heads: i64,
+    rows: i64,
+    box_rows: usize,
+) -> Result<TmaMap> {
+    let (d, ld, batch) = (g.head_dim as u64, ld as u64, g.batch as u64);
+    tma::matrix(
+        Elem::Bf16,
+        ptr,
+        (
+            (batch - 1) * ld + heads as u64 * d,
+            rows as u64,
+            batch * ld * 2,
+        ),
+        (d as u32, box_rows as u32),
+        true,
+    )
+}
+
+/// The TMA tensor maps of q, k and v (bf16 pointers) for the warp-specialized forward.
+fn ws_tensor_maps(g: &AttGeom, [qp, kp, vp]: [CUdeviceptr; 3], keys: usize) -> Result<[TmaMap; 3]> {
+    Ok([
+        operand_map(g, qp, g.ld_q, g.heads, g.seq_q, WS_BR)?,
+        operand_map(g, kp, g.ld_kv, g.kv_heads, g.seq_kv, keys)?,
+        operand_map(g, vp, g.ld_kv, g.kv_heads, g.seq_kv, keys)?,
+    ])
+}
+
+/// The warp-specialized backward's tensor maps: q, dO, k, v (bf16 pointers), lse2 and delta
+/// (f32, one row of `att_rows` per (batch, head), boxes of one tile's 64 queries) and the dQ
+/// accumulator (f32, compact rows of batch · heads · head_dim; boxes of 32 columns × 64 query
+/// rows, swizzled, that the kernel adds into).
+fn wsb_tensor_maps(
+    g: &AttGeom,
+    [dop, qp, kp, vp]: [CUdeviceptr; 4],
+    (lse2, delta, dq_acc): (CUdeviceptr, CUdeviceptr, CUdeviceptr),
+) -> Result<[TmaMap; 7]> {
+    let bh = (g.batch * g.heads) as u64;
+    let rows_ld = (g.seq_q as u64).next_multiple_of(4);
+    let stats = |ptr| {
+        tma::matrix(
+            Elem::F32,
+            ptr,
+            (g.seq_q as u64, bh, rows_ld * 4),
+            (WSB_BR as u32, 1),
+            false,
+        )
+    };
+    let dq_cols = bh * g.head_dim as u64;
+    Ok([
+        operand_map(g, qp, g.ld_q, g.heads, g.seq_q, WSB_BR)?,
+        operand_map(g, dop, g.ld_o, g.heads, g.seq_q, WSB_BR)?,
+        operand_map(g, kp, g.ld_kv, g.kv_heads, g.seq_kv, WSB_BC)?,
+        operand_map(g, vp, g.ld_kv, g.kv_heads, g.seq_kv, WSB_BC)?,
+        stats(lse2)?,
+        stats(delta)?,
+        tma::matrix(
+            Elem::F32,
+            dq_acc,
+            (dq_cols, g.seq_q as u64, dq_cols * 4),
+            (32, WSB_BR as u32),
+            true,
+        )?,
+    ])
+}
+
 /// Shared memory a CTA may use without opting in to more.
 const DEFAULT_SMEM: u32 = 48 << 10;
 /// The most blocks a grid's y dimension takes.
@@ -684,7 +786,29 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
                 Arg::Ptr(kvpos),
                 Arg::Geom(g),
             ];
-            // The warpgroup-MMA forward where the GPU has it (a Hopper), else mma.sync.
+            // The warp-specialized, TMA-fed forward where it applies (a Hopper, head_dim 64,
+            // tensor maps the driver can encode), else the warpgroup-MMA one (a Hopper), else
+            // mma.sync.
+            let ws_keys = match () {
+                _ if be.variants.is("attention_fwd", "ws") => Some(WS_FWD_KEYS),
+                _ if be.variants.is("attention_fwd", "ws64") => Some(64),
+                _ => None,
+            };
+            if let (Some(keys), true, 64) = (ws_keys, be.is_hopper(), d) {
+                if let Ok(maps) = ws_tensor_maps(&g, [qp, kp, vp], keys) {
+                    let mut ws_args: Vec<Arg> = maps.into_iter().map(Arg::Tma).collect();
+                    ws_args.extend(args.into_iter().skip(3));
+                    let name = if keys == WS_FWD_KEYS {
+                        "attention_fwd_ws_d64"
+                    } else {
+                        "attention_fwd_ws64_d64"
+                    };
+                    let work = seq_q.div_ceil(WS_BR) * batch * heads;
+                    let ctas = work.min(be.limits.sms).max(1) as u32;
+                    let smem = ws_fwd_smem(keys);
+                    return launch_tc(be, name, (ctas, 1, false), WS_THREADS, smem, &ws_args);
+                }
+            }
             if be.variants.is("attention_fwd", "wgmma") && be.is_hopper() {
                 let (name, warpgroups, smem) = tc.wgmma_fwd();
                 let rows = 64 * warpgroups;
@@ -835,6 +959,26 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
         ];
         // Hopper: wgmma, which adds dQ four floats at a time and so needs a 16-byte aligned dQ
         // accumulator; otherwise, and elsewhere, fa2.
+        // The warp-specialized, TMA-fed backward where it applies (a Hopper, head_dim 64,
+        // tensor maps the driver can encode: 16-byte aligned rows).
+        if be.variants.is("attention_bwd", "ws") && be.is_hopper() && d == 64 {
+            let maps = wsb_tensor_maps(&g, [ptrs[0], qp, kp, vp], (lse2, delta, dq_acc));
+            if let Ok(maps) = maps {
+                let mut ws_args: Vec<Arg> = maps.into_iter().map(Arg::Tma).collect();
+                ws_args.extend([p(dk), p(dv), Arg::Ptr(qpos), Arg::Ptr(kvpos), Arg::Geom(g)]);
+                let work = seq_kv.div_ceil(WSB_BC) * batch * g.kv_heads as usize;
+                let ctas = work.min(be.limits.sms).max(1) as u32;
+                launch_tc(
+                    be,
+                    "attention_bwd_ws_d64",
+                    (ctas, 1, false),
+                    WS_THREADS,
+                    WSB_SMEM,
+                    &ws_args,
+                )?;
+                return dq_out(be, &layout, dq_acc, dq, g);
+            }
+        }
         let wgmma = be.variants.is("attention_bwd", "wgmma") && be.is_hopper();
         if tc.head_dim == WGMMA_BWD_HEAD_DIM && wgmma && dq_acc % 16 == 0 {
             launch_tc(
@@ -848,17 +992,27 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
         } else {
             launch_tc(be, tc.bwd, grid, TC_BWD_THREADS, tc.bwd_smem(), &args)?;
         }
-        if layout.dq_acc.is_some() {
-            // Into dq's rows: each bf16 element rounded once from its f32 sum (an f32 one, of
-            // a packed dqkv, copied).
-            be.launch_n(
-                "attention_dq_out",
-                dq.len / 4,
-                &[Arg::Ptr(dq_acc), p(dq), Arg::Geom(g)],
-            )?;
-        }
-        Ok(())
+        dq_out(be, &layout, dq_acc, dq, g)
     }
+}
+
+/// After a tensor-core backward: dq from its f32 accumulator where that is scratch (each bf16
+/// element rounded once from its f32 sum; an f32 one, of a packed dqkv, copied).
+fn dq_out(
+    be: &mut CudaBackend,
+    layout: &ScratchLayout,
+    dq_acc: CUdeviceptr,
+    dq: Buf,
+    g: AttGeom,
+) -> Result<()> {
+    if layout.dq_acc.is_some() {
+        be.launch_n(
+            "attention_dq_out",
+            dq.len / 4,
+            &[Arg::Ptr(dq_acc), p(dq), Arg::Geom(g)],
+        )?;
+    }
+    Ok(())
 }
 
 /// Deterministic small integers in [-3, 3] as bf16 bits (exact in bf16, and their products'

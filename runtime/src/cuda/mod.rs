@@ -41,6 +41,7 @@ mod staging;
 mod storage;
 mod stream;
 mod sum_squares;
+mod tma;
 mod variants;
 
 use crate::backend::{Backend, DeviceTransfer, StepScalars};
@@ -128,6 +129,7 @@ pub(crate) enum Arg {
     F64(f64),
     Geom(attention::AttGeom),
     Float(FloatArg),
+    Tma(tma::TmaMap),
 }
 
 // SAFETY: AttGeom is #[repr(C)] plain data matching the kernels' `struct AttGeom`.
@@ -439,6 +441,7 @@ impl CudaBackend {
                 Arg::F64(v) => b.arg(v),
                 Arg::Geom(g) => b.arg(g),
                 Arg::Float(f) => b.arg(f),
+                Arg::Tma(m) => b.arg(m),
             };
         }
         let cfg = LaunchConfig {

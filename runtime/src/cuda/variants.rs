@@ -23,7 +23,7 @@ const CHOICES: &[Choice] = &[
     Choice {
         op: "attention_fwd",
         env: "PARC_ATTENTION_FWD_KERNEL",
-        names: &["wgmma", "fa2"],
+        names: &["wgmma", "fa2", "ws", "ws64"],
     },
     // The bf16 attention backward: attention_wgmma_bwd.cu's software-pipelined warpgroup-MMA
     // kernel (Hopper, head_dim 64, a 16-byte aligned dQ accumulator; otherwise `fa2`), or
@@ -31,7 +31,7 @@ const CHOICES: &[Choice] = &[
     Choice {
         op: "attention_bwd",
         env: "PARC_ATTENTION_BWD_KERNEL",
-        names: &["wgmma", "fa2"],
+        names: &["wgmma", "fa2", "ws"],
     },
     // The fused cross-entropy: persistent CTAs that stage each row in shared memory (`staged`;
     // `rows` where a row does not fit or the logits are unaligned), or a block per row with

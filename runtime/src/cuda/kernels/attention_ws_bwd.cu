@@ -1,0 +1,321 @@
+// Flash-attention backward, warp-specialized (variant `ws` of op attention_bwd; Hopper,
+// compute_90a, head_dim 64): FlashAttention-3's backward structure, written for parc's layouts
+// with the contract of attention_wgmma_bwd.cu (after attention_delta_tc: lse2 and delta per
+// query row, the f32 dQ accumulator zeroed; dK, dV f32 or bf16; causal masking by global
+// position, whole invisible query tiles skipped when positions ascend).
+//
+// A persistent CTA (one an SM) of three warpgroups walks the work items (key tile of WSB_BC
+// keys, batch · kv head) blockIdx.x, + gridDim.x, ...: the first key tiles (the longest,
+// causal) of every head first. Warpgroup 0 is the producer: its first warp walks the items and
+// one lane issues the TMA loads, 128-byte swizzled (attention_wgmma_fwd.cu's tile layout): the
+// item's K and V once, then for each of its query tiles (the GQA group's heads in turn) Q, dO
+// (WSB_BR rows each) and their rows of lse2 and delta into a ring of WSB_STAGES slots.
+// Warpgroups 1 and 2 each own 64 of the item's keys, keep their dK, dV in registers, and per
+// query tile run
+//   Sᵀ = K_w Qᵀ, dPᵀ = V_w dOᵀ                 (issued together)
+//   Pᵀ = exp2(Sᵀ scale log2 e − lse2)           while dPᵀ multiplies
+//   dV += Pᵀ dO                                 (A = Pᵀ from registers)
+//   dSᵀ = Pᵀ ∘ (dPᵀ − delta)                    while dV multiplies; dSᵀ to shared memory
+//   dK += dSᵀ Q, dQ_w = dS K_w                  (dQ over this warpgroup's 64 keys)
+// then release the slot, put dQ_w (times scale) in shared memory and add it into the f32
+// accumulator with one TMA reduction per 32 columns (cp.reduce.async.bulk.tensor, double
+// buffered): no atomics issued by the threads, and the two consumers never wait for each other.
+#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+
+#define WSB_BC 128
+#define WSB_BR 64
+#define WSB_THREADS 384
+#define WSB_STAGES 2
+// Bytes of one ring slot: Q and dO tiles, then lse2 and delta rows (f32), padded so the next
+// slot's tiles stay 1024-byte aligned.
+#define WSB_SLOT (2 * WSB_BR * 128 + 1024)
+
+// Adds a shared-memory box into a 2-d f32 tensor in global memory (TMA reduction; rows or
+// columns out of bounds are dropped), as one bulk async group of this thread.
+__device__ __forceinline__ void tma_reduce_add_2d(const TmaMap& map, unsigned src, int c0, int c1) {
+    asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3}], [%1];"
+                 ::"l"(reinterpret_cast<unsigned long long>(&map)), "r"(src), "r"(c0), "r"(c1)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Waits until at most N of this thread's bulk groups still read their shared memory.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// A barrier of one warpgroup's 128 threads (named barrier id).
+__device__ __forceinline__ void wg_bar(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
+
+// The query tiles of one item, the same in the producer and the consumers: the tiles [first,
+// q_tiles) of each of the group's heads that some key of [j0, j0 + WSB_BC) is visible to,
+// those before first_full masked.
+struct WsbRange {
+    int first, first_full, per_head, total;
+};
+
+__device__ __forceinline__ WsbRange wsb_range(const int* qpos, const int* kvpos, const AttGeom& g, int j0, int group) {
+    int seq_q = (int)g.seq_q, seq_kv = (int)g.seq_kv;
+    int jl = j0 + WSB_BC - 1 < seq_kv - 1 ? j0 + WSB_BC - 1 : seq_kv - 1;
+    int first_kpos = kvpos[j0], last_kpos = kvpos[jl];
+    bool whole = j0 + WSB_BC <= seq_kv;
+    int q_tiles = (seq_q + WSB_BR - 1) / WSB_BR;
+    WsbRange r;
+    r.first = 0;
+    r.first_full = whole ? 0 : q_tiles;
+    if (g.causal && g.q_sorted && g.kv_sorted) {
+        // Tiles whose last query is before the first key are invisible (a prefix); tiles whose
+        // first query is before the last key need masking (a prefix).
+        int lo = 0, hi = q_tiles;
+        while (lo < hi) {
+            int mid = (lo + hi) / 2, il = mid * WSB_BR + WSB_BR - 1 < seq_q - 1 ? mid * WSB_BR + WSB_BR - 1 : seq_q - 1;
+            if (qpos[il] < first_kpos) lo = mid + 1; else hi = mid;
+        }
+        r.first = lo;
+        if (whole) {
+            lo = 0; hi = q_tiles;
+            while (lo < hi) { int mid = (lo + hi) / 2; if (qpos[mid * WSB_BR] < last_kpos) lo = mid + 1; else hi = mid; }
+            r.first_full = lo;
+        }
+    } else if (g.causal) {
+        r.first_full = q_tiles;
+    }
+    r.per_head = q_tiles - r.first;
+    r.total = group * r.per_head;
+    r.first = __shfl_sync(FULL_MASK, r.first, 0);
+    r.first_full = __shfl_sync(FULL_MASK, r.first_full, 0);
+    r.per_head = __shfl_sync(FULL_MASK, r.per_head, 0);
+    r.total = __shfl_sync(FULL_MASK, r.total, 0);
+    return r;
+}
+
+// Byte offset of the f32 pair at (row r, column c, c even) of a dQ tile in shared memory: two
+// 128-byte-swizzled column blocks of 32 floats × WSB_BR rows (the reduction's tensor-map boxes).
+__device__ __forceinline__ int wsb_dq_off(int r, int c) {
+    return (c >> 5) * (WSB_BR * 128) + r * 128 + (((((c & 31) >> 2) ^ (r & 7))) << 4) + (c & 3) * 4;
+}
+
+// grid: min(items, SMs); block: WSB_THREADS; shared: 1024 (alignment) + K, V (WSB_BC rows) +
+// WSB_STAGES slots + dSᵀ (64 keys × WSB_BR bf16) per consumer + two dQ tiles (WSB_BR × 64 f32)
+// per consumer + 2 WSB_STAGES + 2 mbarriers.
+__device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap& tdo, const TmaMap& tk, const TmaMap& tv, const TmaMap& tlse, const TmaMap& tdelta, const TmaMap& tdq, void* dk, void* dv, const int* qpos, const int* kvpos, const AttGeom& g) {
+    constexpr int D = 64, BC = WSB_BC, BR = WSB_BR;
+    constexpr int KT = BC * 128, QT = BR * 128, DST = 64 * BR * 2, DQT = BR * D * 4;
+    extern __shared__ __align__(16) unsigned char wsb_smem_raw[];
+    unsigned raw = tc_smem_addr(wsb_smem_raw);
+    int align = (1024 - (raw & 1023)) & 1023;
+    unsigned char* smem = wsb_smem_raw + align;
+    unsigned base = raw + align;
+    unsigned k_addr = base, v_addr = base + KT;
+    unsigned slots = v_addr + KT;                     // slot s at slots + s WSB_SLOT
+    unsigned ds_addr0 = slots + WSB_STAGES * WSB_SLOT;  // consumer c's dSᵀ at + c DST
+    unsigned dq_addr0 = ds_addr0 + 2 * DST;             // consumer c's buffer u at + (2 c + u) DQT
+    unsigned bars = dq_addr0 + 4 * DQT;
+    // full[s] at bars + 8 s, empty[s] at bars + 8 (WSB_STAGES + s), kv_full, kv_empty after.
+    unsigned kv_full = bars + 16 * WSB_STAGES, kv_empty = kv_full + 8;
+    int bkh_count = (int)(g.batch * g.kv_heads), group = (int)(g.heads / g.kv_heads);
+    int k_tiles = ((int)g.seq_kv + BC - 1) / BC;
+    int work = k_tiles * bkh_count;
+    int wg = __shfl_sync(FULL_MASK, (int)threadIdx.x / WG_THREADS, 0);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < WSB_STAGES; s++) {
+            mbar_init(bars + 8 * s, 1);
+            mbar_init(bars + 8 * (WSB_STAGES + s), 2 * WG_THREADS);
+        }
+        mbar_init(kv_full, 1);
+        mbar_init(kv_empty, 2 * WG_THREADS);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    if (wg == 0) {
+        regs_dealloc<24>();
+        if (threadIdx.x >= 32) return;
+        bool leader = threadIdx.x == 0;
+        if (leader) {
+            tma_prefetch(tq);
+            tma_prefetch(tdo);
+            tma_prefetch(tk);
+            tma_prefetch(tv);
+        }
+        int it = 0, item = 0;
+        for (int w = blockIdx.x; w < work; w += gridDim.x, item++) {
+            int bk = w % bkh_count, j0 = (w / bkh_count) * BC;
+            int b = bk / (int)g.kv_heads, kvh = bk % (int)g.kv_heads;
+            WsbRange r = wsb_range(qpos, kvpos, g, j0, group);
+            if (leader) {
+                mbar_wait(kv_empty, (item & 1) ^ 1);
+                mbar_expect_tx(kv_full, 2 * KT);
+                tma_load_2d(k_addr, tk, kv_full, b * g.ld_kv + kvh * D, j0);
+                tma_load_2d(v_addr, tv, kv_full, b * g.ld_kv + kvh * D, j0);
+                for (int t = 0; t < r.total; t++, it++) {
+                    int h = kvh * group + t / r.per_head, i0 = (r.first + t % r.per_head) * BR;
+                    int s = it % WSB_STAGES;
+                    unsigned full = bars + 8 * s, slot = slots + s * WSB_SLOT;
+                    mbar_wait(bars + 8 * (WSB_STAGES + s), ((it / WSB_STAGES) & 1) ^ 1);
+                    mbar_expect_tx(full, 2 * QT + 2 * BR * 4);
+                    tma_load_2d(slot, tq, full, b * g.ld_q + h * D, i0);
+                    tma_load_2d(slot + QT, tdo, full, b * g.ld_o + h * D, i0);
+                    int bh = b * (int)g.heads + h;
+                    tma_load_2d(slot + 2 * QT, tlse, full, i0, bh);
+                    tma_load_2d(slot + 2 * QT + BR * 4, tdelta, full, i0, bh);
+                }
+            }
+            __syncwarp();
+        }
+        return;
+    }
+    regs_alloc<240>();
+    int cw = wg - 1, warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
+    int gq = lane >> 2, tq4 = lane & 3;
+    bool elected = (threadIdx.x & 127) == 0;
+    int seq_q = (int)g.seq_q, seq_kv = (int)g.seq_kv, last_q = seq_q - 1;
+    unsigned ds_addr = ds_addr0 + cw * DST;
+    unsigned char* sds = smem + (ds_addr - base);
+    float sl2 = g.scale * TC_LOG2E;
+    bool dk_bf16 = g.bf16 & ATT_BF16_DK, dv_bf16 = g.bf16 & ATT_BF16_DV;
+    int it = 0, item = 0;
+    for (int w = blockIdx.x; w < work; w += gridDim.x, item++) {
+        int bk = w % bkh_count, j0 = (w / bkh_count) * BC;
+        int b = bk / (int)g.kv_heads, kvh = bk % (int)g.kv_heads;
+        WsbRange r = wsb_range(qpos, kvpos, g, j0, group);
+        // This thread's key rows: 64 cw + 16 warp + gq and + 8 of the item.
+        int ka = j0 + 64 * cw + 16 * warp + gq, kb = ka + 8;
+        int pa = ka < seq_kv ? (g.causal ? kvpos[ka] : TC_INT_MIN) : TC_INT_MAX;
+        int pb = kb < seq_kv ? (g.causal ? kvpos[kb] : TC_INT_MIN) : TC_INT_MAX;
+        float dka[32], dva[32];
+        #pragma unroll
+        for (int i = 0; i < 32; i++) { dka[i] = 0.0f; dva[i] = 0.0f; }
+        unsigned kw = k_addr + cw * 64 * 128;  // this consumer's keys of K
+        mbar_wait(kv_full, item & 1);
+        for (int t = 0; t < r.total; t++, it++) {
+            int h = kvh * group + t / r.per_head, tile = r.first + t % r.per_head, i0 = tile * BR;
+            int s = it % WSB_STAGES;
+            unsigned slot = slots + s * WSB_SLOT, q_addr = slot, do_addr = slot + QT;
+            const float* sl = reinterpret_cast<const float*>(smem + (slot - base) + 2 * QT);
+            const float* sd = sl + BR;
+            bool masked = tile < r.first_full;
+            mbar_wait(bars + 8 * s, (it / WSB_STAGES) & 1);
+            float sa[32], dp[32], dq[32];
+            wg_fence();
+            #pragma unroll
+            for (int kk = 0; kk < D / 16; kk++) wg_mma_ss_n64(sa, wg_desc_k<BC>(k_addr, 64 * cw, kk), wg_desc_k<BR>(q_addr, 0, kk), kk > 0);
+            wg_commit();
+            wg_fence();
+            #pragma unroll
+            for (int kk = 0; kk < D / 16; kk++) wg_mma_ss_n64(dp, wg_desc_k<BC>(v_addr, 64 * cw, kk), wg_desc_k<BR>(do_addr, 0, kk), kk > 0);
+            wg_commit();
+            asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+            wg_hold(sa);
+            // Pᵀ: element (nb, half, e) is key row 16 warp + 8 half + gq, query column
+            // nb 8 + 2 tq + e.
+            #pragma unroll
+            for (int nb = 0; nb < BR / 8; nb++) {
+                #pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    int c = nb * 8 + 2 * tq4 + e;
+                    float l = sl[c];
+                    float xa = tc_exp2(__fmaf_rn(sa[4 * nb + e], sl2, -l)), xb = tc_exp2(__fmaf_rn(sa[4 * nb + 2 + e], sl2, -l));
+                    if (masked) {
+                        int row = i0 + c < last_q ? i0 + c : last_q;
+                        int qp = __ldg(qpos + row);
+                        if (pa > qp) xa = 0.0f;
+                        if (pb > qp) xb = 0.0f;
+                    }
+                    sa[4 * nb + e] = xa;
+                    sa[4 * nb + 2 + e] = xb;
+                }
+            }
+            unsigned pf[4][4], dsf[4][4];
+            wb_acc_to_a(pf, sa);
+            wg_fence();
+            #pragma unroll
+            for (int kk = 0; kk < BR / 16; kk++) wg_mma_rs_n64(dva, pf[kk], wg_desc_mn<BR>(do_addr, kk), 1);
+            wg_commit();
+            asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+            wg_hold(dp);
+            #pragma unroll
+            for (int nb = 0; nb < BR / 8; nb++) {
+                #pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    float dl = sd[nb * 8 + 2 * tq4 + e];
+                    dp[4 * nb + e] = sa[4 * nb + e] * (dp[4 * nb + e] - dl);
+                    dp[4 * nb + 2 + e] = sa[4 * nb + 2 + e] * (dp[4 * nb + 2 + e] - dl);
+                }
+            }
+            wb_acc_to_a(dsf, dp);
+            // dSᵀ (this warpgroup's 64 keys × the tile's queries) for dQ's A operand.
+            #pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                int rr = warp * 16 + gq, c = kk * 16 + 2 * tq4;
+                *reinterpret_cast<unsigned*>(sds + wg_chunk<64>(rr, c >> 3) + (c & 7) * 2) = dsf[kk][0];
+                *reinterpret_cast<unsigned*>(sds + wg_chunk<64>(rr + 8, c >> 3) + (c & 7) * 2) = dsf[kk][1];
+                *reinterpret_cast<unsigned*>(sds + wg_chunk<64>(rr, (c + 8) >> 3) + (c & 7) * 2) = dsf[kk][2];
+                *reinterpret_cast<unsigned*>(sds + wg_chunk<64>(rr + 8, (c + 8) >> 3) + (c & 7) * 2) = dsf[kk][3];
+            }
+            // The dQ buffer written below was last read by the reduction of two tiles ago.
+            if (elected) bulk_wait_read<1>();
+            wg_fence_proxy();
+            wg_bar(1 + cw);
+            wg_fence();
+            #pragma unroll
+            for (int kk = 0; kk < BR / 16; kk++) wg_mma_rs_n64(dka, dsf[kk], wg_desc_mn<BR>(q_addr, kk), 1);
+            wg_commit();
+            wg_fence();
+            #pragma unroll
+            for (int kk = 0; kk < 4; kk++) wb_mma64_ss<1, 1>(dq, wg_desc_mn<64>(ds_addr, kk), wg_desc_mn<BC>(kw, kk), kk > 0);
+            wg_commit();
+            wg_wait_all();
+            wg_hold(dva);
+            wg_hold(dka);
+            wg_hold(dq);
+            ws_hold_u(pf);
+            ws_hold_u(dsf);
+            mbar_arrive(bars + 8 * (WSB_STAGES + s));
+            // dQ_w · scale into this consumer's buffer (it & 1), then one reduction per
+            // 32-column block into the accumulator's rows [i0, i0 + BR) of head (b, h).
+            unsigned dq_addr = dq_addr0 + (2 * cw + (it & 1)) * DQT;
+            unsigned char* sdq = smem + (dq_addr - base);
+            #pragma unroll
+            for (int nb = 0; nb < D / 8; nb++) {
+                int rr = warp * 16 + gq, c = nb * 8 + 2 * tq4;
+                *reinterpret_cast<float2*>(sdq + wsb_dq_off(rr, c)) = make_float2(g.scale * dq[4 * nb], g.scale * dq[4 * nb + 1]);
+                *reinterpret_cast<float2*>(sdq + wsb_dq_off(rr + 8, c)) = make_float2(g.scale * dq[4 * nb + 2], g.scale * dq[4 * nb + 3]);
+            }
+            wg_fence_proxy();
+            wg_bar(1 + cw);
+            if (elected) {
+                int col = (b * (int)g.heads + h) * D;
+                tma_reduce_add_2d(tdq, dq_addr, col, i0);
+                tma_reduce_add_2d(tdq, dq_addr + BR * 128, col + 32, i0);
+                bulk_commit();
+            }
+        }
+        mbar_arrive(kv_empty);
+        int dkv_stride = (int)g.batch * g.ld_dkv, head = b * g.ld_dkv + kvh * D + 2 * tq4;
+        if (ka < seq_kv) {
+            long long row = (long long)ka * dkv_stride + head;
+            #pragma unroll
+            for (int nb = 0; nb < D / 8; nb++) {
+                tc_store2(dk, row + nb * 8, g.scale * dka[4 * nb], g.scale * dka[4 * nb + 1], dk_bf16);
+                tc_store2(dv, row + nb * 8, dva[4 * nb], dva[4 * nb + 1], dv_bf16);
+            }
+        }
+        if (kb < seq_kv) {
+            long long row = (long long)kb * dkv_stride + head;
+            #pragma unroll
+            for (int nb = 0; nb < D / 8; nb++) {
+                tc_store2(dk, row + nb * 8, g.scale * dka[4 * nb + 2], g.scale * dka[4 * nb + 3], dk_bf16);
+                tc_store2(dv, row + nb * 8, dva[4 * nb + 2], dva[4 * nb + 3], dv_bf16);
+            }
+        }
+    }
+    // The reductions read shared memory until they complete: the CTA must outlive them.
+    if (elected) bulk_wait_all();
+}
+
+extern "C" __global__ void __launch_bounds__(WSB_THREADS, 1) attention_bwd_ws_d64(
+    const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tdo, const __grid_constant__ TmaMap tk,
+    const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tlse, const __grid_constant__ TmaMap tdelta,
+    const __grid_constant__ TmaMap tdq, void* dk, void* dv, const int* qpos, const int* kvpos, AttGeom g) {
+    wsb_attention_bwd(tq, tdo, tk, tv, tlse, tdelta, tdq, dk, dv, qpos, kvpos, g);
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL

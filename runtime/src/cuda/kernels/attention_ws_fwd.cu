@@ -1,0 +1,330 @@
+// Flash-attention forward, warp-specialized (variants `ws` / `ws64` of op attention_fwd; Hopper,
+// compute_90a, head_dim 64): the structure of FlashAttention-3's forward, written for parc's
+// layouts and with the contract of attention_wgmma_fwd.cu (bf16 q, k, v in the stored layout
+// [seq, batch, heads, head_dim] read through AttGeom's row strides, GQA, visibility by global
+// position with whole invisible tiles skipped and only diagonal tiles masked when positions
+// ascend, rows past seq zero, fully masked rows o = 0 and lse = −inf, O f32 or bf16, lse f32 in
+// natural log at (batch · heads + head) · seq_q + row).
+//
+// A persistent CTA (one an SM) of three warpgroups walks the work items (query tile, batch ·
+// head) blockIdx.x, + gridDim.x, ...: the longest (last, causal) query tiles of every head
+// first. Warpgroup 0 is the producer: one thread issues TMA loads (tensor maps of q, k, v,
+// 128-byte swizzle: attention_wgmma_fwd.cu's tile layout, so its descriptors serve) of the
+// item's Q tile (WS_BR rows) and of its K/V tiles (BC rows) into a ring of WS_STAGES slots,
+// each load completing on its slot's mbarrier; the others give their registers back
+// (setmaxnreg). Warpgroups 1 and 2 each own 64 query rows and run, per key tile t:
+//   S_t = Q K_tᵀ (issued), O += P_{t−1} V_{t−1} (issued), wait for S_t only,
+//   online softmax of S_t while P_{t−1} V_{t−1} multiplies, wait, release slot t − 1,
+//   rescale O, P_t = bf16(S_t)
+// so the tensor cores work through each softmax (FA3's intra-warpgroup overlap), and the two
+// consumer warpgroups never wait for each other (no CTA barrier in the loop). A consumer that
+// has no work on a tile (causal, its rows all before the tile) still waits for the slot and
+// releases it, so the ring's phases stay in step.
+#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+
+#define WS_BR 128
+#define WS_THREADS 384
+#define WS_STAGES 2
+
+// d (64 x 128, fp32 accumulators) (+)= A·B, A and B from shared memory, both K-major.
+__device__ __forceinline__ void wg_mma_ss_n128(float (&d)[64], unsigned long long a, unsigned long long b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// S (64 x BC) = Q Kᵀ over the head dim, both K-major in shared memory.
+template <int BC>
+__device__ __forceinline__ void ws_qk(float (&s)[BC / 2], unsigned q_addr, int row0, unsigned k_addr);
+template <>
+__device__ __forceinline__ void ws_qk<64>(float (&s)[32], unsigned q_addr, int row0, unsigned k_addr) {
+    #pragma unroll
+    for (int kk = 0; kk < 4; kk++) wg_mma_ss_n64(s, wg_desc_k<WS_BR>(q_addr, row0, kk), wg_desc_k<64>(k_addr, 0, kk), kk > 0);
+}
+template <>
+__device__ __forceinline__ void ws_qk<128>(float (&s)[64], unsigned q_addr, int row0, unsigned k_addr) {
+    #pragma unroll
+    for (int kk = 0; kk < 4; kk++) wg_mma_ss_n128(s, wg_desc_k<WS_BR>(q_addr, row0, kk), wg_desc_k<128>(k_addr, 0, kk), kk > 0);
+}
+
+// Keeps the compiler from reusing P's registers while a wgmma reading them may be in flight.
+template <int N>
+__device__ __forceinline__ void ws_hold_u(unsigned (&r)[N][4]) {
+    #pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+r"(r[i][0]), "+r"(r[i][1]), "+r"(r[i][2]), "+r"(r[i][3])::"memory");
+}
+
+// One work item's tile ranges, the same in the producer and the consumers: the CTA's query
+// rows [i0, i0 + WS_BR), the key tiles [0, tiles) it loads, and for one consumer's 64 rows
+// starting at row0 the tiles [0, wg_tiles) it computes and [0, wg_full) of them unmasked.
+template <int BC>
+struct WsRange {
+    int tiles, wg_tiles, wg_full;
+};
+
+template <int BC>
+__device__ __forceinline__ WsRange<BC> ws_range(const int* qpos, const int* kvpos, const AttGeom& g, int i0, int row0) {
+    int seq_q = (int)g.seq_q, seq_kv = (int)g.seq_kv, last = seq_q - 1;
+    WsRange<BC> r;
+    r.tiles = (seq_kv + BC - 1) / BC;
+    int full = seq_kv / BC;
+    r.wg_tiles = r.tiles;
+    r.wg_full = full;
+    if (g.causal && g.q_sorted && g.kv_sorted) {
+        int last_pos = qpos[i0 + WS_BR - 1 < last ? i0 + WS_BR - 1 : last];
+        int wg_first = qpos[row0 < last ? row0 : last];
+        int wg_last = qpos[row0 + 63 < last ? row0 + 63 : last];
+        // Prefix counts (positions ascend): tiles whose first key some row sees, and whole
+        // tiles whose last key every row sees.
+        int lo = 0, hi = r.tiles;
+        while (lo < hi) { int mid = (lo + hi) / 2; if (kvpos[mid * BC] <= last_pos) lo = mid + 1; else hi = mid; }
+        r.tiles = lo;
+        lo = 0; hi = r.tiles;
+        while (lo < hi) { int mid = (lo + hi) / 2; if (kvpos[mid * BC] <= wg_last) lo = mid + 1; else hi = mid; }
+        r.wg_tiles = lo;
+        lo = 0; hi = full;
+        while (lo < hi) { int mid = (lo + hi) / 2; if (kvpos[mid * BC + BC - 1] <= wg_first) lo = mid + 1; else hi = mid; }
+        r.wg_full = lo;
+    } else if (g.causal) {
+        r.wg_full = 0;
+    }
+    if (row0 >= seq_q) r.wg_tiles = 0;
+    if (r.wg_full > r.wg_tiles) r.wg_full = r.wg_tiles;
+    // The same in every lane (they are), as far as the compiler can tell: wgmma loops bounded
+    // by them are then not on a divergent path (which ptxas serializes, C7520).
+    r.tiles = __shfl_sync(FULL_MASK, r.tiles, 0);
+    r.wg_tiles = __shfl_sync(FULL_MASK, r.wg_tiles, 0);
+    r.wg_full = __shfl_sync(FULL_MASK, r.wg_full, 0);
+    return r;
+}
+
+// Masks (when masked) and exponentiates one S tile in place, updating the row maxima m and
+// sums l; returns the factors the running O must be scaled by (corr). s[4 nb + 2 half + e] is
+// row 16 warp + 8 half + gq of the warpgroup, key nb · 8 + 2 tq + e of the tile.
+template <int BC>
+__device__ __forceinline__ void ws_softmax(float (&s)[BC / 2], float (&m)[2], float (&l)[2], float (&corr)[2], bool masked, int kv_left, const int* kp, const int (&pos)[2], bool causal, float sl2, int tq) {
+    #pragma unroll
+    for (int half = 0; half < 2; half++) {
+        float x = NEG_INF;
+        #pragma unroll
+        for (int nb = 0; nb < BC / 8; nb++) {
+            #pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float val = s[4 * nb + 2 * half + e];
+                if (masked) {
+                    int c = nb * 8 + 2 * tq + e;
+                    if (c >= kv_left || (causal && __ldg(kp + c) > pos[half])) val = NEG_INF;
+                }
+                s[4 * nb + 2 * half + e] = val;
+                x = fmaxf(x, val);
+            }
+        }
+        x = fmaxf(m[half], tc_quad_max(x) * sl2);
+        float base = x == NEG_INF ? 0.0f : x;
+        corr[half] = tc_exp2(m[half] - base);
+        m[half] = x;
+        float sum = 0.0f;
+        #pragma unroll
+        for (int nb = 0; nb < BC / 8; nb++) {
+            #pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float p = tc_exp2(__fmaf_rn(s[4 * nb + 2 * half + e], sl2, -base));
+                s[4 * nb + 2 * half + e] = p;
+                sum += p;
+            }
+        }
+        l[half] = l[half] * corr[half] + sum;
+    }
+}
+
+// grid: min(work items, SMs); block: WS_THREADS; shared: 1024 (alignment) + Q (WS_BR rows) +
+// WS_STAGES slots of K and V (BC rows each) + 3 WS_STAGES + 2 mbarriers.
+template <int BC>
+__device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const TmaMap& tk_map, const TmaMap& tv_map, void* o, float* lse, const int* qpos, const int* kvpos, const AttGeom& g) {
+    constexpr int D = 64;
+    constexpr int Q_BYTES = WG_TILE_BYTES(WS_BR, D), KV_BYTES = WG_TILE_BYTES(BC, D);
+    extern __shared__ __align__(16) unsigned char ws_smem_raw[];
+    unsigned raw = tc_smem_addr(ws_smem_raw);
+    unsigned char* smem = ws_smem_raw + ((1024 - (raw & 1023)) & 1023);
+    unsigned q_addr = tc_smem_addr(smem);
+    unsigned kv_addr = q_addr + Q_BYTES;  // slot s: K at kv_addr + 2 s KV_BYTES, V after it
+    unsigned bars = kv_addr + 2 * WS_STAGES * KV_BYTES;
+    // full[s] at bars + 8 s, empty[s] at bars + 8 (WS_STAGES + s), q_full, q_empty after.
+    unsigned q_full = bars + 16 * WS_STAGES, q_empty = q_full + 8;
+    int bh_count = (int)(g.batch * g.heads);
+    int q_tiles = ((int)g.seq_q + WS_BR - 1) / WS_BR;
+    int work = q_tiles * bh_count;
+    // The warpgroup, warp-uniform to the compiler (as CUTLASS's canonical_warp_group_idx).
+    int wg = __shfl_sync(FULL_MASK, (int)threadIdx.x / WG_THREADS, 0);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < WS_STAGES; s++) {
+            mbar_init(bars + 8 * s, 1);
+            mbar_init(bars + 8 * (WS_STAGES + s), 2 * WG_THREADS);
+        }
+        mbar_init(q_full, 1);
+        mbar_init(q_empty, 2 * WG_THREADS);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    if (wg == 0) {
+        regs_dealloc<24>();
+        // Warp 0 walks the items (ws_range's broadcasts need the whole warp); lane 0 issues.
+        if (threadIdx.x >= 32) return;
+        bool leader = threadIdx.x == 0;
+        if (leader) {
+            tma_prefetch(tq_map);
+            tma_prefetch(tk_map);
+            tma_prefetch(tv_map);
+        }
+        int it = 0, item = 0;
+        for (int w = blockIdx.x; w < work; w += gridDim.x, item++) {
+            int bh = w % bh_count, i0 = (q_tiles - 1 - w / bh_count) * WS_BR;
+            int b = bh / (int)g.heads, h = bh % (int)g.heads;
+            int kvh = h / (int)(g.heads / g.kv_heads);
+            // The CTA's key tiles: those of its later consumer (rows i0 + 64 ..), which sees
+            // every key the earlier one does.
+            WsRange<BC> r = ws_range<BC>(qpos, kvpos, g, i0, i0 + 64);
+            int tiles = r.tiles;
+            if (leader) {
+                mbar_wait(q_empty, (item & 1) ^ 1);
+                mbar_expect_tx(q_full, Q_BYTES);
+                tma_load_2d(q_addr, tq_map, q_full, b * g.ld_q + h * D, i0);
+            }
+            int kc = b * g.ld_kv + kvh * D;
+            for (int t = 0; t < tiles; t++, it++) {
+                if (!leader) continue;
+                int s = it % WS_STAGES;
+                unsigned full = bars + 8 * s, empty = bars + 8 * (WS_STAGES + s);
+                mbar_wait(empty, ((it / WS_STAGES) & 1) ^ 1);
+                mbar_expect_tx(full, 2 * KV_BYTES);
+                unsigned k_addr = kv_addr + 2 * s * KV_BYTES;
+                tma_load_2d(k_addr, tk_map, full, kc, t * BC);
+                tma_load_2d(k_addr + KV_BYTES, tv_map, full, kc, t * BC);
+            }
+            __syncwarp();
+        }
+        return;
+    }
+    regs_alloc<240>();
+    int cw = wg - 1, warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
+    int gq = lane >> 2, tq = lane & 3;
+    int seq_q = (int)g.seq_q, seq_kv = (int)g.seq_kv, last = seq_q - 1;
+    int o_stride = (int)g.batch * g.ld_o;
+    float sl2 = g.scale * TC_LOG2E;
+    bool o_bf16 = g.bf16 & ATT_BF16_O;
+    int it = 0, item = 0;
+    for (int w = blockIdx.x; w < work; w += gridDim.x, item++) {
+        int bh = w % bh_count, i0 = (q_tiles - 1 - w / bh_count) * WS_BR;
+        int b = bh / (int)g.heads, h = bh % (int)g.heads;
+        int wg_row0 = i0 + 64 * cw;
+        WsRange<BC> cta = ws_range<BC>(qpos, kvpos, g, i0, i0 + 64);
+        WsRange<BC> r = ws_range<BC>(qpos, kvpos, g, i0, wg_row0);
+        int tiles = cta.tiles;
+        int pos[2];
+        float m[2], l[2];
+        #pragma unroll
+        for (int half = 0; half < 2; half++) {
+            int row = wg_row0 + 16 * warp + 8 * half + gq;
+            pos[half] = qpos[row < last ? row : last];
+            m[half] = NEG_INF;
+            l[half] = 0.0f;
+        }
+        float acc[D / 2];
+        #pragma unroll
+        for (int i = 0; i < D / 2; i++) acc[i] = 0.0f;
+        mbar_wait(q_full, item & 1);
+        int n = r.wg_tiles;
+        float s[BC / 2];
+        unsigned pa[BC / 16][4];
+        if (n == 0) {
+            mbar_arrive(q_empty);
+        } else {
+            // Tile 0: S_0 alone (O is still zero).
+            mbar_wait(bars + 8 * (it % WS_STAGES), (it / WS_STAGES) & 1);
+            wg_fence();
+            ws_qk<BC>(s, q_addr, 64 * cw, kv_addr + 2 * (it % WS_STAGES) * KV_BYTES);
+            wg_commit();
+            wg_wait_all();
+            wg_hold(s);
+            if (n == 1) mbar_arrive(q_empty);
+            float corr[2];
+            ws_softmax<BC>(s, m, l, corr, 0 >= r.wg_full, seq_kv, kvpos, pos, g.causal, sl2, tq);
+            #pragma unroll
+            for (int kk = 0; kk < BC / 16; kk++) wg_acc_to_a(pa[kk], s, kk);
+            for (int t = 1; t < n; t++) {
+                int slot = (it + t) % WS_STAGES, prev = (it + t - 1) % WS_STAGES;
+                mbar_wait(bars + 8 * slot, ((it + t) / WS_STAGES) & 1);
+                wg_fence();
+                ws_qk<BC>(s, q_addr, 64 * cw, kv_addr + 2 * slot * KV_BYTES);
+                wg_commit();
+                // O += P_{t-1} V_{t-1}, its own pipeline stage, multiplying while S_t's
+                // softmax runs.
+                unsigned v_prev = kv_addr + 2 * prev * KV_BYTES + KV_BYTES;
+                wg_fence();
+                #pragma unroll
+                for (int kk = 0; kk < BC / 16; kk++) wg_mma_rs_n64(acc, pa[kk], wg_desc_mn<BC>(v_prev, kk), 1);
+                wg_commit();
+                asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+                wg_hold(s);
+                if (t == n - 1) mbar_arrive(q_empty);  // this consumer's last read of Q
+                int j0 = t * BC;
+                ws_softmax<BC>(s, m, l, corr, t >= r.wg_full, seq_kv - j0, kvpos + j0, pos, g.causal, sl2, tq);
+                wg_wait_all();
+                wg_hold(acc);
+                ws_hold_u(pa);
+                mbar_arrive(bars + 8 * (WS_STAGES + prev));
+                #pragma unroll
+                for (int nb = 0; nb < D / 8; nb++) {
+                    acc[4 * nb + 0] *= corr[0];
+                    acc[4 * nb + 1] *= corr[0];
+                    acc[4 * nb + 2] *= corr[1];
+                    acc[4 * nb + 3] *= corr[1];
+                }
+                #pragma unroll
+                for (int kk = 0; kk < BC / 16; kk++) wg_acc_to_a(pa[kk], s, kk);
+            }
+            int slot = (it + n - 1) % WS_STAGES;
+            wg_fence();
+            #pragma unroll
+            for (int kk = 0; kk < BC / 16; kk++) wg_mma_rs_n64(acc, pa[kk], wg_desc_mn<BC>(kv_addr + 2 * slot * KV_BYTES + KV_BYTES, kk), 1);
+            wg_commit();
+            wg_wait_all();
+            wg_hold(acc);
+            ws_hold_u(pa);
+            mbar_arrive(bars + 8 * (WS_STAGES + slot));
+        }
+        // The CTA's tiles this consumer does not compute: wait for each and release it.
+        for (int t = n; t < tiles; t++) {
+            int slot = (it + t) % WS_STAGES;
+            mbar_wait(bars + 8 * slot, ((it + t) / WS_STAGES) & 1);
+            mbar_arrive(bars + 8 * (WS_STAGES + slot));
+        }
+        it += tiles;
+        #pragma unroll
+        for (int half = 0; half < 2; half++) {
+            float sum = tc_quad_sum(l[half]);
+            float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            int row = wg_row0 + 16 * warp + 8 * half + gq;
+            if (row < seq_q) {
+                long long out = (long long)row * o_stride + b * g.ld_o + h * D + 2 * tq;
+                #pragma unroll
+                for (int nb = 0; nb < D / 8; nb++) tc_store2(o, out + nb * 8, acc[4 * nb + 2 * half] * inv, acc[4 * nb + 2 * half + 1] * inv, o_bf16);
+                if (tq == 0) lse[(long long)bh * seq_q + row] = sum > 0.0f ? (m[half] + log2f(sum)) * TC_LN2 : NEG_INF;
+            }
+        }
+    }
+}
+
+#define WS_FWD(NAME, BC)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) NAME(                                   \
+        const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,                           \
+        const __grid_constant__ TmaMap tv, void* o, float* lse, const int* qpos, const int* kvpos,      \
+        AttGeom g) {                                                                                     \
+        ws_attention_fwd<BC>(tq, tk, tv, o, lse, qpos, kvpos, g);                                        \
+    }
+WS_FWD(attention_fwd_ws_d64, 128)
+WS_FWD(attention_fwd_ws64_d64, 64)
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
