@@ -93,6 +93,39 @@ __device__ __forceinline__ int wsb_dq_off(int r, int c) {
     return (c >> 5) * (WSB_BR * 128) + r * 128 + (((((c & 31) >> 2) ^ (r & 7))) << 4) + (c & 3) * 4;
 }
 
+// Pᵀ = exp2(Sᵀ scale log2 e − lse2) in place; MASKED: zero where the key (position pa, pb for
+// this thread's two key rows) is after the query. Element (nb, half, e) of s is key row half,
+// query column nb 8 + 2 tq + e of the tile at i0; the masked instantiation loads its queries'
+// positions together before it uses any.
+template <bool MASKED>
+__device__ __forceinline__ void wsb_probs(float (&s)[32], const float* sl, const int* qpos, int i0, int last_q, int pa, int pb, float sl2, int tq) {
+    int qp[WSB_BR / 4];
+    if (MASKED) {
+        #pragma unroll
+        for (int nb = 0; nb < WSB_BR / 8; nb++) {
+            #pragma unroll
+            for (int e = 0; e < 2; e++) {
+                int row = i0 + nb * 8 + 2 * tq + e;
+                qp[2 * nb + e] = __ldg(qpos + (row < last_q ? row : last_q));
+            }
+        }
+    }
+    #pragma unroll
+    for (int nb = 0; nb < WSB_BR / 8; nb++) {
+        #pragma unroll
+        for (int e = 0; e < 2; e++) {
+            float l = sl[nb * 8 + 2 * tq + e];
+            float xa = tc_exp2(__fmaf_rn(s[4 * nb + e], sl2, -l)), xb = tc_exp2(__fmaf_rn(s[4 * nb + 2 + e], sl2, -l));
+            if (MASKED) {
+                if (pa > qp[2 * nb + e]) xa = 0.0f;
+                if (pb > qp[2 * nb + e]) xb = 0.0f;
+            }
+            s[4 * nb + e] = xa;
+            s[4 * nb + 2 + e] = xb;
+        }
+    }
+}
+
 // grid: min(items, SMs); block: WSB_THREADS; shared: 1024 (alignment) + K, V (WSB_BC rows) +
 // WSB_STAGES slots + dSᵀ (64 keys × WSB_BR bf16) per consumer + two dQ tiles (WSB_BR × 64 f32)
 // per consumer + 2 WSB_STAGES + 2 mbarriers.
@@ -206,23 +239,8 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             wg_hold(sa);
             // Pᵀ: element (nb, half, e) is key row 16 warp + 8 half + gq, query column
             // nb 8 + 2 tq + e.
-            #pragma unroll
-            for (int nb = 0; nb < BR / 8; nb++) {
-                #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    int c = nb * 8 + 2 * tq4 + e;
-                    float l = sl[c];
-                    float xa = tc_exp2(__fmaf_rn(sa[4 * nb + e], sl2, -l)), xb = tc_exp2(__fmaf_rn(sa[4 * nb + 2 + e], sl2, -l));
-                    if (masked) {
-                        int row = i0 + c < last_q ? i0 + c : last_q;
-                        int qp = __ldg(qpos + row);
-                        if (pa > qp) xa = 0.0f;
-                        if (pb > qp) xb = 0.0f;
-                    }
-                    sa[4 * nb + e] = xa;
-                    sa[4 * nb + 2 + e] = xb;
-                }
-            }
+            if (masked) wsb_probs<true>(sa, sl, qpos, i0, last_q, pa, pb, sl2, tq4);
+            else wsb_probs<false>(sa, sl, qpos, i0, last_q, pa, pb, sl2, tq4);
             unsigned pf[4][4], dsf[4][4];
             wb_acc_to_a(pf, sa);
             wg_fence();

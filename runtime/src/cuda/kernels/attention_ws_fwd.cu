@@ -100,27 +100,40 @@ __device__ __forceinline__ WsRange<BC> ws_range(const int* qpos, const int* kvpo
     return r;
 }
 
-// Masks (when masked) and exponentiates one S tile in place, updating the row maxima m and
-// sums l; returns the factors the running O must be scaled by (corr). s[4 nb + 2 half + e] is
-// row 16 warp + 8 half + gq of the warpgroup, key nb · 8 + 2 tq + e of the tile.
-template <int BC>
-__device__ __forceinline__ void ws_softmax(float (&s)[BC / 2], float (&m)[2], float (&l)[2], float (&corr)[2], bool masked, int kv_left, const int* kp, const int (&pos)[2], bool causal, float sl2, int tq) {
-    #pragma unroll
-    for (int half = 0; half < 2; half++) {
-        float x = NEG_INF;
+// Masks (MASKED) and exponentiates one S tile in place, updating the row maxima m and sums l;
+// returns the factors the running O must be scaled by (corr). s[4 nb + 2 half + e] is row
+// 16 warp + 8 half + gq of the warpgroup, key nb · 8 + 2 tq + e of the tile (kv_left keys of it
+// exist, at positions kp). Two instantiations, so the unmasked one has no per-element test,
+// and the masked one loads its keys' positions together before it uses any.
+template <int BC, bool MASKED>
+__device__ __forceinline__ void ws_softmax(float (&s)[BC / 2], float (&m)[2], float (&l)[2], float (&corr)[2], int kv_left, const int* kp, const int (&pos)[2], bool causal, float sl2, int tq) {
+    if (MASKED) {
+        // A key masks a row when it is past the tile's keys or, causal, after the row.
+        int kpos[BC / 4];
         #pragma unroll
         for (int nb = 0; nb < BC / 8; nb++) {
             #pragma unroll
             for (int e = 0; e < 2; e++) {
-                float val = s[4 * nb + 2 * half + e];
-                if (masked) {
-                    int c = nb * 8 + 2 * tq + e;
-                    if (c >= kv_left || (causal && __ldg(kp + c) > pos[half])) val = NEG_INF;
-                }
-                s[4 * nb + 2 * half + e] = val;
-                x = fmaxf(x, val);
+                int c = nb * 8 + 2 * tq + e;
+                kpos[2 * nb + e] = c < kv_left ? (causal ? __ldg(kp + c) : TC_INT_MIN) : TC_INT_MAX;
             }
         }
+        #pragma unroll
+        for (int half = 0; half < 2; half++) {
+            #pragma unroll
+            for (int nb = 0; nb < BC / 8; nb++) {
+                #pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    if (kpos[2 * nb + e] > pos[half]) s[4 * nb + 2 * half + e] = NEG_INF;
+                }
+            }
+        }
+    }
+    #pragma unroll
+    for (int half = 0; half < 2; half++) {
+        float x = NEG_INF;
+        #pragma unroll
+        for (int nb = 0; nb < BC / 8; nb++) x = fmaxf(x, fmaxf(s[4 * nb + 2 * half], s[4 * nb + 2 * half + 1]));
         x = fmaxf(m[half], tc_quad_max(x) * sl2);
         float base = x == NEG_INF ? 0.0f : x;
         corr[half] = tc_exp2(m[half] - base);
@@ -137,6 +150,13 @@ __device__ __forceinline__ void ws_softmax(float (&s)[BC / 2], float (&m)[2], fl
         }
         l[half] = l[half] * corr[half] + sum;
     }
+}
+
+// ws_softmax, masked or not (the choice is uniform per warpgroup).
+template <int BC>
+__device__ __forceinline__ void ws_softmax_tile(bool masked, float (&s)[BC / 2], float (&m)[2], float (&l)[2], float (&corr)[2], int kv_left, const int* kp, const int (&pos)[2], bool causal, float sl2, int tq) {
+    if (masked) ws_softmax<BC, true>(s, m, l, corr, kv_left, kp, pos, causal, sl2, tq);
+    else ws_softmax<BC, false>(s, m, l, corr, kv_left, kp, pos, causal, sl2, tq);
 }
 
 // grid: min(work items, SMs); block: WS_THREADS; shared: 1024 (alignment) + Q (WS_BR rows) +
@@ -250,7 +270,7 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
             wg_hold(s);
             if (n == 1) mbar_arrive(q_empty);
             float corr[2];
-            ws_softmax<BC>(s, m, l, corr, 0 >= r.wg_full, seq_kv, kvpos, pos, g.causal, sl2, tq);
+            ws_softmax_tile<BC>(0 >= r.wg_full, s, m, l, corr, seq_kv, kvpos, pos, g.causal, sl2, tq);
             #pragma unroll
             for (int kk = 0; kk < BC / 16; kk++) wg_acc_to_a(pa[kk], s, kk);
             for (int t = 1; t < n; t++) {
@@ -270,7 +290,7 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
                 wg_hold(s);
                 if (t == n - 1) mbar_arrive(q_empty);  // this consumer's last read of Q
                 int j0 = t * BC;
-                ws_softmax<BC>(s, m, l, corr, t >= r.wg_full, seq_kv - j0, kvpos + j0, pos, g.causal, sl2, tq);
+                ws_softmax_tile<BC>(t >= r.wg_full, s, m, l, corr, seq_kv - j0, kvpos + j0, pos, g.causal, sl2, tq);
                 wg_wait_all();
                 wg_hold(acc);
                 ws_hold_u(pa);
