@@ -90,28 +90,31 @@ const WGMMA_ALIGN: usize = 1024;
 /// (`ws64` takes 64).
 const WS_BR: usize = 128;
 const WS_THREADS: u32 = 384;
-const WS_STAGES: usize = 3;
+const WS_STAGES: usize = 4;
 const WS_FWD_KEYS: usize = 128;
 
-/// The warp-specialized forward's shared memory: alignment slack, Q, the K/V ring of `keys`-row
-/// tiles (bf16, head_dim 64), and its mbarriers (a full and an empty one per slot, two for Q).
+/// The warp-specialized forward's shared memory: alignment slack, two Q buffers, the K/V ring
+/// of `keys`-row tiles (bf16, head_dim 64), its mbarriers (a full and an empty one per slot and
+/// per Q buffer) and the two items' tile ranges (8 ints each).
 fn ws_fwd_smem(keys: usize) -> u32 {
-    (WGMMA_ALIGN + WS_BR * 128 + WS_STAGES * 2 * keys * 128 + 8 * (2 * WS_STAGES + 2)) as u32
+    (WGMMA_ALIGN + 2 * WS_BR * 128 + WS_STAGES * 2 * keys * 128 + 8 * (2 * WS_STAGES + 4) + 64)
+        as u32
 }
 
 /// The warp-specialized backward (attention_ws_bwd.cu): keys per work item, query rows per
-/// ring slot, ring slots, and its shared memory: alignment slack, K and V, the slots (Q, dO,
-/// and 1 KiB for their lse2 and delta rows), each consumer's dSᵀ tile and two dQ tiles, and the
-/// mbarriers.
+/// ring slot, ring slots, and its shared memory: alignment slack, two K and V buffers, the
+/// slots (Q, dO, and 1 KiB for their lse2 and delta rows), each consumer's dSᵀ tile and two dQ
+/// tiles, the mbarriers and the two items' query ranges (8 ints each).
 const WSB_BC: usize = 128;
 const WSB_BR: usize = 64;
-const WSB_STAGES: usize = 2;
+const WSB_STAGES: usize = 3;
 const WSB_SMEM: u32 = (WGMMA_ALIGN
-    + 2 * WSB_BC * 128
+    + 2 * 2 * WSB_BC * 128
     + WSB_STAGES * (2 * WSB_BR * 128 + 1024)
     + 2 * 64 * WSB_BR * 2
     + 4 * WSB_BR * 64 * 4
-    + 8 * (2 * WSB_STAGES + 2)) as u32;
+    + 8 * (2 * WSB_STAGES + 4)
+    + 64) as u32;
 
 /// The TMA tensor map of one bf16 operand of the stored layout (q, k, v or dO; `ptr` at its
 /// first column): a matrix of one sequence position per row (the batch's rows side by side),

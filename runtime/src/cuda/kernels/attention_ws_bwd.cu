@@ -25,7 +25,7 @@
 #define WSB_BC 128
 #define WSB_BR 64
 #define WSB_THREADS 384
-#define WSB_STAGES 2
+#define WSB_STAGES 3
 // Bytes of one ring slot: Q and dO tiles, then lse2 and delta rows (f32), padded so the next
 // slot's tiles stay 1024-byte aligned.
 #define WSB_SLOT (2 * WSB_BR * 128 + 1024)
@@ -137,13 +137,15 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     int align = (1024 - (raw & 1023)) & 1023;
     unsigned char* smem = wsb_smem_raw + align;
     unsigned base = raw + align;
-    unsigned k_addr = base, v_addr = base + KT;
-    unsigned slots = v_addr + KT;                     // slot s at slots + s WSB_SLOT
+    // Two K/V buffers (item parity): K of buffer u at base + 2 u KT, V after it.
+    unsigned slots = base + 4 * KT;                     // slot s at slots + s WSB_SLOT
     unsigned ds_addr0 = slots + WSB_STAGES * WSB_SLOT;  // consumer c's dSᵀ at + c DST
     unsigned dq_addr0 = ds_addr0 + 2 * DST;             // consumer c's buffer u at + (2 c + u) DQT
     unsigned bars = dq_addr0 + 4 * DQT;
-    // full[s] at bars + 8 s, empty[s] at bars + 8 (WSB_STAGES + s), kv_full, kv_empty after.
-    unsigned kv_full = bars + 16 * WSB_STAGES, kv_empty = kv_full + 8;
+    // full[s] at bars + 8 s, empty[s] at bars + 8 (WSB_STAGES + s), then kv_full[u],
+    // kv_empty[u]; then per K/V buffer the item's query ranges (WsbRange, 8 ints a buffer).
+    unsigned kv_full0 = bars + 16 * WSB_STAGES, kv_empty0 = kv_full0 + 16;
+    int* ranges = reinterpret_cast<int*>(smem + (kv_empty0 + 16 - base));
     int bkh_count = (int)(g.batch * g.kv_heads), group = (int)(g.heads / g.kv_heads);
     int k_tiles = ((int)g.seq_kv + BC - 1) / BC;
     int work = k_tiles * bkh_count;
@@ -151,14 +153,20 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     if (threadIdx.x == 0) {
         for (int s = 0; s < WSB_STAGES; s++) {
             mbar_init(bars + 8 * s, 1);
-            mbar_init(bars + 8 * (WSB_STAGES + s), 2 * WG_THREADS);
+            mbar_init(bars + 8 * (WSB_STAGES + s), 8);  // the consumers' warps
         }
-        mbar_init(kv_full, 1);
-        mbar_init(kv_empty, 2 * WG_THREADS);
+        for (int u = 0; u < 2; u++) {
+            mbar_init(kv_full0 + 8 * u, 1);
+            mbar_init(kv_empty0 + 8 * u, 8);  // the consumers' warps
+        }
         mbar_init_fence();
     }
     __syncthreads();
     if (wg == 0) {
+        // The producer: its first warp walks the items (wsb_range's broadcasts need the whole
+        // warp), lane 0 issues. K/V are double-buffered, so the next item's load overlaps this
+        // one's last query tiles, and its ranges (dependent loads of the positions) travel
+        // with it, off the consumers' path.
         regs_dealloc<24>();
         if (threadIdx.x >= 32) return;
         bool leader = threadIdx.x == 0;
@@ -174,10 +182,17 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             int b = bk / (int)g.kv_heads, kvh = bk % (int)g.kv_heads;
             WsbRange r = wsb_range(qpos, kvpos, g, j0, group);
             if (leader) {
-                mbar_wait(kv_empty, (item & 1) ^ 1);
-                mbar_expect_tx(kv_full, 2 * KT);
+                int u = item & 1;
+                unsigned kv_full = kv_full0 + 8 * u, k_addr = base + 2 * u * KT;
+                mbar_wait(kv_empty0 + 8 * u, ((item >> 1) & 1) ^ 1);
+                int* rg = ranges + 8 * u;
+                rg[0] = r.first;
+                rg[1] = r.first_full;
+                rg[2] = r.per_head;
+                rg[3] = r.total;
+                mbar_expect_tx(kv_full, 2 * KT);  // releases the ranges with it
                 tma_load_2d(k_addr, tk, kv_full, b * g.ld_kv + kvh * D, j0);
-                tma_load_2d(v_addr, tv, kv_full, b * g.ld_kv + kvh * D, j0);
+                tma_load_2d(k_addr + KT, tv, kv_full, b * g.ld_kv + kvh * D, j0);
                 for (int t = 0; t < r.total; t++, it++) {
                     int h = kvh * group + t / r.per_head, i0 = (r.first + t % r.per_head) * BR;
                     int s = it % WSB_STAGES;
@@ -208,7 +223,8 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     for (int w = blockIdx.x; w < work; w += gridDim.x, item++) {
         int bk = w % bkh_count, j0 = (w / bkh_count) * BC;
         int b = bk / (int)g.kv_heads, kvh = bk % (int)g.kv_heads;
-        WsbRange r = wsb_range(qpos, kvpos, g, j0, group);
+        int u = item & 1;
+        unsigned k_addr = base + 2 * u * KT, v_addr = k_addr + KT;
         // This thread's key rows: 64 cw + 16 warp + gq and + 8 of the item.
         int ka = j0 + 64 * cw + 16 * warp + gq, kb = ka + 8;
         int pa = ka < seq_kv ? (g.causal ? kvpos[ka] : TC_INT_MIN) : TC_INT_MAX;
@@ -217,7 +233,13 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
         #pragma unroll
         for (int i = 0; i < 32; i++) { dka[i] = 0.0f; dva[i] = 0.0f; }
         unsigned kw = k_addr + cw * 64 * 128;  // this consumer's keys of K
-        mbar_wait(kv_full, item & 1);
+        mbar_wait(kv_full0 + 8 * u, (item >> 1) & 1);
+        const int* rg = ranges + 8 * u;
+        WsbRange r;
+        r.first = __shfl_sync(FULL_MASK, rg[0], 0);
+        r.first_full = __shfl_sync(FULL_MASK, rg[1], 0);
+        r.per_head = __shfl_sync(FULL_MASK, rg[2], 0);
+        r.total = __shfl_sync(FULL_MASK, rg[3], 0);
         for (int t = 0; t < r.total; t++, it++) {
             int h = kvh * group + t / r.per_head, tile = r.first + t % r.per_head, i0 = tile * BR;
             int s = it % WSB_STAGES;
@@ -286,7 +308,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             wg_hold(dq);
             ws_hold_u(pf);
             ws_hold_u(dsf);
-            mbar_arrive(bars + 8 * (WSB_STAGES + s));
+            mbar_arrive_warp(bars + 8 * (WSB_STAGES + s));
             // dQ_w · scale into this consumer's buffer (it & 1), then one reduction per
             // 32-column block into the accumulator's rows [i0, i0 + BR) of head (b, h).
             unsigned dq_addr = dq_addr0 + (2 * cw + (it & 1)) * DQT;
@@ -306,7 +328,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
                 bulk_commit();
             }
         }
-        mbar_arrive(kv_empty);
+        mbar_arrive_warp(kv_empty0 + 8 * u);
         int dkv_stride = (int)g.batch * g.ld_dkv, head = b * g.ld_dkv + kvh * D + 2 * tq4;
         if (ka < seq_kv) {
             long long row = (long long)ka * dkv_stride + head;

@@ -24,7 +24,7 @@
 
 #define WS_BR 128
 #define WS_THREADS 384
-#define WS_STAGES 2
+#define WS_STAGES 4
 
 // d (64 x 128, fp32 accumulators) (+)= A·B, A and B from shared memory, both K-major.
 __device__ __forceinline__ void wg_mma_ss_n128(float (&d)[64], unsigned long long a, unsigned long long b, int accumulate) {
@@ -159,8 +159,11 @@ __device__ __forceinline__ void ws_softmax_tile(bool masked, float (&s)[BC / 2],
     else ws_softmax<BC, false>(s, m, l, corr, kv_left, kp, pos, causal, sl2, tq);
 }
 
-// grid: min(work items, SMs); block: WS_THREADS; shared: 1024 (alignment) + Q (WS_BR rows) +
-// WS_STAGES slots of K and V (BC rows each) + 3 WS_STAGES + 2 mbarriers.
+// grid: min(work items, SMs); block: WS_THREADS; shared: 1024 (alignment) + two Q buffers
+// (WS_BR rows) + WS_STAGES slots of K and V (BC rows each) + 2 WS_STAGES + 4 mbarriers + the
+// two items' ranges. Q is double-buffered, so the producer loads the next item's Q (and
+// K/V) while this one computes; it also computes the item's tile ranges (dependent loads of
+// the positions) once and hands them over with Q, off the consumers' path.
 template <int BC>
 __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const TmaMap& tk_map, const TmaMap& tv_map, void* o, float* lse, const int* qpos, const int* kvpos, const AttGeom& g) {
     constexpr int D = 64;
@@ -168,11 +171,13 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
     extern __shared__ __align__(16) unsigned char ws_smem_raw[];
     unsigned raw = tc_smem_addr(ws_smem_raw);
     unsigned char* smem = ws_smem_raw + ((1024 - (raw & 1023)) & 1023);
-    unsigned q_addr = tc_smem_addr(smem);
-    unsigned kv_addr = q_addr + Q_BYTES;  // slot s: K at kv_addr + 2 s KV_BYTES, V after it
+    unsigned q_addr0 = tc_smem_addr(smem);  // buffer u at q_addr0 + u Q_BYTES
+    unsigned kv_addr = q_addr0 + 2 * Q_BYTES;  // slot s: K at kv_addr + 2 s KV_BYTES, V after it
     unsigned bars = kv_addr + 2 * WS_STAGES * KV_BYTES;
-    // full[s] at bars + 8 s, empty[s] at bars + 8 (WS_STAGES + s), q_full, q_empty after.
-    unsigned q_full = bars + 16 * WS_STAGES, q_empty = q_full + 8;
+    // full[s] at bars + 8 s, empty[s] at bars + 8 (WS_STAGES + s), then q_full[u], q_empty[u];
+    // then per Q buffer the item's ranges: tiles, and wg_tiles, wg_full of each consumer.
+    unsigned q_full0 = bars + 16 * WS_STAGES, q_empty0 = q_full0 + 16;
+    int* ranges = reinterpret_cast<int*>(smem + (q_empty0 + 16 - q_addr0));  // 8 ints a buffer
     int bh_count = (int)(g.batch * g.heads);
     int q_tiles = ((int)g.seq_q + WS_BR - 1) / WS_BR;
     int work = q_tiles * bh_count;
@@ -181,10 +186,12 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
     if (threadIdx.x == 0) {
         for (int s = 0; s < WS_STAGES; s++) {
             mbar_init(bars + 8 * s, 1);
-            mbar_init(bars + 8 * (WS_STAGES + s), 2 * WG_THREADS);
+            mbar_init(bars + 8 * (WS_STAGES + s), 8);  // the consumers' warps
         }
-        mbar_init(q_full, 1);
-        mbar_init(q_empty, 2 * WG_THREADS);
+        for (int u = 0; u < 2; u++) {
+            mbar_init(q_full0 + 8 * u, 1);
+            mbar_init(q_empty0 + 8 * u, 8);  // the consumers' warps
+        }
         mbar_init_fence();
     }
     __syncthreads();
@@ -203,14 +210,22 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
             int bh = w % bh_count, i0 = (q_tiles - 1 - w / bh_count) * WS_BR;
             int b = bh / (int)g.heads, h = bh % (int)g.heads;
             int kvh = h / (int)(g.heads / g.kv_heads);
-            // The CTA's key tiles: those of its later consumer (rows i0 + 64 ..), which sees
-            // every key the earlier one does.
-            WsRange<BC> r = ws_range<BC>(qpos, kvpos, g, i0, i0 + 64);
-            int tiles = r.tiles;
+            // The CTA's key tiles are those of its later consumer (rows i0 + 64 ..), which
+            // sees every key the earlier one does.
+            WsRange<BC> r0 = ws_range<BC>(qpos, kvpos, g, i0, i0);
+            WsRange<BC> r1 = ws_range<BC>(qpos, kvpos, g, i0, i0 + 64);
+            int tiles = r1.tiles, u = item & 1;
             if (leader) {
-                mbar_wait(q_empty, (item & 1) ^ 1);
-                mbar_expect_tx(q_full, Q_BYTES);
-                tma_load_2d(q_addr, tq_map, q_full, b * g.ld_q + h * D, i0);
+                unsigned q_full = q_full0 + 8 * u;
+                mbar_wait(q_empty0 + 8 * u, ((item >> 1) & 1) ^ 1);
+                int* rg = ranges + 8 * u;
+                rg[0] = tiles;
+                rg[1] = r0.wg_tiles;
+                rg[2] = r0.wg_full;
+                rg[3] = r1.wg_tiles;
+                rg[4] = r1.wg_full;
+                mbar_expect_tx(q_full, Q_BYTES);  // releases the ranges with it
+                tma_load_2d(q_addr0 + u * Q_BYTES, tq_map, q_full, b * g.ld_q + h * D, i0);
             }
             int kc = b * g.ld_kv + kvh * D;
             for (int t = 0; t < tiles; t++, it++) {
@@ -238,10 +253,8 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
     for (int w = blockIdx.x; w < work; w += gridDim.x, item++) {
         int bh = w % bh_count, i0 = (q_tiles - 1 - w / bh_count) * WS_BR;
         int b = bh / (int)g.heads, h = bh % (int)g.heads;
-        int wg_row0 = i0 + 64 * cw;
-        WsRange<BC> cta = ws_range<BC>(qpos, kvpos, g, i0, i0 + 64);
-        WsRange<BC> r = ws_range<BC>(qpos, kvpos, g, i0, wg_row0);
-        int tiles = cta.tiles;
+        int wg_row0 = i0 + 64 * cw, u = item & 1;
+        unsigned q_addr = q_addr0 + u * Q_BYTES, q_empty = q_empty0 + 8 * u;
         int pos[2];
         float m[2], l[2];
         #pragma unroll
@@ -254,12 +267,18 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
         float acc[D / 2];
         #pragma unroll
         for (int i = 0; i < D / 2; i++) acc[i] = 0.0f;
-        mbar_wait(q_full, item & 1);
+        mbar_wait(q_full0 + 8 * u, (item >> 1) & 1);
+        const int* rg = ranges + 8 * u;
+        WsRange<BC> r;
+        r.tiles = __shfl_sync(FULL_MASK, rg[0], 0);
+        r.wg_tiles = __shfl_sync(FULL_MASK, rg[1 + 2 * cw], 0);
+        r.wg_full = __shfl_sync(FULL_MASK, rg[2 + 2 * cw], 0);
+        int tiles = r.tiles;
         int n = r.wg_tiles;
         float s[BC / 2];
         unsigned pa[BC / 16][4];
         if (n == 0) {
-            mbar_arrive(q_empty);
+            mbar_arrive_warp(q_empty);
         } else {
             // Tile 0: S_0 alone (O is still zero).
             mbar_wait(bars + 8 * (it % WS_STAGES), (it / WS_STAGES) & 1);
@@ -268,7 +287,7 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
             wg_commit();
             wg_wait_all();
             wg_hold(s);
-            if (n == 1) mbar_arrive(q_empty);
+            if (n == 1) mbar_arrive_warp(q_empty);
             float corr[2];
             ws_softmax_tile<BC>(0 >= r.wg_full, s, m, l, corr, seq_kv, kvpos, pos, g.causal, sl2, tq);
             #pragma unroll
@@ -288,13 +307,13 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
                 wg_commit();
                 asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
                 wg_hold(s);
-                if (t == n - 1) mbar_arrive(q_empty);  // this consumer's last read of Q
+                if (t == n - 1) mbar_arrive_warp(q_empty);  // this consumer's last read of Q
                 int j0 = t * BC;
                 ws_softmax_tile<BC>(t >= r.wg_full, s, m, l, corr, seq_kv - j0, kvpos + j0, pos, g.causal, sl2, tq);
                 wg_wait_all();
                 wg_hold(acc);
                 ws_hold_u(pa);
-                mbar_arrive(bars + 8 * (WS_STAGES + prev));
+                mbar_arrive_warp(bars + 8 * (WS_STAGES + prev));
                 #pragma unroll
                 for (int nb = 0; nb < D / 8; nb++) {
                     acc[4 * nb + 0] *= corr[0];
@@ -313,13 +332,13 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
             wg_wait_all();
             wg_hold(acc);
             ws_hold_u(pa);
-            mbar_arrive(bars + 8 * (WS_STAGES + slot));
+            mbar_arrive_warp(bars + 8 * (WS_STAGES + slot));
         }
         // The CTA's tiles this consumer does not compute: wait for each and release it.
         for (int t = n; t < tiles; t++) {
             int slot = (it + t) % WS_STAGES;
             mbar_wait(bars + 8 * slot, ((it + t) / WS_STAGES) & 1);
-            mbar_arrive(bars + 8 * (WS_STAGES + slot));
+            mbar_arrive_warp(bars + 8 * (WS_STAGES + slot));
         }
         it += tiles;
         #pragma unroll

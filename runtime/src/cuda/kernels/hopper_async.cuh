@@ -7,7 +7,7 @@
 //
 // Pipeline convention (producer / consumer rings): a slot has a `full` barrier (1 arrival: the
 // producer's expect_tx, plus the bytes its copies deliver) and an `empty` barrier (one arrival
-// per consumer thread once it is done reading the slot). Round r of a slot waits on parity
+// per consumer warp once it is done reading the slot: mbar_arrive_warp). Round r of a slot waits on parity
 // r & 1 of `full`; the producer waits on parity (r & 1) ^ 1 of `empty`, which a fresh barrier
 // passes at once (its "previous" phase counts as complete), so round 0 needs no special case.
 #ifdef __CUDA_ARCH_FEAT_SM90_ALL
@@ -35,6 +35,13 @@ __device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
 
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// A consumer warp's release of a slot it has finished reading (barrier count: one per
+// consumer warp): every lane's reads are ordered before lane 0's arrival by the warp barrier.
+__device__ __forceinline__ void mbar_arrive_warp(unsigned bar) {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
 }
 
 // Waits until the phase of parity `parity` of the barrier has completed.
