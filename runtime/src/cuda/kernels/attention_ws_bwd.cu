@@ -219,6 +219,11 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     unsigned char* sds = smem + (ds_addr - base);
     float sl2 = g.scale * TC_LOG2E;
     bool dk_bf16 = g.bf16 & ATT_BF16_DK, dv_bf16 = g.bf16 & ATT_BF16_DV;
+    // bf16 dK and dV on 16-byte aligned rows go out a row at a time (epilogue below).
+    bool vec_out = dk_bf16 && dv_bf16 && g.ld_dkv % 8 == 0 && ((reinterpret_cast<unsigned long long>(dk) | reinterpret_cast<unsigned long long>(dv)) & 15) == 0;
+    // The dQ tile written at the previous tile and not yet reduced: its first accumulator
+    // column (−1: none) and query row.
+    int pend_col = -1, pend_i0 = 0;
     int it = 0, item = 0;
     for (int w = blockIdx.x; w < work; w += gridDim.x, item++) {
         int bk = w % bkh_count, j0 = (w / bkh_count) * BC;
@@ -290,10 +295,19 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
                 *reinterpret_cast<unsigned*>(sds + wg_chunk<64>(rr, (c + 8) >> 3) + (c & 7) * 2) = dsf[kk][2];
                 *reinterpret_cast<unsigned*>(sds + wg_chunk<64>(rr + 8, (c + 8) >> 3) + (c & 7) * 2) = dsf[kk][3];
             }
-            // The dQ buffer written below was last read by the reduction of two tiles ago.
-            if (elected) bulk_wait_read<1>();
+            // One fence and barrier a tile make dSᵀ (for dQ's wgmma) and the previous tile's dQ
+            // (for its reduction, issued only now) visible to the async proxy. The dQ buffer
+            // written at this tile's end was last read by the reduction issued at the previous
+            // tile: the elected thread waits for it before the barrier.
+            if (elected) bulk_wait_read<0>();
             wg_fence_proxy();
             wg_bar(1 + cw);
+            if (elected && pend_col >= 0) {
+                unsigned prev = dq_addr0 + (2 * cw + ((it - 1) & 1)) * DQT;
+                tma_reduce_add_2d(tdq, prev, pend_col, pend_i0);
+                tma_reduce_add_2d(tdq, prev + BR * 128, pend_col + 32, pend_i0);
+                bulk_commit();
+            }
             wg_fence();
             #pragma unroll
             for (int kk = 0; kk < BR / 16; kk++) wg_mma_rs_n64(dka, dsf[kk], wg_desc_mn<BR>(q_addr, kk), 1);
@@ -309,8 +323,9 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             ws_hold_u(pf);
             ws_hold_u(dsf);
             mbar_arrive_warp(bars + 8 * (WSB_STAGES + s));
-            // dQ_w · scale into this consumer's buffer (it & 1), then one reduction per
-            // 32-column block into the accumulator's rows [i0, i0 + BR) of head (b, h).
+            // dQ_w · scale into this consumer's buffer (it & 1), reduced at the next tile (or
+            // the kernel's end) with one reduction per 32-column block into the accumulator's
+            // rows [i0, i0 + BR) of head (b, h).
             unsigned dq_addr = dq_addr0 + (2 * cw + (it & 1)) * DQT;
             unsigned char* sdq = smem + (dq_addr - base);
             #pragma unroll
@@ -319,18 +334,36 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
                 *reinterpret_cast<float2*>(sdq + wsb_dq_off(rr, c)) = make_float2(g.scale * dq[4 * nb], g.scale * dq[4 * nb + 1]);
                 *reinterpret_cast<float2*>(sdq + wsb_dq_off(rr + 8, c)) = make_float2(g.scale * dq[4 * nb + 2], g.scale * dq[4 * nb + 3]);
             }
-            wg_fence_proxy();
-            wg_bar(1 + cw);
-            if (elected) {
-                int col = (b * (int)g.heads + h) * D;
-                tma_reduce_add_2d(tdq, dq_addr, col, i0);
-                tma_reduce_add_2d(tdq, dq_addr + BR * 128, col + 32, i0);
-                bulk_commit();
-            }
+            pend_col = (b * (int)g.heads + h) * D;
+            pend_i0 = i0;
         }
         mbar_arrive_warp(kv_empty0 + 8 * u);
         int dkv_stride = (int)g.batch * g.ld_dkv, head = b * g.ld_dkv + kvh * D + 2 * tq4;
-        if (ka < seq_kv) {
+        if (vec_out) {
+            // bf16 dK, dV through this consumer's dSᵀ tile (free: its last reader, the last
+            // dQ product, is done): 16-byte rows out instead of 4-byte pairs.
+            #pragma unroll
+            for (int which = 0; which < 2; which++) {
+                const float* a = which == 0 ? dka : dva;
+                float sc = which == 0 ? g.scale : 1.0f;
+                #pragma unroll
+                for (int nb = 0; nb < D / 8; nb++) {
+                    int rr = warp * 16 + gq, off = (2 * tq4) * 2;
+                    *reinterpret_cast<unsigned*>(sds + wg_chunk<64>(rr, nb) + off) = tc_pack(sc * a[4 * nb], sc * a[4 * nb + 1]);
+                    *reinterpret_cast<unsigned*>(sds + wg_chunk<64>(rr + 8, nb) + off) = tc_pack(sc * a[4 * nb + 2], sc * a[4 * nb + 3]);
+                }
+                wg_bar(1 + cw);
+                bf16_t* out = static_cast<bf16_t*>(which == 0 ? dk : dv);
+                #pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    int idx = i * WG_THREADS + (threadIdx.x & 127), rr = idx >> 3, j = idx & 7;
+                    int key = j0 + 64 * cw + rr;
+                    uint4 v = *reinterpret_cast<const uint4*>(sds + wg_chunk<64>(rr, j));
+                    if (key < seq_kv) *reinterpret_cast<uint4*>(out + (long long)key * dkv_stride + b * g.ld_dkv + kvh * D + 8 * j) = v;
+                }
+                wg_bar(1 + cw);
+            }
+        } else if (ka < seq_kv) {
             long long row = (long long)ka * dkv_stride + head;
             #pragma unroll
             for (int nb = 0; nb < D / 8; nb++) {
@@ -338,7 +371,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
                 tc_store2(dv, row + nb * 8, dva[4 * nb], dva[4 * nb + 1], dv_bf16);
             }
         }
-        if (kb < seq_kv) {
+        if (!vec_out && kb < seq_kv) {
             long long row = (long long)kb * dkv_stride + head;
             #pragma unroll
             for (int nb = 0; nb < D / 8; nb++) {
@@ -347,7 +380,16 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             }
         }
     }
-    // The reductions read shared memory until they complete: the CTA must outlive them.
+    // The last tile's dQ, then every reduction done (they read shared memory until they
+    // complete: the CTA must outlive them).
+    wg_fence_proxy();
+    wg_bar(1 + cw);
+    if (elected && pend_col >= 0) {
+        unsigned prev = dq_addr0 + (2 * cw + ((it - 1) & 1)) * DQT;
+        tma_reduce_add_2d(tdq, prev, pend_col, pend_i0);
+        tma_reduce_add_2d(tdq, prev + BR * 128, pend_col + 32, pend_i0);
+        bulk_commit();
+    }
     if (elected) bulk_wait_all();
 }
 
