@@ -10,9 +10,9 @@
 //! forward 4·B·H·T²·d / 2, backward 2.5× the forward.
 //!
 //! Each bf16 point runs with the `fa2` kernels both ways (labelled as before) and, on a Hopper
-//! GPU, with the `wgmma` forward and (head_dim 64) the `wgmma` backward (labelled
-//! `…-wgmma-wgmmabwd`), and for head_dim 64 with the warp-specialized forwards (`…-ws-…`,
-//! `…-ws64-…`): each run times both directions. The bench sets the variants on the
+//! GPU, with the warp-specialized `ws` kernels (the defaults there: head_dim 64; labelled
+//! `…-ws-wsbwd`) and for head_dim 64 the `wgmma` forward beside the `ws` backward
+//! (`…-wgmma-wsbwd`): each run times both directions. The bench sets the variants on the
 //! backend, whatever PARC_ATTENTION_*_KERNEL say.
 //!
 //! Ignored by default (it needs a GPU): on the device machine,
@@ -173,11 +173,11 @@ mod bench {
     fn variant_pairs(be: &CudaBackend, pt: &Point) -> Vec<(&'static str, &'static str)> {
         let mut pairs = vec![("fa2", "fa2")];
         if matches!(pt.precision, Precision::Bf16) && be.is_hopper() {
-            pairs.push(("wgmma", if pt.head_dim == 64 { "wgmma" } else { "fa2" }));
+            // The warp-specialized kernels (the defaults; head_dim 64, d128 times the wgmma
+            // forward and fa2 backward), and the wgmma forward beside them.
+            pairs.push(("ws", "ws"));
             if pt.head_dim == 64 {
-                // The warp-specialized forwards (head_dim 64 only; d128 would time wgmma).
-                pairs.push(("ws", "ws"));
-                pairs.push(("ws64", "ws"));
+                pairs.push(("wgmma", "ws"));
             }
         }
         pairs

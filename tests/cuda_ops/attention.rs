@@ -2,8 +2,9 @@
 //! segments and kv ahead of q, and in a bf16 run the tensor-core kernels (head_dim 64 or 128)
 //! within `BF16_ATTENTION`, while other head dims stay exact fp32; then bf16 storage (bf16
 //! q/k/v/o/dO/dQ/dK/dV buffers) on both kernel families against the CPU's bf16 run. On a
-//! Hopper GPU the same again for the `wgmma` forward variant (set on its backend), after an
-//! exact check of its wgmma layouts on their own.
+//! Hopper GPU the same again for the warp-specialized `ws` kernels (the defaults there) and the
+//! `wgmma` forward variant (set on its backend), after an exact check of the wgmma layouts on
+//! their own.
 use crate::harness::{
     check, check_on, gpu_with, seg, Case, Data, Rng, BF16_ATTENTION, BF16_ROUNDED, REDUCTION,
     SCALARS,
@@ -426,42 +427,29 @@ fn check_storage(test: &str, gpu: &mut dyn Backend) {
     );
 }
 
-/// The `wgmma` attention backward (PARC_ATTENTION_BWD_KERNEL; Hopper only): the test sets it
-/// on its own backend, whatever the environment says, and runs attention_bf16's and
+/// The warp-specialized attention backward (`ws`, PARC_ATTENTION_BWD_KERNEL's Hopper default,
+/// head_dim 64): the test sets it on its own backend, whatever the environment says, and runs
+/// more heads than SMs (a persistent CTA's rings wrap across work items), attention_bf16's and
 /// attention_bf16_storage's cases and a GPT-2-length sequence against the CPU under the same
-/// tolerances (head dim 128 runs the mma.sync kernel under either variant). First the exact
-/// layout self-test, so a wgmma layout mistake is named before the attention cases fail.
+/// tolerances (head dim 128 runs the mma.sync kernel).
 #[cfg(feature = "cuda")]
 #[test]
-fn attention_bf16_wgmma_bwd() {
-    for variant in ["wgmma", "ws"] {
-        hopper_backward_cases(variant);
-    }
-}
-
-/// attention_bf16_wgmma_bwd's cases on the Hopper backward `variant` (`wgmma`, or the
-/// warp-specialized `ws`, which adds more heads than SMs: a persistent CTA's ring wraps).
-#[cfg(feature = "cuda")]
-fn hopper_backward_cases(variant: &str) {
-    let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, "attention_bwd", variant)
+fn attention_bf16_ws_bwd() {
+    let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, "attention_bwd", "ws")
     else {
         return;
     };
-    let test = format!("attention_bf16_{variant}_bwd");
-    let test = test.as_str();
+    let test = "attention_bf16_ws_bwd";
     let mut r = Rng::new(test);
-    wgmma_layouts(&mut gpu, &mut r);
-    if variant == "ws" {
-        for c in [
-            AttConfig::new(2, 80, 40, 64, true, &[(0, 256)], &[(0, 256)]),
-            AttConfig::new(3, 50, 50, 64, false, &[(0, 200)], &[(0, 200)]),
-        ] {
-            crate::harness::check_with(
-                &format!("{test}_many_items"),
-                &attention_cases(&mut r, &c, BF16_ATTENTION, true),
-                &mut gpu,
-            );
-        }
+    for c in [
+        AttConfig::new(2, 80, 40, 64, true, &[(0, 256)], &[(0, 256)]),
+        AttConfig::new(3, 50, 50, 64, false, &[(0, 200)], &[(0, 200)]),
+    ] {
+        crate::harness::check_with(
+            &format!("{test}_many_items"),
+            &attention_cases(&mut r, &c, BF16_ATTENTION, true),
+            &mut gpu,
+        );
     }
     let cases: Vec<Case> = tc_configs()
         .iter()
@@ -475,95 +463,7 @@ fn hopper_backward_cases(variant: &str) {
         &attention_cases(&mut r, &gpt2, BF16_ATTENTION, true),
         &mut gpu,
     );
-    check_storage(&format!("attention_bf16_storage_{variant}_bwd"), &mut gpu);
-}
-
-/// One self-test mode: its number, what it checks, inputs a and b, and the exact output.
-#[cfg(feature = "cuda")]
-type SelfTestMode<'a> = (i32, &'a str, &'a [f32], &'a [f32], &'a [f32]);
-
-/// kernels/attention_wgmma_bwd.cu's attention_wgmma_selftest against exact products of small
-/// integers (|x| ≤ 2: every sum is exact in bf16 and f32), one mode per operand layout the wgmma
-/// backward uses: 0 = S^T's (A, B K-major), 1 = dV's / dK's (accumulators reused as A
-/// registers, B MN-major), 2 = dQ's (A, B MN-major, n32 at a column offset).
-#[cfg(feature = "cuda")]
-fn wgmma_layouts(gpu: &mut parc_runtime::cuda::CudaBackend, r: &mut Rng) {
-    let mut small = |n: usize| -> Vec<f32> {
-        r.vec(n, 2.5)
-            .into_iter()
-            .map(|x| x.round().clamp(-2.0, 2.0))
-            .collect()
-    };
-    let (a64, b64, c) = (small(64 * 64), small(64 * 64), small(64 * 64));
-    let (a128, b128) = (small(128 * 64), small(128 * 64));
-    let s: Vec<f32> = (0..64 * 64)
-        .map(|i| {
-            (0..64)
-                .map(|k| a64[i / 64 * 64 + k] * b64[i % 64 * 64 + k])
-                .sum()
-        })
-        .collect();
-    let sc: Vec<f32> = (0..64 * 64)
-        .map(|i| {
-            (0..64)
-                .map(|k| s[i / 64 * 64 + k] * c[k * 64 + i % 64])
-                .sum()
-        })
-        .collect();
-    let atb: Vec<f32> = (0..64 * 64)
-        .map(|i| {
-            (0..128)
-                .map(|k| a128[k * 64 + i / 64] * b128[k * 64 + i % 64])
-                .sum()
-        })
-        .collect();
-    let modes: [SelfTestMode; 3] = [
-        (0, "A B^T, A and B K-major (S^T = K Q^T)", &a64, &b64, &s),
-        (
-            1,
-            "(A B^T) C, accumulators as A registers, C MN-major (dV += P^T dO)",
-            &a64,
-            &b64,
-            &sc,
-        ),
-        (
-            2,
-            "A^T B, A and B MN-major, m64n32 at columns 0 and 32 (dQ = dS K)",
-            &a128,
-            &b128,
-            &atb,
-        ),
-    ];
-    let mut failures = Vec::new();
-    for (mode, what, a, b, want) in modes {
-        let got = gpu
-            .wgmma_selftest(mode, a, b, &c)
-            .unwrap_or_else(|e| panic!("wgmma self-test mode {mode}: {e}"));
-        let wrong: Vec<usize> = (0..want.len()).filter(|&i| got[i] != want[i]).collect();
-        println!(
-            "wgmma self-test mode {mode} ({what}): {} of 4096 wrong",
-            wrong.len()
-        );
-        if let Some(&i) = wrong.first() {
-            // Where the wrong value does appear in the reference hints at the layout mistake.
-            let seen = want.iter().position(|&w| w == got[i] && got[i] != 0.0);
-            failures.push(format!(
-                "mode {mode} ({what}): {} of 4096 wrong; first at row {} column {}: got {} \
-                 want {} (that value is the reference's at {:?})",
-                wrong.len(),
-                i / 64,
-                i % 64,
-                got[i],
-                want[i],
-                seen.map(|j| (j / 64, j % 64))
-            ));
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "wgmma layouts:\n{}",
-        failures.join("\n")
-    );
+    check_storage("attention_bf16_storage_ws_bwd", &mut gpu);
 }
 
 /// The wgmma forward's building blocks on their own, exactly (small integers): the swizzled
@@ -597,7 +497,8 @@ fn attention_wgmma_layouts() {
     }
 }
 
-/// The `wgmma` forward (Hopper's default) against the CPU on the tensor-core shapes and more:
+/// The Hopper forwards (`ws`, the default, and `wgmma`) against the CPU on the tensor-core
+/// shapes and more, more heads than SMs (the persistent `ws` CTAs take several work items),
 /// 3-warpgroup d128 CTAs with warpgroups wholly past seq_q, GQA, CP segments, kv ahead of q,
 /// unsorted positions, a partial key tile, and a GPT-2-length causal sequence. Forward
 /// tolerance of `BF16_ATTENTION`; the backward runs in `attention_bf16` and its siblings.
@@ -607,14 +508,14 @@ fn attention_bf16_wgmma() {
     println!("skipped: no CUDA device (this build has no `cuda` feature)");
     #[cfg(feature = "cuda")]
     {
-        for variant in ["wgmma", "ws", "ws64"] {
+        for variant in ["ws", "wgmma"] {
             wgmma_forward_cases(variant);
         }
     }
 }
 
-/// attention_bf16_wgmma's cases on the Hopper forward `variant` (`wgmma`, or the
-/// warp-specialized `ws` / `ws64`, which take head_dim 64 and leave d128 to `wgmma`).
+/// attention_bf16_wgmma's cases on the Hopper forward `variant` (the warp-specialized `ws`,
+/// which takes head_dim 64 and leaves d128 to the warpgroup-MMA kernel, or `wgmma` for both).
 #[cfg(feature = "cuda")]
 fn wgmma_forward_cases(variant: &str) {
     let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, "attention_fwd", variant)
@@ -843,7 +744,8 @@ fn packed_vs_unpacked(test: &str, gpu: &mut dyn Backend, dtype: DType, dq_tol: f
     failures
 }
 
-/// Packed q/k/v on every CUDA kernel path against the unpacked op on the same GPU: the `wgmma`
+/// Packed q/k/v on every CUDA kernel path against the unpacked op on the same GPU: the `ws`
+/// forward and backward and the `wgmma` forward
 /// forward and backward (Hopper only) and `fa2`, each on bf16 buffers and on f32 ones (copied
 /// to bf16 whole; the backward then accumulates dQ in dqkv's own q columns), head dims 64 and
 /// 128 (and 32 / 16 on the exact kernels of a bf16 run); and the exact fp32 kernels of an fp32
@@ -855,12 +757,12 @@ fn attention_packed() {
     #[cfg(feature = "cuda")]
     {
         let mut failures = Vec::new();
-        for (fwd, bwd) in [("wgmma", "wgmma"), ("ws", "ws"), ("fa2", "fa2")] {
+        for (fwd, bwd) in [("ws", "ws"), ("wgmma", "ws"), ("fa2", "fa2")] {
             let Some(mut gpu) = crate::harness::cuda_backend(Precision::Bf16) else {
                 return;
             };
             if fwd != "fa2" && !gpu.is_hopper() {
-                println!("skipped: attention_packed with wgmma runs on Hopper GPUs only");
+                println!("skipped: attention_packed with {fwd} runs on Hopper GPUs only");
                 continue;
             }
             gpu.set_kernel_variant("attention_fwd", fwd).unwrap();

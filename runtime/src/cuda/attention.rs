@@ -3,9 +3,11 @@
 //! layout `storage::program_needs` reserves, via [`scratch_bytes`]), and launches one of two
 //! kernel families:
 //! - bf16 runs with head_dim 64 or 128 and a positive scale: flash attention on tensor cores,
-//!   bf16 operands, fp32 accumulation and softmax. On a Hopper GPU with warpgroup MMA
-//!   (`kernels/attention_wgmma_fwd.cu`, and for head_dim 64 `kernels/attention_wgmma_bwd.cu`);
-//!   elsewhere, and under `PARC_ATTENTION_{FWD,BWD}_KERNEL=fa2`, FA2's `mma.sync` kernels
+//!   bf16 operands, fp32 accumulation and softmax. On a Hopper GPU for head_dim 64 the
+//!   warp-specialized, TMA-fed kernels (`kernels/attention_ws_{fwd,bwd}.cu`: persistent CTAs,
+//!   a producer warp filling mbarrier rings through tensor maps, `tma.rs`), for head_dim 128
+//!   the warpgroup-MMA forward (`kernels/attention_wgmma_fwd.cu`); elsewhere, and under
+//!   `PARC_ATTENTION_{FWD,BWD}_KERNEL=fa2`, FA2's `mma.sync` kernels
 //!   (`kernels/attention_tc.cu`). All read bf16 q, k, v, dO buffers in place and bf16 copies
 //!   of f32 ones, write O, dK, dV in their buffers' type, and accumulate dQ in f32 (in a
 //!   scratch accumulator rounded once into a bf16 dQ), with the same semantics;
@@ -86,8 +88,7 @@ const TC_BWD_THREADS: u32 = 256;
 const WGMMA_KEYS: usize = 64;
 const WGMMA_ALIGN: usize = 1024;
 /// The warp-specialized forward (attention_ws_fwd.cu): query rows per work item, threads (a
-/// producer and two consumer warpgroups), K/V ring slots, and the key tile of variant `ws`
-/// (`ws64` takes 64).
+/// producer and two consumer warpgroups), K/V ring slots, and keys per K/V tile.
 const WS_BR: usize = 128;
 const WS_THREADS: u32 = 384;
 const WS_STAGES: usize = 4;
@@ -403,15 +404,6 @@ pub(crate) fn scratch_bytes(
     layout_for(op, bf16_run, ins, outs).map_or(0, |l| l.bytes)
 }
 
-/// The wgmma backward (kernels/attention_wgmma_bwd.cu) takes head_dim 64 only (other head dims
-/// run the mma.sync one whatever the variant); its CTA has TC_BWD_THREADS threads for TC_BC
-/// keys, like attention_bwd_tc's, and uses the same scratch. Its shared memory: K and V tiles
-/// of TC_BC × 64 bf16, two stages of 64-row Q and dO tiles with lse2 / delta / position, and
-/// two dSᵀ tiles of TC_BC × 64 bf16 (dQ of one query tile still reads its dSᵀ while the next
-/// tile forms its own).
-const WGMMA_BWD_HEAD_DIM: usize = 64;
-const WGMMA_BWD_SMEM: u32 = (4 * TC_BC * 64 * 2 + 2 * (2 * 64 * 64 * 2 + 3 * 64 * 4)) as u32;
-
 /// Fails unless the GPU is a Hopper (compute capability 9.0), the only one whose program holds
 /// the compute_90a kernels (`what` names the test kernel that needs them; the attention ops
 /// themselves run the mma.sync kernels elsewhere).
@@ -423,59 +415,6 @@ fn require_hopper(be: &CudaBackend, what: &str) -> Result<()> {
         )));
     }
     Ok(())
-}
-
-/// Runs `attention_wgmma_selftest` (kernels/attention_wgmma_bwd.cu) in `mode` on the row-major
-/// f32 inputs (small integers, exact in bf16; a and b 64 × 64, 128 × 64 in mode 2; c 64 × 64)
-/// and returns its 64 × 64 output: checks the wgmma shared-memory layouts and register
-/// mappings the wgmma backward relies on, for GPU tests. Hopper only.
-pub(super) fn wgmma_selftest(
-    be: &mut CudaBackend,
-    mode: i32,
-    a: &[f32],
-    b: &[f32],
-    c: &[f32],
-) -> Result<Vec<f32>> {
-    require_hopper(be, "attention_wgmma_selftest")?;
-    let rows = if mode == 2 { 128 } else { 64 };
-    let n = rows * 64;
-    if a.len() != n || b.len() != n || c.len() != 64 * 64 {
-        return Err(crate::error::RuntimeError::Unsupported(format!(
-            "wgmma_selftest mode {mode}: a and b need {n} values, c 4096"
-        )));
-    }
-    let inputs = [a, b, c];
-    let memory = inputs
-        .iter()
-        .map(|x| be.alloc_bytes(x.len() * 4, "a wgmma self-test input"))
-        .collect::<Result<Vec<_>>>()?;
-    let out = be.alloc_bytes(64 * 64 * 4, "the wgmma self-test output")?;
-    // The allocations' zero fills are queued on the stream: done before the copies below.
-    be.synchronize()?;
-    let ptrs: Vec<CUdeviceptr> = memory
-        .iter()
-        .map(|m| super::raw_ptr(&be.stream, m))
-        .collect();
-    for (&ptr, data) in ptrs.iter().zip(inputs) {
-        // SAFETY: the allocation holds data.len() f32s; the copy completes before returning.
-        unsafe { cudarc::driver::result::memcpy_htod_sync(ptr, data) }
-            .map_err(|e| driver_error("uploading a wgmma self-test input", e))?;
-    }
-    let out_ptr = super::raw_ptr(&be.stream, &out);
-    let args = [
-        Arg::Ptr(ptrs[0]),
-        Arg::Ptr(ptrs[1]),
-        Arg::Ptr(ptrs[2]),
-        Arg::Ptr(out_ptr),
-        Arg::I32(mode),
-    ];
-    be.launch("attention_wgmma_selftest", (1, 1, 1), (128, 1, 1), 0, &args)?;
-    be.synchronize()?;
-    let mut host = vec![0.0f32; 64 * 64];
-    // SAFETY: out holds 4096 f32s; the stream is idle.
-    unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut host, out_ptr) }
-        .map_err(|e| driver_error("reading the wgmma self-test output", e))?;
-    Ok(host)
 }
 
 /// Launches a tensor-core kernel over `heads` × `tiles` CTAs, first letting it use `smem` bytes
@@ -792,27 +731,19 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
             // The warp-specialized, TMA-fed forward where it applies (a Hopper, head_dim 64,
             // tensor maps the driver can encode), else the warpgroup-MMA one (a Hopper), else
             // mma.sync.
-            let ws_keys = match () {
-                _ if be.variants.is("attention_fwd", "ws") => Some(WS_FWD_KEYS),
-                _ if be.variants.is("attention_fwd", "ws64") => Some(64),
-                _ => None,
-            };
-            if let (Some(keys), true, 64) = (ws_keys, be.is_hopper(), d) {
-                if let Ok(maps) = ws_tensor_maps(&g, [qp, kp, vp], keys) {
+            let ws = be.variants.is("attention_fwd", "ws");
+            if ws && be.is_hopper() && d == 64 {
+                if let Ok(maps) = ws_tensor_maps(&g, [qp, kp, vp], WS_FWD_KEYS) {
                     let mut ws_args: Vec<Arg> = maps.into_iter().map(Arg::Tma).collect();
                     ws_args.extend(args.into_iter().skip(3));
-                    let name = if keys == WS_FWD_KEYS {
-                        "attention_fwd_ws_d64"
-                    } else {
-                        "attention_fwd_ws64_d64"
-                    };
                     let work = seq_q.div_ceil(WS_BR) * batch * heads;
                     let ctas = work.min(be.limits.sms).max(1) as u32;
-                    let smem = ws_fwd_smem(keys);
+                    let smem = ws_fwd_smem(WS_FWD_KEYS);
+                    let name = "attention_fwd_ws_d64";
                     return launch_tc(be, name, (ctas, 1, false), WS_THREADS, smem, &ws_args);
                 }
             }
-            if be.variants.is("attention_fwd", "wgmma") && be.is_hopper() {
+            if (ws || be.variants.is("attention_fwd", "wgmma")) && be.is_hopper() {
                 let (name, warpgroups, smem) = tc.wgmma_fwd();
                 let rows = 64 * warpgroups;
                 let grid = (
@@ -982,19 +913,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
                 return dq_out(be, &layout, dq_acc, dq, g);
             }
         }
-        let wgmma = be.variants.is("attention_bwd", "wgmma") && be.is_hopper();
-        if tc.head_dim == WGMMA_BWD_HEAD_DIM && wgmma && dq_acc % 16 == 0 {
-            launch_tc(
-                be,
-                "attention_bwd_wgmma_d64",
-                grid,
-                TC_BWD_THREADS,
-                WGMMA_BWD_SMEM,
-                &args,
-            )?;
-        } else {
-            launch_tc(be, tc.bwd, grid, TC_BWD_THREADS, tc.bwd_smem(), &args)?;
-        }
+        launch_tc(be, tc.bwd, grid, TC_BWD_THREADS, tc.bwd_smem(), &args)?;
         dq_out(be, &layout, dq_acc, dq, g)
     }
 }
@@ -1189,8 +1108,10 @@ mod tests {
             assert!(fwd <= H100_SMEM / 2, "d{d} forward: {fwd}");
             assert!(bwd <= A100_SMEM, "d{d} backward: {bwd}");
         }
-        // The wgmma backward (Hopper only): attention_wgmma_bwd.cu's 99840 bytes.
-        const { assert!(WGMMA_BWD_SMEM == 99_840 && WGMMA_BWD_SMEM <= H100_SMEM) };
+        // The warp-specialized kernels (Hopper only), one CTA an SM: forward 165 KiB, backward
+        // 196 KiB, both under the 227 KiB an H100 block may opt in to.
+        const { assert!(WSB_SMEM <= H100_SMEM) };
+        assert!(ws_fwd_smem(WS_FWD_KEYS) <= H100_SMEM);
     }
 
     /// The wgmma forward's shared memory follows its kernel's layout (1024-byte alignment

@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The kernel sources, in the order they are concatenated (helpers first).
-const SOURCES: [&str; 12] = [
+const SOURCES: [&str; 11] = [
     include_str!("kernels/common.cuh"),
     include_str!("kernels/elementwise.cu"),
     include_str!("kernels/norm_loss.cu"),
@@ -25,7 +25,6 @@ const SOURCES: [&str; 12] = [
     include_str!("kernels/attention.cu"),
     include_str!("kernels/attention_tc.cu"),
     include_str!("kernels/attention_wgmma_fwd.cu"),
-    include_str!("kernels/attention_wgmma_bwd.cu"),
     include_str!("kernels/hopper_async.cuh"),
     include_str!("kernels/attention_ws_fwd.cu"),
     include_str!("kernels/attention_ws_bwd.cu"),

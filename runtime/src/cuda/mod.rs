@@ -259,19 +259,6 @@ impl CudaBackend {
         self.variants.set(op, name)
     }
 
-    /// The wgmma layout self-test behind the `wgmma` attention backward (Hopper only; for GPU
-    /// tests): `mode` 0, 1 or 2 of kernels/attention_wgmma_bwd.cu's attention_wgmma_selftest on
-    /// row-major f32 inputs of small integers, returning its 64 × 64 output.
-    pub fn wgmma_selftest(
-        &mut self,
-        mode: i32,
-        a: &[f32],
-        b: &[f32],
-        c: &[f32],
-    ) -> Result<Vec<f32>> {
-        attention::wgmma_selftest(self, mode, a, b, c)
-    }
-
     /// Whether the GPU is a Hopper (compute capability 9.0: the program holds its compute_90a
     /// kernels, e.g. the `wgmma` attention), read once when the backend was made.
     pub fn is_hopper(&self) -> bool {

@@ -52,7 +52,7 @@ pub(crate) fn matrix(
     swizzled: bool,
 ) -> Result<TmaMap> {
     let unsupported = |why: String| RuntimeError::Unsupported(format!("a TMA tensor map {why}"));
-    if ptr % 16 != 0 || row_bytes % 16 != 0 {
+    if !ptr.is_multiple_of(16) || !row_bytes.is_multiple_of(16) {
         return Err(unsupported(format!(
             "needs 16-byte aligned rows (address {ptr:#x}, row stride {row_bytes} bytes)"
         )));
@@ -64,7 +64,7 @@ pub(crate) fn matrix(
     }
     let box_bytes = box_cols * elem.bytes();
     if (swizzled && box_bytes > SWIZZLE_BYTES)
-        || box_bytes % 16 != 0
+        || !box_bytes.is_multiple_of(16)
         || box_cols > 256
         || box_rows == 0
         || box_rows > 256

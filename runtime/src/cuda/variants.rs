@@ -18,20 +18,22 @@ struct Choice {
 /// not hold, kept selectable so the device tests can run it on a GPU where the default would
 /// not fall back (e.g. the mma.sync attention on a Hopper, which other GPUs run).
 const CHOICES: &[Choice] = &[
-    // bf16 attention forward, head_dim 64 / 128: the Hopper warpgroup-MMA kernel
-    // (attention_wgmma_fwd.cu; other GPUs run `fa2`), or attention_tc.cu's mma.sync kernel.
+    // bf16 attention forward on a Hopper: the warp-specialized, TMA-fed kernel for head_dim 64
+    // (attention_ws_fwd.cu; the warpgroup-MMA one for 128), or attention_wgmma_fwd.cu's
+    // warpgroup-MMA kernel for both (`wgmma`), or attention_tc.cu's mma.sync kernel (`fa2`,
+    // what other GPUs run).
     Choice {
         op: "attention_fwd",
         env: "PARC_ATTENTION_FWD_KERNEL",
-        names: &["wgmma", "fa2", "ws", "ws64"],
+        names: &["ws", "wgmma", "fa2"],
     },
-    // The bf16 attention backward: attention_wgmma_bwd.cu's software-pipelined warpgroup-MMA
-    // kernel (Hopper, head_dim 64, a 16-byte aligned dQ accumulator; otherwise `fa2`), or
+    // The bf16 attention backward: attention_ws_bwd.cu's warp-specialized, TMA-fed kernel
+    // (Hopper, head_dim 64, tensor maps the driver can encode; otherwise `fa2`), or
     // attention_tc.cu's mma.sync kernel (`fa2`).
     Choice {
         op: "attention_bwd",
         env: "PARC_ATTENTION_BWD_KERNEL",
-        names: &["wgmma", "fa2", "ws"],
+        names: &["ws", "fa2"],
     },
     // The fused cross-entropy: persistent CTAs that stage each row in shared memory (`staged`;
     // `rows` where a row does not fit or the logits are unaligned), or a block per row with

@@ -1,8 +1,10 @@
-// Flash-attention backward, warp-specialized (variant `ws` of op attention_bwd; Hopper,
-// compute_90a, head_dim 64): FlashAttention-3's backward structure, written for parc's layouts
-// with the contract of attention_wgmma_bwd.cu (after attention_delta_tc: lse2 and delta per
-// query row, the f32 dQ accumulator zeroed; dK, dV f32 or bf16; causal masking by global
-// position, whole invisible query tiles skipped when positions ascend).
+// Flash-attention backward, warp-specialized (variant `ws` of op attention_bwd, the default on a
+// Hopper; compute_90a, head_dim 64; other GPUs and head dims run attention_tc.cu's `fa2`):
+// FlashAttention-3's backward structure, written for parc's layouts with the contract of
+// tc_attention_bwd (after attention_delta_tc: lse2 and delta per query row, the f32 dQ
+// accumulator zeroed; dK, dV f32 or bf16; causal masking by global position, whole invisible
+// query tiles skipped when positions ascend). Measured on one H200 at 32·12·1024·64 causal:
+// 187 TFLOP/s against 168 for the wgmma kernel it replaced (bench/RESULTS.md, session 7).
 //
 // A persistent CTA (one an SM) of three warpgroups walks the work items (key tile of WSB_BC
 // keys, batch · kv head) blockIdx.x, + gridDim.x, ...: the first key tiles (the longest,
@@ -29,6 +31,16 @@
 // Bytes of one ring slot: Q and dO tiles, then lse2 and delta rows (f32), padded so the next
 // slot's tiles stay 1024-byte aligned.
 #define WSB_SLOT (2 * WSB_BR * 128 + 1024)
+
+// d (64 x 64, f32) (+)= A B, A and B from shared memory, both MN-major (dQ = dS K: A is dSᵀ
+// stored [key][query], B is K stored [key][dim]).
+__device__ __forceinline__ void wsb_mma_ss_n64_mn(float (&d)[32], unsigned long long a, unsigned long long b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
 
 // Adds a shared-memory box into a 2-d f32 tensor in global memory (TMA reduction; rows or
 // columns out of bounds are dropped), as one bulk async group of this thread.
@@ -269,7 +281,8 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             if (masked) wsb_probs<true>(sa, sl, qpos, i0, last_q, pa, pb, sl2, tq4);
             else wsb_probs<false>(sa, sl, qpos, i0, last_q, pa, pb, sl2, tq4);
             unsigned pf[4][4], dsf[4][4];
-            wb_acc_to_a(pf, sa);
+            #pragma unroll
+            for (int kk = 0; kk < 4; kk++) wg_acc_to_a(pf[kk], sa, kk);
             wg_fence();
             #pragma unroll
             for (int kk = 0; kk < BR / 16; kk++) wg_mma_rs_n64(dva, pf[kk], wg_desc_mn<BR>(do_addr, kk), 1);
@@ -285,7 +298,8 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
                     dp[4 * nb + 2 + e] = sa[4 * nb + 2 + e] * (dp[4 * nb + 2 + e] - dl);
                 }
             }
-            wb_acc_to_a(dsf, dp);
+            #pragma unroll
+            for (int kk = 0; kk < 4; kk++) wg_acc_to_a(dsf[kk], dp, kk);
             // dSᵀ (this warpgroup's 64 keys × the tile's queries) for dQ's A operand.
             #pragma unroll
             for (int kk = 0; kk < 4; kk++) {
@@ -314,7 +328,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             wg_commit();
             wg_fence();
             #pragma unroll
-            for (int kk = 0; kk < 4; kk++) wb_mma64_ss<1, 1>(dq, wg_desc_mn<64>(ds_addr, kk), wg_desc_mn<BC>(kw, kk), kk > 0);
+            for (int kk = 0; kk < 4; kk++) wsb_mma_ss_n64_mn(dq, wg_desc_mn<64>(ds_addr, kk), wg_desc_mn<BC>(kw, kk), kk > 0);
             wg_commit();
             wg_wait_all();
             wg_hold(dva);
