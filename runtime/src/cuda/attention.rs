@@ -95,12 +95,13 @@ const WS_STAGES: usize = 4;
 const WS_FWD_KEYS: usize = 128;
 
 /// The warp-specialized forward's shared memory: alignment slack, two Q buffers, the K/V ring
-/// of `keys`-row tiles (bf16, head_dim 64), its mbarriers (a full and an empty one per slot and
-/// per Q buffer) and the two items' tile ranges (8 ints each).
-fn ws_fwd_smem(keys: usize) -> u32 {
-    (WGMMA_ALIGN + 2 * WS_BR * 128 + WS_STAGES * 2 * keys * 128 + 8 * (2 * WS_STAGES + 4) + 64)
-        as u32
-}
+/// of WS_FWD_KEYS-row tiles (bf16, head_dim 64), its mbarriers (a full and an empty one per
+/// slot and per Q buffer) and the two items' tile ranges (8 ints each).
+const WS_FWD_SMEM: u32 = (WGMMA_ALIGN
+    + 2 * WS_BR * 128
+    + WS_STAGES * 2 * WS_FWD_KEYS * 128
+    + 8 * (2 * WS_STAGES + 4)
+    + 64) as u32;
 
 /// The warp-specialized backward (attention_ws_bwd.cu): keys per work item, query rows per
 /// ring slot, ring slots, and its shared memory: alignment slack, two K and V buffers, the
@@ -144,12 +145,28 @@ fn operand_map(
 }
 
 /// The TMA tensor maps of q, k and v (bf16 pointers) for the warp-specialized forward.
-fn ws_tensor_maps(g: &AttGeom, [qp, kp, vp]: [CUdeviceptr; 3], keys: usize) -> Result<[TmaMap; 3]> {
+fn ws_tensor_maps(g: &AttGeom, [qp, kp, vp]: [CUdeviceptr; 3]) -> Result<[TmaMap; 3]> {
     Ok([
         operand_map(g, qp, g.ld_q, g.heads, g.seq_q, WS_BR)?,
-        operand_map(g, kp, g.ld_kv, g.kv_heads, g.seq_kv, keys)?,
-        operand_map(g, vp, g.ld_kv, g.kv_heads, g.seq_kv, keys)?,
+        operand_map(g, kp, g.ld_kv, g.kv_heads, g.seq_kv, WS_FWD_KEYS)?,
+        operand_map(g, vp, g.ld_kv, g.kv_heads, g.seq_kv, WS_FWD_KEYS)?,
     ])
+}
+
+/// Launches a warp-specialized kernel: persistent, one CTA an SM (at most one per work item),
+/// WS_THREADS threads; its arguments are the tensor maps, then `rest`.
+fn launch_ws(
+    be: &mut CudaBackend,
+    name: &'static str,
+    work: usize,
+    smem: u32,
+    maps: &[TmaMap],
+    rest: &[Arg],
+) -> Result<()> {
+    let mut args: Vec<Arg> = maps.iter().copied().map(Arg::Tma).collect();
+    args.extend_from_slice(rest);
+    let ctas = work.min(be.limits.sms).max(1) as u32;
+    launch_tc(be, name, (ctas, 1, false), WS_THREADS, smem, &args)
 }
 
 /// The warp-specialized backward's tensor maps: q, dO, k, v (bf16 pointers), lse2 and delta
@@ -733,14 +750,10 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
             // mma.sync.
             let ws = be.variants.is("attention_fwd", "ws");
             if ws && be.is_hopper() && d == 64 {
-                if let Ok(maps) = ws_tensor_maps(&g, [qp, kp, vp], WS_FWD_KEYS) {
-                    let mut ws_args: Vec<Arg> = maps.into_iter().map(Arg::Tma).collect();
-                    ws_args.extend(args.into_iter().skip(3));
+                if let Ok(maps) = ws_tensor_maps(&g, [qp, kp, vp]) {
                     let work = seq_q.div_ceil(WS_BR) * batch * heads;
-                    let ctas = work.min(be.limits.sms).max(1) as u32;
-                    let smem = ws_fwd_smem(WS_FWD_KEYS);
                     let name = "attention_fwd_ws_d64";
-                    return launch_tc(be, name, (ctas, 1, false), WS_THREADS, smem, &ws_args);
+                    return launch_ws(be, name, work, WS_FWD_SMEM, &maps, &args[3..]);
                 }
             }
             if (ws || be.variants.is("attention_fwd", "wgmma")) && be.is_hopper() {
@@ -898,18 +911,9 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
         if be.variants.is("attention_bwd", "ws") && be.is_hopper() && d == 64 {
             let maps = wsb_tensor_maps(&g, [ptrs[0], qp, kp, vp], (lse2, delta, dq_acc));
             if let Ok(maps) = maps {
-                let mut ws_args: Vec<Arg> = maps.into_iter().map(Arg::Tma).collect();
-                ws_args.extend([p(dk), p(dv), Arg::Ptr(qpos), Arg::Ptr(kvpos), Arg::Geom(g)]);
+                let rest = [p(dk), p(dv), Arg::Ptr(qpos), Arg::Ptr(kvpos), Arg::Geom(g)];
                 let work = seq_kv.div_ceil(WSB_BC) * batch * g.kv_heads as usize;
-                let ctas = work.min(be.limits.sms).max(1) as u32;
-                launch_tc(
-                    be,
-                    "attention_bwd_ws_d64",
-                    (ctas, 1, false),
-                    WS_THREADS,
-                    WSB_SMEM,
-                    &ws_args,
-                )?;
+                launch_ws(be, "attention_bwd_ws_d64", work, WSB_SMEM, &maps, &rest)?;
                 return dq_out(be, &layout, dq_acc, dq, g);
             }
         }
@@ -1111,7 +1115,7 @@ mod tests {
         // The warp-specialized kernels (Hopper only), one CTA an SM: forward 165 KiB, backward
         // 196 KiB, both under the 227 KiB an H100 block may opt in to.
         const { assert!(WSB_SMEM <= H100_SMEM) };
-        assert!(ws_fwd_smem(WS_FWD_KEYS) <= H100_SMEM);
+        const { assert!(WS_FWD_SMEM <= H100_SMEM) };
     }
 
     /// The wgmma forward's shared memory follows its kernel's layout (1024-byte alignment

@@ -121,6 +121,7 @@ impl FloatArg {
 }
 
 /// A kernel argument.
+#[derive(Clone, Copy)]
 pub(crate) enum Arg {
     Ptr(CUdeviceptr),
     I64(i64),

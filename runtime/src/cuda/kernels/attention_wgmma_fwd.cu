@@ -138,6 +138,50 @@ __device__ __forceinline__ void wg_mma_pv<128>(float (&o)[64], const unsigned (&
     wg_mma_rs_n128(o, a, b, accumulate);
 }
 
+// The online-softmax step of one (masked) S tile of N accumulators a thread, in place: per row
+// half (s[4 nb + 2 half + e]; a row's keys are spread over the 4 lanes of a quad) the running
+// max m (of scores times sl2 = scale · log2 e), the factor corr that the running O and sum
+// must be scaled by, p = exp2(s sl2 − m) and the running sum l. Shared by the wgmma and the
+// warp-specialized forwards.
+template <int N>
+__device__ __forceinline__ void wg_online_softmax(float (&s)[N], float (&m)[2], float (&l)[2], float (&corr)[2], float sl2) {
+    #pragma unroll
+    for (int half = 0; half < 2; half++) {
+        float x = NEG_INF;
+        #pragma unroll
+        for (int nb = 0; nb < N / 4; nb++) x = fmaxf(x, fmaxf(s[4 * nb + 2 * half], s[4 * nb + 2 * half + 1]));
+        // The max of the raw scores (scale > 0, so it is the max of the scaled ones).
+        x = fmaxf(m[half], tc_quad_max(x) * sl2);
+        // A row that has seen no key yet keeps max −inf: subtract 0 instead (every p is 0).
+        float base = x == NEG_INF ? 0.0f : x;
+        corr[half] = tc_exp2(m[half] - base);
+        m[half] = x;
+        float sum = 0.0f;
+        #pragma unroll
+        for (int nb = 0; nb < N / 4; nb++) {
+            #pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float p = tc_exp2(__fmaf_rn(s[4 * nb + 2 * half + e], sl2, -base));
+                s[4 * nb + 2 * half + e] = p;
+                sum += p;
+            }
+        }
+        l[half] = l[half] * corr[half] + sum;
+    }
+}
+
+// Scales the rows of an accumulator (acc[4 nb + 2 half + e]) by corr[half].
+template <int N>
+__device__ __forceinline__ void wg_scale_rows(float (&acc)[N], const float (&corr)[2]) {
+    #pragma unroll
+    for (int nb = 0; nb < N / 4; nb++) {
+        acc[4 * nb + 0] *= corr[0];
+        acc[4 * nb + 1] *= corr[0];
+        acc[4 * nb + 2] *= corr[1];
+        acc[4 * nb + 3] *= corr[1];
+    }
+}
+
 // Bytes of a swizzled tile of R rows × D bf16 columns.
 #define WG_TILE_BYTES(R, D) ((R) * (D) * 2)
 
@@ -238,49 +282,22 @@ __device__ __forceinline__ void wg_attention_fwd(const bf16_t* q, const bf16_t* 
         wg_hold(s);
         // Online softmax per row; s[4 nb + 2 half + e] is row 16 warp + 8 half + gq, key
         // nb · 8 + 2 tq + e (a row's keys are spread over the 4 lanes of a quad).
-        bool masked = t >= wg_full;
-        float corr[2];
-        #pragma unroll
-        for (int half = 0; half < 2; half++) {
-            float x = NEG_INF;
+        if (t >= wg_full) {
             #pragma unroll
-            for (int nb = 0; nb < BC / 8; nb++) {
+            for (int half = 0; half < 2; half++) {
                 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float val = s[4 * nb + 2 * half + e];
-                    if (masked) {
+                for (int nb = 0; nb < BC / 8; nb++) {
+                    #pragma unroll
+                    for (int e = 0; e < 2; e++) {
                         int c = nb * 8 + 2 * tq + e;
-                        if (c >= kv_left || (g.causal && kp_tile[c] > pos[half])) val = NEG_INF;
+                        if (c >= kv_left || (g.causal && kp_tile[c] > pos[half])) s[4 * nb + 2 * half + e] = NEG_INF;
                     }
-                    s[4 * nb + 2 * half + e] = val;
-                    x = fmaxf(x, val);
                 }
             }
-            // The max of the raw scores (scale > 0, so it is the max of the scaled ones).
-            x = fmaxf(m[half], tc_quad_max(x) * sl2);
-            // A row that has seen no key yet keeps max −inf: subtract 0 instead (every p is 0).
-            float base = x == NEG_INF ? 0.0f : x;
-            corr[half] = tc_exp2(m[half] - base);
-            m[half] = x;
-            float sum = 0.0f;
-            #pragma unroll
-            for (int nb = 0; nb < BC / 8; nb++) {
-                #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float p = tc_exp2(__fmaf_rn(s[4 * nb + 2 * half + e], sl2, -base));
-                    s[4 * nb + 2 * half + e] = p;
-                    sum += p;
-                }
-            }
-            l[half] = l[half] * corr[half] + sum;
         }
-        #pragma unroll
-        for (int nb = 0; nb < D / 8; nb++) {
-            acc[4 * nb + 0] *= corr[0];
-            acc[4 * nb + 1] *= corr[0];
-            acc[4 * nb + 2] *= corr[1];
-            acc[4 * nb + 3] *= corr[1];
-        }
+        float corr[2];
+        wg_online_softmax(s, m, l, corr, sl2);
+        wg_scale_rows(acc, corr);
         unsigned pa[BC / 16][4];
         #pragma unroll
         for (int kk = 0; kk < BC / 16; kk++) wg_acc_to_a(pa[kk], s, kk);

@@ -54,12 +54,19 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 template <int N>
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// Adds a dQ tile (shared memory at src: two swizzled 32-column blocks of WSB_BR rows) into the
+// f32 accumulator at column col, query row i0, as one bulk group of this thread.
+__device__ __forceinline__ void wsb_reduce_dq(const TmaMap& tdq, unsigned src, int col, int i0) {
+    tma_reduce_add_2d(tdq, src, col, i0);
+    tma_reduce_add_2d(tdq, src + WSB_BR * 128, col + 32, i0);
+    bulk_commit();
+}
 // A barrier of one warpgroup's 128 threads (named barrier id).
 __device__ __forceinline__ void wg_bar(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
 
-// The query tiles of one item, the same in the producer and the consumers: the tiles [first,
-// q_tiles) of each of the group's heads that some key of [j0, j0 + WSB_BC) is visible to,
-// those before first_full masked.
+// The query tiles of one item: the tiles [first, q_tiles) of each of the group's heads that
+// some key of [j0, j0 + WSB_BC) is visible to, those before first_full masked. The producer
+// computes them and hands them to the consumers in shared memory.
 struct WsbRange {
     int first, first_full, per_head, total;
 };
@@ -92,10 +99,6 @@ __device__ __forceinline__ WsbRange wsb_range(const int* qpos, const int* kvpos,
     }
     r.per_head = q_tiles - r.first;
     r.total = group * r.per_head;
-    r.first = __shfl_sync(FULL_MASK, r.first, 0);
-    r.first_full = __shfl_sync(FULL_MASK, r.first_full, 0);
-    r.per_head = __shfl_sync(FULL_MASK, r.per_head, 0);
-    r.total = __shfl_sync(FULL_MASK, r.total, 0);
     return r;
 }
 
@@ -162,63 +165,46 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     int k_tiles = ((int)g.seq_kv + BC - 1) / BC;
     int work = k_tiles * bkh_count;
     int wg = __shfl_sync(FULL_MASK, (int)threadIdx.x / WG_THREADS, 0);
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < WSB_STAGES; s++) {
-            mbar_init(bars + 8 * s, 1);
-            mbar_init(bars + 8 * (WSB_STAGES + s), 8);  // the consumers' warps
-        }
-        for (int u = 0; u < 2; u++) {
-            mbar_init(kv_full0 + 8 * u, 1);
-            mbar_init(kv_empty0 + 8 * u, 8);  // the consumers' warps
-        }
-        mbar_init_fence();
-    }
+    if (threadIdx.x == 0) ws_pipeline_init(bars, WSB_STAGES, 8);  // 8: the consumers' warps
     __syncthreads();
     if (wg == 0) {
-        // The producer: its first warp walks the items (wsb_range's broadcasts need the whole
-        // warp), lane 0 issues. K/V are double-buffered, so the next item's load overlaps this
-        // one's last query tiles, and its ranges (dependent loads of the positions) travel
-        // with it, off the consumers' path.
+        // The producer: one thread walks the items and issues every load. K/V are
+        // double-buffered, so the next item's load overlaps this one's last query tiles, and
+        // its ranges (dependent loads of the positions) travel with it, off the consumers' path.
         regs_dealloc<24>();
-        if (threadIdx.x >= 32) return;
-        bool leader = threadIdx.x == 0;
-        if (leader) {
-            tma_prefetch(tq);
-            tma_prefetch(tdo);
-            tma_prefetch(tk);
-            tma_prefetch(tv);
-        }
+        if (threadIdx.x != 0) return;
+        tma_prefetch(tq);
+        tma_prefetch(tdo);
+        tma_prefetch(tk);
+        tma_prefetch(tv);
         int it = 0, item = 0;
         for (int w = blockIdx.x; w < work; w += gridDim.x, item++) {
             int bk = w % bkh_count, j0 = (w / bkh_count) * BC;
             int b = bk / (int)g.kv_heads, kvh = bk % (int)g.kv_heads;
             WsbRange r = wsb_range(qpos, kvpos, g, j0, group);
-            if (leader) {
-                int u = item & 1;
-                unsigned kv_full = kv_full0 + 8 * u, k_addr = base + 2 * u * KT;
-                mbar_wait(kv_empty0 + 8 * u, ((item >> 1) & 1) ^ 1);
-                int* rg = ranges + 8 * u;
-                rg[0] = r.first;
-                rg[1] = r.first_full;
-                rg[2] = r.per_head;
-                rg[3] = r.total;
-                mbar_expect_tx(kv_full, 2 * KT);  // releases the ranges with it
-                tma_load_2d(k_addr, tk, kv_full, b * g.ld_kv + kvh * D, j0);
-                tma_load_2d(k_addr + KT, tv, kv_full, b * g.ld_kv + kvh * D, j0);
-                for (int t = 0; t < r.total; t++, it++) {
-                    int h = kvh * group + t / r.per_head, i0 = (r.first + t % r.per_head) * BR;
-                    int s = it % WSB_STAGES;
-                    unsigned full = bars + 8 * s, slot = slots + s * WSB_SLOT;
-                    mbar_wait(bars + 8 * (WSB_STAGES + s), ((it / WSB_STAGES) & 1) ^ 1);
-                    mbar_expect_tx(full, 2 * QT + 2 * BR * 4);
-                    tma_load_2d(slot, tq, full, b * g.ld_q + h * D, i0);
-                    tma_load_2d(slot + QT, tdo, full, b * g.ld_o + h * D, i0);
-                    int bh = b * (int)g.heads + h;
-                    tma_load_2d(slot + 2 * QT, tlse, full, i0, bh);
-                    tma_load_2d(slot + 2 * QT + BR * 4, tdelta, full, i0, bh);
-                }
+            int u = item & 1;
+            unsigned kv_full = kv_full0 + 8 * u, k_addr = base + 2 * u * KT;
+            mbar_wait(kv_empty0 + 8 * u, ((item >> 1) & 1) ^ 1);
+            int* rg = ranges + 8 * u;
+            rg[0] = r.first;
+            rg[1] = r.first_full;
+            rg[2] = r.per_head;
+            rg[3] = r.total;
+            mbar_expect_tx(kv_full, 2 * KT);  // releases the ranges with it
+            tma_load_2d(k_addr, tk, kv_full, b * g.ld_kv + kvh * D, j0);
+            tma_load_2d(k_addr + KT, tv, kv_full, b * g.ld_kv + kvh * D, j0);
+            for (int t = 0; t < r.total; t++, it++) {
+                int h = kvh * group + t / r.per_head, i0 = (r.first + t % r.per_head) * BR;
+                int s = it % WSB_STAGES;
+                unsigned full = bars + 8 * s, slot = slots + s * WSB_SLOT;
+                mbar_wait(bars + 8 * (WSB_STAGES + s), ((it / WSB_STAGES) & 1) ^ 1);
+                mbar_expect_tx(full, 2 * QT + 2 * BR * 4);
+                tma_load_2d(slot, tq, full, b * g.ld_q + h * D, i0);
+                tma_load_2d(slot + QT, tdo, full, b * g.ld_o + h * D, i0);
+                int bh = b * (int)g.heads + h;
+                tma_load_2d(slot + 2 * QT, tlse, full, i0, bh);
+                tma_load_2d(slot + 2 * QT + BR * 4, tdelta, full, i0, bh);
             }
-            __syncwarp();
         }
         return;
     }
@@ -251,6 +237,8 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
         for (int i = 0; i < 32; i++) { dka[i] = 0.0f; dva[i] = 0.0f; }
         unsigned kw = k_addr + cw * 64 * 128;  // this consumer's keys of K
         mbar_wait(kv_full0 + 8 * u, (item >> 1) & 1);
+        // Read through lane 0: uniform to the compiler (the wgmma loop they bound is then not on
+        // a divergent path, which ptxas serializes: C7520).
         const int* rg = ranges + 8 * u;
         WsbRange r;
         r.first = __shfl_sync(FULL_MASK, rg[0], 0);
@@ -316,12 +304,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             if (elected) bulk_wait_read<0>();
             wg_fence_proxy();
             wg_bar(1 + cw);
-            if (elected && pend_col >= 0) {
-                unsigned prev = dq_addr0 + (2 * cw + ((it - 1) & 1)) * DQT;
-                tma_reduce_add_2d(tdq, prev, pend_col, pend_i0);
-                tma_reduce_add_2d(tdq, prev + BR * 128, pend_col + 32, pend_i0);
-                bulk_commit();
-            }
+            if (elected && pend_col >= 0) wsb_reduce_dq(tdq, dq_addr0 + (2 * cw + ((it - 1) & 1)) * DQT, pend_col, pend_i0);
             wg_fence();
             #pragma unroll
             for (int kk = 0; kk < BR / 16; kk++) wg_mma_rs_n64(dka, dsf[kk], wg_desc_mn<BR>(q_addr, kk), 1);
@@ -398,12 +381,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     // complete: the CTA must outlive them).
     wg_fence_proxy();
     wg_bar(1 + cw);
-    if (elected && pend_col >= 0) {
-        unsigned prev = dq_addr0 + (2 * cw + ((it - 1) & 1)) * DQT;
-        tma_reduce_add_2d(tdq, prev, pend_col, pend_i0);
-        tma_reduce_add_2d(tdq, prev + BR * 128, pend_col + 32, pend_i0);
-        bulk_commit();
-    }
+    if (elected && pend_col >= 0) wsb_reduce_dq(tdq, dq_addr0 + (2 * cw + ((it - 1) & 1)) * DQT, pend_col, pend_i0);
     if (elected) bulk_wait_all();
 }
 

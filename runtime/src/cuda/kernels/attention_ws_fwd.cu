@@ -59,16 +59,16 @@ __device__ __forceinline__ void ws_hold_u(unsigned (&r)[N][4]) {
 
 // One work item's tile ranges, the same in the producer and the consumers: the CTA's query
 // rows [i0, i0 + WS_BR), the key tiles [0, tiles) it loads, and for one consumer's 64 rows
-// starting at row0 the tiles [0, wg_tiles) it computes and [0, wg_full) of them unmasked.
-template <int BC>
+// starting at row0 the tiles [0, wg_tiles) it computes and [0, wg_full) of them unmasked. The
+// producer computes them and hands them to the consumers in shared memory.
 struct WsRange {
     int tiles, wg_tiles, wg_full;
 };
 
 template <int BC>
-__device__ __forceinline__ WsRange<BC> ws_range(const int* qpos, const int* kvpos, const AttGeom& g, int i0, int row0) {
+__device__ __forceinline__ WsRange ws_range(const int* qpos, const int* kvpos, const AttGeom& g, int i0, int row0) {
     int seq_q = (int)g.seq_q, seq_kv = (int)g.seq_kv, last = seq_q - 1;
-    WsRange<BC> r;
+    WsRange r;
     r.tiles = (seq_kv + BC - 1) / BC;
     int full = seq_kv / BC;
     r.wg_tiles = r.tiles;
@@ -93,11 +93,6 @@ __device__ __forceinline__ WsRange<BC> ws_range(const int* qpos, const int* kvpo
     }
     if (row0 >= seq_q) r.wg_tiles = 0;
     if (r.wg_full > r.wg_tiles) r.wg_full = r.wg_tiles;
-    // The same in every lane (they are), as far as the compiler can tell: wgmma loops bounded
-    // by them are then not on a divergent path (which ptxas serializes, C7520).
-    r.tiles = __shfl_sync(FULL_MASK, r.tiles, 0);
-    r.wg_tiles = __shfl_sync(FULL_MASK, r.wg_tiles, 0);
-    r.wg_full = __shfl_sync(FULL_MASK, r.wg_full, 0);
     return r;
 }
 
@@ -130,27 +125,7 @@ __device__ __forceinline__ void ws_softmax(float (&s)[BC / 2], float (&m)[2], fl
             }
         }
     }
-    #pragma unroll
-    for (int half = 0; half < 2; half++) {
-        float x = NEG_INF;
-        #pragma unroll
-        for (int nb = 0; nb < BC / 8; nb++) x = fmaxf(x, fmaxf(s[4 * nb + 2 * half], s[4 * nb + 2 * half + 1]));
-        x = fmaxf(m[half], tc_quad_max(x) * sl2);
-        float base = x == NEG_INF ? 0.0f : x;
-        corr[half] = tc_exp2(m[half] - base);
-        m[half] = x;
-        float sum = 0.0f;
-        #pragma unroll
-        for (int nb = 0; nb < BC / 8; nb++) {
-            #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                float p = tc_exp2(__fmaf_rn(s[4 * nb + 2 * half + e], sl2, -base));
-                s[4 * nb + 2 * half + e] = p;
-                sum += p;
-            }
-        }
-        l[half] = l[half] * corr[half] + sum;
-    }
+    wg_online_softmax(s, m, l, corr, sl2);
 }
 
 // ws_softmax, masked or not (the choice is uniform per warpgroup).
@@ -184,28 +159,15 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
     int work = q_tiles * bh_count;
     // The warpgroup, warp-uniform to the compiler (as CUTLASS's canonical_warp_group_idx).
     int wg = __shfl_sync(FULL_MASK, (int)threadIdx.x / WG_THREADS, 0);
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < WS_STAGES; s++) {
-            mbar_init(bars + 8 * s, 1);
-            mbar_init(bars + 8 * (WS_STAGES + s), 8);  // the consumers' warps
-        }
-        for (int u = 0; u < 2; u++) {
-            mbar_init(q_full0 + 8 * u, 1);
-            mbar_init(q_empty0 + 8 * u, 8);  // the consumers' warps
-        }
-        mbar_init_fence();
-    }
+    if (threadIdx.x == 0) ws_pipeline_init(bars, WS_STAGES, 8);  // 8: the consumers' warps
     __syncthreads();
     if (wg == 0) {
         regs_dealloc<24>();
-        // Warp 0 walks the items (ws_range's broadcasts need the whole warp); lane 0 issues.
-        if (threadIdx.x >= 32) return;
-        bool leader = threadIdx.x == 0;
-        if (leader) {
-            tma_prefetch(tq_map);
-            tma_prefetch(tk_map);
-            tma_prefetch(tv_map);
-        }
+        // One thread walks the items and issues every load.
+        if (threadIdx.x != 0) return;
+        tma_prefetch(tq_map);
+        tma_prefetch(tk_map);
+        tma_prefetch(tv_map);
         int it = 0, item = 0;
         for (int w = blockIdx.x; w < work; w += gridDim.x, item++) {
             int bh = w % bh_count, i0 = (q_tiles - 1 - w / bh_count) * WS_BR;
@@ -213,24 +175,21 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
             int kvh = h / (int)(g.heads / g.kv_heads);
             // The CTA's key tiles are those of its later consumer (rows i0 + 64 ..), which
             // sees every key the earlier one does.
-            WsRange<BC> r0 = ws_range<BC>(qpos, kvpos, g, i0, i0);
-            WsRange<BC> r1 = ws_range<BC>(qpos, kvpos, g, i0, i0 + 64);
+            WsRange r0 = ws_range<BC>(qpos, kvpos, g, i0, i0);
+            WsRange r1 = ws_range<BC>(qpos, kvpos, g, i0, i0 + 64);
             int tiles = r1.tiles, u = item & 1;
-            if (leader) {
-                unsigned q_full = q_full0 + 8 * u;
-                mbar_wait(q_empty0 + 8 * u, ((item >> 1) & 1) ^ 1);
-                int* rg = ranges + 8 * u;
-                rg[0] = tiles;
-                rg[1] = r0.wg_tiles;
-                rg[2] = r0.wg_full;
-                rg[3] = r1.wg_tiles;
-                rg[4] = r1.wg_full;
-                mbar_expect_tx(q_full, Q_BYTES);  // releases the ranges with it
-                tma_load_2d(q_addr0 + u * Q_BYTES, tq_map, q_full, b * g.ld_q + h * D, i0);
-            }
+            unsigned q_full = q_full0 + 8 * u;
+            mbar_wait(q_empty0 + 8 * u, ((item >> 1) & 1) ^ 1);
+            int* rg = ranges + 8 * u;
+            rg[0] = tiles;
+            rg[1] = r0.wg_tiles;
+            rg[2] = r0.wg_full;
+            rg[3] = r1.wg_tiles;
+            rg[4] = r1.wg_full;
+            mbar_expect_tx(q_full, Q_BYTES);  // releases the ranges with it
+            tma_load_2d(q_addr0 + u * Q_BYTES, tq_map, q_full, b * g.ld_q + h * D, i0);
             int kc = b * g.ld_kv + kvh * D;
             for (int t = 0; t < tiles; t++, it++) {
-                if (!leader) continue;
                 int s = it % WS_STAGES;
                 unsigned full = bars + 8 * s, empty = bars + 8 * (WS_STAGES + s);
                 mbar_wait(empty, ((it / WS_STAGES) & 1) ^ 1);
@@ -239,7 +198,6 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
                 tma_load_2d(k_addr, tk_map, full, kc, t * BC);
                 tma_load_2d(k_addr + KV_BYTES, tv_map, full, kc, t * BC);
             }
-            __syncwarp();
         }
         return;
     }
@@ -270,7 +228,9 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
         for (int i = 0; i < D / 2; i++) acc[i] = 0.0f;
         mbar_wait(q_full0 + 8 * u, (item >> 1) & 1);
         const int* rg = ranges + 8 * u;
-        WsRange<BC> r;
+        // Read from shared memory through lane 0: uniform to the compiler, so the wgmma loops
+        // they bound are not on a divergent path (which ptxas serializes, C7520).
+        WsRange r;
         r.tiles = __shfl_sync(FULL_MASK, rg[0], 0);
         r.wg_tiles = __shfl_sync(FULL_MASK, rg[1 + 2 * cw], 0);
         r.wg_full = __shfl_sync(FULL_MASK, rg[2 + 2 * cw], 0);
@@ -315,13 +275,7 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
                 wg_hold(acc);
                 ws_hold_u(pa);
                 mbar_arrive_warp(bars + 8 * (WS_STAGES + prev));
-                #pragma unroll
-                for (int nb = 0; nb < D / 8; nb++) {
-                    acc[4 * nb + 0] *= corr[0];
-                    acc[4 * nb + 1] *= corr[0];
-                    acc[4 * nb + 2] *= corr[1];
-                    acc[4 * nb + 3] *= corr[1];
-                }
+                wg_scale_rows(acc, corr);
                 #pragma unroll
                 for (int kk = 0; kk < BC / 16; kk++) wg_acc_to_a(pa[kk], s, kk);
             }

@@ -28,6 +28,23 @@ __device__ __forceinline__ void mbar_init_fence() {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
+// The barriers of a warp-specialized kernel's pipeline at shared address bars: a ring of
+// `stages` slots (full[s] at bars + 8 s, empty[s] at bars + 8 (stages + s)), then two item
+// buffers (full[u] at bars + 16 stages + 8 u, empty[u] 16 bytes after), every full barrier
+// awaiting the producer's one arrival and every empty one an arrival from each of
+// consumer_warps warps. Thread 0 only; a __syncthreads must follow.
+__device__ __forceinline__ void ws_pipeline_init(unsigned bars, int stages, unsigned consumer_warps) {
+    for (int s = 0; s < stages; s++) {
+        mbar_init(bars + 8 * s, 1);
+        mbar_init(bars + 8 * (stages + s), consumer_warps);
+    }
+    for (int u = 0; u < 2; u++) {
+        mbar_init(bars + 16 * stages + 8 * u, 1);
+        mbar_init(bars + 16 * stages + 16 + 8 * u, consumer_warps);
+    }
+    mbar_init_fence();
+}
+
 // The producer's arrival on a `full` barrier, announcing the bytes its copies will deliver.
 __device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
