@@ -593,6 +593,7 @@ fn attention_bf16_mma_sync() {
 }
 
 /// `c`'s ops with q, k, v packed into one qkv (and dq, dk, dv into one dqkv).
+#[cfg(feature = "cuda")]
 fn packed_ops(c: &AttConfig) -> (Op, Op) {
     let (mut fwd, mut bwd) = attention_ops(c);
     for op in [&mut fwd, &mut bwd] {
@@ -605,6 +606,7 @@ fn packed_ops(c: &AttConfig) -> (Op, Op) {
 
 /// Rows of q, k, v (`widths` elements each) interleaved into one packed buffer, each row q's
 /// heads, then k's, then v's (what one fused projection writes).
+#[cfg(feature = "cuda")]
 fn pack(parts: [&[f32]; 3], widths: [usize; 3]) -> Vec<f32> {
     let rows = parts[0].len() / widths[0];
     let mut out = Vec::with_capacity(rows * widths.iter().sum::<usize>());
@@ -617,6 +619,7 @@ fn pack(parts: [&[f32]; 3], widths: [usize; 3]) -> Vec<f32> {
 }
 
 /// `pack` undone: the three column ranges of every row, each gathered into its own tensor.
+#[cfg(feature = "cuda")]
 fn unpack(packed: &[f32], widths: [usize; 3]) -> [Vec<f32>; 3] {
     let mut out = [Vec::new(), Vec::new(), Vec::new()];
     for row in packed.chunks(widths.iter().sum()) {
@@ -632,6 +635,7 @@ fn unpack(packed: &[f32], widths: [usize; 3]) -> [Vec<f32>; 3] {
 /// The shapes packed attention is checked on: head dims 64 and 128, GQA, batch > 1, sequences
 /// that are no multiple of any tile, unsorted positions (every tile masked), one causal
 /// GPT-2-length sequence; head dims 32 and 16 for the exact kernels of a bf16 run.
+#[cfg(feature = "cuda")]
 fn packed_configs() -> Vec<AttConfig> {
     vec![
         AttConfig::new(2, 4, 2, 64, true, &[(0, 200)], &[(0, 200)]),
@@ -659,6 +663,7 @@ fn packed_configs() -> Vec<AttConfig> {
 /// tensor-core backward adds it with atomics in no fixed order; exact kernels give 0 error).
 /// dqkv starts from random values, so an element the backward leaves unwritten shows. Returns
 /// one line per mismatch.
+#[cfg(feature = "cuda")]
 fn packed_vs_unpacked(test: &str, gpu: &mut dyn Backend, dtype: DType, dq_tol: f32) -> Vec<String> {
     let mut r = Rng::new(test);
     let f32t = DType::F32;
