@@ -5,8 +5,8 @@
 //! activations); that a bf16 run's cached weight casts follow every write to the weight; and
 //! the bit-exact rounding of bf16 and fp16 GEMM operands.
 use crate::harness::{
-    check, check_on, fp16, gpu_with, Case, Data, Rng, BF16_GEMM, BF16_ROUNDED, FP16_GEMM,
-    FP16_ROUNDED, REDUCTION, SCALARS,
+    check, check_on, check_with, fp16, gpu_with, Case, Data, Rng, BF16_GEMM, BF16_ROUNDED,
+    FP16_GEMM, FP16_ROUNDED, REDUCTION, SCALARS,
 };
 use parc_compiler::ir::op::{Act, Op};
 use parc_compiler::ir::{BufferId, DType};
@@ -15,9 +15,14 @@ use parc_runtime::backend::Backend;
 use parc_runtime::cpu::CpuBackend;
 
 fn matmul_cases(test: &str, tol: f32) -> Vec<Case> {
+    matmul_cases_of(test, tol, &[(37, 50, 70), (256, 128, 384), (1, 3, 5)])
+}
+
+/// Every GEMM op form at each (rows, in, out) of `shapes`.
+fn matmul_cases_of(test: &str, tol: f32, shapes: &[(usize, usize, usize)]) -> Vec<Case> {
     let mut r = Rng::new(test);
     let mut cases = Vec::new();
-    for (rows, k, m) in [(37usize, 50usize, 70usize), (256, 128, 384), (1, 3, 5)] {
+    for &(rows, k, m) in shapes {
         let x = r.vec(rows * k, 1.0);
         let w = r.vec(m * k, 1.0);
         let dy = r.vec(rows * m, 1.0);
@@ -190,6 +195,48 @@ fn matmuls_bf16_storage() {
         .map(|c| c.stored_bf16(BF16_GEMM))
         .collect();
     check_on("matmuls_bf16_storage", &cases, Precision::Bf16);
+}
+
+/// parc's Hopper GEMM kernel (`gemm_ws.cu`, variant gemm=ws: wherever it takes the GEMM, not
+/// only where it was timed faster) on every op form with bf16 storage: shapes with partial
+/// tiles in both dimensions, and a weight gradient long enough (8192 rows) that its reduction
+/// is split 16 ways (partials added by the tile's last split, bias gradient too).
+#[test]
+fn matmuls_bf16_storage_ws() {
+    #[cfg(feature = "cuda")]
+    {
+        let test = "matmuls_bf16_storage_ws";
+        let shapes = [(256, 128, 384), (300, 136, 264), (8192, 64, 128)];
+        let cases: Vec<Case> = matmul_cases_of(test, BF16_GEMM, &shapes)
+            .into_iter()
+            .map(|c| c.stored_bf16(BF16_GEMM))
+            .collect();
+        let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, "gemm", "ws") else {
+            return;
+        };
+        check_with(test, &cases, &mut gpu);
+        let ran: Vec<String> = gpu
+            .gemm_plans()
+            .into_iter()
+            .filter(|l| l.ends_with("-> parc's kernel"))
+            .collect();
+        for l in &ran {
+            println!("{l}");
+        }
+        // Forward (plain, bias, GELU, residual), backward-data (plain, GELU gradient) and
+        // backward-weight (with and without bias gradient) plans at each of three shapes.
+        assert!(
+            ran.len() >= 18,
+            "parc's GEMM kernel ran {} plans",
+            ran.len()
+        );
+        assert!(
+            ran.iter().any(|l| l.contains("(16 splits)")),
+            "no split reduction ran"
+        );
+    }
+    #[cfg(not(feature = "cuda"))]
+    println!("skipped: no CUDA device (this build has no `cuda` feature)");
 }
 
 /// A bf16 run where some activation operands stay f32 (a buffer the plan keeps f32): those go

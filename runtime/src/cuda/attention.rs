@@ -437,7 +437,7 @@ fn require_hopper(be: &CudaBackend, what: &str) -> Result<()> {
 /// Launches a tensor-core kernel over `heads` × `tiles` CTAs, first letting it use `smem` bytes
 /// of shared memory: the grid is (tiles, heads) where `tiles_first` (the kernel reads the same
 /// order from `AttGeom::tiles_first`), else (heads, tiles).
-fn launch_tc(
+pub(super) fn launch_tc(
     be: &mut CudaBackend,
     name: &'static str,
     (heads, tiles, tiles_first): (u32, u32, bool),

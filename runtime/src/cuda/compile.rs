@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The kernel sources, in the order they are concatenated (helpers first).
-const SOURCES: [&str; 11] = [
+const SOURCES: [&str; 12] = [
     include_str!("kernels/common.cuh"),
     include_str!("kernels/elementwise.cu"),
     include_str!("kernels/norm_loss.cu"),
@@ -28,6 +28,7 @@ const SOURCES: [&str; 11] = [
     include_str!("kernels/hopper_async.cuh"),
     include_str!("kernels/attention_ws_fwd.cu"),
     include_str!("kernels/attention_ws_bwd.cu"),
+    include_str!("kernels/gemm_ws.cu"),
     include_str!("kernels/cross_entropy.cu"),
 ];
 

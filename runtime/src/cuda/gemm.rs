@@ -179,7 +179,7 @@ impl Gemm {
         (self.ldc as u64 * self.n) as usize
     }
 
-    fn key(&self, operands: Operands) -> PlanKey {
+    pub(crate) fn key(&self, operands: Operands) -> PlanKey {
         PlanKey {
             trans_a: self.trans_a,
             trans_b: self.trans_b,
@@ -238,7 +238,7 @@ impl Operands {
 
 /// What makes two GEMMs share a plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-struct PlanKey {
+pub(crate) struct PlanKey {
     trans_a: bool,
     trans_b: bool,
     m: u64,
@@ -254,7 +254,7 @@ struct PlanKey {
 }
 
 impl PlanKey {
-    fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         format!(
             "a {}x{}x{} {} GEMM with {} output (trans_a={}, trans_b={}{}{})",
             self.m,
@@ -419,6 +419,34 @@ impl Blas {
             self.plans.insert(key, plan);
         }
         Ok(self.plans.get(&key).is_some_and(|p| !p.algos.is_empty()))
+    }
+
+    /// The chosen cuBLASLt algorithm's milliseconds for `g`, once its candidates were timed.
+    pub fn timed_ms(&self, g: &Gemm, operands: Operands) -> Option<f32> {
+        self.plans.get(&g.key(operands)).and_then(|p| p.timed_ms)
+    }
+
+    /// The workspace: device pointer and bytes (free between GEMMs on the stream, so parc's
+    /// GEMM kernel keeps its split partials there).
+    pub fn workspace(&self) -> (CUdeviceptr, usize) {
+        (self.workspace, self.workspace_size)
+    }
+
+    /// Around a GEMM that is not cuBLASLt's (parc's kernel): while `time_matmuls` is on, its
+    /// time is added like a cuBLASLt run's.
+    pub fn timer_start(&self, stream: CUstream) -> Result<()> {
+        match &self.timer {
+            Some((start, _, _)) => start.record(stream),
+            None => Ok(()),
+        }
+    }
+
+    pub fn timer_stop(&mut self, stream: CUstream) -> Result<()> {
+        if let Some((start, end, total)) = &mut self.timer {
+            end.record(stream)?;
+            *total += f64::from(start.until(end)?);
+        }
+        Ok(())
     }
 
     /// Whether the algorithm for `g` is chosen (false before its first run, and while a 16-bit

@@ -20,7 +20,8 @@
 //! `storage::program_needs`. A separate vector area holds an fp32 1.0 and room for the longest
 //! bias (gradient) vector: a bias-gradient epilogue's output before it is added into db, or a
 //! per-use bf16 copy of a bias.
-use super::gemm::{Gemm, Operands, Output};
+use super::gemm::{Gemm, Operands, Output, PlanKey};
+use super::gemm_ws::{Chosen, MAX_SPLIT_TILES};
 use super::{raw_ptr, Arg, Buf, CudaBackend};
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::result as cu;
@@ -70,6 +71,10 @@ pub(super) struct GemmOperands {
     /// An fp32 1.0, then (at `ALIGN`) room for `vector_len` fp32 values.
     vectors: Option<CudaSlice<u8>>,
     vector_len: usize,
+    /// Per GEMM plan parc's kernel was measured on: the times and which runs it (`gemm_ws`).
+    pub(super) ws_chosen: HashMap<PlanKey, Chosen>,
+    /// `gemm_ws`'s split counters (zeroed), made with the first GEMM that needs them.
+    pub(super) ws_counters: Option<CudaSlice<u8>>,
 }
 
 impl GemmOperands {
@@ -224,6 +229,10 @@ impl CudaBackend {
             self.gemm_operands.cast_region = Some(region);
         }
         self.gemm_operands.planned = true;
+        if self.hopper {
+            let counters = self.alloc_bytes(MAX_SPLIT_TILES * 4, "GEMM split counters")?;
+            self.gemm_operands.ws_counters = Some(counters);
+        }
         if vector_len > 0 {
             self.gemm_vectors(vector_len)?;
         }
@@ -440,7 +449,7 @@ impl CudaBackend {
         };
         let tune_out =
             (tuning > 0 && copies + tuning <= room).then_some(base + copies as CUdeviceptr);
-        self.blas.run(&rounded, self.operands, stream, tune_out)?;
+        self.run_16bit_gemm(&rounded, tune_out)?;
         if let Source::Copy = b_source {
             self.gemm_operands.copied_b = Some((g.b, b_len));
         }

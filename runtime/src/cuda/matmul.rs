@@ -473,7 +473,9 @@ impl CudaBackend {
     /// The GEMM plans made so far, one line each: shape, operand and output types, epilogue,
     /// and whether cuBLASLt runs it (an unsupported epilogue shows which fallback ran).
     pub fn gemm_plans(&self) -> Vec<String> {
-        self.blas.describe_plans()
+        let mut lines = self.blas.describe_plans();
+        lines.extend(self.describe_ws_choices());
+        lines
     }
 
     /// Milliseconds of GEMM kernel time since `time_gemm_kernels(true)`; None when off.

@@ -30,6 +30,7 @@ mod device;
 mod dispatch;
 mod gemm;
 mod gemm_operands;
+mod gemm_ws;
 mod matmul;
 mod nccl;
 mod nccl_host;

@@ -18,6 +18,15 @@ struct Choice {
 /// not hold, kept selectable so the device tests can run it on a GPU where the default would
 /// not fall back (e.g. the mma.sync attention on a Hopper, which other GPUs run).
 const CHOICES: &[Choice] = &[
+    // 16-bit GEMMs on a Hopper: parc's warp-specialized kernel (gemm_ws.cu) timed against
+    // cuBLASLt's fastest algorithm on each GEMM's first run, the faster then kept (`auto`),
+    // parc's kernel wherever it takes the GEMM (`ws`, for the tests), or cuBLASLt alone
+    // (`cublaslt`).
+    Choice {
+        op: "gemm",
+        env: "PARC_GEMM_KERNEL",
+        names: &["auto", "ws", "cublaslt"],
+    },
     // bf16 attention forward on a Hopper: the warp-specialized, TMA-fed kernel for head_dim 64
     // (attention_ws_fwd.cu; the warpgroup-MMA one for 128), or attention_wgmma_fwd.cu's
     // warpgroup-MMA kernel for both (`wgmma`), or attention_tc.cu's mma.sync kernel (`fa2`,

@@ -1,0 +1,441 @@
+//! parc's own Hopper GEMM (`kernels/gemm_ws.cu`) beside cuBLASLt: which 16-bit GEMMs it takes,
+//! how a column-major [`Gemm`] maps onto its row-major view, how far a weight gradient's long
+//! reduction is split, and which of the two runs each GEMM.
+//!
+//! The choice is measured, per plan (`gemm::PlanKey`): on the first run of a GEMM the kernel
+//! takes, cuBLASLt times its candidates and runs as before, then this kernel is timed on the
+//! same operands into the same output (CUDA events, best of two after a warm-up), and the
+//! faster of the two runs that GEMM from then on. Variant `gemm` (PARC_GEMM_KERNEL): `auto`
+//! (that choice, the default on a Hopper), `ws` (parc's kernel wherever it takes the GEMM, for
+//! the tests) or `cublaslt` (cuBLASLt only).
+//!
+//! Row-major view: `C[mr × nr] = P[mr × k] · Q[k × nr]` with `mr = n`, `nr = m` of the
+//! column-major GEMM (C row-major with `ldc` is D column-major), `P = op(B)ᵀ` and
+//! `Q = op(A)ᵀ`. P is K-major when B is not transposed (a forward's or backward-data's dy, x),
+//! MN-major when it is (a backward-weight's dy); Q is K-major when A is transposed (a
+//! forward's weight), MN-major otherwise.
+use super::gemm::{Epilogue, Gemm, Operands, Output};
+use super::tma::{self, Elem, TmaMap};
+use super::{Arg, CudaBackend};
+use crate::error::{Result, RuntimeError};
+use cudarc::driver::result::event;
+use cudarc::driver::sys::{CUdeviceptr, CUevent_flags};
+use cudarc::driver::CudaSlice;
+
+/// The kernel's tile of C (rows × columns) and k block (gemm_ws.cu's GW_BM, GW_BN, GW_BK).
+const BM: usize = 128;
+const BN: usize = 256;
+const BK: usize = 64;
+const THREADS: u32 = 384;
+/// Dynamic shared memory: gemm_ws.cu's GW_SMEM (alignment, 4 stages of 48 KB, a tile of
+/// ones, barriers, a flag).
+const SMEM: u32 = 1024 + 4 * (BM * BK * 2 + BN * BK * 2) as u32 + 1024 + 16 * 4 + 16;
+/// Tiles a split reduction can count arrivals for (the counters' length).
+pub(super) const MAX_SPLIT_TILES: usize = 4096;
+/// Most splits of one reduction, and fewest k blocks a split keeps.
+const MAX_SPLITS: usize = 16;
+const MIN_SPLIT_BLOCKS: usize = 4;
+
+/// Which entry point runs a GEMM: its name, and whether it writes the bias gradient.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Kernel {
+    name: &'static str,
+    /// P, Q MN-major (`gemm_ws.cu`'s TA, TB).
+    p_mn: bool,
+    q_mn: bool,
+}
+
+/// What was measured for one GEMM plan, and which runs it.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Chosen {
+    pub ws: bool,
+    pub ws_ms: f32,
+    pub lt_ms: Option<f32>,
+    pub splits: usize,
+}
+
+/// The kernel for `g` in a run of `operands`, where it has one (None: cuBLASLt runs it).
+pub(super) fn kernel_for(g: &Gemm, operands: Operands) -> Option<Kernel> {
+    if operands != Operands::Bf16 {
+        return None;
+    }
+    let aligned = g.lda % 8 == 0
+        && g.ldb % 8 == 0
+        && g.ldc % 8 == 0
+        && g.m.is_multiple_of(8)
+        && [g.a, g.b, g.c].iter().all(|p| p % 16 == 0)
+        && g.c_in.is_none_or(|p| p % 16 == 0)
+        && g.m <= i32::MAX as u64
+        && g.n <= i32::MAX as u64
+        && g.k <= i32::MAX as u64
+        && g.k > 0;
+    if !aligned {
+        return None;
+    }
+    let bias_ok = |ptr: CUdeviceptr, bf16: bool| ptr.is_multiple_of(if bf16 { 4 } else { 8 });
+    let name = match (g.trans_a, g.trans_b, g.out, g.epilogue) {
+        (true, false, Output::Bf16, Epilogue::None) => "gemm_ws_kk_bf16",
+        (true, false, Output::Bf16, Epilogue::Bias { ptr, bf16 }) if bias_ok(ptr, bf16) => {
+            "gemm_ws_kk_bf16"
+        }
+        (true, false, Output::Bf16, Epilogue::GeluAux { bias, aux })
+            if aux % 16 == 0 && bias.is_none_or(|(p, b)| bias_ok(p, b)) =>
+        {
+            "gemm_ws_kk_gelu"
+        }
+        (false, false, Output::Bf16, Epilogue::None) => "gemm_ws_km_bf16",
+        (false, false, Output::Bf16, Epilogue::Bias { ptr, bf16 }) if bias_ok(ptr, bf16) => {
+            "gemm_ws_km_bf16"
+        }
+        (false, false, Output::Bf16, Epilogue::DGelu { aux }) if aux % 16 == 0 => {
+            "gemm_ws_km_dgelu"
+        }
+        (false, true, Output::F32, Epilogue::None) if g.c_in.is_none() => "gemm_ws_mm_f32",
+        (false, true, Output::F32, Epilogue::BiasGradB { .. }) if g.c_in.is_none() => {
+            "gemm_ws_mm_f32_db"
+        }
+        _ => return None,
+    };
+    Some(Kernel {
+        name,
+        p_mn: g.trans_b,
+        q_mn: !g.trans_a,
+    })
+}
+
+/// Splits of the reduction of an fp32 `mr × nr` GEMM over `k` on `sms` persistent CTAs, with
+/// `ws_bytes` of workspace for the partial tiles: the count whose items fill the waves best
+/// (fewer splits where that ties), 1 where splitting cannot help or does not fit.
+pub(super) fn splits_for(mr: usize, nr: usize, k: usize, sms: usize, ws_bytes: usize) -> usize {
+    let tiles = mr.div_ceil(BM) * nr.div_ceil(BN);
+    let blocks = k.div_ceil(BK);
+    if tiles == 0 || tiles > MAX_SPLIT_TILES || sms == 0 {
+        return 1;
+    }
+    let fill = |s: usize| {
+        let items = tiles * s;
+        items as f64 / (items.div_ceil(sms) * sms) as f64
+    };
+    let mut best = (fill(1), 1);
+    for s in 2..=MAX_SPLITS {
+        let partial_bytes = s * (mr * nr + mr) * 4;
+        if blocks / s < MIN_SPLIT_BLOCKS || partial_bytes > ws_bytes {
+            break;
+        }
+        // A split must fill the waves clearly better to pay for its partial tiles.
+        if fill(s) > best.0 + 0.02 {
+            best = (fill(s), s);
+        }
+    }
+    best.1
+}
+
+impl CudaBackend {
+    /// Runs a 16-bit GEMM whose operands are ready (`gemm_operands`): by cuBLASLt, or by
+    /// parc's kernel where that was measured faster (the module docs). `tune_out` as
+    /// `gemm::Blas::run`.
+    pub(super) fn run_16bit_gemm(&mut self, g: &Gemm, tune_out: Option<CUdeviceptr>) -> Result<()> {
+        let operands = self.operands;
+        let stream = self.stream.cu_stream();
+        let kernel = match self.hopper && !self.variants.is("gemm", "cublaslt") {
+            true => kernel_for(g, operands),
+            false => None,
+        };
+        let Some(kernel) = kernel else {
+            return self.blas.run(g, operands, stream, tune_out);
+        };
+        let key = g.key(operands);
+        let splits = match g.out {
+            Output::F32 => {
+                let (_, ws_bytes) = self.blas.workspace();
+                splits_for(
+                    g.n as usize,
+                    g.m as usize,
+                    g.k as usize,
+                    self.limits.sms,
+                    ws_bytes,
+                )
+            }
+            Output::Bf16 => 1,
+        };
+        if self.variants.is("gemm", "ws") {
+            let chosen = Chosen {
+                ws: true,
+                ws_ms: 0.0,
+                lt_ms: None,
+                splits,
+            };
+            self.gemm_operands.ws_chosen.insert(key, chosen);
+            return self.ws_gemm(g, kernel, splits, g.c, true);
+        }
+        if let Some(chosen) = self.gemm_operands.ws_chosen.get(&key).copied() {
+            return match chosen.ws {
+                true => self.ws_gemm(g, kernel, chosen.splits, g.c, true),
+                false => self.blas.run(g, operands, stream, tune_out),
+            };
+        }
+        let lt_runs = self.blas.supports(g, operands)?;
+        if lt_runs {
+            self.blas.run(g, operands, stream, tune_out)?;
+        }
+        // Timed into D itself unless D is also what the GEMM reads (an accumulation).
+        let target = if g.beta != 0.0 && g.c_in.is_none() {
+            tune_out
+        } else {
+            Some(g.c)
+        };
+        let Some(target) = target else {
+            // Nowhere to time it: cuBLASLt keeps it (or, where cuBLASLt has nothing, ours).
+            if !lt_runs {
+                self.ws_gemm(g, kernel, splits, g.c, true)?;
+            }
+            return Ok(());
+        };
+        let ws_ms = self.time_ws_gemm(g, kernel, splits, target)?;
+        let lt_ms = if lt_runs {
+            self.blas.timed_ms(g, operands)
+        } else {
+            None
+        };
+        let ws = !lt_runs || lt_ms.is_some_and(|lt| ws_ms < lt);
+        if !lt_runs && target != g.c {
+            // Timed into the scratch, and nothing has written D yet.
+            self.ws_gemm(g, kernel, splits, g.c, true)?;
+        }
+        let chosen = Chosen {
+            ws,
+            ws_ms,
+            lt_ms,
+            splits,
+        };
+        self.gemm_operands.ws_chosen.insert(key, chosen);
+        Ok(())
+    }
+
+    /// Milliseconds of `g` on parc's kernel writing D at `d`: best of two after a warm-up.
+    fn time_ws_gemm(
+        &mut self,
+        g: &Gemm,
+        kernel: Kernel,
+        splits: usize,
+        d: CUdeviceptr,
+    ) -> Result<f32> {
+        let stream = self.stream.cu_stream();
+        let timing = |e| super::device::driver_error("timing parc's GEMM kernel", e);
+        let start = event::create(CUevent_flags::CU_EVENT_DEFAULT).map_err(timing)?;
+        let end = match event::create(CUevent_flags::CU_EVENT_DEFAULT) {
+            Ok(e) => e,
+            Err(e) => {
+                // SAFETY: created above, destroyed once.
+                let _ = unsafe { event::destroy(start) };
+                return Err(timing(e));
+            }
+        };
+        let mut run = || -> Result<f32> {
+            self.ws_gemm(g, kernel, splits, d, false)?;
+            let mut best = f32::INFINITY;
+            for _ in 0..2 {
+                // SAFETY: the events are live and the stream is the backend's.
+                unsafe { event::record(start, stream) }.map_err(timing)?;
+                self.ws_gemm(g, kernel, splits, d, false)?;
+                // SAFETY: as above.
+                unsafe { event::record(end, stream) }.map_err(timing)?;
+                // SAFETY: both recorded on one stream; elapsed after end completes.
+                unsafe { event::synchronize(end) }.map_err(timing)?;
+                best = best.min(unsafe { event::elapsed(start, end) }.map_err(timing)?);
+            }
+            Ok(best)
+        };
+        let result = run();
+        // SAFETY: created above, destroyed once each, after their last use.
+        unsafe {
+            let _ = event::destroy(start);
+            let _ = event::destroy(end);
+        }
+        result
+    }
+
+    /// Queues `g` on parc's kernel with `splits` (fp32 output only) writing D at `d`; with
+    /// `counted`, inside the GEMM kernel timer (`time_gemm_kernels`) like a cuBLASLt run.
+    fn ws_gemm(
+        &mut self,
+        g: &Gemm,
+        kernel: Kernel,
+        splits: usize,
+        d: CUdeviceptr,
+        counted: bool,
+    ) -> Result<()> {
+        let (mr, nr, k) = (g.n, g.m, g.k);
+        let bf16 = |ptr, (cols, rows, ld): (u64, u64, i64), boxes| {
+            tma::matrix(Elem::Bf16, ptr, (cols, rows, ld as u64 * 2), boxes, true)
+        };
+        let tp: TmaMap = if kernel.p_mn {
+            bf16(g.b, (mr, k, g.ldb), (64, 64))?
+        } else {
+            bf16(g.b, (k, mr, g.ldb), (BK as u32, BM as u32))?
+        };
+        let tq: TmaMap = if kernel.q_mn {
+            bf16(g.a, (nr, k, g.lda), (64, 64))?
+        } else {
+            bf16(g.a, (k, nr, g.lda), (BK as u32, BN as u32))?
+        };
+        let (bias, bias_bf16, aux, db) = match g.epilogue {
+            Epilogue::None => (0, false, 0, 0),
+            Epilogue::Bias { ptr, bf16 } => (ptr, bf16, 0, 0),
+            Epilogue::GeluAux { bias, aux } => {
+                let (ptr, bf16) = bias.unwrap_or((0, false));
+                (ptr, bf16, aux, 0)
+            }
+            Epilogue::DGelu { aux } => (0, false, aux, 0),
+            Epilogue::BiasGradB { ptr } => (0, false, 0, ptr),
+        };
+        let (ws, ws_bytes) = self.blas.workspace();
+        let counters = self.ws_counters()?;
+        let tiles = (mr as usize).div_ceil(BM) * (nr as usize).div_ceil(BN);
+        let splits = splits.max(1);
+        if splits > 1
+            && (tiles > MAX_SPLIT_TILES || splits * (mr * nr + mr) as usize * 4 > ws_bytes)
+        {
+            return Err(RuntimeError::Unsupported(format!(
+                "parc's GEMM kernel cannot split a {mr} x {nr} reduction {splits} ways"
+            )));
+        }
+        let args = [
+            Arg::Tma(tp),
+            Arg::Tma(tq),
+            Arg::I32(mr as i32),
+            Arg::I32(nr as i32),
+            Arg::I32(k as i32),
+            Arg::I32(splits as i32),
+            Arg::I64(g.ldc),
+            Arg::F32(g.beta),
+            Arg::Ptr(d),
+            Arg::Ptr(g.c_in.unwrap_or(0)),
+            Arg::Ptr(bias),
+            Arg::I32(i32::from(bias_bf16)),
+            Arg::Ptr(aux),
+            Arg::Ptr(db),
+            Arg::Ptr(ws),
+            Arg::Ptr(counters),
+        ];
+        let ctas = (tiles * splits).min(self.limits.sms).max(1) as u32;
+        let stream = self.stream.cu_stream();
+        if counted {
+            self.blas.timer_start(stream)?;
+        }
+        super::attention::launch_tc(self, kernel.name, (ctas, 1, false), THREADS, SMEM, &args)?;
+        if counted {
+            self.blas.timer_stop(stream)?;
+        }
+        Ok(())
+    }
+
+    /// The split reductions' arrival counters (zeroed once; each tile's last split resets its
+    /// own), made on first use where `prepare_gemm` did not.
+    fn ws_counters(&mut self) -> Result<CUdeviceptr> {
+        if self.gemm_operands.ws_counters.is_none() {
+            let memory: CudaSlice<u8> =
+                self.alloc_bytes(MAX_SPLIT_TILES * 4, "GEMM split counters")?;
+            self.gemm_operands.ws_counters = Some(memory);
+        }
+        match &self.gemm_operands.ws_counters {
+            Some(m) => Ok(super::raw_ptr(&self.stream, m)),
+            None => Err(RuntimeError::Unsupported(
+                "GEMM split counters missing".into(),
+            )),
+        }
+    }
+
+    /// One line per GEMM plan parc's kernel was measured on: the two times and which runs.
+    pub(super) fn describe_ws_choices(&self) -> Vec<String> {
+        let mut lines: Vec<String> = self
+            .gemm_operands
+            .ws_chosen
+            .iter()
+            .map(|(key, c)| {
+                format!(
+                    "{}: parc's kernel {:.3} ms ({} split{}), cuBLASLt {} -> {}",
+                    key.describe(),
+                    c.ws_ms,
+                    c.splits,
+                    if c.splits == 1 { "" } else { "s" },
+                    c.lt_ms
+                        .map_or("none".to_string(), |ms| format!("{ms:.3} ms")),
+                    if c.ws { "parc's kernel" } else { "cuBLASLt" }
+                )
+            })
+            .collect();
+        lines.sort();
+        lines
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_fill_the_waves_of_weight_gradients() {
+        let ws = 32 << 20;
+        // 768 x 768 over 32768 rows: 18 tiles; 7 splits make 126 items on 132 SMs.
+        assert_eq!(splits_for(768, 768, 32768, 132, ws), 7);
+        // Enough tiles for the SMs already: no split.
+        assert_eq!(splits_for(32768, 768, 768, 132, ws), 1);
+        // Too short a reduction to split.
+        assert_eq!(splits_for(768, 768, 256, 132, ws), 1);
+        // The partials must fit the workspace.
+        assert_eq!(splits_for(768, 768, 32768, 132, 1 << 20), 1);
+    }
+
+    fn gemm(trans_a: bool, trans_b: bool, out: Output, epilogue: Epilogue) -> Gemm {
+        Gemm {
+            trans_a,
+            trans_b,
+            m: 768,
+            n: 32768,
+            k: 768,
+            a: 1 << 20,
+            lda: 768,
+            b: 2 << 20,
+            ldb: 768,
+            c: 3 << 20,
+            ldc: 768,
+            c_in: None,
+            beta: 0.0,
+            out,
+            epilogue,
+        }
+    }
+
+    #[test]
+    fn the_kernel_takes_the_layer_gemms_it_has_entry_points_for() {
+        let name = |g: Gemm| kernel_for(&g, Operands::Bf16).map(|k| k.name);
+        let bias = Epilogue::Bias {
+            ptr: 4 << 20,
+            bf16: true,
+        };
+        assert_eq!(
+            name(gemm(true, false, Output::Bf16, bias)),
+            Some("gemm_ws_kk_bf16")
+        );
+        assert_eq!(
+            name(gemm(
+                false,
+                false,
+                Output::Bf16,
+                Epilogue::DGelu { aux: 5 << 20 }
+            )),
+            Some("gemm_ws_km_dgelu")
+        );
+        let grad = Epilogue::BiasGradB { ptr: 4 << 20 };
+        assert_eq!(
+            name(gemm(false, true, Output::F32, grad)),
+            Some("gemm_ws_mm_f32_db")
+        );
+        // Not in an fp32 run, not for unaligned rows, not for a layout without an entry point.
+        let g = gemm(true, false, Output::Bf16, Epilogue::None);
+        assert_eq!(kernel_for(&g, Operands::F32), None);
+        assert_eq!(name(Gemm { lda: 770, ..g }), None);
+        assert_eq!(name(gemm(true, true, Output::Bf16, Epilogue::None)), None);
+    }
+}
