@@ -5,8 +5,8 @@
 //! activations); that a bf16 run's cached weight casts follow every write to the weight; and
 //! the bit-exact rounding of bf16 and fp16 GEMM operands.
 use crate::harness::{
-    check, check_on, check_with, fp16, gpu_with, Case, Data, Rng, BF16_GEMM, BF16_ROUNDED,
-    FP16_GEMM, FP16_ROUNDED, REDUCTION, SCALARS,
+    check, check_on, fp16, gpu_with, Case, Data, Rng, BF16_GEMM, BF16_ROUNDED, FP16_GEMM,
+    FP16_ROUNDED, REDUCTION, SCALARS,
 };
 use parc_compiler::ir::op::{Act, Op};
 use parc_compiler::ir::{BufferId, DType};
@@ -214,7 +214,7 @@ fn matmuls_bf16_storage_ws() {
         let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, "gemm", "ws") else {
             return;
         };
-        check_with(test, &cases, &mut gpu);
+        crate::harness::check_with(test, &cases, &mut gpu);
         let ran: Vec<String> = gpu
             .gemm_plans()
             .into_iter()
