@@ -28,8 +28,8 @@ const BN: usize = 256;
 const BK: usize = 64;
 const THREADS: u32 = 384;
 /// Dynamic shared memory: gemm_ws.cu's GW_SMEM (alignment, 4 stages of 48 KB, a tile of
-/// ones, barriers, a flag).
-const SMEM: u32 = 1024 + 4 * (BM * BK * 2 + BN * BK * 2) as u32 + 1024 + 16 * 4 + 16;
+/// ones, the pipeline barriers, a flag).
+const SMEM: u32 = 1024 + 4 * (BM * BK * 2 + BN * BK * 2) as u32 + 1024 + 16 * 4 + 48;
 /// Tiles a split reduction can count arrivals for (the counters' length).
 pub(super) const MAX_SPLIT_TILES: usize = 4096;
 /// Most splits of one reduction, and fewest k blocks a split keeps.

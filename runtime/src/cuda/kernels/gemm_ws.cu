@@ -35,8 +35,8 @@
 #define GW_P_BYTES (GW_BM * GW_BK * 2)
 #define GW_Q_BYTES (GW_BN * GW_BK * 2)
 #define GW_STAGE_BYTES (GW_P_BYTES + GW_Q_BYTES)
-// Shared memory: the ring, the tile of ones (1 KB), the barriers, a flag.
-#define GW_SMEM (1024 + GW_STAGES * GW_STAGE_BYTES + 1024 + 16 * GW_STAGES + 16)
+// Shared memory: the ring, the tile of ones (1 KB), the barriers (ws_pipeline_init's), a flag.
+#define GW_SMEM (1024 + GW_STAGES * GW_STAGE_BYTES + 1024 + 16 * GW_STAGES + 48)
 
 #define GW_EPI_F32 0
 #define GW_EPI_BF16 1
@@ -126,7 +126,7 @@ __device__ __forceinline__ void gw_gemm(const TmaMap& tp, const TmaMap& tq, int 
     unsigned ring = tc_smem_addr(smem);  // slot s at ring + s GW_STAGE_BYTES: P, then Q
     unsigned ones = ring + GW_STAGES * GW_STAGE_BYTES;
     unsigned bars = ones + 1024;  // full[s] at bars + 8 s, empty[s] at bars + 8 (GW_STAGES + s)
-    volatile int* last_flag = reinterpret_cast<volatile int*>(smem + GW_STAGES * GW_STAGE_BYTES + 1024 + 16 * GW_STAGES);
+    volatile int* last_flag = reinterpret_cast<volatile int*>(smem + GW_STAGES * GW_STAGE_BYTES + 1024 + 16 * GW_STAGES + 32);
     int tiles_n = (nr + GW_BN - 1) / GW_BN;
     int tiles = ((mr + GW_BM - 1) / GW_BM) * tiles_n;
     int kbs = (k + GW_BK - 1) / GW_BK;
@@ -137,13 +137,8 @@ __device__ __forceinline__ void gw_gemm(const TmaMap& tp, const TmaMap& tq, int 
         for (int i = threadIdx.x; i < 256; i += GW_THREADS) o[i] = 0x3f803f80u;  // bf16 1.0 pairs
         wg_fence_proxy();
     }
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < GW_STAGES; s++) {
-            mbar_init(bars + 8 * s, 1);
-            mbar_init(bars + 8 * (GW_STAGES + s), 8);  // one arrival per consumer warp
-        }
-        mbar_init_fence();
-    }
+    // The ring's barriers (the pipeline's two item barriers after them go unused).
+    if (threadIdx.x == 0) ws_pipeline_init(bars, GW_STAGES, 8);  // 8: the consumers' warps
     __syncthreads();
     if (wg == 0) {
         regs_dealloc<24>();
