@@ -191,7 +191,13 @@ impl CudaBackend {
             }
             return Ok(());
         };
-        let ws_ms = self.time_ws_gemm(g, kernel, splits, target)?;
+        // Where cuBLASLt already ran it, a failure of parc's kernel (a launch it refuses) only
+        // rules the kernel out for this plan.
+        let ws_ms = match self.time_ws_gemm(g, kernel, splits, target) {
+            Ok(ms) => ms,
+            Err(_) if lt_runs => f32::INFINITY,
+            Err(e) => return Err(e),
+        };
         let lt_ms = if lt_runs {
             self.blas.timed_ms(g, operands)
         } else {
