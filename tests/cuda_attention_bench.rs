@@ -31,7 +31,12 @@ fn attention_tflops() {
 }
 
 #[cfg(feature = "cuda")]
+#[path = "bench_support/mod.rs"]
+mod bench_support;
+
+#[cfg(feature = "cuda")]
 mod bench {
+    use crate::bench_support::{backend_or_skip, median, uniform};
     use parc_compiler::ir::op::{Op, Segment};
     use parc_compiler::ir::{BufferId, DType};
     use parc_compiler::spec::Precision;
@@ -71,25 +76,6 @@ mod bench {
         }
     }
 
-    /// Uniform values in [-1, 1) from a fixed xorshift stream (the speed does not depend on
-    /// the values, but zeros would hide unwritten outputs and can run faster).
-    fn fill(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
-
-    fn median(mut v: Vec<f64>) -> f64 {
-        v.sort_by(|a, b| a.total_cmp(b));
-        v[v.len() / 2]
-    }
-
     /// `PARC_ATT_POINT=B,H,T,D`, if set.
     fn chosen_point() -> Option<Point> {
         let text = std::env::var("PARC_ATT_POINT").ok()?;
@@ -106,22 +92,9 @@ mod bench {
 
     pub fn run() {
         if let Some(pt) = chosen_point() {
-            match CudaBackend::with_precision(0, pt.precision) {
-                Ok(mut be) => {
-                    for (fwd, bwd) in variant_pairs(&be, &pt) {
-                        measure(&mut be, &pt, fwd, bwd);
-                    }
-                }
-                Err(e) => {
-                    assert!(
-                        parc_runtime::cuda::gpu_absent(&e),
-                        "a GPU is there, but the CUDA backend failed: {e}"
-                    );
-                    assert!(
-                        parc_runtime::cuda::gpu_absent(&e),
-                        "a GPU is there, but the CUDA backend failed: {e}"
-                    );
-                    println!("skipped: no CUDA device ({e})");
+            if let Some(mut be) = backend_or_skip(pt.precision) {
+                for (fwd, bwd) in variant_pairs(&be, &pt) {
+                    measure(&mut be, &pt, fwd, bwd);
                 }
             }
             return;
@@ -150,16 +123,8 @@ mod bench {
             },
         ];
         for pt in &points {
-            let mut be = match CudaBackend::with_precision(0, pt.precision) {
-                Ok(b) => b,
-                Err(e) => {
-                    assert!(
-                        parc_runtime::cuda::gpu_absent(&e),
-                        "a GPU is there, but the CUDA backend failed: {e}"
-                    );
-                    println!("skipped: no CUDA device ({e})");
-                    return;
-                }
+            let Some(mut be) = backend_or_skip(pt.precision) else {
+                return;
             };
             for (fwd, bwd) in variant_pairs(&be, pt) {
                 measure(&mut be, pt, fwd, bwd);
@@ -230,7 +195,8 @@ mod bench {
             let id = BufferId(i as u32);
             let dtype = if i == 4 { DType::F32 } else { pt.stored };
             be.alloc(id, &[len as u64], dtype).unwrap();
-            be.write_f32(id, &fill(len, i as u64 + 1)).unwrap();
+            be.write_f32(id, &uniform(len, i as u64 + 1, -1.0, 1.0))
+                .unwrap();
         }
         let id = |i: u32| BufferId(i);
         let scalars = StepScalars {

@@ -22,7 +22,12 @@ fn cross_entropy_gbps() {
 }
 
 #[cfg(feature = "cuda")]
+#[path = "bench_support/mod.rs"]
+mod bench_support;
+
+#[cfg(feature = "cuda")]
 mod bench {
+    use crate::bench_support::{backend_or_skip, median, uniform};
     use parc_compiler::ir::op::Op;
     use parc_compiler::ir::{BufferId, DType};
     use parc_compiler::spec::Precision;
@@ -50,26 +55,6 @@ mod bench {
         dtype: DType,
     }
 
-    /// Uniform values in [-scale, scale) from a fixed LCG (never zeros: see METHOD.md).
-    fn random(len: usize, seed: u64, scale: f32) -> Vec<f32> {
-        let mut state = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (0..len)
-            .map(|_| {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-            })
-            .collect()
-    }
-
-    fn median(mut v: Vec<f64>) -> f64 {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    }
-
     pub fn run() {
         let points = [
             Point {
@@ -95,16 +80,8 @@ mod bench {
                 } else {
                     Precision::Fp32
                 };
-                let mut be = match CudaBackend::with_precision(0, precision) {
-                    Ok(b) => b,
-                    Err(e) => {
-                        assert!(
-                            parc_runtime::cuda::gpu_absent(&e),
-                            "a GPU is there, but the CUDA backend failed: {e}"
-                        );
-                        println!("skipped: no CUDA device ({e})");
-                        return;
-                    }
+                let Some(mut be) = backend_or_skip(precision) else {
+                    return;
                 };
                 be.set_kernel_variant("cross_entropy", variant).unwrap();
                 measure(&mut be, pt, variant);
@@ -121,11 +98,12 @@ mod bench {
         };
         let seed_len = SEED_ROWS * VOCAB;
         be.alloc(SEED, &[seed_len as u64], pt.dtype).unwrap();
-        be.write_f32(SEED, &random(seed_len, 1, 8.0)).unwrap();
+        be.write_f32(SEED, &uniform(seed_len, 1, -8.0, 8.0))
+            .unwrap();
         be.alloc(LOGITS, &[(pt.rows * VOCAB) as u64], pt.dtype)
             .unwrap();
         be.alloc(TARGETS, &[pt.rows as u64], DType::I32).unwrap();
-        let targets: Vec<i32> = random(pt.rows, 2, 1.0)
+        let targets: Vec<i32> = uniform(pt.rows, 2, -1.0, 1.0)
             .iter()
             .map(|u| ((u + 1.0) * 0.5 * (VOCAB - 1) as f32) as i32)
             .collect();

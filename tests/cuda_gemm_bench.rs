@@ -24,7 +24,12 @@ fn gpt2_step_gemms() {
 }
 
 #[cfg(feature = "cuda")]
+#[path = "bench_support/mod.rs"]
+mod bench_support;
+
+#[cfg(feature = "cuda")]
 mod bench {
+    use crate::bench_support::{backend_or_skip, median, uniform};
     use parc_compiler::ir::op::{Act, Op};
     use parc_compiler::ir::{BufferId, DType};
     use parc_compiler::spec::Precision;
@@ -34,26 +39,6 @@ mod bench {
 
     /// Timed repetitions per op (the median counts).
     const REPS: usize = 5;
-
-    /// Uniform values in [-scale, scale) from a fixed LCG (never zeros: see METHOD.md).
-    fn random(len: usize, seed: u64, scale: f32) -> Vec<f32> {
-        let mut state = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (0..len)
-            .map(|_| {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-            })
-            .collect()
-    }
-
-    fn median(mut v: Vec<f64>) -> f64 {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    }
 
     /// One layer's ops in step order (forward, backward-data, backward-weight), REPS times
     /// after one untimed round that picks the algorithms: per op, the median milliseconds of
@@ -133,16 +118,8 @@ mod bench {
             let mut results: Vec<Row> = Vec::new();
             for &storage in &storages {
                 // A fresh backend each time: algorithms and casts chosen anew.
-                let mut be = match CudaBackend::with_precision(0, Precision::Bf16) {
-                    Ok(be) => be,
-                    Err(e) => {
-                        assert!(
-                            parc_runtime::cuda::gpu_absent(&e),
-                            "a GPU is there, but the CUDA backend failed: {e}"
-                        );
-                        println!("skipped: no CUDA device ({e})");
-                        return;
-                    }
+                let Some(mut be) = backend_or_skip(Precision::Bf16) else {
+                    return;
                 };
                 let (mut rows_out, mut lines) =
                     run_storage(&mut be, model, (d, rows, layers), storage);
@@ -220,12 +197,15 @@ mod bench {
                 be.alloc(buf, &shape, dtype).unwrap();
             }
             let n = |s: &[u64]| s.iter().product::<u64>() as usize;
-            be.write_f32(x, &random(n(&[rows, din]), 1, 1.0)).unwrap();
-            let w_data = random(n(&[dout, din]), 2, 0.05);
+            be.write_f32(x, &uniform(n(&[rows, din]), 1, -1.0, 1.0))
+                .unwrap();
+            let w_data = uniform(n(&[dout, din]), 2, -0.05, 0.05);
             be.write_f32(w, &w_data).unwrap();
-            be.write_f32(b, &random(dout as usize, 3, 0.1)).unwrap();
+            be.write_f32(b, &uniform(dout as usize, 3, -0.1, 0.1))
+                .unwrap();
             if residual {
-                be.write_f32(r, &random(n(&[rows, dout]), 4, 1.0)).unwrap();
+                be.write_f32(r, &uniform(n(&[rows, dout]), 4, -1.0, 1.0))
+                    .unwrap();
             }
             let flops = 2.0 * rows as f64 * din as f64 * dout as f64;
             let fwd = Op::Matmul {

@@ -22,7 +22,12 @@ fn norm_bandwidth() {
 }
 
 #[cfg(feature = "cuda")]
+#[path = "bench_support/mod.rs"]
+mod bench_support;
+
+#[cfg(feature = "cuda")]
 mod bench {
+    use crate::bench_support::{backend_or_skip, median, uniform};
     use parc_compiler::ir::op::Op;
     use parc_compiler::ir::{BufferId, DType};
     use parc_compiler::spec::Precision;
@@ -33,23 +38,6 @@ mod bench {
     /// Ops per timed sample (back to back, one synchronisation), and samples (median).
     const OPS: usize = 20;
     const SAMPLES: usize = 7;
-
-    fn fill(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
-
-    fn median(mut v: Vec<f64>) -> f64 {
-        v.sort_by(|a, b| a.total_cmp(b));
-        v[v.len() / 2]
-    }
 
     // Buffers: x, w, b, y, mean, rstd, dy, dx, dw, db.
     const X: u32 = 0;
@@ -64,16 +52,8 @@ mod bench {
     const DB: u32 = 9;
 
     pub fn run() {
-        let mut be = match CudaBackend::with_precision(0, Precision::Bf16) {
-            Ok(b) => b,
-            Err(e) => {
-                assert!(
-                    parc_runtime::cuda::gpu_absent(&e),
-                    "a GPU is there, but the CUDA backend failed: {e}"
-                );
-                println!("skipped: no CUDA device ({e})");
-                return;
-            }
+        let Some(mut be) = backend_or_skip(Precision::Bf16) else {
+            return;
         };
         for (rows, dim) in [(32_768usize, 768usize), (16_384, 1024)] {
             let act = rows * dim;
@@ -92,7 +72,8 @@ mod bench {
             for (i, &(len, dtype)) in sizes.iter().enumerate() {
                 let id = BufferId(i as u32);
                 be.alloc(id, &[len as u64], dtype).unwrap();
-                be.write_f32(id, &fill(len, i as u64 + 1)).unwrap();
+                be.write_f32(id, &uniform(len, i as u64 + 1, -1.0, 1.0))
+                    .unwrap();
             }
             let d = dim as u64;
             let ln = Op::LayerNorm {

@@ -23,8 +23,13 @@ fn gpt2_optimizer_launches() {
 }
 
 #[cfg(feature = "cuda")]
+#[path = "bench_support/mod.rs"]
+mod bench_support;
+
+#[cfg(feature = "cuda")]
 mod bench {
     use super::fixtures::{gpt2_124m, sized_spec, Dims, PlanChoice, TinyModel};
+    use crate::bench_support::{median, uniform};
     use parc_compiler::ir::op::Op;
     use parc_compiler::ir::{BufferId, DType, Instr, Phase, Program};
     use parc_compiler::lower::lower;
@@ -54,24 +59,6 @@ mod bench {
             tied: true,
         };
         sized_spec(model, PlanChoice::default(), dims)
-    }
-
-    fn median(mut v: Vec<f64>) -> f64 {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    }
-
-    /// Uniform values in [0, scale) from a fixed LCG (non-negative: valid second moments).
-    fn random(len: usize, seed: u64, scale: f32) -> Vec<f32> {
-        let mut state = seed.wrapping_mul(6364136223846793005) | 1;
-        (0..len)
-            .map(|_| {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                (state >> 40) as f32 / (1u64 << 24) as f32 * scale
-            })
-            .collect()
     }
 
     pub fn run() {
@@ -124,7 +111,7 @@ mod bench {
         let fill = |backend: &mut CudaBackend, id: BufferId, seed: u64| {
             let b = program.buffer(id).unwrap();
             if b.dtype == DType::F32 {
-                let data = random(b.numel() as usize, seed, 1e-3);
+                let data = uniform(b.numel() as usize, seed, 0.0, 1e-3);
                 backend.write_f32(id, &data).unwrap();
             }
         };

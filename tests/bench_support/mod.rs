@@ -1,0 +1,46 @@
+//! What the GPU micro-benchmarks (`tests/cuda_*_bench.rs`) share: reproducible inputs, the
+//! median of timed samples, and the backend they time, or the visible skip without a GPU. Each
+//! benchmark includes this file as a module (`#[path]`), so it is compiled once per benchmark.
+#![allow(dead_code)] // each benchmark uses a part
+
+use parc_compiler::spec::Precision;
+use parc_runtime::cuda::CudaBackend;
+
+/// `len` values uniform in [lo, hi) from a fixed LCG stream of `seed`. The speeds measured do
+/// not depend on the values, but zeros would hide outputs a kernel never wrote (and can run
+/// faster), so inputs are never all zero.
+pub fn uniform(len: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            lo + (state >> 40) as f32 / (1u64 << 24) as f32 * (hi - lo)
+        })
+        .collect()
+}
+
+/// The median of timed samples (the upper one of an even count).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// A CUDA backend on GPU 0 in `precision`, or None after printing the skip when there is no
+/// GPU (a GPU that is there but fails to give a backend fails the benchmark instead).
+pub fn backend_or_skip(precision: Precision) -> Option<CudaBackend> {
+    match CudaBackend::with_precision(0, precision) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            assert!(
+                parc_runtime::cuda::gpu_absent(&e),
+                "a GPU is there, but the CUDA backend failed: {e}"
+            );
+            println!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
