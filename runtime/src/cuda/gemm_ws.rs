@@ -68,7 +68,9 @@ pub(super) fn kernel_for(g: &Gemm, operands: Operands) -> Option<Kernel> {
         && g.m <= i32::MAX as u64
         && g.n <= i32::MAX as u64
         && g.k <= i32::MAX as u64
-        && g.k > 0;
+        && g.k > 0
+        // The kernel counts work items (tiles × splits) in 32-bit integers.
+        && g.n.div_ceil(BM as u64) * g.m.div_ceil(BN as u64) * MAX_SPLITS as u64 <= i32::MAX as u64;
     if !aligned {
         return None;
     }
@@ -443,5 +445,14 @@ mod tests {
         assert_eq!(kernel_for(&g, Operands::F32), None);
         assert_eq!(name(Gemm { lda: 770, ..g }), None);
         assert_eq!(name(gemm(true, true, Output::Bf16, Epilogue::None)), None);
+        // More tiles than the kernel's 32-bit item count holds.
+        assert_eq!(
+            name(Gemm {
+                m: 1 << 30,
+                n: 1 << 30,
+                ..g
+            }),
+            None
+        );
     }
 }
