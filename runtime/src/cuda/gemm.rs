@@ -310,6 +310,20 @@ struct Plan {
     timed_ms: Option<f32>,
 }
 
+/// The fastest of [`TIMED_RUNS`] runs of `run` (milliseconds, CUDA events on `stream`); a
+/// warm-up run, where one is wanted, is the caller's.
+pub(crate) fn best_of(stream: CUstream, mut run: impl FnMut() -> Result<()>) -> Result<f32> {
+    let (start, end) = (Event::new()?, Event::new()?);
+    let mut fastest = f32::INFINITY;
+    for _ in 0..TIMED_RUNS {
+        start.record(stream)?;
+        run()?;
+        end.record(stream)?;
+        fastest = fastest.min(start.until(&end)?);
+    }
+    Ok(fastest)
+}
+
 /// A CUDA event, destroyed on drop.
 struct Event(CUevent);
 
@@ -523,16 +537,10 @@ impl Blas {
                 "no algorithm",
             )
         })?;
-        if let Some((start, _, _)) = &self.timer {
-            start.record(stream)?;
-        }
+        self.timer_start(stream)?;
         self.launch(plan, g, &algo, g.c, stream)
             .map_err(|e| cublas_error(&format!("cuBLASLt matmul for {}", key.describe()), e))?;
-        if let Some((start, end, total)) = &mut self.timer {
-            end.record(stream)?;
-            *total += f64::from(start.until(end)?);
-        }
-        Ok(())
+        self.timer_stop(stream)
     }
 
     /// Times every candidate of `key`'s plan on `g`'s operands writing D at `d`: the fastest
@@ -547,7 +555,6 @@ impl Blas {
         let plan = self.plans.get(key).ok_or_else(|| {
             cublas_error(&format!("cuBLASLt plan for {}", key.describe()), "missing")
         })?;
-        let (start, end) = (Event::new()?, Event::new()?);
         let mut best: Option<(f32, sys::cublasLtMatmulAlgo_t)> = None;
         for algo in &plan.algos {
             // A candidate cuBLASLt refuses at launch is skipped (the heuristic offered it,
@@ -555,15 +562,10 @@ impl Blas {
             if self.launch(plan, g, algo, d, stream).is_err() {
                 continue;
             }
-            let mut fastest = f32::INFINITY;
-            for _ in 0..TIMED_RUNS {
-                start.record(stream)?;
-                self.launch(plan, g, algo, d, stream).map_err(|e| {
-                    cublas_error(&format!("timing cuBLASLt on {}", key.describe()), e)
-                })?;
-                end.record(stream)?;
-                fastest = fastest.min(start.until(&end)?);
-            }
+            let fastest = best_of(stream, || {
+                self.launch(plan, g, algo, d, stream)
+                    .map_err(|e| cublas_error(&format!("timing cuBLASLt on {}", key.describe()), e))
+            })?;
             if best.is_none_or(|(ms, _)| fastest < ms) {
                 best = Some((fastest, *algo));
             }

@@ -14,12 +14,11 @@
 //! `Q = op(A)ᵀ`. P is K-major when B is not transposed (a forward's or backward-data's dy, x),
 //! MN-major when it is (a backward-weight's dy); Q is K-major when A is transposed (a
 //! forward's weight), MN-major otherwise.
-use super::gemm::{Epilogue, Gemm, Operands, Output};
+use super::gemm::{best_of, Epilogue, Gemm, Operands, Output};
 use super::tma::{self, Elem, TmaMap};
 use super::{Arg, CudaBackend};
 use crate::error::{Result, RuntimeError};
-use cudarc::driver::result::event;
-use cudarc::driver::sys::{CUdeviceptr, CUevent_flags};
+use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::CudaSlice;
 
 /// The kernel's tile of C (rows × columns) and k block (gemm_ws.cu's GW_BM, GW_BN, GW_BK).
@@ -147,6 +146,12 @@ impl CudaBackend {
             return self.blas.run(g, operands, stream, tune_out);
         };
         let key = g.key(operands);
+        if let Some(chosen) = self.gemm_operands.ws_chosen.get(&key).copied() {
+            return match chosen.ws {
+                true => self.ws_gemm(g, kernel, chosen.splits, g.c, true),
+                false => self.blas.run(g, operands, stream, tune_out),
+            };
+        }
         let splits = match g.out {
             Output::F32 => {
                 let (_, ws_bytes) = self.blas.workspace();
@@ -169,12 +174,6 @@ impl CudaBackend {
             };
             self.gemm_operands.ws_chosen.insert(key, chosen);
             return self.ws_gemm(g, kernel, splits, g.c, true);
-        }
-        if let Some(chosen) = self.gemm_operands.ws_chosen.get(&key).copied() {
-            return match chosen.ws {
-                true => self.ws_gemm(g, kernel, chosen.splits, g.c, true),
-                false => self.blas.run(g, operands, stream, tune_out),
-            };
         }
         let lt_runs = self.blas.supports(g, operands)?;
         if lt_runs {
@@ -220,7 +219,8 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Milliseconds of `g` on parc's kernel writing D at `d`: best of two after a warm-up.
+    /// Milliseconds of `g` on parc's kernel writing D at `d`: the best timed run after a
+    /// warm-up, as cuBLASLt's candidates are timed (`gemm::best_of`).
     fn time_ws_gemm(
         &mut self,
         g: &Gemm,
@@ -229,38 +229,8 @@ impl CudaBackend {
         d: CUdeviceptr,
     ) -> Result<f32> {
         let stream = self.stream.cu_stream();
-        let timing = |e| super::device::driver_error("timing parc's GEMM kernel", e);
-        let start = event::create(CUevent_flags::CU_EVENT_DEFAULT).map_err(timing)?;
-        let end = match event::create(CUevent_flags::CU_EVENT_DEFAULT) {
-            Ok(e) => e,
-            Err(e) => {
-                // SAFETY: created above, destroyed once.
-                let _ = unsafe { event::destroy(start) };
-                return Err(timing(e));
-            }
-        };
-        let mut run = || -> Result<f32> {
-            self.ws_gemm(g, kernel, splits, d, false)?;
-            let mut best = f32::INFINITY;
-            for _ in 0..2 {
-                // SAFETY: the events are live and the stream is the backend's.
-                unsafe { event::record(start, stream) }.map_err(timing)?;
-                self.ws_gemm(g, kernel, splits, d, false)?;
-                // SAFETY: as above.
-                unsafe { event::record(end, stream) }.map_err(timing)?;
-                // SAFETY: both recorded on one stream; elapsed after end completes.
-                unsafe { event::synchronize(end) }.map_err(timing)?;
-                best = best.min(unsafe { event::elapsed(start, end) }.map_err(timing)?);
-            }
-            Ok(best)
-        };
-        let result = run();
-        // SAFETY: created above, destroyed once each, after their last use.
-        unsafe {
-            let _ = event::destroy(start);
-            let _ = event::destroy(end);
-        }
-        result
+        self.ws_gemm(g, kernel, splits, d, false)?;
+        best_of(stream, || self.ws_gemm(g, kernel, splits, d, false))
     }
 
     /// Queues `g` on parc's kernel with `splits` (fp32 output only) writing D at `d`; with
