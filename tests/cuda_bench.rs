@@ -7,6 +7,9 @@
 #[allow(dead_code)]
 #[path = "ir/fixtures.rs"]
 mod fixtures;
+#[cfg(feature = "cuda")]
+#[path = "gpu_support/mod.rs"]
+mod gpu_support;
 
 #[cfg(feature = "cuda")]
 use fixtures::gpt2_124m;
@@ -29,12 +32,7 @@ fn gpt2_124m_tokens_per_second() {
         use parc_compiler::lower::lower;
         use parc_runtime::cuda::CudaBackend;
         use parc_runtime::exec::{train, TrainOptions};
-        if let Err(e) = CudaBackend::new(0) {
-            assert!(
-                parc_runtime::cuda::gpu_absent(&e),
-                "a GPU is there, but the CUDA backend failed: {e}"
-            );
-            println!("skipped: no CUDA device ({e})");
+        if gpu_support::backend_or_skip(parc_compiler::spec::Precision::Fp32).is_none() {
             return;
         }
         let batch = env_u64("PARC_BENCH_BATCH", 8);

@@ -22,12 +22,12 @@ fn cross_entropy_gbps() {
 }
 
 #[cfg(feature = "cuda")]
-#[path = "bench_support/mod.rs"]
-mod bench_support;
+#[path = "gpu_support/mod.rs"]
+mod gpu_support;
 
 #[cfg(feature = "cuda")]
 mod bench {
-    use crate::bench_support::{backend_or_skip, median, uniform};
+    use crate::gpu_support::{backend_or_skip, median, uniform};
     use parc_compiler::ir::op::Op;
     use parc_compiler::ir::{BufferId, DType};
     use parc_compiler::spec::Precision;

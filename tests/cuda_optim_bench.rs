@@ -23,18 +23,18 @@ fn gpt2_optimizer_launches() {
 }
 
 #[cfg(feature = "cuda")]
-#[path = "bench_support/mod.rs"]
-mod bench_support;
+#[path = "gpu_support/mod.rs"]
+mod gpu_support;
 
 #[cfg(feature = "cuda")]
 mod bench {
     use super::fixtures::{gpt2_124m, sized_spec, Dims, PlanChoice, TinyModel};
-    use crate::bench_support::{median, uniform};
+    use crate::gpu_support::{backend_or_skip, median, uniform};
     use parc_compiler::ir::op::Op;
     use parc_compiler::ir::{BufferId, DType, Instr, Phase, Program};
     use parc_compiler::lower::lower;
     use parc_compiler::memplan::plan_program;
-    use parc_compiler::spec::Spec;
+    use parc_compiler::spec::{Precision, Spec};
     use parc_runtime::backend::{Backend, StepScalars};
     use parc_runtime::cuda::CudaBackend;
     use std::collections::HashSet;
@@ -62,12 +62,7 @@ mod bench {
     }
 
     pub fn run() {
-        if let Err(e) = CudaBackend::new(0) {
-            assert!(
-                parc_runtime::cuda::gpu_absent(&e),
-                "a GPU is there, but the CUDA backend failed: {e}"
-            );
-            println!("skipped: no CUDA device ({e})");
+        if backend_or_skip(Precision::Fp32).is_none() {
             return;
         }
         println!("model  parameters  launch        kernel                ms      GB/s");

@@ -25,6 +25,9 @@
 #[allow(dead_code)]
 #[path = "ir/fixtures.rs"]
 mod fixtures;
+#[cfg(feature = "cuda")]
+#[path = "gpu_support/mod.rs"]
+mod gpu_support;
 
 use fixtures::{gpt2_124m, sized_spec, train_cpu, Dims, PlanChoice, TinyModel};
 use parc_compiler::lower::lower;
@@ -40,17 +43,7 @@ enum Which {
 
 #[cfg(feature = "cuda")]
 fn gpu_present() -> bool {
-    match parc_runtime::cuda::CudaBackend::new(0) {
-        Ok(_) => true,
-        Err(e) => {
-            assert!(
-                parc_runtime::cuda::gpu_absent(&e),
-                "a GPU is there, but the CUDA backend failed: {e}"
-            );
-            println!("skipped: no CUDA device ({e})");
-            false
-        }
-    }
+    gpu_support::backend_or_skip(parc_compiler::spec::Precision::Fp32).is_some()
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -38,17 +38,7 @@ pub fn fp16(scale: f64) -> Precision {
 /// the test.
 #[cfg(feature = "cuda")]
 pub fn cuda_backend(precision: Precision) -> Option<parc_runtime::cuda::CudaBackend> {
-    match parc_runtime::cuda::CudaBackend::with_precision(0, precision) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            assert!(
-                parc_runtime::cuda::gpu_absent(&e),
-                "a GPU is there, but the CUDA backend failed: {e}"
-            );
-            println!("skipped: no CUDA device ({e})");
-            None
-        }
-    }
+    crate::gpu_support::backend_or_skip(precision)
 }
 
 #[cfg(feature = "cuda")]

@@ -37,6 +37,9 @@ mod attention;
 mod cross_entropy;
 mod elementwise;
 mod errors;
+#[cfg(feature = "cuda")]
+#[path = "../gpu_support/mod.rs"]
+mod gpu_support;
 mod harness;
 mod layers;
 mod loss_and_optimizer;

@@ -1,7 +1,8 @@
-//! What the GPU micro-benchmarks (`tests/cuda_*_bench.rs`) share: reproducible inputs, the
-//! median of timed samples, and the backend they time, or the visible skip without a GPU. Each
-//! benchmark includes this file as a module (`#[path]`), so it is compiled once per benchmark.
-#![allow(dead_code)] // each benchmark uses a part
+//! What the GPU tests and micro-benchmarks (`tests/cuda_*`, `tests/memplan.rs`) share: the
+//! backend they run on, or the visible skip without a GPU, and for the benchmarks reproducible
+//! inputs and the median of timed samples. Each test binary includes this file as a module
+//! (`#[path]`), so it is compiled once per binary.
+#![allow(dead_code)] // each binary uses a part
 
 use parc_compiler::spec::Precision;
 use parc_runtime::cuda::CudaBackend;
