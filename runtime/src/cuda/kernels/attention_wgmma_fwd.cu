@@ -187,6 +187,27 @@ __device__ __forceinline__ void wg_scale_rows(float (&acc)[N], const float (&cor
 
 // grid: (batch * heads, ceil(seq_q / (64 WGS))); block: 128 WGS; shared: 1024 (alignment) +
 // Q (64 WGS rows) + two stages of K, V (BC rows) + 2 BC key positions.
+// Writes a warpgroup's finished rows of head (b, h): O = acc / l (f32 or bf16: AttGeom::bf16)
+// for the rows wg_row0 + 16 warp + 8 half + gq below seq_q, and their lse (natural log) from
+// the lanes that hold column 0. Shared by the wgmma and the warp-specialized forwards.
+template <int D>
+__device__ __forceinline__ void wg_store_o_lse(const float (&acc)[D / 2], const float (&m)[2], const float (&l)[2], void* o, float* lse, const AttGeom& g, int bh, int b, int h, int wg_row0, int warp, int gq, int tq) {
+    int seq_q = (int)g.seq_q, o_stride = (int)g.batch * g.ld_o;
+    bool o_bf16 = g.bf16 & ATT_BF16_O;
+    #pragma unroll
+    for (int half = 0; half < 2; half++) {
+        float sum = tc_quad_sum(l[half]);
+        float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        int row = wg_row0 + 16 * warp + 8 * half + gq;
+        if (row < seq_q) {
+            long long out = (long long)row * o_stride + b * g.ld_o + h * D + 2 * tq;
+            #pragma unroll
+            for (int nb = 0; nb < D / 8; nb++) tc_store2(o, out + nb * 8, acc[4 * nb + 2 * half] * inv, acc[4 * nb + 2 * half + 1] * inv, o_bf16);
+            if (tq == 0) lse[(long long)bh * seq_q + row] = sum > 0.0f ? (m[half] + log2f(sum)) * TC_LN2 : NEG_INF;
+        }
+    }
+}
+
 template <int D, int BC, int WGS>
 __device__ __forceinline__ void wg_attention_fwd(const bf16_t* q, const bf16_t* k, const bf16_t* v, void* o, float* lse, const int* qpos, const int* kvpos, const AttGeom& g) {
     static_assert(BC == 64, "S is one m64n64 accumulator");
@@ -208,7 +229,7 @@ __device__ __forceinline__ void wg_attention_fwd(const bf16_t* q, const bf16_t* 
     // The last query tiles (the longest, causal) first.
     int i0 = (ATT_TILES(g) - 1 - ATT_TILE_IDX(g)) * BR;
     // Elements from one sequence position to the next (batch rows of the stored layout).
-    int q_stride = (int)g.batch * g.ld_q, kv_stride = (int)g.batch * g.ld_kv, o_stride = (int)g.batch * g.ld_o;
+    int q_stride = (int)g.batch * g.ld_q, kv_stride = (int)g.batch * g.ld_kv;
     const bf16_t* qh = q + b * g.ld_q + h * D;
     const bf16_t* kh = k + b * g.ld_kv + kvh * D;
     const bf16_t* vh = v + b * g.ld_kv + kvh * D;
@@ -310,19 +331,7 @@ __device__ __forceinline__ void wg_attention_fwd(const bf16_t* q, const bf16_t* 
         wg_hold(acc);
     }
     tc_cp_wait_all();
-    bool o_bf16 = g.bf16 & ATT_BF16_O;
-    #pragma unroll
-    for (int half = 0; half < 2; half++) {
-        float sum = tc_quad_sum(l[half]);
-        float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        int row = wg_row0 + 16 * warp + 8 * half + gq;
-        if (row < seq_q) {
-            long long out = (long long)row * o_stride + b * g.ld_o + h * D + 2 * tq;
-            #pragma unroll
-            for (int nb = 0; nb < D / 8; nb++) tc_store2(o, out + nb * 8, acc[4 * nb + 2 * half] * inv, acc[4 * nb + 2 * half + 1] * inv, o_bf16);
-            if (tq == 0) lse[(long long)bh * seq_q + row] = sum > 0.0f ? (m[half] + log2f(sum)) * TC_LN2 : NEG_INF;
-        }
-    }
+    wg_store_o_lse<D>(acc, m, l, o, lse, g, bh, b, h, wg_row0, warp, gq, tq);
 }
 
 // The layouts above checked on their own (attention.rs's wgmma layout check, one warpgroup):

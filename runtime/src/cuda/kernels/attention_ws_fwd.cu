@@ -205,9 +205,7 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
     int cw = wg - 1, warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
     int gq = lane >> 2, tq = lane & 3;
     int seq_q = (int)g.seq_q, seq_kv = (int)g.seq_kv, last = seq_q - 1;
-    int o_stride = (int)g.batch * g.ld_o;
     float sl2 = g.scale * TC_LOG2E;
-    bool o_bf16 = g.bf16 & ATT_BF16_O;
     int it = 0, item = 0;
     for (int w = blockIdx.x; w < work; w += gridDim.x, item++) {
         int bh = w % bh_count, i0 = (q_tiles - 1 - w / bh_count) * WS_BR;
@@ -296,18 +294,7 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
             mbar_arrive_warp(bars + 8 * (WS_STAGES + slot));
         }
         it += tiles;
-        #pragma unroll
-        for (int half = 0; half < 2; half++) {
-            float sum = tc_quad_sum(l[half]);
-            float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-            int row = wg_row0 + 16 * warp + 8 * half + gq;
-            if (row < seq_q) {
-                long long out = (long long)row * o_stride + b * g.ld_o + h * D + 2 * tq;
-                #pragma unroll
-                for (int nb = 0; nb < D / 8; nb++) tc_store2(o, out + nb * 8, acc[4 * nb + 2 * half] * inv, acc[4 * nb + 2 * half + 1] * inv, o_bf16);
-                if (tq == 0) lse[(long long)bh * seq_q + row] = sum > 0.0f ? (m[half] + log2f(sum)) * TC_LN2 : NEG_INF;
-            }
-        }
+        wg_store_o_lse<D>(acc, m, l, o, lse, g, bh, b, h, wg_row0, warp, gq, tq);
     }
 }
 
