@@ -155,7 +155,7 @@ fn ws_tensor_maps(g: &AttGeom, [qp, kp, vp]: [CUdeviceptr; 3]) -> Result<[TmaMap
 
 /// Launches a warp-specialized kernel: persistent, one CTA an SM (at most one per work item),
 /// WS_THREADS threads; its arguments are the tensor maps, then `rest`.
-fn launch_ws(
+pub(super) fn launch_ws(
     be: &mut CudaBackend,
     name: &'static str,
     work: usize,
@@ -437,7 +437,7 @@ fn require_hopper(be: &CudaBackend, what: &str) -> Result<()> {
 /// Launches a tensor-core kernel over `heads` × `tiles` CTAs, first letting it use `smem` bytes
 /// of shared memory: the grid is (tiles, heads) where `tiles_first` (the kernel reads the same
 /// order from `AttGeom::tiles_first`), else (heads, tiles).
-pub(super) fn launch_tc(
+fn launch_tc(
     be: &mut CudaBackend,
     name: &'static str,
     (heads, tiles, tiles_first): (u32, u32, bool),
@@ -904,8 +904,6 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
             Arg::Ptr(kvpos),
             Arg::Geom(g),
         ];
-        // Hopper: wgmma, which adds dQ four floats at a time and so needs a 16-byte aligned dQ
-        // accumulator; otherwise, and elsewhere, fa2.
         // The warp-specialized, TMA-fed backward where it applies (a Hopper, head_dim 64,
         // tensor maps the driver can encode: 16-byte aligned rows).
         if be.variants.is("attention_bwd", "ws") && be.is_hopper() && d == 64 {

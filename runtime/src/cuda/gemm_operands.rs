@@ -21,7 +21,7 @@
 //! bias (gradient) vector: a bias-gradient epilogue's output before it is added into db, or a
 //! per-use bf16 copy of a bias.
 use super::gemm::{Gemm, Operands, Output, PlanKey};
-use super::gemm_ws::{Chosen, MAX_SPLIT_TILES};
+use super::gemm_ws::Chosen;
 use super::{raw_ptr, Arg, Buf, CudaBackend};
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::result as cu;
@@ -73,7 +73,8 @@ pub(super) struct GemmOperands {
     vector_len: usize,
     /// Per GEMM plan parc's kernel was measured on: the times and which runs it (`gemm_ws`).
     pub(super) ws_chosen: HashMap<PlanKey, Chosen>,
-    /// `gemm_ws`'s split counters (zeroed), made with the first GEMM that needs them.
+    /// `gemm_ws`'s split counters (zeroed): made by `prepare_gemm` on a Hopper, else with the
+    /// first GEMM that needs them.
     pub(super) ws_counters: Option<CudaSlice<u8>>,
 }
 
@@ -230,8 +231,8 @@ impl CudaBackend {
         }
         self.gemm_operands.planned = true;
         if self.hopper {
-            let counters = self.alloc_bytes(MAX_SPLIT_TILES * 4, "GEMM split counters")?;
-            self.gemm_operands.ws_counters = Some(counters);
+            // Here, so a planned step allocates nothing.
+            self.ws_counters()?;
         }
         if vector_len > 0 {
             self.gemm_vectors(vector_len)?;

@@ -25,12 +25,11 @@ use cudarc::driver::CudaSlice;
 const BM: usize = 128;
 const BN: usize = 256;
 const BK: usize = 64;
-const THREADS: u32 = 384;
 /// Dynamic shared memory: gemm_ws.cu's GW_SMEM (alignment, 4 stages of 48 KB, a tile of
 /// ones, the pipeline barriers, a flag).
 const SMEM: u32 = 1024 + 4 * (BM * BK * 2 + BN * BK * 2) as u32 + 1024 + 16 * 4 + 48;
 /// Tiles a split reduction can count arrivals for (the counters' length).
-pub(super) const MAX_SPLIT_TILES: usize = 4096;
+const MAX_SPLIT_TILES: usize = 4096;
 /// Most splits of one reduction, and fewest k blocks a split keeps.
 const MAX_SPLITS: usize = 16;
 const MIN_SPLIT_BLOCKS: usize = 4;
@@ -279,8 +278,6 @@ impl CudaBackend {
             )));
         }
         let args = [
-            Arg::Tma(tp),
-            Arg::Tma(tq),
             Arg::I32(mr as i32),
             Arg::I32(nr as i32),
             Arg::I32(k as i32),
@@ -296,12 +293,13 @@ impl CudaBackend {
             Arg::Ptr(ws),
             Arg::Ptr(counters),
         ];
-        let ctas = (tiles * splits).min(self.limits.sms).max(1) as u32;
         let stream = self.stream.cu_stream();
         if counted {
             self.blas.timer_start(stream)?;
         }
-        super::attention::launch_tc(self, kernel.name, (ctas, 1, false), THREADS, SMEM, &args)?;
+        // The attention kernels' persistent launch: one CTA an SM, 384 threads, maps first.
+        let work = tiles * splits;
+        super::attention::launch_ws(self, kernel.name, work, SMEM, &[tp, tq], &args)?;
         if counted {
             self.blas.timer_stop(stream)?;
         }
@@ -310,7 +308,7 @@ impl CudaBackend {
 
     /// The split reductions' arrival counters (zeroed once; each tile's last split resets its
     /// own), made on first use where `prepare_gemm` did not.
-    fn ws_counters(&mut self) -> Result<CUdeviceptr> {
+    pub(super) fn ws_counters(&mut self) -> Result<CUdeviceptr> {
         if self.gemm_operands.ws_counters.is_none() {
             let memory: CudaSlice<u8> =
                 self.alloc_bytes(MAX_SPLIT_TILES * 4, "GEMM split counters")?;
