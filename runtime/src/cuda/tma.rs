@@ -106,7 +106,7 @@ pub(crate) fn matrix(
     status.result().map_err(|e| {
         driver_error(
             &format!(
-                "encoding a TMA tensor map ({rows} x {cols} bf16, boxes {box_rows} x {box_cols})"
+                "encoding a TMA tensor map ({rows} x {cols} {elem:?}, boxes {box_rows} x {box_cols})"
             ),
             e,
         )
