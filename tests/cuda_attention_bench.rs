@@ -37,6 +37,7 @@ mod gpu_support;
 #[cfg(feature = "cuda")]
 mod bench {
     use crate::gpu_support::{backend_or_skip, median, uniform};
+    use parc_compiler::ir::op::AttentionAttrs;
     use parc_compiler::ir::op::{Op, Segment};
     use parc_compiler::ir::{BufferId, DType};
     use parc_compiler::spec::Precision;
@@ -162,7 +163,7 @@ mod bench {
             len: t as u32,
         }];
         let scale = 1.0 / (d as f64).sqrt();
-        let fwd = Op::Attention {
+        let fwd = Op::Attention(AttentionAttrs {
             batch: b,
             heads: h,
             kv_heads: h,
@@ -172,8 +173,8 @@ mod bench {
             q_positions: positions.clone(),
             kv_positions: positions.clone(),
             packed: pt.packed,
-        };
-        let bwd = Op::AttentionBwd {
+        });
+        let bwd = Op::AttentionBwd(AttentionAttrs {
             batch: b,
             heads: h,
             kv_heads: h,
@@ -183,7 +184,7 @@ mod bench {
             q_positions: positions.clone(),
             kv_positions: positions,
             packed: pt.packed,
-        };
+        });
         // q k v o lse do dq dk dv; packed: qkv (as q, k and v) and dqkv (as dq, dk and dv),
         // buffers 1, 2, 7 and 8 left empty.
         let sizes = if pt.packed {

@@ -1,5 +1,6 @@
 //! parc's runtime: executes verified per-rank schedule programs on a backend with a comm.
 pub mod backend;
+pub mod bind;
 pub mod checkpoint;
 pub mod comm;
 pub mod cpu;

@@ -9,6 +9,7 @@ use crate::harness::{
     check, check_on, gpu_with, seg, Case, Data, Rng, BF16_ATTENTION, BF16_ROUNDED, REDUCTION,
     SCALARS,
 };
+use parc_compiler::ir::op::AttentionAttrs;
 use parc_compiler::ir::op::{Op, Segment};
 use parc_compiler::ir::{BufferId, DType};
 use parc_compiler::spec::Precision;
@@ -61,7 +62,7 @@ fn round_bf16(x: f32) -> f32 {
 /// The forward and backward ops of `c`, with scale 1/√head_dim.
 fn attention_ops(c: &AttConfig) -> (Op, Op) {
     let scale = 1.0 / (c.head_dim as f64).sqrt();
-    let fwd = Op::Attention {
+    let fwd = Op::Attention(AttentionAttrs {
         batch: c.batch,
         heads: c.heads,
         kv_heads: c.kv_heads,
@@ -71,8 +72,8 @@ fn attention_ops(c: &AttConfig) -> (Op, Op) {
         q_positions: c.q_positions.clone(),
         kv_positions: c.kv_positions.clone(),
         packed: false,
-    };
-    let bwd = Op::AttentionBwd {
+    });
+    let bwd = Op::AttentionBwd(AttentionAttrs {
         batch: c.batch,
         heads: c.heads,
         kv_heads: c.kv_heads,
@@ -82,7 +83,7 @@ fn attention_ops(c: &AttConfig) -> (Op, Op) {
         q_positions: c.q_positions.clone(),
         kv_positions: c.kv_positions.clone(),
         packed: false,
-    };
+    });
     (fwd, bwd)
 }
 
@@ -597,7 +598,9 @@ fn attention_bf16_mma_sync() {
 fn packed_ops(c: &AttConfig) -> (Op, Op) {
     let (mut fwd, mut bwd) = attention_ops(c);
     for op in [&mut fwd, &mut bwd] {
-        if let Op::Attention { packed, .. } | Op::AttentionBwd { packed, .. } = op {
+        if let Op::Attention(AttentionAttrs { packed, .. })
+        | Op::AttentionBwd(AttentionAttrs { packed, .. }) = op
+        {
             *packed = true;
         }
     }

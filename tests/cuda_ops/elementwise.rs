@@ -2,6 +2,7 @@
 //! including outputs that alias an input (in place), with f32 buffers and with bf16 storage
 //! (every float operand bf16, and copies/adds mixing f32 and bf16).
 use crate::harness::{check, check_on, Case, Data, Rng, BF16_STORED, ELEMENTWISE};
+use parc_compiler::ir::op::ActAttrs;
 use parc_compiler::ir::op::{Act, Op};
 use parc_compiler::ir::DType;
 use parc_compiler::spec::Precision;
@@ -81,14 +82,14 @@ fn cases(r: &mut Rng, n: usize) -> Vec<Case> {
         let x = r.vec(n, 4.0);
         cases.push(Case::new(
             format!("activation {act:?}"),
-            Op::Activation { act },
+            Op::Activation(ActAttrs { act }),
             vec![Data::F32(x.clone())],
             vec![r.vec(n, 1.0)],
             ELEMENTWISE,
         ));
         cases.push(Case::new(
             format!("activation_bwd {act:?}"),
-            Op::ActivationBwd { act },
+            Op::ActivationBwd(ActAttrs { act }),
             vec![Data::F32(r.vec(n, 1.0)), Data::F32(x)],
             vec![r.vec(n, 1.0)],
             ELEMENTWISE,

@@ -2,7 +2,7 @@
 //! its input and initial output data (`Case`), running it on a backend, and `check`/`check_on`,
 //! which compare the CUDA backend against the CPU reference under the per-op tolerances below.
 use parc_compiler::ir::op::{Op, Segment};
-use parc_compiler::ir::storage::{operand_classes, StorageClass};
+use parc_compiler::ir::storage::StorageClass;
 use parc_compiler::ir::{BufferId, DType};
 use parc_compiler::spec::Precision;
 use parc_runtime::backend::{Backend, StepScalars};
@@ -201,7 +201,9 @@ impl Case {
     /// The same call with every float operand (`StorageClass::Float`) stored in bf16, as a
     /// `precision = bf16` plan stores activations, judged with `tol`; the name says "bf16".
     pub fn stored_bf16(mut self, tol: f32) -> Case {
-        let (ins, outs) = operand_classes(&self.op);
+        let signature = self.op.signature();
+        let ins: Vec<StorageClass> = signature.inputs.iter().map(|o| o.class).collect();
+        let outs: Vec<StorageClass> = signature.outputs.iter().map(|o| o.class).collect();
         let bf16 = |class: &StorageClass, dtype: &mut DType| {
             if *class == StorageClass::Float {
                 *dtype = DType::Bf16;

@@ -4,6 +4,7 @@ use crate::harness::{
     check, check_on, check_variant, seg, Case, Data, Rng, BF16_STORED, ELEMENTWISE, REDUCTION,
 };
 use parc_compiler::ir::op::Op;
+use parc_compiler::ir::op::{EmbeddingAttrs, PositionAttrs, RopeAttrs};
 use parc_compiler::spec::Precision;
 use parc_runtime::cpu::CpuBackend;
 
@@ -52,29 +53,31 @@ fn embedding_cases(r: &mut Rng) -> Vec<Case> {
     let (rows, dim, vocab_start, vocab_local) = (37, 24, 5u64, 20u64);
     let ids = r.ids(rows, 30);
     let table = r.vec(vocab_local as usize * dim, 1.0);
-    let emb = Op::Embedding {
+    let emb = Op::Embedding(EmbeddingAttrs {
         vocab_start,
         vocab_local,
         dim: dim as u64,
-    };
-    let emb_bwd = Op::EmbeddingBwd {
+    });
+    let emb_bwd = Op::EmbeddingBwd(EmbeddingAttrs {
         vocab_start,
         vocab_local,
         dim: dim as u64,
-    };
+    });
     // Context-parallel-like chunk: two segments of the global sequence, batch 3.
     let positions = vec![seg(0, 4), seg(12, 4)];
     let (batch, seq_table) = (3usize, 16usize);
     let prow = 8 * batch;
-    let pos_add = Op::PositionAdd {
+    let pos_add = Op::PositionAdd(PositionAttrs {
         batch: batch as u64,
         dim: dim as u64,
         positions: positions.clone(),
-    };
+    });
     let pos_bwd = Op::PositionAddBwd {
-        batch: batch as u64,
-        dim: dim as u64,
-        positions,
+        pos: PositionAttrs {
+            batch: batch as u64,
+            dim: dim as u64,
+            positions,
+        },
         accumulate_param_grad: true,
     };
     vec![
@@ -268,20 +271,20 @@ fn rope_cases(r: &mut Rng) -> Vec<Case> {
     let positions = vec![seg(0, 5), seg(1000, 5)];
     let (batch, heads, head_dim) = (2u64, 3u64, 16u64);
     let n = (10 * batch * heads * head_dim) as usize;
-    let fwd = Op::Rope {
+    let fwd = Op::Rope(RopeAttrs {
         batch,
         heads,
         head_dim,
         theta: 10000.0,
         positions: positions.clone(),
-    };
-    let bwd = Op::RopeBwd {
+    });
+    let bwd = Op::RopeBwd(RopeAttrs {
         batch,
         heads,
         head_dim,
         theta: 500000.0,
         positions,
-    };
+    });
     vec![
         Case::new(
             "rope",

@@ -1,11 +1,13 @@
 //! The schedule IR: one program per rank of local compute, communication and recompute.
-//! `op` holds the compute operations (the backend contract); the program structure (buffers,
+//! `op` holds the compute operations (the backend contract) and `table` the one description of
+//! each (operands, roles, storage classes, shapes, family, costs); the program structure (buffers,
 //! groups, instructions) lives in `program` (a compute instruction's buffer lists in
 //! `operands`), its stable text form in `text`.
 pub mod op;
 pub mod operands;
 pub mod program;
 pub mod storage;
+pub mod table;
 pub mod text;
 
 pub use operands::{Inputs, Operands, Outputs};

@@ -30,6 +30,7 @@
 //!   untouched.
 
 use serde::Serialize;
+use std::fmt;
 
 /// A run of consecutive global sequence positions `[start, start + len)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
@@ -62,37 +63,71 @@ pub enum Act {
     Relu,
 }
 
+/// The attributes `Embedding` and `EmbeddingBwd` share: which rows of the vocabulary this rank's
+/// table holds, and the embedding width.
 #[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct EmbeddingAttrs {
+    pub vocab_start: u64,
+    pub vocab_local: u64,
+    pub dim: u64,
+}
+
+/// The attributes `PositionAdd` and `PositionAddBwd` share.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PositionAttrs {
+    pub batch: u64,
+    pub dim: u64,
+    pub positions: Vec<Segment>,
+}
+
+/// The attributes `Rope` and `RopeBwd` share.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RopeAttrs {
+    pub batch: u64,
+    pub heads: u64,
+    pub head_dim: u64,
+    pub theta: f64,
+    pub positions: Vec<Segment>,
+}
+
+/// The attributes `Attention` and `AttentionBwd` share (see `Op::Attention`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AttentionAttrs {
+    pub batch: u64,
+    pub heads: u64,
+    pub kv_heads: u64,
+    pub head_dim: u64,
+    pub causal: bool,
+    pub scale: f64,
+    pub q_positions: Vec<Segment>,
+    pub kv_positions: Vec<Segment>,
+    pub packed: bool,
+}
+
+/// The attribute `Activation` and `ActivationBwd` share.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct ActAttrs {
+    pub act: Act,
+}
+
+#[derive(Clone, PartialEq, Serialize)]
 #[serde(rename_all = "snake_case", tag = "op")]
 pub enum Op {
     // ------------------------------------------------------------------ embeddings
     /// in: ids `[rows]` i32, table `[vocab_local, dim]`. out: y `[rows, dim]`.
     /// Rows whose id is outside `[vocab_start, vocab_start + vocab_local)` are zero
     /// (vocab-parallel embedding: the lowering all-reduces over tp after).
-    Embedding {
-        vocab_start: u64,
-        vocab_local: u64,
-        dim: u64,
-    },
+    Embedding(EmbeddingAttrs),
     /// in: ids `[rows]`, dy `[rows, dim]`. out: dtable `[vocab_local, dim]` (+=).
-    EmbeddingBwd {
-        vocab_start: u64,
-        vocab_local: u64,
-        dim: u64,
-    },
+    EmbeddingBwd(EmbeddingAttrs),
     /// in: x `[rows, dim]`, table `[seq, dim]`. out: y = x + table[position(row)].
-    PositionAdd {
-        batch: u64,
-        dim: u64,
-        positions: Vec<Segment>,
-    },
+    PositionAdd(PositionAttrs),
     /// in: dy `[rows, dim]`. out: dtable `[seq, dim]` (+= when `accumulate_param_grad`, else
     /// overwritten: the step's first contribution to a fresh gradient). (dx = dy: the lowering
     /// reuses dy.)
     PositionAddBwd {
-        batch: u64,
-        dim: u64,
-        positions: Vec<Segment>,
+        #[serde(flatten)]
+        pos: PositionAttrs,
         accumulate_param_grad: bool,
     },
 
@@ -164,21 +199,9 @@ pub enum Op {
 
     // ------------------------------------------------------------------ attention
     /// in: x `[rows, heads*head_dim]`. out: y, each head rotated by its row's position.
-    Rope {
-        batch: u64,
-        heads: u64,
-        head_dim: u64,
-        theta: f64,
-        positions: Vec<Segment>,
-    },
+    Rope(RopeAttrs),
     /// in: dy. out: dx (rotation by the negative angle).
-    RopeBwd {
-        batch: u64,
-        heads: u64,
-        head_dim: u64,
-        theta: f64,
-        positions: Vec<Segment>,
-    },
+    RopeBwd(RopeAttrs),
     /// Scaled dot-product attention, softmax scale `scale` (1/sqrt(head_dim) by default).
     /// in: q `[rows_q, heads*head_dim]`, k `[rows_kv, kv_heads*head_dim]`, v (as k); or, when
     /// `packed`, one qkv `[rows, (heads + 2*kv_heads)*head_dim]` whose every row holds that
@@ -187,36 +210,16 @@ pub enum Op {
     /// out: o `[rows_q, heads*head_dim]`, lse `[batch, heads, seq_q]` (log-sum-exp of the scaled
     /// scores per query). `rows_q = len(q_positions) * batch`, `rows_kv = len(kv_positions) * batch`.
     /// When `causal`, query at global position p attends keys at positions ≤ p.
-    Attention {
-        batch: u64,
-        heads: u64,
-        kv_heads: u64,
-        head_dim: u64,
-        causal: bool,
-        scale: f64,
-        q_positions: Vec<Segment>,
-        kv_positions: Vec<Segment>,
-        packed: bool,
-    },
+    Attention(AttentionAttrs),
     /// in: do, q, k, v, o, lse. out: dq, dk, dv (overwritten). When `packed`: in do, qkv, o,
     /// lse; out dqkv, laid out as qkv (every element written).
-    AttentionBwd {
-        batch: u64,
-        heads: u64,
-        kv_heads: u64,
-        head_dim: u64,
-        causal: bool,
-        scale: f64,
-        q_positions: Vec<Segment>,
-        kv_positions: Vec<Segment>,
-        packed: bool,
-    },
+    AttentionBwd(AttentionAttrs),
 
     // ------------------------------------------------------------------ elementwise
     /// in: x. out: act(x). gelu is the erf form; gelu_tanh the tanh approximation.
-    Activation { act: Act },
+    Activation(ActAttrs),
     /// in: dy, x. out: dx.
-    ActivationBwd { act: Act },
+    ActivationBwd(ActAttrs),
     /// in: gate, up (same shape). out: silu(gate) * up.
     SwiGlu,
     /// in: dy, gate, up. out: dgate, dup.
@@ -304,17 +307,6 @@ pub enum Op {
 }
 
 impl Op {
-    /// The (input, output) positions an op updates in place: the instruction binds both to
-    /// one buffer (the verifier checks it, E0820) and the op reads every element of it before
-    /// it writes that element, so a backend runs it on the buffer as it is, with no copy of
-    /// the input taken first (other ops whose output is also an input read a copy).
-    pub fn in_place(&self) -> &'static [(usize, usize)] {
-        match self {
-            Op::CrossEntropy { .. } => &[(0, 0)],
-            _ => &[],
-        }
-    }
-
     /// For an op that writes parameter gradients with an `accumulate_param_grad` flag
     /// (`MatmulBwdWeight`, `LayerNormBwd`, `RmsNormBwd`, `PositionAddBwd`): the index of its
     /// first parameter-gradient output (the flag governs that output and every later one) and
@@ -366,69 +358,158 @@ impl Op {
         }
         op
     }
+}
 
-    /// Whether the op adds into its output `output` (an output documented "(+=)"): it reads
-    /// that buffer's value and writes the sum back, so the buffer must hold zeros or an
-    /// earlier value first, and it must not also be one of the op's inputs (the verifier
-    /// checks it, E0821: a backend would read an input the op is writing).
-    pub fn accumulates(&self, output: usize) -> bool {
-        match self {
-            Op::EmbeddingBwd { .. } | Op::CeLoss { .. } | Op::SumSquares => true,
-            Op::PositionAddBwd {
-                accumulate_param_grad,
-                ..
-            }
-            | Op::MatmulBwdWeight {
-                accumulate_param_grad,
-                ..
-            } => *accumulate_param_grad,
-            Op::CrossEntropy { .. } => output == 1,
-            Op::MatmulBwdData { accumulate, .. } => *accumulate,
-            Op::LayerNormBwd {
-                accumulate,
-                accumulate_param_grad,
-                ..
-            }
-            | Op::RmsNormBwd {
-                accumulate,
-                accumulate_param_grad,
-                ..
-            } => {
-                if output > 0 {
-                    *accumulate_param_grad
-                } else {
-                    *accumulate
-                }
-            }
-            // Overwritten outputs; `CopyRange` writes only its range; the optimizer ops
-            // update their outputs in place (documented as such, not as "+=").
-            Op::Embedding { .. }
-            | Op::PositionAdd { .. }
-            | Op::LayerNorm { .. }
-            | Op::RmsNorm { .. }
-            | Op::Matmul { .. }
-            | Op::Rope { .. }
-            | Op::RopeBwd { .. }
-            | Op::Attention { .. }
-            | Op::AttentionBwd { .. }
-            | Op::Activation { .. }
-            | Op::ActivationBwd { .. }
-            | Op::SwiGlu
-            | Op::SwiGluBwd
-            | Op::Add
-            | Op::Scale { .. }
-            | Op::Copy
-            | Op::Zero
-            | Op::SplitColumns { .. }
-            | Op::ConcatColumns { .. }
-            | Op::CopyRange { .. }
-            | Op::CeMax { .. }
-            | Op::CeSumExp { .. }
-            | Op::CeTargetLogit { .. }
-            | Op::CeGrad { .. }
-            | Op::ClipCoef { .. }
-            | Op::AdamW { .. }
-            | Op::Sgd { .. } => false,
+/// The IR's text form of an op: its variant name and attributes, as a derived `Debug` would
+/// print a struct variant (the shared attribute structs of the twins are flattened into it).
+impl fmt::Debug for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = self.opcode().variant();
+        if matches!(
+            self,
+            Op::SwiGlu | Op::SwiGluBwd | Op::Add | Op::Copy | Op::Zero | Op::SumSquares
+        ) {
+            return f.write_str(name);
         }
+        let mut d = f.debug_struct(name);
+        match self {
+            Op::Embedding(a) | Op::EmbeddingBwd(a) => d
+                .field("vocab_start", &a.vocab_start)
+                .field("vocab_local", &a.vocab_local)
+                .field("dim", &a.dim),
+            Op::PositionAdd(a) => position_fields(&mut d, a),
+            Op::PositionAddBwd {
+                pos,
+                accumulate_param_grad,
+            } => position_fields(&mut d, pos).field("accumulate_param_grad", accumulate_param_grad),
+            Op::LayerNorm { dim, eps, bias } => {
+                d.field("dim", dim).field("eps", eps).field("bias", bias)
+            }
+            Op::LayerNormBwd {
+                dim,
+                bias,
+                accumulate,
+                accumulate_param_grad,
+            } => d
+                .field("dim", dim)
+                .field("bias", bias)
+                .field("accumulate", accumulate)
+                .field("accumulate_param_grad", accumulate_param_grad),
+            Op::RmsNorm { dim, eps } => d.field("dim", dim).field("eps", eps),
+            Op::RmsNormBwd {
+                dim,
+                accumulate,
+                accumulate_param_grad,
+            } => d
+                .field("dim", dim)
+                .field("accumulate", accumulate)
+                .field("accumulate_param_grad", accumulate_param_grad),
+            Op::Matmul {
+                in_dim,
+                out_dim,
+                bias,
+                act,
+                residual,
+            } => d
+                .field("in_dim", in_dim)
+                .field("out_dim", out_dim)
+                .field("bias", bias)
+                .field("act", act)
+                .field("residual", residual),
+            Op::MatmulBwdData {
+                in_dim,
+                out_dim,
+                accumulate,
+                act_grad,
+            } => d
+                .field("in_dim", in_dim)
+                .field("out_dim", out_dim)
+                .field("accumulate", accumulate)
+                .field("act_grad", act_grad),
+            Op::MatmulBwdWeight {
+                in_dim,
+                out_dim,
+                bias,
+                accumulate_param_grad,
+            } => d
+                .field("in_dim", in_dim)
+                .field("out_dim", out_dim)
+                .field("bias", bias)
+                .field("accumulate_param_grad", accumulate_param_grad),
+            Op::Rope(a) | Op::RopeBwd(a) => d
+                .field("batch", &a.batch)
+                .field("heads", &a.heads)
+                .field("head_dim", &a.head_dim)
+                .field("theta", &a.theta)
+                .field("positions", &a.positions),
+            Op::Attention(a) | Op::AttentionBwd(a) => d
+                .field("batch", &a.batch)
+                .field("heads", &a.heads)
+                .field("kv_heads", &a.kv_heads)
+                .field("head_dim", &a.head_dim)
+                .field("causal", &a.causal)
+                .field("scale", &a.scale)
+                .field("q_positions", &a.q_positions)
+                .field("kv_positions", &a.kv_positions)
+                .field("packed", &a.packed),
+            Op::Activation(a) | Op::ActivationBwd(a) => d.field("act", &a.act),
+            Op::SwiGlu | Op::SwiGluBwd | Op::Add | Op::Copy | Op::Zero | Op::SumSquares => &mut d,
+            Op::Scale { factor } => d.field("factor", factor),
+            Op::SplitColumns { widths } | Op::ConcatColumns { widths } => d.field("widths", widths),
+            Op::CopyRange {
+                src_offset,
+                dst_offset,
+                len,
+            } => d
+                .field("src_offset", src_offset)
+                .field("dst_offset", dst_offset)
+                .field("len", len),
+            Op::CrossEntropy { vocab, scale } => d.field("vocab", vocab).field("scale", scale),
+            Op::CeMax { vocab_local } | Op::CeSumExp { vocab_local } => {
+                d.field("vocab_local", vocab_local)
+            }
+            Op::CeTargetLogit {
+                vocab_start,
+                vocab_local,
+            } => d
+                .field("vocab_start", vocab_start)
+                .field("vocab_local", vocab_local),
+            Op::CeLoss { scale } => d.field("scale", scale),
+            Op::CeGrad {
+                vocab_start,
+                vocab_local,
+                scale,
+            } => d
+                .field("vocab_start", vocab_start)
+                .field("vocab_local", vocab_local)
+                .field("scale", scale),
+            Op::ClipCoef { max_norm } => d.field("max_norm", max_norm),
+            Op::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => d
+                .field("beta1", beta1)
+                .field("beta2", beta2)
+                .field("eps", eps)
+                .field("weight_decay", weight_decay),
+            Op::Sgd {
+                momentum,
+                weight_decay,
+            } => d
+                .field("momentum", momentum)
+                .field("weight_decay", weight_decay),
+        };
+        d.finish()
     }
+}
+
+fn position_fields<'a, 'b, 'c>(
+    d: &'a mut fmt::DebugStruct<'b, 'c>,
+    a: &PositionAttrs,
+) -> &'a mut fmt::DebugStruct<'b, 'c> {
+    d.field("batch", &a.batch)
+        .field("dim", &a.dim)
+        .field("positions", &a.positions)
 }

@@ -4,7 +4,7 @@
 
 use super::emitter::Emitter;
 use super::layers::AttnShape;
-use crate::ir::op::{Act, Op};
+use crate::ir::op::{Act, ActAttrs, EmbeddingAttrs, Op, PositionAttrs};
 use crate::ir::{BufferId, BufferKind, CollectiveKind, Phase};
 use crate::spec::{Activation, LayerKind, NodeId, ValueId};
 
@@ -102,11 +102,11 @@ impl Emitter<'_> {
                 let split = self.groups.tp.is_some();
                 let vl = if split { vocab / tp } else { *vocab };
                 if let (Some(tokens), Some(g)) = (sv(0), self.grad(node, "weight")) {
-                    let op = Op::EmbeddingBwd {
+                    let op = Op::EmbeddingBwd(EmbeddingAttrs {
                         vocab_start: u64::from(self.tp_index) * vl * u64::from(split),
                         vocab_local: vl,
                         dim: *dim,
-                    };
+                    });
                     self.b
                         .compute(op, &[tokens, dyf], &[g], Some(node), Phase::Backward);
                 }
@@ -117,9 +117,11 @@ impl Emitter<'_> {
             (LayerKind::PositionEmbedding { dim, .. }, Some(dy)) => {
                 if let Some(g) = self.grad(node, "weight") {
                     let op = Op::PositionAddBwd {
-                        batch: self.micro_batch,
-                        dim: *dim,
-                        positions: self.sp_positions.clone(),
+                        pos: PositionAttrs {
+                            batch: self.micro_batch,
+                            dim: *dim,
+                            positions: self.sp_positions.clone(),
+                        },
                         accumulate_param_grad: true,
                     };
                     self.b.compute(op, &[dy], &[g], Some(node), Phase::Backward);
@@ -531,7 +533,7 @@ impl Emitter<'_> {
                 let h = *saved.get(1)?;
                 let dh = self.activation_grad(node, "dh", mb, vec![rows, hl]);
                 self.b.compute(
-                    Op::ActivationBwd { act: op_act },
+                    Op::ActivationBwd(ActAttrs { act: op_act }),
                     &[da, h],
                     &[dh],
                     Some(node),

@@ -17,7 +17,7 @@
 //! tensors its backward needs ("saved", one holder each); the caller owns input lifetimes.
 
 use super::emitter::Emitter;
-use crate::ir::op::{Act, Op};
+use crate::ir::op::{Act, ActAttrs, AttentionAttrs, EmbeddingAttrs, Op, PositionAttrs, RopeAttrs};
 use crate::ir::{BufferId, BufferKind, CollectiveKind, ReduceOp};
 use crate::spec::{Activation, LayerKind, NodeId};
 
@@ -92,11 +92,11 @@ impl Emitter<'_> {
                 let split = self.groups.tp.is_some();
                 let vl = if split { vocab / tp } else { vocab };
                 let y = self.activation(node, "y", mb, vec![rows, dim]);
-                let op = Op::Embedding {
+                let op = Op::Embedding(EmbeddingAttrs {
                     vocab_start: u64::from(self.tp_index) * vl * u64::from(split),
                     vocab_local: vl,
                     dim,
-                };
+                });
                 self.b.compute(op, &[x, w], &[y], Some(node), phase);
                 let out = self.tp_reduce(
                     y,
@@ -115,11 +115,11 @@ impl Emitter<'_> {
                     return Vec::new();
                 };
                 let y = self.activation(node, "y", mb, vec![rows_h, dim]);
-                let op = Op::PositionAdd {
+                let op = Op::PositionAdd(PositionAttrs {
                     batch: self.micro_batch,
                     dim,
                     positions: self.sp_positions.clone(),
-                };
+                });
                 self.b.compute(op, &[x, w], &[y], Some(node), phase);
                 self.set_output(mb, node, y);
                 Vec::new()
@@ -576,35 +576,21 @@ impl Emitter<'_> {
     }
 
     pub fn attention_op(&self, s: &AttnShape, backward: bool, packed: bool) -> Op {
-        let (batch, heads, kv_heads, head_dim, causal) =
-            (self.micro_batch, s.heads, s.kv_heads, s.head_dim, s.causal);
-        let scale = 1.0 / (s.head_dim as f64).sqrt();
-        let q_positions = self.positions.clone();
-        let kv_positions = self.kv_positions.clone();
+        let attrs = AttentionAttrs {
+            batch: self.micro_batch,
+            heads: s.heads,
+            kv_heads: s.kv_heads,
+            head_dim: s.head_dim,
+            causal: s.causal,
+            scale: 1.0 / (s.head_dim as f64).sqrt(),
+            q_positions: self.positions.clone(),
+            kv_positions: self.kv_positions.clone(),
+            packed,
+        };
         if backward {
-            Op::AttentionBwd {
-                batch,
-                heads,
-                kv_heads,
-                head_dim,
-                causal,
-                scale,
-                q_positions,
-                kv_positions,
-                packed,
-            }
+            Op::AttentionBwd(attrs)
         } else {
-            Op::Attention {
-                batch,
-                heads,
-                kv_heads,
-                head_dim,
-                causal,
-                scale,
-                q_positions,
-                kv_positions,
-                packed,
-            }
+            Op::Attention(attrs)
         }
     }
 
@@ -628,23 +614,17 @@ impl Emitter<'_> {
             BufferKind::Activation
         };
         let y = self.b.alloc(self.name(node, what, mb), shape, kind);
-        let (batch, positions) = (self.micro_batch, self.positions.clone());
+        let attrs = RopeAttrs {
+            batch: self.micro_batch,
+            heads,
+            head_dim,
+            theta,
+            positions: self.positions.clone(),
+        };
         let op = if backward {
-            Op::RopeBwd {
-                batch,
-                heads,
-                head_dim,
-                theta,
-                positions,
-            }
+            Op::RopeBwd(attrs)
         } else {
-            Op::Rope {
-                batch,
-                heads,
-                head_dim,
-                theta,
-                positions,
-            }
+            Op::Rope(attrs)
         };
         self.b.compute(op, &[x], &[y], Some(node), self.phase);
         self.b.release(x);
@@ -693,7 +673,7 @@ impl Emitter<'_> {
             );
             let out = self.activation(node, "a", mb, vec![self.rows_full(), hidden_local]);
             self.b.compute(
-                Op::Activation { act: act(a) },
+                Op::Activation(ActAttrs { act: act(a) }),
                 &[h],
                 &[out],
                 Some(node),

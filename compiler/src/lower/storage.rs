@@ -1,10 +1,10 @@
 //! The storage pass: which buffers of an emitted program a bf16 run (`train.precision = bf16`)
 //! stores in bf16 (docs/architecture.md, "bf16 activation storage"). A buffer becomes bf16 when
 //! it is an activation or an activation gradient and every operand it is bound to accepts bf16
-//! (`ir::storage`); a collective's input and output keep one type, so a pair with an fp32 side
+//! (`ir::table`); a collective's input and output keep one type, so a pair with an fp32 side
 //! stays fp32 on both. Everything else (parameters, gradients, optimizer state, statistics,
 //! metrics, tokens, buckets) stays as emitted. Other precisions leave the program unchanged.
-use crate::ir::storage::{operand_classes, StorageClass};
+use crate::ir::storage::StorageClass;
 use crate::ir::{BufferId, BufferKind, DType, Instr, Program};
 use crate::spec::Precision;
 
@@ -35,10 +35,11 @@ pub(super) fn assign(program: &mut Program, precision: Precision) {
                 outputs,
                 ..
             } => {
-                let (ins, outs) = operand_classes(op);
-                let bound = inputs.iter().zip(ins).chain(outputs.iter().zip(outs));
-                for (id, class) in bound {
-                    if class != StorageClass::Float {
+                let signature = op.signature();
+                let bound = inputs.iter().zip(signature.inputs.iter());
+                let bound = bound.chain(outputs.iter().zip(signature.outputs.iter()));
+                for (id, operand) in bound {
+                    if operand.class != StorageClass::Float {
                         exclude(*id, &mut eligible);
                     }
                 }

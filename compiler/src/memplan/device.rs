@@ -19,7 +19,7 @@
 //! Small pieces are left out: position lists, fused optimizer and sum-of-squares tables
 //! (KiBs), the NCCL host comm's staging (metrics).
 use super::PlanSummary;
-use crate::ir::op::Op;
+use crate::ir::op::{AttentionAttrs, Op};
 use crate::ir::{
     Buffer, BufferId, BufferKind, DType, Instr, P2pOp, Peer, Plan, Program, ProgramId,
 };
@@ -174,8 +174,8 @@ pub fn backend_scratch(program: &Program, half: bool) -> BackendScratch {
                 MAX_CHUNKS * 8 * numel(outputs.get(1)).max(numel(outputs.get(2)))
             }
             Op::MatmulBwdWeight { bias: true, .. } => MAX_CHUNKS * 8 * numel(outputs.get(1)),
-            Op::Attention { .. } | Op::AttentionBwd { .. } => {
-                attention_scratch(program, op, inputs, outputs, half)
+            Op::Attention(a) | Op::AttentionBwd(a) => {
+                attention_scratch(program, op, a, inputs, outputs, half)
             }
             Op::CrossEntropy { .. } => numel(inputs.get(1)) * 8,
             _ => 0,
@@ -207,34 +207,16 @@ pub fn backend_scratch(program: &Program, half: bool) -> BackendScratch {
 fn attention_scratch(
     program: &Program,
     op: &Op,
+    a: &AttentionAttrs,
     inputs: &crate::ir::Inputs,
     outputs: &crate::ir::Outputs,
     half: bool,
 ) -> u64 {
-    let (Op::Attention {
-        batch,
-        heads,
-        head_dim,
-        scale,
-        ..
-    }
-    | Op::AttentionBwd {
-        batch,
-        heads,
-        head_dim,
-        scale,
-        ..
-    }) = op
-    else {
-        return 0;
-    };
-    let tc = half && (*scale as f32) > 0.0 && TENSOR_CORE_HEAD_DIMS.contains(head_dim);
+    let (batch, heads, head_dim) = (&a.batch, &a.heads, &a.head_dim);
+    let tc = half && (a.scale as f32) > 0.0 && TENSOR_CORE_HEAD_DIMS.contains(head_dim);
     let buffer = |i: usize, ids: &[BufferId]| ids.get(i).and_then(|id| program.buffer(*id));
     let backward = matches!(op, Op::AttentionBwd { .. });
-    let packed = matches!(
-        op,
-        Op::Attention { packed: true, .. } | Op::AttentionBwd { packed: true, .. }
-    );
+    let packed = a.packed;
     // Inputs: [dO,] q, k, v[, o, lse], or packed [dO,] qkv[, o, lse].
     let (operands, o_at) = match (backward, packed) {
         (false, false) => (3, 0),

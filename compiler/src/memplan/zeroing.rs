@@ -22,6 +22,7 @@
 //! buffer ids, not instructions). Persistent buffers always do (optimizer state and metrics
 //! start at zero).
 use crate::ir::op::Op;
+use crate::ir::table::Write;
 use crate::ir::{BufferId, Instr, P2pOp, Program};
 
 /// How an instruction uses a buffer.
@@ -145,17 +146,13 @@ fn covers(ranges: &mut [(u64, u64)], numel: u64) -> bool {
     reached >= numel
 }
 
-/// How `op` uses its output `index`, per the semantics in `crate::ir::op`: an output it adds
-/// into (`Op::accumulates`) or that is also its input (`Op::in_place`: read, then overwritten)
-/// is read; the optimizer ops update theirs in place; `CopyRange` writes only its range; every
-/// other output is overwritten.
+/// How `op` uses its output `index`, per the op table (`crate::ir::table::Write`): an output
+/// it adds into, updates, or that is also its input is read; a range write covers only its
+/// range; every other output is overwritten.
 fn output_use(op: &Op, index: usize) -> Use {
-    match op {
-        Op::AdamW { .. } | Op::Sgd { .. } => Use::Reads,
-        Op::CopyRange {
-            dst_offset, len, ..
-        } => Use::WritesRange(*dst_offset, dst_offset.saturating_add(*len)),
-        _ if op.accumulates(index) || op.in_place().iter().any(|&(_, o)| o == index) => Use::Reads,
+    match op.signature().outputs.get(index).map(|o| o.write) {
+        Some(Write::Range(start, end)) => Use::WritesRange(start, end),
+        Some(w) if w.reads() => Use::Reads,
         _ => Use::Overwrites,
     }
 }

@@ -13,6 +13,7 @@
 //! (n−1)·latency, broadcast B/bw + latency. A point-to-point transfer takes B/bw + latency.
 
 use crate::ir::op::Op;
+use crate::ir::table::FlopCount;
 use crate::ir::{Buffer, CollectiveKind, DType, Instr, Program};
 use crate::spec::{Precision, Spec};
 
@@ -59,53 +60,13 @@ fn numel(program: &Program, b: Option<&crate::ir::BufferId>) -> f64 {
         .unwrap_or(0.0)
 }
 
-/// FLOPs of a compute op given its buffers.
+/// FLOPs of a compute op given its buffers (`Op::flops` over the op's rows, as its signature
+/// reads them from the inputs).
 pub fn op_flops(program: &Program, op: &Op, inputs: &[crate::ir::BufferId]) -> f64 {
-    match op {
-        Op::Matmul { in_dim, .. } => {
-            let rows = numel(program, inputs.first()) / (*in_dim).max(1) as f64;
-            2.0 * rows * numel(program, inputs.get(1))
-        }
-        Op::MatmulBwdData { out_dim, .. } | Op::MatmulBwdWeight { out_dim, .. } => {
-            let rows = numel(program, inputs.first()) / (*out_dim).max(1) as f64;
-            let (in_dim, out_dim) = match op {
-                Op::MatmulBwdData {
-                    in_dim, out_dim, ..
-                } => (*in_dim, *out_dim),
-                Op::MatmulBwdWeight {
-                    in_dim, out_dim, ..
-                } => (*in_dim, *out_dim),
-                _ => (0, 0),
-            };
-            2.0 * rows * in_dim as f64 * out_dim as f64
-        }
-        Op::Attention {
-            batch,
-            heads,
-            head_dim,
-            q_positions,
-            kv_positions,
-            ..
-        }
-        | Op::AttentionBwd {
-            batch,
-            heads,
-            head_dim,
-            q_positions,
-            kv_positions,
-            ..
-        } => {
-            let sq = f64::from(crate::ir::op::segments_len(q_positions));
-            let skv = f64::from(crate::ir::op::segments_len(kv_positions));
-            let forward = 4.0 * (*batch * *heads * *head_dim) as f64 * sq * skv;
-            if matches!(op, Op::AttentionBwd { .. }) {
-                2.0 * forward
-            } else {
-                forward
-            }
-        }
-        _ => 0.0,
-    }
+    let rows = op
+        .signature()
+        .rows_from_inputs(|i| numel(program, inputs.get(i)) as u64);
+    op.flops(rows.unwrap_or(0) as f64, FlopCount::Model)
 }
 
 impl StepCosts for SpecCosts<'_> {
@@ -114,21 +75,14 @@ impl StepCosts for SpecCosts<'_> {
             return 0.0;
         };
         let flops = op_flops(program, c.op, c.inputs);
-        // An accumulating output is read and written.
-        let accumulated = c
-            .outputs
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| c.op.accumulates(*i))
-            .map(|(_, b)| b);
-        let touched: f64 = c
-            .inputs
-            .iter()
-            .chain(c.outputs)
-            .chain(accumulated)
-            .filter_map(|b| program.buffer(*b))
-            .map(|b| self.bytes(b))
-            .sum();
+        let bytes = |ids: &[crate::ir::BufferId], i: usize| {
+            ids.get(i)
+                .and_then(|b| program.buffer(*b))
+                .map_or(0.0, |b| self.bytes(b))
+        };
+        let touched =
+            c.op.signature()
+                .bytes_touched(|i| bytes(&c.inputs[..], i), |i| bytes(&c.outputs[..], i));
         let peak = self.peak();
         let bw = self.spec.cluster.gpu.memory_bandwidth;
         let math = if peak > 0.0 { flops / peak } else { 0.0 };

@@ -1,10 +1,9 @@
 //! Invariant 6 of the verifier: every buffer has an element type its uses accept (E0819).
 //! A compute instruction's operands are checked against the op's storage classes
-//! (`ir::storage`), a collective's input and output must share one type (a collective moves
+//! (`ir::table`), a collective's input and output must share one type (a collective moves
 //! elements, it does not convert them), and `LoadBatch` fills i32 buffers. Buffers that do not
 //! exist are invariant 1's (E0810) and skipped here.
 use super::{Findings, Violation};
-use crate::ir::storage::operand_classes;
 use crate::ir::{BufferId, Instr, Program, ProgramId};
 
 /// Every dtype violation of `program` (run by `rank`, the lowest rank running it).
@@ -26,13 +25,14 @@ pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violatio
                 node,
                 ..
             } => {
-                let (in_classes, out_classes) = operand_classes(op);
+                let signature = op.signature();
                 let bound = [
-                    ("input", inputs.to_vec(), in_classes),
-                    ("output", outputs.to_vec(), out_classes),
+                    ("input", &inputs[..], &signature.inputs[..]),
+                    ("output", &outputs[..], &signature.outputs[..]),
                 ];
-                for (side, ids, classes) in bound {
-                    for (k, (b, class)) in ids.iter().zip(classes).enumerate() {
+                for (side, ids, operands) in bound {
+                    for (k, (b, operand)) in ids.iter().zip(operands).enumerate() {
+                        let class = operand.class;
                         let Some(buffer) = program.buffer(*b) else {
                             continue;
                         };

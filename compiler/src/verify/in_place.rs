@@ -11,7 +11,7 @@ pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violatio
     let mut found = Findings::new(id, rank);
     for (i, c) in program.computes() {
         let op = c.op;
-        for &(input, output) in op.in_place() {
+        for (input, output) in op.in_place() {
             let (a, b) = (c.inputs.get(input), c.outputs.get(output));
             if a.is_none() || a != b {
                 let name = |b: Option<&crate::ir::BufferId>| {

@@ -17,6 +17,7 @@ use super::rope::{rope, RopeShape};
 use crate::backend::StepScalars;
 use crate::error::Result;
 use parc_compiler::ir::op::Op;
+use parc_compiler::ir::op::{ActAttrs, AttentionAttrs, EmbeddingAttrs, PositionAttrs, RopeAttrs};
 
 /// Run `op` on bound buffers (counts already checked against its signature); `threads` says
 /// whether dense products and attention may use the pool.
@@ -29,31 +30,31 @@ pub(crate) fn run(
 ) -> Result<()> {
     let name = ins.op;
     match op {
-        Op::Embedding {
+        Op::Embedding(EmbeddingAttrs {
             vocab_start,
             vocab_local,
             dim: d,
-        } => {
+        }) => {
             let d = dim(name, "dim", *d)?;
             let v = dim(name, "vocab_local", *vocab_local)?;
             let [y] = outs.f32s()?;
             embedding(name, *vocab_start, v, d, ins.i32(0)?, ins.f32(1)?, y)
         }
-        Op::EmbeddingBwd {
+        Op::EmbeddingBwd(EmbeddingAttrs {
             vocab_start,
             vocab_local,
             dim: d,
-        } => {
+        }) => {
             let d = dim(name, "dim", *d)?;
             let v = dim(name, "vocab_local", *vocab_local)?;
             let [dtable] = outs.f32s()?;
             embedding_bwd(name, *vocab_start, v, d, ins.i32(0)?, ins.f32(1)?, dtable)
         }
-        Op::PositionAdd {
+        Op::PositionAdd(PositionAttrs {
             batch,
             dim: d,
             positions,
-        } => {
+        }) => {
             let [y] = outs.f32s()?;
             position_add(
                 name,
@@ -66,9 +67,12 @@ pub(crate) fn run(
             )
         }
         Op::PositionAddBwd {
-            batch,
-            dim: d,
-            positions,
+            pos:
+                PositionAttrs {
+                    batch,
+                    dim: d,
+                    positions,
+                },
             accumulate_param_grad,
         } => {
             let [dtable] = outs.f32s()?;
@@ -223,20 +227,20 @@ pub(crate) fn run(
                 matmul_bwd_weight(name, threads, i, o, dy, x, dw, None)
             }
         }
-        Op::Rope {
+        Op::Rope(RopeAttrs {
             batch,
             heads,
             head_dim,
             theta,
             positions,
-        }
-        | Op::RopeBwd {
+        })
+        | Op::RopeBwd(RopeAttrs {
             batch,
             heads,
             head_dim,
             theta,
             positions,
-        } => {
+        }) => {
             let shape = RopeShape {
                 batch: dim(name, "batch", *batch)?,
                 heads: dim(name, "heads", *heads)?,
@@ -253,7 +257,7 @@ pub(crate) fn run(
                 y,
             )
         }
-        Op::Attention {
+        Op::Attention(AttentionAttrs {
             batch,
             heads,
             kv_heads,
@@ -263,8 +267,8 @@ pub(crate) fn run(
             q_positions,
             kv_positions,
             packed,
-        }
-        | Op::AttentionBwd {
+        })
+        | Op::AttentionBwd(AttentionAttrs {
             batch,
             heads,
             kv_heads,
@@ -274,7 +278,7 @@ pub(crate) fn run(
             q_positions,
             kv_positions,
             packed,
-        } => {
+        }) => {
             let shape = AttentionShape {
                 batch: dim(name, "batch", *batch)?,
                 heads: dim(name, "heads", *heads)?,
@@ -346,11 +350,11 @@ pub(crate) fn run(
                 }
             }
         }
-        Op::Activation { act } => {
+        Op::Activation(ActAttrs { act }) => {
             let [y] = outs.f32s()?;
             activation(name, *act, ins.f32(0)?, y)
         }
-        Op::ActivationBwd { act } => {
+        Op::ActivationBwd(ActAttrs { act }) => {
             let [dx] = outs.f32s()?;
             activation_bwd(name, *act, ins.f32(0)?, ins.f32(1)?, dx)
         }

@@ -30,14 +30,31 @@ mod par;
 mod rope;
 
 use crate::backend::{Backend, StepScalars};
+use crate::bind::{Bound, OperandBuffer};
 use crate::error::{Result, RuntimeError};
-use args::{signature, Inputs, Outputs};
+use args::{Inputs, Outputs};
 use dense::Threads;
 use memory::{buffer_error, copy_exact, element_count, Memory, View, ViewMut};
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::{BufferId, DType, Program};
 use parc_compiler::memplan::MemoryLayout;
 use std::sync::Arc;
+
+/// A buffer of this backend as operand binding sees it: id, element type, element count.
+#[derive(Clone, Copy)]
+struct SlotRef(BufferId, DType, usize);
+
+impl OperandBuffer for SlotRef {
+    fn id(&self) -> BufferId {
+        self.0
+    }
+    fn dtype(&self) -> DType {
+        self.1
+    }
+    fn numel(&self) -> usize {
+        self.2
+    }
+}
 
 /// The CPU backend. See the module docs.
 pub struct CpuBackend {
@@ -166,31 +183,24 @@ impl Backend for CpuBackend {
         outputs: &[BufferId],
         scalars: &StepScalars,
     ) -> Result<()> {
-        let sig = signature(op);
-        let count_error = |kind: &str, expected: &[&str], got: usize| {
-            args::op_error(
-                sig.name,
-                format!(
-                    "takes {} {kind} ({}), got {got}",
-                    expected.len(),
-                    expected.join(", ")
-                ),
-            )
+        let slots = |ids: &[BufferId]| -> Result<Vec<SlotRef>> {
+            ids.iter()
+                .map(|&id| {
+                    let slot = self.memory.slot(id)?;
+                    Ok(SlotRef(id, slot.dtype, slot.len))
+                })
+                .collect()
         };
-        if inputs.len() != sig.inputs.len() {
-            return Err(count_error("inputs", &sig.inputs, inputs.len()));
-        }
-        if outputs.len() != sig.outputs.len() {
-            return Err(count_error("outputs", &sig.outputs, outputs.len()));
-        }
+        let (input_slots, output_slots) = (slots(inputs)?, slots(outputs)?);
+        let bound = Bound::bind(op, &input_slots, &output_slots)?;
         for (i, id) in outputs.iter().enumerate() {
             if outputs[..i].contains(id) {
-                return Err(args::op_error(
-                    sig.name,
-                    format!("buffer {} is bound to two outputs", id.0),
-                ));
+                return Err(bound.err(format!("buffer {} is bound to two outputs", id.0)));
             }
         }
+        let input_roles: Vec<&str> = bound.signature.inputs.iter().map(|o| o.role).collect();
+        let output_roles: Vec<&str> = bound.signature.outputs.iter().map(|o| o.role).collect();
+        let name = bound.name();
         // bf16 operands go through f32 staging (module docs); an input that is also an output
         // reads a copy taken before the op.
         let is_bf16 = |memory: &Memory, id: BufferId| -> Result<bool> {
@@ -255,14 +265,14 @@ impl Backend for CpuBackend {
                 .push(view.ok_or_else(|| buffer_error(*id, "lost its binding (a backend bug)"))?);
         }
         let ins = Inputs {
-            op: sig.name,
-            roles: &sig.inputs,
+            op: name,
+            roles: &input_roles,
             ids: inputs,
             tensors: views,
         };
         let mut outs = Outputs {
-            op: sig.name,
-            roles: &sig.outputs,
+            op: name,
+            roles: &output_roles,
             ids: outputs,
             tensors: out_views,
         };

@@ -26,6 +26,7 @@ use super::tma::{self, Elem, TmaMap};
 use super::{cu, raw_ptr, Arg, Buf, CudaBackend};
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::sys::{CUdeviceptr, CUfunction_attribute};
+use parc_compiler::ir::op::AttentionAttrs;
 use parc_compiler::ir::op::{Op, Segment};
 use parc_compiler::ir::DType;
 
@@ -349,22 +350,22 @@ fn layout_for(
     ins: &[(usize, DType)],
     outs: &[(usize, DType)],
 ) -> Option<ScratchLayout> {
-    let (Op::Attention {
+    let (Op::Attention(AttentionAttrs {
         batch,
         heads,
         head_dim,
         scale,
         packed,
         ..
-    }
-    | Op::AttentionBwd {
+    })
+    | Op::AttentionBwd(AttentionAttrs {
         batch,
         heads,
         head_dim,
         scale,
         packed,
         ..
-    }) = op
+    })) = op
     else {
         return None;
     };
@@ -646,7 +647,7 @@ fn grid_y(b: &Bound, tiles: usize, what: &str) -> Result<u32> {
 /// strides of AttGeom: no kernel copies them apart (a bf16 copy of an f32 qkv, on the
 /// tensor-core path, copies the whole buffer and keeps its layout).
 pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
-    let (Op::Attention {
+    let (Op::Attention(AttentionAttrs {
         batch,
         heads,
         kv_heads,
@@ -656,8 +657,8 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
         q_positions,
         kv_positions,
         packed,
-    }
-    | Op::AttentionBwd {
+    })
+    | Op::AttentionBwd(AttentionAttrs {
         batch,
         heads,
         kv_heads,
@@ -667,7 +668,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
         q_positions,
         kv_positions,
         packed,
-    }) = op
+    })) = op
     else {
         return Err(b.err("is not an attention op"));
     };
@@ -1138,7 +1139,7 @@ mod tests {
         let (batch, heads, kv_heads, causal, scale) = (2, 4, 2, true, 0.125);
         let (q_positions, kv_positions) = (positions.clone(), positions);
         if forward {
-            Op::Attention {
+            Op::Attention(AttentionAttrs {
                 batch,
                 heads,
                 kv_heads,
@@ -1148,9 +1149,9 @@ mod tests {
                 q_positions,
                 kv_positions,
                 packed: false,
-            }
+            })
         } else {
-            Op::AttentionBwd {
+            Op::AttentionBwd(AttentionAttrs {
                 batch,
                 heads,
                 kv_heads,
@@ -1160,7 +1161,7 @@ mod tests {
                 q_positions,
                 kv_positions,
                 packed: false,
-            }
+            })
         }
     }
 
@@ -1216,7 +1217,9 @@ mod tests {
 
     /// `op` with q, k, v packed into one buffer.
     fn packed(mut op: Op) -> Op {
-        if let Op::Attention { packed, .. } | Op::AttentionBwd { packed, .. } = &mut op {
+        if let Op::Attention(AttentionAttrs { packed, .. })
+        | Op::AttentionBwd(AttentionAttrs { packed, .. }) = &mut op
+        {
             *packed = true;
         }
         op

@@ -10,53 +10,12 @@ use super::{attention, cross_entropy, matmul, Arg, Buf, CudaBackend, FloatArg};
 use crate::backend::StepScalars;
 use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::op::{Act, Op, Segment};
-use parc_compiler::ir::storage::operand_classes;
+use parc_compiler::ir::op::{ActAttrs, EmbeddingAttrs, PositionAttrs, RopeAttrs};
 use parc_compiler::ir::DType;
 
 const NORM_THREADS: u32 = 256;
 /// Rows a norm kernel's block covers: one warp per row.
 const NORM_ROWS_PER_BLOCK: usize = NORM_THREADS as usize / 32;
-
-pub(super) fn op_name(op: &Op) -> &'static str {
-    match op {
-        Op::Embedding { .. } => "Embedding",
-        Op::EmbeddingBwd { .. } => "EmbeddingBwd",
-        Op::PositionAdd { .. } => "PositionAdd",
-        Op::PositionAddBwd { .. } => "PositionAddBwd",
-        Op::LayerNorm { .. } => "LayerNorm",
-        Op::LayerNormBwd { .. } => "LayerNormBwd",
-        Op::RmsNorm { .. } => "RmsNorm",
-        Op::RmsNormBwd { .. } => "RmsNormBwd",
-        Op::Matmul { .. } => "Matmul",
-        Op::MatmulBwdData { .. } => "MatmulBwdData",
-        Op::MatmulBwdWeight { .. } => "MatmulBwdWeight",
-        Op::Rope { .. } => "Rope",
-        Op::RopeBwd { .. } => "RopeBwd",
-        Op::Attention { .. } => "Attention",
-        Op::AttentionBwd { .. } => "AttentionBwd",
-        Op::Activation { .. } => "Activation",
-        Op::ActivationBwd { .. } => "ActivationBwd",
-        Op::SwiGlu => "SwiGlu",
-        Op::SwiGluBwd => "SwiGluBwd",
-        Op::Add => "Add",
-        Op::Scale { .. } => "Scale",
-        Op::Copy => "Copy",
-        Op::Zero => "Zero",
-        Op::CopyRange { .. } => "CopyRange",
-        Op::SplitColumns { .. } => "SplitColumns",
-        Op::ConcatColumns { .. } => "ConcatColumns",
-        Op::CrossEntropy { .. } => "CrossEntropy",
-        Op::CeMax { .. } => "CeMax",
-        Op::CeSumExp { .. } => "CeSumExp",
-        Op::CeTargetLogit { .. } => "CeTargetLogit",
-        Op::CeLoss { .. } => "CeLoss",
-        Op::CeGrad { .. } => "CeGrad",
-        Op::SumSquares => "SumSquares",
-        Op::ClipCoef { .. } => "ClipCoef",
-        Op::AdamW { .. } => "AdamW",
-        Op::Sgd { .. } => "Sgd",
-    }
-}
 
 /// The op's bound buffers and checks on them.
 pub(super) struct Bound<'a> {
@@ -196,32 +155,24 @@ pub(crate) fn run(
     outs: &[Buf],
     scalars: &StepScalars,
 ) -> Result<()> {
+    // Counts, dtypes and element counts against the op table (`crate::bind`).
+    let bound = crate::bind::Bound::bind(op, ins, outs)?;
     let b = Bound {
-        op: op_name(op),
+        op: bound.name(),
         ins,
         outs,
     };
-    // The op contract's operand lists (`ir::storage`) give how many buffers it binds.
-    let (classes_in, classes_out) = operand_classes(op);
-    let (want_in, want_out) = (classes_in.len(), classes_out.len());
-    if ins.len() != want_in || outs.len() != want_out {
-        return Err(b.err(format!(
-            "takes {want_in} inputs and {want_out} outputs, got {} and {}",
-            ins.len(),
-            outs.len()
-        )));
-    }
     match op {
-        Op::Embedding {
+        Op::Embedding(EmbeddingAttrs {
             vocab_start,
             vocab_local,
             dim,
-        }
-        | Op::EmbeddingBwd {
+        })
+        | Op::EmbeddingBwd(EmbeddingAttrs {
             vocab_start,
             vocab_local,
             dim,
-        } => {
+        }) => {
             let d = b.dim("dim", *dim)?;
             let v = b.dim("vocab_local", *vocab_local)?;
             let ids = b.i32_in(0)?;
@@ -249,15 +200,18 @@ pub(crate) fn run(
                 be.launch_n("embedding_bwd", rows * d, &args)
             }
         }
-        Op::PositionAdd {
+        Op::PositionAdd(PositionAttrs {
             batch,
             dim,
             positions,
-        }
+        })
         | Op::PositionAddBwd {
-            batch,
-            dim,
-            positions,
+            pos:
+                PositionAttrs {
+                    batch,
+                    dim,
+                    positions,
+                },
             ..
         } => {
             let forward = matches!(op, Op::PositionAdd { .. });
@@ -507,20 +461,20 @@ pub(crate) fn run(
         Op::Matmul { .. } | Op::MatmulBwdData { .. } | Op::MatmulBwdWeight { .. } => {
             matmul::run(be, &b, op)
         }
-        Op::Rope {
+        Op::Rope(RopeAttrs {
             batch,
             heads,
             head_dim,
             theta,
             positions,
-        }
-        | Op::RopeBwd {
+        })
+        | Op::RopeBwd(RopeAttrs {
             batch,
             heads,
             head_dim,
             theta,
             positions,
-        } => {
+        }) => {
             let (batch, heads, hd) = (
                 b.dim("batch", *batch)?,
                 b.dim("heads", *heads)?,
@@ -562,7 +516,7 @@ pub(crate) fn run(
             be.launch_n("rope_fwd", rows * heads * hd / 2, &args)
         }
         Op::Attention { .. } | Op::AttentionBwd { .. } => attention::run(be, &b, op),
-        Op::Activation { act } => {
+        Op::Activation(ActAttrs { act }) => {
             let (x, y) = (b.float_in(0)?, b.float_out(0)?);
             b.expect(y, "y", x.len)?;
             be.launch_vec(
@@ -571,7 +525,7 @@ pub(crate) fn run(
                 &[Arg::I32(act_code(*act)), fv(x), fv(y), n(x.len)],
             )
         }
-        Op::ActivationBwd { act } => {
+        Op::ActivationBwd(ActAttrs { act }) => {
             let (dy, x) = (b.float_in(0)?, b.float_in(1)?);
             let dx = b.float_out(0)?;
             b.same(&[(dy, "dy"), (dx, "dx")], x.len)?;

@@ -83,6 +83,18 @@ pub(crate) struct Buf {
     pub dtype: DType,
 }
 
+impl crate::bind::OperandBuffer for Buf {
+    fn id(&self) -> BufferId {
+        self.id
+    }
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn numel(&self) -> usize {
+        self.len
+    }
+}
+
 impl Buf {
     /// Bytes per element (4 for f32 and i32, 2 for bf16).
     pub fn elem_bytes(&self) -> usize {

@@ -17,6 +17,7 @@
 //! - every distinct `Segment` list, whose positions are uploaded once.
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::CudaSlice;
+use parc_compiler::ir::op::{AttentionAttrs, PositionAttrs, RopeAttrs};
 use parc_compiler::ir::op::{Op, Segment};
 use parc_compiler::ir::{Buffer, Instr, Program};
 use parc_compiler::memplan::{MemoryLayout, Placement, ALIGN};
@@ -105,20 +106,23 @@ pub(crate) fn program_needs(program: &Program, half_operands: bool) -> ProgramNe
         }
         needs.aliased_bytes = needs.aliased_bytes.max(aliased);
         let lists: Vec<&Vec<Segment>> = match &**op {
-            Op::PositionAdd { positions, .. }
-            | Op::PositionAddBwd { positions, .. }
-            | Op::Rope { positions, .. }
-            | Op::RopeBwd { positions, .. } => vec![positions],
-            Op::Attention {
-                q_positions,
-                kv_positions,
+            Op::PositionAdd(PositionAttrs { positions, .. })
+            | Op::PositionAddBwd {
+                pos: PositionAttrs { positions, .. },
                 ..
             }
-            | Op::AttentionBwd {
+            | Op::Rope(RopeAttrs { positions, .. })
+            | Op::RopeBwd(RopeAttrs { positions, .. }) => vec![positions],
+            Op::Attention(AttentionAttrs {
                 q_positions,
                 kv_positions,
                 ..
-            } => vec![q_positions, kv_positions],
+            })
+            | Op::AttentionBwd(AttentionAttrs {
+                q_positions,
+                kv_positions,
+                ..
+            }) => vec![q_positions, kv_positions],
             _ => Vec::new(),
         };
         for list in lists {
@@ -240,24 +244,24 @@ mod tests {
                 compute(Op::SumSquares, &[7], &[0]),
                 compute(Op::Scale { factor: 2.0 }, &[4], &[4]),
                 compute(
-                    Op::Rope {
+                    Op::Rope(RopeAttrs {
                         batch: 1,
                         heads: 1,
                         head_dim: 2,
                         theta: 1e4,
                         positions: seg(0, 4),
-                    },
+                    }),
                     &[5],
                     &[6],
                 ),
                 compute(
-                    Op::RopeBwd {
+                    Op::RopeBwd(RopeAttrs {
                         batch: 1,
                         heads: 1,
                         head_dim: 2,
                         theta: 1e4,
                         positions: seg(0, 4),
-                    },
+                    }),
                     &[5],
                     &[6],
                 ),
@@ -321,7 +325,7 @@ mod tests {
             let (batch, heads, kv_heads, head_dim, causal, scale) = (1, 2, 2, 64, true, 0.125);
             let positions = vec![Segment { start: 0, len: 8 }];
             if backward {
-                Op::AttentionBwd {
+                Op::AttentionBwd(AttentionAttrs {
                     batch,
                     heads,
                     kv_heads,
@@ -331,9 +335,9 @@ mod tests {
                     q_positions: positions.clone(),
                     kv_positions: positions,
                     packed: false,
-                }
+                })
             } else {
-                Op::Attention {
+                Op::Attention(AttentionAttrs {
                     batch,
                     heads,
                     kv_heads,
@@ -343,7 +347,7 @@ mod tests {
                     q_positions: positions.clone(),
                     kv_positions: positions,
                     packed: false,
-                }
+                })
             }
         };
         // q, k, v, o: 8 rows × 128; lse: 2 heads × 8.

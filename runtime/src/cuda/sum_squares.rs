@@ -17,7 +17,6 @@
 //! last instruction is an error. Without a memory plan, or with `with_fused_sum_squares(false)`,
 //! every instruction takes the per-instruction path (kernels/common.cuh).
 use super::device::driver_error;
-use super::dispatch::op_name;
 use super::{raw_ptr, Arg, CudaBackend};
 use crate::error::{Result, RuntimeError};
 use crate::optimizer_runs::{find_sum_squares_runs, SumSquaresRun};
@@ -274,7 +273,7 @@ impl CudaBackend {
                     "{} came while instruction {}'s SumSquares was expected: the fused launch \
                      at instruction {} already added instructions {}..={} into their outputs; \
                      run the program's instructions in order",
-                    op_name(op),
+                    op.opcode().name(),
                     expected.index,
                     members[0].index,
                     expected.index,

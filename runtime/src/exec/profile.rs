@@ -8,7 +8,8 @@
 //! on the host around synchronizations ([`StepProfile::device_timed`] says which). FLOPs come
 //! from an op's dimensions; bytes from the sizes of the buffers it reads and writes, an output
 //! it adds into counted twice (a lower bound on its traffic).
-use parc_compiler::ir::op::{Op, Segment};
+use parc_compiler::ir::op::Op;
+use parc_compiler::ir::table::{Family, FlopCount, Opcode};
 use parc_compiler::ir::{BufferId, Instr, Program};
 use serde::Serialize;
 use std::collections::HashMap;
@@ -160,120 +161,35 @@ pub fn communication_wait(
     kind.map(|k| (k, waits))
 }
 
+/// The profile's kind of an op: its family (`ir::table`), with matmuls split by direction
+/// and attention by pass, and rope, activations and data movement counted as elementwise.
 fn op_kind(op: &Op) -> OpKind {
-    match op {
-        Op::Matmul { .. } => OpKind::MatmulFwd,
-        Op::MatmulBwdData { .. } => OpKind::MatmulBwdData,
-        Op::MatmulBwdWeight { .. } => OpKind::MatmulBwdWeight,
-        Op::Attention { .. } => OpKind::AttentionFwd,
-        Op::AttentionBwd { .. } => OpKind::AttentionBwd,
-        Op::LayerNorm { .. }
-        | Op::LayerNormBwd { .. }
-        | Op::RmsNorm { .. }
-        | Op::RmsNormBwd { .. } => OpKind::Norm,
-        Op::Embedding { .. }
-        | Op::EmbeddingBwd { .. }
-        | Op::PositionAdd { .. }
-        | Op::PositionAddBwd { .. } => OpKind::Embedding,
-        Op::Rope { .. }
-        | Op::RopeBwd { .. }
-        | Op::Activation { .. }
-        | Op::ActivationBwd { .. }
-        | Op::SwiGlu
-        | Op::SwiGluBwd
-        | Op::Add
-        | Op::Scale { .. }
-        | Op::Copy
-        | Op::Zero
-        | Op::SplitColumns { .. }
-        | Op::ConcatColumns { .. }
-        | Op::CopyRange { .. } => OpKind::Elementwise,
-        Op::CrossEntropy { .. }
-        | Op::CeMax { .. }
-        | Op::CeSumExp { .. }
-        | Op::CeTargetLogit { .. }
-        | Op::CeLoss { .. }
-        | Op::CeGrad { .. } => OpKind::CrossEntropy,
-        Op::SumSquares | Op::ClipCoef { .. } | Op::AdamW { .. } | Op::Sgd { .. } => {
-            OpKind::Optimizer
-        }
+    match (op.opcode().family(), op.opcode()) {
+        (Family::Matmul, Opcode::MatmulBwdData) => OpKind::MatmulBwdData,
+        (Family::Matmul, Opcode::MatmulBwdWeight) => OpKind::MatmulBwdWeight,
+        (Family::Matmul, _) => OpKind::MatmulFwd,
+        (Family::Attention, Opcode::AttentionBwd) => OpKind::AttentionBwd,
+        (Family::Attention, _) => OpKind::AttentionFwd,
+        (Family::Norm, _) => OpKind::Norm,
+        (Family::Embedding, _) => OpKind::Embedding,
+        (Family::Elementwise | Family::DataMovement, _) => OpKind::Elementwise,
+        (Family::Loss, _) => OpKind::CrossEntropy,
+        (Family::Optimizer, _) => OpKind::Optimizer,
     }
 }
 
-/// (query, key) pairs one attention head scores per sequence: every pair, or with `causal`
-/// only keys at global positions ≤ the query's.
-fn attention_pairs(causal: bool, q: &[Segment], kv: &[Segment]) -> u64 {
-    let kv_len: u64 = kv.iter().map(|s| u64::from(s.len)).sum();
-    if !causal {
-        let q_len: u64 = q.iter().map(|s| u64::from(s.len)).sum();
-        return q_len * kv_len;
-    }
-    let keys_upto = |p: u64| -> u64 {
-        kv.iter()
-            .map(|s| {
-                let (start, len) = (u64::from(s.start), u64::from(s.len));
-                if p < start {
-                    0
-                } else {
-                    (p - start + 1).min(len)
-                }
-            })
-            .sum()
-    };
-    q.iter()
-        .flat_map(|s| u64::from(s.start)..u64::from(s.start) + u64::from(s.len))
-        .map(keys_upto)
-        .sum()
-}
-
-/// Floating-point operations of a compute-bound op (a multiply-add counts 2), or None for ops
-/// judged by bytes. `first_input_numel` is the element count of the op's first input (x for a
-/// matmul, dy for its backward), which gives the row count.
+/// Floating-point operations a compute-bound op executes (`Op::flops`, `FlopCount::Executed`),
+/// or None for ops judged by bytes. `first_input_numel` is the element count of the op's first
+/// input (x for a matmul, dy for its backward), which gives the row count.
 pub fn flops(op: &Op, first_input_numel: u64) -> Option<f64> {
-    match op {
-        Op::Matmul {
-            in_dim, out_dim, ..
-        } => {
-            let rows = first_input_numel / (*in_dim).max(1);
-            Some(2.0 * (rows * in_dim * out_dim) as f64)
-        }
-        Op::MatmulBwdData {
-            in_dim, out_dim, ..
-        }
-        | Op::MatmulBwdWeight {
-            in_dim, out_dim, ..
-        } => {
-            let rows = first_input_numel / (*out_dim).max(1);
-            Some(2.0 * (rows * in_dim * out_dim) as f64)
-        }
-        Op::Attention {
-            batch,
-            heads,
-            head_dim,
-            causal,
-            q_positions,
-            kv_positions,
-            ..
-        } => {
-            // QKᵀ and P·V: two multiply-adds per (pair, head_dim element).
-            let pairs = attention_pairs(*causal, q_positions, kv_positions);
-            Some(4.0 * (batch * heads * head_dim * pairs) as f64)
-        }
-        Op::AttentionBwd {
-            batch,
-            heads,
-            head_dim,
-            causal,
-            q_positions,
-            kv_positions,
-            ..
-        } => {
-            // dV, dP, dQ, dK (and the recomputed scores): 2.5 × the forward's two products.
-            let pairs = attention_pairs(*causal, q_positions, kv_positions);
-            Some(10.0 * (batch * heads * head_dim * pairs) as f64)
-        }
-        _ => None,
+    if !matches!(op.opcode().family(), Family::Matmul | Family::Attention) {
+        return None;
     }
+    let rows = op
+        .signature()
+        .rows_from_inputs(|i| if i == 0 { first_input_numel } else { 0 })
+        .unwrap_or(0);
+    Some(op.flops(rows as f64, FlopCount::Executed))
 }
 
 /// Totals of one kind of work over the profiled step.
@@ -355,6 +271,7 @@ impl StepProfile {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use parc_compiler::ir::op::{AttentionAttrs, Segment};
 
     fn seg(start: u32, len: u32) -> Vec<Segment> {
         vec![Segment { start, len }]
@@ -458,13 +375,8 @@ mod tests {
 
     #[test]
     fn causal_attention_scores_only_earlier_keys() {
-        assert_eq!(attention_pairs(false, &seg(0, 4), &seg(0, 4)), 16);
-        // 1 + 2 + 3 + 4 pairs.
-        assert_eq!(attention_pairs(true, &seg(0, 4), &seg(0, 4)), 10);
-        // A context-parallel chunk: queries 4..8 see all of keys 0..4.
-        assert_eq!(attention_pairs(true, &seg(4, 4), &seg(0, 4)), 16);
-        assert_eq!(attention_pairs(true, &seg(0, 4), &seg(4, 4)), 0);
-        let op = Op::Attention {
+        // 1 + 2 + 3 + 4 pairs (the table's tests cover the pair count).
+        let op = Op::Attention(AttentionAttrs {
             batch: 2,
             heads: 3,
             kv_heads: 3,
@@ -474,7 +386,7 @@ mod tests {
             q_positions: seg(0, 4),
             kv_positions: seg(0, 4),
             packed: false,
-        };
+        });
         assert_eq!(flops(&op, 0), Some(4.0 * 2.0 * 3.0 * 8.0 * 10.0));
     }
 

@@ -4,6 +4,7 @@
 use super::*;
 use crate::error::RuntimeError;
 use parc_compiler::ir::op::Act;
+use parc_compiler::ir::op::{ActAttrs, AttentionAttrs, EmbeddingAttrs, PositionAttrs, RopeAttrs};
 use parc_compiler::ir::{Buffer, BufferKind, Instr, Program};
 use parc_compiler::memplan::{plan_program, Placement};
 
@@ -186,7 +187,7 @@ fn lowering_mistakes_are_clear_errors_naming_op_role_and_buffer() {
         &SCALARS,
     ));
     assert!(
-        text.contains("matmul") && text.contains("y has 5 elements, expected 6"),
+        text.contains("matmul") && text.contains("output 0 (y, buffer 2) holds 5 elements"),
         "{text}"
     );
     // Wrong input count (bias declared, not bound).
@@ -206,11 +207,11 @@ fn lowering_mistakes_are_clear_errors_naming_op_role_and_buffer() {
     assert!(text.contains("takes 3 inputs (x, w, b), got 2"), "{text}");
     // Wrong dtype.
     let text = error_text(h.run(
-        &Op::Embedding {
+        &Op::Embedding(EmbeddingAttrs {
             vocab_start: 0,
             vocab_local: 2,
             dim: 2,
-        },
+        }),
         &[Input::F(vec![0.0; 2]), Input::F(vec![0.0; 4])],
         &[vec![0.0; 4]],
         &SCALARS,
@@ -221,19 +222,19 @@ fn lowering_mistakes_are_clear_errors_naming_op_role_and_buffer() {
     );
     // Positions that do not match the buffer.
     let text = error_text(h.run(
-        &Op::Rope {
+        &Op::Rope(RopeAttrs {
             batch: 2,
             heads: 1,
             head_dim: 2,
             theta: 1e4,
             positions: vec![seg(0, 3)],
-        },
+        }),
         &[Input::F(vec![0.0; 8])],
         &[vec![0.0; 8]],
         &SCALARS,
     ));
     assert!(
-        text.contains("positions cover 3 sequence positions but x holds 2"),
+        text.contains("input 0 (x, buffer") && text.contains("expected [6, 2]"),
         "{text}"
     );
     // Zero and absurd dimensions.
@@ -243,8 +244,11 @@ fn lowering_mistakes_are_clear_errors_naming_op_role_and_buffer() {
         &[vec![0.0; 2]],
         &SCALARS,
     ));
-    assert!(text.contains("vocab_local = 0 must be positive"), "{text}");
-    let huge = Op::Attention {
+    assert!(
+        text.contains("(logits, buffer") && text.contains("dimension attribute is 0"),
+        "{text}"
+    );
+    let huge = Op::Attention(AttentionAttrs {
         batch: 1 << 40,
         heads: 1 << 30,
         kv_heads: 1,
@@ -254,7 +258,7 @@ fn lowering_mistakes_are_clear_errors_naming_op_role_and_buffer() {
         q_positions: vec![seg(0, 1)],
         kv_positions: vec![seg(0, 1)],
         packed: false,
-    };
+    });
     let inputs = [
         Input::F(vec![0.0; 4]),
         Input::F(vec![0.0; 4]),
@@ -278,11 +282,11 @@ fn lowering_mistakes_are_clear_errors_naming_op_role_and_buffer() {
         "{text}"
     );
     let text = error_text(h.run(
-        &Op::PositionAdd {
+        &Op::PositionAdd(PositionAttrs {
             batch: 1,
             dim: 1,
             positions: vec![seg(4, 1)],
-        },
+        }),
         &[Input::F(vec![0.0]), Input::F(vec![0.0; 4])],
         &[vec![0.0]],
         &SCALARS,
@@ -367,7 +371,7 @@ fn op_sequence_bits(backend: CpuBackend) -> Vec<Vec<u32>> {
         vec![rows * hidden],
     );
     run(
-        Op::Activation { act: Act::Gelu },
+        Op::Activation(ActAttrs { act: Act::Gelu }),
         vec![Input::F(y[0].clone())],
         vec![rows * hidden],
     );
@@ -412,7 +416,7 @@ fn op_sequence_bits(backend: CpuBackend) -> Vec<Vec<u32>> {
     let attention = |bwd: bool| {
         let segments = (vec![seg(0, 24)], vec![seg(0, 24)]);
         if bwd {
-            Op::AttentionBwd {
+            Op::AttentionBwd(AttentionAttrs {
                 batch,
                 heads,
                 kv_heads: 2,
@@ -422,9 +426,9 @@ fn op_sequence_bits(backend: CpuBackend) -> Vec<Vec<u32>> {
                 q_positions: segments.0,
                 kv_positions: segments.1,
                 packed: false,
-            }
+            })
         } else {
-            Op::Attention {
+            Op::Attention(AttentionAttrs {
                 batch,
                 heads,
                 kv_heads: 2,
@@ -434,7 +438,7 @@ fn op_sequence_bits(backend: CpuBackend) -> Vec<Vec<u32>> {
                 q_positions: segments.0,
                 kv_positions: segments.1,
                 packed: false,
-            }
+            })
         }
     };
     let q_len = (seq * batch * heads * d) as usize;

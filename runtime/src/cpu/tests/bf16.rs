@@ -4,6 +4,7 @@
 use super::*;
 use crate::cpu::memory::{round_bf16, widen_bf16};
 use parc_compiler::ir::op::Act;
+use parc_compiler::ir::op::ActAttrs;
 
 fn rounded(v: &[f32]) -> Vec<f32> {
     v.iter().map(|&x| widen_bf16(round_bf16(x))).collect()
@@ -87,7 +88,7 @@ fn ops_on_bf16_equal_f32_ops_on_widened_inputs_rounded_once() {
     type Case = (Op, Vec<Vec<f32>>, Vec<DType>, Vec<usize>, Vec<DType>);
     let cases: Vec<Case> = vec![
         (
-            Op::Activation { act: Act::Gelu },
+            Op::Activation(ActAttrs { act: Act::Gelu }),
             vec![x.clone()],
             vec![Bf16],
             vec![rows * dim],

@@ -4,6 +4,7 @@
 use super::{eval, values, Input, SCALARS};
 use crate::backend::Backend;
 use crate::cpu::CpuBackend;
+use parc_compiler::ir::op::ActAttrs;
 use parc_compiler::ir::op::{Act, Op};
 use parc_compiler::ir::{BufferId, DType};
 
@@ -57,7 +58,7 @@ fn fused_forms_equal_the_separate_ops_bit_for_bit() {
             if residual {
                 y = eval(&Op::Add, &[f(&r), f(&y)], &[ROWS * OUT]).remove(0);
             }
-            let a = eval(&Op::Activation { act }, &[f(&y)], &[ROWS * OUT]).remove(0);
+            let a = eval(&Op::Activation(ActAttrs { act }), &[f(&y)], &[ROWS * OUT]).remove(0);
             assert_eq!(bits(&fused[0]), bits(&y), "{act:?} residual={residual}: y");
             assert_eq!(bits(&fused[1]), bits(&a), "{act:?} residual={residual}: a");
         }
@@ -69,7 +70,11 @@ fn fused_forms_equal_the_separate_ops_bit_for_bit() {
             &[ROWS * IN],
         );
         let da = eval(&bwd_data(None, false), &[f(&dy), f(&w)], &[ROWS * IN]).remove(0);
-        let dh = eval(&Op::ActivationBwd { act }, &[f(&da), f(&pre)], &[ROWS * IN]);
+        let dh = eval(
+            &Op::ActivationBwd(ActAttrs { act }),
+            &[f(&da), f(&pre)],
+            &[ROWS * IN],
+        );
         assert_eq!(bits(&fused[0]), bits(&dh[0]), "{act:?}: d(pre)");
     }
     // A residual without an activation is a Matmul followed by an Add.
@@ -122,7 +127,7 @@ fn bf16_outputs_are_rounded_once_from_the_f32_values() {
     let mut pre = eval(&matmul(false, None, false), &[f(&x), f(&w)], &[ROWS * OUT]).remove(0);
     pre = eval(&Op::Add, &[f(&pre), f(&r)], &[ROWS * OUT]).remove(0);
     let act = eval(
-        &Op::Activation { act: Act::GeluTanh },
+        &Op::Activation(ActAttrs { act: Act::GeluTanh }),
         &[f(&pre)],
         &[ROWS * OUT],
     );
@@ -130,7 +135,7 @@ fn bf16_outputs_are_rounded_once_from_the_f32_values() {
     assert_eq!(bits(&a), bits(&rounded(&act[0])));
     // Rounding y first would have given other activations somewhere (the test can fail).
     let late = eval(
-        &Op::Activation { act: Act::GeluTanh },
+        &Op::Activation(ActAttrs { act: Act::GeluTanh }),
         &[f(&rounded(&pre))],
         &[ROWS * OUT],
     );

@@ -4,6 +4,7 @@
 //! fails).
 use super::*;
 use parc_compiler::ir::op::Act;
+use parc_compiler::ir::op::{ActAttrs, AttentionAttrs, EmbeddingAttrs, PositionAttrs, RopeAttrs};
 
 fn minus_one(v: &[f32]) -> Vec<f32> {
     v.iter().map(|x| x - 1.0).collect()
@@ -14,19 +15,19 @@ fn embedding_backward_matches_differences_and_skips_other_ranks_ids() {
     let (vocab_start, vocab_local, dim) = (2u64, 4u64, 3usize);
     let ids = Input::I(vec![2, 0, 5, 3, 7, 2, -1, 4]);
     let table = values(12, 1, 1.0);
-    let fwd = Op::Embedding {
+    let fwd = Op::Embedding(EmbeddingAttrs {
         vocab_start,
         vocab_local,
         dim: dim as u64,
-    };
+    });
     let inputs = [ids.clone(), Input::F(table)];
     let cot = vec![values(8 * dim, 2, 1.0)];
     let numeric = op_gradient(&fwd, &inputs, &[8 * dim], &cot, 1);
-    let bwd = Op::EmbeddingBwd {
+    let bwd = Op::EmbeddingBwd(EmbeddingAttrs {
         vocab_start,
         vocab_local,
         dim: dim as u64,
-    };
+    });
     let out = eval_from(&bwd, &[ids, Input::F(cot[0].clone())], &[vec![1.0; 12]]);
     assert_gradient("dtable", &numeric, &minus_one(&out[0]));
 }
@@ -36,11 +37,11 @@ fn position_add_backward_matches_differences_with_split_segments() {
     let (batch, dim) = (2u64, 3usize);
     let positions = vec![seg(0, 2), seg(6, 2)];
     let rows = 4 * batch as usize;
-    let fwd = Op::PositionAdd {
+    let fwd = Op::PositionAdd(PositionAttrs {
         batch,
         dim: dim as u64,
         positions: positions.clone(),
-    };
+    });
     let inputs = [
         Input::F(values(rows * dim, 3, 1.0)),
         Input::F(values(8 * dim, 4, 1.0)),
@@ -50,9 +51,11 @@ fn position_add_backward_matches_differences_with_split_segments() {
     assert_gradient("dx (= dy)", &numeric_x, &cot[0]);
     let numeric_table = op_gradient(&fwd, &inputs, &[rows * dim], &cot, 1);
     let bwd = Op::PositionAddBwd {
-        batch,
-        dim: dim as u64,
-        positions,
+        pos: PositionAttrs {
+            batch,
+            dim: dim as u64,
+            positions,
+        },
         accumulate_param_grad: true,
     };
     let out = eval_from(&bwd, &[Input::F(cot[0].clone())], &[vec![1.0; 8 * dim]]);
@@ -212,22 +215,22 @@ fn rope_backward_matches_differences_at_context_parallel_positions() {
     let (batch, heads, head_dim) = (2u64, 2u64, 4usize);
     let positions = vec![seg(1, 2), seg(9, 1)];
     let len = 3 * batch as usize * heads as usize * head_dim;
-    let fwd = Op::Rope {
+    let fwd = Op::Rope(RopeAttrs {
         batch,
         heads,
         head_dim: head_dim as u64,
         theta: 100.0,
         positions: positions.clone(),
-    };
+    });
     let inputs = [Input::F(values(len, 17, 1.0))];
     let cot = vec![values(len, 18, 1.0)];
-    let bwd = Op::RopeBwd {
+    let bwd = Op::RopeBwd(RopeAttrs {
         batch,
         heads,
         head_dim: head_dim as u64,
         theta: 100.0,
         positions,
-    };
+    });
     let dx = eval(&bwd, &[Input::F(cot[0].clone())], &[len]);
     assert_gradient("dx", &op_gradient(&fwd, &inputs, &[len], &cot, 0), &dx[0]);
 }
@@ -241,7 +244,7 @@ fn check_attention(causal: bool, heads: u64, kv_heads: u64) {
     let kv_len = (8 * batch * kv_heads * head_dim) as usize;
     let lse_len = (batch * heads * 4) as usize;
     let scale = 1.0 / (head_dim as f64).sqrt();
-    let fwd = Op::Attention {
+    let fwd = Op::Attention(AttentionAttrs {
         batch,
         heads,
         kv_heads,
@@ -251,7 +254,7 @@ fn check_attention(causal: bool, heads: u64, kv_heads: u64) {
         q_positions: q_positions.clone(),
         kv_positions: kv_positions.clone(),
         packed: false,
-    };
+    });
     let inputs = vec![
         Input::F(values(q_len, 19, 1.0)),
         Input::F(values(kv_len, 20, 1.0)),
@@ -260,7 +263,7 @@ fn check_attention(causal: bool, heads: u64, kv_heads: u64) {
     let out_lens = [q_len, lse_len];
     let cot = vec![values(q_len, 22, 1.0), vec![]];
     let fwd_out = eval(&fwd, &inputs, &out_lens);
-    let bwd = Op::AttentionBwd {
+    let bwd = Op::AttentionBwd(AttentionAttrs {
         batch,
         heads,
         kv_heads,
@@ -270,7 +273,7 @@ fn check_attention(causal: bool, heads: u64, kv_heads: u64) {
         q_positions,
         kv_positions,
         packed: false,
-    };
+    });
     let bwd_inputs = [
         Input::F(cot[0].clone()),
         inputs[0].clone(),
@@ -311,9 +314,9 @@ fn activation_backward_matches_differences() {
     let cot = vec![values(40, 24, 1.0)];
     for act in [Act::Gelu, Act::GeluTanh, Act::Relu] {
         let inputs = [Input::F(x.clone())];
-        let numeric = op_gradient(&Op::Activation { act }, &inputs, &[40], &cot, 0);
+        let numeric = op_gradient(&Op::Activation(ActAttrs { act }), &inputs, &[40], &cot, 0);
         let dx = eval(
-            &Op::ActivationBwd { act },
+            &Op::ActivationBwd(ActAttrs { act }),
             &[Input::F(cot[0].clone()), Input::F(x.clone())],
             &[40],
         );
@@ -428,7 +431,7 @@ fn attention_backward_matches_a_directional_difference_across_query_tiles() {
     let q_len = (u64::from(seq) * batch * heads * head_dim) as usize;
     let kv_len = (u64::from(seq) * batch * kv_heads * head_dim) as usize;
     let lse_len = (batch * heads) as usize * seq as usize;
-    let fwd = Op::Attention {
+    let fwd = Op::Attention(AttentionAttrs {
         batch,
         heads,
         kv_heads,
@@ -438,7 +441,7 @@ fn attention_backward_matches_a_directional_difference_across_query_tiles() {
         q_positions: q_positions.clone(),
         kv_positions: kv_positions.clone(),
         packed: false,
-    };
+    });
     let inputs = vec![
         Input::F(values(q_len, 90, 1.0)),
         Input::F(values(kv_len, 91, 1.0)),
@@ -446,7 +449,7 @@ fn attention_backward_matches_a_directional_difference_across_query_tiles() {
     ];
     let cot = vec![values(q_len, 93, 1.0), vec![]];
     let out = eval(&fwd, &inputs, &[q_len, lse_len]);
-    let bwd = Op::AttentionBwd {
+    let bwd = Op::AttentionBwd(AttentionAttrs {
         batch,
         heads,
         kv_heads,
@@ -456,7 +459,7 @@ fn attention_backward_matches_a_directional_difference_across_query_tiles() {
         q_positions,
         kv_positions,
         packed: false,
-    };
+    });
     let mut bwd_inputs = vec![Input::F(cot[0].clone())];
     bwd_inputs.extend(inputs.iter().cloned());
     bwd_inputs.push(Input::F(out[0].clone()));
@@ -531,9 +534,11 @@ fn overwriting_parameter_gradients_equals_adding_into_zeros() {
         ),
         (
             Op::PositionAddBwd {
-                batch: 2,
-                dim: dim as u64,
-                positions: vec![seg(1, 3)],
+                pos: PositionAttrs {
+                    batch: 2,
+                    dim: dim as u64,
+                    positions: vec![seg(1, 3)],
+                },
                 accumulate_param_grad: true,
             },
             vec![f(rows * dim, 11)],
@@ -555,7 +560,7 @@ fn overwriting_parameter_gradients_equals_adding_into_zeros() {
     }
 }
 
-/// Packed q/k/v (one `[rows, (heads + 2 kv_heads)·d]` buffer, `Op::Attention { packed }`)
+/// Packed q/k/v (one `[rows, (heads + 2 kv_heads)·d]` buffer, `Op::Attention(AttentionAttrs { packed })`)
 /// computes what the separate layout does on the split columns, and its backward writes their
 /// gradients side by side; `SplitColumns` and `ConcatColumns` are each other's inverse.
 #[test]
@@ -569,7 +574,7 @@ fn packed_attention_is_the_split_layouts_attention() {
         let (q_positions, kv_positions) = (positions.clone(), positions.clone());
         let scale = 0.5;
         if backward {
-            Op::AttentionBwd {
+            Op::AttentionBwd(AttentionAttrs {
                 batch,
                 heads,
                 kv_heads,
@@ -579,9 +584,9 @@ fn packed_attention_is_the_split_layouts_attention() {
                 q_positions,
                 kv_positions,
                 packed,
-            }
+            })
         } else {
-            Op::Attention {
+            Op::Attention(AttentionAttrs {
                 batch,
                 heads,
                 kv_heads,
@@ -591,7 +596,7 @@ fn packed_attention_is_the_split_layouts_attention() {
                 q_positions,
                 kv_positions,
                 packed,
-            }
+            })
         }
     };
     let qkv = values(rows * total, 31, 1.0);

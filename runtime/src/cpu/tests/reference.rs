@@ -3,6 +3,7 @@
 //! relies on, and GQA against MHA with repeated kv heads. Tolerances are stated per test.
 use super::*;
 use parc_compiler::ir::op::Act;
+use parc_compiler::ir::op::{ActAttrs, AttentionAttrs, EmbeddingAttrs, PositionAttrs, RopeAttrs};
 
 // ---------------------------------------------------------------- attention
 
@@ -29,7 +30,7 @@ impl AttnCase {
             self.head_dim as u64,
         );
         if bwd {
-            Op::AttentionBwd {
+            Op::AttentionBwd(AttentionAttrs {
                 batch,
                 heads,
                 kv_heads,
@@ -39,9 +40,9 @@ impl AttnCase {
                 q_positions,
                 kv_positions,
                 packed: false,
-            }
+            })
         } else {
-            Op::Attention {
+            Op::Attention(AttentionAttrs {
                 batch,
                 heads,
                 kv_heads,
@@ -51,7 +52,7 @@ impl AttnCase {
                 q_positions,
                 kv_positions,
                 packed: false,
-            }
+            })
         }
     }
 
@@ -442,12 +443,14 @@ fn layer_norm_and_rms_norm_normalise_rows() {
 fn rope_rotates_pairs_by_position_times_frequency() {
     // One head of dim 4: pairs (0, 2) at frequency 1 and (1, 3) at theta^(-1/2) = 0.1.
     let x = vec![1.0f32, 2.0, 0.0, 0.0];
-    let rope = |pos: u32| Op::Rope {
-        batch: 1,
-        heads: 1,
-        head_dim: 4,
-        theta: 100.0,
-        positions: vec![seg(pos, 1)],
+    let rope = |pos: u32| {
+        Op::Rope(RopeAttrs {
+            batch: 1,
+            heads: 1,
+            head_dim: 4,
+            theta: 100.0,
+            positions: vec![seg(pos, 1)],
+        })
     };
     assert_eq!(eval(&rope(0), &[Input::F(x.clone())], &[4])[0], x);
     let y = eval(&rope(3), &[Input::F(x.clone())], &[4]);
@@ -459,13 +462,13 @@ fn rope_rotates_pairs_by_position_times_frequency() {
     ];
     assert_close("rotated", &y[0], &expected, 1e-6);
     let back = eval(
-        &Op::RopeBwd {
+        &Op::RopeBwd(RopeAttrs {
             batch: 1,
             heads: 1,
             head_dim: 4,
             theta: 100.0,
             positions: vec![seg(3, 1)],
-        },
+        }),
         &[Input::F(y[0].clone())],
         &[4],
     );
@@ -477,7 +480,13 @@ fn rope_rotates_pairs_by_position_times_frequency() {
 #[test]
 fn activations_have_their_known_values() {
     let x = vec![-1.0f32, 0.0, 1.0, 2.0];
-    let run = |act| eval(&Op::Activation { act }, &[Input::F(x.clone())], &[4]);
+    let run = |act| {
+        eval(
+            &Op::Activation(ActAttrs { act }),
+            &[Input::F(x.clone())],
+            &[4],
+        )
+    };
     // Φ(1) = 0.841344746068543, Φ(2) = 0.977249868051821, Φ(−1) = 0.158655253931457.
     assert_close(
         "gelu",
@@ -539,7 +548,7 @@ fn add_scale_copy_zero_and_copy_range_move_the_right_elements() {
     );
     assert_eq!(moved[0], vec![9.0, 9.0, 9.0, 2.0, 3.0, 9.0]);
 
-    // Copy and CopyRange on token ids.
+    // Copies move floats (the op table's `Float` class): token ids are refused by name.
     let mut h = Harness::new();
     let src = h.input(&Input::I(vec![4, 5, 6]));
     let dst = h.input(&Input::I(vec![0; 3]));
@@ -548,12 +557,17 @@ fn add_scale_copy_zero_and_copy_range_move_the_right_elements() {
         dst_offset: 1,
         len: 2,
     };
-    h.backend.compute(&range, &[src], &[dst], &SCALARS).unwrap();
-    assert_eq!(h.backend.i32(dst).unwrap(), &[0, 4, 5]);
-    h.backend
-        .compute(&Op::Copy, &[src], &[dst], &SCALARS)
-        .unwrap();
-    assert_eq!(h.backend.i32(dst).unwrap(), &[4, 5, 6]);
+    for op in [range, Op::Copy] {
+        let e = h
+            .backend
+            .compute(&op, &[src], &[dst], &SCALARS)
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("is i32, expected f32 or bf16"),
+            "{e}"
+        );
+    }
+    assert_eq!(h.backend.i32(dst).unwrap(), &[0, 0, 0]);
 }
 
 // ---------------------------------------------------------------- embeddings
@@ -563,10 +577,12 @@ fn vocab_parallel_embedding_shards_sum_to_the_full_embedding() {
     let (vocab, dim) = (6u64, 3usize);
     let table = values(vocab as usize * dim, 60, 1.0);
     let ids = Input::I(vec![5, 0, 2, 3, 3, 1]);
-    let op = |vocab_start, vocab_local| Op::Embedding {
-        vocab_start,
-        vocab_local,
-        dim: dim as u64,
+    let op = |vocab_start, vocab_local| {
+        Op::Embedding(EmbeddingAttrs {
+            vocab_start,
+            vocab_local,
+            dim: dim as u64,
+        })
     };
     let full = eval(
         &op(0, vocab),
@@ -588,11 +604,11 @@ fn vocab_parallel_embedding_shards_sum_to_the_full_embedding() {
 fn position_add_uses_global_positions_of_each_row() {
     let table: Vec<f32> = (0..8).map(|p| p as f32 * 10.0).collect();
     let out = eval(
-        &Op::PositionAdd {
+        &Op::PositionAdd(PositionAttrs {
             batch: 2,
             dim: 1,
             positions: vec![seg(1, 1), seg(6, 1)],
-        },
+        }),
         &[Input::F(vec![1.0, 2.0, 3.0, 4.0]), Input::F(table)],
         &[4],
     );

@@ -1,0 +1,743 @@
+//! The op table: one description of every compute op that every pass and backend reads.
+//!
+//! For each op kind ([`Opcode`]) the table gives its name, its [`Family`], and, for a concrete
+//! [`Op`] (whose attributes decide optional operands), its [`Signature`]: every input and
+//! output in the order the instruction lists them, each with its role, [`StorageClass`],
+//! [`Shape`] rule and, for an output, how the op writes it ([`Write`]). The verifier (operand
+//! counts and dtypes), the lowering's storage pass, the memory planner's zeroing, the timeline's
+//! costs ([`Op::flops`], [`Signature::bytes_touched`]), the runtime's operand binding (which both
+//! backends use) and the profiler read it; none restates it. The semantics of each op are
+//! documented on its variant in `op`.
+//!
+//! Shapes are element counts in terms of the op's attributes and two row counts: `n`, the
+//! op's rows (tokens × batch for activations; query rows for attention), and `m`, key/value
+//! rows (attention with separate k and v). Where the attributes fix a row count
+//! (`Signature::rows`, `Signature::kv_rows`), a bound buffer must agree with it; otherwise the
+//! first operand of that row count decides it and every other must agree.
+use super::op::{AttentionAttrs, Op};
+use super::storage::StorageClass::{self, Float, Fp32, Tokens};
+
+/// What kind of work an op is: backends group their code by family, and the profiler its time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Family {
+    Embedding,
+    Norm,
+    Matmul,
+    Attention,
+    Elementwise,
+    DataMovement,
+    Loss,
+    Optimizer,
+}
+
+macro_rules! opcodes {
+    ($($variant:ident $name:literal $family:ident,)*) => {
+        /// The kind of an [`Op`], without its attributes: one per variant.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum Opcode {
+            $($variant,)*
+        }
+
+        impl Opcode {
+            /// Every op kind, in the order `Op` declares them.
+            pub const ALL: &'static [Opcode] = &[$(Opcode::$variant,)*];
+
+            /// The op's name in messages and in JSON (`snake_case`, as serialized).
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(Opcode::$variant => $name,)*
+                }
+            }
+
+            /// The op's name in the IR's text form (the `Op` variant's name).
+            pub fn variant(self) -> &'static str {
+                match self {
+                    $(Opcode::$variant => stringify!($variant),)*
+                }
+            }
+
+            /// The family the op belongs to.
+            pub fn family(self) -> Family {
+                match self {
+                    $(Opcode::$variant => Family::$family,)*
+                }
+            }
+        }
+
+        impl Op {
+            /// The op's kind.
+            pub fn opcode(&self) -> Opcode {
+                match self {
+                    $(Op::$variant { .. } => Opcode::$variant,)*
+                }
+            }
+        }
+    };
+}
+
+opcodes! {
+    Embedding "embedding" Embedding,
+    EmbeddingBwd "embedding_bwd" Embedding,
+    PositionAdd "position_add" Embedding,
+    PositionAddBwd "position_add_bwd" Embedding,
+    LayerNorm "layer_norm" Norm,
+    LayerNormBwd "layer_norm_bwd" Norm,
+    RmsNorm "rms_norm" Norm,
+    RmsNormBwd "rms_norm_bwd" Norm,
+    Matmul "matmul" Matmul,
+    MatmulBwdData "matmul_bwd_data" Matmul,
+    MatmulBwdWeight "matmul_bwd_weight" Matmul,
+    Rope "rope" Elementwise,
+    RopeBwd "rope_bwd" Elementwise,
+    Attention "attention" Attention,
+    AttentionBwd "attention_bwd" Attention,
+    Activation "activation" Elementwise,
+    ActivationBwd "activation_bwd" Elementwise,
+    SwiGlu "swi_glu" Elementwise,
+    SwiGluBwd "swi_glu_bwd" Elementwise,
+    Add "add" Elementwise,
+    Scale "scale" Elementwise,
+    Copy "copy" DataMovement,
+    SplitColumns "split_columns" DataMovement,
+    ConcatColumns "concat_columns" DataMovement,
+    Zero "zero" DataMovement,
+    CopyRange "copy_range" DataMovement,
+    CrossEntropy "cross_entropy" Loss,
+    CeMax "ce_max" Loss,
+    CeSumExp "ce_sum_exp" Loss,
+    CeTargetLogit "ce_target_logit" Loss,
+    CeLoss "ce_loss" Loss,
+    CeGrad "ce_grad" Loss,
+    SumSquares "sum_squares" Optimizer,
+    ClipCoef "clip_coef" Optimizer,
+    AdamW "adam_w" Optimizer,
+    Sgd "sgd" Optimizer,
+}
+
+/// The rows of an operand's shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rows {
+    /// The op's row count `n`.
+    N,
+    /// The op's key/value row count `m`.
+    M,
+    /// Exactly this many rows (parameters, statistics of one value).
+    Fixed(u64),
+    /// Any whole number of rows (a table indexed by position).
+    Any,
+}
+
+/// An operand's shape rule: `rows × cols` elements, row-major.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    pub rows: Rows,
+    pub cols: u64,
+}
+
+/// How an op writes one of its outputs (what the memory planner and the verifier rely on).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Write {
+    /// Every element written, none read: the output needs no zero-fill first.
+    Overwrite,
+    /// Added into ("(+=)"): read, added to and written back; it must hold zeros or an earlier
+    /// value first and must not also be an input (E0821).
+    Accumulate,
+    /// The same buffer as this input, read element by element before being written (E0820).
+    InPlace(usize),
+    /// Updated where it lies (optimizer state and parameters): read, then written.
+    Update,
+    /// Only `[start, end)` written (flat element offsets); the rest untouched.
+    Range(u64, u64),
+}
+
+impl Write {
+    /// Whether the op reads the output's earlier value.
+    pub fn reads(self) -> bool {
+        !matches!(self, Write::Overwrite | Write::Range(..))
+    }
+}
+
+/// One operand of an op.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Operand {
+    /// Its name in the op's documentation and in error messages (`x`, `w`, `dy`, …).
+    pub role: &'static str,
+    pub class: StorageClass,
+    /// `None`: any element count (a flat buffer such as a gradient or a copy's range).
+    pub shape: Option<Shape>,
+    /// How an output is written (inputs: `Overwrite`, unused).
+    pub write: Write,
+}
+
+/// Up to `N` operands, inline (the verifier reads a signature per instruction of plans holding
+/// millions).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OperandList<const N: usize> {
+    len: u8,
+    items: [Operand; N],
+}
+
+const UNUSED: Operand = Operand {
+    role: "",
+    class: Fp32,
+    shape: None,
+    write: Write::Overwrite,
+};
+
+impl<const N: usize> OperandList<N> {
+    fn new() -> Self {
+        OperandList {
+            len: 0,
+            items: [UNUSED; N],
+        }
+    }
+
+    fn push(&mut self, operand: Operand) {
+        // The IR's operand lists hold at most N (`operands::MAX_INPUTS`/`MAX_OUTPUTS`); the
+        // table's test checks that no signature needs more.
+        if let Some(slot) = self.items.get_mut(usize::from(self.len)) {
+            *slot = operand;
+            self.len += 1;
+        }
+    }
+}
+
+impl<const N: usize> std::ops::Deref for OperandList<N> {
+    type Target = [Operand];
+    fn deref(&self) -> &[Operand] {
+        &self.items[..usize::from(self.len)]
+    }
+}
+
+/// The operands of one op (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Signature {
+    pub opcode: Opcode,
+    pub inputs: OperandList<{ super::operands::MAX_INPUTS }>,
+    pub outputs: OperandList<{ super::operands::MAX_OUTPUTS }>,
+    /// The row count `n` the attributes fix, if they do.
+    pub rows: Option<u64>,
+    /// The key/value row count `m` the attributes fix, if they do.
+    pub kv_rows: Option<u64>,
+}
+
+/// A shape of `rows × cols`.
+fn shape(rows: Rows, cols: u64) -> Option<Shape> {
+    Some(Shape { rows, cols })
+}
+/// `[n, cols]`.
+fn n(cols: u64) -> Option<Shape> {
+    shape(Rows::N, cols)
+}
+/// `[m, cols]`.
+fn m(cols: u64) -> Option<Shape> {
+    shape(Rows::M, cols)
+}
+/// A fixed `[rows, cols]`.
+fn fixed(rows: u64, cols: u64) -> Option<Shape> {
+    shape(Rows::Fixed(rows), cols)
+}
+/// One value (`[1]`).
+const ONE: Option<Shape> = Some(Shape {
+    rows: Rows::Fixed(1),
+    cols: 1,
+});
+/// Any element count.
+const FLAT: Option<Shape> = None;
+
+impl Signature {
+    fn new(opcode: Opcode) -> Signature {
+        Signature {
+            opcode,
+            inputs: OperandList::new(),
+            outputs: OperandList::new(),
+            rows: None,
+            kv_rows: None,
+        }
+    }
+
+    fn input(mut self, role: &'static str, class: StorageClass, shape: Option<Shape>) -> Self {
+        self.inputs.push(Operand {
+            role,
+            class,
+            shape,
+            write: Write::Overwrite,
+        });
+        self
+    }
+
+    fn input_if(self, flag: bool, role: &'static str, c: StorageClass, s: Option<Shape>) -> Self {
+        if flag {
+            self.input(role, c, s)
+        } else {
+            self
+        }
+    }
+
+    fn output(self, role: &'static str, class: StorageClass, shape: Option<Shape>) -> Self {
+        self.write(role, class, shape, Write::Overwrite)
+    }
+
+    fn output_if(self, flag: bool, role: &'static str, c: StorageClass, s: Option<Shape>) -> Self {
+        if flag {
+            self.output(role, c, s)
+        } else {
+            self
+        }
+    }
+
+    fn write(
+        mut self,
+        role: &'static str,
+        class: StorageClass,
+        shape: Option<Shape>,
+        write: Write,
+    ) -> Self {
+        self.outputs.push(Operand {
+            role,
+            class,
+            shape,
+            write,
+        });
+        self
+    }
+
+    /// Every later output written as `write` (the parameter gradients an
+    /// `accumulate_param_grad` flag governs).
+    fn writing_from(mut self, first: usize, write: Write) -> Self {
+        let len = usize::from(self.outputs.len);
+        for out in self.outputs.items.iter_mut().take(len).skip(first) {
+            out.write = write;
+        }
+        self
+    }
+
+    fn rows(mut self, rows: u64) -> Self {
+        self.rows = Some(rows);
+        self
+    }
+
+    fn kv_rows(mut self, rows: u64) -> Self {
+        self.kv_rows = Some(rows);
+        self
+    }
+
+    /// Bytes an op touches given each operand's bytes (`input(i)`, `output(i)`): every input
+    /// read, every output written, and an accumulated output read as well.
+    pub fn bytes_touched(
+        &self,
+        input: impl Fn(usize) -> f64,
+        output: impl Fn(usize) -> f64,
+    ) -> f64 {
+        let read: f64 = (0..self.inputs.len()).map(&input).sum();
+        let written: f64 = self
+            .outputs
+            .iter()
+            .enumerate()
+            .map(|(i, o)| {
+                output(i)
+                    * if o.write == Write::Accumulate {
+                        2.0
+                    } else {
+                        1.0
+                    }
+            })
+            .sum();
+        read + written
+    }
+
+    /// The row count `n`, from the attributes or else from the element count of the first
+    /// input shaped `[n, cols]` (`numel(i)` of input `i`); None if neither says.
+    pub fn rows_from_inputs(&self, numel: impl Fn(usize) -> u64) -> Option<u64> {
+        self.rows.or_else(|| {
+            self.inputs
+                .iter()
+                .enumerate()
+                .find_map(|(i, o)| match o.shape {
+                    Some(Shape {
+                        rows: Rows::N,
+                        cols,
+                    }) if cols > 0 => Some(numel(i) / cols),
+                    _ => None,
+                })
+        })
+    }
+}
+
+/// `Write::Accumulate` when `flag`, else `Write::Overwrite`.
+fn accumulate_if(flag: bool) -> Write {
+    if flag {
+        Write::Accumulate
+    } else {
+        Write::Overwrite
+    }
+}
+
+/// Rows of a `len(positions) × batch` activation.
+fn rows_of(positions: &[super::op::Segment], batch: u64) -> u64 {
+    u64::from(super::op::segments_len(positions)).saturating_mul(batch)
+}
+
+impl Op {
+    /// The op's operands (see the module docs).
+    pub fn signature(&self) -> Signature {
+        let s = Signature::new(self.opcode());
+        match self {
+            Op::Embedding(a) => s
+                .input("ids", Tokens, n(1))
+                .input("table", Fp32, fixed(a.vocab_local, a.dim))
+                .output("y", Float, n(a.dim)),
+            Op::EmbeddingBwd(a) => s
+                .input("ids", Tokens, n(1))
+                .input("dy", Float, n(a.dim))
+                .write(
+                    "dtable",
+                    Fp32,
+                    fixed(a.vocab_local, a.dim),
+                    Write::Accumulate,
+                ),
+            Op::PositionAdd(a) => s
+                .rows(rows_of(&a.positions, a.batch))
+                .input("x", Float, n(a.dim))
+                .input("table", Fp32, shape(Rows::Any, a.dim))
+                .output("y", Float, n(a.dim)),
+            Op::PositionAddBwd {
+                pos,
+                accumulate_param_grad,
+            } => s
+                .rows(rows_of(&pos.positions, pos.batch))
+                .input("dy", Float, n(pos.dim))
+                .write(
+                    "dtable",
+                    Fp32,
+                    shape(Rows::Any, pos.dim),
+                    accumulate_if(*accumulate_param_grad),
+                ),
+            Op::LayerNorm { dim, bias, .. } => s
+                .input("x", Float, n(*dim))
+                .input("w", Fp32, fixed(*dim, 1))
+                .input_if(*bias, "b", Fp32, fixed(*dim, 1))
+                .output("y", Float, n(*dim))
+                .output("mean", Fp32, n(1))
+                .output("rstd", Fp32, n(1)),
+            Op::LayerNormBwd {
+                dim,
+                bias,
+                accumulate,
+                accumulate_param_grad,
+            } => s
+                .input("dy", Float, n(*dim))
+                .input("x", Float, n(*dim))
+                .input("w", Fp32, fixed(*dim, 1))
+                .input("mean", Fp32, n(1))
+                .input("rstd", Fp32, n(1))
+                .write("dx", Float, n(*dim), accumulate_if(*accumulate))
+                .output("dw", Fp32, fixed(*dim, 1))
+                .output_if(*bias, "db", Fp32, fixed(*dim, 1))
+                .writing_from(1, accumulate_if(*accumulate_param_grad)),
+            Op::RmsNorm { dim, .. } => s
+                .input("x", Float, n(*dim))
+                .input("w", Fp32, fixed(*dim, 1))
+                .output("y", Float, n(*dim))
+                .output("rstd", Fp32, n(1)),
+            Op::RmsNormBwd {
+                dim,
+                accumulate,
+                accumulate_param_grad,
+            } => s
+                .input("dy", Float, n(*dim))
+                .input("x", Float, n(*dim))
+                .input("w", Fp32, fixed(*dim, 1))
+                .input("rstd", Fp32, n(1))
+                .write("dx", Float, n(*dim), accumulate_if(*accumulate))
+                .write(
+                    "dw",
+                    Fp32,
+                    fixed(*dim, 1),
+                    accumulate_if(*accumulate_param_grad),
+                ),
+            Op::Matmul {
+                in_dim,
+                out_dim,
+                bias,
+                act,
+                residual,
+            } => s
+                .input("x", Float, n(*in_dim))
+                .input("w", Fp32, fixed(*out_dim, *in_dim))
+                .input_if(*bias, "b", Fp32, fixed(*out_dim, 1))
+                .input_if(*residual, "r", Float, n(*out_dim))
+                .output("y", Float, n(*out_dim))
+                .output_if(act.is_some(), "a", Float, n(*out_dim)),
+            Op::MatmulBwdData {
+                in_dim,
+                out_dim,
+                accumulate,
+                act_grad,
+            } => s
+                .input("dy", Float, n(*out_dim))
+                .input("w", Fp32, fixed(*out_dim, *in_dim))
+                .input_if(act_grad.is_some(), "pre", Float, n(*in_dim))
+                .write("dx", Float, n(*in_dim), accumulate_if(*accumulate)),
+            Op::MatmulBwdWeight {
+                in_dim,
+                out_dim,
+                bias,
+                accumulate_param_grad,
+            } => s
+                .input("dy", Float, n(*out_dim))
+                .input("x", Float, n(*in_dim))
+                .output("dw", Fp32, fixed(*out_dim, *in_dim))
+                .output_if(*bias, "db", Fp32, fixed(*out_dim, 1))
+                .writing_from(0, accumulate_if(*accumulate_param_grad)),
+            Op::Rope(a) => {
+                let width = a.heads.saturating_mul(a.head_dim);
+                s.rows(rows_of(&a.positions, a.batch))
+                    .input("x", Float, n(width))
+                    .output("y", Float, n(width))
+            }
+            Op::RopeBwd(a) => {
+                let width = a.heads.saturating_mul(a.head_dim);
+                s.rows(rows_of(&a.positions, a.batch))
+                    .input("dy", Float, n(width))
+                    .output("dx", Float, n(width))
+            }
+            Op::Attention(a) => attention_forward(s, a),
+            Op::AttentionBwd(a) => attention_backward(s, a),
+            Op::Activation(_) => s.input("x", Float, n(1)).output("y", Float, n(1)),
+            Op::ActivationBwd(_) => {
+                s.input("dy", Float, n(1))
+                    .input("x", Float, n(1))
+                    .output("dx", Float, n(1))
+            }
+            Op::SwiGlu => s
+                .input("gate", Float, n(1))
+                .input("up", Float, n(1))
+                .output("y", Float, n(1)),
+            Op::SwiGluBwd => s
+                .input("dy", Float, n(1))
+                .input("gate", Float, n(1))
+                .input("up", Float, n(1))
+                .output("dgate", Float, n(1))
+                .output("dup", Float, n(1)),
+            Op::Add => s
+                .input("a", Float, n(1))
+                .input("b", Float, n(1))
+                .output("y", Float, n(1)),
+            Op::Scale { .. } | Op::Copy => s.input("x", Float, n(1)).output("y", Float, n(1)),
+            Op::Zero => s.output("buffer", Float, FLAT),
+            Op::CopyRange {
+                dst_offset, len, ..
+            } => s.input("src", Float, FLAT).write(
+                "dst",
+                Float,
+                FLAT,
+                Write::Range(*dst_offset, dst_offset.saturating_add(*len)),
+            ),
+            Op::SplitColumns { widths } => widths.iter().zip(PARTS).fold(
+                s.input("x", Float, n(widths.iter().sum())),
+                |s, (w, role)| s.output(role, Float, n(*w)),
+            ),
+            Op::ConcatColumns { widths } => widths
+                .iter()
+                .zip(PARTS)
+                .fold(s, |s, (w, role)| s.input(role, Float, n(*w)))
+                .output("y", Float, n(widths.iter().sum())),
+            Op::CrossEntropy { vocab, .. } => s
+                .input("logits", Float, n(*vocab))
+                .input("targets", Tokens, n(1))
+                .write("dlogits", Float, n(*vocab), Write::InPlace(0))
+                .write("loss", Fp32, ONE, Write::Accumulate),
+            Op::CeMax { vocab_local } => {
+                s.input("logits", Float, n(*vocab_local))
+                    .output("max", Fp32, n(1))
+            }
+            Op::CeSumExp { vocab_local } => s
+                .input("logits", Float, n(*vocab_local))
+                .input("max", Fp32, n(1))
+                .output("sumexp", Fp32, n(1)),
+            Op::CeTargetLogit { vocab_local, .. } => s
+                .input("logits", Float, n(*vocab_local))
+                .input("targets", Tokens, n(1))
+                .output("target_logit", Fp32, n(1)),
+            Op::CeLoss { .. } => s
+                .input("max", Fp32, n(1))
+                .input("sumexp", Fp32, n(1))
+                .input("target_logit", Fp32, n(1))
+                .write("loss", Fp32, ONE, Write::Accumulate),
+            Op::CeGrad { vocab_local, .. } => s
+                .input("logits", Float, n(*vocab_local))
+                .input("targets", Tokens, n(1))
+                .input("max", Fp32, n(1))
+                .input("sumexp", Fp32, n(1))
+                .output("dlogits", Float, n(*vocab_local)),
+            Op::SumSquares => s
+                .input("g", Fp32, FLAT)
+                .write("sumsq", Fp32, ONE, Write::Accumulate),
+            Op::ClipCoef { .. } => s.input("sumsq", Fp32, ONE).output("coef", Fp32, ONE),
+            Op::AdamW { .. } => s
+                .input("g", Fp32, n(1))
+                .input("coef", Fp32, ONE)
+                .write("param", Fp32, n(1), Write::Update)
+                .write("m", Fp32, n(1), Write::Update)
+                .write("v", Fp32, n(1), Write::Update),
+            Op::Sgd { momentum, .. } => {
+                let s = s.input("g", Fp32, n(1)).input("coef", Fp32, ONE).write(
+                    "param",
+                    Fp32,
+                    n(1),
+                    Write::Update,
+                );
+                if *momentum != 0.0 {
+                    s.write("momentum", Fp32, n(1), Write::Update)
+                } else {
+                    s
+                }
+            }
+        }
+    }
+
+    /// FLOPs of the op over `rows` rows (`n`, see the module docs), a multiply-add counting 2:
+    /// 2·rows·in·out for each matmul; attention as `count` says ([`FlopCount`]); every other op
+    /// is memory bound and counts none.
+    pub fn flops(&self, rows: f64, count: FlopCount) -> f64 {
+        match self {
+            Op::Matmul {
+                in_dim, out_dim, ..
+            }
+            | Op::MatmulBwdData {
+                in_dim, out_dim, ..
+            }
+            | Op::MatmulBwdWeight {
+                in_dim, out_dim, ..
+            } => 2.0 * rows * *in_dim as f64 * *out_dim as f64,
+            Op::Attention(a) | Op::AttentionBwd(a) => {
+                let backward = matches!(self, Op::AttentionBwd(_));
+                let pairs = match count {
+                    FlopCount::Model => attention_pairs(false, a),
+                    FlopCount::Executed => attention_pairs(a.causal, a),
+                };
+                // QKᵀ and P·V: two multiply-adds per (pair, head_dim element).
+                let forward = 4.0 * (a.batch * a.heads * a.head_dim) as f64 * pairs as f64;
+                forward
+                    * match (backward, count) {
+                        (false, _) => 1.0,
+                        (true, FlopCount::Model) => 2.0,
+                        // dV, dP, dQ, dK and the recomputed scores: 2.5 × the forward's two.
+                        (true, FlopCount::Executed) => 2.5,
+                    }
+            }
+            _ => 0.0,
+        }
+    }
+
+    /// Whether the op adds into its output `output` (`Write::Accumulate`).
+    pub fn accumulates(&self, output: usize) -> bool {
+        self.signature()
+            .outputs
+            .get(output)
+            .is_some_and(|o| o.write == Write::Accumulate)
+    }
+
+    /// The (input, output) pairs the op updates in place (`Write::InPlace`): the instruction
+    /// binds both to one buffer (the verifier checks it, E0820) and the op reads every element
+    /// before it writes it, so a backend runs it on the buffer as it is.
+    pub fn in_place(&self) -> Vec<(usize, usize)> {
+        let signature = self.signature();
+        signature
+            .outputs
+            .iter()
+            .enumerate()
+            .filter_map(|(o, operand)| match operand.write {
+                Write::InPlace(i) => Some((i, o)),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// The roles of `SplitColumns`' outputs and `ConcatColumns`' inputs (the IR's operand limit).
+const PARTS: [&str; 3] = ["part0", "part1", "part2"];
+
+fn attention_widths(a: &AttentionAttrs) -> (u64, u64) {
+    let q = a.heads.saturating_mul(a.head_dim);
+    (q, a.kv_heads.saturating_mul(a.head_dim))
+}
+
+fn attention_rows(s: Signature, a: &AttentionAttrs) -> Signature {
+    s.rows(rows_of(&a.q_positions, a.batch))
+        .kv_rows(rows_of(&a.kv_positions, a.batch))
+}
+
+fn attention_forward(s: Signature, a: &AttentionAttrs) -> Signature {
+    let (q, kv) = attention_widths(a);
+    let s = attention_rows(s, a);
+    let s = if a.packed {
+        s.input("qkv", Float, n(q + 2 * kv))
+    } else {
+        s.input("q", Float, n(q))
+            .input("k", Float, m(kv))
+            .input("v", Float, m(kv))
+    };
+    s.output("o", Float, n(q)).output("lse", Fp32, n(a.heads))
+}
+
+fn attention_backward(s: Signature, a: &AttentionAttrs) -> Signature {
+    let (q, kv) = attention_widths(a);
+    let s = attention_rows(s, a).input("do", Float, n(q));
+    if a.packed {
+        s.input("qkv", Float, n(q + 2 * kv))
+            .input("o", Float, n(q))
+            .input("lse", Fp32, n(a.heads))
+            .output("dqkv", Float, n(q + 2 * kv))
+    } else {
+        s.input("q", Float, n(q))
+            .input("k", Float, m(kv))
+            .input("v", Float, m(kv))
+            .input("o", Float, n(q))
+            .input("lse", Fp32, n(a.heads))
+            .output("dq", Float, n(q))
+            .output("dk", Float, m(kv))
+            .output("dv", Float, m(kv))
+    }
+}
+
+/// How [`Op::flops`] counts attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlopCount {
+    /// Every (query, key) pair, causal or not, and the backward twice the forward: the papers'
+    /// count, which the cost model and the timeline use.
+    Model,
+    /// The pairs a causal mask keeps, and the backward 2.5 × the forward (it recomputes the
+    /// scores): what the kernels execute, which the profiler's TFLOP/s divide.
+    Executed,
+}
+
+/// (query, key) pairs one attention head scores per sequence: every pair, or with `causal`
+/// only keys at global positions ≤ the query's.
+fn attention_pairs(causal: bool, a: &AttentionAttrs) -> u64 {
+    let (q, kv) = (&a.q_positions, &a.kv_positions);
+    let kv_len = u64::from(super::op::segments_len(kv));
+    if !causal {
+        return u64::from(super::op::segments_len(q)) * kv_len;
+    }
+    let keys_upto = |p: u64| -> u64 {
+        kv.iter()
+            .map(|s| {
+                let (start, len) = (u64::from(s.start), u64::from(s.len));
+                if p < start {
+                    0
+                } else {
+                    (p - start + 1).min(len)
+                }
+            })
+            .sum()
+    };
+    q.iter()
+        .flat_map(|s| u64::from(s.start)..u64::from(s.start) + u64::from(s.len))
+        .map(keys_upto)
+        .sum()
+}
+
+#[cfg(test)]
+mod tests;
