@@ -12,6 +12,7 @@
 //! - global_batch = micro_batch × microbatches × dp (the accumulation rule, stated once here).
 
 use crate::diag::Span;
+use crate::ir::op::Act;
 use serde::Serialize;
 
 /// Index of a layer node in [`Model::nodes`].
@@ -92,14 +93,43 @@ pub struct Node {
     pub span: Span,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
+/// An MLP's activation: one elementwise function between its two projections, or SwiGLU's
+/// gated pair.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Activation {
-    Gelu,
-    GeluTanh,
-    Relu,
+    /// `act(x W_fc + b) W_proj + b`.
+    Plain(Act),
     /// SwiGLU: `silu(x W_gate) * (x W_up)`, then `W_down`.
     Swiglu,
+}
+
+impl Activation {
+    /// Every MLP activation's name in the language.
+    pub fn names() -> impl Iterator<Item = &'static str> {
+        Act::ALL.iter().map(|a| a.name()).chain(["swiglu"])
+    }
+
+    /// The activation named `name` in the language.
+    pub fn from_name(name: &str) -> Option<Activation> {
+        match name {
+            "swiglu" => Some(Activation::Swiglu),
+            _ => Act::from_name(name).map(Activation::Plain),
+        }
+    }
+
+    /// Its name in the language and in JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Activation::Plain(a) => a.name(),
+            Activation::Swiglu => "swiglu",
+        }
+    }
+}
+
+impl Serialize for Activation {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]

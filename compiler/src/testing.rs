@@ -5,6 +5,7 @@
 //! them in specs with their own plans and clusters.
 
 use crate::diag::Span;
+use crate::ir::op::Act;
 use crate::spec::{
     Activation, DataSource, LayerKind, LrSchedule, Model, Node, NodeId, Optimizer, Precision,
     Recompute, Rope, Shape, Sharding, Train, Value, ValueId,
@@ -140,7 +141,7 @@ pub fn decoder_model(d: &Dims, name: &str, recompute: &Recompute, tp: u32, cp: u
             act: if d.llama {
                 Activation::Swiglu
             } else {
-                Activation::GeluTanh
+                Activation::Plain(Act::GeluTanh)
             },
             bias: !d.llama,
         };

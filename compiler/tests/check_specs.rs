@@ -369,7 +369,7 @@ fn every_language_feature_reaches_the_spec() {
         s.model.nodes[3].kind,
         LayerKind::Mlp {
             hidden: 128,
-            act: Activation::Relu,
+            act: Activation::Plain(parc_compiler::ir::op::Act::Relu),
             bias: true,
             ..
         }

@@ -4,6 +4,7 @@
 use super::number::Number;
 use super::suggest;
 use crate::diag::{Diagnostic, Span};
+use crate::ir::op::Act;
 use crate::spec::{Activation, LayerKind, Rope, Shape};
 use std::collections::HashMap;
 
@@ -182,8 +183,6 @@ impl Bound {
     }
 }
 
-const ACTIVATIONS: [&str; 4] = ["gelu", "gelu_tanh", "relu", "swiglu"];
-
 /// Build the layer for `kind` from its bound arguments.
 pub fn construct(b: &Bound) -> Result<Ctor, Diagnostic> {
     let mut tied = None;
@@ -226,17 +225,16 @@ pub fn construct(b: &Bound) -> Result<Ctor, Diagnostic> {
         "Attention" => attention(b)?,
         "MLP" => {
             let act = match b.word("act") {
-                None if !b.values.contains_key("act") => Activation::Gelu,
-                Some(("gelu", _)) => Activation::Gelu,
-                Some(("gelu_tanh", _)) => Activation::GeluTanh,
-                Some(("relu", _)) => Activation::Relu,
-                Some(("swiglu", _)) => Activation::Swiglu,
-                _ => {
-                    let span = b.values.get("act").map(ArgValue::span).unwrap_or(b.span);
-                    return Err(Diagnostic::error("E0904", "unknown MLP activation")
-                        .label(span, "this activation")
-                        .help(format!("use {}", suggest::one_of(&ACTIVATIONS))));
-                }
+                None if !b.values.contains_key("act") => Some(Activation::Plain(Act::Gelu)),
+                Some((name, _)) => Activation::from_name(name),
+                None => None,
+            };
+            let Some(act) = act else {
+                let span = b.values.get("act").map(ArgValue::span).unwrap_or(b.span);
+                let names: Vec<&str> = Activation::names().collect();
+                return Err(Diagnostic::error("E0904", "unknown MLP activation")
+                    .label(span, "this activation")
+                    .help(format!("use {}", suggest::one_of(&names))));
             };
             let bias = b.flag("bias", act != Activation::Swiglu)?;
             if bias && act == Activation::Swiglu {

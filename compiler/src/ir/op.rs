@@ -55,12 +55,50 @@ pub fn position_at(segments: &[Segment], mut i: u32) -> Option<u32> {
     None
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Act {
-    Gelu,
-    GeluTanh,
-    Relu,
+macro_rules! activations {
+    ($($variant:ident $name:literal,)*) => {
+        /// An elementwise activation (`Activation`, `ActivationBwd`, a matmul's fused
+        /// epilogue), and an MLP's `act` in the language: the one list of them.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+        #[serde(rename_all = "snake_case")]
+        pub enum Act {
+            $($variant,)*
+        }
+
+        impl Act {
+            /// Every activation, in declaration order: a backend's activation code is the
+            /// position here (`Act::code`).
+            pub const ALL: &'static [Act] = &[$(Act::$variant,)*];
+
+            /// Its name in the language and in JSON.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(Act::$variant => $name,)*
+                }
+            }
+        }
+    };
+}
+
+activations! {
+    Gelu "gelu",
+    GeluTanh "gelu_tanh",
+    Relu "relu",
+}
+
+impl Act {
+    /// The activation named `name` in the language.
+    pub fn from_name(name: &str) -> Option<Act> {
+        Act::ALL.iter().copied().find(|a| a.name() == name)
+    }
+
+    /// Its position in [`Act::ALL`]: the code a kernel's `switch` takes.
+    pub fn code(self) -> i32 {
+        Act::ALL
+            .iter()
+            .position(|a| *a == self)
+            .map_or(-1, |i| i as i32)
+    }
 }
 
 /// The attributes `Embedding` and `EmbeddingBwd` share: which rows of the vocabulary this rank's

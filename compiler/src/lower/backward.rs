@@ -478,11 +478,7 @@ impl Emitter<'_> {
         } else {
             bias_of("proj_bias")
         };
-        let op_act = match a {
-            Activation::Gelu => Act::Gelu,
-            Activation::GeluTanh => Act::GeluTanh,
-            Activation::Relu | Activation::Swiglu => Act::Relu,
-        };
+        let op_act = super::layers::act(a);
         // Fused (`fuses_activation`): the product is multiplied by act'(h) as it is written,
         // so it is h's gradient directly.
         let fused = self.fuses_activation(a);

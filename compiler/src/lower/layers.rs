@@ -21,11 +21,11 @@ use crate::ir::op::{Act, ActAttrs, AttentionAttrs, EmbeddingAttrs, Op, PositionA
 use crate::ir::{BufferId, BufferKind, CollectiveKind, ReduceOp};
 use crate::spec::{Activation, LayerKind, NodeId};
 
-fn act(a: Activation) -> Act {
+/// The elementwise activation of a non-gated MLP (a SwiGLU MLP has none: its gate is `SwiGlu`).
+pub(super) fn act(a: Activation) -> Act {
     match a {
-        Activation::Gelu => Act::Gelu,
-        Activation::GeluTanh => Act::GeluTanh,
-        Activation::Relu | Activation::Swiglu => Act::Relu,
+        Activation::Plain(act) => act,
+        Activation::Swiglu => Act::Relu,
     }
 }
 
@@ -412,7 +412,7 @@ impl Emitter<'_> {
     /// definition; `gelu` (erf) and `relu` keep their separate ops (cuBLASLt's relu epilogue
     /// saves a bit mask, not the pre-activation the IR's backward reads).
     pub fn fuses_activation(&self, a: Activation) -> bool {
-        self.fuse_epilogues && a == Activation::GeluTanh
+        self.fuse_epilogues && a == Activation::Plain(Act::GeluTanh)
     }
 
     /// [`Self::matmul`] with a fused activation: the pre-activation `h` and `act(h)`.

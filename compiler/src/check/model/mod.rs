@@ -15,6 +15,7 @@ use super::number::{arith, Number};
 use super::suggest;
 use super::{Namespace, Overrides};
 use crate::diag::{Diagnostic, Diagnostics, Span};
+use crate::spec::Activation;
 use crate::spec::{LayerKind, Model, Node, NodeId, Shape, Sharding, Value, ValueId};
 use crate::syntax::ast::*;
 use std::collections::HashMap;
@@ -360,17 +361,16 @@ impl<'a> Elab<'a> {
         if let Some(b) = layers::BUILTINS.iter().find(|b| **b == id.name) {
             return Val::Callable(Callee::Builtin(b), id.span);
         }
-        if matches!(
-            id.name.as_str(),
-            "gelu" | "gelu_tanh" | "relu" | "swiglu" | "none"
-        ) {
+        if id.name == "none" || Activation::from_name(&id.name).is_some() {
             return Val::Word(id.name.clone(), id.span);
         }
         let mut names: Vec<&str> = frame.keys().map(String::as_str).collect();
         names.extend(ns.consts.keys().map(String::as_str));
         names.extend(ns.blocks.keys().map(String::as_str));
         names.extend(layers::BUILTINS);
-        names.extend(["gelu", "gelu_tanh", "relu", "swiglu"]);
+        for name in Activation::names() {
+            names.push(name);
+        }
         let help = match suggest::closest(&id.name, names.iter().copied()) {
             Some(s) => format!("did you mean `{s}`?"),
             None if id.name.chars().next().is_some_and(char::is_uppercase) => {
