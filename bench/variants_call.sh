@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on a one-GPU device machine that judges kernel variants (docs/architecture.md: a kernel
+# One call on a one-GPU device machine that judges kernel variants (docs/decisions.md: a kernel
 # written without a GPU lands as a PARC_<OP>_KERNEL variant): the GPU tests with the default
 # kernels and again with every new variant on, each micro-benchmark, a device-timed profile of a
 # GPT-2 124M step both ways, and tokens/s of the defaults, of each variant alone and of all of

@@ -361,7 +361,7 @@ fn zero3_last_pipeline_stage_gathers_the_head_once_per_microbatch() {
     );
 }
 
-/// The backward of a pre-norm block sums every gradient in place (docs/architecture.md,
+/// The backward of a pre-norm block sums every gradient in place (docs/decisions.md,
 /// "Gradient accumulation in place"): no `Copy` and no `Add` in backward, with or without tp and
 /// SP; per layer and microbatch both norms' dx add into the residual gradient (Llama: also
 /// SwiGLU's up product into gate's; q, k and v are one fused product), before any tp

@@ -1,5 +1,5 @@
 //! The storage pass: which buffers of an emitted program a bf16 run (`train.precision = bf16`)
-//! stores in bf16 (docs/architecture.md, "bf16 activation storage"). A buffer becomes bf16 when
+//! stores in bf16 (docs/decisions.md, "bf16 activation storage"). A buffer becomes bf16 when
 //! it is an activation or an activation gradient and every operand it is bound to accepts bf16
 //! (`ir::table`); a collective's input and output keep one type, so a pair with an fp32 side
 //! stays fp32 on both. Everything else (parameters, gradients, optimizer state, statistics,
