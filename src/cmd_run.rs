@@ -3,8 +3,8 @@
 //! check the spec, lower it to per-rank programs, and train them on this machine, one thread
 //! per rank with the local comm. Exit codes as `main`: 0 trained, 1 the spec or the run
 //! failed, 2 usage or unreadable input.
-use crate::cmd_check::{parse_overrides, read_spec};
 use crate::diagnostics;
+use crate::input::{parse_overrides, read_spec};
 use crate::run_profile;
 use crate::run_progress::{LogFormat, Progress, Summary};
 use crate::SpecArgs;

@@ -6,6 +6,8 @@ mod cmd_check;
 mod cmd_plan;
 mod cmd_run;
 mod diagnostics;
+mod input;
+mod plan_summary;
 mod report;
 mod run_comm;
 mod run_error;
