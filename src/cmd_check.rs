@@ -5,17 +5,17 @@
 //! has an error, 2 for usage errors and unreadable files.
 
 use crate::diagnostics;
+use crate::input::{parse_overrides, read_spec};
 use crate::SpecArgs;
 use parc_compiler::cost;
 use parc_compiler::diag::{Diagnostics, Sources};
-use parc_compiler::spec::Spec;
+use parc_compiler::driver::{self, Analysis, CompileOptions, Compiled, Stage};
+use parc_compiler::ir::Plan;
+use parc_compiler::timeline::Timeline;
 use parc_compiler::verify::VerifyReport;
 use parc_compiler::Override;
 use serde_json::json;
 use std::path::{Path, PathBuf};
-
-/// Files larger than this are refused before parsing.
-const MAX_BYTES: u64 = 16 * 1024 * 1024;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
@@ -50,33 +50,18 @@ pub enum LowerWhen {
 /// Largest layers × microbatches that `--lower auto` lowers (about 0.1 s on a laptop core).
 const AUTO_LOWER_LIMIT: u64 = 2048;
 
-/// Read a spec file: UTF-8, at most 16 MiB. The error is a full sentence.
-pub fn read_spec(path: &Path) -> Result<String, String> {
-    let shown = path.display();
-    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read {shown}: {e}"))?;
-    if meta.is_dir() {
-        return Err(format!("{shown} is a folder, not a .par file"));
+impl LowerWhen {
+    /// The stages `check` runs: always the cost model, the rest as `--lower` says.
+    fn options(self) -> CompileOptions {
+        CompileOptions {
+            through: match self {
+                LowerWhen::Never => Stage::Check,
+                LowerWhen::Auto | LowerWhen::Always => Stage::Timeline,
+            },
+            cost_model: true,
+            max_plan_size: (self == LowerWhen::Auto).then_some(AUTO_LOWER_LIMIT),
+        }
     }
-    if meta.len() > MAX_BYTES {
-        return Err(format!(
-            "{shown} is {:.1} MiB; parc reads spec files up to 16 MiB",
-            meta.len() as f64 / (1024.0 * 1024.0)
-        ));
-    }
-    let bytes = std::fs::read(path).map_err(|e| format!("cannot read {shown}: {e}"))?;
-    String::from_utf8(bytes).map_err(|e| {
-        format!(
-            "{shown} is not UTF-8 text (invalid byte at offset {}); .par files are UTF-8",
-            e.utf8_error().valid_up_to()
-        )
-    })
-}
-
-/// Parse every `--set` flag; the message names the bad flag.
-pub fn parse_overrides(set: &[String]) -> Result<Vec<Override>, String> {
-    set.iter()
-        .map(|s| parc_compiler::parse_override(s))
-        .collect()
 }
 
 struct Checked {
@@ -107,80 +92,56 @@ struct Lowered {
     summary: String,
 }
 
-fn wants_lowering(spec: &Spec, when: LowerWhen) -> bool {
-    match when {
-        LowerWhen::Always => true,
-        LowerWhen::Never => false,
-        LowerWhen::Auto => {
-            u64::from(spec.model.layers.max(1)) * u64::from(spec.parallel.microbatches)
-                <= AUTO_LOWER_LIMIT
-        }
-    }
-}
-
-/// Lower, verify and simulate; lowering and verification errors join the diagnostics.
-fn lower_and_measure(spec: &Spec, diags: &mut Diagnostics) -> Option<Lowered> {
-    let plan = parc_compiler::lower::lower(spec)
-        .map_err(|d| diags.extend(d))
-        .ok()?;
-    let verified = parc_compiler::verify::verify_spec(&plan, spec)
-        .map_err(|d| diags.extend(d))
-        .ok()?;
-    let memory_plans = match crate::cmd_plan::memory_plans(&plan, &verified) {
-        Ok(m) => m,
-        Err(e) => {
-            diags.push(
-                parc_compiler::diag::Diagnostic::error("E0818", e.to_string())
-                    .help("this is a bug in parc's memory planner: please report it with the spec"),
-            );
-            return None;
-        }
+/// The measurements of a plan that went through every stage; `None` when a stage did not run
+/// or failed.
+fn lowered(plan: Option<Plan>, analysis: Analysis) -> Option<Lowered> {
+    let plan = plan?;
+    let Analysis {
+        verified: Some(verified),
+        memory: Some(memory),
+        timeline: Some(timeline),
+    } = analysis
+    else {
+        return None;
     };
-    let timeline = parc_compiler::timeline::simulate(&plan, spec);
-    let half = spec.train.precision != parc_compiler::spec::Precision::Fp32;
-    let device_memory = parc_compiler::memplan::device_memory(&plan, &memory_plans, half);
-    let mut summary = crate::cmd_plan::summary(&plan, &verified, &memory_plans, &timeline);
-    let roles: Vec<String> = plan.programs.iter().map(|p| p.role.clone()).collect();
-    summary.push_str(&crate::report::render_device_memory(&roles, &device_memory));
-    let report_program = plan.rank_program.get(plan.report_rank as usize).copied();
-    let report_rank_stall_fraction = timeline
-        .ranks
-        .iter()
-        .find(|r| Some(r.program) == report_program && timeline.step_seconds > 0.0)
-        .map(|r| (r.idle_seconds + r.exposed_comm_seconds) / timeline.step_seconds);
     Some(Lowered {
+        summary: crate::plan_summary::render(&plan, &verified, &memory, &timeline),
+        report_rank_stall_fraction: report_rank_stall_fraction(&plan, &timeline),
         verified,
-        memory_plans,
-        device_memory,
-        report_rank_stall_fraction,
+        memory_plans: memory.programs,
+        device_memory: memory.device,
         step_seconds: timeline.step_seconds,
         bubble_fraction: timeline.bubble_fraction,
         exposed_comm_fraction: timeline.exposed_comm_fraction,
-        summary,
     })
 }
 
+/// The simulated share of the step the report rank waits: idle plus exposed communication.
+fn report_rank_stall_fraction(plan: &Plan, timeline: &Timeline) -> Option<f64> {
+    let report_program = plan.rank_program.get(plan.report_rank as usize).copied();
+    timeline
+        .ranks
+        .iter()
+        .find(|r| Some(r.program) == report_program && timeline.step_seconds > 0.0)
+        .map(|r| (r.idle_seconds + r.exposed_comm_seconds) / timeline.step_seconds)
+}
+
 fn check_one(path: &Path, text: String, overrides: &[Override], lower: LowerWhen) -> Checked {
-    let mut sources = Sources::default();
-    let main = sources.add(path.display().to_string(), text);
-    let (spec, mut diags) = parc_compiler::check(&mut sources, main, overrides);
-    let report = spec.as_ref().map(|s| {
-        let r = cost::estimate(s);
-        diags.extend(cost::diagnose(s, &r));
-        r
-    });
-    let lowered = match &spec {
-        Some(s) if !diags.has_errors() && wants_lowering(s, lower) => {
-            lower_and_measure(s, &mut diags)
-        }
-        _ => None,
-    };
-    Checked {
-        file: path.display().to_string(),
+    let file = path.display().to_string();
+    let Compiled {
         sources,
-        diags,
-        report,
-        lowered,
+        diagnostics,
+        cost,
+        plan,
+        analysis,
+        ..
+    } = driver::compile(&file, text, overrides, &lower.options());
+    Checked {
+        file,
+        sources,
+        diags: diagnostics,
+        report: cost,
+        lowered: lowered(plan, analysis),
     }
 }
 

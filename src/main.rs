@@ -6,10 +6,14 @@ mod cmd_check;
 mod cmd_plan;
 mod cmd_run;
 mod diagnostics;
+mod input;
+mod plan_summary;
 mod report;
+mod run_args;
 mod run_comm;
 mod run_error;
 mod run_launch;
+mod run_prepare;
 mod run_profile;
 mod run_progress;
 mod run_supervise;
@@ -43,7 +47,7 @@ enum Command {
     /// Lower a spec to per-rank schedule programs, verify them, show the timeline.
     Plan(cmd_plan::PlanArgs),
     /// Train: run the verified programs on this machine's backend.
-    Run(cmd_run::RunArgs),
+    Run(run_args::RunArgs),
 }
 
 fn main() -> ExitCode {

@@ -1,7 +1,9 @@
 //! How a failed run's error is shown: a communication failure at an instruction of a rank's
 //! program also names the spec line of the layer that instruction belongs to
 //! (`at FILE:LINE:COL: layer blocks.1.attn`).
+use crate::input::{parse_overrides, read_spec};
 use parc_compiler::diag::Sources;
+use parc_compiler::driver::{self, CompileOptions, Stage};
 use parc_compiler::spec::Spec;
 use parc_runtime::error::RuntimeError;
 use std::path::Path;
@@ -33,10 +35,9 @@ pub fn describe(error: &RuntimeError, spec: &Spec, file: &Path, set: &[String]) 
 
 /// The sources of the run's spec, as the compiler saw them (same file ids as its spans).
 fn sources(file: &Path, set: &[String]) -> Option<Sources> {
-    let overrides = crate::cmd_check::parse_overrides(set).ok()?;
-    let text = crate::cmd_check::read_spec(file).ok()?;
-    let mut sources = Sources::default();
-    let main = sources.add(file.display().to_string(), text);
-    let _ = parc_compiler::check(&mut sources, main, &overrides);
-    Some(sources)
+    let overrides = parse_overrides(set).ok()?;
+    let text = read_spec(file).ok()?;
+    let options = CompileOptions::through(Stage::Check);
+    let checked = driver::compile(&file.display().to_string(), text, &overrides, &options);
+    Some(checked.sources)
 }

@@ -7,10 +7,9 @@
 //!
 //! For testing the failure handling, `PARC_TEST_FAULT=abort:R@MS` makes rank R's process abort
 //! MS milliseconds after the rendezvous (a crash), `stop:R@MS` stop (SIGSTOP: a hang).
-use crate::cmd_run::{
-    backend_and_plan, exit_code, finish_report, spec_folder, train_options, Resolved, RunArgs,
-};
-use crate::run_progress::{LogFormat, Progress, Summary};
+use crate::run_args::{spec_folder, train_options, Resolved, RunArgs};
+use crate::run_prepare::{backend_and_plan, exit_code};
+use crate::run_progress::{finish_report, LogFormat, Progress, Summary};
 use parc_compiler::ir::Plan;
 use parc_compiler::spec::Spec;
 use parc_runtime::launch::{self, LaunchEnv, Rendezvous, RendezvousConfig};

@@ -1,6 +1,7 @@
 //! What `parc run` prints while it trains: a human progress line (step, bar, loss, lr,
 //! tokens/s, ETA) on stderr, or one JSON object per step on stdout (`--log-format json`), and a
-//! final summary in either form.
+//! final summary in either form, which [`finish_report`] follows with the profiled step and the
+//! memory the backend held.
 //!
 //! JSON lines: `{"event":"step","step":N,"loss":…,"lr":…,"grad_norm":…,"tokens":…,
 //! "tokens_per_s":…,"elapsed_s":…,"loss_scale":…,"skipped":…}` where `step` counts completed
@@ -10,7 +11,10 @@
 //! skipped). A skipped step's human line is always printed (and kept on a terminal). The
 //! summary's `memory_reserved_bytes` is the most memory one rank's backend held, over all ranks
 //! also when each rank is its own process (null when the run does not know it).
+use crate::report::bytes;
+use parc_compiler::spec::Gpu;
 use parc_runtime::data::EpochProgress;
+use parc_runtime::exec::profile::StepProfile;
 use parc_runtime::exec::{LossScaleStep, StepRecord};
 use serde_json::json;
 use std::io::Write;
@@ -298,6 +302,39 @@ impl Progress {
             }
         }
     }
+}
+
+/// What the report rank prints when training has ended: the profiled step as JSON (before the
+/// summary line), the summary, then in the human format the memory the backend held and the
+/// profile's table.
+pub(crate) fn finish_report(
+    progress: &Progress,
+    summary: &Summary,
+    profile: Option<&StepProfile>,
+    format: LogFormat,
+    gpu: &Gpu,
+) {
+    if let (Some(profile), LogFormat::Json) = (profile, format) {
+        println!("{}", crate::run_profile::json(profile, gpu));
+    }
+    progress.finish(summary);
+    if format == LogFormat::Human {
+        if let Some(reserved) = summary.reserved_bytes {
+            print_reserved(summary.backend, reserved);
+        }
+        if let Some(profile) = profile {
+            eprint!("{}", crate::run_profile::human(profile, gpu));
+        }
+    }
+}
+
+/// The human summary's line on the most memory one rank's backend held.
+fn print_reserved(backend: &str, reserved: u64) {
+    eprintln!(
+        "memory held by the {backend} backend: {} per rank at most (buffers as planned, scratch, \
+         workspace)",
+        bytes(reserved as f64)
+    );
 }
 
 #[cfg(test)]

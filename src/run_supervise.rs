@@ -6,8 +6,9 @@
 //! unprefixed); the first rank that fails ends the whole job (the others are told through the
 //! rendezvous, then killed), its error and exit status are the launcher's, and Ctrl-C is
 //! forwarded to the ranks.
-use crate::cmd_run::{compile, resolve_backend, Resolved, RunArgs};
+use crate::run_args::{resolve_backend, Resolved, RunArgs};
 use crate::run_launch::{timeout, NO_MPI};
+use crate::run_prepare::{compile, print_error};
 use crate::run_progress::LogFormat;
 use parc_runtime::launch;
 use std::collections::HashMap;
@@ -30,7 +31,7 @@ pub fn launch(args: &RunArgs, n: u32) -> u8 {
         Err((code, message)) => {
             // An empty message: the error was already shown (the spec's diagnostics).
             if !message.is_empty() {
-                crate::cmd_run::print_error(&message);
+                print_error(&message);
             }
             code
         }

@@ -1,8 +1,9 @@
 //! parc's compiler core. Pure: no file IO, no CUDA. The CLI reads files into [`diag::Sources`]
-//! and renders what comes back.
+//! and renders what comes back; [`driver::compile`] chains the stages.
 pub mod check;
 pub mod cost;
 pub mod diag;
+pub mod driver;
 pub mod ir;
 pub mod lower;
 pub mod memplan;

@@ -8,7 +8,8 @@
 //! one. A run that checkpoints also exports its final parameters as global tensors
 //! (`DIR/model.safetensors`); `save_init` writes the parameters before the first step the
 //! same way, and `log_batches` the token offsets of every step's batch. Plans are verified
-//! (`parc_compiler::verify`) before any rank starts: the runtime runs only verified programs.
+//! (`parc_compiler::driver::analyze`) before any rank starts: the runtime runs only verified
+//! programs.
 //! All parallelism lives in the programs: this module only dispatches.
 pub mod gather;
 pub mod loss_scale;
@@ -27,6 +28,8 @@ use crate::checkpoint::{self, Manifest, ShardTensor};
 use crate::comm::{Comm, LocalComm};
 use crate::data::{write_run_batch_log, Dataset, EpochProgress};
 use crate::error::{Result, RuntimeError};
+use parc_compiler::diag::Diagnostics;
+use parc_compiler::driver::{self, Stage};
 use parc_compiler::ir::Plan;
 use parc_compiler::spec::Spec;
 use parc_compiler::verify::VerifyReport;
@@ -189,9 +192,12 @@ fn check_memory(plan: &Plan, report: &VerifyReport, limit: u64) -> Result<()> {
     )))
 }
 
-/// Verify `plan` (the runtime runs only verified plans).
+/// Verify `plan` through the compile driver's stages after lowering (the runtime runs only
+/// verified plans).
 fn verified(plan: &Plan, spec: &Spec) -> Result<VerifyReport> {
-    parc_compiler::verify::verify_spec(plan, spec).map_err(|diags| {
+    let mut diags = Diagnostics::default();
+    let analysis = driver::analyze(spec, plan, Stage::Verify, &mut diags);
+    analysis.verified.ok_or_else(|| {
         let problems: Vec<String> = diags
             .items
             .iter()

@@ -1,0 +1,264 @@
+//! The compile driver: the one place where the stages are chained. [`compile`] takes a spec's
+//! text and its `--set` overrides through check → cost model → lower → verify → memory plan →
+//! timeline, as far as [`CompileOptions`] asks, and hands back what every stage produced with
+//! all diagnostics in the order they were found ([`Compiled`]). [`analyze`] runs the stages
+//! after lowering on a plan lowered elsewhere (the runtime verifies the plans it is given
+//! through it).
+//!
+//! It owns the order of the stages and one rule: a stage runs only when every diagnostic so
+//! far is a warning, so a later stage never sees the input an earlier one refused. The stages
+//! themselves live in their modules; reading files and showing results is the caller's.
+
+use crate::cost::{self, CostReport};
+use crate::diag::{Diagnostic, Diagnostics, Sources};
+use crate::ir::Plan;
+use crate::memplan::{self, DeviceMemory, PlanSummary};
+use crate::overrides::Override;
+use crate::spec::{Precision, Spec};
+use crate::timeline::{self, Timeline};
+use crate::verify::{self, VerifyReport};
+
+/// The stages, in the order they run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Stage {
+    /// Parse and check the spec (and run the cost model when asked).
+    Check,
+    /// Lower the spec to a plan: one program per rank role.
+    Lower,
+    /// Verify the plan and measure each program's peak memory.
+    Verify,
+    /// Plan each program's memory and predict the memory per GPU on the CUDA backend.
+    MemoryPlan,
+    /// Simulate one step of the plan.
+    Timeline,
+}
+
+/// Which stages [`compile`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CompileOptions {
+    /// The last stage to run.
+    pub through: Stage,
+    /// Estimate the spec's costs with the cost model after checking; its diagnostics (memory
+    /// that does not fit, …) join the others and, when errors, stop lowering.
+    pub cost_model: bool,
+    /// Stop after checking, without an error, when the plan is larger than this
+    /// ([`plan_size`]); `None` lowers plans of any size.
+    pub max_plan_size: Option<u64>,
+}
+
+impl CompileOptions {
+    /// Run every stage up to `stage`, without the cost model and at any plan size.
+    pub fn through(stage: Stage) -> CompileOptions {
+        CompileOptions {
+            through: stage,
+            cost_model: false,
+            max_plan_size: None,
+        }
+    }
+}
+
+/// What [`compile`] produced: each stage's result, `None` for a stage that did not run or
+/// failed (its errors are in `diagnostics`).
+#[derive(Clone, Debug)]
+pub struct Compiled {
+    /// The main file, the stdlib modules it uses and the overrides: what spans point into.
+    pub sources: Sources,
+    /// Every diagnostic of every stage that ran, in the order found.
+    pub diagnostics: Diagnostics,
+    /// The checked spec (`None` when checking found errors).
+    pub spec: Option<Spec>,
+    /// The cost model's estimate, with [`CompileOptions::cost_model`].
+    pub cost: Option<CostReport>,
+    pub plan: Option<Plan>,
+    /// The stages after lowering.
+    pub analysis: Analysis,
+}
+
+/// What the stages after lowering produced.
+#[derive(Clone, Debug, Default)]
+pub struct Analysis {
+    /// The verifier's report: the runtime runs only plans that have one.
+    pub verified: Option<VerifyReport>,
+    pub memory: Option<MemoryPlans>,
+    pub timeline: Option<Timeline>,
+}
+
+/// Every program's memory plan, in program order.
+#[derive(Clone, Debug)]
+pub struct MemoryPlans {
+    /// Each plan beside the verifier's liveness peak.
+    pub programs: Vec<PlanSummary>,
+    /// Each program's predicted memory per GPU on the CUDA backend.
+    pub device: Vec<DeviceMemory>,
+}
+
+/// A plan's size as lowering's time grows with it: layers × microbatches.
+pub fn plan_size(spec: &Spec) -> u64 {
+    u64::from(spec.model.layers.max(1)) * u64::from(spec.parallel.microbatches)
+}
+
+/// Compile the spec `text` (shown as `name` in diagnostics) with `overrides` through the
+/// stages `options` asks for.
+pub fn compile(
+    name: &str,
+    text: String,
+    overrides: &[Override],
+    options: &CompileOptions,
+) -> Compiled {
+    let mut sources = Sources::default();
+    let main = sources.add(name, text);
+    let (spec, mut diagnostics) = crate::check(&mut sources, main, overrides);
+    let cost = match &spec {
+        Some(spec) if options.cost_model => Some(estimate_costs(spec, &mut diagnostics)),
+        _ => None,
+    };
+    let plan = match &spec {
+        Some(spec) if !diagnostics.has_errors() && wants_plan(spec, options) => {
+            keep(crate::lower::lower(spec), &mut diagnostics)
+        }
+        _ => None,
+    };
+    let analysis = match (&spec, &plan) {
+        (Some(spec), Some(plan)) => analyze(spec, plan, options.through, &mut diagnostics),
+        _ => Analysis::default(),
+    };
+    Compiled {
+        sources,
+        diagnostics,
+        spec,
+        cost,
+        plan,
+        analysis,
+    }
+}
+
+/// Run the stages after lowering, up to `through`, on `plan` (lowered from `spec`); their
+/// diagnostics join `diagnostics`.
+pub fn analyze(
+    spec: &Spec,
+    plan: &Plan,
+    through: Stage,
+    diagnostics: &mut Diagnostics,
+) -> Analysis {
+    let verified = if through >= Stage::Verify {
+        keep(verify::verify_spec(plan, spec), diagnostics)
+    } else {
+        None
+    };
+    let memory = match &verified {
+        Some(verified) if through >= Stage::MemoryPlan => {
+            plan_memory(spec, plan, verified, diagnostics)
+        }
+        _ => None,
+    };
+    let timeline = match &memory {
+        Some(_) if through >= Stage::Timeline => Some(timeline::simulate(plan, spec)),
+        _ => None,
+    };
+    Analysis {
+        verified,
+        memory,
+        timeline,
+    }
+}
+
+fn wants_plan(spec: &Spec, options: &CompileOptions) -> bool {
+    options.through >= Stage::Lower
+        && options
+            .max_plan_size
+            .is_none_or(|largest| plan_size(spec) <= largest)
+}
+
+/// The cost model's estimate; its diagnostics join `diagnostics`.
+fn estimate_costs(spec: &Spec, diagnostics: &mut Diagnostics) -> CostReport {
+    let report = cost::estimate(spec);
+    diagnostics.extend(cost::diagnose(spec, &report));
+    report
+}
+
+/// A stage's result, its errors moved into `diagnostics`.
+fn keep<T>(result: Result<T, Diagnostics>, diagnostics: &mut Diagnostics) -> Option<T> {
+    result.map_err(|errors| diagnostics.extend(errors)).ok()
+}
+
+/// Plan every program's memory, check it against the verified liveness peaks and predict the
+/// memory per GPU. A failure is a planner bug (the plan verified), reported as E0818.
+fn plan_memory(
+    spec: &Spec,
+    plan: &Plan,
+    verified: &VerifyReport,
+    diagnostics: &mut Diagnostics,
+) -> Option<MemoryPlans> {
+    let layouts = match memplan::plan_all(plan) {
+        Ok(layouts) => layouts,
+        Err(e) => {
+            diagnostics
+                .push(Diagnostic::error("E0818", e.to_string()).help(
+                    "this is a bug in parc's memory planner: please report it with the spec",
+                ));
+            return None;
+        }
+    };
+    let programs = memplan::summarize(&layouts, verified);
+    let half = spec.train.precision != Precision::Fp32;
+    let device = memplan::device_memory(plan, &programs, half);
+    Some(MemoryPlans { programs, device })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TINY: &str = include_str!("../../examples/tiny.par");
+
+    fn tiny(options: &CompileOptions) -> Compiled {
+        compile("tiny.par", TINY.to_string(), &[], options)
+    }
+
+    #[test]
+    fn every_stage_runs_through_the_timeline() {
+        let mut options = CompileOptions::through(Stage::Timeline);
+        options.cost_model = true;
+        let compiled = tiny(&options);
+        assert!(!compiled.diagnostics.has_errors());
+        assert!(compiled.spec.is_some() && compiled.cost.is_some() && compiled.plan.is_some());
+        let analysis = &compiled.analysis;
+        assert!(analysis.verified.is_some() && analysis.timeline.is_some());
+        let memory = analysis
+            .memory
+            .as_ref()
+            .map(|m| (m.programs.len(), m.device.len()));
+        assert_eq!(memory, Some((1, 1)));
+    }
+
+    #[test]
+    fn stages_after_through_do_not_run() {
+        let compiled = tiny(&CompileOptions::through(Stage::Lower));
+        assert!(compiled.plan.is_some() && compiled.cost.is_none());
+        assert!(compiled.analysis.verified.is_none());
+        let checked = tiny(&CompileOptions::through(Stage::Check));
+        assert!(checked.spec.is_some() && checked.plan.is_none());
+    }
+
+    #[test]
+    fn a_plan_over_the_size_limit_stops_after_checking_without_an_error() {
+        let mut options = CompileOptions::through(Stage::Timeline);
+        options.max_plan_size = Some(1);
+        let compiled = tiny(&options);
+        assert!(compiled.spec.is_some() && compiled.plan.is_none());
+        assert!(!compiled.diagnostics.has_errors());
+    }
+
+    #[test]
+    fn a_spec_with_errors_is_not_lowered() {
+        let broken = compile(
+            "broken.par",
+            "model m {".to_string(),
+            &[],
+            &CompileOptions::through(Stage::Timeline),
+        );
+        assert!(broken.diagnostics.has_errors());
+        assert!(broken.spec.is_none() && broken.plan.is_none());
+        assert_eq!(broken.sources.files.len(), 1);
+    }
+}

@@ -1,0 +1,143 @@
+//! `parc run`'s command line and what follows from it alone: the flags ([`RunArgs`]), the
+//! backend `--backend` resolves to ([`resolve_backend`]), the folder the spec's paths are
+//! relative to and the training options. Shared by the single-process run (`cmd_run`), the
+//! launcher (`run_supervise`) and each launched rank (`run_launch`).
+use crate::run_comm::CommChoice;
+use crate::run_progress::LogFormat;
+use crate::SpecArgs;
+use parc_runtime::exec::TrainOptions;
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendChoice {
+    /// CUDA when this build has it and a GPU is present, else the CPU.
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// The .par file.
+    pub file: PathBuf,
+    #[command(flatten)]
+    pub spec: SpecArgs,
+    /// Where the ranks compute.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub backend: BackendChoice,
+    /// How the ranks communicate: `nccl` on the GPUs' own buffers, `local` through host
+    /// memory; `auto` is NCCL for a CUDA run of several ranks.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub comm: CommChoice,
+    /// `human`: a progress line on stderr; `json`: one JSON object per step on stdout.
+    #[arg(long = "log-format", value_enum, default_value = "human")]
+    pub log_format: LogFormat,
+    /// Continue from a checkpoint: a `step-N` folder, or a checkpoint dir (its newest).
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
+    /// Time every op of one step (the third, or the last if fewer) and report where the
+    /// step's time went.
+    #[arg(long)]
+    pub profile: bool,
+    /// The 0-based step to profile (implies --profile).
+    #[arg(long = "profile-step", value_name = "N")]
+    pub profile_step: Option<u64>,
+    /// Start N rank processes of this run on this host, one rank per process (see
+    /// docs/launch.md); the spec's mesh must have N ranks.
+    #[arg(long = "nproc-per-node", value_name = "N")]
+    pub nproc_per_node: Option<u32>,
+    /// Seconds the ranks of a multi-process run wait for each other to join.
+    #[arg(
+        long = "rendezvous-timeout",
+        value_name = "SECS",
+        default_value_t = 60.0
+    )]
+    pub rendezvous_timeout: f64,
+    /// Seconds a rank of a multi-process run waits for a peer in a collective or transfer.
+    #[arg(long = "comm-timeout", value_name = "SECS", default_value_t = 120.0)]
+    pub comm_timeout: f64,
+    /// Write the parameters before the first step (the initialisation) as global tensors to
+    /// this safetensors file, named as in the final `model.safetensors`.
+    #[arg(long = "save-init", value_name = "FILE")]
+    pub save_init: Option<PathBuf>,
+    /// Write every step's global batch (token offsets of its samples in the data file) to
+    /// this file as JSON lines before training.
+    #[arg(long = "log-batches", value_name = "FILE")]
+    pub log_batches: Option<PathBuf>,
+}
+
+/// The backend a run will use, after resolving `auto`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Resolved {
+    Cpu,
+    #[cfg(feature = "cuda")]
+    Cuda,
+}
+
+impl Resolved {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Resolved::Cpu => "cpu",
+            #[cfg(feature = "cuda")]
+            Resolved::Cuda => "cuda",
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn resolve_backend(choice: BackendChoice, quiet: bool) -> Result<Resolved, String> {
+    match choice {
+        BackendChoice::Cpu => Ok(Resolved::Cpu),
+        BackendChoice::Cuda => Err("--backend cuda: this parc was built without CUDA; rebuild \
+             with `cargo build --release --features cuda` on a machine with the CUDA driver, \
+             or use --backend cpu"
+            .to_string()),
+        BackendChoice::Auto => {
+            if !quiet {
+                eprintln!("backend: cpu (auto: this parc was built without CUDA)");
+            }
+            Ok(Resolved::Cpu)
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) fn resolve_backend(choice: BackendChoice, quiet: bool) -> Result<Resolved, String> {
+    match choice {
+        BackendChoice::Cpu => Ok(Resolved::Cpu),
+        BackendChoice::Cuda => Ok(Resolved::Cuda),
+        BackendChoice::Auto => match parc_runtime::cuda::CudaBackend::new(0) {
+            Ok(_) => {
+                if !quiet {
+                    eprintln!("backend: cuda (auto: a CUDA device is present)");
+                }
+                Ok(Resolved::Cuda)
+            }
+            Err(e) => {
+                if !quiet {
+                    eprintln!("backend: cpu (auto: no usable CUDA device: {e})");
+                }
+                Ok(Resolved::Cpu)
+            }
+        },
+    }
+}
+
+/// The training options every way of running takes from the command line.
+pub(crate) fn train_options(args: &RunArgs, spec_dir: &Path) -> TrainOptions {
+    let mut options = TrainOptions::new(spec_dir);
+    options.resume = args.resume.clone();
+    options.profile = args.profile || args.profile_step.is_some();
+    options.profile_step = args.profile_step;
+    options.save_init = args.save_init.clone();
+    options.log_batches = args.log_batches.clone();
+    options
+}
+
+/// The folder data and checkpoint paths are relative to: the spec file's.
+pub(crate) fn spec_folder(file: &Path) -> PathBuf {
+    match file.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}

@@ -1,0 +1,80 @@
+//! What every way of running does before training: resolve the backend and compile the spec to
+//! a plan with its diagnostics on stderr ([`backend_and_plan`], [`compile`]), and how a run's
+//! errors reach stderr ([`print_error`], [`exit_code`]).
+use crate::diagnostics;
+use crate::input::{parse_overrides, read_spec};
+use crate::run_args::{resolve_backend, Resolved, RunArgs};
+use parc_compiler::driver::{self, CompileOptions, Compiled, Stage};
+use parc_compiler::ir::Plan;
+use parc_compiler::spec::Spec;
+use std::path::Path;
+
+/// The backend `args` asks for and its spec compiled to a plan. `Err` is the exit code, the
+/// error already on stderr: 2 for a backend that cannot run, else as [`compile`].
+pub(crate) fn backend_and_plan(args: &RunArgs, quiet: bool) -> Result<(Resolved, Spec, Plan), u8> {
+    let backend = resolve_backend(args.backend, quiet).map_err(|message| {
+        print_error(&message);
+        2
+    })?;
+    let (spec, plan) = compile(&args.file, &args.spec.set)?;
+    Ok((backend, spec, plan))
+}
+
+/// A run's exit code: 0, or 1 with its error on stderr.
+pub(crate) fn exit_code(outcome: Result<(), String>) -> u8 {
+    match outcome {
+        Ok(()) => 0,
+        Err(message) => {
+            print_error(&message);
+            1
+        }
+    }
+}
+
+/// `error: message` on stderr in one write, so that a launcher reading several ranks at once
+/// gets it whole (`eprintln!` writes each piece of its format separately).
+pub(crate) fn print_error(message: &str) {
+    use std::io::Write;
+    let text = format!("error: {message}\n");
+    let _ = std::io::stderr().lock().write_all(text.as_bytes());
+}
+
+/// Read, check and lower the spec, rendering every diagnostic on stderr. `Err` is the exit
+/// code: 2 for unreadable input or a bad `--set`, 1 for a spec with errors. (The runtime
+/// verifies the plan before it trains.)
+pub(crate) fn compile(file: &Path, set: &[String]) -> Result<(Spec, Plan), u8> {
+    let fail = |message: String| {
+        print_error(&message);
+        2
+    };
+    let overrides = parse_overrides(set).map_err(fail)?;
+    let text = read_spec(file).map_err(fail)?;
+    let shown = file.display();
+    let options = CompileOptions::through(Stage::Lower);
+    let compiled = driver::compile(&shown.to_string(), text, &overrides, &options);
+    show_diagnostics(&compiled);
+    match compiled {
+        Compiled {
+            spec: Some(spec),
+            plan: Some(plan),
+            ..
+        } => Ok((spec, plan)),
+        Compiled { spec: None, .. } => {
+            eprintln!("error: {shown} has errors; `parc check` shows them all");
+            Err(1)
+        }
+        Compiled { plan: None, .. } => {
+            eprintln!("error: the plan of {shown} cannot be lowered");
+            Err(1)
+        }
+    }
+}
+
+/// Every diagnostic of the compilation on stderr, each followed by an empty line.
+fn show_diagnostics(compiled: &Compiled) {
+    let color = diagnostics::stderr_color();
+    for d in &compiled.diagnostics.items {
+        eprint!("{}", diagnostics::render(&compiled.sources, d, color));
+        eprintln!();
+    }
+}
