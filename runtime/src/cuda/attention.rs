@@ -1,7 +1,6 @@
 //! Attention (`Op::Attention`, `Op::AttentionBwd`) on the GPU: checks the op's geometry and
-//! buffers, uploads the q/kv global positions, lays out the op's scratch memory (the same
-//! layout `storage::program_needs` reserves, via [`scratch_bytes`]), and launches one of two
-//! kernel families:
+//! buffers, uploads the q/kv global positions, lays out the op's scratch memory (whose size
+//! `memplan::backend_scratch` reserves), and launches one of two kernel families:
 //! - bf16 runs with head_dim 64 or 128 and a positive scale: flash attention on tensor cores,
 //!   bf16 operands, fp32 accumulation and softmax. On a Hopper GPU for head_dim 64 the
 //!   warp-specialized, TMA-fed kernels (`kernels/attention_ws_{fwd,bwd}.cu`: persistent CTAs,
@@ -212,7 +211,7 @@ const DEFAULT_SMEM: u32 = 48 << 10;
 /// The most blocks a grid's y dimension takes.
 const MAX_GRID_Y: usize = 65_535;
 /// Alignment of each piece of an attention call's scratch.
-const SCRATCH_ALIGN: usize = 256;
+const SCRATCH_ALIGN: usize = parc_compiler::memplan::ALIGN as usize;
 
 /// The tensor-core kernels' names and shared memory for one head dim, or None where the
 /// exact kernels run.
@@ -253,10 +252,10 @@ impl TensorCore {
     }
 
     /// The tensor-core kernels for this op, or None where the exact kernels run: they need a
-    /// bf16 run (`bf16_run`), head_dim 64 or 128, and a positive scale (they take the row max
-    /// of raw scores).
+    /// bf16 run (`bf16_run`), head_dim 64 or 128, and a positive scale
+    /// (`memplan::tensor_core_attention`, which the reserved scratch follows).
     fn for_op(bf16_run: bool, head_dim: u64, scale: f64) -> Option<TensorCore> {
-        if !bf16_run || (scale as f32) <= 0.0 {
+        if !parc_compiler::memplan::tensor_core_attention(bf16_run, head_dim, scale) {
             return None;
         }
         TensorCore::for_head_dim(usize::try_from(head_dim).ok()?)
@@ -410,8 +409,11 @@ fn layout_for(
     }
 }
 
-/// Bytes of scratch memory `op` (an attention op; 0 for any other) asks the backend for, given
-/// its buffers' (elements, dtype), inputs then outputs; `bf16_run`: a bf16 run (tensor cores).
+/// Bytes of scratch memory `op` (an attention op; 0 for any other) lays out, given its
+/// buffers' (elements, dtype), inputs then outputs; `bf16_run`: a bf16 run (tensor cores).
+/// `prepare` reserves the compiler's size of it (`memplan::backend_scratch`); the storage
+/// tests hold the two equal.
+#[cfg(test)]
 pub(crate) fn scratch_bytes(
     op: &Op,
     bf16_run: bool,
