@@ -45,7 +45,7 @@ pub use check::check_layout;
 pub use device::{device_memory, predicted_reserved, DeviceLine, DeviceMemory};
 pub use overlap::{comm_overlap, CommOverlap};
 pub use scratch::{
-    backend_scratch, op_scratch, tensor_core_attention, BackendScratch, OpScratch,
+    attention_scratch, backend_scratch, tensor_core_attention, AttentionScratch, BackendScratch,
     CUBLASLT_WORKSPACE_BYTES, MIN_REDUCTION_SCRATCH, REDUCTION_CHUNKS, SUM_SQUARES_BLOCKS,
 };
 pub use zeroing::zero_needs;

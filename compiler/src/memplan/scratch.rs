@@ -12,7 +12,7 @@
 //!   it the longest bias (gradient) vector.
 //! - **Op scratch**: the largest op's reduction partials (`SumSquares`' per-block sums; norm
 //!   and bias gradients' per-chunk column sums, f64), the fused cross-entropy's per-row losses
-//!   (f64), or attention's scratch ([`attention_scratch`]); at least
+//!   (f64), or the attention scratch the kernels lay out ([`attention_scratch`]); at least
 //!   [`MIN_REDUCTION_SCRATCH`].
 //! - **Aliased copies**: the largest op's inputs that are also its outputs (read from before
 //!   the op writes them), except those the op updates in place (`Op::in_place`).
@@ -53,10 +53,10 @@ pub struct BackendScratch {
 
 /// One op's share of [`BackendScratch`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct OpScratch {
-    pub gemm_operands: u64,
-    pub reduction: u64,
-    pub aliased: u64,
+struct OpScratch {
+    gemm_operands: u64,
+    reduction: u64,
+    aliased: u64,
 }
 
 fn aligned(bytes: u64) -> u64 {
@@ -98,7 +98,7 @@ pub fn backend_scratch(program: &Program, half: bool) -> BackendScratch {
 
 /// The scratch one compute instruction of `program` asks for; `half` as for
 /// [`backend_scratch`].
-pub fn op_scratch(program: &Program, c: Compute<'_>, half: bool) -> OpScratch {
+fn op_scratch(program: &Program, c: Compute<'_>, half: bool) -> OpScratch {
     OpScratch {
         gemm_operands: if half { gemm_operands(program, c) } else { 0 },
         reduction: reduction(program, c, half),
@@ -181,7 +181,8 @@ fn reduction(program: &Program, c: Compute<'_>, half: bool) -> u64 {
                 let shape = |id: &BufferId| program.buffer(*id).map_or((0, DType::F32), shape);
                 ids.iter().map(shape).collect()
             };
-            attention_scratch(c.op, half, &shapes(inputs), &shapes(outputs))
+            let layout = attention_scratch(c.op, half, &shapes(inputs), &shapes(outputs));
+            layout.map_or(0, |l| l.bytes)
         }
         // Each row's loss (f64), summed in a fixed order after.
         Op::CrossEntropy { .. } => numel(inputs.get(1)) * 8,
@@ -211,12 +212,33 @@ pub fn tensor_core_attention(half: bool, head_dim: u64, scale: f64) -> bool {
     half && (scale as f32) > 0.0 && TENSOR_CORE_HEAD_DIMS.contains(&head_dim)
 }
 
-/// An attention op's scratch (0 for any other op) from its buffers' (elements, dtype), inputs
-/// then outputs: with tensor cores a bf16 copy of each f32 operand read (q, k, v or the packed
-/// qkv; the backward also dO); then for the backward `delta` and `lse2` (one f32 per lse row,
-/// rows padded to 4 per head) and, where dQ is stored bf16 and always for a packed op (dqkv's
-/// q columns are not compact rows), dQ's f32 accumulator of dO's shape; each piece aligned.
-fn attention_scratch(op: &Op, half: bool, ins: &[(u64, DType)], outs: &[(u64, DType)]) -> u64 {
+/// Where the pieces of an attention op's scratch lie, in bytes from its start, each aligned
+/// ([`attention_scratch`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AttentionScratch {
+    /// Per operand the tensor-core kernels read as bf16 (the backward's dO, then q, k, v or the
+    /// packed qkv): its bf16 copy's offset, or None where it is read in place; empty for the
+    /// exact kernels.
+    pub copies: Vec<Option<u64>>,
+    /// The offsets of `delta` and `lse2` (backward only).
+    pub stats: Option<(u64, u64)>,
+    /// The offset of dQ's f32 accumulator, where there is one.
+    pub dq_acc: Option<u64>,
+    pub bytes: u64,
+}
+
+/// The scratch an attention op lays out (None for any other op), from its buffers' (elements,
+/// dtype), inputs then outputs; `half` as for [`backend_scratch`]. With tensor cores, a bf16
+/// copy of each operand read that is not stored bf16; then for the backward `delta` and `lse2`
+/// (one f32 per (batch, head, query), query rows padded to 4: the kernels' `att_rows`) and,
+/// where dQ is stored bf16 and always for a packed op (dqkv's q columns are not compact
+/// rows), dQ's f32 accumulator of dO's shape.
+pub fn attention_scratch(
+    op: &Op,
+    half: bool,
+    ins: &[(u64, DType)],
+    outs: &[(u64, DType)],
+) -> Option<AttentionScratch> {
     let (Op::Attention {
         batch,
         heads,
@@ -234,28 +256,40 @@ fn attention_scratch(op: &Op, half: bool, ins: &[(u64, DType)], outs: &[(u64, DT
         ..
     }) = op
     else {
-        return 0;
+        return None;
     };
     let tc = tensor_core_attention(half, *head_dim, *scale);
     let backward = matches!(op, Op::AttentionBwd { .. });
+    let mut bytes = 0;
+    let mut take = |n: u64| {
+        let at = bytes;
+        bytes = aligned(bytes + n);
+        at
+    };
     // Inputs: [dO,] q, k, v[, o, lse], or packed [dO,] qkv[, o, lse].
     let operands = usize::from(backward) + if *packed { 1 } else { 3 };
-    let mut bytes: u64 = ins
+    let copies = ins
         .iter()
         .take(if tc { operands } else { 0 })
-        .filter(|(_, dtype)| *dtype == DType::F32)
-        .map(|(n, _)| aligned(n * 2))
-        .sum();
+        .map(|&(n, dtype)| (dtype != DType::Bf16).then(|| take(n * 2)))
+        .collect();
+    let (mut stats, mut dq_acc) = (None, None);
     if backward {
         let rows = ins.get(operands + 1).map_or(0, |lse| lse.0);
         let per_head = (batch * heads).max(1);
-        bytes += 2 * aligned(per_head * (rows / per_head).next_multiple_of(4) * 4);
+        let len = per_head * (rows / per_head).next_multiple_of(4) * 4;
+        stats = Some((take(len), take(len)));
         let bf16_dq = outs.first().is_some_and(|dq| dq.1 == DType::Bf16);
         if tc && (*packed || bf16_dq) {
-            bytes += aligned(ins.first().map_or(0, |d_out| d_out.0) * 4);
+            dq_acc = Some(take(ins.first().map_or(0, |d_out| d_out.0) * 4));
         }
     }
-    bytes
+    Some(AttentionScratch {
+        copies,
+        stats,
+        dq_acc,
+        bytes,
+    })
 }
 
 #[cfg(test)]
@@ -406,23 +440,12 @@ mod tests {
         assert_eq!((in_place(DType::F32), in_place(DType::Bf16)), (4096, 2048));
     }
 
-    fn attention(backward: bool) -> Op {
-        let (batch, heads, kv_heads, head_dim, causal, scale) = (1, 2, 2, 64, true, 0.125);
-        let positions = vec![Segment { start: 0, len: 8 }];
-        let (q_positions, kv_positions, packed) = (positions.clone(), positions, false);
-        if backward {
-            Op::AttentionBwd {
-                batch,
-                heads,
-                kv_heads,
-                head_dim,
-                causal,
-                scale,
-                q_positions,
-                kv_positions,
-                packed,
-            }
-        } else {
+    /// Attention over 10 positions × batch 2, 4 heads and 2 kv heads of `head_dim`.
+    fn attention(forward: bool, head_dim: u64) -> Op {
+        let positions = vec![Segment { start: 0, len: 10 }];
+        let (batch, heads, kv_heads, causal, scale) = (2, 4, 2, true, 0.125);
+        let (q_positions, kv_positions) = (positions.clone(), positions);
+        if forward {
             Op::Attention {
                 batch,
                 heads,
@@ -432,33 +455,128 @@ mod tests {
                 scale,
                 q_positions,
                 kv_positions,
-                packed,
+                packed: false,
+            }
+        } else {
+            Op::AttentionBwd {
+                batch,
+                heads,
+                kv_heads,
+                head_dim,
+                causal,
+                scale,
+                q_positions,
+                kv_positions,
+                packed: false,
             }
         }
     }
 
+    /// `op` with q, k, v packed into one buffer.
+    fn packed(mut op: Op) -> Op {
+        if let Op::Attention { packed, .. } | Op::AttentionBwd { packed, .. } = &mut op {
+            *packed = true;
+        }
+        op
+    }
+
+    fn bytes(op: &Op, half: bool, ins: &[(u64, DType)], outs: &[(u64, DType)]) -> u64 {
+        attention_scratch(op, half, ins, outs).map_or(0, |l| l.bytes)
+    }
+
+    /// bf16 operands are read in place (no copy), f32 ones copied; the backward's delta and
+    /// lse2 pad each (batch, head)'s 10 query rows to 12; a bf16 dQ gets an f32 accumulator
+    /// on the tensor-core path only; every piece starts on a 256-byte boundary.
     #[test]
-    fn half_runs_reserve_the_attention_copies() {
-        // q, k, v, o: 8 rows × 128; lse: 2 heads × 8.
+    fn attention_scratch_holds_copies_of_f32_operands_only() {
+        let (f, b) = (DType::F32, DType::Bf16);
+        let (q, kv, lse) = (10 * 2 * 4 * 64, 10 * 2 * 2 * 64, 2 * 4 * 10);
+        let fwd = attention(true, 64);
+        assert_eq!(bytes(&fwd, true, &[(q, b), (kv, b), (kv, b)], &[]), 0);
+        assert_eq!(
+            bytes(&fwd, true, &[(q, f), (kv, b), (kv, f)], &[]),
+            aligned(q * 2) + aligned(kv * 2)
+        );
+        // fp32 runs and other head dims: the exact kernels, no copies.
+        let f32_qkv = [(q, f), (kv, f), (kv, f)];
+        assert_eq!(bytes(&fwd, false, &f32_qkv, &[]), 0);
+        assert_eq!(bytes(&attention(true, 32), true, &f32_qkv, &[]), 0);
+        let bwd = attention(false, 64);
+        let stats = aligned(2 * 4 * 12 * 4);
+        let ins = |t: DType| [(q, t), (q, t), (kv, t), (kv, t), (q, t), (lse, f)];
+        let outs = |t: DType| [(q, t), (kv, t), (kv, t)];
+        assert_eq!(bytes(&bwd, true, &ins(b), &outs(f)), 2 * stats);
+        assert_eq!(
+            bytes(&bwd, true, &ins(b), &outs(b)),
+            2 * stats + aligned(q * 4)
+        );
+        let copies = 2 * aligned(q * 2) + 2 * aligned(kv * 2);
+        assert_eq!(bytes(&bwd, true, &ins(f), &outs(f)), copies + 2 * stats);
+        assert_eq!(bytes(&bwd, false, &ins(b), &outs(b)), 2 * stats);
+        let layout = attention_scratch(&bwd, true, &ins(f), &outs(b)).unwrap();
+        assert_eq!(layout.copies.len(), 4);
+        let offsets = layout.copies.iter().flatten().copied();
+        let stats_at = layout.stats.unwrap();
+        for at in offsets.chain([stats_at.0, stats_at.1, layout.dq_acc.unwrap()]) {
+            assert_eq!(at % 256, 0);
+        }
+        assert_eq!(attention_scratch(&Op::Copy, true, &[], &[]), None);
+    }
+
+    /// A packed op's scratch: a copy of the whole qkv where it is f32 (and of dO), never of
+    /// its parts; the backward's dQ accumulator whatever dqkv's dtype (dq is a column range
+    /// of it, so the kernels never accumulate in place), sized as dO.
+    #[test]
+    fn packed_attention_copies_qkv_whole_and_always_accumulates_dq_apart() {
+        let (f, b) = (DType::F32, DType::Bf16);
+        // 10 positions x batch 2; 4 heads, 2 kv heads of 64: rows of (4 + 2 * 2) * 64.
+        let (q, qkv, lse) = (10 * 2 * 4 * 64, 10 * 2 * 8 * 64, 2 * 4 * 10);
+        let fwd = packed(attention(true, 64));
+        assert_eq!(bytes(&fwd, true, &[(qkv, b)], &[]), 0);
+        assert_eq!(bytes(&fwd, true, &[(qkv, f)], &[]), aligned(qkv * 2));
+        assert_eq!(bytes(&fwd, false, &[(qkv, f)], &[]), 0);
+        let bwd = packed(attention(false, 64));
+        let (stats, acc) = (aligned(2 * 4 * 12 * 4), aligned(q * 4));
+        let ins = |t: DType| [(q, t), (qkv, t), (q, t), (lse, f)];
+        for dqkv in [b, f] {
+            let reserved = bytes(&bwd, true, &ins(b), &[(qkv, dqkv)]);
+            assert_eq!(reserved, 2 * stats + acc);
+        }
+        let copies = aligned(q * 2) + aligned(qkv * 2);
+        assert_eq!(
+            bytes(&bwd, true, &ins(f), &[(qkv, f)]),
+            copies + 2 * stats + acc
+        );
+        // The exact kernels: delta and lse2 only.
+        assert_eq!(bytes(&bwd, false, &ins(f), &[(qkv, f)]), 2 * stats);
+        let layout = attention_scratch(&bwd, true, &ins(f), &[(qkv, b)]).unwrap();
+        assert_eq!(layout.copies.len(), 2);
+    }
+
+    #[test]
+    fn programs_reserve_their_largest_attention_scratch() {
+        // q, k, v, o and lse of `attention(_, 64)`; the backward's dO is o.
+        let (q, kv, lse) = (10 * 2 * 4 * 64, 10 * 2 * 2 * 64, 2 * 4 * 10);
         let mut program = program_of(
-            &[1024, 1024, 1024, 1024, 16],
+            &[q, kv, kv, q, lse],
             vec![
-                Instr::compute(attention(false), &[0, 1, 2], &[3, 4]),
-                Instr::compute(attention(true), &[3, 0, 1, 2, 3, 4], &[0, 1, 2]),
+                Instr::compute(attention(true, 64), &[0, 1, 2], &[3, 4]),
+                Instr::compute(attention(false, 64), &[3, 0, 1, 2, 3, 4], &[0, 1, 2]),
             ],
         );
-        // delta and lse2 (16 floats each, on 256-byte boundaries); then, before them, the bf16
-        // copies of the four f32 operands dO, q, k, v.
-        assert_eq!(backend_scratch(&program, false).reduction, 2 * 256);
+        let (q, kv, stats) = (q as u64, kv as u64, aligned(2 * 4 * 12 * 4));
+        assert_eq!(backend_scratch(&program, false).reduction, 2 * stats);
+        // The backward's copies of dO, q, k and v.
+        let copies = 2 * aligned(q * 2) + 2 * aligned(kv * 2);
         assert_eq!(
             backend_scratch(&program, true).reduction,
-            4 * 2048 + 2 * 256
+            copies + 2 * stats
         );
-        // A bf16 q is read in place, and dQ, stored bf16 too, accumulates in f32 (dO's shape).
+        // A bf16 q is read in place, and dQ, stored bf16 too, accumulates in f32.
         program.buffers[0].dtype = DType::Bf16;
         assert_eq!(
             backend_scratch(&program, true).reduction,
-            3 * 2048 + 2 * 256 + 4096
+            copies - aligned(q * 2) + 2 * stats + aligned(q * 4)
         );
     }
 }
