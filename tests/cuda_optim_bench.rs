@@ -13,18 +13,10 @@
 #[path = "ir/fixtures.rs"]
 mod fixtures;
 
-#[test]
-#[ignore = "needs a GPU: run on the device machine with --ignored"]
-fn gpt2_optimizer_launches() {
-    #[cfg(not(feature = "cuda"))]
-    println!("skipped: no CUDA device (this build has no `cuda` feature)");
-    #[cfg(feature = "cuda")]
-    bench::run();
-}
-
-#[cfg(feature = "cuda")]
 #[path = "gpu_support/mod.rs"]
 mod gpu_support;
+
+gpu_support::gpu_benchmark!(gpt2_optimizer_launches, bench::run);
 
 #[cfg(feature = "cuda")]
 mod bench {

@@ -1,11 +1,27 @@
 //! What the GPU tests and micro-benchmarks (`tests/cuda_*`, `tests/memplan.rs`) share: the
-//! backend they run on, or the visible skip without a GPU, and for the benchmarks reproducible
-//! inputs and the median of timed samples. Each test binary includes this file as a module
-//! (`#[path]`), so it is compiled once per binary.
+//! backend they run on, or the visible skip without a GPU, and for the benchmarks their test
+//! (skipped without the `cuda` feature), reproducible inputs and the median of timed samples.
+//! Each test binary includes this file as a module (`#[path]`), so it is compiled once per
+//! binary.
 #![allow(dead_code)] // each binary uses a part
 
-use parc_compiler::spec::Precision;
-use parc_runtime::cuda::CudaBackend;
+/// The ignored test `$name` of a benchmark: it runs `$run` in a `cuda` build, and otherwise
+/// prints the skip.
+#[allow(unused_macros)] // the benchmarks' binaries use it
+macro_rules! gpu_benchmark {
+    ($name:ident, $run:path) => {
+        #[test]
+        #[ignore = "needs a GPU: run on the device machine with --ignored"]
+        fn $name() {
+            #[cfg(not(feature = "cuda"))]
+            println!("skipped: no CUDA device (this build has no `cuda` feature)");
+            #[cfg(feature = "cuda")]
+            $run();
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use gpu_benchmark;
 
 /// `len` values uniform in [lo, hi) from a fixed LCG stream of `seed`. The speeds measured do
 /// not depend on the values, but zeros would hide outputs a kernel never wrote (and can run
@@ -32,8 +48,11 @@ pub fn median(mut v: Vec<f64>) -> f64 {
 
 /// A CUDA backend on GPU 0 in `precision`, or None after printing the skip when there is no
 /// GPU (a GPU that is there but fails to give a backend fails the benchmark instead).
-pub fn backend_or_skip(precision: Precision) -> Option<CudaBackend> {
-    match CudaBackend::with_precision(0, precision) {
+#[cfg(feature = "cuda")]
+pub fn backend_or_skip(
+    precision: parc_compiler::spec::Precision,
+) -> Option<parc_runtime::cuda::CudaBackend> {
+    match parc_runtime::cuda::CudaBackend::with_precision(0, precision) {
         Ok(b) => Some(b),
         Err(e) => {
             assert!(
