@@ -600,15 +600,11 @@ fn full_matrix() -> Vec<(bool, PlanChoice)> {
                                         plans.push((
                                             llama,
                                             PlanChoice {
-                                                dp,
-                                                pp,
-                                                cp,
-                                                tp,
-                                                zero,
                                                 schedule,
                                                 microbatches: 2 * pp,
                                                 recompute: recompute.clone(),
                                                 sp,
+                                                ..PlanChoice::mesh(dp, pp, cp, tp, zero)
                                             },
                                         ));
                                     }

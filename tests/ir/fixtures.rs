@@ -63,6 +63,20 @@ impl Default for PlanChoice {
     }
 }
 
+impl PlanChoice {
+    /// The default choice on the mesh `dp` × `pp` × `cp` × `tp`, with ZeRO stage `zero`.
+    pub fn mesh(dp: u32, pp: u32, cp: u32, tp: u32, zero: ZeroStage) -> PlanChoice {
+        PlanChoice {
+            dp,
+            pp,
+            cp,
+            tp,
+            zero,
+            ..PlanChoice::default()
+        }
+    }
+}
+
 /// Model sizes.
 pub struct Dims {
     pub vocab: u64,
