@@ -40,13 +40,43 @@ pub(crate) fn combine(acc: &mut [f32], x: &[f32], op: ReduceOp) {
     }
 }
 
-/// The message for a collective whose input and output lengths do not fit its group.
-pub(crate) fn length_mismatch(what: &str, group: &[u32], input: usize, output: usize) -> String {
-    format!(
+/// Checks all_gather's lengths: `output` holds one `input` per member of `group`; else the
+/// message.
+pub(crate) fn all_gather_lengths(
+    group: &[u32],
+    input: usize,
+    output: usize,
+) -> std::result::Result<(), String> {
+    let fits = output == input * group.len();
+    lengths_fit("all_gather", group, (input, output), fits)
+}
+
+/// Checks reduce_scatter's lengths: `input` holds one `output` per member of `group`; else the
+/// message.
+pub(crate) fn reduce_scatter_lengths(
+    group: &[u32],
+    input: usize,
+    output: usize,
+) -> std::result::Result<(), String> {
+    let fits = input == output * group.len();
+    lengths_fit("reduce_scatter", group, (input, output), fits)
+}
+
+/// Ok where the collective `what`'s lengths `fit` its group, else the message.
+fn lengths_fit(
+    what: &str,
+    group: &[u32],
+    (input, output): (usize, usize),
+    fit: bool,
+) -> std::result::Result<(), String> {
+    if fit {
+        return Ok(());
+    }
+    Err(format!(
         "{what} on group {group:?}: input of {input} and output of {output} elements do not fit \
          {} members",
         group.len()
-    )
+    ))
 }
 
 /// One send or receive of a [`Comm::group_p2p`] batch.

@@ -21,7 +21,7 @@
 //! operation and the peers it still waits for, or at once when the rendezvous reports that a
 //! rank failed. After a failure the process must exit: buffers of unfinished sends are leaked
 //! on purpose (MPI may still read them), and MPI is not finalized.
-use super::{combine, length_mismatch, Comm, PeerOp};
+use super::{all_gather_lengths, combine, reduce_scatter_lengths, Comm, PeerOp};
 use crate::error::{Result, RuntimeError};
 use crate::launch::Rendezvous;
 use mpi::ffi;
@@ -534,10 +534,6 @@ impl Drop for MpiComm {
     }
 }
 
-fn length_error(what: &str, group: &[u32], input: usize, output: usize) -> RuntimeError {
-    mpi_error(length_mismatch(what, group, input, output))
-}
-
 /// Reduce into `out` the contributions of a group of `members` in group-rank order: this
 /// member's `own` at index `me`, the others' from `received` (their bytes in group order, `me`
 /// left out).
@@ -599,9 +595,7 @@ impl Comm for MpiComm {
     }
 
     fn all_gather(&mut self, group: &[u32], input: &[f32], output: &mut [f32]) -> Result<()> {
-        if output.len() != input.len() * group.len() {
-            return Err(length_error("all_gather", group, input.len(), output.len()));
-        }
+        all_gather_lengths(group, input.len(), output.len()).map_err(mpi_error)?;
         let me = self.member(group)?;
         let mine: Vec<u8> = f32_bytes(input).collect();
         let parts = vec![Some(mine); group.len()];
@@ -626,14 +620,7 @@ impl Comm for MpiComm {
     }
 
     fn reduce_scatter(&mut self, group: &[u32], input: &[f32], output: &mut [f32]) -> Result<()> {
-        if input.len() != output.len() * group.len() {
-            return Err(length_error(
-                "reduce_scatter",
-                group,
-                input.len(),
-                output.len(),
-            ));
-        }
+        reduce_scatter_lengths(group, input.len(), output.len()).map_err(mpi_error)?;
         let me = self.member(group)?;
         let n = output.len();
         let parts: Vec<Option<Vec<u8>>> = (0..group.len())
