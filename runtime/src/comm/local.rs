@@ -6,9 +6,9 @@
 //!
 //! Every wait is bounded by the fabric's timeout and re-checks whether a peer aborted; members
 //! that issue different collectives for the same call number are reported with both ops.
-use super::{all_gather_lengths, combine, reduce_scatter_lengths, Comm, PeerOp};
+use super::{check_lengths, combine, Comm, PeerOp};
 use crate::error::{Result, RuntimeError};
-use parc_compiler::ir::ReduceOp;
+use parc_compiler::ir::{CollectiveKind, ReduceOp};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -315,7 +315,8 @@ impl Comm for LocalComm {
     }
 
     fn all_gather(&mut self, group: &[u32], input: &[f32], output: &mut [f32]) -> Result<()> {
-        all_gather_lengths(group, input.len(), output.len()).map_err(RuntimeError::Comm)?;
+        check_lengths(CollectiveKind::AllGather, group, input, output)
+            .map_err(RuntimeError::Comm)?;
         let call = CollectiveCall::AllGather { len: input.len() };
         let inputs = self.exchange(group, call, input.to_vec())?;
         for (chunk, member) in output.chunks_mut(input.len().max(1)).zip(&inputs) {
@@ -325,7 +326,8 @@ impl Comm for LocalComm {
     }
 
     fn reduce_scatter(&mut self, group: &[u32], input: &[f32], output: &mut [f32]) -> Result<()> {
-        reduce_scatter_lengths(group, input.len(), output.len()).map_err(RuntimeError::Comm)?;
+        check_lengths(CollectiveKind::ReduceScatter, group, input, output)
+            .map_err(RuntimeError::Comm)?;
         let me = self.check_group(group)?;
         let call = CollectiveCall::ReduceScatter { len: input.len() };
         let inputs = self.exchange(group, call, input.to_vec())?;

@@ -27,7 +27,7 @@ pub mod mpi;
 pub use local::LocalComm;
 
 use crate::error::Result;
-use parc_compiler::ir::ReduceOp;
+use parc_compiler::ir::{CollectiveKind, ReduceOp};
 
 /// `acc ← acc op x` elementwise: the step every comm applies to the members' contributions, one
 /// member after another in group-rank order (the first is copied), so all agree bit for bit.
@@ -40,36 +40,21 @@ pub(crate) fn combine(acc: &mut [f32], x: &[f32], op: ReduceOp) {
     }
 }
 
-/// Checks all_gather's lengths: `output` holds one `input` per member of `group`; else the
-/// message.
-pub(crate) fn all_gather_lengths(
+/// Checks an all_gather's or reduce_scatter's lengths: its gathered side (all_gather's output,
+/// reduce_scatter's input) holds one of the other per member of `group`. Else the message.
+pub(crate) fn check_lengths(
+    kind: CollectiveKind,
     group: &[u32],
-    input: usize,
-    output: usize,
+    input: &[f32],
+    output: &[f32],
 ) -> std::result::Result<(), String> {
-    let fits = output == input * group.len();
-    lengths_fit("all_gather", group, (input, output), fits)
-}
-
-/// Checks reduce_scatter's lengths: `input` holds one `output` per member of `group`; else the
-/// message.
-pub(crate) fn reduce_scatter_lengths(
-    group: &[u32],
-    input: usize,
-    output: usize,
-) -> std::result::Result<(), String> {
-    let fits = input == output * group.len();
-    lengths_fit("reduce_scatter", group, (input, output), fits)
-}
-
-/// Ok where the collective `what`'s lengths `fit` its group, else the message.
-fn lengths_fit(
-    what: &str,
-    group: &[u32],
-    (input, output): (usize, usize),
-    fit: bool,
-) -> std::result::Result<(), String> {
-    if fit {
+    let (input, output) = (input.len(), output.len());
+    let (what, part, whole) = match kind {
+        CollectiveKind::AllGather => ("all_gather", input, output),
+        CollectiveKind::ReduceScatter => ("reduce_scatter", output, input),
+        CollectiveKind::AllReduce { .. } | CollectiveKind::Broadcast { .. } => return Ok(()),
+    };
+    if whole == part * group.len() {
         return Ok(());
     }
     Err(format!(

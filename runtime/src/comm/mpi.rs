@@ -21,11 +21,11 @@
 //! operation and the peers it still waits for, or at once when the rendezvous reports that a
 //! rank failed. After a failure the process must exit: buffers of unfinished sends are leaked
 //! on purpose (MPI may still read them), and MPI is not finalized.
-use super::{all_gather_lengths, combine, reduce_scatter_lengths, Comm, PeerOp};
+use super::{check_lengths, combine, Comm, PeerOp};
 use crate::error::{Result, RuntimeError};
 use crate::launch::Rendezvous;
 use mpi::ffi;
-use parc_compiler::ir::ReduceOp;
+use parc_compiler::ir::{CollectiveKind, ReduceOp};
 use std::collections::HashMap;
 use std::os::raw::c_int;
 use std::time::{Duration, Instant};
@@ -595,7 +595,7 @@ impl Comm for MpiComm {
     }
 
     fn all_gather(&mut self, group: &[u32], input: &[f32], output: &mut [f32]) -> Result<()> {
-        all_gather_lengths(group, input.len(), output.len()).map_err(mpi_error)?;
+        check_lengths(CollectiveKind::AllGather, group, input, output).map_err(mpi_error)?;
         let me = self.member(group)?;
         let mine: Vec<u8> = f32_bytes(input).collect();
         let parts = vec![Some(mine); group.len()];
@@ -620,7 +620,7 @@ impl Comm for MpiComm {
     }
 
     fn reduce_scatter(&mut self, group: &[u32], input: &[f32], output: &mut [f32]) -> Result<()> {
-        reduce_scatter_lengths(group, input.len(), output.len()).map_err(mpi_error)?;
+        check_lengths(CollectiveKind::ReduceScatter, group, input, output).map_err(mpi_error)?;
         let me = self.member(group)?;
         let n = output.len();
         let parts: Vec<Option<Vec<u8>>> = (0..group.len())
