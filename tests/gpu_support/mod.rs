@@ -46,6 +46,53 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Where `program`'s optimizer phase starts (its first optimizer-phase instruction), and the
+/// transient buffers live there (allocated before it and not freed), for the tests and
+/// benchmarks that drive the phase alone.
+pub fn optimizer_phase_start(
+    program: &parc_compiler::ir::Program,
+) -> (usize, Vec<parc_compiler::ir::BufferId>) {
+    use parc_compiler::ir::{Instr, Phase};
+    let start = (program.instrs.iter())
+        .position(|i| i.as_compute().is_some_and(|c| c.phase == Phase::Optimizer))
+        .expect("an optimizer phase");
+    let mut live = Vec::new();
+    for instr in &program.instrs[..start] {
+        match instr {
+            Instr::Alloc { buffer } => live.push(*buffer),
+            Instr::Free { buffer } => live.retain(|b| b != buffer),
+            _ => {}
+        }
+    }
+    (start, live)
+}
+
+/// Runs `instr` of `program` on `backend` if it is an `Alloc` or a `Free`, keeping
+/// `allocated` (what is left to free) up to date; false for any other instruction.
+#[cfg(feature = "cuda")]
+pub fn alloc_or_free(
+    backend: &mut parc_runtime::cuda::CudaBackend,
+    program: &parc_compiler::ir::Program,
+    instr: &parc_compiler::ir::Instr,
+    allocated: &mut std::collections::HashSet<parc_compiler::ir::BufferId>,
+) -> bool {
+    use parc_compiler::ir::Instr;
+    use parc_runtime::backend::Backend;
+    match instr {
+        Instr::Alloc { buffer } => {
+            let b = program.buffer(*buffer).unwrap();
+            backend.alloc(*buffer, &b.shape, b.dtype).unwrap();
+            allocated.insert(*buffer);
+        }
+        Instr::Free { buffer } => {
+            backend.free(*buffer).unwrap();
+            allocated.remove(buffer);
+        }
+        _ => return false,
+    }
+    true
+}
+
 /// A CUDA backend on GPU 0 in `precision`, or None after printing the skip when there is no
 /// GPU (a GPU that is there but fails to give a backend fails the benchmark instead).
 #[cfg(feature = "cuda")]

@@ -262,21 +262,6 @@ mod tests {
         lines.iter().find(|l| l.what == what).map(|l| l.bytes)
     }
 
-    /// GPT-2 350M (24 layers, d 1024, 16 heads, vocab 50304, tied) at 16 × 1024 tokens per GPU.
-    fn gpt2_350m() -> Dims {
-        Dims {
-            vocab: 50304,
-            dim: 1024,
-            seq: 1024,
-            heads: 16,
-            kv_heads: 16,
-            ffn: 4096,
-            layers: 24,
-            llama: false,
-            tied: true,
-        }
-    }
-
     #[test]
     fn gpt2_350m_dp4_lands_within_ten_percent_of_the_four_h200_run() {
         // nvidia-smi's peak per GPU on 4 H200s (bench/RESULTS.md, session 3), ZeRO 0..3.
@@ -296,7 +281,7 @@ mod tests {
                 precision: Precision::Bf16,
                 ..PlanChoice::default()
             };
-            let (_, device) = predict(&gpt2_350m(), &choice);
+            let (_, device) = predict(&Dims::gpt2_350m(), &choice);
             let d = &device[0];
             let total = d.total_bytes as f64 / GIB;
             let planned = d.planned_bytes as f64 / GIB;
