@@ -444,31 +444,27 @@ mod tests {
     fn attention(forward: bool, head_dim: u64) -> Op {
         let positions = vec![Segment { start: 0, len: 10 }];
         let (batch, heads, kv_heads, causal, scale) = (2, 4, 2, true, 0.125);
-        let (q_positions, kv_positions) = (positions.clone(), positions);
+        let (q_positions, kv_positions, packed) = (positions.clone(), positions, false);
+        // The forward and the backward take the same attributes.
+        macro_rules! attention {
+            ($variant:ident) => {
+                Op::$variant {
+                    batch,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    causal,
+                    scale,
+                    q_positions,
+                    kv_positions,
+                    packed,
+                }
+            };
+        }
         if forward {
-            Op::Attention {
-                batch,
-                heads,
-                kv_heads,
-                head_dim,
-                causal,
-                scale,
-                q_positions,
-                kv_positions,
-                packed: false,
-            }
+            attention!(Attention)
         } else {
-            Op::AttentionBwd {
-                batch,
-                heads,
-                kv_heads,
-                head_dim,
-                causal,
-                scale,
-                q_positions,
-                kv_positions,
-                packed: false,
-            }
+            attention!(AttentionBwd)
         }
     }
 
