@@ -450,6 +450,24 @@ impl MpiComm {
         Ok(payloads)
     }
 
+    /// Sends `input` to every other member of `group` and receives each one's, as `call`
+    /// (all-reduce and all-gather exchange so): this member's index in the group, and the
+    /// others' bytes in group order.
+    fn exchange_all(
+        &mut self,
+        group: &[u32],
+        call: Call,
+        input: &[f32],
+    ) -> Result<(usize, Vec<Vec<u8>>)> {
+        let me = self.member(group)?;
+        let mine: Vec<u8> = f32_bytes(input).collect();
+        let parts = vec![Some(mine); group.len()];
+        let others: Vec<usize> = (0..group.len()).filter(|&j| j != me).collect();
+        let len = input.len();
+        let received = self.collective(group, call, len, parts, &others, len)?;
+        Ok((me, received))
+    }
+
     fn member(&self, group: &[u32]) -> Result<usize> {
         if let Some(&bad) = group.iter().find(|&&r| r >= self.world) {
             return Err(mpi_error(format!(
@@ -576,18 +594,7 @@ impl Comm for MpiComm {
     }
 
     fn all_reduce(&mut self, group: &[u32], op: ReduceOp, data: &mut [f32]) -> Result<()> {
-        let me = self.member(group)?;
-        let mine: Vec<u8> = f32_bytes(data).collect();
-        let parts = vec![Some(mine); group.len()];
-        let others: Vec<usize> = (0..group.len()).filter(|&j| j != me).collect();
-        let received = self.collective(
-            group,
-            Call::AllReduce(op),
-            data.len(),
-            parts,
-            &others,
-            data.len(),
-        )?;
+        let (me, received) = self.exchange_all(group, Call::AllReduce(op), data)?;
         // Combine in group-rank order, this member's own input in its place.
         let own = data.to_vec();
         reduce_members(data, &own, &received, (me, group.len()), op);
@@ -596,18 +603,7 @@ impl Comm for MpiComm {
 
     fn all_gather(&mut self, group: &[u32], input: &[f32], output: &mut [f32]) -> Result<()> {
         check_lengths(CollectiveKind::AllGather, group, input, output).map_err(mpi_error)?;
-        let me = self.member(group)?;
-        let mine: Vec<u8> = f32_bytes(input).collect();
-        let parts = vec![Some(mine); group.len()];
-        let others: Vec<usize> = (0..group.len()).filter(|&j| j != me).collect();
-        let received = self.collective(
-            group,
-            Call::AllGather,
-            input.len(),
-            parts,
-            &others,
-            input.len(),
-        )?;
+        let (me, received) = self.exchange_all(group, Call::AllGather, input)?;
         let mut theirs = received.iter();
         for (j, chunk) in output.chunks_mut(input.len().max(1)).enumerate() {
             if j == me {
