@@ -152,11 +152,8 @@ fn step_losses(out: &Output) -> Vec<(u64, String)> {
 fn bad_input_is_a_clear_error_not_a_panic() {
     let cuda = parc(&["run", "examples/tiny.par", "--backend", "cuda"]);
     assert_eq!(cuda.status.code(), Some(2));
-    assert!(
-        stderr_of(&cuda).contains("built without CUDA"),
-        "{}",
-        stderr_of(&cuda)
-    );
+    let err = stderr_of(&cuda);
+    assert!(err.contains("built without CUDA"), "{err}");
 
     let dir = temp_dir("missing-data");
     let spec = std::fs::read_to_string(root().join("examples/tiny.par")).unwrap();
@@ -174,11 +171,8 @@ fn bad_input_is_a_clear_error_not_a_panic() {
 
     let resume = parc(&["run", "examples/tiny.par", "--resume", "/nonexistent/ckpt"]);
     assert_eq!(resume.status.code(), Some(1));
-    assert!(
-        stderr_of(&resume).contains("/nonexistent/ckpt"),
-        "{}",
-        stderr_of(&resume)
-    );
+    let err = stderr_of(&resume);
+    assert!(err.contains("/nonexistent/ckpt"), "{err}");
 }
 
 #[test]
