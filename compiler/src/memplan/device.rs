@@ -262,6 +262,11 @@ mod tests {
         lines.iter().find(|l| l.what == what).map(|l| l.bytes)
     }
 
+    /// Each program's runtime line `what`.
+    fn each_program(device: &[DeviceMemory], what: &str) -> Vec<Option<u64>> {
+        device.iter().map(|d| line(&d.runtime, what)).collect()
+    }
+
     #[test]
     fn gpt2_350m_dp4_lands_within_ten_percent_of_the_four_h200_run() {
         // nvidia-smi's peak per GPU on 4 H200s (bench/RESULTS.md, session 3), ZeRO 0..3.
@@ -329,10 +334,7 @@ mod tests {
         };
         let (plan, device) = predict(&dims, &choice);
         let connection = NCCL_CHANNELS * NCCL_CONNECTION_BYTES;
-        let collectives: Vec<Option<u64>> = device
-            .iter()
-            .map(|d| line(&d.runtime, "NCCL collectives"))
-            .collect();
+        let collectives = each_program(&device, "NCCL collectives");
         let (pair, world) = (2 * connection, 3 * connection);
         assert_eq!(plan.programs.len(), 4);
         assert_eq!(
@@ -345,10 +347,7 @@ mod tests {
             ]
         );
         // Stages 0 and 3 have one neighbour, the middle ones two.
-        let peers: Vec<Option<u64>> = device
-            .iter()
-            .map(|d| line(&d.runtime, "NCCL p2p"))
-            .collect();
+        let peers = each_program(&device, "NCCL p2p");
         let peer = NCCL_CHANNELS * NCCL_P2P_PEER_CHANNEL_BYTES;
         assert_eq!(
             peers,
