@@ -18,11 +18,8 @@
 # Output: $OUT (or DIR/out): one log per run; a summary on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-dir=${1:-.device}
-out=${OUT:-$dir/out}
-mkdir -p "$out"
 source bench/device_env.sh
-link_nccl "$dir/nccl"
+device_dirs "${1:-}"
 phases=" ${PHASES:-tests rates} "
 t0=$SECONDS
 # step NAME TIMEOUT COMMAND...: run it into $out/NAME.log, print its outcome lines.

@@ -1,4 +1,4 @@
-# Sourced by the device scripts (bench/device_call.sh, bench/multi_gpu.sh): the GPU machine's CUDA
+# Sourced by the device scripts (bench/device_call.sh, bench/variants_call.sh, bench/multi_gpu.sh): the GPU machine's CUDA
 # libraries on the library path and NVLink multicast off (issue 8: every run keeps it off).
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export NCCL_NVLS_ENABLE=0
@@ -11,6 +11,15 @@ link_nccl() {
         mkdir -p "$1" && ln -sf /usr/lib/x86_64-linux-gnu/libnccl.so.2 "$1/libnccl.so"
         export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$(cd "$1" && pwd)"
     fi
+}
+
+# device_dirs [DIR]: the carried binaries' folder DIR (default .device) as $dir, the output
+# folder ($OUT, else $dir/out) as $out, made, and NCCL linked under $dir.
+device_dirs() {
+    dir=${1:-.device}
+    out=${OUT:-$dir/out}
+    mkdir -p "$out"
+    link_nccl "$dir/nccl"
 }
 
 # rate LOG LABEL: one line with the mean tokens/s of steps 2.. of a JSON-lines `parc run` log

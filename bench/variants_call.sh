@@ -13,11 +13,8 @@
 # DIR/out); a summary on stdout, the rates table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-dir=${1:-.device}
-out=${OUT:-$dir/out}
-mkdir -p "$out"
 source bench/device_env.sh
-link_nccl "$dir/nccl"
+device_dirs "${1:-}"
 read -r -a new <<< "${NEW:-}"
 phases=" ${PHASES:-tests micro profile rates} "
 t0=$SECONDS

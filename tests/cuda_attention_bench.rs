@@ -21,18 +21,10 @@
 //! once after the warm-up (for a profiler: its 3rd and 4th attention kernels are the timed ones).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[test]
-#[ignore = "needs a GPU: run on the device machine with --ignored"]
-fn attention_tflops() {
-    #[cfg(not(feature = "cuda"))]
-    println!("skipped: no CUDA device (this build has no `cuda` feature)");
-    #[cfg(feature = "cuda")]
-    bench::run();
-}
-
-#[cfg(feature = "cuda")]
 #[path = "gpu_support/mod.rs"]
 mod gpu_support;
+
+gpu_support::gpu_benchmark!(attention_tflops, bench::run);
 
 #[cfg(feature = "cuda")]
 mod bench {

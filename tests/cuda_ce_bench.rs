@@ -12,18 +12,10 @@
 //! GPU it prints `skipped: no CUDA device`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[test]
-#[ignore = "needs a GPU: run on the device machine with --ignored"]
-fn cross_entropy_gbps() {
-    #[cfg(not(feature = "cuda"))]
-    println!("skipped: no CUDA device (this build has no `cuda` feature)");
-    #[cfg(feature = "cuda")]
-    bench::run();
-}
-
-#[cfg(feature = "cuda")]
 #[path = "gpu_support/mod.rs"]
 mod gpu_support;
+
+gpu_support::gpu_benchmark!(cross_entropy_gbps, bench::run);
 
 #[cfg(feature = "cuda")]
 mod bench {

@@ -14,18 +14,10 @@
 //! 16384). Without a GPU it prints `skipped`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[test]
-#[ignore = "needs a GPU: run on the device machine with --ignored"]
-fn gpt2_step_gemms() {
-    #[cfg(not(feature = "cuda"))]
-    println!("skipped: no CUDA device (this build has no `cuda` feature)");
-    #[cfg(feature = "cuda")]
-    bench::run();
-}
-
-#[cfg(feature = "cuda")]
 #[path = "gpu_support/mod.rs"]
 mod gpu_support;
+
+gpu_support::gpu_benchmark!(gpt2_step_gemms, bench::run);
 
 #[cfg(feature = "cuda")]
 mod bench {

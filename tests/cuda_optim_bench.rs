@@ -13,28 +13,23 @@
 #[path = "ir/fixtures.rs"]
 mod fixtures;
 
-#[test]
-#[ignore = "needs a GPU: run on the device machine with --ignored"]
-fn gpt2_optimizer_launches() {
-    #[cfg(not(feature = "cuda"))]
-    println!("skipped: no CUDA device (this build has no `cuda` feature)");
-    #[cfg(feature = "cuda")]
-    bench::run();
-}
-
-#[cfg(feature = "cuda")]
 #[path = "gpu_support/mod.rs"]
 mod gpu_support;
 
+gpu_support::gpu_benchmark!(gpt2_optimizer_launches, bench::run);
+
 #[cfg(feature = "cuda")]
 mod bench {
-    use super::fixtures::{gpt2_124m, sized_spec, Dims, PlanChoice, TinyModel};
-    use crate::gpu_support::{backend_or_skip, median, uniform};
+    use super::fixtures::{decoder_spec, gpt2_124m, PlanChoice, Variant};
+    use crate::gpu_support::{
+        alloc_or_free, backend_or_skip, median, optimizer_phase_start, uniform,
+    };
     use parc_compiler::ir::op::Op;
-    use parc_compiler::ir::{BufferId, DType, Instr, Phase, Program};
+    use parc_compiler::ir::{BufferId, DType, Program};
     use parc_compiler::lower::lower;
     use parc_compiler::memplan::plan_program;
-    use parc_compiler::spec::{Precision, Spec};
+    use parc_compiler::spec::Precision;
+    use parc_compiler::testing::Dims as Decoder;
     use parc_runtime::backend::{Backend, StepScalars};
     use parc_runtime::cuda::CudaBackend;
     use std::collections::HashSet;
@@ -43,30 +38,18 @@ mod bench {
     /// Timed steps (the median counts), after one warm-up step.
     const REPS: usize = 7;
 
-    fn gpt2_350m() -> Spec {
-        let dims = Dims {
-            vocab: 50304,
-            dim: 1024,
-            seq: 1024,
-            heads: 16,
-            kv_heads: 16,
-            ffn: 4096,
-            micro_batch: 1,
-        };
-        let model = TinyModel {
-            layers: 24,
-            llama: false,
-            tied: true,
-        };
-        sized_spec(model, PlanChoice::default(), dims)
-    }
-
     pub fn run() {
         if backend_or_skip(Precision::Fp32).is_none() {
             return;
         }
         println!("model  parameters  launch        kernel                ms      GB/s");
-        for (name, spec) in [("124M", gpt2_124m(1)), ("350M", gpt2_350m())] {
+        let gpt2_350m = decoder_spec(
+            &Decoder::gpt2_350m(),
+            PlanChoice::default(),
+            1,
+            Variant::default(),
+        );
+        for (name, spec) in [("124M", gpt2_124m(1)), ("350M", gpt2_350m)] {
             let plan = lower(&spec).unwrap_or_else(|d| panic!("{:?}", d.items));
             time_model(name, &plan.programs[0]);
         }
@@ -75,17 +58,7 @@ mod bench {
     /// Drives `program`'s optimizer phase REPS + 1 times, timing the launches of
     /// its first `SumSquares` and its first AdamW (each launches its whole fused run).
     fn time_model(name: &str, program: &Program) {
-        let start = (program.instrs.iter())
-            .position(|i| i.as_compute().is_some_and(|c| c.phase == Phase::Optimizer))
-            .expect("an optimizer phase");
-        let mut live: Vec<BufferId> = Vec::new();
-        for instr in &program.instrs[..start] {
-            match instr {
-                Instr::Alloc { buffer } => live.push(*buffer),
-                Instr::Free { buffer } => live.retain(|b| b != buffer),
-                _ => {}
-            }
-        }
+        let (start, live) = optimizer_phase_start(program);
         let first_sumsq = (program.instrs.iter().enumerate().skip(start))
             .find(|(_, i)| matches!(i.op(), Some(Op::SumSquares)))
             .map(|(k, _)| k)
@@ -132,39 +105,28 @@ mod bench {
                     loss_scale: None,
                 };
                 for (k, instr) in program.instrs.iter().enumerate().skip(start) {
-                    match instr {
-                        Instr::Compute {
-                            op,
-                            inputs,
-                            outputs,
-                            ..
-                        } => {
-                            let timed = k == first_sumsq || k == first_adamw;
-                            if timed {
-                                backend.synchronize().unwrap();
-                            }
-                            let t = Instant::now();
-                            backend.compute(op, inputs, outputs, &scalars).unwrap();
-                            if timed {
-                                backend.synchronize().unwrap();
-                                let s = t.elapsed().as_secs_f64();
-                                if step > 1 && k == first_sumsq {
-                                    sumsq_s.push(s);
-                                } else if step > 1 {
-                                    adamw_s.push(s);
-                                }
-                            }
+                    if alloc_or_free(&mut backend, program, instr, &mut allocated) {
+                        continue;
+                    }
+                    let Some(c) = instr.as_compute() else {
+                        panic!("unexpected instruction in the optimizer phase: {instr:?}");
+                    };
+                    let timed = k == first_sumsq || k == first_adamw;
+                    if timed {
+                        backend.synchronize().unwrap();
+                    }
+                    let t = Instant::now();
+                    backend
+                        .compute(c.op, c.inputs, c.outputs, &scalars)
+                        .unwrap();
+                    if timed {
+                        backend.synchronize().unwrap();
+                        let s = t.elapsed().as_secs_f64();
+                        if step > 1 && k == first_sumsq {
+                            sumsq_s.push(s);
+                        } else if step > 1 {
+                            adamw_s.push(s);
                         }
-                        Instr::Alloc { buffer } => {
-                            let b = program.buffer(*buffer).unwrap();
-                            backend.alloc(*buffer, &b.shape, b.dtype).unwrap();
-                            allocated.insert(*buffer);
-                        }
-                        Instr::Free { buffer } => {
-                            backend.free(*buffer).unwrap();
-                            allocated.remove(buffer);
-                        }
-                        other => panic!("unexpected instruction in the optimizer phase: {other:?}"),
                     }
                 }
                 // The next step's gradients: the phase freed them; bind them again (their

@@ -467,23 +467,12 @@ fn optimizer_phase(
     steps: u64,
     overflow_step: Option<u64>,
 ) -> (Vec<usize>, Vec<usize>, BufferBits) {
-    use parc_compiler::ir::{op::Op, BufferId, DType, Instr, Phase};
+    use parc_compiler::ir::{op::Op, BufferId, DType, Instr};
     use parc_compiler::memplan::plan_program;
     use parc_runtime::backend::{Backend, StepScalars};
     use parc_runtime::cuda::CudaBackend;
     use std::collections::HashSet;
-    let start = (program.instrs.iter())
-        .position(|i| i.as_compute().is_some_and(|c| c.phase == Phase::Optimizer))
-        .expect("an optimizer phase");
-    // Transient buffers live at the phase's start: allocated before it and not freed.
-    let mut live: Vec<BufferId> = Vec::new();
-    for instr in &program.instrs[..start] {
-        match instr {
-            Instr::Alloc { buffer } => live.push(*buffer),
-            Instr::Free { buffer } => live.retain(|b| b != buffer),
-            _ => {}
-        }
-    }
+    let (start, live) = gpu_support::optimizer_phase_start(program);
     // Second moments: the last output of each AdamW.
     let second_moments: HashSet<BufferId> = (program.computes())
         .filter(|(_, c)| matches!(c.op, Op::AdamW { .. }))
@@ -541,22 +530,16 @@ fn optimizer_phase(
             loss_scale,
         };
         for instr in &program.instrs[start..] {
+            if gpu_support::alloc_or_free(&mut backend, program, instr, &mut allocated) {
+                continue;
+            }
+            if let Some(c) = instr.as_compute() {
+                backend
+                    .compute(c.op, c.inputs, c.outputs, &scalars)
+                    .unwrap();
+                continue;
+            }
             match instr {
-                Instr::Compute {
-                    op,
-                    inputs,
-                    outputs,
-                    ..
-                } => backend.compute(op, inputs, outputs, &scalars).unwrap(),
-                Instr::Alloc { buffer } => {
-                    let b = program.buffer(*buffer).unwrap();
-                    backend.alloc(*buffer, &b.shape, b.dtype).unwrap();
-                    allocated.insert(*buffer);
-                }
-                Instr::Free { buffer } => {
-                    backend.free(*buffer).unwrap();
-                    allocated.remove(buffer);
-                }
                 Instr::Collective { input, output, .. } => {
                     let data = backend.read_f32(*input).unwrap();
                     let len = program.buffer(*output).unwrap().numel() as usize;

@@ -258,6 +258,26 @@ fn assert_same_run(s: &Spec, a: &Plan, b: &Plan, desc: &str, what: &str) {
     );
 }
 
+/// For each of `plans`, its lowerings with the default options and with `other` train alike,
+/// bit for bit (`what` names the difference between them), after `check(desc, llama, tp,
+/// default, other)` on the two plans.
+fn assert_options_change_no_bit(
+    plans: Vec<(bool, PlanChoice)>,
+    other: LowerOptions,
+    what: &str,
+    check: impl Fn(&str, bool, u32, &Plan, &Plan),
+) {
+    for (llama, plan) in plans {
+        let desc = describe(llama, &plan, Variant::default());
+        let tp = plan.tp;
+        let s = spec_variant(model(llama), plan, Variant::default());
+        let default = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
+        let changed = lower_with(&s, other).unwrap_or_else(|d| panic!("{:?}", d.items));
+        check(&desc, llama, tp, &default, &changed);
+        assert_same_run(&s, &default, &changed, &desc, what);
+    }
+}
+
 /// Adding gradient contributions in place (`LowerOptions::accumulate_in_place`, the default:
 /// a producer's `+=` into the gradient already there, one gradient handed to both inputs of a
 /// residual `Add` without a copy) changes no bit of an f32 run: every plan trains exactly as
@@ -270,27 +290,23 @@ fn accumulating_gradients_in_place_changes_no_bit() {
     let plans = option_plans();
     let instrs = |p: &Plan| count(p, |_| true);
     let is_add_or_copy = |i: &Instr| matches!(i.op(), Some(Op::Add | Op::Copy));
-    for (llama, plan) in plans {
-        let desc = describe(llama, &plan, Variant::default());
-        let s = spec_variant(model(llama), plan, Variant::default());
-        let in_place = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
-        let plain = LowerOptions {
-            accumulate_in_place: false,
-            ..LowerOptions::default()
-        };
-        let plain = lower_with(&s, plain).unwrap_or_else(|d| panic!("{:?}", d.items));
+    let plain = LowerOptions {
+        accumulate_in_place: false,
+        ..LowerOptions::default()
+    };
+    let what = "in-place accumulation";
+    assert_options_change_no_bit(plans, plain, what, |desc, _, _, in_place, plain| {
         // The two plans differ: the in-place one drops Adds and Copies.
         let adds = |p: &Plan| count(p, is_add_or_copy);
         assert!(
-            instrs(&in_place) < instrs(&plain) && adds(&in_place) < adds(&plain),
+            instrs(in_place) < instrs(plain) && adds(in_place) < adds(plain),
             "{desc}: {} instructions ({} Add/Copy) in place vs {} ({}) plain",
-            instrs(&in_place),
-            adds(&in_place),
-            instrs(&plain),
-            adds(&plain)
+            instrs(in_place),
+            adds(in_place),
+            instrs(plain),
+            adds(plain)
         );
-        assert_same_run(&s, &in_place, &plain, &desc, "in-place accumulation");
-    }
+    });
 }
 
 /// The first contribution to each freshly allocated parameter gradient overwriting it
@@ -329,25 +345,21 @@ fn overwriting_first_gradient_contributions_changes_no_bit() {
             ..PlanChoice::default()
         },
     ));
-    for (llama, plan) in plans {
-        let desc = describe(llama, &plan, Variant::default());
-        let s = spec_variant(model(llama), plan, Variant::default());
-        let first = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
-        let add = lower_with(&s, adding).unwrap_or_else(|d| panic!("{:?}", d.items));
+    let what = "overwriting first contributions";
+    assert_options_change_no_bit(plans, adding, what, |desc, _, _, first, add| {
         assert!(
-            count(&first, overwriting) > 0 && count(&add, overwriting) == 0,
+            count(first, overwriting) > 0 && count(add, overwriting) == 0,
             "{desc}: {} overwriting gradient ops (adding form: {})",
-            count(&first, overwriting),
-            count(&add, overwriting)
+            count(first, overwriting),
+            count(add, overwriting)
         );
         assert!(
-            zero_filled(&first) < zero_filled(&add),
+            zero_filled(first) < zero_filled(add),
             "{desc}: {} zero-filled buffers overwriting vs {} adding",
-            zero_filled(&first),
-            zero_filled(&add)
+            zero_filled(first),
+            zero_filled(add)
         );
-        assert_same_run(&s, &first, &add, &desc, "overwriting first contributions");
-    }
+    });
 }
 
 /// Fusing GPT-2's gelu_tanh and the residual adds into the GEMMs (`LowerOptions::
@@ -378,24 +390,19 @@ fn fusing_epilogues_changes_no_bit() {
         .map(|(_, plan)| (false, plan))
         .collect();
     plans.push((true, PlanChoice::default()));
-    for (llama, plan) in plans {
-        let desc = describe(llama, &plan, Variant::default());
-        let tp = plan.tp;
-        let s = spec_variant(model(llama), plan, Variant::default());
-        let fused = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
-        let plain = lower_with(&s, unfused).unwrap_or_else(|d| panic!("{:?}", d.items));
+    let what = "fusing into the GEMMs";
+    assert_options_change_no_bit(plans, unfused, what, |desc, llama, tp, fused, plain| {
         if !llama {
-            assert_eq!(count(&fused, is_activation), 0, "{desc}: fused");
-            assert!(count(&plain, is_activation) > 0, "{desc}: plain");
+            assert_eq!(count(fused, is_activation), 0, "{desc}: fused");
+            assert!(count(plain, is_activation) > 0, "{desc}: plain");
         }
-        let adds = (count(&fused, is_forward_add), count(&plain, is_forward_add));
+        let adds = (count(fused, is_forward_add), count(plain, is_forward_add));
         if tp > 1 {
             assert_eq!(adds.0, adds.1, "{desc}: tp keeps the residual adds");
         } else {
             assert!(adds.0 < adds.1, "{desc}: forward adds {adds:?}");
         }
-        assert_same_run(&s, &fused, &plain, &desc, "fusing into the GEMMs");
-    }
+    });
 }
 
 /// Three dp ranks do not divide the tiny model's parameters, so ZeRO pads their flat copies: a
@@ -600,15 +607,11 @@ fn full_matrix() -> Vec<(bool, PlanChoice)> {
                                         plans.push((
                                             llama,
                                             PlanChoice {
-                                                dp,
-                                                pp,
-                                                cp,
-                                                tp,
-                                                zero,
                                                 schedule,
                                                 microbatches: 2 * pp,
                                                 recompute: recompute.clone(),
                                                 sp,
+                                                ..PlanChoice::mesh(dp, pp, cp, tp, zero)
                                             },
                                         ));
                                     }

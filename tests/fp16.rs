@@ -6,17 +6,19 @@
 //! relative; in practice it is bit-identical, since scaling by 2^k commutes with rounding); the
 //! skip is reported in `parc run`'s JSON lines and summary.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+#[path = "cli_support/mod.rs"]
+mod cli_support;
 #[allow(dead_code)]
 #[path = "ir/fixtures.rs"]
 mod fixtures;
 
+use cli_support::{json_lines, parc_ok, sets, steps};
 use fixtures::{spec, train_cpu, PlanChoice, TinyModel};
 use parc_compiler::lower::lower;
 use parc_compiler::spec::{Checkpointing, LossScale, Precision, Spec, ZeroStage};
 use parc_runtime::checkpoint::{read_manifest, LossScaleState};
 use parc_runtime::exec::{TrainOptions, TrainResult};
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::Duration;
 
 fn tiny(plan: PlanChoice, precision: Precision) -> Spec {
@@ -53,10 +55,7 @@ fn run(s: &Spec, stop_after: Option<u64>) -> TrainResult {
 }
 
 fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("parc-fp16-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    cli_support::temp_dir("fp16", name)
 }
 
 fn bits(values: &[f32]) -> Vec<u32> {
@@ -189,40 +188,24 @@ fn power_of_two_scaling_trains_as_fp32_does() {
 /// and the summary counts them.
 #[test]
 fn parc_run_logs_skipped_steps_in_json() {
-    let out = Command::new(env!("CARGO_BIN_EXE_parc"))
-        .args([
-            "run",
-            "examples/tiny.par",
-            "--log-format",
-            "json",
-            "--backend",
-            "cpu",
-            "--set",
-            "train.steps=2",
-            "--set",
-            "train.micro_batch=2",
-            "--set",
-            "train.global_batch=2",
-            "--set",
-            "train.precision=fp16",
-            "--set",
-            "train.precision.loss_scale.init=1.329227995784916e36",
-            "--set",
-            "train.precision.loss_scale.hysteresis=1",
-        ])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    let steps: Vec<&serde_json::Value> = lines.iter().filter(|v| v["event"] == "step").collect();
+    let mut args = vec![
+        "run",
+        "examples/tiny.par",
+        "--log-format",
+        "json",
+        "--backend",
+        "cpu",
+    ];
+    args.extend(sets(&[
+        "train.steps=2",
+        "train.micro_batch=2",
+        "train.global_batch=2",
+        "train.precision=fp16",
+        "train.precision.loss_scale.init=1.329227995784916e36",
+        "train.precision.loss_scale.hysteresis=1",
+    ]));
+    let lines = json_lines(&parc_ok(&args));
+    let steps = steps(&lines);
     assert_eq!(steps.len(), 2);
     let init = 2f64.powi(120);
     for (step, scale) in steps.iter().zip([init, init / 2.0]) {

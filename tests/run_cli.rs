@@ -3,39 +3,17 @@
 //! (missing data, `--backend cuda` without CUDA, a bad --resume path) is a clear error with
 //! exit code 1 or 2, never a panic.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+#[path = "cli_support/mod.rs"]
+mod cli_support;
+
+use cli_support::{json_lines, parc, parc_ok, root, sets, stderr_of, steps};
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn parc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_parc"))
-        .args(args)
-        .current_dir(root())
-        .output()
-        .expect("run parc")
-}
-
 fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("parc-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn json_lines(output: &Output) -> Vec<Value> {
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
-        .collect()
-}
-
-fn steps(lines: &[Value]) -> Vec<&Value> {
-    lines.iter().filter(|v| v["event"] == "step").collect()
+    cli_support::temp_dir("cli", name)
 }
 
 /// A small, fast variant of the bundled example.
@@ -52,8 +30,7 @@ const SMALL: [&str; 6] = [
 fn json_lines_have_every_field_and_a_summary() {
     let mut args = vec!["run", "examples/tiny.par", "--log-format", "json"];
     args.extend(SMALL);
-    let out = parc(&args);
-    assert!(out.status.success(), "{}", stderr_of(&out));
+    let out = parc_ok(&args);
     let lines = json_lines(&out);
     let steps = steps(&lines);
     assert_eq!(steps.len(), 6);
@@ -86,8 +63,7 @@ fn the_bundled_example_learns_and_a_parallel_plan_matches_it() {
         "--set",
         "train.steps=8",
     ];
-    let single = parc(&base);
-    assert!(single.status.success(), "{}", stderr_of(&single));
+    let single = parc_ok(&base);
     let losses = |out: &Output| -> Vec<f64> {
         steps(&json_lines(out))
             .iter()
@@ -100,16 +76,12 @@ fn the_bundled_example_learns_and_a_parallel_plan_matches_it() {
         "loss did not fall: {single_losses:?}"
     );
     let mut args = base.to_vec();
-    args.extend([
-        "--set",
+    args.extend(sets(&[
         "parallel.dp=2",
-        "--set",
         "parallel.tp=2",
-        "--set",
         "cluster.gpus_per_node=4",
-    ]);
-    let parallel = parc(&args);
-    assert!(parallel.status.success(), "{}", stderr_of(&parallel));
+    ]));
+    let parallel = parc_ok(&args);
     for (a, b) in single_losses.iter().zip(losses(&parallel)) {
         assert!((a - b).abs() <= 1e-5 * a.abs(), "{a} vs {b}");
     }
@@ -133,8 +105,7 @@ fn a_killed_run_resumes_bit_identically() {
         args.extend(["--set", set]);
     }
     args.extend(["--set", &ckpt]);
-    let full = parc(&args);
-    assert!(full.status.success(), "{}", stderr_of(&full));
+    let full = parc_ok(&args);
     let full_losses = step_losses(&full);
     std::fs::remove_dir_all(&dir).unwrap();
 
@@ -159,8 +130,7 @@ fn a_killed_run_resumes_bit_identically() {
     let dir_arg = dir.display().to_string();
     let mut resume = args.clone();
     resume.extend(["--resume", &dir_arg]);
-    let resumed = parc(&resume);
-    assert!(resumed.status.success(), "{}", stderr_of(&resumed));
+    let resumed = parc_ok(&resume);
     let again = step_losses(&resumed);
     assert!(
         again.len() >= 10 && again.last().unwrap().0 == 60,
@@ -168,10 +138,6 @@ fn a_killed_run_resumes_bit_identically() {
     );
     let tail = &full_losses[full_losses.len() - again.len()..];
     assert_eq!(tail, &again[..]);
-}
-
-fn stderr_of(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 /// Each step's number and loss (as printed) from a `--log-format json` run.
@@ -186,11 +152,8 @@ fn step_losses(out: &Output) -> Vec<(u64, String)> {
 fn bad_input_is_a_clear_error_not_a_panic() {
     let cuda = parc(&["run", "examples/tiny.par", "--backend", "cuda"]);
     assert_eq!(cuda.status.code(), Some(2));
-    assert!(
-        stderr_of(&cuda).contains("built without CUDA"),
-        "{}",
-        stderr_of(&cuda)
-    );
+    let err = stderr_of(&cuda);
+    assert!(err.contains("built without CUDA"), "{err}");
 
     let dir = temp_dir("missing-data");
     let spec = std::fs::read_to_string(root().join("examples/tiny.par")).unwrap();
@@ -208,11 +171,8 @@ fn bad_input_is_a_clear_error_not_a_panic() {
 
     let resume = parc(&["run", "examples/tiny.par", "--resume", "/nonexistent/ckpt"]);
     assert_eq!(resume.status.code(), Some(1));
-    assert!(
-        stderr_of(&resume).contains("/nonexistent/ckpt"),
-        "{}",
-        stderr_of(&resume)
-    );
+    let err = stderr_of(&resume);
+    assert!(err.contains("/nonexistent/ckpt"), "{err}");
 }
 
 #[test]
@@ -225,8 +185,7 @@ fn profile_line_splits_the_step_into_kinds_that_sum_to_the_step() {
         "--profile",
     ];
     args.extend(SMALL);
-    let out = parc(&args);
-    assert!(out.status.success(), "{}", stderr_of(&out));
+    let out = parc_ok(&args);
     let lines = json_lines(&out);
     let profiles: Vec<&Value> = lines.iter().filter(|v| v["event"] == "profile").collect();
     assert_eq!(profiles.len(), 1);

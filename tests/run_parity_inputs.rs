@@ -4,53 +4,36 @@
 //! weights before any step (not the trained ones), and the batch log lists every step's global
 //! batch as token offsets that are sample starts inside the data.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+#[path = "cli_support/mod.rs"]
+mod cli_support;
+
+use cli_support::{parc_ok, root, sets};
 use safetensors::SafeTensors;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("parc-parity-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    cli_support::temp_dir("parity", name)
 }
 
 /// Train the tiny example (2 layers, 3 steps) with `extra` settings, writing both files and
 /// (through a checkpoint) the final model into `dir`.
 fn run(dir: &Path, extra: &[&str]) {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let ckpt = format!("train.checkpoint.dir=\"{}\"", dir.join("ckpt").display());
-    let mut args = vec![
-        "run",
-        "examples/tiny.par",
-        "--log-format",
-        "json",
-        "--set",
+    let mut args = vec!["run", "examples/tiny.par", "--log-format", "json"];
+    args.extend(sets(&[
         "model.layers=2",
-        "--set",
         "train.steps=3",
-        "--set",
         "train.checkpoint.every=3",
-        "--set",
         &ckpt,
-    ];
+    ]));
     let init = dir.join("init.safetensors");
     let batches = dir.join("batches.jsonl");
     let (init, batches) = (init.to_str().unwrap(), batches.to_str().unwrap());
     args.extend(["--save-init", init, "--log-batches", batches]);
     args.extend(extra);
-    let out = Command::new(env!("CARGO_BIN_EXE_parc"))
-        .args(&args)
-        .current_dir(&root)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    parc_ok(&args);
 }
 
 fn tensors(path: &Path) -> (BTreeMap<String, Vec<u8>>, Option<String>) {
@@ -74,17 +57,8 @@ fn init_weights_are_plan_independent_and_batches_are_logged_per_step() {
     let one = temp_dir("one");
     let split = temp_dir("split");
     run(&one, &[]);
-    run(
-        &split,
-        &[
-            "--set",
-            "parallel.dp=2",
-            "--set",
-            "parallel.tp=2",
-            "--set",
-            "cluster.gpus_per_node=4",
-        ],
-    );
+    let plan = ["parallel.dp=2", "parallel.tp=2", "cluster.gpus_per_node=4"];
+    run(&split, &sets(&plan));
     let (init, step) = tensors(&one.join("init.safetensors"));
     assert_eq!(step.as_deref(), Some("0"));
     assert_eq!(
@@ -111,11 +85,9 @@ fn init_weights_are_plan_independent_and_batches_are_logged_per_step() {
     assert_eq!(lines[0]["event"], "batches");
     assert_eq!(lines[0]["seq"], 64);
     assert_eq!(lines[0]["global_batch"], 8);
-    let data_len = std::fs::metadata(
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/data/tiny-shakespeare.txt"),
-    )
-    .unwrap()
-    .len();
+    let data_len = std::fs::metadata(root().join("examples/data/tiny-shakespeare.txt"))
+        .unwrap()
+        .len();
     for (k, line) in lines[1..].iter().enumerate() {
         assert_eq!(line["step"], k as u64 + 1);
         let offsets = line["offsets"].as_array().unwrap();

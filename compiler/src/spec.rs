@@ -259,6 +259,11 @@ impl Mesh {
     pub fn world(&self) -> u32 {
         self.axes.iter().map(|(_, n)| *n).product()
     }
+    /// The sizes of the dp, pp, cp and tp axes, in that order.
+    pub fn sizes(&self) -> (u32, u32, u32, u32) {
+        let [dp, pp, cp, tp] = [Axis::Dp, Axis::Pp, Axis::Cp, Axis::Tp].map(|a| self.size(a));
+        (dp, pp, cp, tp)
+    }
     /// Number of consecutive global ranks between neighbours on `axis`.
     pub fn stride(&self, axis: Axis) -> u32 {
         let mut stride = 1;
@@ -431,37 +436,33 @@ pub enum LrSchedule {
 impl LrSchedule {
     /// Learning rate for 0-based `step`, given the peak `lr`.
     pub fn lr_at(&self, lr: f64, step: u64) -> f64 {
-        let warm = |warmup: u64| {
-            if warmup > 0 && step < warmup {
-                Some(lr * (step + 1) as f64 / warmup as f64)
-            } else {
-                None
-            }
-        };
-        match *self {
-            LrSchedule::Constant { warmup } => warm(warmup).unwrap_or(lr),
+        let (LrSchedule::Constant { warmup }
+        | LrSchedule::Cosine { warmup, .. }
+        | LrSchedule::Linear { warmup, .. }) = *self;
+        if warmup > 0 && step < warmup {
+            return lr * (step + 1) as f64 / warmup as f64;
+        }
+        let (min_lr, decay_steps) = match *self {
+            LrSchedule::Constant { .. } => return lr,
             LrSchedule::Cosine {
-                warmup,
                 min_lr,
                 decay_steps,
-            } => warm(warmup).unwrap_or_else(|| {
-                if step >= decay_steps || decay_steps <= warmup {
-                    return min_lr;
-                }
-                let t = (step - warmup) as f64 / (decay_steps - warmup) as f64;
-                min_lr + 0.5 * (1.0 + (std::f64::consts::PI * t).cos()) * (lr - min_lr)
-            }),
-            LrSchedule::Linear {
-                warmup,
+                ..
+            }
+            | LrSchedule::Linear {
                 min_lr,
                 decay_steps,
-            } => warm(warmup).unwrap_or_else(|| {
-                if step >= decay_steps || decay_steps <= warmup {
-                    return min_lr;
-                }
-                let t = (step - warmup) as f64 / (decay_steps - warmup) as f64;
-                lr + t * (min_lr - lr)
-            }),
+                ..
+            } => (min_lr, decay_steps),
+        };
+        if step >= decay_steps || decay_steps <= warmup {
+            return min_lr;
+        }
+        let t = (step - warmup) as f64 / (decay_steps - warmup) as f64;
+        if matches!(self, LrSchedule::Cosine { .. }) {
+            min_lr + 0.5 * (1.0 + (std::f64::consts::PI * t).cos()) * (lr - min_lr)
+        } else {
+            lr + t * (min_lr - lr)
         }
     }
 }

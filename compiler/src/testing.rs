@@ -41,6 +41,33 @@ impl Dims {
             tied: true,
         }
     }
+    /// GPT-2 124M: 12 layers, d 768, 12 heads, ffn 3072, the vocab padded to 50304, seq 1024,
+    /// a tied head.
+    pub fn gpt2_124m() -> Dims {
+        Dims {
+            dim: 768,
+            heads: 12,
+            kv_heads: 12,
+            ffn: 3072,
+            layers: 12,
+            ..Dims::gpt2_350m()
+        }
+    }
+    /// GPT-2 350M: 24 layers, d 1024, 16 heads, ffn 4096, the vocab padded to 50304, seq 1024,
+    /// a tied head.
+    pub fn gpt2_350m() -> Dims {
+        Dims {
+            vocab: 50304,
+            dim: 1024,
+            seq: 1024,
+            heads: 16,
+            kv_heads: 16,
+            ffn: 4096,
+            layers: 24,
+            llama: false,
+            tied: true,
+        }
+    }
     /// Llama-3-70B: 80 layers, d 8192, 64 heads, 8 kv heads, ffn 28672, vocab 128256.
     pub fn llama3_70b() -> Dims {
         Dims {

@@ -20,6 +20,24 @@ fn run(text: &str, sets: &[&str]) -> (Option<Spec>, Vec<&'static str>) {
     (spec, diags.items.iter().map(|d| d.code).collect())
 }
 
+/// `examples/tiny.par` checked with `sets`, which must leave warnings at most.
+fn tiny_with(sets: &[&str]) -> Spec {
+    let (spec, codes) = run(&example("tiny.par"), sets);
+    assert!(codes.iter().all(|c| c.starts_with('W')), "{codes:?}");
+    spec.unwrap()
+}
+
+/// `spec`'s node `name`.
+fn node<'a>(spec: &'a Spec, name: &str) -> &'a Node {
+    spec.model.nodes.iter().find(|n| n.name == name).unwrap()
+}
+
+/// The names of `spec`'s recomputed nodes.
+fn recomputed(spec: &Spec) -> Vec<&str> {
+    let nodes = spec.model.nodes.iter().filter(|n| n.recompute);
+    nodes.map(|n| n.name.as_str()).collect()
+}
+
 #[test]
 fn tiny_lowers_to_the_documented_node_names() {
     let (spec, codes) = run(&example("tiny.par"), &[]);
@@ -49,7 +67,7 @@ fn tiny_lowers_to_the_documented_node_names() {
         ),
         (64, 256, 64, 4)
     );
-    let head = spec.model.nodes.iter().find(|n| n.name == "head").unwrap();
+    let head = node(&spec, "head");
     assert!(matches!(
         head.kind,
         LayerKind::Linear {
@@ -75,12 +93,7 @@ fn tiny_llama_has_gqa_rope_and_swiglu() {
     let (spec, codes) = run(&example("tiny-llama.par"), &[]);
     assert!(codes.is_empty(), "{codes:?}");
     let spec = spec.unwrap();
-    let attn = spec
-        .model
-        .nodes
-        .iter()
-        .find(|n| n.name == "blocks.2.attn")
-        .unwrap();
+    let attn = node(&spec, "blocks.2.attn");
     assert_eq!(
         attn.kind,
         LayerKind::Attention {
@@ -93,12 +106,7 @@ fn tiny_llama_has_gqa_rope_and_swiglu() {
             bias: false
         }
     );
-    let mlp = spec
-        .model
-        .nodes
-        .iter()
-        .find(|n| n.name == "blocks.2.mlp")
-        .unwrap();
+    let mlp = node(&spec, "blocks.2.mlp");
     assert!(matches!(
         mlp.kind,
         LayerKind::Mlp {
@@ -150,23 +158,18 @@ fn tiny_admits_every_small_plan_by_overrides_alone() {
 
 #[test]
 fn overrides_last_wins_and_reach_every_section() {
-    let (spec, codes) = run(
-        &example("tiny.par"),
-        &[
-            "parallel.pp=4",
-            "parallel.pp=2",
-            "cluster.gpus_per_node=2",
-            "parallel.schedule=gpipe",
-            "parallel.recompute=selective",
-            "parallel.zero=1",
-            "train.steps=7",
-            "train.seed=3",
-            "train.micro_batch=1",
-            "model.layers=6",
-        ],
-    );
-    assert!(codes.iter().all(|c| c.starts_with('W')), "{codes:?}");
-    let spec = spec.unwrap();
+    let spec = tiny_with(&[
+        "parallel.pp=4",
+        "parallel.pp=2",
+        "cluster.gpus_per_node=2",
+        "parallel.schedule=gpipe",
+        "parallel.recompute=selective",
+        "parallel.zero=1",
+        "train.steps=7",
+        "train.seed=3",
+        "train.micro_batch=1",
+        "model.layers=6",
+    ]);
     assert_eq!(spec.parallel.mesh.size(Axis::Pp), 2);
     assert_eq!(spec.parallel.schedule, PipelineSchedule::Gpipe);
     assert_eq!(spec.parallel.zero, ZeroStage::Zero1);
@@ -179,42 +182,25 @@ fn overrides_last_wins_and_reach_every_section() {
         (7, 3, 8)
     );
     assert_eq!(spec.model.layers, 6);
-    let recomputed: Vec<&str> = spec
-        .model
-        .nodes
-        .iter()
-        .filter(|n| n.recompute)
-        .map(|n| n.name.as_str())
-        .collect();
+    let recomputed = recomputed(&spec);
     assert_eq!(recomputed.len(), 6);
     assert!(recomputed.iter().all(|n| n.ends_with(".attn")));
 }
 
 #[test]
 fn interleaved_and_named_recompute_by_override() {
-    let (spec, codes) = run(
-        &example("tiny.par"),
-        &[
-            "parallel.pp=2",
-            "cluster.gpus_per_node=2",
-            "parallel.schedule=interleaved",
-            "parallel.virtual=2",
-            "parallel.recompute=[MLP, blocks.1]",
-        ],
-    );
-    assert!(codes.iter().all(|c| c.starts_with('W')), "{codes:?}");
-    let spec = spec.unwrap();
+    let spec = tiny_with(&[
+        "parallel.pp=2",
+        "cluster.gpus_per_node=2",
+        "parallel.schedule=interleaved",
+        "parallel.virtual=2",
+        "parallel.recompute=[MLP, blocks.1]",
+    ]);
     assert_eq!(
         spec.parallel.schedule,
         PipelineSchedule::Interleaved { virtual_stages: 2 }
     );
-    let r: Vec<&str> = spec
-        .model
-        .nodes
-        .iter()
-        .filter(|n| n.recompute)
-        .map(|n| n.name.as_str())
-        .collect();
+    let r = recomputed(&spec);
     assert!(
         r.contains(&"blocks.3.mlp") && r.contains(&"blocks.1.ln1") && !r.contains(&"blocks.2.attn")
     );
@@ -265,16 +251,11 @@ fn big_examples_check_clean() {
 
 #[test]
 fn a_record_override_sets_each_field() {
-    let (spec, codes) = run(
-        &example("tiny.par"),
-        &[
-            "parallel.mesh={dp: 2, tp: 2}",
-            "cluster.gpus_per_node=4",
-            "train.optimizer=sgd { lr: 0.1, momentum: 0.9 }",
-        ],
-    );
-    assert!(codes.iter().all(|c| c.starts_with('W')), "{codes:?}");
-    let spec = spec.unwrap();
+    let spec = tiny_with(&[
+        "parallel.mesh={dp: 2, tp: 2}",
+        "cluster.gpus_per_node=4",
+        "train.optimizer=sgd { lr: 0.1, momentum: 0.9 }",
+    ]);
     assert_eq!(
         (
             spec.parallel.mesh.size(Axis::Dp),

@@ -268,86 +268,54 @@ mod tests {
         assert_eq!(part, full[4_321..7_321]);
     }
 
+    /// Split `parts` ways along `dim`, part `index`.
+    fn split(dim: u32, parts: u32, index: u32) -> TpSplit {
+        TpSplit {
+            dim,
+            parts,
+            index,
+            sections: None,
+        }
+    }
+
+    /// What `fill_local_param` writes of parameter 1 (normal, seed 9) of `shape` into `len`
+    /// elements (NaN where it writes nothing).
+    fn local(len: usize, shape: &[u64], tp: Option<TpSplit>, zero: Option<ZeroShard>) -> Vec<f32> {
+        let mut out = vec![f32::NAN; len];
+        let init = Init::Normal { std: 1.0 };
+        fill_local_param(&mut out, init, 9, ParamId(1), shape, tp, zero).unwrap();
+        out
+    }
+
     #[test]
     fn tp_blocks_along_either_dimension_are_slices_of_the_full_tensor() {
-        let init = Init::Normal { std: 1.0 };
-        let (rows, cols) = (6u64, 8u64);
+        let shape = [6, 8];
         let mut full = vec![0.0; 48];
-        fill_range(&mut full, init, 9, ParamId(1), 0);
+        fill_range(&mut full, Init::Normal { std: 1.0 }, 9, ParamId(1), 0);
         // Column block 1 of 2: columns 4..8 of every row.
-        let mut cols_block = vec![0.0; 24];
-        let split = TpSplit {
-            dim: 1,
-            parts: 2,
-            index: 1,
-            sections: None,
-        };
-        fill_local_param(
-            &mut cols_block,
-            init,
-            9,
-            ParamId(1),
-            &[rows, cols],
-            Some(split),
-            None,
-        )
-        .unwrap();
+        let cols_block = local(24, &shape, Some(split(1, 2, 1)), None);
         for r in 0..6 {
             assert_eq!(cols_block[r * 4..r * 4 + 4], full[r * 8 + 4..r * 8 + 8]);
         }
         // Row block 2 of 3: rows 4..6.
-        let mut rows_block = vec![0.0; 16];
-        let split = TpSplit {
-            dim: 0,
-            parts: 3,
-            index: 2,
-            sections: None,
-        };
-        fill_local_param(
-            &mut rows_block,
-            init,
-            9,
-            ParamId(1),
-            &[rows, cols],
-            Some(split),
-            None,
-        )
-        .unwrap();
-        assert_eq!(rows_block, full[32..48]);
+        assert_eq!(local(16, &shape, Some(split(0, 3, 2)), None), full[32..48]);
     }
 
     #[test]
     fn zero_shards_are_flat_slices_of_the_tp_local_tensor_with_zero_padding() {
-        let init = Init::Normal { std: 1.0 };
-        let split = TpSplit {
-            dim: 1,
-            parts: 2,
-            index: 0,
-            sections: None,
-        };
-        let mut local = vec![0.0; 15];
-        fill_local_param(&mut local, init, 3, ParamId(0), &[5, 6], Some(split), None).unwrap();
+        let tp = Some(split(1, 2, 0));
+        let whole = local(15, &[5, 6], tp, None);
         // 15 elements over 4 shards of 4: the last shard holds 3 elements and one pad.
-        let mut gathered = Vec::new();
-        for index in 0..4 {
-            let mut shard = vec![f32::NAN; 4];
-            let zero = ZeroShard {
-                shard_len: 4,
-                index,
-            };
-            fill_local_param(
-                &mut shard,
-                init,
-                3,
-                ParamId(0),
-                &[5, 6],
-                Some(split),
-                Some(zero),
-            )
-            .unwrap();
-            gathered.extend(shard);
-        }
-        assert_eq!(gathered[..15], local[..]);
+        let gathered: Vec<f32> = (0..4)
+            .flat_map(|index| {
+                let zero = ZeroShard {
+                    shard_len: 4,
+                    index,
+                };
+                local(4, &[5, 6], tp, Some(zero))
+            })
+            .collect();
+        assert_eq!(gathered[..15], whole[..]);
         assert_eq!(gathered[15], 0.0);
     }
 
@@ -364,12 +332,6 @@ mod tests {
 
     #[test]
     fn tp_block_indices_of_a_3d_tensor_match_brute_force() {
-        let split = TpSplit {
-            dim: 1,
-            parts: 2,
-            index: 1,
-            sections: None,
-        };
         let mut expected = Vec::new();
         for a in 0..2u64 {
             for b in 2..4u64 {
@@ -378,7 +340,8 @@ mod tests {
                 }
             }
         }
-        assert_eq!(tp_local_indices(&[2, 4, 3], Some(split)).unwrap(), expected);
+        let indices = tp_local_indices(&[2, 4, 3], Some(split(1, 2, 1)));
+        assert_eq!(indices.unwrap(), expected);
     }
 
     #[test]
@@ -386,10 +349,8 @@ mod tests {
         // A fused projection of 4 q rows, 2 k rows, 2 v rows (2 columns each), split in 2:
         // rank 1 holds q rows 2..4, k row 5, v row 7.
         let split = TpSplit {
-            dim: 0,
-            parts: 2,
-            index: 1,
             sections: Some([4, 2, 2]),
+            ..split(0, 2, 1)
         };
         let rows: Vec<u64> = tp_local_indices(&[8, 2], Some(split))
             .unwrap()
@@ -406,20 +367,8 @@ mod tests {
 
     #[test]
     fn layout_errors_are_reported() {
-        let split = TpSplit {
-            dim: 0,
-            parts: 4,
-            index: 0,
-            sections: None,
-        };
-        assert!(tp_local_indices(&[6, 2], Some(split)).is_err());
-        let split = TpSplit {
-            dim: 2,
-            parts: 1,
-            index: 0,
-            sections: None,
-        };
-        assert!(tp_local_indices(&[6, 2], Some(split)).is_err());
+        assert!(tp_local_indices(&[6, 2], Some(split(0, 4, 0))).is_err());
+        assert!(tp_local_indices(&[6, 2], Some(split(2, 1, 0))).is_err());
         let mut out = vec![0.0; 3];
         assert!(
             fill_local_param(&mut out, Init::Ones, 0, ParamId(0), &[2, 2], None, None).is_err()

@@ -592,13 +592,8 @@ fn multi_gpu_plans_through_nccl_match_the_single_rank_cpu_run() {
             continue;
         }
         let choice = PlanChoice {
-            dp,
-            pp,
-            cp,
-            tp,
-            zero,
             microbatches: 2,
-            ..PlanChoice::default()
+            ..PlanChoice::mesh(dp, pp, cp, tp, zero)
         };
         let mut s = spec(model(false), choice);
         s.train.steps = 4;

@@ -67,14 +67,9 @@ fn plans() -> Vec<(String, Plan)> {
                 (2, 2, 2, 1, ZeroStage::Zero3),
             ] {
                 let choice = PlanChoice {
-                    dp,
-                    pp,
-                    cp,
-                    tp,
-                    zero,
                     schedule,
                     microbatches: 4,
-                    ..PlanChoice::default()
+                    ..PlanChoice::mesh(dp, pp, cp, tp, zero)
                 };
                 let name = format!(
                     "{} dp{dp} pp{pp} cp{cp} tp{tp} {zero:?} {schedule:?}",

@@ -459,6 +459,19 @@ fn assert_gemm_operands_round(precision: Precision, label: &str, cases: &[(f32, 
     }
 }
 
+/// (input, rounded) near 1 for a 16-bit format of spacing `ulp` in [1, 2): ties to even both
+/// ways, just above a tie, a negative value below half an ulp, a carry into the exponent.
+fn near_one(ulp: f32) -> [(f32, f32); 6] {
+    [
+        (1.0, 1.0),
+        (1.0 + ulp / 2.0, 1.0),                        // tie, 1.0 is even
+        (1.0 + 1.5 * ulp, 1.0 + 2.0 * ulp),            // tie, rounds up to even
+        (1.0 + ulp / 2.0 + 2f32.powi(-20), 1.0 + ulp), // above the tie
+        (-(1.0 + 0.25 * ulp), -1.0),                   // below half an ulp, negative
+        (2.0 - ulp / 4.0, 2.0),                        // carries into the exponent
+    ]
+}
+
 /// fp16 operands round as IEEE binary16: nearest, ties to even, carries into the exponent,
 /// the largest finite 65504 (and below-halfway values above it), infinity from 65520 up (a
 /// scaled gradient that overflows fp16 must become infinite so the step is skipped),
@@ -467,23 +480,18 @@ fn assert_gemm_operands_round(precision: Precision, label: &str, cases: &[(f32, 
 fn fp16_operands_round_to_nearest_even() {
     let ulp = 2f32.powi(-10); // fp16's spacing in [1, 2)
     let tiny = 2f32.powi(-24); // its smallest subnormal
-    let cases: [(f32, f32); 15] = [
-        (1.0, 1.0),
-        (1.0 + ulp / 2.0, 1.0),                        // tie, 1.0 is even
-        (1.0 + 1.5 * ulp, 1.0 + 2.0 * ulp),            // tie, rounds up to even
-        (1.0 + ulp / 2.0 + 2f32.powi(-20), 1.0 + ulp), // above the tie
-        (-(1.0 + 0.25 * ulp), -1.0),                   // below half an ulp, negative
-        (2.0 - ulp / 4.0, 2.0),                        // carries into the exponent
-        (65504.0, 65504.0),                            // the largest finite
-        (65519.0, 65504.0),                            // below the halfway point to 2^16
-        (65520.0, f32::INFINITY),                      // the halfway point rounds up: overflow
+    let mut cases = near_one(ulp).to_vec();
+    cases.extend([
+        (65504.0, 65504.0),       // the largest finite
+        (65519.0, 65504.0),       // below the halfway point to 2^16
+        (65520.0, f32::INFINITY), // the halfway point rounds up: overflow
         (-1e6, f32::NEG_INFINITY),
         (tiny, tiny),
         (1.5 * tiny, 2.0 * tiny), // tie between subnormals, to even
         (tiny / 2.0, 0.0),        // tie with zero, to even
         (0.75 * tiny, tiny),
         (f32::NAN, f32::NAN),
-    ];
+    ]);
     assert_gemm_operands_round(fp16(1.0), "fp16", &cases);
 }
 
@@ -494,17 +502,12 @@ fn fp16_operands_round_to_nearest_even() {
 fn bf16_operands_round_to_nearest_even() {
     let ulp = 2f32.powi(-7); // bf16's spacing in [1, 2)
     let big = 2f32.powi(127);
-    let cases: [(f32, f32); 10] = [
-        (1.0, 1.0),
-        (1.0 + ulp / 2.0, 1.0),                        // tie, 1.0 is even
-        (1.0 + 1.5 * ulp, 1.0 + 2.0 * ulp),            // tie, rounds up to even
-        (1.0 + ulp / 2.0 + 2f32.powi(-20), 1.0 + ulp), // above the tie
-        (-(1.0 + 0.25 * ulp), -1.0),                   // below half an ulp, negative
-        (2.0 - ulp / 4.0, 2.0),                        // carries into the exponent
+    let mut cases = near_one(ulp).to_vec();
+    cases.extend([
         (big * (1.0 + 0.75 * ulp), big * (1.0 + ulp)), // large, still finite
         (f32::MAX, f32::INFINITY),                     // past bf16's largest
         (f32::NEG_INFINITY, f32::NEG_INFINITY),
         (f32::NAN, f32::NAN),
-    ];
+    ]);
     assert_gemm_operands_round(Precision::Bf16, "bf16", &cases);
 }

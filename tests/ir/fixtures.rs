@@ -63,6 +63,20 @@ impl Default for PlanChoice {
     }
 }
 
+impl PlanChoice {
+    /// The default choice on the mesh `dp` × `pp` × `cp` × `tp`, with ZeRO stage `zero`.
+    pub fn mesh(dp: u32, pp: u32, cp: u32, tp: u32, zero: ZeroStage) -> PlanChoice {
+        PlanChoice {
+            dp,
+            pp,
+            cp,
+            tp,
+            zero,
+            ..PlanChoice::default()
+        }
+    }
+}
+
 /// Model sizes.
 pub struct Dims {
     pub vocab: u64,
@@ -111,23 +125,11 @@ pub fn train_cpu(
 /// tied head) at `micro_batch`, on one rank.
 #[allow(dead_code)] // for the GPU tests; the IR tests include this file too
 pub fn gpt2_124m(micro_batch: u64) -> Spec {
-    let dims = Dims {
-        vocab: 50304,
-        dim: 768,
-        seq: 1024,
-        heads: 12,
-        kv_heads: 12,
-        ffn: 3072,
-        micro_batch,
-    };
-    let model = TinyModel {
-        layers: 12,
-        llama: false,
-        tied: true,
-    };
-    sized_spec(model, PlanChoice::default(), dims)
+    let plan = PlanChoice::default();
+    decoder_spec(&Decoder::gpt2_124m(), plan, micro_batch, Variant::default())
 }
 
+#[allow(dead_code)] // for the GPU and memory tests; the IR tests include this file too
 pub fn sized_spec(model: TinyModel, plan: PlanChoice, dims: Dims) -> Spec {
     sized_spec_variant(model, plan, dims, Variant::default())
 }

@@ -104,15 +104,11 @@ fn bf16_plans_verify_over_the_plan_matrix() {
     ] {
         for llama in [false, true] {
             let choice = PlanChoice {
-                dp,
-                pp,
-                cp,
-                tp,
-                zero,
                 schedule,
                 microbatches: 4,
                 recompute: recompute.clone(),
                 sp,
+                ..PlanChoice::mesh(dp, pp, cp, tp, zero)
             };
             let plan = bf16_plan(
                 TinyModel {

@@ -182,42 +182,25 @@ impl Grid<'_> {
             }
         }
         let model_span = e.name_span;
-        if tp > 1 && !sh.attention_heads_on_tp {
-            self.diags.push(
-                Diagnostic::error(
-                    "E0411",
-                    format!("tp = {tp} but attention is not sharded on tp"),
-                )
-                .label(tp_span, format!("tp = {tp}"))
-                .label(
-                    model_span,
-                    "this model has no `shard Attention.heads on tp`",
-                )
-                .help("add `shard Attention.heads on tp` to the model, or set tp = 1"),
-            );
-        }
+        // What tp splits only where the model shards it: (code, in the model, sharded, what
+        // tp then cannot split, the model's shard line).
         let has = |kind: &str| e.model.nodes.iter().any(|n| n.kind.kind_name() == kind);
-        if tp > 1 && !sh.mlp_hidden_on_tp && has("MLP") {
-            self.diags.push(
-                Diagnostic::error(
-                    "E0413",
-                    format!("tp = {tp} but the MLP is not sharded on tp; parc lowers the MLP only hidden-parallel (Megatron column then row)"),
-                )
-                .label(tp_span, format!("tp = {tp}"))
-                .label(model_span, "this model has no `shard MLP.hidden on tp`")
-                .help("add `shard MLP.hidden on tp` to the model, or set tp = 1"),
-            );
-        }
-        if tp > 1 && !sh.vocab_on_tp && has("Embedding") {
-            self.diags.push(
-                Diagnostic::error(
-                    "E0414",
-                    format!("tp = {tp} but the vocabulary is not sharded on tp; parc lowers the embedding, head and loss only vocab-parallel"),
-                )
-                .label(tp_span, format!("tp = {tp}"))
-                .label(model_span, "this model has no `shard Embedding.vocab on tp`")
-                .help("add `shard Embedding.vocab on tp` to the model, or set tp = 1"),
-            );
+        let sharded = [
+            ("E0411", true, sh.attention_heads_on_tp, "attention is not sharded on tp", "Attention.heads"),
+            ("E0413", has("MLP"), sh.mlp_hidden_on_tp, "the MLP is not sharded on tp; parc lowers the MLP only hidden-parallel (Megatron column then row)", "MLP.hidden"),
+            ("E0414", has("Embedding"), sh.vocab_on_tp, "the vocabulary is not sharded on tp; parc lowers the embedding, head and loss only vocab-parallel", "Embedding.vocab"),
+        ];
+        for (code, present, on_tp, why, dim) in sharded {
+            if tp > 1 && present && !on_tp {
+                self.diags.push(
+                    Diagnostic::error(code, format!("tp = {tp} but {why}"))
+                        .label(tp_span, format!("tp = {tp}"))
+                        .label(model_span, format!("this model has no `shard {dim} on tp`"))
+                        .help(format!(
+                            "add `shard {dim} on tp` to the model, or set tp = 1"
+                        )),
+                );
+            }
         }
         if cp > 1 && !sh.seq_on_cp {
             self.diags.push(

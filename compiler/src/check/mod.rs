@@ -73,14 +73,14 @@ pub fn check(
     let mut loaded: HashMap<String, usize> = HashMap::new();
     load_module(&file, sources, &mut ns, &mut loaded, &mut diags);
 
-    let sections: Vec<_> = file
-        .items
-        .iter()
-        .filter_map(|i| match i {
-            Item::Section(s) => Some(s),
-            _ => None,
-        })
-        .collect();
+    let (mut sections, mut models) = (Vec::new(), Vec::new());
+    for item in &file.items {
+        match item {
+            Item::Section(s) => sections.push(s),
+            Item::Model(m) => models.push(m),
+            Item::Use(_) | Item::Let(_) | Item::Block(_) => {}
+        }
+    }
     let mut settings = settings::Settings::from_sections(&sections, &mut diags);
     let mut model_overrides = Overrides::default();
     let mut override_spans: HashMap<String, Span> = HashMap::new();
@@ -101,14 +101,6 @@ pub fn check(
         }
     }
 
-    let models: Vec<_> = file
-        .items
-        .iter()
-        .filter_map(|i| match i {
-            Item::Model(m) => Some(m),
-            _ => None,
-        })
-        .collect();
     let mut elaborated = match models.as_slice() {
         [] => {
             diags.push(
@@ -251,10 +243,11 @@ fn dedup(diags: Diagnostics) -> Diagnostics {
 fn unknown_override(path: &str, span: Span, model_consts: &[&str]) -> Diagnostic {
     let mut all: Vec<&str> = settings::PATHS.to_vec();
     all.extend(model_consts);
-    let help = match suggest::closest(path, all.iter().copied()) {
-        Some(c) => format!("did you mean `{c}`? valid paths: {}", all.join(", ")),
-        None => format!("valid paths: {}", all.join(", ")),
-    };
+    let help = suggest::help(
+        path,
+        all.iter().copied(),
+        &format!("valid paths: {}", all.join(", ")),
+    );
     Diagnostic::error("E0905", format!("`--set {path}`: no such setting"))
         .label(span, "unknown path")
         .help(help)

@@ -105,10 +105,8 @@ impl Reader<'_> {
     }
 
     fn unknown_const(&mut self, w: &str, s: Span) -> Option<SVal> {
-        let help = match suggest::closest(w, self.consts.keys().map(String::as_str)) {
-            Some(c) => format!("did you mean `{c}`?"),
-            None => "define it with `let` in the model".into(),
-        };
+        let consts = self.consts.keys().map(String::as_str);
+        let help = suggest::did_you_mean(w, consts, "define it with `let` in the model");
         self.diags.push(
             Diagnostic::error("E0201", format!("unknown name `{w}`"))
                 .label(s, "not defined")
@@ -139,41 +137,38 @@ impl Reader<'_> {
     pub fn count(&mut self, path: &str, min: u64) -> Option<u64> {
         let leaf = path.rsplit('.').next().unwrap_or(path).to_string();
         let max = limit(path);
-        match self.value(path)? {
-            SVal::Num(n) => match n.as_count(&leaf) {
-                Ok(v) if v > max => {
-                    self.diags.push(
-                        Diagnostic::error(
-                            "E0903",
-                            format!("{leaf} = {v} is more than parc supports ({max})"),
-                        )
-                        .label(n.span, "too large")
-                        .help(format!("use a {leaf} of at most {max}")),
-                    );
-                    None
-                }
-                Ok(v) if v >= min => Some(v),
-                Ok(v) => {
-                    self.diags.push(
-                        Diagnostic::error(
-                            "E0903",
-                            format!("{leaf} must be at least {min}, found {v}"),
-                        )
-                        .label(n.span, "too small")
-                        .help(format!("set {leaf} to {min} or more")),
-                    );
-                    None
-                }
-                Err(d) => {
-                    self.diags.push(d);
-                    None
-                }
-            },
-            SVal::Word(w, s) => self.unknown_const(&w, s).and(None),
-            other => self
-                .wrong(&other, &format!("a whole number for {leaf}"))
-                .and(None),
-        }
+        let n = match self.value(path)? {
+            SVal::Num(n) => n,
+            SVal::Word(w, s) => return self.unknown_const(&w, s).and(None),
+            other => {
+                return self
+                    .wrong(&other, &format!("a whole number for {leaf}"))
+                    .and(None)
+            }
+        };
+        let v = match n.as_count(&leaf) {
+            Ok(v) => v,
+            Err(d) => {
+                self.diags.push(d);
+                return None;
+            }
+        };
+        let (message, label, help) = if v > max {
+            let message = format!("{leaf} = {v} is more than parc supports ({max})");
+            (
+                message,
+                "too large",
+                format!("use a {leaf} of at most {max}"),
+            )
+        } else if v < min {
+            let message = format!("{leaf} must be at least {min}, found {v}");
+            (message, "too small", format!("set {leaf} to {min} or more"))
+        } else {
+            return Some(v);
+        };
+        let error = Diagnostic::error("E0903", message).label(n.span, label);
+        self.diags.push(error.help(help));
+        None
     }
 
     pub fn float(&mut self, path: &str) -> Option<f64> {
@@ -233,13 +228,8 @@ impl Reader<'_> {
                     SVal::Num(n) => n.value.to_string(),
                     _ => "this".into(),
                 };
-                let help = match suggest::closest(&got, allowed.iter().copied()) {
-                    Some(c) => format!(
-                        "did you mean `{c}`? {leaf} is one of {}",
-                        suggest::one_of(allowed)
-                    ),
-                    None => format!("{leaf} is one of {}", suggest::one_of(allowed)),
-                };
+                let one_of = format!("{leaf} is one of {}", suggest::one_of(allowed));
+                let help = suggest::help(&got, allowed.iter().copied(), &one_of);
                 self.diags.push(
                     Diagnostic::error("E0904", format!("`{got}` is not a valid {leaf}"))
                         .label(v.span(), "unknown value")

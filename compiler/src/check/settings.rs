@@ -102,10 +102,9 @@ impl Settings {
         for sec in sections {
             let name = sec.name.name.as_str();
             if !matches!(name, "parallel" | "train" | "cluster") {
-                let help = match suggest::closest(name, ["parallel", "train", "cluster"]) {
-                    Some(c) => format!("did you mean `{c}`?"),
-                    None => "the sections are `model`, `parallel`, `train` and `cluster`".into(),
-                };
+                let sections = ["parallel", "train", "cluster"];
+                let all = "the sections are `model`, `parallel`, `train` and `cluster`";
+                let help = suggest::did_you_mean(name, sections, all);
                 diags.push(
                     Diagnostic::error("E0203", format!("unknown section `{name}`"))
                         .label(sec.name.span, "unknown section")
@@ -215,10 +214,8 @@ pub fn unknown_path(path: &str, section: &str, span: Span) -> Diagnostic {
         .map(|p| &p[prefix.len()..])
         .collect();
     let leaf = path.strip_prefix(&prefix).unwrap_or(path);
-    let help = match suggest::closest(leaf, valid.iter().copied()) {
-        Some(c) => format!("did you mean `{c}`? {section} has: {}", valid.join(", ")),
-        None => format!("{section} has: {}", valid.join(", ")),
-    };
+    let has = format!("{section} has: {}", valid.join(", "));
+    let help = suggest::help(leaf, valid.iter().copied(), &has);
     Diagnostic::error("E0203", format!("`{section}` has no setting `{leaf}`"))
         .label(span, "unknown setting")
         .help(help)

@@ -11,6 +11,27 @@ pub fn closest<'a>(name: &str, candidates: impl IntoIterator<Item = &'a str>) ->
         .map(|(_, c)| c)
 }
 
+/// The help for a `name` that is none of `candidates`: `rest`, after "did you mean `c`?" where
+/// a candidate `c` is close to it.
+pub fn help<'a>(name: &str, candidates: impl IntoIterator<Item = &'a str>, rest: &str) -> String {
+    match closest(name, candidates) {
+        Some(c) => format!("did you mean `{c}`? {rest}"),
+        None => rest.to_string(),
+    }
+}
+
+/// "did you mean `c`?" where a candidate `c` is close to `name`, else `otherwise`.
+pub fn did_you_mean<'a>(
+    name: &str,
+    candidates: impl IntoIterator<Item = &'a str>,
+    otherwise: &str,
+) -> String {
+    match closest(name, candidates) {
+        Some(c) => format!("did you mean `{c}`?"),
+        None => otherwise.to_string(),
+    }
+}
+
 fn edit_distance(a: &str, b: &str) -> usize {
     let b: Vec<char> = b.chars().collect();
     let mut row: Vec<usize> = (0..=b.len()).collect();

@@ -59,13 +59,7 @@ pub fn stage_comm(
     chunks: u32,
     params: u64,
 ) -> Vec<AxisComm> {
-    let mesh = &spec.parallel.mesh;
-    let (dp, pp, cp, tp) = (
-        mesh.size(Axis::Dp),
-        mesh.size(Axis::Pp),
-        mesh.size(Axis::Cp),
-        mesh.size(Axis::Tp),
-    );
+    let (dp, pp, cp, tp) = spec.parallel.mesh.sizes();
     let m = f64::from(spec.parallel.microbatches.max(1));
     let elem = super::act_bytes(spec.train.precision) as f64;
     let s_local = spec.model.seq as f64 / f64::from(cp.max(1));

@@ -65,13 +65,7 @@ fn tp_fits(spec: &Spec, t: u32) -> bool {
 
 fn alternatives(spec: &Spec) -> Vec<Alternative> {
     let mut out = Vec::new();
-    let mesh = &spec.parallel.mesh;
-    let (dp, pp, cp, tp) = (
-        mesh.size(Axis::Dp),
-        mesh.size(Axis::Pp),
-        mesh.size(Axis::Cp),
-        mesh.size(Axis::Tp),
-    );
+    let (dp, pp, cp, tp) = spec.parallel.mesh.sizes();
     if dp * cp > 1 {
         for zero in [ZeroStage::Zero1, ZeroStage::Zero2, ZeroStage::Zero3] {
             if zero > spec.parallel.zero {

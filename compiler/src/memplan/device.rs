@@ -4,25 +4,19 @@
 //! operand precision and the documented constants below. Each overhead is its own labelled
 //! line with where its number comes from (docs/memory.md has the table):
 //!
-//! - **The CUDA backend's own memory** (`runtime/src/cuda/storage.rs::program_needs`,
-//!   `gemm_operands.rs`, `mod.rs`), read off the program with the runtime's rules: 16-bit casts
-//!   of the f32 `Param` weights the GEMMs read (16-bit runs), the GEMM scratch (per-use 16-bit
-//!   copies of other f32 operands, the D an accumulating GEMM's algorithms are timed into, the
-//!   bias vector area), the reduction and attention scratch (at least 1 MiB), the copies of
-//!   inputs that are also their op's output, and the 32 MiB cuBLASLt workspace.
-//!   `runtime`'s `storage` tests check these lines against the backend's own sizing.
+//! - **The CUDA backend's own memory**: the sizes it reserves, [`super::backend_scratch`]
+//!   (16-bit weight casts, GEMM scratch and bias vector area, op scratch, aliased copies), and
+//!   the cuBLASLt workspace.
 //! - **The CUDA context** with the loaded kernels: a measured constant.
 //! - **NCCL** (runs of several ranks): a per-process constant (its kernels and communicator
 //!   state), the connection buffers of every communicator the rank runs collectives on
 //!   (ring and tree, every channel), and the point-to-point buffers of every pipeline peer.
 //!
 //! Small pieces are left out: position lists, fused optimizer and sum-of-squares tables
-//! (KiBs), the NCCL host comm's staging (metrics).
+//! (KiBs), Hopper GEMMs' split counters (16 KiB), the NCCL host comm's staging (metrics).
+use super::scratch::{backend_scratch, CUBLASLT_WORKSPACE_BYTES, MIN_REDUCTION_SCRATCH};
 use super::PlanSummary;
-use crate::ir::op::{AttentionAttrs, Op};
-use crate::ir::{
-    Buffer, BufferId, BufferKind, DType, Instr, P2pOp, Peer, Plan, Program, ProgramId,
-};
+use crate::ir::{Instr, P2pOp, Peer, Plan, Program, ProgramId};
 use serde::Serialize;
 use std::collections::HashSet;
 
@@ -32,17 +26,6 @@ const MIB: u64 = 1 << 20;
 /// handle: nvidia-smi above `memory_reserved_bytes` on one H200 (driver 580, CUDA 13), GPT-2
 /// 124M (14.8 vs 14.3 GiB) and 350M (19.3 vs 18.8 GiB), bench/RESULTS.md session 3.
 pub const CUDA_CONTEXT_BYTES: u64 = 512 * MIB;
-/// `runtime/src/cuda/mod.rs` `WORKSPACE_BYTES`: cuBLASLt's workspace, one per backend.
-pub const CUBLASLT_WORKSPACE_BYTES: u64 = 32 * MIB;
-/// The reduction scratch's smallest size (`CudaBackend::scratch`).
-pub const MIN_REDUCTION_SCRATCH: u64 = MIB;
-/// Most chunks a column reduction splits its rows into (`dispatch::chunking`), 8 bytes each.
-const MAX_CHUNKS: u64 = 128;
-/// `SumSquares`' most blocks (`sum_squares::MAX_BLOCKS`), one f64 partial each.
-const SUM_SQUARES_BLOCKS: u64 = 1024;
-/// Head dims the tensor-core attention kernels take (`attention::TensorCore::for_head_dim`).
-const TENSOR_CORE_HEAD_DIMS: [u64; 2] = [64, 128];
-
 /// NCCL channels per communicator on NVLink/NVSwitch H100/H200 hosts (NVIDIA/nccl#1685 counts
 /// 32 channels per pair of GPUs on 8 H100s; `bench/multi_gpu.sh`'s ZeRO runs print NCCL's own
 /// count from its INIT log).
@@ -88,164 +71,8 @@ pub struct DeviceMemory {
     pub total_bytes: u64,
 }
 
-/// The CUDA backend's scratch sizes for one program (`storage::program_needs` and
-/// `gemm_operands`' rules; see the module docs).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct BackendScratch {
-    /// 16-bit casts of the f32 `Param` weights GEMMs read (16-bit runs).
-    pub weight_casts: u64,
-    /// The largest GEMM's per-use copies plus timing D.
-    pub gemm_operands: u64,
-    /// The longest bias (gradient) vector of a GEMM, in elements (16-bit runs).
-    pub gemm_vector_len: u64,
-    /// The largest op's reduction partials or attention scratch.
-    pub reduction: u64,
-    /// The largest op's copies of inputs that are also its outputs.
-    pub aliased: u64,
-}
-
 fn aligned(bytes: u64) -> u64 {
     bytes.next_multiple_of(super::ALIGN)
-}
-
-/// Whether a weight operand is read through a cached cast under a memory plan.
-fn cached_cast(buffer: &Buffer) -> bool {
-    buffer.kind == BufferKind::Param && buffer.dtype == DType::F32
-}
-
-/// The scratch one program's ops ask the CUDA backend for; `half`: GEMMs (and tensor-core
-/// attention) take 16-bit operands (bf16 and fp16 runs).
-pub fn backend_scratch(program: &Program, half: bool) -> BackendScratch {
-    let mut s = BackendScratch::default();
-    let buffer = |id: Option<&BufferId>| id.and_then(|id| program.buffer(*id));
-    let numel = |id: Option<&BufferId>| buffer(id).map_or(0, Buffer::numel);
-    let mut casts: HashSet<BufferId> = HashSet::new();
-    for c in program.instrs.iter().filter_map(Instr::as_compute) {
-        let (op, inputs, outputs) = (c.op, c.inputs, c.outputs);
-        // GEMMs: A and B (input index, weight?), cached casts, per-use copies, timing D.
-        let gemm: &[(usize, bool)] = match op {
-            Op::Matmul { .. } | Op::MatmulBwdData { .. } => &[(1, true), (0, false)],
-            Op::MatmulBwdWeight { .. } => &[(1, false), (0, false)],
-            _ => &[],
-        };
-        if half && !gemm.is_empty() {
-            let mut copies = 0;
-            for &(i, weight) in gemm {
-                let Some(b) = buffer(inputs.get(i)) else {
-                    continue;
-                };
-                if b.dtype != DType::F32 {
-                    continue;
-                }
-                if weight && cached_cast(b) {
-                    if let Some(&id) = inputs.get(i) {
-                        casts.insert(id);
-                    }
-                } else {
-                    copies += aligned(b.numel() * 2);
-                }
-            }
-            let timing = match op {
-                Op::MatmulBwdWeight { .. }
-                | Op::MatmulBwdData {
-                    accumulate: true, ..
-                } => buffer(outputs.first()).map_or(0, Buffer::bytes),
-                _ => 0,
-            };
-            s.gemm_operands = s.gemm_operands.max(copies + timing);
-            match op {
-                Op::Matmul { bias: true, .. } => {
-                    s.gemm_vector_len = s.gemm_vector_len.max(numel(inputs.get(2)));
-                    if let Some(&id) = inputs.get(2) {
-                        if buffer(Some(&id)).is_some_and(cached_cast) {
-                            casts.insert(id);
-                        }
-                    }
-                }
-                Op::MatmulBwdWeight { bias: true, .. } => {
-                    s.gemm_vector_len = s.gemm_vector_len.max(numel(outputs.get(1)));
-                }
-                _ => {}
-            }
-        }
-        let reduction = match op {
-            Op::SumSquares => SUM_SQUARES_BLOCKS * 8,
-            Op::LayerNormBwd { .. } | Op::RmsNormBwd { .. } => {
-                MAX_CHUNKS * 8 * numel(outputs.get(1)).max(numel(outputs.get(2)))
-            }
-            Op::MatmulBwdWeight { bias: true, .. } => MAX_CHUNKS * 8 * numel(outputs.get(1)),
-            Op::Attention(a) | Op::AttentionBwd(a) => {
-                attention_scratch(program, op, a, inputs, outputs, half)
-            }
-            Op::CrossEntropy { .. } => numel(inputs.get(1)) * 8,
-            _ => 0,
-        };
-        s.reduction = s.reduction.max(reduction);
-        let mut aliased = 0;
-        for (i, id) in inputs.iter().enumerate() {
-            let first = inputs.iter().position(|x| x == id) == Some(i);
-            let in_place = op.in_place().iter().any(|&(input, _)| input == i);
-            if first && !in_place && outputs.iter().any(|o| o == id) {
-                aliased += aligned(buffer(Some(id)).map_or(0, Buffer::bytes));
-            }
-        }
-        s.aliased = s.aliased.max(aliased);
-    }
-    s.weight_casts = casts
-        .iter()
-        .filter_map(|&id| program.buffer(id))
-        .map(|b| aligned(b.numel() * 2))
-        .sum();
-    s
-}
-
-/// An attention op's scratch (`attention::ScratchLayout`): with tensor cores (16-bit runs,
-/// head dim 64 or 128) a bf16 copy of each f32 operand read (q, k, v or the packed qkv; the
-/// backward also dO),
-/// then for the backward `delta` and `lse2` (one f32 per lse row, rows padded to 4 per head)
-/// and, where dQ is stored bf16, its f32 accumulator; each piece 256-byte aligned.
-fn attention_scratch(
-    program: &Program,
-    op: &Op,
-    a: &AttentionAttrs,
-    inputs: &crate::ir::Inputs,
-    outputs: &crate::ir::Outputs,
-    half: bool,
-) -> u64 {
-    let (batch, heads, head_dim) = (&a.batch, &a.heads, &a.head_dim);
-    let tc = half && (a.scale as f32) > 0.0 && TENSOR_CORE_HEAD_DIMS.contains(head_dim);
-    let buffer = |i: usize, ids: &[BufferId]| ids.get(i).and_then(|id| program.buffer(*id));
-    let backward = matches!(op, Op::AttentionBwd { .. });
-    let packed = a.packed;
-    // Inputs: [dO,] q, k, v[, o, lse], or packed [dO,] qkv[, o, lse].
-    let (operands, o_at) = match (backward, packed) {
-        (false, false) => (3, 0),
-        (false, true) => (1, 0),
-        (true, false) => (4, 4),
-        (true, true) => (2, 2),
-    };
-    let mut bytes = 0;
-    if tc {
-        for i in 0..operands {
-            if let Some(b) = buffer(i, inputs).filter(|b| b.dtype == DType::F32) {
-                bytes += aligned(b.numel() * 2);
-            }
-        }
-    }
-    if backward {
-        let rows = buffer(o_at + 1, inputs).map_or(0, Buffer::numel);
-        let per_head = (batch * heads).max(1);
-        let stats = per_head * (rows / per_head).next_multiple_of(4) * 4;
-        bytes += 2 * aligned(stats);
-        // dQ's f32 accumulator has o's shape ([rows, heads·head_dim]): where dq is bf16, and
-        // always for a packed op (dqkv's q columns are not compact rows).
-        let dq = buffer(0, outputs);
-        if tc && (packed || dq.is_some_and(|b| b.dtype == DType::Bf16)) {
-            let o = buffer(o_at, inputs).map_or(0, Buffer::numel);
-            bytes += aligned(o * 4);
-        }
-    }
-    bytes
 }
 
 /// The backend's lines for `program` (see the module docs).
@@ -290,7 +117,7 @@ fn backend_lines(program: &Program, half: bool) -> Vec<DeviceLine> {
     lines.push(DeviceLine {
         what: "cuBLASLt",
         bytes: CUBLASLT_WORKSPACE_BYTES,
-        basis: "cuBLASLt's workspace, fixed (runtime/src/cuda/mod.rs WORKSPACE_BYTES)".into(),
+        basis: "cuBLASLt's workspace, fixed".into(),
     });
     lines
 }
@@ -411,9 +238,9 @@ pub fn device_memory(plan: &Plan, summaries: &[PlanSummary], half: bool) -> Vec<
 mod tests {
     use super::*;
     use crate::cost::testspec::{build, Dims, Plan as PlanChoice};
-    use crate::ir::{Buffer, Instr};
+
     use crate::lower::lower;
-    use crate::memplan::tests::program_of;
+
     use crate::memplan::{plan_all, summarize};
     use crate::spec::{Precision, ZeroStage};
 
@@ -435,19 +262,9 @@ mod tests {
         lines.iter().find(|l| l.what == what).map(|l| l.bytes)
     }
 
-    /// GPT-2 350M (24 layers, d 1024, 16 heads, vocab 50304, tied) at 16 × 1024 tokens per GPU.
-    fn gpt2_350m() -> Dims {
-        Dims {
-            vocab: 50304,
-            dim: 1024,
-            seq: 1024,
-            heads: 16,
-            kv_heads: 16,
-            ffn: 4096,
-            layers: 24,
-            llama: false,
-            tied: true,
-        }
+    /// Each program's runtime line `what`.
+    fn each_program(device: &[DeviceMemory], what: &str) -> Vec<Option<u64>> {
+        device.iter().map(|d| line(&d.runtime, what)).collect()
     }
 
     #[test]
@@ -469,7 +286,7 @@ mod tests {
                 precision: Precision::Bf16,
                 ..PlanChoice::default()
             };
-            let (_, device) = predict(&gpt2_350m(), &choice);
+            let (_, device) = predict(&Dims::gpt2_350m(), &choice);
             let d = &device[0];
             let total = d.total_bytes as f64 / GIB;
             let planned = d.planned_bytes as f64 / GIB;
@@ -517,10 +334,7 @@ mod tests {
         };
         let (plan, device) = predict(&dims, &choice);
         let connection = NCCL_CHANNELS * NCCL_CONNECTION_BYTES;
-        let collectives: Vec<Option<u64>> = device
-            .iter()
-            .map(|d| line(&d.runtime, "NCCL collectives"))
-            .collect();
+        let collectives = each_program(&device, "NCCL collectives");
         let (pair, world) = (2 * connection, 3 * connection);
         assert_eq!(plan.programs.len(), 4);
         assert_eq!(
@@ -533,10 +347,7 @@ mod tests {
             ]
         );
         // Stages 0 and 3 have one neighbour, the middle ones two.
-        let peers: Vec<Option<u64>> = device
-            .iter()
-            .map(|d| line(&d.runtime, "NCCL p2p"))
-            .collect();
+        let peers = each_program(&device, "NCCL p2p");
         let peer = NCCL_CHANNELS * NCCL_P2P_PEER_CHANNEL_BYTES;
         assert_eq!(
             peers,
@@ -566,64 +377,5 @@ mod tests {
             assert!(collectives >= 2 * NCCL_CHANNELS * NCCL_CONNECTION_BYTES);
             assert_eq!(line(&d.runtime, "NCCL state"), Some(NCCL_PROCESS_BYTES));
         }
-    }
-
-    #[test]
-    fn scratch_follows_the_backends_rules() {
-        use crate::ir::op::Op;
-        // b0 f32 param weight [4·8], b1 f32 activation x [16·8], b2 output [16·4], b3 dw [4·8].
-        let mut program = program_of(
-            &[-32, 128, 64, 32],
-            vec![
-                Instr::compute(
-                    Op::Matmul {
-                        in_dim: 8,
-                        out_dim: 4,
-                        bias: false,
-                        act: None,
-                        residual: false,
-                    },
-                    &[1, 0],
-                    &[2],
-                ),
-                Instr::compute(
-                    Op::MatmulBwdData {
-                        in_dim: 8,
-                        out_dim: 4,
-                        accumulate: false,
-                        act_grad: None,
-                    },
-                    &[2, 0],
-                    &[1],
-                ),
-                Instr::compute(
-                    Op::MatmulBwdWeight {
-                        in_dim: 8,
-                        out_dim: 4,
-                        bias: false,
-                        accumulate_param_grad: true,
-                    },
-                    &[2, 1],
-                    &[3],
-                ),
-                Instr::compute(Op::Scale { factor: 2.0 }, &[2], &[2]),
-            ],
-        );
-        program.buffers[3].kind = crate::ir::BufferKind::Grad;
-        let half = backend_scratch(&program, true);
-        // The weight is cast once (64 bytes, aligned) though two GEMMs read it.
-        assert_eq!(half.weight_casts, 256);
-        // The bwd-weight GEMM copies dy and x (f32 activations) and times into dw (128 bytes).
-        assert_eq!(half.gemm_operands, 256 + 256 + 128);
-        // Scale reads and writes b2: one aligned copy of it.
-        assert_eq!(half.aliased, 256);
-        let full = backend_scratch(&program, false);
-        assert_eq!((full.weight_casts, full.gemm_operands), (0, 0));
-        // A bf16 activation is read as stored: no copy of it.
-        program.buffers[1] = Buffer {
-            dtype: DType::Bf16,
-            ..program.buffers[1].clone()
-        };
-        assert_eq!(backend_scratch(&program, true).gemm_operands, 256 + 128);
     }
 }

@@ -23,6 +23,9 @@
 //!   for it under the executor's ordering rules (a `Free` of a buffer a queued collective uses
 //!   waits for it, since the plan hands its bytes on).
 //!
+//! - [`backend_scratch`] is what the CUDA backend reserves beside the plan (weight casts, GEMM,
+//!   op and aliased-copy scratch), read off the program; the backend allocates it and
+//!   [`device_memory`] counts it.
 //! - [`device_memory`] predicts what a GPU holds for a rank of a CUDA run beyond the planned
 //!   regions (the backend's scratch and weight casts, the CUDA context, NCCL's buffers), line by
 //!   line, so `parc check` can predict nvidia-smi's per-GPU figure.
@@ -33,15 +36,18 @@ mod check;
 mod device;
 mod intervals;
 mod overlap;
+mod scratch;
 #[cfg(test)]
 mod tests;
 mod zeroing;
 
 pub use check::check_layout;
-pub use device::{
-    backend_scratch, device_memory, predicted_reserved, BackendScratch, DeviceLine, DeviceMemory,
-};
+pub use device::{device_memory, predicted_reserved, DeviceLine, DeviceMemory};
 pub use overlap::{comm_overlap, CommOverlap};
+pub use scratch::{
+    attention_scratch, backend_scratch, tensor_core_attention, AttentionScratch, BackendScratch,
+    CUBLASLT_WORKSPACE_BYTES, MIN_REDUCTION_SCRATCH, REDUCTION_CHUNKS, SUM_SQUARES_BLOCKS,
+};
 pub use zeroing::zero_needs;
 
 use crate::ir::{BufferId, Instr, Plan, Program, ProgramId};

@@ -7,52 +7,82 @@ use crate::ir::{Buffer, CollectiveKind, Instr, Phase, Program};
 use crate::lower::lower;
 use crate::spec::PipelineSchedule;
 
-/// Uniform stage costs: every forward op of a repeated layer costs `forward`, every backward
-/// op `backward`; everything else (embedding, head, loss, optimizer, communication) is free.
-struct Uniform<'a> {
-    spec: &'a Spec,
-    forward: f64,
-    backward: f64,
+/// Step costs for these tests: every collective costs `collective`, every point-to-point
+/// transfer `transfer`, and every compute op `compute`, or with `layers` (uniform stages) the
+/// forward ops of repeated layers the first cost and their backward ops the second, everything
+/// else nothing.
+struct Costs<'a> {
+    compute: f64,
+    layers: Option<(&'a Spec, f64, f64)>,
+    collective: f64,
+    transfer: f64,
 }
 
-impl Uniform<'_> {
-    fn layer_op(&self, instr: &Instr) -> Option<Phase> {
-        match instr {
-            Instr::Compute {
-                node: Some(n),
-                phase,
-                ..
-            } if self
-                .spec
-                .model
-                .nodes
-                .get(n.0 as usize)
-                .is_some_and(|n| n.layer.is_some()) =>
-            {
-                Some(*phase)
-            }
-            _ => None,
+impl Costs<'_> {
+    /// Every compute op a microsecond, collectives and transfers `collective` and `transfer`.
+    fn slow_comm(collective: f64, transfer: f64) -> Costs<'static> {
+        Costs {
+            compute: 1e-6,
+            layers: None,
+            collective,
+            transfer,
         }
     }
 }
 
-impl StepCosts for Uniform<'_> {
+/// The phase of `instr` where it is an op of one of `spec`'s repeated layers.
+fn layer_op(spec: &Spec, instr: &Instr) -> Option<Phase> {
+    match instr {
+        Instr::Compute {
+            node: Some(n),
+            phase,
+            ..
+        } if spec
+            .model
+            .nodes
+            .get(n.0 as usize)
+            .is_some_and(|n| n.layer.is_some()) =>
+        {
+            Some(*phase)
+        }
+        _ => None,
+    }
+}
+
+impl StepCosts for Costs<'_> {
     fn compute(&self, _: &Program, instr: &Instr) -> f64 {
-        match self.layer_op(instr) {
-            Some(Phase::Forward) => self.forward,
-            Some(Phase::Backward) => self.backward,
+        let Some((spec, forward, backward)) = self.layers else {
+            return self.compute;
+        };
+        match layer_op(spec, instr) {
+            Some(Phase::Forward) => forward,
+            Some(Phase::Backward) => backward,
             _ => 0.0,
         }
     }
     fn collective(&self, _: CollectiveKind, _: u32, _: f64, _: bool) -> f64 {
-        0.0
+        self.collective
     }
     fn transfer(&self, _: f64, _: bool) -> f64 {
-        0.0
+        self.transfer
     }
     fn bytes(&self, b: &Buffer) -> f64 {
         b.bytes() as f64
     }
+}
+
+/// The tiny model under `choice`, lowered.
+fn tiny(choice: PlanChoice) -> (Spec, crate::ir::Plan) {
+    let spec = build(&Dims::tiny(), &choice);
+    let plan = lower(&spec).unwrap();
+    (spec, plan)
+}
+
+/// The report rank's (the last stage's) line of a complete `timeline` of `plan`.
+fn report_rank<'a>(timeline: &'a Timeline, plan: &crate::ir::Plan) -> &'a RankTimeline {
+    assert!(timeline.complete);
+    let last = timeline.ranks.iter().find(|r| r.rank == plan.report_rank);
+    last.unwrap()
 }
 
 /// The simulated bubble with uniform stages (the mean idle share over ranks) and the last
@@ -73,30 +103,24 @@ fn uniform_bubble(p: u32, m: u32, schedule: PipelineSchedule, equal: bool) -> (f
         },
     );
     let plan = lower(&spec).unwrap();
-    let mut costs = Uniform {
-        spec: &spec,
-        forward: 1.0,
-        backward: 1.0,
+    let count = |phase| {
+        plan.programs[0]
+            .instrs
+            .iter()
+            .filter(|i| layer_op(&spec, i) == Some(phase))
+            .count() as f64
     };
-    if equal {
-        let count = |phase| {
-            plan.programs[0]
-                .instrs
-                .iter()
-                .filter(|i| costs.layer_op(i) == Some(phase))
-                .count() as f64
-        };
-        let (f, b) = (count(Phase::Forward), count(Phase::Backward));
-        costs.forward = 1.0 / f;
-        costs.backward = 1.0 / b;
-    }
+    let (forward, backward) = if equal {
+        (1.0 / count(Phase::Forward), 1.0 / count(Phase::Backward))
+    } else {
+        (1.0, 1.0)
+    };
+    let costs = Costs {
+        layers: Some((&spec, forward, backward)),
+        ..Costs::slow_comm(0.0, 0.0)
+    };
     let timeline = simulate_with(&plan, &spec, &costs);
-    assert!(timeline.complete);
-    let last = timeline
-        .ranks
-        .iter()
-        .find(|r| r.rank == plan.report_rank)
-        .unwrap();
+    let last = report_rank(&timeline, &plan);
     (
         timeline.bubble_fraction,
         last.idle_seconds / timeline.step_seconds,
@@ -110,26 +134,18 @@ fn assert_within_1_percent(got: f64, want: f64, what: &str) {
     );
 }
 
+/// Narayanan et al.'s (p−1)/(v·m+p−1) (v = 1 but for the interleaved schedule), for the mean
+/// over stages and for the last stage, whether a chunk's backward costs what its forward does
+/// or about 1.8 times as much: a stage goes on computing while its sends are in flight, so
+/// stages wait only for the data they need.
 #[test]
-fn gpipe_and_1f1b_bubble_match_the_formula() {
+fn pipeline_bubbles_match_the_formula() {
+    let mut cases = Vec::new();
     for schedule in [PipelineSchedule::Gpipe, PipelineSchedule::OneFOneB] {
         for (p, m) in [(2, 2), (2, 8), (4, 4), (4, 8), (8, 8), (4, 16)] {
-            let want = f64::from(p - 1) / f64::from(m + p - 1);
-            for equal in [false, true] {
-                let (mean, last) = uniform_bubble(p, m, schedule, equal);
-                let what = format!("{schedule:?} p {p} m {m} equal {equal}");
-                assert_within_1_percent(mean, want, &what);
-                assert_within_1_percent(last, want, &format!("{what}, last stage"));
-            }
+            cases.push((schedule, p, 1, m));
         }
     }
-}
-
-/// Narayanan et al.'s (p−1)/(v·m+p−1), for the mean over stages and for the last stage, whether
-/// a chunk's backward costs what its forward does or about 1.8 times as much: a stage goes on
-/// computing while its sends are in flight, so stages wait only for the data they need.
-#[test]
-fn interleaved_bubble_matches_the_formula() {
     for (p, v, m) in [
         (2, 2, 2),
         (2, 2, 4),
@@ -140,11 +156,13 @@ fn interleaved_bubble_matches_the_formula() {
         (4, 2, 16),
         (4, 4, 8),
     ] {
+        cases.push((PipelineSchedule::Interleaved { virtual_stages: v }, p, v, m));
+    }
+    for (schedule, p, v, m) in cases {
         let want = f64::from(p - 1) / f64::from(v * m + p - 1);
         for equal in [false, true] {
-            let schedule = PipelineSchedule::Interleaved { virtual_stages: v };
             let (mean, last) = uniform_bubble(p, m, schedule, equal);
-            let what = format!("interleaved p {p} v {v} m {m} equal {equal}");
+            let what = format!("{schedule:?} p {p} m {m} equal {equal}");
             assert_within_1_percent(mean, want, &what);
             assert_within_1_percent(last, want, &format!("{what}, last stage"));
         }
@@ -153,17 +171,13 @@ fn interleaved_bubble_matches_the_formula() {
 
 #[test]
 fn spec_costs_account_every_second() {
-    let spec = build(
-        &Dims::tiny(),
-        &PlanChoice {
-            dp: 2,
-            pp: 2,
-            tp: 2,
-            gpus_per_node: 4,
-            ..PlanChoice::default()
-        },
-    );
-    let plan = lower(&spec).unwrap();
+    let (spec, plan) = tiny(PlanChoice {
+        dp: 2,
+        pp: 2,
+        tp: 2,
+        gpus_per_node: 4,
+        ..PlanChoice::default()
+    });
     let timeline = simulate(&plan, &spec);
     assert!(timeline.complete);
     assert!(timeline.dp_symmetric);
@@ -192,15 +206,11 @@ fn spec_costs_account_every_second() {
 
 #[test]
 fn chrome_trace_has_a_track_per_rank_with_two_rows() {
-    let spec = build(
-        &Dims::tiny(),
-        &PlanChoice {
-            pp: 2,
-            tp: 2,
-            ..PlanChoice::default()
-        },
-    );
-    let plan = lower(&spec).unwrap();
+    let (spec, plan) = tiny(PlanChoice {
+        pp: 2,
+        tp: 2,
+        ..PlanChoice::default()
+    });
     let timeline = simulate(&plan, &spec);
     let trace: serde_json::Value = serde_json::from_str(&timeline.to_chrome_trace()).unwrap();
     let events = trace["traceEvents"].as_array().unwrap();
@@ -220,24 +230,6 @@ fn chrome_trace_has_a_track_per_rank_with_two_rows() {
     assert!(events.iter().any(|e| e["name"]
         .as_str()
         .is_some_and(|n| n.starts_with("blocks.0.attn fwd"))));
-}
-
-/// Every compute op costs a microsecond, every collective a millisecond.
-struct SlowCollectives;
-
-impl StepCosts for SlowCollectives {
-    fn compute(&self, _: &Program, _: &Instr) -> f64 {
-        1e-6
-    }
-    fn collective(&self, _: CollectiveKind, _: u32, _: f64, _: bool) -> f64 {
-        1e-3
-    }
-    fn transfer(&self, _: f64, _: bool) -> f64 {
-        0.0
-    }
-    fn bytes(&self, b: &Buffer) -> f64 {
-        b.bytes() as f64
-    }
 }
 
 #[test]
@@ -271,7 +263,7 @@ fn freeing_a_buffer_a_collective_still_uses_waits_for_it() {
     program
         .instrs
         .insert(at + 2, Instr::Alloc { buffer: bucket });
-    let timeline = simulate_with(&plan, &spec, &SlowCollectives);
+    let timeline = simulate_with(&plan, &spec, &Costs::slow_comm(1e-3, 0.0));
     assert!(timeline.complete);
     let comm_end = timeline
         .events
@@ -291,35 +283,13 @@ fn freeing_a_buffer_a_collective_still_uses_waits_for_it() {
     }
 }
 
-/// Every compute op costs a microsecond, every point-to-point transfer a millisecond.
-struct SlowTransfers;
-
-impl StepCosts for SlowTransfers {
-    fn compute(&self, _: &Program, _: &Instr) -> f64 {
-        1e-6
-    }
-    fn collective(&self, _: CollectiveKind, _: u32, _: f64, _: bool) -> f64 {
-        0.0
-    }
-    fn transfer(&self, _: f64, _: bool) -> f64 {
-        1e-3
-    }
-    fn bytes(&self, b: &Buffer) -> f64 {
-        b.bytes() as f64
-    }
-}
-
 #[test]
 fn a_sender_computes_while_its_transfer_runs_and_frees_the_buffer_after_it() {
-    let spec = build(
-        &Dims::tiny(),
-        &PlanChoice {
-            pp: 2,
-            microbatches: 2,
-            ..PlanChoice::default()
-        },
-    );
-    let plan = lower(&spec).unwrap();
+    let (spec, plan) = tiny(PlanChoice {
+        pp: 2,
+        microbatches: 2,
+        ..PlanChoice::default()
+    });
     let program = &plan.programs[0];
     // Stage 0's first send, and where its buffer is freed.
     let (at, sent) = program
@@ -341,7 +311,7 @@ fn a_sender_computes_while_its_transfer_runs_and_frees_the_buffer_after_it() {
         .skip(at)
         .find_map(|(i, instr)| (*instr == Instr::Free { buffer: sent }).then_some(i))
         .unwrap();
-    let timeline = simulate_with(&plan, &spec, &SlowTransfers);
+    let timeline = simulate_with(&plan, &spec, &Costs::slow_comm(0.0, 1e-3));
     assert!(timeline.complete);
     let transfer = timeline
         .events
@@ -406,12 +376,7 @@ fn last_stage_stall_of_a_balanced_gpt2_pipeline_is_near_the_formula() {
             let spec = build(&dims, &plan_choice);
             let plan = lower(&spec).unwrap();
             let timeline = simulate(&plan, &spec);
-            assert!(timeline.complete);
-            let last = timeline
-                .ranks
-                .iter()
-                .find(|r| r.rank == plan.report_rank)
-                .unwrap();
+            let last = report_rank(&timeline, &plan);
             let stall = (last.idle_seconds + last.exposed_comm_seconds) / timeline.step_seconds;
             let want = f64::from(p - 1) / f64::from(v * m + p - 1);
             assert!(

@@ -6,9 +6,9 @@
 //!
 //! Every wait is bounded by the fabric's timeout and re-checks whether a peer aborted; members
 //! that issue different collectives for the same call number are reported with both ops.
-use super::{combine, length_mismatch, Comm, PeerOp};
+use super::{check_lengths, combine, Comm, PeerOp};
 use crate::error::{Result, RuntimeError};
-use parc_compiler::ir::ReduceOp;
+use parc_compiler::ir::{CollectiveKind, ReduceOp};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -289,10 +289,6 @@ impl LocalComm {
     }
 }
 
-fn length_error(what: &str, group: &[u32], input: usize, output: usize) -> RuntimeError {
-    RuntimeError::Comm(length_mismatch(what, group, input, output))
-}
-
 impl Comm for LocalComm {
     fn rank(&self) -> u32 {
         self.rank
@@ -319,9 +315,8 @@ impl Comm for LocalComm {
     }
 
     fn all_gather(&mut self, group: &[u32], input: &[f32], output: &mut [f32]) -> Result<()> {
-        if output.len() != input.len() * group.len() {
-            return Err(length_error("all_gather", group, input.len(), output.len()));
-        }
+        check_lengths(CollectiveKind::AllGather, group, input, output)
+            .map_err(RuntimeError::Comm)?;
         let call = CollectiveCall::AllGather { len: input.len() };
         let inputs = self.exchange(group, call, input.to_vec())?;
         for (chunk, member) in output.chunks_mut(input.len().max(1)).zip(&inputs) {
@@ -331,14 +326,8 @@ impl Comm for LocalComm {
     }
 
     fn reduce_scatter(&mut self, group: &[u32], input: &[f32], output: &mut [f32]) -> Result<()> {
-        if input.len() != output.len() * group.len() {
-            return Err(length_error(
-                "reduce_scatter",
-                group,
-                input.len(),
-                output.len(),
-            ));
-        }
+        check_lengths(CollectiveKind::ReduceScatter, group, input, output)
+            .map_err(RuntimeError::Comm)?;
         let me = self.check_group(group)?;
         let call = CollectiveCall::ReduceScatter { len: input.len() };
         let inputs = self.exchange(group, call, input.to_vec())?;

@@ -27,7 +27,7 @@ pub mod mpi;
 pub use local::LocalComm;
 
 use crate::error::Result;
-use parc_compiler::ir::ReduceOp;
+use parc_compiler::ir::{CollectiveKind, ReduceOp};
 
 /// `acc ← acc op x` elementwise: the step every comm applies to the members' contributions, one
 /// member after another in group-rank order (the first is copied), so all agree bit for bit.
@@ -40,13 +40,28 @@ pub(crate) fn combine(acc: &mut [f32], x: &[f32], op: ReduceOp) {
     }
 }
 
-/// The message for a collective whose input and output lengths do not fit its group.
-pub(crate) fn length_mismatch(what: &str, group: &[u32], input: usize, output: usize) -> String {
-    format!(
+/// Checks an all_gather's or reduce_scatter's lengths: its gathered side (all_gather's output,
+/// reduce_scatter's input) holds one of the other per member of `group`. Else the message.
+pub(crate) fn check_lengths(
+    kind: CollectiveKind,
+    group: &[u32],
+    input: &[f32],
+    output: &[f32],
+) -> std::result::Result<(), String> {
+    let (input, output) = (input.len(), output.len());
+    let (what, part, whole) = match kind {
+        CollectiveKind::AllGather => ("all_gather", input, output),
+        CollectiveKind::ReduceScatter => ("reduce_scatter", output, input),
+        CollectiveKind::AllReduce { .. } | CollectiveKind::Broadcast { .. } => return Ok(()),
+    };
+    if whole == part * group.len() {
+        return Ok(());
+    }
+    Err(format!(
         "{what} on group {group:?}: input of {input} and output of {output} elements do not fit \
          {} members",
         group.len()
-    )
+    ))
 }
 
 /// One send or receive of a [`Comm::group_p2p`] batch.

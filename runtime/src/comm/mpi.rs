@@ -21,11 +21,11 @@
 //! operation and the peers it still waits for, or at once when the rendezvous reports that a
 //! rank failed. After a failure the process must exit: buffers of unfinished sends are leaked
 //! on purpose (MPI may still read them), and MPI is not finalized.
-use super::{combine, length_mismatch, Comm, PeerOp};
+use super::{check_lengths, combine, Comm, PeerOp};
 use crate::error::{Result, RuntimeError};
 use crate::launch::Rendezvous;
 use mpi::ffi;
-use parc_compiler::ir::ReduceOp;
+use parc_compiler::ir::{CollectiveKind, ReduceOp};
 use std::collections::HashMap;
 use std::os::raw::c_int;
 use std::time::{Duration, Instant};
@@ -450,6 +450,24 @@ impl MpiComm {
         Ok(payloads)
     }
 
+    /// Sends `input` to every other member of `group` and receives each one's, as `call`
+    /// (all-reduce and all-gather exchange so): this member's index in the group, and the
+    /// others' bytes in group order.
+    fn exchange_all(
+        &mut self,
+        group: &[u32],
+        call: Call,
+        input: &[f32],
+    ) -> Result<(usize, Vec<Vec<u8>>)> {
+        let me = self.member(group)?;
+        let mine: Vec<u8> = f32_bytes(input).collect();
+        let parts = vec![Some(mine); group.len()];
+        let others: Vec<usize> = (0..group.len()).filter(|&j| j != me).collect();
+        let len = input.len();
+        let received = self.collective(group, call, len, parts, &others, len)?;
+        Ok((me, received))
+    }
+
     fn member(&self, group: &[u32]) -> Result<usize> {
         if let Some(&bad) = group.iter().find(|&&r| r >= self.world) {
             return Err(mpi_error(format!(
@@ -534,10 +552,6 @@ impl Drop for MpiComm {
     }
 }
 
-fn length_error(what: &str, group: &[u32], input: usize, output: usize) -> RuntimeError {
-    mpi_error(length_mismatch(what, group, input, output))
-}
-
 /// Reduce into `out` the contributions of a group of `members` in group-rank order: this
 /// member's `own` at index `me`, the others' from `received` (their bytes in group order, `me`
 /// left out).
@@ -580,18 +594,7 @@ impl Comm for MpiComm {
     }
 
     fn all_reduce(&mut self, group: &[u32], op: ReduceOp, data: &mut [f32]) -> Result<()> {
-        let me = self.member(group)?;
-        let mine: Vec<u8> = f32_bytes(data).collect();
-        let parts = vec![Some(mine); group.len()];
-        let others: Vec<usize> = (0..group.len()).filter(|&j| j != me).collect();
-        let received = self.collective(
-            group,
-            Call::AllReduce(op),
-            data.len(),
-            parts,
-            &others,
-            data.len(),
-        )?;
+        let (me, received) = self.exchange_all(group, Call::AllReduce(op), data)?;
         // Combine in group-rank order, this member's own input in its place.
         let own = data.to_vec();
         reduce_members(data, &own, &received, (me, group.len()), op);
@@ -599,21 +602,8 @@ impl Comm for MpiComm {
     }
 
     fn all_gather(&mut self, group: &[u32], input: &[f32], output: &mut [f32]) -> Result<()> {
-        if output.len() != input.len() * group.len() {
-            return Err(length_error("all_gather", group, input.len(), output.len()));
-        }
-        let me = self.member(group)?;
-        let mine: Vec<u8> = f32_bytes(input).collect();
-        let parts = vec![Some(mine); group.len()];
-        let others: Vec<usize> = (0..group.len()).filter(|&j| j != me).collect();
-        let received = self.collective(
-            group,
-            Call::AllGather,
-            input.len(),
-            parts,
-            &others,
-            input.len(),
-        )?;
+        check_lengths(CollectiveKind::AllGather, group, input, output).map_err(mpi_error)?;
+        let (me, received) = self.exchange_all(group, Call::AllGather, input)?;
         let mut theirs = received.iter();
         for (j, chunk) in output.chunks_mut(input.len().max(1)).enumerate() {
             if j == me {
@@ -626,14 +616,7 @@ impl Comm for MpiComm {
     }
 
     fn reduce_scatter(&mut self, group: &[u32], input: &[f32], output: &mut [f32]) -> Result<()> {
-        if input.len() != output.len() * group.len() {
-            return Err(length_error(
-                "reduce_scatter",
-                group,
-                input.len(),
-                output.len(),
-            ));
-        }
+        check_lengths(CollectiveKind::ReduceScatter, group, input, output).map_err(mpi_error)?;
         let me = self.member(group)?;
         let n = output.len();
         let parts: Vec<Option<Vec<u8>>> = (0..group.len())

@@ -1,7 +1,6 @@
 //! Attention (`Op::Attention`, `Op::AttentionBwd`) on the GPU: checks the op's geometry and
-//! buffers, uploads the q/kv global positions, lays out the op's scratch memory (the same
-//! layout `storage::program_needs` reserves, via [`scratch_bytes`]), and launches one of two
-//! kernel families:
+//! buffers, uploads the q/kv global positions, places the op's scratch memory where `memplan::attention_scratch` says (the
+//! layout whose size `prepare` reserved), and launches one of two kernel families:
 //! - bf16 runs with head_dim 64 or 128 and a positive scale: flash attention on tensor cores,
 //!   bf16 operands, fp32 accumulation and softmax. On a Hopper GPU for head_dim 64 the
 //!   warp-specialized, TMA-fed kernels (`kernels/attention_ws_{fwd,bwd}.cu`: persistent CTAs,
@@ -29,6 +28,7 @@ use cudarc::driver::sys::{CUdeviceptr, CUfunction_attribute};
 use parc_compiler::ir::op::AttentionAttrs;
 use parc_compiler::ir::op::{Op, Segment};
 use parc_compiler::ir::DType;
+use parc_compiler::memplan::{attention_scratch, AttentionScratch};
 
 /// Geometry of one attention call, as the kernels' `struct AttGeom`.
 #[repr(C)]
@@ -212,8 +212,6 @@ fn wsb_tensor_maps(
 const DEFAULT_SMEM: u32 = 48 << 10;
 /// The most blocks a grid's y dimension takes.
 const MAX_GRID_Y: usize = 65_535;
-/// Alignment of each piece of an attention call's scratch.
-const SCRATCH_ALIGN: usize = 256;
 
 /// The tensor-core kernels' names and shared memory for one head dim, or None where the
 /// exact kernels run.
@@ -254,10 +252,10 @@ impl TensorCore {
     }
 
     /// The tensor-core kernels for this op, or None where the exact kernels run: they need a
-    /// bf16 run (`bf16_run`), head_dim 64 or 128, and a positive scale (they take the row max
-    /// of raw scores).
+    /// bf16 run (`bf16_run`), head_dim 64 or 128, and a positive scale
+    /// (`memplan::tensor_core_attention`, which the reserved scratch follows).
     fn for_op(bf16_run: bool, head_dim: u64, scale: f64) -> Option<TensorCore> {
-        if !bf16_run || (scale as f32) <= 0.0 {
+        if !parc_compiler::memplan::tensor_core_attention(bf16_run, head_dim, scale) {
             return None;
         }
         TensorCore::for_head_dim(usize::try_from(head_dim).ok()?)
@@ -293,133 +291,6 @@ impl TensorCore {
         let stage = 2 * br * self.row_bytes() + 3 * br * 4;
         (2 * TC_BC * self.row_bytes() + 2 * stage + TC_BC * (br + 8) * 2) as u32
     }
-}
-
-/// One attention call's scratch memory, in order, each piece on a 256-byte boundary: bf16
-/// copies of the f32 operands the tensor-core kernels read (bf16 operands are read in place);
-/// for the backward, `delta` and `lse2` (one f32 per (batch, head, query) with the query rows
-/// padded to a multiple of 4: kernels' `att_rows`); and, when a tensor-core backward's dQ is
-/// bf16, its f32 accumulator.
-#[derive(Debug, PartialEq)]
-struct ScratchLayout {
-    /// Per operand: the offset of its bf16 copy, or None where it is read in place.
-    copies: Vec<Option<usize>>,
-    /// Offsets of delta and lse2 (backward only).
-    stats: Option<(usize, usize)>,
-    /// Offset of the f32 dQ accumulator.
-    dq_acc: Option<usize>,
-    bytes: usize,
-}
-
-impl ScratchLayout {
-    /// `operands`: (elements, stored bf16) of the operands the kernels read as bf16 (empty
-    /// for the exact kernels); `stats_rows`: batch · heads · padded query rows (backward);
-    /// `dq_acc`: the elements of an f32 dQ accumulator, if one is needed.
-    fn new(operands: &[(usize, bool)], stats_rows: Option<usize>, dq_acc: Option<usize>) -> Self {
-        let mut bytes = 0usize;
-        let mut take = |n: usize| {
-            let at = bytes;
-            bytes = (bytes + n).next_multiple_of(SCRATCH_ALIGN);
-            at
-        };
-        let copies = operands
-            .iter()
-            .map(|&(len, bf16)| (!bf16).then(|| take(len * 2)))
-            .collect();
-        let stats = stats_rows.map(|rows| (take(rows * 4), take(rows * 4)));
-        let dq_acc = dq_acc.map(|len| take(len * 4));
-        ScratchLayout {
-            copies,
-            stats,
-            dq_acc,
-            bytes,
-        }
-    }
-}
-
-/// Rows of one (batch, head)'s delta / lse2: seq_q rounded up to a multiple of 4.
-fn stats_rows(batch: usize, heads: usize, seq_q: usize) -> usize {
-    batch * heads * seq_q.next_multiple_of(4)
-}
-
-/// The layout of an attention op's scratch from its attributes and its buffers' (elements,
-/// dtype): inputs then outputs in the op's order. None for any other op.
-fn layout_for(
-    op: &Op,
-    bf16_run: bool,
-    ins: &[(usize, DType)],
-    outs: &[(usize, DType)],
-) -> Option<ScratchLayout> {
-    let (Op::Attention(AttentionAttrs {
-        batch,
-        heads,
-        head_dim,
-        scale,
-        packed,
-        ..
-    })
-    | Op::AttentionBwd(AttentionAttrs {
-        batch,
-        heads,
-        head_dim,
-        scale,
-        packed,
-        ..
-    })) = op
-    else {
-        return None;
-    };
-    let tc = TensorCore::for_op(bf16_run, *head_dim, *scale).is_some();
-    let bf16 = |b: &(usize, DType)| (b.0, b.1 == DType::Bf16);
-    match op {
-        Op::Attention { .. } => {
-            // q, k, v; or, packed, qkv (copied whole: q, k, v are column ranges of the copy).
-            let operands: Vec<(usize, bool)> = if tc {
-                ins.iter()
-                    .take(if *packed { 1 } else { 3 })
-                    .map(bf16)
-                    .collect()
-            } else {
-                Vec::new()
-            };
-            Some(ScratchLayout::new(&operands, None, None))
-        }
-        _ => {
-            // dO, q, k, v, o, lse; dq, dk, dv. Packed: dO, qkv, o, lse; dqkv.
-            let operands: Vec<(usize, bool)> = if tc {
-                ins.iter()
-                    .take(if *packed { 2 } else { 4 })
-                    .map(bf16)
-                    .collect()
-            } else {
-                Vec::new()
-            };
-            let (batch, heads) = (*batch as usize, *heads as usize);
-            let rows = ins.get(if *packed { 3 } else { 5 }).map_or(0, |lse| lse.0);
-            let seq_q = rows / (batch * heads).max(1);
-            // The kernels accumulate dQ in f32 rows of heads · head_dim (dO's shape): dq itself
-            // where it is such (f32, unpacked), else this scratch, converted into dq after.
-            let dq_dtype = outs.first().map_or(DType::F32, |dq| dq.1);
-            let do_len = ins.first().map_or(0, |dout| dout.0);
-            let dq_acc = (tc && (*packed || dq_dtype == DType::Bf16)).then_some(do_len);
-            Some(ScratchLayout::new(
-                &operands,
-                Some(stats_rows(batch, heads, seq_q)),
-                dq_acc,
-            ))
-        }
-    }
-}
-
-/// Bytes of scratch memory `op` (an attention op; 0 for any other) asks the backend for, given
-/// its buffers' (elements, dtype), inputs then outputs; `bf16_run`: a bf16 run (tensor cores).
-pub(crate) fn scratch_bytes(
-    op: &Op,
-    bf16_run: bool,
-    ins: &[(usize, DType)],
-    outs: &[(usize, DType)],
-) -> usize {
-    layout_for(op, bf16_run, ins, outs).map_or(0, |l| l.bytes)
 }
 
 /// Fails unless the GPU is a Hopper (compute capability 9.0), the only one whose program holds
@@ -470,7 +341,7 @@ fn launch_tc(
 fn bf16_operands(
     be: &mut CudaBackend,
     bufs: &[Buf],
-    layout: &ScratchLayout,
+    layout: &AttentionScratch,
     base: CUdeviceptr,
 ) -> Result<Vec<CUdeviceptr>> {
     let mut ptrs = Vec::with_capacity(bufs.len());
@@ -723,17 +594,18 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
     let q_blocks = seq_q.div_ceil(ATT_WARPS as usize) as u32;
     let block = (32, ATT_WARPS, 1);
     let kv_smem = (2 * ATT_TILE * d * 4) as u32;
-    let shape =
-        |bufs: &[Buf]| -> Vec<(usize, DType)> { bufs.iter().map(|b| (b.len, b.dtype)).collect() };
+    let shape = |bufs: &[Buf]| -> Vec<(u64, DType)> {
+        bufs.iter().map(|b| (b.len as u64, b.dtype)).collect()
+    };
     if forward {
         let (o, lse) = (b.float_out(0)?, b.f32_out(1)?);
         b.expect(o, "o", q.len)?;
         b.expect(lse, "lse", lse_len)?;
         g.bf16 |= bf16_bit(o, BF16_O);
         if let Some(tc) = &tensor_core {
-            let layout = layout_for(op, bf16_run, &shape(&qkv_bufs), &shape(&[o, lse]))
+            let layout = attention_scratch(op, bf16_run, &shape(&qkv_bufs), &shape(&[o, lse]))
                 .ok_or_else(|| b.err("has no scratch layout"))?;
-            let base = be.scratch(layout.bytes)?;
+            let base = be.scratch(layout.bytes as usize)?;
             let ptrs = bf16_operands(be, &qkv_bufs, &layout, base)?;
             let [qp, kp, vp] = qkv_bf16(&ptrs, &g, packed);
             let args = [
@@ -821,9 +693,9 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
         } else {
             vec![dq, dk, dv]
         };
-        let layout = layout_for(op, bf16_run, &shape(&ins), &shape(&outs))
+        let layout = attention_scratch(op, bf16_run, &shape(&ins), &shape(&outs))
             .ok_or_else(|| b.err("has no scratch layout"))?;
-        let base = be.scratch(layout.bytes)?;
+        let base = be.scratch(layout.bytes as usize)?;
         let (delta, lse2) = layout
             .stats
             .map(|(d, l)| (base + d as CUdeviceptr, base + l as CUdeviceptr))
@@ -925,7 +797,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
 /// element rounded once from its f32 sum; an f32 one, of a packed dqkv, copied).
 fn dq_out(
     be: &mut CudaBackend,
-    layout: &ScratchLayout,
+    layout: &AttentionScratch,
     dq_acc: CUdeviceptr,
     dq: Buf,
     g: AttGeom,
@@ -1132,132 +1004,5 @@ mod tests {
         assert_eq!((name, warpgroups), ("attention_fwd_wgmma_d128", 3));
         assert_eq!(smem as usize, 1024 + 192 * 256 + 4 * 64 * 256 + 2 * 64 * 4);
         assert!(smem <= H100_SMEM, "d128: {smem}");
-    }
-
-    fn op(forward: bool, head_dim: u64) -> Op {
-        let positions = vec![Segment { start: 0, len: 10 }];
-        let (batch, heads, kv_heads, causal, scale) = (2, 4, 2, true, 0.125);
-        let (q_positions, kv_positions) = (positions.clone(), positions);
-        if forward {
-            Op::Attention(AttentionAttrs {
-                batch,
-                heads,
-                kv_heads,
-                head_dim,
-                causal,
-                scale,
-                q_positions,
-                kv_positions,
-                packed: false,
-            })
-        } else {
-            Op::AttentionBwd(AttentionAttrs {
-                batch,
-                heads,
-                kv_heads,
-                head_dim,
-                causal,
-                scale,
-                q_positions,
-                kv_positions,
-                packed: false,
-            })
-        }
-    }
-
-    /// bf16 operands are read in place (no copy), f32 ones copied; the backward's delta and
-    /// lse2 pad each (batch, head)'s 10 query rows to 12; a bf16 dQ gets an f32 accumulator
-    /// on the tensor-core path only; every piece starts on a 256-byte boundary.
-    #[test]
-    fn scratch_holds_copies_of_f32_operands_only() {
-        let (f, b) = (DType::F32, DType::Bf16);
-        let (q, kv, lse) = (10 * 2 * 4 * 64, 10 * 2 * 2 * 64, 2 * 4 * 10);
-        let fwd = op(true, 64);
-        assert_eq!(
-            scratch_bytes(&fwd, true, &[(q, b), (kv, b), (kv, b)], &[]),
-            0
-        );
-        assert_eq!(
-            scratch_bytes(&fwd, true, &[(q, f), (kv, b), (kv, f)], &[]),
-            (q * 2).next_multiple_of(256) + (kv * 2).next_multiple_of(256)
-        );
-        // fp32 runs and other head dims: the exact kernels, no copies.
-        assert_eq!(
-            scratch_bytes(&fwd, false, &[(q, f), (kv, f), (kv, f)], &[]),
-            0
-        );
-        assert_eq!(
-            scratch_bytes(&op(true, 32), true, &[(q, f), (kv, f), (kv, f)], &[]),
-            0
-        );
-        let bwd = op(false, 64);
-        let stats = (2 * 4 * 12 * 4usize).next_multiple_of(256);
-        let ins = |t: DType| [(q, t), (q, t), (kv, t), (kv, t), (q, t), (lse, f)];
-        let outs = |t: DType| [(q, t), (kv, t), (kv, t)];
-        assert_eq!(scratch_bytes(&bwd, true, &ins(b), &outs(f)), 2 * stats);
-        assert_eq!(
-            scratch_bytes(&bwd, true, &ins(b), &outs(b)),
-            2 * stats + (q * 4).next_multiple_of(256)
-        );
-        let copies = 2 * (q * 2).next_multiple_of(256) + 2 * (kv * 2).next_multiple_of(256);
-        assert_eq!(
-            scratch_bytes(&bwd, true, &ins(f), &outs(f)),
-            copies + 2 * stats
-        );
-        assert_eq!(scratch_bytes(&bwd, false, &ins(b), &outs(b)), 2 * stats);
-        let layout = layout_for(&bwd, true, &ins(f), &outs(b)).expect("a layout");
-        assert_eq!(layout.copies.len(), 4);
-        let offsets = layout.copies.iter().flatten().copied();
-        let stats_at = layout.stats.expect("delta and lse2");
-        for at in offsets.chain([stats_at.0, stats_at.1, layout.dq_acc.expect("dq")]) {
-            assert_eq!(at % 256, 0);
-        }
-        assert_eq!(scratch_bytes(&Op::Copy, true, &[], &[]), 0);
-    }
-
-    /// `op` with q, k, v packed into one buffer.
-    fn packed(mut op: Op) -> Op {
-        if let Op::Attention(AttentionAttrs { packed, .. })
-        | Op::AttentionBwd(AttentionAttrs { packed, .. }) = &mut op
-        {
-            *packed = true;
-        }
-        op
-    }
-
-    /// A packed op's scratch: a copy of the whole qkv where it is f32 (and of dO), never of
-    /// its parts; the backward's dQ accumulator whatever dqkv's dtype (dq is a column range
-    /// of it, so the kernels never accumulate in place), sized as dO.
-    #[test]
-    fn packed_scratch_copies_qkv_whole_and_always_accumulates_dq_apart() {
-        let (f, b) = (DType::F32, DType::Bf16);
-        // 10 positions x batch 2; 4 heads, 2 kv heads of 64: rows of (4 + 2 * 2) * 64.
-        let (q, qkv, lse): (usize, usize, usize) = (10 * 2 * 4 * 64, 10 * 2 * 8 * 64, 2 * 4 * 10);
-        let fwd = packed(op(true, 64));
-        assert_eq!(scratch_bytes(&fwd, true, &[(qkv, b)], &[]), 0);
-        assert_eq!(
-            scratch_bytes(&fwd, true, &[(qkv, f)], &[]),
-            (qkv * 2).next_multiple_of(256)
-        );
-        assert_eq!(scratch_bytes(&fwd, false, &[(qkv, f)], &[]), 0);
-        let bwd = packed(op(false, 64));
-        let stats = (2 * 4 * 12 * 4usize).next_multiple_of(256);
-        let acc = (q * 4).next_multiple_of(256);
-        let ins = |t: DType| [(q, t), (qkv, t), (q, t), (lse, f)];
-        for dqkv in [b, f] {
-            assert_eq!(
-                scratch_bytes(&bwd, true, &ins(b), &[(qkv, dqkv)]),
-                2 * stats + acc
-            );
-        }
-        let copies = (q * 2).next_multiple_of(256) + (qkv * 2).next_multiple_of(256);
-        assert_eq!(
-            scratch_bytes(&bwd, true, &ins(f), &[(qkv, f)]),
-            copies + 2 * stats + acc
-        );
-        // The exact kernels: delta and lse2 only.
-        assert_eq!(scratch_bytes(&bwd, false, &ins(f), &[(qkv, f)]), 2 * stats);
-        let layout = layout_for(&bwd, true, &ins(f), &[(qkv, b)]).expect("a layout");
-        assert_eq!(layout.copies.len(), 2);
     }
 }

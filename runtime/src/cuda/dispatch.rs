@@ -12,6 +12,7 @@ use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::op::{Act, Op, Segment};
 use parc_compiler::ir::op::{ActAttrs, EmbeddingAttrs, PositionAttrs, RopeAttrs};
 use parc_compiler::ir::DType;
+use parc_compiler::memplan::REDUCTION_CHUNKS;
 
 const NORM_THREADS: u32 = 256;
 /// Rows a norm kernel's block covers: one warp per row.
@@ -890,7 +891,7 @@ fn launch_rows(be: &mut CudaBackend, name: &'static str, rows: usize, args: &[Ar
 
 /// Rows of a column-partial reduction: enough chunks to fill the GPU, each of ≥ 64 rows.
 fn chunking(rows: usize) -> (usize, usize) {
-    let chunk_rows = rows.div_ceil(128).max(64);
+    let chunk_rows = rows.div_ceil(REDUCTION_CHUNKS as usize).max(64);
     (chunk_rows, rows.div_ceil(chunk_rows))
 }
 

@@ -16,8 +16,8 @@
 //!   backward-data and backward-weight GEMMs share dy).
 //!
 //! The scratch is, in order: B's copy, A's copy (each 256-byte aligned), then room for the D an
-//! accumulating GEMM's algorithms are timed into (`gemm`); `scratch_bytes` sizes it per op for
-//! `storage::program_needs`. A separate vector area holds an fp32 1.0 and room for the longest
+//! accumulating GEMM's algorithms are timed into (`gemm`); `memplan::backend_scratch` sizes it,
+//! and the casts, for `prepare`. A separate vector area holds an fp32 1.0 and room for the longest
 //! bias (gradient) vector: a bias-gradient epilogue's output before it is added into db, or a
 //! per-use bf16 copy of a bias.
 use super::gemm::{Gemm, Operands, Output, PlanKey};
@@ -28,11 +28,12 @@ use cudarc::driver::result as cu;
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::CudaSlice;
 use parc_compiler::ir::op::Op;
-use parc_compiler::ir::{Buffer, BufferId, BufferKind, DType, Program};
+use parc_compiler::ir::{BufferId, DType, Program};
+use parc_compiler::memplan::BackendScratch;
 use std::collections::HashMap;
 
 /// Alignment of every piece of GEMM memory (cuBLASLt's preferred operand alignment).
-const ALIGN: usize = 256;
+const ALIGN: usize = parc_compiler::memplan::ALIGN as usize;
 
 fn aligned(bytes: usize) -> usize {
     bytes.next_multiple_of(ALIGN)
@@ -105,92 +106,6 @@ impl GemmOperands {
     }
 }
 
-/// Which inputs of a GEMM op are A and B of its cuBLASLt product, and whether each is a
-/// weight; None for other ops. (`matmul` maps the ops so: forward A = w, B = x; backward-data
-/// A = w, B = dy; backward-weight A = x, B = dy.)
-pub(crate) fn roles(op: &Op) -> Option<[(usize, bool); 2]> {
-    match op {
-        Op::Matmul { .. } | Op::MatmulBwdData { .. } => Some([(1, true), (0, false)]),
-        Op::MatmulBwdWeight { .. } => Some([(1, false), (0, false)]),
-        _ => None,
-    }
-}
-
-/// Whether a planned buffer's weight cast is cached (see the module docs).
-fn cached_with_plan(buffer: &Buffer) -> bool {
-    buffer.kind == BufferKind::Param && buffer.dtype == DType::F32
-}
-
-/// Bytes of GEMM scratch `op` needs in a run whose GEMMs are 16-bit (`half`; fp32 runs need
-/// none): the per-use copies of its f32 operands that are not cached casts, each aligned, then
-/// for an op that accumulates (a backward-weight GEMM, an accumulating backward-data one)
-/// room to time its algorithms into a D of its output's type. `inputs`/`outputs`: the op's
-/// buffers (None where unknown).
-pub(crate) fn scratch_bytes(
-    op: &Op,
-    inputs: &[Option<&Buffer>],
-    outputs: &[Option<&Buffer>],
-    half: bool,
-) -> usize {
-    let Some(roles) = roles(op).filter(|_| half) else {
-        return 0;
-    };
-    let copies: usize = roles
-        .iter()
-        .filter_map(|&(i, weight)| inputs.get(i).copied().flatten().map(|b| (b, weight)))
-        .filter(|(b, weight)| b.dtype == DType::F32 && !(*weight && cached_with_plan(b)))
-        .map(|(b, _)| aligned(b.numel() as usize * 2))
-        .sum();
-    let tuning = match op {
-        Op::MatmulBwdWeight { .. }
-        | Op::MatmulBwdData {
-            accumulate: true, ..
-        } => outputs
-            .first()
-            .copied()
-            .flatten()
-            .map_or(0, |dw| dw.bytes() as usize),
-        _ => 0,
-    };
-    copies + tuning
-}
-
-/// The weights `program`'s GEMMs read through a cast (distinct ids, with their element
-/// counts), and the longest bias or bias-gradient vector of its GEMMs.
-fn planned_casts(program: &Program) -> (Vec<(BufferId, usize)>, usize) {
-    let mut casts: Vec<(BufferId, usize)> = Vec::new();
-    let mut vector_len = 0usize;
-    for (_, c) in program.computes() {
-        let (inputs, outputs) = (c.inputs, c.outputs);
-        let numel = |id: Option<&BufferId>| {
-            id.and_then(|id| program.buffer(*id))
-                .map_or(0, |b| b.numel() as usize)
-        };
-        let weights: &[usize] = match c.op {
-            Op::Matmul { bias: true, .. } => {
-                vector_len = vector_len.max(numel(inputs.get(2)));
-                &[1, 2]
-            }
-            Op::Matmul { .. } | Op::MatmulBwdData { .. } => &[1],
-            Op::MatmulBwdWeight { bias: true, .. } => {
-                vector_len = vector_len.max(numel(outputs.get(1)));
-                &[]
-            }
-            _ => &[],
-        };
-        for &i in weights {
-            let Some(&id) = inputs.get(i) else { continue };
-            let Some(buffer) = program.buffer(id) else {
-                continue;
-            };
-            if cached_with_plan(buffer) && !casts.iter().any(|(c, _)| *c == id) {
-                casts.push((id, buffer.numel() as usize));
-            }
-        }
-    }
-    (casts, vector_len)
-}
-
 /// Where one operand of the current GEMM is read from.
 enum Source {
     /// A 16-bit pointer (a stored bf16 buffer, or a current cast).
@@ -200,24 +115,29 @@ enum Source {
 }
 
 impl CudaBackend {
-    /// Reserves the GEMM memory of `program` (from `prepare`): `scratch_bytes` of scratch (the
-    /// largest op's `scratch_bytes`), and in a 16-bit run the casts and the vector area.
-    pub(super) fn prepare_gemm(&mut self, program: &Program, scratch_bytes: usize) -> Result<()> {
+    /// Reserves the GEMM memory of `program` (from `prepare`), as `scratch` sizes it: the
+    /// operand scratch, and in a 16-bit run the weight casts and the vector area.
+    pub(super) fn prepare_gemm(
+        &mut self,
+        program: &Program,
+        scratch: &BackendScratch,
+    ) -> Result<()> {
         self.gemm_operands = GemmOperands::default();
         if self.operands == Operands::F32 {
             return Ok(());
         }
-        if scratch_bytes > 0 {
+        if scratch.gemm_operands > 0 {
+            let bytes = scratch.gemm_operands as usize;
             self.gemm_operands.scratch =
-                Some(self.alloc_bytes(scratch_bytes, "16-bit GEMM operand copies")?);
+                Some(self.alloc_bytes(bytes, "16-bit GEMM operand copies")?);
         }
-        let (casts, vector_len) = planned_casts(program);
-        let total: usize = casts.iter().map(|(_, len)| aligned(len * 2)).sum();
-        if total > 0 {
-            let region = self.alloc_bytes(total, "16-bit casts of the GEMM weights")?;
+        if scratch.weight_casts > 0 {
+            let bytes = scratch.weight_casts as usize;
+            let region = self.alloc_bytes(bytes, "16-bit casts of the GEMM weights")?;
             let base = raw_ptr(&self.stream, &region);
             let mut offset = 0usize;
-            for (id, len) in casts {
+            for &id in &scratch.casts {
+                let len = program.buffer(id).map_or(0, |b| b.numel() as usize);
                 let cast = Cast {
                     ptr: base + offset as CUdeviceptr,
                     len,
@@ -234,8 +154,8 @@ impl CudaBackend {
             // Here, so a planned step allocates nothing.
             self.ws_counters()?;
         }
-        if vector_len > 0 {
-            self.gemm_vectors(vector_len)?;
+        if scratch.gemm_vector_len > 0 {
+            self.gemm_vectors(scratch.gemm_vector_len as usize)?;
         }
         Ok(())
     }
@@ -521,116 +441,5 @@ impl CudaBackend {
     /// Device bytes of the GEMM operand memory (for `reserved_bytes`).
     pub(super) fn gemm_operand_bytes(&self) -> usize {
         self.gemm_operands.bytes()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use parc_compiler::ir::Instr;
-
-    fn buffer(n: u64, dtype: DType, kind: BufferKind) -> Buffer {
-        Buffer {
-            name: format!("b{n}"),
-            shape: vec![n],
-            dtype,
-            kind,
-        }
-    }
-
-    /// x (bf16 activation), w (f32 param), b (f32 param), y (bf16), dw/db (f32 grads), and a
-    /// ZeRO-3 gathered weight.
-    fn program() -> Program {
-        use BufferKind::*;
-        let buffers = vec![
-            buffer(6000, DType::Bf16, Activation), // 0: x [1000, 6]
-            buffer(24, DType::F32, Param),         // 1: w [4, 6]
-            buffer(4, DType::F32, Param),          // 2: b
-            buffer(4000, DType::Bf16, Activation), // 3: y
-            buffer(24, DType::F32, Grad),          // 4: dw
-            buffer(4, DType::F32, Grad),           // 5: db
-            buffer(24, DType::F32, GatheredParam), // 6: gathered w
-            buffer(6000, DType::F32, Activation),  // 7: an f32 x
-        ];
-        let (in_dim, out_dim) = (6, 4);
-        Program {
-            role: "test".into(),
-            coords: Vec::new(),
-            buffers,
-            params: Vec::new(),
-            instrs: vec![
-                Instr::compute(
-                    Op::Matmul {
-                        in_dim,
-                        out_dim,
-                        bias: true,
-                        act: None,
-                        residual: false,
-                    },
-                    &[0, 1, 2],
-                    &[3],
-                ),
-                Instr::compute(
-                    Op::MatmulBwdData {
-                        in_dim,
-                        out_dim,
-                        accumulate: false,
-                        act_grad: None,
-                    },
-                    &[3, 1],
-                    &[0],
-                ),
-                Instr::compute(
-                    Op::MatmulBwdWeight {
-                        in_dim,
-                        out_dim,
-                        bias: true,
-                        accumulate_param_grad: true,
-                    },
-                    &[3, 0],
-                    &[4, 5],
-                ),
-                Instr::compute(
-                    Op::Matmul {
-                        in_dim,
-                        out_dim,
-                        bias: false,
-                        act: None,
-                        residual: false,
-                    },
-                    &[7, 6],
-                    &[3],
-                ),
-            ],
-            loss: None,
-            grad_sumsq: None,
-        }
-    }
-
-    fn op_bytes(program: &Program, i: usize, half: bool) -> usize {
-        let c = program.instrs[i].as_compute().unwrap();
-        let look = |ids: &[BufferId]| ids.iter().map(|id| program.buffer(*id)).collect::<Vec<_>>();
-        scratch_bytes(c.op, &look(c.inputs), &look(c.outputs), half)
-    }
-
-    #[test]
-    fn bf16_operands_and_cached_weights_need_no_copies() {
-        let p = program();
-        // Forward and backward-data: bf16 activations, a cached param: nothing to copy.
-        assert_eq!(op_bytes(&p, 0, true), 0);
-        assert_eq!(op_bytes(&p, 1, true), 0);
-        // Backward-weight: no copies, but room to time it into an f32 dw (24 floats).
-        assert_eq!(op_bytes(&p, 2, true), 96);
-        // An f32 activation and a gathered (uncached) weight are copied per use.
-        assert_eq!(op_bytes(&p, 3, true), 12032 + 256);
-        // fp32 runs read every operand as stored.
-        assert!((0..4).all(|i| op_bytes(&p, i, false) == 0));
-    }
-
-    #[test]
-    fn params_read_by_gemms_are_cast_once_each() {
-        let (casts, vector_len) = planned_casts(&program());
-        assert_eq!(casts, vec![(BufferId(1), 24), (BufferId(2), 4)]);
-        assert_eq!(vector_len, 4);
     }
 }

@@ -198,7 +198,7 @@ pub struct CudaBackend {
     _workspace: CudaSlice<u8>,
 }
 
-const WORKSPACE_BYTES: usize = 32 << 20;
+const WORKSPACE_BYTES: usize = parc_compiler::memplan::CUBLASLT_WORKSPACE_BYTES as usize;
 
 fn buffer_error(id: BufferId, what: impl Into<String>) -> RuntimeError {
     RuntimeError::Buffer {
@@ -383,7 +383,8 @@ impl CudaBackend {
     pub(crate) fn scratch(&mut self, bytes: usize) -> Result<CUdeviceptr> {
         let big_enough = self.scratch.as_ref().is_some_and(|s| s.len() >= bytes);
         if !big_enough {
-            self.scratch = Some(self.alloc_bytes(bytes.max(1 << 20), "reduction scratch")?);
+            let least = parc_compiler::memplan::MIN_REDUCTION_SCRATCH as usize;
+            self.scratch = Some(self.alloc_bytes(bytes.max(least), "reduction scratch")?);
         }
         match &self.scratch {
             Some(s) => Ok(raw_ptr(&self.stream, s)),
@@ -610,11 +611,12 @@ impl Backend for CudaBackend {
         let arena = region(layout.arena_bytes, "the transient buffer arena")?;
         self.planned = storage::PlannedRegions::new(program, layout, persistent, arena);
         let needs = storage::program_needs(program, self.operands != Operands::F32);
-        self.scratch(needs.reduction_bytes)?;
-        self.prepare_gemm(program, needs.gemm_operand_bytes)?;
+        self.scratch(needs.scratch.reduction as usize)?;
+        self.prepare_gemm(program, &needs.scratch)?;
         self.aliased = None;
-        if needs.aliased_bytes > 0 {
-            self.aliased = Some(self.alloc_bytes(needs.aliased_bytes, "aliased input copies")?);
+        if needs.scratch.aliased > 0 {
+            let bytes = needs.scratch.aliased as usize;
+            self.aliased = Some(self.alloc_bytes(bytes, "aliased input copies")?);
         }
         for segments in &needs.segments {
             self.positions(segments)?;

@@ -14,13 +14,14 @@ use super::dispatch::{fv, n, p};
 use super::{Arg, Buf, CudaBackend};
 use crate::error::Result;
 use parc_compiler::ir::DType;
+use parc_compiler::memplan::REDUCTION_CHUNKS;
 
 /// Widest row the variants take: each lane holds at most 4 vectors of 8 (4 × 256 columns).
 const MAX_DIM: usize = 1024;
-/// Most blocks (partial rows) of a fused backward (`storage::program_needs`' 128 chunks).
+/// Most blocks (partial rows) of a fused backward (`memplan::REDUCTION_CHUNKS` is 128).
 const MAX_BLOCKS: usize = 128;
 // The partials (f32, dw and db) fit the 128 f64 chunks per column reserved for them.
-const _: () = assert!(2 * MAX_BLOCKS * 4 <= 128 * 8);
+const _: () = assert!(2 * MAX_BLOCKS * 4 <= REDUCTION_CHUNKS as usize * 8);
 /// Threads of a multirow forward's block (8 warps of 2 rows: 16 rows per block).
 const FWD_THREADS: u32 = 256;
 const FWD_ROWS_PER_BLOCK: usize = 16;

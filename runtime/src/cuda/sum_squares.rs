@@ -30,7 +30,7 @@ use std::collections::HashMap;
 /// Threads per block (`sum_squares_one_pass` is written for 256).
 const THREADS: u32 = 256;
 /// Most blocks of one tensor's first pass.
-pub(super) const MAX_BLOCKS: usize = 1024;
+pub(super) const MAX_BLOCKS: usize = parc_compiler::memplan::SUM_SQUARES_BLOCKS as usize;
 /// Bytes of one `SsqTensor` (kernels/common.cuh): x, out, n, first, blocks.
 const TENSOR_BYTES: usize = 40;
 /// Most virtual blocks one block of `sum_squares_one_pass` takes (`SSQ_GROUP`).

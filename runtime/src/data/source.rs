@@ -324,23 +324,31 @@ mod tests {
             missing.contains("nope.txt") && missing.contains("no such file"),
             "{missing}"
         );
-        let empty = open_err(b"", "empty.txt", DataFormat::Bytes, 256, 4);
-        assert!(
-            empty.contains("empty.txt") && empty.contains("empty"),
-            "{empty}"
+        // (contents, name, format, sequence length, what the error says)
+        type Case = (
+            &'static [u8],
+            &'static str,
+            DataFormat,
+            u64,
+            [&'static str; 2],
         );
-        let odd = open_err(&[1, 2, 3], "odd.bin", DataFormat::U16, 256, 1);
-        assert!(odd.contains("odd.bin") && odd.contains("3 bytes"), "{odd}");
-        let big = open_err(&[1, 0, 44, 1], "big.bin", DataFormat::U16, 256, 1);
-        assert!(
-            big.contains("token 300 at position 1") && big.contains("at least 301"),
-            "{big}"
-        );
-        let short = open_err(b"abc", "short.txt", DataFormat::Bytes, 256, 8);
-        assert!(
-            short.contains("short.txt") && short.contains("too few"),
-            "{short}"
-        );
+        let (bytes, u16) = (DataFormat::Bytes, DataFormat::U16);
+        let cases: [Case; 4] = [
+            (b"", "empty.txt", bytes, 4, ["empty.txt", "empty"]),
+            (&[1, 2, 3], "odd.bin", u16, 1, ["odd.bin", "3 bytes"]),
+            (
+                &[1, 0, 44, 1],
+                "big.bin",
+                u16,
+                1,
+                ["token 300 at position 1", "at least 301"],
+            ),
+            (b"abc", "short.txt", bytes, 8, ["short.txt", "too few"]),
+        ];
+        for (contents, name, format, seq, says) in cases {
+            let err = open_err(contents, name, format, 256, seq);
+            assert!(says.iter().all(|s| err.contains(s)), "{err}");
+        }
     }
 
     #[test]

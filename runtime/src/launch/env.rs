@@ -383,6 +383,19 @@ mod tests {
             .collect()
     }
 
+    /// Open MPI's variables for `ids` (rank, world size, local rank, local size), then `extra`.
+    fn open_mpi(ids: [&str; 4], extra: &[(&str, &str)]) -> EnvMap {
+        let names = [
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        ];
+        let mut pairs: Vec<(&str, &str)> = names.into_iter().zip(ids).collect();
+        pairs.extend(extra);
+        env(&pairs)
+    }
+
     #[test]
     fn no_launcher_variables_is_a_single_process_run() {
         assert_eq!(detect(&env(&[("HOME", "/root")])).unwrap(), None);
@@ -440,14 +453,9 @@ mod tests {
 
     #[test]
     fn open_mpi_env_on_one_host_meets_locally() {
-        let e = detect(&env(&[
-            ("OMPI_COMM_WORLD_RANK", "3"),
-            ("OMPI_COMM_WORLD_SIZE", "4"),
-            ("OMPI_COMM_WORLD_LOCAL_RANK", "3"),
-            ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
-        ]))
-        .unwrap()
-        .unwrap();
+        let e = detect(&open_mpi(["3", "4", "3", "4"], &[]))
+            .unwrap()
+            .unwrap();
         assert_eq!(
             (e.kind, e.rank, e.world, e.local_rank, e.local_world),
             (LauncherKind::OpenMpi, 3, 4, 3, Some(4))
@@ -458,27 +466,14 @@ mod tests {
         );
         // Under mpirun (PMIx), one port per job.
         let port = |ns: &str| {
-            detect(&env(&[
-                ("OMPI_COMM_WORLD_RANK", "0"),
-                ("OMPI_COMM_WORLD_SIZE", "2"),
-                ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
-                ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
-                ("PMIX_NAMESPACE", ns),
-            ]))
-            .unwrap()
-            .unwrap()
-            .master_port
+            let pmix = open_mpi(["0", "2", "0", "2"], &[("PMIX_NAMESPACE", ns)]);
+            detect(&pmix).unwrap().unwrap().master_port
         };
         assert_ne!(port("574423041"), port("574423042"));
         assert!((20000..32768).contains(&port("574423041")));
-        let err = detect(&env(&[
-            ("OMPI_COMM_WORLD_RANK", "3"),
-            ("OMPI_COMM_WORLD_SIZE", "16"),
-            ("OMPI_COMM_WORLD_LOCAL_RANK", "3"),
-            ("OMPI_COMM_WORLD_LOCAL_SIZE", "8"),
-        ]))
-        .unwrap_err()
-        .to_string();
+        let err = detect(&open_mpi(["3", "16", "3", "8"], &[]))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("mpirun -x MASTER_ADDR"), "{err}");
     }
 
@@ -538,16 +533,10 @@ mod tests {
         .unwrap();
         assert_eq!((e.local_world, e.master_addr.as_str()), (None, "b3"));
         // Open MPI under a Slurm allocation is Open MPI's rank.
-        let e = detect(&env(&[
-            ("SLURM_PROCID", "0"),
-            ("SLURM_NTASKS", "4"),
-            ("OMPI_COMM_WORLD_RANK", "2"),
-            ("OMPI_COMM_WORLD_SIZE", "4"),
-            ("OMPI_COMM_WORLD_LOCAL_RANK", "2"),
-            ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
-        ]))
-        .unwrap()
-        .unwrap();
+        let slurm = [("SLURM_PROCID", "0"), ("SLURM_NTASKS", "4")];
+        let e = detect(&open_mpi(["2", "4", "2", "4"], &slurm))
+            .unwrap()
+            .unwrap();
         assert_eq!((e.kind, e.rank), (LauncherKind::OpenMpi, 2));
         let err = detect(&env(&[
             ("SLURM_PROCID", "0"),

@@ -234,10 +234,8 @@ impl Elab<'_> {
                 [j] => *j,
                 [] => {
                     let names: Vec<&str> = nodes.iter().map(|n| n.name.as_str()).collect();
-                    let help = match suggest::closest(&target, names.iter().copied()) {
-                        Some(s) => format!("did you mean `{s}`?"),
-                        None => "tie to `Embedding` (the token embedding)".to_string(),
-                    };
+                    let tie = "tie to `Embedding` (the token embedding)";
+                    let help = suggest::did_you_mean(&target, names.iter().copied(), tie);
                     self.diags.push(
                         Diagnostic::error("E0208", format!("`tied = {target}` names no layer"))
                             .label(span, "no such layer")

@@ -714,12 +714,8 @@ impl<'a> Elab<'a> {
                 Some(n) => match params.iter().find(|p| **p == n.name) {
                     Some(p) => *p,
                     None => {
-                        let help = match suggest::closest(&n.name, params.iter().copied()) {
-                            Some(c) => {
-                                format!("did you mean `{c}`? {kind} takes ({})", params.join(", "))
-                            }
-                            None => format!("{kind} takes ({})", params.join(", ")),
-                        };
+                        let takes = format!("{kind} takes ({})", params.join(", "));
+                        let help = suggest::help(&n.name, params.iter().copied(), &takes);
                         return self.err(
                             Diagnostic::error(
                                 "E0207",
