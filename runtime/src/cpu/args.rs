@@ -3,7 +3,7 @@
 //! indexing. Every mismatch is a `RuntimeError::Op` naming the op, the role and the buffer:
 //! a lowering bug must surface as a clear error, never as a panic or silent garbage.
 use super::memory::{View, ViewMut};
-use crate::error::Result;
+use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::op::Segment;
 use parc_compiler::ir::BufferId;
 
@@ -92,6 +92,14 @@ pub(crate) struct Inputs<'a> {
 }
 
 impl<'a> Inputs<'a> {
+    /// The error of a family's entry point handed an op of another family (a backend bug).
+    pub fn unrouted(&self, family: &str) -> RuntimeError {
+        op_error(
+            self.op,
+            format!("is not an op of the {family} family (a CPU dispatch bug)"),
+        )
+    }
+
     fn describe(&self, i: usize) -> String {
         let role = self.roles.get(i).copied().unwrap_or("?");
         let id = self.ids.get(i).map_or(u32::MAX, |b| b.0);
@@ -171,5 +179,15 @@ impl<'a> Outputs<'a> {
                     .ok_or_else(|| op_error(op, format!("{description} is i32, expected f32")))
             })
             .collect()
+    }
+}
+
+/// An op that overwrites its parameter gradients (`accumulate_param_grad` false) writes what
+/// adding into zeros writes: the gradients are cleared, then the accumulating kernel runs.
+pub(crate) fn first_write<const N: usize>(accumulate: bool, grads: [&mut [f32]; N]) {
+    if !accumulate {
+        for g in grads {
+            g.fill(0.0);
+        }
     }
 }

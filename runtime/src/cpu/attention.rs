@@ -11,11 +11,102 @@
 //! FlashAttention does. Tasks are independent and sequential inside, results are scattered in
 //! task order, so the output is bit-identical for any thread count. A query with no visible key
 //! gets `o = 0`, `lse = −inf` and contributes no gradient.
-use super::args::{expect_len, op_error, positions_for, product, rows_of};
+use super::args::{dim, expect_len, op_error, positions_for, product, rows_of};
+use super::args::{Inputs, Outputs};
 use super::dense::{gemm_checked, Strided, Threads};
+use super::movement::{concat_columns, split_columns};
+use crate::backend::StepScalars;
 use crate::error::Result;
-use parc_compiler::ir::op::Segment;
+use parc_compiler::ir::op::{AttentionAttrs, Op, Segment};
 use rayon::prelude::*;
+
+/// The attention family's entry point (see `dispatch`). Packed q/k/v (`AttentionAttrs::packed`)
+/// is split into the separate layout and its gradient concatenated back: the exact reference
+/// computes the same either way.
+pub(crate) fn run(
+    op: &Op,
+    ins: &Inputs,
+    outs: &mut Outputs,
+    _: &StepScalars,
+    threads: Threads,
+) -> Result<()> {
+    let name = ins.op;
+    let (Op::Attention(a) | Op::AttentionBwd(a)) = op else {
+        return Err(ins.unrouted("attention"));
+    };
+    let shape = AttentionShape {
+        batch: dim(name, "batch", a.batch)?,
+        heads: dim(name, "heads", a.heads)?,
+        kv_heads: dim(name, "kv_heads", a.kv_heads)?,
+        head_dim: dim(name, "head_dim", a.head_dim)?,
+        causal: a.causal,
+        scale: a.scale,
+        q_positions: &a.q_positions,
+        kv_positions: &a.kv_positions,
+    };
+    if a.packed && a.q_positions != a.kv_positions {
+        return Err(op_error(
+            name,
+            "packed q/k/v needs the same query and key positions (one row holds both)",
+        ));
+    }
+    let packed = a.packed.then(|| packed_widths(a));
+    match (op, packed) {
+        (Op::Attention(_), None) => {
+            let [o, lse] = outs.f32s()?;
+            let (q, k, v) = (ins.f32(0)?, ins.f32(1)?, ins.f32(2)?);
+            attention(name, &shape, threads, q, k, v, o, lse)
+        }
+        (Op::Attention(_), Some(widths)) => {
+            let [o, lse] = outs.f32s()?;
+            let [q, k, v] = unpack(name, &widths, ins.f32(0)?)?;
+            attention(name, &shape, threads, &q, &k, &v, o, lse)
+        }
+        (_, None) => {
+            let tensors = AttentionGrads {
+                d_out: ins.f32(0)?,
+                q: ins.f32(1)?,
+                k: ins.f32(2)?,
+                v: ins.f32(3)?,
+                o: ins.f32(4)?,
+                lse: ins.f32(5)?,
+            };
+            let [dq, dk, dv] = outs.f32s()?;
+            attention_bwd(name, &shape, threads, &tensors, dq, dk, dv)
+        }
+        (_, Some(widths)) => {
+            let [q, k, v] = unpack(name, &widths, ins.f32(1)?)?;
+            let tensors = AttentionGrads {
+                d_out: ins.f32(0)?,
+                q: &q,
+                k: &k,
+                v: &v,
+                o: ins.f32(2)?,
+                lse: ins.f32(3)?,
+            };
+            let [dqkv] = outs.f32s()?;
+            let mut grads = [&q, &k, &v].map(|t| vec![0.0f32; t.len()]);
+            let [dq, dk, dv] = &mut grads;
+            attention_bwd(name, &shape, threads, &tensors, dq, dk, dv)?;
+            concat_columns(name, &widths, &[dq, dk, dv], dqkv)
+        }
+    }
+}
+
+/// The column widths of q, k and v in a packed `qkv` row.
+fn packed_widths(a: &AttentionAttrs) -> [u64; 3] {
+    let kv = a.kv_heads * a.head_dim;
+    [a.heads * a.head_dim, kv, kv]
+}
+
+/// Packed `qkv` split into separate q, k and v.
+fn unpack(op: &str, widths: &[u64; 3], qkv: &[f32]) -> Result<[Vec<f32>; 3]> {
+    let rows = qkv.len() / (widths.iter().sum::<u64>().max(1) as usize);
+    let mut parts = widths.map(|w| vec![0.0f32; rows * w as usize]);
+    let [q, k, v] = &mut parts;
+    split_columns(op, widths, qkv, &mut [q, k, v])?;
+    Ok(parts)
+}
 
 /// Query rows per score tile.
 const QUERY_TILE: usize = 64;

@@ -4,10 +4,84 @@
 //! unsplit vocabulary, which is defined as those pieces run back to back (so plans with either
 //! agree exactly). Row sums are accumulated in f64; the loss sums rows in fixed chunks
 //! (deterministic).
-use super::args::{expect_len, rows_of};
+use super::args::{dim, expect_len, rows_of, Inputs, Outputs};
+use super::dense::Threads;
 use super::par::{rows_per_task, sum_chunks};
+use crate::backend::StepScalars;
 use crate::error::Result;
+use parc_compiler::ir::op::Op;
 use rayon::prelude::*;
+
+/// The loss family's entry point (see `dispatch`). The gradients are scaled by the step's fp16
+/// loss scale as well as the op's.
+pub(crate) fn run(
+    op: &Op,
+    ins: &Inputs,
+    outs: &mut Outputs,
+    scalars: &StepScalars,
+    _: Threads,
+) -> Result<()> {
+    let name = ins.op;
+    let loss_scale = scalars.loss_scale.unwrap_or(1.0);
+    match op {
+        Op::CrossEntropy { vocab, scale } => {
+            let [dlogits, loss] = outs.f32s()?;
+            let vocab = dim(name, "vocab", *vocab)?;
+            let (logits, targets) = (ins.f32(0)?, ins.i32(1)?);
+            let grad_scale = *scale * loss_scale;
+            cross_entropy(
+                name, vocab, *scale, grad_scale, logits, targets, dlogits, loss,
+            )
+        }
+        Op::CeMax { vocab_local } => {
+            let [max] = outs.f32s()?;
+            let v = dim(name, "vocab_local", *vocab_local)?;
+            ce_max(name, v, ins.f32(0)?, max)
+        }
+        Op::CeSumExp { vocab_local } => {
+            let [sumexp] = outs.f32s()?;
+            let v = dim(name, "vocab_local", *vocab_local)?;
+            ce_sum_exp(name, v, ins.f32(0)?, ins.f32(1)?, sumexp)
+        }
+        Op::CeTargetLogit {
+            vocab_start,
+            vocab_local,
+        } => {
+            let [target_logit] = outs.f32s()?;
+            let v = dim(name, "vocab_local", *vocab_local)?;
+            let (logits, targets) = (ins.f32(0)?, ins.i32(1)?);
+            ce_target_logit(name, *vocab_start, v, logits, targets, target_logit)
+        }
+        Op::CeLoss { scale } => {
+            let [loss] = outs.f32s()?;
+            let (max, sumexp, target_logit) = (ins.f32(0)?, ins.f32(1)?, ins.f32(2)?);
+            ce_loss(name, *scale, max, sumexp, target_logit, loss)
+        }
+        Op::CeGrad {
+            vocab_start,
+            vocab_local,
+            scale,
+        } => {
+            let [dlogits] = outs.f32s()?;
+            let v = dim(name, "vocab_local", *vocab_local)?;
+            let (logits, targets) = (ins.f32(0)?, ins.i32(1)?);
+            let (max, sumexp) = (ins.f32(2)?, ins.f32(3)?);
+            let grad_scale = *scale * loss_scale;
+            ce_grad(
+                name,
+                *vocab_start,
+                v,
+                grad_scale,
+                logits,
+                targets,
+                max,
+                sumexp,
+                dlogits,
+            )
+        }
+        _ => Err(ins.unrouted("loss")),
+    }
+}
 
 /// The column of `target` in this rank's slice, if it holds it.
 fn local_column(target: i32, vocab_start: u64, vocab_local: usize) -> Option<usize> {

@@ -1,14 +1,72 @@
 //! Elementwise ops: activations (gelu erf form, gelu tanh approximation, relu) and their
-//! gradients, SwiGLU, add, scale, and the data movers copy / zero / copy-range (any dtype).
-//! Computed in f32 (`libm::erff` for gelu; gelu_tanh through the identity
-//! `0.5·(1 + tanh u) = σ(2u)`, one exponential per element).
-use super::args::{expect_len, op_error};
-use super::memory::{View, ViewMut};
+//! gradients, SwiGLU, add, scale, and rotary embedding (its kernel in `rope`). Computed in f32
+//! (`libm::erff` for gelu; gelu_tanh through the identity `0.5·(1 + tanh u) = σ(2u)`, one
+//! exponential per element).
+use super::args::{dim, expect_len, Inputs, Outputs};
+use super::dense::Threads;
 use super::par::TASK_ELEMENTS;
+use super::rope::{rope, RopeShape};
+use crate::backend::StepScalars;
 use crate::error::Result;
-use parc_compiler::ir::op::Act;
+use parc_compiler::ir::op::{Act, ActAttrs, Op, RopeAttrs};
 use rayon::prelude::*;
-use std::ops::Range;
+
+/// The elementwise family's entry point (see `dispatch`).
+pub(crate) fn run(
+    op: &Op,
+    ins: &Inputs,
+    outs: &mut Outputs,
+    _: &StepScalars,
+    _: Threads,
+) -> Result<()> {
+    let name = ins.op;
+    match op {
+        Op::Rope(a) | Op::RopeBwd(a) => {
+            let RopeAttrs {
+                batch,
+                heads,
+                head_dim,
+                theta,
+                positions,
+            } = a;
+            let shape = RopeShape {
+                batch: dim(name, "batch", *batch)?,
+                heads: dim(name, "heads", *heads)?,
+                head_dim: dim(name, "head_dim", *head_dim)?,
+                theta: *theta,
+                positions,
+            };
+            let [y] = outs.f32s()?;
+            let inverse = matches!(op, Op::RopeBwd(_));
+            rope(name, &shape, inverse, ins.f32(0)?, y)
+        }
+        Op::Activation(ActAttrs { act }) => {
+            let [y] = outs.f32s()?;
+            activation(name, *act, ins.f32(0)?, y)
+        }
+        Op::ActivationBwd(ActAttrs { act }) => {
+            let [dx] = outs.f32s()?;
+            activation_bwd(name, *act, ins.f32(0)?, ins.f32(1)?, dx)
+        }
+        Op::SwiGlu => {
+            let [y] = outs.f32s()?;
+            swiglu(name, ins.f32(0)?, ins.f32(1)?, y)
+        }
+        Op::SwiGluBwd => {
+            let [dgate, dup] = outs.f32s()?;
+            swiglu_bwd(name, ins.f32(0)?, ins.f32(1)?, ins.f32(2)?, dgate, dup)
+        }
+        Op::Add => {
+            let [y] = outs.f32s()?;
+            add(name, ins.f32(0)?, ins.f32(1)?, y)
+        }
+        Op::Scale { factor } => {
+            let [y] = outs.f32s()?;
+            scale(name, *factor, ins.f32(0)?, y)
+        }
+        _ => Err(ins.unrouted("elementwise")),
+    }
+}
 
 /// Elements per rayon task for elementwise loops.
 const CHUNK: usize = TASK_ELEMENTS;
@@ -184,111 +242,5 @@ pub(crate) fn scale(op: &str, factor: f64, x: &[f32], y: &mut [f32]) -> Result<(
     expect_len(op, "y", y.len(), x.len())?;
     let factor = factor as f32;
     map1(y, x, |x| factor * x);
-    Ok(())
-}
-
-/// `y = x` for tensors of one dtype and length.
-pub(crate) fn copy(op: &str, x: View<'_>, y: &mut ViewMut<'_>) -> Result<()> {
-    expect_len(op, "y", y.len(), x.len())?;
-    match (x, y) {
-        (View::F32(x), ViewMut::F32(y)) => y.copy_from_slice(x),
-        (View::I32(x), ViewMut::I32(y)) => y.copy_from_slice(x),
-        _ => return Err(op_error(op, "x and y have different dtypes")),
-    }
-    Ok(())
-}
-
-/// Checks a `[rows, Σ widths]` matrix of `whole_len` elements against its column blocks
-/// (`part_lens[i]` = rows × `widths[i]`), then calls `copy(i, whole range, part range)` for
-/// every row of every block: `SplitColumns` and `ConcatColumns` differ only in the direction.
-fn column_blocks(
-    op: &str,
-    widths: &[u64],
-    whole_len: usize,
-    part_lens: &[usize],
-    mut copy: impl FnMut(usize, Range<usize>, Range<usize>),
-) -> Result<()> {
-    let total = widths.iter().sum::<u64>() as usize;
-    if total == 0 || !whole_len.is_multiple_of(total) {
-        return Err(op_error(
-            op,
-            format!("{whole_len} elements are not rows of {total} columns (widths {widths:?})"),
-        ));
-    }
-    if part_lens.len() != widths.len() {
-        return Err(op_error(
-            op,
-            format!("{} parts for {} widths", part_lens.len(), widths.len()),
-        ));
-    }
-    let rows = whole_len / total;
-    for (&len, &w) in part_lens.iter().zip(widths) {
-        expect_len(op, "part", len, rows * w as usize)?;
-    }
-    let mut col = 0usize;
-    for (i, &w) in widths.iter().enumerate() {
-        let w = w as usize;
-        for r in 0..rows {
-            copy(i, r * total + col..r * total + col + w, r * w..(r + 1) * w);
-        }
-        col += w;
-    }
-    Ok(())
-}
-
-/// `parts[i] = x[:, columns of block i]` for a `[rows, Σ widths]` x (`Op::SplitColumns`).
-pub(crate) fn split_columns(
-    op: &str,
-    widths: &[u64],
-    x: &[f32],
-    parts: &mut [&mut [f32]],
-) -> Result<()> {
-    let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
-    column_blocks(op, widths, x.len(), &lens, |i, whole, part| {
-        parts[i][part].copy_from_slice(&x[whole]);
-    })
-}
-
-/// `y[:, columns of block i] = parts[i]` for a `[rows, Σ widths]` y (`Op::ConcatColumns`).
-pub(crate) fn concat_columns(
-    op: &str,
-    widths: &[u64],
-    parts: &[&[f32]],
-    y: &mut [f32],
-) -> Result<()> {
-    let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
-    column_blocks(op, widths, y.len(), &lens, |i, whole, part| {
-        y[whole].copy_from_slice(&parts[i][part]);
-    })
-}
-
-/// `dst[dst_offset + i] = src[src_offset + i]` for `i < len`.
-pub(crate) fn copy_range(
-    op: &str,
-    src_offset: u64,
-    dst_offset: u64,
-    len: u64,
-    src: View<'_>,
-    dst: &mut ViewMut<'_>,
-) -> Result<()> {
-    let range = |offset: u64, buffer_len: usize, what: &str| {
-        let end = offset.checked_add(len);
-        match end {
-            Some(end) if end <= buffer_len as u64 => Ok(offset as usize..end as usize),
-            _ => Err(op_error(
-                op,
-                format!(
-                    "{what} range {offset}..{offset}+{len} is outside its {buffer_len} elements"
-                ),
-            )),
-        }
-    };
-    let src_range = range(src_offset, src.len(), "src")?;
-    let dst_range = range(dst_offset, dst.len(), "dst")?;
-    match (src, dst) {
-        (View::F32(s), ViewMut::F32(d)) => d[dst_range].copy_from_slice(&s[src_range]),
-        (View::I32(s), ViewMut::I32(d)) => d[dst_range].copy_from_slice(&s[src_range]),
-        _ => return Err(op_error(op, "src and dst have different dtypes")),
-    }
     Ok(())
 }

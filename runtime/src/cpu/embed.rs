@@ -2,11 +2,67 @@
 //! vocab_local)` and writes zero rows for other ids) and learned position embedding (indexed by
 //! each row's global position), forward and backward. The backward scatters add rows in row
 //! order, so repeated ids accumulate deterministically.
-use super::args::{expect_len, expect_shape, op_error, positions_for, rows_of};
+use super::args::{dim, expect_len, expect_shape, first_write, op_error, positions_for, rows_of};
+use super::args::{Inputs, Outputs};
+use super::dense::Threads;
 use super::par::rows_per_task;
+use crate::backend::StepScalars;
 use crate::error::Result;
-use parc_compiler::ir::op::Segment;
+use parc_compiler::ir::op::{EmbeddingAttrs, Op, PositionAttrs, Segment};
 use rayon::prelude::*;
+
+/// The embedding family's entry point (see `dispatch`).
+pub(crate) fn run(
+    op: &Op,
+    ins: &Inputs,
+    outs: &mut Outputs,
+    _: &StepScalars,
+    _: Threads,
+) -> Result<()> {
+    let name = ins.op;
+    match op {
+        Op::Embedding(a) | Op::EmbeddingBwd(a) => {
+            let EmbeddingAttrs {
+                vocab_start,
+                vocab_local,
+                dim: d,
+            } = a;
+            let d = dim(name, "dim", *d)?;
+            let v = dim(name, "vocab_local", *vocab_local)?;
+            let [out] = outs.f32s()?;
+            let (ids, table_or_dy) = (ins.i32(0)?, ins.f32(1)?);
+            if matches!(op, Op::Embedding(_)) {
+                embedding(name, *vocab_start, v, d, ids, table_or_dy, out)
+            } else {
+                embedding_bwd(name, *vocab_start, v, d, ids, table_or_dy, out)
+            }
+        }
+        Op::PositionAdd(PositionAttrs {
+            batch,
+            dim: d,
+            positions,
+        }) => {
+            let [y] = outs.f32s()?;
+            let (batch, d) = (dim(name, "batch", *batch)?, dim(name, "dim", *d)?);
+            position_add(name, batch, d, positions, ins.f32(0)?, ins.f32(1)?, y)
+        }
+        Op::PositionAddBwd {
+            pos:
+                PositionAttrs {
+                    batch,
+                    dim: d,
+                    positions,
+                },
+            accumulate_param_grad,
+        } => {
+            let [dtable] = outs.f32s()?;
+            first_write(*accumulate_param_grad, [&mut *dtable]);
+            let (batch, d) = (dim(name, "batch", *batch)?, dim(name, "dim", *d)?);
+            position_add_bwd(name, batch, d, positions, ins.f32(0)?, dtable)
+        }
+        _ => Err(ins.unrouted("embedding")),
+    }
+}
 
 /// The local table row of token `id`, if this rank holds it.
 fn local_row(id: i32, vocab_start: u64, vocab_local: usize) -> Option<usize> {

@@ -1,10 +1,113 @@
-//! Linear layers: `y = x Wᵀ (+ b)` with `W` `[out, in]`, and its data and weight gradients, as
-//! dense products (`dense`) on the current rayon pool.
-use super::args::{expect_len, expect_shape, rows_of};
+//! Linear layers: `y = x Wᵀ (+ b)` with `W` `[out, in]` (optionally plus a residual and
+//! followed by an activation), and its data and weight gradients (the data gradient optionally
+//! times an activation's derivative), as dense products (`dense`) on the current rayon pool.
+use super::args::{dim, expect_len, expect_shape, first_write, op_error, rows_of};
+use super::args::{Inputs, Outputs};
 use super::dense::{gemm_checked, Strided, Threads};
+use super::elementwise::{activation, activation_bwd_in_place, add_in_place};
 use super::par::{accumulate_rows, rows_per_task};
+use crate::backend::StepScalars;
 use crate::error::Result;
+use parc_compiler::ir::op::Op;
 use rayon::prelude::*;
+
+/// The matmul family's entry point (see `dispatch`).
+pub(crate) fn run(
+    op: &Op,
+    ins: &Inputs,
+    outs: &mut Outputs,
+    _: &StepScalars,
+    threads: Threads,
+) -> Result<()> {
+    let name = ins.op;
+    match op {
+        Op::Matmul {
+            in_dim,
+            out_dim,
+            bias,
+            act,
+            residual,
+        } => {
+            let b = if *bias { Some(ins.f32(2)?) } else { None };
+            let r = if *residual {
+                Some(ins.f32(2 + usize::from(*bias))?)
+            } else {
+                None
+            };
+            let (i, o) = (
+                dim(name, "in_dim", *in_dim)?,
+                dim(name, "out_dim", *out_dim)?,
+            );
+            let (x, w) = (ins.f32(0)?, ins.f32(1)?);
+            // y = x Wᵀ + b, then + r (what an `Add` after it computes), then the activation
+            // from y's f32 value (before a bf16 y is rounded).
+            let product = |y: &mut [f32]| -> Result<()> {
+                matmul(name, threads, i, o, x, w, b, y)?;
+                match r {
+                    Some(r) => add_in_place(name, r, y),
+                    None => Ok(()),
+                }
+            };
+            match act {
+                None => {
+                    let [y] = outs.f32s()?;
+                    product(y)
+                }
+                Some(act) => {
+                    let [y, a] = outs.f32s()?;
+                    product(y)?;
+                    activation(name, *act, y, a)
+                }
+            }
+        }
+        Op::MatmulBwdData {
+            in_dim,
+            out_dim,
+            accumulate,
+            act_grad,
+        } => {
+            let [dx] = outs.f32s()?;
+            let (i, o) = (
+                dim(name, "in_dim", *in_dim)?,
+                dim(name, "out_dim", *out_dim)?,
+            );
+            let (dy, w) = (ins.f32(0)?, ins.f32(1)?);
+            matmul_bwd_data(name, threads, i, o, dy, w, dx, *accumulate)?;
+            match act_grad {
+                None => Ok(()),
+                Some(_) if *accumulate => Err(op_error(
+                    name,
+                    "an activation-gradient product (act_grad) cannot accumulate into dx \
+                     (the verifier rejects it, E0822)",
+                )),
+                // The product's f32 value times act'(pre), rounded once when dx is written.
+                Some(act) => activation_bwd_in_place(name, *act, ins.f32(2)?, dx),
+            }
+        }
+        Op::MatmulBwdWeight {
+            in_dim,
+            out_dim,
+            bias,
+            accumulate_param_grad,
+        } => {
+            let (i, o) = (
+                dim(name, "in_dim", *in_dim)?,
+                dim(name, "out_dim", *out_dim)?,
+            );
+            let (dy, x) = (ins.f32(0)?, ins.f32(1)?);
+            if *bias {
+                let [dw, db] = outs.f32s()?;
+                first_write(*accumulate_param_grad, [&mut *dw, &mut *db]);
+                matmul_bwd_weight(name, threads, i, o, dy, x, dw, Some(db))
+            } else {
+                let [dw] = outs.f32s()?;
+                first_write(*accumulate_param_grad, [&mut *dw]);
+                matmul_bwd_weight(name, threads, i, o, dy, x, dw, None)
+            }
+        }
+        _ => Err(ins.unrouted("matmul")),
+    }
+}
 
 /// `y = x Wᵀ (+ b)`: x `[rows, in]`, w `[out, in]`, b `[out]`, y `[rows, out]`.
 #[allow(clippy::too_many_arguments)]

@@ -1,10 +1,69 @@
 //! LayerNorm and RMSNorm, forward and backward, over the last dimension of `[rows, dim]`.
 //! Row statistics are accumulated in f64; rows run in parallel; the weight/bias gradients are
 //! deterministic fixed-block column sums (`par::accumulate_rows`).
-use super::args::{expect_len, op_error, rows_of};
+use super::args::{dim, expect_len, first_write, op_error, rows_of, Inputs, Outputs};
+use super::dense::Threads;
 use super::par::{accumulate_rows, rows_per_task};
+use crate::backend::StepScalars;
 use crate::error::Result;
+use parc_compiler::ir::op::Op;
 use rayon::prelude::*;
+
+/// The norm family's entry point (see `dispatch`).
+pub(crate) fn run(
+    op: &Op,
+    ins: &Inputs,
+    outs: &mut Outputs,
+    _: &StepScalars,
+    _: Threads,
+) -> Result<()> {
+    let name = ins.op;
+    match op {
+        Op::LayerNorm { dim: d, eps, bias } => {
+            let b = if *bias { Some(ins.f32(2)?) } else { None };
+            let [y, mean, rstd] = outs.f32s()?;
+            let d = dim(name, "dim", *d)?;
+            layer_norm(name, d, *eps, ins.f32(0)?, ins.f32(1)?, b, y, mean, rstd)
+        }
+        Op::LayerNormBwd {
+            dim: d,
+            bias,
+            accumulate,
+            accumulate_param_grad,
+        } => {
+            let d = dim(name, "dim", *d)?;
+            let (dy, x, w) = (ins.f32(0)?, ins.f32(1)?, ins.f32(2)?);
+            let (mean, rstd) = (ins.f32(3)?, ins.f32(4)?);
+            if *bias {
+                let [dx, dw, db] = outs.f32s()?;
+                first_write(*accumulate_param_grad, [&mut *dw, &mut *db]);
+                let dx = (dx, *accumulate);
+                layer_norm_bwd(name, d, dy, x, w, mean, rstd, dx, dw, Some(db))
+            } else {
+                let [dx, dw] = outs.f32s()?;
+                first_write(*accumulate_param_grad, [&mut *dw]);
+                layer_norm_bwd(name, d, dy, x, w, mean, rstd, (dx, *accumulate), dw, None)
+            }
+        }
+        Op::RmsNorm { dim: d, eps } => {
+            let [y, rstd] = outs.f32s()?;
+            let d = dim(name, "dim", *d)?;
+            rms_norm(name, d, *eps, ins.f32(0)?, ins.f32(1)?, y, rstd)
+        }
+        Op::RmsNormBwd {
+            dim: d,
+            accumulate,
+            accumulate_param_grad,
+        } => {
+            let [dx, dw] = outs.f32s()?;
+            first_write(*accumulate_param_grad, [&mut *dw]);
+            let d = dim(name, "dim", *d)?;
+            let (dy, x, w, rstd) = (ins.f32(0)?, ins.f32(1)?, ins.f32(2)?, ins.f32(3)?);
+            rms_norm_bwd(name, d, dy, x, w, rstd, (dx, *accumulate), dw)
+        }
+        _ => Err(ins.unrouted("norm")),
+    }
+}
 
 /// LayerNorm: `y = (x − mean)·rstd·w (+ b)`, `rstd = 1/√(var + eps)` (biased variance).
 #[allow(clippy::too_many_arguments)]

@@ -3,11 +3,65 @@
 //! 1-based step and the fp16 loss scale come from the executor's `StepScalars`: with a loss scale
 //! the clip coefficient also unscales the gradients, and is NaN for an overflowed step, which the
 //! updates then skip (parameters and state untouched).
-use super::args::{expect_len, op_error};
+use super::args::{expect_len, op_error, Inputs, Outputs};
+use super::dense::Threads;
 use super::par::{sum_chunks, TASK_ELEMENTS};
 use crate::backend::StepScalars;
 use crate::error::Result;
+use parc_compiler::ir::op::Op;
 use rayon::prelude::*;
+
+/// The optimizer family's entry point (see `dispatch`).
+pub(crate) fn run(
+    op: &Op,
+    ins: &Inputs,
+    outs: &mut Outputs,
+    scalars: &StepScalars,
+    _: Threads,
+) -> Result<()> {
+    let name = ins.op;
+    match op {
+        Op::SumSquares => {
+            let [sumsq] = outs.f32s()?;
+            sum_squares(name, ins.f32(0)?, sumsq)
+        }
+        Op::ClipCoef { max_norm } => {
+            let [coef] = outs.f32s()?;
+            clip_coef(name, *max_norm, scalars.loss_scale, ins.f32(0)?, coef)
+        }
+        Op::AdamW {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } => {
+            let config = AdamWConfig {
+                beta1: *beta1,
+                beta2: *beta2,
+                eps: *eps,
+                weight_decay: *weight_decay,
+            };
+            let [param, m, v] = outs.f32s()?;
+            let (g, coef) = (ins.f32(0)?, ins.f32(1)?);
+            adamw(name, &config, scalars, g, coef, param, m, v)
+        }
+        Op::Sgd {
+            momentum,
+            weight_decay,
+        } => {
+            let (g, coef) = (ins.f32(0)?, ins.f32(1)?);
+            let (momentum, wd) = (*momentum, *weight_decay);
+            if momentum != 0.0 {
+                let [param, buf] = outs.f32s()?;
+                sgd(name, momentum, wd, scalars, g, coef, param, Some(buf))
+            } else {
+                let [param] = outs.f32s()?;
+                sgd(name, momentum, wd, scalars, g, coef, param, None)
+            }
+        }
+        _ => Err(ins.unrouted("optimizer")),
+    }
+}
 
 /// Elements per rayon task for the updates.
 const CHUNK: usize = TASK_ELEMENTS;
