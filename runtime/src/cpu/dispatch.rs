@@ -1,6 +1,8 @@
 //! Routing of one `Op` to its family (`Opcode::family`, the op table's grouping). Each family's
-//! module owns its ops whole: the entry point that turns the op's attributes into sizes and its
-//! bound buffers into typed slices, and the kernels it calls.
+//! module owns its ops whole: an entry point `run(op, ins, outs, …)` that turns the op's
+//! attributes into sizes and reads its bound buffers by role, and the kernels it calls. An
+//! entry point takes the step's scalars (loss, optimizer) or the thread choice (matmul,
+//! attention) where its kernels use them.
 use super::args::{Inputs, Outputs};
 use super::dense::Threads;
 use super::{attention, cross_entropy, elementwise, embed, linear, movement, norm, optim};
@@ -9,11 +11,8 @@ use crate::error::Result;
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::table::Family;
 
-/// A family's entry point: runs `op` on its bound buffers; `threads` says whether dense
+/// Run `op` on its bound buffers through its family's module; `threads` says whether dense
 /// products and attention may use the pool.
-type Entry = fn(&Op, &Inputs, &mut Outputs, &StepScalars, Threads) -> Result<()>;
-
-/// Run `op` on bound buffers (checked against its signature) through its family's module.
 pub(crate) fn run(
     op: &Op,
     ins: &Inputs,
@@ -21,15 +20,14 @@ pub(crate) fn run(
     scalars: &StepScalars,
     threads: Threads,
 ) -> Result<()> {
-    let entry: Entry = match op.opcode().family() {
-        Family::Embedding => embed::run,
-        Family::Norm => norm::run,
-        Family::Matmul => linear::run,
-        Family::Attention => attention::run,
-        Family::Elementwise => elementwise::run,
-        Family::DataMovement => movement::run,
-        Family::Loss => cross_entropy::run,
-        Family::Optimizer => optim::run,
-    };
-    entry(op, ins, outs, scalars, threads)
+    match op.opcode().family() {
+        Family::Embedding => embed::run(op, ins, outs),
+        Family::Norm => norm::run(op, ins, outs),
+        Family::Matmul => linear::run(op, ins, outs, threads),
+        Family::Attention => attention::run(op, ins, outs, threads),
+        Family::Elementwise => elementwise::run(op, ins, outs),
+        Family::DataMovement => movement::run(op, ins, outs),
+        Family::Loss => cross_entropy::run(op, ins, outs, scalars),
+        Family::Optimizer => optim::run(op, ins, outs, scalars),
+    }
 }

@@ -2,70 +2,46 @@
 //! gradients, SwiGLU, add, scale, and rotary embedding (its kernel in `rope`). Computed in f32
 //! (`libm::erff` for gelu; gelu_tanh through the identity `0.5·(1 + tanh u) = σ(2u)`, one
 //! exponential per element).
-use super::args::{dim, expect_len, Inputs, Outputs};
-use super::dense::Threads;
+use super::args::{Inputs, Outputs};
 use super::par::TASK_ELEMENTS;
 use super::rope::{rope, RopeShape};
-use crate::backend::StepScalars;
 use crate::error::Result;
-use parc_compiler::ir::op::{Act, ActAttrs, Op, RopeAttrs};
+use parc_compiler::ir::op::{Act, ActAttrs, Op};
 use rayon::prelude::*;
 
 /// The elementwise family's entry point (see `dispatch`).
-pub(crate) fn run(
-    op: &Op,
-    ins: &Inputs,
-    outs: &mut Outputs,
-    _: &StepScalars,
-    _: Threads,
-) -> Result<()> {
-    let name = ins.op;
+pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs) -> Result<()> {
     match op {
         Op::Rope(a) | Op::RopeBwd(a) => {
-            let RopeAttrs {
-                batch,
-                heads,
-                head_dim,
-                theta,
-                positions,
-            } = a;
             let shape = RopeShape {
-                batch: dim(name, "batch", *batch)?,
-                heads: dim(name, "heads", *heads)?,
-                head_dim: dim(name, "head_dim", *head_dim)?,
-                theta: *theta,
-                positions,
+                batch: ins.dim("batch", a.batch)?,
+                heads: ins.dim("heads", a.heads)?,
+                head_dim: ins.dim("head_dim", a.head_dim)?,
+                theta: a.theta,
+                positions: &a.positions,
             };
-            let [y] = outs.f32s()?;
-            let inverse = matches!(op, Op::RopeBwd(_));
-            rope(name, &shape, inverse, ins.f32(0)?, y)
+            // The backward rotates the gradient back by the negative angle.
+            let (x, y, inverse) = match op {
+                Op::Rope(_) => (ins.f32("x")?, outs.f32("y")?, false),
+                _ => (ins.f32("dy")?, outs.f32("dx")?, true),
+            };
+            rope(ins.name(), &shape, inverse, x, y)?;
         }
-        Op::Activation(ActAttrs { act }) => {
-            let [y] = outs.f32s()?;
-            activation(name, *act, ins.f32(0)?, y)
-        }
+        Op::Activation(ActAttrs { act }) => activation(*act, ins.f32("x")?, outs.f32("y")?),
         Op::ActivationBwd(ActAttrs { act }) => {
-            let [dx] = outs.f32s()?;
-            activation_bwd(name, *act, ins.f32(0)?, ins.f32(1)?, dx)
+            let (dy, x) = (ins.f32("dy")?, ins.f32("x")?);
+            activation_bwd(*act, dy, x, outs.f32("dx")?);
         }
-        Op::SwiGlu => {
-            let [y] = outs.f32s()?;
-            swiglu(name, ins.f32(0)?, ins.f32(1)?, y)
-        }
+        Op::SwiGlu => swiglu(ins.f32("gate")?, ins.f32("up")?, outs.f32("y")?),
         Op::SwiGluBwd => {
-            let [dgate, dup] = outs.f32s()?;
-            swiglu_bwd(name, ins.f32(0)?, ins.f32(1)?, ins.f32(2)?, dgate, dup)
+            let (dy, gate, up) = (ins.f32("dy")?, ins.f32("gate")?, ins.f32("up")?);
+            swiglu_bwd(dy, gate, up, outs.f32("dgate")?, outs.f32("dup")?);
         }
-        Op::Add => {
-            let [y] = outs.f32s()?;
-            add(name, ins.f32(0)?, ins.f32(1)?, y)
-        }
-        Op::Scale { factor } => {
-            let [y] = outs.f32s()?;
-            scale(name, *factor, ins.f32(0)?, y)
-        }
-        _ => Err(ins.unrouted("elementwise")),
+        Op::Add => add(ins.f32("a")?, ins.f32("b")?, outs.f32("y")?),
+        Op::Scale { factor } => scale(*factor, ins.f32("x")?, outs.f32("y")?),
+        _ => return Err(ins.unrouted("elementwise")),
     }
+    Ok(())
 }
 
 /// Elements per rayon task for elementwise loops.
@@ -164,83 +140,44 @@ fn activation_derivative(act: Act, x: f32) -> f32 {
     }
 }
 
-pub(crate) fn activation(op: &str, act: Act, x: &[f32], y: &mut [f32]) -> Result<()> {
-    expect_len(op, "y", y.len(), x.len())?;
+pub(crate) fn activation(act: Act, x: &[f32], y: &mut [f32]) {
     map1(y, x, |x| activation_value(act, x));
-    Ok(())
 }
 
-pub(crate) fn activation_bwd(
-    op: &str,
-    act: Act,
-    dy: &[f32],
-    x: &[f32],
-    dx: &mut [f32],
-) -> Result<()> {
-    expect_len(op, "x", x.len(), dy.len())?;
-    expect_len(op, "dx", dx.len(), dy.len())?;
+pub(crate) fn activation_bwd(act: Act, dy: &[f32], x: &[f32], dx: &mut [f32]) {
     map2(dx, dy, x, |dy, x| dy * activation_derivative(act, x));
-    Ok(())
 }
 
 /// `dx = dx · act'(x)`: an activation gradient applied to a product already in `dx` (a
 /// `MatmulBwdData` with `act_grad`); per element exactly `activation_bwd`'s expression.
-pub(crate) fn activation_bwd_in_place(op: &str, act: Act, x: &[f32], dx: &mut [f32]) -> Result<()> {
-    expect_len(op, "pre", x.len(), dx.len())?;
+pub(crate) fn activation_bwd_in_place(act: Act, x: &[f32], dx: &mut [f32]) {
     update(dx, x, |d, x| d * activation_derivative(act, x));
-    Ok(())
 }
 
 /// `y = y + r` (per element `y + r`, the sum `add` forms: f32 addition commutes exactly).
-pub(crate) fn add_in_place(op: &str, r: &[f32], y: &mut [f32]) -> Result<()> {
-    expect_len(op, "r", r.len(), y.len())?;
+pub(crate) fn add_in_place(r: &[f32], y: &mut [f32]) {
     update(y, r, |y, r| y + r);
-    Ok(())
 }
 
 /// `y = silu(gate) · up`.
-pub(crate) fn swiglu(op: &str, gate: &[f32], up: &[f32], y: &mut [f32]) -> Result<()> {
-    expect_len(op, "up", up.len(), gate.len())?;
-    expect_len(op, "y", y.len(), gate.len())?;
+pub(crate) fn swiglu(gate: &[f32], up: &[f32], y: &mut [f32]) {
     map2(y, gate, up, |g, u| g * sigmoid(g) * u);
-    Ok(())
 }
 
 /// `dgate = dy · up · σ(g)(1 + g(1 − σ(g)))`, `dup = dy · silu(g)`.
-pub(crate) fn swiglu_bwd(
-    op: &str,
-    dy: &[f32],
-    gate: &[f32],
-    up: &[f32],
-    dgate: &mut [f32],
-    dup: &mut [f32],
-) -> Result<()> {
-    for (what, len) in [
-        ("gate", gate.len()),
-        ("up", up.len()),
-        ("dgate", dgate.len()),
-        ("dup", dup.len()),
-    ] {
-        expect_len(op, what, len, dy.len())?;
-    }
+pub(crate) fn swiglu_bwd(dy: &[f32], gate: &[f32], up: &[f32], dgate: &mut [f32], dup: &mut [f32]) {
     map3(dgate, dy, gate, up, |dy, g, u| {
         let s = sigmoid(g);
         dy * u * s * (1.0 + g * (1.0 - s))
     });
     map2(dup, dy, gate, |dy, g| dy * g * sigmoid(g));
-    Ok(())
 }
 
-pub(crate) fn add(op: &str, a: &[f32], b: &[f32], y: &mut [f32]) -> Result<()> {
-    expect_len(op, "b", b.len(), a.len())?;
-    expect_len(op, "y", y.len(), a.len())?;
+pub(crate) fn add(a: &[f32], b: &[f32], y: &mut [f32]) {
     map2(y, a, b, |a, b| a + b);
-    Ok(())
 }
 
-pub(crate) fn scale(op: &str, factor: f64, x: &[f32], y: &mut [f32]) -> Result<()> {
-    expect_len(op, "y", y.len(), x.len())?;
+pub(crate) fn scale(factor: f64, x: &[f32], y: &mut [f32]) {
     let factor = factor as f32;
     map1(y, x, |x| factor * x);
-    Ok(())
 }

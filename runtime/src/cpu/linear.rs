@@ -1,112 +1,71 @@
 //! Linear layers: `y = x Wᵀ (+ b)` with `W` `[out, in]` (optionally plus a residual and
 //! followed by an activation), and its data and weight gradients (the data gradient optionally
 //! times an activation's derivative), as dense products (`dense`) on the current rayon pool.
-use super::args::{dim, expect_len, expect_shape, first_write, op_error, rows_of};
 use super::args::{Inputs, Outputs};
 use super::dense::{gemm_checked, Strided, Threads};
 use super::elementwise::{activation, activation_bwd_in_place, add_in_place};
-use super::par::{accumulate_rows, rows_per_task};
-use crate::backend::StepScalars;
+use super::par::{accumulate_column_sums, rows_per_task};
 use crate::error::Result;
 use parc_compiler::ir::op::Op;
 use rayon::prelude::*;
 
 /// The matmul family's entry point (see `dispatch`).
-pub(crate) fn run(
-    op: &Op,
-    ins: &Inputs,
-    outs: &mut Outputs,
-    _: &StepScalars,
-    threads: Threads,
-) -> Result<()> {
-    let name = ins.op;
+pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, threads: Threads) -> Result<()> {
+    let name = ins.name();
+    let dims = |in_dim: u64, out_dim: u64| -> Result<(usize, usize)> {
+        Ok((ins.dim("in_dim", in_dim)?, ins.dim("out_dim", out_dim)?))
+    };
     match op {
         Op::Matmul {
             in_dim,
             out_dim,
-            bias,
             act,
-            residual,
+            ..
         } => {
-            let b = if *bias { Some(ins.f32(2)?) } else { None };
-            let r = if *residual {
-                Some(ins.f32(2 + usize::from(*bias))?)
-            } else {
-                None
-            };
-            let (i, o) = (
-                dim(name, "in_dim", *in_dim)?,
-                dim(name, "out_dim", *out_dim)?,
-            );
-            let (x, w) = (ins.f32(0)?, ins.f32(1)?);
+            let (i, o) = dims(*in_dim, *out_dim)?;
+            let (x, w, b) = (ins.f32("x")?, ins.f32("w")?, ins.optional_f32("b")?);
+            let y = outs.f32("y")?;
             // y = x Wᵀ + b, then + r (what an `Add` after it computes), then the activation
             // from y's f32 value (before a bf16 y is rounded).
-            let product = |y: &mut [f32]| -> Result<()> {
-                matmul(name, threads, i, o, x, w, b, y)?;
-                match r {
-                    Some(r) => add_in_place(name, r, y),
-                    None => Ok(()),
-                }
-            };
-            match act {
-                None => {
-                    let [y] = outs.f32s()?;
-                    product(y)
-                }
-                Some(act) => {
-                    let [y, a] = outs.f32s()?;
-                    product(y)?;
-                    activation(name, *act, y, a)
-                }
+            matmul(name, threads, i, o, x, w, b, y)?;
+            if let Some(r) = ins.optional_f32("r")? {
+                add_in_place(r, y);
+            }
+            if let Some(act) = act {
+                activation(*act, y, outs.f32("a")?);
             }
         }
         Op::MatmulBwdData {
             in_dim,
             out_dim,
             accumulate,
-            act_grad,
+            act_grad: act,
         } => {
-            let [dx] = outs.f32s()?;
-            let (i, o) = (
-                dim(name, "in_dim", *in_dim)?,
-                dim(name, "out_dim", *out_dim)?,
-            );
-            let (dy, w) = (ins.f32(0)?, ins.f32(1)?);
-            matmul_bwd_data(name, threads, i, o, dy, w, dx, *accumulate)?;
-            match act_grad {
-                None => Ok(()),
-                Some(_) if *accumulate => Err(op_error(
-                    name,
+            let (i, o) = dims(*in_dim, *out_dim)?;
+            if act.is_some() && *accumulate {
+                return Err(ins.err(
                     "an activation-gradient product (act_grad) cannot accumulate into dx \
                      (the verifier rejects it, E0822)",
-                )),
+                ));
+            }
+            let (dy, w, dx) = (ins.f32("dy")?, ins.f32("w")?, outs.f32("dx")?);
+            matmul_bwd_data(name, threads, i, o, dy, w, dx, *accumulate)?;
+            if let Some(act) = act {
                 // The product's f32 value times act'(pre), rounded once when dx is written.
-                Some(act) => activation_bwd_in_place(name, *act, ins.f32(2)?, dx),
+                activation_bwd_in_place(*act, ins.f32("pre")?, dx);
             }
         }
         Op::MatmulBwdWeight {
-            in_dim,
-            out_dim,
-            bias,
-            accumulate_param_grad,
+            in_dim, out_dim, ..
         } => {
-            let (i, o) = (
-                dim(name, "in_dim", *in_dim)?,
-                dim(name, "out_dim", *out_dim)?,
-            );
-            let (dy, x) = (ins.f32(0)?, ins.f32(1)?);
-            if *bias {
-                let [dw, db] = outs.f32s()?;
-                first_write(*accumulate_param_grad, [&mut *dw, &mut *db]);
-                matmul_bwd_weight(name, threads, i, o, dy, x, dw, Some(db))
-            } else {
-                let [dw] = outs.f32s()?;
-                first_write(*accumulate_param_grad, [&mut *dw]);
-                matmul_bwd_weight(name, threads, i, o, dy, x, dw, None)
-            }
+            let (i, o) = dims(*in_dim, *out_dim)?;
+            let (dy, x) = (ins.f32("dy")?, ins.f32("x")?);
+            let (dw, db) = (outs.accumulator("dw")?, outs.optional_accumulator("db")?);
+            matmul_bwd_weight(name, threads, i, o, dy, x, dw, db)?;
         }
-        _ => Err(ins.unrouted("matmul")),
+        _ => return Err(ins.unrouted("matmul")),
     }
+    Ok(())
 }
 
 /// `y = x Wᵀ (+ b)`: x `[rows, in]`, w `[out, in]`, b `[out]`, y `[rows, out]`.
@@ -121,12 +80,7 @@ pub(crate) fn matmul(
     b: Option<&[f32]>,
     y: &mut [f32],
 ) -> Result<()> {
-    let rows = rows_of(op, "x", x.len(), in_dim)?;
-    expect_shape(op, "w", w.len(), &[out_dim, in_dim])?;
-    expect_shape(op, "y", y.len(), &[rows, out_dim])?;
-    if let Some(b) = b {
-        expect_len(op, "b", b.len(), out_dim)?;
-    }
+    let rows = x.len() / in_dim;
     gemm_checked(
         op,
         (y, Strided::row_major(rows, out_dim)),
@@ -162,9 +116,7 @@ pub(crate) fn matmul_bwd_data(
     dx: &mut [f32],
     accumulate: bool,
 ) -> Result<()> {
-    let rows = rows_of(op, "dy", dy.len(), out_dim)?;
-    expect_shape(op, "w", w.len(), &[out_dim, in_dim])?;
-    expect_shape(op, "dx", dx.len(), &[rows, in_dim])?;
+    let rows = dy.len() / out_dim;
     let product_into = |out: &mut [f32]| {
         gemm_checked(
             op,
@@ -180,14 +132,7 @@ pub(crate) fn matmul_bwd_data(
     }
     let mut part = vec![0.0f32; dx.len()];
     product_into(&mut part)?;
-    dx.par_chunks_mut(in_dim)
-        .zip(part.par_chunks(in_dim))
-        .with_min_len(rows_per_task(in_dim))
-        .for_each(|(dx, part)| {
-            for (d, &p) in dx.iter_mut().zip(part) {
-                *d += p;
-            }
-        });
+    add_in_place(&part, dx);
     Ok(())
 }
 
@@ -203,12 +148,7 @@ pub(crate) fn matmul_bwd_weight(
     dw: &mut [f32],
     db: Option<&mut [f32]>,
 ) -> Result<()> {
-    let rows = rows_of(op, "dy", dy.len(), out_dim)?;
-    expect_shape(op, "x", x.len(), &[rows, in_dim])?;
-    expect_shape(op, "dw", dw.len(), &[out_dim, in_dim])?;
-    if let Some(db) = &db {
-        expect_len(op, "db", db.len(), out_dim)?;
-    }
+    let rows = dy.len() / out_dim;
     gemm_checked(
         op,
         (dw, Strided::row_major(out_dim, in_dim)),
@@ -218,14 +158,7 @@ pub(crate) fn matmul_bwd_weight(
         threads,
     )?;
     if let Some(db) = db {
-        accumulate_rows(rows, db, |row, partial| {
-            for (p, &g) in partial
-                .iter_mut()
-                .zip(&dy[row * out_dim..(row + 1) * out_dim])
-            {
-                *p += f64::from(g);
-            }
-        });
+        accumulate_column_sums(db, dy);
     }
     Ok(())
 }

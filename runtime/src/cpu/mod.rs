@@ -32,9 +32,9 @@ mod rope;
 mod staging;
 
 use crate::backend::{Backend, StepScalars};
-use crate::bind::{Bound, OperandBuffer};
+use crate::bind::Bound;
 use crate::error::{Result, RuntimeError};
-use args::{Inputs, Outputs};
+use args::{Inputs, Outputs, SlotRef};
 use dense::Threads;
 use memory::{buffer_error, copy_exact, element_count, Memory, ViewMut};
 use parc_compiler::ir::op::Op;
@@ -42,22 +42,6 @@ use parc_compiler::ir::{BufferId, DType, Program};
 use parc_compiler::memplan::MemoryLayout;
 use staging::Staging;
 use std::sync::Arc;
-
-/// A buffer of this backend as operand binding sees it: id, element type, element count.
-#[derive(Clone, Copy)]
-struct SlotRef(BufferId, DType, usize);
-
-impl OperandBuffer for SlotRef {
-    fn id(&self) -> BufferId {
-        self.0
-    }
-    fn dtype(&self) -> DType {
-        self.1
-    }
-    fn numel(&self) -> usize {
-        self.2
-    }
-}
 
 /// The CPU backend. See the module docs.
 pub struct CpuBackend {
@@ -205,23 +189,13 @@ impl Backend for CpuBackend {
                 return Err(bound.err(format!("buffer {} is bound to two outputs", id.0)));
             }
         }
-        let input_roles: Vec<&str> = bound.signature.inputs.iter().map(|o| o.role).collect();
-        let output_roles: Vec<&str> = bound.signature.outputs.iter().map(|o| o.role).collect();
+        let elements = input_slots.iter().chain(&output_slots).map(|s| s.2).sum();
         let mut staging = Staging::new(&self.memory, inputs, outputs)?;
         let (in_views, out_views) = staging.views(&mut self.memory, inputs, outputs)?;
-        let ins = Inputs {
-            op: bound.name(),
-            roles: &input_roles,
-            ids: inputs,
-            tensors: in_views,
-        };
-        let mut outs = Outputs {
-            op: bound.name(),
-            roles: &output_roles,
-            ids: outputs,
-            tensors: out_views,
-        };
-        run(self.pool.as_deref(), op, &ins, &mut outs, scalars)?;
+        let ins = Inputs::new(&bound, in_views);
+        let mut outs = Outputs::new(&bound, out_views);
+        let pool = self.pool.as_deref();
+        run(pool, elements, op, &ins, &mut outs, scalars)?;
         staging.store(&mut self.memory)
     }
 
@@ -250,18 +224,17 @@ impl Backend for CpuBackend {
     }
 }
 
-/// Run `op` on its staged operands: right here when it is small enough that no kernel loop
-/// would split (handing it to the pool would cost two thread switches for no parallelism, see
-/// `par`), else on `pool` (rayon's global pool when None).
+/// Run `op` on its staged operands, `elements` in all: right here when it is small enough that
+/// no kernel loop would split (handing it to the pool would cost two thread switches for no
+/// parallelism, see `par`), else on `pool` (rayon's global pool when None).
 fn run(
     pool: Option<&rayon::ThreadPool>,
+    elements: usize,
     op: &Op,
     ins: &Inputs,
     outs: &mut Outputs,
     scalars: &StepScalars,
 ) -> Result<()> {
-    let elements: usize = ins.tensors.iter().map(|t| t.len()).sum::<usize>()
-        + outs.tensors.iter().map(|t| t.len()).sum::<usize>();
     if elements <= par::TASK_ELEMENTS {
         return dispatch::run(op, ins, outs, scalars, Threads::Caller);
     }
