@@ -8,11 +8,15 @@
 //! plan when the executor gave one (`Backend::prepare`), so `Alloc` and `Free` only zero-fill and
 //! release a planned range; a buffer the plan exempts from zeroing is filled with NaN instead,
 //! so a wrong exemption poisons the loss (`memory`). Besides the `Backend` trait, callers can borrow a buffer as a slice.
-//! An op whose output is also one of its inputs sees the input's value from before the op.
-//! bf16 buffers (a `precision = bf16` plan's activations) are staged through f32 around each op:
-//! inputs widened exactly, outputs widened before the op (an accumulating op reads them) and
-//! rounded to the nearest bf16 after it, so every kernel computes in f32 and the CPU defines
-//! what bf16 storage means (`parc_compiler::ir::storage`).
+//!
+//! An op runs in four steps (`CpuBackend::compute`): its buffers are bound to its signature
+//! (`crate::bind`; the kernels read them by role through `args`), staged (`staging`), run by its
+//! family's module (`dispatch`), and the staged outputs stored. An op whose output is also one of
+//! its inputs sees the input's value from before the op. bf16 buffers (a `precision = bf16`
+//! plan's activations) are staged through f32 around each op: inputs widened exactly, outputs
+//! widened before the op (an accumulating op reads them) and rounded to the nearest bf16 after
+//! it, so every kernel computes in f32 and the CPU defines what bf16 storage means
+//! (`parc_compiler::ir::storage`).
 //! Ops on at most `par::TASK_ELEMENTS` elements in all run on the calling thread (no kernel loop
 //! splits at that size); larger ones run on the backend's pool.
 mod args;
