@@ -114,7 +114,8 @@ impl<'a, B: OperandBuffer + Copy> Bound<'a, B> {
         ins.chain(outs.enumerate().map(|(i, (o, b))| ("output", i, o, *b)))
     }
 
-    fn describe(side: &str, i: usize, operand: &Operand, b: &B) -> String {
+    /// Operand `i` of `side` (`input` or `output`) as messages name it.
+    pub(crate) fn describe(side: &str, i: usize, operand: &Operand, b: &B) -> String {
         format!("{side} {i} ({}, buffer {})", operand.role, b.id().0)
     }
 

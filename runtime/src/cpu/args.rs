@@ -1,51 +1,37 @@
-//! What a CPU kernel is handed: typed access to the buffers `bind` checked against the op's
-//! signature (named by their roles there), and the shape checks the kernels run before
-//! indexing. Every mismatch is a `RuntimeError::Op` naming the op, the role and the buffer:
-//! a lowering bug must surface as a clear error, never as a panic or silent garbage.
+//! What a CPU kernel is handed: the op's buffers as `crate::bind` bound them to its signature
+//! (`Bound`: counts, element types, element counts, rows), read as typed slices by their role
+//! there. Binding guarantees every operand's element count against its shape rule, so the
+//! kernels index without checking lengths again; what they still check is what a signature
+//! cannot say (attributes no shape contains, segment positions, copy ranges). Every error is a
+//! `RuntimeError::Op` naming the op, and for an operand its role and buffer: a lowering bug
+//! must surface as a clear error, never as a panic or silent garbage.
 use super::memory::{View, ViewMut};
-use crate::error::Result;
+use crate::bind::{Bound, OperandBuffer};
+use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::op::Segment;
-use parc_compiler::ir::BufferId;
+use parc_compiler::ir::table::{Operand, Write};
+use parc_compiler::ir::{BufferId, DType};
 
 pub(crate) use crate::bind::op_error;
 
-/// A dimension attribute as usize; zero is an error (no op has an empty dimension).
-pub(crate) fn dim(op: &str, name: &str, value: u64) -> Result<usize> {
-    match usize::try_from(value) {
-        Ok(v) if v > 0 => Ok(v),
-        _ => Err(op_error(op, format!("{name} = {value} must be positive"))),
+/// A buffer of this backend as operand binding sees it: id, element type, element count.
+#[derive(Clone, Copy)]
+pub(crate) struct SlotRef(pub BufferId, pub DType, pub usize);
+
+impl OperandBuffer for SlotRef {
+    fn id(&self) -> BufferId {
+        self.0
+    }
+    fn dtype(&self) -> DType {
+        self.1
+    }
+    fn numel(&self) -> usize {
+        self.2
     }
 }
 
-/// Fail unless buffer `what` has exactly `expected` elements.
-pub(crate) fn expect_len(op: &str, what: &str, got: usize, expected: usize) -> Result<()> {
-    if got == expected {
-        Ok(())
-    } else {
-        Err(op_error(
-            op,
-            format!("{what} has {got} elements, expected {expected}"),
-        ))
-    }
-}
-
-/// Fails unless buffer `what`, of `len` elements, holds a tensor of `shape` (whose element
-/// count must not overflow).
-pub(crate) fn expect_shape(op: &str, what: &str, len: usize, shape: &[usize]) -> Result<()> {
-    expect_len(op, what, len, product(op, what, shape)?)
-}
-
-/// Rows of a `[rows, cols]` buffer `what` of `len` elements (`len` must be a multiple of `cols`).
-pub(crate) fn rows_of(op: &str, what: &str, len: usize, cols: usize) -> Result<usize> {
-    if len.checked_rem(cols) == Some(0) {
-        Ok(len / cols)
-    } else {
-        Err(op_error(
-            op,
-            format!("{what} has {len} elements, not a whole number of rows of {cols}"),
-        ))
-    }
-}
+/// An op bound to this backend's buffers.
+pub(crate) type BoundOp<'a> = Bound<'a, SlotRef>;
 
 /// The product of `factors` (the element count of a shape named `what`), or an error when it
 /// overflows.
@@ -58,7 +44,8 @@ pub(crate) fn product(op: &str, what: &str, factors: &[usize]) -> Result<usize> 
 
 /// The global position of each of the `expected` local sequence indices described by
 /// `segments`; fails (before allocating anything) unless the segments cover exactly `expected`
-/// positions, `expected` being the sequence length of buffer `what`.
+/// positions, `expected` being the sequence length of buffer `what` (binding derived it from
+/// the segments' total, which a sum past `u32` would have wrapped).
 pub(crate) fn positions_for(
     op: &str,
     segments: &[Segment],
@@ -83,93 +70,169 @@ pub(crate) fn positions_for(
     Ok(positions)
 }
 
-/// The input buffers of one op, bound to their roles.
+/// The index of the operand `role` among `operands`, if the signature has it.
+fn position(operands: &[Operand], role: &str) -> Option<usize> {
+    operands.iter().position(|o| o.role == role)
+}
+
+/// Operand `i` of one side as messages name it: `input 2 (b, buffer 7)`.
+fn describe(side: &str, operands: &[Operand], buffers: &[SlotRef], i: usize) -> String {
+    match (operands.get(i), buffers.get(i)) {
+        (Some(operand), Some(b)) => BoundOp::describe(side, i, operand, b),
+        _ => format!("{side} {i}"),
+    }
+}
+
+/// A role the op's signature does not have, asked for by a kernel (a backend bug).
+fn no_operand(bound: &BoundOp, side: &str, role: &str) -> RuntimeError {
+    bound.err(format!("has no {side} {role} (a CPU backend bug)"))
+}
+
+/// The input buffers of one bound op, read by role.
 pub(crate) struct Inputs<'a> {
-    pub op: &'static str,
-    pub roles: &'a [&'static str],
-    pub ids: &'a [BufferId],
-    pub tensors: Vec<View<'a>>,
+    bound: &'a BoundOp<'a>,
+    views: Vec<View<'a>>,
 }
 
 impl<'a> Inputs<'a> {
-    fn describe(&self, i: usize) -> String {
-        let role = self.roles.get(i).copied().unwrap_or("?");
-        let id = self.ids.get(i).map_or(u32::MAX, |b| b.0);
-        format!("input {i} ({role}, buffer {id})")
+    /// `views[i]` holds input `i` of `bound`.
+    pub fn new(bound: &'a BoundOp<'a>, views: Vec<View<'a>>) -> Inputs<'a> {
+        Inputs { bound, views }
     }
 
-    pub fn tensor(&self, i: usize) -> Result<View<'a>> {
-        self.tensors
+    /// The op's name, for messages.
+    pub fn name(&self) -> &'static str {
+        self.bound.name()
+    }
+
+    /// A dimension attribute as usize; zero is an error (no op has an empty dimension).
+    pub fn dim(&self, name: &str, value: u64) -> Result<usize> {
+        self.bound.dim(name, value)
+    }
+
+    /// An error about this op.
+    pub fn err(&self, what: impl Into<String>) -> RuntimeError {
+        self.bound.err(what)
+    }
+
+    /// The error of a family's entry point handed an op of another family (a backend bug).
+    pub fn unrouted(&self, family: &str) -> RuntimeError {
+        self.err(format!(
+            "is not an op of the {family} family (a CPU dispatch bug)"
+        ))
+    }
+
+    /// Input `role` as f32 (a float operand's bf16 staged through f32).
+    pub fn f32(&self, role: &str) -> Result<&'a [f32]> {
+        self.typed(role, View::as_f32, "f32")
+    }
+
+    /// Input `role` as i32 (token ids).
+    pub fn i32(&self, role: &str) -> Result<&'a [i32]> {
+        self.typed(role, View::as_i32, "i32")
+    }
+
+    /// Input `role` as f32 if the op's signature has it (an operand its attributes make
+    /// optional), else None.
+    pub fn optional_f32(&self, role: &str) -> Result<Option<&'a [f32]>> {
+        let present = position(&self.bound.signature.inputs, role).is_some();
+        present.then(|| self.f32(role)).transpose()
+    }
+
+    /// Every input as f32, in order (an op whose input count varies).
+    pub fn all_f32(&self) -> Result<Vec<&'a [f32]>> {
+        let roles = self.bound.signature.inputs.iter().map(|o| o.role);
+        roles.map(|role| self.f32(role)).collect()
+    }
+
+    fn typed<T: ?Sized>(
+        &self,
+        role: &str,
+        cast: fn(&View<'a>) -> Option<&'a T>,
+        expected: &str,
+    ) -> Result<&'a T> {
+        let bound = self.bound;
+        let i = position(&bound.signature.inputs, role)
+            .ok_or_else(|| no_operand(bound, "input", role))?;
+        let what = || describe("input", &bound.signature.inputs, bound.inputs, i);
+        let view = self
+            .views
             .get(i)
-            .copied()
-            .ok_or_else(|| op_error(self.op, format!("{} is missing", self.describe(i))))
-    }
-
-    pub fn f32(&self, i: usize) -> Result<&'a [f32]> {
-        self.tensor(i)?.as_f32().ok_or_else(|| {
-            op_error(
-                self.op,
-                format!("{} is i32, expected f32", self.describe(i)),
-            )
-        })
-    }
-
-    pub fn i32(&self, i: usize) -> Result<&'a [i32]> {
-        self.tensor(i)?.as_i32().ok_or_else(|| {
-            op_error(
-                self.op,
-                format!("{} is f32, expected i32", self.describe(i)),
-            )
+            .ok_or_else(|| self.err(format!("{} lost its binding (a CPU backend bug)", what())))?;
+        cast(view).ok_or_else(|| {
+            self.err(format!(
+                "{} is {}, expected {expected}",
+                what(),
+                view.type_name()
+            ))
         })
     }
 }
 
-/// The output buffers of one op, bound to their roles.
+/// The output buffers of one bound op, each taken once by role (so that several can be
+/// written at once).
 pub(crate) struct Outputs<'a> {
-    pub op: &'static str,
-    pub roles: &'a [&'static str],
-    pub ids: &'a [BufferId],
-    pub tensors: Vec<ViewMut<'a>>,
+    bound: &'a BoundOp<'a>,
+    views: Vec<Option<ViewMut<'a>>>,
 }
 
 impl<'a> Outputs<'a> {
-    fn describe(&self, i: usize) -> String {
-        let role = self.roles.get(i).copied().unwrap_or("?");
-        let id = self.ids.get(i).map_or(u32::MAX, |b| b.0);
-        format!("output {i} ({role}, buffer {id})")
+    /// `views[i]` holds output `i` of `bound`.
+    pub fn new(bound: &'a BoundOp<'a>, views: Vec<ViewMut<'a>>) -> Outputs<'a> {
+        let views = views.into_iter().map(Some).collect();
+        Outputs { bound, views }
     }
 
-    pub fn tensor(&mut self, i: usize) -> Result<&mut ViewMut<'a>> {
-        let missing = op_error(self.op, format!("{} is missing", self.describe(i)));
-        self.tensors.get_mut(i).ok_or(missing)
+    /// Output `role` as f32 (a float operand's bf16 staged through f32).
+    pub fn f32(&mut self, role: &str) -> Result<&'a mut [f32]> {
+        let bound = self.bound;
+        self.optional_f32(role)?
+            .ok_or_else(|| no_operand(bound, "output", role))
     }
 
-    /// All `N` outputs as f32 slices, in order.
-    pub fn f32s<const N: usize>(&mut self) -> Result<[&mut [f32]; N]> {
-        if self.tensors.len() != N {
-            return Err(op_error(
-                self.op,
-                format!("expects {N} outputs, got {}", self.tensors.len()),
-            ));
+    /// Output `role` if the op's signature has it (see [`Inputs::optional_f32`]).
+    pub fn optional_f32(&mut self, role: &str) -> Result<Option<&'a mut [f32]>> {
+        let i = position(&self.bound.signature.outputs, role);
+        i.map(|i| self.take(i)).transpose()
+    }
+
+    /// Output `role` for a kernel that adds into it: cleared first where the op overwrites
+    /// it (`Write::Overwrite` in its signature, e.g. a parameter gradient without
+    /// `accumulate_param_grad`), so the op writes what adding into zeros writes.
+    pub fn accumulator(&mut self, role: &str) -> Result<&'a mut [f32]> {
+        let bound = self.bound;
+        self.optional_accumulator(role)?
+            .ok_or_else(|| no_operand(bound, "output", role))
+    }
+
+    /// [`Outputs::accumulator`] for an output the op's attributes make optional.
+    pub fn optional_accumulator(&mut self, role: &str) -> Result<Option<&'a mut [f32]>> {
+        let operands = &self.bound.signature.outputs;
+        let Some(i) = position(operands, role) else {
+            return Ok(None);
+        };
+        let out = self.take(i)?;
+        if operands.get(i).is_some_and(|o| o.write == Write::Overwrite) {
+            out.fill(0.0);
         }
-        let op = self.op;
-        self.f32_vec()?
-            .try_into()
-            .map_err(|_| op_error(op, format!("expects {N} outputs")))
+        Ok(Some(out))
     }
 
-    /// Every output as an f32 slice, in order (an op whose output count varies).
-    pub fn f32_vec(&mut self) -> Result<Vec<&mut [f32]>> {
-        let descriptions: Vec<String> = (0..self.tensors.len()).map(|i| self.describe(i)).collect();
-        let op = self.op;
-        self.tensors
-            .iter_mut()
-            .zip(descriptions)
-            .map(|(tensor, description)| {
-                tensor
-                    .as_f32_mut()
-                    .ok_or_else(|| op_error(op, format!("{description} is i32, expected f32")))
-            })
-            .collect()
+    /// Every output as f32, in order (an op whose output count varies).
+    pub fn all_f32(&mut self) -> Result<Vec<&'a mut [f32]>> {
+        (0..self.views.len()).map(|i| self.take(i)).collect()
+    }
+
+    fn take(&mut self, i: usize) -> Result<&'a mut [f32]> {
+        let bound = self.bound;
+        let what = || describe("output", &bound.signature.outputs, bound.outputs, i);
+        match self.views.get_mut(i).and_then(Option::take) {
+            Some(ViewMut::F32(values)) => Ok(values),
+            Some(_) => Err(bound.err(format!("{} is not f32", what()))),
+            None => Err(bound.err(format!(
+                "{} is taken twice or lost its binding (a CPU backend bug)",
+                what()
+            ))),
+        }
     }
 }

@@ -11,11 +11,111 @@
 //! FlashAttention does. Tasks are independent and sequential inside, results are scattered in
 //! task order, so the output is bit-identical for any thread count. A query with no visible key
 //! gets `o = 0`, `lse = −inf` and contributes no gradient.
-use super::args::{expect_len, op_error, positions_for, product, rows_of};
+use super::args::{op_error, positions_for, product, Inputs, Outputs};
 use super::dense::{gemm_checked, Strided, Threads};
+use super::movement::{concat_columns, split_columns};
 use crate::error::Result;
-use parc_compiler::ir::op::Segment;
+use parc_compiler::ir::op::{AttentionAttrs, Op, Segment};
 use rayon::prelude::*;
+
+/// The attention family's entry point (see `dispatch`).
+pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, threads: Threads) -> Result<()> {
+    match op {
+        Op::Attention(a) => forward(ins, outs, a, threads),
+        Op::AttentionBwd(a) => backward(ins, outs, a, threads),
+        _ => Err(ins.unrouted("attention")),
+    }
+}
+
+/// The shape of an attention op, and with packed q/k/v (`AttentionAttrs::packed`) the widths
+/// of q, k and v in a `qkv` row: packed operands are split into the separate layout and the
+/// gradient concatenated back, which the exact reference computes the same either way.
+fn shape<'a>(
+    ins: &Inputs,
+    a: &'a AttentionAttrs,
+) -> Result<(AttentionShape<'a>, Option<[u64; 3]>)> {
+    let shape = AttentionShape {
+        batch: ins.dim("batch", a.batch)?,
+        heads: ins.dim("heads", a.heads)?,
+        kv_heads: ins.dim("kv_heads", a.kv_heads)?,
+        head_dim: ins.dim("head_dim", a.head_dim)?,
+        causal: a.causal,
+        scale: a.scale,
+        q_positions: &a.q_positions,
+        kv_positions: &a.kv_positions,
+    };
+    if a.packed && a.q_positions != a.kv_positions {
+        return Err(
+            ins.err("packed q/k/v needs the same query and key positions (one row holds both)")
+        );
+    }
+    Ok((shape, a.packed.then(|| packed_widths(a))))
+}
+
+/// `Op::Attention` on its bound buffers.
+fn forward(ins: &Inputs, outs: &mut Outputs, a: &AttentionAttrs, threads: Threads) -> Result<()> {
+    let (shape, packed) = shape(ins, a)?;
+    let name = ins.name();
+    let (o, lse) = (outs.f32("o")?, outs.f32("lse")?);
+    match packed {
+        None => {
+            let (q, k, v) = (ins.f32("q")?, ins.f32("k")?, ins.f32("v")?);
+            attention(name, &shape, threads, q, k, v, o, lse)
+        }
+        Some(widths) => {
+            let [q, k, v] = unpack(name, &widths, ins.f32("qkv")?)?;
+            attention(name, &shape, threads, &q, &k, &v, o, lse)
+        }
+    }
+}
+
+/// `Op::AttentionBwd` on its bound buffers.
+fn backward(ins: &Inputs, outs: &mut Outputs, a: &AttentionAttrs, threads: Threads) -> Result<()> {
+    let (shape, packed) = shape(ins, a)?;
+    let name = ins.name();
+    let (d_out, o, lse) = (ins.f32("do")?, ins.f32("o")?, ins.f32("lse")?);
+    let Some(widths) = packed else {
+        let (q, k, v) = (ins.f32("q")?, ins.f32("k")?, ins.f32("v")?);
+        let tensors = AttentionGrads {
+            d_out,
+            q,
+            k,
+            v,
+            o,
+            lse,
+        };
+        let (dq, dk, dv) = (outs.f32("dq")?, outs.f32("dk")?, outs.f32("dv")?);
+        return attention_bwd(name, &shape, threads, &tensors, dq, dk, dv);
+    };
+    let [q, k, v] = unpack(name, &widths, ins.f32("qkv")?)?;
+    let tensors = AttentionGrads {
+        d_out,
+        q: &q,
+        k: &k,
+        v: &v,
+        o,
+        lse,
+    };
+    let mut grads = [&q, &k, &v].map(|t| vec![0.0f32; t.len()]);
+    let [dq, dk, dv] = &mut grads;
+    attention_bwd(name, &shape, threads, &tensors, dq, dk, dv)?;
+    concat_columns(name, &widths, &[dq, dk, dv], outs.f32("dqkv")?)
+}
+
+/// The column widths of q, k and v in a packed `qkv` row.
+fn packed_widths(a: &AttentionAttrs) -> [u64; 3] {
+    let kv = a.kv_heads.saturating_mul(a.head_dim);
+    [a.heads.saturating_mul(a.head_dim), kv, kv]
+}
+
+/// Packed `qkv` split into separate q, k and v.
+fn unpack(op: &str, widths: &[u64; 3], qkv: &[f32]) -> Result<[Vec<f32>; 3]> {
+    let rows = qkv.len() / (widths.iter().sum::<u64>().max(1) as usize);
+    let mut parts = widths.map(|w| vec![0.0f32; rows * w as usize]);
+    let [q, k, v] = &mut parts;
+    split_columns(op, widths, qkv, &mut [q, k, v])?;
+    Ok(parts)
+}
 
 /// Query rows per score tile.
 const QUERY_TILE: usize = 64;
@@ -47,7 +147,8 @@ struct Geometry {
 }
 
 impl Geometry {
-    /// The geometry of q (`q_len` elements) and k/v (`kv_len` elements each).
+    /// The geometry of q (`q_len` elements) and k/v (`kv_len` elements each), whose element
+    /// counts binding checked against the attributes.
     fn new(op: &str, shape: &AttentionShape, q_len: usize, kv_len: usize) -> Result<Geometry> {
         if shape.heads.checked_rem(shape.kv_heads) != Some(0) {
             return Err(op_error(
@@ -74,8 +175,7 @@ impl Geometry {
             "k row block",
             &[shape.batch, shape.kv_heads, shape.head_dim],
         )?;
-        let seq_q = rows_of(op, "q", q_len, q_row)?;
-        let seq_kv = rows_of(op, "k", kv_len, kv_row)?;
+        let (seq_q, seq_kv) = (q_len / q_row, kv_len / kv_row);
         Ok(Geometry {
             batch: shape.batch,
             heads: shape.heads,
@@ -87,18 +187,6 @@ impl Geometry {
             q_pos: positions_for(op, shape.q_positions, "q", seq_q)?,
             kv_pos: positions_for(op, shape.kv_positions, "k", seq_kv)?,
         })
-    }
-
-    fn q_len(&self) -> usize {
-        self.q_pos.len() * self.batch * self.heads * self.head_dim
-    }
-
-    fn kv_len(&self) -> usize {
-        self.kv_pos.len() * self.batch * self.kv_heads * self.head_dim
-    }
-
-    fn lse_len(&self) -> usize {
-        self.batch * self.heads * self.q_pos.len()
     }
 
     fn visible(&self, i: usize, j: usize) -> bool {
@@ -204,9 +292,6 @@ pub(crate) fn attention(
     lse: &mut [f32],
 ) -> Result<()> {
     let g = Geometry::new(op, shape, q.len(), k.len())?;
-    expect_len(op, "v", v.len(), g.kv_len())?;
-    expect_len(op, "o", o.len(), g.q_len())?;
-    expect_len(op, "lse", lse.len(), g.lse_len())?;
     let (sq, skv, d) = (g.q_pos.len(), g.kv_pos.len(), g.head_dim);
     let tasks = g.batch * g.heads;
     let threads = inner_threads(op_threads, tasks);
@@ -304,13 +389,6 @@ pub(crate) fn attention_bwd(
     dv: &mut [f32],
 ) -> Result<()> {
     let g = Geometry::new(op, shape, t.q.len(), t.k.len())?;
-    expect_len(op, "do", t.d_out.len(), g.q_len())?;
-    expect_len(op, "v", t.v.len(), g.kv_len())?;
-    expect_len(op, "o", t.o.len(), g.q_len())?;
-    expect_len(op, "lse", t.lse.len(), g.lse_len())?;
-    expect_len(op, "dq", dq.len(), g.q_len())?;
-    expect_len(op, "dk", dk.len(), g.kv_len())?;
-    expect_len(op, "dv", dv.len(), g.kv_len())?;
     let (sq, skv, d) = (g.q_pos.len(), g.kv_pos.len(), g.head_dim);
     let tasks = g.batch * g.kv_heads;
     let threads = inner_threads(op_threads, tasks);

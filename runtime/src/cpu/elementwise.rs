@@ -1,14 +1,48 @@
 //! Elementwise ops: activations (gelu erf form, gelu tanh approximation, relu) and their
-//! gradients, SwiGLU, add, scale, and the data movers copy / zero / copy-range (any dtype).
-//! Computed in f32 (`libm::erff` for gelu; gelu_tanh through the identity
-//! `0.5·(1 + tanh u) = σ(2u)`, one exponential per element).
-use super::args::{expect_len, op_error};
-use super::memory::{View, ViewMut};
+//! gradients, SwiGLU, add, scale, and rotary embedding (its kernel in `rope`). Computed in f32
+//! (`libm::erff` for gelu; gelu_tanh through the identity `0.5·(1 + tanh u) = σ(2u)`, one
+//! exponential per element).
+use super::args::{Inputs, Outputs};
 use super::par::TASK_ELEMENTS;
+use super::rope::{rope, RopeShape};
 use crate::error::Result;
-use parc_compiler::ir::op::Act;
+use parc_compiler::ir::op::{Act, ActAttrs, Op};
 use rayon::prelude::*;
-use std::ops::Range;
+
+/// The elementwise family's entry point (see `dispatch`).
+pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs) -> Result<()> {
+    match op {
+        Op::Rope(a) | Op::RopeBwd(a) => {
+            let shape = RopeShape {
+                batch: ins.dim("batch", a.batch)?,
+                heads: ins.dim("heads", a.heads)?,
+                head_dim: ins.dim("head_dim", a.head_dim)?,
+                theta: a.theta,
+                positions: &a.positions,
+            };
+            // The backward rotates the gradient back by the negative angle.
+            let (x, y, inverse) = match op {
+                Op::Rope(_) => (ins.f32("x")?, outs.f32("y")?, false),
+                _ => (ins.f32("dy")?, outs.f32("dx")?, true),
+            };
+            rope(ins.name(), &shape, inverse, x, y)?;
+        }
+        Op::Activation(ActAttrs { act }) => activation(*act, ins.f32("x")?, outs.f32("y")?),
+        Op::ActivationBwd(ActAttrs { act }) => {
+            let (dy, x) = (ins.f32("dy")?, ins.f32("x")?);
+            activation_bwd(*act, dy, x, outs.f32("dx")?);
+        }
+        Op::SwiGlu => swiglu(ins.f32("gate")?, ins.f32("up")?, outs.f32("y")?),
+        Op::SwiGluBwd => {
+            let (dy, gate, up) = (ins.f32("dy")?, ins.f32("gate")?, ins.f32("up")?);
+            swiglu_bwd(dy, gate, up, outs.f32("dgate")?, outs.f32("dup")?);
+        }
+        Op::Add => add(ins.f32("a")?, ins.f32("b")?, outs.f32("y")?),
+        Op::Scale { factor } => scale(*factor, ins.f32("x")?, outs.f32("y")?),
+        _ => return Err(ins.unrouted("elementwise")),
+    }
+    Ok(())
+}
 
 /// Elements per rayon task for elementwise loops.
 const CHUNK: usize = TASK_ELEMENTS;
@@ -106,189 +140,44 @@ fn activation_derivative(act: Act, x: f32) -> f32 {
     }
 }
 
-pub(crate) fn activation(op: &str, act: Act, x: &[f32], y: &mut [f32]) -> Result<()> {
-    expect_len(op, "y", y.len(), x.len())?;
+pub(crate) fn activation(act: Act, x: &[f32], y: &mut [f32]) {
     map1(y, x, |x| activation_value(act, x));
-    Ok(())
 }
 
-pub(crate) fn activation_bwd(
-    op: &str,
-    act: Act,
-    dy: &[f32],
-    x: &[f32],
-    dx: &mut [f32],
-) -> Result<()> {
-    expect_len(op, "x", x.len(), dy.len())?;
-    expect_len(op, "dx", dx.len(), dy.len())?;
+pub(crate) fn activation_bwd(act: Act, dy: &[f32], x: &[f32], dx: &mut [f32]) {
     map2(dx, dy, x, |dy, x| dy * activation_derivative(act, x));
-    Ok(())
 }
 
 /// `dx = dx · act'(x)`: an activation gradient applied to a product already in `dx` (a
 /// `MatmulBwdData` with `act_grad`); per element exactly `activation_bwd`'s expression.
-pub(crate) fn activation_bwd_in_place(op: &str, act: Act, x: &[f32], dx: &mut [f32]) -> Result<()> {
-    expect_len(op, "pre", x.len(), dx.len())?;
+pub(crate) fn activation_bwd_in_place(act: Act, x: &[f32], dx: &mut [f32]) {
     update(dx, x, |d, x| d * activation_derivative(act, x));
-    Ok(())
 }
 
 /// `y = y + r` (per element `y + r`, the sum `add` forms: f32 addition commutes exactly).
-pub(crate) fn add_in_place(op: &str, r: &[f32], y: &mut [f32]) -> Result<()> {
-    expect_len(op, "r", r.len(), y.len())?;
+pub(crate) fn add_in_place(r: &[f32], y: &mut [f32]) {
     update(y, r, |y, r| y + r);
-    Ok(())
 }
 
 /// `y = silu(gate) · up`.
-pub(crate) fn swiglu(op: &str, gate: &[f32], up: &[f32], y: &mut [f32]) -> Result<()> {
-    expect_len(op, "up", up.len(), gate.len())?;
-    expect_len(op, "y", y.len(), gate.len())?;
+pub(crate) fn swiglu(gate: &[f32], up: &[f32], y: &mut [f32]) {
     map2(y, gate, up, |g, u| g * sigmoid(g) * u);
-    Ok(())
 }
 
 /// `dgate = dy · up · σ(g)(1 + g(1 − σ(g)))`, `dup = dy · silu(g)`.
-pub(crate) fn swiglu_bwd(
-    op: &str,
-    dy: &[f32],
-    gate: &[f32],
-    up: &[f32],
-    dgate: &mut [f32],
-    dup: &mut [f32],
-) -> Result<()> {
-    for (what, len) in [
-        ("gate", gate.len()),
-        ("up", up.len()),
-        ("dgate", dgate.len()),
-        ("dup", dup.len()),
-    ] {
-        expect_len(op, what, len, dy.len())?;
-    }
+pub(crate) fn swiglu_bwd(dy: &[f32], gate: &[f32], up: &[f32], dgate: &mut [f32], dup: &mut [f32]) {
     map3(dgate, dy, gate, up, |dy, g, u| {
         let s = sigmoid(g);
         dy * u * s * (1.0 + g * (1.0 - s))
     });
     map2(dup, dy, gate, |dy, g| dy * g * sigmoid(g));
-    Ok(())
 }
 
-pub(crate) fn add(op: &str, a: &[f32], b: &[f32], y: &mut [f32]) -> Result<()> {
-    expect_len(op, "b", b.len(), a.len())?;
-    expect_len(op, "y", y.len(), a.len())?;
+pub(crate) fn add(a: &[f32], b: &[f32], y: &mut [f32]) {
     map2(y, a, b, |a, b| a + b);
-    Ok(())
 }
 
-pub(crate) fn scale(op: &str, factor: f64, x: &[f32], y: &mut [f32]) -> Result<()> {
-    expect_len(op, "y", y.len(), x.len())?;
+pub(crate) fn scale(factor: f64, x: &[f32], y: &mut [f32]) {
     let factor = factor as f32;
     map1(y, x, |x| factor * x);
-    Ok(())
-}
-
-/// `y = x` for tensors of one dtype and length.
-pub(crate) fn copy(op: &str, x: View<'_>, y: &mut ViewMut<'_>) -> Result<()> {
-    expect_len(op, "y", y.len(), x.len())?;
-    match (x, y) {
-        (View::F32(x), ViewMut::F32(y)) => y.copy_from_slice(x),
-        (View::I32(x), ViewMut::I32(y)) => y.copy_from_slice(x),
-        _ => return Err(op_error(op, "x and y have different dtypes")),
-    }
-    Ok(())
-}
-
-/// Checks a `[rows, Σ widths]` matrix of `whole_len` elements against its column blocks
-/// (`part_lens[i]` = rows × `widths[i]`), then calls `copy(i, whole range, part range)` for
-/// every row of every block: `SplitColumns` and `ConcatColumns` differ only in the direction.
-fn column_blocks(
-    op: &str,
-    widths: &[u64],
-    whole_len: usize,
-    part_lens: &[usize],
-    mut copy: impl FnMut(usize, Range<usize>, Range<usize>),
-) -> Result<()> {
-    let total = widths.iter().sum::<u64>() as usize;
-    if total == 0 || !whole_len.is_multiple_of(total) {
-        return Err(op_error(
-            op,
-            format!("{whole_len} elements are not rows of {total} columns (widths {widths:?})"),
-        ));
-    }
-    if part_lens.len() != widths.len() {
-        return Err(op_error(
-            op,
-            format!("{} parts for {} widths", part_lens.len(), widths.len()),
-        ));
-    }
-    let rows = whole_len / total;
-    for (&len, &w) in part_lens.iter().zip(widths) {
-        expect_len(op, "part", len, rows * w as usize)?;
-    }
-    let mut col = 0usize;
-    for (i, &w) in widths.iter().enumerate() {
-        let w = w as usize;
-        for r in 0..rows {
-            copy(i, r * total + col..r * total + col + w, r * w..(r + 1) * w);
-        }
-        col += w;
-    }
-    Ok(())
-}
-
-/// `parts[i] = x[:, columns of block i]` for a `[rows, Σ widths]` x (`Op::SplitColumns`).
-pub(crate) fn split_columns(
-    op: &str,
-    widths: &[u64],
-    x: &[f32],
-    parts: &mut [&mut [f32]],
-) -> Result<()> {
-    let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
-    column_blocks(op, widths, x.len(), &lens, |i, whole, part| {
-        parts[i][part].copy_from_slice(&x[whole]);
-    })
-}
-
-/// `y[:, columns of block i] = parts[i]` for a `[rows, Σ widths]` y (`Op::ConcatColumns`).
-pub(crate) fn concat_columns(
-    op: &str,
-    widths: &[u64],
-    parts: &[&[f32]],
-    y: &mut [f32],
-) -> Result<()> {
-    let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
-    column_blocks(op, widths, y.len(), &lens, |i, whole, part| {
-        y[whole].copy_from_slice(&parts[i][part]);
-    })
-}
-
-/// `dst[dst_offset + i] = src[src_offset + i]` for `i < len`.
-pub(crate) fn copy_range(
-    op: &str,
-    src_offset: u64,
-    dst_offset: u64,
-    len: u64,
-    src: View<'_>,
-    dst: &mut ViewMut<'_>,
-) -> Result<()> {
-    let range = |offset: u64, buffer_len: usize, what: &str| {
-        let end = offset.checked_add(len);
-        match end {
-            Some(end) if end <= buffer_len as u64 => Ok(offset as usize..end as usize),
-            _ => Err(op_error(
-                op,
-                format!(
-                    "{what} range {offset}..{offset}+{len} is outside its {buffer_len} elements"
-                ),
-            )),
-        }
-    };
-    let src_range = range(src_offset, src.len(), "src")?;
-    let dst_range = range(dst_offset, dst.len(), "dst")?;
-    match (src, dst) {
-        (View::F32(s), ViewMut::F32(d)) => d[dst_range].copy_from_slice(&s[src_range]),
-        (View::I32(s), ViewMut::I32(d)) => d[dst_range].copy_from_slice(&s[src_range]),
-        _ => return Err(op_error(op, "src and dst have different dtypes")),
-    }
-    Ok(())
 }

@@ -1,10 +1,72 @@
-//! Linear layers: `y = x Wᵀ (+ b)` with `W` `[out, in]`, and its data and weight gradients, as
-//! dense products (`dense`) on the current rayon pool.
-use super::args::{expect_len, expect_shape, rows_of};
+//! Linear layers: `y = x Wᵀ (+ b)` with `W` `[out, in]` (optionally plus a residual and
+//! followed by an activation), and its data and weight gradients (the data gradient optionally
+//! times an activation's derivative), as dense products (`dense`) on the current rayon pool.
+use super::args::{Inputs, Outputs};
 use super::dense::{gemm_checked, Strided, Threads};
-use super::par::{accumulate_rows, rows_per_task};
+use super::elementwise::{activation, activation_bwd_in_place, add_in_place};
+use super::par::{accumulate_column_sums, rows_per_task};
 use crate::error::Result;
+use parc_compiler::ir::op::Op;
 use rayon::prelude::*;
+
+/// The matmul family's entry point (see `dispatch`).
+pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, threads: Threads) -> Result<()> {
+    let name = ins.name();
+    let dims = |in_dim: u64, out_dim: u64| -> Result<(usize, usize)> {
+        Ok((ins.dim("in_dim", in_dim)?, ins.dim("out_dim", out_dim)?))
+    };
+    match op {
+        Op::Matmul {
+            in_dim,
+            out_dim,
+            act,
+            ..
+        } => {
+            let (i, o) = dims(*in_dim, *out_dim)?;
+            let (x, w, b) = (ins.f32("x")?, ins.f32("w")?, ins.optional_f32("b")?);
+            let y = outs.f32("y")?;
+            // y = x Wᵀ + b, then + r (what an `Add` after it computes), then the activation
+            // from y's f32 value (before a bf16 y is rounded).
+            matmul(name, threads, i, o, x, w, b, y)?;
+            if let Some(r) = ins.optional_f32("r")? {
+                add_in_place(r, y);
+            }
+            if let Some(act) = act {
+                activation(*act, y, outs.f32("a")?);
+            }
+        }
+        Op::MatmulBwdData {
+            in_dim,
+            out_dim,
+            accumulate,
+            act_grad: act,
+        } => {
+            let (i, o) = dims(*in_dim, *out_dim)?;
+            if act.is_some() && *accumulate {
+                return Err(ins.err(
+                    "an activation-gradient product (act_grad) cannot accumulate into dx \
+                     (the verifier rejects it, E0822)",
+                ));
+            }
+            let (dy, w, dx) = (ins.f32("dy")?, ins.f32("w")?, outs.f32("dx")?);
+            matmul_bwd_data(name, threads, i, o, dy, w, dx, *accumulate)?;
+            if let Some(act) = act {
+                // The product's f32 value times act'(pre), rounded once when dx is written.
+                activation_bwd_in_place(*act, ins.f32("pre")?, dx);
+            }
+        }
+        Op::MatmulBwdWeight {
+            in_dim, out_dim, ..
+        } => {
+            let (i, o) = dims(*in_dim, *out_dim)?;
+            let (dy, x) = (ins.f32("dy")?, ins.f32("x")?);
+            let (dw, db) = (outs.accumulator("dw")?, outs.optional_accumulator("db")?);
+            matmul_bwd_weight(name, threads, i, o, dy, x, dw, db)?;
+        }
+        _ => return Err(ins.unrouted("matmul")),
+    }
+    Ok(())
+}
 
 /// `y = x Wᵀ (+ b)`: x `[rows, in]`, w `[out, in]`, b `[out]`, y `[rows, out]`.
 #[allow(clippy::too_many_arguments)]
@@ -18,12 +80,7 @@ pub(crate) fn matmul(
     b: Option<&[f32]>,
     y: &mut [f32],
 ) -> Result<()> {
-    let rows = rows_of(op, "x", x.len(), in_dim)?;
-    expect_shape(op, "w", w.len(), &[out_dim, in_dim])?;
-    expect_shape(op, "y", y.len(), &[rows, out_dim])?;
-    if let Some(b) = b {
-        expect_len(op, "b", b.len(), out_dim)?;
-    }
+    let rows = x.len() / in_dim;
     gemm_checked(
         op,
         (y, Strided::row_major(rows, out_dim)),
@@ -59,9 +116,7 @@ pub(crate) fn matmul_bwd_data(
     dx: &mut [f32],
     accumulate: bool,
 ) -> Result<()> {
-    let rows = rows_of(op, "dy", dy.len(), out_dim)?;
-    expect_shape(op, "w", w.len(), &[out_dim, in_dim])?;
-    expect_shape(op, "dx", dx.len(), &[rows, in_dim])?;
+    let rows = dy.len() / out_dim;
     let product_into = |out: &mut [f32]| {
         gemm_checked(
             op,
@@ -77,14 +132,7 @@ pub(crate) fn matmul_bwd_data(
     }
     let mut part = vec![0.0f32; dx.len()];
     product_into(&mut part)?;
-    dx.par_chunks_mut(in_dim)
-        .zip(part.par_chunks(in_dim))
-        .with_min_len(rows_per_task(in_dim))
-        .for_each(|(dx, part)| {
-            for (d, &p) in dx.iter_mut().zip(part) {
-                *d += p;
-            }
-        });
+    add_in_place(&part, dx);
     Ok(())
 }
 
@@ -100,12 +148,7 @@ pub(crate) fn matmul_bwd_weight(
     dw: &mut [f32],
     db: Option<&mut [f32]>,
 ) -> Result<()> {
-    let rows = rows_of(op, "dy", dy.len(), out_dim)?;
-    expect_shape(op, "x", x.len(), &[rows, in_dim])?;
-    expect_shape(op, "dw", dw.len(), &[out_dim, in_dim])?;
-    if let Some(db) = &db {
-        expect_len(op, "db", db.len(), out_dim)?;
-    }
+    let rows = dy.len() / out_dim;
     gemm_checked(
         op,
         (dw, Strided::row_major(out_dim, in_dim)),
@@ -115,14 +158,7 @@ pub(crate) fn matmul_bwd_weight(
         threads,
     )?;
     if let Some(db) = db {
-        accumulate_rows(rows, db, |row, partial| {
-            for (p, &g) in partial
-                .iter_mut()
-                .zip(&dy[row * out_dim..(row + 1) * out_dim])
-            {
-                *p += f64::from(g);
-            }
-        });
+        accumulate_column_sums(db, dy);
     }
     Ok(())
 }

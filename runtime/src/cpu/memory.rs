@@ -81,13 +81,6 @@ impl<'a> View<'a> {
             }
         }
     }
-    pub fn len(&self) -> usize {
-        match self {
-            View::F32(v) => v.len(),
-            View::I32(v) => v.len(),
-            View::Bf16(v) => v.len(),
-        }
-    }
     pub fn as_f32(&self) -> Option<&'a [f32]> {
         match *self {
             View::F32(v) => Some(v),
@@ -120,27 +113,6 @@ impl<'a> ViewMut<'a> {
                 let len = len.min(halves.len());
                 ViewMut::Bf16(&mut halves[..len])
             }
-        }
-    }
-    pub fn len(&self) -> usize {
-        match self {
-            ViewMut::F32(v) => v.len(),
-            ViewMut::I32(v) => v.len(),
-            ViewMut::Bf16(v) => v.len(),
-        }
-    }
-    pub fn as_f32_mut(&mut self) -> Option<&mut [f32]> {
-        match self {
-            ViewMut::F32(v) => Some(v),
-            ViewMut::I32(_) | ViewMut::Bf16(_) => None,
-        }
-    }
-    /// Set every element to zero.
-    pub fn fill_zero(&mut self) {
-        match self {
-            ViewMut::F32(v) => v.fill(0.0),
-            ViewMut::I32(v) => v.fill(0),
-            ViewMut::Bf16(v) => v.fill(0),
         }
     }
 }

@@ -8,11 +8,15 @@
 //! plan when the executor gave one (`Backend::prepare`), so `Alloc` and `Free` only zero-fill and
 //! release a planned range; a buffer the plan exempts from zeroing is filled with NaN instead,
 //! so a wrong exemption poisons the loss (`memory`). Besides the `Backend` trait, callers can borrow a buffer as a slice.
-//! An op whose output is also one of its inputs sees the input's value from before the op.
-//! bf16 buffers (a `precision = bf16` plan's activations) are staged through f32 around each op:
-//! inputs widened exactly, outputs widened before the op (an accumulating op reads them) and
-//! rounded to the nearest bf16 after it, so every kernel computes in f32 and the CPU defines
-//! what bf16 storage means (`parc_compiler::ir::storage`).
+//!
+//! An op runs in four steps (`CpuBackend::compute`): its buffers are bound to its signature
+//! (`crate::bind`; the kernels read them by role through `args`), staged (`staging`), run by its
+//! family's module (`dispatch`), and the staged outputs stored. An op whose output is also one of
+//! its inputs sees the input's value from before the op. bf16 buffers (a `precision = bf16`
+//! plan's activations) are staged through f32 around each op: inputs widened exactly, outputs
+//! widened before the op (an accumulating op reads them) and rounded to the nearest bf16 after
+//! it, so every kernel computes in f32 and the CPU defines what bf16 storage means
+//! (`parc_compiler::ir::storage`).
 //! Ops on at most `par::TASK_ELEMENTS` elements in all run on the calling thread (no kernel loop
 //! splits at that size); larger ones run on the backend's pool.
 mod args;
@@ -24,37 +28,24 @@ mod elementwise;
 mod embed;
 mod linear;
 mod memory;
+mod movement;
 mod norm;
 mod optim;
 mod par;
 mod rope;
+mod staging;
 
 use crate::backend::{Backend, StepScalars};
-use crate::bind::{Bound, OperandBuffer};
+use crate::bind::Bound;
 use crate::error::{Result, RuntimeError};
-use args::{Inputs, Outputs};
+use args::{Inputs, Outputs, SlotRef};
 use dense::Threads;
-use memory::{buffer_error, copy_exact, element_count, Memory, View, ViewMut};
+use memory::{buffer_error, copy_exact, element_count, Memory, ViewMut};
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::{BufferId, DType, Program};
 use parc_compiler::memplan::MemoryLayout;
+use staging::Staging;
 use std::sync::Arc;
-
-/// A buffer of this backend as operand binding sees it: id, element type, element count.
-#[derive(Clone, Copy)]
-struct SlotRef(BufferId, DType, usize);
-
-impl OperandBuffer for SlotRef {
-    fn id(&self) -> BufferId {
-        self.0
-    }
-    fn dtype(&self) -> DType {
-        self.1
-    }
-    fn numel(&self) -> usize {
-        self.2
-    }
-}
 
 /// The CPU backend. See the module docs.
 pub struct CpuBackend {
@@ -92,6 +83,16 @@ impl CpuBackend {
             memory: Memory::default(),
             pool: Some(Arc::new(pool)),
         })
+    }
+
+    /// The buffers `ids` as operand binding sees them.
+    fn slot_refs(&self, ids: &[BufferId]) -> Result<Vec<SlotRef>> {
+        ids.iter()
+            .map(|&id| {
+                let slot = self.memory.slot(id)?;
+                Ok(SlotRef(id, slot.dtype, slot.len))
+            })
+            .collect()
     }
 
     /// Borrow an f32 buffer.
@@ -176,6 +177,8 @@ impl Backend for CpuBackend {
         self.memory.free(id)
     }
 
+    /// Bind the operands to the op's signature, stage them (bf16 through f32, an input that is
+    /// also an output through a copy), run the op's family, store the staged outputs.
     fn compute(
         &mut self,
         op: &Op,
@@ -183,118 +186,21 @@ impl Backend for CpuBackend {
         outputs: &[BufferId],
         scalars: &StepScalars,
     ) -> Result<()> {
-        let slots = |ids: &[BufferId]| -> Result<Vec<SlotRef>> {
-            ids.iter()
-                .map(|&id| {
-                    let slot = self.memory.slot(id)?;
-                    Ok(SlotRef(id, slot.dtype, slot.len))
-                })
-                .collect()
-        };
-        let (input_slots, output_slots) = (slots(inputs)?, slots(outputs)?);
+        let (input_slots, output_slots) = (self.slot_refs(inputs)?, self.slot_refs(outputs)?);
         let bound = Bound::bind(op, &input_slots, &output_slots)?;
         for (i, id) in outputs.iter().enumerate() {
             if outputs[..i].contains(id) {
                 return Err(bound.err(format!("buffer {} is bound to two outputs", id.0)));
             }
         }
-        let input_roles: Vec<&str> = bound.signature.inputs.iter().map(|o| o.role).collect();
-        let output_roles: Vec<&str> = bound.signature.outputs.iter().map(|o| o.role).collect();
-        let name = bound.name();
-        // bf16 operands go through f32 staging (module docs); an input that is also an output
-        // reads a copy taken before the op.
-        let is_bf16 = |memory: &Memory, id: BufferId| -> Result<bool> {
-            Ok(memory.slot(id)?.dtype == DType::Bf16)
-        };
-        let mut staged_in: Vec<(BufferId, Vec<f32>)> = Vec::new();
-        let mut copies: Vec<(BufferId, Vec<u32>, usize, DType)> = Vec::new();
-        for &id in inputs {
-            if is_bf16(&self.memory, id)? {
-                if !staged_in.iter().any(|(c, _)| *c == id) {
-                    staged_in.push((id, self.memory.widened(id)?));
-                }
-            } else if outputs.contains(&id) && !copies.iter().any(|(c, ..)| *c == id) {
-                let slot = self.memory.slot(id)?;
-                copies.push((id, self.memory.copy_words(id)?, slot.len, slot.dtype));
-            }
-        }
-        let mut staged_out: Vec<(BufferId, Vec<f32>)> = Vec::new();
-        for &id in outputs {
-            if is_bf16(&self.memory, id)? {
-                staged_out.push((id, self.memory.widened(id)?));
-            }
-        }
-        let direct: Vec<BufferId> = inputs
-            .iter()
-            .copied()
-            .filter(|id| !outputs.contains(id) && !staged_in.iter().any(|(c, _)| c == id))
-            .collect();
-        let direct_outputs: Vec<BufferId> = outputs
-            .iter()
-            .copied()
-            .filter(|id| !staged_out.iter().any(|(c, _)| c == id))
-            .collect();
-        let pool = self.pool.clone();
-        let (direct_views, direct_out_views) = self.memory.split(&direct, &direct_outputs)?;
-        let mut direct_views = direct_views.into_iter();
-        let mut views = Vec::with_capacity(inputs.len());
-        for id in inputs {
-            let staged = staged_in.iter().find(|(c, _)| c == id);
-            let copy = copies.iter().find(|(c, ..)| c == id);
-            let view = match (staged, copy) {
-                (Some((_, values)), _) => View::F32(values),
-                (None, Some((_, words, len, dtype))) => View::of(words, *len, *dtype),
-                (None, None) => direct_views
-                    .next()
-                    .ok_or_else(|| buffer_error(*id, "lost its binding (a backend bug)"))?,
-            };
-            views.push(view);
-        }
-        let mut direct_out_views = direct_out_views.into_iter();
-        let mut staged_out_views = staged_out.iter_mut();
-        let mut out_views = Vec::with_capacity(outputs.len());
-        for id in outputs {
-            let view = if direct_outputs.contains(id) {
-                direct_out_views.next()
-            } else {
-                staged_out_views
-                    .next()
-                    .map(|(_, values)| ViewMut::F32(values.as_mut_slice()))
-            };
-            out_views
-                .push(view.ok_or_else(|| buffer_error(*id, "lost its binding (a backend bug)"))?);
-        }
-        let ins = Inputs {
-            op: name,
-            roles: &input_roles,
-            ids: inputs,
-            tensors: views,
-        };
-        let mut outs = Outputs {
-            op: name,
-            roles: &output_roles,
-            ids: outputs,
-            tensors: out_views,
-        };
-        // An op small enough that no kernel loop would split runs right here: handing it to the
-        // pool would cost two thread switches for no parallelism (see `par`).
-        let elements: usize = ins.tensors.iter().map(|t| t.len()).sum::<usize>()
-            + outs.tensors.iter().map(|t| t.len()).sum::<usize>();
-        let ran = match pool {
-            Some(pool) if elements > par::TASK_ELEMENTS => {
-                pool.install(|| dispatch::run(op, &ins, &mut outs, scalars, Threads::Pool))
-            }
-            None if elements > par::TASK_ELEMENTS => {
-                dispatch::run(op, &ins, &mut outs, scalars, Threads::Pool)
-            }
-            _ => dispatch::run(op, &ins, &mut outs, scalars, Threads::Caller),
-        };
-        drop((ins, outs));
-        ran?;
-        for (id, values) in &staged_out {
-            self.memory.store_rounded(*id, values)?;
-        }
-        Ok(())
+        let elements = input_slots.iter().chain(&output_slots).map(|s| s.2).sum();
+        let mut staging = Staging::new(&self.memory, inputs, outputs)?;
+        let (in_views, out_views) = staging.views(&mut self.memory, inputs, outputs)?;
+        let ins = Inputs::new(&bound, in_views);
+        let mut outs = Outputs::new(&bound, out_views);
+        let pool = self.pool.as_deref();
+        run(pool, elements, op, &ins, &mut outs, scalars)?;
+        staging.store(&mut self.memory)
     }
 
     /// Into a bf16 buffer, each element is rounded to the nearest bf16.
@@ -319,6 +225,26 @@ impl Backend for CpuBackend {
 
     fn stores_bf16(&self) -> bool {
         true
+    }
+}
+
+/// Run `op` on its staged operands, `elements` in all: right here when it is small enough that
+/// no kernel loop would split (handing it to the pool would cost two thread switches for no
+/// parallelism, see `par`), else on `pool` (rayon's global pool when None).
+fn run(
+    pool: Option<&rayon::ThreadPool>,
+    elements: usize,
+    op: &Op,
+    ins: &Inputs,
+    outs: &mut Outputs,
+    scalars: &StepScalars,
+) -> Result<()> {
+    if elements <= par::TASK_ELEMENTS {
+        return dispatch::run(op, ins, outs, scalars, Threads::Caller);
+    }
+    match pool {
+        Some(pool) => pool.install(|| dispatch::run(op, ins, outs, scalars, Threads::Pool)),
+        None => dispatch::run(op, ins, outs, scalars, Threads::Pool),
     }
 }
 

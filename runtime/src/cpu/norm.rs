@@ -1,15 +1,65 @@
 //! LayerNorm and RMSNorm, forward and backward, over the last dimension of `[rows, dim]`.
 //! Row statistics are accumulated in f64; rows run in parallel; the weight/bias gradients are
 //! deterministic fixed-block column sums (`par::accumulate_rows`).
-use super::args::{expect_len, op_error, rows_of};
-use super::par::{accumulate_rows, rows_per_task};
+use super::args::{Inputs, Outputs};
+use super::par::{accumulate_column_sums, accumulate_rows, rows_per_task};
 use crate::error::Result;
+use parc_compiler::ir::op::Op;
 use rayon::prelude::*;
+
+/// The norm family's entry point (see `dispatch`).
+pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs) -> Result<()> {
+    match op {
+        Op::LayerNorm { dim, eps, .. } => {
+            let (d, eps) = (ins.dim("dim", *dim)?, checked_eps(ins, *eps)?);
+            let (x, w, b) = (ins.f32("x")?, ins.f32("w")?, ins.optional_f32("b")?);
+            let (y, mean, rstd) = (outs.f32("y")?, outs.f32("mean")?, outs.f32("rstd")?);
+            layer_norm(d, eps, x, w, b, y, mean, rstd);
+        }
+        Op::LayerNormBwd {
+            dim, accumulate, ..
+        } => {
+            let d = ins.dim("dim", *dim)?;
+            let (dy, x, w) = (ins.f32("dy")?, ins.f32("x")?, ins.f32("w")?);
+            let (mean, rstd) = (ins.f32("mean")?, ins.f32("rstd")?);
+            let dx = (outs.f32("dx")?, *accumulate);
+            let (dw, db) = (outs.accumulator("dw")?, outs.optional_accumulator("db")?);
+            layer_norm_bwd(d, dy, x, w, mean, rstd, dx, dw, db);
+        }
+        Op::RmsNorm { dim, eps } => {
+            let (d, eps) = (ins.dim("dim", *dim)?, checked_eps(ins, *eps)?);
+            let (x, w) = (ins.f32("x")?, ins.f32("w")?);
+            rms_norm(d, eps, x, w, outs.f32("y")?, outs.f32("rstd")?);
+        }
+        Op::RmsNormBwd {
+            dim, accumulate, ..
+        } => {
+            let d = ins.dim("dim", *dim)?;
+            let (dy, x, w, rstd) = (
+                ins.f32("dy")?,
+                ins.f32("x")?,
+                ins.f32("w")?,
+                ins.f32("rstd")?,
+            );
+            let dx = (outs.f32("dx")?, *accumulate);
+            rms_norm_bwd(d, dy, x, w, rstd, dx, outs.accumulator("dw")?);
+        }
+        _ => return Err(ins.unrouted("norm")),
+    }
+    Ok(())
+}
+
+/// A norm's `eps`, which must be non-negative.
+fn checked_eps(ins: &Inputs, eps: f64) -> Result<f64> {
+    if eps.is_nan() || eps < 0.0 {
+        return Err(ins.err(format!("eps = {eps} must be non-negative")));
+    }
+    Ok(eps)
+}
 
 /// LayerNorm: `y = (x − mean)·rstd·w (+ b)`, `rstd = 1/√(var + eps)` (biased variance).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn layer_norm(
-    op: &str,
     dim: usize,
     eps: f64,
     x: &[f32],
@@ -18,18 +68,7 @@ pub(crate) fn layer_norm(
     y: &mut [f32],
     mean: &mut [f32],
     rstd: &mut [f32],
-) -> Result<()> {
-    let rows = rows_of(op, "x", x.len(), dim)?;
-    expect_len(op, "w", w.len(), dim)?;
-    if let Some(b) = b {
-        expect_len(op, "b", b.len(), dim)?;
-    }
-    expect_len(op, "y", y.len(), x.len())?;
-    expect_len(op, "mean", mean.len(), rows)?;
-    expect_len(op, "rstd", rstd.len(), rows)?;
-    if eps.is_nan() || eps < 0.0 {
-        return Err(op_error(op, format!("eps = {eps} must be non-negative")));
-    }
+) {
     y.par_chunks_mut(dim)
         .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
         .zip(x.par_chunks(dim))
@@ -44,7 +83,6 @@ pub(crate) fn layer_norm(
                 *y = (x - *mean) * *rstd * w[j] + shift;
             }
         });
-    Ok(())
 }
 
 /// `dst` set to `v`, or `v` added to it (the op's `accumulate`: one f32 addition of the
@@ -61,7 +99,6 @@ fn store(dst: &mut f32, v: f32, accumulate: bool) {
 /// `x̂ = (x − mean)·rstd`; `dw += Σ dy·x̂`, `db += Σ dy`. `accumulate`: dx is added into.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn layer_norm_bwd(
-    op: &str,
     dim: usize,
     dy: &[f32],
     x: &[f32],
@@ -71,17 +108,8 @@ pub(crate) fn layer_norm_bwd(
     (dx, accumulate): (&mut [f32], bool),
     dw: &mut [f32],
     db: Option<&mut [f32]>,
-) -> Result<()> {
-    let rows = rows_of(op, "x", x.len(), dim)?;
-    expect_len(op, "dy", dy.len(), x.len())?;
-    expect_len(op, "w", w.len(), dim)?;
-    expect_len(op, "mean", mean.len(), rows)?;
-    expect_len(op, "rstd", rstd.len(), rows)?;
-    expect_len(op, "dx", dx.len(), x.len())?;
-    expect_len(op, "dw", dw.len(), dim)?;
-    if let Some(db) = &db {
-        expect_len(op, "db", db.len(), dim)?;
-    }
+) {
+    let rows = x.len() / dim;
     let xhat = |row: usize, j: usize| (x[row * dim + j] - mean[row]) * rstd[row];
     dx.par_chunks_mut(dim)
         .enumerate()
@@ -108,33 +136,19 @@ pub(crate) fn layer_norm_bwd(
         }
     });
     if let Some(db) = db {
-        accumulate_rows(rows, db, |row, partial| {
-            for (p, &g) in partial.iter_mut().zip(&dy[row * dim..(row + 1) * dim]) {
-                *p += f64::from(g);
-            }
-        });
+        accumulate_column_sums(db, dy);
     }
-    Ok(())
 }
 
 /// RMSNorm: `y = x·rstd·w`, `rstd = 1/√(mean(x²) + eps)`.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn rms_norm(
-    op: &str,
     dim: usize,
     eps: f64,
     x: &[f32],
     w: &[f32],
     y: &mut [f32],
     rstd: &mut [f32],
-) -> Result<()> {
-    let rows = rows_of(op, "x", x.len(), dim)?;
-    expect_len(op, "w", w.len(), dim)?;
-    expect_len(op, "y", y.len(), x.len())?;
-    expect_len(op, "rstd", rstd.len(), rows)?;
-    if eps.is_nan() || eps < 0.0 {
-        return Err(op_error(op, format!("eps = {eps} must be non-negative")));
-    }
+) {
     y.par_chunks_mut(dim)
         .zip(rstd.par_iter_mut())
         .zip(x.par_chunks(dim))
@@ -146,14 +160,11 @@ pub(crate) fn rms_norm(
                 *y = x * *rstd * w;
             }
         });
-    Ok(())
 }
 
 /// RMSNorm backward: `dx = rstd·(ĝ − x̂·mean(ĝ·x̂))` with `ĝ = dy·w`, `x̂ = x·rstd`;
 /// `dw += Σ dy·x̂`.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn rms_norm_bwd(
-    op: &str,
     dim: usize,
     dy: &[f32],
     x: &[f32],
@@ -161,13 +172,8 @@ pub(crate) fn rms_norm_bwd(
     rstd: &[f32],
     (dx, accumulate): (&mut [f32], bool),
     dw: &mut [f32],
-) -> Result<()> {
-    let rows = rows_of(op, "x", x.len(), dim)?;
-    expect_len(op, "dy", dy.len(), x.len())?;
-    expect_len(op, "w", w.len(), dim)?;
-    expect_len(op, "rstd", rstd.len(), rows)?;
-    expect_len(op, "dx", dx.len(), x.len())?;
-    expect_len(op, "dw", dw.len(), dim)?;
+) {
+    let rows = x.len() / dim;
     dx.par_chunks_mut(dim)
         .enumerate()
         .with_min_len(rows_per_task(dim))
@@ -188,5 +194,4 @@ pub(crate) fn rms_norm_bwd(
             *p += f64::from(dy[row * dim + j] * x[row * dim + j] * rstd[row]);
         }
     });
-    Ok(())
 }

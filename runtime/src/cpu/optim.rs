@@ -3,57 +3,82 @@
 //! 1-based step and the fp16 loss scale come from the executor's `StepScalars`: with a loss scale
 //! the clip coefficient also unscales the gradients, and is NaN for an overflowed step, which the
 //! updates then skip (parameters and state untouched).
-use super::args::{expect_len, op_error};
+use super::args::{Inputs, Outputs};
 use super::par::{sum_chunks, TASK_ELEMENTS};
 use crate::backend::StepScalars;
 use crate::error::Result;
+use parc_compiler::ir::op::Op;
 use rayon::prelude::*;
+
+/// The optimizer family's entry point (see `dispatch`).
+pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, scalars: &StepScalars) -> Result<()> {
+    if matches!(op, Op::AdamW { .. } | Op::Sgd { .. }) && scalars.step == 0 {
+        return Err(ins.err("the optimizer step count is 1-based; got step 0"));
+    }
+    match op {
+        Op::SumSquares => sum_squares(ins.f32("g")?, outs.accumulator("sumsq")?),
+        Op::ClipCoef { max_norm } => {
+            let (sumsq, coef) = (ins.f32("sumsq")?, outs.f32("coef")?);
+            clip_coef(*max_norm, scalars.loss_scale, sumsq, coef);
+        }
+        Op::AdamW {
+            beta1,
+            beta2,
+            eps,
+            weight_decay: wd,
+        } => {
+            let config = AdamWConfig {
+                beta1: *beta1,
+                beta2: *beta2,
+                eps: *eps,
+                weight_decay: *wd,
+            };
+            let (g, coef) = (ins.f32("g")?, ins.f32("coef")?);
+            let (param, m, v) = (outs.f32("param")?, outs.f32("m")?, outs.f32("v")?);
+            adamw(&config, scalars, g, coef, param, m, v);
+        }
+        Op::Sgd {
+            momentum,
+            weight_decay,
+        } => {
+            let (g, coef) = (ins.f32("g")?, ins.f32("coef")?);
+            let (param, buf) = (outs.f32("param")?, outs.optional_f32("momentum")?);
+            sgd(*momentum, *weight_decay, scalars, g, coef, param, buf);
+        }
+        _ => return Err(ins.unrouted("optimizer")),
+    }
+    Ok(())
+}
 
 /// Elements per rayon task for the updates.
 const CHUNK: usize = TASK_ELEMENTS;
 
 /// `sumsq[0] += Σ g²`.
-pub(crate) fn sum_squares(op: &str, g: &[f32], sumsq: &mut [f32]) -> Result<()> {
-    expect_len(op, "sumsq", sumsq.len(), 1)?;
+pub(crate) fn sum_squares(g: &[f32], sumsq: &mut [f32]) {
     let total = sum_chunks(g.len(), |i| f64::from(g[i]).powi(2));
     sumsq[0] = (f64::from(sumsq[0]) + total) as f32;
-    Ok(())
 }
 
 /// `coef = min(1, max_norm / (√sumsq + 1e-6))`, or 1 without clipping. With a loss scale `s`:
 /// `coef = min(1, max_norm / (√sumsq / s + 1e-6)) / s` (or `1 / s`), NaN when sumsq is not
 /// finite. A power-of-two `s` makes the unscaled update bit-identical to an unscaled run's.
 pub(crate) fn clip_coef(
-    op: &str,
     max_norm: Option<f64>,
     loss_scale: Option<f64>,
     sumsq: &[f32],
     coef: &mut [f32],
-) -> Result<()> {
-    expect_len(op, "sumsq", sumsq.len(), 1)?;
-    expect_len(op, "coef", coef.len(), 1)?;
+) {
     let sumsq = f64::from(sumsq[0]);
     let scale = loss_scale.unwrap_or(1.0);
     if loss_scale.is_some() && !sumsq.is_finite() {
         coef[0] = f32::NAN;
-        return Ok(());
+        return;
     }
     let clip = match max_norm {
         None => 1.0,
         Some(max_norm) => (max_norm / (sumsq.sqrt() / scale + 1e-6)).min(1.0),
     };
     coef[0] = (clip / scale) as f32;
-    Ok(())
-}
-
-fn check_step(op: &str, scalars: &StepScalars) -> Result<()> {
-    if scalars.step == 0 {
-        return Err(op_error(
-            op,
-            "the optimizer step count is 1-based; got step 0",
-        ));
-    }
-    Ok(())
 }
 
 /// AdamW hyper-parameters (from the op).
@@ -64,10 +89,9 @@ pub(crate) struct AdamWConfig {
     pub weight_decay: f64,
 }
 
-/// One AdamW step on `param` with moments `m`, `v` (see `Op::AdamW` for the formula).
-#[allow(clippy::too_many_arguments)]
+/// One AdamW step on `param` with moments `m`, `v` (see `Op::AdamW` for the formula); the
+/// step count is 1-based.
 pub(crate) fn adamw(
-    op: &str,
     config: &AdamWConfig,
     scalars: &StepScalars,
     g: &[f32],
@@ -75,12 +99,7 @@ pub(crate) fn adamw(
     param: &mut [f32],
     m: &mut [f32],
     v: &mut [f32],
-) -> Result<()> {
-    check_step(op, scalars)?;
-    expect_len(op, "coef", coef.len(), 1)?;
-    for (what, len) in [("param", param.len()), ("m", m.len()), ("v", v.len())] {
-        expect_len(op, what, len, g.len())?;
-    }
+) {
     let step = i32::try_from(scalars.step).unwrap_or(i32::MAX);
     let bias1 = (1.0 - config.beta1.powi(step)) as f32;
     let bias2 = (1.0 - config.beta2.powi(step)) as f32;
@@ -93,7 +112,7 @@ pub(crate) fn adamw(
     let coef = coef[0];
     if !coef.is_finite() {
         // An overflowed fp16 step: skipped.
-        return Ok(());
+        return;
     }
     param
         .par_chunks_mut(CHUNK)
@@ -109,14 +128,11 @@ pub(crate) fn adamw(
                 *p -= lr * (m_hat / (v_hat.sqrt() + eps) + wd * *p);
             }
         });
-    Ok(())
 }
 
 /// One SGD step: `g' = coef·g + wd·param`; with momentum `buf = momentum·buf + g'` (`buf = g'`
 /// at step 1) and `param −= lr·buf`, else `param −= lr·g'`.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn sgd(
-    op: &str,
     momentum: f64,
     weight_decay: f64,
     scalars: &StepScalars,
@@ -124,14 +140,11 @@ pub(crate) fn sgd(
     coef: &[f32],
     param: &mut [f32],
     buf: Option<&mut [f32]>,
-) -> Result<()> {
-    check_step(op, scalars)?;
-    expect_len(op, "coef", coef.len(), 1)?;
-    expect_len(op, "param", param.len(), g.len())?;
+) {
     let (coef, wd, lr) = (coef[0], weight_decay as f32, scalars.lr as f32);
     if !coef.is_finite() {
         // An overflowed fp16 step: skipped.
-        return Ok(());
+        return;
     }
     match buf {
         None => {
@@ -145,7 +158,6 @@ pub(crate) fn sgd(
                 });
         }
         Some(buf) => {
-            expect_len(op, "momentum", buf.len(), g.len())?;
             let first = scalars.step == 1;
             let momentum = momentum as f32;
             param
@@ -161,7 +173,6 @@ pub(crate) fn sgd(
                 });
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -176,7 +187,7 @@ mod tests {
 
     fn coef(max_norm: Option<f64>, loss_scale: Option<f64>, sumsq: f32) -> f32 {
         let mut out = [7.0];
-        clip_coef("ClipCoef", max_norm, loss_scale, &[sumsq], &mut out).unwrap();
+        clip_coef(max_norm, loss_scale, &[sumsq], &mut out);
         out[0]
     }
 
@@ -217,55 +228,15 @@ mod tests {
         };
         let (mut p, mut m, mut v) = ([0.5f32, 1.5, -2.5], [0.1f32, 0.2, 0.3], [0.01f32; 3]);
         let before = (p, m, v);
-        adamw(
-            "AdamW",
-            &config,
-            &SCALARS,
-            &g,
-            &[f32::NAN],
-            &mut p,
-            &mut m,
-            &mut v,
-        )
-        .unwrap();
+        adamw(&config, &SCALARS, &g, &[f32::NAN], &mut p, &mut m, &mut v);
         assert_eq!((p, m, v), before);
         let (mut p, mut buf) = ([0.5f32, 1.5, -2.5], [0.1f32, 0.2, 0.3]);
-        sgd(
-            "Sgd",
-            0.9,
-            0.1,
-            &SCALARS,
-            &g,
-            &[f32::NAN],
-            &mut p,
-            Some(&mut buf),
-        )
-        .unwrap();
+        sgd(0.9, 0.1, &SCALARS, &g, &[f32::NAN], &mut p, Some(&mut buf));
         assert_eq!((p, buf), ([0.5, 1.5, -2.5], [0.1, 0.2, 0.3]));
-        sgd(
-            "Sgd",
-            0.0,
-            0.0,
-            &SCALARS,
-            &g,
-            &[f32::INFINITY],
-            &mut p,
-            None,
-        )
-        .unwrap();
+        sgd(0.0, 0.0, &SCALARS, &g, &[f32::INFINITY], &mut p, None);
         assert_eq!(p, [0.5, 1.5, -2.5]);
         // A finite coefficient still updates.
-        sgd(
-            "Sgd",
-            0.0,
-            0.0,
-            &SCALARS,
-            &g[..2],
-            &[0.5],
-            &mut p[..2],
-            None,
-        )
-        .unwrap();
+        sgd(0.0, 0.0, &SCALARS, &g[..2], &[0.5], &mut p[..2], None);
         assert_eq!(p[..2], [0.45, 1.6]);
     }
 }

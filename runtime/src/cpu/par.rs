@@ -52,6 +52,17 @@ where
     }
 }
 
+/// `acc[j] += Σ_rows m[row, j]` for a row-major `m` of rows of `acc.len()` elements (a bias
+/// gradient: the column sums of the output gradient), summed as [`accumulate_rows`] does.
+pub(crate) fn accumulate_column_sums(acc: &mut [f32], m: &[f32]) {
+    let width = acc.len();
+    accumulate_rows(m.len() / width.max(1), acc, |row, partial| {
+        for (p, &g) in partial.iter_mut().zip(&m[row * width..(row + 1) * width]) {
+            *p += f64::from(g);
+        }
+    });
+}
+
 /// `Σ_{i < len} term(i)` in f64, summed in fixed chunks in parallel and combined in order.
 pub(crate) fn sum_chunks<F>(len: usize, term: F) -> f64
 where

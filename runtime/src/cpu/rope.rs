@@ -2,7 +2,7 @@
 //! `(i, i + head_dim/2)` is rotated by `pos · theta^(−2i/head_dim)`, `pos` the row's global
 //! position from the op's segments. The backward pass rotates by the negative angle. Angles,
 //! cosines and sines are computed in f64 once per (local position, i).
-use super::args::{expect_len, op_error, positions_for, product, rows_of};
+use super::args::{op_error, positions_for, product};
 use super::par::rows_per_task;
 use crate::error::Result;
 use parc_compiler::ir::op::Segment;
@@ -42,9 +42,8 @@ pub(crate) fn rope(
         return Err(op_error(op, format!("theta = {theta} must be positive")));
     }
     let width = product(op, "heads × head_dim", &[heads, head_dim])?;
-    let seq = rows_of(op, "x", x.len(), product(op, "row block", &[batch, width])?)?;
+    let seq = x.len() / product(op, "row block", &[batch, width])?;
     let global = positions_for(op, positions, "x", seq)?;
-    expect_len(op, "y", y.len(), x.len())?;
     let half = head_dim / 2;
     let sign = if inverse { -1.0 } else { 1.0 };
     // cos/sin per (local position, i), interleaved.

@@ -171,127 +171,102 @@ fn error_text(result: Result<Vec<Vec<f32>>>) -> String {
 
 #[test]
 fn lowering_mistakes_are_clear_errors_naming_op_role_and_buffer() {
-    let matmul = Op::Matmul {
-        in_dim: 4,
-        out_dim: 3,
-        bias: false,
-        act: None,
-        residual: false,
-    };
     let mut h = Harness::new();
-    // Wrong output length.
-    let text = error_text(h.run(
-        &matmul,
-        &[Input::F(vec![0.0; 8]), Input::F(vec![0.0; 12])],
-        &[vec![0.0; 5]],
-        &SCALARS,
-    ));
-    assert!(
-        text.contains("matmul") && text.contains("output 0 (y, buffer 2) holds 5 elements"),
-        "{text}"
-    );
-    // Wrong input count (bias declared, not bound).
-    let with_bias = Op::Matmul {
+    // Runs `op` on `inputs` into zeroed outputs of `out_lens`, which must fail with an op
+    // error whose text contains every one of `wanted`.
+    let mut expect = |op: &Op, inputs: &[Input], out_lens: &[usize], wanted: &[&str]| {
+        let outputs: Vec<Vec<f32>> = out_lens.iter().map(|&n| vec![0.0; n]).collect();
+        let text = error_text(h.run(op, inputs, &outputs, &SCALARS));
+        for w in wanted {
+            assert!(text.contains(w), "{text}");
+        }
+    };
+    let f = |n: usize| Input::F(vec![0.0; n]);
+    let matmul = |bias: bool| Op::Matmul {
         in_dim: 4,
         out_dim: 3,
-        bias: true,
+        bias,
         act: None,
         residual: false,
     };
-    let text = error_text(h.run(
-        &with_bias,
-        &[Input::F(vec![0.0; 8]), Input::F(vec![0.0; 12])],
-        &[vec![0.0; 6]],
-        &SCALARS,
-    ));
-    assert!(text.contains("takes 3 inputs (x, w, b), got 2"), "{text}");
+    // Wrong output length.
+    let wanted = ["matmul", "output 0 (y, buffer 2) holds 5 elements"];
+    expect(&matmul(false), &[f(8), f(12)], &[5], &wanted);
+    // Wrong input count (bias declared, not bound).
+    let wanted = ["takes 3 inputs (x, w, b), got 2"];
+    expect(&matmul(true), &[f(8), f(12)], &[6], &wanted);
     // Wrong dtype.
-    let text = error_text(h.run(
-        &Op::Embedding(EmbeddingAttrs {
-            vocab_start: 0,
-            vocab_local: 2,
-            dim: 2,
-        }),
-        &[Input::F(vec![0.0; 2]), Input::F(vec![0.0; 4])],
-        &[vec![0.0; 4]],
-        &SCALARS,
-    ));
-    assert!(
-        text.contains("input 0 (ids, buffer") && text.contains("expected i32"),
-        "{text}"
-    );
-    // Positions that do not match the buffer.
-    let text = error_text(h.run(
-        &Op::Rope(RopeAttrs {
-            batch: 2,
-            heads: 1,
-            head_dim: 2,
-            theta: 1e4,
-            positions: vec![seg(0, 3)],
-        }),
-        &[Input::F(vec![0.0; 8])],
-        &[vec![0.0; 8]],
-        &SCALARS,
-    ));
-    assert!(
-        text.contains("input 0 (x, buffer") && text.contains("expected [6, 2]"),
-        "{text}"
-    );
-    // Zero and absurd dimensions.
-    let text = error_text(h.run(
-        &Op::CeMax { vocab_local: 0 },
-        &[Input::F(vec![0.0; 2])],
-        &[vec![0.0; 2]],
-        &SCALARS,
-    ));
-    assert!(
-        text.contains("(logits, buffer") && text.contains("dimension attribute is 0"),
-        "{text}"
-    );
-    let huge = Op::Attention(AttentionAttrs {
-        batch: 1 << 40,
-        heads: 1 << 30,
-        kv_heads: 1,
-        head_dim: 1 << 30,
-        causal: true,
-        scale: 1.0,
-        q_positions: vec![seg(0, 1)],
-        kv_positions: vec![seg(0, 1)],
-        packed: false,
+    let embedding = Op::Embedding(EmbeddingAttrs {
+        vocab_start: 0,
+        vocab_local: 2,
+        dim: 2,
     });
-    let inputs = [
-        Input::F(vec![0.0; 4]),
-        Input::F(vec![0.0; 4]),
-        Input::F(vec![0.0; 4]),
-    ];
-    let text = error_text(h.run(&huge, &inputs, &[vec![0.0; 4], vec![0.0; 1]], &SCALARS));
-    assert!(text.contains("overflows"), "{text}");
-    // Out-of-range copy and position past the table.
-    let text = error_text(h.run(
-        &Op::CopyRange {
-            src_offset: 2,
-            dst_offset: 0,
-            len: 2,
-        },
-        &[Input::F(vec![0.0; 3])],
-        &[vec![0.0; 3]],
-        &SCALARS,
-    ));
-    assert!(
-        text.contains("src range 2..2+2 is outside its 3 elements"),
-        "{text}"
+    let wanted = ["input 0 (ids, buffer", "expected i32"];
+    expect(&embedding, &[f(2), f(4)], &[4], &wanted);
+    // Positions that do not match the buffer.
+    let rope = Op::Rope(RopeAttrs {
+        batch: 2,
+        heads: 1,
+        head_dim: 2,
+        theta: 1e4,
+        positions: vec![seg(0, 3)],
+    });
+    expect(
+        &rope,
+        &[f(8)],
+        &[8],
+        &["input 0 (x, buffer", "expected [6, 2]"],
     );
-    let text = error_text(h.run(
-        &Op::PositionAdd(PositionAttrs {
-            batch: 1,
-            dim: 1,
-            positions: vec![seg(4, 1)],
-        }),
-        &[Input::F(vec![0.0]), Input::F(vec![0.0; 4])],
-        &[vec![0.0]],
-        &SCALARS,
-    ));
-    assert!(text.contains("position 4 is past the 4 rows"), "{text}");
+    // Zero and absurd dimensions, and attributes no shape holds.
+    let wanted = ["(logits, buffer", "dimension attribute is 0"];
+    expect(&Op::CeMax { vocab_local: 0 }, &[f(2)], &[2], &wanted);
+    let attention = |batch: u64, heads: u64, head_dim: u64| {
+        Op::Attention(AttentionAttrs {
+            batch,
+            heads,
+            kv_heads: 2,
+            head_dim,
+            causal: true,
+            scale: 1.0,
+            q_positions: vec![seg(0, 1)],
+            kv_positions: vec![seg(0, 1)],
+            packed: false,
+        })
+    };
+    let huge = attention(1 << 40, 1 << 30, 1 << 30);
+    expect(&huge, &[f(4), f(4), f(4)], &[4, 1], &["overflows"]);
+    let wanted = ["heads = 3 is not a multiple of kv_heads = 2"];
+    expect(&attention(1, 3, 1), &[f(3), f(2), f(2)], &[3, 3], &wanted);
+    let norm = Op::RmsNorm { dim: 2, eps: -1.0 };
+    expect(
+        &norm,
+        &[f(4), f(2)],
+        &[4, 2],
+        &["eps = -1 must be non-negative"],
+    );
+    // Out-of-range copy and position past the table.
+    let copy = Op::CopyRange {
+        src_offset: 2,
+        dst_offset: 0,
+        len: 2,
+    };
+    expect(
+        &copy,
+        &[f(3)],
+        &[3],
+        &["src range 2..2+2 is outside its 3 elements"],
+    );
+    let position = Op::PositionAdd(PositionAttrs {
+        batch: 1,
+        dim: 1,
+        positions: vec![seg(4, 1)],
+    });
+    expect(
+        &position,
+        &[f(1), f(4)],
+        &[1],
+        &["position 4 is past the 4 rows"],
+    );
     // Step 0 for Adam and duplicate outputs.
     let adam = Op::AdamW {
         beta1: 0.9,
@@ -304,12 +279,8 @@ fn lowering_mistakes_are_clear_errors_naming_op_role_and_buffer() {
         step: 0,
         loss_scale: None,
     };
-    let text = error_text(h.run(
-        &adam,
-        &[Input::F(vec![0.0]), Input::F(vec![1.0])],
-        &[vec![0.0], vec![0.0], vec![0.0]],
-        &zero_step,
-    ));
+    let states = [vec![0.0], vec![0.0], vec![0.0]];
+    let text = error_text(h.run(&adam, &[f(1), f(1)], &states, &zero_step));
     assert!(text.contains("1-based"), "{text}");
     let x = h.f32(&[1.0]);
     let err = h
@@ -414,32 +385,18 @@ fn op_sequence_bits(backend: CpuBackend) -> Vec<Vec<u32>> {
     );
     let (batch, heads, d, seq) = (4u64, 4u64, 16u64, 24u64);
     let attention = |bwd: bool| {
-        let segments = (vec![seg(0, 24)], vec![seg(0, 24)]);
-        if bwd {
-            Op::AttentionBwd(AttentionAttrs {
-                batch,
-                heads,
-                kv_heads: 2,
-                head_dim: d,
-                causal: true,
-                scale: 0.25,
-                q_positions: segments.0,
-                kv_positions: segments.1,
-                packed: false,
-            })
-        } else {
-            Op::Attention(AttentionAttrs {
-                batch,
-                heads,
-                kv_heads: 2,
-                head_dim: d,
-                causal: true,
-                scale: 0.25,
-                q_positions: segments.0,
-                kv_positions: segments.1,
-                packed: false,
-            })
-        }
+        let attrs = AttentionAttrs {
+            batch,
+            heads,
+            kv_heads: 2,
+            head_dim: d,
+            causal: true,
+            scale: 0.25,
+            q_positions: vec![seg(0, 24)],
+            kv_positions: vec![seg(0, 24)],
+            packed: false,
+        };
+        attention_op(bwd, attrs)
     };
     let q_len = (seq * batch * heads * d) as usize;
     let (q, k, v) = (

@@ -97,14 +97,12 @@ fn check_layer_norm(bias: bool) {
         initial.push(vec![1.0; dim]);
     }
     let grads = eval_from(&bwd, &bwd_inputs, &initial);
-    let dx = op_gradient(&fwd, &inputs, &out_lens, &cot, 0);
-    assert_gradient("dx", &dx, &grads[0]);
-    let dw = op_gradient(&fwd, &inputs, &out_lens, &cot, 1);
-    assert_gradient("dw", &dw, &minus_one(&grads[1]));
+    let params: Vec<Vec<f32>> = grads[1..].iter().map(|g| minus_one(g)).collect();
+    let mut checks = vec![("dx", 0, &grads[0][..]), ("dw", 1, &params[0])];
     if bias {
-        let db = op_gradient(&fwd, &inputs, &out_lens, &cot, 2);
-        assert_gradient("db", &db, &minus_one(&grads[2]));
+        checks.push(("db", 2, &params[1]));
     }
+    assert_input_gradients(&fwd, &inputs, &out_lens, &cot, &checks);
 }
 
 #[test]
@@ -143,16 +141,8 @@ fn rms_norm_backward_matches_differences() {
         &bwd_inputs,
         &[vec![f32::NAN; rows * dim], vec![1.0; dim]],
     );
-    assert_gradient(
-        "dx",
-        &op_gradient(&fwd, &inputs, &out_lens, &cot, 0),
-        &grads[0],
-    );
-    assert_gradient(
-        "dw",
-        &op_gradient(&fwd, &inputs, &out_lens, &cot, 1),
-        &minus_one(&grads[1]),
-    );
+    let checks = [("dx", 0, &grads[0][..]), ("dw", 1, &minus_one(&grads[1]))];
+    assert_input_gradients(&fwd, &inputs, &out_lens, &cot, &checks);
 }
 
 #[test]
@@ -183,11 +173,6 @@ fn matmul_backward_data_and_weight_match_differences() {
         &[dy.clone(), inputs[1].clone()],
         &[rows * in_dim],
     );
-    assert_gradient(
-        "dx",
-        &op_gradient(&fwd, &inputs, &out_lens, &cot, 0),
-        &dx[0],
-    );
     let weight = eval_from(
         &Op::MatmulBwdWeight {
             in_dim: in_dim as u64,
@@ -198,16 +183,12 @@ fn matmul_backward_data_and_weight_match_differences() {
         &[dy, inputs[0].clone()],
         &[vec![1.0; out_dim * in_dim], vec![1.0; out_dim]],
     );
-    assert_gradient(
-        "dw",
-        &op_gradient(&fwd, &inputs, &out_lens, &cot, 1),
-        &minus_one(&weight[0]),
-    );
-    assert_gradient(
-        "db",
-        &op_gradient(&fwd, &inputs, &out_lens, &cot, 2),
-        &minus_one(&weight[1]),
-    );
+    let checks = [
+        ("dx", 0, &dx[0][..]),
+        ("dw", 1, &minus_one(&weight[0])),
+        ("db", 2, &minus_one(&weight[1])),
+    ];
+    assert_input_gradients(&fwd, &inputs, &out_lens, &cot, &checks);
 }
 
 #[test]
@@ -215,22 +196,16 @@ fn rope_backward_matches_differences_at_context_parallel_positions() {
     let (batch, heads, head_dim) = (2u64, 2u64, 4usize);
     let positions = vec![seg(1, 2), seg(9, 1)];
     let len = 3 * batch as usize * heads as usize * head_dim;
-    let fwd = Op::Rope(RopeAttrs {
-        batch,
-        heads,
-        head_dim: head_dim as u64,
-        theta: 100.0,
-        positions: positions.clone(),
-    });
-    let inputs = [Input::F(values(len, 17, 1.0))];
-    let cot = vec![values(len, 18, 1.0)];
-    let bwd = Op::RopeBwd(RopeAttrs {
+    let attrs = RopeAttrs {
         batch,
         heads,
         head_dim: head_dim as u64,
         theta: 100.0,
         positions,
-    });
+    };
+    let (fwd, bwd) = (Op::Rope(attrs.clone()), Op::RopeBwd(attrs));
+    let inputs = [Input::F(values(len, 17, 1.0))];
+    let cot = vec![values(len, 18, 1.0)];
     let dx = eval(&bwd, &[Input::F(cot[0].clone())], &[len]);
     assert_gradient("dx", &op_gradient(&fwd, &inputs, &[len], &cot, 0), &dx[0]);
 }
@@ -339,49 +314,15 @@ fn swiglu_backward_matches_differences() {
         &[Input::F(cot[0].clone()), Input::F(gate), Input::F(up)],
         &[30, 30],
     );
-    assert_gradient(
-        "dgate",
-        &op_gradient(&Op::SwiGlu, &inputs, &[30], &cot, 0),
-        &grads[0],
-    );
-    assert_gradient(
-        "dup",
-        &op_gradient(&Op::SwiGlu, &inputs, &[30], &cot, 1),
-        &grads[1],
-    );
+    let checks = [("dgate", 0, &grads[0][..]), ("dup", 1, &grads[1])];
+    assert_input_gradients(&Op::SwiGlu, &inputs, &[30], &cot, &checks);
 }
 
 /// The unsplit cross-entropy loss of `logits` through the four forward pieces.
 fn ce_loss_of(logits: &[f32], targets: &[i32], vocab: u64, scale: f64) -> f64 {
-    let rows = targets.len();
-    let logits = Input::F(logits.to_vec());
-    let max = eval(
-        &Op::CeMax { vocab_local: vocab },
-        std::slice::from_ref(&logits),
-        &[rows],
-    );
-    let sumexp = eval(
-        &Op::CeSumExp { vocab_local: vocab },
-        &[logits.clone(), Input::F(max[0].clone())],
-        &[rows],
-    );
-    let target = eval(
-        &Op::CeTargetLogit {
-            vocab_start: 0,
-            vocab_local: vocab,
-        },
-        &[logits, Input::I(targets.to_vec())],
-        &[rows],
-    );
-    let loss = eval_from(
-        &Op::CeLoss { scale },
-        &[
-            Input::F(max[0].clone()),
-            Input::F(sumexp[0].clone()),
-            Input::F(target[0].clone()),
-        ],
-        &[vec![0.0]],
-    );
+    let [max, sumexp, target] = ce_pieces(logits, targets, 0, vocab, None);
+    let pieces = [max, sumexp, target].map(Input::F);
+    let loss = eval_from(&Op::CeLoss { scale }, &pieces, &[vec![0.0]]);
     f64::from(loss[0][0])
 }
 
@@ -392,17 +333,7 @@ fn cross_entropy_gradient_matches_differences_of_the_loss() {
     let targets = vec![0, 6, 3, 3];
     let scale = 1.0 / rows as f64;
     let numeric = numeric_gradient(&logits, 1e-2, |l| ce_loss_of(l, &targets, vocab, scale));
-    let logits_in = Input::F(logits.clone());
-    let max = eval(
-        &Op::CeMax { vocab_local: vocab },
-        std::slice::from_ref(&logits_in),
-        &[rows],
-    );
-    let sumexp = eval(
-        &Op::CeSumExp { vocab_local: vocab },
-        &[logits_in.clone(), Input::F(max[0].clone())],
-        &[rows],
-    );
+    let [max, sumexp, _] = ce_pieces(&logits, &targets, 0, vocab, None);
     let grad = eval(
         &Op::CeGrad {
             vocab_start: 0,
@@ -410,10 +341,10 @@ fn cross_entropy_gradient_matches_differences_of_the_loss() {
             scale,
         },
         &[
-            logits_in,
+            Input::F(logits.clone()),
             Input::I(targets.clone()),
-            Input::F(max[0].clone()),
-            Input::F(sumexp[0].clone()),
+            Input::F(max),
+            Input::F(sumexp),
         ],
         &[logits.len()],
     );

@@ -14,7 +14,7 @@ mod reference;
 use super::CpuBackend;
 use crate::backend::{Backend, StepScalars};
 use crate::error::Result;
-use parc_compiler::ir::op::{Op, Segment};
+use parc_compiler::ir::op::{AttentionAttrs, Op, Segment};
 use parc_compiler::ir::{BufferId, DType};
 
 /// A test input: f32 or i32 elements.
@@ -153,6 +153,15 @@ pub(super) fn ce_pieces(
     [max, sumexp, target]
 }
 
+/// `Op::AttentionBwd` of `attrs` when `backward`, else `Op::Attention`.
+pub(super) fn attention_op(backward: bool, attrs: AttentionAttrs) -> Op {
+    if backward {
+        Op::AttentionBwd(attrs)
+    } else {
+        Op::Attention(attrs)
+    }
+}
+
 pub(super) fn seg(start: u32, len: u32) -> Segment {
     Segment { start, len }
 }
@@ -216,6 +225,21 @@ pub(super) fn op_gradient(
         perturbed[which] = Input::F(probe.to_vec());
         pair(&eval(op, &perturbed, out_lens), cotangents)
     })
+}
+
+/// For every `(what, k, analytic)` of `checks`, [`assert_gradient`] of `analytic` against the
+/// FD gradient of `Σ_k <cot_k, op(inputs)_k>` with respect to f32 input `k` ([`op_gradient`]).
+pub(super) fn assert_input_gradients(
+    op: &Op,
+    inputs: &[Input],
+    out_lens: &[usize],
+    cotangents: &[Vec<f32>],
+    checks: &[(&str, usize, &[f32])],
+) {
+    for &(what, which, analytic) in checks {
+        let numeric = op_gradient(op, inputs, out_lens, cotangents, which);
+        assert_gradient(what, &numeric, analytic);
+    }
 }
 
 pub(super) fn assert_close(what: &str, got: &[f32], expected: &[f64], tol: f64) {

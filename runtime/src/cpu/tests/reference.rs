@@ -29,31 +29,18 @@ impl AttnCase {
             self.kv_heads as u64,
             self.head_dim as u64,
         );
-        if bwd {
-            Op::AttentionBwd(AttentionAttrs {
-                batch,
-                heads,
-                kv_heads,
-                head_dim,
-                causal: self.causal,
-                scale: self.scale(),
-                q_positions,
-                kv_positions,
-                packed: false,
-            })
-        } else {
-            Op::Attention(AttentionAttrs {
-                batch,
-                heads,
-                kv_heads,
-                head_dim,
-                causal: self.causal,
-                scale: self.scale(),
-                q_positions,
-                kv_positions,
-                packed: false,
-            })
-        }
+        let attrs = AttentionAttrs {
+            batch,
+            heads,
+            kv_heads,
+            head_dim,
+            causal: self.causal,
+            scale: self.scale(),
+            q_positions,
+            kv_positions,
+            packed: false,
+        };
+        attention_op(bwd, attrs)
     }
 
     /// softmax(scale·QKᵀ + mask)V and the log-sum-exp, in f64 straight from the definition.
@@ -443,17 +430,18 @@ fn layer_norm_and_rms_norm_normalise_rows() {
 fn rope_rotates_pairs_by_position_times_frequency() {
     // One head of dim 4: pairs (0, 2) at frequency 1 and (1, 3) at theta^(-1/2) = 0.1.
     let x = vec![1.0f32, 2.0, 0.0, 0.0];
-    let rope = |pos: u32| {
-        Op::Rope(RopeAttrs {
-            batch: 1,
-            heads: 1,
-            head_dim: 4,
-            theta: 100.0,
-            positions: vec![seg(pos, 1)],
-        })
+    let attrs = |pos: u32| RopeAttrs {
+        batch: 1,
+        heads: 1,
+        head_dim: 4,
+        theta: 100.0,
+        positions: vec![seg(pos, 1)],
     };
-    assert_eq!(eval(&rope(0), &[Input::F(x.clone())], &[4])[0], x);
-    let y = eval(&rope(3), &[Input::F(x.clone())], &[4]);
+    assert_eq!(
+        eval(&Op::Rope(attrs(0)), &[Input::F(x.clone())], &[4])[0],
+        x
+    );
+    let y = eval(&Op::Rope(attrs(3)), &[Input::F(x.clone())], &[4]);
     let expected = [
         3f64.cos(),
         2.0 * 0.3f64.cos(),
@@ -461,17 +449,7 @@ fn rope_rotates_pairs_by_position_times_frequency() {
         2.0 * 0.3f64.sin(),
     ];
     assert_close("rotated", &y[0], &expected, 1e-6);
-    let back = eval(
-        &Op::RopeBwd(RopeAttrs {
-            batch: 1,
-            heads: 1,
-            head_dim: 4,
-            theta: 100.0,
-            positions: vec![seg(3, 1)],
-        }),
-        &[Input::F(y[0].clone())],
-        &[4],
-    );
+    let back = eval(&Op::RopeBwd(attrs(3)), &[Input::F(y[0].clone())], &[4]);
     assert_close("inverse", &back[0], &[1.0, 2.0, 0.0, 0.0], 1e-6);
 }
 
