@@ -299,7 +299,7 @@ impl CudaBackend {
         }
         // The attention kernels' persistent launch: one CTA an SM, 384 threads, maps first.
         let work = tiles * splits;
-        super::attention::launch_ws(self, kernel.name, work, SMEM, &[tp, tq], &args)?;
+        self.launch_persistent(kernel.name, work, SMEM, &[tp, tq], &args)?;
         if counted {
             self.blas.timer_stop(stream)?;
         }

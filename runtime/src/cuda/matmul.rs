@@ -9,7 +9,7 @@
 //! accumulated onto it. Bias gradient in a 16-bit run: cuBLASLt's BGRADB epilogue on the
 //! backward-weight GEMM writes the column sums of dy into a scratch vector, then a k = 1 fp32
 //! GEMM adds that into db (`db = t·1 + db`, exact as an add: db is +=); where the epilogue is
-//! not offered, and in fp32 runs, a column-sum kernel (`dispatch::col_sum_into`).
+//! not offered, and in fp32 runs, a column-sum kernel (`columns::col_sum_into`).
 //!
 //! Fused residual: a forward with `residual` reads r as the GEMM's C (beta = 1, D = y, or with
 //! a fused activation D = a) where r has D's type; otherwise the GEMM writes y and the
@@ -21,7 +21,8 @@
 //! auxiliary input); both need the auxiliary matrix in D's type. Otherwise, or where cuBLASLt refuses, the GEMM
 //! writes y (dx) as without, then the `activation_fwd` (`activation_bwd`, in place on dx)
 //! kernel runs.
-use super::dispatch::{act_code, col_sum_into, fv, n, p, Bound};
+use super::args::{act_code, fv, n, p, Bound, Limits};
+use super::columns::col_sum_into;
 use super::gemm::{Epilogue, Gemm, Operands, Output};
 use super::gemm_operands::Operand;
 use super::{Arg, Buf, CudaBackend};
@@ -46,9 +47,9 @@ fn weight(buf: Buf) -> Operand {
     Operand { buf, weight: true }
 }
 
-/// Run one GEMM op (buffer count already checked by `dispatch`).
-pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
-    match op {
+/// Run an op of the matmul family.
+pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
+    match b.op {
         Op::Matmul {
             in_dim,
             out_dim,
@@ -56,87 +57,26 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
             act,
             residual,
         } => {
-            let (k, m) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
-            let (x, w) = (b.float_in(0)?, b.f32_in(1)?);
-            let rows = b.rows(x, "x", k)?;
-            b.expect(w, "w", m * k)?;
-            let y = b.float_out(0)?;
-            b.expect(y, "y", rows * m)?;
-            let bb = if *bias { Some(b.f32_in(2)?) } else { None };
-            if let Some(bb) = bb {
-                b.expect(bb, "b", m)?;
-            }
-            let r = if *residual {
-                Some(b.float_in(2 + usize::from(*bias))?)
-            } else {
-                None
+            let (k, m) = (
+                b.launch_dim("in_dim", *in_dim)?,
+                b.launch_dim("out_dim", *out_dim)?,
+            );
+            let x = b.input(0)?;
+            let rows = b.launch_rows(x, "x", b.rows)?;
+            let bb = bias.then(|| b.input(2)).transpose()?;
+            let r = residual
+                .then(|| b.input(2 + usize::from(*bias)))
+                .transpose()?;
+            let a = act.map(|_| b.output(1)).transpose()?;
+            let forward = Forward {
+                x,
+                w: b.input(1)?,
+                bb,
+                r,
+                y: b.output(0)?,
+                act: act.zip(a),
             };
-            if let Some(r) = r {
-                b.expect(r, "r", rows * m)?;
-            }
-            // yᵀ (m × rows) = W (m × k, stored k × m) · xᵀ (k × rows) (+ b per row of yᵀ).
-            let g = Gemm {
-                trans_a: true,
-                trans_b: false,
-                m: m as u64,
-                n: rows as u64,
-                k: k as u64,
-                a: w.ptr,
-                lda: k as i64,
-                b: x.ptr,
-                ldb: k as i64,
-                c: y.ptr,
-                ldc: m as i64,
-                c_in: None,
-                beta: 0.0,
-                out: output(y),
-                epilogue: Epilogue::None,
-            };
-            let a = match act {
-                Some(_) => Some(b.float_out(1)?),
-                None => None,
-            };
-            if let Some(a) = a {
-                b.expect(a, "a", rows * m)?;
-            }
-            // The residual as the GEMM's C (beta = 1) beside a D of its type.
-            let d = a.unwrap_or(y);
-            let with_r = match r {
-                Some(r) if r.dtype == d.dtype => Some(Gemm {
-                    c_in: Some(r.ptr),
-                    beta: 1.0,
-                    ..g
-                }),
-                _ => None,
-            };
-            let fused = match (act, a) {
-                (Some(Act::GeluTanh), Some(a))
-                    if a.dtype == y.dtype && r.is_none_or(|_| with_r.is_some()) =>
-                {
-                    gelu_epilogue(be, &with_r.unwrap_or(g), (w, x), bb, (y, a))?
-                }
-                (None, _) => match with_r {
-                    Some(gr) => residual_epilogue(be, &gr, (w, x), bb)?,
-                    None => false,
-                },
-                _ => false,
-            };
-            if fused {
-                return Ok(());
-            }
-            // Without a fused form: y as without a residual, y += r (an `Add`), then a =
-            // act(y) from y as stored (a bf16 y is rounded before each step reads it).
-            matmul_bias(be, b, &g, (w, x), bb, y, rows)?;
-            if let Some(r) = r {
-                be.launch_vec("add_fwd", y.len, &[fv(y), fv(r), fv(y), n(y.len)])?;
-            }
-            match (act, a) {
-                (Some(act), Some(a)) => {
-                    let args = [Arg::I32(act_code(*act)), fv(y), fv(a), n(y.len)];
-                    be.launch_vec("activation_fwd", y.len, &args)
-                }
-                _ => Ok(()),
-            }
+            matmul(be, b, &forward, (rows, k, m))
         }
         Op::MatmulBwdData {
             in_dim,
@@ -144,129 +84,247 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
             accumulate,
             act_grad,
         } => {
-            let (k_in, m_out) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
-            let (dy, w) = (b.float_in(0)?, b.f32_in(1)?);
-            let rows = b.rows(dy, "dy", m_out)?;
-            b.expect(w, "w", m_out * k_in)?;
-            let dx = b.float_out(0)?;
-            b.expect(dx, "dx", rows * k_in)?;
-            // dxᵀ (in × rows) (+)= Wᵀ (in × out, as stored) · dyᵀ (out × rows).
-            let g = Gemm {
-                trans_a: false,
-                trans_b: false,
-                m: k_in as u64,
-                n: rows as u64,
-                k: m_out as u64,
-                a: w.ptr,
-                lda: k_in as i64,
-                b: dy.ptr,
-                ldb: m_out as i64,
-                c: dx.ptr,
-                ldc: k_in as i64,
-                c_in: None,
-                beta: if *accumulate { 1.0 } else { 0.0 },
-                out: output(dx),
-                epilogue: Epilogue::None,
-            };
-            let Some(act) = act_grad else {
-                return be.gemm(&g, weight(w), activation(dy));
-            };
-            if *accumulate {
-                return Err(b.err(
-                    "an activation-gradient product (act_grad) cannot accumulate into dx (the \
-                     verifier rejects it, E0822)",
-                ));
-            }
-            let pre = b.float_in(2)?;
-            b.expect(pre, "pre", rows * k_in)?;
-            // DGELU with an fp32 dx (and fp32 pre) ran slower on an H200 than the plain GEMM
-            // and the separate kernel (0.95 ms against about 0.6 at 32,768 x 768 x 3,072):
-            // bf16 dx only.
-            if *act == Act::GeluTanh && pre.dtype == dx.dtype && g.out == Output::Bf16 {
-                let fused = Gemm {
-                    epilogue: Epilogue::DGelu { aux: pre.ptr },
-                    ..g
-                };
-                if be.blas.supports(&fused, be.operands)? {
-                    match be.gemm(&fused, weight(w), activation(dy)) {
-                        // Refused at launch (`gemm::Blas::run`): the separate kernel below.
-                        Err(_) if !be.blas.supports(&fused, be.operands)? => {}
-                        done => return done,
-                    }
-                }
-            }
-            // The product into dx, then dx = dx ⊙ act'(pre) in place (a bf16 dx is rounded
-            // in between).
-            be.gemm(&g, weight(w), activation(dy))?;
-            let args = [Arg::I32(act_code(*act)), fv(dx), fv(pre), fv(dx), n(dx.len)];
-            be.launch_vec("activation_bwd", dx.len, &args)
+            let (k_in, m_out) = (
+                b.launch_dim("in_dim", *in_dim)?,
+                b.launch_dim("out_dim", *out_dim)?,
+            );
+            let dy = b.input(0)?;
+            let rows = b.launch_rows(dy, "dy", b.rows)?;
+            let act_grad = act_grad.map(|act| Ok((act, b.input(2)?))).transpose()?;
+            let (w, dx) = (b.input(1)?, b.output(0)?);
+            backward_data(
+                be,
+                b,
+                (dy, w, dx),
+                act_grad,
+                *accumulate,
+                (rows, k_in, m_out),
+            )
         }
         Op::MatmulBwdWeight {
             in_dim,
             out_dim,
             bias,
-            accumulate_param_grad: accumulate,
+            accumulate_param_grad,
         } => {
-            let (k_in, m_out) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
-            let (dy, x) = (b.float_in(0)?, b.float_in(1)?);
-            let rows = b.rows(dy, "dy", m_out)?;
-            b.expect(x, "x", rows * k_in)?;
-            let dw = b.f32_out(0)?;
-            b.expect(dw, "dw", m_out * k_in)?;
-            // dWᵀ (in × out) += xᵀ (in × rows, as stored) · dy (rows × out, stored out × rows);
-            // beta 0 (dW overwritten) for a first contribution.
-            let g = Gemm {
-                trans_a: false,
-                trans_b: true,
-                m: k_in as u64,
-                n: m_out as u64,
-                k: rows as u64,
-                a: x.ptr,
-                lda: k_in as i64,
-                b: dy.ptr,
-                ldb: m_out as i64,
-                c: dw.ptr,
-                ldc: k_in as i64,
-                c_in: None,
-                beta: if *accumulate { 1.0 } else { 0.0 },
-                out: Output::F32,
-                epilogue: Epilogue::None,
-            };
-            if !*bias {
-                return be.gemm(&g, activation(x), activation(dy));
-            }
-            let db = b.f32_out(1)?;
-            b.expect(db, "db", m_out)?;
-            if be.operands != Operands::F32 {
-                // The epilogue writes the column sums: into db itself for a first
-                // contribution, else into `t`, added into db by a k = 1 GEMM.
-                let (one, t) = be.gemm_vectors(m_out)?;
-                let with_grad = Gemm {
-                    epilogue: Epilogue::BiasGradB {
-                        ptr: if *accumulate { t } else { db.ptr },
-                    },
-                    ..g
-                };
-                let add = add_into(t, one, db, m_out);
-                if be.blas.supports(&with_grad, be.operands)?
-                    && (!*accumulate || be.blas.supports(&add, Operands::F32)?)
-                {
-                    match be.gemm(&with_grad, activation(x), activation(dy)) {
-                        Ok(()) if !*accumulate => return Ok(()),
-                        Ok(()) => {
-                            let stream = be.stream.cu_stream();
-                            return be.blas.run(&add, Operands::F32, stream, None);
-                        }
-                        // Refused at launch (`gemm::Blas::run`): the column sum below.
-                        Err(_) if !be.blas.supports(&with_grad, be.operands)? => {}
-                        Err(e) => return Err(e),
-                    }
-                }
-            }
-            be.gemm(&g, activation(x), activation(dy))?;
-            col_sum_into(be, dy, (db, *accumulate), rows, m_out)
+            let (k_in, m_out) = (
+                b.launch_dim("in_dim", *in_dim)?,
+                b.launch_dim("out_dim", *out_dim)?,
+            );
+            let dy = b.input(0)?;
+            let rows = b.launch_rows(dy, "dy", b.rows)?;
+            let (x, dw) = (b.input(1)?, b.output(0)?);
+            let db = bias.then(|| b.output(1)).transpose()?;
+            let accumulate = *accumulate_param_grad;
+            backward_weight(be, (dy, x, dw, db), accumulate, (rows, k_in, m_out))
         }
         _ => Err(b.err("is not a GEMM op")),
+    }
+}
+
+/// A `Matmul`'s operands: x, w, the bias and residual where it has them; y, and the
+/// activation with its output `a` where it fuses one.
+struct Forward {
+    x: Buf,
+    w: Buf,
+    bb: Option<Buf>,
+    r: Option<Buf>,
+    y: Buf,
+    act: Option<(Act, Buf)>,
+}
+
+/// y = x·Wᵀ (+ b) (+ r), then a = act(y): `rows` rows of `k` into `m` columns.
+fn matmul(be: &mut CudaBackend, b: &Bound, f: &Forward, (rows, k, m): Dims) -> Result<()> {
+    let Forward { x, w, bb, r, y, .. } = *f;
+    // yᵀ (m × rows) = W (m × k, stored k × m) · xᵀ (k × rows) (+ b per row of yᵀ).
+    let g = Gemm {
+        trans_a: true,
+        trans_b: false,
+        m: m as u64,
+        n: rows as u64,
+        k: k as u64,
+        a: w.ptr,
+        lda: k as i64,
+        b: x.ptr,
+        ldb: k as i64,
+        c: y.ptr,
+        ldc: m as i64,
+        c_in: None,
+        beta: 0.0,
+        out: output(y),
+        epilogue: Epilogue::None,
+    };
+    let a = f.act.map(|(_, a)| a);
+    // The residual as the GEMM's C (beta = 1) beside a D of its type.
+    let d = a.unwrap_or(y);
+    let with_r = match r {
+        Some(r) if r.dtype == d.dtype => Some(Gemm {
+            c_in: Some(r.ptr),
+            beta: 1.0,
+            ..g
+        }),
+        _ => None,
+    };
+    let fused = match f.act {
+        Some((Act::GeluTanh, a)) if a.dtype == y.dtype && r.is_none_or(|_| with_r.is_some()) => {
+            gelu_epilogue(be, &with_r.unwrap_or(g), (w, x), bb, (y, a))?
+        }
+        None => match with_r {
+            Some(gr) => residual_epilogue(be, &gr, (w, x), bb)?,
+            None => false,
+        },
+        _ => false,
+    };
+    if fused {
+        return Ok(());
+    }
+    // Without a fused form: y as without a residual, y += r (an `Add`), then a =
+    // act(y) from y as stored (a bf16 y is rounded before each step reads it).
+    matmul_bias(be, b, &g, (w, x), bb, y, rows)?;
+    if let Some(r) = r {
+        be.launch_vec("add_fwd", y.len, &[fv(y), fv(r), fv(y), n(y.len)])?;
+    }
+    match f.act {
+        Some((act, a)) => {
+            let args = [Arg::I32(act_code(act)), fv(y), fv(a), n(y.len)];
+            be.launch_vec("activation_fwd", y.len, &args)
+        }
+        None => Ok(()),
+    }
+}
+
+/// A GEMM op's rows, its input width and its output width.
+type Dims = (usize, usize, usize);
+
+/// dx (+)= dy·W, then dx = dx ⊙ act'(pre) where the op has an activation gradient.
+fn backward_data(
+    be: &mut CudaBackend,
+    b: &Bound,
+    (dy, w, dx): (Buf, Buf, Buf),
+    act_grad: Option<(Act, Buf)>,
+    accumulate: bool,
+    (rows, k_in, m_out): Dims,
+) -> Result<()> {
+    // dxᵀ (in × rows) (+)= Wᵀ (in × out, as stored) · dyᵀ (out × rows).
+    let g = Gemm {
+        trans_a: false,
+        trans_b: false,
+        m: k_in as u64,
+        n: rows as u64,
+        k: m_out as u64,
+        a: w.ptr,
+        lda: k_in as i64,
+        b: dy.ptr,
+        ldb: m_out as i64,
+        c: dx.ptr,
+        ldc: k_in as i64,
+        c_in: None,
+        beta: if accumulate { 1.0 } else { 0.0 },
+        out: output(dx),
+        epilogue: Epilogue::None,
+    };
+    let Some((act, pre)) = act_grad else {
+        return be.gemm(&g, weight(w), activation(dy));
+    };
+    if accumulate {
+        return Err(b.err(
+            "an activation-gradient product (act_grad) cannot accumulate into dx (the \
+             verifier rejects it, E0822)",
+        ));
+    }
+    // DGELU with an fp32 dx (and fp32 pre) ran slower on an H200 than the plain GEMM
+    // and the separate kernel (0.95 ms against about 0.6 at 32,768 x 768 x 3,072):
+    // bf16 dx only.
+    if act == Act::GeluTanh && pre.dtype == dx.dtype && g.out == Output::Bf16 {
+        let fused = Gemm {
+            epilogue: Epilogue::DGelu { aux: pre.ptr },
+            ..g
+        };
+        if be.blas.supports(&fused, be.operands)? {
+            match be.gemm(&fused, weight(w), activation(dy)) {
+                // Refused at launch (`gemm::Blas::run`): the separate kernel below.
+                Err(_) if !be.blas.supports(&fused, be.operands)? => {}
+                done => return done,
+            }
+        }
+    }
+    // The product into dx, then dx = dx ⊙ act'(pre) in place (a bf16 dx is rounded
+    // in between).
+    be.gemm(&g, weight(w), activation(dy))?;
+    let args = [Arg::I32(act_code(act)), fv(dx), fv(pre), fv(dx), n(dx.len)];
+    be.launch_vec("activation_bwd", dx.len, &args)
+}
+
+/// dW (+)= dyᵀ·x, and db (+)= the column sums of dy where the op has a bias.
+fn backward_weight(
+    be: &mut CudaBackend,
+    (dy, x, dw, db): (Buf, Buf, Buf, Option<Buf>),
+    accumulate: bool,
+    (rows, k_in, m_out): Dims,
+) -> Result<()> {
+    // dWᵀ (in × out) += xᵀ (in × rows, as stored) · dy (rows × out, stored out × rows);
+    // beta 0 (dW overwritten) for a first contribution.
+    let g = Gemm {
+        trans_a: false,
+        trans_b: true,
+        m: k_in as u64,
+        n: m_out as u64,
+        k: rows as u64,
+        a: x.ptr,
+        lda: k_in as i64,
+        b: dy.ptr,
+        ldb: m_out as i64,
+        c: dw.ptr,
+        ldc: k_in as i64,
+        c_in: None,
+        beta: if accumulate { 1.0 } else { 0.0 },
+        out: Output::F32,
+        epilogue: Epilogue::None,
+    };
+    let Some(db) = db else {
+        return be.gemm(&g, activation(x), activation(dy));
+    };
+    if be.operands != Operands::F32 && bias_grad_epilogue(be, &g, (x, dy, db), accumulate)? {
+        return Ok(());
+    }
+    be.gemm(&g, activation(x), activation(dy))?;
+    col_sum_into(be, dy, (db, accumulate), rows, m_out)
+}
+
+/// `g` with cuBLASLt's bias-gradient epilogue, which writes the column sums of dy: into db
+/// itself for a first contribution, else into a scratch vector added into db by a k = 1 GEMM.
+/// False (nothing run) where cuBLASLt offers or launches no such epilogue: the caller sums
+/// the columns apart.
+fn bias_grad_epilogue(
+    be: &mut CudaBackend,
+    g: &Gemm,
+    (x, dy, db): (Buf, Buf, Buf),
+    accumulate: bool,
+) -> Result<bool> {
+    let m_out = g.n as usize;
+    let (one, t) = be.gemm_vectors(m_out)?;
+    let with_grad = Gemm {
+        epilogue: Epilogue::BiasGradB {
+            ptr: if accumulate { t } else { db.ptr },
+        },
+        ..*g
+    };
+    let add = add_into(t, one, db, m_out);
+    if !(be.blas.supports(&with_grad, be.operands)?
+        && (!accumulate || be.blas.supports(&add, Operands::F32)?))
+    {
+        return Ok(false);
+    }
+    match be.gemm(&with_grad, activation(x), activation(dy)) {
+        Ok(()) if !accumulate => Ok(true),
+        Ok(()) => {
+            let stream = be.stream.cu_stream();
+            be.blas.run(&add, Operands::F32, stream, None)?;
+            Ok(true)
+        }
+        // Refused at launch (`gemm::Blas::run`): the column sum.
+        Err(_) if !be.blas.supports(&with_grad, be.operands)? => Ok(false),
+        Err(e) => Err(e),
     }
 }
 
@@ -274,7 +332,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
 /// (f32 y) after y = b was written (`bias_epilogue`).
 fn matmul_bias(
     be: &mut CudaBackend,
-    b: &Bound<'_>,
+    b: &Bound,
     g: &Gemm,
     (w, x): (Buf, Buf),
     bb: Option<Buf>,
@@ -398,7 +456,7 @@ fn bias_bf16(be: &mut CudaBackend, bb: Buf) -> Result<CUdeviceptr> {
 /// after y = b was written for the product to accumulate onto (f32 y only).
 fn bias_epilogue(
     be: &mut CudaBackend,
-    b: &Bound<'_>,
+    b: &Bound,
     g: &Gemm,
     bb: Buf,
     y: Buf,
