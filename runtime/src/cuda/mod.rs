@@ -62,6 +62,7 @@ mod gemm_ws;
 mod launch;
 mod matmul;
 mod nccl;
+mod nccl_comms;
 mod nccl_host;
 mod nccl_inflight;
 mod nccl_watchdog;
@@ -91,7 +92,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 pub use device::gpu_absent;
-pub use nccl::{nccl_available, nccl_version, FailureProbe, NcclId};
+pub use nccl_comms::{nccl_available, nccl_version, FailureProbe, NcclId};
 pub use nccl_host::{AbortNotice, NcclHostComm};
 
 /// One allocated buffer.

@@ -9,7 +9,7 @@
 //! result (polling, with the run's timeout and the failure probe). Tags are not sent: NCCL
 //! matches messages by order per pair of ranks (see `crate::comm::layout`).
 use super::device::driver_error;
-use super::nccl::{collective_count, lock, RawTransfer, Shared};
+use super::nccl_comms::{collective_count, lock, RawTransfer, Shared};
 use super::CudaBackend;
 use crate::comm::{Comm, PeerOp};
 use crate::error::{Result, RuntimeError};
@@ -20,7 +20,7 @@ use parc_compiler::ir::{CollectiveKind, DType, ReduceOp};
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use super::nccl::AbortNotice;
+pub use super::nccl_comms::AbortNotice;
 
 /// See the module docs. Made by [`CudaBackend::nccl_host_comm`].
 pub struct NcclHostComm {

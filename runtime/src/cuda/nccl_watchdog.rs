@@ -10,7 +10,7 @@
 //! error. It never holds the communicators' lock while the backend needs it for long: it only
 //! tries the lock for the health check, and takes it to abort.
 use super::device::driver_error;
-use super::nccl::Shared;
+use super::nccl_comms::Shared;
 use crate::error::Result;
 use cudarc::driver::{CudaContext, CudaStream};
 use std::sync::atomic::{AtomicBool, Ordering};
