@@ -62,10 +62,6 @@ mod gemm_ws;
 mod launch;
 mod matmul;
 mod nccl;
-mod nccl_comms;
-mod nccl_host;
-mod nccl_inflight;
-mod nccl_watchdog;
 mod norm;
 mod optimizer;
 mod staging;
@@ -92,8 +88,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 pub use device::gpu_absent;
-pub use nccl_comms::{nccl_available, nccl_version, FailureProbe, NcclId};
-pub use nccl_host::{AbortNotice, NcclHostComm};
+pub use nccl::{nccl_available, nccl_version, AbortNotice, FailureProbe, NcclHostComm, NcclId};
 
 /// One allocated buffer.
 struct Slot {

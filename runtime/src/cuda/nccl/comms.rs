@@ -1,5 +1,5 @@
 //! A rank's NCCL communicators (cudarc's bindings, loaded at run time), shared by its backend
-//! (device buffers, `super::nccl`) and its host comm (`super::nccl_host`), which queue their
+//! (device buffers, `nccl`) and its host comm (`nccl::host`), which queue their
 //! work on the same communication stream so that every rank issues NCCL calls in program order.
 //!
 //! - **Communicators.** A world communicator from a shared [`NcclId`] (made by one rank and
@@ -13,11 +13,11 @@
 //!   instruction's transfers inside one `ncclGroupStart`/`ncclGroupEnd`.
 //! - **No hang**: a wait polls, checks NCCL's asynchronous errors and the failure probe, and
 //!   after the timeout aborts the communicators and names the communication that is stuck: the
-//!   first queued call not finished (`nccl_inflight`).
-use super::device::driver_error;
-use super::nccl_inflight::{InFlight, Queued};
-use super::stream::poll_until_idle;
+//!   first queued call not finished (`inflight`).
+use super::inflight::{InFlight, Queued};
 use crate::comm::layout::{CommKey, CommLayout};
+use crate::cuda::device::driver_error;
+use crate::cuda::stream::poll_until_idle;
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaEvent, CudaStream};
@@ -153,7 +153,7 @@ struct Communicator {
 }
 
 /// Every communicator of a rank. Shared ([`Shared`]) by the rank's backend (device buffers)
-/// and its host comm (`nccl_host::NcclHostComm`), which queue their work on the same
+/// and its host comm (`host::NcclHostComm`), which queue their work on the same
 /// communication stream so that every rank issues NCCL calls in program order.
 pub(crate) struct Communicators {
     rank: u32,

@@ -1,7 +1,15 @@
-//! The NCCL device comm of the CUDA backend: collectives and grouped point-to-point transfers
-//! on the backend's own buffers, through the rank's communicators (`nccl_comms`), on the
-//! communication stream of `stream` so that they overlap compute.
+//! NCCL in the CUDA backend, in one place:
+//! - `comms`: a rank's communicators (the library checks, `NcclId`, joining and splitting,
+//!   health, abort, the stuck call), shared by the two sides below;
+//! - this module: the backend's device comm, collectives and grouped point-to-point transfers
+//!   on the backend's own buffers, on the communication stream of `cuda::stream` so that they
+//!   overlap compute;
+//! - `host`: the host-slice [`crate::comm::Comm`] of a multi-process run over the same
+//!   communicators;
+//! - `inflight`: which queued calls have not finished (what a timeout names);
+//! - `watchdog`: the thread that aborts the communicators when the stream stops progressing.
 //!
+//! The device comm:
 //! - **Point-to-point** goes over the world communicator with global ranks as peers, all of an
 //!   instruction's transfers inside one NCCL group. NCCL matches messages by order per
 //!   (sender, receiver), not by tag: [`CudaBackend::use_nccl`] refuses a plan whose order and
@@ -13,20 +21,27 @@
 //!   asynchronous errors, and after the timeout aborts the communicators and fails naming the
 //!   communication that is stuck, with the program instruction that issued it, which the
 //!   executor turns into the rank, instruction and spec line of the error
-//!   ([`CudaBackend::stuck_instruction`]). A watchdog thread (`nccl_watchdog`) does the same
-//!   for the waits it cannot poll (a host copy behind compute that waits for communication).
+//!   ([`CudaBackend::stuck_instruction`]). The watchdog does the same for the waits it cannot
+//!   poll (a host copy behind compute that waits for communication).
+mod comms;
+mod host;
+mod inflight;
+mod watchdog;
+
+pub use comms::{nccl_available, nccl_version, AbortNotice, FailureProbe, NcclId};
+pub use host::NcclHostComm;
+
 use super::device::driver_error;
-use super::nccl_comms::{collective_count, describe, lock, Communicators, RawTransfer, Shared};
-use super::nccl_comms::{AbortNotice, FailureProbe, NcclId};
-use super::nccl_watchdog::Watchdog;
 use super::stream::{comm_buffers, CommStream};
 use super::{Buf, CudaBackend};
 use crate::backend::DeviceTransfer;
 use crate::comm::layout::{check_p2p_order, CommLayout};
 use crate::error::{Result, RuntimeError};
+use comms::{collective_count, describe, lock, Communicators, RawTransfer, Shared};
 use parc_compiler::ir::{BufferId, CollectiveKind, DType, Plan};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use watchdog::Watchdog;
 
 /// The backend's side: the shared communicators, its communication stream and the watchdog
 /// that aborts NCCL when that stream stops making progress.
