@@ -22,7 +22,9 @@
 use super::args::{p, Bound, Limits};
 use super::device::driver_error;
 use super::gemm::Operands;
+use super::kernel::Kernel;
 use super::tma::{self, Elem, TmaMap};
+use super::variants::{AttentionBwdKernel, AttentionFwdKernel};
 use super::{cu, raw_ptr, Arg, Buf, CudaBackend};
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::sys::CUdeviceptr;
@@ -199,11 +201,11 @@ const SCRATCH_ALIGN: usize = 256;
 /// The tensor-core kernels' names and shared memory for one head dim, or None where the
 /// exact kernels run.
 struct TensorCore {
-    fwd: &'static str,
+    fwd: Kernel,
     /// delta and lse2 for the backward, and the dQ accumulator zeroed (16-byte aligned
     /// buffers; else `attention_delta` and a memset).
-    delta: &'static str,
-    bwd: &'static str,
+    delta: Kernel,
+    bwd: Kernel,
     /// The forward's key tile (rows) and the backward's query tile, per head dim (TC_FWD's BC
     /// and TC_BWD's BR in attention_tc.cu).
     fwd_keys: usize,
@@ -215,17 +217,17 @@ impl TensorCore {
     fn for_head_dim(d: usize) -> Option<TensorCore> {
         match d {
             64 => Some(TensorCore {
-                fwd: "attention_fwd_tc_d64",
-                delta: "attention_delta_tc_d64",
-                bwd: "attention_bwd_tc_d64",
+                fwd: Kernel::AttentionFwdTcD64,
+                delta: Kernel::AttentionDeltaTcD64,
+                bwd: Kernel::AttentionBwdTcD64,
                 fwd_keys: 64,
                 bwd_rows: 64,
                 head_dim: 64,
             }),
             128 => Some(TensorCore {
-                fwd: "attention_fwd_tc_d128",
-                delta: "attention_delta_tc_d128",
-                bwd: "attention_bwd_tc_d128",
+                fwd: Kernel::AttentionFwdTcD128,
+                delta: Kernel::AttentionDeltaTcD128,
+                bwd: Kernel::AttentionBwdTcD128,
                 fwd_keys: 32,
                 bwd_rows: 64,
                 head_dim: 128,
@@ -258,10 +260,10 @@ impl TensorCore {
     /// The `wgmma` forward's kernel, warpgroups (of 128 threads, 64 query rows each) and
     /// shared memory: the alignment slack, Q (unpadded bf16 rows, swizzled), K and V tiles
     /// in two stages and the key positions of each stage.
-    fn wgmma_fwd(&self) -> (&'static str, usize, u32) {
+    fn wgmma_fwd(&self) -> (Kernel, usize, u32) {
         let (name, warpgroups) = match self.head_dim {
-            64 => ("attention_fwd_wgmma_d64", 2),
-            _ => ("attention_fwd_wgmma_d128", 3),
+            64 => (Kernel::AttentionFwdWgmmaD64, 2),
+            _ => (Kernel::AttentionFwdWgmmaD128, 3),
         };
         let row = self.head_dim * 2;
         let smem = WGMMA_ALIGN + (64 * warpgroups + 4 * WGMMA_KEYS) * row + 2 * WGMMA_KEYS * 4;
@@ -421,7 +423,7 @@ fn require_hopper(be: &CudaBackend, what: &str) -> Result<()> {
 /// order from `AttGeom::tiles_first`), else (heads, tiles).
 fn launch_tc(
     be: &mut CudaBackend,
-    name: &'static str,
+    kernel: Kernel,
     (heads, tiles, tiles_first): (u32, u32, bool),
     threads: u32,
     smem: u32,
@@ -432,7 +434,7 @@ fn launch_tc(
     } else {
         (heads, tiles, 1)
     };
-    be.launch_with_smem(name, grid, threads, smem, args)
+    be.launch_with_smem(kernel, grid, threads, smem, args)
 }
 
 /// Rounds each f32 operand that has a bf16 copy in `layout` into it; returns every operand's
@@ -451,7 +453,7 @@ fn bf16_operands(
                 let dst = base + *at as CUdeviceptr;
                 let n4 = b.len / 4;
                 be.launch_n(
-                    "attention_to_bf16",
+                    Kernel::AttentionToBf16,
                     n4,
                     &[p(*b), Arg::Ptr(dst), Arg::I64(n4 as i64)],
                 )?;
@@ -738,7 +740,7 @@ fn attention_forward(be: &mut CudaBackend, b: &Bound, c: &Call) -> Result<()> {
         Arg::Geom(g),
     ];
     let (grid, block, smem) = c.exact_launch();
-    be.launch("attention_fwd", grid, block, smem, &args)
+    be.launch(Kernel::AttentionFwd, grid, block, smem, &args)
 }
 
 /// The forward on tensor cores: the warp-specialized, TMA-fed kernel where it applies (a
@@ -769,15 +771,15 @@ fn tensor_core_forward(
     ];
     let (batch, heads, d) = (c.dims.batch, c.dims.heads, c.dims.d);
     let seq_q = c.seq_q();
-    let ws = be.variants.is("attention_fwd", "ws");
+    let ws = be.variants.attention_fwd == AttentionFwdKernel::Ws;
     if ws && be.is_hopper() && d == 64 {
         if let Ok(maps) = ws_tensor_maps(&g, [qp, kp, vp]) {
             let work = seq_q.div_ceil(WS_BR) * batch * heads;
-            let name = "attention_fwd_ws_d64";
+            let name = Kernel::AttentionFwdWsD64;
             return be.launch_persistent(name, work, WS_FWD_SMEM, &maps, &args[3..]);
         }
     }
-    if (ws || be.variants.is("attention_fwd", "wgmma")) && be.is_hopper() {
+    if (ws || be.variants.attention_fwd == AttentionFwdKernel::Wgmma) && be.is_hopper() {
         let (name, warpgroups, smem) = tc.wgmma_fwd();
         let rows = 64 * warpgroups;
         let grid = (
@@ -878,19 +880,25 @@ fn attention_backward(be: &mut CudaBackend, b: &Bound, c: &Call) -> Result<()> {
 /// blocks.
 fn exact_backward(be: &mut CudaBackend, c: &Call, g: AttGeom, r: &Grads) -> Result<()> {
     let (grid_q, block, kv_smem) = c.exact_launch();
-    be.launch("attention_delta", grid_q, block, 0, &r.delta_args(g, None))?;
+    be.launch(
+        Kernel::AttentionDelta,
+        grid_q,
+        block,
+        0,
+        &r.delta_args(g, None),
+    )?;
     let (q, k, v) = (p(c.q), p(c.k), p(c.v));
     let (lse, delta) = (p(r.lse), Arg::Ptr(r.delta));
     let positions = [Arg::Ptr(c.qpos), Arg::Ptr(c.kvpos), Arg::Geom(g)];
     let mut args = vec![p(r.dout), q, k, v, lse, delta, p(r.dq)];
     args.extend(positions);
-    be.launch("attention_bwd_dq", grid_q, block, kv_smem, &args)?;
+    be.launch(Kernel::AttentionBwdDq, grid_q, block, kv_smem, &args)?;
     let kv_blocks = (g.seq_kv as usize).div_ceil(ATT_WARPS as usize) as u32;
     let grid_kv = (kv_blocks, (c.dims.batch * c.dims.kv_heads) as u32, 1);
     let mut args = vec![p(r.dout), q, k, v, lse, delta, p(r.dk), p(r.dv)];
     args.extend(positions);
     let smem = kv_smem + (2 * ATT_TILE * 4) as u32;
-    be.launch("attention_bwd_dkdv", grid_kv, block, smem, &args)
+    be.launch(Kernel::AttentionBwdDkdv, grid_kv, block, smem, &args)
 }
 
 /// The backward on tensor cores: bf16 operands, delta and lse2 (with the dQ accumulator
@@ -924,7 +932,13 @@ fn tensor_core_backward(
         be.launch_n(tc.delta, threads, &r.delta_args(g, Some(dq_acc)))?;
     } else {
         let (grid_q, block, _) = c.exact_launch();
-        be.launch("attention_delta", grid_q, block, 0, &r.delta_args(g, None))?;
+        be.launch(
+            Kernel::AttentionDelta,
+            grid_q,
+            block,
+            0,
+            &r.delta_args(g, None),
+        )?;
         be.zero_bytes(dq_acc, r.dq.len * 4)?;
     }
     let seq_kv = g.seq_kv as usize;
@@ -934,13 +948,13 @@ fn tensor_core_backward(
         g.tiles_first != 0,
     );
     let positions = [Arg::Ptr(c.qpos), Arg::Ptr(c.kvpos), Arg::Geom(g)];
-    if be.variants.is("attention_bwd", "ws") && be.is_hopper() && d == 64 {
+    if be.variants.attention_bwd == AttentionBwdKernel::Ws && be.is_hopper() && d == 64 {
         let maps = wsb_tensor_maps(&g, [ptrs[0], qp, kp, vp], (r.lse2, r.delta, dq_acc));
         if let Ok(maps) = maps {
             let mut rest = vec![p(r.dk), p(r.dv)];
             rest.extend(positions);
             let work = seq_kv.div_ceil(WSB_BC) * batch * c.dims.kv_heads;
-            let name = "attention_bwd_ws_d64";
+            let name = Kernel::AttentionBwdWsD64;
             be.launch_persistent(name, work, WSB_SMEM, &maps, &rest)?;
             return dq_out(be, &r.layout, dq_acc, r.dq, g);
         }
@@ -966,7 +980,7 @@ fn dq_out(
 ) -> Result<()> {
     if layout.dq_acc.is_some() {
         be.launch_n(
-            "attention_dq_out",
+            Kernel::AttentionDqOut,
             dq.len / 4,
             &[Arg::Ptr(dq_acc), p(dq), Arg::Geom(g)],
         )?;
@@ -1031,8 +1045,8 @@ impl CudaBackend {
     pub fn attention_wgmma_layout_check(&mut self, head_dim: usize) -> Result<Vec<String>> {
         require_hopper(self, "attention_wgmma_layout_check")?;
         let name = match head_dim {
-            64 => "attention_wgmma_layout_check_d64",
-            128 => "attention_wgmma_layout_check_d128",
+            64 => Kernel::AttentionWgmmaLayoutCheckD64,
+            128 => Kernel::AttentionWgmmaLayoutCheckD128,
             _ => {
                 return Err(RuntimeError::Unsupported(format!(
                     "the wgmma layout check takes head_dim 64 or 128, not {head_dim}"
@@ -1122,7 +1136,8 @@ mod tests {
         for d in [64, 128] {
             let tc = TensorCore::for_head_dim(d).expect("a tensor-core kernel");
             assert_eq!(tc.head_dim, d);
-            assert!(tc.fwd.ends_with(&format!("_d{d}")) && tc.bwd.ends_with(&format!("_d{d}")));
+            let suffix = format!("_d{d}");
+            assert!(tc.fwd.symbol().ends_with(&suffix) && tc.bwd.symbol().ends_with(&suffix));
         }
     }
 
@@ -1158,12 +1173,12 @@ mod tests {
     fn wgmma_forward_shared_memory_fits() {
         let d64 = TensorCore::for_head_dim(64).expect("d64");
         let (name, warpgroups, smem) = d64.wgmma_fwd();
-        assert_eq!((name, warpgroups), ("attention_fwd_wgmma_d64", 2));
+        assert_eq!((name, warpgroups), (Kernel::AttentionFwdWgmmaD64, 2));
         assert_eq!(smem as usize, 1024 + 128 * 128 + 4 * 64 * 128 + 2 * 64 * 4);
         assert!(smem <= H100_SMEM / 2, "d64: {smem}");
         let d128 = TensorCore::for_head_dim(128).expect("d128");
         let (name, warpgroups, smem) = d128.wgmma_fwd();
-        assert_eq!((name, warpgroups), ("attention_fwd_wgmma_d128", 3));
+        assert_eq!((name, warpgroups), (Kernel::AttentionFwdWgmmaD128, 3));
         assert_eq!(smem as usize, 1024 + 192 * 256 + 4 * 64 * 256 + 2 * 64 * 4);
         assert!(smem <= H100_SMEM, "d128: {smem}");
     }

@@ -4,6 +4,7 @@
 //! it). The norms' weight gradients (`norm`) and the bias gradient of fp32 GEMMs (`matmul`)
 //! reduce through it.
 use super::args::{fv, n, p};
+use super::kernel::Kernel;
 use super::{Arg, Buf, CudaBackend};
 use crate::error::Result;
 
@@ -21,7 +22,7 @@ fn chunking(rows: usize) -> (usize, usize) {
 /// per column); both write the same partials.
 pub(super) fn column_sums(
     be: &mut CudaBackend,
-    partial: (&'static str, &'static str),
+    partial: (Kernel, Kernel),
     (leading, operands): (&[Arg], &[Buf]),
     (out, accumulate): (Buf, bool),
     rows: usize,
@@ -39,7 +40,7 @@ pub(super) fn column_sums(
         be.launch(scalar, grid, (256, 1, 1), 0, &args)?;
     }
     be.launch(
-        "add_partials",
+        Kernel::AddPartials,
         (cols.div_ceil(256) as u32, 1, 1),
         (256, 1, 1),
         0,
@@ -61,6 +62,6 @@ pub(super) fn col_sum_into(
     rows: usize,
     cols: usize,
 ) -> Result<()> {
-    let partial = ("col_sum_partial", "col_sum_partial8");
+    let partial = (Kernel::ColSumPartial, Kernel::ColSumPartial8);
     column_sums(be, partial, (&[fv(x)], &[x]), out, rows, cols)
 }

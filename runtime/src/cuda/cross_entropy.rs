@@ -19,6 +19,8 @@
 //! columns take two buffers in bf16 (2 × 98 KB) and one in f32 — and runs `rows` otherwise.
 use super::args::{fv, n, p, Bound, Limits};
 use super::device::DeviceLimits;
+use super::kernel::Kernel;
+use super::variants::CrossEntropyKernel;
 use super::{Arg, CudaBackend};
 use crate::backend::StepScalars;
 use crate::error::Result;
@@ -50,10 +52,10 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, scalars: &StepScalars) -> Res
             let out = b.output(0)?;
             let grid = (rows as u32, 1, 1);
             let (kernel, args) = if matches!(b.op, Op::CeMax { .. }) {
-                ("ce_max", vec![fv(logits), p(out), n(v)])
+                (Kernel::CeMax, vec![fv(logits), p(out), n(v)])
             } else {
                 let max = b.input(1)?;
-                ("ce_sum_exp", vec![fv(logits), p(max), p(out), n(v)])
+                (Kernel::CeSumExp, vec![fv(logits), p(max), p(out), n(v)])
             };
             be.launch(kernel, grid, (BLOCK_THREADS, 1, 1), 0, &args)
         }
@@ -74,7 +76,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, scalars: &StepScalars) -> Res
                 n(v),
             ];
             let grid = (rows.div_ceil(256) as u32, 1, 1);
-            be.launch("ce_target_logit", grid, (256, 1, 1), 0, &args)
+            be.launch(Kernel::CeTargetLogit, grid, (256, 1, 1), 0, &args)
         }
         Op::CeLoss { scale } => {
             let max = b.input(0)?;
@@ -87,7 +89,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, scalars: &StepScalars) -> Res
                 n(max.len),
                 Arg::F64(*scale),
             ];
-            be.launch("ce_loss", (1, 1, 1), (BLOCK_THREADS, 1, 1), 0, &args)
+            be.launch(Kernel::CeLoss, (1, 1, 1), (BLOCK_THREADS, 1, 1), 0, &args)
         }
         Op::CeGrad {
             vocab_start,
@@ -110,7 +112,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, scalars: &StepScalars) -> Res
                 // fp16: the loss gradient carries the step's loss scale.
                 Arg::F32((*scale * scalars.loss_scale.unwrap_or(1.0)) as f32),
             ];
-            be.launch_vec("ce_grad", logits.len, &args)
+            be.launch_vec(Kernel::CeGrad, logits.len, &args)
         }
         _ => Err(b.err("is not a loss op")),
     }
@@ -140,16 +142,16 @@ fn fused(
     let row_loss = be.scratch(rows * 8)?;
     // fp16: the loss gradient carries the step's loss scale; the loss does not.
     let grad_scale = (scale * scalars.loss_scale.unwrap_or(1.0)) as f32;
-    let staged = be.variants.is("cross_entropy", "staged") && logits.ptr % 16 == 0;
+    let staged = be.variants.cross_entropy == CrossEntropyKernel::Staged && logits.ptr % 16 == 0;
     match staged
         .then(|| Staged::plan(rows, v, logits.elem_bytes(), &be.limits))
         .flatten()
     {
         Some(plan) => {
             let kernel = if logits.is_bf16() {
-                "cross_entropy_staged_bf16"
+                Kernel::CrossEntropyStagedBf16
             } else {
-                "cross_entropy_staged_f32"
+                Kernel::CrossEntropyStagedF32
             };
             be.allow_shared_memory(kernel, plan.smem)?;
             be.launch(
@@ -171,9 +173,9 @@ fn fused(
         }
         None => {
             let (kernel, per_vector) = if logits.is_bf16() {
-                ("cross_entropy_rows_bf16", 8)
+                (Kernel::CrossEntropyRowsBf16, 8)
             } else {
-                ("cross_entropy_rows_f32", 4)
+                (Kernel::CrossEntropyRowsF32, 4)
             };
             be.launch(
                 kernel,
@@ -191,7 +193,7 @@ fn fused(
         }
     }
     be.launch(
-        "cross_entropy_loss_sum",
+        Kernel::CrossEntropyLossSum,
         (1, 1, 1),
         (SUM_THREADS, 1, 1),
         0,

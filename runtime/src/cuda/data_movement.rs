@@ -2,6 +2,7 @@
 //! copies and memsets where source and destination share a dtype, else the `convert` kernel),
 //! and `SplitColumns` / `ConcatColumns` (`copy_columns`, one launch a part, strided rows).
 use super::args::{n, Bound, Limits};
+use super::kernel::Kernel;
 use super::{Arg, Buf, CudaBackend, FloatArg};
 use crate::error::Result;
 use parc_compiler::ir::op::Op;
@@ -68,7 +69,7 @@ fn columns(be: &mut CudaBackend, b: &Bound, widths: &[u64], split: bool) -> Resu
             n(rows),
             n(w),
         ];
-        be.launch_vec("copy_columns", rows * w, &args)?;
+        be.launch_vec(Kernel::CopyColumns, rows * w, &args)?;
         col += w;
     }
     Ok(())
@@ -97,5 +98,5 @@ fn copy_elements(
         Arg::Float(FloatArg::at(y, dst)),
         n(len),
     ];
-    be.launch_vec("convert", len, &args)
+    be.launch_vec(Kernel::Convert, len, &args)
 }

@@ -4,6 +4,7 @@
 //! operands widened and rounds what it writes to its output's type; every operand of one op
 //! has the same element count (`bind` checked it).
 use super::args::{act_code, fv, n, Bound, Limits};
+use super::kernel::Kernel;
 use super::{Arg, CudaBackend};
 use crate::error::Result;
 use parc_compiler::ir::op::{ActAttrs, Op, RopeAttrs};
@@ -17,7 +18,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
         Op::RopeBwd(attrs) => rope(be, b, attrs, -1.0),
         Op::Activation(ActAttrs { act }) => {
             let args = [Arg::I32(act_code(*act)), fv(x), fv(b.output(0)?), n(len)];
-            be.launch_vec("activation_fwd", len, &args)
+            be.launch_vec(Kernel::ActivationFwd, len, &args)
         }
         Op::ActivationBwd(ActAttrs { act }) => {
             let (x, dx) = (b.input(1)?, b.output(0)?);
@@ -28,25 +29,25 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
                 fv(dx),
                 n(len),
             ];
-            be.launch_vec("activation_bwd", len, &args)
+            be.launch_vec(Kernel::ActivationBwd, len, &args)
         }
         Op::SwiGlu => {
             let args = [fv(x), fv(b.input(1)?), fv(b.output(0)?), n(len)];
-            be.launch_vec("swiglu_fwd", len, &args)
+            be.launch_vec(Kernel::SwigluFwd, len, &args)
         }
         Op::SwiGluBwd => {
             let (gate, up) = (b.input(1)?, b.input(2)?);
             let (dgate, dup) = (b.output(0)?, b.output(1)?);
             let args = [fv(x), fv(gate), fv(up), fv(dgate), fv(dup), n(len)];
-            be.launch_vec("swiglu_bwd", len, &args)
+            be.launch_vec(Kernel::SwigluBwd, len, &args)
         }
         Op::Add => {
             let args = [fv(x), fv(b.input(1)?), fv(b.output(0)?), n(len)];
-            be.launch_vec("add_fwd", len, &args)
+            be.launch_vec(Kernel::AddFwd, len, &args)
         }
         Op::Scale { factor } => {
             let args = [fv(x), fv(b.output(0)?), Arg::F32(*factor as f32), n(len)];
-            be.launch_vec("scale_fwd", len, &args)
+            be.launch_vec(Kernel::ScaleFwd, len, &args)
         }
         _ => Err(b.err("is not an elementwise op")),
     }
@@ -80,5 +81,5 @@ fn rope(be: &mut CudaBackend, b: &Bound, a: &RopeAttrs, sign: f64) -> Result<()>
         Arg::F64(a.theta),
         Arg::F64(sign),
     ];
-    be.launch_n("rope_fwd", rows * heads * hd / 2, &args)
+    be.launch_n(Kernel::RopeFwd, rows * heads * hd / 2, &args)
 }

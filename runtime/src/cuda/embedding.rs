@@ -4,6 +4,7 @@
 //! sequence of the batch and its gradient (`PositionAdd`, `PositionAddBwd`, at the op's global
 //! positions, uploaded once per list by `CudaBackend::positions`).
 use super::args::{fv, n, p, Bound, Limits};
+use super::kernel::Kernel;
 use super::{Arg, CudaBackend};
 use crate::error::Result;
 use parc_compiler::ir::op::{EmbeddingAttrs, Op, PositionAttrs, Segment};
@@ -34,12 +35,12 @@ fn embedding(be: &mut CudaBackend, b: &Bound, a: &EmbeddingAttrs, forward: bool)
         let (table, y) = (b.input(1)?, b.output(0)?);
         let mut args = vec![p(ids), p(table), fv(y)];
         args.extend(shard);
-        be.launch_vec("embedding_fwd", rows * d, &args)
+        be.launch_vec(Kernel::EmbeddingFwd, rows * d, &args)
     } else {
         let (dy, dtable) = (b.input(1)?, b.output(0)?);
         let mut args = vec![p(ids), fv(dy), p(dtable)];
         args.extend(shard);
-        be.launch_n("embedding_bwd", rows * d, &args)
+        be.launch_n(Kernel::EmbeddingBwd, rows * d, &args)
     }
 }
 
@@ -88,7 +89,7 @@ fn position_add(
             n(batch),
             n(d),
         ];
-        return be.launch_vec("position_add_fwd", rows * d, &args);
+        return be.launch_vec(Kernel::PositionAddFwd, rows * d, &args);
     };
     // The kernel adds each position's column sums atomically: a first contribution
     // (`accumulate_param_grad` false) clears the table first (rows at no position stay zero).
@@ -97,5 +98,5 @@ fn position_add(
     }
     let seq = rows / batch;
     let args = [fv(x), p(table), Arg::Ptr(pos), n(seq), n(batch), n(d)];
-    be.launch_n("position_add_bwd", seq * d, &args)
+    be.launch_n(Kernel::PositionAddBwd, seq * d, &args)
 }

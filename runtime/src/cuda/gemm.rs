@@ -21,6 +21,7 @@
 //! writes D before the real run overwrites it, so a GEMM that accumulates (beta ≠ 0) is timed
 //! into a scratch D the caller provides (`tune_out`), and without one runs the first choice.
 use super::device::{cublas_error, driver_error};
+use super::kernel::Kernel;
 use crate::error::Result;
 use cudarc::cublaslt::{result, sys};
 use cudarc::driver::result::event;
@@ -211,11 +212,11 @@ impl Operands {
     /// The kernel that rounds both fp32 operands of a GEMM into this type in one launch
     /// (`(const float* a, unsigned short* a16, long long na, const float* b, unsigned short*
     /// b16, long long nb)`); None for fp32, which cuBLASLt reads as stored.
-    pub fn conversion_kernel(self) -> Option<&'static str> {
+    pub fn conversion_kernel(self) -> Option<Kernel> {
         match self {
             Operands::F32 => None,
-            Operands::Bf16 => Some("f32_to_bf16_pair"),
-            Operands::F16 => Some("f32_to_f16_pair"),
+            Operands::Bf16 => Some(Kernel::F32ToBf16Pair),
+            Operands::F16 => Some(Kernel::F32ToF16Pair),
         }
     }
 

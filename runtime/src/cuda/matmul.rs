@@ -25,6 +25,7 @@ use super::args::{act_code, fv, n, p, Bound, Limits};
 use super::columns::col_sum_into;
 use super::gemm::{Epilogue, Gemm, Operands, Output};
 use super::gemm_operands::Operand;
+use super::kernel::Kernel;
 use super::{Arg, Buf, CudaBackend};
 use crate::error::Result;
 use cudarc::driver::sys::CUdeviceptr;
@@ -182,12 +183,12 @@ fn matmul(be: &mut CudaBackend, b: &Bound, f: &Forward, (rows, k, m): Dims) -> R
     // act(y) from y as stored (a bf16 y is rounded before each step reads it).
     matmul_bias(be, b, &g, (w, x), bb, y, rows)?;
     if let Some(r) = r {
-        be.launch_vec("add_fwd", y.len, &[fv(y), fv(r), fv(y), n(y.len)])?;
+        be.launch_vec(Kernel::AddFwd, y.len, &[fv(y), fv(r), fv(y), n(y.len)])?;
     }
     match f.act {
         Some((act, a)) => {
             let args = [Arg::I32(act_code(act)), fv(y), fv(a), n(y.len)];
-            be.launch_vec("activation_fwd", y.len, &args)
+            be.launch_vec(Kernel::ActivationFwd, y.len, &args)
         }
         None => Ok(()),
     }
@@ -252,7 +253,7 @@ fn backward_data(
     // in between).
     be.gemm(&g, weight(w), activation(dy))?;
     let args = [Arg::I32(act_code(act)), fv(dx), fv(pre), fv(dx), n(dx.len)];
-    be.launch_vec("activation_bwd", dx.len, &args)
+    be.launch_vec(Kernel::ActivationBwd, dx.len, &args)
 }
 
 /// dW (+)= dyᵀ·x, and db (+)= the column sums of dy where the op has a bias.
@@ -492,7 +493,7 @@ fn bias_epilogue(
         ));
     }
     be.launch_n(
-        "broadcast_rows",
+        Kernel::BroadcastRows,
         rows * bb.len,
         &[p(bb), p(y), n(rows), n(bb.len)],
     )?;

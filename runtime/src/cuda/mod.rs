@@ -31,11 +31,15 @@
 //! - `optimizer`: clipping and the AdamW / SGD updates, per tensor or fused (`optimizer`'s
 //!   tables; `sum_squares` for the gradient norm).
 //!
-//! The leaves every family uses: `args` (operands as kernel arguments, launch limits) and
-//! `launch` (the launch of a compiled kernel, shared-memory opt-in, the persistent launch).
-//! Beside the ops: `device` (opening the GPU, errors), `storage` (the memory plan's regions and
-//! scratch sizes), `stream` (overlap of communication with compute), `staging` (host writes),
-//! `variants` (which kernel each op with variants runs) and the NCCL device comm (`nccl`).
+//! The leaves every family uses: `args` (operands as kernel arguments, launch limits),
+//! `launch` (the launch of a compiled kernel, shared-memory opt-in, the persistent launch),
+//! `kernel` (the kernel sources and every entry point of them as a typed `Kernel`,
+//! whose C symbol is written once), `compile` (NVRTC and the PTX cache) and `variants` (which
+//! kernel each op with variants runs: a typed choice per op, e.g. [`GemmKernel`], read from
+//! `PARC_<OP>_KERNEL`). Beside the ops: `device` (opening the GPU, errors), `storage` (the
+//! memory plan's regions and scratch sizes), `stream` (overlap of communication with compute),
+//! `staging` (host writes) and `nccl` (NCCL: the communicators, the device comm, the host
+//! comm, the watchdog).
 //!
 //! Buffers are keyed by `BufferId`. Given the program's memory plan (`Backend::prepare`, which
 //! the executor always calls), the backend makes one allocation for the persistent buffers and
@@ -59,6 +63,7 @@ mod embedding;
 mod gemm;
 mod gemm_operands;
 mod gemm_ws;
+mod kernel;
 mod launch;
 mod matmul;
 mod nccl;
@@ -89,6 +94,8 @@ use std::sync::Arc;
 
 pub use device::gpu_absent;
 pub use nccl::{nccl_available, nccl_version, AbortNotice, FailureProbe, NcclHostComm, NcclId};
+pub use variants::{AttentionBwdKernel, AttentionFwdKernel, CrossEntropyKernel, GemmKernel};
+pub use variants::{KernelVariant, NormBwdKernel, NormFwdKernel, Variant};
 
 /// One allocated buffer.
 struct Slot {
@@ -291,11 +298,10 @@ impl CudaBackend {
         })
     }
 
-    /// Run variant `name` of `op`'s kernel from now on (tests; runs choose with
-    /// `PARC_<OP>_KERNEL`, read when the backend is made). An unknown op or name is an error
-    /// listing the choices.
-    pub fn set_kernel_variant(&mut self, op: &str, name: &str) -> Result<()> {
-        self.variants.set(op, name)
+    /// Run `variant` of its op's kernel from now on (tests; runs choose with
+    /// `PARC_<OP>_KERNEL`, read when the backend is made), e.g. `AttentionFwdKernel::Fa2`.
+    pub fn set_kernel_variant(&mut self, variant: impl Into<KernelVariant>) {
+        self.variants.set(variant.into());
     }
 
     /// Whether the GPU is a Hopper (compute capability 9.0: the program holds its compute_90a

@@ -16,6 +16,8 @@
 //! `storage::program_needs` reserves for a norm backward's partials.
 use super::args::{fv, n, p, Bound, Limits};
 use super::columns::{col_sum_into, column_sums};
+use super::kernel::Kernel;
+use super::variants::{NormBwdKernel, NormFwdKernel};
 use super::{Arg, Buf, CudaBackend};
 use crate::error::Result;
 use parc_compiler::ir::op::Op;
@@ -35,60 +37,60 @@ const _: () = assert!(2 * MAX_BLOCKS * 4 <= 128 * 8);
 const FWD_THREADS: u32 = 256;
 const FWD_ROWS_PER_BLOCK: usize = 16;
 
-const LN_FWD: [[&str; 4]; 2] = [
+const LN_FWD: [[Kernel; 4]; 2] = [
     [
-        "layer_norm_fwd_multirow1_f32",
-        "layer_norm_fwd_multirow2_f32",
-        "layer_norm_fwd_multirow3_f32",
-        "layer_norm_fwd_multirow4_f32",
+        Kernel::LayerNormFwdMultirow1F32,
+        Kernel::LayerNormFwdMultirow2F32,
+        Kernel::LayerNormFwdMultirow3F32,
+        Kernel::LayerNormFwdMultirow4F32,
     ],
     [
-        "layer_norm_fwd_multirow1_bf16",
-        "layer_norm_fwd_multirow2_bf16",
-        "layer_norm_fwd_multirow3_bf16",
-        "layer_norm_fwd_multirow4_bf16",
-    ],
-];
-const RMS_FWD: [[&str; 4]; 2] = [
-    [
-        "rms_norm_fwd_multirow1_f32",
-        "rms_norm_fwd_multirow2_f32",
-        "rms_norm_fwd_multirow3_f32",
-        "rms_norm_fwd_multirow4_f32",
-    ],
-    [
-        "rms_norm_fwd_multirow1_bf16",
-        "rms_norm_fwd_multirow2_bf16",
-        "rms_norm_fwd_multirow3_bf16",
-        "rms_norm_fwd_multirow4_bf16",
+        Kernel::LayerNormFwdMultirow1Bf16,
+        Kernel::LayerNormFwdMultirow2Bf16,
+        Kernel::LayerNormFwdMultirow3Bf16,
+        Kernel::LayerNormFwdMultirow4Bf16,
     ],
 ];
-const LN_BWD: [[&str; 4]; 2] = [
+const RMS_FWD: [[Kernel; 4]; 2] = [
     [
-        "layer_norm_bwd_fused1_f32",
-        "layer_norm_bwd_fused2_f32",
-        "layer_norm_bwd_fused3_f32",
-        "layer_norm_bwd_fused4_f32",
+        Kernel::RmsNormFwdMultirow1F32,
+        Kernel::RmsNormFwdMultirow2F32,
+        Kernel::RmsNormFwdMultirow3F32,
+        Kernel::RmsNormFwdMultirow4F32,
     ],
     [
-        "layer_norm_bwd_fused1_bf16",
-        "layer_norm_bwd_fused2_bf16",
-        "layer_norm_bwd_fused3_bf16",
-        "layer_norm_bwd_fused4_bf16",
+        Kernel::RmsNormFwdMultirow1Bf16,
+        Kernel::RmsNormFwdMultirow2Bf16,
+        Kernel::RmsNormFwdMultirow3Bf16,
+        Kernel::RmsNormFwdMultirow4Bf16,
     ],
 ];
-const RMS_BWD: [[&str; 4]; 2] = [
+const LN_BWD: [[Kernel; 4]; 2] = [
     [
-        "rms_norm_bwd_fused1_f32",
-        "rms_norm_bwd_fused2_f32",
-        "rms_norm_bwd_fused3_f32",
-        "rms_norm_bwd_fused4_f32",
+        Kernel::LayerNormBwdFused1F32,
+        Kernel::LayerNormBwdFused2F32,
+        Kernel::LayerNormBwdFused3F32,
+        Kernel::LayerNormBwdFused4F32,
     ],
     [
-        "rms_norm_bwd_fused1_bf16",
-        "rms_norm_bwd_fused2_bf16",
-        "rms_norm_bwd_fused3_bf16",
-        "rms_norm_bwd_fused4_bf16",
+        Kernel::LayerNormBwdFused1Bf16,
+        Kernel::LayerNormBwdFused2Bf16,
+        Kernel::LayerNormBwdFused3Bf16,
+        Kernel::LayerNormBwdFused4Bf16,
+    ],
+];
+const RMS_BWD: [[Kernel; 4]; 2] = [
+    [
+        Kernel::RmsNormBwdFused1F32,
+        Kernel::RmsNormBwdFused2F32,
+        Kernel::RmsNormBwdFused3F32,
+        Kernel::RmsNormBwdFused4F32,
+    ],
+    [
+        Kernel::RmsNormBwdFused1Bf16,
+        Kernel::RmsNormBwdFused2Bf16,
+        Kernel::RmsNormBwdFused3Bf16,
+        Kernel::RmsNormBwdFused4Bf16,
     ],
 ];
 /// Threads of each fused backward (by stored dtype, then vectors per lane): the
@@ -187,7 +189,7 @@ impl NormFwd {
 fn forward(be: &mut CudaBackend, f: &NormFwd) -> Result<()> {
     let mut ptrs = vec![f.x.ptr, f.y.ptr, f.w.ptr];
     ptrs.extend(f.bias.map(|b| b.ptr));
-    let multirow = be.variants.is("norm_fwd", "multirow");
+    let multirow = be.variants.norm_fwd == NormFwdKernel::Multirow;
     if let Some(v) = vectors(f.d, &ptrs).filter(|_| multirow) {
         let names = if f.mean.is_some() { LN_FWD } else { RMS_FWD };
         let grid = (f.rows.div_ceil(FWD_ROWS_PER_BLOCK) as u32, 1, 1);
@@ -195,22 +197,17 @@ fn forward(be: &mut CudaBackend, f: &NormFwd) -> Result<()> {
         return be.launch(kernel, grid, (FWD_THREADS, 1, 1), 0, &f.args());
     }
     let kernel = if f.mean.is_some() {
-        "layer_norm_fwd"
+        Kernel::LayerNormFwd
     } else {
-        "rms_norm_fwd"
+        Kernel::RmsNormFwd
     };
     launch_warp_rows(be, kernel, f.rows, &f.args())
 }
 
 /// Launch a `warp` kernel over `rows` rows, one warp each.
-fn launch_warp_rows(
-    be: &mut CudaBackend,
-    name: &'static str,
-    rows: usize,
-    args: &[Arg],
-) -> Result<()> {
+fn launch_warp_rows(be: &mut CudaBackend, kernel: Kernel, rows: usize, args: &[Arg]) -> Result<()> {
     let blocks = rows.div_ceil(WARP_ROWS_PER_BLOCK) as u32;
-    be.launch(name, (blocks, 1, 1), (WARP_THREADS, 1, 1), 0, args)
+    be.launch(kernel, (blocks, 1, 1), (WARP_THREADS, 1, 1), 0, args)
 }
 
 /// One norm backward's operands: `mean` only for a LayerNorm, `db` only for one with a bias;
@@ -269,9 +266,9 @@ fn backward(be: &mut CudaBackend, f: &NormBwd) -> Result<()> {
         return Ok(());
     }
     let kernel = if f.mean.is_some() {
-        "layer_norm_bwd_dx"
+        Kernel::LayerNormBwdDx
     } else {
-        "rms_norm_bwd_dx"
+        Kernel::RmsNormBwdDx
     };
     let mut args = f.operands();
     // The last argument: accumulate into dx (0: overwrite).
@@ -280,7 +277,7 @@ fn backward(be: &mut CudaBackend, f: &NormBwd) -> Result<()> {
     // dw (+=) Σ_rows dy·xhat, in double, deterministically.
     let mean = Arg::Ptr(f.mean.map_or(0, |m| m.ptr));
     let leading = [fv(f.dy), fv(f.x), mean, p(f.rstd)];
-    let partial = ("norm_dw_partial", "norm_dw_partial8");
+    let partial = (Kernel::NormDwPartial, Kernel::NormDwPartial8);
     let dw = (f.dw, f.accumulate_param);
     column_sums(be, partial, (&leading, &[f.dy, f.x]), dw, f.rows, f.d)?;
     if let Some(db) = f.db {
@@ -292,7 +289,7 @@ fn backward(be: &mut CudaBackend, f: &NormBwd) -> Result<()> {
 /// Runs the fused backward (dx, dw, db) when it is chosen and takes the rows (`Ok(true)`).
 fn fused_backward(be: &mut CudaBackend, f: &NormBwd) -> Result<bool> {
     let one_dtype = f.dy.dtype == f.x.dtype && f.dx.dtype == f.x.dtype;
-    if !be.variants.is("norm_bwd", "fused") || !one_dtype {
+    if be.variants.norm_bwd != NormBwdKernel::Fused || !one_dtype {
         return Ok(false);
     }
     let Some(v) = vectors(f.d, &[f.dy.ptr, f.x.ptr, f.dx.ptr, f.w.ptr]) else {
@@ -329,7 +326,7 @@ fn fused_backward(be: &mut CudaBackend, f: &NormBwd) -> Result<bool> {
     let kernel = names[stored(f.x)][v - 1];
     be.launch(kernel, (blocks as u32, 1, 1), (threads, 1, 1), 0, &args)?;
     be.launch(
-        "norm_bwd_fused_finish",
+        Kernel::NormBwdFusedFinish,
         (f.d.div_ceil(256) as u32, 1, 1),
         (256, 1, 1),
         0,

@@ -21,6 +21,7 @@
 //! takes the per-tensor path.
 use super::args::{n, p, Bound};
 use super::device::driver_error;
+use super::kernel::Kernel;
 use super::{raw_ptr, sum_squares, Arg, CudaBackend};
 use crate::backend::StepScalars;
 use crate::error::{Result, RuntimeError};
@@ -78,7 +79,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, scalars: &StepScalars) -> Res
                 Arg::F32(bias1),
                 Arg::F32(bias2),
             ];
-            be.launch_n("adamw", g.len, &args)
+            be.launch_n(Kernel::Adamw, g.len, &args)
         }
         Op::Sgd {
             momentum,
@@ -98,7 +99,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, scalars: &StepScalars) -> Res
                 Arg::F32(scalars.lr as f32),
                 Arg::I32(i32::from(scalars.step == 1)),
             ];
-            be.launch_n("sgd", g.len, &args)
+            be.launch_n(Kernel::Sgd, g.len, &args)
         }
         _ => Err(b.err("is not an optimizer op")),
     }
@@ -127,7 +128,7 @@ fn clip_coef(
         Arg::F64(loss_scale.unwrap_or(1.0)),
         Arg::I32(i32::from(loss_scale.is_some())),
     ];
-    be.launch("clip_coef", (1, 1, 1), (32, 1, 1), 0, &args)
+    be.launch(Kernel::ClipCoef, (1, 1, 1), (32, 1, 1), 0, &args)
 }
 
 /// Adam's bias corrections `1 - β₁ᵗ`, `1 - β₂ᵗ` for the 1-based step `t`, as the kernels take
@@ -450,7 +451,13 @@ impl CudaBackend {
                     Arg::F32(bias1),
                     Arg::F32(bias2),
                 ];
-                self.launch("adamw_multi", (blocks, 1, 1), (THREADS, 1, 1), 0, &args)
+                self.launch(
+                    Kernel::AdamwMulti,
+                    (blocks, 1, 1),
+                    (THREADS, 1, 1),
+                    0,
+                    &args,
+                )
             }
             RunKind::Sgd { momentum } => {
                 let args = [
@@ -461,7 +468,7 @@ impl CudaBackend {
                     Arg::F32(lr),
                     Arg::I32(i32::from(scalars.step == 1)),
                 ];
-                self.launch("sgd_multi", (blocks, 1, 1), (THREADS, 1, 1), 0, &args)
+                self.launch(Kernel::SgdMulti, (blocks, 1, 1), (THREADS, 1, 1), 0, &args)
             }
         }
     }

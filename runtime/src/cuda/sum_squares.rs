@@ -17,6 +17,7 @@
 //! last instruction is an error. Without a memory plan, or with `with_fused_sum_squares(false)`,
 //! every instruction takes the per-instruction path (kernels/common.cuh).
 use super::device::driver_error;
+use super::kernel::Kernel;
 use super::{raw_ptr, Arg, Buf, CudaBackend};
 use crate::error::{Result, RuntimeError};
 use crate::optimizer_runs::{find_sum_squares_runs, SumSquaresRun};
@@ -52,14 +53,14 @@ pub(super) fn per_instruction(be: &mut CudaBackend, g: Buf, out: Buf) -> Result<
     let blocks = blocks_for(g.len);
     let part = be.scratch(blocks * 8)?;
     be.launch(
-        "sum_squares_partial",
+        Kernel::SumSquaresPartial,
         (blocks as u32, 1, 1),
         (THREADS, 1, 1),
         0,
         &[Arg::Ptr(g.ptr), Arg::Ptr(part), Arg::I64(g.len as i64)],
     )?;
     be.launch(
-        "sum_partials_into",
+        Kernel::SumPartialsInto,
         (1, 1, 1),
         (THREADS, 1, 1),
         0,
@@ -361,7 +362,7 @@ impl CudaBackend {
             Arg::I64(count),
         ];
         let grid = (run.group_count, 1, 1);
-        self.launch("sum_squares_one_pass", grid, (THREADS, 1, 1), 0, &args)
+        self.launch(Kernel::SumSquaresOnePass, grid, (THREADS, 1, 1), 0, &args)
     }
 }
 
