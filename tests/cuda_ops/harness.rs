@@ -312,7 +312,7 @@ fn check_against(test: &str, cases: &[Case], gpu: Option<Box<dyn Backend>>) -> V
     check_with(test, cases, gpu.as_mut())
 }
 
-/// A Hopper GPU backend in `precision` running variant `name` of `op`, or None (printed)
+/// A Hopper GPU backend in `precision` running `variant`, or None (printed)
 /// without a GPU or on another GPU (the variant is Hopper-only).
 #[cfg(feature = "cuda")]
 pub fn hopper_variant(

@@ -827,6 +827,13 @@ impl Grads {
         args.push(Arg::Geom(g));
         args
     }
+
+    /// delta and lse2 by the exact kernels' `attention_delta` (a block of rows a head).
+    fn exact_delta(&self, be: &mut CudaBackend, c: &Call, g: AttGeom) -> Result<()> {
+        let (grid, block, _) = c.exact_launch();
+        let args = self.delta_args(g, None);
+        be.launch(Kernel::AttentionDelta, grid, block, 0, &args)
+    }
 }
 
 /// dq, dk, dv of the backward: by the exact kernels, or by the tensor-core kernels.
@@ -879,14 +886,8 @@ fn attention_backward(be: &mut CudaBackend, b: &Bound, c: &Call) -> Result<()> {
 /// The exact kernels' backward: delta, then dq over query blocks, then dk and dv over key
 /// blocks.
 fn exact_backward(be: &mut CudaBackend, c: &Call, g: AttGeom, r: &Grads) -> Result<()> {
+    r.exact_delta(be, c, g)?;
     let (grid_q, block, kv_smem) = c.exact_launch();
-    be.launch(
-        Kernel::AttentionDelta,
-        grid_q,
-        block,
-        0,
-        &r.delta_args(g, None),
-    )?;
     let (q, k, v) = (p(c.q), p(c.k), p(c.v));
     let (lse, delta) = (p(r.lse), Arg::Ptr(r.delta));
     let positions = [Arg::Ptr(c.qpos), Arg::Ptr(c.kvpos), Arg::Geom(g)];
@@ -931,14 +932,7 @@ fn tensor_core_backward(
         let threads = batch * heads * c.seq_q() * (d / 8);
         be.launch_n(tc.delta, threads, &r.delta_args(g, Some(dq_acc)))?;
     } else {
-        let (grid_q, block, _) = c.exact_launch();
-        be.launch(
-            Kernel::AttentionDelta,
-            grid_q,
-            block,
-            0,
-            &r.delta_args(g, None),
-        )?;
+        r.exact_delta(be, c, g)?;
         be.zero_bytes(dq_acc, r.dq.len * 4)?;
     }
     let seq_kv = g.seq_kv as usize;
@@ -1185,32 +1179,21 @@ mod tests {
 
     fn op(forward: bool, head_dim: u64) -> Op {
         let positions = vec![Segment { start: 0, len: 10 }];
-        let (batch, heads, kv_heads, causal, scale) = (2, 4, 2, true, 0.125);
-        let (q_positions, kv_positions) = (positions.clone(), positions);
+        let attrs = AttentionAttrs {
+            batch: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim,
+            causal: true,
+            scale: 0.125,
+            q_positions: positions.clone(),
+            kv_positions: positions,
+            packed: false,
+        };
         if forward {
-            Op::Attention(AttentionAttrs {
-                batch,
-                heads,
-                kv_heads,
-                head_dim,
-                causal,
-                scale,
-                q_positions,
-                kv_positions,
-                packed: false,
-            })
+            Op::Attention(attrs)
         } else {
-            Op::AttentionBwd(AttentionAttrs {
-                batch,
-                heads,
-                kv_heads,
-                head_dim,
-                causal,
-                scale,
-                q_positions,
-                kv_positions,
-                packed: false,
-            })
+            Op::AttentionBwd(attrs)
         }
     }
 

@@ -29,15 +29,13 @@ macro_rules! kernels {
         }
 
         impl Kernel {
-            /// Every kernel, in the table's order (`kernel as usize` indexes it).
-            pub const ALL: &'static [Kernel] = &[$(Kernel::$variant,)*];
-
             /// The kernel's C symbol in the compiled module.
             pub fn symbol(self) -> &'static str {
-                match self {
-                    $(Kernel::$variant => $symbol,)*
-                }
+                match self { $(Kernel::$variant => $symbol),* }
             }
+
+            /// Every kernel, in the table's order (`kernel as usize` indexes it).
+            pub const ALL: &'static [Kernel] = &[$(Kernel::$variant),*];
         }
     };
 }

@@ -50,76 +50,107 @@ fn weight(buf: Buf) -> Operand {
 
 /// Run an op of the matmul family.
 pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
-    match b.op {
+    let (in_dim, out_dim) = match *b.op {
         Op::Matmul {
-            in_dim,
-            out_dim,
+            in_dim: i,
+            out_dim: o,
+            ..
+        }
+        | Op::MatmulBwdData {
+            in_dim: i,
+            out_dim: o,
+            ..
+        }
+        | Op::MatmulBwdWeight {
+            in_dim: i,
+            out_dim: o,
+            ..
+        } => (i, o),
+        _ => return Err(b.err("is not a GEMM op")),
+    };
+    let k_in = b.launch_dim("in_dim", in_dim)?;
+    let m_out = b.launch_dim("out_dim", out_dim)?;
+    // Input 0 holds the rows: x for the forward, dy for the backwards.
+    let rows_of = b.input(0)?;
+    let what = if matches!(b.op, Op::Matmul { .. }) {
+        "x"
+    } else {
+        "dy"
+    };
+    let dims = (b.launch_rows(rows_of, what, b.rows)?, k_in, m_out);
+    match *b.op {
+        Op::Matmul {
             bias,
             act,
             residual,
+            ..
         } => {
-            let (k, m) = (
-                b.launch_dim("in_dim", *in_dim)?,
-                b.launch_dim("out_dim", *out_dim)?,
-            );
-            let x = b.input(0)?;
-            let rows = b.launch_rows(x, "x", b.rows)?;
             let bb = bias.then(|| b.input(2)).transpose()?;
             let r = residual
-                .then(|| b.input(2 + usize::from(*bias)))
+                .then(|| b.input(2 + usize::from(bias)))
                 .transpose()?;
             let a = act.map(|_| b.output(1)).transpose()?;
             let forward = Forward {
-                x,
+                x: rows_of,
                 w: b.input(1)?,
                 bb,
                 r,
                 y: b.output(0)?,
                 act: act.zip(a),
             };
-            matmul(be, b, &forward, (rows, k, m))
+            matmul(be, b, &forward, dims)
         }
         Op::MatmulBwdData {
-            in_dim,
-            out_dim,
             accumulate,
             act_grad,
+            ..
         } => {
-            let (k_in, m_out) = (
-                b.launch_dim("in_dim", *in_dim)?,
-                b.launch_dim("out_dim", *out_dim)?,
-            );
-            let dy = b.input(0)?;
-            let rows = b.launch_rows(dy, "dy", b.rows)?;
             let act_grad = act_grad.map(|act| Ok((act, b.input(2)?))).transpose()?;
             let (w, dx) = (b.input(1)?, b.output(0)?);
-            backward_data(
-                be,
-                b,
-                (dy, w, dx),
-                act_grad,
-                *accumulate,
-                (rows, k_in, m_out),
-            )
+            backward_data(be, b, (rows_of, w, dx), act_grad, accumulate, dims)
         }
         Op::MatmulBwdWeight {
-            in_dim,
-            out_dim,
             bias,
             accumulate_param_grad,
+            ..
         } => {
-            let (k_in, m_out) = (
-                b.launch_dim("in_dim", *in_dim)?,
-                b.launch_dim("out_dim", *out_dim)?,
-            );
-            let dy = b.input(0)?;
-            let rows = b.launch_rows(dy, "dy", b.rows)?;
             let (x, dw) = (b.input(1)?, b.output(0)?);
             let db = bias.then(|| b.output(1)).transpose()?;
-            let accumulate = *accumulate_param_grad;
-            backward_weight(be, (dy, x, dw, db), accumulate, (rows, k_in, m_out))
+            backward_weight(be, (rows_of, x, dw, db), accumulate_param_grad, dims)
         }
         _ => Err(b.err("is not a GEMM op")),
+    }
+}
+
+/// A GEMM's rows, its input width and its output width.
+type Dims = (usize, usize, usize);
+
+/// D (m × n, column-major, leading dimension m) = op(A) · op(B), added onto D where
+/// `accumulate`, with A and B stored dense (leading dimension k, or m where A is not
+/// transposed; k, or n where B is transposed), no epilogue: every GEMM of the matmul ops.
+fn dense_gemm(
+    (trans_a, trans_b): (bool, bool),
+    (m, n, k): (usize, usize, usize),
+    (a, b, d): (CUdeviceptr, CUdeviceptr, CUdeviceptr),
+    accumulate: bool,
+    out: Output,
+) -> Gemm {
+    Gemm {
+        trans_a,
+        trans_b,
+        m: m as u64,
+        n: n as u64,
+        k: k as u64,
+        a,
+        lda: (if trans_a { k } else { m }) as i64,
+        b,
+        ldb: (if trans_b { n } else { k }) as i64,
+        c: d,
+        ldc: m as i64,
+        c_in: None,
+        beta: if accumulate { 1.0 } else { 0.0 },
+        out,
+        epilogue: Epilogue::None,
     }
 }
 
@@ -138,23 +169,13 @@ struct Forward {
 fn matmul(be: &mut CudaBackend, b: &Bound, f: &Forward, (rows, k, m): Dims) -> Result<()> {
     let Forward { x, w, bb, r, y, .. } = *f;
     // yᵀ (m × rows) = W (m × k, stored k × m) · xᵀ (k × rows) (+ b per row of yᵀ).
-    let g = Gemm {
-        trans_a: true,
-        trans_b: false,
-        m: m as u64,
-        n: rows as u64,
-        k: k as u64,
-        a: w.ptr,
-        lda: k as i64,
-        b: x.ptr,
-        ldb: k as i64,
-        c: y.ptr,
-        ldc: m as i64,
-        c_in: None,
-        beta: 0.0,
-        out: output(y),
-        epilogue: Epilogue::None,
-    };
+    let g = dense_gemm(
+        (true, false),
+        (m, rows, k),
+        (w.ptr, x.ptr, y.ptr),
+        false,
+        output(y),
+    );
     let a = f.act.map(|(_, a)| a);
     // The residual as the GEMM's C (beta = 1) beside a D of its type.
     let d = a.unwrap_or(y);
@@ -194,9 +215,6 @@ fn matmul(be: &mut CudaBackend, b: &Bound, f: &Forward, (rows, k, m): Dims) -> R
     }
 }
 
-/// A GEMM op's rows, its input width and its output width.
-type Dims = (usize, usize, usize);
-
 /// dx (+)= dy·W, then dx = dx ⊙ act'(pre) where the op has an activation gradient.
 fn backward_data(
     be: &mut CudaBackend,
@@ -207,23 +225,8 @@ fn backward_data(
     (rows, k_in, m_out): Dims,
 ) -> Result<()> {
     // dxᵀ (in × rows) (+)= Wᵀ (in × out, as stored) · dyᵀ (out × rows).
-    let g = Gemm {
-        trans_a: false,
-        trans_b: false,
-        m: k_in as u64,
-        n: rows as u64,
-        k: m_out as u64,
-        a: w.ptr,
-        lda: k_in as i64,
-        b: dy.ptr,
-        ldb: m_out as i64,
-        c: dx.ptr,
-        ldc: k_in as i64,
-        c_in: None,
-        beta: if accumulate { 1.0 } else { 0.0 },
-        out: output(dx),
-        epilogue: Epilogue::None,
-    };
+    let (shape, ptrs) = ((k_in, rows, m_out), (w.ptr, dy.ptr, dx.ptr));
+    let g = dense_gemm((false, false), shape, ptrs, accumulate, output(dx));
     let Some((act, pre)) = act_grad else {
         return be.gemm(&g, weight(w), activation(dy));
     };
@@ -265,23 +268,8 @@ fn backward_weight(
 ) -> Result<()> {
     // dWᵀ (in × out) += xᵀ (in × rows, as stored) · dy (rows × out, stored out × rows);
     // beta 0 (dW overwritten) for a first contribution.
-    let g = Gemm {
-        trans_a: false,
-        trans_b: true,
-        m: k_in as u64,
-        n: m_out as u64,
-        k: rows as u64,
-        a: x.ptr,
-        lda: k_in as i64,
-        b: dy.ptr,
-        ldb: m_out as i64,
-        c: dw.ptr,
-        ldc: k_in as i64,
-        c_in: None,
-        beta: if accumulate { 1.0 } else { 0.0 },
-        out: Output::F32,
-        epilogue: Epilogue::None,
-    };
+    let (shape, ptrs) = ((k_in, m_out, rows), (x.ptr, dy.ptr, dw.ptr));
+    let g = dense_gemm((false, true), shape, ptrs, accumulate, Output::F32);
     let Some(db) = db else {
         return be.gemm(&g, activation(x), activation(dy));
     };
@@ -310,7 +298,14 @@ fn bias_grad_epilogue(
         },
         ..*g
     };
-    let add = add_into(t, one, db, m_out);
+    // db += t as a k = 1 fp32 GEMM: db = t · [1.0] + 1 · db (one rounding, as an add).
+    let add = dense_gemm(
+        (false, false),
+        (m_out, 1, 1),
+        (t, one, db.ptr),
+        true,
+        Output::F32,
+    );
     if !(be.blas.supports(&with_grad, be.operands)?
         && (!accumulate || be.blas.supports(&add, Operands::F32)?))
     {
@@ -500,28 +495,6 @@ fn bias_epilogue(
     Ok(Epilogue::None)
 }
 
-/// `db += t` (`len` fp32 values) as a k = 1 fp32 GEMM: `db = t · [1.0] + 1 · db` (one
-/// rounding, as an add; `one` holds 1.0).
-fn add_into(t: CUdeviceptr, one: CUdeviceptr, db: Buf, len: usize) -> Gemm {
-    Gemm {
-        trans_a: false,
-        trans_b: false,
-        m: len as u64,
-        n: 1,
-        k: 1,
-        a: t,
-        lda: len as i64,
-        b: one,
-        ldb: 1,
-        c: db.ptr,
-        ldc: len as i64,
-        c_in: None,
-        beta: 1.0,
-        out: Output::F32,
-        epilogue: Epilogue::None,
-    }
-}
-
 impl CudaBackend {
     /// Starts (from zero) or stops timing the GEMMs' cuBLASLt kernels alone, without their
     /// operand conversions (for GEMM benchmarks): while on, every GEMM waits for its kernels.
@@ -540,5 +513,53 @@ impl CudaBackend {
     /// Milliseconds of GEMM kernel time since `time_gemm_kernels(true)`; None when off.
     pub fn gemm_kernel_ms(&self) -> Option<f64> {
         self.blas.matmul_ms()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The GEMM of every matmul op as its fields were written out before `dense_gemm`: the
+    /// forward, backward-data and backward-weight products and the bias gradient's k = 1 add
+    /// ((m, n, k), (lda, ldb, ldc), beta).
+    #[test]
+    fn dense_gemms_keep_each_ops_layout() {
+        let (rows, k_in, m_out) = (37usize, 24usize, 40usize);
+        let ptrs = (0x1000, 0x2000, 0x3000);
+        let layout = |g: Gemm| {
+            assert_eq!((g.a, g.b, g.c, g.c_in), (0x1000, 0x2000, 0x3000, None));
+            assert_eq!(g.epilogue, Epilogue::None);
+            let dims = [g.m, g.n, g.k].map(|v| v as usize);
+            let lds = [g.lda, g.ldb, g.ldc].map(|v| v as usize);
+            (dims, lds, g.beta, g.out)
+        };
+        let forward = dense_gemm(
+            (true, false),
+            (m_out, rows, k_in),
+            ptrs,
+            false,
+            Output::Bf16,
+        );
+        assert_eq!(
+            layout(forward),
+            ([m_out, rows, k_in], [k_in, k_in, m_out], 0.0, Output::Bf16)
+        );
+        let data = dense_gemm((false, false), (k_in, rows, m_out), ptrs, true, Output::F32);
+        assert_eq!(
+            layout(data),
+            ([k_in, rows, m_out], [k_in, m_out, k_in], 1.0, Output::F32)
+        );
+        let weight = dense_gemm((false, true), (k_in, m_out, rows), ptrs, false, Output::F32);
+        assert_eq!(
+            layout(weight),
+            ([k_in, m_out, rows], [k_in, m_out, k_in], 0.0, Output::F32)
+        );
+        let add = dense_gemm((false, false), (m_out, 1, 1), ptrs, true, Output::F32);
+        assert_eq!(
+            layout(add),
+            ([m_out, 1, 1], [m_out, 1, m_out], 1.0, Output::F32)
+        );
+        assert!(forward.trans_a && !forward.trans_b && weight.trans_b && !data.trans_a);
     }
 }

@@ -47,73 +47,62 @@ const STEP_ZERO: &str = "the optimizer step count is 1-based; got step 0";
 
 /// Run an op of the optimizer family on its own (the instructions a fused run does not take).
 pub(super) fn run(be: &mut CudaBackend, b: &Bound, scalars: &StepScalars) -> Result<()> {
-    if matches!(b.op, Op::AdamW { .. } | Op::Sgd { .. }) && scalars.step == 0 {
-        return Err(b.err(STEP_ZERO));
-    }
     match b.op {
         Op::SumSquares => sum_squares::per_instruction(be, b.input(0)?, b.output(0)?),
-        Op::ClipCoef { max_norm } => {
-            let (sumsq, coef) = (b.input(0)?, b.output(0)?);
-            clip_coef(be, sumsq, coef, *max_norm, scalars.loss_scale)
-        }
+        Op::ClipCoef { max_norm } => clip_coef(be, b, *max_norm, scalars.loss_scale),
+        Op::AdamW { .. } | Op::Sgd { .. } => update(be, b, scalars),
+        _ => Err(b.err("is not an optimizer op")),
+    }
+}
+
+/// One tensor's AdamW or SGD update (g, coef; param and its state).
+fn update(be: &mut CudaBackend, b: &Bound, scalars: &StepScalars) -> Result<()> {
+    if scalars.step == 0 {
+        return Err(b.err(STEP_ZERO));
+    }
+    let g = b.input(0)?;
+    let mut args = vec![p(g), p(b.input(1)?), p(b.output(0)?)];
+    let lr = Arg::F32(scalars.lr as f32);
+    let kernel = match *b.op {
         Op::AdamW {
             beta1,
             beta2,
             eps,
-            weight_decay,
+            weight_decay: decay,
         } => {
-            let g = b.input(0)?;
-            let (bias1, bias2) = adam_bias_corrections(*beta1, *beta2, scalars.step);
-            let args = [
-                p(g),
-                p(b.input(1)?),
-                p(b.output(0)?),
-                p(b.output(1)?),
-                p(b.output(2)?),
-                n(g.len),
-                Arg::F32(*beta1 as f32),
-                Arg::F32(*beta2 as f32),
-                Arg::F32(*eps as f32),
-                Arg::F32(*weight_decay as f32),
-                Arg::F32(scalars.lr as f32),
-                Arg::F32(bias1),
-                Arg::F32(bias2),
-            ];
-            be.launch_n(Kernel::Adamw, g.len, &args)
+            let (bias1, bias2) = adam_bias_corrections(beta1, beta2, scalars.step);
+            let (m, v) = (b.output(1)?, b.output(2)?);
+            args.extend([p(m), p(v), n(g.len)]);
+            let hyper = [beta1, beta2, eps, decay].map(|h| Arg::F32(h as f32));
+            args.extend(hyper);
+            args.extend([lr, Arg::F32(bias1), Arg::F32(bias2)]);
+            Kernel::Adamw
         }
         Op::Sgd {
             momentum,
             weight_decay,
         } => {
-            let g = b.input(0)?;
             // The momentum buffer where the op has one (momentum ≠ 0), else none.
             let buf = b.outputs.get(1).map_or(0, |m| m.ptr);
-            let args = [
-                p(g),
-                p(b.input(1)?),
-                p(b.output(0)?),
-                Arg::Ptr(buf),
-                n(g.len),
-                Arg::F32(*momentum as f32),
-                Arg::F32(*weight_decay as f32),
-                Arg::F32(scalars.lr as f32),
-                Arg::I32(i32::from(scalars.step == 1)),
-            ];
-            be.launch_n(Kernel::Sgd, g.len, &args)
+            args.extend([Arg::Ptr(buf), n(g.len)]);
+            args.extend([Arg::F32(momentum as f32), Arg::F32(weight_decay as f32), lr]);
+            args.push(Arg::I32(i32::from(scalars.step == 1)));
+            Kernel::Sgd
         }
-        _ => Err(b.err("is not an optimizer op")),
-    }
+        _ => return Err(b.err("is not an optimizer update")),
+    };
+    be.launch_n(kernel, g.len, &args)
 }
 
 /// coef = the clipping coefficient of the gradient norm √sumsq (a negative max norm: no
 /// clipping), unscaled by a loss scale, which also marks an overflowed step with a NaN.
 fn clip_coef(
     be: &mut CudaBackend,
-    sumsq: super::Buf,
-    coef: super::Buf,
+    b: &Bound,
     max_norm: Option<f64>,
     loss_scale: Option<f64>,
 ) -> Result<()> {
+    let (sumsq, coef) = (b.input(0)?, b.output(0)?);
     if max_norm.is_none() && loss_scale.is_none() {
         // No clipping, no loss scale: coef = 1 (written directly, no kernel needed).
         let one = [1.0f32];
