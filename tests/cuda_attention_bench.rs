@@ -34,7 +34,7 @@ mod bench {
     use parc_compiler::ir::{BufferId, DType};
     use parc_compiler::spec::Precision;
     use parc_runtime::backend::{Backend, StepScalars};
-    use parc_runtime::cuda::CudaBackend;
+    use parc_runtime::cuda::{AttentionBwdKernel, AttentionFwdKernel, CudaBackend, Variant};
     use std::time::Instant;
 
     struct Point {
@@ -128,14 +128,17 @@ mod bench {
     /// The (forward, backward) attention variants a point is timed with: `fa2`, and on a
     /// Hopper GPU in a bf16 run the wgmma kernels (the backward's for head_dim 64 only; each
     /// pair times both directions).
-    fn variant_pairs(be: &CudaBackend, pt: &Point) -> Vec<(&'static str, &'static str)> {
-        let mut pairs = vec![("fa2", "fa2")];
+    fn variant_pairs(
+        be: &CudaBackend,
+        pt: &Point,
+    ) -> Vec<(AttentionFwdKernel, AttentionBwdKernel)> {
+        let mut pairs = vec![(AttentionFwdKernel::Fa2, AttentionBwdKernel::Fa2)];
         if matches!(pt.precision, Precision::Bf16) && be.is_hopper() {
             // The warp-specialized kernels (the defaults; head_dim 64, d128 times the wgmma
             // forward and fa2 backward), and the wgmma forward beside them.
-            pairs.push(("ws", "ws"));
+            pairs.push((AttentionFwdKernel::Ws, AttentionBwdKernel::Ws));
             if pt.head_dim == 64 {
-                pairs.push(("wgmma", "ws"));
+                pairs.push((AttentionFwdKernel::Wgmma, AttentionBwdKernel::Ws));
             }
         }
         pairs
@@ -144,9 +147,14 @@ mod bench {
     /// Times `pt` with attention variants `fwd` and `bwd` (PARC_ATTENTION_FWD_KERNEL's and
     /// PARC_ATTENTION_BWD_KERNEL's names, set here whatever the environment says); the label
     /// names the variants that are not the default.
-    fn measure(be: &mut CudaBackend, pt: &Point, fwd_kernel: &str, bwd_kernel: &str) {
-        be.set_kernel_variant("attention_fwd", fwd_kernel).unwrap();
-        be.set_kernel_variant("attention_bwd", bwd_kernel).unwrap();
+    fn measure(
+        be: &mut CudaBackend,
+        pt: &Point,
+        fwd_kernel: AttentionFwdKernel,
+        bwd_kernel: AttentionBwdKernel,
+    ) {
+        be.set_kernel_variant(fwd_kernel);
+        be.set_kernel_variant(bwd_kernel);
         let (b, h, t, d) = (pt.batch, pt.heads, pt.seq, pt.head_dim);
         let n = (t * b * h * d) as usize;
         let lse_n = (b * h * t) as usize;
@@ -237,11 +245,11 @@ mod bench {
             _ => "parc-fp32-exact",
         };
         let mut label = label.to_string();
-        if fwd_kernel != "fa2" {
-            label = format!("{label}-{fwd_kernel}");
+        if fwd_kernel != AttentionFwdKernel::Fa2 {
+            label = format!("{label}-{}", fwd_kernel.name());
         }
-        if bwd_kernel != "fa2" {
-            label = format!("{label}-{bwd_kernel}bwd");
+        if bwd_kernel != AttentionBwdKernel::Fa2 {
+            label = format!("{label}-{}bwd", bwd_kernel.name());
         }
         if pt.packed {
             label = format!("{label}-packed");

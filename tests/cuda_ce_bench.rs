@@ -24,10 +24,9 @@ mod bench {
     use parc_compiler::ir::{BufferId, DType};
     use parc_compiler::spec::Precision;
     use parc_runtime::backend::{Backend, StepScalars};
-    use parc_runtime::cuda::CudaBackend;
+    use parc_runtime::cuda::{CrossEntropyKernel, CudaBackend, Variant};
 
     const VOCAB: usize = 50_257;
-    const VARIANTS: [&str; 2] = ["staged", "rows"];
     /// Timed runs per point (the median counts).
     const REPS: usize = 10;
     /// Rows of random logits written from the host once, then copied on the device over the
@@ -66,7 +65,7 @@ mod bench {
             },
         ];
         for pt in &points {
-            for variant in VARIANTS {
+            for &variant in CrossEntropyKernel::ALL {
                 let precision = if pt.dtype == DType::Bf16 {
                     Precision::Bf16
                 } else {
@@ -75,8 +74,8 @@ mod bench {
                 let Some(mut be) = backend_or_skip(precision) else {
                     return;
                 };
-                be.set_kernel_variant("cross_entropy", variant).unwrap();
-                measure(&mut be, pt, variant);
+                be.set_kernel_variant(variant);
+                measure(&mut be, pt, variant.name());
             }
         }
     }

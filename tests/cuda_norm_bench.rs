@@ -24,7 +24,7 @@ mod bench {
     use parc_compiler::ir::{BufferId, DType};
     use parc_compiler::spec::Precision;
     use parc_runtime::backend::{Backend, StepScalars};
-    use parc_runtime::cuda::CudaBackend;
+    use parc_runtime::cuda::{CudaBackend, NormBwdKernel, NormFwdKernel, Variant};
     use std::time::Instant;
 
     /// Ops per timed sample (back to back, one synchronisation), and samples (median).
@@ -75,7 +75,7 @@ mod bench {
             };
             let rms = Op::RmsNorm { dim: d, eps: 1e-6 };
             // Real statistics for the backwards.
-            be.set_kernel_variant("norm_fwd", "warp").unwrap();
+            be.set_kernel_variant(NormFwdKernel::Warp);
             let ids = |v: &[u32]| v.iter().map(|&i| BufferId(i)).collect::<Vec<_>>();
             let scalars = StepScalars {
                 lr: 0.0,
@@ -85,8 +85,9 @@ mod bench {
             be.compute(&ln, &ids(&[X, W, B]), &ids(&[Y, MEAN, RSTD]), &scalars)
                 .unwrap();
             let fwd_bytes = 2.0 * act as f64 * 2.0;
-            for name in ["warp", "multirow"] {
-                be.set_kernel_variant("norm_fwd", name).unwrap();
+            for variant in [NormFwdKernel::Warp, NormFwdKernel::Multirow] {
+                be.set_kernel_variant(variant);
+                let name = variant.name();
                 let t = time(&mut be, &ln, &ids(&[X, W, B]), &ids(&[Y, MEAN, RSTD]));
                 report("layer_norm_fwd", name, rows, dim, t, fwd_bytes);
                 let t = time(&mut be, &rms, &ids(&[X, W]), &ids(&[Y, RSTD]));
@@ -94,8 +95,9 @@ mod bench {
             }
             // rstd now holds the RMS statistics; the LayerNorm backward's speed does not
             // depend on the values, only on their being finite.
-            for name in ["warp", "fused"] {
-                be.set_kernel_variant("norm_bwd", name).unwrap();
+            for variant in [NormBwdKernel::Warp, NormBwdKernel::Fused] {
+                be.set_kernel_variant(variant);
+                let name = variant.name();
                 for accumulate in [false, true] {
                     let bytes = (3.0 + f64::from(u8::from(accumulate))) * act as f64 * 2.0;
                     let ln_bwd = Op::LayerNormBwd {

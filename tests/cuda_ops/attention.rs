@@ -15,6 +15,8 @@ use parc_compiler::ir::{BufferId, DType};
 use parc_compiler::spec::Precision;
 use parc_runtime::backend::Backend;
 use parc_runtime::cpu::CpuBackend;
+#[cfg(feature = "cuda")]
+use parc_runtime::cuda::{AttentionBwdKernel, AttentionFwdKernel, Variant};
 
 /// One attention shape: batch, heads, kv heads (GQA when fewer), head dim, causal mask, and the
 /// global positions of the q rows and of the kv rows.
@@ -436,7 +438,7 @@ fn check_storage(test: &str, gpu: &mut dyn Backend) {
 #[cfg(feature = "cuda")]
 #[test]
 fn attention_bf16_ws_bwd() {
-    let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, "attention_bwd", "ws")
+    let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, AttentionBwdKernel::Ws)
     else {
         return;
     };
@@ -477,7 +479,7 @@ fn attention_wgmma_layouts() {
     #[cfg(feature = "cuda")]
     {
         let Some(mut gpu) =
-            crate::harness::hopper_variant(Precision::Bf16, "attention_fwd", "wgmma")
+            crate::harness::hopper_variant(Precision::Bf16, AttentionFwdKernel::Wgmma)
         else {
             return;
         };
@@ -509,7 +511,7 @@ fn attention_bf16_wgmma() {
     println!("skipped: no CUDA device (this build has no `cuda` feature)");
     #[cfg(feature = "cuda")]
     {
-        for variant in ["ws", "wgmma"] {
+        for variant in [AttentionFwdKernel::Ws, AttentionFwdKernel::Wgmma] {
             wgmma_forward_cases(variant);
         }
     }
@@ -518,11 +520,11 @@ fn attention_bf16_wgmma() {
 /// attention_bf16_wgmma's cases on the Hopper forward `variant` (the warp-specialized `ws`,
 /// which takes head_dim 64 and leaves d128 to the warpgroup-MMA kernel, or `wgmma` for both).
 #[cfg(feature = "cuda")]
-fn wgmma_forward_cases(variant: &str) {
-    let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, "attention_fwd", variant)
-    else {
+fn wgmma_forward_cases(kernel: AttentionFwdKernel) {
+    let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, kernel) else {
         return;
     };
+    let variant = kernel.name();
     let mut r = Rng::new("attention_bf16_wgmma");
     let mut configs = tc_configs();
     configs.extend([
@@ -571,8 +573,8 @@ fn attention_bf16_mma_sync() {
         let Some(mut gpu) = crate::harness::cuda_backend(Precision::Bf16) else {
             return;
         };
-        gpu.set_kernel_variant("attention_fwd", "fa2").unwrap();
-        gpu.set_kernel_variant("attention_bwd", "fa2").unwrap();
+        gpu.set_kernel_variant(AttentionFwdKernel::Fa2);
+        gpu.set_kernel_variant(AttentionBwdKernel::Fa2);
         let mut r = Rng::new("attention_bf16_mma_sync");
         let mut configs = tc_configs();
         configs.push(AttConfig::new(
@@ -765,17 +767,24 @@ fn attention_packed() {
     #[cfg(feature = "cuda")]
     {
         let mut failures = Vec::new();
-        for (fwd, bwd) in [("ws", "ws"), ("wgmma", "ws"), ("fa2", "fa2")] {
+        use AttentionBwdKernel as Bwd;
+        use AttentionFwdKernel as Fwd;
+        for (fwd, bwd) in [
+            (Fwd::Ws, Bwd::Ws),
+            (Fwd::Wgmma, Bwd::Ws),
+            (Fwd::Fa2, Bwd::Fa2),
+        ] {
             let Some(mut gpu) = crate::harness::cuda_backend(Precision::Bf16) else {
                 return;
             };
-            if fwd != "fa2" && !gpu.is_hopper() {
-                println!("skipped: attention_packed with {fwd} runs on Hopper GPUs only");
+            let name = fwd.name();
+            if fwd != Fwd::Fa2 && !gpu.is_hopper() {
+                println!("skipped: attention_packed with {name} runs on Hopper GPUs only");
                 continue;
             }
-            gpu.set_kernel_variant("attention_fwd", fwd).unwrap();
-            gpu.set_kernel_variant("attention_bwd", bwd).unwrap();
-            let test = format!("attention_packed_{fwd}");
+            gpu.set_kernel_variant(fwd);
+            gpu.set_kernel_variant(bwd);
+            let test = format!("attention_packed_{name}");
             // bf16 dq: the atomics' order can move a value across a bf16 rounding boundary.
             failures.extend(packed_vs_unpacked(
                 &test,

@@ -116,13 +116,14 @@ fn fused_cross_entropy_bf16() {
 #[cfg(feature = "cuda")]
 #[test]
 fn fused_cross_entropy_is_in_place_and_deterministic() {
-    for variant in VARIANTS {
-        in_place_and_deterministic(variant);
+    use parc_runtime::cuda::{CrossEntropyKernel, Variant};
+    for &variant in CrossEntropyKernel::ALL {
+        in_place_and_deterministic(variant.into(), variant.name());
     }
 }
 
 #[cfg(feature = "cuda")]
-fn in_place_and_deterministic(variant: &str) {
+fn in_place_and_deterministic(kernel: parc_runtime::cuda::KernelVariant, variant: &str) {
     use parc_compiler::ir::{BufferId, DType};
     use parc_runtime::backend::Backend;
     use parc_runtime::cuda::CudaBackend;
@@ -130,7 +131,7 @@ fn in_place_and_deterministic(variant: &str) {
     let Some(mut gpu) = crate::harness::cuda_backend(Precision::Fp32) else {
         return;
     };
-    gpu.set_kernel_variant("cross_entropy", variant).unwrap();
+    gpu.set_kernel_variant(kernel);
     let mut r = Rng::new(&format!(
         "fused_cross_entropy_is_in_place_and_deterministic {variant}"
     ));

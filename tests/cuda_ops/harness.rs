@@ -56,12 +56,13 @@ pub fn gpu() -> Option<Box<dyn Backend>> {
     gpu_with(Precision::Fp32)
 }
 
-/// A GPU backend in `precision` that runs kernel variant `name` of `op`
-/// (`PARC_<OP>_KERNEL`, cuda/variants.rs).
+/// A GPU backend in `precision` that runs kernel variant `name` of `op` (the names
+/// `PARC_<OP>_KERNEL` takes, cuda/variants.rs).
 #[cfg(feature = "cuda")]
 pub fn gpu_variant(precision: Precision, (op, name): (&str, &str)) -> Option<Box<dyn Backend>> {
+    let variant = parc_runtime::cuda::KernelVariant::parse(op, name).unwrap();
     let mut b = cuda_backend(precision)?;
-    b.set_kernel_variant(op, name).unwrap();
+    b.set_kernel_variant(variant);
     Some(Box::new(b))
 }
 
@@ -311,20 +312,20 @@ fn check_against(test: &str, cases: &[Case], gpu: Option<Box<dyn Backend>>) -> V
     check_with(test, cases, gpu.as_mut())
 }
 
-/// A Hopper GPU backend in `precision` running variant `name` of `op`, or None (printed)
+/// A Hopper GPU backend in `precision` running `variant`, or None (printed)
 /// without a GPU or on another GPU (the variant is Hopper-only).
 #[cfg(feature = "cuda")]
 pub fn hopper_variant(
     precision: Precision,
-    op: &str,
-    name: &str,
+    variant: impl Into<parc_runtime::cuda::KernelVariant>,
 ) -> Option<parc_runtime::cuda::CudaBackend> {
+    let variant = variant.into();
     let mut b = cuda_backend(precision)?;
     if !b.is_hopper() {
-        println!("skipped: {op}={name} runs on Hopper GPUs only");
+        println!("skipped: {variant} runs on Hopper GPUs only");
         return None;
     }
-    b.set_kernel_variant(op, name).expect("a known variant");
+    b.set_kernel_variant(variant);
     Some(b)
 }
 

@@ -211,7 +211,9 @@ fn matmuls_bf16_storage_ws() {
             .into_iter()
             .map(|c| c.stored_bf16(BF16_GEMM))
             .collect();
-        let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, "gemm", "ws") else {
+        let Some(mut gpu) =
+            crate::harness::hopper_variant(Precision::Bf16, parc_runtime::cuda::GemmKernel::Ws)
+        else {
             return;
         };
         crate::harness::check_with(test, &cases, &mut gpu);

@@ -1,6 +1,7 @@
 //! Attention (`Op::Attention`, `Op::AttentionBwd`) on the GPU: checks the op's geometry and
-//! buffers, uploads the q/kv global positions, places the op's scratch memory where `memplan::attention_scratch` says (the
-//! layout whose size `prepare` reserved), and launches one of two kernel families:
+//! buffers, uploads the q/kv global positions, places the op's scratch memory where
+//! `memplan::attention_scratch` says (what `memplan::backend_scratch` reserves), and launches
+//! one of two kernel families:
 //! - bf16 runs with head_dim 64 or 128 and a positive scale: flash attention on tensor cores,
 //!   bf16 operands, fp32 accumulation and softmax. On a Hopper GPU for head_dim 64 the
 //!   warp-specialized, TMA-fed kernels (`kernels/attention_ws_{fwd,bwd}.cu`: persistent CTAs,
@@ -18,13 +19,15 @@
 //! buffer: both families read and write them in place through `AttGeom`'s row strides, and the
 //! tensor-core backward's f32 dQ accumulator is then always scratch, converted into dqkv's q
 //! columns (`attention_dq_out`).
+use super::args::{p, Bound, Limits};
 use super::device::driver_error;
-use super::dispatch::{p, segments_len, Bound};
 use super::gemm::Operands;
+use super::kernel::Kernel;
 use super::tma::{self, Elem, TmaMap};
+use super::variants::{AttentionBwdKernel, AttentionFwdKernel};
 use super::{cu, raw_ptr, Arg, Buf, CudaBackend};
 use crate::error::{Result, RuntimeError};
-use cudarc::driver::sys::{CUdeviceptr, CUfunction_attribute};
+use cudarc::driver::sys::CUdeviceptr;
 use parc_compiler::ir::op::AttentionAttrs;
 use parc_compiler::ir::op::{Op, Segment};
 use parc_compiler::ir::DType;
@@ -88,10 +91,9 @@ const TC_BWD_THREADS: u32 = 256;
 /// tiles of WGMMA_KEYS rows, 1024 bytes for aligning the tiles to the 128-byte swizzle's period.
 const WGMMA_KEYS: usize = 64;
 const WGMMA_ALIGN: usize = 1024;
-/// The warp-specialized forward (attention_ws_fwd.cu): query rows per work item, threads (a
-/// producer and two consumer warpgroups), K/V ring slots, and keys per K/V tile.
+/// The warp-specialized forward (attention_ws_fwd.cu): query rows per work item, K/V ring
+/// slots, and keys per K/V tile (its threads: `CudaBackend::launch_persistent`'s).
 const WS_BR: usize = 128;
-const WS_THREADS: u32 = 384;
 const WS_STAGES: usize = 4;
 const WS_FWD_KEYS: usize = 128;
 
@@ -154,22 +156,6 @@ fn ws_tensor_maps(g: &AttGeom, [qp, kp, vp]: [CUdeviceptr; 3]) -> Result<[TmaMap
     ])
 }
 
-/// Launches a warp-specialized kernel: persistent, one CTA an SM (at most one per work item),
-/// WS_THREADS threads; its arguments are the tensor maps, then `rest`.
-pub(super) fn launch_ws(
-    be: &mut CudaBackend,
-    name: &'static str,
-    work: usize,
-    smem: u32,
-    maps: &[TmaMap],
-    rest: &[Arg],
-) -> Result<()> {
-    let mut args: Vec<Arg> = maps.iter().copied().map(Arg::Tma).collect();
-    args.extend_from_slice(rest);
-    let ctas = work.min(be.limits.sms).max(1) as u32;
-    launch_tc(be, name, (ctas, 1, false), WS_THREADS, smem, &args)
-}
-
 /// The warp-specialized backward's tensor maps: q, dO, k, v (bf16 pointers), lse2 and delta
 /// (f32, one row of `att_rows` per (batch, head), boxes of one tile's 64 queries) and the dQ
 /// accumulator (f32, compact rows of batch · heads · head_dim; boxes of 32 columns × 64 query
@@ -208,19 +194,17 @@ fn wsb_tensor_maps(
     ])
 }
 
-/// Shared memory a CTA may use without opting in to more.
-const DEFAULT_SMEM: u32 = 48 << 10;
 /// The most blocks a grid's y dimension takes.
 const MAX_GRID_Y: usize = 65_535;
 
 /// The tensor-core kernels' names and shared memory for one head dim, or None where the
 /// exact kernels run.
 struct TensorCore {
-    fwd: &'static str,
+    fwd: Kernel,
     /// delta and lse2 for the backward, and the dQ accumulator zeroed (16-byte aligned
     /// buffers; else `attention_delta` and a memset).
-    delta: &'static str,
-    bwd: &'static str,
+    delta: Kernel,
+    bwd: Kernel,
     /// The forward's key tile (rows) and the backward's query tile, per head dim (TC_FWD's BC
     /// and TC_BWD's BR in attention_tc.cu).
     fwd_keys: usize,
@@ -232,17 +216,17 @@ impl TensorCore {
     fn for_head_dim(d: usize) -> Option<TensorCore> {
         match d {
             64 => Some(TensorCore {
-                fwd: "attention_fwd_tc_d64",
-                delta: "attention_delta_tc_d64",
-                bwd: "attention_bwd_tc_d64",
+                fwd: Kernel::AttentionFwdTcD64,
+                delta: Kernel::AttentionDeltaTcD64,
+                bwd: Kernel::AttentionBwdTcD64,
                 fwd_keys: 64,
                 bwd_rows: 64,
                 head_dim: 64,
             }),
             128 => Some(TensorCore {
-                fwd: "attention_fwd_tc_d128",
-                delta: "attention_delta_tc_d128",
-                bwd: "attention_bwd_tc_d128",
+                fwd: Kernel::AttentionFwdTcD128,
+                delta: Kernel::AttentionDeltaTcD128,
+                bwd: Kernel::AttentionBwdTcD128,
                 fwd_keys: 32,
                 bwd_rows: 64,
                 head_dim: 128,
@@ -252,8 +236,8 @@ impl TensorCore {
     }
 
     /// The tensor-core kernels for this op, or None where the exact kernels run: they need a
-    /// bf16 run (`bf16_run`), head_dim 64 or 128, and a positive scale
-    /// (`memplan::tensor_core_attention`, which the reserved scratch follows).
+    /// bf16 run (`bf16_run`), head_dim 64 or 128, and a positive scale (they take the row max
+    /// of raw scores).
     fn for_op(bf16_run: bool, head_dim: u64, scale: f64) -> Option<TensorCore> {
         if !parc_compiler::memplan::tensor_core_attention(bf16_run, head_dim, scale) {
             return None;
@@ -275,10 +259,10 @@ impl TensorCore {
     /// The `wgmma` forward's kernel, warpgroups (of 128 threads, 64 query rows each) and
     /// shared memory: the alignment slack, Q (unpadded bf16 rows, swizzled), K and V tiles
     /// in two stages and the key positions of each stage.
-    fn wgmma_fwd(&self) -> (&'static str, usize, u32) {
+    fn wgmma_fwd(&self) -> (Kernel, usize, u32) {
         let (name, warpgroups) = match self.head_dim {
-            64 => ("attention_fwd_wgmma_d64", 2),
-            _ => ("attention_fwd_wgmma_d128", 3),
+            64 => (Kernel::AttentionFwdWgmmaD64, 2),
+            _ => (Kernel::AttentionFwdWgmmaD128, 3),
         };
         let row = self.head_dim * 2;
         let smem = WGMMA_ALIGN + (64 * warpgroups + 4 * WGMMA_KEYS) * row + 2 * WGMMA_KEYS * 4;
@@ -311,7 +295,7 @@ fn require_hopper(be: &CudaBackend, what: &str) -> Result<()> {
 /// order from `AttGeom::tiles_first`), else (heads, tiles).
 fn launch_tc(
     be: &mut CudaBackend,
-    name: &'static str,
+    kernel: Kernel,
     (heads, tiles, tiles_first): (u32, u32, bool),
     threads: u32,
     smem: u32,
@@ -322,18 +306,7 @@ fn launch_tc(
     } else {
         (heads, tiles, 1)
     };
-    if smem > DEFAULT_SMEM {
-        be.kernels
-            .function(name)?
-            .set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-            .map_err(|e| {
-                driver_error(&format!("allowing {name} {smem} bytes of shared memory"), e)
-            })?;
-    }
-    be.launch(name, grid, (threads, 1, 1), smem, args)
+    be.launch_with_smem(kernel, grid, threads, smem, args)
 }
 
 /// Rounds each f32 operand that has a bf16 copy in `layout` into it; returns every operand's
@@ -352,7 +325,7 @@ fn bf16_operands(
                 let dst = base + *at as CUdeviceptr;
                 let n4 = b.len / 4;
                 be.launch_n(
-                    "attention_to_bf16",
+                    Kernel::AttentionToBf16,
                     n4,
                     &[p(*b), Arg::Ptr(dst), Arg::I64(n4 as i64)],
                 )?;
@@ -392,10 +365,10 @@ struct Dims {
 impl Dims {
     fn new(b: &Bound, batch: u64, heads: u64, kv_heads: u64, head_dim: u64) -> Result<Dims> {
         Ok(Dims {
-            batch: b.dim("batch", batch)?,
-            heads: b.dim("heads", heads)?,
-            kv_heads: b.dim("kv_heads", kv_heads)?,
-            d: b.dim("head_dim", head_dim)?,
+            batch: b.launch_dim("batch", batch)?,
+            heads: b.launch_dim("heads", heads)?,
+            kv_heads: b.launch_dim("kv_heads", kv_heads)?,
+            d: b.launch_dim("head_dim", head_dim)?,
         })
     }
 
@@ -405,11 +378,11 @@ impl Dims {
     }
 }
 
-/// q, k, v (or dq, dk, dv) as views of one packed buffer `qkv` (named `what`): each starts at
-/// its first column of row 0 and counts its own elements (rows × its width); their row stride
-/// is the packed width (AttGeom's ld_q / ld_kv, ld_dq / ld_dkv).
+/// q, k, v (or dq, dk, dv) as views of one packed buffer `qkv` (named `what`, of the op's
+/// rows): each starts at its first column of row 0 and counts its own elements (rows × its
+/// width); their row stride is the packed width (AttGeom's ld_q / ld_kv, ld_dq / ld_dkv).
 fn split_packed(b: &Bound, qkv: Buf, what: &str, dims: Dims) -> Result<[Buf; 3]> {
-    let rows = b.rows(qkv, what, dims.packed_width())?;
+    let rows = b.launch_rows(qkv, what, b.rows)?;
     let (qw, kw) = (dims.heads * dims.d, dims.kv_heads * dims.d);
     let view = |col: usize, width: usize| Buf {
         ptr: qkv.ptr + (col * qkv.elem_bytes()) as CUdeviceptr,
@@ -434,13 +407,14 @@ fn qkv_bf16(ptrs: &[CUdeviceptr], g: &AttGeom, packed: bool) -> [CUdeviceptr; 3]
     }
 }
 
+/// The geometry of a call over `dims` on views `q`, `k` of the op's rows (`b.rows` query rows,
+/// `b.kv_rows` key rows: `bind` checked every buffer against them), with the kernels' limits
+/// checked.
 fn attention_geometry(
     b: &Bound,
-    q: Buf,
-    k: Buf,
+    (q, k): (Buf, Buf),
     dims: Dims,
-    causal: bool,
-    scale: f64,
+    (causal, scale): (bool, f64),
     packed: bool,
 ) -> Result<AttGeom> {
     let Dims {
@@ -465,8 +439,8 @@ fn attention_geometry(
     if batch * heads > 65_535 {
         return Err(b.err(format!("batch x heads = {} is above 65535", batch * heads)));
     }
-    let seq_q = b.rows(q, "q", batch * heads * d)?;
-    let seq_kv = b.rows(k, "k", batch * kv_heads * d)?;
+    let seq_q = b.launch_rows(q, "q", b.rows / batch)?;
+    let seq_kv = b.launch_rows(k, "k", b.kv_rows / batch)?;
     let (qw, kw) = (heads * d, kv_heads * d);
     let (ld_q, ld_kv) = if packed {
         (dims.packed_width(), dims.packed_width())
@@ -513,284 +487,352 @@ fn grid_y(b: &Bound, tiles: usize, what: &str) -> Result<u32> {
     Ok(tiles as u32)
 }
 
-/// Runs `op`, an `Attention` or `AttentionBwd` (any other op is an error). A packed op's q, k,
-/// v (dq, dk, dv) are views of its qkv (dqkv) buffer read (written) in place through the row
+/// Runs an op of the attention family (`Attention`, `AttentionBwd`). A packed op's q, k, v
+/// (dq, dk, dv) are views of its qkv (dqkv) buffer read (written) in place through the row
 /// strides of AttGeom: no kernel copies them apart (a bf16 copy of an f32 qkv, on the
 /// tensor-core path, copies the whole buffer and keeps its layout).
-pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op) -> Result<()> {
-    let (Op::Attention(AttentionAttrs {
-        batch,
-        heads,
-        kv_heads,
-        head_dim,
-        causal,
-        scale,
-        q_positions,
-        kv_positions,
-        packed,
-    })
-    | Op::AttentionBwd(AttentionAttrs {
-        batch,
-        heads,
-        kv_heads,
-        head_dim,
-        causal,
-        scale,
-        q_positions,
-        kv_positions,
-        packed,
-    })) = op
-    else {
+pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
+    let (Op::Attention(a) | Op::AttentionBwd(a)) = b.op else {
         return Err(b.err("is not an attention op"));
     };
-    let packed = *packed;
-    let forward = matches!(op, Op::Attention { .. });
-    let dims = Dims::new(b, *batch, *heads, *kv_heads, *head_dim)?;
-    // The buffers holding q, k, v: three, or one packed qkv (input 0 forward, 1 backward).
-    let qkv_bufs: Vec<Buf> = if packed {
-        if q_positions != kv_positions {
-            return Err(b.err(
-                "is packed (q, k, v in one buffer, one row each) but its q_positions and \
-                 kv_positions differ: a packed op needs them equal",
-            ));
-        }
-        vec![b.float_in(usize::from(!forward))?]
-    } else {
-        let first = usize::from(!forward);
-        (first..first + 3)
-            .map(|i| b.float_in(i))
-            .collect::<Result<_>>()?
-    };
-    let (q, k, v) = if packed {
-        let [q, k, v] = split_packed(b, qkv_bufs[0], "qkv", dims)?;
-        (q, k, v)
-    } else {
-        (qkv_bufs[0], qkv_bufs[1], qkv_bufs[2])
-    };
-    let mut g = attention_geometry(b, q, k, dims, *causal, *scale, packed)?;
-    g.q_sorted = i32::from(ascending(q_positions));
-    g.kv_sorted = i32::from(ascending(kv_positions));
-    g.bf16 |= bf16_bit(v, BF16_V);
-    // One head's tiles launched together share its K and V (backward: Q and dO) in L2:
-    // measured +3% on the wgmma backward at 32·12·1024·64 (163.7 → 168.4 TFLOP/s). The other
-    // order only where the heads exceed a grid's y extent.
-    let heads_fit = (g.batch * g.heads).max(g.batch * g.kv_heads) <= MAX_GRID_Y as i64;
-    g.tiles_first = i32::from(heads_fit);
-    let (batch, heads, d) = (g.batch as usize, g.heads as usize, g.head_dim as usize);
-    let (seq_q, seq_kv) = (g.seq_q as usize, g.seq_kv as usize);
-    b.expect(v, "v", k.len)?;
-    if segments_len(q_positions) != seq_q as u64 || segments_len(kv_positions) != seq_kv as u64 {
-        return Err(b.err(format!(
-            "q/kv positions cover {}/{} positions, the buffers hold {seq_q}/{seq_kv}",
-            segments_len(q_positions),
-            segments_len(kv_positions)
-        )));
-    }
-    let (qpos, _) = be.positions(q_positions)?;
-    let (kvpos, _) = be.positions(kv_positions)?;
-    let lse_len = batch * heads * seq_q;
-    let bf16_run = be.operands == Operands::Bf16;
-    let tensor_core = TensorCore::for_op(bf16_run, *head_dim, *scale);
-    let q_blocks = seq_q.div_ceil(ATT_WARPS as usize) as u32;
-    let block = (32, ATT_WARPS, 1);
-    let kv_smem = (2 * ATT_TILE * d * 4) as u32;
-    let shape = |bufs: &[Buf]| -> Vec<(u64, DType)> {
-        bufs.iter().map(|b| (b.len as u64, b.dtype)).collect()
-    };
+    let forward = matches!(b.op, Op::Attention(_));
+    let call = Call::bind(be, b, a, forward)?;
     if forward {
-        let (o, lse) = (b.float_out(0)?, b.f32_out(1)?);
-        b.expect(o, "o", q.len)?;
-        b.expect(lse, "lse", lse_len)?;
-        g.bf16 |= bf16_bit(o, BF16_O);
-        if let Some(tc) = &tensor_core {
-            let layout = attention_scratch(op, bf16_run, &shape(&qkv_bufs), &shape(&[o, lse]))
-                .ok_or_else(|| b.err("has no scratch layout"))?;
-            let base = be.scratch(layout.bytes as usize)?;
-            let ptrs = bf16_operands(be, &qkv_bufs, &layout, base)?;
-            let [qp, kp, vp] = qkv_bf16(&ptrs, &g, packed);
-            let args = [
-                Arg::Ptr(qp),
-                Arg::Ptr(kp),
-                Arg::Ptr(vp),
-                p(o),
-                p(lse),
-                Arg::Ptr(qpos),
-                Arg::Ptr(kvpos),
-                Arg::Geom(g),
-            ];
-            // The warp-specialized, TMA-fed forward where it applies (a Hopper, head_dim 64,
-            // tensor maps the driver can encode), else the warpgroup-MMA one (a Hopper), else
-            // mma.sync.
-            let ws = be.variants.is("attention_fwd", "ws");
-            if ws && be.is_hopper() && d == 64 {
-                if let Ok(maps) = ws_tensor_maps(&g, [qp, kp, vp]) {
-                    let work = seq_q.div_ceil(WS_BR) * batch * heads;
-                    let name = "attention_fwd_ws_d64";
-                    return launch_ws(be, name, work, WS_FWD_SMEM, &maps, &args[3..]);
-                }
-            }
-            if (ws || be.variants.is("attention_fwd", "wgmma")) && be.is_hopper() {
-                let (name, warpgroups, smem) = tc.wgmma_fwd();
-                let rows = 64 * warpgroups;
-                let grid = (
-                    (batch * heads) as u32,
-                    grid_y(b, seq_q.div_ceil(rows), "seq_q")?,
-                    g.tiles_first != 0,
-                );
-                return launch_tc(be, name, grid, 128 * warpgroups as u32, smem, &args);
-            }
-            let grid = (
-                (batch * heads) as u32,
-                grid_y(b, seq_q.div_ceil(TC_FWD_BR), "seq_q")?,
-                g.tiles_first != 0,
-            );
-            return launch_tc(be, tc.fwd, grid, TC_FWD_THREADS, tc.fwd_smem(), &args);
-        }
-        let args = [
-            p(q),
-            p(k),
-            p(v),
-            p(o),
-            p(lse),
-            Arg::Ptr(qpos),
-            Arg::Ptr(kvpos),
-            Arg::Geom(g),
-        ];
-        be.launch(
-            "attention_fwd",
-            (q_blocks, (batch * heads) as u32, 1),
-            block,
-            kv_smem,
-            &args,
-        )
+        attention_forward(be, b, &call)
     } else {
-        let (o_at, lse_at) = if packed { (2, 3) } else { (4, 5) };
-        let (dout, o, lse) = (b.float_in(0)?, b.float_in(o_at)?, b.f32_in(lse_at)?);
-        b.same(&[(dout, "do"), (o, "o")], q.len)?;
-        b.expect(lse, "lse", lse_len)?;
-        // The buffers dq, dk, dv are written into: three, or one dqkv laid out as qkv.
-        let (dq, dk, dv, dq_buf) = if packed {
-            let dqkv = b.float_out(0)?;
-            b.expect(dqkv, "dqkv", qkv_bufs[0].len)?;
-            let [dq, dk, dv] = split_packed(b, dqkv, "dqkv", dims)?;
-            (dq, dk, dv, dqkv)
+        attention_backward(be, b, &call)
+    }
+}
+
+/// What the forward and the backward share: the geometry, the buffers holding q, k, v (three,
+/// or one packed qkv: input 0 forward, 1 backward), the views q, k, v, the uploaded global
+/// positions and the kernels that run.
+struct Call {
+    g: AttGeom,
+    dims: Dims,
+    packed: bool,
+    qkv: Vec<Buf>,
+    q: Buf,
+    k: Buf,
+    v: Buf,
+    qpos: CUdeviceptr,
+    kvpos: CUdeviceptr,
+    bf16_run: bool,
+    /// The tensor-core kernels, or None where the exact ones run.
+    tensor_core: Option<TensorCore>,
+}
+
+impl Call {
+    fn bind(be: &mut CudaBackend, b: &Bound, a: &AttentionAttrs, forward: bool) -> Result<Call> {
+        let dims = Dims::new(b, a.batch, a.heads, a.kv_heads, a.head_dim)?;
+        let first = usize::from(!forward);
+        let qkv: Vec<Buf> = if a.packed {
+            if a.q_positions != a.kv_positions {
+                return Err(b.err(
+                    "is packed (q, k, v in one buffer, one row each) but its q_positions and \
+                     kv_positions differ: a packed op needs them equal",
+                ));
+            }
+            vec![b.input(first)?]
         } else {
-            let dq = b.float_out(0)?;
-            (dq, b.float_out(1)?, b.float_out(2)?, dq)
+            (first..first + 3)
+                .map(|i| b.input(i))
+                .collect::<Result<_>>()?
         };
-        b.expect(dq, "dq", q.len)?;
-        b.same(&[(dk, "dk"), (dv, "dv")], k.len)?;
-        g.bf16 |= bf16_bit(o, BF16_O)
-            | bf16_bit(dout, BF16_DO)
-            | bf16_bit(dq, BF16_DQ)
-            | bf16_bit(dk, BF16_DK)
-            | bf16_bit(dv, BF16_DV);
-        let mut ins = vec![dout];
-        ins.extend(&qkv_bufs);
-        ins.extend([o, lse]);
-        let outs: Vec<Buf> = if packed {
-            vec![dq_buf]
+        let [q, k, v] = if a.packed {
+            split_packed(b, qkv[0], "qkv", dims)?
         } else {
-            vec![dq, dk, dv]
+            [qkv[0], qkv[1], qkv[2]]
         };
-        let layout = attention_scratch(op, bf16_run, &shape(&ins), &shape(&outs))
-            .ok_or_else(|| b.err("has no scratch layout"))?;
-        let base = be.scratch(layout.bytes as usize)?;
-        let (delta, lse2) = layout
-            .stats
-            .map(|(d, l)| (base + d as CUdeviceptr, base + l as CUdeviceptr))
-            .ok_or_else(|| b.err("has no delta in its scratch layout"))?;
-        let grid_q = (q_blocks, (batch * heads) as u32, 1);
-        // attention_delta's arguments, or attention_delta_tc's with the dQ accumulator it zeroes.
-        let delta_args = |dq_acc: Option<CUdeviceptr>| {
-            let mut args = vec![p(dout), p(o), p(lse), Arg::Ptr(delta), Arg::Ptr(lse2)];
-            args.extend(dq_acc.map(Arg::Ptr));
-            args.push(Arg::Geom(g));
-            args
-        };
-        let Some(tc) = &tensor_core else {
-            be.launch("attention_delta", grid_q, block, 0, &delta_args(None))?;
-            let args = [
-                p(dout),
-                p(q),
-                p(k),
-                p(v),
-                p(lse),
-                Arg::Ptr(delta),
-                p(dq),
-                Arg::Ptr(qpos),
-                Arg::Ptr(kvpos),
-                Arg::Geom(g),
-            ];
-            be.launch("attention_bwd_dq", grid_q, block, kv_smem, &args)?;
-            let kv_blocks = seq_kv.div_ceil(ATT_WARPS as usize) as u32;
-            let grid_kv = (kv_blocks, (batch * g.kv_heads as usize) as u32, 1);
-            let args = [
-                p(dout),
-                p(q),
-                p(k),
-                p(v),
-                p(lse),
-                Arg::Ptr(delta),
-                p(dk),
-                p(dv),
-                Arg::Ptr(qpos),
-                Arg::Ptr(kvpos),
-                Arg::Geom(g),
-            ];
-            let smem = kv_smem + (2 * ATT_TILE * 4) as u32;
-            return be.launch("attention_bwd_dkdv", grid_kv, block, smem, &args);
-        };
-        let mut bf16_in = vec![dout];
-        bf16_in.extend(&qkv_bufs);
-        let ptrs = bf16_operands(be, &bf16_in, &layout, base)?;
-        let [qp, kp, vp] = qkv_bf16(&ptrs[1..], &g, packed);
-        // dQ is added into with atomics: an f32 accumulator of compact rows (dq itself when
-        // it is f32 and not packed), zeroed first (the op overwrites dq).
-        let dq_acc = match layout.dq_acc {
-            Some(at) => base + at as CUdeviceptr,
-            None => dq.ptr,
-        };
-        if [dout.ptr, o.ptr, dq_acc].iter().all(|ptr| ptr % 16 == 0) {
-            let threads = batch * heads * seq_q * (d / 8);
-            be.launch_n(tc.delta, threads, &delta_args(Some(dq_acc)))?;
-        } else {
-            be.launch("attention_delta", grid_q, block, 0, &delta_args(None))?;
-            be.zero_bytes(dq_acc, dq.len * 4)?;
+        let mut g = attention_geometry(b, (q, k), dims, (a.causal, a.scale), a.packed)?;
+        g.q_sorted = i32::from(ascending(&a.q_positions));
+        g.kv_sorted = i32::from(ascending(&a.kv_positions));
+        g.bf16 |= bf16_bit(v, BF16_V);
+        // One head's tiles launched together share its K and V (backward: Q and dO) in L2:
+        // measured +3% on the wgmma backward at 32·12·1024·64 (163.7 → 168.4 TFLOP/s). The
+        // other order only where the heads exceed a grid's y extent.
+        let heads_fit = (g.batch * g.heads).max(g.batch * g.kv_heads) <= MAX_GRID_Y as i64;
+        g.tiles_first = i32::from(heads_fit);
+        let (qpos, _) = be.positions(&a.q_positions)?;
+        let (kvpos, _) = be.positions(&a.kv_positions)?;
+        let bf16_run = be.operands == Operands::Bf16;
+        Ok(Call {
+            g,
+            dims,
+            packed: a.packed,
+            qkv,
+            q,
+            k,
+            v,
+            qpos,
+            kvpos,
+            bf16_run,
+            tensor_core: TensorCore::for_op(bf16_run, a.head_dim, a.scale),
+        })
+    }
+
+    /// The exact kernels' grid over query rows (a block of ATT_WARPS rows a head), block and
+    /// shared memory (a K and a V tile of f32).
+    fn exact_launch(&self) -> ((u32, u32, u32), (u32, u32, u32), u32) {
+        let q_blocks = self.seq_q().div_ceil(ATT_WARPS as usize) as u32;
+        let grid = (q_blocks, (self.dims.batch * self.dims.heads) as u32, 1);
+        (
+            grid,
+            (32, ATT_WARPS, 1),
+            (2 * ATT_TILE * self.dims.d * 4) as u32,
+        )
+    }
+
+    fn seq_q(&self) -> usize {
+        self.g.seq_q as usize
+    }
+}
+
+/// The (elements, dtype) of `bufs`, as the scratch layout reads them.
+fn shape(bufs: &[Buf]) -> Vec<(u64, DType)> {
+    bufs.iter().map(|b| (b.len as u64, b.dtype)).collect()
+}
+
+/// O and lse of the forward: by the exact kernel, or by the tensor-core kernels.
+fn attention_forward(be: &mut CudaBackend, b: &Bound, c: &Call) -> Result<()> {
+    let (o, lse) = (b.output(0)?, b.output(1)?);
+    let mut g = c.g;
+    g.bf16 |= bf16_bit(o, BF16_O);
+    if let Some(tc) = &c.tensor_core {
+        return tensor_core_forward(be, b, c, tc, g, (o, lse));
+    }
+    let args = [
+        p(c.q),
+        p(c.k),
+        p(c.v),
+        p(o),
+        p(lse),
+        Arg::Ptr(c.qpos),
+        Arg::Ptr(c.kvpos),
+        Arg::Geom(g),
+    ];
+    let (grid, block, smem) = c.exact_launch();
+    be.launch(Kernel::AttentionFwd, grid, block, smem, &args)
+}
+
+/// The forward on tensor cores: the warp-specialized, TMA-fed kernel where it applies (a
+/// Hopper, head_dim 64, tensor maps the driver can encode), else the warpgroup-MMA one (a
+/// Hopper), else mma.sync, each as its variant allows.
+fn tensor_core_forward(
+    be: &mut CudaBackend,
+    b: &Bound,
+    c: &Call,
+    tc: &TensorCore,
+    g: AttGeom,
+    (o, lse): (Buf, Buf),
+) -> Result<()> {
+    let layout = attention_scratch(b.op, c.bf16_run, &shape(&c.qkv), &shape(&[o, lse]))
+        .ok_or_else(|| b.err("has no scratch layout"))?;
+    let base = be.scratch(layout.bytes as usize)?;
+    let ptrs = bf16_operands(be, &c.qkv, &layout, base)?;
+    let [qp, kp, vp] = qkv_bf16(&ptrs, &g, c.packed);
+    let args = [
+        Arg::Ptr(qp),
+        Arg::Ptr(kp),
+        Arg::Ptr(vp),
+        p(o),
+        p(lse),
+        Arg::Ptr(c.qpos),
+        Arg::Ptr(c.kvpos),
+        Arg::Geom(g),
+    ];
+    let (batch, heads, d) = (c.dims.batch, c.dims.heads, c.dims.d);
+    let seq_q = c.seq_q();
+    let ws = be.variants.attention_fwd == AttentionFwdKernel::Ws;
+    if ws && be.is_hopper() && d == 64 {
+        if let Ok(maps) = ws_tensor_maps(&g, [qp, kp, vp]) {
+            let work = seq_q.div_ceil(WS_BR) * batch * heads;
+            let name = Kernel::AttentionFwdWsD64;
+            return be.launch_persistent(name, work, WS_FWD_SMEM, &maps, &args[3..]);
         }
+    }
+    if (ws || be.variants.attention_fwd == AttentionFwdKernel::Wgmma) && be.is_hopper() {
+        let (name, warpgroups, smem) = tc.wgmma_fwd();
+        let rows = 64 * warpgroups;
         let grid = (
-            (batch * g.kv_heads as usize) as u32,
-            grid_y(b, seq_kv.div_ceil(TC_BC), "seq_kv")?,
+            (batch * heads) as u32,
+            grid_y(b, seq_q.div_ceil(rows), "seq_q")?,
             g.tiles_first != 0,
         );
-        let args = [
-            Arg::Ptr(ptrs[0]),
-            Arg::Ptr(qp),
-            Arg::Ptr(kp),
-            Arg::Ptr(vp),
-            Arg::Ptr(lse2),
-            Arg::Ptr(delta),
-            Arg::Ptr(dq_acc),
-            p(dk),
-            p(dv),
-            Arg::Ptr(qpos),
-            Arg::Ptr(kvpos),
-            Arg::Geom(g),
-        ];
-        // The warp-specialized, TMA-fed backward where it applies (a Hopper, head_dim 64,
-        // tensor maps the driver can encode: 16-byte aligned rows).
-        if be.variants.is("attention_bwd", "ws") && be.is_hopper() && d == 64 {
-            let maps = wsb_tensor_maps(&g, [ptrs[0], qp, kp, vp], (lse2, delta, dq_acc));
-            if let Ok(maps) = maps {
-                let rest = [p(dk), p(dv), Arg::Ptr(qpos), Arg::Ptr(kvpos), Arg::Geom(g)];
-                let work = seq_kv.div_ceil(WSB_BC) * batch * g.kv_heads as usize;
-                launch_ws(be, "attention_bwd_ws_d64", work, WSB_SMEM, &maps, &rest)?;
-                return dq_out(be, &layout, dq_acc, dq, g);
-            }
-        }
-        launch_tc(be, tc.bwd, grid, TC_BWD_THREADS, tc.bwd_smem(), &args)?;
-        dq_out(be, &layout, dq_acc, dq, g)
+        return launch_tc(be, name, grid, 128 * warpgroups as u32, smem, &args);
     }
+    let grid = (
+        (batch * heads) as u32,
+        grid_y(b, seq_q.div_ceil(TC_FWD_BR), "seq_q")?,
+        g.tiles_first != 0,
+    );
+    launch_tc(be, tc.fwd, grid, TC_FWD_THREADS, tc.fwd_smem(), &args)
+}
+
+/// The backward's operands and scratch: dO, O, lse; dq, dk, dv (views of one dqkv where
+/// packed); the scratch layout, its base, and the delta and lse2 pieces of it.
+struct Grads {
+    dout: Buf,
+    o: Buf,
+    lse: Buf,
+    dq: Buf,
+    dk: Buf,
+    dv: Buf,
+    layout: AttentionScratch,
+    base: CUdeviceptr,
+    delta: CUdeviceptr,
+    lse2: CUdeviceptr,
+}
+
+impl Grads {
+    /// `attention_delta`'s arguments, or `attention_delta_tc`'s with the dQ accumulator it
+    /// zeroes.
+    fn delta_args(&self, g: AttGeom, dq_acc: Option<CUdeviceptr>) -> Vec<Arg> {
+        let mut args = vec![
+            p(self.dout),
+            p(self.o),
+            p(self.lse),
+            Arg::Ptr(self.delta),
+            Arg::Ptr(self.lse2),
+        ];
+        args.extend(dq_acc.map(Arg::Ptr));
+        args.push(Arg::Geom(g));
+        args
+    }
+
+    /// delta and lse2 by the exact kernels' `attention_delta` (a block of rows a head).
+    fn exact_delta(&self, be: &mut CudaBackend, c: &Call, g: AttGeom) -> Result<()> {
+        let (grid, block, _) = c.exact_launch();
+        let args = self.delta_args(g, None);
+        be.launch(Kernel::AttentionDelta, grid, block, 0, &args)
+    }
+}
+
+/// dq, dk, dv of the backward: by the exact kernels, or by the tensor-core kernels.
+fn attention_backward(be: &mut CudaBackend, b: &Bound, c: &Call) -> Result<()> {
+    let (o_at, lse_at) = if c.packed { (2, 3) } else { (4, 5) };
+    let (dout, o, lse) = (b.input(0)?, b.input(o_at)?, b.input(lse_at)?);
+    // The buffers dq, dk, dv are written into: three, or one dqkv laid out as qkv.
+    let (dq, dk, dv, outs) = if c.packed {
+        let dqkv = b.output(0)?;
+        let [dq, dk, dv] = split_packed(b, dqkv, "dqkv", c.dims)?;
+        (dq, dk, dv, vec![dqkv])
+    } else {
+        let (dq, dk, dv) = (b.output(0)?, b.output(1)?, b.output(2)?);
+        (dq, dk, dv, vec![dq, dk, dv])
+    };
+    let mut g = c.g;
+    g.bf16 |= bf16_bit(o, BF16_O)
+        | bf16_bit(dout, BF16_DO)
+        | bf16_bit(dq, BF16_DQ)
+        | bf16_bit(dk, BF16_DK)
+        | bf16_bit(dv, BF16_DV);
+    let mut ins = vec![dout];
+    ins.extend(&c.qkv);
+    ins.extend([o, lse]);
+    let layout = attention_scratch(b.op, c.bf16_run, &shape(&ins), &shape(&outs))
+        .ok_or_else(|| b.err("has no scratch layout"))?;
+    let base = be.scratch(layout.bytes as usize)?;
+    let (delta, lse2) = layout
+        .stats
+        .map(|(d, l)| (base + d as CUdeviceptr, base + l as CUdeviceptr))
+        .ok_or_else(|| b.err("has no delta in its scratch layout"))?;
+    let grads = Grads {
+        dout,
+        o,
+        lse,
+        dq,
+        dk,
+        dv,
+        layout,
+        base,
+        delta,
+        lse2,
+    };
+    match &c.tensor_core {
+        Some(tc) => tensor_core_backward(be, b, c, tc, g, &grads),
+        None => exact_backward(be, c, g, &grads),
+    }
+}
+
+/// The exact kernels' backward: delta, then dq over query blocks, then dk and dv over key
+/// blocks.
+fn exact_backward(be: &mut CudaBackend, c: &Call, g: AttGeom, r: &Grads) -> Result<()> {
+    r.exact_delta(be, c, g)?;
+    let (grid_q, block, kv_smem) = c.exact_launch();
+    let (q, k, v) = (p(c.q), p(c.k), p(c.v));
+    let (lse, delta) = (p(r.lse), Arg::Ptr(r.delta));
+    let positions = [Arg::Ptr(c.qpos), Arg::Ptr(c.kvpos), Arg::Geom(g)];
+    let mut args = vec![p(r.dout), q, k, v, lse, delta, p(r.dq)];
+    args.extend(positions);
+    be.launch(Kernel::AttentionBwdDq, grid_q, block, kv_smem, &args)?;
+    let kv_blocks = (g.seq_kv as usize).div_ceil(ATT_WARPS as usize) as u32;
+    let grid_kv = (kv_blocks, (c.dims.batch * c.dims.kv_heads) as u32, 1);
+    let mut args = vec![p(r.dout), q, k, v, lse, delta, p(r.dk), p(r.dv)];
+    args.extend(positions);
+    let smem = kv_smem + (2 * ATT_TILE * 4) as u32;
+    be.launch(Kernel::AttentionBwdDkdv, grid_kv, block, smem, &args)
+}
+
+/// The backward on tensor cores: bf16 operands, delta and lse2 (with the dQ accumulator
+/// zeroed), then the warp-specialized, TMA-fed kernel where it applies (a Hopper, head_dim 64,
+/// tensor maps the driver can encode: 16-byte aligned rows) and its variant allows, else
+/// mma.sync; dQ is rounded out of its accumulator after.
+fn tensor_core_backward(
+    be: &mut CudaBackend,
+    b: &Bound,
+    c: &Call,
+    tc: &TensorCore,
+    g: AttGeom,
+    r: &Grads,
+) -> Result<()> {
+    let mut bf16_in = vec![r.dout];
+    bf16_in.extend(&c.qkv);
+    let ptrs = bf16_operands(be, &bf16_in, &r.layout, r.base)?;
+    let [qp, kp, vp] = qkv_bf16(&ptrs[1..], &g, c.packed);
+    // dQ is added into with atomics: an f32 accumulator of compact rows (dq itself when
+    // it is f32 and not packed), zeroed first (the op overwrites dq).
+    let dq_acc = match r.layout.dq_acc {
+        Some(at) => r.base + at as CUdeviceptr,
+        None => r.dq.ptr,
+    };
+    let (batch, heads, d) = (c.dims.batch, c.dims.heads, c.dims.d);
+    if [r.dout.ptr, r.o.ptr, dq_acc]
+        .iter()
+        .all(|ptr| ptr % 16 == 0)
+    {
+        let threads = batch * heads * c.seq_q() * (d / 8);
+        be.launch_n(tc.delta, threads, &r.delta_args(g, Some(dq_acc)))?;
+    } else {
+        r.exact_delta(be, c, g)?;
+        be.zero_bytes(dq_acc, r.dq.len * 4)?;
+    }
+    let seq_kv = g.seq_kv as usize;
+    let grid = (
+        (batch * c.dims.kv_heads) as u32,
+        grid_y(b, seq_kv.div_ceil(TC_BC), "seq_kv")?,
+        g.tiles_first != 0,
+    );
+    let positions = [Arg::Ptr(c.qpos), Arg::Ptr(c.kvpos), Arg::Geom(g)];
+    if be.variants.attention_bwd == AttentionBwdKernel::Ws && be.is_hopper() && d == 64 {
+        let maps = wsb_tensor_maps(&g, [ptrs[0], qp, kp, vp], (r.lse2, r.delta, dq_acc));
+        if let Ok(maps) = maps {
+            let mut rest = vec![p(r.dk), p(r.dv)];
+            rest.extend(positions);
+            let work = seq_kv.div_ceil(WSB_BC) * batch * c.dims.kv_heads;
+            let name = Kernel::AttentionBwdWsD64;
+            be.launch_persistent(name, work, WSB_SMEM, &maps, &rest)?;
+            return dq_out(be, &r.layout, dq_acc, r.dq, g);
+        }
+    }
+    let mut args: Vec<Arg> = [ptrs[0], qp, kp, vp, r.lse2, r.delta, dq_acc]
+        .into_iter()
+        .map(Arg::Ptr)
+        .collect();
+    args.extend([p(r.dk), p(r.dv)]);
+    args.extend(positions);
+    launch_tc(be, tc.bwd, grid, TC_BWD_THREADS, tc.bwd_smem(), &args)?;
+    dq_out(be, &r.layout, dq_acc, r.dq, g)
 }
 
 /// After a tensor-core backward: dq from its f32 accumulator where that is scratch (each bf16
@@ -804,7 +846,7 @@ fn dq_out(
 ) -> Result<()> {
     if layout.dq_acc.is_some() {
         be.launch_n(
-            "attention_dq_out",
+            Kernel::AttentionDqOut,
             dq.len / 4,
             &[Arg::Ptr(dq_acc), p(dq), Arg::Geom(g)],
         )?;
@@ -869,8 +911,8 @@ impl CudaBackend {
     pub fn attention_wgmma_layout_check(&mut self, head_dim: usize) -> Result<Vec<String>> {
         require_hopper(self, "attention_wgmma_layout_check")?;
         let name = match head_dim {
-            64 => "attention_wgmma_layout_check_d64",
-            128 => "attention_wgmma_layout_check_d128",
+            64 => Kernel::AttentionWgmmaLayoutCheckD64,
+            128 => Kernel::AttentionWgmmaLayoutCheckD128,
             _ => {
                 return Err(RuntimeError::Unsupported(format!(
                     "the wgmma layout check takes head_dim 64 or 128, not {head_dim}"
@@ -960,7 +1002,8 @@ mod tests {
         for d in [64, 128] {
             let tc = TensorCore::for_head_dim(d).expect("a tensor-core kernel");
             assert_eq!(tc.head_dim, d);
-            assert!(tc.fwd.ends_with(&format!("_d{d}")) && tc.bwd.ends_with(&format!("_d{d}")));
+            let suffix = format!("_d{d}");
+            assert!(tc.fwd.symbol().ends_with(&suffix) && tc.bwd.symbol().ends_with(&suffix));
         }
     }
 
@@ -996,12 +1039,12 @@ mod tests {
     fn wgmma_forward_shared_memory_fits() {
         let d64 = TensorCore::for_head_dim(64).expect("d64");
         let (name, warpgroups, smem) = d64.wgmma_fwd();
-        assert_eq!((name, warpgroups), ("attention_fwd_wgmma_d64", 2));
+        assert_eq!((name, warpgroups), (Kernel::AttentionFwdWgmmaD64, 2));
         assert_eq!(smem as usize, 1024 + 128 * 128 + 4 * 64 * 128 + 2 * 64 * 4);
         assert!(smem <= H100_SMEM / 2, "d64: {smem}");
         let d128 = TensorCore::for_head_dim(128).expect("d128");
         let (name, warpgroups, smem) = d128.wgmma_fwd();
-        assert_eq!((name, warpgroups), ("attention_fwd_wgmma_d128", 3));
+        assert_eq!((name, warpgroups), (Kernel::AttentionFwdWgmmaD128, 3));
         assert_eq!(smem as usize, 1024 + 192 * 256 + 4 * 64 * 256 + 2 * 64 * 4);
         assert!(smem <= H100_SMEM, "d128: {smem}");
     }

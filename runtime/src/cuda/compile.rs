@@ -9,28 +9,13 @@
 //! `#ifdef __CUDA_ARCH_FEAT_SM90_ALL` (defined only for that target), so the same sources
 //! still compile for every other GPU, where the host never launches them.
 use super::device::driver_error;
+use super::kernel::{Kernel, SOURCES};
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
-
-/// The kernel sources, in the order they are concatenated (helpers first).
-const SOURCES: [&str; 12] = [
-    include_str!("kernels/common.cuh"),
-    include_str!("kernels/elementwise.cu"),
-    include_str!("kernels/norm_loss.cu"),
-    include_str!("kernels/optimizer.cu"),
-    include_str!("kernels/attention.cu"),
-    include_str!("kernels/attention_tc.cu"),
-    include_str!("kernels/attention_wgmma_fwd.cu"),
-    include_str!("kernels/hopper_async.cuh"),
-    include_str!("kernels/attention_ws_fwd.cu"),
-    include_str!("kernels/attention_ws_bwd.cu"),
-    include_str!("kernels/gemm_ws.cu"),
-    include_str!("kernels/cross_entropy.cu"),
-];
 
 /// Options that change the generated code: part of the cache key. `--fmad=false` keeps
 /// float arithmetic rounded as written, like the CPU reference.
@@ -122,10 +107,10 @@ fn arch_for(major: i32, minor: i32) -> String {
     }
 }
 
-/// The loaded kernel module and the functions looked up so far.
+/// The loaded kernel module and the functions looked up so far (indexed by `Kernel`).
 pub(crate) struct Kernels {
     module: Arc<CudaModule>,
-    functions: HashMap<&'static str, CudaFunction>,
+    functions: Vec<Option<CudaFunction>>,
 }
 
 impl Kernels {
@@ -140,21 +125,24 @@ impl Kernels {
             .map_err(|e| driver_error(&format!("loading the kernel module for {arch}"), e))?;
         Ok(Kernels {
             module,
-            functions: HashMap::new(),
+            functions: vec![None; Kernel::ALL.len()],
         })
     }
 
-    pub fn function(&mut self, name: &'static str) -> Result<&CudaFunction> {
-        if !self.functions.contains_key(name) {
+    pub fn function(&mut self, kernel: Kernel) -> Result<&CudaFunction> {
+        let missing = || RuntimeError::Unsupported(format!("kernel {kernel} is missing"));
+        let slot = self
+            .functions
+            .get_mut(kernel as usize)
+            .ok_or_else(missing)?;
+        if slot.is_none() {
             let f = self
                 .module
-                .load_function(name)
-                .map_err(|e| driver_error(&format!("finding kernel {name}"), e))?;
-            self.functions.insert(name, f);
+                .load_function(kernel.symbol())
+                .map_err(|e| driver_error(&format!("finding kernel {kernel}"), e))?;
+            *slot = Some(f);
         }
-        self.functions
-            .get(name)
-            .ok_or_else(|| RuntimeError::Unsupported(format!("kernel {name} is missing")))
+        slot.as_ref().ok_or_else(missing)
     }
 }
 

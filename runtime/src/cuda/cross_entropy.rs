@@ -1,5 +1,7 @@
-//! The fused cross-entropy of an unsplit vocabulary (`Op::CrossEntropy`) on the GPU
-//! (kernels/cross_entropy.cu): the logits are read for each row's max, sum of exponentials and
+//! The loss family on the GPU: the pieces of a vocabulary-split cross-entropy
+//! (kernels/norm_loss.cu: `CeMax`, `CeSumExp`, `CeTargetLogit`, `CeLoss`, `CeGrad`), and the
+//! fused cross-entropy of an unsplit vocabulary (`Op::CrossEntropy`,
+//! kernels/cross_entropy.cu): the logits are read for each row's max, sum of exponentials and
 //! target logit, the row's loss goes to the reduction scratch (f64, sized by
 //! `storage::program_needs`) and the row is overwritten with dlogits in place; a second
 //! one-block kernel adds the scaled row losses into the loss in a fixed order, so the loss is
@@ -15,12 +17,13 @@
 //! memory twice (the second time hoping for L2; 3.73 ms there). `staged` needs the logits on a
 //! 16-byte boundary and a row (plus 16 bytes) within a block's shared memory — GPT-2's 50,257
 //! columns take two buffers in bf16 (2 × 98 KB) and one in f32 — and runs `rows` otherwise.
-use super::device::{driver_error, DeviceLimits};
-use super::dispatch::{n, p, Bound};
+use super::args::{fv, n, p, Bound, Limits};
+use super::device::DeviceLimits;
+use super::kernel::Kernel;
+use super::variants::CrossEntropyKernel;
 use super::{Arg, CudaBackend};
 use crate::backend::StepScalars;
 use crate::error::Result;
-use cudarc::driver::sys::CUfunction_attribute;
 use parc_compiler::ir::op::Op;
 
 /// Threads of the loss-sum block.
@@ -33,18 +36,102 @@ fn row_threads(vocab: usize, per_vector: usize) -> u32 {
     wanted.clamp(64, 1024) as u32
 }
 
-/// Run `op` (a `CrossEntropy`) on its bound buffers: logits (also the dlogits output), targets,
+/// Threads of a block per row (`ce_max`, `ce_sum_exp`) and of `ce_loss`'s one block.
+const BLOCK_THREADS: u32 = 256;
+
+/// Run an op of the loss family: the fused cross-entropy, or a piece of the vocabulary-split
+/// one (kernels/norm_loss.cu): the row max, the sum of exponentials, the target logit, the
+/// loss and the gradient, each over this rank's vocabulary shard.
+pub(super) fn run(be: &mut CudaBackend, b: &Bound, scalars: &StepScalars) -> Result<()> {
+    match b.op {
+        Op::CrossEntropy { vocab, scale } => fused(be, b, *vocab, *scale, scalars),
+        Op::CeMax { vocab_local } | Op::CeSumExp { vocab_local } => {
+            let v = b.launch_dim("vocab_local", *vocab_local)?;
+            let logits = b.input(0)?;
+            let rows = b.launch_rows(logits, "logits", b.rows)?;
+            let out = b.output(0)?;
+            let grid = (rows as u32, 1, 1);
+            let (kernel, args) = if matches!(b.op, Op::CeMax { .. }) {
+                (Kernel::CeMax, vec![fv(logits), p(out), n(v)])
+            } else {
+                let max = b.input(1)?;
+                (Kernel::CeSumExp, vec![fv(logits), p(max), p(out), n(v)])
+            };
+            be.launch(kernel, grid, (BLOCK_THREADS, 1, 1), 0, &args)
+        }
+        Op::CeTargetLogit {
+            vocab_start,
+            vocab_local,
+        } => {
+            let v = b.launch_dim("vocab_local", *vocab_local)?;
+            let (logits, targets) = (b.input(0)?, b.input(1)?);
+            let rows = b.launch_rows(logits, "logits", b.rows)?;
+            let start = i64::try_from(*vocab_start).map_err(|_| b.err("vocab_start too large"))?;
+            let args = [
+                fv(logits),
+                p(targets),
+                p(b.output(0)?),
+                n(rows),
+                Arg::I64(start),
+                n(v),
+            ];
+            let grid = (rows.div_ceil(256) as u32, 1, 1);
+            be.launch(Kernel::CeTargetLogit, grid, (256, 1, 1), 0, &args)
+        }
+        Op::CeLoss { scale } => {
+            let max = b.input(0)?;
+            let (sumexp, target) = (b.input(1)?, b.input(2)?);
+            let args = [
+                p(max),
+                p(sumexp),
+                p(target),
+                p(b.output(0)?),
+                n(max.len),
+                Arg::F64(*scale),
+            ];
+            be.launch(Kernel::CeLoss, (1, 1, 1), (BLOCK_THREADS, 1, 1), 0, &args)
+        }
+        Op::CeGrad {
+            vocab_start,
+            vocab_local,
+            scale,
+        } => {
+            let v = b.launch_dim("vocab_local", *vocab_local)?;
+            let logits = b.input(0)?;
+            let rows = b.launch_rows(logits, "logits", b.rows)?;
+            let start = i64::try_from(*vocab_start).map_err(|_| b.err("vocab_start too large"))?;
+            let args = [
+                fv(logits),
+                p(b.input(1)?),
+                p(b.input(2)?),
+                p(b.input(3)?),
+                fv(b.output(0)?),
+                n(rows),
+                Arg::I64(start),
+                n(v),
+                // fp16: the loss gradient carries the step's loss scale.
+                Arg::F32((*scale * scalars.loss_scale.unwrap_or(1.0)) as f32),
+            ];
+            be.launch_vec(Kernel::CeGrad, logits.len, &args)
+        }
+        _ => Err(b.err("is not a loss op")),
+    }
+}
+
+/// The fused cross-entropy over its bound buffers: logits (also the dlogits output), targets,
 /// and the loss it accumulates into.
-pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op, scalars: &StepScalars) -> Result<()> {
-    let Op::CrossEntropy { vocab, scale } = op else {
-        return Err(b.err("the fused cross-entropy kernel runs only Op::CrossEntropy"));
-    };
-    let v = b.dim("vocab", *vocab)?;
-    let logits = b.float_in(0)?;
-    let targets = b.i32_in(1)?;
-    let rows = b.rows(logits, "logits", v)?;
-    b.expect(targets, "targets", rows)?;
-    let (dlogits, loss) = (b.float_out(0)?, b.f32_out(1)?);
+fn fused(
+    be: &mut CudaBackend,
+    b: &Bound,
+    vocab: u64,
+    scale: f64,
+    scalars: &StepScalars,
+) -> Result<()> {
+    let v = b.launch_dim("vocab", vocab)?;
+    let logits = b.input(0)?;
+    let targets = b.input(1)?;
+    let rows = b.launch_rows(logits, "logits", b.rows)?;
+    let (dlogits, loss) = (b.output(0)?, b.output(1)?);
     if dlogits.ptr != logits.ptr || dlogits.len != logits.len {
         return Err(b.err(format!(
             "dlogits (buffer {}) must be the logits buffer (buffer {}): the op writes the \
@@ -52,33 +139,21 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op, scalars: &StepScalar
             dlogits.id.0, logits.id.0
         )));
     }
-    b.expect(loss, "loss", 1)?;
     let row_loss = be.scratch(rows * 8)?;
     // fp16: the loss gradient carries the step's loss scale; the loss does not.
-    let grad_scale = (*scale * scalars.loss_scale.unwrap_or(1.0)) as f32;
-    let staged = be.variants.is("cross_entropy", "staged") && logits.ptr % 16 == 0;
+    let grad_scale = (scale * scalars.loss_scale.unwrap_or(1.0)) as f32;
+    let staged = be.variants.cross_entropy == CrossEntropyKernel::Staged && logits.ptr % 16 == 0;
     match staged
         .then(|| Staged::plan(rows, v, logits.elem_bytes(), &be.limits))
         .flatten()
     {
         Some(plan) => {
             let kernel = if logits.is_bf16() {
-                "cross_entropy_staged_bf16"
+                Kernel::CrossEntropyStagedBf16
             } else {
-                "cross_entropy_staged_f32"
+                Kernel::CrossEntropyStagedF32
             };
-            be.kernels
-                .function(kernel)?
-                .set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    plan.smem as i32,
-                )
-                .map_err(|e| {
-                    driver_error(
-                        &format!("allowing {kernel} {} bytes of shared memory", plan.smem),
-                        e,
-                    )
-                })?;
+            be.allow_shared_memory(kernel, plan.smem)?;
             be.launch(
                 kernel,
                 (plan.grid, 1, 1),
@@ -98,9 +173,9 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op, scalars: &StepScalar
         }
         None => {
             let (kernel, per_vector) = if logits.is_bf16() {
-                ("cross_entropy_rows_bf16", 8)
+                (Kernel::CrossEntropyRowsBf16, 8)
             } else {
-                ("cross_entropy_rows_f32", 4)
+                (Kernel::CrossEntropyRowsF32, 4)
             };
             be.launch(
                 kernel,
@@ -118,11 +193,11 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, op: &Op, scalars: &StepScalar
         }
     }
     be.launch(
-        "cross_entropy_loss_sum",
+        Kernel::CrossEntropyLossSum,
         (1, 1, 1),
         (SUM_THREADS, 1, 1),
         0,
-        &[Arg::Ptr(row_loss), p(loss), n(rows), Arg::F64(*scale)],
+        &[Arg::Ptr(row_loss), p(loss), n(rows), Arg::F64(scale)],
     )
 }
 

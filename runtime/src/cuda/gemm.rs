@@ -21,6 +21,7 @@
 //! writes D before the real run overwrites it, so a GEMM that accumulates (beta ≠ 0) is timed
 //! into a scratch D the caller provides (`tune_out`), and without one runs the first choice.
 use super::device::{cublas_error, driver_error};
+use super::kernel::Kernel;
 use crate::error::Result;
 use cudarc::cublaslt::{result, sys};
 use cudarc::driver::result::event;
@@ -211,11 +212,11 @@ impl Operands {
     /// The kernel that rounds both fp32 operands of a GEMM into this type in one launch
     /// (`(const float* a, unsigned short* a16, long long na, const float* b, unsigned short*
     /// b16, long long nb)`); None for fp32, which cuBLASLt reads as stored.
-    pub fn conversion_kernel(self) -> Option<&'static str> {
+    pub fn conversion_kernel(self) -> Option<Kernel> {
         match self {
             Operands::F32 => None,
-            Operands::Bf16 => Some("f32_to_bf16_pair"),
-            Operands::F16 => Some("f32_to_f16_pair"),
+            Operands::Bf16 => Some(Kernel::F32ToBf16Pair),
+            Operands::F16 => Some(Kernel::F32ToF16Pair),
         }
     }
 
@@ -635,7 +636,6 @@ impl Blas {
     /// The descriptors of `key` and the heuristic's algorithms for them (none: unsupported).
     fn make_plan(&self, key: &PlanKey) -> Result<Plan> {
         let what = |step: &str| format!("cuBLASLt {step} for {}", key.describe());
-        let f32_type = sys::cudaDataType_t::CUDA_R_32F;
         let ab_type = key.operands.data_type();
         let layout = |dtype: sys::cudaDataType_t, rows: u64, cols: u64, ld: i64| {
             result::create_matrix_layout(dtype, rows, cols, ld)
@@ -655,96 +655,33 @@ impl Blas {
         let a = layout(ab_type, a_rows, a_cols, key.lda)?;
         let b = layout(ab_type, b_rows, b_cols, key.ldb)?;
         let c = layout(key.out.data_type(), key.m, key.n, key.ldc)?;
-        let desc =
-            result::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32_type)
-                .map(|d| Guard(d, result::destroy_matmul_desc))
-                .map_err(|e| cublas_error(&what("matmul descriptor"), e))?;
-        let set = |attr: sys::cublasLtMatmulDescAttributes_t, value: i32, name: &str| {
-            // SAFETY: desc is live; each attribute set here is a 4-byte enum.
-            unsafe {
-                result::set_matmul_desc_attribute(
-                    desc.0,
-                    attr,
-                    (&value as *const i32).cast(),
-                    size_of::<i32>(),
-                )
-            }
-            .map_err(|e| cublas_error(&what(name), e))
+        let (desc, supported) = matmul_desc(key, &what)?;
+        let algos = if supported {
+            self.heuristic(key, &desc, [&a, &b, &c], &what)?
+        } else {
+            Vec::new()
         };
-        use sys::cublasLtMatmulDescAttributes_t as A;
-        set(
-            A::CUBLASLT_MATMUL_DESC_TRANSA,
-            i32::from(key.trans_a),
-            "transpose attribute",
-        )?;
-        set(
-            A::CUBLASLT_MATMUL_DESC_TRANSB,
-            i32::from(key.trans_b),
-            "transpose attribute",
-        )?;
-        use sys::cublasLtEpilogue_t as E;
-        let bf16_type = sys::cudaDataType_t::CUDA_R_16BF;
-        // The epilogue and the type of its vector (None: it has none).
-        let epilogue = match key.epilogue {
-            EpilogueKind::None => None,
-            EpilogueKind::BiasF32 => Some((E::CUBLASLT_EPILOGUE_BIAS, Some(f32_type))),
-            EpilogueKind::BiasBf16 => Some((E::CUBLASLT_EPILOGUE_BIAS, Some(bf16_type))),
-            EpilogueKind::BiasGradB => Some((E::CUBLASLT_EPILOGUE_BGRADB, Some(f32_type))),
-            EpilogueKind::GeluAux => Some((E::CUBLASLT_EPILOGUE_GELU_AUX, None)),
-            EpilogueKind::GeluAuxBiasF32 => {
-                Some((E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS, Some(f32_type)))
-            }
-            EpilogueKind::GeluAuxBiasBf16 => {
-                Some((E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS, Some(bf16_type)))
-            }
-            EpilogueKind::DGelu => Some((E::CUBLASLT_EPILOGUE_DGELU, None)),
-        };
-        if let Some((epilogue, vector_type)) = epilogue {
-            set(
-                A::CUBLASLT_MATMUL_DESC_EPILOGUE,
-                epilogue as i32,
-                "epilogue",
-            )?;
-            if let Some(vector_type) = vector_type {
-                set(
-                    A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-                    vector_type as i32,
-                    "epilogue vector type",
-                )?;
-            }
-        }
-        if matches!(
-            key.epilogue,
-            EpilogueKind::GeluAux
-                | EpilogueKind::GeluAuxBiasF32
-                | EpilogueKind::GeluAuxBiasBf16
-                | EpilogueKind::DGelu
-        ) {
-            // The auxiliary matrix is shaped and typed like D (its type left at the default,
-            // D's); cuBLASLt wants its leading dimension a multiple of 8.
-            if key.ldc % 8 != 0 {
-                return Ok(Plan {
-                    settled: true,
-                    timed_ms: None,
-                    desc,
-                    a,
-                    b,
-                    c,
-                    algos: Vec::new(),
-                });
-            }
-            let ld = key.ldc;
-            // SAFETY: desc is live; the attribute is an int64_t.
-            unsafe {
-                result::set_matmul_desc_attribute(
-                    desc.0,
-                    A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
-                    (&ld as *const i64).cast(),
-                    size_of::<i64>(),
-                )
-            }
-            .map_err(|e| cublas_error(&what("auxiliary leading dimension"), e))?;
-        }
+        Ok(Plan {
+            settled: algos.len() <= 1,
+            timed_ms: None,
+            desc,
+            a,
+            b,
+            c,
+            algos,
+        })
+    }
+
+    /// The algorithms cuBLASLt's heuristic offers for `desc` over layouts `a`, `b`, `c` (C and
+    /// D alike) within the workspace, best guess first: one for fp32 plans, up to
+    /// [`CANDIDATES`] to time for 16-bit ones; none where it supports no algorithm.
+    fn heuristic(
+        &self,
+        key: &PlanKey,
+        desc: &Guard<sys::cublasLtMatmulDesc_t>,
+        [a, b, c]: [&Guard<sys::cublasLtMatrixLayout_t>; 3],
+        what: &dyn Fn(&str) -> String,
+    ) -> Result<Vec<sys::cublasLtMatmulAlgo_t>> {
         let pref = result::create_matmul_pref()
             .map(|p| Guard(p, result::destroy_matmul_pref))
             .map_err(|e| cublas_error(&what("preference"), e))?;
@@ -783,28 +720,118 @@ impl Blas {
                 &mut count,
             )
         };
-        let algos = match status {
-            sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS => found
+        match status {
+            sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS => Ok(found
                 .iter()
                 .take(count.max(0) as usize)
                 .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
                 .map(|r| r.algo)
-                .collect(),
+                .collect()),
             // No algorithm, or (with an epilogue) a combination cuBLASLt rejects: the caller
             // does the epilogue's work another way.
-            sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED => Vec::new(),
-            _ if key.epilogue != EpilogueKind::None => Vec::new(),
-            other => return Err(cublas_error(&what("algorithm search"), other)),
-        };
-        Ok(Plan {
-            settled: algos.len() <= 1,
-            timed_ms: None,
-            desc,
-            a,
-            b,
-            c,
-            algos,
-        })
+            sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED => Ok(Vec::new()),
+            _ if key.epilogue != EpilogueKind::None => Ok(Vec::new()),
+            other => Err(cublas_error(&what("algorithm search"), other)),
+        }
+    }
+}
+
+/// The matmul descriptor of `key` (fp32 compute and scale, transposes, epilogue), and whether
+/// cuBLASLt can run it at all: an epilogue with an auxiliary matrix needs D's leading
+/// dimension a multiple of 8 (false: the plan has no algorithm).
+fn matmul_desc(
+    key: &PlanKey,
+    what: &dyn Fn(&str) -> String,
+) -> Result<(Guard<sys::cublasLtMatmulDesc_t>, bool)> {
+    let f32_type = sys::cudaDataType_t::CUDA_R_32F;
+    let desc = result::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32_type)
+        .map(|d| Guard(d, result::destroy_matmul_desc))
+        .map_err(|e| cublas_error(&what("matmul descriptor"), e))?;
+    let set = |attr: sys::cublasLtMatmulDescAttributes_t, value: i32, name: &str| {
+        // SAFETY: desc is live; each attribute set here is a 4-byte enum.
+        unsafe {
+            result::set_matmul_desc_attribute(
+                desc.0,
+                attr,
+                (&value as *const i32).cast(),
+                size_of::<i32>(),
+            )
+        }
+        .map_err(|e| cublas_error(&what(name), e))
+    };
+    use sys::cublasLtMatmulDescAttributes_t as A;
+    set(
+        A::CUBLASLT_MATMUL_DESC_TRANSA,
+        i32::from(key.trans_a),
+        "transpose attribute",
+    )?;
+    set(
+        A::CUBLASLT_MATMUL_DESC_TRANSB,
+        i32::from(key.trans_b),
+        "transpose attribute",
+    )?;
+    if let Some((epilogue, vector_type)) = epilogue_of(key.epilogue) {
+        set(
+            A::CUBLASLT_MATMUL_DESC_EPILOGUE,
+            epilogue as i32,
+            "epilogue",
+        )?;
+        if let Some(vector_type) = vector_type {
+            set(
+                A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                vector_type as i32,
+                "epilogue vector type",
+            )?;
+        }
+    }
+    if matches!(
+        key.epilogue,
+        EpilogueKind::GeluAux
+            | EpilogueKind::GeluAuxBiasF32
+            | EpilogueKind::GeluAuxBiasBf16
+            | EpilogueKind::DGelu
+    ) {
+        // The auxiliary matrix is shaped and typed like D (its type left at the default,
+        // D's); cuBLASLt wants its leading dimension a multiple of 8.
+        if key.ldc % 8 != 0 {
+            return Ok((desc, false));
+        }
+        let ld = key.ldc;
+        // SAFETY: desc is live; the attribute is an int64_t.
+        unsafe {
+            result::set_matmul_desc_attribute(
+                desc.0,
+                A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+                (&ld as *const i64).cast(),
+                size_of::<i64>(),
+            )
+        }
+        .map_err(|e| cublas_error(&what("auxiliary leading dimension"), e))?;
+    }
+    Ok((desc, true))
+}
+
+/// cuBLASLt's epilogue for `kind` and the type of its vector (None: it has none), or None for
+/// no epilogue.
+fn epilogue_of(
+    kind: EpilogueKind,
+) -> Option<(sys::cublasLtEpilogue_t, Option<sys::cudaDataType_t>)> {
+    use sys::cublasLtEpilogue_t as E;
+    let (f32_type, bf16_type) = (
+        sys::cudaDataType_t::CUDA_R_32F,
+        sys::cudaDataType_t::CUDA_R_16BF,
+    );
+    match kind {
+        EpilogueKind::None => None,
+        EpilogueKind::BiasF32 => Some((E::CUBLASLT_EPILOGUE_BIAS, Some(f32_type))),
+        EpilogueKind::BiasBf16 => Some((E::CUBLASLT_EPILOGUE_BIAS, Some(bf16_type))),
+        EpilogueKind::BiasGradB => Some((E::CUBLASLT_EPILOGUE_BGRADB, Some(f32_type))),
+        EpilogueKind::GeluAux => Some((E::CUBLASLT_EPILOGUE_GELU_AUX, None)),
+        EpilogueKind::GeluAuxBiasF32 => Some((E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS, Some(f32_type))),
+        EpilogueKind::GeluAuxBiasBf16 => {
+            Some((E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS, Some(bf16_type)))
+        }
+        EpilogueKind::DGelu => Some((E::CUBLASLT_EPILOGUE_DGELU, None)),
     }
 }
 

@@ -15,7 +15,9 @@
 //! MN-major when it is (a backward-weight's dy); Q is K-major when A is transposed (a
 //! forward's weight), MN-major otherwise.
 use super::gemm::{best_of, Epilogue, Gemm, Operands, Output};
+use super::kernel::Kernel;
 use super::tma::{self, Elem, TmaMap};
+use super::variants::GemmKernel;
 use super::{Arg, CudaBackend};
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::sys::CUdeviceptr;
@@ -34,10 +36,10 @@ const MAX_SPLIT_TILES: usize = 4096;
 const MAX_SPLITS: usize = 16;
 const MIN_SPLIT_BLOCKS: usize = 4;
 
-/// Which entry point runs a GEMM: its name, and whether it writes the bias gradient.
+/// Which entry point runs a GEMM: its kernel, and the layout of its operands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Kernel {
-    name: &'static str,
+pub(super) struct EntryPoint {
+    kernel: Kernel,
     /// P, Q MN-major (`gemm_ws.cu`'s TA, TB).
     p_mn: bool,
     q_mn: bool,
@@ -53,7 +55,7 @@ pub(super) struct Chosen {
 }
 
 /// The kernel for `g` in a run of `operands`, where it has one (None: cuBLASLt runs it).
-pub(super) fn kernel_for(g: &Gemm, operands: Operands) -> Option<Kernel> {
+pub(super) fn kernel_for(g: &Gemm, operands: Operands) -> Option<EntryPoint> {
     if operands != Operands::Bf16 {
         return None;
     }
@@ -73,31 +75,31 @@ pub(super) fn kernel_for(g: &Gemm, operands: Operands) -> Option<Kernel> {
         return None;
     }
     let bias_ok = |ptr: CUdeviceptr, bf16: bool| ptr.is_multiple_of(if bf16 { 4 } else { 8 });
-    let name = match (g.trans_a, g.trans_b, g.out, g.epilogue) {
-        (true, false, Output::Bf16, Epilogue::None) => "gemm_ws_kk_bf16",
+    let kernel = match (g.trans_a, g.trans_b, g.out, g.epilogue) {
+        (true, false, Output::Bf16, Epilogue::None) => Kernel::GemmWsKkBf16,
         (true, false, Output::Bf16, Epilogue::Bias { ptr, bf16 }) if bias_ok(ptr, bf16) => {
-            "gemm_ws_kk_bf16"
+            Kernel::GemmWsKkBf16
         }
         (true, false, Output::Bf16, Epilogue::GeluAux { bias, aux })
             if aux % 16 == 0 && bias.is_none_or(|(p, b)| bias_ok(p, b)) =>
         {
-            "gemm_ws_kk_gelu"
+            Kernel::GemmWsKkGelu
         }
-        (false, false, Output::Bf16, Epilogue::None) => "gemm_ws_km_bf16",
+        (false, false, Output::Bf16, Epilogue::None) => Kernel::GemmWsKmBf16,
         (false, false, Output::Bf16, Epilogue::Bias { ptr, bf16 }) if bias_ok(ptr, bf16) => {
-            "gemm_ws_km_bf16"
+            Kernel::GemmWsKmBf16
         }
         (false, false, Output::Bf16, Epilogue::DGelu { aux }) if aux % 16 == 0 => {
-            "gemm_ws_km_dgelu"
+            Kernel::GemmWsKmDgelu
         }
-        (false, true, Output::F32, Epilogue::None) if g.c_in.is_none() => "gemm_ws_mm_f32",
+        (false, true, Output::F32, Epilogue::None) if g.c_in.is_none() => Kernel::GemmWsMmF32,
         (false, true, Output::F32, Epilogue::BiasGradB { .. }) if g.c_in.is_none() => {
-            "gemm_ws_mm_f32_db"
+            Kernel::GemmWsMmF32Db
         }
         _ => return None,
     };
-    Some(Kernel {
-        name,
+    Some(EntryPoint {
+        kernel,
         p_mn: g.trans_b,
         q_mn: !g.trans_a,
     })
@@ -137,17 +139,17 @@ impl CudaBackend {
     pub(super) fn run_16bit_gemm(&mut self, g: &Gemm, tune_out: Option<CUdeviceptr>) -> Result<()> {
         let operands = self.operands;
         let stream = self.stream.cu_stream();
-        let kernel = match self.hopper && !self.variants.is("gemm", "cublaslt") {
+        let entry = match self.hopper && self.variants.gemm != GemmKernel::CuBlasLt {
             true => kernel_for(g, operands),
             false => None,
         };
-        let Some(kernel) = kernel else {
+        let Some(entry) = entry else {
             return self.blas.run(g, operands, stream, tune_out);
         };
         let key = g.key(operands);
         if let Some(chosen) = self.gemm_operands.ws_chosen.get(&key).copied() {
             return match chosen.ws {
-                true => self.ws_gemm(g, kernel, chosen.splits, g.c, true),
+                true => self.ws_gemm(g, entry, chosen.splits, g.c, true),
                 false => self.blas.run(g, operands, stream, tune_out),
             };
         }
@@ -164,7 +166,7 @@ impl CudaBackend {
             }
             Output::Bf16 => 1,
         };
-        if self.variants.is("gemm", "ws") {
+        if self.variants.gemm == GemmKernel::Ws {
             let chosen = Chosen {
                 ws: true,
                 ws_ms: 0.0,
@@ -172,7 +174,7 @@ impl CudaBackend {
                 splits,
             };
             self.gemm_operands.ws_chosen.insert(key, chosen);
-            return self.ws_gemm(g, kernel, splits, g.c, true);
+            return self.ws_gemm(g, entry, splits, g.c, true);
         }
         let lt_runs = self.blas.supports(g, operands)?;
         if lt_runs {
@@ -187,13 +189,13 @@ impl CudaBackend {
         let Some(target) = target else {
             // Nowhere to time it: cuBLASLt keeps it (or, where cuBLASLt has nothing, ours).
             if !lt_runs {
-                self.ws_gemm(g, kernel, splits, g.c, true)?;
+                self.ws_gemm(g, entry, splits, g.c, true)?;
             }
             return Ok(());
         };
         // Where cuBLASLt already ran it, a failure of parc's kernel (a launch it refuses) only
         // rules the kernel out for this plan.
-        let ws_ms = match self.time_ws_gemm(g, kernel, splits, target) {
+        let ws_ms = match self.time_ws_gemm(g, entry, splits, target) {
             Ok(ms) => ms,
             Err(_) if lt_runs => f32::INFINITY,
             Err(e) => return Err(e),
@@ -206,7 +208,7 @@ impl CudaBackend {
         let ws = !lt_runs || lt_ms.is_some_and(|lt| ws_ms < lt);
         if !lt_runs && target != g.c {
             // Timed into the scratch, and nothing has written D yet.
-            self.ws_gemm(g, kernel, splits, g.c, true)?;
+            self.ws_gemm(g, entry, splits, g.c, true)?;
         }
         let chosen = Chosen {
             ws,
@@ -223,13 +225,13 @@ impl CudaBackend {
     fn time_ws_gemm(
         &mut self,
         g: &Gemm,
-        kernel: Kernel,
+        entry: EntryPoint,
         splits: usize,
         d: CUdeviceptr,
     ) -> Result<f32> {
         let stream = self.stream.cu_stream();
-        self.ws_gemm(g, kernel, splits, d, false)?;
-        best_of(stream, || self.ws_gemm(g, kernel, splits, d, false))
+        self.ws_gemm(g, entry, splits, d, false)?;
+        best_of(stream, || self.ws_gemm(g, entry, splits, d, false))
     }
 
     /// Queues `g` on parc's kernel with `splits` (fp32 output only) writing D at `d`; with
@@ -237,7 +239,7 @@ impl CudaBackend {
     fn ws_gemm(
         &mut self,
         g: &Gemm,
-        kernel: Kernel,
+        entry: EntryPoint,
         splits: usize,
         d: CUdeviceptr,
         counted: bool,
@@ -246,12 +248,12 @@ impl CudaBackend {
         let bf16 = |ptr, (cols, rows, ld): (u64, u64, i64), boxes| {
             tma::matrix(Elem::Bf16, ptr, (cols, rows, ld as u64 * 2), boxes, true)
         };
-        let tp: TmaMap = if kernel.p_mn {
+        let tp: TmaMap = if entry.p_mn {
             bf16(g.b, (mr, k, g.ldb), (64, 64))?
         } else {
             bf16(g.b, (k, mr, g.ldb), (BK as u32, BM as u32))?
         };
-        let tq: TmaMap = if kernel.q_mn {
+        let tq: TmaMap = if entry.q_mn {
             bf16(g.a, (nr, k, g.lda), (64, 64))?
         } else {
             bf16(g.a, (k, nr, g.lda), (BK as u32, BN as u32))?
@@ -299,7 +301,7 @@ impl CudaBackend {
         }
         // The attention kernels' persistent launch: one CTA an SM, 384 threads, maps first.
         let work = tiles * splits;
-        super::attention::launch_ws(self, kernel.name, work, SMEM, &[tp, tq], &args)?;
+        self.launch_persistent(entry.kernel, work, SMEM, &[tp, tq], &args)?;
         if counted {
             self.blas.timer_stop(stream)?;
         }
@@ -385,14 +387,14 @@ mod tests {
 
     #[test]
     fn the_kernel_takes_the_layer_gemms_it_has_entry_points_for() {
-        let name = |g: Gemm| kernel_for(&g, Operands::Bf16).map(|k| k.name);
+        let name = |g: Gemm| kernel_for(&g, Operands::Bf16).map(|e| e.kernel);
         let bias = Epilogue::Bias {
             ptr: 4 << 20,
             bf16: true,
         };
         assert_eq!(
             name(gemm(true, false, Output::Bf16, bias)),
-            Some("gemm_ws_kk_bf16")
+            Some(Kernel::GemmWsKkBf16)
         );
         assert_eq!(
             name(gemm(
@@ -401,12 +403,12 @@ mod tests {
                 Output::Bf16,
                 Epilogue::DGelu { aux: 5 << 20 }
             )),
-            Some("gemm_ws_km_dgelu")
+            Some(Kernel::GemmWsKmDgelu)
         );
         let grad = Epilogue::BiasGradB { ptr: 4 << 20 };
         assert_eq!(
             name(gemm(false, true, Output::F32, grad)),
-            Some("gemm_ws_mm_f32_db")
+            Some(Kernel::GemmWsMmF32Db)
         );
         // Not in an fp32 run, not for unaligned rows, not for a layout without an entry point.
         let g = gemm(true, false, Output::Bf16, Epilogue::None);

@@ -9,7 +9,7 @@
 //! accumulated onto it. Bias gradient in a 16-bit run: cuBLASLt's BGRADB epilogue on the
 //! backward-weight GEMM writes the column sums of dy into a scratch vector, then a k = 1 fp32
 //! GEMM adds that into db (`db = t·1 + db`, exact as an add: db is +=); where the epilogue is
-//! not offered, and in fp32 runs, a column-sum kernel (`dispatch::col_sum_into`).
+//! not offered, and in fp32 runs, a column-sum kernel (`columns::col_sum_into`).
 //!
 //! Fused residual: a forward with `residual` reads r as the GEMM's C (beta = 1, D = y, or with
 //! a fused activation D = a) where r has D's type; otherwise the GEMM writes y and the
@@ -21,9 +21,11 @@
 //! auxiliary input); both need the auxiliary matrix in D's type. Otherwise, or where cuBLASLt refuses, the GEMM
 //! writes y (dx) as without, then the `activation_fwd` (`activation_bwd`, in place on dx)
 //! kernel runs.
-use super::dispatch::{act_code, col_sum_into, fv, n, p, Bound};
+use super::args::{act_code, fv, n, p, Bound, Limits};
+use super::columns::col_sum_into;
 use super::gemm::{Epilogue, Gemm, Operands, Output};
 use super::gemm_operands::Operand;
+use super::kernel::Kernel;
 use super::{Arg, Buf, CudaBackend};
 use crate::error::Result;
 use cudarc::driver::sys::CUdeviceptr;
@@ -46,227 +48,279 @@ fn weight(buf: Buf) -> Operand {
     Operand { buf, weight: true }
 }
 
-/// Run one GEMM op (buffer count already checked by `dispatch`).
-pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
-    match op {
+/// Run an op of the matmul family.
+pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
+    let (in_dim, out_dim) = match *b.op {
         Op::Matmul {
-            in_dim,
-            out_dim,
+            in_dim: i,
+            out_dim: o,
+            ..
+        }
+        | Op::MatmulBwdData {
+            in_dim: i,
+            out_dim: o,
+            ..
+        }
+        | Op::MatmulBwdWeight {
+            in_dim: i,
+            out_dim: o,
+            ..
+        } => (i, o),
+        _ => return Err(b.err("is not a GEMM op")),
+    };
+    let k_in = b.launch_dim("in_dim", in_dim)?;
+    let m_out = b.launch_dim("out_dim", out_dim)?;
+    // Input 0 holds the rows: x for the forward, dy for the backwards.
+    let rows_of = b.input(0)?;
+    let what = if matches!(b.op, Op::Matmul { .. }) {
+        "x"
+    } else {
+        "dy"
+    };
+    let dims = (b.launch_rows(rows_of, what, b.rows)?, k_in, m_out);
+    match *b.op {
+        Op::Matmul {
             bias,
             act,
             residual,
+            ..
         } => {
-            let (k, m) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
-            let (x, w) = (b.float_in(0)?, b.f32_in(1)?);
-            let rows = b.rows(x, "x", k)?;
-            b.expect(w, "w", m * k)?;
-            let y = b.float_out(0)?;
-            b.expect(y, "y", rows * m)?;
-            let bb = if *bias { Some(b.f32_in(2)?) } else { None };
-            if let Some(bb) = bb {
-                b.expect(bb, "b", m)?;
-            }
-            let r = if *residual {
-                Some(b.float_in(2 + usize::from(*bias))?)
-            } else {
-                None
+            let bb = bias.then(|| b.input(2)).transpose()?;
+            let r = residual
+                .then(|| b.input(2 + usize::from(bias)))
+                .transpose()?;
+            let a = act.map(|_| b.output(1)).transpose()?;
+            let forward = Forward {
+                x: rows_of,
+                w: b.input(1)?,
+                bb,
+                r,
+                y: b.output(0)?,
+                act: act.zip(a),
             };
-            if let Some(r) = r {
-                b.expect(r, "r", rows * m)?;
-            }
-            // yᵀ (m × rows) = W (m × k, stored k × m) · xᵀ (k × rows) (+ b per row of yᵀ).
-            let g = Gemm {
-                trans_a: true,
-                trans_b: false,
-                m: m as u64,
-                n: rows as u64,
-                k: k as u64,
-                a: w.ptr,
-                lda: k as i64,
-                b: x.ptr,
-                ldb: k as i64,
-                c: y.ptr,
-                ldc: m as i64,
-                c_in: None,
-                beta: 0.0,
-                out: output(y),
-                epilogue: Epilogue::None,
-            };
-            let a = match act {
-                Some(_) => Some(b.float_out(1)?),
-                None => None,
-            };
-            if let Some(a) = a {
-                b.expect(a, "a", rows * m)?;
-            }
-            // The residual as the GEMM's C (beta = 1) beside a D of its type.
-            let d = a.unwrap_or(y);
-            let with_r = match r {
-                Some(r) if r.dtype == d.dtype => Some(Gemm {
-                    c_in: Some(r.ptr),
-                    beta: 1.0,
-                    ..g
-                }),
-                _ => None,
-            };
-            let fused = match (act, a) {
-                (Some(Act::GeluTanh), Some(a))
-                    if a.dtype == y.dtype && r.is_none_or(|_| with_r.is_some()) =>
-                {
-                    gelu_epilogue(be, &with_r.unwrap_or(g), (w, x), bb, (y, a))?
-                }
-                (None, _) => match with_r {
-                    Some(gr) => residual_epilogue(be, &gr, (w, x), bb)?,
-                    None => false,
-                },
-                _ => false,
-            };
-            if fused {
-                return Ok(());
-            }
-            // Without a fused form: y as without a residual, y += r (an `Add`), then a =
-            // act(y) from y as stored (a bf16 y is rounded before each step reads it).
-            matmul_bias(be, b, &g, (w, x), bb, y, rows)?;
-            if let Some(r) = r {
-                be.launch_vec("add_fwd", y.len, &[fv(y), fv(r), fv(y), n(y.len)])?;
-            }
-            match (act, a) {
-                (Some(act), Some(a)) => {
-                    let args = [Arg::I32(act_code(*act)), fv(y), fv(a), n(y.len)];
-                    be.launch_vec("activation_fwd", y.len, &args)
-                }
-                _ => Ok(()),
-            }
+            matmul(be, b, &forward, dims)
         }
         Op::MatmulBwdData {
-            in_dim,
-            out_dim,
             accumulate,
             act_grad,
+            ..
         } => {
-            let (k_in, m_out) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
-            let (dy, w) = (b.float_in(0)?, b.f32_in(1)?);
-            let rows = b.rows(dy, "dy", m_out)?;
-            b.expect(w, "w", m_out * k_in)?;
-            let dx = b.float_out(0)?;
-            b.expect(dx, "dx", rows * k_in)?;
-            // dxᵀ (in × rows) (+)= Wᵀ (in × out, as stored) · dyᵀ (out × rows).
-            let g = Gemm {
-                trans_a: false,
-                trans_b: false,
-                m: k_in as u64,
-                n: rows as u64,
-                k: m_out as u64,
-                a: w.ptr,
-                lda: k_in as i64,
-                b: dy.ptr,
-                ldb: m_out as i64,
-                c: dx.ptr,
-                ldc: k_in as i64,
-                c_in: None,
-                beta: if *accumulate { 1.0 } else { 0.0 },
-                out: output(dx),
-                epilogue: Epilogue::None,
-            };
-            let Some(act) = act_grad else {
-                return be.gemm(&g, weight(w), activation(dy));
-            };
-            if *accumulate {
-                return Err(b.err(
-                    "an activation-gradient product (act_grad) cannot accumulate into dx (the \
-                     verifier rejects it, E0822)",
-                ));
-            }
-            let pre = b.float_in(2)?;
-            b.expect(pre, "pre", rows * k_in)?;
-            // DGELU with an fp32 dx (and fp32 pre) ran slower on an H200 than the plain GEMM
-            // and the separate kernel (0.95 ms against about 0.6 at 32,768 x 768 x 3,072):
-            // bf16 dx only.
-            if *act == Act::GeluTanh && pre.dtype == dx.dtype && g.out == Output::Bf16 {
-                let fused = Gemm {
-                    epilogue: Epilogue::DGelu { aux: pre.ptr },
-                    ..g
-                };
-                if be.blas.supports(&fused, be.operands)? {
-                    match be.gemm(&fused, weight(w), activation(dy)) {
-                        // Refused at launch (`gemm::Blas::run`): the separate kernel below.
-                        Err(_) if !be.blas.supports(&fused, be.operands)? => {}
-                        done => return done,
-                    }
-                }
-            }
-            // The product into dx, then dx = dx ⊙ act'(pre) in place (a bf16 dx is rounded
-            // in between).
-            be.gemm(&g, weight(w), activation(dy))?;
-            let args = [Arg::I32(act_code(*act)), fv(dx), fv(pre), fv(dx), n(dx.len)];
-            be.launch_vec("activation_bwd", dx.len, &args)
+            let act_grad = act_grad.map(|act| Ok((act, b.input(2)?))).transpose()?;
+            let (w, dx) = (b.input(1)?, b.output(0)?);
+            backward_data(be, b, (rows_of, w, dx), act_grad, accumulate, dims)
         }
         Op::MatmulBwdWeight {
-            in_dim,
-            out_dim,
             bias,
-            accumulate_param_grad: accumulate,
+            accumulate_param_grad,
+            ..
         } => {
-            let (k_in, m_out) = (b.dim("in_dim", *in_dim)?, b.dim("out_dim", *out_dim)?);
-            let (dy, x) = (b.float_in(0)?, b.float_in(1)?);
-            let rows = b.rows(dy, "dy", m_out)?;
-            b.expect(x, "x", rows * k_in)?;
-            let dw = b.f32_out(0)?;
-            b.expect(dw, "dw", m_out * k_in)?;
-            // dWᵀ (in × out) += xᵀ (in × rows, as stored) · dy (rows × out, stored out × rows);
-            // beta 0 (dW overwritten) for a first contribution.
-            let g = Gemm {
-                trans_a: false,
-                trans_b: true,
-                m: k_in as u64,
-                n: m_out as u64,
-                k: rows as u64,
-                a: x.ptr,
-                lda: k_in as i64,
-                b: dy.ptr,
-                ldb: m_out as i64,
-                c: dw.ptr,
-                ldc: k_in as i64,
-                c_in: None,
-                beta: if *accumulate { 1.0 } else { 0.0 },
-                out: Output::F32,
-                epilogue: Epilogue::None,
-            };
-            if !*bias {
-                return be.gemm(&g, activation(x), activation(dy));
-            }
-            let db = b.f32_out(1)?;
-            b.expect(db, "db", m_out)?;
-            if be.operands != Operands::F32 {
-                // The epilogue writes the column sums: into db itself for a first
-                // contribution, else into `t`, added into db by a k = 1 GEMM.
-                let (one, t) = be.gemm_vectors(m_out)?;
-                let with_grad = Gemm {
-                    epilogue: Epilogue::BiasGradB {
-                        ptr: if *accumulate { t } else { db.ptr },
-                    },
-                    ..g
-                };
-                let add = add_into(t, one, db, m_out);
-                if be.blas.supports(&with_grad, be.operands)?
-                    && (!*accumulate || be.blas.supports(&add, Operands::F32)?)
-                {
-                    match be.gemm(&with_grad, activation(x), activation(dy)) {
-                        Ok(()) if !*accumulate => return Ok(()),
-                        Ok(()) => {
-                            let stream = be.stream.cu_stream();
-                            return be.blas.run(&add, Operands::F32, stream, None);
-                        }
-                        // Refused at launch (`gemm::Blas::run`): the column sum below.
-                        Err(_) if !be.blas.supports(&with_grad, be.operands)? => {}
-                        Err(e) => return Err(e),
-                    }
-                }
-            }
-            be.gemm(&g, activation(x), activation(dy))?;
-            col_sum_into(be, dy, (db, *accumulate), rows, m_out)
+            let (x, dw) = (b.input(1)?, b.output(0)?);
+            let db = bias.then(|| b.output(1)).transpose()?;
+            backward_weight(be, (rows_of, x, dw, db), accumulate_param_grad, dims)
         }
         _ => Err(b.err("is not a GEMM op")),
+    }
+}
+
+/// A GEMM's rows, its input width and its output width.
+type Dims = (usize, usize, usize);
+
+/// D (m × n, column-major, leading dimension m) = op(A) · op(B), added onto D where
+/// `accumulate`, with A and B stored dense (leading dimension k, or m where A is not
+/// transposed; k, or n where B is transposed), no epilogue: every GEMM of the matmul ops.
+fn dense_gemm(
+    (trans_a, trans_b): (bool, bool),
+    (m, n, k): (usize, usize, usize),
+    (a, b, d): (CUdeviceptr, CUdeviceptr, CUdeviceptr),
+    accumulate: bool,
+    out: Output,
+) -> Gemm {
+    Gemm {
+        trans_a,
+        trans_b,
+        m: m as u64,
+        n: n as u64,
+        k: k as u64,
+        a,
+        lda: (if trans_a { k } else { m }) as i64,
+        b,
+        ldb: (if trans_b { n } else { k }) as i64,
+        c: d,
+        ldc: m as i64,
+        c_in: None,
+        beta: if accumulate { 1.0 } else { 0.0 },
+        out,
+        epilogue: Epilogue::None,
+    }
+}
+
+/// A `Matmul`'s operands: x, w, the bias and residual where it has them; y, and the
+/// activation with its output `a` where it fuses one.
+struct Forward {
+    x: Buf,
+    w: Buf,
+    bb: Option<Buf>,
+    r: Option<Buf>,
+    y: Buf,
+    act: Option<(Act, Buf)>,
+}
+
+/// y = x·Wᵀ (+ b) (+ r), then a = act(y): `rows` rows of `k` into `m` columns.
+fn matmul(be: &mut CudaBackend, b: &Bound, f: &Forward, (rows, k, m): Dims) -> Result<()> {
+    let Forward { x, w, bb, r, y, .. } = *f;
+    // yᵀ (m × rows) = W (m × k, stored k × m) · xᵀ (k × rows) (+ b per row of yᵀ).
+    let g = dense_gemm(
+        (true, false),
+        (m, rows, k),
+        (w.ptr, x.ptr, y.ptr),
+        false,
+        output(y),
+    );
+    let a = f.act.map(|(_, a)| a);
+    // The residual as the GEMM's C (beta = 1) beside a D of its type.
+    let d = a.unwrap_or(y);
+    let with_r = match r {
+        Some(r) if r.dtype == d.dtype => Some(Gemm {
+            c_in: Some(r.ptr),
+            beta: 1.0,
+            ..g
+        }),
+        _ => None,
+    };
+    let fused = match f.act {
+        Some((Act::GeluTanh, a)) if a.dtype == y.dtype && r.is_none_or(|_| with_r.is_some()) => {
+            gelu_epilogue(be, &with_r.unwrap_or(g), (w, x), bb, (y, a))?
+        }
+        None => match with_r {
+            Some(gr) => residual_epilogue(be, &gr, (w, x), bb)?,
+            None => false,
+        },
+        _ => false,
+    };
+    if fused {
+        return Ok(());
+    }
+    // Without a fused form: y as without a residual, y += r (an `Add`), then a =
+    // act(y) from y as stored (a bf16 y is rounded before each step reads it).
+    matmul_bias(be, b, &g, (w, x), bb, y, rows)?;
+    if let Some(r) = r {
+        be.launch_vec(Kernel::AddFwd, y.len, &[fv(y), fv(r), fv(y), n(y.len)])?;
+    }
+    match f.act {
+        Some((act, a)) => {
+            let args = [Arg::I32(act_code(act)), fv(y), fv(a), n(y.len)];
+            be.launch_vec(Kernel::ActivationFwd, y.len, &args)
+        }
+        None => Ok(()),
+    }
+}
+
+/// dx (+)= dy·W, then dx = dx ⊙ act'(pre) where the op has an activation gradient.
+fn backward_data(
+    be: &mut CudaBackend,
+    b: &Bound,
+    (dy, w, dx): (Buf, Buf, Buf),
+    act_grad: Option<(Act, Buf)>,
+    accumulate: bool,
+    (rows, k_in, m_out): Dims,
+) -> Result<()> {
+    // dxᵀ (in × rows) (+)= Wᵀ (in × out, as stored) · dyᵀ (out × rows).
+    let (shape, ptrs) = ((k_in, rows, m_out), (w.ptr, dy.ptr, dx.ptr));
+    let g = dense_gemm((false, false), shape, ptrs, accumulate, output(dx));
+    let Some((act, pre)) = act_grad else {
+        return be.gemm(&g, weight(w), activation(dy));
+    };
+    if accumulate {
+        return Err(b.err(
+            "an activation-gradient product (act_grad) cannot accumulate into dx (the \
+             verifier rejects it, E0822)",
+        ));
+    }
+    // DGELU with an fp32 dx (and fp32 pre) ran slower on an H200 than the plain GEMM
+    // and the separate kernel (0.95 ms against about 0.6 at 32,768 x 768 x 3,072):
+    // bf16 dx only.
+    if act == Act::GeluTanh && pre.dtype == dx.dtype && g.out == Output::Bf16 {
+        let fused = Gemm {
+            epilogue: Epilogue::DGelu { aux: pre.ptr },
+            ..g
+        };
+        if be.blas.supports(&fused, be.operands)? {
+            match be.gemm(&fused, weight(w), activation(dy)) {
+                // Refused at launch (`gemm::Blas::run`): the separate kernel below.
+                Err(_) if !be.blas.supports(&fused, be.operands)? => {}
+                done => return done,
+            }
+        }
+    }
+    // The product into dx, then dx = dx ⊙ act'(pre) in place (a bf16 dx is rounded
+    // in between).
+    be.gemm(&g, weight(w), activation(dy))?;
+    let args = [Arg::I32(act_code(act)), fv(dx), fv(pre), fv(dx), n(dx.len)];
+    be.launch_vec(Kernel::ActivationBwd, dx.len, &args)
+}
+
+/// dW (+)= dyᵀ·x, and db (+)= the column sums of dy where the op has a bias.
+fn backward_weight(
+    be: &mut CudaBackend,
+    (dy, x, dw, db): (Buf, Buf, Buf, Option<Buf>),
+    accumulate: bool,
+    (rows, k_in, m_out): Dims,
+) -> Result<()> {
+    // dWᵀ (in × out) += xᵀ (in × rows, as stored) · dy (rows × out, stored out × rows);
+    // beta 0 (dW overwritten) for a first contribution.
+    let (shape, ptrs) = ((k_in, m_out, rows), (x.ptr, dy.ptr, dw.ptr));
+    let g = dense_gemm((false, true), shape, ptrs, accumulate, Output::F32);
+    let Some(db) = db else {
+        return be.gemm(&g, activation(x), activation(dy));
+    };
+    if be.operands != Operands::F32 && bias_grad_epilogue(be, &g, (x, dy, db), accumulate)? {
+        return Ok(());
+    }
+    be.gemm(&g, activation(x), activation(dy))?;
+    col_sum_into(be, dy, (db, accumulate), rows, m_out)
+}
+
+/// `g` with cuBLASLt's bias-gradient epilogue, which writes the column sums of dy: into db
+/// itself for a first contribution, else into a scratch vector added into db by a k = 1 GEMM.
+/// False (nothing run) where cuBLASLt offers or launches no such epilogue: the caller sums
+/// the columns apart.
+fn bias_grad_epilogue(
+    be: &mut CudaBackend,
+    g: &Gemm,
+    (x, dy, db): (Buf, Buf, Buf),
+    accumulate: bool,
+) -> Result<bool> {
+    let m_out = g.n as usize;
+    let (one, t) = be.gemm_vectors(m_out)?;
+    let with_grad = Gemm {
+        epilogue: Epilogue::BiasGradB {
+            ptr: if accumulate { t } else { db.ptr },
+        },
+        ..*g
+    };
+    // db += t as a k = 1 fp32 GEMM: db = t · [1.0] + 1 · db (one rounding, as an add).
+    let add = dense_gemm(
+        (false, false),
+        (m_out, 1, 1),
+        (t, one, db.ptr),
+        true,
+        Output::F32,
+    );
+    if !(be.blas.supports(&with_grad, be.operands)?
+        && (!accumulate || be.blas.supports(&add, Operands::F32)?))
+    {
+        return Ok(false);
+    }
+    match be.gemm(&with_grad, activation(x), activation(dy)) {
+        Ok(()) if !accumulate => Ok(true),
+        Ok(()) => {
+            let stream = be.stream.cu_stream();
+            be.blas.run(&add, Operands::F32, stream, None)?;
+            Ok(true)
+        }
+        // Refused at launch (`gemm::Blas::run`): the column sum.
+        Err(_) if !be.blas.supports(&with_grad, be.operands)? => Ok(false),
+        Err(e) => Err(e),
     }
 }
 
@@ -274,7 +328,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound<'_>, op: &Op) -> Result<()> {
 /// (f32 y) after y = b was written (`bias_epilogue`).
 fn matmul_bias(
     be: &mut CudaBackend,
-    b: &Bound<'_>,
+    b: &Bound,
     g: &Gemm,
     (w, x): (Buf, Buf),
     bb: Option<Buf>,
@@ -398,7 +452,7 @@ fn bias_bf16(be: &mut CudaBackend, bb: Buf) -> Result<CUdeviceptr> {
 /// after y = b was written for the product to accumulate onto (f32 y only).
 fn bias_epilogue(
     be: &mut CudaBackend,
-    b: &Bound<'_>,
+    b: &Bound,
     g: &Gemm,
     bb: Buf,
     y: Buf,
@@ -434,33 +488,11 @@ fn bias_epilogue(
         ));
     }
     be.launch_n(
-        "broadcast_rows",
+        Kernel::BroadcastRows,
         rows * bb.len,
         &[p(bb), p(y), n(rows), n(bb.len)],
     )?;
     Ok(Epilogue::None)
-}
-
-/// `db += t` (`len` fp32 values) as a k = 1 fp32 GEMM: `db = t · [1.0] + 1 · db` (one
-/// rounding, as an add; `one` holds 1.0).
-fn add_into(t: CUdeviceptr, one: CUdeviceptr, db: Buf, len: usize) -> Gemm {
-    Gemm {
-        trans_a: false,
-        trans_b: false,
-        m: len as u64,
-        n: 1,
-        k: 1,
-        a: t,
-        lda: len as i64,
-        b: one,
-        ldb: 1,
-        c: db.ptr,
-        ldc: len as i64,
-        c_in: None,
-        beta: 1.0,
-        out: Output::F32,
-        epilogue: Epilogue::None,
-    }
 }
 
 impl CudaBackend {
@@ -481,5 +513,53 @@ impl CudaBackend {
     /// Milliseconds of GEMM kernel time since `time_gemm_kernels(true)`; None when off.
     pub fn gemm_kernel_ms(&self) -> Option<f64> {
         self.blas.matmul_ms()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The GEMM of every matmul op as its fields were written out before `dense_gemm`: the
+    /// forward, backward-data and backward-weight products and the bias gradient's k = 1 add
+    /// ((m, n, k), (lda, ldb, ldc), beta).
+    #[test]
+    fn dense_gemms_keep_each_ops_layout() {
+        let (rows, k_in, m_out) = (37usize, 24usize, 40usize);
+        let ptrs = (0x1000, 0x2000, 0x3000);
+        let layout = |g: Gemm| {
+            assert_eq!((g.a, g.b, g.c, g.c_in), (0x1000, 0x2000, 0x3000, None));
+            assert_eq!(g.epilogue, Epilogue::None);
+            let dims = [g.m, g.n, g.k].map(|v| v as usize);
+            let lds = [g.lda, g.ldb, g.ldc].map(|v| v as usize);
+            (dims, lds, g.beta, g.out)
+        };
+        let forward = dense_gemm(
+            (true, false),
+            (m_out, rows, k_in),
+            ptrs,
+            false,
+            Output::Bf16,
+        );
+        assert_eq!(
+            layout(forward),
+            ([m_out, rows, k_in], [k_in, k_in, m_out], 0.0, Output::Bf16)
+        );
+        let data = dense_gemm((false, false), (k_in, rows, m_out), ptrs, true, Output::F32);
+        assert_eq!(
+            layout(data),
+            ([k_in, rows, m_out], [k_in, m_out, k_in], 1.0, Output::F32)
+        );
+        let weight = dense_gemm((false, true), (k_in, m_out, rows), ptrs, false, Output::F32);
+        assert_eq!(
+            layout(weight),
+            ([k_in, m_out, rows], [k_in, m_out, k_in], 0.0, Output::F32)
+        );
+        let add = dense_gemm((false, false), (m_out, 1, 1), ptrs, true, Output::F32);
+        assert_eq!(
+            layout(add),
+            ([m_out, 1, 1], [m_out, 1, m_out], 1.0, Output::F32)
+        );
+        assert!(forward.trans_a && !forward.trans_b && weight.trans_b && !data.trans_a);
     }
 }

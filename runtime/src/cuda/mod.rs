@@ -10,9 +10,36 @@
 //! gradient, clip and optimizer kernels. See
 //! docs/cuda.md (the differential tests `tests/cuda_ops/` and `tests/cuda_train.rs` hold it
 //! to them, per precision). GEMMs go through cuBLASLt (`gemm`), everything else through CUDA C
-//! kernels compiled by NVRTC once per run (`compile`); `dispatch` maps each op onto them. All
-//! work is ordered on one stream; reads to the host synchronise it, small host writes queue on
-//! it through page-locked slots (`staging`), larger ones synchronise it.
+//! kernels compiled by NVRTC once per run (`compile`). All work is ordered on one stream;
+//! reads to the host synchronise it, small host writes queue on it through page-locked slots
+//! (`staging`), larger ones synchronise it.
+//!
+//! An op runs as one unit: `dispatch` binds its buffers to its signature (`crate::bind`: counts,
+//! dtypes, element counts, rows) and routes it by `Family` to the module that holds that
+//! family's host code beside its kernels' launch shapes, which checks only what its kernels add
+//! (the 32-bit launch limits of `args::Limits`, tiles, alignment, positions against a table):
+//! - `embedding`: `Embedding`, `PositionAdd` and their gradients;
+//! - `norm`: `LayerNorm`, `RmsNorm` and their gradients (one path for both), their kernel
+//!   variants, and `columns`' deterministic column sums for dw and db;
+//! - `matmul`: the GEMM ops on cuBLASLt (`gemm`) or parc's Hopper kernel (`gemm_ws`), with the
+//!   16-bit operand copies and casts of `gemm_operands`;
+//! - `attention`: `Attention` and its gradient (exact, mma.sync, wgmma and warp-specialized
+//!   kernels; TMA tensor maps from `tma`);
+//! - `elementwise`: `Rope`, activations, SwiGLU, `Add`, `Scale` and their gradients;
+//! - `data_movement`: `Copy`, `CopyRange`, `Zero`, `SplitColumns`, `ConcatColumns`;
+//! - `cross_entropy`: the loss family (the fused cross-entropy and the vocabulary-split pieces);
+//! - `optimizer`: clipping and the AdamW / SGD updates, per tensor or fused (`optimizer`'s
+//!   tables; `sum_squares` for the gradient norm).
+//!
+//! The leaves every family uses: `args` (operands as kernel arguments, launch limits),
+//! `launch` (the launch of a compiled kernel, shared-memory opt-in, the persistent launch),
+//! `kernel` (the kernel sources and every entry point of them as a typed `Kernel`,
+//! whose C symbol is written once), `compile` (NVRTC and the PTX cache) and `variants` (which
+//! kernel each op with variants runs: a typed choice per op, e.g. [`GemmKernel`], read from
+//! `PARC_<OP>_KERNEL`). Beside the ops: `device` (opening the GPU, errors), `storage` (the
+//! memory plan's regions and scratch sizes), `stream` (overlap of communication with compute),
+//! `staging` (host writes) and `nccl` (NCCL: the communicators, the device comm, the host
+//! comm, the watchdog).
 //!
 //! Buffers are keyed by `BufferId`. Given the program's memory plan (`Backend::prepare`, which
 //! the executor always calls), the backend makes one allocation for the persistent buffers and
@@ -23,20 +50,24 @@
 //! output is also one of its inputs sees the input's value from before the op (the input is
 //! copied first), as on the CPU, unless the op updates it in place (`Op::in_place`: the fused
 //! cross-entropy overwrites its logits with dlogits without a copy).
+mod args;
 mod attention;
+mod columns;
 mod compile;
 mod cross_entropy;
+mod data_movement;
 mod device;
 mod dispatch;
+mod elementwise;
+mod embedding;
 mod gemm;
 mod gemm_operands;
 mod gemm_ws;
+mod kernel;
+mod launch;
 mod matmul;
 mod nccl;
-mod nccl_host;
-mod nccl_inflight;
-mod nccl_watchdog;
-mod norm_variants;
+mod norm;
 mod optimizer;
 mod staging;
 mod storage;
@@ -50,7 +81,7 @@ use crate::error::{Result, RuntimeError};
 use compile::Kernels;
 use cudarc::driver::result as cu;
 use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr};
 use device::driver_error;
 use gemm::{Blas, Operands};
 use parc_compiler::ir::op::{Op, Segment};
@@ -62,8 +93,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 pub use device::gpu_absent;
-pub use nccl::{nccl_available, nccl_version, FailureProbe, NcclId};
-pub use nccl_host::{AbortNotice, NcclHostComm};
+pub use nccl::{nccl_available, nccl_version, AbortNotice, FailureProbe, NcclHostComm, NcclId};
+pub use variants::{AttentionBwdKernel, AttentionFwdKernel, CrossEntropyKernel, GemmKernel};
+pub use variants::{KernelVariant, NormBwdKernel, NormFwdKernel, Variant};
 
 /// One allocated buffer.
 struct Slot {
@@ -266,11 +298,10 @@ impl CudaBackend {
         })
     }
 
-    /// Run variant `name` of `op`'s kernel from now on (tests; runs choose with
-    /// `PARC_<OP>_KERNEL`, read when the backend is made). An unknown op or name is an error
-    /// listing the choices.
-    pub fn set_kernel_variant(&mut self, op: &str, name: &str) -> Result<()> {
-        self.variants.set(op, name)
+    /// Run `variant` of its op's kernel from now on (tests; runs choose with
+    /// `PARC_<OP>_KERNEL`, read when the backend is made), e.g. `AttentionFwdKernel::Fa2`.
+    pub fn set_kernel_variant(&mut self, variant: impl Into<KernelVariant>) {
+        self.variants.set(variant.into());
     }
 
     /// Whether the GPU is a Hopper (compute capability 9.0: the program holds its compute_90a
@@ -417,64 +448,6 @@ impl CudaBackend {
             Some((memory, len)) => Ok((raw_ptr(&self.stream, memory), *len)),
             None => Err(RuntimeError::Unsupported("positions missing".into())),
         }
-    }
-
-    /// Launch kernel `name`; arguments must match its C signature.
-    pub(crate) fn launch(
-        &mut self,
-        name: &'static str,
-        grid: (u32, u32, u32),
-        block: (u32, u32, u32),
-        shared_bytes: u32,
-        args: &[Arg],
-    ) -> Result<()> {
-        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
-            return Ok(());
-        }
-        let stream = self.stream.clone();
-        let f = self.kernels.function(name)?;
-        let mut b = stream.launch_builder(f);
-        for a in args {
-            match a {
-                Arg::Ptr(p) => b.arg(p),
-                Arg::I64(v) => b.arg(v),
-                Arg::I32(v) => b.arg(v),
-                Arg::F32(v) => b.arg(v),
-                Arg::F64(v) => b.arg(v),
-                Arg::Geom(g) => b.arg(g),
-                Arg::Float(f) => b.arg(f),
-                Arg::Tma(m) => b.arg(m),
-            };
-        }
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: block,
-            shared_mem_bytes: shared_bytes,
-        };
-        // SAFETY: dispatch checked every buffer's length against the sizes passed, and the
-        // argument list follows the kernel's signature.
-        unsafe { b.launch(cfg) }
-            .map_err(|e| driver_error(&format!("launching kernel {name}"), e))?;
-        Ok(())
-    }
-
-    /// Launch a grid-stride kernel over `n` elements (256 threads a block).
-    pub(crate) fn launch_n(&mut self, name: &'static str, n: usize, args: &[Arg]) -> Result<()> {
-        let blocks = n.div_ceil(256).clamp(1, 1 << 16) as u32;
-        if n == 0 {
-            return Ok(());
-        }
-        self.launch(name, (blocks, 1, 1), (256, 1, 1), 0, args)
-    }
-
-    /// Launch a kernel that moves 8 elements per thread (kernels/common.cuh's `map1`/`map2`)
-    /// over `n` elements: ~n / 8 threads, 256 a block.
-    pub(crate) fn launch_vec(&mut self, name: &'static str, n: usize, args: &[Arg]) -> Result<()> {
-        if n == 0 {
-            return Ok(());
-        }
-        let blocks = n.div_ceil(8 * 256).clamp(1, 1 << 16) as u32;
-        self.launch(name, (blocks, 1, 1), (256, 1, 1), 0, args)
     }
 
     pub(crate) fn copy_bytes(

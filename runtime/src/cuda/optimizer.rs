@@ -1,3 +1,7 @@
+//! The optimizer family on the GPU: gradient clipping's sums of squares (`SumSquares`, per
+//! instruction or fused: `sum_squares`) and coefficient (`ClipCoef`), and the AdamW and SGD
+//! updates, per tensor (`adamw`, `sgd` in kernels/optimizer.cu) or fused.
+//!
 //! The fused optimizer: one multi-tensor AdamW (or SGD) launch per run of optimizer
 //! instructions instead of one launch per parameter tensor. The program keeps one instruction
 //! per tensor; `crate::optimizer_runs` finds the runs that may be fused. Because the memory
@@ -15,8 +19,10 @@
 //! bit-identical, including the skipped update of an fp16 step whose coefficient is not
 //! finite. Without a memory plan, or with `with_fused_optimizer(false)`, every instruction
 //! takes the per-tensor path.
+use super::args::{n, p, Bound};
 use super::device::driver_error;
-use super::{raw_ptr, Arg, CudaBackend};
+use super::kernel::Kernel;
+use super::{raw_ptr, sum_squares, Arg, CudaBackend};
 use crate::backend::StepScalars;
 use crate::error::{Result, RuntimeError};
 use crate::optimizer_runs::{find_runs, OptimizerRun, RunKind};
@@ -35,6 +41,84 @@ const THREADS: u32 = 256;
 const TENSOR_BYTES: usize = 56;
 /// Bytes of one `OptChunk`: tensor index and first element, both i64.
 const CHUNK_BYTES: usize = 16;
+
+/// The error of an update at step 0 (the step count is 1-based).
+const STEP_ZERO: &str = "the optimizer step count is 1-based; got step 0";
+
+/// Run an op of the optimizer family on its own (the instructions a fused run does not take).
+pub(super) fn run(be: &mut CudaBackend, b: &Bound, scalars: &StepScalars) -> Result<()> {
+    match b.op {
+        Op::SumSquares => sum_squares::per_instruction(be, b.input(0)?, b.output(0)?),
+        Op::ClipCoef { max_norm } => clip_coef(be, b, *max_norm, scalars.loss_scale),
+        Op::AdamW { .. } | Op::Sgd { .. } => update(be, b, scalars),
+        _ => Err(b.err("is not an optimizer op")),
+    }
+}
+
+/// One tensor's AdamW or SGD update (g, coef; param and its state).
+fn update(be: &mut CudaBackend, b: &Bound, scalars: &StepScalars) -> Result<()> {
+    if scalars.step == 0 {
+        return Err(b.err(STEP_ZERO));
+    }
+    let g = b.input(0)?;
+    let mut args = vec![p(g), p(b.input(1)?), p(b.output(0)?)];
+    let lr = Arg::F32(scalars.lr as f32);
+    let kernel = match *b.op {
+        Op::AdamW {
+            beta1,
+            beta2,
+            eps,
+            weight_decay: decay,
+        } => {
+            let (bias1, bias2) = adam_bias_corrections(beta1, beta2, scalars.step);
+            let (m, v) = (b.output(1)?, b.output(2)?);
+            args.extend([p(m), p(v), n(g.len)]);
+            let hyper = [beta1, beta2, eps, decay].map(|h| Arg::F32(h as f32));
+            args.extend(hyper);
+            args.extend([lr, Arg::F32(bias1), Arg::F32(bias2)]);
+            Kernel::Adamw
+        }
+        Op::Sgd {
+            momentum,
+            weight_decay,
+        } => {
+            // The momentum buffer where the op has one (momentum ≠ 0), else none.
+            let buf = b.outputs.get(1).map_or(0, |m| m.ptr);
+            args.extend([Arg::Ptr(buf), n(g.len)]);
+            args.extend([Arg::F32(momentum as f32), Arg::F32(weight_decay as f32), lr]);
+            args.push(Arg::I32(i32::from(scalars.step == 1)));
+            Kernel::Sgd
+        }
+        _ => return Err(b.err("is not an optimizer update")),
+    };
+    be.launch_n(kernel, g.len, &args)
+}
+
+/// coef = the clipping coefficient of the gradient norm √sumsq (a negative max norm: no
+/// clipping), unscaled by a loss scale, which also marks an overflowed step with a NaN.
+fn clip_coef(
+    be: &mut CudaBackend,
+    b: &Bound,
+    max_norm: Option<f64>,
+    loss_scale: Option<f64>,
+) -> Result<()> {
+    let (sumsq, coef) = (b.input(0)?, b.output(0)?);
+    if max_norm.is_none() && loss_scale.is_none() {
+        // No clipping, no loss scale: coef = 1 (written directly, no kernel needed).
+        let one = [1.0f32];
+        // SAFETY: coef holds exactly one f32; synchronous copy.
+        return unsafe { cu::memcpy_htod_sync(coef.ptr, &one) }
+            .map_err(|e| driver_error("writing the clip coefficient", e));
+    }
+    let args = [
+        p(sumsq),
+        p(coef),
+        Arg::F64(max_norm.unwrap_or(-1.0)),
+        Arg::F64(loss_scale.unwrap_or(1.0)),
+        Arg::I32(i32::from(loss_scale.is_some())),
+    ];
+    be.launch(Kernel::ClipCoef, (1, 1, 1), (32, 1, 1), 0, &args)
+}
 
 /// Adam's bias corrections `1 - β₁ᵗ`, `1 - β₂ᵗ` for the 1-based step `t`, as the kernels take
 /// them (one definition for the per-tensor and the fused launch).
@@ -309,9 +393,7 @@ impl CudaBackend {
     /// Checks run `index`'s buffers are bound where its table points, then launches it.
     fn launch_fused(&mut self, index: usize, scalars: &StepScalars) -> Result<()> {
         if scalars.step == 0 {
-            return Err(table_error(
-                "the optimizer step count is 1-based; got step 0".into(),
-            ));
+            return Err(table_error(STEP_ZERO.into()));
         }
         let mut ids = Vec::new();
         {
@@ -358,7 +440,13 @@ impl CudaBackend {
                     Arg::F32(bias1),
                     Arg::F32(bias2),
                 ];
-                self.launch("adamw_multi", (blocks, 1, 1), (THREADS, 1, 1), 0, &args)
+                self.launch(
+                    Kernel::AdamwMulti,
+                    (blocks, 1, 1),
+                    (THREADS, 1, 1),
+                    0,
+                    &args,
+                )
             }
             RunKind::Sgd { momentum } => {
                 let args = [
@@ -369,7 +457,7 @@ impl CudaBackend {
                     Arg::F32(lr),
                     Arg::I32(i32::from(scalars.step == 1)),
                 ];
-                self.launch("sgd_multi", (blocks, 1, 1), (THREADS, 1, 1), 0, &args)
+                self.launch(Kernel::SgdMulti, (blocks, 1, 1), (THREADS, 1, 1), 0, &args)
             }
         }
     }

@@ -17,7 +17,8 @@
 //! last instruction is an error. Without a memory plan, or with `with_fused_sum_squares(false)`,
 //! every instruction takes the per-instruction path (kernels/common.cuh).
 use super::device::driver_error;
-use super::{raw_ptr, Arg, CudaBackend};
+use super::kernel::Kernel;
+use super::{raw_ptr, Arg, Buf, CudaBackend};
 use crate::error::{Result, RuntimeError};
 use crate::optimizer_runs::{find_sum_squares_runs, SumSquaresRun};
 use cudarc::driver::result as cu;
@@ -42,8 +43,29 @@ const GROUP: u64 = 8;
 const GROUP_ELEMENTS: u64 = 64;
 
 /// Blocks of the first pass over a tensor of `n` elements (both paths).
-pub(super) fn blocks_for(n: usize) -> usize {
+fn blocks_for(n: usize) -> usize {
     n.div_ceil(THREADS as usize).clamp(1, MAX_BLOCKS)
+}
+
+/// out[0] += Σ g² for one gradient on its own (the per-instruction path): per-block partial
+/// sums into the reduction scratch, then one block adds them in order.
+pub(super) fn per_instruction(be: &mut CudaBackend, g: Buf, out: Buf) -> Result<()> {
+    let blocks = blocks_for(g.len);
+    let part = be.scratch(blocks * 8)?;
+    be.launch(
+        Kernel::SumSquaresPartial,
+        (blocks as u32, 1, 1),
+        (THREADS, 1, 1),
+        0,
+        &[Arg::Ptr(g.ptr), Arg::Ptr(part), Arg::I64(g.len as i64)],
+    )?;
+    be.launch(
+        Kernel::SumPartialsInto,
+        (1, 1, 1),
+        (THREADS, 1, 1),
+        0,
+        &[Arg::Ptr(part), Arg::Ptr(out.ptr), Arg::I64(blocks as i64)],
+    )
 }
 
 /// A run's table as bytes and where its parts lie in the allocation (byte offsets).
@@ -340,7 +362,7 @@ impl CudaBackend {
             Arg::I64(count),
         ];
         let grid = (run.group_count, 1, 1);
-        self.launch("sum_squares_one_pass", grid, (THREADS, 1, 1), 0, &args)
+        self.launch(Kernel::SumSquaresOnePass, grid, (THREADS, 1, 1), 0, &args)
     }
 }
 

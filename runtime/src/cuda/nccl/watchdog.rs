@@ -9,8 +9,8 @@
 //! asynchronous errors, the failure probe: another rank's reported failure) and aborts on an
 //! error. It never holds the communicators' lock while the backend needs it for long: it only
 //! tries the lock for the health check, and takes it to abort.
-use super::device::driver_error;
-use super::nccl::Shared;
+use super::comms::Shared;
+use crate::cuda::device::driver_error;
 use crate::error::Result;
 use cudarc::driver::{CudaContext, CudaStream};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -1,6 +1,6 @@
-//! The NCCL device comm of the CUDA backend: collectives and grouped point-to-point transfers
-//! on the backend's own buffers, through NCCL (cudarc's bindings, loaded at run time), on the
-//! communication stream of [`super::stream`] so that they overlap compute.
+//! A rank's NCCL communicators (cudarc's bindings, loaded at run time), shared by its backend
+//! (device buffers, `nccl`) and its host comm (`nccl::host`), which queue their
+//! work on the same communication stream so that every rank issues NCCL calls in program order.
 //!
 //! - **Communicators.** A world communicator from a shared [`NcclId`] (made by one rank and
 //!   handed to the others by the launcher's rendezvous, or made locally for a one-process
@@ -10,32 +10,19 @@
 //!   global rank, so NCCL's rank in a split is the group-rank index: all-gather concatenates in
 //!   group order and reduce-scatter gives member `i` chunk `i`, as `crate::comm` requires.
 //! - **Point-to-point** goes over the world communicator with global ranks as peers, all of an
-//!   instruction's transfers inside one `ncclGroupStart`/`ncclGroupEnd`. NCCL matches messages
-//!   by order per (sender, receiver), not by tag: [`CudaBackend::use_nccl`] refuses a plan whose
-//!   order and tags disagree ([`crate::comm::layout::check_p2p_order`]).
-//! - **Reductions** are NCCL's: every member gets the same result, but the summation order is
-//!   NCCL's, not group-rank order, so a multi-rank result may differ from the CPU backend's in
-//!   the last bits (one rank: identical).
-//! - **No hang**: the host waits for queued communication by polling, checks NCCL's
-//!   asynchronous errors, and after the timeout aborts the communicators and fails naming the
-//!   communication that is stuck: the first queued call not finished
-//!   ([`super::nccl_inflight`]), with the program instruction that issued it, which the
-//!   executor turns into the rank, instruction and spec line of the error
-//!   ([`CudaBackend::stuck_instruction`]). A watchdog thread ([`super::nccl_watchdog`]) does the
-//!   same for the waits it cannot poll (a host copy behind compute that waits for
-//!   communication).
-use super::device::driver_error;
-use super::nccl_inflight::{InFlight, Queued};
-use super::nccl_watchdog::Watchdog;
-use super::stream::{comm_buffers, poll_until_idle, CommStream};
-use super::{Buf, CudaBackend};
-use crate::backend::DeviceTransfer;
-use crate::comm::layout::{check_p2p_order, CommKey, CommLayout};
+//!   instruction's transfers inside one `ncclGroupStart`/`ncclGroupEnd`.
+//! - **No hang**: a wait polls, checks NCCL's asynchronous errors and the failure probe, and
+//!   after the timeout aborts the communicators and names the communication that is stuck: the
+//!   first queued call not finished (`inflight`).
+use super::inflight::{InFlight, Queued};
+use crate::comm::layout::{CommKey, CommLayout};
+use crate::cuda::device::driver_error;
+use crate::cuda::stream::poll_until_idle;
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaEvent, CudaStream};
 use cudarc::nccl::sys as nc;
-use parc_compiler::ir::{BufferId, CollectiveKind, DType, Plan, ReduceOp};
+use parc_compiler::ir::{CollectiveKind, DType, ReduceOp};
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -166,7 +153,7 @@ struct Communicator {
 }
 
 /// Every communicator of a rank. Shared ([`Shared`]) by the rank's backend (device buffers)
-/// and its host comm ([`super::nccl_host::NcclHostComm`]), which queue their work on the same
+/// and its host comm (`host::NcclHostComm`), which queue their work on the same
 /// communication stream so that every rank issues NCCL calls in program order.
 pub(crate) struct Communicators {
     rank: u32,
@@ -182,7 +169,7 @@ pub(crate) struct Communicators {
     aborted: Option<String>,
     /// Checked while waiting, e.g. the launcher's news of another rank's failure.
     probe: Option<FailureProbe>,
-    /// Tells the other ranks when this one fails (see [`CudaBackend::on_abort`]).
+    /// Tells the other ranks when this one fails (see `CudaBackend::on_abort`).
     notice: Option<AbortNotice>,
 }
 
@@ -230,7 +217,7 @@ fn nccl_type(dtype: DType, what: &str) -> Result<nc::ncclDataType_t> {
 impl Communicators {
     /// Join the world communicator of `id` as `rank` of `layout.world()` and split the plan's
     /// communicators. Collective over every rank of the run. The CUDA context must be current.
-    fn join(id: &NcclId, rank: u32, layout: CommLayout) -> Result<Communicators> {
+    pub(super) fn join(id: &NcclId, rank: u32, layout: CommLayout) -> Result<Communicators> {
         nccl_available()?;
         let world_size = layout.world();
         let mut raw: nc::ncclComm_t = std::ptr::null_mut();
@@ -295,19 +282,19 @@ impl Communicators {
         self.probe = Some(probe);
     }
 
-    fn set_notice(&mut self, notice: AbortNotice) {
+    pub(super) fn set_notice(&mut self, notice: AbortNotice) {
         self.notice = Some(notice);
     }
 
     /// This rank failed with `reason`: tell the others, then abort.
-    fn fail(&mut self, reason: &str) {
+    pub(super) fn fail(&mut self, reason: &str) {
         if let Some(notice) = &self.notice {
             notice(reason);
         }
         self.abort(reason);
     }
 
-    fn usable(&self) -> Result<()> {
+    pub(super) fn usable(&self) -> Result<()> {
         match &self.aborted {
             Some(reason) => Err(RuntimeError::Comm(format!(
                 "NCCL: rank {}: the communicators were aborted: {reason}",
@@ -540,69 +527,7 @@ impl Drop for Communicators {
         }
     }
 }
-
-/// The backend's side: the shared communicators, its communication stream and the watchdog
-/// that aborts NCCL when that stream stops making progress.
-pub(crate) struct NcclComm {
-    pub(crate) comms: Shared,
-    pub(crate) stream: CommStream,
-    /// The program instruction the executor runs now ([`CudaBackend::begin_instruction`]).
-    instruction: Option<usize>,
-    _watchdog: Watchdog,
-}
-
-impl NcclComm {
-    /// Block until all queued communication has finished (or fail: timeout, NCCL error, the
-    /// failure probe); on failure the communicators are aborted.
-    pub(crate) fn wait(&self) -> Result<()> {
-        if !self.stream.has_queued() {
-            return Ok(());
-        }
-        lock(&self.comms)?.wait(self.stream.stream(), self.stream.timeout())
-    }
-
-    /// [`NcclComm::wait`], then forget every pending mark.
-    pub(crate) fn drain(&mut self) -> Result<()> {
-        self.wait()?;
-        self.stream.forget_all();
-        Ok(())
-    }
-}
-
-impl Drop for NcclComm {
-    /// Queued communication finishes (or, failing or timing out, the communicators are
-    /// aborted) before the backend frees the buffers it uses (the backend drops this first).
-    fn drop(&mut self) {
-        let _ = self.wait();
-    }
-}
-
-fn not_set_up() -> RuntimeError {
-    RuntimeError::Unsupported("NCCL is not set up on this backend (call use_nccl first)".into())
-}
-
-fn float_buffer(op: &str, b: &Buf) -> Result<()> {
-    if matches!(b.dtype, DType::F32 | DType::Bf16) {
-        Ok(())
-    } else {
-        Err(RuntimeError::Op {
-            op: op.into(),
-            what: format!(
-                "buffer {} is {:?}; NCCL comm moves f32 and bf16 buffers",
-                b.id.0, b.dtype
-            ),
-        })
-    }
-}
-
-fn sizes_error(op: &str, what: String) -> RuntimeError {
-    RuntimeError::Op {
-        op: op.into(),
-        what: format!("{what} (a lowering bug)"),
-    }
-}
-
-fn describe(kind: CollectiveKind) -> &'static str {
+pub(super) fn describe(kind: CollectiveKind) -> &'static str {
     match kind {
         CollectiveKind::AllReduce {
             op: ReduceOp::Sum, ..
@@ -615,230 +540,6 @@ fn describe(kind: CollectiveKind) -> &'static str {
         CollectiveKind::Broadcast { .. } => "broadcast",
     }
 }
-
-impl CudaBackend {
-    /// Use NCCL for this backend's collectives and transfers: join the run's world
-    /// communicator of `id` as `rank` and split the communicators `plan` needs. Collective over
-    /// every rank of the run (each calls it with the same id and plan). `timeout` bounds every
-    /// host wait for communication.
-    pub fn use_nccl(
-        &mut self,
-        id: &NcclId,
-        rank: u32,
-        plan: &Plan,
-        timeout: Duration,
-    ) -> Result<()> {
-        check_p2p_order(plan, rank).map_err(RuntimeError::Comm)?;
-        let program = plan.program_of(rank).ok_or_else(|| {
-            RuntimeError::Comm(format!(
-                "NCCL: rank {rank} has no program in a plan of {} ranks",
-                plan.world
-            ))
-        })?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| driver_error("making the context current for NCCL", e))?;
-        let stream = CommStream::new(&self.ctx, comm_buffers(program), timeout)?;
-        let comms = Communicators::join(id, rank, CommLayout::of_plan(plan))?;
-        let comms = Arc::new(Mutex::new(comms));
-        let watchdog = Watchdog::start(&self.ctx, stream.stream(), &comms, timeout)?;
-        self.nccl = Some(NcclComm {
-            comms,
-            stream,
-            instruction: None,
-            _watchdog: watchdog,
-        });
-        Ok(())
-    }
-
-    /// Whether collectives run through NCCL.
-    pub fn uses_nccl(&self) -> bool {
-        self.nccl.is_some()
-    }
-
-    /// Stop waiting for communication (with an error) once `probe` fails: e.g. the launcher's
-    /// rendezvous reporting that another rank died, which NCCL itself would wait out.
-    pub fn watch_failures(&mut self, probe: FailureProbe) -> Result<()> {
-        let nccl = self.nccl_set_up()?;
-        lock(&nccl.comms)?.set_probe(probe);
-        Ok(())
-    }
-
-    /// Call `notice` with the reason when this rank fails (the executor's
-    /// [`crate::backend::Backend::abort`]), e.g. to stop the other rank threads' NCCL waits.
-    pub fn on_abort(&mut self, notice: AbortNotice) -> Result<()> {
-        let nccl = self.nccl_set_up()?;
-        lock(&nccl.comms)?.set_notice(notice);
-        Ok(())
-    }
-
-    /// [`crate::backend::Backend::abort`]: tell the others and abort the communicators.
-    pub(crate) fn abort_nccl(&mut self, reason: &str) {
-        if let Some(nccl) = &self.nccl {
-            if let Ok(mut comms) = lock(&nccl.comms) {
-                comms.fail(reason);
-            }
-        }
-    }
-
-    fn nccl_set_up(&self) -> Result<&NcclComm> {
-        self.nccl.as_ref().ok_or_else(not_set_up)
-    }
-
-    fn nccl_set_up_mut(&mut self) -> Result<&mut NcclComm> {
-        self.nccl.as_mut().ok_or_else(not_set_up)
-    }
-
-    /// [`crate::backend::Backend::begin_instruction`]: later NCCL calls come from `index`.
-    pub(crate) fn nccl_instruction(&mut self, index: usize) {
-        if let Some(nccl) = &mut self.nccl {
-            nccl.instruction = Some(index);
-        }
-    }
-
-    /// [`crate::backend::Backend::stuck_instruction`]: the instruction whose NCCL call was found
-    /// stuck when the communicators failed.
-    pub(crate) fn nccl_stuck_instruction(&self) -> Option<usize> {
-        let nccl = self.nccl.as_ref()?;
-        lock(&nccl.comms).ok()?.stuck_instruction()
-    }
-
-    /// Before compute-stream work on `ids` (an op, an `Alloc`, a `Free`): make the compute
-    /// stream wait for queued communication on them, and let later communication on them wait
-    /// for this work (see [`super::stream`]).
-    pub(crate) fn order_after_comm(
-        &mut self,
-        ids: impl IntoIterator<Item = BufferId>,
-    ) -> Result<()> {
-        match &mut self.nccl {
-            Some(nccl) => nccl.stream.order_compute(&self.stream, ids),
-            None => Ok(()),
-        }
-    }
-
-    /// Whether the host must drain communication before touching `id`.
-    pub(crate) fn comm_uses(&self, id: BufferId) -> bool {
-        self.nccl.as_ref().is_some_and(|n| n.stream.uses(id))
-    }
-
-    /// Block until all queued communication has finished (with the timeout).
-    pub(crate) fn drain_comm(&mut self) -> Result<()> {
-        match &mut self.nccl {
-            Some(nccl) => nccl.drain(),
-            None => Ok(()),
-        }
-    }
-
-    /// After the host waited for compute: fail if the communicators were aborted meanwhile
-    /// (the watchdog found communication stuck; compute that waited for it ran on data it never
-    /// got), with the reason, which names the stuck call.
-    pub(crate) fn check_comm_intact(&self) -> Result<()> {
-        match &self.nccl {
-            Some(nccl) => lock(&nccl.comms)?.usable(),
-            None => Ok(()),
-        }
-    }
-
-    /// Before the host reads `id`: wait for queued communication that may still write it.
-    pub(crate) fn wait_comm_for(&self, id: BufferId) -> Result<()> {
-        match &self.nccl {
-            Some(nccl) if nccl.stream.uses(id) => nccl.wait(),
-            _ => Ok(()),
-        }
-    }
-
-    /// [`crate::backend::Backend::device_collective`] through NCCL.
-    pub(crate) fn nccl_collective(
-        &mut self,
-        kind: CollectiveKind,
-        group: &[u32],
-        input: BufferId,
-        output: BufferId,
-    ) -> Result<()> {
-        let name = describe(kind);
-        let (inp, out) = (self.buf(input)?, self.buf(output)?);
-        float_buffer(name, &inp)?;
-        float_buffer(name, &out)?;
-        if inp.dtype != out.dtype {
-            return Err(sizes_error(
-                name,
-                format!(
-                    "input buffer {} is {:?} but output buffer {} is {:?}; a collective keeps \
-                     one element type",
-                    input.0, inp.dtype, output.0, out.dtype
-                ),
-            ));
-        }
-        let count = collective_count(kind, group.len(), inp.len, out.len).map_err(|what| {
-            sizes_error(
-                name,
-                format!(
-                    "input buffer {}, output buffer {}: {what}",
-                    input.0, output.0
-                ),
-            )
-        })?;
-        let compute = Arc::clone(&self.stream);
-        let nccl = self.nccl_set_up_mut()?;
-        nccl.stream.follow_uses(&compute, &[input, output])?;
-        let what = format!("{name} of buffer {} into buffer {}", input.0, output.0);
-        // SAFETY: both buffers are live device allocations whose lengths were checked against
-        // `count` for this kind; the buffers stay allocated until the recorded event (a free
-        // waits for it).
-        unsafe {
-            lock(&nccl.comms)?.collective(
-                kind,
-                group,
-                (inp.ptr, out.ptr, count, inp.dtype),
-                nccl.stream.stream(),
-                (nccl.instruction, what),
-            )?;
-        }
-        match &mut self.nccl {
-            Some(nccl) => nccl.stream.record(&[input, output]),
-            None => Ok(()),
-        }
-    }
-
-    /// [`crate::backend::Backend::device_p2p`] through NCCL: one NCCL group.
-    pub(crate) fn nccl_p2p(&mut self, transfers: &[DeviceTransfer]) -> Result<()> {
-        let mut raw: Vec<RawTransfer> = Vec::with_capacity(transfers.len());
-        let mut ids = Vec::with_capacity(transfers.len());
-        let mut words = Vec::with_capacity(transfers.len());
-        for t in transfers {
-            let (send, peer, buffer) = match *t {
-                DeviceTransfer::Send { peer, buffer, .. } => (true, peer, buffer),
-                DeviceTransfer::Recv { peer, buffer, .. } => (false, peer, buffer),
-            };
-            let b = self.buf(buffer)?;
-            float_buffer(if send { "send" } else { "receive" }, &b)?;
-            raw.push((send, peer, b.ptr, b.len, b.dtype));
-            ids.push(buffer);
-            words.push(if send {
-                format!("send buffer {} to rank {peer}", buffer.0)
-            } else {
-                format!("receive buffer {} from rank {peer}", buffer.0)
-            });
-        }
-        let compute = Arc::clone(&self.stream);
-        let nccl = self.nccl_set_up_mut()?;
-        nccl.stream.follow_uses(&compute, &ids)?;
-        // SAFETY: every buffer is a live device allocation of its length and type, kept until
-        // the recorded event; peers are global ranks of the world communicator.
-        unsafe {
-            lock(&nccl.comms)?.transfers(
-                &raw,
-                nccl.stream.stream(),
-                (nccl.instruction, words.join(", ")),
-            )?;
-        }
-        match &mut self.nccl {
-            Some(nccl) => nccl.stream.record(&ids),
-            None => Ok(()),
-        }
-    }
-}
-
 /// NCCL's count for collective `kind` over `n` ranks with `input`/`output` elements, or what is
 /// wrong with the sizes.
 pub(crate) fn collective_count(
@@ -871,7 +572,6 @@ pub(crate) fn collective_count(
         ))
     }
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,10 +8,10 @@
 //! queued there, so every rank issues its NCCL calls in one order. Each call waits for its
 //! result (polling, with the run's timeout and the failure probe). Tags are not sent: NCCL
 //! matches messages by order per pair of ranks (see `crate::comm::layout`).
-use super::device::driver_error;
-use super::nccl::{collective_count, lock, RawTransfer, Shared};
-use super::CudaBackend;
+use super::comms::{collective_count, lock, RawTransfer, Shared};
 use crate::comm::{Comm, PeerOp};
+use crate::cuda::device::driver_error;
+use crate::cuda::CudaBackend;
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys::CUdeviceptr;
@@ -20,7 +20,7 @@ use parc_compiler::ir::{CollectiveKind, DType, ReduceOp};
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use super::nccl::AbortNotice;
+use super::comms::AbortNotice;
 
 /// See the module docs. Made by [`CudaBackend::nccl_host_comm`].
 pub struct NcclHostComm {

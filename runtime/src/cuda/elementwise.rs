@@ -1,0 +1,85 @@
+//! The elementwise family on the GPU (kernels/elementwise.cu): rotary position embedding and
+//! its inverse rotation (`Rope`, `RopeBwd`, at the op's global positions), activations and
+//! their gradients, SwiGLU and its gradient, `Add` and `Scale`. Each reads f32 or bf16
+//! operands widened and rounds what it writes to its output's type; every operand of one op
+//! has the same element count (`bind` checked it).
+use super::args::{act_code, fv, n, Bound, Limits};
+use super::kernel::Kernel;
+use super::{Arg, CudaBackend};
+use crate::error::Result;
+use parc_compiler::ir::op::{ActAttrs, Op, RopeAttrs};
+
+/// Run an op of the elementwise family.
+pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
+    let x = b.input(0)?;
+    let len = x.len;
+    match b.op {
+        Op::Rope(attrs) => rope(be, b, attrs, 1.0),
+        Op::RopeBwd(attrs) => rope(be, b, attrs, -1.0),
+        Op::Activation(ActAttrs { act }) => {
+            let args = [Arg::I32(act_code(*act)), fv(x), fv(b.output(0)?), n(len)];
+            be.launch_vec(Kernel::ActivationFwd, len, &args)
+        }
+        Op::ActivationBwd(ActAttrs { act }) => {
+            let (x, dx) = (b.input(1)?, b.output(0)?);
+            let args = [
+                Arg::I32(act_code(*act)),
+                fv(b.input(0)?),
+                fv(x),
+                fv(dx),
+                n(len),
+            ];
+            be.launch_vec(Kernel::ActivationBwd, len, &args)
+        }
+        Op::SwiGlu => {
+            let args = [fv(x), fv(b.input(1)?), fv(b.output(0)?), n(len)];
+            be.launch_vec(Kernel::SwigluFwd, len, &args)
+        }
+        Op::SwiGluBwd => {
+            let (gate, up) = (b.input(1)?, b.input(2)?);
+            let (dgate, dup) = (b.output(0)?, b.output(1)?);
+            let args = [fv(x), fv(gate), fv(up), fv(dgate), fv(dup), n(len)];
+            be.launch_vec(Kernel::SwigluBwd, len, &args)
+        }
+        Op::Add => {
+            let args = [fv(x), fv(b.input(1)?), fv(b.output(0)?), n(len)];
+            be.launch_vec(Kernel::AddFwd, len, &args)
+        }
+        Op::Scale { factor } => {
+            let args = [fv(x), fv(b.output(0)?), Arg::F32(*factor as f32), n(len)];
+            be.launch_vec(Kernel::ScaleFwd, len, &args)
+        }
+        _ => Err(b.err("is not an elementwise op")),
+    }
+}
+
+/// Rotates each pair of a head's columns by its position's angle: forward (`sign` 1) or back
+/// (`sign` -1, the gradient).
+fn rope(be: &mut CudaBackend, b: &Bound, a: &RopeAttrs, sign: f64) -> Result<()> {
+    let (batch, heads, hd) = (
+        b.launch_dim("batch", a.batch)?,
+        b.launch_dim("heads", a.heads)?,
+        b.launch_dim("head_dim", a.head_dim)?,
+    );
+    if hd % 2 != 0 {
+        return Err(b.err(format!("head_dim = {hd} must be even to rotate pairs")));
+    }
+    if a.theta.is_nan() || a.theta <= 0.0 {
+        return Err(b.err(format!("theta = {} must be positive", a.theta)));
+    }
+    let (x, y) = (b.input(0)?, b.output(0)?);
+    let rows = b.launch_rows(x, "x", b.rows)?;
+    let (pos, _) = be.positions(&a.positions)?;
+    let args = [
+        fv(x),
+        fv(y),
+        Arg::Ptr(pos),
+        n(rows),
+        n(batch),
+        n(heads),
+        n(hd),
+        Arg::F64(a.theta),
+        Arg::F64(sign),
+    ];
+    be.launch_n(Kernel::RopeFwd, rows * heads * hd / 2, &args)
+}
