@@ -27,7 +27,9 @@ fn bad_programs_are_errors() {
             &SCALARS,
         )
         .unwrap_err();
-    assert!(err.to_string().contains("Matmul"), "{err}");
+    // The op table's name and the operand's role and buffer (`runtime/src/bind.rs`).
+    let text = err.to_string();
+    assert!(text.contains("matmul") && text.contains("(w, buffer 1)"), "{err}");
     let err = b
         .compute(&Op::Add, &[BufferId(0)], &[BufferId(2)], &SCALARS)
         .unwrap_err();
