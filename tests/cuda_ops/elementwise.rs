@@ -78,7 +78,7 @@ fn elementwise_bf16_storage() {
 /// One case per elementwise op on `n` elements (f32 buffers, fp32 tolerances).
 fn cases(r: &mut Rng, n: usize) -> Vec<Case> {
     let mut cases = Vec::new();
-    for act in [Act::Gelu, Act::GeluTanh, Act::Relu] {
+    for &act in Act::ALL {
         let x = r.vec(n, 4.0);
         cases.push(Case::new(
             format!("activation {act:?}"),

@@ -29,7 +29,10 @@ fn bad_programs_are_errors() {
         .unwrap_err();
     // The op table's name and the operand's role and buffer (`runtime/src/bind.rs`).
     let text = err.to_string();
-    assert!(text.contains("matmul") && text.contains("(w, buffer 1)"), "{err}");
+    assert!(
+        text.contains("matmul") && text.contains("(w, buffer 1)"),
+        "{err}"
+    );
     let err = b
         .compute(&Op::Add, &[BufferId(0)], &[BufferId(2)], &SCALARS)
         .unwrap_err();

@@ -1,10 +1,9 @@
 //! What the family modules hand a kernel: the bound operands (`crate::bind::Bound`, checked
 //! against the op table before any family code runs) turned into kernel arguments (`p`, `fv`,
-//! `n`, `act_code`), and the limits that are the CUDA kernels' own rather than the op's: a
+//! `n`; an activation's kernel code is `Act::code`), and the limits that are the CUDA kernels' own rather than the op's: a
 //! dimension or a row count that a launch indexes in 32 bits must stay below 2^31 ([`Limits`]).
 use super::{Arg, Buf, FloatArg};
 use crate::error::Result;
-use parc_compiler::ir::op::Act;
 
 /// An op's buffers bound to its signature (`crate::bind`), as the family modules read them.
 pub(super) type Bound<'a> = crate::bind::Bound<'a, Buf>;
@@ -25,14 +24,6 @@ pub(super) fn n(v: usize) -> Arg {
 }
 
 /// An activation as the kernels' `act` argument (kernels/elementwise.cu).
-pub(super) fn act_code(act: Act) -> i32 {
-    match act {
-        Act::Gelu => 0,
-        Act::GeluTanh => 1,
-        Act::Relu => 2,
-    }
-}
-
 /// The most a launch indexes in 32 bits (grid extents, the kernels' `int` row counters).
 const LAUNCH_MAX: usize = i32::MAX as usize;
 

@@ -3,7 +3,7 @@
 //! their gradients, SwiGLU and its gradient, `Add` and `Scale`. Each reads f32 or bf16
 //! operands widened and rounds what it writes to its output's type; every operand of one op
 //! has the same element count (`bind` checked it).
-use super::args::{act_code, fv, n, Bound, Limits};
+use super::args::{fv, n, Bound, Limits};
 use super::kernel::Kernel;
 use super::{Arg, CudaBackend};
 use crate::error::Result;
@@ -17,18 +17,12 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
         Op::Rope(attrs) => rope(be, b, attrs, 1.0),
         Op::RopeBwd(attrs) => rope(be, b, attrs, -1.0),
         Op::Activation(ActAttrs { act }) => {
-            let args = [Arg::I32(act_code(*act)), fv(x), fv(b.output(0)?), n(len)];
+            let args = [Arg::I32(act.code()), fv(x), fv(b.output(0)?), n(len)];
             be.launch_vec(Kernel::ActivationFwd, len, &args)
         }
         Op::ActivationBwd(ActAttrs { act }) => {
             let (x, dx) = (b.input(1)?, b.output(0)?);
-            let args = [
-                Arg::I32(act_code(*act)),
-                fv(b.input(0)?),
-                fv(x),
-                fv(dx),
-                n(len),
-            ];
+            let args = [Arg::I32(act.code()), fv(b.input(0)?), fv(x), fv(dx), n(len)];
             be.launch_vec(Kernel::ActivationBwd, len, &args)
         }
         Op::SwiGlu => {

@@ -21,7 +21,7 @@
 //! auxiliary input); both need the auxiliary matrix in D's type. Otherwise, or where cuBLASLt refuses, the GEMM
 //! writes y (dx) as without, then the `activation_fwd` (`activation_bwd`, in place on dx)
 //! kernel runs.
-use super::args::{act_code, fv, n, p, Bound, Limits};
+use super::args::{fv, n, p, Bound, Limits};
 use super::columns::col_sum_into;
 use super::gemm::{Epilogue, Gemm, Operands, Output};
 use super::gemm_operands::Operand;
@@ -208,7 +208,7 @@ fn matmul(be: &mut CudaBackend, b: &Bound, f: &Forward, (rows, k, m): Dims) -> R
     }
     match f.act {
         Some((act, a)) => {
-            let args = [Arg::I32(act_code(act)), fv(y), fv(a), n(y.len)];
+            let args = [Arg::I32(act.code()), fv(y), fv(a), n(y.len)];
             be.launch_vec(Kernel::ActivationFwd, y.len, &args)
         }
         None => Ok(()),
@@ -255,7 +255,7 @@ fn backward_data(
     // The product into dx, then dx = dx ⊙ act'(pre) in place (a bf16 dx is rounded
     // in between).
     be.gemm(&g, weight(w), activation(dy))?;
-    let args = [Arg::I32(act_code(act)), fv(dx), fv(pre), fv(dx), n(dx.len)];
+    let args = [Arg::I32(act.code()), fv(dx), fv(pre), fv(dx), n(dx.len)];
     be.launch_vec(Kernel::ActivationBwd, dx.len, &args)
 }
 

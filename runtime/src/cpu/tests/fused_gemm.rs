@@ -47,7 +47,7 @@ fn fused_forms_equal_the_separate_ops_bit_for_bit() {
         values(OUT, 3, 0.5),
     );
     let r = values(ROWS * OUT, 4, 3.0);
-    for act in [Act::GeluTanh, Act::Gelu, Act::Relu] {
+    for &act in Act::ALL {
         for residual in [false, true] {
             let mut ins = vec![f(&x), f(&w), f(&b)];
             if residual {

@@ -287,7 +287,7 @@ fn activation_backward_matches_differences() {
         .map(|v| if v.abs() < 0.05 { v + 0.1 } else { v })
         .collect();
     let cot = vec![values(40, 24, 1.0)];
-    for act in [Act::Gelu, Act::GeluTanh, Act::Relu] {
+    for &act in Act::ALL {
         let inputs = [Input::F(x.clone())];
         let numeric = op_gradient(&Op::Activation(ActAttrs { act }), &inputs, &[40], &cot, 0);
         let dx = eval(
