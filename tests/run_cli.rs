@@ -87,6 +87,30 @@ fn the_bundled_example_learns_and_a_parallel_plan_matches_it() {
     }
 }
 
+/// `act = silu` (a non-gated MLP with SiLU) from the language through the lowering to the CPU
+/// kernels: the bundled example with its activation swapped learns.
+#[test]
+fn an_mlp_with_silu_learns() {
+    let dir = temp_dir("silu");
+    let spec = std::fs::read_to_string(root().join("examples/tiny.par")).unwrap();
+    let data = root().join("examples/data/tiny-shakespeare.txt");
+    let spec = spec.replace("act = gelu_tanh", "act = silu").replace(
+        "\"data/tiny-shakespeare.txt\"",
+        &format!("{:?}", data.display().to_string()),
+    );
+    assert!(spec.contains("act = silu"));
+    let path = dir.join("tiny-silu.par");
+    std::fs::write(&path, spec).unwrap();
+    let path = path.display().to_string();
+    let mut args = vec!["run", path.as_str(), "--log-format", "json"];
+    args.extend(sets(&["train.steps=8"]));
+    let losses: Vec<f64> = steps(&json_lines(&parc_ok(&args)))
+        .iter()
+        .map(|v| v["loss"].as_f64().unwrap())
+        .collect();
+    assert!(losses[7] < losses[0] - 0.3, "loss did not fall: {losses:?}");
+}
+
 #[test]
 fn a_killed_run_resumes_bit_identically() {
     let dir = temp_dir("resume");

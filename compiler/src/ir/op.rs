@@ -84,6 +84,7 @@ activations! {
     Gelu "gelu",
     GeluTanh "gelu_tanh",
     Relu "relu",
+    Silu "silu",
 }
 
 impl Act {

@@ -116,6 +116,7 @@ fn activation_value(act: Act, x: f32) -> f32 {
         Act::Gelu => 0.5 * x * (1.0 + libm::erff(x * INV_SQRT_2)),
         Act::GeluTanh => x * gelu_tanh_gate(x).0,
         Act::Relu => x.max(0.0),
+        Act::Silu => x * sigmoid(x),
     }
 }
 
@@ -136,6 +137,11 @@ fn activation_derivative(act: Act, x: f32) -> f32 {
             } else {
                 0.0
             }
+        }
+        Act::Silu => {
+            // d/dx x·σ(x) = σ(x)·(1 + x·(1 − σ(x))).
+            let s = sigmoid(x);
+            s * (1.0 + x * (1.0 - s))
         }
     }
 }

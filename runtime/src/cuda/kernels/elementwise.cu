@@ -13,13 +13,15 @@
 
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// act: 0 = gelu (erf), 1 = gelu_tanh, 2 = relu
+// act: the activation's position in parc_compiler::ir::op::Act::ALL (`Act::code`):
+// 0 = gelu (erf), 1 = gelu_tanh, 2 = relu, 3 = silu.
 __device__ __forceinline__ float act_value(int act, float x) {
     if (act == 0) return 0.5f * x * (1.0f + erff(x * INV_SQRT_2));
     if (act == 1) {
         float u = SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x);
         return x * sigmoid_f(2.0f * u);
     }
+    if (act == 3) return x * sigmoid_f(x);
     return fmaxf(x, 0.0f);
 }
 
@@ -34,6 +36,11 @@ __device__ __forceinline__ float act_derivative(int act, float x) {
         float du = SQRT_2_OVER_PI * (1.0f + 3.0f * GELU_TANH_CUBIC * x * x);
         float s = sigmoid_f(2.0f * u);
         return s + x * s * (1.0f - s) * 2.0f * du;
+    }
+    if (act == 3) {
+        // d/dx x·σ(x) = σ(x)·(1 + x·(1 − σ(x))).
+        float s = sigmoid_f(x);
+        return s * (1.0f + x * (1.0f - s));
     }
     return x > 0.0f ? 1.0f : 0.0f;
 }
