@@ -243,14 +243,22 @@ mod tests {
         }
     }
 
+    /// x `[rows, 3]` of `x_len` elements, w `[5, 3]` and b `[5]`, of the given types.
+    fn matmul_inputs(x_len: usize, x: DType, w: DType) -> [Buf; 3] {
+        [Buf(0, x, x_len), Buf(1, w, 15), Buf(2, DType::F32, 5)]
+    }
+
+    fn bind_error(op: &Op, ins: &[Buf], outs: &[Buf]) -> String {
+        match Bound::bind(op, ins, outs) {
+            Ok(_) => panic!("bound a malformed op"),
+            Err(e) => e.to_string(),
+        }
+    }
+
     #[test]
     fn derives_rows_and_accepts_a_well_formed_op() {
         let op = matmul();
-        let ins = [
-            Buf(0, DType::Bf16, 21),
-            Buf(1, DType::F32, 15),
-            Buf(2, DType::F32, 5),
-        ];
+        let ins = matmul_inputs(21, DType::Bf16, DType::F32);
         let outs = [Buf(3, DType::F32, 35)];
         let bound = Bound::bind(&op, &ins, &outs).unwrap();
         assert_eq!(bound.rows, 7);
@@ -261,41 +269,21 @@ mod tests {
     #[test]
     fn names_the_role_and_buffer_of_each_mismatch() {
         let op = matmul();
-        let ins = [
-            Buf(0, DType::F32, 21),
-            Buf(1, DType::F32, 15),
-            Buf(2, DType::F32, 5),
-        ];
+        let ins = matmul_inputs(21, DType::F32, DType::F32);
         let short = [Buf(9, DType::F32, 34)];
-        let e = Bound::bind(&op, &ins, &short).err().unwrap().to_string();
+        let e = bind_error(&op, &ins, &short);
         assert!(
             e.contains("matmul") && e.contains("output 0 (y, buffer 9)"),
             "{e}"
         );
-        let bf16_weight = [
-            Buf(0, DType::F32, 21),
-            Buf(1, DType::Bf16, 15),
-            Buf(2, DType::F32, 5),
-        ];
-        let e = Bound::bind(&op, &bf16_weight, &short)
-            .err()
-            .unwrap()
-            .to_string();
+        let e = bind_error(&op, &matmul_inputs(21, DType::F32, DType::Bf16), &short);
         assert!(
             e.contains("input 1 (w, buffer 1) is bf16, expected f32"),
             "{e}"
         );
-        let e = Bound::bind(&op, &ins[..2], &short)
-            .err()
-            .unwrap()
-            .to_string();
+        let e = bind_error(&op, &ins[..2], &short);
         assert!(e.contains("takes 3 inputs (x, w, b), got 2"), "{e}");
-        let ragged = [
-            Buf(0, DType::F32, 20),
-            Buf(1, DType::F32, 15),
-            Buf(2, DType::F32, 5),
-        ];
-        let e = Bound::bind(&op, &ragged, &short).err().unwrap().to_string();
+        let e = bind_error(&op, &matmul_inputs(20, DType::F32, DType::F32), &short);
         assert!(e.contains("not a whole number of rows of 3"), "{e}");
     }
 
@@ -312,10 +300,7 @@ mod tests {
         let float_ids = [Buf(0, DType::F32, 6), Buf(1, DType::F32, 40)];
         assert!(Bound::bind(&op, &float_ids, &outs).is_err());
         let small_table = [Buf(0, DType::I32, 6), Buf(1, DType::F32, 36)];
-        let e = Bound::bind(&op, &small_table, &outs)
-            .err()
-            .unwrap()
-            .to_string();
+        let e = bind_error(&op, &small_table, &outs);
         assert!(
             e.contains("input 1 (table, buffer 1) holds 36 elements, expected [10, 4]"),
             "{e}"

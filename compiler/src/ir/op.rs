@@ -346,34 +346,8 @@ pub enum Op {
 }
 
 impl Op {
-    /// For an op that writes parameter gradients with an `accumulate_param_grad` flag
-    /// (`MatmulBwdWeight`, `LayerNormBwd`, `RmsNormBwd`, `PositionAddBwd`): the index of its
-    /// first parameter-gradient output (the flag governs that output and every later one) and
-    /// the flag. None for every other op.
-    pub fn param_grad_outputs(&self) -> Option<(usize, bool)> {
-        match self {
-            Op::MatmulBwdWeight {
-                accumulate_param_grad,
-                ..
-            }
-            | Op::PositionAddBwd {
-                accumulate_param_grad,
-                ..
-            } => Some((0, *accumulate_param_grad)),
-            Op::LayerNormBwd {
-                accumulate_param_grad,
-                ..
-            }
-            | Op::RmsNormBwd {
-                accumulate_param_grad,
-                ..
-            } => Some((1, *accumulate_param_grad)),
-            _ => None,
-        }
-    }
-
     /// The op with its `accumulate_param_grad` set to `accumulate` (unchanged for an op
-    /// without one, see [`Op::param_grad_outputs`]).
+    /// without one, see `Op::param_grad_outputs` in `table`).
     pub fn with_param_grad_accumulation(&self, accumulate: bool) -> Op {
         let mut op = self.clone();
         match &mut op {
@@ -510,18 +484,13 @@ impl fmt::Debug for Op {
             Op::CeTargetLogit {
                 vocab_start,
                 vocab_local,
-            } => d
-                .field("vocab_start", vocab_start)
-                .field("vocab_local", vocab_local),
+            } => vocab_fields(&mut d, vocab_start, vocab_local),
             Op::CeLoss { scale } => d.field("scale", scale),
             Op::CeGrad {
                 vocab_start,
                 vocab_local,
                 scale,
-            } => d
-                .field("vocab_start", vocab_start)
-                .field("vocab_local", vocab_local)
-                .field("scale", scale),
+            } => vocab_fields(&mut d, vocab_start, vocab_local).field("scale", scale),
             Op::ClipCoef { max_norm } => d.field("max_norm", max_norm),
             Op::AdamW {
                 beta1,
@@ -542,6 +511,15 @@ impl fmt::Debug for Op {
         };
         d.finish()
     }
+}
+
+fn vocab_fields<'a, 'b, 'c>(
+    d: &'a mut fmt::DebugStruct<'b, 'c>,
+    vocab_start: &u64,
+    vocab_local: &u64,
+) -> &'a mut fmt::DebugStruct<'b, 'c> {
+    d.field("vocab_start", vocab_start)
+        .field("vocab_local", vocab_local)
 }
 
 fn position_fields<'a, 'b, 'c>(

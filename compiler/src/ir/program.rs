@@ -436,6 +436,18 @@ pub struct Compute<'a> {
     pub phase: Phase,
 }
 
+/// The buffers a grouped transfer sends (`sends`) or receives.
+fn p2p_buffers(ops: &[P2pOp], sends: bool) -> Vec<BufferId> {
+    ops.iter()
+        .filter_map(|op| match (op, sends) {
+            (P2pOp::Send { buffer, .. }, true) | (P2pOp::Recv { buffer, .. }, false) => {
+                Some(*buffer)
+            }
+            _ => None,
+        })
+        .collect()
+}
+
 impl Instr {
     /// A forward-phase compute instruction of `op`, with no spec node, on the buffers numbered
     /// `inputs` and `outputs` (in the op's order): for programs written by hand (tests, tools).
@@ -489,13 +501,7 @@ impl Instr {
             Instr::Compute { inputs, .. } => inputs.to_vec(),
             Instr::Collective { input, .. } => vec![*input],
             Instr::Send { buffer, .. } => vec![*buffer],
-            Instr::P2p { ops } => ops
-                .iter()
-                .filter_map(|op| match op {
-                    P2pOp::Send { buffer, .. } => Some(*buffer),
-                    P2pOp::Recv { .. } => None,
-                })
-                .collect(),
+            Instr::P2p { ops } => p2p_buffers(ops, true),
             Instr::Recv { .. } | Instr::LoadBatch { .. } | Instr::Alloc { .. } => Vec::new(),
             Instr::Free { .. } => Vec::new(),
         }
@@ -506,13 +512,7 @@ impl Instr {
             Instr::Compute { outputs, .. } => outputs.to_vec(),
             Instr::Collective { output, .. } => vec![*output],
             Instr::Recv { buffer, .. } => vec![*buffer],
-            Instr::P2p { ops } => ops
-                .iter()
-                .filter_map(|op| match op {
-                    P2pOp::Recv { buffer, .. } => Some(*buffer),
-                    P2pOp::Send { .. } => None,
-                })
-                .collect(),
+            Instr::P2p { ops } => p2p_buffers(ops, false),
             Instr::LoadBatch {
                 tokens, targets, ..
             } => tokens.iter().chain(targets.iter()).copied().collect(),

@@ -413,49 +413,19 @@ impl Op {
                     shape(Rows::Any, pos.dim),
                     accumulate_if(*accumulate_param_grad),
                 ),
-            Op::LayerNorm { dim, bias, .. } => s
-                .input("x", Float, n(*dim))
-                .input("w", Fp32, fixed(*dim, 1))
-                .input_if(*bias, "b", Fp32, fixed(*dim, 1))
-                .output("y", Float, n(*dim))
-                .output("mean", Fp32, n(1))
-                .output("rstd", Fp32, n(1)),
+            Op::LayerNorm { dim, bias, .. } => norm_forward(s, *dim, Some(*bias)),
             Op::LayerNormBwd {
                 dim,
                 bias,
                 accumulate,
                 accumulate_param_grad,
-            } => s
-                .input("dy", Float, n(*dim))
-                .input("x", Float, n(*dim))
-                .input("w", Fp32, fixed(*dim, 1))
-                .input("mean", Fp32, n(1))
-                .input("rstd", Fp32, n(1))
-                .write("dx", Float, n(*dim), accumulate_if(*accumulate))
-                .output("dw", Fp32, fixed(*dim, 1))
-                .output_if(*bias, "db", Fp32, fixed(*dim, 1))
-                .writing_from(1, accumulate_if(*accumulate_param_grad)),
-            Op::RmsNorm { dim, .. } => s
-                .input("x", Float, n(*dim))
-                .input("w", Fp32, fixed(*dim, 1))
-                .output("y", Float, n(*dim))
-                .output("rstd", Fp32, n(1)),
+            } => norm_backward(s, *dim, Some(*bias), *accumulate, *accumulate_param_grad),
+            Op::RmsNorm { dim, .. } => norm_forward(s, *dim, None),
             Op::RmsNormBwd {
                 dim,
                 accumulate,
                 accumulate_param_grad,
-            } => s
-                .input("dy", Float, n(*dim))
-                .input("x", Float, n(*dim))
-                .input("w", Fp32, fixed(*dim, 1))
-                .input("rstd", Fp32, n(1))
-                .write("dx", Float, n(*dim), accumulate_if(*accumulate))
-                .write(
-                    "dw",
-                    Fp32,
-                    fixed(*dim, 1),
-                    accumulate_if(*accumulate_param_grad),
-                ),
+            } => norm_backward(s, *dim, None, *accumulate, *accumulate_param_grad),
             Op::Matmul {
                 in_dim,
                 out_dim,
@@ -631,6 +601,19 @@ impl Op {
         }
     }
 
+    /// For an op that writes parameter gradients with an `accumulate_param_grad` flag
+    /// (`MatmulBwdWeight`, `LayerNormBwd`, `RmsNormBwd`, `PositionAddBwd`): the index of its
+    /// first parameter-gradient output (the flag governs that output and every later one) and
+    /// whether it accumulates. None for every other op.
+    pub fn param_grad_outputs(&self) -> Option<(usize, bool)> {
+        let first = match self.opcode() {
+            Opcode::MatmulBwdWeight | Opcode::PositionAddBwd => 0,
+            Opcode::LayerNormBwd | Opcode::RmsNormBwd => 1,
+            _ => return None,
+        };
+        Some((first, self.accumulates(first)))
+    }
+
     /// Whether the op adds into its output `output` (`Write::Accumulate`).
     pub fn accumulates(&self, output: usize) -> bool {
         self.signature()
@@ -654,6 +637,36 @@ impl Op {
             })
             .collect()
     }
+}
+
+/// A norm's forward: LayerNorm (`layer` = Some(bias)) or RMSNorm (None: no mean, no bias).
+fn norm_forward(s: Signature, dim: u64, layer: Option<bool>) -> Signature {
+    s.input("x", Float, n(dim))
+        .input("w", Fp32, fixed(dim, 1))
+        .input_if(layer == Some(true), "b", Fp32, fixed(dim, 1))
+        .output("y", Float, n(dim))
+        .output_if(layer.is_some(), "mean", Fp32, n(1))
+        .output("rstd", Fp32, n(1))
+}
+
+/// A norm's backward (`layer` as [`norm_forward`]): dx, then the parameter gradients, which
+/// `accumulate_param_grad` governs.
+fn norm_backward(
+    s: Signature,
+    dim: u64,
+    layer: Option<bool>,
+    accumulate: bool,
+    accumulate_param_grad: bool,
+) -> Signature {
+    s.input("dy", Float, n(dim))
+        .input("x", Float, n(dim))
+        .input("w", Fp32, fixed(dim, 1))
+        .input_if(layer.is_some(), "mean", Fp32, n(1))
+        .input("rstd", Fp32, n(1))
+        .write("dx", Float, n(dim), accumulate_if(accumulate))
+        .output("dw", Fp32, fixed(dim, 1))
+        .output_if(layer == Some(true), "db", Fp32, fixed(dim, 1))
+        .writing_from(1, accumulate_if(accumulate_param_grad))
 }
 
 /// The roles of `SplitColumns`' outputs and `ConcatColumns`' inputs (the IR's operand limit).

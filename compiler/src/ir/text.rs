@@ -204,20 +204,19 @@ impl fmt::Display for PlanText<'_> {
 impl PlanText<'_> {
     fn instr(&self, instr: &Instr) -> String {
         match instr {
-            Instr::Compute {
-                op,
-                inputs,
-                outputs,
-                node,
-                phase,
-            } => format!(
-                "{} {:?} ({}) -> ({}){}",
-                phase.name(),
-                op,
-                buffers(inputs),
-                buffers(outputs),
-                self.node(*node)
-            ),
+            Instr::Compute { .. } => instr
+                .as_compute()
+                .map(|c| {
+                    format!(
+                        "{} {:?} ({}) -> ({}){}",
+                        c.phase.name(),
+                        c.op,
+                        buffers(c.inputs),
+                        buffers(c.outputs),
+                        self.node(c.node)
+                    )
+                })
+                .unwrap_or_default(),
             Instr::Collective {
                 kind,
                 group,

@@ -29,15 +29,13 @@ pub(super) fn assign(program: &mut Program, precision: Precision) {
     let mut collectives = Vec::new();
     for instr in &program.instrs {
         match instr {
-            Instr::Compute {
-                op,
-                inputs,
-                outputs,
-                ..
-            } => {
-                let signature = op.signature();
-                let bound = inputs.iter().zip(signature.inputs.iter());
-                let bound = bound.chain(outputs.iter().zip(signature.outputs.iter()));
+            Instr::Compute { .. } => {
+                let Some(c) = instr.as_compute() else {
+                    continue;
+                };
+                let signature = c.op.signature();
+                let bound = c.inputs.iter().zip(signature.inputs.iter());
+                let bound = bound.chain(c.outputs.iter().zip(signature.outputs.iter()));
                 for (id, operand) in bound {
                     if operand.class != StorageClass::Float {
                         exclude(*id, &mut eligible);

@@ -4,7 +4,7 @@
 //! elements, it does not convert them), and `LoadBatch` fills i32 buffers. Buffers that do not
 //! exist are invariant 1's (E0810) and skipped here.
 use super::{Findings, Violation};
-use crate::ir::{BufferId, Instr, Program, ProgramId};
+use crate::ir::{BufferId, Compute, Instr, Program, ProgramId};
 
 /// Every dtype violation of `program` (run by `rank`, the lowest rank running it).
 pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violation> {
@@ -18,13 +18,17 @@ pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violatio
     for (i, instr) in program.instrs.iter().enumerate() {
         let mut push = |node, message: String| found.push("E0819", i, node, || message);
         match instr {
-            Instr::Compute {
-                op,
-                inputs,
-                outputs,
-                node,
-                ..
-            } => {
+            Instr::Compute { .. } => {
+                let Some(Compute {
+                    op,
+                    inputs,
+                    outputs,
+                    node,
+                    ..
+                }) = instr.as_compute()
+                else {
+                    continue;
+                };
                 let signature = op.signature();
                 let bound = [
                     ("input", &inputs[..], &signature.inputs[..]),
@@ -38,7 +42,7 @@ pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violatio
                         };
                         if !class.accepts(buffer.dtype) {
                             push(
-                                *node,
+                                node,
                                 format!(
                                     "{side} {k} of {op:?} is {} but takes {}",
                                     describe(*b),

@@ -439,29 +439,20 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
                 .map(|b| b.bytes() as f64)
                 .sum()
         };
+        if let Some(c) = instr.as_compute() {
+            let buffer =
+                |ids: &[BufferId], i: usize| ids.get(i).and_then(|id| self.program.buffer(*id));
+            let first = buffer(c.inputs, 0).map_or(0, |b| b.numel());
+            let size =
+                |ids: &[BufferId], i: usize| buffer(ids, i).map_or(0.0, |b| b.bytes() as f64);
+            // The op table's count: inputs read, outputs written, accumulated outputs read too.
+            let touched =
+                c.op.signature()
+                    .bytes_touched(|i| size(c.inputs, i), |i| size(c.outputs, i));
+            return (profile::flops(c.op, first).unwrap_or(0.0), touched);
+        }
         match instr {
-            Instr::Compute {
-                op,
-                inputs,
-                outputs,
-                ..
-            } => {
-                let first = inputs
-                    .first()
-                    .and_then(|id| self.program.buffer(*id))
-                    .map_or(0, |b| b.numel());
-                // An output the op adds into is read as well as written.
-                let accumulated: Vec<BufferId> = outputs
-                    .iter()
-                    .enumerate()
-                    .filter(|(k, _)| op.accumulates(*k))
-                    .map(|(_, id)| *id)
-                    .collect();
-                (
-                    profile::flops(op, first).unwrap_or(0.0),
-                    bytes(inputs) + bytes(outputs) + bytes(&accumulated),
-                )
-            }
+            Instr::Compute { .. } => (0.0, 0.0),
             Instr::Collective { input, output, .. } => (0.0, bytes(&[*input, *output])),
             Instr::Send { buffer, .. } | Instr::Recv { buffer, .. } => (0.0, bytes(&[*buffer])),
             Instr::P2p { ops } => {
