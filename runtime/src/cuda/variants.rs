@@ -1,5 +1,5 @@
 //! Kernel variants: which implementation of an op a CUDA backend runs, where a new kernel waits
-//! to be measured against the one it may replace (docs/architecture.md, "GPU kernels land
+//! to be measured against the one it may replace (docs/decisions.md, "GPU kernels land
 //! behind a variant until a GPU chose them"). Each op with variants has a typed choice (an
 //! enum, e.g. [`GemmKernel`]) and one environment variable, `PARC_<OP>_KERNEL`, read once when
 //! the backend is made; tests set a variant on a backend directly
