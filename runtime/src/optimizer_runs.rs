@@ -328,15 +328,7 @@ mod tests {
             buffers.push(buffer(5, DType::F32));
         }
         buffers.push(buffer(7, DType::I32));
-        Program {
-            role: "test".into(),
-            coords: Vec::new(),
-            buffers,
-            params: Vec::new(),
-            instrs,
-            loss: None,
-            grad_sumsq: None,
-        }
+        Program::new("test", buffers, instrs)
     }
 
     fn buffer(n: u64, dtype: DType) -> Buffer {

@@ -180,6 +180,20 @@ pub struct Program {
 }
 
 impl Program {
+    /// A program of `buffers` and `instrs` with no mesh coordinates, parameters, loss or
+    /// gradient-norm buffer: for programs written by hand (tests, tools).
+    pub fn new(role: &str, buffers: Vec<Buffer>, instrs: Vec<Instr>) -> Program {
+        Program {
+            role: role.into(),
+            coords: Vec::new(),
+            buffers,
+            params: Vec::new(),
+            instrs,
+            loss: None,
+            grad_sumsq: None,
+        }
+    }
+
     pub fn buffer(&self, id: BufferId) -> Option<&Buffer> {
         self.buffers.get(id.0 as usize)
     }

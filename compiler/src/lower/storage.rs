@@ -91,25 +91,21 @@ mod tests {
             output: BufferId(output),
             node: None,
         };
-        Program {
-            role: "test".into(),
-            coords: Vec::new(),
-            buffers: vec![
+        Program::new(
+            "test",
+            vec![
                 buffer("a", BufferKind::Activation),
                 buffer("b", BufferKind::Activation),
                 buffer("c", BufferKind::Activation),
                 buffer("logits", BufferKind::Activation),
                 buffer("w", BufferKind::Param),
             ],
-            params: Vec::new(),
-            instrs: vec![
+            vec![
                 reduce(0, 1),
                 reduce(1, 2),
                 Instr::compute(Op::CeMax { vocab_local: 4 }, &[3], &[2]),
             ],
-            loss: None,
-            grad_sumsq: None,
-        }
+        )
     }
 
     fn dtypes(p: &Program) -> Vec<DType> {

@@ -23,15 +23,7 @@ pub(super) fn program_of(sizes: &[i64], instrs: Vec<Instr>) -> Program {
             },
         })
         .collect();
-    Program {
-        role: "test".into(),
-        coords: Vec::new(),
-        buffers,
-        params: Vec::new(),
-        instrs,
-        loss: None,
-        grad_sumsq: None,
-    }
+    Program::new("test", buffers, instrs)
 }
 
 /// [`program_of`] with only allocations and frees: `+b` allocates buffer b, `-b` frees it.

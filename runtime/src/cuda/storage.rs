@@ -134,10 +134,9 @@ mod tests {
                 positions,
             })
         };
-        let program = Program {
-            role: "test".into(),
-            coords: Vec::new(),
-            buffers: (0..2)
+        let program = Program::new(
+            "test",
+            (0..2)
                 .map(|b| Buffer {
                     name: format!("b{b}"),
                     shape: vec![8],
@@ -145,14 +144,11 @@ mod tests {
                     kind: BufferKind::Activation,
                 })
                 .collect(),
-            params: Vec::new(),
-            instrs: [seg(0, 4), seg(4, 4), seg(0, 4)]
+            [seg(0, 4), seg(4, 4), seg(0, 4)]
                 .into_iter()
                 .map(|s| Instr::compute(rope(s), &[0], &[1]))
                 .collect(),
-            loss: None,
-            grad_sumsq: None,
-        };
+        );
         assert_eq!(position_lists(&program), vec![seg(0, 4), seg(4, 4)]);
     }
 }

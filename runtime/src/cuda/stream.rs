@@ -779,12 +779,10 @@ mod tests {
             axis: Axis::Pp,
             coord: 1,
         };
-        let program = Program {
-            role: "test".into(),
-            coords: Vec::new(),
-            buffers: Vec::new(),
-            params: Vec::new(),
-            instrs: vec![
+        let program = Program::new(
+            "test",
+            Vec::new(),
+            vec![
                 Instr::Alloc { buffer: b(1) },
                 Instr::Collective {
                     kind: CollectiveKind::AllReduce { op: ReduceOp::Sum },
@@ -819,9 +817,7 @@ mod tests {
                 },
                 Instr::Free { buffer: b(7) },
             ],
-            loss: None,
-            grad_sumsq: None,
-        };
+        );
         let mut ids: Vec<u32> = comm_buffers(&program).into_iter().map(|b| b.0).collect();
         ids.sort();
         assert_eq!(ids, [1, 2, 3, 4, 5, 6]);

@@ -286,12 +286,10 @@ mod tests {
             axis: Axis::Pp,
             coord: 1,
         };
-        let program = Program {
-            role: "test".into(),
-            coords: Vec::new(),
-            buffers: Vec::new(),
-            params: Vec::new(),
-            instrs: vec![
+        let program = Program::new(
+            "test",
+            Vec::new(),
+            vec![
                 Instr::Alloc { buffer: b(2) },
                 Instr::P2p {
                     ops: vec![
@@ -318,9 +316,7 @@ mod tests {
                 Instr::compute(Op::Add, &[3, 4], &[5]),
                 Instr::Free { buffer: b(1) },
             ],
-            loss: None,
-            grad_sumsq: None,
-        };
+        );
         let communicated = communicated_buffers(&program);
         let mut kinds: Vec<(u32, OpKind)> = communicated.iter().map(|(b, k)| (b.0, *k)).collect();
         kinds.sort_by_key(|(b, _)| *b);

@@ -54,20 +54,16 @@ fn planned_program() -> Program {
             buffer: BufferId(b),
         },
     );
-    Program {
-        role: "test".into(),
-        coords: Vec::new(),
-        buffers: vec![
+    Program::new(
+        "test",
+        vec![
             buffer("w", 2, DType::F32, BufferKind::Param),
             buffer("x", 64, DType::F32, BufferKind::Activation),
             buffer("y", 64, DType::F32, BufferKind::Activation),
             buffer("ids", 8, DType::I32, BufferKind::Input),
         ],
-        params: Vec::new(),
-        instrs: vec![alloc(3), alloc(1), free(1), alloc(2), free(2), free(3)],
-        loss: None,
-        grad_sumsq: None,
-    }
+        vec![alloc(3), alloc(1), free(1), alloc(2), free(2), free(3)],
+    )
 }
 
 #[test]
