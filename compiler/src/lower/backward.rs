@@ -40,216 +40,13 @@ impl Emitter<'_> {
             match self.mbs[mb as usize].grads.remove(&output) {
                 Some(d) => Some(d),
                 None => {
-                    // The output does not reach the loss: nothing flows back.
-                    for s in saved {
-                        self.b.release(s);
-                    }
-                    let locals: Vec<&'static str> =
-                        self.params.slots(node).iter().map(|s| s.local).collect();
-                    for l in locals {
-                        self.grad_used(node, l);
-                    }
+                    self.skip_unreached(node, saved);
                     return;
                 }
             }
         };
         self.phase = Phase::Backward;
-        let rows = self.rows_full();
-        let tp = u64::from(self.tp);
-        let sv = |i: usize| saved.get(i).copied();
-        let dx: Option<BufferId> = match (&kind, dy) {
-            // The fused loss left dlogits in the logits buffer: it becomes the gradient (held
-            // once more, as the saved list's hold is released below).
-            (LayerKind::CrossEntropy, _) if self.fuses_loss(node) => {
-                let dlogits = sv(0);
-                if let Some(d) = dlogits {
-                    self.b.retain(d);
-                }
-                dlogits
-            }
-            (LayerKind::CrossEntropy, _) => {
-                if let (Some(logits), Some(targets), Some(mx), Some(se)) =
-                    (sv(0), sv(1), sv(2), sv(3))
-                {
-                    let shape = self.b.shape(logits);
-                    let vl = shape.get(1).copied().unwrap_or(0);
-                    let vstart = if self.groups.tp.is_some() {
-                        u64::from(self.tp_index) * vl
-                    } else {
-                        0
-                    };
-                    let dl = self.activation_grad(node, "dlogits", mb, shape);
-                    let op = Op::CeGrad {
-                        vocab_start: vstart,
-                        vocab_local: vl,
-                        scale: self.loss_scale(),
-                    };
-                    self.b.compute(
-                        op,
-                        &[logits, targets, mx, se],
-                        &[dl],
-                        Some(node),
-                        Phase::Backward,
-                    );
-                    Some(dl)
-                } else {
-                    None
-                }
-            }
-            (LayerKind::Embedding { vocab, dim }, Some(dy)) => {
-                let dyf = self.sp_gather_grad(dy, *dim, self.name(node, "dyg", mb), node);
-                self.b.release(dy);
-                let split = self.groups.tp.is_some();
-                let vl = if split { vocab / tp } else { *vocab };
-                if let (Some(tokens), Some(g)) = (sv(0), self.grad(node, "weight")) {
-                    let op = Op::EmbeddingBwd(EmbeddingAttrs {
-                        vocab_start: u64::from(self.tp_index) * vl * u64::from(split),
-                        vocab_local: vl,
-                        dim: *dim,
-                    });
-                    self.b
-                        .compute(op, &[tokens, dyf], &[g], Some(node), Phase::Backward);
-                }
-                self.grad_used(node, "weight");
-                self.b.release(dyf);
-                None
-            }
-            (LayerKind::PositionEmbedding { dim, .. }, Some(dy)) => {
-                if let Some(g) = self.grad(node, "weight") {
-                    let op = Op::PositionAddBwd {
-                        pos: PositionAttrs {
-                            batch: self.micro_batch,
-                            dim: *dim,
-                            positions: self.sp_positions.clone(),
-                        },
-                        accumulate_param_grad: true,
-                    };
-                    self.b.compute(op, &[dy], &[g], Some(node), Phase::Backward);
-                }
-                self.grad_used(node, "weight");
-                Some(dy)
-            }
-            (LayerKind::LayerNorm { dim, bias, .. }, Some(dy)) => {
-                let (dx, accumulate) = self.norm_dx(mb, node, inputs.first(), dy);
-                let w = self.weight(node, "weight");
-                let mut outs = vec![dx];
-                outs.extend(self.grad(node, "weight"));
-                if *bias {
-                    outs.extend(self.grad(node, "bias"));
-                }
-                if let (Some(x), Some(mean), Some(rstd), Some(w)) = (sv(0), sv(1), sv(2), w) {
-                    let op = Op::LayerNormBwd {
-                        dim: *dim,
-                        bias: *bias,
-                        accumulate,
-                        accumulate_param_grad: true,
-                    };
-                    self.b.compute(
-                        op,
-                        &[dy, x, w, mean, rstd],
-                        &outs,
-                        Some(node),
-                        Phase::Backward,
-                    );
-                }
-                self.grad_used(node, "weight");
-                if *bias {
-                    self.grad_used(node, "bias");
-                }
-                self.b.release(dy);
-                (!accumulate).then_some(dx)
-            }
-            (LayerKind::RmsNorm { dim, .. }, Some(dy)) => {
-                let (dx, accumulate) = self.norm_dx(mb, node, inputs.first(), dy);
-                let w = self.weight(node, "weight");
-                let mut outs = vec![dx];
-                outs.extend(self.grad(node, "weight"));
-                if let (Some(x), Some(rstd), Some(w)) = (sv(0), sv(1), w) {
-                    self.b.compute(
-                        Op::RmsNormBwd {
-                            dim: *dim,
-                            accumulate,
-                            accumulate_param_grad: true,
-                        },
-                        &[dy, x, w, rstd],
-                        &outs,
-                        Some(node),
-                        Phase::Backward,
-                    );
-                }
-                self.grad_used(node, "weight");
-                self.b.release(dy);
-                (!accumulate).then_some(dx)
-            }
-            (
-                LayerKind::Linear {
-                    in_dim,
-                    out_dim,
-                    bias,
-                    ..
-                },
-                Some(dy),
-            ) => {
-                let split = self.groups.tp.is_some();
-                let ol = if split { out_dim / tp } else { *out_dim };
-                // Without tp, dx is complete as computed and may add into the input's
-                // gradient; a tp partial sum is reduced first and then contributed.
-                let into = self.unreduced_target(mb, inputs.first(), &[rows, *in_dim]);
-                let dxp = self.matmul_backward(
-                    mb,
-                    node,
-                    dy,
-                    sv(0),
-                    ("weight", if *bias { Some("bias") } else { None }),
-                    (*in_dim, ol),
-                    rows,
-                    (into, None),
-                );
-                self.b.release(dy);
-                let name = self.name(node, "dx", mb);
-                match into {
-                    Some(_) => None,
-                    None => dxp.map(|d| {
-                        self.tp_reduce(d, *in_dim, name, BufferKind::ActivationGrad, node)
-                    }),
-                }
-            }
-            (LayerKind::Attention { .. }, Some(dy)) => {
-                let shape = AttnShape::of(&kind, tp);
-                shape.and_then(|s| self.attention_backward(mb, node, dy, &saved, s))
-            }
-            (
-                LayerKind::Mlp {
-                    dim,
-                    hidden,
-                    act,
-                    bias,
-                },
-                Some(dy),
-            ) => {
-                let shape = (*dim, hidden / tp);
-                let input = inputs.first();
-                self.mlp_backward(mb, node, (dy, input), &saved, shape, *act, *bias)
-            }
-            (LayerKind::Add, Some(dy)) => {
-                if let Some(second) = inputs.get(1) {
-                    // Both inputs get dy itself, held twice: while either branch still reads
-                    // it, nothing adds into it (`accumulation_target` needs a single holder).
-                    let dx2 = if self.accumulate_in_place {
-                        self.b.retain(dy);
-                        dy
-                    } else {
-                        let copy = self.activation_grad(node, "dx2", mb, self.b.shape(dy));
-                        self.b
-                            .compute(Op::Copy, &[dy], &[copy], Some(node), Phase::Backward);
-                        copy
-                    };
-                    self.contribute(mb, *second, dx2, node);
-                }
-                Some(dy)
-            }
-            (_, None) => None,
-        };
+        let dx = self.backward_of_kind(mb, node, (&kind, &inputs), dy, &saved);
         for s in saved {
             self.b.release(s);
         }
@@ -262,6 +59,302 @@ impl Emitter<'_> {
                 _ => self.b.release(dx),
             }
         }
+    }
+
+    /// Emits nothing for a node whose output does not reach the loss: releases its saved
+    /// tensors and marks its parameters' gradients used.
+    fn skip_unreached(&mut self, node: NodeId, saved: Vec<BufferId>) {
+        for s in saved {
+            self.b.release(s);
+        }
+        let locals: Vec<&'static str> = self.params.slots(node).iter().map(|s| s.local).collect();
+        for l in locals {
+            self.grad_used(node, l);
+        }
+    }
+
+    /// Emits the backward ops of a `kind` node with inputs `inputs` from its output's gradient
+    /// `dy`; returns its first input's gradient still to be contributed.
+    fn backward_of_kind(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        (kind, inputs): (&LayerKind, &[ValueId]),
+        dy: Option<BufferId>,
+        saved: &[BufferId],
+    ) -> Option<BufferId> {
+        let tp = u64::from(self.tp);
+        match (kind, dy) {
+            (LayerKind::CrossEntropy, _) => self.cross_entropy_backward(mb, node, saved),
+            (LayerKind::Embedding { vocab, dim }, Some(dy)) => {
+                self.embedding_backward(mb, node, dy, (*vocab, *dim), saved.first().copied());
+                None
+            }
+            (LayerKind::PositionEmbedding { dim, .. }, Some(dy)) => {
+                self.position_embedding_backward(node, dy, *dim);
+                Some(dy)
+            }
+            (LayerKind::LayerNorm { dim, bias, .. }, Some(dy)) => {
+                self.layer_norm_backward(mb, node, (dy, inputs.first()), saved, (*dim, *bias))
+            }
+            (LayerKind::RmsNorm { dim, .. }, Some(dy)) => {
+                self.rms_norm_backward(mb, node, (dy, inputs.first()), saved, *dim)
+            }
+            (
+                LayerKind::Linear {
+                    in_dim,
+                    out_dim,
+                    bias,
+                    ..
+                },
+                Some(dy),
+            ) => self.linear_backward(
+                mb,
+                node,
+                (dy, inputs.first()),
+                saved.first().copied(),
+                (*in_dim, *out_dim, *bias),
+            ),
+            (LayerKind::Attention { .. }, Some(dy)) => {
+                let shape = AttnShape::of(kind, tp);
+                shape.and_then(|s| self.attention_backward(mb, node, dy, saved, s))
+            }
+            (
+                LayerKind::Mlp {
+                    dim,
+                    hidden,
+                    act,
+                    bias,
+                },
+                Some(dy),
+            ) => {
+                let shape = (*dim, hidden / tp);
+                let input = inputs.first();
+                self.mlp_backward(mb, node, (dy, input), saved, shape, *act, *bias)
+            }
+            (LayerKind::Add, Some(dy)) => {
+                if let Some(second) = inputs.get(1) {
+                    self.add_backward_second(mb, node, dy, *second);
+                }
+                Some(dy)
+            }
+            (_, None) => None,
+        }
+    }
+
+    /// The loss's backward: dlogits (`CeGrad` from the saved logits, targets, max and sum of
+    /// exponentials, or the fused loss's dlogits already in the logits buffer).
+    fn cross_entropy_backward(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        saved: &[BufferId],
+    ) -> Option<BufferId> {
+        let sv = |i: usize| saved.get(i).copied();
+        // The fused loss left dlogits in the logits buffer: it becomes the gradient (held once
+        // more, as the saved list's hold is released by the caller).
+        if self.fuses_loss(node) {
+            let dlogits = sv(0);
+            if let Some(d) = dlogits {
+                self.b.retain(d);
+            }
+            return dlogits;
+        }
+        let (Some(logits), Some(targets), Some(mx), Some(se)) = (sv(0), sv(1), sv(2), sv(3)) else {
+            return None;
+        };
+        let shape = self.b.shape(logits);
+        let vl = shape.get(1).copied().unwrap_or(0);
+        let vstart = if self.groups.tp.is_some() {
+            u64::from(self.tp_index) * vl
+        } else {
+            0
+        };
+        let dl = self.activation_grad(node, "dlogits", mb, shape);
+        let op = Op::CeGrad {
+            vocab_start: vstart,
+            vocab_local: vl,
+            scale: self.loss_scale(),
+        };
+        self.b.compute(
+            op,
+            &[logits, targets, mx, se],
+            &[dl],
+            Some(node),
+            Phase::Backward,
+        );
+        Some(dl)
+    }
+
+    /// The token embedding's backward: `EmbeddingBwd` scatters the (sp-gathered) dy into the
+    /// weight's gradient rows of `tokens`; it consumes dy.
+    fn embedding_backward(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        dy: BufferId,
+        (vocab, dim): (u64, u64),
+        tokens: Option<BufferId>,
+    ) {
+        let tp = u64::from(self.tp);
+        let dyf = self.sp_gather_grad(dy, dim, self.name(node, "dyg", mb), node);
+        self.b.release(dy);
+        let split = self.groups.tp.is_some();
+        let vl = if split { vocab / tp } else { vocab };
+        if let (Some(tokens), Some(g)) = (tokens, self.grad(node, "weight")) {
+            let op = Op::EmbeddingBwd(EmbeddingAttrs {
+                vocab_start: u64::from(self.tp_index) * vl * u64::from(split),
+                vocab_local: vl,
+                dim,
+            });
+            self.b
+                .compute(op, &[tokens, dyf], &[g], Some(node), Phase::Backward);
+        }
+        self.grad_used(node, "weight");
+        self.b.release(dyf);
+    }
+
+    /// The position embedding's backward: `PositionAddBwd` adds dy into the weight's gradient
+    /// at this rank's positions (dy itself passes on to the input).
+    fn position_embedding_backward(&mut self, node: NodeId, dy: BufferId, dim: u64) {
+        if let Some(g) = self.grad(node, "weight") {
+            let op = Op::PositionAddBwd {
+                pos: PositionAttrs {
+                    batch: self.micro_batch,
+                    dim,
+                    positions: self.sp_positions.clone(),
+                },
+                accumulate_param_grad: true,
+            };
+            self.b.compute(op, &[dy], &[g], Some(node), Phase::Backward);
+        }
+        self.grad_used(node, "weight");
+    }
+
+    /// LayerNorm's backward: one `LayerNormBwd` writing dx (see [`Emitter::norm_dx`]) and the
+    /// weight's (and bias's) gradients; it consumes dy.
+    fn layer_norm_backward(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        (dy, input): (BufferId, Option<&ValueId>),
+        saved: &[BufferId],
+        (dim, bias): (u64, bool),
+    ) -> Option<BufferId> {
+        let sv = |i: usize| saved.get(i).copied();
+        let (dx, accumulate) = self.norm_dx(mb, node, input, dy);
+        let w = self.weight(node, "weight");
+        let mut outs = vec![dx];
+        outs.extend(self.grad(node, "weight"));
+        if bias {
+            outs.extend(self.grad(node, "bias"));
+        }
+        if let (Some(x), Some(mean), Some(rstd), Some(w)) = (sv(0), sv(1), sv(2), w) {
+            let op = Op::LayerNormBwd {
+                dim,
+                bias,
+                accumulate,
+                accumulate_param_grad: true,
+            };
+            self.b.compute(
+                op,
+                &[dy, x, w, mean, rstd],
+                &outs,
+                Some(node),
+                Phase::Backward,
+            );
+        }
+        self.grad_used(node, "weight");
+        if bias {
+            self.grad_used(node, "bias");
+        }
+        self.b.release(dy);
+        (!accumulate).then_some(dx)
+    }
+
+    /// RMSNorm's backward: one `RmsNormBwd` writing dx (see [`Emitter::norm_dx`]) and the
+    /// weight's gradient; it consumes dy.
+    fn rms_norm_backward(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        (dy, input): (BufferId, Option<&ValueId>),
+        saved: &[BufferId],
+        dim: u64,
+    ) -> Option<BufferId> {
+        let sv = |i: usize| saved.get(i).copied();
+        let (dx, accumulate) = self.norm_dx(mb, node, input, dy);
+        let w = self.weight(node, "weight");
+        let mut outs = vec![dx];
+        outs.extend(self.grad(node, "weight"));
+        if let (Some(x), Some(rstd), Some(w)) = (sv(0), sv(1), w) {
+            self.b.compute(
+                Op::RmsNormBwd {
+                    dim,
+                    accumulate,
+                    accumulate_param_grad: true,
+                },
+                &[dy, x, w, rstd],
+                &outs,
+                Some(node),
+                Phase::Backward,
+            );
+        }
+        self.grad_used(node, "weight");
+        self.b.release(dy);
+        (!accumulate).then_some(dx)
+    }
+
+    /// A linear layer's backward: [`Emitter::matmul_backward`] from the saved input `x`, then
+    /// the tp reduction of a partial dx; it consumes dy.
+    fn linear_backward(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        (dy, input): (BufferId, Option<&ValueId>),
+        x: Option<BufferId>,
+        (in_dim, out_dim, bias): (u64, u64, bool),
+    ) -> Option<BufferId> {
+        let rows = self.rows_full();
+        let tp = u64::from(self.tp);
+        let split = self.groups.tp.is_some();
+        let ol = if split { out_dim / tp } else { out_dim };
+        // Without tp, dx is complete as computed and may add into the input's gradient; a tp
+        // partial sum is reduced first and then contributed.
+        let into = self.unreduced_target(mb, input, &[rows, in_dim]);
+        let dxp = self.matmul_backward(
+            mb,
+            node,
+            dy,
+            x,
+            ("weight", if bias { Some("bias") } else { None }),
+            (in_dim, ol),
+            rows,
+            (into, None),
+        );
+        self.b.release(dy);
+        let name = self.name(node, "dx", mb);
+        match into {
+            Some(_) => None,
+            None => dxp.map(|d| self.tp_reduce(d, in_dim, name, BufferKind::ActivationGrad, node)),
+        }
+    }
+
+    /// An `Add`'s gradient for its second input: dy itself, held once more, or (without
+    /// in-place accumulation) a `Copy` of it; contributed at once.
+    fn add_backward_second(&mut self, mb: u32, node: NodeId, dy: BufferId, second: ValueId) {
+        // Both inputs get dy itself, held twice: while either branch still reads it, nothing
+        // adds into it (`accumulation_target` needs a single holder).
+        let dx2 = if self.accumulate_in_place {
+            self.b.retain(dy);
+            dy
+        } else {
+            let copy = self.activation_grad(node, "dx2", mb, self.b.shape(dy));
+            self.b
+                .compute(Op::Copy, &[dy], &[copy], Some(node), Phase::Backward);
+            copy
+        };
+        self.contribute(mb, second, dx2, node);
     }
 
     /// dx = dy W, dW (+db) accumulated. `x` is the saved input. dx goes into a fresh buffer

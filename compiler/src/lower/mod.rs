@@ -29,15 +29,17 @@ mod storage;
 pub use schedule::{stage_order, Dir, Unit};
 
 use crate::diag::{Diagnostic, Diagnostics};
+use crate::ir::op::Segment;
 use crate::ir::{
-    BufferKind, DType, Group, GroupId, LocalParam, Plan, Program, ProgramId, TpSplit, ZeroSplit,
+    BufferId, BufferKind, DType, Group, GroupId, LocalParam, Param, ParamId, Plan, Program,
+    ProgramId, TpSplit, ZeroSplit,
 };
 use crate::spec::{Axis, Spec, ZeroStage};
 use builder::ProgramBuilder;
 use context::{Chunks, Groups};
 use emitter::{Emitter, LocalState, MbState};
 use idmap::IdMap;
-use params::{Params, TpRule};
+use params::{Params, Slot, TpRule};
 use std::collections::HashMap;
 
 /// Choices of the lowering that do not change what a plan computes.
@@ -286,45 +288,87 @@ fn emit_all(sh: &Shared, roles: &[(u32, u32, u32)]) -> Result<Vec<Program>, Diag
     Ok(programs)
 }
 
-fn emit_program(
-    sh: &Shared,
-    (stage, cp_index, tp_index): (u32, u32, u32),
-) -> Result<Program, Diagnostics> {
-    let spec = sh.spec;
-    let mesh = &spec.parallel.mesh;
-    let (tp, cp, dp, p) = (
-        mesh.size(Axis::Tp),
-        mesh.size(Axis::Cp),
-        mesh.size(Axis::Dp),
-        mesh.size(Axis::Pp),
-    );
-    let sp = spec.parallel.sequence_parallel && tp > 1;
-    let positions = context::cp_segments(spec.model.seq, cp, cp_index);
-    let kv_positions: Vec<_> = (0..cp)
-        .flat_map(|i| context::cp_segments(spec.model.seq, cp, i))
+/// Where one program sits in the mesh, with the mesh sizes its lowering reads.
+#[derive(Clone, Copy)]
+struct Role {
+    stage: u32,
+    cp_index: u32,
+    tp_index: u32,
+    tp: u32,
+    cp: u32,
+    dp: u32,
+    p: u32,
+}
+
+impl Role {
+    /// The role at `(stage, cp_index, tp_index)` of `sh`'s mesh.
+    fn new(sh: &Shared, (stage, cp_index, tp_index): (u32, u32, u32)) -> Role {
+        let mesh = &sh.spec.parallel.mesh;
+        Role {
+            stage,
+            cp_index,
+            tp_index,
+            tp: mesh.size(Axis::Tp),
+            cp: mesh.size(Axis::Cp),
+            dp: mesh.size(Axis::Dp),
+            p: mesh.size(Axis::Pp),
+        }
+    }
+
+    /// `pp S cp C tp T`: the program's role name, also the place its diagnostics name.
+    fn name(&self) -> String {
+        format!(
+            "pp {} cp {} tp {}",
+            self.stage, self.cp_index, self.tp_index
+        )
+    }
+}
+
+/// Emit the program of one role: its parameters and metrics, its step, then its checks and
+/// storage types.
+fn emit_program(sh: &Shared, key: (u32, u32, u32)) -> Result<Program, Diagnostics> {
+    let role = Role::new(sh, key);
+    let my_chunks: Vec<u32> = (0..sh.chunks.count)
+        .filter(|c| c % role.p == role.stage)
         .collect();
-    let local_seq = crate::ir::op::segments_len(&positions);
-    let sp_positions = if sp {
-        let shard = local_seq / tp;
-        context::sub_segments(&positions, tp_index * shard, shard)
-    } else {
-        positions.clone()
-    };
-    let my_chunks: Vec<u32> = (0..sh.chunks.count).filter(|c| c % p == stage).collect();
+    let mut b = sized_builder(sh, &my_chunks);
+    let locals = declare_locals(&mut b, sh, role, &my_chunks);
+    let metrics = declare_metrics(&mut b, sh, &my_chunks);
+    let mut em = new_emitter(sh, role, b, locals, metrics);
+    em.emit_step(sh.table);
+    check_step(&mut em, sh, role)?;
+    let mut program = finish_program(em, role);
+    if sh.options.overwrite_first_grads {
+        first_write::overwrite_first_contributions(&mut program);
+    }
+    storage::assign(&mut program, sh.spec.train.precision);
+    Ok(program)
+}
+
+/// An empty builder with room for the step of `my_chunks`' nodes.
+fn sized_builder(sh: &Shared, my_chunks: &[u32]) -> ProgramBuilder {
     let my_nodes: usize = my_chunks
         .iter()
         .filter_map(|&c| sh.chunks.ranges.get(c as usize))
         .map(|(s, e)| e - s)
         .sum();
     // About 40 instructions and 16 buffers per node and microbatch, forward and backward.
-    let work = my_nodes * spec.parallel.microbatches as usize;
-    let mut b = ProgramBuilder::with_capacity(work * 40, work * 16);
+    let work = my_nodes * sh.spec.parallel.microbatches as usize;
+    ProgramBuilder::with_capacity(work * 40, work * 16)
+}
 
-    // Local parameters in order of first use.
+/// Declares the buffers of the parameters `my_chunks` use, in order of first use, and counts
+/// their uses over the step; returns them with their index by parameter.
+fn declare_locals(
+    b: &mut ProgramBuilder,
+    sh: &Shared,
+    role: Role,
+    my_chunks: &[u32],
+) -> (Vec<LocalState>, IdMap<ParamId, usize>) {
     let mut locals: Vec<LocalState> = Vec::new();
     let mut local_of = IdMap::default();
     let mut uses: HashMap<u32, u32> = HashMap::new();
-    for &c in &my_chunks {
+    for &c in my_chunks {
         let (s, e) = sh.chunks.ranges[c as usize];
         for i in s..e {
             for slot in sh.params.slots(crate::spec::NodeId(i as u32)) {
@@ -335,124 +379,167 @@ fn emit_program(
                 let Some(param) = sh.params.table.params.get(slot.param.0 as usize) else {
                     continue;
                 };
-                let split = match slot.rule {
-                    TpRule::Rows if tp > 1 => Some(TpSplit {
-                        dim: 0,
-                        parts: tp,
-                        index: tp_index,
-                        sections: None,
-                    }),
-                    TpRule::RowSections(sections) if tp > 1 => Some(TpSplit {
-                        dim: 0,
-                        parts: tp,
-                        index: tp_index,
-                        sections: Some(sections),
-                    }),
-                    TpRule::Cols if tp > 1 => Some(TpSplit {
-                        dim: 1,
-                        parts: tp,
-                        index: tp_index,
-                        sections: None,
-                    }),
-                    _ => None,
-                };
-                let mut shape = param.shape.clone();
-                if let Some(t) = split {
-                    if let Some(d) = shape.get_mut(t.dim as usize) {
-                        *d /= u64::from(tp);
-                    }
-                }
-                let numel: u64 = shape.iter().product();
-                let zero = match (sh.zero, sh.groups.dpcp) {
-                    (ZeroStage::Zero0, _) | (_, None) => None,
-                    (_, Some(g)) => {
-                        let parts = dp * cp;
-                        Some(ZeroSplit {
-                            parts,
-                            shard_len: numel.div_ceil(u64::from(parts)),
-                            group: g,
-                        })
-                    }
-                };
-                let master_shape = match zero {
-                    Some(z) => vec![z.shard_len],
-                    None => shape.clone(),
-                };
-                let master_name = if zero.is_some() {
-                    format!("{}.shard", param.name)
-                } else {
-                    param.name.clone()
-                };
-                let master = b.declare(
-                    master_name,
-                    master_shape.clone(),
-                    DType::F32,
-                    BufferKind::Param,
-                );
-                let working = match sh.zero {
-                    ZeroStage::Zero1 | ZeroStage::Zero2 if zero.is_some() => Some(b.declare(
-                        param.name.clone(),
-                        shape.clone(),
-                        DType::F32,
-                        BufferKind::Param,
-                    )),
-                    _ => None,
-                };
-                let state_names: &[&str] = match spec.train.optimizer {
-                    crate::spec::Optimizer::AdamW { .. } => &["m", "v"],
-                    crate::spec::Optimizer::Sgd { momentum, .. } if momentum != 0.0 => {
-                        &["momentum"]
-                    }
-                    crate::spec::Optimizer::Sgd { .. } => &[],
-                };
-                let state = state_names
-                    .iter()
-                    .map(|n| {
-                        b.declare(
-                            format!("{}.{n}", param.name),
-                            master_shape.clone(),
-                            DType::F32,
-                            BufferKind::OptState,
-                        )
-                    })
-                    .collect();
-                let owner_chunk_stage = sh.chunks.chunk_of(param.node.0 as usize) % p;
-                let stages_using = sh
-                    .param_stages
-                    .get(&slot.param.0)
-                    .map(Vec::len)
-                    .unwrap_or(1);
-                let tp_owned = split.is_some() || tp_index == 0;
-                let in_norm =
-                    tp_owned && owner_chunk_stage == stage && (zero.is_some() || cp_index == 0);
+                let local = declare_local(b, sh, role, slot, param);
                 local_of.insert(slot.param, locals.len());
-                locals.push(LocalState {
-                    param: slot.param,
-                    rule: slot.rule,
-                    shape,
-                    numel,
-                    master,
-                    working,
-                    state,
-                    tp: split,
-                    zero,
-                    grad: None,
-                    final_grad: None,
-                    uses_left: 0,
-                    complete: false,
-                    in_norm,
-                    shared: stages_using > 1,
-                });
+                locals.push(local);
             }
         }
     }
-    let m = spec.parallel.microbatches;
+    let m = sh.spec.parallel.microbatches;
     for l in &mut locals {
         l.uses_left = uses.get(&l.param.0).copied().unwrap_or(0) * m;
     }
+    (locals, local_of)
+}
+
+/// Declares one parameter's buffers on this role (see [`declare_param_buffers`]) and its
+/// state: tp and ZeRO splits, and whether this rank adds it to the gradient norm.
+fn declare_local(
+    b: &mut ProgramBuilder,
+    sh: &Shared,
+    role: Role,
+    slot: &Slot,
+    param: &Param,
+) -> LocalState {
+    let split = tp_split(slot.rule, role);
+    let mut shape = param.shape.clone();
+    if let Some(t) = split {
+        if let Some(d) = shape.get_mut(t.dim as usize) {
+            *d /= u64::from(role.tp);
+        }
+    }
+    let numel: u64 = shape.iter().product();
+    let zero = zero_split(sh, role, numel);
+    let (master, working, state) = declare_param_buffers(b, sh, &param.name, &shape, zero);
+    let owner_chunk_stage = sh.chunks.chunk_of(param.node.0 as usize) % role.p;
+    let stages_using = sh
+        .param_stages
+        .get(&slot.param.0)
+        .map(Vec::len)
+        .unwrap_or(1);
+    let tp_owned = split.is_some() || role.tp_index == 0;
+    let in_norm =
+        tp_owned && owner_chunk_stage == role.stage && (zero.is_some() || role.cp_index == 0);
+    LocalState {
+        param: slot.param,
+        rule: slot.rule,
+        shape,
+        numel,
+        master,
+        working,
+        state,
+        tp: split,
+        zero,
+        grad: None,
+        final_grad: None,
+        uses_left: 0,
+        complete: false,
+        in_norm,
+        shared: stages_using > 1,
+    }
+}
+
+/// The tp split of a parameter with `rule` on this role (`None`: every tp rank holds it whole).
+fn tp_split(rule: TpRule, role: Role) -> Option<TpSplit> {
+    if role.tp <= 1 {
+        return None;
+    }
+    let (dim, sections) = match rule {
+        TpRule::Rows => (0, None),
+        TpRule::RowSections(sections) => (0, Some(sections)),
+        TpRule::Cols => (1, None),
+        _ => return None,
+    };
+    Some(TpSplit {
+        dim,
+        parts: role.tp,
+        index: role.tp_index,
+        sections,
+    })
+}
+
+/// The ZeRO shard of a tp-local tensor of `numel` elements (`None` under ZeRO-0 or without a
+/// dp+cp group).
+fn zero_split(sh: &Shared, role: Role, numel: u64) -> Option<ZeroSplit> {
+    match (sh.zero, sh.groups.dpcp) {
+        (ZeroStage::Zero0, _) | (_, None) => None,
+        (_, Some(g)) => {
+            let parts = role.dp * role.cp;
+            Some(ZeroSplit {
+                parts,
+                shard_len: numel.div_ceil(u64::from(parts)),
+                group: g,
+            })
+        }
+    }
+}
+
+/// Declares a parameter's master (its ZeRO shard, `NAME.shard`, or the tp-local tensor), its
+/// full working copy under ZeRO-1/2, and its optimizer state (`NAME.m`, …), in that order.
+fn declare_param_buffers(
+    b: &mut ProgramBuilder,
+    sh: &Shared,
+    name: &str,
+    shape: &[u64],
+    zero: Option<ZeroSplit>,
+) -> (BufferId, Option<BufferId>, Vec<BufferId>) {
+    let master_shape = match zero {
+        Some(z) => vec![z.shard_len],
+        None => shape.to_vec(),
+    };
+    let master_name = if zero.is_some() {
+        format!("{name}.shard")
+    } else {
+        name.to_string()
+    };
+    let master = b.declare(
+        master_name,
+        master_shape.clone(),
+        DType::F32,
+        BufferKind::Param,
+    );
+    let working = match sh.zero {
+        ZeroStage::Zero1 | ZeroStage::Zero2 if zero.is_some() => Some(b.declare(
+            name.to_string(),
+            shape.to_vec(),
+            DType::F32,
+            BufferKind::Param,
+        )),
+        _ => None,
+    };
+    let state = optimizer_state_names(sh.spec)
+        .iter()
+        .map(|n| {
+            b.declare(
+                format!("{name}.{n}"),
+                master_shape.clone(),
+                DType::F32,
+                BufferKind::OptState,
+            )
+        })
+        .collect();
+    (master, working, state)
+}
+
+/// The names of the optimizer's state tensors per parameter.
+fn optimizer_state_names(spec: &Spec) -> &'static [&'static str] {
+    match spec.train.optimizer {
+        crate::spec::Optimizer::AdamW { .. } => &["m", "v"],
+        crate::spec::Optimizer::Sgd { momentum, .. } if momentum != 0.0 => &["momentum"],
+        crate::spec::Optimizer::Sgd { .. } => &[],
+    }
+}
+
+/// Declares the metric buffers: `loss` where `my_chunks` hold the cross-entropy, and
+/// `grad_sumsq`.
+fn declare_metrics(
+    b: &mut ProgramBuilder,
+    sh: &Shared,
+    my_chunks: &[u32],
+) -> (Option<BufferId>, BufferId) {
     let has_loss = my_chunks.iter().any(|&c| {
         let (s, e) = sh.chunks.ranges[c as usize];
-        spec.model.nodes[s..e]
+        sh.spec.model.nodes[s..e]
             .iter()
             .any(|n| matches!(n.kind, crate::spec::LayerKind::CrossEntropy))
     });
@@ -464,17 +551,52 @@ fn emit_program(
         DType::F32,
         BufferKind::Metric,
     );
+    (loss, grad_sumsq)
+}
 
-    let mut em = Emitter {
+/// This role's sequence positions: its cp segments, every cp rank's in cp order, and its
+/// sequence-parallel shard of its own (its own segments without SP).
+fn sequence_positions(
+    sh: &Shared,
+    role: Role,
+    sp: bool,
+) -> (Vec<Segment>, Vec<Segment>, Vec<Segment>) {
+    let seq = sh.spec.model.seq;
+    let positions = context::cp_segments(seq, role.cp, role.cp_index);
+    let kv_positions: Vec<_> = (0..role.cp)
+        .flat_map(|i| context::cp_segments(seq, role.cp, i))
+        .collect();
+    let local_seq = crate::ir::op::segments_len(&positions);
+    let sp_positions = if sp {
+        let shard = local_seq / role.tp;
+        context::sub_segments(&positions, role.tp_index * shard, shard)
+    } else {
+        positions.clone()
+    };
+    (positions, kv_positions, sp_positions)
+}
+
+/// The emitter of this role's step, holding the declared parameters and metrics.
+fn new_emitter<'a>(
+    sh: &Shared<'a>,
+    role: Role,
+    b: ProgramBuilder,
+    (locals, local_of): (Vec<LocalState>, IdMap<ParamId, usize>),
+    (loss, grad_sumsq): (Option<BufferId>, BufferId),
+) -> Emitter<'a> {
+    let spec = sh.spec;
+    let sp = spec.parallel.sequence_parallel && role.tp > 1;
+    let (positions, kv_positions, sp_positions) = sequence_positions(sh, role, sp);
+    Emitter {
         spec,
         params: sh.params,
         chunks: sh.chunks,
         groups: sh.groups,
         b,
-        tp,
-        tp_index,
-        cp,
-        stage,
+        tp: role.tp,
+        tp_index: role.tp_index,
+        cp: role.cp,
+        stage: role.stage,
         sp,
         zero: sh.zero,
         micro_batch: spec.train.micro_batch,
@@ -483,7 +605,9 @@ fn emit_program(
         sp_positions,
         locals,
         local_of,
-        mbs: (0..m).map(|_| MbState::default()).collect(),
+        mbs: (0..spec.parallel.microbatches)
+            .map(|_| MbState::default())
+            .collect(),
         segments: context::recompute_segments(spec),
         selective: spec.parallel.recompute == crate::spec::Recompute::Selective,
         loss,
@@ -500,26 +624,27 @@ fn emit_program(
         phase: crate::ir::Phase::Forward,
         accumulate_in_place: sh.options.accumulate_in_place,
         fuse_epilogues: sh.options.fuse_epilogues,
-    };
-    em.emit_step(sh.table);
+    }
+}
+
+/// The step's internal lowering errors (E0806): the emitter's own, compute ops with too many
+/// operands, and transient buffers that outlive the step.
+fn check_step(em: &mut Emitter, sh: &Shared, role: Role) -> Result<(), Diagnostics> {
     let mut diags = Diagnostics::default();
     for e in em.errors.drain(..) {
         diags.push(e);
     }
     if em.b.oversized > 0 {
-        diags.push(
-            Diagnostic::error(
-                "E0806",
-                format!(
-                    "internal lowering error: {} compute op(s) on pp {stage} cp {cp_index} tp {tp_index} take more than {} inputs or {} outputs",
-                    em.b.oversized,
-                    crate::ir::operands::MAX_INPUTS,
-                    crate::ir::operands::MAX_OUTPUTS
-                ),
-            )
-            .label(spec.parallel.span, "while lowering this plan")
-            .help("please report this with the spec file"),
-        );
+        diags.push(internal_error(
+            sh,
+            format!(
+                "internal lowering error: {} compute op(s) on {} take more than {} inputs or {} outputs",
+                em.b.oversized,
+                role.name(),
+                crate::ir::operands::MAX_INPUTS,
+                crate::ir::operands::MAX_OUTPUTS
+            ),
+        ));
     }
     let leaked = em.b.live_transients();
     if !leaked.is_empty() {
@@ -528,22 +653,32 @@ fn emit_program(
             .take(5)
             .filter_map(|b| em.b.buffers.get(b.0 as usize).map(|x| x.name.clone()))
             .collect();
-        diags.push(
-            Diagnostic::error(
-                "E0806",
-                format!(
-                    "internal lowering error: {} buffer(s) outlive the step on pp {stage} cp {cp_index} tp {tp_index} ({})",
-                    leaked.len(),
-                    names.join(", ")
-                ),
-            )
-            .label(spec.parallel.span, "while lowering this plan")
-            .help("please report this with the spec file"),
-        );
+        diags.push(internal_error(
+            sh,
+            format!(
+                "internal lowering error: {} buffer(s) outlive the step on {} ({})",
+                leaked.len(),
+                role.name(),
+                names.join(", ")
+            ),
+        ));
     }
     if diags.has_errors() {
         return Err(diags);
     }
+    Ok(())
+}
+
+/// An E0806 internal lowering error with `message`, pointing at the plan.
+fn internal_error(sh: &Shared, message: String) -> Diagnostic {
+    Diagnostic::error("E0806", message)
+        .label(sh.spec.parallel.span, "while lowering this plan")
+        .help("please report this with the spec file")
+}
+
+/// The program of the emitted step: the role's coordinates, buffers, local parameters,
+/// instructions and metrics.
+fn finish_program(em: Emitter, role: Role) -> Program {
     let params_out = em
         .locals
         .iter()
@@ -556,22 +691,17 @@ fn emit_program(
             zero: l.zero,
         })
         .collect();
-    let mut program = Program {
-        role: format!("pp {stage} cp {cp_index} tp {tp_index}"),
+    Program {
+        role: role.name(),
         coords: vec![
-            (Axis::Pp, stage),
-            (Axis::Cp, cp_index),
-            (Axis::Tp, tp_index),
+            (Axis::Pp, role.stage),
+            (Axis::Cp, role.cp_index),
+            (Axis::Tp, role.tp_index),
         ],
         buffers: em.b.buffers,
         params: params_out,
         instrs: em.b.instrs,
-        loss,
-        grad_sumsq: Some(grad_sumsq),
-    };
-    if sh.options.overwrite_first_grads {
-        first_write::overwrite_first_contributions(&mut program);
+        loss: em.loss,
+        grad_sumsq: Some(em.grad_sumsq),
     }
-    storage::assign(&mut program, spec.train.precision);
-    Ok(program)
 }
