@@ -95,10 +95,10 @@ impl Emitter<'_> {
                 Some(dy)
             }
             (LayerKind::LayerNorm { dim, bias, .. }, Some(dy)) => {
-                self.layer_norm_backward(mb, node, (dy, inputs.first()), saved, (*dim, *bias))
+                self.norm_backward(mb, node, (dy, inputs.first()), saved, (*dim, Some(*bias)))
             }
             (LayerKind::RmsNorm { dim, .. }, Some(dy)) => {
-                self.rms_norm_backward(mb, node, (dy, inputs.first()), saved, *dim)
+                self.norm_backward(mb, node, (dy, inputs.first()), saved, (*dim, None))
             }
             (
                 LayerKind::Linear {
@@ -231,17 +231,18 @@ impl Emitter<'_> {
         self.grad_used(node, "weight");
     }
 
-    /// LayerNorm's backward: one `LayerNormBwd` writing dx (see [`Emitter::norm_dx`]) and the
-    /// weight's (and bias's) gradients; it consumes dy.
-    fn layer_norm_backward(
+    /// A norm's backward: one `LayerNormBwd` (`layer` = Some(its bias flag); saved x, mean,
+    /// rstd) or `RmsNormBwd` (None; saved x, rstd) writing dx (see [`Emitter::norm_dx`]) and
+    /// the weight's (and bias's) gradients; it consumes dy.
+    fn norm_backward(
         &mut self,
         mb: u32,
         node: NodeId,
         (dy, input): (BufferId, Option<&ValueId>),
         saved: &[BufferId],
-        (dim, bias): (u64, bool),
+        (dim, layer): (u64, Option<bool>),
     ) -> Option<BufferId> {
-        let sv = |i: usize| saved.get(i).copied();
+        let bias = layer == Some(true);
         let (dx, accumulate) = self.norm_dx(mb, node, input, dy);
         let w = self.weight(node, "weight");
         let mut outs = vec![dx];
@@ -249,58 +250,30 @@ impl Emitter<'_> {
         if bias {
             outs.extend(self.grad(node, "bias"));
         }
-        if let (Some(x), Some(mean), Some(rstd), Some(w)) = (sv(0), sv(1), sv(2), w) {
-            let op = Op::LayerNormBwd {
-                dim,
-                bias,
-                accumulate,
-                accumulate_param_grad: true,
+        // x, then the statistics: mean and rstd (LayerNorm) or rstd alone.
+        let stats = if layer.is_some() { 2 } else { 1 };
+        if let (Some(&x), Some(stats), Some(w)) = (saved.first(), saved.get(1..1 + stats), w) {
+            let mut ins = vec![dy, x, w];
+            ins.extend_from_slice(stats);
+            let op = match layer {
+                Some(bias) => Op::LayerNormBwd {
+                    dim,
+                    bias,
+                    accumulate,
+                    accumulate_param_grad: true,
+                },
+                None => Op::RmsNormBwd {
+                    dim,
+                    accumulate,
+                    accumulate_param_grad: true,
+                },
             };
-            self.b.compute(
-                op,
-                &[dy, x, w, mean, rstd],
-                &outs,
-                Some(node),
-                Phase::Backward,
-            );
+            self.b.compute(op, &ins, &outs, Some(node), Phase::Backward);
         }
         self.grad_used(node, "weight");
         if bias {
             self.grad_used(node, "bias");
         }
-        self.b.release(dy);
-        (!accumulate).then_some(dx)
-    }
-
-    /// RMSNorm's backward: one `RmsNormBwd` writing dx (see [`Emitter::norm_dx`]) and the
-    /// weight's gradient; it consumes dy.
-    fn rms_norm_backward(
-        &mut self,
-        mb: u32,
-        node: NodeId,
-        (dy, input): (BufferId, Option<&ValueId>),
-        saved: &[BufferId],
-        dim: u64,
-    ) -> Option<BufferId> {
-        let sv = |i: usize| saved.get(i).copied();
-        let (dx, accumulate) = self.norm_dx(mb, node, input, dy);
-        let w = self.weight(node, "weight");
-        let mut outs = vec![dx];
-        outs.extend(self.grad(node, "weight"));
-        if let (Some(x), Some(rstd), Some(w)) = (sv(0), sv(1), w) {
-            self.b.compute(
-                Op::RmsNormBwd {
-                    dim,
-                    accumulate,
-                    accumulate_param_grad: true,
-                },
-                &[dy, x, w, rstd],
-                &outs,
-                Some(node),
-                Phase::Backward,
-            );
-        }
-        self.grad_used(node, "weight");
         self.b.release(dy);
         (!accumulate).then_some(dx)
     }
