@@ -3,6 +3,32 @@
 //! each (operands, roles, storage classes, shapes, family, costs); the program structure (buffers,
 //! groups, instructions) lives in `program` (a compute instruction's buffer lists in
 //! `operands`), its stable text form in `text`.
+
+/// An enum of unit variants, each with its name: the enum, `ALL` (every variant in declaration
+/// order) and `name()`. The op kinds (`table::Opcode`) and the activations (`op::Act`) are such
+/// lists, each written once as `Variant "name",` lines.
+macro_rules! named_enum {
+    ($(#[$meta:meta])* $vis:vis enum $ty:ident { $($variant:ident $name:literal,)* }) => {
+        $(#[$meta])*
+        $vis enum $ty {
+            $($variant,)*
+        }
+
+        impl $ty {
+            /// Every variant, in declaration order.
+            pub const ALL: &'static [$ty] = &[$($ty::$variant,)*];
+
+            /// Its name in the language, in messages and in JSON.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $name,)*
+                }
+            }
+        }
+    };
+}
+pub(crate) use named_enum;
+
 pub mod op;
 pub mod operands;
 pub mod program;

@@ -55,36 +55,18 @@ pub fn position_at(segments: &[Segment], mut i: u32) -> Option<u32> {
     None
 }
 
-macro_rules! activations {
-    ($($variant:ident $name:literal,)*) => {
-        /// An elementwise activation (`Activation`, `ActivationBwd`, a matmul's fused
-        /// epilogue), and an MLP's `act` in the language: the one list of them.
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
-        #[serde(rename_all = "snake_case")]
-        pub enum Act {
-            $($variant,)*
-        }
-
-        impl Act {
-            /// Every activation, in declaration order: a backend's activation code is the
-            /// position here (`Act::code`).
-            pub const ALL: &'static [Act] = &[$(Act::$variant,)*];
-
-            /// Its name in the language and in JSON.
-            pub fn name(self) -> &'static str {
-                match self {
-                    $(Act::$variant => $name,)*
-                }
-            }
-        }
-    };
-}
-
-activations! {
-    Gelu "gelu",
-    GeluTanh "gelu_tanh",
-    Relu "relu",
-    Silu "silu",
+super::named_enum! {
+    /// An elementwise activation (`Activation`, `ActivationBwd`, a matmul's fused epilogue), and
+    /// an MLP's `act` in the language: the one list of them. A backend's activation code is the
+    /// position here (`Act::code`).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+    #[serde(rename_all = "snake_case")]
+    pub enum Act {
+        Gelu "gelu",
+        GeluTanh "gelu_tanh",
+        Relu "relu",
+        Silu "silu",
+    }
 }
 
 impl Act {

@@ -32,23 +32,16 @@ pub enum Family {
 
 macro_rules! opcodes {
     ($($variant:ident $name:literal $family:ident,)*) => {
-        /// The kind of an [`Op`], without its attributes: one per variant.
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-        pub enum Opcode {
-            $($variant,)*
+        super::named_enum! {
+            /// The kind of an [`Op`], without its attributes: one per variant, named in messages
+            /// and JSON as it is serialized (`snake_case`).
+            #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+            pub enum Opcode {
+                $($variant $name,)*
+            }
         }
 
         impl Opcode {
-            /// Every op kind, in the order `Op` declares them.
-            pub const ALL: &'static [Opcode] = &[$(Opcode::$variant,)*];
-
-            /// The op's name in messages and in JSON (`snake_case`, as serialized).
-            pub fn name(self) -> &'static str {
-                match self {
-                    $(Opcode::$variant => $name,)*
-                }
-            }
-
             /// The op's name in the IR's text form (the `Op` variant's name).
             pub fn variant(self) -> &'static str {
                 match self {
