@@ -117,41 +117,6 @@ pub fn analyse(
 ) -> (ProgramMemory, Vec<Violation>, ProgramIndex) {
     let n = program.buffers.len();
     let mut violations = Vec::new();
-    let mut alive = vec![false; n];
-    let mut freed_at: Vec<Option<usize>> = vec![None; n];
-    let mut persistent_bytes = 0u64;
-    // (bytes, persistent) of each buffer, contiguous: the instruction loop reads it per Alloc
-    // and Free instead of chasing each buffer's heap-allocated shape.
-    let mut sizes: Vec<(u64, bool)> = Vec::with_capacity(n);
-    // Live transient (bytes, buffers) by kind, and its copy at the peak.
-    let mut live_by_kind = [(0u64, 0u32); KINDS];
-    let mut peak_by_kind_live = live_by_kind;
-    let mut index = ProgramIndex {
-        points: Vec::new(),
-        numel: Vec::with_capacity(n),
-        dtype: Vec::with_capacity(n),
-    };
-    for (i, b) in program.buffers.iter().enumerate() {
-        let persistent = b.kind.is_persistent();
-        sizes.push((b.bytes(), persistent));
-        index.numel.push(b.numel());
-        index.dtype.push(b.dtype);
-        if persistent {
-            alive[i] = true;
-            persistent_bytes += b.bytes();
-        }
-    }
-    let mb_of: Vec<Option<u32>> = program
-        .buffers
-        .iter()
-        .map(|b| microbatch_of(&b.name))
-        .collect();
-    // Per microbatch: (first forward op, last backward op).
-    let mut spans: Vec<(usize, usize)> = Vec::new();
-    let mut live = 0u64;
-    let mut peak = 0u64;
-    let mut peak_at = 0usize;
-
     let mut push = |code: &'static str, instr: usize, node, message: String| {
         if violations.len() < MAX_PER_PROGRAM {
             violations.push(Violation {
@@ -164,13 +129,13 @@ pub fn analyse(
             });
         }
     };
-    let name = |b: BufferId| {
-        program
-            .buffer(b)
-            .map(|x| format!("b{} `{}`", b.0, x.name))
-            .unwrap_or_else(|| format!("b{}", b.0))
+    let mut live = Liveness::new(program);
+    let mut spans = MicrobatchSpans::new(program);
+    let mut index = ProgramIndex {
+        points: Vec::new(),
+        numel: program.buffers.iter().map(|b| b.numel()).collect(),
+        dtype: program.buffers.iter().map(|b| b.dtype).collect(),
     };
-
     let mut used: Vec<BufferId> = Vec::new();
     for (i, instr) in program.instrs.iter().enumerate() {
         let node = match instr {
@@ -180,75 +145,13 @@ pub fn analyse(
         used.clear();
         buffers_of(instr, |b| used.push(b));
         if let Some(bad) = used.iter().find(|b| b.0 as usize >= n) {
-            push(
-                "E0810",
-                i,
-                node,
-                format!("names buffer b{} but the program has {n} buffers", bad.0),
-            );
+            let message = format!("names buffer b{} but the program has {n} buffers", bad.0);
+            push("E0810", i, node, message);
             continue;
         }
-        match instr {
-            Instr::Alloc { buffer } => {
-                let b = buffer.0 as usize;
-                let (bytes, persistent) = sizes[b];
-                if persistent {
-                    push(
-                        "E0812",
-                        i,
-                        node,
-                        format!("allocates the persistent buffer {}", name(*buffer)),
-                    );
-                } else if alive[b] {
-                    push(
-                        "E0812",
-                        i,
-                        node,
-                        format!("allocates {} which is already alive", name(*buffer)),
-                    );
-                } else {
-                    alive[b] = true;
-                    live += bytes;
-                    if let Some(k) = live_by_kind.get_mut(kind_slot(program.buffers[b].kind)) {
-                        k.0 += bytes;
-                        k.1 += 1;
-                    }
-                    if live > peak {
-                        peak = live;
-                        peak_at = i;
-                        peak_by_kind_live = live_by_kind;
-                    }
-                }
-            }
-            Instr::Free { buffer } => {
-                let b = buffer.0 as usize;
-                let (bytes, persistent) = sizes[b];
-                if persistent {
-                    push(
-                        "E0812",
-                        i,
-                        node,
-                        format!("frees the persistent buffer {}", name(*buffer)),
-                    );
-                } else if !alive[b] {
-                    let why = match freed_at[b] {
-                        Some(k) => format!(
-                            "double free of {}: already freed at instruction {k}",
-                            name(*buffer)
-                        ),
-                        None => format!("frees {} which was never allocated", name(*buffer)),
-                    };
-                    push("E0812", i, node, why);
-                } else {
-                    alive[b] = false;
-                    freed_at[b] = Some(i);
-                    live -= bytes;
-                    if let Some(k) = live_by_kind.get_mut(kind_slot(program.buffers[b].kind)) {
-                        k.0 -= bytes;
-                        k.1 -= 1;
-                    }
-                }
-            }
+        let violation = match instr {
+            Instr::Alloc { buffer } => live.alloc(program, *buffer, i).map(|m| ("E0812", m)),
+            Instr::Free { buffer } => live.free(program, *buffer, i).map(|m| ("E0812", m)),
             _ => {
                 if matches!(
                     instr,
@@ -259,94 +162,248 @@ pub fn analyse(
                 ) {
                     index.points.push((i as u32, instr.clone()));
                 }
-                if let Instr::Compute { outputs, phase, .. } = instr {
-                    let mb = outputs.iter().find_map(|b| mb_of[b.0 as usize]);
-                    if let Some(mb) = mb {
-                        let mb = mb as usize;
-                        if spans.len() <= mb {
-                            spans.resize(mb + 1, (usize::MAX, 0));
-                        }
-                        let span = &mut spans[mb];
-                        match phase {
-                            Phase::Forward => span.0 = span.0.min(i),
-                            Phase::Backward => span.1 = span.1.max(i),
-                            Phase::Recompute | Phase::Optimizer => {}
-                        }
-                    }
-                }
-                if let Some(b) = used.iter().find(|b| !alive[b.0 as usize]) {
-                    {
-                        let why = match freed_at[b.0 as usize] {
-                            Some(k) => {
-                                format!("uses {} after it was freed at instruction {k}", name(*b))
-                            }
-                            None => format!("uses {} before it is allocated", name(*b)),
-                        };
-                        push("E0811", i, node, why);
-                    }
-                }
+                spans.record(instr, i);
+                live.use_error(program, &used).map(|m| ("E0811", m))
             }
+        };
+        if let Some((code, message)) = violation {
+            push(code, i, node, message);
         }
     }
-    let end = program.instrs.len();
-    let mut edges: Vec<(usize, i32)> = Vec::new();
-    for &(first, last) in &spans {
-        if first <= last {
-            edges.push((first, 1));
-            edges.push((last, -1));
-        }
+    if let Some(message) = live.leaks(program) {
+        push("E0813", program.instrs.len(), None, message);
     }
-    // Starts before ends at the same index: an op cannot both start and end microbatches.
-    edges.sort_unstable_by_key(|&(i, d)| (i, -d));
-    let mut in_flight = 0i32;
-    let mut in_flight_peak = 0u32;
-    for (_, d) in edges {
-        in_flight += d;
-        in_flight_peak = in_flight_peak.max(in_flight.max(0) as u32);
-    }
-    let leaked: Vec<String> = (0..n)
-        .filter(|&b| alive[b] && !program.buffers[b].kind.is_persistent())
-        .map(|b| name(BufferId(b as u32)))
-        .collect();
-    if !leaked.is_empty() {
-        let shown: Vec<String> = leaked.iter().take(5).cloned().collect();
-        push(
-            "E0813",
-            end,
-            None,
-            format!(
-                "{} transient buffers are still alive at the end of the step: {}{}",
-                leaked.len(),
-                shown.join(", "),
-                if leaked.len() > 5 { ", …" } else { "" }
-            ),
-        );
-    }
-    let mut by_kind: std::collections::BTreeMap<&'static str, u64> = Default::default();
-    for kind in ALL_KINDS {
-        if let Some(&(bytes, count)) = peak_by_kind_live.get(kind_slot(kind)) {
-            if count > 0 {
-                by_kind.insert(kind.name(), bytes);
-            }
-        }
-    }
-    let mut peak_by_kind: Vec<(String, u64)> = by_kind
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect();
-    peak_by_kind.sort_by_key(|(_, v)| std::cmp::Reverse(*v));
     let memory = ProgramMemory {
         program: id,
         role: program.role.clone(),
         instrs: program.instrs.len(),
-        persistent_bytes,
-        peak_transient_bytes: peak,
-        peak_bytes: persistent_bytes + peak,
-        peak_at,
-        peak_by_kind,
-        peak_microbatches_in_flight: in_flight_peak,
+        persistent_bytes: live.persistent_bytes,
+        peak_transient_bytes: live.peak,
+        peak_bytes: live.persistent_bytes + live.peak,
+        peak_at: live.peak_at,
+        peak_by_kind: live.peak_by_kind(),
+        peak_microbatches_in_flight: spans.peak_in_flight(),
     };
     (memory, violations, index)
+}
+
+/// `b` as messages name it: b3 `name`.
+fn buffer_name(program: &Program, b: BufferId) -> String {
+    program
+        .buffer(b)
+        .map(|x| format!("b{} `{}`", b.0, x.name))
+        .unwrap_or_else(|| format!("b{}", b.0))
+}
+
+/// The walk's account of memory: which buffers are alive, where each was freed, and the live
+/// transient bytes (in all and by kind) with their peak.
+struct Liveness {
+    /// (bytes, persistent) of each buffer, contiguous: the walk reads it per Alloc and Free
+    /// instead of chasing each buffer's heap-allocated shape.
+    sizes: Vec<(u64, bool)>,
+    alive: Vec<bool>,
+    freed_at: Vec<Option<usize>>,
+    persistent_bytes: u64,
+    live: u64,
+    peak: u64,
+    peak_at: usize,
+    /// Live transient (bytes, buffers) by kind, and its copy at the peak.
+    live_by_kind: [(u64, u32); KINDS],
+    peak_by_kind_live: [(u64, u32); KINDS],
+}
+
+impl Liveness {
+    /// Before the first instruction: the persistent buffers alive, nothing else.
+    fn new(program: &Program) -> Liveness {
+        let sizes: Vec<(u64, bool)> = program
+            .buffers
+            .iter()
+            .map(|b| (b.bytes(), b.kind.is_persistent()))
+            .collect();
+        Liveness {
+            alive: sizes.iter().map(|&(_, persistent)| persistent).collect(),
+            freed_at: vec![None; sizes.len()],
+            persistent_bytes: sizes.iter().filter(|s| s.1).map(|s| s.0).sum(),
+            sizes,
+            live: 0,
+            peak: 0,
+            peak_at: 0,
+            live_by_kind: [(0, 0); KINDS],
+            peak_by_kind_live: [(0, 0); KINDS],
+        }
+    }
+
+    /// `Alloc` of `buffer` at instruction `i`: what is wrong with it (E0812), or None.
+    fn alloc(&mut self, program: &Program, buffer: BufferId, i: usize) -> Option<String> {
+        let b = buffer.0 as usize;
+        let (bytes, persistent) = self.sizes[b];
+        if persistent {
+            return Some(format!(
+                "allocates the persistent buffer {}",
+                buffer_name(program, buffer)
+            ));
+        }
+        if self.alive[b] {
+            return Some(format!(
+                "allocates {} which is already alive",
+                buffer_name(program, buffer)
+            ));
+        }
+        self.alive[b] = true;
+        self.live += bytes;
+        if let Some(k) = self
+            .live_by_kind
+            .get_mut(kind_slot(program.buffers[b].kind))
+        {
+            k.0 += bytes;
+            k.1 += 1;
+        }
+        if self.live > self.peak {
+            self.peak = self.live;
+            self.peak_at = i;
+            self.peak_by_kind_live = self.live_by_kind;
+        }
+        None
+    }
+
+    /// `Free` of `buffer` at instruction `i`: what is wrong with it (E0812), or None.
+    fn free(&mut self, program: &Program, buffer: BufferId, i: usize) -> Option<String> {
+        let b = buffer.0 as usize;
+        let (bytes, persistent) = self.sizes[b];
+        let name = || buffer_name(program, buffer);
+        if persistent {
+            return Some(format!("frees the persistent buffer {}", name()));
+        }
+        if !self.alive[b] {
+            return Some(match self.freed_at[b] {
+                Some(k) => format!(
+                    "double free of {}: already freed at instruction {k}",
+                    name()
+                ),
+                None => format!("frees {} which was never allocated", name()),
+            });
+        }
+        self.alive[b] = false;
+        self.freed_at[b] = Some(i);
+        self.live -= bytes;
+        if let Some(k) = self
+            .live_by_kind
+            .get_mut(kind_slot(program.buffers[b].kind))
+        {
+            k.0 -= bytes;
+            k.1 -= 1;
+        }
+        None
+    }
+
+    /// The first of `used` that is not alive (E0811), or None.
+    fn use_error(&self, program: &Program, used: &[BufferId]) -> Option<String> {
+        let b = *used.iter().find(|b| !self.alive[b.0 as usize])?;
+        Some(match self.freed_at[b.0 as usize] {
+            Some(k) => format!(
+                "uses {} after it was freed at instruction {k}",
+                buffer_name(program, b)
+            ),
+            None => format!("uses {} before it is allocated", buffer_name(program, b)),
+        })
+    }
+
+    /// The transient buffers still alive at the end of the step (E0813), or None.
+    fn leaks(&self, program: &Program) -> Option<String> {
+        let leaked: Vec<String> = (0..self.alive.len())
+            .filter(|&b| self.alive[b] && !self.sizes[b].1)
+            .map(|b| buffer_name(program, BufferId(b as u32)))
+            .collect();
+        if leaked.is_empty() {
+            return None;
+        }
+        let shown: Vec<String> = leaked.iter().take(5).cloned().collect();
+        Some(format!(
+            "{} transient buffers are still alive at the end of the step: {}{}",
+            leaked.len(),
+            shown.join(", "),
+            if leaked.len() > 5 { ", …" } else { "" }
+        ))
+    }
+
+    /// Live transient bytes at the peak by kind name, largest first.
+    fn peak_by_kind(&self) -> Vec<(String, u64)> {
+        let mut by_kind: std::collections::BTreeMap<&'static str, u64> = Default::default();
+        for kind in ALL_KINDS {
+            if let Some(&(bytes, count)) = self.peak_by_kind_live.get(kind_slot(kind)) {
+                if count > 0 {
+                    by_kind.insert(kind.name(), bytes);
+                }
+            }
+        }
+        let mut peak_by_kind: Vec<(String, u64)> = by_kind
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        peak_by_kind.sort_by_key(|(_, v)| std::cmp::Reverse(*v));
+        peak_by_kind
+    }
+}
+
+/// Per microbatch, its first forward and last backward compute op (see the module docs).
+struct MicrobatchSpans {
+    /// The microbatch each buffer belongs to, from its name.
+    mb_of: Vec<Option<u32>>,
+    /// Per microbatch: (first forward op, last backward op).
+    spans: Vec<(usize, usize)>,
+}
+
+impl MicrobatchSpans {
+    fn new(program: &Program) -> MicrobatchSpans {
+        MicrobatchSpans {
+            mb_of: program
+                .buffers
+                .iter()
+                .map(|b| microbatch_of(&b.name))
+                .collect(),
+            spans: Vec::new(),
+        }
+    }
+
+    /// Count instruction `i` in its microbatch's span, if it is a compute op that has one.
+    fn record(&mut self, instr: &Instr, i: usize) {
+        let Instr::Compute { outputs, phase, .. } = instr else {
+            return;
+        };
+        let Some(mb) = outputs.iter().find_map(|b| self.mb_of[b.0 as usize]) else {
+            return;
+        };
+        let mb = mb as usize;
+        if self.spans.len() <= mb {
+            self.spans.resize(mb + 1, (usize::MAX, 0));
+        }
+        let span = &mut self.spans[mb];
+        match phase {
+            Phase::Forward => span.0 = span.0.min(i),
+            Phase::Backward => span.1 = span.1.max(i),
+            Phase::Recompute | Phase::Optimizer => {}
+        }
+    }
+
+    /// The most microbatches in flight at once.
+    fn peak_in_flight(&self) -> u32 {
+        let mut edges: Vec<(usize, i32)> = Vec::new();
+        for &(first, last) in &self.spans {
+            if first <= last {
+                edges.push((first, 1));
+                edges.push((last, -1));
+            }
+        }
+        // Starts before ends at the same index: an op cannot both start and end microbatches.
+        edges.sort_unstable_by_key(|&(i, d)| (i, -d));
+        let mut in_flight = 0i32;
+        let mut in_flight_peak = 0u32;
+        for (_, d) in edges {
+            in_flight += d;
+            in_flight_peak = in_flight_peak.max(in_flight.max(0) as u32);
+        }
+        in_flight_peak
+    }
 }
 
 #[cfg(test)]
