@@ -618,17 +618,12 @@ impl Op {
     /// The (input, output) pairs the op updates in place (`Write::InPlace`): the instruction
     /// binds both to one buffer (the verifier checks it, E0820) and the op reads every element
     /// before it writes it, so a backend runs it on the buffer as it is.
-    pub fn in_place(&self) -> Vec<(usize, usize)> {
-        let signature = self.signature();
-        signature
-            .outputs
-            .iter()
-            .enumerate()
-            .filter_map(|(o, operand)| match operand.write {
-                Write::InPlace(i) => Some((i, o)),
-                _ => None,
-            })
-            .collect()
+    pub fn in_place(&self) -> impl Iterator<Item = (usize, usize)> {
+        let outputs = self.signature().outputs;
+        (0..outputs.len()).filter_map(move |o| match outputs[o].write {
+            Write::InPlace(i) => Some((i, o)),
+            _ => None,
+        })
     }
 }
 

@@ -193,13 +193,13 @@ fn reduction(program: &Program, c: Compute<'_>, half: bool) -> u64 {
 /// Bytes of `c`'s copies of inputs that are also its outputs.
 fn aliased(program: &Program, c: Compute<'_>) -> u64 {
     let (inputs, outputs) = (c.inputs, c.outputs);
-    let in_place = c.op.in_place();
     inputs
         .iter()
         .enumerate()
         .filter(|&(i, id)| {
+            // The op's signature is read only for the rare input that is also an output.
             let first = inputs.iter().position(|x| x == id) == Some(i);
-            first && !in_place.iter().any(|&(input, _)| input == i) && outputs.contains(id)
+            first && outputs.contains(id) && !c.op.in_place().any(|(input, _)| input == i)
         })
         .map(|(_, id)| aligned(program.buffer(*id).map_or(0, Buffer::bytes)))
         .sum()

@@ -21,7 +21,6 @@
 //! A buffer allocated several times needs zeros if any of its allocations does (backends see
 //! buffer ids, not instructions). Persistent buffers always do (optimizer state and metrics
 //! start at zero).
-use crate::ir::op::Op;
 use crate::ir::table::Write;
 use crate::ir::{BufferId, Instr, P2pOp, Program};
 
@@ -71,8 +70,9 @@ pub fn zero_needs(program: &Program) -> Vec<bool> {
                 for &id in inputs.iter() {
                     tracker.touch(id, Use::Reads);
                 }
+                let writes = op.signature().outputs;
                 for (index, &id) in outputs.iter().enumerate() {
-                    tracker.touch(id, output_use(op, index));
+                    tracker.touch(id, output_use(writes.get(index).map(|o| o.write)));
                 }
             }
             Instr::Collective { input, output, .. } => {
@@ -146,11 +146,11 @@ fn covers(ranges: &mut [(u64, u64)], numel: u64) -> bool {
     reached >= numel
 }
 
-/// How `op` uses its output `index`, per the op table (`crate::ir::table::Write`): an output
-/// it adds into, updates, or that is also its input is read; a range write covers only its
-/// range; every other output is overwritten.
-fn output_use(op: &Op, index: usize) -> Use {
-    match op.signature().outputs.get(index).map(|o| o.write) {
+/// How an op uses an output it writes as `write` says (the op table's `Write`): an output it
+/// adds into, updates, or that is also its input is read; a range write covers only its range;
+/// every other output (or one the signature does not list) is overwritten.
+fn output_use(write: Option<Write>) -> Use {
+    match write {
         Some(Write::Range(start, end)) => Use::WritesRange(start, end),
         Some(w) if w.reads() => Use::Reads,
         _ => Use::Overwrites,
@@ -161,6 +161,7 @@ fn output_use(op: &Op, index: usize) -> Use {
 mod tests {
     use super::*;
     use crate::cost::testspec::{build, Dims, Plan as PlanChoice};
+    use crate::ir::op::Op;
     use crate::ir::{BufferKind, CollectiveKind, GroupId};
     use crate::lower::lower;
     use crate::spec::ZeroStage;

@@ -12,7 +12,6 @@
 //! all-reduce 2(n−1)/n·B/bw + 2(n−1)·latency, all-gather and reduce-scatter (n−1)/n·B/bw +
 //! (n−1)·latency, broadcast B/bw + latency. A point-to-point transfer takes B/bw + latency.
 
-use crate::ir::op::Op;
 use crate::ir::table::FlopCount;
 use crate::ir::{Buffer, CollectiveKind, DType, Instr, Program};
 use crate::spec::{Precision, Spec};
@@ -54,35 +53,21 @@ impl SpecCosts<'_> {
     }
 }
 
-fn numel(program: &Program, b: Option<&crate::ir::BufferId>) -> f64 {
-    b.and_then(|b| program.buffer(*b))
-        .map(|b| b.numel() as f64)
-        .unwrap_or(0.0)
-}
-
-/// FLOPs of a compute op given its buffers (`Op::flops` over the op's rows, as its signature
-/// reads them from the inputs).
-pub fn op_flops(program: &Program, op: &Op, inputs: &[crate::ir::BufferId]) -> f64 {
-    let rows = op
-        .signature()
-        .rows_from_inputs(|i| numel(program, inputs.get(i)) as u64);
-    op.flops(rows.unwrap_or(0) as f64, FlopCount::Model)
-}
-
 impl StepCosts for SpecCosts<'_> {
     fn compute(&self, program: &Program, instr: &Instr) -> f64 {
         let Some(c) = instr.as_compute() else {
             return 0.0;
         };
-        let flops = op_flops(program, c.op, c.inputs);
-        let bytes = |ids: &[crate::ir::BufferId], i: usize| {
-            ids.get(i)
-                .and_then(|b| program.buffer(*b))
-                .map_or(0.0, |b| self.bytes(b))
-        };
-        let touched =
-            c.op.signature()
-                .bytes_touched(|i| bytes(&c.inputs[..], i), |i| bytes(&c.outputs[..], i));
+        let buffer =
+            |ids: &[crate::ir::BufferId], i: usize| ids.get(i).and_then(|b| program.buffer(*b));
+        // FLOPs over the op's rows as its signature reads them from the inputs; bytes as the
+        // signature counts them.
+        let signature = c.op.signature();
+        let rows = signature.rows_from_inputs(|i| buffer(c.inputs, i).map_or(0, Buffer::numel));
+        let flops = c.op.flops(rows.unwrap_or(0) as f64, FlopCount::Model);
+        let bytes =
+            |ids: &[crate::ir::BufferId], i: usize| buffer(ids, i).map_or(0.0, |b| self.bytes(b));
+        let touched = signature.bytes_touched(|i| bytes(c.inputs, i), |i| bytes(c.outputs, i));
         let peak = self.peak();
         let bw = self.spec.cluster.gpu.memory_bandwidth;
         let math = if peak > 0.0 { flops / peak } else { 0.0 };

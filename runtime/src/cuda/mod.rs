@@ -688,8 +688,8 @@ impl Backend for CudaBackend {
         let mut ins = Vec::with_capacity(inputs.len());
         for (i, &id) in inputs.iter().enumerate() {
             let mut b = self.buf(id)?;
-            let in_place = op.in_place().iter().any(|&(input, _)| input == i);
-            if outputs.contains(&id) && !in_place {
+            // The op's signature is read only for an input that is also an output.
+            if outputs.contains(&id) && !op.in_place().any(|(input, _)| input == i) {
                 let bytes = b.len * b.dtype.bytes() as usize;
                 let ptr = self.aliased_copy(&mut copies, &mut aliased_used, bytes)?;
                 self.copy_bytes(ptr, b.ptr, bytes)?;

@@ -108,7 +108,7 @@ fn writes_say_what_the_planner_may_skip() {
         vocab: 8,
         scale: 1.0,
     };
-    assert_eq!(ce.in_place(), [(0, 0)]);
+    assert_eq!(ce.in_place().collect::<Vec<_>>(), [(0, 0)]);
     assert!(ce.accumulates(1) && !ce.accumulates(0));
     let adam = Op::AdamW {
         beta1: 0.9,
