@@ -433,45 +433,21 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
     /// The FLOPs (matmuls, attention) and bytes of the buffers read and written of `instr`,
     /// for the profile.
     fn work_of(&self, instr: &Instr) -> (f64, f64) {
-        let bytes = |ids: &[BufferId]| -> f64 {
-            ids.iter()
-                .filter_map(|id| self.program.buffer(*id))
-                .map(|b| b.bytes() as f64)
-                .sum()
+        let buffer =
+            |ids: &[BufferId], i: usize| ids.get(i).and_then(|id| self.program.buffer(*id));
+        let size = |ids: &[BufferId], i: usize| buffer(ids, i).map_or(0.0, |b| b.bytes() as f64);
+        let Some(c) = instr.as_compute() else {
+            // Communication and data loading move every buffer they read or write; Alloc and
+            // Free read and write none.
+            let moved = |ids: Vec<BufferId>| (0..ids.len()).map(|i| size(&ids, i)).sum::<f64>();
+            return (0.0, moved(instr.reads()) + moved(instr.writes()));
         };
-        if let Some(c) = instr.as_compute() {
-            let buffer =
-                |ids: &[BufferId], i: usize| ids.get(i).and_then(|id| self.program.buffer(*id));
-            let first = buffer(c.inputs, 0).map_or(0, |b| b.numel());
-            let size =
-                |ids: &[BufferId], i: usize| buffer(ids, i).map_or(0.0, |b| b.bytes() as f64);
-            // The op table's count: inputs read, outputs written, accumulated outputs read too.
-            let touched =
-                c.op.signature()
-                    .bytes_touched(|i| size(c.inputs, i), |i| size(c.outputs, i));
-            return (profile::flops(c.op, first).unwrap_or(0.0), touched);
-        }
-        match instr {
-            Instr::Compute { .. } => (0.0, 0.0),
-            Instr::Collective { input, output, .. } => (0.0, bytes(&[*input, *output])),
-            Instr::Send { buffer, .. } | Instr::Recv { buffer, .. } => (0.0, bytes(&[*buffer])),
-            Instr::P2p { ops } => {
-                let ids: Vec<BufferId> = ops
-                    .iter()
-                    .map(|op| match *op {
-                        P2pOp::Send { buffer, .. } | P2pOp::Recv { buffer, .. } => buffer,
-                    })
-                    .collect();
-                (0.0, bytes(&ids))
-            }
-            Instr::LoadBatch {
-                tokens, targets, ..
-            } => {
-                let ids: Vec<BufferId> = tokens.iter().chain(targets.iter()).copied().collect();
-                (0.0, bytes(&ids))
-            }
-            Instr::Alloc { .. } | Instr::Free { .. } => (0.0, 0.0),
-        }
+        let first = buffer(c.inputs, 0).map_or(0, |b| b.numel());
+        // The op table's count: inputs read, outputs written, accumulated outputs read too.
+        let touched =
+            c.op.signature()
+                .bytes_touched(|i| size(c.inputs, i), |i| size(c.outputs, i));
+        (profile::flops(c.op, first).unwrap_or(0.0), touched)
     }
 
     fn numel(&self, id: BufferId) -> Result<usize> {
