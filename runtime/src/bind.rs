@@ -138,8 +138,7 @@ impl<'a, B: OperandBuffer + Copy> Bound<'a, B> {
     fn check_shapes(&mut self) -> Result<()> {
         let mut rows = self.signature.rows.map(|r| self.usize(r)).transpose()?;
         let mut kv_rows = self.signature.kv_rows.map(|r| self.usize(r)).transpose()?;
-        let operands: Vec<_> = self.operands().collect();
-        for (side, i, operand, b) in operands {
+        for (side, i, operand, b) in self.operands() {
             let Some(shape) = operand.shape else {
                 continue;
             };
