@@ -5,6 +5,7 @@ pub mod cost;
 pub mod diag;
 pub mod driver;
 pub mod ir;
+pub mod kir;
 pub mod lower;
 pub mod memplan;
 pub mod overrides;

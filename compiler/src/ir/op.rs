@@ -29,8 +29,10 @@
 //!   marks an overflowed step, and a marked step leaves `AdamW`/`Sgd` parameters and state
 //!   untouched.
 
+use crate::kir::Kernel;
 use serde::Serialize;
 use std::fmt;
+use std::sync::Arc;
 
 /// A run of consecutive global sequence positions `[start, start + len)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
@@ -129,6 +131,17 @@ pub struct AttentionAttrs {
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct ActAttrs {
     pub act: Act,
+}
+
+/// A generated kernel in the program (`Op::Fused`): the kernel and what it was made from.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct FusedAttrs {
+    /// What the kernel computes, for people: the ops or the function it replaces
+    /// (`swi_glu`, `rope+split_columns`, `act squared_relu`).
+    pub name: String,
+    /// Its rows, where the attributes fix them (the fusion of ops that fix theirs).
+    pub rows: Option<u64>,
+    pub kernel: Arc<Kernel>,
 }
 
 #[derive(Clone, PartialEq, Serialize)]
@@ -241,6 +254,11 @@ pub enum Op {
     Activation(ActAttrs),
     /// in: dy, x. out: dx.
     ActivationBwd(ActAttrs),
+    /// A generated kernel (`kir::Kernel`): in, one buffer per kernel input, shaped by its
+    /// `Access` (`[n, width]`, `[n]`, or `[cols]` f32); out, one per kernel output. Every output
+    /// element is written (kernel invariant 4). Made by the fusion pass and by the lowering of
+    /// an activation defined as a `.par` function.
+    Fused(FusedAttrs),
     /// in: gate, up (same shape). out: silu(gate) * up.
     SwiGlu,
     /// in: dy, gate, up. out: dgate, dup.
@@ -366,6 +384,9 @@ impl fmt::Debug for Op {
         ) {
             return f.write_str(name);
         }
+        if let Op::Fused(a) = self {
+            return write!(f, "Fused {:?} {{ {} }}", a.name, a.kernel);
+        }
         let mut d = f.debug_struct(name);
         match self {
             Op::Embedding(a) | Op::EmbeddingBwd(a) => d
@@ -448,7 +469,13 @@ impl fmt::Debug for Op {
                 .field("kv_positions", &a.kv_positions)
                 .field("packed", &a.packed),
             Op::Activation(a) | Op::ActivationBwd(a) => d.field("act", &a.act),
-            Op::SwiGlu | Op::SwiGluBwd | Op::Add | Op::Copy | Op::Zero | Op::SumSquares => &mut d,
+            Op::Fused(_)
+            | Op::SwiGlu
+            | Op::SwiGluBwd
+            | Op::Add
+            | Op::Copy
+            | Op::Zero
+            | Op::SumSquares => &mut d,
             Op::Scale { factor } => d.field("factor", factor),
             Op::SplitColumns { widths } | Op::ConcatColumns { widths } => d.field("widths", widths),
             Op::CopyRange {

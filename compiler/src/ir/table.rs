@@ -86,6 +86,7 @@ opcodes! {
     AttentionBwd "attention_bwd" Attention,
     Activation "activation" Elementwise,
     ActivationBwd "activation_bwd" Elementwise,
+    Fused "fused" Elementwise,
     SwiGlu "swi_glu" Elementwise,
     SwiGluBwd "swi_glu_bwd" Elementwise,
     Add "add" Elementwise,
@@ -473,6 +474,7 @@ impl Op {
                     .input("x", Float, n(1))
                     .output("dx", Float, n(1))
             }
+            Op::Fused(a) => fused(s, a),
             Op::SwiGlu => s
                 .input("gate", Float, n(1))
                 .input("up", Float, n(1))
@@ -628,6 +630,31 @@ impl Op {
 }
 
 /// A norm's forward: LayerNorm (`layer` = Some(bias)) or RMSNorm (None: no mean, no bias).
+/// A generated kernel's operands, from its accesses (`Op::Fused`).
+fn fused(s: Signature, a: &super::op::FusedAttrs) -> Signature {
+    use crate::kir::Access;
+    const INPUTS: [&str; 6] = ["x0", "x1", "x2", "x3", "x4", "x5"];
+    const OUTPUTS: [&str; 3] = ["y0", "y1", "y2"];
+    let operand = |access: &Access| match *access {
+        Access::Elem { width } => (Float, n(width)),
+        Access::Row => (Fp32, n(1)),
+        Access::Col => (Fp32, fixed(a.kernel.cols, 1)),
+    };
+    let mut s = match a.rows {
+        Some(rows) => s.rows(rows),
+        None => s,
+    };
+    for (role, access) in INPUTS.iter().zip(&a.kernel.inputs) {
+        let (class, shape) = operand(access);
+        s = s.input(role, class, shape);
+    }
+    for (role, access) in OUTPUTS.iter().zip(&a.kernel.outputs) {
+        let (class, shape) = operand(access);
+        s = s.output(role, class, shape);
+    }
+    s
+}
+
 fn norm_forward(s: Signature, dim: u64, layer: Option<bool>) -> Signature {
     s.input("x", Float, n(dim))
         .input("w", Fp32, fixed(dim, 1))

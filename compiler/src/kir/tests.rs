@@ -1,0 +1,105 @@
+use super::*;
+
+fn swiglu_kernel() -> Kernel {
+    let mut g = Graph::new();
+    let gate = g.load(0, 0);
+    let up = g.load(1, 0);
+    let s = g.un(Un::Sigmoid, gate);
+    let silu = g.bin(Bin::Mul, gate, s);
+    let y = g.bin(Bin::Mul, silu, up);
+    Kernel {
+        cols: 8,
+        inputs: vec![Access::Elem { width: 8 }, Access::Elem { width: 8 }],
+        outputs: vec![Access::Elem { width: 8 }],
+        graph: g,
+        stores: vec![Store {
+            output: 0,
+            col_offset: 0,
+            value: y,
+        }],
+    }
+}
+
+#[test]
+fn equal_nodes_are_one_node() {
+    let mut g = Graph::new();
+    let x = g.load(0, 0);
+    let a = g.un(Un::Exp, x);
+    let b = g.un(Un::Exp, x);
+    assert_eq!(a, b);
+    assert_eq!(g.len(), 2);
+}
+
+#[test]
+fn builder_folds_constants_and_identities() {
+    let mut g = Graph::new();
+    let x = g.param(0);
+    let zero = g.constant(0.0);
+    let one = g.constant(1.0);
+    assert_eq!(g.bin(Bin::Add, x, zero), x);
+    assert_eq!(g.bin(Bin::Mul, one, x), x);
+    assert_eq!(g.bin(Bin::Mul, x, zero), zero);
+    let n = g.un(Un::Neg, x);
+    assert_eq!(g.un(Un::Neg, n), x);
+    let two = g.constant(2.0);
+    let three = g.constant(3.0);
+    let six = g.bin(Bin::Mul, two, three);
+    assert_eq!(g.node(six).constant(), Some(6.0));
+}
+
+#[test]
+fn a_valid_kernel_validates_and_prints_as_an_expression() {
+    let k = swiglu_kernel();
+    assert_eq!(k.validate(), Ok(()));
+    assert_eq!(k.to_string(), "y0 = (x0 * sigmoid(x0)) * x1");
+    assert!(!k.is_expanded());
+}
+
+#[test]
+fn invalid_kernels_are_refused_with_the_broken_rule() {
+    let mut k = swiglu_kernel();
+    k.outputs = vec![Access::Elem { width: 16 }];
+    assert!(k
+        .validate()
+        .unwrap_err()
+        .contains("not covered exactly once"));
+
+    let mut k = swiglu_kernel();
+    k.inputs.pop();
+    assert!(k.validate().unwrap_err().contains("does not exist"));
+
+    let mut k = swiglu_kernel();
+    let c = k.graph.cmp(Cmp::Gt, NodeId(0), NodeId(1));
+    k.stores[0].value = c;
+    assert!(k.validate().unwrap_err().contains("comparison"));
+
+    let mut k = swiglu_kernel();
+    let c = k.graph.constant(1.0);
+    let s = k.graph.row_sum(c);
+    k.stores[0].value = s;
+    assert!(k.validate().unwrap_err().contains("constant along the row"));
+}
+
+#[test]
+fn importing_a_function_substitutes_its_parameters() {
+    let mut f = Graph::new();
+    let x = f.param(0);
+    let y = f.param(1);
+    let body = f.bin(Bin::Mul, x, y);
+    let mut g = Graph::new();
+    let a = g.load(0, 0);
+    let two = g.constant(2.0);
+    let call = g.import(&f, body, &[a, two]);
+    assert_eq!(g.node(call), Node::Bin(Bin::Mul, a, two));
+}
+
+#[test]
+fn primitives_round_trip_the_exponent_bits() {
+    for x in [1.0f32, 3.5, 1e-20, 6.0e37, 0.75] {
+        let e = prim::exponent(x);
+        let m = prim::un(Un::Mantissa, x);
+        assert!((1.0..2.0).contains(&m), "{x}");
+        assert_eq!(m * prim::exp2i(e), x);
+    }
+    assert_eq!(prim::exp2i(-126.0), f32::MIN_POSITIVE);
+}
