@@ -639,6 +639,7 @@ fn fused(s: Signature, a: &super::op::FusedAttrs) -> Signature {
         Access::Elem { width } => (Float, n(width)),
         Access::Row => (Fp32, n(1)),
         Access::Col => (Fp32, fixed(a.kernel.cols, 1)),
+        Access::PerPosition { width, .. } => (Fp32, shape(Rows::Any, width)),
     };
     let mut s = match a.rows {
         Some(rows) => s.rows(rows),

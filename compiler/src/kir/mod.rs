@@ -23,8 +23,9 @@
 //!
 //! Invariants a valid kernel holds ([`Kernel::validate`]):
 //! 1. every node's operands come before it (ids are topologically ordered);
-//! 2. a kernel has no `Param` nodes; a load names an input that exists, and an `Elem` load's
-//!    column block `[offset, offset + cols)` lies inside the input's width;
+//! 2. a kernel has no `Param` nodes; a load names an input that exists, and the columns it
+//!    reads (`offset + map(c)` for every domain column `c`, [`ColMap`]) lie inside the input's
+//!    width; `Row` and `Col` inputs are read without offset or map;
 //! 3. arithmetic takes numbers and a select's condition is a comparison (types);
 //! 4. an `Elem` output's stores cover each of its columns exactly once (every element written:
 //!    the op table's `Write::Overwrite`); a `Row` output has exactly one store, of a row value;
@@ -136,10 +137,12 @@ ops! {
 pub enum Node {
     /// An expression function's `i`-th parameter.
     Param(u32),
-    /// Input `input` at this point: for an `Elem` input, its column `col_offset + col`.
+    /// Input `input` at this point: for an `Elem` or `PerPosition` input, its column
+    /// `col_offset + map(col)`.
     Load {
         input: u32,
         col_offset: u64,
+        map: ColMap,
     },
     /// An f32 constant, by its bits (so that graphs hash and compare exactly).
     Const(u32),
@@ -169,6 +172,46 @@ impl Node {
         match *self {
             Node::Const(bits) => Some(f32::from_bits(bits)),
             _ => None,
+        }
+    }
+}
+
+/// Which column of an input a load at domain column `c` reads (before its offset).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ColMap {
+    /// `c`.
+    Id,
+    /// `c mod period`: a per-column table repeated along the row (one head's rotary table).
+    Periodic(u64),
+    /// The rotate-half partner of `c` in its head of `head_dim` columns: `c + head_dim/2` in a
+    /// head's first half, `c - head_dim/2` in its second (RoPE).
+    RotateHalf(u64),
+}
+
+impl ColMap {
+    /// The column a load at domain column `c` reads.
+    pub fn apply(self, c: u64) -> u64 {
+        match self {
+            ColMap::Id => c,
+            ColMap::Periodic(p) => c % p.max(1),
+            ColMap::RotateHalf(hd) => {
+                let half = hd / 2;
+                let within = c % hd.max(1);
+                if within < half {
+                    c + half
+                } else {
+                    c - half
+                }
+            }
+        }
+    }
+
+    /// The widest column it reads for a domain of `cols` columns, plus one.
+    pub fn span(self, cols: u64) -> u64 {
+        match self {
+            ColMap::Periodic(p) => p.min(cols),
+            ColMap::Id | ColMap::RotateHalf(_) => cols,
         }
     }
 }
@@ -242,8 +285,18 @@ impl Graph {
         self.intern(Node::Param(i))
     }
 
+    /// Input `input` at this point, columns `col_offset + c`.
     pub fn load(&mut self, input: u32, col_offset: u64) -> NodeId {
-        self.intern(Node::Load { input, col_offset })
+        self.load_mapped(input, col_offset, ColMap::Id)
+    }
+
+    /// Input `input` at this point, column `col_offset + map(c)`.
+    pub fn load_mapped(&mut self, input: u32, col_offset: u64, map: ColMap) -> NodeId {
+        self.intern(Node::Load {
+            input,
+            col_offset,
+            map,
+        })
     }
 
     pub fn constant(&mut self, value: f32) -> NodeId {
@@ -326,7 +379,11 @@ impl Graph {
                     Some(&arg) => arg,
                     None => self.param(p),
                 },
-                Node::Load { input, col_offset } => self.load(input, col_offset),
+                Node::Load {
+                    input,
+                    col_offset,
+                    map,
+                } => self.load_mapped(input, col_offset, map),
                 Node::Const(bits) => self.intern(Node::Const(bits)),
                 Node::Un(op, a) => self.un(op, m(a)),
                 Node::Bin(op, a, b) => self.bin(op, m(a), m(b)),
@@ -485,6 +542,9 @@ pub enum Access {
     Row,
     /// A `[cols]` buffer read at column `c` by every row (a norm's weight, a bias). f32.
     Col,
+    /// A `[rows / batch, width]` f32 table with one row per sequence position: domain row `r`
+    /// reads table row `r / batch` (rows are sequence-major, `ir::op`); RoPE's cos/sin.
+    PerPosition { batch: u64, width: u64 },
 }
 
 /// A store of `value` to output `output` at column offset `col_offset`.
@@ -564,23 +624,11 @@ impl Kernel {
         let g = &self.graph;
         match *node {
             Node::Param(p) => return Err(format!("node {i} is parameter {p}: a kernel has none")),
-            Node::Load { input, col_offset } => match self.inputs.get(input as usize) {
-                None => {
-                    return Err(format!(
-                        "node {i} loads input {input}, which does not exist"
-                    ))
-                }
-                Some(Access::Elem { width }) if col_offset + self.cols > *width => {
-                    return Err(format!(
-                        "node {i} loads columns {col_offset}..{} of input {input}, {width} wide",
-                        col_offset + self.cols
-                    ))
-                }
-                Some(Access::Row | Access::Col) if col_offset != 0 => {
-                    return Err(format!("node {i} loads a row or column input at an offset"))
-                }
-                _ => {}
-            },
+            Node::Load {
+                input,
+                col_offset,
+                map,
+            } => self.validate_load(i, input, col_offset, map)?,
             Node::Select(c, a, b) => {
                 if g.ty(c) != Ty::Bool || g.ty(a) != Ty::F32 || g.ty(b) != Ty::F32 {
                     return Err(format!(
@@ -600,6 +648,27 @@ impl Kernel {
             }
         }
         Ok(())
+    }
+
+    fn validate_load(&self, i: usize, input: u32, offset: u64, map: ColMap) -> Result<(), String> {
+        let end = offset + map.span(self.cols);
+        match self.inputs.get(input as usize) {
+            None => Err(format!(
+                "node {i} loads input {input}, which does not exist"
+            )),
+            Some(Access::Elem { width } | Access::PerPosition { width, .. }) if end > *width => {
+                Err(format!(
+                    "node {i} loads columns {offset}..{end} of input {input}, {width} wide"
+                ))
+            }
+            Some(Access::Row | Access::Col) if offset != 0 || map != ColMap::Id => Err(format!(
+                "node {i} loads a row or column input at an offset or through a column map"
+            )),
+            Some(Access::PerPosition { batch: 0, .. }) => {
+                Err(format!("node {i} loads a per-position table of batch 0"))
+            }
+            _ => Ok(()),
+        }
     }
 
     fn validate_stores(&self, levels: &[Level]) -> Result<(), String> {
@@ -639,8 +708,10 @@ impl Kernel {
                         ));
                     }
                 }
-                Access::Col => {
-                    return Err(format!("output {o} is a column vector: kernels write rows"))
+                Access::Col | Access::PerPosition { .. } => {
+                    return Err(format!(
+                        "output {o} is a column vector or table: kernels write rows"
+                    ))
                 }
             }
         }
@@ -681,9 +752,20 @@ impl fmt::Display for Kernel {
         let name = |n: &Node| match *n {
             Node::Load {
                 input,
-                col_offset: 0,
-            } => format!("x{input}"),
-            Node::Load { input, col_offset } => format!("x{input}[+{col_offset}]"),
+                col_offset,
+                map,
+            } => {
+                let offset = match col_offset {
+                    0 => String::new(),
+                    o => format!("+{o}"),
+                };
+                match map {
+                    ColMap::Id if offset.is_empty() => format!("x{input}"),
+                    ColMap::Id => format!("x{input}[{offset}]"),
+                    ColMap::Periodic(p) => format!("x{input}[c%{p}{offset}]"),
+                    ColMap::RotateHalf(hd) => format!("x{input}[rot{hd}{offset}]"),
+                }
+            }
             Node::Param(p) => format!("p{p}"),
             _ => String::new(),
         };
