@@ -34,6 +34,7 @@ use serde::{Serialize, Serializer};
 use std::collections::HashMap;
 use std::fmt;
 
+pub mod derive;
 pub mod eval;
 pub mod expand;
 pub mod func;
