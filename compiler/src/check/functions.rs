@@ -115,11 +115,14 @@ pub fn activation(f: &ExprFn, span: Span) -> Result<(), Diagnostic> {
     let mut g = f.graph.clone();
     let params: Vec<NodeId> = (0..f.params.len() as u32).map(|i| g.param(i)).collect();
     let seed = g.param(f.params.len() as u32);
-    match derive_stub(&mut g, f.body, &params, seed) {
+    match crate::kir::derive::gradients(&mut g, f.body, &params, seed) {
         Ok(_) => Ok(()),
         Err(e) => Err(Diagnostic::error(
             "E0224",
-            format!("`{}` cannot be an activation: it has no derivative ({e})", f.name),
+            format!(
+                "`{}` cannot be an activation: its `{}` has no derivative",
+                f.name, e.op
+            ),
         )
         .label(span, "used as an activation here")
         .help("training needs the activation's gradient; write it without floor (a comparison may choose between branches with select)")),
@@ -579,15 +582,3 @@ fn not_allowed(span: Span, f: &str) -> Diagnostic {
 
 #[cfg(test)]
 mod tests;
-
-// TEMP-LANG: replaced by kir::derive::gradients once kirmath lands.
-fn derive_stub(g: &mut Graph, root: NodeId, _p: &[NodeId], _s: NodeId) -> Result<(), String> {
-    let floor = g.nodes()[..=root.index()]
-        .iter()
-        .any(|n| matches!(n, crate::kir::Node::Un(Un::Floor, _)));
-    if floor {
-        Err("floor".into())
-    } else {
-        Ok(())
-    }
-}

@@ -6,7 +6,7 @@
 
 use crate::ir::op::FusedAttrs;
 use crate::kir::func::ExprFn;
-use crate::kir::{Access, Graph, Kernel, NodeId, Store};
+use crate::kir::{derive, Access, Graph, Kernel, NodeId, Store};
 use std::sync::Arc;
 
 /// The forward kernel: inputs are the function's arguments (`[rows, cols]` each), output `y`.
@@ -65,19 +65,6 @@ fn fused(
         rows: None,
         kernel: Arc::new(kernel),
     })
-}
-
-// TEMP-LANG: kir::derive lands from kirmath.
-mod derive {
-    use crate::kir::{Graph, NodeId};
-    pub fn gradients(
-        _: &mut Graph,
-        _: NodeId,
-        _: &[NodeId],
-        _: NodeId,
-    ) -> Result<Vec<NodeId>, String> {
-        Err("derivatives are not available yet".into())
-    }
 }
 
 #[cfg(test)]

@@ -191,3 +191,39 @@ fn activations_take_one_or_two_parameters_and_need_a_derivative() {
     assert_eq!(err("three"), "E0228");
     assert_eq!(err("stairs"), "E0224");
 }
+
+/// The hand-written twins' formulas (runtime/src/cpu/elementwise.rs), in f64 with their f32
+/// constants.
+fn twin(name: &str, x: f64, up: f64) -> f64 {
+    let sigmoid = |v: f64| 1.0 / (1.0 + (-v).exp());
+    let inv_sqrt_2 = std::f32::consts::FRAC_1_SQRT_2 as f64;
+    let (k, cubic) = (0.797_884_6f32 as f64, 0.044_715f32 as f64);
+    match name {
+        "gelu" => 0.5 * x * (1.0 + libm::erf(x * inv_sqrt_2)),
+        "gelu_tanh" => x * sigmoid(2.0 * k * (x + cubic * x * x * x)),
+        "relu" => x.max(0.0),
+        "silu" => x * sigmoid(x),
+        "swiglu" => x * sigmoid(x) * up,
+        _ => panic!("{name} has no hand-written twin"),
+    }
+}
+
+#[test]
+fn prelude_functions_compute_their_hand_written_twins() {
+    let p = prelude();
+    for name in ["gelu", "gelu_tanh", "relu", "silu", "swiglu"] {
+        let f = &p[name];
+        for i in -800..=800 {
+            let x = i as f64 / 100.0 + 0.003;
+            let up = 1.0 + (i % 7) as f64 / 4.0;
+            let args: Vec<f64> = [x, up][..f.params.len()].to_vec();
+            let got = crate::kir::eval::eval_f64(&f.graph, f.body, &args);
+            let want = twin(name, x, up);
+            let tol = 1e-6 * want.abs().max(1e-9);
+            assert!(
+                (got - want).abs() <= tol,
+                "{name}({x}) = {got}, twin {want}"
+            );
+        }
+    }
+}

@@ -43,10 +43,29 @@ fn fused_ops(text: String) -> Vec<(String, Arc<Kernel>)> {
     out
 }
 
+/// The prelude's function `name` (also those whose names lower to hand-written ops).
 fn prelude_fn(name: &str) -> Arc<ExprFn> {
+    let (_, text) = crate::stdlib::PRELUDE;
+    let file = crate::syntax::parse_file(crate::diag::FileId(0), text).unwrap();
+    let defs: Vec<&crate::syntax::ast::FnDef> = file
+        .items
+        .iter()
+        .filter_map(|i| match i {
+            crate::syntax::ast::Item::Fn(f) => Some(f),
+            _ => None,
+        })
+        .collect();
+    let mut diags = crate::diag::Diagnostics::default();
+    let (consts, prelude) = (Default::default(), Default::default());
+    let checked = crate::check::functions::check_module(&defs, &consts, &prelude, &mut diags);
+    checked.fns[name].clone()
+}
+
+/// The activation `act` of a model whose file defines `fns`, checked.
+fn user_fn(fns: &str, act: &str) -> Arc<ExprFn> {
     let c = compile(
         "t.par",
-        spec_text("", name, 1),
+        spec_text(fns, act, 1),
         &[],
         &CompileOptions::through(Stage::Check),
     );
@@ -78,7 +97,7 @@ fn a_plain_activation_kernel_reads_x_and_writes_f_of_x() {
 
 #[test]
 fn a_gated_activation_kernel_reads_gate_and_up() {
-    let f = prelude_fn("glu(gelu)");
+    let f = user_fn("", "glu(gelu)");
     assert_eq!(f.params.len(), 2);
     let a = forward(&f, 64).unwrap();
     assert_eq!(a.name, "act glu(gelu)");
@@ -143,5 +162,59 @@ fn a_geglu_mlp_under_tp_lowers_to_fused_ops_on_the_local_shard() {
 fn hand_written_activations_keep_their_ops() {
     for act in ["gelu", "gelu_tanh", "relu", "silu", "swiglu", "glu(silu)"] {
         assert!(fused_ops(spec_text("", act, 1)).is_empty(), "{act}");
+    }
+}
+
+/// `f`'s value at `args`, by the f32 reference evaluator on its expanded forward kernel.
+fn run(k: &Kernel, inputs: &[Vec<f32>], outputs: usize) -> Vec<Vec<f32>> {
+    let k = crate::kir::expand::expand(k);
+    let n = inputs[0].len();
+    let mut outs = vec![vec![0f32; n]; outputs];
+    let ins: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
+    let mut out_refs: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
+    crate::kir::eval::run(&k, 0, 1, &ins, &mut out_refs).unwrap();
+    outs
+}
+
+#[test]
+fn derived_backward_kernels_match_finite_differences() {
+    let user = "fn mine(x) = select(x > 0, x, 0.1 * x) * tanh(x) + pow(abs(x) + 1, 1.5)";
+    let mut fns: Vec<Arc<ExprFn>> = ["gelu", "gelu_tanh", "relu", "silu", "squared_relu", "geglu"]
+        .iter()
+        .map(|n| prelude_fn(n))
+        .collect();
+    fns.push(user_fn(user, "mine"));
+    fns.push(user_fn("", "glu(squared_relu)"));
+    let cols = 64usize;
+    // Points away from the kinks at 0.
+    let xs: Vec<f32> = (0..cols).map(|i| (i as f32 - 31.7) / 9.0).collect();
+    let ups: Vec<f32> = (0..cols).map(|i| 0.5 + (i % 5) as f32 / 3.0).collect();
+    let dy: Vec<f32> = (0..cols).map(|i| 1.0 + (i % 3) as f32 / 2.0).collect();
+    for f in &fns {
+        let args: Vec<Vec<f32>> = [xs.clone(), ups.clone()][..f.params.len()].to_vec();
+        let fwd = forward(f, cols as u64).unwrap();
+        let bwd = backward(f, cols as u64).unwrap();
+        let mut ins = vec![dy.clone()];
+        ins.extend(args.iter().cloned());
+        let grads = run(&bwd.kernel, &ins, args.len());
+        for (p, grad) in grads.iter().enumerate() {
+            for c in 0..cols {
+                let h = 1e-2f32;
+                let at = |d: f32| {
+                    let mut a = args.clone();
+                    a[p][c] += d;
+                    run(&fwd.kernel, &a, 1)[0][c] as f64
+                };
+                let numeric = (at(h) - at(-h)) / (2.0 * h as f64) * dy[c] as f64;
+                let err = (grad[c] as f64 - numeric).abs();
+                assert!(
+                    err <= 2e-2 * numeric.abs().max(1.0),
+                    "{}: d/d{} at {c}: derived {}, numeric {numeric}",
+                    f.name,
+                    f.params[p],
+                    grad[c]
+                );
+            }
+        }
     }
 }
