@@ -398,3 +398,39 @@ fn dense_sweeps() {
         assert!(worst.0 <= 2.0, "{}: {} at {}", op.name(), worst.0, worst.1);
     }
 }
+
+/// The cost of each expansion, in primitive nodes and divisions (a correctly rounded f32
+/// division is several instructions on a GPU), bounded so a costlier rewrite is a decision.
+#[test]
+fn expansions_stay_small() {
+    let bounds: [(Un, usize, usize); 6] = [
+        (Un::Exp, 40, 0),
+        (Un::Log, 45, 1),
+        (Un::Tanh, 75, 1),
+        (Un::Erf, 85, 1),
+        (Un::Sigmoid, 60, 2),
+        (Un::Rsqrt, 3, 1),
+    ];
+    for (op, max_nodes, max_divs) in bounds {
+        let mut g = Graph::new();
+        let x = g.load(0, 0);
+        let y = g.un(op, x);
+        let (e, _) = expand_graph(&g, &[y]);
+        let ops = e
+            .nodes()
+            .iter()
+            .filter(|n| !matches!(n, Node::Load { .. } | Node::Const(_)))
+            .count();
+        let divs = e
+            .nodes()
+            .iter()
+            .filter(|n| matches!(n, Node::Bin(Bin::Div, ..)))
+            .count();
+        println!("{}: {ops} ops, {divs} divisions", op.name());
+        assert!(
+            ops <= max_nodes && divs <= max_divs,
+            "{}: {ops} ops, {divs} divisions",
+            op.name()
+        );
+    }
+}
