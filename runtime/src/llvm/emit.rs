@@ -4,6 +4,7 @@
 use super::plan::{reachable, Plan};
 use super::{llvm_error, Ir, Llvm};
 use crate::error::Result;
+use inkwell::attributes::{Attribute, AttributeLoc};
 use inkwell::intrinsics::Intrinsic;
 use inkwell::module::Linkage;
 use inkwell::types::BasicType;
@@ -71,6 +72,14 @@ impl<'a, 'ctx> Emit<'a, 'ctx> {
             ir.module
                 .add_function("parc_fused", ctx.void_type().fn_type(&params, false), None);
         function.set_call_conventions(PTX_KERNEL);
+        // The operands are distinct buffers (an op's output that is also an input is copied
+        // first), as the NVRTC kernel's `__restrict__` says; inputs are only read.
+        for i in 0..operands {
+            attribute(ir, function, i, "noalias");
+            if i < kernel.inputs.len() {
+                attribute(ir, function, i, "readonly");
+            }
+        }
         ir.b.position_at_end(ctx.append_basic_block(function, "entry"));
         let param = |i: usize| {
             function
@@ -570,6 +579,15 @@ impl<'a, 'ctx> Emit<'a, 'ctx> {
         b.position_at_end(exit);
         Ok(values)
     }
+}
+
+/// The attribute `name` on parameter `i`.
+fn attribute(ir: &Ir<'_, '_>, function: FunctionValue<'_>, i: usize, name: &str) {
+    let kind = Attribute::get_named_enum_kind_id(name);
+    function.add_attribute(
+        AttributeLoc::Param(i as u32),
+        ir.ctx.create_enum_attribute(kind, 0),
+    );
 }
 
 /// A node's number from an evaluation.

@@ -36,7 +36,8 @@ use parc_compiler::kir::{Access, Kernel};
 use std::fmt::Display;
 
 /// The PTX of `kernel` for `arch` (e.g. "sm_90"), with `dtypes` the storage type of every
-/// operand, inputs then outputs. `kernel` must be expanded (`kir::expand`).
+/// operand, inputs then outputs. `kernel` must be expanded (`kir::expand`). The CUDA backend's
+/// `Emitter` for `PARC_CODEGEN=llvm` (runtime/src/cuda/fused.rs) calls this.
 pub fn ptx(kernel: &Kernel, dtypes: &[DType], arch: &str) -> Result<String> {
     if !kernel.is_expanded() {
         return Err(RuntimeError::Unsupported(
@@ -57,16 +58,6 @@ pub fn ptx(kernel: &Kernel, dtypes: &[DType], arch: &str) -> Result<String> {
     };
     emit::kernel(&ir, kernel, &bf16)?;
     target::ptx(&module, arch)
-}
-
-/// The emitter as the CUDA backend's fused-kernel launcher selects it (`PARC_CODEGEN=llvm`).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct LlvmEmitter;
-
-impl LlvmEmitter {
-    pub fn name(&self) -> &'static str {
-        "llvm"
-    }
 }
 
 /// Whether each operand (inputs then outputs) is stored as bf16; checks the types the ABI allows.

@@ -191,17 +191,23 @@ fn the_arch_is_the_ptx_target() {
 }
 
 /// ptxas (PARC_PTXAS, or on PATH; e.g. PyPI's nvidia-cuda-nvcc) assembles every sample's PTX
-/// for sm_90: the PTX is valid, not only well-formed text. Skips visibly without ptxas.
+/// for sm_90: the PTX is valid, not only well-formed text. Skips visibly without ptxas on PATH;
+/// a PARC_PTXAS that does not run fails.
 #[test]
 fn ptxas_assembles_every_sample() {
-    let ptxas = std::env::var("PARC_PTXAS").unwrap_or_else(|_| "ptxas".into());
-    if std::process::Command::new(&ptxas)
+    let given = std::env::var("PARC_PTXAS").ok();
+    let ptxas = given.clone().unwrap_or_else(|| "ptxas".into());
+    let runs = std::process::Command::new(&ptxas)
         .arg("--version")
         .output()
-        .is_err()
-    {
-        println!("skipped: no ptxas (set PARC_PTXAS)");
-        return;
+        .is_ok();
+    match (runs, given) {
+        (true, _) => {}
+        (false, Some(path)) => panic!("PARC_PTXAS={path} does not run"),
+        (false, None) => {
+            println!("skipped: no ptxas on PATH (set PARC_PTXAS)");
+            return;
+        }
     }
     let dir = std::env::temp_dir().join(format!("parc-llvm-ptxas-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
