@@ -1,7 +1,8 @@
 //! Sample kernels covering every primitive op, comparison, column map, access and a row sum
-//! (nested too), for the emitters' tests: the PTX tests here and the NVRTC-vs-LLVM GPU test
+//! (nested too), and every composite op through `kir::expand`, for the emitters' tests: the PTX tests here and the NVRTC-vs-LLVM GPU test
 //! (tests/cuda_ops/emitters.rs includes this file). Test support only: not compiled into the
 //! library.
+use parc_compiler::kir::expand::expand;
 use parc_compiler::kir::{Access, Bin, Cmp, ColMap, Graph, Kernel, NodeId, Store, Un};
 
 /// Every sample, named.
@@ -13,6 +14,7 @@ pub fn all() -> Vec<(&'static str, Kernel)> {
         ("row_input", row_input(72)),
         ("rms_norm", rms_norm(300)),
         ("layer_norm", layer_norm(520)),
+        ("composite", expand(&composite(200))),
     ]
 }
 
@@ -192,4 +194,35 @@ pub fn layer_norm(cols: u64) -> Kernel {
         g,
         stores,
     )
+}
+
+/// Every composite op, to be expanded: `exp(x0) · sigmoid(x1) + tanh(x0)`, `erf(x1) +
+/// rsqrt(|x0| + 0.5) - log(|x1| + 0.25)`, `min(x0, x1) + max(pow(|x0|, x1), pow(x1, 2))`.
+pub fn composite(cols: u64) -> Kernel {
+    let mut g = Graph::new();
+    let (x0, x1) = (g.load(0, 0), g.load(1, 0));
+    let e = g.un(Un::Exp, x0);
+    let s = g.un(Un::Sigmoid, x1);
+    let t = g.un(Un::Tanh, x0);
+    let es = g.bin(Bin::Mul, e, s);
+    let y0 = g.bin(Bin::Add, es, t);
+    let erf = g.un(Un::Erf, x1);
+    let a0 = g.un(Un::Abs, x0);
+    let half = g.constant(0.5);
+    let a0h = g.bin(Bin::Add, a0, half);
+    let r = g.un(Un::Rsqrt, a0h);
+    let a1 = g.un(Un::Abs, x1);
+    let quarter = g.constant(0.25);
+    let a1q = g.bin(Bin::Add, a1, quarter);
+    let l = g.un(Un::Log, a1q);
+    let er = g.bin(Bin::Add, erf, r);
+    let y1 = g.bin(Bin::Sub, er, l);
+    let mn = g.bin(Bin::Min, x0, x1);
+    let p = g.bin(Bin::Pow, a0, x1);
+    let two = g.constant(2.0);
+    let sq = g.bin(Bin::Pow, x1, two);
+    let mx = g.bin(Bin::Max, p, sq);
+    let y2 = g.bin(Bin::Add, mn, mx);
+    let stores = vec![store(0, 0, y0), store(1, 0, y1), store(2, 0, y2)];
+    kernel(cols, vec![elem(cols); 2], vec![elem(cols); 3], g, stores)
 }

@@ -23,14 +23,31 @@ fn has(kernel: &Kernel, f: impl Fn(&Node) -> bool) -> bool {
     kernel.graph.nodes().iter().any(f)
 }
 
-/// Every sample's PTX, f32 and bf16, for sm_90.
-fn every_ptx() -> Vec<(String, Kernel, DType, String)> {
+/// The operand types each sample is emitted for: every `Elem` operand f32, every one bf16, and
+/// a mix (even operands bf16).
+fn type_sets(kernel: &Kernel) -> Vec<Vec<DType>> {
+    let mut mixed = dtypes(kernel, DType::F32);
+    let accesses = kernel.inputs.iter().chain(&kernel.outputs);
+    for (i, (d, a)) in mixed.iter_mut().zip(accesses).enumerate() {
+        if i % 2 == 0 && matches!(a, Access::Elem { .. }) {
+            *d = DType::Bf16;
+        }
+    }
+    vec![
+        dtypes(kernel, DType::F32),
+        dtypes(kernel, DType::Bf16),
+        mixed,
+    ]
+}
+
+/// Every sample's PTX for sm_90, for each of its type sets: (name, kernel, types, PTX).
+fn every_ptx() -> Vec<(String, Kernel, Vec<DType>, String)> {
     let mut all = Vec::new();
     for (name, kernel) in samples::all() {
-        for elem in [DType::F32, DType::Bf16] {
-            let text = ptx(&kernel, &dtypes(&kernel, elem), "sm_90")
-                .unwrap_or_else(|e| panic!("{name} {elem:?}: {e}"));
-            all.push((name.to_string(), kernel.clone(), elem, text));
+        for types in type_sets(&kernel) {
+            let text =
+                ptx(&kernel, &types, "sm_90").unwrap_or_else(|e| panic!("{name} {types:?}: {e}"));
+            all.push((name.to_string(), kernel.clone(), types, text));
         }
     }
     all
@@ -46,8 +63,8 @@ fn samples_are_valid_expanded_kernels() {
 
 #[test]
 fn ptx_has_the_abi_entry_and_parameters() {
-    for (name, k, elem, text) in every_ptx() {
-        let what = format!("{name} {elem:?}");
+    for (name, k, types, text) in every_ptx() {
+        let what = format!("{name} {types:?}");
         assert!(
             text.contains(".visible .entry parc_fused("),
             "{what}:\n{text}"
@@ -75,8 +92,8 @@ fn ptx_has_the_abi_entry_and_parameters() {
 
 #[test]
 fn ptx_rounds_every_op_as_kir_prim() {
-    for (name, k, elem, text) in every_ptx() {
-        let what = format!("{name} {elem:?}");
+    for (name, k, types, text) in every_ptx() {
+        let what = format!("{name} {types:?}");
         for banned in ["fma", "approx", ".ftz", "bf16", "mad."] {
             assert!(!text.contains(banned), "{what}: `{banned}` in\n{text}");
         }
@@ -106,23 +123,25 @@ fn ptx_rounds_every_op_as_kir_prim() {
 
 #[test]
 fn bf16_operands_move_as_16_bit_words() {
-    for (name, _, elem, text) in every_ptx() {
+    for (name, k, types, text) in every_ptx() {
+        let (ins, outs) = types.split_at(k.inputs.len());
         let words = text.contains("ld.global.u16") || text.contains("ld.global.nc.u16");
-        assert_eq!(words, elem == DType::Bf16, "{name} {elem:?} 16-bit loads");
+        assert_eq!(words, ins.contains(&DType::Bf16), "{name} {types:?}: loads");
+        let stores = text.contains("st.global.u16");
         assert_eq!(
-            text.contains("st.global.u16"),
-            elem == DType::Bf16,
-            "{name} {elem:?}"
+            stores,
+            outs.contains(&DType::Bf16),
+            "{name} {types:?}: stores"
         );
     }
 }
 
 #[test]
 fn row_sums_reduce_in_one_block_through_shared_memory() {
-    for (name, k, elem, text) in every_ptx() {
+    for (name, k, types, text) in every_ptx() {
         let sums = has(&k, |n| matches!(n, Node::RowSum(_)));
-        assert_eq!(text.contains("bar.sync"), sums, "{name} {elem:?}");
-        assert_eq!(text.contains(".shared"), sums, "{name} {elem:?}");
+        assert_eq!(text.contains("bar.sync"), sums, "{name} {types:?}");
+        assert_eq!(text.contains(".shared"), sums, "{name} {types:?}");
     }
 }
 
@@ -211,8 +230,8 @@ fn ptxas_assembles_every_sample() {
     }
     let dir = std::env::temp_dir().join(format!("parc-llvm-ptxas-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    for (name, _, elem, text) in every_ptx() {
-        let file = dir.join(format!("{name}-{elem:?}.ptx"));
+    for (name, _, types, text) in every_ptx() {
+        let file = dir.join(format!("{name}.ptx"));
         std::fs::write(&file, &text).unwrap();
         let out = std::process::Command::new(&ptxas)
             .args(["-arch=sm_90", "-o"])
@@ -222,7 +241,7 @@ fn ptxas_assembles_every_sample() {
             .unwrap();
         assert!(
             out.status.success(),
-            "{name} {elem:?}: {}",
+            "{name} {types:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
     }
