@@ -20,6 +20,8 @@
 //! loops, the reduction) and `target` (the NVPTX target machine, optimization, PTX text).
 mod arith;
 mod emit;
+#[cfg(test)]
+mod gpu_tests;
 mod plan;
 #[cfg(test)]
 mod samples;

@@ -25,7 +25,7 @@ fn has(kernel: &Kernel, f: impl Fn(&Node) -> bool) -> bool {
 
 /// The operand types each sample is emitted for: every `Elem` operand f32, every one bf16, and
 /// a mix (even operands bf16).
-fn type_sets(kernel: &Kernel) -> Vec<Vec<DType>> {
+pub(super) fn type_sets(kernel: &Kernel) -> Vec<Vec<DType>> {
     let mut mixed = dtypes(kernel, DType::F32);
     let accesses = kernel.inputs.iter().chain(&kernel.outputs);
     for (i, (d, a)) in mixed.iter_mut().zip(accesses).enumerate() {
