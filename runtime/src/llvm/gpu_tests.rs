@@ -1,11 +1,10 @@
 //! The LLVM emitter's kernels run on the GPU against the reference evaluator
-//! (`kir::eval::run`), bit for bit: every sample (runtime/src/llvm/samples.rs) with its `Elem`
-//! operands f32, bf16 and mixed, launched as the ABI allows (odd grids and blocks for
+//! (`kir::eval::run`), bit for bit: every sample (runtime/src/llvm/samples.rs) and fused-op
+//! fixture (tests/cuda_ops/fused_kernels.rs) with its `Elem` operands f32, bf16 and mixed, launched as the ABI allows (odd grids and blocks for
 //! elementwise kernels; `REDUCE_LANES` threads and fewer blocks than rows for row sums), for a
 //! few rows and for more rows than the grid covers at once. The NVRTC emitter meets the same
 //! reference (tests/cuda_ops), so the two agree. Skips visibly without a GPU.
-use super::samples;
-use super::tests::type_sets;
+use super::tests::{kernels, type_sets};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 use parc_compiler::ir::DType;
@@ -164,7 +163,7 @@ fn kernels_on_the_gpu_equal_the_reference_evaluator_bit_for_bit() {
     };
     let mut seed = 0x5eed_u64;
     let (mut cases, mut values) = (0, 0);
-    for (name, k) in samples::all() {
+    for (name, k) in kernels() {
         for types in type_sets(&k) {
             for rows in [3u64, 2500] {
                 let inputs: Vec<Vec<f32>> = (k.inputs.iter())

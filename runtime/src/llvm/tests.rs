@@ -3,6 +3,7 @@ use super::ptx;
 use super::samples;
 use crate::error::RuntimeError;
 use parc_compiler::ir::DType;
+use parc_compiler::kir::expand::expand;
 use parc_compiler::kir::{Access, Bin, Graph, Kernel, Node, Store, Un};
 
 /// The operand types of `kernel` with every `Elem` operand `elem`.
@@ -40,22 +41,41 @@ pub(super) fn type_sets(kernel: &Kernel) -> Vec<Vec<DType>> {
     ]
 }
 
-/// Every sample's PTX for sm_90, for each of its type sets: (name, kernel, types, PTX).
+/// The fused-op tests' kernels (the NVRTC emitter's fixtures).
+#[path = "../../../tests/cuda_ops/fused_kernels.rs"]
+mod fixtures;
+
+/// Every kernel the emitter is tested on, expanded: its samples and the fused-op fixtures (two
+/// widths: under and over `REDUCE_LANES` columns).
+pub(super) fn kernels() -> Vec<(String, Kernel)> {
+    let mut all: Vec<(String, Kernel)> = (samples::all().into_iter())
+        .map(|(n, k)| (n.to_string(), k))
+        .collect();
+    for (cols, head) in [(64, 32), (1000, 40)] {
+        let primitive = fixtures::primitive(cols, head).into_iter();
+        all.extend(primitive.map(|(n, k)| (format!("{n}/{cols}"), k)));
+        let composite = fixtures::composite(cols).into_iter();
+        all.extend(composite.map(|(n, k)| (format!("{n}/{cols} expanded"), expand(&k))));
+    }
+    all
+}
+
+/// Every kernel's PTX for sm_90, for each of its type sets: (name, kernel, types, PTX).
 fn every_ptx() -> Vec<(String, Kernel, Vec<DType>, String)> {
     let mut all = Vec::new();
-    for (name, kernel) in samples::all() {
+    for (name, kernel) in kernels() {
         for types in type_sets(&kernel) {
             let text =
                 ptx(&kernel, &types, "sm_90").unwrap_or_else(|e| panic!("{name} {types:?}: {e}"));
-            all.push((name.to_string(), kernel.clone(), types, text));
+            all.push((name.clone(), kernel.clone(), types, text));
         }
     }
     all
 }
 
 #[test]
-fn samples_are_valid_expanded_kernels() {
-    for (name, k) in samples::all() {
+fn the_kernels_are_valid_and_expanded() {
+    for (name, k) in kernels() {
         assert_eq!(k.validate(), Ok(()), "{name}");
         assert!(k.is_expanded(), "{name}");
     }
@@ -98,10 +118,9 @@ fn ptx_rounds_every_op_as_kir_prim() {
             assert!(!text.contains(banned), "{what}: `{banned}` in\n{text}");
         }
         if has(&k, |n| matches!(n, Node::Bin(Bin::Div, ..))) {
-            assert!(
-                text.contains("div.rn.f32"),
-                "{what}: division not correctly rounded"
-            );
+            // `1 / x` may become `rcp.rn.f32`: the IEEE reciprocal, rounded once, as `div.rn`.
+            let rounded = text.contains("div.rn.f32") || text.contains("rcp.rn.f32");
+            assert!(rounded, "{what}: division not correctly rounded");
         }
         if has(&k, |n| matches!(n, Node::Un(Un::Sqrt, _))) {
             assert!(
@@ -231,7 +250,7 @@ fn ptxas_assembles_every_sample() {
     let dir = std::env::temp_dir().join(format!("parc-llvm-ptxas-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     for (name, _, types, text) in every_ptx() {
-        let file = dir.join(format!("{name}.ptx"));
+        let file = dir.join(format!("{}.ptx", name.replace(['/', ' '], "_")));
         std::fs::write(&file, &text).unwrap();
         let out = std::process::Command::new(&ptxas)
             .args(["-arch=sm_90", "-o"])
