@@ -41,9 +41,8 @@ pub(super) fn type_sets(kernel: &Kernel) -> Vec<Vec<DType>> {
     ]
 }
 
-/// The fused-op tests' kernels (the NVRTC emitter's fixtures).
-#[path = "../../../tests/cuda_ops/fused_kernels.rs"]
-mod fixtures;
+/// The fused-op tests' kernels (tests/cuda_ops/fused_kernels.rs, compiled once in this crate).
+use crate::cpu::fused::tests::fixtures;
 
 /// Every kernel the emitter is tested on, expanded: its samples and the fused-op fixtures (two
 /// widths: under and over `REDUCE_LANES` columns).
