@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # Build here what a one-GPU device call runs, into DIR (default .device, git-ignored): the parc
 # binary with the CUDA backend and the GPU test binaries, stripped. The device machine builds
-# nothing; carry DIR in the call and run bench/device_call.sh there.
+# nothing; carry DIR in the call and run bench/device_call.sh there. FEATURES (default cuda)
+# adds features: FEATURES=cuda,llvm builds the LLVM emitter in (its emitter test, docs/llvm.md).
 #
 #   bench/device_build.sh [DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-.device}
+features=${FEATURES:-cuda}
 mkdir -p "$dir"
-cargo build --release --features cuda
+cargo build --release --features "$features"
 target=${CARGO_TARGET_DIR:-target}
 install -m 755 "$target/release/parc" "$dir/parc"
 # The test binaries' paths, from cargo's JSON messages.
 # Every GPU test binary: tests/cuda_*(.rs or folder) and memplan.
 tests=(--test memplan)
 for t in tests/cuda_*; do tests+=(--test "$(basename "$t" .rs)"); done
-cargo test --release --features cuda --no-run --message-format=json "${tests[@]}" \
+cargo test --release --features "$features" --no-run --message-format=json "${tests[@]}" \
   | python3 -c '
 import json, sys
 for line in sys.stdin:

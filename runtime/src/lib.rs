@@ -11,4 +11,6 @@ pub mod error;
 pub mod exec;
 pub mod init;
 pub mod launch;
+#[cfg(feature = "llvm")]
+pub mod llvm;
 pub mod optimizer_runs;

@@ -36,6 +36,7 @@
 mod attention;
 mod cross_entropy;
 mod elementwise;
+mod emitters;
 mod errors;
 mod fused;
 mod fused_kernels;

@@ -1,0 +1,117 @@
+//! The two emitters of generated kernels against each other (feature `llvm`): every kernel of
+//! the LLVM emitter's samples (runtime/src/llvm/samples.rs) and of the fused-op tests
+//! (fused_kernels.rs, composite ones expanded by the launcher) runs as an `Op::Fused` on two
+//! CUDA backends, one generating with NVRTC and one with LLVM, on the same random inputs, with
+//! every `Elem` operand f32, bf16, or mixed; each output must be bit-identical (both follow
+//! `kir::prim` and the `REDUCE_LANES` order). Row counts below and above the launch's grid, so
+//! the grid-stride loops take several steps.
+#[cfg(feature = "llvm")]
+#[path = "../../runtime/src/llvm/samples.rs"]
+#[allow(dead_code)]
+mod samples;
+
+#[cfg(feature = "llvm")]
+mod on_gpu {
+    use super::samples;
+    use crate::fused_kernels as fixtures;
+    use crate::harness::{cuda_backend, Case, Data, Rng};
+    use parc_compiler::ir::op::{FusedAttrs, Op};
+    use parc_compiler::ir::DType;
+    use parc_compiler::kir::{Access, Kernel};
+    use parc_compiler::spec::Precision;
+    use parc_runtime::backend::Backend;
+    use parc_runtime::cuda::emitter_named;
+    use std::sync::Arc;
+
+    /// Every kernel both emitters run, named.
+    fn kernels() -> Vec<(String, Kernel)> {
+        let named = |(n, k): (&str, Kernel)| (n.to_string(), k);
+        let mut all: Vec<(String, Kernel)> = samples::all().into_iter().map(named).collect();
+        for cols in [64, 1000] {
+            let fixtures = fixtures::primitive(cols, 32)
+                .into_iter()
+                .chain(fixtures::composite(cols));
+            all.extend(fixtures.map(|(n, k)| (format!("{n}/{cols}"), k)));
+        }
+        all
+    }
+
+    /// The operand types: every `Elem` operand f32, every one bf16, and even ones bf16.
+    fn type_sets(k: &Kernel) -> Vec<Vec<DType>> {
+        let accesses: Vec<&Access> = k.inputs.iter().chain(&k.outputs).collect();
+        let with = |bf16: &dyn Fn(usize) -> bool| -> Vec<DType> {
+            (accesses.iter().enumerate())
+                .map(|(i, a)| match a {
+                    Access::Elem { .. } if bf16(i) => DType::Bf16,
+                    _ => DType::F32,
+                })
+                .collect()
+        };
+        vec![with(&|_| false), with(&|_| true), with(&|i| i % 2 == 0)]
+    }
+
+    /// Elements of an operand of `access` for `rows` rows of a kernel of `cols` columns.
+    fn len(access: &Access, rows: u64, cols: u64) -> usize {
+        (match *access {
+            Access::Elem { width } => rows * width,
+            Access::Row => rows,
+            Access::Col => cols,
+            Access::PerPosition { batch, width } => rows.div_ceil(batch) * width,
+        }) as usize
+    }
+
+    fn case(name: &str, k: &Kernel, rows: u64, dtypes: &[DType], rng: &mut Rng) -> Case {
+        let op = Op::Fused(FusedAttrs {
+            name: name.into(),
+            rows: None,
+            kernel: Arc::new(k.clone()),
+        });
+        let inputs = (k.inputs.iter())
+            .map(|a| Data::F32(rng.vec(len(a, rows, k.cols), 2.0)))
+            .collect();
+        let outputs = (k.outputs.iter())
+            .map(|a| rng.vec(len(a, rows, k.cols), 1.0))
+            .collect();
+        let (ins, outs) = dtypes.split_at(k.inputs.len());
+        Case::new(format!("{name} rows {rows}"), op, inputs, outputs, 0.0)
+            .with_dtypes(ins, outs, 0.0)
+    }
+
+    #[test]
+    fn llvm_and_nvrtc_kernels_agree_bit_for_bit() {
+        let Some(mut nvrtc) = cuda_backend(Precision::Fp32) else {
+            return;
+        };
+        let Some(mut llvm) = cuda_backend(Precision::Fp32) else {
+            return;
+        };
+        nvrtc.set_emitter(emitter_named("nvrtc").unwrap());
+        llvm.set_emitter(emitter_named("llvm").unwrap());
+        let mut rng = Rng::new("emitters");
+        let (mut cases, mut values) = (0, 0);
+        for (name, k) in kernels() {
+            for dtypes in type_sets(&k) {
+                for rows in [3, 2500] {
+                    let case = case(&name, &k, rows, &dtypes, &mut rng);
+                    let a = case.run(&mut nvrtc as &mut dyn Backend);
+                    let b = case.run(&mut llvm as &mut dyn Backend);
+                    for (o, (a, b)) in a.iter().zip(&b).enumerate() {
+                        let bad = (a.iter().zip(b).enumerate())
+                            .find(|(_, (x, y))| x.to_bits() != y.to_bits());
+                        if let Some((i, (x, y))) = bad {
+                            panic!(
+                                "{} {dtypes:?}: output {o}[{i}]: nvrtc {x:e} ({:#010x}), llvm {y:e} ({:#010x})",
+                                case.name(),
+                                x.to_bits(),
+                                y.to_bits()
+                            );
+                        }
+                        values += a.len();
+                    }
+                    cases += 1;
+                }
+            }
+        }
+        println!("emitters: {cases} cases, {values} output values bit-identical");
+    }
+}
