@@ -111,6 +111,51 @@ fn an_mlp_with_silu_learns() {
     assert!(losses[7] < losses[0] - 0.3, "loss did not fall: {losses:?}");
 }
 
+/// An activation that exists only as a `.par` function (no hand-written op): its forward and
+/// derived backward run as generated kernels (`Op::Fused`) on the CPU, and the model learns.
+/// Plain (`leaky`, defined in the file) and gated (`glu(...)` of it) under tp = 2.
+#[test]
+fn an_mlp_with_a_par_function_activation_learns() {
+    let dir = temp_dir("fn-act");
+    let spec = std::fs::read_to_string(root().join("examples/tiny.par")).unwrap();
+    let data = root().join("examples/data/tiny-shakespeare.txt");
+    let spec = spec
+        .replace(
+            "use std::gpt2 { Block }",
+            "use std::gpt2 { Block }\nfn leaky(x) = select(x > 0, x, 0.1 * x) + 0.05 * squared_relu(x)",
+        )
+        .replace("act = gelu_tanh", "act = leaky")
+        .replace(
+            "\"data/tiny-shakespeare.txt\"",
+            &format!("{:?}", data.display().to_string()),
+        );
+    assert!(spec.contains("act = leaky"));
+    let path = dir.join("tiny-fn.par");
+    std::fs::write(&path, spec).unwrap();
+    let path = path.display().to_string();
+    for extra in [&[][..], &["parallel.tp=2", "cluster.gpus_per_node=2"][..]] {
+        let mut args = vec!["run", path.as_str(), "--log-format", "json"];
+        args.extend(sets(&["train.steps=8"]));
+        args.extend(sets(extra));
+        let losses: Vec<f64> = steps(&json_lines(&parc_ok(&args)))
+            .iter()
+            .map(|v| v["loss"].as_f64().unwrap())
+            .collect();
+        assert!(losses[7] < losses[0] - 0.3, "loss did not fall: {losses:?}");
+    }
+    let gated = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace("act = leaky", "act = glu(leaky)");
+    std::fs::write(&path, gated).unwrap();
+    let mut args = vec!["run", path.as_str(), "--log-format", "json"];
+    args.extend(sets(&["train.steps=8"]));
+    let losses: Vec<f64> = steps(&json_lines(&parc_ok(&args)))
+        .iter()
+        .map(|v| v["loss"].as_f64().unwrap())
+        .collect();
+    assert!(losses[7] < losses[0] - 0.3, "loss did not fall: {losses:?}");
+}
+
 #[test]
 fn a_killed_run_resumes_bit_identically() {
     let dir = temp_dir("resume");

@@ -13,7 +13,9 @@
 
 use crate::diag::Span;
 use crate::ir::op::Act;
+use crate::kir::func::ExprFn;
 use serde::Serialize;
+use std::sync::Arc;
 
 /// Index of a layer node in [`Model::nodes`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -93,23 +95,27 @@ pub struct Node {
     pub span: Span,
 }
 
-/// An MLP's activation: one elementwise function between its two projections, or SwiGLU's
-/// gated pair.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// An MLP's activation: one elementwise function between its two projections, or a gated pair
+/// (SwiGLU's `silu(x W_gate) * (x W_up)`, any `glu(f)`).
+#[derive(Clone, Debug, PartialEq)]
 pub enum Activation {
-    /// `act(x W_fc + b) W_proj + b`.
+    /// `act(x W_fc + b) W_proj + b`, by a hand-written op.
     Plain(Act),
-    /// SwiGLU: `silu(x W_gate) * (x W_up)`, then `W_down`.
+    /// SwiGLU: `silu(x W_gate) * (x W_up)`, then `W_down`, by a hand-written op.
     Swiglu,
+    /// An expression function (`fn`, the prelude's `squared_relu`, `glu(gelu)`): with one
+    /// parameter `f(x W_fc + b) W_proj + b`; with two (gate, up) gated like SwiGLU,
+    /// `f(x W_gate, x W_up) W_down`. Lowered to generated kernels.
+    Fn(Arc<ExprFn>),
 }
 
 impl Activation {
-    /// Every MLP activation's name in the language.
+    /// The names of the hand-written activations in the language.
     pub fn names() -> impl Iterator<Item = &'static str> {
         Act::ALL.iter().map(|a| a.name()).chain(["swiglu"])
     }
 
-    /// The activation named `name` in the language.
+    /// The hand-written activation named `name` in the language.
     pub fn from_name(name: &str) -> Option<Activation> {
         match name {
             "swiglu" => Some(Activation::Swiglu),
@@ -118,10 +124,28 @@ impl Activation {
     }
 
     /// Its name in the language and in JSON.
-    pub fn name(self) -> &'static str {
+    pub fn name(&self) -> &str {
         match self {
             Activation::Plain(a) => a.name(),
             Activation::Swiglu => "swiglu",
+            Activation::Fn(f) => &f.name,
+        }
+    }
+
+    /// Whether the MLP is gated: `gate`, `up` and `down` projections without biases.
+    pub fn is_gated(&self) -> bool {
+        match self {
+            Activation::Plain(_) => false,
+            Activation::Swiglu => true,
+            Activation::Fn(f) => f.params.len() == 2,
+        }
+    }
+
+    /// The expression function, when it is one.
+    pub fn function(&self) -> Option<&ExprFn> {
+        match self {
+            Activation::Fn(f) => Some(f),
+            _ => None,
         }
     }
 }

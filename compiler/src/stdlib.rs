@@ -1,5 +1,6 @@
 //! The standard library of `.par` modules (`use std::gpt2 { Block }`), embedded in the binary
-//! because the compiler reads no files. The sources live in `stdlib/*.par`.
+//! because the compiler reads no files. The sources live in `stdlib/*.par`; `stdlib/act.par` is
+//! the prelude ([`PRELUDE`]).
 
 /// `(module name, file name, source)` for every stdlib module.
 pub const MODULES: [(&str, &str, &str); 2] = [
@@ -14,6 +15,10 @@ pub const MODULES: [(&str, &str, &str); 2] = [
         include_str!("../../stdlib/llama.par"),
     ),
 ];
+
+/// The prelude (`stdlib/act.par`): file name and source. Its functions are in scope in every
+/// file and module without a `use` (`act = squared_relu`, `act = glu(gelu)`).
+pub const PRELUDE: (&str, &str) = ("stdlib/act.par", include_str!("../../stdlib/act.par"));
 
 /// The file name and source of `std::NAME`.
 pub fn module(name: &str) -> Option<(&'static str, &'static str)> {

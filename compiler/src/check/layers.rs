@@ -5,8 +5,10 @@ use super::number::Number;
 use super::suggest;
 use crate::diag::{Diagnostic, Span};
 use crate::ir::op::Act;
+use crate::kir::func::ExprFn;
 use crate::spec::{Activation, LayerKind, Rope, Shape};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// The largest layer dimension parc accepts (2^20): far above real models, low enough that
 /// parameter and activation sizes stay inside 64 bits.
@@ -65,13 +67,18 @@ pub enum ArgValue {
     Bool(bool, Span),
     Word(String, Span),
     Rope(Rope, Span),
+    /// An expression function (an activation).
+    Fn(Arc<ExprFn>, Span),
 }
 
 impl ArgValue {
     pub fn span(&self) -> Span {
         match self {
             ArgValue::Num(n) => n.span,
-            ArgValue::Bool(_, s) | ArgValue::Word(_, s) | ArgValue::Rope(_, s) => *s,
+            ArgValue::Bool(_, s)
+            | ArgValue::Word(_, s)
+            | ArgValue::Rope(_, s)
+            | ArgValue::Fn(_, s) => *s,
         }
     }
 }
@@ -149,13 +156,6 @@ impl Bound {
         }
     }
 
-    fn word(&self, name: &'static str) -> Option<(&str, Span)> {
-        match self.values.get(name) {
-            Some(ArgValue::Word(w, s)) => Some((w.as_str(), *s)),
-            _ => None,
-        }
-    }
-
     fn wrong(&self, name: &str, expected: &str, span: Span) -> Diagnostic {
         Diagnostic::error(
             "E0902",
@@ -223,35 +223,7 @@ pub fn construct(b: &Bound) -> Result<Ctor, Diagnostic> {
             }
         }
         "Attention" => attention(b)?,
-        "MLP" => {
-            let act = match b.word("act") {
-                None if !b.values.contains_key("act") => Some(Activation::Plain(Act::Gelu)),
-                Some((name, _)) => Activation::from_name(name),
-                None => None,
-            };
-            let Some(act) = act else {
-                let span = b.values.get("act").map(ArgValue::span).unwrap_or(b.span);
-                let names: Vec<&str> = Activation::names().collect();
-                return Err(Diagnostic::error("E0904", "unknown MLP activation")
-                    .label(span, "this activation")
-                    .help(format!("use {}", suggest::one_of(&names))));
-            };
-            let bias = b.flag("bias", act != Activation::Swiglu)?;
-            if bias && act == Activation::Swiglu {
-                let span = b.values.get("bias").map(ArgValue::span).unwrap_or(b.span);
-                return Err(Diagnostic::error("E0903", "a SwiGLU MLP has no biases")
-                    .label(span, "bias = true")
-                    .help(
-                        "remove `bias = true` (SwiGLU's gate/up/down projections are bias-free)",
-                    ));
-            }
-            LayerKind::Mlp {
-                dim: b.count("dim", None)?.0,
-                hidden: b.count("hidden", None)?.0,
-                act,
-                bias,
-            }
-        }
+        "MLP" => mlp(b)?,
         _ => {
             return Err(
                 Diagnostic::error("E0202", format!("`{}` is not a layer", b.kind))
@@ -264,6 +236,44 @@ pub fn construct(b: &Bound) -> Result<Ctor, Diagnostic> {
         kind,
         tied,
         arg_spans: b.spans(),
+    })
+}
+
+fn mlp(b: &Bound) -> Result<LayerKind, Diagnostic> {
+    let act = match b.values.get("act") {
+        None => Some(Activation::Plain(Act::Gelu)),
+        Some(ArgValue::Word(name, _)) => Activation::from_name(name),
+        Some(ArgValue::Fn(f, span)) => {
+            super::functions::activation(f, *span)?;
+            Some(Activation::Fn(f.clone()))
+        }
+        Some(_) => None,
+    };
+    let Some(act) = act else {
+        let span = b.values.get("act").map(ArgValue::span).unwrap_or(b.span);
+        let names: Vec<&str> = Activation::names().collect();
+        return Err(Diagnostic::error("E0904", "unknown MLP activation")
+            .label(span, "this activation")
+            .help(format!(
+                "use {}, a function (`fn f(x) = …`, the prelude's `squared_relu`) or `glu(f)`",
+                suggest::one_of(&names)
+            )));
+    };
+    let bias = b.flag("bias", !act.is_gated())?;
+    if bias && act.is_gated() {
+        let span = b.values.get("bias").map(ArgValue::span).unwrap_or(b.span);
+        return Err(Diagnostic::error(
+            "E0903",
+            format!("a gated MLP (`{}`) has no biases", act.name()),
+        )
+        .label(span, "bias = true")
+        .help("remove `bias = true` (a gated MLP's gate/up/down projections are bias-free)"));
+    }
+    Ok(LayerKind::Mlp {
+        dim: b.count("dim", None)?.0,
+        hidden: b.count("hidden", None)?.0,
+        act,
+        bias,
     })
 }
 

@@ -7,6 +7,7 @@
 //! ([`grid`]: mesh vs cluster, sharding, sequence splits, pipeline layers, batch rule, schedule,
 //! placement, data) → recompute marks.
 
+pub mod functions;
 mod gpu;
 mod grid;
 mod layers;
@@ -20,7 +21,7 @@ use crate::diag::{Diagnostic, Diagnostics, FileId, Sources, Span};
 use crate::overrides::Override;
 use crate::spec::{Spec, Train};
 use crate::stdlib;
-use crate::syntax::ast::{BlockDef, Expr, File, Item};
+use crate::syntax::ast::{BlockDef, Expr, File, FnDef, Ident, Item, LetDecl, UseDecl};
 use crate::syntax::{parse_file, parse_value};
 use number::Number;
 use std::collections::HashMap;
@@ -36,6 +37,10 @@ pub struct Namespace {
     pub blocks: HashMap<String, (usize, String)>,
     /// Blocks this module defines.
     pub defs: HashMap<String, BlockDef>,
+    /// Functions in scope: the prelude's and this module's (`fn`).
+    pub fns: functions::FnTable,
+    /// This module's functions that have errors (reported; their uses stay quiet).
+    pub broken_fns: Vec<String>,
 }
 
 /// `model.NAME` overrides, taken by the model's `let`s as they are evaluated.
@@ -69,16 +74,24 @@ pub fn check(
             return (None, diags);
         }
     };
+    let prelude = load_prelude(sources, &mut diags);
     let mut ns: Vec<Namespace> = Vec::new();
     let mut loaded: HashMap<String, usize> = HashMap::new();
-    load_module(&file, sources, &mut ns, &mut loaded, &mut diags);
+    let mut modules = Modules {
+        sources,
+        ns: &mut ns,
+        loaded: &mut loaded,
+        prelude: &prelude,
+        diags: &mut diags,
+    };
+    modules.load(&file);
 
     let (mut sections, mut models) = (Vec::new(), Vec::new());
     for item in &file.items {
         match item {
             Item::Section(s) => sections.push(s),
             Item::Model(m) => models.push(m),
-            Item::Use(_) | Item::Let(_) | Item::Block(_) => {}
+            Item::Use(_) | Item::Let(_) | Item::Block(_) | Item::Fn(_) => {}
         }
     }
     let mut settings = settings::Settings::from_sections(&sections, &mut diags);
@@ -253,66 +266,110 @@ fn unknown_override(path: &str, span: Span, model_consts: &[&str]) -> Diagnostic
         .help(help)
 }
 
-/// Build the namespace of `file` (and, recursively, of the stdlib modules it uses). Returns its
-/// index in `ns`.
-fn load_module(
-    file: &File,
-    sources: &mut Sources,
-    ns: &mut Vec<Namespace>,
-    loaded: &mut HashMap<String, usize>,
-    diags: &mut Diagnostics,
-) -> usize {
-    let me = ns.len();
-    ns.push(Namespace::default());
-    for item in &file.items {
-        match item {
-            Item::Block(b) => {
-                if let Some(first) = ns[me].defs.get(&b.name.name) {
-                    diags.push(
-                        Diagnostic::error(
-                            "E0204",
-                            format!("block `{}` is defined twice", b.name.name),
-                        )
-                        .label(b.name.span, "defined again here")
-                        .label(first.name.span, "first definition")
-                        .help("rename one of them"),
-                    );
-                    continue;
-                }
-                ns[me].defs.insert(b.name.name.clone(), b.clone());
-                ns[me]
-                    .blocks
-                    .insert(b.name.name.clone(), (me, b.name.name.clone()));
+/// The prelude's functions (`stdlib/act.par`), checked; in scope in every module.
+fn load_prelude(sources: &mut Sources, diags: &mut Diagnostics) -> functions::FnTable {
+    let (name, text) = stdlib::PRELUDE;
+    let id = sources.add(name, text);
+    let file = match parse_file(id, text) {
+        Ok(f) => f,
+        Err(d) => {
+            diags.push(d);
+            return functions::FnTable::new();
+        }
+    };
+    let defs: Vec<&FnDef> = file
+        .items
+        .iter()
+        .filter_map(|i| match i {
+            Item::Fn(f) => Some(f),
+            _ => None,
+        })
+        .collect();
+    functions::check_module(&defs, &HashMap::new(), &functions::FnTable::new(), diags).fns
+}
+
+/// Loading modules: the main file and, recursively, the stdlib modules it uses.
+struct Modules<'a> {
+    sources: &'a mut Sources,
+    ns: &'a mut Vec<Namespace>,
+    loaded: &'a mut HashMap<String, usize>,
+    prelude: &'a functions::FnTable,
+    diags: &'a mut Diagnostics,
+}
+
+impl Modules<'_> {
+    /// Build the namespace of `file` (and, recursively, of the stdlib modules it uses). Returns
+    /// its index in `ns`.
+    fn load(&mut self, file: &File) -> usize {
+        let me = self.ns.len();
+        self.ns.push(Namespace::default());
+        for item in &file.items {
+            match item {
+                Item::Block(b) => self.block(me, b),
+                Item::Let(l) => self.file_let(me, l),
+                _ => {}
             }
-            Item::Let(l) => {
-                let empty = settings::Settings::default();
-                let consts = ns[me].consts.clone();
-                let mut r = sections::Reader {
-                    settings: &empty,
-                    consts: &consts,
-                    diags,
-                };
-                match r.eval_expr(&l.value) {
-                    Some(sections::SVal::Num(n)) => {
-                        ns[me].consts.insert(l.name.name.clone(), n);
-                    }
-                    Some(other) => {
-                        diags.push(
-                            Diagnostic::error("E0902", "a file-level `let` must be a number")
-                                .label(other.span(), "not a number")
-                                .help(
-                                    "file-level constants are numbers; put layers inside the model",
-                                ),
-                        );
-                    }
-                    None => {}
-                }
+        }
+        let defs: Vec<&FnDef> = file
+            .items
+            .iter()
+            .filter_map(|i| match i {
+                Item::Fn(f) => Some(f),
+                _ => None,
+            })
+            .collect();
+        let consts = self.ns[me].consts.clone();
+        let checked = functions::check_module(&defs, &consts, self.prelude, self.diags);
+        self.ns[me].fns = checked.fns;
+        self.ns[me].broken_fns = checked.broken;
+        for item in &file.items {
+            if let Item::Use(u) = item {
+                self.use_decl(me, u);
             }
-            _ => {}
+        }
+        me
+    }
+
+    fn block(&mut self, me: usize, b: &BlockDef) {
+        if let Some(first) = self.ns[me].defs.get(&b.name.name) {
+            self.diags.push(
+                Diagnostic::error("E0204", format!("block `{}` is defined twice", b.name.name))
+                    .label(b.name.span, "defined again here")
+                    .label(first.name.span, "first definition")
+                    .help("rename one of them"),
+            );
+            return;
+        }
+        self.ns[me].defs.insert(b.name.name.clone(), b.clone());
+        self.ns[me]
+            .blocks
+            .insert(b.name.name.clone(), (me, b.name.name.clone()));
+    }
+
+    fn file_let(&mut self, me: usize, l: &LetDecl) {
+        let empty = settings::Settings::default();
+        let consts = self.ns[me].consts.clone();
+        let mut r = sections::Reader {
+            settings: &empty,
+            consts: &consts,
+            diags: self.diags,
+        };
+        match r.eval_expr(&l.value) {
+            Some(sections::SVal::Num(n)) => {
+                self.ns[me].consts.insert(l.name.name.clone(), n);
+            }
+            Some(other) => {
+                self.diags.push(
+                    Diagnostic::error("E0902", "a file-level `let` must be a number")
+                        .label(other.span(), "not a number")
+                        .help("file-level constants are numbers; put layers inside the model"),
+                );
+            }
+            None => {}
         }
     }
-    for item in &file.items {
-        let Item::Use(u) = item else { continue };
+
+    fn use_decl(&mut self, me: usize, u: &UseDecl) {
         let segs: Vec<&str> = u.module.iter().map(|i| i.name.as_str()).collect();
         let (root, name) = match segs.as_slice() {
             [root, name] => (*root, *name),
@@ -332,56 +389,60 @@ fn load_module(
                         .join(", ")
                 ),
             };
-            diags.push(
+            self.diags.push(
                 Diagnostic::error("E0205", format!("no module `{}`", segs.join("::")))
                     .label(u.module_span, "not found")
                     .help(help),
             );
-            continue;
+            return;
         };
-        let idx = match loaded.get(name) {
+        let idx = match self.loaded.get(name) {
             Some(i) => *i,
             None => {
-                let id = sources.add(fname, text);
+                let id = self.sources.add(fname, text);
                 match parse_file(id, text) {
                     Ok(f) => {
                         // Reserve the slot first so a module that uses itself cannot loop.
-                        loaded.insert(name.to_string(), ns.len());
-                        load_module(&f, sources, ns, loaded, diags)
+                        self.loaded.insert(name.to_string(), self.ns.len());
+                        self.load(&f)
                     }
                     Err(d) => {
-                        diags.push(d);
-                        continue;
+                        self.diags.push(d);
+                        return;
                     }
                 }
             }
         };
         for imported in &u.names {
-            let found = ns
-                .get(idx)
-                .and_then(|m| m.defs.get(&imported.name))
-                .is_some();
-            if found {
-                ns[me]
-                    .blocks
-                    .insert(imported.name.clone(), (idx, imported.name.clone()));
-            } else {
-                let available: Vec<&str> = ns
-                    .get(idx)
-                    .map(|m| m.defs.keys().map(String::as_str).collect())
-                    .unwrap_or_default();
-                let mut available = available;
-                available.sort_unstable();
-                diags.push(
-                    Diagnostic::error("E0205", format!("`std::{name}` has no `{}`", imported.name))
-                        .label(imported.span, "not in this module")
-                        .help(format!(
-                            "std::{name} provides {}",
-                            suggest::one_of(&available)
-                        )),
-                );
-            }
+            self.import(me, idx, name, imported);
         }
     }
-    me
+
+    fn import(&mut self, me: usize, idx: usize, name: &str, imported: &Ident) {
+        let found = self
+            .ns
+            .get(idx)
+            .and_then(|m| m.defs.get(&imported.name))
+            .is_some();
+        if found {
+            self.ns[me]
+                .blocks
+                .insert(imported.name.clone(), (idx, imported.name.clone()));
+            return;
+        }
+        let mut available: Vec<&str> = self
+            .ns
+            .get(idx)
+            .map(|m| m.defs.keys().map(String::as_str).collect())
+            .unwrap_or_default();
+        available.sort_unstable();
+        self.diags.push(
+            Diagnostic::error("E0205", format!("`std::{name}` has no `{}`", imported.name))
+                .label(imported.span, "not in this module")
+                .help(format!(
+                    "std::{name} provides {}",
+                    suggest::one_of(&available)
+                )),
+        );
+    }
 }

@@ -93,6 +93,11 @@ impl Reader<'_> {
                 SVal::Str(s, sp) => Some(SVal::File(s, fmt.name.clone(), sp, fmt.span)),
                 other => self.wrong(&other, "a file name string before `as`"),
             },
+            ExprKind::Compare(..) => {
+                self.diags
+                    .push(super::functions::comparison_outside(e.span));
+                None
+            }
             _ => {
                 self.diags.push(
                     Diagnostic::error("E0902", "this kind of value is not allowed here")

@@ -24,7 +24,7 @@
 //! last chunk's logits are gone (the larger of the two counts).
 
 use super::schedule::InFlight;
-use crate::spec::{Activation, Axis, LayerKind, Precision, Recompute, Spec};
+use crate::spec::{Axis, LayerKind, Precision, Recompute, Spec};
 
 /// What the attention and the layers keep, beyond the tensors every implementation keeps.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -205,7 +205,7 @@ fn dims(spec: &Spec, attention: Option<&LayerKind>, mlp: Option<&LayerKind>) -> 
     let (ffn, gated, ffn_split) = match mlp {
         Some(LayerKind::Mlp { hidden, act, .. }) => (
             *hidden as f64,
-            *act == Activation::Swiglu,
+            act.is_gated(),
             spec.model.sharding.mlp_hidden_on_tp,
         ),
         _ => (0.0, false, true),

@@ -5,7 +5,7 @@
 //! bound, a few percent).
 
 use super::FlopTerms;
-use crate::spec::{Activation, Axis, LayerKind, Recompute, Spec};
+use crate::spec::{Axis, LayerKind, Recompute, Spec};
 
 /// (matmul weights, attention width d_attn = heads·head_dim) of one node as one rank holds them.
 fn node_work(spec: &Spec, kind: &LayerKind) -> (f64, f64) {
@@ -30,7 +30,7 @@ fn node_work(spec: &Spec, kind: &LayerKind) -> (f64, f64) {
         LayerKind::Mlp {
             dim, hidden, act, ..
         } => {
-            let mats = if *act == Activation::Swiglu { 3.0 } else { 2.0 };
+            let mats = if act.is_gated() { 3.0 } else { 2.0 };
             (mats * (*hidden as f64) * (*dim as f64), 0.0)
         }
         LayerKind::Linear {

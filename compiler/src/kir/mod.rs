@@ -34,6 +34,9 @@ use serde::{Serialize, Serializer};
 use std::collections::HashMap;
 use std::fmt;
 
+pub mod derive;
+pub mod eval;
+pub mod expand;
 pub mod func;
 
 /// A row sum's lanes: the fixed reduction order every backend follows (see the module docs).

@@ -2,6 +2,7 @@
 //! and the saved tensors, and the (accumulated) gradients of the layer's parameters. See
 //! `layers` for the parallel conjugates.
 
+use super::act_kernels;
 use super::emitter::Emitter;
 use super::layers::AttnShape;
 use crate::ir::op::{Act, ActAttrs, EmbeddingAttrs, Op, PositionAttrs};
@@ -130,7 +131,7 @@ impl Emitter<'_> {
             ) => {
                 let shape = (*dim, hidden / tp);
                 let input = inputs.first();
-                self.mlp_backward(mb, node, (dy, input), saved, shape, *act, *bias)
+                self.mlp_backward(mb, node, (dy, input), saved, shape, act, *bias)
             }
             (LayerKind::Add, Some(dy)) => {
                 if let Some(second) = inputs.get(1) {
@@ -525,21 +526,22 @@ impl Emitter<'_> {
         (dy, input): (BufferId, Option<&ValueId>),
         saved: &[BufferId],
         (dim, hl): (u64, u64),
-        a: Activation,
+        a: &Activation,
         bias: bool,
     ) -> Option<BufferId> {
         let rows = self.rows_full();
+        // Built first: a kernel that cannot be built stops here, before any buffer exists.
+        let Some(act_op) = self.act_backward_op(node, a, hl) else {
+            self.b.release(dy);
+            return None;
+        };
         let dyf = self.sp_gather_grad(dy, dim, self.name(node, "dyg", mb), node);
         self.b.release(dy);
         let xf = *saved.first()?;
         let act_out = *saved.last()?;
         let bias_of = |n: &'static str| if bias { Some(n) } else { None };
-        let out_w = if a == Activation::Swiglu {
-            "down"
-        } else {
-            "proj"
-        };
-        let out_b = if a == Activation::Swiglu {
+        let out_w = if a.is_gated() { "down" } else { "proj" };
+        let out_b = if a.is_gated() {
             None
         } else {
             bias_of("proj_bias")
@@ -564,17 +566,12 @@ impl Emitter<'_> {
         );
         self.b.release(dyf);
         let da = da?;
-        let dxp = if a == Activation::Swiglu {
+        let dxp = if a.is_gated() {
             let (g, u) = (*saved.get(1)?, *saved.get(2)?);
             let dg = self.activation_grad(node, "dg", mb, vec![rows, hl]);
             let du = self.activation_grad(node, "du", mb, vec![rows, hl]);
-            self.b.compute(
-                Op::SwiGluBwd,
-                &[da, g, u],
-                &[dg, du],
-                Some(node),
-                Phase::Backward,
-            );
+            self.b
+                .compute(act_op, &[da, g, u], &[dg, du], Some(node), Phase::Backward);
             self.b.release(da);
             let gate = ("gate", None);
             let xg =
@@ -594,13 +591,8 @@ impl Emitter<'_> {
             } else {
                 let h = *saved.get(1)?;
                 let dh = self.activation_grad(node, "dh", mb, vec![rows, hl]);
-                self.b.compute(
-                    Op::ActivationBwd(ActAttrs { act: op_act }),
-                    &[da, h],
-                    &[dh],
-                    Some(node),
-                    Phase::Backward,
-                );
+                self.b
+                    .compute(act_op, &[da, h], &[dh], Some(node), Phase::Backward);
                 self.b.release(da);
                 dh
             };
@@ -624,6 +616,19 @@ impl Emitter<'_> {
         };
         let name = self.name(node, "dx", mb);
         Some(self.tp_reduce(dxp, dim, name, BufferKind::ActivationGrad, node))
+    }
+
+    /// The op of an MLP activation's backward: the hand-written `SwiGluBwd` or `ActivationBwd`,
+    /// or the generated kernel of an expression function's derivative (`local_cols` = the local
+    /// ffn shard).
+    fn act_backward_op(&mut self, node: NodeId, a: &Activation, local_cols: u64) -> Option<Op> {
+        Some(match a {
+            Activation::Fn(f) => {
+                Op::Fused(self.act_kernel(node, act_kernels::backward(f, local_cols))?)
+            }
+            Activation::Swiglu => Op::SwiGluBwd,
+            Activation::Plain(act) => Op::ActivationBwd(ActAttrs { act: *act }),
+        })
     }
 
     /// The buffer a layer's backward writes its input's gradient into with an `LayerNormBwd`

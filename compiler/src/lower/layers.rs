@@ -17,15 +17,19 @@
 //! tensors its backward needs ("saved", one holder each); the caller owns input lifetimes.
 
 use super::emitter::Emitter;
-use crate::ir::op::{Act, ActAttrs, AttentionAttrs, EmbeddingAttrs, Op, PositionAttrs, RopeAttrs};
+use crate::ir::op::{
+    Act, ActAttrs, AttentionAttrs, EmbeddingAttrs, FusedAttrs, Op, PositionAttrs, RopeAttrs,
+};
 use crate::ir::{BufferId, BufferKind, CollectiveKind, ReduceOp};
+use crate::kir::func::ExprFn;
 use crate::spec::{Activation, LayerKind, NodeId};
 
-/// The elementwise activation of a non-gated MLP (a SwiGLU MLP has none: its gate is `SwiGlu`).
-pub(super) fn act(a: Activation) -> Act {
+/// The hand-written activation of a non-gated MLP (a SwiGLU MLP has none: its gate is
+/// `SwiGlu`; an expression function has generated kernels instead).
+pub(super) fn act(a: &Activation) -> Act {
     match a {
-        Activation::Plain(act) => act,
-        Activation::Swiglu => Act::Relu,
+        Activation::Plain(act) => *act,
+        Activation::Swiglu | Activation::Fn(_) => Act::Relu,
     }
 }
 
@@ -209,7 +213,9 @@ impl Emitter<'_> {
                 hidden,
                 act: a,
                 bias,
-            } => self.mlp_forward(mb, node, x, dim, hidden / tp, a, bias),
+            } => self
+                .mlp_forward(mb, node, x, dim, hidden / tp, &a, bias)
+                .unwrap_or_default(),
             LayerKind::Add => {
                 let Some(x2) = self.input(mb, node, 1) else {
                     self.missing(node, "second input");
@@ -411,8 +417,8 @@ impl Emitter<'_> {
     /// fuse_epilogues`): only `gelu_tanh`, which cuBLASLt's GELU epilogues compute by the same
     /// definition; `gelu` (erf) and `relu` keep their separate ops (cuBLASLt's relu epilogue
     /// saves a bit mask, not the pre-activation the IR's backward reads).
-    pub fn fuses_activation(&self, a: Activation) -> bool {
-        self.fuse_epilogues && a == Activation::Plain(Act::GeluTanh)
+    pub fn fuses_activation(&self, a: &Activation) -> bool {
+        self.fuse_epilogues && *a == Activation::Plain(Act::GeluTanh)
     }
 
     /// [`Self::matmul`] with a fused activation: the pre-activation `h` and `act(h)`.
@@ -639,13 +645,15 @@ impl Emitter<'_> {
         x: BufferId,
         dim: u64,
         hidden_local: u64,
-        a: Activation,
+        a: &Activation,
         bias: bool,
-    ) -> Vec<BufferId> {
+    ) -> Option<Vec<BufferId>> {
         let phase = self.phase;
         let xf = self.sp_gather(x, dim, self.name(node, "xg", mb), node);
         let bias_of = |n: &'static str| if bias { Some(n) } else { None };
-        let (saved_mid, act_out, out_w, out_b) = if a == Activation::Swiglu {
+        let (saved_mid, act_out, out_w, out_b) = if let Activation::Fn(f) = a {
+            self.fn_act_forward(mb, node, xf, (dim, hidden_local), f, bias)?
+        } else if *a == Activation::Swiglu {
             let g = self.matmul(mb, node, xf, ("gate", None), (dim, hidden_local), "g");
             let u = self.matmul(mb, node, xf, ("up", None), (dim, hidden_local), "u");
             let h = self.activation(node, "a", mb, vec![self.rows_full(), hidden_local]);
@@ -693,9 +701,73 @@ impl Emitter<'_> {
         let mut saved = vec![xf];
         saved.extend(saved_mid);
         saved.push(act_out);
-        saved
+        Some(saved)
+    }
+
+    /// The projections and generated activation kernel of an MLP whose activation is an
+    /// expression function: `(saved, activation output, output weight, output bias)`.
+    fn fn_act_forward(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        xf: BufferId,
+        (dim, hl): (u64, u64),
+        f: &ExprFn,
+        bias: bool,
+    ) -> Option<FnActParts> {
+        let attrs = self.act_kernel(node, super::act_kernels::forward(f, hl))?;
+        let ins = if f.params.len() == 2 {
+            let g = self.matmul(mb, node, xf, ("gate", None), (dim, hl), "g");
+            let u = self.matmul(mb, node, xf, ("up", None), (dim, hl), "u");
+            vec![g, u]
+        } else {
+            let b = bias.then_some("fc_bias");
+            vec![self.matmul(mb, node, xf, ("fc", b), (dim, hl), "h")]
+        };
+        let out = self.activation(node, "a", mb, vec![self.rows_full(), hl]);
+        let phase = self.phase;
+        self.b
+            .compute(Op::Fused(attrs), &ins, &[out], Some(node), phase);
+        Some(if ins.len() == 2 {
+            (ins, out, "down", None)
+        } else {
+            (ins, out, "proj", bias.then_some("proj_bias"))
+        })
+    }
+
+    /// A generated activation kernel, or an error reported at `node`.
+    pub(super) fn act_kernel(
+        &mut self,
+        node: NodeId,
+        kernel: Result<FusedAttrs, String>,
+    ) -> Option<FusedAttrs> {
+        match kernel {
+            Ok(attrs) => Some(attrs),
+            Err(e) => {
+                let span = self
+                    .spec
+                    .model
+                    .nodes
+                    .get(node.0 as usize)
+                    .map(|n| n.span)
+                    .unwrap_or_default();
+                self.errors.push(
+                    crate::diag::Diagnostic::error(
+                        "E0807",
+                        format!("lowering `{}`: {e}", self.node_name(node)),
+                    )
+                    .label(span, "while lowering this layer")
+                    .help("the activation's generated kernel could not be built; please report this with the spec file"),
+                );
+                None
+            }
+        }
     }
 }
+
+/// What an MLP's activation step hands on: `(saved, activation output, output weight, output
+/// bias)`.
+type FnActParts = (Vec<BufferId>, BufferId, &'static str, Option<&'static str>);
 
 /// Local attention sizes (heads already divided by tp).
 #[derive(Clone, Copy, Debug)]

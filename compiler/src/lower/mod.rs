@@ -14,6 +14,7 @@
 //!
 //! Programs are shared by ranks that differ only in their dp coordinate.
 
+mod act_kernels;
 mod backward;
 mod builder;
 mod context;

@@ -12,7 +12,7 @@
 //! embedding and a vocab-sized head vocab-parallel (dim 0). Everything else is replicated.
 
 use crate::ir::{Init, Param, ParamId, ParamTable};
-use crate::spec::{Activation, LayerKind, Node, NodeId, Sharding, Spec};
+use crate::spec::{LayerKind, Node, NodeId, Sharding, Spec};
 
 /// How tp splits a parameter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -196,7 +196,7 @@ pub(crate) fn declared(spec: &Spec, kind: &LayerKind) -> Vec<Declared> {
         } => {
             let on = sh.mlp_hidden_on_tp;
             let out_init = Init::Normal { std: residual_std };
-            if *act == Activation::Swiglu {
+            if act.is_gated() {
                 d.add("gate", vec![*hidden, *dim], normal, col(on));
                 d.add("up", vec![*hidden, *dim], normal, col(on));
                 d.add("down", vec![*dim, *hidden], out_init, row(on));

@@ -18,6 +18,7 @@ pub struct File {
 pub enum Item {
     Use(UseDecl),
     Let(LetDecl),
+    Fn(FnDef),
     Block(BlockDef),
     Model(ModelDef),
     Section(Section),
@@ -37,6 +38,15 @@ pub struct UseDecl {
 pub struct LetDecl {
     pub name: Ident,
     pub value: Expr,
+    pub span: Span,
+}
+
+/// `fn name(params) = body`: an expression function over scalars.
+#[derive(Clone, Debug)]
+pub struct FnDef {
+    pub name: Ident,
+    pub params: Vec<Ident>,
+    pub body: Expr,
     pub span: Span,
 }
 
@@ -168,6 +178,8 @@ pub enum ExprKind {
     Path(Vec<Ident>),
     Neg(Box<Expr>),
     Binary(BinOp, Box<Expr>, Box<Expr>),
+    /// `a < b` (and `<=`, `>`, `>=`, `==`, `!=`): a boolean, allowed only in a fn body.
+    Compare(crate::kir::Cmp, Box<Expr>, Box<Expr>),
     /// `callee(args)`; `Attention(d, heads)(x)` is a call of a call.
     Call {
         callee: Box<Expr>,

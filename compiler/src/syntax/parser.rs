@@ -29,6 +29,7 @@ pub fn parse_file(file: FileId, text: &str) -> Result<File, Diagnostic> {
             match item.as_rule() {
                 Rule::use_decl => items.push(Item::Use(b.use_decl(item))),
                 Rule::let_decl => items.push(Item::Let(b.let_decl(item))),
+                Rule::fn_def => items.push(Item::Fn(b.fn_def(item))),
                 Rule::block_def => items.push(Item::Block(b.block_def(item))),
                 Rule::model_def => items.push(Item::Model(b.model_def(item))),
                 Rule::section => items.push(Item::Section(b.section(item))),
@@ -106,7 +107,7 @@ fn shift(mut e: Expr, by: u32) -> Expr {
             ExprKind::Number { .. } | ExprKind::Str(_) | ExprKind::Bool(_) => {}
             ExprKind::Path(p) => p.iter_mut().for_each(|i| ident(i, by)),
             ExprKind::Neg(a) => walk(a, by),
-            ExprKind::Binary(_, a, b) => {
+            ExprKind::Binary(_, a, b) | ExprKind::Compare(_, a, b) => {
                 walk(a, by);
                 walk(b, by);
             }
@@ -159,6 +160,7 @@ fn rule_words(rule: Rule) -> &'static str {
         Rule::use_decl => "`use`",
         Rule::let_decl => "`let`",
         Rule::block_def => "`block`",
+        Rule::fn_def | Rule::fn_kw => "`fn`",
         Rule::model_def => "`model`",
         Rule::section => "a section like `train { … }`",
         Rule::item => "`use`, `let`, `block`, `model` or a section",
@@ -172,6 +174,7 @@ fn rule_words(rule: Rule) -> &'static str {
         Rule::shard_item => "`Kind.dim on axis`",
         Rule::setting => "a setting `name = value`",
         Rule::expr
+        | Rule::sum
         | Rule::product
         | Rule::unary
         | Rule::postfix
@@ -180,6 +183,7 @@ fn rule_words(rule: Rule) -> &'static str {
         | Rule::arg
         | Rule::override_value => "an expression",
         Rule::add_op => "`+` or `-`",
+        Rule::cmp_op => "a comparison",
         Rule::mul_op => "`*` or `/`",
         Rule::neg => "`-`",
         Rule::rename => "`as`",
@@ -207,7 +211,12 @@ fn syntax_error(file: FileId, text: &str, e: pest::error::Error<Rule>) -> Diagno
     };
     let message = match &e.variant {
         ErrorVariant::ParsingError { positives, .. } => {
-            let mut words: Vec<&str> = positives.iter().map(|r| rule_words(*r)).collect();
+            // A comparison belongs only in a fn body: not worth suggesting elsewhere.
+            let mut words: Vec<&str> = positives
+                .iter()
+                .filter(|r| **r != Rule::cmp_op || positives.len() == 1)
+                .map(|r| rule_words(*r))
+                .collect();
             words.sort_unstable();
             words.dedup();
             match words.len() {
@@ -343,6 +352,30 @@ impl Builder {
                 kind: ExprKind::Tuple(Vec::new()),
                 span: at,
             },
+        }
+    }
+
+    fn fn_def(&self, p: Pair<Rule>) -> FnDef {
+        let span = self.span(&p);
+        let mut name = Ident {
+            name: String::new(),
+            span,
+        };
+        let mut params = Vec::new();
+        let mut body = None;
+        for c in p.into_inner() {
+            match c.as_rule() {
+                Rule::ident => name = self.ident(c),
+                Rule::inputs => params = self.idents(c.into_inner()),
+                Rule::expr => body = Some(self.expr(c)),
+                _ => {}
+            }
+        }
+        FnDef {
+            name,
+            params,
+            body: body.unwrap_or_else(|| *self.empty_body(span).result),
+            span,
         }
     }
 
@@ -514,7 +547,8 @@ impl Builder {
     fn expr(&self, p: Pair<Rule>) -> Expr {
         let span = self.span(&p);
         match p.as_rule() {
-            Rule::expr | Rule::product => self.binary(p.into_inner(), span),
+            Rule::expr => self.compare(p.into_inner(), span),
+            Rule::sum | Rule::product => self.binary(p.into_inner(), span),
             Rule::unary => self.unary(p),
             Rule::postfix => self.postfix(p),
             Rule::repeat_count | Rule::override_value => {
@@ -522,6 +556,22 @@ impl Builder {
                 self.next_expr(&mut inner, span)
             }
             _ => self.primary(p),
+        }
+    }
+
+    /// `a` or `a cmp b` (comparisons do not chain).
+    fn compare(&self, mut pairs: Pairs, span: Span) -> Expr {
+        let lhs = self.next_expr(&mut pairs, span);
+        let (Some(op), Some(rhs)) = (pairs.next(), pairs.next()) else {
+            return lhs;
+        };
+        let Some(op) = crate::kir::Cmp::from_name(op.as_str()) else {
+            return lhs;
+        };
+        let rhs = self.expr(rhs);
+        Expr {
+            span: lhs.span.to(rhs.span),
+            kind: ExprKind::Compare(op, Box::new(lhs), Box::new(rhs)),
         }
     }
 

@@ -10,15 +10,18 @@
 
 mod finish;
 
+use super::functions;
 use super::layers::{self, ArgValue, Bound, Ctor};
 use super::number::{arith, Number};
 use super::suggest;
 use super::{Namespace, Overrides};
 use crate::diag::{Diagnostic, Diagnostics, Span};
+use crate::kir::func::ExprFn;
 use crate::spec::Activation;
 use crate::spec::{LayerKind, Model, Node, NodeId, Shape, Sharding, Value, ValueId};
 use crate::syntax::ast::*;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// Block calls nest at most this deep (a block calling itself is an error, not a hang).
 const MAX_DEPTH: u32 = 32;
@@ -36,6 +39,8 @@ pub enum Val {
     Tensor(ValueId, Span),
     Layer(Box<Ctor>),
     Rope(crate::spec::Rope, Span),
+    /// An expression function (`fn`, the prelude's), named as an activation.
+    Fn(Arc<ExprFn>, Span),
     /// A block or built-in layer kind, not yet called.
     Callable(Callee, Span),
     /// Something already reported; stays quiet from here on.
@@ -45,6 +50,8 @@ pub enum Val {
 #[derive(Clone, Debug)]
 pub enum Callee {
     Builtin(&'static str),
+    /// `glu(f)`: the gated form of a one-parameter function.
+    Glu,
     Block {
         module: usize,
         name: String,
@@ -105,6 +112,8 @@ pub struct Elab<'a> {
     depth: u32,
     repeat: Option<(u32, Span)>,
     too_big: bool,
+    /// A function with errors (reported before elaboration) was used: the graph is incomplete.
+    used_broken: bool,
 }
 
 type Frame = HashMap<String, Val>;
@@ -126,6 +135,7 @@ impl<'a> Elab<'a> {
             depth: 0,
             repeat: None,
             too_big: false,
+            used_broken: false,
         }
     }
 
@@ -229,7 +239,7 @@ impl<'a> Elab<'a> {
             }
         }
         // After an error the graph is incomplete: "no loss" or "unused input" would only echo it.
-        let quiet = self.diags.error_count() > errors_before;
+        let quiet = self.diags.error_count() > errors_before || self.used_broken;
         self.finish(def, inputs, seq, consts, &shard_lines, quiet)
     }
 
@@ -364,9 +374,20 @@ impl<'a> Elab<'a> {
         if id.name == "none" || Activation::from_name(&id.name).is_some() {
             return Val::Word(id.name.clone(), id.span);
         }
+        if let Some(f) = ns.fns.get(&id.name) {
+            return Val::Fn(f.clone(), id.span);
+        }
+        if ns.broken_fns.contains(&id.name) {
+            self.used_broken = true;
+            return Val::Poison;
+        }
+        if id.name == functions::GLU {
+            return Val::Callable(Callee::Glu, id.span);
+        }
         let mut names: Vec<&str> = frame.keys().map(String::as_str).collect();
         names.extend(ns.consts.keys().map(String::as_str));
         names.extend(ns.blocks.keys().map(String::as_str));
+        names.extend(ns.fns.keys().map(String::as_str));
         names.extend(layers::BUILTINS);
         for name in Activation::names() {
             names.push(name);
@@ -420,6 +441,7 @@ impl<'a> Elab<'a> {
                 let (va, vb) = (self.eval(a, frame, module), self.eval(b, frame, module));
                 self.binary(*op, va, vb, e.span)
             }
+            ExprKind::Compare(..) => self.err(functions::comparison_outside(e.span)),
             ExprKind::Call { callee, args } => {
                 let f = self.eval(callee, frame, module);
                 let mut vals = Vec::new();
@@ -449,7 +471,7 @@ impl<'a> Elab<'a> {
                         }
                     }
                 }
-                self.call(f, vals, e.span)
+                self.call(f, vals, e.span, module)
             }
             ExprKind::Rename(x, name) => {
                 let v = self.eval(x, frame, module);
@@ -594,7 +616,13 @@ impl<'a> Elab<'a> {
         }
     }
 
-    fn call(&mut self, f: Val, args: Vec<(Option<Ident>, Val, Span)>, span: Span) -> Val {
+    fn call(
+        &mut self,
+        f: Val,
+        args: Vec<(Option<Ident>, Val, Span)>,
+        span: Span,
+        module: usize,
+    ) -> Val {
         if args.iter().any(|(_, v, _)| matches!(v, Val::Poison)) {
             return Val::Poison;
         }
@@ -609,6 +637,18 @@ impl<'a> Elab<'a> {
                 }
             }
             Val::Callable(Callee::Builtin(kind), _) => self.construct(kind, args, span),
+            Val::Callable(Callee::Glu, _) => self.glu(args, span, module),
+            Val::Fn(f, _) => self.err(
+                Diagnostic::error(
+                    "E0229",
+                    format!(
+                        "applying a function to a tensor is not supported yet (`{}`)",
+                        f.name
+                    ),
+                )
+                .label(span, "applied here")
+                .help("use the function as an MLP activation: `MLP(d, ffn, act = f)`"),
+            ),
             Val::Callable(Callee::Block { module, name }, _) => {
                 self.block_params(module, name, args, span)
             }
@@ -631,6 +671,38 @@ impl<'a> Elab<'a> {
                 )
                 .label(span, "called here")
                 .help("call layers (`LayerNorm(d)(x)`) and blocks (`Block(d, heads)(x)`)"),
+            ),
+        }
+    }
+
+    /// `glu(f)`: SwiGLU for `glu(silu)` (its hand-written op), else the gated function.
+    fn glu(&mut self, args: Vec<(Option<Ident>, Val, Span)>, span: Span, module: usize) -> Val {
+        let f = match args.as_slice() {
+            [(None, Val::Word(w, s), _)] if w == "silu" => return Val::Word("swiglu".into(), *s),
+            [(None, Val::Word(w, s), _)] => self.ns[module].fns.get(w).map(|f| (f.clone(), *s)),
+            [(None, Val::Fn(f, s), _)] => Some((f.clone(), *s)),
+            _ => None,
+        };
+        match f {
+            Some((f, _)) if f.params.len() == 1 => Val::Fn(Arc::new(functions::glu(&f)), span),
+            Some((f, s)) => self.err(
+                Diagnostic::error(
+                    "E0228",
+                    format!(
+                        "glu(f) gates a function of one parameter; `{}` takes {}",
+                        f.name,
+                        f.params.len()
+                    ),
+                )
+                .label(s, "this function")
+                .help("pass a one-parameter function, e.g. `glu(gelu)`"),
+            ),
+            None => self.err(
+                Diagnostic::error("E0207", "glu takes one function: `glu(f)`")
+                    .label(span, "here")
+                    .help(
+                        "write e.g. `act = glu(gelu)` or `act = glu(myfn)` with `fn myfn(x) = …`",
+                    ),
             ),
         }
     }
@@ -745,6 +817,7 @@ impl<'a> Elab<'a> {
                 Val::Bool(b, s) => ArgValue::Bool(b, s),
                 Val::Word(w, s) => ArgValue::Word(w, s),
                 Val::Rope(r, s) => ArgValue::Rope(r, s),
+                Val::Fn(f, s) => ArgValue::Fn(f, s),
                 Val::Callable(Callee::Builtin(k), s) if key == "tied" => ArgValue::Word(k.to_string(), s),
                 _ => {
                     return self.err(
