@@ -33,6 +33,9 @@ pub(super) fn rewrite(program: &mut Program, groups: &[Group]) -> Result<(), Str
     for (&j, &place) in &deferred {
         after.entry(place).or_default().push(j);
     }
+    for frees in after.values_mut() {
+        frees.sort_unstable();
+    }
     let moved: HashSet<usize> = groups
         .iter()
         .flat_map(|g| g.members.iter().copied().filter(|m| *m != g.place))
