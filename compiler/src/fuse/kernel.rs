@@ -16,13 +16,14 @@ use crate::ir::operands::{MAX_INPUTS, MAX_OUTPUTS};
 use crate::ir::BufferId;
 use crate::kir::{Access, ColMap, Graph, Kernel, Node, NodeId, Store};
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 /// Where a kernel input comes from.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(super) enum Source {
     Buffer(BufferId),
     /// The rotation table of a rope (`Op::RopeTable`), made once per step.
-    Table(TableKey),
+    Table(Arc<TableKey>),
 }
 
 /// What distinguishes one rotation table from another.
@@ -78,7 +79,10 @@ pub(super) enum Refusal {
 /// A group's kernel and what it binds.
 #[derive(Clone, Debug)]
 pub(super) struct Built {
-    pub kernel: Kernel,
+    /// Shared by every group of the same shape.
+    pub kernel: Arc<Kernel>,
+    /// What it computes, for people: the ops it replaces, each once (`split_columns+rope`).
+    pub name: Arc<str>,
     pub inputs: Vec<Source>,
     pub outputs: Vec<BufferId>,
     /// Buffers only the members use: no store, no allocation.
@@ -126,7 +130,22 @@ pub(super) fn build(
         ops::emit(m, cols, &mut g, &mut env).map_err(cannot)?;
     }
     let fixes_rows = members.iter().any(|m| m.fixes_rows);
-    state.finish(g, rows, fixes_rows, internal)
+    state.finish(g, (rows, fixes_rows), &name(members), internal)
+}
+
+/// The names of the ops `members` are, each once, joined by `+`.
+fn name(members: &[&Fragment]) -> String {
+    let mut names: Vec<&str> = Vec::new();
+    for m in members {
+        let name = match m.op {
+            crate::ir::op::Op::Fused(a) => a.name.as_str(),
+            other => other.opcode().name(),
+        };
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    names.join("+")
 }
 
 fn gcd(a: u64, b: u64) -> u64 {
@@ -213,8 +232,8 @@ impl State {
     fn finish(
         self,
         g: Graph,
-        rows: u64,
-        fixes_rows: bool,
+        (rows, fixes_rows): (u64, bool),
+        name: &str,
         internal: &dyn Fn(BufferId) -> bool,
     ) -> Result<Built, Refusal> {
         let (kept, internal): (Vec<_>, Vec<_>) =
@@ -258,7 +277,8 @@ impl State {
             .validate()
             .map_err(|e| Refusal::Bug(format!("the fused kernel `{kernel}` is invalid: {e}")))?;
         Ok(Built {
-            kernel,
+            kernel: Arc::new(kernel),
+            name: name.into(),
             inputs: inputs.into_iter().map(|(s, _)| s).collect(),
             outputs: kept.iter().map(|(b, _)| *b).collect(),
             internal: internal.iter().map(|(b, _)| *b).collect(),
@@ -352,7 +372,7 @@ impl Env for MemberEnv<'_, '_> {
     fn table(&mut self, g: &mut Graph, attrs: &RopeAttrs, offset: u64) -> Result<NodeId, String> {
         let key = TableKey::of(attrs);
         let access = key.access();
-        let i = self.st.input(Source::Table(key), access)?;
+        let i = self.st.input(Source::Table(Arc::new(key)), access)?;
         Ok(g.load_mapped(i, offset, ColMap::Periodic(attrs.head_dim)))
     }
 

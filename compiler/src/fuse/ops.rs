@@ -50,6 +50,25 @@ pub(super) struct Fragment<'a> {
     pub periods: Vec<u64>,
 }
 
+/// Whether `op` is of a kind that fuses (its instruction may still not: see [`fragment`]).
+pub(super) fn fusible(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Activation(_)
+            | Op::ActivationBwd(_)
+            | Op::SwiGlu
+            | Op::SwiGluBwd
+            | Op::Add
+            | Op::Scale { .. }
+            | Op::Copy
+            | Op::Rope(_)
+            | Op::RopeBwd(_)
+            | Op::SplitColumns { .. }
+            | Op::ConcatColumns { .. }
+            | Op::Fused(_)
+    )
+}
+
 /// The fragment of a compute instruction, or `None` if it is not fusible.
 pub(super) fn fragment<'a>(program: &Program, c: &Compute<'a>) -> Option<Fragment<'a>> {
     if c.outputs.iter().any(|o| c.inputs.contains(o)) {

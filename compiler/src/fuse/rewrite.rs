@@ -8,57 +8,82 @@ use super::kernel::{Source, TableKey};
 use crate::ir::op::{segments_len, FusedAttrs, Op};
 use crate::ir::operands::{Inputs, Outputs};
 use crate::ir::{Buffer, BufferId, BufferKind, DType, Instr, Program};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 /// One rotation table of the program: its buffer and first and last reader's place.
 struct Table {
-    key: TableKey,
+    key: Arc<TableKey>,
     buffer: BufferId,
     first: usize,
     last: usize,
+}
+
+/// What the rewrite does with an instruction.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Action {
+    Keep,
+    /// A member moved to its group's place, a free moved after it, or the `Alloc`/`Free` of a
+    /// buffer that disappeared.
+    Drop,
+    /// The place of group `k`.
+    Place(usize),
 }
 
 /// Replace `groups`' members in `program` by fused instructions (see the module docs).
 pub(super) fn rewrite(program: &mut Program, groups: &[Group]) -> Result<(), String> {
     let tables = declare_tables(program, groups);
     let table_of: HashMap<&TableKey, BufferId> =
-        tables.iter().map(|t| (&t.key, t.buffer)).collect();
-    let internal: HashSet<BufferId> = groups
-        .iter()
-        .flat_map(|g| g.built.internal.iter().copied())
-        .collect();
-    let deferred = deferred_frees(program, groups);
-    let mut after: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-    for (&j, &place) in &deferred {
-        after.entry(place).or_default().push(j);
+        tables.iter().map(|t| (&*t.key, t.buffer)).collect();
+    let mut internal = vec![false; program.buffers.len()];
+    for b in groups.iter().flat_map(|g| g.built.internal.iter()) {
+        if let Some(slot) = internal.get_mut(b.0 as usize) {
+            *slot = true;
+        }
     }
-    for frees in after.values_mut() {
-        frees.sort_unstable();
-    }
-    let moved: HashSet<usize> = groups
+    let mut action: Vec<Action> = program
+        .instrs
         .iter()
-        .flat_map(|g| g.members.iter().copied().filter(|m| *m != g.place))
+        .map(|instr| match instr {
+            Instr::Alloc { buffer } | Instr::Free { buffer }
+                if internal.get(buffer.0 as usize) == Some(&true) =>
+            {
+                Action::Drop
+            }
+            _ => Action::Keep,
+        })
         .collect();
-    let by_place: HashMap<usize, &Group> = groups.iter().map(|g| (g.place, g)).collect();
-    let mut ops: HashMap<String, Arc<Op>> = HashMap::new();
+    for (k, g) in groups.iter().enumerate() {
+        for m in &g.members {
+            action[*m] = Action::Drop;
+        }
+        action[g.place] = Action::Place(k);
+    }
+    let after = deferred_frees(program, groups);
+    for (j, _) in after.iter().flatten() {
+        action[*j] = Action::Drop;
+    }
+    let ops = fused_ops(groups);
     let old = std::mem::take(&mut program.instrs);
     let mut instrs = Vec::with_capacity(old.len());
-    for (i, instr) in old.iter().enumerate() {
-        if moved.contains(&i) || deferred.contains_key(&i) || drops(instr, &internal) {
-            continue;
-        }
-        let Some(group) = by_place.get(&i) else {
-            instrs.push(instr.clone());
-            continue;
-        };
-        let (node, phase) = match instr {
-            Instr::Compute { node, phase, .. } => (*node, *phase),
-            _ => {
-                return Err(format!(
-                    "instruction {i} is a group's place but not a compute"
-                ))
+    for (i, instr) in old.into_iter().enumerate() {
+        let k = match action[i] {
+            Action::Keep => {
+                instrs.push(instr);
+                continue;
             }
+            Action::Drop => continue,
+            Action::Place(k) => k,
+        };
+        let (Some(group), Some(op)) = (groups.get(k), ops.get(k)) else {
+            return Err(format!(
+                "instruction {i} is the place of a group that is missing"
+            ));
+        };
+        let Instr::Compute { node, phase, .. } = instr else {
+            return Err(format!(
+                "instruction {i} is a group's place but not a compute"
+            ));
         };
         let compute = |op: Arc<Op>, inputs: &[BufferId], outputs: &[BufferId]| {
             Ok::<_, String>(Instr::Compute {
@@ -71,11 +96,8 @@ pub(super) fn rewrite(program: &mut Program, groups: &[Group]) -> Result<(), Str
         };
         for t in tables.iter().filter(|t| t.first == i) {
             instrs.push(Instr::Alloc { buffer: t.buffer });
-            instrs.push(compute(
-                Arc::new(Op::RopeTable(t.key.attrs())),
-                &[],
-                &[t.buffer],
-            )?);
+            let op = Arc::new(Op::RopeTable(t.key.attrs()));
+            instrs.push(compute(op, &[], &[t.buffer])?);
         }
         let inputs = group
             .built
@@ -84,60 +106,55 @@ pub(super) fn rewrite(program: &mut Program, groups: &[Group]) -> Result<(), Str
             .map(|s| match s {
                 Source::Buffer(b) => Ok(*b),
                 Source::Table(key) => table_of
-                    .get(key)
+                    .get(&**key)
                     .copied()
                     .ok_or_else(|| "a rotation table was not declared".to_string()),
             })
             .collect::<Result<Vec<_>, String>>()?;
-        let op = shared_op(&mut ops, fused_attrs(&old, group));
-        instrs.push(compute(op, &inputs, &group.built.outputs)?);
+        instrs.push(compute(op.clone(), &inputs, &group.built.outputs)?);
         for t in tables.iter().filter(|t| t.last == i) {
             instrs.push(Instr::Free { buffer: t.buffer });
         }
-        for j in after.get(&i).into_iter().flatten() {
-            if let Some(free) = old.get(*j) {
-                instrs.push(free.clone());
-            }
+        for &(_, buffer) in after.get(k).into_iter().flatten() {
+            instrs.push(Instr::Free { buffer });
         }
     }
     program.instrs = instrs;
     Ok(())
 }
 
-/// Whether `instr` allocates or frees a buffer that disappeared.
-fn drops(instr: &Instr, internal: &HashSet<BufferId>) -> bool {
-    match instr {
-        Instr::Alloc { buffer } | Instr::Free { buffer } => internal.contains(buffer),
-        _ => false,
-    }
-}
-
-/// The `Free`s between a group's first member and its place of a buffer the fused op binds,
-/// by instruction, each with the latest such place (where it moves).
-fn deferred_frees(program: &Program, groups: &[Group]) -> HashMap<usize, usize> {
-    let mut deferred: HashMap<usize, usize> = HashMap::new();
-    for g in groups {
-        let bound: HashSet<BufferId> = g
-            .built
-            .inputs
-            .iter()
-            .filter_map(|s| match s {
-                Source::Buffer(b) => Some(*b),
-                Source::Table(_) => None,
-            })
-            .chain(g.built.outputs.iter().copied())
-            .collect();
+/// Per group, the `Free`s (instruction, buffer) between its first member and its place of a
+/// buffer its fused op binds, in order: they move right after the fused op (a free several
+/// groups span moves after the latest).
+fn deferred_frees(program: &Program, groups: &[Group]) -> Vec<Vec<(usize, BufferId)>> {
+    let mut claimed: HashMap<usize, (usize, BufferId)> = HashMap::new();
+    for (k, g) in groups.iter().enumerate() {
+        let bound = |b: &BufferId| {
+            g.built.outputs.contains(b) || g.built.inputs.contains(&Source::Buffer(*b))
+        };
         let first = g.members.first().copied().unwrap_or(g.place);
         for j in first + 1..g.place {
-            if let Some(Instr::Free { buffer }) = program.instrs.get(j) {
-                if bound.contains(buffer) {
-                    let place = deferred.entry(j).or_insert(g.place);
-                    *place = (*place).max(g.place);
+            let Some(Instr::Free { buffer }) = program.instrs.get(j) else {
+                continue;
+            };
+            if bound(buffer) {
+                let slot = claimed.entry(j).or_insert((k, *buffer));
+                if groups.get(slot.0).is_some_and(|h| h.place < g.place) {
+                    slot.0 = k;
                 }
             }
         }
     }
-    deferred
+    let mut after: Vec<Vec<(usize, BufferId)>> = vec![Vec::new(); groups.len()];
+    for (j, (k, buffer)) in claimed {
+        if let Some(list) = after.get_mut(k) {
+            list.push((j, buffer));
+        }
+    }
+    for list in &mut after {
+        list.sort_unstable();
+    }
+    after
 }
 
 /// Declares a buffer for each distinct rotation table the groups read, with its first and
@@ -151,7 +168,7 @@ fn declare_tables(program: &mut Program, groups: &[Group]) -> Vec<Table> {
             let Source::Table(key) = source else {
                 continue;
             };
-            if let Some(t) = tables.iter_mut().find(|t| t.key == *key) {
+            if let Some(t) = tables.iter_mut().find(|t| *t.key == **key) {
                 t.last = g.place;
                 continue;
             }
@@ -173,31 +190,26 @@ fn declare_tables(program: &mut Program, groups: &[Group]) -> Vec<Table> {
     tables
 }
 
-/// The fused op of `group`: named after the ops it replaces (`split_columns+rope`).
-fn fused_attrs(instrs: &[Instr], group: &Group) -> FusedAttrs {
-    let mut names: Vec<String> = Vec::new();
-    for op in group.members.iter().filter_map(|m| instrs.get(*m)?.op()) {
-        let name = match op {
-            Op::Fused(a) => a.name.clone(),
-            other => other.opcode().name().to_string(),
-        };
-        if !names.contains(&name) {
-            names.push(name);
-        }
-    }
-    let built = &group.built;
-    FusedAttrs {
-        name: names.join("+"),
-        rows: built.fixes_rows.then_some(built.rows),
-        kernel: Arc::new(built.kernel.clone()),
-    }
-}
-
-/// The fused op of `attrs`, or an equal one made before (the same layer in every microbatch
-/// shares one).
-fn shared_op(ops: &mut HashMap<String, Arc<Op>>, attrs: FusedAttrs) -> Arc<Op> {
-    let key = format!("{attrs:?}");
-    ops.entry(key)
-        .or_insert_with(|| Arc::new(Op::Fused(attrs)))
-        .clone()
+/// The fused op of each group; groups with one kernel, name and rows share one op.
+fn fused_ops(groups: &[Group]) -> Vec<Arc<Op>> {
+    let mut shared: HashMap<(usize, usize, Option<u64>), Arc<Op>> = HashMap::new();
+    groups
+        .iter()
+        .map(|g| {
+            let built = &g.built;
+            let rows = built.fixes_rows.then_some(built.rows);
+            let kernel = Arc::as_ptr(&built.kernel) as usize;
+            let name = Arc::as_ptr(&built.name).cast::<u8>() as usize;
+            shared
+                .entry((kernel, name, rows))
+                .or_insert_with(|| {
+                    Arc::new(Op::Fused(FusedAttrs {
+                        name: built.name.to_string(),
+                        rows,
+                        kernel: built.kernel.clone(),
+                    }))
+                })
+                .clone()
+        })
+        .collect()
 }
