@@ -37,6 +37,8 @@ mod attention;
 mod cross_entropy;
 mod elementwise;
 mod errors;
+mod fused;
+mod fused_kernels;
 #[cfg(feature = "cuda")]
 #[path = "../gpu_support/mod.rs"]
 mod gpu_support;

@@ -115,37 +115,61 @@ fn check_outputs(kernel: &Kernel, rows: usize, outputs: &[&mut [f32]]) -> Result
     Ok(())
 }
 
-/// The values of every node: one number (constant or row value) or one per column.
+/// The values of the nodes: one number (constant or row value) or one per column, each in a
+/// buffer (slot). A value that varies across rows gives its slot back after its last use in
+/// the row, so a row's working set is its live values, not its whole graph.
 struct State<'k> {
     kernel: &'k Kernel,
     levels: Vec<Level>,
-    values: Vec<Vec<f32>>,
+    slot_of: Vec<usize>,
+    slots: Vec<Vec<f32>>,
     cols: usize,
-}
-
-/// Where a load reads: the row's first element and the column map.
-struct Loc<'a> {
-    data: &'a [f32],
-    base: usize,
-    offset: usize,
-    map: ColMap,
 }
 
 impl<'k> State<'k> {
     fn new(kernel: &'k Kernel) -> State<'k> {
         let levels = kernel.levels();
         let cols = kernel.cols as usize;
-        let values = levels
-            .iter()
-            .map(|l| match l {
-                Level::Const | Level::Row => vec![0.0; 1],
-                Level::Col | Level::Elem => vec![0.0; cols],
-            })
-            .collect();
+        let per_row = |l: Level| matches!(l, Level::Row | Level::Elem);
+        let nodes = kernel.graph.nodes();
+        let mut last_use = vec![0usize; nodes.len()];
+        for (i, node) in nodes.iter().enumerate() {
+            for a in node.operands() {
+                last_use[a.index()] = i;
+            }
+        }
+        for s in &kernel.stores {
+            last_use[s.value.index()] = usize::MAX;
+        }
+        let mut slots: Vec<Vec<f32>> = Vec::new();
+        let mut free: [Vec<usize>; 2] = [Vec::new(), Vec::new()];
+        let mut slot_of = Vec::with_capacity(nodes.len());
+        for (i, node) in nodes.iter().enumerate() {
+            let wide = matches!(levels[i], Level::Col | Level::Elem) as usize;
+            let reused = match per_row(levels[i]) {
+                true => free[wide].pop(),
+                false => None,
+            };
+            let slot = reused.unwrap_or_else(|| {
+                slots.push(vec![0.0; if wide == 1 { cols } else { 1 }]);
+                slots.len() - 1
+            });
+            slot_of.push(slot);
+            for a in node.operands() {
+                let a = a.index();
+                if per_row(levels[a]) && last_use[a] == i {
+                    let wide_a = matches!(levels[a], Level::Elem) as usize;
+                    if !free[wide_a].contains(&slot_of[a]) {
+                        free[wide_a].push(slot_of[a]);
+                    }
+                }
+            }
+        }
         State {
             kernel,
             levels,
-            values,
+            slot_of,
+            slots,
             cols,
         }
     }
@@ -170,9 +194,10 @@ impl<'k> State<'k> {
 
     fn eval_node(&mut self, i: usize, inputs: &[&[f32]], r: usize, abs: usize) {
         let node = self.kernel.graph.nodes()[i];
-        let (before, rest) = self.values.split_at_mut(i);
-        let out = &mut rest[0];
-        let v = |id: NodeId| before[id.index()].as_slice();
+        // The node's slot is none of its operands' (they are live when it is assigned).
+        let mut out = std::mem::take(&mut self.slots[self.slot_of[i]]);
+        let (slots, slot_of) = (&self.slots, &self.slot_of);
+        let v = |id: NodeId| slots[slot_of[id.index()]].as_slice();
         match node {
             Node::Param(_) => out.fill(f32::NAN),
             Node::Const(bits) => out.fill(f32::from_bits(bits)),
@@ -183,32 +208,20 @@ impl<'k> State<'k> {
             } => {
                 let access = self.kernel.inputs[input as usize];
                 let loc = load_loc(access, inputs[input as usize], col_offset, map, (r, abs));
-                load(out, &loc);
+                load(&mut out, &loc);
             }
-            Node::Un(op, a) => un(out, op, v(a)),
-            Node::Bin(op, a, b) => bin(out, op, v(a), v(b)),
-            Node::Cmp(op, a, b) => {
-                zip(
-                    out,
-                    v(a),
-                    v(b),
-                    |x, y| {
-                        if prim::cmp(op, x, y) {
-                            1.0
-                        } else {
-                            0.0
-                        }
-                    },
-                )
-            }
-            Node::Select(c, a, b) => select(out, v(c), v(a), v(b)),
+            Node::Un(op, a) => un(&mut out, op, v(a)),
+            Node::Bin(op, a, b) => bin(&mut out, op, v(a), v(b)),
+            Node::Cmp(op, a, b) => cmp(&mut out, op, v(a), v(b)),
+            Node::Select(c, a, b) => select(&mut out, v(c), v(a), v(b)),
             Node::RowSum(a) => out[0] = row_sum(v(a)),
         }
+        self.slots[self.slot_of[i]] = out;
     }
 
     fn store(&self, outputs: &mut [&mut [f32]], r: usize) {
         for s in &self.kernel.stores {
-            let value = &self.values[s.value.index()];
+            let value = &self.slots[self.slot_of[s.value.index()]];
             let out = &mut outputs[s.output as usize];
             match self.kernel.outputs[s.output as usize] {
                 Access::Elem { width } => {
@@ -223,6 +236,14 @@ impl<'k> State<'k> {
             }
         }
     }
+}
+
+/// Where a load reads: the row's first element and the column map.
+struct Loc<'a> {
+    data: &'a [f32],
+    base: usize,
+    offset: usize,
+    map: ColMap,
 }
 
 /// Where input `data` (read as `access`) is read at local row `r`, absolute row `abs`.
@@ -293,9 +314,41 @@ fn un(out: &mut [f32], op: Un, a: &[f32]) {
         Un::Neg => map1(out, a, |x| -x),
         Un::Abs => map1(out, a, f32::abs),
         Un::Sqrt => map1(out, a, f32::sqrt),
-        Un::Floor => map1(out, a, f32::floor),
+        Un::Floor => map1(out, a, floor),
+        Un::Exp2i => map1(out, a, exp2i),
         _ => map1(out, a, |x| prim::un(op, x)),
     }
+}
+
+/// `f32::floor` in a form the compiler vectorizes (the baseline x86-64 target has no rounding
+/// instruction, so `floor` is a call per element): below 2^23, where every f32 with a fraction
+/// lies, `(|x| + 2^23) - 2^23` rounds |x| to an integer exactly; with x's sign back, one less
+/// where that went up. The same bits as `prim` (tested), -0 and NaN included.
+fn floor(x: f32) -> f32 {
+    const TWO_23: f32 = 8_388_608.0;
+    if x.abs() < TWO_23 {
+        let r = ((x.abs() + TWO_23) - TWO_23).copysign(x);
+        if r > x {
+            r - 1.0
+        } else {
+            r
+        }
+    } else {
+        x
+    }
+}
+
+/// `prim::exp2i` without `clamp`'s NaN check in the loop: same bits (tested).
+#[allow(clippy::manual_clamp)] // `clamp` is what this avoids: it does not vectorize here.
+fn exp2i(k: f32) -> f32 {
+    let k = if k < -126.0 {
+        -126.0
+    } else if k > 127.0 {
+        127.0
+    } else {
+        k
+    };
+    f32::from_bits(((k as i32 + 127) as u32) << 23)
 }
 
 fn bin(out: &mut [f32], op: Bin, a: &[f32], b: &[f32]) {
@@ -308,8 +361,27 @@ fn bin(out: &mut [f32], op: Bin, a: &[f32], b: &[f32]) {
     }
 }
 
+/// A comparison as 1.0 / 0.0, one loop per op so each vectorizes.
+fn cmp(out: &mut [f32], op: Cmp, a: &[f32], b: &[f32]) {
+    let f = |t: bool| if t { 1.0 } else { 0.0 };
+    match op {
+        Cmp::Lt => zip(out, a, b, |x, y| f(x < y)),
+        Cmp::Le => zip(out, a, b, |x, y| f(x <= y)),
+        Cmp::Gt => zip(out, a, b, |x, y| f(x > y)),
+        Cmp::Ge => zip(out, a, b, |x, y| f(x >= y)),
+        Cmp::Eq => zip(out, a, b, |x, y| f(x == y)),
+        Cmp::Ne => zip(out, a, b, |x, y| f(x != y)),
+    }
+}
+
 fn select(out: &mut [f32], c: &[f32], a: &[f32], b: &[f32]) {
     let n = out.len();
+    if c.len() == n && a.len() == n && b.len() == n {
+        for (((o, &c), &a), &b) in out.iter_mut().zip(c).zip(a).zip(b) {
+            *o = if c != 0.0 { a } else { b };
+        }
+        return;
+    }
     let at = |s: &[f32], i: usize| if s.len() == n { s[i] } else { s[0] };
     for (i, o) in out.iter_mut().enumerate() {
         *o = if at(c, i) != 0.0 { at(a, i) } else { at(b, i) };

@@ -5,17 +5,17 @@
 //! one expansion, made once in the compiler, gives the same bits on every backend. It also drops
 //! the nodes no store reads.
 //!
-//! Accuracy promised (f32 results against the exact value; the tests in `expand/tests.rs` measure
-//! it on dense sweeps and state the maxima found):
-//! - `exp`: ≤ 2 ulp (measured ≤ 1); `exp(x) = +inf` above ~88.72, subnormal results rounded once,
-//!   0 below ~-103.9; NaN → NaN, ±inf → +inf / 0.
-//! - `log`: ≤ 2 ulp, subnormal inputs included; `log(0) = -inf`, `log(x < 0) = NaN`,
+//! Accuracy promised (f32 results against the exact value; `expand/tests.rs` measures it on
+//! sweeps of every 5th f32 of each range, `dense_sweeps`, and the maxima found are given):
+//! - `exp`: ≤ 2 ulp (measured 0.77); `exp(x) = +inf` above ~88.72, subnormal results rounded
+//!   once, 0 below ~-103.9; NaN → NaN, ±inf → +inf / 0.
+//! - `log`: ≤ 2 ulp (0.83), subnormal inputs included; `log(0) = -inf`, `log(x < 0) = NaN`,
 //!   `log(+inf) = +inf`, NaN → NaN.
-//! - `tanh`: ≤ 2 ulp, odd (`tanh(-0) = -0`), exactly ±1 from |x| ≈ 9.01 on.
-//! - `erf`: ≤ 3e-7 absolute; relative error near 0 small enough that `erf(x)/x` is right to 1e-6;
-//!   odd; exactly ±1 for |x| ≥ 4.
-//! - `sigmoid`: ≤ 2 ulp, subnormal results for x < ~-87 included.
-//! - `rsqrt(x) = 1 / sqrt(x)` (two correctly rounded ops: ≤ 1 ulp).
+//! - `tanh`: ≤ 2 ulp (1.47), odd (`tanh(-0) = -0`), exactly ±1 from |x| ≈ 9.01 on.
+//! - `erf`: ≤ 3e-7 absolute (1.93e-7); relative error near 0 small enough that `erf(x)/x` is
+//!   right to 1e-6 (1.6e-7); odd; exactly ±1 for |x| ≥ 4.
+//! - `sigmoid`: ≤ 2 ulp (1.71), subnormal results for x < ~-87 included.
+//! - `rsqrt(x) = 1 / sqrt(x)` (two correctly rounded ops: ≤ 2 ulp, measured 1.49).
 //! - `min`, `max`: exact; NaN if either operand is NaN (as `torch.minimum`); of two equal operands
 //!   (`-0` and `+0`) the first.
 //! - `pow(x, y)`: a constant integral `y` in [-4, 4] by multiplications (`1 / …` for a negative
@@ -144,6 +144,8 @@ const EXP_MIN_ARG: f32 = -105.0;
 /// tanh's switch from its Taylor series to the exp form (tanh(0.55) ≈ 0.5).
 const TANH_SERIES_MAX: f32 = 0.55;
 /// erf's switch from its Taylor series to A&S 7.1.26, and where it is ±1.
+/// sigmoid's switch (x < 0) from the corrected quotient to `e - e² / d`.
+const SIGMOID_FAR: f32 = -2.0;
 const ERF_SERIES_MAX: f32 = 1.0;
 const ERF_ONE_FROM: f32 = 4.0;
 
@@ -252,8 +254,8 @@ impl B<'_> {
         acc
     }
 
-    /// exp: `2^k · e^r` with `k = round(x / ln 2)`, `r = x - k ln 2` (ln 2 split so `r` is
-    /// nearly exact), `e^r` by its Taylor series to degree 7 (truncation < 0.1 ulp for
+    /// exp: `2^k · e^r` with `k = round(x / ln 2)`, `r = x - k ln 2 = r_hi + r_lo` (ln 2 split
+    /// so `r_hi` is exact), `e^r` by its Taylor series to degree 7 (truncation < 0.1 ulp for
     /// |r| ≤ ln2/2), and `2^k` applied in two steps so 2^128 and subnormal results work. The
     /// clamps keep NaN (a NaN fails both comparisons).
     fn exp(&mut self, x: NodeId) -> NodeId {
@@ -270,15 +272,23 @@ impl B<'_> {
         let k_hi = self.mulc(k, LN2_HI);
         let r_hi = self.sub(x, k_hi);
         let k_lo = self.mulc(k, ln2_lo());
-        let r = self.sub(r_hi, k_lo);
+        let r_lo = self.un(Un::Neg, k_lo);
+        let r = self.add(r_hi, r_lo);
 
-        // e^r = 1 + (r + r² · (1/2! + r/3! + … + r^5/7!))
+        // e^r = (1 + r_hi) + (r_lo + r² · (1/2! + r/3! + … + r^5/7!)), with the rounding error
+        // of 1 + r_hi recovered exactly (Fast2Sum: |1| ≥ |r_hi|), so only the final sum rounds
+        // at the result's scale.
         let coeffs = exp_coefficients(8);
         let tail = self.poly(r, &coeffs[2..]);
         let r2 = self.mul(r, r);
         let q = self.mul(r2, tail);
-        let q = self.add(r, q);
-        let er = self.addc(q, 1.0);
+        let small = self.add(r_lo, q);
+        let one = self.c(1.0);
+        let s = self.add(one, r_hi);
+        let one_minus_s = self.sub(one, s);
+        let s_err = self.add(one_minus_s, r_hi);
+        let low = self.add(s_err, small);
+        let er = self.add(s, low);
 
         let half_k = self.mulc(k, 0.5);
         let k1 = self.un(Un::Floor, half_k);
@@ -363,7 +373,8 @@ impl B<'_> {
         self.sel(zero, x, value)
     }
 
-    /// erf: `x · S(x²)` (Taylor series, 12 terms) for |x| ≤ 1, else A&S 7.1.26 with the sign of
+    /// erf: `x · S(x²)` (Taylor series, 12 terms; A&S's error and the rounding of `1 - q` pass
+    /// 3e-7 below |x| ≈ 0.6) for |x| ≤ 1, else A&S 7.1.26 with the sign of
     /// x, and ±1 for |x| ≥ 4.
     fn erf(&mut self, x: NodeId) -> NodeId {
         let a = self.un(Un::Abs, x);
@@ -391,9 +402,10 @@ impl B<'_> {
     }
 
     /// sigmoid: with `e = exp(-|x|)` and `d = 1 + e`, `1 / d` for x ≥ 0 and `e / d` for x < 0
-    /// (so tiny results keep their precision instead of `1 / (1 + huge)`). For x < 0 the
-    /// rounding error `lo` of `d` (exact: Fast2Sum, as 1 ≥ e) is corrected for:
-    /// `e / (d + lo) ≈ q - q · lo / d` with `q = e / d`.
+    /// (so tiny results keep their precision instead of `1 / (1 + huge)`). For x in [-2, 0)
+    /// the rounding error `lo` of `d` (exact: Fast2Sum, as 1 ≥ e) is corrected for:
+    /// `e / (d + lo) ≈ q - q · lo / d` with `q = e / d`; below -2, `e - e² / d` (the small
+    /// terms' `/ d` as `· (1 / d)`).
     fn sigmoid(&mut self, x: NodeId) -> NodeId {
         let a = self.un(Un::Abs, x);
         let na = self.un(Un::Neg, a);
@@ -405,8 +417,16 @@ impl B<'_> {
         let e_rounded = self.addc(den, -1.0);
         let lo = self.sub(e, e_rounded);
         let q_lo = self.mul(q, lo);
-        let correction = self.div(q_lo, den);
-        let neg = self.sub(q, correction);
+        // Corrections are far below the result's ulp: `· (1 / d)` serves for `/ d` there, which
+        // leaves two divisions (each several instructions on a GPU) instead of four.
+        let correction = self.mul(q_lo, pos);
+        let near = self.sub(q, correction);
+        // Further out, e - e² / d rounds once at the result's scale (e² / d is ~e times smaller).
+        let e2 = self.mul(e, e);
+        let e2_d = self.mul(e2, pos);
+        let far = self.sub(e, e2_d);
+        let is_far = self.cmpc(Cmp::Lt, x, SIGMOID_FAR);
+        let neg = self.sel(is_far, far, near);
         let negative = self.cmpc(Cmp::Lt, x, 0.0);
         self.sel(negative, neg, pos)
     }

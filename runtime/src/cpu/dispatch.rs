@@ -5,7 +5,7 @@
 //! attention) where its kernels use them.
 use super::args::{Inputs, Outputs};
 use super::dense::Threads;
-use super::{attention, cross_entropy, elementwise, embed, linear, movement, norm, optim};
+use super::{attention, cross_entropy, elementwise, embed, fused, linear, movement, norm, optim};
 use crate::backend::StepScalars;
 use crate::error::Result;
 use parc_compiler::ir::op::Op;
@@ -20,6 +20,9 @@ pub(crate) fn run(
     scalars: &StepScalars,
     threads: Threads,
 ) -> Result<()> {
+    if let Op::Fused(attrs) = op {
+        return fused::run(attrs, ins, outs);
+    }
     match op.opcode().family() {
         Family::Embedding => embed::run(op, ins, outs),
         Family::Norm => norm::run(op, ins, outs),

@@ -53,30 +53,48 @@ fn memory_cache() -> &'static Mutex<HashMap<u64, String>> {
 
 /// PTX for `arch` (e.g. `compute_90`): from memory, disk, or NVRTC, in that order.
 fn ptx_for(arch: &str) -> Result<String> {
-    let src = source();
-    let mut key_parts = vec![src.as_str(), arch];
-    key_parts.extend(NVRTC_OPTIONS);
+    cached_ptx(
+        "kernels",
+        "parc's CUDA kernels",
+        &source(),
+        arch,
+        &NVRTC_OPTIONS,
+    )
+}
+
+/// PTX of the CUDA C `src` for `arch` compiled with `options`: from this process's memory, the
+/// disk cache (`<stem>-<arch>-<hash>.ptx`), or NVRTC, in that order, keyed by the FNV-1a hash
+/// of the source, the arch and the options. `what` names the program in a compile error.
+pub(super) fn cached_ptx(
+    stem: &str,
+    what: &str,
+    src: &str,
+    arch: &str,
+    options: &[&str],
+) -> Result<String> {
+    let mut key_parts = vec![src, arch];
+    key_parts.extend(options);
     let key = fnv1a(&key_parts);
     if let Ok(cache) = memory_cache().lock() {
         if let Some(ptx) = cache.get(&key) {
             return Ok(ptx.clone());
         }
     }
-    let file = cache_dir().map(|d| d.join(format!("kernels-{arch}-{key:016x}.ptx")));
+    let file = cache_dir().map(|d| d.join(format!("{stem}-{arch}-{key:016x}.ptx")));
     let cached = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok());
     let ptx = match cached {
         Some(ptx) => ptx,
         None => {
-            let mut options: Vec<String> = NVRTC_OPTIONS.iter().map(|s| s.to_string()).collect();
+            let mut options: Vec<String> = options.iter().map(|s| s.to_string()).collect();
             options.push(format!("--gpu-architecture={arch}"));
             let opts = CompileOptions {
                 options,
-                name: Some("parc_kernels.cu".into()),
+                name: Some(format!("{stem}.cu")),
                 ..Default::default()
             };
-            let ptx = compile_ptx_with_opts(&src, opts).map_err(|e| {
+            let ptx = compile_ptx_with_opts(src, opts).map_err(|e| {
                 RuntimeError::Unsupported(format!(
-                    "NVRTC could not compile parc's CUDA kernels for {arch}: {e:?}"
+                    "NVRTC could not compile {what} for {arch}: {e:?}"
                 ))
             })?;
             let text = ptx.to_src();

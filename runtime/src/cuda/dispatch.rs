@@ -3,7 +3,7 @@
 //! is an error before any memory is touched, and each family then reads checked buffers by
 //! position and checks only what its kernels add (launch limits, alignment, positions against
 //! a table's rows).
-use super::{attention, cross_entropy, data_movement, elementwise, embedding, matmul, norm};
+use super::{attention, cross_entropy, data_movement, elementwise, embedding, fused, matmul, norm};
 use super::{optimizer, Buf, CudaBackend};
 use crate::backend::StepScalars;
 use crate::bind::Bound;
@@ -20,6 +20,9 @@ pub(crate) fn run(
     scalars: &StepScalars,
 ) -> Result<()> {
     let b = Bound::bind(op, ins, outs)?;
+    if let Op::Fused(attrs) = op {
+        return fused::run(be, &b, attrs);
+    }
     match op.opcode().family() {
         Family::Embedding => embedding::run(be, &b),
         Family::Norm => norm::run(be, &b),

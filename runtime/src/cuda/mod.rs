@@ -26,6 +26,8 @@
 //! - `attention`: `Attention` and its gradient (exact, mma.sync, wgmma and warp-specialized
 //!   kernels; TMA tensor maps from `tma`);
 //! - `elementwise`: `Rope`, activations, SwiGLU, `Add`, `Scale` and their gradients;
+//! - `fused`: the generated kernels (`Op::Fused`, an elementwise op): CUDA C from `codegen`
+//!   through NVRTC, or LLVM's PTX (`PARC_CODEGEN`), loaded once per kernel and launched;
 //! - `data_movement`: `Copy`, `CopyRange`, `Zero`, `SplitColumns`, `ConcatColumns`;
 //! - `cross_entropy`: the loss family (the fused cross-entropy and the vocabulary-split pieces);
 //! - `optimizer`: clipping and the AdamW / SGD updates, per tensor or fused (`optimizer`'s
@@ -52,6 +54,7 @@
 //! cross-entropy overwrites its logits with dlogits without a copy).
 mod args;
 mod attention;
+mod codegen;
 mod columns;
 mod compile;
 mod cross_entropy;
@@ -60,6 +63,7 @@ mod device;
 mod dispatch;
 mod elementwise;
 mod embedding;
+mod fused;
 mod gemm;
 mod gemm_operands;
 mod gemm_ws;
@@ -93,6 +97,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 pub use device::gpu_absent;
+pub use fused::{emitter_named, Emitter, NvrtcEmitter};
 pub use nccl::{nccl_available, nccl_version, AbortNotice, FailureProbe, NcclHostComm, NcclId};
 pub use variants::{AttentionBwdKernel, AttentionFwdKernel, CrossEntropyKernel, GemmKernel};
 pub use variants::{KernelVariant, NormBwdKernel, NormFwdKernel, Variant};
@@ -217,6 +222,8 @@ pub struct CudaBackend {
     fused: optimizer::FusedOptimizer,
     /// The fused `SumSquares` runs and tables (built by `prepare`).
     sum_squares: sum_squares::FusedSumSquares,
+    /// The generated kernels (`Op::Fused`) loaded so far, and their emitter.
+    generated: fused::Generated,
     /// `--profile`'s time marks on the compute stream since the last `marked_intervals`.
     time_marks: Vec<cudarc::driver::CudaEvent>,
     /// Which implementation runs each op that has kernel variants (`variants`).
@@ -288,6 +295,7 @@ impl CudaBackend {
             gemm_operands: gemm_operands::GemmOperands::default(),
             fused: optimizer::FusedOptimizer::default(),
             sum_squares: sum_squares::FusedSumSquares::default(),
+            generated: fused::Generated::default(),
             time_marks: Vec::new(),
             variants,
             hopper,

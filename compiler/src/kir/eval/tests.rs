@@ -202,3 +202,129 @@ fn f64_evaluation_computes_composites_in_double_precision() {
     assert!(eval_f64(&g, NodeId(99), &[]).is_nan());
     assert!(eval_f64(&g, s, &[0.3]).is_nan());
 }
+
+/// Throughput of the evaluator on SwiGLU's forward (expanded: sigmoid is ~40 primitives), for
+/// the CPU backend's budget: `cargo test --release -p parc-compiler --lib throughput -- --ignored --nocapture`.
+#[test]
+#[ignore = "a measurement; run in release"]
+fn throughput_of_an_expanded_swiglu() {
+    let cols = 4096u64;
+    let rows = 256usize;
+    let mut g = Graph::new();
+    let gate = g.load(0, 0);
+    let up = g.load(1, 0);
+    let s = g.un(Un::Sigmoid, gate);
+    let silu = g.bin(Bin::Mul, gate, s);
+    let y = g.bin(Bin::Mul, silu, up);
+    let k = expand(&Kernel {
+        cols,
+        inputs: vec![Access::Elem { width: cols }; 2],
+        outputs: vec![Access::Elem { width: cols }],
+        graph: g,
+        stores: vec![Store {
+            output: 0,
+            col_offset: 0,
+            value: y,
+        }],
+    });
+    let n = rows * cols as usize;
+    let a: Vec<f32> = (0..n).map(|i| (i as f32 * 1e-3).sin() * 4.0).collect();
+    let b: Vec<f32> = (0..n).map(|i| (i as f32 * 7e-4).cos()).collect();
+    let mut out = vec![0.0f32; n];
+    let start = std::time::Instant::now();
+    let reps = 5;
+    for _ in 0..reps {
+        run(&k, 0, rows, &[&a, &b], &mut [&mut out]).unwrap();
+    }
+    let per = start.elapsed().as_secs_f64() / (reps * n) as f64;
+    println!(
+        "swiglu: {} nodes, {:.2} ns per element ({:.2} ns per node-element)",
+        k.graph.len(),
+        per * 1e9,
+        per * 1e9 / k.graph.len() as f64
+    );
+}
+
+#[test]
+#[ignore = "a measurement; run in release"]
+fn throughput_per_op() {
+    let cols = 4096u64;
+    let rows = 64usize;
+    let n = rows * cols as usize;
+    let a: Vec<f32> = (0..n).map(|i| (i as f32 * 1e-3).sin() * 4.0).collect();
+    for op in ["add", "div", "floor", "exp2i", "cmp", "select"] {
+        let mut g = Graph::new();
+        let mut x = g.load(0, 0);
+        let first = x;
+        for i in 0..40 {
+            let c = g.constant(1.0 + i as f32 * 1e-3);
+            x = match op {
+                "add" => g.bin(Bin::Add, x, c),
+                "div" => g.bin(Bin::Div, x, c),
+                "floor" => {
+                    let f = g.un(Un::Floor, x);
+                    g.bin(Bin::Add, f, c)
+                }
+                "exp2i" => {
+                    let f = g.un(Un::Exp2i, x);
+                    g.bin(Bin::Add, f, c)
+                }
+                _ => {
+                    let cmp = g.cmp(Cmp::Lt, x, c);
+                    let s = g.select(cmp, x, first);
+                    g.bin(Bin::Add, s, c)
+                }
+            };
+        }
+        let k = Kernel {
+            cols,
+            inputs: vec![Access::Elem { width: cols }],
+            outputs: vec![Access::Elem { width: cols }],
+            graph: g,
+            stores: vec![Store {
+                output: 0,
+                col_offset: 0,
+                value: x,
+            }],
+        };
+        let mut out = vec![0.0f32; n];
+        let start = std::time::Instant::now();
+        run(&k, 0, rows, &[&a], &mut [&mut out]).unwrap();
+        let per = start.elapsed().as_secs_f64() / (n * k.graph.len()) as f64;
+        println!("{op}: {:.3} ns per node-element", per * 1e9);
+    }
+}
+
+#[test]
+fn the_vectorizable_floor_and_exp2i_give_the_primitives_bits() {
+    let mut xs: Vec<f32> = (0..=u32::MAX).step_by(65_537).map(f32::from_bits).collect();
+    xs.extend([
+        -0.0,
+        0.0,
+        -0.5,
+        0.5,
+        -1.0,
+        1.0,
+        -1.5,
+        8_388_607.5,
+        -8_388_607.5,
+        8_388_608.0,
+        -8_388_609.0,
+        1e30,
+        -1e30,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        -126.5,
+        127.5,
+        200.0,
+        -300.0,
+    ]);
+    for x in xs {
+        for (op, got) in [(Un::Floor, floor(x)), (Un::Exp2i, exp2i(x))] {
+            let want = prim::un(op, x);
+            let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
+            assert!(same, "{}({x}) = {got}, prim {want}", op.name());
+        }
+    }
+}

@@ -1,0 +1,95 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+use super::{shape, source, Shape};
+use parc_compiler::ir::DType;
+use parc_compiler::kir::{Access, Kernel};
+
+pub(crate) use crate::cpu::fused::tests::fixtures;
+
+/// The operand types of `kernel` with every `Elem` operand `elem`.
+pub(crate) fn dtypes(kernel: &Kernel, elem: DType) -> Vec<DType> {
+    let of = |a: &Access| match a {
+        Access::Elem { .. } => elem,
+        _ => DType::F32,
+    };
+    kernel
+        .inputs
+        .iter()
+        .chain(&kernel.outputs)
+        .map(of)
+        .collect()
+}
+
+#[test]
+fn fixtures_are_valid_expanded_kernels() {
+    for (cols, hd) in [(64, 16), (42, 14)] {
+        for (name, k) in fixtures::primitive(cols, hd) {
+            assert_eq!(k.validate(), Ok(()), "{name} {cols}");
+            assert!(k.is_expanded(), "{name}");
+        }
+    }
+}
+
+#[test]
+fn shapes_follow_the_accesses_and_widths() {
+    assert_eq!(shape(&fixtures::arith(37)), Shape::Flat);
+    assert_eq!(shape(&fixtures::copy(64)), Shape::Flat);
+    assert_eq!(shape(&fixtures::columns(64)), Shape::Rows(8));
+    assert_eq!(shape(&fixtures::columns(44)), Shape::Rows(4));
+    assert_eq!(shape(&fixtures::columns(42)), Shape::Rows(2));
+    assert_eq!(shape(&fixtures::columns(37)), Shape::Rows(1));
+    assert_eq!(shape(&fixtures::rope(64, 16)), Shape::Rows(8));
+    // Half a head of 7 columns: vectors would straddle the rotation.
+    assert_eq!(shape(&fixtures::rope(42, 14)), Shape::Rows(1));
+    assert_eq!(shape(&fixtures::row_col(64)), Shape::Rows(8));
+    assert_eq!(shape(&fixtures::rms(64)), Shape::Reduce);
+    assert_eq!(shape(&fixtures::layer(64)), Shape::Reduce);
+}
+
+#[test]
+fn sources_follow_the_abi() {
+    let k = fixtures::arith(64);
+    let src = source(&k, &dtypes(&k, DType::Bf16)).unwrap();
+    assert!(src.contains(
+        "extern \"C\" __global__ void parc_fused(const unsigned short* __restrict__ in0, \
+         const unsigned short* __restrict__ in1, unsigned short* __restrict__ out0, \
+         unsigned short* __restrict__ out1, long long rows)"
+    ));
+    // 16-byte vectors of bf16 where aligned; rounded once, correctly.
+    assert!(src.contains("uint4"), "{src}");
+    for f in [
+        "__fadd_rn",
+        "__fsub_rn",
+        "__fmul_rn",
+        "__fdiv_rn",
+        "__fsqrt_rn",
+        "floorf",
+    ] {
+        assert!(src.contains(f), "{f} missing:\n{src}");
+    }
+    let k = fixtures::row_col(64);
+    let src = source(&k, &dtypes(&k, DType::F32)).unwrap();
+    assert!(src.contains("const float* __restrict__ in1"), "{src}");
+    assert!(src.contains("if (c == 0) out1[r]"), "{src}");
+    let k = fixtures::layer(64);
+    let src = source(&k, &dtypes(&k, DType::F32)).unwrap();
+    assert_eq!(src.matches("parc_row_total(acc").count(), 2, "{src}");
+    assert!(src.contains("c += PARC_LANES"), "{src}");
+}
+
+#[test]
+fn bad_kernels_and_operand_types_are_refused() {
+    let k = fixtures::swiglu(64);
+    let e = source(&k, &dtypes(&k, DType::F32)).unwrap_err();
+    assert!(e.contains("expand"), "{e}");
+    let k = fixtures::row_col(64);
+    let mut d = dtypes(&k, DType::F32);
+    d[1] = DType::Bf16;
+    let e = source(&k, &d).unwrap_err();
+    assert!(e.contains("operand 1") && e.contains("bf16"), "{e}");
+    let e = source(&k, &d[1..]).unwrap_err();
+    assert!(e.contains("operand types"), "{e}");
+    let mut bad = fixtures::arith(64);
+    bad.stores.pop();
+    let e = source(&bad, &dtypes(&bad, DType::F32)).unwrap_err();
+    assert!(e.contains("output 1"), "{e}");
+}
