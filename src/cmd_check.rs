@@ -52,8 +52,9 @@ const AUTO_LOWER_LIMIT: u64 = 2048;
 
 impl LowerWhen {
     /// The stages `check` runs: always the cost model, the rest as `--lower` says.
-    fn options(self) -> CompileOptions {
+    fn options(self, fusion: bool) -> CompileOptions {
         CompileOptions {
+            fusion,
             through: match self {
                 LowerWhen::Never => Stage::Check,
                 LowerWhen::Auto | LowerWhen::Always => Stage::Timeline,
@@ -126,7 +127,12 @@ fn report_rank_stall_fraction(plan: &Plan, timeline: &Timeline) -> Option<f64> {
         .map(|r| (r.idle_seconds + r.exposed_comm_seconds) / timeline.step_seconds)
 }
 
-fn check_one(path: &Path, text: String, overrides: &[Override], lower: LowerWhen) -> Checked {
+fn check_one(
+    path: &Path,
+    text: String,
+    overrides: &[Override],
+    options: CompileOptions,
+) -> Checked {
     let file = path.display().to_string();
     let Compiled {
         sources,
@@ -135,7 +141,7 @@ fn check_one(path: &Path, text: String, overrides: &[Override], lower: LowerWhen
         plan,
         analysis,
         ..
-    } = driver::compile(&file, text, overrides, &lower.options());
+    } = driver::compile(&file, text, overrides, &options);
     Checked {
         file,
         sources,
@@ -153,10 +159,11 @@ pub fn main(args: CheckArgs) -> u8 {
             return 2;
         }
     };
+    let options = args.lower.options(args.spec.fusion());
     let mut results = Vec::new();
     for path in &args.files {
         match read_spec(path) {
-            Ok(text) => results.push(check_one(path, text, &overrides, args.lower)),
+            Ok(text) => results.push(check_one(path, text, &overrides, options)),
             Err(e) => {
                 eprintln!("error: {e}");
                 return 2;

@@ -95,7 +95,11 @@ fn compile(args: &PlanArgs) -> Result<Planned, u8> {
         Emit::Text | Emit::Trace => Stage::Timeline,
     };
     let name = args.file.display().to_string();
-    let compiled = driver::compile(&name, text, &overrides, &CompileOptions::through(through));
+    let options = CompileOptions {
+        fusion: args.spec.fusion(),
+        ..CompileOptions::through(through)
+    };
+    let compiled = driver::compile(&name, text, &overrides, &options);
     eprint!("{}", render(&compiled.sources, &compiled.diagnostics));
     let Compiled {
         spec: Some(spec),

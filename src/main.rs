@@ -38,6 +38,24 @@ pub struct SpecArgs {
     /// May be given many times; when a path is set twice, the last wins.
     #[arg(long = "set", value_name = "PATH=VALUE")]
     pub set: Vec<String>,
+    /// Fuse groups of elementwise, data-movement and RoPE ops into generated kernels (`on`),
+    /// or keep every hand-written op (`off`, to compare).
+    #[arg(long, value_enum, default_value = "on")]
+    pub fusion: Switch,
+}
+
+/// A compile option's `on` or `off`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Switch {
+    On,
+    Off,
+}
+
+impl SpecArgs {
+    /// Whether `--fusion` is on.
+    pub fn fusion(&self) -> bool {
+        self.fusion == Switch::On
+    }
 }
 
 #[derive(Subcommand, Debug)]

@@ -4,6 +4,7 @@
 use crate::diagnostics;
 use crate::input::{parse_overrides, read_spec};
 use crate::run_args::{resolve_backend, Resolved, RunArgs};
+use crate::SpecArgs;
 use parc_compiler::driver::{self, CompileOptions, Compiled, Stage};
 use parc_compiler::ir::Plan;
 use parc_compiler::spec::Spec;
@@ -16,7 +17,7 @@ pub(crate) fn backend_and_plan(args: &RunArgs, quiet: bool) -> Result<(Resolved,
         print_error(&message);
         2
     })?;
-    let (spec, plan) = compile(&args.file, &args.spec.set)?;
+    let (spec, plan) = compile(&args.file, &args.spec)?;
     Ok((backend, spec, plan))
 }
 
@@ -42,15 +43,18 @@ pub(crate) fn print_error(message: &str) {
 /// Read, check and lower the spec, rendering every diagnostic on stderr. `Err` is the exit
 /// code: 2 for unreadable input or a bad `--set`, 1 for a spec with errors. (The runtime
 /// verifies the plan before it trains.)
-pub(crate) fn compile(file: &Path, set: &[String]) -> Result<(Spec, Plan), u8> {
+pub(crate) fn compile(file: &Path, spec_args: &SpecArgs) -> Result<(Spec, Plan), u8> {
     let fail = |message: String| {
         print_error(&message);
         2
     };
-    let overrides = parse_overrides(set).map_err(fail)?;
+    let overrides = parse_overrides(&spec_args.set).map_err(fail)?;
     let text = read_spec(file).map_err(fail)?;
     let shown = file.display();
-    let options = CompileOptions::through(Stage::Lower);
+    let options = CompileOptions {
+        fusion: spec_args.fusion(),
+        ..CompileOptions::through(Stage::Lower)
+    };
     let compiled = driver::compile(&shown.to_string(), text, &overrides, &options);
     show_diagnostics(&compiled);
     match compiled {

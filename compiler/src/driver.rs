@@ -44,6 +44,9 @@ pub struct CompileOptions {
     /// Stop after checking, without an error, when the plan is larger than this
     /// ([`plan_size`]); `None` lowers plans of any size.
     pub max_plan_size: Option<u64>,
+    /// Run the fusion pass on the lowered programs (`crate::fuse`; on by default): the verifier,
+    /// memory planner and timeline then see the fused programs.
+    pub fusion: bool,
 }
 
 impl CompileOptions {
@@ -53,6 +56,7 @@ impl CompileOptions {
             through: stage,
             cost_model: false,
             max_plan_size: None,
+            fusion: true,
         }
     }
 }
@@ -114,7 +118,11 @@ pub fn compile(
     };
     let plan = match &spec {
         Some(spec) if !diagnostics.has_errors() && wants_plan(spec, options) => {
-            keep(crate::lower::lower(spec), &mut diagnostics)
+            let lowering = crate::lower::LowerOptions {
+                fusion: options.fusion,
+                ..crate::lower::LowerOptions::default()
+            };
+            keep(crate::lower::lower_with(spec, lowering), &mut diagnostics)
         }
         _ => None,
     };

@@ -4,6 +4,7 @@ pub mod check;
 pub mod cost;
 pub mod diag;
 pub mod driver;
+pub mod fuse;
 pub mod ir;
 pub mod kir;
 pub mod lower;

@@ -236,6 +236,17 @@ pub enum Op {
     Rope(RopeAttrs),
     /// in: dy. out: dx (rotation by the negative angle).
     RopeBwd(RopeAttrs),
+    /// in: nothing. out: table `[len(positions), 2·head_dim]` f32, the rotation of each local
+    /// position: row `s` (the `s`-th position of `positions`, global position `p`) holds
+    /// `cos(angle_i)` in column `c < head_dim` and `sign_c · sin(angle_i)` in column
+    /// `head_dim + c`, with `i = c mod head_dim/2`, `sign_c` = −1 for `c < head_dim/2` and +1
+    /// after, and `angle_i = p · theta^(−2i/head_dim)` computed in f64 and rounded to f32
+    /// exactly as `Rope` computes it. The table is the same for every head and sample: `heads`
+    /// and `batch` do not change it. With it a rope is `y(c) = x(c)·cos(c) + x(rot(c))·ssin(c)`
+    /// and its backward `dx(c) = dy(c)·cos(c) − dy(rot(c))·ssin(c)` (`rot` the rotate-half
+    /// partner, `ssin` the signed sine), bit for bit what `Rope`/`RopeBwd` compute: the fusion
+    /// pass (`fuse`) makes one per step for the fused kernels that rotate.
+    RopeTable(RopeAttrs),
     /// Scaled dot-product attention, softmax scale `scale` (1/sqrt(head_dim) by default).
     /// in: q `[rows_q, heads*head_dim]`, k `[rows_kv, kv_heads*head_dim]`, v (as k); or, when
     /// `packed`, one qkv `[rows, (heads + 2*kv_heads)*head_dim]` whose every row holds that
@@ -452,7 +463,7 @@ impl fmt::Debug for Op {
                 .field("out_dim", out_dim)
                 .field("bias", bias)
                 .field("accumulate_param_grad", accumulate_param_grad),
-            Op::Rope(a) | Op::RopeBwd(a) => d
+            Op::Rope(a) | Op::RopeBwd(a) | Op::RopeTable(a) => d
                 .field("batch", &a.batch)
                 .field("heads", &a.heads)
                 .field("head_dim", &a.head_dim)

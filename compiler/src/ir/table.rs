@@ -82,6 +82,7 @@ opcodes! {
     MatmulBwdWeight "matmul_bwd_weight" Matmul,
     Rope "rope" Elementwise,
     RopeBwd "rope_bwd" Elementwise,
+    RopeTable "rope_table" Elementwise,
     Attention "attention" Attention,
     AttentionBwd "attention_bwd" Attention,
     Activation "activation" Elementwise,
@@ -466,6 +467,14 @@ impl Op {
                     .input("dy", Float, n(width))
                     .output("dx", Float, n(width))
             }
+            Op::RopeTable(a) => s.output(
+                "table",
+                Fp32,
+                fixed(
+                    u64::from(super::op::segments_len(&a.positions)),
+                    a.head_dim.saturating_mul(2),
+                ),
+            ),
             Op::Attention(a) => attention_forward(s, a),
             Op::AttentionBwd(a) => attention_backward(s, a),
             Op::Activation(_) => s.input("x", Float, n(1)).output("y", Float, n(1)),

@@ -9,7 +9,8 @@
 //! - `pipeline`: one program's step (units, transfers, recompute, lifetimes);
 //! - `optim`: gradient reductions (buckets, ZeRO), gradient norm, optimizer;
 //! - `builder` / `emitter`: buffer and instruction emission state;
-//! - `storage`: which buffers a bf16 run stores in bf16.
+//! - `storage`: which buffers a bf16 run stores in bf16;
+//! - then, with `LowerOptions::fusion`, the fusion pass (`crate::fuse`) on each program.
 //!
 //! Programs are shared by ranks that differ only in their dp coordinate.
 
@@ -65,6 +66,11 @@ pub struct LowerOptions {
     /// then skips (see `first_write`). Off: every contribution adds (bit-identical in f32;
     /// tests compare).
     pub overwrite_first_grads: bool,
+    /// Run the fusion pass (`fuse`) on every program after its storage types are chosen:
+    /// groups of elementwise, data-movement and RoPE ops become one `Op::Fused` each. Off: the
+    /// hand-written ops only (the same values in f32, up to a few ulp of exp and erf; tests
+    /// compare).
+    pub fusion: bool,
 }
 
 impl Default for LowerOptions {
@@ -73,6 +79,7 @@ impl Default for LowerOptions {
             accumulate_in_place: true,
             fuse_epilogues: true,
             overwrite_first_grads: true,
+            fusion: true,
         }
     }
 }
@@ -343,6 +350,14 @@ fn emit_program(sh: &Shared, key: (u32, u32, u32)) -> Result<Program, Diagnostic
         first_write::overwrite_first_contributions(&mut program);
     }
     storage::assign(&mut program, sh.spec.train.precision);
+    if sh.options.fusion {
+        crate::fuse::fuse_program(&mut program).map_err(|e| {
+            one(internal_error(
+                sh,
+                format!("internal fusion error on {}: {e}", role.name()),
+            ))
+        })?;
+    }
     Ok(program)
 }
 

@@ -1,10 +1,11 @@
 //! Elementwise ops: activations (gelu erf form, gelu tanh approximation, relu) and their
-//! gradients, SwiGLU, add, scale, and rotary embedding (its kernel in `rope`). Computed in f32
+//! gradients, SwiGLU, add, scale, and rotary embedding and its cos/sin table (their kernels in
+//! `rope`). Computed in f32
 //! (`libm::erff` for gelu; gelu_tanh through the identity `0.5·(1 + tanh u) = σ(2u)`, one
 //! exponential per element).
 use super::args::{Inputs, Outputs};
 use super::par::TASK_ELEMENTS;
-use super::rope::{rope, RopeShape};
+use super::rope::{rope, rope_table, RopeShape};
 use crate::error::Result;
 use parc_compiler::ir::op::{Act, ActAttrs, Op};
 use rayon::prelude::*;
@@ -26,6 +27,16 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs) -> Result<()> {
                 _ => (ins.f32("dy")?, outs.f32("dx")?, true),
             };
             rope(ins.name(), &shape, inverse, x, y)?;
+        }
+        Op::RopeTable(a) => {
+            let head_dim = ins.dim("head_dim", a.head_dim)?;
+            rope_table(
+                ins.name(),
+                head_dim,
+                a.theta,
+                &a.positions,
+                outs.f32("table")?,
+            )?;
         }
         Op::Activation(ActAttrs { act }) => activation(*act, ins.f32("x")?, outs.f32("y")?),
         Op::ActivationBwd(ActAttrs { act }) => {

@@ -1,9 +1,10 @@
 //! The elementwise family on the GPU (kernels/elementwise.cu): rotary position embedding and
-//! its inverse rotation (`Rope`, `RopeBwd`, at the op's global positions), activations and
+//! its inverse rotation (`Rope`, `RopeBwd`, at the op's global positions), the cos/sin table
+//! of a fused rope (`RopeTable`), activations and
 //! their gradients, SwiGLU and its gradient, `Add` and `Scale`. Each reads f32 or bf16
 //! operands widened and rounds what it writes to its output's type; every operand of one op
 //! has the same element count (`bind` checked it).
-use super::args::{fv, n, Bound, Limits};
+use super::args::{fv, n, p, Bound, Limits};
 use super::kernel::Kernel;
 use super::{Arg, CudaBackend};
 use crate::error::Result;
@@ -11,6 +12,9 @@ use parc_compiler::ir::op::{ActAttrs, Op, RopeAttrs};
 
 /// Run an op of the elementwise family.
 pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
+    if let Op::RopeTable(attrs) = b.op {
+        return rope_table(be, b, attrs);
+    }
     let x = b.input(0)?;
     let len = x.len;
     match b.op {
@@ -47,6 +51,34 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
     }
 }
 
+/// Fails unless a rotation's `head_dim` (`hd`) is even and its theta positive.
+fn check_rotation(b: &Bound, a: &RopeAttrs, hd: usize) -> Result<()> {
+    if !hd.is_multiple_of(2) {
+        return Err(b.err(format!("head_dim = {hd} must be even to rotate pairs")));
+    }
+    if a.theta.is_nan() || a.theta <= 0.0 {
+        return Err(b.err(format!("theta = {} must be positive", a.theta)));
+    }
+    Ok(())
+}
+
+/// Writes the cos/sin table of the op's positions (`Op::RopeTable`).
+fn rope_table(be: &mut CudaBackend, b: &Bound, a: &RopeAttrs) -> Result<()> {
+    let hd = b.launch_dim("head_dim", a.head_dim)?;
+    check_rotation(b, a, hd)?;
+    let table = b.output(0)?;
+    let positions = b.launch_rows(table, "table", table.len / (2 * hd))?;
+    let (pos, _) = be.positions(&a.positions)?;
+    let args = [
+        p(table),
+        Arg::Ptr(pos),
+        n(positions),
+        n(hd),
+        Arg::F64(a.theta),
+    ];
+    be.launch_n(Kernel::RopeTable, positions * hd / 2, &args)
+}
+
 /// Rotates each pair of a head's columns by its position's angle: forward (`sign` 1) or back
 /// (`sign` -1, the gradient).
 fn rope(be: &mut CudaBackend, b: &Bound, a: &RopeAttrs, sign: f64) -> Result<()> {
@@ -55,12 +87,7 @@ fn rope(be: &mut CudaBackend, b: &Bound, a: &RopeAttrs, sign: f64) -> Result<()>
         b.launch_dim("heads", a.heads)?,
         b.launch_dim("head_dim", a.head_dim)?,
     );
-    if hd % 2 != 0 {
-        return Err(b.err(format!("head_dim = {hd} must be even to rotate pairs")));
-    }
-    if a.theta.is_nan() || a.theta <= 0.0 {
-        return Err(b.err(format!("theta = {} must be positive", a.theta)));
-    }
+    check_rotation(b, a, hd)?;
     let (x, y) = (b.input(0)?, b.output(0)?);
     let rows = b.launch_rows(x, "x", b.rows)?;
     let (pos, _) = be.positions(&a.positions)?;

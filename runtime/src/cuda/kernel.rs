@@ -63,6 +63,7 @@ kernels! {
     PositionAddFwd "position_add_fwd",
     PositionAddBwd "position_add_bwd",
     RopeFwd "rope_fwd",
+    RopeTable "rope_table",
     F32ToBf16Pair "f32_to_bf16_pair",
     F32ToF16Pair "f32_to_f16_pair",
     // kernels/norm_loss.cu

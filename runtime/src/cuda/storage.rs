@@ -45,7 +45,8 @@ fn position_lists(program: &Program) -> Vec<Vec<Segment>> {
                 ..
             }
             | Op::Rope(RopeAttrs { positions, .. })
-            | Op::RopeBwd(RopeAttrs { positions, .. }) => vec![positions],
+            | Op::RopeBwd(RopeAttrs { positions, .. })
+            | Op::RopeTable(RopeAttrs { positions, .. }) => vec![positions],
             Op::Attention(AttentionAttrs {
                 q_positions,
                 kv_positions,

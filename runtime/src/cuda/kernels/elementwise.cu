@@ -208,6 +208,24 @@ extern "C" __global__ void rope_fwd(Fv x, Fv y, const int* pos, long long rows, 
     }
 }
 
+// The cos/sin table a fused rope reads (Op::RopeTable): per local position s, cos(angle_i) in
+// columns c < head_dim and -sin / +sin(angle_i) in columns head_dim + c (- in a head's first
+// half), i = c mod head_dim/2, the angle computed as rope_fwd computes it (sign 1).
+extern "C" __global__ void rope_table(float* table, const int* pos, long long positions, long long head_dim, double theta) {
+    long long half = head_dim / 2;
+    GRID_STRIDE(t, positions * half) {
+        long long i = t % half, s = t / half;
+        double inv_freq = pow(theta, -2.0 * (double)i / (double)head_dim);
+        double angle = 1.0 * (double)pos[s] * inv_freq;
+        float c = (float)cos(angle), sn = (float)sin(angle);
+        float* row = table + s * 2 * head_dim;
+        row[i] = c;
+        row[i + half] = c;
+        row[head_dim + i] = -sn;
+        row[head_dim + half + i] = sn;
+    }
+}
+
 template <bool BF16>
 __device__ __forceinline__ unsigned short round16(float x) {
     return BF16 ? round_bf16(x) : round_f16(x);
