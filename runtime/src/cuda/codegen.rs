@@ -12,7 +12,9 @@
 //!   in the kernel: one branch, the same in every thread) and elements one at a time otherwise.
 //!   A kernel with row sums takes one block of `REDUCE_LANES` threads per row (rows
 //!   grid-strided): lane `l` sums columns `l, l + LANES, …` in order from 0, the lanes combine
-//!   in the halving tree `p[i] += p[i + s]`, so every backend sums in the same order.
+//!   in the halving tree `p[i] += p[i + s]`, so every backend sums in the same order. Its
+//!   `Elem` input rows are first copied into shared memory (when they fit), so each pass over
+//!   the row (a variance after its mean) reads global memory once.
 //!
 //! Each node becomes one `const` C variable (`v<id>`, or `v<id>_<k>` for element `k` of a
 //! vector); nodes that do not vary along the row (constants, row inputs, row sums and what is
@@ -26,6 +28,10 @@ pub(crate) const ENTRY: &str = "parc_fused";
 
 /// Elements of the vectors a flat kernel walks (16 bytes of bf16; two float4 of f32).
 const FLAT_VECTOR: u64 = 8;
+
+/// The most shared memory a row-sum kernel stages its input rows in (bytes): a row is read
+/// from global memory once, in 16-byte vectors, however many passes read it.
+const STAGE_BYTES: u64 = 32 << 10;
 
 /// The helpers every generated source starts with: bf16 conversions (the rounding of
 /// kernels/common.cuh's `round_bf16`) and the bit-level primitives of `kir::prim`.
@@ -201,15 +207,95 @@ struct Emitter<'a> {
     k: &'a Kernel,
     dtypes: &'a [DType],
     levels: Vec<Level>,
+    /// A row-sum kernel's `Elem` inputs staged in shared memory a row at a time: each one's
+    /// byte offset in the stage (None: read from global memory).
+    staged: Vec<Option<u64>>,
 }
 
 impl<'a> Emitter<'a> {
     fn new(k: &'a Kernel, dtypes: &'a [DType]) -> Emitter<'a> {
-        Emitter {
+        let mut e = Emitter {
             k,
             dtypes,
             levels: k.levels(),
+            staged: vec![None; k.inputs.len()],
+        };
+        if shape(k) == Shape::Reduce {
+            e.staged = e.stage_plan();
         }
+        e
+    }
+
+    fn elem_bytes(&self, operand: usize) -> u64 {
+        if self.is_bf16(operand) {
+            2
+        } else {
+            4
+        }
+    }
+
+    /// Where each loaded `Elem` input's row lies in the stage: all of them, 16-byte aligned,
+    /// when they fit in [`STAGE_BYTES`], else none.
+    fn stage_plan(&self) -> Vec<Option<u64>> {
+        let loaded = |i: usize| {
+            (self.k.graph.nodes().iter())
+                .any(|n| matches!(*n, Node::Load { input, .. } if input as usize == i))
+        };
+        let mut plan = vec![None; self.k.inputs.len()];
+        let mut at = 0u64;
+        for (i, access) in self.k.inputs.iter().enumerate() {
+            if let Access::Elem { width } = *access {
+                if loaded(i) {
+                    plan[i] = Some(at);
+                    at += (width * self.elem_bytes(i)).next_multiple_of(16);
+                }
+            }
+        }
+        if at > STAGE_BYTES {
+            return vec![None; self.k.inputs.len()];
+        }
+        plan
+    }
+
+    /// Bytes of the stage.
+    fn stage_bytes(&self) -> u64 {
+        let end = |(i, at): (usize, &Option<u64>)| {
+            let width = match self.k.inputs[i] {
+                Access::Elem { width } => width,
+                _ => 0,
+            };
+            at.map(|at| at + width * self.elem_bytes(i))
+        };
+        (self.staged.iter().enumerate())
+            .filter_map(end)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Copies row `r` of every staged input into the stage: 16-byte vectors where the row is a
+    /// whole number of them and every staged pointer is aligned, else element by element;
+    /// between barriers (the previous row's readers are done, this row's wait for it).
+    fn stage_row(&self, out: &mut String) {
+        out.push_str("        __syncthreads();\n");
+        for (i, at) in self.staged.iter().enumerate() {
+            let (Some(at), Access::Elem { width }) = (at, self.k.inputs[i]) else {
+                continue;
+            };
+            let bytes = width * self.elem_bytes(i);
+            let ty = self.elem_type(i);
+            let scalar = format!(
+                "for (int t = threadIdx.x; t < {width}; t += PARC_LANES) (({ty}*)(parc_stage + {at}))[t] = in{i}[r * {width}LL + t];"
+            );
+            if bytes.is_multiple_of(16) {
+                out.push_str(&format!(
+                    "        if (stage_vec) for (int t = threadIdx.x; t < {}; t += PARC_LANES) ((uint4*)(parc_stage + {at}))[t] = ((const uint4*)(in{i} + r * {width}LL))[t];\n        else {scalar}\n",
+                    bytes / 16
+                ));
+            } else {
+                out.push_str(&format!("        {scalar}\n"));
+            }
+        }
+        out.push_str("        __syncthreads();\n");
     }
 
     fn n_inputs(&self) -> usize {
@@ -291,6 +377,9 @@ impl<'a> Emitter<'a> {
             }
         };
         match access {
+            Access::Elem { .. } if self.staged[input as usize].is_some() => {
+                format!("{offset}LL + {col}")
+            }
             Access::Elem { width } => format!("r * {width}LL + {offset}LL + {col}"),
             Access::PerPosition { batch, width } => {
                 format!("(r / {batch}LL) * {width}LL + {offset}LL + {col}")
@@ -302,7 +391,13 @@ impl<'a> Emitter<'a> {
 
     /// Loads `v` elements of input `input` from index `idx` into `v<id>_0 … v<id>_{v-1}`.
     fn vector_load(&self, out: &mut String, id: NodeId, input: u32, idx: &str, v: u64) {
-        let ptr = format!("in{input}");
+        let ptr = match self.staged[input as usize] {
+            Some(at) => format!(
+                "((const {}*)(parc_stage + {at}))",
+                self.elem_type(input as usize)
+            ),
+            None => format!("in{input}"),
+        };
         let names: Vec<String> = (0..v).map(|k| self.var(id, k)).collect();
         if self.is_bf16(input as usize) {
             let (ty, words) = match v {
@@ -634,7 +729,24 @@ impl<'a> Emitter<'a> {
         let uniform_at = |d: usize| move |id: NodeId| self.uniform(id) && depth[id.index()] == d;
         out.push_str("    __shared__ float parc_red[PARC_LANES];\n");
         out.push_str("    if (blockDim.x != PARC_LANES) __trap();\n");
+        let stage = self.stage_bytes();
+        if stage > 0 {
+            out.push_str(&format!(
+                "    __shared__ __align__(16) unsigned char parc_stage[{stage}];\n"
+            ));
+            let ptrs: Vec<String> = (self.staged.iter().enumerate())
+                .filter(|(_, at)| at.is_some())
+                .map(|(i, _)| format!("(unsigned long long)in{i}"))
+                .collect();
+            out.push_str(&format!(
+                "    const bool stage_vec = (({}) & 15ull) == 0;\n",
+                ptrs.join(" | ")
+            ));
+        }
         out.push_str("    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {\n");
+        if stage > 0 {
+            self.stage_row(out);
+        }
         for d in 1..=max_depth {
             self.nodes(out, &need, uniform_at(d - 1), At::RowCol, 1);
             let sums: Vec<(NodeId, NodeId)> = (self.k.graph.nodes().iter().enumerate())

@@ -74,6 +74,18 @@ fn sources_follow_the_abi() {
     let src = source(&k, &dtypes(&k, DType::F32)).unwrap();
     assert_eq!(src.matches("parc_row_total(acc").count(), 2, "{src}");
     assert!(src.contains("c += PARC_LANES"), "{src}");
+    // The rows are staged in shared memory (two inputs of 64 f32), unless too wide.
+    assert!(src.contains("parc_stage[512]"), "{src}");
+    assert!(
+        src.contains("((const float*)(parc_stage + 256))[0LL + c]"),
+        "{src}"
+    );
+    let k = fixtures::rms(9000);
+    let src = source(&k, &dtypes(&k, DType::F32)).unwrap();
+    assert!(!src.contains("parc_stage"), "{src}");
+    assert!(source(&k, &dtypes(&k, DType::Bf16))
+        .unwrap()
+        .contains("parc_stage[18000]"));
 }
 
 #[test]

@@ -80,16 +80,19 @@ fn the_emitter_is_chosen_by_name() {
 }
 
 #[test]
-fn launches_fill_the_gpu_and_reduce_one_row_a_block() {
-    let cfg = launch_config(Shape::Flat, 1 << 20, 4096, 132);
-    assert_eq!((cfg.grid_dim.0, cfg.block_dim.0), (132 * 8, 256));
-    let cfg = launch_config(Shape::Flat, 3, 37, 132);
+fn launches_take_a_thread_per_vector_and_reduce_one_row_a_block() {
+    // 2^32 elements in vectors of 8: more blocks than a launch starts.
+    let cfg = launch_config(Shape::Flat, 1 << 20, 4096);
+    assert_eq!((cfg.grid_dim.0, cfg.block_dim.0), (1 << 16, 256));
+    let cfg = launch_config(Shape::Flat, 4096, 4096);
+    assert_eq!(cfg.grid_dim.0, 4096 * 4096 / 8 / 256);
+    let cfg = launch_config(Shape::Flat, 3, 37);
     assert_eq!((cfg.grid_dim.0, cfg.block_dim.0), (1, 256));
-    let cfg = launch_config(Shape::Reduce, 5, 4096, 132);
+    let cfg = launch_config(Shape::Reduce, 5, 4096);
     assert_eq!((cfg.grid_dim.0, cfg.block_dim.0), (5, REDUCE_LANES as u32));
-    let cfg = launch_config(Shape::Reduce, 1 << 20, 64, 132);
-    assert_eq!(cfg.grid_dim.0, 132 * 8);
-    let cfg = launch_config(Shape::Rows(2), 64, 42, 132);
+    let cfg = launch_config(Shape::Reduce, 1 << 20, 64);
+    assert_eq!(cfg.grid_dim.0, 1 << 16);
+    let cfg = launch_config(Shape::Rows(2), 64, 42);
     assert_eq!(cfg.grid_dim.0, 6);
 }
 
