@@ -16,11 +16,11 @@ mod on_gpu {
     use crate::fused_kernels as fixtures;
     use crate::harness::{cuda_backend, Case, Data, Rng};
     use parc_compiler::ir::op::{FusedAttrs, Op};
-    use parc_compiler::ir::DType;
+    use parc_compiler::ir::{BufferId, DType};
     use parc_compiler::kir::{Access, Kernel};
     use parc_compiler::spec::Precision;
     use parc_runtime::backend::Backend;
-    use parc_runtime::cuda::emitter_named;
+    use parc_runtime::cuda::{emitter_named, CudaBackend};
     use std::sync::Arc;
 
     /// Every kernel both emitters run, named.
@@ -77,6 +77,15 @@ mod on_gpu {
             .with_dtypes(ins, outs, 0.0)
     }
 
+    /// The case's outputs on `backend`, its buffers freed after.
+    fn run(case: &Case, backend: &mut CudaBackend, k: &Kernel) -> Vec<Vec<f32>> {
+        let outputs = case.run(backend as &mut dyn Backend);
+        for i in 0..k.inputs.len() + k.outputs.len() {
+            backend.free(BufferId(i as u32)).unwrap();
+        }
+        outputs
+    }
+
     #[test]
     fn llvm_and_nvrtc_kernels_agree_bit_for_bit() {
         let Some(mut nvrtc) = cuda_backend(Precision::Fp32) else {
@@ -93,8 +102,8 @@ mod on_gpu {
             for dtypes in type_sets(&k) {
                 for rows in [3, 2500] {
                     let case = case(&name, &k, rows, &dtypes, &mut rng);
-                    let a = case.run(&mut nvrtc as &mut dyn Backend);
-                    let b = case.run(&mut llvm as &mut dyn Backend);
+                    let a = run(&case, &mut nvrtc, &k);
+                    let b = run(&case, &mut llvm, &k);
                     for (o, (a, b)) in a.iter().zip(&b).enumerate() {
                         let bad = (a.iter().zip(b).enumerate())
                             .find(|(_, (x, y))| x.to_bits() != y.to_bits());
