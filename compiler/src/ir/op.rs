@@ -133,8 +133,9 @@ pub struct ActAttrs {
     pub act: Act,
 }
 
-/// A generated kernel in the program (`Op::Fused`): the kernel and what it was made from.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+/// A generated kernel in the program (`Op::Fused`): the kernel and what it was made from. Its
+/// JSON (`parc plan --emit json`) gives the kernel's text form as `expression` beside the graph.
+#[derive(Clone, Debug, PartialEq)]
 pub struct FusedAttrs {
     /// What the kernel computes, for people: the ops or the function it replaces
     /// (`swi_glu`, `rope+split_columns`, `act squared_relu`).
@@ -142,6 +143,18 @@ pub struct FusedAttrs {
     /// Its rows, where the attributes fix them (the fusion of ops that fix theirs).
     pub rows: Option<u64>,
     pub kernel: Arc<Kernel>,
+}
+
+impl Serialize for FusedAttrs {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut st = s.serialize_struct("FusedAttrs", 4)?;
+        st.serialize_field("name", &self.name)?;
+        st.serialize_field("rows", &self.rows)?;
+        st.serialize_field("expression", &self.kernel.to_string())?;
+        st.serialize_field("kernel", &*self.kernel)?;
+        st.end()
+    }
 }
 
 #[derive(Clone, PartialEq, Serialize)]

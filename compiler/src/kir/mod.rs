@@ -25,7 +25,8 @@
 //! 1. every node's operands come before it (ids are topologically ordered);
 //! 2. a kernel has no `Param` nodes; a load names an input that exists, and the columns it
 //!    reads (`offset + map(c)` for every domain column `c`, [`ColMap`]) lie inside the input's
-//!    width; `Row` and `Col` inputs are read without offset or map;
+//!    width (a `RotateHalf` head is even and divides the domain's columns, so every partner lies
+//!    in the block); `Row` and `Col` inputs are read without offset or map;
 //! 3. arithmetic takes numbers and a select's condition is a comparison (types);
 //! 4. an `Elem` output's stores cover each of its columns exactly once (every element written:
 //!    the op table's `Write::Overwrite`); a `Row` output has exactly one store, of a row value;
@@ -654,6 +655,19 @@ impl Kernel {
     }
 
     fn validate_load(&self, i: usize, input: u32, offset: u64, map: ColMap) -> Result<(), String> {
+        match map {
+            ColMap::Periodic(0) => return Err(format!("node {i} loads with a period of 0")),
+            // A partner outside the domain's heads would be read past the loaded block.
+            ColMap::RotateHalf(hd)
+                if hd == 0 || !hd.is_multiple_of(2) || !self.cols.is_multiple_of(hd) =>
+            {
+                return Err(format!(
+                    "node {i} rotates halves of {hd}-column heads, which must be even and divide the {} columns",
+                    self.cols
+                ))
+            }
+            _ => {}
+        }
         let end = offset + map.span(self.cols);
         match self.inputs.get(input as usize) {
             None => Err(format!(

@@ -103,3 +103,18 @@ fn primitives_round_trip_the_exponent_bits() {
     }
     assert_eq!(prim::exp2i(-126.0), f32::MIN_POSITIVE);
 }
+
+#[test]
+fn a_rotation_whose_heads_do_not_tile_the_domain_is_refused() {
+    let mut k = swiglu_kernel();
+    let partner = k.graph.load_mapped(0, 0, ColMap::RotateHalf(6));
+    k.stores[0].value = partner;
+    assert!(k
+        .validate()
+        .unwrap_err()
+        .contains("must be even and divide"));
+    let mut k = swiglu_kernel();
+    let partner = k.graph.load_mapped(0, 0, ColMap::RotateHalf(4));
+    k.stores[0].value = partner;
+    assert_eq!(k.validate(), Ok(()));
+}
