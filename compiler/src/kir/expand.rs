@@ -65,6 +65,7 @@ pub fn expand_graph(g: &Graph, roots: &[NodeId]) -> (Graph, Vec<NodeId>) {
                 Node::Bin(op, a, b) => bin(&mut out, op, m(a), m(b)),
                 Node::Cmp(op, a, b) => out.cmp(op, m(a), m(b)),
                 Node::Select(c, a, b) => out.select(m(c), m(a), m(b)),
+                Node::Fma(a, b, c) => out.fma(m(a), m(b), m(c)),
                 Node::RowSum(a) => out.row_sum(m(a)),
             }
         } else {

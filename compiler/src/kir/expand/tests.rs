@@ -434,3 +434,57 @@ fn expansions_stay_small() {
         );
     }
 }
+
+/// The instruction-count proxy of the activations generated kernels compute (primitive nodes
+/// of the expanded graph besides loads and constants; divisions and fmas among them), printed:
+/// `cargo test -p parc-compiler --lib expansion_costs -- --nocapture`.
+#[test]
+fn expansion_costs() {
+    type Build = fn(&mut Graph, NodeId, NodeId, NodeId) -> Vec<NodeId>;
+    let cases: [(&str, Build); 6] = [
+        ("exp", |g, x, _, _| vec![g.un(Un::Exp, x)]),
+        ("sigmoid", |g, x, _, _| vec![g.un(Un::Sigmoid, x)]),
+        ("silu", |g, x, _, _| {
+            let s = g.un(Un::Sigmoid, x);
+            vec![g.bin(Bin::Mul, x, s)]
+        }),
+        ("swiglu", |g, x, u, _| {
+            let s = g.un(Un::Sigmoid, x);
+            let silu = g.bin(Bin::Mul, x, s);
+            vec![g.bin(Bin::Mul, silu, u)]
+        }),
+        ("swiglu_bwd", |g, x, u, dy| {
+            let s = g.un(Un::Sigmoid, x);
+            let one = g.constant(1.0);
+            let oms = g.bin(Bin::Sub, one, s);
+            let goms = g.bin(Bin::Mul, x, oms);
+            let inner = g.bin(Bin::Add, one, goms);
+            let ds = g.bin(Bin::Mul, s, inner);
+            let dyu = g.bin(Bin::Mul, dy, u);
+            let dgate = g.bin(Bin::Mul, dyu, ds);
+            let gs = g.bin(Bin::Mul, x, s);
+            vec![dgate, g.bin(Bin::Mul, dy, gs)]
+        }),
+        ("gelu", |g, x, _, _| {
+            let c = g.constant(std::f32::consts::FRAC_1_SQRT_2);
+            let xs = g.bin(Bin::Mul, x, c);
+            let erf = g.un(Un::Erf, xs);
+            let one = g.constant(1.0);
+            let e1 = g.bin(Bin::Add, one, erf);
+            let half = g.constant(0.5);
+            let hx = g.bin(Bin::Mul, half, x);
+            vec![g.bin(Bin::Mul, hx, e1)]
+        }),
+    ];
+    for (name, build) in cases {
+        let mut g = Graph::new();
+        let (x, u, dy) = (g.load(0, 0), g.load(1, 0), g.load(2, 0));
+        let roots = build(&mut g, x, u, dy);
+        let (e, _) = expand_graph(&g, &roots);
+        let count = |f: &dyn Fn(&Node) -> bool| e.nodes().iter().filter(|n| f(n)).count();
+        let ops = count(&|n| !matches!(n, Node::Load { .. } | Node::Const(_)));
+        let divs = count(&|n| matches!(n, Node::Bin(Bin::Div, ..)));
+        let fmas = count(&|n| matches!(n, Node::Fma(..)));
+        println!("{name}: {ops} ops ({divs} divisions, {fmas} fma)");
+    }
+}
