@@ -57,6 +57,18 @@ pub fn arith(cols: u64) -> Kernel {
     kernel(cols, vec![elem(cols); 2], vec![elem(cols); 2], g, &[q, y1])
 }
 
+/// The fused multiply-add: `fma(x0, x1, x2)` and the product's rounding error
+/// `fma(x0, x1, -(x0 · x1))` (zero unless the fma is really fused).
+pub fn fma(cols: u64) -> Kernel {
+    let mut g = Graph::new();
+    let (x0, x1, x2) = (g.load(0, 0), g.load(1, 0), g.load(2, 0));
+    let y0 = g.fma(x0, x1, x2);
+    let p = g.bin(Bin::Mul, x0, x1);
+    let np = g.un(Un::Neg, p);
+    let y1 = g.fma(x0, x1, np);
+    kernel(cols, vec![elem(cols); 3], vec![elem(cols); 2], g, &[y0, y1])
+}
+
 /// exp2i (integral, clamped and truncated arguments), exponent, mantissa.
 pub fn bits(cols: u64) -> Kernel {
     let mut g = Graph::new();
@@ -202,6 +214,7 @@ pub fn layer(cols: u64) -> Kernel {
 pub fn primitive(cols: u64, hd: u64) -> Vec<(&'static str, Kernel)> {
     vec![
         ("arith", arith(cols)),
+        ("fma", fma(cols)),
         ("bits", bits(cols)),
         ("select", select(cols)),
         ("columns", columns(cols)),

@@ -44,6 +44,7 @@ pub(super) fn rebuild(
             Node::Bin(op, a, b) => dst.bin(op, m(a)?, m(b)?),
             Node::Cmp(op, a, b) => dst.cmp(op, m(a)?, m(b)?),
             Node::Select(c, a, b) => dst.select(m(c)?, m(a)?, m(b)?),
+            Node::Fma(a, b, c) => dst.fma(m(a)?, m(b)?, m(c)?),
             Node::RowSum(_) => return Err("a row sum cannot be fused".to_string()),
         };
         map.insert(id, new);

@@ -9,7 +9,7 @@
 //!
 //! Semantics of the rules at their edges: `abs'(0) = 0`; `min`/`max` pass the adjoint to the
 //! operand their value is (the first of two equal ones); a select passes it to the arm it takes
-//! and nothing to its condition; `pow(x, c)` for a constant `c` is `c · pow(x, c - 1)`, and for a
+//! and nothing to its condition; `fma(a, b, c)` passes `b · adj`, `a · adj` and `adj`; `pow(x, c)` for a constant `c` is `c · pow(x, c - 1)`, and for a
 //! variable exponent `∂/∂x = y · pow(x, y - 1)`, `∂/∂y = pow(x, y) · log(x)`. `floor`, `exp2i`,
 //! `exponent` and `mantissa` have no derivative: one on a path from the root to a `wrt` node is
 //! a [`DeriveError`], as is a root that is a comparison. Off such paths they are fine.
@@ -195,6 +195,11 @@ impl Reverse<'_> {
                 let to_q = self.g.select(c, zero, a);
                 self.contribute(p, to_p);
                 self.contribute(q, to_q);
+            }
+            Node::Fma(x, y, z) => {
+                self.chain(x, a, y);
+                self.chain(y, a, x);
+                self.contribute(z, a);
             }
             Node::RowSum(x) => self.contribute(x, a),
         }

@@ -214,6 +214,7 @@ impl<'k> State<'k> {
             Node::Bin(op, a, b) => bin(&mut out, op, v(a), v(b)),
             Node::Cmp(op, a, b) => cmp(&mut out, op, v(a), v(b)),
             Node::Select(c, a, b) => select(&mut out, v(c), v(a), v(b)),
+            Node::Fma(a, b, c) => fma(&mut out, v(a), v(b), v(c)),
             Node::RowSum(a) => out[0] = row_sum(v(a)),
         }
         self.slots[self.slot_of[i]] = out;
@@ -388,6 +389,21 @@ fn select(out: &mut [f32], c: &[f32], a: &[f32], b: &[f32]) {
     }
 }
 
+/// `out = a · b + c` rounded once (`f32::mul_add`, [`prim::fma`]).
+fn fma(out: &mut [f32], a: &[f32], b: &[f32], c: &[f32]) {
+    let n = out.len();
+    if a.len() == n && b.len() == n && c.len() == n {
+        for (((o, &a), &b), &c) in out.iter_mut().zip(a).zip(b).zip(c) {
+            *o = a.mul_add(b, c);
+        }
+        return;
+    }
+    let at = |s: &[f32], i: usize| if s.len() == n { s[i] } else { s[0] };
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = at(a, i).mul_add(at(b, i), at(c, i));
+    }
+}
+
 /// The sum of a row in the fixed order: lane `l` sums columns `l, l + LANES, …` from +0.0, then
 /// the lanes combine in a halving tree.
 pub fn row_sum(values: &[f32]) -> f32 {
@@ -434,6 +450,7 @@ pub fn eval_f64(g: &Graph, root: NodeId, params: &[f64]) -> f64 {
                     v(b)
                 }
             }
+            Node::Fma(a, b, c) => v(a) * v(b) + v(c),
             Node::RowSum(a) => v(a),
         };
         values.push(value);

@@ -3,18 +3,19 @@
 //! [`expand`] rewrites every composite op of a kernel (exp, log, tanh, erf, sigmoid, rsqrt,
 //! min, max, pow) into the primitive ops of [`super::prim`], built with the graph's builders, so
 //! one expansion, made once in the compiler, gives the same bits on every backend. It also drops
-//! the nodes no store reads.
+//! the nodes no store reads. Polynomials are Horner steps of one fma each ([`Node::Fma`], rounded
+//! once), range reductions fmas too: fewer nodes and roundings than a multiply and an add.
 //!
 //! Accuracy promised (f32 results against the exact value; `expand/tests.rs` measures it on
 //! sweeps of every 5th f32 of each range, `dense_sweeps`, and the maxima found are given):
-//! - `exp`: ≤ 2 ulp (measured 0.77); `exp(x) = +inf` above ~88.72, subnormal results rounded
+//! - `exp`: ≤ 2 ulp (measured 0.92); `exp(x) = +inf` above ~88.72, subnormal results rounded
 //!   once, 0 below ~-103.9; NaN → NaN, ±inf → +inf / 0.
 //! - `log`: ≤ 2 ulp (0.83), subnormal inputs included; `log(0) = -inf`, `log(x < 0) = NaN`,
 //!   `log(+inf) = +inf`, NaN → NaN.
-//! - `tanh`: ≤ 2 ulp (1.47), odd (`tanh(-0) = -0`), exactly ±1 from |x| ≈ 9.01 on.
-//! - `erf`: ≤ 3e-7 absolute (1.93e-7); relative error near 0 small enough that `erf(x)/x` is
+//! - `tanh`: ≤ 2 ulp (1.55), odd (`tanh(-0) = -0`), exactly ±1 from |x| ≈ 9.01 on.
+//! - `erf`: ≤ 3e-7 absolute (1.85e-7); relative error near 0 small enough that `erf(x)/x` is
 //!   right to 1e-6 (1.6e-7); odd; exactly ±1 for |x| ≥ 4.
-//! - `sigmoid`: ≤ 2 ulp (1.71), subnormal results for x < ~-87 included.
+//! - `sigmoid`: ≤ 2 ulp (1.47), subnormal results for x < ~-87 included; one division.
 //! - `rsqrt(x) = 1 / sqrt(x)` (two correctly rounded ops: ≤ 2 ulp, measured 1.49).
 //! - `min`, `max`: exact; NaN if either operand is NaN (as `torch.minimum`); of two equal operands
 //!   (`-0` and `+0`) the first.
@@ -65,6 +66,7 @@ pub fn expand_graph(g: &Graph, roots: &[NodeId]) -> (Graph, Vec<NodeId>) {
                 Node::Bin(op, a, b) => bin(&mut out, op, m(a), m(b)),
                 Node::Cmp(op, a, b) => out.cmp(op, m(a), m(b)),
                 Node::Select(c, a, b) => out.select(m(c), m(a), m(b)),
+                Node::Fma(a, b, c) => out.fma(m(a), m(b), m(c)),
                 Node::RowSum(a) => out.row_sum(m(a)),
             }
         } else {
@@ -104,7 +106,7 @@ fn reachable(g: &Graph, roots: &[NodeId]) -> Vec<bool> {
 pub fn un(g: &mut Graph, op: Un, a: NodeId) -> NodeId {
     let mut b = B { g };
     match op {
-        Un::Exp => b.exp(a),
+        Un::Exp => b.exp(a, Range::Any),
         Un::Log => b.log(a),
         Un::Tanh => b.tanh(a),
         Un::Erf => b.erf(a),
@@ -143,9 +145,11 @@ const EXP_MAX_ARG: f32 = 89.0;
 const EXP_MIN_ARG: f32 = -105.0;
 /// tanh's switch from its Taylor series to the exp form (tanh(0.55) ≈ 0.5).
 const TANH_SERIES_MAX: f32 = 0.55;
+/// Terms of tanh's series (to x^19: truncation < 0.1 ulp below 0.55) and of erf's (to x^19:
+/// < 2e-8 absolute below 1).
+const TANH_TERMS: usize = 10;
+const ERF_TERMS: usize = 10;
 /// erf's switch from its Taylor series to A&S 7.1.26, and where it is ±1.
-/// sigmoid's switch (x < 0) from the corrected quotient to `e - e² / d`.
-const SIGMOID_FAR: f32 = -2.0;
 const ERF_SERIES_MAX: f32 = 1.0;
 const ERF_ONE_FROM: f32 = 4.0;
 
@@ -197,6 +201,16 @@ const AS_A: [f64; 5] = [
     1.061_405_429,
 ];
 
+/// What an expansion knows of exp's argument: a clamp that cannot apply is left out.
+#[derive(Clone, Copy, PartialEq)]
+enum Range {
+    Any,
+    /// ≥ 0 or NaN: no clamp below.
+    NonNegative,
+    /// ≤ 0 or NaN: no clamp above.
+    NonPositive,
+}
+
 /// The builders with short names, for writing the expansions as formulas.
 struct B<'a> {
     g: &'a mut Graph,
@@ -244,51 +258,51 @@ impl B<'_> {
         self.sel(negative, neg, v)
     }
 
-    /// `Σ coeffs[i] · z^i` by Horner's rule in f32 (coefficients rounded from f64).
+    /// `a · b + c`, rounded once.
+    fn fma(&mut self, a: NodeId, b: NodeId, c: NodeId) -> NodeId {
+        self.g.fma(a, b, c)
+    }
+    /// `a · constant v + c`, rounded once.
+    fn fmac(&mut self, a: NodeId, v: f32, c: NodeId) -> NodeId {
+        let k = self.c(v);
+        self.fma(a, k, c)
+    }
+
+    /// `Σ coeffs[i] · z^i` by Horner's rule in f32 (coefficients rounded from f64), each step
+    /// one fma.
     fn poly(&mut self, z: NodeId, coeffs: &[f64]) -> NodeId {
         let mut acc = self.c(coeffs.last().copied().unwrap_or(0.0) as f32);
         for &c in coeffs.iter().rev().skip(1) {
-            let m = self.mul(acc, z);
-            acc = self.addc(m, c as f32);
+            let k = self.c(c as f32);
+            acc = self.fma(acc, z, k);
         }
         acc
     }
 
-    /// exp: `2^k · e^r` with `k = round(x / ln 2)`, `r = x - k ln 2 = r_hi + r_lo` (ln 2 split
-    /// so `r_hi` is exact), `e^r` by its Taylor series to degree 7 (truncation < 0.1 ulp for
-    /// |r| ≤ ln2/2), and `2^k` applied in two steps so 2^128 and subnormal results work. The
-    /// clamps keep NaN (a NaN fails both comparisons).
-    fn exp(&mut self, x: NodeId) -> NodeId {
-        let over = self.cmpc(Cmp::Gt, x, EXP_MAX_ARG);
-        let max = self.c(EXP_MAX_ARG);
-        let x = self.sel(over, max, x);
-        let under = self.cmpc(Cmp::Lt, x, EXP_MIN_ARG);
-        let min = self.c(EXP_MIN_ARG);
-        let x = self.sel(under, min, x);
+    /// exp: `2^k · e^r` with `k = round(x / ln 2)`, `r = x - k ln 2` by two fmas (Cody–Waite:
+    /// ln 2 split, so `r` is within a rounding of exact), `e^r` by its Taylor series to degree 7
+    /// in Horner form, one fma a step (truncation < 0.1 ulp for |r| ≤ ln2/2), and `2^k` applied
+    /// in two steps so 2^128 and subnormal results work. The clamps keep NaN (a NaN fails both
+    /// comparisons).
+    fn exp(&mut self, x: NodeId, range: Range) -> NodeId {
+        let mut x = x;
+        if range != Range::NonPositive {
+            let over = self.cmpc(Cmp::Gt, x, EXP_MAX_ARG);
+            let max = self.c(EXP_MAX_ARG);
+            x = self.sel(over, max, x);
+        }
+        if range != Range::NonNegative {
+            let under = self.cmpc(Cmp::Lt, x, EXP_MIN_ARG);
+            let min = self.c(EXP_MIN_ARG);
+            x = self.sel(under, min, x);
+        }
 
-        let scaled = self.mulc(x, std::f32::consts::LOG2_E);
-        let half_up = self.addc(scaled, 0.5);
+        let half = self.c(0.5);
+        let half_up = self.fmac(x, std::f32::consts::LOG2_E, half);
         let k = self.un(Un::Floor, half_up);
-        let k_hi = self.mulc(k, LN2_HI);
-        let r_hi = self.sub(x, k_hi);
-        let k_lo = self.mulc(k, ln2_lo());
-        let r_lo = self.un(Un::Neg, k_lo);
-        let r = self.add(r_hi, r_lo);
-
-        // e^r = (1 + r_hi) + (r_lo + r² · (1/2! + r/3! + … + r^5/7!)), with the rounding error
-        // of 1 + r_hi recovered exactly (Fast2Sum: |1| ≥ |r_hi|), so only the final sum rounds
-        // at the result's scale.
-        let coeffs = exp_coefficients(8);
-        let tail = self.poly(r, &coeffs[2..]);
-        let r2 = self.mul(r, r);
-        let q = self.mul(r2, tail);
-        let small = self.add(r_lo, q);
-        let one = self.c(1.0);
-        let s = self.add(one, r_hi);
-        let one_minus_s = self.sub(one, s);
-        let s_err = self.add(one_minus_s, r_hi);
-        let low = self.add(s_err, small);
-        let er = self.add(s, low);
+        let r_hi = self.fmac(k, -LN2_HI, x);
+        let r = self.fmac(k, -ln2_lo(), r_hi);
+        let er = self.poly(r, &exp_coefficients(8));
 
         let half_k = self.mulc(k, 0.5);
         let k1 = self.un(Un::Floor, half_k);
@@ -346,19 +360,18 @@ impl B<'_> {
         self.sel(positive, positive_value, other)
     }
 
-    /// tanh: `x + x · z · P(z)` (`z = x²`, the Taylor series to x^23) for |x| < 0.55, else
+    /// tanh: `x + (x z) · P(z)` (`z = x²`, the Taylor series to x^19, the last step an fma) for |x| < 0.55, else
     /// `±(1 - 2 / (e^{2|x|} + 1))`, which is 1 once e^{2|x|} overflows.
     fn tanh(&mut self, x: NodeId) -> NodeId {
         let a = self.un(Un::Abs, x);
         let z = self.mul(x, x);
-        let coeffs = tanh_coefficients(12);
+        let coeffs = tanh_coefficients(TANH_TERMS);
         let p = self.poly(z, &coeffs[1..]);
-        let zp = self.mul(z, p);
-        let xzp = self.mul(x, zp);
-        let series = self.add(x, xzp);
+        let xz = self.mul(x, z);
+        let series = self.fma(xz, p, x);
 
         let two_a = self.add(a, a);
-        let e = self.exp(two_a);
+        let e = self.exp(two_a, Range::NonNegative);
         let e1 = self.addc(e, 1.0);
         let two = self.c(2.0);
         let q = self.div(two, e1);
@@ -373,13 +386,13 @@ impl B<'_> {
         self.sel(zero, x, value)
     }
 
-    /// erf: `x · S(x²)` (Taylor series, 12 terms; A&S's error and the rounding of `1 - q` pass
+    /// erf: `x · S(x²)` (Taylor series, 10 terms; A&S's error and the rounding of `1 - q` pass
     /// 3e-7 below |x| ≈ 0.6) for |x| ≤ 1, else A&S 7.1.26 with the sign of
     /// x, and ±1 for |x| ≥ 4.
     fn erf(&mut self, x: NodeId) -> NodeId {
         let a = self.un(Un::Abs, x);
         let z = self.mul(x, x);
-        let coeffs = erf_coefficients(12);
+        let coeffs = erf_coefficients(ERF_TERMS);
         let s = self.poly(z, &coeffs);
         let series = self.mul(x, s);
 
@@ -390,9 +403,9 @@ impl B<'_> {
         let p = self.poly(t, &AS_A);
         let tp = self.mul(t, p);
         let neg_z = self.un(Un::Neg, z);
-        let e = self.exp(neg_z);
-        let q = self.mul(tp, e);
-        let approx = self.sub(one, q);
+        let e = self.exp(neg_z, Range::NonPositive);
+        let neg_tp = self.un(Un::Neg, tp);
+        let approx = self.fma(neg_tp, e, one);
         let beyond = self.cmpc(Cmp::Ge, a, ERF_ONE_FROM);
         let magnitude = self.sel(beyond, one, approx);
         let signed = self.with_sign_of(x, magnitude);
@@ -401,34 +414,29 @@ impl B<'_> {
         self.sel(small, series, signed)
     }
 
-    /// sigmoid: with `e = exp(-|x|)` and `d = 1 + e`, `1 / d` for x ≥ 0 and `e / d` for x < 0
-    /// (so tiny results keep their precision instead of `1 / (1 + huge)`). For x in [-2, 0)
-    /// the rounding error `lo` of `d` (exact: Fast2Sum, as 1 ≥ e) is corrected for:
-    /// `e / (d + lo) ≈ q - q · lo / d` with `q = e / d`; below -2, `e - e² / d` (the small
-    /// terms' `/ d` as `· (1 / d)`).
+    /// sigmoid: `n / D` with `e = exp(-|x|)`, `D = 1 + e`, `n = 1` for x ≥ 0 and `n = e` for
+    /// x < 0 (so tiny results keep their precision instead of `1 / (1 + huge)`), in one
+    /// division: `d = 1 + e` rounded and its error `lo` (exact: Fast2Sum, as 1 ≥ e), `q = n / d`,
+    /// the exact residual `n - q d` (an fma) less `q · lo` (another) is `c ≈ n - q D`, and the
+    /// result is `q + c / D`, with `1 / D` taken as `q` (x ≥ 0) or `1 - q` (x < 0): the
+    /// correction is below the result's ulp, so that approximation costs far less than one.
     fn sigmoid(&mut self, x: NodeId) -> NodeId {
         let a = self.un(Un::Abs, x);
         let na = self.un(Un::Neg, a);
-        let e = self.exp(na);
-        let den = self.addc(e, 1.0);
-        let one = self.c(1.0);
-        let pos = self.div(one, den);
-        let q = self.div(e, den);
-        let e_rounded = self.addc(den, -1.0);
+        let e = self.exp(na, Range::NonPositive);
+        let d = self.addc(e, 1.0);
+        let e_rounded = self.addc(d, -1.0);
         let lo = self.sub(e, e_rounded);
-        let q_lo = self.mul(q, lo);
-        // Corrections are far below the result's ulp: `· (1 / d)` serves for `/ d` there, which
-        // leaves two divisions (each several instructions on a GPU) instead of four.
-        let correction = self.mul(q_lo, pos);
-        let near = self.sub(q, correction);
-        // Further out, e - e² / d rounds once at the result's scale (e² / d is ~e times smaller).
-        let e2 = self.mul(e, e);
-        let e2_d = self.mul(e2, pos);
-        let far = self.sub(e, e2_d);
-        let is_far = self.cmpc(Cmp::Lt, x, SIGMOID_FAR);
-        let neg = self.sel(is_far, far, near);
         let negative = self.cmpc(Cmp::Lt, x, 0.0);
-        self.sel(negative, neg, pos)
+        let one = self.c(1.0);
+        let n = self.sel(negative, e, one);
+        let q = self.div(n, d);
+        let neg_q = self.un(Un::Neg, q);
+        let residual = self.fma(neg_q, d, n);
+        let c = self.fma(neg_q, lo, residual);
+        let one_minus_q = self.sub(one, q);
+        let inv_d = self.sel(negative, one_minus_q, q);
+        self.fma(c, inv_d, q)
     }
 
     /// min: `b` if `b < a`, else `a` if `a <= b`, else (a NaN) `a + b`, which is NaN.
@@ -462,7 +470,7 @@ impl B<'_> {
             _ => {
                 let l = self.log(x);
                 let yl = self.mul(y, l);
-                self.exp(yl)
+                self.exp(yl, Range::Any)
             }
         }
     }

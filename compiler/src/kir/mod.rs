@@ -13,9 +13,10 @@
 //!   select's condition); a bf16 buffer is widened on load and rounded to nearest-even on
 //!   store, as every op does (`ir::storage`).
 //!
-//! Ops are primitive or composite ([`Un::is_primitive`], [`Bin::is_primitive`]). Emitters and
+//! Ops are primitive or composite ([`Un::is_primitive`], [`Bin::is_primitive`]); the fused
+//! multiply-add [`Node::Fma`] (`a · b + c` rounded once, IEEE `fma`) is primitive. Emitters and
 //! the reference evaluator implement only the primitives, each with IEEE single-precision
-//! semantics and no contraction: `expand` rewrites every composite (exp, log, tanh, erf,
+//! semantics and no contraction (no multiply and add fused unless the graph says `Fma`): `expand` rewrites every composite (exp, log, tanh, erf,
 //! sigmoid, rsqrt, pow, min, max) into primitives once, in the compiler, so a generated kernel
 //! computes the same bits on every backend. A row sum is reduced in one fixed order
 //! ([`REDUCE_LANES`]): lane `l` sums columns `l, l + LANES, …` in order, then lanes combine in a
@@ -155,6 +156,8 @@ pub enum Node {
     Cmp(Cmp, NodeId, NodeId),
     /// `cond ? a : b`.
     Select(NodeId, NodeId, NodeId),
+    /// `a · b + c`, rounded once (IEEE `fusedMultiplyAdd`, [`prim::fma`]).
+    Fma(NodeId, NodeId, NodeId),
     /// The sum of a value over the columns of this row (a row value).
     RowSum(NodeId),
 }
@@ -166,7 +169,7 @@ impl Node {
             Node::Param(_) | Node::Load { .. } | Node::Const(_) => (None, None, None),
             Node::Un(_, a) | Node::RowSum(a) => (Some(a), None, None),
             Node::Bin(_, a, b) | Node::Cmp(_, a, b) => (Some(a), Some(b), None),
-            Node::Select(c, a, b) => (Some(c), Some(a), Some(b)),
+            Node::Select(c, a, b) | Node::Fma(c, a, b) => (Some(c), Some(a), Some(b)),
         };
         a.into_iter().chain(b).chain(c)
     }
@@ -359,6 +362,33 @@ impl Graph {
         self.intern(Node::Select(cond, a, b))
     }
 
+    /// `a · b + c` rounded once: three constants fold (via [`prim::fma`]); `fma(1, b, c)` and
+    /// `fma(a, 1, c)` are adds, and so is a product of two constants when it is exact in f32
+    /// (all round once, the same). `fma(a, b, 0)` stays: it differs from `a · b` for `-0`.
+    pub fn fma(&mut self, a: NodeId, b: NodeId, c: NodeId) -> NodeId {
+        let (ca, cb, cc) = (self.const_of(a), self.const_of(b), self.const_of(c));
+        if let (Some(x), Some(y), Some(z)) = (ca, cb, cc) {
+            return self.constant(prim::fma(x, y, z));
+        }
+        let is = |k: Option<f32>, v: f32| k.is_some_and(|k| k == v);
+        // `1 · b + c` and `a · 1 + c` round once either way: an add.
+        if is(ca, 1.0) {
+            return self.bin(Bin::Add, b, c);
+        }
+        if is(cb, 1.0) {
+            return self.bin(Bin::Add, a, c);
+        }
+        // A product of two constants that is exact (its f64 value fits f32) is that constant.
+        if let (Some(x), Some(y)) = (ca, cb) {
+            let p = x as f64 * y as f64;
+            if (p as f32) as f64 == p {
+                let k = self.constant(p as f32);
+                return self.bin(Bin::Add, k, c);
+            }
+        }
+        self.intern(Node::Fma(a, b, c))
+    }
+
     pub fn row_sum(&mut self, a: NodeId) -> NodeId {
         self.intern(Node::RowSum(a))
     }
@@ -393,6 +423,7 @@ impl Graph {
                 Node::Bin(op, a, b) => self.bin(op, m(a), m(b)),
                 Node::Cmp(op, a, b) => self.cmp(op, m(a), m(b)),
                 Node::Select(c, a, b) => self.select(m(c), m(a), m(b)),
+                Node::Fma(a, b, c) => self.fma(m(a), m(b), m(c)),
                 Node::RowSum(a) => self.row_sum(m(a)),
             };
             map[i] = Some(new);
@@ -432,6 +463,15 @@ impl Graph {
                 self.write_operand(out, a, name)?;
                 write!(out, " {} ", op.name())?;
                 self.write_operand(out, b, name)
+            }
+            Node::Fma(a, b, c) => {
+                out.write_str("fma(")?;
+                self.write_expr(out, a, name)?;
+                out.write_str(", ")?;
+                self.write_expr(out, b, name)?;
+                out.write_str(", ")?;
+                self.write_expr(out, c, name)?;
+                out.write_str(")")
             }
             Node::Select(c, a, b) => {
                 out.write_str("select(")?;
@@ -521,6 +561,11 @@ pub mod prim {
             Bin::Div => a / b,
             _ => f32::NAN,
         }
+    }
+
+    /// `a · b + c` rounded once (IEEE `fusedMultiplyAdd`; `__fmaf_rn`, `llvm.fma.f32`).
+    pub fn fma(a: f32, b: f32, c: f32) -> f32 {
+        a.mul_add(b, c)
     }
 
     pub fn cmp(op: Cmp, a: f32, b: f32) -> bool {

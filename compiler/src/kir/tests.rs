@@ -118,3 +118,56 @@ fn a_rotation_whose_heads_do_not_tile_the_domain_is_refused() {
     k.stores[0].value = partner;
     assert_eq!(k.validate(), Ok(()));
 }
+
+#[test]
+fn fma_rounds_once_folds_and_prints() {
+    let mut g = Graph::new();
+    let (x, y, z) = (g.load(0, 0), g.load(1, 0), g.load(2, 0));
+    let one = g.constant(1.0);
+    // `1 · y + z` and `x · 1 + z` are adds; exact constant products fold; three constants fold
+    // with one rounding.
+    assert_eq!(g.fma(one, y, z), g.bin(Bin::Add, y, z));
+    assert_eq!(g.fma(x, one, z), g.bin(Bin::Add, x, z));
+    let (two, three) = (g.constant(2.0), g.constant(3.0));
+    let six = g.constant(6.0);
+    assert_eq!(g.fma(two, three, z), g.bin(Bin::Add, six, z));
+    let a = 1.0 + f32::EPSILON;
+    let (ca, cb) = (g.constant(a), g.constant(-1.0 - 2.0 * f32::EPSILON));
+    let folded = g.fma(ca, ca, cb);
+    assert_eq!(g.node(folded).constant(), Some(f32::EPSILON * f32::EPSILON));
+    // An inexact constant product stays a fused node, as does `fma(x, y, 0)` (`-0` differs).
+    let third = g.constant(1.0 / 3.0);
+    let f3 = g.fma(third, third, z);
+    assert!(matches!(g.node(f3), Node::Fma(..)));
+    let zero = g.constant(0.0);
+    let f0 = g.fma(x, y, zero);
+    assert!(matches!(g.node(f0), Node::Fma(..)));
+    let f = g.fma(x, y, z);
+    assert_eq!(g.fma(x, y, z), f, "hash-consed");
+    assert_ne!(g.fma(y, x, z), f);
+    let k = Kernel {
+        cols: 4,
+        inputs: vec![Access::Elem { width: 4 }; 3],
+        outputs: vec![Access::Elem { width: 4 }],
+        graph: g,
+        stores: vec![Store {
+            output: 0,
+            col_offset: 0,
+            value: f,
+        }],
+    };
+    assert_eq!(k.validate(), Ok(()));
+    assert!(k.is_expanded());
+    assert_eq!(k.to_string(), "y0 = fma(x0, x1, x2)");
+    // The evaluator rounds once: the product's rounding error survives.
+    let xs = [a, 3.0, 0.1, -2.5];
+    let ys = [a, 1.0 / 3.0, 0.7, 4.0];
+    let zs: Vec<f32> = xs.iter().zip(&ys).map(|(x, y)| -(x * y)).collect();
+    let mut out = [0.0f32; 4];
+    eval::run(&k, 0, 1, &[&xs, &ys, &zs], &mut [&mut out]).unwrap();
+    for i in 0..4 {
+        assert_eq!(out[i], prim::fma(xs[i], ys[i], zs[i]));
+    }
+    assert_eq!(out[0], f32::EPSILON * f32::EPSILON);
+    assert_ne!(out[1], 0.0);
+}

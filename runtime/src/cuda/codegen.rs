@@ -544,6 +544,7 @@ impl<'a> Emitter<'a> {
                 format!("({} {c} {})", v(a), v(b))
             }
             Node::Select(c, a, b) => format!("({} ? {} : {})", v(c), v(a), v(b)),
+            Node::Fma(a, b, c) => format!("__fmaf_rn({}, {}, {})", v(a), v(b), v(c)),
             // Loads, row sums and parameters are never expressions (see `nodes`).
             Node::Load { .. } | Node::RowSum(_) | Node::Param(_) => {
                 "__parc_not_an_expression".into()

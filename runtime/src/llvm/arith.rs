@@ -1,6 +1,8 @@
 //! The primitive ops of `kir::prim` as LLVM instructions, each exactly its Rust definition:
 //! IEEE f32 instructions without fast-math flags (so the NVPTX backend emits `add.rn`-style
 //! rounding, `div.rn.f32`, `sqrt.rn.f32`, no contraction into `fma`, no flush to zero), the
+//! IR's own fused multiply-add as `llvm.fma.f32` (`fma.rn.f32`, rounded once, as `f32::mul_add`),
+//! the
 //! bit-level ops (`exp2i`, `exponent`, `mantissa`) as integer arithmetic on the bits, and bf16
 //! storage as integer ops (widen: shift left 16; round: nearest-even as `round_bf16` of
 //! runtime/src/cuda/kernels/common.cuh), so no PTX bf16 instruction is needed.
@@ -170,6 +172,24 @@ impl<'ctx> Ir<'_, 'ctx> {
             .get_declaration(self.module, &[f32_ty])
             .ok_or_else(|| missing(name))?;
         Ok(self.call(f, &[x.into()])?.into_float_value())
+    }
+
+    /// `a · b + c` rounded once (`llvm.fma.f32`: `fma.rn.f32` in PTX; `kir::prim::fma`).
+    pub fn fma(
+        &self,
+        a: FloatValue<'ctx>,
+        b: FloatValue<'ctx>,
+        c: FloatValue<'ctx>,
+    ) -> Result<FloatValue<'ctx>> {
+        let f32_ty: BasicTypeEnum = self.ctx.f32_type().into();
+        let name = "llvm.fma";
+        let f = Intrinsic::find(name)
+            .ok_or_else(|| missing(name))?
+            .get_declaration(self.module, &[f32_ty])
+            .ok_or_else(|| missing(name))?;
+        Ok(self
+            .call(f, &[a.into(), b.into(), c.into()])?
+            .into_float_value())
     }
 
     /// A call that returns a value.

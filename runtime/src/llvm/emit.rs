@@ -321,6 +321,7 @@ impl<'a, 'ctx> Emit<'a, 'ctx> {
             Node::Un(op, a) => Val::Num(ir.un(op, n(a)?)?),
             Node::Bin(op, a, b) => Val::Num(ir.bin(op, n(a)?, n(b)?)?),
             Node::Cmp(op, a, b) => Val::Bool(ir.cmp(op, n(a)?, n(b)?)?),
+            Node::Fma(a, b, c) => Val::Num(ir.fma(n(a)?, n(b)?, n(c)?)?),
             Node::Select(c, a, b) => {
                 let cond = match values.get(c.index()).copied().flatten() {
                     Some(Val::Bool(cond)) => cond,

@@ -12,8 +12,9 @@
 //!   over rows by the grid, and sums in exactly the `REDUCE_LANES` order of `kir` (lane `l`
 //!   sums columns `l, l + LANES, …` from 0.0, then the lanes combine in a halving tree through
 //!   shared memory and `llvm.nvvm.barrier0`);
-//! - arithmetic is `kir::prim` (`arith`): IEEE f32, no fast-math flags, so no contraction and no
-//!   approximate division or square root.
+//! - arithmetic is `kir::prim` (`arith`): IEEE f32, no fast-math flags, so no contraction (the
+//!   only `fma` is the IR's own `Node::Fma`, as `llvm.fma.f32`) and no approximate division or
+//!   square root.
 //!
 //! Owns: `plan` (which row sums each pass over a row computes), `arith` (the primitive ops and
 //! bf16 conversions as instructions), `emit` (the kernel function: parameters, index maps,

@@ -10,6 +10,7 @@ pub fn all() -> Vec<(&'static str, Kernel)> {
     vec![
         ("unary", unary(96)),
         ("binary", binary(80)),
+        ("fma", fma(88)),
         ("rope", rope(128, 32)),
         ("row_input", row_input(72)),
         ("rms_norm", rms_norm(300)),
@@ -93,6 +94,21 @@ pub fn binary(cols: u64) -> Kernel {
     let y2 = g.select(ne, c, d);
     let stores = vec![store(0, 0, y0), store(1, 0, y1), store(2, 0, y2)];
     kernel(cols, vec![elem(cols); 2], vec![elem(cols); 3], g, stores)
+}
+
+/// The fused multiply-add: `fma(x0, x1, x2)`, the product's rounding error
+/// `fma(x0, x1, -(x0 · x1))` (zero unless the fma is really fused), and `fma(x0, 3, 0.25)`.
+pub fn fma(cols: u64) -> Kernel {
+    let mut g = Graph::new();
+    let (x0, x1, x2) = (g.load(0, 0), g.load(1, 0), g.load(2, 0));
+    let y0 = g.fma(x0, x1, x2);
+    let p = g.bin(Bin::Mul, x0, x1);
+    let np = g.un(Un::Neg, p);
+    let y1 = g.fma(x0, x1, np);
+    let (three, quarter) = (g.constant(3.0), g.constant(0.25));
+    let y2 = g.fma(x0, three, quarter);
+    let stores = vec![store(0, 0, y0), store(1, 0, y1), store(2, 0, y2)];
+    kernel(cols, vec![elem(cols); 3], vec![elem(cols); 3], g, stores)
 }
 
 /// Rotary embedding of the second column block of `x0` (`[rows, 2 cols]`, offset `cols`) with

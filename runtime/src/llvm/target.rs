@@ -1,7 +1,8 @@
 //! The NVPTX target: LLVM's optimization pipeline on a built kernel module and its PTX text.
 //! The target machine has default options (no unsafe FP math, FP-op fusion "standard": only
 //! instructions flagged `contract` may become `fma`, and the emitter flags none), so the PTX
-//! keeps `kir::prim`'s rounding: `div.rn.f32`, `sqrt.rn.f32`, no `fma`, no `.ftz`, no `.approx`.
+//! keeps `kir::prim`'s rounding: `div.rn.f32`, `sqrt.rn.f32`, no `fma` but the IR's own
+//! (`Node::Fma` as `llvm.fma.f32`), no `.ftz`, no `.approx`.
 use super::Llvm;
 use crate::error::Result;
 use inkwell::module::Module;

@@ -113,9 +113,29 @@ fn ptx_has_the_abi_entry_and_parameters() {
 fn ptx_rounds_every_op_as_kir_prim() {
     for (name, k, types, text) in every_ptx() {
         let what = format!("{name} {types:?}");
-        for banned in ["fma", "approx", ".ftz", "bf16", "mad."] {
+        for banned in ["approx", ".ftz", "bf16", "mad."] {
             assert!(!text.contains(banned), "{what}: `{banned}` in\n{text}");
         }
+        // No fma but the IR's own (`Node::Fma`, each emitted once per pass over the row and
+        // once for the stores), every one `fma.rn.f32`: nothing was contracted.
+        let nodes = k.graph.nodes().iter();
+        let written = nodes.filter(|n| matches!(n, Node::Fma(..))).count();
+        let fmas = text.matches("fma.rn.f32").count();
+        assert_eq!(
+            text.matches("fma").count(),
+            fmas,
+            "{what}: an fma not .rn.f32"
+        );
+        let copies = Plan::of(&k).passes.len() + 1;
+        assert!(
+            fmas <= written * copies,
+            "{what}: {fmas} fma for {written} nodes"
+        );
+        assert_eq!(
+            fmas > 0,
+            written > 0,
+            "{what}: {fmas} fma for {written} nodes"
+        );
         if has(&k, |n| matches!(n, Node::Bin(Bin::Div, ..))) {
             // `1 / x` may become `rcp.rn.f32`: the IEEE reciprocal, rounded once, as `div.rn`.
             let rounded = text.contains("div.rn.f32") || text.contains("rcp.rn.f32");

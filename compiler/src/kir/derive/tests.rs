@@ -105,6 +105,9 @@ fn every_binary_op_matches_finite_differences() {
     check("min", 2, |g, p| g.bin(Bin::Min, p[0], p[1]), &pts);
     check("max", 2, |g, p| g.bin(Bin::Max, p[0], p[1]), &pts);
     check("pow", 2, |g, p| g.bin(Bin::Pow, p[0], p[1]), &pts);
+    let pts3: Vec<Vec<f64>> = pts.iter().map(|p| vec![p[0], p[1], p[0] - p[1]]).collect();
+    check("fma", 3, |g, p| g.fma(p[0], p[1], p[2]), &pts3);
+    check("fma(x, x, y)", 2, |g, p| g.fma(p[0], p[0], p[1]), &pts);
     let xs = grid(0.2, 3.0, 50);
     for c in [-2.0f32, -0.5, 0.5, 1.0, 1.5, 2.0, 3.0, 2.7] {
         let mut g = Graph::new();
