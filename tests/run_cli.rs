@@ -156,6 +156,58 @@ fn an_mlp_with_a_par_function_activation_learns() {
     assert!(losses[7] < losses[0] - 0.3, "loss did not fall: {losses:?}");
 }
 
+/// `.par` functions applied in the model's dataflow (`y = f(x)`) are elementwise layers whose
+/// generated forward and derived backward run on the CPU; the model learns, under tp = 2 too
+/// (with the same losses: the kernels read the whole replicated hidden state).
+#[test]
+fn a_par_function_in_the_dataflow_learns() {
+    let dir = temp_dir("fn-dataflow");
+    let spec = std::fs::read_to_string(root().join("examples/tiny.par")).unwrap();
+    let data = root().join("examples/data/tiny-shakespeare.txt");
+    let spec = spec
+        .replace(
+            "use std::gpt2 { Block }",
+            "fn gate(a, b) = a * sigmoid(b)
+block FBlock(d, heads, ffn)(x) {
+  h = x + Attention(d, heads, causal = true)(LayerNorm(d)(x))
+  m = MLP(d, ffn, act = gelu_tanh)(LayerNorm(d)(h))
+  h + gate(m, squared_relu(h))
+}",
+        )
+        .replace(
+            "Block(d, heads, ffn = ffn, act = gelu_tanh)(x)",
+            "FBlock(d, heads, ffn)(x)",
+        )
+        .replace(
+            "\"data/tiny-shakespeare.txt\"",
+            &format!("{:?}", data.display().to_string()),
+        );
+    assert!(spec.contains("FBlock(d, heads, ffn)(x)"));
+    let path = dir.join("tiny-dataflow.par");
+    std::fs::write(&path, spec).unwrap();
+    let path = path.display().to_string();
+    let mut runs = Vec::new();
+    for extra in [&[][..], &["parallel.tp=2", "cluster.gpus_per_node=2"][..]] {
+        let mut args = vec!["run", path.as_str(), "--log-format", "json"];
+        args.extend(sets(&["train.steps=8"]));
+        args.extend(sets(extra));
+        let losses: Vec<f64> = steps(&json_lines(&parc_ok(&args)))
+            .iter()
+            .map(|v| v["loss"].as_f64().unwrap())
+            .collect();
+        assert!(losses[7] < losses[0] - 0.3, "loss did not fall: {losses:?}");
+        runs.push(losses);
+    }
+    for (a, b) in runs[0].iter().zip(&runs[1]) {
+        assert!(
+            (a - b).abs() < 1e-3,
+            "tp 1 {:?} vs tp 2 {:?}",
+            runs[0],
+            runs[1]
+        );
+    }
+}
+
 #[test]
 fn a_killed_run_resumes_bit_identically() {
     let dir = temp_dir("resume");

@@ -203,6 +203,14 @@ pub enum LayerKind {
     },
     /// Elementwise sum of its two inputs (the residual add).
     Add,
+    /// An expression function applied to its inputs elementwise (`y = f(x)`, `y = g(a, b)` in
+    /// the dataflow): one input per parameter (1 to 3), all `[batch, seq, dim]`, and an output
+    /// of that shape. Lowered to a generated kernel and its derived backward.
+    Elementwise {
+        #[serde(serialize_with = "fn_name")]
+        f: Arc<ExprFn>,
+        dim: u64,
+    },
     /// Mean token cross-entropy of `logits [seq, b, vocab]` against `targets` (the second input).
     CrossEntropy,
 }
@@ -219,9 +227,15 @@ impl LayerKind {
             LayerKind::Attention { .. } => "Attention",
             LayerKind::Mlp { .. } => "MLP",
             LayerKind::Add => "Add",
+            LayerKind::Elementwise { .. } => "Elementwise",
             LayerKind::CrossEntropy => "CrossEntropy",
         }
     }
+}
+
+/// An elementwise layer's function, in JSON: its name.
+fn fn_name<S: serde::Serializer>(f: &Arc<ExprFn>, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&f.name)
 }
 
 /// Which dimensions the `shard` annotations split, resolved against the mesh.

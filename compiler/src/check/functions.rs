@@ -112,21 +112,62 @@ pub fn activation(f: &ExprFn, span: Span) -> Result<(), Diagnostic> {
         .label(span, "used as an activation here")
         .help("use a function `fn f(x) = …`, or a gated one `fn f(gate, up) = …`"));
     }
-    let mut g = f.graph.clone();
-    let params: Vec<NodeId> = (0..f.params.len() as u32).map(|i| g.param(i)).collect();
-    let seed = g.param(f.params.len() as u32);
-    match crate::kir::derive::gradients(&mut g, f.body, &params, seed) {
-        Ok(_) => Ok(()),
-        Err(e) => Err(Diagnostic::error(
+    match underivable(f) {
+        None => Ok(()),
+        Some(op) => Err(Diagnostic::error(
             "E0224",
             format!(
-                "`{}` cannot be an activation: its `{}` has no derivative",
-                f.name, e.op
+                "`{}` cannot be an activation: its `{op}` has no derivative",
+                f.name
             ),
         )
         .label(span, "used as an activation here")
         .help("training needs the activation's gradient; write it without floor (a comparison may choose between branches with select)")),
     }
+}
+
+/// The most tensors a function applied in the dataflow takes: its backward writes one
+/// gradient per input, and a generated kernel has at most this many outputs.
+pub const MAX_TENSOR_ARGS: usize = crate::ir::operands::MAX_OUTPUTS;
+
+/// Whether `f` can be applied to tensors in the model's dataflow (`y = f(x)`): at most
+/// [`MAX_TENSOR_ARGS`] parameters (E0229) and a derivative the compiler can derive (E0224).
+/// `span` is the application.
+pub fn on_tensors(f: &ExprFn, span: Span) -> Result<(), Diagnostic> {
+    if f.params.len() > MAX_TENSOR_ARGS {
+        return Err(Diagnostic::error(
+            "E0229",
+            format!(
+                "`{}` takes {} parameters: a function applied to tensors takes at most {MAX_TENSOR_ARGS}",
+                f.name,
+                f.params.len()
+            ),
+        )
+        .label(span, "applied here")
+        .help("its backward writes one gradient per tensor, and a generated kernel has at most 3 outputs: split the function"));
+    }
+    match underivable(f) {
+        None => Ok(()),
+        Some(op) => Err(Diagnostic::error(
+            "E0224",
+            format!(
+                "`{}` cannot be applied to tensors: its `{op}` has no derivative",
+                f.name
+            ),
+        )
+        .label(span, "applied here")
+        .help("training needs the function's gradient; write it without floor (a comparison may choose between branches with select)")),
+    }
+}
+
+/// The operation of `f` that has no derivative, if any.
+fn underivable(f: &ExprFn) -> Option<String> {
+    let mut g = f.graph.clone();
+    let params: Vec<NodeId> = (0..f.params.len() as u32).map(|i| g.param(i)).collect();
+    let seed = g.param(f.params.len() as u32);
+    crate::kir::derive::gradients(&mut g, f.body, &params, seed)
+        .err()
+        .map(|e| e.op.to_string())
 }
 
 /// The gated activation `glu(f)`: `(gate, up) -> f(gate) * up`.

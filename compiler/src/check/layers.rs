@@ -56,6 +56,7 @@ pub fn default_name(kind: &LayerKind) -> &'static str {
         LayerKind::Attention { .. } => "attn",
         LayerKind::Mlp { .. } => "mlp",
         LayerKind::Add => "add",
+        LayerKind::Elementwise { .. } => "fn",
         LayerKind::CrossEntropy => "loss",
     }
 }
@@ -334,6 +335,7 @@ pub fn input_shape(kind: &LayerKind) -> Shape {
         | LayerKind::Attention { dim, .. }
         | LayerKind::Mlp { dim, .. } => Shape::Hidden(*dim),
         LayerKind::Linear { in_dim, .. } => Shape::Hidden(*in_dim),
+        LayerKind::Elementwise { dim, .. } => Shape::Hidden(*dim),
         LayerKind::Add | LayerKind::CrossEntropy => Shape::Scalar,
     }
 }

@@ -257,6 +257,11 @@ fn node_bytes(spec: &Spec, kind: &LayerKind, selective: bool) -> f64 {
             };
             input + logits
         }
+        // An elementwise layer keeps its inputs (replicated over tp like the hidden states
+        // between layers, split by sequence parallelism).
+        LayerKind::Elementwise { f, dim } => {
+            f.params.len() as f64 * d.replicated() * *dim as f64 * d.elem
+        }
         LayerKind::Embedding { .. }
         | LayerKind::PositionEmbedding { .. }
         | LayerKind::Add

@@ -7,6 +7,7 @@ use super::emitter::Emitter;
 use super::layers::AttnShape;
 use crate::ir::op::{Act, ActAttrs, EmbeddingAttrs, Op, PositionAttrs};
 use crate::ir::{BufferId, BufferKind, CollectiveKind, Phase};
+use crate::kir::func::ExprFn;
 use crate::spec::{Activation, LayerKind, NodeId, ValueId};
 
 /// Whether the backward of a `kind` node reads its parameter `local` (ZeRO-3 prefetches only
@@ -23,7 +24,7 @@ pub(super) fn backward_reads(kind: &LayerKind, local: &str) -> bool {
         }
         LayerKind::Attention { .. } => matches!(local, "wqkv" | "wo"),
         LayerKind::Mlp { .. } => matches!(local, "fc" | "proj" | "gate" | "up" | "down"),
-        LayerKind::Add | LayerKind::CrossEntropy => false,
+        LayerKind::Add | LayerKind::Elementwise { .. } | LayerKind::CrossEntropy => false,
     }
 }
 
@@ -139,8 +140,54 @@ impl Emitter<'_> {
                 }
                 Some(dy)
             }
+            (LayerKind::Elementwise { f, .. }, Some(dy)) => {
+                self.elementwise_backward(mb, node, (dy, inputs), saved, f)
+            }
             (_, None) => None,
         }
+    }
+
+    /// The backward of `y = f(x1, …)`: one generated kernel `dy, x1, … → dx1, …` (derived
+    /// symbolically). A generated kernel overwrites its outputs, so each gradient is a fresh
+    /// buffer; every input but the first is contributed here (summed with an `Add` into a
+    /// gradient already there), the first is returned for the caller to contribute.
+    fn elementwise_backward(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        (dy, inputs): (BufferId, &[ValueId]),
+        saved: &[BufferId],
+        f: &ExprFn,
+    ) -> Option<BufferId> {
+        let shape = self.b.shape(dy);
+        let cols = shape.get(1).copied().unwrap_or(0);
+        let kernel = act_kernels::elementwise_backward(f, cols);
+        let attrs = match (saved.len() == f.params.len(), self.act_kernel(node, kernel)) {
+            (true, Some(a)) => a,
+            _ => {
+                self.b.release(dy);
+                return None;
+            }
+        };
+        let mut ins = vec![dy];
+        ins.extend_from_slice(saved);
+        let dxs: Vec<BufferId> = (0..saved.len())
+            .map(|i| {
+                let what = if i == 0 {
+                    "dx".to_string()
+                } else {
+                    format!("dx{}", i + 1)
+                };
+                self.activation_grad(node, &what, mb, shape.clone())
+            })
+            .collect();
+        self.b
+            .compute(Op::Fused(attrs), &ins, &dxs, Some(node), Phase::Backward);
+        self.b.release(dy);
+        for (&v, &dx) in inputs.iter().zip(&dxs).skip(1) {
+            self.contribute(mb, v, dx, node);
+        }
+        dxs.first().copied()
     }
 
     /// The loss's backward: dlogits (`CeGrad` from the saved logits, targets, max and sum of

@@ -234,10 +234,66 @@ impl Emitter<'_> {
                 }
                 Vec::new()
             }
+            LayerKind::Elementwise { f, .. } => self.elementwise_forward(mb, node, &f),
             LayerKind::CrossEntropy => self.loss_forward(mb, node, x),
         };
         self.end_node();
         saved
+    }
+
+    /// `y = f(x, …)`: one generated kernel over the inputs' local shards, which must all have
+    /// one shape (as an `Add`'s: hidden states are the sequence shard under sequence
+    /// parallelism, a tp-split Linear's output is a column shard). Saves its inputs.
+    fn elementwise_forward(&mut self, mb: u32, node: NodeId, f: &ExprFn) -> Vec<BufferId> {
+        let mut ins = Vec::new();
+        for i in 0..f.params.len() {
+            match self.input(mb, node, i) {
+                Some(b) => ins.push(b),
+                None => {
+                    self.missing(node, "input");
+                    return Vec::new();
+                }
+            }
+        }
+        let shape = ins.first().map(|&b| self.b.shape(b)).unwrap_or_default();
+        if ins.iter().any(|&b| self.b.shape(b) != shape) {
+            self.mixed_shards(node);
+            return Vec::new();
+        }
+        let cols = shape.get(1).copied().unwrap_or(0);
+        let Some(attrs) = self.act_kernel(node, super::act_kernels::elementwise(f, cols)) else {
+            return Vec::new();
+        };
+        let y = self.activation(node, "y", mb, shape);
+        self.b
+            .compute(Op::Fused(attrs), &ins, &[y], Some(node), self.phase);
+        self.set_output(mb, node, y);
+        for &b in &ins {
+            self.b.retain(b);
+        }
+        ins
+    }
+
+    /// An elementwise layer whose inputs reach it split differently over tp.
+    fn mixed_shards(&mut self, node: NodeId) {
+        let span = self
+            .spec
+            .model
+            .nodes
+            .get(node.0 as usize)
+            .map(|n| n.span)
+            .unwrap_or_default();
+        self.errors.push(
+            crate::diag::Diagnostic::error(
+                "E0229",
+                format!(
+                    "`{}` applies a function to tensors split differently over tp",
+                    self.node_name(node)
+                ),
+            )
+            .label(span, "applied here")
+            .help("under tensor parallelism a vocab-split Linear's output is a column shard and hidden states are not: apply the function to tensors of one kind"),
+        );
     }
 
     fn loss_forward(&mut self, mb: u32, node: NodeId, logits: BufferId) -> Vec<BufferId> {

@@ -211,7 +211,7 @@ pub(crate) fn declared(spec: &Spec, kind: &LayerKind) -> Vec<Declared> {
                 }
             }
         }
-        LayerKind::Add | LayerKind::CrossEntropy => {}
+        LayerKind::Add | LayerKind::Elementwise { .. } | LayerKind::CrossEntropy => {}
     }
     d.0
 }

@@ -704,3 +704,51 @@ fn a_check_keeps_its_first_sixteen_violations_per_program() {
     assert_eq!(found[3].program, ProgramId(2));
     assert_eq!(found[15].message, "violation 15");
 }
+
+/// A model applying `.par` functions in its dataflow (elementwise layers, which keep their
+/// inputs): the cost model's activation term stays within 10% of the activations' measured
+/// peak, as for the layers above, with and without tp and sequence parallelism.
+#[test]
+fn cost_model_counts_elementwise_layers() {
+    use crate::driver::{compile, CompileOptions, Stage};
+    for (tp, sp) in [(1, false), (2, false), (2, true)] {
+        let text = format!(
+            "fn gate(a, b) = a * sigmoid(b)
+block B(d, heads, ffn)(x) {{
+  h = x + Attention(d, heads, causal = true)(LayerNorm(d)(x))
+  m = MLP(d, ffn, act = gelu)(LayerNorm(d)(h))
+  h + gate(m, squared_relu(h))
+}}
+model m {{
+  let vocab = 256; let d = 64; let seq = 64
+  input tokens  : [batch, seq] i32
+  input targets : [batch, seq] i32
+  x = Embedding(vocab, d)(tokens) + PositionEmbedding(seq, d)
+  x = repeat 4 {{ B(d, 4, 256)(x) }}
+  logits = Linear(d, vocab, bias = false, tied = Embedding)(LayerNorm(d)(x) as ln_f) as head
+  loss = CrossEntropy(logits, targets)
+  shard Embedding.vocab on tp
+  shard Attention.heads on tp
+  shard MLP.hidden on tp
+}}
+parallel {{ mesh = {{ dp: 1, pp: 1, cp: 1, tp: {tp} }}; sequence_parallel = {sp} }}
+train {{ global_batch = 8; micro_batch = 2; steps = 2 }}
+cluster {{ nodes = 1; gpus_per_node = {tp}; gpu = cpu }}
+"
+        );
+        let mut options = CompileOptions::through(Stage::Verify);
+        options.fusion = false;
+        options.cost_model = true;
+        let c = compile("t.par", text, &[], &options);
+        assert!(!c.diagnostics.has_errors(), "{:?}", c.diagnostics.items);
+        let (plan, cost) = (c.plan.expect("a plan"), c.cost.expect("a cost report"));
+        let est = cost.roles[0].memory.activations as f64;
+        for program in &plan.programs {
+            let act = activation_peak(program) as f64;
+            assert!(
+                (est - act).abs() <= 0.1 * act,
+                "tp {tp} sp {sp}: activations estimated {est}, measured {act}"
+            );
+        }
+    }
+}

@@ -638,17 +638,7 @@ impl<'a> Elab<'a> {
             }
             Val::Callable(Callee::Builtin(kind), _) => self.construct(kind, args, span),
             Val::Callable(Callee::Glu, _) => self.glu(args, span, module),
-            Val::Fn(f, _) => self.err(
-                Diagnostic::error(
-                    "E0229",
-                    format!(
-                        "applying a function to a tensor is not supported yet (`{}`)",
-                        f.name
-                    ),
-                )
-                .label(span, "applied here")
-                .help("use the function as an MLP activation: `MLP(d, ffn, act = f)`"),
-            ),
+            Val::Fn(f, _) => self.elementwise(f, args, span),
             Val::Callable(Callee::Block { module, name }, _) => {
                 self.block_params(module, name, args, span)
             }
@@ -705,6 +695,70 @@ impl<'a> Elab<'a> {
                     ),
             ),
         }
+    }
+
+    /// `f(x, …)` on tensors: an elementwise layer (`LayerKind::Elementwise`) whose inputs are
+    /// the arguments, all hidden states of one width, one per parameter of `f`.
+    fn elementwise(
+        &mut self,
+        f: Arc<ExprFn>,
+        args: Vec<(Option<Ident>, Val, Span)>,
+        span: Span,
+    ) -> Val {
+        let want = f.params.len();
+        if args.len() != want {
+            let s = |n: usize| if n == 1 { "" } else { "s" };
+            return self.err(
+                Diagnostic::error(
+                    "E0221",
+                    format!(
+                        "`{}` takes {want} argument{}, found {}",
+                        f.name,
+                        s(want),
+                        args.len()
+                    ),
+                )
+                .label(span, format!("{} argument{}", args.len(), s(args.len())))
+                .help(format!("pass exactly {want} tensor{}", s(want))),
+            );
+        }
+        if let Err(d) = functions::on_tensors(&f, span) {
+            return self.err(d);
+        }
+        let Some(ts) = self.tensors(&args, want, &f.name) else {
+            return Val::Poison;
+        };
+        let shapes: Vec<Shape> = ts
+            .iter()
+            .map(|(id, _)| self.values[id.0 as usize].shape.clone())
+            .collect();
+        let dim = match shapes.first() {
+            Some(first @ Shape::Hidden(n)) if shapes.iter().all(|s| s == first) => *n,
+            _ => {
+                let mut d = Diagnostic::error(
+                    "E0229",
+                    format!(
+                        "`{}` is applied to tensors of different shapes, or not to hidden states",
+                        f.name
+                    ),
+                );
+                for ((_, s), shape) in ts.iter().zip(&shapes) {
+                    d = d.label(*s, layers::describe(shape));
+                }
+                return self.err(d.help(
+                    "a function applies elementwise to hidden states [batch, seq, d] of one width",
+                ));
+            }
+        };
+        let inputs = ts.iter().map(|(id, _)| *id).collect();
+        self.node(
+            LayerKind::Elementwise { f, dim },
+            inputs,
+            Shape::Hidden(dim),
+            span,
+            HashMap::new(),
+            None,
+        )
     }
 
     fn tensors(

@@ -218,3 +218,144 @@ fn derived_backward_kernels_match_finite_differences() {
         }
     }
 }
+
+/// A two-layer model whose blocks apply `gate` and `squared_relu` in the dataflow, under `tp`.
+fn dataflow_text(tp: u32, sp: bool) -> String {
+    format!(
+        "fn gate(a, b) = a * sigmoid(b)
+block B(d)(x) {{
+  h = x + MLP(d, 4 * d)(LayerNorm(d)(x))
+  m = MLP(d, 4 * d)(LayerNorm(d)(h))
+  h + gate(m, squared_relu(h))
+}}
+model m {{
+  let vocab = 64; let d = 32; let seq = 16
+  input tokens  : [batch, seq] i32
+  input targets : [batch, seq] i32
+  x = Embedding(vocab, d)(tokens) + PositionEmbedding(seq, d)
+  x = repeat 2 {{ B(d)(x) }}
+  logits = Linear(d, vocab, bias = false, tied = Embedding)(LayerNorm(d)(x) as ln_f) as head
+  loss = CrossEntropy(logits, targets)
+  shard Embedding.vocab on tp
+  shard Attention.heads on tp
+  shard MLP.hidden on tp
+}}
+parallel {{ mesh = {{ dp: 1, pp: 1, cp: 1, tp: {tp} }}; sequence_parallel = {sp} }}
+train {{ global_batch = 4; micro_batch = 2; steps = 2 }}
+cluster {{ nodes = 1; gpus_per_node = {tp}; gpu = cpu }}
+"
+    )
+}
+
+/// The fused ops of the verified, unfused plan of `text`, per program.
+fn unfused_ops(text: String) -> Vec<Vec<(String, Arc<Kernel>)>> {
+    let mut options = CompileOptions::through(Stage::Verify);
+    options.fusion = false;
+    let c = compile("t.par", text, &[], &options);
+    assert!(!c.diagnostics.has_errors(), "{:?}", c.diagnostics.items);
+    assert!(c.analysis.verified.is_some(), "the plan verifies");
+    let plan = c.plan.expect("a plan");
+    plan.programs
+        .iter()
+        .map(|p| {
+            p.computes()
+                .filter_map(|(_, comp)| match &comp.op {
+                    Op::Fused(a) => Some((a.name.clone(), a.kernel.clone())),
+                    _ => None,
+                })
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn functions_in_the_dataflow_lower_to_fused_forward_and_backward() {
+    for (tp, sp) in [(1, false), (2, false), (2, true)] {
+        let programs = unfused_ops(dataflow_text(tp, sp));
+        assert_eq!(programs.len(), tp as usize);
+        for ops in &programs {
+            let count = |name: &str| ops.iter().filter(|(n, _)| n == name).count();
+            // Two layers × two microbatches of each.
+            for name in [
+                "fn gate",
+                "fn_bwd gate",
+                "fn squared_relu",
+                "fn_bwd squared_relu",
+            ] {
+                assert_eq!(count(name), 4, "{name} under tp {tp} sp {sp}");
+            }
+            for (name, k) in ops {
+                // Hidden states are replicated over tp: the whole width d = 32.
+                assert_eq!(k.cols, 32, "{name}");
+                let (ins, outs) = match name.as_str() {
+                    "fn gate" => (2, 1),
+                    "fn_bwd gate" => (3, 2),
+                    "fn squared_relu" => (1, 1),
+                    _ => (2, 1),
+                };
+                assert_eq!((k.inputs.len(), k.outputs.len()), (ins, outs), "{name}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_function_on_tensors_is_checked() {
+    let check = |fns: &str, call: &str| {
+        let text = dataflow_text(1, false)
+            .replace("fn gate(a, b) = a * sigmoid(b)", fns)
+            .replace("h + gate(m, squared_relu(h))", call);
+        let c = compile("t.par", text, &[], &CompileOptions::through(Stage::Check));
+        c.diagnostics
+            .items
+            .iter()
+            .map(|d| d.code.to_string())
+            .collect::<Vec<_>>()
+    };
+    let f = "fn f(a, b) = a * b\nfn fl(x) = floor(x)\nfn four(a, b, c, e) = a * b * c * e";
+    assert_eq!(check(f, "h + f(m, h)"), Vec::<String>::new());
+    assert_eq!(check(f, "h + f(m)"), ["E0221"]);
+    assert_eq!(check(f, "h + fl(m)"), ["E0224"]);
+    assert_eq!(check(f, "h + four(m, h, m, h)"), ["E0229"]);
+    assert_eq!(check(f, "h + f(m, 2)"), ["E0307"]);
+}
+
+#[test]
+fn derived_elementwise_backward_kernels_match_finite_differences() {
+    let fns = [
+        user_fn("", "squared_relu"),
+        user_fn("fn gate(a, b) = a * sigmoid(b) + tanh(a * b)", "gate"),
+    ];
+    let cols = 48usize;
+    let xs: Vec<f32> = (0..cols).map(|i| (i as f32 - 23.7) / 9.0).collect();
+    let ys: Vec<f32> = (0..cols).map(|i| 0.5 - (i % 7) as f32 / 4.0).collect();
+    let dy: Vec<f32> = (0..cols).map(|i| 1.0 + (i % 3) as f32 / 2.0).collect();
+    for f in &fns {
+        let args: Vec<Vec<f32>> = [xs.clone(), ys.clone()][..f.params.len()].to_vec();
+        let fwd = elementwise(f, cols as u64).unwrap();
+        let bwd = elementwise_backward(f, cols as u64).unwrap();
+        assert_eq!(fwd.name, format!("fn {}", f.name));
+        let mut ins = vec![dy.clone()];
+        ins.extend(args.iter().cloned());
+        let grads = run(&bwd.kernel, &ins, args.len());
+        for (p, grad) in grads.iter().enumerate() {
+            for c in 0..cols {
+                let h = 1e-2f32;
+                let at = |d: f32| {
+                    let mut a = args.clone();
+                    a[p][c] += d;
+                    run(&fwd.kernel, &a, 1)[0][c] as f64
+                };
+                let numeric = (at(h) - at(-h)) / (2.0 * h as f64) * dy[c] as f64;
+                let err = (grad[c] as f64 - numeric).abs();
+                assert!(
+                    err <= 2e-2 * numeric.abs().max(1.0),
+                    "{}: d/d{} at {c}: derived {}, numeric {numeric}",
+                    f.name,
+                    f.params[p],
+                    grad[c]
+                );
+            }
+        }
+    }
+}
