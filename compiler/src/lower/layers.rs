@@ -242,8 +242,8 @@ impl Emitter<'_> {
     }
 
     /// `y = f(x, …)`: one generated kernel over the inputs' local shards, which must all have
-    /// one shape (as an `Add`'s: hidden states are the sequence shard under sequence
-    /// parallelism, a tp-split Linear's output is a column shard). Saves its inputs.
+    /// one shape (as an `Add`'s: hidden states, replicated over tp or the sequence shard under
+    /// sequence parallelism). Saves its inputs.
     fn elementwise_forward(&mut self, mb: u32, node: NodeId, f: &ExprFn) -> Vec<BufferId> {
         let mut ins = Vec::new();
         for i in 0..f.params.len() {
@@ -292,7 +292,7 @@ impl Emitter<'_> {
                 ),
             )
             .label(span, "applied here")
-            .help("under tensor parallelism a vocab-split Linear's output is a column shard and hidden states are not: apply the function to tensors of one kind"),
+            .help("apply the function to tensors split alike: hidden states between layers"),
         );
     }
 
