@@ -277,15 +277,24 @@ fn load_prelude(sources: &mut Sources, diags: &mut Diagnostics) -> functions::Fn
             return functions::FnTable::new();
         }
     };
-    let defs: Vec<&FnDef> = file
-        .items
+    functions::check_module(
+        &fn_defs(&file),
+        &HashMap::new(),
+        &functions::FnTable::new(),
+        diags,
+    )
+    .fns
+}
+
+/// The function definitions (`fn name(args) = expr`) of a file, in order.
+fn fn_defs(file: &File) -> Vec<&FnDef> {
+    file.items
         .iter()
         .filter_map(|i| match i {
             Item::Fn(f) => Some(f),
             _ => None,
         })
-        .collect();
-    functions::check_module(&defs, &HashMap::new(), &functions::FnTable::new(), diags).fns
+        .collect()
 }
 
 /// Loading modules: the main file and, recursively, the stdlib modules it uses.
@@ -310,14 +319,7 @@ impl Modules<'_> {
                 _ => {}
             }
         }
-        let defs: Vec<&FnDef> = file
-            .items
-            .iter()
-            .filter_map(|i| match i {
-                Item::Fn(f) => Some(f),
-                _ => None,
-            })
-            .collect();
+        let defs = fn_defs(file);
         let consts = self.ns[me].consts.clone();
         let checked = functions::check_module(&defs, &consts, self.prelude, self.diags);
         self.ns[me].fns = checked.fns;

@@ -492,15 +492,7 @@ fn bin_f64(op: Bin, a: f64, b: f64) -> f64 {
 }
 
 fn cmp_f64(op: Cmp, a: f64, b: f64) -> f64 {
-    let r = match op {
-        Cmp::Lt => a < b,
-        Cmp::Le => a <= b,
-        Cmp::Gt => a > b,
-        Cmp::Ge => a >= b,
-        Cmp::Eq => a == b,
-        Cmp::Ne => a != b,
-    };
-    if r {
+    if op.holds(a, b) {
         1.0
     } else {
         0.0

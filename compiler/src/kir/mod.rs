@@ -136,6 +136,21 @@ ops! {
     }
 }
 
+impl Cmp {
+    /// Whether `a op b` holds: IEEE comparisons, false with a NaN operand except for `!=`.
+    /// The f32 primitive (`prim::cmp`) and the f64 reference (`eval::eval_f64`) both are this.
+    pub fn holds<T: PartialOrd>(self, a: T, b: T) -> bool {
+        match self {
+            Cmp::Lt => a < b,
+            Cmp::Le => a <= b,
+            Cmp::Gt => a > b,
+            Cmp::Ge => a >= b,
+            Cmp::Eq => a == b,
+            Cmp::Ne => a != b,
+        }
+    }
+}
+
 /// One scalar computation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -569,14 +584,7 @@ pub mod prim {
     }
 
     pub fn cmp(op: Cmp, a: f32, b: f32) -> bool {
-        match op {
-            Cmp::Lt => a < b,
-            Cmp::Le => a <= b,
-            Cmp::Gt => a > b,
-            Cmp::Ge => a >= b,
-            Cmp::Eq => a == b,
-            Cmp::Ne => a != b,
-        }
+        op.holds(a, b)
     }
 }
 

@@ -52,14 +52,18 @@ impl Emitter<'_> {
         }
     }
 
-    fn missing(&mut self, node: NodeId, what: &str) {
-        let span = self
-            .spec
+    /// Where `node` is written in the spec (for a diagnostic about it).
+    fn node_span(&self, node: NodeId) -> crate::diag::Span {
+        self.spec
             .model
             .nodes
             .get(node.0 as usize)
             .map(|n| n.span)
-            .unwrap_or_default();
+            .unwrap_or_default()
+    }
+
+    fn missing(&mut self, node: NodeId, what: &str) {
+        let span = self.node_span(node);
         self.errors.push(
             crate::diag::Diagnostic::error(
                 "E0804",
@@ -276,13 +280,7 @@ impl Emitter<'_> {
 
     /// An elementwise layer whose inputs reach it split differently over tp.
     fn mixed_shards(&mut self, node: NodeId) {
-        let span = self
-            .spec
-            .model
-            .nodes
-            .get(node.0 as usize)
-            .map(|n| n.span)
-            .unwrap_or_default();
+        let span = self.node_span(node);
         self.errors.push(
             crate::diag::Diagnostic::error(
                 "E0229",
@@ -800,13 +798,7 @@ impl Emitter<'_> {
         match kernel {
             Ok(attrs) => Some(attrs),
             Err(e) => {
-                let span = self
-                    .spec
-                    .model
-                    .nodes
-                    .get(node.0 as usize)
-                    .map(|n| n.span)
-                    .unwrap_or_default();
+                let span = self.node_span(node);
                 self.errors.push(
                     crate::diag::Diagnostic::error(
                         "E0807",
