@@ -1,6 +1,7 @@
 //! Generated kernels for the tests of `Op::Fused`: the CPU-against-CUDA cases
-//! (tests/cuda_ops/fused.rs) and the emitter's NVRTC compile test (runtime/src/cuda/codegen/
-//! tests.rs, which includes this file). Together they use every primitive op, every column map
+//! (tests/cuda_ops/fused.rs), the emitters' tests (the NVRTC compile test, runtime/src/cuda/
+//! codegen/tests.rs; the LLVM emitter's PTX and GPU tests, runtime/src/llvm; the
+//! NVRTC-against-LLVM case, tests/cuda_ops/emitters.rs) and the bandwidth benchmark. Together they use every primitive op, every column map
 //! and every access, outputs of rows, and row sums one and two deep; `composite` adds kernels
 //! written with composite ops (SwiGLU and its gradient, GELU), which `kir::expand` rewrites.
 //! Built with `kir`'s public builders only.
@@ -136,23 +137,38 @@ pub fn columns(cols: u64) -> Kernel {
     k
 }
 
-/// Rotary embedding from per-position tables: x `[rows, cols]` in heads of `hd` columns,
-/// table `[rows / 3, 2·hd]` (cos | sin) per position (batch 3): y = x·cos + rot(x)·sin, the
-/// tables read through `Periodic(hd)` and x's partner through `RotateHalf(hd)`.
+/// Rotary embedding from per-position tables, of the second column block of x `[rows,
+/// 2·cols]` (heads of `hd` columns), with the first block copied: output `[rows, 2·cols]`
+/// written by two stores (offsets 0 and cols), as the fused q/k/v split + RoPE does. Table
+/// `[rows / 3, 2·hd]` (cos | sin) per position (batch 3): y = x·cos + rot(x)·sin, the tables
+/// read through `Periodic(hd)` and x's partner through `RotateHalf(hd)` at x's offset.
 pub fn rope(cols: u64, hd: u64) -> Kernel {
     let mut g = Graph::new();
-    let x = g.load(0, 0);
-    let partner = g.load_mapped(0, 0, ColMap::RotateHalf(hd));
+    let x = g.load(0, cols);
+    let partner = g.load_mapped(0, cols, ColMap::RotateHalf(hd));
     let cos = g.load_mapped(1, 0, ColMap::Periodic(hd));
     let sin = g.load_mapped(1, hd, ColMap::Periodic(hd));
     let a = g.bin(Bin::Mul, x, cos);
     let b = g.bin(Bin::Mul, partner, sin);
     let y = g.bin(Bin::Add, a, b);
+    let copy = g.load(0, 0);
     let table = Access::PerPosition {
         batch: 3,
         width: 2 * hd,
     };
-    kernel(cols, vec![elem(cols), table], vec![elem(cols)], g, &[y])
+    let mut k = kernel(
+        cols,
+        vec![elem(2 * cols), table],
+        vec![elem(2 * cols)],
+        g,
+        &[copy],
+    );
+    k.stores.push(Store {
+        output: 0,
+        col_offset: cols,
+        value: y,
+    });
+    k
 }
 
 /// Row and column inputs and a row output: y0 = x · rstd · w + b, y1 = rstd · rstd.

@@ -1,5 +1,5 @@
 //! The LLVM emitter's kernels run on the GPU against the reference evaluator
-//! (`kir::eval::run`), bit for bit: every sample (runtime/src/llvm/samples.rs) and fused-op
+//! (`kir::eval::run`), bit for bit: every fused-op
 //! fixture (tests/cuda_ops/fused_kernels.rs) with its `Elem` operands f32, bf16 and mixed, launched as the ABI allows (odd grids and blocks for
 //! elementwise kernels; `REDUCE_LANES` threads and fewer blocks than rows for row sums), for a
 //! few rows and for more rows than the grid covers at once. The NVRTC emitter meets the same

@@ -24,8 +24,6 @@ mod emit;
 #[cfg(test)]
 mod gpu_tests;
 mod plan;
-#[cfg(test)]
-mod samples;
 mod target;
 #[cfg(test)]
 mod tests;

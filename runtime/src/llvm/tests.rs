@@ -1,6 +1,5 @@
 use super::plan::Plan;
 use super::ptx;
-use super::samples;
 use crate::error::RuntimeError;
 use parc_compiler::ir::DType;
 use parc_compiler::kir::expand::expand;
@@ -44,12 +43,10 @@ pub(super) fn type_sets(kernel: &Kernel) -> Vec<Vec<DType>> {
 /// The fused-op tests' kernels (tests/cuda_ops/fused_kernels.rs, compiled once in this crate).
 use crate::cpu::fused::tests::fixtures;
 
-/// Every kernel the emitter is tested on, expanded: its samples and the fused-op fixtures (two
-/// widths: under and over `REDUCE_LANES` columns).
+/// Every kernel the emitter is tested on, expanded: the fused-op fixtures (two widths: under and
+/// over `REDUCE_LANES` columns).
 pub(super) fn kernels() -> Vec<(String, Kernel)> {
-    let mut all: Vec<(String, Kernel)> = (samples::all().into_iter())
-        .map(|(n, k)| (n.to_string(), k))
-        .collect();
+    let mut all: Vec<(String, Kernel)> = Vec::new();
     for (cols, head) in [(64, 32), (1000, 40)] {
         let primitive = fixtures::primitive(cols, head).into_iter();
         all.extend(primitive.map(|(n, k)| (format!("{n}/{cols}"), k)));
@@ -185,9 +182,9 @@ fn row_sums_reduce_in_one_block_through_shared_memory() {
 
 #[test]
 fn nested_row_sums_take_one_pass_each() {
-    assert_eq!(Plan::of(&samples::unary(8)).passes.len(), 0);
-    assert_eq!(Plan::of(&samples::rms_norm(8)).passes.len(), 1);
-    let layer = Plan::of(&samples::layer_norm(8));
+    assert_eq!(Plan::of(&fixtures::arith(8)).passes.len(), 0);
+    assert_eq!(Plan::of(&fixtures::rms(8)).passes.len(), 1);
+    let layer = Plan::of(&fixtures::layer(8));
     assert_eq!(
         layer.passes.iter().map(Vec::len).collect::<Vec<_>>(),
         [1, 1]
@@ -196,7 +193,7 @@ fn nested_row_sums_take_one_pass_each() {
 
 #[test]
 fn row_sums_no_store_needs_are_not_computed() {
-    let mut k = samples::rms_norm(16);
+    let mut k = fixtures::rms(16);
     let x = k.graph.load(0, 0);
     let unused = k.graph.row_sum(x);
     assert!(unused.index() > 0);
@@ -226,7 +223,7 @@ fn composite_ops_are_refused() {
 
 #[test]
 fn operand_types_outside_the_abi_are_refused() {
-    let k = samples::rms_norm(16);
+    let k = fixtures::rms(16);
     let short = ptx(&k, &[DType::F32], "sm_90").map(|_| ()).unwrap_err();
     assert!(short.to_string().contains("1 operand types"), "{short}");
     let bf16_col = [DType::F32, DType::Bf16, DType::F32, DType::F32];
@@ -242,7 +239,7 @@ fn operand_types_outside_the_abi_are_refused() {
 
 #[test]
 fn the_arch_is_the_ptx_target() {
-    let k = samples::unary(8);
+    let k = fixtures::arith(8);
     let text = ptx(&k, &dtypes(&k, DType::F32), "sm_80").unwrap();
     assert!(text.contains(".target sm_80"));
 }
