@@ -87,28 +87,49 @@ fn the_bundled_example_learns_and_a_parallel_plan_matches_it() {
     }
 }
 
-/// `act = silu` (a non-gated MLP with SiLU) from the language through the lowering to the CPU
-/// kernels: the bundled example with its activation swapped learns.
-#[test]
-fn an_mlp_with_silu_learns() {
-    let dir = temp_dir("silu");
-    let spec = std::fs::read_to_string(root().join("examples/tiny.par")).unwrap();
+/// The bundled example with `edits` (text, replacement) applied, each of which must match,
+/// and its data file named absolutely; written as `file` in a temporary folder named `dir`.
+fn tiny_variant(dir: &str, file: &str, edits: &[(&str, &str)]) -> String {
+    let mut spec = std::fs::read_to_string(root().join("examples/tiny.par")).unwrap();
     let data = root().join("examples/data/tiny-shakespeare.txt");
-    let spec = spec.replace("act = gelu_tanh", "act = silu").replace(
-        "\"data/tiny-shakespeare.txt\"",
-        &format!("{:?}", data.display().to_string()),
-    );
-    assert!(spec.contains("act = silu"));
-    let path = dir.join("tiny-silu.par");
+    let data = format!("{:?}", data.display().to_string());
+    for (from, to) in edits
+        .iter()
+        .chain(&[("\"data/tiny-shakespeare.txt\"", data.as_str())])
+    {
+        assert!(spec.contains(from), "examples/tiny.par has no `{from}`");
+        spec = spec.replace(from, to);
+    }
+    let path = temp_dir(dir).join(file);
     std::fs::write(&path, spec).unwrap();
-    let path = path.display().to_string();
-    let mut args = vec!["run", path.as_str(), "--log-format", "json"];
+    path.display().to_string()
+}
+
+/// The losses of 8 steps of the spec at `path` with `extra` settings; the loss must fall.
+fn losses_falling(path: &str, extra: &[&str]) -> Vec<f64> {
+    let mut args = vec!["run", path, "--log-format", "json"];
     args.extend(sets(&["train.steps=8"]));
+    args.extend(sets(extra));
     let losses: Vec<f64> = steps(&json_lines(&parc_ok(&args)))
         .iter()
         .map(|v| v["loss"].as_f64().unwrap())
         .collect();
     assert!(losses[7] < losses[0] - 0.3, "loss did not fall: {losses:?}");
+    losses
+}
+
+const TP2: [&str; 2] = ["parallel.tp=2", "cluster.gpus_per_node=2"];
+
+/// `act = silu` (a non-gated MLP with SiLU) from the language through the lowering to the CPU
+/// kernels: the bundled example with its activation swapped learns.
+#[test]
+fn an_mlp_with_silu_learns() {
+    let path = tiny_variant(
+        "silu",
+        "tiny-silu.par",
+        &[("act = gelu_tanh", "act = silu")],
+    );
+    losses_falling(&path, &[]);
 }
 
 /// An activation that exists only as a `.par` function (no hand-written op): its forward and
@@ -116,44 +137,21 @@ fn an_mlp_with_silu_learns() {
 /// Plain (`leaky`, defined in the file) and gated (`glu(...)` of it) under tp = 2.
 #[test]
 fn an_mlp_with_a_par_function_activation_learns() {
-    let dir = temp_dir("fn-act");
-    let spec = std::fs::read_to_string(root().join("examples/tiny.par")).unwrap();
-    let data = root().join("examples/data/tiny-shakespeare.txt");
-    let spec = spec
-        .replace(
-            "use std::gpt2 { Block }",
-            "use std::gpt2 { Block }\nfn leaky(x) = select(x > 0, x, 0.1 * x) + 0.05 * squared_relu(x)",
-        )
-        .replace("act = gelu_tanh", "act = leaky")
-        .replace(
-            "\"data/tiny-shakespeare.txt\"",
-            &format!("{:?}", data.display().to_string()),
-        );
-    assert!(spec.contains("act = leaky"));
-    let path = dir.join("tiny-fn.par");
-    std::fs::write(&path, spec).unwrap();
-    let path = path.display().to_string();
-    for extra in [&[][..], &["parallel.tp=2", "cluster.gpus_per_node=2"][..]] {
-        let mut args = vec!["run", path.as_str(), "--log-format", "json"];
-        args.extend(sets(&["train.steps=8"]));
-        args.extend(sets(extra));
-        let losses: Vec<f64> = steps(&json_lines(&parc_ok(&args)))
-            .iter()
-            .map(|v| v["loss"].as_f64().unwrap())
-            .collect();
-        assert!(losses[7] < losses[0] - 0.3, "loss did not fall: {losses:?}");
+    let leaky = (
+        "use std::gpt2 { Block }",
+        "use std::gpt2 { Block }\nfn leaky(x) = select(x > 0, x, 0.1 * x) + 0.05 * squared_relu(x)",
+    );
+    let path = tiny_variant(
+        "fn-act",
+        "tiny-fn.par",
+        &[leaky, ("act = gelu_tanh", "act = leaky")],
+    );
+    for extra in [&[][..], &TP2[..]] {
+        losses_falling(&path, extra);
     }
-    let gated = std::fs::read_to_string(&path)
-        .unwrap()
-        .replace("act = leaky", "act = glu(leaky)");
-    std::fs::write(&path, gated).unwrap();
-    let mut args = vec!["run", path.as_str(), "--log-format", "json"];
-    args.extend(sets(&["train.steps=8"]));
-    let losses: Vec<f64> = steps(&json_lines(&parc_ok(&args)))
-        .iter()
-        .map(|v| v["loss"].as_f64().unwrap())
-        .collect();
-    assert!(losses[7] < losses[0] - 0.3, "loss did not fall: {losses:?}");
+    let gated = [leaky, ("act = gelu_tanh", "act = glu(leaky)")];
+    let path = tiny_variant("fn-act-gated", "tiny-fn.par", &gated);
+    losses_falling(&path, &[]);
 }
 
 /// `.par` functions applied in the model's dataflow (`y = f(x)`) are elementwise layers whose
@@ -161,43 +159,24 @@ fn an_mlp_with_a_par_function_activation_learns() {
 /// (with the same losses: the kernels read the whole replicated hidden state).
 #[test]
 fn a_par_function_in_the_dataflow_learns() {
-    let dir = temp_dir("fn-dataflow");
-    let spec = std::fs::read_to_string(root().join("examples/tiny.par")).unwrap();
-    let data = root().join("examples/data/tiny-shakespeare.txt");
-    let spec = spec
-        .replace(
-            "use std::gpt2 { Block }",
-            "fn gate(a, b) = a * sigmoid(b)
+    let block = "fn gate(a, b) = a * sigmoid(b)
 block FBlock(d, heads, ffn)(x) {
   h = x + Attention(d, heads, causal = true)(LayerNorm(d)(x))
   m = MLP(d, ffn, act = gelu_tanh)(LayerNorm(d)(h))
   h + gate(m, squared_relu(h))
-}",
-        )
-        .replace(
+}";
+    let edits = [
+        ("use std::gpt2 { Block }", block),
+        (
             "Block(d, heads, ffn = ffn, act = gelu_tanh)(x)",
             "FBlock(d, heads, ffn)(x)",
-        )
-        .replace(
-            "\"data/tiny-shakespeare.txt\"",
-            &format!("{:?}", data.display().to_string()),
-        );
-    assert!(spec.contains("FBlock(d, heads, ffn)(x)"));
-    let path = dir.join("tiny-dataflow.par");
-    std::fs::write(&path, spec).unwrap();
-    let path = path.display().to_string();
-    let mut runs = Vec::new();
-    for extra in [&[][..], &["parallel.tp=2", "cluster.gpus_per_node=2"][..]] {
-        let mut args = vec!["run", path.as_str(), "--log-format", "json"];
-        args.extend(sets(&["train.steps=8"]));
-        args.extend(sets(extra));
-        let losses: Vec<f64> = steps(&json_lines(&parc_ok(&args)))
-            .iter()
-            .map(|v| v["loss"].as_f64().unwrap())
-            .collect();
-        assert!(losses[7] < losses[0] - 0.3, "loss did not fall: {losses:?}");
-        runs.push(losses);
-    }
+        ),
+    ];
+    let path = tiny_variant("fn-dataflow", "tiny-dataflow.par", &edits);
+    let runs: Vec<Vec<f64>> = [&[][..], &TP2[..]]
+        .iter()
+        .map(|extra| losses_falling(&path, extra))
+        .collect();
     for (a, b) in runs[0].iter().zip(&runs[1]) {
         assert!(
             (a - b).abs() < 1e-3,
