@@ -194,28 +194,7 @@ fn derived_backward_kernels_match_finite_differences() {
         let args: Vec<Vec<f32>> = [xs.clone(), ups.clone()][..f.params.len()].to_vec();
         let fwd = forward(f, cols as u64).unwrap();
         let bwd = backward(f, cols as u64).unwrap();
-        let mut ins = vec![dy.clone()];
-        ins.extend(args.iter().cloned());
-        let grads = run(&bwd.kernel, &ins, args.len());
-        for (p, grad) in grads.iter().enumerate() {
-            for c in 0..cols {
-                let h = 1e-2f32;
-                let at = |d: f32| {
-                    let mut a = args.clone();
-                    a[p][c] += d;
-                    run(&fwd.kernel, &a, 1)[0][c] as f64
-                };
-                let numeric = (at(h) - at(-h)) / (2.0 * h as f64) * dy[c] as f64;
-                let err = (grad[c] as f64 - numeric).abs();
-                assert!(
-                    err <= 2e-2 * numeric.abs().max(1.0),
-                    "{}: d/d{} at {c}: derived {}, numeric {numeric}",
-                    f.name,
-                    f.params[p],
-                    grad[c]
-                );
-            }
-        }
+        assert_derived_matches_numeric(f, &fwd.kernel, &bwd.kernel, &args, &dy);
     }
 }
 
@@ -335,27 +314,39 @@ fn derived_elementwise_backward_kernels_match_finite_differences() {
         let fwd = elementwise(f, cols as u64).unwrap();
         let bwd = elementwise_backward(f, cols as u64).unwrap();
         assert_eq!(fwd.name, format!("fn {}", f.name));
-        let mut ins = vec![dy.clone()];
-        ins.extend(args.iter().cloned());
-        let grads = run(&bwd.kernel, &ins, args.len());
-        for (p, grad) in grads.iter().enumerate() {
-            for c in 0..cols {
-                let h = 1e-2f32;
-                let at = |d: f32| {
-                    let mut a = args.clone();
-                    a[p][c] += d;
-                    run(&fwd.kernel, &a, 1)[0][c] as f64
-                };
-                let numeric = (at(h) - at(-h)) / (2.0 * h as f64) * dy[c] as f64;
-                let err = (grad[c] as f64 - numeric).abs();
-                assert!(
-                    err <= 2e-2 * numeric.abs().max(1.0),
-                    "{}: d/d{} at {c}: derived {}, numeric {numeric}",
-                    f.name,
-                    f.params[p],
-                    grad[c]
-                );
-            }
+        assert_derived_matches_numeric(f, &fwd.kernel, &bwd.kernel, &args, &dy);
+    }
+}
+
+/// `bwd` (dy, args… → one gradient per arg) against central differences of `fwd` (args → y)
+/// at every column, scaled by dy.
+fn assert_derived_matches_numeric(
+    f: &ExprFn,
+    fwd: &Kernel,
+    bwd: &Kernel,
+    args: &[Vec<f32>],
+    dy: &[f32],
+) {
+    let mut ins = vec![dy.to_vec()];
+    ins.extend(args.iter().cloned());
+    let grads = run(bwd, &ins, args.len());
+    for (p, grad) in grads.iter().enumerate() {
+        for c in 0..dy.len() {
+            let h = 1e-2f32;
+            let at = |d: f32| {
+                let mut a = args.to_vec();
+                a[p][c] += d;
+                run(fwd, &a, 1)[0][c] as f64
+            };
+            let numeric = (at(h) - at(-h)) / (2.0 * h as f64) * dy[c] as f64;
+            let err = (grad[c] as f64 - numeric).abs();
+            assert!(
+                err <= 2e-2 * numeric.abs().max(1.0),
+                "{}: d/d{} at {c}: derived {}, numeric {numeric}",
+                f.name,
+                f.params[p],
+                grad[c]
+            );
         }
     }
 }
