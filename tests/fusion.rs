@@ -212,16 +212,14 @@ fn fused_ops(program: &Program) -> Vec<&FusedAttrs> {
         .collect()
 }
 
-#[test]
-fn split_and_rope_fuse_bit_for_bit() {
-    let mut c = Chain::default();
+/// A q/k/v projection's output `[8, 32]` and its split into q `[8, 16]`, k and v `[8, 8]`.
+fn split_qkv(c: &mut Chain) -> [u32; 4] {
     let qkv = c.buffer("qkv", 8, 32);
     let (q, k, v) = (
         c.buffer("q", 8, 16),
         c.buffer("k", 8, 8),
         c.buffer("v", 8, 8),
     );
-    let (qr, kr) = (c.buffer("qr", 8, 16), c.buffer("kr", 8, 8));
     c.op(
         Op::SplitColumns {
             widths: vec![16, 8, 8],
@@ -229,6 +227,14 @@ fn split_and_rope_fuse_bit_for_bit() {
         &[qkv],
         &[q, k, v],
     );
+    [qkv, q, k, v]
+}
+
+#[test]
+fn split_and_rope_fuse_bit_for_bit() {
+    let mut c = Chain::default();
+    let [qkv, q, k, _] = split_qkv(&mut c);
+    let (qr, kr) = (c.buffer("qr", 8, 16), c.buffer("kr", 8, 8));
     c.free(&[qkv]);
     c.op(Op::Rope(rope_attrs(4)), &[q], &[qr]);
     c.free(&[q]);
@@ -342,20 +348,8 @@ fn swiglu_and_its_gradient_fuse() {
 #[test]
 fn a_reader_between_keeps_the_ops_apart() {
     let mut c = Chain::default();
-    let qkv = c.buffer("qkv", 8, 32);
-    let (q, k, v) = (
-        c.buffer("q", 8, 16),
-        c.buffer("k", 8, 8),
-        c.buffer("v", 8, 8),
-    );
+    let [_, q, _, _] = split_qkv(&mut c);
     let (peek, qr) = (c.buffer("peek", 8, 16), c.buffer("qr", 8, 16));
-    c.op(
-        Op::SplitColumns {
-            widths: vec![16, 8, 8],
-        },
-        &[qkv],
-        &[q, k, v],
-    );
     // A range copy (never fused) reads q between the split and the rope.
     c.op(
         Op::CopyRange {
