@@ -93,10 +93,15 @@ pub trait Comm: Send {
     fn reduce_scatter(&mut self, group: &[u32], input: &[f32], output: &mut [f32]) -> Result<()>;
     /// Every member's `data` becomes the `root`-th member's (`root` is a group index).
     fn broadcast(&mut self, group: &[u32], root: usize, data: &mut [f32]) -> Result<()>;
-    /// Send `data` to global rank `peer` under `tag`.
-    fn send(&mut self, peer: u32, tag: u32, data: &[f32]) -> Result<()>;
-    /// Receive exactly `out.len()` elements from global rank `peer` under `tag`.
-    fn recv(&mut self, peer: u32, tag: u32, out: &mut [f32]) -> Result<()>;
+    /// Send `data` to global rank `peer` under `tag` (by default a group of that one transfer).
+    fn send(&mut self, peer: u32, tag: u32, data: &[f32]) -> Result<()> {
+        self.group_p2p(&mut [PeerOp::Send { peer, tag, data }])
+    }
+    /// Receive exactly `out.len()` elements from global rank `peer` under `tag` (by default a
+    /// group of that one transfer).
+    fn recv(&mut self, peer: u32, tag: u32, out: &mut [f32]) -> Result<()> {
+        self.group_p2p(&mut [PeerOp::Recv { peer, tag, out }])
+    }
     /// Issue all `ops` together; returns when all have completed.
     fn group_p2p(&mut self, ops: &mut [PeerOp<'_>]) -> Result<()>;
     /// Tell every peer that this rank failed with `reason`; their pending and later operations

@@ -192,14 +192,6 @@ impl Comm for NcclHostComm {
         Ok(())
     }
 
-    fn send(&mut self, peer: u32, tag: u32, data: &[f32]) -> Result<()> {
-        self.group_p2p(&mut [PeerOp::Send { peer, tag, data }])
-    }
-
-    fn recv(&mut self, peer: u32, tag: u32, out: &mut [f32]) -> Result<()> {
-        self.group_p2p(&mut [PeerOp::Recv { peer, tag, out }])
-    }
-
     fn group_p2p(&mut self, ops: &mut [PeerOp<'_>]) -> Result<()> {
         self.bind()?;
         // Each transfer gets its own 256-byte aligned region of the staging buffer.
