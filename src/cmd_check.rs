@@ -61,6 +61,7 @@ impl LowerWhen {
             },
             cost_model: true,
             max_plan_size: (self == LowerWhen::Auto).then_some(AUTO_LOWER_LIMIT),
+            representatives: true,
         }
     }
 }

@@ -2,6 +2,8 @@
 //! small plans (`tests/ir/*.txt`, rewrite with `PARC_BLESS=1`), scale, and `parc plan`'s CLI.
 //! Numeric equivalence of plans runs on the real executor in `tests/equivalence.rs`.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers, not library code
+#[path = "ir/classes.rs"]
+mod classes;
 #[path = "ir/cli.rs"]
 mod cli;
 #[path = "ir/fixtures.rs"]

@@ -47,6 +47,10 @@ pub struct CompileOptions {
     /// Run the fusion pass on the lowered programs (`crate::fuse`; on by default): the verifier,
     /// memory planner and timeline then see the fused programs.
     pub fusion: bool,
+    /// Lower one program per class of roles (`lower::LowerOptions::representatives`): the
+    /// stages after lowering give the full plan's results for a fraction of the work, but the
+    /// plan cannot run. For `parc check`.
+    pub representatives: bool,
 }
 
 impl CompileOptions {
@@ -57,6 +61,7 @@ impl CompileOptions {
             cost_model: false,
             max_plan_size: None,
             fusion: true,
+            representatives: false,
         }
     }
 }
@@ -120,6 +125,7 @@ pub fn compile(
         Some(spec) if !diagnostics.has_errors() && wants_plan(spec, options) => {
             let lowering = crate::lower::LowerOptions {
                 fusion: options.fusion,
+                representatives: options.representatives,
                 ..crate::lower::LowerOptions::default()
             };
             keep(crate::lower::lower_with(spec, lowering), &mut diagnostics)

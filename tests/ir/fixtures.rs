@@ -16,6 +16,7 @@ pub struct TinyModel {
     pub tied: bool,
 }
 
+#[derive(Clone)]
 pub struct PlanChoice {
     pub dp: u32,
     pub pp: u32,

@@ -77,6 +77,11 @@ pub struct Plan {
     pub rank_program: Vec<ProgramId>,
     /// The rank whose `loss` and `grad_sumsq` buffers the executor reports.
     pub report_rank: u32,
+    /// An analysis plan: one program per class of roles (`lower::LowerOptions::representatives`),
+    /// so ranks with tp or cp index ≥ 2 run their class's program, whose shard offsets are
+    /// those of index 1. Verified, planned and simulated like any plan; never run.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub representative: bool,
 }
 
 /// Every global parameter of the model, in node order.

@@ -71,6 +71,16 @@ pub struct LowerOptions {
     /// hand-written ops only (the same values in f32, up to a few ulp of exp and erf; tests
     /// compare).
     pub fusion: bool,
+    /// Lower one program per *class* of roles instead of one per role, for analysis: the ranks
+    /// of a stage whose tp index is 1 or more run the program of tp index 1, those whose cp
+    /// index is 1 or more that of cp index 1. A class's programs differ only in which shard of
+    /// each parameter and which slice of the vocabulary and sequence positions they hold (the
+    /// parts of a `TpSplit`, `vocab_start`, the positions of RoPE and SP), never in buffers,
+    /// instructions or their costs; index 0 differs (it alone adds replicated parameters to
+    /// the gradient norm), so it is a class of its own. The verifier, memory planner and
+    /// timeline give a class plan the results of the full plan (`tests/classes.rs` checks it);
+    /// the plan is marked [`Plan::representative`] and is never run.
+    pub representatives: bool,
 }
 
 impl Default for LowerOptions {
@@ -80,6 +90,7 @@ impl Default for LowerOptions {
             fuse_epilogues: true,
             overwrite_first_grads: true,
             fusion: true,
+            representatives: false,
         }
     }
 }
@@ -192,15 +203,23 @@ pub fn lower_with(spec: &Spec, options: LowerOptions) -> Result<Plan, Diagnostic
         .help("use gpipe, or 1f1b with microbatches ≥ pp")));
     };
 
-    // One program per (pp, cp, tp) coordinate, in order of first rank.
+    // One program per (pp, cp, tp) coordinate (per class of them for representatives), in
+    // order of first rank.
+    let class = |index: u32| {
+        if options.representatives {
+            index.min(1)
+        } else {
+            index
+        }
+    };
     let mut role_index: HashMap<(u32, u32, u32), ProgramId> = HashMap::new();
     let mut roles = Vec::new();
     let mut rank_program = Vec::with_capacity(world as usize);
     for r in 0..world {
         let key = (
             mesh.coord(r, Axis::Pp),
-            mesh.coord(r, Axis::Cp),
-            mesh.coord(r, Axis::Tp),
+            class(mesh.coord(r, Axis::Cp)),
+            class(mesh.coord(r, Axis::Tp)),
         );
         let next = ProgramId(roles.len() as u32);
         let id = *role_index.entry(key).or_insert_with(|| {
@@ -232,6 +251,7 @@ pub fn lower_with(spec: &Spec, options: LowerOptions) -> Result<Plan, Diagnostic
         programs,
         rank_program,
         report_rank,
+        representative: options.representatives,
     })
 }
 
@@ -306,6 +326,8 @@ struct Role {
     cp: u32,
     dp: u32,
     p: u32,
+    /// Whether the program stands for a class of roles ([`LowerOptions::representatives`]).
+    class: bool,
 }
 
 impl Role {
@@ -320,14 +342,25 @@ impl Role {
             cp: mesh.size(Axis::Cp),
             dp: mesh.size(Axis::Dp),
             p: mesh.size(Axis::Pp),
+            class: sh.options.representatives,
         }
     }
 
-    /// `pp S cp C tp T`: the program's role name, also the place its diagnostics name.
+    /// `pp S cp C tp T`: the program's role name, also the place its diagnostics name. A class
+    /// program names the range of indices it stands for (`tp 1-7`).
     fn name(&self) -> String {
+        let index = |i: u32, size: u32| {
+            if self.class && i == 1 && size > 2 {
+                format!("1-{}", size - 1)
+            } else {
+                i.to_string()
+            }
+        };
         format!(
             "pp {} cp {} tp {}",
-            self.stage, self.cp_index, self.tp_index
+            self.stage,
+            index(self.cp_index, self.cp),
+            index(self.tp_index, self.tp)
         )
     }
 }

@@ -514,11 +514,19 @@ pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
             end_seconds: ends[y],
         });
     }
+    // Over global ranks: each simulated rank counts for the ranks it stands for.
+    let weights = &engine.slice.weight;
+    let total: f64 = weights.iter().map(|&w| f64::from(w)).sum();
     let mean = |f: &dyn Fn(&RankTimeline) -> f64| {
-        if n == 0 || step <= 0.0 {
+        if total <= 0.0 || step <= 0.0 {
             0.0
         } else {
-            ranks.iter().map(f).sum::<f64>() / n as f64 / step
+            let sum: f64 = ranks
+                .iter()
+                .zip(weights)
+                .map(|(r, &w)| f(r) * f64::from(w))
+                .sum();
+            sum / total / step
         }
     };
     Timeline {

@@ -560,6 +560,7 @@ pub fn simulate(plan: &Plan, index: &[ProgramIndex]) -> Simulation {
         member,
         proj_sets,
         dp_symmetric: symmetric,
+        ..
     } = Slice::new(plan);
     let n = ranks.len();
     let mut w = World {

@@ -1,14 +1,24 @@
-//! The ranks a whole-plan simulation must run: with dp symmetry (every rank runs its dp-0
-//! counterpart's program and no transfer crosses dp; see the `verify` header) only the dp-0
-//! slice, else the world. Shared by the verifier's rendezvous check and the timeline.
+//! The ranks a whole-plan simulation must run, shared by the verifier's rendezvous check and the
+//! timeline. A rank can stand for others when they run its program and talk to its peers'
+//! stand-ins (see the `verify` header for the argument):
+//! - **dp**: every rank stands for its dp replicas (dp index → 0) when ranks differing only in
+//!   dp run one program and no transfer crosses dp;
+//! - **classes**: in a class plan (`Plan::representative`) the ranks of tp index ≥ 1 run one
+//!   program per stage, as do those of cp index ≥ 1; index 1 stands for the others of its
+//!   class (tp or cp index → min(index, 1)) when no transfer crosses that axis.
+//!
+//! The projections apply together when every group's projected sets agree, else dp alone, else
+//! none (every rank simulated).
 
 use crate::ir::{Instr, P2pOp, Plan};
-use crate::spec::Axis;
+use crate::spec::{Axis, Mesh};
 
 /// The simulated ranks and how every global rank and group set maps onto them.
 pub struct Slice {
     /// Global rank of each simulated rank, ascending.
     pub ranks: Vec<u32>,
+    /// How many global ranks each simulated rank stands for (itself included).
+    pub weight: Vec<u32>,
     /// Simulated index of each global rank's representative.
     pub sim_of: Vec<usize>,
     /// member[g][rank] = index of the rank's set in group g.
@@ -18,40 +28,126 @@ pub struct Slice {
     pub dp_symmetric: bool,
 }
 
-/// Whether ranks differing only in dp run the same program and talk only within their slice.
-fn dp_symmetric(plan: &Plan) -> bool {
+/// Per axis, the largest coordinate a representative keeps (`None`: the axis is not projected).
+#[derive(Clone, Copy, Default)]
+struct Projection {
+    dp: Option<u32>,
+    tp: Option<u32>,
+    cp: Option<u32>,
+}
+
+impl Projection {
+    fn rank(&self, mesh: &Mesh, r: u32) -> u32 {
+        let mut rank = r;
+        for (axis, cap) in [
+            (Axis::Dp, self.dp),
+            (Axis::Tp, self.tp),
+            (Axis::Cp, self.cp),
+        ] {
+            if let Some(cap) = cap {
+                let c = mesh.coord(r, axis);
+                rank -= (c - c.min(cap)) * mesh.stride(axis);
+            }
+        }
+        rank
+    }
+}
+
+/// Whether ranks run their projection's program along `axis` capped at `cap`, with no
+/// transfer along it.
+fn symmetric_along(plan: &Plan, axis: Axis, cap: u32) -> bool {
     let mesh = &plan.mesh;
-    if mesh.size(Axis::Dp) <= 1 {
+    if mesh.size(axis) <= cap + 1 {
         return false;
     }
-    let stride = mesh.stride(Axis::Dp);
-    let base = |r: u32| r - mesh.coord(r, Axis::Dp) * stride;
-    let same_program = (0..plan.world)
-        .all(|r| plan.rank_program.get(r as usize) == plan.rank_program.get(base(r) as usize));
-    let no_dp_transfers = plan.programs.iter().all(|p| {
-        p.instrs.iter().all(|i| match i {
-            Instr::Send { peer, .. } | Instr::Recv { peer, .. } => peer.axis != Axis::Dp,
-            Instr::P2p { ops } => ops.iter().all(|op| match op {
-                P2pOp::Send { peer, .. } | P2pOp::Recv { peer, .. } => peer.axis != Axis::Dp,
-            }),
-            _ => true,
-        })
+    let only = Projection {
+        dp: (axis == Axis::Dp).then_some(cap),
+        tp: (axis == Axis::Tp).then_some(cap),
+        cp: (axis == Axis::Cp).then_some(cap),
+    };
+    let same_program = (0..plan.world).all(|r| {
+        plan.rank_program.get(r as usize) == plan.rank_program.get(only.rank(mesh, r) as usize)
     });
-    same_program && no_dp_transfers
+    same_program && !transfers_along(plan, axis)
+}
+
+fn transfers_along(plan: &Plan, axis: Axis) -> bool {
+    plan.programs.iter().any(|p| {
+        p.instrs.iter().any(|i| match i {
+            Instr::Send { peer, .. } | Instr::Recv { peer, .. } => peer.axis == axis,
+            Instr::P2p { ops } => ops.iter().any(|op| match op {
+                P2pOp::Send { peer, .. } | P2pOp::Recv { peer, .. } => peer.axis == axis,
+            }),
+            _ => false,
+        })
+    })
+}
+
+/// Each group's sets projected onto representatives, ascending and deduplicated.
+fn projected_sets(plan: &Plan, projection: &Projection) -> Vec<Vec<Vec<u32>>> {
+    plan.groups
+        .iter()
+        .map(|g| {
+            g.sets
+                .iter()
+                .map(|set| {
+                    let mut p: Vec<u32> = set
+                        .iter()
+                        .map(|&r| projection.rank(&plan.mesh, r))
+                        .collect();
+                    p.sort_unstable();
+                    p.dedup();
+                    p
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Whether every representative's own set, projected, is the projected set it appears in.
+fn consistent(proj: &[Vec<Vec<u32>>], member: &[Vec<Option<u32>>]) -> bool {
+    proj.iter().enumerate().all(|(g, sets)| {
+        sets.iter().all(|p| {
+            p.iter().all(|&z| {
+                member[g]
+                    .get(z as usize)
+                    .copied()
+                    .flatten()
+                    .and_then(|s| sets.get(s as usize))
+                    == Some(p)
+            })
+        })
+    })
+}
+
+/// The first of the candidate projections (all that apply, dp alone, none) whose projected
+/// sets are consistent, with those sets.
+fn choose(plan: &Plan, member: &[Vec<Option<u32>>]) -> (Projection, Vec<Vec<Vec<u32>>>) {
+    let dp = symmetric_along(plan, Axis::Dp, 0).then_some(0);
+    let classes = plan.representative;
+    let all = Projection {
+        dp,
+        tp: (classes && symmetric_along(plan, Axis::Tp, 1)).then_some(1),
+        cp: (classes && symmetric_along(plan, Axis::Cp, 1)).then_some(1),
+    };
+    let dp_only = Projection {
+        dp,
+        ..Projection::default()
+    };
+    for projection in [all, dp_only] {
+        let proj = projected_sets(plan, &projection);
+        if consistent(&proj, member) {
+            return (projection, proj);
+        }
+    }
+    let none = Projection::default();
+    (none, projected_sets(plan, &none))
 }
 
 impl Slice {
     pub fn new(plan: &Plan) -> Slice {
         let world = plan.world;
-        let mut symmetric = dp_symmetric(plan);
         let mesh = &plan.mesh;
-        let project = |r: u32, sym: bool| {
-            if sym {
-                r - mesh.coord(r, Axis::Dp) * mesh.stride(Axis::Dp)
-            } else {
-                r
-            }
-        };
         let mut member = vec![vec![None; world as usize]; plan.groups.len()];
         for (g, group) in plan.groups.iter().enumerate() {
             for (s, set) in group.sets.iter().enumerate() {
@@ -62,52 +158,23 @@ impl Slice {
                 }
             }
         }
-        // Projected sets must agree for every representative (else simulate everything).
-        let projected = |sym: bool| -> Vec<Vec<Vec<u32>>> {
-            plan.groups
-                .iter()
-                .map(|g| {
-                    g.sets
-                        .iter()
-                        .map(|set| {
-                            let mut p: Vec<u32> = set.iter().map(|&r| project(r, sym)).collect();
-                            p.sort_unstable();
-                            p.dedup();
-                            p
-                        })
-                        .collect()
-                })
-                .collect()
-        };
-        let mut proj = projected(symmetric);
-        if symmetric {
-            let consistent = proj.iter().enumerate().all(|(g, sets)| {
-                sets.iter().all(|p| {
-                    p.iter().all(|&z| {
-                        member[g]
-                            .get(z as usize)
-                            .copied()
-                            .flatten()
-                            .and_then(|s| sets.get(s as usize))
-                            == Some(p)
-                    })
-                })
-            });
-            if !consistent {
-                symmetric = false;
-                proj = projected(false);
-            }
-        }
+        let (projection, proj) = choose(plan, &member);
         let ranks: Vec<u32> = (0..world)
-            .filter(|&r| !symmetric || mesh.coord(r, Axis::Dp) == 0)
+            .filter(|&r| projection.rank(mesh, r) == r)
             .collect();
         let mut sim_index = vec![usize::MAX; world as usize];
         for (y, &r) in ranks.iter().enumerate() {
             sim_index[r as usize] = y;
         }
         let sim_of: Vec<usize> = (0..world)
-            .map(|r| sim_index[project(r, symmetric) as usize])
+            .map(|r| sim_index[projection.rank(mesh, r) as usize])
             .collect();
+        let mut weight = vec![0u32; ranks.len()];
+        for &y in &sim_of {
+            if let Some(w) = weight.get_mut(y) {
+                *w += 1;
+            }
+        }
         let proj_sets: Vec<Vec<Vec<usize>>> = proj
             .iter()
             .map(|sets| {
@@ -118,10 +185,11 @@ impl Slice {
             .collect();
         Slice {
             ranks,
+            weight,
             sim_of,
             member,
             proj_sets,
-            dp_symmetric: symmetric,
+            dp_symmetric: projection.dp.is_some(),
         }
     }
 }

@@ -195,6 +195,14 @@ fn check_memory(plan: &Plan, report: &VerifyReport, limit: u64) -> Result<()> {
 /// Verify `plan` through the compile driver's stages after lowering (the runtime runs only
 /// verified plans).
 fn verified(plan: &Plan, spec: &Spec) -> Result<VerifyReport> {
+    if plan.representative {
+        return Err(RuntimeError::Unsupported(
+            "this plan has one program per class of tp/cp ranks (lowered for analysis, as \
+             `parc check` does): its ranks would hold the wrong shards; lower it with \
+             `LowerOptions::representatives` off to run it"
+                .to_string(),
+        ));
+    }
     let mut diags = Diagnostics::default();
     let analysis = driver::analyze(spec, plan, Stage::Verify, &mut diags);
     analysis.verified.ok_or_else(|| {
