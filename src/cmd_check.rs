@@ -1,8 +1,10 @@
-//! `parc check FILE... [--set PATH=VALUE]... [--format human|json]`: parse and check specs, then
-//! show the cost model's report. When the plan is small enough to lower in a blink (or with
-//! `--lower always`), it is also lowered, verified and simulated, and the report adds the
-//! verifier's measured peak memory per program and the timeline's bubble. Exit 0 when every file is clean (warnings allowed), 1 when any
-//! has an error, 2 for usage errors and unreadable files.
+//! `parc check FILE... [--set PATH=VALUE]... [--format human|json] [--lower always|never]`:
+//! parse and check specs, lower each plan (one program per class of tp/cp ranks), verify it,
+//! plan its memory and simulate it, then show the cost model's report with the lowered plan's
+//! memory per GPU, which is the memory verdict (E0701, `parc_compiler::fit`). `--lower never`
+//! stops after the cost formulas, whose memory table and E0701 are then labelled as estimates.
+//! Exit 0 when every file is clean (warnings allowed), 1 when any has an error, 2 for usage
+//! errors and unreadable files.
 
 use crate::diagnostics;
 use crate::input::{parse_overrides, read_spec};
@@ -34,21 +36,17 @@ pub struct CheckArgs {
     /// on stdout; schema in docs/check-json.md).
     #[arg(long, value_enum, default_value = "human")]
     pub format: Format,
-    /// Also lower, verify and simulate the plan: `auto` does it when the plan is small
-    /// (layers × microbatches ≤ 2,048, so `check` stays instant), `always`, or `never`.
-    #[arg(long, value_enum, default_value = "auto")]
+    /// Lower, verify, memory-plan and simulate the plan (`always`), or stop after the cost
+    /// formulas for a quick estimate (`never`).
+    #[arg(long, value_enum, default_value = "always")]
     pub lower: LowerWhen,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum LowerWhen {
-    Auto,
     Always,
     Never,
 }
-
-/// Largest layers × microbatches that `--lower auto` lowers (about 0.1 s on a laptop core).
-const AUTO_LOWER_LIMIT: u64 = 2048;
 
 impl LowerWhen {
     /// The stages `check` runs: always the cost model, the rest as `--lower` says.
@@ -57,10 +55,10 @@ impl LowerWhen {
             fusion,
             through: match self {
                 LowerWhen::Never => Stage::Check,
-                LowerWhen::Auto | LowerWhen::Always => Stage::Timeline,
+                LowerWhen::Always => Stage::Timeline,
             },
             cost_model: true,
-            max_plan_size: (self == LowerWhen::Auto).then_some(AUTO_LOWER_LIMIT),
+            max_plan_size: None,
             representatives: true,
         }
     }
@@ -87,6 +85,8 @@ struct Lowered {
     step_seconds: f64,
     bubble_fraction: f64,
     exposed_comm_fraction: f64,
+    /// Each program's memory per GPU by term: what the memory verdict (E0701) judges.
+    memory_per_gpu: Vec<parc_compiler::fit::Need>,
     /// The simulated share of the step the report rank (a pipeline's last stage) waits: idle
     /// plus exposed communication (what `parc run --profile` measures there as p2p time).
     report_rank_stall_fraction: Option<f64>,
@@ -102,6 +102,7 @@ fn lowered(plan: Option<Plan>, analysis: Analysis) -> Option<Lowered> {
         verified: Some(verified),
         memory: Some(memory),
         timeline: Some(timeline),
+        fit: Some(memory_per_gpu),
     } = analysis
     else {
         return None;
@@ -112,6 +113,7 @@ fn lowered(plan: Option<Plan>, analysis: Analysis) -> Option<Lowered> {
         verified,
         memory_plans: memory.programs,
         device_memory: memory.device,
+        memory_per_gpu,
         step_seconds: timeline.step_seconds,
         bubble_fraction: timeline.bubble_fraction,
         exposed_comm_fraction: timeline.exposed_comm_fraction,
@@ -197,7 +199,8 @@ fn human(results: &[Checked]) {
             );
         } else {
             if let Some(report) = &r.report {
-                print!("{}", crate::report::render_human(report));
+                let needs = r.lowered.as_ref().map(|l| l.memory_per_gpu.as_slice());
+                print!("{}", crate::report::render_human(report, needs));
             }
             if let Some(lowered) = &r.lowered {
                 println!("\nlowered plan (verified; buffers at their stored sizes):");

@@ -109,6 +109,7 @@ fn compile(args: &PlanArgs) -> Result<Planned, u8> {
                 verified: Some(verified),
                 memory: Some(memory),
                 timeline,
+                ..
             },
         ..
     } = compiled

@@ -90,6 +90,9 @@ pub struct Analysis {
     pub verified: Option<VerifyReport>,
     pub memory: Option<MemoryPlans>,
     pub timeline: Option<Timeline>,
+    /// What each program holds per GPU, by term (with the memory plan): what the memory
+    /// verdict judges.
+    pub fit: Option<Vec<crate::fit::Need>>,
 }
 
 /// Every program's memory plan, in program order.
@@ -117,8 +120,15 @@ pub fn compile(
     let mut sources = Sources::default();
     let main = sources.add(name, text);
     let (spec, mut diagnostics) = crate::check(&mut sources, main, overrides);
+    // A plan that will be lowered and planned gets its memory verdict from that (`fit`); the
+    // formulas judge memory only for a plan that is not.
+    let judged_lowered = spec
+        .as_ref()
+        .is_some_and(|s| wants_plan(s, options) && options.through >= Stage::MemoryPlan);
     let cost = match &spec {
-        Some(spec) if options.cost_model => Some(estimate_costs(spec, &mut diagnostics)),
+        Some(spec) if options.cost_model => {
+            Some(estimate_costs(spec, !judged_lowered, &mut diagnostics))
+        }
         _ => None,
     };
     let plan = match &spec {
@@ -136,6 +146,12 @@ pub fn compile(
         (Some(spec), Some(plan)) => analyze(spec, plan, options.through, &mut diagnostics),
         _ => Analysis::default(),
     };
+    if let (Some(spec), Some(fit)) = (&spec, &analysis.fit) {
+        let measure = |changed: &Spec| measured_need(changed, options.fusion);
+        if let Some(d) = crate::fit::memory_verdict(spec, fit, &measure) {
+            diagnostics.push(d);
+        }
+    }
     Compiled {
         sources,
         diagnostics,
@@ -169,10 +185,21 @@ pub fn analyze(
         Some(_) if through >= Stage::Timeline => Some(timeline::simulate(plan, spec)),
         _ => None,
     };
+    let fit = match (&verified, &memory) {
+        (Some(verified), Some(memory)) => Some(crate::fit::needs(
+            spec,
+            plan,
+            verified,
+            &memory.programs,
+            &memory.device,
+        )),
+        _ => None,
+    };
     Analysis {
         verified,
         memory,
         timeline,
+        fit,
     }
 }
 
@@ -183,11 +210,30 @@ fn wants_plan(spec: &Spec, options: &CompileOptions) -> bool {
             .is_none_or(|largest| plan_size(spec) <= largest)
 }
 
-/// The cost model's estimate; its diagnostics join `diagnostics`.
-fn estimate_costs(spec: &Spec, diagnostics: &mut Diagnostics) -> CostReport {
+/// The cost model's estimate; its diagnostics join `diagnostics` (its memory error only with
+/// `judge_memory`).
+fn estimate_costs(spec: &Spec, judge_memory: bool, diagnostics: &mut Diagnostics) -> CostReport {
     let report = cost::estimate(spec);
-    diagnostics.extend(cost::diagnose(spec, &report));
+    if judge_memory {
+        diagnostics.extend(cost::diagnose(spec, &report));
+    } else {
+        diagnostics.extend(cost::warnings(spec, &report));
+    }
     report
+}
+
+/// The largest memory any rank of `spec`'s plan holds, lowered (one program per class) and
+/// planned; `None` when it does not lower or verify.
+fn measured_need(spec: &Spec, fusion: bool) -> Option<u64> {
+    let options = crate::lower::LowerOptions {
+        fusion,
+        representatives: true,
+        ..crate::lower::LowerOptions::default()
+    };
+    let plan = crate::lower::lower_with(spec, options).ok()?;
+    let mut diagnostics = Diagnostics::default();
+    let analysis = analyze(spec, &plan, Stage::MemoryPlan, &mut diagnostics);
+    analysis.fit?.iter().map(|need| need.bytes).max()
 }
 
 /// A stage's result, its errors moved into `diagnostics`.

@@ -4,6 +4,7 @@ pub mod check;
 pub mod cost;
 pub mod diag;
 pub mod driver;
+pub mod fit;
 pub mod fuse;
 pub mod ir;
 pub mod kir;

@@ -1,8 +1,9 @@
-//! Diagnostics from a [`CostReport`]: E0701 when a stage's peak memory exceeds the GPU's, with
-//! the biggest terms and what each single change to the plan would save (each re-estimated on
-//! a modified copy of the spec, so the numbers are the model's own); warnings for a pipeline
-//! bubble over 25% (W0701) and ZeRO over a single data-parallel rank (W0702 for ZeRO-3, W0703
-//! for ZeRO-1/2).
+//! Diagnostics from a [`CostReport`]: warnings for a pipeline bubble over 25% (W0701) and ZeRO
+//! over a single data-parallel rank (W0702 for ZeRO-3, W0703 for ZeRO-1/2); and, only for a
+//! plan that is not lowered (`parc check --lower never`), E0701 from the formulas, labelled as
+//! an estimate, with the biggest terms and what each single change to the plan would save
+//! (each re-estimated on a modified copy of the spec). A lowered plan's memory verdict is
+//! `crate::fit`'s, which measures the same [`alternatives`] by lowering them.
 
 use super::{estimate, schedule, CostReport};
 use crate::diag::{Diagnostic, Diagnostics};
@@ -21,9 +22,9 @@ fn peak(report: &CostReport) -> u64 {
 }
 
 /// One alternative plan: what to write and the changed spec.
-struct Alternative {
-    change: String,
-    spec: Spec,
+pub(crate) struct Alternative {
+    pub change: String,
+    pub spec: Spec,
 }
 
 fn set_recompute(spec: &mut Spec, recompute: Recompute) {
@@ -63,7 +64,9 @@ fn tp_fits(spec: &Spec, t: u32) -> bool {
     })
 }
 
-fn alternatives(spec: &Spec) -> Vec<Alternative> {
+/// The single changes that may lower a plan's memory: a higher ZeRO stage, recompute, twice the
+/// tp or pp (halving dp), half the micro batch.
+pub(crate) fn alternatives(spec: &Spec) -> Vec<Alternative> {
     let mut out = Vec::new();
     let (dp, pp, cp, tp) = spec.parallel.mesh.sizes();
     if dp * cp > 1 {
@@ -169,7 +172,7 @@ fn combination(spec: &Spec, capacity: u64) -> Option<(Vec<String>, u64)> {
 }
 
 /// `a`, `a and b`, `a, b and c`.
-fn join_and(items: &[String]) -> String {
+pub(crate) fn join_and(items: &[String]) -> String {
     match items.split_last() {
         None => String::new(),
         Some((last, [])) => last.clone(),
@@ -200,7 +203,7 @@ fn memory_error(spec: &Spec, report: &CostReport) -> Option<Diagnostic> {
     let mut d = Diagnostic::error(
         "E0701",
         format!(
-            "{} needs {} per GPU but {} has {}",
+            "{} needs an estimated {} per GPU but {} has {} (cost formulas; the plan was not lowered)",
             worst.role,
             gib(need),
             spec.cluster.gpu.name,
@@ -255,13 +258,21 @@ fn memory_error(spec: &Spec, report: &CostReport) -> Option<Diagnostic> {
     Some(d.help(help))
 }
 
-/// Diagnose a plan from its cost report: memory over capacity (error) and wasteful plans
-/// (warnings).
+/// Diagnose a plan that is not lowered from its cost report: memory over capacity by the
+/// formulas (error) and wasteful plans ([`warnings`]).
 pub fn diagnose(spec: &Spec, report: &CostReport) -> Diagnostics {
     let mut out = Diagnostics::default();
     if let Some(d) = memory_error(spec, report) {
         out.push(d);
     }
+    out.extend(warnings(spec, report));
+    out
+}
+
+/// The cost model's warnings: a pipeline bubble over 25% (W0701), ZeRO over one data-parallel
+/// rank (W0702, W0703).
+pub fn warnings(spec: &Spec, report: &CostReport) -> Diagnostics {
+    let mut out = Diagnostics::default();
     let (p, v) = super::pipeline_shape(spec);
     if report.bubble_fraction > BUBBLE_LIMIT {
         let m = schedule::microbatches_for_bubble(spec.parallel.schedule, p, v, BUBBLE_LIMIT);

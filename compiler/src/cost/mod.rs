@@ -64,7 +64,8 @@ mod tests;
 #[cfg(test)]
 pub(crate) mod testspec;
 
-pub use diagnose::{diagnose, gib, BUBBLE_LIMIT};
+pub(crate) use diagnose::{alternatives, join_and, Alternative};
+pub use diagnose::{diagnose, gib, warnings, BUBBLE_LIMIT};
 
 use crate::spec::{Axis, LayerKind, Precision, Spec};
 use serde::Serialize;

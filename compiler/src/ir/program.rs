@@ -289,6 +289,38 @@ impl BufferKind {
             BufferKind::Comm => "comm",
         }
     }
+
+    /// What the kind holds, in words for reports (`optimizer state`).
+    pub fn description(self) -> &'static str {
+        match self {
+            BufferKind::Param => "parameters",
+            BufferKind::OptState => "optimizer state",
+            BufferKind::Metric => "metrics",
+            BufferKind::GatheredParam => "gathered weights",
+            BufferKind::Grad => "gradients",
+            BufferKind::Activation => "activations",
+            BufferKind::ActivationGrad => "activation gradients",
+            BufferKind::Input => "batch inputs",
+            BufferKind::Comm => "communication buffers",
+        }
+    }
+
+    /// The kind whose [`BufferKind::name`] is `name`.
+    pub fn from_name(name: &str) -> Option<BufferKind> {
+        [
+            BufferKind::Param,
+            BufferKind::OptState,
+            BufferKind::Metric,
+            BufferKind::GatheredParam,
+            BufferKind::Grad,
+            BufferKind::Activation,
+            BufferKind::ActivationGrad,
+            BufferKind::Input,
+            BufferKind::Comm,
+        ]
+        .into_iter()
+        .find(|k| k.name() == name)
+    }
 }
 
 /// A parameter held by a program and how its local elements map to the global tensor.
