@@ -52,6 +52,16 @@ struct Planned {
     verified: VerifyReport,
     memory: MemoryPlans,
     timeline: Option<Timeline>,
+    /// With `--rank R`: R's exact program, shown instead of its class's.
+    view: Option<View>,
+}
+
+/// One rank's exact program as a plan of its own, with the id and memory plan it has in the
+/// full plan.
+struct View {
+    first_id: u32,
+    plan: Plan,
+    memory: Option<PlanSummary>,
 }
 
 pub fn main(args: PlanArgs) -> u8 {
@@ -59,6 +69,7 @@ pub fn main(args: PlanArgs) -> u8 {
         Ok(planned) => planned,
         Err(code) => return code,
     };
+    let mut planned = planned;
     let only = match selected_program(&planned.plan, args.rank) {
         Ok(only) => only,
         Err(message) => {
@@ -66,9 +77,14 @@ pub fn main(args: PlanArgs) -> u8 {
             return 2;
         }
     };
+    if let (Some(rank), Some(class)) = (args.rank, only) {
+        if let Err(code) = show_exact_program(&mut planned, &args, rank, class) {
+            return code;
+        }
+    }
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
-    let written = write_plan(&mut out, &planned, only, args.emit);
+    let written = write_plan(&mut out, &planned, args.emit);
     match written.and_then(|()| out.flush()) {
         Ok(()) => 0,
         // The reader went away (`parc plan … | head`): not an error.
@@ -95,8 +111,11 @@ fn compile(args: &PlanArgs) -> Result<Planned, u8> {
         Emit::Text | Emit::Trace => Stage::Timeline,
     };
     let name = args.file.display().to_string();
+    // With `--rank`, the plan is analysed one program per class of ranks (as `check` does) and
+    // only the rank's own program is lowered exactly (`show_exact_program`).
     let options = CompileOptions {
         fusion: args.spec.fusion(),
+        representatives: args.rank.is_some(),
         ..CompileOptions::through(through)
     };
     let compiled = driver::compile(&name, text, &overrides, &options);
@@ -122,7 +141,65 @@ fn compile(args: &PlanArgs) -> Result<Planned, u8> {
         verified,
         memory,
         timeline,
+        view: None,
     })
+}
+
+/// Lower rank `rank`'s exact program (the plan was lowered one program per class) and keep it
+/// as the plan's view: a plan of that one program, run by the ranks of its role, numbered as in
+/// the full plan, with its class's memory plan (equal to its own: the class invariant,
+/// `tests/ir/classes.rs`).
+fn show_exact_program(
+    planned: &mut Planned,
+    args: &PlanArgs,
+    rank: u32,
+    class: ProgramId,
+) -> Result<(), u8> {
+    let options = parc_compiler::lower::LowerOptions {
+        fusion: args.spec.fusion(),
+        ..parc_compiler::lower::LowerOptions::default()
+    };
+    let program = parc_compiler::lower::lower_rank(&planned.spec, options, rank).map_err(|d| {
+        for item in &d.items {
+            eprintln!("error[{}]: {}", item.code, item.message);
+        }
+        1u8
+    })?;
+    let plan = &planned.plan;
+    let mesh = &plan.mesh;
+    let same_role = |r: u32| {
+        program
+            .coords
+            .iter()
+            .all(|&(axis, c)| mesh.coord(r, axis) == c)
+    };
+    // Programs are numbered by their role's first rank.
+    let mut roles_before = std::collections::HashSet::new();
+    for r in (0..plan.world).take_while(|&r| !same_role(r)) {
+        roles_before.insert(
+            [
+                parc_compiler::spec::Axis::Pp,
+                parc_compiler::spec::Axis::Cp,
+                parc_compiler::spec::Axis::Tp,
+            ]
+            .map(|a| mesh.coord(r, a)),
+        );
+    }
+    let rank_program = (0..plan.world)
+        .map(|r| ProgramId(if same_role(r) { 0 } else { u32::MAX }))
+        .collect();
+    let memory = planned.memory.programs.get(class.0 as usize).cloned();
+    planned.view = Some(View {
+        first_id: roles_before.len() as u32,
+        plan: Plan {
+            programs: vec![program],
+            rank_program,
+            representative: false,
+            ..plan.header()
+        },
+        memory,
+    });
+    Ok(())
 }
 
 /// The program `--rank R` selects (`None`: all of them); the error names the plan's ranks.
@@ -140,29 +217,28 @@ fn selected_program(plan: &Plan, rank: Option<u32>) -> Result<Option<ProgramId>,
     }
 }
 
-fn write_plan(
-    out: &mut impl std::io::Write,
-    planned: &Planned,
-    only: Option<ProgramId>,
-    emit: Emit,
-) -> std::io::Result<()> {
+fn write_plan(out: &mut impl std::io::Write, planned: &Planned, emit: Emit) -> std::io::Result<()> {
     let Planned {
         spec,
         plan,
         verified,
         memory,
         timeline,
+        view,
     } = planned;
     match (emit, timeline) {
-        (Emit::Json, _) => write_json(out, plan, &memory.programs, only),
+        (Emit::Json, _) => match view {
+            Some(view) => write_program_json(out, &view.plan.programs, view.memory.as_ref()),
+            None => write_json(out, plan, &memory.programs),
+        },
         (Emit::Text, Some(timeline)) => {
             let names: Vec<String> = spec.model.nodes.iter().map(|n| n.name.clone()).collect();
-            let mut text = PlanText::new(plan).with_names(&names);
-            if let Some(p) = only {
-                text = text.only(p);
-            }
             let summary = crate::plan_summary::render(plan, verified, memory, timeline);
-            write!(out, "{summary}{text}")
+            let text = match view {
+                Some(view) => PlanText::new(&view.plan).first_id(view.first_id),
+                None => PlanText::new(plan),
+            };
+            write!(out, "{summary}{}", text.with_names(&names))
         }
         (Emit::Trace, Some(timeline)) => writeln!(out, "{}", timeline.to_chrome_trace()),
         (Emit::Text | Emit::Trace, None) => Err(std::io::Error::other(
@@ -171,31 +247,43 @@ fn write_plan(
     }
 }
 
-/// The plan (or the `only` program) as JSON, with its memory plans.
+/// A view's one program as JSON with its memory plan.
+fn write_program_json(
+    out: &mut impl std::io::Write,
+    programs: &[Program],
+    memory_plan: Option<&PlanSummary>,
+) -> std::io::Result<()> {
+    let Some(program) = programs.first() else {
+        return Err(std::io::Error::other(
+            "no program to show (a bug in `parc plan`)",
+        ));
+    };
+    serde_json::to_writer_pretty(
+        &mut *out,
+        &ProgramJson {
+            program,
+            memory_plan,
+        },
+    )
+    .map_err(std::io::Error::from)
+    .and_then(|()| writeln!(out))
+}
+
+/// The plan as JSON, with its memory plans.
 fn write_json(
     out: &mut impl std::io::Write,
     plan: &Plan,
     memory: &[PlanSummary],
-    only: Option<ProgramId>,
 ) -> std::io::Result<()> {
-    let json = match only.and_then(|p| Some((p, plan.programs.get(p.0 as usize)?))) {
-        Some((id, program)) => serde_json::to_writer_pretty(
-            &mut *out,
-            &ProgramJson {
-                program,
-                memory_plan: memory.get(id.0 as usize),
-            },
-        ),
-        None => serde_json::to_writer_pretty(
-            &mut *out,
-            &PlanJson {
-                plan,
-                memory_plans: memory,
-            },
-        ),
-    };
-    json.map_err(std::io::Error::from)
-        .and_then(|()| writeln!(out))
+    serde_json::to_writer_pretty(
+        &mut *out,
+        &PlanJson {
+            plan,
+            memory_plans: memory,
+        },
+    )
+    .map_err(std::io::Error::from)
+    .and_then(|()| writeln!(out))
 }
 
 /// The plan as JSON: its fields, then each program's memory plan.

@@ -74,3 +74,44 @@ fn exit_codes() {
     assert_eq!(code, 2);
     assert!(err.contains("--rank 7"), "{err}");
 }
+
+/// The program text of `program N (` … up to the next program or the end.
+fn program_text(out: &str, id: u32) -> String {
+    let head = format!("program {id} (");
+    let mut lines = out.lines().skip_while(|l| !l.starts_with(&head));
+    let first = lines.next().unwrap_or_default().to_string();
+    let rest: Vec<&str> = lines.take_while(|l| !l.starts_with("program ")).collect();
+    format!("{first}\n{}", rest.join("\n"))
+}
+
+#[test]
+fn one_rank_is_lowered_alone_and_equals_its_program_in_the_full_plan() {
+    // tp 4 × dp 2: ranks of tp index 2 and 3 share their class's analysis but print their own
+    // shards (`part 2/4`), numbered as in the full plan.
+    let spec = [
+        "examples/tiny-llama.par",
+        "--set",
+        "parallel.tp=4",
+        "--set",
+        "parallel.dp=2",
+        "--set",
+        "cluster.gpus_per_node=8",
+    ];
+    let (code, full, err) = plan(&spec);
+    assert_eq!(code, 0, "{err}");
+    for rank in ["2", "7"] {
+        let mut args = spec.to_vec();
+        args.extend(["--rank", rank]);
+        let (code, one, err) = plan(&args);
+        assert_eq!(code, 0, "{err}");
+        let id = one
+            .lines()
+            .find_map(|l| l.strip_prefix("program "))
+            .and_then(|l| l.split(' ').next())
+            .and_then(|n| n.parse::<u32>().ok())
+            .unwrap_or_else(|| panic!("{one}"));
+        let shown = program_text(&one, id);
+        assert_eq!(shown, program_text(&full, id), "rank {rank}");
+        assert!(shown.contains("part"), "{shown}");
+    }
+}

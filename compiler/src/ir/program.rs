@@ -146,6 +146,23 @@ pub struct Peer {
 }
 
 impl Plan {
+    /// The plan's fields without its programs and rank map (for a view holding some of them).
+    pub fn header(&self) -> Plan {
+        Plan {
+            world: self.world,
+            mesh: self.mesh.clone(),
+            micro_batch: self.micro_batch,
+            microbatches: self.microbatches,
+            seq: self.seq,
+            params: self.params.clone(),
+            groups: self.groups.clone(),
+            programs: Vec::new(),
+            rank_program: Vec::new(),
+            report_rank: self.report_rank,
+            representative: self.representative,
+        }
+    }
+
     /// Global rank of `peer` as seen from `rank`.
     pub fn peer_rank(&self, rank: u32, peer: Peer) -> u32 {
         let own = self.mesh.coord(rank, peer.axis);

@@ -31,6 +31,8 @@ pub struct PlanText<'a> {
     plan: &'a Plan,
     only: Option<ProgramId>,
     node_names: Option<&'a [String]>,
+    /// The id the first program is printed with (a plan holding one program of a larger one).
+    first_id: u32,
 }
 
 impl<'a> PlanText<'a> {
@@ -39,7 +41,14 @@ impl<'a> PlanText<'a> {
             plan,
             only: None,
             node_names: None,
+            first_id: 0,
         }
+    }
+    /// Number the programs from `id`: for a plan that holds one program of a larger plan
+    /// (`parc plan --rank R` lowers that rank's alone), printed under its id there.
+    pub fn first_id(mut self, id: u32) -> PlanText<'a> {
+        self.first_id = id;
+        self
     }
     /// Print only this program (header, params and groups still printed).
     pub fn only(mut self, program: ProgramId) -> PlanText<'a> {
@@ -170,7 +179,8 @@ impl fmt::Display for PlanText<'_> {
             let ranks: Vec<String> = plan.ranks_of(id).iter().map(u32::to_string).collect();
             writeln!(
                 f,
-                "program {pi} ({}) ranks [{}]",
+                "program {} ({}) ranks [{}]",
+                pi as u32 + self.first_id,
                 prog.role,
                 ranks.join(" ")
             )?;

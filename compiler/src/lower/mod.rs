@@ -102,27 +102,154 @@ pub fn lower(spec: &Spec) -> Result<Plan, Diagnostics> {
 
 /// [`lower`] with explicit [`LowerOptions`].
 pub fn lower_with(spec: &Spec, options: LowerOptions) -> Result<Plan, Diagnostics> {
-    let diags = context::validate(spec);
-    if diags.has_errors() {
-        return Err(diags);
-    }
+    let setup = Setup::new(spec)?;
     let mesh = &spec.parallel.mesh;
     let world = mesh.world();
-    let (p, v) = context::pipeline_shape(spec);
-    let chunk_count = p * v;
-    let chunks = context::chunks(spec, chunk_count).map_err(one)?;
-    let params = params::build(spec);
+    // One program per (pp, cp, tp) coordinate (per class of them for representatives), in
+    // order of first rank.
+    let mut role_index: HashMap<(u32, u32, u32), ProgramId> = HashMap::new();
+    let mut roles = Vec::new();
+    let mut rank_program = Vec::with_capacity(world as usize);
+    for r in 0..world {
+        let key = role_key(spec, r, options.representatives);
+        let next = ProgramId(roles.len() as u32);
+        let id = *role_index.entry(key).or_insert_with(|| {
+            roles.push(key);
+            next
+        });
+        rank_program.push(id);
+    }
+    let programs = emit_all(&setup.shared(options), &roles)?;
+    let (p, _) = context::pipeline_shape(spec);
+    let report_rank = mesh.rank_of(&[(Axis::Pp, p - 1)]);
+    Ok(Plan {
+        world,
+        mesh: mesh.clone(),
+        micro_batch: spec.train.micro_batch,
+        microbatches: spec.parallel.microbatches,
+        seq: spec.model.seq,
+        params: setup.params.table.clone(),
+        groups: setup.plan_groups,
+        programs,
+        rank_program,
+        report_rank,
+        representative: options.representatives,
+    })
+}
 
+/// The exact program of global rank `rank` alone (as [`lower_with`] would give it, whatever
+/// `options.representatives` says): what `parc plan --rank R` prints without lowering the
+/// whole plan.
+pub fn lower_rank(spec: &Spec, options: LowerOptions, rank: u32) -> Result<Program, Diagnostics> {
+    let setup = Setup::new(spec)?;
+    let options = LowerOptions {
+        representatives: false,
+        ..options
+    };
+    emit_program(&setup.shared(options), role_key(spec, rank, false))
+}
+
+/// The role of global rank `r`: its (pp, cp, tp) coordinates, the cp and tp indices capped at
+/// 1 for a class plan ([`LowerOptions::representatives`]).
+fn role_key(spec: &Spec, r: u32, classes: bool) -> (u32, u32, u32) {
+    let mesh = &spec.parallel.mesh;
+    let class = |index: u32| if classes { index.min(1) } else { index };
+    (
+        mesh.coord(r, Axis::Pp),
+        class(mesh.coord(r, Axis::Cp)),
+        class(mesh.coord(r, Axis::Tp)),
+    )
+}
+
+/// What every program of a plan is lowered from: the parameters, chunks, groups and pipeline
+/// timetable, built once.
+struct Setup<'a> {
+    spec: &'a Spec,
+    params: Params,
+    chunks: Chunks,
+    groups: Groups,
+    plan_groups: Vec<Group>,
+    zero: ZeroStage,
+    table: schedule::Timetable,
+    param_stages: HashMap<u32, Vec<u32>>,
+}
+
+impl<'a> Setup<'a> {
+    fn new(spec: &'a Spec) -> Result<Setup<'a>, Diagnostics> {
+        let diags = context::validate(spec);
+        if diags.has_errors() {
+            return Err(diags);
+        }
+        let mesh = &spec.parallel.mesh;
+        let (p, v) = context::pipeline_shape(spec);
+        let chunks = context::chunks(spec, p * v).map_err(one)?;
+        let params = params::build(spec);
+        let (cp, dp) = (mesh.size(Axis::Cp), mesh.size(Axis::Dp));
+        let zero = if dp * cp > 1 {
+            spec.parallel.zero
+        } else {
+            ZeroStage::Zero0
+        };
+        let param_stages = param_stages(spec, &chunks, &params, p);
+        let (groups, plan_groups) = make_groups(spec, zero, &param_stages, p);
+        let table = timetable(spec, p, v)?;
+        Ok(Setup {
+            spec,
+            params,
+            chunks,
+            groups,
+            plan_groups,
+            zero,
+            table,
+            param_stages,
+        })
+    }
+
+    fn shared(&self, options: LowerOptions) -> Shared<'_> {
+        Shared {
+            spec: self.spec,
+            params: &self.params,
+            chunks: &self.chunks,
+            groups: &self.groups,
+            zero: self.zero,
+            table: &self.table,
+            param_stages: &self.param_stages,
+            options,
+        }
+    }
+}
+
+/// Where each parameter is used: the pipeline stages of the nodes holding it.
+fn param_stages(spec: &Spec, chunks: &Chunks, params: &Params, p: u32) -> HashMap<u32, Vec<u32>> {
+    let stage_of_chunk = |c: u32| c % p;
+    let mut param_stages: HashMap<u32, Vec<u32>> = HashMap::new();
+    for (i, _) in spec.model.nodes.iter().enumerate() {
+        let stage = stage_of_chunk(chunks.chunk_of(i));
+        for slot in params.slots(crate::spec::NodeId(i as u32)) {
+            let e = param_stages.entry(slot.param.0).or_default();
+            if !e.contains(&stage) {
+                e.push(stage);
+            }
+        }
+    }
+    param_stages
+}
+
+/// The plan's groups (tp, cp, dp+cp, the gradient norm's, and the tied embedding's pair of
+/// stages when a parameter is used on two), as the lowering names them and as the plan lists
+/// them.
+fn make_groups(
+    spec: &Spec,
+    zero: ZeroStage,
+    param_stages: &HashMap<u32, Vec<u32>>,
+    p: u32,
+) -> (Groups, Vec<Group>) {
+    let mesh = &spec.parallel.mesh;
     let (tp, cp, dp) = (
         mesh.size(Axis::Tp),
         mesh.size(Axis::Cp),
         mesh.size(Axis::Dp),
     );
-    let zero = if dp * cp > 1 {
-        spec.parallel.zero
-    } else {
-        ZeroStage::Zero0
-    };
     let mut plan_groups: Vec<Group> = Vec::new();
     let mut add = |g: Group| {
         plan_groups.push(g);
@@ -154,18 +281,6 @@ pub fn lower_with(spec: &Spec, options: LowerOptions) -> Result<Plan, Diagnostic
     if norm_size > 1 {
         groups.norm = add(context::group_family("norm", mesh, &norm_axes));
     }
-    // Parameters used on more than one pipeline stage (tied embedding and head).
-    let stage_of_chunk = |c: u32| c % p;
-    let mut param_stages: HashMap<u32, Vec<u32>> = HashMap::new();
-    for (i, _) in spec.model.nodes.iter().enumerate() {
-        let stage = stage_of_chunk(chunks.chunk_of(i));
-        for slot in params.slots(crate::spec::NodeId(i as u32)) {
-            let e = param_stages.entry(slot.param.0).or_default();
-            if !e.contains(&stage) {
-                e.push(stage);
-            }
-        }
-    }
     let shared: Vec<u32> = param_stages
         .iter()
         .filter(|(_, s)| s.len() > 1)
@@ -191,67 +306,22 @@ pub fn lower_with(spec: &Spec, options: LowerOptions) -> Result<Plan, Diagnostic
         });
     }
 
+    (groups, plan_groups)
+}
+
+/// Every stage's unit order, simulated into the timetable of transfers (E0805 when it cannot
+/// complete).
+fn timetable(spec: &Spec, p: u32, v: u32) -> Result<schedule::Timetable, Diagnostics> {
     let orders: Vec<Vec<Unit>> = (0..p)
         .map(|s| schedule::stage_order(spec.parallel.schedule, p, v, spec.parallel.microbatches, s))
         .collect();
-    let Some(table) = schedule::simulate(orders, chunk_count) else {
-        return Err(one(Diagnostic::error(
+    schedule::simulate(orders, p * v).ok_or_else(|| {
+        one(Diagnostic::error(
             "E0805",
             "the pipeline schedule cannot complete: a stage waits on a unit that never runs",
         )
         .label(spec.parallel.span, "this schedule")
-        .help("use gpipe, or 1f1b with microbatches ≥ pp")));
-    };
-
-    // One program per (pp, cp, tp) coordinate (per class of them for representatives), in
-    // order of first rank.
-    let class = |index: u32| {
-        if options.representatives {
-            index.min(1)
-        } else {
-            index
-        }
-    };
-    let mut role_index: HashMap<(u32, u32, u32), ProgramId> = HashMap::new();
-    let mut roles = Vec::new();
-    let mut rank_program = Vec::with_capacity(world as usize);
-    for r in 0..world {
-        let key = (
-            mesh.coord(r, Axis::Pp),
-            class(mesh.coord(r, Axis::Cp)),
-            class(mesh.coord(r, Axis::Tp)),
-        );
-        let next = ProgramId(roles.len() as u32);
-        let id = *role_index.entry(key).or_insert_with(|| {
-            roles.push(key);
-            next
-        });
-        rank_program.push(id);
-    }
-    let shared_ctx = Shared {
-        spec,
-        params: &params,
-        chunks: &chunks,
-        groups: &groups,
-        zero,
-        table: &table,
-        param_stages: &param_stages,
-        options,
-    };
-    let programs = emit_all(&shared_ctx, &roles)?;
-    let report_rank = mesh.rank_of(&[(Axis::Pp, p - 1)]);
-    Ok(Plan {
-        world,
-        mesh: mesh.clone(),
-        micro_batch: spec.train.micro_batch,
-        microbatches: spec.parallel.microbatches,
-        seq: spec.model.seq,
-        params: params.table.clone(),
-        groups: plan_groups,
-        programs,
-        rank_program,
-        report_rank,
-        representative: options.representatives,
+        .help("use gpipe, or 1f1b with microbatches ≥ pp"))
     })
 }
 
