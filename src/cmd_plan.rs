@@ -8,6 +8,8 @@
 //!   `--rank R`, that rank's program only, with its `memory_plan`.
 //! - `trace`: the simulated timeline as Chrome trace-event JSON (open it in Perfetto).
 //!
+//! - `--search`: search the plans instead (`cmd_search`).
+//!
 //! Exit codes: 0 success, 1 the spec, lowering or verification failed, 2 usage or unreadable
 //! input.
 
@@ -43,6 +45,19 @@ pub struct PlanArgs {
     /// What to print.
     #[arg(long, value_enum, default_value = "text")]
     pub emit: Emit,
+    /// Search the plans of the spec's model and recipe instead: every dp × pp × cp × tp, ZeRO
+    /// stage, schedule, micro batch and recompute that fits, fastest first.
+    #[arg(long)]
+    pub search: bool,
+    /// With --search: this many GPUs (on one node unless --nodes says how many).
+    #[arg(long, value_name = "N", requires = "search")]
+    pub gpus: Option<u32>,
+    /// With --search: over this many nodes.
+    #[arg(long, value_name = "K", requires = "search")]
+    pub nodes: Option<u32>,
+    /// With --search: how many plans to show.
+    #[arg(long, value_name = "K", default_value_t = 5)]
+    pub top: usize,
 }
 
 /// A plan that went through the stages `--emit` needs (the timeline only for text and trace).
@@ -65,6 +80,16 @@ struct View {
 }
 
 pub fn main(args: PlanArgs) -> u8 {
+    if args.search {
+        return crate::cmd_search::main(crate::cmd_search::SearchArgs {
+            file: &args.file,
+            set: &args.spec.set,
+            fusion: args.spec.fusion(),
+            gpus: args.gpus,
+            nodes: args.nodes,
+            top: args.top,
+        });
+    }
     let planned = match compile(&args) {
         Ok(planned) => planned,
         Err(code) => return code,

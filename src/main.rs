@@ -5,6 +5,7 @@
 mod cmd_check;
 mod cmd_plan;
 mod cmd_run;
+mod cmd_search;
 mod diagnostics;
 mod input;
 mod plan_summary;

@@ -11,6 +11,7 @@ pub mod kir;
 pub mod lower;
 pub mod memplan;
 pub mod overrides;
+pub mod search;
 pub mod spec;
 pub mod stdlib;
 pub mod syntax;

@@ -115,3 +115,55 @@ fn one_rank_is_lowered_alone_and_equals_its_program_in_the_full_plan() {
         assert!(shown.contains("part"), "{shown}");
     }
 }
+
+#[test]
+fn search_ranks_plans_whose_flags_check_clean() {
+    let (code, out, err) = plan(&["--search", "examples/tiny.par", "--gpus", "4", "--top", "3"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(" 1  ") && out.contains("rejected:"), "{out}");
+    let flags = out
+        .lines()
+        .skip_while(|l| !l.starts_with("the fastest as flags"))
+        .nth(1)
+        .unwrap_or_else(|| panic!("{out}"));
+    let mut args: Vec<&str> = vec!["check", "examples/tiny.par"];
+    args.extend(flags.split_whitespace());
+    args.extend([
+        "--set",
+        "cluster.nodes=1",
+        "--set",
+        "cluster.gpus_per_node=4",
+    ]);
+    let checked = Command::new(env!("CARGO_BIN_EXE_parc"))
+        .args(&args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run parc");
+    assert!(
+        checked.status.success(),
+        "{}",
+        String::from_utf8_lossy(&checked.stderr)
+    );
+}
+
+#[test]
+fn search_without_a_fitting_plan_names_the_rule_and_the_closest() {
+    let gpu = "cluster.gpu=custom { memory: 1 GB, flops: 100 TFLOP/s, flops_fp32: 50 TFLOP/s, bandwidth: 1 TB/s }";
+    let (code, out, err) = plan(&["--search", "examples/gpt2-124m.par", "--set", gpu]);
+    assert_eq!(code, 1, "{err}");
+    assert!(out.contains("no plan fits: most were rejected by"), "{out}");
+    assert!(
+        out.contains("closest to fitting") && out.contains("over the GPU's"),
+        "{out}"
+    );
+    let (code, _, err) = plan(&[
+        "--search",
+        "examples/tiny.par",
+        "--gpus",
+        "6",
+        "--nodes",
+        "4",
+    ]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--nodes 4"), "{err}");
+}

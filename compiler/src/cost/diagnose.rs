@@ -27,7 +27,8 @@ pub(crate) struct Alternative {
     pub spec: Spec,
 }
 
-fn set_recompute(spec: &mut Spec, recompute: Recompute) {
+/// Set the plan's recompute and each node's flag as the checker does.
+pub(crate) fn set_recompute(spec: &mut Spec, recompute: Recompute) {
     for node in &mut spec.model.nodes {
         node.recompute = match &recompute {
             Recompute::None => false,

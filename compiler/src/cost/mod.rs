@@ -64,7 +64,7 @@ mod tests;
 #[cfg(test)]
 pub(crate) mod testspec;
 
-pub(crate) use diagnose::{alternatives, join_and, Alternative};
+pub(crate) use diagnose::{alternatives, join_and, set_recompute, Alternative};
 pub use diagnose::{diagnose, gib, warnings, BUBBLE_LIMIT};
 
 use crate::spec::{Axis, LayerKind, Precision, Spec};
