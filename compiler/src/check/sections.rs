@@ -336,15 +336,16 @@ pub fn parallel(r: &mut Reader, span: Span) -> ParallelIn {
         },
         _ => PipelineSchedule::OneFOneB,
     };
-    if let (Some(_), Some(s)) = (virtual_stages, r.span("parallel.virtual")) {
-        if !matches!(schedule, PipelineSchedule::Interleaved { .. }) {
+    // `virtual: 1` is one chunk per stage: what every other schedule runs, so no warning.
+    if let (Some(v), Some(s)) = (virtual_stages, r.span("parallel.virtual")) {
+        if v > 1 && !matches!(schedule, PipelineSchedule::Interleaved { .. }) {
             r.diags.push(
                 Diagnostic::warning(
                     "W0502",
                     "`virtual` only matters for the interleaved schedule",
                 )
                 .label(s, "ignored")
-                .help("set `pipeline = interleaved { virtual: 2 }` or remove `virtual`"),
+                .help("set `pipeline = interleaved { virtual: 2 }`, or remove `virtual` (or set it to 1)"),
             );
         }
     }

@@ -48,9 +48,12 @@ impl Candidate {
             ),
             ("parallel.sequence_parallel", (self.tp > 1).to_string()),
         ];
-        if let PipelineSchedule::Interleaved { virtual_stages } = self.schedule {
-            out.push(("parallel.virtual", virtual_stages.to_string()));
-        }
+        // One chunk per stage unless interleaved (so a spec's own `virtual` does not linger).
+        let virtual_stages = match self.schedule {
+            PipelineSchedule::Interleaved { virtual_stages } => virtual_stages,
+            _ => 1,
+        };
+        out.push(("parallel.virtual", virtual_stages.to_string()));
         out.into_iter().map(|(p, v)| (p.to_string(), v)).collect()
     }
 
