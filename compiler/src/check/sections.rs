@@ -386,6 +386,8 @@ pub fn parallel(r: &mut Reader, span: Span) -> ParallelIn {
             recompute,
             sequence_parallel,
             bucket_bytes,
+            balance: Balance::Even,
+            chunk_layers: Vec::new(),
             span,
         },
         microbatches_given: microbatches.is_some(),
