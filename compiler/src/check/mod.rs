@@ -6,7 +6,7 @@
 //! model ([`model`]) → read `cluster`, `parallel`, `train` ([`sections`]) → cross-checks
 //! ([`grid`]: mesh vs cluster, sharding, sequence splits, pipeline layers, batch rule, schedule,
 //! placement, data) → recompute marks → the layers of each pipeline chunk
-//! (`cost::balance`).
+//! (`cost::balance`: even, as given, or the cost model's split).
 
 pub mod functions;
 mod gpu;
@@ -206,7 +206,7 @@ pub fn check(
     if let Some(e) = elaborated.as_mut() {
         grid.sharding(e, &pin.parallel.mesh);
         grid.sequence(e, &pin.parallel);
-        grid.pipeline_layers(e, &pin.parallel);
+        grid.pipeline_layers(e, &pin);
         if let Some(t) = &train {
             grid.data(e, t);
             let span = settings
