@@ -126,6 +126,7 @@ pub fn render_human(report: &CostReport, needs: Option<&[Need]>) -> String {
     let _ = writeln!(out, "\ncompute and communication per GPU per step:");
     let mut header = vec![
         "role".to_string(),
+        "layers".to_string(),
         "FLOPs".to_string(),
         "compute".to_string(),
         "in flight".to_string(),
@@ -135,6 +136,7 @@ pub fn render_human(report: &CostReport, needs: Option<&[Need]>) -> String {
     for r in &report.roles {
         let mut row = vec![
             r.role.clone(),
+            r.layers.to_string(),
             count(r.flops.total()),
             seconds(r.compute_seconds),
             format!("{:.1} mb", r.microbatches_in_flight),
@@ -432,15 +434,15 @@ mod tests {
 cost per step: 16 GPUs (dp 8 × pp 2 × cp 1 × tp 1), 2.50B params, 1.0M tokens per step
 pipeline: 8 microbatches, bubble 11.1%
 
-memory per GPU (h100_80gb, 80.0 GiB):
+memory per GPU (h100_80gb, 80.0 GiB), estimated by the cost formulas (not lowered):
 role     params  weights    grads  optimizer  activations   buffers     total  of GPU
 stage 0   1.25B  2.3 GiB  2.3 GiB    1.7 GiB     30.0 GiB  50.0 MiB  36.5 GiB     46%
 stage 1   1.25B  2.3 GiB  2.3 GiB    1.7 GiB     15.0 GiB  50.0 MiB  21.5 GiB     27%
 
 compute and communication per GPU per step:
-role     FLOPs  compute  in flight            dp sent              pp sent
-stage 0  3.00P   3.03 s     2.0 mb  4.1 GiB (88.0 ms)  63.9 MiB (150.0 µs)
-stage 1  3.00P   3.03 s     1.0 mb  4.1 GiB (88.0 ms)  63.9 MiB (150.0 µs)
+role     layers  FLOPs  compute  in flight            dp sent              pp sent
+stage 0      16  3.00P   3.03 s     2.0 mb  4.1 GiB (88.0 ms)  63.9 MiB (150.0 µs)
+stage 1      16  3.00P   3.03 s     1.0 mb  4.1 GiB (88.0 ms)  63.9 MiB (150.0 µs)
 where:
   dp (8 ranks, inter-node): gradient reduce-scatter + weight all-gather
   pp (2 ranks, intra-node): activations forward, their gradients back (point-to-point)

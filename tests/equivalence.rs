@@ -13,7 +13,10 @@
 #[path = "ir/fixtures.rs"]
 mod fixtures;
 
-use fixtures::{spec_variant, train_cpu, PlanChoice, TinyModel, Variant};
+use fixtures::{
+    sized_spec_variant, spec_variant, tiny_dims, train_cpu, Dims, PlanChoice, Split, TinyModel,
+    Variant,
+};
 use parc_compiler::diag::Sources;
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::{Instr, Phase, Plan};
@@ -34,9 +37,7 @@ fn model(llama: bool) -> TinyModel {
 }
 
 fn run(llama: bool, plan: PlanChoice, variant: Variant) -> TrainResult {
-    let s = spec_variant(model(llama), plan, variant);
-    let p = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
-    run_plan(&s, &p)
+    run_plan_of(&spec_variant(model(llama), plan, variant))
 }
 
 fn run_plan(s: &Spec, p: &Plan) -> TrainResult {
@@ -95,6 +96,11 @@ fn assert_equivalent_variant(llama: bool, plan: PlanChoice, variant: Variant) {
 fn assert_matches(single: &TrainResult, llama: bool, plan: PlanChoice, variant: Variant) {
     let desc = describe(llama, &plan, variant);
     let got = run(llama, plan, variant);
+    assert_close(&desc, single, &got, variant.sgd);
+}
+
+/// `got` trained as `single` did (see the module header for the tolerances).
+fn assert_close(desc: &str, single: &TrainResult, got: &TrainResult, sgd: bool) {
     assert_eq!(single.records.len(), STEPS, "{desc}");
     assert_eq!(got.records.len(), STEPS, "{desc}");
     assert_eq!(single.params.len(), got.params.len(), "{desc}");
@@ -117,7 +123,7 @@ fn assert_matches(single: &TrainResult, llama: bool, plan: PlanChoice, variant: 
     for (a, b) in single.params.iter().zip(&got.params) {
         assert_eq!((&a.name, &a.shape), (&b.name, &b.shape), "{desc}");
         for (i, (x, y)) in a.data.iter().zip(&b.data).enumerate() {
-            let tolerance = if variant.sgd {
+            let tolerance = if sgd {
                 1e-5 * x.abs() + 1e-6
             } else {
                 1e-5 * x.abs().max(1.0)
@@ -455,6 +461,73 @@ fn pipeline_schedules() {
             },
         );
     }
+}
+
+/// The tiny GPT-style model with `layers` layers and a 256-token vocabulary, whose head costs
+/// about two layers' FLOPs (so `balance: auto` splits unevenly), under `plan` and `split`.
+fn big_vocab_spec(layers: u32, plan: PlanChoice, split: Split) -> Spec {
+    let model = TinyModel {
+        layers,
+        llama: false,
+        tied: true,
+    };
+    let dims = Dims {
+        vocab: 256,
+        ..tiny_dims(false)
+    };
+    let variant = Variant {
+        split,
+        ..Variant::default()
+    };
+    sized_spec_variant(model, plan, dims, variant)
+}
+
+/// Pipelines whose stages hold different numbers of layers (given, or `balance: auto`'s), with
+/// the tied embedding and head on the first and last stage, train as the single rank does:
+/// 1F1B with [3, 1], [1, 3] and auto's [3, 1]; interleaved with uneven chunks and auto's.
+#[test]
+fn uneven_pipeline_stages() {
+    let interleaved = PipelineSchedule::Interleaved { virtual_stages: 2 };
+    let cases: [(u32, PipelineSchedule, Split, &[u32]); 5] = [
+        (
+            4,
+            PipelineSchedule::OneFOneB,
+            Split::Given(&[3, 1]),
+            &[3, 1],
+        ),
+        (
+            4,
+            PipelineSchedule::OneFOneB,
+            Split::Given(&[1, 3]),
+            &[1, 3],
+        ),
+        (4, PipelineSchedule::OneFOneB, Split::Auto, &[3, 1]),
+        (6, interleaved, Split::Given(&[1, 2, 2, 1]), &[1, 2, 2, 1]),
+        (6, interleaved, Split::Auto, &[2, 1, 2, 1]),
+    ];
+    for (layers, schedule, split, want) in cases {
+        let single = PlanChoice {
+            microbatches: 4,
+            ..PlanChoice::default()
+        };
+        let single = run_plan_of(&big_vocab_spec(layers, single, Split::Even));
+        let plan = PlanChoice {
+            pp: 2,
+            schedule,
+            microbatches: 4,
+            ..PlanChoice::default()
+        };
+        let spec = big_vocab_spec(layers, plan, split);
+        let desc = format!("{layers} layers {schedule:?} {split:?}");
+        assert_eq!(spec.parallel.chunk_layers, want, "{desc}");
+        assert_close(&desc, &single, &run_plan_of(&spec), false);
+    }
+}
+
+/// `s` lowered and trained.
+fn run_plan_of(s: &Spec) -> TrainResult {
+    let p = lower(s).unwrap_or_else(|d| panic!("{:?}", d.items));
+    run_plan(s, &p)
 }
 
 #[test]

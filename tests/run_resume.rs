@@ -8,7 +8,7 @@
 #[path = "ir/fixtures.rs"]
 mod fixtures;
 
-use fixtures::{spec, train_cpu, PlanChoice, TinyModel};
+use fixtures::{spec, spec_variant, train_cpu, PlanChoice, Split, TinyModel, Variant};
 use parc_compiler::lower::lower;
 use parc_compiler::spec::{Checkpointing, LossScale, Precision, Spec, ZeroStage};
 use parc_runtime::exec::{TrainOptions, TrainResult};
@@ -23,14 +23,27 @@ fn temp_dir(name: &str) -> PathBuf {
 }
 
 fn with_checkpoints(plan: PlanChoice, dir: &Path) -> Spec {
-    let mut s = spec(
-        TinyModel {
-            layers: 4,
-            llama: true,
-            tied: false,
-        },
-        plan,
-    );
+    with_checkpoints_split(plan, Split::Even, dir)
+}
+
+/// [`with_checkpoints`] with the pipeline's layers split as `split` says.
+fn with_checkpoints_split(plan: PlanChoice, split: Split, dir: &Path) -> Spec {
+    let model = TinyModel {
+        layers: 4,
+        llama: true,
+        tied: false,
+    };
+    let mut s = match split {
+        Split::Even => spec(model, plan),
+        _ => spec_variant(
+            model,
+            plan,
+            Variant {
+                split,
+                ..Variant::default()
+            },
+        ),
+    };
     s.train.steps = 7;
     s.train.checkpoint = Some(Checkpointing {
         every: 2,
@@ -148,6 +161,27 @@ fn resume_of_an_fp16_run_keeps_the_loss_scaler() {
     let result = run(&s, Some(2), None);
     let manifest = parc_runtime::checkpoint::read_manifest(&result.checkpoints[0]).unwrap();
     assert_eq!(manifest.loss_scale.map(|l| l.scale), Some(512.0));
+}
+
+/// Stages of 3 and 1 layers: each rank's shard holds its stage's layers, so the checkpoint
+/// resumes under the same split and is refused under another (its plan hash differs).
+#[test]
+fn resume_with_uneven_pipeline_stages_is_bit_identical() {
+    let pp2 = || PlanChoice {
+        pp: 2,
+        microbatches: 2,
+        ..PlanChoice::default()
+    };
+    let split = |counts| move |dir: &Path| with_checkpoints_split(pp2(), Split::Given(counts), dir);
+    assert_resume_of_spec_is_exact("uneven", split(&[3, 1]));
+    let dir = temp_dir("uneven-other");
+    run(&split(&[3, 1])(&dir), Some(2), None);
+    let other = split(&[1, 3])(&dir);
+    let plan = lower(&other).unwrap();
+    let mut options = TrainOptions::new(".");
+    options.resume = Some(dir);
+    let err = train_cpu(&other, &plan, &options).unwrap_err().to_string();
+    assert!(err.contains("written by plan"), "{err}");
 }
 
 #[test]

@@ -375,7 +375,63 @@ pub struct Parallel {
     pub sequence_parallel: bool,
     /// Gradient all-reduce / reduce-scatter bucket size in bytes (default 25 MiB, as PyTorch DDP).
     pub bucket_bytes: u64,
+    /// How `chunk_layers` was chosen (`parallel.balance`, `parallel.layers`).
+    pub balance: Balance,
+    /// Repeated layers per pipeline chunk, in chunk order (chunk `c` runs on stage `c mod pp`):
+    /// pp × virtual entries (one when pp = 1), each ≥ 1, summing to the model's layers. Always
+    /// filled (even, given or chosen by the cost model); lowering, the cost model and every
+    /// later stage read the split from here only ([`Parallel::chunk_of_layer`]).
+    pub chunk_layers: Vec<u32>,
     pub span: Span,
+}
+
+/// Where the split of the repeated layers over the pipeline's chunks comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Balance {
+    /// `balance: even` (the default): [`even_layers`].
+    Even,
+    /// `layers: [4, 3, 3, 2]`: the user's list.
+    Given,
+    /// `balance: auto`: the cost model's split that minimises the most loaded stage
+    /// (`cost::balance`).
+    Auto,
+}
+
+impl Parallel {
+    /// Pipeline stages p and model chunks per stage v (v = 1 unless interleaved with p > 1:
+    /// with one stage, virtual chunks collapse to one).
+    pub fn pipeline_shape(&self) -> (u32, u32) {
+        let p = self.mesh.size(Axis::Pp).max(1);
+        let v = match self.schedule {
+            PipelineSchedule::Interleaved { virtual_stages } if p > 1 => virtual_stages.max(1),
+            _ => 1,
+        };
+        (p, v)
+    }
+
+    /// The pipeline chunk holding repeated layer `layer` under [`Parallel::chunk_layers`]
+    /// (layers past the list's sum go to its last chunk).
+    pub fn chunk_of_layer(&self, layer: u32) -> u32 {
+        let mut end = 0u64;
+        for (c, n) in self.chunk_layers.iter().enumerate() {
+            end += u64::from(*n);
+            if u64::from(layer) < end {
+                return c as u32;
+            }
+        }
+        self.chunk_layers.len().saturating_sub(1) as u32
+    }
+}
+
+/// The even split of `layers` over `chunks` chunks: chunk `c` holds layers
+/// `[c·L/chunks, (c+1)·L/chunks)` (equal when `chunks` divides `layers`).
+pub fn even_layers(layers: u32, chunks: u32) -> Vec<u32> {
+    let chunks = u64::from(chunks.max(1));
+    let first = |c: u64| c * u64::from(layers) / chunks;
+    (0..chunks)
+        .map(|c| (first(c + 1) - first(c)) as u32)
+        .collect()
 }
 
 // ----------------------------------------------------------------------------------------------

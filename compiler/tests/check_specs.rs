@@ -465,3 +465,84 @@ fn a_dynamic_loss_scale_must_be_positive_finite_in_f32_and_min_at_most_init() {
     // A default min above a small init is reported at the init.
     assert_eq!(codes(&["train.precision.loss_scale.init=0.5"]), ["E0903"]);
 }
+
+/// `layers` and `balance` reach the spec from the file and from `--set`, and the per-chunk
+/// counts are always filled: even by default, as given, or the cost model's.
+#[test]
+fn pipeline_layers_from_the_file_and_overrides() {
+    let split = |spec: &Spec| (spec.parallel.balance, spec.parallel.chunk_layers.clone());
+    let pp2 = ["parallel.pp=2", "cluster.gpus_per_node=2"];
+    assert_eq!(split(&tiny_with(&[])), (Balance::Even, vec![4]));
+    assert_eq!(split(&tiny_with(&pp2)), (Balance::Even, vec![2, 2]));
+    let given = tiny_with(&[pp2[0], pp2[1], "parallel.layers=[3,1]"]);
+    assert_eq!(split(&given), (Balance::Given, vec![3, 1]));
+    // A head of about 2.3 layers' FLOPs (vocab 2048 at d 64): auto gives its stage one layer.
+    let big_head = [pp2[0], pp2[1], "model.vocab=2048", "parallel.balance=auto"];
+    assert_eq!(split(&tiny_with(&big_head)), (Balance::Auto, vec![3, 1]));
+    let text = example("tiny.par")
+        .replace(
+            "mesh = { dp: 1, pp: 1, cp: 1, tp: 1 }",
+            "mesh = { dp: 1, pp: 2, cp: 1, tp: 1 }\n  pipeline = interleaved { virtual: 2, microbatches: 4, layers: [1, 2, 2, 1] }",
+        )
+        .replace("gpus_per_node = 1", "gpus_per_node = 2");
+    let six = ["model.layers=6"];
+    let (spec, codes) = run(&text, &six);
+    assert!(codes.is_empty(), "{codes:?}");
+    assert_eq!(split(&spec.unwrap()), (Balance::Given, vec![1, 2, 2, 1]));
+    let (spec, codes) = run(&text.replace("layers: [1, 2, 2, 1]", "balance: auto"), &six);
+    assert!(codes.is_empty(), "{codes:?}");
+    assert_eq!(split(&spec.unwrap()), (Balance::Auto, vec![2, 2, 1, 1]));
+}
+
+/// The help of the first `code` diagnostic of tiny.par under `sets`.
+fn help_of(sets: &[&str], code: &str) -> String {
+    let mut sources = Sources::default();
+    let main = sources.add("test.par", example("tiny.par"));
+    let overrides: Vec<Override> = sets.iter().map(|s| parse_override(s).unwrap()).collect();
+    let (_, diags) = check(&mut sources, main, &overrides);
+    let d = diags.items.iter().find(|d| d.code == code);
+    let help = d.and_then(|d| d.help.clone());
+    help.unwrap_or_else(|| panic!("no {code} with a help under {sets:?}: {:?}", diags.items))
+}
+
+/// Each pipeline-layers diagnostic's help leads to a spec that checks clean: the list it
+/// suggests, or the setting it says to remove.
+#[test]
+fn pipeline_layer_helps_lead_to_specs_that_check() {
+    let pp = |n: &'static str| [n, "cluster.gpus_per_node=2"];
+    let [p2, g2] = pp("parallel.pp=2");
+    let cases: [(&str, Vec<&str>); 4] = [
+        ("E0409", vec![p2, g2, "parallel.layers=[2,1,1]"]),
+        ("E0415", vec![p2, g2, "parallel.layers=[3,2]"]),
+        ("E0416", vec![p2, g2, "parallel.layers=[4,0]"]),
+        ("E0407", vec!["parallel.pp=3", "cluster.gpus_per_node=3"]),
+    ];
+    for (code, sets) in cases {
+        let help = help_of(&sets, code);
+        let list = help
+            .split("`layers = ")
+            .nth(1)
+            .and_then(|rest| rest.split('`').next())
+            .unwrap_or_else(|| panic!("{code}: no list in {help:?}"));
+        let fixed = format!("parallel.layers={list}");
+        let mut with = sets.clone();
+        with.push(&fixed);
+        tiny_with(&with);
+    }
+    // E0407 also offers `balance = auto`.
+    assert!(
+        help_of(&["parallel.pp=3", "cluster.gpus_per_node=3"], "E0407").contains("balance = auto")
+    );
+    tiny_with(&[
+        "parallel.pp=3",
+        "cluster.gpus_per_node=3",
+        "parallel.balance=auto",
+    ]);
+    // E0417: remove `balance`; E0418: remove `layers`.
+    let both = [p2, g2, "parallel.layers=[3,1]", "parallel.balance=auto"];
+    assert!(help_of(&both, "E0417").contains("remove `balance`"));
+    tiny_with(&both[..3]);
+    let no_pipeline = ["parallel.layers=[2,2]"];
+    assert!(help_of(&no_pipeline, "E0418").contains("remove `layers`"));
+    tiny_with(&[]);
+}

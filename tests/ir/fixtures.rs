@@ -37,6 +37,17 @@ pub struct Variant {
     /// SGD with momentum instead of AdamW (Adam turns float noise in near-zero gradients into
     /// visible parameter differences; SGD keeps parameters comparable at 1e-6).
     pub sgd: bool,
+    /// How the repeated layers split over the pipeline's chunks.
+    pub split: Split,
+}
+
+/// `parallel.balance` / `parallel.layers` of a hand-built spec.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Split {
+    Even,
+    /// Layers per chunk, in chunk order.
+    Given(&'static [u32]),
+    Auto,
 }
 
 impl Default for Variant {
@@ -44,6 +55,7 @@ impl Default for Variant {
         Variant {
             order: [Axis::Dp, Axis::Pp, Axis::Cp, Axis::Tp],
             sgd: false,
+            split: Split::Even,
         }
     }
 }
@@ -172,7 +184,12 @@ pub fn decoder_spec(
     } else {
         adamw()
     };
-    Spec {
+    let (balance, chunk_layers) = match variant.split {
+        Split::Even => (Balance::Even, Vec::new()),
+        Split::Given(counts) => (Balance::Given, counts.to_vec()),
+        Split::Auto => (Balance::Auto, Vec::new()),
+    };
+    let mut spec = Spec {
         model: decoder_model(decoder, "tiny", &plan.recompute, plan.tp, plan.cp),
         parallel: Parallel {
             mesh: Mesh {
@@ -196,6 +213,8 @@ pub fn decoder_spec(
             recompute: plan.recompute,
             sequence_parallel: plan.sp,
             bucket_bytes: 4096,
+            balance,
+            chunk_layers,
             span: Span::default(),
         },
         train: train(
@@ -226,7 +245,9 @@ pub fn decoder_spec(
             },
             span: Span::default(),
         },
-    }
+    };
+    parc_compiler::cost::balance::rebalance(&mut spec);
+    spec
 }
 
 /// A pending point-to-point op: (is_send, peer rank, tag, elements).

@@ -1,13 +1,19 @@
 //! Lowering tests over the plan matrix: every plan lowers, every rank's program runs to the
 //! end under rendezvous semantics with consistent buffer lifetimes and collective shapes.
 
-use super::fixtures::{simulate, spec, PlanChoice, TinyModel};
+use super::fixtures::{simulate, spec, spec_variant, PlanChoice, Split, TinyModel, Variant};
 use parc_compiler::lower::lower;
 use parc_compiler::spec::{PipelineSchedule, Recompute, ZeroStage};
 
 fn check(model: TinyModel, plan: PlanChoice) {
+    check_split(model, plan, Split::Even);
+}
+
+/// Lowers `plan` with the layers split as `split` says, runs every rank's program
+/// symbolically and verifies it.
+fn check_split(model: TinyModel, plan: PlanChoice, split: Split) {
     let desc = format!(
-        "dp {} pp {} cp {} tp {} zero {:?} {:?} m {} {:?} sp {}",
+        "dp {} pp {} cp {} tp {} zero {:?} {:?} m {} {:?} sp {} {split:?}",
         plan.dp,
         plan.pp,
         plan.cp,
@@ -18,7 +24,11 @@ fn check(model: TinyModel, plan: PlanChoice) {
         plan.recompute,
         plan.sp
     );
-    let s = spec(model, plan);
+    let variant = Variant {
+        split,
+        ..Variant::default()
+    };
+    let s = spec_variant(model, plan, variant);
     let plan = match lower(&s) {
         Ok(p) => p,
         Err(d) => panic!("{desc}: {:?}", d.items),
@@ -147,6 +157,39 @@ fn deep_pipelines() {
                 ..PlanChoice::default()
             },
         );
+    }
+}
+
+/// Stages of different sizes, given and the cost model's, under every schedule, with ZeRO and
+/// tp beside them: every rank's program runs to the end and verifies.
+#[test]
+fn uneven_stages_lower_and_run() {
+    let interleaved = PipelineSchedule::Interleaved { virtual_stages: 2 };
+    let cases: [(u32, PipelineSchedule, Split); 7] = [
+        (2, PipelineSchedule::Gpipe, Split::Given(&[5, 1])),
+        (2, PipelineSchedule::OneFOneB, Split::Given(&[1, 5])),
+        (4, PipelineSchedule::OneFOneB, Split::Given(&[3, 1, 1, 1])),
+        (4, PipelineSchedule::OneFOneB, Split::Auto),
+        (2, interleaved, Split::Given(&[3, 1, 1, 1])),
+        (2, interleaved, Split::Given(&[1, 2, 1, 2])),
+        (2, interleaved, Split::Auto),
+    ];
+    for (pp, schedule, split) in cases {
+        for (model, tp, zero) in [
+            (gpt(6), 1, ZeroStage::Zero0),
+            (llama(6), 2, ZeroStage::Zero1),
+        ] {
+            let plan = PlanChoice {
+                dp: 2,
+                pp,
+                tp,
+                zero,
+                schedule,
+                microbatches: 4,
+                ..PlanChoice::default()
+            };
+            check_split(model, plan, split);
+        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! Cross-section checks: the mesh against the cluster (size and placement), sharded dimensions
-//! against their axes, the batch arithmetic and the pipeline schedule, sequence/context
-//! parallelism, and the data format against the vocabulary. Each check reports on its own, so
-//! one run shows every problem.
+//! against their axes, the batch arithmetic and the pipeline schedule, the layers of each
+//! pipeline chunk ([`stages`]), sequence/context parallelism, and the data format against the
+//! vocabulary. Each check reports on its own, so one run shows every problem.
 
 use super::model::{Elaborated, ShardTarget};
 use super::sections::ParallelIn;
@@ -10,6 +10,8 @@ use super::suggest;
 use crate::diag::{Diagnostic, Diagnostics, Span};
 use crate::spec::*;
 use std::collections::BTreeSet;
+
+mod stages;
 
 pub struct Grid<'a> {
     pub settings: &'a Settings,
@@ -263,63 +265,6 @@ impl Grid<'_> {
                         .help(format!("set tp to a divisor of {local}: {}", suggest::divisors(local, 64))),
                 );
             }
-        }
-    }
-
-    /// Layers per pipeline stage.
-    pub fn pipeline_layers(&mut self, e: &Elaborated, p: &Parallel) {
-        let pp = p.mesh.size(Axis::Pp);
-        if pp <= 1 {
-            if let PipelineSchedule::Interleaved { .. } = p.schedule {
-                self.diags.push(
-                    Diagnostic::warning("W0503", "the interleaved schedule needs pp > 1; with pp = 1 it is plain gradient accumulation")
-                        .label(self.at("parallel.schedule", self.parallel_span), "interleaved")
-                        .help("set pp > 1 or use `1f1b`"),
-                );
-            }
-            return;
-        }
-        let v = match p.schedule {
-            PipelineSchedule::Interleaved { virtual_stages } => virtual_stages.max(1),
-            _ => 1,
-        };
-        let chunks = pp * v;
-        let layers = e.model.layers;
-        if layers == 0 || !layers.is_multiple_of(chunks) {
-            let label = if v > 1 {
-                format!("pp × virtual = {pp} × {v} = {chunks}")
-            } else {
-                format!("pp = {pp}")
-            };
-            let fits: Vec<String> = (1..=layers.max(1))
-                .filter(|d| layers.is_multiple_of(*d))
-                .map(|d| d.to_string())
-                .collect();
-            let help = if layers == 0 {
-                "put the repeated layers in a `repeat` so parc can split them into stages"
-                    .to_string()
-            } else if v > 1 {
-                format!(
-                    "make pp × virtual a divisor of layers = {layers}: {}",
-                    fits.join(", ")
-                )
-            } else {
-                format!(
-                    "set pp to a divisor of layers = {layers}: {}",
-                    fits.join(", ")
-                )
-            };
-            self.diags.push(
-                Diagnostic::error(
-                    "E0407",
-                    format!(
-                        "layers = {layers} cannot be split evenly into {label} pipeline chunks"
-                    ),
-                )
-                .label(self.axis_span(Axis::Pp), label.clone())
-                .label(e.layers_span, format!("layers = {layers}"))
-                .help(help),
-            );
         }
     }
 

@@ -5,7 +5,8 @@
 //! Order: parse → load `use`d stdlib modules → apply overrides to the sections → elaborate the
 //! model ([`model`]) → read `cluster`, `parallel`, `train` ([`sections`]) → cross-checks
 //! ([`grid`]: mesh vs cluster, sharding, sequence splits, pipeline layers, batch rule, schedule,
-//! placement, data) → recompute marks.
+//! placement, data) → recompute marks → the layers of each pipeline chunk
+//! (`cost::balance`: even, as given, or the cost model's split).
 
 pub mod functions;
 mod gpu;
@@ -205,7 +206,7 @@ pub fn check(
     if let Some(e) = elaborated.as_mut() {
         grid.sharding(e, &pin.parallel.mesh);
         grid.sequence(e, &pin.parallel);
-        grid.pipeline_layers(e, &pin.parallel);
+        grid.pipeline_layers(e, &pin);
         if let Some(t) = &train {
             grid.data(e, t);
             let span = settings
@@ -225,12 +226,16 @@ pub fn check(
         return (None, diags);
     }
     let spec = match (elaborated, train) {
-        (Some(e), Some(train)) => Some(Spec {
-            model: e.model,
-            parallel: pin.parallel,
-            train,
-            cluster,
-        }),
+        (Some(e), Some(train)) => {
+            let mut spec = Spec {
+                model: e.model,
+                parallel: pin.parallel,
+                train,
+                cluster,
+            };
+            crate::cost::balance::rebalance(&mut spec);
+            Some(spec)
+        }
         _ => None,
     };
     (spec, diags)

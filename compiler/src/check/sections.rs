@@ -293,6 +293,18 @@ pub struct ParallelIn {
     pub microbatches_given: bool,
     /// Axes the user allows to span nodes (`cross_node = [tp]`).
     pub cross_node: Vec<Axis>,
+    /// `layers = [4, 3, 3, 2]` as written (its counts are checked against the pipeline later).
+    pub layers: Option<GivenLayers>,
+    /// Where `balance` was written, and what it says.
+    pub balance: Option<(Balance, Span)>,
+}
+
+/// The per-chunk layer counts of `parallel.layers`, each with its place in the text.
+pub struct GivenLayers {
+    pub counts: Vec<u32>,
+    pub spans: Vec<Span>,
+    /// The whole list.
+    pub span: Span,
 }
 
 pub fn parallel(r: &mut Reader, span: Span) -> ParallelIn {
@@ -378,6 +390,8 @@ pub fn parallel(r: &mut Reader, span: Span) -> ParallelIn {
             }
         }
     }
+    let balance = balance_word(r);
+    let layers = given_layers(r);
     ParallelIn {
         parallel: Parallel {
             mesh,
@@ -387,11 +401,68 @@ pub fn parallel(r: &mut Reader, span: Span) -> ParallelIn {
             recompute,
             sequence_parallel,
             bucket_bytes,
+            balance: match layers {
+                Some(_) => Balance::Given,
+                None => balance.map_or(Balance::Even, |(b, _)| b),
+            },
+            chunk_layers: layers
+                .as_ref()
+                .map(|l| l.counts.clone())
+                .unwrap_or_default(),
             span,
         },
         microbatches_given: microbatches.is_some(),
         cross_node,
+        layers,
+        balance,
     }
+}
+
+/// `parallel.balance` as written: `even` or `auto`, and where.
+fn balance_word(r: &mut Reader) -> Option<(Balance, Span)> {
+    let (word, span) = r.word("parallel.balance", &["even", "auto"])?;
+    let balance = if word == "auto" {
+        Balance::Auto
+    } else {
+        Balance::Even
+    };
+    Some((balance, span))
+}
+
+/// `parallel.layers`: a list of whole numbers (whether they fit the pipeline is
+/// `grid::Grid::pipeline_layers`'s to say).
+fn given_layers(r: &mut Reader) -> Option<GivenLayers> {
+    let (items, span) = match r.value("parallel.layers")? {
+        SVal::List(items, span) => (items, span),
+        other => {
+            let what = "a list of layer counts, one per pipeline chunk, like `[4, 3, 3, 2]`";
+            return r.wrong(&other, what).and(None);
+        }
+    };
+    let mut out = GivenLayers {
+        counts: Vec::new(),
+        spans: Vec::new(),
+        span,
+    };
+    let mut valid = true;
+    for item in items {
+        let at = item.span();
+        let count = match item {
+            SVal::Num(n) => n
+                .as_count("a layer count")
+                .map_err(|d| r.diags.push(d))
+                .ok(),
+            other => r.wrong(&other, "a layer count").and(None),
+        };
+        match count {
+            Some(c) => {
+                out.counts.push(c.min(u64::from(u32::MAX)) as u32);
+                out.spans.push(at);
+            }
+            None => valid = false,
+        }
+    }
+    valid.then_some(out)
 }
 
 fn recompute(r: &mut Reader) -> Recompute {

@@ -1,8 +1,8 @@
 //! The `parallel`, `train` and `cluster` sections as one flat map of dotted paths
 //! (`parallel.tp`, `train.optimizer.lr`), with `--set` overrides applied on top. Records and
-//! tagged values flatten into sub-paths (`pipeline = 1f1b { microbatches: 8 }` sets
-//! `parallel.schedule` and `parallel.microbatches`), so the file and `--set` address every value
-//! the same way.
+//! tagged values flatten into sub-paths (`pipeline = 1f1b { microbatches: 8, layers: [3, 1] }`
+//! sets `parallel.schedule`, `parallel.microbatches` and `parallel.layers`), so the file and
+//! `--set` address every value the same way.
 
 use super::suggest;
 use crate::diag::{Diagnostic, Diagnostics, Span};
@@ -20,6 +20,8 @@ pub const PATHS: &[&str] = &[
     "parallel.schedule",
     "parallel.microbatches",
     "parallel.virtual",
+    "parallel.layers",
+    "parallel.balance",
     "parallel.recompute",
     "parallel.sequence_parallel",
     "parallel.bucket",
@@ -77,6 +79,8 @@ fn canonical(path: &str) -> String {
             "parallel.microbatches".into()
         }
         "parallel.pipeline.virtual" | "parallel.schedule.virtual" => "parallel.virtual".into(),
+        "parallel.pipeline.layers" | "parallel.schedule.layers" => "parallel.layers".into(),
+        "parallel.pipeline.balance" | "parallel.schedule.balance" => "parallel.balance".into(),
         "parallel.sp" => "parallel.sequence_parallel".into(),
         _ => p,
     }

@@ -7,7 +7,7 @@
 
 use super::{estimate, schedule, CostReport};
 use crate::diag::{Diagnostic, Diagnostics};
-use crate::spec::{Axis, LayerKind, Recompute, Spec, ZeroStage};
+use crate::spec::{Axis, Balance, LayerKind, Recompute, Spec, ZeroStage};
 
 /// The bubble fraction above which W0701 warns.
 pub const BUBBLE_LIMIT: f64 = 0.25;
@@ -113,13 +113,7 @@ pub(crate) fn alternatives(spec: &Spec) -> Vec<Alternative> {
             spec: s,
         });
     }
-    let (_, v) = super::pipeline_shape(spec);
-    if dp.is_multiple_of(2)
-        && spec
-            .model
-            .layers
-            .is_multiple_of(pp.saturating_mul(2).saturating_mul(v))
-    {
+    if dp.is_multiple_of(2) && splits_over(spec, pp.saturating_mul(2)) {
         let mut s = spec.clone();
         set_axis(&mut s, Axis::Pp, pp.saturating_mul(2));
         set_axis(&mut s, Axis::Dp, dp / 2);
@@ -143,7 +137,25 @@ pub(crate) fn alternatives(spec: &Spec) -> Vec<Alternative> {
             spec: s,
         });
     }
+    // Each plan's layers per chunk as `check` would choose them for it.
+    for alt in &mut out {
+        super::balance::rebalance(&mut alt.spec);
+    }
     out
+}
+
+/// Whether the spec's layers split over `pp` stages (each of v chunks) as its balance asks: the
+/// even split must divide them, the cost model's needs a layer per chunk, and a given list is
+/// for its own pp only.
+fn splits_over(spec: &Spec, pp: u32) -> bool {
+    let (_, v) = super::pipeline_shape(spec);
+    let chunks = pp.saturating_mul(v);
+    let layers = spec.model.layers;
+    match spec.parallel.balance {
+        Balance::Even => layers.is_multiple_of(chunks),
+        Balance::Auto => layers >= chunks,
+        Balance::Given => false,
+    }
 }
 
 /// Greedily apply the change that lowers the peak most until the plan fits (at most four).

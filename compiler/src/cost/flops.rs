@@ -5,7 +5,7 @@
 //! bound, a few percent).
 
 use super::FlopTerms;
-use crate::spec::{Axis, LayerKind, Recompute, Spec};
+use crate::spec::{Axis, LayerKind, Node, Recompute, Spec};
 
 /// (matmul weights, attention width d_attn = heads·head_dim) of one node as one rank holds them.
 fn node_work(spec: &Spec, kind: &LayerKind) -> (f64, f64) {
@@ -43,24 +43,36 @@ fn node_work(spec: &Spec, kind: &LayerKind) -> (f64, f64) {
 
 /// FLOPs of one step on one rank of the stage whose nodes are marked in `in_stage`.
 pub fn stage_flops(spec: &Spec, in_stage: &[bool]) -> FlopTerms {
+    let mut out = FlopTerms::default();
+    for (node, &here) in spec.model.nodes.iter().zip(in_stage) {
+        if here {
+            let f = node_flops(spec, node);
+            out.forward += f.forward;
+            out.backward += f.backward;
+            out.recompute += f.recompute;
+        }
+    }
+    out
+}
+
+/// FLOPs of one step of `node` on one rank that holds it.
+pub fn node_flops(spec: &Spec, node: &Node) -> FlopTerms {
     let cp = f64::from(spec.parallel.mesh.size(Axis::Cp).max(1));
     let seq = spec.model.seq as f64;
     let tokens =
         f64::from(spec.parallel.microbatches.max(1)) * spec.train.micro_batch as f64 * seq / cp;
     let selective = spec.parallel.recompute == Recompute::Selective;
-    let mut out = FlopTerms::default();
-    for (node, &here) in spec.model.nodes.iter().zip(in_stage) {
-        if !here {
-            continue;
-        }
-        let (weights, attn) = node_work(spec, &node.kind);
-        let core = 4.0 * seq * attn * tokens;
-        let forward = 2.0 * weights * tokens + core;
-        out.forward += forward;
-        out.backward += 2.0 * forward;
-        if node.recompute {
-            out.recompute += if selective { core } else { forward };
-        }
+    let (weights, attn) = node_work(spec, &node.kind);
+    let core = 4.0 * seq * attn * tokens;
+    let forward = 2.0 * weights * tokens + core;
+    let recompute = match (node.recompute, selective) {
+        (false, _) => 0.0,
+        (true, true) => core,
+        (true, false) => forward,
+    };
+    FlopTerms {
+        forward,
+        backward: 2.0 * forward,
+        recompute,
     }
-    out
 }

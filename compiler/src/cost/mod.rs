@@ -7,8 +7,9 @@
 //! **Parameters per rank.** Ψ = the parameters of the nodes in the stage's chunks; attention,
 //! MLP and vocab-sized embedding/head weights are divided by tp when the spec shards them
 //! (norms, position embeddings and row-parallel biases are replicated). Chunk `c` of `p·v`
-//! holds repeated layers `[c·L/(p·v), (c+1)·L/(p·v))` and lives on stage `c mod p`; nodes before
-//! the repeat belong to chunk 0, after it to the last chunk. A tied head on another stage than
+//! holds the next `chunk_layers[c]` repeated layers (`Spec.parallel.chunk_layers`: even,
+//! given, or chosen by [`balance`]) and lives on stage `c mod p`; nodes before the repeat
+//! belong to chunk 0, after it to the last chunk. A tied head on another stage than
 //! its embedding holds a copy of the table (Megatron).
 //!
 //! **Model state** (ZeRO, Rajbhandari et al. 2020), with N_d = dp·cp (the ranks holding the same
@@ -54,6 +55,7 @@
 //! chunks per rank (Narayanan et al. 2021), as a fraction of the step.
 
 pub mod activation;
+pub mod balance;
 mod comm;
 mod diagnose;
 mod flops;
@@ -178,20 +180,11 @@ pub struct AxisComm {
 
 /// Pipeline shape: stages p and model chunks per stage v (v = 1 unless interleaved with p > 1).
 pub(crate) fn pipeline_shape(spec: &Spec) -> (u32, u32) {
-    let p = spec.parallel.mesh.size(Axis::Pp).max(1);
-    let v = match spec.parallel.schedule {
-        crate::spec::PipelineSchedule::Interleaved { virtual_stages } if p > 1 => {
-            virtual_stages.max(1)
-        }
-        _ => 1,
-    };
-    (p, v)
+    spec.parallel.pipeline_shape()
 }
 
 /// Chunk of each node (see the module header for the split rule).
 pub(crate) fn node_chunks(spec: &Spec, chunks: u32) -> Vec<u32> {
-    let layers = u64::from(spec.model.layers);
-    let chunks64 = u64::from(chunks.max(1));
     let mut seen_layer = false;
     spec.model
         .nodes
@@ -199,11 +192,7 @@ pub(crate) fn node_chunks(spec: &Spec, chunks: u32) -> Vec<u32> {
         .map(|n| match n.layer {
             Some(l) => {
                 seen_layer = true;
-                // Largest c with c·L/chunks ≤ l.
-                (0..chunks64)
-                    .rev()
-                    .find(|&c| c * layers / chunks64 <= u64::from(l))
-                    .unwrap_or(0) as u32
+                spec.parallel.chunk_of_layer(l).min(chunks.max(1) - 1)
             }
             None if seen_layer => chunks.max(1) - 1,
             None => 0,

@@ -523,3 +523,51 @@ fn diagnose_combines_changes_when_none_fits_alone() {
     // Activations dominate, so the greedy combination starts with full recompute.
     assert!(help.contains("recompute = full"), "{help}");
 }
+
+/// Stages hold the layers `chunk_layers` gives them, and `balance = auto` relieves the head's
+/// stage: GPT-2 124M on pp 4 (interleaved, 2 chunks per stage too) has a lighter most loaded
+/// stage than the even split, and every chunk keeps a layer.
+#[test]
+fn stages_hold_the_listed_layers_and_auto_lightens_the_most_loaded() {
+    use crate::spec::Balance;
+    let given = build(
+        &Dims::tiny(),
+        &Plan {
+            pp: 2,
+            balance: Balance::Given,
+            layers: vec![3, 1],
+            ..Plan::default()
+        },
+    );
+    let layers: Vec<u32> = estimate(&given).roles.iter().map(|r| r.layers).collect();
+    assert_eq!(layers, vec![3, 1]);
+    for schedule in [
+        PipelineSchedule::OneFOneB,
+        PipelineSchedule::Interleaved { virtual_stages: 2 },
+    ] {
+        let plan = |balance| Plan {
+            pp: 4,
+            microbatches: 8,
+            schedule,
+            balance,
+            ..Plan::default()
+        };
+        let most = |spec: &Spec| {
+            let report = estimate(spec);
+            report
+                .roles
+                .iter()
+                .map(|r| r.flops.total())
+                .fold(0.0, f64::max)
+        };
+        let even = build(&Dims::gpt2_124m(), &plan(Balance::Even));
+        let auto = build(&Dims::gpt2_124m(), &plan(Balance::Auto));
+        assert!(auto.parallel.chunk_layers.iter().all(|n| *n >= 1));
+        assert_eq!(auto.parallel.chunk_layers.iter().sum::<u32>(), 12);
+        assert!(
+            most(&auto) < 0.8 * most(&even),
+            "{schedule:?}: {:?}",
+            auto.parallel.chunk_layers
+        );
+    }
+}

@@ -21,6 +21,9 @@ pub struct Plan {
     pub sp: bool,
     pub precision: Precision,
     pub gpus_per_node: u32,
+    /// How the layers split over the pipeline's chunks; `layers` is the list for `Given`.
+    pub balance: Balance,
+    pub layers: Vec<u32>,
 }
 
 impl Default for Plan {
@@ -38,6 +41,8 @@ impl Default for Plan {
             sp: false,
             precision: Precision::Fp32,
             gpus_per_node: 8,
+            balance: Balance::Even,
+            layers: Vec::new(),
         }
     }
 }
@@ -45,7 +50,7 @@ impl Default for Plan {
 pub fn build(d: &Dims, plan: &Plan) -> Spec {
     let world = plan.dp * plan.pp * plan.cp * plan.tp;
     let gpn = plan.gpus_per_node.min(world).max(1);
-    Spec {
+    let mut spec = Spec {
         model: testing::decoder_model(d, "test", &plan.recompute, plan.tp, plan.cp),
         parallel: Parallel {
             mesh: Mesh {
@@ -62,6 +67,8 @@ pub fn build(d: &Dims, plan: &Plan) -> Spec {
             recompute: plan.recompute.clone(),
             sequence_parallel: plan.sp,
             bucket_bytes: 25 << 20,
+            balance: plan.balance,
+            chunk_layers: plan.layers.clone(),
             span: Span::new(crate::diag::FileId(0), 10, 20),
         },
         train: testing::train(
@@ -92,5 +99,7 @@ pub fn build(d: &Dims, plan: &Plan) -> Spec {
             },
             span: Span::new(crate::diag::FileId(0), 30, 40),
         },
-    }
+    };
+    crate::cost::balance::rebalance(&mut spec);
+    spec
 }

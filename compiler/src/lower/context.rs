@@ -6,7 +6,7 @@
 use crate::diag::{Diagnostic, Diagnostics};
 use crate::ir::op::Segment;
 use crate::ir::{Group, GroupId};
-use crate::spec::{Axis, LayerKind, Mesh, NodeId, PipelineSchedule, Recompute, Spec, ValueId};
+use crate::spec::{Axis, LayerKind, Mesh, NodeId, Recompute, Spec, ValueId};
 
 /// The process-group families a plan uses (None when the family would be a single rank).
 #[derive(Clone, Debug, Default)]
@@ -82,7 +82,8 @@ fn err(code: &'static str, spec: &Spec, msg: String, help: String) -> Diagnostic
         .help(help)
 }
 
-/// Split the model's nodes over `count` chunks at layer boundaries.
+/// Split the model's nodes over `count` chunks at layer boundaries, chunk `c` holding the next
+/// `spec.parallel.chunk_layers[c]` repeated layers.
 pub fn chunks(spec: &Spec, count: u32) -> Result<Chunks, Diagnostic> {
     let nodes = &spec.model.nodes;
     let layers = spec.model.layers;
@@ -96,11 +97,10 @@ pub fn chunks(spec: &Spec, count: u32) -> Result<Chunks, Diagnostic> {
             format!("use at most {layers} pipeline stages × virtual stages"),
         ));
     }
-    // First layer of each chunk.
-    let first_layer = |c: u32| (u64::from(c) * u64::from(layers) / u64::from(count)) as u32;
+    check_chunk_layers(spec, count)?;
     let chunk_of_node = |n: usize| -> u32 {
         match nodes[n].layer {
-            Some(l) => (0..count).rev().find(|&c| first_layer(c) <= l).unwrap_or(0),
+            Some(l) => spec.parallel.chunk_of_layer(l),
             None => {
                 let before_any = nodes[..n].iter().all(|m| m.layer.is_none());
                 if before_any {
@@ -159,15 +159,32 @@ pub fn chunks(spec: &Spec, count: u32) -> Result<Chunks, Diagnostic> {
     })
 }
 
+/// The per-chunk layer counts must describe this pipeline: one entry per chunk, none 0,
+/// summing to the model's repeated layers (`check` ensures it for specs it makes).
+fn check_chunk_layers(spec: &Spec, count: u32) -> Result<(), Diagnostic> {
+    let list = &spec.parallel.chunk_layers;
+    let sum: u64 = list.iter().map(|n| u64::from(*n)).sum();
+    let layers = spec.model.layers;
+    let fits = list.len() == count as usize
+        && sum == u64::from(layers)
+        && (count == 1 || list.iter().all(|n| *n > 0));
+    if fits {
+        return Ok(());
+    }
+    Err(err(
+        "E0801",
+        spec,
+        format!(
+            "the layers per pipeline chunk {list:?} do not split {layers} repeated layers over {count} chunks"
+        ),
+        format!("give {count} counts of at least 1 that sum to {layers}, or `balance: even`"),
+    ))
+}
+
 /// Pipeline shape after normalisation: with one stage, virtual chunks are pointless and
 /// collapse to one.
 pub fn pipeline_shape(spec: &Spec) -> (u32, u32) {
-    let p = spec.parallel.mesh.size(Axis::Pp);
-    let v = match spec.parallel.schedule {
-        PipelineSchedule::Interleaved { virtual_stages } if p > 1 => virtual_stages.max(1),
-        _ => 1,
-    };
-    (p, v)
+    spec.parallel.pipeline_shape()
 }
 
 /// Recompute segments (full / named): maximal runs of consecutive recomputed nodes of one
@@ -396,6 +413,37 @@ mod tests {
             cp_segments(16, 2, 1),
             vec![Segment { start: 4, len: 4 }, Segment { start: 8, len: 4 }]
         );
+    }
+
+    /// Chunks cut the model where `chunk_layers` says; a list that does not fit the pipeline
+    /// is E0801.
+    #[test]
+    fn chunks_follow_the_per_chunk_layer_counts() {
+        use crate::cost::testspec::{build, Dims, Plan};
+        use crate::spec::Balance;
+        let spec_of = |layers: Vec<u32>| {
+            let plan = Plan {
+                pp: 2,
+                balance: Balance::Given,
+                layers,
+                ..Plan::default()
+            };
+            build(&Dims::tiny(), &plan)
+        };
+        let spec = spec_of(vec![3, 1]);
+        let c = chunks(&spec, 2).unwrap();
+        let layers_of = |chunk: u32| -> Vec<Option<u32>> {
+            let (s, e) = c.ranges[chunk as usize];
+            let mut l: Vec<_> = spec.model.nodes[s..e].iter().map(|n| n.layer).collect();
+            l.dedup();
+            l
+        };
+        assert_eq!(layers_of(0), vec![None, Some(0), Some(1), Some(2)]);
+        assert_eq!(layers_of(1), vec![Some(3), None]);
+        for bad in [vec![4, 0], vec![2, 1], vec![1, 1, 2]] {
+            let d = chunks(&spec_of(bad.clone()), 2).err();
+            assert_eq!(d.map(|d| d.code), Some("E0801"), "{bad:?}");
+        }
     }
 
     #[test]
