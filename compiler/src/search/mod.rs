@@ -278,6 +278,8 @@ fn estimate(base: &Spec, candidate: Candidate, nodes: u32, gpus_per_node: u32) -
     spec.train.micro_batch = c.micro_batch;
     spec.cluster.nodes = nodes;
     spec.cluster.gpus_per_node = gpus_per_node;
+    spec.parallel.balance = c.balance;
+    crate::cost::balance::rebalance(&mut spec);
     let cost = crate::cost::estimate(&spec);
     Estimated {
         step: step_estimate(&cost),
@@ -552,6 +554,7 @@ mod tests {
             micro_batch: p.micro_batch,
             microbatches: p.microbatches,
             recompute: p.recompute.clone(),
+            balance: crate::spec::Balance::Even,
         }
     }
 

@@ -1,6 +1,7 @@
 //! The plans a search considers for a checked spec on `gpus` GPUs: every dp × pp × cp × tp whose
 //! product is the GPU count, with ZeRO 0–3 (1–3 only where dp·cp > 1), 1F1B or interleaved 1F1B
-//! with 2 or 4 virtual stages (pipelines only), every power-of-two micro batch that divides the
+//! with 2 or 4 virtual stages and layers split evenly or by `balance: auto` (pipelines only),
+//! every power-of-two micro batch that divides the
 //! global batch per dp rank (≤ 64), recompute none, selective or full, and sequence
 //! parallelism with every tp > 1 (as Megatron runs it). The global batch is the spec's (the
 //! batch rule: global = dp × micro batch × microbatches).
@@ -11,7 +12,7 @@
 //! shard its sequence);
 //! the checker and the lowering judge the rest.
 
-use crate::spec::{LayerKind, PipelineSchedule, Recompute, Spec, ZeroStage};
+use crate::spec::{Balance, LayerKind, PipelineSchedule, Recompute, Spec, ZeroStage};
 
 /// One plan of the search space, as the settings a `--set` writes.
 #[derive(Clone, Debug, PartialEq)]
@@ -25,6 +26,8 @@ pub struct Candidate {
     pub micro_batch: u64,
     pub microbatches: u32,
     pub recompute: Recompute,
+    /// How the layers split over the pipeline's chunks: even, or `auto` (the cost model's).
+    pub balance: Balance,
 }
 
 impl Candidate {
@@ -54,6 +57,9 @@ impl Candidate {
             _ => 1,
         };
         out.push(("parallel.virtual", virtual_stages.to_string()));
+        if self.pp > 1 {
+            out.push(("parallel.balance", balance_name(self.balance).to_string()));
+        }
         out.into_iter().map(|(p, v)| (p.to_string(), v)).collect()
     }
 
@@ -65,8 +71,13 @@ impl Candidate {
             }
             s => schedule_name(s).to_string(),
         };
+        let balance = if self.pp > 1 {
+            format!(" ({})", balance_name(self.balance))
+        } else {
+            String::new()
+        };
         format!(
-            "dp {} pp {} cp {} tp {}{}, zero {}, {schedule}, {} × {}, recompute {}",
+            "dp {} pp {} cp {} tp {}{}, zero {}, {schedule}{balance}, {} × {}, recompute {}",
             self.dp,
             self.pp,
             self.cp,
@@ -85,6 +96,13 @@ fn schedule_name(s: PipelineSchedule) -> &'static str {
         PipelineSchedule::Gpipe => "gpipe",
         PipelineSchedule::OneFOneB => "1f1b",
         PipelineSchedule::Interleaved { .. } => "interleaved",
+    }
+}
+
+fn balance_name(b: Balance) -> &'static str {
+    match b {
+        Balance::Even | Balance::Given => "even",
+        Balance::Auto => "auto",
     }
 }
 
@@ -196,19 +214,27 @@ pub fn space(spec: &Spec, gpus: u32, gpus_per_node: u32) -> Space {
                     reject(&mut rejected, "fewer microbatches than pipeline stages");
                     continue;
                 }
+                let balances: &[Balance] = if pp > 1 {
+                    &[Balance::Even, Balance::Auto]
+                } else {
+                    &[Balance::Even]
+                };
                 for zero in zero_stages(dp * cp) {
                     for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
-                        candidates.push(Candidate {
-                            dp,
-                            pp,
-                            cp,
-                            tp,
-                            zero,
-                            schedule,
-                            micro_batch,
-                            microbatches,
-                            recompute,
-                        });
+                        for &balance in balances {
+                            candidates.push(Candidate {
+                                dp,
+                                pp,
+                                cp,
+                                tp,
+                                zero,
+                                schedule,
+                                micro_batch,
+                                microbatches,
+                                recompute: recompute.clone(),
+                                balance,
+                            });
+                        }
                     }
                 }
             }
