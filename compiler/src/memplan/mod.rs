@@ -10,7 +10,9 @@
 //!   buffer first; each goes into the smallest gap between the buffers already placed whose
 //!   intervals overlap its own, or above the highest of them. Where that leaves the arena above
 //!   the aligned liveness peak, the same best fit in allocation order, then by bytes × lifetime
-//!   (largest first), is tried too and the smallest arena kept.
+//!   (largest first), is tried too and the smallest arena kept. A later order stops as soon as
+//!   its arena reaches the smallest so far (an arena only grows as buffers are placed, so that
+//!   order can no longer win): usually well before its last buffer.
 //! - Every offset and every size is a multiple of [`ALIGN`] (256 bytes: cuBLASLt's preferred
 //!   operand alignment, and whole cache lines on the host).
 //! - [`check_layout`] proves a layout safe: no two buffers alive at the same instruction share a
@@ -192,10 +194,10 @@ pub fn plan_program(program: &Program) -> Result<MemoryLayout, MemPlanError> {
     // Largest first; where that leaves gaps, also try allocation order and keep the smaller.
     let mut order: Vec<u32> = live.buffers().collect();
     order.sort_unstable_by_key(|&b| (Reverse(sizes[b as usize]), live.first_start(b), b));
-    let (mut offsets, mut arena_bytes) = place_transients(&live, &sizes, &order);
+    let (mut offsets, mut arena_bytes) = place_transients(&live, &sizes, &order, u64::MAX);
     if arena_bytes > aligned_peak_bytes {
         order.sort_unstable_by_key(|&b| (live.first_start(b), Reverse(sizes[b as usize]), b));
-        let (in_order, arena) = place_transients(&live, &sizes, &order);
+        let (in_order, arena) = place_transients(&live, &sizes, &order, arena_bytes);
         if arena < arena_bytes {
             (offsets, arena_bytes) = (in_order, arena);
         }
@@ -206,7 +208,7 @@ pub fn plan_program(program: &Program) -> Result<MemoryLayout, MemPlanError> {
         let lifetime =
             |b: u32| -> u64 { live.of(b).iter().map(|&(s, e)| u64::from(e - s) + 1).sum() };
         order.sort_unstable_by_key(|&b| (Reverse(sizes[b as usize] * lifetime(b)), b));
-        let (by_area, arena) = place_transients(&live, &sizes, &order);
+        let (by_area, arena) = place_transients(&live, &sizes, &order, arena_bytes);
         if arena < arena_bytes {
             (offsets, arena_bytes) = (by_area, arena);
         }
@@ -270,11 +272,14 @@ pub fn plan_all(plan: &Plan) -> Result<Vec<MemoryLayout>, MemPlanError> {
 
 /// Best fit in the given order: each buffer of `order` goes into the smallest gap left by the
 /// buffers already placed whose intervals overlap its own, else above them. Returns every
-/// buffer's offset (by id) and the arena's size.
+/// buffer's offset (by id) and the arena's size; stops early, with an arena of at least `limit`
+/// and some buffers unplaced, once the arena reaches `limit` (the caller keeps only a smaller
+/// arena).
 fn place_transients(
     live: &intervals::LiveIntervals,
     sizes: &[u64],
     order: &[u32],
+    limit: u64,
 ) -> (Vec<u64>, u64) {
     let mut tree = intervals::IntervalTree::new(live.times());
     let mut offsets = vec![0u64; sizes.len()];
@@ -313,6 +318,9 @@ fn place_transients(
         let offset = best.map_or(top, |(_, at)| at);
         offsets[b as usize] = offset;
         arena = arena.max(offset + size);
+        if arena >= limit {
+            break;
+        }
         for &(start, end) in live.of(b) {
             tree.insert(start, end, b);
         }
