@@ -199,30 +199,7 @@ pub fn plan_program(program: &Program) -> Result<MemoryLayout, MemPlanError> {
         .map(|b| aligned_size(b.bytes()))
         .collect();
     let aligned_peak_bytes = live.aligned_peak(&sizes);
-    // Largest first; where that leaves gaps, also try allocation order and keep the smaller.
-    let mut order: Vec<u32> = live.buffers().collect();
-    order.sort_unstable_by_key(|&b| (Reverse(sizes[b as usize]), live.first_start(b), b));
-    let mut index = PlacedIndex::new(live.times());
-    let (mut offsets, mut arena_bytes) =
-        place_transients(&mut index, &live, &sizes, &order, u64::MAX);
-    if arena_bytes > aligned_peak_bytes {
-        order.sort_unstable_by_key(|&b| (live.first_start(b), Reverse(sizes[b as usize]), b));
-        let (in_order, arena) = place_transients(&mut index, &live, &sizes, &order, arena_bytes);
-        if arena < arena_bytes {
-            (offsets, arena_bytes) = (in_order, arena);
-        }
-    }
-    if arena_bytes > aligned_peak_bytes {
-        // Largest bytes × lifetime first: long-lived buffers at the bottom, short ones filling
-        // the gaps above them.
-        let lifetime =
-            |b: u32| -> u64 { live.of(b).iter().map(|&(s, e)| u64::from(e - s) + 1).sum() };
-        order.sort_unstable_by_key(|&b| (Reverse(sizes[b as usize] * lifetime(b)), b));
-        let (by_area, arena) = place_transients(&mut index, &live, &sizes, &order, arena_bytes);
-        if arena < arena_bytes {
-            (offsets, arena_bytes) = (by_area, arena);
-        }
-    }
+    let (offsets, arena_bytes) = place_arena(&live, &sizes, aligned_peak_bytes);
     for b in live.buffers() {
         placements[b as usize] = Placement::Arena(offsets[b as usize]);
     }
@@ -278,6 +255,45 @@ pub fn plan_all(plan: &Plan) -> Result<Vec<MemoryLayout>, MemPlanError> {
         layouts.extend(chunk?);
     }
     Ok(layouts)
+}
+
+/// Every transient buffer's offset (by id) and the arena's size: best fit largest first and,
+/// while the arena stays above `aligned_peak` (no order can go below it), in allocation order
+/// and by bytes × lifetime too, keeping the smallest arena (the first of equal ones).
+fn place_arena(
+    live: &intervals::LiveIntervals,
+    sizes: &[u64],
+    aligned_peak: u64,
+) -> (Vec<u64>, u64) {
+    let mut index = PlacedIndex::new(live.times());
+    let largest = sorted_by(live, |b| (Reverse(sizes[b as usize]), live.first_start(b)));
+    let mut best = place_transients(&mut index, live, sizes, &largest, u64::MAX);
+    if best.1 > aligned_peak {
+        let in_order = sorted_by(live, |b| (live.first_start(b), Reverse(sizes[b as usize])));
+        let placed = place_transients(&mut index, live, sizes, &in_order, best.1);
+        if placed.1 < best.1 {
+            best = placed;
+        }
+    }
+    if best.1 > aligned_peak {
+        // Largest bytes × lifetime first: long-lived buffers at the bottom, short ones filling
+        // the gaps above them.
+        let lifetime =
+            |b: u32| -> u64 { live.of(b).iter().map(|&(s, e)| u64::from(e - s) + 1).sum() };
+        let by_area = sorted_by(live, |b| Reverse(sizes[b as usize] * lifetime(b)));
+        let placed = place_transients(&mut index, live, sizes, &by_area, best.1);
+        if placed.1 < best.1 {
+            best = placed;
+        }
+    }
+    best
+}
+
+/// The buffers of `live` sorted by `key` (computed once per buffer), then by id.
+fn sorted_by<K: Ord>(live: &intervals::LiveIntervals, key: impl Fn(u32) -> K) -> Vec<u32> {
+    let mut keyed: Vec<(K, u32)> = live.buffers().map(|b| (key(b), b)).collect();
+    keyed.sort_unstable();
+    keyed.into_iter().map(|(_, b)| b).collect()
 }
 
 /// Best fit in the given order: each buffer of `order` goes into the smallest gap left by the
