@@ -337,7 +337,7 @@ fn place_transients(
 fn best_fit(taken: &mut [(u64, u64)], keys: &mut Vec<u64>, size: u64, arena: u64) -> u64 {
     // Every offset and size is a multiple of ALIGN, so below 2^32 ALIGNs (1 TiB) a range packs
     // into one integer, start in the high half; std sorts short slices of integers without
-    // branches, several times faster than pairs.
+    // branches (on the 70B example, about twice as fast as sorting the pairs).
     const UNIT: u32 = ALIGN.trailing_zeros();
     if arena >> UNIT <= u64::from(u32::MAX) {
         keys.clear();
