@@ -1,6 +1,4 @@
-//! Live intervals of a program's transient buffers (from its `Alloc`/`Free` instructions) and
-//! the interval tree the planner asks "which placed buffers are alive at some instruction of
-//! this interval?".
+//! Live intervals of a program's transient buffers, from its `Alloc`/`Free` instructions.
 use crate::ir::{Instr, Program};
 
 /// Every transient buffer's live intervals: `(alloc, free)` instruction indices, inclusive.
@@ -134,85 +132,5 @@ impl LiveIntervals {
             }
         }
         peak
-    }
-}
-
-/// A centered interval tree over instruction indices holding placed buffers' intervals. Each
-/// node of the implicit binary tree over `[0, leaves)` has a centre; an interval is stored once,
-/// at the highest node whose centre it contains, in two lists: sorted by start and by end. A
-/// query walks one root-to-leaf path per side and reports exactly the stored intervals that
-/// overlap it, each once per interval: O(log n + reported).
-pub(crate) struct IntervalTree {
-    /// Leaves: a power of two ≥ the time axis' length.
-    leaves: u32,
-    /// Per node: `(start, end, buffer)` sorted by start.
-    by_start: Vec<Vec<(u32, u32, u32)>>,
-    /// Per node: `(end, start, buffer)` sorted by end.
-    by_end: Vec<Vec<(u32, u32, u32)>>,
-    /// Intervals stored in each node's subtree (skips empty subtrees).
-    below: Vec<u32>,
-}
-
-impl IntervalTree {
-    pub fn new(times: u32) -> IntervalTree {
-        let leaves = times.max(1).next_power_of_two();
-        let nodes = 2 * leaves as usize;
-        IntervalTree {
-            leaves,
-            by_start: vec![Vec::new(); nodes],
-            by_end: vec![Vec::new(); nodes],
-            below: vec![0; nodes],
-        }
-    }
-
-    /// Store `buffer` alive over `[start, end]`.
-    pub fn insert(&mut self, start: u32, end: u32, buffer: u32) {
-        let (mut node, mut lo, mut hi) = (1usize, 0u32, self.leaves - 1);
-        loop {
-            self.below[node] += 1;
-            let mid = lo + (hi - lo) / 2;
-            if end < mid && lo < hi {
-                (node, hi) = (2 * node, mid);
-            } else if start > mid && lo < hi {
-                (node, lo) = (2 * node + 1, mid + 1);
-            } else {
-                let starts = &mut self.by_start[node];
-                let at = starts.partition_point(|&(s, _, _)| s < start);
-                starts.insert(at, (start, end, buffer));
-                let ends = &mut self.by_end[node];
-                let at = ends.partition_point(|&(e, _, _)| e < end);
-                ends.insert(at, (end, start, buffer));
-                return;
-            }
-        }
-    }
-
-    /// Append every stored buffer alive somewhere in `[start, end]` to `out` (a buffer with
-    /// several stored intervals may appear once per interval).
-    pub fn query(&self, start: u32, end: u32, out: &mut Vec<u32>) {
-        self.query_at(1, 0, self.leaves - 1, start, end, out);
-    }
-
-    fn query_at(&self, node: usize, lo: u32, hi: u32, start: u32, end: u32, out: &mut Vec<u32>) {
-        if end < lo || hi < start || self.below[node] == 0 {
-            return;
-        }
-        let mid = lo + (hi - lo) / 2;
-        // Every interval stored here contains `mid`.
-        if end < mid {
-            let starts = &self.by_start[node];
-            let n = starts.partition_point(|&(s, _, _)| s <= end);
-            out.extend(starts[..n].iter().map(|&(_, _, b)| b));
-        } else if start > mid {
-            let ends = &self.by_end[node];
-            let from = ends.partition_point(|&(e, _, _)| e < start);
-            out.extend(ends[from..].iter().map(|&(_, _, b)| b));
-        } else {
-            out.extend(self.by_start[node].iter().map(|&(_, _, b)| b));
-        }
-        if lo < hi {
-            self.query_at(2 * node, lo, mid, start, end, out);
-            self.query_at(2 * node + 1, mid + 1, hi, start, end, out);
-        }
     }
 }

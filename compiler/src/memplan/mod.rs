@@ -10,7 +10,15 @@
 //!   buffer first; each goes into the smallest gap between the buffers already placed whose
 //!   intervals overlap its own, or above the highest of them. Where that leaves the arena above
 //!   the aligned liveness peak, the same best fit in allocation order, then by bytes × lifetime
-//!   (largest first), is tried too and the smallest arena kept.
+//!   (largest first), is tried too and the smallest arena kept. A later order stops as soon as
+//!   its arena reaches the smallest so far (an arena only grows as buffers are placed, so that
+//!   order can no longer win): usually well before its last buffer.
+//! - Best fit needs, per buffer, the byte ranges of the placed buffers alive with it. A
+//!   placed-buffer index (`placed.rs`), shared by the orders, answers with unions of ranges
+//!   kept per block of instructions and per level of blocks above them, so a buffer that
+//!   overlaps hundreds of placed ones (activations kept for the backward pass, standing side by
+//!   side) costs a few dozen ranges, whatever their number; the gap search then sorts those
+//!   ranges, packed into one integer each, and walks them once.
 //! - Every offset and every size is a multiple of [`ALIGN`] (256 bytes: cuBLASLt's preferred
 //!   operand alignment, and whole cache lines on the host).
 //! - [`check_layout`] proves a layout safe: no two buffers alive at the same instruction share a
@@ -36,6 +44,7 @@ mod check;
 mod device;
 mod intervals;
 mod overlap;
+mod placed;
 mod scratch;
 #[cfg(test)]
 mod tests;
@@ -52,6 +61,7 @@ pub use zeroing::zero_needs;
 
 use crate::ir::{BufferId, Instr, Plan, Program, ProgramId};
 use crate::verify::VerifyReport;
+use placed::PlacedIndex;
 use serde::Serialize;
 use std::cmp::Reverse;
 
@@ -189,28 +199,7 @@ pub fn plan_program(program: &Program) -> Result<MemoryLayout, MemPlanError> {
         .map(|b| aligned_size(b.bytes()))
         .collect();
     let aligned_peak_bytes = live.aligned_peak(&sizes);
-    // Largest first; where that leaves gaps, also try allocation order and keep the smaller.
-    let mut order: Vec<u32> = live.buffers().collect();
-    order.sort_unstable_by_key(|&b| (Reverse(sizes[b as usize]), live.first_start(b), b));
-    let (mut offsets, mut arena_bytes) = place_transients(&live, &sizes, &order);
-    if arena_bytes > aligned_peak_bytes {
-        order.sort_unstable_by_key(|&b| (live.first_start(b), Reverse(sizes[b as usize]), b));
-        let (in_order, arena) = place_transients(&live, &sizes, &order);
-        if arena < arena_bytes {
-            (offsets, arena_bytes) = (in_order, arena);
-        }
-    }
-    if arena_bytes > aligned_peak_bytes {
-        // Largest bytes × lifetime first: long-lived buffers at the bottom, short ones filling
-        // the gaps above them.
-        let lifetime =
-            |b: u32| -> u64 { live.of(b).iter().map(|&(s, e)| u64::from(e - s) + 1).sum() };
-        order.sort_unstable_by_key(|&b| (Reverse(sizes[b as usize] * lifetime(b)), b));
-        let (by_area, arena) = place_transients(&live, &sizes, &order);
-        if arena < arena_bytes {
-            (offsets, arena_bytes) = (by_area, arena);
-        }
-    }
+    let (offsets, arena_bytes) = place_arena(&live, &sizes, aligned_peak_bytes);
     for b in live.buffers() {
         placements[b as usize] = Placement::Arena(offsets[b as usize]);
     }
@@ -268,54 +257,116 @@ pub fn plan_all(plan: &Plan) -> Result<Vec<MemoryLayout>, MemPlanError> {
     Ok(layouts)
 }
 
+/// Every transient buffer's offset (by id) and the arena's size: best fit largest first and,
+/// while the arena stays above `aligned_peak` (no order can go below it), in allocation order
+/// and by bytes × lifetime too, keeping the smallest arena (the first of equal ones).
+fn place_arena(
+    live: &intervals::LiveIntervals,
+    sizes: &[u64],
+    aligned_peak: u64,
+) -> (Vec<u64>, u64) {
+    let mut index = PlacedIndex::new(live.times());
+    let largest = sorted_by(live, |b| (Reverse(sizes[b as usize]), live.first_start(b)));
+    let mut best = place_transients(&mut index, live, sizes, &largest, u64::MAX);
+    if best.1 > aligned_peak {
+        let in_order = sorted_by(live, |b| (live.first_start(b), Reverse(sizes[b as usize])));
+        let placed = place_transients(&mut index, live, sizes, &in_order, best.1);
+        if placed.1 < best.1 {
+            best = placed;
+        }
+    }
+    if best.1 > aligned_peak {
+        // Largest bytes × lifetime first: long-lived buffers at the bottom, short ones filling
+        // the gaps above them.
+        let lifetime =
+            |b: u32| -> u64 { live.of(b).iter().map(|&(s, e)| u64::from(e - s) + 1).sum() };
+        let by_area = sorted_by(live, |b| Reverse(sizes[b as usize] * lifetime(b)));
+        let placed = place_transients(&mut index, live, sizes, &by_area, best.1);
+        if placed.1 < best.1 {
+            best = placed;
+        }
+    }
+    best
+}
+
+/// The buffers of `live` sorted by `key` (computed once per buffer), then by id.
+fn sorted_by<K: Ord>(live: &intervals::LiveIntervals, key: impl Fn(u32) -> K) -> Vec<u32> {
+    let mut keyed: Vec<(K, u32)> = live.buffers().map(|b| (key(b), b)).collect();
+    keyed.sort_unstable();
+    keyed.into_iter().map(|(_, b)| b).collect()
+}
+
 /// Best fit in the given order: each buffer of `order` goes into the smallest gap left by the
 /// buffers already placed whose intervals overlap its own, else above them. Returns every
-/// buffer's offset (by id) and the arena's size.
+/// buffer's offset (by id) and the arena's size; stops early, with an arena of at least `limit`
+/// and some buffers unplaced, once the arena reaches `limit` (the caller keeps only a smaller
+/// arena). `index` is cleared first: the orderings share its memory.
 fn place_transients(
+    index: &mut PlacedIndex,
     live: &intervals::LiveIntervals,
     sizes: &[u64],
     order: &[u32],
+    limit: u64,
 ) -> (Vec<u64>, u64) {
-    let mut tree = intervals::IntervalTree::new(live.times());
+    index.clear();
     let mut offsets = vec![0u64; sizes.len()];
-    // Which buffers a query already reported (a buffer can sit in several tree nodes).
-    let mut seen = vec![u32::MAX; sizes.len()];
-    let mut conflicts: Vec<u32> = Vec::new();
-    let mut taken: Vec<(u64, u64)> = Vec::new();
+    let (mut taken, mut keys) = (Vec::new(), Vec::new());
     let mut arena = 0u64;
-    for (stamp, &b) in order.iter().enumerate() {
-        conflicts.clear();
-        for &(start, end) in live.of(b) {
-            tree.query(start, end, &mut conflicts);
-        }
+    for &b in order {
         taken.clear();
-        for &c in &conflicts {
-            if seen[c as usize] != stamp as u32 {
-                seen[c as usize] = stamp as u32;
-                let offset = offsets[c as usize];
-                taken.push((offset, offset + sizes[c as usize]));
-            }
+        for &(start, end) in live.of(b) {
+            index.query(start, end, &mut taken);
         }
-        taken.sort_unstable_by_key(|&(start, _)| start);
         let size = sizes[b as usize];
-        // The smallest gap that fits, else above everything that overlaps in time.
-        let mut best: Option<(u64, u64)> = None;
-        let mut top = 0u64;
-        for &(start, end) in &taken {
-            if start >= top + size {
-                let gap = start - top;
-                if best.is_none_or(|(g, _)| gap < g) {
-                    best = Some((gap, top));
-                }
-            }
-            top = top.max(end);
-        }
-        let offset = best.map_or(top, |(_, at)| at);
+        let offset = best_fit(&mut taken, &mut keys, size, arena);
         offsets[b as usize] = offset;
         arena = arena.max(offset + size);
+        if arena >= limit {
+            break;
+        }
         for &(start, end) in live.of(b) {
-            tree.insert(start, end, b);
+            index.insert(start, end, offset, offset + size);
         }
     }
     (offsets, arena)
+}
+
+/// Where a buffer of `size` bytes goes among `taken`, the byte ranges (in any order, possibly
+/// overlapping or repeated) of the placed buffers that overlap it in time, none ending above
+/// `arena`: see [`smallest_gap`].
+fn best_fit(taken: &mut [(u64, u64)], keys: &mut Vec<u64>, size: u64, arena: u64) -> u64 {
+    // Every offset and size is a multiple of ALIGN, so below 2^32 ALIGNs (1 TiB) a range packs
+    // into one integer, start in the high half; std sorts short slices of integers without
+    // branches (on the 70B example, about twice as fast as sorting the pairs).
+    const UNIT: u32 = ALIGN.trailing_zeros();
+    if arena >> UNIT <= u64::from(u32::MAX) {
+        keys.clear();
+        keys.extend(
+            taken
+                .iter()
+                .map(|&(lo, hi)| (lo >> UNIT) << 32 | hi >> UNIT),
+        );
+        keys.sort_unstable();
+        let unpack = |&key: &u64| ((key >> 32) << UNIT, (key & u64::from(u32::MAX)) << UNIT);
+        return smallest_gap(keys.iter().map(unpack), size);
+    }
+    taken.sort_unstable_by_key(|&(lo, _)| lo);
+    smallest_gap(taken.iter().copied(), size)
+}
+
+/// Over byte ranges sorted by start: the start of the smallest gap between them that holds
+/// `size` bytes (the lowest of equal ones), else the end of the highest.
+fn smallest_gap(sorted: impl Iterator<Item = (u64, u64)>, size: u64) -> u64 {
+    let mut best: Option<(u64, u64)> = None;
+    let mut top = 0u64;
+    for (start, end) in sorted {
+        if start >= top + size {
+            let gap = start - top;
+            if best.is_none_or(|(g, _)| gap < g) {
+                best = Some((gap, top));
+            }
+        }
+        top = top.max(end);
+    }
+    best.map_or(top, |(_, at)| at)
 }
