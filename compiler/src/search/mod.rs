@@ -16,8 +16,9 @@
 //!    exposed communication of the rest, which are ranked by step time. A candidate with more
 //!    than 3p microbatches is simulated at 2p and 3p and extrapolated linearly (the steady
 //!    state repeats; `tests` hold the extrapolation to the whole simulation).
-//! 4. **Confirm** the fastest: each shown is lowered and simulated whole, as `parc check` would,
-//!    so the numbers shown are check's.
+//! 4. **Confirm** the fastest: the winner is lowered and simulated whole, as `parc check` would,
+//!    so its numbers are check's; the others shown keep their sampled numbers. An `auto` stage
+//!    balance that splits the layers evenly is the even candidate and is not tried twice.
 //!
 //! Every rejection is counted by rule, and the plan closest to fitting is kept, so a space
 //! with no plan that fits says which constraint rejected the most and by how much.
@@ -129,7 +130,9 @@ pub fn search(
                 total: candidates,
             });
         }
-        let e = estimate(&spec, c, nodes, gpus_per_node);
+        let Some(e) = estimate(&spec, c, nodes, gpus_per_node) else {
+            continue;
+        };
         if e.memory as f64 > FORMULA_SLACK * capacity as f64 {
             count(&mut rejected, FORMULA_RULE, Some((e.candidate, e.memory)));
         } else {
@@ -150,11 +153,16 @@ pub fn search(
     };
     let fitting = lowering.run(&mut queue, options, progress);
     let lowered = lowering.lowered;
-    // The ones shown are lowered and simulated whole.
-    let mut ranked = Vec::new();
-    for (c, _) in fitting {
+    // The winner is lowered and simulated whole, so its numbers are check's; the others keep
+    // their sampled ones (within 1% of whole, `tests`).
+    let mut ranked: Vec<Ranked> = Vec::new();
+    for (c, sampled) in fitting {
         if ranked.len() == options.top {
             break;
+        }
+        if !ranked.is_empty() {
+            ranked.push(sampled);
+            continue;
         }
         match evaluate(&c.spec, &c.candidate, options.fusion) {
             Ok(r) if fits(&r, capacity) => ranked.push(r),
@@ -258,8 +266,15 @@ struct Estimated {
     memory: u64,
 }
 
-/// The base spec with the candidate's plan and the cluster's shape, estimated by the formulas.
-fn estimate(base: &Spec, candidate: Candidate, nodes: u32, gpus_per_node: u32) -> Estimated {
+/// The base spec with the candidate's plan and the cluster's shape, estimated by the formulas;
+/// `None` for an `auto` balance that splits the layers evenly (the even candidate is the same
+/// plan).
+fn estimate(
+    base: &Spec,
+    candidate: Candidate,
+    nodes: u32,
+    gpus_per_node: u32,
+) -> Option<Estimated> {
     let mut spec = base.clone();
     let c = &candidate;
     for (axis, n) in &mut spec.parallel.mesh.axes {
@@ -280,13 +295,19 @@ fn estimate(base: &Spec, candidate: Candidate, nodes: u32, gpus_per_node: u32) -
     spec.cluster.gpus_per_node = gpus_per_node;
     spec.parallel.balance = c.balance;
     crate::cost::balance::rebalance(&mut spec);
+    if c.balance == crate::spec::Balance::Auto {
+        let (p, v) = spec.parallel.pipeline_shape();
+        if spec.parallel.chunk_layers == crate::spec::even_layers(spec.model.layers, p * v) {
+            return None;
+        }
+    }
     let cost = crate::cost::estimate(&spec);
-    Estimated {
+    Some(Estimated {
         step: step_estimate(&cost),
         memory: cost.worst_role().map_or(0, |r| r.memory.total()),
         spec,
         candidate,
-    }
+    })
 }
 
 /// The lowering phase: candidates in the formulas' order, each checked (the checker's errors
@@ -315,36 +336,51 @@ impl Lowering<'_> {
         progress: &(dyn Fn(Progress) + Sync),
     ) -> Vec<(Estimated, Ranked)> {
         let mut fitting = Vec::new();
+        let width = std::thread::available_parallelism()
+            .map(usize::from)
+            .unwrap_or(1);
         while self.lowered < options.lower_at_most
             && fitting.len() < options.top
             && !queue.is_empty()
         {
-            let next = self.next(queue);
-            let e = queue.remove(next);
             progress(Progress::Lowering {
                 done: self.lowered,
                 total: options.lower_at_most,
             });
-            if let Err(rule) = self.check(&e.candidate) {
-                count(self.rejected, &rule, None);
-                continue;
-            }
-            self.lowered += 1;
-            match evaluate_sampled(&e.spec, &e.candidate, self.fusion) {
-                Ok(r) => {
-                    let ratio = need(&r) as f64 / e.memory.max(1) as f64;
-                    self.underestimate = self.underestimate.max(ratio);
-                    if fits(&r, self.capacity) {
-                        fitting.push((e, r));
-                    } else {
-                        count(self.rejected, MEMORY_RULE, Some((e.candidate, need(&r))));
+            let room = (options.lower_at_most - self.lowered).min(width);
+            let batch = self.take_checked(queue, room);
+            self.lowered += batch.len();
+            for (e, result) in evaluate_all(batch, self.fusion) {
+                match result {
+                    Ok(r) => {
+                        let ratio = need(&r) as f64 / e.memory.max(1) as f64;
+                        self.underestimate = self.underestimate.max(ratio);
+                        if fits(&r, self.capacity) {
+                            fitting.push((e, r));
+                        } else {
+                            count(self.rejected, MEMORY_RULE, Some((e.candidate, need(&r))));
+                        }
                     }
+                    Err(rule) => count(self.rejected, &rule, None),
                 }
-                Err(rule) => count(self.rejected, &rule, None),
             }
         }
         fitting.sort_by(|a, b| a.1.step_seconds.total_cmp(&b.1.step_seconds));
         fitting
+    }
+
+    /// Up to `n` candidates from the queue, in order, that pass the checker (the others are
+    /// counted under the checker's rule).
+    fn take_checked(&mut self, queue: &mut Vec<Estimated>, n: usize) -> Vec<Estimated> {
+        let mut batch = Vec::new();
+        while batch.len() < n && !queue.is_empty() {
+            let e = queue.remove(self.next(queue));
+            match self.check(&e.candidate) {
+                Ok(()) => batch.push(e),
+                Err(rule) => count(self.rejected, &rule, None),
+            }
+        }
+        batch
     }
 
     /// The first candidate the learnt factor keeps under the GPU's memory, else the first.
@@ -416,6 +452,25 @@ fn need(r: &Ranked) -> u64 {
 
 fn fits(r: &Ranked, capacity: u64) -> bool {
     need(r) <= capacity
+}
+
+/// Lower and simulate the candidates of `batch` side by side (one thread each: a lowering
+/// alone leaves cores idle), results in batch order.
+fn evaluate_all(batch: Vec<Estimated>, fusion: bool) -> Vec<(Estimated, Result<Ranked, String>)> {
+    let results: Vec<Result<Ranked, String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = batch
+            .iter()
+            .map(|e| scope.spawn(move || evaluate_sampled(&e.spec, &e.candidate, fusion)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a search thread panicked (a bug in parc)".to_string()))
+            })
+            .collect()
+    });
+    batch.into_iter().zip(results).collect()
 }
 
 /// Two microbatch counts in the pipeline's steady state (2p and 3p: valid for every schedule)
