@@ -4,10 +4,12 @@
 //! refused unless `--scale-calibration` asks to scale it by the two GPUs' peak numbers (then,
 //! without a profile of its own kind, the first `calibration/*.json` is scaled). Errors name the
 //! file and what to do.
+use parc_compiler::driver::{self, CompileOptions, Stage};
 use parc_compiler::ir::Plan;
 use parc_compiler::spec::Spec;
 use parc_compiler::timeline::profile::Profile;
 use parc_compiler::timeline::{Calibration, ProfileCosts};
+use parc_compiler::Override;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -49,6 +51,29 @@ pub struct PricedBy {
     pub roofline_kinds: Vec<String>,
     /// One sentence saying all of the above.
     pub note: String,
+}
+
+/// `options` with the profile that prices the timeline of `text`'s spec (checked first, to
+/// learn its gpu), and that choice; `options` unchanged when it stops before the timeline or
+/// the spec does not check (its errors come from the compile that follows).
+pub fn with_profile(
+    args: &CalibrationArgs,
+    name: &str,
+    text: &str,
+    overrides: &[Override],
+    options: &CompileOptions,
+) -> Result<(CompileOptions, Chosen), String> {
+    let mut options = options.clone();
+    let mut chosen = Chosen::default();
+    if options.through >= Stage::Timeline {
+        let check = CompileOptions::through(Stage::Check);
+        let checked = driver::compile(name, text.to_string(), overrides, &check);
+        if let Some(spec) = &checked.spec {
+            chosen = choose(args, spec)?;
+            options.calibration = chosen.calibration.clone();
+        }
+    }
+    Ok((options, chosen))
 }
 
 /// The profile that prices `spec`'s timeline, or none (the GPU's peak numbers).

@@ -162,21 +162,8 @@ fn check_one(
     calibration: &CalibrationArgs,
 ) -> Result<Checked, String> {
     let file = path.display().to_string();
-    let mut options = options.clone();
-    let mut chosen = Chosen::default();
-    if options.through >= Stage::Timeline {
-        // The profile depends on the spec's gpu: check first (cheap), then choose.
-        let checked = driver::compile(
-            &file,
-            text.clone(),
-            overrides,
-            &CompileOptions::through(Stage::Check),
-        );
-        if let Some(spec) = &checked.spec {
-            chosen = calibration::choose(calibration, spec)?;
-            options.calibration = chosen.calibration.clone();
-        }
-    }
+    let (options, chosen) =
+        calibration::with_profile(calibration, &file, &text, overrides, options)?;
     let Compiled {
         sources,
         diagnostics,
