@@ -1,6 +1,7 @@
 //! `parc calibrate` and the timeline it prices: a quick CPU profile predicts tiny.par's step
 //! within 2× of what `parc run` measures; bad profiles are clear errors naming the file; the
 //! CUDA calibration runs on a GPU machine and skips visibly elsewhere.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 #[path = "cli_support/mod.rs"]
 mod cli_support;
 #[path = "gpu_support/mod.rs"]

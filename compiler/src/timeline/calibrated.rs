@@ -35,6 +35,9 @@ enum Table {
     Memory(MemoryKind),
 }
 
+/// A priced op's table and sizes (up to five numbers).
+type PriceKey = (Table, [u64; 5]);
+
 /// Costs from a calibration profile, the roofline where it has no points. See the module docs.
 pub struct ProfileCosts<'a> {
     profile: &'a Profile,
@@ -42,7 +45,7 @@ pub struct ProfileCosts<'a> {
     flops_scale: f64,
     bytes_scale: f64,
     /// Seconds by table and sizes: plans repeat few shapes many times.
-    cache: RefCell<HashMap<(Table, [u64; 5]), Option<f64>>>,
+    cache: RefCell<HashMap<PriceKey, Option<f64>>>,
 }
 
 impl<'a> ProfileCosts<'a> {
@@ -149,7 +152,7 @@ impl<'a> ProfileCosts<'a> {
         Some(seconds.max(self.profile.launch_overhead_s))
     }
 
-    fn cached(&self, key: (Table, [u64; 5]), f: impl FnOnce() -> Option<f64>) -> Option<f64> {
+    fn cached(&self, key: PriceKey, f: impl FnOnce() -> Option<f64>) -> Option<f64> {
         if let Some(hit) = self.cache.borrow().get(&key) {
             return *hit;
         }
