@@ -6,6 +6,7 @@
 //! Exit 0 when every file is clean (warnings allowed), 1 when any has an error, 2 for usage
 //! errors and unreadable files.
 
+use crate::calibration::{self, CalibrationArgs, Chosen, PricedBy};
 use crate::diagnostics;
 use crate::input::{parse_overrides, read_spec};
 use crate::SpecArgs;
@@ -13,6 +14,8 @@ use parc_compiler::cost;
 use parc_compiler::diag::{Diagnostics, Sources};
 use parc_compiler::driver::{self, Analysis, CompileOptions, Compiled, Stage};
 use parc_compiler::ir::Plan;
+use parc_compiler::search;
+use parc_compiler::spec::Spec;
 use parc_compiler::timeline::Timeline;
 use parc_compiler::verify::VerifyReport;
 use parc_compiler::Override;
@@ -40,6 +43,8 @@ pub struct CheckArgs {
     /// formulas for a quick estimate (`never`).
     #[arg(long, value_enum, default_value = "always")]
     pub lower: LowerWhen,
+    #[command(flatten)]
+    pub calibration: CalibrationArgs,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -60,6 +65,7 @@ impl LowerWhen {
             cost_model: true,
             max_plan_size: None,
             representatives: true,
+            calibration: None,
         }
     }
 }
@@ -82,7 +88,13 @@ struct Lowered {
     /// Each program's predicted memory per GPU on the CUDA backend: the plan, the backend's
     /// scratch and casts, the CUDA context and NCCL.
     device_memory: Vec<parc_compiler::memplan::DeviceMemory>,
+    /// The simulated step, priced as `priced_by` says.
     step_seconds: f64,
+    /// Tokens of the global batch over the step.
+    tokens_per_second: f64,
+    /// Model FLOPs (no recompute) over the step times every GPU's peak.
+    mfu: f64,
+    priced_by: PricedBy,
     bubble_fraction: f64,
     exposed_comm_fraction: f64,
     /// Each program's memory per GPU by term: what the memory verdict (E0701) judges.
@@ -96,8 +108,13 @@ struct Lowered {
 
 /// The measurements of a plan that went through every stage; `None` when a stage did not run
 /// or failed.
-fn lowered(plan: Option<Plan>, analysis: Analysis) -> Option<Lowered> {
-    let plan = plan?;
+fn lowered(
+    spec: Option<&Spec>,
+    plan: Option<Plan>,
+    analysis: Analysis,
+    chosen: &Chosen,
+) -> Option<Lowered> {
+    let (spec, plan) = (spec?, plan?);
     let Analysis {
         verified: Some(verified),
         memory: Some(memory),
@@ -107,7 +124,13 @@ fn lowered(plan: Option<Plan>, analysis: Analysis) -> Option<Lowered> {
     else {
         return None;
     };
+    let step = timeline.step_seconds.max(f64::MIN_POSITIVE);
+    let tokens = spec.train.global_batch as f64 * spec.model.seq as f64;
+    let gpus = f64::from(spec.cluster.world());
     Some(Lowered {
+        tokens_per_second: tokens / step,
+        mfu: search::model_flops(spec) / (step * gpus * search::peak(spec)),
+        priced_by: calibration::priced_by(chosen, spec, &plan),
         summary: crate::plan_summary::render(&plan, &verified, &memory, &timeline),
         report_rank_stall_fraction: report_rank_stall_fraction(&plan, &timeline),
         verified,
@@ -130,28 +153,32 @@ fn report_rank_stall_fraction(plan: &Plan, timeline: &Timeline) -> Option<f64> {
         .map(|r| (r.idle_seconds + r.exposed_comm_seconds) / timeline.step_seconds)
 }
 
+/// Check one file; `Err` is a calibration profile that cannot price it.
 fn check_one(
     path: &Path,
     text: String,
     overrides: &[Override],
-    options: CompileOptions,
-) -> Checked {
+    options: &CompileOptions,
+    calibration: &CalibrationArgs,
+) -> Result<Checked, String> {
     let file = path.display().to_string();
+    let (options, chosen) =
+        calibration::with_profile(calibration, &file, &text, overrides, options)?;
     let Compiled {
         sources,
         diagnostics,
         cost,
+        spec,
         plan,
         analysis,
-        ..
     } = driver::compile(&file, text, overrides, &options);
-    Checked {
+    Ok(Checked {
         file,
         sources,
         diags: diagnostics,
         report: cost,
-        lowered: lowered(plan, analysis),
-    }
+        lowered: lowered(spec.as_ref(), plan, analysis, &chosen),
+    })
 }
 
 pub fn main(args: CheckArgs) -> u8 {
@@ -165,8 +192,10 @@ pub fn main(args: CheckArgs) -> u8 {
     let options = args.lower.options(args.spec.fusion());
     let mut results = Vec::new();
     for path in &args.files {
-        match read_spec(path) {
-            Ok(text) => results.push(check_one(path, text, &overrides, options)),
+        let checked = read_spec(path)
+            .and_then(|text| check_one(path, text, &overrides, &options, &args.calibration));
+        match checked {
+            Ok(checked) => results.push(checked),
             Err(e) => {
                 eprintln!("error: {e}");
                 return 2;
@@ -205,9 +234,26 @@ fn human(results: &[Checked]) {
             if let Some(lowered) = &r.lowered {
                 println!("\nlowered plan (verified; buffers at their stored sizes):");
                 print!("{}", lowered.summary.replace("# ", "  "));
+                println!(
+                    "  predicted step {:.2} ms, {} tokens/s, MFU {:.1}%\n  {}",
+                    lowered.step_seconds * 1e3,
+                    human_count(lowered.tokens_per_second),
+                    lowered.mfu * 100.0,
+                    lowered.priced_by.note
+                );
             }
             eprintln!("{}: ok, {}", r.file, plural(w, "warning"));
         }
+    }
+}
+
+/// `12.3k`, `4.56M`: a rate for people.
+fn human_count(x: f64) -> String {
+    match x {
+        x if x >= 1e9 => format!("{:.2}G", x / 1e9),
+        x if x >= 1e6 => format!("{:.2}M", x / 1e6),
+        x if x >= 1e3 => format!("{:.1}k", x / 1e3),
+        x => format!("{x:.0}"),
     }
 }
 

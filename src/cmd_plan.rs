@@ -58,6 +58,8 @@ pub struct PlanArgs {
     /// With --search: how many plans to show.
     #[arg(long, value_name = "K", default_value_t = 5)]
     pub top: usize,
+    #[command(flatten)]
+    pub calibration: crate::calibration::CalibrationArgs,
 }
 
 /// A plan that went through the stages `--emit` needs (the timeline only for text and trace).
@@ -143,8 +145,17 @@ fn compile(args: &PlanArgs) -> Result<Planned, u8> {
         representatives: args.rank.is_some(),
         ..CompileOptions::through(through)
     };
+    let (options, chosen) =
+        crate::calibration::with_profile(&args.calibration, &name, &text, &overrides, &options)
+            .map_err(usage)?;
     let compiled = driver::compile(&name, text, &overrides, &options);
     eprint!("{}", render(&compiled.sources, &compiled.diagnostics));
+    if let (Some(spec), Some(plan), Some(_)) =
+        (&compiled.spec, &compiled.plan, &compiled.analysis.timeline)
+    {
+        let priced = crate::calibration::priced_by(&chosen, spec, plan);
+        eprintln!("note: {}", priced.note);
+    }
     let Compiled {
         spec: Some(spec),
         plan: Some(plan),

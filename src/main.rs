@@ -2,6 +2,8 @@
 //! Exit codes: 0 success (warnings allowed), 1 the spec or the run failed, 2 usage or unreadable
 //! input.
 
+mod calibration;
+mod cmd_calibrate;
 mod cmd_check;
 mod cmd_plan;
 mod cmd_run;
@@ -67,6 +69,8 @@ enum Command {
     Plan(cmd_plan::PlanArgs),
     /// Train: run the verified programs on this machine's backend.
     Run(run_args::RunArgs),
+    /// Measure this machine's op times into a calibration profile for `check` and `plan`.
+    Calibrate(cmd_calibrate::CalibrateArgs),
 }
 
 fn main() -> ExitCode {
@@ -75,6 +79,7 @@ fn main() -> ExitCode {
         Command::Check(args) => cmd_check::main(args),
         Command::Plan(args) => cmd_plan::main(args),
         Command::Run(args) => cmd_run::main(args),
+        Command::Calibrate(args) => cmd_calibrate::main(args),
     };
     ExitCode::from(code)
 }

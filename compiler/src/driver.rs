@@ -34,7 +34,7 @@ pub enum Stage {
 }
 
 /// Which stages [`compile`] runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct CompileOptions {
     /// The last stage to run.
     pub through: Stage,
@@ -51,6 +51,9 @@ pub struct CompileOptions {
     /// stages after lowering give the full plan's results for a fraction of the work, but the
     /// plan cannot run. For `parc check`.
     pub representatives: bool,
+    /// The measured profile that prices the timeline (`timeline::ProfileCosts`); `None`: the
+    /// GPU's peak numbers.
+    pub calibration: Option<std::sync::Arc<timeline::Calibration>>,
 }
 
 impl CompileOptions {
@@ -62,6 +65,7 @@ impl CompileOptions {
             max_plan_size: None,
             fusion: true,
             representatives: false,
+            calibration: None,
         }
     }
 }
@@ -143,7 +147,10 @@ pub fn compile(
         _ => None,
     };
     let analysis = match (&spec, &plan) {
-        (Some(spec), Some(plan)) => analyze(spec, plan, options.through, &mut diagnostics),
+        (Some(spec), Some(plan)) => {
+            let calibration = options.calibration.as_deref();
+            analyze_with(spec, plan, options.through, calibration, &mut diagnostics)
+        }
         _ => Analysis::default(),
     };
     if let (Some(spec), Some(fit)) = (&spec, &analysis.fit) {
@@ -170,6 +177,17 @@ pub fn analyze(
     through: Stage,
     diagnostics: &mut Diagnostics,
 ) -> Analysis {
+    analyze_with(spec, plan, through, None, diagnostics)
+}
+
+/// [`analyze`], its timeline priced by `calibration` when given.
+pub fn analyze_with(
+    spec: &Spec,
+    plan: &Plan,
+    through: Stage,
+    calibration: Option<&timeline::Calibration>,
+    diagnostics: &mut Diagnostics,
+) -> Analysis {
     let verified = if through >= Stage::Verify {
         keep(verify::verify_spec(plan, spec), diagnostics)
     } else {
@@ -182,7 +200,9 @@ pub fn analyze(
         _ => None,
     };
     let timeline = match &memory {
-        Some(_) if through >= Stage::Timeline => Some(timeline::simulate(plan, spec)),
+        Some(_) if through >= Stage::Timeline => {
+            Some(timeline::simulate_calibrated(plan, spec, calibration))
+        }
         _ => None,
     };
     let fit = match (&verified, &memory) {

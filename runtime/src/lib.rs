@@ -1,6 +1,7 @@
 //! parc's runtime: executes verified per-rank schedule programs on a backend with a comm.
 pub mod backend;
 pub mod bind;
+pub mod calibrate;
 pub mod checkpoint;
 pub mod comm;
 pub mod cpu;

@@ -27,6 +27,7 @@ use crate::syntax::{parse_file, parse_value};
 use number::Number;
 use std::collections::HashMap;
 
+pub use gpu::{lookup as gpu_named, NAMES as GPU_NAMES};
 pub use settings::PATHS as SETTING_PATHS;
 
 /// The names one module (the main file or a stdlib module) sees.

@@ -572,7 +572,7 @@ fn first_error(d: &Diagnostics, stage: &str) -> String {
 }
 
 /// The model's FLOPs per step, forward and backward, without recompute (for MFU).
-fn model_flops(spec: &Spec) -> f64 {
+pub fn model_flops(spec: &Spec) -> f64 {
     let cost = crate::cost::estimate(spec);
     let (dp, _, cp, tp) = spec.parallel.mesh.sizes();
     let per_stage_ranks = f64::from(dp * cp * tp);
@@ -582,7 +582,8 @@ fn model_flops(spec: &Spec) -> f64 {
         .sum()
 }
 
-fn peak(spec: &Spec) -> f64 {
+/// The GPU's peak FLOP/s in the spec's precision (for MFU).
+pub fn peak(spec: &Spec) -> f64 {
     let gpu = &spec.cluster.gpu;
     let peak = if spec.train.precision == Precision::Fp32 {
         gpu.peak_flops_fp32

@@ -1,5 +1,6 @@
 //! The simulated timeline of one training step: every rank's program run against a cost model
-//! ([`costs`]) under the IR's semantics, giving per-rank busy, exposed-communication and idle
+//! ([`costs`]: the GPU's peak numbers, or a measured calibration [`profile`] through
+//! [`calibrated`]) under the IR's semantics, giving per-rank busy, exposed-communication and idle
 //! time, the pipeline bubble, and a Chrome trace-event file for Perfetto.
 //!
 //! Execution model (what a stream-ordered GPU runtime does):
@@ -31,11 +32,14 @@
 //! track per simulated rank. Run the verifier first: a plan that deadlocks gives a timeline with
 //! `complete = false`.
 
+pub mod calibrated;
 pub mod costs;
 mod engine;
+pub mod profile;
 #[cfg(test)]
 mod tests;
 
+pub use calibrated::{Calibration, ProfileCosts};
 pub use costs::{SpecCosts, StepCosts};
 
 use crate::ir::{Plan, ProgramId};
@@ -100,6 +104,19 @@ pub struct TraceEvent {
 /// Simulate one step of `plan` with costs from `spec`'s GPU and links.
 pub fn simulate(plan: &Plan, spec: &Spec) -> Timeline {
     simulate_with(plan, spec, &SpecCosts { spec })
+}
+
+/// Simulate with the costs of `calibration`'s profile ([`ProfileCosts`]), or of the spec's GPU
+/// peak numbers ([`SpecCosts`]) without one.
+pub fn simulate_calibrated(
+    plan: &Plan,
+    spec: &Spec,
+    calibration: Option<&Calibration>,
+) -> Timeline {
+    match calibration {
+        Some(calibration) => simulate_with(plan, spec, &ProfileCosts::new(calibration, spec)),
+        None => simulate(plan, spec),
+    }
 }
 
 /// Simulate with any cost model (`spec` names nodes and places ranks on nodes).

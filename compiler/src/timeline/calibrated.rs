@@ -1,0 +1,337 @@
+//! [`ProfileCosts`]: instruction costs from a calibration profile ([`super::profile`]).
+//!
+//! A GEMM (`Matmul`, `MatmulBwdData`, `MatmulBwdWeight`) takes 2·m·n·k FLOPs at the rate the
+//! profile's GEMM points of its layout and dtype give at (m, n, k); attention its model FLOPs
+//! at the rate of its pass's points at (batch·heads, group, seq, head dim); every other op its
+//! bytes touched (as [`SpecCosts`] counts them) at the bandwidth its kind's memory points give
+//! at that size; no op less than the profile's launch overhead. Rates come from
+//! [`super::profile::rate_at`] (log-size interpolation, clamped to the grid), scaled by the
+//! spec's GPU peak over the profile's when the calibration asks to scale. An op whose table the
+//! profile lacks is priced by the roofline ([`SpecCosts`]), and so are collectives without
+//! measured points and all transfers; [`ProfileCosts::roofline_kinds`] names them.
+use super::costs::{SpecCosts, StepCosts};
+use super::profile::{rate_at, GemmLayout, MemoryKind, Pass, Profile};
+use crate::ir::op::{AttentionAttrs, Op};
+use crate::ir::table::{Family, FlopCount};
+use crate::ir::{Buffer, BufferId, CollectiveKind, DType, Instr, Plan, Program};
+use crate::spec::{Precision, Spec};
+use std::cell::RefCell;
+use std::collections::{BTreeSet, HashMap};
+
+/// A profile chosen to price a compile's timeline (`driver::CompileOptions::calibration`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Calibration {
+    pub profile: Profile,
+    /// Scale the profile's rates by the spec's GPU peak numbers over the profile's (a profile
+    /// of another GPU kind, when asked for).
+    pub scale: bool,
+}
+
+/// The table an instruction is priced from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Table {
+    Gemm(GemmLayout),
+    Attention(Pass),
+    Memory(MemoryKind),
+}
+
+/// A priced op's table and sizes (up to five numbers).
+type PriceKey = (Table, [u64; 5]);
+
+/// Costs from a calibration profile, the roofline where it has no points. See the module docs.
+pub struct ProfileCosts<'a> {
+    profile: &'a Profile,
+    roofline: SpecCosts<'a>,
+    flops_scale: f64,
+    bytes_scale: f64,
+    /// Seconds by table and sizes: plans repeat few shapes many times.
+    cache: RefCell<HashMap<PriceKey, Option<f64>>>,
+}
+
+impl<'a> ProfileCosts<'a> {
+    pub fn new(calibration: &'a Calibration, spec: &'a Spec) -> ProfileCosts<'a> {
+        let profile = &calibration.profile;
+        let gpu = &spec.cluster.gpu;
+        let peak = match spec.train.precision {
+            Precision::Fp32 => gpu.peak_flops_fp32,
+            _ => gpu.peak_flops,
+        };
+        let ratio = |target: f64, measured: f64| {
+            if calibration.scale && target > 0.0 && measured > 0.0 {
+                target / measured
+            } else {
+                1.0
+            }
+        };
+        ProfileCosts {
+            profile,
+            roofline: SpecCosts { spec },
+            flops_scale: ratio(peak, profile.peak_flops),
+            bytes_scale: ratio(gpu.memory_bandwidth, profile.memory_bandwidth),
+            cache: RefCell::new(HashMap::new()),
+        }
+    }
+
+    /// The kinds of work in `plan` this model prices by the roofline because the profile has
+    /// no points for them (`attention_fwd`, `collective all_reduce`, …), sorted.
+    pub fn roofline_kinds(&self, plan: &Plan) -> Vec<String> {
+        let mut kinds = BTreeSet::new();
+        for program in &plan.programs {
+            for instr in &program.instrs {
+                match instr {
+                    Instr::Compute { op, .. } => {
+                        let table = table_of(op);
+                        if !self.has_points(table) {
+                            kinds.insert(table_name(table));
+                        }
+                    }
+                    Instr::Collective { kind, .. } => {
+                        let name = collective_name(*kind);
+                        if !self.profile.collectives.iter().any(|p| p.kind == name) {
+                            kinds.insert(format!("collective {name}"));
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        kinds.into_iter().collect()
+    }
+
+    fn has_points(&self, table: Table) -> bool {
+        let p = self.profile;
+        match table {
+            Table::Gemm(layout) => p.gemm.iter().any(|g| g.layout == layout),
+            Table::Attention(pass) => p.attention.iter().any(|a| a.pass == pass),
+            Table::Memory(kind) => p.memory.iter().any(|m| m.kind == kind),
+        }
+    }
+
+    /// Seconds of `op` on buffers `inputs`/`outputs` of `program`; None when the profile has
+    /// no points for it.
+    fn price(
+        &self,
+        program: &Program,
+        op: &Op,
+        inputs: &[BufferId],
+        outputs: &[BufferId],
+    ) -> Option<f64> {
+        let buffer = |ids: &[BufferId], i: usize| ids.get(i).and_then(|b| program.buffer(*b));
+        let signature = op.signature();
+        // The rows of a GEMM or attention (memory-bound ops need only their bytes).
+        let rows = || signature.rows_from_inputs(|i| buffer(inputs, i).map_or(0, Buffer::numel));
+        let table = table_of(op);
+        let seconds = match (table, op) {
+            (
+                Table::Gemm(layout),
+                Op::Matmul {
+                    in_dim, out_dim, ..
+                }
+                | Op::MatmulBwdData {
+                    in_dim, out_dim, ..
+                }
+                | Op::MatmulBwdWeight {
+                    in_dim, out_dim, ..
+                },
+            ) => {
+                let bf16 = buffer(inputs, 0).is_some_and(|b| b.dtype == DType::Bf16);
+                self.gemm(layout, [rows()?, *out_dim, *in_dim], bf16)?
+            }
+            (Table::Attention(pass), Op::Attention(a) | Op::AttentionBwd(a)) => {
+                self.attention(pass, a, op.flops(rows()? as f64, FlopCount::Model))?
+            }
+            (Table::Memory(kind), _) => {
+                let bytes = |ids: &[BufferId], i: usize| {
+                    buffer(ids, i).map_or(0.0, |b| self.roofline.bytes(b))
+                };
+                let touched = signature.bytes_touched(|i| bytes(inputs, i), |i| bytes(outputs, i));
+                self.memory(kind, touched)?
+            }
+            _ => return None,
+        };
+        Some(seconds.max(self.profile.launch_overhead_s))
+    }
+
+    fn cached(&self, key: PriceKey, f: impl FnOnce() -> Option<f64>) -> Option<f64> {
+        if let Some(hit) = self.cache.borrow().get(&key) {
+            return *hit;
+        }
+        let value = f();
+        self.cache.borrow_mut().insert(key, value);
+        value
+    }
+
+    fn gemm(&self, layout: GemmLayout, [m, n, k]: [u64; 3], bf16: bool) -> Option<f64> {
+        let key = (Table::Gemm(layout), [m, n, k, u64::from(bf16), 0]);
+        self.cached(key, || {
+            let dtype = if bf16 { "bf16" } else { "f32" };
+            let of_dtype = |g: &&super::profile::GemmPoint| g.dtype == dtype;
+            let mut points: Vec<_> = (self.profile.gemm.iter().filter(of_dtype))
+                .filter(|g| g.layout == layout)
+                .map(|g| (log2s(&[g.m, g.n, g.k]), g.flops() / g.seconds))
+                .collect();
+            if points.is_empty() {
+                // Another layout of the same dtype says more than the roofline.
+                points = (self.profile.gemm.iter().filter(of_dtype))
+                    .map(|g| (log2s(&[g.m, g.n, g.k]), g.flops() / g.seconds))
+                    .collect();
+            }
+            let rate = rate_at(&points, &log2s(&[m, n, k]))? * self.flops_scale;
+            Some(2.0 * m as f64 * n as f64 * k as f64 / rate)
+        })
+    }
+
+    fn attention(&self, pass: Pass, a: &AttentionAttrs, flops: f64) -> Option<f64> {
+        let seq = u64::from(crate::ir::op::segments_len(&a.q_positions));
+        let group = a.heads / a.kv_heads.max(1);
+        let sizes = [a.batch * a.heads, group.max(1), seq, a.head_dim];
+        let key = (
+            Table::Attention(pass),
+            [
+                sizes[0],
+                sizes[1],
+                seq,
+                a.head_dim,
+                u64::from(a.causal) * 2 + u64::from(a.packed),
+            ],
+        );
+        self.cached(key, || {
+            let of_pass = self.profile.attention.iter().filter(|p| p.pass == pass);
+            let matching = |causal: bool, packed: bool| -> Vec<_> {
+                of_pass
+                    .clone()
+                    .filter(|p| p.causal == causal && p.packed == packed)
+                    .map(|p| {
+                        let x = log2s(&[p.batch_heads, p.group, p.seq, p.head_dim]);
+                        (x, p.flops() / p.seconds)
+                    })
+                    .collect()
+            };
+            // The same masking and layout if measured, else the same masking, else any.
+            let mut points = matching(a.causal, a.packed);
+            for (causal, packed) in [
+                (a.causal, !a.packed),
+                (!a.causal, a.packed),
+                (!a.causal, !a.packed),
+            ] {
+                if points.is_empty() {
+                    points = matching(causal, packed);
+                }
+            }
+            let rate = rate_at(&points, &log2s(&sizes))? * self.flops_scale;
+            Some(flops / rate)
+        })
+    }
+
+    fn memory(&self, kind: MemoryKind, bytes: f64) -> Option<f64> {
+        let key = (Table::Memory(kind), [bytes as u64, 0, 0, 0, 0]);
+        self.cached(key, || {
+            let points_of = |kind: MemoryKind| -> Vec<_> {
+                (self.profile.memory.iter())
+                    .filter(|p| p.kind == kind)
+                    .map(|p| (vec![p.bytes.log2()], p.bytes / p.seconds))
+                    .collect()
+            };
+            let mut points = points_of(kind);
+            if points.is_empty() && kind == MemoryKind::Embedding {
+                points = points_of(MemoryKind::Elementwise);
+            }
+            let rate = rate_at(&points, &[bytes.max(1.0).log2()])? * self.bytes_scale;
+            Some(bytes / rate)
+        })
+    }
+
+    /// Seconds of a measured collective, interpolated in bytes among points of its kind and
+    /// rank count (the nearest count measured when not this one); None without points.
+    fn measured_collective(&self, kind: CollectiveKind, n: u32, bytes: f64) -> Option<f64> {
+        let name = collective_name(kind);
+        let of_kind: Vec<_> = (self.profile.collectives.iter())
+            .filter(|p| p.kind == name)
+            .collect();
+        let ranks = of_kind
+            .iter()
+            .map(|p| p.ranks)
+            .min_by_key(|r| r.abs_diff(n))?;
+        let points: Vec<_> = (of_kind.iter())
+            .filter(|p| p.ranks == ranks)
+            .map(|p| (vec![p.bytes.log2()], p.bytes / p.seconds))
+            .collect();
+        let rate = rate_at(&points, &[bytes.max(1.0).log2()])? * self.bytes_scale;
+        Some(bytes / rate)
+    }
+}
+
+impl StepCosts for ProfileCosts<'_> {
+    fn compute(&self, program: &Program, instr: &Instr) -> f64 {
+        let Some(c) = instr.as_compute() else {
+            return 0.0;
+        };
+        self.price(program, c.op, c.inputs, c.outputs)
+            .unwrap_or_else(|| self.roofline.compute(program, instr))
+    }
+
+    fn collective(&self, kind: CollectiveKind, n: u32, bytes: f64, crosses_nodes: bool) -> f64 {
+        if n <= 1 {
+            return 0.0;
+        }
+        // Collectives are measured within one host: between nodes the link model prices them.
+        let measured = (!crosses_nodes)
+            .then(|| self.measured_collective(kind, n, bytes))
+            .flatten();
+        measured.unwrap_or_else(|| self.roofline.collective(kind, n, bytes, crosses_nodes))
+    }
+
+    fn transfer(&self, bytes: f64, crosses_nodes: bool) -> f64 {
+        self.roofline.transfer(bytes, crosses_nodes)
+    }
+
+    fn bytes(&self, buffer: &Buffer) -> f64 {
+        self.roofline.bytes(buffer)
+    }
+}
+
+/// The table that prices `op`.
+fn table_of(op: &Op) -> Table {
+    match op {
+        Op::Matmul { .. } => Table::Gemm(GemmLayout::Fwd),
+        Op::MatmulBwdData { .. } => Table::Gemm(GemmLayout::BwdData),
+        Op::MatmulBwdWeight { .. } => Table::Gemm(GemmLayout::BwdWeight),
+        Op::Attention(_) => Table::Attention(Pass::Fwd),
+        Op::AttentionBwd(_) => Table::Attention(Pass::Bwd),
+        _ => Table::Memory(match op.opcode().family() {
+            Family::Norm => MemoryKind::Norm,
+            Family::Loss => MemoryKind::CrossEntropy,
+            Family::Optimizer => MemoryKind::Optimizer,
+            Family::Embedding => MemoryKind::Embedding,
+            _ => MemoryKind::Elementwise,
+        }),
+    }
+}
+
+fn table_name(table: Table) -> String {
+    match table {
+        Table::Gemm(GemmLayout::Fwd) => "matmul_fwd".into(),
+        Table::Gemm(GemmLayout::BwdData) => "matmul_bwd_data".into(),
+        Table::Gemm(GemmLayout::BwdWeight) => "matmul_bwd_weight".into(),
+        Table::Attention(Pass::Fwd) => "attention_fwd".into(),
+        Table::Attention(Pass::Bwd) => "attention_bwd".into(),
+        Table::Memory(kind) => kind.name().into(),
+    }
+}
+
+/// A collective's name in profiles.
+pub fn collective_name(kind: CollectiveKind) -> &'static str {
+    match kind {
+        CollectiveKind::AllReduce { .. } => "all_reduce",
+        CollectiveKind::AllGather => "all_gather",
+        CollectiveKind::ReduceScatter => "reduce_scatter",
+        CollectiveKind::Broadcast { .. } => "broadcast",
+    }
+}
+
+fn log2s(sizes: &[u64]) -> Vec<f64> {
+    sizes.iter().map(|&s| (s.max(1) as f64).log2()).collect()
+}
+
+#[cfg(test)]
+mod tests;

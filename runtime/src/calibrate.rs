@@ -1,0 +1,502 @@
+//! `parc calibrate`'s measurements: each table of a calibration profile
+//! (`parc_compiler::timeline::profile`) timed through the [`Backend`] trait on the ops the
+//! lowering emits (`Matmul`, `MatmulBwdData`, `MatmulBwdWeight`, `Attention`, `AttentionBwd`,
+//! `Add`, `LayerNorm`(`Bwd`), `CrossEntropy`, `AdamW`, `Embedding`(`Bwd`) with the attributes a
+//! model gives them), so what is measured is what a step runs.
+//!
+//! Each point allocates its op's buffers from the op's signature (the op table), fills the
+//! inputs (values in [0.5, 1): never all zero, never a NaN; attention's backward gets the
+//! forward's output and log-sum-exp), runs the op once to warm up, then takes the median of
+//! `reps` samples, each the mean of enough back-to-back runs to last about a millisecond
+//! between [`Backend::synchronize`] calls, and frees the buffers.
+use crate::backend::{Backend, StepScalars};
+use crate::error::Result;
+use parc_compiler::ir::op::{AttentionAttrs, EmbeddingAttrs, Op, Segment};
+use parc_compiler::ir::storage::StorageClass;
+use parc_compiler::ir::table::{Operand, Rows, Write};
+use parc_compiler::ir::{BufferId, DType};
+use parc_compiler::spec::{Gpu, Precision};
+use parc_compiler::timeline::profile::{
+    precision_name, AttentionPoint, GemmLayout, GemmPoint, MemoryKind, MemoryPoint, Pass, Profile,
+    VERSION,
+};
+use std::time::Instant;
+
+/// What to measure on.
+pub struct Settings {
+    /// The small grid (seconds on a CPU) instead of the full one.
+    pub quick: bool,
+    pub precision: Precision,
+    /// The spec's `cluster.gpu` this device is (the catalogue's entry).
+    pub gpu: Gpu,
+    /// The device as people know it (`NVIDIA H200`, `cpu (16 threads)`).
+    pub device: String,
+    /// Today's date, `YYYY-MM-DD`.
+    pub date: String,
+}
+
+/// The sizes measured.
+struct Grid {
+    gemm_m: &'static [u64],
+    gemm_nk: &'static [u64],
+    /// Largest n·k (the weight's elements) measured.
+    gemm_max_weight: u64,
+    /// (batch, heads, kv heads, seq, head dim).
+    attention: Vec<[u64; 5]>,
+    /// Elements of the memory-bound ops' main operand.
+    memory_elements: Vec<u64>,
+    /// Row widths: norms, cross-entropy's vocabulary, the embedding's dim and vocabulary.
+    norm_dim: u64,
+    vocab: u64,
+    embed: (u64, u64),
+    reps: usize,
+}
+
+fn grid(quick: bool) -> Grid {
+    if quick {
+        return Grid {
+            gemm_m: &[64, 512],
+            gemm_nk: &[64, 256, 1024],
+            gemm_max_weight: 1 << 20,
+            attention: [32, 128].map(|seq| [2, 4, 4, seq, 16]).to_vec(),
+            memory_elements: vec![1 << 10, 1 << 14, 1 << 18],
+            norm_dim: 256,
+            vocab: 256,
+            embed: (256, 64),
+            reps: 3,
+        };
+    }
+    let mut attention = Vec::new();
+    for seq in [512, 1024, 2048, 4096, 8192] {
+        for head_dim in [64, 128] {
+            for (heads, kv_heads) in [(16, 16), (32, 8)] {
+                attention.push([(8192 / seq).max(1), heads, kv_heads, seq, head_dim]);
+            }
+        }
+    }
+    Grid {
+        gemm_m: &[512, 2048, 8192, 32768],
+        gemm_nk: &[256, 1024, 4096, 16384, 65536],
+        gemm_max_weight: 1 << 28,
+        attention,
+        memory_elements: (12..=28).step_by(2).map(|b| 1u64 << b).collect(),
+        norm_dim: 1024,
+        vocab: 32768,
+        embed: (32768, 1024),
+        reps: 10,
+    }
+}
+
+/// Measure every table on `backend`; `progress` hears what is being measured.
+pub fn calibrate(
+    backend: &mut dyn Backend,
+    settings: &Settings,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Profile> {
+    let grid = grid(settings.quick);
+    let mut bench = Bench {
+        backend,
+        half: settings.precision != Precision::Fp32,
+        reps: grid.reps,
+        next: 0,
+    };
+    progress("launch overhead");
+    let overhead = bench.time(&Op::Scale { factor: 0.5 }, 1, 1)?.0;
+    progress("gemm");
+    let gemm = bench.gemms(&grid)?;
+    progress("attention");
+    let attention = bench.attention(&grid)?;
+    progress("memory-bound ops");
+    let memory = bench.memory(&grid)?;
+    let peak_flops = match settings.precision {
+        Precision::Fp32 => settings.gpu.peak_flops_fp32,
+        _ => settings.gpu.peak_flops,
+    };
+    Ok(Profile {
+        version: VERSION,
+        gpu: settings.gpu.name.clone(),
+        device: settings.device.clone(),
+        backend: bench.backend.name().to_string(),
+        precision: precision_name(settings.precision).to_string(),
+        date: settings.date.clone(),
+        parc_version: env!("CARGO_PKG_VERSION").to_string(),
+        peak_flops,
+        memory_bandwidth: settings.gpu.memory_bandwidth,
+        launch_overhead_s: overhead,
+        gemm,
+        attention,
+        memory,
+        collectives: Vec::new(),
+        notes: vec![
+            "collectives not measured: the timeline prices them with the spec's links".into(),
+        ],
+    })
+}
+
+/// Times ops on one backend.
+struct Bench<'a> {
+    backend: &'a mut dyn Backend,
+    /// Activations stored in bf16 (a bf16 or fp16 run).
+    half: bool,
+    reps: usize,
+    /// The next buffer id.
+    next: u32,
+}
+
+const SCALARS: StepScalars = StepScalars {
+    lr: 1e-4,
+    step: 1,
+    loss_scale: None,
+};
+
+/// About this long between synchronizations per sample.
+const SAMPLE_SECONDS: f64 = 1e-3;
+
+impl Bench<'_> {
+    fn gemms(&mut self, grid: &Grid) -> Result<Vec<GemmPoint>> {
+        let dtype = if self.half { "bf16" } else { "f32" };
+        let mut points = Vec::new();
+        for &m in grid.gemm_m {
+            for &n in grid.gemm_nk {
+                for &k in grid.gemm_nk {
+                    if n * k > grid.gemm_max_weight {
+                        continue;
+                    }
+                    for (layout, op) in gemm_ops(n, k) {
+                        let seconds = self.time(&op, m, m)?.0;
+                        let dtype = dtype.to_string();
+                        points.push(GemmPoint {
+                            layout,
+                            m,
+                            n,
+                            k,
+                            dtype,
+                            seconds,
+                        });
+                    }
+                }
+            }
+        }
+        Ok(points)
+    }
+
+    fn attention(&mut self, grid: &Grid) -> Result<Vec<AttentionPoint>> {
+        let mut points = Vec::new();
+        for &[batch, heads, kv_heads, seq, head_dim] in &grid.attention {
+            // The lowering packs q, k and v into one input without rope and context
+            // parallelism (GPT-2), and passes them apart otherwise (Llama).
+            for packed in [true, false] {
+                let attrs = attention_attrs([batch, heads, kv_heads, seq, head_dim], packed);
+                let rows = seq * batch;
+                for pass in [Pass::Fwd, Pass::Bwd] {
+                    let op = match pass {
+                        Pass::Fwd => Op::Attention(attrs.clone()),
+                        Pass::Bwd => Op::AttentionBwd(attrs.clone()),
+                    };
+                    let seconds = self.time(&op, rows, rows)?.0;
+                    points.push(AttentionPoint {
+                        pass,
+                        batch_heads: batch * heads,
+                        group: heads / kv_heads,
+                        seq,
+                        head_dim,
+                        causal: true,
+                        packed,
+                        seconds,
+                    });
+                }
+            }
+        }
+        Ok(points)
+    }
+
+    fn memory(&mut self, grid: &Grid) -> Result<Vec<MemoryPoint>> {
+        let mut points = Vec::new();
+        for &elements in &grid.memory_elements {
+            for (kind, op, width) in memory_ops(grid) {
+                let rows = (elements / width).max(1);
+                let (seconds, bytes) = self.time(&op, rows, rows)?;
+                points.push(MemoryPoint {
+                    kind,
+                    bytes,
+                    seconds,
+                });
+            }
+        }
+        Ok(points)
+    }
+
+    /// The median seconds of `op` over `rows` (and `kv_rows` key/value rows), and the bytes
+    /// it touches as the timeline counts them.
+    fn time(&mut self, op: &Op, rows: u64, kv_rows: u64) -> Result<(f64, f64)> {
+        let signature = op.signature();
+        let n = signature.rows.unwrap_or(rows);
+        let m = signature.kv_rows.unwrap_or(kv_rows);
+        let mut allocated = Vec::new();
+        let result = self.time_allocated(op, n, m, &mut allocated);
+        for id in allocated {
+            self.backend.free(id)?;
+        }
+        result
+    }
+
+    fn time_allocated(
+        &mut self,
+        op: &Op,
+        n: u64,
+        m: u64,
+        allocated: &mut Vec<BufferId>,
+    ) -> Result<(f64, f64)> {
+        let signature = op.signature();
+        let mut inputs = Vec::new();
+        let mut input_bytes = Vec::new();
+        for operand in signature.inputs.iter() {
+            let (id, bytes) = self.alloc(operand, n, m)?;
+            self.fill(id, operand, n, m)?;
+            allocated.push(id);
+            inputs.push(id);
+            input_bytes.push(bytes);
+        }
+        let mut outputs = Vec::new();
+        let mut output_bytes = Vec::new();
+        for operand in signature.outputs.iter() {
+            if let Write::InPlace(i) = operand.write {
+                outputs.push(inputs[i]);
+                output_bytes.push(input_bytes[i]);
+                continue;
+            }
+            let (id, bytes) = self.alloc(operand, n, m)?;
+            allocated.push(id);
+            outputs.push(id);
+            output_bytes.push(bytes);
+        }
+        if let Op::AttentionBwd(a) = op {
+            self.run_forward(a, &inputs)?;
+        }
+        let touched = signature.bytes_touched(|i| input_bytes[i], |i| output_bytes[i]);
+        Ok((self.median(op, &inputs, &outputs)?, touched))
+    }
+
+    /// Attention's backward reads the forward's o and lse: compute them from its q, k, v.
+    fn run_forward(&mut self, a: &AttentionAttrs, bwd_inputs: &[BufferId]) -> Result<()> {
+        let qkv = if a.packed { 1 } else { 3 };
+        let (ins, outs) = (&bwd_inputs[1..1 + qkv], &bwd_inputs[1 + qkv..3 + qkv]);
+        let forward = Op::Attention(a.clone());
+        self.backend.compute(&forward, ins, outs, &SCALARS)?;
+        self.backend.synchronize()
+    }
+
+    fn median(&mut self, op: &Op, inputs: &[BufferId], outputs: &[BufferId]) -> Result<f64> {
+        let run = |b: &mut dyn Backend, times: usize| -> Result<f64> {
+            let start = Instant::now();
+            for _ in 0..times {
+                b.compute(op, inputs, outputs, &SCALARS)?;
+            }
+            b.synchronize()?;
+            Ok(start.elapsed().as_secs_f64() / times as f64)
+        };
+        run(self.backend, 1)?;
+        let once = run(self.backend, 1)?;
+        let times = ((SAMPLE_SECONDS / once.max(1e-9)) as usize).clamp(1, 100);
+        let mut samples = (0..self.reps)
+            .map(|_| run(self.backend, times))
+            .collect::<Result<Vec<f64>>>()?;
+        samples.sort_by(f64::total_cmp);
+        Ok(samples.get(samples.len() / 2).copied().unwrap_or(once))
+    }
+
+    /// A buffer for `operand` at `n` rows (`m` key/value rows), and its bytes as the timeline
+    /// counts them (f32 at the run's precision, bf16 2, i32 4).
+    fn alloc(&mut self, operand: &Operand, n: u64, m: u64) -> Result<(BufferId, f64)> {
+        let shape = match operand.shape {
+            Some(s) => {
+                let rows = match s.rows {
+                    Rows::N | Rows::Any => n,
+                    Rows::M => m,
+                    Rows::Fixed(r) => r,
+                };
+                vec![rows, s.cols]
+            }
+            None => vec![n],
+        };
+        let (dtype, bytes) = match operand.class {
+            StorageClass::Tokens => (DType::I32, 4),
+            StorageClass::Fp32 => (DType::F32, if self.half { 2 } else { 4 }),
+            StorageClass::Float if self.half && self.backend.stores_bf16() => (DType::Bf16, 2),
+            StorageClass::Float => (DType::F32, if self.half { 2 } else { 4 }),
+        };
+        let id = BufferId(self.next);
+        self.next += 1;
+        self.backend.alloc(id, &shape, dtype)?;
+        Ok((id, (shape.iter().product::<u64>() * bytes) as f64))
+    }
+
+    /// Token ids 0 (valid for any vocabulary), every float in [0.5, 1).
+    fn fill(&mut self, id: BufferId, operand: &Operand, n: u64, m: u64) -> Result<()> {
+        let len = match operand.shape {
+            Some(s) => {
+                let rows = match s.rows {
+                    Rows::N | Rows::Any => n,
+                    Rows::M => m,
+                    Rows::Fixed(r) => r,
+                };
+                rows * s.cols
+            }
+            None => n,
+        } as usize;
+        match operand.class {
+            StorageClass::Tokens => self.backend.write_i32(id, &vec![0; len]),
+            _ => {
+                let data: Vec<f32> = (0..len)
+                    .map(|i| 0.5 + ((i as u64 * 2_654_435_761) % 1000) as f32 / 2000.0)
+                    .collect();
+                self.backend.write_f32(id, &data)
+            }
+        }
+    }
+}
+
+/// The three GEMMs of a layer with `k` inputs and `n` outputs, as the lowering emits them
+/// (no bias, activation or residual fused; overwriting their outputs).
+fn gemm_ops(n: u64, k: u64) -> [(GemmLayout, Op); 3] {
+    [
+        (
+            GemmLayout::Fwd,
+            Op::Matmul {
+                in_dim: k,
+                out_dim: n,
+                bias: false,
+                act: None,
+                residual: false,
+            },
+        ),
+        (
+            GemmLayout::BwdData,
+            Op::MatmulBwdData {
+                in_dim: k,
+                out_dim: n,
+                accumulate: false,
+                act_grad: None,
+            },
+        ),
+        (
+            GemmLayout::BwdWeight,
+            Op::MatmulBwdWeight {
+                in_dim: k,
+                out_dim: n,
+                bias: false,
+                accumulate_param_grad: false,
+            },
+        ),
+    ]
+}
+
+/// Causal self-attention over one sequence of `seq` positions per sample.
+fn attention_attrs(
+    [batch, heads, kv_heads, seq, head_dim]: [u64; 5],
+    packed: bool,
+) -> AttentionAttrs {
+    let positions = vec![Segment {
+        start: 0,
+        len: seq as u32,
+    }];
+    AttentionAttrs {
+        batch,
+        heads,
+        kv_heads,
+        head_dim,
+        causal: true,
+        scale: 1.0 / (head_dim as f64).sqrt(),
+        q_positions: positions.clone(),
+        kv_positions: positions,
+        packed: packed && heads == kv_heads,
+    }
+}
+
+/// The memory-bound ops measured, each with its table and the width of its rows.
+fn memory_ops(grid: &Grid) -> Vec<(MemoryKind, Op, u64)> {
+    let dim = grid.norm_dim;
+    let (vocab, embed_dim) = grid.embed;
+    let embedding = EmbeddingAttrs {
+        vocab_start: 0,
+        vocab_local: vocab,
+        dim: embed_dim,
+    };
+    let adamw = Op::AdamW {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    vec![
+        (MemoryKind::Elementwise, Op::Add, 1),
+        (
+            MemoryKind::Norm,
+            Op::LayerNorm {
+                dim,
+                eps: 1e-5,
+                bias: true,
+            },
+            dim,
+        ),
+        (
+            MemoryKind::Norm,
+            Op::LayerNormBwd {
+                dim,
+                bias: true,
+                accumulate: false,
+                accumulate_param_grad: true,
+            },
+            dim,
+        ),
+        (
+            MemoryKind::CrossEntropy,
+            Op::CrossEntropy {
+                vocab: grid.vocab,
+                scale: 1e-3,
+            },
+            grid.vocab,
+        ),
+        (MemoryKind::Optimizer, adamw, 1),
+        (
+            MemoryKind::Embedding,
+            Op::Embedding(embedding.clone()),
+            embed_dim,
+        ),
+        (
+            MemoryKind::Embedding,
+            Op::EmbeddingBwd(embedding),
+            embed_dim,
+        ),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::CpuBackend;
+
+    #[test]
+    fn a_quick_cpu_calibration_measures_every_table() {
+        let mut backend = CpuBackend::with_threads(1).unwrap();
+        let settings = Settings {
+            quick: true,
+            precision: Precision::Fp32,
+            gpu: Gpu {
+                name: "cpu".into(),
+                memory_bytes: 1 << 34,
+                peak_flops: 1e11,
+                peak_flops_fp32: 1e11,
+                memory_bandwidth: 2e10,
+            },
+            device: "cpu (1 thread)".into(),
+            date: "2026-01-01".into(),
+        };
+        let profile = calibrate(&mut backend, &settings, &mut |_| {}).unwrap();
+        assert!(profile.validate().is_ok());
+        assert_eq!(profile.gemm.len(), 2 * 9 * 3);
+        assert_eq!(profile.attention.len(), 2 * 2 * 2);
+        assert_eq!(profile.memory.len(), 3 * 7);
+        assert!(profile.launch_overhead_s > 0.0);
+    }
+}

@@ -1,0 +1,168 @@
+//! `parc calibrate [--backend cpu|cuda] [--quick] [--gpu NAME] [--precision P] [-o FILE]`:
+//! measure a calibration profile (`parc_runtime::calibrate`) on this machine's backend and write
+//! it as JSON, by default to `calibration/<gpu>.json`, where `parc check` and `parc plan` find
+//! it for specs on that GPU kind. Exit 0 when written, 1 when a measurement failed, 2 for usage
+//! errors (an unknown gpu name, a backend this build lacks, a file that cannot be written).
+use parc_compiler::spec::{Gpu, LossScale, Precision};
+use parc_runtime::calibrate::{calibrate, Settings};
+use std::path::PathBuf;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum CalibrateBackend {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PrecisionArg {
+    Fp32,
+    Bf16,
+    Fp16,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct CalibrateArgs {
+    /// The backend whose ops are timed.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub backend: CalibrateBackend,
+    /// A small grid (seconds on a CPU; for CI) instead of the full one.
+    #[arg(long)]
+    pub quick: bool,
+    /// The spec's `cluster.gpu` name this device is (`h200`, …); default `cpu` on the CPU, and
+    /// on CUDA the catalogue's name for the device when parc recognises it.
+    #[arg(long, value_name = "NAME")]
+    pub gpu: Option<String>,
+    /// The precision whose storage the ops run on: default fp32 on the CPU, bf16 on CUDA.
+    #[arg(long, value_enum)]
+    pub precision: Option<PrecisionArg>,
+    /// Where to write the profile (default `calibration/<gpu>.json`).
+    #[arg(short, long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+}
+
+pub fn main(args: CalibrateArgs) -> u8 {
+    match run(&args) {
+        Ok(()) => 0,
+        Err((code, message)) => {
+            eprintln!("error: {message}");
+            code
+        }
+    }
+}
+
+fn run(args: &CalibrateArgs) -> Result<(), (u8, String)> {
+    let usage = |m: String| (2, m);
+    let precision = match args.precision.unwrap_or(match args.backend {
+        CalibrateBackend::Cpu => PrecisionArg::Fp32,
+        CalibrateBackend::Cuda => PrecisionArg::Bf16,
+    }) {
+        PrecisionArg::Fp32 => Precision::Fp32,
+        PrecisionArg::Bf16 => Precision::Bf16,
+        PrecisionArg::Fp16 => Precision::Fp16 {
+            loss_scale: LossScale::Static { scale: 1.0 },
+        },
+    };
+    let (mut backend, device, detected) = open_backend(args.backend, precision).map_err(usage)?;
+    let gpu = gpu_entry(args.gpu.as_deref().or(detected.as_deref()), &device).map_err(usage)?;
+    let output = args
+        .output
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("calibration").join(format!("{}.json", gpu.name)));
+    let settings = Settings {
+        quick: args.quick,
+        precision,
+        gpu,
+        device,
+        date: today(),
+    };
+    eprintln!(
+        "calibrating {} ({}, {}{})",
+        settings.device,
+        settings.gpu.name,
+        parc_compiler::timeline::profile::precision_name(precision),
+        if args.quick { ", quick grid" } else { "" }
+    );
+    let started = std::time::Instant::now();
+    let profile = calibrate(backend.as_mut(), &settings, &mut |what| {
+        eprintln!("  measuring {what}")
+    })
+    .map_err(|e| (1, format!("calibration failed: {e}")))?;
+    let json = serde_json::to_string_pretty(&profile)
+        .map_err(|e| (1, format!("cannot encode the profile: {e}")))?;
+    if let Some(folder) = output.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(folder)
+            .map_err(|e| usage(format!("cannot create {}: {e}", folder.display())))?;
+    }
+    std::fs::write(&output, json + "\n")
+        .map_err(|e| usage(format!("cannot write {}: {e}", output.display())))?;
+    eprintln!(
+        "wrote {} ({} gemm, {} attention, {} memory points) in {:.1} s",
+        output.display(),
+        profile.gemm.len(),
+        profile.attention.len(),
+        profile.memory.len(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+type Opened = (
+    Box<dyn parc_runtime::backend::Backend>,
+    String,
+    Option<String>,
+);
+
+/// The backend, the device's name and the gpu name it is recognised as.
+fn open_backend(choice: CalibrateBackend, precision: Precision) -> Result<Opened, String> {
+    match choice {
+        CalibrateBackend::Cpu => {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let backend =
+                parc_runtime::cpu::CpuBackend::with_threads(cores).map_err(|e| e.to_string())?;
+            let device = format!("cpu ({cores} thread{})", if cores == 1 { "" } else { "s" });
+            Ok((Box::new(backend), device, Some("cpu".to_string())))
+        }
+        CalibrateBackend::Cuda => open_cuda(precision),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(precision: Precision) -> Result<Opened, String> {
+    let backend = parc_runtime::cuda::CudaBackend::with_precision(0, precision)
+        .map_err(|e| format!("cannot open GPU 0: {e}"))?;
+    let device = backend.device_name().map_err(|e| e.to_string())?;
+    let detected = device.contains("H200").then(|| "h200".to_string());
+    Ok((Box::new(backend), device, detected))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(_precision: Precision) -> Result<Opened, String> {
+    Err("this parc was built without CUDA: build it with `--features cuda`".to_string())
+}
+
+/// The catalogue's entry for `name`.
+fn gpu_entry(name: Option<&str>, device: &str) -> Result<Gpu, String> {
+    let names = parc_compiler::check::GPU_NAMES.join(", ");
+    let name = name.ok_or_else(|| {
+        format!("parc does not know which gpu `{device}` is: name it with --gpu ({names})")
+    })?;
+    parc_compiler::check::gpu_named(name)
+        .ok_or_else(|| format!("unknown gpu `{name}` for --gpu: one of {names}"))
+}
+
+/// Today's date (UTC) as `YYYY-MM-DD`, from the system clock (Howard Hinnant's civil-from-days).
+pub fn today() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let z = (secs / 86_400) as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}")
+}

@@ -1,0 +1,237 @@
+//! `parc calibrate` and the timeline it prices: a quick CPU profile predicts tiny.par's step
+//! within 2× of what `parc run` measures; bad profiles are clear errors naming the file; the
+//! CUDA calibration runs on a GPU machine and skips visibly elsewhere.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#[path = "cli_support/mod.rs"]
+mod cli_support;
+#[path = "gpu_support/mod.rs"]
+mod gpu_support;
+
+use cli_support::{json_lines, parc, parc_ok, stderr_of, steps};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+
+/// One test at a time: timings measured while another test's `parc` runs would be skewed.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn alone() -> MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    cli_support::temp_dir("calibrate", name)
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().expect("a UTF-8 temporary path")
+}
+
+/// `parc check examples/tiny.par --format json` with `extra`: its `lowered` object.
+fn check_json(extra: &[&str]) -> Value {
+    let mut args = vec!["check", "examples/tiny.par", "--format", "json"];
+    args.extend_from_slice(extra);
+    let out = parc_ok(&args);
+    let doc: Value = serde_json::from_slice(&out.stdout).expect("check's JSON");
+    doc["files"][0]["lowered"].clone()
+}
+
+/// A quick CPU profile, written to `dir/name`.
+fn quick_profile(dir: &Path, name: &str) -> PathBuf {
+    let file = dir.join(name);
+    parc_ok(&[
+        "calibrate",
+        "--backend",
+        "cpu",
+        "--quick",
+        "-o",
+        path_str(&file),
+    ]);
+    file
+}
+
+#[test]
+fn a_quick_cpu_profile_predicts_the_measured_step_within_2x() {
+    let _alone = alone();
+    let dir = temp_dir("e2e");
+    let profile = quick_profile(&dir, "cpu.json");
+    let lowered = check_json(&["--calibration", path_str(&profile)]);
+    let predicted = lowered["step_seconds"].as_f64().expect("a predicted step");
+    assert_eq!(lowered["priced_by"]["model"], "calibration", "{lowered}");
+    assert!(lowered["tokens_per_second"]
+        .as_f64()
+        .is_some_and(|t| t > 0.0));
+    assert!(lowered["mfu"].as_f64().is_some_and(|m| m > 0.0));
+    let out = parc_ok(&[
+        "run",
+        "examples/tiny.par",
+        "--backend",
+        "cpu",
+        "--log-format",
+        "json",
+        "--set",
+        "train.steps=12",
+    ]);
+    let lines = json_lines(&out);
+    // Each step's wall time, the first two (warm-up) left out; the median.
+    let mut times: Vec<f64> = steps(&lines)
+        .iter()
+        .skip(2)
+        .map(|s| s["tokens"].as_f64().unwrap() / s["tokens_per_s"].as_f64().unwrap())
+        .collect();
+    times.sort_by(f64::total_cmp);
+    let measured = times[times.len() / 2];
+    let ratio = measured / predicted;
+    println!(
+        "tiny.par on the cpu: predicted {:.2} ms (quick profile), measured {:.2} ms (median of \
+         {} steps): measured/predicted {ratio:.2}",
+        predicted * 1e3,
+        measured * 1e3,
+        times.len()
+    );
+    assert!(
+        (0.5..=2.0).contains(&ratio),
+        "measured/predicted {ratio:.2}"
+    );
+}
+
+#[test]
+fn without_a_profile_the_report_says_the_peak_numbers_priced_it() {
+    let _alone = alone();
+    let lowered = check_json(&[]);
+    assert_eq!(lowered["priced_by"]["model"], "peak");
+    let note = lowered["priced_by"]["note"].as_str().unwrap_or("");
+    assert!(
+        note.contains("no calibration profile for cpu") && note.contains("parc calibrate"),
+        "{note}"
+    );
+}
+
+/// `parc check tiny.par --calibration FILE` with `extra`, which must fail with exit 2 and an
+/// error naming `file` and containing each of `says`.
+fn refused(file: &Path, extra: &[&str], says: &[&str]) {
+    let mut args = vec![
+        "check",
+        "examples/tiny.par",
+        "--calibration",
+        path_str(file),
+    ];
+    args.extend_from_slice(extra);
+    let out = parc(&args);
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains(path_str(file)), "names the file: {err}");
+    for s in says {
+        assert!(err.contains(s), "says {s:?}: {err}");
+    }
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn bad_profiles_are_clear_errors_naming_the_file() {
+    let _alone = alone();
+    let dir = temp_dir("bad");
+    let good = quick_profile(&dir, "cpu.json");
+    let text = std::fs::read_to_string(&good).unwrap();
+    let write = |name: &str, body: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, body).unwrap();
+        p
+    };
+    refused(
+        &dir.join("absent.json"),
+        &[],
+        &["cannot read", "parc calibrate"],
+    );
+    refused(
+        &write("corrupt.json", "this is not json"),
+        &[],
+        &["not a calibration profile"],
+    );
+    let truncated = write("truncated.json", &text[..text.len() / 2]);
+    refused(&truncated, &[], &["truncated"]);
+    let mut profile: Value = serde_json::from_str(&text).unwrap();
+    profile["version"] = 99.into();
+    let version = write("version.json", &profile.to_string());
+    refused(&version, &[], &["version 99", "version 1"]);
+    let mut profile: Value = serde_json::from_str(&text).unwrap();
+    profile["gemm"][0]["seconds"] = (-1.0).into();
+    refused(
+        &write("negative.json", &profile.to_string()),
+        &[],
+        &["gemm point 0", "positive"],
+    );
+    profile["gemm"][0]["seconds"] = Value::Null; // how NaN is written
+    refused(
+        &write("nan.json", &profile.to_string()),
+        &[],
+        &["not a number"],
+    );
+    let mut profile: Value = serde_json::from_str(&text).unwrap();
+    profile["gpu"] = "h200".into();
+    let other = write("h200.json", &profile.to_string());
+    refused(
+        &other,
+        &[],
+        &["measured on gpu `h200`", "`cpu`", "--scale-calibration"],
+    );
+    // Scaling asked for: accepted, and the report says it was scaled.
+    let lowered = check_json(&["--calibration", path_str(&other), "--scale-calibration"]);
+    let note = lowered["priced_by"]["note"].as_str().unwrap_or("");
+    assert!(note.contains("scaled from h200 to cpu"), "{note}");
+    profile["gpu"] = "cpu".into();
+    profile["precision"] = "bf16".into();
+    let bf16 = write("bf16.json", &profile.to_string());
+    refused(&bf16, &[], &["measured in bf16", "trains in fp32"]);
+}
+
+#[test]
+fn parc_plan_takes_a_profile_too() {
+    let _alone = alone();
+    let dir = temp_dir("plan");
+    let profile = quick_profile(&dir, "cpu.json");
+    let out = parc_ok(&[
+        "plan",
+        "examples/tiny.par",
+        "--calibration",
+        path_str(&profile),
+    ]);
+    assert!(
+        stderr_of(&out).contains("timeline priced by"),
+        "{}",
+        stderr_of(&out)
+    );
+}
+
+#[test]
+fn cuda_calibration_writes_a_profile_on_a_gpu() {
+    let _alone = alone();
+    #[cfg(not(feature = "cuda"))]
+    println!("skipped: no CUDA device (this build has no `cuda` feature)");
+    #[cfg(feature = "cuda")]
+    {
+        use parc_compiler::spec::Precision;
+        if gpu_support::backend_or_skip(Precision::Bf16).is_none() {
+            return;
+        }
+        let dir = temp_dir("cuda");
+        let file = dir.join("gpu.json");
+        parc_ok(&[
+            "calibrate",
+            "--backend",
+            "cuda",
+            "--quick",
+            "--gpu",
+            "h200",
+            "-o",
+            path_str(&file),
+        ]);
+        let text = std::fs::read_to_string(&file).unwrap();
+        let profile = parc_compiler::timeline::profile::Profile::parse(&text).unwrap();
+        assert_eq!(
+            (profile.backend.as_str(), profile.precision.as_str()),
+            ("cuda", "bf16")
+        );
+        assert!(!profile.gemm.is_empty() && !profile.attention.is_empty());
+    }
+}
