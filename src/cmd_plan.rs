@@ -90,6 +90,7 @@ pub fn main(args: PlanArgs) -> u8 {
             gpus: args.gpus,
             nodes: args.nodes,
             top: args.top,
+            calibration: &args.calibration,
         });
     }
     let planned = match compile(&args) {

@@ -22,6 +22,7 @@ pub struct SearchArgs<'a> {
     pub gpus: Option<u32>,
     pub nodes: Option<u32>,
     pub top: usize,
+    pub calibration: &'a crate::calibration::CalibrationArgs,
 }
 
 pub fn main(args: SearchArgs) -> u8 {
@@ -41,12 +42,33 @@ pub fn main(args: SearchArgs) -> u8 {
         Ok(shape) => shape,
         Err(e) => return usage(e),
     };
+    let name = args.file.display().to_string();
+    // The profile that prices the timeline, chosen for the spec's GPU as `check` chooses it.
+    let through =
+        parc_compiler::driver::CompileOptions::through(parc_compiler::driver::Stage::Timeline);
+    let chosen = match crate::calibration::with_profile(
+        args.calibration,
+        &name,
+        &text,
+        &overrides,
+        &through,
+    ) {
+        Ok((_, chosen)) => chosen,
+        Err(e) => return usage(e),
+    };
+    let priced = match &chosen.file {
+        Some(file) => format!("step times priced by the calibration profile {file}"),
+        None => "step times priced by the GPU's peak numbers (no calibration profile for this \
+                 GPU; `parc calibrate` makes one)"
+            .to_string(),
+    };
     let options = SearchOptions {
         nodes,
         gpus_per_node,
         top: args.top.max(1),
         lower_at_most: (3 * args.top).max(12),
         fusion: args.fusion,
+        calibration: chosen.calibration,
     };
     let started = std::time::Instant::now();
     let tty = std::io::stderr().is_terminal();
@@ -59,7 +81,6 @@ pub fn main(args: SearchArgs) -> u8 {
             eprint!("\rsearching: {what} {done}/{total} plans   ");
         }
     };
-    let name = args.file.display().to_string();
     let outcome = search::search(&name, &text, &overrides, &options, &progress);
     if tty && started.elapsed().as_secs_f64() > 1.0 {
         eprint!("\r{:60}\r", "");
@@ -67,6 +88,7 @@ pub fn main(args: SearchArgs) -> u8 {
     match outcome {
         Ok(outcome) => {
             print!("{}", render(&outcome, started.elapsed().as_secs_f64()));
+            println!("({priced})");
             u8::from(outcome.ranked.is_empty())
         }
         Err(compiled) => {

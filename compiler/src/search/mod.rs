@@ -27,7 +27,7 @@ pub mod space;
 
 use crate::cost::CostReport;
 use crate::diag::Diagnostics;
-use crate::driver::{self, analyze, CompileOptions, Compiled, Stage};
+use crate::driver::{self, analyze_with, CompileOptions, Compiled, Stage};
 use crate::lower::{lower_with, LowerOptions};
 use crate::overrides::Override;
 use crate::spec::{Precision, Spec};
@@ -45,6 +45,15 @@ pub struct SearchOptions {
     pub lower_at_most: usize,
     /// Lower with the fusion pass (as the run would).
     pub fusion: bool,
+    /// The profile that prices the timeline (`None`: the GPU's peak numbers).
+    pub calibration: Option<std::sync::Arc<crate::timeline::Calibration>>,
+}
+
+/// How candidates are lowered and priced.
+#[derive(Clone, Default)]
+struct Pricing {
+    fusion: bool,
+    calibration: Option<std::sync::Arc<crate::timeline::Calibration>>,
 }
 
 /// A plan that fits, with what the lowered plan predicts.
@@ -141,12 +150,16 @@ pub fn search(
     }
     queue.sort_by(|a, b| a.step.total_cmp(&b.step));
     let estimated = queue.len();
+    let how = Pricing {
+        fusion: options.fusion,
+        calibration: options.calibration.clone(),
+    };
     let mut lowering = Lowering {
         name,
         text,
         base: &base,
         capacity,
-        fusion: options.fusion,
+        how: how.clone(),
         underestimate: 1.0,
         lowered: 0,
         rejected: &mut rejected,
@@ -164,7 +177,7 @@ pub fn search(
             ranked.push(sampled);
             continue;
         }
-        match evaluate(&c.spec, &c.candidate, options.fusion) {
+        match evaluate(&c.spec, &c.candidate, &how) {
             Ok(r) if fits(&r, capacity) => ranked.push(r),
             Ok(r) => count(&mut rejected, MEMORY_RULE, Some((c.candidate, need(&r)))),
             Err(rule) => count(&mut rejected, &rule, None),
@@ -318,7 +331,7 @@ struct Lowering<'a> {
     text: &'a str,
     base: &'a [Override],
     capacity: u64,
-    fusion: bool,
+    how: Pricing,
     /// The largest lowered need over the formulas' seen so far (at least 1).
     underestimate: f64,
     /// Candidates lowered so far.
@@ -350,7 +363,7 @@ impl Lowering<'_> {
             let room = (options.lower_at_most - self.lowered).min(width);
             let batch = self.take_checked(queue, room);
             self.lowered += batch.len();
-            for (e, result) in evaluate_all(batch, self.fusion) {
+            for (e, result) in evaluate_all(batch, &self.how) {
                 match result {
                     Ok(r) => {
                         let ratio = need(&r) as f64 / e.memory.max(1) as f64;
@@ -456,11 +469,11 @@ fn fits(r: &Ranked, capacity: u64) -> bool {
 
 /// Lower and simulate the candidates of `batch` side by side (one thread each: a lowering
 /// alone leaves cores idle), results in batch order.
-fn evaluate_all(batch: Vec<Estimated>, fusion: bool) -> Vec<(Estimated, Result<Ranked, String>)> {
+fn evaluate_all(batch: Vec<Estimated>, how: &Pricing) -> Vec<(Estimated, Result<Ranked, String>)> {
     let results: Vec<Result<Ranked, String>> = std::thread::scope(|scope| {
         let handles: Vec<_> = batch
             .iter()
-            .map(|e| scope.spawn(move || evaluate_sampled(&e.spec, &e.candidate, fusion)))
+            .map(|e| scope.spawn(move || evaluate_sampled(&e.spec, &e.candidate, how)))
             .collect();
         handles
             .into_iter()
@@ -494,13 +507,13 @@ fn with_microbatches(spec: &Spec, m: u32) -> Spec {
 /// the fill and drain's, and memory per GPU is the larger sample's plus any growth per
 /// microbatch (none in parc's schedules: in-flight activations are bounded by the stages).
 /// Exact (one whole simulation) when the candidate runs few microbatches.
-fn evaluate_sampled(spec: &Spec, candidate: &Candidate, fusion: bool) -> Result<Ranked, String> {
+fn evaluate_sampled(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked, String> {
     let m = candidate.microbatches;
     let Some((m1, m2)) = sample_points(m, candidate.pp) else {
-        return evaluate(spec, candidate, fusion);
+        return evaluate(spec, candidate, how);
     };
-    let a = evaluate(&with_microbatches(spec, m1), candidate, fusion)?;
-    let b = evaluate(&with_microbatches(spec, m2), candidate, fusion)?;
+    let a = evaluate(&with_microbatches(spec, m1), candidate, how)?;
+    let b = evaluate(&with_microbatches(spec, m2), candidate, how)?;
     Ok(extrapolate(&a, &b, m1, m2, m))
 }
 
@@ -539,15 +552,16 @@ fn extrapolate(a: &Ranked, b: &Ranked, m1: u32, m2: u32, m: u32) -> Ranked {
 }
 
 /// Lower, plan and simulate `spec` (the candidate's): its ranking, or why it cannot be.
-fn evaluate(spec: &Spec, candidate: &Candidate, fusion: bool) -> Result<Ranked, String> {
+fn evaluate(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked, String> {
     let options = LowerOptions {
-        fusion,
+        fusion: how.fusion,
         representatives: true,
         ..LowerOptions::default()
     };
     let plan = lower_with(spec, options).map_err(|d| first_error(&d, "lowering"))?;
     let mut diagnostics = Diagnostics::default();
-    let analysis = analyze(spec, &plan, Stage::Timeline, &mut diagnostics);
+    let calibration = how.calibration.as_deref();
+    let analysis = analyze_with(spec, &plan, Stage::Timeline, calibration, &mut diagnostics);
     let (Some(fit), Some(timeline)) = (analysis.fit, analysis.timeline) else {
         return Err(first_error(&diagnostics, "verification"));
     };
@@ -654,8 +668,12 @@ mod tests {
         for plan in plans {
             let spec = build(&dims, &plan);
             let c = candidate(&plan);
-            let exact = evaluate(&spec, &c, true).expect("lowers");
-            let sampled = evaluate_sampled(&spec, &c, true).expect("lowers");
+            let how = Pricing {
+                fusion: true,
+                calibration: None,
+            };
+            let exact = evaluate(&spec, &c, &how).expect("lowers");
+            let sampled = evaluate_sampled(&spec, &c, &how).expect("lowers");
             let what = c.describe();
             let err = (sampled.step_seconds / exact.step_seconds - 1.0).abs();
             assert!(
