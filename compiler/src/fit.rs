@@ -9,7 +9,7 @@
 //! batch) is lowered and planned by the caller's `measure`, and the help names the first that
 //! fits, else the greedy combination that fits, else the largest saving.
 
-use crate::cost::{alternatives, gib, join_and, Alternative};
+use crate::cost::{alternatives, gib, memory_help, Measure};
 use crate::diag::Diagnostic;
 use crate::ir::{BufferKind, Plan};
 use crate::memplan::{DeviceMemory, PlanSummary};
@@ -142,7 +142,11 @@ pub fn memory_verdict(
             gib(*after)
         ));
     }
-    Some(d.help(help(spec, need, &options, measure)))
+    let measure = Measure {
+        need: measure,
+        per: "GPU",
+    };
+    Some(d.help(memory_help(spec, need, &options, &measure)))
 }
 
 /// The terms of a need over 64 MiB, as `name 1.2 GiB, …`.
@@ -157,74 +161,4 @@ fn terms_text(terms: &[(String, u64)]) -> String {
     } else {
         shown.join(", ")
     }
-}
-
-/// The first single change that fits, else the greedy combination that does, else the largest
-/// saving with the advice to use more or larger GPUs.
-fn help(
-    spec: &Spec,
-    need: u64,
-    options: &[(String, u64)],
-    measure: &dyn Fn(&Spec) -> Option<u64>,
-) -> String {
-    let capacity = spec.cluster.gpu.memory_bytes;
-    if let Some((change, after)) = options.iter().find(|(_, after)| *after <= capacity) {
-        return format!(
-            "{change} saves {} per GPU and fits: {} of {}",
-            gib(need - after),
-            gib(*after),
-            gib(capacity)
-        );
-    }
-    let Some((change, after)) = options.first() else {
-        return format!(
-            "use a GPU with at least {} or more GPUs (nodes × gpus_per_node)",
-            gib(need)
-        );
-    };
-    match combination(spec, need, measure) {
-        Some((changes, peak)) => format!(
-            "no single change fits; together {} fit: peak {} of {}",
-            join_and(&changes),
-            gib(peak),
-            gib(capacity)
-        ),
-        None => format!(
-            "no combination of these changes fits; the largest saving is {change} ({} per GPU, \
-             peak {}): also use more GPUs or a larger GPU",
-            gib(need - after),
-            gib(*after)
-        ),
-    }
-}
-
-/// Greedily apply the change that lowers the need most until the plan fits (at most four).
-fn combination(
-    spec: &Spec,
-    need: u64,
-    measure: &dyn Fn(&Spec) -> Option<u64>,
-) -> Option<(Vec<String>, u64)> {
-    let capacity = spec.cluster.gpu.memory_bytes;
-    let mut current = spec.clone();
-    let mut current_need = need;
-    let mut changes = Vec::new();
-    for _ in 0..4 {
-        let (alt, after) = alternatives(&current)
-            .into_iter()
-            .filter_map(|alt: Alternative| {
-                let after = measure(&alt.spec)?;
-                Some((alt, after))
-            })
-            .min_by_key(|(_, after)| *after)?;
-        if after >= current_need {
-            return None;
-        }
-        changes.push(alt.change);
-        current = alt.spec;
-        current_need = after;
-        if current_need <= capacity {
-            return Some((changes, current_need));
-        }
-    }
-    None
 }

@@ -158,34 +158,83 @@ fn splits_over(spec: &Spec, pp: u32) -> bool {
     }
 }
 
-/// Greedily apply the change that lowers the peak most until the plan fits (at most four).
-fn combination(spec: &Spec, capacity: u64) -> Option<(Vec<String>, u64)> {
+/// How a memory help measures a changed spec: its largest need per GPU (`None`: the change
+/// does not give a plan), and the word for what a saving is per (`rank`, `GPU`).
+pub(crate) struct Measure<'a> {
+    pub need: &'a dyn Fn(&Spec) -> Option<u64>,
+    pub per: &'a str,
+}
+
+/// The help of a plan needing `need` bytes per GPU: the first single change of `options`
+/// (each with its measured need, smallest first) that fits, else the greedy combination that
+/// fits, else the largest saving with the advice to use more or larger GPUs.
+pub(crate) fn memory_help(
+    spec: &Spec,
+    need: u64,
+    options: &[(String, u64)],
+    measure: &Measure,
+) -> String {
+    let capacity = spec.cluster.gpu.memory_bytes;
+    let per = measure.per;
+    if let Some((change, after)) = options.iter().find(|(_, after)| *after <= capacity) {
+        return format!(
+            "{change} saves {} per {per} and fits: {} of {}",
+            gib(need - after),
+            gib(*after),
+            gib(capacity)
+        );
+    }
+    let Some((change, after)) = options.first() else {
+        return format!(
+            "use a GPU with at least {} or more GPUs (nodes × gpus_per_node)",
+            gib(need)
+        );
+    };
+    match combination(spec, need, measure) {
+        Some((changes, peak)) => format!(
+            "no single change fits; together {} fit: peak {} of {}",
+            join_and(&changes),
+            gib(peak),
+            gib(capacity)
+        ),
+        None => format!(
+            "no combination of these changes fits; the largest saving is {change} ({} per {per}, \
+             peak {}): also use more GPUs or a larger GPU",
+            gib(need - after),
+            gib(*after)
+        ),
+    }
+}
+
+/// Greedily apply the change that lowers the need most until the plan fits (at most four).
+fn combination(spec: &Spec, need: u64, measure: &Measure) -> Option<(Vec<String>, u64)> {
+    let capacity = spec.cluster.gpu.memory_bytes;
     let mut current = spec.clone();
-    let mut current_peak = peak(&estimate(&current));
+    let mut current_need = need;
     let mut changes = Vec::new();
     for _ in 0..4 {
-        let best = alternatives(&current)
+        let (alt, after) = alternatives(&current)
             .into_iter()
-            .map(|alt| {
-                let p = peak(&estimate(&alt.spec));
-                (alt, p)
+            .filter_map(|alt| {
+                let after = (measure.need)(&alt.spec)?;
+                Some((alt, after))
             })
-            .min_by_key(|(_, p)| *p)?;
-        if best.1 >= current_peak {
+            .min_by_key(|(_, after)| *after)?;
+        if after >= current_need {
             return None;
         }
-        changes.push(best.0.change);
-        current = best.0.spec;
-        current_peak = best.1;
-        if current_peak <= capacity {
-            return Some((changes, current_peak));
+        changes.push(alt.change);
+        current = alt.spec;
+        current_need = after;
+        if current_need <= capacity {
+            return Some((changes, current_need));
         }
     }
     None
 }
 
 /// `a`, `a and b`, `a, b and c`.
-pub(crate) fn join_and(items: &[String]) -> String {
+fn join_and(items: &[String]) -> String {
     match items.split_last() {
         None => String::new(),
         Some((last, [])) => last.clone(),
@@ -242,33 +291,12 @@ fn memory_error(spec: &Spec, report: &CostReport) -> Option<Diagnostic> {
             gib(*after)
         ));
     }
-    let fitting = options.iter().find(|(_, after)| *after <= capacity);
-    let help = match (fitting, options.first()) {
-        (Some((change, after)), _) => format!(
-            "{change} saves {} per rank and fits: {} of {}",
-            gib(need - after),
-            gib(*after),
-            gib(capacity)
-        ),
-        (None, Some((change, after))) => match combination(spec, capacity) {
-            Some((changes, peak)) => format!(
-                "no single change fits; together {} fit: peak {} of {}",
-                join_and(&changes),
-                gib(peak),
-                gib(capacity)
-            ),
-            None => format!(
-                "no combination of these changes fits; the largest saving is {change} ({} per rank, peak {}): also use more GPUs or a larger GPU",
-                gib(need - after),
-                gib(*after)
-            ),
-        },
-        (None, None) => format!(
-            "use a GPU with at least {} or more GPUs (nodes × gpus_per_node)",
-            gib(need)
-        ),
+    let estimated = |s: &Spec| Some(peak(&estimate(s)));
+    let measure = Measure {
+        need: &estimated,
+        per: "rank",
     };
-    Some(d.help(help))
+    Some(d.help(memory_help(spec, need, &options, &measure)))
 }
 
 /// Diagnose a plan that is not lowered from its cost report: memory over capacity by the

@@ -28,8 +28,9 @@
 //!
 //! Per rank, idle = step − busy − exposed communication, where the step ends when the last rank
 //! finishes; the bubble fraction is the mean idle time over the step. Ranks are simulated with
-//! the verifier's dp-symmetry reduction (dp replicas behave identically), so the trace has one
-//! track per simulated rank. Run the verifier first: a plan that deadlocks gives a timeline with
+//! the verifier's symmetry reductions (dp replicas behave identically; in a class plan tp/cp
+//! index 1 stands for its class), so the trace has one track per simulated rank and the means
+//! weight each by the ranks it stands for. Run the verifier first: a plan that deadlocks gives a timeline with
 //! `complete = false`.
 
 pub mod calibrated;

@@ -35,7 +35,9 @@
 //! differ only in the dp coordinate are simulated once: when every rank runs the program of its
 //! dp-0 counterpart and no transfer crosses dp, the dp-0 slice's run is the whole run (each rank
 //! is in its counterpart's state at every step, by induction), so a 1,024-GPU plan with dp = 16
-//! simulates 64 ranks. Otherwise every rank is simulated.
+//! simulates 64 ranks. The same argument lets tp (cp) index 1 stand for indices ≥ 2 in a class
+//! plan (`Plan::representative`, where they run one program): the 70B plan on 64 GPUs then
+//! simulates 16 ranks (`slice`). Otherwise every rank is simulated.
 
 mod accumulation;
 mod dtypes;
