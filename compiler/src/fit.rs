@@ -9,7 +9,7 @@
 //! batch) is lowered and planned by the caller's `measure`, and the help names the first that
 //! fits, else the greedy combination that fits, else the largest saving.
 
-use crate::cost::{alternatives, gib, memory_help, Measure};
+use crate::cost::{alternatives, gib, memory_error_head, memory_help, Measure};
 use crate::diag::Diagnostic;
 use crate::ir::{BufferKind, Plan};
 use crate::memplan::{DeviceMemory, PlanSummary};
@@ -105,19 +105,8 @@ pub fn memory_verdict(
     if need <= capacity {
         return None;
     }
-    let mut d = Diagnostic::error(
-        "E0701",
-        format!(
-            "program `{}` needs {} per GPU but {} has {}",
-            worst.role,
-            gib(need),
-            spec.cluster.gpu.name,
-            gib(capacity)
-        ),
-    )
-    .label(spec.parallel.span, "this plan")
-    .label(spec.cluster.span, format!("{} per GPU here", gib(capacity)))
-    .note(format!(
+    let what = format!("program `{}` needs {} per GPU", worst.role, gib(need));
+    let mut d = memory_error_head(spec, &what, "").note(format!(
         "measured on the lowered plan: {}",
         terms_text(&worst.terms)
     ));

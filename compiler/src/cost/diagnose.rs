@@ -158,6 +158,22 @@ fn splits_over(spec: &Spec, pp: u32) -> bool {
     }
 }
 
+/// E0701 saying `what` needs more than the GPU has (`… but h100_80gb has 79.6 GiB`, then
+/// `tail`), labelled at the plan and the cluster.
+pub(crate) fn memory_error_head(spec: &Spec, what: &str, tail: &str) -> Diagnostic {
+    let capacity = spec.cluster.gpu.memory_bytes;
+    Diagnostic::error(
+        "E0701",
+        format!(
+            "{what} but {} has {}{tail}",
+            spec.cluster.gpu.name,
+            gib(capacity)
+        ),
+    )
+    .label(spec.parallel.span, "this plan")
+    .label(spec.cluster.span, format!("{} per GPU here", gib(capacity)))
+}
+
 /// How a memory help measures a changed spec: its largest need per GPU (`None`: the change
 /// does not give a plan), and the word for what a saving is per (`rank`, `GPU`).
 pub(crate) struct Measure<'a> {
@@ -262,19 +278,9 @@ fn memory_error(spec: &Spec, report: &CostReport) -> Option<Diagnostic> {
         .filter(|(_, b)| *b >= 1 << 26)
         .map(|(name, b)| format!("{name} {}", gib(*b)))
         .collect();
-    let mut d = Diagnostic::error(
-        "E0701",
-        format!(
-            "{} needs an estimated {} per GPU but {} has {} (cost formulas; the plan was not lowered)",
-            worst.role,
-            gib(need),
-            spec.cluster.gpu.name,
-            gib(capacity)
-        ),
-    )
-    .label(spec.parallel.span, "this plan")
-    .label(spec.cluster.span, format!("{} per GPU here", gib(capacity)))
-    .note(format!("biggest terms: {}", terms.join(", ")));
+    let what = format!("{} needs an estimated {} per GPU", worst.role, gib(need));
+    let mut d = memory_error_head(spec, &what, " (cost formulas; the plan was not lowered)")
+        .note(format!("biggest terms: {}", terms.join(", ")));
     if over.len() > 1 {
         d = d.note(format!("over the limit: {}", over.join(", ")));
     }

@@ -66,7 +66,7 @@ mod tests;
 #[cfg(test)]
 pub(crate) mod testspec;
 
-pub(crate) use diagnose::{alternatives, memory_help, set_recompute, Measure};
+pub(crate) use diagnose::{alternatives, memory_error_head, memory_help, set_recompute, Measure};
 pub use diagnose::{diagnose, gib, warnings, BUBBLE_LIMIT};
 
 use crate::spec::{Axis, LayerKind, Precision, Spec};

@@ -322,21 +322,22 @@ impl BufferKind {
         }
     }
 
+    /// Every kind, in declaration order.
+    pub const ALL: [BufferKind; 9] = [
+        BufferKind::Param,
+        BufferKind::OptState,
+        BufferKind::Metric,
+        BufferKind::GatheredParam,
+        BufferKind::Grad,
+        BufferKind::Activation,
+        BufferKind::ActivationGrad,
+        BufferKind::Input,
+        BufferKind::Comm,
+    ];
+
     /// The kind whose [`BufferKind::name`] is `name`.
     pub fn from_name(name: &str) -> Option<BufferKind> {
-        [
-            BufferKind::Param,
-            BufferKind::OptState,
-            BufferKind::Metric,
-            BufferKind::GatheredParam,
-            BufferKind::Grad,
-            BufferKind::Activation,
-            BufferKind::ActivationGrad,
-            BufferKind::Input,
-            BufferKind::Comm,
-        ]
-        .into_iter()
-        .find(|k| k.name() == name)
+        BufferKind::ALL.into_iter().find(|k| k.name() == name)
     }
 }
 

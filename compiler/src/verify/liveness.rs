@@ -33,17 +33,7 @@ pub struct ProgramMemory {
 }
 
 /// Every buffer kind, and how many there are (the live-bytes-by-kind table's size).
-const ALL_KINDS: [BufferKind; 9] = [
-    BufferKind::Param,
-    BufferKind::OptState,
-    BufferKind::Metric,
-    BufferKind::GatheredParam,
-    BufferKind::Grad,
-    BufferKind::Activation,
-    BufferKind::ActivationGrad,
-    BufferKind::Input,
-    BufferKind::Comm,
-];
+const ALL_KINDS: [BufferKind; 9] = BufferKind::ALL;
 const KINDS: usize = ALL_KINDS.len();
 
 /// `kind`'s index in [`ALL_KINDS`] (exhaustive, so a new kind cannot be left out unnoticed).
