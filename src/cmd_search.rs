@@ -66,6 +66,7 @@ pub fn main(args: SearchArgs) -> u8 {
         nodes,
         gpus_per_node,
         top: args.top.max(1),
+        lower_at_least: 8,
         lower_at_most: (3 * args.top).max(12),
         fusion: args.fusion,
         calibration: chosen.calibration,

@@ -10,8 +10,8 @@
 //!    the GPU's waits until the others are tried.
 //! 3. **Check and lower** them in that order (the spec with the candidate's `--set` settings
 //!    through the checker, whose errors reject it under their code; then one program per class
-//!    of ranks as `parc check` does), until `top` fit or [`SearchOptions::lower_at_most`] were
-//!    lowered: memory per GPU from the lowered plan (`fit`, the verdict
+//!    of ranks as `parc check` does), until `top` fit and at least
+//!    [`SearchOptions::lower_at_least`] were lowered, or [`SearchOptions::lower_at_most`] were: memory per GPU from the lowered plan (`fit`, the verdict
 //!    E0701 gives) rejects what does not fit; the timeline gives the step time, bubble and
 //!    exposed communication of the rest, which are ranked by step time. A candidate with more
 //!    than 3p microbatches is simulated at 2p and 3p and extrapolated linearly (the steady
@@ -41,6 +41,9 @@ pub struct SearchOptions {
     pub gpus_per_node: Option<u32>,
     /// Plans to rank and show.
     pub top: usize,
+    /// Candidates lowered at least (when there are that many), so the winner does not depend
+    /// on `top`: the formulas' order is only roughly the timeline's.
+    pub lower_at_least: usize,
     /// Most candidates lowered, in the formulas' order.
     pub lower_at_most: usize,
     /// Lower with the fusion pass (as the run would).
@@ -352,10 +355,11 @@ impl Lowering<'_> {
         let width = std::thread::available_parallelism()
             .map(usize::from)
             .unwrap_or(1);
-        while self.lowered < options.lower_at_most
-            && fitting.len() < options.top
-            && !queue.is_empty()
-        {
+        let enough = |lowered: usize, fit: usize| {
+            lowered >= options.lower_at_most
+                || (fit >= options.top && lowered >= options.lower_at_least)
+        };
+        while !enough(self.lowered, fitting.len()) && !queue.is_empty() {
             progress(Progress::Lowering {
                 done: self.lowered,
                 total: options.lower_at_most,
