@@ -10,7 +10,7 @@ use crate::diagnostics;
 use crate::input::{parse_overrides, read_spec};
 use crate::report::bytes;
 use parc_compiler::search::{self, Candidate, Outcome, Progress, Ranked, SearchOptions};
-use parc_compiler::spec::PipelineSchedule;
+use parc_compiler::spec::{Balance, PipelineSchedule};
 use std::fmt::Write as _;
 use std::io::IsTerminal as _;
 
@@ -191,13 +191,20 @@ fn winner(best: &Candidate) -> String {
 
 /// The candidate's `parallel` section and the `train` line it changes.
 fn sections(c: &Candidate) -> String {
+    let balance = if c.pp > 1 && c.balance == Balance::Auto {
+        ", balance: auto"
+    } else {
+        ""
+    };
     let pipeline = match c.schedule {
         PipelineSchedule::Interleaved { virtual_stages } => format!(
-            "interleaved {{ microbatches: {}, virtual: {virtual_stages} }}",
+            "interleaved {{ microbatches: {}, virtual: {virtual_stages}{balance} }}",
             c.microbatches
         ),
-        PipelineSchedule::Gpipe => format!("gpipe {{ microbatches: {} }}", c.microbatches),
-        PipelineSchedule::OneFOneB => format!("1f1b {{ microbatches: {} }}", c.microbatches),
+        PipelineSchedule::Gpipe => format!("gpipe {{ microbatches: {}{balance} }}", c.microbatches),
+        PipelineSchedule::OneFOneB => {
+            format!("1f1b {{ microbatches: {}{balance} }}", c.microbatches)
+        }
     };
     let settings = c.settings();
     let get = |path: &str| {
@@ -207,7 +214,7 @@ fn sections(c: &Candidate) -> String {
             .map_or(String::new(), |(_, v)| v.clone())
     };
     format!(
-        "parallel {{\n  mesh = {{ dp: {}, pp: {}, cp: {}, tp: {} }}\n  zero = {}\n  pipeline = {pipeline}\n  recompute = {}\n  sequence_parallel = {}\n}}\ntrain {{ micro_batch = {} … }}\n",
+        "parallel {{\n  mesh = {{ dp: {}, pp: {}, cp: {}, tp: {} }}\n  zero = {}\n  pipeline = {pipeline}\n  recompute = {}\n  sequence_parallel = {}\n}}\nand in `train`: micro_batch = {}\n",
         c.dp,
         c.pp,
         c.cp,
