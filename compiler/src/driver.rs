@@ -193,17 +193,25 @@ pub fn analyze_with(
     } else {
         None
     };
-    let memory = match &verified {
-        Some(verified) if through >= Stage::MemoryPlan => {
-            plan_memory(spec, plan, verified, diagnostics)
-        }
-        _ => None,
-    };
-    let timeline = match &memory {
-        Some(_) if through >= Stage::Timeline => {
-            Some(timeline::simulate_calibrated(plan, spec, calibration))
-        }
-        _ => None,
+    // The timeline reads only the verified plan, so it is simulated beside the memory plan
+    // (on its own thread) and kept only when the memory plan succeeds.
+    let (memory, timeline) = match &verified {
+        Some(verified) if through >= Stage::MemoryPlan => std::thread::scope(|scope| {
+            let simulated = (through >= Stage::Timeline).then(|| {
+                scope.spawn(move || timeline::simulate_calibrated(plan, spec, calibration))
+            });
+            let memory = plan_memory(spec, plan, verified, diagnostics);
+            // A panic in the simulation stays a panic, as it was on this thread.
+            let timeline = simulated.map(|h| {
+                h.join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            });
+            match memory {
+                Some(memory) => (Some(memory), timeline),
+                None => (None, None),
+            }
+        }),
+        _ => (None, None),
     };
     let fit = match (&verified, &memory) {
         (Some(verified), Some(memory)) => Some(crate::fit::needs(
