@@ -134,23 +134,8 @@ pub fn search(
         })
         .collect();
     let candidates = space.candidates.len();
-    let mut queue: Vec<Estimated> = Vec::new();
-    for (i, c) in space.candidates.into_iter().enumerate() {
-        if i % 256 == 0 {
-            progress(Progress::Checking {
-                done: i,
-                total: candidates,
-            });
-        }
-        let Some(e) = estimate(&spec, c, nodes, gpus_per_node) else {
-            continue;
-        };
-        if e.memory as f64 > FORMULA_SLACK * capacity as f64 {
-            count(&mut rejected, FORMULA_RULE, Some((e.candidate, e.memory)));
-        } else {
-            queue.push(e);
-        }
-    }
+    let shape = (nodes, gpus_per_node);
+    let mut queue = estimate_all(&spec, space.candidates, shape, &mut rejected, progress);
     queue.sort_by(|a, b| a.step.total_cmp(&b.step));
     let estimated = queue.len();
     let how = Pricing {
@@ -169,23 +154,7 @@ pub fn search(
     };
     let fitting = lowering.run(&mut queue, options, progress);
     let lowered = lowering.lowered;
-    // The winner is lowered and simulated whole, so its numbers are check's; the others keep
-    // their sampled ones (within 1% of whole, `tests`).
-    let mut ranked: Vec<Ranked> = Vec::new();
-    for (c, sampled) in fitting {
-        if ranked.len() == options.top {
-            break;
-        }
-        if !ranked.is_empty() {
-            ranked.push(sampled);
-            continue;
-        }
-        match evaluate(&c.spec, &c.candidate, &how) {
-            Ok(r) if fits(&r, capacity) => ranked.push(r),
-            Ok(r) => count(&mut rejected, MEMORY_RULE, Some((c.candidate, need(&r)))),
-            Err(rule) => count(&mut rejected, &rule, None),
-        }
-    }
+    let mut ranked = confirm(fitting, options.top, &how, capacity, &mut rejected);
     ranked.sort_by(|a, b| a.step_seconds.total_cmp(&b.step_seconds));
     rejected.sort_by_key(|r| std::cmp::Reverse(r.count));
     Ok(Outcome {
@@ -197,6 +166,63 @@ pub fn search(
         gpus,
         gpu_memory_bytes: capacity,
     })
+}
+
+/// Every candidate estimated by the formulas on `spec` changed in memory, on the cluster of
+/// `(nodes, gpus per node)`; those over the formulas' loose memory bound are counted in
+/// `rejected`, the rest returned.
+fn estimate_all(
+    spec: &Spec,
+    candidates: Vec<Candidate>,
+    (nodes, gpus_per_node): (u32, u32),
+    rejected: &mut Vec<Rejection>,
+    progress: &(dyn Fn(Progress) + Sync),
+) -> Vec<Estimated> {
+    let capacity = spec.cluster.gpu.memory_bytes as f64;
+    let total = candidates.len();
+    let mut kept = Vec::new();
+    for (i, c) in candidates.into_iter().enumerate() {
+        if i % 256 == 0 {
+            progress(Progress::Checking { done: i, total });
+        }
+        let Some(e) = estimate(spec, c, nodes, gpus_per_node) else {
+            continue;
+        };
+        if e.memory as f64 > FORMULA_SLACK * capacity {
+            count(rejected, FORMULA_RULE, Some((e.candidate, e.memory)));
+        } else {
+            kept.push(e);
+        }
+    }
+    kept
+}
+
+/// The `top` plans shown, fastest first: the winner lowered and simulated whole, so its
+/// numbers are check's (a winner that does not fit whole gives way to the next); the others
+/// keep their sampled numbers (within 1% of whole, `tests`).
+fn confirm(
+    fitting: Vec<(Estimated, Ranked)>,
+    top: usize,
+    how: &Pricing,
+    capacity: u64,
+    rejected: &mut Vec<Rejection>,
+) -> Vec<Ranked> {
+    let mut ranked: Vec<Ranked> = Vec::new();
+    for (c, sampled) in fitting {
+        if ranked.len() == top {
+            break;
+        }
+        if !ranked.is_empty() {
+            ranked.push(sampled);
+            continue;
+        }
+        match evaluate(&c.spec, &c.candidate, how) {
+            Ok(r) if fits(&r, capacity) => ranked.push(r),
+            Ok(r) => count(rejected, MEMORY_RULE, Some((c.candidate, need(&r)))),
+            Err(rule) => count(rejected, &rule, None),
+        }
+    }
+    ranked
 }
 
 /// The spec whose model and recipe are searched, and the cluster's nodes and GPUs per node:
