@@ -496,8 +496,13 @@ fn pipeline_layers_from_the_file_and_overrides() {
 
 /// The help of the first `code` diagnostic of tiny.par under `sets`.
 fn help_of(sets: &[&str], code: &str) -> String {
+    help_in(&example("tiny.par"), sets, code)
+}
+
+/// The help of the first `code` diagnostic of the spec `text` under `sets`.
+fn help_in(text: &str, sets: &[&str], code: &str) -> String {
     let mut sources = Sources::default();
-    let main = sources.add("test.par", example("tiny.par"));
+    let main = sources.add("test.par", text.to_string());
     let overrides: Vec<Override> = sets.iter().map(|s| parse_override(s).unwrap()).collect();
     let (_, diags) = check(&mut sources, main, &overrides);
     let d = diags.items.iter().find(|d| d.code == code);
@@ -538,10 +543,20 @@ fn pipeline_layer_helps_lead_to_specs_that_check() {
         "cluster.gpus_per_node=3",
         "parallel.balance=auto",
     ]);
-    // E0417: remove `balance`; E0418: remove `layers`.
-    let both = [p2, g2, "parallel.layers=[3,1]", "parallel.balance=auto"];
-    assert!(help_of(&both, "E0417").contains("remove `balance`"));
-    tiny_with(&both[..3]);
+    // E0417 (both written in the file): remove `balance`. Set by `--set`, one replaces the
+    // other (they spell one choice), as a path set twice keeps the last.
+    let both = example("tiny.par")
+        .replace(
+            "mesh = { dp: 1, pp: 1, cp: 1, tp: 1 }",
+            "mesh = { dp: 1, pp: 2, cp: 1, tp: 1 }\n  pipeline = 1f1b { microbatches: 4, layers: [3, 1], balance: auto }",
+        )
+        .replace("gpus_per_node = 1", "gpus_per_node = 2");
+    assert!(help_in(&both, &[], "E0417").contains("remove `balance`"));
+    let removed = both.replace(", balance: auto", "");
+    assert!(run(&removed, &[]).1.is_empty());
+    let sets = [p2, g2, "parallel.layers=[3,1]", "parallel.balance=auto"];
+    assert!(tiny_with(&sets).parallel.balance == Balance::Auto);
+    // E0418: remove `layers`.
     let no_pipeline = ["parallel.layers=[2,2]"];
     assert!(help_of(&no_pipeline, "E0418").contains("remove `layers`"));
     tiny_with(&[]);

@@ -167,3 +167,23 @@ fn search_without_a_fitting_plan_names_the_rule_and_the_closest() {
     assert_eq!(code, 2);
     assert!(err.contains("--nodes 4"), "{err}");
 }
+
+#[test]
+fn search_replaces_a_layers_list_of_the_spec() {
+    // The spec splits its own 2-stage pipeline by a list; every candidate's `balance` replaces
+    // it (the two spell one choice), so candidates of other shapes still check.
+    let (code, out, err) = plan(&[
+        "--search",
+        "examples/tiny.par",
+        "--set",
+        "parallel.layers=[3,1]",
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        "cluster.gpus_per_node=2",
+        "--top",
+        "2",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.contains("E0417") && !out.contains("E0418"), "{out}");
+}

@@ -179,6 +179,16 @@ impl Settings {
             let prefix = format!("{c}.");
             self.values.retain(|k, _| !k.starts_with(&prefix));
         }
+        // `layers` and `balance` spell one choice (how the pipeline splits the layers): setting
+        // one replaces what the file said with the other.
+        for (set, other) in [
+            ("parallel.layers", "parallel.balance"),
+            ("parallel.balance", "parallel.layers"),
+        ] {
+            if flat.iter().any(|(p, _)| canonical(p) == set) {
+                self.values.remove(other);
+            }
+        }
         for (p, e) in flat {
             let pc = canonical(&p);
             if let Some(axis) = axis_of(&pc) {

@@ -57,9 +57,8 @@ impl Candidate {
             _ => 1,
         };
         out.push(("parallel.virtual", virtual_stages.to_string()));
-        if self.pp > 1 {
-            out.push(("parallel.balance", balance_name(self.balance).to_string()));
-        }
+        // Always: it replaces a `layers` list the spec may give for its own pipeline.
+        out.push(("parallel.balance", balance_name(self.balance).to_string()));
         out.into_iter().map(|(p, v)| (p.to_string(), v)).collect()
     }
 
