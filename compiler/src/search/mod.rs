@@ -14,8 +14,9 @@
 //!    [`SearchOptions::lower_at_least`] were lowered, or [`SearchOptions::lower_at_most`] were: memory per GPU from the lowered plan (`fit`, the verdict
 //!    E0701 gives) rejects what does not fit; the timeline gives the step time, bubble and
 //!    exposed communication of the rest, which are ranked by step time. A candidate with more
-//!    than 3p microbatches is simulated at 2p and 3p and extrapolated linearly (the steady
-//!    state repeats; `tests` hold the extrapolation to the whole simulation).
+//!    microbatches than that is simulated at 2p and 2p + 1 microbatches (interleaved: 2p and
+//!    3p) and extrapolated linearly (the steady state repeats; `tests` hold the extrapolation
+//!    to the whole simulation).
 //! 4. **Confirm** the fastest: the winner is lowered and simulated whole, as `parc check` would,
 //!    so its numbers are check's; the others shown keep their sampled numbers. An `auto` stage
 //!    balance that splits the layers evenly is the even candidate and is not tried twice.
@@ -30,7 +31,7 @@ use crate::diag::Diagnostics;
 use crate::driver::{self, analyze_with, CompileOptions, Compiled, Stage};
 use crate::lower::{lower_with, LowerOptions};
 use crate::overrides::Override;
-use crate::spec::{Precision, Spec};
+use crate::spec::{PipelineSchedule, Precision, Spec};
 pub use space::Candidate;
 
 /// What a search covers.
@@ -516,11 +517,16 @@ fn evaluate_all(batch: Vec<Estimated>, how: &Pricing) -> Vec<(Estimated, Result<
     batch.into_iter().zip(results).collect()
 }
 
-/// Two microbatch counts in the pipeline's steady state (2p and 3p: valid for every schedule)
-/// when the candidate runs more than the larger, else `None` (simulate it whole).
-fn sample_points(microbatches: u32, pp: u32) -> Option<(u32, u32)> {
-    let (m1, m2) = (2 * pp.max(1), 3 * pp.max(1));
-    (microbatches > m2).then_some((m1, m2))
+/// Two microbatch counts in the pipeline's steady state when the candidate runs more than the
+/// larger, else `None` (simulate it whole): 2p and 2p + 1 (1F1B and GPipe repeat per
+/// microbatch), or 2p and 3p for interleaving (its microbatches come in multiples of p).
+fn sample_points(microbatches: u32, pp: u32, schedule: PipelineSchedule) -> Option<(u32, u32)> {
+    let p = pp.max(1);
+    let m2 = match schedule {
+        PipelineSchedule::Interleaved { .. } if p > 1 => 3 * p,
+        _ => 2 * p + 1,
+    };
+    (microbatches > m2).then_some((2 * p, m2))
 }
 
 /// `spec` with `m` microbatches per step (the global batch follows).
@@ -539,7 +545,7 @@ fn with_microbatches(spec: &Spec, m: u32) -> Spec {
 /// Exact (one whole simulation) when the candidate runs few microbatches.
 fn evaluate_sampled(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked, String> {
     let m = candidate.microbatches;
-    let Some((m1, m2)) = sample_points(m, candidate.pp) else {
+    let Some((m1, m2)) = sample_points(m, candidate.pp, candidate.schedule) else {
         return evaluate(spec, candidate, how);
     };
     let a = evaluate(&with_microbatches(spec, m1), candidate, how)?;
@@ -680,6 +686,13 @@ mod tests {
             Plan {
                 pp: 4,
                 microbatches: 16,
+                recompute: Recompute::Selective,
+                precision: crate::spec::Precision::Bf16,
+                ..Plan::default()
+            },
+            Plan {
+                pp: 4,
+                microbatches: 16,
                 schedule: PipelineSchedule::Interleaved { virtual_stages: 2 },
                 recompute: Recompute::Full,
                 ..Plan::default()
@@ -726,8 +739,13 @@ mod tests {
 
     #[test]
     fn few_microbatches_are_simulated_whole() {
-        assert_eq!(sample_points(6, 2), None);
-        assert_eq!(sample_points(7, 2), Some((4, 6)));
-        assert_eq!(sample_points(64, 8), Some((16, 24)));
+        let one = PipelineSchedule::OneFOneB;
+        let interleaved = PipelineSchedule::Interleaved { virtual_stages: 2 };
+        assert_eq!(sample_points(5, 2, one), None);
+        assert_eq!(sample_points(6, 2, one), Some((4, 5)));
+        assert_eq!(sample_points(6, 2, interleaved), None);
+        assert_eq!(sample_points(8, 2, interleaved), Some((4, 6)));
+        assert_eq!(sample_points(64, 8, one), Some((16, 17)));
+        assert_eq!(sample_points(64, 8, interleaved), Some((16, 24)));
     }
 }
