@@ -14,7 +14,6 @@ use parc_compiler::cost;
 use parc_compiler::diag::{Diagnostics, Sources};
 use parc_compiler::driver::{self, Analysis, CompileOptions, Compiled, Stage};
 use parc_compiler::ir::Plan;
-use parc_compiler::search;
 use parc_compiler::spec::Spec;
 use parc_compiler::timeline::Timeline;
 use parc_compiler::verify::VerifyReport;
@@ -126,10 +125,9 @@ fn lowered(
     };
     let step = timeline.step_seconds.max(f64::MIN_POSITIVE);
     let tokens = spec.train.global_batch as f64 * spec.model.seq as f64;
-    let gpus = f64::from(spec.cluster.world());
     Some(Lowered {
         tokens_per_second: tokens / step,
-        mfu: search::model_flops(spec) / (step * gpus * search::peak(spec)),
+        mfu: cost::mfu(spec, step),
         priced_by: calibration::priced_by(chosen, spec, &plan),
         summary: crate::plan_summary::render(&plan, &verified, &memory, &timeline),
         report_rank_stall_fraction: report_rank_stall_fraction(&plan, &timeline),

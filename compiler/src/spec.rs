@@ -630,6 +630,17 @@ pub struct Gpu {
     pub memory_bandwidth: f64,
 }
 
+impl Gpu {
+    /// The peak FLOP/s a run in `precision` computes at: the fp32 peak for fp32, the tensor
+    /// peak for bf16/fp16.
+    pub fn peak_for(&self, precision: Precision) -> f64 {
+        match precision {
+            Precision::Fp32 => self.peak_flops_fp32,
+            _ => self.peak_flops,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Link {
     /// e.g. `nvlink`, `infiniband`, `ethernet`, `pcie`.

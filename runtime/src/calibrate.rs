@@ -108,10 +108,7 @@ pub fn calibrate(
     let attention = bench.attention(&grid)?;
     progress("memory-bound ops");
     let memory = bench.memory(&grid)?;
-    let peak_flops = match settings.precision {
-        Precision::Fp32 => settings.gpu.peak_flops_fp32,
-        _ => settings.gpu.peak_flops,
-    };
+    let peak_flops = settings.gpu.peak_for(settings.precision);
     Ok(Profile {
         version: VERSION,
         gpu: settings.gpu.name.clone(),

@@ -205,6 +205,21 @@ pub(crate) fn act_bytes(precision: Precision) -> u64 {
     precision.compute_bytes()
 }
 
+/// Model FLOPs utilisation of a step of `step_seconds`: the model's forward and backward FLOPs
+/// (no recompute) over the step and all GPUs at their peak in the run's precision.
+pub fn mfu(spec: &Spec, step_seconds: f64) -> f64 {
+    let (dp, _, cp, tp) = spec.parallel.mesh.sizes();
+    let per_stage = f64::from(dp * cp * tp);
+    let model: f64 = estimate(spec)
+        .roles
+        .iter()
+        .map(|r| (r.flops.forward + r.flops.backward) * per_stage)
+        .sum();
+    let peak = spec.cluster.gpu.peak_for(spec.train.precision).max(1.0);
+    let gpus = f64::from(spec.cluster.world());
+    model / (step_seconds.max(f64::MIN_POSITIVE) * gpus * peak)
+}
+
 /// Estimate the cost of one training step of `spec`, per pipeline stage.
 pub fn estimate(spec: &Spec) -> CostReport {
     let (p, v) = pipeline_shape(spec);
@@ -225,10 +240,7 @@ pub fn estimate(spec: &Spec) -> CostReport {
                 ..memory
             };
             let flops = flops::stage_flops(spec, &in_stage);
-            let peak = match spec.train.precision {
-                Precision::Fp32 => spec.cluster.gpu.peak_flops_fp32,
-                _ => spec.cluster.gpu.peak_flops,
-            };
+            let peak = spec.cluster.gpu.peak_for(spec.train.precision);
             let compute_seconds = if peak > 0.0 {
                 flops.total() / peak
             } else {

@@ -31,7 +31,7 @@ use crate::diag::Diagnostics;
 use crate::driver::{self, analyze_with, CompileOptions, Compiled, Stage};
 use crate::lower::{lower_with, LowerOptions};
 use crate::overrides::Override;
-use crate::spec::{PipelineSchedule, Precision, Spec};
+use crate::spec::{PipelineSchedule, Spec};
 pub use space::Candidate;
 
 /// What a search covers.
@@ -607,7 +607,7 @@ fn evaluate(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked,
         candidate: candidate.clone(),
         step_seconds: step,
         tokens_per_second: tokens / step,
-        mfu: model_flops(spec) / (step * f64::from(spec.cluster.world()) * peak(spec)),
+        mfu: crate::cost::mfu(spec, step),
         memory: fit.into_iter().map(|n| (n.role, n.bytes)).collect(),
         bubble_fraction: timeline.bubble_fraction,
         exposed_comm_fraction: timeline.exposed_comm_fraction,
@@ -619,28 +619,6 @@ fn first_error(d: &Diagnostics, stage: &str) -> String {
         || format!("{stage} failed"),
         |x| format!("{} {}", x.code, x.message),
     )
-}
-
-/// The model's FLOPs per step, forward and backward, without recompute (for MFU).
-pub fn model_flops(spec: &Spec) -> f64 {
-    let cost = crate::cost::estimate(spec);
-    let (dp, _, cp, tp) = spec.parallel.mesh.sizes();
-    let per_stage_ranks = f64::from(dp * cp * tp);
-    cost.roles
-        .iter()
-        .map(|r| (r.flops.forward + r.flops.backward) * per_stage_ranks)
-        .sum()
-}
-
-/// The GPU's peak FLOP/s in the spec's precision (for MFU).
-pub fn peak(spec: &Spec) -> f64 {
-    let gpu = &spec.cluster.gpu;
-    let peak = if spec.train.precision == Precision::Fp32 {
-        gpu.peak_flops_fp32
-    } else {
-        gpu.peak_flops
-    };
-    peak.max(1.0)
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use super::profile::{rate_at, GemmLayout, MemoryKind, Pass, Profile};
 use crate::ir::op::{AttentionAttrs, Op};
 use crate::ir::table::{Family, FlopCount};
 use crate::ir::{Buffer, BufferId, CollectiveKind, DType, Instr, Plan, Program};
-use crate::spec::{Precision, Spec};
+use crate::spec::Spec;
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
 
@@ -52,10 +52,7 @@ impl<'a> ProfileCosts<'a> {
     pub fn new(calibration: &'a Calibration, spec: &'a Spec) -> ProfileCosts<'a> {
         let profile = &calibration.profile;
         let gpu = &spec.cluster.gpu;
-        let peak = match spec.train.precision {
-            Precision::Fp32 => gpu.peak_flops_fp32,
-            _ => gpu.peak_flops,
-        };
+        let peak = gpu.peak_for(spec.train.precision);
         let ratio = |target: f64, measured: f64| {
             if calibration.scale && target > 0.0 && measured > 0.0 {
                 target / measured

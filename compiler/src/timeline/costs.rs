@@ -14,7 +14,7 @@
 
 use crate::ir::table::FlopCount;
 use crate::ir::{Buffer, CollectiveKind, DType, Instr, Program};
-use crate::spec::{Precision, Spec};
+use crate::spec::Spec;
 
 /// Prices instructions for the timeline. Implement it to simulate other machines or, in tests,
 /// idealised costs.
@@ -36,11 +36,7 @@ pub struct SpecCosts<'a> {
 
 impl SpecCosts<'_> {
     fn peak(&self) -> f64 {
-        let gpu = &self.spec.cluster.gpu;
-        match self.spec.train.precision {
-            Precision::Fp32 => gpu.peak_flops_fp32,
-            _ => gpu.peak_flops,
-        }
+        self.spec.cluster.gpu.peak_for(self.spec.train.precision)
     }
 
     fn link(&self, crosses_nodes: bool) -> (f64, f64) {
