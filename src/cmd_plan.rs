@@ -210,24 +210,13 @@ fn show_exact_program(
             .iter()
             .all(|&(axis, c)| mesh.coord(r, axis) == c)
     };
-    // Programs are numbered by their role's first rank.
-    let mut roles_before = std::collections::HashSet::new();
-    for r in (0..plan.world).take_while(|&r| !same_role(r)) {
-        roles_before.insert(
-            [
-                parc_compiler::spec::Axis::Pp,
-                parc_compiler::spec::Axis::Cp,
-                parc_compiler::spec::Axis::Tp,
-            ]
-            .map(|a| mesh.coord(r, a)),
-        );
-    }
+    let first_id = parc_compiler::lower::full_program_id(&planned.spec, rank).map_or(0, |id| id.0);
     let rank_program = (0..plan.world)
         .map(|r| ProgramId(if same_role(r) { 0 } else { u32::MAX }))
         .collect();
     let memory = planned.memory.programs.get(class.0 as usize).cloned();
     planned.view = Some(View {
-        first_id: roles_before.len() as u32,
+        first_id,
         plan: Plan {
             programs: vec![program],
             rank_program,

@@ -105,20 +105,7 @@ pub fn lower_with(spec: &Spec, options: LowerOptions) -> Result<Plan, Diagnostic
     let setup = Setup::new(spec)?;
     let mesh = &spec.parallel.mesh;
     let world = mesh.world();
-    // One program per (pp, cp, tp) coordinate (per class of them for representatives), in
-    // order of first rank.
-    let mut role_index: HashMap<(u32, u32, u32), ProgramId> = HashMap::new();
-    let mut roles = Vec::new();
-    let mut rank_program = Vec::with_capacity(world as usize);
-    for r in 0..world {
-        let key = role_key(spec, r, options.representatives);
-        let next = ProgramId(roles.len() as u32);
-        let id = *role_index.entry(key).or_insert_with(|| {
-            roles.push(key);
-            next
-        });
-        rank_program.push(id);
-    }
+    let (roles, rank_program) = roles(spec, options.representatives);
     let programs = emit_all(&setup.shared(options), &roles)?;
     let (p, _) = context::pipeline_shape(spec);
     let report_rank = mesh.rank_of(&[(Axis::Pp, p - 1)]);
@@ -147,6 +134,31 @@ pub fn lower_rank(spec: &Spec, options: LowerOptions, rank: u32) -> Result<Progr
         ..options
     };
     emit_program(&setup.shared(options), role_key(spec, rank, false))
+}
+
+/// The plan's programs: one per (pp, cp, tp) coordinate (per class of them with `classes`), in
+/// order of first rank, as role keys; and each rank's program.
+fn roles(spec: &Spec, classes: bool) -> (Vec<(u32, u32, u32)>, Vec<ProgramId>) {
+    let world = spec.parallel.mesh.world();
+    let mut role_index: HashMap<(u32, u32, u32), ProgramId> = HashMap::new();
+    let mut roles = Vec::new();
+    let mut rank_program = Vec::with_capacity(world as usize);
+    for r in 0..world {
+        let key = role_key(spec, r, classes);
+        let next = ProgramId(roles.len() as u32);
+        let id = *role_index.entry(key).or_insert_with(|| {
+            roles.push(key);
+            next
+        });
+        rank_program.push(id);
+    }
+    (roles, rank_program)
+}
+
+/// The id rank `rank`'s program has in the full plan ([`lower_with`] without
+/// representatives); `None` for a rank outside the mesh.
+pub fn full_program_id(spec: &Spec, rank: u32) -> Option<ProgramId> {
+    roles(spec, false).1.get(rank as usize).copied()
 }
 
 /// The role of global rank `r`: its (pp, cp, tp) coordinates, the cp and tp indices capped at
