@@ -54,8 +54,8 @@ impl Projection {
 }
 
 /// Whether ranks run their projection's program along `axis` capped at `cap`, with no
-/// transfer along it.
-fn symmetric_along(plan: &Plan, axis: Axis, cap: u32) -> bool {
+/// transfer along it (`transfers`: the axes some transfer crosses).
+fn symmetric_along(plan: &Plan, transfers: &[Axis], axis: Axis, cap: u32) -> bool {
     let mesh = &plan.mesh;
     if mesh.size(axis) <= cap + 1 {
         return false;
@@ -68,19 +68,30 @@ fn symmetric_along(plan: &Plan, axis: Axis, cap: u32) -> bool {
     let same_program = (0..plan.world).all(|r| {
         plan.rank_program.get(r as usize) == plan.rank_program.get(only.rank(mesh, r) as usize)
     });
-    same_program && !transfers_along(plan, axis)
+    same_program && !transfers.contains(&axis)
 }
 
-fn transfers_along(plan: &Plan, axis: Axis) -> bool {
-    plan.programs.iter().any(|p| {
-        p.instrs.iter().any(|i| match i {
-            Instr::Send { peer, .. } | Instr::Recv { peer, .. } => peer.axis == axis,
-            Instr::P2p { ops } => ops.iter().any(|op| match op {
-                P2pOp::Send { peer, .. } | P2pOp::Recv { peer, .. } => peer.axis == axis,
-            }),
-            _ => false,
-        })
-    })
+/// The axes some point-to-point transfer of the plan crosses (one pass over every program).
+fn transfer_axes(plan: &Plan) -> Vec<Axis> {
+    let mut axes = Vec::new();
+    let mut note = |axis: Axis| {
+        if !axes.contains(&axis) {
+            axes.push(axis);
+        }
+    };
+    for instr in plan.programs.iter().flat_map(|p| &p.instrs) {
+        match instr {
+            Instr::Send { peer, .. } | Instr::Recv { peer, .. } => note(peer.axis),
+            Instr::P2p { ops } => {
+                for op in ops {
+                    let (P2pOp::Send { peer, .. } | P2pOp::Recv { peer, .. }) = op;
+                    note(peer.axis);
+                }
+            }
+            _ => {}
+        }
+    }
+    axes
 }
 
 /// Each group's sets projected onto representatives, ascending and deduplicated.
@@ -123,12 +134,14 @@ fn consistent(proj: &[Vec<Vec<u32>>], member: &[Vec<Option<u32>>]) -> bool {
 /// The first of the candidate projections (all that apply, dp alone, none) whose projected
 /// sets are consistent, with those sets.
 fn choose(plan: &Plan, member: &[Vec<Option<u32>>]) -> (Projection, Vec<Vec<Vec<u32>>>) {
-    let dp = symmetric_along(plan, Axis::Dp, 0).then_some(0);
+    let transfers = transfer_axes(plan);
+    let along = |axis: Axis, cap: u32| symmetric_along(plan, &transfers, axis, cap);
+    let dp = along(Axis::Dp, 0).then_some(0);
     let classes = plan.representative;
     let all = Projection {
         dp,
-        tp: (classes && symmetric_along(plan, Axis::Tp, 1)).then_some(1),
-        cp: (classes && symmetric_along(plan, Axis::Cp, 1)).then_some(1),
+        tp: (classes && along(Axis::Tp, 1)).then_some(1),
+        cp: (classes && along(Axis::Cp, 1)).then_some(1),
     };
     let dp_only = Projection {
         dp,
