@@ -386,4 +386,4 @@ fn nearest_mean(points: &[(Vec<f64>, f64)], at: &[f64]) -> f64 {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -1,6 +1,6 @@
 use super::*;
 use crate::driver::{compile, CompileOptions, Stage};
-use crate::timeline::profile::{AttentionPoint, GemmPoint, MemoryPoint, VERSION};
+use crate::timeline::profile::{AttentionPoint, GemmPoint, MemoryPoint};
 use crate::timeline::{simulate, simulate_with};
 
 const TINY: &str = include_str!("../../../../examples/tiny.par");
@@ -75,21 +75,11 @@ fn uniform(flops: f64, bytes: f64) -> Profile {
         })
         .collect();
     Profile {
-        version: VERSION,
-        gpu: "cpu".into(),
-        device: "test".into(),
-        backend: "cpu".into(),
-        precision: "fp32".into(),
-        date: "2026-01-01".into(),
-        parc_version: "0".into(),
-        peak_flops: 1e11,
-        memory_bandwidth: 2e10,
         launch_overhead_s: 0.0,
         gemm,
         attention,
         memory,
-        collectives: vec![],
-        notes: vec![],
+        ..crate::timeline::profile::tests::sample()
     }
 }
 
