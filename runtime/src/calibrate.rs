@@ -305,17 +305,7 @@ impl Bench<'_> {
     /// A buffer for `operand` at `n` rows (`m` key/value rows), and its bytes as the timeline
     /// counts them (f32 at the run's precision, bf16 2, i32 4).
     fn alloc(&mut self, operand: &Operand, n: u64, m: u64) -> Result<(BufferId, f64)> {
-        let shape = match operand.shape {
-            Some(s) => {
-                let rows = match s.rows {
-                    Rows::N | Rows::Any => n,
-                    Rows::M => m,
-                    Rows::Fixed(r) => r,
-                };
-                vec![rows, s.cols]
-            }
-            None => vec![n],
-        };
+        let shape = operand_shape(operand, n, m);
         let (dtype, bytes) = match operand.class {
             StorageClass::Tokens => (DType::I32, 4),
             StorageClass::Fp32 => (DType::F32, if self.half { 2 } else { 4 }),
@@ -330,17 +320,7 @@ impl Bench<'_> {
 
     /// Token ids 0 (valid for any vocabulary), every float in [0.5, 1).
     fn fill(&mut self, id: BufferId, operand: &Operand, n: u64, m: u64) -> Result<()> {
-        let len = match operand.shape {
-            Some(s) => {
-                let rows = match s.rows {
-                    Rows::N | Rows::Any => n,
-                    Rows::M => m,
-                    Rows::Fixed(r) => r,
-                };
-                rows * s.cols
-            }
-            None => n,
-        } as usize;
+        let len = operand_shape(operand, n, m).iter().product::<u64>() as usize;
         match operand.class {
             StorageClass::Tokens => self.backend.write_i32(id, &vec![0; len]),
             _ => {
@@ -350,6 +330,22 @@ impl Bench<'_> {
                 self.backend.write_f32(id, &data)
             }
         }
+    }
+}
+
+/// The shape of `operand` at `n` rows (`m` key/value rows): `[rows, cols]`, or `[n]` for an
+/// operand without a fixed shape.
+fn operand_shape(operand: &Operand, n: u64, m: u64) -> Vec<u64> {
+    match operand.shape {
+        Some(s) => {
+            let rows = match s.rows {
+                Rows::N | Rows::Any => n,
+                Rows::M => m,
+                Rows::Fixed(r) => r,
+            };
+            vec![rows, s.cols]
+        }
+        None => vec![n],
     }
 }
 
