@@ -54,7 +54,7 @@
 //! cross-entropy overwrites its logits with dlogits without a copy).
 mod args;
 mod attention;
-mod codegen;
+pub(crate) mod codegen;
 mod columns;
 mod compile;
 mod cross_entropy;

@@ -1,23 +1,10 @@
 use super::plan::Plan;
 use super::ptx;
+use crate::cuda::codegen::tests::dtypes;
 use crate::error::RuntimeError;
 use parc_compiler::ir::DType;
 use parc_compiler::kir::expand::expand;
 use parc_compiler::kir::{Access, Bin, Graph, Kernel, Node, Store, Un};
-
-/// The operand types of `kernel` with every `Elem` operand `elem`.
-fn dtypes(kernel: &Kernel, elem: DType) -> Vec<DType> {
-    let of = |a: &Access| match a {
-        Access::Elem { .. } => elem,
-        _ => DType::F32,
-    };
-    kernel
-        .inputs
-        .iter()
-        .chain(&kernel.outputs)
-        .map(of)
-        .collect()
-}
 
 fn has(kernel: &Kernel, f: impl Fn(&Node) -> bool) -> bool {
     kernel.graph.nodes().iter().any(f)
