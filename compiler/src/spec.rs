@@ -572,6 +572,18 @@ pub enum DataFormat {
     U32,
 }
 
+/// How text becomes token ids (and ids text again, for samples).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Tokenizer {
+    /// One token per byte (vocabulary 256; no end-of-text token).
+    Bytes,
+    /// GPT-2's byte-level BPE (`r50k_base`: 50,257 tokens, `<|endoftext|>` = 50256).
+    Gpt2,
+    /// A Hugging Face `tokenizer.json`, its path relative to the spec file's folder.
+    File { path: String },
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
 pub enum DataSource {

@@ -1,7 +1,7 @@
 //! Training data: where tokens come from ([`source`]: byte-level text, little-endian u16/u32
 //! token files, seeded synthetic tokens) and which samples each rank reads at each step
 //! ([`sampler`]: seeded per-epoch permutations cut into global batches, each global batch split
-//! into fixed per-rank, per-microbatch slices).
+//! into fixed per-rank, per-microbatch slices); [`tokenizer`] turns text into ids and back.
 //!
 //! A *sample* is a window of `seq + 1` consecutive tokens; its first `seq` tokens are the inputs
 //! and its last `seq` the targets (inputs shifted by one). Sample `i` starts at token `i · seq`,
@@ -9,7 +9,9 @@
 pub mod batch_log;
 pub mod sampler;
 pub mod source;
+pub mod tokenizer;
 
 pub use batch_log::{write_batch_log, write_run_batch_log};
 pub use sampler::{BatchLayout, EpochProgress, Sampler};
 pub use source::{fill_microbatch, Dataset};
+pub use tokenizer::{StreamDecoder, Tokenizer};
