@@ -5,6 +5,7 @@
 use crate::run_comm::CommChoice;
 use crate::run_progress::LogFormat;
 use crate::SpecArgs;
+use parc_runtime::checkpoint::SpecSource;
 use parc_runtime::exec::TrainOptions;
 use std::path::{Path, PathBuf};
 
@@ -131,7 +132,20 @@ pub(crate) fn train_options(args: &RunArgs, spec_dir: &Path) -> TrainOptions {
     options.profile_step = args.profile_step;
     options.save_init = args.save_init.clone();
     options.log_batches = args.log_batches.clone();
+    options.source = spec_source(args, spec_dir);
     options
+}
+
+/// The spec as given, for the model files the run writes (`checkpoint::saved`); none when the
+/// file cannot be read again (the run has read it once already and fails on its own terms).
+fn spec_source(args: &RunArgs, spec_dir: &Path) -> Option<SpecSource> {
+    let text = crate::input::read_spec(&args.file).ok()?;
+    Some(SpecSource {
+        file: args.file.display().to_string(),
+        dir: std::path::absolute(spec_dir).unwrap_or_else(|_| spec_dir.to_path_buf()),
+        text,
+        overrides: args.spec.set.clone(),
+    })
 }
 
 /// The folder data and checkpoint paths are relative to: the spec file's.

@@ -17,8 +17,10 @@
 //!
 //! A checkpoint belongs to one plan: its manifest carries a hash of the lowered plan (programs,
 //! groups, parameter layout, world), and loading under another plan is refused with both hashes.
+pub mod saved;
 pub mod store;
 
+pub use saved::{SavedModel, SpecSource};
 pub use store::{
     commit, find_latest, model_path, prepare, read_manifest, read_shard, staging_dir, write_model,
     write_params, write_shard, ShardTensor,

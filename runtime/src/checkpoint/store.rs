@@ -1,6 +1,7 @@
 //! Reading and writing checkpoint files: atomic writes (temp file, fsync, rename, fsync of the
 //! folder), safetensors shards, the JSON manifest, pruning to the newest `keep`, and loading
 //! with errors that say which file is wrong and what to do.
+use super::saved::{model_metadata, SpecSource};
 use super::{shard_file_name, step_dir_name, Manifest, FORMAT};
 use crate::error::{Result, RuntimeError};
 use safetensors::tensor::{Dtype, TensorView};
@@ -108,15 +109,26 @@ pub fn model_path(dir: &Path) -> PathBuf {
 
 /// Export the model's parameters as global tensors (independent of the plan: loadable by any
 /// safetensors reader) to `DIR/model.safetensors`, with the step in the file's metadata.
-pub fn write_model(dir: &Path, step: u64, params: &[ShardTensor]) -> Result<PathBuf> {
+pub fn write_model(
+    dir: &Path,
+    step: u64,
+    params: &[ShardTensor],
+    source: Option<&SpecSource>,
+) -> Result<PathBuf> {
     let path = model_path(dir);
-    write_params(&path, step, params)?;
+    write_params(&path, step, params, source)?;
     Ok(path)
 }
 
 /// Write global parameters (as [`write_model`] does) to the file `path`, creating its folder,
-/// with `step` (the optimizer steps they have had) in the file's metadata.
-pub fn write_params(path: &Path, step: u64, params: &[ShardTensor]) -> Result<()> {
+/// with `step` (the optimizer steps they have had) and the run's spec (`saved::SPEC_KEY`) in
+/// the file's metadata.
+pub fn write_params(
+    path: &Path,
+    step: u64,
+    params: &[ShardTensor],
+    source: Option<&SpecSource>,
+) -> Result<()> {
     let dir = match path.parent() {
         Some(dir) if !dir.as_os_str().is_empty() => dir,
         _ => Path::new("."),
@@ -126,8 +138,7 @@ pub fn write_params(path: &Path, step: u64, params: &[ShardTensor]) -> Result<()
         dir.display(),
         path.display()
     )))?;
-    let metadata = [("step".to_string(), step.to_string())].into();
-    write_safetensors(path, params, Some(metadata))?;
+    write_safetensors(path, params, Some(model_metadata(step, source)?))?;
     sync_dir(dir)
 }
 
@@ -344,7 +355,7 @@ mod tests {
     #[test]
     fn the_model_export_holds_global_tensors_and_the_step() {
         let dir = temp_dir("model");
-        let path = write_model(&dir, 12, &tensors(0, 0)).unwrap();
+        let path = write_model(&dir, 12, &tensors(0, 0), None).unwrap();
         let bytes = std::fs::read(&path).unwrap();
         let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
         let step = header

@@ -24,7 +24,7 @@ pub use profile::StepProfile;
 pub use rank::{ParamPiece, RankExecutor};
 
 use crate::backend::Backend;
-use crate::checkpoint::{self, Manifest, ShardTensor};
+use crate::checkpoint::{self, Manifest, ShardTensor, SpecSource};
 use crate::comm::{Comm, LocalComm};
 use crate::data::{write_run_batch_log, Dataset, EpochProgress};
 use crate::error::{Result, RuntimeError};
@@ -67,6 +67,9 @@ pub struct TrainOptions {
     /// Write the token offsets of every step's global batch to this file before training
     /// (format: [`crate::data::batch_log`]).
     pub log_batches: Option<PathBuf>,
+    /// The spec as the user wrote it, recorded in the model files this run writes
+    /// (`checkpoint::saved`), so they can be sampled and exported alone.
+    pub source: Option<SpecSource>,
 }
 
 impl TrainOptions {
@@ -82,6 +85,7 @@ impl TrainOptions {
             profile_step: None,
             save_init: None,
             log_batches: None,
+            source: None,
         }
     }
 }
@@ -275,6 +279,7 @@ where
         on_step,
         init_export: options.save_init.clone().map(|path| InitExport {
             path,
+            source: options.source.clone(),
             pending: Mutex::new((Vec::new(), 0)),
         }),
     };
@@ -349,7 +354,12 @@ where
         let end = records.last().map_or(start_step, |r| r.step + 1);
         let tensors = global_tensors(params.clone());
         let dir = options.spec_dir.join(&ckpt.dir);
-        model_export = Some(checkpoint::write_model(&dir, end, &tensors)?);
+        model_export = Some(checkpoint::write_model(
+            &dir,
+            end,
+            &tensors,
+            options.source.as_ref(),
+        )?);
     }
     Ok(TrainResult {
         records,
@@ -391,6 +401,7 @@ struct RunContext<'a> {
 /// the last rank to hand in its pieces writes the file while the others train on.
 struct InitExport {
     path: PathBuf,
+    source: Option<SpecSource>,
     /// Pieces handed in so far and how many ranks handed them in.
     pending: Mutex<(Vec<ParamPiece>, u32)>,
 }
@@ -409,7 +420,7 @@ impl InitExport {
             std::mem::take(&mut pending.0)
         };
         let tensors = global_tensors(gather::assemble(&plan.params, &complete)?);
-        checkpoint::write_params(&self.path, step, &tensors)
+        checkpoint::write_params(&self.path, step, &tensors, self.source.as_ref())
     }
 }
 

@@ -116,7 +116,12 @@ pub fn train_rank<B: Backend>(
                     .map(|done| dir.join(checkpoint::step_dir_name(done)))
                     .collect();
             }
-            match export_model(plan, comm.as_mut(), outcome.pieces, &dir, end) {
+            let target = ModelTarget {
+                dir: &dir,
+                step: end,
+                source: options.source.as_ref(),
+            };
+            match export_model(plan, comm.as_mut(), outcome.pieces, &target) {
                 Ok(path) => Some(path),
                 Err(e) => {
                     comm.abort(&format!("rank {rank}: {e}"));
@@ -170,17 +175,25 @@ fn most_reserved(comm: &mut dyn Comm, world: u32, reserved: Option<u64>) -> Resu
         .max())
 }
 
+/// Where [`export_model`] writes: `dir/model.safetensors`, after `step` steps, recording
+/// `source`.
+struct ModelTarget<'a> {
+    dir: &'a std::path::Path,
+    step: u64,
+    source: Option<&'a checkpoint::SpecSource>,
+}
+
 /// Send every rank's parameter pieces to rank 0, which assembles the global tensors (checking
-/// that replicas agree) and writes `dir/model.safetensors` after `step` steps. Rank 0 knows
+/// that replicas agree) and writes `target`'s model file. Rank 0 knows
 /// each rank's pieces and their sizes from the plan, so only the values travel. Returns the
 /// file's path on every rank once rank 0 has written it.
 fn export_model(
     plan: &Plan,
     comm: &mut dyn Comm,
     pieces: Vec<ParamPiece>,
-    dir: &std::path::Path,
-    step: u64,
+    target: &ModelTarget<'_>,
 ) -> Result<PathBuf> {
+    let ModelTarget { dir, step, source } = *target;
     let world: Vec<u32> = (0..plan.world).collect();
     if comm.rank() != 0 {
         let data: Vec<f32> = pieces.iter().flat_map(|p| p.data.iter().copied()).collect();
@@ -205,7 +218,7 @@ fn export_model(
             all.extend(layout);
         }
         let params = gather::assemble(&plan.params, &all)?;
-        let path = checkpoint::write_model(dir, step, &global_tensors(params))?;
+        let path = checkpoint::write_model(dir, step, &global_tensors(params), source)?;
         if path != checkpoint::model_path(dir) {
             return Err(RuntimeError::Checkpoint(format!(
                 "the model export went to {}, not where the ranks expect it",

@@ -1,0 +1,191 @@
+//! A saved model: global parameters together with the spec that describes them, so that
+//! `parc sample` and `parc export` can open `DIR/model.safetensors` alone.
+//!
+//! A run that writes global parameters (`DIR/model.safetensors`, `--save-init FILE`) puts the
+//! spec it ran in the file's metadata under [`SPEC_KEY`]: the `.par` text, the `--set`
+//! overrides and the spec's folder (for paths inside it, such as a tokenizer file), as JSON.
+//! [`SavedModel::open`] reads a model file, or a checkpoint folder holding one.
+use super::store::{model_path, ShardTensor};
+use crate::error::{Result, RuntimeError};
+use safetensors::{Dtype, SafeTensors};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// The metadata key of the spec in a saved model.
+pub const SPEC_KEY: &str = "parc.spec";
+
+/// The spec a run was started with, as the user wrote it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SpecSource {
+    /// The `.par` file's name as given (for diagnostics).
+    pub file: String,
+    /// The `.par` file's folder: relative paths in the spec are relative to it.
+    pub dir: PathBuf,
+    /// The `.par` text.
+    pub text: String,
+    /// The `--set` overrides, each `path=value`.
+    pub overrides: Vec<String>,
+}
+
+/// Global parameters read back from a saved model file.
+#[derive(Clone, Debug)]
+pub struct SavedModel {
+    /// The file they were read from.
+    pub path: PathBuf,
+    /// Optimizer steps the parameters have had.
+    pub step: u64,
+    /// The spec of the run that saved them (absent in files of older builds or other tools).
+    pub source: Option<SpecSource>,
+    pub params: Vec<ShardTensor>,
+}
+
+fn saved_error(path: &Path, what: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Checkpoint(format!("{}: {what}", path.display()))
+}
+
+/// The metadata of a saved model: its step and, when given, its spec.
+pub fn model_metadata(
+    step: u64,
+    source: Option<&SpecSource>,
+) -> Result<std::collections::HashMap<String, String>> {
+    let mut metadata = std::collections::HashMap::from([("step".to_string(), step.to_string())]);
+    if let Some(source) = source {
+        let json = serde_json::to_string(source).map_err(|e| {
+            RuntimeError::Checkpoint(format!("cannot record the spec in the model file: {e}"))
+        })?;
+        metadata.insert(SPEC_KEY.to_string(), json);
+    }
+    Ok(metadata)
+}
+
+impl SavedModel {
+    /// Open `path`: a `.safetensors` file of global parameters, or a checkpoint folder holding
+    /// `model.safetensors`.
+    pub fn open(path: &Path) -> Result<SavedModel> {
+        let file = if path.is_dir() {
+            let model = model_path(path);
+            if !model.is_file() {
+                return Err(saved_error(path, no_model_help(path)));
+            }
+            model
+        } else if path.is_file() {
+            path.to_path_buf()
+        } else {
+            return Err(saved_error(
+                path,
+                "no such file or folder; give a checkpoint folder (`checkpoint.dir`) or its \
+                 model.safetensors",
+            ));
+        };
+        read_model(&file)
+    }
+}
+
+fn no_model_help(dir: &Path) -> String {
+    if dir.join("manifest.json").is_file() {
+        "is one step's checkpoint, saved as per-rank shards of its plan; the global parameters \
+         are the checkpoint folder's model.safetensors, written when a run ends (reading a \
+         step's shards without their run is not built yet: resume it with `parc run --resume` \
+         and `--set train.steps` at that step to write it)"
+            .to_string()
+    } else {
+        "holds no model.safetensors; give the `checkpoint.dir` of a finished run, or a \
+         .safetensors file"
+            .to_string()
+    }
+}
+
+fn read_model(path: &Path) -> Result<SavedModel> {
+    let bytes = std::fs::read(path).map_err(|e| saved_error(path, format!("cannot read: {e}")))?;
+    let (_, header) = SafeTensors::read_metadata(&bytes)
+        .map_err(|e| saved_error(path, format!("not a safetensors file ({e})")))?;
+    let metadata = header.metadata().clone().unwrap_or_default();
+    let step = metadata
+        .get("step")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let source = match metadata.get(SPEC_KEY) {
+        Some(json) => Some(
+            serde_json::from_str(json)
+                .map_err(|e| saved_error(path, format!("its recorded spec is unreadable ({e})")))?,
+        ),
+        None => None,
+    };
+    let file = SafeTensors::deserialize(&bytes)
+        .map_err(|e| saved_error(path, format!("corrupt safetensors file ({e})")))?;
+    let mut params = Vec::new();
+    for (name, view) in file.tensors() {
+        if view.dtype() != Dtype::F32 {
+            return Err(saved_error(
+                path,
+                format!(
+                    "tensor {name} is {:?}; parc's model files hold F32 (a Hugging Face model \
+                     is read with `train.init = hf(\"DIR\")`)",
+                    view.dtype()
+                ),
+            ));
+        }
+        params.push(ShardTensor {
+            name,
+            shape: view.shape().iter().map(|&d| d as u64).collect(),
+            data: view
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        });
+    }
+    params.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(SavedModel {
+        path: path.to_path_buf(),
+        step,
+        source,
+        params,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::store::write_params;
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("parc-saved-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn a_model_file_carries_its_spec() {
+        let dir = temp_dir("spec");
+        let source = SpecSource {
+            file: "tiny.par".into(),
+            dir: "/specs".into(),
+            text: "model m {}".into(),
+            overrides: vec!["train.steps=3".into()],
+        };
+        let params = vec![ShardTensor {
+            name: "embed.weight".into(),
+            shape: vec![2, 2],
+            data: vec![1.0, 2.0, 3.0, 4.0],
+        }];
+        write_params(&model_path(&dir), 7, &params, Some(&source)).unwrap();
+        let saved = SavedModel::open(&dir).unwrap();
+        assert_eq!(saved.step, 7);
+        assert_eq!(saved.source, Some(source));
+        assert_eq!(saved.params, params);
+    }
+
+    #[test]
+    fn a_step_folder_is_explained() {
+        let dir = temp_dir("step");
+        std::fs::write(dir.join("manifest.json"), "{}").unwrap();
+        let err = SavedModel::open(&dir).unwrap_err().to_string();
+        assert!(err.contains("per-rank shards"), "{err}");
+        let err = SavedModel::open(&dir.join("missing"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no such file"), "{err}");
+    }
+}
