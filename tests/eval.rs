@@ -263,7 +263,10 @@ fn a_resumed_run_gives_the_uninterrupted_val_losses_on_the_held_out_tail() {
     let bits = |v: Vec<(u64, f32)>| -> Vec<(u64, u32)> {
         v.into_iter().map(|(s, x)| (s, x.to_bits())).collect()
     };
-    assert_eq!(bits(val_losses(&rest)), bits(val_losses(&full)[2..].to_vec()));
+    assert_eq!(
+        bits(val_losses(&rest)),
+        bits(val_losses(&full)[2..].to_vec())
+    );
 }
 
 #[test]

@@ -597,7 +597,7 @@ fn eval(r: &mut Reader) -> Option<Eval> {
                 r,
                 "every",
                 n,
-                "evaluates after every N-th step: write e.g. `every: 100`",
+                "`every: N` evaluates after every N-th step and the last: write e.g. `every: 100`",
             )
         }),
         None => {
@@ -615,7 +615,7 @@ fn eval(r: &mut Reader) -> Option<Eval> {
                 r,
                 "batches",
                 n,
-                "global batches of evaluation data per evaluation: write e.g. `batches: 8`",
+                "`batches: K` evaluates on K global batches: write e.g. `batches: 8` (the default)",
             )
         }),
         None => Some(Eval::DEFAULT_BATCHES),
@@ -631,9 +631,9 @@ fn eval(r: &mut Reader) -> Option<Eval> {
     })
 }
 
-/// `n` when it is at least 1; else an E0903 on `train.eval.FIELD` with `help` (what the field
-/// means), or, to turn evaluation off, removing `eval`.
-fn positive(r: &mut Reader, field: &str, n: u64, help: &str) -> Option<u64> {
+/// `n` when it is at least 1; else an E0903 on `train.eval.FIELD` whose help says what the
+/// field means (`meaning`, with an example), or to remove `eval` to not evaluate.
+fn positive(r: &mut Reader, field: &str, n: u64, meaning: &str) -> Option<u64> {
     if n > 0 {
         return Some(n);
     }
@@ -641,9 +641,7 @@ fn positive(r: &mut Reader, field: &str, n: u64, help: &str) -> Option<u64> {
     r.diags.push(
         Diagnostic::error("E0903", format!("eval's `{field}` must be at least 1"))
             .label(span, "zero")
-            .help(format!(
-                "`{field}` {help}; to evaluate never, remove `eval`"
-            )),
+            .help(format!("{meaning}, or remove `eval` to not evaluate")),
     );
     None
 }
