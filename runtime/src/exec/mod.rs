@@ -10,9 +10,8 @@
 //! same way, and `log_batches` the token offsets of every step's batch. With `train.eval`,
 //! every rank runs its evaluation program after every `every`-th step and the last
 //! ([`RankExecutor::evaluate`]), and the step's record carries the validation loss. Plans are
-//! verified
-//! (`parc_compiler::driver::analyze`) before any rank starts: the runtime runs only verified
-//! programs.
+//! verified (`parc_compiler::driver::analyze`, the evaluation programs too) before any rank
+//! starts: the runtime runs only verified programs.
 //! All parallelism lives in the programs: this module only dispatches.
 pub mod gather;
 pub mod loss_scale;
@@ -181,8 +180,8 @@ pub fn open_run_data(spec: &Spec, spec_dir: &Path) -> Result<RunData> {
     RunData::separate(train, eval_data, eval.batches, layout)
 }
 
-/// Whether a run evaluates after `done` steps of `steps`: after every `train.eval.every`-th
-/// and after the last.
+/// Whether a run of `spec` evaluates once `done` steps are done: after every
+/// `train.eval.every`-th step and after the last (`train.steps`).
 fn evaluates_after(spec: &Spec, done: u64) -> bool {
     spec.train
         .eval
