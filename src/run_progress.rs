@@ -4,13 +4,16 @@
 //! memory the backend held.
 //!
 //! JSON lines: `{"event":"step","step":N,"loss":…,"lr":…,"grad_norm":…,"tokens":…,
-//! "tokens_per_s":…,"elapsed_s":…,"loss_scale":…,"skipped":…}` where `step` counts completed
-//! steps (1-based, so the last line of a run has `step = train.steps`), then one
+//! "tokens_per_s":…,"elapsed_s":…,"loss_scale":…,"skipped":…,"val_loss":…}` where `step` counts
+//! completed steps (1-based, so the last line of a run has `step = train.steps`), then one
 //! `{"event":"summary",…}` line. `loss_scale` is the fp16 loss scale the step used (null in
 //! other precisions); `skipped` is true for a step whose gradients overflowed (its update was
-//! skipped). A skipped step's human line is always printed (and kept on a terminal). The
-//! summary's `memory_reserved_bytes` is the most memory one rank's backend held, over all ranks
-//! also when each rank is its own process (null when the run does not know it).
+//! skipped); `val_loss` is the validation loss of a step after which `train.eval` ran (null on
+//! the others). A skipped step's human line, and an evaluated step's (`… loss 2.5000  val
+//! 2.3456 (ppl 10.45) …`), are always printed (and kept on a terminal). The summary's
+//! `memory_reserved_bytes` is the most memory one rank's backend held, over all ranks also when
+//! each rank is its own process (null when the run does not know it); its `val_loss` and
+//! `val_ppl` are the last evaluation's (null without one).
 use crate::report::bytes;
 use parc_compiler::spec::Gpu;
 use parc_runtime::data::EpochProgress;
@@ -99,6 +102,21 @@ fn skipped(record: &StepRecord) -> bool {
     record.loss_scale.is_some_and(|s| s.skipped)
 }
 
+/// A line that stays on a terminal: a skipped step's, or an evaluated one's.
+fn kept(record: &StepRecord) -> bool {
+    skipped(record) || record.val_loss.is_some()
+}
+
+/// Perplexity: e to the mean token cross-entropy.
+fn perplexity(loss: f32) -> f64 {
+    f64::from(loss).exp()
+}
+
+/// `val 2.3456 (ppl 10.45)`.
+fn val_note(loss: f32) -> String {
+    format!("val {loss:.4} (ppl {:.2})", perplexity(loss))
+}
+
 /// The human progress line for `record`.
 pub fn human_line(record: &StepRecord, first_step: u64, total_steps: u64) -> String {
     const WIDTH: u64 = 20;
@@ -113,8 +131,11 @@ pub fn human_line(record: &StepRecord, first_step: u64, total_steps: u64) -> Str
         "-".repeat(WIDTH as usize - filled)
     );
     let digits = total_steps.to_string().len();
+    let val = record
+        .val_loss
+        .map_or_else(String::new, |loss| format!("  {}", val_note(loss)));
     let mut line = format!(
-        "step {done:>digits$}/{total_steps} [{bar}] loss {:.4}  lr {:.2e}  {} tok/s  ETA {}",
+        "step {done:>digits$}/{total_steps} [{bar}] loss {:.4}{val}  lr {:.2e}  {} tok/s  ETA {}",
         record.loss,
         record.lr,
         format_rate(record.tokens_per_s),
@@ -140,6 +161,7 @@ pub fn json_line(record: &StepRecord) -> String {
         "elapsed_s": record.elapsed_s,
         "loss_scale": record.loss_scale.map(|s| s.scale),
         "skipped": skipped(record),
+        "val_loss": record.val_loss,
     })
     .to_string()
 }
@@ -190,8 +212,18 @@ impl Summary<'_> {
             "skipped_steps": self.skipped_steps(),
             "loss_scale": last.and_then(|r| r.loss_scale).map(|s| s.next_scale),
             "memory_reserved_bytes": self.reserved_bytes,
+            "val_loss": self.last_eval().map(|(_, loss)| loss),
+            "val_ppl": self.last_eval().map(|(_, loss)| perplexity(loss)),
         })
         .to_string()
+    }
+
+    /// The last evaluation: its step (1-based) and validation loss.
+    fn last_eval(&self) -> Option<(u64, f32)> {
+        self.records
+            .iter()
+            .rev()
+            .find_map(|r| Some((r.step + 1, r.val_loss?)))
     }
 
     /// Steps whose update was skipped because their gradients overflowed (fp16).
@@ -221,6 +253,12 @@ impl Summary<'_> {
             format_rate(self.tokens_per_s()),
             epochs.join(", ")
         );
+        if let Some((step, loss)) = self.last_eval() {
+            text.push_str(&format!(
+                "\nvalidation after step {step}: {}",
+                val_note(loss)
+            ));
+        }
         if let Some(scale) = last.loss_scale {
             text.push_str(&format!(
                 "\nfp16 loss scale: {} at the end; {} of {} steps skipped (overflow)",
@@ -266,7 +304,7 @@ impl Progress {
             || done.is_multiple_of(self.log_every)
             || done == self.total_steps
             || record.step == first_step
-            || skipped(record);
+            || kept(record);
         if self.format == LogFormat::Human && !due {
             return;
         }
@@ -279,7 +317,7 @@ impl Progress {
             LogFormat::Human => {
                 let line = human_line(record, first_step, self.total_steps);
                 let mut err = std::io::stderr().lock();
-                if self.in_place && !skipped(record) {
+                if self.in_place && !kept(record) {
                     let _ = write!(err, "\r{line}\x1b[K");
                 } else if self.in_place {
                     let _ = writeln!(err, "\r{line}\x1b[K");
@@ -351,6 +389,7 @@ mod tests {
             tokens_per_s: 12_345.0,
             elapsed_s,
             loss_scale: None,
+            val_loss: None,
         }
     }
 
@@ -409,6 +448,48 @@ mod tests {
         assert_eq!(value["skipped_steps"], 0);
         assert!(value["loss_scale"].is_null());
         assert!(summary.human().contains("samples seen: epoch 0 16/100"));
+    }
+
+    #[test]
+    fn evaluated_steps_show_validation_loss_and_perplexity() {
+        let mut evaluated = record(49, 10.0);
+        evaluated.val_loss = Some(2.3456);
+        assert_eq!(
+            human_line(&evaluated, 0, 200),
+            "step  50/200 [#####---------------] loss 2.5000  val 2.3456 (ppl 10.44)  lr 6.00e-4  \
+             12.3k tok/s  ETA 0:30"
+        );
+        let value: serde_json::Value = serde_json::from_str(&json_line(&evaluated)).unwrap();
+        assert_eq!(value["val_loss"], f64::from(2.3456f32));
+        let plain: serde_json::Value = serde_json::from_str(&json_line(&record(50, 10.2))).unwrap();
+        assert!(plain["val_loss"].is_null());
+        let records = [evaluated, record(50, 10.2)];
+        let summary = Summary {
+            records: &records,
+            epochs: &[],
+            checkpoints: &[],
+            model_export: None,
+            backend: "cpu",
+            world: 1,
+            reserved_bytes: None,
+        };
+        let value: serde_json::Value = serde_json::from_str(&summary.json()).unwrap();
+        assert_eq!(value["val_loss"], f64::from(2.3456f32));
+        let ppl = value["val_ppl"].as_f64().unwrap();
+        assert!((ppl - 2.3456f64.exp()).abs() < 1e-5, "{ppl}");
+        assert!(
+            summary
+                .human()
+                .contains("validation after step 50: val 2.3456 (ppl 10.44)"),
+            "{}",
+            summary.human()
+        );
+        let none = Summary {
+            records: &records[1..],
+            ..summary
+        };
+        let value: serde_json::Value = serde_json::from_str(&none.json()).unwrap();
+        assert!(value["val_loss"].is_null() && value["val_ppl"].is_null());
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Multi-process `parc run` through the binary: a 4-process CPU run started by
 //! `--nproc-per-node 4` (mpiexec + the MPI comm) gives exactly the single-process losses,
-//! checkpoints and exported parameters, and resumes bit-identically; a rank that crashes ends
+//! validation losses, checkpoints and exported parameters, and resumes bit-identically; a rank that crashes ends
 //! the job with its error, quickly; a rank that hangs makes its peers' collective time out
 //! naming the waiting rank, the missing peer, the instruction and the spec line; a rendezvous
 //! missing a rank names it; a world size other than the mesh's is refused before any
@@ -65,6 +65,17 @@ fn losses(output: &Output) -> Vec<u32> {
         .collect()
 }
 
+/// The validation losses of the JSON step lines (f32 bits; None where the step did not
+/// evaluate).
+fn val_losses(output: &Output) -> Vec<Option<u32>> {
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["event"] == "step")
+        .map(|v| v["val_loss"].as_f64().map(|x| (x as f32).to_bits()))
+        .collect()
+}
+
 /// Why the MPI tests cannot run here, if they cannot (built without the feature, they are
 /// ignored instead).
 fn mpi_missing() -> Option<&'static str> {
@@ -103,6 +114,8 @@ fn four_processes_give_exactly_the_single_process_losses() {
         let mut args = plan_args_with(3, parallel);
         args.extend(["--log-format".into(), "json".into(), "--profile".into()]);
         args.extend(["--set".into(), "train.checkpoint.every=2".into()]);
+        // Evaluated after steps 2 and 3 on the held-out tail, by every rank.
+        args.extend(["--set".into(), "train.eval={every: 2, batches: 2}".into()]);
         let ckpt = |dir: &PathBuf| {
             vec![
                 "--set".into(),
@@ -137,6 +150,11 @@ fn four_processes_give_exactly_the_single_process_losses() {
             losses(&multi)[2..],
             "{parallel:?}: resumed"
         );
+        assert_eq!(
+            val_losses(&resumed),
+            val_losses(&multi)[2..],
+            "{parallel:?}: resumed validation"
+        );
         // The same checkpoint shards and final parameters, byte for byte.
         for file in ["model.safetensors", "step-00000002/rank-00003.safetensors"] {
             let read = |dir: &PathBuf| std::fs::read(dir.join(file)).unwrap();
@@ -153,6 +171,16 @@ fn four_processes_give_exactly_the_single_process_losses() {
         assert_eq!(
             one, four,
             "{parallel:?}: losses (f32 bits) of 1 process vs 4 processes"
+        );
+        let evaluated = val_losses(&single);
+        assert!(
+            evaluated[0].is_none() && evaluated[1].is_some() && evaluated[2].is_some(),
+            "{parallel:?}: {evaluated:?}"
+        );
+        assert_eq!(
+            evaluated,
+            val_losses(&multi),
+            "{parallel:?}: validation losses of 1 process vs 4 processes"
         );
         // Only the report rank prints its profiled step and the summary, once each.
         for event in ["\"profile\"", "\"summary\""] {

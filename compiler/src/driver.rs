@@ -189,7 +189,11 @@ pub fn analyze_with(
     diagnostics: &mut Diagnostics,
 ) -> Analysis {
     let verified = if through >= Stage::Verify {
-        keep(verify::verify_spec(plan, spec), diagnostics)
+        keep(verify::verify_spec(plan, spec), diagnostics).filter(|_| {
+            // The evaluation steps run on the same ranks: verified as a plan of their own.
+            plan.eval_plan()
+                .is_none_or(|eval| keep(verify::verify_spec(&eval, spec), diagnostics).is_some())
+        })
     } else {
         None
     };

@@ -605,6 +605,25 @@ pub struct Checkpointing {
     pub keep: u32,
 }
 
+/// `train.eval`: the validation loss, measured on data training never reads.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Eval {
+    /// Evaluate after every `every`-th step (and after the last).
+    pub every: u64,
+    /// Global batches of evaluation data per evaluation (default [`Eval::DEFAULT_BATCHES`]).
+    pub batches: u64,
+    /// Where the evaluation data comes from; `None`: the training data's held-out tail (its
+    /// last `batches × global_batch` samples, which training then never reads), or for
+    /// synthetic training data a synthetic stream of its own.
+    pub data: Option<DataSource>,
+    pub span: Span,
+}
+
+impl Eval {
+    /// Global batches per evaluation when `batches` is not written.
+    pub const DEFAULT_BATCHES: u64 = 8;
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct Train {
     /// Sequences per optimizer step over all data-parallel ranks.
@@ -622,6 +641,8 @@ pub struct Train {
     pub checkpoint: Option<Checkpointing>,
     /// Log every `log_every` steps (default 1).
     pub log_every: u64,
+    /// Validation loss every so many steps (`train.eval`), when asked for.
+    pub eval: Option<Eval>,
     pub span: Span,
 }
 

@@ -224,7 +224,7 @@ pub fn adamw() -> Optimizer {
 
 /// Training with `optimizer` in `precision`, `micro_batch` sequences per microbatch and
 /// `global_batch` per step: a constant learning rate, gradients clipped at norm 1, synthetic
-/// data, 5 steps from seed 0, no checkpoints, every step logged.
+/// data, 5 steps from seed 0, no checkpoints, every step logged, no evaluation.
 pub fn train(
     micro_batch: u64,
     global_batch: u64,
@@ -243,6 +243,7 @@ pub fn train(
         seed: 0,
         checkpoint: None,
         log_every: 1,
+        eval: None,
         span: Span::default(),
     }
 }

@@ -546,7 +546,7 @@ pub fn train(r: &mut Reader, span: Span, gpu_is_cpu: bool) -> Option<Train> {
     };
     let schedule = lr_schedule(r, steps);
     let grad_clip = r.float("train.grad_clip").filter(|c| *c > 0.0);
-    let data = data(r);
+    let data = data(r, "train.data");
     let seed = r.count("train.seed", 0).unwrap_or(0);
     let checkpoint =
         if r.span("train.checkpoint.every").is_some() || r.span("train.checkpoint.dir").is_some() {
@@ -569,6 +569,7 @@ pub fn train(r: &mut Reader, span: Span, gpu_is_cpu: bool) -> Option<Train> {
             None
         };
     let log_every = r.count("train.log_every", 1).unwrap_or(1);
+    let eval = eval(r);
     Some(Train {
         global_batch: global_batch?,
         micro_batch,
@@ -581,8 +582,68 @@ pub fn train(r: &mut Reader, span: Span, gpu_is_cpu: bool) -> Option<Train> {
         seed,
         checkpoint,
         log_every,
+        eval,
         span,
     })
+}
+
+/// `train.eval = { every: N, batches: K, data: … }`, when any of its fields is written.
+fn eval(r: &mut Reader) -> Option<Eval> {
+    let fields = ["every", "batches", "data"].map(|f| format!("train.eval.{f}"));
+    let at = fields.iter().find_map(|path| r.span(path))?;
+    let every = match r.span("train.eval.every") {
+        Some(_) => r.count("train.eval.every", 0).and_then(|n| {
+            positive(
+                r,
+                "every",
+                n,
+                "`every: N` evaluates after every N-th step and the last: write e.g. `every: 100`",
+            )
+        }),
+        None => {
+            r.diags.push(
+                Diagnostic::error("E0206", "`eval` needs `every` (steps between evaluations)")
+                    .label(at, "evaluation asked for here")
+                    .help("write `eval = { every: 100 }`"),
+            );
+            None
+        }
+    };
+    let batches = match r.span("train.eval.batches") {
+        Some(_) => r.count("train.eval.batches", 0).and_then(|n| {
+            positive(
+                r,
+                "batches",
+                n,
+                "`batches: K` evaluates on K global batches: write e.g. `batches: 8` (the default)",
+            )
+        }),
+        None => Some(Eval::DEFAULT_BATCHES),
+    };
+    let data = r
+        .span("train.eval.data")
+        .map(|_| data(r, "train.eval.data"));
+    Some(Eval {
+        every: every?,
+        batches: batches?,
+        data,
+        span: at,
+    })
+}
+
+/// `n` when it is at least 1; else an E0903 on `train.eval.FIELD` whose help says what the
+/// field means (`meaning`, with an example), or to remove `eval` to not evaluate.
+fn positive(r: &mut Reader, field: &str, n: u64, meaning: &str) -> Option<u64> {
+    if n > 0 {
+        return Some(n);
+    }
+    let span = r.span(&format!("train.eval.{field}")).unwrap_or_default();
+    r.diags.push(
+        Diagnostic::error("E0903", format!("eval's `{field}` must be at least 1"))
+            .label(span, "zero")
+            .help(format!("{meaning}, or remove `eval` to not evaluate")),
+    );
+    None
 }
 
 fn precision(r: &mut Reader, gpu_is_cpu: bool) -> Precision {
@@ -787,8 +848,9 @@ fn lr_schedule(r: &mut Reader, steps: u64) -> LrSchedule {
     }
 }
 
-fn data(r: &mut Reader) -> DataSource {
-    match r.value("train.data") {
+/// The data source written at `path` (`train.data`, `train.eval.data`).
+fn data(r: &mut Reader, path: &str) -> DataSource {
+    match r.value(path) {
         None => DataSource::Synthetic,
         Some(SVal::Word(w, _)) if w == "synthetic" => DataSource::Synthetic,
         Some(SVal::File(path, fmt, span, fmt_span)) => {

@@ -56,6 +56,15 @@ impl<const N: usize> Operands<N> {
         }
         out
     }
+
+    /// The same list with every buffer `id` replaced by `to(id)`.
+    pub fn map(&self, to: impl Fn(BufferId) -> BufferId) -> Operands<N> {
+        let mut out = *self;
+        for id in &mut out.ids[..usize::from(self.len)] {
+            *id = to(*id);
+        }
+        out
+    }
 }
 
 impl<const N: usize> Deref for Operands<N> {

@@ -82,6 +82,18 @@ pub struct Plan {
     /// those of index 1. Verified, planned and simulated like any plan; never run.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub representative: bool,
+    /// With `train.eval`: each program's evaluation step, at its program's index (rank `r`
+    /// evaluates with `eval[rank_program[r]]`); empty without evaluation and in an analysis
+    /// plan. An evaluation program is its training program's forward through the loss and
+    /// nothing after it (no backward, gradient reduction or optimizer), for one global batch
+    /// of evaluation data (its `LoadBatch`es read the evaluation set), leaving the batch's loss
+    /// in the same `loss` metric. Its buffer table begins with its training program's whole
+    /// table, so the two share every parameter and metric, and one memory layout planned over
+    /// both steps ([`Program::followed_by`]) serves both. It writes no persistent buffer but
+    /// `loss`. Not serialized: the plan's JSON and a checkpoint's plan hash describe the
+    /// training step, so a run may add or change evaluation and resume the same checkpoints.
+    #[serde(skip)]
+    pub eval: Vec<Program>,
 }
 
 /// Every global parameter of the model, in node order.
@@ -160,7 +172,24 @@ impl Plan {
             rank_program: Vec::new(),
             report_rank: self.report_rank,
             representative: self.representative,
+            eval: Vec::new(),
         }
+    }
+
+    /// The evaluation steps as a plan of their own (each rank's evaluation program in its
+    /// training program's place), for the verifier; `None` without evaluation.
+    pub fn eval_plan(&self) -> Option<Plan> {
+        (!self.eval.is_empty()).then(|| Plan {
+            programs: self.eval.clone(),
+            rank_program: self.rank_program.clone(),
+            ..self.header()
+        })
+    }
+
+    /// Rank `rank`'s evaluation program, when the plan evaluates.
+    pub fn eval_of(&self, rank: u32) -> Option<&Program> {
+        let id = self.rank_program.get(rank as usize)?;
+        self.eval.get(id.0 as usize)
     }
 
     /// Global rank of `peer` as seen from `rank`.
@@ -234,6 +263,28 @@ impl Program {
         }
         program
     }
+    /// This program's step followed by `next`'s, as one program over `next`'s buffers, which
+    /// must begin with this program's whole table (an evaluation program's do, see
+    /// [`Plan::eval`]): its memory plan is one layout both steps run in. Its parameters and
+    /// metrics are this program's.
+    pub fn followed_by(&self, next: &Program) -> Result<Program, String> {
+        if next.buffers.get(..self.buffers.len()) != Some(self.buffers.as_slice()) {
+            return Err(format!(
+                "the buffers of `{}` do not begin with those of `{}`",
+                next.role, self.role
+            ));
+        }
+        Ok(Program {
+            role: self.role.clone(),
+            coords: self.coords.clone(),
+            buffers: next.buffers.clone(),
+            params: self.params.clone(),
+            instrs: self.instrs.iter().chain(&next.instrs).cloned().collect(),
+            loss: self.loss,
+            grad_sumsq: self.grad_sumsq,
+        })
+    }
+
     /// Each compute instruction's index in [`Program::instrs`] and its parts, in order.
     pub fn computes(&self) -> impl Iterator<Item = (usize, Compute<'_>)> {
         self.instrs
@@ -534,6 +585,40 @@ impl Instr {
             node: None,
             phase: Phase::Forward,
         }
+    }
+
+    /// This instruction with every buffer `id` it names replaced by `to(id)`.
+    pub fn with_buffers(&self, to: impl Fn(BufferId) -> BufferId) -> Instr {
+        let mut out = self.clone();
+        match &mut out {
+            Instr::Compute {
+                inputs, outputs, ..
+            } => {
+                *inputs = inputs.map(&to);
+                *outputs = outputs.map(&to);
+            }
+            Instr::Collective { input, output, .. } => {
+                *input = to(*input);
+                *output = to(*output);
+            }
+            Instr::Send { buffer, .. }
+            | Instr::Recv { buffer, .. }
+            | Instr::Alloc { buffer }
+            | Instr::Free { buffer } => *buffer = to(*buffer),
+            Instr::P2p { ops } => {
+                for op in ops {
+                    let (P2pOp::Send { buffer, .. } | P2pOp::Recv { buffer, .. }) = op;
+                    *buffer = to(*buffer);
+                }
+            }
+            Instr::LoadBatch {
+                tokens, targets, ..
+            } => {
+                *tokens = tokens.map(&to);
+                *targets = targets.map(&to);
+            }
+        }
+        out
     }
 
     /// The parts of a compute instruction; `None` for every other kind.

@@ -107,6 +107,9 @@ pub struct Emitter<'a> {
     pub accumulate_in_place: bool,
     /// `LowerOptions::fuse_epilogues`.
     pub fuse_epilogues: bool,
+    /// Emitting an evaluation step (`eval`): forward units only, nothing saved for a backward,
+    /// and the step ends with the loss (no gradients, no optimizer).
+    pub evaluating: bool,
 }
 
 impl Emitter<'_> {

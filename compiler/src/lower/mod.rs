@@ -8,6 +8,7 @@
 //! - `layers` / `backward`: forward and backward of each layer kind (autodiff at op level);
 //! - `pipeline`: one program's step (units, transfers, recompute, lifetimes);
 //! - `optim`: gradient reductions (buckets, ZeRO), gradient norm, optimizer;
+//! - `eval`: with `train.eval`, each role's evaluation step (forward and loss only);
 //! - `builder` / `emitter`: buffer and instruction emission state;
 //! - `storage`: which buffers a bf16 run stores in bf16;
 //! - then, with `LowerOptions::fusion`, the fusion pass (`crate::fuse`) on each program.
@@ -19,6 +20,7 @@ mod backward;
 mod builder;
 mod context;
 mod emitter;
+mod eval;
 pub(crate) mod first_write;
 mod idmap;
 mod layers;
@@ -106,7 +108,15 @@ pub fn lower_with(spec: &Spec, options: LowerOptions) -> Result<Plan, Diagnostic
     let mesh = &spec.parallel.mesh;
     let world = mesh.world();
     let (roles, rank_program) = roles(spec, options.representatives);
-    let programs = emit_all(&setup.shared(options), &roles)?;
+    let shared = setup.shared(options);
+    let programs = emit_all(&roles, |_, key| emit_program(&shared, key))?;
+    // An analysis plan is never run, so it is never evaluated either.
+    let eval = match (&setup.eval_table, options.representatives) {
+        (Some(table), false) => emit_all(&roles, |i, key| {
+            eval::program(&shared, table, key, &programs[i])
+        })?,
+        _ => Vec::new(),
+    };
     let (p, _) = context::pipeline_shape(spec);
     let report_rank = mesh.rank_of(&[(Axis::Pp, p - 1)]);
     Ok(Plan {
@@ -121,6 +131,7 @@ pub fn lower_with(spec: &Spec, options: LowerOptions) -> Result<Plan, Diagnostic
         rank_program,
         report_rank,
         representative: options.representatives,
+        eval,
     })
 }
 
@@ -183,6 +194,8 @@ struct Setup<'a> {
     plan_groups: Vec<Group>,
     zero: ZeroStage,
     table: schedule::Timetable,
+    /// The evaluation step's forward-only timetable, with `train.eval`.
+    eval_table: Option<schedule::Timetable>,
     param_stages: HashMap<u32, Vec<u32>>,
 }
 
@@ -204,7 +217,11 @@ impl<'a> Setup<'a> {
         };
         let param_stages = param_stages(spec, &chunks, &params, p);
         let (groups, plan_groups) = make_groups(spec, zero, &param_stages, p);
-        let table = timetable(spec, p, v)?;
+        let table = timetable(spec, p, v, false)?;
+        let eval_table = match spec.train.eval {
+            Some(_) => Some(timetable(spec, p, v, true)?),
+            None => None,
+        };
         Ok(Setup {
             spec,
             params,
@@ -213,6 +230,7 @@ impl<'a> Setup<'a> {
             plan_groups,
             zero,
             table,
+            eval_table,
             param_stages,
         })
     }
@@ -322,10 +340,21 @@ fn make_groups(
 }
 
 /// Every stage's unit order, simulated into the timetable of transfers (E0805 when it cannot
-/// complete).
-fn timetable(spec: &Spec, p: u32, v: u32) -> Result<schedule::Timetable, Diagnostics> {
+/// complete); with `forward_only`, the forward units alone in the same order (an evaluation
+/// step's).
+fn timetable(
+    spec: &Spec,
+    p: u32,
+    v: u32,
+    forward_only: bool,
+) -> Result<schedule::Timetable, Diagnostics> {
+    let m = spec.parallel.microbatches;
     let orders: Vec<Vec<Unit>> = (0..p)
-        .map(|s| schedule::stage_order(spec.parallel.schedule, p, v, spec.parallel.microbatches, s))
+        .map(|s| {
+            let mut order = schedule::stage_order(spec.parallel.schedule, p, v, m, s);
+            order.retain(|u| !forward_only || u.dir == Dir::Forward);
+            order
+        })
         .collect();
     schedule::simulate(orders, p * v).ok_or_else(|| {
         one(Diagnostic::error(
@@ -354,20 +383,26 @@ struct Shared<'a> {
     options: LowerOptions,
 }
 
-/// Emit every role's program, spread over the machine's cores (programs are independent).
-fn emit_all(sh: &Shared, roles: &[(u32, u32, u32)]) -> Result<Vec<Program>, Diagnostics> {
+/// Emit every role's program with `emit` (given the role's index and key), spread over the
+/// machine's cores (programs are independent).
+fn emit_all<F>(roles: &[(u32, u32, u32)], emit: F) -> Result<Vec<Program>, Diagnostics>
+where
+    F: Fn(usize, (u32, u32, u32)) -> Result<Program, Diagnostics> + Sync,
+{
     let threads = std::thread::available_parallelism()
         .map(usize::from)
         .unwrap_or(1)
         .clamp(1, roles.len().max(1));
     let per = roles.len().div_ceil(threads).max(1);
+    let indexed: Vec<(usize, (u32, u32, u32))> = roles.iter().copied().enumerate().collect();
+    let emit = &emit;
     let results: Vec<Result<Program, Diagnostics>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = roles
+        let handles: Vec<_> = indexed
             .chunks(per)
             .map(|part| {
                 scope.spawn(move || {
                     part.iter()
-                        .map(|&key| emit_program(sh, key))
+                        .map(|&(i, key)| emit(i, key))
                         .collect::<Vec<_>>()
                 })
             })
@@ -428,6 +463,13 @@ impl Role {
         }
     }
 
+    /// The pipeline chunks this role runs (chunk `c` lives on stage `c mod p`).
+    fn chunks(&self, sh: &Shared) -> Vec<u32> {
+        (0..sh.chunks.count)
+            .filter(|c| c % self.p == self.stage)
+            .collect()
+    }
+
     /// `pp S cp C tp T`: the program's role name, also the place its diagnostics name. A class
     /// program names the range of indices it stands for (`tp 1-7`).
     fn name(&self) -> String {
@@ -451,9 +493,7 @@ impl Role {
 /// storage types.
 fn emit_program(sh: &Shared, key: (u32, u32, u32)) -> Result<Program, Diagnostics> {
     let role = Role::new(sh, key);
-    let my_chunks: Vec<u32> = (0..sh.chunks.count)
-        .filter(|c| c % role.p == role.stage)
-        .collect();
+    let my_chunks = role.chunks(sh);
     let mut b = sized_builder(sh, &my_chunks);
     let locals = declare_locals(&mut b, sh, role, &my_chunks);
     let metrics = declare_metrics(&mut b, sh, &my_chunks);
@@ -755,6 +795,7 @@ fn new_emitter<'a>(
         phase: crate::ir::Phase::Forward,
         accumulate_in_place: sh.options.accumulate_in_place,
         fuse_epilogues: sh.options.fuse_epilogues,
+        evaluating: false,
     }
 }
 

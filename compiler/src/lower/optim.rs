@@ -199,6 +199,20 @@ impl Emitter<'_> {
         }
     }
 
+    /// Sum the step's loss over dp × cp (each member holds its share of the global mean), on
+    /// the programs that hold it.
+    pub fn reduce_loss(&mut self) {
+        if let (Some(loss), Some(g)) = (self.loss, self.groups.dpcp) {
+            self.b.collective(
+                CollectiveKind::AllReduce { op: ReduceOp::Sum },
+                g,
+                loss,
+                loss,
+                None,
+            );
+        }
+    }
+
     /// Everything after the last backward unit: remaining reductions, loss, norm, optimizer.
     pub fn finish_step(&mut self) {
         for i in 0..self.locals.len() {
@@ -221,15 +235,7 @@ impl Emitter<'_> {
                 }
             }
         }
-        if let (Some(loss), Some(g)) = (self.loss, self.groups.dpcp) {
-            self.b.collective(
-                CollectiveKind::AllReduce { op: ReduceOp::Sum },
-                g,
-                loss,
-                loss,
-                None,
-            );
-        }
+        self.reduce_loss();
         let sumsq = self.grad_sumsq;
         self.b
             .compute(Op::Zero, &[], &[sumsq], None, Phase::Optimizer);

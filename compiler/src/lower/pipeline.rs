@@ -1,7 +1,8 @@
 //! One program's step: its pipeline units in schedule order with the grouped point-to-point
 //! transfers between them (see `schedule`), each unit running its chunk's layers forward or
 //! backward for one microbatch, recompute segments re-run before their backward, then the
-//! gradient reductions and the optimizer (`optim`).
+//! gradient reductions and the optimizer (`optim`). An evaluation step (`eval`) runs the same
+//! forward units alone, releasing what each node saves at once, and ends with the loss.
 //!
 //! Activation lifetimes: a value is held once per later consumer in its chunk (plus once when
 //! it is sent on) and once by every saved-tensor list; the last release frees it. Recomputed
@@ -143,7 +144,11 @@ impl Emitter<'_> {
         for buf in in_flight {
             self.b.release(buf);
         }
-        self.finish_step();
+        if self.evaluating {
+            self.reduce_loss();
+        } else {
+            self.finish_step();
+        }
     }
 
     /// Emit one grouped transfer; returns the buffers it sends, for the caller to release.
@@ -329,7 +334,8 @@ impl Emitter<'_> {
                 }
             }
             let saved = self.forward_node(mb, node);
-            if self.segments[i].is_some() {
+            // No backward will read what the node saved in an evaluation step.
+            if self.segments[i].is_some() || self.evaluating {
                 for s in saved {
                     self.b.release(s);
                 }

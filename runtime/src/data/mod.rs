@@ -1,17 +1,20 @@
 //! Training data: where tokens come from ([`source`]: byte-level text, little-endian u16/u32
 //! token files, seeded synthetic tokens) and which samples each rank reads at each step
 //! ([`sampler`]: seeded per-epoch permutations cut into global batches, each global batch split
-//! into fixed per-rank, per-microbatch slices); [`tokenizer`] turns text into ids and back.
+//! into fixed per-rank, per-microbatch slices), and the evaluation set of `train.eval` ([`eval`]:
+//! its own data, or the training data's held-out tail).
 //!
 //! A *sample* is a window of `seq + 1` consecutive tokens; its first `seq` tokens are the inputs
 //! and its last `seq` the targets (inputs shifted by one). Sample `i` starts at token `i · seq`,
 //! so consecutive samples share one boundary token and every token of the file is used.
 pub mod batch_log;
+pub mod eval;
 pub mod sampler;
 pub mod source;
 pub mod tokenizer;
 
 pub use batch_log::{write_batch_log, write_run_batch_log};
+pub use eval::{EvalSet, RunData};
 pub use sampler::{BatchLayout, EpochProgress, Sampler};
 pub use source::{fill_microbatch, Dataset};
 pub use tokenizer::{StreamDecoder, Tokenizer};

@@ -27,6 +27,8 @@ enum Tokens {
 pub struct Dataset {
     tokens: Tokens,
     seq: u64,
+    /// What errors call it: the file, or `synthetic data`.
+    name: String,
 }
 
 /// splitmix64 output mixer (also used by the sampler's generator).
@@ -64,6 +66,7 @@ impl Dataset {
                     len: synthetic_samples.max(1) * seq + 1,
                 },
                 seq,
+                name: "synthetic data".to_string(),
             }),
             DataSource::File { path, format, .. } => {
                 let file = spec_dir.join(path);
@@ -123,7 +126,13 @@ impl Dataset {
         Ok(Dataset {
             tokens: Tokens::Owned(tokens),
             seq,
+            name: name.to_string(),
         })
+    }
+
+    /// What errors call it: its file, or `synthetic data`.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     fn token_count(&self) -> u64 {

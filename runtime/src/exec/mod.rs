@@ -7,9 +7,11 @@
 //! write their shard, rank 0 publishes the manifest after a barrier); `resume` continues from
 //! one. A run that checkpoints also exports its final parameters as global tensors
 //! (`DIR/model.safetensors`); `save_init` writes the parameters before the first step the
-//! same way, and `log_batches` the token offsets of every step's batch. Plans are verified
-//! (`parc_compiler::driver::analyze`) before any rank starts: the runtime runs only verified
-//! programs.
+//! same way, and `log_batches` the token offsets of every step's batch. With `train.eval`,
+//! every rank runs its evaluation program after every `every`-th step and the last
+//! ([`RankExecutor::evaluate`]), and the step's record carries the validation loss. Plans are
+//! verified (`parc_compiler::driver::analyze`, the evaluation programs too) before any rank
+//! starts: the runtime runs only verified programs.
 //! All parallelism lives in the programs: this module only dispatches.
 pub mod gather;
 pub mod loss_scale;
@@ -26,12 +28,12 @@ pub use rank::{ParamPiece, RankExecutor};
 use crate::backend::Backend;
 use crate::checkpoint::{self, Manifest, ShardTensor, SpecSource};
 use crate::comm::{Comm, LocalComm};
-use crate::data::{write_run_batch_log, Dataset, EpochProgress};
+use crate::data::{write_run_batch_log, BatchLayout, Dataset, EpochProgress, RunData};
 use crate::error::{Result, RuntimeError};
 use parc_compiler::diag::Diagnostics;
 use parc_compiler::driver::{self, Stage};
 use parc_compiler::ir::Plan;
-use parc_compiler::spec::Spec;
+use parc_compiler::spec::{Axis, DataSource, Spec};
 use parc_compiler::verify::VerifyReport;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -108,6 +110,8 @@ pub struct StepRecord {
     pub elapsed_s: f64,
     /// fp16 runs: the loss scale used, the next one, and whether the step was skipped.
     pub loss_scale: Option<LossScaleStep>,
+    /// Validation loss, on steps where `train.eval` ran.
+    pub val_loss: Option<f32>,
 }
 
 /// The outcome of [`train`].
@@ -138,14 +142,55 @@ pub const SYNTHETIC_SAMPLES: u64 = 1 << 16;
 
 /// Open the spec's data source relative to `spec_dir`.
 pub fn open_dataset(spec: &Spec, spec_dir: &Path) -> Result<Dataset> {
+    open_source(spec, &spec.train.data, spec_dir, spec.train.seed)
+}
+
+/// Open `source` for `spec`'s model relative to `spec_dir`; synthetic tokens come from `seed`.
+fn open_source(spec: &Spec, source: &DataSource, spec_dir: &Path, seed: u64) -> Result<Dataset> {
     Dataset::open(
-        &spec.train.data,
+        source,
         spec_dir,
         spec.model.vocab,
         spec.model.seq,
-        spec.train.seed,
+        seed,
         SYNTHETIC_SAMPLES,
     )
+}
+
+/// Mixed into the seed of synthetic evaluation data, so that its tokens are not training's.
+const EVAL_STREAM: u64 = 0xe7a1_0000_0000_0000;
+
+/// The run's data: the training dataset, the samples training draws from, and with
+/// `train.eval` the evaluation set: `train.eval.data` (any source `train.data` accepts), else
+/// synthetic tokens of a seed of their own when training is synthetic, else the training data's
+/// held-out tail (`data::eval`).
+pub fn open_run_data(spec: &Spec, spec_dir: &Path) -> Result<RunData> {
+    let train = Arc::new(open_dataset(spec, spec_dir)?);
+    let Some(eval) = &spec.train.eval else {
+        return Ok(RunData::from(train));
+    };
+    let layout = BatchLayout {
+        dp: spec.parallel.mesh.size(Axis::Dp),
+        microbatches: spec.parallel.microbatches,
+        micro_batch: spec.train.micro_batch,
+    };
+    let source = match (&eval.data, &spec.train.data) {
+        (Some(source), _) => source,
+        (None, DataSource::Synthetic) => &DataSource::Synthetic,
+        (None, _) => return RunData::held_out(train, eval.batches, layout),
+    };
+    let seed = spec.train.seed ^ EVAL_STREAM;
+    let eval_data = Arc::new(open_source(spec, source, spec_dir, seed)?);
+    RunData::separate(train, eval_data, eval.batches, layout)
+}
+
+/// Whether a run of `spec` evaluates once `done` steps are done: after every
+/// `train.eval.every`-th step and after the last (`train.steps`).
+fn evaluates_after(spec: &Spec, done: u64) -> bool {
+    spec.train
+        .eval
+        .as_ref()
+        .is_some_and(|e| done.is_multiple_of(e.every) || done == spec.train.steps)
 }
 
 /// Where a run continues from: the newest checkpoint under `options.resume` and its manifest
@@ -155,7 +200,7 @@ fn resume_point(
     plan: &Plan,
     spec: &Spec,
     options: &TrainOptions,
-    dataset: &Dataset,
+    data: &RunData,
 ) -> Result<(Option<PathBuf>, Option<Manifest>, String)> {
     let resume = options
         .resume
@@ -168,7 +213,7 @@ fn resume_point(
         .transpose()?;
     let hash = checkpoint::plan_hash(plan);
     if let Some(m) = &manifest {
-        checkpoint::check_compatible(m, &hash, plan.world, spec.train.seed, dataset.num_samples())?;
+        checkpoint::check_compatible(m, &hash, plan.world, spec.train.seed, data.train_samples)?;
     }
     Ok((resume, manifest, hash))
 }
@@ -254,15 +299,15 @@ where
     if let Some(limit) = options.memory_limit {
         check_memory(plan, &report, limit)?;
     }
-    let dataset = Arc::new(open_dataset(spec, &options.spec_dir)?);
-    let (resume, manifest, hash) = resume_point(plan, spec, options, &dataset)?;
+    let data = open_run_data(spec, &options.spec_dir)?;
+    let (resume, manifest, hash) = resume_point(plan, spec, options, &data)?;
     if let Some(path) = &options.log_batches {
         let start = manifest.as_ref().map_or(0, |m| m.step);
         let end = options
             .stop_after
             .unwrap_or(spec.train.steps)
             .min(spec.train.steps);
-        write_run_batch_log(path, spec, plan, dataset.num_samples(), start..end)?;
+        write_run_batch_log(path, spec, plan, data.train_samples, start..end)?;
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = options
@@ -273,7 +318,7 @@ where
         spec,
         plan,
         options,
-        dataset: &dataset,
+        data: &data,
         resume: resume.as_deref().zip(manifest.as_ref()),
         plan_hash: &hash,
         on_step,
@@ -390,7 +435,7 @@ struct RunContext<'a> {
     spec: &'a Spec,
     plan: &'a Plan,
     options: &'a TrainOptions,
-    dataset: &'a Arc<Dataset>,
+    data: &'a RunData,
     resume: Option<(&'a Path, &'a Manifest)>,
     plan_hash: &'a str,
     on_step: &'a (dyn Fn(&StepRecord) + Sync),
@@ -432,14 +477,7 @@ impl RunContext<'_> {
         comm: Box<dyn Comm + '_>,
     ) -> Result<RankOutcome> {
         let seed = self.spec.train.seed;
-        let mut exec = RankExecutor::new(
-            self.plan,
-            rank,
-            backend,
-            comm,
-            Arc::clone(self.dataset),
-            seed,
-        )?;
+        let mut exec = RankExecutor::new(self.plan, rank, backend, comm, self.data.clone(), seed)?;
         let result = self.rank_loop(&mut exec);
         if let Err(e) = &result {
             exec.abort(&format!("rank {rank}: {e}"));
@@ -493,8 +531,13 @@ impl RunContext<'_> {
             } else {
                 exec.step(step, lr, None)?
             };
+            let seconds = step_started.elapsed().as_secs_f64();
+            let val_loss = if evaluates_after(self.spec, step + 1) {
+                exec.evaluate()?
+            } else {
+                None
+            };
             if is_report {
-                let seconds = step_started.elapsed().as_secs_f64();
                 let record = StepRecord {
                     step,
                     loss: metrics.loss.unwrap_or(f32::NAN),
@@ -504,6 +547,7 @@ impl RunContext<'_> {
                     tokens_per_s: tokens as f64 / seconds.max(1e-9),
                     elapsed_s: started.elapsed().as_secs_f64(),
                     loss_scale: metrics.loss_scale,
+                    val_loss,
                 };
                 (self.on_step)(&record);
                 records.push(record);

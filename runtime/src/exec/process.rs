@@ -6,7 +6,7 @@
 //! does: every rank sends its pieces to rank 0 through the comm, which assembles and writes
 //! them.
 use super::{
-    gather, global_tensors, open_dataset, ParamPiece, RunContext, StepProfile, StepRecord,
+    gather, global_tensors, open_run_data, ParamPiece, RunContext, StepProfile, StepRecord,
 };
 use crate::backend::Backend;
 use crate::checkpoint;
@@ -16,7 +16,6 @@ use crate::init::ZeroShard;
 use parc_compiler::ir::{Plan, ReduceOp};
 use parc_compiler::spec::Spec;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 /// What this process's rank of a multi-process run did.
 #[derive(Clone, Debug)]
@@ -78,11 +77,11 @@ pub fn train_rank<B: Backend>(
             }
         }
         super::verified(plan, spec)?;
-        let dataset = Arc::new(open_dataset(spec, &options.spec_dir)?);
-        let (resume, manifest, hash) = super::resume_point(plan, spec, options, &dataset)?;
-        Ok((dataset, resume, manifest, hash))
+        let data = open_run_data(spec, &options.spec_dir)?;
+        let (resume, manifest, hash) = super::resume_point(plan, spec, options, &data)?;
+        Ok((data, resume, manifest, hash))
     })();
-    let (dataset, resume, manifest, hash) = match prepared {
+    let (data, resume, manifest, hash) = match prepared {
         Ok(p) => p,
         Err(e) => {
             comm.abort(&format!("rank {rank}: {e}"));
@@ -93,7 +92,7 @@ pub fn train_rank<B: Backend>(
         spec,
         plan,
         options,
-        dataset: &dataset,
+        data: &data,
         resume: resume.as_deref().zip(manifest.as_ref()),
         plan_hash: &hash,
         on_step,

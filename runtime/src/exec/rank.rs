@@ -1,10 +1,13 @@
 //! One rank's interpreter: owns the rank's backend, comm handle and sampler, sets up the
 //! persistent buffers (parameters from `init`, or a checkpoint), and runs its program once per
-//! step, dispatching every instruction without deciding anything itself.
+//! step, dispatching every instruction without deciding anything itself. A run that evaluates
+//! (`train.eval`) also runs the rank's evaluation program ([`RankExecutor::evaluate`]) on the
+//! same backend: its buffer table extends the training program's, and the backend's memory is
+//! planned once over both programs' instructions, so the two share the parameters.
 use crate::backend::{Backend, DeviceTransfer, StepScalars};
 use crate::checkpoint::{self, ShardTensor};
 use crate::comm::{Comm, PeerOp};
-use crate::data::{fill_microbatch, BatchLayout, Dataset, Sampler};
+use crate::data::{fill_microbatch, BatchLayout, EvalSet, RunData, Sampler};
 use crate::error::{Result, RuntimeError};
 use crate::exec::loss_scale::{LossScaleStep, LossScaler};
 use crate::exec::profile::{self, StepProfile};
@@ -42,16 +45,28 @@ pub struct StepMetrics {
 pub struct RankExecutor<'a, B: Backend> {
     plan: &'a Plan,
     program: &'a Program,
+    /// The rank's evaluation program, when the run evaluates (its buffer table begins with
+    /// `program`'s).
+    eval: Option<&'a Program>,
     rank: u32,
     backend: B,
     comm: Box<dyn Comm + 'a>,
-    dataset: Arc<Dataset>,
+    data: RunData,
     sampler: Sampler,
     dp_rank: u32,
     /// Optimizer updates applied so far.
     pub optimizer_step: u64,
     /// The fp16 loss scaler (None: the run does not scale its loss).
     pub loss_scaler: Option<LossScaler>,
+}
+
+/// Which batch an instruction's `LoadBatch` reads.
+#[derive(Clone, Copy, Debug)]
+enum Batch {
+    /// The global batch of this 0-based training step.
+    Train(u64),
+    /// This batch of the evaluation set.
+    Eval(u64),
 }
 
 fn plan_error(rank: u32, what: impl std::fmt::Display) -> RuntimeError {
@@ -62,30 +77,40 @@ fn plan_error(rank: u32, what: impl std::fmt::Display) -> RuntimeError {
 }
 
 impl<'a, B: Backend> RankExecutor<'a, B> {
+    /// The executor of `rank`, training on `data` (a dataset alone: all of it, without
+    /// evaluation) with the sampler of `seed`; it evaluates when `data` has an evaluation set.
     pub fn new(
         plan: &'a Plan,
         rank: u32,
         backend: B,
         comm: Box<dyn Comm + 'a>,
-        dataset: Arc<Dataset>,
+        data: impl Into<RunData>,
         seed: u64,
     ) -> Result<RankExecutor<'a, B>> {
+        let data = data.into();
         let program = plan
             .program_of(rank)
             .ok_or_else(|| plan_error(rank, "has no program"))?;
+        let eval = match &data.eval {
+            Some(_) => Some(plan.eval_of(rank).ok_or_else(|| {
+                plan_error(rank, "has evaluation data but no evaluation program")
+            })?),
+            None => None,
+        };
         let layout = BatchLayout {
             dp: plan.mesh.size(Axis::Dp),
             microbatches: plan.microbatches,
             micro_batch: plan.micro_batch,
         };
-        let sampler = Sampler::new(seed, dataset.num_samples(), layout)?;
+        let sampler = Sampler::new(seed, data.train_samples, layout)?;
         Ok(RankExecutor {
             plan,
             program,
+            eval,
             rank,
             backend,
             comm,
-            dataset,
+            data,
             sampler,
             dp_rank: plan.mesh.coord(rank, Axis::Dp),
             optimizer_step: 0,
@@ -120,6 +145,12 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
     pub fn abort(&mut self, reason: &str) {
         self.comm.abort(reason);
         self.backend.abort(reason);
+    }
+
+    /// The buffer table of every instruction this rank runs: the evaluation program's, which
+    /// extends the training program's, when it evaluates.
+    fn table(&self) -> &'a Program {
+        self.eval.unwrap_or(self.program)
     }
 
     /// Persistent buffers (parameters, optimizer state, metrics), in buffer order.
@@ -166,14 +197,21 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
             })
     }
 
-    /// Plan the program's memory and hand the plan to the backend, allocate the persistent
-    /// buffers and initialise the parameters from the seed.
+    /// Plan the program's memory (with the evaluation program's after it, when the rank
+    /// evaluates: one layout for both) and hand the plan to the backend, allocate the
+    /// persistent buffers and initialise the parameters from the seed.
     pub fn init(&mut self, seed: u64) -> Result<()> {
+        let joint = self
+            .eval
+            .map(|eval| self.program.followed_by(eval))
+            .transpose()
+            .map_err(|e| plan_error(self.rank, e))?;
+        let steps = joint.as_ref().unwrap_or(self.program);
         // Every buffer's place is decided (and checked) before the first allocation, at the
         // sizes this backend stores (bf16 buffers as f32 on a backend without bf16 storage).
-        let widened = (!self.backend.stores_bf16() && self.program.uses_bf16())
-            .then(|| self.program.with_f32_storage());
-        let program = widened.as_ref().unwrap_or(self.program);
+        let widened =
+            (!self.backend.stores_bf16() && steps.uses_bf16()).then(|| steps.with_f32_storage());
+        let program = widened.as_ref().unwrap_or(steps);
         let layout =
             parc_compiler::memplan::plan_program(program).map_err(|e| plan_error(self.rank, e))?;
         self.backend.prepare(program, &layout)?;
@@ -246,7 +284,7 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         for (index, instr) in self.program.instrs.iter().enumerate() {
             self.backend.begin_instruction(index);
             let result = match (profile.as_deref_mut(), device_timed.as_mut()) {
-                (None, _) => self.run(instr, step, &scalars),
+                (None, _) => self.run(instr, Batch::Train(step), &scalars),
                 (Some(_), Some(work)) => {
                     // The device's wait for queued communication is timed apart from the work
                     // of the instruction that waits, as p2p or collective.
@@ -259,7 +297,7 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
                             .map(|_| work.push((kind, 0.0, 0.0))),
                     };
                     waited
-                        .and_then(|()| self.run(instr, step, &scalars))
+                        .and_then(|()| self.run(instr, Batch::Train(step), &scalars))
                         .and_then(|()| {
                             self.backend.mark_time()?;
                             let (flops, bytes) = self.work_of(instr);
@@ -269,16 +307,7 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
                 }
                 (Some(profile), None) => self.run_timed(instr, step, &scalars, profile),
             };
-            result.map_err(|e| match e {
-                RuntimeError::Comm(_) => self.locate_comm_error(Some(index), e),
-                other => RuntimeError::Op {
-                    op: format!(
-                        "rank {} ({}) instruction {index}",
-                        self.rank, self.program.role
-                    ),
-                    what: other.to_string(),
-                },
-            })?;
+            result.map_err(|e| self.instruction_error(self.program, 0, index, e))?;
         }
         if let (Some(profile), Some(work)) = (profile, device_timed) {
             let intervals = self.backend.marked_intervals()?;
@@ -306,9 +335,9 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
             })
             .transpose()
         };
-        let loss = read(self.program.loss).map_err(|e| self.locate_comm_error(None, e))?;
-        let mut grad_sumsq =
-            read(self.program.grad_sumsq).map_err(|e| self.locate_comm_error(None, e))?;
+        let located = |e| self.locate_comm_error(self.program, 0, None, e);
+        let loss = read(self.program.loss).map_err(located)?;
+        let mut grad_sumsq = read(self.program.grad_sumsq).map_err(located)?;
         let loss_scale = match self.loss_scaler.as_mut() {
             None => None,
             Some(scaler) => {
@@ -334,36 +363,101 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         })
     }
 
-    /// Wrap communication error `error`, noticed at instruction `current` (None: after the
-    /// last), with where this rank was: the instruction whose queued communication the backend
-    /// found stuck where it knows one (an asynchronous device comm notices a peer's failure
-    /// later, at a wait), else `current`. Other errors, and a failure after the last
-    /// instruction with no stuck one, stay as they are.
-    fn locate_comm_error(&self, current: Option<usize>, error: RuntimeError) -> RuntimeError {
+    /// Evaluate: run the evaluation program once per batch of the evaluation set and return
+    /// the mean of the batches' losses (each batch has as many tokens, so this is the mean
+    /// token cross-entropy over the whole set) where the program holds the loss. The
+    /// parameters, gradients, optimizer state and step, and the sampler stay as they were.
+    pub fn evaluate(&mut self) -> Result<Option<f32>> {
+        let program = self
+            .eval
+            .ok_or_else(|| plan_error(self.rank, "has no evaluation program"))?;
+        let batches = self.data.eval.as_ref().map_or(0, EvalSet::batches);
+        let scalars = StepScalars {
+            lr: 0.0,
+            step: self.optimizer_step,
+            loss_scale: None,
+        };
+        // The backend numbers instructions as the memory plan did: training's, then these.
+        let offset = self.program.instrs.len();
+        let mut sum = 0.0f64;
+        for batch in 0..batches {
+            for (index, instr) in program.instrs.iter().enumerate() {
+                self.backend.begin_instruction(offset + index);
+                self.run(instr, Batch::Eval(batch), &scalars)
+                    .map_err(|e| self.instruction_error(program, offset, index, e))?;
+            }
+            if let Some(id) = program.loss {
+                let loss = self
+                    .backend
+                    .read_f32(id)
+                    .map_err(|e| self.locate_comm_error(program, offset, None, e))?;
+                sum += f64::from(loss.first().copied().unwrap_or(f32::NAN));
+            }
+        }
+        Ok(program.loss.map(|_| (sum / batches.max(1) as f64) as f32))
+    }
+
+    /// `error` from instruction `index` of `program` (whose instructions the backend numbers
+    /// from `offset`), with where it happened.
+    fn instruction_error(
+        &self,
+        program: &Program,
+        offset: usize,
+        index: usize,
+        error: RuntimeError,
+    ) -> RuntimeError {
+        match error {
+            RuntimeError::Comm(_) => self.locate_comm_error(program, offset, Some(index), error),
+            other => RuntimeError::Op {
+                op: format!("rank {} ({}) instruction {index}", self.rank, program.role),
+                what: other.to_string(),
+            },
+        }
+    }
+
+    /// Wrap communication error `error`, noticed at instruction `current` of `program` (None:
+    /// after the last; the backend numbers its instructions from `offset`), with where this
+    /// rank was: the instruction whose queued communication the backend found stuck where it
+    /// knows one (an asynchronous device comm notices a peer's failure later, at a wait), else
+    /// `current`. Other errors, and a failure after the last instruction with no stuck one,
+    /// stay as they are.
+    fn locate_comm_error(
+        &self,
+        program: &Program,
+        offset: usize,
+        current: Option<usize>,
+        error: RuntimeError,
+    ) -> RuntimeError {
         if !matches!(error, RuntimeError::Comm(_)) {
             return error;
         }
         let index = self
             .backend
             .stuck_instruction()
-            .filter(|&i| i < self.program.instrs.len())
+            .and_then(|i| i.checked_sub(offset))
+            .filter(|&i| i < program.instrs.len())
             .or(current);
-        match index.and_then(|i| Some((i, self.program.instrs.get(i)?))) {
-            Some((index, instr)) => self.at_instruction(index, instr, error),
+        match index.and_then(|i| Some((i, program.instrs.get(i)?))) {
+            Some((index, instr)) => self.at_instruction(program, index, instr, error),
             None => error,
         }
     }
 
-    /// Wrap a communication error with where this rank was: the instruction, and the spec
-    /// node it implements (for a transfer, the nearest node before it: the layer whose
+    /// Wrap a communication error with where this rank was: the instruction of `program`, and
+    /// the spec node it implements (for a transfer, the nearest node before it: the layer whose
     /// activation or gradient it carries).
-    fn at_instruction(&self, index: usize, instr: &Instr, error: RuntimeError) -> RuntimeError {
+    fn at_instruction(
+        &self,
+        program: &Program,
+        index: usize,
+        instr: &Instr,
+        error: RuntimeError,
+    ) -> RuntimeError {
         let node_of = |i: &Instr| match i {
             Instr::Compute { node, .. } | Instr::Collective { node, .. } => *node,
             _ => None,
         };
-        let node = self
-            .program
+        let node = program
             .instrs
             .get(..=index)
             .unwrap_or(&[])
@@ -403,7 +497,7 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         };
         RuntimeError::AtInstruction {
             rank: self.rank,
-            role: self.program.role.clone(),
+            role: program.role.clone(),
             index,
             instr: what,
             node,
@@ -422,7 +516,7 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
     ) -> Result<()> {
         self.backend.synchronize()?;
         let started = Instant::now();
-        self.run(instr, step, scalars)?;
+        self.run(instr, Batch::Train(step), scalars)?;
         self.backend.synchronize()?;
         let seconds = started.elapsed().as_secs_f64();
         let (flops, moved) = self.work_of(instr);
@@ -451,13 +545,13 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
     }
 
     fn numel(&self, id: BufferId) -> Result<usize> {
-        self.program
+        self.table()
             .buffer(id)
             .map(|b| b.numel() as usize)
             .ok_or_else(|| plan_error(self.rank, format!("buffer {} is unknown", id.0)))
     }
 
-    fn run(&mut self, instr: &Instr, step: u64, scalars: &StepScalars) -> Result<()> {
+    fn run(&mut self, instr: &Instr, batch: Batch, scalars: &StepScalars) -> Result<()> {
         match instr {
             Instr::Compute {
                 op,
@@ -505,9 +599,9 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
                 positions,
                 tokens,
                 targets,
-            } => self.load_batch(step, *microbatch, positions, *tokens, *targets),
+            } => self.load_batch(batch, *microbatch, positions, *tokens, *targets),
             Instr::Alloc { buffer } => {
-                let b = self.program.buffer(*buffer).ok_or_else(|| {
+                let b = self.table().buffer(*buffer).ok_or_else(|| {
                     plan_error(self.rank, format!("buffer {} is unknown", buffer.0))
                 })?;
                 let dtype = self.storage_dtype(b.dtype);
@@ -624,16 +718,29 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
 
     fn load_batch(
         &mut self,
-        step: u64,
+        batch: Batch,
         microbatch: u32,
         positions: &[Segment],
         tokens: Option<BufferId>,
         targets: Option<BufferId>,
     ) -> Result<()> {
-        let samples = self.sampler.microbatch(step, self.dp_rank, microbatch)?;
+        let (dataset, samples) = match batch {
+            Batch::Train(step) => (
+                Arc::clone(&self.data.train),
+                self.sampler.microbatch(step, self.dp_rank, microbatch)?,
+            ),
+            Batch::Eval(index) => {
+                let set =
+                    self.data.eval.as_ref().ok_or_else(|| {
+                        plan_error(self.rank, "evaluates without an evaluation set")
+                    })?;
+                let samples = set.microbatch(index, self.dp_rank, microbatch)?;
+                (Arc::clone(set.dataset()), samples)
+            }
+        };
         let len = segments_len(positions) as usize * samples.len();
         let (mut ids, mut next) = (vec![0i32; len], vec![0i32; len]);
-        fill_microbatch(&self.dataset, &samples, positions, &mut ids, &mut next)?;
+        fill_microbatch(&dataset, &samples, positions, &mut ids, &mut next)?;
         if let Some(id) = tokens {
             self.backend.write_i32(id, &ids)?;
         }
