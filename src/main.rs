@@ -10,6 +10,7 @@ mod cmd_run;
 mod cmd_search;
 mod diagnostics;
 mod input;
+mod metrics;
 mod plan_summary;
 mod report;
 mod run_args;
