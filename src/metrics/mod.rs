@@ -8,7 +8,7 @@ mod events;
 mod table;
 mod tfrecord;
 
-pub use events::{read_event_file, EventFileScalars};
+pub use events::read_event_file;
 
 use parc_compiler::spec::Spec;
 use parc_runtime::exec::StepRecord;
