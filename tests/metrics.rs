@@ -128,7 +128,7 @@ fn a_run_s_csv_and_event_file_read_back_with_its_losses() {
         .unwrap()
         .windows(13)
         .any(|w| w == b"brain.Event:2"));
-    let events = read_event_file(&files[0]).unwrap();
+    let events = read_event_file(&files[0]).unwrap().scalars;
     let event_losses: Vec<(u64, f32)> = events
         .iter()
         .map(|(step, values)| {
@@ -203,9 +203,22 @@ fn a_killed_run_keeps_its_rows_and_its_resumption_appends() {
     assert_eq!(rows[..first as usize - 1], kept[..first as usize - 1]);
     assert_eq!(rows[first as usize - 1..], resumed[..]);
 
-    // A new event file; read alone, the files give the same rows (the resumed run's values
-    // replace the killed run's for the steps both ran).
-    assert_eq!(event_files(&dir).len(), 2);
+    // Resuming again from step 4 replaces the rows of steps 5 to 40, whichever the kill left.
+    let last = args.len() - 1;
+    args[last] = path_arg(&ckpt.join("step-00000004"));
+    let again = parc_ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let again = json_losses(&again);
+    assert_eq!(again[0].0, 5);
+    let text = std::fs::read_to_string(dir.join("metrics.csv")).unwrap();
+    assert_eq!(text.matches("step,").count(), 1, "one header");
+    let rows = read_losses(&dir);
+    assert_eq!(rows.len(), 40, "every step once");
+    assert_eq!(rows[..4], kept[..4]);
+    assert_eq!(rows[4..], again[..]);
+    assert_eq!(event_files(&dir).len(), 3);
+
+    // Read alone, the event files give the same rows (a later run's values replace an earlier
+    // one's for the steps both ran).
     let events_only = base.join("events-only");
     std::fs::create_dir_all(&events_only).unwrap();
     for file in event_files(&dir) {
@@ -226,7 +239,7 @@ fn a_corrupt_or_truncated_event_file_names_the_file_and_offset() {
     let original = bytes.clone();
     bytes[second + 14] ^= 0x40;
     std::fs::write(&file, &bytes).unwrap();
-    let err = read_event_file(&file).unwrap_err();
+    let err = read_event_file(&file).err().unwrap();
     assert!(
         err.contains(&path_arg(&file))
             && err.contains(&format!("byte offset {second}:"))
@@ -240,7 +253,7 @@ fn a_corrupt_or_truncated_event_file_names_the_file_and_offset() {
     assert!(stderr_of(&out).contains(&format!("byte offset {second}:")));
 
     std::fs::write(&file, &original[..original.len() - 3]).unwrap();
-    let err = read_event_file(&file).unwrap_err();
+    let err = read_event_file(&file).err().unwrap();
     assert!(
         err.contains(&path_arg(&file)) && err.contains("truncated"),
         "{err}"

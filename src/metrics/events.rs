@@ -117,29 +117,32 @@ fn wall_time() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// The event files in `dir`, oldest first (by the seconds in their names, then by name).
+/// The event files in `dir`.
 pub fn event_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
     let entries =
         std::fs::read_dir(dir).map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
-    let mut files: Vec<(u64, PathBuf)> = entries
+    Ok(entries
         .filter_map(|entry| entry.ok().map(|e| e.path()))
-        .filter_map(|path| {
-            let name = path.file_name()?.to_str()?;
-            let secs = name.strip_prefix(PREFIX)?.split('.').next()?.parse().ok()?;
-            Some((secs, path))
+        .filter(|path| {
+            path.file_name()
+                .and_then(|name| name.to_str())
+                .is_some_and(|name| name.starts_with(PREFIX))
         })
-        .collect();
-    files.sort();
-    Ok(files.into_iter().map(|(_, path)| path).collect())
+        .collect())
 }
 
-/// One event file's scalars: for each of its summary events, the step and the metrics it
-/// holds (tags parc does not write are left out).
-pub type EventFileScalars = Vec<(u64, Vec<(Metric, f64)>)>;
+/// What one event file holds.
+pub struct EventFile {
+    /// The wall time of its first event (when its run started), in seconds since 1970.
+    pub started: f64,
+    /// For each of its summary events, the step and the metrics it holds (tags parc does not
+    /// write are left out).
+    pub scalars: Vec<(u64, Vec<(Metric, f64)>)>,
+}
 
 /// Read the event file at `path`, every record's checksums verified: a corrupt or truncated
 /// file is an error naming the file and the byte offset of the bad record.
-pub fn read_event_file(path: &Path) -> Result<EventFileScalars, String> {
+pub fn read_event_file(path: &Path) -> Result<EventFile, String> {
     let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     let records = tfrecord::records(&bytes).map_err(|c| {
         format!(
@@ -149,7 +152,10 @@ pub fn read_event_file(path: &Path) -> Result<EventFileScalars, String> {
             c.what
         )
     })?;
-    let mut scalars = Vec::new();
+    let mut file = EventFile {
+        started: f64::INFINITY,
+        scalars: Vec::new(),
+    };
     for (offset, data) in records {
         let event: Event = prost::Message::decode(data).map_err(|e| {
             format!(
@@ -157,14 +163,16 @@ pub fn read_event_file(path: &Path) -> Result<EventFileScalars, String> {
                 path.display()
             )
         })?;
+        file.started = file.started.min(event.wall_time);
         if let Some(What::Summary(summary)) = event.what {
             let values = summary
                 .value
                 .iter()
                 .filter_map(|v| Some((Metric::from_tag(&v.tag)?, f64::from(v.simple_value?))))
                 .collect();
-            scalars.push((u64::try_from(event.step).unwrap_or(0), values));
+            file.scalars
+                .push((u64::try_from(event.step).unwrap_or(0), values));
         }
     }
-    Ok(scalars)
+    Ok(file)
 }

@@ -240,8 +240,8 @@ impl RunMetrics {
 }
 
 /// The rows of the metrics folder `dir`, by step: from its `metrics.csv`, or, where it has none,
-/// from its event files (later files' values replace earlier ones' for the same step, as a
-/// resumed run's do).
+/// from its event files (where runs wrote the same step, the value of the run that started
+/// last, as a resumed run's replaces the rows it repeats in the CSV).
 pub fn read_run(dir: &Path) -> Result<Vec<Row>, String> {
     if !dir.is_dir() {
         return Err(format!(
@@ -261,9 +261,14 @@ pub fn read_run(dir: &Path) -> Result<Vec<Row>, String> {
             dir.display()
         ));
     }
+    let mut files = files
+        .iter()
+        .map(|file| read_event_file(file))
+        .collect::<Result<Vec<_>, _>>()?;
+    files.sort_by(|a, b| a.started.total_cmp(&b.started));
     let mut rows = std::collections::BTreeMap::new();
     for file in files {
-        for (step, scalars) in read_event_file(&file)? {
+        for (step, scalars) in file.scalars {
             let row = rows.entry(step).or_insert_with(|| Row::new(step));
             for (metric, value) in scalars {
                 row.set(metric, Some(value));
