@@ -1,6 +1,7 @@
 //! Multi-process `parc run` through the binary: a 4-process CPU run started by
 //! `--nproc-per-node 4` (mpiexec + the MPI comm) gives exactly the single-process losses,
-//! checkpoints and exported parameters, and resumes bit-identically; a rank that crashes ends
+//! checkpoints and exported parameters (and its report rank alone writes `--metrics`), and
+//! resumes bit-identically; a rank that crashes ends
 //! the job with its error, quickly; a rank that hangs makes its peers' collective time out
 //! naming the waiting rank, the missing peer, the instruction and the spec line; a rendezvous
 //! missing a rank names it; a world size other than the mesh's is refused before any
@@ -115,10 +116,35 @@ fn four_processes_give_exactly_the_single_process_losses() {
             .unwrap();
         assert!(single.status.success(), "{}", stderr(&single));
         args.extend(["--nproc-per-node".into(), "4".into()]);
-        let multi = parc(&[args.clone(), ckpt(&four_dir)].concat(), &[])
+        let metrics = four_dir.join("metrics");
+        let metrics_arg = vec!["--metrics".into(), metrics.display().to_string()];
+        let multi = parc(&[args.clone(), ckpt(&four_dir), metrics_arg].concat(), &[])
             .output()
             .unwrap();
         assert!(multi.status.success(), "{parallel:?}: {}", stderr(&multi));
+        // Only the report rank writes metrics: one event file, one row per step.
+        let names: Vec<String> = std::fs::read_dir(&metrics)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        let events = names
+            .iter()
+            .filter(|n| n.starts_with("events.out.tfevents."));
+        assert_eq!(events.count(), 1, "{parallel:?}: {names:?}");
+        let csv = std::fs::read_to_string(metrics.join("metrics.csv")).unwrap();
+        let csv_losses: Vec<u32> = csv
+            .lines()
+            .skip(1)
+            .map(|l| {
+                l.split(',')
+                    .nth(1)
+                    .unwrap()
+                    .parse::<f32>()
+                    .unwrap()
+                    .to_bits()
+            })
+            .collect();
+        assert_eq!(csv_losses, losses(&multi), "{parallel:?}: metrics.csv");
         // Resuming the 4-process run from its step-2 checkpoint continues bit-identically.
         let resume = vec![
             "--resume".into(),
