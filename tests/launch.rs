@@ -1,13 +1,13 @@
 //! Multi-process `parc run` through the binary: a 4-process CPU run started by
 //! `--nproc-per-node 4` (mpiexec + the MPI comm) gives exactly the single-process losses,
-//! checkpoints and exported parameters (and its report rank alone writes `--metrics`), and
-//! resumes bit-identically; a rank that crashes ends
+//! checkpoints and exported parameters, and resumes bit-identically; a rank that crashes ends
 //! the job with its error, quickly; a rank that hangs makes its peers' collective time out
 //! naming the waiting rank, the missing peer, the instruction and the spec line; a rendezvous
 //! missing a rank names it; a world size other than the mesh's is refused before any
 //! communication, with both numbers; the MPI comm itself checks collective order, names missing
 //! peers and hears aborts. The MPI tests need the `mpi` feature (without it they are ignored) and
 //! `mpiexec` on PATH (without it they say they skip).
+//! The 4-process run's `--metrics` are written by its report rank alone.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 use serde_json::Value;
 use std::path::PathBuf;
