@@ -1,9 +1,11 @@
 //! `parc run FILE [--set PATH=VALUE]… [--backend auto|cpu|cuda] [--log-format human|json]
-//! [--resume DIR] [--profile] [--profile-step N] [--save-init FILE] [--log-batches FILE]`:
+//! [--resume DIR] [--profile] [--profile-step N] [--save-init FILE] [--log-batches FILE]
+//! [--metrics DIR]`:
 //! check the spec, lower it to per-rank programs, and train them on this machine, one thread
 //! per rank with the local comm; with `--nproc-per-node` or under a launcher, hand over to
 //! `run_supervise` or `run_launch`. Exit codes as `main`: 0 trained, 1 the spec or the run
 //! failed, 2 usage or unreadable input.
+use crate::metrics::RunMetrics;
 use crate::run_args::{spec_folder, train_options, Resolved, RunArgs};
 use crate::run_launch::{self, Mode};
 use crate::run_prepare::{backend_and_plan, exit_code, print_error};
@@ -72,6 +74,7 @@ fn run_with<B: Backend>(
     new_backend: impl Fn(u32, usize) -> parc_runtime::error::Result<B> + Sync,
 ) -> Result<(), String> {
     let quiet = args.log_format == LogFormat::Json;
+    let metrics = RunMetrics::open(args.metrics.as_deref(), spec)?;
     if !quiet {
         if backend == Resolved::Cpu && spec.train.precision != Precision::Fp32 {
             let asked = match spec.train.precision {
@@ -101,7 +104,12 @@ fn run_with<B: Backend>(
         spec.train.log_every,
         std::io::stderr().is_terminal(),
     );
-    let on_step = |record: &parc_runtime::exec::StepRecord| progress.step(record);
+    let on_step = |record: &parc_runtime::exec::StepRecord| {
+        progress.step(record);
+        if let Some(metrics) = &metrics {
+            metrics.step(record);
+        }
+    };
     let result = train(spec, plan, &options, new_backend, &on_step)
         .map_err(|e| crate::run_error::describe(&e, spec, &args.file, &args.spec.set))?;
     let summary = Summary {
@@ -115,7 +123,7 @@ fn run_with<B: Backend>(
     };
     let (profile, gpu) = (result.profile.as_ref(), &spec.cluster.gpu);
     finish_report(&progress, &summary, profile, args.log_format, gpu);
-    Ok(())
+    metrics.map_or(Ok(()), RunMetrics::finish)
 }
 
 /// Bytes of host memory available now (Linux `MemAvailable`), if known.

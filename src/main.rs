@@ -6,10 +6,12 @@ mod calibration;
 mod cmd_calibrate;
 mod cmd_check;
 mod cmd_plan;
+mod cmd_plot;
 mod cmd_run;
 mod cmd_search;
 mod diagnostics;
 mod input;
+mod metrics;
 mod plan_summary;
 mod report;
 mod run_args;
@@ -71,6 +73,8 @@ enum Command {
     Run(run_args::RunArgs),
     /// Measure this machine's op times into a calibration profile for `check` and `plan`.
     Calibrate(cmd_calibrate::CalibrateArgs),
+    /// Draw the metrics of `parc run --metrics` runs (loss, lr, throughput, …) as SVG or PNG.
+    Plot(cmd_plot::PlotArgs),
 }
 
 fn main() -> ExitCode {
@@ -80,6 +84,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => cmd_plan::main(args),
         Command::Run(args) => cmd_run::main(args),
         Command::Calibrate(args) => cmd_calibrate::main(args),
+        Command::Plot(args) => cmd_plot::main(args),
     };
     ExitCode::from(code)
 }

@@ -65,6 +65,10 @@ pub struct RunArgs {
     /// this file as JSON lines before training.
     #[arg(long = "log-batches", value_name = "FILE")]
     pub log_batches: Option<PathBuf>,
+    /// Write every step's metrics to DIR/metrics.csv and a TensorBoard event file in DIR, as
+    /// the run goes (a resumed run appends); `parc plot DIR` draws them.
+    #[arg(long, value_name = "DIR")]
+    pub metrics: Option<PathBuf>,
 }
 
 /// The backend a run will use, after resolving `auto`.

@@ -2,11 +2,12 @@
 //! Open MPI, Slurm, PMI): compile the spec, refuse a world size other than the mesh's (and, on
 //! GPUs, tp groups that span hosts), join the rendezvous, build this process's comm and train
 //! its rank; only the plan's report rank prints progress and the summary, after every rank
-//! finished. [`mode`] decides whether this process is such a rank, the launcher
-//! (`run_supervise`) or a single-process run.
+//! finished, and writes `--metrics`. [`mode`] decides whether this process is such a rank, the
+//! launcher (`run_supervise`) or a single-process run.
 //!
 //! For testing the failure handling, `PARC_TEST_FAULT=abort:R@MS` makes rank R's process abort
 //! MS milliseconds after the rendezvous (a crash), `stop:R@MS` stop (SIGSTOP: a hang).
+use crate::metrics::RunMetrics;
 use crate::run_args::{spec_folder, train_options, Resolved, RunArgs};
 use crate::run_prepare::{backend_and_plan, exit_code};
 use crate::run_progress::{finish_report, LogFormat, Progress, Summary};
@@ -133,6 +134,8 @@ fn train_rank(
     let mut options = train_options(args, &spec_folder(&args.file));
     options.comm_timeout = timeout(args.comm_timeout, "--comm-timeout")?;
     let is_report = env.rank == plan.report_rank;
+    // Only the report rank writes metrics.
+    let metrics = RunMetrics::open(args.metrics.as_deref().filter(|_| is_report), spec)?;
     let progress = Progress::new(
         args.log_format,
         spec.train.steps,
@@ -142,6 +145,9 @@ fn train_rank(
     let on_step = |record: &parc_runtime::exec::StepRecord| {
         if is_report {
             progress.step(record);
+        }
+        if let Some(metrics) = &metrics {
+            metrics.step(record);
         }
     };
     if is_report && args.log_format == LogFormat::Human {
@@ -178,7 +184,7 @@ fn train_rank(
         let (profile, gpu) = (result.profile.as_ref(), &spec.cluster.gpu);
         finish_report(&progress, &summary, profile, args.log_format, gpu);
     }
-    Ok(())
+    metrics.map_or(Ok(()), RunMetrics::finish)
 }
 
 #[cfg(feature = "mpi")]

@@ -389,6 +389,7 @@ mod tests {
             tokens_per_s: 12_345.0,
             elapsed_s,
             loss_scale: None,
+            memory_bytes: None,
             val_loss: None,
         }
     }

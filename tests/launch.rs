@@ -7,6 +7,7 @@
 //! communication, with both numbers; the MPI comm itself checks collective order, names missing
 //! peers and hears aborts. The MPI tests need the `mpi` feature (without it they are ignored) and
 //! `mpiexec` on PATH (without it they say they skip).
+//! The 4-process run's `--metrics` are written by its report rank alone.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 use serde_json::Value;
 use std::path::PathBuf;
@@ -128,10 +129,35 @@ fn four_processes_give_exactly_the_single_process_losses() {
             .unwrap();
         assert!(single.status.success(), "{}", stderr(&single));
         args.extend(["--nproc-per-node".into(), "4".into()]);
-        let multi = parc(&[args.clone(), ckpt(&four_dir)].concat(), &[])
+        let metrics = four_dir.join("metrics");
+        let metrics_arg = vec!["--metrics".into(), metrics.display().to_string()];
+        let multi = parc(&[args.clone(), ckpt(&four_dir), metrics_arg].concat(), &[])
             .output()
             .unwrap();
         assert!(multi.status.success(), "{parallel:?}: {}", stderr(&multi));
+        // Only the report rank writes metrics: one event file, one row per step.
+        let names: Vec<String> = std::fs::read_dir(&metrics)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        let events = names
+            .iter()
+            .filter(|n| n.starts_with("events.out.tfevents."));
+        assert_eq!(events.count(), 1, "{parallel:?}: {names:?}");
+        let csv = std::fs::read_to_string(metrics.join("metrics.csv")).unwrap();
+        let csv_losses: Vec<u32> = csv
+            .lines()
+            .skip(1)
+            .map(|l| {
+                l.split(',')
+                    .nth(1)
+                    .unwrap()
+                    .parse::<f32>()
+                    .unwrap()
+                    .to_bits()
+            })
+            .collect();
+        assert_eq!(csv_losses, losses(&multi), "{parallel:?}: metrics.csv");
         // Resuming the 4-process run from its step-2 checkpoint continues bit-identically.
         let resume = vec![
             "--resume".into(),

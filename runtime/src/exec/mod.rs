@@ -110,6 +110,9 @@ pub struct StepRecord {
     pub elapsed_s: f64,
     /// fp16 runs: the loss scale used, the next one, and whether the step was skipped.
     pub loss_scale: Option<LossScaleStep>,
+    /// Bytes the report rank's backend holds at the end of this step
+    /// (`Backend::reserved_bytes`), where the backend reports them.
+    pub memory_bytes: Option<u64>,
     /// Validation loss, on steps where `train.eval` ran.
     pub val_loss: Option<f32>,
 }
@@ -547,6 +550,7 @@ impl RunContext<'_> {
                     tokens_per_s: tokens as f64 / seconds.max(1e-9),
                     elapsed_s: started.elapsed().as_secs_f64(),
                     loss_scale: metrics.loss_scale,
+                    memory_bytes: exec.reserved_bytes(),
                     val_loss,
                 };
                 (self.on_step)(&record);
