@@ -7,7 +7,9 @@
 //! write their shard, rank 0 publishes the manifest after a barrier); `resume` continues from
 //! one. A run that checkpoints also exports its final parameters as global tensors
 //! (`DIR/model.safetensors`); `save_init` writes the parameters before the first step the
-//! same way, and `log_batches` the token offsets of every step's batch. Plans are verified
+//! same way, and `log_batches` the token offsets of every step's batch. A fresh run with
+//! `train.init = hf(…)` starts from those weights (checked before any rank starts); a resumed
+//! one continues its checkpoint. Plans are verified
 //! (`parc_compiler::driver::analyze`) before any rank starts: the runtime runs only verified
 //! programs.
 //! All parallelism lives in the programs: this module only dispatches.
@@ -21,17 +23,18 @@ pub use gather::GlobalParam;
 pub use loss_scale::{LossScaleStep, LossScaler};
 pub use process::{train_rank, ProcessRankResult};
 pub use profile::StepProfile;
-pub use rank::{ParamPiece, RankExecutor};
+pub use rank::{ParamPiece, ParamStart, RankExecutor};
 
 use crate::backend::Backend;
 use crate::checkpoint::{self, Manifest, ShardTensor, SpecSource};
 use crate::comm::{Comm, LocalComm};
 use crate::data::{write_run_batch_log, Dataset, EpochProgress};
 use crate::error::{Result, RuntimeError};
+use crate::hf::HfInit;
 use parc_compiler::diag::Diagnostics;
 use parc_compiler::driver::{self, Stage};
 use parc_compiler::ir::Plan;
-use parc_compiler::spec::Spec;
+use parc_compiler::spec::{InitFrom, Spec};
 use parc_compiler::verify::VerifyReport;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -173,6 +176,23 @@ fn resume_point(
     Ok((resume, manifest, hash))
 }
 
+/// The Hugging Face checkpoint a fresh run starts from (`train.init = hf(…)`, relative to the
+/// spec's folder), checked against the spec before any rank starts; None for a seeded run and
+/// for a resumed one, which continues its checkpoint instead.
+fn initial_weights(
+    spec: &Spec,
+    plan: &Plan,
+    options: &TrainOptions,
+    resuming: bool,
+) -> Result<Option<HfInit>> {
+    match &spec.train.init {
+        InitFrom::Hf { path, .. } if !resuming => {
+            HfInit::open(&options.spec_dir.join(path), spec, &plan.params).map(Some)
+        }
+        _ => Ok(None),
+    }
+}
+
 /// Refuse a plan whose ranks together need more than `limit` bytes at their verified peaks.
 fn check_memory(plan: &Plan, report: &VerifyReport, limit: u64) -> Result<()> {
     let peaks: Vec<u64> = plan
@@ -256,6 +276,7 @@ where
     }
     let dataset = Arc::new(open_dataset(spec, &options.spec_dir)?);
     let (resume, manifest, hash) = resume_point(plan, spec, options, &dataset)?;
+    let weights = initial_weights(spec, plan, options, resume.is_some())?;
     if let Some(path) = &options.log_batches {
         let start = manifest.as_ref().map_or(0, |m| m.step);
         let end = options
@@ -277,6 +298,7 @@ where
         resume: resume.as_deref().zip(manifest.as_ref()),
         plan_hash: &hash,
         on_step,
+        weights: weights.as_ref(),
         init_export: options.save_init.clone().map(|path| InitExport {
             path,
             source: options.source.clone(),
@@ -394,6 +416,8 @@ struct RunContext<'a> {
     resume: Option<(&'a Path, &'a Manifest)>,
     plan_hash: &'a str,
     on_step: &'a (dyn Fn(&StepRecord) + Sync),
+    /// The Hugging Face weights the parameters start from (else the seed's).
+    weights: Option<&'a HfInit>,
     init_export: Option<InitExport>,
 }
 
@@ -449,7 +473,10 @@ impl RunContext<'_> {
 
     fn rank_loop<B: Backend>(&self, exec: &mut RankExecutor<'_, B>) -> Result<RankOutcome> {
         let train = &self.spec.train;
-        exec.init(train.seed)?;
+        exec.init_from(match self.weights {
+            Some(weights) => ParamStart::Hf(weights),
+            None => ParamStart::Seeded(train.seed),
+        })?;
         exec.loss_scaler = LossScaler::for_precision(train.precision);
         let mut start_step = 0;
         if let Some((dir, manifest)) = self.resume {

@@ -8,6 +8,7 @@ use crate::data::{fill_microbatch, BatchLayout, Dataset, Sampler};
 use crate::error::{Result, RuntimeError};
 use crate::exec::loss_scale::{LossScaleStep, LossScaler};
 use crate::exec::profile::{self, StepProfile};
+use crate::hf::HfInit;
 use crate::init::{fill_local_param, ZeroShard};
 use parc_compiler::ir::op::{segments_len, Segment};
 use parc_compiler::ir::{
@@ -27,6 +28,15 @@ pub struct ParamPiece {
     /// `(shard_len, index)` of a ZeRO flat shard; None for the whole tp-local tensor.
     pub zero: Option<ZeroShard>,
     pub data: Vec<f32>,
+}
+
+/// Where a rank's parameters start.
+#[derive(Clone, Copy, Debug)]
+pub enum ParamStart<'a> {
+    /// The counter-based initialisation from this seed (`crate::init`).
+    Seeded(u64),
+    /// A Hugging Face checkpoint (`train.init = hf(…)`), checked against the spec.
+    Hf(&'a HfInit),
 }
 
 /// What one step left in the rank's metric buffers.
@@ -169,6 +179,11 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
     /// Plan the program's memory and hand the plan to the backend, allocate the persistent
     /// buffers and initialise the parameters from the seed.
     pub fn init(&mut self, seed: u64) -> Result<()> {
+        self.init_from(ParamStart::Seeded(seed))
+    }
+
+    /// [`RankExecutor::init`] with the parameters from `start`.
+    pub fn init_from(&mut self, start: ParamStart<'_>) -> Result<()> {
         // Every buffer's place is decided (and checked) before the first allocation, at the
         // sizes this backend stores (bf16 buffers as f32 on a backend without bf16 storage).
         let widened = (!self.backend.stores_bf16() && self.program.uses_bf16())
@@ -202,15 +217,20 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
                     .map(|b| b.numel() as usize)
                     .ok_or_else(|| plan_error(self.rank, format!("buffer {} is unknown", id.0)))?;
                 let mut data = vec![0.0f32; len];
-                fill_local_param(
-                    &mut data,
-                    param.init,
-                    seed,
-                    local.param,
-                    &param.shape,
-                    local.tp,
-                    shard,
-                )?;
+                match start {
+                    ParamStart::Seeded(seed) => fill_local_param(
+                        &mut data,
+                        param.init,
+                        seed,
+                        local.param,
+                        &param.shape,
+                        local.tp,
+                        shard,
+                    )?,
+                    ParamStart::Hf(weights) => {
+                        weights.fill_local(&mut data, local.param, param, local.tp, shard)?
+                    }
+                }
                 self.backend.write_f32(id, &data)?;
             }
         }
