@@ -5,6 +5,7 @@
 mod calibration;
 mod cmd_calibrate;
 mod cmd_check;
+mod cmd_export;
 mod cmd_plan;
 mod cmd_run;
 mod cmd_search;
@@ -71,6 +72,8 @@ enum Command {
     Run(run_args::RunArgs),
     /// Measure this machine's op times into a calibration profile for `check` and `plan`.
     Calibrate(cmd_calibrate::CalibrateArgs),
+    /// Write a trained model in another format: `--format hf`, a Hugging Face folder.
+    Export(cmd_export::ExportArgs),
 }
 
 fn main() -> ExitCode {
@@ -80,6 +83,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => cmd_plan::main(args),
         Command::Run(args) => cmd_run::main(args),
         Command::Calibrate(args) => cmd_calibrate::main(args),
+        Command::Export(args) => cmd_export::main(args),
     };
     ExitCode::from(code)
 }
