@@ -36,7 +36,7 @@ mkdir -p "$out"
 data=examples/data/tiny-shakespeare.txt
 
 status=0
-for name in tiny tiny-llama; do
+for name in tiny tiny-llama tiny-qwen; do
     spec="examples/$name.par"
     echo "== $name ($spec)"
     base=(--set "train.precision=fp32" --backend cpu --log-format json)
