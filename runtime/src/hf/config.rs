@@ -415,3 +415,90 @@ fn disagrees(path: &Path, problems: &[String]) -> RuntimeError {
         problems.join("\n  ")
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn llama() -> Arch {
+        Arch {
+            family: Family::Llama,
+            vocab: 512,
+            dim: 64,
+            seq: 32,
+            heads: 8,
+            kv_heads: 8,
+            head_dim: 8,
+            ffn: 128,
+            eps: 1e-5,
+            activation: "gelu_new",
+            theta: 500000.0,
+            qkv_bias: false,
+            out_bias: false,
+            tied: false,
+            embed: "embed".into(),
+            pos: None,
+            blocks: Vec::new(),
+            ln_f: "ln_f".into(),
+            head: "head".into(),
+        }
+    }
+
+    /// Check `config` (written to a folder of its own, `name`) against [`llama`].
+    fn check(name: &str, config: Value) -> Result<HfSizes> {
+        let pid = std::process::id();
+        let dir = std::env::temp_dir().join(format!("parc-hf-config-{pid}-{name}"));
+        std::fs::create_dir_all(&dir).map_err(|e| RuntimeError::Hf(e.to_string()))?;
+        std::fs::write(dir.join("config.json"), config.to_string())
+            .map_err(|e| RuntimeError::Hf(e.to_string()))?;
+        check_config(&dir, &llama())
+    }
+
+    /// A file as older transformers wrote it: no head_dim, no num_key_value_heads, RoPE's
+    /// base at the top level, eps through float32, fewer (real) tokens than the padded spec.
+    fn older_file() -> Value {
+        json!({
+            "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 0, "num_attention_heads": 8, "vocab_size": 500,
+            "rms_norm_eps": 9.999999747378752e-06, "rope_theta": 500000.0,
+            "max_position_embeddings": 8192, "rope_scaling": null
+        })
+    }
+
+    #[test]
+    fn missing_fields_take_transformers_defaults_and_the_vocab_may_be_smaller() {
+        let sizes = check("defaults", older_file()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(sizes.vocab, 500);
+    }
+
+    #[test]
+    fn scaled_rope_and_other_fields_are_all_named() {
+        let mut config = older_file();
+        config["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8.0});
+        config["num_key_value_heads"] = json!(2);
+        config["tie_word_embeddings"] = json!(true);
+        let err = check("named", config).map(|_| ()).unwrap_err().to_string();
+        for expected in [
+            "rope_scaling has rope_type \"llama3\"",
+            "num_key_value_heads = 2, spec kv_heads = 8",
+            "tie_word_embeddings = true, spec head untied",
+        ] {
+            assert!(err.contains(expected), "{expected:?} not in {err}");
+        }
+    }
+
+    #[test]
+    fn the_written_config_checks_against_its_own_arch() {
+        let arch = llama();
+        let sizes = HfSizes {
+            vocab: 300,
+            positions: 32,
+        };
+        let mut written = config_json(&arch, sizes, "float32");
+        written["num_hidden_layers"] = json!(0);
+        assert_eq!(
+            check("written", written).map_err(|e| e.to_string()),
+            Ok(sizes)
+        );
+    }
+}
