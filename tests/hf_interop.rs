@@ -7,7 +7,6 @@
 //! tensor, a misshapen one — is a clear error naming it. (transformers itself reads the exports
 //! in bench/hf_parity.sh.)
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-#[allow(dead_code)]
 #[path = "cli_support/mod.rs"]
 mod cli;
 
