@@ -2,7 +2,8 @@
 //! to transformers' layout, loaded back with `train.init = hf("DIR")` under one rank and under
 //! parallel plans (tp 2 with SP, pp 2 with dp 2 and ZeRO 3), and exported again gives the same
 //! tensors bit for bit, for GPT-2, Llama (GQA, untied head) and Qwen2 (q/k/v biases). A
-//! vocabulary cut back on export is padded with zero rows on import. Bad input — no
+//! vocabulary cut back on export is padded with zero rows on import; sharded checkpoints and the
+//! original GPT-2 layout (no `transformer.` prefix, mask buffers, more positions) load. Bad input — no
 //! config.json, a config.json that disagrees with the spec (every field named), a missing
 //! tensor, a misshapen one — is a clear error naming it. (transformers itself reads the exports
 //! in bench/hf_parity.sh.)
@@ -223,6 +224,77 @@ fn rewrite(dir: &Path, edit: impl Fn(&mut Vec<(String, Vec<usize>, Vec<u8>)>)) {
     std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
 }
 
+/// As the original GPT-2 checkpoint stores it — names without `transformer.`, the causal-mask
+/// buffers, more positions than the spec's seq — it loads too: the first seq positions.
+#[test]
+fn the_original_gpt2_layout_loads() {
+    let dir = cli::temp_dir("hf", "original");
+    let (spec, plan) = compile("tiny", &[]);
+    let initial = train(&spec, &plan, 0).unwrap();
+    export(&spec, initial.clone(), &dir, None);
+    rewrite(&dir, |tensors| {
+        for (name, shape, data) in tensors.iter_mut() {
+            *name = name.trim_start_matches("transformer.").to_string();
+            if name == "wpe.weight" {
+                shape[0] = 100;
+                data.resize(100 * 64 * 4, 0x3f);
+            }
+        }
+        tensors.push((
+            "h.0.attn.bias".into(),
+            vec![1, 1, 64, 64],
+            vec![0; 64 * 64 * 4],
+        ));
+    });
+    let path = dir.join("config.json");
+    let config = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(
+        &path,
+        config.replace("\"n_positions\": 64", "\"n_positions\": 100"),
+    )
+    .unwrap();
+    let (spec, plan) = compile("tiny", &[&init_from(&dir)]);
+    let loaded = train(&spec, &plan, 0).unwrap_or_else(|e| panic!("{e}"));
+    assert!(initial == loaded);
+}
+
+/// A checkpoint sharded over several files (`model.safetensors.index.json`) loads as one.
+#[test]
+fn a_sharded_checkpoint_loads() {
+    let dir = cli::temp_dir("hf", "sharded");
+    let (spec, plan) = compile("tiny-llama", &[]);
+    let initial = train(&spec, &plan, 0).unwrap();
+    export(&spec, initial.clone(), &dir, None);
+    let tensors = read_tensors(&dir);
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    let mut weight_map = serde_json::Map::new();
+    for (part, half) in tensors.chunks(tensors.len() / 2 + 1).enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", part + 1);
+        let views: Vec<_> = half
+            .iter()
+            .map(|(name, _, shape, data)| {
+                weight_map.insert(name.clone(), file.clone().into());
+                let view = safetensors::tensor::TensorView::new(
+                    safetensors::Dtype::F32,
+                    shape.clone(),
+                    data,
+                );
+                (name.clone(), view.unwrap())
+            })
+            .collect();
+        std::fs::write(
+            dir.join(&file),
+            safetensors::serialize(views, None).unwrap(),
+        )
+        .unwrap();
+    }
+    let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    let (spec, plan) = compile("tiny-llama", &[&init_from(&dir)]);
+    let loaded = train(&spec, &plan, 0).unwrap_or_else(|e| panic!("{e}"));
+    assert!(initial == loaded);
+}
+
 fn load_error(spec: &Spec, plan: &Plan) -> String {
     train(spec, plan, 0).unwrap_err().to_string()
 }
@@ -313,18 +385,30 @@ fn a_graph_transformers_does_not_have_is_refused_naming_the_layer() {
     assert!(err.contains("has no counterpart in transformers"), "{err}");
 }
 
-/// The command line: `parc export` of a finished run's folder (in bf16), `parc run` from the
-/// export, and a config.json that disagrees stopping that run with exit code 1.
+/// The command line: `--resume` winning over `train.init`, `parc export` of a finished run's
+/// folder (in bf16), `parc run` from the export, and a config.json that disagrees stopping
+/// that run with exit code 1.
 #[test]
 fn parc_export_and_run_from_the_export() {
     let dir = cli::temp_dir("hf", "cli");
     let ckpt = format!("train.checkpoint.dir=\"{}\"", dir.join("ckpt").display());
     let mut args = vec!["run", "examples/tiny-llama.par", "--log-format", "json"];
     args.extend(cli::sets(&SMALL));
-    args.extend(cli::sets(&[&ckpt]));
+    args.extend(cli::sets(&[&ckpt, "train.checkpoint.every=2"]));
     cli::parc_ok(&args);
-    let out = dir.join("hf");
+    // --resume wins over train.init, which it does not read (the folder does not exist).
+    let mut resume = args[..2].to_vec();
+    resume.extend(&args[4..]);
     let ckpt_dir = dir.join("ckpt");
+    let nowhere = init_from(&dir.join("nowhere"));
+    resume.extend(cli::sets(&["train.steps=3", &nowhere]));
+    resume.extend(["--resume", ckpt_dir.to_str().unwrap()]);
+    let resumed = cli::stderr_of(&cli::parc_ok(&resume));
+    assert!(
+        resumed.contains("--resume continues its checkpoint"),
+        "{resumed}"
+    );
+    let out = dir.join("hf");
     let export = [
         "export",
         ckpt_dir.to_str().unwrap(),

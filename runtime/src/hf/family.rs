@@ -198,31 +198,7 @@ pub fn recognise(spec: &Spec) -> Result<Arch> {
         model.nodes.get(walk.at).map(|n| &n.kind),
         Some(LayerKind::LayerNorm { .. })
     );
-    let blocks_end = model.nodes.len().saturating_sub(3);
-    let mut blocks = Vec::new();
-    let mut first: Option<(BlockShape, &Node)> = None;
-    while walk.at < blocks_end {
-        let (names, shape, attn, out) = block(&mut walk, x, gpt2)?;
-        match &first {
-            None => first = Some((shape, attn)),
-            Some((first_shape, first_attn)) => {
-                let differences = shape.differences(first_shape);
-                if !differences.is_empty() {
-                    return Err(unmapped(
-                        attn,
-                        format!(
-                            "its block differs from `{}`'s ({}); a transformers config has one \
-                             of each for every layer",
-                            first_attn.name,
-                            differences.join(", ")
-                        ),
-                    ));
-                }
-            }
-        }
-        blocks.push(names);
-        x = out;
-    }
+    let (blocks, block, first_block, x) = blocks(&mut walk, x, gpt2)?;
     let ln_f = walk.next(&[x], "the final norm")?;
     let head = walk.next(&[ln_f.output], "the head")?;
     let loss = walk.next(&[head.output, model.targets], "the loss")?;
@@ -232,9 +208,6 @@ pub fn recognise(spec: &Spec) -> Result<Arch> {
             "the model must end with CrossEntropy(logits, targets)",
         ));
     }
-    let Some((block, first_block)) = first else {
-        return Err(unmapped(ln_f, "the model has no transformer blocks"));
-    };
     let eps = norm_eps(ln_f, gpt2)?;
     if eps != block.eps {
         return Err(unmapped(
@@ -245,20 +218,7 @@ pub fn recognise(spec: &Spec) -> Result<Arch> {
             ),
         ));
     }
-    let tied = match head.kind {
-        LayerKind::Linear {
-            in_dim,
-            out_dim,
-            bias: false,
-            tied,
-        } if in_dim == dim && out_dim == vocab => tied == Some(NodeId(0)),
-        _ => {
-            return Err(unmapped(
-                head,
-                format!("the head must be Linear({dim}, {vocab}, bias = false)"),
-            ))
-        }
-    };
+    let tied = head_is_tied(head, dim, vocab)?;
     let family = family_of(gpt2, pos.is_some(), &block, tied, first_block, head)?;
     Ok(Arch {
         family,
@@ -284,6 +244,65 @@ pub fn recognise(spec: &Spec) -> Result<Arch> {
         ln_f: ln_f.name.clone(),
         head: head.name.clone(),
     })
+}
+
+/// The blocks from `x` up to the final norm (the model's last three nodes: norm, head, loss):
+/// their node names, their shared settings, the first one's attention node, and their output.
+fn blocks<'a>(
+    walk: &mut Walk<'a>,
+    mut x: ValueId,
+    gpt2: bool,
+) -> Result<(Vec<BlockNodes>, BlockShape, &'a Node, ValueId)> {
+    let end = walk.spec.model.nodes.len().saturating_sub(3);
+    let mut names = Vec::new();
+    let mut first: Option<(BlockShape, &Node)> = None;
+    while walk.at < end {
+        let (block, shape, attn, out) = block(walk, x, gpt2)?;
+        if let Some((first_shape, first_attn)) = &first {
+            let differences = shape.differences(first_shape);
+            if !differences.is_empty() {
+                return Err(unmapped(
+                    attn,
+                    format!(
+                        "its block differs from `{}`'s ({}); a transformers config has one of \
+                         each for every layer",
+                        first_attn.name,
+                        differences.join(", ")
+                    ),
+                ));
+            }
+        } else {
+            first = Some((shape, attn));
+        }
+        names.push(block);
+        x = out;
+    }
+    match first {
+        Some((shape, attn)) => Ok((names, shape, attn, x)),
+        None => {
+            let node = walk.spec.model.nodes.get(walk.at);
+            Err(node.map_or_else(
+                || RuntimeError::Hf("the model has no transformer blocks".into()),
+                |n| unmapped(n, "the model has no transformer blocks before it"),
+            ))
+        }
+    }
+}
+
+/// Whether the head (which must be `Linear(dim, vocab, bias = false)`) is tied.
+fn head_is_tied(head: &Node, dim: u64, vocab: u64) -> Result<bool> {
+    match head.kind {
+        LayerKind::Linear {
+            in_dim,
+            out_dim,
+            bias: false,
+            tied,
+        } if in_dim == dim && out_dim == vocab => Ok(tied == Some(NodeId(0))),
+        _ => Err(unmapped(
+            head,
+            format!("the head must be Linear({dim}, {vocab}, bias = false)"),
+        )),
+    }
 }
 
 /// The family a block shape belongs to, or why none does.

@@ -58,9 +58,10 @@ impl HfInit {
             };
             let mut tensors = Vec::new();
             for piece in &map.pieces {
-                used.insert(piece.hf.clone());
+                let (name, found) = find(&files, &piece.hf);
+                used.insert(name.to_string());
                 let want = piece.hf_shape();
-                match files.get(&piece.hf) {
+                match found {
                     None => problems.push(format!("tensor {} is missing", piece.hf)),
                     Some(t) if t.shape != want => problems.push(format!(
                         "tensor {} in {} has shape {:?}, the spec needs {want:?} (for {})",
@@ -125,6 +126,22 @@ impl HfInit {
             None => 0.0,
         };
         fill_local_with(out, id, &param.shape, tp, zero, value)
+    }
+}
+
+/// The tensor `name` of the checkpoint, or, where the file was saved from the base model
+/// (`GPT2Model`, `LlamaModel`: as the original GPT-2 checkpoint), the same name without its
+/// `transformer.` or `model.` prefix; and the name found.
+fn find<'a>(files: &'a HfFiles, name: &'a str) -> (&'a str, Option<&'a TensorAt>) {
+    if let Some(t) = files.get(name) {
+        return (name, Some(t));
+    }
+    let base = ["transformer.", "model."]
+        .iter()
+        .find_map(|prefix| name.strip_prefix(prefix));
+    match base.and_then(|b| Some((b, files.get(b)?))) {
+        Some((b, t)) => (b, Some(t)),
+        None => (name, None),
     }
 }
 

@@ -113,14 +113,16 @@ struct Builder<'a> {
 }
 
 impl Builder<'_> {
-    /// Parameter `node.local` of `shape`, stored whole as `hf` (first `rows` rows: the rest is
-    /// padding), in `hf_rows` rows.
+    /// Parameter `parc` of `shape` stored as the one tensor `hf`: `extent` is (the parameter's
+    /// rows it holds, counted from the first: the rest is padding; the tensor's rows), `t`
+    /// transposed.
     fn whole(&mut self, parc: String, shape: Vec<u64>, hf: String, extent: (u64, u64), t: bool) {
         let (rows, hf_rows) = extent;
         self.split(parc, shape, vec![(hf, 0..rows, hf_rows)], t);
     }
 
-    /// Parameter `parc` of `shape`, its row ranges stored as the named tensors.
+    /// Parameter `parc` of `shape`, its row ranges stored as the named tensors (each with its
+    /// rows), `t` transposed.
     fn split(
         &mut self,
         parc: String,
