@@ -93,6 +93,9 @@ fn run_with<B: Backend>(
             spec.model.seq
         );
     }
+    if !quiet {
+        crate::run_args::note_init(spec, args);
+    }
     let mut options = train_options(args, spec_dir);
     if backend == Resolved::Cpu {
         // Every rank lives in this process: all of them must fit in host memory.

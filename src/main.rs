@@ -5,6 +5,7 @@
 mod calibration;
 mod cmd_calibrate;
 mod cmd_check;
+mod cmd_export;
 mod cmd_plan;
 mod cmd_plot;
 mod cmd_run;
@@ -75,6 +76,8 @@ enum Command {
     Calibrate(cmd_calibrate::CalibrateArgs),
     /// Draw the metrics of `parc run --metrics` runs (loss, lr, throughput, …) as SVG or PNG.
     Plot(cmd_plot::PlotArgs),
+    /// Write a trained model in another format: `--format hf`, a Hugging Face folder.
+    Export(cmd_export::ExportArgs),
 }
 
 fn main() -> ExitCode {
@@ -85,6 +88,7 @@ fn main() -> ExitCode {
         Command::Run(args) => cmd_run::main(args),
         Command::Calibrate(args) => cmd_calibrate::main(args),
         Command::Plot(args) => cmd_plot::main(args),
+        Command::Export(args) => cmd_export::main(args),
     };
     ExitCode::from(code)
 }

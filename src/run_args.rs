@@ -159,3 +159,17 @@ pub(crate) fn spec_folder(file: &Path) -> PathBuf {
         _ => PathBuf::from("."),
     }
 }
+
+/// Say where the parameters start when it is not the seed: the spec's `train.init = hf(…)`,
+/// or, with `--resume`, the checkpoint (which wins over `train.init`).
+pub(crate) fn note_init(spec: &parc_compiler::spec::Spec, args: &RunArgs) {
+    if let parc_compiler::spec::InitFrom::Hf { path, .. } = &spec.train.init {
+        if args.resume.is_some() {
+            eprintln!(
+                "note: --resume continues its checkpoint; train.init = hf(\"{path}\") is not read"
+            );
+        } else {
+            eprintln!("note: the parameters start from the Hugging Face weights in {path}");
+        }
+    }
+}

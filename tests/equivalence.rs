@@ -21,7 +21,7 @@ use parc_compiler::diag::Sources;
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::{Instr, Phase, Plan};
 use parc_compiler::lower::{lower, lower_with, LowerOptions};
-use parc_compiler::spec::{Axis, PipelineSchedule, Recompute, Spec, ZeroStage};
+use parc_compiler::spec::{Axis, LayerKind, PipelineSchedule, Recompute, Spec, ZeroStage};
 use parc_compiler::{check, parse_override};
 use parc_runtime::exec::{TrainOptions, TrainResult};
 use std::time::Duration;
@@ -153,6 +153,49 @@ fn data_parallel_with_each_zero_stage() {
                 ..PlanChoice::default()
             },
         );
+    }
+}
+
+/// Qwen2's attention (biases on q, k and v, none on the output projection: `qkv_bias = true,
+/// bias = false`) under tp 2 with SP and under dp 2 with ZeRO 3 trains as on one rank: the
+/// q/k/v bias splits with its heads, and no output bias is added.
+#[test]
+fn qkv_biases_without_an_output_bias() {
+    let qwen = |mut s: Spec| {
+        for node in &mut s.model.nodes {
+            if let LayerKind::Attention { qkv_bias, .. } = &mut node.kind {
+                *qkv_bias = true;
+            }
+        }
+        s
+    };
+    let plans = [
+        PlanChoice {
+            tp: 2,
+            sp: true,
+            ..PlanChoice::default()
+        },
+        PlanChoice {
+            dp: 2,
+            zero: ZeroStage::Zero3,
+            ..PlanChoice::default()
+        },
+    ];
+    for plan in plans {
+        let desc = format!("qwen {}", describe(true, &plan, Variant::default()));
+        let single_plan = PlanChoice {
+            microbatches: plan.microbatches * plan.dp,
+            ..PlanChoice::default()
+        };
+        let single = run_plan_of(&qwen(spec_variant(
+            model(true),
+            single_plan,
+            Variant::default(),
+        )));
+        assert!(single.params.iter().any(|p| p.name.ends_with("attn.bqkv")));
+        assert!(!single.params.iter().any(|p| p.name.ends_with("attn.bo")));
+        let got = run_plan_of(&qwen(spec_variant(model(true), plan, Variant::default())));
+        assert_close(&desc, &single, &got, false);
     }
 }
 

@@ -181,9 +181,11 @@ pub enum LayerKind {
         tied: Option<NodeId>,
     },
     /// Self-attention block without its norm or residual: one fused q/k/v projection (`wqkv
-    /// [(heads + 2*kv_heads)*head_dim, dim]`, rows q then k then v; bias `bqkv` when `bias`), optional RoPE
-    /// on q and k, scaled-dot-product attention (causal when `causal`), output projection
-    /// `wo [dim, heads*head_dim]` (+ `bo`).
+    /// [(heads + 2*kv_heads)*head_dim, dim]`, rows q then k then v; bias `bqkv` when
+    /// `qkv_bias`), optional RoPE on q and k, scaled-dot-product attention (causal when
+    /// `causal`), output projection `wo [dim, heads*head_dim]` (+ `bo` when `out_bias`).
+    /// The language's `bias` sets both biases, `qkv_bias` the first alone (Qwen2's q/k/v
+    /// biases without an output bias: `bias = false, qkv_bias = true`).
     Attention {
         dim: u64,
         heads: u64,
@@ -191,7 +193,8 @@ pub enum LayerKind {
         head_dim: u64,
         causal: bool,
         rope: Option<Rope>,
-        bias: bool,
+        qkv_bias: bool,
+        out_bias: bool,
     },
     /// Feed-forward: `fc [hidden, dim]` (+`fc_bias`), activation, `proj [dim, hidden]` (+`proj_bias`).
     /// For SwiGLU: `gate [hidden, dim]`, `up [hidden, dim]`, `down [dim, hidden]`, no biases.
@@ -624,6 +627,17 @@ impl Eval {
     pub const DEFAULT_BATCHES: u64 = 8;
 }
 
+/// Where a run's parameters start (`train.init`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum InitFrom {
+    /// Counter-based random values from `train.seed` (the default).
+    Seeded,
+    /// A Hugging Face checkpoint folder (`config.json` and `model.safetensors` or a sharded
+    /// `model.safetensors.index.json`), relative to the spec file's folder (`hf("DIR")`).
+    Hf { path: String, span: Span },
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct Train {
     /// Sequences per optimizer step over all data-parallel ranks.
@@ -638,6 +652,8 @@ pub struct Train {
     pub data: DataSource,
     pub steps: u64,
     pub seed: u64,
+    /// Where the parameters start; the optimizer always starts fresh at step 0.
+    pub init: InitFrom,
     pub checkpoint: Option<Checkpointing>,
     /// Log every `log_every` steps (default 1).
     pub log_every: u64,

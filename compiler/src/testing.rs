@@ -7,8 +7,8 @@
 use crate::diag::Span;
 use crate::ir::op::Act;
 use crate::spec::{
-    Activation, DataSource, LayerKind, LrSchedule, Model, Node, NodeId, Optimizer, Precision,
-    Recompute, Rope, Shape, Sharding, Train, Value, ValueId,
+    Activation, DataSource, InitFrom, LayerKind, LrSchedule, Model, Node, NodeId, Optimizer,
+    Precision, Recompute, Rope, Shape, Sharding, Train, Value, ValueId,
 };
 
 /// A decoder's sizes and style.
@@ -157,7 +157,8 @@ pub fn decoder_model(d: &Dims, name: &str, recompute: &Recompute, tp: u32, cp: u
             head_dim: dim / d.heads,
             causal: true,
             rope: d.llama.then_some(Rope { theta: 10000.0 }),
-            bias: !d.llama,
+            qkv_bias: !d.llama,
+            out_bias: !d.llama,
         };
         let a = add(format!("{p}.attn"), attention, vec![a], Some(l));
         x = add(format!("{p}.add1"), LayerKind::Add, vec![x, a], Some(l));
@@ -241,6 +242,7 @@ pub fn train(
         data: DataSource::Synthetic,
         steps: 5,
         seed: 0,
+        init: InitFrom::Seeded,
         checkpoint: None,
         log_every: 1,
         eval: None,

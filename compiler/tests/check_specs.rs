@@ -88,6 +88,28 @@ fn tiny_lowers_to_the_documented_node_names() {
     ));
 }
 
+/// Qwen2's attention: `qkv_bias = true` through std::llama's Block puts biases on q, k and v
+/// alone; `bias = true` on both projections; and `train.init` names the weights to start from.
+#[test]
+fn qkv_bias_alone_and_hf_init() {
+    let (spec, codes) = run(&example("tiny-qwen.par"), &["train.init=hf(\"qwen-hf\")"]);
+    assert!(codes.is_empty(), "{codes:?}");
+    let spec = spec.unwrap();
+    let biases = |s: &Spec| match node(s, "blocks.1.attn").kind {
+        LayerKind::Attention {
+            qkv_bias, out_bias, ..
+        } => (qkv_bias, out_bias),
+        _ => panic!("not attention"),
+    };
+    assert_eq!(biases(&spec), (true, false));
+    assert!(matches!(&spec.train.init, InitFrom::Hf { path, .. } if path == "qwen-hf"));
+    let llama = example("tiny-llama.par").replace("theta = 10000)", "theta = 10000, bias = true)");
+    let (spec, codes) = run(&llama, &[]);
+    assert!(codes.is_empty(), "{codes:?}");
+    assert_eq!(biases(&spec.unwrap()), (true, true));
+    assert_eq!(tiny_with(&[]).train.init, InitFrom::Seeded);
+}
+
 #[test]
 fn tiny_llama_has_gqa_rope_and_swiglu() {
     let (spec, codes) = run(&example("tiny-llama.par"), &[]);
@@ -103,7 +125,8 @@ fn tiny_llama_has_gqa_rope_and_swiglu() {
             head_dim: 8,
             causal: true,
             rope: Some(Rope { theta: 10000.0 }),
-            bias: false
+            qkv_bias: false,
+            out_bias: false
         }
     );
     let mlp = node(&spec, "blocks.2.mlp");
@@ -364,7 +387,8 @@ fn every_language_feature_reaches_the_spec() {
             head_dim: 32,
             causal: false,
             rope: None,
-            bias: false
+            qkv_bias: false,
+            out_bias: false
         }
     );
     assert!(matches!(

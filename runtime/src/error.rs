@@ -31,6 +31,10 @@ pub enum RuntimeError {
     /// Checkpoints: missing, corrupt, or from another plan.
     #[error("checkpoint: {0}")]
     Checkpoint(String),
+    /// Hugging Face weights: a config.json that disagrees with the spec, a missing or
+    /// misshapen tensor, a model that does not map to transformers'.
+    #[error("Hugging Face weights: {0}")]
+    Hf(String),
     /// A capability this build or machine does not have.
     #[error("{0}")]
     Unsupported(String),

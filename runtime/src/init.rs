@@ -198,6 +198,20 @@ pub fn fill_local_param(
     tp: Option<TpSplit>,
     zero: Option<ZeroShard>,
 ) -> Result<()> {
+    let value = |global| init_value(init, seed, param, global);
+    fill_local_with(out, param, global_shape, tp, zero, value)
+}
+
+/// [`fill_local_param`] with element values from `value(global flat index)` (a checkpoint's,
+/// for `train.init = hf(…)`).
+pub fn fill_local_with(
+    out: &mut [f32],
+    param: ParamId,
+    global_shape: &[u64],
+    tp: Option<TpSplit>,
+    zero: Option<ZeroShard>,
+    value: impl Fn(u64) -> f32 + Sync,
+) -> Result<()> {
     let block = TpBlock::new(global_shape, tp)?;
     let numel = block.numel();
     let (start, len) = match zero {
@@ -215,10 +229,10 @@ pub fn fill_local_param(
         .enumerate()
         .for_each(|(chunk, values)| {
             let base = start + (chunk * 4096) as u64;
-            for (j, value) in values.iter_mut().enumerate() {
+            for (j, out_value) in values.iter_mut().enumerate() {
                 let local = base + j as u64;
-                *value = if local < numel {
-                    init_value(init, seed, param, block.global_index(local))
+                *out_value = if local < numel {
+                    value(block.global_index(local))
                 } else {
                     0.0
                 };

@@ -37,7 +37,7 @@ pub fn params(kind: &str) -> &'static [&'static str] {
         "RMSNorm" => &["dim", "eps"],
         "Linear" => &["in", "out", "bias", "tied"],
         "Attention" => &[
-            "dim", "heads", "kv_heads", "head_dim", "causal", "rope", "bias",
+            "dim", "heads", "kv_heads", "head_dim", "causal", "rope", "bias", "qkv_bias",
         ],
         "MLP" => &["dim", "hidden", "act", "bias"],
         "RoPE" => &["theta"],
@@ -314,6 +314,7 @@ fn attention(b: &Bound) -> Result<LayerKind, Diagnostic> {
         Some(ArgValue::Bool(false, _)) => None,
         Some(other) => return Err(b.wrong("rope", "`RoPE(theta = …)` or `none`", other.span())),
     };
+    let bias = b.flag("bias", true)?;
     Ok(LayerKind::Attention {
         dim,
         heads,
@@ -321,7 +322,8 @@ fn attention(b: &Bound) -> Result<LayerKind, Diagnostic> {
         head_dim,
         causal: b.flag("causal", true)?,
         rope,
-        bias: b.flag("bias", true)?,
+        qkv_bias: b.flag("qkv_bias", bias)?,
+        out_bias: bias,
     })
 }
 

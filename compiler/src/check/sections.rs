@@ -8,7 +8,7 @@ use super::settings::Settings;
 use super::suggest;
 use crate::diag::{Diagnostic, Diagnostics, Span};
 use crate::spec::*;
-use crate::syntax::ast::{Expr, ExprKind};
+use crate::syntax::ast::{Arg, Expr, ExprKind};
 use std::collections::HashMap;
 
 /// A section value after evaluation.
@@ -548,6 +548,7 @@ pub fn train(r: &mut Reader, span: Span, gpu_is_cpu: bool) -> Option<Train> {
     let grad_clip = r.float("train.grad_clip").filter(|c| *c > 0.0);
     let data = data(r, "train.data");
     let seed = r.count("train.seed", 0).unwrap_or(0);
+    let init = init(r);
     let checkpoint =
         if r.span("train.checkpoint.every").is_some() || r.span("train.checkpoint.dir").is_some() {
             Some(Checkpointing {
@@ -580,6 +581,7 @@ pub fn train(r: &mut Reader, span: Span, gpu_is_cpu: bool) -> Option<Train> {
         data,
         steps,
         seed,
+        init,
         checkpoint,
         log_every,
         eval,
@@ -879,6 +881,42 @@ fn data(r: &mut Reader, path: &str) -> DataSource {
         Some(other) => {
             r.wrong(&other, "`\"file\" as bytes|u16|u32` or `synthetic`");
             DataSource::Synthetic
+        }
+    }
+}
+
+/// `train.init`: `seeded` (the default) or `hf("DIR")`, a Hugging Face checkpoint folder.
+fn init(r: &mut Reader) -> InitFrom {
+    let Some(e) = r.settings.get("train.init").cloned() else {
+        return InitFrom::Seeded;
+    };
+    if e.as_word().is_some_and(|w| w.name == "seeded") {
+        return InitFrom::Seeded;
+    }
+    let arg = match &e.kind {
+        ExprKind::Call { callee, args } if callee.as_word().is_some_and(|f| f.name == "hf") => {
+            args.first().filter(|_| args.len() == 1)
+        }
+        _ => None,
+    };
+    match arg {
+        Some(Arg::Positional(Expr {
+            kind: ExprKind::Str(path),
+            span,
+        })) if !path.is_empty() => InitFrom::Hf {
+            path: path.clone(),
+            span: *span,
+        },
+        _ => {
+            r.diags.push(
+                Diagnostic::error("E0904", "`train.init` is not a way to start a run")
+                    .label(e.span, "here")
+                    .help(
+                        "write `init = hf(\"DIR\")` (a Hugging Face checkpoint folder: \
+                         config.json and safetensors) or `init = seeded`",
+                    ),
+            );
+            InitFrom::Seeded
         }
     }
 }

@@ -48,6 +48,7 @@ pub const PATHS: &[&str] = &[
     "train.data",
     "train.steps",
     "train.seed",
+    "train.init",
     "train.checkpoint.every",
     "train.checkpoint.dir",
     "train.checkpoint.keep",

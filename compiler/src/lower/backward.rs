@@ -463,13 +463,12 @@ impl Emitter<'_> {
         };
         let dyf = self.sp_gather_grad(dy, s.dim, self.name(node, "dyg", mb), node);
         self.b.release(dy);
-        let bias = |n: &'static str| if s.bias { Some(n) } else { None };
         let d_o = self.matmul_backward(
             mb,
             node,
             dyf,
             Some(o),
-            ("wo", bias("bo")),
+            ("wo", s.out_bias.then_some("bo")),
             (q_cols, s.dim),
             rows,
             (None, None),
@@ -498,7 +497,7 @@ impl Emitter<'_> {
             node,
             dqkv,
             Some(xf),
-            ("wqkv", bias("bqkv")),
+            ("wqkv", s.qkv_bias.then_some("bqkv")),
             (s.dim, qkv_cols),
             rows,
             (None, None),

@@ -197,7 +197,8 @@ impl Emitter<'_> {
                 head_dim,
                 causal,
                 rope,
-                bias,
+                qkv_bias,
+                out_bias,
             } => self.attention_forward(
                 mb,
                 node,
@@ -209,7 +210,8 @@ impl Emitter<'_> {
                     head_dim,
                     causal,
                     theta: rope.map(|r| r.theta),
-                    bias,
+                    qkv_bias,
+                    out_bias,
                 },
             ),
             LayerKind::Mlp {
@@ -520,14 +522,13 @@ impl Emitter<'_> {
         let q_cols = s.heads * s.head_dim;
         let kv_cols = s.kv_heads * s.head_dim;
         let xf = self.sp_gather(x, s.dim, self.name(node, "xg", mb), node);
-        let bias = |n: &'static str| if s.bias { Some(n) } else { None };
         // One fused projection (rows q, k, v of `wqkv`) writes every row's q, k and v heads.
         let qkv_cols = q_cols + 2 * kv_cols;
         let qkv = self.matmul(
             mb,
             node,
             xf,
-            ("wqkv", bias("bqkv")),
+            ("wqkv", s.qkv_bias.then_some("bqkv")),
             (s.dim, qkv_cols),
             "qkv",
         );
@@ -538,7 +539,14 @@ impl Emitter<'_> {
             self.split_qkv(mb, node, qkv, &s).to_vec()
         };
         let (o, lse) = self.attention_core(mb, node, &inputs, &s, phase);
-        let yp = self.matmul(mb, node, o, ("wo", bias("bo")), (q_cols, s.dim), "y");
+        let yp = self.matmul(
+            mb,
+            node,
+            o,
+            ("wo", s.out_bias.then_some("bo")),
+            (q_cols, s.dim),
+            "y",
+        );
         let y = self.tp_reduce(
             yp,
             s.dim,
@@ -826,7 +834,10 @@ pub struct AttnShape {
     pub head_dim: u64,
     pub causal: bool,
     pub theta: Option<f64>,
-    pub bias: bool,
+    /// `wqkv` has a bias `bqkv`.
+    pub qkv_bias: bool,
+    /// `wo` has a bias `bo`.
+    pub out_bias: bool,
 }
 
 impl AttnShape {
@@ -839,7 +850,8 @@ impl AttnShape {
                 head_dim,
                 causal,
                 rope,
-                bias,
+                qkv_bias,
+                out_bias,
             } => Some(AttnShape {
                 dim: *dim,
                 heads: heads / tp,
@@ -847,7 +859,8 @@ impl AttnShape {
                 head_dim: *head_dim,
                 causal: *causal,
                 theta: rope.map(|r| r.theta),
-                bias: *bias,
+                qkv_bias: *qkv_bias,
+                out_bias: *out_bias,
             }),
             _ => None,
         }

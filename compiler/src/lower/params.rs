@@ -166,7 +166,8 @@ pub(crate) fn declared(spec: &Spec, kind: &LayerKind) -> Vec<Declared> {
             heads,
             kv_heads,
             head_dim,
-            bias,
+            qkv_bias,
+            out_bias,
             ..
         } => {
             let on = sh.attention_heads_on_tp;
@@ -179,12 +180,12 @@ pub(crate) fn declared(spec: &Spec, kind: &LayerKind) -> Vec<Declared> {
                 TpRule::Replicated
             };
             d.add("wqkv", vec![q + 2 * kv, *dim], normal, qkv);
-            if *bias {
+            if *qkv_bias {
                 d.add("bqkv", vec![q + 2 * kv], Init::Zeros, qkv);
             }
             let wo_init = Init::Normal { std: residual_std };
             d.add("wo", vec![*dim, q], wo_init, row(on));
-            if *bias {
+            if *out_bias {
                 d.add("bo", vec![*dim], Init::Zeros, row_bias(on));
             }
         }

@@ -20,7 +20,7 @@
 pub mod saved;
 pub mod store;
 
-pub use saved::{SavedModel, SpecSource};
+pub use saved::SavedModel;
 pub use store::{
     commit, find_latest, model_path, prepare, read_manifest, read_shard, staging_dir, write_model,
     write_params, write_shard, ShardTensor,
@@ -28,6 +28,7 @@ pub use store::{
 
 use parc_compiler::ir::Plan;
 use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
 
 /// Version of the manifest format this build writes and reads.
 pub const FORMAT: u32 = 1;
@@ -40,6 +41,22 @@ pub struct LossScaleState {
     pub good_steps: u32,
     /// Consecutive overflowing steps (for hysteresis).
     pub bad_steps: u32,
+}
+
+/// The metadata key of the spec in a saved model.
+pub const SPEC_KEY: &str = "parc.spec";
+
+/// The spec a run was started with, as the user wrote it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SpecSource {
+    /// The `.par` file's name as given (for diagnostics).
+    pub file: String,
+    /// The `.par` file's folder: relative paths in the spec are relative to it.
+    pub dir: PathBuf,
+    /// The `.par` text.
+    pub text: String,
+    /// The `--set` overrides, each `path=value`.
+    pub overrides: Vec<String>,
 }
 
 /// Everything besides tensors that a resumed run needs to continue exactly.

@@ -6,26 +6,10 @@
 //! overrides and the spec's folder (for paths inside it, such as a tokenizer file), as JSON.
 //! [`SavedModel::open`] reads a model file, or a checkpoint folder holding one.
 use super::store::{model_path, ShardTensor};
+use super::{SpecSource, SPEC_KEY};
 use crate::error::{Result, RuntimeError};
 use safetensors::{Dtype, SafeTensors};
-use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
-
-/// The metadata key of the spec in a saved model.
-pub const SPEC_KEY: &str = "parc.spec";
-
-/// The spec a run was started with, as the user wrote it.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct SpecSource {
-    /// The `.par` file's name as given (for diagnostics).
-    pub file: String,
-    /// The `.par` file's folder: relative paths in the spec are relative to it.
-    pub dir: PathBuf,
-    /// The `.par` text.
-    pub text: String,
-    /// The `--set` overrides, each `path=value`.
-    pub overrides: Vec<String>,
-}
 
 /// Global parameters read back from a saved model file.
 #[derive(Clone, Debug)]
@@ -41,21 +25,6 @@ pub struct SavedModel {
 
 fn saved_error(path: &Path, what: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Checkpoint(format!("{}: {what}", path.display()))
-}
-
-/// The metadata of a saved model: its step and, when given, its spec.
-pub fn model_metadata(
-    step: u64,
-    source: Option<&SpecSource>,
-) -> Result<std::collections::HashMap<String, String>> {
-    let mut metadata = std::collections::HashMap::from([("step".to_string(), step.to_string())]);
-    if let Some(source) = source {
-        let json = serde_json::to_string(source).map_err(|e| {
-            RuntimeError::Checkpoint(format!("cannot record the spec in the model file: {e}"))
-        })?;
-        metadata.insert(SPEC_KEY.to_string(), json);
-    }
-    Ok(metadata)
 }
 
 impl SavedModel {

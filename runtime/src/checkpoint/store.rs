@@ -1,8 +1,7 @@
 //! Reading and writing checkpoint files: atomic writes (temp file, fsync, rename, fsync of the
 //! folder), safetensors shards, the JSON manifest, pruning to the newest `keep`, and loading
 //! with errors that say which file is wrong and what to do.
-use super::saved::{model_metadata, SpecSource};
-use super::{shard_file_name, step_dir_name, Manifest, FORMAT};
+use super::{shard_file_name, step_dir_name, Manifest, SpecSource, FORMAT, SPEC_KEY};
 use crate::error::{Result, RuntimeError};
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
@@ -95,6 +94,21 @@ fn write_safetensors(
     }
     let file = safetensors::serialize(views, metadata).map_err(|e| ckpt_error(path, e))?;
     write_atomic(path, &file)
+}
+
+/// The metadata of a saved model: its step and, when given, its spec.
+fn model_metadata(
+    step: u64,
+    source: Option<&SpecSource>,
+) -> Result<std::collections::HashMap<String, String>> {
+    let mut metadata = std::collections::HashMap::from([("step".to_string(), step.to_string())]);
+    if let Some(source) = source {
+        let json = serde_json::to_string(source).map_err(|e| {
+            RuntimeError::Checkpoint(format!("cannot record the spec in the model file: {e}"))
+        })?;
+        metadata.insert(SPEC_KEY.to_string(), json);
+    }
+    Ok(metadata)
 }
 
 /// Write `rank`'s tensors into the staging folder.

@@ -7,7 +7,9 @@
 //! write their shard, rank 0 publishes the manifest after a barrier); `resume` continues from
 //! one. A run that checkpoints also exports its final parameters as global tensors
 //! (`DIR/model.safetensors`); `save_init` writes the parameters before the first step the
-//! same way, and `log_batches` the token offsets of every step's batch. With `train.eval`,
+//! same way, and `log_batches` the token offsets of every step's batch. A fresh run with
+//! `train.init = hf(…)` starts from those weights (checked before any rank starts); a resumed
+//! one continues its checkpoint. With `train.eval`,
 //! every rank runs its evaluation program after every `every`-th step and the last
 //! ([`RankExecutor::evaluate`]), and the step's record carries the validation loss. Plans are
 //! verified (`parc_compiler::driver::analyze`, the evaluation programs too) before any rank
@@ -23,17 +25,18 @@ pub use gather::GlobalParam;
 pub use loss_scale::{LossScaleStep, LossScaler};
 pub use process::{train_rank, ProcessRankResult};
 pub use profile::StepProfile;
-pub use rank::{ParamPiece, RankExecutor};
+pub use rank::{ParamPiece, ParamStart, RankExecutor};
 
 use crate::backend::Backend;
 use crate::checkpoint::{self, Manifest, ShardTensor, SpecSource};
 use crate::comm::{Comm, LocalComm};
 use crate::data::{write_run_batch_log, BatchLayout, Dataset, EpochProgress, RunData};
 use crate::error::{Result, RuntimeError};
+use crate::hf::HfInit;
 use parc_compiler::diag::Diagnostics;
 use parc_compiler::driver::{self, Stage};
 use parc_compiler::ir::Plan;
-use parc_compiler::spec::{Axis, DataSource, Spec};
+use parc_compiler::spec::{Axis, DataSource, InitFrom, Spec};
 use parc_compiler::verify::VerifyReport;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -221,6 +224,23 @@ fn resume_point(
     Ok((resume, manifest, hash))
 }
 
+/// The Hugging Face checkpoint a fresh run starts from (`train.init = hf(…)`, relative to the
+/// spec's folder), checked against the spec before any rank starts; None for a seeded run and
+/// for a resumed one, which continues its checkpoint instead.
+fn initial_weights(
+    spec: &Spec,
+    plan: &Plan,
+    options: &TrainOptions,
+    resuming: bool,
+) -> Result<Option<HfInit>> {
+    match &spec.train.init {
+        InitFrom::Hf { path, .. } if !resuming => {
+            HfInit::open(&options.spec_dir.join(path), spec, &plan.params).map(Some)
+        }
+        _ => Ok(None),
+    }
+}
+
 /// Refuse a plan whose ranks together need more than `limit` bytes at their verified peaks.
 fn check_memory(plan: &Plan, report: &VerifyReport, limit: u64) -> Result<()> {
     let peaks: Vec<u64> = plan
@@ -304,6 +324,7 @@ where
     }
     let data = open_run_data(spec, &options.spec_dir)?;
     let (resume, manifest, hash) = resume_point(plan, spec, options, &data)?;
+    let weights = initial_weights(spec, plan, options, resume.is_some())?;
     if let Some(path) = &options.log_batches {
         let start = manifest.as_ref().map_or(0, |m| m.step);
         let end = options
@@ -325,6 +346,7 @@ where
         resume: resume.as_deref().zip(manifest.as_ref()),
         plan_hash: &hash,
         on_step,
+        weights: weights.as_ref(),
         init_export: options.save_init.clone().map(|path| InitExport {
             path,
             source: options.source.clone(),
@@ -442,6 +464,8 @@ struct RunContext<'a> {
     resume: Option<(&'a Path, &'a Manifest)>,
     plan_hash: &'a str,
     on_step: &'a (dyn Fn(&StepRecord) + Sync),
+    /// The Hugging Face weights the parameters start from (else the seed's).
+    weights: Option<&'a HfInit>,
     init_export: Option<InitExport>,
 }
 
@@ -490,7 +514,10 @@ impl RunContext<'_> {
 
     fn rank_loop<B: Backend>(&self, exec: &mut RankExecutor<'_, B>) -> Result<RankOutcome> {
         let train = &self.spec.train;
-        exec.init(train.seed)?;
+        exec.init_from(match self.weights {
+            Some(weights) => ParamStart::Hf(weights),
+            None => ParamStart::Seeded(train.seed),
+        })?;
         exec.loss_scaler = LossScaler::for_precision(train.precision);
         let mut start_step = 0;
         if let Some((dir, manifest)) = self.resume {

@@ -79,9 +79,10 @@ pub fn train_rank<B: Backend>(
         super::verified(plan, spec)?;
         let data = open_run_data(spec, &options.spec_dir)?;
         let (resume, manifest, hash) = super::resume_point(plan, spec, options, &data)?;
-        Ok((data, resume, manifest, hash))
+        let weights = super::initial_weights(spec, plan, options, resume.is_some())?;
+        Ok((data, resume, manifest, hash, weights))
     })();
-    let (data, resume, manifest, hash) = match prepared {
+    let (data, resume, manifest, hash, weights) = match prepared {
         Ok(p) => p,
         Err(e) => {
             comm.abort(&format!("rank {rank}: {e}"));
@@ -96,6 +97,7 @@ pub fn train_rank<B: Backend>(
         resume: resume.as_deref().zip(manifest.as_ref()),
         plan_hash: &hash,
         on_step,
+        weights: weights.as_ref(),
         init_export: None,
     };
     let outcome = run.rank_main(rank, backend, Box::new(Lent(comm.as_mut())))?;

@@ -11,6 +11,7 @@ use crate::data::{fill_microbatch, BatchLayout, EvalSet, RunData, Sampler};
 use crate::error::{Result, RuntimeError};
 use crate::exec::loss_scale::{LossScaleStep, LossScaler};
 use crate::exec::profile::{self, StepProfile};
+use crate::hf::HfInit;
 use crate::init::{fill_local_param, ZeroShard};
 use parc_compiler::ir::op::{segments_len, Segment};
 use parc_compiler::ir::{
@@ -30,6 +31,15 @@ pub struct ParamPiece {
     /// `(shard_len, index)` of a ZeRO flat shard; None for the whole tp-local tensor.
     pub zero: Option<ZeroShard>,
     pub data: Vec<f32>,
+}
+
+/// Where a rank's parameters start.
+#[derive(Clone, Copy, Debug)]
+pub enum ParamStart<'a> {
+    /// The counter-based initialisation from this seed (`crate::init`).
+    Seeded(u64),
+    /// A Hugging Face checkpoint (`train.init = hf(…)`), checked against the spec.
+    Hf(&'a HfInit),
 }
 
 /// What one step left in the rank's metric buffers.
@@ -201,6 +211,11 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
     /// evaluates: one layout for both) and hand the plan to the backend, allocate the
     /// persistent buffers and initialise the parameters from the seed.
     pub fn init(&mut self, seed: u64) -> Result<()> {
+        self.init_from(ParamStart::Seeded(seed))
+    }
+
+    /// [`RankExecutor::init`] with the parameters from `start`.
+    pub fn init_from(&mut self, start: ParamStart<'_>) -> Result<()> {
         let joint = self
             .eval
             .map(|eval| self.program.followed_by(eval))
@@ -240,15 +255,20 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
                     .map(|b| b.numel() as usize)
                     .ok_or_else(|| plan_error(self.rank, format!("buffer {} is unknown", id.0)))?;
                 let mut data = vec![0.0f32; len];
-                fill_local_param(
-                    &mut data,
-                    param.init,
-                    seed,
-                    local.param,
-                    &param.shape,
-                    local.tp,
-                    shard,
-                )?;
+                match start {
+                    ParamStart::Seeded(seed) => fill_local_param(
+                        &mut data,
+                        param.init,
+                        seed,
+                        local.param,
+                        &param.shape,
+                        local.tp,
+                        shard,
+                    )?,
+                    ParamStart::Hf(weights) => {
+                        weights.fill_local(&mut data, local.param, param, local.tp, shard)?
+                    }
+                }
                 self.backend.write_f32(id, &data)?;
             }
         }

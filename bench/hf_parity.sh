@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Hugging Face parity, on the CPU in fp32: for the tiny GPT-2 (examples/tiny.par) and the tiny
+# Llama with GQA and an untied head (examples/tiny-llama.par),
+#   1. parc trains it a few steps and `parc export --format hf` writes a transformers folder;
+#   2. transformers loads that folder with no warning (bench/hf_parity.py fails on any);
+#   3. `parc run` with `train.init = hf("…")` trains one step, and its loss equals transformers'
+#      loss on the same global batch (`--log-batches`) within 1e-5 relative.
+# The logits comparison on 64 tokens waits for parc's sampling engine: where `parc sample` can
+# write its logits (`--dump-logits FILE`), step 4 passes them to hf_parity.py --parc-logits.
+# Exit code: 0 both models within tolerance, 1 a check failed, 2 setup.
+#
+# Environment: PARC (default $CARGO_TARGET_DIR/release/parc, else target/release/parc),
+# PYTHON (default /work/pyenv/bin/python, else python3), STEPS (training steps before the export,
+# default 20), TOLERANCE (default 1e-5).
+# Output: $OUT/hf-parity/ (default .device/out/hf-parity/): per model its export, the parc logs
+# and result-NAME.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+parc="${PARC:-${CARGO_TARGET_DIR:-target}/release/parc}"
+if [[ ! -x "$parc" ]]; then
+    echo "error: no parc binary at $parc: build one (cargo build --release) or set PARC" >&2
+    exit 2
+fi
+python="${PYTHON:-/work/pyenv/bin/python}"
+[[ -x "$python" ]] || python=python3
+if ! "$python" -c "import torch, transformers" 2>/dev/null; then
+    echo "error: $python cannot import torch and transformers; set PYTHON" >&2
+    exit 2
+fi
+steps="${STEPS:-20}"
+tolerance="${TOLERANCE:-1e-5}"
+out="$(realpath -m "${OUT:-.device/out}/hf-parity")"
+rm -rf "$out"
+mkdir -p "$out"
+data=examples/data/tiny-shakespeare.txt
+
+status=0
+for name in tiny tiny-llama tiny-qwen; do
+    spec="examples/$name.par"
+    echo "== $name ($spec)"
+    base=(--set "train.precision=fp32" --backend cpu --log-format json)
+    "$parc" run "$spec" "${base[@]}" --set "train.steps=$steps" \
+        --set "train.checkpoint.dir=\"$out/$name-trained\"" --set train.checkpoint.every=100000 \
+        > "$out/$name-train.jsonl" 2> "$out/$name-train.stderr" || {
+        echo "error: parc run failed; see $out/$name-train.stderr" >&2; exit 1; }
+    "$parc" export "$out/$name-trained" --format hf "$out/$name-hf" 2> "$out/$name-export.stderr" || {
+        echo "error: parc export failed; see $out/$name-export.stderr" >&2; exit 1; }
+    "$parc" run "$spec" "${base[@]}" --set "train.steps=1" \
+        --set "train.init=hf(\"$out/$name-hf\")" --log-batches "$out/$name-batches.jsonl" \
+        > "$out/$name-init.jsonl" 2> "$out/$name-init.stderr" || {
+        echo "error: parc run from the export failed; see $out/$name-init.stderr" >&2; exit 1; }
+    logits=()
+    if "$parc" sample --help 2>/dev/null | grep -q -- --dump-logits; then
+        "$parc" sample "$out/$name-hf" --prompt "$(head -c 64 "$data")" --tokens 0 \
+            --dump-logits "$out/$name-logits.json" > /dev/null
+        logits=(--parc-logits "$out/$name-logits.json")
+    else
+        echo "logits: skipped (parc sample cannot write its logits yet)"
+    fi
+    if "$python" bench/hf_parity.py --model "$out/$name-hf" --batches "$out/$name-batches.jsonl" \
+        --data "$data" --format bytes --parc-log "$out/$name-init.jsonl" \
+        --tolerance "$tolerance" "${logits[@]}" > "$out/result-$name.json"; then
+        echo "ok: $(cat "$out/result-$name.json")"
+    else
+        echo "FAILED: $(cat "$out/result-$name.json")"
+        status=1
+    fi
+done
+exit "$status"

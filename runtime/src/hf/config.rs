@@ -1,0 +1,504 @@
+//! config.json: the one transformers reads a model's architecture from. [`config_json`]
+//! writes it for an export; [`check_config`] reads a checkpoint's against the spec, naming
+//! every field that disagrees in one error.
+//!
+//! A field missing from a file takes transformers' default for its model type. Fields that
+//! change no weight and no computation parc does in training (dropout, token ids,
+//! `max_position_embeddings` of a RoPE model) are written but not checked.
+use super::family::{Arch, Family};
+use super::names::HfSizes;
+use crate::error::{Result, RuntimeError};
+use serde_json::{json, Map, Value};
+use std::path::Path;
+
+/// The config.json of `arch` with `sizes`' vocabulary, its weights stored as `dtype`
+/// (`float32`, `bfloat16`).
+pub fn config_json(arch: &Arch, sizes: HfSizes, dtype: &str) -> Value {
+    let mut config = match arch.family {
+        Family::Gpt2 => json!({
+            "vocab_size": sizes.vocab,
+            "n_positions": sizes.positions,
+            "n_embd": arch.dim,
+            "n_layer": arch.blocks.len(),
+            "n_head": arch.heads,
+            "n_inner": arch.ffn,
+            "activation_function": arch.activation,
+            "layer_norm_epsilon": arch.eps,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "scale_attn_weights": true,
+            "scale_attn_by_inverse_layer_idx": false,
+            "reorder_and_upcast_attn": false,
+            "tie_word_embeddings": true,
+        }),
+        Family::Llama | Family::Qwen2 => {
+            let mut c = json!({
+                "vocab_size": sizes.vocab,
+                "hidden_size": arch.dim,
+                "intermediate_size": arch.ffn,
+                "num_hidden_layers": arch.blocks.len(),
+                "num_attention_heads": arch.heads,
+                "num_key_value_heads": arch.kv_heads,
+                "head_dim": arch.head_dim,
+                "hidden_act": "silu",
+                "max_position_embeddings": arch.seq,
+                "rms_norm_eps": arch.eps,
+                "rope_theta": arch.theta,
+                "rope_parameters": { "rope_type": "default", "rope_theta": arch.theta },
+                "attention_dropout": 0.0,
+                "tie_word_embeddings": arch.tied,
+            });
+            if arch.family == Family::Llama {
+                c["attention_bias"] = json!(arch.qkv_bias);
+                c["mlp_bias"] = json!(false);
+            } else {
+                c["use_sliding_window"] = json!(false);
+            }
+            c
+        }
+    };
+    config["architectures"] = json!([arch.family.class()]);
+    config["model_type"] = json!(arch.family.model_type());
+    config["initializer_range"] = json!(0.02);
+    config["bos_token_id"] = Value::Null;
+    config["eos_token_id"] = Value::Null;
+    config["torch_dtype"] = json!(dtype);
+    config
+}
+
+/// What a field must be for the spec.
+enum Want {
+    Int(u64),
+    /// An integer of at most this (the spec's padded vocabulary).
+    AtMost(u64),
+    /// An integer of at least this (GPT-2's positions).
+    AtLeast(u64),
+    Float(f64),
+    Bool(bool),
+    Str(&'static str),
+}
+
+/// One checked field: its key, what the spec says (`spec kv_heads = 4`), what it must be,
+/// and transformers' default when the file leaves it out.
+struct Field {
+    key: &'static str,
+    spec: String,
+    want: Want,
+    default: Value,
+}
+
+fn field(key: &'static str, spec: impl Into<String>, want: Want, default: Value) -> Field {
+    Field {
+        key,
+        spec: spec.into(),
+        want,
+        default,
+    }
+}
+
+/// The fields of `arch`'s family that must agree with the spec.
+fn fields(arch: &Arch) -> Vec<Field> {
+    let layers = arch.blocks.len() as u64;
+    let a = arch;
+    match arch.family {
+        Family::Gpt2 => vec![
+            field(
+                "n_embd",
+                format!("d = {}", a.dim),
+                Want::Int(a.dim),
+                json!(768),
+            ),
+            field(
+                "n_layer",
+                format!("layers = {layers}"),
+                Want::Int(layers),
+                json!(12),
+            ),
+            field(
+                "n_head",
+                format!("heads = {}", a.heads),
+                Want::Int(a.heads),
+                json!(12),
+            ),
+            field(
+                "n_inner",
+                format!("ffn = {}", a.ffn),
+                Want::Int(a.ffn),
+                Value::Null,
+            ),
+            field(
+                "vocab_size",
+                format!("vocab = {}", a.vocab),
+                Want::AtMost(a.vocab),
+                json!(50257),
+            ),
+            field(
+                "n_positions",
+                format!("seq = {}", a.seq),
+                Want::AtLeast(a.seq),
+                json!(1024),
+            ),
+            field(
+                "layer_norm_epsilon",
+                format!("LayerNorm eps = {}", a.eps),
+                Want::Float(a.eps),
+                json!(1e-5),
+            ),
+            field(
+                "activation_function",
+                format!(
+                    "act = {}",
+                    if a.activation == "gelu" {
+                        "gelu"
+                    } else {
+                        "gelu_tanh"
+                    }
+                ),
+                Want::Str(a.activation),
+                json!("gelu_new"),
+            ),
+            field(
+                "tie_word_embeddings",
+                "head tied = Embedding",
+                Want::Bool(true),
+                json!(true),
+            ),
+            field(
+                "scale_attn_weights",
+                "attention scaled by 1/sqrt(head_dim)",
+                Want::Bool(true),
+                json!(true),
+            ),
+            field(
+                "scale_attn_by_inverse_layer_idx",
+                "attention not scaled by layer",
+                Want::Bool(false),
+                json!(false),
+            ),
+        ],
+        Family::Llama | Family::Qwen2 => {
+            let default_eps = json!(1e-6);
+            let mut f = vec![
+                field(
+                    "hidden_size",
+                    format!("d = {}", a.dim),
+                    Want::Int(a.dim),
+                    json!(4096),
+                ),
+                field(
+                    "num_hidden_layers",
+                    format!("layers = {layers}"),
+                    Want::Int(layers),
+                    json!(32),
+                ),
+                field(
+                    "num_attention_heads",
+                    format!("heads = {}", a.heads),
+                    Want::Int(a.heads),
+                    json!(32),
+                ),
+                field(
+                    "num_key_value_heads",
+                    format!("kv_heads = {}", a.kv_heads),
+                    Want::Int(a.kv_heads),
+                    Value::Null,
+                ),
+                field(
+                    "head_dim",
+                    format!("head_dim = {}", a.head_dim),
+                    Want::Int(a.head_dim),
+                    Value::Null,
+                ),
+                field(
+                    "intermediate_size",
+                    format!("ffn = {}", a.ffn),
+                    Want::Int(a.ffn),
+                    json!(11008),
+                ),
+                field(
+                    "vocab_size",
+                    format!("vocab = {}", a.vocab),
+                    Want::AtMost(a.vocab),
+                    json!(32000),
+                ),
+                field(
+                    "rms_norm_eps",
+                    format!("RMSNorm eps = {}", a.eps),
+                    Want::Float(a.eps),
+                    default_eps,
+                ),
+                field(
+                    "rope_theta",
+                    format!("RoPE theta = {}", a.theta),
+                    Want::Float(a.theta),
+                    json!(10000.0),
+                ),
+                field(
+                    "hidden_act",
+                    "act = swiglu",
+                    Want::Str("silu"),
+                    json!("silu"),
+                ),
+                field(
+                    "tie_word_embeddings",
+                    format!(
+                        "head {}",
+                        if a.tied { "tied = Embedding" } else { "untied" }
+                    ),
+                    Want::Bool(a.tied),
+                    json!(false),
+                ),
+            ];
+            if a.family == Family::Llama {
+                f.push(field(
+                    "attention_bias",
+                    format!("attention bias = {}", a.qkv_bias),
+                    Want::Bool(a.qkv_bias),
+                    json!(false),
+                ));
+                f.push(field(
+                    "mlp_bias",
+                    "MLP without biases",
+                    Want::Bool(false),
+                    json!(false),
+                ));
+            } else {
+                f.push(field(
+                    "use_sliding_window",
+                    "full attention",
+                    Want::Bool(false),
+                    json!(false),
+                ));
+            }
+            f
+        }
+    }
+}
+
+/// A field's value in `config`: the file's, else transformers' default; the defaults that
+/// follow other fields (`num_key_value_heads`, `head_dim`, `n_inner`) resolved; RoPE's base
+/// read from `rope_parameters` where newer files keep it.
+fn value_of(config: &Map<String, Value>, f: &Field) -> Value {
+    let get = |key: &str| config.get(key).filter(|v| !v.is_null());
+    if f.key == "rope_theta" {
+        if let Some(theta) = config
+            .get("rope_parameters")
+            .and_then(|r| r.get("rope_theta"))
+        {
+            return theta.clone();
+        }
+    }
+    if let Some(v) = get(f.key) {
+        return v.clone();
+    }
+    let int = |key: &str| get(key).and_then(Value::as_u64);
+    match f.key {
+        "num_key_value_heads" => int("num_attention_heads").map_or(json!(32), Value::from),
+        "head_dim" => match (int("hidden_size"), int("num_attention_heads")) {
+            (Some(d), Some(h)) if h > 0 => json!(d / h),
+            _ => json!(128),
+        },
+        "n_inner" => json!(4 * int("n_embd").unwrap_or(768)),
+        _ => f.default.clone(),
+    }
+}
+
+/// Whether `got` is what `want` asks.
+fn agrees(got: &Value, want: &Want) -> bool {
+    match want {
+        Want::Int(n) => got.as_u64() == Some(*n),
+        Want::AtMost(n) => got.as_u64().is_some_and(|g| g >= 1 && g <= *n),
+        Want::AtLeast(n) => got.as_u64().is_some_and(|g| g >= *n),
+        // Files written through float32 keep 7 digits (9.999999747378752e-06 for 1e-5).
+        Want::Float(x) => got
+            .as_f64()
+            .is_some_and(|g| (g - x).abs() <= 1e-6 * x.abs().max(f64::MIN_POSITIVE)),
+        Want::Bool(b) => got.as_bool() == Some(*b),
+        Want::Str(s) => got.as_str() == Some(*s),
+    }
+}
+
+/// The model types of parc's families, and what `config` says it is.
+fn family_mismatch(config: &Map<String, Value>, arch: &Arch) -> Option<String> {
+    let model_type = config.get("model_type").and_then(Value::as_str);
+    if model_type == Some(arch.family.model_type()) {
+        return None;
+    }
+    let spec = match arch.family {
+        Family::Gpt2 => "a GPT-2 model (GPT2LMHeadModel)",
+        Family::Llama => "a Llama model (LlamaForCausalLM: RMSNorm, RoPE, SwiGLU)",
+        Family::Qwen2 => "a Qwen2 model (Qwen2ForCausalLM: Llama with q/k/v biases only)",
+    };
+    let got = model_type.map_or("missing".to_string(), |t| format!("{t:?}"));
+    Some(format!(
+        "config.json model_type = {got}, the spec is {spec}"
+    ))
+}
+
+/// RoPE beyond the plain form (scaled, YaRN, Llama 3.1's) changes the frequencies parc uses.
+fn rope_mismatch(config: &Map<String, Value>) -> Option<String> {
+    let kind = |v: &Value| {
+        v.get("rope_type")
+            .or_else(|| v.get("type"))
+            .and_then(Value::as_str)
+            .map(str::to_string)
+    };
+    ["rope_parameters", "rope_scaling"].iter().find_map(|key| {
+        let v = config.get(*key).filter(|v| !v.is_null())?;
+        match kind(v).as_deref() {
+            None | Some("default") => None,
+            Some(other) => Some(format!(
+                "config.json {key} has rope_type {other:?}, the spec's RoPE is the plain \
+                 (default) form"
+            )),
+        }
+    })
+}
+
+/// Read `dir/config.json` and check it against `arch`: the family and every field parc's
+/// weights and computation depend on. Returns transformers' vocabulary and positions.
+pub fn check_config(dir: &Path, arch: &Arch) -> Result<HfSizes> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        RuntimeError::Hf(format!(
+            "cannot read {} ({e}); `train.init = hf(\"DIR\")` takes a Hugging Face model \
+             folder with config.json and model.safetensors (as `save_pretrained` or \
+             `parc export --format hf` write it)",
+            path.display()
+        ))
+    })?;
+    let config: Map<String, Value> = serde_json::from_str(&text)
+        .map_err(|e| RuntimeError::Hf(format!("{} is not a JSON object: {e}", path.display())))?;
+    // Another family's fields would all read as mismatches: the family alone says it.
+    if let Some(family) = family_mismatch(&config, arch) {
+        return Err(disagrees(&path, &[family]));
+    }
+    let mut problems = Vec::new();
+    if arch.family != Family::Gpt2 {
+        problems.extend(rope_mismatch(&config));
+    }
+    let mut sizes = HfSizes {
+        vocab: arch.vocab,
+        positions: arch.seq,
+    };
+    for f in fields(arch) {
+        let got = value_of(&config, &f);
+        if !agrees(&got, &f.want) {
+            let rule = match f.want {
+                Want::AtMost(_) => " (transformers' vocabulary must fit the spec's)",
+                Want::AtLeast(_) => " (transformers' positions must cover the spec's seq)",
+                _ => "",
+            };
+            problems.push(format!(
+                "config.json {} = {got}, spec {}{rule}",
+                f.key, f.spec
+            ));
+        } else if f.key == "vocab_size" {
+            sizes.vocab = got.as_u64().unwrap_or(arch.vocab);
+        } else if f.key == "n_positions" {
+            sizes.positions = got.as_u64().unwrap_or(arch.seq);
+        }
+    }
+    if problems.is_empty() {
+        Ok(sizes)
+    } else {
+        Err(disagrees(&path, &problems))
+    }
+}
+
+fn disagrees(path: &Path, problems: &[String]) -> RuntimeError {
+    RuntimeError::Hf(format!(
+        "{} disagrees with the spec:\n  {}\nchange the spec (or `--set`) to match the \
+         checkpoint, or start from another one",
+        path.display(),
+        problems.join("\n  ")
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn llama() -> Arch {
+        Arch {
+            family: Family::Llama,
+            vocab: 512,
+            dim: 64,
+            seq: 32,
+            heads: 8,
+            kv_heads: 8,
+            head_dim: 8,
+            ffn: 128,
+            eps: 1e-5,
+            activation: "gelu_new",
+            theta: 500000.0,
+            qkv_bias: false,
+            out_bias: false,
+            tied: false,
+            embed: "embed".into(),
+            pos: None,
+            blocks: Vec::new(),
+            ln_f: "ln_f".into(),
+            head: "head".into(),
+        }
+    }
+
+    /// Check `config` (written to a folder of its own, `name`) against [`llama`].
+    fn check(name: &str, config: Value) -> Result<HfSizes> {
+        let pid = std::process::id();
+        let dir = std::env::temp_dir().join(format!("parc-hf-config-{pid}-{name}"));
+        std::fs::create_dir_all(&dir).map_err(|e| RuntimeError::Hf(e.to_string()))?;
+        std::fs::write(dir.join("config.json"), config.to_string())
+            .map_err(|e| RuntimeError::Hf(e.to_string()))?;
+        check_config(&dir, &llama())
+    }
+
+    /// A file as older transformers wrote it: no head_dim, no num_key_value_heads, RoPE's
+    /// base at the top level, eps through float32, fewer (real) tokens than the padded spec.
+    fn older_file() -> Value {
+        json!({
+            "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 0, "num_attention_heads": 8, "vocab_size": 500,
+            "rms_norm_eps": 9.999999747378752e-06, "rope_theta": 500000.0,
+            "max_position_embeddings": 8192, "rope_scaling": null
+        })
+    }
+
+    #[test]
+    fn missing_fields_take_transformers_defaults_and_the_vocab_may_be_smaller() {
+        let sizes = check("defaults", older_file()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(sizes.vocab, 500);
+    }
+
+    #[test]
+    fn scaled_rope_and_other_fields_are_all_named() {
+        let mut config = older_file();
+        config["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8.0});
+        config["num_key_value_heads"] = json!(2);
+        config["tie_word_embeddings"] = json!(true);
+        let err = check("named", config).map(|_| ()).unwrap_err().to_string();
+        for expected in [
+            "rope_scaling has rope_type \"llama3\"",
+            "num_key_value_heads = 2, spec kv_heads = 8",
+            "tie_word_embeddings = true, spec head untied",
+        ] {
+            assert!(err.contains(expected), "{expected:?} not in {err}");
+        }
+    }
+
+    #[test]
+    fn the_written_config_checks_against_its_own_arch() {
+        let arch = llama();
+        let sizes = HfSizes {
+            vocab: 300,
+            positions: 32,
+        };
+        let mut written = config_json(&arch, sizes, "float32");
+        written["num_hidden_layers"] = json!(0);
+        assert_eq!(
+            check("written", written).map_err(|e| e.to_string()),
+            Ok(sizes)
+        );
+    }
+}

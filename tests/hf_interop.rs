@@ -1,0 +1,443 @@
+//! Hugging Face weights in and out (`runtime::hf`), on the CPU: a trained tiny model exported
+//! to transformers' layout, loaded back with `train.init = hf("DIR")` under one rank and under
+//! parallel plans (tp 2 with SP, pp 2 with dp 2 and ZeRO 3), and exported again gives the same
+//! tensors bit for bit, for GPT-2, Llama (GQA, untied head) and Qwen2 (q/k/v biases). A
+//! vocabulary cut back on export is padded with zero rows on import; sharded checkpoints and the
+//! original GPT-2 layout (no `transformer.` prefix, mask buffers, more positions) load. Bad input — no
+//! config.json, a config.json that disagrees with the spec (every field named), a missing
+//! tensor, a misshapen one — is a clear error naming it. (transformers itself reads the exports
+//! in bench/hf_parity.sh.)
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#[path = "cli_support/mod.rs"]
+mod cli;
+
+use parc_compiler::driver::{self, CompileOptions, Stage};
+use parc_compiler::ir::Plan;
+use parc_compiler::spec::Spec;
+use parc_runtime::checkpoint::ShardTensor;
+use parc_runtime::exec::{GlobalParam, TrainOptions};
+use parc_runtime::hf::{self, ExportOptions, HfDtype};
+use safetensors::SafeTensors;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Two layers and a batch of 4 keep every run here well under a second.
+const SMALL: [&str; 3] = ["model.layers=2", "train.global_batch=4", "train.steps=2"];
+
+/// `examples/NAME.par` with `SMALL` and `sets`, checked and lowered.
+fn compile(name: &str, sets: &[&str]) -> (Spec, Plan) {
+    let text = std::fs::read_to_string(cli::root().join(format!("examples/{name}.par"))).unwrap();
+    let overrides: Vec<_> = SMALL
+        .iter()
+        .chain(sets)
+        .map(|s| parc_compiler::parse_override(s).unwrap())
+        .collect();
+    let options = CompileOptions::through(Stage::Lower);
+    let compiled = driver::compile(name, text, &overrides, &options);
+    let errors: Vec<_> = compiled
+        .diagnostics
+        .items
+        .iter()
+        .map(|d| &d.message)
+        .collect();
+    (
+        compiled
+            .spec
+            .unwrap_or_else(|| panic!("{name}: {errors:?}")),
+        compiled
+            .plan
+            .unwrap_or_else(|| panic!("{name}: {errors:?}")),
+    )
+}
+
+/// Train `spec` for `steps` steps (0: only initialise) and return its parameters.
+fn train(spec: &Spec, plan: &Plan, steps: u64) -> parc_runtime::error::Result<Vec<GlobalParam>> {
+    let mut options = TrainOptions::new(cli::root().join("examples"));
+    options.comm_timeout = Duration::from_secs(30);
+    options.threads_per_rank = Some(1);
+    options.stop_after = Some(steps);
+    let backend = |_, threads| parc_runtime::cpu::CpuBackend::with_threads(threads);
+    parc_runtime::exec::train(spec, plan, &options, backend, &|_| {}).map(|r| r.params)
+}
+
+fn tensors(params: Vec<GlobalParam>) -> Vec<ShardTensor> {
+    params
+        .into_iter()
+        .map(|p| ShardTensor {
+            name: p.name,
+            shape: p.shape,
+            data: p.data,
+        })
+        .collect()
+}
+
+fn export(spec: &Spec, params: Vec<GlobalParam>, out: &Path, vocab: Option<u64>) {
+    let options = ExportOptions {
+        vocab,
+        dtype: HfDtype::F32,
+    };
+    hf::export(spec, &tensors(params), out, options).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Every tensor of `dir/model.safetensors`: name, dtype, shape and bytes.
+fn read_tensors(dir: &Path) -> Vec<(String, String, Vec<usize>, Vec<u8>)> {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let file = SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<_> = file
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| {
+            let dtype = format!("{:?}", t.dtype());
+            (name, dtype, t.shape().to_vec(), t.data().to_vec())
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// `train.init = hf("DIR")`.
+fn init_from(dir: &Path) -> String {
+    format!("train.init=hf(\"{}\")", dir.display())
+}
+
+/// Train `name` two steps, export it, load the export under each of `plans` and export again:
+/// the same tensors, bit for bit, and the same parameters as trained.
+fn assert_round_trip(name: &str, plans: &[&[&str]]) {
+    let dir = cli::temp_dir("hf", name);
+    let (spec, plan) = compile(name, &[]);
+    let trained = train(&spec, &plan, 2).unwrap();
+    let first = dir.join("first");
+    export(&spec, trained.clone(), &first, None);
+    let exported = read_tensors(&first);
+    assert!(exported.len() > 10, "{name}: {} tensors", exported.len());
+    for (i, sets) in plans.iter().enumerate() {
+        let mut all = sets.to_vec();
+        let init = init_from(&first);
+        all.push(&init);
+        let (spec, plan) = compile(name, &all);
+        let loaded = train(&spec, &plan, 0).unwrap_or_else(|e| panic!("{name} {sets:?}: {e}"));
+        for (a, b) in trained.iter().zip(&loaded) {
+            let bits = |p: &GlobalParam| p.data.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(a.name, b.name);
+            assert!(bits(a) == bits(b), "{name} {sets:?}: {} changed", a.name);
+        }
+        let again = dir.join(format!("again-{i}"));
+        export(&spec, loaded, &again, None);
+        assert!(
+            read_tensors(&again) == exported,
+            "{name} {sets:?}: the export changed"
+        );
+        let config = |d: &Path| std::fs::read_to_string(d.join("config.json")).unwrap();
+        assert_eq!(config(&first), config(&again), "{name} {sets:?}");
+    }
+}
+
+#[test]
+fn gpt2_round_trip_is_bit_identical_on_one_rank_and_under_tp() {
+    assert_round_trip(
+        "tiny",
+        &[
+            &[],
+            &[
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                "cluster.gpus_per_node=2",
+            ],
+        ],
+    );
+}
+
+#[test]
+fn llama_round_trip_is_bit_identical_on_one_rank_and_under_pp_with_zero3() {
+    assert_round_trip(
+        "tiny-llama",
+        &[
+            &[],
+            &[
+                "parallel.pp=2",
+                "parallel.dp=2",
+                "parallel.zero=3",
+                "train.micro_batch=1",
+                "cluster.gpus_per_node=4",
+            ],
+        ],
+    );
+}
+
+#[test]
+fn qwen2_round_trip_is_bit_identical_under_tp() {
+    assert_round_trip(
+        "tiny-qwen",
+        &[&["parallel.tp=2", "cluster.gpus_per_node=2"]],
+    );
+}
+
+#[test]
+fn an_exported_vocabulary_cut_back_is_padded_with_zero_rows() {
+    let dir = cli::temp_dir("hf", "vocab");
+    let (spec, plan) = compile("tiny-llama", &[]);
+    let trained = train(&spec, &plan, 0).unwrap();
+    export(&spec, trained.clone(), &dir, Some(200));
+    let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    assert!(config.contains("\"vocab_size\": 200"), "{config}");
+    let (spec, plan) = compile("tiny-llama", &[&init_from(&dir)]);
+    let loaded = train(&spec, &plan, 0).unwrap();
+    for name in ["embed.weight", "head.weight"] {
+        let find = |ps: &[GlobalParam]| ps.iter().find(|p| p.name == name).unwrap().data.clone();
+        let (before, after) = (find(&trained), find(&loaded));
+        let kept = 200 * 64;
+        assert_eq!(before[..kept], after[..kept], "{name}");
+        assert!(after[kept..].iter().all(|&x| x == 0.0), "{name}");
+    }
+    // A checkpoint's vocabulary larger than the spec's does not fit.
+    let sets = ["model.vocab=128", "train.data=synthetic", &init_from(&dir)];
+    let (spec, plan) = compile("tiny-llama", &sets);
+    let err = train(&spec, &plan, 0).unwrap_err().to_string();
+    assert!(err.contains("vocab_size = 200, spec vocab = 128"), "{err}");
+}
+
+/// A GPT-2 export to break, and the spec that loads it.
+fn broken_export(name: &str) -> (PathBuf, Spec, Plan) {
+    let dir = cli::temp_dir("hf", name);
+    let (spec, plan) = compile("tiny", &[]);
+    export(&spec, train(&spec, &plan, 0).unwrap(), &dir, None);
+    let (spec, plan) = compile("tiny", &[&init_from(&dir)]);
+    (dir, spec, plan)
+}
+
+/// Rewrite `dir/model.safetensors` through `edit` (on name → (shape, f32 values)).
+fn rewrite(dir: &Path, edit: impl Fn(&mut Vec<(String, Vec<usize>, Vec<u8>)>)) {
+    let mut tensors: Vec<_> = read_tensors(dir)
+        .into_iter()
+        .map(|(name, _, shape, data)| (name, shape, data))
+        .collect();
+    edit(&mut tensors);
+    let views: Vec<_> = tensors
+        .iter()
+        .map(|(name, shape, data)| {
+            let view =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data);
+            (name.clone(), view.unwrap())
+        })
+        .collect();
+    let bytes = safetensors::serialize(views, None).unwrap();
+    std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
+}
+
+/// As the original GPT-2 checkpoint stores it — names without `transformer.`, the causal-mask
+/// buffers, more positions than the spec's seq — it loads too: the first seq positions.
+#[test]
+fn the_original_gpt2_layout_loads() {
+    let dir = cli::temp_dir("hf", "original");
+    let (spec, plan) = compile("tiny", &[]);
+    let initial = train(&spec, &plan, 0).unwrap();
+    export(&spec, initial.clone(), &dir, None);
+    rewrite(&dir, |tensors| {
+        for (name, shape, data) in tensors.iter_mut() {
+            *name = name.trim_start_matches("transformer.").to_string();
+            if name == "wpe.weight" {
+                shape[0] = 100;
+                data.resize(100 * 64 * 4, 0x3f);
+            }
+        }
+        tensors.push((
+            "h.0.attn.bias".into(),
+            vec![1, 1, 64, 64],
+            vec![0; 64 * 64 * 4],
+        ));
+    });
+    let path = dir.join("config.json");
+    let config = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(
+        &path,
+        config.replace("\"n_positions\": 64", "\"n_positions\": 100"),
+    )
+    .unwrap();
+    let (spec, plan) = compile("tiny", &[&init_from(&dir)]);
+    let loaded = train(&spec, &plan, 0).unwrap_or_else(|e| panic!("{e}"));
+    assert!(initial == loaded);
+}
+
+/// A checkpoint sharded over several files (`model.safetensors.index.json`) loads as one.
+#[test]
+fn a_sharded_checkpoint_loads() {
+    let dir = cli::temp_dir("hf", "sharded");
+    let (spec, plan) = compile("tiny-llama", &[]);
+    let initial = train(&spec, &plan, 0).unwrap();
+    export(&spec, initial.clone(), &dir, None);
+    let tensors = read_tensors(&dir);
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    let mut weight_map = serde_json::Map::new();
+    for (part, half) in tensors.chunks(tensors.len() / 2 + 1).enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", part + 1);
+        let views: Vec<_> = half
+            .iter()
+            .map(|(name, _, shape, data)| {
+                weight_map.insert(name.clone(), file.clone().into());
+                let view = safetensors::tensor::TensorView::new(
+                    safetensors::Dtype::F32,
+                    shape.clone(),
+                    data,
+                );
+                (name.clone(), view.unwrap())
+            })
+            .collect();
+        std::fs::write(
+            dir.join(&file),
+            safetensors::serialize(views, None).unwrap(),
+        )
+        .unwrap();
+    }
+    let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    let (spec, plan) = compile("tiny-llama", &[&init_from(&dir)]);
+    let loaded = train(&spec, &plan, 0).unwrap_or_else(|e| panic!("{e}"));
+    assert!(initial == loaded);
+}
+
+fn load_error(spec: &Spec, plan: &Plan) -> String {
+    train(spec, plan, 0).unwrap_err().to_string()
+}
+
+#[test]
+fn a_missing_config_is_named() {
+    let (dir, spec, plan) = broken_export("no-config");
+    std::fs::remove_file(dir.join("config.json")).unwrap();
+    let err = load_error(&spec, &plan);
+    assert!(
+        err.contains("config.json") && err.contains("cannot read"),
+        "{err}"
+    );
+}
+
+#[test]
+fn every_config_field_that_disagrees_is_named() {
+    let (dir, spec, plan) = broken_export("config");
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["n_head"] = 8.into();
+    config["n_layer"] = 3.into();
+    config["activation_function"] = "relu".into();
+    std::fs::write(&path, config.to_string()).unwrap();
+    let err = load_error(&spec, &plan);
+    for expected in [
+        "config.json n_head = 8, spec heads = 4",
+        "config.json n_layer = 3, spec layers = 2",
+        "config.json activation_function = \"relu\", spec act = gelu_tanh",
+    ] {
+        assert!(err.contains(expected), "{expected:?} not in {err}");
+    }
+    config["model_type"] = "llama".into();
+    std::fs::write(&path, config.to_string()).unwrap();
+    let err = load_error(&spec, &plan);
+    assert!(
+        err.contains("model_type = \"llama\", the spec is a GPT-2 model"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_missing_tensor_is_named_with_its_file() {
+    let (dir, spec, plan) = broken_export("missing");
+    rewrite(&dir, |t| {
+        t.retain(|(name, ..)| name != "transformer.h.1.mlp.c_fc.bias")
+    });
+    let err = load_error(&spec, &plan);
+    assert!(
+        err.contains("tensor transformer.h.1.mlp.c_fc.bias is missing")
+            && err.contains("model.safetensors"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_misshapen_tensor_is_named_with_both_shapes() {
+    let (dir, spec, plan) = broken_export("shape");
+    rewrite(&dir, |tensors| {
+        for (name, shape, _) in tensors.iter_mut() {
+            if name == "transformer.h.0.attn.c_attn.weight" {
+                // Stored [out, in] as a Linear, not [in, out] as GPT-2's Conv1D.
+                *shape = vec![192, 64];
+            }
+        }
+    });
+    let err = load_error(&spec, &plan);
+    assert!(
+        err.contains("tensor transformer.h.0.attn.c_attn.weight")
+            && err.contains("has shape [192, 64], the spec needs [64, 192]"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_graph_transformers_does_not_have_is_refused_naming_the_layer() {
+    let (spec, plan) = compile("tiny-functions", &[]);
+    let params = train(&spec, &plan, 0).unwrap();
+    let dir = cli::temp_dir("hf", "functions");
+    let options = ExportOptions {
+        vocab: None,
+        dtype: HfDtype::F32,
+    };
+    let err = hf::export(&spec, &tensors(params), &dir, options)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("has no counterpart in transformers"), "{err}");
+}
+
+/// The command line: `--resume` winning over `train.init`, `parc export` of a finished run's
+/// folder (in bf16), `parc run` from the export, and a config.json that disagrees stopping
+/// that run with exit code 1.
+#[test]
+fn parc_export_and_run_from_the_export() {
+    let dir = cli::temp_dir("hf", "cli");
+    let ckpt = format!("train.checkpoint.dir=\"{}\"", dir.join("ckpt").display());
+    let mut args = vec!["run", "examples/tiny-llama.par", "--log-format", "json"];
+    args.extend(cli::sets(&SMALL));
+    args.extend(cli::sets(&[&ckpt, "train.checkpoint.every=2"]));
+    cli::parc_ok(&args);
+    // --resume wins over train.init, which it does not read (the folder does not exist).
+    let mut resume = args[..2].to_vec();
+    resume.extend(&args[4..]);
+    let ckpt_dir = dir.join("ckpt");
+    let nowhere = init_from(&dir.join("nowhere"));
+    resume.extend(cli::sets(&["train.steps=3", &nowhere]));
+    resume.extend(["--resume", ckpt_dir.to_str().unwrap()]);
+    let resumed = cli::stderr_of(&cli::parc_ok(&resume));
+    assert!(
+        resumed.contains("--resume continues its checkpoint"),
+        "{resumed}"
+    );
+    let out = dir.join("hf");
+    let export = [
+        "export",
+        ckpt_dir.to_str().unwrap(),
+        "--format",
+        "hf",
+        out.to_str().unwrap(),
+        "--dtype",
+        "bf16",
+    ];
+    let done = cli::parc_ok(&export);
+    assert!(cli::stderr_of(&done).contains("LlamaForCausalLM"));
+    let bf16 = read_tensors(&out);
+    assert!(bf16.iter().all(|(_, dtype, ..)| dtype == "BF16"));
+    let init = init_from(&out);
+    let mut run = vec!["run", "examples/tiny-llama.par", "--log-format", "json"];
+    run.extend(cli::sets(&SMALL));
+    run.extend(cli::sets(&[&init]));
+    let lines = cli::json_lines(&cli::parc_ok(&run));
+    assert_eq!(cli::steps(&lines).len(), 2);
+    // A config.json that disagrees stops the run before it trains.
+    let config = out.join("config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let wrong = text.replace("\"num_key_value_heads\": 4", "\"num_key_value_heads\": 8");
+    std::fs::write(&config, wrong).unwrap();
+    let failed = cli::parc(&run);
+    assert_eq!(failed.status.code(), Some(1));
+    let err = cli::stderr_of(&failed);
+    assert!(
+        err.contains("config.json num_key_value_heads = 8, spec kv_heads = 4"),
+        "{err}"
+    );
+}
