@@ -7,6 +7,7 @@ mod cmd_calibrate;
 mod cmd_check;
 mod cmd_plan;
 mod cmd_run;
+mod cmd_sample;
 mod cmd_search;
 mod diagnostics;
 mod input;
@@ -71,6 +72,8 @@ enum Command {
     Run(run_args::RunArgs),
     /// Measure this machine's op times into a calibration profile for `check` and `plan`.
     Calibrate(cmd_calibrate::CalibrateArgs),
+    /// Continue a prompt with a saved model, streaming the text as it comes.
+    Sample(cmd_sample::SampleArgs),
 }
 
 fn main() -> ExitCode {
@@ -80,6 +83,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => cmd_plan::main(args),
         Command::Run(args) => cmd_run::main(args),
         Command::Calibrate(args) => cmd_calibrate::main(args),
+        Command::Sample(args) => cmd_sample::main(args),
     };
     ExitCode::from(code)
 }

@@ -243,6 +243,7 @@ pub fn train(
         seed: 0,
         checkpoint: None,
         log_every: 1,
+        sample: None,
         span: Span::default(),
     }
 }

@@ -7,7 +7,8 @@
 //! write their shard, rank 0 publishes the manifest after a barrier); `resume` continues from
 //! one. A run that checkpoints also exports its final parameters as global tensors
 //! (`DIR/model.safetensors`); `save_init` writes the parameters before the first step the
-//! same way, and `log_batches` the token offsets of every step's batch. Plans are verified
+//! same way, and `log_batches` the token offsets of every step's batch; `train.sample` prints a
+//! sample every `every` steps (`generate::training`). Plans are verified
 //! (`parc_compiler::driver::analyze`) before any rank starts: the runtime runs only verified
 //! programs.
 //! All parallelism lives in the programs: this module only dispatches.
@@ -28,6 +29,7 @@ use crate::checkpoint::{self, Manifest, ShardTensor, SpecSource};
 use crate::comm::{Comm, LocalComm};
 use crate::data::{write_run_batch_log, Dataset, EpochProgress};
 use crate::error::{Result, RuntimeError};
+use crate::generate::{SampleSink, TrainingSampler};
 use parc_compiler::diag::Diagnostics;
 use parc_compiler::driver::{self, Stage};
 use parc_compiler::ir::Plan;
@@ -70,6 +72,8 @@ pub struct TrainOptions {
     /// The spec as the user wrote it, recorded in the model files this run writes
     /// (`checkpoint::saved`), so they can be sampled and exported alone.
     pub source: Option<SpecSource>,
+    /// Where the samples of `train.sample` go (rank 0 makes them); without it none are made.
+    pub on_sample: Option<SampleSink>,
 }
 
 impl TrainOptions {
@@ -86,6 +90,7 @@ impl TrainOptions {
             save_init: None,
             log_batches: None,
             source: None,
+            on_sample: None,
         }
     }
 }
@@ -269,6 +274,7 @@ where
         .threads_per_rank
         .unwrap_or_else(|| (cores / plan.world.max(1) as usize).max(1));
     let comms = LocalComm::world(plan.world, options.comm_timeout);
+    let sampler = training_sampler(spec, options)?;
     let run = RunContext {
         spec,
         plan,
@@ -282,6 +288,7 @@ where
             source: options.source.clone(),
             pending: Mutex::new((Vec::new(), 0)),
         }),
+        sampler: sampler.as_ref(),
     };
     let outcomes: Vec<Result<RankOutcome>> = std::thread::scope(|scope| {
         let handles: Vec<_> = comms
@@ -373,6 +380,14 @@ where
     })
 }
 
+/// The run's `train.sample`, when it has one and a sink for its samples.
+fn training_sampler(spec: &Spec, options: &TrainOptions) -> Result<Option<TrainingSampler>> {
+    match options.on_sample {
+        Some(_) => TrainingSampler::new(spec, &options.spec_dir),
+        None => Ok(None),
+    }
+}
+
 /// Global parameters as named tensors for a safetensors file.
 fn global_tensors(params: Vec<GlobalParam>) -> Vec<ShardTensor> {
     params
@@ -395,6 +410,8 @@ struct RunContext<'a> {
     plan_hash: &'a str,
     on_step: &'a (dyn Fn(&StepRecord) + Sync),
     init_export: Option<InitExport>,
+    /// `train.sample`, made on rank 0 with the parameters of all ranks.
+    sampler: Option<&'a TrainingSampler>,
 }
 
 /// `TrainOptions::save_init`: collects every rank's parameter pieces before its first step;
@@ -517,6 +534,9 @@ impl RunContext<'_> {
                     }
                 }
             }
+            if let Some(sampler) = self.sampler.filter(|s| s.due(step + 1)) {
+                self.sample(exec, sampler, step + 1)?;
+            }
         }
         Ok(RankOutcome {
             records,
@@ -527,6 +547,24 @@ impl RunContext<'_> {
             profile,
             reserved_bytes: exec.reserved_bytes(),
         })
+    }
+
+    /// Gather the parameters to rank 0, which samples from them and reports the text.
+    fn sample<B: Backend>(
+        &self,
+        exec: &mut RankExecutor<'_, B>,
+        sampler: &TrainingSampler,
+        done: u64,
+    ) -> Result<()> {
+        let pieces = exec.param_pieces()?;
+        let Some(params) = gather::collect_on_root(self.plan, exec.comm(), pieces)? else {
+            return Ok(());
+        };
+        let text = sampler.text(self.spec, &global_tensors(params))?;
+        if let Some(sink) = &self.options.on_sample {
+            sink.report(done, &text);
+        }
+        Ok(())
     }
 
     /// Write a checkpoint after `step` steps; rank 0 returns its path.
