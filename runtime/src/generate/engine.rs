@@ -204,7 +204,7 @@ impl<B: Backend> Engine<B> {
         mut at: Segment,
         rows: Rows,
     ) -> Result<Vec<f32>> {
-        for (i, layer) in self.layers.iter().enumerate() {
+        for i in 0..self.layers.len() {
             let node = &self.model.nodes[i];
             let inputs = node
                 .inputs
@@ -216,7 +216,8 @@ impl<B: Backend> Engine<B> {
                 })
                 .collect::<Result<Vec<_>>>()?;
             let id = NodeId(i as u32);
-            let y = layer.forward(&mut self.device, &self.weights, (id, node), &inputs, at)?;
+            let y =
+                self.layers[i].forward(&mut self.device, &self.weights, (id, node), &inputs, at)?;
             live.insert(node.output, y);
             for v in &node.inputs {
                 if self.last_use.get(v) == Some(&i) {
