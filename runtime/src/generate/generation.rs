@@ -31,7 +31,7 @@ pub enum Stop {
 }
 
 impl Stop {
-    /// For people: `end of text`, `--tokens reached`, `the model's seq (64) reached`.
+    /// For people, after "stopped by".
     pub fn describe(self, seq: u64) -> String {
         match self {
             Stop::EndOfText => "the model ended the text".to_string(),
