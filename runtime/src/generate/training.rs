@@ -15,9 +15,12 @@ use parc_compiler::spec::Spec;
 use std::path::Path;
 use std::sync::Arc;
 
-/// Where a run's samples go: called with the number of steps done and the text.
+/// What a [`SampleSink`] calls: with the number of steps done and the text.
+type Report = dyn Fn(u64, &str) + Send + Sync;
+
+/// Where a run's samples go.
 #[derive(Clone)]
-pub struct SampleSink(Arc<dyn Fn(u64, &str) + Send + Sync>);
+pub struct SampleSink(Arc<Report>);
 
 impl SampleSink {
     pub fn new(report: impl Fn(u64, &str) + Send + Sync + 'static) -> SampleSink {
