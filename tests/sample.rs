@@ -4,9 +4,10 @@
 //! parameters, its logits for a whole sequence at once and with the KV cache one token at a
 //! time equal, within 1e-5 of each row's largest logit, the logits of parc's training program
 //! (rank 0's lowered and fused forward, run on the CPU backend up to the loss, which would
-//! overwrite them). Then the binary: `parc sample` from a short run's checkpoint prints text,
-//! greedily the same each time and seeded the same per seed; `train.sample` prints samples
-//! while training (one rank and four); bad input is a clear error.
+//! overwrite them); the same without attention, and non-causal attention refused. Then the
+//! binary: `parc sample` from a short run's checkpoint prints text, greedily the same each
+//! time and seeded the same per seed; `train.sample` prints samples
+//! while training (one rank, four, four processes under mpiexec); bad input is a clear error.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #[path = "cli_support/mod.rs"]
 mod cli_support;
@@ -25,13 +26,19 @@ use std::path::{Path, PathBuf};
 /// `file` (from the repository root) as a plan of one sequence per step on one rank.
 fn compiled(file: &str) -> (Spec, Plan) {
     let text = std::fs::read_to_string(cli_support::root().join(file)).unwrap();
+    compiled_text(file, text)
+}
+
+/// The spec `text` (named `name`) as [`compiled`] makes it.
+fn compiled_text(name: &str, text: String) -> (Spec, Plan) {
     let overrides: Vec<_> = ["train.micro_batch=1", "train.global_batch=1"]
         .iter()
         .map(|s| parc_compiler::parse_override(s).unwrap())
         .collect();
     let options = CompileOptions::through(Stage::Lower);
-    let compiled = driver::compile(file, text, &overrides, &options);
-    (compiled.spec.unwrap(), compiled.plan.unwrap())
+    let compiled = driver::compile(name, text, &overrides, &options);
+    let shown = format!("{name}: {:?}", compiled.diagnostics.items);
+    (compiled.spec.expect(&shown), compiled.plan.expect(&shown))
 }
 
 /// splitmix64: a pure function of its input, for parameters and tokens.
@@ -147,16 +154,20 @@ fn worst_relative(got: &[f32], want: &[f32], vocab: usize) -> f64 {
 /// The engine's logits equal the training forward's, all at once and token by token.
 fn engine_matches_training(file: &str) {
     let (spec, plan) = compiled(file);
-    let params = params(&plan);
+    engine_matches(file, &spec, &plan);
+}
+
+fn engine_matches(file: &str, spec: &Spec, plan: &Plan) {
+    let params = params(plan);
     let (seq, vocab) = (spec.model.seq as usize, spec.model.vocab as usize);
     let tokens: Vec<u32> = (0..seq as u64)
         .map(|i| (mix(i ^ 0xdead) % vocab as u64) as u32)
         .collect();
-    let want = training_logits(&plan, &params, &tokens);
+    let want = training_logits(plan, &params, &tokens);
     let spread = want.iter().fold(0.0f32, |m, &x| m.max(x.abs()));
     assert!(spread > 1.0, "{file}: the logits must spread ({spread})");
 
-    let mut engine = Engine::new(&spec, &params, CpuBackend::new()).unwrap();
+    let mut engine = Engine::new(spec, &params, CpuBackend::new()).unwrap();
     let whole = engine.feed(&tokens, Rows::All).unwrap();
     let at_once = worst_relative(&whole, &want, vocab);
 
@@ -206,6 +217,48 @@ fn engine_equals_the_training_forward_llama() {
 #[test]
 fn engine_equals_the_training_forward_functions() {
     engine_matches_training("examples/tiny-functions.par");
+}
+
+/// A model `body` (a hidden state `x` from the tokens) of `seq` 16 with its head and loss.
+fn small_model(body: &str) -> String {
+    format!(
+        "model m {{
+  let vocab = 256; let d = 32; let seq = 16
+  input tokens  : [batch, seq] i32
+  input targets : [batch, seq] i32
+  x = Embedding(vocab, d)(tokens) + PositionEmbedding(seq, d)
+  {body}
+  logits = Linear(d, vocab, bias = false, tied = Embedding)(LayerNorm(d)(x) as ln_f) as head
+  loss = CrossEntropy(logits, targets)
+}}
+parallel {{ mesh = {{ dp: 1, pp: 1, cp: 1, tp: 1 }} }}
+train {{ global_batch = 1; micro_batch = 1; steps = 1 }}
+cluster {{ nodes = 1; gpus_per_node = 1; gpu = cpu }}
+"
+    )
+}
+
+/// Without attention every row is computed alone: the last row's logits need only the last
+/// token (`Rows::Last` runs one row), and they still equal the training forward's.
+#[test]
+fn engine_equals_the_training_forward_without_attention() {
+    let text = small_model("x = x + MLP(d, 64, act = gelu)(LayerNorm(d)(x))");
+    let (spec, plan) = compiled_text("no-attention.par", text);
+    engine_matches("no-attention.par", &spec, &plan);
+}
+
+/// A non-causal attention layer cannot be sampled one token at a time: a clear error.
+#[test]
+fn non_causal_attention_is_refused() {
+    let text =
+        small_model("a = Attention(d, 4, causal = false)(LayerNorm(d)(x)) as attn\n  x = x + a");
+    let (spec, plan) = compiled_text("bidirectional.par", text);
+    let err = Engine::new(&spec, &params(&plan), CpuBackend::new())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("attention `attn` is not causal"), "{err}");
+    assert!(err.contains("one token at a time"), "{err}");
 }
 
 /// A saved model of a short run of the tiny example, in `dir`.
@@ -326,42 +379,78 @@ fn bad_sample_input_is_a_clear_error() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+const TRAIN_SAMPLE: [&str; 4] = [
+    "train.steps=4",
+    "train.global_batch=4",
+    "train.micro_batch=1",
+    "train.sample={every: 2, prompt: \"ROMEO:\", tokens: 12, temperature: 0}",
+];
+
+/// Four ranks: dp 2 × tp 2.
+const FOUR_RANKS: [&str; 3] = ["parallel.dp=2", "parallel.tp=2", "cluster.gpus_per_node=4"];
+
+/// The `(step, text)` of the `sample` events of a JSON-logged run of the tiny example with
+/// [`TRAIN_SAMPLE`], `parallel` and `extra` arguments.
+fn samples_of_run(parallel: &[&str], extra: &[&str]) -> Vec<(u64, String)> {
+    let mut args = vec!["run", "examples/tiny.par", "--log-format", "json"];
+    let all: Vec<&str> = TRAIN_SAMPLE.iter().chain(parallel).copied().collect();
+    args.extend(sets(&all));
+    args.extend(extra);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_parc"))
+        .args(&args)
+        .current_dir(cli_support::root())
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    json_lines(&out)
+        .into_iter()
+        .filter(|l| l["event"] == "sample")
+        .map(|l| {
+            (
+                l["step"].as_u64().unwrap(),
+                l["text"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
 /// `train.sample` every 2 steps of a 4-step run: JSON `sample` events after steps 2 and 4, the
-/// text the prompt and its continuation; the same with four ranks (dp 2 × tp 2), whose
-/// parameters rank 0 gathers.
+/// text the prompt and its continuation; the same with four ranks, whose parameters rank 0
+/// gathers; on stderr without `--log-format json`.
 #[test]
 fn train_sample_prints_samples_while_training() {
-    let sample = "train.sample={every: 2, prompt: \"ROMEO:\", tokens: 12, temperature: 0}";
-    let base = [
-        "train.steps=4",
-        "train.global_batch=4",
-        "train.micro_batch=1",
-        sample,
-    ];
-    for parallel in [
-        &[][..],
-        &["parallel.dp=2", "parallel.tp=2", "cluster.gpus_per_node=4"][..],
-    ] {
-        let mut args = vec!["run", "examples/tiny.par", "--log-format", "json"];
-        let all: Vec<&str> = base.iter().chain(parallel).copied().collect();
-        args.extend(sets(&all));
-        let out = parc_ok(&args);
-        let samples: Vec<_> = json_lines(&out)
-            .into_iter()
-            .filter(|l| l["event"] == "sample")
-            .collect();
-        let steps: Vec<u64> = samples
-            .iter()
-            .map(|s| s["step"].as_u64().unwrap())
-            .collect();
+    for parallel in [&[][..], &FOUR_RANKS[..]] {
+        let samples = samples_of_run(parallel, &[]);
+        let steps: Vec<u64> = samples.iter().map(|(step, _)| *step).collect();
         assert_eq!(steps, [2, 4], "{parallel:?}");
-        for s in &samples {
-            let text = s["text"].as_str().unwrap();
+        for (_, text) in &samples {
             assert!(text.starts_with("ROMEO:") && text.len() > 6, "{text:?}");
         }
     }
     let mut args = vec!["run", "examples/tiny.par"];
-    args.extend(sets(&base));
+    args.extend(sets(&TRAIN_SAMPLE));
     let err = stderr_of(&parc_ok(&args));
     assert!(err.contains("sample at step 2:\nROMEO:"), "{err}");
+}
+
+/// One process per rank (mpiexec and the MPI comm): rank 0 gathers the parameters through the
+/// comm and prints exactly the samples of the same plan run as threads of one process.
+#[test]
+#[cfg_attr(
+    not(feature = "mpi"),
+    ignore = "needs a parc built with --features mpi"
+)]
+fn train_sample_in_one_process_per_rank_equals_one_process() {
+    let on_path = std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join("mpiexec").is_file()));
+    if !on_path {
+        eprintln!("skipped: mpiexec is not on PATH (install openmpi-bin)");
+        return;
+    }
+    let threads = samples_of_run(&FOUR_RANKS, &[]);
+    let processes = samples_of_run(&FOUR_RANKS, &["--nproc-per-node", "4"]);
+    assert_eq!(processes, threads);
+    assert_eq!(processes.len(), 2);
 }
