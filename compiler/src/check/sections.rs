@@ -588,7 +588,7 @@ pub fn train(r: &mut Reader, span: Span, gpu_is_cpu: bool) -> Option<Train> {
 }
 
 /// `train.sample = { every: N, prompt: "…", tokens: 64, temperature: 1, top_k: 40 }`, when
-/// any of it is written. Whether the prompt fits the model's `seq` is `grid::Grid::sample`'s.
+/// any of it is written. Whether the prompt fits the model's `seq` is `grid::sample_prompt`'s.
 fn sample(r: &mut Reader) -> Option<Sampling> {
     let first = ["every", "prompt", "tokens", "temperature", "top_k"]
         .iter()
