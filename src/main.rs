@@ -9,6 +9,7 @@ mod cmd_export;
 mod cmd_plan;
 mod cmd_plot;
 mod cmd_run;
+mod cmd_sample;
 mod cmd_search;
 mod diagnostics;
 mod input;
@@ -78,6 +79,8 @@ enum Command {
     Plot(cmd_plot::PlotArgs),
     /// Write a trained model in another format: `--format hf`, a Hugging Face folder.
     Export(cmd_export::ExportArgs),
+    /// Continue a prompt with a saved model, streaming the text as it comes.
+    Sample(cmd_sample::SampleArgs),
 }
 
 fn main() -> ExitCode {
@@ -89,6 +92,7 @@ fn main() -> ExitCode {
         Command::Calibrate(args) => cmd_calibrate::main(args),
         Command::Plot(args) => cmd_plot::main(args),
         Command::Export(args) => cmd_export::main(args),
+        Command::Sample(args) => cmd_sample::main(args),
     };
     ExitCode::from(code)
 }

@@ -137,6 +137,7 @@ pub(crate) fn train_options(args: &RunArgs, spec_dir: &Path) -> TrainOptions {
     options.save_init = args.save_init.clone();
     options.log_batches = args.log_batches.clone();
     options.source = spec_source(args, spec_dir);
+    options.on_sample = Some(crate::run_progress::sample_sink(args.log_format));
     options
 }
 

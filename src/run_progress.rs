@@ -14,13 +14,16 @@
 //! `memory_reserved_bytes` is the most memory one rank's backend held, over all ranks also when
 //! each rank is its own process (null when the run does not know it); its `val_loss` and
 //! `val_ppl` are the last evaluation's (null without one).
+//! `train.sample`'s samples: `sample at step N:` and the text on stderr, or
+//! `{"event":"sample","step":N,"text":…}` (steps done, as `step`'s).
 use crate::report::bytes;
 use parc_compiler::spec::Gpu;
 use parc_runtime::data::EpochProgress;
 use parc_runtime::exec::profile::StepProfile;
 use parc_runtime::exec::{LossScaleStep, StepRecord};
+use parc_runtime::generate::SampleSink;
 use serde_json::json;
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -340,6 +343,25 @@ impl Progress {
             }
         }
     }
+}
+
+/// Where `train.sample`'s samples go in `format` (see the module docs).
+pub fn sample_sink(format: LogFormat) -> SampleSink {
+    SampleSink::new(move |step, text| match format {
+        LogFormat::Json => {
+            let line = json!({"event": "sample", "step": step, "text": text});
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "{line}");
+            let _ = out.flush();
+        }
+        LogFormat::Human => {
+            let mut err = std::io::stderr().lock();
+            // Below a progress line rewritten in place, not over it.
+            let start = if err.is_terminal() { "\r\x1b[K" } else { "" };
+            let _ = write!(err, "{start}sample at step {step}:\n{text}\n");
+            let _ = err.flush();
+        }
+    })
 }
 
 /// What the report rank prints when training has ended: the profiled step as JSON (before the

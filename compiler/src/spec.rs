@@ -659,6 +659,23 @@ pub struct Train {
     pub log_every: u64,
     /// Validation loss every so many steps (`train.eval`), when asked for.
     pub eval: Option<Eval>,
+    /// Print a sample from the model while it trains (`train.sample`).
+    pub sample: Option<Sampling>,
+    pub span: Span,
+}
+
+/// `train.sample = { every: N, prompt: "…", tokens: 64 }`: every `every` steps, the model
+/// continues `prompt` by up to `tokens` tokens and the run prints the text.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Sampling {
+    pub every: u64,
+    pub prompt: String,
+    pub tokens: u64,
+    /// Softmax temperature; 0 picks the most likely token (default 1).
+    pub temperature: f64,
+    /// Draw from the `top_k` most likely tokens only (None: from all).
+    pub top_k: Option<u64>,
+    /// Where the prompt is written.
     pub span: Span,
 }
 

@@ -246,6 +246,7 @@ pub fn train(
         checkpoint: None,
         log_every: 1,
         eval: None,
+        sample: None,
         span: Span::default(),
     }
 }

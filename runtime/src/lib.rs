@@ -10,6 +10,7 @@ pub mod cuda;
 pub mod data;
 pub mod error;
 pub mod exec;
+pub mod generate;
 pub mod hf;
 pub mod init;
 pub mod launch;

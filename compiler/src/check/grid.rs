@@ -431,6 +431,41 @@ impl Grid<'_> {
     }
 }
 
+/// A `train.sample` prompt of byte-level text must leave the model room to continue it: a
+/// sample, prompt included, holds at most `seq` tokens. (Prompts of other tokenizers are
+/// counted when the run starts.)
+pub fn sample_prompt(model: &Model, train: &Train, diags: &mut Diagnostics) {
+    let (
+        Some(sample),
+        DataSource::File {
+            format: DataFormat::Bytes,
+            ..
+        },
+    ) = (&train.sample, &train.data)
+    else {
+        return;
+    };
+    let tokens = sample.prompt.len() as u64;
+    if tokens >= model.seq {
+        diags.push(
+            Diagnostic::error(
+                "E0903",
+                format!(
+                    "the sample prompt is {tokens} tokens (bytes) but the model's seq is {}",
+                    model.seq
+                ),
+            )
+            .label(sample.span, "this prompt")
+            .help(format!(
+                "a sample, prompt and continuation, fits in seq = {} positions: shorten the \
+                 prompt to at most {} bytes",
+                model.seq,
+                model.seq - 1
+            )),
+        );
+    }
+}
+
 /// Mark the nodes `parallel.recompute` asks for; named entries must match a kind or a path.
 pub fn recompute(model: &mut Model, r: &Recompute, span: Span, diags: &mut Diagnostics) {
     for n in &mut model.nodes {

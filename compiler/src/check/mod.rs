@@ -210,6 +210,7 @@ pub fn check(
         grid.pipeline_layers(e, &pin);
         if let Some(t) = &train {
             grid.data(e, t);
+            grid::sample_prompt(&e.model, t, grid.diags);
             let span = settings
                 .get("train.micro_batch")
                 .map(|x| x.span)

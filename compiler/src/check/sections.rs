@@ -571,6 +571,7 @@ pub fn train(r: &mut Reader, span: Span, gpu_is_cpu: bool) -> Option<Train> {
         };
     let log_every = r.count("train.log_every", 1).unwrap_or(1);
     let eval = eval(r);
+    let sample = sample(r);
     Some(Train {
         global_batch: global_batch?,
         micro_batch,
@@ -585,6 +586,61 @@ pub fn train(r: &mut Reader, span: Span, gpu_is_cpu: bool) -> Option<Train> {
         checkpoint,
         log_every,
         eval,
+        sample,
+        span,
+    })
+}
+
+/// `train.sample = { every: N, prompt: "…", tokens: 64, temperature: 1, top_k: 40 }`, when
+/// any of it is written. Whether the prompt fits the model's `seq` is `grid::sample_prompt`'s.
+fn sample(r: &mut Reader) -> Option<Sampling> {
+    let first = ["every", "prompt", "tokens", "temperature", "top_k"]
+        .iter()
+        .find_map(|f| r.span(&format!("train.sample.{f}")))?;
+    let span = r.span("train.sample.prompt").unwrap_or(first);
+    let needs = |field: &str, example: &str| {
+        Diagnostic::error("E0206", format!("`train.sample` needs `{field}`"))
+            .label(first, "in this setting")
+            .help(format!("add `{field}: {example}`"))
+    };
+    if r.span("train.sample.every").is_none() {
+        r.diags.push(needs("every", "100"));
+    }
+    let every = r.count("train.sample.every", 1);
+    let prompt = match r.value("train.sample.prompt") {
+        Some(SVal::Str(text, at)) if text.is_empty() => {
+            r.diags.push(
+                Diagnostic::error("E0903", "the sample prompt is empty")
+                    .label(at, "empty")
+                    .help("write the text the model continues, like `prompt: \"To be\"`"),
+            );
+            None
+        }
+        Some(SVal::Str(text, _)) => Some(text),
+        Some(other) => r.wrong(&other, "the prompt as a string").and(None),
+        None => {
+            r.diags.push(needs("prompt", "\"To be\""));
+            None
+        }
+    };
+    let tokens = match r.span("train.sample.tokens") {
+        Some(_) => r.count("train.sample.tokens", 1),
+        None => Some(64),
+    };
+    let temperature = match r.span("train.sample.temperature") {
+        Some(_) => r.float("train.sample.temperature"),
+        None => Some(1.0),
+    };
+    let top_k = match r.span("train.sample.top_k") {
+        Some(_) => r.count("train.sample.top_k", 1).map(Some),
+        None => Some(None),
+    };
+    Some(Sampling {
+        every: every?,
+        prompt: prompt?,
+        tokens: tokens?,
+        temperature: temperature?,
+        top_k: top_k?,
         span,
     })
 }

@@ -15,7 +15,7 @@
 //!
 //! Programs are shared by ranks that differ only in their dp coordinate.
 
-mod act_kernels;
+pub mod act_kernels;
 mod backward;
 mod builder;
 mod context;
@@ -25,7 +25,7 @@ pub(crate) mod first_write;
 mod idmap;
 mod layers;
 mod optim;
-pub(crate) mod params;
+pub mod params;
 mod pipeline;
 mod schedule;
 mod storage;

@@ -1,10 +1,12 @@
 //! Reassembling global parameters from the ranks' local pieces (tp blocks, ZeRO flat shards):
 //! the inverse of the layout in `parc_compiler::ir::program`, used to compare plans and to
-//! export weights independent of the plan.
+//! export weights independent of the plan; [`collect_on_root`] brings every rank's pieces to
+//! rank 0 through the comm first (a multi-process run's model export, `train.sample`).
 use super::rank::ParamPiece;
+use crate::comm::{Comm, PeerOp};
 use crate::error::{Result, RuntimeError};
-use crate::init::tp_local_indices;
-use parc_compiler::ir::ParamTable;
+use crate::init::{tp_local_indices, ZeroShard};
+use parc_compiler::ir::{ParamTable, Plan};
 
 /// A parameter as one global tensor.
 #[derive(Clone, Debug, PartialEq)]
@@ -68,6 +70,88 @@ pub fn assemble(table: &ParamTable, pieces: &[ParamPiece]) -> Result<Vec<GlobalP
                     global.name
                 )))
             }
+        })
+        .collect()
+}
+
+/// Tag of the parameter gather. It runs between steps, when every rank has received all its
+/// step's messages, and messages are matched in order per (sender, receiver, tag): no
+/// transfer of a step can take its place.
+const GATHER_TAG: u32 = 0;
+
+/// Every rank's parameter pieces sent to rank 0, which assembles the global tensors (checking
+/// that replicas agree) and returns them; the other ranks return None. Rank 0 knows each
+/// rank's pieces and their sizes from the plan, so only the values travel.
+pub fn collect_on_root(
+    plan: &Plan,
+    comm: &mut dyn Comm,
+    pieces: Vec<ParamPiece>,
+) -> Result<Option<Vec<GlobalParam>>> {
+    if comm.rank() != 0 {
+        let data: Vec<f32> = pieces.iter().flat_map(|p| p.data.iter().copied()).collect();
+        comm.send(0, GATHER_TAG, &data)?;
+        return Ok(None);
+    }
+    let mut all = pieces;
+    for rank in 1..plan.world {
+        let mut layout = pieces_of(plan, rank)?;
+        let total: usize = layout.iter().map(|p| p.data.len()).sum();
+        let mut data = vec![0.0f32; total];
+        comm.group_p2p(&mut [PeerOp::Recv {
+            peer: rank,
+            tag: GATHER_TAG,
+            out: &mut data,
+        }])?;
+        let mut values = data.into_iter();
+        for piece in &mut layout {
+            for (slot, value) in piece.data.iter_mut().zip(values.by_ref()) {
+                *slot = value;
+            }
+        }
+        all.extend(layout);
+    }
+    assemble(&plan.params, &all).map(Some)
+}
+
+/// The pieces rank `rank` stores (as `RankExecutor::param_pieces` lists them), with zeroed
+/// data of their sizes.
+fn pieces_of(plan: &Plan, rank: u32) -> Result<Vec<ParamPiece>> {
+    let missing = |what: String| RuntimeError::Op {
+        op: format!("rank {rank}"),
+        what: format!("{what} (a lowering bug)"),
+    };
+    let program = plan
+        .program_of(rank)
+        .ok_or_else(|| missing("has no program".to_string()))?;
+    program
+        .params
+        .iter()
+        .map(|local| {
+            let len = program
+                .buffer(local.master)
+                .map(|b| b.numel() as usize)
+                .ok_or_else(|| missing(format!("buffer {} is unknown", local.master.0)))?;
+            let zero = match local.zero {
+                None => None,
+                Some(split) => {
+                    let (_, index) = plan
+                        .group(split.group)
+                        .and_then(|family| family.set_of(rank))
+                        .ok_or_else(|| {
+                            missing(format!("is not in ZeRO group {}", split.group.0))
+                        })?;
+                    Some(ZeroShard {
+                        shard_len: split.shard_len,
+                        index: index as u64,
+                    })
+                }
+            };
+            Ok(ParamPiece {
+                param: local.param,
+                tp: local.tp,
+                zero,
+                data: vec![0.0; len],
+            })
         })
         .collect()
 }

@@ -13,7 +13,8 @@
 //! every rank runs its evaluation program after every `every`-th step and the last
 //! ([`RankExecutor::evaluate`]), and the step's record carries the validation loss. Plans are
 //! verified (`parc_compiler::driver::analyze`, the evaluation programs too) before any rank
-//! starts: the runtime runs only verified programs.
+//! starts: the runtime runs only verified programs. `train.sample` prints a sample every
+//! `every` steps (`generate::training`).
 //! All parallelism lives in the programs: this module only dispatches.
 pub mod gather;
 pub mod loss_scale;
@@ -32,6 +33,7 @@ use crate::checkpoint::{self, Manifest, ShardTensor, SpecSource};
 use crate::comm::{Comm, LocalComm};
 use crate::data::{write_run_batch_log, BatchLayout, Dataset, EpochProgress, RunData};
 use crate::error::{Result, RuntimeError};
+use crate::generate::{SampleSink, TrainingSampler};
 use crate::hf::HfInit;
 use parc_compiler::diag::Diagnostics;
 use parc_compiler::driver::{self, Stage};
@@ -75,6 +77,8 @@ pub struct TrainOptions {
     /// The spec as the user wrote it, recorded in the model files this run writes
     /// (`checkpoint::saved`), so they can be sampled and exported alone.
     pub source: Option<SpecSource>,
+    /// Where the samples of `train.sample` go (rank 0 makes them); without it none are made.
+    pub on_sample: Option<SampleSink>,
 }
 
 impl TrainOptions {
@@ -91,6 +95,7 @@ impl TrainOptions {
             save_init: None,
             log_batches: None,
             source: None,
+            on_sample: None,
         }
     }
 }
@@ -338,6 +343,7 @@ where
         .threads_per_rank
         .unwrap_or_else(|| (cores / plan.world.max(1) as usize).max(1));
     let comms = LocalComm::world(plan.world, options.comm_timeout);
+    let sampler = training_sampler(spec, options)?;
     let run = RunContext {
         spec,
         plan,
@@ -352,6 +358,7 @@ where
             source: options.source.clone(),
             pending: Mutex::new((Vec::new(), 0)),
         }),
+        sampler: sampler.as_ref(),
     };
     let outcomes: Vec<Result<RankOutcome>> = std::thread::scope(|scope| {
         let handles: Vec<_> = comms
@@ -443,6 +450,14 @@ where
     })
 }
 
+/// The run's `train.sample`, when it has one and a sink for its samples.
+fn training_sampler(spec: &Spec, options: &TrainOptions) -> Result<Option<TrainingSampler>> {
+    match options.on_sample {
+        Some(_) => TrainingSampler::new(spec, &options.spec_dir),
+        None => Ok(None),
+    }
+}
+
 /// Global parameters as named tensors for a safetensors file.
 fn global_tensors(params: Vec<GlobalParam>) -> Vec<ShardTensor> {
     params
@@ -467,6 +482,8 @@ struct RunContext<'a> {
     /// The Hugging Face weights the parameters start from (else the seed's).
     weights: Option<&'a HfInit>,
     init_export: Option<InitExport>,
+    /// `train.sample`, made on rank 0 with the parameters of all ranks.
+    sampler: Option<&'a TrainingSampler>,
 }
 
 /// `TrainOptions::save_init`: collects every rank's parameter pieces before its first step;
@@ -592,6 +609,9 @@ impl RunContext<'_> {
                     }
                 }
             }
+            if let Some(sampler) = self.sampler.filter(|s| s.due(step + 1)) {
+                self.sample(exec, sampler, step + 1)?;
+            }
         }
         Ok(RankOutcome {
             records,
@@ -602,6 +622,24 @@ impl RunContext<'_> {
             profile,
             reserved_bytes: exec.reserved_bytes(),
         })
+    }
+
+    /// Gather the parameters to rank 0, which samples from them and reports the text.
+    fn sample<B: Backend>(
+        &self,
+        exec: &mut RankExecutor<'_, B>,
+        sampler: &TrainingSampler,
+        done: u64,
+    ) -> Result<()> {
+        let pieces = exec.param_pieces()?;
+        let Some(params) = gather::collect_on_root(self.plan, exec.comm(), pieces)? else {
+            return Ok(());
+        };
+        let text = sampler.text(self.spec, &global_tensors(params))?;
+        if let Some(sink) = &self.options.on_sample {
+            sink.report(done, &text);
+        }
+        Ok(())
     }
 
     /// Write a checkpoint after `step` steps; rank 0 returns its path.

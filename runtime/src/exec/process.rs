@@ -4,7 +4,7 @@
 //! (`RunContext::rank_main`): the same steps, checkpoints and abort on failure. A run that
 //! checkpoints also exports its final parameters as global tensors, as a single-process run
 //! does: every rank sends its pieces to rank 0 through the comm, which assembles and writes
-//! them.
+//! them (`gather::collect_on_root`).
 use super::{
     gather, global_tensors, open_run_data, ParamPiece, RunContext, StepProfile, StepRecord,
 };
@@ -12,7 +12,6 @@ use crate::backend::Backend;
 use crate::checkpoint;
 use crate::comm::{Comm, PeerOp};
 use crate::error::{Result, RuntimeError};
-use crate::init::ZeroShard;
 use parc_compiler::ir::{Plan, ReduceOp};
 use parc_compiler::spec::Spec;
 use std::path::PathBuf;
@@ -37,9 +36,6 @@ pub struct ProcessRankResult {
     /// rank), None when no rank's backend reports it.
     pub reserved_bytes: Option<u64>,
 }
-
-/// Tag of the final parameter gather: after the last step no other transfer is in flight.
-const GATHER_TAG: u32 = 0;
 
 /// Train rank `comm.rank()` of `plan` in this process. `comm` connects it to the job's other
 /// processes (its world must be the plan's); `on_step` sees the records when this rank is the
@@ -80,9 +76,10 @@ pub fn train_rank<B: Backend>(
         let data = open_run_data(spec, &options.spec_dir)?;
         let (resume, manifest, hash) = super::resume_point(plan, spec, options, &data)?;
         let weights = super::initial_weights(spec, plan, options, resume.is_some())?;
-        Ok((data, resume, manifest, hash, weights))
+        let sampler = super::training_sampler(spec, options)?;
+        Ok((data, resume, manifest, hash, weights, sampler))
     })();
-    let (data, resume, manifest, hash, weights) = match prepared {
+    let (data, resume, manifest, hash, weights, sampler) = match prepared {
         Ok(p) => p,
         Err(e) => {
             comm.abort(&format!("rank {rank}: {e}"));
@@ -99,6 +96,7 @@ pub fn train_rank<B: Backend>(
         on_step,
         weights: weights.as_ref(),
         init_export: None,
+        sampler: sampler.as_ref(),
     };
     let outcome = run.rank_main(rank, backend, Box::new(Lent(comm.as_mut())))?;
     let end = options
@@ -184,10 +182,9 @@ struct ModelTarget<'a> {
     source: Option<&'a checkpoint::SpecSource>,
 }
 
-/// Send every rank's parameter pieces to rank 0, which assembles the global tensors (checking
-/// that replicas agree) and writes `target`'s model file. Rank 0 knows
-/// each rank's pieces and their sizes from the plan, so only the values travel. Returns the
-/// file's path on every rank once rank 0 has written it.
+/// Send every rank's parameter pieces to rank 0, which assembles the global tensors and writes
+/// `target`'s model file ([`gather::collect_on_root`]). Returns the file's path on every rank
+/// once rank 0 has written it.
 fn export_model(
     plan: &Plan,
     comm: &mut dyn Comm,
@@ -196,29 +193,7 @@ fn export_model(
 ) -> Result<PathBuf> {
     let ModelTarget { dir, step, source } = *target;
     let world: Vec<u32> = (0..plan.world).collect();
-    if comm.rank() != 0 {
-        let data: Vec<f32> = pieces.iter().flat_map(|p| p.data.iter().copied()).collect();
-        comm.send(0, GATHER_TAG, &data)?;
-    } else {
-        let mut all = pieces;
-        for rank in 1..plan.world {
-            let mut layout = pieces_of(plan, rank)?;
-            let total: usize = layout.iter().map(|p| p.data.len()).sum();
-            let mut data = vec![0.0f32; total];
-            comm.group_p2p(&mut [PeerOp::Recv {
-                peer: rank,
-                tag: GATHER_TAG,
-                out: &mut data,
-            }])?;
-            let mut values = data.into_iter();
-            for piece in &mut layout {
-                for (slot, value) in piece.data.iter_mut().zip(values.by_ref()) {
-                    *slot = value;
-                }
-            }
-            all.extend(layout);
-        }
-        let params = gather::assemble(&plan.params, &all)?;
+    if let Some(params) = gather::collect_on_root(plan, comm, pieces)? {
         let path = checkpoint::write_model(dir, step, &global_tensors(params), source)?;
         if path != checkpoint::model_path(dir) {
             return Err(RuntimeError::Checkpoint(format!(
@@ -231,49 +206,6 @@ fn export_model(
     let mut written = [0.0f32];
     comm.all_reduce(&world, ReduceOp::Sum, &mut written)?;
     Ok(checkpoint::model_path(dir))
-}
-
-/// The pieces rank `rank` stores (as `RankExecutor::param_pieces` lists them), with zeroed
-/// data of their sizes.
-fn pieces_of(plan: &Plan, rank: u32) -> Result<Vec<ParamPiece>> {
-    let missing = |what: String| RuntimeError::Op {
-        op: format!("rank {rank}"),
-        what: format!("{what} (a lowering bug)"),
-    };
-    let program = plan
-        .program_of(rank)
-        .ok_or_else(|| missing("has no program".to_string()))?;
-    program
-        .params
-        .iter()
-        .map(|local| {
-            let len = program
-                .buffer(local.master)
-                .map(|b| b.numel() as usize)
-                .ok_or_else(|| missing(format!("buffer {} is unknown", local.master.0)))?;
-            let zero = match local.zero {
-                None => None,
-                Some(split) => {
-                    let (_, index) = plan
-                        .group(split.group)
-                        .and_then(|family| family.set_of(rank))
-                        .ok_or_else(|| {
-                            missing(format!("is not in ZeRO group {}", split.group.0))
-                        })?;
-                    Some(ZeroShard {
-                        shard_len: split.shard_len,
-                        index: index as u64,
-                    })
-                }
-            };
-            Ok(ParamPiece {
-                param: local.param,
-                tp: local.tp,
-                zero,
-                data: vec![0.0; len],
-            })
-        })
-        .collect()
 }
 
 /// A comm lent to the executor (which takes its comm by box) and used again after it.
