@@ -788,6 +788,9 @@ fn lr_schedule(r: &mut Reader, steps: u64) -> LrSchedule {
 }
 
 fn data(r: &mut Reader) -> DataSource {
+    if let Some(source) = super::data::call_source(r, "train.data") {
+        return source;
+    }
     match r.value("train.data") {
         None => DataSource::Synthetic,
         Some(SVal::Word(w, _)) if w == "synthetic" => DataSource::Synthetic,
@@ -815,7 +818,10 @@ fn data(r: &mut Reader) -> DataSource {
             DataSource::File { path, format, span }
         }
         Some(other) => {
-            r.wrong(&other, "`\"file\" as bytes|u16|u32` or `synthetic`");
+            r.wrong(
+                &other,
+                "`\"file\" as bytes|u16|u32`, `text(\"file\", tokenizer: gpt2)` or `synthetic`",
+            );
             DataSource::Synthetic
         }
     }

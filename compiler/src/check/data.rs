@@ -1,0 +1,169 @@
+//! Data sources written as calls — `text("corpus.txt", tokenizer: gpt2)`, read into a
+//! [`DataSource::Text`] — and the check of a text source's tokenizer against the model's
+//! vocabulary (a `tokenizer.json`'s size is known only when the run reads it).
+
+use super::sections::{Reader, SVal};
+use super::suggest;
+use crate::diag::{Diagnostic, Diagnostics, Span};
+use crate::spec::{DataSource, Tokenizer};
+use crate::syntax::ast::{Arg, Expr, ExprKind};
+
+/// The data source the setting at `path` names when it is a call; `None` when it is not one.
+pub fn call_source(r: &mut Reader, path: &str) -> Option<DataSource> {
+    let e = r.settings.get(path)?.clone();
+    let ExprKind::Call { callee, args } = &e.kind else {
+        return None;
+    };
+    match callee.as_word() {
+        Some(w) if w.name == "text" => Some(text(r, args, e.span)),
+        _ => {
+            r.diags.push(
+                Diagnostic::error("E0904", "this call is not a data source")
+                    .label(callee.span, "not a data source")
+                    .help("read text with `text(\"corpus.txt\", tokenizer: gpt2)`, or tokens with `\"tokens.bin\" as u16`"),
+            );
+            Some(DataSource::Synthetic)
+        }
+    }
+}
+
+/// `text(PATH, tokenizer: T)`: every argument checked, all problems reported.
+fn text(r: &mut Reader, args: &[Arg], span: Span) -> DataSource {
+    let mut path: Option<String> = None;
+    let mut tokenizer: Option<Tokenizer> = None;
+    for arg in args {
+        match arg {
+            Arg::Positional(e) if path.is_none() => path = Some(text_path(r, e)),
+            Arg::Positional(e) => wrong_argument(r, e.span, "`text` takes one file"),
+            Arg::Named(name, e) if name.name == "tokenizer" && tokenizer.is_none() => {
+                tokenizer = Some(tokenizer_arg(r, e));
+            }
+            Arg::Named(name, _) if name.name == "tokenizer" => {
+                wrong_argument(r, name.span, "`tokenizer` is given twice")
+            }
+            Arg::Named(name, _) => {
+                let message = format!("`text` has no argument `{}`", name.name);
+                wrong_argument(r, name.span, &message)
+            }
+        }
+    }
+    if path.is_none() {
+        missing_argument(r, span, "`text` needs the file to read");
+    }
+    if tokenizer.is_none() {
+        missing_argument(r, span, "`text` needs a tokenizer");
+    }
+    DataSource::Text {
+        path: path.unwrap_or_default(),
+        tokenizer: tokenizer.unwrap_or(Tokenizer::Bytes),
+        span,
+    }
+}
+
+fn text_path(r: &mut Reader, e: &Expr) -> String {
+    match r.eval_expr(e) {
+        Some(SVal::Str(s, sp)) => {
+            if s.is_empty() {
+                r.diags.push(
+                    Diagnostic::error("E0903", "the text file name is empty")
+                        .label(sp, "empty")
+                        .help("write `text(\"data/corpus.txt\", tokenizer: gpt2)`"),
+                );
+            }
+            s
+        }
+        Some(other) => {
+            r.diags.push(
+                Diagnostic::error("E0902", "expected the text file's name as a string")
+                    .label(other.span(), "this value")
+                    .help("write `text(\"data/corpus.txt\", tokenizer: gpt2)` (a file, a folder of .txt files or a glob)"),
+            );
+            String::new()
+        }
+        None => String::new(),
+    }
+}
+
+/// `gpt2`, `bytes`, or a `tokenizer.json`'s path as a string.
+fn tokenizer_arg(r: &mut Reader, e: &Expr) -> Tokenizer {
+    let names = Tokenizer::NAMES;
+    let fallback = Tokenizer::Bytes;
+    match r.eval_expr(e) {
+        Some(SVal::Word(w, s)) => Tokenizer::from_name(&w).unwrap_or_else(|| {
+            let rest = format!(
+                "a tokenizer is {}, or a Hugging Face tokenizer.json's path as a string (\"tokenizer.json\")",
+                suggest::one_of(&names)
+            );
+            r.diags.push(
+                Diagnostic::error("E0904", format!("`{w}` is not a tokenizer"))
+                    .label(s, "unknown tokenizer")
+                    .help(suggest::help(&w, names, &rest)),
+            );
+            fallback
+        }),
+        Some(SVal::Str(path, s)) if path.is_empty() => {
+            r.diags.push(
+                Diagnostic::error("E0903", "the tokenizer file name is empty")
+                    .label(s, "empty")
+                    .help("write `tokenizer: \"tokenizer.json\"` (relative to the spec's folder), or `tokenizer: gpt2`"),
+            );
+            fallback
+        }
+        Some(SVal::Str(path, _)) => Tokenizer::File { path },
+        Some(other) => {
+            r.diags.push(
+                Diagnostic::error("E0902", "expected a tokenizer")
+                    .label(other.span(), "this value")
+                    .help("write `tokenizer: gpt2`, `tokenizer: bytes` or `tokenizer: \"tokenizer.json\"`"),
+            );
+            fallback
+        }
+        None => fallback,
+    }
+}
+
+fn wrong_argument(r: &mut Reader, span: Span, message: &str) {
+    r.diags.push(
+        Diagnostic::error("E0207", message.to_string())
+            .label(span, "not an argument of `text`")
+            .help("write `text(\"corpus.txt\", tokenizer: gpt2)`"),
+    );
+}
+
+fn missing_argument(r: &mut Reader, span: Span, message: &str) {
+    r.diags.push(
+        Diagnostic::error("E0207", message.to_string())
+            .label(span, "incomplete")
+            .help("write `text(\"corpus.txt\", tokenizer: gpt2)` (or `tokenizer: bytes`, or `tokenizer: \"tokenizer.json\"`)"),
+    );
+}
+
+/// A built-in tokenizer's ids must be below the model's `vocab` (E0310). The help pads the
+/// tokenizer's size to a multiple of 64, as nanoGPT pads GPT-2's 50,257 to 50,304, which keeps
+/// the embedding and head GEMMs on fast shapes.
+pub fn check_vocab(source: &DataSource, vocab: u64, diags: &mut Diagnostics) {
+    let DataSource::Text {
+        tokenizer, span, ..
+    } = source
+    else {
+        return;
+    };
+    let Some(need) = tokenizer.known_vocab() else {
+        return;
+    };
+    if vocab >= need {
+        return;
+    }
+    let name = tokenizer.name();
+    let padded = need.div_ceil(64) * 64;
+    diags.push(
+        Diagnostic::error(
+            "E0310",
+            format!("the {name} tokenizer has {need} tokens but vocab = {vocab}"),
+        )
+        .label(*span, format!("tokenized by {name}"))
+        .help(format!(
+            "set `let vocab = {padded}` in the model (at least {need}; a multiple of 64 keeps the embedding and head fast)"
+        )),
+    );
+}
