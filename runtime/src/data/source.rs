@@ -316,6 +316,7 @@ pub fn fill_microbatch(
 
 #[cfg(test)]
 mod tests {
+    use super::super::shards::ShardWriter;
     use super::*;
     use parc_compiler::diag::Span;
 
@@ -430,6 +431,74 @@ mod tests {
             let err = open_err(contents, name, format, 256, seq);
             assert!(says.iter().all(|s| err.contains(s)), "{err}");
         }
+    }
+
+    fn text_source(path: &str, tokenizer: TokenizerSpec) -> DataSource {
+        DataSource::Text {
+            path: path.to_string(),
+            tokenizer,
+            span: Span::default(),
+        }
+    }
+
+    fn stream(d: &Dataset) -> Vec<u32> {
+        (0..d.token_count()).map(|i| d.token(i)).collect()
+    }
+
+    #[test]
+    fn text_is_tokenized_one_document_per_file_in_name_order() {
+        let (dir, _) = temp_file("b.txt", b"Hello");
+        std::fs::write(dir.join("a.txt"), b"Hello world").unwrap();
+        let gpt2 = |path| {
+            Dataset::open(
+                &text_source(path, TokenizerSpec::Gpt2),
+                &dir,
+                50304,
+                2,
+                0,
+                0,
+            )
+        };
+        assert_eq!(stream(&gpt2("a.txt").unwrap()), [15496, 995, 50256]);
+        let both = [15496, 995, 50256, 15496, 50256];
+        assert_eq!(stream(&gpt2(".").unwrap()), both);
+        assert_eq!(stream(&gpt2("*.txt").unwrap()), both);
+        let small = Dataset::open(
+            &text_source("a.txt", TokenizerSpec::Gpt2),
+            &dir,
+            50000,
+            2,
+            0,
+            0,
+        );
+        let err = small.unwrap_err().to_string();
+        assert!(
+            err.contains("50257") && err.contains("let vocab = 50304"),
+            "{err}"
+        );
+        let json = TokenizerSpec::File {
+            path: "missing/tokenizer.json".into(),
+        };
+        let err = Dataset::open(&text_source("a.txt", json), &dir, 50304, 2, 0, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("missing/tokenizer.json"), "{err}");
+    }
+
+    #[test]
+    fn a_shard_folder_is_one_stream_and_its_info_must_match_the_width() {
+        let dir = std::env::temp_dir().join(format!("parc-data-{}-shards", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut w = ShardWriter::create(&dir.join("tok"), DataFormat::U16, 3).unwrap();
+        w.push(&[1, 2, 3, 4, 5, 6, 7]).unwrap();
+        w.finish(&Tokenizer::gpt2(), 1).unwrap();
+        let open = |format| Dataset::open(&file_source("tok", format), &dir, 50304, 2, 0, 0);
+        assert_eq!(
+            stream(&open(DataFormat::U16).unwrap()),
+            [1, 2, 3, 4, 5, 6, 7]
+        );
+        let err = open(DataFormat::U32).unwrap_err().to_string();
+        assert!(err.contains("info.json") && err.contains("as u16"), "{err}");
     }
 
     #[test]

@@ -33,21 +33,35 @@ pub fn read_text(file: &Path) -> Result<String> {
 }
 
 /// The tokens of one document: `file`'s text, then the end-of-text token when the tokenizer
-/// has one.
-pub fn tokenize_document(tokenizer: &Tokenizer, file: &Path) -> Result<Vec<u32>> {
+/// has one; `progress` gets the bytes of text done as parts of it finish.
+pub fn tokenize_document(
+    tokenizer: &Tokenizer,
+    file: &Path,
+    progress: &(dyn Fn(usize) + Sync),
+) -> Result<Vec<u32>> {
     let text = read_text(file)?;
-    let mut ids = tokenizer.encode(&text).map_err(|e| text_error(file, e))?;
+    let mut ids = tokenizer
+        .encode_with_progress(&text, progress)
+        .map_err(|e| text_error(file, e))?;
     ids.extend(tokenizer.end_of_text());
     Ok(ids)
 }
 
-/// The documents of `files`, tokenized in parallel, in the order given, as one stream.
-pub fn tokenize_files(tokenizer: &Tokenizer, files: &[PathBuf]) -> Result<Vec<u32>> {
-    let documents: Vec<Vec<u32>> = files
+/// The documents of `files`, tokenized in parallel, in the order given.
+pub fn tokenize_each(
+    tokenizer: &Tokenizer,
+    files: &[PathBuf],
+    progress: &(dyn Fn(usize) + Sync),
+) -> Result<Vec<Vec<u32>>> {
+    files
         .par_iter()
-        .map(|f| tokenize_document(tokenizer, f))
-        .collect::<Result<_>>()?;
-    Ok(documents.concat())
+        .map(|f| tokenize_document(tokenizer, f, progress))
+        .collect()
+}
+
+/// The documents of `files`, tokenized in parallel, as one stream in the order given.
+pub fn tokenize_files(tokenizer: &Tokenizer, files: &[PathBuf]) -> Result<Vec<u32>> {
+    Ok(tokenize_each(tokenizer, files, &|_| {})?.concat())
 }
 
 #[cfg(test)]
@@ -73,7 +87,8 @@ mod tests {
 
     #[test]
     fn missing_and_non_utf8_files_are_named() {
-        let err = tokenize_document(&Tokenizer::gpt2(), Path::new("/nonexistent-parc/c.txt"))
+        let missing = Path::new("/nonexistent-parc/c.txt");
+        let err = tokenize_document(&Tokenizer::gpt2(), missing, &|_| {})
             .unwrap_err()
             .to_string();
         assert!(
