@@ -8,6 +8,7 @@ mod cmd_check;
 mod cmd_plan;
 mod cmd_run;
 mod cmd_search;
+mod cmd_tokenize;
 mod diagnostics;
 mod input;
 mod plan_summary;
@@ -71,6 +72,8 @@ enum Command {
     Run(run_args::RunArgs),
     /// Measure this machine's op times into a calibration profile for `check` and `plan`.
     Calibrate(cmd_calibrate::CalibrateArgs),
+    /// Tokenize text files into a folder of u16/u32 token shards for `data = "DIR" as u16`.
+    Tokenize(cmd_tokenize::TokenizeArgs),
 }
 
 fn main() -> ExitCode {
@@ -80,6 +83,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => cmd_plan::main(args),
         Command::Run(args) => cmd_run::main(args),
         Command::Calibrate(args) => cmd_calibrate::main(args),
+        Command::Tokenize(args) => cmd_tokenize::main(args),
     };
     ExitCode::from(code)
 }

@@ -37,7 +37,8 @@ fn is_glob(path: &str) -> bool {
     path.contains(['*', '?', '['])
 }
 
-fn folder_files(dir: &Path, extension: &str) -> Result<Vec<PathBuf>> {
+/// The files of `dir` ending in `.{extension}`, sorted; never empty.
+pub fn folder_files(dir: &Path, extension: &str) -> Result<Vec<PathBuf>> {
     let entries = std::fs::read_dir(dir)
         .map_err(|e| files_error(dir, format!("cannot list the folder: {e}")))?;
     let mut files = Vec::new();

@@ -163,9 +163,26 @@ impl ShardWriter {
         Ok(())
     }
 
-    /// Close the last shard and write `info.json`; its contents are returned.
+    /// Remove the shards written so far (after a failure: a partial folder would read as a
+    /// shorter stream); the folder goes too when nothing else is in it.
+    pub fn discard(mut self) {
+        self.current = None;
+        for shard in &self.shards {
+            let _ = std::fs::remove_file(self.dir.join(&shard.file));
+        }
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+
+    /// Close the last shard and write `info.json`; its contents are returned. A stream of no
+    /// tokens is an error (there would be nothing to read).
     pub fn finish(mut self, tokenizer: &Tokenizer, documents: u64) -> Result<ShardInfo> {
         self.close()?;
+        if self.shards.is_empty() {
+            return Err(shard_error(
+                &self.dir,
+                "no tokens to write: the input text is empty",
+            ));
+        }
         let info = ShardInfo {
             tokenizer: tokenizer.name().to_string(),
             vocab_size: tokenizer.vocab_size(),
@@ -233,6 +250,8 @@ mod tests {
             .map(|e| e.to_string())
             .unwrap_or_default();
         assert!(err.contains("not empty"), "{err}");
+        w.discard();
+        assert!(!dir.exists());
         assert_eq!(format_for(50_257), DataFormat::U16);
         assert_eq!(format_for(128_256), DataFormat::U32);
     }
