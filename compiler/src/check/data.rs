@@ -34,16 +34,22 @@ fn text(r: &mut Reader, args: &[Arg], span: Span) -> DataSource {
     for arg in args {
         match arg {
             Arg::Positional(e) if path.is_none() => path = Some(text_path(r, e)),
-            Arg::Positional(e) => wrong_argument(r, e.span, "`text` takes one file"),
+            Arg::Positional(e) => wrong_argument(
+                r,
+                e.span,
+                "`text` takes one path",
+                "name several files with a folder of .txt files or a glob: `text(\"corpus/*.txt\", tokenizer: gpt2)`",
+            ),
             Arg::Named(name, e) if name.name == "tokenizer" && tokenizer.is_none() => {
                 tokenizer = Some(tokenizer_arg(r, e));
             }
             Arg::Named(name, _) if name.name == "tokenizer" => {
-                wrong_argument(r, name.span, "`tokenizer` is given twice")
+                wrong_argument(r, name.span, "`tokenizer` is given twice", "keep one")
             }
             Arg::Named(name, _) => {
                 let message = format!("`text` has no argument `{}`", name.name);
-                wrong_argument(r, name.span, &message)
+                let help = suggest::help(&name.name, ["tokenizer"], TEXT_USAGE);
+                wrong_argument(r, name.span, &message, &help)
             }
         }
     }
@@ -122,11 +128,14 @@ fn tokenizer_arg(r: &mut Reader, e: &Expr) -> Tokenizer {
     }
 }
 
-fn wrong_argument(r: &mut Reader, span: Span, message: &str) {
+/// How `text` is called, for helps.
+const TEXT_USAGE: &str = "write `text(\"corpus.txt\", tokenizer: gpt2)`";
+
+fn wrong_argument(r: &mut Reader, span: Span, message: &str, help: &str) {
     r.diags.push(
         Diagnostic::error("E0207", message.to_string())
             .label(span, "not an argument of `text`")
-            .help("write `text(\"corpus.txt\", tokenizer: gpt2)`"),
+            .help(help.to_string()),
     );
 }
 
@@ -134,7 +143,9 @@ fn missing_argument(r: &mut Reader, span: Span, message: &str) {
     r.diags.push(
         Diagnostic::error("E0207", message.to_string())
             .label(span, "incomplete")
-            .help("write `text(\"corpus.txt\", tokenizer: gpt2)` (or `tokenizer: bytes`, or `tokenizer: \"tokenizer.json\"`)"),
+            .help(format!(
+                "{TEXT_USAGE} (or `tokenizer: bytes`, or `tokenizer: \"tokenizer.json\"`)"
+            )),
     );
 }
 
