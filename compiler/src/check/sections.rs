@@ -788,8 +788,10 @@ fn lr_schedule(r: &mut Reader, steps: u64) -> LrSchedule {
 }
 
 fn data(r: &mut Reader) -> DataSource {
-    if let Some(source) = super::data::call_source(r, "train.data") {
-        return source;
+    if let Some(e) = r.settings.get("train.data") {
+        if let Some(source) = super::data::call_source(&e.clone(), r.diags) {
+            return source;
+        }
     }
     match r.value("train.data") {
         None => DataSource::Synthetic,
