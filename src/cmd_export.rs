@@ -34,7 +34,8 @@ pub struct ExportArgs {
     /// What to write.
     #[arg(long, value_enum)]
     pub format: Format,
-    /// Rows of the vocabulary to keep (default: the model's vocabulary), cutting the padding.
+    /// Rows of the vocabulary to keep (default: the tokenizer's when the spec trains on text through
+    /// one, else the model's whole vocabulary), cutting the padding.
     #[arg(long, value_name = "N")]
     pub vocab: Option<u64>,
     /// The exported tensors' element type.
@@ -63,8 +64,18 @@ pub fn main(args: ExportArgs) -> u8 {
         Err(code) => return code,
     };
     let Format::Hf = args.format;
+    let vocab = match args.vocab {
+        Some(vocab) => vocab,
+        None => match hf::default_vocab(&spec, &source.dir) {
+            Ok(vocab) => vocab,
+            Err(e) => {
+                print_error(&format!("{e}; give the vocabulary to keep with --vocab N"));
+                return 2;
+            }
+        },
+    };
     let options = ExportOptions {
-        vocab: args.vocab,
+        vocab: Some(vocab),
         dtype: match args.dtype {
             Dtype::F32 => HfDtype::F32,
             Dtype::Bf16 => HfDtype::Bf16,

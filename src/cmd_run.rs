@@ -11,7 +11,7 @@ use crate::run_launch::{self, Mode};
 use crate::run_prepare::{backend_and_plan, exit_code, print_error};
 use crate::run_progress::{finish_report, LogFormat, Progress, Summary};
 use parc_compiler::ir::Plan;
-use parc_compiler::spec::{Precision, Spec};
+use parc_compiler::spec::{DataSource, Precision, Spec};
 use parc_runtime::backend::Backend;
 use parc_runtime::cpu::CpuBackend;
 use parc_runtime::exec::train;
@@ -92,6 +92,16 @@ fn run_with<B: Backend>(
             spec.train.global_batch,
             spec.model.seq
         );
+        if let DataSource::Text {
+            path, tokenizer, ..
+        } = &spec.train.data
+        {
+            eprintln!(
+                "data: {path} through the {} tokenizer, tokenized now (`parc tokenize` does it \
+                 once, ahead of runs)",
+                tokenizer.name()
+            );
+        }
     }
     if !quiet {
         crate::run_args::note_init(spec, args);

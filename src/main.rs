@@ -11,6 +11,7 @@ mod cmd_plot;
 mod cmd_run;
 mod cmd_sample;
 mod cmd_search;
+mod cmd_tokenize;
 mod diagnostics;
 mod input;
 mod metrics;
@@ -81,6 +82,8 @@ enum Command {
     Export(cmd_export::ExportArgs),
     /// Continue a prompt with a saved model, streaming the text as it comes.
     Sample(cmd_sample::SampleArgs),
+    /// Tokenize text files into a folder of u16/u32 token shards for `data = "DIR" as u16`.
+    Tokenize(cmd_tokenize::TokenizeArgs),
 }
 
 fn main() -> ExitCode {
@@ -93,6 +96,7 @@ fn main() -> ExitCode {
         Command::Plot(args) => cmd_plot::main(args),
         Command::Export(args) => cmd_export::main(args),
         Command::Sample(args) => cmd_sample::main(args),
+        Command::Tokenize(args) => cmd_tokenize::main(args),
     };
     ExitCode::from(code)
 }

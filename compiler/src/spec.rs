@@ -564,7 +564,7 @@ impl LrSchedule {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DataFormat {
     /// Raw bytes of a text file, one token per byte (vocab ≥ 256).
@@ -573,6 +573,17 @@ pub enum DataFormat {
     U16,
     /// Little-endian u32 token ids.
     U32,
+}
+
+impl DataFormat {
+    /// Its name after `as` (`bytes`, `u16`, `u32`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DataFormat::Bytes => "bytes",
+            DataFormat::U16 => "u16",
+            DataFormat::U32 => "u32",
+        }
+    }
 }
 
 /// How text becomes token ids (and ids text again, for samples).
@@ -587,13 +598,55 @@ pub enum Tokenizer {
     File { path: String },
 }
 
+impl Tokenizer {
+    /// The built-in tokenizers' names in the language (a file is written as its path string).
+    pub const NAMES: [&'static str; 2] = ["bytes", "gpt2"];
+
+    /// The built-in tokenizer named `name`.
+    pub fn from_name(name: &str) -> Option<Tokenizer> {
+        match name {
+            "bytes" => Some(Tokenizer::Bytes),
+            "gpt2" => Some(Tokenizer::Gpt2),
+            _ => None,
+        }
+    }
+
+    /// Its name in the language, or the file's path.
+    pub fn name(&self) -> &str {
+        match self {
+            Tokenizer::Bytes => "bytes",
+            Tokenizer::Gpt2 => "gpt2",
+            Tokenizer::File { path } => path,
+        }
+    }
+
+    /// Token ids are below this, when it is known without reading a file (the built-ins).
+    pub fn known_vocab(&self) -> Option<u64> {
+        match self {
+            Tokenizer::Bytes => Some(256),
+            Tokenizer::Gpt2 => Some(50_257),
+            Tokenizer::File { .. } => None,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
 pub enum DataSource {
-    /// A file path, relative to the spec file's folder.
+    /// A file, a folder of shards (its `.bin` files; `.txt` files `as bytes`) or a glob,
+    /// relative to the spec file's folder; several files are one token stream, concatenated in
+    /// sorted name order.
     File {
         path: String,
         format: DataFormat,
+        span: Span,
+    },
+    /// Text files through a tokenizer, tokenized when the run starts: `path` is a file, a
+    /// folder (its `.txt` files) or a glob, relative to the spec file's folder; each file is one
+    /// document, followed by the tokenizer's end-of-text token when it has one.
+    Text {
+        path: String,
+        tokenizer: Tokenizer,
         span: Span,
     },
     /// Uniform random tokens from the seed (benchmarks and tests).

@@ -466,6 +466,47 @@ fn every_language_feature_reaches_the_spec() {
 }
 
 #[test]
+fn text_data_names_its_tokenizer_by_word_or_file_in_either_argument_form() {
+    let spec = run(&example("tiny-gpt2-text.par"), &[]).0.unwrap();
+    assert!(matches!(
+        &spec.train.data,
+        DataSource::Text { path, tokenizer: Tokenizer::Gpt2, .. } if path == "data/tiny-shakespeare.txt"
+    ));
+    let data = |set: &str| tiny_with(&[set]).train.data;
+    let bytes = data(r#"train.data=text("a.txt", tokenizer = bytes)"#);
+    assert!(matches!(
+        bytes,
+        DataSource::Text {
+            tokenizer: Tokenizer::Bytes,
+            ..
+        }
+    ));
+    let file = data(r#"train.data=text("corpus/*.txt", tokenizer: "tok/tokenizer.json")"#);
+    let want = Tokenizer::File {
+        path: "tok/tokenizer.json".into(),
+    };
+    assert!(
+        matches!(&file, DataSource::Text { path, tokenizer, .. } if path == "corpus/*.txt" && *tokenizer == want)
+    );
+    // The model's vocab must hold a built-in tokenizer's ids (tiny.par's is 256).
+    let (_, codes) = run(
+        &example("tiny.par"),
+        &[r#"train.data=text("a.txt", tokenizer: gpt2)"#],
+    );
+    assert_eq!(codes, ["E0310"]);
+    for (set, code) in [
+        (r#"train.data=text("", tokenizer: bytes)"#, "E0903"),
+        (r#"train.data=text("a.txt", tokenizer: "")"#, "E0903"),
+        (r#"train.data=text("a.txt")"#, "E0207"),
+        (r#"train.data=text(tokenizer: bytes)"#, "E0207"),
+        (r#"train.data=text(3, tokenizer: bytes)"#, "E0902"),
+        (r#"train.data=txt("a.txt", tokenizer: bytes)"#, "E0904"),
+    ] {
+        assert_eq!(run(&example("tiny.par"), &[set]).1, [code], "{set}");
+    }
+}
+
+#[test]
 fn a_dynamic_loss_scale_must_be_positive_finite_in_f32_and_min_at_most_init() {
     let tiny = example("tiny.par");
     let fp16 = "train.precision=fp16";

@@ -399,8 +399,9 @@ impl Grid<'_> {
         }
     }
 
-    /// The data's token format must fit the vocabulary.
+    /// The data's token format, or its tokenizer, must fit the vocabulary.
     pub fn data(&mut self, e: &Elaborated, train: &Train) {
+        super::data::check_vocab(&train.data, e.model.vocab, self.diags);
         if let DataSource::File { format, span, .. } = &train.data {
             let (max, name) = match format {
                 DataFormat::Bytes => (256u64, "bytes"),

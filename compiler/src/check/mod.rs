@@ -5,9 +5,10 @@
 //! Order: parse → load `use`d stdlib modules → apply overrides to the sections → elaborate the
 //! model ([`model`]) → read `cluster`, `parallel`, `train` ([`sections`]) → cross-checks
 //! ([`grid`]: mesh vs cluster, sharding, sequence splits, pipeline layers, batch rule, schedule,
-//! placement, data) → recompute marks → the layers of each pipeline chunk
-//! (`cost::balance`: even, as given, or the cost model's split).
+//! placement, data, a text source's tokenizer ([`data`])) → recompute marks → the layers of
+//! each pipeline chunk (`cost::balance`: even, as given, or the cost model's split).
 
+mod data;
 pub mod functions;
 mod gpu;
 mod grid;

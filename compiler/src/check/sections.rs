@@ -908,6 +908,11 @@ fn lr_schedule(r: &mut Reader, steps: u64) -> LrSchedule {
 
 /// The data source written at `path` (`train.data`, `train.eval.data`).
 fn data(r: &mut Reader, path: &str) -> DataSource {
+    if let Some(e) = r.settings.get(path) {
+        if let Some(source) = super::data::call_source(&e.clone(), r.diags) {
+            return source;
+        }
+    }
     match r.value(path) {
         None => DataSource::Synthetic,
         Some(SVal::Word(w, _)) if w == "synthetic" => DataSource::Synthetic,
@@ -935,7 +940,10 @@ fn data(r: &mut Reader, path: &str) -> DataSource {
             DataSource::File { path, format, span }
         }
         Some(other) => {
-            r.wrong(&other, "`\"file\" as bytes|u16|u32` or `synthetic`");
+            r.wrong(
+                &other,
+                "`\"file\" as bytes|u16|u32`, `text(\"file\", tokenizer: gpt2)` or `synthetic`",
+            );
             DataSource::Synthetic
         }
     }

@@ -2,12 +2,19 @@
 //! the model's vocabulary and sequence length when it is opened, and cut into samples of
 //! `seq + 1` tokens (see the module header of `data`).
 //!
-//! Files are read whole into memory (the bundled examples are small; a memory-mapped reader can
+//! A source's path may name several files (a folder of shards, a glob: [`files`](super::files));
+//! their tokens are concatenated in sorted name order into one stream. Text through a tokenizer
+//! is tokenized here, when the run starts (`parc tokenize` does it once, ahead of runs). Files
+//! are read whole into memory (the bundled examples are small; a memory-mapped reader can
 //! replace `Tokens::Owned` without changing the API). Synthetic data is a pure function of the
 //! seed and the token index, so it costs no memory and is identical on every rank.
+use super::files::data_files;
+use super::shards::read_info;
+use super::text::tokenize_files;
+use super::tokenizer::Tokenizer;
 use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::op::{position_at, segments_len, Segment};
-use parc_compiler::spec::{DataFormat, DataSource};
+use parc_compiler::spec::{DataFormat, DataSource, Tokenizer as TokenizerSpec};
 use std::path::{Path, PathBuf};
 
 /// Where a dataset's tokens live.
@@ -69,21 +76,14 @@ impl Dataset {
                 name: "synthetic data".to_string(),
             }),
             DataSource::File { path, format, .. } => {
-                let file = spec_dir.join(path);
-                let bytes = std::fs::read(&file).map_err(|e| {
-                    let hint = if e.kind() == std::io::ErrorKind::NotFound {
-                        format!(
-                            "no such file (paths in `train.data` are relative to the spec's \
-                             folder {}); create it or fix the path",
-                            spec_dir.display()
-                        )
-                    } else {
-                        format!("cannot read it: {e}")
-                    };
-                    data_error(&file, hint)
-                })?;
-                let tokens = decode(&file, &bytes, *format)?;
-                Dataset::from_tokens(&file.display().to_string(), tokens, vocab, seq)
+                let tokens = read_token_files(spec_dir, path, *format, vocab)?;
+                Dataset::from_tokens(&stream_name(spec_dir, path), tokens, vocab, seq)
+            }
+            DataSource::Text {
+                path, tokenizer, ..
+            } => {
+                let tokens = read_text_files(spec_dir, path, tokenizer, vocab)?;
+                Dataset::from_tokens(&stream_name(spec_dir, path), tokens, vocab, seq)
             }
         }
     }
@@ -98,20 +98,7 @@ impl Dataset {
                 "the file is empty; it must hold training tokens",
             ));
         }
-        if let Some((at, &token)) = tokens
-            .iter()
-            .enumerate()
-            .find(|(_, &t)| u64::from(t) >= vocab)
-        {
-            return Err(data_error(
-                &file,
-                format!(
-                    "token {token} at position {at} is not below the model's vocab = {vocab}; \
-                     raise `vocab` to at least {} or re-tokenize the data",
-                    u64::from(token) + 1
-                ),
-            ));
-        }
+        check_ids(&file, &tokens, vocab)?;
         let len = tokens.len() as u64;
         if seq == 0 || len < seq + 1 {
             return Err(data_error(
@@ -165,6 +152,100 @@ impl Dataset {
     pub fn sample_token(&self, sample: u64, offset: u64) -> u32 {
         self.token(sample * self.seq + offset)
     }
+}
+
+/// What errors call a source's stream: its path under the spec's folder.
+fn stream_name(spec_dir: &Path, path: &str) -> String {
+    spec_dir.join(path).display().to_string()
+}
+
+/// Every id of `file`'s tokens is below `vocab`, or an error naming the first that is not.
+fn check_ids(file: &Path, tokens: &[u32], vocab: u64) -> Result<()> {
+    match tokens
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| u64::from(t) >= vocab)
+    {
+        Some((at, &token)) => Err(data_error(
+            file,
+            format!(
+                "token {token} at position {at} is not below the model's vocab = {vocab}; \
+                 raise `vocab` to at least {} or re-tokenize the data",
+                u64::from(token) + 1
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// The tokens of the files `path` names (`.bin` shards of a folder, or `.txt` files read `as
+/// bytes`), concatenated in name order; each file's ids are checked against `vocab` so an error
+/// names the file. A folder's `info.json` (from `parc tokenize`) must agree with `format`.
+fn read_token_files(
+    spec_dir: &Path,
+    path: &str,
+    format: DataFormat,
+    vocab: u64,
+) -> Result<Vec<u32>> {
+    let extension = if format == DataFormat::Bytes {
+        "txt"
+    } else {
+        "bin"
+    };
+    let files = data_files(spec_dir, path, extension)?;
+    check_shard_format(&spec_dir.join(path), format)?;
+    let mut tokens = Vec::new();
+    for file in &files {
+        let bytes =
+            std::fs::read(file).map_err(|e| data_error(file, format!("cannot read it: {e}")))?;
+        let ids = decode(file, &bytes, format)?;
+        check_ids(file, &ids, vocab)?;
+        tokens.extend(ids);
+    }
+    Ok(tokens)
+}
+
+/// A shard folder written for another id width is refused: read as the wrong width, its bytes
+/// would be other tokens.
+fn check_shard_format(dir: &Path, format: DataFormat) -> Result<()> {
+    if !dir.is_dir() {
+        return Ok(());
+    }
+    match read_info(dir)? {
+        Some(info) if info.dtype != format => {
+            let (wrote, asked) = (info.dtype.name(), format.name());
+            Err(data_error(
+                dir,
+                format!(
+                    "its info.json says the shards hold {wrote} token ids, but `train.data` \
+                     reads them `as {asked}`; write `as {wrote}`"
+                ),
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The tokens of the text files `path` names, one document per file, through the tokenizer;
+/// the tokenizer's ids must fit the model's `vocab`.
+fn read_text_files(
+    spec_dir: &Path,
+    path: &str,
+    tokenizer: &TokenizerSpec,
+    vocab: u64,
+) -> Result<Vec<u32>> {
+    let files = data_files(spec_dir, path, "txt")?;
+    let tokenizer = Tokenizer::open(tokenizer, spec_dir)?;
+    let size = tokenizer.vocab_size();
+    if size > vocab {
+        return Err(RuntimeError::Data(format!(
+            "tokenizer {} has {size} tokens, more than the model's vocab = {vocab}; set `let \
+             vocab = {}` in the model (its size rounded up to a multiple of 64)",
+            tokenizer.name(),
+            size.div_ceil(64) * 64
+        )));
+    }
+    tokenize_files(&tokenizer, &files)
 }
 
 /// Decode a file's bytes in `format`, or say why they are malformed.
@@ -244,6 +325,7 @@ pub fn fill_microbatch(
 
 #[cfg(test)]
 mod tests {
+    use super::super::shards::ShardWriter;
     use super::*;
     use parc_compiler::diag::Span;
 
@@ -358,6 +440,74 @@ mod tests {
             let err = open_err(contents, name, format, 256, seq);
             assert!(says.iter().all(|s| err.contains(s)), "{err}");
         }
+    }
+
+    fn text_source(path: &str, tokenizer: TokenizerSpec) -> DataSource {
+        DataSource::Text {
+            path: path.to_string(),
+            tokenizer,
+            span: Span::default(),
+        }
+    }
+
+    fn stream(d: &Dataset) -> Vec<u32> {
+        (0..d.token_count()).map(|i| d.token(i)).collect()
+    }
+
+    #[test]
+    fn text_is_tokenized_one_document_per_file_in_name_order() {
+        let (dir, _) = temp_file("b.txt", b"Hello");
+        std::fs::write(dir.join("a.txt"), b"Hello world").unwrap();
+        let gpt2 = |path| {
+            Dataset::open(
+                &text_source(path, TokenizerSpec::Gpt2),
+                &dir,
+                50304,
+                2,
+                0,
+                0,
+            )
+        };
+        assert_eq!(stream(&gpt2("a.txt").unwrap()), [15496, 995, 50256]);
+        let both = [15496, 995, 50256, 15496, 50256];
+        assert_eq!(stream(&gpt2(".").unwrap()), both);
+        assert_eq!(stream(&gpt2("*.txt").unwrap()), both);
+        let small = Dataset::open(
+            &text_source("a.txt", TokenizerSpec::Gpt2),
+            &dir,
+            50000,
+            2,
+            0,
+            0,
+        );
+        let err = small.unwrap_err().to_string();
+        assert!(
+            err.contains("50257") && err.contains("let vocab = 50304"),
+            "{err}"
+        );
+        let json = TokenizerSpec::File {
+            path: "missing/tokenizer.json".into(),
+        };
+        let err = Dataset::open(&text_source("a.txt", json), &dir, 50304, 2, 0, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("missing/tokenizer.json"), "{err}");
+    }
+
+    #[test]
+    fn a_shard_folder_is_one_stream_and_its_info_must_match_the_width() {
+        let dir = std::env::temp_dir().join(format!("parc-data-{}-shards", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut w = ShardWriter::create(&dir.join("tok"), DataFormat::U16, 3).unwrap();
+        w.push(&[1, 2, 3, 4, 5, 6, 7]).unwrap();
+        w.finish(&Tokenizer::gpt2(), 1).unwrap();
+        let open = |format| Dataset::open(&file_source("tok", format), &dir, 50304, 2, 0, 0);
+        assert_eq!(
+            stream(&open(DataFormat::U16).unwrap()),
+            [1, 2, 3, 4, 5, 6, 7]
+        );
+        let err = open(DataFormat::U32).unwrap_err().to_string();
+        assert!(err.contains("info.json") && err.contains("as u16"), "{err}");
     }
 
     #[test]

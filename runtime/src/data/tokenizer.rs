@@ -11,6 +11,7 @@
 //! printed as they come.
 use crate::error::{Result, RuntimeError};
 use parc_compiler::spec::Tokenizer as TokenizerSpec;
+use rayon::prelude::*;
 use std::path::Path;
 
 /// GPT-2's `<|endoftext|>` id.
@@ -84,8 +85,10 @@ impl Tokenizer {
                  spec's folder), or use `tokenizer: gpt2` or `tokenizer: bytes`",
             ));
         }
-        let hf = tokenizers::Tokenizer::from_file(path)
+        let mut hf = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| tokenizer_error(&name, format!("not a readable tokenizer.json: {e}")))?;
+        // Special tokens written in the text are text, as for GPT-2 (`encode`).
+        hf.set_encode_special_tokens(true);
         Ok(Tokenizer {
             kind: Kind::Hf(Box::new(hf)),
             name,
@@ -117,14 +120,37 @@ impl Tokenizer {
 
     /// The ids of `text`, without special tokens (`<|endoftext|>` in the text is ordinary text).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        match &self.kind {
-            Kind::Bytes => Ok(text.bytes().map(u32::from).collect()),
-            Kind::Gpt2(bpe) => Ok(bpe.encode_ordinary(text)),
+        self.encode_with_progress(text, &|_| {})
+    }
+
+    /// The ids of `text` as [`Tokenizer::encode`] gives them, calling `progress` with the bytes
+    /// of text done as parts of it finish. GPT-2's BPE encodes a long text in pieces, in
+    /// parallel, cut where its pre-tokenizer always cuts ([`gpt2_pieces`]): the same ids.
+    pub fn encode_with_progress(
+        &self,
+        text: &str,
+        progress: &(dyn Fn(usize) + Sync),
+    ) -> Result<Vec<u32>> {
+        let ids = match &self.kind {
+            Kind::Bytes => text.bytes().map(u32::from).collect(),
+            Kind::Gpt2(bpe) => {
+                let parts: Vec<Vec<u32>> = gpt2_pieces(text, GPT2_PIECE_BYTES)
+                    .par_iter()
+                    .map(|piece| {
+                        let ids = bpe.encode_ordinary(piece);
+                        progress(piece.len());
+                        ids
+                    })
+                    .collect();
+                return Ok(parts.concat());
+            }
             Kind::Hf(t) => t
                 .encode(text, false)
                 .map(|e| e.get_ids().to_vec())
-                .map_err(|e| tokenizer_error(&self.name, format!("cannot encode: {e}"))),
-        }
+                .map_err(|e| tokenizer_error(&self.name, format!("cannot encode: {e}")))?,
+        };
+        progress(text.len());
+        Ok(ids)
     }
 
     /// The text of `ids`; an incomplete UTF-8 sequence becomes U+FFFD.
@@ -155,6 +181,44 @@ impl Tokenizer {
             None => Ok(()),
         }
     }
+}
+
+/// Bytes of text GPT-2's BPE encodes as one piece of a long text.
+const GPT2_PIECE_BYTES: usize = 1 << 20;
+
+/// `text` cut into pieces of at least `size` bytes (the last may be shorter), each cut just
+/// after a newline with a non-whitespace character on both sides (`a\nb`). GPT-2's
+/// pre-tokenizer (`'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s`)
+/// always cuts on both sides of such a newline, which is a piece of its own whether text follows
+/// it or not, and its patterns look at nothing before where they start: so the pieces' ids,
+/// concatenated, are the ids of the whole text.
+fn gpt2_pieces(text: &str, size: usize) -> Vec<&str> {
+    let mut pieces = Vec::new();
+    let mut rest = text;
+    while rest.len() > size {
+        let cut = rest.as_bytes()[size..]
+            .iter()
+            .enumerate()
+            .filter(|(_, &b)| b == b'\n')
+            .map(|(i, _)| size + i)
+            .find(|&i| newline_between_words(rest, i));
+        let Some(at) = cut else { break };
+        let (piece, tail) = rest.split_at(at + 1);
+        pieces.push(piece);
+        rest = tail;
+    }
+    pieces.push(rest);
+    pieces
+}
+
+/// Whether the newline at byte `i` of `text` has a non-whitespace character on both sides.
+fn newline_between_words(text: &str, i: usize) -> bool {
+    let (before, after) = (&text[..i], &text[i + 1..]);
+    before
+        .chars()
+        .next_back()
+        .is_some_and(|c| !c.is_whitespace())
+        && after.chars().next().is_some_and(|c| !c.is_whitespace())
 }
 
 /// Byte tokens as bytes (ids are below 256 once checked).
@@ -222,6 +286,76 @@ mod tests {
             !ids.contains(&50256),
             "special tokens are not parsed from text"
         );
+    }
+
+    /// Keep in step with `GPT2_SAMPLE` in tests/data/make_tokenizer_data.py.
+    const GPT2_SAMPLE: &str =
+        "First Citizen:\nBefore we proceed any further, hear me speak.\n\n\n  \
+        It's 2024; they'll say   \"naïve café\" costs $3.50 — 東京 🚀!\t<|endoftext|> end \n";
+
+    #[test]
+    fn gpt2_matches_transformers_gpt2_tokenizer_fast() {
+        // transformers' GPT2TokenizerFast on GPT2_SAMPLE (tests/data/make_tokenizer_data.py;
+        // its literal `<|endoftext|>` encoded as text).
+        let expected = [
+            5962, 22307, 25, 198, 8421, 356, 5120, 597, 2252, 11, 3285, 502, 2740, 13, 628, 198,
+            220, 632, 338, 48609, 26, 484, 1183, 910, 220, 220, 366, 2616, 38776, 40304, 1, 3484,
+            720, 18, 13, 1120, 851, 10545, 251, 109, 12859, 105, 12520, 248, 222, 0, 197, 27, 91,
+            437, 1659, 5239, 91, 29, 886, 220, 198,
+        ];
+        let t = Tokenizer::gpt2();
+        let ids = t.encode(GPT2_SAMPLE).unwrap();
+        assert_eq!(ids, expected);
+        assert_eq!(t.decode(&ids).unwrap(), GPT2_SAMPLE);
+    }
+
+    #[test]
+    fn a_tokenizer_json_encodes_decodes_and_ends_documents() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/data/tiny-tokenizer.json"
+        );
+        let t = Tokenizer::from_file(Path::new(path)).unwrap();
+        assert_eq!((t.vocab_size(), t.end_of_text()), (320, Some(0)));
+        // The ids the Python `tokenizers` library gives (tests/data/make_tokenizer_data.py).
+        let sample = "First Citizen:\nYou are all resolved rather to die than to famish?";
+        let expected = [
+            38, 299, 302, 221, 35, 271, 73, 90, 276, 26, 199, 57, 259, 260, 264, 260, 274, 221,
+            264, 83, 79, 76, 297, 68, 221, 82, 296, 258, 82, 288, 291, 73, 69, 257, 266, 78, 288,
+            275, 65, 77, 279, 72, 31,
+        ];
+        let ids = t.encode(sample).unwrap();
+        assert_eq!(ids, expected);
+        assert_eq!(t.decode(&ids).unwrap(), sample);
+        let special = t.encode("a<|endoftext|>b").unwrap();
+        assert!(
+            !special.contains(&0),
+            "special tokens in text are text: {special:?}"
+        );
+        let err = t.decode(&[320]).unwrap_err().to_string();
+        assert!(err.contains("320"), "{err}");
+    }
+
+    #[test]
+    fn gpt2_encodes_a_long_text_in_pieces_to_the_same_ids() {
+        let text = include_str!("../../../examples/data/tiny-shakespeare.txt");
+        let text = format!("{text} \u{3000}\nX\r\nY  \n\nZ\u{a0}\na\nb");
+        let bpe = tiktoken_rs::r50k_base_singleton();
+        let whole = bpe.encode_ordinary(&text);
+        for size in [1, 7, 1000, 40_000] {
+            let pieces = gpt2_pieces(&text, size);
+            assert_eq!(pieces.concat(), text);
+            assert!(pieces.len() > 1);
+            let ids: Vec<u32> = pieces.iter().flat_map(|p| bpe.encode_ordinary(p)).collect();
+            assert_eq!(ids, whole, "pieces of {size} bytes");
+        }
+        let done = std::sync::atomic::AtomicUsize::new(0);
+        let add = |n| {
+            done.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+        };
+        let t = Tokenizer::gpt2();
+        assert_eq!(t.encode_with_progress(&text, &add).unwrap(), whole);
+        assert_eq!(done.into_inner(), text.len());
     }
 
     #[test]

@@ -5,14 +5,16 @@ use crate::data::Tokenizer;
 use crate::error::{Result, RuntimeError};
 use parc_compiler::spec::{DataFormat, DataSource, Model, Spec, Tokenizer as TokenizerSpec};
 
-/// The tokenizer of the spec's training text, when the spec says: byte-level text
-/// (`"file" as bytes`) is `bytes`; token-id files and synthetic data name none.
+/// The tokenizer of the spec's training text, when the spec says: `text(…, tokenizer: T)` is
+/// `T`, byte-level text (`"file" as bytes`) is `bytes`; token-id files and synthetic data name
+/// none.
 pub fn spec_tokenizer(spec: &Spec) -> Option<TokenizerSpec> {
     match &spec.train.data {
         DataSource::File {
             format: DataFormat::Bytes,
             ..
         } => Some(TokenizerSpec::Bytes),
+        DataSource::Text { tokenizer, .. } => Some(tokenizer.clone()),
         _ => None,
     }
 }

@@ -6,7 +6,8 @@ use super::family::{recognise, Family};
 use super::names::{tensor_map, HfSizes, ParamMap};
 use crate::checkpoint::ShardTensor;
 use crate::error::{Result, RuntimeError};
-use parc_compiler::spec::Spec;
+use crate::data::Tokenizer;
+use parc_compiler::spec::{DataSource, Spec};
 use safetensors::tensor::{Dtype, TensorView};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -49,7 +50,7 @@ impl HfDtype {
 /// How to export.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ExportOptions {
-    /// Rows of the vocabulary to keep (default: [`default_vocab`]).
+    /// Rows of the vocabulary to keep (default: all; the CLI's default is [`default_vocab`]).
     pub vocab: Option<u64>,
     pub dtype: HfDtype,
 }
@@ -64,10 +65,17 @@ pub struct Exported {
     pub vocab: u64,
 }
 
-/// The vocabulary an export keeps without `--vocab`: the spec's model vocabulary (padding
-/// rows included). Where the spec's data names a tokenizer, its vocabulary belongs here.
-pub fn default_vocab(spec: &Spec) -> u64 {
-    spec.model.vocab
+/// The vocabulary an export keeps without `--vocab`: the tokenizer's when the spec's data is
+/// text through one (`text(…, tokenizer: T)`, a tokenizer.json relative to `spec_dir`), so the
+/// padding rows are cut; else the model's whole vocabulary.
+pub fn default_vocab(spec: &Spec, spec_dir: &Path) -> Result<u64> {
+    match &spec.train.data {
+        DataSource::Text { tokenizer, .. } => {
+            let tokens = Tokenizer::open(tokenizer, spec_dir)?.vocab_size();
+            Ok(tokens.min(spec.model.vocab))
+        }
+        _ => Ok(spec.model.vocab),
+    }
 }
 
 fn export_error(what: impl std::fmt::Display) -> RuntimeError {
@@ -83,7 +91,7 @@ pub fn export(
     options: ExportOptions,
 ) -> Result<Exported> {
     let arch = recognise(spec)?;
-    let vocab = options.vocab.unwrap_or_else(|| default_vocab(spec));
+    let vocab = options.vocab.unwrap_or(spec.model.vocab);
     if vocab == 0 || vocab > arch.vocab {
         return Err(export_error(format!(
             "--vocab {vocab}: the model's vocabulary has {} rows; keep 1 to {} of them",

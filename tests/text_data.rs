@@ -1,0 +1,144 @@
+//! Text through a tokenizer, end to end through the binary: the bundled GPT-2 text example
+//! trains on the CPU and its loss falls; `parc tokenize`'s shards hold the stream `text(...)`
+//! tokenizes and train to the same losses; bad input (a missing text file or tokenizer.json, an
+//! unknown tokenizer, a model vocabulary smaller than the tokenizer's) is a clear error.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#[path = "cli_support/mod.rs"]
+mod cli_support;
+
+use cli_support::{json_lines, parc, parc_ok, root, stderr_of, steps};
+use parc_runtime::data::text::tokenize_files;
+use parc_runtime::data::Tokenizer;
+use std::path::PathBuf;
+use std::process::Output;
+
+const EXAMPLE: &str = "examples/tiny-gpt2-text.par";
+
+fn temp_dir(name: &str) -> PathBuf {
+    cli_support::temp_dir("text", name)
+}
+
+fn losses(out: &Output) -> Vec<f64> {
+    steps(&json_lines(out))
+        .iter()
+        .map(|v| v["loss"].as_f64().unwrap())
+        .collect()
+}
+
+fn run_example(extra: &[&str]) -> Output {
+    let mut args = vec!["run", EXAMPLE, "--log-format", "json"];
+    args.extend(extra);
+    parc_ok(&args)
+}
+
+#[test]
+fn the_gpt2_text_example_learns_and_its_shards_train_the_same() {
+    let text = run_example(&["--set", "train.steps=10"]);
+    let text_losses = losses(&text);
+    assert_eq!(text_losses.len(), 10);
+    // ln(50304) ≈ 10.83 at the start: every token equally likely.
+    assert!(
+        (text_losses[0] - 50304f64.ln()).abs() < 0.1,
+        "{text_losses:?}"
+    );
+    assert!(
+        text_losses[9] < text_losses[0] - 0.4,
+        "loss did not fall: {text_losses:?}"
+    );
+
+    let shards = temp_dir("shards").join("shakespeare");
+    let input = root().join("examples/data/tiny-shakespeare.txt");
+    let out = parc_ok(&[
+        "tokenize",
+        input.to_str().unwrap(),
+        "--tokenizer",
+        "gpt2",
+        "--out",
+        shards.to_str().unwrap(),
+        "--shard-tokens",
+        "10000",
+    ]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("in 5 u16 shards"), "{said}");
+
+    // The shards, concatenated in name order, are exactly the stream `text(...)` reads.
+    let mut stored = Vec::new();
+    for i in 0..5 {
+        let bytes = std::fs::read(shards.join(format!("shard-{i:05}.bin"))).unwrap();
+        stored.extend(
+            bytes
+                .chunks(2)
+                .map(|c| u32::from(u16::from_le_bytes([c[0], c[1]]))),
+        );
+    }
+    let tokenized = tokenize_files(&Tokenizer::gpt2(), &[input]).unwrap();
+    assert_eq!(stored, tokenized);
+    assert_eq!(
+        tokenized.last(),
+        Some(&50256),
+        "the document ends with <|endoftext|>"
+    );
+
+    let data = format!("train.data=\"{}\" as u16", shards.display());
+    let from_shards = run_example(&["--set", "train.steps=2", "--set", &data]);
+    assert_eq!(losses(&from_shards), text_losses[..2]);
+}
+
+/// `parc check` of the example with `overrides`: its exit code and stderr.
+fn check(overrides: &[&str]) -> (Option<i32>, String) {
+    let mut args = vec!["check", EXAMPLE];
+    for o in overrides {
+        args.extend(["--set", o]);
+    }
+    let out = parc(&args);
+    (out.status.code(), stderr_of(&out))
+}
+
+#[test]
+fn bad_text_input_is_a_clear_error() {
+    let (code, err) = check(&["model.vocab=50000"]);
+    assert_eq!(code, Some(1));
+    assert!(
+        err.contains("E0310") && err.contains("let vocab = 50304"),
+        "{err}"
+    );
+    let (code, err) = check(&["train.data=text(\"x.txt\", tokenizer: gpt3)"]);
+    assert_eq!(code, Some(1));
+    assert!(
+        err.contains("E0904") && err.contains("did you mean `gpt2`"),
+        "{err}"
+    );
+
+    for (data, says) in [
+        (
+            "text(\"data/absent.txt\", tokenizer: gpt2)",
+            ["absent.txt", "no such file"],
+        ),
+        (
+            "text(\"data/tiny-shakespeare.txt\", tokenizer: \"absent/tokenizer.json\")",
+            ["absent/tokenizer.json", "no such file"],
+        ),
+    ] {
+        let set = format!("train.data={data}");
+        let out = parc(&["run", EXAMPLE, "--set", &set, "--set", "train.steps=1"]);
+        assert_eq!(out.status.code(), Some(1), "{}", stderr_of(&out));
+        let err = stderr_of(&out);
+        assert!(says.iter().all(|s| err.contains(s)), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+
+    let out = parc(&[
+        "tokenize",
+        "absent.txt",
+        "--tokenizer",
+        "gpt2",
+        "--out",
+        "x",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr_of(&out).contains("absent.txt"),
+        "{}",
+        stderr_of(&out)
+    );
+}
