@@ -13,8 +13,8 @@
    within --tolerance.
 3. The logits hook: with --parc-logits (JSON {"tokens": [...], "logits": [[...], ...]}: parc's fp32
    logits for one token sequence, one row per position), compares transformers' logits on the same
-   tokens within --tolerance relative (of the largest logit). parc writes no such file yet: the
-   sampling engine (`parc sample`) adds it, and bench/hf_parity.sh passes it once it exists.
+   tokens within --tolerance relative (of the largest logit); `parc sample --dump-logits` writes
+   the file.
 
 Prints one JSON line with the numbers; exit code 0 within tolerance, 1 over it or on any warning.
 """

@@ -5,8 +5,9 @@
 #   2. transformers loads that folder with no warning (bench/hf_parity.py fails on any);
 #   3. `parc run` with `train.init = hf("…")` trains one step, and its loss equals transformers'
 #      loss on the same global batch (`--log-batches`) within 1e-5 relative.
-# The logits comparison on 64 tokens waits for parc's sampling engine: where `parc sample` can
-# write its logits (`--dump-logits FILE`), step 4 passes them to hf_parity.py --parc-logits.
+#   4. `parc sample` on the exported folder (`--spec`, `--dump-logits`) writes parc's fp32 logits
+#      of the data's first 64 tokens; transformers' logits on the same tokens equal them within
+#      1e-5 relative (of the largest logit).
 # Exit code: 0 both models within tolerance, 1 a check failed, 2 setup.
 #
 # Environment: PARC (default $CARGO_TARGET_DIR/release/parc, else target/release/parc),
@@ -50,14 +51,10 @@ for name in tiny tiny-llama tiny-qwen; do
         --set "train.init=hf(\"$out/$name-hf\")" --log-batches "$out/$name-batches.jsonl" \
         > "$out/$name-init.jsonl" 2> "$out/$name-init.stderr" || {
         echo "error: parc run from the export failed; see $out/$name-init.stderr" >&2; exit 1; }
-    logits=()
-    if "$parc" sample --help 2>/dev/null | grep -q -- --dump-logits; then
-        "$parc" sample "$out/$name-hf" --prompt "$(head -c 64 "$data")" --tokens 0 \
-            --dump-logits "$out/$name-logits.json" > /dev/null
-        logits=(--parc-logits "$out/$name-logits.json")
-    else
-        echo "logits: skipped (parc sample cannot write its logits yet)"
-    fi
+    "$parc" sample "$out/$name-hf" --spec "$spec" --prompt "$(head -c 64 "$data")" --tokens 0 \
+        --dump-logits "$out/$name-logits.json" 2> "$out/$name-logits.stderr" || {
+        echo "error: parc sample --dump-logits failed; see $out/$name-logits.stderr" >&2; exit 1; }
+    logits=(--parc-logits "$out/$name-logits.json")
     if "$python" bench/hf_parity.py --model "$out/$name-hf" --batches "$out/$name-batches.jsonl" \
         --data "$data" --format bytes --parc-log "$out/$name-init.jsonl" \
         --tolerance "$tolerance" "${logits[@]}" > "$out/result-$name.json"; then

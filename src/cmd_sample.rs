@@ -1,8 +1,10 @@
 //! `parc sample CKPT --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
 //! [--tokenizer bytes|gpt2|FILE] [--spec FILE [--set PATH=VALUE]…] [--backend auto|cpu|cuda]`:
-//! continue a prompt with a saved model (a checkpoint folder's `model.safetensors`, or the file),
-//! streaming the text to stdout as the tokens come, with a header and a summary (tokens/s) on
-//! stderr. The model's spec is the one the file records (`checkpoint::saved`), or `--spec`.
+//! continue a prompt with a saved model (a checkpoint folder's `model.safetensors`, or the file,
+//! or a Hugging Face folder with `--spec`), streaming the text to stdout as the tokens come,
+//! with a header and a summary (tokens/s) on stderr. The model's spec is the one the file
+//! records (`checkpoint::saved`), or `--spec`. `--dump-logits FILE` also writes the prompt's
+//! logits, for comparing parc's forward with another implementation's.
 //! Exit codes as `main`: 0 sampled, 1 the spec or the sampling failed, 2 usage or unreadable
 //! input.
 use crate::input::{parse_overrides, read_spec};
@@ -14,14 +16,16 @@ use parc_runtime::checkpoint::{SavedModel, SpecSource};
 use parc_runtime::cpu::CpuBackend;
 use parc_runtime::data::{StreamDecoder, Tokenizer};
 use parc_runtime::generate::{
-    encode_prompt, generate, spec_tokenizer, Engine, Generated, Limits, Sampler,
+    encode_prompt, generate, spec_tokenizer, Engine, Generated, Limits, Rows, Sampler,
 };
+use parc_runtime::hf::HfInit;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 #[derive(clap::Args, Debug)]
 pub struct SampleArgs {
-    /// A checkpoint folder (the spec's `checkpoint.dir`) or a model.safetensors file.
+    /// A checkpoint folder (the spec's `checkpoint.dir`), a model.safetensors file, or a Hugging
+    /// Face model folder (with `--spec`).
     pub checkpoint: PathBuf,
     /// The text the model continues.
     #[arg(long)]
@@ -48,6 +52,11 @@ pub struct SampleArgs {
     /// Overrides for `--spec`, as the run was given them.
     #[arg(long = "set", value_name = "PATH=VALUE", requires = "spec")]
     pub set: Vec<String>,
+    /// Write the logits of every position of the prompt (f32) to FILE as JSON
+    /// `{"tokens": [...], "logits": [[...], ...]}` before sampling; with `--tokens 0` the prompt
+    /// may fill the model's whole `seq`.
+    #[arg(long = "dump-logits", value_name = "FILE")]
+    pub dump_logits: Option<PathBuf>,
     /// Where the model runs (sampling runs on the CPU; `cuda` is not built yet).
     #[arg(long, value_enum, default_value = "auto")]
     pub backend: BackendChoice,
@@ -99,11 +108,17 @@ fn run(args: &SampleArgs) -> Result<(), Failure> {
         spec,
         tokenizer,
     } = load(args)?;
-    let prompt =
-        encode_prompt(&tokenizer, &args.prompt, &spec.model).map_err(|e| usage(e.to_string()))?;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let backend = CpuBackend::with_threads(threads).map_err(failed)?;
     let mut engine = Engine::new(&spec, &saved.params, backend).map_err(failed)?;
+    if let Some(file) = &args.dump_logits {
+        dump_logits(&mut engine, &tokenizer, &args.prompt, file)?;
+        if args.tokens == 0 {
+            return Ok(());
+        }
+    }
+    let prompt =
+        encode_prompt(&tokenizer, &args.prompt, &spec.model).map_err(|e| usage(e.to_string()))?;
     eprintln!(
         "sampling {} (step {}) from {}: a prompt of {} tokens, up to {} more, {}, tokenizer {}, \
          on the cpu",
@@ -173,16 +188,81 @@ fn summary(generated: &Generated, prompt: usize, seq: u64) -> String {
     )
 }
 
+/// The logits of every position of `prompt` as JSON in `file`; the engine is reset after.
+fn dump_logits(
+    engine: &mut Engine<CpuBackend>,
+    tokenizer: &Tokenizer,
+    prompt: &str,
+    file: &Path,
+) -> Result<(), Failure> {
+    let tokens = tokenizer.encode(prompt).map_err(|e| usage(e.to_string()))?;
+    if tokens.is_empty() || tokens.len() as u64 > engine.seq() {
+        return Err(usage(format!(
+            "--dump-logits: the prompt is {} tokens; give 1 to {} (the model's seq)",
+            tokens.len(),
+            engine.seq()
+        )));
+    }
+    let logits = engine.feed(&tokens, Rows::All).map_err(failed)?;
+    engine.reset().map_err(failed)?;
+    let rows: Vec<&[f32]> = logits.chunks(engine.vocab() as usize).collect();
+    let json = serde_json::json!({ "tokens": tokens, "logits": rows });
+    std::fs::write(file, json.to_string())
+        .map_err(|e| usage(format!("cannot write {}: {e}", file.display())))
+}
+
+/// A Hugging Face model folder (`config.json` beside its weights), not a parc model file.
+fn is_hf_folder(path: &Path) -> bool {
+    path.is_dir() && path.join("config.json").is_file()
+}
+
+/// `--spec FILE` with its `--set`s, as a recorded spec.
+fn given_spec(file: &Path, set: &[String]) -> Result<SpecSource, Failure> {
+    Ok(SpecSource {
+        file: file.display().to_string(),
+        dir: spec_folder(file),
+        text: read_spec(file).map_err(usage)?,
+        overrides: set.to_vec(),
+    })
+}
+
+/// A Hugging Face folder's weights for `--spec`'s model (its config.json checked against it),
+/// read whole as `train.init = hf(…)` reads a rank's part.
+fn load_hf(args: &SampleArgs) -> Result<Loaded, Failure> {
+    let dir = &args.checkpoint;
+    let file = args.spec.as_ref().ok_or_else(|| {
+        usage(format!(
+            "{} is a Hugging Face model folder; give the .par file of its model with `--spec FILE` (its config.json is checked against it)",
+            dir.display()
+        ))
+    })?;
+    let source = given_spec(file, &args.set)?;
+    let spec = compile(&source)?;
+    let table = parc_compiler::lower::params::build(&spec).table;
+    let weights = HfInit::open(dir, &spec, &table).map_err(failed)?;
+    let params = weights.global_params(&table).map_err(failed)?;
+    let tokenizer = tokenizer(args.tokenizer.as_deref(), &spec, &source.dir)?;
+    let saved = SavedModel {
+        path: dir.clone(),
+        step: 0,
+        source: Some(source),
+        params,
+    };
+    Ok(Loaded {
+        saved,
+        spec,
+        tokenizer,
+    })
+}
+
 /// The saved model, its spec compiled, and the tokenizer.
 fn load(args: &SampleArgs) -> Result<Loaded, Failure> {
+    if is_hf_folder(&args.checkpoint) {
+        return load_hf(args);
+    }
     let saved = SavedModel::open(&args.checkpoint).map_err(|e| usage(e.to_string()))?;
     let source = match &args.spec {
-        Some(file) => SpecSource {
-            file: file.display().to_string(),
-            dir: spec_folder(file),
-            text: read_spec(file).map_err(usage)?,
-            overrides: args.set.clone(),
-        },
+        Some(file) => given_spec(file, &args.set)?,
         None => saved.source.clone().ok_or_else(|| {
             usage(format!(
                 "{} records no spec (it was written by an older parc or another tool); give \

@@ -322,6 +322,50 @@ fn parc_sample_continues_a_prompt_from_a_checkpoint() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `--dump-logits FILE`'s logits, as rows.
+fn dumped_logits(file: &Path) -> Vec<Vec<f32>> {
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(file).unwrap()).unwrap();
+    serde_json::from_value(json["logits"].clone()).unwrap()
+}
+
+#[test]
+fn a_hugging_face_export_samples_as_its_model_file_does() {
+    let dir = cli_support::temp_dir("sample", "hf");
+    let ckpt = trained(&dir);
+    let hf = dir.join("hf");
+    parc_ok(&[
+        "export",
+        ckpt.to_str().unwrap(),
+        "--format",
+        "hf",
+        hf.to_str().unwrap(),
+    ]);
+    let dump = |from: &Path, file: &str, extra: &[&str]| {
+        let out_file = dir.join(file);
+        let mut args = vec!["sample", from.to_str().unwrap(), "--prompt", "ROMEO: what"];
+        args.extend(["--tokens", "0", "--dump-logits", out_file.to_str().unwrap()]);
+        args.extend(extra);
+        let out = parc(&args);
+        assert!(out.status.success(), "{}", stderr_of(&out));
+        assert!(stdout_of(&out).is_empty(), "--tokens 0 samples nothing");
+        dumped_logits(&out_file)
+    };
+    let native = dump(&ckpt, "native.json", &[]);
+    assert_eq!(native.len(), "ROMEO: what".len());
+    assert_eq!(native[0].len(), 256);
+    let imported = dump(&hf, "imported.json", &["--spec", "examples/tiny.par"]);
+    assert_eq!(native, imported, "the same weights give the same logits");
+
+    let out = parc(&["sample", hf.to_str().unwrap(), "--prompt", "a"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr_of(&out).contains("--spec FILE"),
+        "{}",
+        stderr_of(&out)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn bad_sample_input_is_a_clear_error() {
     let dir = cli_support::temp_dir("sample", "bad");

@@ -111,7 +111,13 @@ impl Cache {
     ) -> Result<Tensor> {
         let h = self.heads;
         let qkv_cols = h.q_cols() + 2 * h.kv_cols();
-        let qkv = weights.linear(device, self.node, x, ("wqkv", h.qkv_bias.then_some("bqkv")), qkv_cols)?;
+        let qkv = weights.linear(
+            device,
+            self.node,
+            x,
+            ("wqkv", h.qkv_bias.then_some("bqkv")),
+            qkv_cols,
+        )?;
         let [q, k, v] = self.split(device, qkv, at)?;
         for (part, cache) in [(k, self.k), (v, self.v)] {
             let op = Op::CopyRange {
@@ -141,7 +147,13 @@ impl Cache {
         device.run(&op, &[q.buf, self.k, self.v], &[o.buf, lse])?;
         device.free(lse)?;
         device.free(q.buf)?;
-        let y = weights.linear(device, self.node, o, ("wo", h.out_bias.then_some("bo")), h.dim)?;
+        let y = weights.linear(
+            device,
+            self.node,
+            o,
+            ("wo", h.out_bias.then_some("bo")),
+            h.dim,
+        )?;
         device.free(o.buf)?;
         Ok(y)
     }

@@ -9,6 +9,7 @@ use super::config::check_config;
 use super::family::recognise;
 use super::names::{tensor_map, ParamMap};
 use super::read::{readable, HfFiles, TensorAt};
+use crate::checkpoint::ShardTensor;
 use crate::error::{Result, RuntimeError};
 use crate::init::{fill_local_with, ZeroShard};
 use parc_compiler::ir::{Param, ParamId, ParamTable, TpSplit};
@@ -96,6 +97,26 @@ impl HfInit {
             files,
             params,
         })
+    }
+
+    /// Every parameter of `table` (the table [`HfInit::open`] was given) as a global tensor,
+    /// named as in parc's parameter table: the weights as one process reads them (sampling).
+    pub fn global_params(&self, table: &ParamTable) -> Result<Vec<ShardTensor>> {
+        table
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, param)| {
+                let numel = param.shape.iter().product::<u64>() as usize;
+                let mut data = vec![0.0; numel];
+                self.fill_local(&mut data, ParamId(i as u32), param, None, None)?;
+                Ok(ShardTensor {
+                    name: param.name.clone(),
+                    shape: param.shape.clone(),
+                    data,
+                })
+            })
+            .collect()
     }
 
     /// The checkpoint's folder.
