@@ -16,7 +16,7 @@ use parc_runtime::checkpoint::{SavedModel, SpecSource};
 use parc_runtime::cpu::CpuBackend;
 use parc_runtime::data::{StreamDecoder, Tokenizer};
 use parc_runtime::generate::{
-    encode_prompt, generate, spec_tokenizer, Engine, Generated, Limits, Rows, Sampler,
+    data_tokenizer, encode_prompt, generate, Engine, Generated, Limits, Rows, Sampler,
 };
 use parc_runtime::hf::HfInit;
 use std::io::Write;
@@ -232,7 +232,8 @@ fn load_hf(args: &SampleArgs) -> Result<Loaded, Failure> {
     let dir = &args.checkpoint;
     let file = args.spec.as_ref().ok_or_else(|| {
         usage(format!(
-            "{} is a Hugging Face model folder; give the .par file of its model with `--spec FILE` (its config.json is checked against it)",
+            "{} is a Hugging Face model folder; give the .par file of its model with `--spec \
+             FILE` (its config.json is checked against it)",
             dir.display()
         ))
     })?;
@@ -315,7 +316,8 @@ fn tokenizer(flag: Option<&str>, spec: &Spec, spec_dir: &Path) -> Result<Tokeniz
             Path::new("."),
         ),
         None => {
-            let kind = spec_tokenizer(spec).ok_or_else(|| {
+            let named = data_tokenizer(spec, spec_dir).map_err(|e| usage(e.to_string()))?;
+            let kind = named.ok_or_else(|| {
                 usage(
                     "the model's spec names no tokenizer (its training data is token ids); give \
                      --tokenizer gpt2, --tokenizer bytes or --tokenizer FILE (a tokenizer.json)",

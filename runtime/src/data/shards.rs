@@ -44,6 +44,16 @@ fn shard_error(path: &Path, what: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Data(format!("{}: {what}", path.display()))
 }
 
+/// How `info.json` names a tokenizer: a built-in one by its name, a tokenizer.json by its
+/// absolute path (the folder is read from other working folders later).
+fn recorded_name(tokenizer: &Tokenizer) -> String {
+    let name = tokenizer.name();
+    if parc_compiler::spec::Tokenizer::from_name(name).is_some() {
+        return name.to_string();
+    }
+    std::path::absolute(name).map_or_else(|_| name.to_string(), |p| p.display().to_string())
+}
+
 /// The id width for a vocabulary: u16 when every id fits, else u32.
 pub fn format_for(vocab_size: u64) -> DataFormat {
     if vocab_size <= 1 << 16 {
@@ -184,7 +194,7 @@ impl ShardWriter {
             ));
         }
         let info = ShardInfo {
-            tokenizer: tokenizer.name().to_string(),
+            tokenizer: recorded_name(tokenizer),
             vocab_size: tokenizer.vocab_size(),
             end_of_text: tokenizer.end_of_text(),
             dtype: self.dtype,

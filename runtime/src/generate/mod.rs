@@ -27,6 +27,6 @@ mod layer;
 
 pub use engine::{Engine, Rows};
 pub use generation::{generate, Generated, Limits, Stop};
-pub use prompt::{encode_prompt, spec_tokenizer};
+pub use prompt::{data_tokenizer, encode_prompt, spec_tokenizer};
 pub use sampler::Sampler;
 pub use training::{SampleSink, TrainingSampler};

@@ -5,7 +5,7 @@
 //! `train.seed`.
 use super::engine::Engine;
 use super::generation::{generate, Limits};
-use super::prompt::{encode_prompt, spec_tokenizer};
+use super::prompt::{data_tokenizer, encode_prompt};
 use super::sampler::Sampler;
 use crate::checkpoint::ShardTensor;
 use crate::cpu::CpuBackend;
@@ -55,12 +55,13 @@ impl TrainingSampler {
         let Some(sample) = &spec.train.sample else {
             return Ok(None);
         };
-        let kind = spec_tokenizer(spec).ok_or_else(|| {
+        let kind = data_tokenizer(spec, spec_dir)?.ok_or_else(|| {
             RuntimeError::Unsupported(
                 "train.sample needs the tokenizer of the training text, and this spec's data \
                  is token ids (or synthetic), which name none; sample from a run on text \
-                 (`data = \"file.txt\" as bytes`), or sample the saved model with `parc \
-                 sample CKPT --tokenizer …`"
+                 (`text(\"file.txt\", tokenizer: gpt2)`, `\"file.txt\" as bytes`) or on a \
+                 folder `parc tokenize` wrote, or sample the saved model with `parc sample \
+                 CKPT --tokenizer …`"
                     .to_string(),
             )
         })?;
