@@ -9,7 +9,8 @@ pub const MAX_LINE: usize = 160;
 pub const WINDOW: usize = 120;
 
 /// The shown text, and for each byte offset of the original (and its end) the offset in it.
-pub struct Shown {
+#[derive(Debug)]
+struct Shown {
     pub text: String,
     map: Vec<usize>,
 }
@@ -22,6 +23,63 @@ impl Shown {
             .or(self.map.last())
             .copied()
             .unwrap_or(0)
+    }
+}
+
+/// A file as a diagnostic shows it, for miette: the shown text, whose location header gives the
+/// column in the file's own text (not in the shown, cut or escaped, line).
+#[derive(Debug)]
+pub struct ShownSource {
+    pub name: String,
+    shown: Shown,
+    original: String,
+}
+
+impl ShownSource {
+    pub fn new(name: String, original: &str, spans: &[(usize, usize)]) -> ShownSource {
+        ShownSource {
+            name,
+            shown: shown(original, spans),
+            original: original.to_string(),
+        }
+    }
+
+    /// Where the original's byte `offset` is in the shown text.
+    pub fn offset(&self, offset: usize) -> usize {
+        self.shown.offset(offset)
+    }
+
+    /// The 0-based byte column in the original text of the shown text's byte `at`.
+    fn original_column(&self, at: usize) -> usize {
+        let offset = self.shown.map.partition_point(|&x| x < at);
+        let offset = offset.min(self.original.len());
+        let line_start = self.original[..offset].rfind('\n').map_or(0, |i| i + 1);
+        offset - line_start
+    }
+}
+
+impl miette::SourceCode for ShownSource {
+    fn read_span<'a>(
+        &'a self,
+        span: &miette::SourceSpan,
+        before: usize,
+        after: usize,
+    ) -> Result<Box<dyn miette::SpanContents<'a> + 'a>, miette::MietteError> {
+        let contents = self.shown.text.read_span(span, before, after)?;
+        // Without context lines the column is the label's: the file's own.
+        let column = if before == 0 {
+            self.original_column(span.offset())
+        } else {
+            contents.column()
+        };
+        Ok(Box::new(miette::MietteSpanContents::new_named(
+            self.name.clone(),
+            contents.data(),
+            *contents.span(),
+            contents.line(),
+            column,
+            contents.line_count(),
+        )))
     }
 }
 
@@ -44,7 +102,7 @@ pub fn escape_controls(text: &str) -> String {
 }
 
 /// `text` as shown, for labels at the byte ranges `spans`.
-pub fn shown(text: &str, spans: &[(usize, usize)]) -> Shown {
+fn shown(text: &str, spans: &[(usize, usize)]) -> Shown {
     let mut out = Shown {
         text: String::with_capacity(text.len().min(1 << 16)),
         map: vec![0; text.len() + 1],
@@ -120,6 +178,7 @@ fn window(chars: &[(usize, char)], start: usize, spans: &[(usize, usize)]) -> (u
 #[cfg(test)]
 mod tests {
     use super::*;
+    use miette::SourceCode;
 
     #[test]
     fn control_characters_are_escaped_and_labels_follow() {
@@ -134,7 +193,11 @@ mod tests {
 
     #[test]
     fn a_long_line_is_cut_around_its_label() {
-        let long = format!("x = {}1{}\nnext\n", "(".repeat(100_000), ")".repeat(100_000));
+        let long = format!(
+            "x = {}1{}\nnext\n",
+            "(".repeat(100_000),
+            ")".repeat(100_000)
+        );
         let one = long.find('1').unwrap();
         let shown = shown(&long, &[(one, one + 1)]);
         let first = shown.text.lines().next().unwrap();
@@ -147,6 +210,11 @@ mod tests {
         );
         assert!(shown.text.ends_with("…\nnext\n"));
         assert_eq!(shown.offset(long.len()), shown.text.len());
+        // The location names the file's own column.
+        let source = ShownSource::new("f".into(), &long, &[(one, one + 1)]);
+        let at = source.offset(one);
+        let contents = source.read_span(&(at, 1).into(), 0, 0).unwrap();
+        assert_eq!((contents.line(), contents.column()), (0, one));
         // A line without a label shows its start.
         let unlabelled = super::shown(&"y".repeat(500), &[]);
         assert_eq!(unlabelled.text, format!("{}…", "y".repeat(WINDOW)));

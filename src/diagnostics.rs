@@ -5,10 +5,8 @@
 //! file's with control characters escaped and long lines cut around the labels
 //! ([`crate::diag_text`]); JSON keeps the file's own positions.
 
-use miette::{
-    GraphicalReportHandler, GraphicalTheme, LabeledSpan, NamedSource, Severity as MSeverity,
-};
-use crate::diag_text::{self, escape_controls};
+use crate::diag_text::{escape_controls, ShownSource};
+use miette::{GraphicalReportHandler, GraphicalTheme, LabeledSpan, Severity as MSeverity};
 use parc_compiler::diag::{Diagnostic, FileId, Severity, Sources, Span};
 use serde_json::{json, Value};
 use std::fmt;
@@ -24,7 +22,7 @@ struct Report {
     severity: MSeverity,
     message: String,
     help: Option<String>,
-    source: NamedSource<String>,
+    source: ShownSource,
     labels: Vec<LabeledSpan>,
     related: Vec<Report>,
 }
@@ -67,13 +65,9 @@ impl miette::Diagnostic for Report {
 
 /// `file` as `d` shows it (see [`crate::diag_text`]): its name and shown text, and `d`'s labels
 /// that point into it, each clamped to the file's text and mapped into the shown text.
-fn file_view(
-    sources: &Sources,
-    d: &Diagnostic,
-    file: FileId,
-) -> (NamedSource<String>, Vec<LabeledSpan>) {
+fn file_view(sources: &Sources, d: &Diagnostic, file: FileId) -> (ShownSource, Vec<LabeledSpan>) {
     let Some(source) = sources.get(file) else {
-        return (NamedSource::new("<unknown>", String::new()), Vec::new());
+        return (ShownSource::new("<unknown>".into(), "", &[]), Vec::new());
     };
     let len = source.text.len();
     let spans: Vec<(usize, usize)> = (d.labels.iter())
@@ -83,7 +77,7 @@ fn file_view(
             (start, (l.span.end as usize).clamp(start, len))
         })
         .collect();
-    let shown = diag_text::shown(&source.text, &spans);
+    let shown = ShownSource::new(escape_controls(&source.name), &source.text, &spans);
     let labels = (d.labels.iter().filter(|l| l.span.file == file))
         .zip(&spans)
         .map(|(l, &(start, end))| {
@@ -91,8 +85,7 @@ fn file_view(
             LabeledSpan::new(Some(escape_controls(&l.message)), start, end - start)
         })
         .collect();
-    let name = escape_controls(&source.name);
-    (NamedSource::new(name, shown.text), labels)
+    (shown, labels)
 }
 
 fn report(sources: &Sources, d: &Diagnostic) -> Report {
@@ -121,7 +114,7 @@ fn report(sources: &Sources, d: &Diagnostic) -> Report {
             Report {
                 code: String::new(),
                 severity: MSeverity::Advice,
-                message: format!("related: {}", source.name()),
+                message: format!("related: {}", source.name),
                 help: None,
                 source,
                 labels,

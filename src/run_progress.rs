@@ -604,7 +604,10 @@ mod tests {
             reserved_bytes: None,
         };
         let human = summary.human();
-        assert!(human.contains(", 512 tok/s (after the first step)\n"), "{human}");
+        assert!(
+            human.contains(", 512 tok/s (after the first step)\n"),
+            "{human}"
+        );
         let value: serde_json::Value = serde_json::from_str(&summary.json()).unwrap();
         assert_eq!(value["tokens_per_s_after_first"], 512.0);
         assert_eq!(value["tokens_per_s"], 128.0);
@@ -612,7 +615,9 @@ mod tests {
             records: &records[..1],
             ..summary
         };
-        assert!(one.human().contains("51 tok/s (one step, warm-up included)"));
+        assert!(one
+            .human()
+            .contains("51 tok/s (one step, warm-up included)"));
         let value: serde_json::Value = serde_json::from_str(&one.json()).unwrap();
         assert!(value["tokens_per_s_after_first"].is_null());
     }
@@ -655,7 +660,13 @@ mod tests {
         assert_eq!(out.0.lock().unwrap().len(), text.len());
         // A first step sooner than the first note: nothing at all.
         let quiet = Shared::default();
-        let mut fast = Waiting::start(40, WaitSink { first_note: Duration::from_secs(5), ..sink(&quiet, true) });
+        let mut fast = Waiting::start(
+            40,
+            WaitSink {
+                first_note: Duration::from_secs(5),
+                ..sink(&quiet, true)
+            },
+        );
         assert!(!fast.stop());
         assert!(quiet.0.lock().unwrap().is_empty());
         // On a terminal the line is rewritten in place.
@@ -664,7 +675,10 @@ mod tests {
         std::thread::sleep(Duration::from_millis(60));
         assert!(spinning.stop());
         let text = String::from_utf8(terminal.0.lock().unwrap().clone()).unwrap();
-        assert!(text.starts_with("\r/ step 1/3: compiling") && !text.contains('\n'), "{text:?}");
+        assert!(
+            text.starts_with("\r/ step 1/3: compiling") && !text.contains('\n'),
+            "{text:?}"
+        );
     }
 
     #[test]
