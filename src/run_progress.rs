@@ -139,7 +139,7 @@ impl Waiting {
     /// marking done, so no status line is written after this returns.
     fn stop(&mut self) -> bool {
         let (lock, wake) = &*self.state;
-        let shown = lock.lock().map_or(false, |mut state| {
+        let shown = lock.lock().is_ok_and(|mut state| {
             state.done = true;
             state.shown
         });

@@ -2,6 +2,9 @@
 //! GPT-2's tokenizer with evaluation, samples and metrics; `parc sample` continues a prompt from
 //! the final weights; `parc export` and `parc sample` agree on a Hugging Face folder; `parc plot`
 //! draws the run from its CSV and from its TensorBoard events alone.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod cli_support;
 
 use cli_support::{json_lines, parc, parc_ok, stderr_of, steps};
