@@ -117,6 +117,7 @@ fn run_with<B: Backend>(
         spec.train.log_every,
         std::io::stderr().is_terminal(),
     );
+    progress.show_first_step();
     let on_step = |record: &parc_runtime::exec::StepRecord| {
         progress.step(record);
         if let Some(metrics) = &metrics {

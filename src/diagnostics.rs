@@ -1,11 +1,12 @@
 //! Rendering compiler diagnostics for people (miette's graphical report, fixed width, colour only
 //! on a terminal) and for programs (the JSON objects of `docs/check-json.md`). Labels in other
 //! files than the primary one (a stdlib module, a `--set` flag) are shown as related reports
-//! with their own source, so every label points into the right text.
+//! with their own source, so every label points into the right text. The text shown is the
+//! file's with control characters escaped and long lines cut around the labels
+//! ([`crate::diag_text`]); JSON keeps the file's own positions.
 
-use miette::{
-    GraphicalReportHandler, GraphicalTheme, LabeledSpan, NamedSource, Severity as MSeverity,
-};
+use crate::diag_text::{escape_controls, ShownSource};
+use miette::{GraphicalReportHandler, GraphicalTheme, LabeledSpan, Severity as MSeverity};
 use parc_compiler::diag::{Diagnostic, FileId, Severity, Sources, Span};
 use serde_json::{json, Value};
 use std::fmt;
@@ -21,7 +22,7 @@ struct Report {
     severity: MSeverity,
     message: String,
     help: Option<String>,
-    source: NamedSource<String>,
+    source: ShownSource,
     labels: Vec<LabeledSpan>,
     related: Vec<Report>,
 }
@@ -62,24 +63,29 @@ impl miette::Diagnostic for Report {
     }
 }
 
-fn source_of(sources: &Sources, file: FileId) -> NamedSource<String> {
-    match sources.get(file) {
-        Some(f) => NamedSource::new(f.name.clone(), f.text.clone()),
-        None => NamedSource::new("<unknown>", String::new()),
-    }
-}
-
-/// `d`'s labels that point into `file`, each clamped to the file's text.
-fn labels_in(sources: &Sources, d: &Diagnostic, file: FileId) -> Vec<LabeledSpan> {
-    let len = sources.get(file).map(|f| f.text.len()).unwrap_or(0);
-    (d.labels.iter())
+/// `file` as `d` shows it (see [`crate::diag_text`]): its name and shown text, and `d`'s labels
+/// that point into it, each clamped to the file's text and mapped into the shown text.
+fn file_view(sources: &Sources, d: &Diagnostic, file: FileId) -> (ShownSource, Vec<LabeledSpan>) {
+    let Some(source) = sources.get(file) else {
+        return (ShownSource::new("<unknown>".into(), "", &[]), Vec::new());
+    };
+    let len = source.text.len();
+    let spans: Vec<(usize, usize)> = (d.labels.iter())
         .filter(|l| l.span.file == file)
         .map(|l| {
             let start = (l.span.start as usize).min(len);
-            let end = (l.span.end as usize).clamp(start, len);
-            LabeledSpan::new(Some(l.message.clone()), start, end - start)
+            (start, (l.span.end as usize).clamp(start, len))
         })
-        .collect()
+        .collect();
+    let shown = ShownSource::new(escape_controls(&source.name), &source.text, &spans);
+    let labels = (d.labels.iter().filter(|l| l.span.file == file))
+        .zip(&spans)
+        .map(|(l, &(start, end))| {
+            let (start, end) = (shown.offset(start), shown.offset(end));
+            LabeledSpan::new(Some(escape_controls(&l.message)), start, end - start)
+        })
+        .collect();
+    (shown, labels)
 }
 
 fn report(sources: &Sources, d: &Diagnostic) -> Report {
@@ -94,35 +100,36 @@ fn report(sources: &Sources, d: &Diagnostic) -> Report {
             files.push(l.span.file);
         }
     }
-    let mut help = d.help.clone();
+    let mut help = d.help.as_deref().map(escape_controls);
     for n in &d.notes {
         help = Some(match help {
-            Some(h) => format!("{h}\nnote: {n}"),
-            None => format!("note: {n}"),
+            Some(h) => format!("{h}\nnote: {}", escape_controls(n)),
+            None => format!("note: {}", escape_controls(n)),
         });
     }
     let related = files
         .into_iter()
-        .map(|f| Report {
-            code: String::new(),
-            severity: MSeverity::Advice,
-            message: format!(
-                "related: {}",
-                sources.get(f).map(|s| s.name.as_str()).unwrap_or("")
-            ),
-            help: None,
-            source: source_of(sources, f),
-            labels: labels_in(sources, d, f),
-            related: Vec::new(),
+        .map(|f| {
+            let (source, labels) = file_view(sources, d, f);
+            Report {
+                code: String::new(),
+                severity: MSeverity::Advice,
+                message: format!("related: {}", source.name),
+                help: None,
+                source,
+                labels,
+                related: Vec::new(),
+            }
         })
         .collect();
+    let (source, labels) = file_view(sources, d, primary);
     Report {
         code: d.code.to_string(),
         severity,
-        message: d.message.clone(),
+        message: escape_controls(&d.message),
         help,
-        source: source_of(sources, primary),
-        labels: labels_in(sources, d, primary),
+        source,
+        labels,
         related,
     }
 }

@@ -142,6 +142,9 @@ fn train_rank(
         spec.train.log_every,
         std::io::stderr().is_terminal(),
     );
+    if is_report {
+        progress.show_first_step();
+    }
     let on_step = |record: &parc_runtime::exec::StepRecord| {
         if is_report {
             progress.step(record);

@@ -14,6 +14,12 @@
 //! `memory_reserved_bytes` is the most memory one rank's backend held, over all ranks also when
 //! each rank is its own process (null when the run does not know it); its `val_loss` and
 //! `val_ppl` are the last evaluation's (null without one).
+//! Throughput: a step's `tokens_per_s` is its own; the summary's `tokens_per_s` averages over
+//! the whole run, warm-up included, and `tokens_per_s_after_first` over the steps after the
+//! first (which compiles, times algorithms and loads data; null for a run of one step), which is
+//! the figure the human summary gives: `… 85.1k tok/s (after the first step)`.
+//! Until the first step ends, a human run says on stderr that it is still in it (see
+//! [`Waiting`]); JSON runs print nothing extra.
 //! `train.sample`'s samples: `sample at step N:` and the text on stderr, or
 //! `{"event":"sample","step":N,"text":…}` (steps done, as `step`'s).
 use crate::report::bytes;
@@ -26,6 +32,9 @@ use serde_json::json;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum LogFormat {
@@ -43,6 +52,112 @@ pub struct Progress {
     /// The first step this run reports (a resumed run starts past 0), `u64::MAX` until then:
     /// rates and the ETA count from it.
     first_step: AtomicU64,
+    /// The status line while the first step runs (human format), until a step arrives.
+    waiting: Mutex<Option<Waiting>>,
+}
+
+/// What a human run prints while its first step has not ended (compiling the plan, timing
+/// algorithms, loading data): on a terminal a line rewritten every second with a spinner and
+/// the time so far, else a line after `first_note` and then every `every`. The first step's
+/// line (or the end of the run) stops it.
+pub struct Waiting {
+    state: Arc<(Mutex<WaitState>, Condvar)>,
+    thread: Option<JoinHandle<()>>,
+}
+
+#[derive(Default)]
+struct WaitState {
+    /// A step arrived or the run ended.
+    done: bool,
+    /// A line is on a terminal, to clear if the run ends without a step.
+    shown: bool,
+}
+
+/// Where [`Waiting`] writes, and how.
+pub struct WaitSink {
+    pub out: Box<dyn Write + Send>,
+    /// Rewrite one line in place (a terminal).
+    pub in_place: bool,
+    /// The first note's delay, then the interval between notes (lines not in place).
+    pub first_note: Duration,
+    pub every: Duration,
+}
+
+const SPINNER: [char; 4] = ['|', '/', '-', '\\'];
+
+/// The status line of a run `seconds` into its first step.
+pub fn waiting_line(total_steps: u64, seconds: f64) -> String {
+    format!(
+        "step 1/{total_steps}: compiling, timing algorithms and loading data (the first step \
+         does it once)… {}",
+        format_duration(seconds)
+    )
+}
+
+impl Waiting {
+    pub fn start(total_steps: u64, mut sink: WaitSink) -> Waiting {
+        let state: Arc<(Mutex<WaitState>, Condvar)> = Arc::default();
+        let shared = Arc::clone(&state);
+        let thread = std::thread::spawn(move || {
+            let started = Instant::now();
+            let (lock, wake) = &*shared;
+            let mut next = sink.first_note;
+            let mut turn = 0;
+            loop {
+                let Ok(guard) = lock.lock() else { return };
+                let wait = next.saturating_sub(started.elapsed());
+                let Ok((mut state, _)) = wake.wait_timeout_while(guard, wait, |s| !s.done) else {
+                    return;
+                };
+                if state.done {
+                    return;
+                }
+                let line = waiting_line(total_steps, started.elapsed().as_secs_f64());
+                let _ = if sink.in_place {
+                    turn += 1;
+                    write!(sink.out, "\r{} {line}\x1b[K", SPINNER[turn % SPINNER.len()])
+                } else {
+                    writeln!(sink.out, "{line}")
+                };
+                let _ = sink.out.flush();
+                state.shown = sink.in_place;
+                next = started.elapsed()
+                    + if sink.in_place {
+                        Duration::from_secs(1)
+                    } else {
+                        sink.every
+                    };
+            }
+        });
+        Waiting {
+            state,
+            thread: Some(thread),
+        }
+    }
+
+    /// Stop: a step's line comes next (it overwrites a line in place). Holding the lock while
+    /// marking done, so no status line is written after this returns.
+    fn stop(&mut self) -> bool {
+        let (lock, wake) = &*self.state;
+        let shown = lock.lock().is_ok_and(|mut state| {
+            state.done = true;
+            state.shown
+        });
+        wake.notify_all();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        shown
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        if self.thread.is_some() && self.stop() {
+            // The run ended without a step: clear the status line for what follows.
+            eprint!("\r\x1b[K");
+        }
+    }
 }
 
 /// `h:mm:ss` or `m:ss`.
@@ -193,6 +308,34 @@ impl Summary<'_> {
         }
     }
 
+    /// Tokens per second over the steps after the first (the warm-up: compiling, timing
+    /// algorithms, loading data); `None` for a run of one step.
+    fn tokens_per_s_after_first(&self) -> Option<f64> {
+        let [first, rest @ ..] = self.records else {
+            return None;
+        };
+        let last = rest.last()?;
+        let tokens: u64 = rest.iter().map(|r| r.tokens).sum();
+        let elapsed = last.elapsed_s - first.elapsed_s;
+        Some(if elapsed > 0.0 {
+            tokens as f64 / elapsed
+        } else {
+            0.0
+        })
+    }
+
+    /// The human summary's throughput: after the first step, or the one step's with its
+    /// warm-up.
+    fn throughput_note(&self) -> String {
+        match self.tokens_per_s_after_first() {
+            Some(rate) => format!("{} tok/s (after the first step)", format_rate(rate)),
+            None => format!(
+                "{} tok/s (one step, warm-up included)",
+                format_rate(self.tokens_per_s())
+            ),
+        }
+    }
+
     pub fn json(&self) -> String {
         let first = self.records.first();
         let last = self.records.last();
@@ -204,6 +347,7 @@ impl Summary<'_> {
             "final_loss": last.map(|r| r.loss),
             "elapsed_s": last.map_or(0.0, |r| r.elapsed_s),
             "tokens_per_s": self.tokens_per_s(),
+            "tokens_per_s_after_first": self.tokens_per_s_after_first(),
             "backend": self.backend,
             "world": self.world,
             "epochs": self.epochs.iter().map(|e| json!({
@@ -244,7 +388,7 @@ impl Summary<'_> {
             .map(|e| format!("epoch {} {}/{}", e.epoch, e.seen, e.total))
             .collect();
         let mut text = format!(
-            "done: {} steps in {} on {} rank{} ({}), loss {:.4} → {:.4}, {} tok/s\n\
+            "done: {} steps in {} on {} rank{} ({}), loss {:.4} → {:.4}, {}\n\
              samples seen: {}",
             self.records.len(),
             format_duration(last.elapsed_s),
@@ -253,7 +397,7 @@ impl Summary<'_> {
             self.backend,
             first.loss,
             last.loss,
-            format_rate(self.tokens_per_s()),
+            self.throughput_note(),
             epochs.join(", ")
         );
         if let Some((step, loss)) = self.last_eval() {
@@ -288,6 +432,27 @@ impl Progress {
             log_every: log_every.max(1),
             in_place,
             first_step: AtomicU64::new(u64::MAX),
+            waiting: Mutex::new(None),
+        }
+    }
+
+    /// Say on stderr, until the first step's record arrives, that the first step is still
+    /// running (human format; see [`Waiting`]).
+    pub fn show_first_step(&self) {
+        if self.format != LogFormat::Human {
+            return;
+        }
+        let waiting = Waiting::start(
+            self.total_steps,
+            WaitSink {
+                out: Box::new(std::io::stderr()),
+                in_place: self.in_place,
+                first_note: Duration::from_secs(if self.in_place { 1 } else { 10 }),
+                every: Duration::from_secs(60),
+            },
+        );
+        if let Ok(mut slot) = self.waiting.lock() {
+            *slot = Some(waiting);
         }
     }
 
@@ -301,6 +466,11 @@ impl Progress {
             Ordering::Relaxed,
             Ordering::Relaxed,
         );
+        if let Ok(mut waiting) = self.waiting.lock() {
+            if let Some(mut waiting) = waiting.take() {
+                waiting.stop();
+            }
+        }
         let first_step = self.first_step.load(Ordering::Relaxed);
         let done = record.step + 1;
         let due = self.in_place
@@ -333,6 +503,10 @@ impl Progress {
     }
 
     pub fn finish(&self, summary: &Summary<'_>) {
+        // A run with no step: its status line is cleared (dropping it).
+        if let Ok(mut waiting) = self.waiting.lock() {
+            waiting.take();
+        }
         match self.format {
             LogFormat::Json => println!("{}", summary.json()),
             LogFormat::Human => {
@@ -414,6 +588,97 @@ mod tests {
             memory_bytes: None,
             val_loss: None,
         }
+    }
+
+    #[test]
+    fn the_closing_throughput_leaves_out_the_first_step() {
+        // The first step (compiling) took 10 s, the two after it 1 s each for 512 tokens.
+        let records = [record(0, 10.0), record(1, 11.0), record(2, 12.0)];
+        let summary = Summary {
+            records: &records,
+            epochs: &[],
+            checkpoints: &[],
+            model_export: None,
+            backend: "cpu",
+            world: 1,
+            reserved_bytes: None,
+        };
+        let human = summary.human();
+        assert!(
+            human.contains(", 512 tok/s (after the first step)\n"),
+            "{human}"
+        );
+        let value: serde_json::Value = serde_json::from_str(&summary.json()).unwrap();
+        assert_eq!(value["tokens_per_s_after_first"], 512.0);
+        assert_eq!(value["tokens_per_s"], 128.0);
+        let one = Summary {
+            records: &records[..1],
+            ..summary
+        };
+        assert!(one
+            .human()
+            .contains("51 tok/s (one step, warm-up included)"));
+        let value: serde_json::Value = serde_json::from_str(&one.json()).unwrap();
+        assert!(value["tokens_per_s_after_first"].is_null());
+    }
+
+    /// A `Write` whose bytes a test reads back.
+    #[derive(Clone, Default)]
+    struct Shared(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Shared {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn sink(out: &Shared, in_place: bool) -> WaitSink {
+        WaitSink {
+            out: Box::new(out.clone()),
+            in_place,
+            first_note: Duration::from_millis(20),
+            every: Duration::from_millis(20),
+        }
+    }
+
+    #[test]
+    fn a_long_first_step_says_so_until_it_ends() {
+        let out = Shared::default();
+        let mut waiting = Waiting::start(40, sink(&out, false));
+        std::thread::sleep(Duration::from_millis(110));
+        assert!(!waiting.stop(), "lines, not a line in place");
+        let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines.len() >= 2, "{text}");
+        assert_eq!(lines[0], waiting_line(40, 0.0));
+        // Nothing after the stop.
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(out.0.lock().unwrap().len(), text.len());
+        // A first step sooner than the first note: nothing at all.
+        let quiet = Shared::default();
+        let mut fast = Waiting::start(
+            40,
+            WaitSink {
+                first_note: Duration::from_secs(5),
+                ..sink(&quiet, true)
+            },
+        );
+        assert!(!fast.stop());
+        assert!(quiet.0.lock().unwrap().is_empty());
+        // On a terminal the line is rewritten in place.
+        let terminal = Shared::default();
+        let mut spinning = Waiting::start(3, sink(&terminal, true));
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(spinning.stop());
+        let text = String::from_utf8(terminal.0.lock().unwrap().clone()).unwrap();
+        assert!(
+            text.starts_with("\r/ step 1/3: compiling") && !text.contains('\n'),
+            "{text:?}"
+        );
     }
 
     #[test]

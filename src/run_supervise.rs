@@ -97,6 +97,7 @@ fn launch_inner(args: &RunArgs, n: u32) -> Result<u8, (u8, String)> {
             if std::env::var_os("PARC_TEST_FAULT").is_some() {
                 command.args(["-x", "PARC_TEST_FAULT"]);
             }
+            allow_root(&mut command);
             command.arg(&exe).args(&child_args);
             let child = spawn(command)
                 .map_err(|e| (1, format!("cannot start {}: {e}", mpiexec.display())))?;
@@ -132,6 +133,21 @@ fn launch_inner(args: &RunArgs, n: u32) -> Result<u8, (u8, String)> {
         }
     };
     Ok(report(outcome, &errors))
+}
+
+/// Open MPI's mpiexec refuses to start under root (as containers usually run) unless told
+/// twice that it is meant; MPICH's and other launchers ignore these `OMPI_` variables. A value
+/// the user set stays.
+fn allow_root(command: &mut Command) {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return;
+    }
+    for key in ["OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] {
+        if std::env::var_os(key).is_none() {
+            command.env(key, "1");
+        }
+    }
 }
 
 /// This command line without `--nproc-per-node` (the ranks run the same command).

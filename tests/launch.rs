@@ -44,8 +44,9 @@ fn parc(args: &[String], env: &[(&str, String)]) -> Command {
     command
         .args(args)
         .current_dir(root())
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        // The plain command: parc itself lets Open MPI's mpiexec start under root.
+        .env_remove("OMPI_ALLOW_RUN_AS_ROOT")
+        .env_remove("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
         .env_remove("PARC_TEST_FAULT");
     for (key, value) in env {
         command.env(key, value);

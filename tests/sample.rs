@@ -443,8 +443,6 @@ fn samples_of_run(parallel: &[&str], extra: &[&str]) -> Vec<(u64, String)> {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_parc"))
         .args(&args)
         .current_dir(cli_support::root())
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", stderr_of(&out));

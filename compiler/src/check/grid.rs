@@ -30,6 +30,16 @@ impl Grid<'_> {
         self.at(&format!("parallel.{}", a.name()), self.parallel_span)
     }
 
+    /// Where the mesh's size is labelled: an axis set by `--set` (its own source, the likelier
+    /// cause of a change), else the file's dp.
+    fn mesh_span(&self, mesh: &Mesh) -> Span {
+        let file = self.parallel_span.file;
+        (mesh.axes.iter())
+            .map(|(a, _)| self.axis_span(*a))
+            .find(|span| span.file != file)
+            .unwrap_or_else(|| self.axis_span(Axis::Dp))
+    }
+
     /// Mesh size against the cluster.
     pub fn mesh_vs_cluster(&mut self, mesh: &Mesh, cluster: &Cluster) {
         let world = u64::from(mesh.world());
@@ -73,7 +83,7 @@ impl Grid<'_> {
                     cluster.gpus_per_node
                 ),
             )
-            .label(self.axis_span(Axis::Dp), format!("mesh of {world} ranks"))
+            .label(self.mesh_span(mesh), format!("mesh of {world} ranks"))
             .label(cl, format!("{gpus} GPUs"))
             .help(help),
         );
