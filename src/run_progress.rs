@@ -102,7 +102,7 @@ fn scale_note(step: &LossScaleStep) -> String {
 }
 
 fn skipped(record: &StepRecord) -> bool {
-    record.loss_scale.is_some_and(|s| s.skipped)
+    record.loss_scale.is_some_and(|s| s.skipped) || record.skipped_nonfinite
 }
 
 /// A line that stays on a terminal: a skipped step's, or an evaluated one's.
@@ -147,6 +147,9 @@ pub fn human_line(record: &StepRecord, first_step: u64, total_steps: u64) -> Str
     if let Some(step) = &record.loss_scale {
         line.push_str("  ");
         line.push_str(&scale_note(step));
+    }
+    if record.skipped_nonfinite {
+        line.push_str("  skipped (non-finite gradients)");
     }
     line
 }
@@ -411,6 +414,7 @@ mod tests {
             tokens_per_s: 12_345.0,
             elapsed_s,
             loss_scale: None,
+            skipped_nonfinite: false,
             memory_bytes: None,
             val_loss: None,
         }

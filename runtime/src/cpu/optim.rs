@@ -1,8 +1,9 @@
 //! Optimizer ops: the squared-gradient-norm partial sum, the global-norm clip coefficient, and the
 //! AdamW and SGD updates (in place on the master tensor and its state). The learning rate, the
 //! 1-based step and the fp16 loss scale come from the executor's `StepScalars`: with a loss scale
-//! the clip coefficient also unscales the gradients, and is NaN for an overflowed step, which the
-//! updates then skip (parameters and state untouched).
+//! the clip coefficient also unscales the gradients. It is NaN for a step whose gradient norm is
+//! not finite (an fp16 overflow, or diverged values), which the updates then skip (parameters and
+//! state untouched).
 use super::args::{Inputs, Outputs};
 use super::par::{sum_chunks, TASK_ELEMENTS};
 use crate::backend::StepScalars;
@@ -60,8 +61,10 @@ pub(crate) fn sum_squares(g: &[f32], sumsq: &mut [f32]) {
 }
 
 /// `coef = min(1, max_norm / (√sumsq + 1e-6))`, or 1 without clipping. With a loss scale `s`:
-/// `coef = min(1, max_norm / (√sumsq / s + 1e-6)) / s` (or `1 / s`), NaN when sumsq is not
-/// finite. A power-of-two `s` makes the unscaled update bit-identical to an unscaled run's.
+/// `coef = min(1, max_norm / (√sumsq / s + 1e-6)) / s` (or `1 / s`). NaN when sumsq is not
+/// finite, with or without a loss scale: the updates skip that step (fp16's overflow, or
+/// `train.on_nonfinite`'s). A power-of-two `s` makes the unscaled update bit-identical to an
+/// unscaled run's.
 pub(crate) fn clip_coef(
     max_norm: Option<f64>,
     loss_scale: Option<f64>,
@@ -70,7 +73,7 @@ pub(crate) fn clip_coef(
 ) {
     let sumsq = f64::from(sumsq[0]);
     let scale = loss_scale.unwrap_or(1.0);
-    if loss_scale.is_some() && !sumsq.is_finite() {
+    if !sumsq.is_finite() {
         coef[0] = f32::NAN;
         return;
     }
@@ -111,7 +114,7 @@ pub(crate) fn adamw(
     );
     let coef = coef[0];
     if !coef.is_finite() {
-        // An overflowed fp16 step: skipped.
+        // A step whose gradient norm is not finite: skipped.
         return;
     }
     param
@@ -143,7 +146,7 @@ pub(crate) fn sgd(
 ) {
     let (coef, wd, lr) = (coef[0], weight_decay as f32, scalars.lr as f32);
     if !coef.is_finite() {
-        // An overflowed fp16 step: skipped.
+        // A step whose gradient norm is not finite: skipped.
         return;
     }
     match buf {
