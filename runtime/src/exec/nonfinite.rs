@@ -136,3 +136,74 @@ pub fn origin(errors: &[RuntimeError]) -> Option<usize> {
         _ => false,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::exec::loss_scale::LossScaleStep;
+
+    fn metrics(loss: f32, sumsq: f32) -> StepMetrics {
+        StepMetrics {
+            loss: Some(loss),
+            grad_sumsq: Some(sumsq),
+            loss_scale: None,
+            update_skipped: !sumsq.is_finite(),
+        }
+    }
+
+    #[test]
+    fn stop_stops_at_the_first_nonfinite_norm_and_a_finite_step_continues() {
+        let mut guard = NonFiniteGuard::new(OnNonFinite::Stop);
+        assert_eq!(guard.judge(&metrics(2.0, 4.0)), Verdict::Continue);
+        assert_eq!(guard.judge(&metrics(2.0, f32::NAN)), Verdict::Stop { rerun: true });
+        // A loss that is not finite beside a finite norm: the update was made, no re-run.
+        assert_eq!(
+            guard.judge(&metrics(f32::INFINITY, 4.0)),
+            Verdict::Stop { rerun: false }
+        );
+    }
+
+    #[test]
+    fn skip_skips_max_times_then_stops() {
+        let mut guard = NonFiniteGuard::new(OnNonFinite::Skip { max: 2 });
+        let bad = metrics(f32::NAN, f32::INFINITY);
+        assert_eq!(guard.judge(&bad), Verdict::Skipped);
+        assert_eq!(guard.judge(&metrics(2.0, 4.0)), Verdict::Continue);
+        assert_eq!(guard.judge(&bad), Verdict::Skipped);
+        assert_eq!(guard.judge(&bad), Verdict::Stop { rerun: true });
+        let text = guard.error(7, 3, &bad, None).to_string();
+        assert!(text.contains("step 8 on rank 3"), "{text}");
+        assert!(text.contains("after skipping 2 step(s)"), "{text}");
+    }
+
+    #[test]
+    fn an_fp16_overflow_is_the_loss_scalers() {
+        let mut guard = NonFiniteGuard::new(OnNonFinite::Stop);
+        let mut overflow = metrics(2.0, f32::INFINITY);
+        overflow.update_skipped = false;
+        overflow.loss_scale = Some(LossScaleStep {
+            scale: 65536.0,
+            next_scale: 32768.0,
+            skipped: true,
+        });
+        assert_eq!(guard.judge(&overflow), Verdict::Continue);
+    }
+
+    #[test]
+    fn the_origin_is_a_computed_value_not_a_received_one() {
+        let at = |origin| RuntimeError::AtInstruction {
+            rank: 1,
+            role: "train".into(),
+            index: 3,
+            instr: "matmul".into(),
+            node: None,
+            source: Box::new(RuntimeError::NonFinite {
+                message: String::new(),
+                origin,
+            }),
+        };
+        let errors = [RuntimeError::Comm("stopped because rank 1".into()), at(false), at(true)];
+        assert_eq!(origin(&errors), Some(2));
+        assert_eq!(origin(&errors[..2]), None);
+    }
+}
