@@ -210,14 +210,22 @@ mod tests {
     }
 
     #[test]
-    fn an_overflowed_sum_marks_the_step_only_under_loss_scaling() {
+    fn a_sum_that_is_not_finite_marks_the_step_with_or_without_loss_scaling() {
         for bad in [f32::INFINITY, f32::NAN] {
-            assert!(coef(None, Some(65536.0), bad).is_nan());
-            assert!(coef(Some(1.0), Some(65536.0), bad).is_nan());
+            for (max_norm, loss_scale) in [
+                (None, Some(65536.0)),
+                (Some(1.0), Some(65536.0)),
+                (None, None),
+                (Some(1.0), None),
+            ] {
+                assert!(
+                    coef(max_norm, loss_scale, bad).is_nan(),
+                    "{max_norm:?} {loss_scale:?}"
+                );
+            }
         }
-        // Without a loss scale the coefficient stays finite (as before fp16 existed).
-        assert_eq!(coef(None, None, f32::INFINITY), 1.0);
-        assert!(coef(Some(1.0), None, f32::INFINITY).is_finite());
+        // A finite sum without clipping or scaling: exactly 1, as before.
+        assert_eq!(coef(None, None, 1e30).to_bits(), 1.0f32.to_bits());
     }
 
     #[test]

@@ -155,7 +155,10 @@ mod tests {
     fn stop_stops_at_the_first_nonfinite_norm_and_a_finite_step_continues() {
         let mut guard = NonFiniteGuard::new(OnNonFinite::Stop);
         assert_eq!(guard.judge(&metrics(2.0, 4.0)), Verdict::Continue);
-        assert_eq!(guard.judge(&metrics(2.0, f32::NAN)), Verdict::Stop { rerun: true });
+        assert_eq!(
+            guard.judge(&metrics(2.0, f32::NAN)),
+            Verdict::Stop { rerun: true }
+        );
         // A loss that is not finite beside a finite norm: the update was made, no re-run.
         assert_eq!(
             guard.judge(&metrics(f32::INFINITY, 4.0)),
@@ -202,7 +205,11 @@ mod tests {
                 origin,
             }),
         };
-        let errors = [RuntimeError::Comm("stopped because rank 1".into()), at(false), at(true)];
+        let errors = [
+            RuntimeError::Comm("stopped because rank 1".into()),
+            at(false),
+            at(true),
+        ];
         assert_eq!(origin(&errors), Some(2));
         assert_eq!(origin(&errors[..2]), None);
     }
