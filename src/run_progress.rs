@@ -232,7 +232,8 @@ impl Summary<'_> {
             .find_map(|r| Some((r.step + 1, r.val_loss?)))
     }
 
-    /// Steps whose update was skipped because their gradients overflowed (fp16).
+    /// Steps whose update was skipped because their gradients overflowed (fp16) or were not
+    /// finite (`train.on_nonfinite = skip { … }`).
     fn skipped_steps(&self) -> usize {
         self.records.iter().filter(|r| skipped(r)).count()
     }
@@ -270,6 +271,13 @@ impl Summary<'_> {
                 "\nfp16 loss scale: {} at the end; {} of {} steps skipped (overflow)",
                 format_scale(scale.next_scale),
                 self.skipped_steps(),
+                self.records.len()
+            ));
+        }
+        let nonfinite = self.records.iter().filter(|r| r.skipped_nonfinite).count();
+        if nonfinite > 0 {
+            text.push_str(&format!(
+                "\n{nonfinite} of {} steps skipped (non-finite gradients, train.on_nonfinite)",
                 self.records.len()
             ));
         }
