@@ -591,7 +591,13 @@ impl RunContext<'_> {
             let verdict = guard.judge(&metrics);
             if let Verdict::Stop { rerun } = verdict {
                 let found = if rerun {
-                    exec.first_nonfinite(step, lr)?
+                    let found = exec.first_nonfinite(step, lr)?;
+                    // No rank stops (and aborts the others) before all have re-run the step:
+                    // each error names what its own rank found. A failed barrier changes
+                    // nothing in what this rank reports.
+                    let world: Vec<u32> = (0..self.plan.world).collect();
+                    let _ = exec.comm().barrier(&world);
+                    found
                 } else {
                     None
                 };
