@@ -70,7 +70,7 @@ fn skip_skips_at_most_max_steps_then_stops() {
 #[test]
 fn a_normal_run_keeps_its_losses_under_either_setting() {
     // The losses of main before `on_nonfinite` existed, as f32 values.
-    const LOSSES: [f32; 4] = [5.532_305_7, 5.497_279_2, 5.407_58, 5.308_406_4];
+    const LOSSES: [f32; 4] = [5.532_305_7, 5.497_279, 5.407_58, 5.308_406_4];
     for setting in [
         "train.on_nonfinite=stop",
         "train.on_nonfinite=skip { max: 3 }",
