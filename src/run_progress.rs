@@ -574,4 +574,32 @@ mod tests {
             .contains("fp16 loss scale: 32768 at the end; 1 of 2 steps skipped (overflow)"));
         assert_eq!(format_scale(2f64.powi(120)), "1.329e36");
     }
+
+    #[test]
+    fn steps_skipped_for_non_finite_gradients_are_shown_and_counted() {
+        let mut skipped = record(1, 1.0);
+        skipped.grad_norm = f32::NAN;
+        skipped.skipped_nonfinite = true;
+        let line = human_line(&skipped, 0, 200);
+        assert!(line.ends_with("  skipped (non-finite gradients)"), "{line}");
+        let value: serde_json::Value = serde_json::from_str(&json_line(&skipped)).unwrap();
+        assert_eq!(value["skipped"], true);
+        let records = [record(0, 0.5), skipped];
+        let summary = Summary {
+            records: &records,
+            epochs: &[],
+            checkpoints: &[],
+            model_export: None,
+            backend: "cpu",
+            world: 1,
+            reserved_bytes: None,
+        };
+        let value: serde_json::Value = serde_json::from_str(&summary.json()).unwrap();
+        assert_eq!(value["skipped_steps"], 1);
+        let human = summary.human();
+        assert!(
+            human.contains("1 of 2 steps skipped (non-finite gradients, train.on_nonfinite)"),
+            "{human}"
+        );
+    }
 }
