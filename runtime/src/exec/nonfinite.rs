@@ -82,8 +82,16 @@ impl NonFiniteGuard {
             }
             OnNonFinite::Stop => String::new(),
         };
-        let advice = "lower the learning rate or clip gradients (train.grad_clip), or let \
-                      `train.on_nonfinite = skip { max: N }` skip such steps";
+        let advice = match self.policy {
+            OnNonFinite::Stop => {
+                "lower the learning rate or clip gradients (train.grad_clip), or let \
+                 `train.on_nonfinite = skip { max: N }` skip such steps"
+            }
+            OnNonFinite::Skip { .. } => {
+                "lower the learning rate or clip gradients (train.grad_clip), or raise \
+                 `max` to skip more steps"
+            }
+        };
         if !metrics.update_skipped {
             return RuntimeError::NonFinite {
                 message: format!(
@@ -177,6 +185,7 @@ mod tests {
         let text = guard.error(7, 3, &bad, None).to_string();
         assert!(text.contains("step 8 on rank 3"), "{text}");
         assert!(text.contains("after skipping 2 step(s)"), "{text}");
+        assert!(text.contains("raise `max`"), "{text}");
     }
 
     #[test]
