@@ -217,7 +217,7 @@ fn scale_note(step: &LossScaleStep) -> String {
 }
 
 fn skipped(record: &StepRecord) -> bool {
-    record.loss_scale.is_some_and(|s| s.skipped)
+    record.loss_scale.is_some_and(|s| s.skipped) || record.skipped_nonfinite
 }
 
 /// A line that stays on a terminal: a skipped step's, or an evaluated one's.
@@ -262,6 +262,9 @@ pub fn human_line(record: &StepRecord, first_step: u64, total_steps: u64) -> Str
     if let Some(step) = &record.loss_scale {
         line.push_str("  ");
         line.push_str(&scale_note(step));
+    }
+    if record.skipped_nonfinite {
+        line.push_str("  skipped (non-finite gradients)");
     }
     line
 }
@@ -373,7 +376,8 @@ impl Summary<'_> {
             .find_map(|r| Some((r.step + 1, r.val_loss?)))
     }
 
-    /// Steps whose update was skipped because their gradients overflowed (fp16).
+    /// Steps whose update was skipped because their gradients overflowed (fp16) or were not
+    /// finite (`train.on_nonfinite = skip { … }`).
     fn skipped_steps(&self) -> usize {
         self.records.iter().filter(|r| skipped(r)).count()
     }
@@ -411,6 +415,13 @@ impl Summary<'_> {
                 "\nfp16 loss scale: {} at the end; {} of {} steps skipped (overflow)",
                 format_scale(scale.next_scale),
                 self.skipped_steps(),
+                self.records.len()
+            ));
+        }
+        let nonfinite = self.records.iter().filter(|r| r.skipped_nonfinite).count();
+        if nonfinite > 0 {
+            text.push_str(&format!(
+                "\n{nonfinite} of {} steps skipped (non-finite gradients, train.on_nonfinite)",
                 self.records.len()
             ));
         }
@@ -585,6 +596,7 @@ mod tests {
             tokens_per_s: 12_345.0,
             elapsed_s,
             loss_scale: None,
+            skipped_nonfinite: false,
             memory_bytes: None,
             val_loss: None,
         }
@@ -826,5 +838,33 @@ mod tests {
             .human()
             .contains("fp16 loss scale: 32768 at the end; 1 of 2 steps skipped (overflow)"));
         assert_eq!(format_scale(2f64.powi(120)), "1.329e36");
+    }
+
+    #[test]
+    fn steps_skipped_for_non_finite_gradients_are_shown_and_counted() {
+        let mut skipped = record(1, 1.0);
+        skipped.grad_norm = f32::NAN;
+        skipped.skipped_nonfinite = true;
+        let line = human_line(&skipped, 0, 200);
+        assert!(line.ends_with("  skipped (non-finite gradients)"), "{line}");
+        let value: serde_json::Value = serde_json::from_str(&json_line(&skipped)).unwrap();
+        assert_eq!(value["skipped"], true);
+        let records = [record(0, 0.5), skipped];
+        let summary = Summary {
+            records: &records,
+            epochs: &[],
+            checkpoints: &[],
+            model_export: None,
+            backend: "cpu",
+            world: 1,
+            reserved_bytes: None,
+        };
+        let value: serde_json::Value = serde_json::from_str(&summary.json()).unwrap();
+        assert_eq!(value["skipped_steps"], 1);
+        let human = summary.human();
+        assert!(
+            human.contains("1 of 2 steps skipped (non-finite gradients, train.on_nonfinite)"),
+            "{human}"
+        );
     }
 }

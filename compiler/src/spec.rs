@@ -714,7 +714,23 @@ pub struct Train {
     pub eval: Option<Eval>,
     /// Print a sample from the model while it trains (`train.sample`).
     pub sample: Option<Sampling>,
+    /// What a step whose loss or global gradient norm is not finite does
+    /// (`train.on_nonfinite`; fp16's overflow skipping is the loss scaler's, not this).
+    pub on_nonfinite: OnNonFinite,
     pub span: Span,
+}
+
+/// `train.on_nonfinite = stop | skip { max: N }`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum OnNonFinite {
+    /// End the run with an error naming the step, the rank and the first op whose output was
+    /// not finite (the default).
+    #[default]
+    Stop,
+    /// Leave parameters and optimizer state as they were, at most `max` times in the run;
+    /// the next such step stops it.
+    Skip { max: u64 },
 }
 
 /// `train.sample = { every: N, prompt: "…", tokens: 64 }`: every `every` steps, the model

@@ -7,8 +7,8 @@
 use crate::diag::Span;
 use crate::ir::op::Act;
 use crate::spec::{
-    Activation, DataSource, InitFrom, LayerKind, LrSchedule, Model, Node, NodeId, Optimizer,
-    Precision, Recompute, Rope, Shape, Sharding, Train, Value, ValueId,
+    Activation, DataSource, InitFrom, LayerKind, LrSchedule, Model, Node, NodeId, OnNonFinite,
+    Optimizer, Precision, Recompute, Rope, Shape, Sharding, Train, Value, ValueId,
 };
 
 /// A decoder's sizes and style.
@@ -247,6 +247,7 @@ pub fn train(
         log_every: 1,
         eval: None,
         sample: None,
+        on_nonfinite: OnNonFinite::Stop,
         span: Span::default(),
     }
 }

@@ -25,6 +25,10 @@ pub enum RuntimeError {
         node: Option<parc_compiler::spec::NodeId>,
         source: Box<RuntimeError>,
     },
+    /// A step's loss or global gradient norm was not finite (`train.on_nonfinite`); `origin`:
+    /// the message names the instruction that computed the first such value.
+    #[error("non-finite values: {message}")]
+    NonFinite { message: String, origin: bool },
     /// Data files: missing, malformed, too short.
     #[error("data: {0}")]
     Data(String),

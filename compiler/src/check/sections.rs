@@ -572,6 +572,7 @@ pub fn train(r: &mut Reader, span: Span, gpu_is_cpu: bool) -> Option<Train> {
     let log_every = r.count("train.log_every", 1).unwrap_or(1);
     let eval = eval(r);
     let sample = sample(r);
+    let on_nonfinite = on_nonfinite(r);
     Some(Train {
         global_batch: global_batch?,
         micro_batch,
@@ -587,8 +588,31 @@ pub fn train(r: &mut Reader, span: Span, gpu_is_cpu: bool) -> Option<Train> {
         log_every,
         eval,
         sample,
+        on_nonfinite,
         span,
     })
+}
+
+/// `train.on_nonfinite = stop | skip { max: N }` (default `stop`).
+fn on_nonfinite(r: &mut Reader) -> OnNonFinite {
+    match r.word("train.on_nonfinite", &["stop", "skip"]) {
+        Some((w, at)) if w == "skip" => {
+            r.reject_fields("train.on_nonfinite", &["max"], "skip");
+            if r.span("train.on_nonfinite.max").is_none() {
+                r.diags.push(
+                    Diagnostic::error("E0206", "`skip` needs `max` (steps it may skip in the run)")
+                        .label(at, "here")
+                        .help("write `on_nonfinite = skip { max: 10 }`"),
+                );
+            }
+            let max = r.count("train.on_nonfinite.max", 0).unwrap_or(0);
+            OnNonFinite::Skip { max }
+        }
+        _ => {
+            r.reject_fields("train.on_nonfinite", &[], "stop");
+            OnNonFinite::Stop
+        }
+    }
 }
 
 /// `train.sample = { every: N, prompt: "…", tokens: 64, temperature: 1, top_k: 40 }`, when

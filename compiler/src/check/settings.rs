@@ -61,6 +61,8 @@ pub const PATHS: &[&str] = &[
     "train.sample.tokens",
     "train.sample.temperature",
     "train.sample.top_k",
+    "train.on_nonfinite",
+    "train.on_nonfinite.max",
     "cluster.nodes",
     "cluster.gpus_per_node",
     "cluster.gpu",

@@ -1,8 +1,9 @@
 //! Optimizer ops: the squared-gradient-norm partial sum, the global-norm clip coefficient, and the
 //! AdamW and SGD updates (in place on the master tensor and its state). The learning rate, the
 //! 1-based step and the fp16 loss scale come from the executor's `StepScalars`: with a loss scale
-//! the clip coefficient also unscales the gradients, and is NaN for an overflowed step, which the
-//! updates then skip (parameters and state untouched).
+//! the clip coefficient also unscales the gradients. It is NaN for a step whose gradient norm is
+//! not finite (an fp16 overflow, or diverged values), which the updates then skip (parameters and
+//! state untouched).
 use super::args::{Inputs, Outputs};
 use super::par::{sum_chunks, TASK_ELEMENTS};
 use crate::backend::StepScalars;
@@ -60,8 +61,10 @@ pub(crate) fn sum_squares(g: &[f32], sumsq: &mut [f32]) {
 }
 
 /// `coef = min(1, max_norm / (√sumsq + 1e-6))`, or 1 without clipping. With a loss scale `s`:
-/// `coef = min(1, max_norm / (√sumsq / s + 1e-6)) / s` (or `1 / s`), NaN when sumsq is not
-/// finite. A power-of-two `s` makes the unscaled update bit-identical to an unscaled run's.
+/// `coef = min(1, max_norm / (√sumsq / s + 1e-6)) / s` (or `1 / s`). NaN when sumsq is not
+/// finite, with or without a loss scale: the updates skip that step (fp16's overflow, or
+/// `train.on_nonfinite`'s). A power-of-two `s` makes the unscaled update bit-identical to an
+/// unscaled run's.
 pub(crate) fn clip_coef(
     max_norm: Option<f64>,
     loss_scale: Option<f64>,
@@ -70,7 +73,7 @@ pub(crate) fn clip_coef(
 ) {
     let sumsq = f64::from(sumsq[0]);
     let scale = loss_scale.unwrap_or(1.0);
-    if loss_scale.is_some() && !sumsq.is_finite() {
+    if !sumsq.is_finite() {
         coef[0] = f32::NAN;
         return;
     }
@@ -111,7 +114,7 @@ pub(crate) fn adamw(
     );
     let coef = coef[0];
     if !coef.is_finite() {
-        // An overflowed fp16 step: skipped.
+        // A step whose gradient norm is not finite: skipped.
         return;
     }
     param
@@ -143,7 +146,7 @@ pub(crate) fn sgd(
 ) {
     let (coef, wd, lr) = (coef[0], weight_decay as f32, scalars.lr as f32);
     if !coef.is_finite() {
-        // An overflowed fp16 step: skipped.
+        // A step whose gradient norm is not finite: skipped.
         return;
     }
     match buf {
@@ -207,14 +210,22 @@ mod tests {
     }
 
     #[test]
-    fn an_overflowed_sum_marks_the_step_only_under_loss_scaling() {
+    fn a_sum_that_is_not_finite_marks_the_step_with_or_without_loss_scaling() {
         for bad in [f32::INFINITY, f32::NAN] {
-            assert!(coef(None, Some(65536.0), bad).is_nan());
-            assert!(coef(Some(1.0), Some(65536.0), bad).is_nan());
+            for (max_norm, loss_scale) in [
+                (None, Some(65536.0)),
+                (Some(1.0), Some(65536.0)),
+                (None, None),
+                (Some(1.0), None),
+            ] {
+                assert!(
+                    coef(max_norm, loss_scale, bad).is_nan(),
+                    "{max_norm:?} {loss_scale:?}"
+                );
+            }
         }
-        // Without a loss scale the coefficient stays finite (as before fp16 existed).
-        assert_eq!(coef(None, None, f32::INFINITY), 1.0);
-        assert!(coef(Some(1.0), None, f32::INFINITY).is_finite());
+        // A finite sum without clipping or scaling: exactly 1, as before.
+        assert_eq!(coef(None, None, 1e30).to_bits(), 1.0f32.to_bits());
     }
 
     #[test]

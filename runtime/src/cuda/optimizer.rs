@@ -95,7 +95,9 @@ fn update(be: &mut CudaBackend, b: &Bound, scalars: &StepScalars) -> Result<()> 
 }
 
 /// coef = the clipping coefficient of the gradient norm √sumsq (a negative max norm: no
-/// clipping), unscaled by a loss scale, which also marks an overflowed step with a NaN.
+/// clipping), unscaled by a loss scale; a NaN marks a step whose norm is not finite (an fp16
+/// overflow, or `train.on_nonfinite`'s), which the updates skip. Always a kernel: the mark
+/// depends on sumsq, which is on the device.
 fn clip_coef(
     be: &mut CudaBackend,
     b: &Bound,
@@ -103,19 +105,12 @@ fn clip_coef(
     loss_scale: Option<f64>,
 ) -> Result<()> {
     let (sumsq, coef) = (b.input(0)?, b.output(0)?);
-    if max_norm.is_none() && loss_scale.is_none() {
-        // No clipping, no loss scale: coef = 1 (written directly, no kernel needed).
-        let one = [1.0f32];
-        // SAFETY: coef holds exactly one f32; synchronous copy.
-        return unsafe { cu::memcpy_htod_sync(coef.ptr, &one) }
-            .map_err(|e| driver_error("writing the clip coefficient", e));
-    }
     let args = [
         p(sumsq),
         p(coef),
         Arg::F64(max_norm.unwrap_or(-1.0)),
         Arg::F64(loss_scale.unwrap_or(1.0)),
-        Arg::I32(i32::from(loss_scale.is_some())),
+        Arg::I32(1),
     ];
     be.launch(Kernel::ClipCoef, (1, 1, 1), (32, 1, 1), 0, &args)
 }

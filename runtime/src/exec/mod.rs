@@ -18,6 +18,7 @@
 //! All parallelism lives in the programs: this module only dispatches.
 pub mod gather;
 pub mod loss_scale;
+pub mod nonfinite;
 pub mod process;
 pub mod profile;
 pub mod rank;
@@ -33,6 +34,7 @@ use crate::checkpoint::{self, Manifest, ShardTensor, SpecSource};
 use crate::comm::{Comm, LocalComm};
 use crate::data::{write_run_batch_log, BatchLayout, Dataset, EpochProgress, RunData};
 use crate::error::{Result, RuntimeError};
+use crate::exec::nonfinite::{NonFiniteGuard, Verdict};
 use crate::generate::{SampleSink, TrainingSampler};
 use crate::hf::HfInit;
 use parc_compiler::diag::Diagnostics;
@@ -118,6 +120,9 @@ pub struct StepRecord {
     pub elapsed_s: f64,
     /// fp16 runs: the loss scale used, the next one, and whether the step was skipped.
     pub loss_scale: Option<LossScaleStep>,
+    /// The step's gradients were not finite and `train.on_nonfinite = skip { … }` skipped
+    /// its update.
+    pub skipped_nonfinite: bool,
     /// Bytes the report rank's backend holds at the end of this step
     /// (`Backend::reserved_bytes`), where the backend reports them.
     pub memory_bytes: Option<u64>,
@@ -404,9 +409,12 @@ where
     }
     if !errors.is_empty() {
         // The root cause is the error that is not another rank's abort notice.
-        let root = errors
-            .iter()
-            .position(|e| !e.to_string().contains("stopped because rank"))
+        let root = nonfinite::origin(&errors)
+            .or_else(|| {
+                errors
+                    .iter()
+                    .position(|e| !e.to_string().contains("stopped because rank"))
+            })
             .unwrap_or(0);
         return Err(errors.swap_remove(root));
     }
@@ -566,6 +574,7 @@ impl RunContext<'_> {
             wanted.clamp(start_step, end.saturating_sub(1).max(start_step))
         });
         let mut profile = None;
+        let mut guard = NonFiniteGuard::new(train.on_nonfinite);
         for step in start_step..end {
             let step_started = Instant::now();
             let lr = train.schedule.lr_at(train.optimizer.lr(), step);
@@ -579,6 +588,21 @@ impl RunContext<'_> {
                 exec.step(step, lr, None)?
             };
             let seconds = step_started.elapsed().as_secs_f64();
+            let verdict = guard.judge(&metrics);
+            if let Verdict::Stop { rerun } = verdict {
+                let found = if rerun {
+                    let found = exec.first_nonfinite(step, lr)?;
+                    // No rank stops (and aborts the others) before all have re-run the step:
+                    // each error names what its own rank found. A failed barrier changes
+                    // nothing in what this rank reports.
+                    let world: Vec<u32> = (0..self.plan.world).collect();
+                    let _ = exec.comm().barrier(&world);
+                    found
+                } else {
+                    None
+                };
+                return Err(guard.error(step, exec.rank(), &metrics, found));
+            }
             let val_loss = if evaluates_after(self.spec, step + 1) {
                 exec.evaluate()?
             } else {
@@ -594,6 +618,7 @@ impl RunContext<'_> {
                     tokens_per_s: tokens as f64 / seconds.max(1e-9),
                     elapsed_s: started.elapsed().as_secs_f64(),
                     loss_scale: metrics.loss_scale,
+                    skipped_nonfinite: verdict == Verdict::Skipped,
                     memory_bytes: exec.reserved_bytes(),
                     val_loss,
                 };

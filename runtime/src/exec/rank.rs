@@ -50,6 +50,9 @@ pub struct StepMetrics {
     pub grad_sumsq: Option<f32>,
     /// What loss scaling did (fp16 runs).
     pub loss_scale: Option<LossScaleStep>,
+    /// A run without loss scaling: the global gradient norm was not finite, so the update
+    /// left parameters and optimizer state as they were (`ClipCoef` marks the step).
+    pub update_skipped: bool,
 }
 
 pub struct RankExecutor<'a, B: Backend> {
@@ -68,6 +71,26 @@ pub struct RankExecutor<'a, B: Backend> {
     pub optimizer_step: u64,
     /// The fp16 loss scaler (None: the run does not scale its loss).
     pub loss_scaler: Option<LossScaler>,
+}
+
+/// The first output of a re-run step that held a value that is not finite
+/// ([`RankExecutor::first_nonfinite`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct NonFiniteOutput {
+    /// The instruction's index in the rank's program, and what it does (`matmul`,
+    /// `all_reduce over its dp group`).
+    pub index: usize,
+    pub instr: String,
+    /// A compute instruction (not a transfer that brought the value from another rank).
+    pub computed: bool,
+    /// The buffer's name, and how many of its values were not finite.
+    pub buffer: String,
+    pub count: usize,
+    pub len: usize,
+    /// The spec node the instruction implements (or the nearest before it).
+    pub node: Option<parc_compiler::spec::NodeId>,
+    /// The program's role.
+    pub role: String,
 }
 
 /// Which batch an instruction's `LoadBatch` reads.
@@ -358,8 +381,16 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         let located = |e| self.locate_comm_error(self.program, 0, None, e);
         let loss = read(self.program.loss).map_err(located)?;
         let mut grad_sumsq = read(self.program.grad_sumsq).map_err(located)?;
+        let mut update_skipped = false;
         let loss_scale = match self.loss_scaler.as_mut() {
-            None => None,
+            None => {
+                // Every rank holds the same global value, so all skip (or not) together.
+                update_skipped = grad_sumsq.is_some_and(|s| !s.is_finite());
+                if update_skipped {
+                    self.optimizer_step -= 1;
+                }
+                None
+            }
             Some(scaler) => {
                 let sumsq = grad_sumsq.ok_or_else(|| {
                     plan_error(
@@ -380,7 +411,90 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
             loss,
             grad_sumsq,
             loss_scale,
+            update_skipped,
         })
+    }
+
+    /// Run 0-based training step `step` again (from the state before it: a step whose
+    /// gradient norm was not finite left it untouched) with a check after every instruction
+    /// that writes buffers, and return the first whose output holds a value that is not
+    /// finite. Every rank must re-run together (the step's collectives span them); each
+    /// reads its outputs back to the host, so this is for diagnosis only.
+    pub fn first_nonfinite(&mut self, step: u64, lr: f64) -> Result<Option<NonFiniteOutput>> {
+        let scalars = StepScalars {
+            lr,
+            step: self.optimizer_step + 1,
+            loss_scale: self.loss_scaler.as_ref().map(LossScaler::scale),
+        };
+        let program = self.program;
+        let mut first = None;
+        for (index, instr) in program.instrs.iter().enumerate() {
+            self.backend.begin_instruction(index);
+            self.run(instr, Batch::Train(step), &scalars)
+                .map_err(|e| self.instruction_error(program, 0, index, e))?;
+            if first.is_none() {
+                first = self
+                    .nonfinite_output(instr)?
+                    .map(|(buffer, count, len)| (index, buffer, count, len));
+            }
+        }
+        let Some((index, buffer, count, len)) = first else {
+            return Ok(None);
+        };
+        let instr = &program.instrs[index];
+        let name = program
+            .buffer(buffer)
+            .map_or_else(|| format!("#{}", buffer.0), |b| b.name.clone());
+        let located = self.at_instruction(
+            program,
+            index,
+            instr,
+            RuntimeError::Unsupported(String::new()),
+        );
+        let RuntimeError::AtInstruction {
+            instr: mut what,
+            node,
+            ..
+        } = located
+        else {
+            return Err(plan_error(self.rank, "an instruction without a location"));
+        };
+        if let Instr::Compute { op, .. } = instr {
+            what = op.opcode().name().to_string();
+        }
+        Ok(Some(NonFiniteOutput {
+            index,
+            instr: what,
+            computed: matches!(instr, Instr::Compute { .. }),
+            buffer: name,
+            count,
+            len,
+            node,
+            role: program.role.clone(),
+        }))
+    }
+
+    /// The first f32 or bf16 buffer `instr` writes that holds a value that is not finite:
+    /// its id, how many such values and of how many.
+    fn nonfinite_output(&self, instr: &Instr) -> Result<Option<(BufferId, usize, usize)>> {
+        if matches!(
+            instr,
+            Instr::LoadBatch { .. } | Instr::Alloc { .. } | Instr::Free { .. }
+        ) {
+            return Ok(None);
+        }
+        for id in instr.writes() {
+            let dtype = self.table().buffer(id).map(|b| b.dtype);
+            if !matches!(dtype, Some(DType::F32 | DType::Bf16)) {
+                continue;
+            }
+            let values = self.backend.read_f32(id)?;
+            let count = values.iter().filter(|v| !v.is_finite()).count();
+            if count > 0 {
+                return Ok(Some((id, count, values.len())));
+            }
+        }
+        Ok(None)
     }
 
     /// Evaluate: run the evaluation program once per batch of the evaluation set and return

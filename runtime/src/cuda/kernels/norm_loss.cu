@@ -639,8 +639,8 @@ __device__ __forceinline__ bool not_finite(float x) {
 }
 
 // coef = min(1, max_norm / (√sumsq / loss_scale + 1e-6)) / loss_scale, without clipping (max_norm
-// < 0) 1 / loss_scale. With `scaled` (fp16 loss scaling) a sumsq that is not finite marks an
-// overflowed step: coef = NaN, which the update kernels skip.
+// < 0) 1 / loss_scale. With `scaled` (always set by the runtime) a sumsq that is not finite
+// marks the step: coef = NaN, which the update kernels skip (fp16 overflow, train.on_nonfinite).
 extern "C" __global__ void clip_coef(const float* sumsq, float* coef, double max_norm, double loss_scale, int scaled) {
     if (threadIdx.x == 0 && blockIdx.x == 0) {
         if (scaled && not_finite(sumsq[0])) {
