@@ -207,6 +207,15 @@ pub fn commit(dir: &Path, manifest: &Manifest, keep: u32) -> Result<PathBuf> {
         let mut all = list_steps(dir)?;
         while all.len() > keep as usize {
             let (_, oldest) = all.remove(0);
+            if oldest == target {
+                eprintln!(
+                    "note: {} was removed at once: {} holds {keep} newer checkpoints of an \
+                     earlier run (checkpoint.keep = {keep}); give this run its own \
+                     checkpoint.dir to keep its checkpoints",
+                    target.display(),
+                    dir.display()
+                );
+            }
             std::fs::remove_dir_all(&oldest).map_err(io_error(format!(
                 "removing old checkpoint {}",
                 oldest.display()
