@@ -21,17 +21,18 @@
 //! A checkpoint belongs to one plan: its manifest carries a hash of the lowered plan (programs,
 //! groups, parameter layout, world), and loading under another plan is refused with both hashes.
 pub mod lock;
+pub mod resume;
 pub mod saved;
 pub mod store;
 pub mod verify;
 
 pub use lock::FolderLock;
+pub use resume::choose_resume;
 pub use saved::SavedModel;
 pub use store::{
     commit, find_latest, model_path, prepare, read_manifest, read_shard, staging_dir, write_model,
     write_params, write_shard, ShardTensor,
 };
-pub use verify::choose_resume;
 
 use parc_compiler::ir::Plan;
 use serde::{Deserialize, Serialize};
