@@ -33,7 +33,8 @@ pub struct RunArgs {
     /// `human`: a progress line on stderr; `json`: one JSON object per step on stdout.
     #[arg(long = "log-format", value_enum, default_value = "human")]
     pub log_format: LogFormat,
-    /// Continue from a checkpoint: a `step-N` folder, or a checkpoint dir (its newest).
+    /// Continue from a checkpoint: a `step-N` folder, or a checkpoint dir (its newest that
+    /// verifies).
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
     /// Time every op of one step (the third, or the last if fewer) and report where the

@@ -15,11 +15,19 @@
 //! `keep` checkpoints stay (0 keeps all). At the end of a run, `DIR/model.safetensors` holds the
 //! final parameters as global tensors (plan-independent, for export), its step in the metadata.
 //!
+//! Each shard records a CRC-32C per tensor, which the manifest collects; resuming verifies them
+//! (`verify`). A run that writes checkpoints holds `DIR/parc.lock` for its lifetime (`lock`).
+//!
 //! A checkpoint belongs to one plan: its manifest carries a hash of the lowered plan (programs,
 //! groups, parameter layout, world), and loading under another plan is refused with both hashes.
+pub mod lock;
+pub mod resume;
 pub mod saved;
 pub mod store;
+pub mod verify;
 
+pub use lock::FolderLock;
+pub use resume::choose_resume;
 pub use saved::SavedModel;
 pub use store::{
     commit, find_latest, model_path, prepare, read_manifest, read_shard, staging_dir, write_model,
@@ -30,8 +38,9 @@ use parc_compiler::ir::Plan;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
-/// Version of the manifest format this build writes and reads.
-pub const FORMAT: u32 = 1;
+/// Version of the manifest format this build writes. 2 added per-tensor checksums; format 1
+/// (without them) is still read, and loaded unverified with a note.
+pub const FORMAT: u32 = 2;
 
 /// Dynamic loss-scaling state (fp16 runs); absent for fp32 and bf16.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -77,6 +86,9 @@ pub struct Manifest {
     pub loss_scale: Option<LossScaleState>,
     /// Shard file of each rank, in rank order.
     pub shards: Vec<String>,
+    /// Shard file → tensor → CRC-32C of its bytes (`verify`); empty in format 1.
+    #[serde(default)]
+    pub checksums: std::collections::BTreeMap<String, verify::TensorChecksums>,
 }
 
 /// A stable hash of a lowered plan: FNV-1a 64 over its JSON form, as 16 hex digits.
@@ -93,6 +105,13 @@ pub fn plan_hash(plan: &Plan) -> String {
 /// The folder name of the checkpoint after `step` steps.
 pub fn step_dir_name(step: u64) -> String {
     format!("step-{step:08}")
+}
+
+/// The checkpoints of `paths` that still exist (a run's `keep` may have pruned some), for the
+/// run's summary.
+pub fn still_there(mut paths: Vec<PathBuf>) -> Vec<PathBuf> {
+    paths.retain(|p| p.join("manifest.json").is_file());
+    paths
 }
 
 /// The shard file name of `rank`.
@@ -149,6 +168,7 @@ mod tests {
             samples: 50,
             loss_scale: None,
             shards: Vec::new(),
+            checksums: Default::default(),
         };
         assert!(check_compatible(&manifest, "aaaa", 4, 1, 50).is_ok());
         let plan = check_compatible(&manifest, "bbbb", 4, 1, 50)

@@ -1,7 +1,7 @@
 //! Reading and writing checkpoint files: atomic writes (temp file, fsync, rename, fsync of the
 //! folder), safetensors shards, the JSON manifest, pruning to the newest `keep`, and loading
 //! with errors that say which file is wrong and what to do.
-use super::{shard_file_name, step_dir_name, Manifest, SpecSource, FORMAT, SPEC_KEY};
+use super::{shard_file_name, step_dir_name, verify, Manifest, SpecSource, FORMAT, SPEC_KEY};
 use crate::error::{Result, RuntimeError};
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
@@ -71,16 +71,29 @@ pub fn prepare(dir: &Path, step: u64) -> Result<PathBuf> {
     Ok(staging)
 }
 
-/// Serialize f32 tensors as one safetensors file at `path`, atomically.
+/// Serialize f32 tensors as one safetensors file at `path`, atomically; with `checksums`, the
+/// metadata also records each tensor's CRC-32C (`verify::CHECKSUMS_KEY`).
 fn write_safetensors(
     path: &Path,
     tensors: &[ShardTensor],
-    metadata: Option<std::collections::HashMap<String, String>>,
+    mut metadata: Option<std::collections::HashMap<String, String>>,
+    checksums: bool,
 ) -> Result<()> {
     let bytes: Vec<Vec<u8>> = tensors
         .iter()
         .map(|t| t.data.iter().flat_map(|x| x.to_le_bytes()).collect())
         .collect();
+    if checksums {
+        let sums: verify::TensorChecksums = tensors
+            .iter()
+            .zip(&bytes)
+            .map(|(t, b)| (t.name.clone(), verify::checksum(b)))
+            .collect();
+        let json = serde_json::to_string(&sums).map_err(|e| ckpt_error(path, e))?;
+        metadata
+            .get_or_insert_with(Default::default)
+            .insert(verify::CHECKSUMS_KEY.to_string(), json);
+    }
     let mut views = BTreeMap::new();
     for (tensor, data) in tensors.iter().zip(&bytes) {
         let shape = tensor
@@ -113,7 +126,7 @@ fn model_metadata(
 
 /// Write `rank`'s tensors into the staging folder.
 pub fn write_shard(staging: &Path, rank: u32, tensors: &[ShardTensor]) -> Result<()> {
-    write_safetensors(&staging.join(shard_file_name(rank)), tensors, None)
+    write_safetensors(&staging.join(shard_file_name(rank)), tensors, None, true)
 }
 
 /// Where [`write_model`] puts the global parameters of a checkpoint folder `dir`.
@@ -152,12 +165,13 @@ pub fn write_params(
         dir.display(),
         path.display()
     )))?;
-    write_safetensors(path, params, Some(model_metadata(step, source)?))?;
+    write_safetensors(path, params, Some(model_metadata(step, source)?), false)?;
     sync_dir(dir)
 }
 
-/// Finish the checkpoint of `manifest.step`: write the manifest, publish the staging folder as
-/// `DIR/step-N`, and delete all but the newest `keep` checkpoints (0 keeps all).
+/// Finish the checkpoint of `manifest.step`: write the manifest (with the checksums the shards
+/// recorded), publish the staging folder as `DIR/step-N`, and delete all but the newest `keep`
+/// checkpoints (0 keeps all).
 pub fn commit(dir: &Path, manifest: &Manifest, keep: u32) -> Result<PathBuf> {
     let staging = staging_dir(dir, manifest.step);
     for shard in &manifest.shards {
@@ -168,7 +182,11 @@ pub fn commit(dir: &Path, manifest: &Manifest, keep: u32) -> Result<PathBuf> {
             ));
         }
     }
-    let json = serde_json::to_vec_pretty(manifest)
+    let manifest = Manifest {
+        checksums: verify::collect_checksums(&staging, &manifest.shards)?,
+        ..manifest.clone()
+    };
+    let json = serde_json::to_vec_pretty(&manifest)
         .map_err(|e| ckpt_error(&staging, format!("manifest: {e}")))?;
     write_atomic(&staging.join("manifest.json"), &json)?;
     sync_dir(&staging)?;
@@ -189,6 +207,15 @@ pub fn commit(dir: &Path, manifest: &Manifest, keep: u32) -> Result<PathBuf> {
         let mut all = list_steps(dir)?;
         while all.len() > keep as usize {
             let (_, oldest) = all.remove(0);
+            if oldest == target {
+                eprintln!(
+                    "note: {} was removed at once: {} holds {keep} newer checkpoints of an \
+                     earlier run (checkpoint.keep = {keep}); give this run its own \
+                     checkpoint.dir to keep its checkpoints",
+                    target.display(),
+                    dir.display()
+                );
+            }
             std::fs::remove_dir_all(&oldest).map_err(io_error(format!(
                 "removing old checkpoint {}",
                 oldest.display()
@@ -222,6 +249,11 @@ fn list_steps(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     Ok(steps)
 }
 
+/// The finished checkpoint folders in `dir`, oldest first.
+pub fn finished_steps(dir: &Path) -> Result<Vec<PathBuf>> {
+    Ok(list_steps(dir)?.into_iter().map(|(_, p)| p).collect())
+}
+
 /// The checkpoint `path` names: `path` itself when it holds a manifest, else the newest
 /// finished checkpoint inside it.
 pub fn find_latest(path: &Path) -> Result<PathBuf> {
@@ -253,11 +285,12 @@ pub fn read_manifest(checkpoint: &Path) -> Result<Manifest> {
             format!("corrupt manifest ({e}); use another checkpoint"),
         )
     })?;
-    if manifest.format != FORMAT {
+    if manifest.format == 0 || manifest.format > FORMAT {
         return Err(ckpt_error(
             &path,
             format!(
-                "manifest format {} is not {FORMAT}, the one this parc reads",
+                "manifest format {} is not one this parc reads (1 to {FORMAT}); use the parc \
+                 that wrote it",
                 manifest.format
             ),
         ));
@@ -310,10 +343,10 @@ pub fn read_shard(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn temp_dir(name: &str) -> PathBuf {
+    pub(in crate::checkpoint) fn temp_dir(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("parc-ckpt-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -331,6 +364,7 @@ mod tests {
             samples: 100,
             loss_scale: None,
             shards: (0..world).map(shard_file_name).collect(),
+            checksums: Default::default(),
         }
     }
 
@@ -351,7 +385,7 @@ mod tests {
         ]
     }
 
-    fn save(dir: &Path, step: u64, keep: u32) -> PathBuf {
+    pub(in crate::checkpoint) fn save(dir: &Path, step: u64, keep: u32) -> PathBuf {
         let staging = prepare(dir, step).unwrap();
         for rank in 0..2 {
             write_shard(&staging, rank, &tensors(rank, step)).unwrap();
@@ -391,7 +425,19 @@ mod tests {
         assert!(latest.ends_with("step-00000030"));
         assert!(!dir.join("step-00000010").exists());
         assert!(dir.join("step-00000020").exists());
-        assert_eq!(read_manifest(&latest).unwrap(), manifest(30, 2));
+        let back = read_manifest(&latest).unwrap();
+        assert_eq!(back.checksums.len(), 2);
+        assert_eq!(
+            back.checksums[&shard_file_name(1)]["loss"],
+            verify::checksum(&f32::from_bits(0x3f80_0001).to_le_bytes())
+        );
+        assert_eq!(
+            Manifest {
+                checksums: Default::default(),
+                ..back
+            },
+            manifest(30, 2)
+        );
         let back = read_shard(&latest, 1, &expected()).unwrap();
         assert_eq!(back[0][0].to_bits(), 0x3f80_0001);
         assert_eq!(back[1], tensors(1, 30)[0].data);

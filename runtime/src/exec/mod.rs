@@ -209,29 +209,34 @@ fn evaluates_after(spec: &Spec, done: u64) -> bool {
         .is_some_and(|e| done.is_multiple_of(e.every) || done == spec.train.steps)
 }
 
-/// Where a run continues from: the newest checkpoint under `options.resume` and its manifest
-/// (both `None` for a fresh run), refused unless written by this plan, world, seed and
-/// dataset; and `plan`'s hash, which the run's own checkpoints record.
+/// Where a run continues from: the newest checkpoint under `options.resume` that verifies
+/// (`checkpoint::verify`) and its manifest (both `None` for a fresh run), refused unless written
+/// by this plan, world, seed and dataset; and `plan`'s hash, which the run's own checkpoints record.
 fn resume_point(
     plan: &Plan,
     spec: &Spec,
     options: &TrainOptions,
     data: &RunData,
 ) -> Result<(Option<PathBuf>, Option<Manifest>, String)> {
-    let resume = options
-        .resume
-        .as_deref()
-        .map(checkpoint::find_latest)
-        .transpose()?;
-    let manifest = resume
-        .as_deref()
-        .map(checkpoint::read_manifest)
-        .transpose()?;
+    let (resume, manifest) = match options.resume.as_deref() {
+        Some(path) => checkpoint::choose_resume(path).map(|(p, m)| (Some(p), Some(m)))?,
+        None => (None, None),
+    };
     let hash = checkpoint::plan_hash(plan);
     if let Some(m) = &manifest {
         checkpoint::check_compatible(m, &hash, plan.world, spec.train.seed, data.train_samples)?;
     }
     Ok((resume, manifest, hash))
+}
+
+/// The lock on the spec's checkpoint folder, for a run that writes checkpoints (held until
+/// the run ends; see `checkpoint::lock`).
+fn lock_checkpoints(spec: &Spec, options: &TrainOptions) -> Result<Option<checkpoint::FolderLock>> {
+    spec.train
+        .checkpoint
+        .as_ref()
+        .map(|ckpt| checkpoint::FolderLock::acquire(&options.spec_dir.join(&ckpt.dir)))
+        .transpose()
 }
 
 /// The Hugging Face checkpoint a fresh run starts from (`train.init = hf(…)`, relative to the
@@ -332,6 +337,7 @@ where
     if let Some(limit) = options.memory_limit {
         check_memory(plan, &report, limit)?;
     }
+    let _lock = lock_checkpoints(spec, options)?;
     let data = open_run_data(spec, &options.spec_dir)?;
     let (resume, manifest, hash) = resume_point(plan, spec, options, &data)?;
     let weights = initial_weights(spec, plan, options, resume.is_some())?;
@@ -427,10 +433,12 @@ where
         report.start_step,
         report.profile.clone(),
     );
-    let checkpoints = results
-        .first()
-        .map(|r| r.checkpoints.clone())
-        .unwrap_or_default();
+    let checkpoints = checkpoint::still_there(
+        results
+            .first()
+            .map(|r| r.checkpoints.clone())
+            .unwrap_or_default(),
+    );
     let reserved_bytes = results.iter().filter_map(|r| r.reserved_bytes).max();
     let pieces: Vec<ParamPiece> = results.into_iter().flat_map(|r| r.pieces).collect();
     let params = gather::assemble(&plan.params, &pieces)?;
@@ -699,6 +707,7 @@ impl RunContext<'_> {
             shards: (0..self.plan.world)
                 .map(checkpoint::shard_file_name)
                 .collect(),
+            checksums: Default::default(),
         };
         checkpoint::commit(dir, &manifest, keep).map(Some)
     }

@@ -73,13 +73,18 @@ pub fn train_rank<B: Backend>(
             }
         }
         super::verified(plan, spec)?;
+        // Rank 0 writes the manifests, so its process holds the folder's lock.
+        let lock = match rank {
+            0 => super::lock_checkpoints(spec, options)?,
+            _ => None,
+        };
         let data = open_run_data(spec, &options.spec_dir)?;
         let (resume, manifest, hash) = super::resume_point(plan, spec, options, &data)?;
         let weights = super::initial_weights(spec, plan, options, resume.is_some())?;
         let sampler = super::training_sampler(spec, options)?;
-        Ok((data, resume, manifest, hash, weights, sampler))
+        Ok((lock, data, resume, manifest, hash, weights, sampler))
     })();
-    let (data, resume, manifest, hash, weights, sampler) = match prepared {
+    let (_lock, data, resume, manifest, hash, weights, sampler) = match prepared {
         Ok(p) => p,
         Err(e) => {
             comm.abort(&format!("rank {rank}: {e}"));
@@ -141,7 +146,7 @@ pub fn train_rank<B: Backend>(
         rank,
         records: outcome.records,
         epochs: outcome.epochs,
-        checkpoints,
+        checkpoints: checkpoint::still_there(checkpoints),
         start_step: outcome.start_step,
         profile: outcome.profile,
         model_export,
