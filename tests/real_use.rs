@@ -136,12 +136,15 @@ fn a_text_model_trains_evaluates_samples_exports_and_plots() {
 #[test]
 fn bad_real_use_input_is_a_clear_error() {
     let dir = cli_support::temp_dir("real_use", "bad");
+    let set_ckpt = format!("train.checkpoint.dir=\"{}\"", dir.join("ckpt").display());
     // A tokenizer file that is not there, named with what to do.
     let out = parc(&[
         "run",
         "examples/tiny-gpt2-text.par",
         "--backend",
         "cpu",
+        "--set",
+        &set_ckpt,
         "--set",
         "train.data=text(\"data/tiny-shakespeare.txt\", tokenizer: \"nope/tokenizer.json\")",
     ]);

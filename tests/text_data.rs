@@ -25,8 +25,18 @@ fn losses(out: &Output) -> Vec<f64> {
         .collect()
 }
 
+/// `--set train.checkpoint.dir=…` to a folder of its own: the example checkpoints, and runs
+/// in parallel tests must not share (and lock) one folder, nor write into `examples/`.
+fn own_checkpoint_dir() -> String {
+    static RUNS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = temp_dir(&format!("ckpt-{n}"));
+    format!("train.checkpoint.dir=\"{}\"", dir.display())
+}
+
 fn run_example(extra: &[&str]) -> Output {
-    let mut args = vec!["run", EXAMPLE, "--log-format", "json"];
+    let ckpt = own_checkpoint_dir();
+    let mut args = vec!["run", EXAMPLE, "--log-format", "json", "--set", &ckpt];
     args.extend(extra);
     parc_ok(&args)
 }
@@ -120,7 +130,17 @@ fn bad_text_input_is_a_clear_error() {
         ),
     ] {
         let set = format!("train.data={data}");
-        let out = parc(&["run", EXAMPLE, "--set", &set, "--set", "train.steps=1"]);
+        let ckpt = own_checkpoint_dir();
+        let out = parc(&[
+            "run",
+            EXAMPLE,
+            "--set",
+            &set,
+            "--set",
+            "train.steps=1",
+            "--set",
+            &ckpt,
+        ]);
         assert_eq!(out.status.code(), Some(1), "{}", stderr_of(&out));
         let err = stderr_of(&out);
         assert!(says.iter().all(|s| err.contains(s)), "{err}");
