@@ -314,3 +314,44 @@ fn profile_line_splits_the_step_into_kinds_that_sum_to_the_step() {
     // The summary stays the last line.
     assert_eq!(lines.last().unwrap()["event"], "summary");
 }
+
+/// `parc check` of the tiny example with `sets`: the codes of its diagnostics.
+fn check_codes(sets_given: &[&str]) -> String {
+    let mut args = vec!["check", "examples/tiny.par", "--lower", "never"];
+    args.extend(sets(sets_given));
+    stderr_of(&parc(&args))
+}
+
+/// Each help below once led into another error (issue 23): following it now passes the check
+/// that gave it, and the checks it used to trip.
+#[test]
+fn help_lines_lead_to_specs_that_pass_their_check() {
+    let cases: [(&[&str], &str, &[&str], &[&str]); 3] = [
+        (
+            &["parallel.tp=3"],
+            "set gpus_per_node to 3",
+            &["parallel.tp=3", "cluster.gpus_per_node=3"],
+            &["E0401", "E0601"],
+        ),
+        (
+            &["parallel.dp=-1"],
+            "use a value ≥ 1 for dp",
+            &["parallel.dp=1"],
+            &["E0903"],
+        ),
+        (
+            &["model.layers=1e30"],
+            "use a value of at most 4096 for the repeat count",
+            &["model.layers=4096"],
+            &["E0901", "E0903"],
+        ),
+    ];
+    for (given, help, fixed, gone) in cases {
+        let err = check_codes(given);
+        assert!(err.contains(help), "{given:?}: {err}");
+        let err = check_codes(fixed);
+        for code in gone {
+            assert!(!err.contains(code), "{fixed:?} still gives {code}: {err}");
+        }
+    }
+}

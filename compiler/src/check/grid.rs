@@ -59,10 +59,17 @@ impl Grid<'_> {
         if gpus % others == 0 {
             options.push(format!("set dp to {}", gpus / others));
         }
-        if world % gpn == 0 {
+        // More nodes help only where the tp and cp groups still fit in one (`placement`).
+        let span = node_span(mesh);
+        if world % gpn == 0 && gpn % span == 0 {
             options.push(format!("set nodes to {}", world / gpn));
         } else if cluster.nodes == 1 {
             options.push(format!("set gpus_per_node to {world}"));
+        } else {
+            options.push(format!(
+                "set gpus_per_node to {span} and nodes to {}",
+                world / span
+            ));
         }
         let help = if options.is_empty() {
             format!("the mesh needs {world} GPUs: make dp × pp × cp × tp equal nodes × gpus_per_node = {gpus}")
@@ -561,4 +568,15 @@ pub fn sizes(model: &Model, train: &Train, span: Span, diags: &mut Diagnostics) 
                 .help("use smaller dimensions or fewer layers"),
         );
     }
+}
+
+/// The consecutive ranks that one node must hold for the tp and cp groups to stay inside it
+/// (the largest `stride × size` of the two; 1 without them): `placement`'s rule.
+fn node_span(mesh: &Mesh) -> u64 {
+    [Axis::Tp, Axis::Cp]
+        .into_iter()
+        .filter(|&axis| mesh.size(axis) > 1)
+        .map(|axis| u64::from(mesh.stride(axis)) * u64::from(mesh.size(axis)))
+        .max()
+        .unwrap_or(1)
 }

@@ -105,7 +105,7 @@ impl Bound {
     fn count(&self, name: &'static str, default: Option<u64>) -> Result<(u64, Span), Diagnostic> {
         match self.values.get(name) {
             Some(ArgValue::Num(n)) => {
-                let v = n.as_count(&format!("{}'s {name}", self.kind))?;
+                let v = n.as_count_in(&format!("{}'s {name}", self.kind), 1, Some(MAX_DIM))?;
                 if v > MAX_DIM {
                     return Err(Diagnostic::error(
                         "E0903",

@@ -139,6 +139,13 @@ impl Number {
 
     /// The value as a non-negative integer, or an error saying why it is not one.
     pub fn as_count(&self, what: &str) -> Result<u64, Diagnostic> {
+        self.as_count_in(what, 0, None)
+    }
+
+    /// [`Number::as_count`] for a value whose range is `min..=max`: the help of a negative or
+    /// too large value names that range, so that following it passes. (The caller checks a
+    /// whole number against the range.)
+    pub fn as_count_in(&self, what: &str, min: u64, max: Option<u64>) -> Result<u64, Diagnostic> {
         if self.unit != Unit::None && self.unit != Unit::Bytes {
             return Err(Diagnostic::error(
                 "E0908",
@@ -186,7 +193,10 @@ impl Number {
                 format!("{what} must not be negative, found {i}"),
             )
             .label(self.span, "negative")
-            .help(format!("use a value ≥ 0 for {what}"))),
+            .help(format!("use a value ≥ {min} for {what}"))),
+            None if !self.value.is_finite() || self.value.fract() == 0.0 => {
+                Err(too_large(what, self.value, max).label(self.span, "too large"))
+            }
             None => Err(Diagnostic::error(
                 "E0901",
                 format!("{what} must be a whole number, found {}", self.value),
@@ -298,6 +308,19 @@ pub fn arith(op: BinOp, a: Number, b: Number, span: Span) -> Result<Number, Diag
         return Err(overflow());
     }
     Ok(out)
+}
+
+/// A whole number past what parc counts in (2^53), or past `max`.
+fn too_large(what: &str, value: f64, max: Option<u64>) -> Diagnostic {
+    let help = match max {
+        Some(max) => format!("use a value of at most {max} for {what}"),
+        None => format!("use a smaller value for {what}: parc counts in whole numbers below 2^53"),
+    };
+    Diagnostic::error(
+        "E0903",
+        format!("{what} = {value:e} is more than parc supports"),
+    )
+    .help(help)
 }
 
 #[cfg(test)]

@@ -151,7 +151,7 @@ impl Reader<'_> {
                     .and(None)
             }
         };
-        let v = match n.as_count(&leaf) {
+        let v = match n.as_count_in(&leaf, min, Some(max)) {
             Ok(v) => v,
             Err(d) => {
                 self.diags.push(d);

@@ -174,7 +174,7 @@ impl<'a> Elab<'a> {
                         );
                     }
                     if let Val::Num(n) = self.eval(&inp.seq, &frame, 0) {
-                        match n.as_count("the sequence length") {
+                        match n.as_count_in("the sequence length", 1, Some(layers::MAX_DIM)) {
                             Ok(s) if s > layers::MAX_DIM => {
                                 self.err(
                                     Diagnostic::error(
@@ -281,7 +281,7 @@ impl<'a> Elab<'a> {
             );
         }
         let n = match self.eval(count, frame, 0) {
-            Val::Num(n) => match n.as_count("the repeat count") {
+            Val::Num(n) => match n.as_count_in("the repeat count", 0, Some(MAX_LAYERS)) {
                 Ok(v) if v > MAX_LAYERS => {
                     return self.err(
                         Diagnostic::error(
@@ -289,7 +289,7 @@ impl<'a> Elab<'a> {
                             format!("repeat {v} times is more than parc supports ({MAX_LAYERS})"),
                         )
                         .label(n.span, "too many")
-                        .help("use fewer layers"),
+                        .help(format!("use at most {MAX_LAYERS} layers")),
                     )
                 }
                 Ok(v) => v as u32,
