@@ -322,11 +322,15 @@ fn check_codes(sets_given: &[&str]) -> String {
     stderr_of(&parc(&args))
 }
 
+/// A help case: the `--set`s that draw it, its help, the `--set`s that follow it, and the codes
+/// that must then be gone.
+type HelpCase<'a> = (&'a [&'a str], &'a str, &'a [&'a str], &'a [&'a str]);
+
 /// Each help below once led into another error (issue 23): following it now passes the check
 /// that gave it, and the checks it used to trip.
 #[test]
 fn help_lines_lead_to_specs_that_pass_their_check() {
-    let cases: [(&[&str], &str, &[&str], &[&str]); 3] = [
+    let cases: [HelpCase; 3] = [
         (
             &["parallel.tp=3"],
             "set gpus_per_node to 3",
