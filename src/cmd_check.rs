@@ -170,6 +170,13 @@ fn check_one(
         plan,
         analysis,
     } = driver::compile(&file, text, overrides, &options);
+    let mut diagnostics = diagnostics;
+    if let Some(spec) = spec.as_ref().filter(|_| !diagnostics.has_errors()) {
+        let spec_dir = crate::run_args::spec_folder(path);
+        for d in crate::data_check::diagnose(spec, &spec_dir) {
+            diagnostics.push(d);
+        }
+    }
     Ok(Checked {
         file,
         sources,

@@ -12,6 +12,7 @@ mod cmd_run;
 mod cmd_sample;
 mod cmd_search;
 mod cmd_tokenize;
+mod data_check;
 mod diag_text;
 mod diagnostics;
 mod input;

@@ -359,3 +359,22 @@ fn help_lines_lead_to_specs_that_pass_their_check() {
         }
     }
 }
+
+/// `parc check` reads the data's files: missing is a warning, too short an error, an epoch of a
+/// few batches repeated a warning.
+#[test]
+fn check_looks_at_the_training_data() {
+    let err = check_codes(&["train.data=\"data/absent.bin\" as u16"]);
+    assert!(err.contains("W1002") && err.contains("absent.bin"), "{err}");
+    let err = check_codes(&["train.global_batch=4096"]);
+    assert!(
+        err.contains("E1001") && err.contains("fewer than one"),
+        "{err}"
+    );
+    let err = check_codes(&["train.global_batch=256"]);
+    assert!(
+        err.contains("W1001") && err.contains("only 9 global batches"),
+        "{err}"
+    );
+    assert!(check_codes(&[]).contains("ok, 0 warnings"));
+}
