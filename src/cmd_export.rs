@@ -4,10 +4,7 @@
 //! the spec it was trained from; that spec, checked again, says the family and the sizes.
 //! Exit codes as `main`: 0 exported, 1 the spec or the export failed, 2 usage or unreadable
 //! input.
-use crate::diagnostics;
-use crate::input::parse_overrides;
-use crate::run_prepare::print_error;
-use parc_compiler::driver::{self, CompileOptions, Stage};
+use crate::run_prepare::{check_recorded, print_error};
 use parc_compiler::spec::Spec;
 use parc_runtime::checkpoint::{SavedModel, SpecSource};
 use parc_runtime::hf::{self, ExportOptions, HfDtype};
@@ -104,18 +101,11 @@ pub fn main(args: ExportArgs) -> u8 {
 /// The spec a model file records, checked again; its diagnostics on stderr. `Err` is the
 /// exit code.
 fn spec_of(source: &SpecSource) -> Result<Spec, u8> {
-    let overrides = parse_overrides(&source.overrides).map_err(|message| {
+    let checked = check_recorded(source).map_err(|message| {
         print_error(&format!("the model file's recorded --set: {message}"));
         2
     })?;
-    let options = CompileOptions::through(Stage::Check);
-    let compiled = driver::compile(&source.file, source.text.clone(), &overrides, &options);
-    let color = diagnostics::stderr_color();
-    for d in &compiled.diagnostics.items {
-        eprint!("{}", diagnostics::render(&compiled.sources, d, color));
-        eprintln!();
-    }
-    compiled.spec.ok_or_else(|| {
+    checked.ok_or_else(|| {
         print_error(&format!(
             "the spec recorded in the model file ({}) has errors with this parc",
             source.file

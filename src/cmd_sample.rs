@@ -7,10 +7,9 @@
 //! logits, for comparing parc's forward with another implementation's.
 //! Exit codes as `main`: 0 sampled, 1 the spec or the sampling failed, 2 usage or unreadable
 //! input.
-use crate::input::{parse_overrides, read_spec};
+use crate::input::read_spec;
 use crate::run_args::{spec_folder, BackendChoice};
-use crate::run_prepare::print_error;
-use parc_compiler::driver::{self, CompileOptions, Stage};
+use crate::run_prepare::{check_recorded, print_error};
 use parc_compiler::spec::{Spec, Tokenizer as TokenizerSpec};
 use parc_runtime::checkpoint::{SavedModel, SpecSource};
 use parc_runtime::cpu::CpuBackend;
@@ -284,18 +283,7 @@ fn load(args: &SampleArgs) -> Result<Loaded, Failure> {
 
 /// The spec of `source`, its diagnostics on stderr.
 fn compile(source: &SpecSource) -> Result<Spec, Failure> {
-    let overrides = parse_overrides(&source.overrides).map_err(usage)?;
-    let options = CompileOptions::through(Stage::Check);
-    let compiled = driver::compile(&source.file, source.text.clone(), &overrides, &options);
-    let color = crate::diagnostics::stderr_color();
-    for d in &compiled.diagnostics.items {
-        eprint!(
-            "{}",
-            crate::diagnostics::render(&compiled.sources, d, color)
-        );
-        eprintln!();
-    }
-    compiled.spec.ok_or_else(|| {
+    check_recorded(source).map_err(usage)?.ok_or_else(|| {
         failed(format!(
             "the model's spec ({}) has errors; `parc check` shows them all",
             source.file

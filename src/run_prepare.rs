@@ -8,6 +8,7 @@ use crate::SpecArgs;
 use parc_compiler::driver::{self, CompileOptions, Compiled, Stage};
 use parc_compiler::ir::Plan;
 use parc_compiler::spec::Spec;
+use parc_runtime::checkpoint::SpecSource;
 use std::path::Path;
 
 /// The backend `args` asks for and its spec compiled to a plan. `Err` is the exit code, the
@@ -72,6 +73,16 @@ pub(crate) fn compile(file: &Path, spec_args: &SpecArgs) -> Result<(Spec, Plan),
             Err(1)
         }
     }
+}
+
+/// Check the spec a model file records (or `--spec` gives for one), its diagnostics on stderr:
+/// `Err` is a `--set` override that does not parse, `Ok(None)` a spec with errors.
+pub(crate) fn check_recorded(source: &SpecSource) -> Result<Option<Spec>, String> {
+    let overrides = parse_overrides(&source.overrides)?;
+    let options = CompileOptions::through(Stage::Check);
+    let compiled = driver::compile(&source.file, source.text.clone(), &overrides, &options);
+    show_diagnostics(&compiled);
+    Ok(compiled.spec)
 }
 
 /// Every diagnostic of the compilation on stderr, each followed by an empty line.

@@ -14,8 +14,7 @@ mod cli;
 use parc_compiler::driver::{self, CompileOptions, Stage};
 use parc_compiler::ir::Plan;
 use parc_compiler::spec::Spec;
-use parc_runtime::checkpoint::ShardTensor;
-use parc_runtime::exec::{GlobalParam, TrainOptions};
+use parc_runtime::exec::{global_tensors, GlobalParam, TrainOptions};
 use parc_runtime::hf::{self, ExportOptions, HfDtype};
 use safetensors::SafeTensors;
 use std::path::{Path, PathBuf};
@@ -60,23 +59,12 @@ fn train(spec: &Spec, plan: &Plan, steps: u64) -> parc_runtime::error::Result<Ve
     parc_runtime::exec::train(spec, plan, &options, backend, &|_| {}).map(|r| r.params)
 }
 
-fn tensors(params: Vec<GlobalParam>) -> Vec<ShardTensor> {
-    params
-        .into_iter()
-        .map(|p| ShardTensor {
-            name: p.name,
-            shape: p.shape,
-            data: p.data,
-        })
-        .collect()
-}
-
 fn export(spec: &Spec, params: Vec<GlobalParam>, out: &Path, vocab: Option<u64>) {
     let options = ExportOptions {
         vocab,
         dtype: HfDtype::F32,
     };
-    hf::export(spec, &tensors(params), out, options).unwrap_or_else(|e| panic!("{e}"));
+    hf::export(spec, &global_tensors(params), out, options).unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// Every tensor of `dir/model.safetensors`: name, dtype, shape and bytes.
@@ -379,7 +367,7 @@ fn a_graph_transformers_does_not_have_is_refused_naming_the_layer() {
         vocab: None,
         dtype: HfDtype::F32,
     };
-    let err = hf::export(&spec, &tensors(params), &dir, options)
+    let err = hf::export(&spec, &global_tensors(params), &dir, options)
         .unwrap_err()
         .to_string();
     assert!(err.contains("has no counterpart in transformers"), "{err}");

@@ -5,7 +5,7 @@
 //! spec it ran in the file's metadata under [`SPEC_KEY`]: the `.par` text, the `--set`
 //! overrides and the spec's folder (for paths inside it, such as a tokenizer file), as JSON.
 //! [`SavedModel::open`] reads a model file, or a checkpoint folder holding one.
-use super::store::{model_path, ShardTensor};
+use super::store::{f32_values, model_path, ShardTensor};
 use super::{SpecSource, SPEC_KEY};
 use crate::error::{Result, RuntimeError};
 use safetensors::{Dtype, SafeTensors};
@@ -97,11 +97,7 @@ fn read_model(path: &Path) -> Result<SavedModel> {
         params.push(ShardTensor {
             name,
             shape: view.shape().iter().map(|&d| d as u64).collect(),
-            data: view
-                .data()
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
+            data: f32_values(view.data()),
         });
     }
     params.sort_by(|a, b| a.name.cmp(&b.name));

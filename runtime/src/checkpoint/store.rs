@@ -298,6 +298,14 @@ pub fn read_manifest(checkpoint: &Path) -> Result<Manifest> {
     Ok(manifest)
 }
 
+/// Little-endian f32 values of a tensor's bytes (an F32 safetensors view's data).
+pub(super) fn f32_values(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
 /// Read `rank`'s shard of checkpoint folder `checkpoint`: the tensors named in `expected` with
 /// exactly those shapes, in that order.
 pub fn read_shard(
@@ -333,11 +341,7 @@ pub fn read_shard(
                     ),
                 ));
             }
-            Ok(view
-                .data()
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect())
+            Ok(f32_values(view.data()))
         })
         .collect()
 }

@@ -133,17 +133,17 @@ impl EvalSet {
     /// The samples of dp rank `dp_rank`'s microbatch `microbatch` of evaluation batch `batch`.
     pub fn microbatch(&self, batch: u64, dp_rank: u32, microbatch: u32) -> Result<Vec<u64>> {
         let l = self.layout;
-        if batch >= self.batches || dp_rank >= l.dp || microbatch >= l.microbatches {
+        let slice = l
+            .slice_start(dp_rank, microbatch)
+            .filter(|_| batch < self.batches);
+        let Some(slice) = slice else {
             return Err(RuntimeError::Data(format!(
                 "evaluation batch {batch}, dp rank {dp_rank}, microbatch {microbatch} is outside \
                  the evaluation set of {} batches of dp {} × {} microbatches (a lowering bug)",
                 self.batches, l.dp, l.microbatches
             )));
-        }
-        let start = self.first
-            + batch * l.global_batch()
-            + (u64::from(dp_rank) * u64::from(l.microbatches) + u64::from(microbatch))
-                * l.micro_batch;
+        };
+        let start = self.first + batch * l.global_batch() + slice;
         Ok((start..start + l.micro_batch).collect())
     }
 }

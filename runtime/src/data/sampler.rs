@@ -27,6 +27,16 @@ impl BatchLayout {
     pub fn global_batch(&self) -> u64 {
         u64::from(self.dp) * u64::from(self.microbatches) * self.micro_batch
     }
+
+    /// Where dp rank `dp_rank`'s microbatch `microbatch` starts within a global batch: the
+    /// fixed slice `(dp_rank · microbatches + microbatch) · micro_batch`; None outside the
+    /// layout.
+    pub fn slice_start(&self, dp_rank: u32, microbatch: u32) -> Option<u64> {
+        (dp_rank < self.dp && microbatch < self.microbatches).then(|| {
+            (u64::from(dp_rank) * u64::from(self.microbatches) + u64::from(microbatch))
+                * self.micro_batch
+        })
+    }
 }
 
 /// How much of one epoch the steps so far have read.
@@ -118,16 +128,14 @@ impl Sampler {
     /// The samples of dp rank `dp_rank`'s microbatch `microbatch` at `step`.
     pub fn microbatch(&mut self, step: u64, dp_rank: u32, microbatch: u32) -> Result<Vec<u64>> {
         let l = self.layout;
-        if dp_rank >= l.dp || microbatch >= l.microbatches {
+        let Some(slice) = l.slice_start(dp_rank, microbatch) else {
             return Err(RuntimeError::Data(format!(
                 "dp rank {dp_rank} microbatch {microbatch} is outside the batch layout of dp {} \
                  × {} microbatches (a lowering bug)",
                 l.dp, l.microbatches
             )));
-        }
-        let start = step * l.global_batch()
-            + (u64::from(dp_rank) * u64::from(l.microbatches) + u64::from(microbatch))
-                * l.micro_batch;
+        };
+        let start = step * l.global_batch() + slice;
         Ok((start..start + l.micro_batch).map(|p| self.at(p)).collect())
     }
 

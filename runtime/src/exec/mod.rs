@@ -475,7 +475,7 @@ fn training_sampler(spec: &Spec, options: &TrainOptions) -> Result<Option<Traini
 }
 
 /// Global parameters as named tensors for a safetensors file.
-fn global_tensors(params: Vec<GlobalParam>) -> Vec<ShardTensor> {
+pub fn global_tensors(params: Vec<GlobalParam>) -> Vec<ShardTensor> {
     params
         .into_iter()
         .map(|p| ShardTensor {
