@@ -118,11 +118,12 @@ fn run_with<B: Backend>(
         std::io::stderr().is_terminal(),
     );
     progress.show_first_step();
+    // The metrics row first: a reader that sees a step's line finds its row in metrics.csv.
     let on_step = |record: &parc_runtime::exec::StepRecord| {
-        progress.step(record);
         if let Some(metrics) = &metrics {
             metrics.step(record);
         }
+        progress.step(record);
     };
     let result = train(spec, plan, &options, new_backend, &on_step)
         .map_err(|e| crate::run_error::describe(&e, spec, &args.file, &args.spec.set))?;

@@ -145,12 +145,13 @@ fn train_rank(
     if is_report {
         progress.show_first_step();
     }
+    // The metrics row first: a reader that sees a step's line finds its row in metrics.csv.
     let on_step = |record: &parc_runtime::exec::StepRecord| {
-        if is_report {
-            progress.step(record);
-        }
         if let Some(metrics) = &metrics {
             metrics.step(record);
+        }
+        if is_report {
+            progress.step(record);
         }
     };
     if is_report && args.log_format == LogFormat::Human {
