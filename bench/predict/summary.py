@@ -1,0 +1,84 @@
+"""Predicted against measured step times of bench/predict_call.sh's output folder.
+
+    python3 bench/predict/summary.py CONFIGS OUT
+
+One row per configuration: the step `parc check` predicted (its simulated timeline, priced by the
+call's profile), the measured median of steps 3.. of `parc run`, and measured / predicted. Then,
+per model (the name up to its first `/`): Kendall's tau between predicted and measured order, and
+how far the predicted fastest is from the measured fastest.
+"""
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def predicted(path):
+    try:
+        doc = json.loads(path.read_text())
+        return doc["files"][0]["lowered"]["step_seconds"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def measured(path):
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    steps = []
+    for line in lines:
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("event") == "step" and e.get("tokens_per_s"):
+            steps.append(e["tokens"] / e["tokens_per_s"])
+    timed = steps[2:]
+    return statistics.median(timed) if timed else None
+
+
+def kendall_tau(xs, ys):
+    concordant = discordant = 0
+    for i in range(len(xs)):
+        for j in range(i + 1, len(xs)):
+            s = (xs[i] - xs[j]) * (ys[i] - ys[j])
+            concordant += s > 0
+            discordant += s < 0
+    pairs = len(xs) * (len(xs) - 1) / 2
+    return (concordant - discordant) / pairs if pairs else float("nan")
+
+
+def main(configs, out):
+    rows = []
+    for line in Path(configs).read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        name = line.split()[0]
+        file = name.replace("/", "_")
+        rows.append((name, predicted(out / f"check-{file}.json"), measured(out / f"run-{file}.jsonl")))
+    print(f"{'configuration':<28} {'predicted':>10} {'measured':>10} {'meas/pred':>9}")
+    within = 0
+    both = [r for r in rows if r[1] and r[2]]
+    for name, p, m in rows:
+        ps = f"{p * 1e3:.1f} ms" if p else "-"
+        ms = f"{m * 1e3:.1f} ms" if m else "-"
+        ratio = f"{m / p:.3f}" if p and m else "-"
+        within += bool(p and m and abs(m / p - 1) <= 0.10)
+        print(f"{name:<28} {ps:>10} {ms:>10} {ratio:>9}")
+    print(f"within 10%: {within} of {len(both)} measured")
+    models = sorted({n.split("/")[0] for n, _, _ in both})
+    for model in models:
+        group = [r for r in both if r[0].split("/")[0] == model]
+        if len(group) < 2:
+            continue
+        tau = kendall_tau([r[1] for r in group], [r[2] for r in group])
+        pick = min(group, key=lambda r: r[1])
+        best = min(group, key=lambda r: r[2])
+        print(f"{model}: Kendall tau {tau:.2f} over {len(group)}; predicted fastest {pick[0]} "
+              f"measures {pick[2] * 1e3:.1f} ms, {(pick[2] / best[2] - 1) * 100:.1f}% over the "
+              f"measured fastest {best[0]} ({best[2] * 1e3:.1f} ms)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
