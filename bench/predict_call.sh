@@ -4,39 +4,44 @@
 # (`parc check --format json` priced by that profile) and measure it (`parc run`, STEPS steps of
 # synthetic data, the median of steps 3..), so prediction and measurement share the call.
 #
-#   CONFIGS=bench/predict/h200.txt ONLY=regex CALIBRATION=file STEPS=8 bench/predict_call.sh [DIR]
+#   CONFIGS=bench/predict/h200.txt ONLY=regex CALIBRATION=file STEPS=6 DEADLINE=420 \
+#       bench/predict_call.sh [DIR]
 #
 # DIR: the binaries bench/device_build.sh built (default .device). CALIBRATION: use this profile
-# instead of measuring one. ONLY: run the configurations whose name matches. Output under $OUT
-# (else DIR/out): the profile (h200.json), check-NAME.json and run-NAME.jsonl per configuration,
-# and the table of bench/predict/summary.py on stdout and in summary.txt.
+# instead of measuring one. ONLY: the configurations whose name matches. DEADLINE: seconds after
+# which no configuration starts (the list is in priority order), so the summary is always written.
+# Output: $OUT (else DIR/out) gets few files (the device returns at most 8): the profile
+# (h200.json), summary.txt (bench/predict/summary.py's table) and logs.tgz (each configuration's
+# check-NAME.json and run-NAME.jsonl/.stderr, the calibration log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device_env.sh
 device_dirs "${1:-}"
 configs=${CONFIGS:-bench/predict/h200.txt}
-steps=${STEPS:-8}
+steps=${STEPS:-6}
+deadline=${DEADLINE:-420}
+work=$(mktemp -d)
 t0=$SECONDS
 profile=${CALIBRATION:-}
 if [[ -z $profile ]]; then
     profile=$out/h200.json
-    timeout 300 "$dir/parc" calibrate --backend cuda --gpu h200 -o "$profile" > "$out/calibrate.log" 2>&1
+    timeout 150 "$dir/parc" calibrate --backend cuda --gpu h200 -o "$profile" > "$work/calibrate.log" 2>&1
     echo "== calibrate rc=$? at $((SECONDS - t0)) s"
-    tail -3 "$out/calibrate.log"
+    cat "$work/calibrate.log"
 fi
 while read -r name spec settings; do
     [[ -z $name || $name == \#* ]] && continue
     [[ -n ${ONLY:-} && ! $name =~ $ONLY ]] && continue
+    (( SECONDS - t0 > deadline )) && { echo "== deadline: $name and later not run"; break; }
     file=$(printf '%s' "$name" | tr '/' '_')
     sets=(--set "train.steps=$steps" --set train.data=synthetic)
     for s in $settings; do sets+=(--set "$s"); done
     "$dir/parc" check "$spec" "${sets[@]}" --calibration "$profile" --format json \
-        > "$out/check-$file.json" 2> "$out/check-$file.stderr"
-    timeout 150 "$dir/parc" run "$spec" --backend cuda --log-format json "${sets[@]}" \
-        --set "train.checkpoint.dir=\"/tmp/parc-predict-$file\"" \
-        > "$out/run-$file.jsonl" 2> "$out/run-$file.stderr"
+        > "$work/check-$file.json" 2> "$work/check-$file.stderr"
+    timeout 90 "$dir/parc" run "$spec" --backend cuda --log-format json "${sets[@]}" \
+        > "$work/run-$file.jsonl" 2> "$work/run-$file.stderr"
     echo "== $name rc=$? at $((SECONDS - t0)) s"
-    rm -rf "/tmp/parc-predict-$file"
 done < "$configs"
-python3 bench/predict/summary.py "$configs" "$out" | tee "$out/summary.txt"
+python3 bench/predict/summary.py "$configs" "$work" | tee "$out/summary.txt"
+tar czf "$out/logs.tgz" -C "$work" .
 echo "total $((SECONDS - t0)) s"

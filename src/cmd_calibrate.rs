@@ -84,7 +84,7 @@ fn run(args: &CalibrateArgs) -> Result<(), (u8, String)> {
     );
     let started = std::time::Instant::now();
     let profile = calibrate(backend.as_mut(), &settings, &mut |what| {
-        eprintln!("  measuring {what}")
+        eprintln!("  {what}")
     })
     .map_err(|e| (1, format!("calibration failed: {e}")))?;
     let json = serde_json::to_string_pretty(&profile)

@@ -41,6 +41,9 @@ struct Grid {
     gemm_nk: &'static [u64],
     /// Largest n·k (the weight's elements) measured.
     gemm_max_weight: u64,
+    /// Largest m·n and m·k (an activation's elements) measured: the largest GEMMs a step runs
+    /// take a few milliseconds, so larger ones teach nothing and take seconds to fill.
+    gemm_max_activation: u64,
     /// (batch, heads, kv heads, seq, head dim).
     attention: Vec<[u64; 5]>,
     /// Elements of the memory-bound ops' main operand.
@@ -58,6 +61,7 @@ fn grid(quick: bool) -> Grid {
             gemm_m: &[64, 512],
             gemm_nk: &[64, 256, 1024],
             gemm_max_weight: 1 << 20,
+            gemm_max_activation: 1 << 20,
             attention: [32, 128].map(|seq| [2, 4, 4, seq, 16]).to_vec(),
             memory_elements: vec![1 << 10, 1 << 14, 1 << 18],
             norm_dim: 256,
@@ -78,6 +82,7 @@ fn grid(quick: bool) -> Grid {
         gemm_m: &[512, 2048, 8192, 32768],
         gemm_nk: &[256, 1024, 4096, 16384, 65536],
         gemm_max_weight: 1 << 28,
+        gemm_max_activation: 1 << 28,
         attention,
         memory_elements: (12..=28).step_by(2).map(|b| 1u64 << b).collect(),
         norm_dim: 1024,
@@ -99,15 +104,20 @@ pub fn calibrate(
         half: settings.precision != Precision::Fp32,
         reps: grid.reps,
         next: 0,
+        pattern: Vec::new(),
     };
-    progress("launch overhead");
+    progress("measuring launch overhead");
     let overhead = bench.time(&Op::Scale { factor: 0.5 }, 1, 1)?.0;
-    progress("gemm");
+    let started = Instant::now();
+    progress("measuring gemm");
     let gemm = bench.gemms(&grid)?;
-    progress("attention");
+    progress(&table_done("gemm", gemm.len(), &started));
+    progress("measuring attention");
     let attention = bench.attention(&grid)?;
-    progress("memory-bound ops");
+    progress(&table_done("attention", attention.len(), &started));
+    progress("measuring memory-bound ops");
     let memory = bench.memory(&grid)?;
+    progress(&table_done("memory-bound ops", memory.len(), &started));
     let peak_flops = settings.gpu.peak_for(settings.precision);
     Ok(Profile {
         version: VERSION,
@@ -130,6 +140,12 @@ pub fn calibrate(
     })
 }
 
+/// A progress line: a table's points measured, and the seconds since the first table began.
+fn table_done(table: &str, points: usize, started: &Instant) -> String {
+    let seconds = started.elapsed().as_secs_f64();
+    format!("{table}: {points} points measured ({seconds:.1} s so far)")
+}
+
 /// Times ops on one backend.
 struct Bench<'a> {
     backend: &'a mut dyn Backend,
@@ -138,6 +154,9 @@ struct Bench<'a> {
     reps: usize,
     /// The next buffer id.
     next: u32,
+    /// The values inputs are filled with, grown to the largest input so far (generating
+    /// gigabytes of them per point would take longer than timing the op).
+    pattern: Vec<f32>,
 }
 
 const SCALARS: StepScalars = StepScalars {
@@ -156,7 +175,7 @@ impl Bench<'_> {
         for &m in grid.gemm_m {
             for &n in grid.gemm_nk {
                 for &k in grid.gemm_nk {
-                    if n * k > grid.gemm_max_weight {
+                    if n * k > grid.gemm_max_weight || m * n.max(k) > grid.gemm_max_activation {
                         continue;
                     }
                     for (layout, op) in gemm_ops(n, k) {
@@ -324,10 +343,14 @@ impl Bench<'_> {
         match operand.class {
             StorageClass::Tokens => self.backend.write_i32(id, &vec![0; len]),
             _ => {
-                let data: Vec<f32> = (0..len)
-                    .map(|i| 0.5 + ((i as u64 * 2_654_435_761) % 1000) as f32 / 2000.0)
-                    .collect();
-                self.backend.write_f32(id, &data)
+                let have = self.pattern.len();
+                if have < len {
+                    self.pattern.extend(
+                        (have..len)
+                            .map(|i| 0.5 + ((i as u64 * 2_654_435_761) % 1000) as f32 / 2000.0),
+                    );
+                }
+                self.backend.write_f32(id, &self.pattern[..len])
             }
         }
     }
