@@ -7,9 +7,10 @@
 //! leaves only its staging folder `.step-N.tmp`, which resuming never chooses and the next run
 //! on the folder removes ([`remove_unfinished`]).
 //!
-//! Test hook: `PARC_TEST_CHECKPOINT_STALL=STEP:MS` makes the writer of the checkpoint after
-//! STEP steps (`*`: every checkpoint) sleep MS milliseconds after writing its shard, before
-//! reporting it written — time for a test to kill the run while a save is unfinished.
+//! Test hook: `PARC_TEST_CHECKPOINT_STALL=STEP:MS` makes each writer of the checkpoint after
+//! STEP steps (`*`: every checkpoint) sleep MS milliseconds before writing its shard (its
+//! staging folder exists by then) — time for a test to kill the run, or to put something in
+//! the way of the shard, while a save is unfinished.
 use super::store::{self, TensorSlice};
 use super::Manifest;
 use crate::backend::HostStaging;
@@ -210,14 +211,14 @@ fn run(job: Job, stall: Option<(Option<u64>, Duration)>) -> (Report, Option<Snap
             step,
             snapshot,
         } => {
-            let result = snapshot
-                .slices()
-                .and_then(|slices| store::write_shard_slices(&staging, rank, &slices));
             if let Some((at, pause)) = stall {
                 if at.is_none_or(|at| at == step) {
                     std::thread::sleep(pause);
                 }
             }
+            let result = snapshot
+                .slices()
+                .and_then(|slices| store::write_shard_slices(&staging, rank, &slices));
             (Report::Shard { step, result }, Some(snapshot))
         }
         Job::Commit {
@@ -273,4 +274,56 @@ pub fn remove_unfinished(dir: &Path) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::store::tests::temp_dir;
+    use super::*;
+
+    fn snapshot() -> Snapshot {
+        Snapshot {
+            tensors: vec![SnapshotTensor {
+                name: "w".to_string(),
+                shape: vec![2],
+                range: 1..3,
+            }],
+            host: Box::new(vec![0.0f32, 1.5, -2.0]),
+        }
+    }
+
+    #[test]
+    fn a_shard_is_written_from_its_snapshot_and_a_failure_names_the_file() {
+        let dir = temp_dir("writer");
+        let mut writer = Writer::start(0).unwrap();
+        writer.write_shard(&dir, 3, snapshot()).unwrap();
+        writer.write_shard(&dir.join("absent"), 4, snapshot()).unwrap();
+        let Some(Report::Shard { step: 3, result }) = writer.report(true).unwrap() else {
+            panic!("no report of the first shard");
+        };
+        result.unwrap();
+        let back = store::read_shard(&dir, 0, &[("w".to_string(), vec![2])]).unwrap();
+        assert_eq!(back, vec![vec![1.5, -2.0]]);
+        let Some(Report::Shard { step: 4, result }) = writer.report(true).unwrap() else {
+            panic!("no report of the second shard");
+        };
+        let err = result.unwrap_err().to_string();
+        assert!(err.contains("absent/rank-00000.safetensors.tmp"), "{err}");
+        assert!(writer.take_idle().is_some(), "the snapshot memory came back");
+        assert!(writer.report(false).unwrap().is_none());
+    }
+
+    #[test]
+    fn only_the_staging_folders_of_unfinished_saves_are_removed() {
+        let dir = temp_dir("unfinished");
+        for name in [".step-00000004.tmp", "step-00000002", ".step-x.tmp"] {
+            std::fs::create_dir_all(dir.join(name)).unwrap();
+        }
+        std::fs::write(dir.join(".step-00000006.tmp"), b"a file").unwrap();
+        remove_unfinished(&dir).unwrap();
+        assert!(!dir.join(".step-00000004.tmp").exists());
+        for kept in ["step-00000002", ".step-x.tmp", ".step-00000006.tmp"] {
+            assert!(dir.join(kept).exists(), "{kept}");
+        }
+    }
 }
