@@ -224,10 +224,16 @@ impl Saves {
     }
 
     fn not_saved(&self, step: u64, cause: RuntimeError) -> RuntimeError {
+        let cause = match cause {
+            RuntimeError::Checkpoint(what) => what,
+            other => other.to_string(),
+        };
         RuntimeError::Checkpoint(format!(
-            "{} was not saved (rank {}): {cause}",
+            "{} was not saved (rank {}): {cause}; check that {} is writable and its disk has \
+             room",
             self.step_path(step).display(),
-            self.rank
+            self.rank,
+            self.dir.display()
         ))
     }
 
