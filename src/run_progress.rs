@@ -750,9 +750,15 @@ mod tests {
         });
         let value: serde_json::Value = serde_json::from_str(&json_line(&saved)).unwrap();
         assert_eq!(value["saving"], true);
-        assert_eq!((value["save_s"].as_f64(), value["save_wait_s"].as_f64()), (Some(1.5), Some(1.34)));
+        assert_eq!(
+            (value["save_s"].as_f64(), value["save_wait_s"].as_f64()),
+            (Some(1.5), Some(1.34))
+        );
         let line = human_line(&saved, 0, 20);
-        assert!(line.ends_with("waited 1.3s for the previous checkpoint to finish writing"), "{line}");
+        assert!(
+            line.ends_with("waited 1.3s for the previous checkpoint to finish writing"),
+            "{line}"
+        );
         assert!(kept(&saved));
         let plain: serde_json::Value = serde_json::from_str(&json_line(&record(1, 1.0))).unwrap();
         assert!(plain["save_s"].is_null() && plain["saving"] == false);

@@ -123,7 +123,9 @@ fn an_async_save_resumes_bit_exactly_and_a_killed_save_is_never_chosen() {
         .map(|v| v.as_str().unwrap())
         .collect();
     assert_eq!(listed.len(), 4, "{listed:?}");
-    assert!(listed.iter().all(|p| Path::new(p).join("manifest.json").is_file()));
+    assert!(listed
+        .iter()
+        .all(|p| Path::new(p).join("manifest.json").is_file()));
 
     // Synchronous saves train exactly as asynchronous ones do.
     let sync_dir = temp_dir("sync");
@@ -138,7 +140,10 @@ fn an_async_save_resumes_bit_exactly_and_a_killed_save_is_never_chosen() {
     let dir = temp_dir("killed");
     let args = run_args(&dir, &[]);
     let unfinished = dir.join(".step-00000004.tmp");
-    let ready = [dir.join("step-00000002").join("manifest.json"), unfinished.clone()];
+    let ready = [
+        dir.join("step-00000002").join("manifest.json"),
+        unfinished.clone(),
+    ];
     let mut child = spawn_until(&args, "4:60000", &ready);
     child.kill().unwrap();
     child.wait().unwrap();

@@ -297,7 +297,9 @@ mod tests {
         let dir = temp_dir("writer");
         let mut writer = Writer::start(0).unwrap();
         writer.write_shard(&dir, 3, snapshot()).unwrap();
-        writer.write_shard(&dir.join("absent"), 4, snapshot()).unwrap();
+        writer
+            .write_shard(&dir.join("absent"), 4, snapshot())
+            .unwrap();
         let Some(Report::Shard { step: 3, result }) = writer.report(true).unwrap() else {
             panic!("no report of the first shard");
         };
@@ -309,7 +311,10 @@ mod tests {
         };
         let err = result.unwrap_err().to_string();
         assert!(err.contains("absent/rank-00000.safetensors.tmp"), "{err}");
-        assert!(writer.take_idle().is_some(), "the snapshot memory came back");
+        assert!(
+            writer.take_idle().is_some(),
+            "the snapshot memory came back"
+        );
         assert!(writer.report(false).unwrap().is_none());
     }
 
