@@ -595,7 +595,7 @@ impl RunContext<'_> {
         });
         let mut profile = None;
         let mut guard = NonFiniteGuard::new(train.on_nonfinite);
-        let mut saves = self.saves(exec)?;
+        let mut saves = self.saves(exec, start_step..end)?;
         for step in start_step..end {
             let saving = saves.as_ref().is_some_and(save::Saves::in_flight);
             let step_started = Instant::now();
@@ -691,14 +691,20 @@ impl RunContext<'_> {
     }
 
     /// This rank's checkpoint saves, when the spec checkpoints (their snapshot memory taken
-    /// before the first step).
-    fn saves<B: Backend>(&self, exec: &mut RankExecutor<'_, B>) -> Result<Option<save::Saves>> {
+    /// before the first step when a save falls into `steps`).
+    fn saves<B: Backend>(
+        &self,
+        exec: &mut RankExecutor<'_, B>,
+        mut steps: std::ops::Range<u64>,
+    ) -> Result<Option<save::Saves>> {
         let Some(ckpt) = &self.spec.train.checkpoint else {
             return Ok(None);
         };
         let dir = self.options.spec_dir.join(&ckpt.dir);
         let mut saves = save::Saves::new(ckpt, dir, exec.rank(), self.plan.world)?;
-        saves.reserve(exec)?;
+        if steps.any(|step| saves.due(step + 1)) {
+            saves.reserve(exec)?;
+        }
         Ok(Some(saves))
     }
 
