@@ -33,20 +33,30 @@ fn sync_dir(dir: &Path) -> Result<()> {
         .map_err(io_error(format!("syncing folder {}", dir.display())))
 }
 
-/// Write `bytes` to `path` atomically: `path.tmp`, fsync, rename.
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+/// The temporary name `path` is written under before [`publish`] renames it.
+fn temp_path(path: &Path) -> PathBuf {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    let context = format!("writing {}", tmp.display());
-    let mut file = File::create(&tmp).map_err(io_error(context.clone()))?;
-    file.write_all(bytes).map_err(io_error(context.clone()))?;
-    file.sync_all().map_err(io_error(context))?;
-    std::fs::rename(&tmp, path).map_err(io_error(format!(
+    PathBuf::from(tmp)
+}
+
+/// Rename the written and fsynced `tmp` to `path`.
+fn publish(tmp: &Path, path: &Path) -> Result<()> {
+    std::fs::rename(tmp, path).map_err(io_error(format!(
         "renaming {} to {}",
         tmp.display(),
         path.display()
     )))
+}
+
+/// Write `bytes` to `path` atomically: `path.tmp`, fsync, rename.
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = temp_path(path);
+    let context = format!("writing {}", tmp.display());
+    let mut file = File::create(&tmp).map_err(io_error(context.clone()))?;
+    file.write_all(bytes).map_err(io_error(context.clone()))?;
+    file.sync_all().map_err(io_error(context))?;
+    publish(&tmp, path)
 }
 
 /// The temporary folder the checkpoint of `step` is assembled in.
@@ -130,19 +140,13 @@ fn write_safetensors(
             .map_err(|e| ckpt_error(path, format!("tensor {}: {e}", tensor.name)))?;
         views.insert(tensor.name.to_string(), view);
     }
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
+    let tmp = temp_path(path);
     safetensors::serialize_to_file(views, metadata, &tmp)
         .map_err(|e| ckpt_error(&tmp, format!("cannot write: {e}")))?;
     File::open(&tmp)
         .and_then(|f| f.sync_all())
         .map_err(io_error(format!("syncing {}", tmp.display())))?;
-    std::fs::rename(&tmp, path).map_err(io_error(format!(
-        "renaming {} to {}",
-        tmp.display(),
-        path.display()
-    )))
+    publish(&tmp, path)
 }
 
 /// The metadata of a saved model: its step and, when given, its spec.

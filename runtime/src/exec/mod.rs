@@ -3,9 +3,9 @@
 //!
 //! [`train`] opens the data once, spawns the ranks, and reports one [`StepRecord`] per step
 //! (from the plan's report rank, as the step finishes) and the final parameters gathered to
-//! global tensors. Checkpoints are written every `train.checkpoint.every` steps (all ranks
-//! write their shard, rank 0 publishes the manifest after a barrier); `resume` continues from
-//! one. A run that checkpoints also exports its final parameters as global tensors
+//! global tensors. Checkpoints are written every `train.checkpoint.every` steps (each rank's
+//! writer thread writes its shard in the background, rank 0 publishes the manifest once all
+//! are written: `save`); `resume` continues from one. A run that checkpoints also exports its final parameters as global tensors
 //! (`DIR/model.safetensors`); `save_init` writes the parameters before the first step the
 //! same way, and `log_batches` the token offsets of every step's batch. A fresh run with
 //! `train.init = hf(…)` starts from those weights (checked before any rank starts); a resumed
