@@ -4,12 +4,17 @@
 //! memory the backend held.
 //!
 //! JSON lines: `{"event":"step","step":N,"loss":…,"lr":…,"grad_norm":…,"tokens":…,
-//! "tokens_per_s":…,"elapsed_s":…,"loss_scale":…,"skipped":…,"val_loss":…}` where `step` counts
+//! "tokens_per_s":…,"elapsed_s":…,"loss_scale":…,"skipped":…,"val_loss":…,"saving":…,
+//! "save_s":…,"save_wait_s":…}` where `step` counts
 //! completed steps (1-based, so the last line of a run has `step = train.steps`), then one
 //! `{"event":"summary",…}` line. `loss_scale` is the fp16 loss scale the step used (null in
 //! other precisions); `skipped` is true for a step whose gradients overflowed (its update was
 //! skipped); `val_loss` is the validation loss of a step after which `train.eval` ran (null on
-//! the others). A skipped step's human line, and an evaluated step's (`… loss 2.5000  val
+//! the others); `saving` is true for a step that ran while a checkpoint was written in the
+//! background, and `save_s` is what the checkpoint save started after the step cost the step
+//! loop (the snapshot copy, any wait for the previous save, which `save_wait_s` gives, and, for
+//! `checkpoint.async = false`, the whole write; null where no save started). A step whose save
+//! waited for the previous one says so on its human line. A skipped step's human line, and an evaluated step's (`… loss 2.5000  val
 //! 2.3456 (ppl 10.45) …`), are always printed (and kept on a terminal). The summary's
 //! `memory_reserved_bytes` is the most memory one rank's backend held, over all ranks also when
 //! each rank is its own process (null when the run does not know it); its `val_loss` and
@@ -220,9 +225,19 @@ fn skipped(record: &StepRecord) -> bool {
     record.loss_scale.is_some_and(|s| s.skipped) || record.skipped_nonfinite
 }
 
-/// A line that stays on a terminal: a skipped step's, or an evaluated one's.
+/// A line that stays on a terminal: a skipped step's, an evaluated one's, or one that waited
+/// for a checkpoint.
 fn kept(record: &StepRecord) -> bool {
-    skipped(record) || record.val_loss.is_some()
+    skipped(record) || record.val_loss.is_some() || save_waited(record).is_some()
+}
+
+/// The seconds a checkpoint save after `record`'s step waited for the previous save, when
+/// that was long enough to mention (a tenth of a second or more).
+fn save_waited(record: &StepRecord) -> Option<f64> {
+    record
+        .save
+        .map(|s| s.waited_s)
+        .filter(|&waited| waited >= 0.1)
 }
 
 /// Perplexity: e to the mean token cross-entropy.
@@ -266,6 +281,11 @@ pub fn human_line(record: &StepRecord, first_step: u64, total_steps: u64) -> Str
     if record.skipped_nonfinite {
         line.push_str("  skipped (non-finite gradients)");
     }
+    if let Some(waited) = save_waited(record) {
+        line.push_str(&format!(
+            "  waited {waited:.1}s for the previous checkpoint to finish writing"
+        ));
+    }
     line
 }
 
@@ -283,6 +303,9 @@ pub fn json_line(record: &StepRecord) -> String {
         "loss_scale": record.loss_scale.map(|s| s.scale),
         "skipped": skipped(record),
         "val_loss": record.val_loss,
+        "saving": record.saving,
+        "save_s": record.save.map(|s| s.total_s),
+        "save_wait_s": record.save.map(|s| s.waited_s),
     })
     .to_string()
 }
@@ -599,6 +622,8 @@ mod tests {
             skipped_nonfinite: false,
             memory_bytes: None,
             val_loss: None,
+            saving: false,
+            save: None,
         }
     }
 
@@ -713,6 +738,31 @@ mod tests {
             line,
             "step  50/200 [#####---------------] loss 2.5000  lr 6.00e-4  12.3k tok/s  ETA 0:30"
         );
+    }
+
+    #[test]
+    fn steps_show_background_saves_and_a_wait_for_the_previous_one() {
+        let mut saved = record(9, 3.0);
+        saved.saving = true;
+        saved.save = Some(parc_runtime::exec::SaveStall {
+            waited_s: 1.34,
+            total_s: 1.5,
+        });
+        let value: serde_json::Value = serde_json::from_str(&json_line(&saved)).unwrap();
+        assert_eq!(value["saving"], true);
+        assert_eq!(
+            (value["save_s"].as_f64(), value["save_wait_s"].as_f64()),
+            (Some(1.5), Some(1.34))
+        );
+        let line = human_line(&saved, 0, 20);
+        assert!(
+            line.ends_with("waited 1.3s for the previous checkpoint to finish writing"),
+            "{line}"
+        );
+        assert!(kept(&saved));
+        let plain: serde_json::Value = serde_json::from_str(&json_line(&record(1, 1.0))).unwrap();
+        assert!(plain["save_s"].is_null() && plain["saving"] == false);
+        assert!(!human_line(&record(1, 1.0), 0, 20).contains("waited"));
     }
 
     #[test]

@@ -40,6 +40,7 @@ fn checkpointing(dir: &Path, steps: u64, keep: u32) -> Spec {
         every: 2,
         dir: dir.display().to_string(),
         keep,
+        asynchronous: true,
     });
     s
 }

@@ -330,6 +330,7 @@ fn checkpoints_cross_backends() {
             every: 2,
             dir: dir.display().to_string(),
             keep: 1,
+            asynchronous: true,
         });
         let head = run(&s, first, Some(4), None);
         assert!(

@@ -242,6 +242,7 @@ fn a_resumed_run_gives_the_uninterrupted_val_losses_on_the_held_out_tail() {
             every: 2,
             dir: "ckpt".to_string(),
             keep: 0,
+            asynchronous: true,
         });
         s
     };

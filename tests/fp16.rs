@@ -83,6 +83,7 @@ fn overflowing_steps_are_skipped_and_the_scale_backs_off() {
         every: 3,
         dir: dir.display().to_string(),
         keep: 1,
+        asynchronous: true,
     });
     let result = run(&s, None);
     let initial = run(&tiny(plan(), Precision::Fp32), Some(0));

@@ -158,12 +158,14 @@ fn a_killed_run_keeps_its_rows_and_its_resumption_appends() {
     let checkpoint = format!("train.checkpoint.dir=\"{}\"", ckpt.display());
     let metrics_dir = path_arg(&dir);
     let mut args = run_args(40, &["--metrics", &metrics_dir]);
-    // A shrunk model and many steps: the kill lands long before the end.
+    // A shrunk model and many steps: the kill lands long before the end. Synchronous saves:
+    // the checkpoint of step 4 is committed before step 5's line appears.
     for set in [
         "model.seq=16",
         "model.d=32",
         "model.ffn=64",
         "train.checkpoint.every=2",
+        "train.checkpoint.async=false",
         &checkpoint,
     ] {
         args.extend(["--set".to_string(), set.to_string()]);

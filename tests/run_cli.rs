@@ -194,13 +194,15 @@ fn a_killed_run_resumes_bit_identically() {
     let mut args = vec!["run", "examples/tiny.par", "--log-format", "json"];
     args.extend(SMALL);
     // A shrunk model and many steps: the kill below lands long before the end in debug and
-    // release builds alike.
+    // release builds alike. Synchronous saves: step 2's checkpoint is committed before step 3's
+    // line appears (tests/async_save.rs kills a run during an asynchronous save).
     for set in [
         "model.seq=16",
         "model.d=32",
         "model.ffn=64",
         "train.steps=60",
         "train.checkpoint.every=2",
+        "train.checkpoint.async=false",
     ] {
         args.extend(["--set", set]);
     }

@@ -49,6 +49,7 @@ fn with_checkpoints_split(plan: PlanChoice, split: Split, dir: &Path) -> Spec {
         every: 2,
         dir: dir.display().to_string(),
         keep: 2,
+        asynchronous: true,
     });
     s
 }

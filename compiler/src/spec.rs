@@ -659,6 +659,9 @@ pub struct Checkpointing {
     pub dir: String,
     /// Keep only the newest `keep` checkpoints (0 = keep all).
     pub keep: u32,
+    /// `async`: a background writer saves while training continues (the default); `false`
+    /// makes each save finish before the next step.
+    pub asynchronous: bool,
 }
 
 /// `train.eval`: the validation loss, measured on data training never reads.

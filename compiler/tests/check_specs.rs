@@ -328,7 +328,7 @@ train {
   optimizer = sgd { lr: 0.1, momentum: 0.9, weight_decay: 1e-4 }
   schedule = linear { warmup: 5, min_lr: 0.001, decay_steps: 50 }
   steps = 60; seed = 7; log_every = 5
-  checkpoint = { every: 20, dir: "ckpt/", keep: 2 }
+  checkpoint = { every: 20, dir: "ckpt/", keep: 2, async: false }
   data = "tokens.bin" as u16
 }
 
@@ -447,7 +447,8 @@ fn every_language_feature_reaches_the_spec() {
         Some(Checkpointing {
             every: 20,
             dir: "ckpt/".into(),
-            keep: 2
+            keep: 2,
+            asynchronous: false
         })
     );
     assert!(

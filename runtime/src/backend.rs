@@ -1,6 +1,6 @@
 //! The `Backend` trait: where a rank's buffers live and how compute ops run on them. The
 //! executor drives it; `cpu` (the exact reference) and later `cuda` implement it.
-use crate::error::Result;
+use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::Program;
 use parc_compiler::ir::{BufferId, CollectiveKind, DType};
@@ -34,6 +34,39 @@ pub enum DeviceTransfer {
         tag: u32,
         buffer: BufferId,
     },
+}
+
+/// Host memory a checkpoint snapshot is copied into ([`Backend::host_staging`]): plain memory
+/// on the CPU, page-locked on CUDA (the device-to-host copy then runs at the bus's speed). It
+/// travels to the checkpoint writer's thread and back (`checkpoint::writer`).
+pub trait HostStaging: Send {
+    /// The values, to read.
+    fn values(&self) -> Result<&[f32]>;
+    /// The values, to fill.
+    fn values_mut(&mut self) -> Result<&mut [f32]>;
+}
+
+impl HostStaging for Vec<f32> {
+    fn values(&self) -> Result<&[f32]> {
+        Ok(self)
+    }
+    fn values_mut(&mut self) -> Result<&mut [f32]> {
+        Ok(self)
+    }
+}
+
+/// `out` must take exactly the `len` elements of buffer `id`.
+pub fn check_read_len(id: BufferId, len: usize, out: &[f32]) -> Result<()> {
+    if len == out.len() {
+        return Ok(());
+    }
+    Err(RuntimeError::Buffer {
+        id: id.0,
+        what: format!(
+            "holds {len} elements, but {} were reserved to read it into",
+            out.len()
+        ),
+    })
 }
 
 pub trait Backend {
@@ -82,6 +115,19 @@ pub trait Backend {
     fn write_i32(&mut self, id: BufferId, data: &[i32]) -> Result<()>;
     /// Copy an f32 buffer to the host (a bf16 buffer widened exactly to f32).
     fn read_f32(&self, id: BufferId) -> Result<Vec<f32>>;
+    /// Host memory for `len` f32s that [`Backend::read_f32_into`] copies into fastest (for
+    /// checkpoint snapshots, reused from save to save). The default is plain memory.
+    fn host_staging(&mut self, len: usize) -> Result<Box<dyn HostStaging>> {
+        Ok(Box::new(vec![0.0f32; len]))
+    }
+    /// [`Backend::read_f32`] into `out`, which must hold exactly the buffer's elements. The
+    /// default reads through `read_f32`.
+    fn read_f32_into(&mut self, id: BufferId, out: &mut [f32]) -> Result<()> {
+        let values = self.read_f32(id)?;
+        check_read_len(id, values.len(), out)?;
+        out.copy_from_slice(&values);
+        Ok(())
+    }
     /// Wait until all queued work has finished (for timing ops); backends that run ops
     /// synchronously need not override it.
     fn synchronize(&mut self) -> Result<()> {

@@ -565,6 +565,7 @@ pub fn train(r: &mut Reader, span: Span, gpu_is_cpu: bool) -> Option<Train> {
                     .count("train.checkpoint.keep", 0)
                     .unwrap_or(0)
                     .min(u64::from(u32::MAX)) as u32,
+                asynchronous: r.flag("train.checkpoint.async").unwrap_or(true),
             })
         } else {
             None

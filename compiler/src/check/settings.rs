@@ -52,6 +52,7 @@ pub const PATHS: &[&str] = &[
     "train.checkpoint.every",
     "train.checkpoint.dir",
     "train.checkpoint.keep",
+    "train.checkpoint.async",
     "train.log_every",
     "train.eval.every",
     "train.eval.batches",

@@ -15,6 +15,11 @@
 //! `keep` checkpoints stay (0 keeps all). At the end of a run, `DIR/model.safetensors` holds the
 //! final parameters as global tensors (plan-independent, for export), its step in the metadata.
 //!
+//! Saves run in the background by default (`train.checkpoint.async`): each rank copies its
+//! buffers to host memory and its writer thread writes the shard while training goes on; rank 0
+//! commits once every shard is written (`writer`, and `exec`'s saves). A run that takes the
+//! folder removes the staging folders of saves that never finished.
+//!
 //! Each shard records a CRC-32C per tensor, which the manifest collects; resuming verifies them
 //! (`verify`). A run that writes checkpoints holds `DIR/parc.lock` for its lifetime (`lock`).
 //!
@@ -25,14 +30,16 @@ pub mod resume;
 pub mod saved;
 pub mod store;
 pub mod verify;
+pub mod writer;
 
 pub use lock::FolderLock;
 pub use resume::choose_resume;
 pub use saved::SavedModel;
 pub use store::{
     commit, find_latest, model_path, prepare, read_manifest, read_shard, staging_dir, write_model,
-    write_params, write_shard, ShardTensor,
+    write_params, write_shard, write_shard_slices, ShardTensor, TensorSlice,
 };
+pub use writer::{remove_unfinished, Snapshot, SnapshotTensor, Writer};
 
 use parc_compiler::ir::Plan;
 use serde::{Deserialize, Serialize};

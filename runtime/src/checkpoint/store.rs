@@ -33,20 +33,30 @@ fn sync_dir(dir: &Path) -> Result<()> {
         .map_err(io_error(format!("syncing folder {}", dir.display())))
 }
 
-/// Write `bytes` to `path` atomically: `path.tmp`, fsync, rename.
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+/// The temporary name `path` is written under before [`publish`] renames it.
+fn temp_path(path: &Path) -> PathBuf {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    let context = format!("writing {}", tmp.display());
-    let mut file = File::create(&tmp).map_err(io_error(context.clone()))?;
-    file.write_all(bytes).map_err(io_error(context.clone()))?;
-    file.sync_all().map_err(io_error(context))?;
-    std::fs::rename(&tmp, path).map_err(io_error(format!(
+    PathBuf::from(tmp)
+}
+
+/// Rename the written and fsynced `tmp` to `path`.
+fn publish(tmp: &Path, path: &Path) -> Result<()> {
+    std::fs::rename(tmp, path).map_err(io_error(format!(
         "renaming {} to {}",
         tmp.display(),
         path.display()
     )))
+}
+
+/// Write `bytes` to `path` atomically: `path.tmp`, fsync, rename.
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = temp_path(path);
+    let context = format!("writing {}", tmp.display());
+    let mut file = File::create(&tmp).map_err(io_error(context.clone()))?;
+    file.write_all(bytes).map_err(io_error(context.clone()))?;
+    file.sync_all().map_err(io_error(context))?;
+    publish(&tmp, path)
 }
 
 /// The temporary folder the checkpoint of `step` is assembled in.
@@ -71,23 +81,48 @@ pub fn prepare(dir: &Path, step: u64) -> Result<PathBuf> {
     Ok(staging)
 }
 
-/// Serialize f32 tensors as one safetensors file at `path`, atomically; with `checksums`, the
-/// metadata also records each tensor's CRC-32C (`verify::CHECKSUMS_KEY`).
+/// A named f32 tensor to write, borrowed (a snapshot's range, or a [`ShardTensor`]'s data).
+#[derive(Clone, Copy, Debug)]
+pub struct TensorSlice<'a> {
+    pub name: &'a str,
+    pub shape: &'a [u64],
+    pub data: &'a [f32],
+}
+
+impl<'a> From<&'a ShardTensor> for TensorSlice<'a> {
+    fn from(t: &'a ShardTensor) -> Self {
+        TensorSlice {
+            name: &t.name,
+            shape: &t.shape,
+            data: &t.data,
+        }
+    }
+}
+
+/// The little-endian bytes of `data`: the values themselves on a little-endian machine.
+fn le_bytes(data: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        std::borrow::Cow::Borrowed(bytemuck::cast_slice(data))
+    } else {
+        std::borrow::Cow::Owned(data.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
+}
+
+/// Serialize f32 tensors as one safetensors file at `path`, atomically (streamed from the
+/// tensors' memory to `path.tmp`, fsync, rename); with `checksums`, the metadata also records
+/// each tensor's CRC-32C (`verify::CHECKSUMS_KEY`).
 fn write_safetensors(
     path: &Path,
-    tensors: &[ShardTensor],
+    tensors: &[TensorSlice<'_>],
     mut metadata: Option<std::collections::HashMap<String, String>>,
     checksums: bool,
 ) -> Result<()> {
-    let bytes: Vec<Vec<u8>> = tensors
-        .iter()
-        .map(|t| t.data.iter().flat_map(|x| x.to_le_bytes()).collect())
-        .collect();
+    let bytes: Vec<std::borrow::Cow<'_, [u8]>> = tensors.iter().map(|t| le_bytes(t.data)).collect();
     if checksums {
         let sums: verify::TensorChecksums = tensors
             .iter()
             .zip(&bytes)
-            .map(|(t, b)| (t.name.clone(), verify::checksum(b)))
+            .map(|(t, b)| (t.name.to_string(), verify::checksum(b)))
             .collect();
         let json = serde_json::to_string(&sums).map_err(|e| ckpt_error(path, e))?;
         metadata
@@ -103,10 +138,15 @@ fn write_safetensors(
             .collect();
         let view = TensorView::new(Dtype::F32, shape, data)
             .map_err(|e| ckpt_error(path, format!("tensor {}: {e}", tensor.name)))?;
-        views.insert(tensor.name.clone(), view);
+        views.insert(tensor.name.to_string(), view);
     }
-    let file = safetensors::serialize(views, metadata).map_err(|e| ckpt_error(path, e))?;
-    write_atomic(path, &file)
+    let tmp = temp_path(path);
+    safetensors::serialize_to_file(views, metadata, &tmp)
+        .map_err(|e| ckpt_error(&tmp, format!("cannot write: {e}")))?;
+    File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .map_err(io_error(format!("syncing {}", tmp.display())))?;
+    publish(&tmp, path)
 }
 
 /// The metadata of a saved model: its step and, when given, its spec.
@@ -126,6 +166,12 @@ fn model_metadata(
 
 /// Write `rank`'s tensors into the staging folder.
 pub fn write_shard(staging: &Path, rank: u32, tensors: &[ShardTensor]) -> Result<()> {
+    let slices: Vec<TensorSlice<'_>> = tensors.iter().map(TensorSlice::from).collect();
+    write_shard_slices(staging, rank, &slices)
+}
+
+/// [`write_shard`] of borrowed tensors (a snapshot's, `super::writer`).
+pub fn write_shard_slices(staging: &Path, rank: u32, tensors: &[TensorSlice<'_>]) -> Result<()> {
     write_safetensors(&staging.join(shard_file_name(rank)), tensors, None, true)
 }
 
@@ -165,7 +211,8 @@ pub fn write_params(
         dir.display(),
         path.display()
     )))?;
-    write_safetensors(path, params, Some(model_metadata(step, source)?), false)?;
+    let slices: Vec<TensorSlice<'_>> = params.iter().map(TensorSlice::from).collect();
+    write_safetensors(path, &slices, Some(model_metadata(step, source)?), false)?;
     sync_dir(dir)
 }
 

@@ -224,6 +224,20 @@ impl Backend for CpuBackend {
         Ok(self.f32(id)?.to_vec())
     }
 
+    /// An f32 buffer is copied without an intermediate vector.
+    fn read_f32_into(&mut self, id: BufferId, out: &mut [f32]) -> Result<()> {
+        let widened;
+        let values = if self.memory.slot(id)?.dtype == DType::Bf16 {
+            widened = self.memory.widened(id)?;
+            &widened[..]
+        } else {
+            self.f32(id)?
+        };
+        crate::backend::check_read_len(id, values.len(), out)?;
+        out.copy_from_slice(values);
+        Ok(())
+    }
+
     fn stores_bf16(&self) -> bool {
         true
     }

@@ -73,6 +73,7 @@ mod matmul;
 mod nccl;
 mod norm;
 mod optimizer;
+mod snapshot;
 mod staging;
 mod storage;
 mod stream;
@@ -80,7 +81,7 @@ mod sum_squares;
 mod tma;
 mod variants;
 
-use crate::backend::{Backend, DeviceTransfer, StepScalars};
+use crate::backend::{Backend, DeviceTransfer, HostStaging, StepScalars};
 use crate::error::{Result, RuntimeError};
 use compile::Kernels;
 use cudarc::driver::result as cu;
@@ -752,6 +753,36 @@ impl Backend for CudaBackend {
         // SAFETY: the allocation holds exactly s.len f32s; the stream is idle.
         unsafe { cu::memcpy_dtoh_sync(&mut host, s.ptr) }.map_err(|e| driver_error(&what(), e))?;
         Ok(host)
+    }
+
+    /// Page-locked memory, so the snapshot's copy runs at the bus's speed.
+    fn host_staging(&mut self, len: usize) -> Result<Box<dyn HostStaging>> {
+        if len == 0 {
+            return Ok(Box::new(Vec::new()));
+        }
+        Ok(Box::new(snapshot::PinnedStaging::new(&self.ctx, len)?))
+    }
+
+    /// An f32 buffer is copied straight into `out` (pinned memory from `host_staging` makes
+    /// this a direct DMA); a bf16 one is widened through `read_f32`.
+    fn read_f32_into(&mut self, id: BufferId, out: &mut [f32]) -> Result<()> {
+        let (dtype, len, ptr) = {
+            let s = self.slot(id)?;
+            (s.dtype, s.len, s.ptr)
+        };
+        if dtype != DType::F32 {
+            let values = self.read_f32(id)?;
+            crate::backend::check_read_len(id, values.len(), out)?;
+            out.copy_from_slice(&values);
+            return Ok(());
+        }
+        crate::backend::check_read_len(id, len, out)?;
+        self.wait_comm_for(id)?;
+        CudaBackend::synchronize(self)?;
+        self.check_comm_intact()?;
+        // SAFETY: the allocation holds exactly len f32s, as does out; the stream is idle.
+        unsafe { cu::memcpy_dtoh_sync(out, ptr) }
+            .map_err(|e| driver_error(&format!("reading buffer {}", id.0), e))
     }
 
     fn device_collective(

@@ -3,9 +3,9 @@
 //!
 //! [`train`] opens the data once, spawns the ranks, and reports one [`StepRecord`] per step
 //! (from the plan's report rank, as the step finishes) and the final parameters gathered to
-//! global tensors. Checkpoints are written every `train.checkpoint.every` steps (all ranks
-//! write their shard, rank 0 publishes the manifest after a barrier); `resume` continues from
-//! one. A run that checkpoints also exports its final parameters as global tensors
+//! global tensors. Checkpoints are written every `train.checkpoint.every` steps (each rank's
+//! writer thread writes its shard in the background, rank 0 publishes the manifest once all
+//! are written: `save`); `resume` continues from one. A run that checkpoints also exports its final parameters as global tensors
 //! (`DIR/model.safetensors`); `save_init` writes the parameters before the first step the
 //! same way, and `log_batches` the token offsets of every step's batch. A fresh run with
 //! `train.init = hf(…)` starts from those weights (checked before any rank starts); a resumed
@@ -22,6 +22,7 @@ pub mod nonfinite;
 pub mod process;
 pub mod profile;
 pub mod rank;
+mod save;
 
 pub use gather::GlobalParam;
 pub use loss_scale::{LossScaleStep, LossScaler};
@@ -35,6 +36,7 @@ use crate::comm::{Comm, LocalComm};
 use crate::data::{write_run_batch_log, BatchLayout, Dataset, EpochProgress, RunData};
 use crate::error::{Result, RuntimeError};
 use crate::exec::nonfinite::{NonFiniteGuard, Verdict};
+pub use crate::exec::save::SaveStall;
 use crate::generate::{SampleSink, TrainingSampler};
 use crate::hf::HfInit;
 use parc_compiler::diag::Diagnostics;
@@ -128,6 +130,11 @@ pub struct StepRecord {
     pub memory_bytes: Option<u64>,
     /// Validation loss, on steps where `train.eval` ran.
     pub val_loss: Option<f32>,
+    /// A checkpoint was being written in the background while this step ran.
+    pub saving: bool,
+    /// A checkpoint save started after this step: what it cost the step loop (waiting for the
+    /// previous save, the snapshot copy; a synchronous save's whole write).
+    pub save: Option<save::SaveStall>,
 }
 
 /// The outcome of [`train`].
@@ -230,12 +237,18 @@ fn resume_point(
 }
 
 /// The lock on the spec's checkpoint folder, for a run that writes checkpoints (held until
-/// the run ends; see `checkpoint::lock`).
+/// the run ends; see `checkpoint::lock`). Holding it, the run removes the staging folders of
+/// saves that never finished (`checkpoint::remove_unfinished`).
 fn lock_checkpoints(spec: &Spec, options: &TrainOptions) -> Result<Option<checkpoint::FolderLock>> {
     spec.train
         .checkpoint
         .as_ref()
-        .map(|ckpt| checkpoint::FolderLock::acquire(&options.spec_dir.join(&ckpt.dir)))
+        .map(|ckpt| {
+            let dir = options.spec_dir.join(&ckpt.dir);
+            let lock = checkpoint::FolderLock::acquire(&dir)?;
+            checkpoint::remove_unfinished(&dir)?;
+            Ok(lock)
+        })
         .transpose()
 }
 
@@ -573,7 +586,6 @@ impl RunContext<'_> {
         let tokens = train.global_batch * self.spec.model.seq;
         let started = Instant::now();
         let mut records = Vec::new();
-        let mut checkpoints = Vec::new();
         let profile_at = self.options.profile.then(|| {
             let wanted = self
                 .options
@@ -583,7 +595,9 @@ impl RunContext<'_> {
         });
         let mut profile = None;
         let mut guard = NonFiniteGuard::new(train.on_nonfinite);
+        let mut saves = self.saves(exec, start_step..end)?;
         for step in start_step..end {
+            let saving = saves.as_ref().is_some_and(save::Saves::in_flight);
             let step_started = Instant::now();
             let lr = train.schedule.lr_at(train.optimizer.lr(), step);
             let metrics = if is_report && profile_at == Some(step) {
@@ -616,6 +630,10 @@ impl RunContext<'_> {
             } else {
                 None
             };
+            let save = match saves.as_mut() {
+                Some(saves) => self.save(exec, saves, step + 1)?,
+                None => None,
+            };
             if is_report {
                 let record = StepRecord {
                     step,
@@ -629,23 +647,20 @@ impl RunContext<'_> {
                     skipped_nonfinite: verdict == Verdict::Skipped,
                     memory_bytes: exec.reserved_bytes(),
                     val_loss,
+                    saving,
+                    save,
                 };
                 (self.on_step)(&record);
                 records.push(record);
-            }
-            if let Some(ckpt) = &train.checkpoint {
-                let done = step + 1;
-                if ckpt.every > 0 && done % ckpt.every == 0 {
-                    let dir = self.options.spec_dir.join(&ckpt.dir);
-                    if let Some(path) = self.save(exec, &dir, done, ckpt.keep)? {
-                        checkpoints.push(path);
-                    }
-                }
             }
             if let Some(sampler) = self.sampler.filter(|s| s.due(step + 1)) {
                 self.sample(exec, sampler, step + 1)?;
             }
         }
+        let checkpoints = match saves {
+            Some(saves) => saves.finish(exec)?,
+            None => Vec::new(),
+        };
         Ok(RankOutcome {
             records,
             pieces: exec.param_pieces()?,
@@ -675,27 +690,37 @@ impl RunContext<'_> {
         Ok(())
     }
 
-    /// Write a checkpoint after `step` steps; rank 0 returns its path.
+    /// This rank's checkpoint saves, when the spec checkpoints (their snapshot memory taken
+    /// before the first step when a save falls into `steps`).
+    fn saves<B: Backend>(
+        &self,
+        exec: &mut RankExecutor<'_, B>,
+        mut steps: std::ops::Range<u64>,
+    ) -> Result<Option<save::Saves>> {
+        let Some(ckpt) = &self.spec.train.checkpoint else {
+            return Ok(None);
+        };
+        let dir = self.options.spec_dir.join(&ckpt.dir);
+        let mut saves = save::Saves::new(ckpt, dir, exec.rank(), self.plan.world)?;
+        if steps.any(|step| saves.due(step + 1)) {
+            saves.reserve(exec)?;
+        }
+        Ok(Some(saves))
+    }
+
+    /// After `step` steps: learn how the save in flight is doing and, when a checkpoint is
+    /// due, start it (rank 0 gives the manifest it commits). Returns what a started save cost.
     fn save<B: Backend>(
         &self,
         exec: &mut RankExecutor<'_, B>,
-        dir: &Path,
+        saves: &mut save::Saves,
         step: u64,
-        keep: u32,
-    ) -> Result<Option<PathBuf>> {
-        let world: Vec<u32> = (0..self.plan.world).collect();
-        let rank = exec.rank();
-        if rank == 0 {
-            checkpoint::prepare(dir, step)?;
-        }
-        exec.comm().barrier(&world)?;
-        let staging = checkpoint::staging_dir(dir, step);
-        checkpoint::write_shard(&staging, rank, &exec.shard_tensors()?)?;
-        exec.comm().barrier(&world)?;
-        if rank != 0 {
+    ) -> Result<Option<SaveStall>> {
+        saves.settle(exec, false)?;
+        if !saves.due(step) {
             return Ok(None);
         }
-        let manifest = Manifest {
+        let manifest = (exec.rank() == 0).then(|| Manifest {
             format: checkpoint::FORMAT,
             plan_hash: self.plan_hash.to_string(),
             world: self.plan.world,
@@ -708,7 +733,7 @@ impl RunContext<'_> {
                 .map(checkpoint::shard_file_name)
                 .collect(),
             checksums: Default::default(),
-        };
-        checkpoint::commit(dir, &manifest, keep).map(Some)
+        });
+        saves.start(exec, step, manifest).map(Some)
     }
 }

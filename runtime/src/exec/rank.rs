@@ -4,8 +4,8 @@
 //! (`train.eval`) also runs the rank's evaluation program ([`RankExecutor::evaluate`]) on the
 //! same backend: its buffer table extends the training program's, and the backend's memory is
 //! planned once over both programs' instructions, so the two share the parameters.
-use crate::backend::{Backend, DeviceTransfer, StepScalars};
-use crate::checkpoint::{self, ShardTensor};
+use crate::backend::{Backend, DeviceTransfer, HostStaging, StepScalars};
+use crate::checkpoint::{self, Snapshot, SnapshotTensor};
 use crate::comm::{Comm, PeerOp};
 use crate::data::{fill_microbatch, BatchLayout, EvalSet, RunData, Sampler};
 use crate::error::{Result, RuntimeError};
@@ -900,17 +900,50 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
             .collect()
     }
 
-    /// Every persistent buffer, named as in the program, for a checkpoint shard.
-    pub fn shard_tensors(&self) -> Result<Vec<ShardTensor>> {
-        self.persistent()
-            .map(|(id, b)| {
-                Ok(ShardTensor {
+    /// The persistent buffers, named as in the program, laid out one after another in a
+    /// checkpoint snapshot's memory, and how many values that memory holds.
+    fn snapshot_layout(&self) -> (Vec<SnapshotTensor>, usize) {
+        let mut end = 0usize;
+        let tensors = self
+            .persistent()
+            .map(|(_, b)| {
+                let len = b.shape.iter().product::<u64>() as usize;
+                let start = end;
+                end += len;
+                SnapshotTensor {
                     name: b.name.clone(),
                     shape: b.shape.clone(),
-                    data: self.backend.read_f32(id)?,
-                })
+                    range: start..end,
+                }
             })
-            .collect()
+            .collect();
+        (tensors, end)
+    }
+
+    /// Host memory for this rank's checkpoint snapshots (the backend's fastest to copy into).
+    pub fn snapshot_memory(&mut self) -> Result<Box<dyn HostStaging>> {
+        let (_, len) = self.snapshot_layout();
+        self.backend.host_staging(len)
+    }
+
+    /// Copy every persistent buffer into `host` (from [`RankExecutor::snapshot_memory`]) for
+    /// a checkpoint shard: the device-to-host copy a save waits for.
+    pub fn snapshot(&mut self, mut host: Box<dyn HostStaging>) -> Result<Snapshot> {
+        let (tensors, len) = self.snapshot_layout();
+        let values = host.values_mut()?;
+        if values.len() != len {
+            return Err(RuntimeError::Checkpoint(format!(
+                "the snapshot memory holds {} values, rank {}'s buffers {len} (a checkpoint bug)",
+                values.len(),
+                self.rank
+            )));
+        }
+        let ids: Vec<BufferId> = self.persistent().map(|(id, _)| id).collect();
+        for (id, tensor) in ids.into_iter().zip(&tensors) {
+            self.backend
+                .read_f32_into(id, &mut values[tensor.range.clone()])?;
+        }
+        Ok(Snapshot { tensors, host })
     }
 
     /// Overwrite the persistent buffers with this rank's shard of `checkpoint`.
