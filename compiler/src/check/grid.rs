@@ -580,3 +580,20 @@ fn node_span(mesh: &Mesh) -> u64 {
         .max()
         .unwrap_or(1)
 }
+
+/// The global batch and microbatch count E0501's first fix gives, when [`Grid::batch`] refused
+/// the batch arithmetic (None when it holds): the global batch that keeps micro_batch and the
+/// microbatches as written (what a rank's memory depends on), or without written microbatches
+/// the nearest multiple of micro_batch × dp at or below it (at least one).
+pub fn assumed_batch(pin: &ParallelIn, train: &Train) -> Option<(u64, u32)> {
+    let dp = u64::from(pin.parallel.mesh.size(Axis::Dp));
+    let (g, mb) = (train.global_batch, train.micro_batch);
+    let per = mb.saturating_mul(dp);
+    let m = if pin.microbatches_given {
+        u64::from(pin.parallel.microbatches)
+    } else {
+        (g / per.max(1)).max(1)
+    };
+    let want = per.saturating_mul(m);
+    (per > 0 && want != g).then(|| (want, u32::try_from(m).unwrap_or(u32::MAX)))
+}
