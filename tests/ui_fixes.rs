@@ -2,7 +2,7 @@
 //! is checked with `parc check --format json`, and every fix its diagnostics carry (the help's
 //! concrete change as `--set PATH=VALUE` overrides) is applied and the spec checked again: the
 //! diagnostic's code must be gone — the fix neither leaves that error nor leads into another of
-//! the same check.
+//! the same check — and no error of another code may appear that the case did not have.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -61,7 +61,8 @@ fn every_fix_of_the_ui_cases_clears_its_diagnostic() {
     for file in ui_files() {
         let name = file.file_name().unwrap().to_string_lossy().into_owned();
         let args = case_args(&file);
-        for d in diagnostics(&file, &args) {
+        let before = diagnostics(&file, &args);
+        for d in &before {
             let code = d["code"].as_str().unwrap().to_string();
             for fix in d["fixes"].as_array().into_iter().flatten() {
                 let sets: Vec<String> = fix
@@ -80,6 +81,15 @@ fn every_fix_of_the_ui_cases_clears_its_diagnostic() {
                     failures.push(format!(
                         "{name}: {code}'s fix {sets:?} (help: {}) still gives {code}: {}",
                         d["help"], left["message"]
+                    ));
+                }
+                let is_new = |a: &&Value| {
+                    a["severity"] == "error" && !before.iter().any(|b| b["code"] == a["code"])
+                };
+                if let Some(new) = after.iter().find(is_new) {
+                    failures.push(format!(
+                        "{name}: {code}'s fix {sets:?} leads into {}: {}",
+                        new["code"], new["message"]
                     ));
                 }
             }

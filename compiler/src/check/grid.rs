@@ -642,3 +642,50 @@ pub fn assumed_batch(pin: &ParallelIn, train: &Train) -> Option<(u64, u32)> {
     let want = per.saturating_mul(m);
     (per > 0 && want != g).then(|| (want, u32::try_from(m).unwrap_or(u32::MAX)))
 }
+
+/// A fix that resizes a mesh axis (`parallel.tp=2`) on a one-node cluster also sizes the node
+/// to the new mesh (`cluster.gpus_per_node`), so that the fix does not lead into E0401 (and
+/// E0601); the help says so.
+pub fn complete_mesh_fixes(diags: &mut [Diagnostic], mesh: &Mesh, cluster: &Cluster) {
+    let world = u64::from(mesh.world());
+    if cluster.nodes != 1 {
+        return;
+    }
+    let axis_of = |path: &str| {
+        [Axis::Dp, Axis::Pp, Axis::Cp, Axis::Tp]
+            .into_iter()
+            .find(|a| path.strip_prefix("parallel.") == Some(a.name()))
+    };
+    for d in diags {
+        let mut resized = None;
+        for fix in &mut d.fixes {
+            if fix.sets.iter().any(|s| s.starts_with("cluster.")) {
+                continue;
+            }
+            let mut after = world;
+            for (path, value) in fix.sets.iter().filter_map(|s| s.split_once('=')) {
+                if let (Some(axis), Ok(value)) = (axis_of(path), value.parse::<u64>()) {
+                    after = after / u64::from(mesh.size(axis).max(1)) * value;
+                    resized.get_or_insert((
+                        path.trim_start_matches("parallel.").to_string(),
+                        value,
+                        0,
+                    ));
+                }
+            }
+            if after != world && after != u64::from(cluster.gpus_per_node) {
+                fix.sets.push(format!("cluster.gpus_per_node={after}"));
+                if let Some(r) = resized.as_mut() {
+                    r.2 = after;
+                }
+            }
+        }
+        if let (Some((axis, value, gpus)), Some(help)) = (resized, d.help.as_mut()) {
+            if gpus > 0 {
+                help.push_str(&format!(
+                    "; with {axis} = {value}, set gpus_per_node to {gpus} (the mesh's size)"
+                ));
+            }
+        }
+    }
+}

@@ -243,7 +243,8 @@ pub fn check_assuming(
             .unwrap_or(parallel_span);
         grid::recompute(&mut e.model, &pin.parallel.recompute, rspan, &mut diags);
     }
-    let diags = dedup(diags);
+    let mut diags = dedup(diags);
+    grid::complete_mesh_fixes(&mut diags.items, &pin.parallel.mesh, &cluster);
     let batch_only = diags
         .items
         .iter()
