@@ -155,9 +155,9 @@ impl Diagnostic {
         self
     }
     /// An alternative of the help as `--set` overrides (`path`, value) applied together.
-    pub fn fix<V: fmt::Display>(
+    pub fn fix<P: fmt::Display, V: fmt::Display>(
         mut self,
-        sets: impl IntoIterator<Item = (&'static str, V)>,
+        sets: impl IntoIterator<Item = (P, V)>,
     ) -> Diagnostic {
         let sets = sets
             .into_iter()
