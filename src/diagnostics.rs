@@ -198,5 +198,6 @@ pub fn to_json(sources: &Sources, d: &Diagnostic) -> Value {
         "labels": labels,
         "help": d.help,
         "notes": d.notes,
+        "fixes": d.fixes.iter().map(|f| &f.sets).collect::<Vec<_>>(),
     })
 }

@@ -6,7 +6,8 @@
 //! launcher (`run_supervise`) or a single-process run.
 //!
 //! For testing the failure handling, `PARC_TEST_FAULT=abort:R@MS` makes rank R's process abort
-//! MS milliseconds after the rendezvous (a crash), `stop:R@MS` stop (SIGSTOP: a hang).
+//! MS milliseconds after the rendezvous (a crash), `kill:R@MS` kill itself (SIGKILL, as `kill -9`
+//! does), `stop:R@MS` stop (SIGSTOP: a hang).
 use crate::metrics::RunMetrics;
 use crate::run_args::{spec_folder, train_options, Resolved, RunArgs};
 use crate::run_prepare::{backend_and_plan, exit_code};
@@ -89,8 +90,9 @@ fn rank_main(
     result
 }
 
-/// `PARC_TEST_FAULT=abort:R@MS` or `stop:R@MS`: MS ms from now, rank R's process aborts (a
-/// crash) or stops (SIGSTOP, a hang that keeps its connections open).
+/// `PARC_TEST_FAULT=abort:R@MS`, `kill:R@MS` or `stop:R@MS`: MS ms from now, rank R's process
+/// aborts (a crash), is killed (SIGKILL) or stops (SIGSTOP, a hang that keeps its connections
+/// open).
 fn inject_fault(rank: u32) {
     let Ok(fault) = std::env::var("PARC_TEST_FAULT") else {
         return;
@@ -103,22 +105,22 @@ fn inject_fault(rank: u32) {
         return;
     }
     let after = Duration::from_millis(after.trim().parse().unwrap_or(0));
-    let stop = match kind {
-        "abort" => false,
-        "stop" => true,
+    let signal = match kind {
+        "abort" => libc::SIGABRT,
+        "kill" => libc::SIGKILL,
+        "stop" => libc::SIGSTOP,
         _ => return,
     };
     let kind = kind.to_string();
     std::thread::spawn(move || {
         std::thread::sleep(after);
         eprintln!("PARC_TEST_FAULT: rank {rank} {kind}s now");
-        if stop {
-            // SAFETY: raising a signal on this process.
-            unsafe {
-                libc::raise(libc::SIGSTOP);
-            }
-        } else {
+        if signal == libc::SIGABRT {
             std::process::abort();
+        }
+        // SAFETY: sending a signal to this process.
+        unsafe {
+            libc::kill(libc::getpid(), signal);
         }
     });
 }

@@ -10,7 +10,7 @@ use crate::run_args::{resolve_backend, Resolved, RunArgs};
 use crate::run_launch::{timeout, NO_MPI};
 use crate::run_prepare::{compile, print_error};
 use crate::run_progress::LogFormat;
-use parc_runtime::launch;
+use parc_runtime::{checkpoint, launch};
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -94,8 +94,9 @@ fn launch_inner(args: &RunArgs, n: u32) -> Result<u8, (u8, String)> {
                 .arg("--tag-output")
                 .args(["-x", "MASTER_ADDR=127.0.0.1"])
                 .args(["-x", &format!("MASTER_PORT={port}")]);
-            if std::env::var_os("PARC_TEST_FAULT").is_some() {
-                command.args(["-x", "PARC_TEST_FAULT"]);
+            let faults = ["PARC_TEST_FAULT", checkpoint::fault::WRITE_FAULT_VAR];
+            for key in faults.into_iter().filter(|k| std::env::var_os(k).is_some()) {
+                command.args(["-x", key]);
             }
             allow_root(&mut command);
             command.arg(&exe).args(&child_args);

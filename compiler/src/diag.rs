@@ -112,6 +112,17 @@ pub struct Diagnostic {
     /// What to change, with the number to use.
     pub help: Option<String>,
     pub notes: Vec<String>,
+    /// The help's concrete changes in a form a tool can apply, one [`Fix`] per alternative.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub fixes: Vec<Fix>,
+}
+
+/// One alternative a help line suggests, as `--set PATH=VALUE` overrides applied together
+/// (`parallel.tp=2`, `model.vocab=50304`): a spec with them passes the check that reported it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Fix {
+    /// Each `PATH=VALUE`, as `--set` takes it.
+    pub sets: Vec<String>,
 }
 
 impl Diagnostic {
@@ -123,6 +134,7 @@ impl Diagnostic {
             labels: Vec::new(),
             help: None,
             notes: Vec::new(),
+            fixes: Vec::new(),
         }
     }
     pub fn warning(code: &'static str, message: impl Into<String>) -> Diagnostic {
@@ -140,6 +152,18 @@ impl Diagnostic {
     }
     pub fn help(mut self, help: impl Into<String>) -> Diagnostic {
         self.help = Some(help.into());
+        self
+    }
+    /// An alternative of the help as `--set` overrides (`path`, value) applied together.
+    pub fn fix<P: fmt::Display, V: fmt::Display>(
+        mut self,
+        sets: impl IntoIterator<Item = (P, V)>,
+    ) -> Diagnostic {
+        let sets = sets
+            .into_iter()
+            .map(|(path, v)| format!("{path}={v}"))
+            .collect();
+        self.fixes.push(Fix { sets });
         self
     }
     pub fn note(mut self, note: impl Into<String>) -> Diagnostic {

@@ -123,7 +123,11 @@ pub fn compile(
 ) -> Compiled {
     let mut sources = Sources::default();
     let main = sources.add(name, text);
-    let (spec, mut diagnostics) = crate::check(&mut sources, main, overrides);
+    let (spec, mut diagnostics, assumed) =
+        crate::check::check_assuming(&mut sources, main, overrides);
+    if let Some(assumed) = assumed.filter(|_| options.cost_model) {
+        diagnostics.extend(memory_assuming(&assumed));
+    }
     // A plan that will be lowered and planned gets its memory verdict from that (`fit`); the
     // formulas judge memory only for a plan that is not.
     let judged_lowered = spec
@@ -252,6 +256,27 @@ fn estimate_costs(spec: &Spec, judge_memory: bool, diagnostics: &mut Diagnostics
         diagnostics.extend(cost::warnings(spec, &report));
     }
     report
+}
+
+/// The cost formulas' memory verdict (E0701) on a spec whose batch arithmetic failed, judged
+/// with E0501's fix assumed, so both errors are reported in one run.
+fn memory_assuming(assumed: &crate::check::Assumed) -> Diagnostics {
+    let report = cost::estimate(&assumed.spec);
+    let mut out = Diagnostics::default();
+    for d in cost::diagnose(&assumed.spec, &report).items {
+        if d.code == "E0701" {
+            let judged = format!("judged as if {}, E0501's fix", assumed.fix);
+            let message = match d.message.strip_suffix(')') {
+                Some(head) => format!("{head}; {judged})"),
+                None => format!("{} ({judged})", d.message),
+            };
+            out.push(Diagnostic {
+                message,
+                ..d.note("fixing the batch alone does not make it fit")
+            });
+        }
+    }
+    out
 }
 
 /// The largest memory any rank of `spec`'s plan holds, lowered (one program per class) and

@@ -147,8 +147,9 @@ fn missing_argument(diags: &mut Diagnostics, span: Span, message: &str) {
 
 /// A built-in tokenizer's ids must be below the model's `vocab` (E0310). The help pads the
 /// tokenizer's size to a multiple of 64, as nanoGPT pads GPT-2's 50,257 to 50,304, which keeps
-/// the embedding and head GEMMs on fast shapes.
-pub fn check_vocab(source: &DataSource, vocab: u64, diags: &mut Diagnostics) {
+/// the embedding and head GEMMs on fast shapes; where the model names it `let vocab`
+/// (`vocab_let`), the fix sets that.
+pub fn check_vocab(source: &DataSource, vocab: u64, vocab_let: bool, diags: &mut Diagnostics) {
     let DataSource::Text {
         tokenizer, span, ..
     } = source
@@ -163,14 +164,17 @@ pub fn check_vocab(source: &DataSource, vocab: u64, diags: &mut Diagnostics) {
     }
     let name = tokenizer.name();
     let padded = need.div_ceil(64) * 64;
-    diags.push(
-        Diagnostic::error(
-            "E0310",
-            format!("the {name} tokenizer has {need} tokens but vocab = {vocab}"),
-        )
-        .label(*span, format!("tokenized by {name}"))
-        .help(format!(
-            "set `let vocab = {padded}` in the model (at least {need}; a multiple of 64 keeps the embedding and head fast)"
-        )),
-    );
+    let d = Diagnostic::error(
+        "E0310",
+        format!("the {name} tokenizer has {need} tokens but vocab = {vocab}"),
+    )
+    .label(*span, format!("tokenized by {name}"))
+    .help(format!(
+        "set `let vocab = {padded}` in the model (at least {need}; a multiple of 64 keeps the embedding and head fast)"
+    ));
+    diags.push(if vocab_let {
+        d.fix([("model.vocab", padded)])
+    } else {
+        d
+    });
 }

@@ -56,20 +56,28 @@ impl Grid<'_> {
         let others = world / dp.max(1);
         let gpn = u64::from(cluster.gpus_per_node);
         let mut options = Vec::new();
+        let mut fixes: Vec<Vec<(&'static str, u64)>> = Vec::new();
         if gpus % others == 0 {
             options.push(format!("set dp to {}", gpus / others));
+            fixes.push(vec![("parallel.dp", gpus / others)]);
         }
         // More nodes help only where the tp and cp groups still fit in one (`placement`).
         let span = node_span(mesh);
         if world % gpn == 0 && gpn % span == 0 {
             options.push(format!("set nodes to {}", world / gpn));
+            fixes.push(vec![("cluster.nodes", world / gpn)]);
         } else if cluster.nodes == 1 {
             options.push(format!("set gpus_per_node to {world}"));
+            fixes.push(vec![("cluster.gpus_per_node", world)]);
         } else {
             options.push(format!(
                 "set gpus_per_node to {span} and nodes to {}",
                 world / span
             ));
+            fixes.push(vec![
+                ("cluster.gpus_per_node", span),
+                ("cluster.nodes", world / span),
+            ]);
         }
         let help = if options.is_empty() {
             format!("the mesh needs {world} GPUs: make dp × pp × cp × tp equal nodes × gpus_per_node = {gpus}")
@@ -80,20 +88,22 @@ impl Grid<'_> {
             )
         };
         let cl = self.at("cluster.nodes", self.cluster_span);
-        self.diags.push(
-            Diagnostic::error(
-                "E0401",
-                format!(
-                    "the mesh ({}) has {world} ranks but the cluster has {} × {} = {gpus} GPUs",
-                    sizes.join(" × "),
-                    cluster.nodes,
-                    cluster.gpus_per_node
-                ),
-            )
-            .label(self.mesh_span(mesh), format!("mesh of {world} ranks"))
-            .label(cl, format!("{gpus} GPUs"))
-            .help(help),
-        );
+        let mut d = Diagnostic::error(
+            "E0401",
+            format!(
+                "the mesh ({}) has {world} ranks but the cluster has {} × {} = {gpus} GPUs",
+                sizes.join(" × "),
+                cluster.nodes,
+                cluster.gpus_per_node
+            ),
+        )
+        .label(self.mesh_span(mesh), format!("mesh of {world} ranks"))
+        .label(cl, format!("{gpus} GPUs"))
+        .help(help);
+        for fix in fixes {
+            d = d.fix(fix);
+        }
+        self.diags.push(d);
     }
 
     /// Resolve `shard` lines into the spec's flags and check every sharded dimension.
@@ -127,10 +137,17 @@ impl Grid<'_> {
                 _ => Vec::new(),
             })
             .collect();
-        let fits: Vec<String> = (1..=64u64)
+        let fitting: Vec<u64> = (1..=64u64)
             .filter(|t| sharded.iter().all(|v| v.is_multiple_of(*t)))
-            .map(|t| t.to_string())
             .collect();
+        // The fix: the largest tp below this one that fits every sharded dimension.
+        let fixed_tp = fitting
+            .iter()
+            .copied()
+            .filter(|&t| t < tp)
+            .max()
+            .unwrap_or(1);
+        let fits: Vec<String> = fitting.iter().map(u64::to_string).collect();
         let fits = fits.join(", ");
         let mut reported: BTreeSet<(&'static str, u64)> = BTreeSet::new();
         for (i, n) in e.model.nodes.iter().enumerate() {
@@ -155,7 +172,8 @@ impl Grid<'_> {
                     .help(format!(
                         "set tp to a divisor of {what} = {value}: {}; tp sizes that fit every dimension sharded on tp: {fits}",
                         suggest::divisors(value, 64)
-                    )),
+                    ))
+                    .fix([("parallel.tp", fixed_tp)]),
                 );
             };
             match &n.kind {
@@ -217,7 +235,8 @@ impl Grid<'_> {
                         .label(model_span, format!("this model has no `shard {dim} on tp`"))
                         .help(format!(
                             "add `shard {dim} on tp` to the model, or set tp = 1"
-                        )),
+                        ))
+                        .fix([("parallel.tp", 1)]),
                 );
             }
         }
@@ -226,7 +245,8 @@ impl Grid<'_> {
                 Diagnostic::error("E0412", format!("cp = {cp} but nothing is sharded on cp"))
                     .label(self.axis_span(Axis::Cp), format!("cp = {cp}"))
                     .label(model_span, "this model has no `shard Attention.seq on cp`")
-                    .help("add `shard Attention.seq on cp`, or set cp = 1"),
+                    .help("add `shard Attention.seq on cp`, or set cp = 1")
+                    .fix([("parallel.cp", 1)]),
             );
         }
         e.model.sharding = sh;
@@ -250,11 +270,16 @@ impl Grid<'_> {
             } else {
                 format!("cp = {cp}")
             };
-            let ok: Vec<String> = (1..=64u64)
+            let fitting: Vec<u64> = (1..=64u64)
                 .filter(|c| seq.is_multiple_of(if causal { 2 * c } else { *c }))
-                .take(8)
-                .map(|c| c.to_string())
                 .collect();
+            let fixed_cp = fitting
+                .iter()
+                .copied()
+                .filter(|&c| c < cp)
+                .max()
+                .unwrap_or(1);
+            let ok: Vec<String> = fitting.iter().take(8).map(u64::to_string).collect();
             self.diags.push(
                 Diagnostic::error("E0406", format!("seq = {seq} is not divisible by {why}"))
                     .label(self.axis_span(Axis::Cp), format!("cp = {cp}"))
@@ -262,7 +287,8 @@ impl Grid<'_> {
                     .help(format!(
                         "set cp to one of {}, or seq to a multiple of {chunks}",
                         ok.join(", ")
-                    )),
+                    ))
+                    .fix([("parallel.cp", fixed_cp)]),
             );
         }
         if p.sequence_parallel {
@@ -296,18 +322,23 @@ impl Grid<'_> {
             let want = mb.saturating_mul(m).saturating_mul(dp);
             if want != g {
                 let mut fixes = vec![format!("set global_batch to {want}")];
+                let mut sets = vec![("train.global_batch", want)];
                 if g % (mb * dp) == 0 {
                     fixes.push(format!("microbatches to {}", g / (mb * dp)));
+                    sets.push(("parallel.microbatches", g / (mb * dp)));
                 }
                 if g % (m * dp) == 0 {
                     fixes.push(format!("micro_batch to {}", g / (m * dp)));
+                    sets.push(("train.micro_batch", g / (m * dp)));
                 }
-                self.diags.push(
-                    Diagnostic::error("E0501", format!("global_batch = {g} but micro_batch × microbatches × dp = {mb} × {m} × {dp} = {want}"))
-                        .label(gspan, format!("global_batch = {g}"))
-                        .label(self.at("parallel.microbatches", self.parallel_span), format!("microbatches = {m}"))
-                        .help(fixes.join(", or ")),
-                );
+                let mut d = Diagnostic::error("E0501", format!("global_batch = {g} but micro_batch × microbatches × dp = {mb} × {m} × {dp} = {want}"))
+                    .label(gspan, format!("global_batch = {g}"))
+                    .label(self.at("parallel.microbatches", self.parallel_span), format!("microbatches = {m}"))
+                    .help(fixes.join(", or "));
+                for set in sets {
+                    d = d.fix([set]);
+                }
+                self.diags.push(d);
             }
         } else {
             let per = mb.saturating_mul(dp);
@@ -316,15 +347,20 @@ impl Grid<'_> {
                 let hi = lo + per;
                 let mut help = format!("set global_batch to a multiple of micro_batch × dp = {mb} × {dp} = {per} (e.g. {lo} or {hi})");
                 let divs: Vec<u64> = (1..=g.min(4096)).filter(|d| g % (d * dp) == 0).collect();
-                if let Some(best) = divs.iter().rev().find(|d| **d <= mb) {
+                let best = divs.iter().rev().find(|d| **d <= mb);
+                if let Some(best) = best {
                     help.push_str(&format!(", or micro_batch to {best}"));
                 }
-                self.diags.push(
-                    Diagnostic::error("E0501", format!("global_batch = {g} is not a multiple of micro_batch × dp = {mb} × {dp} = {per}"))
-                        .label(gspan, format!("global_batch = {g}"))
-                        .label(self.axis_span(Axis::Dp), format!("dp = {dp}"))
-                        .help(help),
-                );
+                let mut d = Diagnostic::error("E0501", format!("global_batch = {g} is not a multiple of micro_batch × dp = {mb} × {dp} = {per}"))
+                    .label(gspan, format!("global_batch = {g}"))
+                    .label(self.axis_span(Axis::Dp), format!("dp = {dp}"))
+                    .help(help)
+                    .fix([("train.global_batch", lo)])
+                    .fix([("train.global_batch", hi)]);
+                if let Some(best) = best {
+                    d = d.fix([("train.micro_batch", *best)]);
+                }
+                self.diags.push(d);
                 p.microbatches = 1;
             } else {
                 p.microbatches = (g / per).min(u64::from(u32::MAX)) as u32;
@@ -353,7 +389,8 @@ impl Grid<'_> {
                 Diagnostic::error("E0502", format!("1F1B with pp = {pp} stages needs at least {pp} microbatches, found {m}"))
                     .label(mspan, format!("{m} microbatches"))
                     .label(self.axis_span(Axis::Pp), format!("pp = {pp}"))
-                    .help(format!("set microbatches to {pp} or more (global_batch = {} with micro_batch = {} and dp = {dp})", global_for(pp), train.micro_batch)),
+                    .help(format!("set microbatches to {pp} or more (global_batch = {} with micro_batch = {} and dp = {dp})", global_for(pp), train.micro_batch))
+                    .fix([("parallel.microbatches", u64::from(pp)), ("train.global_batch", global_for(pp))]),
             );
         }
         if let PipelineSchedule::Interleaved { .. } = p.schedule {
@@ -363,7 +400,8 @@ impl Grid<'_> {
                     Diagnostic::error("E0503", format!("the interleaved schedule needs microbatches ({m}) to be a multiple of pp = {pp}"))
                         .label(mspan, format!("{m} microbatches"))
                         .label(self.axis_span(Axis::Pp), format!("pp = {pp}"))
-                        .help(format!("set microbatches to {up} (global_batch = {})", global_for(up))),
+                        .help(format!("set microbatches to {up} (global_batch = {})", global_for(up)))
+                        .fix([("parallel.microbatches", u64::from(up)), ("train.global_batch", global_for(up))]),
                 );
             }
         }
@@ -418,7 +456,9 @@ impl Grid<'_> {
 
     /// The data's token format, or its tokenizer, must fit the vocabulary.
     pub fn data(&mut self, e: &Elaborated, train: &Train) {
-        super::data::check_vocab(&train.data, e.model.vocab, self.diags);
+        // `--set model.vocab=N` changes the vocabulary where the model names it `let vocab`.
+        let vocab_let = e.consts.contains_key("vocab");
+        super::data::check_vocab(&train.data, e.model.vocab, vocab_let, self.diags);
         if let DataSource::File { format, span, .. } = &train.data {
             let (max, name) = match format {
                 DataFormat::Bytes => (256u64, "bytes"),
@@ -427,14 +467,19 @@ impl Grid<'_> {
             };
             let vocab = e.model.vocab;
             if *format == DataFormat::Bytes && vocab < 256 {
-                self.diags.push(
-                    Diagnostic::error(
-                        "E0309",
-                        format!("byte data has token ids up to 255 but vocab = {vocab}"),
-                    )
-                    .label(*span, "read as bytes")
-                    .help("set vocab to 256 (or more) for byte-level text"),
-                );
+                let d = Diagnostic::error(
+                    "E0309",
+                    format!("byte data has token ids up to 255 but vocab = {vocab}"),
+                )
+                .label(*span, "read as bytes")
+                .help("set vocab to 256 (or more) for byte-level text");
+                let fixes = if vocab_let {
+                    vec![("model.vocab", 256)]
+                } else {
+                    vec![]
+                };
+                self.diags
+                    .push(if fixes.is_empty() { d } else { d.fix(fixes) });
             } else if *format == DataFormat::U16 && vocab > max {
                 self.diags.push(
                     Diagnostic::error(
@@ -579,4 +624,68 @@ fn node_span(mesh: &Mesh) -> u64 {
         .map(|axis| u64::from(mesh.stride(axis)) * u64::from(mesh.size(axis)))
         .max()
         .unwrap_or(1)
+}
+
+/// The global batch and microbatch count E0501's first fix gives, when [`Grid::batch`] refused
+/// the batch arithmetic (None when it holds): the global batch that keeps micro_batch and the
+/// microbatches as written (what a rank's memory depends on), or without written microbatches
+/// the nearest multiple of micro_batch × dp at or below it (at least one).
+pub fn assumed_batch(pin: &ParallelIn, train: &Train) -> Option<(u64, u32)> {
+    let dp = u64::from(pin.parallel.mesh.size(Axis::Dp));
+    let (g, mb) = (train.global_batch, train.micro_batch);
+    let per = mb.saturating_mul(dp);
+    let m = if pin.microbatches_given {
+        u64::from(pin.parallel.microbatches)
+    } else {
+        (g / per.max(1)).max(1)
+    };
+    let want = per.saturating_mul(m);
+    (per > 0 && want != g).then(|| (want, u32::try_from(m).unwrap_or(u32::MAX)))
+}
+
+/// A fix that resizes a mesh axis (`parallel.tp=2`) on a one-node cluster also sizes the node
+/// to the new mesh (`cluster.gpus_per_node`), so that the fix does not lead into E0401 (and
+/// E0601); the help says so.
+pub fn complete_mesh_fixes(diags: &mut [Diagnostic], mesh: &Mesh, cluster: &Cluster) {
+    let world = u64::from(mesh.world());
+    if cluster.nodes != 1 {
+        return;
+    }
+    let axis_of = |path: &str| {
+        [Axis::Dp, Axis::Pp, Axis::Cp, Axis::Tp]
+            .into_iter()
+            .find(|a| path.strip_prefix("parallel.") == Some(a.name()))
+    };
+    for d in diags {
+        let mut resized = None;
+        for fix in &mut d.fixes {
+            if fix.sets.iter().any(|s| s.starts_with("cluster.")) {
+                continue;
+            }
+            let mut after = world;
+            for (path, value) in fix.sets.iter().filter_map(|s| s.split_once('=')) {
+                if let (Some(axis), Ok(value)) = (axis_of(path), value.parse::<u64>()) {
+                    after = after / u64::from(mesh.size(axis).max(1)) * value;
+                    resized.get_or_insert((
+                        path.trim_start_matches("parallel.").to_string(),
+                        value,
+                        0,
+                    ));
+                }
+            }
+            if after != world && after != u64::from(cluster.gpus_per_node) {
+                fix.sets.push(format!("cluster.gpus_per_node={after}"));
+                if let Some(r) = resized.as_mut() {
+                    r.2 = after;
+                }
+            }
+        }
+        if let (Some((axis, value, gpus)), Some(help)) = (resized, d.help.as_mut()) {
+            if gpus > 0 {
+                help.push_str(&format!(
+                    "; with {axis} = {value}, set gpus_per_node to {gpus} (the mesh's size)"
+                ));
+            }
+        }
+    }
 }

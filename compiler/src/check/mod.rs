@@ -58,6 +58,15 @@ impl Overrides {
     }
 }
 
+/// A spec that later stages may still judge although checking failed: the only errors were the
+/// batch arithmetic's (E0501), and this is the checked spec with its suggested fix applied.
+#[derive(Clone, Debug)]
+pub struct Assumed {
+    pub spec: Spec,
+    /// The fix assumed, in words: `global_batch = 6`.
+    pub fix: String,
+}
+
 /// Parse and check `main` (already added to `sources`; stdlib modules and overrides are added as
 /// sources by the checker). `Some(spec)` when there are no errors.
 pub fn check(
@@ -65,6 +74,16 @@ pub fn check(
     main: FileId,
     overrides: &[Override],
 ) -> (Option<Spec>, Diagnostics) {
+    let (spec, diags, _) = check_assuming(sources, main, overrides);
+    (spec, diags)
+}
+
+/// [`check`], and when its only errors are E0501 the spec with the batch fix assumed.
+pub fn check_assuming(
+    sources: &mut Sources,
+    main: FileId,
+    overrides: &[Override],
+) -> (Option<Spec>, Diagnostics, Option<Assumed>) {
     let mut diags = Diagnostics::default();
     let text = sources
         .get(main)
@@ -74,7 +93,7 @@ pub fn check(
         Ok(f) => f,
         Err(d) => {
             diags.push(d);
-            return (None, diags);
+            return (None, diags, None);
         }
     };
     let prelude = load_prelude(sources, &mut diags);
@@ -224,9 +243,18 @@ pub fn check(
             .unwrap_or(parallel_span);
         grid::recompute(&mut e.model, &pin.parallel.recompute, rspan, &mut diags);
     }
-    let diags = dedup(diags);
-    if diags.has_errors() {
-        return (None, diags);
+    let mut diags = dedup(diags);
+    grid::complete_mesh_fixes(&mut diags.items, &pin.parallel.mesh, &cluster);
+    let batch_only = diags
+        .items
+        .iter()
+        .all(|d| !d.is_error() || d.code == "E0501");
+    let assumed_batch = match &train {
+        Some(t) if diags.has_errors() && batch_only => grid::assumed_batch(&pin, t),
+        _ => None,
+    };
+    if diags.has_errors() && assumed_batch.is_none() {
+        return (None, diags, None);
     }
     let spec = match (elaborated, train) {
         (Some(e), Some(train)) => {
@@ -236,12 +264,23 @@ pub fn check(
                 train,
                 cluster,
             };
+            if let Some((global_batch, microbatches)) = assumed_batch {
+                spec.train.global_batch = global_batch;
+                spec.parallel.microbatches = microbatches;
+            }
             crate::cost::balance::rebalance(&mut spec);
             Some(spec)
         }
         _ => None,
     };
-    (spec, diags)
+    match (spec, assumed_batch) {
+        (Some(spec), Some((global_batch, _))) => {
+            let fix = format!("global_batch = {global_batch}");
+            (None, diags, Some(Assumed { spec, fix }))
+        }
+        (spec, None) => (spec, diags, None),
+        (None, Some(_)) => (None, diags, None),
+    }
 }
 
 /// The same diagnostic found again (a block called once per layer) is shown once.

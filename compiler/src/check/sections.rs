@@ -154,7 +154,11 @@ impl Reader<'_> {
         let v = match n.as_count_in(&leaf, min, Some(max)) {
             Ok(v) => v,
             Err(d) => {
-                self.diags.push(d);
+                // Negative or past the limit: the fix is the nearest value allowed.
+                let nearest = if n.value < 0.0 { min } else { max };
+                let fixable = d.code == "E0903" && (n.value < 0.0 || n.value > max as f64);
+                self.diags
+                    .push(if fixable { d.fix([(path, nearest)]) } else { d });
                 return None;
             }
         };
@@ -172,7 +176,8 @@ impl Reader<'_> {
             return Some(v);
         };
         let error = Diagnostic::error("E0903", message).label(n.span, label);
-        self.diags.push(error.help(help));
+        self.diags
+            .push(error.help(help).fix([(path, v.clamp(min, max))]));
         None
     }
 

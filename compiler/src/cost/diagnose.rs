@@ -340,7 +340,11 @@ pub fn warnings(spec: &Spec, report: &CostReport) -> Diagnostics {
             .help(format!(
                 "raise microbatches to {m} for under 25% ({:.1}%), with global_batch = {global}",
                 after * 100.0
-            )),
+            ))
+            .fix([
+                ("parallel.microbatches", u64::from(m)),
+                ("train.global_batch", global),
+            ]),
         );
     }
     let nd = super::model_state::zero_group(spec);
@@ -351,7 +355,8 @@ pub fn warnings(spec: &Spec, report: &CostReport) -> Diagnostics {
                 "zero = 3 with a single data-parallel rank shards nothing but still gathers every weight twice per microbatch",
             )
             .label(spec.parallel.span, "this plan")
-            .help("set zero = 0, or raise dp above 1"),
+            .help("set zero = 0, or raise dp above 1")
+            .fix([("parallel.zero", 0)]),
         );
     } else if nd == 1 && spec.parallel.zero > ZeroStage::Zero0 {
         out.push(
@@ -363,7 +368,8 @@ pub fn warnings(spec: &Spec, report: &CostReport) -> Diagnostics {
                 ),
             )
             .label(spec.parallel.span, "this plan")
-            .help("set zero = 0, or raise dp above 1"),
+            .help("set zero = 0, or raise dp above 1")
+            .fix([("parallel.zero", 0)]),
         );
     }
     out

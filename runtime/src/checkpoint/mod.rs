@@ -25,6 +25,7 @@
 //!
 //! A checkpoint belongs to one plan: its manifest carries a hash of the lowered plan (programs,
 //! groups, parameter layout, world), and loading under another plan is refused with both hashes.
+pub mod fault;
 pub mod lock;
 pub mod resume;
 pub mod saved;

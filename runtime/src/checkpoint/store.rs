@@ -7,7 +7,6 @@ use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// A named f32 tensor of a rank's shard.
@@ -19,7 +18,16 @@ pub struct ShardTensor {
 }
 
 fn io_error(context: String) -> impl FnOnce(std::io::Error) -> RuntimeError {
-    move |source| RuntimeError::Io { context, source }
+    move |source| {
+        if source.kind() == std::io::ErrorKind::StorageFull {
+            return RuntimeError::Checkpoint(format!(
+                "{context}: no space left on the disk ({source}); free space there or set \
+                 train.checkpoint.dir to a disk with room (the unfinished file was removed, \
+                 finished checkpoints are untouched)"
+            ));
+        }
+        RuntimeError::Io { context, source }
+    }
 }
 
 fn ckpt_error(path: &Path, what: impl std::fmt::Display) -> RuntimeError {
@@ -54,8 +62,12 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = temp_path(path);
     let context = format!("writing {}", tmp.display());
     let mut file = File::create(&tmp).map_err(io_error(context.clone()))?;
-    file.write_all(bytes).map_err(io_error(context.clone()))?;
-    file.sync_all().map_err(io_error(context))?;
+    let written = super::fault::write_all(&mut file, bytes).and_then(|()| file.sync_all());
+    if let Err(e) = written {
+        // A partial file only takes space (a full disk's last bytes).
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io_error(context)(e));
+    }
     publish(&tmp, path)
 }
 
@@ -140,9 +152,22 @@ fn write_safetensors(
             .map_err(|e| ckpt_error(path, format!("tensor {}: {e}", tensor.name)))?;
         views.insert(tensor.name.to_string(), view);
     }
+    if super::fault::is_armed() {
+        // The chaos tests' write faults hook plain writes: serialize in memory and write that.
+        let bytes = safetensors::serialize(views, metadata)
+            .map_err(|e| ckpt_error(path, format!("cannot serialize: {e}")))?;
+        return write_atomic(path, &bytes);
+    }
     let tmp = temp_path(path);
-    safetensors::serialize_to_file(views, metadata, &tmp)
-        .map_err(|e| ckpt_error(&tmp, format!("cannot write: {e}")))?;
+    if let Err(e) = safetensors::serialize_to_file(views, metadata, &tmp) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(match e {
+            safetensors::SafeTensorError::IoError(source) => {
+                io_error(format!("writing {}", tmp.display()))(source)
+            }
+            other => ckpt_error(&tmp, format!("cannot write: {other}")),
+        });
+    }
     File::open(&tmp)
         .and_then(|f| f.sync_all())
         .map_err(io_error(format!("syncing {}", tmp.display())))?;

@@ -73,15 +73,21 @@ impl Grid<'_> {
                 list(&suggested(layers, chunks))
             ));
         }
-        self.diags.push(
-            Diagnostic::error(
-                "E0407",
-                format!("layers = {layers} cannot be split evenly into {label} pipeline chunks"),
-            )
-            .label(self.axis_span(Axis::Pp), label.clone())
-            .label(e.layers_span, format!("layers = {layers}"))
-            .help(help),
-        );
+        let d = Diagnostic::error(
+            "E0407",
+            format!("layers = {layers} cannot be split evenly into {label} pipeline chunks"),
+        )
+        .label(self.axis_span(Axis::Pp), label.clone())
+        .label(e.layers_span, format!("layers = {layers}"))
+        .help(help);
+        // The fix: the largest pp below this one that divides the layers.
+        let fixed_pp = (1..shape.pp.min(layers))
+            .rev()
+            .find(|d| layers.is_multiple_of(*d));
+        self.diags.push(match fixed_pp {
+            Some(pp) if shape.v == 1 && layers > 0 => d.fix([("parallel.pp", pp)]),
+            _ => d,
+        });
     }
 
     /// E0407: `balance = auto` gives every chunk at least one layer.
