@@ -201,8 +201,9 @@ fn estimate_all(
 }
 
 /// The `top` plans shown, fastest first: the winner lowered and simulated whole, so its
-/// numbers are check's (a winner that does not fit whole gives way to the next); the others
-/// keep their sampled numbers (within 1% of whole, `tests`).
+/// numbers are check's (a winner that does not fit whole gives way to the next; one simulated
+/// whole already is not lowered again); the others keep their sampled numbers (within 1% of
+/// whole, `tests`).
 fn confirm(
     fitting: Vec<(Estimated, Ranked)>,
     top: usize,
@@ -215,7 +216,8 @@ fn confirm(
         if ranked.len() == top {
             break;
         }
-        if !ranked.is_empty() {
+        let k = &c.candidate;
+        if !ranked.is_empty() || sample_points(k.microbatches, k.pp, k.schedule).is_none() {
             ranked.push(sampled);
             continue;
         }
