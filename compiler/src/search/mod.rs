@@ -16,7 +16,9 @@
 //!    exposed communication of the rest, which are ranked by step time. A candidate with more
 //!    microbatches than that is simulated at 2p and 2p + 1 microbatches (interleaved: 2p and
 //!    3p) and extrapolated linearly (the steady state repeats; `tests` hold the extrapolation
-//!    to the whole simulation).
+//!    to the whole simulation); only the larger sample is verified and memory-planned (memory
+//!    per GPU does not grow with more microbatches). Every lowering of a batch of candidates
+//!    is a job for one thread per core.
 //! 4. **Confirm** the fastest: the winner is lowered and simulated whole, as `parc check` would,
 //!    so its numbers are check's; the others shown keep their sampled numbers. An `auto` stage
 //!    balance that splits the layers evenly is the even candidate and is not tried twice.
@@ -199,8 +201,9 @@ fn estimate_all(
 }
 
 /// The `top` plans shown, fastest first: the winner lowered and simulated whole, so its
-/// numbers are check's (a winner that does not fit whole gives way to the next); the others
-/// keep their sampled numbers (within 1% of whole, `tests`).
+/// numbers are check's (a winner that does not fit whole gives way to the next; one simulated
+/// whole already is not lowered again); the others keep their sampled numbers (within 1% of
+/// whole, `tests`).
 fn confirm(
     fitting: Vec<(Estimated, Ranked)>,
     top: usize,
@@ -213,7 +216,8 @@ fn confirm(
         if ranked.len() == top {
             break;
         }
-        if !ranked.is_empty() {
+        let k = &c.candidate;
+        if !ranked.is_empty() || sample_points(k.microbatches, k.pp, k.schedule).is_none() {
             ranked.push(sampled);
             continue;
         }
@@ -498,23 +502,112 @@ fn fits(r: &Ranked, capacity: u64) -> bool {
     need(r) <= capacity
 }
 
-/// Lower and simulate the candidates of `batch` side by side (one thread each: a lowering
-/// alone leaves cores idle), results in batch order.
+/// Lower and simulate the candidates of `batch` side by side, results in batch order: every
+/// lowering of the batch (a candidate's two samples are two) is a job, and one thread per core
+/// takes the next job as it finishes one (a lowering alone leaves cores idle; the samples of
+/// one candidate differ in size).
 fn evaluate_all(batch: Vec<Estimated>, how: &Pricing) -> Vec<(Estimated, Result<Ranked, String>)> {
-    let results: Vec<Result<Ranked, String>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = batch
-            .iter()
-            .map(|e| scope.spawn(move || evaluate_sampled(&e.spec, &e.candidate, how)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err("a search thread panicked (a bug in parc)".to_string()))
-            })
-            .collect()
-    });
+    let jobs: Vec<Job> = batch
+        .iter()
+        .flat_map(|e| jobs_of(&e.spec, &e.candidate))
+        .collect();
+    let done = run_jobs(&jobs, how);
+    let mut done = done.into_iter();
+    let results: Vec<Result<Ranked, String>> = jobs
+        .iter()
+        .filter(|j| j.first)
+        .map(|job| {
+            let first = done.next().unwrap_or_else(|| Err(LOST.to_string()));
+            match job.sampled {
+                None => first,
+                Some(points) => {
+                    let second = done.next().unwrap_or_else(|| Err(LOST.to_string()));
+                    Ok(extrapolate(
+                        &first?,
+                        &second?,
+                        points,
+                        job.candidate.microbatches,
+                    ))
+                }
+            }
+        })
+        .collect();
     batch.into_iter().zip(results).collect()
+}
+
+const LOST: &str = "a search thread panicked (a bug in parc)";
+
+/// One lowering of a candidate: its spec (at a sample's microbatch count, or whole) and whether
+/// its memory is planned (the whole plan and the second sample) or only its step simulated.
+struct Job {
+    spec: Spec,
+    candidate: Candidate,
+    planned: bool,
+    /// The first job of its candidate (a sampled candidate's second follows it).
+    first: bool,
+    /// The sample points, when the candidate is sampled.
+    sampled: Option<(u32, u32)>,
+}
+
+/// The jobs of a candidate: the whole plan, or its two samples in the pipeline's steady state
+/// (memory per GPU planned on the second, the larger: in-flight activations are bounded by the
+/// stages, so it does not grow with further microbatches; `tests` hold it to the whole plan's).
+fn jobs_of(spec: &Spec, candidate: &Candidate) -> Vec<Job> {
+    let job = |spec: Spec, planned, first, sampled| Job {
+        spec,
+        candidate: candidate.clone(),
+        planned,
+        first,
+        sampled,
+    };
+    match sample_points(candidate.microbatches, candidate.pp, candidate.schedule) {
+        None => vec![job(spec.clone(), true, true, None)],
+        Some((m1, m2)) => vec![
+            job(with_microbatches(spec, m1), false, true, Some((m1, m2))),
+            job(with_microbatches(spec, m2), true, false, Some((m1, m2))),
+        ],
+    }
+}
+
+/// Run `jobs` on one thread per core, each thread taking the next job not yet taken (those
+/// whose memory is planned, the longer, first); results in job order.
+fn run_jobs(jobs: &[Job], how: &Pricing) -> Vec<Result<Ranked, String>> {
+    let mut order: Vec<usize> = (0..jobs.len()).collect();
+    order.sort_by_key(|&i| !jobs[i].planned);
+    let width = std::thread::available_parallelism()
+        .map(usize::from)
+        .unwrap_or(1)
+        .min(jobs.len())
+        .max(1);
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let slots: Vec<std::sync::Mutex<Option<Result<Ranked, String>>>> =
+        jobs.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    std::thread::scope(|scope| {
+        for _ in 0..width {
+            scope.spawn(|| loop {
+                let taken = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(&i) = order.get(taken) else { break };
+                let job = &jobs[i];
+                let result = if job.planned {
+                    evaluate(&job.spec, &job.candidate, how)
+                } else {
+                    simulate(&job.spec, &job.candidate, how)
+                };
+                if let Ok(mut slot) = slots[i].lock() {
+                    *slot = Some(result);
+                }
+            });
+        }
+    });
+    slots
+        .into_iter()
+        .map(|slot| {
+            slot.into_inner()
+                .ok()
+                .flatten()
+                .unwrap_or_else(|| Err(LOST.to_string()))
+        })
+        .collect()
 }
 
 /// Two microbatch counts in the pipeline's steady state when the candidate runs more than the
@@ -539,22 +632,28 @@ fn with_microbatches(spec: &Spec, m: u32) -> Spec {
 }
 
 /// A candidate's ranking from two simulations in the pipeline's steady state, extrapolated
-/// linearly to its microbatch count: each further microbatch adds the same time, idle time is
-/// the fill and drain's, and memory per GPU is the larger sample's plus any growth per
-/// microbatch (none in parc's schedules: in-flight activations are bounded by the stages).
-/// Exact (one whole simulation) when the candidate runs few microbatches.
+/// linearly to its microbatch count (see [`jobs_of`]); exact (one whole simulation) when the
+/// candidate runs few microbatches.
+#[cfg(test)]
 fn evaluate_sampled(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked, String> {
-    let m = candidate.microbatches;
-    let Some((m1, m2)) = sample_points(m, candidate.pp, candidate.schedule) else {
-        return evaluate(spec, candidate, how);
-    };
-    let a = evaluate(&with_microbatches(spec, m1), candidate, how)?;
-    let b = evaluate(&with_microbatches(spec, m2), candidate, how)?;
-    Ok(extrapolate(&a, &b, m1, m2, m))
+    let jobs = jobs_of(spec, candidate);
+    let mut done = run_jobs(&jobs, how).into_iter();
+    let first = done.next().unwrap_or_else(|| Err(LOST.to_string()))?;
+    match (jobs[0].sampled, done.next()) {
+        (Some(points), Some(second)) => Ok(extrapolate(
+            &first,
+            &second?,
+            points,
+            candidate.microbatches,
+        )),
+        _ => Ok(first),
+    }
 }
 
-/// Extrapolate the simulations `a` (at `m1` microbatches) and `b` (at `m2`) to `m`.
-fn extrapolate(a: &Ranked, b: &Ranked, m1: u32, m2: u32, m: u32) -> Ranked {
+/// Extrapolate the simulations `a` (at `m1` microbatches) and `b` (at `m2`, its memory
+/// planned) to `m`: each further microbatch adds the same time, idle time is the fill and
+/// drain's, and memory per GPU is `b`'s.
+fn extrapolate(a: &Ranked, b: &Ranked, (m1, m2): (u32, u32), m: u32) -> Ranked {
     let t = f64::from(m - m1) / f64::from(m2 - m1);
     let line = |x: f64, y: f64| x + (y - x) * t;
     let step = line(a.step_seconds, b.step_seconds);
@@ -566,52 +665,67 @@ fn extrapolate(a: &Ranked, b: &Ranked, m1: u32, m2: u32, m: u32) -> Ranked {
         a.exposed_comm_fraction * a.step_seconds,
         b.exposed_comm_fraction * b.step_seconds,
     );
-    let memory = a
-        .memory
-        .iter()
-        .zip(&b.memory)
-        .map(|((role, x), (_, y))| {
-            let grown = *y as f64 + (*y as f64 - *x as f64).max(0.0) * (t - 1.0);
-            (role.clone(), grown.ceil() as u64)
-        })
-        .collect();
     let tokens_per_step = b.tokens_per_second * b.step_seconds * f64::from(m) / f64::from(m2);
     Ranked {
         candidate: b.candidate.clone(),
         step_seconds: step,
         tokens_per_second: tokens_per_step / step,
         mfu: b.mfu * b.step_seconds / step * f64::from(m) / f64::from(m2),
-        memory,
+        memory: b.memory.clone(),
         bubble_fraction: idle / step,
         exposed_comm_fraction: exposed / step,
     }
 }
 
-/// Lower, plan and simulate `spec` (the candidate's): its ranking, or why it cannot be.
-fn evaluate(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked, String> {
-    let options = LowerOptions {
+fn lower_options(how: &Pricing) -> LowerOptions {
+    LowerOptions {
         fusion: how.fusion,
         representatives: true,
         ..LowerOptions::default()
-    };
-    let plan = lower_with(spec, options).map_err(|d| first_error(&d, "lowering"))?;
+    }
+}
+
+/// Lower, verify, plan and simulate `spec` (the candidate's): its ranking, or why it cannot be.
+fn evaluate(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked, String> {
+    let plan = lower_with(spec, lower_options(how)).map_err(|d| first_error(&d, "lowering"))?;
     let mut diagnostics = Diagnostics::default();
     let calibration = how.calibration.as_deref();
     let analysis = analyze_with(spec, &plan, Stage::Timeline, calibration, &mut diagnostics);
     let (Some(fit), Some(timeline)) = (analysis.fit, analysis.timeline) else {
         return Err(first_error(&diagnostics, "verification"));
     };
+    let memory = fit.into_iter().map(|n| (n.role, n.bytes)).collect();
+    Ok(ranking(spec, candidate, &timeline, memory))
+}
+
+/// Lower and simulate `spec` only (a first sample, whose second is verified and planned): its
+/// ranking without memory.
+fn simulate(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked, String> {
+    let plan = lower_with(spec, lower_options(how)).map_err(|d| first_error(&d, "lowering"))?;
+    let timeline = crate::timeline::simulate_calibrated(&plan, spec, how.calibration.as_deref());
+    if !timeline.complete {
+        return Err("the simulated step does not finish (the plan does not verify)".to_string());
+    }
+    Ok(ranking(spec, candidate, &timeline, Vec::new()))
+}
+
+fn ranking(
+    spec: &Spec,
+    candidate: &Candidate,
+    timeline: &crate::timeline::Timeline,
+    memory: Vec<(String, u64)>,
+) -> Ranked {
     let step = timeline.step_seconds.max(f64::MIN_POSITIVE);
     let tokens = spec.train.global_batch as f64 * spec.model.seq as f64;
-    Ok(Ranked {
+    Ranked {
         candidate: candidate.clone(),
         step_seconds: step,
         tokens_per_second: tokens / step,
         mfu: crate::cost::mfu(spec, step),
-        memory: fit.into_iter().map(|n| (n.role, n.bytes)).collect(),
+        memory,
         bubble_fraction: timeline.bubble_fraction,
         exposed_comm_fraction: timeline.exposed_comm_fraction,
-    })
+    }
 }
 
 fn first_error(d: &Diagnostics, stage: &str) -> String {
@@ -712,6 +826,68 @@ mod tests {
             );
             assert!(need(&sampled) >= need(&exact), "{what}: memory");
             assert!((sampled.mfu / exact.mfu - 1.0).abs() < 0.01, "{what}: mfu");
+        }
+    }
+
+    /// On a space small enough to lower whole (the tiny example on 2 GPUs), the search (samples
+    /// extrapolated, memory planned on the second, lowerings spread over the cores, the winner
+    /// confirmed whole) loses no plan: its winner is the fastest of every candidate that checks,
+    /// lowered and simulated whole, and each plan it shows is within 1% of the exhaustive
+    /// ranking's step at its place.
+    #[test]
+    fn search_finds_what_an_exhaustive_ranking_finds() {
+        let text = include_str!("../../../examples/tiny.par");
+        let top = 5;
+        let options = SearchOptions {
+            nodes: Some(1),
+            gpus_per_node: Some(2),
+            top,
+            lower_at_least: usize::MAX,
+            lower_at_most: usize::MAX,
+            fusion: true,
+            calibration: None,
+        };
+        let outcome = search("tiny.par", text, &[], &options, &|_| {}).expect("searches");
+        assert_eq!(outcome.ranked.len(), top);
+        let (spec, ..) = base_spec("tiny.par", text, &[], &[], &options).expect("checks");
+        let how = Pricing {
+            fusion: true,
+            calibration: None,
+        };
+        let lowering = |c: &Candidate| {
+            let mut overrides = vec![
+                set("cluster.nodes", "1".to_string()),
+                set("cluster.gpus_per_node", "2".to_string()),
+            ];
+            overrides.extend(c.settings().into_iter().map(|(p, v)| set(&p, v)));
+            let compiled =
+                driver::compile("tiny.par", text.to_string(), &overrides, &check_options());
+            !compiled.diagnostics.has_errors()
+        };
+        let mut whole: Vec<(f64, Candidate)> = space::space(&spec, 2, 2)
+            .candidates
+            .into_iter()
+            .filter_map(|c| estimate(&spec, c, 1, 2))
+            .filter(|e| lowering(&e.candidate))
+            .filter_map(|e| evaluate(&e.spec, &e.candidate, &how).ok())
+            .filter(|r| fits(r, outcome.gpu_memory_bytes))
+            .map(|r| (r.step_seconds, r.candidate))
+            .collect();
+        whole.sort_by(|a, b| a.0.total_cmp(&b.0));
+        assert_eq!(
+            outcome.lowered, outcome.considered,
+            "every candidate lowered"
+        );
+        assert_eq!(outcome.ranked[0].step_seconds, whole[0].0, "the winner");
+        for (shown, (step, c)) in outcome.ranked.iter().zip(&whole) {
+            let err = (shown.step_seconds / step - 1.0).abs();
+            assert!(
+                err < 0.01,
+                "{}: {} vs {}: {step}",
+                shown.candidate.describe(),
+                shown.step_seconds,
+                c.describe()
+            );
         }
     }
 

@@ -27,8 +27,10 @@ struct RankState {
     pc: usize,
     /// Compute stream clock.
     t: f64,
-    /// Comm stream clock.
+    /// Comm stream clock (collectives).
     t_comm: f64,
+    /// Pipeline transfer stream clock (point-to-point groups, on their own stream).
+    t_p2p: f64,
     /// When each buffer's last write (or a collective reading it) completes.
     ready: Vec<f64>,
     /// When the collective that last set `ready` started moving data (waiting before that is
@@ -338,14 +340,14 @@ impl<'a> Engine<'a> {
                 .collect(),
             _ => Vec::new(),
         };
-        // The group goes on the comm stream once the compute stream has reached it, its sends'
-        // data is written, its receives' buffers are free and the comm stream's earlier work is
-        // done; the compute stream goes on.
+        // The group goes on the transfer stream once the compute stream has reached it, its
+        // sends' data is written, its receives' buffers are free and the transfer stream's
+        // earlier groups are done; the compute stream goes on.
         let state = &mut self.ranks[y];
         let at = ops
             .iter()
             .filter_map(|(_, b)| state.ready.get(b.0 as usize).copied())
-            .fold(state.t.max(state.t_comm), f64::max);
+            .fold(state.t.max(state.t_p2p), f64::max);
         state.p2p_posted_at = at;
         state.p2p_latest_start = at;
         state.p2p_end = at;
@@ -394,7 +396,7 @@ impl<'a> Engine<'a> {
         let st = &mut self.ranks[y];
         let transfer = st.p2p_end - st.p2p_latest_start;
         st.comm += transfer;
-        st.t_comm = st.p2p_end;
+        st.t_p2p = st.p2p_end;
         // Compute that reads a received buffer, or frees or overwrites a sent one, waits for the
         // group: up to its latest transfer's start for the peers (idle), then for the transfer
         // (exposed communication).
@@ -447,6 +449,7 @@ pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
                 pc: 0,
                 t: 0.0,
                 t_comm: 0.0,
+                t_p2p: 0.0,
                 ready: vec![0.0; buffers],
                 comm_start: vec![0.0; buffers],
                 busy: 0.0,
@@ -486,7 +489,11 @@ pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
         ready.append(&mut woken);
     }
     let complete = engine.ranks.iter().all(|s| s.status == Status::Done);
-    let ends: Vec<f64> = engine.ranks.iter().map(|s| s.t.max(s.t_comm)).collect();
+    let ends: Vec<f64> = engine
+        .ranks
+        .iter()
+        .map(|s| s.t.max(s.t_comm).max(s.t_p2p))
+        .collect();
     let step = ends.iter().copied().fold(0.0, f64::max);
     let mut ranks = Vec::with_capacity(n);
     let mut events = Vec::new();

@@ -11,10 +11,13 @@
 //!   the compute stream does not wait for it, only for its output when an op uses it (this is
 //!   how gradient buckets overlap backward). Waiting for such an output is *exposed
 //!   communication*.
-//! - A **point-to-point** group goes on the comm stream too (as the CUDA backend queues it on
-//!   NCCL's stream): it is posted once the compute stream has reached it, its sends' data is
-//!   written and the comm stream's earlier work is done; each transfer starts when both sides
-//!   have posted it and the group completes when all its transfers have. The compute stream
+//! - A **point-to-point** group goes on a third stream, the **transfer stream** (the CUDA
+//!   backend queues pipeline transfers on a stream and NCCL communicator of their own, as
+//!   Megatron-LM does, so a receive waiting for a slower peer does not hold back the tp/dp
+//!   collectives queued after it): it is posted once the compute stream has reached it, its
+//!   sends' data is written and the transfer stream's earlier groups are done; each transfer
+//!   starts when both sides have posted it and the group completes when all its transfers
+//!   have. The compute stream
 //!   goes on; it waits for the group only where an op reads a received buffer or a sent or
 //!   received buffer is freed or overwritten. Such a wait is idle time (the pipeline bubble)
 //!   until the group's last transfer starts, exposed communication after.

@@ -380,6 +380,19 @@ impl CommStream {
         Ok(())
     }
 
+    /// Make this stream wait for everything queued on `other` so far: communication of the
+    /// other stream (collectives and transfers run on two) may use the buffers this stream's
+    /// next work uses.
+    pub(crate) fn follow_stream(&self, other: &CommStream) -> Result<()> {
+        let event = other
+            .stream
+            .record_event(None)
+            .map_err(|e| driver_error("recording an event on a communication stream", e))?;
+        self.stream
+            .wait(&event)
+            .map_err(|e| driver_error("ordering one communication stream after the other", e))
+    }
+
     /// Record that the communication just queued uses `buffers`.
     pub(crate) fn record(&mut self, buffers: &[BufferId]) -> Result<()> {
         let event = record_into(&mut self.events, &self.stream, "a communication event")?;

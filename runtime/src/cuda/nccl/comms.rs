@@ -1,6 +1,7 @@
 //! A rank's NCCL communicators (cudarc's bindings, loaded at run time), shared by its backend
 //! (device buffers, `nccl`) and its host comm (`nccl::host`), which queue their
-//! work on the same communication stream so that every rank issues NCCL calls in program order.
+//! collectives on the same communication stream and their transfers on the same transfer
+//! stream, so that every rank issues each communicator's NCCL calls in program order.
 //!
 //! - **Communicators.** A world communicator from a shared [`NcclId`] (made by one rank and
 //!   handed to the others by the launcher's rendezvous, or made locally for a one-process
@@ -9,8 +10,9 @@
 //!   same order; a rank outside a partition takes part with no colour). The split key is the
 //!   global rank, so NCCL's rank in a split is the group-rank index: all-gather concatenates in
 //!   group order and reduce-scatter gives member `i` chunk `i`, as `crate::comm` requires.
-//! - **Point-to-point** goes over the world communicator with global ranks as peers, all of an
-//!   instruction's transfers inside one `ncclGroupStart`/`ncclGroupEnd`.
+//! - **Point-to-point** goes over the transfer communicator (every rank, split from the world
+//!   first, keyed by global rank, so peers are global ranks), used by transfers alone, all of
+//!   an instruction's transfers inside one `ncclGroupStart`/`ncclGroupEnd`.
 //! - **No hang**: a wait polls, checks NCCL's asynchronous errors and the failure probe, and
 //!   after the timeout aborts the communicators and names the communication that is stuck: the
 //!   first queued call not finished (`inflight`).
@@ -158,6 +160,10 @@ struct Communicator {
 pub(crate) struct Communicators {
     rank: u32,
     world: Communicator,
+    /// Every rank again (a split of the world with one color): pipeline transfers only, on
+    /// their own stream, so that they never share a communicator with a collective queued on
+    /// the communication stream (one communicator is used from one stream).
+    p2p: Communicator,
     /// Split `i` of the layout: this rank's communicator in it, or None where it has no set.
     splits: Vec<Option<Communicator>>,
     layout: CommLayout,
@@ -227,11 +233,22 @@ impl Communicators {
             None,
             || format!("rank {rank} joining the world communicator of {world_size} ranks"),
         )?;
+        let mut p2p: nc::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: the world handle is live; a null config inherits the parent's.
+        check(
+            unsafe { nc::ncclCommSplit(raw, 0, rank as c_int, &mut p2p, std::ptr::null_mut()) },
+            Some(raw),
+            || format!("rank {rank} splitting the transfer communicator from the world's"),
+        )?;
         let mut comms = Communicators {
             rank,
             world: Communicator {
                 raw,
                 what: format!("the world communicator ({world_size} ranks)"),
+            },
+            p2p: Communicator {
+                raw: p2p,
+                what: format!("the transfer communicator ({world_size} ranks)"),
             },
             splits: Vec::new(),
             layout,
@@ -272,6 +289,13 @@ impl Communicators {
 
     pub(crate) fn rank(&self) -> u32 {
         self.rank
+    }
+
+    /// Every communicator of the rank.
+    fn all(&self) -> impl Iterator<Item = &Communicator> {
+        [&self.world, &self.p2p]
+            .into_iter()
+            .chain(self.splits.iter().flatten())
     }
 
     pub(crate) fn world_size(&self) -> u32 {
@@ -327,7 +351,7 @@ impl Communicators {
     /// NCCL's asynchronous errors on every communicator, then the failure probe.
     pub(crate) fn health(&self) -> Result<()> {
         self.usable()?;
-        for c in std::iter::once(&self.world).chain(self.splits.iter().flatten()) {
+        for c in self.all() {
             let mut state = nc::ncclResult_t::ncclSuccess;
             // SAFETY: the handle is live; writes one result.
             check(
@@ -352,7 +376,7 @@ impl Communicators {
             return;
         }
         self.aborted = Some(reason.to_string());
-        for c in std::iter::once(&self.world).chain(self.splits.iter().flatten()) {
+        for c in self.all() {
             // SAFETY: the handle is live; `aborted` keeps it from being used or destroyed again.
             unsafe { nc::ncclCommAbort(c.raw) };
         }
@@ -455,7 +479,7 @@ impl Communicators {
         self.queued(stream, instruction, what)
     }
 
-    /// Queue `transfers` on `stream` as one NCCL group over the world communicator, from
+    /// Queue `transfers` on `stream` as one NCCL group over the transfer communicator, from
     /// program instruction `instruction` if any.
     ///
     /// # Safety
@@ -468,7 +492,7 @@ impl Communicators {
         (instruction, what): (Option<usize>, String),
     ) -> Result<()> {
         self.usable()?;
-        let world = self.world.raw;
+        let world = self.p2p.raw;
         let what = format!("rank {}: {what}", self.rank);
         let cu_stream = stream.cu_stream() as nc::cudaStream_t;
         let types = transfers
@@ -516,12 +540,7 @@ impl Drop for Communicators {
         if self.aborted.is_some() {
             return;
         }
-        for c in self
-            .splits
-            .iter()
-            .flatten()
-            .chain(std::iter::once(&self.world))
-        {
+        for c in self.splits.iter().flatten().chain([&self.p2p, &self.world]) {
             // SAFETY: the handle is live and not used again; errors at teardown are moot.
             unsafe { nc::ncclCommDestroy(c.raw) };
         }

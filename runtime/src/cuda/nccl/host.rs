@@ -4,8 +4,9 @@
 //! ([`crate::backend::Backend::device_collective`]), and this carries what the executor does
 //! on the host (the checkpoint barrier) and the abort of a failed rank.
 //!
-//! Its work is queued on the backend's communication stream, after the device work already
-//! queued there, so every rank issues its NCCL calls in one order. Each call waits for its
+//! Its collectives are queued on the backend's communication stream and its transfers on the
+//! backend's transfer stream, after the device work already queued there, so every rank issues
+//! each communicator's NCCL calls in one order. Each call waits for its
 //! result (polling, with the run's timeout and the failure probe). Tags are not sent: NCCL
 //! matches messages by order per pair of ranks (see `crate::comm::layout`).
 use super::comms::{collective_count, lock, RawTransfer, Shared};
@@ -28,6 +29,8 @@ pub struct NcclHostComm {
     comms: Shared,
     /// The backend's communication stream.
     stream: Arc<CudaStream>,
+    /// The backend's transfer stream (point-to-point).
+    p2p_stream: Arc<CudaStream>,
     timeout: Duration,
     rank: u32,
     world: u32,
@@ -59,6 +62,7 @@ impl CudaBackend {
             ctx: Arc::clone(&self.ctx),
             comms: Arc::clone(&nccl.comms),
             stream: Arc::clone(nccl.stream.stream()),
+            p2p_stream: Arc::clone(nccl.p2p.stream()),
             timeout: nccl.stream.timeout(),
             rank,
             world,
@@ -224,9 +228,9 @@ impl Comm for NcclHostComm {
         }
         // SAFETY: every region lies in the staging buffer with its length in f32s.
         unsafe {
-            lock(&self.comms)?.transfers(&raw, &self.stream, (None, what.join(", ")))?;
+            lock(&self.comms)?.transfers(&raw, &self.p2p_stream, (None, what.join(", ")))?;
         }
-        self.wait()?;
+        lock(&self.comms)?.wait(&self.p2p_stream, self.timeout)?;
         for (op, &offset) in ops.iter_mut().zip(&offsets) {
             if let PeerOp::Recv { out, .. } = op {
                 self.download(out, base + (offset * 4) as CUdeviceptr)?;

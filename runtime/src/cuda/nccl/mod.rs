@@ -2,16 +2,20 @@
 //! - `comms`: a rank's communicators (the library checks, `NcclId`, joining and splitting,
 //!   health, abort, the stuck call), shared by the two sides below;
 //! - this module: the backend's device comm, collectives and grouped point-to-point transfers
-//!   on the backend's own buffers, on the communication stream of `cuda::stream` so that they
-//!   overlap compute;
+//!   on the backend's own buffers, on two streams of `cuda::stream` so that they overlap
+//!   compute: collectives on the communication stream, transfers on the transfer stream (a
+//!   receive waiting for a slower pipeline stage does not hold back the tp/dp collectives
+//!   queued after it, as Megatron-LM runs pipeline transfers; the timeline models the same);
 //! - `host`: the host-slice [`crate::comm::Comm`] of a multi-process run over the same
 //!   communicators;
 //! - `inflight`: which queued calls have not finished (what a timeout names);
 //! - `watchdog`: the thread that aborts the communicators when the stream stops progressing.
 //!
 //! The device comm:
-//! - **Point-to-point** goes over the world communicator with global ranks as peers, all of an
-//!   instruction's transfers inside one NCCL group. NCCL matches messages by order per
+//! - **Point-to-point** goes over the transfer communicator (every rank, used by transfers
+//!   alone) with global ranks as peers, all of an instruction's transfers inside one NCCL
+//!   group. Where a buffer is used by both streams since the last drain, the stream about to
+//!   use it first waits for everything queued on the other. NCCL matches messages by order per
 //!   (sender, receiver), not by tag: [`CudaBackend::use_nccl`] refuses a plan whose order and
 //!   tags disagree ([`crate::comm::layout::check_p2p_order`]).
 //! - **Reductions** are NCCL's: every member gets the same result, but the summation order is
@@ -39,35 +43,52 @@ use crate::comm::layout::{check_p2p_order, CommLayout};
 use crate::error::{Result, RuntimeError};
 use comms::{collective_count, describe, lock, Communicators, RawTransfer, Shared};
 use parc_compiler::ir::{BufferId, CollectiveKind, DType, Plan};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use watchdog::Watchdog;
 
-/// The backend's side: the shared communicators, its communication stream and the watchdog
-/// that aborts NCCL when that stream stops making progress.
+/// The backend's side: the shared communicators, its communication and transfer streams and
+/// the watchdogs that abort NCCL when one stops making progress.
 pub(crate) struct NcclComm {
     pub(crate) comms: Shared,
+    /// Collectives.
     pub(crate) stream: CommStream,
+    /// Point-to-point transfers.
+    pub(crate) p2p: CommStream,
+    /// Buffers collectives and transfers used since the host last drained both streams.
+    collective_buffers: HashSet<BufferId>,
+    transfer_buffers: HashSet<BufferId>,
     /// The program instruction the executor runs now ([`CudaBackend::begin_instruction`]).
     instruction: Option<usize>,
-    _watchdog: Watchdog,
+    _watchdogs: [Watchdog; 2],
 }
 
 impl NcclComm {
     /// Block until all queued communication has finished (or fail: timeout, NCCL error, the
     /// failure probe); on failure the communicators are aborted.
     pub(crate) fn wait(&self) -> Result<()> {
-        if !self.stream.has_queued() {
-            return Ok(());
+        for stream in [&self.stream, &self.p2p] {
+            if stream.has_queued() {
+                lock(&self.comms)?.wait(stream.stream(), stream.timeout())?;
+            }
         }
-        lock(&self.comms)?.wait(self.stream.stream(), self.stream.timeout())
+        Ok(())
     }
 
     /// [`NcclComm::wait`], then forget every pending mark.
     pub(crate) fn drain(&mut self) -> Result<()> {
         self.wait()?;
         self.stream.forget_all();
+        self.p2p.forget_all();
+        self.collective_buffers.clear();
+        self.transfer_buffers.clear();
         Ok(())
+    }
+
+    /// Whether queued communication of either stream may still use `id`.
+    fn uses(&self, id: BufferId) -> bool {
+        self.stream.uses(id) || self.p2p.uses(id)
     }
 }
 
@@ -126,14 +147,21 @@ impl CudaBackend {
             .bind_to_thread()
             .map_err(|e| driver_error("making the context current for NCCL", e))?;
         let stream = CommStream::new(&self.ctx, comm_buffers(program), timeout)?;
+        let p2p = CommStream::new(&self.ctx, comm_buffers(program), timeout)?;
         let comms = Communicators::join(id, rank, CommLayout::of_plan(plan))?;
         let comms = Arc::new(Mutex::new(comms));
-        let watchdog = Watchdog::start(&self.ctx, stream.stream(), &comms, timeout)?;
+        let watchdogs = [
+            Watchdog::start(&self.ctx, stream.stream(), &comms, timeout)?,
+            Watchdog::start(&self.ctx, p2p.stream(), &comms, timeout)?,
+        ];
         self.nccl = Some(NcclComm {
             comms,
             stream,
+            p2p,
+            collective_buffers: HashSet::new(),
+            transfer_buffers: HashSet::new(),
             instruction: None,
-            _watchdog: watchdog,
+            _watchdogs: watchdogs,
         });
         Ok(())
     }
@@ -198,14 +226,19 @@ impl CudaBackend {
         ids: impl IntoIterator<Item = BufferId>,
     ) -> Result<()> {
         match &mut self.nccl {
-            Some(nccl) => nccl.stream.order_compute(&self.stream, ids),
+            Some(nccl) => {
+                let ids: Vec<BufferId> = ids.into_iter().collect();
+                nccl.stream
+                    .order_compute(&self.stream, ids.iter().copied())?;
+                nccl.p2p.order_compute(&self.stream, ids)
+            }
             None => Ok(()),
         }
     }
 
     /// Whether the host must drain communication before touching `id`.
     pub(crate) fn comm_uses(&self, id: BufferId) -> bool {
-        self.nccl.as_ref().is_some_and(|n| n.stream.uses(id))
+        self.nccl.as_ref().is_some_and(|n| n.uses(id))
     }
 
     /// Block until all queued communication has finished (with the timeout).
@@ -229,7 +262,7 @@ impl CudaBackend {
     /// Before the host reads `id`: wait for queued communication that may still write it.
     pub(crate) fn wait_comm_for(&self, id: BufferId) -> Result<()> {
         match &self.nccl {
-            Some(nccl) if nccl.stream.uses(id) => nccl.wait(),
+            Some(nccl) if nccl.uses(id) => nccl.wait(),
             _ => Ok(()),
         }
     }
@@ -267,6 +300,13 @@ impl CudaBackend {
         })?;
         let compute = Arc::clone(&self.stream);
         let nccl = self.nccl_set_up_mut()?;
+        if [input, output]
+            .iter()
+            .any(|id| nccl.transfer_buffers.contains(id))
+        {
+            nccl.stream.follow_stream(&nccl.p2p)?;
+        }
+        nccl.collective_buffers.extend([input, output]);
         nccl.stream.follow_uses(&compute, &[input, output])?;
         let what = format!("{name} of buffer {} into buffer {}", input.0, output.0);
         // SAFETY: both buffers are live device allocations whose lengths were checked against
@@ -309,18 +349,22 @@ impl CudaBackend {
         }
         let compute = Arc::clone(&self.stream);
         let nccl = self.nccl_set_up_mut()?;
-        nccl.stream.follow_uses(&compute, &ids)?;
+        if ids.iter().any(|id| nccl.collective_buffers.contains(id)) {
+            nccl.p2p.follow_stream(&nccl.stream)?;
+        }
+        nccl.transfer_buffers.extend(ids.iter().copied());
+        nccl.p2p.follow_uses(&compute, &ids)?;
         // SAFETY: every buffer is a live device allocation of its length and type, kept until
-        // the recorded event; peers are global ranks of the world communicator.
+        // the recorded event; peers are global ranks of the transfer communicator.
         unsafe {
             lock(&nccl.comms)?.transfers(
                 &raw,
-                nccl.stream.stream(),
+                nccl.p2p.stream(),
                 (nccl.instruction, words.join(", ")),
             )?;
         }
         match &mut self.nccl {
-            Some(nccl) => nccl.stream.record(&ids),
+            Some(nccl) => nccl.p2p.record(&ids),
             None => Ok(()),
         }
     }
