@@ -369,6 +369,7 @@ pub(super) mod tests {
             loss_scale: None,
             shards: (0..world).map(shard_file_name).collect(),
             checksums: Default::default(),
+            layout: None,
         }
     }
 

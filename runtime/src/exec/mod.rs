@@ -211,7 +211,8 @@ fn evaluates_after(spec: &Spec, done: u64) -> bool {
 
 /// Where a run continues from: the newest checkpoint under `options.resume` that verifies
 /// (`checkpoint::verify`) and its manifest (both `None` for a fresh run), refused unless written
-/// by this plan, world, seed and dataset; and `plan`'s hash, which the run's own checkpoints record.
+/// with this seed and dataset, by this plan or one it can be re-sharded from
+/// (`checkpoint::check_compatible`); and `plan`'s hash, which the run's own checkpoints record.
 fn resume_point(
     plan: &Plan,
     spec: &Spec,
@@ -224,7 +225,8 @@ fn resume_point(
     };
     let hash = checkpoint::plan_hash(plan);
     if let Some(m) = &manifest {
-        checkpoint::check_compatible(m, &hash, plan.world, spec.train.seed, data.train_samples)?;
+        let layout = checkpoint::Layout::of(spec, plan)?;
+        checkpoint::check_compatible(m, &hash, &layout, spec.train.seed, data.train_samples)?;
     }
     Ok((resume, manifest, hash))
 }
@@ -554,7 +556,13 @@ impl RunContext<'_> {
         exec.loss_scaler = LossScaler::for_precision(train.precision);
         let mut start_step = 0;
         if let Some((dir, manifest)) = self.resume {
-            exec.load_shard(dir)?;
+            if manifest.plan_hash == self.plan_hash {
+                exec.load_shard(dir)?;
+            } else {
+                let layout = checkpoint::Layout::of(self.spec, self.plan)?;
+                let rank = exec.rank();
+                exec.load_tensors(checkpoint::reshard::load_rank(dir, manifest, &layout, rank)?)?;
+            }
             exec.optimizer_step = manifest.optimizer_step;
             start_step = manifest.step;
             if let (Some(scaler), Some(state)) = (exec.loss_scaler.as_mut(), manifest.loss_scale) {
@@ -708,6 +716,7 @@ impl RunContext<'_> {
                 .map(checkpoint::shard_file_name)
                 .collect(),
             checksums: Default::default(),
+            layout: Some(checkpoint::Layout::of(self.spec, self.plan)?),
         };
         checkpoint::commit(dir, &manifest, keep).map(Some)
     }

@@ -926,4 +926,34 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         }
         Ok(())
     }
+
+    /// Overwrite the persistent buffers with `tensors` (a checkpoint re-sharded for this plan,
+    /// `checkpoint::reshard`): one per persistent buffer, in buffer order, named and shaped
+    /// as the buffers are.
+    pub fn load_tensors(&mut self, tensors: Vec<ShardTensor>) -> Result<()> {
+        let buffers: Vec<_> = self.persistent().collect();
+        if buffers.len() != tensors.len() {
+            return Err(plan_error(
+                self.rank,
+                format!(
+                    "{} re-sharded tensors for {} persistent buffers",
+                    tensors.len(),
+                    buffers.len()
+                ),
+            ));
+        }
+        for ((id, buffer), tensor) in buffers.iter().zip(tensors) {
+            if buffer.name != tensor.name || buffer.shape != tensor.shape {
+                return Err(plan_error(
+                    self.rank,
+                    format!(
+                        "re-sharded tensor {} {:?} does not match buffer {} {:?}",
+                        tensor.name, tensor.shape, buffer.name, buffer.shape
+                    ),
+                ));
+            }
+            self.backend.write_f32(*id, &tensor.data)?;
+        }
+        Ok(())
+    }
 }

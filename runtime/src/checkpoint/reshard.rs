@@ -1,0 +1,343 @@
+//! Re-sharding a checkpoint for another plan: the global view of the checkpoint (its manifest's
+//! [`Layout`]: every shard tensor as a slice of a global tensor) against the new plan's layout
+//! gives, for each rank of the new plan and each tensor of its shard, the runs of elements to
+//! copy from the old shard files ([`plan_rank`]); [`read_rank`] then reads only those byte
+//! ranges (each shard file's safetensors header gives the tensors' offsets; the runs are read
+//! with seek and read, never the whole file).
+//!
+//! Parameter values come from the old plan's masters (the optimizer's authoritative copy; the
+//! ZeRO-1/2 working copies are only written), optimizer state tensor `k` from the old state
+//! tensors `k`. Among replicas (dp copies), the old shard of the same rank number is preferred,
+//! then the lowest rank: ranks that keep their place read their own file. Step metrics are
+//! zero (every step zeroes them). ZeRO padding past a tensor's end stays zero.
+use super::layout::{Layout, Piece, Role};
+use super::store::{f32_values, ShardTensor};
+use super::{shard_file_name, Manifest};
+use crate::error::{Result, RuntimeError};
+use crate::init::tp_local_indices;
+use safetensors::tensor::{Dtype, Metadata};
+use std::collections::{BTreeSet, HashMap};
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+/// `len` elements from element `src` of tensor `tensor` of old shard `shard`, to element `dst`
+/// of the new tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Run {
+    pub shard: u32,
+    pub tensor: usize,
+    pub src: u64,
+    pub dst: u64,
+    pub len: u64,
+}
+
+/// One tensor of a new rank's shard and where its elements come from (none for a metric).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorRead {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub runs: Vec<Run>,
+}
+
+/// Everything one rank of the new plan reads.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RankRead {
+    pub rank: u32,
+    pub tensors: Vec<TensorRead>,
+}
+
+impl RankRead {
+    /// Bytes read from the old shards.
+    pub fn bytes(&self) -> u64 {
+        self.runs().map(|r| 4 * r.len).sum()
+    }
+
+    /// The old shard files read from, ascending.
+    pub fn shards(&self) -> BTreeSet<u32> {
+        self.runs().map(|r| r.shard).collect()
+    }
+
+    fn runs(&self) -> impl Iterator<Item = &Run> {
+        self.tensors.iter().flat_map(|t| t.runs.iter())
+    }
+}
+
+fn layout_error(what: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Checkpoint(format!(
+        "the checkpoint's layout record is inconsistent: {what}; use another checkpoint"
+    ))
+}
+
+/// The global element each local element of `piece` holds (None: ZeRO padding).
+fn global_indices(piece: &Piece, shape: &[u64]) -> Result<Vec<Option<u64>>> {
+    let block = tp_local_indices(shape, piece.tp.map(|t| t.split()))?;
+    let start = piece.zero.map_or(0, |z| z.index * z.shard_len) as usize;
+    let numel = piece.shape.iter().product::<u64>() as usize;
+    Ok((0..numel).map(|j| block.get(start + j).copied()).collect())
+}
+
+/// The old role that supplies a new tensor of `role`.
+fn source_role(role: Role) -> Role {
+    match role {
+        Role::Master | Role::Working => Role::Master,
+        state => state,
+    }
+}
+
+/// For each global element of one parameter tensor: the (old shard, tensor index, local
+/// element) that holds it.
+type Owners = Vec<Option<(u32, usize, u64)>>;
+
+/// Which old tensors hold `param`'s tensor of `role`, preferring shard `prefer`.
+fn owners(old: &Layout, param: &str, role: Role, numel: u64, prefer: u32) -> Result<Owners> {
+    let shape = &old
+        .param(param)
+        .ok_or_else(|| layout_error(format!("parameter {param} is not listed")))?
+        .shape;
+    let mut sources: Vec<(u32, usize, &Piece)> = Vec::new();
+    for (shard, pieces) in old.ranks.iter().enumerate() {
+        for (index, piece) in pieces.iter().enumerate() {
+            if piece.param.as_deref() == Some(param) && piece.role == Some(role) {
+                sources.push((shard as u32, index, piece));
+            }
+        }
+    }
+    sources.sort_by_key(|(shard, _, _)| (*shard != prefer, *shard));
+    let mut owners: Owners = vec![None; numel as usize];
+    for (shard, index, piece) in sources {
+        for (local, global) in global_indices(piece, shape)?.into_iter().enumerate() {
+            let slot = global.and_then(|g| owners.get_mut(g as usize));
+            if let Some(slot @ None) = slot {
+                *slot = Some((shard, index, local as u64));
+            }
+        }
+    }
+    Ok(owners)
+}
+
+/// What rank `rank` of the plan of layout `new` reads from a checkpoint of layout `old`.
+pub fn plan_rank(old: &Layout, new: &Layout, rank: u32) -> Result<RankRead> {
+    let pieces = new
+        .ranks
+        .get(rank as usize)
+        .ok_or_else(|| layout_error(format!("the new plan has no rank {rank}")))?;
+    let mut cache: HashMap<(String, Role), Owners> = HashMap::new();
+    let mut tensors = Vec::with_capacity(pieces.len());
+    for piece in pieces {
+        let mut runs = Vec::new();
+        if let (Some(param), Some(role)) = (&piece.param, piece.role) {
+            let global = new.param(param).ok_or_else(|| {
+                layout_error(format!("parameter {param} of the new plan is not listed"))
+            })?;
+            let numel = global.shape.iter().product::<u64>();
+            let key = (param.clone(), source_role(role));
+            let owners = match cache.entry(key) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    let role = e.key().1;
+                    e.insert(owners(old, param, role, numel, rank)?)
+                }
+            };
+            for (dst, global) in global_indices(piece, &global.shape)?.into_iter().enumerate() {
+                let Some(g) = global else { continue };
+                let (shard, tensor, src) = owners.get(g as usize).copied().flatten().ok_or_else(
+                    || {
+                        RuntimeError::Checkpoint(format!(
+                            "element {g} of parameter {param} ({role:?}) is in no shard of the \
+                             checkpoint; it cannot be re-sharded"
+                        ))
+                    },
+                )?;
+                push_run(&mut runs, shard, tensor, src, dst as u64);
+            }
+        }
+        tensors.push(TensorRead {
+            name: piece.tensor.clone(),
+            shape: piece.shape.clone(),
+            runs,
+        });
+    }
+    Ok(RankRead { rank, tensors })
+}
+
+/// Extend the last run when the element continues it, else start a new one.
+fn push_run(runs: &mut Vec<Run>, shard: u32, tensor: usize, src: u64, dst: u64) {
+    if let Some(last) = runs.last_mut() {
+        if last.shard == shard
+            && last.tensor == tensor
+            && last.src + last.len == src
+            && last.dst + last.len == dst
+        {
+            last.len += 1;
+            return;
+        }
+    }
+    runs.push(Run {
+        shard,
+        tensor,
+        src,
+        dst,
+        len: 1,
+    });
+}
+
+/// An old shard file opened for reading ranges: its header parsed, the data's start.
+struct OpenShard {
+    path: PathBuf,
+    file: File,
+    data_start: u64,
+    metadata: Metadata,
+}
+
+/// Headers larger than this are refused as corrupt (safetensors' own limit).
+const MAX_HEADER: u64 = 100_000_000;
+
+fn shard_error(path: &Path, what: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Checkpoint(format!("{}: {what}", path.display()))
+}
+
+impl OpenShard {
+    fn open(path: PathBuf) -> Result<OpenShard> {
+        let mut file =
+            File::open(&path).map_err(|e| shard_error(&path, format!("cannot open: {e}")))?;
+        let mut len = [0u8; 8];
+        file.read_exact(&mut len)
+            .map_err(|e| shard_error(&path, format!("cannot read its header: {e}")))?;
+        let header_len = u64::from_le_bytes(len);
+        if header_len > MAX_HEADER {
+            return Err(shard_error(&path, "corrupt safetensors header (too long)"));
+        }
+        let mut header = vec![0u8; header_len as usize];
+        file.read_exact(&mut header)
+            .map_err(|e| shard_error(&path, format!("cannot read its header: {e}")))?;
+        let metadata: Metadata = serde_json::from_slice(&header)
+            .map_err(|e| shard_error(&path, format!("corrupt safetensors header ({e})")))?;
+        Ok(OpenShard {
+            path,
+            file,
+            data_start: 8 + header_len,
+            metadata,
+        })
+    }
+
+    /// `len` f32 values from element `src` of tensor `name`.
+    fn read(&mut self, name: &str, src: u64, len: u64) -> Result<Vec<f32>> {
+        let info = self.metadata.info(name).ok_or_else(|| {
+            shard_error(
+                &self.path,
+                format!("has no tensor {name}, which the manifest's layout lists"),
+            )
+        })?;
+        let (begin, end) = (info.data_offsets.0 as u64, info.data_offsets.1 as u64);
+        if info.dtype != Dtype::F32 || begin + 4 * (src + len) > end {
+            return Err(shard_error(
+                &self.path,
+                format!(
+                    "tensor {name} is {:?} {:?}, too small for elements {src}..{}",
+                    info.dtype,
+                    info.shape,
+                    src + len
+                ),
+            ));
+        }
+        let mut bytes = vec![0u8; 4 * len as usize];
+        self.file
+            .seek(SeekFrom::Start(self.data_start + begin + 4 * src))
+            .and_then(|_| self.file.read_exact(&mut bytes))
+            .map_err(|e| {
+                shard_error(
+                    &self.path,
+                    format!("cannot read tensor {name} (truncated?): {e}"),
+                )
+            })?;
+        Ok(f32_values(&bytes))
+    }
+}
+
+/// Read what `read` says from the shards of checkpoint folder `checkpoint` (laid out as `old`):
+/// the new rank's tensors, in its shard's order.
+pub fn read_rank(checkpoint: &Path, old: &Layout, read: &RankRead) -> Result<Vec<ShardTensor>> {
+    let mut open: HashMap<u32, OpenShard> = HashMap::new();
+    let mut tensors = Vec::with_capacity(read.tensors.len());
+    for t in &read.tensors {
+        let mut data = vec![0.0f32; t.shape.iter().product::<u64>() as usize];
+        for run in &t.runs {
+            let shard = match open.entry(run.shard) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(OpenShard::open(checkpoint.join(shard_file_name(run.shard)))?)
+                }
+            };
+            let name = &old
+                .ranks
+                .get(run.shard as usize)
+                .and_then(|pieces| pieces.get(run.tensor))
+                .ok_or_else(|| layout_error(format!("shard {} tensor {}", run.shard, run.tensor)))?
+                .tensor;
+            let values = shard.read(name, run.src, run.len)?;
+            let dst = run.dst as usize;
+            data.get_mut(dst..dst + values.len())
+                .ok_or_else(|| layout_error(format!("a run overflows tensor {}", t.name)))?
+                .copy_from_slice(&values);
+        }
+        tensors.push(ShardTensor {
+            name: t.name.clone(),
+            shape: t.shape.clone(),
+            data,
+        });
+    }
+    Ok(tensors)
+}
+
+/// The layout a checkpoint was written with, or why it cannot be re-sharded.
+pub fn recorded_layout(manifest: &Manifest) -> Result<&Layout> {
+    manifest.layout.as_ref().ok_or_else(|| {
+        RuntimeError::Checkpoint(
+            "this checkpoint was written by a parc that did not record its shards' layout, so \
+             it cannot be re-sharded; resume it with the plan that wrote it (the same .par file \
+             and --set overrides)"
+                .to_string(),
+        )
+    })
+}
+
+/// Rank `rank`'s tensors of the plan of layout `new`, re-sharded from checkpoint folder
+/// `checkpoint` (its manifest `manifest`).
+pub fn load_rank(
+    checkpoint: &Path,
+    manifest: &Manifest,
+    new: &Layout,
+    rank: u32,
+) -> Result<Vec<ShardTensor>> {
+    let old = recorded_layout(manifest)?;
+    read_rank(checkpoint, old, &plan_rank(old, new, rank)?)
+}
+
+/// `parc reshard`: write the checkpoint `checkpoint` (manifest `manifest`) re-sharded for the
+/// plan of layout `new` and hash `plan_hash` as a finished checkpoint of the same step in the
+/// checkpoint folder `out`, which `--resume` of that plan loads without re-sharding (and
+/// verifies: each new shard records its checksums). Returns the new checkpoint's folder.
+pub fn write_checkpoint(
+    checkpoint: &Path,
+    manifest: &Manifest,
+    new: &Layout,
+    plan_hash: &str,
+    out: &Path,
+) -> Result<PathBuf> {
+    let old = recorded_layout(manifest)?;
+    let staging = super::store::prepare(out, manifest.step)?;
+    for rank in 0..new.world() {
+        let tensors = read_rank(checkpoint, old, &plan_rank(old, new, rank)?)?;
+        super::store::write_shard(&staging, rank, &tensors)?;
+    }
+    let resharded = Manifest {
+        plan_hash: plan_hash.to_string(),
+        world: new.world(),
+        shards: (0..new.world()).map(shard_file_name).collect(),
+        checksums: Default::default(),
+        layout: Some(new.clone()),
+        ..manifest.clone()
+    };
+    super::store::commit(out, &resharded, 0)
+}

