@@ -15,7 +15,7 @@ mod fixtures;
 use fixtures::{spec_variant, train_cpu, PlanChoice, Split, TinyModel, Variant};
 use parc_compiler::lower::lower;
 use parc_compiler::spec::{Checkpointing, PipelineSchedule, Spec, ZeroStage};
-use parc_runtime::checkpoint::{self, Layout};
+use parc_runtime::checkpoint;
 use parc_runtime::exec::{TrainOptions, TrainResult};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -34,7 +34,7 @@ fn temp_dir(name: &str) -> PathBuf {
 
 /// A plan of the tiny model: the mesh and schedule choice, the layer split, and a micro-batch
 /// size other than the fixtures' 2 (its microbatches then cover the same global batch).
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct P {
     choice: PlanChoice,
     split: Split,
@@ -103,10 +103,11 @@ impl P {
             split: self.split,
             ..Variant::default()
         };
-        let mut s = spec_variant(model, self.choice, variant);
+        let mut s = spec_variant(model, self.choice.clone(), variant);
         if let Some((micro_batch, microbatches)) = self.micro_batch {
             s.train.micro_batch = micro_batch;
             s.parallel.microbatches = microbatches;
+            s.train.global_batch = micro_batch * u64::from(microbatches * self.choice.dp);
         }
         s.train.steps = STEPS;
         s.train.checkpoint = Some(Checkpointing {
@@ -203,8 +204,13 @@ fn assert_pair(llama: bool, a: P, b: P) {
         a.describe(),
         b.describe()
     );
+    eprintln!("{desc}");
     let reference = reference(llama, &a);
-    let out = temp_dir("b");
+    let slug: String = desc
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    let out = temp_dir(&slug);
     let resumed = train(&b.spec(llama, &out), None, Some(&reference.checkpoint));
     assert_close(&desc, &reference.full, &resumed);
 }
@@ -213,7 +219,7 @@ use ZeroStage::{Zero0, Zero1, Zero2, Zero3};
 
 #[test]
 fn gpt_resumes_under_another_plan() {
-    let single = p(1, 1, 1, 1, Zero0, 4);
+    let single = || p(1, 1, 1, 1, Zero0, 4);
     for (a, b) in [
         (p(2, 1, 1, 1, Zero0, 2), p(1, 1, 1, 2, Zero0, 4)),
         (p(1, 2, 1, 1, Zero0, 4), p(2, 1, 1, 1, Zero0, 2)),
@@ -221,12 +227,12 @@ fn gpt_resumes_under_another_plan() {
         (p(1, 1, 1, 2, Zero0, 4).sp(), p(1, 2, 1, 1, Zero0, 4).interleaved()),
         (p(1, 1, 2, 1, Zero0, 4), p(2, 1, 1, 1, Zero0, 2)),
         (p(2, 1, 1, 2, Zero0, 2), p(2, 1, 1, 1, Zero0, 2)),
-        (single, p(1, 1, 1, 1, Zero0, 2).micro(4, 2)),
+        (single(), p(1, 1, 1, 1, Zero0, 2).micro(4, 2)),
         (p(1, 2, 1, 1, Zero0, 4), p(1, 2, 1, 1, Zero0, 4).split(&[1, 3])),
         (p(4, 1, 1, 1, Zero3, 1), p(1, 2, 1, 2, Zero0, 4)),
         (p(2, 1, 1, 1, Zero2, 2), p(1, 1, 1, 2, Zero1, 4).sp()),
-        (single, p(2, 2, 1, 1, Zero1, 2)),
-        (p(2, 1, 1, 2, Zero3, 2), single),
+        (single(), p(2, 2, 1, 1, Zero1, 2)),
+        (p(2, 1, 1, 2, Zero3, 2), single()),
     ] {
         assert_pair(false, a, b);
     }
@@ -234,7 +240,7 @@ fn gpt_resumes_under_another_plan() {
 
 #[test]
 fn llama_resumes_under_another_plan() {
-    let single = p(1, 1, 1, 1, Zero0, 4);
+    let single = || p(1, 1, 1, 1, Zero0, 4);
     for (a, b) in [
         (p(2, 1, 1, 1, Zero0, 2), p(1, 1, 1, 2, Zero0, 4)),
         (p(1, 2, 1, 1, Zero0, 4), p(2, 1, 1, 1, Zero0, 2)),
@@ -242,11 +248,11 @@ fn llama_resumes_under_another_plan() {
         (p(1, 1, 1, 2, Zero0, 4).sp(), p(1, 2, 1, 1, Zero0, 4).interleaved()),
         (p(1, 1, 2, 1, Zero0, 4), p(2, 1, 1, 1, Zero0, 2)),
         (p(2, 2, 1, 1, Zero0, 2), p(2, 1, 1, 1, Zero0, 2)),
-        (single, p(1, 1, 1, 1, Zero0, 2).micro(4, 2)),
+        (single(), p(1, 1, 1, 1, Zero0, 2).micro(4, 2)),
         (p(1, 2, 1, 1, Zero0, 4).split(&[3, 1]), p(1, 2, 1, 1, Zero0, 4)),
         (p(4, 1, 1, 1, Zero3, 1), p(1, 2, 1, 2, Zero0, 4)),
         (p(1, 2, 1, 1, Zero0, 4).interleaved(), p(1, 1, 2, 2, Zero0, 4)),
-        (single, p(2, 1, 1, 2, Zero2, 2)),
+        (single(), p(2, 1, 1, 2, Zero2, 2)),
         (p(1, 1, 1, 2, Zero0, 4), p(1, 1, 1, 2, Zero0, 4).sp()),
     ] {
         assert_pair(true, a, b);
