@@ -151,7 +151,11 @@ fn reference(llama: bool, a: &P) -> std::sync::Arc<Reference> {
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
         .collect();
-    let full = train(&a.spec(llama, &temp_dir(&format!("{slug}-full"))), None, None);
+    let full = train(
+        &a.spec(llama, &temp_dir(&format!("{slug}-full"))),
+        None,
+        None,
+    );
     let dir = temp_dir(&slug);
     train(&a.spec(llama, &dir), Some(SWITCH), None);
     let made = std::sync::Arc::new(Reference {
@@ -224,11 +228,17 @@ fn gpt_resumes_under_another_plan() {
         (p(2, 1, 1, 1, Zero0, 2), p(1, 1, 1, 2, Zero0, 4)),
         (p(1, 2, 1, 1, Zero0, 4), p(2, 1, 1, 1, Zero0, 2)),
         (p(2, 1, 1, 1, Zero1, 2), p(2, 1, 1, 1, Zero3, 2)),
-        (p(1, 1, 1, 2, Zero0, 4).sp(), p(1, 2, 1, 1, Zero0, 4).interleaved()),
+        (
+            p(1, 1, 1, 2, Zero0, 4).sp(),
+            p(1, 2, 1, 1, Zero0, 4).interleaved(),
+        ),
         (p(1, 1, 2, 1, Zero0, 4), p(2, 1, 1, 1, Zero0, 2)),
         (p(2, 1, 1, 2, Zero0, 2), p(2, 1, 1, 1, Zero0, 2)),
         (single(), p(1, 1, 1, 1, Zero0, 2).micro(4, 2)),
-        (p(1, 2, 1, 1, Zero0, 4), p(1, 2, 1, 1, Zero0, 4).split(&[1, 3])),
+        (
+            p(1, 2, 1, 1, Zero0, 4),
+            p(1, 2, 1, 1, Zero0, 4).split(&[1, 3]),
+        ),
         (p(4, 1, 1, 1, Zero3, 1), p(1, 2, 1, 2, Zero0, 4)),
         (p(2, 1, 1, 1, Zero2, 2), p(1, 1, 1, 2, Zero1, 4).sp()),
         (single(), p(2, 2, 1, 1, Zero1, 2)),
@@ -245,13 +255,22 @@ fn llama_resumes_under_another_plan() {
         (p(2, 1, 1, 1, Zero0, 2), p(1, 1, 1, 2, Zero0, 4)),
         (p(1, 2, 1, 1, Zero0, 4), p(2, 1, 1, 1, Zero0, 2)),
         (p(2, 1, 1, 1, Zero1, 2), p(2, 1, 1, 1, Zero3, 2)),
-        (p(1, 1, 1, 2, Zero0, 4).sp(), p(1, 2, 1, 1, Zero0, 4).interleaved()),
+        (
+            p(1, 1, 1, 2, Zero0, 4).sp(),
+            p(1, 2, 1, 1, Zero0, 4).interleaved(),
+        ),
         (p(1, 1, 2, 1, Zero0, 4), p(2, 1, 1, 1, Zero0, 2)),
         (p(2, 2, 1, 1, Zero0, 2), p(2, 1, 1, 1, Zero0, 2)),
         (single(), p(1, 1, 1, 1, Zero0, 2).micro(4, 2)),
-        (p(1, 2, 1, 1, Zero0, 4).split(&[3, 1]), p(1, 2, 1, 1, Zero0, 4)),
+        (
+            p(1, 2, 1, 1, Zero0, 4).split(&[3, 1]),
+            p(1, 2, 1, 1, Zero0, 4),
+        ),
         (p(4, 1, 1, 1, Zero3, 1), p(1, 2, 1, 2, Zero0, 4)),
-        (p(1, 2, 1, 1, Zero0, 4).interleaved(), p(1, 1, 2, 2, Zero0, 4)),
+        (
+            p(1, 2, 1, 1, Zero0, 4).interleaved(),
+            p(1, 1, 2, 2, Zero0, 4),
+        ),
         (single(), p(2, 1, 1, 2, Zero2, 2)),
         (p(1, 1, 1, 2, Zero0, 4), p(1, 1, 1, 2, Zero0, 4).sp()),
     ] {

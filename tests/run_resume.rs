@@ -1,7 +1,7 @@
 //! Resume: a run stopped after step k and resumed from its checkpoint gives the remaining
 //! losses and final parameters of an uninterrupted run bit for bit, on sharded plans too
 //! (ZeRO optimizer shards, pipeline stages, tp blocks); the exported `model.safetensors` holds
-//! the final global parameters. A checkpoint from another plan is refused. An fp16 run resumes
+//! the final global parameters. A checkpoint of another global batch is refused. An fp16 run resumes
 //! its dynamic loss scaler where it stopped (scale and the clean/overflow step counts).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #[allow(dead_code)]
@@ -185,17 +185,19 @@ fn resume_with_uneven_pipeline_stages_is_bit_identical() {
 }
 
 #[test]
-fn a_checkpoint_of_another_plan_is_refused() {
+fn a_checkpoint_of_another_global_batch_is_refused() {
     let dir = temp_dir("other-plan");
     run(
         &with_checkpoints(PlanChoice::default(), &dir),
         Some(2),
         None,
     );
+    // Another plan of the same global batch re-shards (tests/reshard.rs); another global
+    // batch is refused naming the field.
     let other = with_checkpoints(
         PlanChoice {
             dp: 2,
-            microbatches: 1,
+            microbatches: 2,
             ..PlanChoice::default()
         },
         &dir,
@@ -205,7 +207,7 @@ fn a_checkpoint_of_another_plan_is_refused() {
     options.resume = Some(dir);
     let err = train_cpu(&other, &plan, &options).unwrap_err().to_string();
     assert!(
-        err.contains("written by plan") && err.contains("same .par file"),
+        err.contains("E1104 (train.global_batch)") && err.contains("train.global_batch = 4"),
         "{err}"
     );
 }

@@ -147,31 +147,38 @@ impl Layout {
     /// changed and what to do; None when it can (re-sharded on load). `any_batch`: the user
     /// consents to another global batch.
     pub fn refuse_change(&self, new: &Layout, any_batch: bool) -> Option<Refusal> {
+        const SAME_MODEL: &str = "resume with the model that wrote it";
         for old in &self.params {
             match new.param(&old.name) {
                 None => {
-                    return Some(Refusal::model(format!(
-                        "parameter {} of the checkpoint is not in this model; resume with the \
-                         model that wrote it",
-                        old.name
-                    )))
+                    return Some(Refusal::model(
+                        format!(
+                            "parameter {} of the checkpoint is not in this model",
+                            old.name
+                        ),
+                        SAME_MODEL,
+                    ))
                 }
                 Some(p) if p.shape != old.shape => {
-                    return Some(Refusal::model(format!(
-                        "parameter {} is {:?} in the checkpoint but {:?} in this model; \
-                         resume with the model that wrote it",
-                        old.name, old.shape, p.shape
-                    )))
+                    return Some(Refusal::model(
+                        format!(
+                            "parameter {} is {:?} in the checkpoint but {:?} in this model",
+                            old.name, old.shape, p.shape
+                        ),
+                        SAME_MODEL,
+                    ))
                 }
                 Some(_) => {}
             }
         }
         if let Some(extra) = new.params.iter().find(|p| self.param(&p.name).is_none()) {
-            return Some(Refusal::model(format!(
-                "parameter {} of this model is not in the checkpoint; resume with the model \
-                 that wrote it",
-                extra.name
-            )));
+            return Some(Refusal::model(
+                format!(
+                    "parameter {} of this model is not in the checkpoint",
+                    extra.name
+                ),
+                SAME_MODEL,
+            ));
         }
         if self.optimizer != new.optimizer {
             return Some(Refusal {
@@ -179,8 +186,12 @@ impl Layout {
                 field: "train.optimizer",
                 message: format!(
                     "the checkpoint's optimizer is {} but this run's is {}: its state cannot \
-                     carry over; set train.optimizer to {} (its settings such as lr may change)",
-                    self.optimizer, new.optimizer, self.optimizer
+                     carry over",
+                    self.optimizer, new.optimizer
+                ),
+                help: format!(
+                    "set train.optimizer to {} (its settings such as lr may change)",
+                    self.optimizer
                 ),
             });
         }
@@ -189,11 +200,12 @@ impl Layout {
                 code: "E1103",
                 field: "train.precision",
                 message: format!(
-                    "the checkpoint was written at precision {} but this run's is {}; resume \
-                     at {} (a change of precision would drop or invent state: the fp16 loss \
-                     scaler, bf16-rounded working copies)",
-                    self.precision, new.precision, self.precision
+                    "the checkpoint was written at precision {} but this run's is {}: a change \
+                     of precision would drop or invent state (the fp16 loss scaler, bf16-rounded \
+                     working copies)",
+                    self.precision, new.precision
                 ),
+                help: format!("set train.precision = {}", self.precision),
             });
         }
         if self.global_batch != new.global_batch && !any_batch {
@@ -202,10 +214,13 @@ impl Layout {
                 field: "train.global_batch",
                 message: format!(
                     "the checkpoint's global batch is {} sequences but this run's is {}: the \
-                     data order and the optimizer's trajectory would change; set \
-                     train.global_batch = {} (dp, tp, pp, cp, ZeRO and the micro-batch split \
-                     may change)",
-                    self.global_batch, new.global_batch, self.global_batch
+                     data order and the optimizer's trajectory would change",
+                    self.global_batch, new.global_batch
+                ),
+                help: format!(
+                    "set train.global_batch = {} (dp, tp, pp, cp, ZeRO and the micro-batch \
+                     split may change)",
+                    self.global_batch
                 ),
             });
         }
@@ -214,27 +229,33 @@ impl Layout {
 }
 
 /// A plan change a checkpoint cannot follow: the diagnostic code (`docs/diagnostics.md`), the
-/// spec field that changed, and the message.
+/// spec field that changed, what is wrong and what to do.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Refusal {
     pub code: &'static str,
     pub field: &'static str,
     pub message: String,
+    pub help: String,
 }
 
 impl Refusal {
-    fn model(message: String) -> Refusal {
+    fn model(message: String, help: &str) -> Refusal {
         Refusal {
             code: "E1101",
             field: "model",
             message,
+            help: help.to_string(),
         }
     }
 }
 
 impl std::fmt::Display for Refusal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} ({}): {}", self.code, self.field, self.message)
+        write!(
+            f,
+            "{} ({}): {}; {}",
+            self.code, self.field, self.message, self.help
+        )
     }
 }
 

@@ -140,10 +140,9 @@ pub enum ResumeKind {
 }
 
 /// Whether a run of the plan with hash `plan_hash` and shard layout `layout` may continue from
-/// the checkpoint of `manifest`, and how: refused for another seed or dataset, and for another
-/// plan unless the checkpoint records its layout and the change keeps model, optimizer,
-/// precision and global batch (`Layout::refuse_change`; `any_batch` allows another global
-/// batch).
+/// the checkpoint of `manifest`, and how: refused for another dataset, seed or model, and for
+/// another plan unless the checkpoint records its layout and the change keeps model, optimizer,
+/// precision and global batch ([`plan_change`]).
 pub fn check_compatible(
     manifest: &Manifest,
     plan_hash: &str,
@@ -151,39 +150,63 @@ pub fn check_compatible(
     seed: u64,
     samples: u64,
 ) -> crate::error::Result<ResumeKind> {
-    let refuse = |what: String| Err(crate::error::RuntimeError::Checkpoint(what));
-    if manifest.seed != seed {
-        return refuse(format!(
-            "this checkpoint was written with train.seed = {}, this run has {seed}; set \
-             train.seed = {} to continue the same run",
-            manifest.seed, manifest.seed
-        ));
-    }
     if manifest.samples != samples {
-        return refuse(format!(
+        return Err(crate::error::RuntimeError::Checkpoint(format!(
             "this checkpoint's dataset had {} samples, this run's has {samples}; resume with \
              the same data and sequence length",
             manifest.samples
-        ));
+        )));
+    }
+    plan_change(manifest, plan_hash, layout, seed).map_err(|refusal| {
+        crate::error::RuntimeError::Checkpoint(format!(
+            "this checkpoint cannot continue under this run's spec: {refusal}"
+        ))
+    })
+}
+
+/// How the checkpoint of `manifest` continues under the plan of hash `plan_hash`, layout
+/// `layout` and seed `seed` (the dataset aside), or the refusal naming what changed.
+pub fn plan_change(
+    manifest: &Manifest,
+    plan_hash: &str,
+    layout: &Layout,
+    seed: u64,
+) -> std::result::Result<ResumeKind, layout::Refusal> {
+    if manifest.seed != seed {
+        return Err(layout::Refusal {
+            code: "E1105",
+            field: "train.seed",
+            message: format!(
+                "this checkpoint was written with train.seed = {}, this run has {seed}",
+                manifest.seed
+            ),
+            help: format!(
+                "set train.seed = {} to continue the same run",
+                manifest.seed
+            ),
+        });
     }
     if manifest.plan_hash == plan_hash && manifest.world == layout.world() {
         return Ok(ResumeKind::SamePlan);
     }
     let Some(old) = &manifest.layout else {
-        return refuse(format!(
-            "this checkpoint was written by plan {} on {} ranks, but this run's plan is {} on \
-             {} ranks, and it does not record its shards' layout (an older parc wrote it), so \
-             it cannot be re-sharded; resume with the same .par file and --set overrides",
-            manifest.plan_hash,
-            manifest.world,
-            plan_hash,
-            layout.world()
-        ));
+        return Err(layout::Refusal {
+            code: "E1106",
+            field: "parallel",
+            message: format!(
+                "this checkpoint was written by plan {} on {} ranks, but this run's plan is {} \
+                 on {} ranks, and it does not record its shards' layout (an older parc wrote \
+                 it), so it cannot be re-sharded",
+                manifest.plan_hash,
+                manifest.world,
+                plan_hash,
+                layout.world()
+            ),
+            help: "resume with the same .par file and --set overrides".to_string(),
+        });
     };
     match old.refuse_change(layout, false) {
-        Some(refusal) => refuse(format!(
-            "this checkpoint cannot continue under this run's plan: {refusal}"
-        )),
+        Some(refusal) => Err(refusal),
         None => Ok(ResumeKind::Reshard),
     }
 }
@@ -225,7 +248,10 @@ mod tests {
         let check = |m: &Manifest, hash: &str, l: &Layout, seed, samples| {
             check_compatible(m, hash, l, seed, samples).map_err(|e| e.to_string())
         };
-        assert_eq!(check(&manifest, "aaaa", &four, 1, 50), Ok(ResumeKind::SamePlan));
+        assert_eq!(
+            check(&manifest, "aaaa", &four, 1, 50),
+            Ok(ResumeKind::SamePlan)
+        );
         let plan = check(&manifest, "bbbb", &four, 1, 50).unwrap_err();
         assert!(
             plan.contains("plan aaaa on 4 ranks") && plan.contains("bbbb"),
@@ -237,7 +263,10 @@ mod tests {
         assert!(check(&manifest, "aaaa", &four, 1, 51).is_err());
         manifest.layout = Some(four.clone());
         let two = layout(2, vec![4, 2]);
-        assert_eq!(check(&manifest, "bbbb", &two, 1, 50), Ok(ResumeKind::Reshard));
+        assert_eq!(
+            check(&manifest, "bbbb", &two, 1, 50),
+            Ok(ResumeKind::Reshard)
+        );
         let model = check(&manifest, "bbbb", &layout(2, vec![2, 4]), 1, 50).unwrap_err();
         assert!(
             model.contains("E1101") && model.contains("parameter w is [4, 2]"),

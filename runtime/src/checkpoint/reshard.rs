@@ -139,16 +139,18 @@ pub fn plan_rank(old: &Layout, new: &Layout, rank: u32) -> Result<RankRead> {
                     e.insert(owners(old, param, role, numel, rank)?)
                 }
             };
-            for (dst, global) in global_indices(piece, &global.shape)?.into_iter().enumerate() {
+            for (dst, global) in global_indices(piece, &global.shape)?
+                .into_iter()
+                .enumerate()
+            {
                 let Some(g) = global else { continue };
-                let (shard, tensor, src) = owners.get(g as usize).copied().flatten().ok_or_else(
-                    || {
+                let (shard, tensor, src) =
+                    owners.get(g as usize).copied().flatten().ok_or_else(|| {
                         RuntimeError::Checkpoint(format!(
                             "element {g} of parameter {param} ({role:?}) is in no shard of the \
                              checkpoint; it cannot be re-sharded"
                         ))
-                    },
-                )?;
+                    })?;
                 push_run(&mut runs, shard, tensor, src, dst as u64);
             }
         }
@@ -265,9 +267,9 @@ pub fn read_rank(checkpoint: &Path, old: &Layout, read: &RankRead) -> Result<Vec
         for run in &t.runs {
             let shard = match open.entry(run.shard) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::hash_map::Entry::Vacant(e) => {
-                    e.insert(OpenShard::open(checkpoint.join(shard_file_name(run.shard)))?)
-                }
+                std::collections::hash_map::Entry::Vacant(e) => e.insert(OpenShard::open(
+                    checkpoint.join(shard_file_name(run.shard)),
+                )?),
             };
             let name = &old
                 .ranks
@@ -314,22 +316,34 @@ pub fn load_rank(
     read_rank(checkpoint, old, &plan_rank(old, new, rank)?)
 }
 
+/// What every rank of the plan of layout `new` reads from the checkpoint of `manifest`
+/// (`parc check --resume`), or why the checkpoint cannot be re-sharded.
+pub fn plan_all(manifest: &Manifest, new: &Layout) -> Result<Vec<RankRead>> {
+    let old = recorded_layout(manifest)?;
+    (0..new.world())
+        .map(|rank| plan_rank(old, new, rank))
+        .collect()
+}
+
 /// `parc reshard`: write the checkpoint `checkpoint` (manifest `manifest`) re-sharded for the
 /// plan of layout `new` and hash `plan_hash` as a finished checkpoint of the same step in the
 /// checkpoint folder `out`, which `--resume` of that plan loads without re-sharding (and
-/// verifies: each new shard records its checksums). Returns the new checkpoint's folder.
+/// verifies: each new shard records its checksums). Returns the new checkpoint's folder and
+/// what each new rank read.
 pub fn write_checkpoint(
     checkpoint: &Path,
     manifest: &Manifest,
     new: &Layout,
     plan_hash: &str,
     out: &Path,
-) -> Result<PathBuf> {
+) -> Result<(PathBuf, Vec<RankRead>)> {
     let old = recorded_layout(manifest)?;
     let staging = super::store::prepare(out, manifest.step)?;
+    let mut reads = Vec::with_capacity(new.ranks.len());
     for rank in 0..new.world() {
-        let tensors = read_rank(checkpoint, old, &plan_rank(old, new, rank)?)?;
-        super::store::write_shard(&staging, rank, &tensors)?;
+        let read = plan_rank(old, new, rank)?;
+        super::store::write_shard(&staging, rank, &read_rank(checkpoint, old, &read)?)?;
+        reads.push(read);
     }
     let resharded = Manifest {
         plan_hash: plan_hash.to_string(),
@@ -339,5 +353,5 @@ pub fn write_checkpoint(
         layout: Some(new.clone()),
         ..manifest.clone()
     };
-    super::store::commit(out, &resharded, 0)
+    Ok((super::store::commit(out, &resharded, 0)?, reads))
 }

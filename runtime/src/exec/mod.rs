@@ -561,7 +561,9 @@ impl RunContext<'_> {
             } else {
                 let layout = checkpoint::Layout::of(self.spec, self.plan)?;
                 let rank = exec.rank();
-                exec.load_tensors(checkpoint::reshard::load_rank(dir, manifest, &layout, rank)?)?;
+                exec.load_tensors(checkpoint::reshard::load_rank(
+                    dir, manifest, &layout, rank,
+                )?)?;
             }
             exec.optimizer_step = manifest.optimizer_step;
             start_step = manifest.step;
