@@ -43,7 +43,7 @@ fn reshard(args: &ReshardArgs, spec: &Spec, plan: &Plan) -> Result<(), String> {
         checkpoint::choose_resume(&args.checkpoint).map_err(|e| e.to_string())?;
     let layout = Layout::of(spec, plan).map_err(|e| e.to_string())?;
     let hash = checkpoint::plan_hash(plan);
-    let kind = checkpoint::plan_change(&manifest, &hash, &layout, spec.train.seed)
+    let kind = checkpoint::plan_change(&manifest, &hash, &layout, spec.train.seed, false)
         .map_err(|refusal| format!("{}: {refusal}", source.display()))?;
     let target = args.out.join(checkpoint::step_dir_name(manifest.step));
     if target.exists() {

@@ -74,8 +74,8 @@ pub fn diagnose(
     let (chosen, manifest) = checkpoint::choose_resume(dir).map_err(unreadable)?;
     let layout = Layout::of(&spec, &plan).map_err(unreadable)?;
     let hash = checkpoint::plan_hash(&plan);
-    let kind =
-        checkpoint::plan_change(&manifest, &hash, &layout, spec.train.seed).map_err(|refusal| {
+    let kind = checkpoint::plan_change(&manifest, &hash, &layout, spec.train.seed, false).map_err(
+        |refusal| {
             refused(
                 refusal.code,
                 format!(
@@ -86,7 +86,8 @@ pub fn diagnose(
                 ),
                 &refusal.help,
             )
-        })?;
+        },
+    )?;
     let reads = match (&manifest.layout, kind) {
         // A checkpoint of this plan without a layout record: each rank loads its own shard.
         (None, ResumeKind::SamePlan) => Vec::new(),

@@ -277,3 +277,62 @@ fn llama_resumes_under_another_plan() {
         assert_pair(true, a, b);
     }
 }
+
+/// The token offsets of each 1-based step of a `--log-batches` file.
+fn logged_batches(path: &Path) -> HashMap<u64, Vec<u64>> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v.get("step").is_some())
+        .map(|v| {
+            let offsets = v["offsets"].as_array().unwrap();
+            (
+                v["step"].as_u64().unwrap(),
+                offsets.iter().map(|o| o.as_u64().unwrap()).collect(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn another_global_batch_continues_at_the_samples_seen_only_with_consent() {
+    // 5 steps of 8 sequences, then batches of 4.
+    let a = p(1, 1, 1, 1, Zero0, 4);
+    let b = p(1, 1, 1, 1, Zero0, 2);
+    let reference = reference(false, &a);
+    let dir = temp_dir("any-batch");
+    let s = b.spec(false, &dir);
+    let plan = lower(&s).unwrap();
+    let mut options = TrainOptions::new(".");
+    options.threads_per_rank = Some(1);
+    options.resume = Some(reference.checkpoint.clone());
+    let refused = train_cpu(&s, &plan, &options).unwrap_err().to_string();
+    assert!(
+        refused.contains("E1104") && refused.contains("--resume-any-batch"),
+        "{refused}"
+    );
+    options.resume_any_batch = true;
+    options.log_batches = Some(dir.join("batches.jsonl"));
+    let resumed = train_cpu(&s, &plan, &options).unwrap();
+    assert_eq!(resumed.records.len() as u64, STEPS - SWITCH);
+    assert!(resumed.records.iter().all(|r| r.loss.is_finite()));
+    // Step 6 (1-based) reads the first half of what plan A's step 6 read, step 7 the rest.
+    let seq = s.model.seq;
+    let layout = parc_runtime::data::BatchLayout {
+        dp: 1,
+        microbatches: 4,
+        micro_batch: 2,
+    };
+    let samples = parc_runtime::exec::SYNTHETIC_SAMPLES;
+    let mut sampler = parc_runtime::data::Sampler::new(s.train.seed, samples, layout).unwrap();
+    let a_step6: Vec<u64> = sampler.global_batch(5).iter().map(|i| i * seq).collect();
+    let logged = logged_batches(&dir.join("batches.jsonl"));
+    assert_eq!(logged[&6], a_step6[..4]);
+    assert_eq!(logged[&7], a_step6[4..]);
+    let seen: u64 = resumed.epochs.iter().map(|e| e.seen).sum();
+    assert_eq!(seen, SWITCH * 8 + (STEPS - SWITCH) * 4);
+    // Its own checkpoints record the samples seen, so a further resume continues from there.
+    let own = checkpoint::read_manifest(&dir.join(checkpoint::step_dir_name(STEPS))).unwrap();
+    assert_eq!(own.samples_seen, Some(seen));
+}

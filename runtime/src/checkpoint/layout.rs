@@ -219,7 +219,8 @@ impl Layout {
                 ),
                 help: format!(
                     "set train.global_batch = {} (dp, tp, pp, cp, ZeRO and the micro-batch \
-                     split may change)",
+                     split may change), or let `parc run --resume-any-batch` continue the data \
+                     order at the samples the checkpoint had seen",
                     self.global_batch
                 ),
             });

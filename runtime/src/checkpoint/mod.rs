@@ -87,8 +87,13 @@ pub struct Manifest {
     pub optimizer_step: u64,
     /// The run's seed (parameter init, sampler permutations, synthetic data).
     pub seed: u64,
-    /// Samples in the dataset: the sampler's epoch length. The sampler's position is `step`.
+    /// Samples in the dataset: the sampler's epoch length. The sampler's position is `step`
+    /// global batches, or `samples_seen` where a run resumed under another global batch.
     pub samples: u64,
+    /// The sampler's stream position after `step` steps (samples seen); absent in older
+    /// checkpoints, where it is `step` times the global batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples_seen: Option<u64>,
     pub loss_scale: Option<LossScaleState>,
     /// Shard file of each rank, in rank order.
     pub shards: Vec<String>,
@@ -129,6 +134,18 @@ pub fn shard_file_name(rank: u32) -> String {
     format!("rank-{rank:05}.safetensors")
 }
 
+/// The sampler's stream position after the checkpoint's steps: what it recorded, else its
+/// steps times its global batch (`global_batch` when it records no layout).
+pub fn samples_seen(manifest: &Manifest, global_batch: u64) -> u64 {
+    manifest.samples_seen.unwrap_or_else(|| {
+        let batch = manifest
+            .layout
+            .as_ref()
+            .map_or(global_batch, |l| l.global_batch);
+        manifest.step * batch
+    })
+}
+
 /// How a run continues from a compatible checkpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ResumeKind {
@@ -142,13 +159,15 @@ pub enum ResumeKind {
 /// Whether a run of the plan with hash `plan_hash` and shard layout `layout` may continue from
 /// the checkpoint of `manifest`, and how: refused for another dataset, seed or model, and for
 /// another plan unless the checkpoint records its layout and the change keeps model, optimizer,
-/// precision and global batch ([`plan_change`]).
+/// precision and global batch ([`plan_change`]; `any_batch`: the user consents to another
+/// global batch, `--resume-any-batch`).
 pub fn check_compatible(
     manifest: &Manifest,
     plan_hash: &str,
     layout: &Layout,
     seed: u64,
     samples: u64,
+    any_batch: bool,
 ) -> crate::error::Result<ResumeKind> {
     if manifest.samples != samples {
         return Err(crate::error::RuntimeError::Checkpoint(format!(
@@ -157,7 +176,7 @@ pub fn check_compatible(
             manifest.samples
         )));
     }
-    plan_change(manifest, plan_hash, layout, seed).map_err(|refusal| {
+    plan_change(manifest, plan_hash, layout, seed, any_batch).map_err(|refusal| {
         crate::error::RuntimeError::Checkpoint(format!(
             "this checkpoint cannot continue under this run's spec: {refusal}"
         ))
@@ -165,12 +184,14 @@ pub fn check_compatible(
 }
 
 /// How the checkpoint of `manifest` continues under the plan of hash `plan_hash`, layout
-/// `layout` and seed `seed` (the dataset aside), or the refusal naming what changed.
+/// `layout` and seed `seed` (the dataset aside), or the refusal naming what changed;
+/// `any_batch` allows another global batch.
 pub fn plan_change(
     manifest: &Manifest,
     plan_hash: &str,
     layout: &Layout,
     seed: u64,
+    any_batch: bool,
 ) -> std::result::Result<ResumeKind, layout::Refusal> {
     if manifest.seed != seed {
         return Err(layout::Refusal {
@@ -205,7 +226,7 @@ pub fn plan_change(
             help: "resume with the same .par file and --set overrides".to_string(),
         });
     };
-    match old.refuse_change(layout, false) {
+    match old.refuse_change(layout, any_batch) {
         Some(refusal) => Err(refusal),
         None => Ok(ResumeKind::Reshard),
     }
@@ -243,10 +264,11 @@ mod tests {
             shards: Vec::new(),
             checksums: Default::default(),
             layout: None,
+            samples_seen: None,
         };
         let four = layout(4, vec![4, 2]);
         let check = |m: &Manifest, hash: &str, l: &Layout, seed, samples| {
-            check_compatible(m, hash, l, seed, samples).map_err(|e| e.to_string())
+            check_compatible(m, hash, l, seed, samples, false).map_err(|e| e.to_string())
         };
         assert_eq!(
             check(&manifest, "aaaa", &four, 1, 50),
@@ -282,10 +304,13 @@ mod tests {
             global_batch: 16,
             ..two
         };
-        let batch = check(&manifest, "bbbb", &batch, 1, 50).unwrap_err();
+        let refused = check(&manifest, "bbbb", &batch, 1, 50).unwrap_err();
         assert!(
-            batch.contains("E1104") && batch.contains("train.global_batch = 8"),
-            "{batch}"
+            refused.contains("E1104") && refused.contains("train.global_batch = 8"),
+            "{refused}"
         );
+        let consented = check_compatible(&manifest, "bbbb", &batch, 1, 50, true);
+        assert_eq!(consented.ok(), Some(ResumeKind::Reshard));
+        assert_eq!(samples_seen(&manifest, 16), 80);
     }
 }

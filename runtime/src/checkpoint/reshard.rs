@@ -351,7 +351,97 @@ pub fn write_checkpoint(
         shards: (0..new.world()).map(shard_file_name).collect(),
         checksums: Default::default(),
         layout: Some(new.clone()),
+        samples_seen: Some(super::samples_seen(manifest, new.global_batch)),
         ..manifest.clone()
     };
     Ok((super::store::commit(out, &resharded, 0)?, reads))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::layout::{GlobalParam, TpPart, ZeroPart};
+    use super::super::store::tests::temp_dir;
+    use super::*;
+
+    fn piece(
+        tensor: &str,
+        shape: Vec<u64>,
+        role: Role,
+        tp: Option<u32>,
+        zero: Option<ZeroPart>,
+    ) -> Piece {
+        Piece {
+            tensor: tensor.to_string(),
+            shape,
+            param: Some("w".to_string()),
+            role: Some(role),
+            tp: tp.map(|index| TpPart {
+                dim: 1,
+                parts: 2,
+                index,
+                sections: None,
+            }),
+            zero,
+        }
+    }
+
+    fn layout(ranks: Vec<Vec<Piece>>) -> Layout {
+        Layout {
+            params: vec![GlobalParam {
+                name: "w".to_string(),
+                shape: vec![2, 4],
+            }],
+            optimizer: "adamw".to_string(),
+            precision: "fp32".to_string(),
+            global_batch: 8,
+            ranks,
+        }
+    }
+
+    #[test]
+    fn a_zero_shard_reads_its_runs_from_the_tp_blocks_that_hold_them() {
+        // w = [[0, 1, 2, 3], [4, 5, 6, 7]]: columns 0-1 on old rank 0, 2-3 on old rank 1.
+        let old = layout(vec![
+            vec![piece("w@0", vec![2, 2], Role::Master, Some(0), None)],
+            vec![piece("w@1", vec![2, 2], Role::Master, Some(1), None)],
+        ]);
+        // The new rank holds ZeRO shard 1 of 2 (elements 5..10 of the flat tensor, 2 of padding)
+        // and a working copy of all of it.
+        let zero = ZeroPart {
+            shard_len: 5,
+            index: 1,
+        };
+        let new = layout(vec![vec![
+            piece("w.master", vec![5], Role::Master, None, Some(zero)),
+            piece("w.work", vec![2, 4], Role::Working, None, None),
+        ]]);
+        let read = plan_rank(&old, &new, 0).unwrap();
+        let run = |shard, src, dst, len| Run {
+            shard,
+            tensor: 0,
+            src,
+            dst,
+            len,
+        };
+        assert_eq!(read.tensors[0].runs, [run(0, 3, 0, 1), run(1, 2, 1, 2)]);
+        assert_eq!(read.bytes(), 4 * (3 + 8));
+        assert_eq!(read.shards().into_iter().collect::<Vec<_>>(), [0, 1]);
+        let dir = temp_dir("reshard-runs");
+        let blocks = [[0.0, 1.0, 4.0, 5.0], [2.0, 3.0, 6.0, 7.0]];
+        for (rank, values) in blocks.iter().enumerate() {
+            let tensor = ShardTensor {
+                name: old.ranks[rank][0].tensor.clone(),
+                shape: vec![2, 2],
+                data: values.to_vec(),
+            };
+            super::super::store::write_shard(&dir, rank as u32, &[tensor]).unwrap();
+        }
+        let tensors = read_rank(&dir, &old, &read).unwrap();
+        assert_eq!(tensors[0].data, [5.0, 6.0, 7.0, 0.0, 0.0]);
+        assert_eq!(tensors[1].data, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]);
+        // An element no old shard holds is an error naming the parameter.
+        let half = layout(vec![old.ranks[0].clone()]);
+        let err = plan_rank(&half, &new, 0).unwrap_err().to_string();
+        assert!(err.contains("parameter w"), "{err}");
+    }
 }

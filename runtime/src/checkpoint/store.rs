@@ -370,6 +370,7 @@ pub(super) mod tests {
             shards: (0..world).map(shard_file_name).collect(),
             checksums: Default::default(),
             layout: None,
+            samples_seen: None,
         }
     }
 

@@ -81,6 +81,9 @@ pub struct TrainOptions {
     pub source: Option<SpecSource>,
     /// Where the samples of `train.sample` go (rank 0 makes them); without it none are made.
     pub on_sample: Option<SampleSink>,
+    /// Resume a checkpoint of another global batch (`--resume-any-batch`): the sampler
+    /// continues at the samples it had seen.
+    pub resume_any_batch: bool,
 }
 
 impl TrainOptions {
@@ -98,6 +101,7 @@ impl TrainOptions {
             log_batches: None,
             source: None,
             on_sample: None,
+            resume_any_batch: false,
         }
     }
 }
@@ -226,7 +230,22 @@ fn resume_point(
     let hash = checkpoint::plan_hash(plan);
     if let Some(m) = &manifest {
         let layout = checkpoint::Layout::of(spec, plan)?;
-        checkpoint::check_compatible(m, &hash, &layout, spec.train.seed, data.train_samples)?;
+        let (seed, samples) = (spec.train.seed, data.train_samples);
+        checkpoint::check_compatible(m, &hash, &layout, seed, samples, options.resume_any_batch)?;
+        let old_batch = m
+            .layout
+            .as_ref()
+            .map_or(layout.global_batch, |l| l.global_batch);
+        if old_batch != layout.global_batch {
+            eprintln!(
+                "note: the checkpoint's global batch is {old_batch} sequences, this run's {}; \
+                 the sampler position is translated by samples seen: step {} continues at \
+                 sample {} of the data order",
+                layout.global_batch,
+                m.step,
+                checkpoint::samples_seen(m, layout.global_batch)
+            );
+        }
     }
     Ok((resume, manifest, hash))
 }
@@ -344,12 +363,14 @@ where
     let (resume, manifest, hash) = resume_point(plan, spec, options, &data)?;
     let weights = initial_weights(spec, plan, options, resume.is_some())?;
     if let Some(path) = &options.log_batches {
-        let start = manifest.as_ref().map_or(0, |m| m.step);
+        let (start, position) = manifest.as_ref().map_or((0, 0), |m| {
+            (m.step, checkpoint::samples_seen(m, spec.train.global_batch))
+        });
         let end = options
             .stop_after
             .unwrap_or(spec.train.steps)
             .min(spec.train.steps);
-        write_run_batch_log(path, spec, plan, data.train_samples, start..end)?;
+        write_run_batch_log(path, spec, plan, data.train_samples, start..end, position)?;
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = options
@@ -565,6 +586,8 @@ impl RunContext<'_> {
                     dir, manifest, &layout, rank,
                 )?)?;
             }
+            let position = checkpoint::samples_seen(manifest, train.global_batch);
+            exec.resume_sampler_at(manifest.step, position);
             exec.optimizer_step = manifest.optimizer_step;
             start_step = manifest.step;
             if let (Some(scaler), Some(state)) = (exec.loss_scaler.as_mut(), manifest.loss_scale) {
@@ -719,6 +742,7 @@ impl RunContext<'_> {
                 .collect(),
             checksums: Default::default(),
             layout: Some(checkpoint::Layout::of(self.spec, self.plan)?),
+            samples_seen: Some(exec.sampler().position(step)),
         };
         checkpoint::commit(dir, &manifest, keep).map(Some)
     }

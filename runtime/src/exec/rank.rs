@@ -159,6 +159,12 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         &self.sampler
     }
 
+    /// Continue the training data at step `step` from stream position `position` (a resumed
+    /// checkpoint's samples seen: `Sampler::resume_at`).
+    pub fn resume_sampler_at(&mut self, step: u64, position: u64) {
+        self.sampler.resume_at(step, position);
+    }
+
     /// The rank's backend (for inspection: memory held, allocations made).
     pub fn backend(&self) -> &B {
         &self.backend
