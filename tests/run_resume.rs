@@ -164,7 +164,8 @@ fn resume_of_an_fp16_run_keeps_the_loss_scaler() {
 }
 
 /// Stages of 3 and 1 layers: each rank's shard holds its stage's layers, so the checkpoint
-/// resumes under the same split and is refused under another (its plan hash differs).
+/// resumes under the same split bit-identically and under another re-sharded on load (its
+/// plan hash differs; tests/reshard.rs compares such resumes with the uninterrupted run).
 #[test]
 fn resume_with_uneven_pipeline_stages_is_bit_identical() {
     let pp2 = || PlanChoice {
@@ -180,8 +181,9 @@ fn resume_with_uneven_pipeline_stages_is_bit_identical() {
     let plan = lower(&other).unwrap();
     let mut options = TrainOptions::new(".");
     options.resume = Some(dir);
-    let err = train_cpu(&other, &plan, &options).unwrap_err().to_string();
-    assert!(err.contains("written by plan"), "{err}");
+    let resumed = train_cpu(&other, &plan, &options).unwrap();
+    assert_eq!(resumed.start_step, 2);
+    assert!(resumed.records.iter().all(|r| r.loss.is_finite()));
 }
 
 #[test]
