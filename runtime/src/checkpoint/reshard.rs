@@ -14,7 +14,7 @@ use super::layout::{Layout, Piece, Role};
 use super::store::{f32_values, ShardTensor};
 use super::{shard_file_name, Manifest};
 use crate::error::{Result, RuntimeError};
-use crate::init::tp_local_indices;
+use crate::init::TpBlock;
 use safetensors::tensor::{Dtype, Metadata};
 use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
@@ -69,12 +69,37 @@ fn layout_error(what: impl std::fmt::Display) -> RuntimeError {
     ))
 }
 
-/// The global element each local element of `piece` holds (None: ZeRO padding).
-fn global_indices(piece: &Piece, shape: &[u64]) -> Result<Vec<Option<u64>>> {
-    let block = tp_local_indices(shape, piece.tp.map(|t| t.split()))?;
-    let start = piece.zero.map_or(0, |z| z.index * z.shard_len) as usize;
-    let numel = piece.shape.iter().product::<u64>() as usize;
-    Ok((0..numel).map(|j| block.get(start + j).copied()).collect())
+/// A shard tensor's place in its global tensor: its tp block and the range of the block's
+/// flat elements it holds (a ZeRO shard's; all of them without ZeRO).
+struct Placement {
+    block: TpBlock,
+    start: u64,
+    len: u64,
+}
+
+impl Placement {
+    fn of(piece: &Piece, global_shape: &[u64]) -> Result<Placement> {
+        let block = TpBlock::new(global_shape, piece.tp.map(|t| t.split()))?;
+        let (start, len) = match piece.zero {
+            Some(z) => (z.index * z.shard_len, z.shard_len),
+            None => (0, block.numel()),
+        };
+        Ok(Placement { block, start, len })
+    }
+
+    /// The global element of local element `local`; None for ZeRO padding.
+    fn global(&self, local: u64) -> Option<u64> {
+        let flat = self.start + local;
+        (flat < self.block.numel()).then(|| self.block.global_index(flat))
+    }
+
+    /// The local element holding global element `global`, if this tensor holds it.
+    fn local(&self, global: u64) -> Option<u64> {
+        let flat = self.block.local_index(global)?;
+        (self.start..self.start + self.len)
+            .contains(&flat)
+            .then(|| flat - self.start)
+    }
 }
 
 /// The old role that supplies a new tensor of `role`.
@@ -85,35 +110,28 @@ fn source_role(role: Role) -> Role {
     }
 }
 
-/// For each global element of one parameter tensor: the (old shard, tensor index, local
-/// element) that holds it.
-type Owners = Vec<Option<(u32, usize, u64)>>;
-
-/// Which old tensors hold `param`'s tensor of `role`, preferring shard `prefer`.
-fn owners(old: &Layout, param: &str, role: Role, numel: u64, prefer: u32) -> Result<Owners> {
+/// The old shard tensors that hold `param`'s tensor of `role`: (shard, tensor index, place),
+/// shard `prefer` first, then ascending.
+fn sources(
+    old: &Layout,
+    param: &str,
+    role: Role,
+    prefer: u32,
+) -> Result<Vec<(u32, usize, Placement)>> {
     let shape = &old
         .param(param)
         .ok_or_else(|| layout_error(format!("parameter {param} is not listed")))?
         .shape;
-    let mut sources: Vec<(u32, usize, &Piece)> = Vec::new();
+    let mut found = Vec::new();
     for (shard, pieces) in old.ranks.iter().enumerate() {
         for (index, piece) in pieces.iter().enumerate() {
             if piece.param.as_deref() == Some(param) && piece.role == Some(role) {
-                sources.push((shard as u32, index, piece));
+                found.push((shard as u32, index, Placement::of(piece, shape)?));
             }
         }
     }
-    sources.sort_by_key(|(shard, _, _)| (*shard != prefer, *shard));
-    let mut owners: Owners = vec![None; numel as usize];
-    for (shard, index, piece) in sources {
-        for (local, global) in global_indices(piece, shape)?.into_iter().enumerate() {
-            let slot = global.and_then(|g| owners.get_mut(g as usize));
-            if let Some(slot @ None) = slot {
-                *slot = Some((shard, index, local as u64));
-            }
-        }
-    }
-    Ok(owners)
+    found.sort_by_key(|(shard, _, _)| (*shard != prefer, *shard));
+    Ok(found)
 }
 
 /// What rank `rank` of the plan of layout `new` reads from a checkpoint of layout `old`.
@@ -122,7 +140,6 @@ pub fn plan_rank(old: &Layout, new: &Layout, rank: u32) -> Result<RankRead> {
         .ranks
         .get(rank as usize)
         .ok_or_else(|| layout_error(format!("the new plan has no rank {rank}")))?;
-    let mut cache: HashMap<(String, Role), Owners> = HashMap::new();
     let mut tensors = Vec::with_capacity(pieces.len());
     for piece in pieces {
         let mut runs = Vec::new();
@@ -130,28 +147,21 @@ pub fn plan_rank(old: &Layout, new: &Layout, rank: u32) -> Result<RankRead> {
             let global = new.param(param).ok_or_else(|| {
                 layout_error(format!("parameter {param} of the new plan is not listed"))
             })?;
-            let numel = global.shape.iter().product::<u64>();
-            let key = (param.clone(), source_role(role));
-            let owners = match cache.entry(key) {
-                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::hash_map::Entry::Vacant(e) => {
-                    let role = e.key().1;
-                    e.insert(owners(old, param, role, numel, rank)?)
-                }
-            };
-            for (dst, global) in global_indices(piece, &global.shape)?
-                .into_iter()
-                .enumerate()
-            {
-                let Some(g) = global else { continue };
-                let (shard, tensor, src) =
-                    owners.get(g as usize).copied().flatten().ok_or_else(|| {
+            let place = Placement::of(piece, &global.shape)?;
+            let candidates = sources(old, param, source_role(role), rank)?;
+            let numel = piece.shape.iter().product::<u64>();
+            for dst in 0..numel {
+                let Some(g) = place.global(dst) else { continue };
+                let (shard, tensor, src) = candidates
+                    .iter()
+                    .find_map(|(shard, tensor, p)| p.local(g).map(|src| (*shard, *tensor, src)))
+                    .ok_or_else(|| {
                         RuntimeError::Checkpoint(format!(
                             "element {g} of parameter {param} ({role:?}) is in no shard of the \
                              checkpoint; it cannot be re-sharded"
                         ))
                     })?;
-                push_run(&mut runs, shard, tensor, src, dst as u64);
+                push_run(&mut runs, shard, tensor, src, dst);
             }
         }
         tensors.push(TensorRead {
