@@ -170,6 +170,27 @@ impl TpBlock {
         global
     }
 
+    /// How many tp-local elements from flat element `local` on map to consecutive global
+    /// elements (to the end of the block's run along the split dimension, or of the tensor).
+    pub fn contiguous_from(&self, local: u64) -> u64 {
+        let numel = self.numel();
+        if self.dim >= self.local_shape.len() || local >= numel {
+            return numel.saturating_sub(local);
+        }
+        let inner: u64 = self.local_shape[self.dim + 1..]
+            .iter()
+            .product::<u64>()
+            .max(1);
+        let extent = self.local_shape[self.dim].max(1);
+        let at = (local / inner) % extent;
+        let end = self
+            .runs
+            .iter()
+            .find(|r| r.0 <= at && at < r.0 + r.2)
+            .map_or(at + 1, |r| r.0 + r.2);
+        (end - at) * inner - local % inner
+    }
+
     /// The tp-local flat index of global flat element `global`; None when this block does not
     /// hold it (the inverse of [`TpBlock::global_index`]).
     pub fn local_index(&self, mut global: u64) -> Option<u64> {
@@ -265,7 +286,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn local_index_inverts_global_index_and_misses_other_blocks() {
+    fn local_index_inverts_global_index_and_runs_are_contiguous() {
         for (shape, split) in [
             (vec![6, 4], None),
             (vec![6, 4], Some((0, 2, 1, None))),
@@ -281,6 +302,15 @@ mod tests {
             let block = TpBlock::new(&shape, tp).unwrap();
             for local in 0..block.numel() {
                 assert_eq!(block.local_index(block.global_index(local)), Some(local));
+                let run = block.contiguous_from(local);
+                assert!(run >= 1 && local + run <= block.numel());
+                let first = block.global_index(local);
+                for k in 0..run {
+                    assert_eq!(block.global_index(local + k), first + k, "{shape:?} {tp:?}");
+                }
+                if local + run < block.numel() && split.is_some() {
+                    assert_ne!(block.global_index(local + run), first + run);
+                }
             }
             let total: u64 = shape.iter().product();
             let held = (0..total).filter(|&g| block.local_index(g).is_some());

@@ -100,6 +100,16 @@ impl Placement {
             .contains(&flat)
             .then(|| flat - self.start)
     }
+
+    /// How many local elements from `local` on hold consecutive global elements (within this
+    /// tensor and its block; padding excluded).
+    fn contiguous_from(&self, local: u64) -> u64 {
+        let flat = self.start + local;
+        let in_tensor = (self.start + self.len).min(self.block.numel());
+        self.block
+            .contiguous_from(flat)
+            .min(in_tensor.saturating_sub(flat))
+    }
 }
 
 /// The old role that supplies a new tensor of `role`.
@@ -150,18 +160,25 @@ pub fn plan_rank(old: &Layout, new: &Layout, rank: u32) -> Result<RankRead> {
             let place = Placement::of(piece, &global.shape)?;
             let candidates = sources(old, param, source_role(role), rank)?;
             let numel = piece.shape.iter().product::<u64>();
-            for dst in 0..numel {
-                let Some(g) = place.global(dst) else { continue };
-                let (shard, tensor, src) = candidates
+            let mut dst = 0;
+            // Past the tensor's end a ZeRO shard holds padding, which stays zero.
+            while let Some(g) = place.global(dst).filter(|_| dst < numel) {
+                let (shard, tensor, src, source) = candidates
                     .iter()
-                    .find_map(|(shard, tensor, p)| p.local(g).map(|src| (*shard, *tensor, src)))
+                    .find_map(|(shard, tensor, p)| p.local(g).map(|src| (*shard, *tensor, src, p)))
                     .ok_or_else(|| {
                         RuntimeError::Checkpoint(format!(
                             "element {g} of parameter {param} ({role:?}) is in no shard of the \
                              checkpoint; it cannot be re-sharded"
                         ))
                     })?;
-                push_run(&mut runs, shard, tensor, src, dst);
+                let len = place
+                    .contiguous_from(dst)
+                    .min(source.contiguous_from(src))
+                    .min(numel - dst)
+                    .max(1);
+                push_run(&mut runs, shard, tensor, src, dst, len);
+                dst += len;
             }
         }
         tensors.push(TensorRead {
@@ -173,15 +190,15 @@ pub fn plan_rank(old: &Layout, new: &Layout, rank: u32) -> Result<RankRead> {
     Ok(RankRead { rank, tensors })
 }
 
-/// Extend the last run when the element continues it, else start a new one.
-fn push_run(runs: &mut Vec<Run>, shard: u32, tensor: usize, src: u64, dst: u64) {
+/// Extend the last run when these `len` elements continue it, else start a new one.
+fn push_run(runs: &mut Vec<Run>, shard: u32, tensor: usize, src: u64, dst: u64, len: u64) {
     if let Some(last) = runs.last_mut() {
         if last.shard == shard
             && last.tensor == tensor
             && last.src + last.len == src
             && last.dst + last.len == dst
         {
-            last.len += 1;
+            last.len += len;
             return;
         }
     }
@@ -190,7 +207,7 @@ fn push_run(runs: &mut Vec<Run>, shard: u32, tensor: usize, src: u64, dst: u64) 
         tensor,
         src,
         dst,
-        len: 1,
+        len,
     });
 }
 
