@@ -87,15 +87,15 @@ fn check_shows_the_moves_reshard_writes_a_checkpoint_of_the_new_plan_and_refusal
     let (a, full) = (temp_dir("a"), temp_dir("full"));
     run(&sets(&FOUR, 4, 2, &a));
     let uninterrupted = losses(&run(&sets(&FOUR, 4, 4, &full)));
-    let check = |extra: &[&str], dir: &Path| {
-        let mut args: Vec<String> = ["check", "examples/tiny.par", "--resume"]
+    let check = |extra: &[&str], dir: &Path, format: &str| {
+        let mut args: Vec<String> = ["check", "examples/tiny.par", "--format", format, "--resume"]
             .map(String::from)
             .to_vec();
         args.push(dir.display().to_string());
         args.extend(sets(extra, 2, 4, &temp_dir("unused")));
         parc(&args)
     };
-    let shown = check(&PP2, &a);
+    let shown = check(&PP2, &a, "human");
     let stdout = text(&shown.stdout);
     assert!(shown.status.success(), "{}", text(&shown.stderr));
     assert!(
@@ -116,10 +116,20 @@ fn check_shows_the_moves_reshard_writes_a_checkpoint_of_the_new_plan_and_refusal
             "parameter blocks.0.mlp.fc is [256, 64]",
         ),
     ] {
-        let refused = check(&[PP2[0], set], &a);
-        let stderr = text(&refused.stderr);
-        assert_eq!(refused.status.code(), Some(1), "{set}: {stderr}");
-        assert!(stderr.contains(code) && stderr.contains(field), "{stderr}");
+        let refused = check(&[PP2[0], set], &a, "json");
+        assert_eq!(refused.status.code(), Some(1), "{set}");
+        // JSON keeps the message whole (the human report wraps it at the terminal's width).
+        let doc: Value = serde_json::from_slice(&refused.stdout).unwrap();
+        let file = &doc["files"][0];
+        let diagnostic = file["diagnostics"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["code"] == code)
+            .unwrap_or_else(|| panic!("{set}: no {code} in {file}"));
+        let message = diagnostic["message"].as_str().unwrap();
+        assert!(message.contains(field), "{message}");
+        assert!(file["resume"].is_null());
     }
     // Offline: the re-sharded checkpoint is the new plan's own.
     let out = temp_dir("out");
@@ -134,7 +144,7 @@ fn check_shows_the_moves_reshard_writes_a_checkpoint_of_the_new_plan_and_refusal
         "{}",
         text(&again.stderr)
     );
-    let own = check(&PP2, &out);
+    let own = check(&PP2, &out, "human");
     assert!(
         text(&own.stdout).contains("written by this plan"),
         "{}",
