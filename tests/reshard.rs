@@ -4,9 +4,10 @@
 //! noise between plans into ~1e-6 differences, see tests/equivalence.rs) of 10 steps of A, for
 //! plan pairs that change dp, tp (with and without sequence parallel), pp (interleaved, other
 //! stage balances), cp, the ZeRO stage and the micro-batch split at the same global batch, on
-//! the tiny GPT-2 and Llama models, each rank of B reading its slices of A's shards. The
-//! checkpoint `checkpoint::reshard::write_checkpoint` writes offline for B resumes B without
-//! re-sharding, to the same results; changes that cannot be honoured are refused naming the field.
+//! the tiny GPT-2 and Llama models, each rank of B reading its slices of A's shards. An fp16 run
+//! keeps its dynamic loss scaler across the change. Another global batch is refused (E1104)
+//! unless the run consents (`resume_any_batch`), and then continues the data order at the
+//! samples the checkpoint had seen. (`parc reshard`'s offline checkpoints: tests/reshard_cli.rs.)
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #[allow(dead_code)]
 #[path = "ir/fixtures.rs"]
@@ -14,7 +15,7 @@ mod fixtures;
 
 use fixtures::{spec_variant, train_cpu, PlanChoice, Split, TinyModel, Variant};
 use parc_compiler::lower::lower;
-use parc_compiler::spec::{Checkpointing, PipelineSchedule, Spec, ZeroStage};
+use parc_compiler::spec::{Checkpointing, LossScale, PipelineSchedule, Precision, Spec, ZeroStage};
 use parc_runtime::checkpoint;
 use parc_runtime::exec::{TrainOptions, TrainResult};
 use std::collections::HashMap;
@@ -39,6 +40,8 @@ struct P {
     choice: PlanChoice,
     split: Split,
     micro_batch: Option<(u64, u32)>,
+    /// fp16 with a dynamic loss scaler instead of fp32.
+    fp16: bool,
 }
 
 fn p(dp: u32, pp: u32, cp: u32, tp: u32, zero: ZeroStage, microbatches: u32) -> P {
@@ -49,6 +52,7 @@ fn p(dp: u32, pp: u32, cp: u32, tp: u32, zero: ZeroStage, microbatches: u32) -> 
         },
         split: Split::Even,
         micro_batch: None,
+        fp16: false,
     }
 }
 
@@ -70,10 +74,14 @@ impl P {
         self.micro_batch = Some((micro_batch, microbatches));
         self
     }
+    fn fp16(mut self) -> P {
+        self.fp16 = true;
+        self
+    }
     fn describe(&self) -> String {
         let c = &self.choice;
         format!(
-            "dp{} pp{} cp{} tp{}{} {:?} {:?} m{}{}{}",
+            "dp{} pp{} cp{} tp{}{} {:?} {:?} m{}{}{}{}",
             c.dp,
             c.pp,
             c.cp,
@@ -89,7 +97,8 @@ impl P {
             match self.micro_batch {
                 Some((b, m)) => format!(" micro_batch {b}×{m}"),
                 None => String::new(),
-            }
+            },
+            if self.fp16 { " fp16" } else { "" }
         )
     }
 
@@ -108,6 +117,18 @@ impl P {
             s.train.micro_batch = micro_batch;
             s.parallel.microbatches = microbatches;
             s.train.global_batch = micro_batch * u64::from(microbatches * self.choice.dp);
+        }
+        if self.fp16 {
+            // Window 3: the scale doubles after 3 clean steps, so a scaler restarted from
+            // `init` on resume would show.
+            s.train.precision = Precision::Fp16 {
+                loss_scale: LossScale::Dynamic {
+                    init: 1024.0,
+                    window: 3,
+                    hysteresis: 2,
+                    min: 1.0,
+                },
+            };
         }
         s.train.steps = STEPS;
         s.train.checkpoint = Some(Checkpointing {
@@ -335,4 +356,30 @@ fn another_global_batch_continues_at_the_samples_seen_only_with_consent() {
     // Its own checkpoints record the samples seen, so a further resume continues from there.
     let own = checkpoint::read_manifest(&dir.join(checkpoint::step_dir_name(STEPS))).unwrap();
     assert_eq!(own.samples_seen, Some(seen));
+}
+
+#[test]
+fn an_fp16_run_keeps_its_loss_scaler_under_another_plan() {
+    let a = p(2, 1, 1, 1, Zero1, 2).fp16();
+    let b = p(1, 2, 1, 2, Zero0, 4).fp16();
+    let reference = reference(false, &a);
+    let resumed = train(
+        &b.spec(false, &temp_dir("fp16-b")),
+        None,
+        Some(&reference.checkpoint),
+    );
+    let scales = |records: &[parc_runtime::exec::StepRecord]| -> Vec<_> {
+        records.iter().map(|r| r.loss_scale).collect()
+    };
+    let expected = &reference.full.records[SWITCH as usize..];
+    assert_eq!(scales(&resumed.records), scales(expected));
+    assert!(resumed.records.iter().any(|r| r.loss_scale.is_some()));
+    for (x, y) in expected.iter().zip(&resumed.records) {
+        assert!(
+            (x.loss - y.loss).abs() <= 1e-3 * x.loss.abs(),
+            "{} vs {}",
+            y.loss,
+            x.loss
+        );
+    }
 }
