@@ -44,6 +44,10 @@ pub struct CheckArgs {
     pub lower: LowerWhen,
     #[command(flatten)]
     pub calibration: CalibrationArgs,
+    /// A checkpoint (a `step-N` folder or a checkpoint folder) to resume under this spec: shows
+    /// what each rank of the plan reads from it, or refuses a change it cannot follow.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -75,6 +79,7 @@ struct Checked {
     diags: Diagnostics,
     report: Option<cost::CostReport>,
     lowered: Option<Lowered>,
+    resume: Option<crate::resume_check::Moves>,
 }
 
 /// What lowering, verifying and simulating the plan measured.
@@ -158,10 +163,12 @@ fn check_one(
     overrides: &[Override],
     options: &CompileOptions,
     calibration: &CalibrationArgs,
+    resume: Option<&Path>,
 ) -> Result<Checked, String> {
     let file = path.display().to_string();
     let (options, chosen) =
         calibration::with_profile(calibration, &file, &text, overrides, options)?;
+    let resume_text = resume.map(|_| text.clone());
     let Compiled {
         sources,
         diagnostics,
@@ -177,12 +184,22 @@ fn check_one(
             diagnostics.push(d);
         }
     }
+    let mut moves = None;
+    if let (Some(dir), Some(text)) = (resume, resume_text) {
+        if !diagnostics.has_errors() {
+            match crate::resume_check::diagnose(&file, text, overrides, options.fusion, dir) {
+                Ok(m) => moves = Some(m),
+                Err(d) => diagnostics.push(d),
+            }
+        }
+    }
     Ok(Checked {
         file,
         sources,
         diags: diagnostics,
         report: cost,
         lowered: lowered(spec.as_ref(), plan, analysis, &chosen),
+        resume: moves,
     })
 }
 
@@ -197,8 +214,16 @@ pub fn main(args: CheckArgs) -> u8 {
     let options = args.lower.options(args.spec.fusion());
     let mut results = Vec::new();
     for path in &args.files {
-        let checked = read_spec(path)
-            .and_then(|text| check_one(path, text, &overrides, &options, &args.calibration));
+        let checked = read_spec(path).and_then(|text| {
+            check_one(
+                path,
+                text,
+                &overrides,
+                &options,
+                &args.calibration,
+                args.resume.as_deref(),
+            )
+        });
         match checked {
             Ok(checked) => results.push(checked),
             Err(e) => {
@@ -247,6 +272,9 @@ fn human(results: &[Checked]) {
                     lowered.priced_by.note
                 );
             }
+            if let Some(moves) = &r.resume {
+                print!("{}", crate::resume_check::render(moves));
+            }
             eprintln!("{}: ok, {}", r.file, plural(w, "warning"));
         }
     }
@@ -274,6 +302,7 @@ fn print_json(results: &[Checked]) {
                 "diagnostics": r.diags.items.iter().map(|d| diagnostics::to_json(&r.sources, d)).collect::<Vec<_>>(),
                 "report": r.report,
                 "lowered": r.lowered,
+                "resume": r.resume,
             })
         })
         .collect();

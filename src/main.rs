@@ -8,6 +8,7 @@ mod cmd_check;
 mod cmd_export;
 mod cmd_plan;
 mod cmd_plot;
+mod cmd_reshard;
 mod cmd_run;
 mod cmd_sample;
 mod cmd_search;
@@ -19,6 +20,7 @@ mod input;
 mod metrics;
 mod plan_summary;
 mod report;
+mod resume_check;
 mod run_args;
 mod run_comm;
 mod run_error;
@@ -86,6 +88,9 @@ enum Command {
     Sample(cmd_sample::SampleArgs),
     /// Tokenize text files into a folder of u16/u32 token shards for `data = "DIR" as u16`.
     Tokenize(cmd_tokenize::TokenizeArgs),
+    /// Write a checkpoint re-sharded for another plan of the same model: `parc reshard CKPT
+    /// SPEC OUT`, then `parc run SPEC --resume OUT`.
+    Reshard(cmd_reshard::ReshardArgs),
 }
 
 fn main() -> ExitCode {
@@ -99,6 +104,7 @@ fn main() -> ExitCode {
         Command::Export(args) => cmd_export::main(args),
         Command::Sample(args) => cmd_sample::main(args),
         Command::Tokenize(args) => cmd_tokenize::main(args),
+        Command::Reshard(args) => cmd_reshard::main(args),
     };
     ExitCode::from(code)
 }

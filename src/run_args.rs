@@ -37,6 +37,10 @@ pub struct RunArgs {
     /// verifies).
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    /// Let `--resume` continue a checkpoint of another `train.global_batch`: the data order
+    /// continues at the samples the checkpoint had seen (refused without this flag: E1104).
+    #[arg(long = "resume-any-batch", requires = "resume")]
+    pub resume_any_batch: bool,
     /// Time every op of one step (the third, or the last if fewer) and report where the
     /// step's time went.
     #[arg(long)]
@@ -133,6 +137,7 @@ pub(crate) fn resolve_backend(choice: BackendChoice, quiet: bool) -> Result<Reso
 pub(crate) fn train_options(args: &RunArgs, spec_dir: &Path) -> TrainOptions {
     let mut options = TrainOptions::new(spec_dir);
     options.resume = args.resume.clone();
+    options.resume_any_batch = args.resume_any_batch;
     options.profile = args.profile || args.profile_step.is_some();
     options.profile_step = args.profile_step;
     options.save_init = args.save_init.clone();

@@ -169,6 +169,46 @@ impl TpBlock {
         }
         global
     }
+
+    /// How many tp-local elements from flat element `local` on map to consecutive global
+    /// elements (to the end of the block's run along the split dimension, or of the tensor).
+    pub fn contiguous_from(&self, local: u64) -> u64 {
+        let numel = self.numel();
+        if self.dim >= self.local_shape.len() || local >= numel {
+            return numel.saturating_sub(local);
+        }
+        let inner: u64 = self.local_shape[self.dim + 1..]
+            .iter()
+            .product::<u64>()
+            .max(1);
+        let extent = self.local_shape[self.dim].max(1);
+        let at = (local / inner) % extent;
+        let end = self
+            .runs
+            .iter()
+            .find(|r| r.0 <= at && at < r.0 + r.2)
+            .map_or(at + 1, |r| r.0 + r.2);
+        (end - at) * inner - local % inner
+    }
+
+    /// The tp-local flat index of global flat element `global`; None when this block does not
+    /// hold it (the inverse of [`TpBlock::global_index`]).
+    pub fn local_index(&self, mut global: u64) -> Option<u64> {
+        let mut local = 0u64;
+        let mut stride = 1u64;
+        for d in (0..self.global_shape.len()).rev() {
+            let extent = self.global_shape[d].max(1);
+            let mut at = global % extent;
+            if d == self.dim {
+                let &(l, g, _) = self.runs.iter().find(|r| r.1 <= at && at < r.1 + r.2)?;
+                at = l + (at - g);
+            }
+            local += at * stride;
+            global /= extent;
+            stride *= self.local_shape[d].max(1);
+        }
+        Some(local)
+    }
 }
 
 /// Global flat indices of the tp-local tensor's elements, in its row-major order (see
@@ -244,6 +284,39 @@ pub fn fill_local_with(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn local_index_inverts_global_index_and_runs_are_contiguous() {
+        for (shape, split) in [
+            (vec![6, 4], None),
+            (vec![6, 4], Some((0, 2, 1, None))),
+            (vec![6, 4], Some((1, 2, 0, None))),
+            (vec![12, 2], Some((0, 2, 1, Some([4, 4, 4])))),
+        ] {
+            let tp = split.map(|(dim, parts, index, sections)| TpSplit {
+                dim,
+                parts,
+                index,
+                sections,
+            });
+            let block = TpBlock::new(&shape, tp).unwrap();
+            for local in 0..block.numel() {
+                assert_eq!(block.local_index(block.global_index(local)), Some(local));
+                let run = block.contiguous_from(local);
+                assert!(run >= 1 && local + run <= block.numel());
+                let first = block.global_index(local);
+                for k in 0..run {
+                    assert_eq!(block.global_index(local + k), first + k, "{shape:?} {tp:?}");
+                }
+                if local + run < block.numel() && split.is_some() {
+                    assert_ne!(block.global_index(local + run), first + run);
+                }
+            }
+            let total: u64 = shape.iter().product();
+            let held = (0..total).filter(|&g| block.local_index(g).is_some());
+            assert_eq!(held.count() as u64, block.numel(), "{shape:?} {tp:?}");
+        }
+    }
 
     #[test]
     fn values_depend_only_on_seed_param_and_index() {

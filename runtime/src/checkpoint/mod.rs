@@ -24,15 +24,21 @@
 //! (`verify`). A run that writes checkpoints holds `DIR/parc.lock` for its lifetime (`lock`).
 //!
 //! A checkpoint belongs to one plan: its manifest carries a hash of the lowered plan (programs,
-//! groups, parameter layout, world), and loading under another plan is refused with both hashes.
+//! groups, parameter layout, world) and the layout of its shards (`layout`). Under the same plan
+//! each rank loads its own shard; under another plan of the same model, optimizer, precision and
+//! global batch, each rank reads its slices of the old shards (`reshard`); anything else is
+//! refused naming the field that changed.
 pub mod fault;
+pub mod layout;
 pub mod lock;
+pub mod reshard;
 pub mod resume;
 pub mod saved;
 pub mod store;
 pub mod verify;
 pub mod writer;
 
+pub use layout::Layout;
 pub use lock::FolderLock;
 pub use resume::choose_resume;
 pub use saved::SavedModel;
@@ -89,14 +95,23 @@ pub struct Manifest {
     pub optimizer_step: u64,
     /// The run's seed (parameter init, sampler permutations, synthetic data).
     pub seed: u64,
-    /// Samples in the dataset: the sampler's epoch length. The sampler's position is `step`.
+    /// Samples in the dataset: the sampler's epoch length. The sampler's position is `step`
+    /// global batches, or `samples_seen` where a run resumed under another global batch.
     pub samples: u64,
+    /// The sampler's stream position after `step` steps (samples seen); absent in older
+    /// checkpoints, where it is `step` times the global batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples_seen: Option<u64>,
     pub loss_scale: Option<LossScaleState>,
     /// Shard file of each rank, in rank order.
     pub shards: Vec<String>,
     /// Shard file → tensor → CRC-32C of its bytes (`verify`); empty in format 1.
     #[serde(default)]
     pub checksums: std::collections::BTreeMap<String, verify::TensorChecksums>,
+    /// What each shard's tensors hold of the model (`layout`), for resuming under another
+    /// plan; absent in checkpoints of older builds, which resume only under their own plan.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<Layout>,
 }
 
 /// A stable hash of a lowered plan: FNV-1a 64 over its JSON form, as 16 hex digits.
@@ -127,46 +142,125 @@ pub fn shard_file_name(rank: u32) -> String {
     format!("rank-{rank:05}.safetensors")
 }
 
-/// Refuse to resume from a checkpoint written by another plan, world, seed or dataset.
+/// The sampler's stream position after the checkpoint's steps: what it recorded, else its
+/// steps times its global batch (`global_batch` when it records no layout).
+pub fn samples_seen(manifest: &Manifest, global_batch: u64) -> u64 {
+    manifest.samples_seen.unwrap_or_else(|| {
+        let batch = manifest
+            .layout
+            .as_ref()
+            .map_or(global_batch, |l| l.global_batch);
+        manifest.step * batch
+    })
+}
+
+/// How a run continues from a compatible checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResumeKind {
+    /// Written by this plan: each rank loads its own shard.
+    SamePlan,
+    /// Written by another plan of the same model, optimizer, precision and global batch: each
+    /// rank reads its slices of the old shards (`reshard`).
+    Reshard,
+}
+
+/// Whether a run of the plan with hash `plan_hash` and shard layout `layout` may continue from
+/// the checkpoint of `manifest`, and how: refused for another dataset, seed or model, and for
+/// another plan unless the checkpoint records its layout and the change keeps model, optimizer,
+/// precision and global batch ([`plan_change`]; `any_batch`: the user consents to another
+/// global batch, `--resume-any-batch`).
 pub fn check_compatible(
     manifest: &Manifest,
     plan_hash: &str,
-    world: u32,
+    layout: &Layout,
     seed: u64,
     samples: u64,
-) -> crate::error::Result<()> {
-    let refuse = |what: String| Err(crate::error::RuntimeError::Checkpoint(what));
-    if manifest.plan_hash != plan_hash || manifest.world != world {
-        return refuse(format!(
-            "this checkpoint was written by plan {} on {} ranks, but this run's plan is {} on \
-             {world} ranks; resume with the same .par file and --set overrides",
-            manifest.plan_hash, manifest.world, plan_hash
-        ));
-    }
-    if manifest.seed != seed {
-        return refuse(format!(
-            "this checkpoint was written with train.seed = {}, this run has {seed}; set \
-             train.seed = {} to continue the same run",
-            manifest.seed, manifest.seed
-        ));
-    }
+    any_batch: bool,
+) -> crate::error::Result<ResumeKind> {
     if manifest.samples != samples {
-        return refuse(format!(
+        return Err(crate::error::RuntimeError::Checkpoint(format!(
             "this checkpoint's dataset had {} samples, this run's has {samples}; resume with \
              the same data and sequence length",
             manifest.samples
-        ));
+        )));
     }
-    Ok(())
+    plan_change(manifest, plan_hash, layout, seed, any_batch).map_err(|refusal| {
+        crate::error::RuntimeError::Checkpoint(format!(
+            "this checkpoint cannot continue under this run's spec: {refusal}"
+        ))
+    })
+}
+
+/// How the checkpoint of `manifest` continues under the plan of hash `plan_hash`, layout
+/// `layout` and seed `seed` (the dataset aside), or the refusal naming what changed;
+/// `any_batch` allows another global batch.
+pub fn plan_change(
+    manifest: &Manifest,
+    plan_hash: &str,
+    layout: &Layout,
+    seed: u64,
+    any_batch: bool,
+) -> std::result::Result<ResumeKind, layout::Refusal> {
+    if manifest.seed != seed {
+        return Err(layout::Refusal {
+            code: "E1105",
+            field: "train.seed",
+            message: format!(
+                "this checkpoint was written with train.seed = {}, this run has {seed}",
+                manifest.seed
+            ),
+            help: format!(
+                "set train.seed = {} to continue the same run",
+                manifest.seed
+            ),
+        });
+    }
+    if manifest.plan_hash == plan_hash && manifest.world == layout.world() {
+        return Ok(ResumeKind::SamePlan);
+    }
+    let Some(old) = &manifest.layout else {
+        return Err(layout::Refusal {
+            code: "E1106",
+            field: "parallel",
+            message: format!(
+                "this checkpoint was written by plan {} on {} ranks, but this run's plan is {} \
+                 on {} ranks, and it does not record its shards' layout (an older parc wrote \
+                 it), so it cannot be re-sharded",
+                manifest.plan_hash,
+                manifest.world,
+                plan_hash,
+                layout.world()
+            ),
+            help: "resume with the same .par file and --set overrides".to_string(),
+        });
+    };
+    match old.refuse_change(layout, any_batch) {
+        Some(refusal) => Err(refusal),
+        None => Ok(ResumeKind::Reshard),
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::layout::GlobalParam;
     use super::*;
 
+    fn layout(world: usize, shape: Vec<u64>) -> Layout {
+        Layout {
+            params: vec![GlobalParam {
+                name: "w".to_string(),
+                shape,
+            }],
+            optimizer: "adamw".to_string(),
+            precision: "fp32".to_string(),
+            global_batch: 8,
+            ranks: vec![Vec::new(); world],
+        }
+    }
+
     #[test]
-    fn only_the_same_plan_seed_and_data_may_resume() {
-        let manifest = Manifest {
+    fn another_seed_data_or_model_is_refused_and_another_plan_is_resharded() {
+        let mut manifest = Manifest {
             format: FORMAT,
             plan_hash: "aaaa".to_string(),
             world: 4,
@@ -177,20 +271,54 @@ mod tests {
             loss_scale: None,
             shards: Vec::new(),
             checksums: Default::default(),
+            layout: None,
+            samples_seen: None,
         };
-        assert!(check_compatible(&manifest, "aaaa", 4, 1, 50).is_ok());
-        let plan = check_compatible(&manifest, "bbbb", 4, 1, 50)
-            .unwrap_err()
-            .to_string();
+        let four = layout(4, vec![4, 2]);
+        let check = |m: &Manifest, hash: &str, l: &Layout, seed, samples| {
+            check_compatible(m, hash, l, seed, samples, false).map_err(|e| e.to_string())
+        };
+        assert_eq!(
+            check(&manifest, "aaaa", &four, 1, 50),
+            Ok(ResumeKind::SamePlan)
+        );
+        let plan = check(&manifest, "bbbb", &four, 1, 50).unwrap_err();
         assert!(
             plan.contains("plan aaaa on 4 ranks") && plan.contains("bbbb"),
             "{plan}"
         );
-        assert!(check_compatible(&manifest, "aaaa", 2, 1, 50).is_err());
-        let seed = check_compatible(&manifest, "aaaa", 4, 2, 50)
-            .unwrap_err()
-            .to_string();
+        assert!(check(&manifest, "aaaa", &layout(2, vec![4, 2]), 1, 50).is_err());
+        let seed = check(&manifest, "aaaa", &four, 2, 50).unwrap_err();
         assert!(seed.contains("train.seed = 1"), "{seed}");
-        assert!(check_compatible(&manifest, "aaaa", 4, 1, 51).is_err());
+        assert!(check(&manifest, "aaaa", &four, 1, 51).is_err());
+        manifest.layout = Some(four.clone());
+        let two = layout(2, vec![4, 2]);
+        assert_eq!(
+            check(&manifest, "bbbb", &two, 1, 50),
+            Ok(ResumeKind::Reshard)
+        );
+        let model = check(&manifest, "bbbb", &layout(2, vec![2, 4]), 1, 50).unwrap_err();
+        assert!(
+            model.contains("E1101") && model.contains("parameter w is [4, 2]"),
+            "{model}"
+        );
+        let sgd = Layout {
+            optimizer: "sgd".to_string(),
+            ..two.clone()
+        };
+        let optimizer = check(&manifest, "bbbb", &sgd, 1, 50).unwrap_err();
+        assert!(optimizer.contains("train.optimizer"), "{optimizer}");
+        let batch = Layout {
+            global_batch: 16,
+            ..two
+        };
+        let refused = check(&manifest, "bbbb", &batch, 1, 50).unwrap_err();
+        assert!(
+            refused.contains("E1104") && refused.contains("train.global_batch = 8"),
+            "{refused}"
+        );
+        let consented = check_compatible(&manifest, "bbbb", &batch, 1, 50, true);
+        assert_eq!(consented.ok(), Some(ResumeKind::Reshard));
+        assert_eq!(samples_seen(&manifest, 16), 80);
     }
 }

@@ -441,6 +441,8 @@ pub(super) mod tests {
             loss_scale: None,
             shards: (0..world).map(shard_file_name).collect(),
             checksums: Default::default(),
+            layout: None,
+            samples_seen: None,
         }
     }
 

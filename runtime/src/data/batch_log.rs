@@ -18,13 +18,15 @@ use std::ops::Range;
 use std::path::Path;
 
 /// Write the batch log of a run of `plan` over 0-based `steps` with a dataset of `samples`
-/// samples: the batches of the sampler every rank builds (the spec's seed, the plan's layout).
+/// samples: the batches of the sampler every rank builds (the spec's seed, the plan's layout),
+/// the first step starting at stream position `position` (`Sampler::resume_at`).
 pub fn write_run_batch_log(
     path: &Path,
     spec: &Spec,
     plan: &Plan,
     samples: u64,
     steps: Range<u64>,
+    position: u64,
 ) -> Result<()> {
     let layout = BatchLayout {
         dp: plan.mesh.size(Axis::Dp),
@@ -32,6 +34,7 @@ pub fn write_run_batch_log(
         micro_batch: plan.micro_batch,
     };
     let mut sampler = Sampler::new(spec.train.seed, samples, layout)?;
+    sampler.resume_at(steps.start, position);
     write_batch_log(path, &mut sampler, spec.model.seq, spec.train.seed, steps)
 }
 

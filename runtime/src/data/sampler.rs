@@ -58,6 +58,9 @@ pub struct Sampler {
     /// The most recently built epoch order (epoch, permutation): batches read at most two
     /// epochs, so rebuilding on a change is cheap.
     cached: Option<(u64, Vec<u64>)>,
+    /// (step, stream position) the batches count from: (0, 0), or where a run resumed under
+    /// another global batch continues (`resume_at`).
+    origin: (u64, u64),
 }
 
 impl Sampler {
@@ -79,7 +82,25 @@ impl Sampler {
             samples,
             layout,
             cached: None,
+            origin: (0, 0),
         })
+    }
+
+    /// Continue at step `step` from stream position `position` (the samples a resumed run's
+    /// checkpoint had seen): steps from there read consecutive global batches of this layout.
+    /// At `position = step · global_batch` nothing changes.
+    pub fn resume_at(&mut self, step: u64, position: u64) {
+        self.origin = (step, position);
+    }
+
+    /// The stream position where 0-based `step` starts: samples seen after `step` steps.
+    pub fn position(&self, step: u64) -> u64 {
+        let (origin_step, origin) = self.origin;
+        let g = self.layout.global_batch();
+        match step.checked_sub(origin_step) {
+            Some(after) => origin + after * g,
+            None => origin.saturating_sub((origin_step - step) * g),
+        }
     }
 
     pub fn samples(&self) -> u64 {
@@ -121,8 +142,10 @@ impl Sampler {
 
     /// The global batch of 0-based `step`, in stream order.
     pub fn global_batch(&mut self, step: u64) -> Vec<u64> {
-        let g = self.layout.global_batch();
-        (step * g..(step + 1) * g).map(|p| self.at(p)).collect()
+        let start = self.position(step);
+        (start..start + self.layout.global_batch())
+            .map(|p| self.at(p))
+            .collect()
     }
 
     /// The samples of dp rank `dp_rank`'s microbatch `microbatch` at `step`.
@@ -135,14 +158,14 @@ impl Sampler {
                 l.dp, l.microbatches
             )));
         };
-        let start = step * l.global_batch() + slice;
+        let start = self.position(step) + slice;
         Ok((start..start + l.micro_batch).map(|p| self.at(p)).collect())
     }
 
     /// Samples seen per epoch after `steps` steps: every epoch touched so far, the last one
     /// possibly partial.
     pub fn progress(&self, steps: u64) -> Vec<EpochProgress> {
-        let read = steps * self.layout.global_batch();
+        let read = self.position(steps);
         let epochs = read.div_ceil(self.samples);
         (0..epochs)
             .map(|epoch| EpochProgress {

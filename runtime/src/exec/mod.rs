@@ -83,6 +83,9 @@ pub struct TrainOptions {
     pub source: Option<SpecSource>,
     /// Where the samples of `train.sample` go (rank 0 makes them); without it none are made.
     pub on_sample: Option<SampleSink>,
+    /// Resume a checkpoint of another global batch (`--resume-any-batch`): the sampler
+    /// continues at the samples it had seen.
+    pub resume_any_batch: bool,
 }
 
 impl TrainOptions {
@@ -100,6 +103,7 @@ impl TrainOptions {
             log_batches: None,
             source: None,
             on_sample: None,
+            resume_any_batch: false,
         }
     }
 }
@@ -218,7 +222,8 @@ fn evaluates_after(spec: &Spec, done: u64) -> bool {
 
 /// Where a run continues from: the newest checkpoint under `options.resume` that verifies
 /// (`checkpoint::verify`) and its manifest (both `None` for a fresh run), refused unless written
-/// by this plan, world, seed and dataset; and `plan`'s hash, which the run's own checkpoints record.
+/// with this seed and dataset, by this plan or one it can be re-sharded from
+/// (`checkpoint::check_compatible`); and `plan`'s hash, which the run's own checkpoints record.
 fn resume_point(
     plan: &Plan,
     spec: &Spec,
@@ -231,7 +236,23 @@ fn resume_point(
     };
     let hash = checkpoint::plan_hash(plan);
     if let Some(m) = &manifest {
-        checkpoint::check_compatible(m, &hash, plan.world, spec.train.seed, data.train_samples)?;
+        let layout = checkpoint::Layout::of(spec, plan)?;
+        let (seed, samples) = (spec.train.seed, data.train_samples);
+        checkpoint::check_compatible(m, &hash, &layout, seed, samples, options.resume_any_batch)?;
+        let old_batch = m
+            .layout
+            .as_ref()
+            .map_or(layout.global_batch, |l| l.global_batch);
+        if old_batch != layout.global_batch {
+            eprintln!(
+                "note: the checkpoint's global batch is {old_batch} sequences, this run's {}; \
+                 the sampler position is translated by samples seen: step {} continues at \
+                 sample {} of the data order",
+                layout.global_batch,
+                m.step,
+                checkpoint::samples_seen(m, layout.global_batch)
+            );
+        }
     }
     Ok((resume, manifest, hash))
 }
@@ -355,12 +376,14 @@ where
     let (resume, manifest, hash) = resume_point(plan, spec, options, &data)?;
     let weights = initial_weights(spec, plan, options, resume.is_some())?;
     if let Some(path) = &options.log_batches {
-        let start = manifest.as_ref().map_or(0, |m| m.step);
+        let (start, position) = manifest.as_ref().map_or((0, 0), |m| {
+            (m.step, checkpoint::samples_seen(m, spec.train.global_batch))
+        });
         let end = options
             .stop_after
             .unwrap_or(spec.train.steps)
             .min(spec.train.steps);
-        write_run_batch_log(path, spec, plan, data.train_samples, start..end)?;
+        write_run_batch_log(path, spec, plan, data.train_samples, start..end, position)?;
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = options
@@ -567,7 +590,17 @@ impl RunContext<'_> {
         exec.loss_scaler = LossScaler::for_precision(train.precision);
         let mut start_step = 0;
         if let Some((dir, manifest)) = self.resume {
-            exec.load_shard(dir)?;
+            if manifest.plan_hash == self.plan_hash {
+                exec.load_shard(dir)?;
+            } else {
+                let layout = checkpoint::Layout::of(self.spec, self.plan)?;
+                let rank = exec.rank();
+                exec.load_tensors(checkpoint::reshard::load_rank(
+                    dir, manifest, &layout, rank,
+                )?)?;
+            }
+            let position = checkpoint::samples_seen(manifest, train.global_batch);
+            exec.resume_sampler_at(manifest.step, position);
             exec.optimizer_step = manifest.optimizer_step;
             start_step = manifest.step;
             if let (Some(scaler), Some(state)) = (exec.loss_scaler.as_mut(), manifest.loss_scale) {
@@ -720,7 +753,11 @@ impl RunContext<'_> {
         if !saves.due(step) {
             return Ok(None);
         }
-        let manifest = (exec.rank() == 0).then(|| Manifest {
+        let layout = match exec.rank() {
+            0 => Some(checkpoint::Layout::of(self.spec, self.plan)?),
+            _ => None,
+        };
+        let manifest = layout.map(|layout| Manifest {
             format: checkpoint::FORMAT,
             plan_hash: self.plan_hash.to_string(),
             world: self.plan.world,
@@ -733,6 +770,8 @@ impl RunContext<'_> {
                 .map(checkpoint::shard_file_name)
                 .collect(),
             checksums: Default::default(),
+            layout: Some(layout),
+            samples_seen: Some(exec.sampler().position(step)),
         });
         saves.start(exec, step, manifest).map(Some)
     }

@@ -5,7 +5,7 @@
 //! same backend: its buffer table extends the training program's, and the backend's memory is
 //! planned once over both programs' instructions, so the two share the parameters.
 use crate::backend::{Backend, DeviceTransfer, HostStaging, StepScalars};
-use crate::checkpoint::{self, Snapshot, SnapshotTensor};
+use crate::checkpoint::{self, ShardTensor, Snapshot, SnapshotTensor};
 use crate::comm::{Comm, PeerOp};
 use crate::data::{fill_microbatch, BatchLayout, EvalSet, RunData, Sampler};
 use crate::error::{Result, RuntimeError};
@@ -157,6 +157,12 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
 
     pub fn sampler(&self) -> &Sampler {
         &self.sampler
+    }
+
+    /// Continue the training data at step `step` from stream position `position` (a resumed
+    /// checkpoint's samples seen: `Sampler::resume_at`).
+    pub fn resume_sampler_at(&mut self, step: u64, position: u64) {
+        self.sampler.resume_at(step, position);
     }
 
     /// The rank's backend (for inspection: memory held, allocations made).
@@ -956,6 +962,36 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         let tensors = checkpoint::read_shard(checkpoint_dir, self.rank, &expected)?;
         for ((id, _), data) in buffers.iter().zip(tensors) {
             self.backend.write_f32(*id, &data)?;
+        }
+        Ok(())
+    }
+
+    /// Overwrite the persistent buffers with `tensors` (a checkpoint re-sharded for this plan,
+    /// `checkpoint::reshard`): one per persistent buffer, in buffer order, named and shaped
+    /// as the buffers are.
+    pub fn load_tensors(&mut self, tensors: Vec<ShardTensor>) -> Result<()> {
+        let buffers: Vec<_> = self.persistent().collect();
+        if buffers.len() != tensors.len() {
+            return Err(plan_error(
+                self.rank,
+                format!(
+                    "{} re-sharded tensors for {} persistent buffers",
+                    tensors.len(),
+                    buffers.len()
+                ),
+            ));
+        }
+        for ((id, buffer), tensor) in buffers.iter().zip(tensors) {
+            if buffer.name != tensor.name || buffer.shape != tensor.shape {
+                return Err(plan_error(
+                    self.rank,
+                    format!(
+                        "re-sharded tensor {} {:?} does not match buffer {} {:?}",
+                        tensor.name, tensor.shape, buffer.name, buffer.shape
+                    ),
+                ));
+            }
+            self.backend.write_f32(*id, &tensor.data)?;
         }
         Ok(())
     }
