@@ -135,6 +135,7 @@ impl P {
             every: SWITCH,
             dir: dir.display().to_string(),
             keep: 0,
+            asynchronous: true,
         });
         s
     }
