@@ -25,7 +25,7 @@ every=${EVERY:-5}
 spec=${SPEC:-examples/gpt2-350m.par}
 backend=${BACKEND:-cuda}
 t0=$SECONDS
-for mode in async sync; do
+for mode in ${MODES:-async sync}; do
     ckpt=/tmp/parc-async-save-$mode
     rm -rf "$ckpt"
     asynchronous=true

@@ -29,6 +29,12 @@ if [[ -z $profile ]]; then
     echo "== calibrate rc=$? at $((SECONDS - t0)) s"
     cat "$work/calibrate.log"
 fi
+# report: the table and the logs so far into $out (after each configuration: a call cut short
+# still brings them back).
+report() {
+    python3 bench/predict/summary.py "$configs" "$work" > "$out/summary.txt"
+    tar czf "$out/logs.tgz" -C "$work" .
+}
 while read -r name spec settings; do
     [[ -z $name || $name == \#* ]] && continue
     [[ -n ${ONLY:-} && ! $name =~ $ONLY ]] && continue
@@ -41,7 +47,8 @@ while read -r name spec settings; do
     timeout 90 "$dir/parc" run "$spec" --backend cuda --log-format json "${sets[@]}" \
         > "$work/run-$file.jsonl" 2> "$work/run-$file.stderr"
     echo "== $name rc=$? at $((SECONDS - t0)) s"
+    report
 done < "$configs"
-python3 bench/predict/summary.py "$configs" "$work" | tee "$out/summary.txt"
-tar czf "$out/logs.tgz" -C "$work" .
+report
+cat "$out/summary.txt"
 echo "total $((SECONDS - t0)) s"
