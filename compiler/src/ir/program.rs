@@ -204,6 +204,12 @@ impl Plan {
     pub fn group(&self, id: GroupId) -> Option<&Group> {
         self.groups.get(id.0 as usize)
     }
+    /// Which shard of `split` `rank` holds (its index in the ZeRO group); None when `rank` is
+    /// not in the group.
+    pub fn zero_index(&self, split: &ZeroSplit, rank: u32) -> Option<u64> {
+        let (_, index) = self.group(split.group)?.set_of(rank)?;
+        Some(index as u64)
+    }
     /// Ranks that run `program`, ascending.
     pub fn ranks_of(&self, program: ProgramId) -> Vec<u32> {
         (0..self.world)

@@ -286,18 +286,12 @@ fn rank_pieces(plan: &Plan, rank: u32) -> Result<Vec<Piece>> {
             .ok_or_else(|| lowering_bug(rank, format!("param {} is unknown", local.param.0)))?;
         let zero = match local.zero {
             None => None,
-            Some(split) => {
-                let (_, index) = plan
-                    .group(split.group)
-                    .and_then(|family| family.set_of(rank))
-                    .ok_or_else(|| {
-                        lowering_bug(rank, format!("it is not in ZeRO group {}", split.group.0))
-                    })?;
-                Some(ZeroPart {
-                    shard_len: split.shard_len,
-                    index: index as u64,
-                })
-            }
+            Some(split) => Some(ZeroPart {
+                shard_len: split.shard_len,
+                index: plan.zero_index(&split, rank).ok_or_else(|| {
+                    lowering_bug(rank, format!("it is not in ZeRO group {}", split.group.0))
+                })?,
+            }),
         };
         let tp = local.tp.map(|t| TpPart {
             dim: t.dim,

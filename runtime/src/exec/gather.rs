@@ -133,18 +133,12 @@ fn pieces_of(plan: &Plan, rank: u32) -> Result<Vec<ParamPiece>> {
                 .ok_or_else(|| missing(format!("buffer {} is unknown", local.master.0)))?;
             let zero = match local.zero {
                 None => None,
-                Some(split) => {
-                    let (_, index) = plan
-                        .group(split.group)
-                        .and_then(|family| family.set_of(rank))
-                        .ok_or_else(|| {
-                            missing(format!("is not in ZeRO group {}", split.group.0))
-                        })?;
-                    Some(ZeroShard {
-                        shard_len: split.shard_len,
-                        index: index as u64,
-                    })
-                }
+                Some(split) => Some(ZeroShard {
+                    shard_len: split.shard_len,
+                    index: plan.zero_index(&split, rank).ok_or_else(|| {
+                        missing(format!("is not in ZeRO group {}", split.group.0))
+                    })?,
+                }),
             };
             Ok(ParamPiece {
                 param: local.param,
