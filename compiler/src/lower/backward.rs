@@ -48,6 +48,7 @@ impl Emitter<'_> {
             }
         };
         self.phase = Phase::Backward;
+        let saved = self.with_full_input(mb, node, &kind, saved);
         let dx = self.backward_of_kind(mb, node, (&kind, &inputs), dy, &saved);
         for s in saved {
             self.b.release(s);
@@ -63,7 +64,26 @@ impl Emitter<'_> {
         }
     }
 
-    /// Emits nothing for a node whose output does not reach the loss: releases its saved
+    /// `saved` with a linear, attention or MLP layer's input (first) all-gathered again where
+    /// forward kept its sequence shard ([`Emitter::sp_regather`]).
+    fn with_full_input(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        kind: &LayerKind,
+        mut saved: Vec<BufferId>,
+    ) -> Vec<BufferId> {
+        let reads_input = matches!(
+            kind,
+            LayerKind::Linear { .. } | LayerKind::Attention { .. } | LayerKind::Mlp { .. }
+        );
+        if let Some(x) = saved.first_mut().filter(|_| reads_input) {
+            *x = self.sp_regather(*x, self.name(node, "xrg", mb), node);
+        }
+        saved
+    }
+
+        /// Emits nothing for a node whose output does not reach the loss: releases its saved
     /// tensors and marks its parameters' gradients used.
     fn skip_unreached(&mut self, node: NodeId, saved: Vec<BufferId>) {
         for s in saved {
