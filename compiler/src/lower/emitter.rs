@@ -369,11 +369,12 @@ impl Emitter<'_> {
     }
 
     /// The full-row input a layer's backward reads, from the saved input of
-    /// [`Emitter::sp_saved_input`] (whose holder this takes): the shard all-gathered again,
-    /// issued at the start of the layer's backward so it overlaps the GEMMs before the one
-    /// that reads it; or the saved buffer itself.
+    /// [`Emitter::sp_saved_input`], with one new holder for the caller: the shard all-gathered
+    /// again (issued after the gather of dy, so it overlaps the GEMMs before the one that reads
+    /// it), or the saved buffer itself.
     pub fn sp_regather(&mut self, saved: BufferId, name: String, node: NodeId) -> BufferId {
         let Some(g) = self.groups.tp.filter(|_| self.keeps_sp_shard()) else {
+            self.b.retain(saved);
             return saved;
         };
         let cols = self.b.shape(saved).get(1).copied().unwrap_or(0);
@@ -382,7 +383,6 @@ impl Emitter<'_> {
             .alloc(name, vec![self.rows_full(), cols], BufferKind::Activation);
         self.b
             .collective(CollectiveKind::AllGather, g, saved, full, Some(node));
-        self.b.release(saved);
         full
     }
 
