@@ -487,6 +487,25 @@ fn tensor_parallel_with_and_without_sequence_parallelism() {
     }
 }
 
+/// `parallel.sp_save = gathered`: the layers keep the all-gathered input instead of the shard
+/// (the default, re-gathered in backward, is every other sequence-parallel case here).
+#[test]
+fn sequence_parallel_keeping_the_gathered_inputs() {
+    for (llama, recompute) in [(false, Recompute::None), (true, Recompute::Selective)] {
+        let plan = PlanChoice {
+            tp: 2,
+            sp: true,
+            recompute,
+            ..PlanChoice::default()
+        };
+        let variant = Variant {
+            sp_save: SpSave::Gathered,
+            ..Variant::default()
+        };
+        assert_equivalent_variant(llama, plan, variant);
+    }
+}
+
 #[test]
 fn pipeline_schedules() {
     for schedule in [
