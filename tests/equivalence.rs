@@ -21,7 +21,7 @@ use parc_compiler::diag::Sources;
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::{Instr, Phase, Plan};
 use parc_compiler::lower::{lower, lower_with, LowerOptions};
-use parc_compiler::spec::{Axis, LayerKind, PipelineSchedule, Recompute, Spec, ZeroStage};
+use parc_compiler::spec::{Axis, LayerKind, PipelineSchedule, Recompute, SpSave, Spec, ZeroStage};
 use parc_compiler::{check, parse_override};
 use parc_runtime::exec::{TrainOptions, TrainResult};
 use std::time::Duration;

@@ -10,7 +10,7 @@ use crate::ir::op::{Op, Segment};
 use crate::ir::{
     BufferId, BufferKind, CollectiveKind, Param, ParamId, Phase, ReduceOp, TpSplit, ZeroSplit,
 };
-use crate::spec::{NodeId, Spec, SpSave, ValueId, ZeroStage};
+use crate::spec::{NodeId, SpSave, Spec, ValueId, ZeroStage};
 
 /// A parameter held by this program while it is being emitted.
 pub struct LocalState {
