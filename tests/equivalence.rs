@@ -49,7 +49,7 @@ fn run_plan(s: &Spec, p: &Plan) -> TrainResult {
 
 fn describe(llama: bool, p: &PlanChoice, variant: Variant) -> String {
     format!(
-        "{} dp {} pp {} cp {} tp {} zero {:?} {:?} m {} {:?} sp {}{}{}",
+        "{} dp {} pp {} cp {} tp {} zero {:?} {:?} m {} {:?} sp {} ({:?}){}{}",
         if llama { "llama" } else { "gpt" },
         p.dp,
         p.pp,
@@ -60,6 +60,7 @@ fn describe(llama: bool, p: &PlanChoice, variant: Variant) -> String {
         p.microbatches,
         p.recompute,
         p.sp,
+        variant.sp_save,
         if variant.order == Variant::default().order {
             String::new()
         } else {
