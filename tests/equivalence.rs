@@ -21,7 +21,7 @@ use parc_compiler::diag::Sources;
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::{Instr, Phase, Plan};
 use parc_compiler::lower::{lower, lower_with, LowerOptions};
-use parc_compiler::spec::{Axis, LayerKind, PipelineSchedule, Recompute, Spec, ZeroStage};
+use parc_compiler::spec::{Axis, LayerKind, PipelineSchedule, Recompute, SpSave, Spec, ZeroStage};
 use parc_compiler::{check, parse_override};
 use parc_runtime::exec::{TrainOptions, TrainResult};
 use std::time::Duration;
@@ -49,7 +49,7 @@ fn run_plan(s: &Spec, p: &Plan) -> TrainResult {
 
 fn describe(llama: bool, p: &PlanChoice, variant: Variant) -> String {
     format!(
-        "{} dp {} pp {} cp {} tp {} zero {:?} {:?} m {} {:?} sp {}{}{}",
+        "{} dp {} pp {} cp {} tp {} zero {:?} {:?} m {} {:?} sp {} ({:?}){}{}",
         if llama { "llama" } else { "gpt" },
         p.dp,
         p.pp,
@@ -60,6 +60,7 @@ fn describe(llama: bool, p: &PlanChoice, variant: Variant) -> String {
         p.microbatches,
         p.recompute,
         p.sp,
+        variant.sp_save,
         if variant.order == Variant::default().order {
             String::new()
         } else {
@@ -484,6 +485,25 @@ fn tensor_parallel_with_and_without_sequence_parallelism() {
                 },
             );
         }
+    }
+}
+
+/// `parallel.sp_save = gathered`: the layers keep the all-gathered input instead of the shard
+/// (the default, re-gathered in backward, is every other sequence-parallel case here).
+#[test]
+fn sequence_parallel_keeping_the_gathered_inputs() {
+    for (llama, recompute) in [(false, Recompute::None), (true, Recompute::Selective)] {
+        let plan = PlanChoice {
+            tp: 2,
+            sp: true,
+            recompute,
+            ..PlanChoice::default()
+        };
+        let variant = Variant {
+            sp_save: SpSave::Gathered,
+            ..Variant::default()
+        };
+        assert_equivalent_variant(llama, plan, variant);
     }
 }
 

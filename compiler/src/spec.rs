@@ -376,6 +376,9 @@ pub struct Parallel {
     pub microbatches: u32,
     pub recompute: Recompute,
     pub sequence_parallel: bool,
+    /// What a sequence-parallel layer keeps of its all-gathered input for backward
+    /// (`parallel.sp_save`).
+    pub sp_save: SpSave,
     /// Gradient all-reduce / reduce-scatter bucket size in bytes (default 25 MiB, as PyTorch DDP).
     pub bucket_bytes: u64,
     /// How `chunk_layers` was chosen (`parallel.balance`, `parallel.layers`).
@@ -386,6 +389,19 @@ pub struct Parallel {
     /// later stage read the split from here only ([`Parallel::chunk_of_layer`]).
     pub chunk_layers: Vec<u32>,
     pub span: Span,
+}
+
+/// What the q/k/v, MLP and linear layers keep of their input under sequence parallelism,
+/// where forward all-gathers it from the sequence shard before the projection.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SpSave {
+    /// The sequence shard (1/tp of the rows), all-gathered again at the start of the layer's
+    /// backward (Megatron's choice): less memory, one more all-gather per layer.
+    #[default]
+    Sharded,
+    /// The gathered, full-sequence input: no second all-gather, tp× the memory.
+    Gathered,
 }
 
 /// Where the split of the repeated layers over the pipeline's chunks comes from.

@@ -39,6 +39,8 @@ pub struct Variant {
     pub sgd: bool,
     /// How the repeated layers split over the pipeline's chunks.
     pub split: Split,
+    /// What sequence-parallel layers keep of their gathered input (`parallel.sp_save`).
+    pub sp_save: SpSave,
 }
 
 /// `parallel.balance` / `parallel.layers` of a hand-built spec.
@@ -56,6 +58,7 @@ impl Default for Variant {
             order: [Axis::Dp, Axis::Pp, Axis::Cp, Axis::Tp],
             sgd: false,
             split: Split::Even,
+            sp_save: SpSave::Sharded,
         }
     }
 }
@@ -212,6 +215,7 @@ pub fn decoder_spec(
             microbatches: plan.microbatches,
             recompute: plan.recompute,
             sequence_parallel: plan.sp,
+            sp_save: variant.sp_save,
             bucket_bytes: 4096,
             balance,
             chunk_layers,

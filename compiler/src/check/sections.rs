@@ -368,6 +368,10 @@ pub fn parallel(r: &mut Reader, span: Span) -> ParallelIn {
     }
     let recompute = recompute(r);
     let sequence_parallel = r.flag("parallel.sequence_parallel").unwrap_or(false);
+    let sp_save = match r.word("parallel.sp_save", &["sharded", "gathered"]) {
+        Some((w, _)) if w == "gathered" => SpSave::Gathered,
+        _ => SpSave::Sharded,
+    };
     let bucket_bytes = r
         .measure("parallel.bucket", Unit::Bytes)
         .map(|b| b as u64)
@@ -405,6 +409,7 @@ pub fn parallel(r: &mut Reader, span: Span) -> ParallelIn {
             microbatches: microbatches.unwrap_or(0).min(u64::from(u32::MAX)) as u32,
             recompute,
             sequence_parallel,
+            sp_save,
             bucket_bytes,
             balance: match layers {
                 Some(_) => Balance::Given,

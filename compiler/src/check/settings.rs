@@ -24,6 +24,7 @@ pub const PATHS: &[&str] = &[
     "parallel.balance",
     "parallel.recompute",
     "parallel.sequence_parallel",
+    "parallel.sp_save",
     "parallel.bucket",
     "parallel.cross_node",
     "train.global_batch",

@@ -12,8 +12,9 @@
 //!   with dropout a 1-byte mask and the dropout output (the paper's 5as²b bytes); an attention
 //!   that keeps only its log-sum-exp (parc's, like FlashAttention) keeps a·4 bytes per token;
 //! - with dropout, one 1-byte mask of h after attention and after the MLP;
-//! - parc keeps the q/k/v and MLP inputs all-gathered under sequence parallelism (h per token
-//!   of the whole sequence) where Megatron keeps the shard and gathers it again in backward.
+//! - under sequence parallelism parc keeps the q/k/v, MLP and linear inputs as the sequence
+//!   shard and gathers them again in backward, as Megatron does (`parallel.sp_save = sharded`),
+//!   or all-gathered (h per token of the whole sequence, `sp_save = gathered`).
 //!
 //! With 16-bit activations, dropout, materialised scores, f = 4h and k = a this is exactly the
 //! paper's sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)) with TP and sbh(34/t + 5as/(ht)) with
@@ -24,7 +25,7 @@
 //! last chunk's logits are gone (the larger of the two counts).
 
 use super::schedule::InFlight;
-use crate::spec::{Axis, LayerKind, Precision, Recompute, Spec};
+use crate::spec::{Axis, LayerKind, Precision, Recompute, SpSave, Spec};
 
 /// What the attention and the layers keep, beyond the tensors every implementation keeps.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -45,12 +46,21 @@ impl Keeps {
         scores: true,
         gathered_inputs: false,
     };
-    /// parc's layers: no dropout, attention keeps its log-sum-exp, matmul inputs kept gathered.
+    /// parc's layers: no dropout, attention keeps its log-sum-exp, matmul inputs kept gathered
+    /// under `parallel.sp_save = gathered`.
     pub const PARC: Keeps = Keeps {
         dropout: false,
         scores: false,
         gathered_inputs: true,
     };
+
+    /// parc's layers under `spec`'s `parallel.sp_save`.
+    pub fn parc(spec: &Spec) -> Keeps {
+        Keeps {
+            gathered_inputs: spec.parallel.sp_save == SpSave::Gathered,
+            ..Keeps::PARC
+        }
+    }
 }
 
 /// Korthikanti et al.'s recompute choices for one layer.
@@ -231,7 +241,7 @@ fn dims(spec: &Spec, attention: Option<&LayerKind>, mlp: Option<&LayerKind>) -> 
 
 /// Bytes one node keeps for one microbatch when it is not recomputed (selective: its core).
 fn node_bytes(spec: &Spec, kind: &LayerKind, selective: bool) -> f64 {
-    let keeps = Keeps::PARC;
+    let keeps = Keeps::parc(spec);
     let d = dims(spec, Some(kind), Some(kind));
     let recompute = if selective {
         LayerRecompute::Selective
@@ -246,7 +256,7 @@ fn node_bytes(spec: &Spec, kind: &LayerKind, selective: bool) -> f64 {
             in_dim, out_dim, ..
         } => {
             let vocab_split = super::tp_divides(spec, kind);
-            let input = d.s * d.b * *in_dim as f64 * d.elem;
+            let input = d.block_input(keeps) * *in_dim as f64 * d.elem;
             let out = *out_dim as f64 / if vocab_split { d.t } else { 1.0 };
             // The loss keeps the logits when they are the vocab, stored like activations (the
             // fused loss writes dlogits over them: no second buffer).

@@ -3,7 +3,7 @@
 //! point-to-point transfer B. What travels on each axis is listed in the `cost` module header.
 
 use super::AxisComm;
-use crate::spec::{Axis, LayerKind, Recompute, Spec, ZeroStage};
+use crate::spec::{Axis, LayerKind, Recompute, SpSave, Spec, ZeroStage};
 
 /// Whether the group along `axes` containing rank 0 spans more than one node.
 pub(crate) fn crosses_nodes(spec: &Spec, axes: &[Axis]) -> bool {
@@ -128,7 +128,16 @@ pub fn stage_comm(
             } else {
                 0.0
             };
-            all_reduces += per + again;
+            // A kept sequence shard is all-gathered again in backward (half an all-reduce).
+            let regather = match node.kind {
+                LayerKind::Attention { .. } | LayerKind::Mlp { .. } | LayerKind::Linear { .. }
+                    if sp && spec.parallel.sp_save == SpSave::Sharded =>
+                {
+                    0.5
+                }
+                _ => 0.0,
+            };
+            all_reduces += per + again + regather;
         }
         let what = if sp {
             "activation all-gather + reduce-scatter (sequence parallel)"

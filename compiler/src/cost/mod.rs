@@ -45,8 +45,9 @@
 //! dp (over dp·cp): ZeRO-0/1/2 one all-reduce's worth of gradients (RS + AG for 1/2),
 //! ZeRO-3 a reduce-scatter plus two all-gathers of the weights per microbatch (forward and
 //! backward). tp: per layer and microbatch 2 all-reduces forward and 2 backward of the s·b·h
-//! activations (SP: the same volume as all-gathers and reduce-scatters), plus 2 forward under
-//! full recompute, plus the vocab-parallel embedding's all-reduce. pp: each chunk boundary
+//! activations (SP: the same volume as all-gathers and reduce-scatters, plus under `sp_save =
+//! sharded` one all-gather per layer and head in backward re-gathering the kept shard), plus 2
+//! forward under full recompute, plus the vocab-parallel embedding's all-reduce. pp: each chunk boundary
 //! sends s·b·h (÷t under SP) forward and its gradient back, per microbatch. cp: per layer
 //! all-gather of K and V forward, reduce-scatter of their gradients backward. Seconds = bytes
 //! over the intra-node link when the group fits in a node, else the inter-node link.

@@ -19,6 +19,8 @@ pub struct Plan {
     pub micro_batch: u64,
     pub recompute: Recompute,
     pub sp: bool,
+    /// What sequence-parallel layers keep of their gathered input (`parallel.sp_save`).
+    pub sp_save: SpSave,
     pub precision: Precision,
     pub gpus_per_node: u32,
     /// How the layers split over the pipeline's chunks; `layers` is the list for `Given`.
@@ -39,6 +41,7 @@ impl Default for Plan {
             micro_batch: 2,
             recompute: Recompute::None,
             sp: false,
+            sp_save: SpSave::Sharded,
             precision: Precision::Fp32,
             gpus_per_node: 8,
             balance: Balance::Even,
@@ -66,6 +69,7 @@ pub fn build(d: &Dims, plan: &Plan) -> Spec {
             microbatches: plan.microbatches,
             recompute: plan.recompute.clone(),
             sequence_parallel: plan.sp,
+            sp_save: plan.sp_save,
             bucket_bytes: 25 << 20,
             balance: plan.balance,
             chunk_layers: plan.layers.clone(),

@@ -343,17 +343,21 @@ impl Emitter<'_> {
         // Without tp, dx is complete as computed and may add into the input's gradient; a tp
         // partial sum is reduced first and then contributed.
         let into = self.unreduced_target(mb, input, &[rows, in_dim]);
+        let xf = x.map(|x| self.sp_regather(x, self.name(node, "xrg", mb), node));
         let dxp = self.matmul_backward(
             mb,
             node,
             dy,
-            x,
+            xf,
             ("weight", if bias { Some("bias") } else { None }),
             (in_dim, ol),
             rows,
             (into, None),
         );
         self.b.release(dy);
+        if let Some(xf) = xf {
+            self.b.release(xf);
+        }
         let name = self.name(node, "dx", mb);
         match into {
             Some(_) => None,
@@ -463,6 +467,7 @@ impl Emitter<'_> {
         };
         let dyf = self.sp_gather_grad(dy, s.dim, self.name(node, "dyg", mb), node);
         self.b.release(dy);
+        let xf = self.sp_regather(xf, self.name(node, "xrg", mb), node);
         let d_o = self.matmul_backward(
             mb,
             node,
@@ -503,6 +508,7 @@ impl Emitter<'_> {
             (None, None),
         );
         self.b.release(dqkv);
+        self.b.release(xf);
         let name = self.name(node, "dx", mb);
         dx.map(|d| self.tp_reduce(d, s.dim, name, BufferKind::ActivationGrad, node))
     }
@@ -583,7 +589,7 @@ impl Emitter<'_> {
         };
         let dyf = self.sp_gather_grad(dy, dim, self.name(node, "dyg", mb), node);
         self.b.release(dy);
-        let xf = *saved.first()?;
+        let xf = self.sp_regather(*saved.first()?, self.name(node, "xrg", mb), node);
         let act_out = *saved.last()?;
         let bias_of = |n: &'static str| if bias { Some(n) } else { None };
         let out_w = if a.is_gated() { "down" } else { "proj" };
@@ -629,6 +635,7 @@ impl Emitter<'_> {
             let xu =
                 self.matmul_backward(mb, node, du, Some(xf), up, (dim, hl), rows, (into, None));
             self.b.release(du);
+            self.b.release(xf);
             let (xg, xu) = (xg?, xu?);
             self.add_part(mb, node, Some(xg), xu, "dx_sum")
         } else {
@@ -655,6 +662,7 @@ impl Emitter<'_> {
                 (into, None),
             );
             self.b.release(dh);
+            self.b.release(xf);
             if into.is_some() {
                 return None;
             }

@@ -10,7 +10,7 @@ use crate::ir::op::{Op, Segment};
 use crate::ir::{
     BufferId, BufferKind, CollectiveKind, Param, ParamId, Phase, ReduceOp, TpSplit, ZeroSplit,
 };
-use crate::spec::{NodeId, Spec, ValueId, ZeroStage};
+use crate::spec::{NodeId, SpSave, Spec, ValueId, ZeroStage};
 
 /// A parameter held by this program while it is being emitted.
 pub struct LocalState {
@@ -347,6 +347,43 @@ impl Emitter<'_> {
                 x
             }
         }
+    }
+
+    /// Whether sequence-parallel layers keep their input's sequence shard for backward rather
+    /// than the all-gathered rows (`parallel.sp_save = sharded`).
+    fn keeps_sp_shard(&self) -> bool {
+        self.sp && self.groups.tp.is_some() && self.spec.parallel.sp_save == SpSave::Sharded
+    }
+
+    /// What a layer that all-gathered its input `x` into `xf` ([`Emitter::sp_gather`], whose
+    /// holder this takes) saves for backward: `xf`, or `x` (one more holder) where it keeps
+    /// the shard; [`Emitter::sp_regather`] undoes the difference.
+    pub fn sp_saved_input(&mut self, x: BufferId, xf: BufferId) -> BufferId {
+        if self.keeps_sp_shard() && x != xf {
+            self.b.release(xf);
+            self.b.retain(x);
+            x
+        } else {
+            xf
+        }
+    }
+
+    /// The full-row input a layer's backward reads, from the saved input of
+    /// [`Emitter::sp_saved_input`], with one new holder for the caller: the shard all-gathered
+    /// again (issued after the gather of dy, so it overlaps the GEMMs before the one that reads
+    /// it), or the saved buffer itself.
+    pub fn sp_regather(&mut self, saved: BufferId, name: String, node: NodeId) -> BufferId {
+        let Some(g) = self.groups.tp.filter(|_| self.keeps_sp_shard()) else {
+            self.b.retain(saved);
+            return saved;
+        };
+        let cols = self.b.shape(saved).get(1).copied().unwrap_or(0);
+        let full = self
+            .b
+            .alloc(name, vec![self.rows_full(), cols], BufferKind::Activation);
+        self.b
+            .collective(CollectiveKind::AllGather, g, saved, full, Some(node));
+        full
     }
 
     /// Same as [`Emitter::sp_gather`] for a gradient in backward.

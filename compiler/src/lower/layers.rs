@@ -188,7 +188,7 @@ impl Emitter<'_> {
                 };
                 self.b.compute(op, &ins, &[y], Some(node), phase);
                 self.set_output(mb, node, y);
-                vec![xf]
+                vec![self.sp_saved_input(x, xf)]
             }
             LayerKind::Attention {
                 dim,
@@ -555,7 +555,7 @@ impl Emitter<'_> {
             node,
         );
         self.set_output(mb, node, y);
-        let mut saved = vec![xf];
+        let mut saved = vec![self.sp_saved_input(x, xf)];
         saved.extend(inputs);
         if self.selective_here(node) {
             self.b.release(o);
@@ -760,7 +760,7 @@ impl Emitter<'_> {
             node,
         );
         self.set_output(mb, node, y);
-        let mut saved = vec![xf];
+        let mut saved = vec![self.sp_saved_input(x, xf)];
         saved.extend(saved_mid);
         saved.push(act_out);
         Some(saved)

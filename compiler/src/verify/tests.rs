@@ -411,6 +411,15 @@ fn cost_model_agrees_with_measured_liveness() {
             },
         ),
         (
+            "tp 2 sp, gathered inputs kept",
+            PlanChoice {
+                tp: 2,
+                sp: true,
+                sp_save: crate::spec::SpSave::Gathered,
+                ..PlanChoice::default()
+            },
+        ),
+        (
             "full recompute",
             PlanChoice {
                 recompute: Recompute::Full,
