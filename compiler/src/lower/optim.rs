@@ -42,10 +42,14 @@ impl Emitter<'_> {
             && (rule == TpRule::RowParallelBias || (rule == TpRule::Replicated && self.sp))
     }
 
-    /// The gradient of local parameter `idx` has received its last contribution.
+    /// The gradient of local parameter `idx` has received the last contribution of its
+    /// reduction group (one microbatch's under ZeRO-2/3, else the step's).
     pub fn complete_grad(&mut self, idx: usize) {
-        self.locals[idx].complete = true;
-        let rule = self.locals[idx].rule;
+        let l = &mut self.locals[idx];
+        l.groups_left = l.groups_left.saturating_sub(1);
+        l.complete = l.groups_left == 0;
+        l.uses_left = l.group_uses;
+        let rule = l.rule;
         let grad = self.grad_buffer(idx);
         if self.needs_tp_sync(rule) {
             if let Some(g) = self.groups.tp {
@@ -68,16 +72,18 @@ impl Emitter<'_> {
             // A large gradient is all-reduced alone, in place, as soon as it completes: no
             // copies into and out of a bucket (weight matrices, GPT-2's embedding); the small
             // ones (biases, norms) keep filling the bucket.
-            let waiting = std::mem::replace(&mut self.bucket, vec![idx]);
+            let waiting = std::mem::replace(&mut self.bucket, vec![(idx, grad)]);
             self.flush_bucket();
             self.bucket = waiting;
             return;
         }
-        self.bucket.push(idx);
+        self.bucket.push((idx, grad));
+        // The bucket holds this group's gradient: a later group's first write allocates anew.
+        self.locals[idx].grad = None;
         if self.zero == ZeroStage::Zero1 {
             return;
         }
-        let bytes: u64 = self.bucket.iter().map(|&i| self.locals[i].numel * 4).sum();
+        let bytes: u64 = self.bucket.iter().map(|&(i, _)| self.locals[i].numel * 4).sum();
         if bytes >= self.bucket_bytes {
             self.flush_bucket();
         }
@@ -93,26 +99,26 @@ impl Emitter<'_> {
             return;
         }
         if self.zero == ZeroStage::Zero0 {
-            if let [only] = items.as_slice() {
-                let g = self.grad_buffer(*only);
+            if let [(only, g)] = items.as_slice() {
                 self.b.collective(
                     CollectiveKind::AllReduce { op: ReduceOp::Sum },
                     group,
-                    g,
-                    g,
+                    *g,
+                    *g,
                     None,
                 );
-                self.locals[*only].final_grad = Some(g);
+                self.locals[*only].grad = Some(*g);
+                self.locals[*only].final_grad = Some(*g);
                 return;
             }
-            let total: u64 = items.iter().map(|&i| self.locals[i].numel).sum();
-            let first = items.first().map(|&i| self.locals[i].param.0).unwrap_or(0);
+            let total: u64 = items.iter().map(|&(i, _)| self.locals[i].numel).sum();
+            let first = items.first().map(|&(i, _)| self.locals[i].param.0).unwrap_or(0);
             let flat = self
                 .b
                 .alloc(format!("bucket.p{first}"), vec![total], BufferKind::Comm);
             let mut offset = 0;
-            for &i in &items {
-                let (g, n) = (self.grad_buffer(i), self.locals[i].numel);
+            for &(i, g) in &items {
+                let n = self.locals[i].numel;
                 let op = Op::CopyRange {
                     src_offset: 0,
                     dst_offset: offset,
@@ -122,7 +128,6 @@ impl Emitter<'_> {
                 offset += n;
                 // The bucket holds the gradient now; `unpack_reduced` copies it back out.
                 self.b.release(g);
-                self.locals[i].grad = None;
             }
             self.b.collective(
                 CollectiveKind::AllReduce { op: ReduceOp::Sum },
@@ -131,14 +136,15 @@ impl Emitter<'_> {
                 flat,
                 None,
             );
+            let items = items.into_iter().map(|(i, _)| i).collect();
             self.reduced.push((flat, items));
             return;
         }
-        // The previous bucket's padded copies: its reduce-scatters ran while this bucket's
-        // backward computed.
+        // The previous bucket's padded copies and parts: its reduce-scatters ran while this
+        // bucket's backward computed.
         let scattered = std::mem::take(&mut self.scattered);
-        for i in items {
-            let g = self.grad_buffer(i);
+        let parts = std::mem::take(&mut self.scattered_parts);
+        for (i, g) in items {
             let (n, zero) = (self.locals[i].numel, self.locals[i].zero);
             let Some(z) = zero else {
                 self.locals[i].final_grad = Some(g);
@@ -157,18 +163,46 @@ impl Emitter<'_> {
             };
             self.b.compute(op, &[g], &[padded], None, Phase::Backward);
             self.b.release(g);
+            // The first microbatch's reduce-scatter writes the shard; later ones write a part
+            // that `add_parts` adds into it.
+            let suffix = match self.locals[i].final_grad {
+                None => "grad_shard",
+                Some(_) => "grad_part",
+            };
             let shard = self.b.alloc(
-                format!("{name}.grad_shard"),
+                format!("{name}.{suffix}"),
                 vec![z.shard_len],
                 BufferKind::Grad,
             );
             self.b
                 .collective(CollectiveKind::ReduceScatter, group, padded, shard, None);
             self.scattered.push(padded);
-            self.locals[i].final_grad = Some(shard);
+            match self.locals[i].final_grad {
+                None => self.locals[i].final_grad = Some(shard),
+                Some(_) => self.scattered_parts.push((i, shard)),
+            }
         }
         for padded in scattered {
             self.b.release(padded);
+        }
+        self.add_parts(parts);
+    }
+
+    /// Add reduce-scattered parts of later microbatches' gradients into their accumulated
+    /// shards (into a new buffer: an op whose output is its input costs the backend a copy).
+    fn add_parts(&mut self, parts: Vec<(usize, BufferId)>) {
+        for (i, part) in parts {
+            let Some(shard) = self.locals[i].final_grad else {
+                continue;
+            };
+            let name = format!("{}.grad_shard", self.param_name(i));
+            let len = self.b.shape(shard);
+            let sum = self.b.alloc(name, len, BufferKind::Grad);
+            self.b
+                .compute(Op::Add, &[shard, part], &[sum], None, Phase::Backward);
+            self.b.release(shard);
+            self.b.release(part);
+            self.locals[i].final_grad = Some(sum);
         }
     }
 
@@ -197,6 +231,8 @@ impl Emitter<'_> {
         for padded in std::mem::take(&mut self.scattered) {
             self.b.release(padded);
         }
+        let parts = std::mem::take(&mut self.scattered_parts);
+        self.add_parts(parts);
     }
 
     /// Sum the step's loss over dp × cp (each member holds its share of the global mean), on
