@@ -610,6 +610,7 @@ fn declare_local(
         uses_left: 0,
         group_uses: 0,
         groups_left: 1,
+        groups_done: 0,
         complete: false,
         in_norm,
         shared: stages_using > 1,

@@ -45,12 +45,14 @@ impl Emitter<'_> {
     /// The gradient of local parameter `idx` has received the last contribution of its
     /// reduction group (one microbatch's under ZeRO-2/3, else the step's).
     pub fn complete_grad(&mut self, idx: usize) {
+        let grad = self.grad_buffer(idx);
         let l = &mut self.locals[idx];
+        let group = l.groups_done;
+        l.groups_done += 1;
         l.groups_left = l.groups_left.saturating_sub(1);
         l.complete = l.groups_left == 0;
         l.uses_left = l.group_uses;
         let rule = l.rule;
-        let grad = self.grad_buffer(idx);
         if self.needs_tp_sync(rule) {
             if let Some(g) = self.groups.tp {
                 self.b.collective(
@@ -72,18 +74,18 @@ impl Emitter<'_> {
             // A large gradient is all-reduced alone, in place, as soon as it completes: no
             // copies into and out of a bucket (weight matrices, GPT-2's embedding); the small
             // ones (biases, norms) keep filling the bucket.
-            let waiting = std::mem::replace(&mut self.bucket, vec![(idx, grad)]);
+            let waiting = std::mem::replace(&mut self.bucket, vec![(idx, grad, group)]);
             self.flush_bucket();
             self.bucket = waiting;
             return;
         }
-        self.bucket.push((idx, grad));
+        self.bucket.push((idx, grad, group));
         // The bucket holds this group's gradient: a later group's first write allocates anew.
         self.locals[idx].grad = None;
         if self.zero == ZeroStage::Zero1 {
             return;
         }
-        let bytes: u64 = self.bucket.iter().map(|&(i, _)| self.locals[i].numel * 4).sum();
+        let bytes: u64 = self.bucket.iter().map(|&(i, _, _)| self.locals[i].numel * 4).sum();
         if bytes >= self.bucket_bytes {
             self.flush_bucket();
         }
@@ -99,7 +101,7 @@ impl Emitter<'_> {
             return;
         }
         if self.zero == ZeroStage::Zero0 {
-            if let [(only, g)] = items.as_slice() {
+            if let [(only, g, _)] = items.as_slice() {
                 self.b.collective(
                     CollectiveKind::AllReduce { op: ReduceOp::Sum },
                     group,
@@ -111,13 +113,13 @@ impl Emitter<'_> {
                 self.locals[*only].final_grad = Some(*g);
                 return;
             }
-            let total: u64 = items.iter().map(|&(i, _)| self.locals[i].numel).sum();
-            let first = items.first().map(|&(i, _)| self.locals[i].param.0).unwrap_or(0);
+            let total: u64 = items.iter().map(|&(i, _, _)| self.locals[i].numel).sum();
+            let first = items.first().map(|&(i, _, _)| self.locals[i].param.0).unwrap_or(0);
             let flat = self
                 .b
                 .alloc(format!("bucket.p{first}"), vec![total], BufferKind::Comm);
             let mut offset = 0;
-            for &(i, g) in &items {
+            for &(i, g, _) in &items {
                 let n = self.locals[i].numel;
                 let op = Op::CopyRange {
                     src_offset: 0,
@@ -136,7 +138,7 @@ impl Emitter<'_> {
                 flat,
                 None,
             );
-            let items = items.into_iter().map(|(i, _)| i).collect();
+            let items = items.into_iter().map(|(i, _, _)| i).collect();
             self.reduced.push((flat, items));
             return;
         }
@@ -144,15 +146,19 @@ impl Emitter<'_> {
         // bucket's backward computed.
         let scattered = std::mem::take(&mut self.scattered);
         let parts = std::mem::take(&mut self.scattered_parts);
-        for (i, g) in items {
+        for (i, g, k) in items {
             let (n, zero) = (self.locals[i].numel, self.locals[i].zero);
             let Some(z) = zero else {
                 self.locals[i].final_grad = Some(g);
                 continue;
             };
             let name = self.param_name(i);
+            let at = match k {
+                0 => String::new(),
+                k => format!("@{k}"),
+            };
             let padded = self.b.alloc(
-                format!("{name}.grad_flat"),
+                format!("{name}.grad_flat{at}"),
                 vec![u64::from(z.parts) * z.shard_len],
                 BufferKind::Comm,
             );
@@ -170,7 +176,7 @@ impl Emitter<'_> {
                 Some(_) => "grad_part",
             };
             let shard = self.b.alloc(
-                format!("{name}.{suffix}"),
+                format!("{name}.{suffix}{at}"),
                 vec![z.shard_len],
                 BufferKind::Grad,
             );
@@ -179,7 +185,7 @@ impl Emitter<'_> {
             self.scattered.push(padded);
             match self.locals[i].final_grad {
                 None => self.locals[i].final_grad = Some(shard),
-                Some(_) => self.scattered_parts.push((i, shard)),
+                Some(_) => self.scattered_parts.push((i, shard, k)),
             }
         }
         for padded in scattered {
@@ -190,12 +196,12 @@ impl Emitter<'_> {
 
     /// Add reduce-scattered parts of later microbatches' gradients into their accumulated
     /// shards (into a new buffer: an op whose output is its input costs the backend a copy).
-    fn add_parts(&mut self, parts: Vec<(usize, BufferId)>) {
-        for (i, part) in parts {
+    fn add_parts(&mut self, parts: Vec<(usize, BufferId, u32)>) {
+        for (i, part, group) in parts {
             let Some(shard) = self.locals[i].final_grad else {
                 continue;
             };
-            let name = format!("{}.grad_shard", self.param_name(i));
+            let name = format!("{}.grad_shard@{group}", self.param_name(i));
             let len = self.b.shape(shard);
             let sum = self.b.alloc(name, len, BufferKind::Grad);
             self.b
