@@ -37,7 +37,7 @@ pub struct LocalState {
     pub group_uses: u32,
     /// Reduction groups left in the step (microbatches under ZeRO-2/3, else 1).
     pub groups_left: u32,
-    /// Reduction groups completed so far (names a later group's buffers: `NAME.grad@1`).
+    /// Reduction groups completed so far (names a later group's buffers: `NAME.grad.g1`; not `@1`, which names a microbatch).
     pub groups_done: u32,
     /// Every reduction group of the step has been completed.
     pub complete: bool,
@@ -315,7 +315,7 @@ impl Emitter<'_> {
         }
         let name = match self.locals[idx].groups_done {
             0 => format!("{}.grad", self.param_name(idx)),
-            k => format!("{}.grad@{k}", self.param_name(idx)),
+            k => format!("{}.grad.g{k}", self.param_name(idx)),
         };
         let shape = self.locals[idx].shape.clone();
         let g = self.b.alloc(name, shape, BufferKind::Grad);

@@ -560,7 +560,11 @@ fn declare_locals(
     let per_microbatch = matches!(sh.zero, ZeroStage::Zero2 | ZeroStage::Zero3);
     for l in &mut locals {
         let step_uses = uses.get(&l.param.0).copied().unwrap_or(0) * m;
-        l.groups_left = if per_microbatch && l.zero.is_some() { m } else { 1 };
+        l.groups_left = if per_microbatch && l.zero.is_some() {
+            m
+        } else {
+            1
+        };
         l.group_uses = step_uses / l.groups_left;
         l.uses_left = l.group_uses;
     }

@@ -85,7 +85,11 @@ impl Emitter<'_> {
         if self.zero == ZeroStage::Zero1 {
             return;
         }
-        let bytes: u64 = self.bucket.iter().map(|&(i, _, _)| self.locals[i].numel * 4).sum();
+        let bytes: u64 = self
+            .bucket
+            .iter()
+            .map(|&(i, _, _)| self.locals[i].numel * 4)
+            .sum();
         if bytes >= self.bucket_bytes {
             self.flush_bucket();
         }
@@ -114,7 +118,10 @@ impl Emitter<'_> {
                 return;
             }
             let total: u64 = items.iter().map(|&(i, _, _)| self.locals[i].numel).sum();
-            let first = items.first().map(|&(i, _, _)| self.locals[i].param.0).unwrap_or(0);
+            let first = items
+                .first()
+                .map(|&(i, _, _)| self.locals[i].param.0)
+                .unwrap_or(0);
             let flat = self
                 .b
                 .alloc(format!("bucket.p{first}"), vec![total], BufferKind::Comm);
@@ -155,7 +162,7 @@ impl Emitter<'_> {
             let name = self.param_name(i);
             let at = match k {
                 0 => String::new(),
-                k => format!("@{k}"),
+                k => format!(".g{k}"),
             };
             let padded = self.b.alloc(
                 format!("{name}.grad_flat{at}"),
@@ -201,7 +208,7 @@ impl Emitter<'_> {
             let Some(shard) = self.locals[i].final_grad else {
                 continue;
             };
-            let name = format!("{}.grad_shard@{group}", self.param_name(i));
+            let name = format!("{}.grad_shard.g{group}", self.param_name(i));
             let len = self.b.shape(shard);
             let sum = self.b.alloc(name, len, BufferKind::Grad);
             self.b
