@@ -1,6 +1,9 @@
 //! Gradient synchronisation and the optimizer step.
 //!
-//! - A gradient is *complete* once its last backward use in the step is emitted. Then, if tp
+//! - A gradient is *complete* once the last backward use of its reduction group is emitted:
+//!   the step's under ZeRO-0/1, each microbatch's under ZeRO-2/3, whose full-size gradient
+//!   buffer so lives only from its first write in a microbatch's backward to that microbatch's
+//!   reduce-scatter (the next microbatch's first write allocates a new one). Then, if tp
 //!   ranks hold different partial gradients of a replicated parameter (row-parallel biases,
 //!   which only tp rank 0 adds, and, under sequence parallelism, every replicated parameter
 //!   applied to sequence shards: norms, position embedding), it is all-reduced over tp.
@@ -13,7 +16,10 @@
 //!   bucket, or its `Free`, would). ZeRO-2/3 reduce-scatter
 //!   each bucket's gradients as they complete (padded flat copies, see `ir::program`), free the
 //!   full gradients, and free the padded copies once the next bucket's reduce-scatters are
-//!   queued; ZeRO-1 reduce-scatters after the whole backward.
+//!   queued; each backward unit ends by flushing its bucket. The first microbatch's
+//!   reduce-scatter writes the fp32 shard; a later one writes a part that is added into the
+//!   shard once the next bucket is queued (so compute does not wait on it). ZeRO-1
+//!   reduce-scatters after the whole backward.
 //! - A parameter held by two pipeline stages (tied embedding and head) has its gradient
 //!   all-reduced over the `embed` group (first and last stage) at the end of the step.
 //! - Gradient norm: each program sums the squares of the gradient elements it owns — tp-split
