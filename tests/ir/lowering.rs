@@ -458,3 +458,71 @@ fn backward_sums_residual_gradients_in_place() {
         }
     }
 }
+
+/// ZeRO-2/3 reduce-scatter each microbatch's gradients into the shard: every gradient is
+/// reduce-scattered once per microbatch, and no full-size gradient buffer is alive while a
+/// forward runs (none lives across microbatches). ZeRO-1 keeps them to the end of the step.
+#[test]
+fn zero2_reduces_each_microbatch_into_the_shard() {
+    use parc_compiler::ir::{BufferKind, CollectiveKind, Instr, Phase};
+    for (model, zero) in [
+        (gpt(2), ZeroStage::Zero1),
+        (gpt(2), ZeroStage::Zero2),
+        (llama(2), ZeroStage::Zero2),
+        (llama(2), ZeroStage::Zero3),
+    ] {
+        let microbatches = 3;
+        let s = spec(
+            model,
+            PlanChoice {
+                dp: 2,
+                zero,
+                microbatches,
+                ..PlanChoice::default()
+            },
+        );
+        let plan = lower(&s).unwrap();
+        let program = &plan.programs[0];
+        let full_grad = |b: &parc_compiler::ir::BufferId| {
+            let buf = &program.buffers[b.0 as usize];
+            buf.kind == BufferKind::Grad
+                && (buf.name.ends_with(".grad") || buf.name.contains(".grad.g"))
+        };
+        let (mut scatters, mut shards, mut live, mut held_in_forward) = (0, 0, 0i64, false);
+        for instr in &program.instrs {
+            match instr {
+                Instr::Collective {
+                    kind: CollectiveKind::ReduceScatter,
+                    output,
+                    ..
+                } => {
+                    scatters += 1;
+                    shards += usize::from(
+                        program.buffers[output.0 as usize]
+                            .name
+                            .ends_with(".grad_shard"),
+                    );
+                }
+                Instr::Alloc { buffer } if full_grad(buffer) => live += 1,
+                Instr::Free { buffer } if full_grad(buffer) => live -= 1,
+                Instr::Compute {
+                    phase: Phase::Forward,
+                    ..
+                } => held_in_forward |= live > 0,
+                _ => {}
+            }
+        }
+        let per_microbatch = zero != ZeroStage::Zero1;
+        let expected = if per_microbatch {
+            shards * microbatches as usize
+        } else {
+            shards
+        };
+        assert!(shards > 0, "{zero:?}: no gradient shards");
+        assert_eq!(scatters, expected, "{zero:?}: reduce-scatters");
+        assert_eq!(
+            held_in_forward, !per_microbatch,
+            "{zero:?}: full gradients held in a forward"
+        );
+    }
+}

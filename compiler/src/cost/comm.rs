@@ -83,15 +83,21 @@ pub fn stage_comm(
             .max(1.0);
         let (what, bytes, ops) = match spec.parallel.zero {
             ZeroStage::Zero0 => ("gradient all-reduce", 2.0 * ring(nd) * g, buckets),
-            ZeroStage::Zero1 | ZeroStage::Zero2 => (
+            ZeroStage::Zero1 => (
                 "gradient reduce-scatter + weight all-gather",
                 ring(nd) * (g + w),
                 2.0 * buckets,
             ),
+            // ZeRO-2/3 reduce-scatter each microbatch's gradients into the shard.
+            ZeroStage::Zero2 => (
+                "gradient reduce-scatters (per microbatch) + weight all-gather",
+                ring(nd) * (m * g + w),
+                buckets * (m + 1.0),
+            ),
             ZeroStage::Zero3 => (
-                "gradient reduce-scatter + weight all-gathers (forward and backward, per microbatch)",
-                ring(nd) * (g + 2.0 * m * w),
-                buckets * (1.0 + 2.0 * m),
+                "gradient reduce-scatters + weight all-gathers (forward and backward), per microbatch",
+                ring(nd) * m * (g + 2.0 * w),
+                buckets * 3.0 * m,
             ),
         };
         let label = if cp > 1 {

@@ -29,8 +29,17 @@ pub struct LocalState {
     pub grad: Option<BufferId>,
     /// The gradient the optimizer reads once reductions are done (the shard under ZeRO).
     pub final_grad: Option<BufferId>,
-    /// Backward uses left before the gradient is complete.
+    /// Backward uses left before the current reduction group is complete.
     pub uses_left: u32,
+    /// Backward uses of one reduction group: one microbatch's under ZeRO-2/3 (each
+    /// microbatch's gradient is reduce-scattered into the shard, so no full-size gradient
+    /// lives across microbatches), the whole step's otherwise.
+    pub group_uses: u32,
+    /// Reduction groups left in the step (microbatches under ZeRO-2/3, else 1).
+    pub groups_left: u32,
+    /// Reduction groups completed so far (names a later group's buffers: `NAME.grad.g1`; not `@1`, which names a microbatch).
+    pub groups_done: u32,
+    /// Every reduction group of the step has been completed.
     pub complete: bool,
     /// Counted in the gradient norm by this program (exactly one holder of each element).
     pub in_norm: bool,
@@ -79,8 +88,9 @@ pub struct Emitter<'a> {
     pub selective: bool,
     pub loss: Option<BufferId>,
     pub grad_sumsq: BufferId,
-    /// Completed gradients waiting for their bucket to fill: (local index).
-    pub bucket: Vec<usize>,
+    /// Completed gradients waiting for their bucket to fill: (local index, gradient buffer,
+    /// reduction group).
+    pub bucket: Vec<(usize, BufferId, u32)>,
     pub bucket_bytes: u64,
     /// Flat buckets whose all-reduce is queued, with their gradients (local indices, in packing
     /// order): unpacked only after the whole backward, so nothing waits for the all-reduce
@@ -89,6 +99,10 @@ pub struct Emitter<'a> {
     /// ZeRO-2/3 padded gradient copies whose reduce-scatter is queued: freed once the next
     /// bucket's reductions are queued (a `Free` waits for the collective using the buffer).
     pub scattered: Vec<BufferId>,
+    /// ZeRO-2/3 reduce-scatters of a later microbatch's gradient into a part shard: (local
+    /// index, part, reduction group), added into the accumulated shard once the next bucket's reductions are
+    /// queued, so compute does not wait for the reduce-scatter at once.
+    pub scattered_parts: Vec<(usize, BufferId, u32)>,
     /// ZeRO-3 parameters gathered for the node being emitted (their full tensors).
     pub gathered: Vec<(ParamId, BufferId)>,
     /// ZeRO-3 parameters gathered ahead of the node that uses them (their flat gather buffers).
@@ -299,7 +313,10 @@ impl Emitter<'_> {
         if let Some(g) = self.locals[idx].grad {
             return g;
         }
-        let name = format!("{}.grad", self.param_name(idx));
+        let name = match self.locals[idx].groups_done {
+            0 => format!("{}.grad", self.param_name(idx)),
+            k => format!("{}.grad.g{k}", self.param_name(idx)),
+        };
         let shape = self.locals[idx].shape.clone();
         let g = self.b.alloc(name, shape, BufferKind::Grad);
         self.locals[idx].grad = Some(g);

@@ -556,9 +556,17 @@ fn declare_locals(
             }
         }
     }
-    let m = sh.spec.parallel.microbatches;
+    let m = sh.spec.parallel.microbatches.max(1);
+    let per_microbatch = matches!(sh.zero, ZeroStage::Zero2 | ZeroStage::Zero3);
     for l in &mut locals {
-        l.uses_left = uses.get(&l.param.0).copied().unwrap_or(0) * m;
+        let step_uses = uses.get(&l.param.0).copied().unwrap_or(0) * m;
+        l.groups_left = if per_microbatch && l.zero.is_some() {
+            m
+        } else {
+            1
+        };
+        l.group_uses = step_uses / l.groups_left;
+        l.uses_left = l.group_uses;
     }
     (locals, local_of)
 }
@@ -604,6 +612,9 @@ fn declare_local(
         grad: None,
         final_grad: None,
         uses_left: 0,
+        group_uses: 0,
+        groups_left: 1,
+        groups_done: 0,
         complete: false,
         in_norm,
         shared: stages_using > 1,
@@ -787,6 +798,7 @@ fn new_emitter<'a>(
         bucket_bytes: spec.parallel.bucket_bytes,
         reduced: Vec::new(),
         scattered: Vec::new(),
+        scattered_parts: Vec::new(),
         gathered: Vec::new(),
         prefetched: Vec::new(),
         keep: Vec::new(),

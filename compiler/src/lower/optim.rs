@@ -1,6 +1,9 @@
 //! Gradient synchronisation and the optimizer step.
 //!
-//! - A gradient is *complete* once its last backward use in the step is emitted. Then, if tp
+//! - A gradient is *complete* once the last backward use of its reduction group is emitted:
+//!   the step's under ZeRO-0/1, each microbatch's under ZeRO-2/3, whose full-size gradient
+//!   buffer so lives only from its first write in a microbatch's backward to that microbatch's
+//!   reduce-scatter (the next microbatch's first write allocates a new one). Then, if tp
 //!   ranks hold different partial gradients of a replicated parameter (row-parallel biases,
 //!   which only tp rank 0 adds, and, under sequence parallelism, every replicated parameter
 //!   applied to sequence shards: norms, position embedding), it is all-reduced over tp.
@@ -13,7 +16,10 @@
 //!   bucket, or its `Free`, would). ZeRO-2/3 reduce-scatter
 //!   each bucket's gradients as they complete (padded flat copies, see `ir::program`), free the
 //!   full gradients, and free the padded copies once the next bucket's reduce-scatters are
-//!   queued; ZeRO-1 reduce-scatters after the whole backward.
+//!   queued; each backward unit ends by flushing its bucket. The first microbatch's
+//!   reduce-scatter writes the fp32 shard; a later one writes a part that is added into the
+//!   shard once the next bucket is queued (so compute does not wait on it). ZeRO-1
+//!   reduce-scatters after the whole backward.
 //! - A parameter held by two pipeline stages (tied embedding and head) has its gradient
 //!   all-reduced over the `embed` group (first and last stage) at the end of the step.
 //! - Gradient norm: each program sums the squares of the gradient elements it owns — tp-split
@@ -42,11 +48,17 @@ impl Emitter<'_> {
             && (rule == TpRule::RowParallelBias || (rule == TpRule::Replicated && self.sp))
     }
 
-    /// The gradient of local parameter `idx` has received its last contribution.
+    /// The gradient of local parameter `idx` has received the last contribution of its
+    /// reduction group (one microbatch's under ZeRO-2/3, else the step's).
     pub fn complete_grad(&mut self, idx: usize) {
-        self.locals[idx].complete = true;
-        let rule = self.locals[idx].rule;
         let grad = self.grad_buffer(idx);
+        let l = &mut self.locals[idx];
+        let group = l.groups_done;
+        l.groups_done += 1;
+        l.groups_left = l.groups_left.saturating_sub(1);
+        l.complete = l.groups_left == 0;
+        l.uses_left = l.group_uses;
+        let rule = l.rule;
         if self.needs_tp_sync(rule) {
             if let Some(g) = self.groups.tp {
                 self.b.collective(
@@ -68,16 +80,22 @@ impl Emitter<'_> {
             // A large gradient is all-reduced alone, in place, as soon as it completes: no
             // copies into and out of a bucket (weight matrices, GPT-2's embedding); the small
             // ones (biases, norms) keep filling the bucket.
-            let waiting = std::mem::replace(&mut self.bucket, vec![idx]);
+            let waiting = std::mem::replace(&mut self.bucket, vec![(idx, grad, group)]);
             self.flush_bucket();
             self.bucket = waiting;
             return;
         }
-        self.bucket.push(idx);
+        self.bucket.push((idx, grad, group));
+        // The bucket holds this group's gradient: a later group's first write allocates anew.
+        self.locals[idx].grad = None;
         if self.zero == ZeroStage::Zero1 {
             return;
         }
-        let bytes: u64 = self.bucket.iter().map(|&i| self.locals[i].numel * 4).sum();
+        let bytes: u64 = self
+            .bucket
+            .iter()
+            .map(|&(i, _, _)| self.locals[i].numel * 4)
+            .sum();
         if bytes >= self.bucket_bytes {
             self.flush_bucket();
         }
@@ -93,26 +111,29 @@ impl Emitter<'_> {
             return;
         }
         if self.zero == ZeroStage::Zero0 {
-            if let [only] = items.as_slice() {
-                let g = self.grad_buffer(*only);
+            if let [(only, g, _)] = items.as_slice() {
                 self.b.collective(
                     CollectiveKind::AllReduce { op: ReduceOp::Sum },
                     group,
-                    g,
-                    g,
+                    *g,
+                    *g,
                     None,
                 );
-                self.locals[*only].final_grad = Some(g);
+                self.locals[*only].grad = Some(*g);
+                self.locals[*only].final_grad = Some(*g);
                 return;
             }
-            let total: u64 = items.iter().map(|&i| self.locals[i].numel).sum();
-            let first = items.first().map(|&i| self.locals[i].param.0).unwrap_or(0);
+            let total: u64 = items.iter().map(|&(i, _, _)| self.locals[i].numel).sum();
+            let first = items
+                .first()
+                .map(|&(i, _, _)| self.locals[i].param.0)
+                .unwrap_or(0);
             let flat = self
                 .b
                 .alloc(format!("bucket.p{first}"), vec![total], BufferKind::Comm);
             let mut offset = 0;
-            for &i in &items {
-                let (g, n) = (self.grad_buffer(i), self.locals[i].numel);
+            for &(i, g, _) in &items {
+                let n = self.locals[i].numel;
                 let op = Op::CopyRange {
                     src_offset: 0,
                     dst_offset: offset,
@@ -122,7 +143,6 @@ impl Emitter<'_> {
                 offset += n;
                 // The bucket holds the gradient now; `unpack_reduced` copies it back out.
                 self.b.release(g);
-                self.locals[i].grad = None;
             }
             self.b.collective(
                 CollectiveKind::AllReduce { op: ReduceOp::Sum },
@@ -131,22 +151,27 @@ impl Emitter<'_> {
                 flat,
                 None,
             );
+            let items = items.into_iter().map(|(i, _, _)| i).collect();
             self.reduced.push((flat, items));
             return;
         }
-        // The previous bucket's padded copies: its reduce-scatters ran while this bucket's
-        // backward computed.
+        // The previous bucket's padded copies and parts: its reduce-scatters ran while this
+        // bucket's backward computed.
         let scattered = std::mem::take(&mut self.scattered);
-        for i in items {
-            let g = self.grad_buffer(i);
+        let parts = std::mem::take(&mut self.scattered_parts);
+        for (i, g, k) in items {
             let (n, zero) = (self.locals[i].numel, self.locals[i].zero);
             let Some(z) = zero else {
                 self.locals[i].final_grad = Some(g);
                 continue;
             };
             let name = self.param_name(i);
+            let at = match k {
+                0 => String::new(),
+                k => format!(".g{k}"),
+            };
             let padded = self.b.alloc(
-                format!("{name}.grad_flat"),
+                format!("{name}.grad_flat{at}"),
                 vec![u64::from(z.parts) * z.shard_len],
                 BufferKind::Comm,
             );
@@ -157,18 +182,46 @@ impl Emitter<'_> {
             };
             self.b.compute(op, &[g], &[padded], None, Phase::Backward);
             self.b.release(g);
+            // The first microbatch's reduce-scatter writes the shard; later ones write a part
+            // that `add_parts` adds into it.
+            let suffix = match self.locals[i].final_grad {
+                None => "grad_shard",
+                Some(_) => "grad_part",
+            };
             let shard = self.b.alloc(
-                format!("{name}.grad_shard"),
+                format!("{name}.{suffix}{at}"),
                 vec![z.shard_len],
                 BufferKind::Grad,
             );
             self.b
                 .collective(CollectiveKind::ReduceScatter, group, padded, shard, None);
             self.scattered.push(padded);
-            self.locals[i].final_grad = Some(shard);
+            match self.locals[i].final_grad {
+                None => self.locals[i].final_grad = Some(shard),
+                Some(_) => self.scattered_parts.push((i, shard, k)),
+            }
         }
         for padded in scattered {
             self.b.release(padded);
+        }
+        self.add_parts(parts);
+    }
+
+    /// Add reduce-scattered parts of later microbatches' gradients into their accumulated
+    /// shards (into a new buffer: an op whose output is its input costs the backend a copy).
+    fn add_parts(&mut self, parts: Vec<(usize, BufferId, u32)>) {
+        for (i, part, group) in parts {
+            let Some(shard) = self.locals[i].final_grad else {
+                continue;
+            };
+            let name = format!("{}.grad_shard.g{group}", self.param_name(i));
+            let len = self.b.shape(shard);
+            let sum = self.b.alloc(name, len, BufferKind::Grad);
+            self.b
+                .compute(Op::Add, &[shard, part], &[sum], None, Phase::Backward);
+            self.b.release(shard);
+            self.b.release(part);
+            self.locals[i].final_grad = Some(sum);
         }
     }
 
@@ -197,6 +250,8 @@ impl Emitter<'_> {
         for padded in std::mem::take(&mut self.scattered) {
             self.b.release(padded);
         }
+        let parts = std::mem::take(&mut self.scattered_parts);
+        self.add_parts(parts);
     }
 
     /// Sum the step's loss over dp × cp (each member holds its share of the global mean), on

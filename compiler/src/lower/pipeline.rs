@@ -16,7 +16,7 @@ use super::emitter::Emitter;
 use super::schedule::{Dir, Timetable, Unit};
 use crate::ir::op::segments_len;
 use crate::ir::{BufferId, BufferKind, DType, Instr, P2pOp, Peer, Phase};
-use crate::spec::{Axis, NodeId, ValueId};
+use crate::spec::{Axis, NodeId, ValueId, ZeroStage};
 use std::collections::BTreeMap;
 
 /// A transfer between chunk `from` and chunk `to` of one value for one microbatch.
@@ -442,6 +442,11 @@ impl Emitter<'_> {
         for b in leftover {
             self.b.release(b);
         }
+        if matches!(self.zero, ZeroStage::Zero2 | ZeroStage::Zero3) {
+            // The unit's last gradients are reduce-scattered now, overlapping the next unit,
+            // rather than waiting in a bucket alongside the next microbatch's.
+            self.flush_bucket();
+        }
     }
 
     /// The last node in `range` with parameters and the ZeRO-3 parameters of it that its
@@ -450,7 +455,7 @@ impl Emitter<'_> {
         &self,
         range: std::ops::Range<usize>,
     ) -> Option<(usize, Vec<crate::ir::ParamId>)> {
-        if self.zero != crate::spec::ZeroStage::Zero3 {
+        if self.zero != ZeroStage::Zero3 {
             return None;
         }
         let j = range
