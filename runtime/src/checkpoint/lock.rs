@@ -28,13 +28,24 @@ impl Holder {
         }
     }
 
-    /// Whether the holder is known to have exited: a process of this host whose pid is gone.
-    /// A holder on another host is assumed alive.
+    /// Whether the holder is known to have exited: a process of this host whose pid is gone,
+    /// or has exited and waits to be reaped (a zombie: containers whose first process reaps
+    /// nothing keep those). A holder on another host is assumed alive.
     fn is_dead(&self) -> bool {
-        self.host == host_name()
-            && cfg!(target_os = "linux")
-            && !Path::new(&format!("/proc/{}", self.pid)).exists()
+        self.host == host_name() && cfg!(target_os = "linux") && !process_runs(self.pid)
     }
+}
+
+/// Whether process `pid` of this host runs: `/proc/PID/stat` exists and its state (the field
+/// after the parenthesised command name) is not zombie (`Z`) or dead (`X`).
+fn process_runs(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let state = stat
+        .rfind(')')
+        .and_then(|end| stat[end + 1..].split_whitespace().next());
+    !matches!(state, Some("Z" | "X"))
 }
 
 /// This machine's host name (Linux: the kernel's; else `$HOSTNAME`).
@@ -218,5 +229,19 @@ mod tests {
         write_lock(&dir, &remote);
         let err = FolderLock::acquire(&dir).unwrap_err().to_string();
         assert!(err.contains("host another-host, pid 999999999"), "{err}");
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn an_exited_unreaped_process_does_not_run() {
+        assert!(process_runs(std::process::id()));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        // Not waited for: once it exits it is a zombie until `wait` below.
+        while process_runs(child.id()) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(!process_runs(child.id()));
+        child.wait().unwrap();
     }
 }
