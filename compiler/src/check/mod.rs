@@ -23,7 +23,7 @@ use crate::diag::{Diagnostic, Diagnostics, FileId, Sources, Span};
 use crate::overrides::Override;
 use crate::spec::{Spec, Train};
 use crate::stdlib;
-use crate::syntax::ast::{BlockDef, Expr, File, FnDef, Ident, Item, LetDecl, UseDecl};
+use crate::syntax::ast::{BlockDef, Expr, File, FnDef, Ident, Item, LetDecl, ModelDef, UseDecl};
 use crate::syntax::{parse_file, parse_value};
 use number::Number;
 use std::collections::HashMap;
@@ -118,64 +118,16 @@ pub fn check_assuming(
     }
     let mut settings = settings::Settings::from_sections(&sections, &mut diags);
     let mut model_overrides = Overrides::default();
-    let mut override_spans: HashMap<String, Span> = HashMap::new();
-    for o in overrides {
-        let text = o.source_text();
-        let id = sources.add(format!("--set {text}"), text.clone());
-        let path_span = Span::new(id, 0, o.path.len());
-        match parse_value(id, &text, o.path.len() + 1) {
-            Ok(expr) => {
-                if o.path.starts_with("model.") {
-                    model_overrides.model.insert(o.path.clone(), expr);
-                    override_spans.insert(o.path.clone(), path_span);
-                } else if !settings.apply_override(&o.path, &expr) {
-                    diags.push(unknown_override(&o.path, path_span, &[]));
-                }
-            }
-            Err(d) => diags.push(d),
-        }
-    }
+    let override_spans = read_overrides(
+        sources,
+        overrides,
+        &mut settings,
+        &mut model_overrides,
+        &mut diags,
+    );
 
-    let mut elaborated = match models.as_slice() {
-        [] => {
-            diags.push(
-                Diagnostic::error("E0206", "the file has no `model`")
-                    .label(Span::new(main, 0, 0), "in this file")
-                    .help("add `model name { … }`; see examples/tiny.par"),
-            );
-            None
-        }
-        [m, rest @ ..] => {
-            for extra in rest {
-                diags.push(
-                    Diagnostic::error("E0204", "a file has one `model`")
-                        .label(extra.name.span, "second model")
-                        .label(m.name.span, "first model")
-                        .help("put each model in its own file"),
-                );
-            }
-            model::Elab::new(&ns, &mut model_overrides, &mut diags).model(m)
-        }
-    };
-    let model_consts: Vec<String> = models
-        .first()
-        .map(|m| {
-            m.stmts
-                .iter()
-                .filter_map(|s| match s {
-                    crate::syntax::ast::Stmt::Let(l) => Some(format!("model.{}", l.name.name)),
-                    _ => None,
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    let mut left: Vec<_> = model_overrides.model.keys().cloned().collect();
-    left.sort();
-    for path in left {
-        let span = override_spans.get(&path).copied().unwrap_or_default();
-        let consts: Vec<&str> = model_consts.iter().map(String::as_str).collect();
-        diags.push(unknown_override(&path, span, &consts));
-    }
+    let mut elaborated = elaborate(main, &models, &ns, &mut model_overrides, &mut diags);
+    unknown_model_overrides(&models, &model_overrides, &override_spans, &mut diags);
 
     let mut consts = ns.first().map(|n| n.consts.clone()).unwrap_or_default();
     if let Some(e) = &elaborated {
@@ -211,24 +163,50 @@ pub fn check_assuming(
         None
     };
 
+    let spans = [parallel_span, train_span, cluster_span];
+    check_grid(
+        &settings,
+        &mut diags,
+        spans,
+        &mut pin,
+        &cluster,
+        train.as_ref(),
+        elaborated.as_mut(),
+    );
+    let mut diags = dedup(diags);
+    grid::complete_mesh_fixes(&mut diags.items, &pin.parallel.mesh, &cluster);
+    conclude(diags, elaborated, pin, train, cluster)
+}
+
+/// The checks across sections and model: mesh against cluster, placement, batch arithmetic,
+/// schedule, sharding, sequence, pipeline layers, data, sizes and recompute.
+fn check_grid(
+    settings: &settings::Settings,
+    diags: &mut Diagnostics,
+    [parallel_span, train_span, cluster_span]: [Span; 3],
+    pin: &mut sections::ParallelIn,
+    cluster: &crate::spec::Cluster,
+    train: Option<&Train>,
+    elaborated: Option<&mut model::Elaborated>,
+) {
     let mut grid = grid::Grid {
-        settings: &settings,
-        diags: &mut diags,
+        settings,
+        diags,
         parallel_span,
         train_span,
         cluster_span,
     };
-    grid.mesh_vs_cluster(&pin.parallel.mesh, &cluster);
-    grid.placement(&pin.parallel, &cluster, &pin.cross_node);
-    if let Some(t) = &train {
-        grid.batch(&mut pin, t);
+    grid.mesh_vs_cluster(&pin.parallel.mesh, cluster);
+    grid.placement(&pin.parallel, cluster, &pin.cross_node);
+    if let Some(t) = train {
+        grid.batch(pin, t);
         grid.schedule(&pin.parallel, t);
     }
-    if let Some(e) = elaborated.as_mut() {
+    if let Some(e) = elaborated {
         grid.sharding(e, &pin.parallel.mesh);
         grid.sequence(e, &pin.parallel);
-        grid.pipeline_layers(e, &pin);
-        if let Some(t) = &train {
+        grid.pipeline_layers(e, pin);
+        if let Some(t) = train {
             grid.data(e, t);
             grid::sample_prompt(&e.model, t, grid.diags);
             let span = settings
@@ -241,10 +219,107 @@ pub fn check_assuming(
             .get("parallel.recompute")
             .map(|x| x.span)
             .unwrap_or(parallel_span);
-        grid::recompute(&mut e.model, &pin.parallel.recompute, rspan, &mut diags);
+        grid::recompute(&mut e.model, &pin.parallel.recompute, rspan, grid.diags);
     }
-    let mut diags = dedup(diags);
-    grid::complete_mesh_fixes(&mut diags.items, &pin.parallel.mesh, &cluster);
+}
+
+/// Read the `--set` overrides: settings into `settings`, `model.…` ones into `model_overrides`
+/// (their spans returned by path, for the ones the model turns out not to have).
+fn read_overrides(
+    sources: &mut Sources,
+    overrides: &[Override],
+    settings: &mut settings::Settings,
+    model_overrides: &mut Overrides,
+    diags: &mut Diagnostics,
+) -> HashMap<String, Span> {
+    let mut override_spans = HashMap::new();
+    for o in overrides {
+        let text = o.source_text();
+        let id = sources.add(format!("--set {text}"), text.clone());
+        let path_span = Span::new(id, 0, o.path.len());
+        match parse_value(id, &text, o.path.len() + 1) {
+            Ok(expr) => {
+                if o.path.starts_with("model.") {
+                    model_overrides.model.insert(o.path.clone(), expr);
+                    override_spans.insert(o.path.clone(), path_span);
+                } else if !settings.apply_override(&o.path, &expr) {
+                    diags.push(unknown_override(&o.path, path_span, &[]));
+                }
+            }
+            Err(d) => diags.push(d),
+        }
+    }
+    override_spans
+}
+
+/// Elaborate the file's one model (E0206 without one, E0204 for each more).
+fn elaborate(
+    main: FileId,
+    models: &[&ModelDef],
+    ns: &[Namespace],
+    model_overrides: &mut Overrides,
+    diags: &mut Diagnostics,
+) -> Option<model::Elaborated> {
+    match models {
+        [] => {
+            diags.push(
+                Diagnostic::error("E0206", "the file has no `model`")
+                    .label(Span::new(main, 0, 0), "in this file")
+                    .help("add `model name { … }`; see examples/tiny.par"),
+            );
+            None
+        }
+        [m, rest @ ..] => {
+            for extra in rest {
+                diags.push(
+                    Diagnostic::error("E0204", "a file has one `model`")
+                        .label(extra.name.span, "second model")
+                        .label(m.name.span, "first model")
+                        .help("put each model in its own file"),
+                );
+            }
+            model::Elab::new(ns, model_overrides, diags).model(m)
+        }
+    }
+}
+
+/// The `model.…` overrides elaboration did not use: unknown, named with the model's `let`s.
+fn unknown_model_overrides(
+    models: &[&ModelDef],
+    model_overrides: &Overrides,
+    override_spans: &HashMap<String, Span>,
+    diags: &mut Diagnostics,
+) {
+    let model_consts: Vec<String> = models
+        .first()
+        .map(|m| {
+            m.stmts
+                .iter()
+                .filter_map(|s| match s {
+                    crate::syntax::ast::Stmt::Let(l) => Some(format!("model.{}", l.name.name)),
+                    _ => None,
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let consts: Vec<&str> = model_consts.iter().map(String::as_str).collect();
+    let mut left: Vec<_> = model_overrides.model.keys().cloned().collect();
+    left.sort();
+    for path in left {
+        let span = override_spans.get(&path).copied().unwrap_or_default();
+        diags.push(unknown_override(&path, span, &consts));
+    }
+}
+
+/// The spec when there are no errors; when the only errors are the batch arithmetic's (E0501),
+/// no spec but the spec with E0501's fix assumed, for later stages to judge.
+fn conclude(
+    diags: Diagnostics,
+    elaborated: Option<model::Elaborated>,
+    pin: sections::ParallelIn,
+    train: Option<Train>,
+    cluster: crate::spec::Cluster,
+) -> (Option<Spec>, Diagnostics, Option<Assumed>) {
     let batch_only = diags
         .items
         .iter()
