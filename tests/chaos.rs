@@ -17,30 +17,25 @@ use std::process::{Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+#[path = "launch_support/mod.rs"]
+mod launch_support;
+use launch_support::{
+    assert_timeout_names_instruction_and_spec_line, mpi_missing, parc, stderr, tiny_run,
+};
+
 /// One multi-process run at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
 /// The tiny example as a 4-rank plan (dp 2, tp 2) checkpointing every `every` steps into `dir`.
 fn plan_args(steps: u64, every: u64, dir: &Path) -> Vec<String> {
-    let mut args: Vec<String> = vec!["run".into(), "examples/tiny.par".into()];
-    for set in [
+    let sets = [
         "parallel.dp=2".to_string(),
         "parallel.tp=2".to_string(),
-        "cluster.gpus_per_node=4".to_string(),
-        "train.global_batch=4".to_string(),
-        "train.micro_batch=1".to_string(),
-        format!("train.steps={steps}"),
         format!("train.checkpoint.every={every}"),
         format!("train.checkpoint.dir=\"{}\"", dir.display()),
-    ] {
-        args.push("--set".into());
-        args.push(set);
-    }
-    args.extend(["--backend", "cpu", "--log-format", "json"].map(String::from));
+    ];
+    let mut args = tiny_run(steps, &sets);
+    args.extend(["--log-format".into(), "json".into()]);
     args
 }
 
@@ -49,25 +44,8 @@ fn multi(mut args: Vec<String>) -> Vec<String> {
     args
 }
 
-fn parc(args: &[String], env: &[(&str, String)]) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_parc"));
-    command
-        .args(args)
-        .current_dir(root())
-        .env_remove("PARC_TEST_FAULT")
-        .env_remove("PARC_FAULT_WRITE_AFTER_BYTES");
-    for (key, value) in env {
-        command.env(key, value);
-    }
-    command
-}
-
 fn run(args: &[String], env: &[(&str, String)]) -> Output {
     parc(args, env).output().unwrap()
-}
-
-fn stderr(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
 /// The step numbers of the JSON step lines.
@@ -78,15 +56,6 @@ fn steps(output: &Output) -> Vec<u64> {
         .filter(|v| v["event"] == "step")
         .map(|v| v["step"].as_u64().unwrap())
         .collect()
-}
-
-fn mpi_missing() -> Option<&'static str> {
-    if !cfg!(feature = "mpi") {
-        return Some("parc was built without --features mpi");
-    }
-    let on_path = std::env::var_os("PATH")
-        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join("mpiexec").is_file()));
-    (!on_path).then_some("mpiexec is not on PATH (install openmpi-bin)")
 }
 
 fn temp_dir(name: &str) -> PathBuf {
@@ -241,22 +210,7 @@ fn a_stopped_rank_is_named_with_instruction_and_spec_line_within_twice_the_comm_
         took <= Duration::from_secs(6),
         "named after {took:?}:\n{err}"
     );
-    // `[rank R at instruction I (op) … group]`, then the spec line it came from (tiny.par's, or
-    // the standard library's where the waiting layer is a library block's).
-    let prefix = &timed_out[..timed_out.find(']').unwrap() + 1];
-    let rank = prefix.trim_start_matches("[rank ").trim_end_matches(']');
-    assert!(
-        timed_out.contains(&format!("[rank {rank} at instruction "))
-            && timed_out.contains(" group]"),
-        "{err}"
-    );
-    assert!(
-        err.lines()
-            .any(|l| l.starts_with(&format!("{prefix}   at "))
-                && l.contains(".par:")
-                && l.contains("layer `")),
-        "{err}"
-    );
+    assert_timeout_names_instruction_and_spec_line(&err, &timed_out);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -14,9 +14,11 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+#[path = "launch_support/mod.rs"]
+mod launch_support;
+use launch_support::{
+    assert_timeout_names_instruction_and_spec_line, mpi_missing, parc, stderr, tiny_run,
+};
 
 /// The tiny example as a 4-rank plan (dp = 2, tp = 2), small and short.
 fn plan_args(steps: u32) -> Vec<String> {
@@ -25,37 +27,8 @@ fn plan_args(steps: u32) -> Vec<String> {
 
 /// The tiny example as a small, short plan with `parallel` settings.
 fn plan_args_with(steps: u32, parallel: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = vec!["run".into(), "examples/tiny.par".into()];
-    for set in parallel.iter().map(|s| s.to_string()).chain([
-        "cluster.gpus_per_node=4".to_string(),
-        "train.global_batch=4".to_string(),
-        "train.micro_batch=1".to_string(),
-        format!("train.steps={steps}"),
-    ]) {
-        args.push("--set".into());
-        args.push(set);
-    }
-    args.extend(["--backend".into(), "cpu".into()]);
-    args
-}
-
-fn parc(args: &[String], env: &[(&str, String)]) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_parc"));
-    command
-        .args(args)
-        .current_dir(root())
-        // The plain command: parc itself lets Open MPI's mpiexec start under root.
-        .env_remove("OMPI_ALLOW_RUN_AS_ROOT")
-        .env_remove("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
-        .env_remove("PARC_TEST_FAULT");
-    for (key, value) in env {
-        command.env(key, value);
-    }
-    command
-}
-
-fn stderr(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
+    let parallel: Vec<String> = parallel.iter().map(|s| s.to_string()).collect();
+    tiny_run(steps.into(), &parallel)
 }
 
 fn losses(output: &Output) -> Vec<u32> {
@@ -76,14 +49,6 @@ fn val_losses(output: &Output) -> Vec<Option<u32>> {
         .filter(|v| v["event"] == "step")
         .map(|v| v["val_loss"].as_f64().map(|x| (x as f32).to_bits()))
         .collect()
-}
-
-/// Why the MPI tests cannot run here, if they cannot (built without the feature, they are
-/// ignored instead).
-fn mpi_missing() -> Option<&'static str> {
-    let on_path = std::env::var_os("PATH")
-        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join("mpiexec").is_file()));
-    (!on_path).then_some("mpiexec is not on PATH (install openmpi-bin)")
 }
 
 /// A fresh folder under the system's temp dir.
@@ -290,20 +255,7 @@ fn a_hung_rank_times_out_its_peers_naming_the_instruction_and_spec_line() {
         .lines()
         .find(|l| l.contains(" waited 6.0 s in ") && l.contains("ranks [2] never"))
         .unwrap_or_else(|| panic!("no timeout naming rank 2 in:\n{err}"));
-    let prefix = &timed_out[..timed_out.find(']').unwrap() + 1];
-    let rank = prefix.trim_start_matches("[rank ").trim_end_matches(']');
-    assert!(
-        timed_out.contains(&format!("[rank {rank} at instruction "))
-            && timed_out.contains(" group]"),
-        "{err}"
-    );
-    assert!(
-        err.lines()
-            .any(|l| l.starts_with(&format!("{prefix}   at "))
-                && l.contains(".par:")
-                && l.contains("layer `")),
-        "{err}"
-    );
+    assert_timeout_names_instruction_and_spec_line(&err, timed_out);
     assert!(started.elapsed() < Duration::from_secs(60));
 }
 
