@@ -339,14 +339,10 @@ fn a_sender_computes_while_its_transfer_runs_and_frees_the_buffer_after_it() {
     }
 }
 
-/// Issue 8's runs in miniature: GPT-2 1.4B's layers (48 × d 1536, micro-batches of 4 × 1024
-/// tokens, bf16 on H100s and NVLink, the spec's costs) with a small vocabulary so that the
-/// stages carry equal work, as the formula assumes. The last stage's simulated stall (idle or
-/// waiting for communication), which `bench/multi_gpu.sh` measures, is within 10% of
-/// (p−1)/(m+p−1), interleaved (p−1)/(v·m+p−1): transfers cost a little on top.
-#[test]
-fn last_stage_stall_of_a_balanced_gpt2_pipeline_is_near_the_formula() {
-    let dims = Dims {
+/// GPT-2 1.4B's layers (48 × d 1536) at seq 1024 with a small vocabulary, so that pipeline
+/// stages carry equal work, as the bubble formulas assume.
+fn gpt2_1_4b_layers() -> Dims {
+    Dims {
         vocab: 2048,
         dim: 1536,
         seq: 1024,
@@ -356,7 +352,17 @@ fn last_stage_stall_of_a_balanced_gpt2_pipeline_is_near_the_formula() {
         layers: 48,
         llama: false,
         tied: true,
-    };
+    }
+}
+
+/// Issue 8's runs in miniature: GPT-2 1.4B's layers (48 × d 1536, micro-batches of 4 × 1024
+/// tokens, bf16 on H100s and NVLink, the spec's costs) with a small vocabulary so that the
+/// stages carry equal work, as the formula assumes. The last stage's simulated stall (idle or
+/// waiting for communication), which `bench/multi_gpu.sh` measures, is within 10% of
+/// (p−1)/(m+p−1), interleaved (p−1)/(v·m+p−1): transfers cost a little on top.
+#[test]
+fn last_stage_stall_of_a_balanced_gpt2_pipeline_is_near_the_formula() {
+    let dims = gpt2_1_4b_layers();
     let m = 16;
     for p in [2, 4] {
         for v in [1, 2] {
@@ -454,17 +460,7 @@ fn balanced_gpt2_stages_shrink_the_bubble_to_what_the_head_allows() {
 /// collectives, interleaving simulated about twice 1F1B's bubble on the 70B example).
 #[test]
 fn interleaving_shrinks_the_bubble_of_a_pipeline() {
-    let dims = Dims {
-        vocab: 2048,
-        dim: 1536,
-        seq: 1024,
-        heads: 24,
-        kv_heads: 24,
-        ffn: 4 * 1536,
-        layers: 48,
-        llama: false,
-        tied: true,
-    };
+    let dims = gpt2_1_4b_layers();
     let (p, m) = (4, 16);
     let bubble = |tp: u32, v: u32| {
         let schedule = if v == 1 {
