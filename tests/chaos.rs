@@ -102,9 +102,7 @@ fn wait_for_the_lock_holder(dir: &Path) {
         let Some(pid) = holder["pid"].as_u64() else {
             return;
         };
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let state = stat.rfind(')').map(|end| stat[end + 1..].trim_start());
-        if !state.is_some_and(|s| !s.starts_with('Z') && !s.starts_with('X')) {
+        if !parc_runtime::checkpoint::lock::process_runs(pid as u32) {
             return;
         }
         std::thread::sleep(Duration::from_millis(50));

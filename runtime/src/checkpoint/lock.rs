@@ -38,7 +38,7 @@ impl Holder {
 
 /// Whether process `pid` of this host runs: `/proc/PID/stat` exists and its state (the field
 /// after the parenthesised command name) is not zombie (`Z`) or dead (`X`).
-fn process_runs(pid: u32) -> bool {
+pub fn process_runs(pid: u32) -> bool {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
         return false;
     };
