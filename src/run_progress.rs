@@ -609,6 +609,19 @@ fn print_reserved(backend: &str, reserved: u64) {
 mod tests {
     use super::*;
 
+    /// The summary of `records` of a one-rank CPU run with no epochs, checkpoints or memory.
+    fn cpu_summary(records: &[StepRecord]) -> Summary<'_> {
+        Summary {
+            records,
+            epochs: &[],
+            checkpoints: &[],
+            model_export: None,
+            backend: "cpu",
+            world: 1,
+            reserved_bytes: None,
+        }
+    }
+
     fn record(step: u64, elapsed_s: f64) -> StepRecord {
         StepRecord {
             step,
@@ -631,15 +644,7 @@ mod tests {
     fn the_closing_throughput_leaves_out_the_first_step() {
         // The first step (compiling) took 10 s, the two after it 1 s each for 512 tokens.
         let records = [record(0, 10.0), record(1, 11.0), record(2, 12.0)];
-        let summary = Summary {
-            records: &records,
-            epochs: &[],
-            checkpoints: &[],
-            model_export: None,
-            backend: "cpu",
-            world: 1,
-            reserved_bytes: None,
-        };
+        let summary = cpu_summary(&records);
         let human = summary.human();
         assert!(
             human.contains(", 512 tok/s (after the first step)\n"),
@@ -814,15 +819,7 @@ mod tests {
         let plain: serde_json::Value = serde_json::from_str(&json_line(&record(50, 10.2))).unwrap();
         assert!(plain["val_loss"].is_null());
         let records = [evaluated, record(50, 10.2)];
-        let summary = Summary {
-            records: &records,
-            epochs: &[],
-            checkpoints: &[],
-            model_export: None,
-            backend: "cpu",
-            world: 1,
-            reserved_bytes: None,
-        };
+        let summary = cpu_summary(&records);
         let value: serde_json::Value = serde_json::from_str(&summary.json()).unwrap();
         assert_eq!(value["val_loss"], f64::from(2.3456f32));
         let ppl = value["val_ppl"].as_f64().unwrap();
@@ -872,15 +869,7 @@ mod tests {
         let plain: serde_json::Value = serde_json::from_str(&json_line(&record(0, 0.1))).unwrap();
         assert!(plain["loss_scale"].is_null() && plain["skipped"] == false);
         let records = [skipped, grown];
-        let summary = Summary {
-            records: &records,
-            epochs: &[],
-            checkpoints: &[],
-            model_export: None,
-            backend: "cpu",
-            world: 1,
-            reserved_bytes: None,
-        };
+        let summary = cpu_summary(&records);
         let value: serde_json::Value = serde_json::from_str(&summary.json()).unwrap();
         assert_eq!(value["skipped_steps"], 1);
         assert_eq!(value["loss_scale"], 32768.0);
@@ -900,15 +889,7 @@ mod tests {
         let value: serde_json::Value = serde_json::from_str(&json_line(&skipped)).unwrap();
         assert_eq!(value["skipped"], true);
         let records = [record(0, 0.5), skipped];
-        let summary = Summary {
-            records: &records,
-            epochs: &[],
-            checkpoints: &[],
-            model_export: None,
-            backend: "cpu",
-            world: 1,
-            reserved_bytes: None,
-        };
+        let summary = cpu_summary(&records);
         let value: serde_json::Value = serde_json::from_str(&summary.json()).unwrap();
         assert_eq!(value["skipped_steps"], 1);
         let human = summary.human();
