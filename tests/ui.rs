@@ -6,27 +6,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
-fn ui_files() -> Vec<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/ui");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "par"))
-        .collect();
-    files.sort();
-    files
-}
+#[path = "ui_cases/mod.rs"]
+mod ui_cases;
+use ui_cases::{case_args, ui_files};
 
 fn run(file: &Path) -> (String, Option<i32>) {
-    let text = std::fs::read_to_string(file).unwrap_or_default();
-    let args: Vec<String> = text
-        .lines()
-        .find_map(|l| l.strip_prefix("// args:"))
-        .map(|a| a.split_whitespace().map(String::from).collect())
-        .unwrap_or_default();
+    let args = case_args(file);
     let rel = file
         .strip_prefix(env!("CARGO_MANIFEST_DIR"))
         .unwrap()

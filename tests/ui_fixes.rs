@@ -7,28 +7,12 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use serde_json::Value;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
-fn ui_files() -> Vec<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/ui");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "par"))
-        .collect();
-    files.sort();
-    files
-}
-
-/// The `// args:` of a UI case.
-fn case_args(file: &Path) -> Vec<String> {
-    let text = std::fs::read_to_string(file).unwrap_or_default();
-    text.lines()
-        .find_map(|l| l.strip_prefix("// args:"))
-        .map(|a| a.split_whitespace().map(String::from).collect())
-        .unwrap_or_default()
-}
+#[path = "ui_cases/mod.rs"]
+mod ui_cases;
+use ui_cases::{case_args, ui_files};
 
 /// The diagnostics of `parc check FILE ARGS` (JSON).
 fn diagnostics(file: &Path, args: &[String]) -> Vec<Value> {
