@@ -110,7 +110,10 @@ pub fn render_human(report: &CostReport, needs: Option<&[Need]>) -> String {
         report.bubble_fraction * 100.0
     );
     match needs {
-        Some(needs) => render_needs(&mut out, report, needs),
+        Some(needs) => {
+            render_needs(&mut out, report, needs);
+            render_model_state(&mut out, needs);
+        }
         None => render_formula_memory(&mut out, report),
     }
 
@@ -251,6 +254,32 @@ fn render_needs(out: &mut String, report: &CostReport, needs: &[Need]) {
             share,
             terms.join(", "),
         ]);
+    }
+    aligned_table(out, &rows, true);
+}
+
+/// Each lowered program's model state in bytes per parameter it holds (docs/memory.md).
+fn render_model_state(out: &mut String, needs: &[Need]) {
+    let _ = writeln!(
+        out,
+        "\nmodel state in bytes per parameter held (lowered; gradients and gathered weights at the peak):"
+    );
+    let head = [
+        "program",
+        "params",
+        "weights",
+        "master",
+        "gradients",
+        "optimizer",
+        "gathered",
+        "total",
+    ];
+    let mut rows = vec![head.map(str::to_string).to_vec()];
+    for need in needs {
+        let state = &need.model_state;
+        let mut row = vec![need.role.clone(), count(state.params as f64)];
+        row.extend(state.per_param().iter().map(|b| format!("{b:.2}")));
+        rows.push(row);
     }
     aligned_table(out, &rows, true);
 }

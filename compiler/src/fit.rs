@@ -23,6 +23,85 @@ pub struct Need {
     pub bytes: u64,
     /// The terms of `bytes`, largest first.
     pub terms: Vec<(String, u64)>,
+    /// Its model state by purpose.
+    pub model_state: ModelState,
+}
+
+/// The model state one program holds (weights, master weights, gradients, optimizer state),
+/// by what each parameter's buffers are for, and how many parameters it is the state of:
+/// `docs/memory.md`'s bytes per parameter.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct ModelState {
+    /// Elements of the parameters the program holds (tp-local, before ZeRO sharding).
+    pub params: u64,
+    /// The persistent copies compute reads (bf16 working copies; f32 tensors that are their
+    /// own master).
+    pub weights: u64,
+    /// f32 master copies beside the working copies, and ZeRO shards.
+    pub master: u64,
+    /// Gradients alive at the liveness peak (full accumulators, reduced shards).
+    pub gradients: u64,
+    /// Optimizer state (Adam's m and v, SGD's momentum).
+    pub optimizer: u64,
+    /// ZeRO-3's gathered parameters alive at the liveness peak.
+    pub gathered: u64,
+}
+
+impl ModelState {
+    /// What `program` holds, with `peak_by_kind` the verifier's transient bytes at its peak.
+    pub fn of(program: &crate::ir::Program, peak_by_kind: &[(String, u64)]) -> ModelState {
+        let bytes = |id| program.buffer(id).map_or(0, crate::ir::Buffer::bytes);
+        let at_peak = |kind: BufferKind| {
+            (peak_by_kind.iter())
+                .find(|(name, _)| name == kind.name())
+                .map_or(0, |(_, b)| *b)
+        };
+        let mut state = ModelState {
+            gradients: at_peak(BufferKind::Grad),
+            gathered: at_peak(BufferKind::GatheredParam),
+            ..ModelState::default()
+        };
+        for local in &program.params {
+            let full = match local.working {
+                Some(w) => {
+                    state.weights += bytes(w);
+                    program.buffer(w).map_or(0, crate::ir::Buffer::numel)
+                }
+                None if local.zero.is_none() => {
+                    state.weights += bytes(local.master);
+                    program
+                        .buffer(local.master)
+                        .map_or(0, crate::ir::Buffer::numel)
+                }
+                None => program.buffer(local.master).map_or(0, |b| {
+                    b.numel() * local.zero.map_or(1, |z| u64::from(z.parts))
+                }),
+            };
+            state.params += full;
+            if local.working.is_some() || local.zero.is_some() {
+                state.master += bytes(local.master);
+            }
+            state.optimizer += local.state.iter().map(|&s| bytes(s)).sum::<u64>();
+        }
+        state
+    }
+
+    /// Bytes per parameter of (weights, master, gradients, optimizer, gathered, total).
+    pub fn per_param(&self) -> [f64; 6] {
+        let parts = [
+            self.weights,
+            self.master,
+            self.gradients,
+            self.optimizer,
+            self.gathered,
+        ];
+        let total: u64 = parts.iter().sum();
+        let mut out = [0.0; 6];
+        for (o, b) in out.iter_mut().zip(parts.into_iter().chain([total])) {
+            *o = b as f64 / self.params.max(1) as f64;
+        }
+        out
+    }
 }
 
 /// The bytes a rank of `spec` holds with `device` (the plan alone on the CPU backend).
@@ -51,6 +130,8 @@ pub fn needs(
         .enumerate()
         .map(|(i, (program, (summary, device)))| {
             let mut terms = persistent_terms(program);
+            let peak_by_kind = verified.programs.get(i).map(|m| m.peak_by_kind.as_slice());
+            let model_state = ModelState::of(program, peak_by_kind.unwrap_or(&[]));
             if let Some(memory) = verified.programs.get(i) {
                 terms.extend(memory.peak_by_kind.iter().map(|(kind, bytes)| {
                     let words =
@@ -73,6 +154,7 @@ pub fn needs(
                 role: program.role.clone(),
                 bytes: held(spec, device),
                 terms,
+                model_state,
             }
         })
         .collect()
@@ -149,5 +231,69 @@ fn terms_text(terms: &[(String, u64)]) -> String {
         "every term under 64 MiB".to_string()
     } else {
         shown.join(", ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ModelState;
+    use crate::cost::testspec::{build, Dims, Plan as PlanChoice};
+    use crate::spec::{Precision, ZeroStage};
+
+    /// The largest program's model state of GPT-2 350M on `dp` ranks, bf16, AdamW.
+    fn state(zero: ZeroStage, dp: u32) -> ModelState {
+        let choice = PlanChoice {
+            dp,
+            zero,
+            microbatches: 2,
+            micro_batch: 2,
+            precision: Precision::Bf16,
+            ..PlanChoice::default()
+        };
+        let spec = build(&Dims::gpt2_350m(), &choice);
+        let plan = crate::lower::lower(&spec).expect("lowers");
+        let report = crate::verify::verify_spec(&plan, &spec).expect("verifies");
+        let (program, memory) = plan
+            .programs
+            .iter()
+            .zip(&report.programs)
+            .next()
+            .expect("one");
+        ModelState::of(program, &memory.peak_by_kind)
+    }
+
+    #[test]
+    fn bf16_adamw_bytes_per_parameter_follow_the_zero_stage() {
+        let n = 4.0;
+        // A gradient reduce-scatter in flight holds one bucket, or the largest gradient where
+        // that is larger (the tied 50257 × 1024 embedding: 0.58 bytes per parameter).
+        let in_flight = 0.8;
+        let at = |zero| state(zero, 4).per_param();
+        let [w, m, g, o, _, total] = at(ZeroStage::Zero0);
+        assert!((w - 2.0).abs() < 0.01 && (m - 4.0).abs() < 0.01, "{w} {m}");
+        assert!((g - 4.0).abs() < 0.01 && (o - 8.0).abs() < 0.01, "{g} {o}");
+        assert!(total <= 18.01, "ZeRO-0 {total}");
+        let total = at(ZeroStage::Zero1)[5];
+        assert!(total <= 6.0 + 12.0 / n + 0.05, "ZeRO-1 {total}");
+        let total = at(ZeroStage::Zero2)[5];
+        assert!(total <= 2.0 + 16.0 / n + in_flight, "ZeRO-2 {total}");
+        let [w, .., gathered, total] = at(ZeroStage::Zero3);
+        assert_eq!(w, 0.0, "ZeRO-3 keeps no working copies");
+        assert!(total - gathered <= 16.0 / n + in_flight, "ZeRO-3 {total}");
+    }
+
+    #[test]
+    fn fp32_runs_keep_one_f32_copy_of_each_weight() {
+        let choice = PlanChoice {
+            precision: Precision::Fp32,
+            ..PlanChoice::default()
+        };
+        let spec = build(&crate::memplan::tests::small_model(), &choice);
+        let plan = crate::lower::lower(&spec).expect("lowers");
+        let program = &plan.programs[0];
+        let s = ModelState::of(program, &[]);
+        let [w, m, ..] = s.per_param();
+        assert_eq!((w, m), (4.0, 0.0));
+        assert!(program.params.iter().all(|l| l.working.is_none()));
     }
 }

@@ -275,9 +275,10 @@ mod tests {
             e.contains("matmul") && e.contains("output 0 (y, buffer 9)"),
             "{e}"
         );
-        let e = bind_error(&op, &matmul_inputs(21, DType::F32, DType::Bf16), &short);
+        let bf16_bias = [ins[0], ins[1], Buf(2, DType::Bf16, 5)];
+        let e = bind_error(&op, &bf16_bias, &short);
         assert!(
-            e.contains("input 1 (w, buffer 1) is bf16, expected f32"),
+            e.contains("input 2 (b, buffer 2) is bf16, expected f32"),
             "{e}"
         );
         let e = bind_error(&op, &ins[..2], &short);

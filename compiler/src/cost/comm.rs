@@ -75,8 +75,11 @@ pub fn stage_comm(
 
     let nd = dp * cp;
     if nd > 1 {
-        let per_param =
-            super::model_state::bytes_per_param(spec.train.precision, &spec.train.optimizer);
+        let per_param = super::model_state::bytes_per_param(
+            spec.train.precision,
+            &spec.train.optimizer,
+            spec.parallel.zero,
+        );
         let (w, g) = (params as f64 * elem, params as f64 * per_param.1);
         let buckets = (g / spec.parallel.bucket_bytes.max(1) as f64)
             .ceil()

@@ -1,7 +1,9 @@
 //! Parameters per rank and the model-state memory (weights, gradients, optimizer state) by
-//! precision and ZeRO stage, after Rajbhandari et al. 2020 ("ZeRO"): mixed precision keeps
-//! 2Ψ + 2Ψ + KΨ bytes, K = 12 for Adam (fp32 master, m, v); ZeRO-1 shards the KΨ term over
-//! N_d data-parallel ranks, ZeRO-2 also the gradients, ZeRO-3 also the weights.
+//! precision and ZeRO stage, sharded as Rajbhandari et al. 2020 ("ZeRO") do: ZeRO-1 shards the
+//! optimizer term (fp32 master, Adam's m and v: K = 12) over N_d data-parallel ranks, ZeRO-2
+//! also the gradients, ZeRO-3 also the weights. The bytes per parameter are the ones parc's
+//! lowering holds (bf16 weights, fp32 gradients: 2 + 4 + 12/N_d under ZeRO-1, as Megatron's
+//! distributed optimizer), not the paper's fp16 gradients.
 
 use super::MemoryTerms;
 use crate::spec::{Axis, LayerKind, Optimizer, Precision, Spec, ZeroStage};
@@ -20,14 +22,30 @@ impl ModelStateBytes {
     }
 }
 
-/// Bytes per parameter of (weights, gradients, optimizer state) before sharding.
-pub fn bytes_per_param(precision: Precision, optimizer: &Optimizer) -> (f64, f64, f64) {
+/// Bytes per parameter of (weights, gradients, optimizer state) before sharding, as the
+/// lowering holds them (docs/memory.md): weights are the copy compute reads (bf16 2, fp32 4,
+/// fp16 an f32 tensor and its cached 16-bit cast 6; none under ZeRO-3, which gathers them per
+/// use: a buffer term); gradients are f32 in every precision; the optimizer term counts the f32
+/// master where it is a tensor of its own (bf16 runs, and every ZeRO shard) beside the
+/// optimizer's words (AdamW: K = 4 + 8 = 12).
+pub fn bytes_per_param(
+    precision: Precision,
+    optimizer: &Optimizer,
+    zero: ZeroStage,
+) -> (f64, f64, f64) {
     let words = optimizer.state_words() as f64;
-    match precision {
-        Precision::Fp32 => (4.0, 4.0, 4.0 * words),
-        // fp32 master copy plus the fp32 optimizer words (AdamW: K = 4 + 8 = 12).
-        Precision::Bf16 | Precision::Fp16 { .. } => (2.0, 2.0, 4.0 + 4.0 * words),
-    }
+    let weights = match (zero, precision) {
+        (ZeroStage::Zero3, _) => 0.0,
+        (_, Precision::Fp32) => 4.0,
+        (_, Precision::Bf16) => 2.0,
+        (_, Precision::Fp16 { .. }) => 6.0,
+    };
+    let master = if zero >= ZeroStage::Zero1 || precision == Precision::Bf16 {
+        4.0
+    } else {
+        0.0
+    };
+    (weights, 4.0, master + 4.0 * words)
 }
 
 /// ZeRO's model-state memory for `psi` parameters sharded over `nd` ranks.
@@ -108,7 +126,11 @@ pub fn zero_group(spec: &Spec) -> u32 {
 /// Weights, gradients and optimizer terms for a stage with `params` parameters per rank (the
 /// activation term is filled in by the caller; buffers here).
 pub fn memory_terms(spec: &Spec, in_stage: &[bool], params: u64) -> MemoryTerms {
-    let per_param = bytes_per_param(spec.train.precision, &spec.train.optimizer);
+    let per_param = bytes_per_param(
+        spec.train.precision,
+        &spec.train.optimizer,
+        spec.parallel.zero,
+    );
     let nd = zero_group(spec);
     let state = model_state_bytes(params as f64, per_param, spec.parallel.zero, nd);
     MemoryTerms {

@@ -38,9 +38,25 @@ fn bytes_per_param_by_precision_and_optimizer() {
         weight_decay: 0.0,
     };
     use super::model_state::bytes_per_param;
-    assert_eq!(bytes_per_param(Precision::Bf16, &adam), (2.0, 2.0, 12.0));
-    assert_eq!(bytes_per_param(Precision::Fp32, &adam), (4.0, 4.0, 8.0));
-    assert_eq!(bytes_per_param(Precision::Bf16, &sgd), (2.0, 2.0, 8.0));
+    let z0 = ZeroStage::Zero0;
+    // bf16: bf16 weights, fp32 gradients, fp32 master beside Adam's m and v.
+    assert_eq!(
+        bytes_per_param(Precision::Bf16, &adam, z0),
+        (2.0, 4.0, 12.0)
+    );
+    // fp32 without ZeRO: the parameter is its own master.
+    assert_eq!(bytes_per_param(Precision::Fp32, &adam, z0), (4.0, 4.0, 8.0));
+    assert_eq!(
+        bytes_per_param(Precision::Fp32, &adam, ZeroStage::Zero1),
+        (4.0, 4.0, 12.0)
+    );
+    assert_eq!(bytes_per_param(Precision::Bf16, &sgd, z0), (2.0, 4.0, 8.0));
+    // ZeRO-3 gathers the weights per use.
+    let z3 = ZeroStage::Zero3;
+    assert_eq!(
+        bytes_per_param(Precision::Bf16, &adam, z3),
+        (0.0, 4.0, 12.0)
+    );
 }
 
 /// GPT-3 175B as in Korthikanti et al. 2022: s = 2048, h = 12288, a = 96, t = 8, b = 1.
@@ -214,11 +230,12 @@ fn llama3_70b_parameters_and_split() {
     let held: u64 = report.roles.iter().map(|r| r.params).sum();
     let ratio = held as f64 * 8.0 / report.params_total as f64;
     assert!((1.0..1.001).contains(&ratio), "{ratio}");
-    // bf16 + AdamW without dp sharding: 16 bytes per parameter.
+    // bf16 + AdamW without dp sharding: 18 bytes per parameter (bf16 weights, fp32 gradients,
+    // fp32 master, m and v).
     let r0 = &report.roles[0];
     assert_eq!(
         r0.memory.weights + r0.memory.gradients + r0.memory.optimizer,
-        16 * r0.params
+        18 * r0.params
     );
     assert!(r0.memory.total() < 80 << 30, "{}", gib(r0.memory.total()));
     assert!(close(report.bubble_fraction, 7.0 / (5.0 * 16.0 + 7.0)));
@@ -267,11 +284,18 @@ fn zero_shards_over_dp_and_cp() {
         zero,
         ..Plan::default()
     };
-    let z0 = estimate(&build(&d, &plan(ZeroStage::Zero0))).roles[0].memory;
-    let z3 = estimate(&build(&d, &plan(ZeroStage::Zero3))).roles[0].memory;
-    assert_eq!(z3.optimizer, z0.optimizer.div_ceil(4));
-    assert_eq!(z3.weights, z0.weights.div_ceil(4));
+    let role = |zero| estimate(&build(&d, &plan(zero))).roles[0].clone();
+    let (z0, z3) = (role(ZeroStage::Zero0), role(ZeroStage::Zero3));
+    let (p, z0, z3) = (z0.params, z0.memory, z3.memory);
+    // fp32: the parameter is its own master without ZeRO; ZeRO-3 shards the master, the
+    // optimizer state and the gradients over dp × cp = 4 and gathers the weights per use.
+    assert_eq!(
+        (z0.weights, z0.gradients, z0.optimizer),
+        (4 * p, 4 * p, 8 * p)
+    );
+    assert_eq!(z3.optimizer, (12 * p).div_ceil(4));
     assert_eq!(z3.gradients, z0.gradients.div_ceil(4));
+    assert_eq!(z3.weights, 0);
 }
 
 #[test]
@@ -392,10 +416,11 @@ fn diagnose_memory_over_capacity_names_savings() {
     assert!(notes.contains("zero = 3 saves"), "{notes}");
     assert!(notes.contains("recompute = full saves"), "{notes}");
     assert!(e.help.as_deref().unwrap_or("").contains("saves"));
-    // The savings quoted are the model's own: zero = 3 shards all 16Ψ over 8.
+    // The savings quoted are the model's own: zero = 3 gathers the 2Ψ of bf16 weights per use
+    // and shards the other 16Ψ over 8.
     let r0 = &report.roles[0];
     let state = r0.memory.weights + r0.memory.gradients + r0.memory.optimizer;
-    let z3 = state - state / 8;
+    let z3 = state - (r0.memory.gradients + r0.memory.optimizer) / 8;
     assert!(
         notes.contains(&format!(
             "zero = 3 saves {}",

@@ -405,9 +405,10 @@ pub struct LocalParam {
     /// The tensor the optimizer updates (persistent): the full tp-local tensor without ZeRO, the
     /// flat padded `[shard_len]` shard with ZeRO ≥ 1.
     pub master: BufferId,
-    /// A persistent full tp-local copy the compute ops read, refreshed by all-gather after the
-    /// optimizer: ZeRO-1 and ZeRO-2 only (without ZeRO the master is that copy; ZeRO-3 gathers
-    /// it per use into a transient buffer).
+    /// A persistent full tp-local copy the compute ops read, refreshed from the master after
+    /// the optimizer (by all-gather under ZeRO-1/2, by a rounding copy without shards): under
+    /// ZeRO-1/2, and in a bf16 run for every weight matrix, which it holds in bf16. Elsewhere
+    /// the master is that copy, and ZeRO-3 gathers its shards per use into a transient buffer.
     pub working: Option<BufferId>,
     /// Optimizer state buffers, shaped like `master` (AdamW: m, v; SGD: momentum or none).
     pub state: Vec<BufferId>,

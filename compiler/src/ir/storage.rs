@@ -5,11 +5,13 @@
 //!
 //! Every operand is in one [`StorageClass`]:
 //! - `Tokens`: token ids and targets, i32.
-//! - `Fp32`: parameters and their gradients, norm statistics (`mean`, `rstd`), the attention
-//!   `lse`, the cross-entropy reductions and loss, and everything the clipping and optimizer ops
-//!   touch. Always f32: these carry precision a bf16 copy would lose (PyTorch autocast and llm.c
-//!   keep them fp32 too).
-//! - `Float`: activation-like tensors, f32 or bf16. An op reads a bf16 operand widened exactly
+//! - `Fp32`: vector parameters (norm weights, biases), every parameter gradient, norm
+//!   statistics (`mean`, `rstd`), the attention `lse`, the cross-entropy reductions and loss, and
+//!   everything the clipping and optimizer ops touch (master weights, moments). Always f32: these
+//!   carry precision a bf16 copy would lose (PyTorch autocast, llm.c and Megatron keep them fp32).
+//! - `Float`: activation-like tensors and the weight matrices a GEMM or an embedding lookup reads
+//!   (a bf16 run keeps those in bf16 beside the f32 master, `lower::declare_param_buffers`), f32
+//!   or bf16. An op reads a bf16 operand widened exactly
 //!   to f32, computes in f32 and rounds each bf16 output element to the nearest bf16 (ties to
 //!   even) once, when it writes it; an accumulating output is read, added to and rounded.
 //!

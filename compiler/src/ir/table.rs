@@ -380,7 +380,7 @@ impl Op {
         match self {
             Op::Embedding(a) => s
                 .input("ids", Tokens, n(1))
-                .input("table", Fp32, fixed(a.vocab_local, a.dim))
+                .input("table", Float, fixed(a.vocab_local, a.dim))
                 .output("y", Float, n(a.dim)),
             Op::EmbeddingBwd(a) => s
                 .input("ids", Tokens, n(1))
@@ -394,7 +394,7 @@ impl Op {
             Op::PositionAdd(a) => s
                 .rows(rows_of(&a.positions, a.batch))
                 .input("x", Float, n(a.dim))
-                .input("table", Fp32, shape(Rows::Any, a.dim))
+                .input("table", Float, shape(Rows::Any, a.dim))
                 .output("y", Float, n(a.dim)),
             Op::PositionAddBwd {
                 pos,
@@ -429,7 +429,7 @@ impl Op {
                 residual,
             } => s
                 .input("x", Float, n(*in_dim))
-                .input("w", Fp32, fixed(*out_dim, *in_dim))
+                .input("w", Float, fixed(*out_dim, *in_dim))
                 .input_if(*bias, "b", Fp32, fixed(*out_dim, 1))
                 .input_if(*residual, "r", Float, n(*out_dim))
                 .output("y", Float, n(*out_dim))
@@ -441,7 +441,7 @@ impl Op {
                 act_grad,
             } => s
                 .input("dy", Float, n(*out_dim))
-                .input("w", Fp32, fixed(*out_dim, *in_dim))
+                .input("w", Float, fixed(*out_dim, *in_dim))
                 .input_if(act_grad.is_some(), "pre", Float, n(*in_dim))
                 .write("dx", Float, n(*in_dim), accumulate_if(*accumulate)),
             Op::MatmulBwdWeight {

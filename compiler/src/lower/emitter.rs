@@ -8,7 +8,8 @@ use super::params::{Params, TpRule};
 use crate::diag::Diagnostic;
 use crate::ir::op::{Op, Segment};
 use crate::ir::{
-    BufferId, BufferKind, CollectiveKind, Param, ParamId, Phase, ReduceOp, TpSplit, ZeroSplit,
+    BufferId, BufferKind, CollectiveKind, DType, Param, ParamId, Phase, ReduceOp, TpSplit,
+    ZeroSplit,
 };
 use crate::spec::{NodeId, SpSave, Spec, ValueId, ZeroStage};
 
@@ -21,6 +22,9 @@ pub struct LocalState {
     pub numel: u64,
     pub master: BufferId,
     pub working: Option<BufferId>,
+    /// Compute reads this parameter in bf16 (its working copy, or under ZeRO-3 the gathered
+    /// tensor; `lower::computes_in_bf16`).
+    pub bf16: bool,
     pub state: Vec<BufferId>,
     pub tp: Option<TpSplit>,
     pub zero: Option<ZeroSplit>,
@@ -45,6 +49,24 @@ pub struct LocalState {
     pub in_norm: bool,
     /// Also held by another pipeline stage (tied embedding copy): all-reduced over `embed`.
     pub shared: bool,
+}
+
+/// A ZeRO-3 all-gather of a parameter's shards, until the node that uses it unpads it.
+pub struct ShardGather {
+    /// The gathered shards, padding included.
+    flat: BufferId,
+    /// The bf16 rounding of this rank's shard the gather sends, if it sends one.
+    rounded: Option<BufferId>,
+}
+
+impl ShardGather {
+    /// Free the gather's buffers.
+    fn release(self, b: &mut ProgramBuilder) {
+        b.release(self.flat);
+        if let Some(r) = self.rounded {
+            b.release(r);
+        }
+    }
 }
 
 /// One microbatch's live tensors on this program.
@@ -105,8 +127,8 @@ pub struct Emitter<'a> {
     pub scattered_parts: Vec<(usize, BufferId, u32)>,
     /// ZeRO-3 parameters gathered for the node being emitted (their full tensors).
     pub gathered: Vec<(ParamId, BufferId)>,
-    /// ZeRO-3 parameters gathered ahead of the node that uses them (their flat gather buffers).
-    pub prefetched: Vec<(ParamId, BufferId)>,
+    /// ZeRO-3 parameters gathered ahead of the node that uses them (their gathers).
+    pub prefetched: Vec<(ParamId, ShardGather)>,
     /// ZeRO-3 parameters of the node being emitted whose full tensors [`Emitter::end_node`]
     /// moves to `kept` instead of freeing.
     pub keep: Vec<ParamId>,
@@ -205,29 +227,58 @@ impl Emitter<'_> {
         self.param(idx).map(|p| p.name.clone()).unwrap_or_default()
     }
 
+    /// The buffer a gather of local parameter `idx`'s shards sends: its f32 master shard, or
+    /// where compute reads it in bf16, a transient bf16 rounding of it made now (returned
+    /// first, for the caller to free once the gather is done with it).
+    pub fn shard_source(
+        &mut self,
+        idx: usize,
+        node: Option<NodeId>,
+        phase: Phase,
+    ) -> (Option<BufferId>, BufferId) {
+        let l = &self.locals[idx];
+        let master = l.master;
+        let (Some(z), true) = (l.zero, l.bf16) else {
+            return (None, master);
+        };
+        let rounded = self.b.alloc_typed(
+            format!("{}.shard_bf16", self.param_name(idx)),
+            vec![z.shard_len],
+            DType::Bf16,
+            BufferKind::Comm,
+        );
+        self.b.compute(Op::Copy, &[master], &[rounded], node, phase);
+        (Some(rounded), rounded)
+    }
+
     /// All-gather local parameter `idx`'s ZeRO-3 shards into a transient flat buffer (the
-    /// shards concatenated, padding included); [`Emitter::unpad_gathered`] makes the tensor.
-    fn gather(&mut self, idx: usize, node: NodeId) -> Option<BufferId> {
-        let (master, z) = (self.locals[idx].master, self.locals[idx].zero?);
-        let flat = self.b.alloc(
+    /// shards concatenated, padding included; bf16 where compute reads the parameter in bf16);
+    /// [`Emitter::unpad_gathered`] makes the tensor.
+    fn gather(&mut self, idx: usize, node: NodeId) -> Option<ShardGather> {
+        let (z, bf16) = (self.locals[idx].zero?, self.locals[idx].bf16);
+        let (rounded, source) = self.shard_source(idx, Some(node), self.phase);
+        let flat = self.b.alloc_typed(
             format!("{}.gather", self.param_name(idx)),
             vec![u64::from(z.parts) * z.shard_len],
+            if bf16 { DType::Bf16 } else { DType::F32 },
             BufferKind::Comm,
         );
         self.b
-            .collective(CollectiveKind::AllGather, z.group, master, flat, Some(node));
-        Some(flat)
+            .collective(CollectiveKind::AllGather, z.group, source, flat, Some(node));
+        Some(ShardGather { flat, rounded })
     }
 
     /// Copy parameter `idx`'s gathered `flat` buffer (from [`Emitter::gather`]) into a full
-    /// tensor of its shape for `node`, and free `flat`. Emitted where `node` uses the
-    /// parameter, not where the gather was issued, so a prefetched gather runs while the nodes
-    /// in between compute (this copy is the first compute that waits for it).
-    fn unpad_gathered(&mut self, idx: usize, flat: BufferId, node: NodeId) -> BufferId {
-        let (shape, numel) = (self.locals[idx].shape.clone(), self.locals[idx].numel);
-        let full = self.b.alloc(
+    /// tensor of its shape for `node`, and free the gather's buffers. Emitted where `node` uses
+    /// the parameter, not where the gather was issued, so a prefetched gather runs while the
+    /// nodes in between compute (this copy is the first compute that waits for it).
+    fn unpad_gathered(&mut self, idx: usize, gathered: ShardGather, node: NodeId) -> BufferId {
+        let l = &self.locals[idx];
+        let (shape, numel, bf16) = (l.shape.clone(), l.numel, l.bf16);
+        let full = self.b.alloc_typed(
             format!("{}.full", self.param_name(idx)),
             shape,
+            if bf16 { DType::Bf16 } else { DType::F32 },
             BufferKind::GatheredParam,
         );
         self.b.compute(
@@ -236,12 +287,12 @@ impl Emitter<'_> {
                 dst_offset: 0,
                 len: numel,
             },
-            &[flat],
+            &[gathered.flat],
             &[full],
             Some(node),
             self.phase,
         );
-        self.b.release(flat);
+        gathered.release(&mut self.b);
         full
     }
 
@@ -263,20 +314,21 @@ impl Emitter<'_> {
             let Some(&idx) = self.local_of.get(&p) else {
                 continue;
             };
-            let held = |list: &[(ParamId, BufferId)]| list.iter().any(|(q, _)| *q == p);
-            if self.locals[idx].zero.is_none() || held(&self.prefetched) || held(&self.kept) {
+            let prefetched = self.prefetched.iter().any(|(q, _)| *q == p);
+            let kept = self.kept.iter().any(|(q, _)| *q == p);
+            if self.locals[idx].zero.is_none() || prefetched || kept {
                 continue;
             }
-            if let Some(flat) = self.gather(idx, node) {
-                self.prefetched.push((p, flat));
+            if let Some(g) = self.gather(idx, node) {
+                self.prefetched.push((p, g));
             }
         }
     }
 
     /// Free the gather buffers of prefetched parameters nobody used (end of a unit).
     pub fn drop_prefetched(&mut self) {
-        for (_, b) in std::mem::take(&mut self.prefetched) {
-            self.b.release(b);
+        for (_, g) in std::mem::take(&mut self.prefetched) {
+            g.release(&mut self.b);
         }
     }
 

@@ -38,7 +38,7 @@ use crate::ir::{
     BufferId, BufferKind, DType, Group, GroupId, LocalParam, Param, ParamId, Plan, Program,
     ProgramId, TpSplit, ZeroSplit,
 };
-use crate::spec::{Axis, Spec, ZeroStage};
+use crate::spec::{Axis, Precision, Spec, ZeroStage};
 use builder::ProgramBuilder;
 use context::{Chunks, Groups};
 use emitter::{Emitter, LocalState, MbState};
@@ -589,7 +589,8 @@ fn declare_local(
     }
     let numel: u64 = shape.iter().product();
     let zero = zero_split(sh, role, numel);
-    let (master, working, state) = declare_param_buffers(b, sh, &param.name, &shape, zero);
+    let bf16 = computes_in_bf16(sh.spec, &param.shape);
+    let (master, working, state) = declare_param_buffers(b, sh, &param.name, &shape, (zero, bf16));
     let owner_chunk_stage = sh.chunks.chunk_of(param.node.0 as usize) % role.p;
     let stages_using = sh
         .param_stages
@@ -606,6 +607,7 @@ fn declare_local(
         numel,
         master,
         working,
+        bf16,
         state,
         tp: split,
         zero,
@@ -656,23 +658,38 @@ fn zero_split(sh: &Shared, role: Role, numel: u64) -> Option<ZeroSplit> {
     }
 }
 
-/// Declares a parameter's master (its ZeRO shard, `NAME.shard`, or the tp-local tensor), its
-/// full working copy under ZeRO-1/2, and its optimizer state (`NAME.m`, …), in that order.
+/// Whether compute reads a parameter of global `shape` in bf16: in a bf16 run, every weight
+/// matrix (GEMM weights, embedding and position tables: the 2-D parameters) is kept in bf16 for
+/// compute beside its f32 master, as Megatron's distributed optimizer does; vectors (norm
+/// weights, biases, under 0.1% of a model) are read in f32 from the master itself.
+pub(crate) fn computes_in_bf16(spec: &Spec, shape: &[u64]) -> bool {
+    spec.train.precision == Precision::Bf16 && shape.len() == 2
+}
+
+/// Declares a parameter's master, the f32 tensor the optimizer updates (its ZeRO shard,
+/// `NAME.shard`; else the tp-local tensor, `NAME.master` where a working copy exists, else
+/// `NAME`), the working copy compute reads (`NAME`: the full tp-local tensor, in bf16 where
+/// `bf16` says so, under ZeRO-1/2 with a shard or wherever it is bf16 and unsharded; ZeRO-3
+/// gathers its shards per use instead), and its optimizer state (`NAME.m`, …), in that order.
 fn declare_param_buffers(
     b: &mut ProgramBuilder,
     sh: &Shared,
     name: &str,
     shape: &[u64],
-    zero: Option<ZeroSplit>,
+    (zero, bf16): (Option<ZeroSplit>, bool),
 ) -> (BufferId, Option<BufferId>, Vec<BufferId>) {
     let master_shape = match zero {
         Some(z) => vec![z.shard_len],
         None => shape.to_vec(),
     };
-    let master_name = if zero.is_some() {
-        format!("{name}.shard")
-    } else {
-        name.to_string()
+    let has_working = match zero {
+        Some(_) => matches!(sh.zero, ZeroStage::Zero1 | ZeroStage::Zero2),
+        None => bf16,
+    };
+    let master_name = match (zero, has_working) {
+        (Some(_), _) => format!("{name}.shard"),
+        (None, true) => format!("{name}.master"),
+        (None, false) => name.to_string(),
     };
     let master = b.declare(
         master_name,
@@ -680,15 +697,15 @@ fn declare_param_buffers(
         DType::F32,
         BufferKind::Param,
     );
-    let working = match sh.zero {
-        ZeroStage::Zero1 | ZeroStage::Zero2 if zero.is_some() => Some(b.declare(
+    let working_dtype = if bf16 { DType::Bf16 } else { DType::F32 };
+    let working = has_working.then(|| {
+        b.declare(
             name.to_string(),
             shape.to_vec(),
-            DType::F32,
+            working_dtype,
             BufferKind::Param,
-        )),
-        _ => None,
-    };
+        )
+    });
     let state = optimizer_state_names(sh.spec)
         .iter()
         .map(|n| {

@@ -18,22 +18,26 @@
 //!   full gradients, and free the padded copies once the next bucket's reduce-scatters are
 //!   queued; each backward unit ends by flushing its bucket. The first microbatch's
 //!   reduce-scatter writes the fp32 shard; a later one writes a part that is added into the
-//!   shard once the next bucket is queued (so compute does not wait on it). ZeRO-1
-//!   reduce-scatters after the whole backward.
+//!   shard once the next bucket is queued (so compute does not wait on it). ZeRO-1 keeps full
+//!   accumulators over the microbatches and reduce-scatters each bucket as its gradients
+//!   complete in the last one. A reduce-scatter reads the gradient itself where it needs no
+//!   padding; the inputs of a backward unit's last reduce-scatters are freed by the next
+//!   forward unit ([`Emitter::settle_scattered`]), before the next backward allocates any.
 //! - A parameter held by two pipeline stages (tied embedding and head) has its gradient
 //!   all-reduced over the `embed` group (first and last stage) at the end of the step.
 //! - Gradient norm: each program sums the squares of the gradient elements it owns — tp-split
 //!   parameters on every tp rank, replicated ones on tp rank 0, the tied copy only on the
 //!   owner's stage, ZeRO shards on every dp × cp rank, full gradients on cp rank 0 (dp ranks
 //!   share programs, so without ZeRO the sum runs over pp × cp × tp and dp is left out) — then
-//!   all-reduces the sum. `ClipCoef` and `AdamW`/`Sgd` run on each local master; ZeRO-1/2
-//!   all-gather the updated shards and copy them into the working copy a bucket's worth of
-//!   gathers later.
+//!   all-reduces the sum. `ClipCoef` and `AdamW`/`Sgd` run on each local master; then each
+//!   working copy is refreshed from it: ZeRO-1/2 all-gather the updated shards (rounded to
+//!   bf16 first where the working copy is bf16) and copy them into the working copy a bucket's
+//!   worth of gathers later; a bf16 working copy without shards takes a rounding `Copy`.
 
 use super::emitter::Emitter;
 use super::params::TpRule;
 use crate::ir::op::Op;
-use crate::ir::{BufferId, BufferKind, CollectiveKind, Phase, ReduceOp};
+use crate::ir::{BufferId, BufferKind, CollectiveKind, DType, Phase, ReduceOp};
 use crate::spec::{Optimizer, ZeroStage};
 use std::collections::VecDeque;
 
@@ -88,9 +92,6 @@ impl Emitter<'_> {
         self.bucket.push((idx, grad, group));
         // The bucket holds this group's gradient: a later group's first write allocates anew.
         self.locals[idx].grad = None;
-        if self.zero == ZeroStage::Zero1 {
-            return;
-        }
         let bytes: u64 = self
             .bucket
             .iter()
@@ -170,18 +171,25 @@ impl Emitter<'_> {
                 0 => String::new(),
                 k => format!(".g{k}"),
             };
-            let padded = self.b.alloc(
-                format!("{name}.grad_flat{at}"),
-                vec![u64::from(z.parts) * z.shard_len],
-                BufferKind::Comm,
-            );
-            let op = Op::CopyRange {
-                src_offset: 0,
-                dst_offset: 0,
-                len: n,
+            // The reduce-scatter reads the gradient itself where its shards need no padding,
+            // else a zero-padded flat copy of it.
+            let padded = if u64::from(z.parts) * z.shard_len == n {
+                g
+            } else {
+                let padded = self.b.alloc(
+                    format!("{name}.grad_flat{at}"),
+                    vec![u64::from(z.parts) * z.shard_len],
+                    BufferKind::Comm,
+                );
+                let op = Op::CopyRange {
+                    src_offset: 0,
+                    dst_offset: 0,
+                    len: n,
+                };
+                self.b.compute(op, &[g], &[padded], None, Phase::Backward);
+                self.b.release(g);
+                padded
             };
-            self.b.compute(op, &[g], &[padded], None, Phase::Backward);
-            self.b.release(g);
             // The first microbatch's reduce-scatter writes the shard; later ones write a part
             // that `add_parts` adds into it.
             let suffix = match self.locals[i].final_grad {
@@ -204,6 +212,16 @@ impl Emitter<'_> {
         for padded in scattered {
             self.b.release(padded);
         }
+        self.add_parts(parts);
+    }
+
+    /// Free the inputs of the reduce-scatters issued so far and add their parts into the
+    /// shards (ZeRO-2/3): where the caller knows they have had time to finish.
+    pub fn settle_scattered(&mut self) {
+        for padded in std::mem::take(&mut self.scattered) {
+            self.b.release(padded);
+        }
+        let parts = std::mem::take(&mut self.scattered_parts);
         self.add_parts(parts);
     }
 
@@ -247,11 +265,7 @@ impl Emitter<'_> {
             }
             self.b.release(flat);
         }
-        for padded in std::mem::take(&mut self.scattered) {
-            self.b.release(padded);
-        }
-        let parts = std::mem::take(&mut self.scattered_parts);
-        self.add_parts(parts);
+        self.settle_scattered();
     }
 
     /// Sum the step's loss over dp × cp (each member holds its share of the global mean), on
@@ -322,7 +336,7 @@ impl Emitter<'_> {
             Phase::Optimizer,
         );
         // ZeRO-1/2 gathers of updated shards whose copy into the working copy is still to come.
-        let mut gathering: VecDeque<(BufferId, BufferId, u64)> = VecDeque::new();
+        let mut gathering: VecDeque<Gathering> = VecDeque::new();
         let mut gathering_bytes = 0u64;
         for i in 0..self.locals.len() {
             let Some(fg) = self.locals[i].final_grad else {
@@ -332,70 +346,116 @@ impl Emitter<'_> {
             let decay = self.param(i).is_some_and(|p| p.decay);
             let mut outs = vec![l.master];
             outs.extend(l.state.iter().copied());
-            let op = match self.spec.train.optimizer {
-                Optimizer::AdamW {
-                    beta1,
-                    beta2,
-                    eps,
-                    weight_decay,
-                    ..
-                } => Op::AdamW {
-                    beta1,
-                    beta2,
-                    eps,
-                    weight_decay: if decay { weight_decay } else { 0.0 },
-                },
-                Optimizer::Sgd {
-                    momentum,
-                    weight_decay,
-                    ..
-                } => Op::Sgd {
-                    momentum,
-                    weight_decay: if decay { weight_decay } else { 0.0 },
-                },
-            };
+            let op = self.update_op(decay);
             self.b
                 .compute(op, &[fg, coef], &outs, None, Phase::Optimizer);
             self.b.release(fg);
-            let (master, working, zero, numel) = (l.master, l.working, l.zero, l.numel);
-            if let (Some(w), Some(z)) = (working, zero) {
-                let name = self.param_name(i);
-                let flat = self.b.alloc(
-                    format!("{name}.param_flat"),
-                    vec![u64::from(z.parts) * z.shard_len],
-                    BufferKind::Comm,
-                );
-                self.b
-                    .collective(CollectiveKind::AllGather, z.group, master, flat, None);
-                gathering.push_back((flat, w, numel));
-                gathering_bytes += numel * 4;
-                // A gathered parameter is copied into its working copy once a bucket's worth of
-                // later gathers is queued behind its own, so the compute stream does not wait
-                // for each gather as soon as it is issued.
-                while let Some(&(flat, w, numel)) = gathering.front() {
-                    if gathering.len() < 2 || gathering_bytes - numel * 4 < self.bucket_bytes {
-                        break;
-                    }
-                    gathering.pop_front();
-                    gathering_bytes -= numel * 4;
-                    self.copy_gathered(flat, w, numel);
+            let Some(g) = self.refresh_working(i) else {
+                continue;
+            };
+            gathering_bytes += g.bytes;
+            gathering.push_back(g);
+            // A gathered parameter is copied into its working copy once a bucket's worth of
+            // later gathers is queued behind its own, so the compute stream does not wait
+            // for each gather as soon as it is issued.
+            while let Some(front) = gathering.front() {
+                if gathering.len() < 2 || gathering_bytes - front.bytes < self.bucket_bytes {
+                    break;
+                }
+                gathering_bytes -= front.bytes;
+                if let Some(g) = gathering.pop_front() {
+                    self.copy_gathered(g);
                 }
             }
         }
-        for (flat, w, numel) in gathering {
-            self.copy_gathered(flat, w, numel);
+        for g in gathering {
+            self.copy_gathered(g);
         }
         self.b.release(coef);
     }
 
-    /// Copy an all-gathered parameter (`flat`, padding included) into its working copy `w`.
-    fn copy_gathered(&mut self, flat: BufferId, w: BufferId, numel: u64) {
+    /// The update of one parameter by the spec's optimizer (`decay`: weight decay applies).
+    fn update_op(&self, decay: bool) -> Op {
+        match self.spec.train.optimizer {
+            Optimizer::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                ..
+            } => Op::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay: if decay { weight_decay } else { 0.0 },
+            },
+            Optimizer::Sgd {
+                momentum,
+                weight_decay,
+                ..
+            } => Op::Sgd {
+                momentum,
+                weight_decay: if decay { weight_decay } else { 0.0 },
+            },
+        }
+    }
+
+    /// Bring local parameter `idx`'s working copy up to its just-updated master: a rounding
+    /// copy where the master is the whole tp-local tensor (bf16 runs), or, under ZeRO-1/2, the
+    /// all-gather of the updated shards (rounded to bf16 first where the working copy is bf16,
+    /// which halves the gather) whose copy into the working copy the caller places.
+    fn refresh_working(&mut self, idx: usize) -> Option<Gathering> {
+        let l = &self.locals[idx];
+        let (master, w, zero, numel, bf16) = (l.master, l.working?, l.zero, l.numel, l.bf16);
+        let Some(z) = zero else {
+            self.b
+                .compute(Op::Copy, &[master], &[w], None, Phase::Optimizer);
+            return None;
+        };
+        let (rounded, source) = self.shard_source(idx, None, Phase::Optimizer);
+        let name = self.param_name(idx);
+        let flat = self.b.alloc_typed(
+            format!("{name}.param_flat"),
+            vec![u64::from(z.parts) * z.shard_len],
+            if bf16 { DType::Bf16 } else { DType::F32 },
+            BufferKind::Comm,
+        );
+        self.b
+            .collective(CollectiveKind::AllGather, z.group, source, flat, None);
+        let bytes = numel * if bf16 { 2 } else { 4 };
+        Some(Gathering {
+            flat,
+            rounded,
+            working: w,
+            numel,
+            bytes,
+        })
+    }
+
+    /// Copy an all-gathered parameter (`flat`, padding included) into its working copy, and
+    /// free the gather's buffers.
+    fn copy_gathered(&mut self, g: Gathering) {
         let op = Op::CopyRange {
             src_offset: 0,
             dst_offset: 0,
-            len: numel,
+            len: g.numel,
         };
-        self.b.compute(op, &[flat], &[w], None, Phase::Optimizer);
-        self.b.release(flat);
+        self.b
+            .compute(op, &[g.flat], &[g.working], None, Phase::Optimizer);
+        self.b.release(g.flat);
+        if let Some(r) = g.rounded {
+            self.b.release(r);
+        }
     }
+}
+
+/// A ZeRO-1/2 all-gather of an updated parameter, queued until its copy into the working copy.
+struct Gathering {
+    flat: BufferId,
+    /// The bf16 rounding of the shard the gather sends, freed with `flat`.
+    rounded: Option<BufferId>,
+    working: BufferId,
+    numel: u64,
+    /// Bytes the gather moves into this rank.
+    bytes: u64,
 }

@@ -360,6 +360,9 @@ impl Emitter<'_> {
             }
         }
         self.drop_prefetched();
+        // The last backward's reduce-scatters ran while this forward computed: their inputs go
+        // now, before the next backward allocates its first gradient.
+        self.settle_scattered();
         for v in &outputs {
             if let Some(buf) = self.mbs[m].values.get(v).copied() {
                 self.mbs[m].outbox.insert((chunk, *v, false), buf);

@@ -268,44 +268,55 @@ mod tests {
     }
 
     #[test]
-    fn gpt2_350m_dp4_lands_within_ten_percent_of_the_four_h200_run() {
-        // nvidia-smi's peak per GPU on 4 H200s (bench/RESULTS.md, session 3), ZeRO 0..3.
-        let measured = [21.14, 19.48, 19.48, 17.70];
+    fn gpt2_350m_dp4_zero0_lands_within_ten_percent_of_the_four_h200_run() {
+        // nvidia-smi's peak per GPU on 4 H200s (bench/RESULTS.md, session 3), ZeRO-0. That run
+        // held f32 weights and cached 16-bit casts of them; the runtime now holds f32 masters
+        // and bf16 working copies, the same bytes, so ZeRO-0 still compares. ZeRO-1..3 hold
+        // less than they did then and wait for a multi-GPU run to be measured again
+        // (docs/memory.md).
+        let choice = PlanChoice {
+            dp: 4,
+            zero: ZeroStage::Zero0,
+            microbatches: 1,
+            micro_batch: 16,
+            precision: Precision::Bf16,
+            ..PlanChoice::default()
+        };
+        let (_, device) = predict(&Dims::gpt2_350m(), &choice);
+        let d = &device[0];
+        let (total, smi) = (d.total_bytes as f64 / GIB, 21.14);
+        assert!(
+            (total / smi - 1.0).abs() <= 0.10,
+            "predicted {total:.2} GiB, measured {smi} GiB"
+        );
+        assert!(line(&d.runtime, "NCCL collectives").is_some());
+        assert_eq!(line(&d.runtime, "NCCL p2p"), None);
+    }
+
+    #[test]
+    fn bf16_runs_keep_their_weights_in_bf16_so_the_backend_casts_only_biases() {
         let zeros = [
             ZeroStage::Zero0,
             ZeroStage::Zero1,
             ZeroStage::Zero2,
             ZeroStage::Zero3,
         ];
-        for (zero, smi) in zeros.into_iter().zip(measured) {
+        for zero in zeros {
             let choice = PlanChoice {
                 dp: 4,
                 zero,
-                microbatches: 1,
-                micro_batch: 16,
+                microbatches: 2,
+                micro_batch: 4,
                 precision: Precision::Bf16,
                 ..PlanChoice::default()
             };
-            let (_, device) = predict(&Dims::gpt2_350m(), &choice);
-            let d = &device[0];
-            let total = d.total_bytes as f64 / GIB;
-            let planned = d.planned_bytes as f64 / GIB;
-            assert!(
-                (total / smi - 1.0).abs() <= 0.10,
-                "{zero:?}: predicted {total:.2} GiB, measured {smi} GiB"
-            );
-            // The plan alone was 15-22% below it.
-            assert!(smi / planned > 1.15, "{zero:?}: plan {planned:.2} GiB");
-            // Every weight is cast once (2 bytes per parameter) unless ZeRO-3 gathers them.
-            let casts = line(&d.backend, "weight casts");
-            if zero == ZeroStage::Zero3 {
-                assert_eq!(casts, None);
-            } else {
-                let casts = casts.expect("weight casts") as f64;
-                assert!((casts / (2.0 * 354e6) - 1.0).abs() < 0.02, "{casts}");
+            let (plan, _) = predict(&crate::memplan::tests::small_model(), &choice);
+            let program = &plan.programs[0];
+            let scratch = crate::memplan::backend_scratch(program, true);
+            let cast_shapes = scratch.casts.iter().filter_map(|&id| program.buffer(id));
+            for b in cast_shapes {
+                assert_eq!(b.shape.len(), 1, "{zero:?}: {} is cast", b.name);
             }
-            assert!(line(&d.runtime, "NCCL collectives").is_some());
-            assert_eq!(line(&d.runtime, "NCCL p2p"), None);
         }
     }
 

@@ -47,7 +47,7 @@ mod overlap;
 mod placed;
 mod scratch;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 mod zeroing;
 
 pub use check::check_layout;

@@ -206,7 +206,7 @@ fn plan_and_check(dims: &Dims, choice: &PlanChoice) -> f64 {
 }
 
 /// Dimensions large enough that the 256-byte rounding of tiny buffers does not dominate.
-pub(super) fn small_model() -> Dims {
+pub(crate) fn small_model() -> Dims {
     Dims {
         vocab: 512,
         dim: 128,

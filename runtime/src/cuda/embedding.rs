@@ -33,7 +33,7 @@ fn embedding(be: &mut CudaBackend, b: &Bound, a: &EmbeddingAttrs, forward: bool)
     let shard = [n(rows), n(d), Arg::I64(start), n(v)];
     if forward {
         let (table, y) = (b.input(1)?, b.output(0)?);
-        let mut args = vec![p(ids), p(table), fv(y)];
+        let mut args = vec![p(ids), fv(table), fv(y)];
         args.extend(shard);
         be.launch_vec(Kernel::EmbeddingFwd, rows * d, &args)
     } else {
@@ -82,7 +82,7 @@ fn position_add(
         let y = b.output(0)?;
         let args = [
             fv(x),
-            p(table),
+            fv(table),
             fv(y),
             Arg::Ptr(pos),
             n(rows),

@@ -121,21 +121,19 @@ extern "C" __global__ void broadcast_rows(const float* b, float* y, long long ro
     GRID_STRIDE(i, rows * cols) y[i] = b[i % cols];
 }
 
-// Rows whose id is outside [vocab_start, vocab_start + vocab_local) are zero. Vectors of 8
-// where dim is a multiple of 8 and table and y are aligned.
-extern "C" __global__ void embedding_fwd(const int* ids, const float* table, Fv y, long long rows, long long dim, long long vocab_start, long long vocab_local) {
-    bool vec = dim % 8 == 0 && vec_ok(y) && ((unsigned long long)table & 15ull) == 0;
+// Rows whose id is outside [vocab_start, vocab_start + vocab_local) are zero. The table is f32
+// or bf16 (a bf16 run's working copy). Vectors of 8 where dim is a multiple of 8 and table and
+// y are aligned.
+extern "C" __global__ void embedding_fwd(const int* ids, Fv table, Fv y, long long rows, long long dim, long long vocab_start, long long vocab_local) {
+    bool vec = dim % 8 == 0 && vec_ok(y) && vec_ok(table);
     if (vec) {
         long long d8 = dim / 8;
         GRID_STRIDE(j, rows * d8) {
-            long long r = j / d8, c = (j % d8) * 8;
+            long long r = j / d8;
             long long local = (long long)ids[r] - vocab_start;
             F8 v;
             if (local >= 0 && local < vocab_local) {
-                const float4* src = (const float4*)(table + local * dim + c);
-                float4 a = src[0], b = src[1];
-                v.v[0] = a.x; v.v[1] = a.y; v.v[2] = a.z; v.v[3] = a.w;
-                v.v[4] = b.x; v.v[5] = b.y; v.v[6] = b.z; v.v[7] = b.w;
+                v = ld8(table, local * d8 + j % d8);
             } else {
 #pragma unroll
                 for (int k = 0; k < 8; k++) v.v[k] = 0.0f;
@@ -147,7 +145,7 @@ extern "C" __global__ void embedding_fwd(const int* ids, const float* table, Fv 
     GRID_STRIDE(i, rows * dim) {
         long long r = i / dim, c = i % dim;
         long long local = (long long)ids[r] - vocab_start;
-        st(y, i, (local >= 0 && local < vocab_local) ? table[local * dim + c] : 0.0f);
+        st(y, i, (local >= 0 && local < vocab_local) ? ld(table, local * dim + c) : 0.0f);
     }
 }
 
@@ -159,27 +157,25 @@ extern "C" __global__ void embedding_bwd(const int* ids, Fv dy, float* dtable, l
     }
 }
 
-// pos[s]: global position of local sequence index s; row = s * batch + b. Vectors of 8 as
-// embedding_fwd.
-extern "C" __global__ void position_add_fwd(Fv x, const float* table, Fv y, const int* pos, long long rows, long long batch, long long dim) {
-    bool vec = dim % 8 == 0 && vec_ok(x) && vec_ok(y) && ((unsigned long long)table & 15ull) == 0;
+// pos[s]: global position of local sequence index s; row = s * batch + b. The table is f32 or
+// bf16. Vectors of 8 as embedding_fwd.
+extern "C" __global__ void position_add_fwd(Fv x, Fv table, Fv y, const int* pos, long long rows, long long batch, long long dim) {
+    bool vec = dim % 8 == 0 && vec_ok(x) && vec_ok(y) && vec_ok(table);
     if (vec) {
         long long d8 = dim / 8;
         GRID_STRIDE(j, rows * d8) {
-            long long r = j / d8, c = (j % d8) * 8;
-            const float4* src = (const float4*)(table + (long long)pos[r / batch] * dim + c);
-            float4 a = src[0], b = src[1];
-            float t[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            long long r = j / d8;
+            F8 t = ld8(table, (long long)pos[r / batch] * d8 + j % d8);
             F8 v = ld8(x, j);
 #pragma unroll
-            for (int k = 0; k < 8; k++) v.v[k] = v.v[k] + t[k];
+            for (int k = 0; k < 8; k++) v.v[k] = v.v[k] + t.v[k];
             st8(y, j, v);
         }
         return;
     }
     GRID_STRIDE(i, rows * dim) {
         long long r = i / dim, c = i % dim;
-        st(y, i, ld(x, i) + table[(long long)pos[r / batch] * dim + c]);
+        st(y, i, ld(x, i) + ld(table, (long long)pos[r / batch] * dim + c));
     }
 }
 
