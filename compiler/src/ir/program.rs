@@ -254,6 +254,18 @@ impl Program {
     pub fn buffer(&self, id: BufferId) -> Option<&Buffer> {
         self.buffers.get(id.0 as usize)
     }
+
+    /// The persistent buffers a checkpoint holds, in buffer order: all but the parameters'
+    /// working copies, which are their masters' values (rounded to bf16 where they are bf16,
+    /// gathered from the ZeRO shards) and so are rebuilt from them on load.
+    pub fn checkpointed(&self) -> impl Iterator<Item = (BufferId, &Buffer)> {
+        let working: std::collections::HashSet<BufferId> =
+            self.params.iter().filter_map(|l| l.working).collect();
+        (self.buffers.iter().enumerate())
+            .map(|(i, b)| (BufferId(i as u32), b))
+            .filter(move |(id, b)| b.kind.is_persistent() && !working.contains(id))
+    }
+
     /// Whether any buffer is stored in bf16.
     pub fn uses_bf16(&self) -> bool {
         self.buffers.iter().any(|b| b.dtype == DType::Bf16)

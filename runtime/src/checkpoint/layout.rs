@@ -7,7 +7,8 @@
 //! with the new plan's ([`Layout::refuse_change`]) and, when they agree, re-shards on load
 //! (`super::reshard`). The layout is derived from the plan alone, the same way on the writing
 //! and the reading side: the compiler's `LocalParam`s say which buffers hold a parameter
-//! (master, working copy, optimizer state), its tp split and ZeRO split.
+//! (master, optimizer state), its tp split and ZeRO split. Working copies are not checkpointed
+//! (`Program::checkpointed`): a rank rebuilds them from the masters it loads.
 use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::{BufferKind, Plan, TpSplit};
 use parc_compiler::spec::{Optimizer, Precision, Spec};
@@ -19,7 +20,8 @@ use serde::{Deserialize, Serialize};
 pub enum Role {
     /// The parameter's values, as the optimizer keeps them (the master: authoritative).
     Master,
-    /// A full tp-local copy refreshed from the master (ZeRO-1/2): filled, never read from.
+    /// A working copy (`LocalParam::working`), listed by checkpoints written before working
+    /// copies were left out of them (they are rebuilt from the masters on load): never read.
     Working,
     /// Optimizer state tensor `k` (AdamW: 0 = m, 1 = v; SGD: 0 = momentum), shaped like the
     /// master.
@@ -260,16 +262,15 @@ impl std::fmt::Display for Refusal {
     }
 }
 
-/// The pieces of `rank`'s shard: every persistent buffer of its program, in buffer order.
+/// The pieces of `rank`'s shard: every buffer its program checkpoints (`Program::checkpointed`:
+/// the persistent ones but working copies), in buffer order.
 fn rank_pieces(plan: &Plan, rank: u32) -> Result<Vec<Piece>> {
     let program = plan
         .program_of(rank)
         .ok_or_else(|| lowering_bug(rank, "it has no program"))?;
     let mut pieces: Vec<Piece> = program
-        .buffers
-        .iter()
-        .filter(|b| b.kind.is_persistent())
-        .map(|b| Piece {
+        .checkpointed()
+        .map(|(_, b)| Piece {
             tensor: b.name.clone(),
             shape: b.shape.clone(),
             param: None,
@@ -300,7 +301,6 @@ fn rank_pieces(plan: &Plan, rank: u32) -> Result<Vec<Piece>> {
             sections: t.sections,
         });
         let mut roles = vec![(local.master, Role::Master, zero)];
-        roles.extend(local.working.map(|w| (w, Role::Working, None)));
         roles.extend(
             local
                 .state
@@ -324,11 +324,7 @@ fn rank_pieces(plan: &Plan, rank: u32) -> Result<Vec<Piece>> {
             piece.zero = zero;
         }
     }
-    let persistent_kinds = program
-        .buffers
-        .iter()
-        .filter(|b| b.kind.is_persistent())
-        .map(|b| b.kind);
+    let persistent_kinds = program.checkpointed().map(|(_, b)| b.kind);
     for (piece, kind) in pieces.iter().zip(persistent_kinds) {
         if piece.param.is_none() && kind != BufferKind::Metric {
             return Err(lowering_bug(

@@ -906,12 +906,13 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
             .collect()
     }
 
-    /// The persistent buffers, named as in the program, laid out one after another in a
+    /// The checkpointed buffers (`Program::checkpointed`), named as in the program, laid out one after another in a
     /// checkpoint snapshot's memory, and how many values that memory holds.
     fn snapshot_layout(&self) -> (Vec<SnapshotTensor>, usize) {
         let mut end = 0usize;
         let tensors = self
-            .persistent()
+            .program
+            .checkpointed()
             .map(|(_, b)| {
                 let len = b.shape.iter().product::<u64>() as usize;
                 let start = end;
@@ -944,7 +945,7 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
                 self.rank
             )));
         }
-        let ids: Vec<BufferId> = self.persistent().map(|(id, _)| id).collect();
+        let ids: Vec<BufferId> = self.program.checkpointed().map(|(id, _)| id).collect();
         for (id, tensor) in ids.into_iter().zip(&tensors) {
             self.backend
                 .read_f32_into(id, &mut values[tensor.range.clone()])?;
@@ -952,9 +953,10 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         Ok(Snapshot { tensors, host })
     }
 
-    /// Overwrite the persistent buffers with this rank's shard of `checkpoint`.
+    /// Overwrite the persistent buffers with this rank's shard of `checkpoint` (the working
+    /// copies rebuilt from the masters).
     pub fn load_shard(&mut self, checkpoint_dir: &Path) -> Result<()> {
-        let buffers: Vec<_> = self.persistent().collect();
+        let buffers: Vec<_> = self.program.checkpointed().collect();
         let expected: Vec<(String, Vec<u64>)> = buffers
             .iter()
             .map(|(_, b)| (b.name.clone(), b.shape.clone()))
@@ -963,14 +965,14 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         for ((id, _), data) in buffers.iter().zip(tensors) {
             self.backend.write_f32(*id, &data)?;
         }
-        Ok(())
+        self.rebuild_working_copies()
     }
 
     /// Overwrite the persistent buffers with `tensors` (a checkpoint re-sharded for this plan,
-    /// `checkpoint::reshard`): one per persistent buffer, in buffer order, named and shaped
-    /// as the buffers are.
+    /// `checkpoint::reshard`): one per checkpointed buffer (`Program::checkpointed`), in buffer
+    /// order, named and shaped as the buffers are; then rebuild the working copies.
     pub fn load_tensors(&mut self, tensors: Vec<ShardTensor>) -> Result<()> {
-        let buffers: Vec<_> = self.persistent().collect();
+        let buffers: Vec<_> = self.program.checkpointed().collect();
         if buffers.len() != tensors.len() {
             return Err(plan_error(
                 self.rank,
@@ -992,6 +994,43 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
                 ));
             }
             self.backend.write_f32(*id, &tensor.data)?;
+        }
+        self.rebuild_working_copies()
+    }
+
+    /// Set every working copy to its master's values as the step's refresh leaves it: the
+    /// tp-local master, or the ZeRO shards gathered over their group, written through
+    /// `write_f32` (which rounds into a bf16 copy as the refresh's rounding copy does). Every
+    /// member of each group calls this at the same point (after loading), so the gathers meet.
+    fn rebuild_working_copies(&mut self) -> Result<()> {
+        let program: &Program = self.program;
+        for local in &program.params {
+            let Some(working) = local.working else {
+                continue;
+            };
+            let len = self.numel(working)?;
+            let master = self.backend.read_f32(local.master)?;
+            let mut full = match local.zero {
+                None => master,
+                Some(z) => {
+                    let (set, _) = self.group_set(z.group)?;
+                    let mut flat = vec![0.0; master.len() * set.len()];
+                    self.comm.all_gather(&set, &master, &mut flat)?;
+                    flat
+                }
+            };
+            if full.len() < len {
+                return Err(plan_error(
+                    self.rank,
+                    format!(
+                        "{} values of {}'s master for its working copy of {len}",
+                        full.len(),
+                        program.buffer(working).map_or("?", |b| b.name.as_str())
+                    ),
+                ));
+            }
+            full.truncate(len);
+            self.backend.write_f32(working, &full)?;
         }
         Ok(())
     }
