@@ -9,6 +9,7 @@
 use crate::calibration::{self, CalibrationArgs, Chosen, PricedBy};
 use crate::diagnostics;
 use crate::input::{parse_overrides, read_spec};
+use crate::resume_check;
 use crate::SpecArgs;
 use parc_compiler::cost;
 use parc_compiler::diag::{Diagnostics, Sources};
@@ -18,6 +19,7 @@ use parc_compiler::spec::Spec;
 use parc_compiler::timeline::Timeline;
 use parc_compiler::verify::VerifyReport;
 use parc_compiler::Override;
+use parc_runtime::checkpoint::Consent;
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
@@ -48,6 +50,8 @@ pub struct CheckArgs {
     /// what each rank of the plan reads from it, or refuses a change it cannot follow.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    #[command(flatten)]
+    pub consent: crate::run_args::ConsentArgs,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -79,7 +83,7 @@ struct Checked {
     diags: Diagnostics,
     report: Option<cost::CostReport>,
     lowered: Option<Lowered>,
-    resume: Option<crate::resume_check::Moves>,
+    resume: Option<resume_check::Moves>,
 }
 
 /// What lowering, verifying and simulating the plan measured.
@@ -163,7 +167,7 @@ fn check_one(
     overrides: &[Override],
     options: &CompileOptions,
     calibration: &CalibrationArgs,
-    resume: Option<&Path>,
+    resume: Option<(&Path, Consent)>,
 ) -> Result<Checked, String> {
     let file = path.display().to_string();
     let (options, chosen) =
@@ -178,16 +182,19 @@ fn check_one(
         analysis,
     } = driver::compile(&file, text, overrides, &options);
     let mut diagnostics = diagnostics;
+    let spec_dir = crate::run_args::spec_folder(path);
     if let Some(spec) = spec.as_ref().filter(|_| !diagnostics.has_errors()) {
-        let spec_dir = crate::run_args::spec_folder(path);
         for d in crate::data_check::diagnose(spec, &spec_dir) {
             diagnostics.push(d);
         }
     }
     let mut moves = None;
-    if let (Some(dir), Some(text)) = (resume, resume_text) {
+    if let (Some((dir, consent)), Some(text)) = (resume, resume_text) {
         if !diagnostics.has_errors() {
-            match crate::resume_check::diagnose(&file, text, overrides, options.fusion, dir) {
+            let fusion = options.fusion;
+            let checked =
+                resume_check::diagnose(&file, text, overrides, fusion, dir, &spec_dir, consent);
+            match checked {
                 Ok(m) => moves = Some(m),
                 Err(d) => diagnostics.push(d),
             }
@@ -211,18 +218,19 @@ pub fn main(args: CheckArgs) -> u8 {
             return 2;
         }
     };
+    if let Err(e) = args.consent.needs_resume(args.resume.as_deref()) {
+        eprintln!("error: {e}");
+        return 2;
+    }
     let options = args.lower.options(args.spec.fusion());
+    let resume = args
+        .resume
+        .as_deref()
+        .map(|dir| (dir, args.consent.consent()));
     let mut results = Vec::new();
     for path in &args.files {
         let checked = read_spec(path).and_then(|text| {
-            check_one(
-                path,
-                text,
-                &overrides,
-                &options,
-                &args.calibration,
-                args.resume.as_deref(),
-            )
+            check_one(path, text, &overrides, &options, &args.calibration, resume)
         });
         match checked {
             Ok(checked) => results.push(checked),
@@ -273,7 +281,7 @@ fn human(results: &[Checked]) {
                 );
             }
             if let Some(moves) = &r.resume {
-                print!("{}", crate::resume_check::render(moves));
+                print!("{}", resume_check::render(moves));
             }
             eprintln!("{}: ok, {}", r.file, plural(w, "warning"));
         }

@@ -1,14 +1,19 @@
 //! `parc reshard CKPT SPEC OUT [--set PATH=VALUE]...`: write checkpoint `CKPT` re-sharded for
 //! the plan of `SPEC` as `OUT/step-N` (a checkpoint folder that `parc run SPEC --resume OUT`
 //! loads without re-sharding, and verifies), offline: no backend, no comm. A change the
-//! checkpoint cannot follow (another model, optimizer, precision, global batch or seed) is
-//! refused naming the field (E1101–E1106, docs/diagnostics.md). [`render_moves`] shows what
-//! each new rank reads, here and in `parc check --resume`.
+//! checkpoint cannot follow (another model, optimizer, precision, global batch, seed or
+//! training data) is refused naming the field as `parc check --resume` refuses it
+//! (`resume_check::judge`; E1101–E1107, docs/diagnostics.md), and the consents are the same:
+//! `--resume-any-batch` (the new checkpoint's layout has the new global batch, its sampler
+//! position the samples seen), `--resume-any-data` (the new checkpoint still records the data
+//! its run trained on, so `parc run --resume` needs the flag too).
+use crate::resume_check::{judge, render_moves};
+use crate::run_args::ConsentArgs;
 use crate::run_prepare::{compile, print_error};
 use crate::SpecArgs;
 use parc_compiler::ir::Plan;
 use parc_compiler::spec::Spec;
-use parc_runtime::checkpoint::{self, reshard::RankRead, FolderLock, Layout, ResumeKind};
+use parc_runtime::checkpoint::{self, FolderLock, Layout, ResumeKind};
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
@@ -22,6 +27,8 @@ pub struct ReshardArgs {
     pub out: PathBuf,
     #[command(flatten)]
     pub spec: SpecArgs,
+    #[command(flatten)]
+    pub consent: ConsentArgs,
 }
 
 pub fn main(args: ReshardArgs) -> u8 {
@@ -43,8 +50,16 @@ fn reshard(args: &ReshardArgs, spec: &Spec, plan: &Plan) -> Result<(), String> {
         checkpoint::choose_resume(&args.checkpoint).map_err(|e| e.to_string())?;
     let layout = Layout::of(spec, plan).map_err(|e| e.to_string())?;
     let hash = checkpoint::plan_hash(plan);
-    let kind = checkpoint::plan_change(&manifest, &hash, &layout, spec.train.seed, false)
-        .map_err(|refusal| format!("{}: {refusal}", source.display()))?;
+    let spec_dir = crate::run_args::spec_folder(&args.file);
+    let judged = judge(
+        &manifest,
+        spec,
+        plan,
+        &layout,
+        &spec_dir,
+        args.consent.consent(),
+    )
+    .map_err(|refusal| format!("{}: {refusal}", source.display()))?;
     let target = args.out.join(checkpoint::step_dir_name(manifest.step));
     if target.exists() {
         return Err(format!(
@@ -56,7 +71,7 @@ fn reshard(args: &ReshardArgs, spec: &Spec, plan: &Plan) -> Result<(), String> {
     let (written, reads) =
         checkpoint::reshard::write_checkpoint(&source, &manifest, &layout, &hash, &args.out)
             .map_err(|e| e.to_string())?;
-    if kind == ResumeKind::SamePlan {
+    if judged.kind == ResumeKind::SamePlan {
         eprintln!(
             "note: {} was already written by this plan; {} is a copy",
             source.display(),
@@ -72,49 +87,17 @@ fn reshard(args: &ReshardArgs, spec: &Spec, plan: &Plan) -> Result<(), String> {
         manifest.step
     );
     print!("{}", render_moves(&reads));
+    if let Some(change) = &judged.data_change {
+        eprintln!(
+            "note: --resume-any-data: {change}; {} still records the data its run trained on, so \
+             `parc run --resume` of it needs --resume-any-data as well",
+            written.display()
+        );
+    } else if !judged.data_compared {
+        eprintln!(
+            "note: the spec's training data is not here, so it was not compared with the \
+             checkpoint's; `parc run --resume` compares it"
+        );
+    }
     Ok(())
-}
-
-/// One line per new rank: the bytes it reads and from which old shard files.
-pub fn render_moves(reads: &[RankRead]) -> String {
-    let mut out = String::new();
-    for read in reads {
-        let shards = read.shards();
-        let names: Vec<String> = shards.iter().map(|&r| format!("rank {r}")).collect();
-        let from = match names.len() {
-            0 => "nothing".to_string(),
-            1..=4 => format!(
-                "{} shard file{} ({})",
-                names.len(),
-                plural(names.len()),
-                names.join(", ")
-            ),
-            n => format!("{n} shard files"),
-        };
-        out.push_str(&format!(
-            "  rank {}: reads {} from {from}\n",
-            read.rank,
-            bytes(read.bytes())
-        ));
-    }
-    out
-}
-
-fn plural(n: usize) -> &'static str {
-    if n == 1 {
-        ""
-    } else {
-        "s"
-    }
-}
-
-/// `12.3 KiB`: a size for people.
-fn bytes(n: u64) -> String {
-    let n = n as f64;
-    match n {
-        n if n >= 1024.0 * 1024.0 * 1024.0 => format!("{:.2} GiB", n / (1024.0 * 1024.0 * 1024.0)),
-        n if n >= 1024.0 * 1024.0 => format!("{:.2} MiB", n / (1024.0 * 1024.0)),
-        n if n >= 1024.0 => format!("{:.1} KiB", n / 1024.0),
-        n => format!("{n} B"),
-    }
 }

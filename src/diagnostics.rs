@@ -7,7 +7,7 @@
 
 use crate::diag_text::{escape_controls, ShownSource};
 use miette::{GraphicalReportHandler, GraphicalTheme, LabeledSpan, Severity as MSeverity};
-use parc_compiler::diag::{Diagnostic, FileId, Severity, Sources, Span};
+use parc_compiler::diag::{Diagnostic, FileId, Fix, Severity, Sources, Span};
 use serde_json::{json, Value};
 use std::fmt;
 use std::io::IsTerminal;
@@ -198,6 +198,18 @@ pub fn to_json(sources: &Sources, d: &Diagnostic) -> Value {
         "labels": labels,
         "help": d.help,
         "notes": d.notes,
-        "fixes": d.fixes.iter().map(|f| &f.sets).collect::<Vec<_>>(),
+        "fixes": d.fixes.iter().map(|f| fix_json(sources, f)).collect::<Vec<_>>(),
     })
+}
+
+/// One alternative of a help: its `--set` overrides as `PATH=VALUE` strings, then its text
+/// edits as objects (where, and the `replacement` text).
+fn fix_json(sources: &Sources, fix: &Fix) -> Value {
+    let sets = fix.sets.iter().map(|s| json!(s));
+    let edits = fix.edits.iter().map(|e| {
+        let mut p = position(sources, e.span);
+        p["replacement"] = json!(e.replacement);
+        p
+    });
+    Value::Array(sets.chain(edits).collect())
 }

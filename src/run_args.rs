@@ -1,11 +1,12 @@
-//! `parc run`'s command line and what follows from it alone: the flags ([`RunArgs`]), the
-//! backend `--backend` resolves to ([`resolve_backend`]), the folder the spec's paths are
-//! relative to and the training options. Shared by the single-process run (`cmd_run`), the
+//! `parc run`'s command line and what follows from it alone: the flags ([`RunArgs`]; the
+//! consents to a resume's changes, [`ConsentArgs`], are `parc check`'s and `parc reshard`'s
+//! too), the backend `--backend` resolves to ([`resolve_backend`]), the folder the spec's paths
+//! are relative to and the training options. Shared by the single-process run (`cmd_run`), the
 //! launcher (`run_supervise`) and each launched rank (`run_launch`).
 use crate::run_comm::CommChoice;
 use crate::run_progress::LogFormat;
 use crate::SpecArgs;
-use parc_runtime::checkpoint::SpecSource;
+use parc_runtime::checkpoint::{Consent, SpecSource};
 use parc_runtime::exec::TrainOptions;
 use std::path::{Path, PathBuf};
 
@@ -37,10 +38,8 @@ pub struct RunArgs {
     /// verifies).
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
-    /// Let `--resume` continue a checkpoint of another `train.global_batch`: the data order
-    /// continues at the samples the checkpoint had seen (refused without this flag: E1104).
-    #[arg(long = "resume-any-batch", requires = "resume")]
-    pub resume_any_batch: bool,
+    #[command(flatten)]
+    pub consent: ConsentArgs,
     /// Time every op of one step (the third, or the last if fewer) and report where the
     /// step's time went.
     #[arg(long)]
@@ -74,6 +73,44 @@ pub struct RunArgs {
     /// the run goes (a resumed run appends); `parc plot DIR` draws them.
     #[arg(long, value_name = "DIR")]
     pub metrics: Option<PathBuf>,
+}
+
+/// What a resume may change beyond the plan; `parc run`, `parc check --resume` and `parc
+/// reshard` take the same flags.
+#[derive(clap::Args, Debug, Clone, Copy, Default)]
+pub struct ConsentArgs {
+    /// Let the checkpoint continue under another `train.global_batch`: the data order
+    /// continues at the samples the checkpoint had seen (refused without this flag: E1104).
+    #[arg(long = "resume-any-batch")]
+    pub resume_any_batch: bool,
+    /// Let the checkpoint continue on other training data (another file, size or token
+    /// count): the sampler continues on this data at the samples the checkpoint had seen
+    /// (refused without this flag: E1107).
+    #[arg(long = "resume-any-data")]
+    pub resume_any_data: bool,
+}
+
+impl ConsentArgs {
+    pub fn consent(self) -> Consent {
+        Consent {
+            any_batch: self.resume_any_batch,
+            any_data: self.resume_any_data,
+        }
+    }
+
+    /// A consent without `--resume` has nothing to consent to: a usage error naming the flag.
+    pub fn needs_resume(self, resume: Option<&Path>) -> Result<(), String> {
+        let given = [
+            ("--resume-any-batch", self.resume_any_batch),
+            ("--resume-any-data", self.resume_any_data),
+        ];
+        match given.iter().find(|(_, on)| *on) {
+            Some((flag, _)) if resume.is_none() => Err(format!(
+                "{flag} consents to a change when resuming a checkpoint; give --resume DIR too"
+            )),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// The backend a run will use, after resolving `auto`.
@@ -137,7 +174,8 @@ pub(crate) fn resolve_backend(choice: BackendChoice, quiet: bool) -> Result<Reso
 pub(crate) fn train_options(args: &RunArgs, spec_dir: &Path) -> TrainOptions {
     let mut options = TrainOptions::new(spec_dir);
     options.resume = args.resume.clone();
-    options.resume_any_batch = args.resume_any_batch;
+    options.resume_any_batch = args.consent.resume_any_batch;
+    options.resume_any_data = args.consent.resume_any_data;
     options.profile = args.profile || args.profile_step.is_some();
     options.profile_step = args.profile_step;
     options.save_init = args.save_init.clone();

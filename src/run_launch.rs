@@ -30,6 +30,7 @@ pub enum Mode {
 
 /// Decide the mode from the flags and the environment.
 pub fn mode(args: &RunArgs) -> Result<Mode, String> {
+    args.consent.needs_resume(args.resume.as_deref())?;
     let env = launch::detect_process().map_err(|e| e.to_string())?;
     match (env, args.nproc_per_node) {
         (Some(env), _) if env.world > 1 => Ok(Mode::Rank(env)),

@@ -3,7 +3,9 @@
 //! before anything runs); `parc reshard` writes a checkpoint that `parc run --resume` of the new
 //! plan loads as its own (no re-sharding), continuing to the losses of the run resumed with
 //! re-sharding on load; with the `mpi` feature, a 4-rank checkpoint resumes in 2 processes
-//! (`--nproc-per-node 2`) to the losses of the uninterrupted 4-rank run.
+//! (`--nproc-per-node 2`) to the losses of the uninterrupted 4-rank run. Other training data
+//! (another size, other bytes, fewer samples) is refused by check, run and reshard alike with
+//! E1107 unless `--resume-any-data` consents; reshard takes `--resume-any-batch` as run does.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -184,4 +186,142 @@ fn four_ranks_resume_in_two_processes() {
         args.extend(["--nproc-per-node".into(), "2".into()]);
         assert_close(to, &losses(&run(&args)), &uninterrupted[2..]);
     }
+}
+
+/// The first `bytes` bytes of the tiny example's text, with `edit` applied, as `dir/name`.
+fn text_file(dir: &Path, name: &str, bytes: usize, edit: fn(&mut [u8])) -> PathBuf {
+    let all = std::fs::read(root().join("examples/data/tiny-shakespeare.txt")).unwrap();
+    let mut text = all[..bytes].to_vec();
+    edit(&mut text);
+    std::fs::create_dir_all(dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn on(data: &Path) -> String {
+    format!("train.data=\"{}\" as bytes", data.display())
+}
+
+/// `parc check --resume` (JSON) of the tiny example with `extra` flags: the document's file.
+fn check_resume(from: &Path, sets: &[String], extra: &[&str]) -> (Option<i32>, Value) {
+    let mut args: Vec<String> = ["check", "examples/tiny.par", "--format", "json", "--resume"]
+        .map(String::from)
+        .to_vec();
+    args.push(from.display().to_string());
+    args.extend(sets.iter().cloned());
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let out = parc(&args);
+    let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+    (out.status.code(), doc["files"][0].clone())
+}
+
+/// The message of `file`'s diagnostic `code`, if it has one.
+fn diagnostic(file: &Value, code: &str) -> Option<String> {
+    file["diagnostics"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["code"] == code)
+        .map(|d| format!("{} / {}", d["message"], d["help"]))
+}
+
+#[test]
+fn other_data_is_refused_by_check_run_and_reshard_unless_consented() {
+    let dir = temp_dir("data");
+    let a = text_file(&dir, "a.txt", 20_000, |_| {});
+    let moved = text_file(&dir.join("elsewhere"), "renamed.txt", 20_000, |_| {});
+    let longer = text_file(&dir, "longer.txt", 30_000, |_| {});
+    let edited = text_file(&dir, "edited.txt", 20_000, |t| t.make_ascii_uppercase());
+    let ckpt = dir.join("ckpt");
+    let with = |data: &Path, extra: &[&str]| {
+        let mut args = sets(&[&on(data)], 1, 4, &ckpt);
+        for set in extra {
+            args.extend(["--set".to_string(), set.to_string()]);
+        }
+        args
+    };
+    let mut first = with(&a, &[]);
+    first.extend(["--set".into(), "train.steps=2".into()]);
+    run(&first);
+    let step2 = ckpt.join("step-00000002");
+
+    let (code, file) = check_resume(&step2, &with(&moved, &[]), &[]);
+    assert_eq!(
+        code,
+        Some(0),
+        "the same bytes elsewhere are the same data: {file}"
+    );
+    for (data, extra, what) in [
+        (&longer, &[][..], "has 30000 bytes"),
+        (&edited, &[][..], "holds other bytes"),
+        // The held-out evaluation tail leaves fewer samples to train on.
+        (&a, &["train.eval.every=2"][..], "drew from 312 samples"),
+    ] {
+        let (code, file) = check_resume(&step2, &with(data, extra), &[]);
+        let message = diagnostic(&file, "E1107").unwrap_or_else(|| panic!("{what}: {file}"));
+        assert_eq!(code, Some(1));
+        assert!(
+            message.contains(what) && message.contains("--resume-any-data"),
+            "{message}"
+        );
+        let (code, file) = check_resume(&step2, &with(data, extra), &["--resume-any-data"]);
+        assert_eq!(code, Some(0), "{file}");
+        assert!(file["resume"]["data_change"]
+            .as_str()
+            .unwrap()
+            .contains(what));
+    }
+
+    // `parc run --resume` applies the same rule.
+    let mut resumed = with(&longer, &[]);
+    resumed.extend(["--resume".into(), step2.display().to_string()]);
+    let mut args: Vec<String> = ["run", "examples/tiny.par", "--backend", "cpu"]
+        .map(String::from)
+        .to_vec();
+    args.extend(resumed.iter().cloned());
+    let refused = parc(&args);
+    let stderr = text(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("E1107") && stderr.contains("has 30000 bytes"),
+        "{stderr}"
+    );
+    resumed.push("--resume-any-data".into());
+    let consented = run(&resumed);
+    assert_eq!(losses(&consented).len(), 2);
+    let stderr = text(&consented.stderr);
+    assert!(stderr.contains("note: --resume-any-data"), "{stderr}");
+    // Its own checkpoint records the new data: resuming it needs no consent.
+    let (code, file) = check_resume(&ckpt.join("step-00000004"), &with(&longer, &[]), &[]);
+    assert_eq!(code, Some(0), "{file}");
+
+    // `parc reshard` too, with both consents.
+    let reshard = |out: &str, extra: &[&str]| {
+        let mut args: Vec<String> = vec!["reshard".into(), step2.display().to_string()];
+        args.extend([
+            "examples/tiny.par".into(),
+            dir.join(out).display().to_string(),
+        ]);
+        args.extend(with(&longer, &["train.global_batch=4"]));
+        args.extend(extra.iter().map(|s| s.to_string()));
+        parc(&args)
+    };
+    let batch = reshard("r1", &["--resume-any-data"]);
+    let stderr = text(&batch.stderr);
+    assert!(
+        stderr.contains("E1104") && stderr.contains("--resume-any-batch"),
+        "{stderr}"
+    );
+    let data = reshard("r2", &["--resume-any-batch"]);
+    let stderr = text(&data.stderr);
+    assert!(stderr.contains("E1107"), "{stderr}");
+    let both = reshard("r3", &["--resume-any-batch", "--resume-any-data"]);
+    let stderr = text(&both.stderr);
+    assert!(both.status.success(), "{stderr}");
+    assert!(stderr.contains("--resume-any-data as well"), "{stderr}");
+    let mut resumed = with(&longer, &["train.global_batch=4"]);
+    resumed.extend(["--resume".into(), dir.join("r3").display().to_string()]);
+    resumed.push("--resume-any-data".into());
+    assert_eq!(losses(&run(&resumed)).len(), 2);
 }

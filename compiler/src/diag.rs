@@ -117,12 +117,23 @@ pub struct Diagnostic {
     pub fixes: Vec<Fix>,
 }
 
-/// One alternative a help line suggests, as `--set PATH=VALUE` overrides applied together
-/// (`parallel.tp=2`, `model.vocab=50304`): a spec with them passes the check that reported it.
+/// One alternative a help line suggests, as changes applied together: `--set PATH=VALUE`
+/// overrides (`parallel.tp=2`, `model.vocab=50304`) and text edits of the sources (`2 * d`
+/// becomes `64`): a spec with them passes the check that reported it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Fix {
     /// Each `PATH=VALUE`, as `--set` takes it.
     pub sets: Vec<String>,
+    /// Each text edit: the spec file's text or a `--set` flag's (`check::fixes` keeps only
+    /// edits the user can make there).
+    pub edits: Vec<Edit>,
+}
+
+/// A text edit: `span`'s text becomes `replacement`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Edit {
+    pub span: Span,
+    pub replacement: String,
 }
 
 impl Diagnostic {
@@ -163,7 +174,21 @@ impl Diagnostic {
             .into_iter()
             .map(|(path, v)| format!("{path}={v}"))
             .collect();
-        self.fixes.push(Fix { sets });
+        self.fixes.push(Fix {
+            sets,
+            edits: Vec::new(),
+        });
+        self
+    }
+    /// An alternative of the help as a text edit: `span`'s text becomes `replacement`.
+    pub fn edit(mut self, span: Span, replacement: impl Into<String>) -> Diagnostic {
+        self.fixes.push(Fix {
+            sets: Vec::new(),
+            edits: vec![Edit {
+                span,
+                replacement: replacement.into(),
+            }],
+        });
         self
     }
     pub fn note(mut self, note: impl Into<String>) -> Diagnostic {

@@ -299,13 +299,17 @@ fn attention(b: &Bound) -> Result<LayerKind, Diagnostic> {
         dim / heads
     };
     if heads % kv_heads != 0 || kv_heads > heads {
-        return Err(Diagnostic::error(
+        let d = Diagnostic::error(
             "E0304",
             format!("kv_heads = {kv_heads} does not divide heads = {heads} (grouped-query attention shares each kv head among heads / kv_heads query heads)"),
         )
         .label(kv_span, format!("kv_heads = {kv_heads}"))
         .label(heads_span, format!("heads = {heads}"))
-        .help(format!("set kv_heads to a divisor of {heads}: {}", suggest::divisors(heads, heads))));
+        .help(format!("set kv_heads to a divisor of {heads}: {}", suggest::divisors(heads, heads)));
+        let nearest = suggest::divisors_nearest(heads, kv_heads);
+        return Err(nearest
+            .into_iter()
+            .fold(d, |d, k| d.edit(kv_span, k.to_string())));
     }
     let rope = match b.values.get("rope") {
         None => None,

@@ -9,6 +9,7 @@
 //! each pipeline chunk (`cost::balance`: even, as given, or the cost model's split).
 
 mod data;
+mod fixes;
 pub mod functions;
 mod gpu;
 mod grid;
@@ -118,6 +119,7 @@ pub fn check_assuming(
     }
     let mut settings = settings::Settings::from_sections(&sections, &mut diags);
     let mut model_overrides = Overrides::default();
+    let first_override = sources.files.len() as u32;
     let override_spans = read_overrides(
         sources,
         overrides,
@@ -175,6 +177,13 @@ pub fn check_assuming(
     );
     let mut diags = dedup(diags);
     grid::complete_mesh_fixes(&mut diags.items, &pin.parallel.mesh, &cluster);
+    let editable = fixes::Editable {
+        sources,
+        main,
+        file: &file,
+        overrides: first_override..first_override + overrides.len() as u32,
+    };
+    editable.retain(&mut diags.items);
     conclude(diags, elaborated, pin, train, cluster)
 }
 
@@ -383,9 +392,13 @@ fn unknown_override(path: &str, span: Span, model_consts: &[&str]) -> Diagnostic
         all.iter().copied(),
         &format!("valid paths: {}", all.join(", ")),
     );
-    Diagnostic::error("E0905", format!("`--set {path}`: no such setting"))
+    let d = Diagnostic::error("E0905", format!("`--set {path}`: no such setting"))
         .label(span, "unknown path")
-        .help(help)
+        .help(help);
+    match suggest::closest(path, all.iter().copied()) {
+        Some(close) => d.edit(span, close),
+        None => d,
+    }
 }
 
 /// The prelude's functions (`stdlib/act.par`), checked; in scope in every module.

@@ -75,9 +75,25 @@ pub fn divisors(n: u64, up_to: u64) -> String {
     }
 }
 
+/// The divisors of `n` (up to 2^20), nearest to `near` first (of two as near, the larger):
+/// a help's alternatives in the order a tool should prefer them.
+pub fn divisors_nearest(n: u64, near: u64) -> Vec<u64> {
+    let mut ds: Vec<u64> = (1..=n.min(1 << 20))
+        .filter(|d| n.is_multiple_of(*d))
+        .collect();
+    ds.sort_by_key(|&d| (d.abs_diff(near), std::cmp::Reverse(d)));
+    ds
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn divisors_nearest_come_first_the_larger_of_two_as_near() {
+        assert_eq!(divisors_nearest(4, 3), vec![4, 2, 1]);
+        assert_eq!(divisors_nearest(12, 5), vec![6, 4, 3, 2, 1, 12]);
+    }
 
     #[test]
     fn finds_typos_only() {

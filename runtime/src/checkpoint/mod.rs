@@ -27,7 +27,9 @@
 //! groups, parameter layout, world) and the layout of its shards (`layout`). Under the same plan
 //! each rank loads its own shard; under another plan of the same model, optimizer, precision and
 //! global batch, each rank reads its slices of the old shards (`reshard`); anything else is
-//! refused naming the field that changed.
+//! refused naming the field that changed. The manifest also records the training data, which a
+//! resume must train on unless the user consents to other data (`dataset`).
+pub mod dataset;
 pub mod fault;
 pub mod layout;
 pub mod lock;
@@ -38,6 +40,7 @@ pub mod store;
 pub mod verify;
 pub mod writer;
 
+pub use dataset::{data_change, DataSeen};
 pub use layout::Layout;
 pub use lock::FolderLock;
 pub use resume::choose_resume;
@@ -112,6 +115,10 @@ pub struct Manifest {
     /// plan; absent in checkpoints of older builds, which resume only under their own plan.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layout: Option<Layout>,
+    /// The training data the run read (`dataset`); absent in checkpoints of older builds, whose
+    /// data is compared by `samples` alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<crate::data::DataRecord>,
 }
 
 /// A stable hash of a lowered plan: FNV-1a 64 over its JSON form, as 16 hex digits.
@@ -164,31 +171,38 @@ pub enum ResumeKind {
     Reshard,
 }
 
+/// What a resume consents to change beyond the plan: another global batch
+/// (`--resume-any-batch`), other training data (`--resume-any-data`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Consent {
+    pub any_batch: bool,
+    pub any_data: bool,
+}
+
 /// Whether a run of the plan with hash `plan_hash` and shard layout `layout` may continue from
-/// the checkpoint of `manifest`, and how: refused for another dataset, seed or model, and for
-/// another plan unless the checkpoint records its layout and the change keeps model, optimizer,
-/// precision and global batch ([`plan_change`]; `any_batch`: the user consents to another
-/// global batch, `--resume-any-batch`).
+/// the checkpoint of `manifest`, and how: refused for another seed or model, for another plan
+/// unless the checkpoint records its layout and the change keeps model, optimizer, precision
+/// and global batch ([`plan_change`]), and for other training data ([`data_change`]), unless
+/// `consent` allows another global batch or other data.
 pub fn check_compatible(
     manifest: &Manifest,
     plan_hash: &str,
     layout: &Layout,
     seed: u64,
-    samples: u64,
-    any_batch: bool,
+    data: DataSeen<'_>,
+    consent: Consent,
 ) -> crate::error::Result<ResumeKind> {
-    if manifest.samples != samples {
-        return Err(crate::error::RuntimeError::Checkpoint(format!(
-            "this checkpoint's dataset had {} samples, this run's has {samples}; resume with \
-             the same data and sequence length",
-            manifest.samples
-        )));
-    }
-    plan_change(manifest, plan_hash, layout, seed, any_batch).map_err(|refusal| {
+    let refused = |refusal: layout::Refusal| {
         crate::error::RuntimeError::Checkpoint(format!(
             "this checkpoint cannot continue under this run's spec: {refusal}"
         ))
-    })
+    };
+    let kind =
+        plan_change(manifest, plan_hash, layout, seed, consent.any_batch).map_err(refused)?;
+    match data_change(manifest, data) {
+        Some(refusal) if !consent.any_data => Err(refused(refusal)),
+        _ => Ok(kind),
+    }
 }
 
 /// How the checkpoint of `manifest` continues under the plan of hash `plan_hash`, layout
@@ -273,10 +287,16 @@ mod tests {
             checksums: Default::default(),
             layout: None,
             samples_seen: None,
+            data: None,
         };
         let four = layout(4, vec![4, 2]);
+        let seen = |samples| DataSeen {
+            record: None,
+            samples: Some(samples),
+        };
         let check = |m: &Manifest, hash: &str, l: &Layout, seed, samples| {
-            check_compatible(m, hash, l, seed, samples, false).map_err(|e| e.to_string())
+            check_compatible(m, hash, l, seed, seen(samples), Consent::default())
+                .map_err(|e| e.to_string())
         };
         assert_eq!(
             check(&manifest, "aaaa", &four, 1, 50),
@@ -290,7 +310,17 @@ mod tests {
         assert!(check(&manifest, "aaaa", &layout(2, vec![4, 2]), 1, 50).is_err());
         let seed = check(&manifest, "aaaa", &four, 2, 50).unwrap_err();
         assert!(seed.contains("train.seed = 1"), "{seed}");
-        assert!(check(&manifest, "aaaa", &four, 1, 51).is_err());
+        let data = check(&manifest, "aaaa", &four, 1, 51).unwrap_err();
+        assert!(
+            data.contains("E1107") && data.contains("gives 51"),
+            "{data}"
+        );
+        let any_data = Consent {
+            any_data: true,
+            ..Consent::default()
+        };
+        let consented = check_compatible(&manifest, "aaaa", &four, 1, seen(51), any_data);
+        assert_eq!(consented.ok(), Some(ResumeKind::SamePlan));
         manifest.layout = Some(four.clone());
         let two = layout(2, vec![4, 2]);
         assert_eq!(
@@ -317,7 +347,11 @@ mod tests {
             refused.contains("E1104") && refused.contains("train.global_batch = 8"),
             "{refused}"
         );
-        let consented = check_compatible(&manifest, "bbbb", &batch, 1, 50, true);
+        let any_batch = Consent {
+            any_batch: true,
+            ..Consent::default()
+        };
+        let consented = check_compatible(&manifest, "bbbb", &batch, 1, seen(50), any_batch);
         assert_eq!(consented.ok(), Some(ResumeKind::Reshard));
         assert_eq!(samples_seen(&manifest, 16), 80);
     }

@@ -443,6 +443,7 @@ pub(super) mod tests {
             checksums: Default::default(),
             layout: None,
             samples_seen: None,
+            data: None,
         }
     }
 

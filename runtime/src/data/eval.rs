@@ -16,6 +16,7 @@
 use super::sampler::BatchLayout;
 use super::source::Dataset;
 use crate::error::{Result, RuntimeError};
+use parc_compiler::spec::{DataSource, Spec};
 use std::sync::Arc;
 
 /// The samples every evaluation reads.
@@ -45,6 +46,20 @@ impl From<Arc<Dataset>> for RunData {
             train,
             eval: None,
         }
+    }
+}
+
+/// The samples training draws from under `spec` when its training data holds `samples`: all of
+/// them, less the held-out tail (`train.eval.batches` global batches) when it evaluates on the
+/// training data (no evaluation data of its own, training data not synthetic), as
+/// `exec::open_run_data` builds the [`RunData`]. For `parc check`, which counts the data's
+/// tokens without opening it.
+pub fn training_samples(spec: &Spec, samples: u64) -> u64 {
+    match &spec.train.eval {
+        Some(eval) if eval.data.is_none() && !matches!(spec.train.data, DataSource::Synthetic) => {
+            samples.saturating_sub(eval.batches.saturating_mul(spec.train.global_batch))
+        }
+        _ => samples,
     }
 }
 

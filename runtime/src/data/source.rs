@@ -9,6 +9,7 @@
 //! replace `Tokens::Owned` without changing the API). Synthetic data is a pure function of the
 //! seed and the token index, so it costs no memory and is identical on every rank.
 use super::files::data_files;
+use super::record::DataRecord;
 use super::shards::read_info;
 use super::text::tokenize_files;
 use super::tokenizer::Tokenizer;
@@ -36,6 +37,8 @@ pub struct Dataset {
     seq: u64,
     /// What errors call it: the file, or `synthetic data`.
     name: String,
+    /// What checkpoints record of it (None for tokens given in memory).
+    record: Option<DataRecord>,
 }
 
 /// splitmix64 output mixer (also used by the sampler's generator).
@@ -74,18 +77,30 @@ impl Dataset {
                 },
                 seq,
                 name: "synthetic data".to_string(),
+                record: Some(DataRecord::scan(source, spec_dir)?),
             }),
             DataSource::File { path, format, .. } => {
                 let tokens = read_token_files(spec_dir, path, *format, vocab)?;
-                Dataset::from_tokens(&stream_name(spec_dir, path), tokens, vocab, seq)
+                Dataset::from_tokens(&stream_name(spec_dir, path), tokens, vocab, seq)?
+                    .recorded(source, spec_dir)
             }
             DataSource::Text {
                 path, tokenizer, ..
             } => {
                 let tokens = read_text_files(spec_dir, path, tokenizer, vocab)?;
-                Dataset::from_tokens(&stream_name(spec_dir, path), tokens, vocab, seq)
+                Dataset::from_tokens(&stream_name(spec_dir, path), tokens, vocab, seq)?
+                    .recorded(source, spec_dir)
             }
         }
+    }
+
+    /// This dataset with the record of `source`, whose tokens it holds.
+    fn recorded(self, source: &DataSource, spec_dir: &Path) -> Result<Dataset> {
+        let record = DataRecord::scan(source, spec_dir)?.counted(self.token_count());
+        Ok(Dataset {
+            record: Some(record),
+            ..self
+        })
     }
 
     /// A dataset over tokens already in memory (tests, and the file reader above). `name` is
@@ -114,12 +129,19 @@ impl Dataset {
             tokens: Tokens::Owned(tokens),
             seq,
             name: name.to_string(),
+            record: None,
         })
     }
 
     /// What errors call it: its file, or `synthetic data`.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// What checkpoints record of it: its files' sizes and fingerprints and its token count
+    /// (`record`); None for tokens given in memory.
+    pub fn record(&self) -> Option<&DataRecord> {
+        self.record.as_ref()
     }
 
     fn token_count(&self) -> u64 {

@@ -86,6 +86,9 @@ pub struct TrainOptions {
     /// Resume a checkpoint of another global batch (`--resume-any-batch`): the sampler
     /// continues at the samples it had seen.
     pub resume_any_batch: bool,
+    /// Resume a checkpoint trained on other data (`--resume-any-data`): the sampler continues
+    /// on this run's data at the samples the checkpoint had seen.
+    pub resume_any_data: bool,
 }
 
 impl TrainOptions {
@@ -104,6 +107,7 @@ impl TrainOptions {
             source: None,
             on_sample: None,
             resume_any_batch: false,
+            resume_any_data: false,
         }
     }
 }
@@ -222,8 +226,9 @@ fn evaluates_after(spec: &Spec, done: u64) -> bool {
 
 /// Where a run continues from: the newest checkpoint under `options.resume` that verifies
 /// (`checkpoint::verify`) and its manifest (both `None` for a fresh run), refused unless written
-/// with this seed and dataset, by this plan or one it can be re-sharded from
-/// (`checkpoint::check_compatible`); and `plan`'s hash, which the run's own checkpoints record.
+/// with this seed and training data (or the user consents to other data), by this plan or one
+/// it can be re-sharded from (`checkpoint::check_compatible`); and `plan`'s hash, which the
+/// run's own checkpoints record.
 fn resume_point(
     plan: &Plan,
     spec: &Spec,
@@ -237,8 +242,25 @@ fn resume_point(
     let hash = checkpoint::plan_hash(plan);
     if let Some(m) = &manifest {
         let layout = checkpoint::Layout::of(spec, plan)?;
-        let (seed, samples) = (spec.train.seed, data.train_samples);
-        checkpoint::check_compatible(m, &hash, &layout, seed, samples, options.resume_any_batch)?;
+        let seen = checkpoint::DataSeen {
+            record: data.train.record(),
+            samples: Some(data.train_samples),
+        };
+        let consent = checkpoint::Consent {
+            any_batch: options.resume_any_batch,
+            any_data: options.resume_any_data,
+        };
+        checkpoint::check_compatible(m, &hash, &layout, spec.train.seed, seen, consent)?;
+        if let Some(change) = checkpoint::data_change(m, seen) {
+            eprintln!(
+                "note: --resume-any-data: {}; step {} continues at sample {} of this data's \
+                 order ({} samples an epoch)",
+                change.message,
+                m.step,
+                checkpoint::samples_seen(m, layout.global_batch),
+                data.train_samples
+            );
+        }
         let old_batch = m
             .layout
             .as_ref()
@@ -772,6 +794,7 @@ impl RunContext<'_> {
             checksums: Default::default(),
             layout: Some(layout),
             samples_seen: Some(exec.sampler().position(step)),
+            data: self.data.train.record().cloned(),
         });
         saves.start(exec, step, manifest).map(Some)
     }

@@ -944,7 +944,12 @@ impl<'a> Elab<'a> {
                 );
             }
             let help = match (&have, &want) {
-                (Shape::Hidden(n), Shape::Hidden(_)) => format!("set {name}'s {param_name} to {n}"),
+                (Shape::Hidden(n), Shape::Hidden(_)) => {
+                    if let Some(ps) = param_span {
+                        d = d.edit(ps, n.to_string());
+                    }
+                    format!("set {name}'s {param_name} to {n}")
+                }
                 (_, Shape::Tokens) => "apply Embedding to the token ids input".to_string(),
                 _ => format!("apply {name} to a hidden state"),
             };
