@@ -27,7 +27,7 @@ fn rope() {
 }
 
 /// Every layer op with its float operands (activations, their gradients) stored in bf16 on
-/// both backends: embedding and position-add forwards only round what both compute the same
+/// both backends (tables too, as a bf16 run keeps them): embedding and position-add forwards only round what both compute the same
 /// way (exact); gradients into fp32 tables keep the reduction tolerance; norms and RoPE
 /// within one bf16 step.
 #[test]
