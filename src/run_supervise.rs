@@ -402,6 +402,24 @@ fn blamed_rank(message: &str) -> Option<u32> {
     digits.parse().ok()
 }
 
+/// The rank whose failure stopped the job, from each rank's last error and the first rank to
+/// fail; in rank order, so the answer does not depend on which line came first: a rank the
+/// others blame that has an error of its own; else the first to fail, if it has one; else any
+/// rank with an error of its own (followers may blame each other in a circle when a failing rank
+/// aborted the comm before printing its own cause); else a blamed rank; else the first to fail.
+fn root_cause(errors: &HashMap<u32, String>, first: Option<u32>) -> Option<u32> {
+    let mut ranks: Vec<u32> = errors.keys().copied().collect();
+    ranks.sort_unstable();
+    let blamed = || (ranks.iter()).filter_map(|r| errors.get(r).and_then(|m| blamed_rank(m)));
+    let own_error = |r: &u32| errors.get(r).is_some_and(|m| blamed_rank(m).is_none());
+    blamed()
+        .find(own_error)
+        .or(first.filter(own_error))
+        .or_else(|| ranks.iter().copied().find(own_error))
+        .or_else(|| blamed().next())
+        .or(first)
+}
+
 /// Print how the job ended; the exit code.
 fn report(outcome: Outcome, errors: &Mutex<HashMap<u32, String>>) -> u8 {
     let errors = errors.lock().map(|e| e.clone()).unwrap_or_default();
@@ -412,14 +430,7 @@ fn report(outcome: Outcome, errors: &Mutex<HashMap<u32, String>>) -> u8 {
     let Some((first, status)) = outcome.failed else {
         return 0;
     };
-    // The root cause: the rank the others blame, else the first to fail, else any with an
-    // error of its own.
-    let blamed = errors.values().find_map(|m| blamed_rank(m));
-    let own_error = |r: &u32| errors.get(r).is_some_and(|m| blamed_rank(m).is_none());
-    let root = blamed
-        .or(first.filter(own_error))
-        .or_else(|| errors.keys().copied().filter(own_error).min())
-        .or(first);
+    let root = root_cause(&errors, first);
     let code = status
         .code()
         .map(|c| c.clamp(1, 255) as u8)
@@ -518,5 +529,46 @@ mod tests {
             Some(2)
         );
         assert_eq!(blamed_rank("data: file missing"), None);
+    }
+
+    #[test]
+    fn the_root_cause_is_an_error_of_its_own_even_when_followers_blame_in_a_circle() {
+        let errors = |list: &[(u32, &str)]| -> HashMap<u32, String> {
+            list.iter().map(|&(r, m)| (r, m.to_string())).collect()
+        };
+        // A full disk: rank 3 says so; rank 1 aborted the comm first and blames rank 0, which
+        // (like rank 2) blames rank 1.
+        let full = errors(&[
+            (
+                0,
+                "checkpoint: not saved: stopped because rank 1 could not write its shard",
+            ),
+            (
+                1,
+                "communication: rank 1 stopped in all_reduce because rank 0 failed: …",
+            ),
+            (
+                2,
+                "checkpoint: not saved: stopped because rank 1 could not write its shard",
+            ),
+            (
+                3,
+                "checkpoint: writing rank-00003: no space left on the disk",
+            ),
+        ]);
+        assert_eq!(root_cause(&full, Some(0)), Some(3));
+        // A blamed rank with its own error wins over the first to exit.
+        let own = errors(&[
+            (0, "x because rank 2 failed: dead"),
+            (2, "data: file missing"),
+        ]);
+        assert_eq!(root_cause(&own, Some(0)), Some(2));
+        // A killed rank prints nothing: the one the others blame.
+        let killed = errors(&[
+            (0, "x because rank 2 failed: dead"),
+            (1, "y because rank 2 failed"),
+        ]);
+        assert_eq!(root_cause(&killed, Some(0)), Some(2));
+        assert_eq!(root_cause(&HashMap::new(), Some(1)), Some(1));
     }
 }

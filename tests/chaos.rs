@@ -287,7 +287,11 @@ fn a_disk_that_fills_during_a_save_ends_the_run_naming_the_folder_and_no_space()
     let output = run(&multi(plan_args(4, 2, &dir)), &env);
     let err = stderr(&output);
     assert!(!output.status.success(), "{err}");
-    let last = err.lines().last().unwrap_or_default();
+    // parc's launcher reports last; mpiexec may print its own trailer after it.
+    let last = err
+        .lines()
+        .rfind(|l| !l.starts_with("[mpiexec]"))
+        .unwrap_or_default();
     assert!(
         last.starts_with("error: rank ")
             && last.contains(&format!("{}/.step-00000004.tmp/", dir.display()))
