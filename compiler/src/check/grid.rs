@@ -291,6 +291,8 @@ impl Grid<'_> {
                     .fix([("parallel.cp", fixed_cp)]),
             );
         }
+        // A cp that does not split the sequence is E0406's alone: a cp rank's share of it
+        // would be a rounded number in E0410.
         if p.sequence_parallel {
             let span = self.at("parallel.sequence_parallel", self.parallel_span);
             if tp <= 1 {
@@ -299,7 +301,7 @@ impl Grid<'_> {
                         .label(span, "sequence_parallel = true")
                         .help("set tp > 1, or remove sequence_parallel"),
                 );
-            } else if !(seq / cp.max(1)).is_multiple_of(tp) {
+            } else if seq.is_multiple_of(chunks) && !(seq / cp.max(1)).is_multiple_of(tp) {
                 let local = seq / cp.max(1);
                 self.diags.push(
                     Diagnostic::error("E0410", format!("sequence parallelism splits each rank's {local} tokens over tp = {tp}, which does not divide them"))
