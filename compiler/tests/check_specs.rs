@@ -627,3 +627,16 @@ fn pipeline_layer_helps_lead_to_specs_that_check() {
     assert!(help_of(&no_pipeline, "E0418").contains("remove `layers`"));
     tiny_with(&[]);
 }
+
+#[test]
+fn an_unknown_choice_is_judged_alone() {
+    // Its fields are not reported as another choice's (`constant` has no `min_lr`, …).
+    for set in [
+        "train.schedule=wsd { warmup: 10, min_lr: 0 }",
+        "train.optimizer=lion { lr: 1e-4, momentum: 0.9 }",
+        "train.precision=fp8 { loss_scale: 1024 }",
+    ] {
+        let (_, codes) = run(&example("tiny.par"), &[set]);
+        assert_eq!(codes, ["E0904"], "{set}");
+    }
+}
