@@ -434,10 +434,9 @@ impl Grid<'_> {
                 "{name} = {n} groups span {reach} consecutive ranks ({}), more than one node of {gpn} GPUs",
                 inner.join(" × ")
             );
-            let help = format!(
-                "keep {name} groups inside a node: make the product of {name} and the axes after it in the mesh divide gpus_per_node = {gpn}, move {name} last in the mesh, or allow it with `cross_node = [{name}]`"
-            );
-            let d = if cross_node.contains(&axis) {
+            let allowed = cross_node.contains(&axis);
+            let help = placement_help(&p.mesh, axis, gpn, cross_node, allowed);
+            let d = if allowed {
                 Diagnostic::warning(
                     "W0601",
                     format!("{msg}: its collectives cross the inter-node link"),
@@ -614,6 +613,45 @@ pub fn sizes(model: &Model, train: &Train, span: Span, diags: &mut Diagnostics) 
                 .label(model.span, "this model")
                 .help("use smaller dimensions or fewer layers"),
         );
+    }
+}
+
+/// How to keep `axis`'s groups inside a node of `gpn` GPUs, offering only what leads there: a
+/// smaller axis when it alone outgrows a node, moving it last in the mesh when it is not last
+/// and the other of tp/cp still fits after it, and (for E0601) `cross_node`.
+fn placement_help(mesh: &Mesh, axis: Axis, gpn: u32, cross_node: &[Axis], allowed: bool) -> String {
+    let name = axis.name();
+    let n = mesh.size(axis);
+    let fits = |ranks: u32| ranks <= gpn && gpn.is_multiple_of(ranks);
+    let other = if axis == Axis::Tp { Axis::Cp } else { Axis::Tp };
+    let m = mesh.size(other);
+    let last = mesh.axes.last().is_some_and(|(a, _)| *a == axis);
+    let node = if gpn == 1 {
+        "1 GPU".to_string()
+    } else {
+        format!("{gpn} GPUs")
+    };
+    let outgrows = format!("{name} = {n} outgrows a node of {node}");
+    let mut ways = format!(
+        "make the product of {name} and the axes after it in the mesh divide gpus_per_node = {gpn}"
+    );
+    if !last && (m <= 1 || cross_node.contains(&other) || fits(n.saturating_mul(m))) {
+        ways.push_str(&format!(", or move {name} last in the mesh"));
+    }
+    let allow = format!("`cross_node = [{name}]`");
+    match (fits(n), allowed) {
+        (false, false) => {
+            format!("{outgrows}: set {name} to a divisor of {gpn}, or allow it with {allow}")
+        }
+        (false, true) => {
+            format!("allowed by {allow}: {outgrows} (a divisor of {gpn} would keep it inside one)")
+        }
+        (true, false) => {
+            format!("keep {name} groups inside a node: {ways}; or allow it with {allow}")
+        }
+        (true, true) => {
+            format!("allowed by {allow}; to keep {name} groups inside a node instead, {ways}")
+        }
     }
 }
 
