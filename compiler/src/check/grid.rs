@@ -683,49 +683,99 @@ pub fn assumed_batch(pin: &ParallelIn, train: &Train) -> Option<(u64, u32)> {
     (per > 0 && want != g).then(|| (want, u32::try_from(m).unwrap_or(u32::MAX)))
 }
 
-/// A fix that resizes a mesh axis (`parallel.tp=2`) on a one-node cluster also sizes the node
-/// to the new mesh (`cluster.gpus_per_node`), so that the fix does not lead into E0401 (and
-/// E0601); the help says so.
-pub fn complete_mesh_fixes(diags: &mut [Diagnostic], mesh: &Mesh, cluster: &Cluster) {
-    let world = u64::from(mesh.world());
-    if cluster.nodes != 1 {
-        return;
-    }
+/// A fix that resizes a mesh axis (`parallel.tp=2`) must not lead into E0401: it keeps the
+/// cluster's GPUs by resizing dp (`parallel.dp=4`) where dp can take up the difference with
+/// the batch arithmetic and placement still holding, else, on a one-node cluster, sizes the
+/// node to the new mesh (`cluster.gpus_per_node`). The help says which.
+pub fn complete_mesh_fixes(
+    diags: &mut [Diagnostic],
+    pin: &ParallelIn,
+    cluster: &Cluster,
+    train: Option<&Train>,
+) {
+    let mesh = &pin.parallel.mesh;
+    let gpus = u64::from(cluster.nodes) * u64::from(cluster.gpus_per_node);
     let axis_of = |path: &str| {
         [Axis::Dp, Axis::Pp, Axis::Cp, Axis::Tp]
             .into_iter()
             .find(|a| path.strip_prefix("parallel.") == Some(a.name()))
     };
     for d in diags {
-        let mut resized = None;
+        let mut note = None;
         for fix in &mut d.fixes {
-            if fix.sets.iter().any(|s| s.starts_with("cluster.")) {
+            let resizes: Vec<(Axis, u32)> = fix
+                .sets
+                .iter()
+                .filter_map(|s| s.split_once('='))
+                .filter_map(|(path, v)| Some((axis_of(path)?, v.parse::<u32>().ok()?)))
+                .collect();
+            let sets_dp_or_cluster = fix
+                .sets
+                .iter()
+                .any(|s| s.starts_with("cluster.") || s.starts_with("parallel.dp="));
+            let Some(&(axis, value)) = resizes.first() else {
+                continue;
+            };
+            if sets_dp_or_cluster {
                 continue;
             }
-            let mut after = world;
-            for (path, value) in fix.sets.iter().filter_map(|s| s.split_once('=')) {
-                if let (Some(axis), Ok(value)) = (axis_of(path), value.parse::<u64>()) {
-                    after = after / u64::from(mesh.size(axis).max(1)) * value;
-                    resized.get_or_insert((
-                        path.trim_start_matches("parallel.").to_string(),
-                        value,
-                        0,
-                    ));
+            let mut after = mesh.clone();
+            for (a, v) in &resizes {
+                if let Some(entry) = after.axes.iter_mut().find(|(x, _)| x == a) {
+                    entry.1 = *v;
                 }
             }
-            if after != world && after != u64::from(cluster.gpus_per_node) {
-                fix.sets.push(format!("cluster.gpus_per_node={after}"));
-                if let Some(r) = resized.as_mut() {
-                    r.2 = after;
-                }
+            if u64::from(after.world()) == gpus {
+                continue;
             }
-        }
-        if let (Some((axis, value, gpus)), Some(help)) = (resized, d.help.as_mut()) {
-            if gpus > 0 {
-                help.push_str(&format!(
-                    "; with {axis} = {value}, set gpus_per_node to {gpus} (the mesh's size)"
+            let change = format!("{} = {value}", axis.name());
+            if let Some(dp) = dp_keeping(&after, gpus, pin, cluster, train) {
+                fix.sets.push(format!("parallel.dp={dp}"));
+                note.get_or_insert(format!(
+                    "; with {change}, set dp to {dp} to keep the {gpus} GPUs"
+                ));
+            } else if cluster.nodes == 1 {
+                let size = after.world();
+                fix.sets.push(format!("cluster.gpus_per_node={size}"));
+                note.get_or_insert(format!(
+                    "; with {change}, set gpus_per_node to {size} (the mesh's size)"
                 ));
             }
         }
+        if let (Some(note), Some(help)) = (note, d.help.as_mut()) {
+            help.push_str(&note);
+        }
     }
+}
+
+/// The dp that brings `mesh` (its other axes resized by a fix) to the cluster's `gpus`, when
+/// the global batch still divides into micro batches over it (microbatches not written) and
+/// its tp and cp groups stay inside a node.
+fn dp_keeping(
+    mesh: &Mesh,
+    gpus: u64,
+    pin: &ParallelIn,
+    cluster: &Cluster,
+    train: Option<&Train>,
+) -> Option<u32> {
+    let others = u64::from(mesh.world() / mesh.size(Axis::Dp).max(1));
+    if others == 0 || !gpus.is_multiple_of(others) || pin.microbatches_given {
+        return None;
+    }
+    let dp = u32::try_from(gpus / others).ok()?;
+    let train = train?;
+    if !train
+        .global_batch
+        .is_multiple_of(train.micro_batch.saturating_mul(u64::from(dp)))
+    {
+        return None;
+    }
+    let mut resized = mesh.clone();
+    if let Some(entry) = resized.axes.iter_mut().find(|(a, _)| *a == Axis::Dp) {
+        entry.1 = dp;
+    }
+    let span = node_span(&resized);
+    (span <= u64::from(cluster.gpus_per_node)
+        && u64::from(cluster.gpus_per_node).is_multiple_of(span))
+    .then_some(dp)
 }
