@@ -150,6 +150,8 @@ impl Grid<'_> {
         let fits: Vec<String> = fitting.iter().map(u64::to_string).collect();
         let fits = fits.join(", ");
         let mut reported: BTreeSet<(&'static str, u64)> = BTreeSet::new();
+        // `--set model.vocab=N` pads the vocabulary where the model names it `let vocab`.
+        let vocab_let = e.consts.contains_key("vocab");
         for (i, n) in e.model.nodes.iter().enumerate() {
             let spans = &e.arg_spans[i];
             let mut check = |code: &'static str,
@@ -162,19 +164,32 @@ impl Grid<'_> {
                     return;
                 }
                 let at = spans.get(param).copied().unwrap_or(n.span);
-                diags.push(
-                    Diagnostic::error(
-                        code,
-                        format!("{what} = {value} is not divisible by tp = {tp}"),
-                    )
-                    .label(tp_span, format!("tp = {tp}"))
-                    .label(at, format!("{what} = {value}"))
-                    .help(format!(
-                        "set tp to a divisor of {what} = {value}: {}; tp sizes that fit every dimension sharded on tp: {fits}",
-                        suggest::divisors(value, 64)
-                    ))
-                    .fix([("parallel.tp", fixed_tp)]),
+                let help = format!(
+                    "set tp to a divisor of {what} = {value}: {}; tp sizes that fit every dimension sharded on tp: {fits}",
+                    suggest::divisors(value, 64)
                 );
+                let mut d = Diagnostic::error(
+                    code,
+                    format!("{what} = {value} is not divisible by tp = {tp}"),
+                )
+                .label(tp_span, format!("tp = {tp}"))
+                .label(at, format!("{what} = {value}"))
+                .help(help)
+                .fix([("parallel.tp", fixed_tp)]);
+                // What the published recipes do instead.
+                let padded = value.next_multiple_of(128 * tp);
+                if code == "E0405" {
+                    d = d.note(format!(
+                        "or pad the vocabulary to {padded}, a multiple of 128 × tp as Megatron does (the extra ids are never targets)"
+                    ));
+                    if vocab_let {
+                        d = d.fix([("model.vocab", padded)]);
+                    }
+                }
+                if code == "E0403" && value < tp {
+                    d = d.note("parc splits the kv heads over tp and does not replicate them: tp may not exceed kv_heads");
+                }
+                diags.push(d);
             };
             match &n.kind {
                 LayerKind::Attention {
