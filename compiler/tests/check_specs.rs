@@ -627,3 +627,66 @@ fn pipeline_layer_helps_lead_to_specs_that_check() {
     assert!(help_of(&no_pipeline, "E0418").contains("remove `layers`"));
     tiny_with(&[]);
 }
+
+#[test]
+fn an_override_replaces_the_whole_value_of_its_path() {
+    // A choice by word drops the file's fields of the other choice (FEATURES writes
+    // `fp16 { loss_scale: dynamic { … } }` and `linear { warmup, min_lr, decay_steps }`).
+    let (spec, codes) = run(
+        FEATURES,
+        &[
+            "train.precision=bf16",
+            "train.schedule=cosine",
+            "train.optimizer=adamw",
+        ],
+    );
+    assert!(codes.is_empty(), "{codes:?}");
+    let spec = spec.unwrap();
+    assert_eq!(spec.train.precision, Precision::Bf16);
+    assert!(matches!(
+        spec.train.schedule,
+        LrSchedule::Cosine {
+            warmup: 0,
+            decay_steps: 60,
+            ..
+        }
+    ));
+    // A mesh record is the whole mesh: the axes it leaves out are 1, its order is the ranks'.
+    let spec = tiny_with(&[
+        "parallel.dp=2",
+        "parallel.mesh={tp: 2, dp: 2}",
+        "cluster.gpus_per_node=4",
+        "parallel.mesh={tp: 2}",
+        "parallel.mesh={tp: 2, dp: 2}",
+    ]);
+    assert_eq!(spec.parallel.mesh.sizes(), (2, 1, 1, 2));
+    assert_eq!(
+        (
+            spec.parallel.mesh.stride(Axis::Tp),
+            spec.parallel.mesh.stride(Axis::Dp)
+        ),
+        (2, 1)
+    );
+    let (_, codes) = run(
+        &example("tiny.par"),
+        &[
+            "parallel.dp=2",
+            "parallel.mesh={tp: 2}",
+            "cluster.gpus_per_node=2",
+        ],
+    );
+    assert!(codes.iter().all(|c| c.starts_with('W')), "{codes:?}");
+}
+
+#[test]
+fn an_unknown_choice_is_judged_alone() {
+    // Its fields are not reported as another choice's (`constant` has no `min_lr`, …).
+    for set in [
+        "train.schedule=wsd { warmup: 10, min_lr: 0 }",
+        "train.optimizer=lion { lr: 1e-4, momentum: 0.9 }",
+        "train.precision=fp8 { loss_scale: 1024 }",
+    ] {
+        let (_, codes) = run(&example("tiny.par"), &[set]);
+        assert_eq!(codes, ["E0904"], "{set}");
+    }
+}

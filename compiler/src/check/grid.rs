@@ -150,6 +150,8 @@ impl Grid<'_> {
         let fits: Vec<String> = fitting.iter().map(u64::to_string).collect();
         let fits = fits.join(", ");
         let mut reported: BTreeSet<(&'static str, u64)> = BTreeSet::new();
+        // `--set model.vocab=N` pads the vocabulary where the model names it `let vocab`.
+        let vocab_let = e.consts.contains_key("vocab");
         for (i, n) in e.model.nodes.iter().enumerate() {
             let spans = &e.arg_spans[i];
             let mut check = |code: &'static str,
@@ -162,19 +164,32 @@ impl Grid<'_> {
                     return;
                 }
                 let at = spans.get(param).copied().unwrap_or(n.span);
-                diags.push(
-                    Diagnostic::error(
-                        code,
-                        format!("{what} = {value} is not divisible by tp = {tp}"),
-                    )
-                    .label(tp_span, format!("tp = {tp}"))
-                    .label(at, format!("{what} = {value}"))
-                    .help(format!(
-                        "set tp to a divisor of {what} = {value}: {}; tp sizes that fit every dimension sharded on tp: {fits}",
-                        suggest::divisors(value, 64)
-                    ))
-                    .fix([("parallel.tp", fixed_tp)]),
+                let help = format!(
+                    "set tp to a divisor of {what} = {value}: {}; tp sizes that fit every dimension sharded on tp: {fits}",
+                    suggest::divisors(value, 64)
                 );
+                let mut d = Diagnostic::error(
+                    code,
+                    format!("{what} = {value} is not divisible by tp = {tp}"),
+                )
+                .label(tp_span, format!("tp = {tp}"))
+                .label(at, format!("{what} = {value}"))
+                .help(help)
+                .fix([("parallel.tp", fixed_tp)]);
+                // What the published recipes do instead.
+                let padded = value.next_multiple_of(128 * tp);
+                if code == "E0405" {
+                    d = d.note(format!(
+                        "or pad the vocabulary to {padded}, a multiple of 128 × tp as Megatron does (the extra ids are never targets)"
+                    ));
+                    if vocab_let {
+                        d = d.fix([("model.vocab", padded)]);
+                    }
+                }
+                if code == "E0403" && value < tp {
+                    d = d.note("parc splits the kv heads over tp and does not replicate them: tp may not exceed kv_heads");
+                }
+                diags.push(d);
             };
             match &n.kind {
                 LayerKind::Attention {
@@ -291,6 +306,8 @@ impl Grid<'_> {
                     .fix([("parallel.cp", fixed_cp)]),
             );
         }
+        // A cp that does not split the sequence is E0406's alone: a cp rank's share of it
+        // would be a rounded number in E0410.
         if p.sequence_parallel {
             let span = self.at("parallel.sequence_parallel", self.parallel_span);
             if tp <= 1 {
@@ -299,7 +316,7 @@ impl Grid<'_> {
                         .label(span, "sequence_parallel = true")
                         .help("set tp > 1, or remove sequence_parallel"),
                 );
-            } else if !(seq / cp.max(1)).is_multiple_of(tp) {
+            } else if seq.is_multiple_of(chunks) && !(seq / cp.max(1)).is_multiple_of(tp) {
                 let local = seq / cp.max(1);
                 self.diags.push(
                     Diagnostic::error("E0410", format!("sequence parallelism splits each rank's {local} tokens over tp = {tp}, which does not divide them"))
@@ -432,10 +449,9 @@ impl Grid<'_> {
                 "{name} = {n} groups span {reach} consecutive ranks ({}), more than one node of {gpn} GPUs",
                 inner.join(" × ")
             );
-            let help = format!(
-                "keep {name} groups inside a node: make the product of {name} and the axes after it in the mesh divide gpus_per_node = {gpn}, move {name} last in the mesh, or allow it with `cross_node = [{name}]`"
-            );
-            let d = if cross_node.contains(&axis) {
+            let allowed = cross_node.contains(&axis);
+            let help = placement_help(&p.mesh, axis, gpn, cross_node, allowed);
+            let d = if allowed {
                 Diagnostic::warning(
                     "W0601",
                     format!("{msg}: its collectives cross the inter-node link"),
@@ -615,6 +631,45 @@ pub fn sizes(model: &Model, train: &Train, span: Span, diags: &mut Diagnostics) 
     }
 }
 
+/// How to keep `axis`'s groups inside a node of `gpn` GPUs, offering only what leads there: a
+/// smaller axis when it alone outgrows a node, moving it last in the mesh when it is not last
+/// and the other of tp/cp still fits after it, and (for E0601) `cross_node`.
+fn placement_help(mesh: &Mesh, axis: Axis, gpn: u32, cross_node: &[Axis], allowed: bool) -> String {
+    let name = axis.name();
+    let n = mesh.size(axis);
+    let fits = |ranks: u32| ranks <= gpn && gpn.is_multiple_of(ranks);
+    let other = if axis == Axis::Tp { Axis::Cp } else { Axis::Tp };
+    let m = mesh.size(other);
+    let last = mesh.axes.last().is_some_and(|(a, _)| *a == axis);
+    let node = if gpn == 1 {
+        "1 GPU".to_string()
+    } else {
+        format!("{gpn} GPUs")
+    };
+    let outgrows = format!("{name} = {n} outgrows a node of {node}");
+    let mut ways = format!(
+        "make the product of {name} and the axes after it in the mesh divide gpus_per_node = {gpn}"
+    );
+    if !last && (m <= 1 || cross_node.contains(&other) || fits(n.saturating_mul(m))) {
+        ways.push_str(&format!(", or move {name} last in the mesh"));
+    }
+    let allow = format!("`cross_node = [{name}]`");
+    match (fits(n), allowed) {
+        (false, false) => {
+            format!("{outgrows}: set {name} to a divisor of {gpn}, or allow it with {allow}")
+        }
+        (false, true) => {
+            format!("allowed by {allow}: {outgrows} (a divisor of {gpn} would keep it inside one)")
+        }
+        (true, false) => {
+            format!("keep {name} groups inside a node: {ways}; or allow it with {allow}")
+        }
+        (true, true) => {
+            format!("allowed by {allow}; to keep {name} groups inside a node instead, {ways}")
+        }
+    }
+}
+
 /// The consecutive ranks that one node must hold for the tp and cp groups to stay inside it
 /// (the largest `stride × size` of the two; 1 without them): `placement`'s rule.
 fn node_span(mesh: &Mesh) -> u64 {
@@ -643,49 +698,99 @@ pub fn assumed_batch(pin: &ParallelIn, train: &Train) -> Option<(u64, u32)> {
     (per > 0 && want != g).then(|| (want, u32::try_from(m).unwrap_or(u32::MAX)))
 }
 
-/// A fix that resizes a mesh axis (`parallel.tp=2`) on a one-node cluster also sizes the node
-/// to the new mesh (`cluster.gpus_per_node`), so that the fix does not lead into E0401 (and
-/// E0601); the help says so.
-pub fn complete_mesh_fixes(diags: &mut [Diagnostic], mesh: &Mesh, cluster: &Cluster) {
-    let world = u64::from(mesh.world());
-    if cluster.nodes != 1 {
-        return;
-    }
+/// A fix that resizes a mesh axis (`parallel.tp=2`) must not lead into E0401: it keeps the
+/// cluster's GPUs by resizing dp (`parallel.dp=4`) where dp can take up the difference with
+/// the batch arithmetic and placement still holding, else, on a one-node cluster, sizes the
+/// node to the new mesh (`cluster.gpus_per_node`). The help says which.
+pub fn complete_mesh_fixes(
+    diags: &mut [Diagnostic],
+    pin: &ParallelIn,
+    cluster: &Cluster,
+    train: Option<&Train>,
+) {
+    let mesh = &pin.parallel.mesh;
+    let gpus = u64::from(cluster.nodes) * u64::from(cluster.gpus_per_node);
     let axis_of = |path: &str| {
         [Axis::Dp, Axis::Pp, Axis::Cp, Axis::Tp]
             .into_iter()
             .find(|a| path.strip_prefix("parallel.") == Some(a.name()))
     };
     for d in diags {
-        let mut resized = None;
+        let mut note = None;
         for fix in &mut d.fixes {
-            if fix.sets.iter().any(|s| s.starts_with("cluster.")) {
+            let resizes: Vec<(Axis, u32)> = fix
+                .sets
+                .iter()
+                .filter_map(|s| s.split_once('='))
+                .filter_map(|(path, v)| Some((axis_of(path)?, v.parse::<u32>().ok()?)))
+                .collect();
+            let sets_dp_or_cluster = fix
+                .sets
+                .iter()
+                .any(|s| s.starts_with("cluster.") || s.starts_with("parallel.dp="));
+            let Some(&(axis, value)) = resizes.first() else {
+                continue;
+            };
+            if sets_dp_or_cluster {
                 continue;
             }
-            let mut after = world;
-            for (path, value) in fix.sets.iter().filter_map(|s| s.split_once('=')) {
-                if let (Some(axis), Ok(value)) = (axis_of(path), value.parse::<u64>()) {
-                    after = after / u64::from(mesh.size(axis).max(1)) * value;
-                    resized.get_or_insert((
-                        path.trim_start_matches("parallel.").to_string(),
-                        value,
-                        0,
-                    ));
+            let mut after = mesh.clone();
+            for (a, v) in &resizes {
+                if let Some(entry) = after.axes.iter_mut().find(|(x, _)| x == a) {
+                    entry.1 = *v;
                 }
             }
-            if after != world && after != u64::from(cluster.gpus_per_node) {
-                fix.sets.push(format!("cluster.gpus_per_node={after}"));
-                if let Some(r) = resized.as_mut() {
-                    r.2 = after;
-                }
+            if u64::from(after.world()) == gpus {
+                continue;
             }
-        }
-        if let (Some((axis, value, gpus)), Some(help)) = (resized, d.help.as_mut()) {
-            if gpus > 0 {
-                help.push_str(&format!(
-                    "; with {axis} = {value}, set gpus_per_node to {gpus} (the mesh's size)"
+            let change = format!("{} = {value}", axis.name());
+            if let Some(dp) = dp_keeping(&after, gpus, pin, cluster, train) {
+                fix.sets.push(format!("parallel.dp={dp}"));
+                note.get_or_insert(format!(
+                    "; with {change}, set dp to {dp} to keep the {gpus} GPUs"
+                ));
+            } else if cluster.nodes == 1 {
+                let size = after.world();
+                fix.sets.push(format!("cluster.gpus_per_node={size}"));
+                note.get_or_insert(format!(
+                    "; with {change}, set gpus_per_node to {size} (the mesh's size)"
                 ));
             }
         }
+        if let (Some(note), Some(help)) = (note, d.help.as_mut()) {
+            help.push_str(&note);
+        }
     }
+}
+
+/// The dp that brings `mesh` (its other axes resized by a fix) to the cluster's `gpus`, when
+/// the global batch still divides into micro batches over it (microbatches not written) and
+/// its tp and cp groups stay inside a node.
+fn dp_keeping(
+    mesh: &Mesh,
+    gpus: u64,
+    pin: &ParallelIn,
+    cluster: &Cluster,
+    train: Option<&Train>,
+) -> Option<u32> {
+    let others = u64::from(mesh.world() / mesh.size(Axis::Dp).max(1));
+    if others == 0 || !gpus.is_multiple_of(others) || pin.microbatches_given {
+        return None;
+    }
+    let dp = u32::try_from(gpus / others).ok()?;
+    let train = train?;
+    if !train
+        .global_batch
+        .is_multiple_of(train.micro_batch.saturating_mul(u64::from(dp)))
+    {
+        return None;
+    }
+    let mut resized = mesh.clone();
+    if let Some(entry) = resized.axes.iter_mut().find(|(a, _)| *a == Axis::Dp) {
+        entry.1 = dp;
+    }
+    let span = node_span(&resized);
+    (span <= u64::from(cluster.gpus_per_node)
+        && u64::from(cluster.gpus_per_node).is_multiple_of(span))
+    .then_some(dp)
 }

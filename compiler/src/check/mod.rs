@@ -176,7 +176,7 @@ pub fn check_assuming(
         elaborated.as_mut(),
     );
     let mut diags = dedup(diags);
-    grid::complete_mesh_fixes(&mut diags.items, &pin.parallel.mesh, &cluster);
+    grid::complete_mesh_fixes(&mut diags.items, &pin, &cluster, train.as_ref());
     let editable = fixes::Editable {
         sources,
         main,

@@ -747,7 +747,10 @@ fn precision(r: &mut Reader, gpu_is_cpu: bool) -> Precision {
     };
     match r.word("train.precision", &["fp32", "bf16", "fp16"]) {
         None => {
-            r.reject_fields("train.precision", &[], "precision");
+            // An unknown word is E0904's: its fields are not judged as another choice's.
+            if r.settings.get("train.precision").is_none() {
+                r.reject_fields("train.precision", &[], "precision");
+            }
             default
         }
         Some((w, _)) if w == "fp32" => {
@@ -873,11 +876,13 @@ fn optimizer(r: &mut Reader) -> Optimizer {
             weight_decay: weight_decay.unwrap_or(0.0),
         };
     }
-    r.reject_fields(
-        "train.optimizer",
-        &["lr", "betas", "eps", "weight_decay"],
-        "adamw",
-    );
+    if kind.is_some() || r.settings.get("train.optimizer").is_none() {
+        r.reject_fields(
+            "train.optimizer",
+            &["lr", "betas", "eps", "weight_decay"],
+            "adamw",
+        );
+    }
     let (beta1, beta2) = match r.value("train.optimizer.betas") {
         None => (0.9, 0.999),
         Some(SVal::List(xs, s)) => match xs.as_slice() {
@@ -935,7 +940,9 @@ fn lr_schedule(r: &mut Reader, steps: u64) -> LrSchedule {
             }
         }
         _ => {
-            r.reject_fields("train.schedule", &["warmup"], "constant");
+            if kind.is_some() || r.settings.get("train.schedule").is_none() {
+                r.reject_fields("train.schedule", &["warmup"], "constant");
+            }
             LrSchedule::Constant { warmup }
         }
     }

@@ -188,9 +188,14 @@ impl Settings {
         if !known(&c) && !record_of_known {
             return false;
         }
-        if matches!(value.kind, ExprKind::Tagged { .. } | ExprKind::Record(_)) {
-            let prefix = format!("{c}.");
-            self.values.retain(|k, _| !k.starts_with(&prefix));
+        // A value replaces the path's whole value, fields included: `train.precision=bf16`
+        // drops the file's `fp16 { loss_scale: … }`, and `parallel.mesh={tp: 2, dp: 4}` is the
+        // whole mesh (the axes it leaves out are 1; its order is the rank order).
+        let prefix = format!("{c}.");
+        self.values.retain(|k, _| !k.starts_with(&prefix));
+        if c == "parallel.mesh" {
+            self.values.retain(|k, _| axis_of(k).is_none());
+            self.mesh_order.clear();
         }
         // `layers` and `balance` spell one choice (how the pipeline splits the layers): setting
         // one replaces what the file said with the other.

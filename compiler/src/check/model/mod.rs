@@ -444,6 +444,9 @@ impl<'a> Elab<'a> {
             ExprKind::Compare(..) => self.err(functions::comparison_outside(e.span)),
             ExprKind::Call { callee, args } => {
                 let f = self.eval(callee, frame, module);
+                if let Some(d) = compound_for_unknown_param(&f, args) {
+                    return self.err(d);
+                }
                 let mut vals = Vec::new();
                 for a in args {
                     match a {
@@ -839,18 +842,7 @@ impl<'a> Elab<'a> {
             let key = match &name {
                 Some(n) => match params.iter().find(|p| **p == n.name) {
                     Some(p) => *p,
-                    None => {
-                        let takes = format!("{kind} takes ({})", params.join(", "));
-                        let help = suggest::help(&n.name, params.iter().copied(), &takes);
-                        return self.err(
-                            Diagnostic::error(
-                                "E0207",
-                                format!("{kind} has no parameter `{}`", n.name),
-                            )
-                            .label(n.span, "unknown parameter")
-                            .help(help),
-                        );
-                    }
+                    None => return self.err(no_such_param(kind, n)),
                 },
                 None => match params.get(positional) {
                     Some(p) => {
@@ -1074,4 +1066,37 @@ impl<'a> Elab<'a> {
         self.depth -= 1;
         out
     }
+}
+
+/// `kind` (a built-in layer) has no parameter `n`: E0207, with the nearest name or the list.
+fn no_such_param(kind: &str, n: &Ident) -> Diagnostic {
+    let params = layers::params(kind);
+    let takes = format!("{kind} takes ({})", params.join(", "));
+    let help = suggest::help(&n.name, params.iter().copied(), &takes);
+    Diagnostic::error("E0207", format!("{kind} has no parameter `{}`", n.name))
+        .label(n.span, "unknown parameter")
+        .help(help)
+}
+
+/// A record, list or tuple given to a built-in layer for a parameter it does not have, as a
+/// published config spells a feature (`RoPE(scaling = llama3 { factor: 8 })`): the unknown
+/// parameter is what to report, not that such values are not values in a model (E0902).
+fn compound_for_unknown_param(f: &Val, args: &[Arg]) -> Option<Diagnostic> {
+    let Val::Callable(Callee::Builtin(kind), _) = f else {
+        return None;
+    };
+    args.iter().find_map(|a| match a {
+        Arg::Named(n, x)
+            if matches!(
+                x.kind,
+                ExprKind::Tagged { .. }
+                    | ExprKind::Record(_)
+                    | ExprKind::List(_)
+                    | ExprKind::Tuple(_)
+            ) && !layers::params(kind).contains(&n.name.as_str()) =>
+        {
+            Some(no_such_param(kind, n))
+        }
+        _ => None,
+    })
 }
