@@ -187,6 +187,9 @@ fn check_one(
         for d in crate::data_check::diagnose(spec, &spec_dir) {
             diagnostics.push(d);
         }
+        for d in crate::init_check::diagnose(spec, &spec_dir) {
+            diagnostics.push(d);
+        }
     }
     let mut moves = None;
     if let (Some((dir, consent)), Some(text)) = (resume, resume_text) {

@@ -16,6 +16,7 @@ mod cmd_tokenize;
 mod data_check;
 mod diag_text;
 mod diagnostics;
+mod init_check;
 mod input;
 mod metrics;
 mod plan_summary;

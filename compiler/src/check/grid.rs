@@ -410,6 +410,15 @@ impl Grid<'_> {
                     .fix([("parallel.microbatches", u64::from(pp)), ("train.global_batch", global_for(pp))]),
             );
         }
+        if pp <= 1 && m > 1 && p.schedule == PipelineSchedule::Gpipe {
+            self.diags.push(
+                Diagnostic::warning("W0504", format!("GPipe with pp = 1 runs all {m} microbatches' forwards before any backward, so it holds {m} microbatches of activations where 1F1B holds one"))
+                    .label(self.at("parallel.schedule", self.parallel_span), "gpipe")
+                    .label(mspan, format!("{m} microbatches"))
+                    .help("use `1f1b` (the default): with pp = 1 it is gradient accumulation, one microbatch at a time")
+                    .fix([("parallel.schedule", "1f1b")]),
+            );
+        }
         if let PipelineSchedule::Interleaved { .. } = p.schedule {
             if pp > 1 && !m.is_multiple_of(pp) {
                 let up = m.div_ceil(pp) * pp;

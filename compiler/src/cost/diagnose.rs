@@ -7,7 +7,7 @@
 
 use super::{estimate, schedule, CostReport};
 use crate::diag::{Diagnostic, Diagnostics};
-use crate::spec::{Axis, Balance, LayerKind, Recompute, Spec, ZeroStage};
+use crate::spec::{Axis, Balance, LayerKind, PipelineSchedule, Recompute, Spec, ZeroStage};
 
 /// The bubble fraction above which W0701 warns.
 pub const BUBBLE_LIMIT: f64 = 0.25;
@@ -65,11 +65,20 @@ fn tp_fits(spec: &Spec, t: u32) -> bool {
     })
 }
 
-/// The single changes that may lower a plan's memory: a higher ZeRO stage, recompute, twice the
-/// tp or pp (halving dp), half the micro batch.
+/// The single changes that may lower a plan's memory: 1F1B for GPipe, a higher ZeRO stage,
+/// recompute, twice the tp or pp (halving dp), half the micro batch.
 pub(crate) fn alternatives(spec: &Spec) -> Vec<Alternative> {
     let mut out = Vec::new();
     let (dp, pp, cp, tp) = spec.parallel.mesh.sizes();
+    // GPipe holds every microbatch's activations until the backwards; 1F1B at most pp of them.
+    if spec.parallel.schedule == PipelineSchedule::Gpipe && spec.parallel.microbatches > pp {
+        let mut s = spec.clone();
+        s.parallel.schedule = PipelineSchedule::OneFOneB;
+        out.push(Alternative {
+            change: "schedule = 1f1b".to_string(),
+            spec: s,
+        });
+    }
     if dp * cp > 1 {
         for zero in [ZeroStage::Zero1, ZeroStage::Zero2, ZeroStage::Zero3] {
             if zero > spec.parallel.zero {

@@ -201,9 +201,14 @@ pub(crate) fn node_chunks(spec: &Spec, chunks: u32) -> Vec<u32> {
         .collect()
 }
 
-/// Bytes per activation element in the step's compute precision.
+/// Bytes per activation element as the lowered plan stores them: 16-bit in bf16 runs only;
+/// fp16 runs keep activations in f32 (16-bit storage would need the loss scale in every stored
+/// gradient: docs/decisions.md), as fp32 runs do.
 pub(crate) fn act_bytes(precision: Precision) -> u64 {
-    precision.compute_bytes()
+    match precision {
+        Precision::Bf16 => 2,
+        Precision::Fp32 | Precision::Fp16 { .. } => 4,
+    }
 }
 
 /// Model FLOPs utilisation of a step of `step_seconds`: the model's forward and backward FLOPs

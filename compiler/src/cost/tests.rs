@@ -5,7 +5,7 @@ use super::model_state::{model_state_bytes, node_params};
 use super::schedule::{bubble_fraction, chunk_microbatches_in_flight, microbatches_for_bubble};
 use super::testspec::{build, Dims, Plan};
 use super::*;
-use crate::spec::{PipelineSchedule, Precision, Recompute, ZeroStage};
+use crate::spec::{LossScale, PipelineSchedule, Precision, Recompute, ZeroStage};
 
 fn gb(x: f64) -> f64 {
     (x / 1e9 * 10.0).round() / 10.0
@@ -296,6 +296,32 @@ fn zero_shards_over_dp_and_cp() {
     assert_eq!(z3.optimizer, (12 * p).div_ceil(4));
     assert_eq!(z3.gradients, z0.gradients.div_ceil(4));
     assert_eq!(z3.weights, 0);
+}
+
+#[test]
+fn fp16_activations_are_counted_in_f32_as_the_lowered_plan_stores_them() {
+    // Only bf16 runs store activations in 16 bits; a formula that counted fp16's in 16 bits said
+    // GPT-NeoX-20B's published fp16 plan fits an A100 40GB at 32 GiB where its lowered plan
+    // needs 43 GiB.
+    let activations = |precision: Precision| {
+        let plan = Plan {
+            tp: 2,
+            pp: 2,
+            precision,
+            ..Plan::default()
+        };
+        estimate(&build(&Dims::llama3_70b(), &plan)).roles[0]
+            .memory
+            .activations
+    };
+    let loss_scale = LossScale::Static { scale: 1024.0 };
+    let fp16 = activations(Precision::Fp16 { loss_scale }) as f64;
+    let (fp32, bf16) = (
+        activations(Precision::Fp32) as f64,
+        activations(Precision::Bf16) as f64,
+    );
+    assert!((fp16 / fp32 - 1.0).abs() < 1e-3, "{fp16} {fp32}");
+    assert!(fp16 > 1.9 * bf16, "{fp16} {bf16}");
 }
 
 #[test]

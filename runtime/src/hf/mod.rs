@@ -13,6 +13,7 @@ mod names;
 mod read;
 mod write;
 
+pub use config::check_config;
 pub use family::{recognise, Arch, Family};
 pub use load::HfInit;
 pub use write::{default_vocab, export, ExportOptions, Exported, HfDtype};
