@@ -387,15 +387,20 @@ fn dedup(diags: Diagnostics) -> Diagnostics {
 fn unknown_override(path: &str, span: Span, model_consts: &[&str]) -> Diagnostic {
     let mut all: Vec<&str> = settings::PATHS.to_vec();
     all.extend(model_consts);
-    let help = suggest::help(
-        path,
-        all.iter().copied(),
-        &format!("valid paths: {}", all.join(", ")),
-    );
+    let valid = format!("valid paths: {}", all.join(", "));
+    // A name another tool uses (`train.lr`, `parallel.tensor_model_parallel_size`) first.
+    let known = suggest::known_as(path);
+    let (help, close) = match known {
+        Some((parc, said)) => (said, Some(parc)),
+        None => (
+            suggest::help(path, all.iter().copied(), &valid),
+            suggest::closest(path, all.iter().copied()),
+        ),
+    };
     let d = Diagnostic::error("E0905", format!("`--set {path}`: no such setting"))
         .label(span, "unknown path")
         .help(help);
-    match suggest::closest(path, all.iter().copied()) {
+    match close.filter(|c| all.contains(c)) {
         Some(close) => d.edit(span, close),
         None => d,
     }

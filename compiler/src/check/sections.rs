@@ -239,7 +239,12 @@ impl Reader<'_> {
                     _ => "this".into(),
                 };
                 let one_of = format!("{leaf} is one of {}", suggest::one_of(allowed));
-                let help = suggest::help(&got, allowed.iter().copied(), &one_of);
+                let help = match &v {
+                    SVal::Str(w, _) if allowed.contains(&w.as_str()) => {
+                        format!("write it without quotes: `{w}`")
+                    }
+                    _ => suggest::help(&got, allowed.iter().copied(), &one_of),
+                };
                 self.diags.push(
                     Diagnostic::error("E0904", format!("`{got}` is not a valid {leaf}"))
                         .label(v.span(), "unknown value")

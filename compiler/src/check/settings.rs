@@ -247,7 +247,10 @@ pub fn unknown_path(path: &str, section: &str, span: Span) -> Diagnostic {
         .collect();
     let leaf = path.strip_prefix(&prefix).unwrap_or(path);
     let has = format!("{section} has: {}", valid.join(", "));
-    let help = suggest::help(leaf, valid.iter().copied(), &has);
+    let help = match suggest::known_as(leaf) {
+        Some((_, known)) => known,
+        None => suggest::help(leaf, valid.iter().copied(), &has),
+    };
     Diagnostic::error("E0203", format!("`{section}` has no setting `{leaf}`"))
         .label(span, "unknown setting")
         .help(help)

@@ -233,7 +233,8 @@ impl Elab<'_> {
             let j = match found.as_slice() {
                 [j] => *j,
                 [] => {
-                    let names: Vec<&str> = nodes.iter().map(|n| n.name.as_str()).collect();
+                    let mut names: Vec<&str> = nodes.iter().map(|n| n.name.as_str()).collect();
+                    names.extend(nodes.iter().map(|n| n.kind.kind_name()));
                     let tie = "tie to `Embedding` (the token embedding)";
                     let help = suggest::did_you_mean(&target, names.iter().copied(), tie);
                     self.diags.push(
