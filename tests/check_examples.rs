@@ -279,3 +279,18 @@ fn the_memory_verdict_is_the_lowered_plans() {
         "{stderr}"
     );
 }
+
+#[test]
+fn a_spec_the_lowering_refuses_is_refused_without_lowering_too() {
+    // Gemma 2's final-logit soft-cap as a function between the head and the loss: the
+    // lowering refuses it (E0803), and `--lower never` must not call it ok.
+    let file = "tests/configs/gemma2-2b-final-softcap-fn.par";
+    for extra in [&[][..], &["--lower", "never"][..]] {
+        let mut args = vec![file];
+        args.extend_from_slice(extra);
+        let out = check(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{extra:?}: {stderr}");
+        assert!(stderr.contains("E0803"), "{extra:?}: {stderr}");
+    }
+}

@@ -148,6 +148,12 @@ pub fn compile(
             };
             keep(crate::lower::lower_with(spec, lowering), &mut diagnostics)
         }
+        // Not lowered (`--lower never`): the lowering's checks of the spec still run, so a
+        // spec it would refuse is not reported ok.
+        Some(spec) if !diagnostics.has_errors() => {
+            diagnostics.extend(crate::lower::validate(spec));
+            None
+        }
         _ => None,
     };
     let analysis = match (&spec, &plan) {

@@ -19,6 +19,7 @@ pub mod act_kernels;
 mod backward;
 mod builder;
 mod context;
+pub(crate) use context::validate;
 mod emitter;
 mod eval;
 pub(crate) mod first_write;
