@@ -3,22 +3,16 @@
 //! exit 2 with a clear message.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+#[allow(dead_code)]
+#[path = "ui_cases/mod.rs"]
+mod ui_cases;
+use ui_cases::par_files;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn par_files(dir: &str) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(root().join(dir))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "par"))
-        .collect();
-    v.sort();
-    v
 }
 
 fn check(args: &[&str]) -> Output {

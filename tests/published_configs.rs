@@ -12,6 +12,9 @@
 //! lowering takes seconds; their verdict is then the cost formulas'). Files run two at a time.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+#[allow(dead_code)]
+#[path = "ui_cases/mod.rs"]
+mod ui_cases;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -19,14 +22,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 fn corpus() -> Vec<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/configs");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "par"))
-        .collect();
-    files.sort();
-    files
+    ui_cases::par_files("tests/configs")
 }
 
 /// The codes the file's `// expect:` line names ("ok" names none) and its extra arguments.

@@ -1,10 +1,13 @@
 //! The UI cases (`tests/ui/*.par`) and their `// args:` lines, shared by `tests/ui.rs` (the
-//! goldens) and `tests/ui_fixes.rs` (every fix applied). Each binary includes it with `#[path]`.
+//! goldens) and `tests/ui_fixes.rs` (every fix applied), and the `.par` lister that
+//! `tests/check_examples.rs` and `tests/published_configs.rs` also use. Each binary includes it
+//! with `#[path]`.
 use std::path::{Path, PathBuf};
 
-/// Every `tests/ui/*.par`, sorted.
-pub fn ui_files() -> Vec<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/ui");
+/// Every `*.par` of `dir` (relative to the repository), sorted: the UI cases, the examples, the
+/// published-config corpus.
+pub fn par_files(dir: &str) -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -12,6 +15,11 @@ pub fn ui_files() -> Vec<PathBuf> {
         .collect();
     files.sort();
     files
+}
+
+/// Every `tests/ui/*.par`, sorted.
+pub fn ui_files() -> Vec<PathBuf> {
+    par_files("tests/ui")
 }
 
 /// The `// args:` of a UI case.

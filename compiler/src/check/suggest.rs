@@ -214,14 +214,7 @@ mod tests {
 
     #[test]
     fn a_name_that_extends_or_is_extended_by_a_candidate_is_suggested() {
-        let gpus = [
-            "h100_80gb",
-            "h100_94gb",
-            "h200",
-            "a100_80gb",
-            "a100_40gb",
-            "cpu",
-        ];
+        let gpus = crate::check::gpu::NAMES;
         assert_eq!(closest("h100", gpus), Some("h100_80gb"));
         assert_eq!(closest("A100", gpus), Some("a100_80gb"));
         let schedules = ["constant", "cosine", "linear"];
