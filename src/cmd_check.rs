@@ -84,6 +84,8 @@ struct Checked {
     report: Option<cost::CostReport>,
     lowered: Option<Lowered>,
     resume: Option<resume_check::Moves>,
+    /// With `train.fp8`: each linear layer's precision and why.
+    fp8: Vec<parc_compiler::fp8::Choice>,
 }
 
 /// What lowering, verifying and simulating the plan measured.
@@ -203,10 +205,15 @@ fn check_one(
             }
         }
     }
+    let fp8 = spec
+        .as_ref()
+        .map(parc_compiler::fp8::choices)
+        .unwrap_or_default();
     Ok(Checked {
         file,
         sources,
         diags: diagnostics,
+        fp8,
         report: cost,
         lowered: lowered(spec.as_ref(), plan, analysis, &chosen),
         resume: moves,
@@ -283,6 +290,9 @@ fn human(results: &[Checked]) {
                     lowered.priced_by.note
                 );
             }
+            if !r.fp8.is_empty() {
+                print!("{}", crate::report::render_fp8(&r.fp8));
+            }
             if let Some(moves) = &r.resume {
                 print!("{}", resume_check::render(moves));
             }
@@ -314,6 +324,7 @@ fn print_json(results: &[Checked]) {
                 "report": r.report,
                 "lowered": r.lowered,
                 "resume": r.resume,
+                "fp8": r.fp8,
             })
         })
         .collect();

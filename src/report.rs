@@ -259,6 +259,53 @@ fn render_needs(out: &mut String, report: &CostReport, needs: &[Need]) {
 }
 
 /// Each lowered program's model state in bytes per parameter it holds (docs/memory.md).
+/// `train.fp8`: each linear layer's GEMM precision and the reason, consecutive layers with the
+/// same choice and reason kind folded into one line.
+pub fn render_fp8(choices: &[parc_compiler::fp8::Choice]) -> String {
+    let fp8 = choices.iter().filter(|c| c.fp8).count();
+    let mut out = format!(
+        "\nFP8 GEMMs: {fp8} of {} linear layers (forward, data and weight gradient each):\n",
+        choices.len()
+    );
+    // Repeated layers with the same choice and reason are one line: `blocks.*.attn (32)`.
+    let mut groups: Vec<([String; 3], usize)> = Vec::new();
+    for c in choices {
+        let shapes: Vec<String> = c
+            .gemms
+            .iter()
+            .map(|g| format!("{} {}×{}×{}", g.weight, g.rows, g.in_dim, g.out_dim))
+            .collect();
+        let pattern: Vec<&str> = c
+            .name
+            .split('.')
+            .map(|part| match part.bytes().all(|b| b.is_ascii_digit()) {
+                true => "*",
+                false => part,
+            })
+            .collect();
+        let row = [
+            pattern.join("."),
+            if c.fp8 { "fp8" } else { "bf16" }.to_string(),
+            format!("{} ({})", c.explain(), shapes.join(", ")),
+        ];
+        match groups.iter_mut().find(|(r, _)| *r == row) {
+            Some((_, n)) => *n += 1,
+            None => groups.push((row, 1)),
+        }
+    }
+    let mut rows = vec![vec![
+        "layers".to_string(),
+        "GEMMs".into(),
+        "why (shapes per rank: rows×in×out)".into(),
+    ]];
+    for ([name, gemms, why], n) in groups {
+        let name = if n > 1 { format!("{name} ({n})") } else { name };
+        rows.push(vec![name, gemms, why]);
+    }
+    aligned_table(&mut out, &rows, true);
+    out
+}
+
 fn render_model_state(out: &mut String, needs: &[Need]) {
     let _ = writeln!(
         out,

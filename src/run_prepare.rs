@@ -19,7 +19,34 @@ pub(crate) fn backend_and_plan(args: &RunArgs, quiet: bool) -> Result<(Resolved,
         2
     })?;
     let (spec, plan) = compile(&args.file, &args.spec)?;
+    if let Some(message) = unsupported_on(backend, &plan) {
+        print_error(&message);
+        return Err(2);
+    }
     Ok((backend, spec, plan))
+}
+
+/// What the backend cannot run of the plan, said before any rank starts: FP8 GEMMs have only
+/// the CPU backend's exact emulation so far.
+fn unsupported_on(backend: Resolved, plan: &Plan) -> Option<String> {
+    if backend.name() == "cpu" {
+        return None;
+    }
+    let fp8 = plan
+        .programs
+        .iter()
+        .flat_map(|p| &p.instrs)
+        .filter_map(|i| i.as_compute())
+        .filter(|c| c.op.fp8().is_some())
+        .count();
+    (fp8 > 0).then(|| {
+        format!(
+            "this plan runs {fp8} GEMMs in FP8 (`train.fp8`), which the {} backend does not \
+             build yet: only the CPU backend runs them (an exact emulation). Train without \
+             `train.fp8` on the GPU, or run `--backend cpu`",
+            backend.name()
+        )
+    })
 }
 
 /// A run's exit code: 0, or 1 with its error on stderr.

@@ -149,6 +149,7 @@ mod tests {
             memory_bytes: 141 << 30,
             peak_flops: 1e15,
             peak_flops_fp32: 6e13,
+            peak_flops_fp8: Some(2e15),
             memory_bandwidth: 4.8e12,
         }
     }

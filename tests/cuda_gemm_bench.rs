@@ -206,6 +206,7 @@ mod bench {
                 bias,
                 act,
                 residual,
+                fp8: None,
             };
             let mut fwd_in: Vec<BufferId> = if bias { vec![x, w, b] } else { vec![x, w] };
             if residual {
@@ -218,6 +219,7 @@ mod bench {
                 out_dim: dout,
                 accumulate: false,
                 act_grad,
+                fp8: None,
             };
             let bwd_in = if act_grad.is_some() {
                 vec![y, w, x]
@@ -229,6 +231,7 @@ mod bench {
                 out_dim: dout,
                 bias,
                 accumulate_param_grad: true,
+                fp8: None,
             };
             let dw_out: Vec<BufferId> = if bias { vec![dw, db] } else { vec![dw] };
             let ops = [

@@ -900,3 +900,101 @@ fn tiny_llama_example_with_interleaved_pipeline_and_context_parallelism() {
         ],
     );
 }
+
+/// FP8 plans (`train.fp8`, every linear layer pinned FP8) against their single-rank run: the
+/// CPU backend's exact emulation, in f32 storage. Tolerance 1e-4 where 1e-5 holds elsewhere:
+/// a last-bit difference of an f32 partial sum between plans (tp's split sums, cp's split
+/// attention) can move one value across an FP8 rounding boundary, a step of 2⁻⁴ of it.
+fn assert_fp8_equivalent(file: &str, recipe: &[&str], plan: &[&str]) {
+    // The recipe first: a later `train.fp8=…` replaces the whole setting, fields included.
+    let base = [
+        "model.seq=64",
+        "model.d=64",
+        "model.ffn=128",
+        "train.fp8.fp8=[Attention, MLP, head]",
+    ];
+    let with = |extra: &[&str]| {
+        let sets: Vec<&str> = recipe.iter().chain(&base).chain(extra).copied().collect();
+        example(file, &sets)
+    };
+    let single_spec = with(&[]);
+    let single_plan = lower(&single_spec).unwrap_or_else(|d| panic!("{:?}", d.items));
+    let fp8_gemms = single_plan.programs[0]
+        .instrs
+        .iter()
+        .filter_map(Instr::as_compute)
+        .filter(|c| c.op.fp8().is_some())
+        .count();
+    assert!(fp8_gemms > 0, "{recipe:?}: no FP8 GEMM in the plan");
+    let single = run_example(&single_spec);
+    let got = run_example(&with(plan));
+    let desc = format!("{file} {recipe:?} {plan:?}");
+    assert_ne!(single.records[0].loss, single.records[4].loss);
+    // FP8 changes the numbers (a test that holds without quantizing proves nothing).
+    let exact = run_example(&example(file, &base[..3]));
+    assert!(
+        exact
+            .records
+            .iter()
+            .zip(&single.records)
+            .any(|(a, b)| a.loss != b.loss),
+        "{desc}: FP8 GEMMs computed exactly what the plain ones do"
+    );
+    for (a, b) in single.records.iter().zip(&got.records) {
+        let rel = (a.loss - b.loss).abs() / a.loss.abs();
+        assert!(
+            rel < 1e-4,
+            "{desc} step {}: {} vs {}",
+            a.step,
+            b.loss,
+            a.loss
+        );
+    }
+    for (a, b) in single.params.iter().zip(&got.params) {
+        let worst = a
+            .data
+            .iter()
+            .zip(&b.data)
+            .map(|(x, y)| (x - y).abs() / x.abs().max(1.0))
+            .fold(0.0f32, f32::max);
+        assert!(worst <= 1e-4, "{desc} {}: off by {worst:e}", a.name);
+    }
+}
+
+#[test]
+fn fp8_blockwise_plans_equal_the_single_rank_run() {
+    let recipe = ["train.fp8=blockwise", "train.fp8.block_size=16"];
+    assert_fp8_equivalent(
+        "examples/tiny-llama.par",
+        &recipe,
+        &[
+            "parallel.dp=2",
+            "parallel.tp=2",
+            "parallel.zero=1",
+            "parallel.sequence_parallel=true",
+            "cluster.gpus_per_node=4",
+        ],
+    );
+    assert_fp8_equivalent(
+        "examples/tiny-llama.par",
+        &recipe,
+        &[
+            "parallel.pp=2",
+            "parallel.cp=2",
+            "parallel.recompute=full",
+            "cluster.gpus_per_node=4",
+        ],
+    );
+}
+
+#[test]
+fn fp8_tensorwise_and_rowwise_plans_equal_the_single_rank_run() {
+    let plan = [
+        "parallel.dp=2",
+        "parallel.pp=2",
+        "parallel.zero=3",
+        "cluster.gpus_per_node=4",
+    ];
+    assert_fp8_equivalent("examples/tiny.par", &["train.fp8=tensorwise"], &plan);
+    assert_fp8_equivalent("examples/tiny-llama.par", &["train.fp8=rowwise"], &plan);
+}

@@ -5,6 +5,7 @@ pub mod cost;
 pub mod diag;
 pub mod driver;
 pub mod fit;
+pub mod fp8;
 pub mod fuse;
 pub mod ir;
 pub mod kir;

@@ -12,6 +12,7 @@
 //! - global_batch = micro_batch × microbatches × dp (the accumulation rule, stated once here).
 
 use crate::diag::Span;
+use crate::ir::fp8::{Fp8Format, Fp8Scaling};
 use crate::ir::op::Act;
 use crate::kir::func::ExprFn;
 use serde::Serialize;
@@ -216,6 +217,16 @@ pub enum LayerKind {
     },
     /// Mean token cross-entropy of `logits [seq, b, vocab]` against `targets` (the second input).
     CrossEntropy,
+}
+
+impl Node {
+    /// Whether a layer list's entry names this node: its kind (`Attention`), its path
+    /// (`blocks.3.mlp`) or a path above it (`blocks.3`). Used by `recompute` and FP8 pins.
+    pub fn matches(&self, entry: &str) -> bool {
+        self.kind.kind_name() == entry
+            || self.name == entry
+            || self.name.starts_with(entry) && self.name.as_bytes().get(entry.len()) == Some(&b'.')
+    }
 }
 
 impl LayerKind {
@@ -736,6 +747,23 @@ pub struct Train {
     /// What a step whose loss or global gradient norm is not finite does
     /// (`train.on_nonfinite`; fp16's overflow skipping is the loss scaler's, not this).
     pub on_nonfinite: OnNonFinite,
+    /// FP8 GEMMs (`train.fp8`), when asked for.
+    pub fp8: Option<Fp8>,
+    pub span: Span,
+}
+
+/// `train.fp8 = tensorwise | rowwise | blockwise { … }`: which linear layers compute their
+/// GEMMs in FP8 and how operands are scaled (`ir::fp8`, docs/fp8.md). The lowering decides
+/// per layer from the cost model, except where a pin says otherwise.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Fp8 {
+    pub scaling: Fp8Scaling,
+    /// The format of gradient operands (weights and activations are E4M3).
+    pub grad: Fp8Format,
+    /// Layers kept in bf16 (`bf16: [head, blocks.0]`): layer kinds or node paths.
+    pub keep_bf16: Vec<String>,
+    /// Layers in FP8 whatever the cost model says (`fp8: [MLP]`).
+    pub force_fp8: Vec<String>,
     pub span: Span,
 }
 
@@ -780,6 +808,8 @@ pub struct Gpu {
     pub peak_flops: f64,
     /// Dense fp32 (non-tensor-core) peak, FLOP/s.
     pub peak_flops_fp32: f64,
+    /// Dense FP8 tensor-core peak, FLOP/s; None where the GPU has no FP8 tensor cores.
+    pub peak_flops_fp8: Option<f64>,
     /// HBM bandwidth, bytes/s.
     pub memory_bandwidth: f64,
 }

@@ -248,6 +248,7 @@ pub fn train(
         eval: None,
         sample: None,
         on_nonfinite: OnNonFinite::Stop,
+        fp8: None,
         span: Span::default(),
     }
 }

@@ -239,6 +239,7 @@ mod tests {
             bias: true,
             act: None,
             residual: false,
+            fp8: None,
         }
     }
 

@@ -384,6 +384,7 @@ fn gemm_ops(n: u64, k: u64) -> [(GemmLayout, Op); 3] {
                 bias: false,
                 act: None,
                 residual: false,
+                fp8: None,
             },
         ),
         (
@@ -393,6 +394,7 @@ fn gemm_ops(n: u64, k: u64) -> [(GemmLayout, Op); 3] {
                 out_dim: n,
                 accumulate: false,
                 act_grad: None,
+                fp8: None,
             },
         ),
         (
@@ -402,6 +404,7 @@ fn gemm_ops(n: u64, k: u64) -> [(GemmLayout, Op); 3] {
                 out_dim: n,
                 bias: false,
                 accumulate_param_grad: false,
+                fp8: None,
             },
         ),
     ]
@@ -503,6 +506,7 @@ mod tests {
                 memory_bytes: 1 << 34,
                 peak_flops: 1e11,
                 peak_flops_fp32: 1e11,
+                peak_flops_fp8: Some(1e11),
                 memory_bandwidth: 2e10,
             },
             device: "cpu (1 thread)".into(),

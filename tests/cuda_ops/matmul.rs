@@ -35,6 +35,7 @@ fn matmul_cases_of(test: &str, tol: f32, shapes: &[(usize, usize, usize)]) -> Ve
                 bias: false,
                 act: None,
                 residual: false,
+                fp8: None,
             },
             vec![Data::F32(x.clone()), Data::F32(w.clone())],
             vec![r.vec(rows * m, 1.0)],
@@ -48,6 +49,7 @@ fn matmul_cases_of(test: &str, tol: f32, shapes: &[(usize, usize, usize)]) -> Ve
                 bias: true,
                 act: None,
                 residual: false,
+                fp8: None,
             },
             vec![
                 Data::F32(x.clone()),
@@ -66,6 +68,7 @@ fn matmul_cases_of(test: &str, tol: f32, shapes: &[(usize, usize, usize)]) -> Ve
                     out_dim: o,
                     accumulate,
                     act_grad: None,
+                    fp8: None,
                 },
                 vec![Data::F32(dy.clone()), Data::F32(w.clone())],
                 vec![r.vec(rows * k, 1.0)],
@@ -92,6 +95,7 @@ fn matmul_cases_of(test: &str, tol: f32, shapes: &[(usize, usize, usize)]) -> Ve
                             bias,
                             act: Some(act),
                             residual: false,
+                            fp8: None,
                         },
                         ins,
                         vec![r.vec(rows * m, 1.0), r.vec(rows * m, 1.0)],
@@ -107,6 +111,7 @@ fn matmul_cases_of(test: &str, tol: f32, shapes: &[(usize, usize, usize)]) -> Ve
                     out_dim: o,
                     accumulate: false,
                     act_grad: Some(act),
+                    fp8: None,
                 },
                 vec![
                     Data::F32(dy.clone()),
@@ -138,6 +143,7 @@ fn matmul_cases_of(test: &str, tol: f32, shapes: &[(usize, usize, usize)]) -> Ve
                         bias,
                         act,
                         residual: true,
+                        fp8: None,
                     },
                     ins,
                     outs,
@@ -159,6 +165,7 @@ fn matmul_cases_of(test: &str, tol: f32, shapes: &[(usize, usize, usize)]) -> Ve
                     out_dim: o,
                     bias,
                     accumulate_param_grad: accumulate,
+                    fp8: None,
                 },
                 vec![Data::F32(dy.clone()), Data::F32(x.clone())],
                 outs,
@@ -341,12 +348,14 @@ fn bf16_weight_casts_follow_the_weight() {
         bias: true,
         act: None,
         residual: false,
+        fp8: None,
     };
     let backward = Op::MatmulBwdData {
         in_dim: k as u64,
         out_dim: m as u64,
         accumulate: false,
         act_grad: None,
+        fp8: None,
     };
     let sgd = Op::Sgd {
         momentum: 0.0,
@@ -446,6 +455,7 @@ fn assert_gemm_operands_round(precision: Precision, label: &str, cases: &[(f32, 
         bias: false,
         act: None,
         residual: false,
+        fp8: None,
     };
     gpu.compute(&op, &[BufferId(0), BufferId(1)], &[BufferId(2)], &SCALARS)
         .unwrap();

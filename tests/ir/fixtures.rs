@@ -235,6 +235,7 @@ pub fn decoder_spec(
                 memory_bytes: 1 << 30,
                 peak_flops: 1e12,
                 peak_flops_fp32: 1e12,
+                peak_flops_fp8: Some(1e12),
                 memory_bandwidth: 1e11,
             },
             intra: Link {

@@ -1,7 +1,7 @@
 //! The GPU catalogue (`gpu = h100_80gb`) and the default links of a cluster.
 //!
 //! Memory is what the device reports as usable (nvidia-smi's MiB total); peak FLOP/s are the
-//! vendors' dense (no sparsity) numbers; bandwidths are bytes/s. Link bandwidths are per GPU and
+//! vendors' dense (no sparsity) numbers (FP8: none on GPUs without FP8 tensor cores); bandwidths are bytes/s. Link bandwidths are per GPU and
 //! per direction: NVLink 4 on H100/H200 is 900 GB/s bidirectional = 450 GB/s each way; one
 //! 400 Gb/s InfiniBand NIC per GPU is 50 GB/s each way.
 
@@ -20,14 +20,15 @@ pub const NAMES: [&str; 6] = [
 ];
 
 pub fn lookup(name: &str) -> Option<Gpu> {
-    let (memory_mib, peak, fp32, hbm) = match name {
-        "h100_80gb" => (81_559, 989e12, 67e12, 3.35e12),
-        "h100_94gb" => (95_830, 835e12, 60e12, 3.9e12),
-        "h200" => (143_771, 989e12, 67e12, 4.8e12),
-        "a100_80gb" => (81_920, 312e12, 19.5e12, 2.039e12),
-        "a100_40gb" => (40_960, 312e12, 19.5e12, 1.555e12),
-        // A laptop/CI CPU core set running the reference backend in f32.
-        "cpu" => (16_384, 100e9, 100e9, 20e9),
+    let (memory_mib, peak, fp32, hbm, fp8) = match name {
+        "h100_80gb" => (81_559, 989e12, 67e12, 3.35e12, Some(1979e12)),
+        "h100_94gb" => (95_830, 835e12, 60e12, 3.9e12, Some(1671e12)),
+        "h200" => (143_771, 989e12, 67e12, 4.8e12, Some(1979e12)),
+        "a100_80gb" => (81_920, 312e12, 19.5e12, 2.039e12, None),
+        "a100_40gb" => (40_960, 312e12, 19.5e12, 1.555e12, None),
+        // A laptop/CI CPU core set running the reference backend in f32; it emulates FP8
+        // GEMMs exactly, at no speed-up.
+        "cpu" => (16_384, 100e9, 100e9, 20e9, Some(100e9)),
         _ => return None,
     };
     Some(Gpu {
@@ -35,6 +36,7 @@ pub fn lookup(name: &str) -> Option<Gpu> {
         memory_bytes: memory_mib * MIB,
         peak_flops: peak,
         peak_flops_fp32: fp32,
+        peak_flops_fp8: fp8,
         memory_bandwidth: hbm,
     })
 }

@@ -561,12 +561,12 @@ pub fn recompute(model: &mut Model, r: &Recompute, span: Span, diags: &mut Diagn
             Recompute::None => false,
             Recompute::Selective => matches!(n.kind, LayerKind::Attention { .. }),
             Recompute::Full => n.layer.is_some(),
-            Recompute::Named(names) => names.iter().any(|w| matches_node(w, n)),
+            Recompute::Named(names) => names.iter().any(|w| n.matches(w)),
         };
     }
     if let Recompute::Named(names) = r {
         for w in names {
-            if !model.nodes.iter().any(|n| matches_node(w, n)) {
+            if !model.nodes.iter().any(|n| n.matches(w)) {
                 let kinds = ["Attention", "MLP", "LayerNorm", "RMSNorm", "Linear"];
                 let help = match suggest::closest(w, kinds) {
                     Some(c) => format!("did you mean `{c}`? name layer kinds (`Attention`) or paths (`blocks.3.mlp`)"),
@@ -583,12 +583,6 @@ pub fn recompute(model: &mut Model, r: &Recompute, span: Span, diags: &mut Diagn
             }
         }
     }
-}
-
-fn matches_node(w: &str, n: &Node) -> bool {
-    n.kind.kind_name() == w
-        || n.name == w
-        || n.name.starts_with(w) && n.name.as_bytes().get(w.len()) == Some(&b'.')
 }
 
 /// Whole-job sizes parc supports: tokens per microbatch and parameters, so that the memory and

@@ -10,6 +10,7 @@
 
 mod data;
 mod fixes;
+mod fp8;
 pub mod functions;
 mod gpu;
 mod grid;
@@ -19,6 +20,7 @@ mod number;
 mod sections;
 mod settings;
 mod suggest;
+pub(crate) use suggest::closest as closest_name;
 
 use crate::diag::{Diagnostic, Diagnostics, FileId, Sources, Span};
 use crate::overrides::Override;
@@ -155,7 +157,10 @@ pub fn check_assuming(
     let cluster = sections::cluster(&mut reader, cluster_span);
     let mut pin = sections::parallel(&mut reader, parallel_span);
     let train: Option<Train> = if settings.sections.contains_key("train") {
-        sections::train(&mut reader, train_span, cluster.gpu.name == "cpu")
+        sections::train(&mut reader, train_span, cluster.gpu.name == "cpu").map(|mut t| {
+            t.fp8 = fp8::fp8(&mut reader);
+            t
+        })
     } else {
         reader.diags.push(
             Diagnostic::error("E0206", "the file has no `train` section")

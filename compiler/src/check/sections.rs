@@ -120,7 +120,7 @@ impl Reader<'_> {
         None
     }
 
-    fn wrong(&mut self, v: &SVal, expected: &str) -> Option<SVal> {
+    pub(super) fn wrong(&mut self, v: &SVal, expected: &str) -> Option<SVal> {
         self.diags.push(
             Diagnostic::error("E0902", format!("expected {expected}"))
                 .label(v.span(), "this value")
@@ -255,7 +255,7 @@ impl Reader<'_> {
         }
     }
 
-    fn reject_fields(&mut self, prefix: &str, allowed: &[&str], tag: &str) {
+    pub(super) fn reject_fields(&mut self, prefix: &str, allowed: &[&str], tag: &str) {
         let p = format!("{prefix}.");
         let extra: Vec<(String, Span)> = self
             .settings
@@ -605,6 +605,8 @@ pub fn train(r: &mut Reader, span: Span, gpu_is_cpu: bool) -> Option<Train> {
         eval,
         sample,
         on_nonfinite,
+        // `check::fp8` reads the recipe into it.
+        fp8: None,
         span,
     })
 }
@@ -1066,6 +1068,7 @@ fn custom_default() -> Gpu {
         memory_bytes: 0,
         peak_flops: 1.0,
         peak_flops_fp32: 1.0,
+        peak_flops_fp8: None,
         memory_bandwidth: 1.0,
     }
 }
@@ -1073,7 +1076,7 @@ fn custom_default() -> Gpu {
 fn custom_gpu(r: &mut Reader, span: Span) -> Gpu {
     r.reject_fields(
         "cluster.gpu",
-        &["memory", "flops", "flops_fp32", "bandwidth"],
+        &["memory", "flops", "flops_fp32", "flops_fp8", "bandwidth"],
         "custom",
     );
     let need = |r: &mut Reader, field: &str, unit: Unit| -> f64 {
@@ -1096,6 +1099,12 @@ fn custom_gpu(r: &mut Reader, span: Span) -> Gpu {
     } else {
         flops / 16.0
     };
+    // No FP8 tensor cores unless the spec gives their peak.
+    let flops_fp8 = if r.span("cluster.gpu.flops_fp8").is_some() {
+        r.measure("cluster.gpu.flops_fp8", Unit::FlopsPerSec)
+    } else {
+        None
+    };
     let bandwidth = if r.span("cluster.gpu.bandwidth").is_some() {
         r.measure("cluster.gpu.bandwidth", Unit::BytesPerSec)
             .unwrap_or(1e12)
@@ -1107,6 +1116,7 @@ fn custom_gpu(r: &mut Reader, span: Span) -> Gpu {
         memory_bytes: memory as u64,
         peak_flops: flops,
         peak_flops_fp32: flops_fp32,
+        peak_flops_fp8: flops_fp8,
         memory_bandwidth: bandwidth,
     }
 }

@@ -89,6 +89,7 @@ pub fn build(d: &Dims, plan: &Plan) -> Spec {
                 memory_bytes: 80 << 30,
                 peak_flops: 989e12,
                 peak_flops_fp32: 67e12,
+                peak_flops_fp8: Some(1979e12),
                 memory_bandwidth: 3.35e12,
             },
             intra: Link {

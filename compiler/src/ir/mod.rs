@@ -29,6 +29,7 @@ macro_rules! named_enum {
 }
 pub(crate) use named_enum;
 
+pub mod fp8;
 pub mod op;
 pub mod operands;
 pub mod program;

@@ -29,6 +29,7 @@
 //!   marks an overflowed step, and a marked step leaves `AdamW`/`Sgd` parameters and state
 //!   untouched.
 
+use super::fp8::Fp8Gemm;
 use crate::kir::Kernel;
 use serde::Serialize;
 use std::fmt;
@@ -216,6 +217,9 @@ pub enum Op {
         bias: bool,
         act: Option<Act>,
         residual: bool,
+        /// Set: x and W are quantized to FP8 as `ir::fp8` defines (None: bf16/f32 as stored).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        fp8: Option<Fp8Gemm>,
     },
     /// in: dy `[rows, out]`, w `[out, in]`, then, only when `act_grad` is set, pre `[rows, in]`
     /// (the saved pre-activation of the layer whose activation feeds this product). out: dx
@@ -231,6 +235,9 @@ pub enum Op {
         out_dim: u64,
         accumulate: bool,
         act_grad: Option<Act>,
+        /// Set: dy and W are quantized to FP8 (`ir::fp8`).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        fp8: Option<Fp8Gemm>,
     },
     /// in: dy `[rows, out]`, x `[rows, in]`. out: dw `[out, in]` = dyᵀ x and db `[out]` = the
     /// column sums of dy (only when `bias`): both += when `accumulate_param_grad`, else
@@ -242,6 +249,9 @@ pub enum Op {
         out_dim: u64,
         bias: bool,
         accumulate_param_grad: bool,
+        /// Set: dy and x are quantized to FP8 along the rows (`ir::fp8`); db stays exact.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        fp8: Option<Fp8Gemm>,
     },
 
     // ------------------------------------------------------------------ attention
@@ -370,6 +380,36 @@ pub enum Op {
 }
 
 impl Op {
+    /// A GEMM: `Matmul`, `MatmulBwdData` or `MatmulBwdWeight`.
+    pub fn is_gemm(&self) -> bool {
+        matches!(
+            self,
+            Op::Matmul { .. } | Op::MatmulBwdData { .. } | Op::MatmulBwdWeight { .. }
+        )
+    }
+
+    /// The GEMM's `fp8` attribute (None for every other op).
+    pub fn fp8(&self) -> Option<Fp8Gemm> {
+        match self {
+            Op::Matmul { fp8, .. }
+            | Op::MatmulBwdData { fp8, .. }
+            | Op::MatmulBwdWeight { fp8, .. } => *fp8,
+            _ => None,
+        }
+    }
+
+    /// The GEMM with its `fp8` attribute set to `to` (unchanged for every other op).
+    pub fn with_fp8(&self, to: Option<Fp8Gemm>) -> Op {
+        let mut op = self.clone();
+        if let Op::Matmul { fp8, .. }
+        | Op::MatmulBwdData { fp8, .. }
+        | Op::MatmulBwdWeight { fp8, .. } = &mut op
+        {
+            *fp8 = to;
+        }
+        op
+    }
+
     /// The op with its `accumulate_param_grad` set to `accumulate` (unchanged for an op
     /// without one, see `Op::param_grad_outputs` in `table`).
     pub fn with_param_grad_accumulation(&self, accumulate: bool) -> Op {
@@ -450,32 +490,41 @@ impl fmt::Debug for Op {
                 bias,
                 act,
                 residual,
-            } => d
-                .field("in_dim", in_dim)
-                .field("out_dim", out_dim)
-                .field("bias", bias)
-                .field("act", act)
-                .field("residual", residual),
+                fp8,
+            } => fp8_field(
+                d.field("in_dim", in_dim)
+                    .field("out_dim", out_dim)
+                    .field("bias", bias)
+                    .field("act", act)
+                    .field("residual", residual),
+                fp8,
+            ),
             Op::MatmulBwdData {
                 in_dim,
                 out_dim,
                 accumulate,
                 act_grad,
-            } => d
-                .field("in_dim", in_dim)
-                .field("out_dim", out_dim)
-                .field("accumulate", accumulate)
-                .field("act_grad", act_grad),
+                fp8,
+            } => fp8_field(
+                d.field("in_dim", in_dim)
+                    .field("out_dim", out_dim)
+                    .field("accumulate", accumulate)
+                    .field("act_grad", act_grad),
+                fp8,
+            ),
             Op::MatmulBwdWeight {
                 in_dim,
                 out_dim,
                 bias,
                 accumulate_param_grad,
-            } => d
-                .field("in_dim", in_dim)
-                .field("out_dim", out_dim)
-                .field("bias", bias)
-                .field("accumulate_param_grad", accumulate_param_grad),
+                fp8,
+            } => fp8_field(
+                d.field("in_dim", in_dim)
+                    .field("out_dim", out_dim)
+                    .field("bias", bias)
+                    .field("accumulate_param_grad", accumulate_param_grad),
+                fp8,
+            ),
             Op::Rope(a) | Op::RopeBwd(a) | Op::RopeTable(a) => d
                 .field("batch", &a.batch)
                 .field("heads", &a.heads)
@@ -553,6 +602,17 @@ fn vocab_fields<'a, 'b, 'c>(
 ) -> &'a mut fmt::DebugStruct<'b, 'c> {
     d.field("vocab_start", vocab_start)
         .field("vocab_local", vocab_local)
+}
+
+/// A GEMM's `fp8` attribute, printed only where set (bf16 GEMMs read as before).
+fn fp8_field<'a, 'b, 'c>(
+    d: &'a mut fmt::DebugStruct<'b, 'c>,
+    fp8: &Option<Fp8Gemm>,
+) -> &'a mut fmt::DebugStruct<'b, 'c> {
+    match fp8 {
+        Some(g) => d.field("fp8", &format_args!("{g}")),
+        None => d,
+    }
 }
 
 fn position_fields<'a, 'b, 'c>(

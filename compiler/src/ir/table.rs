@@ -427,6 +427,7 @@ impl Op {
                 bias,
                 act,
                 residual,
+                ..
             } => s
                 .input("x", Float, n(*in_dim))
                 .input("w", Float, fixed(*out_dim, *in_dim))
@@ -439,6 +440,7 @@ impl Op {
                 out_dim,
                 accumulate,
                 act_grad,
+                ..
             } => s
                 .input("dy", Float, n(*out_dim))
                 .input("w", Float, fixed(*out_dim, *in_dim))
@@ -449,6 +451,7 @@ impl Op {
                 out_dim,
                 bias,
                 accumulate_param_grad,
+                ..
             } => s
                 .input("dy", Float, n(*out_dim))
                 .input("x", Float, n(*in_dim))

@@ -236,6 +236,7 @@ impl ProgramBuilder {
             bias,
             act: None,
             residual: false,
+            fp8,
         } = *c.op
         else {
             return false;
@@ -255,6 +256,7 @@ impl ProgramBuilder {
             bias,
             act: None,
             residual: true,
+            fp8,
         });
         if let Some(slot) = self.instrs.get_mut(i) {
             *slot = Instr::Compute {

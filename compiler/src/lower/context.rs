@@ -220,7 +220,7 @@ pub fn recompute_segments(spec: &Spec) -> Vec<Option<u32>> {
 
 /// Structural checks lowering relies on that `check` reports differently or not at all.
 pub fn validate(spec: &Spec) -> Diagnostics {
-    let mut diags = Diagnostics::default();
+    let mut diags = crate::fp8::validate(spec);
     let mesh = &spec.parallel.mesh;
     let tp = u64::from(mesh.size(Axis::Tp));
     let cp = u64::from(mesh.size(Axis::Cp));

@@ -185,6 +185,7 @@ impl Emitter<'_> {
                     bias,
                     act: None,
                     residual: false,
+                    fp8: None,
                 };
                 self.b.compute(op, &ins, &[y], Some(node), phase);
                 self.set_output(mb, node, y);
@@ -432,6 +433,7 @@ impl Emitter<'_> {
             bias,
             act: None,
             residual: false,
+            fp8: None,
         };
         self.b.compute(op, &ins, &[y], Some(node), self.phase);
         y
@@ -506,6 +508,7 @@ impl Emitter<'_> {
             bias,
             act: Some(act),
             residual: false,
+            fp8: None,
         };
         self.b.compute(op, &ins, &[h, a], Some(node), self.phase);
         (h, a)

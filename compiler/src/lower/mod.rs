@@ -23,6 +23,7 @@ pub(crate) use context::validate;
 mod emitter;
 mod eval;
 pub(crate) mod first_write;
+mod fp8;
 mod idmap;
 mod layers;
 mod optim;
@@ -198,6 +199,8 @@ struct Setup<'a> {
     /// The evaluation step's forward-only timetable, with `train.eval`.
     eval_table: Option<schedule::Timetable>,
     param_stages: HashMap<u32, Vec<u32>>,
+    /// The layers whose GEMMs run in FP8 (`train.fp8`).
+    fp8: Option<fp8::Fp8Layers>,
 }
 
 impl<'a> Setup<'a> {
@@ -233,6 +236,7 @@ impl<'a> Setup<'a> {
             table,
             eval_table,
             param_stages,
+            fp8: fp8::Fp8Layers::of(spec),
         })
     }
 
@@ -245,6 +249,7 @@ impl<'a> Setup<'a> {
             zero: self.zero,
             table: &self.table,
             param_stages: &self.param_stages,
+            fp8: self.fp8.as_ref(),
             options,
         }
     }
@@ -381,6 +386,7 @@ struct Shared<'a> {
     zero: ZeroStage,
     table: &'a schedule::Timetable,
     param_stages: &'a HashMap<u32, Vec<u32>>,
+    fp8: Option<&'a fp8::Fp8Layers>,
     options: LowerOptions,
 }
 
@@ -506,6 +512,9 @@ fn emit_program(sh: &Shared, key: (u32, u32, u32)) -> Result<Program, Diagnostic
         first_write::overwrite_first_contributions(&mut program);
     }
     storage::assign(&mut program, sh.spec.train.precision);
+    if let Some(fp8) = sh.fp8 {
+        fp8.mark(&mut program);
+    }
     if sh.options.fusion {
         crate::fuse::fuse_program(&mut program).map_err(|e| {
             one(internal_error(

@@ -292,6 +292,7 @@ mod tests {
             bias,
             act: None,
             residual: false,
+            fp8: None,
         }
     }
 
@@ -301,6 +302,7 @@ mod tests {
             out_dim: 4,
             bias,
             accumulate_param_grad: true,
+            fp8: None,
         }
     }
 
@@ -312,6 +314,7 @@ mod tests {
             out_dim: 4,
             accumulate: false,
             act_grad: None,
+            fp8: None,
         };
         let mut program = program_of(
             &[6000, -24, -4, 4000, 24, 4, 24, 6000],

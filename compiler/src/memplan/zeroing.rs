@@ -194,6 +194,7 @@ mod tests {
             out_dim: 2,
             bias,
             accumulate_param_grad: true,
+            fp8: None,
         }
     }
 
@@ -247,6 +248,7 @@ mod tests {
                 out_dim: 2,
                 accumulate,
                 act_grad: None,
+                fp8: None,
             };
             let norm = Op::LayerNormBwd {
                 dim: 2,

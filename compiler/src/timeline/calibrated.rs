@@ -132,7 +132,13 @@ impl<'a> ProfileCosts<'a> {
                 },
             ) => {
                 let bf16 = buffer(inputs, 0).is_some_and(|b| b.dtype == DType::Bf16);
-                self.gemm(layout, [rows()?, *out_dim, *in_dim], bf16)?
+                let seconds = self.gemm(layout, [rows()?, *out_dim, *in_dim], bf16)?;
+                match op.fp8() {
+                    // No FP8 points in a profile yet: the measured bf16 time at the FP8 peak's
+                    // speed-up, plus quantizing both operands.
+                    Some(_) => self.fp8_gemm(seconds, [buffer(inputs, 0), buffer(inputs, 1)]),
+                    None => seconds,
+                }
             }
             (Table::Attention(pass), Op::Attention(a) | Op::AttentionBwd(a)) => {
                 self.attention(pass, a, op.flops(rows()? as f64, FlopCount::Model))?
@@ -156,6 +162,16 @@ impl<'a> ProfileCosts<'a> {
         let value = f();
         self.cache.borrow_mut().insert(key, value);
         value
+    }
+
+    /// An FP8 GEMM measured as `bf16_seconds` in bf16, by the roofline's FP8 assumptions.
+    fn fp8_gemm(&self, bf16_seconds: f64, operands: [Option<&Buffer>; 2]) -> f64 {
+        let gpu = &self.roofline.spec.cluster.gpu;
+        let (elements, stored) = operands.iter().flatten().fold((0.0, 0.0), |(e, b), x| {
+            (e + x.numel() as f64, b + self.roofline.bytes(x))
+        });
+        bf16_seconds / crate::fp8::speedup(gpu)
+            + crate::fp8::quantize_seconds(elements, stored / elements.max(1.0), gpu)
     }
 
     fn gemm(&self, layout: GemmLayout, [m, n, k]: [u64; 3], bf16: bool) -> Option<f64> {

@@ -64,11 +64,28 @@ impl StepCosts for SpecCosts<'_> {
         let bytes =
             |ids: &[crate::ir::BufferId], i: usize| buffer(ids, i).map_or(0.0, |b| self.bytes(b));
         let touched = signature.bytes_touched(|i| bytes(c.inputs, i), |i| bytes(c.outputs, i));
-        let peak = self.peak();
-        let bw = self.spec.cluster.gpu.memory_bandwidth;
+        let gpu = &self.spec.cluster.gpu;
+        let fp8 = c.op.fp8().is_some();
+        let peak = match gpu.peak_flops_fp8 {
+            Some(p) if fp8 => p,
+            _ => self.peak(),
+        };
+        let bw = gpu.memory_bandwidth;
         let math = if peak > 0.0 { flops / peak } else { 0.0 };
         let memory = if bw > 0.0 { touched / bw } else { 0.0 };
-        math.max(memory)
+        let quantize = if fp8 {
+            let operand = |i: usize| buffer(c.inputs, i);
+            let (elements, stored) = [operand(0), operand(1)]
+                .iter()
+                .flatten()
+                .fold((0.0, 0.0), |(e, b), x| {
+                    (e + x.numel() as f64, b + self.bytes(x))
+                });
+            crate::fp8::quantize_seconds(elements, stored / elements.max(1.0), gpu)
+        } else {
+            0.0
+        };
+        math.max(memory) + quantize
     }
 
     fn collective(&self, kind: CollectiveKind, n: u32, bytes: f64, crosses_nodes: bool) -> f64 {

@@ -632,6 +632,7 @@ fn an_accumulating_output_that_is_also_an_input_is_reported() {
                 out_dim,
                 accumulate: true,
                 act_grad: None,
+                fp8: None,
             });
         }
         *outputs = Outputs::from_slice(&[inputs[0]]).unwrap();
@@ -672,6 +673,7 @@ fn an_accumulating_activation_gradient_is_reported() {
                 out_dim,
                 accumulate: true,
                 act_grad: Some(Act::GeluTanh),
+                fp8: None,
             });
         }
     }

@@ -4,8 +4,10 @@
 use super::args::{Inputs, Outputs};
 use super::dense::{gemm_checked, Strided, Threads};
 use super::elementwise::{activation, activation_bwd_in_place, add_in_place};
+use super::fp8::dequantized;
 use super::par::{accumulate_column_sums, rows_per_task};
 use crate::error::Result;
+use parc_compiler::ir::fp8::{operands, Fp8Gemm, Fp8Operand};
 use parc_compiler::ir::op::Op;
 use rayon::prelude::*;
 
@@ -20,10 +22,13 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, threads: Threads) -
             in_dim,
             out_dim,
             act,
+            fp8,
             ..
         } => {
             let (i, o) = dims(*in_dim, *out_dim)?;
             let (x, w, b) = (ins.f32("x")?, ins.f32("w")?, ins.optional_f32("b")?);
+            let [xq, wq] = quantized(*fp8, operands::forward, [(x, i), (w, i)]);
+            let (x, w) = (xq.as_deref().unwrap_or(x), wq.as_deref().unwrap_or(w));
             let y = outs.f32("y")?;
             // y = x Wᵀ + b, then + r (what an `Add` after it computes), then the activation
             // from y's f32 value (before a bf16 y is rounded).
@@ -40,6 +45,7 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, threads: Threads) -
             out_dim,
             accumulate,
             act_grad: act,
+            fp8,
         } => {
             let (i, o) = dims(*in_dim, *out_dim)?;
             if act.is_some() && *accumulate {
@@ -48,7 +54,10 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, threads: Threads) -
                      (the verifier rejects it, E0822)",
                 ));
             }
-            let (dy, w, dx) = (ins.f32("dy")?, ins.f32("w")?, outs.f32("dx")?);
+            let (dy, w) = (ins.f32("dy")?, ins.f32("w")?);
+            let [dyq, wq] = quantized(*fp8, operands::bwd_data, [(dy, o), (w, i)]);
+            let (dy, w) = (dyq.as_deref().unwrap_or(dy), wq.as_deref().unwrap_or(w));
+            let dx = outs.f32("dx")?;
             matmul_bwd_data(name, threads, i, o, dy, w, dx, *accumulate)?;
             if let Some(act) = act {
                 // The product's f32 value times act'(pre), rounded once when dx is written.
@@ -56,16 +65,48 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, threads: Threads) -
             }
         }
         Op::MatmulBwdWeight {
-            in_dim, out_dim, ..
+            in_dim,
+            out_dim,
+            fp8,
+            ..
         } => {
             let (i, o) = dims(*in_dim, *out_dim)?;
             let (dy, x) = (ins.f32("dy")?, ins.f32("x")?);
             let (dw, db) = (outs.accumulator("dw")?, outs.optional_accumulator("db")?);
-            matmul_bwd_weight(name, threads, i, o, dy, x, dw, db)?;
+            let [dyq, xq] = quantized(*fp8, operands::bwd_weight, [(dy, o), (x, i)]);
+            // The bias gradient sums the exact dy; dW = dq(dy)ᵀ dq(x).
+            let x = xq.as_deref().unwrap_or(x);
+            match (dyq, db) {
+                (Some(dyq), Some(db)) => {
+                    matmul_bwd_weight(name, threads, i, o, &dyq, x, dw, None)?;
+                    accumulate_column_sums(db, dy);
+                }
+                (dyq, db) => {
+                    let dy = dyq.as_deref().unwrap_or(dy);
+                    matmul_bwd_weight(name, threads, i, o, dy, x, dw, db)?;
+                }
+            }
         }
         _ => return Err(ins.unrouted("matmul")),
     }
     Ok(())
+}
+
+/// With `fp8` set, the GEMM's two operands (each with its number of columns) quantized and
+/// dequantized as `ir::fp8` defines (`None`s without it: the operands are used as they are).
+fn quantized(
+    fp8: Option<Fp8Gemm>,
+    operands: fn(Fp8Gemm) -> [Fp8Operand; 2],
+    [(a, a_cols), (b, b_cols)]: [(&[f32], usize); 2],
+) -> [Option<Vec<f32>>; 2] {
+    let Some(g) = fp8 else {
+        return [None, None];
+    };
+    let [qa, qb] = operands(g);
+    [
+        Some(dequantized(a, a_cols, qa, g.scaling)),
+        Some(dequantized(b, b_cols, qb, g.scaling)),
+    ]
 }
 
 /// `y = x Wᵀ (+ b)`: x `[rows, in]`, w `[out, in]`, b `[out]`, y `[rows, out]`.

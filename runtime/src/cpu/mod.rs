@@ -26,6 +26,7 @@ mod dense;
 mod dispatch;
 mod elementwise;
 mod embed;
+pub(crate) mod fp8;
 pub(crate) mod fused;
 mod linear;
 mod memory;

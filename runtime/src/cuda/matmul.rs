@@ -27,7 +27,7 @@ use super::gemm::{Epilogue, Gemm, Operands, Output};
 use super::gemm_operands::Operand;
 use super::kernel::Kernel;
 use super::{Arg, Buf, CudaBackend};
-use crate::error::Result;
+use crate::error::{Result, RuntimeError};
 use cudarc::driver::sys::CUdeviceptr;
 use parc_compiler::ir::op::{Act, Op};
 use parc_compiler::ir::DType;
@@ -68,6 +68,14 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
         } => (i, o),
         _ => return Err(b.err("is not a GEMM op")),
     };
+    if let Some(fp8) = b.op.fp8() {
+        return Err(RuntimeError::Unsupported(format!(
+            "{}: FP8 GEMMs ({fp8}) are not built for the CUDA backend yet; they run on the \
+             CPU backend (exact emulation). Remove `train.fp8`, or pin the layer bf16, to train \
+             on the GPU",
+            b.name()
+        )));
+    }
     let k_in = b.launch_dim("in_dim", in_dim)?;
     let m_out = b.launch_dim("out_dim", out_dim)?;
     // Input 0 holds the rows: x for the forward, dy for the backwards.

@@ -355,6 +355,7 @@ mod tests {
             bias: true,
             act: None,
             residual: false,
+            fp8: None,
         };
         // x is [8, 64]: 8 rows.
         assert_eq!(flops(&fwd, 8 * 64), Some(2.0 * 8.0 * 64.0 * 256.0));
@@ -363,6 +364,7 @@ mod tests {
             out_dim: 256,
             accumulate: false,
             act_grad: None,
+            fp8: None,
         };
         // dy is [8, 256].
         assert_eq!(flops(&bwd, 8 * 256), Some(2.0 * 8.0 * 64.0 * 256.0));

@@ -134,6 +134,7 @@ fn rows_come_from_attributes_or_the_first_row_shaped_input() {
         bias: true,
         act: None,
         residual: false,
+        fp8: None,
     }
     .signature();
     assert_eq!(s.rows_from_inputs(|i| [21, 15, 5][i]), Some(7));
@@ -142,6 +143,7 @@ fn rows_come_from_attributes_or_the_first_row_shaped_input() {
         out_dim: 5,
         bias: false,
         accumulate_param_grad: false,
+        fp8: None,
     };
     assert_eq!(op.flops(7.0, FlopCount::Model), 2.0 * 7.0 * 15.0);
 }

@@ -184,6 +184,7 @@ fn lowering_mistakes_are_clear_errors_naming_op_role_and_buffer() {
         bias,
         act: None,
         residual: false,
+        fp8: None,
     };
     // Wrong output length.
     let wanted = ["matmul", "output 0 (y, buffer 2) holds 5 elements"];
@@ -333,6 +334,7 @@ fn op_sequence_bits(backend: CpuBackend) -> Vec<Vec<u32>> {
             bias: true,
             act: None,
             residual: false,
+            fp8: None,
         },
         vec![Input::F(ln[0].clone()), w1.clone(), b1],
         vec![rows * hidden],
@@ -349,6 +351,7 @@ fn op_sequence_bits(backend: CpuBackend) -> Vec<Vec<u32>> {
             out_dim: hidden as u64,
             bias: true,
             accumulate_param_grad: true,
+            fp8: None,
         },
         vec![dy.clone(), Input::F(ln[0].clone())],
         vec![hidden * dim, hidden],
@@ -359,6 +362,7 @@ fn op_sequence_bits(backend: CpuBackend) -> Vec<Vec<u32>> {
             out_dim: hidden as u64,
             accumulate: false,
             act_grad: None,
+            fp8: None,
         },
         vec![dy, w1],
         vec![rows * dim],

@@ -19,6 +19,7 @@ fn matmul(bias: bool, act: Option<Act>, residual: bool) -> Op {
         bias,
         act,
         residual,
+        fp8: None,
     }
 }
 
@@ -28,6 +29,7 @@ fn bwd_data(act_grad: Option<Act>, accumulate: bool) -> Op {
         out_dim: OUT as u64,
         accumulate,
         act_grad,
+        fp8: None,
     }
 }
 

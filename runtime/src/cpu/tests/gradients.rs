@@ -154,6 +154,7 @@ fn matmul_backward_data_and_weight_match_differences() {
         bias: true,
         act: None,
         residual: false,
+        fp8: None,
     };
     let inputs = vec![
         Input::F(values(rows * in_dim, 13, 1.0)),
@@ -169,6 +170,7 @@ fn matmul_backward_data_and_weight_match_differences() {
             out_dim: out_dim as u64,
             accumulate: false,
             act_grad: None,
+            fp8: None,
         },
         &[dy.clone(), inputs[1].clone()],
         &[rows * in_dim],
@@ -179,6 +181,7 @@ fn matmul_backward_data_and_weight_match_differences() {
             out_dim: out_dim as u64,
             bias: true,
             accumulate_param_grad: true,
+            fp8: None,
         },
         &[dy, inputs[0].clone()],
         &[vec![1.0; out_dim * in_dim], vec![1.0; out_dim]],
@@ -434,6 +437,7 @@ fn overwriting_parameter_gradients_equals_adding_into_zeros() {
                 out_dim: out as u64,
                 bias: true,
                 accumulate_param_grad: true,
+                fp8: None,
             },
             vec![f(rows * out, 1), f(rows * dim, 2)],
             vec![out * dim, out],

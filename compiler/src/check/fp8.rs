@@ -1,0 +1,130 @@
+//! `train.fp8`: the FP8 recipe as written. What it means for the plan (which layers, whether
+//! its scale groups stay within a rank, the GPU and precision it needs) is `crate::fp8`'s.
+//!
+//! ```text
+//! fp8 = blockwise                                   // 128-element blocks, E4M3 gradients
+//! fp8 = blockwise { block_size: 64, grad: e5m2 }
+//! fp8 = rowwise { bf16: [head, blocks.0], fp8: [MLP] }
+//! fp8 = tensorwise { scaling: current }             // delayed scaling: not built yet (E1205)
+//! ```
+
+use super::sections::{Reader, SVal};
+use crate::diag::Diagnostic;
+use crate::ir::fp8::{Fp8Format, Fp8Scaling, MAX_BLOCK, MIN_BLOCK};
+use crate::spec::Fp8;
+
+const PATH: &str = "train.fp8";
+
+/// The recipe, when `train.fp8` is written.
+pub fn fp8(r: &mut Reader) -> Option<Fp8> {
+    let first = r.span(PATH)?;
+    let (recipe, span) = r.word(PATH, &["tensorwise", "rowwise", "blockwise"])?;
+    let common = ["grad", "bf16", "fp8"];
+    let scaling = match recipe.as_str() {
+        "blockwise" => {
+            r.reject_fields(PATH, &[&common[..], &["block_size"]].concat(), "blockwise");
+            Fp8Scaling::Blockwise { block: block(r)? }
+        }
+        "tensorwise" => {
+            r.reject_fields(PATH, &[&common[..], &["scaling"]].concat(), "tensorwise");
+            current_scaling(r)?;
+            Fp8Scaling::Tensorwise
+        }
+        _ => {
+            r.reject_fields(PATH, &common, "rowwise");
+            Fp8Scaling::Rowwise
+        }
+    };
+    // Transformer Engine's hybrid recipe gives tensorwise gradients E5M2's range; the rowwise
+    // and blockwise recipes (torchao, DeepSeek-V3) keep E4M3 throughout.
+    let default_grad = match scaling {
+        Fp8Scaling::Tensorwise => Fp8Format::E5m2,
+        _ => Fp8Format::E4m3,
+    };
+    let grad = match r.word(&format!("{PATH}.grad"), &["e4m3", "e5m2"]) {
+        Some((w, _)) if w == "e5m2" => Fp8Format::E5m2,
+        Some(_) => Fp8Format::E4m3,
+        None if r.span(&format!("{PATH}.grad")).is_some() => return None,
+        None => default_grad,
+    };
+    Some(Fp8 {
+        scaling,
+        grad,
+        keep_bf16: layers(r, "bf16")?,
+        force_fp8: layers(r, "fp8")?,
+        span: first.to(span),
+    })
+}
+
+/// `block_size: N`, a power of two in [MIN_BLOCK, MAX_BLOCK] (default 128, DeepSeek-V3's).
+fn block(r: &mut Reader) -> Option<u64> {
+    let path = format!("{PATH}.block_size");
+    let Some(at) = r.span(&path) else {
+        return Some(128);
+    };
+    let n = r.count(&path, 1)?;
+    if !n.is_power_of_two() || !(MIN_BLOCK..=MAX_BLOCK).contains(&n) {
+        r.diags.push(
+            Diagnostic::error(
+                "E0903",
+                format!("an FP8 block of {n} elements is not supported"),
+            )
+            .label(at, "block size")
+            .help(format!(
+                "use a power of two from {MIN_BLOCK} to {MAX_BLOCK}; 128 is DeepSeek-V3's"
+            )),
+        );
+        return None;
+    }
+    Some(n)
+}
+
+/// `scaling: current` (the default); delayed scaling is E1205.
+fn current_scaling(r: &mut Reader) -> Option<()> {
+    let path = format!("{PATH}.scaling");
+    match r.word(&path, &["current", "delayed"]) {
+        Some((w, at)) if w == "delayed" => {
+            r.diags.push(
+                Diagnostic::error(
+                    "E1205",
+                    "delayed FP8 scaling (scales from an amax history) is not built yet",
+                )
+                .label(at, "delayed scaling")
+                .help("use `scaling: current` (the default: each GEMM scales by its operands' amax in this step), or `fp8 = blockwise`"),
+            );
+            None
+        }
+        Some(_) => Some(()),
+        None if r.span(&path).is_some() => None,
+        None => Some(()),
+    }
+}
+
+/// A pin list `bf16: [...]` or `fp8: [...]`: layer kinds or paths, as `recompute` takes.
+fn layers(r: &mut Reader, field: &str) -> Option<Vec<String>> {
+    let path = format!("{PATH}.{field}");
+    let mut out = Vec::new();
+    match r.value(&path) {
+        None => {}
+        Some(SVal::Word(w, _) | SVal::Str(w, _)) => out.push(w),
+        Some(SVal::List(xs, _)) => {
+            for x in xs {
+                match x {
+                    SVal::Word(w, _) | SVal::Str(w, _) => out.push(w),
+                    other => {
+                        r.wrong(&other, "a layer kind or path");
+                        return None;
+                    }
+                }
+            }
+        }
+        Some(other) => {
+            r.wrong(
+                &other,
+                "a list of layer kinds or paths, like `[head, blocks.0]`",
+            );
+            return None;
+        }
+    }
+    Some(out)
+}

@@ -1,0 +1,560 @@
+//! The FP8 plan of a spec with `train.fp8`: which linear layers run their three GEMMs (forward,
+//! data gradient, weight gradient) in FP8 and why, and the checks that make FP8 GEMMs compute
+//! what the single-rank run computes (docs/fp8.md).
+//!
+//! A layer's choice, in order: a `bf16: [...]` pin keeps it in bf16; an `fp8: [...]` pin puts
+//! it in FP8; the LM head (a linear layer onto the vocabulary) stays bf16; otherwise it runs in
+//! FP8 when the cost model says its GEMMs, quantization included, save at least 10% of their
+//! bf16 time ([`MIN_GAIN`]). The cost
+//! of one microbatch on one rank, at the layer's local shapes (tp shards, cp's share of the
+//! sequence), is a roofline: each GEMM takes max(2mnk / peak, bytes / bandwidth) at the bf16
+//! or FP8 tensor peak; FP8 adds the quantization passes, each reading a bf16 operand and
+//! writing it in FP8 in the layout its GEMM reads (x, dy and W twice each) at HBM bandwidth,
+//! plus a launch apiece.
+//!
+//! Scale groups must lie within one rank: a group split across ranks would need its amax
+//! reduced over them, which parc does not build yet (E1204 says so). Tensorwise and rowwise
+//! scaling therefore need tp = 1 and cp = 1; blockwise needs every sharded dimension of an
+//! FP8 GEMM to be a whole number of blocks.
+
+use crate::diag::{Diagnostic, Diagnostics};
+use crate::ir::fp8::{Fp8Gemm, Fp8Scaling, MIN_BLOCK};
+use crate::spec::{Axis, Fp8, LayerKind, Node, NodeId, Precision, Spec};
+use serde::Serialize;
+
+/// Launch and scale overhead of one quantization pass, seconds.
+const QUANT_LAUNCH_S: f64 = 4e-6;
+
+/// The share of a layer's bf16 GEMM time FP8 must save by the roofline to be chosen: a
+/// roofline counts FP8 GEMMs at the same fraction of their (doubled) peak as bf16 ones, which
+/// small FP8 GEMMs do not reach (torchao measures ~0.8× bf16 at d ≈ 1–2k). Until `parc
+/// calibrate` measures FP8 GEMMs, a layer must win clearly.
+pub const MIN_GAIN: f64 = 0.10;
+
+/// One GEMM of a layer at its local shape on one rank: `[rows, in] × [out, in]ᵀ`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Gemm {
+    pub weight: &'static str,
+    pub rows: u64,
+    pub in_dim: u64,
+    pub out_dim: u64,
+}
+
+/// Why a layer runs in the precision it does.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Reason {
+    /// A `bf16: [...]` pin.
+    PinnedBf16,
+    /// An `fp8: [...]` pin.
+    PinnedFp8,
+    /// The LM head stays bf16 unless pinned.
+    LmHead,
+    /// The cost model's times of the layer's GEMMs for one microbatch, seconds.
+    Cost { bf16_s: f64, fp8_s: f64 },
+}
+
+/// The choice for one linear layer.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Choice {
+    pub node: NodeId,
+    pub name: String,
+    pub fp8: bool,
+    pub reason: Reason,
+    pub gemms: Vec<Gemm>,
+}
+
+impl Choice {
+    /// The reason in words, for `parc check` and `parc plan`.
+    pub fn explain(&self) -> String {
+        match self.reason {
+            Reason::PinnedBf16 => "pinned bf16".to_string(),
+            Reason::PinnedFp8 => "pinned fp8".to_string(),
+            Reason::LmHead => "the LM head stays bf16 unless pinned".to_string(),
+            Reason::Cost { bf16_s, fp8_s } => format!(
+                "FP8 {:.1} µs against bf16 {:.1} µs per microbatch: {}",
+                fp8_s * 1e6,
+                bf16_s * 1e6,
+                match (pays(bf16_s, fp8_s), fp8_s < bf16_s) {
+                    (true, _) => "pays",
+                    (false, true) => "saves under 10%",
+                    (false, false) => "slower",
+                }
+            ),
+        }
+    }
+}
+
+/// The IR attribute of an FP8 GEMM under `fp8`.
+pub fn gemm_attr(fp8: &Fp8) -> Fp8Gemm {
+    Fp8Gemm {
+        scaling: fp8.scaling,
+        grad: fp8.grad,
+    }
+}
+
+/// Every linear layer's choice, in model order (empty without `train.fp8`).
+pub fn choices(spec: &Spec) -> Vec<Choice> {
+    let Some(fp8) = &spec.train.fp8 else {
+        return Vec::new();
+    };
+    spec.model
+        .nodes
+        .iter()
+        .enumerate()
+        .filter_map(|(i, n)| {
+            let gemms = gemms(spec, n);
+            if gemms.is_empty() {
+                return None;
+            }
+            let reason = reason(spec, fp8, n, &gemms);
+            let fp8 = match reason {
+                Reason::PinnedBf16 | Reason::LmHead => false,
+                Reason::PinnedFp8 => true,
+                Reason::Cost { bf16_s, fp8_s } => pays(bf16_s, fp8_s),
+            };
+            Some(Choice {
+                node: NodeId(i as u32),
+                name: n.name.clone(),
+                fp8,
+                reason,
+                gemms,
+            })
+        })
+        .collect()
+}
+
+fn reason(spec: &Spec, fp8: &Fp8, node: &Node, gemms: &[Gemm]) -> Reason {
+    if fp8.keep_bf16.iter().any(|p| node.matches(p)) {
+        Reason::PinnedBf16
+    } else if fp8.force_fp8.iter().any(|p| node.matches(p)) {
+        Reason::PinnedFp8
+    } else if is_lm_head(spec, node) {
+        Reason::LmHead
+    } else {
+        let (bf16_s, fp8_s) = gemms.iter().fold((0.0, 0.0), |(b, f), g| {
+            let (gb, gf) = times(spec, g);
+            (b + gb, f + gf)
+        });
+        Reason::Cost { bf16_s, fp8_s }
+    }
+}
+
+/// FP8 pays when the roofline says it saves at least [`MIN_GAIN`] of the bf16 time.
+fn pays(bf16_s: f64, fp8_s: f64) -> bool {
+    fp8_s <= bf16_s * (1.0 - MIN_GAIN)
+}
+
+/// A linear layer onto the vocabulary.
+fn is_lm_head(spec: &Spec, node: &Node) -> bool {
+    matches!(node.kind, LayerKind::Linear { out_dim, .. } if out_dim == spec.model.vocab)
+}
+
+/// The GEMMs of a layer on one rank: local shapes under tp, rows of one microbatch under cp.
+pub fn gemms(spec: &Spec, node: &Node) -> Vec<Gemm> {
+    let mesh = &spec.parallel.mesh;
+    let (tp, cp) = (
+        u64::from(mesh.size(Axis::Tp)),
+        u64::from(mesh.size(Axis::Cp)),
+    );
+    let rows = spec.train.micro_batch * spec.model.seq / cp.max(1);
+    let gemm = |weight, in_dim, out_dim| Gemm {
+        weight,
+        rows,
+        in_dim,
+        out_dim,
+    };
+    match &node.kind {
+        LayerKind::Linear {
+            in_dim, out_dim, ..
+        } => vec![gemm("weight", *in_dim, out_dim / tp)],
+        LayerKind::Attention {
+            dim,
+            heads,
+            kv_heads,
+            head_dim,
+            ..
+        } => vec![
+            gemm("wqkv", *dim, (heads + 2 * kv_heads) * head_dim / tp),
+            gemm("wo", heads * head_dim / tp, *dim),
+        ],
+        LayerKind::Mlp {
+            dim, hidden, act, ..
+        } if act.is_gated() => vec![
+            gemm("gate", *dim, hidden / tp),
+            gemm("up", *dim, hidden / tp),
+            gemm("down", hidden / tp, *dim),
+        ],
+        LayerKind::Mlp { dim, hidden, .. } => {
+            vec![
+                gemm("fc", *dim, hidden / tp),
+                gemm("proj", hidden / tp, *dim),
+            ]
+        }
+        _ => Vec::new(),
+    }
+}
+
+/// Seconds of one GEMM's forward, data gradient and weight gradient in bf16 and in FP8
+/// (quantization included), by the roofline of the module doc.
+pub fn times(spec: &Spec, g: &Gemm) -> (f64, f64) {
+    let gpu = &spec.cluster.gpu;
+    let bw = gpu.memory_bandwidth.max(1.0);
+    let (m, k, n) = (g.rows as f64, g.in_dim as f64, g.out_dim as f64);
+    let flops = 2.0 * m * n * k;
+    let gemm = |peak: f64, in_bytes: f64| {
+        let bytes = in_bytes * (m * k + n * k) + 2.0 * m * n;
+        (flops / peak.max(1.0)).max(bytes / bw)
+    };
+    let bf16 = 3.0 * gemm(gpu.peak_flops, 2.0);
+    let Some(peak8) = gpu.peak_flops_fp8 else {
+        return (bf16, f64::INFINITY);
+    };
+    // Forward (x, W), data gradient (dy, W), weight gradient (dy, x): each GEMM quantizes
+    // its two bf16 operands into the layout it reads.
+    let quant = [m * k + n * k, m * n + n * k, m * n + m * k]
+        .iter()
+        .map(|&elements| quantize_seconds(elements, 2.0, gpu))
+        .sum::<f64>();
+    (bf16, 3.0 * gemm(peak8, 1.0) + quant)
+}
+
+/// Seconds to quantize the two operands of one FP8 GEMM, `elements` in all, stored with
+/// `stored_bytes` per element: read them, write one byte each, one launch per operand.
+pub fn quantize_seconds(elements: f64, stored_bytes: f64, gpu: &crate::spec::Gpu) -> f64 {
+    elements * (stored_bytes + 1.0) / gpu.memory_bandwidth.max(1.0) + 2.0 * QUANT_LAUNCH_S
+}
+
+/// How much faster the GPU's FP8 tensor cores are than its bf16 ones (1 without FP8).
+pub fn speedup(gpu: &crate::spec::Gpu) -> f64 {
+    gpu.peak_flops_fp8
+        .map_or(1.0, |fp8| fp8 / gpu.peak_flops.max(1.0))
+}
+
+/// The FP8 recipe's checks against the model, the precision, the GPU and the plan: E1201 a
+/// GPU without FP8 tensor cores, E1202 fp16 precision, E1203 a pin matching no
+/// linear layer (or a layer pinned both ways), E1204 a scale group split across ranks.
+pub fn validate(spec: &Spec) -> Diagnostics {
+    let mut diags = Diagnostics::default();
+    let Some(fp8) = &spec.train.fp8 else {
+        return diags;
+    };
+    let gpu = &spec.cluster.gpu;
+    if gpu.peak_flops_fp8.is_none() {
+        diags.push(
+            Diagnostic::error(
+                "E1201",
+                format!("`{}` has no FP8 tensor cores: `train.fp8` cannot run on it", gpu.name),
+            )
+            .label(fp8.span, "FP8 asked for here")
+            .label(spec.cluster.span, "on this cluster")
+            .help("FP8 GEMMs need Hopper (h100_80gb, h100_94gb, h200) or a custom GPU with `flops_fp8`; remove `train.fp8` to train in bf16"),
+        );
+    }
+    if matches!(spec.train.precision, Precision::Fp16 { .. }) {
+        diags.push(
+            Diagnostic::error(
+                "E1202",
+                "`train.fp8` with `precision = fp16`: FP8 scaling under fp16's loss scaling is not supported",
+            )
+            .label(fp8.span, "FP8 asked for here")
+            .help("set `precision = bf16` (FP8 GEMMs between bf16 activations, as the anchors train)"),
+        );
+    }
+    pins(spec, fp8, &mut diags);
+    scale_groups(spec, fp8, &mut diags);
+    diags
+}
+
+fn pins(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
+    let linear = |n: &&Node| !gemms(spec, n).is_empty();
+    for (list, pattern) in [("bf16", &fp8.keep_bf16), ("fp8", &fp8.force_fp8)]
+        .iter()
+        .flat_map(|(l, ps)| ps.iter().map(move |p| (*l, p)))
+    {
+        if !spec
+            .model
+            .nodes
+            .iter()
+            .filter(linear)
+            .any(|n| n.matches(pattern))
+        {
+            let names: Vec<&str> = spec
+                .model
+                .nodes
+                .iter()
+                .filter(linear)
+                .map(|n| n.name.as_str())
+                .chain(["Attention", "MLP", "Linear"])
+                .collect();
+            let help = match crate::check::closest_name(pattern, names.iter().copied()) {
+                Some(c) => format!("did you mean `{c}`? pins name layer kinds (`MLP`) or paths (`blocks.3.attn`, `head`) of layers with GEMMs"),
+                None => "pins name layer kinds (`Attention`, `MLP`, `Linear`) or paths (`blocks.3.attn`, `head`) of layers with GEMMs".to_string(),
+            };
+            diags.push(
+                Diagnostic::error(
+                    "E1203",
+                    format!("`train.fp8.{list}` names `{pattern}`, which matches no linear layer"),
+                )
+                .label(fp8.span, "in this FP8 recipe")
+                .help(help),
+            );
+        }
+    }
+    for n in spec.model.nodes.iter().filter(linear) {
+        let keep = fp8.keep_bf16.iter().find(|p| n.matches(p));
+        let force = fp8.force_fp8.iter().find(|p| n.matches(p));
+        if let (Some(k), Some(f)) = (keep, force) {
+            diags.push(
+                Diagnostic::error(
+                    "E1203",
+                    format!(
+                        "`{}` is pinned both ways: `bf16` names it as `{k}`, `fp8` as `{f}`",
+                        n.name
+                    ),
+                )
+                .label(fp8.span, "in this FP8 recipe")
+                .help("name each layer in one list"),
+            );
+        }
+    }
+}
+
+fn scale_groups(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
+    let mesh = &spec.parallel.mesh;
+    let (tp, cp) = (
+        u64::from(mesh.size(Axis::Tp)),
+        u64::from(mesh.size(Axis::Cp)),
+    );
+    let chosen: Vec<Choice> = choices(spec).into_iter().filter(|c| c.fp8).collect();
+    if chosen.is_empty() {
+        return;
+    }
+    let block = match fp8.scaling {
+        Fp8Scaling::Blockwise { block } => block,
+        s => {
+            if tp > 1 || cp > 1 {
+                let axis = if tp > 1 {
+                    format!("tp = {tp}")
+                } else {
+                    format!("cp = {cp}")
+                };
+                diags.push(
+                    Diagnostic::error(
+                        "E1204",
+                        format!(
+                            "{} FP8 scales span the ranks of {axis}: their amax would have to be reduced across them, which parc does not build yet",
+                            s.name()
+                        ),
+                    )
+                    .label(fp8.span, "this FP8 recipe")
+                    .label(spec.parallel.span, "this plan")
+                    .help("use `fp8 = blockwise` (its scales stay within a rank), or tp = 1 and cp = 1"),
+                );
+            }
+            return;
+        }
+    };
+    let mut bad: Vec<String> = Vec::new();
+    // The rows of one sequence chunk of a cp rank (load-balanced: two chunks per sequence).
+    if cp > 1 {
+        let chunk_rows = spec.model.seq / (2 * cp) * spec.train.micro_batch;
+        if !chunk_rows.is_multiple_of(block) {
+            bad.push(format!(
+                "each cp rank's sequence chunk of {chunk_rows} rows (seq / 2cp × micro_batch)"
+            ));
+        }
+    }
+    if tp > 1 {
+        for c in &chosen {
+            for (what, dim) in sharded_dims(spec, c.node, tp) {
+                if !dim.is_multiple_of(block) {
+                    bad.push(format!("`{}` {what} ({dim} per rank)", c.name));
+                }
+            }
+        }
+    }
+    if let Some(first) = bad.first() {
+        let more = match bad.len() {
+            1 => String::new(),
+            n => format!(" (and {} more)", n - 1),
+        };
+        diags.push(
+            Diagnostic::error(
+                "E1204",
+                format!("blockwise FP8 blocks of {block} would span ranks: {first} is not a whole number of blocks{more}"),
+            )
+            .label(fp8.span, "this FP8 recipe")
+            .label(spec.parallel.span, "this plan")
+            .help(match largest_block(block, &bad_dims(spec, &chosen, tp, cp)) {
+                b if b >= MIN_BLOCK => format!(
+                    "choose a block dividing every sharded dimension (`blockwise {{ block_size: {b} }}`), or pin those layers bf16"
+                ),
+                _ => "no block of 16 or more divides them: pin those layers bf16 (`bf16: [...]`) or change tp / cp".to_string(),
+            }),
+        );
+    }
+}
+
+/// The sharded extents of a layer's FP8 GEMM operands on one of `tp` ranks: each must be a
+/// whole number of blocks for its blocks to be the single-rank run's.
+fn sharded_dims(spec: &Spec, node: NodeId, tp: u64) -> Vec<(&'static str, u64)> {
+    let Some(n) = spec.model.nodes.get(node.0 as usize) else {
+        return Vec::new();
+    };
+    match &n.kind {
+        LayerKind::Linear { out_dim, .. } => vec![("output columns", out_dim / tp)],
+        LayerKind::Attention {
+            heads,
+            kv_heads,
+            head_dim,
+            ..
+        } => vec![
+            ("query columns", heads * head_dim / tp),
+            ("key/value columns", kv_heads * head_dim / tp),
+        ],
+        LayerKind::Mlp { hidden, .. } => vec![("hidden columns", hidden / tp)],
+        _ => Vec::new(),
+    }
+}
+
+fn bad_dims(spec: &Spec, chosen: &[Choice], tp: u64, cp: u64) -> Vec<u64> {
+    let mut dims: Vec<u64> = if tp > 1 {
+        chosen
+            .iter()
+            .flat_map(|c| sharded_dims(spec, c.node, tp))
+            .map(|(_, d)| d)
+            .collect()
+    } else {
+        Vec::new()
+    };
+    if cp > 1 {
+        dims.push(spec.model.seq / (2 * cp) * spec.train.micro_batch);
+    }
+    dims
+}
+
+/// The largest power of two below `block` dividing every dimension (at least 1).
+fn largest_block(block: u64, dims: &[u64]) -> u64 {
+    let mut b = block;
+    while b > 1 && !dims.iter().all(|d| d.is_multiple_of(b)) {
+        b /= 2;
+    }
+    b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost::testspec::{build, Dims, Plan};
+    use crate::diag::Span;
+    use crate::ir::fp8::Fp8Format;
+
+    fn with_fp8(d: &Dims, plan: &Plan, scaling: Fp8Scaling, pins: (&[&str], &[&str])) -> Spec {
+        let mut spec = build(d, plan);
+        spec.train.precision = Precision::Bf16;
+        spec.train.fp8 = Some(Fp8 {
+            scaling,
+            grad: Fp8Format::E4m3,
+            keep_bf16: pins.0.iter().map(|s| s.to_string()).collect(),
+            force_fp8: pins.1.iter().map(|s| s.to_string()).collect(),
+            span: Span::default(),
+        });
+        spec
+    }
+
+    fn blockwise() -> Fp8Scaling {
+        Fp8Scaling::Blockwise { block: 128 }
+    }
+
+    #[test]
+    fn large_layers_pay_small_ones_and_the_head_stay_bf16() {
+        let big = with_fp8(
+            &Dims::llama3_70b(),
+            &Plan::default(),
+            blockwise(),
+            (&[], &[]),
+        );
+        let picked = choices(&big);
+        assert!(picked.iter().any(|c| c.fp8));
+        for c in &picked {
+            let head = c.name == "head";
+            assert_eq!(c.fp8, !head, "{}: {}", c.name, c.explain());
+            if head {
+                assert_eq!(c.reason, Reason::LmHead);
+            }
+        }
+        // GPT-2 124M's GEMMs (d = 768) do not gain 10% by the roofline.
+        let small = with_fp8(
+            &Dims::gpt2_124m(),
+            &Plan::default(),
+            blockwise(),
+            (&[], &[]),
+        );
+        assert!(choices(&small).iter().all(|c| !c.fp8));
+    }
+
+    #[test]
+    fn pins_decide_before_the_cost_model() {
+        let d = Dims::gpt2_124m();
+        let spec = with_fp8(
+            &d,
+            &Plan::default(),
+            blockwise(),
+            (&["blocks.0"], &["MLP", "head"]),
+        );
+        for c in choices(&spec) {
+            let (fp8, reason) = match c.name.as_str() {
+                n if n.starts_with("blocks.0.") => (false, Reason::PinnedBf16),
+                n if n.ends_with(".mlp") || n == "head" => (true, Reason::PinnedFp8),
+                _ => (false, c.reason),
+            };
+            assert_eq!((c.fp8, c.reason), (fp8, reason), "{}", c.name);
+        }
+    }
+
+    #[test]
+    fn without_fp8_tensor_cores_nothing_pays_and_the_check_names_the_gpu() {
+        let mut spec = with_fp8(
+            &Dims::llama3_70b(),
+            &Plan::default(),
+            blockwise(),
+            (&[], &[]),
+        );
+        spec.cluster.gpu.name = "a100_80gb".into();
+        spec.cluster.gpu.peak_flops_fp8 = None;
+        assert!(choices(&spec).iter().all(|c| !c.fp8));
+        let diags = validate(&spec);
+        let e = diags.items.iter().find(|d| d.code == "E1201");
+        assert!(e.is_some_and(|d| d.message.contains("a100_80gb")));
+    }
+
+    #[test]
+    fn scale_groups_must_stay_within_a_rank() {
+        let d = Dims::llama3_70b();
+        let tp8 = Plan {
+            tp: 8,
+            gpus_per_node: 8,
+            ..Plan::default()
+        };
+        let codes = |scaling, block_pins: &[&str]| -> Vec<&'static str> {
+            let spec = with_fp8(&d, &tp8, scaling, (&[], block_pins));
+            validate(&spec).items.iter().map(|d| d.code).collect()
+        };
+        // 70B under tp 8: 1024 query and 128 key/value columns per rank.
+        assert!(codes(blockwise(), &[]).is_empty());
+        assert!(codes(Fp8Scaling::Blockwise { block: 256 }, &[]).contains(&"E1204"));
+        assert!(codes(Fp8Scaling::Rowwise, &[]).contains(&"E1204"));
+        assert!(codes(Fp8Scaling::Tensorwise, &[]).contains(&"E1204"));
+        // Nothing in FP8, nothing to split: a bf16-pinned model passes whatever the recipe.
+        let spec = with_fp8(&d, &tp8, Fp8Scaling::Tensorwise, (&["blocks", "head"], &[]));
+        assert!(validate(&spec).items.is_empty());
+    }
+
+    #[test]
+    fn largest_block_divides_every_dimension() {
+        assert_eq!(largest_block(128, &[96, 64]), 32);
+        assert_eq!(largest_block(128, &[256]), 128);
+        assert_eq!(largest_block(64, &[3]), 1);
+    }
+}

@@ -1,0 +1,157 @@
+//! FP8 GEMMs: the two formats, the three ways of scaling an operand, and what an FP8 GEMM op
+//! (`Matmul`, `MatmulBwdData`, `MatmulBwdWeight` with `fp8` set) computes. The numbers are
+//! defined here once; the CPU backend emulates them exactly (`runtime/src/cpu/fp8.rs`) and a
+//! GPU backend must match it within FP8's tolerance (docs/fp8.md).
+//!
+//! An FP8 GEMM `C = A Bᵀ` (both operands read along the contraction dimension K) computes
+//! `C = dq(A) dq(B)ᵀ` in f32, where `dq(q(v)) = fp8(v · s) / s` quantizes each element of an
+//! operand with the scale `s` of its *scale group* and dequantizes it back:
+//! - `fp8` rounds to nearest-even in the operand's format and saturates to its largest finite
+//!   value (NVIDIA's `__NV_SATFINITE`); a non-finite element passes through unchanged, so a
+//!   step's non-finite check still sees it.
+//! - `s = 2^⌊log₂(max / amax)⌋`, `amax` the largest finite |element| of the group and `max` the
+//!   format's largest finite value; `s = 1` for a group of zeros. A power of two, so scaling
+//!   and unscaling are exact and every backend gets the same `dq(A)`.
+//! - Scale groups, by [`Fp8Scaling`]: the whole operand (`Tensorwise`); one line along K per
+//!   row of the operand (`Rowwise`); `Blockwise { block }`: activations and gradients (the
+//!   operands with a row per token) in `1 × block` tiles along K, weights in `block × block`
+//!   squares (the same squares in either orientation, so forward and data gradient share them).
+//!
+//! The operands, each with the axis K runs along in its stored `[rows, cols]` buffer:
+//! - `Matmul` (y = x Wᵀ): x `[rows, in]` along its columns; W `[out, in]` along its columns.
+//! - `MatmulBwdData` (dx = dy W): dy `[rows, out]` along its columns; W along its rows.
+//! - `MatmulBwdWeight` (dW = dyᵀ x): dy along its rows (tokens); x along its rows.
+//!
+//! Weights and activations are E4M3; gradients take the recipe's gradient format.
+
+use serde::Serialize;
+use std::fmt;
+
+/// The smallest blockwise block (a power of two up to [`MAX_BLOCK`]).
+pub const MIN_BLOCK: u64 = 16;
+/// The largest blockwise block.
+pub const MAX_BLOCK: u64 = 1024;
+
+/// An 8-bit float format (OCP FP8: E4M3 without infinities, E5M2 IEEE-like).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fp8Format {
+    E4m3,
+    E5m2,
+}
+
+impl Fp8Format {
+    /// The largest finite value.
+    pub fn max(self) -> f32 {
+        match self {
+            Fp8Format::E4m3 => 448.0,
+            Fp8Format::E5m2 => 57344.0,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Fp8Format::E4m3 => "e4m3",
+            Fp8Format::E5m2 => "e5m2",
+        }
+    }
+}
+
+/// How an operand's elements are grouped under one scale (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Fp8Scaling {
+    Tensorwise,
+    Rowwise,
+    Blockwise { block: u64 },
+}
+
+impl Fp8Scaling {
+    pub fn name(self) -> &'static str {
+        match self {
+            Fp8Scaling::Tensorwise => "tensorwise",
+            Fp8Scaling::Rowwise => "rowwise",
+            Fp8Scaling::Blockwise { .. } => "blockwise",
+        }
+    }
+}
+
+/// What an operand is, which decides its blockwise groups: a weight is scaled in squares, an
+/// activation or gradient (a row per token) in tiles along K.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OperandKind {
+    Weight,
+    Tokens,
+}
+
+/// The axis of an operand's stored `[rows, cols]` buffer that the contraction runs along.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Along {
+    /// K is the column index: one line per row.
+    Cols,
+    /// K is the row index: one line per column.
+    Rows,
+}
+
+/// One quantized operand of an FP8 GEMM: its format, kind and contraction axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fp8Operand {
+    pub format: Fp8Format,
+    pub kind: OperandKind,
+    pub along: Along,
+}
+
+/// The `fp8` attribute of a GEMM op: its scaling and the format of its gradient operand (dy,
+/// in the two backward GEMMs; weights and activations are E4M3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct Fp8Gemm {
+    pub scaling: Fp8Scaling,
+    pub grad: Fp8Format,
+}
+
+impl fmt::Display for Fp8Gemm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.scaling {
+            Fp8Scaling::Blockwise { block } => write!(f, "blockwise({block})")?,
+            s => f.write_str(s.name())?,
+        }
+        write!(f, " grad {}", self.grad.name())
+    }
+}
+
+/// The operands of each FP8 GEMM, in the op's input order (see the module doc).
+pub mod operands {
+    use super::{Along, Fp8Format, Fp8Gemm, Fp8Operand, OperandKind};
+
+    fn operand(format: Fp8Format, kind: OperandKind, along: Along) -> Fp8Operand {
+        Fp8Operand {
+            format,
+            kind,
+            along,
+        }
+    }
+
+    /// `Matmul`: x, then W.
+    pub fn forward(_: Fp8Gemm) -> [Fp8Operand; 2] {
+        [
+            operand(Fp8Format::E4m3, OperandKind::Tokens, Along::Cols),
+            operand(Fp8Format::E4m3, OperandKind::Weight, Along::Cols),
+        ]
+    }
+
+    /// `MatmulBwdData`: dy, then W.
+    pub fn bwd_data(g: Fp8Gemm) -> [Fp8Operand; 2] {
+        [
+            operand(g.grad, OperandKind::Tokens, Along::Cols),
+            operand(Fp8Format::E4m3, OperandKind::Weight, Along::Rows),
+        ]
+    }
+
+    /// `MatmulBwdWeight`: dy, then x.
+    pub fn bwd_weight(g: Fp8Gemm) -> [Fp8Operand; 2] {
+        [
+            operand(g.grad, OperandKind::Tokens, Along::Rows),
+            operand(Fp8Format::E4m3, OperandKind::Tokens, Along::Rows),
+        ]
+    }
+}

@@ -1,0 +1,223 @@
+//! FP8 emulation: a GEMM operand quantized to FP8 with its scale groups' power-of-two scales
+//! and dequantized back to f32, exactly as `parc_compiler::ir::fp8` defines it. The linear
+//! family runs its usual f32 product on these values, so an FP8 GEMM differs from the exact
+//! product of the dequantized operands only by the order of f32 additions.
+
+use float8::{F8E4M3, F8E5M2};
+use parc_compiler::ir::fp8::{Along, Fp8Format, Fp8Operand, Fp8Scaling, OperandKind};
+use rayon::prelude::*;
+
+/// `data` (`[rows, cols]` row-major) quantized and dequantized as `operand` under `scaling`.
+pub(crate) fn dequantized(
+    data: &[f32],
+    cols: usize,
+    operand: Fp8Operand,
+    scaling: Fp8Scaling,
+) -> Vec<f32> {
+    let cols = cols.max(1);
+    let groups = Groups::new(data.len() / cols, cols, operand, scaling);
+    let mut amax = vec![0.0f32; groups.count];
+    for (i, v) in data.iter().enumerate() {
+        let g = &mut amax[groups.of(i / cols, i % cols)];
+        if v.is_finite() {
+            *g = g.max(v.abs());
+        }
+    }
+    let scales: Vec<f32> = amax.iter().map(|&a| scale(a, operand.format)).collect();
+    let mut out = data.to_vec();
+    out.par_chunks_mut(cols).enumerate().for_each(|(r, row)| {
+        for (c, v) in row.iter_mut().enumerate() {
+            *v = round_trip(*v, scales[groups.of(r, c)], operand.format);
+        }
+    });
+    out
+}
+
+/// The power-of-two scale of a group whose largest finite magnitude is `amax`:
+/// `2^⌊log₂(max / amax)⌋` (from the exponent bits of the f32 quotient, not a logarithm, so any
+/// backend gets it bit for bit), 1 for a group of zeros.
+pub(crate) fn scale(amax: f32, format: Fp8Format) -> f32 {
+    if amax.is_nan() || amax <= 0.0 {
+        return 1.0;
+    }
+    let ratio = format.max() / amax;
+    if ratio == 0.0 {
+        return f32::from_bits(1 << 23); // 2^-126: amax beyond any finite scale
+    }
+    let exponent = ((ratio.to_bits() >> 23) & 0xff).clamp(1, 254);
+    f32::from_bits(exponent << 23)
+}
+
+/// `v` scaled, rounded to `format` (nearest-even, saturating) and unscaled; non-finite values
+/// pass through unchanged.
+pub(crate) fn round_trip(v: f32, scale: f32, format: Fp8Format) -> f32 {
+    if !v.is_finite() {
+        return v;
+    }
+    let q = match format {
+        Fp8Format::E4m3 => F8E4M3::from_f32(v * scale).to_f32(),
+        Fp8Format::E5m2 => F8E5M2::from_f32(v * scale).to_f32(),
+    };
+    q / scale
+}
+
+/// The scale group of each element of a `[rows, cols]` operand.
+struct Groups {
+    /// Group index = (r / row_block) · per_row + c / col_block.
+    row_block: usize,
+    col_block: usize,
+    per_row: usize,
+    count: usize,
+}
+
+impl Groups {
+    fn new(rows: usize, cols: usize, operand: Fp8Operand, scaling: Fp8Scaling) -> Groups {
+        let (rows, cols) = (rows.max(1), cols.max(1));
+        let (row_block, col_block) = match (scaling, operand.kind, operand.along) {
+            (Fp8Scaling::Tensorwise, ..) => (rows, cols),
+            (Fp8Scaling::Rowwise, _, Along::Cols) => (1, cols),
+            (Fp8Scaling::Rowwise, _, Along::Rows) => (rows, 1),
+            (Fp8Scaling::Blockwise { block }, OperandKind::Weight, _) => {
+                (block as usize, block as usize)
+            }
+            (Fp8Scaling::Blockwise { block }, OperandKind::Tokens, Along::Cols) => {
+                (1, block as usize)
+            }
+            (Fp8Scaling::Blockwise { block }, OperandKind::Tokens, Along::Rows) => {
+                (block as usize, 1)
+            }
+        };
+        let (row_block, col_block) = (row_block.max(1), col_block.max(1));
+        let per_row = cols.div_ceil(col_block);
+        Groups {
+            row_block,
+            col_block,
+            per_row,
+            count: rows.div_ceil(row_block) * per_row,
+        }
+    }
+
+    fn of(&self, r: usize, c: usize) -> usize {
+        (r / self.row_block) * self.per_row + c / self.col_block
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn operand(format: Fp8Format, kind: OperandKind, along: Along) -> Fp8Operand {
+        Fp8Operand {
+            format,
+            kind,
+            along,
+        }
+    }
+
+    #[test]
+    fn scales_are_the_largest_powers_of_two_that_keep_amax_in_range() {
+        // 448 / 1 = 448 → 256; 448 / 448 = 1 → 1; 448 / 500 < 1 → 0.5.
+        assert_eq!(scale(1.0, Fp8Format::E4m3), 256.0);
+        assert_eq!(scale(448.0, Fp8Format::E4m3), 1.0);
+        assert_eq!(scale(500.0, Fp8Format::E4m3), 0.5);
+        assert_eq!(scale(1.0, Fp8Format::E5m2), 32768.0);
+        assert_eq!(scale(0.0, Fp8Format::E4m3), 1.0);
+        assert_eq!(scale(f32::NAN, Fp8Format::E4m3), 1.0);
+        assert!(scale(1e-30, Fp8Format::E4m3).is_finite());
+        assert!(scale(f32::MAX, Fp8Format::E4m3) > 0.0);
+    }
+
+    #[test]
+    fn round_trips_round_to_nearest_even_and_saturate() {
+        // E4M3 has 3 mantissa bits: between 1 and 2 the step is 1/8.
+        assert_eq!(round_trip(1.0625, 1.0, Fp8Format::E4m3), 1.0); // tie → even
+        assert_eq!(round_trip(1.1875, 1.0, Fp8Format::E4m3), 1.25); // tie → even
+        assert_eq!(round_trip(1.2, 1.0, Fp8Format::E4m3), 1.25);
+        assert_eq!(round_trip(1000.0, 1.0, Fp8Format::E4m3), 448.0);
+        assert_eq!(round_trip(-1e6, 1.0, Fp8Format::E5m2), -57344.0);
+        // Scaled: 0.3 · 1024 = 307.2 → 320 (step 32 above 256) → 0.3125.
+        assert_eq!(round_trip(0.3, 1024.0, Fp8Format::E4m3), 0.3125);
+        assert!(round_trip(f32::INFINITY, 1.0, Fp8Format::E4m3).is_infinite());
+        assert!(round_trip(f32::NAN, 1.0, Fp8Format::E4m3).is_nan());
+    }
+
+    #[test]
+    fn groups_follow_the_scaling() {
+        // A [2, 4] operand whose second row is 1000× the first.
+        let data = [0.1, 0.2, 0.3, 0.4, 100.0, 200.0, 300.0, 400.0];
+        let tokens = operand(Fp8Format::E4m3, OperandKind::Tokens, Along::Cols);
+        // Rowwise along the columns: each row has its own scale, so the small row keeps
+        // its precision (within E4M3's 2^-4 relative step).
+        let rowwise = dequantized(&data, 4, tokens, Fp8Scaling::Rowwise);
+        for (q, v) in rowwise.iter().zip(data) {
+            assert!((q - v).abs() <= v * 0.0625, "{q} vs {v}");
+        }
+        // Tensorwise: one scale (from 400), the first row falls to a coarser grid.
+        let tensorwise = dequantized(&data, 4, tokens, Fp8Scaling::Tensorwise);
+        let s = scale(400.0, Fp8Format::E4m3);
+        for (q, v) in tensorwise.iter().zip(data) {
+            assert_eq!(*q, round_trip(v, s, Fp8Format::E4m3));
+        }
+        // Rowwise along the rows (a weight gradient's operands): one scale per column.
+        let by_column = dequantized(
+            &data,
+            4,
+            operand(Fp8Format::E4m3, OperandKind::Tokens, Along::Rows),
+            Fp8Scaling::Rowwise,
+        );
+        for (i, (q, v)) in by_column.iter().zip(data).enumerate() {
+            let s = scale(data[4 + i % 4], Fp8Format::E4m3);
+            assert_eq!(*q, round_trip(v, s, Fp8Format::E4m3));
+        }
+    }
+
+    #[test]
+    fn blocks_are_tiles_for_tokens_and_squares_for_weights() {
+        // [4, 4] with block 2: tokens along the columns in 1×2 tiles, weights in 2×2 squares.
+        let data: Vec<f32> = (0..16).map(|i| 1.0 + i as f32 * 10.0).collect();
+        let block = Fp8Scaling::Blockwise { block: 2 };
+        let tiles = dequantized(
+            &data,
+            4,
+            operand(Fp8Format::E4m3, OperandKind::Tokens, Along::Cols),
+            block,
+        );
+        let squares = dequantized(
+            &data,
+            4,
+            operand(Fp8Format::E4m3, OperandKind::Weight, Along::Cols),
+            block,
+        );
+        for r in 0..4 {
+            for c in 0..4 {
+                let i = r * 4 + c;
+                let tile = data[r * 4 + (c / 2) * 2 + 1];
+                let square = data[((r / 2) * 2 + 1) * 4 + (c / 2) * 2 + 1];
+                let f = Fp8Format::E4m3;
+                assert_eq!(tiles[i], round_trip(data[i], scale(tile, f), f));
+                assert_eq!(squares[i], round_trip(data[i], scale(square, f), f));
+            }
+        }
+        // A weight's squares are the same read along the rows (the data gradient's view).
+        let along_rows = dequantized(
+            &data,
+            4,
+            operand(Fp8Format::E4m3, OperandKind::Weight, Along::Rows),
+            block,
+        );
+        assert_eq!(along_rows, squares);
+    }
+
+    #[test]
+    fn a_partial_last_block_is_its_own_group() {
+        let data = [1.0, 1.0, 1.0, 300.0, 0.01];
+        let q = dequantized(
+            &data,
+            5,
+            operand(Fp8Format::E4m3, OperandKind::Tokens, Along::Cols),
+            Fp8Scaling::Blockwise { block: 4 },
+        );
+        // The last element alone: scale from 0.01 keeps it close.
+        assert!((q[4] - 0.01).abs() < 0.01 * 0.0625);
+    }
+}
