@@ -11,7 +11,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 use serde_json::Value;
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::Output;
 use std::time::{Duration, Instant};
 
 #[path = "launch_support/mod.rs"]
@@ -350,7 +350,7 @@ fn mpi_comm_checks_order_names_missing_peers_and_hears_aborts() {
         eprintln!("skipped: {why}");
         return;
     }
-    let output = Command::new("mpiexec")
+    let output = std::process::Command::new("mpiexec")
         .args(["-n", "2", "--oversubscribe", "--bind-to", "none"])
         .args(["-x", "MASTER_ADDR=127.0.0.1"])
         .args(["-x", &format!("MASTER_PORT={}", free_port())])
