@@ -259,7 +259,16 @@ fn write_plan(out: &mut impl std::io::Write, planned: &Planned, emit: Emit) -> s
         },
         (Emit::Text, Some(timeline)) => {
             let names: Vec<String> = spec.model.nodes.iter().map(|n| n.name.clone()).collect();
-            let summary = crate::plan_summary::render(plan, verified, memory, timeline);
+            let mut summary = crate::plan_summary::render(plan, verified, memory, timeline);
+            let fp8 = parc_compiler::fp8::choices(spec);
+            if !fp8.is_empty() {
+                for line in crate::report::render_fp8(&fp8)
+                    .lines()
+                    .filter(|l| !l.is_empty())
+                {
+                    summary.push_str(&format!("# {line}\n"));
+                }
+            }
             let text = match view {
                 Some(view) => PlanText::new(&view.plan).first_id(view.first_id),
                 None => PlanText::new(plan),
