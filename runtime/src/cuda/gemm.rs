@@ -20,6 +20,11 @@
 //! [`TIMED_RUNS`] after one warm-up) and keep the fastest for the rest of the run. A candidate
 //! writes D before the real run overwrites it, so a GEMM that accumulates (beta ≠ 0) is timed
 //! into a scratch D the caller provides (`tune_out`), and without one runs the first choice.
+//!
+//! FP8 GEMMs (`Operands::Fp8`, [`Blas::run_fp8`], fed by `fp8`): E4M3/E5M2 A and B, A
+//! transposed and B not (Hopper's one FP8 form), each with a scale mode
+//! (`CUBLASLT_MATMUL_DESC_{A,B}_SCALE_MODE`) and its dequantization factors' pointer; they
+//! run the heuristic's first choice, untimed.
 use super::device::{cublas_error, driver_error};
 use super::kernel::Kernel;
 use crate::error::Result;
