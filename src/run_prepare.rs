@@ -26,8 +26,9 @@ pub(crate) fn backend_and_plan(args: &RunArgs, quiet: bool) -> Result<(Resolved,
     Ok((backend, spec, plan))
 }
 
-/// What the backend cannot run of the plan, said before any rank starts: FP8 GEMMs have only
-/// the CPU backend's exact emulation so far.
+/// What the backend cannot run of the plan, said before any rank starts: FP8 GEMMs run on the
+/// CPU backend's exact emulation only, until the CUDA backend's (`runtime/src/cuda/fp8.rs`)
+/// has passed its GPU tests (`tests/cuda_ops/fp8.rs`).
 fn unsupported_on(backend: Resolved, plan: &Plan) -> Option<String> {
     if backend.name() == "cpu" {
         return None;
@@ -42,8 +43,9 @@ fn unsupported_on(backend: Resolved, plan: &Plan) -> Option<String> {
     (fp8 > 0).then(|| {
         format!(
             "this plan runs {fp8} GEMMs in FP8 (`train.fp8`), which the {} backend does not \
-             build yet: only the CPU backend runs them (an exact emulation). Train without \
-             `train.fp8` on the GPU, or run `--backend cpu`",
+             run yet (its FP8 GEMMs are not yet validated on a GPU): only the CPU backend runs \
+             them (an exact emulation). Train without `train.fp8` on the GPU, or run \
+             `--backend cpu`",
             backend.name()
         )
     })

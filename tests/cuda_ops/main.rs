@@ -26,6 +26,9 @@
 //! the updates hold the fp32 tolerances, and an overflowed step's NaN coefficient leaves the
 //! parameters and optimizer state untouched on both backends.
 //!
+//! FP8 GEMMs (`fp8`): against the CPU's exact emulation, 1e-3 on f32 outputs (identical
+//! FP8 products summed in another order), `BF16_STORED` on bf16 outputs.
+//!
 //! Without a GPU (or built without `--features cuda`) every test prints
 //! `skipped: no CUDA device (…)` and passes.
 //!
@@ -38,6 +41,7 @@ mod cross_entropy;
 mod elementwise;
 mod emitters;
 mod errors;
+mod fp8;
 mod fused;
 mod fused_kernels;
 #[cfg(feature = "cuda")]

@@ -101,6 +101,31 @@ pub struct Fp8Operand {
     pub along: Along,
 }
 
+impl Fp8Operand {
+    /// The extent of one scale group of this operand, stored `[rows, cols]`, under `scaling`:
+    /// (rows, cols) of the group, clipped to the operand (the last group along an axis may be
+    /// partial). Group `(r / row_block) · ⌈cols / col_block⌉ + c / col_block` holds element
+    /// `(r, c)`.
+    pub fn group_shape(self, scaling: Fp8Scaling, rows: u64, cols: u64) -> (u64, u64) {
+        let (rows, cols) = (rows.max(1), cols.max(1));
+        let (r, c) = match (scaling, self.kind, self.along) {
+            (Fp8Scaling::Tensorwise, ..) => (rows, cols),
+            (Fp8Scaling::Rowwise, _, Along::Cols) => (1, cols),
+            (Fp8Scaling::Rowwise, _, Along::Rows) => (rows, 1),
+            (Fp8Scaling::Blockwise { block }, OperandKind::Weight, _) => (block, block),
+            (Fp8Scaling::Blockwise { block }, OperandKind::Tokens, Along::Cols) => (1, block),
+            (Fp8Scaling::Blockwise { block }, OperandKind::Tokens, Along::Rows) => (block, 1),
+        };
+        (r.clamp(1, rows), c.clamp(1, cols))
+    }
+
+    /// How many scale groups a `[rows, cols]` operand has under `scaling`.
+    pub fn groups(self, scaling: Fp8Scaling, rows: u64, cols: u64) -> u64 {
+        let (rb, cb) = self.group_shape(scaling, rows, cols);
+        rows.max(1).div_ceil(rb) * cols.max(1).div_ceil(cb)
+    }
+}
+
 /// The `fp8` attribute of a GEMM op: its scaling and the format of its gradient operand (dy,
 /// in the two backward GEMMs; weights and activations are E4M3).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
@@ -153,5 +178,32 @@ pub mod operands {
             operand(g.grad, OperandKind::Tokens, Along::Rows),
             operand(Fp8Format::E4m3, OperandKind::Tokens, Along::Rows),
         ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn groups_follow_the_scaling_and_clip_at_the_edges() {
+        let g = Fp8Gemm {
+            scaling: Fp8Scaling::Rowwise,
+            grad: Fp8Format::E5m2,
+        };
+        let [x, w] = operands::forward(g);
+        let [dy, _] = operands::bwd_weight(g);
+        let block = Fp8Scaling::Blockwise { block: 128 };
+        assert_eq!(x.group_shape(Fp8Scaling::Tensorwise, 3, 5), (3, 5));
+        assert_eq!(x.group_shape(Fp8Scaling::Rowwise, 3, 5), (1, 5));
+        assert_eq!(dy.group_shape(Fp8Scaling::Rowwise, 3, 5), (3, 1));
+        assert_eq!(x.group_shape(block, 300, 200), (1, 128));
+        assert_eq!(w.group_shape(block, 300, 200), (128, 128));
+        assert_eq!(dy.group_shape(block, 300, 200), (128, 1));
+        // A block larger than the operand is the whole extent.
+        assert_eq!(w.group_shape(block, 40, 200), (40, 128));
+        assert_eq!(w.groups(block, 300, 200), 3 * 2);
+        assert_eq!(dy.groups(block, 300, 200), 3 * 200);
+        assert_eq!(x.groups(Fp8Scaling::Tensorwise, 300, 200), 1);
     }
 }

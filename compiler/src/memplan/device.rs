@@ -100,6 +100,15 @@ fn backend_lines(program: &Program, half: bool) -> Vec<DeviceLine> {
                 .into(),
         });
     }
+    if s.fp8 > 0 {
+        lines.push(DeviceLine {
+            what: "FP8 GEMM scratch",
+            bytes: s.fp8,
+            basis: "the largest FP8 GEMM's operands quantized to one byte an element, their \
+                    scale groups' amaxes and dequantization factors"
+                .into(),
+        });
+    }
     lines.push(DeviceLine {
         what: "op scratch",
         bytes: s.reduction.max(MIN_REDUCTION_SCRATCH),

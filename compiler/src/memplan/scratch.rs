@@ -16,7 +16,11 @@
 //!   [`MIN_REDUCTION_SCRATCH`].
 //! - **Aliased copies**: the largest op's inputs that are also its outputs (read from before
 //!   the op writes them), except those the op updates in place (`Op::in_place`).
+//! - **FP8 GEMM scratch** (every run with FP8 GEMMs): per FP8 GEMM its two operands quantized
+//!   to one byte an element, K-major with K padded, their scale groups' amaxes and the
+//!   dequantization factors in cuBLASLt's layout ([`fp8_gemm_scratch`]); the largest op's.
 use super::ALIGN;
+use crate::ir::fp8::{operands, Along, Fp8Operand, Fp8Scaling, OperandKind};
 use crate::ir::op::Op;
 use crate::ir::{Buffer, BufferId, BufferKind, Compute, DType, Program};
 
@@ -49,6 +53,8 @@ pub struct BackendScratch {
     pub reduction: u64,
     /// The largest op's copies of inputs that are also its outputs.
     pub aliased: u64,
+    /// The largest FP8 GEMM's quantized operands, amaxes and scales ([`fp8_gemm_scratch`]).
+    pub fp8: u64,
 }
 
 /// One op's share of [`BackendScratch`].
@@ -83,6 +89,7 @@ pub fn backend_scratch(program: &Program, half: bool) -> BackendScratch {
         s.gemm_operands = s.gemm_operands.max(op.gemm_operands);
         s.reduction = s.reduction.max(op.reduction);
         s.aliased = s.aliased.max(op.aliased);
+        s.fp8 = s.fp8.max(fp8_scratch_of(program, c));
         if half {
             gemm_casts(program, c, &mut s);
         }
@@ -203,6 +210,136 @@ fn aliased(program: &Program, c: Compute<'_>) -> u64 {
         })
         .map(|(_, id)| aligned(program.buffer(*id).map_or(0, Buffer::bytes)))
         .sum()
+}
+
+/// How one FP8 operand's dequantization factors are laid out for cuBLASLt (one f32 each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp8ScaleLayout {
+    /// One factor (tensorwise).
+    Scalar,
+    /// One per line (rowwise: one scale group per line along K).
+    PerLine,
+    /// `1 × block` tiles along K: factor `(line, kb)` at `line + kb · lines`.
+    LineTiles { block: u64 },
+    /// `block × block` squares: factor `(lb, kb)` at `kb + lb · round4(⌈K / block⌉)`.
+    Squares { block: u64 },
+}
+
+/// One quantized operand of an FP8 GEMM in the scratch: `lines` lines (the dimension that is
+/// not K) of `k` elements along K, stored one byte each with leading dimension `ld` (K padded
+/// with zeros to a multiple of 16, or of the block), its groups' amaxes (`groups` u32 bit
+/// patterns of non-negative floats) and `scales` factors laid out as `layout`; offsets in bytes
+/// from the scratch's start, each aligned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fp8OperandScratch {
+    pub operand: Fp8Operand,
+    /// The operand as stored: `[rows, cols]`.
+    pub rows: u64,
+    pub cols: u64,
+    pub lines: u64,
+    pub k: u64,
+    pub ld: u64,
+    pub groups: u64,
+    pub layout: Fp8ScaleLayout,
+    pub scales: u64,
+    pub q_at: u64,
+    pub amax_at: u64,
+    pub scales_at: u64,
+}
+
+/// An FP8 GEMM's scratch: its operands in the op's input order and the total bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fp8Scratch {
+    pub operands: [Fp8OperandScratch; 2],
+    pub bytes: u64,
+}
+
+/// The scratch of FP8 GEMM `op` over `rows` rows (its x or dy's), None for any other op.
+/// Operands in the op's input order (`ir::fp8::operands`): `Matmul` x `[rows, in]`, W
+/// `[out, in]`; `MatmulBwdData` dy `[rows, out]`, W; `MatmulBwdWeight` dy, x `[rows, in]`.
+pub fn fp8_gemm_scratch(op: &Op, rows: u64) -> Option<Fp8Scratch> {
+    let g = op.fp8()?;
+    let (shapes, ops) = match *op {
+        Op::Matmul {
+            in_dim, out_dim, ..
+        } => ([(rows, in_dim), (out_dim, in_dim)], operands::forward(g)),
+        Op::MatmulBwdData {
+            in_dim, out_dim, ..
+        } => ([(rows, out_dim), (out_dim, in_dim)], operands::bwd_data(g)),
+        Op::MatmulBwdWeight {
+            in_dim, out_dim, ..
+        } => ([(rows, out_dim), (rows, in_dim)], operands::bwd_weight(g)),
+        _ => return None,
+    };
+    let mut bytes = 0;
+    let mut take = |n: u64| {
+        let at = bytes;
+        bytes = aligned(bytes + n);
+        at
+    };
+    let mut one = |(rows, cols): (u64, u64), operand: Fp8Operand| {
+        let (k, lines) = match operand.along {
+            Along::Cols => (cols, rows),
+            Along::Rows => (rows, cols),
+        };
+        let (layout, pad) = match (g.scaling, operand.kind) {
+            (Fp8Scaling::Tensorwise, _) => (Fp8ScaleLayout::Scalar, 16),
+            (Fp8Scaling::Rowwise, _) => (Fp8ScaleLayout::PerLine, 16),
+            (Fp8Scaling::Blockwise { block }, OperandKind::Tokens) => {
+                (Fp8ScaleLayout::LineTiles { block }, block.max(16))
+            }
+            (Fp8Scaling::Blockwise { block }, OperandKind::Weight) => {
+                (Fp8ScaleLayout::Squares { block }, block.max(16))
+            }
+        };
+        let scales = match layout {
+            Fp8ScaleLayout::Scalar => 1,
+            Fp8ScaleLayout::PerLine => lines,
+            Fp8ScaleLayout::LineTiles { block } => lines * k.div_ceil(block),
+            Fp8ScaleLayout::Squares { block } => {
+                k.div_ceil(block).next_multiple_of(4) * lines.div_ceil(block)
+            }
+        };
+        let ld = k.max(1).next_multiple_of(pad);
+        let groups = operand.groups(g.scaling, rows, cols);
+        Fp8OperandScratch {
+            operand,
+            rows,
+            cols,
+            lines,
+            k,
+            ld,
+            groups,
+            layout,
+            scales,
+            q_at: take(lines * ld),
+            amax_at: take(groups * 4),
+            scales_at: take(scales * 4),
+        }
+    };
+    let a = one(shapes[0], ops[0]);
+    let b = one(shapes[1], ops[1]);
+    Some(Fp8Scratch {
+        operands: [a, b],
+        bytes,
+    })
+}
+
+/// The FP8 scratch of compute instruction `c` (0 unless it is an FP8 GEMM): its rows are its
+/// first input's elements over that input's width (`in_dim` for x, `out_dim` for dy).
+fn fp8_scratch_of(program: &Program, c: Compute<'_>) -> u64 {
+    let width = match *c.op {
+        Op::Matmul { in_dim, .. } => in_dim,
+        Op::MatmulBwdData { out_dim, .. } | Op::MatmulBwdWeight { out_dim, .. } => out_dim,
+        _ => return 0,
+    };
+    let numel = c
+        .inputs
+        .first()
+        .and_then(|id| program.buffer(*id))
+        .map_or(0, Buffer::numel);
+    let rows = numel / width.max(1);
+    fp8_gemm_scratch(c.op, rows).map_or(0, |s| s.bytes)
 }
 
 /// Whether an attention op of `head_dim` and `scale` runs on the tensor-core kernels in a run
@@ -350,6 +487,83 @@ mod tests {
         assert_eq!(gemm(3, true), 12032 + 256);
         // fp32 runs read every operand as stored.
         assert!((0..4).all(|i| gemm(i, false) == 0));
+    }
+
+    /// FP8 GEMM scratch: each operand quantized K-major (one byte an element, K padded to 16
+    /// or to the block), its amaxes and its factors in cuBLASLt's layout, each aligned; the
+    /// program reserves its largest FP8 GEMM's, in fp32 runs too.
+    #[test]
+    fn fp8_gemms_reserve_their_quantized_operands_and_scales() {
+        use crate::ir::fp8::{Fp8Format, Fp8Gemm};
+        let fp8 = |scaling| {
+            Some(Fp8Gemm {
+                scaling,
+                grad: Fp8Format::E4m3,
+            })
+        };
+        // 37 rows, in 200, out 136.
+        let forward = |scaling| Op::Matmul {
+            in_dim: 200,
+            out_dim: 136,
+            bias: false,
+            act: None,
+            residual: false,
+            fp8: fp8(scaling),
+        };
+        let tensorwise = fp8_gemm_scratch(&forward(Fp8Scaling::Tensorwise), 37).unwrap();
+        let [x, w] = tensorwise.operands;
+        assert_eq!(
+            (x.lines, x.k, x.ld, x.groups, x.scales),
+            (37, 200, 208, 1, 1)
+        );
+        assert_eq!(
+            (w.lines, w.k, w.ld, w.groups, w.scales),
+            (136, 200, 208, 1, 1)
+        );
+        assert_eq!(x.q_at, 0);
+        assert_eq!(x.amax_at, aligned(37 * 208));
+        assert_eq!(x.scales_at, x.amax_at + 256);
+        assert_eq!(w.q_at, x.scales_at + 256);
+        assert_eq!(tensorwise.bytes, w.q_at + aligned(136 * 208) + 2 * 256);
+        // Blockwise(128): K padded to 256; x in 1×128 tiles, W in 128×128 squares (the K
+        // blocks padded to 4 per line block).
+        let block = Fp8Scaling::Blockwise { block: 128 };
+        let [x, w] = fp8_gemm_scratch(&forward(block), 37).unwrap().operands;
+        assert_eq!((x.ld, x.groups, x.scales), (256, 37 * 2, 37 * 2));
+        assert_eq!(x.layout, Fp8ScaleLayout::LineTiles { block: 128 });
+        assert_eq!((w.ld, w.groups, w.scales), (256, 2 * 2, 4 * 2));
+        // The data gradient reads W along its rows: 200 lines of K = 136.
+        let bwd_data = Op::MatmulBwdData {
+            in_dim: 200,
+            out_dim: 136,
+            accumulate: false,
+            act_grad: None,
+            fp8: fp8(Fp8Scaling::Rowwise),
+        };
+        let [dy, w] = fp8_gemm_scratch(&bwd_data, 37).unwrap().operands;
+        assert_eq!((dy.lines, dy.k, dy.ld, dy.scales), (37, 136, 144, 37));
+        assert_eq!((w.lines, w.k, w.ld, w.scales), (200, 136, 144, 200));
+        // The weight gradient contracts over the 37 rows: dy and x transposed.
+        let bwd_weight = Op::MatmulBwdWeight {
+            in_dim: 200,
+            out_dim: 136,
+            bias: true,
+            accumulate_param_grad: true,
+            fp8: fp8(block),
+        };
+        let [dy, x] = fp8_gemm_scratch(&bwd_weight, 37).unwrap().operands;
+        assert_eq!((dy.lines, dy.k, dy.ld, dy.groups), (136, 37, 128, 136));
+        assert_eq!((x.lines, x.k, x.ld, x.groups), (200, 37, 128, 200));
+        assert_eq!(fp8_gemm_scratch(&matmul(false), 37), None);
+        // A program reserves its largest FP8 GEMM's scratch whatever its precision.
+        let program = program_of(
+            &[37 * 200, 136 * 200, 37 * 136],
+            vec![Instr::compute(forward(block), &[0, 1], &[2])],
+        );
+        let expected = fp8_gemm_scratch(&forward(block), 37).unwrap().bytes;
+        assert_eq!(backend_scratch(&program, false).fp8, expected);
+        assert_eq!(backend_scratch(&program, true).fp8, expected);
+        assert_eq!(backend_scratch(&gemms(), true).fp8, 0);
     }
 
     #[test]

@@ -20,12 +20,18 @@
 //! [`TIMED_RUNS`] after one warm-up) and keep the fastest for the rest of the run. A candidate
 //! writes D before the real run overwrites it, so a GEMM that accumulates (beta ≠ 0) is timed
 //! into a scratch D the caller provides (`tune_out`), and without one runs the first choice.
+//!
+//! FP8 GEMMs (`Operands::Fp8`, [`Blas::run_fp8`], fed by `fp8`): E4M3/E5M2 A and B, A
+//! transposed and B not (Hopper's one FP8 form), each with a scale mode
+//! (`CUBLASLT_MATMUL_DESC_{A,B}_SCALE_MODE`) and its dequantization factors' pointer; they
+//! run the heuristic's first choice, untimed.
 use super::device::{cublas_error, driver_error};
 use super::kernel::Kernel;
 use crate::error::Result;
 use cudarc::cublaslt::{result, sys};
 use cudarc::driver::result::event;
 use cudarc::driver::sys::{CUdeviceptr, CUevent, CUevent_flags, CUstream};
+use parc_compiler::ir::fp8::Fp8Format;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::mem::size_of;
@@ -206,6 +212,60 @@ pub(crate) enum Operands {
     Bf16,
     /// Raw IEEE binary16 bit patterns (`CUDA_R_16F`).
     F16,
+    /// FP8 (`CUDA_R_8F_E4M3` / `CUDA_R_8F_E5M2`), each operand with its scale mode (`fp8`):
+    /// A transposed and B not (both K-major, the only FP8 form Hopper runs), the dequantization
+    /// factors read through `CUBLASLT_MATMUL_DESC_{A,B}_SCALE_POINTER`.
+    Fp8(Fp8Operands),
+}
+
+/// The formats and scale modes of an FP8 GEMM's A and B.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Fp8Operands {
+    pub a: Fp8Format,
+    pub b: Fp8Format,
+    pub a_scale: ScaleMode,
+    pub b_scale: ScaleMode,
+}
+
+/// How cuBLASLt reads an FP8 operand's dequantization factors (`cublasLtMatmulMatrixScale_t`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum ScaleMode {
+    /// One f32 for the operand (`SCALAR_32F`).
+    Scalar,
+    /// One f32 per row of op(A) (column of op(B)) (`OUTER_VEC_32F`).
+    OuterVec,
+    /// One f32 per 1 × 128 tile along K (`VEC128_32F`).
+    Vec128,
+    /// One f32 per 128 × 128 block (`BLK128x128_32F`).
+    Blk128x128,
+}
+
+impl ScaleMode {
+    fn cublas(self) -> sys::cublasLtMatmulMatrixScale_t {
+        use sys::cublasLtMatmulMatrixScale_t as S;
+        match self {
+            ScaleMode::Scalar => S::CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F,
+            ScaleMode::OuterVec => S::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F,
+            ScaleMode::Vec128 => S::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F,
+            ScaleMode::Blk128x128 => S::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ScaleMode::Scalar => "scalar",
+            ScaleMode::OuterVec => "outer-vector",
+            ScaleMode::Vec128 => "1x128",
+            ScaleMode::Blk128x128 => "128x128",
+        }
+    }
+}
+
+fn fp8_type(format: Fp8Format) -> sys::cudaDataType_t {
+    match format {
+        Fp8Format::E4m3 => sys::cudaDataType_t::CUDA_R_8F_E4M3,
+        Fp8Format::E5m2 => sys::cudaDataType_t::CUDA_R_8F_E5M2,
+    }
 }
 
 impl Operands {
@@ -214,25 +274,35 @@ impl Operands {
     /// b16, long long nb)`); None for fp32, which cuBLASLt reads as stored.
     pub fn conversion_kernel(self) -> Option<Kernel> {
         match self {
-            Operands::F32 => None,
+            Operands::F32 | Operands::Fp8(_) => None,
             Operands::Bf16 => Some(Kernel::F32ToBf16Pair),
             Operands::F16 => Some(Kernel::F32ToF16Pair),
         }
     }
 
-    fn name(self) -> &'static str {
+    fn name(self) -> String {
         match self {
-            Operands::F32 => "fp32",
-            Operands::Bf16 => "bf16",
-            Operands::F16 => "fp16",
+            Operands::F32 => "fp32".into(),
+            Operands::Bf16 => "bf16".into(),
+            Operands::F16 => "fp16".into(),
+            Operands::Fp8(f) => format!(
+                "FP8 ({} A with {} scales, {} B with {} scales)",
+                f.a.name(),
+                f.a_scale.name(),
+                f.b.name(),
+                f.b_scale.name()
+            ),
         }
     }
 
-    fn data_type(self) -> sys::cudaDataType_t {
+    /// The cuBLASLt types of A and B.
+    fn data_types(self) -> [sys::cudaDataType_t; 2] {
+        let both = |t| [t, t];
         match self {
-            Operands::F32 => sys::cudaDataType_t::CUDA_R_32F,
-            Operands::Bf16 => sys::cudaDataType_t::CUDA_R_16BF,
-            Operands::F16 => sys::cudaDataType_t::CUDA_R_16F,
+            Operands::F32 => both(sys::cudaDataType_t::CUDA_R_32F),
+            Operands::Bf16 => both(sys::cudaDataType_t::CUDA_R_16BF),
+            Operands::F16 => both(sys::cudaDataType_t::CUDA_R_16F),
+            Operands::Fp8(f) => [fp8_type(f.a), fp8_type(f.b)],
         }
     }
 }
@@ -539,7 +609,39 @@ impl Blas {
             )
         })?;
         self.timer_start(stream)?;
-        self.launch(plan, g, &algo, g.c, stream)
+        self.launch(plan, g, &algo, g.c, stream, None)
+            .map_err(|e| cublas_error(&format!("cuBLASLt matmul for {}", key.describe()), e))?;
+        self.timer_stop(stream)
+    }
+
+    /// Runs FP8 GEMM `g` (`operands` an `Operands::Fp8`; A and B hold FP8 bytes) with the
+    /// dequantization factors of A and B at `scales`, on cuBLASLt's first heuristic choice.
+    /// Errors where cuBLASLt has no algorithm for it (the caller names what is supported).
+    pub fn run_fp8(
+        &mut self,
+        g: &Gemm,
+        operands: Operands,
+        scales: [CUdeviceptr; 2],
+        stream: CUstream,
+    ) -> Result<()> {
+        let key = g.key(operands);
+        if !self.supports(g, operands)? {
+            return Err(cublas_error(
+                &format!("cuBLASLt algorithm search for {}", key.describe()),
+                "no algorithm supports it",
+            ));
+        }
+        let plan = self.plans.get(&key).ok_or_else(|| {
+            cublas_error(&format!("cuBLASLt plan for {}", key.describe()), "missing")
+        })?;
+        let algo = *plan.algos.first().ok_or_else(|| {
+            cublas_error(
+                &format!("cuBLASLt plan for {}", key.describe()),
+                "no algorithm",
+            )
+        })?;
+        self.timer_start(stream)?;
+        self.launch(plan, g, &algo, g.c, stream, Some(scales))
             .map_err(|e| cublas_error(&format!("cuBLASLt matmul for {}", key.describe()), e))?;
         self.timer_stop(stream)
     }
@@ -560,11 +662,11 @@ impl Blas {
         for algo in &plan.algos {
             // A candidate cuBLASLt refuses at launch is skipped (the heuristic offered it,
             // but the check runs only here).
-            if self.launch(plan, g, algo, d, stream).is_err() {
+            if self.launch(plan, g, algo, d, stream, None).is_err() {
                 continue;
             }
             let fastest = best_of(stream, || {
-                self.launch(plan, g, algo, d, stream)
+                self.launch(plan, g, algo, d, stream, None)
                     .map_err(|e| cublas_error(&format!("timing cuBLASLt on {}", key.describe()), e))
             })?;
             if best.is_none_or(|(ms, _)| fastest < ms) {
@@ -579,7 +681,8 @@ impl Blas {
         })
     }
 
-    /// Queues `g` with `algo`, reading C at `g.c_in` (else `g.c`) and writing D at `d`.
+    /// Queues `g` with `algo`, reading C at `g.c_in` (else `g.c`) and writing D at `d`; an
+    /// FP8 GEMM reads A's and B's dequantization factors at `scales`.
     fn launch(
         &self,
         plan: &Plan,
@@ -587,6 +690,7 @@ impl Blas {
         algo: &sys::cublasLtMatmulAlgo_t,
         d: CUdeviceptr,
         stream: CUstream,
+        scales: Option<[CUdeviceptr; 2]>,
     ) -> std::result::Result<(), result::CublasError> {
         use sys::cublasLtMatmulDescAttributes_t as A;
         for (attr, ptr) in [
@@ -594,6 +698,14 @@ impl Blas {
             (
                 A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
                 g.epilogue.aux(),
+            ),
+            (
+                A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                scales.map(|s| s[0]),
+            ),
+            (
+                A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                scales.map(|s| s[1]),
             ),
         ] {
             let Some(ptr) = ptr else { continue };
@@ -636,7 +748,7 @@ impl Blas {
     /// The descriptors of `key` and the heuristic's algorithms for them (none: unsupported).
     fn make_plan(&self, key: &PlanKey) -> Result<Plan> {
         let what = |step: &str| format!("cuBLASLt {step} for {}", key.describe());
-        let ab_type = key.operands.data_type();
+        let [a_type, b_type] = key.operands.data_types();
         let layout = |dtype: sys::cudaDataType_t, rows: u64, cols: u64, ld: i64| {
             result::create_matrix_layout(dtype, rows, cols, ld)
                 .map(|l| Guard(l, result::destroy_matrix_layout))
@@ -652,8 +764,8 @@ impl Blas {
         } else {
             (key.k, key.n)
         };
-        let a = layout(ab_type, a_rows, a_cols, key.lda)?;
-        let b = layout(ab_type, b_rows, b_cols, key.ldb)?;
+        let a = layout(a_type, a_rows, a_cols, key.lda)?;
+        let b = layout(b_type, b_rows, b_cols, key.ldb)?;
         let c = layout(key.out.data_type(), key.m, key.n, key.ldc)?;
         let (desc, supported) = matmul_desc(key, &what)?;
         let algos = if supported {
@@ -696,10 +808,11 @@ impl Blas {
             )
         }
         .map_err(|e| cublas_error(&what("workspace preference"), e))?;
-        let wanted = if key.operands == Operands::F32 {
-            1
-        } else {
-            CANDIDATES
+        // fp32 and FP8 plans run the heuristic's first choice (FP8: not yet timed, so an
+        // accumulating FP8 GEMM needs no scratch D to time into).
+        let wanted = match key.operands {
+            Operands::F32 | Operands::Fp8(_) => 1,
+            Operands::Bf16 | Operands::F16 => CANDIDATES,
         };
         // SAFETY: an all-zero heuristic result is a valid value of this plain C struct.
         let mut found: Vec<sys::cublasLtMatmulHeuristicResult_t> =
@@ -770,6 +883,18 @@ fn matmul_desc(
         i32::from(key.trans_b),
         "transpose attribute",
     )?;
+    if let Operands::Fp8(f) = key.operands {
+        set(
+            A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+            f.a_scale.cublas() as i32,
+            "A scale mode",
+        )?;
+        set(
+            A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+            f.b_scale.cublas() as i32,
+            "B scale mode",
+        )?;
+    }
     if let Some((epilogue, vector_type)) = epilogue_of(key.epilogue) {
         set(
             A::CUBLASLT_MATMUL_DESC_EPILOGUE,

@@ -77,6 +77,9 @@ pub(super) struct GemmOperands {
     /// `gemm_ws`'s split counters (zeroed): made by `prepare_gemm` on a Hopper, else with the
     /// first GEMM that needs them.
     pub(super) ws_counters: Option<CudaSlice<u8>>,
+    /// The FP8 GEMMs' quantized operands, amaxes and scales (`fp8`): sized by `prepare` for
+    /// every run with FP8 GEMMs, else grown by the first FP8 GEMM that needs more.
+    pub(super) fp8: Option<CudaSlice<u8>>,
 }
 
 impl GemmOperands {
@@ -87,7 +90,7 @@ impl GemmOperands {
             .values()
             .filter_map(|c| c.own.as_ref().map(CudaSlice::len))
             .sum();
-        [&self.scratch, &self.cast_region, &self.vectors]
+        [&self.scratch, &self.cast_region, &self.vectors, &self.fp8]
             .into_iter()
             .flatten()
             .map(CudaSlice::len)
@@ -123,6 +126,10 @@ impl CudaBackend {
         scratch: &BackendScratch,
     ) -> Result<()> {
         self.gemm_operands = GemmOperands::default();
+        if scratch.fp8 > 0 {
+            let bytes = scratch.fp8 as usize;
+            self.gemm_operands.fp8 = Some(self.alloc_bytes(bytes, "FP8 GEMM operands and scales")?);
+        }
         if self.operands == Operands::F32 {
             return Ok(());
         }

@@ -5,7 +5,7 @@
 //! them, and every such function, macro instances included, has a `Kernel`).
 
 /// The kernel sources, in the order they are concatenated (helpers first).
-pub(super) const SOURCES: [&str; 12] = [
+pub(super) const SOURCES: [&str; 13] = [
     include_str!("kernels/common.cuh"),
     include_str!("kernels/elementwise.cu"),
     include_str!("kernels/norm_loss.cu"),
@@ -18,6 +18,7 @@ pub(super) const SOURCES: [&str; 12] = [
     include_str!("kernels/attention_ws_bwd.cu"),
     include_str!("kernels/gemm_ws.cu"),
     include_str!("kernels/cross_entropy.cu"),
+    include_str!("kernels/fp8.cu"),
 ];
 
 macro_rules! kernels {
@@ -153,6 +154,10 @@ kernels! {
     CrossEntropyStagedF32 "cross_entropy_staged_f32",
     CrossEntropyStagedBf16 "cross_entropy_staged_bf16",
     CrossEntropyLossSum "cross_entropy_loss_sum",
+    // kernels/fp8.cu
+    Fp8Amax "fp8_amax",
+    Fp8Quantize "fp8_quantize",
+    Fp8Scales "fp8_scales",
 }
 
 impl std::fmt::Display for Kernel {

@@ -27,7 +27,7 @@ use super::gemm::{Epilogue, Gemm, Operands, Output};
 use super::gemm_operands::Operand;
 use super::kernel::Kernel;
 use super::{Arg, Buf, CudaBackend};
-use crate::error::{Result, RuntimeError};
+use crate::error::Result;
 use cudarc::driver::sys::CUdeviceptr;
 use parc_compiler::ir::op::{Act, Op};
 use parc_compiler::ir::DType;
@@ -68,14 +68,6 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
         } => (i, o),
         _ => return Err(b.err("is not a GEMM op")),
     };
-    if let Some(fp8) = b.op.fp8() {
-        return Err(RuntimeError::Unsupported(format!(
-            "{}: FP8 GEMMs ({fp8}) are not built for the CUDA backend yet; they run on the \
-             CPU backend (exact emulation). Remove `train.fp8`, or pin the layer bf16, to train \
-             on the GPU",
-            b.name()
-        )));
-    }
     let k_in = b.launch_dim("in_dim", in_dim)?;
     let m_out = b.launch_dim("out_dim", out_dim)?;
     // Input 0 holds the rows: x for the forward, dy for the backwards.
@@ -86,6 +78,9 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
         "dy"
     };
     let dims = (b.launch_rows(rows_of, what, b.rows)?, k_in, m_out);
+    if let Some(fp8) = b.op.fp8() {
+        return super::fp8::run(be, b, fp8, dims);
+    }
     match *b.op {
         Op::Matmul {
             bias,
@@ -498,7 +493,7 @@ fn bias_epilogue(
     be.launch_n(
         Kernel::BroadcastRows,
         rows * bb.len,
-        &[p(bb), p(y), n(rows), n(bb.len)],
+        &[p(bb), fv(y), n(rows), n(bb.len)],
     )?;
     Ok(Epilogue::None)
 }

@@ -117,8 +117,9 @@ extern "C" __global__ void copy_columns(Fv x, long long x_ld, Fv y, long long y_
 }
 
 // y[r, c] = b[c]: the bias a GEMM with beta = 1 then adds x Wᵀ to.
-extern "C" __global__ void broadcast_rows(const float* b, float* y, long long rows, long long cols) {
-    GRID_STRIDE(i, rows * cols) y[i] = b[i % cols];
+// y (f32, or bf16: each value rounded) = b in every row.
+extern "C" __global__ void broadcast_rows(const float* b, Fv y, long long rows, long long cols) {
+    GRID_STRIDE(i, rows * cols) st(y, i, b[i % cols]);
 }
 
 // Rows whose id is outside [vocab_start, vocab_start + vocab_local) are zero. The table is f32

@@ -1,0 +1,319 @@
+//! FP8 GEMMs on the CUDA backend: `Matmul`, `MatmulBwdData` and `MatmulBwdWeight` with `fp8`
+//! set, computing what `parc_compiler::ir::fp8` defines and the CPU backend emulates
+//! (`runtime/src/cpu/fp8.rs`): each operand quantized with its scale groups' power-of-two
+//! scales, the product of the dequantized operands accumulated in f32.
+//!
+//! Per GEMM, for each operand (`kernels/fp8.cu`): the amax of every scale group
+//! (`fp8_amax`), the operand quantized into the FP8 scratch K-major, K padded with zeros to
+//! a multiple of 16 (of the block, blockwise), transposed where K runs along its rows
+//! (`fp8_quantize`), and its dequantization factors `1/s` in the layout of its cuBLASLt scale
+//! mode (`fp8_scales`). `memplan::fp8_gemm_scratch` lays the scratch out; `prepare` reserves
+//! the program's largest.
+//!
+//! The product is cuBLASLt's FP8 GEMM (`gemm::Blas::run_fp8`) in the one form Hopper runs,
+//! A transposed and B not, both read K-major: A is the op's second operand (W, W read along
+//! its rows, or x), B its first (x or dy), D the op's output (`y`ᵀ, `dx`ᵀ, `dW`ᵀ column-major),
+//! beta 1 where the op accumulates. Scale modes: tensorwise → `SCALAR_32F`, rowwise →
+//! `OUTER_VEC_32F`, blockwise(128) → `VEC128_32F` (activations and gradients, 1 × 128 tiles)
+//! and `BLK128x128_32F` (weights). Blockwise with another block, and any GEMM cuBLASLt finds
+//! no algorithm for, is `RuntimeError::Unsupported`, naming the GEMM and what is supported.
+//!
+//! Epilogues run apart, with the backend's kernels, so every scale mode gets the op's full
+//! semantics: a bias is broadcast into y first and the product accumulated onto it (a bf16 y
+//! thereby rounds b to bf16 first); a residual is added (`add_fwd`) and an activation applied
+//! (`activation_fwd`) after; an activation gradient multiplies dx in place
+//! (`activation_bwd`); a bias gradient sums the exact dy's columns (`columns::col_sum_into`).
+use super::args::{fv, n, p, Bound};
+use super::columns::col_sum_into;
+use super::gemm::{Epilogue, Fp8Operands, Gemm, Operands, Output, ScaleMode};
+use super::kernel::Kernel;
+use super::{raw_ptr, Arg, Buf, CudaBackend};
+use crate::error::{Result, RuntimeError};
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::CudaSlice;
+use parc_compiler::ir::fp8::{Along, Fp8Format, Fp8Gemm, Fp8Scaling};
+use parc_compiler::ir::op::Op;
+use parc_compiler::ir::DType;
+use parc_compiler::memplan::{fp8_gemm_scratch, Fp8OperandScratch, Fp8ScaleLayout};
+
+/// Threads of an `fp8_amax` block and the elements one block reduces (`kernels/fp8.cu`).
+const AMAX_THREADS: u64 = 256;
+const AMAX_PIECE: u64 = AMAX_THREADS * 16;
+/// The most blocks an `fp8_amax` launch takes (it loops over the rest).
+const AMAX_BLOCKS: u64 = 1 << 16;
+/// The one block size cuBLASLt's FP8 block scaling takes.
+const CUBLAS_BLOCK: u64 = 128;
+
+/// An operand's cuBLASLt scale mode, the `fp8_scales` layout code and its block (1 where it
+/// has none), for the GEMM of op `name`.
+fn scale_mode(name: &str, s: &Fp8OperandScratch) -> Result<(ScaleMode, i32, u64)> {
+    match s.layout {
+        Fp8ScaleLayout::Scalar => Ok((ScaleMode::Scalar, 0, 1)),
+        Fp8ScaleLayout::PerLine => Ok((ScaleMode::OuterVec, 1, 1)),
+        Fp8ScaleLayout::LineTiles {
+            block: CUBLAS_BLOCK,
+        } => Ok((ScaleMode::Vec128, 2, CUBLAS_BLOCK)),
+        Fp8ScaleLayout::Squares {
+            block: CUBLAS_BLOCK,
+        } => Ok((ScaleMode::Blk128x128, 3, CUBLAS_BLOCK)),
+        Fp8ScaleLayout::LineTiles { block } | Fp8ScaleLayout::Squares { block } => {
+            Err(RuntimeError::Unsupported(format!(
+                "{name}: FP8 GEMM blockwise({block}) is not supported on the CUDA backend: \
+                 cuBLASLt's FP8 block scaling takes 128 × 128 weight blocks and 1 × 128 tiles \
+                 only. Use `fp8 = blockwise` (block_size 128), rowwise or tensorwise, or the \
+                 CPU backend"
+            )))
+        }
+    }
+}
+
+/// The GEMM output type of buffer `b`.
+fn output(b: Buf) -> Output {
+    match b.dtype {
+        DType::Bf16 => Output::Bf16,
+        _ => Output::F32,
+    }
+}
+
+impl CudaBackend {
+    /// The FP8 scratch with room for `bytes`: `prepare`'s reservation, or (without one, or
+    /// where it is short) a new allocation replacing it.
+    fn fp8_scratch(&mut self, bytes: usize) -> Result<CUdeviceptr> {
+        let room = self.gemm_operands.fp8.as_ref().map_or(0, CudaSlice::len);
+        if room < bytes {
+            // Free the old scratch first so peak memory holds only one.
+            self.gemm_operands.fp8 = None;
+            self.gemm_operands.fp8 = Some(self.alloc_bytes(bytes, "FP8 GEMM operands and scales")?);
+        }
+        match &self.gemm_operands.fp8 {
+            Some(s) => Ok(raw_ptr(&self.stream, s)),
+            None => Err(RuntimeError::Unsupported("FP8 GEMM scratch missing".into())),
+        }
+    }
+}
+
+/// Quantizes `buf` as `s` lays it out (in the scratch at `base`): its groups' amaxes, the FP8
+/// operand and its dequantization factors in `layout`'s order (`fp8_scales`' code, block).
+fn quantize(
+    be: &mut CudaBackend,
+    buf: Buf,
+    s: &Fp8OperandScratch,
+    scaling: Fp8Scaling,
+    base: CUdeviceptr,
+    (layout, block): (i32, u64),
+) -> Result<()> {
+    if buf.len as u64 != s.rows * s.cols {
+        return Err(RuntimeError::Buffer {
+            id: buf.id.0,
+            what: format!(
+                "holds {} elements, but the FP8 GEMM reads it as [{}, {}]",
+                buf.len, s.rows, s.cols
+            ),
+        });
+    }
+    let (rb, cb) = s.operand.group_shape(scaling, s.rows, s.cols);
+    let gpr = s.cols.max(1).div_ceil(cb);
+    let (amax, q, scales) = (
+        base + s.amax_at as CUdeviceptr,
+        base + s.q_at as CUdeviceptr,
+        base + s.scales_at as CUdeviceptr,
+    );
+    let u = |v: u64| n(v as usize);
+    let along_rows = Arg::I32(i32::from(s.operand.along == Along::Rows));
+    let max = Arg::F32(s.operand.format.max());
+    be.zero_bytes(amax, (s.groups * 4) as usize)?;
+    if s.rows * s.cols > 0 {
+        let pieces = (rb * cb).div_ceil(AMAX_PIECE);
+        let items = s.groups * pieces;
+        let blocks = items.clamp(1, AMAX_BLOCKS) as u32;
+        let args = [
+            fv(buf),
+            u(s.rows),
+            u(s.cols),
+            u(rb),
+            u(cb),
+            u(gpr),
+            u(pieces),
+            u(items),
+            Arg::Ptr(amax),
+        ];
+        let threads = AMAX_THREADS as u32;
+        be.launch(Kernel::Fp8Amax, (blocks, 1, 1), (threads, 1, 1), 0, &args)?;
+    }
+    let e5m2 = Arg::I32(i32::from(s.operand.format == Fp8Format::E5m2));
+    let args = [
+        fv(buf),
+        u(s.cols),
+        along_rows,
+        u(rb),
+        u(cb),
+        u(gpr),
+        Arg::Ptr(amax),
+        max,
+        e5m2,
+        Arg::Ptr(q),
+        u(s.lines),
+        u(s.k),
+        u(s.ld),
+    ];
+    be.launch_n(Kernel::Fp8Quantize, (s.lines * s.ld) as usize, &args)?;
+    let args = [
+        Arg::Ptr(amax),
+        max,
+        along_rows,
+        u(rb),
+        u(cb),
+        u(gpr),
+        Arg::I32(layout),
+        u(block),
+        u(s.lines),
+        u(s.k),
+        Arg::Ptr(scales),
+        u(s.scales),
+    ];
+    be.launch_n(Kernel::Fp8Scales, s.scales as usize, &args)
+}
+
+/// Runs FP8 GEMM op `b` (`fp8` its attribute) over `rows` rows of `k_in` into `m_out`
+/// columns (see the module docs).
+pub(super) fn run(
+    be: &mut CudaBackend,
+    b: &Bound,
+    fp8: Fp8Gemm,
+    (rows, _, m_out): (usize, usize, usize),
+) -> Result<()> {
+    let name = b.name();
+    let scratch = fp8_gemm_scratch(b.op, rows as u64)
+        .ok_or_else(|| b.err("is not an FP8 GEMM op (no FP8 scratch layout)"))?;
+    let [s0, s1] = scratch.operands;
+    let (mode0, code0, block0) = scale_mode(name, &s0)?;
+    let (mode1, code1, block1) = scale_mode(name, &s1)?;
+    if s0.ld != s1.ld {
+        return Err(b.err(format!(
+            "FP8 operands padded to different K ({} and {})",
+            s0.ld, s1.ld
+        )));
+    }
+    // The op's two GEMM inputs, its output D and whether D accumulates.
+    let (in0, in1) = (b.input(0)?, b.input(1)?);
+    let (d, accumulate) = match *b.op {
+        Op::Matmul { .. } => (b.output(0)?, false),
+        Op::MatmulBwdData { accumulate, .. } => (b.output(0)?, accumulate),
+        Op::MatmulBwdWeight {
+            accumulate_param_grad,
+            ..
+        } => (b.output(0)?, accumulate_param_grad),
+        _ => return Err(b.err("is not a GEMM op")),
+    };
+    if let Op::MatmulBwdData {
+        act_grad: Some(_),
+        accumulate: true,
+        ..
+    } = *b.op
+    {
+        return Err(b.err(
+            "an activation-gradient product (act_grad) cannot accumulate into dx (the \
+             verifier rejects it, E0822)",
+        ));
+    }
+    if matches!(b.op, Op::MatmulBwdWeight { .. }) && d.dtype != DType::F32 {
+        return Err(b.err("an FP8 weight gradient must be f32"));
+    }
+    // A forward's bias: y = b first, the product accumulated onto it.
+    let mut beta_one = accumulate;
+    if let Op::Matmul { bias: true, .. } = *b.op {
+        let bb = b.input(2)?;
+        be.launch_n(
+            Kernel::BroadcastRows,
+            rows * bb.len,
+            &[p(bb), fv(d), n(rows), n(bb.len)],
+        )?;
+        beta_one = true;
+    }
+    let base = be.fp8_scratch(scratch.bytes as usize)?;
+    quantize(be, in0, &s0, fp8.scaling, base, (code0, block0))?;
+    quantize(be, in1, &s1, fp8.scaling, base, (code1, block1))?;
+    let g = Gemm {
+        trans_a: true,
+        trans_b: false,
+        m: s1.lines,
+        n: s0.lines,
+        k: s0.ld,
+        a: base + s1.q_at as CUdeviceptr,
+        lda: s1.ld as i64,
+        b: base + s0.q_at as CUdeviceptr,
+        ldb: s0.ld as i64,
+        c: d.ptr,
+        ldc: s1.lines as i64,
+        c_in: None,
+        beta: if beta_one { 1.0 } else { 0.0 },
+        out: output(d),
+        epilogue: Epilogue::None,
+    };
+    let operands = Operands::Fp8(Fp8Operands {
+        a: s1.operand.format,
+        b: s0.operand.format,
+        a_scale: mode1,
+        b_scale: mode0,
+    });
+    let scales = [
+        base + s1.scales_at as CUdeviceptr,
+        base + s0.scales_at as CUdeviceptr,
+    ];
+    if g.m > 0 && g.n > 0 {
+        let stream = be.stream.cu_stream();
+        be.blas.run_fp8(&g, operands, scales, stream).map_err(|e| {
+            RuntimeError::Unsupported(format!(
+                "{name}: cuBLASLt runs no FP8 GEMM ({fp8}) of {} x {} x {} with {} output \
+                     ({e}). The CUDA backend runs FP8 GEMMs on Hopper and later through \
+                     cuBLASLt 12.9+: tensorwise, rowwise and blockwise(128) scaling, E4M3 \
+                     operands with E4M3 or E5M2 gradients (block scaling: E4M3 only, as \
+                     cuBLASLt documents it)",
+                g.m,
+                g.n,
+                s0.k,
+                match g.out {
+                    Output::F32 => "f32",
+                    Output::Bf16 => "bf16",
+                }
+            ))
+        })?;
+    }
+    match *b.op {
+        Op::Matmul {
+            bias,
+            act,
+            residual,
+            ..
+        } => {
+            if residual {
+                let r = b.input(2 + usize::from(bias))?;
+                be.launch_vec(Kernel::AddFwd, d.len, &[fv(d), fv(r), fv(d), n(d.len)])?;
+            }
+            if let Some(act) = act {
+                let a = b.output(1)?;
+                let args = [Arg::I32(act.code()), fv(d), fv(a), n(d.len)];
+                be.launch_vec(Kernel::ActivationFwd, d.len, &args)?;
+            }
+            Ok(())
+        }
+        Op::MatmulBwdData {
+            act_grad: Some(act),
+            ..
+        } => {
+            let pre = b.input(2)?;
+            let args = [Arg::I32(act.code()), fv(d), fv(pre), fv(d), n(d.len)];
+            be.launch_vec(Kernel::ActivationBwd, d.len, &args)
+        }
+        Op::MatmulBwdWeight {
+            bias: true,
+            accumulate_param_grad,
+            ..
+        } => {
+            // The bias gradient sums the exact dy.
+            let db = b.output(1)?;
+            col_sum_into(be, in0, (db, accumulate_param_grad), rows, m_out)
+        }
+        _ => Ok(()),
+    }
+}

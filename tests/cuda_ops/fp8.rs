@@ -1,0 +1,245 @@
+//! FP8 GEMMs (`Matmul`, `MatmulBwdData`, `MatmulBwdWeight` with `fp8` set) on the CUDA
+//! backend against the CPU backend's exact emulation (`runtime/src/cpu/fp8.rs`): tensorwise
+//! (E5M2 gradients), rowwise and blockwise(128) (E4M3), f32 and bf16 storage, at shapes whose
+//! rows, inputs and outputs all end in partial tiles and blocks (150 = 128 + 22 rows, 200 and
+//! 136 columns). Both backends quantize to the same FP8 values with the same power-of-two
+//! scales and sum their exact products in f32, so they differ by the order of f32 additions:
+//! 1e-3 (f32 outputs); bf16 outputs add bf16 rounding (a bias is rounded to bf16 before the
+//! product is added onto it on the GPU): `BF16_STORED`. The worst error must also stay far
+//! below FP8's own error, which the FP8 numbers' distance from the exact product shows: a GPU
+//! that skipped the quantization would fail.
+//!
+//! Also: a NaN in an operand makes the GEMM's output NaN on both backends (the non-finite
+//! check still fires); an infinity makes it non-finite on the GPU; blockwise with a block other
+//! than 128 is an error that names what is supported.
+use crate::harness::{check_with, gpu, Case, Data, Rng, BF16_STORED, SCALARS};
+use parc_compiler::ir::fp8::{Fp8Format, Fp8Gemm, Fp8Scaling};
+use parc_compiler::ir::op::{Act, Op};
+use parc_compiler::ir::{BufferId, DType};
+
+/// FP8 GEMMs on f32 outputs: f32 sums of identical products in another order.
+const FP8_GEMM: f32 = 1e-3;
+
+/// The three recipes, each with its default gradient format.
+fn recipes() -> [Fp8Gemm; 3] {
+    [
+        Fp8Gemm {
+            scaling: Fp8Scaling::Tensorwise,
+            grad: Fp8Format::E5m2,
+        },
+        Fp8Gemm {
+            scaling: Fp8Scaling::Rowwise,
+            grad: Fp8Format::E4m3,
+        },
+        Fp8Gemm {
+            scaling: Fp8Scaling::Blockwise { block: 128 },
+            grad: Fp8Format::E4m3,
+        },
+    ]
+}
+
+/// Every FP8 GEMM op form under `g` at (rows, in, out), f32 storage.
+fn cases(r: &mut Rng, g: Fp8Gemm, (rows, k, m): (usize, usize, usize)) -> Vec<Case> {
+    let fp8 = Some(g);
+    let (i, o) = (k as u64, m as u64);
+    let x = r.vec(rows * k, 1.0);
+    let w = r.vec(m * k, 0.1);
+    // Gradients are small: the scales must bring them into range.
+    let dy = r.vec(rows * m, 1e-3);
+    let shape = format!("{g} {rows}x{k}x{m}");
+    let mut cases = vec![
+        Case::new(
+            format!("fp8 matmul {shape}"),
+            Op::Matmul {
+                in_dim: i,
+                out_dim: o,
+                bias: false,
+                act: None,
+                residual: false,
+                fp8,
+            },
+            vec![Data::F32(x.clone()), Data::F32(w.clone())],
+            vec![r.vec(rows * m, 1.0)],
+            FP8_GEMM,
+        ),
+        Case::new(
+            format!("fp8 matmul+bias+residual+gelu_tanh {shape}"),
+            Op::Matmul {
+                in_dim: i,
+                out_dim: o,
+                bias: true,
+                act: Some(Act::GeluTanh),
+                residual: true,
+                fp8,
+            },
+            vec![
+                Data::F32(x.clone()),
+                Data::F32(w.clone()),
+                Data::F32(r.vec(m, 1.0)),
+                Data::F32(r.vec(rows * m, 1.0)),
+            ],
+            vec![r.vec(rows * m, 1.0), r.vec(rows * m, 1.0)],
+            FP8_GEMM,
+        )
+        .errors_scaled_by_output(0),
+    ];
+    for accumulate in [false, true] {
+        cases.push(Case::new(
+            format!("fp8 matmul_bwd_data {shape} accumulate={accumulate}"),
+            Op::MatmulBwdData {
+                in_dim: i,
+                out_dim: o,
+                accumulate,
+                act_grad: None,
+                fp8,
+            },
+            vec![Data::F32(dy.clone()), Data::F32(w.clone())],
+            vec![r.vec(rows * k, 1e-3)],
+            FP8_GEMM,
+        ));
+        cases.push(Case::new(
+            format!("fp8 matmul_bwd_weight+bias {shape} accumulate={accumulate}"),
+            Op::MatmulBwdWeight {
+                in_dim: i,
+                out_dim: o,
+                bias: true,
+                accumulate_param_grad: accumulate,
+                fp8,
+            },
+            vec![Data::F32(dy.clone()), Data::F32(x.clone())],
+            vec![r.vec(m * k, 1e-2), r.vec(m, 1e-2)],
+            FP8_GEMM,
+        ));
+    }
+    cases.push(Case::new(
+        format!("fp8 matmul_bwd_data+relu' {shape}"),
+        Op::MatmulBwdData {
+            in_dim: i,
+            out_dim: o,
+            accumulate: false,
+            act_grad: Some(Act::Relu),
+            fp8,
+        },
+        vec![
+            Data::F32(dy.clone()),
+            Data::F32(w.clone()),
+            Data::F32(r.vec(rows * k, 1.0)),
+        ],
+        vec![r.vec(rows * k, 1e-3)],
+        FP8_GEMM,
+    ));
+    cases
+}
+
+/// Partial tiles and blocks on every axis; a small shape; K below one block.
+const SHAPES: [(usize, usize, usize); 3] = [(150, 200, 136), (37, 64, 40), (5, 24, 16)];
+
+fn run(test: &str, bf16: bool) {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng::new(test);
+    let mut all = Vec::new();
+    for g in recipes() {
+        for shape in SHAPES {
+            let cases = cases(&mut r, g, shape);
+            all.extend(
+                cases
+                    .into_iter()
+                    .map(|c| if bf16 { c.stored_bf16(BF16_STORED) } else { c }),
+            );
+        }
+    }
+    check_with(test, &all, gpu.as_mut());
+}
+
+#[test]
+fn fp8_gemms_match_the_cpu_emulation() {
+    run("fp8_gemms_match_the_cpu_emulation", false);
+}
+
+#[test]
+fn fp8_gemms_match_the_cpu_emulation_bf16_storage() {
+    run("fp8_gemms_match_the_cpu_emulation_bf16_storage", true);
+}
+
+/// A NaN in x makes its row of y NaN on both backends (it is not quantized: FP8 NaN); an
+/// infinity makes the row non-finite on the GPU (the emulation keeps inf, the GPU writes NaN).
+#[test]
+fn non_finite_operands_give_non_finite_products() {
+    let Some(mut gpu) = gpu() else { return };
+    let (rows, k, m) = (4usize, 32usize, 16usize);
+    let mut r = Rng::new("non_finite_operands_give_non_finite_products");
+    for g in recipes() {
+        let mut x = r.vec(rows * k, 1.0);
+        x[k + 3] = f32::NAN;
+        let case = Case::new(
+            format!("fp8 matmul with a NaN {g}"),
+            Op::Matmul {
+                in_dim: k as u64,
+                out_dim: m as u64,
+                bias: false,
+                act: None,
+                residual: false,
+                fp8: Some(g),
+            },
+            vec![Data::F32(x.clone()), Data::F32(r.vec(m * k, 1.0))],
+            vec![r.vec(rows * m, 1.0)],
+            FP8_GEMM,
+        );
+        check_with("fp8 NaN", &[case], gpu.as_mut());
+        x[k + 3] = f32::INFINITY;
+        let op = Op::Matmul {
+            in_dim: k as u64,
+            out_dim: m as u64,
+            bias: false,
+            act: None,
+            residual: false,
+            fp8: Some(g),
+        };
+        let ids = [BufferId(0), BufferId(1), BufferId(2)];
+        gpu.alloc(ids[0], &[(rows * k) as u64], DType::F32).unwrap();
+        gpu.alloc(ids[1], &[(m * k) as u64], DType::F32).unwrap();
+        gpu.alloc(ids[2], &[(rows * m) as u64], DType::F32).unwrap();
+        gpu.write_f32(ids[0], &x).unwrap();
+        gpu.write_f32(ids[1], &r.vec(m * k, 1.0)).unwrap();
+        gpu.compute(&op, &ids[..2], &ids[2..], &SCALARS).unwrap();
+        let y = gpu.read_f32(ids[2]).unwrap();
+        assert!(
+            y[m..2 * m].iter().all(|v| !v.is_finite()),
+            "{g}: an infinite x left a finite y: {:?}",
+            &y[m..2 * m]
+        );
+        assert!(y[..m].iter().chain(&y[2 * m..]).all(|v| v.is_finite()));
+        for id in ids {
+            gpu.free(id).unwrap();
+        }
+    }
+}
+
+/// cuBLASLt's FP8 block scaling takes blocks of 128 only: another block is an error naming it.
+#[test]
+fn blockwise_with_another_block_is_unsupported() {
+    let Some(mut gpu) = gpu() else { return };
+    let op = Op::Matmul {
+        in_dim: 64,
+        out_dim: 64,
+        bias: false,
+        act: None,
+        residual: false,
+        fp8: Some(Fp8Gemm {
+            scaling: Fp8Scaling::Blockwise { block: 64 },
+            grad: Fp8Format::E4m3,
+        }),
+    };
+    let ids = [BufferId(0), BufferId(1), BufferId(2)];
+    for id in ids {
+        gpu.alloc(id, &[64 * 64], DType::F32).unwrap();
+    }
+    let err = gpu
+        .compute(&op, &ids[..2], &ids[2..], &SCALARS)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("blockwise(64)") && err.contains("128"),
+        "unexpected error: {err}"
+    );
+}
