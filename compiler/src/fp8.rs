@@ -25,6 +25,9 @@ use serde::Serialize;
 /// Launch and scale overhead of one quantization pass, seconds.
 const QUANT_LAUNCH_S: f64 = 4e-6;
 
+/// The block size the CUDA backend's FP8 GEMMs take (cuBLASLt's VEC128 / BLK128x128 scales).
+pub const CUDA_BLOCK: u64 = 128;
+
 /// The share of a layer's bf16 GEMM time FP8 must save by the roofline to be chosen: a
 /// roofline counts FP8 GEMMs at the same fraction of their (doubled) peak as bf16 ones, which
 /// small FP8 GEMMs do not reach (torchao measures ~0.8× bf16 at d ≈ 1–2k). Until `parc
@@ -331,7 +334,19 @@ fn scale_groups(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
         return;
     }
     let block = match fp8.scaling {
-        Fp8Scaling::Blockwise { block } => block,
+        Fp8Scaling::Blockwise { block } => {
+            if block != CUDA_BLOCK && spec.cluster.gpu.name != "cpu" {
+                diags.push(
+                    Diagnostic::warning(
+                        "W1201",
+                        format!("blockwise FP8 with {block}-element blocks runs on the CPU backend only: the CUDA backend's FP8 GEMMs scale {CUDA_BLOCK}-element blocks (cuBLASLt's block scaling)"),
+                    )
+                    .label(fp8.span, "this FP8 recipe")
+                    .help(format!("use `blockwise {{ block_size: {CUDA_BLOCK} }}` (the default) to train on GPUs")),
+                );
+            }
+            block
+        }
         s => {
             if tp > 1 || cp > 1 {
                 let axis = if tp > 1 {
