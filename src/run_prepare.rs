@@ -122,3 +122,39 @@ fn show_diagnostics(compiled: &Compiled) {
         eprintln!();
     }
 }
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::*;
+
+    fn tiny_llama_plan(sets: &[&str]) -> Plan {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(root.join("examples/tiny-llama.par"))
+            .unwrap_or_else(|e| panic!("the tiny Llama example: {e}"));
+        let overrides: Vec<_> = sets
+            .iter()
+            .map(|s| parc_compiler::parse_override(s).unwrap_or_else(|e| panic!("{s}: {e:?}")))
+            .collect();
+        let compiled = driver::compile(
+            "tiny-llama.par",
+            text,
+            &overrides,
+            &CompileOptions::through(Stage::Lower),
+        );
+        compiled
+            .plan
+            .unwrap_or_else(|| panic!("not lowered: {:?}", compiled.diagnostics.items))
+    }
+
+    #[test]
+    fn cuda_refuses_fp8_plans_before_any_rank_starts() {
+        let fp8 = tiny_llama_plan(&["train.fp8=blockwise", "train.fp8.fp8=[MLP]"]);
+        let message = unsupported_on(Resolved::Cuda, &fp8).unwrap_or_default();
+        assert!(
+            message.contains("FP8") && message.contains("--backend cpu"),
+            "{message}"
+        );
+        assert_eq!(unsupported_on(Resolved::Cpu, &fp8), None);
+        assert_eq!(unsupported_on(Resolved::Cuda, &tiny_llama_plan(&[])), None);
+    }
+}
