@@ -15,15 +15,12 @@ pub(crate) fn dequantized(
     scaling: Fp8Scaling,
 ) -> Vec<f32> {
     let cols = cols.max(1);
-    let groups = Groups::new(data.len() / cols, cols, operand, scaling);
-    let mut amax = vec![0.0f32; groups.count];
-    for (i, v) in data.iter().enumerate() {
-        let g = &mut amax[groups.of(i / cols, i % cols)];
-        if v.is_finite() {
-            *g = g.max(v.abs());
-        }
-    }
-    let scales: Vec<f32> = amax.iter().map(|&a| scale(a, operand.format)).collect();
+    let rows = data.len() / cols;
+    let groups = Groups::new(rows, cols, operand, scaling);
+    let scales: Vec<f32> = group_amax(data, cols, &groups)
+        .iter()
+        .map(|&a| scale(a, operand.format))
+        .collect();
     let mut out = data.to_vec();
     out.par_chunks_mut(cols).enumerate().for_each(|(r, row)| {
         for (c, v) in row.iter_mut().enumerate() {
@@ -31,6 +28,30 @@ pub(crate) fn dequantized(
         }
     });
     out
+}
+
+/// The largest finite magnitude of each group, over row chunks in parallel (a maximum is exact
+/// in any order, so the result does not depend on the chunking).
+fn group_amax(data: &[f32], cols: usize, groups: &Groups) -> Vec<f32> {
+    let rows_per_chunk = (1 << 16) / cols + 1;
+    let merge = |mut a: Vec<f32>, b: Vec<f32>| {
+        a.iter_mut().zip(b).for_each(|(x, y)| *x = x.max(y));
+        a
+    };
+    data.par_chunks(cols * rows_per_chunk)
+        .enumerate()
+        .map(|(chunk, part)| {
+            let mut amax = vec![0.0f32; groups.count];
+            for (i, v) in part.iter().enumerate() {
+                if v.is_finite() {
+                    let r = chunk * rows_per_chunk + i / cols;
+                    let g = &mut amax[groups.of(r, i % cols)];
+                    *g = g.max(v.abs());
+                }
+            }
+            amax
+        })
+        .reduce(|| vec![0.0f32; groups.count], merge)
 }
 
 /// The power-of-two scale of a group whose largest finite magnitude is `amax`:
