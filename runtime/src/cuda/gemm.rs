@@ -599,19 +599,22 @@ impl Blas {
                 plan.settled = true;
             }
         }
-        let plan = self.plans.get(&key).ok_or_else(|| {
-            cublas_error(&format!("cuBLASLt plan for {}", key.describe()), "missing")
-        })?;
-        let algo = *plan.algos.first().ok_or_else(|| {
-            cublas_error(
-                &format!("cuBLASLt plan for {}", key.describe()),
-                "no algorithm",
-            )
-        })?;
+        let (plan, algo) = self.planned(&key)?;
         self.timer_start(stream)?;
         self.launch(plan, g, &algo, g.c, stream, None)
             .map_err(|e| cublas_error(&format!("cuBLASLt matmul for {}", key.describe()), e))?;
         self.timer_stop(stream)
+    }
+
+    /// The cached plan of `key` and the algorithm it runs.
+    fn planned(&self, key: &PlanKey) -> Result<(&Plan, sys::cublasLtMatmulAlgo_t)> {
+        let what = || format!("cuBLASLt plan for {}", key.describe());
+        let plan = (self.plans.get(key)).ok_or_else(|| cublas_error(&what(), "missing"))?;
+        let algo = *plan
+            .algos
+            .first()
+            .ok_or_else(|| cublas_error(&what(), "no algorithm"))?;
+        Ok((plan, algo))
     }
 
     /// Runs FP8 GEMM `g` (`operands` an `Operands::Fp8`; A and B hold FP8 bytes) with the
@@ -631,15 +634,7 @@ impl Blas {
                 "no algorithm supports it",
             ));
         }
-        let plan = self.plans.get(&key).ok_or_else(|| {
-            cublas_error(&format!("cuBLASLt plan for {}", key.describe()), "missing")
-        })?;
-        let algo = *plan.algos.first().ok_or_else(|| {
-            cublas_error(
-                &format!("cuBLASLt plan for {}", key.describe()),
-                "no algorithm",
-            )
-        })?;
+        let (plan, algo) = self.planned(&key)?;
         self.timer_start(stream)?;
         self.launch(plan, g, &algo, g.c, stream, Some(scales))
             .map_err(|e| cublas_error(&format!("cuBLASLt matmul for {}", key.describe()), e))?;
