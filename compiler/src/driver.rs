@@ -139,15 +139,15 @@ pub fn compile(
         }
         _ => None,
     };
-    // The lowering refuses a spec its checks find errors in; their warnings (W1201) are the
-    // driver's to report, once.
-    if let Some(spec) = spec.as_ref().filter(|_| !diagnostics.has_errors()) {
-        let warnings = crate::lower::validate(spec)
-            .items
-            .into_iter()
-            .filter(|d| d.severity == crate::diag::Severity::Warning);
-        warnings.for_each(|d| diagnostics.push(d));
-    }
+    // The lowering's checks of the spec, once: their warnings (W1201) are the driver's to
+    // report (`lower_with` refuses a spec they find errors in, and reports only those).
+    let lowering_checks = (spec.as_ref())
+        .filter(|_| !diagnostics.has_errors())
+        .map(crate::lower::validate)
+        .unwrap_or_default();
+    let (check_errors, check_warnings): (Vec<_>, Vec<_>) = (lowering_checks.items.into_iter())
+        .partition(|d| d.severity == crate::diag::Severity::Error);
+    check_warnings.into_iter().for_each(|d| diagnostics.push(d));
     let plan = match &spec {
         Some(spec) if !diagnostics.has_errors() && wants_plan(spec, options) => {
             let lowering = crate::lower::LowerOptions {
@@ -159,12 +159,8 @@ pub fn compile(
         }
         // Not lowered (`--lower never`): the lowering's checks of the spec still run, so a
         // spec it would refuse is not reported ok.
-        Some(spec) if !diagnostics.has_errors() => {
-            let errors = crate::lower::validate(spec)
-                .items
-                .into_iter()
-                .filter(|d| d.severity == crate::diag::Severity::Error);
-            errors.for_each(|d| diagnostics.push(d));
+        Some(_) if !diagnostics.has_errors() => {
+            check_errors.into_iter().for_each(|d| diagnostics.push(d));
             None
         }
         _ => None,

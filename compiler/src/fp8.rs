@@ -19,7 +19,7 @@
 
 use crate::diag::{Diagnostic, Diagnostics};
 use crate::ir::fp8::{Fp8Gemm, Fp8Scaling, MIN_BLOCK};
-use crate::spec::{Axis, Fp8, LayerKind, Node, NodeId, Precision, Spec};
+use crate::spec::{Fp8, LayerKind, Node, NodeId, Precision, Spec};
 use serde::Serialize;
 
 /// Launch and scale overhead of one quantization pass, seconds.
@@ -155,11 +155,7 @@ fn is_lm_head(spec: &Spec, node: &Node) -> bool {
 
 /// The GEMMs of a layer on one rank: local shapes under tp, rows of one microbatch under cp.
 pub fn gemms(spec: &Spec, node: &Node) -> Vec<Gemm> {
-    let mesh = &spec.parallel.mesh;
-    let (tp, cp) = (
-        u64::from(mesh.size(Axis::Tp)),
-        u64::from(mesh.size(Axis::Cp)),
-    );
+    let (tp, cp) = tp_cp(spec);
     let rows = spec.train.micro_batch * spec.model.seq / cp.max(1);
     let gemm = |weight, in_dim, out_dim| Gemm {
         weight,
@@ -270,23 +266,15 @@ pub fn validate(spec: &Spec) -> Diagnostics {
 }
 
 fn pins(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
-    let linear = |n: &&Node| !gemms(spec, n).is_empty();
+    let linear: Vec<&Node> = (spec.model.nodes.iter())
+        .filter(|n| !gemms(spec, n).is_empty())
+        .collect();
     for (list, pattern) in [("bf16", &fp8.keep_bf16), ("fp8", &fp8.force_fp8)]
         .iter()
         .flat_map(|(l, ps)| ps.iter().map(move |p| (*l, p)))
     {
-        if !spec
-            .model
-            .nodes
-            .iter()
-            .filter(linear)
-            .any(|n| n.matches(pattern))
-        {
-            let names: Vec<&str> = spec
-                .model
-                .nodes
-                .iter()
-                .filter(linear)
+        if !linear.iter().any(|n| n.matches(pattern)) {
+            let names: Vec<&str> = (linear.iter())
                 .map(|n| n.name.as_str())
                 .chain(["Attention", "MLP", "Linear"])
                 .collect();
@@ -304,7 +292,7 @@ fn pins(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
             );
         }
     }
-    for n in spec.model.nodes.iter().filter(linear) {
+    for n in linear {
         let keep = fp8.keep_bf16.iter().find(|p| n.matches(p));
         let force = fp8.force_fp8.iter().find(|p| n.matches(p));
         if let (Some(k), Some(f)) = (keep, force) {
@@ -324,11 +312,7 @@ fn pins(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
 }
 
 fn scale_groups(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
-    let mesh = &spec.parallel.mesh;
-    let (tp, cp) = (
-        u64::from(mesh.size(Axis::Tp)),
-        u64::from(mesh.size(Axis::Cp)),
-    );
+    let (tp, cp) = tp_cp(spec);
     let chosen: Vec<Choice> = choices(spec).into_iter().filter(|c| c.fp8).collect();
     if chosen.is_empty() {
         return;
@@ -370,25 +354,11 @@ fn scale_groups(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
             return;
         }
     };
-    let mut bad: Vec<String> = Vec::new();
-    // The rows of one sequence chunk of a cp rank (load-balanced: two chunks per sequence).
-    if cp > 1 {
-        let chunk_rows = spec.model.seq / (2 * cp) * spec.train.micro_batch;
-        if !chunk_rows.is_multiple_of(block) {
-            bad.push(format!(
-                "each cp rank's sequence chunk of {chunk_rows} rows (seq / 2cp × micro_batch)"
-            ));
-        }
-    }
-    if tp > 1 {
-        for c in &chosen {
-            for (what, dim) in sharded_dims(spec, c.node, tp) {
-                if !dim.is_multiple_of(block) {
-                    bad.push(format!("`{}` {what} ({dim} per rank)", c.name));
-                }
-            }
-        }
-    }
+    let extents = sharded_extents(spec, &chosen, tp, cp);
+    let bad: Vec<&String> = (extents.iter())
+        .filter(|(_, n)| !n.is_multiple_of(block))
+        .map(|(what, _)| what)
+        .collect();
     if let Some(first) = bad.first() {
         let more = match bad.len() {
             1 => String::new(),
@@ -401,7 +371,7 @@ fn scale_groups(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
             )
             .label(fp8.span, "this FP8 recipe")
             .label(spec.parallel.span, "this plan")
-            .help(match largest_block(block, &bad_dims(spec, &chosen, tp, cp)) {
+            .help(match largest_block(block, extents.iter().map(|(_, n)| *n)) {
                 b if b >= MIN_BLOCK => format!(
                     "choose a block dividing every sharded dimension (`blockwise {{ block_size: {b} }}`), or pin those layers bf16"
                 ),
@@ -433,29 +403,40 @@ fn sharded_dims(spec: &Spec, node: NodeId, tp: u64) -> Vec<(&'static str, u64)> 
     }
 }
 
-fn bad_dims(spec: &Spec, chosen: &[Choice], tp: u64, cp: u64) -> Vec<u64> {
-    let mut dims: Vec<u64> = if tp > 1 {
-        chosen
-            .iter()
-            .flat_map(|c| sharded_dims(spec, c.node, tp))
-            .map(|(_, d)| d)
-            .collect()
-    } else {
-        Vec::new()
-    };
+/// Every extent the FP8 GEMMs of the `chosen` layers split across ranks, described: each
+/// cp rank's sequence chunk (load-balanced: two chunks per sequence) and each layer's tp
+/// shards. Blocks that divide them all are the single-rank run's blocks.
+fn sharded_extents(spec: &Spec, chosen: &[Choice], tp: u64, cp: u64) -> Vec<(String, u64)> {
+    let mut extents = Vec::new();
     if cp > 1 {
-        dims.push(spec.model.seq / (2 * cp) * spec.train.micro_batch);
+        let rows = spec.model.seq / (2 * cp) * spec.train.micro_batch;
+        let what =
+            format!("each cp rank's sequence chunk of {rows} rows (seq / 2cp × micro_batch)");
+        extents.push((what, rows));
     }
-    dims
+    if tp > 1 {
+        for c in chosen {
+            for (what, n) in sharded_dims(spec, c.node, tp) {
+                extents.push((format!("`{}` {what} ({n} per rank)", c.name), n));
+            }
+        }
+    }
+    extents
 }
 
-/// The largest power of two below `block` dividing every dimension (at least 1).
-fn largest_block(block: u64, dims: &[u64]) -> u64 {
+/// The largest power of two up to `block` dividing every extent (at least 1).
+fn largest_block(block: u64, extents: impl Iterator<Item = u64> + Clone) -> u64 {
     let mut b = block;
-    while b > 1 && !dims.iter().all(|d| d.is_multiple_of(b)) {
+    while b > 1 && !extents.clone().all(|n| n.is_multiple_of(b)) {
         b /= 2;
     }
     b
+}
+
+/// The tp and cp sizes of the plan.
+fn tp_cp(spec: &Spec) -> (u64, u64) {
+    let (_, _, cp, tp) = spec.parallel.mesh.sizes();
+    (u64::from(tp), u64::from(cp))
 }
 
 #[cfg(test)]
@@ -568,8 +549,8 @@ mod tests {
 
     #[test]
     fn largest_block_divides_every_dimension() {
-        assert_eq!(largest_block(128, &[96, 64]), 32);
-        assert_eq!(largest_block(128, &[256]), 128);
-        assert_eq!(largest_block(64, &[3]), 1);
+        assert_eq!(largest_block(128, [96, 64].into_iter()), 32);
+        assert_eq!(largest_block(128, [256].into_iter()), 128);
+        assert_eq!(largest_block(64, [3].into_iter()), 1);
     }
 }

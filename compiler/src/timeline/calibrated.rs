@@ -166,12 +166,8 @@ impl<'a> ProfileCosts<'a> {
 
     /// An FP8 GEMM measured as `bf16_seconds` in bf16, by the roofline's FP8 assumptions.
     fn fp8_gemm(&self, bf16_seconds: f64, operands: [Option<&Buffer>; 2]) -> f64 {
-        let gpu = &self.roofline.spec.cluster.gpu;
-        let (elements, stored) = operands.iter().flatten().fold((0.0, 0.0), |(e, b), x| {
-            (e + x.numel() as f64, b + self.roofline.bytes(x))
-        });
-        bf16_seconds / crate::fp8::speedup(gpu)
-            + crate::fp8::quantize_seconds(elements, stored / elements.max(1.0), gpu)
+        bf16_seconds / crate::fp8::speedup(&self.roofline.spec.cluster.gpu)
+            + self.roofline.fp8_quantize_seconds(operands)
     }
 
     fn gemm(&self, layout: GemmLayout, [m, n, k]: [u64; 3], bf16: bool) -> Option<f64> {

@@ -35,6 +35,16 @@ pub struct SpecCosts<'a> {
 }
 
 impl SpecCosts<'_> {
+    /// Seconds to quantize an FP8 GEMM's two operands as stored (`crate::fp8`'s model); the
+    /// calibrated costs price it the same way.
+    pub(super) fn fp8_quantize_seconds(&self, operands: [Option<&Buffer>; 2]) -> f64 {
+        let (elements, stored) = (operands.iter().flatten()).fold((0.0, 0.0), |(e, b), x| {
+            (e + x.numel() as f64, b + self.bytes(x))
+        });
+        let gpu = &self.spec.cluster.gpu;
+        crate::fp8::quantize_seconds(elements, stored / elements.max(1.0), gpu)
+    }
+
     fn peak(&self) -> f64 {
         self.spec.cluster.gpu.peak_for(self.spec.train.precision)
     }
@@ -74,14 +84,7 @@ impl StepCosts for SpecCosts<'_> {
         let math = if peak > 0.0 { flops / peak } else { 0.0 };
         let memory = if bw > 0.0 { touched / bw } else { 0.0 };
         let quantize = if fp8 {
-            let operand = |i: usize| buffer(c.inputs, i);
-            let (elements, stored) = [operand(0), operand(1)]
-                .iter()
-                .flatten()
-                .fold((0.0, 0.0), |(e, b), x| {
-                    (e + x.numel() as f64, b + self.bytes(x))
-                });
-            crate::fp8::quantize_seconds(elements, stored / elements.max(1.0), gpu)
+            self.fp8_quantize_seconds([buffer(c.inputs, 0), buffer(c.inputs, 1)])
         } else {
             0.0
         };
