@@ -25,12 +25,14 @@
 //! (`activation_bwd`); a bias gradient sums the exact dy's columns (`columns::col_sum_into`).
 use super::args::{fv, n, p, Bound};
 use super::columns::col_sum_into;
+use super::epilogue::{activation_grad_in_place, residual_then_activation};
 use super::gemm::{Epilogue, Fp8Operands, Gemm, Operands, Output, ScaleMode};
 use super::kernel::Kernel;
 use super::{raw_ptr, Arg, Buf, CudaBackend};
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::CudaSlice;
+use parc_compiler::fp8::CUDA_BLOCK;
 use parc_compiler::ir::fp8::{Along, Fp8Format, Fp8Gemm, Fp8Scaling};
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::DType;
@@ -41,8 +43,6 @@ const AMAX_THREADS: u64 = 256;
 const AMAX_PIECE: u64 = AMAX_THREADS * 16;
 /// The most blocks an `fp8_amax` launch takes (it loops over the rest).
 const AMAX_BLOCKS: u64 = 1 << 16;
-/// The one block size cuBLASLt's FP8 block scaling takes.
-const CUBLAS_BLOCK: u64 = 128;
 
 /// An operand's cuBLASLt scale mode, the `fp8_scales` layout code and its block (1 where it
 /// has none), for the GEMM of op `name`.
@@ -50,12 +50,8 @@ fn scale_mode(name: &str, s: &Fp8OperandScratch) -> Result<(ScaleMode, i32, u64)
     match s.layout {
         Fp8ScaleLayout::Scalar => Ok((ScaleMode::Scalar, 0, 1)),
         Fp8ScaleLayout::PerLine => Ok((ScaleMode::OuterVec, 1, 1)),
-        Fp8ScaleLayout::LineTiles {
-            block: CUBLAS_BLOCK,
-        } => Ok((ScaleMode::Vec128, 2, CUBLAS_BLOCK)),
-        Fp8ScaleLayout::Squares {
-            block: CUBLAS_BLOCK,
-        } => Ok((ScaleMode::Blk128x128, 3, CUBLAS_BLOCK)),
+        Fp8ScaleLayout::LineTiles { block: CUDA_BLOCK } => Ok((ScaleMode::Vec128, 2, CUDA_BLOCK)),
+        Fp8ScaleLayout::Squares { block: CUDA_BLOCK } => Ok((ScaleMode::Blk128x128, 3, CUDA_BLOCK)),
         Fp8ScaleLayout::LineTiles { block } | Fp8ScaleLayout::Squares { block } => {
             Err(RuntimeError::Unsupported(format!(
                 "{name}: FP8 GEMM blockwise({block}) is not supported on the CUDA backend: \
@@ -205,17 +201,6 @@ pub(super) fn run(
         } => (b.output(0)?, accumulate_param_grad),
         _ => return Err(b.err("is not a GEMM op")),
     };
-    if let Op::MatmulBwdData {
-        act_grad: Some(_),
-        accumulate: true,
-        ..
-    } = *b.op
-    {
-        return Err(b.err(
-            "an activation-gradient product (act_grad) cannot accumulate into dx (the \
-             verifier rejects it, E0822)",
-        ));
-    }
     if matches!(b.op, Op::MatmulBwdWeight { .. }) && d.dtype != DType::F32 {
         return Err(b.err("an FP8 weight gradient must be f32"));
     }
@@ -286,25 +271,16 @@ pub(super) fn run(
             residual,
             ..
         } => {
-            if residual {
-                let r = b.input(2 + usize::from(bias))?;
-                be.launch_vec(Kernel::AddFwd, d.len, &[fv(d), fv(r), fv(d), n(d.len)])?;
-            }
-            if let Some(act) = act {
-                let a = b.output(1)?;
-                let args = [Arg::I32(act.code()), fv(d), fv(a), n(d.len)];
-                be.launch_vec(Kernel::ActivationFwd, d.len, &args)?;
-            }
-            Ok(())
+            let r = residual
+                .then(|| b.input(2 + usize::from(bias)))
+                .transpose()?;
+            let a = act.map(|act| Ok((act, b.output(1)?))).transpose()?;
+            residual_then_activation(be, d, r, a)
         }
         Op::MatmulBwdData {
             act_grad: Some(act),
             ..
-        } => {
-            let pre = b.input(2)?;
-            let args = [Arg::I32(act.code()), fv(d), fv(pre), fv(d), n(d.len)];
-            be.launch_vec(Kernel::ActivationBwd, d.len, &args)
-        }
+        } => activation_grad_in_place(be, d, act, b.input(2)?),
         Op::MatmulBwdWeight {
             bias: true,
             accumulate_param_grad,

@@ -23,10 +23,11 @@
 //! kernel runs.
 use super::args::{fv, n, p, Bound, Limits};
 use super::columns::col_sum_into;
+use super::epilogue::{activation_grad_in_place, residual_then_activation};
 use super::gemm::{Epilogue, Gemm, Operands, Output};
 use super::gemm_operands::Operand;
 use super::kernel::Kernel;
-use super::{Arg, Buf, CudaBackend};
+use super::{Buf, CudaBackend};
 use crate::error::Result;
 use cudarc::driver::sys::CUdeviceptr;
 use parc_compiler::ir::op::{Act, Op};
@@ -78,6 +79,17 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
         "dy"
     };
     let dims = (b.launch_rows(rows_of, what, b.rows)?, k_in, m_out);
+    if let Op::MatmulBwdData {
+        act_grad: Some(_),
+        accumulate: true,
+        ..
+    } = *b.op
+    {
+        return Err(b.err(
+            "an activation-gradient product (act_grad) cannot accumulate into dx (the \
+             verifier rejects it, E0822)",
+        ));
+    }
     if let Some(fp8) = b.op.fp8() {
         return super::fp8::run(be, b, fp8, dims);
     }
@@ -110,7 +122,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
         } => {
             let act_grad = act_grad.map(|act| Ok((act, b.input(2)?))).transpose()?;
             let (w, dx) = (b.input(1)?, b.output(0)?);
-            backward_data(be, b, (rows_of, w, dx), act_grad, accumulate, dims)
+            backward_data(be, (rows_of, w, dx), act_grad, accumulate, dims)
         }
         Op::MatmulBwdWeight {
             bias,
@@ -206,22 +218,12 @@ fn matmul(be: &mut CudaBackend, b: &Bound, f: &Forward, (rows, k, m): Dims) -> R
     // Without a fused form: y as without a residual, y += r (an `Add`), then a =
     // act(y) from y as stored (a bf16 y is rounded before each step reads it).
     matmul_bias(be, b, &g, (w, x), bb, y, rows)?;
-    if let Some(r) = r {
-        be.launch_vec(Kernel::AddFwd, y.len, &[fv(y), fv(r), fv(y), n(y.len)])?;
-    }
-    match f.act {
-        Some((act, a)) => {
-            let args = [Arg::I32(act.code()), fv(y), fv(a), n(y.len)];
-            be.launch_vec(Kernel::ActivationFwd, y.len, &args)
-        }
-        None => Ok(()),
-    }
+    residual_then_activation(be, y, r, f.act)
 }
 
 /// dx (+)= dy·W, then dx = dx ⊙ act'(pre) where the op has an activation gradient.
 fn backward_data(
     be: &mut CudaBackend,
-    b: &Bound,
     (dy, w, dx): (Buf, Buf, Buf),
     act_grad: Option<(Act, Buf)>,
     accumulate: bool,
@@ -233,12 +235,6 @@ fn backward_data(
     let Some((act, pre)) = act_grad else {
         return be.gemm(&g, weight(w), activation(dy));
     };
-    if accumulate {
-        return Err(b.err(
-            "an activation-gradient product (act_grad) cannot accumulate into dx (the \
-             verifier rejects it, E0822)",
-        ));
-    }
     // DGELU with an fp32 dx (and fp32 pre) ran slower on an H200 than the plain GEMM
     // and the separate kernel (0.95 ms against about 0.6 at 32,768 x 768 x 3,072):
     // bf16 dx only.
@@ -258,8 +254,7 @@ fn backward_data(
     // The product into dx, then dx = dx ⊙ act'(pre) in place (a bf16 dx is rounded
     // in between).
     be.gemm(&g, weight(w), activation(dy))?;
-    let args = [Arg::I32(act.code()), fv(dx), fv(pre), fv(dx), n(dx.len)];
-    be.launch_vec(Kernel::ActivationBwd, dx.len, &args)
+    activation_grad_in_place(be, dx, act, pre)
 }
 
 /// dW (+)= dyᵀ·x, and db (+)= the column sums of dy where the op has a bias.

@@ -63,6 +63,7 @@ mod device;
 mod dispatch;
 mod elementwise;
 mod embedding;
+mod epilogue;
 mod fp8;
 mod fused;
 mod gemm;
