@@ -4,14 +4,15 @@
 # (`parc check --format json` priced by that profile) and measure it (`parc run`, STEPS steps of
 # synthetic data, the median of steps 3..), so prediction and measurement share the call.
 #
-#   CONFIGS=bench/predict/h200.txt ONLY=regex CALIBRATION=file STEPS=6 DEADLINE=420 \
+#   CONFIGS=bench/predict/h200.txt ONLY=regex CALIBRATION=file STEPS=6 DEADLINE=420 GPU=kind \
 #       bench/predict_call.sh [DIR]
 #
 # DIR: the binaries bench/device_build.sh built (default .device). CALIBRATION: use this profile
-# instead of measuring one. ONLY: the configurations whose name matches. DEADLINE: seconds after
+# instead of measuring one. GPU: the spec's gpu kind of this machine (default: h200 on an H200,
+# h100_80gb on an H100 — the configurations' specs get `cluster.gpu` set to it). ONLY: the configurations whose name matches. DEADLINE: seconds after
 # which no configuration starts (the list is in priority order), so the summary is always written.
 # Output: $OUT (else DIR/out) gets few files (the device returns at most 8): the profile
-# (h200.json), summary.txt (bench/predict/summary.py's table) and logs.tgz (each configuration's
+# (GPU.json), summary.txt (bench/predict/summary.py's table) and logs.tgz (each configuration's
 # check-NAME.json and run-NAME.jsonl/.stderr, the calibration log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,11 +22,16 @@ configs=${CONFIGS:-bench/predict/h200.txt}
 steps=${STEPS:-6}
 deadline=${DEADLINE:-420}
 work=$(mktemp -d)
+case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1)" in
+    *H100*) detected=h100_80gb ;;
+    *) detected=h200 ;;
+esac
+gpu=${GPU:-$detected}
 t0=$SECONDS
 profile=${CALIBRATION:-}
 if [[ -z $profile ]]; then
-    profile=$out/h200.json
-    timeout 150 "$dir/parc" calibrate --backend cuda --gpu h200 -o "$profile" > "$work/calibrate.log" 2>&1
+    profile=$out/$gpu.json
+    timeout 150 "$dir/parc" calibrate --backend cuda --gpu "$gpu" -o "$profile" > "$work/calibrate.log" 2>&1
     echo "== calibrate rc=$? at $((SECONDS - t0)) s"
     cat "$work/calibrate.log"
 fi
@@ -40,7 +46,7 @@ while read -r name spec settings; do
     [[ -n ${ONLY:-} && ! $name =~ $ONLY ]] && continue
     (( SECONDS - t0 > deadline )) && { echo "== deadline: $name and later not run"; break; }
     file=$(printf '%s' "$name" | tr '/' '_')
-    sets=(--set "train.steps=$steps" --set train.data=synthetic)
+    sets=(--set "train.steps=$steps" --set train.data=synthetic --set "cluster.gpu=$gpu")
     for s in $settings; do sets+=(--set "$s"); done
     "$dir/parc" check "$spec" "${sets[@]}" --calibration "$profile" --format json \
         > "$work/check-$file.json" 2> "$work/check-$file.stderr"
