@@ -14,7 +14,7 @@ use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// The flags `check` and `plan` share.
+/// The flags `check`, `plan` and `run` share.
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct CalibrationArgs {
     /// A calibration profile (`parc calibrate -o FILE`) that prices the simulated step; by
@@ -65,10 +65,12 @@ pub fn with_profile(
 ) -> Result<(CompileOptions, Chosen), String> {
     let mut options = options.clone();
     let mut chosen = Chosen::default();
-    if options.through >= Stage::Timeline {
+    // The FP8 choice is priced too: a spec with `train.fp8` needs the profile to lower.
+    let priced = |spec: &Spec| options.through >= Stage::Timeline || spec.train.fp8.is_some();
+    if options.through >= Stage::Lower {
         let check = CompileOptions::through(Stage::Check);
         let checked = driver::compile(name, text.to_string(), overrides, &check);
-        if let Some(spec) = &checked.spec {
+        if let Some(spec) = checked.spec.as_ref().filter(|s| priced(s)) {
             chosen = choose(args, spec)?;
             options.calibration = chosen.calibration.clone();
         }

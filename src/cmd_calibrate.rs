@@ -1,8 +1,10 @@
-//! `parc calibrate [--backend cpu|cuda] [--quick] [--gpu NAME] [--precision P] [-o FILE]`:
+//! `parc calibrate [--backend cpu|cuda] [--quick] [--gpu NAME] [--precision P] [--fp8 LIST]
+//! [-o FILE]`:
 //! measure a calibration profile (`parc_runtime::calibrate`) on this machine's backend and write
 //! it as JSON, by default to `calibration/<gpu>.json`, where `parc check` and `parc plan` find
 //! it for specs on that GPU kind. Exit 0 when written, 1 when a measurement failed, 2 for usage
 //! errors (an unknown gpu name, a backend this build lacks, a file that cannot be written).
+use parc_compiler::ir::fp8::Fp8Scaling;
 use parc_compiler::spec::{Gpu, LossScale, Precision};
 use parc_runtime::calibrate::{calibrate, Settings};
 use std::path::PathBuf;
@@ -38,6 +40,41 @@ pub struct CalibrateArgs {
     /// Where to write the profile (default `calibration/<gpu>.json`).
     #[arg(short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
+    /// The FP8 scalings whose GEMMs are measured too, over the same grid (bf16 only): default
+    /// all three on a GPU with FP8 tensor cores, none elsewhere; `none` measures none.
+    #[arg(long, value_enum, value_delimiter = ',', value_name = "SCALINGS")]
+    pub fp8: Option<Vec<Fp8Arg>>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Fp8Arg {
+    Tensorwise,
+    Rowwise,
+    Blockwise,
+    None,
+}
+
+/// The FP8 scalings to measure: those asked for, else all three where the backend is CUDA on
+/// a GPU with FP8 tensor cores and the run is bf16.
+fn fp8_scalings(args: &CalibrateArgs, gpu: &Gpu, precision: Precision) -> Vec<Fp8Scaling> {
+    let all = [Fp8Arg::Tensorwise, Fp8Arg::Rowwise, Fp8Arg::Blockwise];
+    let fp8_gpu = args.backend == CalibrateBackend::Cuda && gpu.peak_flops_fp8.is_some();
+    let asked = match &args.fp8 {
+        Some(list) => list.clone(),
+        None if fp8_gpu && precision == Precision::Bf16 => all.to_vec(),
+        None => Vec::new(),
+    };
+    asked
+        .into_iter()
+        .filter_map(|a| match a {
+            Fp8Arg::Tensorwise => Some(Fp8Scaling::Tensorwise),
+            Fp8Arg::Rowwise => Some(Fp8Scaling::Rowwise),
+            Fp8Arg::Blockwise => Some(Fp8Scaling::Blockwise {
+                block: parc_compiler::fp8::CUDA_BLOCK,
+            }),
+            Fp8Arg::None => None,
+        })
+        .collect()
 }
 
 pub fn main(args: CalibrateArgs) -> u8 {
@@ -68,12 +105,14 @@ fn run(args: &CalibrateArgs) -> Result<(), (u8, String)> {
         .output
         .clone()
         .unwrap_or_else(|| PathBuf::from("calibration").join(format!("{}.json", gpu.name)));
+    let fp8 = fp8_scalings(args, &gpu, precision);
     let settings = Settings {
         quick: args.quick,
         precision,
         gpu,
         device,
         date: today(),
+        fp8,
     };
     eprintln!(
         "calibrating {} ({}, {}{})",

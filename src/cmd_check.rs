@@ -180,6 +180,7 @@ fn check_one(
         diagnostics,
         cost,
         spec,
+        fp8,
         plan,
         analysis,
     } = driver::compile(&file, text, overrides, &options);
@@ -205,10 +206,6 @@ fn check_one(
             }
         }
     }
-    let fp8 = spec
-        .as_ref()
-        .map(parc_compiler::fp8::choices)
-        .unwrap_or_default();
     Ok(Checked {
         file,
         sources,

@@ -65,6 +65,8 @@ pub struct PlanArgs {
 /// A plan that went through the stages `--emit` needs (the timeline only for text and trace).
 struct Planned {
     spec: Spec,
+    /// Each linear layer's precision under `train.fp8`, as the plan was lowered with.
+    fp8: Vec<parc_compiler::fp8::Choice>,
     plan: Plan,
     verified: VerifyReport,
     memory: MemoryPlans,
@@ -149,7 +151,7 @@ fn compile(args: &PlanArgs) -> Result<Planned, u8> {
     let (options, chosen) =
         crate::calibration::with_profile(&args.calibration, &name, &text, &overrides, &options)
             .map_err(usage)?;
-    let compiled = driver::compile(&name, text, &overrides, &options);
+    let mut compiled = driver::compile(&name, text, &overrides, &options);
     eprint!("{}", render(&compiled.sources, &compiled.diagnostics));
     if let (Some(spec), Some(plan), Some(_)) =
         (&compiled.spec, &compiled.plan, &compiled.analysis.timeline)
@@ -157,6 +159,7 @@ fn compile(args: &PlanArgs) -> Result<Planned, u8> {
         let priced = crate::calibration::priced_by(&chosen, spec, plan);
         eprintln!("note: {}", priced.note);
     }
+    let fp8 = std::mem::take(&mut compiled.fp8);
     let Compiled {
         spec: Some(spec),
         plan: Some(plan),
@@ -174,6 +177,7 @@ fn compile(args: &PlanArgs) -> Result<Planned, u8> {
     };
     Ok(Planned {
         spec,
+        fp8,
         plan,
         verified,
         memory,
@@ -196,7 +200,8 @@ fn show_exact_program(
         fusion: args.spec.fusion(),
         ..parc_compiler::lower::LowerOptions::default()
     };
-    let program = parc_compiler::lower::lower_rank(&planned.spec, options, rank).map_err(|d| {
+    let lowered = parc_compiler::lower::lower_rank(&planned.spec, options, rank, &planned.fp8);
+    let program = lowered.map_err(|d| {
         for item in &d.items {
             eprintln!("error[{}]: {}", item.code, item.message);
         }
@@ -251,6 +256,7 @@ fn write_plan(out: &mut impl std::io::Write, planned: &Planned, emit: Emit) -> s
         memory,
         timeline,
         view,
+        fp8,
     } = planned;
     match (emit, timeline) {
         (Emit::Json, _) => match view {
@@ -260,9 +266,8 @@ fn write_plan(out: &mut impl std::io::Write, planned: &Planned, emit: Emit) -> s
         (Emit::Text, Some(timeline)) => {
             let names: Vec<String> = spec.model.nodes.iter().map(|n| n.name.clone()).collect();
             let mut summary = crate::plan_summary::render(plan, verified, memory, timeline);
-            let fp8 = parc_compiler::fp8::choices(spec);
             if !fp8.is_empty() {
-                for line in crate::report::render_fp8(&fp8)
+                for line in crate::report::render_fp8(fp8)
                     .lines()
                     .filter(|l| !l.is_empty())
                 {

@@ -32,7 +32,9 @@ pub struct ReshardArgs {
 }
 
 pub fn main(args: ReshardArgs) -> u8 {
-    let (spec, plan) = match compile(&args.file, &args.spec) {
+    // Parameter layouts do not depend on which GEMMs run in FP8: the default profile serves.
+    let calibration = crate::calibration::CalibrationArgs::default();
+    let (spec, plan) = match compile(&args.file, &args.spec, &calibration) {
         Ok(compiled) => compiled,
         Err(code) => return code,
     };

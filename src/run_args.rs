@@ -24,6 +24,9 @@ pub struct RunArgs {
     pub file: PathBuf,
     #[command(flatten)]
     pub spec: SpecArgs,
+    /// The calibration profile the FP8 choice is priced by (as `parc check` prices it).
+    #[command(flatten)]
+    pub calibration: crate::calibration::CalibrationArgs,
     /// Where the ranks compute.
     #[arg(long, value_enum, default_value = "auto")]
     pub backend: BackendChoice,

@@ -1,6 +1,7 @@
 //! What every way of running does before training: resolve the backend and compile the spec to
 //! a plan with its diagnostics on stderr ([`backend_and_plan`], [`compile`]), and how a run's
 //! errors reach stderr ([`print_error`], [`exit_code`]).
+use crate::calibration::CalibrationArgs;
 use crate::diagnostics;
 use crate::input::{parse_overrides, read_spec};
 use crate::run_args::{resolve_backend, Resolved, RunArgs};
@@ -18,7 +19,7 @@ pub(crate) fn backend_and_plan(args: &RunArgs, quiet: bool) -> Result<(Resolved,
         print_error(&message);
         2
     })?;
-    let (spec, plan) = compile(&args.file, &args.spec)?;
+    let (spec, plan) = compile(&args.file, &args.spec, &args.calibration)?;
     if let Some(message) = unsupported_on(backend, &plan) {
         print_error(&message);
         return Err(2);
@@ -73,7 +74,11 @@ pub(crate) fn print_error(message: &str) {
 /// Read, check and lower the spec, rendering every diagnostic on stderr. `Err` is the exit
 /// code: 2 for unreadable input or a bad `--set`, 1 for a spec with errors. (The runtime
 /// verifies the plan before it trains.)
-pub(crate) fn compile(file: &Path, spec_args: &SpecArgs) -> Result<(Spec, Plan), u8> {
+pub(crate) fn compile(
+    file: &Path,
+    spec_args: &SpecArgs,
+    calibration: &CalibrationArgs,
+) -> Result<(Spec, Plan), u8> {
     let fail = |message: String| {
         print_error(&message);
         2
@@ -85,6 +90,10 @@ pub(crate) fn compile(file: &Path, spec_args: &SpecArgs) -> Result<(Spec, Plan),
         fusion: spec_args.fusion(),
         ..CompileOptions::through(Stage::Lower)
     };
+    let name = shown.to_string();
+    let (options, _) =
+        crate::calibration::with_profile(calibration, &name, &text, &overrides, &options)
+            .map_err(fail)?;
     let compiled = driver::compile(&shown.to_string(), text, &overrides, &options);
     show_diagnostics(&compiled);
     match compiled {

@@ -41,7 +41,8 @@ pub fn launch(args: &RunArgs, n: u32) -> u8 {
 fn launch_inner(args: &RunArgs, n: u32) -> Result<u8, (u8, String)> {
     let quiet = args.log_format == LogFormat::Json;
     let backend = resolve_backend(args.backend, true).map_err(|m| (2, m))?;
-    let (_, plan) = compile(&args.file, &args.spec).map_err(|code| (code, String::new()))?;
+    let (_, plan) =
+        compile(&args.file, &args.spec, &args.calibration).map_err(|code| (code, String::new()))?;
     launch::check_world(&plan.mesh, n, &format!("--nproc-per-node {n}"))
         .map_err(|e| (1, e.to_string()))?;
     timeout(args.rendezvous_timeout, "--rendezvous-timeout").map_err(|m| (2, m))?;

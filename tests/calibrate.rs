@@ -235,3 +235,80 @@ fn cuda_calibration_writes_a_profile_on_a_gpu() {
         assert!(!profile.gemm.is_empty() && !profile.attention.is_empty());
     }
 }
+
+/// A quick bf16 CPU profile with blockwise FP8 GEMMs, those then made `speedup` times faster
+/// than measured (the CPU's emulation is slower than bf16: a profile says what a GPU would).
+fn fp8_profile(dir: &Path, speedup: f64) -> PathBuf {
+    let file = dir.join(format!("fp8-{speedup}.json"));
+    parc_ok(&[
+        "calibrate",
+        "--backend",
+        "cpu",
+        "--quick",
+        "--precision",
+        "bf16",
+        "--fp8",
+        "blockwise",
+        "-o",
+        path_str(&file),
+    ]);
+    let mut doc: Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    let gemm = doc["gemm"].as_array_mut().expect("gemm points");
+    let bf16: Vec<Value> = gemm
+        .iter()
+        .filter(|g| g["dtype"] == "bf16")
+        .cloned()
+        .collect();
+    assert!(!bf16.is_empty() && gemm.iter().any(|g| g["dtype"] == "fp8_blockwise"));
+    gemm.retain(|g| g["dtype"] == "bf16");
+    for mut g in bf16 {
+        g["dtype"] = "fp8_blockwise".into();
+        g["seconds"] = (g["seconds"].as_f64().unwrap() / speedup).into();
+        gemm.push(g);
+    }
+    std::fs::write(&file, serde_json::to_vec(&doc).unwrap()).unwrap();
+    file
+}
+
+const TINY_LLAMA_FP8: [&str; 4] = [
+    "--set",
+    "train.precision=bf16",
+    "--set",
+    "train.fp8=blockwise { block_size: 16 }",
+];
+
+/// `parc run` of tiny-llama with FP8 on the CPU, two steps, with `extra`: the losses.
+fn fp8_losses(extra: &[&str]) -> Vec<f64> {
+    let mut args = vec!["run", "examples/tiny-llama.par", "--backend", "cpu"];
+    args.extend_from_slice(&["--log-format", "json", "--set", "train.steps=2"]);
+    args.extend_from_slice(&TINY_LLAMA_FP8);
+    args.extend_from_slice(extra);
+    let lines = json_lines(&parc_ok(&args));
+    steps(&lines)
+        .iter()
+        .map(|s| s["loss"].as_f64().unwrap())
+        .collect()
+}
+
+#[test]
+fn check_and_run_choose_the_same_fp8_layers_from_a_profile() {
+    let _alone = alone();
+    let dir = temp_dir("fp8-choice");
+    let fast = fp8_profile(&dir, 8.0);
+    let mut args = vec!["check", "examples/tiny-llama.par"];
+    args.extend_from_slice(&TINY_LLAMA_FP8);
+    args.extend_from_slice(&["--calibration", path_str(&fast)]);
+    let report = String::from_utf8(parc_ok(&args).stdout).unwrap();
+    assert!(
+        report.contains("FP8 GEMMs: 8 of 9 linear layers"),
+        "{report}"
+    );
+    assert!(report.contains("(measured): pays"), "{report}");
+    // Without the profile the roofline keeps every layer in bf16 (the cpu's FP8 peak is its
+    // bf16 one); with it, run trains in FP8 as check said: the losses differ from bf16's.
+    let roofline = fp8_losses(&[]);
+    let plain = fp8_losses(&["--set", "train.fp8=none"]);
+    let measured = fp8_losses(&["--calibration", path_str(&fast)]);
+    assert_eq!(roofline, plain, "the roofline chooses no FP8 layer");
+    assert_ne!(measured, plain, "the profile's FP8 layers run in FP8");
+}

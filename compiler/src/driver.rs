@@ -82,6 +82,9 @@ pub struct Compiled {
     pub spec: Option<Spec>,
     /// The cost model's estimate, with [`CompileOptions::cost_model`].
     pub cost: Option<CostReport>,
+    /// Each linear layer's precision under `train.fp8` and why (`crate::fp8::choices`,
+    /// priced by the calibration profile when given): what the lowered plan runs.
+    pub fp8: Vec<crate::fp8::Choice>,
     pub plan: Option<Plan>,
     /// The stages after lowering.
     pub analysis: Analysis,
@@ -148,6 +151,10 @@ pub fn compile(
     let (check_errors, check_warnings): (Vec<_>, Vec<_>) = (lowering_checks.items.into_iter())
         .partition(|d| d.severity == crate::diag::Severity::Error);
     check_warnings.into_iter().for_each(|d| diagnostics.push(d));
+    let calibration = options.calibration.as_deref();
+    let fp8 = (spec.as_ref())
+        .map(|spec| crate::fp8::choices(spec, prices(calibration)))
+        .unwrap_or_default();
     let plan = match &spec {
         Some(spec) if !diagnostics.has_errors() && wants_plan(spec, options) => {
             let lowering = crate::lower::LowerOptions {
@@ -155,7 +162,10 @@ pub fn compile(
                 representatives: options.representatives,
                 ..crate::lower::LowerOptions::default()
             };
-            keep(crate::lower::lower_with(spec, lowering), &mut diagnostics)
+            keep(
+                crate::lower::lower_chosen(spec, lowering, &fp8),
+                &mut diagnostics,
+            )
         }
         // Not lowered (`--lower never`): the lowering's checks of the spec still run, so a
         // spec it would refuse is not reported ok.
@@ -167,13 +177,12 @@ pub fn compile(
     };
     let analysis = match (&spec, &plan) {
         (Some(spec), Some(plan)) => {
-            let calibration = options.calibration.as_deref();
             analyze_with(spec, plan, options.through, calibration, &mut diagnostics)
         }
         _ => Analysis::default(),
     };
     if let (Some(spec), Some(fit)) = (&spec, &analysis.fit) {
-        let measure = |changed: &Spec| measured_need(changed, options.fusion);
+        let measure = |changed: &Spec| measured_need(changed, options.fusion, calibration);
         if let Some(d) = crate::fit::memory_verdict(spec, fit, &measure) {
             diagnostics.push(d);
         }
@@ -183,9 +192,15 @@ pub fn compile(
         diagnostics,
         spec,
         cost,
+        fp8,
         plan,
         analysis,
     }
+}
+
+/// The FP8 choice's prices from `calibration`, if any.
+pub fn prices(calibration: Option<&timeline::Calibration>) -> Option<&dyn crate::fp8::GemmPrices> {
+    calibration.map(|c| c as &dyn crate::fp8::GemmPrices)
 }
 
 /// Run the stages after lowering, up to `through`, on `plan` (lowered from `spec`); their
@@ -296,13 +311,18 @@ fn memory_assuming(assumed: &crate::check::Assumed) -> Diagnostics {
 
 /// The largest memory any rank of `spec`'s plan holds, lowered (one program per class) and
 /// planned; `None` when it does not lower or verify.
-fn measured_need(spec: &Spec, fusion: bool) -> Option<u64> {
+fn measured_need(
+    spec: &Spec,
+    fusion: bool,
+    calibration: Option<&timeline::Calibration>,
+) -> Option<u64> {
     let options = crate::lower::LowerOptions {
         fusion,
         representatives: true,
         ..crate::lower::LowerOptions::default()
     };
-    let plan = crate::lower::lower_with(spec, options).ok()?;
+    let fp8 = crate::fp8::choices(spec, prices(calibration));
+    let plan = crate::lower::lower_chosen(spec, options, &fp8).ok()?;
     let mut diagnostics = Diagnostics::default();
     let analysis = analyze(spec, &plan, Stage::MemoryPlan, &mut diagnostics);
     analysis.fit?.iter().map(|need| need.bytes).max()

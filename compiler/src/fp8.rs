@@ -34,6 +34,10 @@ pub const CUDA_BLOCK: u64 = 128;
 /// calibrate` measures FP8 GEMMs, a layer must win clearly.
 pub const MIN_GAIN: f64 = 0.10;
 
+/// The share FP8 must save where a calibration profile measured both GEMMs (quantization
+/// included): enough to stay clear of the measurement's noise.
+pub const MIN_GAIN_MEASURED: f64 = 0.03;
+
 /// One GEMM of a layer at its local shape on one rank: `[rows, in] × [out, in]ᵀ`.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Gemm {
@@ -53,8 +57,59 @@ pub enum Reason {
     PinnedFp8,
     /// The LM head stays bf16 unless pinned.
     LmHead,
-    /// The cost model's times of the layer's GEMMs for one microbatch, seconds.
-    Cost { bf16_s: f64, fp8_s: f64 },
+    /// The cost model's times of the layer's GEMMs for one microbatch, seconds, and what
+    /// priced them.
+    Cost {
+        bf16_s: f64,
+        fp8_s: f64,
+        priced_by: Pricing,
+    },
+}
+
+/// What priced a layer's GEMMs for its choice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Pricing {
+    /// The roofline of the module doc (no calibration profile).
+    Roofline,
+    /// A calibration profile's bf16 GEMMs and its FP8 GEMMs of the recipe's scaling
+    /// (quantization included), both measured.
+    Measured,
+    /// A calibration profile's bf16 GEMMs; FP8 at the GPU's FP8-to-bf16 peak ratio plus the
+    /// roofline's quantization, as the profile has no FP8 GEMMs of the recipe's scaling.
+    MeasuredBf16,
+}
+
+impl Pricing {
+    /// The share of the bf16 time FP8 must save to be chosen: [`MIN_GAIN`] where FP8's time
+    /// is a model, [`MIN_GAIN_MEASURED`] where it was measured.
+    pub fn min_gain(self) -> f64 {
+        match self {
+            Pricing::Measured => MIN_GAIN_MEASURED,
+            Pricing::Roofline | Pricing::MeasuredBf16 => MIN_GAIN,
+        }
+    }
+
+    fn words(self) -> &'static str {
+        match self {
+            Pricing::Roofline => "roofline",
+            Pricing::Measured => "measured",
+            Pricing::MeasuredBf16 => "bf16 measured, FP8 at the peak ratio",
+        }
+    }
+}
+
+/// A layer's GEMM priced in bf16 and FP8 by a measured profile (`timeline::Calibration`
+/// implements it): seconds of its forward, data-gradient and weight-gradient GEMMs in each,
+/// and how FP8's were priced; None where the profile cannot price them (the roofline then
+/// does).
+pub trait GemmPrices {
+    fn layer_gemm(
+        &self,
+        spec: &Spec,
+        gemm: &Gemm,
+        scaling: Fp8Scaling,
+    ) -> Option<(f64, f64, Pricing)>;
 }
 
 /// The choice for one linear layer.
@@ -74,14 +129,21 @@ impl Choice {
             Reason::PinnedBf16 => "pinned bf16".to_string(),
             Reason::PinnedFp8 => "pinned fp8".to_string(),
             Reason::LmHead => "the LM head stays bf16 unless pinned".to_string(),
-            Reason::Cost { bf16_s, fp8_s } => format!(
-                "FP8 {:.1} µs against bf16 {:.1} µs per microbatch: {}",
+            Reason::Cost {
+                bf16_s,
+                fp8_s,
+                priced_by,
+            } => format!(
+                "FP8 {:.1} µs against bf16 {:.1} µs per microbatch ({}): {}",
                 fp8_s * 1e6,
                 bf16_s * 1e6,
-                match (pays(bf16_s, fp8_s), fp8_s < bf16_s) {
-                    (true, _) => "pays",
-                    (false, true) => "saves under 10%",
-                    (false, false) => "slower",
+                priced_by.words(),
+                match (pays(bf16_s, fp8_s, priced_by), fp8_s < bf16_s) {
+                    (true, _) => "pays".to_string(),
+                    (false, true) => {
+                        format!("saves under {:.0}%", priced_by.min_gain() * 100.0)
+                    }
+                    (false, false) => "slower".to_string(),
                 }
             ),
         }
@@ -96,8 +158,9 @@ pub fn gemm_attr(fp8: &Fp8) -> Fp8Gemm {
     }
 }
 
-/// Every linear layer's choice, in model order (empty without `train.fp8`).
-pub fn choices(spec: &Spec) -> Vec<Choice> {
+/// Every linear layer's choice, in model order (empty without `train.fp8`), its GEMMs priced
+/// by `prices` (a calibration profile) where it can, else by the roofline.
+pub fn choices(spec: &Spec, prices: Option<&dyn GemmPrices>) -> Vec<Choice> {
     let Some(fp8) = &spec.train.fp8 else {
         return Vec::new();
     };
@@ -110,11 +173,15 @@ pub fn choices(spec: &Spec) -> Vec<Choice> {
             if gemms.is_empty() {
                 return None;
             }
-            let reason = reason(spec, fp8, n, &gemms);
+            let reason = reason(spec, fp8, n, &gemms, prices);
             let fp8 = match reason {
                 Reason::PinnedBf16 | Reason::LmHead => false,
                 Reason::PinnedFp8 => true,
-                Reason::Cost { bf16_s, fp8_s } => pays(bf16_s, fp8_s),
+                Reason::Cost {
+                    bf16_s,
+                    fp8_s,
+                    priced_by,
+                } => pays(bf16_s, fp8_s, priced_by),
             };
             Some(Choice {
                 node: NodeId(i as u32),
@@ -127,7 +194,13 @@ pub fn choices(spec: &Spec) -> Vec<Choice> {
         .collect()
 }
 
-fn reason(spec: &Spec, fp8: &Fp8, node: &Node, gemms: &[Gemm]) -> Reason {
+fn reason(
+    spec: &Spec,
+    fp8: &Fp8,
+    node: &Node,
+    gemms: &[Gemm],
+    prices: Option<&dyn GemmPrices>,
+) -> Reason {
     if fp8.keep_bf16.iter().any(|p| node.matches(p)) {
         Reason::PinnedBf16
     } else if fp8.force_fp8.iter().any(|p| node.matches(p)) {
@@ -135,17 +208,44 @@ fn reason(spec: &Spec, fp8: &Fp8, node: &Node, gemms: &[Gemm]) -> Reason {
     } else if is_lm_head(spec, node) {
         Reason::LmHead
     } else {
-        let (bf16_s, fp8_s) = gemms.iter().fold((0.0, 0.0), |(b, f), g| {
-            let (gb, gf) = times(spec, g);
-            (b + gb, f + gf)
-        });
-        Reason::Cost { bf16_s, fp8_s }
+        let priced = |g: &Gemm| {
+            let measured = prices.and_then(|p| p.layer_gemm(spec, g, fp8.scaling));
+            measured.unwrap_or_else(|| {
+                let (b, f) = times(spec, g);
+                (b, f, Pricing::Roofline)
+            })
+        };
+        let (bf16_s, fp8_s, priced_by) = gemms.iter().map(priced).fold(
+            (0.0, 0.0, Pricing::Measured),
+            |(b, f, by), (gb, gf, g_by)| (b + gb, f + gf, least_measured(by, g_by)),
+        );
+        Reason::Cost {
+            bf16_s,
+            fp8_s,
+            priced_by,
+        }
     }
 }
 
-/// FP8 pays when the roofline says it saves at least [`MIN_GAIN`] of the bf16 time.
-fn pays(bf16_s: f64, fp8_s: f64) -> bool {
-    fp8_s <= bf16_s * (1.0 - MIN_GAIN)
+/// Of two GEMMs' pricings, the one closer to the roofline (a layer is as measured as its
+/// least measured GEMM).
+fn least_measured(a: Pricing, b: Pricing) -> Pricing {
+    let rank = |p| match p {
+        Pricing::Roofline => 0,
+        Pricing::MeasuredBf16 => 1,
+        Pricing::Measured => 2,
+    };
+    if rank(a) <= rank(b) {
+        a
+    } else {
+        b
+    }
+}
+
+/// FP8 pays when the cost model says it saves at least its pricing's minimum gain of the
+/// bf16 time.
+fn pays(bf16_s: f64, fp8_s: f64, priced_by: Pricing) -> bool {
+    fp8_s <= bf16_s * (1.0 - priced_by.min_gain())
 }
 
 /// A linear layer onto the vocabulary.
@@ -209,13 +309,16 @@ pub fn times(spec: &Spec, g: &Gemm) -> (f64, f64) {
     let Some(peak8) = gpu.peak_flops_fp8 else {
         return (bf16, f64::INFINITY);
     };
-    // Forward (x, W), data gradient (dy, W), weight gradient (dy, x): each GEMM quantizes
-    // its two bf16 operands into the layout it reads.
-    let quant = [m * k + n * k, m * n + n * k, m * n + m * k]
-        .iter()
-        .map(|&elements| quantize_seconds(elements, 2.0, gpu))
-        .sum::<f64>();
+    let quant = quantize_each(spec, g).iter().sum::<f64>();
     (bf16, 3.0 * gemm(peak8, 1.0) + quant)
+}
+
+/// Seconds to quantize the operands of a layer's forward (x, W), data-gradient (dy, W) and
+/// weight-gradient (dy, x) GEMMs, each pair from bf16 into the layout its GEMM reads.
+pub fn quantize_each(spec: &Spec, g: &Gemm) -> [f64; 3] {
+    let (m, k, n) = (g.rows as f64, g.in_dim as f64, g.out_dim as f64);
+    [m * k + n * k, m * n + n * k, m * n + m * k]
+        .map(|elements| quantize_seconds(elements, 2.0, &spec.cluster.gpu))
 }
 
 /// Seconds to quantize the two operands of one FP8 GEMM, `elements` in all, stored with
@@ -313,7 +416,11 @@ fn pins(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
 
 fn scale_groups(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
     let (tp, cp) = tp_cp(spec);
-    let chosen: Vec<Choice> = choices(spec).into_iter().filter(|c| c.fp8).collect();
+    // Every layer the cost model may put in FP8, whatever prices it, so that the verdict does
+    // not change with the calibration profile.
+    let chosen: Vec<Choice> = (choices(spec, None).into_iter())
+        .filter(|c| c.fp8 || matches!(c.reason, Reason::Cost { .. }))
+        .collect();
     if chosen.is_empty() {
         return;
     }
@@ -471,7 +578,7 @@ mod tests {
             blockwise(),
             (&[], &[]),
         );
-        let picked = choices(&big);
+        let picked = choices(&big, None);
         assert!(picked.iter().any(|c| c.fp8));
         for c in &picked {
             let head = c.name == "head";
@@ -487,7 +594,7 @@ mod tests {
             blockwise(),
             (&[], &[]),
         );
-        assert!(choices(&small).iter().all(|c| !c.fp8));
+        assert!(choices(&small, None).iter().all(|c| !c.fp8));
     }
 
     #[test]
@@ -499,7 +606,7 @@ mod tests {
             blockwise(),
             (&["blocks.0"], &["MLP", "head"]),
         );
-        for c in choices(&spec) {
+        for c in choices(&spec, None) {
             let (fp8, reason) = match c.name.as_str() {
                 n if n.starts_with("blocks.0.") => (false, Reason::PinnedBf16),
                 n if n.ends_with(".mlp") || n == "head" => (true, Reason::PinnedFp8),
@@ -519,7 +626,7 @@ mod tests {
         );
         spec.cluster.gpu.name = "a100_80gb".into();
         spec.cluster.gpu.peak_flops_fp8 = None;
-        assert!(choices(&spec).iter().all(|c| !c.fp8));
+        assert!(choices(&spec, None).iter().all(|c| !c.fp8));
         let diags = validate(&spec);
         let e = diags.items.iter().find(|d| d.code == "E1201");
         assert!(e.is_some_and(|d| d.message.contains("a100_80gb")));

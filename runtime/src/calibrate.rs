@@ -10,15 +10,16 @@
 //! `reps` samples, each the mean of enough back-to-back runs to last about a millisecond
 //! between [`Backend::synchronize`] calls, and frees the buffers.
 use crate::backend::{Backend, StepScalars};
-use crate::error::Result;
+use crate::error::{Result, RuntimeError};
+use parc_compiler::ir::fp8::{Fp8Format, Fp8Gemm, Fp8Scaling};
 use parc_compiler::ir::op::{AttentionAttrs, EmbeddingAttrs, Op, Segment};
 use parc_compiler::ir::storage::StorageClass;
 use parc_compiler::ir::table::{Operand, Rows, Write};
 use parc_compiler::ir::{BufferId, DType};
 use parc_compiler::spec::{Gpu, Precision};
 use parc_compiler::timeline::profile::{
-    precision_name, AttentionPoint, GemmLayout, GemmPoint, MemoryKind, MemoryPoint, Pass, Profile,
-    VERSION,
+    precision_name, AttentionPoint, GemmDtype, GemmLayout, GemmPoint, MemoryKind, MemoryPoint,
+    Pass, Profile, VERSION,
 };
 use std::time::Instant;
 
@@ -33,6 +34,9 @@ pub struct Settings {
     pub device: String,
     /// Today's date, `YYYY-MM-DD`.
     pub date: String,
+    /// The FP8 scalings whose GEMMs are measured too (bf16 runs only), each over the GEMM grid
+    /// with its quantization.
+    pub fp8: Vec<Fp8Scaling>,
 }
 
 /// The sizes measured.
@@ -118,6 +122,23 @@ pub fn calibrate(
     progress("measuring memory-bound ops");
     let memory = bench.memory(&grid)?;
     progress(&table_done("memory-bound ops", memory.len(), &started));
+    // FP8 last: a scaling the backend fails on is left out with a note, and cannot cost the
+    // tables measured before it.
+    let mut notes =
+        vec!["collectives not measured: the timeline prices them with the spec's links".into()];
+    let mut gemm = gemm;
+    let fp8: &[Fp8Scaling] = if bench.half { &settings.fp8 } else { &[] };
+    for &scaling in fp8 {
+        progress(&format!("measuring fp8 {} gemm", scaling.name()));
+        let (points, skipped) = bench.fp8_gemms(&grid, scaling);
+        notes.extend(skipped);
+        progress(&table_done(
+            &GemmDtype::Fp8(scaling).name(),
+            points.len(),
+            &started,
+        ));
+        gemm.extend(points);
+    }
     let peak_flops = settings.gpu.peak_for(settings.precision);
     Ok(Profile {
         version: VERSION,
@@ -134,9 +155,7 @@ pub fn calibrate(
         attention,
         memory,
         collectives: Vec::new(),
-        notes: vec![
-            "collectives not measured: the timeline prices them with the spec's links".into(),
-        ],
+        notes,
     })
 }
 
@@ -170,30 +189,71 @@ const SAMPLE_SECONDS: f64 = 1e-3;
 
 impl Bench<'_> {
     fn gemms(&mut self, grid: &Grid) -> Result<Vec<GemmPoint>> {
-        let dtype = if self.half { "bf16" } else { "f32" };
+        let dtype = if self.half {
+            GemmDtype::Bf16
+        } else {
+            GemmDtype::F32
+        };
         let mut points = Vec::new();
-        for &m in grid.gemm_m {
-            for &n in grid.gemm_nk {
-                for &k in grid.gemm_nk {
-                    if n * k > grid.gemm_max_weight || m * n.max(k) > grid.gemm_max_activation {
-                        continue;
+        for [m, n, k] in gemm_shapes(grid) {
+            for (layout, op) in gemm_ops(n, k) {
+                let seconds = self.time(&op, m, m)?.0;
+                points.push(GemmPoint {
+                    layout,
+                    m,
+                    n,
+                    k,
+                    dtype: dtype.name(),
+                    seconds,
+                });
+            }
+        }
+        Ok(points)
+    }
+
+    /// The GEMM grid's points in FP8 under `scaling` (bf16 activations quantized by the op),
+    /// and a note naming the points the backend refused (`Unsupported`: a shape its FP8 GEMMs
+    /// do not take), which are left out; any other error ends the scaling's points there, with
+    /// a note saying why, rather than failing the profile.
+    fn fp8_gemms(&mut self, grid: &Grid, scaling: Fp8Scaling) -> (Vec<GemmPoint>, Option<String>) {
+        let attr = Fp8Gemm {
+            scaling,
+            grad: Fp8Format::E4m3,
+        };
+        let dtype = GemmDtype::Fp8(scaling).name();
+        let (mut points, mut refused) = (Vec::new(), Vec::new());
+        for [m, n, k] in gemm_shapes(grid) {
+            for (layout, op) in gemm_ops(n, k) {
+                match self.time(&op.with_fp8(Some(attr)), m, m) {
+                    Ok((seconds, _)) => points.push(GemmPoint {
+                        layout,
+                        m,
+                        n,
+                        k,
+                        dtype: dtype.clone(),
+                        seconds,
+                    }),
+                    Err(RuntimeError::Unsupported(why)) => {
+                        refused.push(format!("{layout:?} {m}×{n}×{k} ({why})"))
                     }
-                    for (layout, op) in gemm_ops(n, k) {
-                        let seconds = self.time(&op, m, m)?.0;
-                        let dtype = dtype.to_string();
-                        points.push(GemmPoint {
-                            layout,
-                            m,
-                            n,
-                            k,
-                            dtype,
-                            seconds,
-                        });
+                    Err(e) => {
+                        let note = format!(
+                            "{dtype}: measuring stopped at {layout:?} {m}×{n}×{k}, {} points in: {e}",
+                            points.len()
+                        );
+                        return (points, Some(note));
                     }
                 }
             }
         }
-        Ok(points)
+        let note = (!refused.is_empty()).then(|| {
+            format!(
+                "{dtype}: {} of the grid's GEMMs not measured, the backend refused them: {}",
+                refused.len(),
+                refused.join("; ")
+            )
+        });
+        (points, note)
     }
 
     fn attention(&mut self, grid: &Grid) -> Result<Vec<AttentionPoint>> {
@@ -372,6 +432,21 @@ fn operand_shape(operand: &Operand, n: u64, m: u64) -> Vec<u64> {
     }
 }
 
+/// The grid's GEMM shapes `[m, n, k]` (rows, outputs, inputs), within its size limits.
+fn gemm_shapes(grid: &Grid) -> Vec<[u64; 3]> {
+    let mut shapes = Vec::new();
+    for &m in grid.gemm_m {
+        for &n in grid.gemm_nk {
+            for &k in grid.gemm_nk {
+                if n * k <= grid.gemm_max_weight && m * n.max(k) <= grid.gemm_max_activation {
+                    shapes.push([m, n, k]);
+                }
+            }
+        }
+    }
+    shapes
+}
+
 /// The three GEMMs of a layer with `k` inputs and `n` outputs, as the lowering emits them
 /// (no bias, activation or residual fused; overwriting their outputs).
 fn gemm_ops(n: u64, k: u64) -> [(GemmLayout, Op); 3] {
@@ -511,6 +586,7 @@ mod tests {
             },
             device: "cpu (1 thread)".into(),
             date: "2026-01-01".into(),
+            fp8: Vec::new(),
         };
         let profile = calibrate(&mut backend, &settings, &mut |_| {}).unwrap();
         assert!(profile.validate().is_ok());

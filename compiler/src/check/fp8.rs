@@ -6,6 +6,7 @@
 //! fp8 = blockwise { block_size: 64, grad: e5m2 }
 //! fp8 = rowwise { bf16: [head, blocks.0], fp8: [MLP] }
 //! fp8 = tensorwise { scaling: current }             // delayed scaling: not built yet (E1205)
+//! fp8 = none                                        // bf16 GEMMs (the default)
 //! ```
 
 use super::sections::{Reader, SVal};
@@ -15,12 +16,17 @@ use crate::spec::Fp8;
 
 const PATH: &str = "train.fp8";
 
-/// The recipe, when `train.fp8` is written.
+/// The recipe, when `train.fp8` is written and is not `none` (bf16 GEMMs throughout, as
+/// without it: what `--set train.fp8=none` turns a recipe off with).
 pub fn fp8(r: &mut Reader) -> Option<Fp8> {
     let first = r.span(PATH)?;
-    let (recipe, span) = r.word(PATH, &["tensorwise", "rowwise", "blockwise"])?;
+    let (recipe, span) = r.word(PATH, &["none", "tensorwise", "rowwise", "blockwise"])?;
     let common = ["grad", "bf16", "fp8"];
     let scaling = match recipe.as_str() {
+        "none" => {
+            r.reject_fields(PATH, &[], "none");
+            return None;
+        }
         "blockwise" => {
             r.reject_fields(PATH, &[&common[..], &["block_size"]].concat(), "blockwise");
             Fp8Scaling::Blockwise { block: block(r)? }

@@ -14,12 +14,12 @@ pub(super) struct Fp8Layers {
 }
 
 impl Fp8Layers {
-    /// From the spec's recipe and `crate::fp8`'s choices; None without `train.fp8` or when
+    /// From the spec's recipe and `crate::fp8`'s `choices`; None without `train.fp8` or when
     /// every layer stays bf16.
-    pub fn of(spec: &crate::spec::Spec) -> Option<Fp8Layers> {
+    pub fn of(spec: &crate::spec::Spec, choices: &[crate::fp8::Choice]) -> Option<Fp8Layers> {
         let fp8 = spec.train.fp8.as_ref()?;
         let mut chosen = vec![false; spec.model.nodes.len()];
-        for c in crate::fp8::choices(spec).into_iter().filter(|c| c.fp8) {
+        for c in choices.iter().filter(|c| c.fp8) {
             if let Some(slot) = chosen.get_mut(c.node.0 as usize) {
                 *slot = true;
             }

@@ -104,9 +104,19 @@ pub fn lower(spec: &Spec) -> Result<Plan, Diagnostics> {
     lower_with(spec, LowerOptions::default())
 }
 
-/// [`lower`] with explicit [`LowerOptions`].
+/// [`lower`] with explicit [`LowerOptions`], FP8 layers chosen by the roofline.
 pub fn lower_with(spec: &Spec, options: LowerOptions) -> Result<Plan, Diagnostics> {
-    let setup = Setup::new(spec)?;
+    lower_chosen(spec, options, &crate::fp8::choices(spec, None))
+}
+
+/// [`lower_with`] with the FP8 layers `fp8` (`crate::fp8::choices`, priced by the compile's
+/// calibration profile): the GEMMs of the chosen ones run in FP8.
+pub fn lower_chosen(
+    spec: &Spec,
+    options: LowerOptions,
+    fp8: &[crate::fp8::Choice],
+) -> Result<Plan, Diagnostics> {
+    let setup = Setup::new(spec, fp8)?;
     let mesh = &spec.parallel.mesh;
     let world = mesh.world();
     let (roles, rank_program) = roles(spec, options.representatives);
@@ -140,8 +150,13 @@ pub fn lower_with(spec: &Spec, options: LowerOptions) -> Result<Plan, Diagnostic
 /// The exact program of global rank `rank` alone (as [`lower_with`] would give it, whatever
 /// `options.representatives` says): what `parc plan --rank R` prints without lowering the
 /// whole plan.
-pub fn lower_rank(spec: &Spec, options: LowerOptions, rank: u32) -> Result<Program, Diagnostics> {
-    let setup = Setup::new(spec)?;
+pub fn lower_rank(
+    spec: &Spec,
+    options: LowerOptions,
+    rank: u32,
+    fp8: &[crate::fp8::Choice],
+) -> Result<Program, Diagnostics> {
+    let setup = Setup::new(spec, fp8)?;
     let options = LowerOptions {
         representatives: false,
         ..options
@@ -204,7 +219,7 @@ struct Setup<'a> {
 }
 
 impl<'a> Setup<'a> {
-    fn new(spec: &'a Spec) -> Result<Setup<'a>, Diagnostics> {
+    fn new(spec: &'a Spec, fp8: &[crate::fp8::Choice]) -> Result<Setup<'a>, Diagnostics> {
         let diags = context::validate(spec);
         if diags.has_errors() {
             return Err(diags);
@@ -236,7 +251,7 @@ impl<'a> Setup<'a> {
             table,
             eval_table,
             param_stages,
-            fp8: fp8::Fp8Layers::of(spec),
+            fp8: fp8::Fp8Layers::of(spec, fp8),
         })
     }
 

@@ -30,8 +30,9 @@ pub mod space;
 
 use crate::cost::CostReport;
 use crate::diag::Diagnostics;
-use crate::driver::{self, analyze_with, CompileOptions, Compiled, Stage};
-use crate::lower::{lower_with, LowerOptions};
+use crate::driver::{self, analyze_with, prices, CompileOptions, Compiled, Stage};
+use crate::ir::Plan;
+use crate::lower::{lower_chosen, LowerOptions};
 use crate::overrides::Override;
 use crate::spec::{PipelineSchedule, Spec};
 pub use space::Candidate;
@@ -677,17 +678,20 @@ fn extrapolate(a: &Ranked, b: &Ranked, (m1, m2): (u32, u32), m: u32) -> Ranked {
     }
 }
 
-fn lower_options(how: &Pricing) -> LowerOptions {
-    LowerOptions {
+/// Lower `spec` for analysis, its FP8 layers priced as its timeline is.
+fn lower(spec: &Spec, how: &Pricing) -> Result<Plan, String> {
+    let options = LowerOptions {
         fusion: how.fusion,
         representatives: true,
         ..LowerOptions::default()
-    }
+    };
+    let fp8 = crate::fp8::choices(spec, prices(how.calibration.as_deref()));
+    lower_chosen(spec, options, &fp8).map_err(|d| first_error(&d, "lowering"))
 }
 
 /// Lower, verify, plan and simulate `spec` (the candidate's): its ranking, or why it cannot be.
 fn evaluate(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked, String> {
-    let plan = lower_with(spec, lower_options(how)).map_err(|d| first_error(&d, "lowering"))?;
+    let plan = lower(spec, how)?;
     let mut diagnostics = Diagnostics::default();
     let calibration = how.calibration.as_deref();
     let analysis = analyze_with(spec, &plan, Stage::Timeline, calibration, &mut diagnostics);
@@ -701,7 +705,7 @@ fn evaluate(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked,
 /// Lower and simulate `spec` only (a first sample, whose second is verified and planned): its
 /// ranking without memory.
 fn simulate(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked, String> {
-    let plan = lower_with(spec, lower_options(how)).map_err(|d| first_error(&d, "lowering"))?;
+    let plan = lower(spec, how)?;
     let timeline = crate::timeline::simulate_calibrated(&plan, spec, how.calibration.as_deref());
     if !timeline.complete {
         return Err("the simulated step does not finish (the plan does not verify)".to_string());

@@ -10,7 +10,9 @@
 //! profile lacks is priced by the roofline ([`SpecCosts`]), and so are collectives without
 //! measured points and all transfers; [`ProfileCosts::roofline_kinds`] names them.
 use super::costs::{SpecCosts, StepCosts};
-use super::profile::{rate_at, GemmLayout, MemoryKind, Pass, Profile};
+use super::profile::{rate_at, GemmDtype, GemmLayout, MemoryKind, Pass, Profile};
+use crate::fp8::{Gemm, GemmPrices, Pricing};
+use crate::ir::fp8::Fp8Scaling;
 use crate::ir::op::{AttentionAttrs, Op};
 use crate::ir::table::{Family, FlopCount};
 use crate::ir::{Buffer, BufferId, CollectiveKind, DType, Instr, Plan, Program};
@@ -132,12 +134,23 @@ impl<'a> ProfileCosts<'a> {
                 },
             ) => {
                 let bf16 = buffer(inputs, 0).is_some_and(|b| b.dtype == DType::Bf16);
-                let seconds = self.gemm(layout, [rows()?, *out_dim, *in_dim], bf16)?;
+                let dtype = if bf16 {
+                    GemmDtype::Bf16
+                } else {
+                    GemmDtype::F32
+                };
+                let mnk = [rows()?, *out_dim, *in_dim];
                 match op.fp8() {
-                    // No FP8 points in a profile yet: the measured bf16 time at the FP8 peak's
+                    Some(f) if self.has_gemm(GemmDtype::Fp8(f.scaling)) => {
+                        self.gemm(layout, mnk, GemmDtype::Fp8(f.scaling))?
+                    }
+                    // No FP8 points of its scaling: the measured bf16 time at the FP8 peak's
                     // speed-up, plus quantizing both operands.
-                    Some(_) => self.fp8_gemm(seconds, [buffer(inputs, 0), buffer(inputs, 1)]),
-                    None => seconds,
+                    Some(_) => self.fp8_gemm(
+                        self.gemm(layout, mnk, dtype)?,
+                        [buffer(inputs, 0), buffer(inputs, 1)],
+                    ),
+                    None => self.gemm(layout, mnk, dtype)?,
                 }
             }
             (Table::Attention(pass), Op::Attention(a) | Op::AttentionBwd(a)) => {
@@ -170,10 +183,16 @@ impl<'a> ProfileCosts<'a> {
             + self.roofline.fp8_quantize_seconds(operands)
     }
 
-    fn gemm(&self, layout: GemmLayout, [m, n, k]: [u64; 3], bf16: bool) -> Option<f64> {
-        let key = (Table::Gemm(layout), [m, n, k, u64::from(bf16), 0]);
+    /// Whether the profile has GEMM points of `dtype`.
+    fn has_gemm(&self, dtype: GemmDtype) -> bool {
+        let name = dtype.name();
+        self.profile.gemm.iter().any(|g| g.dtype == name)
+    }
+
+    fn gemm(&self, layout: GemmLayout, [m, n, k]: [u64; 3], dtype: GemmDtype) -> Option<f64> {
+        let key = (Table::Gemm(layout), [m, n, k, dtype_code(dtype), 0]);
         self.cached(key, || {
-            let dtype = if bf16 { "bf16" } else { "f32" };
+            let dtype = dtype.name();
             let of_dtype = |g: &&super::profile::GemmPoint| g.dtype == dtype;
             let mut points: Vec<_> = (self.profile.gemm.iter().filter(of_dtype))
                 .filter(|g| g.layout == layout)
@@ -296,6 +315,51 @@ impl StepCosts for ProfileCosts<'_> {
 
     fn bytes(&self, buffer: &Buffer) -> f64 {
         self.roofline.bytes(buffer)
+    }
+}
+
+/// `dtype` as one number of a price's cache key.
+fn dtype_code(dtype: GemmDtype) -> u64 {
+    match dtype {
+        GemmDtype::F32 => 0,
+        GemmDtype::Bf16 => 1,
+        GemmDtype::Fp8(Fp8Scaling::Tensorwise) => 2,
+        GemmDtype::Fp8(Fp8Scaling::Rowwise) => 3,
+        GemmDtype::Fp8(Fp8Scaling::Blockwise { block }) => 4 + block,
+    }
+}
+
+/// The FP8 choice's prices (`crate::fp8::choices`): a layer's GEMM in its three layouts from
+/// the profile's bf16 points, and from its FP8 points of the recipe's scaling where it has
+/// them, else at the FP8 peak's speed-up plus the roofline's quantization.
+impl GemmPrices for Calibration {
+    fn layer_gemm(
+        &self,
+        spec: &Spec,
+        g: &Gemm,
+        scaling: Fp8Scaling,
+    ) -> Option<(f64, f64, Pricing)> {
+        let costs = ProfileCosts::new(self, spec);
+        let mnk = [g.rows, g.out_dim, g.in_dim];
+        let fp8 = GemmDtype::Fp8(scaling);
+        let measured = costs.has_gemm(fp8);
+        let quantize = crate::fp8::quantize_each(spec, g);
+        let speedup = crate::fp8::speedup(&spec.cluster.gpu);
+        let mut total = (0.0, 0.0);
+        for (layout, quantize) in GemmLayout::ALL.into_iter().zip(quantize) {
+            let bf16 = costs.gemm(layout, mnk, GemmDtype::Bf16)?;
+            let fp8 = match measured {
+                true => costs.gemm(layout, mnk, fp8)?,
+                false => bf16 / speedup + quantize,
+            };
+            total = (total.0 + bf16, total.1 + fp8);
+        }
+        let pricing = if measured {
+            Pricing::Measured
+        } else {
+            Pricing::MeasuredBf16
+        };
+        Some((total.0, total.1, pricing))
     }
 }
 

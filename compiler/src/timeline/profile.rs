@@ -5,7 +5,8 @@
 //! Tables (times in seconds, sizes as the ops' attributes give them):
 //! - `gemm`: (layout, m, n, k, dtype) → seconds. m is the op's rows, n its `out_dim`, k its
 //!   `in_dim`, for each of `Matmul` (`fwd`), `MatmulBwdData` (`bwd_data`) and
-//!   `MatmulBwdWeight` (`bwd_weight`): 2·m·n·k FLOPs each.
+//!   `MatmulBwdWeight` (`bwd_weight`): 2·m·n·k FLOPs each. dtype `f32`, `bf16`, or an FP8
+//!   GEMM's scaling (`fp8_blockwise`, …) timed with its quantization.
 //! - `attention`: (pass, batch·heads, q heads per kv head, seq, head dim, causal, packed) →
 //!   seconds, FLOPs as [`crate::ir::table::FlopCount::Model`] counts them.
 //! - `memory`: (kind, bytes touched) → seconds for memory-bound ops, and `launch_overhead_s`,
@@ -15,6 +16,7 @@
 //! Rates are interpolated in log-size ([`rate_at`]): the achieved FLOP/s or bytes/s of the
 //! nearest measured points, with sizes outside the grid clamped to its edge, so no rate exceeds
 //! the best one measured.
+use crate::ir::fp8::Fp8Scaling;
 use crate::spec::{Precision, Spec};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -60,13 +62,20 @@ pub enum GemmLayout {
     BwdWeight,
 }
 
+impl GemmLayout {
+    /// A linear layer's three GEMMs: forward, data gradient, weight gradient.
+    pub const ALL: [GemmLayout; 3] = [GemmLayout::Fwd, GemmLayout::BwdData, GemmLayout::BwdWeight];
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GemmPoint {
     pub layout: GemmLayout,
     pub m: u64,
     pub n: u64,
     pub k: u64,
-    /// The activations' storage: `f32` or `bf16`.
+    /// The GEMM's operands ([`GemmDtype::name`]): `f32` or `bf16` activations, or an FP8
+    /// GEMM of bf16 activations (`fp8_tensorwise`, `fp8_rowwise`, `fp8_blockwise`), its
+    /// operands' quantization included.
     pub dtype: String,
     pub seconds: f64,
 }
@@ -74,6 +83,26 @@ pub struct GemmPoint {
 impl GemmPoint {
     pub fn flops(&self) -> f64 {
         2.0 * self.m as f64 * self.n as f64 * self.k as f64
+    }
+}
+
+/// What a GEMM point multiplies: its `dtype` in the profile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GemmDtype {
+    F32,
+    Bf16,
+    /// FP8 operands quantized from bf16 with this scaling (the CUDA backend's blocks are
+    /// `crate::fp8::CUDA_BLOCK`, so blockwise points do not record the block).
+    Fp8(Fp8Scaling),
+}
+
+impl GemmDtype {
+    pub fn name(self) -> String {
+        match self {
+            GemmDtype::F32 => "f32".into(),
+            GemmDtype::Bf16 => "bf16".into(),
+            GemmDtype::Fp8(s) => format!("fp8_{}", s.name()),
+        }
     }
 }
 

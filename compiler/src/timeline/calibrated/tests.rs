@@ -203,7 +203,115 @@ fn a_gemm_beyond_the_grid_runs_at_the_rate_of_its_edge() {
     };
     let costs = ProfileCosts::new(&calibration, &spec);
     let huge = [1 << 16, 1 << 14, 1 << 14];
-    let seconds = costs.gemm(GemmLayout::Fwd, huge, false).unwrap_or(0.0);
+    let seconds = costs
+        .gemm(GemmLayout::Fwd, huge, GemmDtype::F32)
+        .unwrap_or(0.0);
     let flops = 2.0 * huge.iter().map(|&x| x as f64).product::<f64>();
     assert!(close(flops / seconds, 8e10), "{}", flops / seconds);
+}
+
+/// tiny-llama in bf16 with blockwise FP8, on the `cpu` gpu (whose FP8 peak is its bf16 one,
+/// so the roofline never puts a layer in FP8).
+fn tiny_llama_fp8() -> Spec {
+    let text = include_str!("../../../../examples/tiny-llama.par").to_string();
+    let overrides = [
+        "train.precision=bf16",
+        "train.fp8=blockwise { block_size: 16 }",
+    ]
+    .map(|s| crate::overrides::parse_override(s).unwrap());
+    let c = compile(
+        "tiny-llama.par",
+        text,
+        &overrides,
+        &CompileOptions::through(Stage::Check),
+    );
+    c.spec.expect("tiny-llama.par checks")
+}
+
+/// `uniform`'s rates for bf16 GEMMs, and FP8 blockwise points `fp8_speedup` times faster
+/// (none when `None`).
+fn bf16_profile(fp8_speedup: Option<f64>) -> Calibration {
+    let mut profile = uniform(1e12, 1e11);
+    profile.precision = "bf16".into();
+    for g in &mut profile.gemm {
+        g.dtype = GemmDtype::Bf16.name();
+    }
+    if let Some(speedup) = fp8_speedup {
+        let scaling = Fp8Scaling::Blockwise { block: 128 };
+        let fp8: Vec<GemmPoint> = (profile.gemm.iter())
+            .map(|g| GemmPoint {
+                dtype: GemmDtype::Fp8(scaling).name(),
+                seconds: g.seconds / speedup,
+                ..g.clone()
+            })
+            .collect();
+        profile.gemm.extend(fp8);
+    }
+    Calibration {
+        profile,
+        scale: false,
+    }
+}
+
+fn chosen(spec: &Spec, calibration: &Calibration) -> Vec<(String, bool, Option<Pricing>)> {
+    (crate::fp8::choices(spec, Some(calibration)).into_iter())
+        .map(|c| {
+            let priced_by = match c.reason {
+                crate::fp8::Reason::Cost { priced_by, .. } => Some(priced_by),
+                _ => None,
+            };
+            (c.name, c.fp8, priced_by)
+        })
+        .collect()
+}
+
+#[test]
+fn the_fp8_choice_follows_the_profiles_measured_fp8_gemms() {
+    let spec = tiny_llama_fp8();
+    // FP8 measured 4× faster than bf16: every layer but the LM head pays.
+    let fast = chosen(&spec, &bf16_profile(Some(4.0)));
+    assert!(fast.iter().any(|c| c.1), "{fast:?}");
+    for (name, fp8, priced_by) in &fast {
+        match priced_by {
+            Some(p) => assert!(*fp8 && *p == Pricing::Measured, "{name}: {fast:?}"),
+            None => assert!(!fp8, "{name} is the head: {fast:?}"),
+        }
+    }
+    // Measured slower: none does.
+    let slow = chosen(&spec, &bf16_profile(Some(0.5)));
+    assert!(slow.iter().all(|c| !c.1), "{slow:?}");
+    // No FP8 points: bf16 measured, FP8 at the cpu's peak ratio (1) plus quantization: none.
+    let none = chosen(&spec, &bf16_profile(None));
+    assert!(none.iter().all(|c| !c.1), "{none:?}");
+    assert!(
+        none.iter().any(|c| c.2 == Some(Pricing::MeasuredBf16)),
+        "{none:?}"
+    );
+}
+
+#[test]
+fn an_fp8_gemm_op_is_priced_by_its_scalings_points_when_measured() {
+    let spec = tiny_llama_fp8();
+    let options = CompileOptions {
+        calibration: Some(std::sync::Arc::new(bf16_profile(Some(4.0)))),
+        ..CompileOptions::through(Stage::Lower)
+    };
+    let text = include_str!("../../../../examples/tiny-llama.par").to_string();
+    let overrides = [
+        "train.precision=bf16",
+        "train.fp8=blockwise { block_size: 16 }",
+    ]
+    .map(|s| crate::overrides::parse_override(s).unwrap());
+    let c = compile("tiny-llama.par", text, &overrides, &options);
+    let plan = c.plan.expect("lowers");
+    let fp8_ops = (plan.programs.iter())
+        .flat_map(|p| &p.instrs)
+        .filter_map(|i| i.as_compute())
+        .filter(|c| c.op.fp8().is_some())
+        .count();
+    assert!(fp8_ops > 0, "the measured profile puts layers in FP8");
+    // Measured 4× faster FP8 GEMMs make the step faster than the same plan's bf16 pricing.
+    let measured = step(&spec, &plan, bf16_profile(Some(4.0)).profile, false);
+    let modelled = step(&spec, &plan, bf16_profile(None).profile, false);
+    assert!(measured < modelled, "{measured} {modelled}");
 }
