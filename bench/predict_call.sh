@@ -31,7 +31,9 @@ t0=$SECONDS
 profile=${CALIBRATION:-}
 if [[ -z $profile ]]; then
     profile=$out/$gpu.json
-    timeout 150 "$dir/parc" calibrate --backend cuda --gpu "$gpu" -o "$profile" > "$work/calibrate.log" 2>&1
+    # CALIBRATE_ARGS: more flags (e.g. `--fp8 none`, `--fp8 blockwise`).
+    # shellcheck disable=SC2086
+    timeout "${CALIBRATE_S:-200}" "$dir/parc" calibrate --backend cuda --gpu "$gpu" ${CALIBRATE_ARGS:-} -o "$profile" > "$work/calibrate.log" 2>&1
     echo "== calibrate rc=$? at $((SECONDS - t0)) s"
     cat "$work/calibrate.log"
 fi
