@@ -560,6 +560,7 @@ pub fn train(r: &mut Reader, span: Span, gpu_is_cpu: bool) -> Option<Train> {
         }
     };
     let schedule = lr_schedule(r, steps);
+    schedule_bounds(r, &schedule, optimizer.lr(), steps);
     let grad_clip = r.float("train.grad_clip").filter(|c| *c > 0.0);
     let data = data(r, "train.data");
     let seed = r.count("train.seed", 0).unwrap_or(0);
@@ -952,6 +953,58 @@ fn lr_schedule(r: &mut Reader, steps: u64) -> LrSchedule {
             }
             LrSchedule::Constant { warmup }
         }
+    }
+}
+
+/// A decaying schedule's ends: `min_lr` above the peak `lr` would make the "decay" raise the
+/// rate, and a `decay_steps` written at or below `warmup` would end the decay before it began
+/// (the rate jumps from its peak to `min_lr` when warmup ends). Megatron-LM refuses both.
+fn schedule_bounds(r: &mut Reader, schedule: &LrSchedule, lr: f64, steps: u64) {
+    let (LrSchedule::Cosine {
+        warmup,
+        min_lr,
+        decay_steps,
+    }
+    | LrSchedule::Linear {
+        warmup,
+        min_lr,
+        decay_steps,
+    }) = *schedule
+    else {
+        return;
+    };
+    if let Some(span) = r.span("train.schedule.min_lr").filter(|_| min_lr > lr) {
+        r.diags.push(
+            Diagnostic::error(
+                "E0903",
+                format!("min_lr = {min_lr} is above the peak lr = {lr}: the decay would raise it"),
+            )
+            .label(span, "the rate the schedule decays to")
+            .help(format!(
+                "set min_lr to at most lr = {lr} (often lr / 10 = {}), or raise \
+                 train.optimizer.lr",
+                lr / 10.0
+            )),
+        );
+    }
+    if let Some(span) = r
+        .span("train.schedule.decay_steps")
+        .filter(|_| decay_steps <= warmup)
+    {
+        r.diags.push(
+            Diagnostic::error(
+                "E0903",
+                format!(
+                    "decay_steps = {decay_steps} is not past warmup = {warmup}: the decay would \
+                     be over before it starts"
+                ),
+            )
+            .label(span, "counted from step 0, warmup included")
+            .help(format!(
+                "set decay_steps above warmup (e.g. {}: the training steps), or shorten warmup",
+                steps.max(warmup + 1)
+            )),
+        );
     }
 }
 
