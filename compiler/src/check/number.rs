@@ -224,16 +224,14 @@ impl Number {
             .label(self.span, "wrong unit")
             .help(format!("write {what} as {}", unit.describe())));
         }
-        if let Some(d) = self.unitless_too_small(what, unit) {
-            return Err(d);
-        }
         Ok(self.value)
     }
 
-    /// A plain number reads in base units (bytes, bytes/s, FLOP/s), but one too small to be
-    /// meant so (`memory: 24`, `flops: 165`: a 24-byte GPU) is a unit left out: said, where
-    /// it would pass and price the plan on a GPU that fits nothing.
-    fn unitless_too_small(&self, what: &str, unit: Unit) -> Option<Diagnostic> {
+    /// A plain number reads in base units (bytes, bytes/s, FLOP/s), but a GPU's or link's one
+    /// too small to be meant so (`memory: 24`, `flops: 165`: a 24-byte GPU) is a unit left
+    /// out: said, where it would pass and price the plan on a GPU that fits nothing. (A small
+    /// gradient bucket in bytes is meant: the caller asks only of the cluster's hardware.)
+    pub fn unitless_too_small(&self, what: &str, unit: Unit) -> Option<Diagnostic> {
         let (least, base, meant) = match unit {
             Unit::Bytes => (1e6, "bytes", "GB"),
             Unit::BytesPerSec => (1e6, "bytes/s", "GB/s"),

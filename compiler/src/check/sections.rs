@@ -198,9 +198,24 @@ impl Reader<'_> {
         }
     }
 
+    /// Whether `n`, the cluster's hardware (a GPU's memory or FLOP/s, a link's bandwidth), is a
+    /// plain number too small to be meant in base units: E0908 pushed.
+    fn unit_left_out(&mut self, path: &str, n: &Number, unit: Unit) -> bool {
+        let leaf = path.rsplit('.').next().unwrap_or(path);
+        let found = n
+            .unitless_too_small(leaf, unit)
+            .filter(|_| path.starts_with("cluster."));
+        let left_out = found.is_some();
+        if let Some(d) = found {
+            self.diags.push(d);
+        }
+        left_out
+    }
+
     pub fn measure(&mut self, path: &str, unit: Unit) -> Option<f64> {
         let leaf = path.rsplit('.').next().unwrap_or(path).to_string();
         match self.value(path)? {
+            SVal::Num(n) if self.unit_left_out(path, &n, unit) => None,
             SVal::Num(n) => match n.as_measure(&leaf, unit) {
                 Ok(v) if v > 0.0 => Some(v),
                 Ok(_) => {
