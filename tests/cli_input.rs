@@ -1,6 +1,7 @@
 //! How the `parc` binary takes its input and gives its output outside the spec's meaning: a spec
 //! saved with a UTF-8 byte-order mark (Windows editors write one) reads as the same spec, and a
-//! command whose stdout closes early (`parc check --format json | head`) ends without a panic.
+//! command whose stdout closes early (`parc check --format json | head`) ends without a panic,
+//! and a file that cannot be read does not hide the verdicts of the others checked with it.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -53,4 +54,24 @@ fn a_closed_stdout_ends_check_without_a_panic() {
     let status = child.wait().unwrap();
     assert!(!stderr.contains("panicked"), "stderr:\n{stderr}");
     assert_ne!(status.code(), Some(101), "stderr:\n{stderr}");
+}
+
+#[test]
+fn an_unreadable_file_does_not_hide_the_others() {
+    let out = parc()
+        .args(["check", "--format", "json", "--lower", "never"])
+        .args(["examples/tiny-llama.par", "examples/no-such-spec.par"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "stderr:\n{stderr}");
+    assert!(stderr.contains("no-such-spec.par"), "stderr:\n{stderr}");
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let files: Vec<&str> = doc["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["file"].as_str().unwrap())
+        .collect();
+    assert_eq!(files, ["examples/tiny-llama.par"]);
 }
