@@ -235,11 +235,19 @@ pub fn main(args: CheckArgs) -> u8 {
         .as_deref()
         .map(|dir| (dir, args.consent.consent()));
     let mut results = Vec::new();
+    let mut unreadable = false;
     for path in &args.files {
-        let checked = read_spec(path).and_then(|text| {
-            check_one(path, text, &overrides, &options, &args.calibration, resume)
-        });
-        match checked {
+        // A file that cannot be read is reported and skipped: the others' verdicts still come
+        // (`parc check configs/*.par` with one broken link reported none of them).
+        let text = match read_spec(path) {
+            Ok(text) => text,
+            Err(e) => {
+                eprintln!("error: {e}");
+                unreadable = true;
+                continue;
+            }
+        };
+        match check_one(path, text, &overrides, &options, &args.calibration, resume) {
             Ok(checked) => results.push(checked),
             Err(e) => {
                 eprintln!("error: {e}");
@@ -252,7 +260,11 @@ pub fn main(args: CheckArgs) -> u8 {
         Format::Human => human(&results),
         Format::Json => print_json(&results),
     }
-    u8::from(failed)
+    if unreadable {
+        2
+    } else {
+        u8::from(failed)
+    }
 }
 
 fn human(results: &[Checked]) {

@@ -1,5 +1,5 @@
 //! What every command reads from the user before compiling: the spec file (UTF-8, at most
-//! 16 MiB) and the `--set PATH=VALUE` overrides. Errors are full sentences naming the file or
+//! 16 MiB, a leading byte-order mark dropped) and the `--set PATH=VALUE` overrides. Errors are full sentences naming the file or
 //! the flag.
 use parc_compiler::Override;
 use std::path::Path;
@@ -21,12 +21,22 @@ pub fn read_spec(path: &Path) -> Result<String, String> {
         ));
     }
     let bytes = std::fs::read(path).map_err(|e| format!("cannot read {shown}: {e}"))?;
-    String::from_utf8(bytes).map_err(|e| {
+    let text = String::from_utf8(bytes).map_err(|e| {
         format!(
             "{shown} is not UTF-8 text (invalid byte at offset {}); .par files are UTF-8",
             e.utf8_error().valid_up_to()
         )
-    })
+    })?;
+    Ok(without_bom(text))
+}
+
+/// The text without a leading byte-order mark, which Windows editors write at the start of
+/// UTF-8 files: invisible in an editor, it would be a syntax error before the first character.
+fn without_bom(text: String) -> String {
+    match text.strip_prefix('\u{feff}') {
+        Some(rest) => rest.to_string(),
+        None => text,
+    }
 }
 
 /// Parse every `--set` flag; the message names the bad flag.

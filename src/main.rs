@@ -96,6 +96,12 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if matches!(
+        cli.command,
+        Command::Check(_) | Command::Plan(_) | Command::Sample(_)
+    ) {
+        end_quietly_when_stdout_closes();
+    }
     let code = match cli.command {
         Command::Check(args) => cmd_check::main(args),
         Command::Plan(args) => cmd_plan::main(args),
@@ -108,4 +114,16 @@ fn main() -> ExitCode {
         Command::Reshard(args) => cmd_reshard::main(args),
     };
     ExitCode::from(code)
+}
+
+/// A command whose output is read through a pipe that closes early (`parc check --format json |
+/// head`, `parc plan … | less` quit) ends as other Unix tools do, by SIGPIPE, where Rust's
+/// default (the signal ignored) makes the next print panic with a backtrace. Only for commands
+/// that print and open no sockets: the ranks of `parc run` must see a peer's closed connection
+/// as an error they report, not a signal that kills them.
+fn end_quietly_when_stdout_closes() {
+    // SAFETY: sets one signal's disposition to the default, before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
 }

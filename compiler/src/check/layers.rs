@@ -45,6 +45,40 @@ pub fn params(kind: &str) -> &'static [&'static str] {
     }
 }
 
+/// What a parameter that `kind` does not have means when a published config names it: a
+/// feature parc's layer lacks, said so (E0207's note), so that a user porting a config learns
+/// it is missing, not merely misspelled.
+pub fn missing_feature(kind: &str, param: &str) -> Option<&'static str> {
+    let said = match (kind, param) {
+        ("Attention", "sliding_window" | "window" | "window_size" | "local_window") => {
+            "parc's Attention has no sliding window (Mistral 7B v0.1, Gemma 2's local layers). \
+             Where seq is at most the window, every token sees all earlier ones anyway and full \
+             causal attention (the parameter left out) computes the same; with a longer seq, \
+             parc cannot train this attention"
+        }
+        ("Attention", "alibi" | "alibi_bias" | "position_bias") => {
+            "parc's Attention has no ALiBi biases (BLOOM, MPT): positions are RoPE (`rope = \
+             RoPE(theta = …)`) or a learned PositionEmbedding"
+        }
+        ("Attention", "softcap" | "logit_softcapping" | "attn_logit_softcapping") => {
+            "parc's Attention has no logit soft-capping (Gemma 2)"
+        }
+        ("Attention", "qk_norm" | "qk_layernorm" | "q_norm" | "k_norm") => {
+            "parc's Attention does not normalize q and k (OLMo 2, Qwen3, Gemma 3)"
+        }
+        ("RoPE", "scaling" | "rope_scaling" | "factor" | "rope_type") => {
+            "parc's RoPE has no frequency scaling (Llama 3.1's `rope_type: llama3`, YaRN, \
+             linear or dynamic NTK): only `theta`"
+        }
+        ("RoPE", "fraction" | "rotary_pct" | "partial_rotary_factor" | "rotary_dim") => {
+            "parc's RoPE rotates every dimension of a head: no partial rotary (GPT-NeoX's \
+             rotary_pct, Phi-2)"
+        }
+        _ => return None,
+    };
+    Some(said)
+}
+
 /// The name a node of this kind gets when the source does not name it with `as`
 /// (numbered `ln1`, `ln2`, … when one scope has several).
 pub fn default_name(kind: &LayerKind) -> &'static str {

@@ -257,7 +257,10 @@ fn read_overrides(
                     model_overrides.model.insert(o.path.clone(), expr);
                     override_spans.insert(o.path.clone(), path_span);
                 } else if !settings.apply_override(&o.path, &expr) {
-                    diags.push(unknown_override(&o.path, path_span, &[]));
+                    diags.push(
+                        settings::override_mesh_problem(&o.path, &expr, path_span)
+                            .unwrap_or_else(|| unknown_override(&o.path, path_span, &[])),
+                    );
                 }
             }
             Err(d) => diags.push(d),

@@ -226,6 +226,30 @@ impl Number {
         }
         Ok(self.value)
     }
+
+    /// A plain number reads in base units (bytes, bytes/s, FLOP/s), but a GPU's or link's one
+    /// too small to be meant so (`memory: 24`, `flops: 165`: a 24-byte GPU) is a unit left
+    /// out: said, where it would pass and price the plan on a GPU that fits nothing. (A small
+    /// gradient bucket in bytes is meant: the caller asks only of the cluster's hardware.)
+    pub fn unitless_too_small(&self, what: &str, unit: Unit) -> Option<Diagnostic> {
+        let (least, base, meant) = match unit {
+            Unit::Bytes => (1e6, "bytes", "GB"),
+            Unit::BytesPerSec => (1e6, "bytes/s", "GB/s"),
+            Unit::FlopsPerSec => (1e9, "FLOP/s", "TFLOP/s"),
+            Unit::None | Unit::Seconds => return None,
+        };
+        (self.unit == Unit::None && self.value > 0.0 && self.value < least).then(|| {
+            Diagnostic::error(
+                "E0908",
+                format!(
+                    "{what} = {} has no unit, so it reads as {} {base}",
+                    self.value, self.value
+                ),
+            )
+            .label(self.span, "no unit")
+            .help(format!("write the unit: `{} {meant}`", self.value))
+        })
+    }
 }
 
 /// `a op b` with units: `+`/`-` need equal units, `*` at most one unit, `/` a unitless divisor

@@ -198,9 +198,24 @@ impl Reader<'_> {
         }
     }
 
+    /// Whether `n`, the cluster's hardware (a GPU's memory or FLOP/s, a link's bandwidth), is a
+    /// plain number too small to be meant in base units: E0908 pushed.
+    fn unit_left_out(&mut self, path: &str, n: &Number, unit: Unit) -> bool {
+        let leaf = path.rsplit('.').next().unwrap_or(path);
+        let found = n
+            .unitless_too_small(leaf, unit)
+            .filter(|_| path.starts_with("cluster."));
+        let left_out = found.is_some();
+        if let Some(d) = found {
+            self.diags.push(d);
+        }
+        left_out
+    }
+
     pub fn measure(&mut self, path: &str, unit: Unit) -> Option<f64> {
         let leaf = path.rsplit('.').next().unwrap_or(path).to_string();
         match self.value(path)? {
+            SVal::Num(n) if self.unit_left_out(path, &n, unit) => None,
             SVal::Num(n) => match n.as_measure(&leaf, unit) {
                 Ok(v) if v > 0.0 => Some(v),
                 Ok(_) => {
@@ -560,6 +575,7 @@ pub fn train(r: &mut Reader, span: Span, gpu_is_cpu: bool) -> Option<Train> {
         }
     };
     let schedule = lr_schedule(r, steps);
+    schedule_bounds(r, &schedule, optimizer.lr(), steps);
     let grad_clip = r.float("train.grad_clip").filter(|c| *c > 0.0);
     let data = data(r, "train.data");
     let seed = r.count("train.seed", 0).unwrap_or(0);
@@ -952,6 +968,58 @@ fn lr_schedule(r: &mut Reader, steps: u64) -> LrSchedule {
             }
             LrSchedule::Constant { warmup }
         }
+    }
+}
+
+/// A decaying schedule's ends: `min_lr` above the peak `lr` would make the "decay" raise the
+/// rate, and a `decay_steps` written at or below `warmup` would end the decay before it began
+/// (the rate jumps from its peak to `min_lr` when warmup ends). Megatron-LM refuses both.
+fn schedule_bounds(r: &mut Reader, schedule: &LrSchedule, lr: f64, steps: u64) {
+    let (LrSchedule::Cosine {
+        warmup,
+        min_lr,
+        decay_steps,
+    }
+    | LrSchedule::Linear {
+        warmup,
+        min_lr,
+        decay_steps,
+    }) = *schedule
+    else {
+        return;
+    };
+    if let Some(span) = r.span("train.schedule.min_lr").filter(|_| min_lr > lr) {
+        r.diags.push(
+            Diagnostic::error(
+                "E0903",
+                format!("min_lr = {min_lr} is above the peak lr = {lr}: the decay would raise it"),
+            )
+            .label(span, "the rate the schedule decays to")
+            .help(format!(
+                "set min_lr to at most lr = {lr} (often lr / 10 = {}), or raise \
+                 train.optimizer.lr",
+                lr / 10.0
+            )),
+        );
+    }
+    if let Some(span) = r
+        .span("train.schedule.decay_steps")
+        .filter(|_| decay_steps <= warmup)
+    {
+        r.diags.push(
+            Diagnostic::error(
+                "E0903",
+                format!(
+                    "decay_steps = {decay_steps} is not past warmup = {warmup}: the decay would \
+                     be over before it starts"
+                ),
+            )
+            .label(span, "counted from step 0, warmup included")
+            .help(format!(
+                "set decay_steps above warmup (e.g. {}: the training steps), or shorten warmup",
+                steps.max(warmup + 1)
+            )),
+        );
     }
 }
 

@@ -155,11 +155,10 @@ impl Settings {
                 for (p, e) in flat {
                     let c = canonical(&p);
                     if !PATHS.contains(&c.as_str()) {
-                        diags.push(unknown_path(
-                            &p,
-                            name,
-                            path_span(setting.path.as_slice(), &e),
-                        ));
+                        let span = path_span(setting.path.as_slice(), &e);
+                        diags.push(
+                            mesh_problem(&p, span).unwrap_or_else(|| unknown_path(&p, name, span)),
+                        );
                         continue;
                     }
                     if let Some(axis) = axis_of(&c) {
@@ -242,6 +241,39 @@ fn axis_of(path: &str) -> Option<Axis> {
         "parallel.tp" => Some(Axis::Tp),
         _ => None,
     }
+}
+
+/// A `mesh` that is not a record of the four axes' sizes (`mesh = 4`, `mesh = { ep: 2 }`): said
+/// of the mesh, where E0203's "no setting `mesh`" would read as if `mesh` were not a setting.
+/// `path` is the written path, before `canonical`; None for other paths.
+pub fn mesh_problem(path: &str, span: Span) -> Option<Diagnostic> {
+    let axes = ["dp", "pp", "cp", "tp"];
+    if path == "parallel.mesh" {
+        return Some(
+            Diagnostic::error("E0902", "`mesh` is a record of axis sizes")
+                .label(span, "not a record")
+                .help("write the sizes by axis, outermost first: `mesh = { dp: 4, tp: 2 }`"),
+        );
+    }
+    let axis = path.strip_prefix("parallel.mesh.")?;
+    if axes.contains(&axis) {
+        return None;
+    }
+    Some(
+        Diagnostic::error("E0203", format!("the mesh has no axis `{axis}`"))
+            .label(span, "unknown axis")
+            .help(
+                "the mesh's axes are dp, pp, cp and tp: parc has no other kind of parallelism \
+                 (no expert parallelism)",
+            ),
+    )
+}
+
+/// The first mesh problem of a `--set PATH=VALUE` whose path no section has, if any.
+pub fn override_mesh_problem(path: &str, value: &Expr, span: Span) -> Option<Diagnostic> {
+    let mut flat = Vec::new();
+    flatten(path, value, &mut flat);
+    flat.iter().find_map(|(p, _)| mesh_problem(p, span))
 }
 
 /// The diagnostic for a path no section has.

@@ -244,9 +244,79 @@ fn syntax_error(file: FileId, text: &str, e: pest::error::Error<Rule>) -> Diagno
     } else {
         format!("found `{found}`")
     };
+    let help =
+        unit_help(text, start).unwrap_or_else(|| "see docs/language.md for the syntax".into());
     Diagnostic::error("E0101", format!("syntax error: {message}"))
         .label(Span::new(file, start, end), label)
-        .help("see docs/language.md for the syntax")
+        .help(help)
+}
+
+/// The units a quantity takes (`grammar/par.pest`'s `unit`).
+const UNITS: [&str; 21] = [
+    "PFLOP/s", "TFLOP/s", "GFLOP/s", "FLOP/s", "TB/s", "GB/s", "MB/s", "Tb/s", "Gb/s", "TiB",
+    "GiB", "MiB", "KiB", "TB", "GB", "MB", "KB", "B", "us", "ns", "ms",
+];
+
+/// Other tools' spellings of a unit, as configs and datasheets write them.
+const UNIT_SPELLINGS: [(&str, &str); 15] = [
+    ("FLOPS", "FLOP/s"),
+    ("GFLOPS", "GFLOP/s"),
+    ("TFLOPS", "TFLOP/s"),
+    ("PFLOPS", "PFLOP/s"),
+    ("GBps", "GB/s"),
+    ("TBps", "TB/s"),
+    ("MBps", "MB/s"),
+    ("Gbps", "Gb/s"),
+    ("Tbps", "Tb/s"),
+    ("Gbit/s", "Gb/s"),
+    ("Tbit/s", "Tb/s"),
+    ("usec", "us"),
+    ("µs", "us"),
+    ("msec", "ms"),
+    ("nsec", "ns"),
+];
+
+/// A word right after a number that is a unit misspelt (`165 TFLOPS`, `900 GBps`, `24 gb`) or
+/// one written without the space the grammar needs (`24GB`): the quantity to write instead of
+/// E0101's list of expected tokens. None for other words (`8 steps`, a missing `;`).
+fn unit_help(text: &str, start: usize) -> Option<String> {
+    let before = text.get(..start)?;
+    let number = before.trim_end_matches(' ');
+    if !number.ends_with(|c: char| c.is_ascii_digit()) {
+        return None;
+    }
+    let word: String = text
+        .get(start..)?
+        .chars()
+        .take_while(|c| c.is_alphanumeric() || *c == '/')
+        .collect();
+    let value: String = number
+        .chars()
+        .rev()
+        .take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_'))
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
+    if UNITS.contains(&word.as_str()) && number.len() == before.len() {
+        return Some(format!(
+            "a unit follows its number after a space: `{value} {word}`"
+        ));
+    }
+    let unit = UNIT_SPELLINGS
+        .iter()
+        .find(|(other, _)| *other == word)
+        .map(|(_, unit)| *unit)
+        .or_else(|| {
+            UNITS
+                .iter()
+                .copied()
+                .find(|u| u.eq_ignore_ascii_case(&word) && !u.contains("b/"))
+        })?;
+    Some(format!(
+        "`{word}` is not one of parc's units: write `{value} {unit}` (the units: \
+         docs/language.md, \"Lexical structure\")"
+    ))
 }
 
 /// Brackets may nest this deep (pest and the checker recurse on nesting).

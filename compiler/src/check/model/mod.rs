@@ -1073,9 +1073,13 @@ fn no_such_param(kind: &str, n: &Ident) -> Diagnostic {
     let params = layers::params(kind);
     let takes = format!("{kind} takes ({})", params.join(", "));
     let help = suggest::help(&n.name, params.iter().copied(), &takes);
-    Diagnostic::error("E0207", format!("{kind} has no parameter `{}`", n.name))
+    let d = Diagnostic::error("E0207", format!("{kind} has no parameter `{}`", n.name))
         .label(n.span, "unknown parameter")
-        .help(help)
+        .help(help);
+    match layers::missing_feature(kind, &n.name) {
+        Some(note) => d.note(note),
+        None => d,
+    }
 }
 
 /// A record, list or tuple given to a built-in layer for a parameter it does not have, as a
