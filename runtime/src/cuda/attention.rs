@@ -92,19 +92,24 @@ const TC_BWD_THREADS: u32 = 256;
 const WGMMA_KEYS: usize = 64;
 const WGMMA_ALIGN: usize = 1024;
 /// The warp-specialized forward (attention_ws_fwd.cu): query rows per work item, K/V ring
-/// slots, and keys per K/V tile (its threads: `CudaBackend::launch_persistent`'s).
+/// slots (head_dim 64; 128), and keys per K/V tile (its threads:
+/// `CudaBackend::launch_persistent`'s).
 const WS_BR: usize = 128;
 const WS_STAGES: usize = 4;
+const WS_STAGES_D128: usize = 2;
 const WS_FWD_KEYS: usize = 128;
 
-/// The warp-specialized forward's shared memory: alignment slack, two Q buffers, the K/V ring
-/// of WS_FWD_KEYS-row tiles (bf16, head_dim 64), its mbarriers (a full and an empty one per
-/// slot and per Q buffer) and the two items' tile ranges (8 ints each).
-const WS_FWD_SMEM: u32 = (WGMMA_ALIGN
-    + 2 * WS_BR * 128
-    + WS_STAGES * 2 * WS_FWD_KEYS * 128
-    + 8 * (2 * WS_STAGES + 4)
-    + 64) as u32;
+/// The warp-specialized forward's shared memory for head_dim `d` with `stages` ring slots:
+/// alignment slack, two Q buffers, the K/V ring of WS_FWD_KEYS-row tiles (bf16), its mbarriers
+/// (a full and an empty one per slot and per Q buffer) and the two items' tile ranges (8 ints
+/// each).
+const fn ws_fwd_smem(d: usize, stages: usize) -> u32 {
+    (WGMMA_ALIGN + 2 * WS_BR * d * 2 + stages * 2 * WS_FWD_KEYS * d * 2 + 8 * (2 * stages + 4) + 64)
+        as u32
+}
+/// Head_dim 64: 165 KiB. Head_dim 128: 193 KiB (2 slots; 3 would need 257 KiB).
+const WS_FWD_SMEM: u32 = ws_fwd_smem(64, WS_STAGES);
+const WS_FWD_SMEM_D128: u32 = ws_fwd_smem(128, WS_STAGES_D128);
 
 /// The warp-specialized backward (attention_ws_bwd.cu): keys per work item, query rows per
 /// ring slot, ring slots, and its shared memory: alignment slack, two K and V buffers, the
@@ -124,7 +129,8 @@ const WSB_SMEM: u32 = (WGMMA_ALIGN
 /// The TMA tensor map of one bf16 operand of the stored layout (q, k, v or dO; `ptr` at its
 /// first column): a matrix of one sequence position per row (the batch's rows side by side),
 /// from the view's first column to its last head's last one, row stride `ld` elements, copied
-/// in boxes of one head (64 columns) by `box_rows` positions, swizzled.
+/// in boxes of 64 columns (the widest the 128-byte swizzle takes: one head of 64, half a head
+/// of 128, which the kernels load as two boxes) by `box_rows` positions, swizzled.
 fn operand_map(
     g: &AttGeom,
     ptr: CUdeviceptr,
@@ -142,10 +148,13 @@ fn operand_map(
             rows as u64,
             batch * ld * 2,
         ),
-        (d as u32, box_rows as u32),
+        (WS_BOX_COLS, box_rows as u32),
         true,
     )
 }
+
+/// Columns of one bf16 TMA box: 128 bytes, the 128-byte swizzle's row.
+const WS_BOX_COLS: u32 = 64;
 
 /// The TMA tensor maps of q, k and v (bf16 pointers) for the warp-specialized forward.
 fn ws_tensor_maps(g: &AttGeom, [qp, kp, vp]: [CUdeviceptr; 3]) -> Result<[TmaMap; 3]> {
@@ -616,8 +625,8 @@ fn attention_forward(be: &mut CudaBackend, b: &Bound, c: &Call) -> Result<()> {
 }
 
 /// The forward on tensor cores: the warp-specialized, TMA-fed kernel where it applies (a
-/// Hopper, head_dim 64, tensor maps the driver can encode), else the warpgroup-MMA one (a
-/// Hopper), else mma.sync, each as its variant allows.
+/// Hopper, head_dim 64 or 128, tensor maps the driver can encode), else the warpgroup-MMA one
+/// (a Hopper), else mma.sync, each as its variant allows.
 fn tensor_core_forward(
     be: &mut CudaBackend,
     b: &Bound,
@@ -644,11 +653,15 @@ fn tensor_core_forward(
     let (batch, heads, d) = (c.dims.batch, c.dims.heads, c.dims.d);
     let seq_q = c.seq_q();
     let ws = be.variants.attention_fwd == AttentionFwdKernel::Ws;
-    if ws && be.is_hopper() && d == 64 {
+    let ws_kernel = match d {
+        64 => Some((Kernel::AttentionFwdWsD64, WS_FWD_SMEM)),
+        128 => Some((Kernel::AttentionFwdWsD128, WS_FWD_SMEM_D128)),
+        _ => None,
+    };
+    if let (true, true, Some((name, smem))) = (ws, be.is_hopper(), ws_kernel) {
         if let Ok(maps) = ws_tensor_maps(&g, [qp, kp, vp]) {
             let work = seq_q.div_ceil(WS_BR) * batch * heads;
-            let name = Kernel::AttentionFwdWsD64;
-            return be.launch_persistent(name, work, WS_FWD_SMEM, &maps, &args[3..]);
+            return be.launch_persistent(name, work, smem, &maps, &args[3..]);
         }
     }
     if (ws || be.variants.attention_fwd == AttentionFwdKernel::Wgmma) && be.is_hopper() {
@@ -1030,6 +1043,9 @@ mod tests {
         // 196 KiB, both under the 227 KiB an H100 block may opt in to.
         const { assert!(WSB_SMEM <= H100_SMEM) };
         const { assert!(WS_FWD_SMEM <= H100_SMEM) };
+        const { assert!(WS_FWD_SMEM_D128 <= H100_SMEM) };
+        assert_eq!(WS_FWD_SMEM, 165_024);
+        assert_eq!(WS_FWD_SMEM_D128, 197_760);
     }
 
     /// The wgmma forward's shared memory follows its kernel's layout (1024-byte alignment

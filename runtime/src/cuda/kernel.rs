@@ -139,6 +139,7 @@ kernels! {
     AttentionWgmmaLayoutCheckD128 "attention_wgmma_layout_check_d128",
     // kernels/attention_ws_fwd.cu
     AttentionFwdWsD64 "attention_fwd_ws_d64",
+    AttentionFwdWsD128 "attention_fwd_ws_d128",
     // kernels/attention_ws_bwd.cu
     AttentionBwdWsD64 "attention_bwd_ws_d64",
     // kernels/gemm_ws.cu
