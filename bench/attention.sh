@@ -5,6 +5,7 @@
 # `cuda_attention_bench` test binaries (built here with `cargo test --release --features cuda
 # --no-run --test cuda_ops --test cuda_attention_bench`, copied and stripped), default .device;
 # several DIRs compare builds in one call. Logs go to $OUT (or /tmp), one folder per DIR.
+# PARC_ATT_GRID=1: the bench and SDPA on issue 19's grid (head dim x T x GQA ratio) instead.
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export PYTHONUNBUFFERED=1
@@ -26,4 +27,5 @@ for dev in "${@:-.device}"; do
     logs+=("$out/$name/parc.log")
 done
 cat "${logs[@]}" >"$out/parc_all.log"
-python3 bench/attention.py --parc "$out/parc_all.log" 2>&1 | tee "$out/sdpa.log"
+grid=$([ "${PARC_ATT_GRID:-}" = 1 ] && echo --grid)
+python3 bench/attention.py $grid --parc "$out/parc_all.log" 2>&1 | tee "$out/sdpa.log"

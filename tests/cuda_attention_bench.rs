@@ -10,15 +10,18 @@
 //! forward 4·B·H·T²·d / 2, backward 2.5× the forward.
 //!
 //! Each bf16 point runs with the `fa2` kernels both ways (labelled as before) and, on a Hopper
-//! GPU, with the warp-specialized `ws` kernels (the defaults there: head_dim 64; labelled
-//! `…-ws-wsbwd`) and for head_dim 64 the `wgmma` forward beside the `ws` backward
-//! (`…-wgmma-wsbwd`): each run times both directions. The bench sets the variants on the
-//! backend, whatever PARC_ATTENTION_*_KERNEL say.
+//! GPU, with the warp-specialized `ws` kernels (the defaults there, head_dim 64 and 128;
+//! labelled `…-ws-wsbwd`), the `wgmma` forward beside the `ws` backward (`…-wgmma-wsbwd`) and for
+//! head_dim 128 the `ws_split` backward (`…-ws-ws_splitbwd`): each run times both directions. The bench sets the variants on the backend, whatever
+//! PARC_ATTENTION_*_KERNEL say.
 //!
 //! Ignored by default (it needs a GPU): on the device machine,
-//! `cuda_attention_bench --ignored --nocapture`. Prints one JSON line per point. Without a GPU
-//! it prints `skipped: no CUDA device`. `PARC_ATT_POINT=B,H,T,D` runs only that bf16 point,
-//! once after the warm-up (for a profiler: its 3rd and 4th attention kernels are the timed ones).
+//! `cuda_attention_bench --ignored --nocapture`. Prints one JSON line per point (`KVH`: kv
+//! heads, GQA when below `H`). Without a GPU it prints `skipped: no CUDA device`.
+//! `PARC_ATT_POINT=B,H,T,D[,KVH]` runs only that bf16 point, once after the warm-up (for a
+//! profiler: its 3rd and 4th attention kernels are the timed ones). `PARC_ATT_GRID=1` runs
+//! issue 19's grid instead of the default points: head_dim {64, 128} × T {1k, 2k, 4k, 8k} × GQA
+//! ratio {1, 4, 6}, 12 heads (12, 3 or 2 kv heads), B · T = 16k tokens.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "gpu_support/mod.rs"]
@@ -45,6 +48,8 @@ mod bench {
         heads: u64,
         seq: u64,
         head_dim: u64,
+        /// Kv heads (GQA when below `heads`).
+        kv_heads: u64,
         iters: usize,
         /// q, k, v in one packed qkv buffer (dq, dk, dv in one dqkv).
         packed: bool,
@@ -64,21 +69,43 @@ mod bench {
             heads,
             seq,
             head_dim,
+            kv_heads: heads,
             iters,
             packed: false,
         }
     }
 
-    /// `PARC_ATT_POINT=B,H,T,D`, if set.
+    /// `PARC_ATT_GRID=1`: head_dim {64, 128} × T {1k, 2k, 4k, 8k} × GQA ratio {1, 4, 6} on
+    /// 12 query heads and 16k tokens (B = 16384 / T), bf16.
+    fn grid_points() -> Vec<Point> {
+        let mut points = Vec::new();
+        for d in [64, 128] {
+            for t in [1024, 2048, 4096, 8192] {
+                for ratio in [1, 4, 6] {
+                    points.push(Point {
+                        kv_heads: 12 / ratio,
+                        ..point(Precision::Bf16, 16384 / t, 12, t, d)
+                    });
+                }
+            }
+        }
+        points
+    }
+
+    /// `PARC_ATT_POINT=B,H,T,D[,KVH]`, if set.
     fn chosen_point() -> Option<Point> {
         let text = std::env::var("PARC_ATT_POINT").ok()?;
         let v: Vec<u64> = text
             .split(',')
-            .map(|x| x.trim().parse().expect("PARC_ATT_POINT is B,H,T,D"))
+            .map(|x| x.trim().parse().expect("PARC_ATT_POINT is B,H,T,D[,KVH]"))
             .collect();
-        assert_eq!(v.len(), 4, "PARC_ATT_POINT is B,H,T,D");
+        assert!(
+            v.len() == 4 || v.len() == 5,
+            "PARC_ATT_POINT is B,H,T,D[,KVH]"
+        );
         Some(Point {
             iters: 1,
+            kv_heads: v.get(4).copied().unwrap_or(v[1]),
             ..point(Precision::Bf16, v[0], v[1], v[2], v[3])
         })
     }
@@ -92,7 +119,25 @@ mod bench {
             }
             return;
         }
-        let points = [
+        let grid = std::env::var("PARC_ATT_GRID").is_ok_and(|v| v == "1");
+        let points = if grid {
+            grid_points()
+        } else {
+            default_points()
+        };
+        for pt in &points {
+            let Some(mut be) = backend_or_skip(pt.precision) else {
+                return;
+            };
+            for (fwd, bwd) in variant_pairs(&be, pt) {
+                measure(&mut be, pt, fwd, bwd);
+            }
+        }
+    }
+
+    /// The points timed by default.
+    fn default_points() -> Vec<Point> {
+        vec![
             point(Precision::Bf16, 8, 16, 1024, 64),
             point(Precision::Bf16, 8, 16, 4096, 64),
             point(Precision::Bf16, 8, 8, 1024, 128),
@@ -114,31 +159,25 @@ mod bench {
                 iters: 2,
                 ..point(Precision::Fp32, 8, 16, 1024, 64)
             },
-        ];
-        for pt in &points {
-            let Some(mut be) = backend_or_skip(pt.precision) else {
-                return;
-            };
-            for (fwd, bwd) in variant_pairs(&be, pt) {
-                measure(&mut be, pt, fwd, bwd);
-            }
-        }
+        ]
     }
 
     /// The (forward, backward) attention variants a point is timed with: `fa2`, and on a
-    /// Hopper GPU in a bf16 run the wgmma kernels (the backward's for head_dim 64 only; each
-    /// pair times both directions).
+    /// Hopper GPU in a bf16 run the warp-specialized kernels and the wgmma forward beside the
+    /// warp-specialized backward (each pair times both directions).
     fn variant_pairs(
         be: &CudaBackend,
         pt: &Point,
     ) -> Vec<(AttentionFwdKernel, AttentionBwdKernel)> {
         let mut pairs = vec![(AttentionFwdKernel::Fa2, AttentionBwdKernel::Fa2)];
         if matches!(pt.precision, Precision::Bf16) && be.is_hopper() {
-            // The warp-specialized kernels (the defaults; head_dim 64, d128 times the wgmma
-            // forward and fa2 backward), and the wgmma forward beside them.
+            // The warp-specialized kernels (the defaults, head_dim 64 and 128), and the wgmma
+            // forward beside them.
             pairs.push((AttentionFwdKernel::Ws, AttentionBwdKernel::Ws));
-            if pt.head_dim == 64 {
-                pairs.push((AttentionFwdKernel::Wgmma, AttentionBwdKernel::Ws));
+            pairs.push((AttentionFwdKernel::Wgmma, AttentionBwdKernel::Ws));
+            if pt.head_dim == 128 {
+                // head_dim 128's other warp-specialized backward (dQ over each consumer's keys).
+                pairs.push((AttentionFwdKernel::Ws, AttentionBwdKernel::WsSplit));
             }
         }
         pairs
@@ -156,7 +195,10 @@ mod bench {
         be.set_kernel_variant(fwd_kernel);
         be.set_kernel_variant(bwd_kernel);
         let (b, h, t, d) = (pt.batch, pt.heads, pt.seq, pt.head_dim);
+        let kvh = pt.kv_heads;
         let n = (t * b * h * d) as usize;
+        // k, v (dk, dv): kv_heads of head_dim a row.
+        let nkv = (t * b * kvh * d) as usize;
         let lse_n = (b * h * t) as usize;
         let positions = vec![Segment {
             start: 0,
@@ -166,7 +208,7 @@ mod bench {
         let fwd = Op::Attention(AttentionAttrs {
             batch: b,
             heads: h,
-            kv_heads: h,
+            kv_heads: kvh,
             head_dim: d,
             causal: true,
             scale,
@@ -177,7 +219,7 @@ mod bench {
         let bwd = Op::AttentionBwd(AttentionAttrs {
             batch: b,
             heads: h,
-            kv_heads: h,
+            kv_heads: kvh,
             head_dim: d,
             causal: true,
             scale,
@@ -188,9 +230,9 @@ mod bench {
         // q k v o lse do dq dk dv; packed: qkv (as q, k and v) and dqkv (as dq, dk and dv),
         // buffers 1, 2, 7 and 8 left empty.
         let sizes = if pt.packed {
-            [3 * n, 0, 0, n, lse_n, n, 3 * n, 0, 0]
+            [n + 2 * nkv, 0, 0, n, lse_n, n, n + 2 * nkv, 0, 0]
         } else {
-            [n, n, n, n, lse_n, n, n, n, n]
+            [n, nkv, nkv, n, lse_n, n, n, nkv, nkv]
         };
         for (i, &len) in sizes.iter().enumerate().filter(|(_, &len)| len > 0) {
             let id = BufferId(i as u32);
@@ -255,7 +297,7 @@ mod bench {
             label = format!("{label}-packed");
         }
         println!(
-            "{{\"impl\": \"{label}\", \"B\": {b}, \"H\": {h}, \"T\": {t}, \"D\": {d}, \"fwd_ms\": {:.3}, \"bwd_ms\": {:.3}, \"fwd_tflops\": {:.1}, \"bwd_tflops\": {:.1}, \"fwdbwd_tflops\": {:.1}}}",
+            "{{\"impl\": \"{label}\", \"B\": {b}, \"H\": {h}, \"KVH\": {kvh}, \"T\": {t}, \"D\": {d}, \"fwd_ms\": {:.3}, \"bwd_ms\": {:.3}, \"fwd_tflops\": {:.1}, \"bwd_tflops\": {:.1}, \"fwdbwd_tflops\": {:.1}}}",
             fwd_t * 1e3,
             bwd_t * 1e3,
             fwd_flop / fwd_t / 1e12,

@@ -431,10 +431,10 @@ fn check_storage(test: &str, gpu: &mut dyn Backend) {
 }
 
 /// The warp-specialized attention backward (`ws`, PARC_ATTENTION_BWD_KERNEL's Hopper default,
-/// head_dim 64): the test sets it on its own backend, whatever the environment says, and runs
-/// more heads than SMs (a persistent CTA's rings wrap across work items), attention_bf16's and
-/// attention_bf16_storage's cases and a GPT-2-length sequence against the CPU under the same
-/// tolerances (head dim 128 runs the mma.sync kernel).
+/// head_dim 64 and 128): the test sets it on its own backend, whatever the environment says,
+/// and runs more heads than SMs (a persistent CTA's rings wrap across work items),
+/// attention_bf16's and attention_bf16_storage's cases and a GPT-2-length sequence against the
+/// CPU under the same tolerances (head dim 128 has its own cases in `attention_bf16_ws_d128`).
 #[cfg(feature = "cuda")]
 #[test]
 fn attention_bf16_ws_bwd() {
@@ -467,6 +467,75 @@ fn attention_bf16_ws_bwd() {
         &mut gpu,
     );
     check_storage("attention_bf16_storage_ws_bwd", &mut gpu);
+}
+
+/// The warp-specialized kernels for head_dim 128 (the `ws` forward with each of the `ws` and
+/// `ws_split` backwards, set on the test's backend): GQA ratios 1, 4 and 6, causal and not, sequences no multiple of a tile
+/// (128 queries or keys an item, 64-row backward slots), kv ahead of q, unsorted positions, CP
+/// segments, more work items than SMs (a persistent CTA's rings, and the backward's single K/V
+/// buffer, wrapping across items), then one GQA 6:1 causal sequence of 8192
+/// (`attention_bf16_ws_d128_long`), against the CPU under BF16_ATTENTION. Reported as
+/// `attention_bf16_ws_d128` (`ws_split`: `attention_bf16_ws_split_d128`).
+#[cfg(feature = "cuda")]
+#[test]
+fn attention_bf16_ws_d128() {
+    for bwd in [AttentionBwdKernel::Ws, AttentionBwdKernel::WsSplit] {
+        ws_d128_cases(bwd);
+    }
+}
+
+/// attention_bf16_ws_d128's cases with the `ws` forward and the backward `bwd`.
+#[cfg(feature = "cuda")]
+fn ws_d128_cases(bwd: AttentionBwdKernel) {
+    let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, AttentionFwdKernel::Ws)
+    else {
+        return;
+    };
+    gpu.set_kernel_variant(bwd);
+    let test = format!("attention_bf16_{}_d128", bwd.name());
+    let mut r = Rng::new("attention_bf16_ws_d128");
+    let configs = [
+        // GQA 1:1.
+        AttConfig::new(2, 4, 4, 128, true, &[(0, 200)], &[(0, 200)]),
+        AttConfig::new(1, 3, 3, 128, false, &[(0, 77)], &[(0, 77)]),
+        // GQA 4:1.
+        AttConfig::new(1, 8, 2, 128, true, &[(0, 300)], &[(0, 300)]),
+        AttConfig::new(2, 4, 1, 128, false, &[(0, 130)], &[(0, 130)]),
+        // GQA 6:1.
+        AttConfig::new(1, 12, 2, 128, true, &[(0, 333)], &[(0, 333)]),
+        AttConfig::new(1, 6, 1, 128, false, &[(0, 190)], &[(0, 190)]),
+        // One query row, one key.
+        AttConfig::new(1, 1, 1, 128, true, &[(0, 1)], &[(0, 1)]),
+        // kv ahead of q: the first queries see no key (o = 0, lse = −inf).
+        AttConfig::new(1, 6, 1, 128, true, &[(0, 70)], &[(5, 70)]),
+        // Positions not ascending: every tile masked, none skipped.
+        AttConfig::new(
+            1,
+            4,
+            1,
+            128,
+            true,
+            &[(128, 128), (0, 128)],
+            &[(128, 128), (0, 128)],
+        ),
+        // Context parallel: two q segments, kv the whole sequence.
+        AttConfig::new(1, 6, 1, 128, true, &[(8, 56), (200, 72)], &[(0, 272)]),
+        // More work items than SMs, both ways (forward: query tiles × heads; backward: key
+        // tiles × kv heads), GQA 1:1 and 6:1.
+        AttConfig::new(3, 60, 60, 128, false, &[(0, 200)], &[(0, 200)]),
+        AttConfig::new(2, 120, 20, 128, true, &[(0, 256)], &[(0, 256)]),
+    ];
+    let cases: Vec<Case> = configs
+        .iter()
+        .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
+        .collect();
+    crate::harness::check_with(&test, &cases, &mut gpu);
+    let long = AttConfig::new(1, 6, 1, 128, true, &[(0, 8192)], &[(0, 8192)]);
+    crate::harness::check_with(
+        &format!("{test}_long"),
+        &attention_cases(&mut r, &long, BF16_ATTENTION, true),
+        &mut gpu,
+    );
 }
 
 /// The wgmma forward's building blocks on their own, exactly (small integers): the swizzled
@@ -518,7 +587,7 @@ fn attention_bf16_wgmma() {
 }
 
 /// attention_bf16_wgmma's cases on the Hopper forward `variant` (the warp-specialized `ws`,
-/// which takes head_dim 64 and leaves d128 to the warpgroup-MMA kernel, or `wgmma` for both).
+/// for head_dim 64 and 128, or `wgmma` for both).
 #[cfg(feature = "cuda")]
 fn wgmma_forward_cases(kernel: AttentionFwdKernel) {
     let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, kernel) else {
@@ -637,9 +706,10 @@ fn unpack(packed: &[f32], widths: [usize; 3]) -> [Vec<f32>; 3] {
     out
 }
 
-/// The shapes packed attention is checked on: head dims 64 and 128, GQA, batch > 1, sequences
-/// that are no multiple of any tile, unsorted positions (every tile masked), one causal
-/// GPT-2-length sequence; head dims 32 and 16 for the exact kernels of a bf16 run.
+/// The shapes packed attention is checked on: head dims 64 and 128, GQA (128: ratios 1, 4 and
+/// 6), batch > 1, sequences that are no multiple of any tile, unsorted positions (every tile
+/// masked), one causal GPT-2-length sequence; head dims 32 and 16 for the exact kernels of a
+/// bf16 run.
 #[cfg(feature = "cuda")]
 fn packed_configs() -> Vec<AttConfig> {
     vec![
@@ -647,6 +717,8 @@ fn packed_configs() -> Vec<AttConfig> {
         AttConfig::new(3, 2, 2, 64, false, &[(0, 77)], &[(0, 77)]),
         AttConfig::new(2, 4, 1, 128, true, &[(0, 130)], &[(0, 130)]),
         AttConfig::new(1, 3, 3, 128, false, &[(0, 45)], &[(0, 45)]),
+        // GQA 6:1 at head dim 128.
+        AttConfig::new(1, 12, 2, 128, true, &[(0, 190)], &[(0, 190)]),
         AttConfig::new(
             2,
             2,
@@ -755,7 +827,7 @@ fn packed_vs_unpacked(test: &str, gpu: &mut dyn Backend, dtype: DType, dq_tol: f
 }
 
 /// Packed q/k/v on every CUDA kernel path against the unpacked op on the same GPU: the `ws`
-/// forward and backward and the `wgmma` forward
+/// forward and backward (and head_dim 128's `ws_split` backward) and the `wgmma` forward
 /// forward and backward (Hopper only) and `fa2`, each on bf16 buffers and on f32 ones (copied
 /// to bf16 whole; the backward then accumulates dQ in dqkv's own q columns), head dims 64 and
 /// 128 (and 32 / 16 on the exact kernels of a bf16 run); and the exact fp32 kernels of an fp32
@@ -771,6 +843,7 @@ fn attention_packed() {
         use AttentionFwdKernel as Fwd;
         for (fwd, bwd) in [
             (Fwd::Ws, Bwd::Ws),
+            (Fwd::Ws, Bwd::WsSplit),
             (Fwd::Wgmma, Bwd::Ws),
             (Fwd::Fa2, Bwd::Fa2),
         ] {
@@ -784,7 +857,10 @@ fn attention_packed() {
             }
             gpu.set_kernel_variant(fwd);
             gpu.set_kernel_variant(bwd);
-            let test = format!("attention_packed_{name}");
+            let test = match bwd {
+                Bwd::WsSplit => format!("attention_packed_{name}_ws_split"),
+                _ => format!("attention_packed_{name}"),
+            };
             // bf16 dq: the atomics' order can move a value across a bf16 rounding boundary.
             failures.extend(packed_vs_unpacked(
                 &test,

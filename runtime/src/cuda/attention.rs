@@ -3,14 +3,22 @@
 //! `memplan::attention_scratch` says (what `memplan::backend_scratch` reserves), and launches
 //! one of two kernel families:
 //! - bf16 runs with head_dim 64 or 128 and a positive scale: flash attention on tensor cores,
-//!   bf16 operands, fp32 accumulation and softmax. On a Hopper GPU for head_dim 64 the
+//!   bf16 operands, fp32 accumulation and softmax. On a Hopper GPU for head_dim 64 and 128 the
 //!   warp-specialized, TMA-fed kernels (`kernels/attention_ws_{fwd,bwd}.cu`: persistent CTAs,
-//!   a producer warp filling mbarrier rings through tensor maps, `tma.rs`), for head_dim 128
-//!   the warpgroup-MMA forward (`kernels/attention_wgmma_fwd.cu`); elsewhere, and under
-//!   `PARC_ATTENTION_{FWD,BWD}_KERNEL=fa2`, FA2's `mma.sync` kernels
-//!   (`kernels/attention_tc.cu`). All read bf16 q, k, v, dO buffers in place and bf16 copies
-//!   of f32 ones, write O, dK, dV in their buffers' type, and accumulate dQ in f32 (in a
-//!   scratch accumulator rounded once into a bf16 dQ), with the same semantics;
+//!   a producer warp filling mbarrier rings through tensor maps, `tma.rs`; head_dim 128 with
+//!   fewer ring slots, and in the backward one K/V buffer and one dQ tile a consumer, to fit
+//!   shared memory; its backward's dQ split over the consumers' columns as FlashAttention-3
+//!   does, or under `PARC_ATTENTION_BWD_KERNEL=ws_split` over their keys as head_dim 64's
+//!   is), falling back where a tensor map cannot be encoded (unaligned rows) to the
+//!   warpgroup-MMA forward (`kernels/attention_wgmma_fwd.cu`) and the `mma.sync` backward;
+//!   `PARC_ATTENTION_FWD_KERNEL=wgmma` selects that warpgroup-MMA forward for both head dims.
+//!   Elsewhere, and under `PARC_ATTENTION_{FWD,BWD}_KERNEL=fa2`, FA2's `mma.sync` kernels
+//!   (`kernels/attention_tc.cu`). The head_dim 128 kernels that ran on a Hopper before the
+//!   warp-specialized ones (`wgmma` forward, `fa2` backward) stay selectable through those
+//!   variables until GPU measurements settle which to keep. All read bf16 q, k, v, dO buffers
+//!   in place and bf16 copies of f32 ones, write O, dK, dV in their buffers' type, and
+//!   accumulate dQ in f32 (in a scratch accumulator rounded once into a bf16 dQ), with the same
+//!   semantics;
 //! - everything else (fp32 and fp16 runs, other head dims): the exact fp32 kernels of
 //!   `kernels/attention.cu`, which read and write f32 or bf16 buffers (bf16 widened on load,
 //!   rounded once on store).
@@ -92,39 +100,62 @@ const TC_BWD_THREADS: u32 = 256;
 const WGMMA_KEYS: usize = 64;
 const WGMMA_ALIGN: usize = 1024;
 /// The warp-specialized forward (attention_ws_fwd.cu): query rows per work item, K/V ring
-/// slots, and keys per K/V tile (its threads: `CudaBackend::launch_persistent`'s).
+/// slots (head_dim 64; 128), and keys per K/V tile (its threads:
+/// `CudaBackend::launch_persistent`'s).
 const WS_BR: usize = 128;
 const WS_STAGES: usize = 4;
+const WS_STAGES_D128: usize = 2;
 const WS_FWD_KEYS: usize = 128;
 
-/// The warp-specialized forward's shared memory: alignment slack, two Q buffers, the K/V ring
-/// of WS_FWD_KEYS-row tiles (bf16, head_dim 64), its mbarriers (a full and an empty one per
-/// slot and per Q buffer) and the two items' tile ranges (8 ints each).
-const WS_FWD_SMEM: u32 = (WGMMA_ALIGN
-    + 2 * WS_BR * 128
-    + WS_STAGES * 2 * WS_FWD_KEYS * 128
-    + 8 * (2 * WS_STAGES + 4)
-    + 64) as u32;
+/// The warp-specialized forward's shared memory for head_dim `d` with `stages` ring slots:
+/// alignment slack, two Q buffers, the K/V ring of WS_FWD_KEYS-row tiles (bf16), its mbarriers
+/// (a full and an empty one per slot and per Q buffer) and the two items' tile ranges (8 ints
+/// each).
+const fn ws_fwd_smem(d: usize, stages: usize) -> u32 {
+    (WGMMA_ALIGN + 2 * WS_BR * d * 2 + stages * 2 * WS_FWD_KEYS * d * 2 + 8 * (2 * stages + 4) + 64)
+        as u32
+}
+/// Head_dim 64: 165 KiB. Head_dim 128: 193 KiB (2 slots; 3 would need 257 KiB).
+const WS_FWD_SMEM: u32 = ws_fwd_smem(64, WS_STAGES);
+const WS_FWD_SMEM_D128: u32 = ws_fwd_smem(128, WS_STAGES_D128);
 
 /// The warp-specialized backward (attention_ws_bwd.cu): keys per work item, query rows per
-/// ring slot, ring slots, and its shared memory: alignment slack, two K and V buffers, the
-/// slots (Q, dO, and 1 KiB for their lse2 and delta rows), each consumer's dSᵀ tile and two dQ
-/// tiles, the mbarriers and the two items' query ranges (8 ints each).
+/// ring slot, ring slots (head_dim 64 and 128; `ws_split`'s head_dim 128).
 const WSB_BC: usize = 128;
 const WSB_BR: usize = 64;
 const WSB_STAGES: usize = 3;
-const WSB_SMEM: u32 = (WGMMA_ALIGN
-    + 2 * 2 * WSB_BC * 128
-    + WSB_STAGES * (2 * WSB_BR * 128 + 1024)
-    + 2 * 64 * WSB_BR * 2
-    + 4 * WSB_BR * 64 * 4
-    + 8 * (2 * WSB_STAGES + 4)
-    + 64) as u32;
+const WSB_STAGES_SPLIT_D128: usize = 2;
+
+/// The warp-specialized backward's shared memory for head_dim `d`, `stages` ring slots,
+/// `kv_bufs` K/V buffers and `dq_bufs` dQ tiles of `dq_cols` columns a consumer (head_dim 64:
+/// 3 slots, 2, 2 × 64; 128: 3, 1, 1 × 64; `ws_split`'s 128: 2, 1, 1 × 128; attention_ws_bwd.cu's
+/// budgets): alignment slack, the K and V buffers, the slots (Q, dO, and 1 KiB for their lse2
+/// and delta rows), the consumers' dSᵀ tiles, the dQ tiles (f32), the mbarriers and the two
+/// items' query ranges (8 ints each).
+const fn wsb_smem(
+    d: usize,
+    stages: usize,
+    kv_bufs: usize,
+    (dq_bufs, dq_cols): (usize, usize),
+) -> u32 {
+    (WGMMA_ALIGN
+        + kv_bufs * 2 * WSB_BC * d * 2
+        + stages * (2 * WSB_BR * d * 2 + 1024)
+        + 2 * 64 * WSB_BR * 2
+        + 2 * dq_bufs * WSB_BR * dq_cols * 4
+        + 8 * (2 * stages + 4)
+        + 64) as u32
+}
+/// Head_dim 64: 196 KiB. Head_dim 128: 212 KiB (`ws_split`: 211 KiB).
+const WSB_SMEM: u32 = wsb_smem(64, WSB_STAGES, 2, (2, 64));
+const WSB_SMEM_D128: u32 = wsb_smem(128, WSB_STAGES, 1, (1, 64));
+const WSB_SMEM_D128_SPLIT: u32 = wsb_smem(128, WSB_STAGES_SPLIT_D128, 1, (1, 128));
 
 /// The TMA tensor map of one bf16 operand of the stored layout (q, k, v or dO; `ptr` at its
 /// first column): a matrix of one sequence position per row (the batch's rows side by side),
 /// from the view's first column to its last head's last one, row stride `ld` elements, copied
-/// in boxes of one head (64 columns) by `box_rows` positions, swizzled.
+/// in boxes of 64 columns (the widest the 128-byte swizzle takes: one head of 64, half a head
+/// of 128, which the kernels load as two boxes) by `box_rows` positions, swizzled.
 fn operand_map(
     g: &AttGeom,
     ptr: CUdeviceptr,
@@ -142,10 +173,13 @@ fn operand_map(
             rows as u64,
             batch * ld * 2,
         ),
-        (d as u32, box_rows as u32),
+        (WS_BOX_COLS, box_rows as u32),
         true,
     )
 }
+
+/// Columns of one bf16 TMA box: 128 bytes, the 128-byte swizzle's row.
+const WS_BOX_COLS: u32 = 64;
 
 /// The TMA tensor maps of q, k and v (bf16 pointers) for the warp-specialized forward.
 fn ws_tensor_maps(g: &AttGeom, [qp, kp, vp]: [CUdeviceptr; 3]) -> Result<[TmaMap; 3]> {
@@ -156,10 +190,11 @@ fn ws_tensor_maps(g: &AttGeom, [qp, kp, vp]: [CUdeviceptr; 3]) -> Result<[TmaMap
     ])
 }
 
-/// The warp-specialized backward's tensor maps: q, dO, k, v (bf16 pointers), lse2 and delta
-/// (f32, one row of `att_rows` per (batch, head), boxes of one tile's 64 queries) and the dQ
-/// accumulator (f32, compact rows of batch · heads · head_dim; boxes of 32 columns × 64 query
-/// rows, swizzled, that the kernel adds into).
+/// The warp-specialized backward's tensor maps: q, dO, k, v (bf16 pointers, boxes of 64
+/// columns: `operand_map`), lse2 and delta (f32, one row of `att_rows` per (batch, head), boxes
+/// of one tile's 64 queries) and the dQ accumulator (f32, compact rows of batch · heads ·
+/// head_dim; boxes of 32 columns × 64 query rows, swizzled, that the kernel adds into: 2 a
+/// head of 64, 4 of 128).
 fn wsb_tensor_maps(
     g: &AttGeom,
     [dop, qp, kp, vp]: [CUdeviceptr; 4],
@@ -616,8 +651,8 @@ fn attention_forward(be: &mut CudaBackend, b: &Bound, c: &Call) -> Result<()> {
 }
 
 /// The forward on tensor cores: the warp-specialized, TMA-fed kernel where it applies (a
-/// Hopper, head_dim 64, tensor maps the driver can encode), else the warpgroup-MMA one (a
-/// Hopper), else mma.sync, each as its variant allows.
+/// Hopper, head_dim 64 or 128, tensor maps the driver can encode), else the warpgroup-MMA one
+/// (a Hopper), else mma.sync, each as its variant allows.
 fn tensor_core_forward(
     be: &mut CudaBackend,
     b: &Bound,
@@ -644,11 +679,15 @@ fn tensor_core_forward(
     let (batch, heads, d) = (c.dims.batch, c.dims.heads, c.dims.d);
     let seq_q = c.seq_q();
     let ws = be.variants.attention_fwd == AttentionFwdKernel::Ws;
-    if ws && be.is_hopper() && d == 64 {
+    let ws_kernel = match d {
+        64 => Some((Kernel::AttentionFwdWsD64, WS_FWD_SMEM)),
+        128 => Some((Kernel::AttentionFwdWsD128, WS_FWD_SMEM_D128)),
+        _ => None,
+    };
+    if let (true, true, Some((name, smem))) = (ws, be.is_hopper(), ws_kernel) {
         if let Ok(maps) = ws_tensor_maps(&g, [qp, kp, vp]) {
             let work = seq_q.div_ceil(WS_BR) * batch * heads;
-            let name = Kernel::AttentionFwdWsD64;
-            return be.launch_persistent(name, work, WS_FWD_SMEM, &maps, &args[3..]);
+            return be.launch_persistent(name, work, smem, &maps, &args[3..]);
         }
     }
     if (ws || be.variants.attention_fwd == AttentionFwdKernel::Wgmma) && be.is_hopper() {
@@ -775,9 +814,9 @@ fn exact_backward(be: &mut CudaBackend, c: &Call, g: AttGeom, r: &Grads) -> Resu
 }
 
 /// The backward on tensor cores: bf16 operands, delta and lse2 (with the dQ accumulator
-/// zeroed), then the warp-specialized, TMA-fed kernel where it applies (a Hopper, head_dim 64,
-/// tensor maps the driver can encode: 16-byte aligned rows) and its variant allows, else
-/// mma.sync; dQ is rounded out of its accumulator after.
+/// zeroed), then the warp-specialized, TMA-fed kernel where it applies (a Hopper, head_dim 64
+/// or 128, tensor maps the driver can encode: 16-byte aligned rows) and its variant allows,
+/// else mma.sync; dQ is rounded out of its accumulator after.
 fn tensor_core_backward(
     be: &mut CudaBackend,
     b: &Bound,
@@ -814,14 +853,22 @@ fn tensor_core_backward(
         g.tiles_first != 0,
     );
     let positions = [Arg::Ptr(c.qpos), Arg::Ptr(c.kvpos), Arg::Geom(g)];
-    if be.variants.attention_bwd == AttentionBwdKernel::Ws && be.is_hopper() && d == 64 {
+    let ws_kernel = match (be.variants.attention_bwd, d) {
+        (AttentionBwdKernel::Fa2, _) => None,
+        (_, 64) => Some((Kernel::AttentionBwdWsD64, WSB_SMEM)),
+        (AttentionBwdKernel::Ws, 128) => Some((Kernel::AttentionBwdWsD128, WSB_SMEM_D128)),
+        (AttentionBwdKernel::WsSplit, 128) => {
+            Some((Kernel::AttentionBwdWsSplitD128, WSB_SMEM_D128_SPLIT))
+        }
+        _ => None,
+    };
+    if let (true, Some((name, smem))) = (be.is_hopper(), ws_kernel) {
         let maps = wsb_tensor_maps(&g, [ptrs[0], qp, kp, vp], (r.lse2, r.delta, dq_acc));
         if let Ok(maps) = maps {
             let mut rest = vec![p(r.dk), p(r.dv)];
             rest.extend(positions);
             let work = seq_kv.div_ceil(WSB_BC) * batch * c.dims.kv_heads;
-            let name = Kernel::AttentionBwdWsD64;
-            be.launch_persistent(name, work, WSB_SMEM, &maps, &rest)?;
+            be.launch_persistent(name, work, smem, &maps, &rest)?;
             return dq_out(be, &r.layout, dq_acc, r.dq, g);
         }
     }
@@ -1026,10 +1073,19 @@ mod tests {
             assert!(fwd <= H100_SMEM / 2, "d{d} forward: {fwd}");
             assert!(bwd <= A100_SMEM, "d{d} backward: {bwd}");
         }
-        // The warp-specialized kernels (Hopper only), one CTA an SM: forward 165 KiB, backward
-        // 196 KiB, both under the 227 KiB an H100 block may opt in to.
+        // The warp-specialized kernels (Hopper only), one CTA an SM: forward 165 KiB (head_dim
+        // 64) and 193 KiB (128), backward 196 KiB and 212 KiB (211 `ws_split`), all under the
+        // 227 KiB an H100 block may opt in to; the sizes follow the kernels' budget comments.
         const { assert!(WSB_SMEM <= H100_SMEM) };
+        const { assert!(WSB_SMEM_D128 <= H100_SMEM) };
+        const { assert!(WSB_SMEM_D128_SPLIT <= H100_SMEM) };
+        assert_eq!(WS_FWD_SMEM, 165_024);
+        assert_eq!(WS_FWD_SMEM_D128, 197_760);
+        assert_eq!(WSB_SMEM, 200_848);
+        assert_eq!(WSB_SMEM_D128, 217_232);
+        assert_eq!(WSB_SMEM_D128_SPLIT, 216_192);
         const { assert!(WS_FWD_SMEM <= H100_SMEM) };
+        const { assert!(WS_FWD_SMEM_D128 <= H100_SMEM) };
     }
 
     /// The wgmma forward's shared memory follows its kernel's layout (1024-byte alignment

@@ -139,8 +139,11 @@ kernels! {
     AttentionWgmmaLayoutCheckD128 "attention_wgmma_layout_check_d128",
     // kernels/attention_ws_fwd.cu
     AttentionFwdWsD64 "attention_fwd_ws_d64",
+    AttentionFwdWsD128 "attention_fwd_ws_d128",
     // kernels/attention_ws_bwd.cu
     AttentionBwdWsD64 "attention_bwd_ws_d64",
+    AttentionBwdWsD128 "attention_bwd_ws_d128",
+    AttentionBwdWsSplitD128 "attention_bwd_ws_split_d128",
     // kernels/gemm_ws.cu
     GemmWsKkBf16 "gemm_ws_kk_bf16",
     GemmWsKkGelu "gemm_ws_kk_gelu",

@@ -154,17 +154,20 @@ variants! {
         Auto "auto", Ws "ws", CuBlasLt "cublaslt"
     }
     /// bf16 attention forward on a Hopper (`attention_fwd`, PARC_ATTENTION_FWD_KERNEL): the
-    /// warp-specialized, TMA-fed kernel for head_dim 64 (attention_ws_fwd.cu; the
-    /// warpgroup-MMA one for 128), or attention_wgmma_fwd.cu's warpgroup-MMA kernel for both
-    /// (`wgmma`), or attention_tc.cu's mma.sync kernel (`fa2`, what other GPUs run).
+    /// warp-specialized, TMA-fed kernel for head_dim 64 and 128 (attention_ws_fwd.cu), or
+    /// attention_wgmma_fwd.cu's warpgroup-MMA kernel for both (`wgmma`), or attention_tc.cu's
+    /// mma.sync kernel (`fa2`, what other GPUs run).
     attention_fwd: AttentionFwdKernel "attention_fwd" "PARC_ATTENTION_FWD_KERNEL" {
         Ws "ws", Wgmma "wgmma", Fa2 "fa2"
     }
     /// The bf16 attention backward (`attention_bwd`, PARC_ATTENTION_BWD_KERNEL):
-    /// attention_ws_bwd.cu's warp-specialized, TMA-fed kernel (Hopper, head_dim 64, tensor maps
-    /// the driver can encode; otherwise `fa2`), or attention_tc.cu's mma.sync kernel (`fa2`).
+    /// attention_ws_bwd.cu's warp-specialized, TMA-fed kernel (Hopper, head_dim 64 and 128,
+    /// tensor maps the driver can encode; otherwise `fa2`), the same with head_dim 128's dQ
+    /// computed by each consumer warpgroup over its own keys instead of FlashAttention-3's
+    /// split of dQ's columns over a shared dSᵀ (`ws_split`; head_dim 64 runs `ws`'s kernel), or
+    /// attention_tc.cu's mma.sync kernel (`fa2`).
     attention_bwd: AttentionBwdKernel "attention_bwd" "PARC_ATTENTION_BWD_KERNEL" {
-        Ws "ws", Fa2 "fa2"
+        Ws "ws", WsSplit "ws_split", Fa2 "fa2"
     }
     /// The fused cross-entropy (`cross_entropy`, PARC_CROSS_ENTROPY_KERNEL): persistent CTAs
     /// that stage each row in shared memory (`staged`; `rows` where a row does not fit or the

@@ -1,5 +1,6 @@
 // Flash-attention backward, warp-specialized (variant `ws` of op attention_bwd, the default on a
-// Hopper; compute_90a, head_dim 64; other GPUs and head dims run attention_tc.cu's `fa2`):
+// Hopper; compute_90a, head_dim 64 and 128 (attention_bwd_ws_d64, _d128; the budgets of d128 at
+// wsb_attention_bwd); other GPUs, unaligned rows and `fa2` run attention_tc.cu's kernel):
 // FlashAttention-3's backward structure, written for parc's layouts with the contract of
 // tc_attention_bwd (after attention_delta_tc: lse2 and delta per query row, the f32 dQ
 // accumulator zeroed; dK, dV f32 or bf16; causal masking by global position, whole invisible
@@ -27,10 +28,6 @@
 #define WSB_BC 128
 #define WSB_BR 64
 #define WSB_THREADS 384
-#define WSB_STAGES 3
-// Bytes of one ring slot: Q and dO tiles, then lse2 and delta rows (f32), padded so the next
-// slot's tiles stay 1024-byte aligned.
-#define WSB_SLOT (2 * WSB_BR * 128 + 1024)
 
 // d (64 x 64, f32) (+)= A B, A and B from shared memory, both MN-major (dQ = dS K: A is dSᵀ
 // stored [key][query], B is K stored [key][dim]).
@@ -40,6 +37,28 @@ __device__ __forceinline__ void wsb_mma_ss_n64_mn(float (&d)[32], unsigned long 
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// d (64 x 128, f32) (+)= A B, A and B from shared memory, both MN-major (head_dim 128's dQ = dS K:
+// B is K's 64-column blocks, LBO apart).
+__device__ __forceinline__ void wsb_mma_ss_n128_mn(float (&d)[64], unsigned long long a, unsigned long long b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// dQ_w (64 queries × D, f32) = dS K_w: A = dSᵀ, B = K_w, both MN-major in shared memory.
+template <int D>
+__device__ __forceinline__ void wsb_mma_dq(float (&d)[D / 2], unsigned long long a, unsigned long long b, int accumulate);
+template <>
+__device__ __forceinline__ void wsb_mma_dq<64>(float (&d)[32], unsigned long long a, unsigned long long b, int accumulate) {
+    wsb_mma_ss_n64_mn(d, a, b, accumulate);
+}
+template <>
+__device__ __forceinline__ void wsb_mma_dq<128>(float (&d)[64], unsigned long long a, unsigned long long b, int accumulate) {
+    wsb_mma_ss_n128_mn(d, a, b, accumulate);
 }
 
 // Adds a shared-memory box into a 2-d f32 tensor in global memory (TMA reduction; rows or
@@ -54,15 +73,23 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 template <int N>
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-// Adds a dQ tile (shared memory at src: two swizzled 32-column blocks of WSB_BR rows) into the
-// f32 accumulator at column col, query row i0, as one bulk group of this thread.
+// Adds a dQ tile (shared memory at src: D / 32 swizzled 32-column blocks of WSB_BR rows) into
+// the f32 accumulator at column col, query row i0, as one bulk group of this thread.
+template <int D>
 __device__ __forceinline__ void wsb_reduce_dq(const TmaMap& tdq, unsigned src, int col, int i0) {
     tma_reduce_add_2d(tdq, src, col, i0);
     tma_reduce_add_2d(tdq, src + WSB_BR * 128, col + 32, i0);
+    if (D == 128) {
+        tma_reduce_add_2d(tdq, src + 2 * WSB_BR * 128, col + 64, i0);
+        tma_reduce_add_2d(tdq, src + 3 * WSB_BR * 128, col + 96, i0);
+    }
     bulk_commit();
 }
 // A barrier of one warpgroup's 128 threads (named barrier id).
 __device__ __forceinline__ void wg_bar(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
+// A barrier of both consumer warpgroups (256 threads; named barrier 3: the warpgroups' own are 1
+// and 2).
+__device__ __forceinline__ void consumers_bar() { asm volatile("bar.sync 3, 256;" ::: "memory"); }
 
 // The query tiles of one item: the tiles [first, q_tiles) of each of the group's heads that
 // some key of [j0, j0 + WSB_BC) is visible to, those before first_full masked. The producer
@@ -141,31 +168,61 @@ __device__ __forceinline__ void wsb_probs(float (&s)[32], const float* sl, const
     }
 }
 
-// grid: min(items, SMs); block: WSB_THREADS; shared: 1024 (alignment) + K, V (WSB_BC rows) +
-// WSB_STAGES slots + dSᵀ (64 keys × WSB_BR bf16) per consumer + two dQ tiles (WSB_BR × 64 f32)
-// per consumer + 2 WSB_STAGES + 2 mbarriers.
+// grid: min(items, SMs); block: WSB_THREADS; shared: 1024 (alignment) + KV_BUFS K, V buffers
+// (WSB_BC rows) + STAGES slots + dSᵀ (64 keys × WSB_BR bf16) per consumer + DQ_BUFS dQ tiles
+// (WSB_BR × the consumer's dQ columns, f32) per consumer + 2 STAGES + 4 mbarriers + the ranges.
+//
+// Head dim 128 keeps the roles and tiles (128 keys an item, 64 a consumer, dK and dV 64 × 128
+// f32 in its registers; 64-row Q, dO slots) with one K/V buffer (no next-item prefetch) and one
+// dQ tile a consumer, its reduction issued at its tile's end behind a barrier and waited for
+// (bulk_wait_read) before the next tile's dSᵀ barrier, in one of two forms (SHARE):
+// - SHARE (FlashAttention-3's d128 dQ, variant `ws`): each consumer writes its dSᵀ half into one
+//   128-key dSᵀ tile and, after a barrier of both consumers, computes dQ for its 64 of the 128
+//   columns over all 128 keys (dQ = dS K[:, 64 cw ..]), reducing 64 × 64 f32 a tile; a second
+//   barrier of both, at the tile's end, frees the shared dSᵀ for the next tile and releases dQ
+//   to its reduction. Shared memory (WSB_SMEM_D128): 1024 alignment slack + K, V 128 × 128
+//   bf16 (64 KiB) + 3 slots of Q, dO 64 × 128 bf16 and 1 KiB of lse2 / delta (3 × 33 KiB) +
+//   dSᵀ 128 × 64 bf16 (16 KiB) + 2 dQ tiles 64 × 64 f32 (32 KiB) + 80 + 64 = 217,232 bytes
+//   (212.1 KiB) of the 227 KiB a block may opt in to (K/V double-buffered: +64 KiB, too many).
+//   Registers a consumer thread (setmaxnreg 240): dK, dV (128), Sᵀ and dPᵀ (64), Pᵀ's and dSᵀ's
+//   bf16 fragments (16 + 16), dQ 64 × 64 (32): at most 192 live plus addressing.
+// - !SHARE (`ws_split`): each consumer computes dQ over its own 64 keys for all 128 columns
+//   (d64's scheme) and reduces 64 × 128 f32 a tile, never waiting for the other consumer.
+//   Shared memory (WSB_SMEM_D128_SPLIT): 1024 + 64 KiB K, V + 2 slots (2 × 33 KiB) + 2 dSᵀ 64 ×
+//   64 bf16 (16 KiB) + 2 dQ tiles 64 × 128 f32 (64 KiB) + 64 + 64 = 216,192 bytes (211.1 KiB;
+//   a third slot would not fit). Registers: dK, dV (128), Sᵀ, dPᵀ (64), Pᵀ's fragments (16);
+//   then dSᵀ's (16) and dQ 64 × 128 (64) once the dV product is waited for (Pᵀ's fragments
+//   dead): at most 208 live plus addressing; ptxas spills at a cap of 232, not at 240.
+template <int D, int STAGES, bool SHARE>
 __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap& tdo, const TmaMap& tk, const TmaMap& tv, const TmaMap& tlse, const TmaMap& tdelta, const TmaMap& tdq, void* dk, void* dv, const int* qpos, const int* kvpos, const AttGeom& g) {
-    constexpr int D = 64, BC = WSB_BC, BR = WSB_BR;
-    constexpr int KT = BC * 128, QT = BR * 128, DST = 64 * BR * 2, DQT = BR * D * 4;
+    constexpr int BC = WSB_BC, BR = WSB_BR;
+    static_assert(D == 128 || !SHARE, "d64 computes each consumer's dQ over its own keys");
+    constexpr int KV_BUFS = D == 64 ? 2 : 1, DQ_BUFS = D == 64 ? 2 : 1;
+    // The dQ columns a consumer computes: all (over its own keys), or SHARE its half (over all).
+    constexpr int DQC = SHARE ? D / 2 : D;
+    constexpr int KT = BC * D * 2, QT = BR * D * 2, DST = 64 * BR * 2, DQT = BR * DQC * 4;
+    // One ring slot: Q and dO tiles, then lse2 and delta rows (f32), padded so the next slot's
+    // tiles stay 1024-byte aligned.
+    constexpr int SLOT = 2 * QT + 1024;
     extern __shared__ __align__(16) unsigned char wsb_smem_raw[];
     unsigned raw = tc_smem_addr(wsb_smem_raw);
     int align = (1024 - (raw & 1023)) & 1023;
     unsigned char* smem = wsb_smem_raw + align;
     unsigned base = raw + align;
-    // Two K/V buffers (item parity): K of buffer u at base + 2 u KT, V after it.
-    unsigned slots = base + 4 * KT;                     // slot s at slots + s WSB_SLOT
-    unsigned ds_addr0 = slots + WSB_STAGES * WSB_SLOT;  // consumer c's dSᵀ at + c DST
-    unsigned dq_addr0 = ds_addr0 + 2 * DST;             // consumer c's buffer u at + (2 c + u) DQT
-    unsigned bars = dq_addr0 + 4 * DQT;
-    // full[s] at bars + 8 s, empty[s] at bars + 8 (WSB_STAGES + s), then kv_full[u],
+    // KV_BUFS K/V buffers (d64: item parity): K of buffer u at base + 2 u KT, V after it.
+    unsigned slots = base + 2 * KV_BUFS * KT;       // slot s at slots + s SLOT
+    unsigned ds_addr0 = slots + STAGES * SLOT;      // consumer c's dSᵀ at + c DST
+    unsigned dq_addr0 = ds_addr0 + 2 * DST;         // consumer c's buffer u at + (DQ_BUFS c + u) DQT
+    unsigned bars = dq_addr0 + 2 * DQ_BUFS * DQT;
+    // full[s] at bars + 8 s, empty[s] at bars + 8 (STAGES + s), then kv_full[u],
     // kv_empty[u]; then per K/V buffer the item's query ranges (WsbRange, 8 ints a buffer).
-    unsigned kv_full0 = bars + 16 * WSB_STAGES, kv_empty0 = kv_full0 + 16;
+    unsigned kv_full0 = bars + 16 * STAGES, kv_empty0 = kv_full0 + 16;
     int* ranges = reinterpret_cast<int*>(smem + (kv_empty0 + 16 - base));
     int bkh_count = (int)(g.batch * g.kv_heads), group = (int)(g.heads / g.kv_heads);
     int k_tiles = ((int)g.seq_kv + BC - 1) / BC;
     int work = k_tiles * bkh_count;
     int wg = __shfl_sync(FULL_MASK, (int)threadIdx.x / WG_THREADS, 0);
-    if (threadIdx.x == 0) ws_pipeline_init(bars, WSB_STAGES, 8);  // 8: the consumers' warps
+    if (threadIdx.x == 0) ws_pipeline_init(bars, STAGES, 8);  // 8: the consumers' warps
     __syncthreads();
     if (wg == 0) {
         // The producer: one thread walks the items and issues every load. K/V are
@@ -182,25 +239,26 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             int bk = w % bkh_count, j0 = (w / bkh_count) * BC;
             int b = bk / (int)g.kv_heads, kvh = bk % (int)g.kv_heads;
             WsbRange r = wsb_range(qpos, kvpos, g, j0, group);
-            int u = item & 1;
+            // The item's K/V buffer and the phase of its barriers (one buffer: every item's).
+            int u = KV_BUFS == 2 ? item & 1 : 0;
             unsigned kv_full = kv_full0 + 8 * u, k_addr = base + 2 * u * KT;
-            mbar_wait(kv_empty0 + 8 * u, ((item >> 1) & 1) ^ 1);
+            mbar_wait(kv_empty0 + 8 * u, (KV_BUFS == 2 ? (item >> 1) & 1 : item & 1) ^ 1);
             int* rg = ranges + 8 * u;
             rg[0] = r.first;
             rg[1] = r.first_full;
             rg[2] = r.per_head;
             rg[3] = r.total;
             mbar_expect_tx(kv_full, 2 * KT);  // releases the ranges with it
-            tma_load_2d(k_addr, tk, kv_full, b * g.ld_kv + kvh * D, j0);
-            tma_load_2d(k_addr + KT, tv, kv_full, b * g.ld_kv + kvh * D, j0);
+            ws_load_tile<D, BC>(k_addr, tk, kv_full, b * g.ld_kv + kvh * D, j0);
+            ws_load_tile<D, BC>(k_addr + KT, tv, kv_full, b * g.ld_kv + kvh * D, j0);
             for (int t = 0; t < r.total; t++, it++) {
                 int h = kvh * group + t / r.per_head, i0 = (r.first + t % r.per_head) * BR;
-                int s = it % WSB_STAGES;
-                unsigned full = bars + 8 * s, slot = slots + s * WSB_SLOT;
-                mbar_wait(bars + 8 * (WSB_STAGES + s), ((it / WSB_STAGES) & 1) ^ 1);
+                int s = it % STAGES;
+                unsigned full = bars + 8 * s, slot = slots + s * SLOT;
+                mbar_wait(bars + 8 * (STAGES + s), ((it / STAGES) & 1) ^ 1);
                 mbar_expect_tx(full, 2 * QT + 2 * BR * 4);
-                tma_load_2d(slot, tq, full, b * g.ld_q + h * D, i0);
-                tma_load_2d(slot + QT, tdo, full, b * g.ld_o + h * D, i0);
+                ws_load_tile<D, BR>(slot, tq, full, b * g.ld_q + h * D, i0);
+                ws_load_tile<D, BR>(slot + QT, tdo, full, b * g.ld_o + h * D, i0);
                 int bh = b * (int)g.heads + h;
                 tma_load_2d(slot + 2 * QT, tlse, full, i0, bh);
                 tma_load_2d(slot + 2 * QT + BR * 4, tdelta, full, i0, bh);
@@ -226,17 +284,17 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     for (int w = blockIdx.x; w < work; w += gridDim.x, item++) {
         int bk = w % bkh_count, j0 = (w / bkh_count) * BC;
         int b = bk / (int)g.kv_heads, kvh = bk % (int)g.kv_heads;
-        int u = item & 1;
+        int u = KV_BUFS == 2 ? item & 1 : 0;
         unsigned k_addr = base + 2 * u * KT, v_addr = k_addr + KT;
         // This thread's key rows: 64 cw + 16 warp + gq and + 8 of the item.
         int ka = j0 + 64 * cw + 16 * warp + gq, kb = ka + 8;
         int pa = ka < seq_kv ? (g.causal ? kvpos[ka] : TC_INT_MIN) : TC_INT_MAX;
         int pb = kb < seq_kv ? (g.causal ? kvpos[kb] : TC_INT_MIN) : TC_INT_MAX;
-        float dka[32], dva[32];
+        float dka[D / 2], dva[D / 2];
         #pragma unroll
-        for (int i = 0; i < 32; i++) { dka[i] = 0.0f; dva[i] = 0.0f; }
-        unsigned kw = k_addr + cw * 64 * 128;  // this consumer's keys of K
-        mbar_wait(kv_full0 + 8 * u, (item >> 1) & 1);
+        for (int i = 0; i < D / 2; i++) { dka[i] = 0.0f; dva[i] = 0.0f; }
+        unsigned kw = k_addr + cw * 64 * 128;  // this consumer's keys of K (rows of each column block)
+        mbar_wait(kv_full0 + 8 * u, KV_BUFS == 2 ? (item >> 1) & 1 : item & 1);
         // Read through lane 0: uniform to the compiler (the wgmma loop they bound is then not on
         // a divergent path, which ptxas serializes: C7520).
         const int* rg = ranges + 8 * u;
@@ -247,13 +305,13 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
         r.total = __shfl_sync(FULL_MASK, rg[3], 0);
         for (int t = 0; t < r.total; t++, it++) {
             int h = kvh * group + t / r.per_head, tile = r.first + t % r.per_head, i0 = tile * BR;
-            int s = it % WSB_STAGES;
-            unsigned slot = slots + s * WSB_SLOT, q_addr = slot, do_addr = slot + QT;
+            int s = it % STAGES;
+            unsigned slot = slots + s * SLOT, q_addr = slot, do_addr = slot + QT;
             const float* sl = reinterpret_cast<const float*>(smem + (slot - base) + 2 * QT);
             const float* sd = sl + BR;
             bool masked = tile < r.first_full;
-            mbar_wait(bars + 8 * s, (it / WSB_STAGES) & 1);
-            float sa[32], dp[32], dq[32];
+            mbar_wait(bars + 8 * s, (it / STAGES) & 1);
+            float sa[32], dp[32], dq[DQC / 2];
             wg_fence();
             #pragma unroll
             for (int kk = 0; kk < D / 16; kk++) wg_mma_ss_n64(sa, wg_desc_k<BC>(k_addr, 64 * cw, kk), wg_desc_k<BR>(q_addr, 0, kk), kk > 0);
@@ -273,7 +331,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             for (int kk = 0; kk < 4; kk++) wg_acc_to_a(pf[kk], sa, kk);
             wg_fence();
             #pragma unroll
-            for (int kk = 0; kk < BR / 16; kk++) wg_mma_rs_n64(dva, pf[kk], wg_desc_mn<BR>(do_addr, kk), 1);
+            for (int kk = 0; kk < BR / 16; kk++) wg_mma_pv<D>(dva, pf[kk], wg_desc_mn<BR>(do_addr, kk), 1);
             wg_commit();
             asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
             wg_hold(dp);
@@ -301,17 +359,33 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             // (for its reduction, issued only now) visible to the async proxy. The dQ buffer
             // written at this tile's end was last read by the reduction issued at the previous
             // tile: the elected thread waits for it before the barrier.
+            // SHARE: both consumers' dSᵀ halves written before either's dQ reads them.
             if (elected) bulk_wait_read<0>();
             wg_fence_proxy();
-            wg_bar(1 + cw);
-            if (elected && pend_col >= 0) wsb_reduce_dq(tdq, dq_addr0 + (2 * cw + ((it - 1) & 1)) * DQT, pend_col, pend_i0);
+            if (SHARE) consumers_bar();
+            else wg_bar(1 + cw);
+            if (DQ_BUFS == 2 && elected && pend_col >= 0) wsb_reduce_dq<D>(tdq, dq_addr0 + (2 * cw + ((it - 1) & 1)) * DQT, pend_col, pend_i0);
+            if (D == 128 && !SHARE) {
+                // The dV product done before dQ's 64 accumulators come live, so Pᵀ's fragments
+                // are dead by then (the register budget above).
+                wg_wait_all();
+                wg_hold(dva);
+                ws_hold_u(pf);
+            }
             wg_fence();
             #pragma unroll
-            for (int kk = 0; kk < BR / 16; kk++) wg_mma_rs_n64(dka, dsf[kk], wg_desc_mn<BR>(q_addr, kk), 1);
+            for (int kk = 0; kk < BR / 16; kk++) wg_mma_pv<D>(dka, dsf[kk], wg_desc_mn<BR>(q_addr, kk), 1);
             wg_commit();
             wg_fence();
-            #pragma unroll
-            for (int kk = 0; kk < 4; kk++) wsb_mma_ss_n64_mn(dq, wg_desc_mn<64>(ds_addr, kk), wg_desc_mn<BC>(kw, kk), kk > 0);
+            if (SHARE) {
+                // dQ[:, 64 cw ..] over all 128 keys: A = both consumers' dSᵀ (128 key rows, the
+                // two 64-row tiles adjacent), B = K's column block cw.
+                #pragma unroll
+                for (int kk = 0; kk < BC / 16; kk++) wsb_mma_dq<DQC>(dq, wg_desc_mn<BC>(ds_addr0, kk), wg_desc_mn<BC>(k_addr + cw * BC * 128, kk), kk > 0);
+            } else {
+                #pragma unroll
+                for (int kk = 0; kk < 4; kk++) wsb_mma_dq<DQC>(dq, wg_desc_mn<64>(ds_addr, kk), wg_desc_mn<BC>(kw, kk), kk > 0);
+            }
             wg_commit();
             wg_wait_all();
             wg_hold(dva);
@@ -319,46 +393,59 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             wg_hold(dq);
             ws_hold_u(pf);
             ws_hold_u(dsf);
-            mbar_arrive_warp(bars + 8 * (WSB_STAGES + s));
-            // dQ_w · scale into this consumer's buffer (it & 1), reduced at the next tile (or
-            // the kernel's end) with one reduction per 32-column block into the accumulator's
-            // rows [i0, i0 + BR) of head (b, h).
-            unsigned dq_addr = dq_addr0 + (2 * cw + (it & 1)) * DQT;
+            mbar_arrive_warp(bars + 8 * (STAGES + s));
+            // dQ_w · scale into this consumer's buffer (d64: it & 1), reduced (d64: at the next
+            // tile or the kernel's end; d128: now) with one reduction per 32-column block into
+            // the accumulator's rows [i0, i0 + BR) of head (b, h).
+            unsigned dq_addr = dq_addr0 + (DQ_BUFS * cw + (DQ_BUFS == 2 ? it & 1 : 0)) * DQT;
             unsigned char* sdq = smem + (dq_addr - base);
             #pragma unroll
-            for (int nb = 0; nb < D / 8; nb++) {
+            for (int nb = 0; nb < DQC / 8; nb++) {
                 int rr = warp * 16 + gq, c = nb * 8 + 2 * tq4;
                 *reinterpret_cast<float2*>(sdq + wsb_dq_off(rr, c)) = make_float2(g.scale * dq[4 * nb], g.scale * dq[4 * nb + 1]);
                 *reinterpret_cast<float2*>(sdq + wsb_dq_off(rr + 8, c)) = make_float2(g.scale * dq[4 * nb + 2], g.scale * dq[4 * nb + 3]);
             }
-            pend_col = (b * (int)g.heads + h) * D;
-            pend_i0 = i0;
+            if (DQ_BUFS == 1) {
+                // Its last reader waited for (bulk_wait_read) before the barrier above. SHARE:
+                // the barrier of both also frees the shared dSᵀ (both dQ products are done).
+                wg_fence_proxy();
+                if (SHARE) consumers_bar();
+                else wg_bar(1 + cw);
+                if (elected) wsb_reduce_dq<DQC>(tdq, dq_addr, (b * (int)g.heads + h) * D + (SHARE ? 64 * cw : 0), i0);
+            } else {
+                pend_col = (b * (int)g.heads + h) * D;
+                pend_i0 = i0;
+            }
         }
         mbar_arrive_warp(kv_empty0 + 8 * u);
         int dkv_stride = (int)g.batch * g.ld_dkv, head = b * g.ld_dkv + kvh * D + 2 * tq4;
         if (vec_out) {
             // bf16 dK, dV through this consumer's dSᵀ tile (free: its last reader, the last
             // dQ product, is done): 16-byte rows out instead of 4-byte pairs.
+            // d128: 64 columns (one 64 × 64 bf16 tile) at a time.
             #pragma unroll
             for (int which = 0; which < 2; which++) {
-                const float* a = which == 0 ? dka : dva;
-                float sc = which == 0 ? g.scale : 1.0f;
                 #pragma unroll
-                for (int nb = 0; nb < D / 8; nb++) {
-                    int rr = warp * 16 + gq, off = (2 * tq4) * 2;
-                    *reinterpret_cast<unsigned*>(sds + wg_chunk<64>(rr, nb) + off) = tc_pack(sc * a[4 * nb], sc * a[4 * nb + 1]);
-                    *reinterpret_cast<unsigned*>(sds + wg_chunk<64>(rr + 8, nb) + off) = tc_pack(sc * a[4 * nb + 2], sc * a[4 * nb + 3]);
+                for (int half = 0; half < D / 64; half++) {
+                    const float* a = which == 0 ? dka : dva;
+                    float sc = which == 0 ? g.scale : 1.0f;
+                    #pragma unroll
+                    for (int nb = 0; nb < 8; nb++) {
+                        int rr = warp * 16 + gq, off = (2 * tq4) * 2, ab = 4 * (8 * half + nb);
+                        *reinterpret_cast<unsigned*>(sds + wg_chunk<64>(rr, nb) + off) = tc_pack(sc * a[ab], sc * a[ab + 1]);
+                        *reinterpret_cast<unsigned*>(sds + wg_chunk<64>(rr + 8, nb) + off) = tc_pack(sc * a[ab + 2], sc * a[ab + 3]);
+                    }
+                    wg_bar(1 + cw);
+                    bf16_t* out = static_cast<bf16_t*>(which == 0 ? dk : dv);
+                    #pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        int idx = i * WG_THREADS + (threadIdx.x & 127), rr = idx >> 3, j = idx & 7;
+                        int key = j0 + 64 * cw + rr;
+                        uint4 v = *reinterpret_cast<const uint4*>(sds + wg_chunk<64>(rr, j));
+                        if (key < seq_kv) *reinterpret_cast<uint4*>(out + (long long)key * dkv_stride + b * g.ld_dkv + kvh * D + 64 * half + 8 * j) = v;
+                    }
+                    wg_bar(1 + cw);
                 }
-                wg_bar(1 + cw);
-                bf16_t* out = static_cast<bf16_t*>(which == 0 ? dk : dv);
-                #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    int idx = i * WG_THREADS + (threadIdx.x & 127), rr = idx >> 3, j = idx & 7;
-                    int key = j0 + 64 * cw + rr;
-                    uint4 v = *reinterpret_cast<const uint4*>(sds + wg_chunk<64>(rr, j));
-                    if (key < seq_kv) *reinterpret_cast<uint4*>(out + (long long)key * dkv_stride + b * g.ld_dkv + kvh * D + 8 * j) = v;
-                }
-                wg_bar(1 + cw);
             }
         } else if (ka < seq_kv) {
             long long row = (long long)ka * dkv_stride + head;
@@ -379,17 +466,24 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     }
     // The last tile's dQ, then every reduction done (they read shared memory until they
     // complete: the CTA must outlive them).
-    wg_fence_proxy();
-    wg_bar(1 + cw);
-    if (elected && pend_col >= 0) wsb_reduce_dq(tdq, dq_addr0 + (2 * cw + ((it - 1) & 1)) * DQT, pend_col, pend_i0);
+    if (DQ_BUFS == 2) {
+        wg_fence_proxy();
+        wg_bar(1 + cw);
+        if (elected && pend_col >= 0) wsb_reduce_dq<D>(tdq, dq_addr0 + (2 * cw + ((it - 1) & 1)) * DQT, pend_col, pend_i0);
+    }
     if (elected) bulk_wait_all();
 }
 
-extern "C" __global__ void __launch_bounds__(WSB_THREADS, 1) attention_bwd_ws_d64(
-    const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tdo, const __grid_constant__ TmaMap tk,
-    const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tlse, const __grid_constant__ TmaMap tdelta,
-    const __grid_constant__ TmaMap tdq, void* dk, void* dv, const int* qpos, const int* kvpos, AttGeom g) {
-    wsb_attention_bwd(tq, tdo, tk, tv, tlse, tdelta, tdq, dk, dv, qpos, kvpos, g);
-}
+#define WSB_BWD(NAME, D, STAGES, SHARE)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(WSB_THREADS, 1) NAME(                                              \
+        const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tdo, const __grid_constant__ TmaMap tk,   \
+        const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tlse,                                     \
+        const __grid_constant__ TmaMap tdelta, const __grid_constant__ TmaMap tdq, void* dk, void* dv,              \
+        const int* qpos, const int* kvpos, AttGeom g) {                                                              \
+        wsb_attention_bwd<D, STAGES, SHARE>(tq, tdo, tk, tv, tlse, tdelta, tdq, dk, dv, qpos, kvpos, g);            \
+    }
+WSB_BWD(attention_bwd_ws_d64, 64, 3, false)
+WSB_BWD(attention_bwd_ws_d128, 128, 3, true)
+WSB_BWD(attention_bwd_ws_split_d128, 128, 2, false)
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

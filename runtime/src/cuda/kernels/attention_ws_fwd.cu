@@ -1,8 +1,9 @@
 // Flash-attention forward, warp-specialized (variant `ws` of op attention_fwd, the default on a
-// Hopper; compute_90a, head_dim 64: other head dims run attention_wgmma_fwd.cu's kernel, other
-// GPUs `fa2`): the structure of FlashAttention-3's forward, written for parc's
-// layouts and with the contract of attention_wgmma_fwd.cu (bf16 q, k, v in the stored layout
-// [seq, batch, heads, head_dim] read through AttGeom's row strides, GQA, visibility by global
+// Hopper; compute_90a, head_dim 64 and 128 (attention_fwd_ws_d64, _d128): where a tensor map
+// cannot be encoded attention_wgmma_fwd.cu's kernel runs, on other GPUs `fa2`): the structure
+// of FlashAttention-3's forward, written for parc's layouts and with the contract of
+// attention_wgmma_fwd.cu (bf16 q, k, v in the stored layout [seq, batch, heads, head_dim] read
+// through AttGeom's row strides, GQA, visibility by global
 // position with whole invisible tiles skipped and only diagonal tiles masked when positions
 // ascend, rows past seq zero, fully masked rows o = 0 and lse = −inf, O f32 or bf16, lse f32 in
 // natural log at (batch · heads + head) · seq_q + row).
@@ -25,7 +26,6 @@
 
 #define WS_BR 128
 #define WS_THREADS 384
-#define WS_STAGES 4
 
 // d (64 x 128, fp32 accumulators) (+)= A·B, A and B from shared memory, both K-major.
 __device__ __forceinline__ void wg_mma_ss_n128(float (&d)[64], unsigned long long a, unsigned long long b, int accumulate) {
@@ -36,18 +36,32 @@ __device__ __forceinline__ void wg_mma_ss_n128(float (&d)[64], unsigned long lon
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
-// S (64 x BC) = Q Kᵀ over the head dim, both K-major in shared memory.
-template <int BC>
+// S (64 x BC) = Q Kᵀ over the head dim (D / 16 k steps), both K-major in shared memory.
+template <int D, int BC>
 __device__ __forceinline__ void ws_qk(float (&s)[BC / 2], unsigned q_addr, int row0, unsigned k_addr);
 template <>
-__device__ __forceinline__ void ws_qk<64>(float (&s)[32], unsigned q_addr, int row0, unsigned k_addr) {
+__device__ __forceinline__ void ws_qk<64, 64>(float (&s)[32], unsigned q_addr, int row0, unsigned k_addr) {
     #pragma unroll
     for (int kk = 0; kk < 4; kk++) wg_mma_ss_n64(s, wg_desc_k<WS_BR>(q_addr, row0, kk), wg_desc_k<64>(k_addr, 0, kk), kk > 0);
 }
 template <>
-__device__ __forceinline__ void ws_qk<128>(float (&s)[64], unsigned q_addr, int row0, unsigned k_addr) {
+__device__ __forceinline__ void ws_qk<64, 128>(float (&s)[64], unsigned q_addr, int row0, unsigned k_addr) {
     #pragma unroll
     for (int kk = 0; kk < 4; kk++) wg_mma_ss_n128(s, wg_desc_k<WS_BR>(q_addr, row0, kk), wg_desc_k<128>(k_addr, 0, kk), kk > 0);
+}
+template <>
+__device__ __forceinline__ void ws_qk<128, 128>(float (&s)[64], unsigned q_addr, int row0, unsigned k_addr) {
+    #pragma unroll
+    for (int kk = 0; kk < 8; kk++) wg_mma_ss_n128(s, wg_desc_k<WS_BR>(q_addr, row0, kk), wg_desc_k<128>(k_addr, 0, kk), kk > 0);
+}
+
+// Loads rows [r0, r0 + R) of one head (its first column c0) of a bf16 tensor map into a swizzled
+// tile of R rows × D columns at dst: one box of 64 columns (the 128-byte swizzle's widest) per
+// column block, block c at dst + c · R · 128, all completing on bar.
+template <int D, int R>
+__device__ __forceinline__ void ws_load_tile(unsigned dst, const TmaMap& map, unsigned bar, int c0, int r0) {
+    #pragma unroll
+    for (int c = 0; c < D / 64; c++) tma_load_2d(dst + c * R * 128, map, bar, c0 + 64 * c, r0);
 }
 
 // Keeps the compiler from reusing P's registers while a wgmma reading them may be in flight.
@@ -139,10 +153,10 @@ __device__ __forceinline__ void ws_softmax_tile(bool masked, float (&s)[BC / 2],
 // (WS_BR rows) + WS_STAGES slots of K and V (BC rows each) + 2 WS_STAGES + 4 mbarriers + the
 // two items' ranges. Q is double-buffered, so the producer loads the next item's Q (and
 // K/V) while this one computes; it also computes the item's tile ranges (dependent loads of
-// the positions) once and hands them over with Q, off the consumers' path.
-template <int BC>
+// the positions) once and hands them over with Q, off the consumers' path. Head dim D (64 or
+// 128): each tile is D / 64 column blocks of 128-byte rows, one TMA box each.
+template <int D, int BC, int WS_STAGES>
 __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const TmaMap& tk_map, const TmaMap& tv_map, void* o, float* lse, const int* qpos, const int* kvpos, const AttGeom& g) {
-    constexpr int D = 64;
     constexpr int Q_BYTES = WG_TILE_BYTES(WS_BR, D), KV_BYTES = WG_TILE_BYTES(BC, D);
     extern __shared__ __align__(16) unsigned char ws_smem_raw[];
     unsigned raw = tc_smem_addr(ws_smem_raw);
@@ -187,7 +201,7 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
             rg[3] = r1.wg_tiles;
             rg[4] = r1.wg_full;
             mbar_expect_tx(q_full, Q_BYTES);  // releases the ranges with it
-            tma_load_2d(q_addr0 + u * Q_BYTES, tq_map, q_full, b * g.ld_q + h * D, i0);
+            ws_load_tile<D, WS_BR>(q_addr0 + u * Q_BYTES, tq_map, q_full, b * g.ld_q + h * D, i0);
             int kc = b * g.ld_kv + kvh * D;
             for (int t = 0; t < tiles; t++, it++) {
                 int s = it % WS_STAGES;
@@ -195,8 +209,8 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
                 mbar_wait(empty, ((it / WS_STAGES) & 1) ^ 1);
                 mbar_expect_tx(full, 2 * KV_BYTES);
                 unsigned k_addr = kv_addr + 2 * s * KV_BYTES;
-                tma_load_2d(k_addr, tk_map, full, kc, t * BC);
-                tma_load_2d(k_addr + KV_BYTES, tv_map, full, kc, t * BC);
+                ws_load_tile<D, BC>(k_addr, tk_map, full, kc, t * BC);
+                ws_load_tile<D, BC>(k_addr + KV_BYTES, tv_map, full, kc, t * BC);
             }
         }
         return;
@@ -242,7 +256,7 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
             // Tile 0: S_0 alone (O is still zero).
             mbar_wait(bars + 8 * (it % WS_STAGES), (it / WS_STAGES) & 1);
             wg_fence();
-            ws_qk<BC>(s, q_addr, 64 * cw, kv_addr + 2 * (it % WS_STAGES) * KV_BYTES);
+            ws_qk<D, BC>(s, q_addr, 64 * cw, kv_addr + 2 * (it % WS_STAGES) * KV_BYTES);
             wg_commit();
             wg_wait_all();
             wg_hold(s);
@@ -255,14 +269,14 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
                 int slot = (it + t) % WS_STAGES, prev = (it + t - 1) % WS_STAGES;
                 mbar_wait(bars + 8 * slot, ((it + t) / WS_STAGES) & 1);
                 wg_fence();
-                ws_qk<BC>(s, q_addr, 64 * cw, kv_addr + 2 * slot * KV_BYTES);
+                ws_qk<D, BC>(s, q_addr, 64 * cw, kv_addr + 2 * slot * KV_BYTES);
                 wg_commit();
                 // O += P_{t-1} V_{t-1}, its own pipeline stage, multiplying while S_t's
                 // softmax runs.
                 unsigned v_prev = kv_addr + 2 * prev * KV_BYTES + KV_BYTES;
                 wg_fence();
                 #pragma unroll
-                for (int kk = 0; kk < BC / 16; kk++) wg_mma_rs_n64(acc, pa[kk], wg_desc_mn<BC>(v_prev, kk), 1);
+                for (int kk = 0; kk < BC / 16; kk++) wg_mma_pv<D>(acc, pa[kk], wg_desc_mn<BC>(v_prev, kk), 1);
                 wg_commit();
                 asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
                 wg_hold(s);
@@ -280,7 +294,7 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
             int slot = (it + n - 1) % WS_STAGES;
             wg_fence();
             #pragma unroll
-            for (int kk = 0; kk < BC / 16; kk++) wg_mma_rs_n64(acc, pa[kk], wg_desc_mn<BC>(kv_addr + 2 * slot * KV_BYTES + KV_BYTES, kk), 1);
+            for (int kk = 0; kk < BC / 16; kk++) wg_mma_pv<D>(acc, pa[kk], wg_desc_mn<BC>(kv_addr + 2 * slot * KV_BYTES + KV_BYTES, kk), 1);
             wg_commit();
             wg_wait_all();
             wg_hold(acc);
@@ -298,15 +312,25 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
     }
 }
 
-#define WS_FWD(NAME, BC)                                                                                 \
+#define WS_FWD(NAME, D, BC, STAGES)                                                                      \
     extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) NAME(                                   \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,                           \
         const __grid_constant__ TmaMap tv, void* o, float* lse, const int* qpos, const int* kvpos,      \
         AttGeom g) {                                                                                     \
-        ws_attention_fwd<BC>(tq, tk, tv, o, lse, qpos, kvpos, g);                                        \
+        ws_attention_fwd<D, BC, STAGES>(tq, tk, tv, o, lse, qpos, kvpos, g);                             \
     }
 // 128-key tiles: 246 TFLOP/s at 32·12·1024·64 causal on one H200 against 211 with 64-key ones
 // and 171 for the wgmma kernel (bench/RESULTS.md, session 7).
-WS_FWD(attention_fwd_ws_d64, 128)
+WS_FWD(attention_fwd_ws_d64, 64, 128, 4)
+// Head dim 128 (FlashAttention-3's d128 forward tiles: 128 × 128 Q × K, two consumer
+// warpgroups). Shared memory (attention.rs's WS_FWD_SMEM_D128): 1024 alignment slack + 2 Q
+// buffers of 128 × 128 bf16 (2 × 32 KiB) + STAGES slots of K and V 128 × 128 bf16 (64 KiB a
+// slot) + 8 (2 STAGES + 4) mbarrier bytes + 64 range bytes: with 2 slots 197,760 bytes
+// (193.1 KiB) of the 227 KiB a block may opt in to; 3 slots would need 263,296. Registers a
+// consumer thread (setmaxnreg 240): O 64 × 128 f32 (64), S_t 64 × 128 f32 (64) and P_{t−1} in
+// bf16 A fragments (32) live together across the overlapped softmax, 160 plus addressing
+// (d64's: 128); ptxas (13.0, sm_90a) assembles it without spills at a cap of 200, with spills at
+// 184.
+WS_FWD(attention_fwd_ws_d128, 128, 128, 2)
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
