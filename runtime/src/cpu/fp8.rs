@@ -290,7 +290,7 @@ mod tests {
     fn reduced_amaxes_give_every_piece_the_whole_operands_scales() {
         // [2, 4]: split by columns (tp of a row-parallel input) into two [2, 2] pieces.
         // The right half is tiny: its own amaxes would scale it far finer than the whole's.
-        let data = [0.1, 100.0, 0.001, 0.003, 0.2, 0.3, 0.0007, 0.002];
+        let data = [0.1, 100.0, 0.0003, 0.0005, 0.2, 200.0, 0.0002, 0.0007];
         let x = operand(Fp8Format::E4m3, OperandKind::Tokens, Along::Cols);
         for scaling in [Fp8Scaling::Tensorwise, Fp8Scaling::Rowwise] {
             let whole = dq(&data, 4, x, scaling);
@@ -324,8 +324,10 @@ mod tests {
                     .copied()
                     .collect();
                 assert_eq!(q, expect, "{scaling:?} piece {p}");
-                // Its own amaxes would have given other numbers.
-                assert_ne!(dq(piece, 2, x, scaling), expect, "{scaling:?} piece {p}");
+                // The tiny piece's own amaxes would have given other numbers.
+                if p == 1 {
+                    assert_ne!(dq(piece, 2, x, scaling), expect, "{scaling:?} piece {p}");
+                }
             }
         }
         let mut short = [0.0f32; 1];
