@@ -37,7 +37,7 @@
 //! run's amax bit for bit. Blockwise groups never span ranks: `crate::fp8` (E1204) requires
 //! every sharded extent to be a whole number of blocks.
 
-use crate::spec::Axis;
+use crate::axis::Axis;
 use serde::Serialize;
 use std::fmt;
 

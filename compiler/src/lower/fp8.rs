@@ -49,9 +49,9 @@ pub(super) struct Fp8Emitted {
 
 impl Emitter<'_> {
     /// The `fp8` attribute of `node`'s GEMM `gemm` (of microbatch `mb`) whose weight is `w`,
-    /// whose first two `inputs` are its quantized operands, in `phase`; for each operand whose scale groups span ranks, its
-    /// amaxes emitted here and reduced over those ranks, which the GEMM takes as its last
-    /// inputs. Nothing for a layer that stays bf16.
+    /// whose first two `inputs` are its quantized operands, in `phase`; for each operand whose
+    /// scale groups span ranks, its amaxes emitted here and reduced over those ranks, which the
+    /// GEMM takes as its last inputs. Nothing for a layer that stays bf16.
     pub(super) fn fp8_gemm(
         &mut self,
         (mb, node, w): (u32, NodeId, &str),
