@@ -12,10 +12,11 @@
 //! writing it in FP8 in the layout its GEMM reads (x, dy and W twice each) at HBM bandwidth,
 //! plus a launch apiece.
 //!
-//! Scale groups must lie within one rank: a group split across ranks would need its amax
-//! reduced over them, which parc does not build yet (E1204 says so). Tensorwise and rowwise
-//! scaling therefore need tp = 1 and cp = 1; blockwise needs every sharded dimension of an
-//! FP8 GEMM to be a whole number of blocks.
+//! Every rank holding a piece of a scale group must use the group's one scale. Tensorwise and
+//! rowwise groups that span tp or cp ranks get it from an amax max-reduced over exactly those
+//! ranks (`ir::fp8`, `lower/fp8.rs`). Blockwise scales are not reduced: each block must lie
+//! inside one rank, so every sharded dimension of an FP8 GEMM must be a whole number of blocks
+//! (E1204 otherwise).
 
 use crate::diag::{Diagnostic, Diagnostics};
 use crate::ir::fp8::{Fp8Gemm, Fp8Scaling, MIN_BLOCK};
@@ -150,11 +151,13 @@ impl Choice {
     }
 }
 
-/// The IR attribute of an FP8 GEMM under `fp8`.
+/// The IR attribute of an FP8 GEMM under `fp8`, its operands whole (the lowering sets each
+/// GEMM's split).
 pub fn gemm_attr(fp8: &Fp8) -> Fp8Gemm {
     Fp8Gemm {
         scaling: fp8.scaling,
         grad: fp8.grad,
+        split: Default::default(),
     }
 }
 
@@ -335,7 +338,7 @@ pub fn speedup(gpu: &crate::spec::Gpu) -> f64 {
 
 /// The FP8 recipe's checks against the model, the precision, the GPU and the plan: E1201 a
 /// GPU without FP8 tensor cores, E1202 fp16 precision, E1203 a pin matching no
-/// linear layer (or a layer pinned both ways), E1204 a scale group split across ranks.
+/// linear layer (or a layer pinned both ways), E1204 a blockwise block split across ranks.
 pub fn validate(spec: &Spec) -> Diagnostics {
     let mut diags = Diagnostics::default();
     let Some(fp8) = &spec.train.fp8 else {
@@ -438,28 +441,9 @@ fn scale_groups(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
             }
             block
         }
-        s => {
-            if tp > 1 || cp > 1 {
-                let axis = if tp > 1 {
-                    format!("tp = {tp}")
-                } else {
-                    format!("cp = {cp}")
-                };
-                diags.push(
-                    Diagnostic::error(
-                        "E1204",
-                        format!(
-                            "{} FP8 scales span the ranks of {axis}: their amax would have to be reduced across them, which parc does not build yet",
-                            s.name()
-                        ),
-                    )
-                    .label(fp8.span, "this FP8 recipe")
-                    .label(spec.parallel.span, "this plan")
-                    .help("use `fp8 = blockwise` (its scales stay within a rank), or tp = 1 and cp = 1"),
-                );
-            }
-            return;
-        }
+        // Tensorwise and rowwise groups that span ranks have their amaxes max-reduced over
+        // exactly those ranks (`ir::fp8`, `lower/fp8.rs`): nothing to refuse.
+        _ => return,
     };
     let extents = sharded_extents(spec, &chosen, tp, cp);
     let bad: Vec<&String> = (extents.iter())
@@ -474,15 +458,15 @@ fn scale_groups(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
         diags.push(
             Diagnostic::error(
                 "E1204",
-                format!("blockwise FP8 blocks of {block} would span ranks: {first} is not a whole number of blocks{more}"),
+                format!("blockwise FP8 blocks of {block} would span ranks: {first} is not a whole number of blocks{more}, and parc reduces no blockwise scale across ranks"),
             )
             .label(fp8.span, "this FP8 recipe")
             .label(spec.parallel.span, "this plan")
             .help(match largest_block(block, extents.iter().map(|(_, n)| *n)) {
                 b if b >= MIN_BLOCK => format!(
-                    "choose a block dividing every sharded dimension (`blockwise {{ block_size: {b} }}`), or pin those layers bf16"
+                    "choose a block dividing every sharded dimension (`blockwise {{ block_size: {b} }}`), use `rowwise` or `tensorwise` (their amaxes are reduced across ranks), or pin those layers bf16"
                 ),
-                _ => "no block of 16 or more divides them: pin those layers bf16 (`bf16: [...]`) or change tp / cp".to_string(),
+                _ => "no block of 16 or more divides them: use `rowwise` or `tensorwise` (their amaxes are reduced across ranks), pin those layers bf16 (`bf16: [...]`) or change tp / cp".to_string(),
             }),
         );
     }
@@ -633,7 +617,7 @@ mod tests {
     }
 
     #[test]
-    fn scale_groups_must_stay_within_a_rank() {
+    fn blocks_must_stay_within_a_rank() {
         let d = Dims::llama3_70b();
         let tp8 = Plan {
             tp: 8,
@@ -647,8 +631,9 @@ mod tests {
         // 70B under tp 8: 1024 query and 128 key/value columns per rank.
         assert!(codes(blockwise(), &[]).is_empty());
         assert!(codes(Fp8Scaling::Blockwise { block: 256 }, &[]).contains(&"E1204"));
-        assert!(codes(Fp8Scaling::Rowwise, &[]).contains(&"E1204"));
-        assert!(codes(Fp8Scaling::Tensorwise, &[]).contains(&"E1204"));
+        // Tensorwise and rowwise groups spanning tp ranks have their amaxes reduced over them.
+        assert!(codes(Fp8Scaling::Rowwise, &[]).is_empty());
+        assert!(codes(Fp8Scaling::Tensorwise, &[]).is_empty());
         // Nothing in FP8, nothing to split: a bf16-pinned model passes whatever the recipe.
         let spec = with_fp8(&d, &tp8, Fp8Scaling::Tensorwise, (&["blocks", "head"], &[]));
         assert!(validate(&spec).items.is_empty());

@@ -1,5 +1,6 @@
 //! parc's compiler core. Pure: no file IO, no CUDA. The CLI reads files into [`diag::Sources`]
 //! and renders what comes back; [`driver::compile`] chains the stages.
+pub mod axis;
 pub mod check;
 pub mod cost;
 pub mod diag;

@@ -272,26 +272,7 @@ pub struct Sharding {
 // Parallel plan
 // ----------------------------------------------------------------------------------------------
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Axis {
-    Dp,
-    Pp,
-    Cp,
-    Tp,
-}
-
-impl Axis {
-    pub fn name(self) -> &'static str {
-        match self {
-            Axis::Dp => "dp",
-            Axis::Pp => "pp",
-            Axis::Cp => "cp",
-            Axis::Tp => "tp",
-        }
-    }
-    pub const ALL: [Axis; 4] = [Axis::Dp, Axis::Pp, Axis::Cp, Axis::Tp];
-}
+pub use crate::axis::Axis;
 
 /// The device mesh. `axes` is outermost first, innermost last: the innermost axis's ranks are
 /// neighbours (consecutive global ranks). Every axis appears exactly once (size 1 if unused).

@@ -91,6 +91,13 @@ impl<'a, B: OperandBuffer + Copy> Bound<'a, B> {
             .ok_or_else(|| self.err(format!("has no input {i}")))
     }
 
+    /// The input in role `role` where the op's signature has one (an operand its attributes
+    /// make optional, e.g. an FP8 GEMM's `x_amax`), else None.
+    pub fn optional_input(&self, role: &str) -> Option<B> {
+        let i = self.signature.inputs.iter().position(|o| o.role == role)?;
+        self.inputs.get(i).copied()
+    }
+
     /// Output `i` (see [`Bound::input`]).
     pub fn output(&self, i: usize) -> Result<B> {
         self.outputs

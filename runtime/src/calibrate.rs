@@ -219,6 +219,7 @@ impl Bench<'_> {
         let attr = Fp8Gemm {
             scaling,
             grad: Fp8Format::E4m3,
+            split: Default::default(),
         };
         let dtype = GemmDtype::Fp8(scaling).name();
         let (mut points, mut refused) = (Vec::new(), Vec::new());

@@ -26,14 +26,17 @@ fn recipes() -> [Fp8Gemm; 3] {
         Fp8Gemm {
             scaling: Fp8Scaling::Tensorwise,
             grad: Fp8Format::E5m2,
+            split: Default::default(),
         },
         Fp8Gemm {
             scaling: Fp8Scaling::Rowwise,
             grad: Fp8Format::E4m3,
+            split: Default::default(),
         },
         Fp8Gemm {
             scaling: Fp8Scaling::Blockwise { block: 128 },
             grad: Fp8Format::E4m3,
+            split: Default::default(),
         },
     ]
 }
@@ -228,6 +231,7 @@ fn blockwise_with_another_block_is_unsupported() {
         fp8: Some(Fp8Gemm {
             scaling: Fp8Scaling::Blockwise { block: 64 },
             grad: Fp8Format::E4m3,
+            split: Default::default(),
         }),
     };
     let ids = [BufferId(0), BufferId(1), BufferId(2)];

@@ -23,7 +23,21 @@
 //! - `MatmulBwdWeight` (dW = dyᵀ x): dy along its rows (tokens); x along its rows.
 //!
 //! Weights and activations are E4M3; gradients take the recipe's gradient format.
+//!
+//! **Scale groups across ranks.** A parallel plan holds pieces of the single-rank run's
+//! operands: each GEMM operand is cut out of it along its rows and its columns by the mesh
+//! axes of [`Fp8Split`] (cp splits the tokens, tp a sharded weight and the activations on its
+//! sharded side). Where one scale group has pieces on several ranks
+//! ([`Fp8Operand::shared_over`]), every rank of the group must use the group's one scale, the
+//! single-rank run's: the GEMM then reads the operand's group amaxes from an extra input
+//! (`x_amax`, `w_amax`, `dy_amax` in the op table) instead of taking them from its own piece.
+//! That input is the [`Fp8AmaxAttrs`] op's amaxes of the piece, max-reduced over exactly the
+//! ranks of those axes (an `all_reduce max` over the group family spanning them, the
+//! verifier's invariant 9). A maximum is exact in any order, so every rank gets the single-rank
+//! run's amax bit for bit. Blockwise groups never span ranks: `crate::fp8` (E1204) requires
+//! every sharded extent to be a whole number of blocks.
 
+use crate::axis::Axis;
 use serde::Serialize;
 use std::fmt;
 
@@ -78,14 +92,16 @@ impl Fp8Scaling {
 
 /// What an operand is, which decides its blockwise groups: a weight is scaled in squares, an
 /// activation or gradient (a row per token) in tiles along K.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum OperandKind {
     Weight,
     Tokens,
 }
 
 /// The axis of an operand's stored `[rows, cols]` buffer that the contraction runs along.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Along {
     /// K is the column index: one line per row.
     Cols,
@@ -94,7 +110,7 @@ pub enum Along {
 }
 
 /// One quantized operand of an FP8 GEMM: its format, kind and contraction axis.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 pub struct Fp8Operand {
     pub format: Fp8Format,
     pub kind: OperandKind,
@@ -124,14 +140,147 @@ impl Fp8Operand {
         let (rb, cb) = self.group_shape(scaling, rows, cols);
         rows.max(1).div_ceil(rb) * cols.max(1).div_ceil(cb)
     }
+
+    /// The mesh axes whose ranks hold pieces of one scale group of this operand when it is
+    /// split as `split`: its amaxes must be max-reduced over exactly their ranks (none: every
+    /// group lies within the rank). Tensorwise: every axis splitting the operand. Rowwise:
+    /// the axes splitting its lines, i.e. the contraction axis (a row-parallel input's rows
+    /// across tp, a weight gradient's columns across cp); a split across lines leaves each
+    /// line whole. Blockwise: none (E1204 keeps every block inside a shard).
+    pub fn shared_over(self, scaling: Fp8Scaling, split: Fp8Split) -> Axes {
+        match (scaling, self.along) {
+            (Fp8Scaling::Tensorwise, _) => split.rows.union(split.cols),
+            (Fp8Scaling::Rowwise, Along::Cols) => split.cols,
+            (Fp8Scaling::Rowwise, Along::Rows) => split.rows,
+            (Fp8Scaling::Blockwise { .. }, _) => Axes::NONE,
+        }
+    }
 }
 
-/// The `fp8` attribute of a GEMM op: its scaling and the format of its gradient operand (dy,
-/// in the two backward GEMMs; weights and activations are E4M3).
+/// A set of mesh axes (the ranks that differ only on them form one group of a family).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Axes(u8);
+
+impl Axes {
+    pub const NONE: Axes = Axes(0);
+
+    fn bit(axis: Axis) -> u8 {
+        match axis {
+            Axis::Dp => 1,
+            Axis::Pp => 2,
+            Axis::Cp => 4,
+            Axis::Tp => 8,
+        }
+    }
+
+    pub fn of(axes: &[Axis]) -> Axes {
+        Axes(axes.iter().fold(0, |s, a| s | Axes::bit(*a)))
+    }
+
+    /// This set and `axis`, where `on` holds.
+    pub fn with_if(self, on: bool, axis: Axis) -> Axes {
+        if on {
+            Axes(self.0 | Axes::bit(axis))
+        } else {
+            self
+        }
+    }
+
+    pub fn union(self, other: Axes) -> Axes {
+        Axes(self.0 | other.0)
+    }
+
+    pub fn contains(self, axis: Axis) -> bool {
+        self.0 & Axes::bit(axis) != 0
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// The axes, in mesh order (`Axis::ALL`).
+    pub fn iter(self) -> impl Iterator<Item = Axis> {
+        Axis::ALL.into_iter().filter(move |a| self.contains(*a))
+    }
+}
+
+impl Serialize for Axes {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.iter())
+    }
+}
+
+/// `cp+tp`, or `1` for no axis.
+impl fmt::Display for Axes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_empty() {
+            return f.write_str("1");
+        }
+        let names: Vec<&str> = self.iter().map(Axis::name).collect();
+        f.write_str(&names.join("+"))
+    }
+}
+
+/// How a GEMM operand's local buffer is cut out of the single-rank run's tensor: the mesh
+/// axes whose ranks hold the other pieces along its rows and along its columns (none: whole).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize)]
+pub struct Fp8Split {
+    pub rows: Axes,
+    pub cols: Axes,
+}
+
+impl Fp8Split {
+    pub fn is_whole(self) -> bool {
+        self.rows.is_empty() && self.cols.is_empty()
+    }
+}
+
+/// `rows × cols`: `cp × tp`, `1 × tp`.
+impl fmt::Display for Fp8Split {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} × {}", self.rows, self.cols)
+    }
+}
+
+/// The `Fp8Amax` op: the group amaxes of one FP8 GEMM operand's local piece, for a max
+/// all-reduce over the ranks sharing its groups. Its input is `[rows, cols]` (`rows` fixed for
+/// a weight, the op's row count for a token operand); its output holds one amax per group of
+/// the piece, in [`Fp8Operand::group_shape`]'s group order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct Fp8AmaxAttrs {
+    pub operand: Fp8Operand,
+    pub scaling: Fp8Scaling,
+    /// The operand's rows where they are fixed (a weight); None for a token operand.
+    pub rows: Option<u64>,
+    pub cols: u64,
+}
+
+/// The `fp8` attribute of a GEMM op: its scaling, the format of its gradient operand (dy,
+/// in the two backward GEMMs; weights and activations are E4M3), and how each operand (in the
+/// op's input order) is split across ranks, which decides which operands read their amaxes
+/// from an input ([`Fp8Gemm::shared`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 pub struct Fp8Gemm {
     pub scaling: Fp8Scaling,
     pub grad: Fp8Format,
+    #[serde(skip_serializing_if = "unsplit")]
+    pub split: [Fp8Split; 2],
+}
+
+fn unsplit(split: &[Fp8Split; 2]) -> bool {
+    split.iter().all(|s| s.is_whole())
+}
+
+impl Fp8Gemm {
+    /// For each of the two operands `operands` (the op's, `operands::forward` etc.), the axes
+    /// its amaxes are max-reduced over (none: the GEMM takes them from its own piece).
+    pub fn shared(self, operands: [Fp8Operand; 2]) -> [Axes; 2] {
+        let [a, b] = operands;
+        [
+            a.shared_over(self.scaling, self.split[0]),
+            b.shared_over(self.scaling, self.split[1]),
+        ]
+    }
 }
 
 impl fmt::Display for Fp8Gemm {
@@ -140,7 +289,11 @@ impl fmt::Display for Fp8Gemm {
             Fp8Scaling::Blockwise { block } => write!(f, "blockwise({block})")?,
             s => f.write_str(s.name())?,
         }
-        write!(f, " grad {}", self.grad.name())
+        write!(f, " grad {}", self.grad.name())?;
+        if !unsplit(&self.split) {
+            write!(f, " split [{}, {}]", self.split[0], self.split[1])?;
+        }
+        Ok(())
     }
 }
 
@@ -190,6 +343,7 @@ mod tests {
         let g = Fp8Gemm {
             scaling: Fp8Scaling::Rowwise,
             grad: Fp8Format::E5m2,
+            split: Default::default(),
         };
         let [x, w] = operands::forward(g);
         let [dy, _] = operands::bwd_weight(g);
@@ -205,5 +359,27 @@ mod tests {
         assert_eq!(w.groups(block, 300, 200), 3 * 2);
         assert_eq!(dy.groups(block, 300, 200), 3 * 200);
         assert_eq!(x.groups(Fp8Scaling::Tensorwise, 300, 200), 1);
+    }
+
+    #[test]
+    fn shared_groups_follow_the_split_and_the_lines() {
+        let g = |scaling| Fp8Gemm {
+            scaling,
+            grad: Fp8Format::E5m2,
+            split: Default::default(),
+        };
+        let (cp, tp) = (Axes::of(&[Axis::Cp]), Axes::of(&[Axis::Tp]));
+        // A row-parallel input under cp: rows split by cp, columns (K) by tp.
+        let split = Fp8Split { rows: cp, cols: tp };
+        let [x, _] = operands::forward(g(Fp8Scaling::Rowwise));
+        let [dy, _] = operands::bwd_weight(g(Fp8Scaling::Rowwise));
+        assert_eq!(x.shared_over(Fp8Scaling::Tensorwise, split), cp.union(tp));
+        assert_eq!(x.shared_over(Fp8Scaling::Rowwise, split), tp);
+        // A weight gradient's operands run K along the tokens: cp splits their lines.
+        assert_eq!(dy.shared_over(Fp8Scaling::Rowwise, split), cp);
+        let block = Fp8Scaling::Blockwise { block: 128 };
+        assert_eq!(x.shared_over(block, split), Axes::NONE);
+        assert_eq!(format!("{}", cp.union(tp)), "cp+tp");
+        assert_eq!(format!("{split}"), "cp × tp");
     }
 }

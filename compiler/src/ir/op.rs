@@ -29,7 +29,7 @@
 //!   marks an overflowed step, and a marked step leaves `AdamW`/`Sgd` parameters and state
 //!   untouched.
 
-use super::fp8::Fp8Gemm;
+use super::fp8::{operands, Fp8AmaxAttrs, Fp8Gemm, Fp8Operand};
 use crate::kir::Kernel;
 use serde::Serialize;
 use std::fmt;
@@ -253,6 +253,13 @@ pub enum Op {
         #[serde(skip_serializing_if = "Option::is_none")]
         fp8: Option<Fp8Gemm>,
     },
+    /// in: x, one operand of an FP8 GEMM as that GEMM reads it (`[rows, cols]`, `rows` fixed
+    /// for a weight). out: amax, f32, one value per scale group of x as `ir::fp8` groups the
+    /// operand under the scaling (`Fp8Operand::group_shape` on x's local shape, in its group
+    /// order): the largest finite |element| of the group, 0 where it has none. The lowering
+    /// max-reduces it over the ranks sharing those groups and hands it to the GEMM
+    /// (`Fp8Gemm::shared`), so every one of them uses the single-rank run's scale.
+    Fp8Amax(Fp8AmaxAttrs),
 
     // ------------------------------------------------------------------ attention
     /// in: x `[rows, heads*head_dim]`. out: y, each head rotated by its row's position.
@@ -398,6 +405,18 @@ impl Op {
         }
     }
 
+    /// An FP8 GEMM's attribute and its two quantized operands, in input order (None for
+    /// every other op).
+    pub fn fp8_operands(&self) -> Option<(Fp8Gemm, [Fp8Operand; 2])> {
+        let g = self.fp8()?;
+        let of = match self {
+            Op::Matmul { .. } => operands::forward(g),
+            Op::MatmulBwdData { .. } => operands::bwd_data(g),
+            _ => operands::bwd_weight(g),
+        };
+        Some((g, of))
+    }
+
     /// The GEMM with its `fp8` attribute set to `to` (unchanged for every other op).
     pub fn with_fp8(&self, to: Option<Fp8Gemm>) -> Op {
         let mut op = self.clone();
@@ -525,6 +544,13 @@ impl fmt::Debug for Op {
                     .field("accumulate_param_grad", accumulate_param_grad),
                 fp8,
             ),
+            Op::Fp8Amax(a) => d
+                .field("operand", &format_args!("{}", a.operand.format.name()))
+                .field("kind", &a.operand.kind)
+                .field("along", &a.operand.along)
+                .field("scaling", &format_args!("{}", a.scaling.name()))
+                .field("rows", &a.rows)
+                .field("cols", &a.cols),
             Op::Rope(a) | Op::RopeBwd(a) | Op::RopeTable(a) => d
                 .field("batch", &a.batch)
                 .field("heads", &a.heads)

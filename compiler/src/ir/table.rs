@@ -14,6 +14,7 @@
 //! rows (attention with separate k and v). Where the attributes fix a row count
 //! (`Signature::rows`, `Signature::kv_rows`), a bound buffer must agree with it; otherwise the
 //! first operand of that row count decides it and every other must agree.
+use super::fp8::{Along, Fp8Operand, Fp8Scaling, OperandKind};
 use super::op::{AttentionAttrs, Op};
 use super::storage::StorageClass::{self, Float, Fp32, Tokens};
 
@@ -80,6 +81,7 @@ opcodes! {
     Matmul "matmul" Matmul,
     MatmulBwdData "matmul_bwd_data" Matmul,
     MatmulBwdWeight "matmul_bwd_weight" Matmul,
+    Fp8Amax "fp8_amax" Matmul,
     Rope "rope" Elementwise,
     RopeBwd "rope_bwd" Elementwise,
     RopeTable "rope_table" Elementwise,
@@ -297,6 +299,24 @@ impl Signature {
         self
     }
 
+    /// An FP8 GEMM's amax inputs (`op`'s `Fp8Gemm::shared`): for each of its two operands,
+    /// given as (role, fixed rows or None for the op's rows, columns), the reduced amaxes of
+    /// its groups where they span ranks.
+    fn amax_inputs(self, op: &Op, operands: [(&'static str, Option<u64>, u64); 2]) -> Self {
+        let Some((g, quantized)) = op.fp8_operands() else {
+            return self;
+        };
+        let shared = g.shared(quantized);
+        let mut s = self;
+        for (((role, rows, cols), operand), axes) in operands.into_iter().zip(quantized).zip(shared)
+        {
+            let rows = rows.map_or(Rows::N, Rows::Fixed);
+            let shape = amax_shape(operand, g.scaling, rows, cols);
+            s = s.input_if(!axes.is_empty(), role, Fp32, Some(shape));
+        }
+        s
+    }
+
     /// Every later output written as `write` (the parameter gradients an
     /// `accumulate_param_grad` flag governs).
     fn writing_from(mut self, first: usize, write: Write) -> Self {
@@ -433,6 +453,13 @@ impl Op {
                 .input("w", Float, fixed(*out_dim, *in_dim))
                 .input_if(*bias, "b", Fp32, fixed(*out_dim, 1))
                 .input_if(*residual, "r", Float, n(*out_dim))
+                .amax_inputs(
+                    self,
+                    [
+                        ("x_amax", None, *in_dim),
+                        ("w_amax", Some(*out_dim), *in_dim),
+                    ],
+                )
                 .output("y", Float, n(*out_dim))
                 .output_if(act.is_some(), "a", Float, n(*out_dim)),
             Op::MatmulBwdData {
@@ -445,6 +472,13 @@ impl Op {
                 .input("dy", Float, n(*out_dim))
                 .input("w", Float, fixed(*out_dim, *in_dim))
                 .input_if(act_grad.is_some(), "pre", Float, n(*in_dim))
+                .amax_inputs(
+                    self,
+                    [
+                        ("dy_amax", None, *out_dim),
+                        ("w_amax", Some(*out_dim), *in_dim),
+                    ],
+                )
                 .write("dx", Float, n(*in_dim), accumulate_if(*accumulate)),
             Op::MatmulBwdWeight {
                 in_dim,
@@ -455,9 +489,21 @@ impl Op {
             } => s
                 .input("dy", Float, n(*out_dim))
                 .input("x", Float, n(*in_dim))
+                .amax_inputs(
+                    self,
+                    [("dy_amax", None, *out_dim), ("x_amax", None, *in_dim)],
+                )
                 .output("dw", Fp32, fixed(*out_dim, *in_dim))
                 .output_if(*bias, "db", Fp32, fixed(*out_dim, 1))
                 .writing_from(0, accumulate_if(*accumulate_param_grad)),
+            Op::Fp8Amax(a) => {
+                let rows = a.rows.map_or(Rows::N, Rows::Fixed);
+                s.input("x", Float, shape(rows, a.cols)).output(
+                    "amax",
+                    Fp32,
+                    Some(amax_shape(a.operand, a.scaling, rows, a.cols)),
+                )
+            }
             Op::Rope(a) => {
                 let width = a.heads.saturating_mul(a.head_dim);
                 s.rows(rows_of(&a.positions, a.batch))
@@ -639,6 +685,26 @@ impl Op {
             _ => None,
         })
     }
+}
+
+/// The shape of the group amaxes of an FP8 GEMM operand of `rows × cols` (`ir::fp8`'s
+/// groups): one value for a tensor, one per line along K, one per block or tile.
+fn amax_shape(operand: Fp8Operand, scaling: Fp8Scaling, rows: Rows, cols: u64) -> Shape {
+    let tiles = |n: u64, block: u64| n.max(1).div_ceil(block.max(1));
+    let (rows, cols) = match (scaling, operand.kind, operand.along) {
+        (Fp8Scaling::Tensorwise, ..) => (Rows::Fixed(1), 1),
+        (Fp8Scaling::Rowwise, _, Along::Cols) => (rows, 1),
+        (Fp8Scaling::Rowwise, _, Along::Rows) => (Rows::Fixed(1), cols),
+        (Fp8Scaling::Blockwise { block }, OperandKind::Tokens, Along::Cols) => {
+            (rows, tiles(cols, block))
+        }
+        (Fp8Scaling::Blockwise { .. }, OperandKind::Tokens, Along::Rows) => (Rows::Any, cols),
+        (Fp8Scaling::Blockwise { block }, OperandKind::Weight, _) => match rows {
+            Rows::Fixed(r) => (Rows::Fixed(tiles(r, block)), tiles(cols, block)),
+            _ => (Rows::Any, tiles(cols, block)),
+        },
+    };
+    Shape { rows, cols }
 }
 
 /// A norm's forward: LayerNorm (`layer` = Some(bias)) or RMSNorm (None: no mean, no bias).

@@ -4,6 +4,7 @@
 
 use super::act_kernels;
 use super::emitter::Emitter;
+use super::fp8::Gemm;
 use super::layers::AttnShape;
 use crate::ir::op::{Act, ActAttrs, EmbeddingAttrs, Op, PositionAttrs};
 use crate::ir::{BufferId, BufferKind, CollectiveKind, Phase};
@@ -404,19 +405,22 @@ impl Emitter<'_> {
             Some(acc) => acc,
             None => self.activation_grad(node, &format!("d{w}_in"), mb, vec![rows, in_dim]),
         };
+        let f8 = self.fp8_gemm((mb, node, w), Gemm::BwdData, &ins, Phase::Backward);
+        ins.extend(&f8.amax);
         self.b.compute(
             Op::MatmulBwdData {
                 in_dim,
                 out_dim,
                 accumulate: into.is_some(),
                 act_grad: act_grad.map(|(act, _)| act),
-                fp8: None,
+                fp8: f8.attr,
             },
             &ins,
             &[dx],
             Some(node),
             Phase::Backward,
         );
+        self.fp8_done(f8);
         let bias = b.is_some_and(|b| self.adds_bias(node, b));
         let mut outs = Vec::new();
         outs.extend(self.grad(node, w));
@@ -424,19 +428,23 @@ impl Emitter<'_> {
             outs.extend(self.grad(node, bn));
         }
         if let Some(x) = x {
+            let mut ins = vec![dy, x];
+            let f8 = self.fp8_gemm((mb, node, w), Gemm::BwdWeight, &ins, Phase::Backward);
+            ins.extend(&f8.amax);
             self.b.compute(
                 Op::MatmulBwdWeight {
                     in_dim,
                     out_dim,
                     bias,
                     accumulate_param_grad: true,
-                    fp8: None,
+                    fp8: f8.attr,
                 },
-                &[dy, x],
+                &ins,
                 &outs,
                 Some(node),
                 Phase::Backward,
             );
+            self.fp8_done(f8);
         }
         self.grad_used(node, w);
         if let Some(bn) = b {

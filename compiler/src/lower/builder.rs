@@ -245,8 +245,9 @@ impl ProgramBuilder {
             return false;
         }
         let outputs = *c.outputs;
+        // r follows x, W and the bias, before any FP8 amax inputs (the op table's order).
         let mut with_r = c.inputs.to_vec();
-        with_r.push(r);
+        with_r.insert((2 + usize::from(bias)).min(with_r.len()), r);
         let Some(inputs) = Inputs::from_slice(&with_r) else {
             return false;
         };

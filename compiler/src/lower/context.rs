@@ -4,6 +4,7 @@
 //! could not have caught (E08xx).
 
 use crate::diag::{Diagnostic, Diagnostics};
+use crate::ir::fp8::Fp8Gemm;
 use crate::ir::op::Segment;
 use crate::ir::{Group, GroupId};
 use crate::spec::{Axis, LayerKind, Mesh, NodeId, Recompute, Spec, ValueId};
@@ -19,6 +20,37 @@ pub struct Groups {
     pub norm: Option<GroupId>,
     /// First and last pipeline stage, for parameters used on both (a tied embedding).
     pub embed: Option<GroupId>,
+    /// cp × tp: the ranks sharing a tensorwise FP8 scale of an operand split by both (a
+    /// row-parallel input under cp; `lower/fp8.rs`).
+    pub cptp: Option<GroupId>,
+}
+
+/// The layers to run in FP8, by node index, and their GEMMs' attribute.
+pub struct Fp8Layers {
+    pub chosen: Vec<bool>,
+    pub attr: Fp8Gemm,
+}
+
+impl Fp8Layers {
+    /// From the spec's recipe and `crate::fp8`'s `choices`; None without `train.fp8` or when
+    /// every layer stays bf16.
+    pub fn of(spec: &Spec, choices: &[crate::fp8::Choice]) -> Option<Fp8Layers> {
+        let fp8 = spec.train.fp8.as_ref()?;
+        let mut chosen = vec![false; spec.model.nodes.len()];
+        for c in choices.iter().filter(|c| c.fp8) {
+            if let Some(slot) = chosen.get_mut(c.node.0 as usize) {
+                *slot = true;
+            }
+        }
+        chosen.iter().any(|&c| c).then(|| Fp8Layers {
+            chosen,
+            attr: crate::fp8::gemm_attr(fp8),
+        })
+    }
+
+    pub fn runs(&self, node: NodeId) -> bool {
+        self.chosen.get(node.0 as usize) == Some(&true)
+    }
 }
 
 /// Disjoint sets of ranks that differ only on `axes`, each ascending.

@@ -146,6 +146,8 @@ pub struct Emitter<'a> {
     /// Emitting an evaluation step (`eval`): forward units only, nothing saved for a backward,
     /// and the step ends with the loss (no gradients, no optimizer).
     pub evaluating: bool,
+    /// The layers whose GEMMs run in FP8 (`train.fp8`; `lower/fp8.rs`).
+    pub fp8: Option<&'a super::context::Fp8Layers>,
 }
 
 impl Emitter<'_> {

@@ -45,9 +45,6 @@ pub(super) fn program(
     let mut program = finish_program(em, role);
     program.grad_sumsq = None;
     storage::assign(&mut program, sh.spec.train.precision);
-    if let Some(fp8) = sh.fp8 {
-        fp8.mark(&mut program);
-    }
     let internal = |what: String| {
         one(internal_error(
             sh,

@@ -17,6 +17,7 @@
 //! tensors its backward needs ("saved", one holder each); the caller owns input lifetimes.
 
 use super::emitter::Emitter;
+use super::fp8::Gemm;
 use crate::ir::op::{
     Act, ActAttrs, AttentionAttrs, EmbeddingAttrs, FusedAttrs, Op, PositionAttrs, RopeAttrs,
 };
@@ -179,15 +180,18 @@ impl Emitter<'_> {
                     ins.extend(self.weight(node, "bias"));
                 }
                 let y = self.activation(node, "y", mb, vec![rows, ol]);
+                let f8 = self.fp8_gemm((mb, node, "weight"), Gemm::Forward, &ins, phase);
+                ins.extend(&f8.amax);
                 let op = Op::Matmul {
                     in_dim,
                     out_dim: ol,
                     bias,
                     act: None,
                     residual: false,
-                    fp8: None,
+                    fp8: f8.attr,
                 };
                 self.b.compute(op, &ins, &[y], Some(node), phase);
+                self.fp8_done(f8);
                 self.set_output(mb, node, y);
                 vec![self.sp_saved_input(x, xf)]
             }
@@ -427,15 +431,18 @@ impl Emitter<'_> {
             ins.extend(self.weight(node, bn));
         }
         let y = self.activation(node, what, mb, vec![rows, out_dim]);
+        let f8 = self.fp8_gemm((mb, node, w), Gemm::Forward, &ins, self.phase);
+        ins.extend(&f8.amax);
         let op = Op::Matmul {
             in_dim,
             out_dim,
             bias,
             act: None,
             residual: false,
-            fp8: None,
+            fp8: f8.attr,
         };
         self.b.compute(op, &ins, &[y], Some(node), self.phase);
+        self.fp8_done(f8);
         y
     }
 
@@ -502,15 +509,18 @@ impl Emitter<'_> {
                 .alloc(name, vec![rows, out_dim], BufferKind::Activation)
         };
         let (h, a) = (out("h"), out("a"));
+        let f8 = self.fp8_gemm((mb, node, w), Gemm::Forward, &ins, self.phase);
+        ins.extend(&f8.amax);
         let op = Op::Matmul {
             in_dim,
             out_dim,
             bias,
             act: Some(act),
             residual: false,
-            fp8: None,
+            fp8: f8.attr,
         };
         self.b.compute(op, &ins, &[h, a], Some(node), self.phase);
+        self.fp8_done(f8);
         (h, a)
     }
 

@@ -215,7 +215,7 @@ struct Setup<'a> {
     eval_table: Option<schedule::Timetable>,
     param_stages: HashMap<u32, Vec<u32>>,
     /// The layers whose GEMMs run in FP8 (`train.fp8`).
-    fp8: Option<fp8::Fp8Layers>,
+    fp8: Option<context::Fp8Layers>,
 }
 
 impl<'a> Setup<'a> {
@@ -235,7 +235,8 @@ impl<'a> Setup<'a> {
             ZeroStage::Zero0
         };
         let param_stages = param_stages(spec, &chunks, &params, p);
-        let (groups, plan_groups) = make_groups(spec, zero, &param_stages, p);
+        let fp8 = context::Fp8Layers::of(spec, fp8);
+        let (groups, plan_groups) = make_groups(spec, zero, &param_stages, p, fp8.as_ref());
         let table = timetable(spec, p, v, false)?;
         let eval_table = match spec.train.eval {
             Some(_) => Some(timetable(spec, p, v, true)?),
@@ -251,7 +252,7 @@ impl<'a> Setup<'a> {
             table,
             eval_table,
             param_stages,
-            fp8: fp8::Fp8Layers::of(spec, fp8),
+            fp8,
         })
     }
 
@@ -294,6 +295,7 @@ fn make_groups(
     zero: ZeroStage,
     param_stages: &HashMap<u32, Vec<u32>>,
     p: u32,
+    fp8: Option<&context::Fp8Layers>,
 ) -> (Groups, Vec<Group>) {
     let mesh = &spec.parallel.mesh;
     let (tp, cp, dp) = (
@@ -356,8 +358,16 @@ fn make_groups(
             sets,
         });
     }
-
+    if cp > 1 && tp > 1 && needs_cptp(fp8) {
+        groups.cptp = add(context::group_family("cp+tp", mesh, &[Axis::Cp, Axis::Tp]));
+    }
     (groups, plan_groups)
+}
+
+/// Whether a GEMM operand's scale group spans cp and tp together: tensorwise FP8 scaling of
+/// some layer (a row-parallel input's whole tensor is split by both; `lower/fp8.rs`).
+fn needs_cptp(fp8: Option<&context::Fp8Layers>) -> bool {
+    fp8.is_some_and(|l| l.attr.scaling == crate::ir::fp8::Fp8Scaling::Tensorwise)
 }
 
 /// Every stage's unit order, simulated into the timetable of transfers (E0805 when it cannot
@@ -401,7 +411,7 @@ struct Shared<'a> {
     zero: ZeroStage,
     table: &'a schedule::Timetable,
     param_stages: &'a HashMap<u32, Vec<u32>>,
-    fp8: Option<&'a fp8::Fp8Layers>,
+    fp8: Option<&'a context::Fp8Layers>,
     options: LowerOptions,
 }
 
@@ -527,9 +537,6 @@ fn emit_program(sh: &Shared, key: (u32, u32, u32)) -> Result<Program, Diagnostic
         first_write::overwrite_first_contributions(&mut program);
     }
     storage::assign(&mut program, sh.spec.train.precision);
-    if let Some(fp8) = sh.fp8 {
-        fp8.mark(&mut program);
-    }
     if sh.options.fusion {
         crate::fuse::fuse_program(&mut program).map_err(|e| {
             one(internal_error(
@@ -850,6 +857,7 @@ fn new_emitter<'a>(
         accumulate_in_place: sh.options.accumulate_in_place,
         fuse_epilogues: sh.options.fuse_epilogues,
         evaluating: false,
+        fp8: sh.fp8,
     }
 }
 

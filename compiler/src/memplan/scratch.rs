@@ -499,6 +499,7 @@ mod tests {
             Some(Fp8Gemm {
                 scaling,
                 grad: Fp8Format::E4m3,
+                split: Default::default(),
             })
         };
         // 37 rows, in 200, out 136.

@@ -29,8 +29,13 @@
 //!    also one of its inputs (E0821); a `MatmulBwdData` with `act_grad` does not accumulate
 //!    (E0822); an op overwriting its parameter gradients is their first writer since their
 //!    allocation (E0823).
+//! 9. **FP8 scales are shared by exactly their group**: every FP8 GEMM operand's split across
+//!    ranks agrees with the plan (tp as its weight's `TpSplit`, cp on the tokens, never dp or
+//!    pp), and each operand whose scale groups span ranks (`ir::fp8`) reads amaxes of that
+//!    operand computed by `Fp8Amax` and max all-reduced over a group family spanning exactly
+//!    those axes: not a subset, not a superset (E0824; `fp8`).
 //!
-//! Invariants 1–3, 6–8 and the liveness numbers are per program (ranks sharing a program are
+//! Invariants 1–3, 6–9 and the liveness numbers are per program (ranks sharing a program are
 //! alike); 4–5 come from simulating all ranks together ([`rendezvous`]). Ranks whose programs
 //! differ only in the dp coordinate are simulated once: when every rank runs the program of its
 //! dp-0 counterpart and no transfer crosses dp, the dp-0 slice's run is the whole run (each rank
@@ -41,6 +46,7 @@
 
 mod accumulation;
 mod dtypes;
+mod fp8;
 mod in_place;
 mod liveness;
 mod rendezvous;
@@ -119,7 +125,7 @@ impl Violation {
     }
 }
 
-/// The violations one per-program check (invariants 6–8) finds in a program run by `rank` (the
+/// The violations one per-program check (invariants 6–9) finds in a program run by `rank` (the
 /// lowest rank running it): at most [`Findings::MAX`], the first ones, which say what is wrong.
 pub(super) struct Findings {
     program: ProgramId,
@@ -233,6 +239,12 @@ pub fn check(plan: &Plan) -> Outcome {
             violations.extend(dtypes::check(program, ProgramId(i as u32), first_rank[i]));
             violations.extend(in_place::check(program, ProgramId(i as u32), first_rank[i]));
             violations.extend(accumulation::check(
+                program,
+                ProgramId(i as u32),
+                first_rank[i],
+            ));
+            violations.extend(fp8::check(
+                plan,
                 program,
                 ProgramId(i as u32),
                 first_rank[i],

@@ -768,3 +768,115 @@ cluster {{ nodes = 1; gpus_per_node = {tp}; gpu = cpu }}
         }
     }
 }
+
+/// A tensorwise FP8 plan (every layer pinned FP8) of `choice`.
+fn lowered_fp8(choice: PlanChoice, scaling: crate::ir::fp8::Fp8Scaling) -> Plan {
+    let mut spec = build(&Dims::tiny(), &choice);
+    spec.train.precision = crate::spec::Precision::Bf16;
+    spec.train.fp8 = Some(crate::spec::Fp8 {
+        scaling,
+        grad: crate::ir::fp8::Fp8Format::E4m3,
+        keep_bf16: Vec::new(),
+        force_fp8: vec!["Attention".into(), "MLP".into(), "Linear".into()],
+        span: Default::default(),
+    });
+    match lower(&spec) {
+        Ok(p) => p,
+        Err(d) => panic!("{:?}", d.items),
+    }
+}
+
+/// The first `all_reduce max` of an FP8 amax in program 0 whose group spans exactly `axes`:
+/// its instruction index.
+fn amax_reduction(plan: &Plan, axes: &[crate::spec::Axis]) -> usize {
+    let program = &plan.programs[0];
+    let amax = |b: &BufferId| program.buffers[b.0 as usize].name.contains("amax");
+    (program.instrs.iter())
+        .position(|i| match i {
+            Instr::Collective { group, input, .. } => {
+                amax(input) && plan.groups[group.0 as usize].axes == axes
+            }
+            _ => false,
+        })
+        .expect("an amax reduction over those axes")
+}
+
+/// Swap the group of the collective at `at` in program 0 for the family spanning `axes`.
+fn regroup(plan: &mut Plan, at: usize, axes: &[crate::spec::Axis]) {
+    let family = (plan.groups.iter()).position(|g| g.axes == axes);
+    let family = crate::ir::GroupId(family.expect("a family over those axes") as u32);
+    if let Instr::Collective { group, .. } = &mut plan.programs[0].instrs[at] {
+        *group = family;
+    }
+}
+
+#[test]
+fn fp8_amaxes_reduced_over_the_wrong_group_are_reported() {
+    use crate::ir::fp8::Fp8Scaling;
+    use crate::spec::Axis;
+    let cp_tp = PlanChoice {
+        cp: 2,
+        tp: 2,
+        ..PlanChoice::default()
+    };
+    let plan = lowered_fp8(cp_tp, Fp8Scaling::Tensorwise);
+    assert!(
+        check(&plan).violations.is_empty(),
+        "{:#?}",
+        check(&plan).violations
+    );
+    // A row-parallel input under cp × tp: its tensor's pieces are on every cp and tp rank.
+    let at = amax_reduction(&plan, &[Axis::Cp, Axis::Tp]);
+    // Reduced over tp alone (a subset, Megatron-LM PR#442's bug): each cp rank gets its
+    // own scale for one group.
+    let mut subset = plan.clone();
+    regroup(&mut subset, at, &[Axis::Tp]);
+    let found = check(&subset);
+    assert!(codes(&found).contains(&"E0824"), "{:#?}", found.violations);
+    let v = found
+        .violations
+        .iter()
+        .find(|v| v.code == "E0824")
+        .expect("E0824");
+    assert!(
+        v.message.contains("reduced over tp") && v.message.contains("exactly cp+tp"),
+        "{}",
+        v.message
+    );
+    // A weight split over tp only, reduced over cp and tp (a superset).
+    let at = amax_reduction(&plan, &[Axis::Tp]);
+    let mut superset = plan.clone();
+    regroup(&mut superset, at, &[Axis::Cp, Axis::Tp]);
+    assert!(codes(&check(&superset)).contains(&"E0824"));
+    // No reduction at all: the GEMM reads amaxes its Fp8Amax computed on the piece alone.
+    let mut none = plan.clone();
+    none.programs[0].instrs.remove(at);
+    assert!(codes(&check(&none)).contains(&"E0824"));
+}
+
+#[test]
+fn fp8_splits_must_agree_with_the_plan() {
+    use crate::ir::fp8::{Axes, Fp8Scaling};
+    use crate::spec::Axis;
+    let tp = PlanChoice {
+        tp: 2,
+        ..PlanChoice::default()
+    };
+    let mut plan = lowered_fp8(tp, Fp8Scaling::Rowwise);
+    assert!(
+        check(&plan).violations.is_empty(),
+        "{:#?}",
+        check(&plan).violations
+    );
+    // Claim a token operand's rows are split by dp: dp splits no scale group.
+    let program = &mut plan.programs[0];
+    let at = (program.instrs.iter())
+        .position(|i| i.op().is_some_and(|op| op.fp8().is_some()))
+        .expect("an FP8 GEMM");
+    if let Instr::Compute { op, .. } = &mut program.instrs[at] {
+        let mut g = op.fp8().expect("fp8");
+        g.split[0].rows = Axes::of(&[Axis::Dp]);
+        *op = std::sync::Arc::new(op.with_fp8(Some(g)));
+    }
+    assert!(codes(&check(&plan)).contains(&"E0824"));
+}

@@ -3,31 +3,69 @@
 //! family runs its usual f32 product on these values, so an FP8 GEMM differs from the exact
 //! product of the dequantized operands only by the order of f32 additions.
 
+use crate::error::{Result, RuntimeError};
 use float8::{F8E4M3, F8E5M2};
 use parc_compiler::ir::fp8::{Along, Fp8Format, Fp8Operand, Fp8Scaling, OperandKind};
 use rayon::prelude::*;
 
-/// `data` (`[rows, cols]` row-major) quantized and dequantized as `operand` under `scaling`.
+/// `data` (`[rows, cols]` row-major) quantized and dequantized as `operand` under `scaling`,
+/// with its groups' amaxes given (`amax`: reduced over the ranks sharing them, `Op::Fp8Amax`)
+/// or taken from `data` itself.
 pub(crate) fn dequantized(
     data: &[f32],
     cols: usize,
-    operand: Fp8Operand,
-    scaling: Fp8Scaling,
-) -> Vec<f32> {
+    (operand, scaling): (Fp8Operand, Fp8Scaling),
+    amax: Option<&[f32]>,
+) -> Result<Vec<f32>> {
     let cols = cols.max(1);
     let rows = data.len() / cols;
     let groups = Groups::new(rows, cols, operand, scaling);
-    let scales: Vec<f32> = group_amax(data, cols, &groups)
-        .iter()
-        .map(|&a| scale(a, operand.format))
-        .collect();
+    let own;
+    let amax = match amax {
+        Some(a) => a,
+        None => {
+            own = group_amax(data, cols, &groups);
+            &own
+        }
+    };
+    if amax.len() != groups.count {
+        return Err(RuntimeError::Unsupported(format!(
+            "an FP8 operand [{rows}, {cols}] has {} {} scale groups, but its amax input holds {}",
+            groups.count,
+            scaling.name(),
+            amax.len()
+        )));
+    }
+    let scales: Vec<f32> = amax.iter().map(|&a| scale(a, operand.format)).collect();
     let mut out = data.to_vec();
     out.par_chunks_mut(cols).enumerate().for_each(|(r, row)| {
         for (c, v) in row.iter_mut().enumerate() {
             *v = round_trip(*v, scales[groups.of(r, c)], operand.format);
         }
     });
-    out
+    Ok(out)
+}
+
+/// `Op::Fp8Amax`: the largest finite magnitude of each scale group of `data` (`[rows, cols]`
+/// row-major, `operand` under `scaling`) into `amax`, one value per group in group order.
+pub(crate) fn amax_into(
+    data: &[f32],
+    cols: usize,
+    (operand, scaling): (Fp8Operand, Fp8Scaling),
+    amax: &mut [f32],
+) -> Result<()> {
+    let cols = cols.max(1);
+    let groups = Groups::new(data.len() / cols, cols, operand, scaling);
+    let found = group_amax(data, cols, &groups);
+    if found.len() != amax.len() {
+        return Err(RuntimeError::Unsupported(format!(
+            "Fp8Amax: {} scale groups into an amax buffer of {}",
+            found.len(),
+            amax.len()
+        )));
+    }
+    amax.copy_from_slice(&found);
+    Ok(())
 }
 
 /// The largest finite magnitude of each group, over row chunks in parallel (a maximum is exact
@@ -127,6 +165,10 @@ impl Groups {
 mod tests {
     use super::*;
 
+    fn dq(data: &[f32], cols: usize, operand: Fp8Operand, scaling: Fp8Scaling) -> Vec<f32> {
+        dequantized(data, cols, (operand, scaling), None).unwrap()
+    }
+
     fn operand(format: Fp8Format, kind: OperandKind, along: Along) -> Fp8Operand {
         Fp8Operand {
             format,
@@ -169,18 +211,18 @@ mod tests {
         let tokens = operand(Fp8Format::E4m3, OperandKind::Tokens, Along::Cols);
         // Rowwise along the columns: each row has its own scale, so the small row keeps
         // its precision (within E4M3's 2^-4 relative step).
-        let rowwise = dequantized(&data, 4, tokens, Fp8Scaling::Rowwise);
+        let rowwise = dq(&data, 4, tokens, Fp8Scaling::Rowwise);
         for (q, v) in rowwise.iter().zip(data) {
             assert!((q - v).abs() <= v * 0.0625, "{q} vs {v}");
         }
         // Tensorwise: one scale (from 400), the first row falls to a coarser grid.
-        let tensorwise = dequantized(&data, 4, tokens, Fp8Scaling::Tensorwise);
+        let tensorwise = dq(&data, 4, tokens, Fp8Scaling::Tensorwise);
         let s = scale(400.0, Fp8Format::E4m3);
         for (q, v) in tensorwise.iter().zip(data) {
             assert_eq!(*q, round_trip(v, s, Fp8Format::E4m3));
         }
         // Rowwise along the rows (a weight gradient's operands): one scale per column.
-        let by_column = dequantized(
+        let by_column = dq(
             &data,
             4,
             operand(Fp8Format::E4m3, OperandKind::Tokens, Along::Rows),
@@ -197,13 +239,13 @@ mod tests {
         // [4, 4] with block 2: tokens along the columns in 1×2 tiles, weights in 2×2 squares.
         let data: Vec<f32> = (0..16).map(|i| 1.0 + i as f32 * 10.0).collect();
         let block = Fp8Scaling::Blockwise { block: 2 };
-        let tiles = dequantized(
+        let tiles = dq(
             &data,
             4,
             operand(Fp8Format::E4m3, OperandKind::Tokens, Along::Cols),
             block,
         );
-        let squares = dequantized(
+        let squares = dq(
             &data,
             4,
             operand(Fp8Format::E4m3, OperandKind::Weight, Along::Cols),
@@ -220,7 +262,7 @@ mod tests {
             }
         }
         // A weight's squares are the same read along the rows (the data gradient's view).
-        let along_rows = dequantized(
+        let along_rows = dq(
             &data,
             4,
             operand(Fp8Format::E4m3, OperandKind::Weight, Along::Rows),
@@ -232,7 +274,7 @@ mod tests {
     #[test]
     fn a_partial_last_block_is_its_own_group() {
         let data = [1.0, 1.0, 1.0, 300.0, 0.01];
-        let q = dequantized(
+        let q = dq(
             &data,
             5,
             operand(Fp8Format::E4m3, OperandKind::Tokens, Along::Cols),
@@ -240,5 +282,56 @@ mod tests {
         );
         // The last element alone: scale from 0.01 keeps it close.
         assert!((q[4] - 0.01).abs() < 0.01 * 0.0625);
+    }
+
+    /// An operand split across two ranks: each piece's amaxes, max-reduced, give each piece
+    /// the whole operand's scales, so the pieces quantize as the whole does.
+    #[test]
+    fn reduced_amaxes_give_every_piece_the_whole_operands_scales() {
+        // [2, 4]: split by columns (tp of a row-parallel input) into two [2, 2] pieces.
+        // The right half is tiny: its own amaxes would scale it far finer than the whole's.
+        let data = [0.1, 100.0, 0.0003, 0.0005, 0.2, 200.0, 0.0002, 0.0007];
+        let x = operand(Fp8Format::E4m3, OperandKind::Tokens, Along::Cols);
+        for scaling in [Fp8Scaling::Tensorwise, Fp8Scaling::Rowwise] {
+            let whole = dq(&data, 4, x, scaling);
+            let pieces: Vec<Vec<f32>> = (0..2)
+                .map(|p| {
+                    data.chunks(2)
+                        .skip(p)
+                        .step_by(2)
+                        .flatten()
+                        .copied()
+                        .collect()
+                })
+                .collect();
+            let groups = x.groups(scaling, 2, 2) as usize;
+            let mut reduced = vec![0.0f32; groups];
+            for piece in &pieces {
+                let mut amax = vec![0.0f32; groups];
+                amax_into(piece, 2, (x, scaling), &mut amax).unwrap();
+                reduced
+                    .iter_mut()
+                    .zip(amax)
+                    .for_each(|(r, a)| *r = r.max(a));
+            }
+            for (p, piece) in pieces.iter().enumerate() {
+                let q = dequantized(piece, 2, (x, scaling), Some(&reduced)).unwrap();
+                let expect: Vec<f32> = whole
+                    .chunks(2)
+                    .skip(p)
+                    .step_by(2)
+                    .flatten()
+                    .copied()
+                    .collect();
+                assert_eq!(q, expect, "{scaling:?} piece {p}");
+                // The tiny piece's own amaxes would have given other numbers.
+                if p == 1 {
+                    assert_ne!(dq(piece, 2, x, scaling), expect, "{scaling:?} piece {p}");
+                }
+            }
+        }
+        let mut short = [0.0f32; 1];
+        assert!(amax_into(&data, 4, (x, Fp8Scaling::Rowwise), &mut short).is_err());
+        assert!(dequantized(&data, 4, (x, Fp8Scaling::Rowwise), Some(&short)).is_err());
     }
 }

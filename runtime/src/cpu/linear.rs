@@ -1,13 +1,14 @@
 //! Linear layers: `y = x Wᵀ (+ b)` with `W` `[out, in]` (optionally plus a residual and
 //! followed by an activation), and its data and weight gradients (the data gradient optionally
-//! times an activation's derivative), as dense products (`dense`) on the current rayon pool.
+//! times an activation's derivative), as dense products (`dense`) on the current rayon pool;
+//! FP8 GEMMs on their emulated operands (`fp8`) and the group amaxes they share (`Fp8Amax`).
 use super::args::{Inputs, Outputs};
 use super::dense::{gemm_checked, Strided, Threads};
 use super::elementwise::{activation, activation_bwd_in_place, add_in_place};
-use super::fp8::dequantized;
+use super::fp8::{amax_into, dequantized};
 use super::par::{accumulate_column_sums, rows_per_task};
 use crate::error::Result;
-use parc_compiler::ir::fp8::{operands, Fp8Gemm, Fp8Operand};
+use parc_compiler::ir::fp8::{operands, Fp8AmaxAttrs, Fp8Gemm, Fp8Operand};
 use parc_compiler::ir::op::Op;
 use rayon::prelude::*;
 
@@ -27,7 +28,8 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, threads: Threads) -
         } => {
             let (i, o) = dims(*in_dim, *out_dim)?;
             let (x, w, b) = (ins.f32("x")?, ins.f32("w")?, ins.optional_f32("b")?);
-            let [xq, wq] = quantized(*fp8, operands::forward, [(x, i), (w, i)]);
+            let amax = [ins.optional_f32("x_amax")?, ins.optional_f32("w_amax")?];
+            let [xq, wq] = quantized(*fp8, operands::forward, [(x, i), (w, i)], amax)?;
             let (x, w) = (xq.as_deref().unwrap_or(x), wq.as_deref().unwrap_or(w));
             let y = outs.f32("y")?;
             // y = x Wᵀ + b, then + r (what an `Add` after it computes), then the activation
@@ -55,7 +57,8 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, threads: Threads) -
                 ));
             }
             let (dy, w) = (ins.f32("dy")?, ins.f32("w")?);
-            let [dyq, wq] = quantized(*fp8, operands::bwd_data, [(dy, o), (w, i)]);
+            let amax = [ins.optional_f32("dy_amax")?, ins.optional_f32("w_amax")?];
+            let [dyq, wq] = quantized(*fp8, operands::bwd_data, [(dy, o), (w, i)], amax)?;
             let (dy, w) = (dyq.as_deref().unwrap_or(dy), wq.as_deref().unwrap_or(w));
             let dx = outs.f32("dx")?;
             matmul_bwd_data(name, threads, i, o, dy, w, dx, *accumulate)?;
@@ -73,7 +76,8 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, threads: Threads) -
             let (i, o) = dims(*in_dim, *out_dim)?;
             let (dy, x) = (ins.f32("dy")?, ins.f32("x")?);
             let (dw, db) = (outs.accumulator("dw")?, outs.optional_accumulator("db")?);
-            let [dyq, xq] = quantized(*fp8, operands::bwd_weight, [(dy, o), (x, i)]);
+            let amax = [ins.optional_f32("dy_amax")?, ins.optional_f32("x_amax")?];
+            let [dyq, xq] = quantized(*fp8, operands::bwd_weight, [(dy, o), (x, i)], amax)?;
             // The bias gradient sums the exact dy; dW = dq(dy)ᵀ dq(x).
             let x = xq.as_deref().unwrap_or(x);
             match (dyq, db) {
@@ -87,26 +91,40 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, threads: Threads) -
                 }
             }
         }
+        Op::Fp8Amax(a) => fp8_amax(a, ins, outs)?,
         _ => return Err(ins.unrouted("matmul")),
     }
     Ok(())
 }
 
 /// With `fp8` set, the GEMM's two operands (each with its number of columns) quantized and
-/// dequantized as `ir::fp8` defines (`None`s without it: the operands are used as they are).
+/// dequantized as `ir::fp8` defines, each from its reduced group amaxes where the op takes
+/// them (`amax`), else from its own (`None`s without `fp8`: the operands are used as they are).
 fn quantized(
     fp8: Option<Fp8Gemm>,
     operands: fn(Fp8Gemm) -> [Fp8Operand; 2],
     [(a, a_cols), (b, b_cols)]: [(&[f32], usize); 2],
-) -> [Option<Vec<f32>>; 2] {
+    [a_amax, b_amax]: [Option<&[f32]>; 2],
+) -> Result<[Option<Vec<f32>>; 2]> {
     let Some(g) = fp8 else {
-        return [None, None];
+        return Ok([None, None]);
     };
     let [qa, qb] = operands(g);
-    [
-        Some(dequantized(a, a_cols, qa, g.scaling)),
-        Some(dequantized(b, b_cols, qb, g.scaling)),
-    ]
+    Ok([
+        Some(dequantized(a, a_cols, (qa, g.scaling), a_amax)?),
+        Some(dequantized(b, b_cols, (qb, g.scaling), b_amax)?),
+    ])
+}
+
+/// `Op::Fp8Amax`: the group amaxes of one FP8 GEMM operand.
+fn fp8_amax(a: &Fp8AmaxAttrs, ins: &Inputs, outs: &mut Outputs) -> Result<()> {
+    let cols = ins.dim("cols", a.cols)?;
+    amax_into(
+        ins.f32("x")?,
+        cols,
+        (a.operand, a.scaling),
+        outs.f32("amax")?,
+    )
 }
 
 /// `y = x Wᵀ (+ b)`: x `[rows, in]`, w `[out, in]`, b `[out]`, y `[rows, out]`.

@@ -8,7 +8,10 @@
 //! a multiple of 16 (of the block, blockwise), transposed where K runs along its rows
 //! (`fp8_quantize`), and its dequantization factors `1/s` in the layout of its cuBLASLt scale
 //! mode (`fp8_scales`). `memplan::fp8_gemm_scratch` lays the scratch out; `prepare` reserves
-//! the program's largest.
+//! the program's largest. An operand whose scale groups span ranks takes its amaxes from the
+//! op's amax input instead (`Op::Fp8Amax` on each rank's piece, `fp8_amax` too, then the
+//! plan's NCCL all-reduce max over exactly the ranks sharing them), so its scales are the
+//! single-rank run's.
 //!
 //! The product is cuBLASLt's FP8 GEMM (`gemm::Blas::run_fp8`) in the one form Hopper runs,
 //! A transposed and B not, both read K-major: A is the op's second operand (W, W read along
@@ -33,7 +36,7 @@ use crate::error::{Result, RuntimeError};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::CudaSlice;
 use parc_compiler::fp8::CUDA_BLOCK;
-use parc_compiler::ir::fp8::{Along, Fp8Format, Fp8Gemm, Fp8Scaling};
+use parc_compiler::ir::fp8::{Along, Fp8AmaxAttrs, Fp8Format, Fp8Gemm, Fp8Scaling};
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::DType;
 use parc_compiler::memplan::{fp8_gemm_scratch, Fp8OperandScratch, Fp8ScaleLayout};
@@ -88,11 +91,62 @@ impl CudaBackend {
     }
 }
 
-/// Quantizes `buf` as `s` lays it out (in the scratch at `base`): its groups' amaxes, the FP8
-/// operand and its dequantization factors in `layout`'s order (`fp8_scales`' code, block).
-fn quantize(
+/// The largest finite |element| of each `rb × cb` group of `buf` (`[rows, cols]`) into the
+/// `groups` f32 values at `out`, zeroed first (`kernels/fp8.cu`'s `fp8_amax`).
+fn group_amax(
     be: &mut CudaBackend,
     buf: Buf,
+    (rows, cols): (u64, u64),
+    (rb, cb): (u64, u64),
+    (groups, out): (u64, CUdeviceptr),
+) -> Result<()> {
+    let u = |v: u64| n(v as usize);
+    be.zero_bytes(out, (groups * 4) as usize)?;
+    if rows * cols == 0 {
+        return Ok(());
+    }
+    let pieces = (rb * cb).div_ceil(AMAX_PIECE);
+    let items = groups * pieces;
+    let blocks = items.clamp(1, AMAX_BLOCKS) as u32;
+    let gpr = cols.max(1).div_ceil(cb);
+    let args = [
+        fv(buf),
+        u(rows),
+        u(cols),
+        u(rb),
+        u(cb),
+        u(gpr),
+        u(pieces),
+        u(items),
+        Arg::Ptr(out),
+    ];
+    let threads = AMAX_THREADS as u32;
+    be.launch(Kernel::Fp8Amax, (blocks, 1, 1), (threads, 1, 1), 0, &args)
+}
+
+/// `Op::Fp8Amax`: the group amaxes of one FP8 GEMM operand into its output, in the group
+/// order the GEMM's scales read (`ir::fp8`), for the max all-reduce that follows it.
+pub(super) fn amax(be: &mut CudaBackend, b: &Bound, a: &Fp8AmaxAttrs) -> Result<()> {
+    let (x, out) = (b.input(0)?, b.output(0)?);
+    let cols = a.cols.max(1);
+    let rows = x.len as u64 / cols;
+    let (rb, cb) = a.operand.group_shape(a.scaling, rows, cols);
+    let groups = a.operand.groups(a.scaling, rows, cols);
+    if out.len as u64 != groups {
+        return Err(b.err(format!(
+            "writes {} amaxes, but its [{rows}, {cols}] operand has {groups} scale groups",
+            out.len
+        )));
+    }
+    group_amax(be, x, (rows, cols), (rb, cb), (groups, out.ptr))
+}
+
+/// Quantizes `buf` as `s` lays it out (in the scratch at `base`): its groups' amaxes (or the
+/// `reduced` ones the op reads), the FP8 operand and its dequantization factors in `layout`'s
+/// order (`fp8_scales`' code, block).
+fn quantize(
+    be: &mut CudaBackend,
+    (buf, reduced): (Buf, Option<Buf>),
     s: &Fp8OperandScratch,
     scaling: Fp8Scaling,
     base: CUdeviceptr,
@@ -109,33 +163,32 @@ fn quantize(
     }
     let (rb, cb) = s.operand.group_shape(scaling, s.rows, s.cols);
     let gpr = s.cols.max(1).div_ceil(cb);
-    let (amax, q, scales) = (
-        base + s.amax_at as CUdeviceptr,
+    let (q, scales) = (
         base + s.q_at as CUdeviceptr,
         base + s.scales_at as CUdeviceptr,
     );
     let u = |v: u64| n(v as usize);
     let along_rows = Arg::I32(i32::from(s.operand.along == Along::Rows));
     let max = Arg::F32(s.operand.format.max());
-    be.zero_bytes(amax, (s.groups * 4) as usize)?;
-    if s.rows * s.cols > 0 {
-        let pieces = (rb * cb).div_ceil(AMAX_PIECE);
-        let items = s.groups * pieces;
-        let blocks = items.clamp(1, AMAX_BLOCKS) as u32;
-        let args = [
-            fv(buf),
-            u(s.rows),
-            u(s.cols),
-            u(rb),
-            u(cb),
-            u(gpr),
-            u(pieces),
-            u(items),
-            Arg::Ptr(amax),
-        ];
-        let threads = AMAX_THREADS as u32;
-        be.launch(Kernel::Fp8Amax, (blocks, 1, 1), (threads, 1, 1), 0, &args)?;
-    }
+    // The groups' amaxes: reduced across the ranks sharing them (the op's amax input, in the
+    // same group order), or this operand's own, into the scratch.
+    let amax = match reduced {
+        Some(r) if r.len as u64 == s.groups => r.ptr,
+        Some(r) => {
+            return Err(RuntimeError::Buffer {
+                id: r.id.0,
+                what: format!(
+                    "holds {} amaxes, but the FP8 operand [{}, {}] has {} scale groups",
+                    r.len, s.rows, s.cols, s.groups
+                ),
+            })
+        }
+        None => {
+            let amax = base + s.amax_at as CUdeviceptr;
+            group_amax(be, buf, (s.rows, s.cols), (rb, cb), (s.groups, amax))?;
+            amax
+        }
+    };
     let e5m2 = Arg::I32(i32::from(s.operand.format == Fp8Format::E5m2));
     let args = [
         fv(buf),
@@ -168,6 +221,16 @@ fn quantize(
         u(s.scales),
     ];
     be.launch_n(Kernel::Fp8Scales, s.scales as usize, &args)
+}
+
+/// The op-table roles of the reduced amaxes of an FP8 GEMM's two operands (present where its
+/// `Fp8Gemm::shared` says the operand's groups span ranks).
+fn amax_roles(op: &Op) -> [&'static str; 2] {
+    match op {
+        Op::Matmul { .. } => ["x_amax", "w_amax"],
+        Op::MatmulBwdData { .. } => ["dy_amax", "w_amax"],
+        _ => ["dy_amax", "x_amax"],
+    }
 }
 
 /// Runs FP8 GEMM op `b` (`fp8` its attribute) over `rows` rows of `k_in` into `m_out`
@@ -216,8 +279,9 @@ pub(super) fn run(
         beta_one = true;
     }
     let base = be.fp8_scratch(scratch.bytes as usize)?;
-    quantize(be, in0, &s0, fp8.scaling, base, (code0, block0))?;
-    quantize(be, in1, &s1, fp8.scaling, base, (code1, block1))?;
+    let [r0, r1] = amax_roles(b.op).map(|role| b.optional_input(role));
+    quantize(be, (in0, r0), &s0, fp8.scaling, base, (code0, block0))?;
+    quantize(be, (in1, r1), &s1, fp8.scaling, base, (code1, block1))?;
     let g = Gemm {
         trans_a: true,
         trans_b: false,

@@ -51,6 +51,9 @@ fn weight(buf: Buf) -> Operand {
 
 /// Run an op of the matmul family.
 pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
+    if let Op::Fp8Amax(a) = b.op {
+        return super::fp8::amax(be, b, a);
+    }
     let (in_dim, out_dim) = match *b.op {
         Op::Matmul {
             in_dim: i,

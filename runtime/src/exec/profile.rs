@@ -167,6 +167,8 @@ fn op_kind(op: &Op) -> OpKind {
     match (op.opcode().family(), op.opcode()) {
         (Family::Matmul, Opcode::MatmulBwdData) => OpKind::MatmulBwdData,
         (Family::Matmul, Opcode::MatmulBwdWeight) => OpKind::MatmulBwdWeight,
+        // An FP8 operand's amax pass reads it once: memory bound, as elementwise work.
+        (Family::Matmul, Opcode::Fp8Amax) => OpKind::Elementwise,
         (Family::Matmul, _) => OpKind::MatmulFwd,
         (Family::Attention, Opcode::AttentionBwd) => OpKind::AttentionBwd,
         (Family::Attention, _) => OpKind::AttentionFwd,
@@ -182,7 +184,7 @@ fn op_kind(op: &Op) -> OpKind {
 /// or None for ops judged by bytes. `first_input_numel` is the element count of the op's first
 /// input (x for a matmul, dy for its backward), which gives the row count.
 pub fn flops(op: &Op, first_input_numel: u64) -> Option<f64> {
-    if !matches!(op.opcode().family(), Family::Matmul | Family::Attention) {
+    if !(op.is_gemm() || op.opcode().family() == Family::Attention) {
         return None;
     }
     let rows = op

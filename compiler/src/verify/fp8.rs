@@ -1,0 +1,207 @@
+//! Invariant 9 of the verifier: every FP8 scale is shared by exactly the ranks holding pieces
+//! of its group (E0824). The reduction over the wrong group is the bug that diverged a 40B
+//! model under tp (Megatron-LM PR#442): over too few ranks, the pieces of one group get
+//! different scales; over too many, a rank's scale depends on tensors it holds no piece of.
+//!
+//! For every FP8 GEMM, each operand's split (`Fp8Gemm::split`) is checked against the plan:
+//! its axes split something (size > 1 in the mesh); dp and pp split no operand (each dp
+//! rank's microbatch is its own tensor, a stage holds whole layers); a token operand's rows
+//! are split by cp exactly when cp > 1 (each cp rank holds its chunks of the sequence); a
+//! weight is never split by cp, and one the program holds as a parameter (its master or
+//! working copy) is split by tp along the dimension of its `TpSplit`; the two operands agree
+//! on the split of the contraction dimension they share. Then each operand whose groups span
+//! ranks (`Fp8Gemm::shared`: axes A) reads amaxes that were last written, before the GEMM, by
+//! an in-place `all_reduce max` over a group family spanning exactly A, and before that by an
+//! `Fp8Amax` of that same operand buffer, as the same operand under the same scaling, with no
+//! write to the operand between the `Fp8Amax` and the GEMM.
+use super::{Findings, Violation};
+use crate::ir::fp8::{Along, Axes, Fp8Gemm, Fp8Operand, Fp8Split, OperandKind};
+use crate::ir::op::Op;
+use crate::ir::{BufferId, CollectiveKind, Instr, Plan, Program, ProgramId, ReduceOp};
+use crate::spec::Axis;
+
+/// Every FP8 scale-sharing violation of `program` (run by `rank`, the lowest rank running it).
+pub(super) fn check(plan: &Plan, program: &Program, id: ProgramId, rank: u32) -> Vec<Violation> {
+    let mut found = Findings::new(id, rank);
+    for (i, c) in program.computes() {
+        let Some((g, operands)) = c.op.fp8_operands() else {
+            continue;
+        };
+        let inputs = c.inputs.to_vec();
+        let mut problems = split_problems(plan, program, (g, operands), &inputs);
+        let shared = g.shared(operands);
+        let reduced = shared.iter().filter(|a| !a.is_empty()).count();
+        let mut amax_inputs = inputs.iter().skip(inputs.len().saturating_sub(reduced));
+        for (k, axes) in shared.into_iter().enumerate() {
+            if axes.is_empty() {
+                continue;
+            }
+            let (Some(&buffer), Some(&amax)) = (inputs.get(k), amax_inputs.next()) else {
+                problems.push(format!("operand {k} has no amax input"));
+                continue;
+            };
+            let want = Want {
+                operand: operands[k],
+                buffer,
+                axes,
+                g,
+            };
+            if let Err(e) = reduced_before(plan, program, i, amax, want) {
+                problems.push(format!("operand {k} (b{}): {e}", buffer.0));
+            }
+        }
+        for p in problems {
+            found.push("E0824", i, c.node, || {
+                format!("FP8 {}: {p}", c.op.opcode().variant())
+            });
+        }
+    }
+    found.into_vec()
+}
+
+/// What the amaxes of one operand must be: `operand`'s groups of `buffer`, max-reduced over
+/// exactly the ranks of `axes`.
+#[derive(Clone, Copy)]
+struct Want {
+    operand: Fp8Operand,
+    buffer: BufferId,
+    axes: Axes,
+    g: Fp8Gemm,
+}
+
+/// Checks that `amax`, read by the GEMM at `at`, was last written by the all-reduce and the
+/// `Fp8Amax` that `want` asks for (the module doc).
+fn reduced_before(
+    plan: &Plan,
+    program: &Program,
+    at: usize,
+    amax: BufferId,
+    want: Want,
+) -> Result<(), String> {
+    let writer = |before: usize| {
+        (0..before).rev().find(|&j| {
+            program
+                .instrs
+                .get(j)
+                .is_some_and(|x| x.writes().contains(&amax))
+        })
+    };
+    let reduce = writer(at).ok_or("its amaxes are never written")?;
+    let Some(Instr::Collective {
+        kind: CollectiveKind::AllReduce { op: ReduceOp::Max },
+        group,
+        input,
+        output,
+        ..
+    }) = program.instrs.get(reduce)
+    else {
+        return Err(format!(
+            "its amaxes (b{}) are last written by instruction {reduce}, not by an all_reduce max over {}",
+            amax.0, want.axes
+        ));
+    };
+    let axes = plan.groups.get(group.0 as usize).map(|g| Axes::of(&g.axes));
+    if axes != Some(want.axes) || *input != amax || *output != amax {
+        let over = axes.map_or_else(|| format!("g{}", group.0), |a| a.to_string());
+        return Err(format!(
+            "its amaxes are reduced over {over} (instruction {reduce}), but its scale groups are shared over exactly {}",
+            want.axes
+        ));
+    }
+    let source = writer(reduce).ok_or("the reduced amaxes are never computed")?;
+    let computed = program
+        .instrs
+        .get(source)
+        .and_then(Instr::as_compute)
+        .is_some_and(|c| match c.op {
+            Op::Fp8Amax(a) => {
+                a.operand == want.operand
+                    && a.scaling == want.g.scaling
+                    && c.inputs.first() == Some(&want.buffer)
+            }
+            _ => false,
+        });
+    if !computed {
+        return Err(format!(
+            "the amaxes reduced at instruction {reduce} come from instruction {source}, not from an Fp8Amax of this operand"
+        ));
+    }
+    let rewritten = (source + 1..at)
+        .find(|&j| (program.instrs.get(j)).is_some_and(|x| x.writes().contains(&want.buffer)));
+    match rewritten {
+        Some(j) => Err(format!(
+            "instruction {j} writes the operand between its Fp8Amax ({source}) and the GEMM"
+        )),
+        None => Ok(()),
+    }
+}
+
+/// What is wrong with the GEMM's operand splits (the module doc), in words; `inputs` are the
+/// instruction's.
+fn split_problems(
+    plan: &Plan,
+    program: &Program,
+    (g, operands): (Fp8Gemm, [Fp8Operand; 2]),
+    inputs: &[BufferId],
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    let cp = plan.mesh.size(Axis::Cp) > 1;
+    for (k, (split, operand)) in g.split.iter().zip(operands).enumerate() {
+        let all = split.rows.union(split.cols);
+        if let Some(a) = all.iter().find(|a| plan.mesh.size(*a) < 2) {
+            problems.push(format!("operand {k} is split by {}, of size 1", a.name()));
+        }
+        if all.contains(Axis::Dp) || all.contains(Axis::Pp) {
+            problems.push(format!("operand {k} is split by dp or pp ({split})"));
+        }
+        match operand.kind {
+            OperandKind::Tokens if split.rows.contains(Axis::Cp) != cp => problems.push(format!(
+                "operand {k}'s rows are {}split by cp, but cp {} 1",
+                if cp { "not " } else { "" },
+                if cp { ">" } else { "=" }
+            )),
+            OperandKind::Weight => {
+                if all.contains(Axis::Cp) {
+                    problems.push(format!("weight operand {k} is split by cp"));
+                }
+                if let Some(e) = inputs
+                    .get(k)
+                    .and_then(|b| weight_split(program, *b, *split))
+                {
+                    problems.push(format!("weight operand {k}: {e}"));
+                }
+            }
+            OperandKind::Tokens => {}
+        }
+    }
+    let k_split = |operand: Fp8Operand, split: Fp8Split| match operand.along {
+        Along::Cols => split.cols,
+        Along::Rows => split.rows,
+    };
+    let [a, b] = operands;
+    if k_split(a, g.split[0]) != k_split(b, g.split[1]) {
+        problems.push(format!(
+            "its operands split the contraction dimension differently ({} and {})",
+            g.split[0], g.split[1]
+        ));
+    }
+    problems
+}
+
+/// Where `buffer` is a parameter this program holds (its master or working copy): what is
+/// wrong with `split` against the parameter's tp split, if anything.
+fn weight_split(program: &Program, buffer: BufferId, split: Fp8Split) -> Option<String> {
+    let local =
+        (program.params.iter()).find(|l| l.master == buffer || l.working == Some(buffer))?;
+    let tp = |dim: u32| local.tp.is_some_and(|t| t.parts > 1 && t.dim == dim);
+    let expect = Fp8Split {
+        rows: Axes::NONE.with_if(tp(0), Axis::Tp),
+        cols: Axes::NONE.with_if(tp(1), Axis::Tp),
+    };
+    (split != expect).then(|| {
+        format!(
+            "it holds parameter p{} split {expect}, but the GEMM says {split}",
+            local.param.0
+        )
+    })
+}
