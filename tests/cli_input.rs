@@ -3,7 +3,7 @@
 //! command whose stdout closes early (`parc check --format json | head`) ends without a panic,
 //! and a file that cannot be read does not hide the verdicts of the others checked with it. A
 //! `parc run` whose files are not what the spec says names the setting they came from: a missing
-//! evaluation file is `train.eval.data`'s.
+//! evaluation file is `train.eval.data`'s, and a `checkpoint.dir` that is a file is called one.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -119,4 +119,20 @@ fn a_missing_evaluation_file_is_named_as_train_eval_data() {
     assert!(stderr.contains("absent-eval.txt"), "stderr:\n{stderr}");
     assert!(!stderr.contains("`train.data`"), "stderr:\n{stderr}");
     assert!(!stderr.contains("panicked"), "stderr:\n{stderr}");
+}
+
+#[test]
+fn a_checkpoint_dir_that_is_a_file_is_called_a_file() {
+    let ckpt = "checkpoint = { every: 5, dir: \"ckpt\" }";
+    let (dir, file) = tiny_spec_with("ckpt-file", ckpt);
+    std::fs::write(dir.join("ckpt"), b"a file, not a folder").unwrap();
+    let (code, stderr) = run_briefly(&file);
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(code, Some(1), "stderr:\n{stderr}");
+    assert!(
+        stderr.contains("is a file, not a folder"),
+        "stderr:\n{stderr}"
+    );
+    assert!(stderr.contains("checkpoint.dir"), "stderr:\n{stderr}");
+    assert!(!stderr.contains("File exists"), "stderr:\n{stderr}");
 }
