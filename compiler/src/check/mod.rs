@@ -256,7 +256,7 @@ fn read_overrides(
                 if o.path.starts_with("model.") {
                     model_overrides.model.insert(o.path.clone(), expr);
                     override_spans.insert(o.path.clone(), path_span);
-                } else if !settings.apply_override(&o.path, &expr) {
+                } else if !settings.apply_override(&o.path, &expr, diags) {
                     diags.push(
                         settings::override_mesh_problem(&o.path, &expr, path_span)
                             .unwrap_or_else(|| unknown_override(&o.path, path_span, &[])),

@@ -576,6 +576,7 @@ pub fn train(r: &mut Reader, span: Span, gpu_is_cpu: bool) -> Option<Train> {
     };
     let schedule = lr_schedule(r, steps);
     schedule_bounds(r, &schedule, optimizer.lr(), steps);
+    warmup_past_end(r, &schedule, steps);
     let grad_clip = r.float("train.grad_clip").filter(|c| *c > 0.0);
     let data = data(r, "train.data");
     let seed = r.count("train.seed", 0).unwrap_or(0);
@@ -1021,6 +1022,36 @@ fn schedule_bounds(r: &mut Reader, schedule: &LrSchedule, lr: f64, steps: u64) {
             )),
         );
     }
+}
+
+/// W0901: a warmup longer than the run, which then ends with the rate still rising and never
+/// trains at the peak `lr`. A warning, not an error: a short smoke run (`--set train.steps=20`
+/// on a spec with a real warmup) does this on purpose.
+fn warmup_past_end(r: &mut Reader, schedule: &LrSchedule, steps: u64) {
+    let (LrSchedule::Constant { warmup }
+    | LrSchedule::Cosine { warmup, .. }
+    | LrSchedule::Linear { warmup, .. }) = *schedule;
+    let Some(span) = r.span("train.schedule.warmup").filter(|_| warmup > steps) else {
+        return;
+    };
+    // The rate of step s (0-based) in warmup is lr × (s + 1) / warmup: the last step's share.
+    let percent = (steps.saturating_mul(100) + warmup / 2) / warmup.max(1);
+    let mut d = Diagnostic::warning(
+        "W0901",
+        format!(
+            "warmup = {warmup} is longer than the run's {steps} steps: the run ends inside \
+             warmup, at {percent}% of the peak lr, which it never reaches"
+        ),
+    )
+    .label(span, "steps of rising learning rate");
+    if let Some(steps_span) = r.span("train.steps") {
+        d = d.label(steps_span, "the steps the run has");
+    }
+    r.diags.push(d.help(format!(
+        "a short test run may ignore this; otherwise shorten warmup to at most {steps} (a few \
+         percent of the run is usual: `warmup: {}`), or raise steps to at least {warmup}",
+        (steps / 20).max(1)
+    )));
 }
 
 /// The data source written at `path` (`train.data`, `train.eval.data`).

@@ -167,11 +167,7 @@ impl Settings {
                         }
                     }
                     if s.values.contains_key(&c) {
-                        diags.push(
-                            Diagnostic::error("E0204", format!("`{c}` is set twice"))
-                                .label(e.span, "set again here")
-                                .help("keep one of the two"),
-                        );
+                        diags.push(set_twice(&c, e.span));
                         continue;
                     }
                     s.values.insert(c, e);
@@ -182,8 +178,9 @@ impl Settings {
     }
 
     /// Apply one `--set` override (already parsed). Returns false when the path is not a section
-    /// path (the caller then tries the model's constants).
-    pub fn apply_override(&mut self, path: &str, value: &Expr) -> bool {
+    /// path (the caller then tries the model's constants). A record that sets one path twice
+    /// (`parallel.mesh={dp: 1, dp: 1}`) is E0204, as in a file; its first value is kept.
+    pub fn apply_override(&mut self, path: &str, value: &Expr, diags: &mut Diagnostics) -> bool {
         let c = canonical(path);
         let mut flat = Vec::new();
         flatten(&c, value, &mut flat);
@@ -213,8 +210,13 @@ impl Settings {
                 self.values.remove(other);
             }
         }
+        let mut seen = std::collections::BTreeSet::new();
         for (p, e) in flat {
             let pc = canonical(&p);
+            if !seen.insert(pc.clone()) {
+                diags.push(set_twice(&pc, e.span));
+                continue;
+            }
             if let Some(axis) = axis_of(&pc) {
                 if !self.mesh_order.contains(&axis) {
                     self.mesh_order.push(axis);
@@ -224,6 +226,13 @@ impl Settings {
         }
         true
     }
+}
+
+/// E0204 for a path given a second value at `span` (in a section, or in one `--set` record).
+fn set_twice(path: &str, span: Span) -> Diagnostic {
+    Diagnostic::error("E0204", format!("`{path}` is set twice"))
+        .label(span, "set again here")
+        .help("keep one of the two")
 }
 
 fn path_span(path: &[Ident], e: &Expr) -> Span {

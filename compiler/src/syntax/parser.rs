@@ -303,6 +303,9 @@ fn unit_help(text: &str, start: usize) -> Option<String> {
             "a unit follows its number after a space: `{value} {word}`"
         ));
     }
+    if let Some(help) = bytes_or_bits(&word, &value) {
+        return Some(help);
+    }
     let unit = UNIT_SPELLINGS
         .iter()
         .find(|(other, _)| *other == word)
@@ -315,6 +318,37 @@ fn unit_help(text: &str, start: usize) -> Option<String> {
         })?;
     Some(format!(
         "`{word}` is not one of parc's units: write `{value} {unit}` (the units: \
+         docs/language.md, \"Lexical structure\")"
+    ))
+}
+
+/// A bandwidth whose case does not say bytes or bits (`gbps`, `tb/s`: `GBps` is bytes, `Gbps`
+/// bits): the help names both readings with the unit each is written in, not a guess.
+fn bytes_or_bits(word: &str, value: &str) -> Option<String> {
+    if UNITS.contains(&word) || UNIT_SPELLINGS.iter().any(|(other, _)| *other == word) {
+        return None;
+    }
+    let spelt = UNIT_SPELLINGS.iter().map(|(other, unit)| (*other, *unit));
+    let units = UNITS.iter().map(|u| (*u, *u));
+    let mut readings: Vec<&str> = spelt
+        .chain(units)
+        .filter(|(other, _)| other.eq_ignore_ascii_case(word))
+        .map(|(_, unit)| unit)
+        .collect();
+    readings.sort_unstable();
+    readings.dedup();
+    let (bytes, bits) = match readings.as_slice() {
+        [a, b] if a.contains("B/") && b.contains("b/") => (*a, *b),
+        [a, b] if b.contains("B/") && a.contains("b/") => (*b, *a),
+        _ => return None,
+    };
+    let prefix = match bytes.chars().next() {
+        Some('T') => "tera",
+        _ => "giga",
+    };
+    Some(format!(
+        "`{word}` could mean {prefix}bytes or {prefix}bits per second: write `{value} {bytes}` \
+         for {prefix}bytes or `{value} {bits}` for {prefix}bits (converted to bytes; the units: \
          docs/language.md, \"Lexical structure\")"
     ))
 }

@@ -69,11 +69,32 @@ fn lock_error(path: &Path, what: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Checkpoint(format!("{}: {what}", path.display()))
 }
 
+/// Create the checkpoint folder `dir` and its parents. A path that is (or lies under) an
+/// existing file is said to be one, with what to do: `create_dir_all`'s own "File exists" /
+/// "Not a directory" reads as if the folder could not be made for some other reason.
+fn create_folder(dir: &Path) -> Result<()> {
+    if let Some(file) = dir.ancestors().find(|a| a.is_file()) {
+        let what = if file == dir {
+            "is a file, not a folder".to_string()
+        } else {
+            format!("{} is a file, not a folder", file.display())
+        };
+        return Err(lock_error(
+            dir,
+            format!(
+                "{what}: `checkpoint.dir` names the folder the run writes its checkpoints into; \
+                 give it a path that is a folder or does not exist yet, or move the file away"
+            ),
+        ));
+    }
+    std::fs::create_dir_all(dir)
+        .map_err(|e| lock_error(dir, format!("cannot create the checkpoint folder ({e})")))
+}
+
 impl FolderLock {
     /// Lock the checkpoint folder `dir` (creating it) for this process.
     pub fn acquire(dir: &Path) -> Result<FolderLock> {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| lock_error(dir, format!("cannot create the checkpoint folder ({e})")))?;
+        create_folder(dir)?;
         let lock = FolderLock {
             path: dir.join(LOCK_FILE),
             holder: Holder::this_process(),
@@ -194,6 +215,21 @@ mod tests {
     fn write_lock(dir: &Path, holder: &Holder) {
         std::fs::create_dir_all(dir).unwrap();
         std::fs::write(dir.join(LOCK_FILE), serde_json::to_vec(holder).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn a_file_where_the_folder_belongs_is_named_a_file() {
+        let dir = temp_dir("file");
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("ckpt");
+        std::fs::write(&file, b"not a folder").unwrap();
+        for path in [file.clone(), file.join("inner")] {
+            let err = FolderLock::acquire(&path).unwrap_err().to_string();
+            assert!(err.contains("is a file, not a folder"), "{err}");
+            assert!(err.contains("checkpoint.dir"), "{err}");
+            assert!(!err.contains("File exists"), "{err}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

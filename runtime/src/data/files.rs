@@ -22,8 +22,8 @@ pub fn data_files(spec_dir: &Path, path: &str, extension: &str) -> Result<Vec<Pa
     Err(files_error(
         &full,
         format!(
-            "no such file (paths in `train.data` are relative to the spec's folder {}); create \
-             it or fix the path",
+            "no such file (data paths are relative to the spec's folder {}); create it or fix \
+             the path",
             spec_dir.display()
         ),
     ))

@@ -173,19 +173,25 @@ pub const SYNTHETIC_SAMPLES: u64 = 1 << 16;
 
 /// Open the spec's data source relative to `spec_dir`.
 pub fn open_dataset(spec: &Spec, spec_dir: &Path) -> Result<Dataset> {
-    open_source(spec, &spec.train.data, spec_dir, spec.train.seed)
+    let source = &spec.train.data;
+    open_source(spec, source, "train.data", spec_dir, spec.train.seed)
 }
 
-/// Open `source` for `spec`'s model relative to `spec_dir`; synthetic tokens come from `seed`.
-fn open_source(spec: &Spec, source: &DataSource, spec_dir: &Path, seed: u64) -> Result<Dataset> {
-    Dataset::open(
-        source,
-        spec_dir,
-        spec.model.vocab,
-        spec.model.seq,
-        seed,
-        SYNTHETIC_SAMPLES,
-    )
+/// Open `source`, the value of setting `setting` (`train.data`, `train.eval.data`), for `spec`'s
+/// model relative to `spec_dir`; synthetic tokens come from `seed`. A data error starts with
+/// the setting, so a missing evaluation file is not taken for the training data.
+fn open_source(
+    spec: &Spec,
+    source: &DataSource,
+    setting: &str,
+    spec_dir: &Path,
+    seed: u64,
+) -> Result<Dataset> {
+    let (vocab, seq) = (spec.model.vocab, spec.model.seq);
+    Dataset::open(source, spec_dir, vocab, seq, seed, SYNTHETIC_SAMPLES).map_err(|e| match e {
+        RuntimeError::Data(what) => RuntimeError::Data(format!("`{setting}`: {what}")),
+        other => other,
+    })
 }
 
 /// Mixed into the seed of synthetic evaluation data, so that its tokens are not training's.
@@ -211,7 +217,13 @@ pub fn open_run_data(spec: &Spec, spec_dir: &Path) -> Result<RunData> {
         (None, _) => return RunData::held_out(train, eval.batches, layout),
     };
     let seed = spec.train.seed ^ EVAL_STREAM;
-    let eval_data = Arc::new(open_source(spec, source, spec_dir, seed)?);
+    let eval_data = Arc::new(open_source(
+        spec,
+        source,
+        "train.eval.data",
+        spec_dir,
+        seed,
+    )?);
     RunData::separate(train, eval_data, eval.batches, layout)
 }
 
