@@ -901,22 +901,25 @@ fn tiny_llama_example_with_interleaved_pipeline_and_context_parallelism() {
     );
 }
 
+/// `file` scaled down, with the FP8 `recipe` (first: a later `train.fp8=…` replaces the whole
+/// setting, fields included), every linear layer pinned FP8, and the `plan` settings.
+fn fp8_spec(file: &str, recipe: &[&str], plan: &[&str]) -> Spec {
+    let pinned = ["train.fp8.fp8=[Attention, MLP, head]"];
+    let sets: Vec<&str> = (recipe.iter().chain(&SMALL).chain(&pinned).chain(plan))
+        .copied()
+        .collect();
+    example(file, &sets)
+}
+
+/// The FP8 tests' model size.
+const SMALL: [&str; 3] = ["model.seq=64", "model.d=64", "model.ffn=128"];
+
 /// FP8 plans (`train.fp8`, every linear layer pinned FP8) against their single-rank run: the
 /// CPU backend's exact emulation, in f32 storage. Tolerance 1e-4 where 1e-5 holds elsewhere:
 /// a last-bit difference of an f32 partial sum between plans (tp's split sums, cp's split
 /// attention) can move one value across an FP8 rounding boundary, a step of 2⁻⁴ of it.
 fn assert_fp8_equivalent(file: &str, recipe: &[&str], plan: &[&str]) {
-    // The recipe first: a later `train.fp8=…` replaces the whole setting, fields included.
-    let base = [
-        "model.seq=64",
-        "model.d=64",
-        "model.ffn=128",
-        "train.fp8.fp8=[Attention, MLP, head]",
-    ];
-    let with = |extra: &[&str]| {
-        let sets: Vec<&str> = recipe.iter().chain(&base).chain(extra).copied().collect();
-        example(file, &sets)
-    };
+    let with = |extra: &[&str]| fp8_spec(file, recipe, extra);
     let single_spec = with(&[]);
     let single_plan = lower(&single_spec).unwrap_or_else(|d| panic!("{:?}", d.items));
     let fp8_gemms = single_plan.programs[0]
@@ -931,7 +934,7 @@ fn assert_fp8_equivalent(file: &str, recipe: &[&str], plan: &[&str]) {
     let desc = format!("{file} {recipe:?} {plan:?}");
     assert_ne!(single.records[0].loss, single.records[4].loss);
     // FP8 changes the numbers (a test that holds without quantizing proves nothing).
-    let exact = run_example(&example(file, &base[..3]));
+    let exact = run_example(&example(file, &SMALL));
     assert!(
         exact
             .records
@@ -1034,16 +1037,7 @@ fn assert_fp8_shared_scales_equivalent(recipe: &[&str]) {
 
 /// The first `steps` steps of an FP8 plan against the single-rank run's, within 1e-6.
 fn assert_fp8_first_steps_equal(file: &str, recipe: &[&str], plan: &[&str], steps: usize) {
-    let base = [
-        "model.seq=64",
-        "model.d=64",
-        "model.ffn=128",
-        "train.fp8.fp8=[Attention, MLP, head]",
-    ];
-    let with = |extra: &[&str]| {
-        let sets: Vec<&str> = recipe.iter().chain(&base).chain(extra).copied().collect();
-        example(file, &sets)
-    };
+    let with = |extra: &[&str]| fp8_spec(file, recipe, extra);
     let (single, got) = (run_example(&with(&[])), run_example(&with(plan)));
     for (a, b) in single.records.iter().zip(&got.records).take(steps) {
         let rel = |x: f32, y: f32| (x - y).abs() / x.abs().max(1e-6);
