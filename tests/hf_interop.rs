@@ -429,3 +429,62 @@ fn parc_export_and_run_from_the_export() {
         "{err}"
     );
 }
+
+/// A tiny Llama export whose config.json `edit` changes, and whether it loads (the error if not).
+fn llama_with_config(name: &str, edit: impl Fn(&mut serde_json::Value)) -> Result<(), String> {
+    let dir = cli::temp_dir("hf", name);
+    let (spec, plan) = compile("tiny-llama", &[]);
+    export(&spec, train(&spec, &plan, 0).unwrap(), &dir, None);
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(&path, config.to_string()).unwrap();
+    let (spec, plan) = compile("tiny-llama", &[&init_from(&dir)]);
+    train(&spec, &plan, 0)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+/// `MistralForCausalLM` is Llama's tensors and computation plus a sliding window: a Mistral
+/// folder loads into a Llama spec when the window is off or covers the spec's seq (64), and
+/// a smaller window is refused naming both (it was refused as "the spec is a Llama model"
+/// whatever the window). A model type parc does not read says which it reads.
+#[test]
+fn a_mistral_folder_loads_as_llama_unless_its_window_is_shorter_than_seq() {
+    let mistral = |window: serde_json::Value| {
+        move |c: &mut serde_json::Value| {
+            c["model_type"] = "mistral".into();
+            c["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+            c.as_object_mut().unwrap().remove("attention_bias");
+            c.as_object_mut().unwrap().remove("mlp_bias");
+            c["sliding_window"] = window.clone();
+        }
+    };
+    llama_with_config("mistral-none", mistral(serde_json::Value::Null)).unwrap();
+    llama_with_config("mistral-4096", mistral(4096.into())).unwrap();
+    let err = llama_with_config("mistral-32", mistral(32.into())).unwrap_err();
+    assert!(err.contains("sliding_window = 32, spec seq = 64"), "{err}");
+    let err = llama_with_config("gemma", |c| c["model_type"] = "gemma".into()).unwrap_err();
+    assert!(
+        err.contains("parc reads the model types gpt2, llama, qwen2 and mistral; \"gemma\" is not"),
+        "{err}"
+    );
+}
+
+/// A model file cut short (an interrupted download) is said to be truncated, with what to do
+/// (it was "not a safetensors file (incomplete metadata, file not fully covered)").
+#[test]
+fn a_truncated_model_file_is_said_to_be_truncated() {
+    let (dir, spec, plan) = broken_export("truncated");
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() - 1000]).unwrap();
+    let err = load_error(&spec, &plan);
+    assert!(
+        err.contains("model.safetensors")
+            && err.contains("the file is truncated")
+            && err.contains("download or save it again"),
+        "{err}"
+    );
+}

@@ -66,3 +66,54 @@ fn the_winner_checks_clean() {
         stderr_of(&checked)
     );
 }
+
+/// The search replaces the spec's plan, so the plan's own errors do not stop it: GPT-2 XL's
+/// `dp = 8` with `gpipe { microbatches: 8 }` (tied to its dp) searched on 16 GPUs over 2 nodes
+/// (was E0401, the mesh of 8 ranks against the 16 GPUs), and TinyLlama's pp = 4 that does not
+/// divide its 22 layers searched on its own cluster (was E0407).
+#[test]
+fn a_spec_whose_own_plan_fails_is_still_searched() {
+    let cases: [&[&str]; 2] = [
+        &[
+            "tests/configs/gpt2-xl-deepspeed-zero2-fp16.par",
+            "--gpus",
+            "16",
+            "--nodes",
+            "2",
+        ],
+        &["tests/configs/tinyllama-1.1b-pp4.par"],
+    ];
+    for case in cases {
+        let mut args = vec!["plan", "--search", "--top", "1"];
+        args.extend(case);
+        let out = parc(&args);
+        let text = stdout_of(&out);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{case:?}: {text}{}",
+            stderr_of(&out)
+        );
+        assert!(text.contains("as sections to paste:"), "{case:?}: {text}");
+    }
+}
+
+/// A model error stays the verdict: Gemma 2's final softcap written as a function between the
+/// head and the loss (E0803) is reported as such on another cluster, not hidden behind the
+/// mesh that does not match it (E0401).
+#[test]
+fn a_model_error_is_reported_on_another_cluster() {
+    let out = parc(&[
+        "plan",
+        "--search",
+        "tests/configs/gemma2-2b-final-softcap-fn.par",
+        "--gpus",
+        "16",
+        "--nodes",
+        "2",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr_of(&out);
+    assert!(err.contains("E0803"), "{err}");
+    assert!(!err.contains("E0401"), "{err}");
+}

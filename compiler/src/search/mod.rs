@@ -232,9 +232,11 @@ fn confirm(
 }
 
 /// The spec whose model and recipe are searched, and the cluster's nodes and GPUs per node:
-/// the spec as given (with the cluster `options` set) when it checks; else, when `options`
-/// give the cluster, the spec on one GPU (its plan is what the search replaces, so a mesh that
-/// does not match the new cluster does not stop it). `Err`: the spec's own errors.
+/// the spec as given (with the cluster `options` set) when it checks; else the spec under a
+/// neutral plan ([`neutral_spec`]): its own plan is what the search replaces, so a mesh that
+/// does not match the new cluster, a microbatch count tied to its dp, a `layers` list for its
+/// pipeline or an interleaved schedule that does not fit does not stop the search. `Err`: the
+/// spec's own errors.
 fn base_spec(
     name: &str,
     text: &str,
@@ -247,25 +249,96 @@ fn base_spec(
         let c = &spec.cluster;
         return Ok((spec.clone(), c.nodes, c.gpus_per_node));
     }
-    if options.nodes.is_none() && options.gpus_per_node.is_none() {
-        return Err(Box::new(compiled));
+    match neutral_spec(name, text, overrides, options) {
+        Ok(spec) => {
+            let c = &spec.cluster;
+            let shape = match (options.nodes, options.gpus_per_node) {
+                (None, None) => (c.nodes, c.gpus_per_node),
+                (n, g) => (n.unwrap_or(1), g.unwrap_or(1)),
+            };
+            Ok((spec, shape.0, shape.1))
+        }
+        // The model's or recipe's own errors, which the spec's plan errors may have hidden
+        // (a check stops at a mesh that does not match the cluster).
+        Err(Some(variant)) if !variant_errors_are_plans(&variant) => Err(variant),
+        Err(_) => Err(Box::new(compiled)),
     }
-    let mut one_gpu = overrides.to_vec();
-    for path in ["cluster.nodes", "cluster.gpus_per_node"]
-        .into_iter()
-        .chain(["parallel.dp", "parallel.pp", "parallel.cp", "parallel.tp"])
-    {
-        one_gpu.push(set(path, "1".to_string()));
+}
+
+/// Whether any error of `compiled` is about the plan (mesh, divisibility, batch arithmetic,
+/// schedule, placement, memory: E04xx to E07xx), whose spans may point at the neutral plan's
+/// settings rather than at what the user wrote.
+fn variant_errors_are_plans(compiled: &Compiled) -> bool {
+    let plan = ["E04", "E05", "E06", "E07"];
+    (compiled.diagnostics.items.iter())
+        .filter(|d| d.is_error())
+        .any(|d| plan.iter().any(|p| d.code.starts_with(p)))
+}
+
+/// The spec under the simplest plan: with a cluster from `options`, one GPU (dp = 1, so the
+/// batch arithmetic holds); else its own cluster, all of it dp. ZeRO 0, 1F1B, micro batch 1,
+/// no virtual stages or `layers` list; then the checker's own fixes that change only
+/// `parallel.*` (E0401's dp, E0501's microbatches) applied, a few rounds. `Err`: it still
+/// fails, with the last attempt's diagnostics (an error of the model or the recipe, which the
+/// search cannot change; or a plan error no fix of the checker's resolves).
+fn neutral_spec(
+    name: &str,
+    text: &str,
+    overrides: &[Override],
+    options: &SearchOptions,
+) -> Result<Spec, Option<Box<Compiled>>> {
+    let given = options.nodes.is_some() || options.gpus_per_node.is_some();
+    let mut sets = overrides.to_vec();
+    if given {
+        sets.push(set("cluster.nodes", "1".to_string()));
+        sets.push(set("cluster.gpus_per_node", "1".to_string()));
     }
-    let variant = driver::compile(name, text.to_string(), &one_gpu, &check_options());
-    match (variant.spec, variant.diagnostics.has_errors()) {
-        (Some(spec), false) => Ok((
-            spec,
-            options.nodes.unwrap_or(1),
-            options.gpus_per_node.unwrap_or(1),
-        )),
-        _ => Err(Box::new(compiled)),
+    for (path, value) in [
+        ("parallel.dp", "1"),
+        ("parallel.pp", "1"),
+        ("parallel.cp", "1"),
+        ("parallel.tp", "1"),
+        ("parallel.zero", "0"),
+        ("parallel.schedule", "1f1b"),
+        ("parallel.virtual", "1"),
+        ("parallel.balance", "even"),
+        ("parallel.sequence_parallel", "false"),
+        ("train.micro_batch", "1"),
+    ] {
+        sets.push(set(path, value.to_string()));
     }
+    let mut last = None;
+    for _ in 0..4 {
+        let variant = driver::compile(name, text.to_string(), &sets, &check_options());
+        if let (Some(spec), false) = (&variant.spec, variant.diagnostics.has_errors()) {
+            return Ok(spec.clone());
+        }
+        let fixes = plan_fixes(&variant.diagnostics);
+        last = Some(Box::new(variant));
+        if fixes.is_empty() {
+            break;
+        }
+        sets.extend(fixes);
+    }
+    Err(last)
+}
+
+/// For each error, its first suggested fix that sets only `parallel.*` paths.
+fn plan_fixes(diagnostics: &Diagnostics) -> Vec<Override> {
+    let parse = |s: &String| {
+        s.split_once('=')
+            .filter(|(path, _)| path.starts_with("parallel."))
+            .map(|(path, value)| set(path, value.to_string()))
+    };
+    let mut out = Vec::new();
+    for d in diagnostics.items.iter().filter(|d| d.is_error()) {
+        let first = d.fixes.iter().find_map(|f| {
+            let sets: Option<Vec<Override>> = f.sets.iter().map(parse).collect();
+            sets.filter(|s| !s.is_empty() && f.edits.is_empty())
+        });
+        out.extend(first.unwrap_or_default());
+    }
+    out
 }
 
 fn set(path: &str, value: String) -> Override {

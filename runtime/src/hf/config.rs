@@ -319,10 +319,23 @@ fn agrees(got: &Value, want: &Want) -> bool {
     }
 }
 
+/// Model types whose checkpoints are another family's tensors and computation:
+/// `MistralForCausalLM` is Llama without attention biases, plus a sliding window
+/// ([`sliding_window_mismatch`]).
+const SAME_AS: [(&str, Family); 1] = [("mistral", Family::Llama)];
+
+/// The model types parc reads, for messages.
+const KNOWN: &str = "gpt2, llama, qwen2 and mistral";
+
+/// Whether `model_type` is read as `family`.
+fn reads_as(model_type: &str, family: Family) -> bool {
+    model_type == family.model_type() || SAME_AS.contains(&(model_type, family))
+}
+
 /// The model types of parc's families, and what `config` says it is.
 fn family_mismatch(config: &Map<String, Value>, arch: &Arch) -> Option<String> {
     let model_type = config.get("model_type").and_then(Value::as_str);
-    if model_type == Some(arch.family.model_type()) {
+    if model_type.is_some_and(|t| reads_as(t, arch.family)) {
         return None;
     }
     let spec = match arch.family {
@@ -331,9 +344,34 @@ fn family_mismatch(config: &Map<String, Value>, arch: &Arch) -> Option<String> {
         Family::Qwen2 => "a Qwen2 model (Qwen2ForCausalLM: Llama with q/k/v biases only)",
     };
     let got = model_type.map_or("missing".to_string(), |t| format!("{t:?}"));
+    let known = [Family::Gpt2, Family::Llama, Family::Qwen2];
+    let supported = model_type.is_some_and(|t| known.iter().any(|f| reads_as(t, *f)));
+    let hint = if supported {
+        String::new()
+    } else {
+        format!(" (parc reads the model types {KNOWN}; {got} is not one of them)")
+    };
     Some(format!(
-        "config.json model_type = {got}, the spec is {spec}"
+        "config.json model_type = {got}, the spec is {spec}{hint}"
     ))
+}
+
+/// Mistral's sliding window: attention to the last `sliding_window` tokens only. It changes
+/// nothing while the spec's `seq` fits in the window; a smaller window is refused.
+fn sliding_window_mismatch(config: &Map<String, Value>, arch: &Arch) -> Option<String> {
+    if config.get("model_type").and_then(Value::as_str) != Some("mistral") {
+        return None;
+    }
+    let window = config.get("sliding_window").filter(|v| !v.is_null())?;
+    match window.as_u64() {
+        Some(w) if w >= arch.seq => None,
+        _ => Some(format!(
+            "config.json sliding_window = {window}, spec seq = {}: parc's attention is full \
+             causal, which is Mistral's only while seq fits in the window (set seq to at most \
+             the window)",
+            arch.seq
+        )),
+    }
 }
 
 /// RoPE beyond the plain form (scaled, YaRN, Llama 3.1's) changes the frequencies parc uses.
@@ -377,6 +415,7 @@ pub fn check_config(dir: &Path, arch: &Arch) -> Result<HfSizes> {
     let mut problems = Vec::new();
     if arch.family != Family::Gpt2 {
         problems.extend(rope_mismatch(&config));
+        problems.extend(sliding_window_mismatch(&config, arch));
     }
     let mut sizes = HfSizes {
         vocab: arch.vocab,

@@ -3,7 +3,7 @@
 //! touches only the pages that hold them. F32, BF16 and F16 tensors are read as f32.
 use crate::error::{Result, RuntimeError};
 use memmap2::Mmap;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::{Dtype, SafeTensorError, SafeTensors};
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -26,6 +26,24 @@ pub struct HfFiles {
 
 fn read_error(path: &Path, what: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Hf(format!("{}: {what}", path.display()))
+}
+
+/// A file whose safetensors header does not read: a tensor table that covers other bytes than
+/// the file holds is a file cut short (an interrupted download or save), said so.
+fn unreadable(path: &Path, error: &SafeTensorError, size: usize) -> RuntimeError {
+    match error {
+        SafeTensorError::MetadataIncompleteBuffer | SafeTensorError::InvalidHeaderLength => {
+            read_error(
+                path,
+                format!(
+                    "its safetensors header describes other bytes than the file's {size}: the \
+                     file is truncated or was not completely written (an interrupted download \
+                     or save); download or save it again"
+                ),
+            )
+        }
+        e => read_error(path, format!("not a safetensors file ({e})")),
+    }
 }
 
 /// The files of the checkpoint in `dir`: those its index names, else `model.safetensors`.
@@ -79,8 +97,8 @@ impl HfFiles {
             // not be truncated or rewritten while the run reads it.
             let map = unsafe { Mmap::map(&file) }
                 .map_err(|e| read_error(path, format!("cannot map ({e})")))?;
-            let (header, metadata) = SafeTensors::read_metadata(&map)
-                .map_err(|e| read_error(path, format!("not a safetensors file ({e})")))?;
+            let (header, metadata) =
+                SafeTensors::read_metadata(&map).map_err(|e| unreadable(path, &e, map.len()))?;
             for (name, info) in metadata.tensors() {
                 let at = TensorAt {
                     file: i,
