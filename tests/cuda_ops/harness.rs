@@ -359,8 +359,12 @@ pub fn check_with(test: &str, cases: &[Case], gpu: &mut dyn Backend) -> Vec<f32>
                 }
             }
             let scale = want.get(case.scale_of.unwrap_or(o)).unwrap_or(w);
-            let rms = (scale.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>()
-                / scale.len().max(1) as f64)
+            // Over the finite values: an expected NaN or infinity (a non-finite operand's row)
+            // is compared exactly below, and must not make every finite value's error huge.
+            let finite: Vec<f64> = (scale.iter().filter(|v| v.is_finite()))
+                .map(|v| f64::from(*v))
+                .collect();
+            let rms = (finite.iter().map(|v| v.powi(2)).sum::<f64>() / finite.len().max(1) as f64)
                 .sqrt() as f32;
             let mut worst = (0.0f32, 0usize);
             for (i, (a, b)) in g.iter().zip(w).enumerate() {
