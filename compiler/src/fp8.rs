@@ -8,9 +8,10 @@
 //! bf16 time ([`MIN_GAIN`]). The cost
 //! of one microbatch on one rank, at the layer's local shapes (tp shards, cp's share of the
 //! sequence), is a roofline: each GEMM takes max(2mnk / peak, bytes / bandwidth) at the bf16
-//! or FP8 tensor peak; FP8 adds the quantization passes, each reading a bf16 operand and
-//! writing it in FP8 in the layout its GEMM reads (x, dy and W twice each) at HBM bandwidth,
-//! plus a launch apiece.
+//! or FP8 tensor peak; FP8 adds the quantization of each GEMM's two operands (x, dy and W
+//! twice each) as the CUDA backend runs it (`runtime/src/cuda/fp8.rs`): per operand an amax
+//! pass reading it, a pass reading it again and writing it in FP8 in the layout its GEMM reads,
+//! at HBM bandwidth, and the scales' pass: three launches.
 //!
 //! Every rank holding a piece of a scale group must use the group's one scale. Tensorwise and
 //! rowwise groups that span tp or cp ranks get it from an amax max-reduced over exactly those
@@ -23,8 +24,11 @@ use crate::ir::fp8::{Fp8Gemm, Fp8Scaling, MIN_BLOCK};
 use crate::spec::{Fp8, LayerKind, Node, NodeId, Precision, Spec};
 use serde::Serialize;
 
-/// Launch and scale overhead of one quantization pass, seconds.
+/// Launch overhead of one quantization kernel, seconds.
 const QUANT_LAUNCH_S: f64 = 4e-6;
+
+/// Kernels that quantize one operand: its group amaxes, the FP8 copy, the scales.
+const QUANT_LAUNCHES: f64 = 3.0;
 
 /// The block size the CUDA backend's FP8 GEMMs take (cuBLASLt's VEC128 / BLK128x128 scales).
 pub const CUDA_BLOCK: u64 = 128;
@@ -325,9 +329,11 @@ pub fn quantize_each(spec: &Spec, g: &Gemm) -> [f64; 3] {
 }
 
 /// Seconds to quantize the two operands of one FP8 GEMM, `elements` in all, stored with
-/// `stored_bytes` per element: read them, write one byte each, one launch per operand.
+/// `stored_bytes` per element: read them for their amaxes, read them again and write one byte
+/// each, [`QUANT_LAUNCHES`] launches per operand.
 pub fn quantize_seconds(elements: f64, stored_bytes: f64, gpu: &crate::spec::Gpu) -> f64 {
-    elements * (stored_bytes + 1.0) / gpu.memory_bandwidth.max(1.0) + 2.0 * QUANT_LAUNCH_S
+    let bytes = elements * (2.0 * stored_bytes + 1.0);
+    bytes / gpu.memory_bandwidth.max(1.0) + 2.0 * QUANT_LAUNCHES * QUANT_LAUNCH_S
 }
 
 /// How much faster the GPU's FP8 tensor cores are than its bf16 ones (1 without FP8).
