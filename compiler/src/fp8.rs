@@ -71,18 +71,19 @@ pub enum Reason {
     },
 }
 
-/// What priced a layer's GEMMs for its choice.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+/// What priced a layer's GEMMs for its choice, ordered from least to most measured (a layer
+/// is as measured as its least measured GEMM: the minimum).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Pricing {
     /// The roofline of the module doc (no calibration profile).
     Roofline,
-    /// A calibration profile's bf16 GEMMs and its FP8 GEMMs of the recipe's scaling
-    /// (quantization included), both measured.
-    Measured,
     /// A calibration profile's bf16 GEMMs; FP8 at the GPU's FP8-to-bf16 peak ratio plus the
     /// roofline's quantization, as the profile has no FP8 GEMMs of the recipe's scaling.
     MeasuredBf16,
+    /// A calibration profile's bf16 GEMMs and its FP8 GEMMs of the recipe's scaling
+    /// (quantization included), both measured.
+    Measured,
 }
 
 impl Pricing {
@@ -224,28 +225,13 @@ fn reason(
         };
         let (bf16_s, fp8_s, priced_by) = gemms.iter().map(priced).fold(
             (0.0, 0.0, Pricing::Measured),
-            |(b, f, by), (gb, gf, g_by)| (b + gb, f + gf, least_measured(by, g_by)),
+            |(b, f, by), (gb, gf, g_by)| (b + gb, f + gf, by.min(g_by)),
         );
         Reason::Cost {
             bf16_s,
             fp8_s,
             priced_by,
         }
-    }
-}
-
-/// Of two GEMMs' pricings, the one closer to the roofline (a layer is as measured as its
-/// least measured GEMM).
-fn least_measured(a: Pricing, b: Pricing) -> Pricing {
-    let rank = |p| match p {
-        Pricing::Roofline => 0,
-        Pricing::MeasuredBf16 => 1,
-        Pricing::Measured => 2,
-    };
-    if rank(a) <= rank(b) {
-        a
-    } else {
-        b
     }
 }
 

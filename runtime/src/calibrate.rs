@@ -189,11 +189,7 @@ const SAMPLE_SECONDS: f64 = 1e-3;
 
 impl Bench<'_> {
     fn gemms(&mut self, grid: &Grid) -> Result<Vec<GemmPoint>> {
-        let dtype = if self.half {
-            GemmDtype::Bf16
-        } else {
-            GemmDtype::F32
-        };
+        let dtype = GemmDtype::storage(self.half);
         let mut points = Vec::new();
         for [m, n, k] in gemm_shapes(grid) {
             for (layout, op) in gemm_ops(n, k) {

@@ -441,69 +441,10 @@ impl Op {
                 accumulate,
                 accumulate_param_grad,
             } => norm_backward(s, *dim, None, *accumulate, *accumulate_param_grad),
-            Op::Matmul {
-                in_dim,
-                out_dim,
-                bias,
-                act,
-                residual,
-                ..
-            } => s
-                .input("x", Float, n(*in_dim))
-                .input("w", Float, fixed(*out_dim, *in_dim))
-                .input_if(*bias, "b", Fp32, fixed(*out_dim, 1))
-                .input_if(*residual, "r", Float, n(*out_dim))
-                .amax_inputs(
-                    self,
-                    [
-                        ("x_amax", None, *in_dim),
-                        ("w_amax", Some(*out_dim), *in_dim),
-                    ],
-                )
-                .output("y", Float, n(*out_dim))
-                .output_if(act.is_some(), "a", Float, n(*out_dim)),
-            Op::MatmulBwdData {
-                in_dim,
-                out_dim,
-                accumulate,
-                act_grad,
-                ..
-            } => s
-                .input("dy", Float, n(*out_dim))
-                .input("w", Float, fixed(*out_dim, *in_dim))
-                .input_if(act_grad.is_some(), "pre", Float, n(*in_dim))
-                .amax_inputs(
-                    self,
-                    [
-                        ("dy_amax", None, *out_dim),
-                        ("w_amax", Some(*out_dim), *in_dim),
-                    ],
-                )
-                .write("dx", Float, n(*in_dim), accumulate_if(*accumulate)),
-            Op::MatmulBwdWeight {
-                in_dim,
-                out_dim,
-                bias,
-                accumulate_param_grad,
-                ..
-            } => s
-                .input("dy", Float, n(*out_dim))
-                .input("x", Float, n(*in_dim))
-                .amax_inputs(
-                    self,
-                    [("dy_amax", None, *out_dim), ("x_amax", None, *in_dim)],
-                )
-                .output("dw", Fp32, fixed(*out_dim, *in_dim))
-                .output_if(*bias, "db", Fp32, fixed(*out_dim, 1))
-                .writing_from(0, accumulate_if(*accumulate_param_grad)),
-            Op::Fp8Amax(a) => {
-                let rows = a.rows.map_or(Rows::N, Rows::Fixed);
-                s.input("x", Float, shape(rows, a.cols)).output(
-                    "amax",
-                    Fp32,
-                    Some(amax_shape(a.operand, a.scaling, rows, a.cols)),
-                )
-            }
+            Op::Matmul { .. }
+            | Op::MatmulBwdData { .. }
+            | Op::MatmulBwdWeight { .. }
+            | Op::Fp8Amax(_) => gemm_family(self, s),
             Op::Rope(a) => {
                 let width = a.heads.saturating_mul(a.head_dim);
                 s.rows(rows_of(&a.positions, a.batch))
@@ -684,6 +625,75 @@ impl Op {
             Write::InPlace(i) => Some((i, o)),
             _ => None,
         })
+    }
+}
+
+/// The signature of an op of the GEMM family: the three matmuls (with an FP8 GEMM's reduced
+/// amaxes as extra inputs) and the amax op that feeds them. `Op::signature` routes only these
+/// here; any other op gets `s` back unchanged.
+fn gemm_family(op: &Op, s: Signature) -> Signature {
+    match op {
+        Op::Matmul {
+            in_dim,
+            out_dim,
+            bias,
+            act,
+            residual,
+            ..
+        } => s
+            .input("x", Float, n(*in_dim))
+            .input("w", Float, fixed(*out_dim, *in_dim))
+            .input_if(*bias, "b", Fp32, fixed(*out_dim, 1))
+            .input_if(*residual, "r", Float, n(*out_dim))
+            .amax_inputs(
+                op,
+                [
+                    ("x_amax", None, *in_dim),
+                    ("w_amax", Some(*out_dim), *in_dim),
+                ],
+            )
+            .output("y", Float, n(*out_dim))
+            .output_if(act.is_some(), "a", Float, n(*out_dim)),
+        Op::MatmulBwdData {
+            in_dim,
+            out_dim,
+            accumulate,
+            act_grad,
+            ..
+        } => s
+            .input("dy", Float, n(*out_dim))
+            .input("w", Float, fixed(*out_dim, *in_dim))
+            .input_if(act_grad.is_some(), "pre", Float, n(*in_dim))
+            .amax_inputs(
+                op,
+                [
+                    ("dy_amax", None, *out_dim),
+                    ("w_amax", Some(*out_dim), *in_dim),
+                ],
+            )
+            .write("dx", Float, n(*in_dim), accumulate_if(*accumulate)),
+        Op::MatmulBwdWeight {
+            in_dim,
+            out_dim,
+            bias,
+            accumulate_param_grad,
+            ..
+        } => s
+            .input("dy", Float, n(*out_dim))
+            .input("x", Float, n(*in_dim))
+            .amax_inputs(op, [("dy_amax", None, *out_dim), ("x_amax", None, *in_dim)])
+            .output("dw", Fp32, fixed(*out_dim, *in_dim))
+            .output_if(*bias, "db", Fp32, fixed(*out_dim, 1))
+            .writing_from(0, accumulate_if(*accumulate_param_grad)),
+        Op::Fp8Amax(a) => {
+            let rows = a.rows.map_or(Rows::N, Rows::Fixed);
+            s.input("x", Float, shape(rows, a.cols)).output(
+                "amax",
+                Fp32,
+                Some(amax_shape(a.operand, a.scaling, rows, a.cols)),
+            )
+        }
+        _ => s,
     }
 }
 

@@ -134,11 +134,7 @@ impl<'a> ProfileCosts<'a> {
                 },
             ) => {
                 let bf16 = buffer(inputs, 0).is_some_and(|b| b.dtype == DType::Bf16);
-                let dtype = if bf16 {
-                    GemmDtype::Bf16
-                } else {
-                    GemmDtype::F32
-                };
+                let dtype = GemmDtype::storage(bf16);
                 let mnk = [rows()?, *out_dim, *in_dim];
                 match op.fp8() {
                     Some(f) if self.has_gemm(GemmDtype::Fp8(f.scaling)) => {

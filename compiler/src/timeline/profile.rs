@@ -97,6 +97,15 @@ pub enum GemmDtype {
 }
 
 impl GemmDtype {
+    /// The activations' storage of a run: bf16 when `half` (bf16 and fp16 runs), else f32.
+    pub fn storage(half: bool) -> GemmDtype {
+        if half {
+            GemmDtype::Bf16
+        } else {
+            GemmDtype::F32
+        }
+    }
+
     pub fn name(self) -> String {
         match self {
             GemmDtype::F32 => "f32".into(),

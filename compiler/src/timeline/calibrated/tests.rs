@@ -211,20 +211,20 @@ fn a_gemm_beyond_the_grid_runs_at_the_rate_of_its_edge() {
 }
 
 /// tiny-llama in bf16 with blockwise FP8, on the `cpu` gpu (whose FP8 peak is its bf16 one,
-/// so the roofline never puts a layer in FP8).
-fn tiny_llama_fp8() -> Spec {
+/// so the roofline never puts a layer in FP8), compiled with `options`.
+fn tiny_llama_fp8_with(options: &CompileOptions) -> crate::driver::Compiled {
     let text = include_str!("../../../../examples/tiny-llama.par").to_string();
     let overrides = [
         "train.precision=bf16",
         "train.fp8=blockwise { block_size: 16 }",
     ]
     .map(|s| crate::overrides::parse_override(s).unwrap());
-    let c = compile(
-        "tiny-llama.par",
-        text,
-        &overrides,
-        &CompileOptions::through(Stage::Check),
-    );
+    compile("tiny-llama.par", text, &overrides, options)
+}
+
+/// [`tiny_llama_fp8_with`]'s checked spec.
+fn tiny_llama_fp8() -> Spec {
+    let c = tiny_llama_fp8_with(&CompileOptions::through(Stage::Check));
     c.spec.expect("tiny-llama.par checks")
 }
 
@@ -296,14 +296,7 @@ fn an_fp8_gemm_op_is_priced_by_its_scalings_points_when_measured() {
         calibration: Some(std::sync::Arc::new(bf16_profile(Some(4.0)))),
         ..CompileOptions::through(Stage::Lower)
     };
-    let text = include_str!("../../../../examples/tiny-llama.par").to_string();
-    let overrides = [
-        "train.precision=bf16",
-        "train.fp8=blockwise { block_size: 16 }",
-    ]
-    .map(|s| crate::overrides::parse_override(s).unwrap());
-    let c = compile("tiny-llama.par", text, &overrides, &options);
-    let plan = c.plan.expect("lowers");
+    let plan = tiny_llama_fp8_with(&options).plan.expect("lowers");
     let fp8_ops = (plan.programs.iter())
         .flat_map(|p| &p.instrs)
         .filter_map(|i| i.as_compute())
