@@ -11,8 +11,8 @@
 //!
 //! Each bf16 point runs with the `fa2` kernels both ways (labelled as before) and, on a Hopper
 //! GPU, with the warp-specialized `ws` kernels (the defaults there, head_dim 64 and 128;
-//! labelled `…-ws-wsbwd`), the `wgmma` forward beside the `ws` backward (`…-wgmma-wsbwd`) and for
-//! head_dim 128 the `ws_split` backward (`…-ws-ws_splitbwd`): each run times both directions. The bench sets the variants on the backend, whatever
+//! labelled `…-ws-wsbwd`) and the `wgmma` forward beside the `ws` backward (`…-wgmma-wsbwd`):
+//! each run times both directions. The bench sets the variants on the backend, whatever
 //! PARC_ATTENTION_*_KERNEL say.
 //!
 //! Ignored by default (it needs a GPU): on the device machine,
@@ -175,10 +175,6 @@ mod bench {
             // forward beside them.
             pairs.push((AttentionFwdKernel::Ws, AttentionBwdKernel::Ws));
             pairs.push((AttentionFwdKernel::Wgmma, AttentionBwdKernel::Ws));
-            if pt.head_dim == 128 {
-                // head_dim 128's other warp-specialized backward (dQ over each consumer's keys).
-                pairs.push((AttentionFwdKernel::Ws, AttentionBwdKernel::WsSplit));
-            }
         }
         pairs
     }

@@ -469,31 +469,22 @@ fn attention_bf16_ws_bwd() {
     check_storage("attention_bf16_storage_ws_bwd", &mut gpu);
 }
 
-/// The warp-specialized kernels for head_dim 128 (the `ws` forward with each of the `ws` and
-/// `ws_split` backwards, set on the test's backend): GQA ratios 1, 4 and 6, causal and not, sequences no multiple of a tile
+/// The warp-specialized kernels for head_dim 128 (the `ws` forward and backward, set on the
+/// test's backend): GQA ratios 1, 4 and 6, causal and not, sequences no multiple of a tile
 /// (128 queries or keys an item, 64-row backward slots), kv ahead of q, unsorted positions, CP
 /// segments, more work items than SMs (a persistent CTA's rings, and the backward's single K/V
 /// buffer, wrapping across items), then one GQA 6:1 causal sequence of 8192
-/// (`attention_bf16_ws_d128_long`), against the CPU under BF16_ATTENTION. Reported as
-/// `attention_bf16_ws_d128` (`ws_split`: `attention_bf16_ws_split_d128`).
+/// (`attention_bf16_ws_d128_long`), against the CPU under BF16_ATTENTION.
 #[cfg(feature = "cuda")]
 #[test]
 fn attention_bf16_ws_d128() {
-    for bwd in [AttentionBwdKernel::Ws, AttentionBwdKernel::WsSplit] {
-        ws_d128_cases(bwd);
-    }
-}
-
-/// attention_bf16_ws_d128's cases with the `ws` forward and the backward `bwd`.
-#[cfg(feature = "cuda")]
-fn ws_d128_cases(bwd: AttentionBwdKernel) {
     let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, AttentionFwdKernel::Ws)
     else {
         return;
     };
-    gpu.set_kernel_variant(bwd);
-    let test = format!("attention_bf16_{}_d128", bwd.name());
-    let mut r = Rng::new("attention_bf16_ws_d128");
+    gpu.set_kernel_variant(AttentionBwdKernel::Ws);
+    let test = "attention_bf16_ws_d128";
+    let mut r = Rng::new(test);
     let configs = [
         // GQA 1:1.
         AttConfig::new(2, 4, 4, 128, true, &[(0, 200)], &[(0, 200)]),
@@ -529,7 +520,7 @@ fn ws_d128_cases(bwd: AttentionBwdKernel) {
         .iter()
         .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
         .collect();
-    crate::harness::check_with(&test, &cases, &mut gpu);
+    crate::harness::check_with(test, &cases, &mut gpu);
     let long = AttConfig::new(1, 6, 1, 128, true, &[(0, 8192)], &[(0, 8192)]);
     crate::harness::check_with(
         &format!("{test}_long"),
@@ -827,11 +818,10 @@ fn packed_vs_unpacked(test: &str, gpu: &mut dyn Backend, dtype: DType, dq_tol: f
 }
 
 /// Packed q/k/v on every CUDA kernel path against the unpacked op on the same GPU: the `ws`
-/// forward and backward (and head_dim 128's `ws_split` backward) and the `wgmma` forward
-/// forward and backward (Hopper only) and `fa2`, each on bf16 buffers and on f32 ones (copied
-/// to bf16 whole; the backward then accumulates dQ in dqkv's own q columns), head dims 64 and
-/// 128 (and 32 / 16 on the exact kernels of a bf16 run); and the exact fp32 kernels of an fp32
-/// run on f32 buffers.
+/// forward and backward and the `wgmma` forward (Hopper only) and `fa2`'s forward and backward,
+/// each on bf16 buffers and on f32 ones (copied to bf16 whole; the backward then accumulates dQ
+/// in dqkv's own q columns), head dims 64 and 128 (and 32 / 16 on the exact kernels of a bf16
+/// run); and the exact fp32 kernels of an fp32 run on f32 buffers.
 #[test]
 fn attention_packed() {
     #[cfg(not(feature = "cuda"))]
@@ -843,7 +833,6 @@ fn attention_packed() {
         use AttentionFwdKernel as Fwd;
         for (fwd, bwd) in [
             (Fwd::Ws, Bwd::Ws),
-            (Fwd::Ws, Bwd::WsSplit),
             (Fwd::Wgmma, Bwd::Ws),
             (Fwd::Fa2, Bwd::Fa2),
         ] {
@@ -857,10 +846,7 @@ fn attention_packed() {
             }
             gpu.set_kernel_variant(fwd);
             gpu.set_kernel_variant(bwd);
-            let test = match bwd {
-                Bwd::WsSplit => format!("attention_packed_{name}_ws_split"),
-                _ => format!("attention_packed_{name}"),
-            };
+            let test = format!("attention_packed_{name}");
             // bf16 dq: the atomics' order can move a value across a bf16 rounding boundary.
             failures.extend(packed_vs_unpacked(
                 &test,

@@ -8,8 +8,7 @@
 //!   a producer warp filling mbarrier rings through tensor maps, `tma.rs`; head_dim 128 with
 //!   fewer ring slots, and in the backward one K/V buffer and one dQ tile a consumer, to fit
 //!   shared memory; its backward's dQ split over the consumers' columns as FlashAttention-3
-//!   does, or under `PARC_ATTENTION_BWD_KERNEL=ws_split` over their keys as head_dim 64's
-//!   is), falling back where a tensor map cannot be encoded (unaligned rows) to the
+//!   does), falling back where a tensor map cannot be encoded (unaligned rows) to the
 //!   warpgroup-MMA forward (`kernels/attention_wgmma_fwd.cu`) and the `mma.sync` backward;
 //!   `PARC_ATTENTION_FWD_KERNEL=wgmma` selects that warpgroup-MMA forward for both head dims.
 //!   Elsewhere, and under `PARC_ATTENTION_{FWD,BWD}_KERNEL=fa2`, FA2's `mma.sync` kernels
@@ -120,36 +119,30 @@ const WS_FWD_SMEM: u32 = ws_fwd_smem(64, WS_STAGES);
 const WS_FWD_SMEM_D128: u32 = ws_fwd_smem(128, WS_STAGES_D128);
 
 /// The warp-specialized backward (attention_ws_bwd.cu): keys per work item, query rows per
-/// ring slot, ring slots (head_dim 64 and 128; `ws_split`'s head_dim 128).
+/// ring slot, ring slots (head_dim 64 and 128), a consumer's dQ tile columns (head_dim 64: all
+/// over its own keys; 128: half over both consumers' keys).
 const WSB_BC: usize = 128;
 const WSB_BR: usize = 64;
 const WSB_STAGES: usize = 3;
-const WSB_STAGES_SPLIT_D128: usize = 2;
+const WSB_DQ_COLS: usize = 64;
 
-/// The warp-specialized backward's shared memory for head_dim `d`, `stages` ring slots,
-/// `kv_bufs` K/V buffers and `dq_bufs` dQ tiles of `dq_cols` columns a consumer (head_dim 64:
-/// 3 slots, 2, 2 × 64; 128: 3, 1, 1 × 64; `ws_split`'s 128: 2, 1, 1 × 128; attention_ws_bwd.cu's
+/// The warp-specialized backward's shared memory for head_dim `d`, `kv_bufs` K/V buffers and
+/// `dq_bufs` dQ tiles a consumer (head_dim 64: 2, 2; 128: 1, 1; attention_ws_bwd.cu's
 /// budgets): alignment slack, the K and V buffers, the slots (Q, dO, and 1 KiB for their lse2
 /// and delta rows), the consumers' dSᵀ tiles, the dQ tiles (f32), the mbarriers and the two
 /// items' query ranges (8 ints each).
-const fn wsb_smem(
-    d: usize,
-    stages: usize,
-    kv_bufs: usize,
-    (dq_bufs, dq_cols): (usize, usize),
-) -> u32 {
+const fn wsb_smem(d: usize, kv_bufs: usize, dq_bufs: usize) -> u32 {
     (WGMMA_ALIGN
         + kv_bufs * 2 * WSB_BC * d * 2
-        + stages * (2 * WSB_BR * d * 2 + 1024)
+        + WSB_STAGES * (2 * WSB_BR * d * 2 + 1024)
         + 2 * 64 * WSB_BR * 2
-        + 2 * dq_bufs * WSB_BR * dq_cols * 4
-        + 8 * (2 * stages + 4)
+        + 2 * dq_bufs * WSB_BR * WSB_DQ_COLS * 4
+        + 8 * (2 * WSB_STAGES + 4)
         + 64) as u32
 }
-/// Head_dim 64: 196 KiB. Head_dim 128: 212 KiB (`ws_split`: 211 KiB).
-const WSB_SMEM: u32 = wsb_smem(64, WSB_STAGES, 2, (2, 64));
-const WSB_SMEM_D128: u32 = wsb_smem(128, WSB_STAGES, 1, (1, 64));
-const WSB_SMEM_D128_SPLIT: u32 = wsb_smem(128, WSB_STAGES_SPLIT_D128, 1, (1, 128));
+/// Head_dim 64: 196 KiB. Head_dim 128: 212 KiB.
+const WSB_SMEM: u32 = wsb_smem(64, 2, 2);
+const WSB_SMEM_D128: u32 = wsb_smem(128, 1, 1);
 
 /// The TMA tensor map of one bf16 operand of the stored layout (q, k, v or dO; `ptr` at its
 /// first column): a matrix of one sequence position per row (the batch's rows side by side),
@@ -857,9 +850,6 @@ fn tensor_core_backward(
         (AttentionBwdKernel::Fa2, _) => None,
         (_, 64) => Some((Kernel::AttentionBwdWsD64, WSB_SMEM)),
         (AttentionBwdKernel::Ws, 128) => Some((Kernel::AttentionBwdWsD128, WSB_SMEM_D128)),
-        (AttentionBwdKernel::WsSplit, 128) => {
-            Some((Kernel::AttentionBwdWsSplitD128, WSB_SMEM_D128_SPLIT))
-        }
         _ => None,
     };
     if let (true, Some((name, smem))) = (be.is_hopper(), ws_kernel) {
@@ -1074,16 +1064,14 @@ mod tests {
             assert!(bwd <= A100_SMEM, "d{d} backward: {bwd}");
         }
         // The warp-specialized kernels (Hopper only), one CTA an SM: forward 165 KiB (head_dim
-        // 64) and 193 KiB (128), backward 196 KiB and 212 KiB (211 `ws_split`), all under the
-        // 227 KiB an H100 block may opt in to; the sizes follow the kernels' budget comments.
+        // 64) and 193 KiB (128), backward 196 KiB and 212 KiB, all under the 227 KiB an H100
+        // block may opt in to; the sizes follow the kernels' budget comments.
         const { assert!(WSB_SMEM <= H100_SMEM) };
         const { assert!(WSB_SMEM_D128 <= H100_SMEM) };
-        const { assert!(WSB_SMEM_D128_SPLIT <= H100_SMEM) };
         assert_eq!(WS_FWD_SMEM, 165_024);
         assert_eq!(WS_FWD_SMEM_D128, 197_760);
         assert_eq!(WSB_SMEM, 200_848);
         assert_eq!(WSB_SMEM_D128, 217_232);
-        assert_eq!(WSB_SMEM_D128_SPLIT, 216_192);
         const { assert!(WS_FWD_SMEM <= H100_SMEM) };
         const { assert!(WS_FWD_SMEM_D128 <= H100_SMEM) };
     }

@@ -143,7 +143,6 @@ kernels! {
     // kernels/attention_ws_bwd.cu
     AttentionBwdWsD64 "attention_bwd_ws_d64",
     AttentionBwdWsD128 "attention_bwd_ws_d128",
-    AttentionBwdWsSplitD128 "attention_bwd_ws_split_d128",
     // kernels/gemm_ws.cu
     GemmWsKkBf16 "gemm_ws_kk_bf16",
     GemmWsKkGelu "gemm_ws_kk_gelu",

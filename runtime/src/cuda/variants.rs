@@ -162,12 +162,10 @@ variants! {
     }
     /// The bf16 attention backward (`attention_bwd`, PARC_ATTENTION_BWD_KERNEL):
     /// attention_ws_bwd.cu's warp-specialized, TMA-fed kernel (Hopper, head_dim 64 and 128,
-    /// tensor maps the driver can encode; otherwise `fa2`), the same with head_dim 128's dQ
-    /// computed by each consumer warpgroup over its own keys instead of FlashAttention-3's
-    /// split of dQ's columns over a shared dSᵀ (`ws_split`; head_dim 64 runs `ws`'s kernel), or
-    /// attention_tc.cu's mma.sync kernel (`fa2`).
+    /// tensor maps the driver can encode; otherwise `fa2`), or attention_tc.cu's mma.sync
+    /// kernel (`fa2`).
     attention_bwd: AttentionBwdKernel "attention_bwd" "PARC_ATTENTION_BWD_KERNEL" {
-        Ws "ws", WsSplit "ws_split", Fa2 "fa2"
+        Ws "ws", Fa2 "fa2"
     }
     /// The fused cross-entropy (`cross_entropy`, PARC_CROSS_ENTROPY_KERNEL): persistent CTAs
     /// that stage each row in shared memory (`staged`; `rows` where a row does not fit or the

@@ -28,37 +28,17 @@
 #define WSB_BC 128
 #define WSB_BR 64
 #define WSB_THREADS 384
+#define WSB_STAGES 3
 
 // d (64 x 64, f32) (+)= A B, A and B from shared memory, both MN-major (dQ = dS K: A is dSᵀ
-// stored [key][query], B is K stored [key][dim]).
+// stored [key][query], B is K stored [key][dim]; a consumer's dQ tile is 64 columns at both
+// head dims).
 __device__ __forceinline__ void wsb_mma_ss_n64_mn(float (&d)[32], unsigned long long a, unsigned long long b, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "l"(a), "l"(b), "r"(accumulate));
-}
-
-// d (64 x 128, f32) (+)= A B, A and B from shared memory, both MN-major (head_dim 128's dQ = dS K:
-// B is K's 64-column blocks, LBO apart).
-__device__ __forceinline__ void wsb_mma_ss_n128_mn(float (&d)[64], unsigned long long a, unsigned long long b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(a), "l"(b), "r"(accumulate));
-}
-
-// dQ_w (64 queries × D, f32) = dS K_w: A = dSᵀ, B = K_w, both MN-major in shared memory.
-template <int D>
-__device__ __forceinline__ void wsb_mma_dq(float (&d)[D / 2], unsigned long long a, unsigned long long b, int accumulate);
-template <>
-__device__ __forceinline__ void wsb_mma_dq<64>(float (&d)[32], unsigned long long a, unsigned long long b, int accumulate) {
-    wsb_mma_ss_n64_mn(d, a, b, accumulate);
-}
-template <>
-__device__ __forceinline__ void wsb_mma_dq<128>(float (&d)[64], unsigned long long a, unsigned long long b, int accumulate) {
-    wsb_mma_ss_n128_mn(d, a, b, accumulate);
 }
 
 // Adds a shared-memory box into a 2-d f32 tensor in global memory (TMA reduction; rows or
@@ -73,16 +53,11 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 template <int N>
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-// Adds a dQ tile (shared memory at src: D / 32 swizzled 32-column blocks of WSB_BR rows) into
-// the f32 accumulator at column col, query row i0, as one bulk group of this thread.
-template <int D>
+// Adds a dQ tile (shared memory at src: two swizzled 32-column blocks of WSB_BR rows) into the
+// f32 accumulator at column col, query row i0, as one bulk group of this thread.
 __device__ __forceinline__ void wsb_reduce_dq(const TmaMap& tdq, unsigned src, int col, int i0) {
     tma_reduce_add_2d(tdq, src, col, i0);
     tma_reduce_add_2d(tdq, src + WSB_BR * 128, col + 32, i0);
-    if (D == 128) {
-        tma_reduce_add_2d(tdq, src + 2 * WSB_BR * 128, col + 64, i0);
-        tma_reduce_add_2d(tdq, src + 3 * WSB_BR * 128, col + 96, i0);
-    }
     bulk_commit();
 }
 // A barrier of one warpgroup's 128 threads (named barrier id).
@@ -169,37 +144,35 @@ __device__ __forceinline__ void wsb_probs(float (&s)[32], const float* sl, const
 }
 
 // grid: min(items, SMs); block: WSB_THREADS; shared: 1024 (alignment) + KV_BUFS K, V buffers
-// (WSB_BC rows) + STAGES slots + dSᵀ (64 keys × WSB_BR bf16) per consumer + DQ_BUFS dQ tiles
-// (WSB_BR × the consumer's dQ columns, f32) per consumer + 2 STAGES + 4 mbarriers + the ranges.
+// (WSB_BC rows) + WSB_STAGES slots + dSᵀ (64 keys × WSB_BR bf16) per consumer + DQ_BUFS dQ tiles
+// (WSB_BR × 64 f32) per consumer + 2 WSB_STAGES + 4 mbarriers + the ranges.
 //
 // Head dim 128 keeps the roles and tiles (128 keys an item, 64 a consumer, dK and dV 64 × 128
 // f32 in its registers; 64-row Q, dO slots) with one K/V buffer (no next-item prefetch) and one
 // dQ tile a consumer, its reduction issued at its tile's end behind a barrier and waited for
-// (bulk_wait_read) before the next tile's dSᵀ barrier, in one of two forms (SHARE):
-// - SHARE (FlashAttention-3's d128 dQ, variant `ws`): each consumer writes its dSᵀ half into one
-//   128-key dSᵀ tile and, after a barrier of both consumers, computes dQ for its 64 of the 128
-//   columns over all 128 keys (dQ = dS K[:, 64 cw ..]), reducing 64 × 64 f32 a tile; a second
-//   barrier of both, at the tile's end, frees the shared dSᵀ for the next tile and releases dQ
-//   to its reduction. Shared memory (WSB_SMEM_D128): 1024 alignment slack + K, V 128 × 128
-//   bf16 (64 KiB) + 3 slots of Q, dO 64 × 128 bf16 and 1 KiB of lse2 / delta (3 × 33 KiB) +
-//   dSᵀ 128 × 64 bf16 (16 KiB) + 2 dQ tiles 64 × 64 f32 (32 KiB) + 80 + 64 = 217,232 bytes
-//   (212.1 KiB) of the 227 KiB a block may opt in to (K/V double-buffered: +64 KiB, too many).
-//   Registers a consumer thread (setmaxnreg 240): dK, dV (128), Sᵀ and dPᵀ (64), Pᵀ's and dSᵀ's
-//   bf16 fragments (16 + 16), dQ 64 × 64 (32): at most 192 live plus addressing.
-// - !SHARE (`ws_split`): each consumer computes dQ over its own 64 keys for all 128 columns
-//   (d64's scheme) and reduces 64 × 128 f32 a tile, never waiting for the other consumer.
-//   Shared memory (WSB_SMEM_D128_SPLIT): 1024 + 64 KiB K, V + 2 slots (2 × 33 KiB) + 2 dSᵀ 64 ×
-//   64 bf16 (16 KiB) + 2 dQ tiles 64 × 128 f32 (64 KiB) + 64 + 64 = 216,192 bytes (211.1 KiB;
-//   a third slot would not fit). Registers: dK, dV (128), Sᵀ, dPᵀ (64), Pᵀ's fragments (16);
-//   then dSᵀ's (16) and dQ 64 × 128 (64) once the dV product is waited for (Pᵀ's fragments
-//   dead): at most 208 live plus addressing; ptxas spills at a cap of 232, not at 240.
-template <int D, int STAGES, bool SHARE>
+// (bulk_wait_read) before the next tile's dSᵀ barrier. Its dQ is FlashAttention-3's (SHARE):
+// each consumer writes its dSᵀ half into one 128-key dSᵀ tile and, after a barrier of both
+// consumers, computes dQ for its 64 of the 128 columns over all 128 keys (dQ = dS K[:, 64 cw
+// ..]), reducing 64 × 64 f32 a tile; a second barrier of both, at the tile's end, frees the
+// shared dSᵀ for the next tile and releases dQ to its reduction. Shared memory (WSB_SMEM_D128):
+// 1024 alignment slack + K, V 128 × 128 bf16 (64 KiB) + 3 slots of Q, dO 64 × 128 bf16 and
+// 1 KiB of lse2 / delta (3 × 33 KiB) + dSᵀ 128 × 64 bf16 (16 KiB) + 2 dQ tiles 64 × 64 f32
+// (32 KiB) + 80 + 64 = 217,232 bytes (212.1 KiB) of the 227 KiB a block may opt in to (K/V
+// double-buffered: +64 KiB, too many). Registers a consumer thread (setmaxnreg 240): dK, dV
+// (128), Sᵀ and dPᵀ (64), Pᵀ's and dSᵀ's bf16 fragments (16 + 16), dQ 64 × 64 (32): at most 192
+// live plus addressing. (d64's scheme at d128, each consumer's dQ over its own 64 keys for all
+// 128 columns in 2 slots, was the variant `ws_split`: slower at every point measured on an
+// H100, and removed.)
+template <int D>
 __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap& tdo, const TmaMap& tk, const TmaMap& tv, const TmaMap& tlse, const TmaMap& tdelta, const TmaMap& tdq, void* dk, void* dv, const int* qpos, const int* kvpos, const AttGeom& g) {
-    constexpr int BC = WSB_BC, BR = WSB_BR;
-    static_assert(D == 128 || !SHARE, "d64 computes each consumer's dQ over its own keys");
+    constexpr int BC = WSB_BC, BR = WSB_BR, STAGES = WSB_STAGES;
     constexpr int KV_BUFS = D == 64 ? 2 : 1, DQ_BUFS = D == 64 ? 2 : 1;
+    // d128 (SHARE) splits dQ's columns over the consumers, which share one dSᵀ tile; d64's
+    // consumers each compute dQ over their own keys.
+    constexpr bool SHARE = D == 128;
     // The dQ columns a consumer computes: all (over its own keys), or SHARE its half (over all).
     constexpr int DQC = SHARE ? D / 2 : D;
+    static_assert(DQC == 64, "a consumer's dQ tile is 64 columns (wsb_mma_ss_n64_mn, wsb_reduce_dq)");
     constexpr int KT = BC * D * 2, QT = BR * D * 2, DST = 64 * BR * 2, DQT = BR * DQC * 4;
     // One ring slot: Q and dO tiles, then lse2 and delta rows (f32), padded so the next slot's
     // tiles stay 1024-byte aligned.
@@ -364,14 +337,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             wg_fence_proxy();
             if (SHARE) consumers_bar();
             else wg_bar(1 + cw);
-            if (DQ_BUFS == 2 && elected && pend_col >= 0) wsb_reduce_dq<D>(tdq, dq_addr0 + (2 * cw + ((it - 1) & 1)) * DQT, pend_col, pend_i0);
-            if (D == 128 && !SHARE) {
-                // The dV product done before dQ's 64 accumulators come live, so Pᵀ's fragments
-                // are dead by then (the register budget above).
-                wg_wait_all();
-                wg_hold(dva);
-                ws_hold_u(pf);
-            }
+            if (DQ_BUFS == 2 && elected && pend_col >= 0) wsb_reduce_dq(tdq, dq_addr0 + (2 * cw + ((it - 1) & 1)) * DQT, pend_col, pend_i0);
             wg_fence();
             #pragma unroll
             for (int kk = 0; kk < BR / 16; kk++) wg_mma_pv<D>(dka, dsf[kk], wg_desc_mn<BR>(q_addr, kk), 1);
@@ -381,10 +347,10 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
                 // dQ[:, 64 cw ..] over all 128 keys: A = both consumers' dSᵀ (128 key rows, the
                 // two 64-row tiles adjacent), B = K's column block cw.
                 #pragma unroll
-                for (int kk = 0; kk < BC / 16; kk++) wsb_mma_dq<DQC>(dq, wg_desc_mn<BC>(ds_addr0, kk), wg_desc_mn<BC>(k_addr + cw * BC * 128, kk), kk > 0);
+                for (int kk = 0; kk < BC / 16; kk++) wsb_mma_ss_n64_mn(dq, wg_desc_mn<BC>(ds_addr0, kk), wg_desc_mn<BC>(k_addr + cw * BC * 128, kk), kk > 0);
             } else {
                 #pragma unroll
-                for (int kk = 0; kk < 4; kk++) wsb_mma_dq<DQC>(dq, wg_desc_mn<64>(ds_addr, kk), wg_desc_mn<BC>(kw, kk), kk > 0);
+                for (int kk = 0; kk < 4; kk++) wsb_mma_ss_n64_mn(dq, wg_desc_mn<64>(ds_addr, kk), wg_desc_mn<BC>(kw, kk), kk > 0);
             }
             wg_commit();
             wg_wait_all();
@@ -411,7 +377,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
                 wg_fence_proxy();
                 if (SHARE) consumers_bar();
                 else wg_bar(1 + cw);
-                if (elected) wsb_reduce_dq<DQC>(tdq, dq_addr, (b * (int)g.heads + h) * D + (SHARE ? 64 * cw : 0), i0);
+                if (elected) wsb_reduce_dq(tdq, dq_addr, (b * (int)g.heads + h) * D + (SHARE ? 64 * cw : 0), i0);
             } else {
                 pend_col = (b * (int)g.heads + h) * D;
                 pend_i0 = i0;
@@ -469,21 +435,20 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     if (DQ_BUFS == 2) {
         wg_fence_proxy();
         wg_bar(1 + cw);
-        if (elected && pend_col >= 0) wsb_reduce_dq<D>(tdq, dq_addr0 + (2 * cw + ((it - 1) & 1)) * DQT, pend_col, pend_i0);
+        if (elected && pend_col >= 0) wsb_reduce_dq(tdq, dq_addr0 + (2 * cw + ((it - 1) & 1)) * DQT, pend_col, pend_i0);
     }
     if (elected) bulk_wait_all();
 }
 
-#define WSB_BWD(NAME, D, STAGES, SHARE)                                                                                   \
+#define WSB_BWD(NAME, D)                                                                                            \
     extern "C" __global__ void __launch_bounds__(WSB_THREADS, 1) NAME(                                              \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tdo, const __grid_constant__ TmaMap tk,   \
         const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tlse,                                     \
         const __grid_constant__ TmaMap tdelta, const __grid_constant__ TmaMap tdq, void* dk, void* dv,              \
         const int* qpos, const int* kvpos, AttGeom g) {                                                              \
-        wsb_attention_bwd<D, STAGES, SHARE>(tq, tdo, tk, tv, tlse, tdelta, tdq, dk, dv, qpos, kvpos, g);            \
+        wsb_attention_bwd<D>(tq, tdo, tk, tv, tlse, tdelta, tdq, dk, dv, qpos, kvpos, g);                           \
     }
-WSB_BWD(attention_bwd_ws_d64, 64, 3, false)
-WSB_BWD(attention_bwd_ws_d128, 128, 3, true)
-WSB_BWD(attention_bwd_ws_split_d128, 128, 2, false)
+WSB_BWD(attention_bwd_ws_d64, 64)
+WSB_BWD(attention_bwd_ws_d128, 128)
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
