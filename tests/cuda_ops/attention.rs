@@ -6,8 +6,8 @@
 //! `wgmma` forward variant (set on its backend), after an exact check of the wgmma layouts on
 //! their own.
 use crate::harness::{
-    check, check_on, gpu_with, seg, Case, Data, Rng, BF16_ATTENTION, BF16_ROUNDED, REDUCTION,
-    SCALARS,
+    check, check_on, gpu_with, seg, Case, Data, Rng, BF16_ATTENTION, BF16_ATTENTION_LONG,
+    BF16_ROUNDED, REDUCTION, SCALARS,
 };
 use parc_compiler::ir::op::AttentionAttrs;
 use parc_compiler::ir::op::{Op, Segment};
@@ -473,8 +473,8 @@ fn attention_bf16_ws_bwd() {
 /// test's backend): GQA ratios 1, 4 and 6, causal and not, sequences no multiple of a tile
 /// (128 queries or keys an item, 64-row backward slots), kv ahead of q, unsorted positions, CP
 /// segments, more work items than SMs (a persistent CTA's rings, and the backward's single K/V
-/// buffer, wrapping across items), then one GQA 6:1 causal sequence of 8192
-/// (`attention_bf16_ws_d128_long`), against the CPU under BF16_ATTENTION.
+/// buffer, wrapping across items), against the CPU under BF16_ATTENTION, then one GQA 6:1 causal
+/// sequence of 8192 (`attention_bf16_ws_d128_long`) under BF16_ATTENTION_LONG.
 #[cfg(feature = "cuda")]
 #[test]
 fn attention_bf16_ws_d128() {
@@ -524,7 +524,27 @@ fn attention_bf16_ws_d128() {
     let long = AttConfig::new(1, 6, 1, 128, true, &[(0, 8192)], &[(0, 8192)]);
     crate::harness::check_with(
         &format!("{test}_long"),
-        &attention_cases(&mut r, &long, BF16_ATTENTION, true),
+        &attention_cases(&mut r, &long, BF16_ATTENTION_LONG, true),
+        &mut gpu,
+    );
+}
+
+/// The long case of `attention_bf16_ws_d128` (one GQA 6:1 causal sequence of 8192) through
+/// the pre-Hopper-style `fa2` backward and the `wgmma` forward: the error the older kernels
+/// reach at this length under bf16 P and dS, beside which the `ws` kernels' is judged.
+#[cfg(feature = "cuda")]
+#[test]
+fn attention_bf16_fa2_d128_long() {
+    let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, AttentionFwdKernel::Wgmma)
+    else {
+        return;
+    };
+    gpu.set_kernel_variant(AttentionBwdKernel::Fa2);
+    let mut r = Rng::new("attention_bf16_ws_d128");
+    let long = AttConfig::new(1, 6, 1, 128, true, &[(0, 8192)], &[(0, 8192)]);
+    crate::harness::check_with(
+        "attention_bf16_fa2_d128_long",
+        &attention_cases(&mut r, &long, BF16_ATTENTION_LONG, true),
         &mut gpu,
     );
 }

@@ -21,6 +21,12 @@ pub const BF16_STORED: f32 = 2e-2;
 /// Seen on an H200: forward ≤ 7e-3; backward ≤ 2.1e-2 (dS = P∘(dP − δ) cancels, and dK, dQ
 /// sum its rounding over every query or key).
 pub const BF16_ATTENTION: (f32, f32) = (2e-2, 5e-2);
+/// As BF16_ATTENTION over one sequence of 8192 (GQA 6:1, head dim 128): the rounding of P and dS
+/// sums over 8192 keys or queries (and dV's over six heads). Seen (worst of forward, dQ, dK, dV):
+/// the older `wgmma` + `fa2` kernels 2.02–2.30e-2, 3.0–3.7e-2, 3.2–3.6e-2, 3.8–4.6e-2 (two H100
+/// runs, 2026-12-05); the warp-specialized ones 1.95e-2, 3.0–3.5e-2, 2.8–3.2e-2, 3.1–5.55e-2 (an
+/// H200 and an H100): the same rounding, not a fault of either.
+pub const BF16_ATTENTION_LONG: (f32, f32) = (4e-2, 8e-2);
 /// A bf16 GEMM's worst error must exceed this (fp32 GEMMs stay below 2e-6).
 pub const BF16_ROUNDED: f32 = 1e-4;
 pub const FP16_GEMM: f32 = 5e-3;
@@ -359,13 +365,13 @@ pub fn check_with(test: &str, cases: &[Case], gpu: &mut dyn Backend) -> Vec<f32>
                 }
             }
             let scale = want.get(case.scale_of.unwrap_or(o)).unwrap_or(w);
-            // Over the finite values: an expected NaN or infinity (a non-finite operand's row)
-            // is compared exactly below, and must not make every finite value's error huge.
-            let finite: Vec<f64> = (scale.iter().filter(|v| v.is_finite()))
-                .map(|v| f64::from(*v))
-                .collect();
-            let rms = (finite.iter().map(|v| v.powi(2)).sum::<f64>() / finite.len().max(1) as f64)
-                .sqrt() as f32;
+            // An output whose expected values are all zero (attention's dQ and dK over one key:
+            // dS = P·(dP − D) vanishes only in exact arithmetic) has no scale of its own: its
+            // rounding is judged against the largest of the case's outputs.
+            let rms = match finite_rms(scale) {
+                0.0 => want.iter().map(|v| finite_rms(v)).fold(0.0, f32::max),
+                rms => rms,
+            };
             let mut worst = (0.0f32, 0usize);
             for (i, (a, b)) in g.iter().zip(w).enumerate() {
                 let err = if a.is_finite() && b.is_finite() {
@@ -399,6 +405,16 @@ pub fn check_with(test: &str, cases: &[Case], gpu: &mut dyn Backend) -> Vec<f32>
         failures.join("\n")
     );
     worst_errors
+}
+
+/// The root mean square of `values`' finite elements: an expected NaN or infinity (a
+/// non-finite operand's row) is compared exactly, and must not make every finite value's error
+/// huge.
+fn finite_rms(values: &[f32]) -> f32 {
+    let finite: Vec<f64> = (values.iter().filter(|v| v.is_finite()))
+        .map(|v| f64::from(*v))
+        .collect();
+    (finite.iter().map(|v| v.powi(2)).sum::<f64>() / finite.len().max(1) as f64).sqrt() as f32
 }
 
 pub fn seg(start: u32, len: u32) -> Segment {
