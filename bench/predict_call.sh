@@ -13,7 +13,9 @@
 # which no configuration starts (the list is in priority order), so the summary is always written.
 # Output: $OUT (else DIR/out) gets few files (the device returns at most 8): the profile
 # (GPU.json), summary.txt (bench/predict/summary.py's table) and logs.tgz (each configuration's
-# check-NAME.json and run-NAME.jsonl/.stderr, the calibration log).
+# check-NAME.json and run-NAME.jsonl/.stderr, the calibration log, clocks.csv: the SM clock and
+# power every 200 ms). RUN_ARGS: parc run's extra flags (default `--profile`: each kind's
+# measured time beside the timeline's price of it; profiling times on the device's queue).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device_env.sh
@@ -28,6 +30,10 @@ case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1
 esac
 gpu=${GPU:-$detected}
 t0=$SECONDS
+nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 200 \
+    > "$work/clocks.csv" 2> /dev/null &
+smi=$!
+trap 'kill $smi 2> /dev/null' EXIT
 profile=${CALIBRATION:-}
 if [[ -z $profile ]]; then
     profile=$out/$gpu.json
@@ -52,7 +58,8 @@ while read -r name spec settings; do
     for s in $settings; do sets+=(--set "$s"); done
     "$dir/parc" check "$spec" "${sets[@]}" --calibration "$profile" --format json \
         > "$work/check-$file.json" 2> "$work/check-$file.stderr"
-    timeout 90 "$dir/parc" run "$spec" --backend cuda --log-format json "${sets[@]}" \
+    # shellcheck disable=SC2086
+    timeout 90 "$dir/parc" run "$spec" --backend cuda --log-format json "${sets[@]}" --calibration "$profile" ${RUN_ARGS---profile} \
         > "$work/run-$file.jsonl" 2> "$work/run-$file.stderr"
     echo "== $name rc=$? at $((SECONDS - t0)) s"
     report

@@ -7,7 +7,7 @@
 use parc_compiler::driver::{self, CompileOptions, Stage};
 use parc_compiler::ir::Plan;
 use parc_compiler::spec::Spec;
-use parc_compiler::timeline::profile::Profile;
+use parc_compiler::timeline::profile::{Profile, ProfileError};
 use parc_compiler::timeline::{Calibration, ProfileCosts};
 use parc_compiler::Override;
 use serde::Serialize;
@@ -34,6 +34,9 @@ pub struct Chosen {
     pub calibration: Option<Arc<Calibration>>,
     /// The profile's file, as found.
     pub file: Option<String>,
+    /// Why the default profile of the spec's gpu was not used (it was measured in another
+    /// precision), when it was not.
+    pub passed_over: Option<String>,
 }
 
 /// How the step was priced, for the reports (`priced_by` in `check`'s JSON).
@@ -90,13 +93,23 @@ pub fn choose(args: &CalibrationArgs, spec: &Spec) -> Result<Chosen, String> {
     };
     let profile = load(&path)?;
     let shown = path.display();
-    profile
-        .check_for(spec, args.scale_calibration)
-        .map_err(|e| format!("calibration profile {shown} {e}"))?;
+    match profile.check_for(spec, args.scale_calibration) {
+        // A default profile of another precision prices nothing: the peak numbers do, and the
+        // report says why (one named with --calibration is an error).
+        Err(e @ ProfileError::OtherPrecision { .. }) if args.calibration.is_none() => {
+            return Ok(Chosen {
+                passed_over: Some(format!("calibration profile {shown} {e}")),
+                ..Chosen::default()
+            });
+        }
+        Err(e) => return Err(format!("calibration profile {shown} {e}")),
+        Ok(()) => {}
+    }
     let scale = profile.gpu != *gpu;
     Ok(Chosen {
         calibration: Some(Arc::new(Calibration { profile, scale })),
         file: Some(shown.to_string()),
+        passed_over: None,
     })
 }
 
@@ -148,10 +161,13 @@ pub fn priced_by(chosen: &Chosen, spec: &Spec, plan: &Plan) -> PricedBy {
             device: None,
             scaled_from: None,
             roofline_kinds: Vec::new(),
-            note: format!(
-                "timeline priced by the GPU's peak numbers: no calibration profile for {gpu}; \
-                 `parc calibrate` makes one"
-            ),
+            note: match &chosen.passed_over {
+                Some(why) => format!("timeline priced by the GPU's peak numbers: {why}"),
+                None => format!(
+                    "timeline priced by the GPU's peak numbers: no calibration profile for \
+                     {gpu}; `parc calibrate` makes one"
+                ),
+            },
         };
     };
     let profile = &calibration.profile;

@@ -136,8 +136,9 @@ fn run_with<B: Backend>(
         world: plan.world,
         reserved_bytes: result.reserved_bytes,
     };
-    let (profile, gpu) = (result.profile.as_ref(), &spec.cluster.gpu);
-    finish_report(&progress, &summary, profile, args.log_format, gpu);
+    let profile = (result.profile.as_ref())
+        .map(|p| crate::run_profile::profiled(p, spec, plan, &args.calibration));
+    finish_report(&progress, &summary, profile.as_ref(), args.log_format);
     metrics.map_or(Ok(()), RunMetrics::finish)
 }
 

@@ -1,10 +1,87 @@
 //! The `parc run --profile` report: where the profiled step's time went, per kind of work,
 //! with achieved TFLOP/s (matmuls, attention) or GB/s (memory-bound ops) against the spec
-//! GPU's ceilings. Human: a table on stderr after the summary; JSON: one
+//! GPU's ceilings, beside what the timeline predicted for the same program (the pricing of
+//! `parc check`: the calibration profile or the GPU's peak numbers), so where the time model and
+//! the GPU disagree shows per kind. Human: a table on stderr after the summary; JSON: one
 //! `{"event":"profile",…}` line on stdout before the summary line.
-use parc_compiler::spec::Gpu;
-use parc_runtime::exec::profile::{KindTotals, StepProfile};
+use crate::calibration::CalibrationArgs;
+use parc_compiler::ir::Plan;
+use parc_compiler::spec::{Gpu, Spec};
+use parc_compiler::timeline::{self, ProfileCosts, SpecCosts, StepCosts};
+use parc_runtime::exec::profile::{predicted_compute, KindTotals, OpKind, StepProfile};
 use serde_json::{json, Value};
+
+/// The profiled step and the timeline's prediction of it.
+pub struct Profiled<'a> {
+    pub measured: &'a StepProfile,
+    pub gpu: &'a Gpu,
+    /// None when the step could not be priced (the reason is in `unpriced`).
+    pub predicted: Option<Prediction>,
+    pub unpriced: Option<String>,
+}
+
+/// What `parc check`'s timeline predicts for the profiled rank.
+pub struct Prediction {
+    /// The simulated step (all ranks, communication and bubble included).
+    pub step_seconds: f64,
+    /// Each kind's compute time on the profiled rank.
+    pub kinds: Vec<(OpKind, f64)>,
+    /// What priced it: the calibration profile's file, or the GPU's peak numbers.
+    pub pricing: String,
+}
+
+impl Prediction {
+    fn of(&self, kind: OpKind) -> Option<f64> {
+        self.kinds.iter().find(|(k, _)| *k == kind).map(|(_, s)| *s)
+    }
+}
+
+/// The profiled step of `plan` with its prediction, priced as `parc check` prices `spec` (the
+/// calibration `args` name, else the default profile of the spec's GPU, else its peak numbers).
+pub fn profiled<'a>(
+    measured: &'a StepProfile,
+    spec: &'a Spec,
+    plan: &Plan,
+    args: &CalibrationArgs,
+) -> Profiled<'a> {
+    let (predicted, unpriced) = match predict(measured.rank, spec, plan, args) {
+        Ok(p) => (Some(p), None),
+        Err(e) => (None, Some(e)),
+    };
+    Profiled {
+        measured,
+        gpu: &spec.cluster.gpu,
+        predicted,
+        unpriced,
+    }
+}
+
+fn predict(
+    rank: u32,
+    spec: &Spec,
+    plan: &Plan,
+    args: &CalibrationArgs,
+) -> Result<Prediction, String> {
+    let program = plan
+        .program_of(rank)
+        .ok_or_else(|| format!("the plan has no program for rank {rank}"))?;
+    let chosen = crate::calibration::choose(args, spec)?;
+    let calibration = chosen.calibration.as_deref();
+    let simulated = timeline::simulate_calibrated(plan, spec, calibration);
+    let costs: Box<dyn StepCosts> = match calibration {
+        Some(c) => Box::new(ProfileCosts::new(c, spec)),
+        None => Box::new(SpecCosts { spec }),
+    };
+    let pricing = match chosen.file {
+        Some(file) => format!("calibration {file}"),
+        None => format!("the peak numbers of gpu `{}`", spec.cluster.gpu.name),
+    };
+    Ok(Prediction {
+        step_seconds: simulated.step_seconds,
+        kinds: predicted_compute(program, costs.as_ref()),
+        pricing,
+    })
+}
 
 /// One row of the report, with its rates worked out.
 struct Row<'a> {
@@ -60,7 +137,9 @@ fn timing(profile: &StepProfile) -> &'static str {
 }
 
 /// The `{"event":"profile",…}` line.
-pub fn json(profile: &StepProfile, gpu: &Gpu) -> Value {
+pub fn json(p: &Profiled) -> Value {
+    let (profile, gpu) = (p.measured, p.gpu);
+    let predicted = p.predicted.as_ref();
     let kinds: Vec<Value> = rows(profile, gpu)
         .iter()
         .map(|r| {
@@ -72,6 +151,7 @@ pub fn json(profile: &StepProfile, gpu: &Gpu) -> Value {
                 "tflops": r.tflops,
                 "gbps": r.gbps,
                 "ceiling_pct": r.ceiling_pct,
+                "predicted_ms": predicted.and_then(|x| x.of(r.totals.kind)).map(|s| s * 1e3),
             })
         })
         .collect();
@@ -80,6 +160,9 @@ pub fn json(profile: &StepProfile, gpu: &Gpu) -> Value {
         "step": profile.step,
         "rank": profile.rank,
         "step_ms": profile.step_seconds * 1e3,
+        "predicted_step_ms": predicted.map(|x| x.step_seconds * 1e3),
+        "predicted_by": predicted.map(|x| x.pricing.clone()),
+        "unpriced": p.unpriced,
         "gpu": gpu.name,
         "peak_tflops": gpu.peak_flops / 1e12,
         "memory_bandwidth_gbps": gpu.memory_bandwidth / 1e9,
@@ -90,7 +173,8 @@ pub fn json(profile: &StepProfile, gpu: &Gpu) -> Value {
 }
 
 /// The human table.
-pub fn human(profile: &StepProfile, gpu: &Gpu) -> String {
+pub fn human(p: &Profiled) -> String {
+    let (profile, gpu) = (p.measured, p.gpu);
     let mut out = format!(
         "profile of step {} on rank {}: {:.2} ms, {}; ceilings of the spec's gpu `{}`: \
          {:.1} TFLOP/s, {:.0} GB/s{}\n",
@@ -111,9 +195,20 @@ pub fn human(profile: &StepProfile, gpu: &Gpu) -> String {
             ""
         }
     );
+    match (&p.predicted, &p.unpriced) {
+        (Some(x), _) => out.push_str(&format!(
+            "  predicted (parc check's timeline, priced by {}): step {:.2} ms, measured / \
+             predicted {:.3}\n",
+            x.pricing,
+            x.step_seconds * 1e3,
+            profile.step_seconds / x.step_seconds.max(1e-12)
+        )),
+        (None, Some(why)) => out.push_str(&format!("  not predicted: {why}\n")),
+        (None, None) => {}
+    }
     out.push_str(&format!(
-        "  {:<18} {:>6} {:>10} {:>7} {:>16} {:>9}\n",
-        "kind", "count", "ms", "% step", "achieved", "% ceiling"
+        "  {:<18} {:>6} {:>10} {:>7} {:>16} {:>9} {:>12}\n",
+        "kind", "count", "ms", "% step", "achieved", "% ceiling", "predicted ms"
     ));
     for r in rows(profile, gpu) {
         let achieved = match (r.tflops, r.gbps) {
@@ -125,14 +220,18 @@ pub fn human(profile: &StepProfile, gpu: &Gpu) -> String {
         let ceiling = r
             .ceiling_pct
             .map_or_else(|| "-".to_string(), |p| format!("{p:.1}%"));
+        let predicted = (p.predicted.as_ref())
+            .and_then(|x| x.of(r.totals.kind))
+            .map_or_else(|| "-".to_string(), |s| format!("{:.3}", s * 1e3));
         out.push_str(&format!(
-            "  {:<18} {:>6} {:>10.3} {:>6.1}% {:>16} {:>9}\n",
+            "  {:<18} {:>6} {:>10.3} {:>6.1}% {:>16} {:>9} {:>12}\n",
             r.totals.kind.name(),
             r.totals.count,
             r.totals.seconds * 1e3,
             r.share_pct,
             achieved,
-            ceiling
+            ceiling,
+            predicted
         ));
     }
     out
@@ -162,7 +261,20 @@ mod tests {
         // 4.8e9 bytes in 10 ms: 480 GB/s = 10% of 4800.
         p.add(OpKind::Elementwise, 0.01, 0.0, 4.8e9);
         p.finish(0.04);
-        let v = json(&p, &gpu());
+        let g = gpu();
+        fn measured<'a>(p: &'a StepProfile, g: &'a Gpu) -> Profiled<'a> {
+            Profiled {
+                measured: p,
+                gpu: g,
+                predicted: Some(Prediction {
+                    step_seconds: 0.02,
+                    kinds: vec![(OpKind::MatmulFwd, 0.005)],
+                    pricing: "a test".to_string(),
+                }),
+                unpriced: None,
+            }
+        }
+        let v = json(&measured(&p, &g));
         assert_eq!(v["event"], "profile");
         let kinds = v["kinds"].as_array().unwrap();
         assert_eq!(kinds.len(), 3);
@@ -172,10 +284,15 @@ mod tests {
         assert!((kinds[1]["ceiling_pct"].as_f64().unwrap() - 10.0).abs() < 1e-6);
         assert_eq!(kinds[2]["kind"], "other");
         assert!((kinds[2]["share_pct"].as_f64().unwrap() - 50.0).abs() < 1e-6);
-        assert!(human(&p, &gpu()).contains("matmul_fwd"));
+        assert!((kinds[0]["predicted_ms"].as_f64().unwrap() - 5.0).abs() < 1e-9);
+        assert!(kinds[1]["predicted_ms"].is_null());
+        assert!((v["predicted_step_ms"].as_f64().unwrap() - 20.0).abs() < 1e-9);
+        let table = human(&measured(&p, &g));
+        assert!(table.contains("matmul_fwd"), "{table}");
+        assert!(table.contains("measured / predicted 2.000"), "{table}");
         assert_eq!(v["timing"], "synchronized");
         p.device_timed = true;
-        assert_eq!(json(&p, &gpu())["timing"], "device");
-        assert!(human(&p, &gpu()).contains("timed on the device"));
+        assert_eq!(json(&measured(&p, &g))["timing"], "device");
+        assert!(human(&measured(&p, &g)).contains("timed on the device"));
     }
 }

@@ -28,9 +28,7 @@
 //! `train.sample`'s samples: `sample at step N:` and the text on stderr, or
 //! `{"event":"sample","step":N,"text":…}` (steps done, as `step`'s).
 use crate::report::bytes;
-use parc_compiler::spec::Gpu;
 use parc_runtime::data::EpochProgress;
-use parc_runtime::exec::profile::StepProfile;
 use parc_runtime::exec::{LossScaleStep, StepRecord};
 use parc_runtime::generate::SampleSink;
 use serde_json::json;
@@ -578,12 +576,11 @@ pub fn sample_sink(format: LogFormat) -> SampleSink {
 pub(crate) fn finish_report(
     progress: &Progress,
     summary: &Summary,
-    profile: Option<&StepProfile>,
+    profile: Option<&crate::run_profile::Profiled>,
     format: LogFormat,
-    gpu: &Gpu,
 ) {
     if let (Some(profile), LogFormat::Json) = (profile, format) {
-        println!("{}", crate::run_profile::json(profile, gpu));
+        println!("{}", crate::run_profile::json(profile));
     }
     progress.finish(summary);
     if format == LogFormat::Human {
@@ -591,7 +588,7 @@ pub(crate) fn finish_report(
             print_reserved(summary.backend, reserved);
         }
         if let Some(profile) = profile {
-            eprint!("{}", crate::run_profile::human(profile, gpu));
+            eprint!("{}", crate::run_profile::human(profile));
         }
     }
 }

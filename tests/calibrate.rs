@@ -185,6 +185,24 @@ fn bad_profiles_are_clear_errors_naming_the_file() {
     refused(&bf16, &[], &["measured in bf16", "trains in fp32"]);
 }
 
+/// The shipped profile of a gpu kind (calibration/h100_80gb.json, bf16) is not a spec's of
+/// another precision: its steps are priced by the peak numbers, and the report says why, where a
+/// profile named with --calibration would be an error.
+#[test]
+fn a_default_profile_of_another_precision_is_passed_over_with_a_note() {
+    let _alone = alone();
+    let on_h100 = ["--set", "cluster.gpu=h100_80gb"];
+    let bf16 = check_json(&[&on_h100[..], &["--set", "train.precision=bf16"]].concat());
+    assert_eq!(bf16["priced_by"]["model"], "calibration", "{bf16}");
+    let fp32 = check_json(&[&on_h100[..], &["--set", "train.precision=fp32"]].concat());
+    assert_eq!(fp32["priced_by"]["model"], "peak", "{fp32}");
+    let note = fp32["priced_by"]["note"].as_str().unwrap_or("");
+    assert!(
+        note.contains("h100_80gb.json") && note.contains("measured in bf16"),
+        "{note}"
+    );
+}
+
 #[test]
 fn parc_plan_takes_a_profile_too() {
     let _alone = alone();

@@ -5,7 +5,9 @@
 One row per configuration: the step `parc check` predicted (its simulated timeline, priced by the
 call's profile), the measured median of steps 3.. of `parc run`, and measured / predicted. Then,
 per model (the name up to its first `/`): Kendall's tau between predicted and measured order, and
-how far the predicted fastest is from the measured fastest.
+how far the predicted fastest is from the measured fastest. Then, where the runs were profiled
+(`parc run --profile`), each kind of work's measured time in the profiled step against the
+timeline's price of the same instructions, per configuration and summed over all.
 """
 import json
 import statistics
@@ -80,5 +82,50 @@ def main(configs, out):
               f"measured fastest {best[0]} ({best[2] * 1e3:.1f} ms)")
 
 
+def profile(path):
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("event") == "profile":
+            return e
+    return None
+
+
+def kinds_table(configs, out):
+    totals = {}
+    printed = False
+    for line in Path(configs).read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        name = line.split()[0]
+        p = profile(out / f"run-{name.replace('/', '_')}.jsonl")
+        if not p:
+            continue
+        if not printed:
+            print(f"\nper kind, profiled step: measured ms / predicted ms (ratio)")
+            printed = True
+        cells = []
+        for k in p["kinds"]:
+            m, q = k["ms"], k.get("predicted_ms")
+            t = totals.setdefault(k["kind"], [0.0, 0.0])
+            t[0] += m
+            t[1] += q or 0.0
+            ratio = f" ({m / q:.2f})" if q else ""
+            cells.append(f"{k['kind']} {m:.1f}/{q:.1f}{ratio}" if q else f"{k['kind']} {m:.1f}")
+        step = p.get("predicted_step_ms")
+        head = f"{name}: step {p['step_ms']:.1f}" + (f"/{step:.1f}" if step else "")
+        print(head + "; " + ", ".join(cells))
+    if totals:
+        print("all configurations: " + ", ".join(
+            f"{k} {m:.0f}/{q:.0f}" + (f" ({m / q:.2f})" if q else "") for k, (m, q) in totals.items()))
+
+
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]))
+    kinds_table(sys.argv[1], Path(sys.argv[2]))

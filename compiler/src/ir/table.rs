@@ -164,6 +164,9 @@ pub struct Operand {
     pub shape: Option<Shape>,
     /// How an output is written (inputs: `Overwrite`, unused).
     pub write: Write,
+    /// Touched only at the rows the op's token ids select (an embedding table and its
+    /// gradient): its traffic is the op's n rows of it, not the whole of it.
+    pub gathered: bool,
 }
 
 /// Up to `N` operands, inline (the verifier reads a signature per instruction of plans holding
@@ -179,9 +182,16 @@ const UNUSED: Operand = Operand {
     class: Fp32,
     shape: None,
     write: Write::Overwrite,
+    gathered: false,
 };
 
 impl<const N: usize> OperandList<N> {
+    fn gather_last(&mut self) {
+        if let Some(last) = usize::from(self.len).checked_sub(1) {
+            self.items[last].gathered = true;
+        }
+    }
+
     fn new() -> Self {
         OperandList {
             len: 0,
@@ -259,6 +269,7 @@ impl Signature {
             class,
             shape,
             write: Write::Overwrite,
+            gathered: false,
         });
         self
     }
@@ -295,7 +306,18 @@ impl Signature {
             class,
             shape,
             write,
+            gathered: false,
         });
+        self
+    }
+
+    /// The last input or output pushed is `gathered` (see [`Operand::gathered`]).
+    fn gathered(mut self, output: bool) -> Self {
+        if output {
+            self.outputs.gather_last();
+        } else {
+            self.inputs.gather_last();
+        }
         self
     }
 
@@ -337,25 +359,33 @@ impl Signature {
         self
     }
 
-    /// Bytes an op touches given each operand's bytes (`input(i)`, `output(i)`): every input
-    /// read, every output written, and an accumulated output read as well.
+    /// Bytes an op of `rows` rows (its n) touches given each operand's bytes (`input(i)`,
+    /// `output(i)`): every input read, every output written, and an accumulated output read as
+    /// well; a gathered operand only at `rows` of its rows.
     pub fn bytes_touched(
         &self,
+        rows: u64,
         input: impl Fn(usize) -> f64,
         output: impl Fn(usize) -> f64,
     ) -> f64 {
-        let read: f64 = (0..self.inputs.len()).map(&input).sum();
-        let written: f64 = self
-            .outputs
-            .iter()
-            .enumerate()
+        let share = |o: &Operand| match o.shape {
+            Some(Shape {
+                rows: Rows::Fixed(all),
+                ..
+            }) if o.gathered && all > 0 => (rows as f64 / all as f64).min(1.0),
+            _ => 1.0,
+        };
+        let read: f64 = (self.inputs.iter().enumerate())
+            .map(|(i, o)| input(i) * share(o))
+            .sum();
+        let written: f64 = (self.outputs.iter().enumerate())
             .map(|(i, o)| {
-                output(i)
-                    * if o.write == Write::Accumulate {
-                        2.0
-                    } else {
-                        1.0
-                    }
+                let accumulated = if o.write == Write::Accumulate {
+                    2.0
+                } else {
+                    1.0
+                };
+                output(i) * share(o) * accumulated
             })
             .sum();
         read + written
@@ -401,6 +431,7 @@ impl Op {
             Op::Embedding(a) => s
                 .input("ids", Tokens, n(1))
                 .input("table", Float, fixed(a.vocab_local, a.dim))
+                .gathered(false)
                 .output("y", Float, n(a.dim)),
             Op::EmbeddingBwd(a) => s
                 .input("ids", Tokens, n(1))
@@ -410,7 +441,8 @@ impl Op {
                     Fp32,
                     fixed(a.vocab_local, a.dim),
                     Write::Accumulate,
-                ),
+                )
+                .gathered(true),
             Op::PositionAdd(a) => s
                 .rows(rows_of(&a.positions, a.batch))
                 .input("x", Float, n(a.dim))

@@ -10,11 +10,13 @@
 //! profile lacks is priced by the roofline ([`SpecCosts`]), and so are collectives without
 //! measured points and all transfers; [`ProfileCosts::roofline_kinds`] names them.
 use super::costs::{SpecCosts, StepCosts};
-use super::profile::{rate_at, GemmDtype, GemmLayout, MemoryKind, Pass, Profile};
+use super::profile::{
+    rate_at, GemmDtype, GemmEpilogue, GemmLayout, GemmPoint, MemoryKind, MemoryPoint, Pass, Profile,
+};
 use crate::fp8::{Gemm, GemmPrices, Pricing};
 use crate::ir::fp8::Fp8Scaling;
 use crate::ir::op::{AttentionAttrs, Op};
-use crate::ir::table::{Family, FlopCount};
+use crate::ir::table::{Family, FlopCount, Opcode, Rows, Shape, Signature};
 use crate::ir::{Buffer, BufferId, CollectiveKind, DType, Instr, Plan, Program};
 use crate::spec::Spec;
 use std::cell::RefCell;
@@ -136,17 +138,18 @@ impl<'a> ProfileCosts<'a> {
                 let bf16 = buffer(inputs, 0).is_some_and(|b| b.dtype == DType::Bf16);
                 let dtype = GemmDtype::storage(bf16);
                 let mnk = [rows()?, *out_dim, *in_dim];
+                let epilogue = epilogue_of(op);
                 match op.fp8() {
                     Some(f) if self.has_gemm(GemmDtype::Fp8(f.scaling)) => {
-                        self.gemm(layout, mnk, GemmDtype::Fp8(f.scaling))?
+                        self.gemm(layout, mnk, GemmDtype::Fp8(f.scaling), epilogue)?
                     }
                     // No FP8 points of its scaling: the measured bf16 time at the FP8 peak's
                     // speed-up, plus quantizing both operands.
                     Some(_) => self.fp8_gemm(
-                        self.gemm(layout, mnk, dtype)?,
+                        self.gemm(layout, mnk, dtype, epilogue)?,
                         [buffer(inputs, 0), buffer(inputs, 1)],
                     ),
-                    None => self.gemm(layout, mnk, dtype)?,
+                    None => self.gemm(layout, mnk, dtype, epilogue)?,
                 }
             }
             (Table::Attention(pass), Op::Attention(a) | Op::AttentionBwd(a)) => {
@@ -156,8 +159,12 @@ impl<'a> ProfileCosts<'a> {
                 let bytes = |ids: &[BufferId], i: usize| {
                     buffer(ids, i).map_or(0.0, |b| self.roofline.bytes(b))
                 };
-                let touched = signature.bytes_touched(|i| bytes(inputs, i), |i| bytes(outputs, i));
-                self.memory(kind, touched)?
+                let touched = signature.bytes_touched(
+                    rows().unwrap_or(0),
+                    |i| bytes(inputs, i),
+                    |i| bytes(outputs, i),
+                );
+                self.memory(kind, op.opcode(), row_width(&signature), touched)?
             }
             _ => return None,
         };
@@ -185,20 +192,39 @@ impl<'a> ProfileCosts<'a> {
         self.profile.gemm.iter().any(|g| g.dtype == name)
     }
 
-    fn gemm(&self, layout: GemmLayout, [m, n, k]: [u64; 3], dtype: GemmDtype) -> Option<f64> {
-        let key = (Table::Gemm(layout), [m, n, k, dtype_code(dtype), 0]);
+    /// Seconds of a GEMM of `layout` at `[m, n, k]` on `dtype` with `epilogue`: from the
+    /// points of the same layout, dtype and epilogue, else the nearest epilogue measured
+    /// ([`GemmEpilogue::relaxed`]: older profiles have plain GEMMs only), else the plain points
+    /// of any layout of the dtype.
+    fn gemm(
+        &self,
+        layout: GemmLayout,
+        [m, n, k]: [u64; 3],
+        dtype: GemmDtype,
+        epilogue: GemmEpilogue,
+    ) -> Option<f64> {
+        let key = (
+            Table::Gemm(layout),
+            [m, n, k, dtype_code(dtype), epilogue.code()],
+        );
         self.cached(key, || {
             let dtype = dtype.name();
-            let of_dtype = |g: &&super::profile::GemmPoint| g.dtype == dtype;
-            let mut points: Vec<_> = (self.profile.gemm.iter().filter(of_dtype))
-                .filter(|g| g.layout == layout)
-                .map(|g| (log2s(&[g.m, g.n, g.k]), g.flops() / g.seconds))
-                .collect();
+            let of_dtype = |g: &&GemmPoint| g.dtype == dtype;
+            let curve = |keep: &dyn Fn(&GemmPoint) -> bool| -> Vec<_> {
+                (self.profile.gemm.iter().filter(of_dtype))
+                    .filter(|g| keep(g))
+                    .map(|g| (log2s(&[g.m, g.n, g.k]), g.flops() / g.seconds))
+                    .collect()
+            };
+            let mut points = Vec::new();
+            for nearest in epilogue.relaxed() {
+                if points.is_empty() {
+                    points = curve(&|g| g.layout == layout && g.epilogue() == nearest);
+                }
+            }
             if points.is_empty() {
                 // Another layout of the same dtype says more than the roofline.
-                points = (self.profile.gemm.iter().filter(of_dtype))
-                    .map(|g| (log2s(&[g.m, g.n, g.k]), g.flops() / g.seconds))
-                    .collect();
+                points = curve(&|g| g.epilogue() == GemmEpilogue::PLAIN);
             }
             let rate = rate_at(&points, &log2s(&[m, n, k]))? * self.flops_scale;
             Some(2.0 * m as f64 * n as f64 * k as f64 / rate)
@@ -247,20 +273,47 @@ impl<'a> ProfileCosts<'a> {
         })
     }
 
-    fn memory(&self, kind: MemoryKind, bytes: f64) -> Option<f64> {
-        let key = (Table::Memory(kind), [bytes as u64, 0, 0, 0, 0]);
+    /// Seconds of a memory-bound op `opcode` of `kind` touching `bytes`, its rows `width`
+    /// wide: by the points of that op where the profile has them, else of its kind's plainest
+    /// op (an embedding without points of its kind: elementwise), interpolated in bytes at the
+    /// measured widths around `width` and between them in log-width.
+    fn memory(
+        &self,
+        kind: MemoryKind,
+        opcode: Opcode,
+        width: Option<u64>,
+        bytes: f64,
+    ) -> Option<f64> {
+        let key = (
+            Table::Memory(kind),
+            [bytes as u64, opcode as u64, width.unwrap_or(0), 0, 0],
+        );
         self.cached(key, || {
-            let points_of = |kind: MemoryKind| -> Vec<_> {
+            let of_kind = |kind: MemoryKind| -> Vec<&MemoryPoint> {
                 (self.profile.memory.iter())
                     .filter(|p| p.kind == kind)
-                    .map(|p| (vec![p.bytes.log2()], p.bytes / p.seconds))
                     .collect()
             };
-            let mut points = points_of(kind);
-            if points.is_empty() && kind == MemoryKind::Embedding {
-                points = points_of(MemoryKind::Elementwise);
+            let of_op = |name: Option<&str>| -> Vec<&MemoryPoint> {
+                (of_kind(kind).into_iter())
+                    .filter(|p| p.op.as_deref() == name)
+                    .collect()
+            };
+            let mut points = of_op(Some(opcode.name()));
+            if points.is_empty() {
+                // The kind's points of no particular op (older profiles), else of its first op
+                // measured: calibrate measures each kind's plainest op first (add, layer_norm,
+                // adam_w, embedding).
+                let first = of_kind(kind).first().and_then(|p| p.op.as_deref());
+                points = of_op(None);
+                if points.is_empty() {
+                    points = of_op(first);
+                }
             }
-            let rate = rate_at(&points, &[bytes.max(1.0).log2()])? * self.bytes_scale;
+            if points.is_empty() && kind == MemoryKind::Embedding {
+                points = of_kind(MemoryKind::Elementwise);
+            }
+            let rate = memory_rate(&points, width, bytes)? * self.bytes_scale;
             Some(bytes / rate)
         })
     }
@@ -343,9 +396,9 @@ impl GemmPrices for Calibration {
         let speedup = crate::fp8::speedup(&spec.cluster.gpu);
         let mut total = (0.0, 0.0);
         for (layout, quantize) in GemmLayout::ALL.into_iter().zip(quantize) {
-            let bf16 = costs.gemm(layout, mnk, GemmDtype::Bf16)?;
+            let bf16 = costs.gemm(layout, mnk, GemmDtype::Bf16, GemmEpilogue::PLAIN)?;
             let fp8 = match measured {
-                true => costs.gemm(layout, mnk, fp8)?,
+                true => costs.gemm(layout, mnk, fp8, GemmEpilogue::PLAIN)?,
                 false => bf16 / speedup + quantize,
             };
             total = (total.0 + bf16, total.1 + fp8);
@@ -386,6 +439,80 @@ fn table_name(table: Table) -> String {
         Table::Attention(Pass::Bwd) => "attention_bwd".into(),
         Table::Memory(kind) => kind.name().into(),
     }
+}
+
+/// A GEMM's epilogue: whether it reads an output-sized operand (a forward's residual, a
+/// gradient added into), adds a bias or writes its gradient, applies an activation or its
+/// derivative.
+fn epilogue_of(op: &Op) -> GemmEpilogue {
+    let (accumulate, bias, act) = match op {
+        Op::Matmul {
+            residual,
+            bias,
+            act,
+            ..
+        } => (*residual, *bias, act.is_some()),
+        Op::MatmulBwdData {
+            accumulate,
+            act_grad,
+            ..
+        } => (*accumulate, false, act_grad.is_some()),
+        Op::MatmulBwdWeight {
+            accumulate_param_grad,
+            bias,
+            ..
+        } => (*accumulate_param_grad, *bias, false),
+        _ => (false, false, false),
+    };
+    GemmEpilogue {
+        accumulate,
+        bias,
+        act,
+    }
+}
+
+/// The width of an op's rows: the widest `[n, cols]` operand's cols (a norm's dim, the
+/// cross-entropy's vocabulary, an embedding's dim); None for flat operands only.
+fn row_width(signature: &Signature) -> Option<u64> {
+    (signature.inputs.iter().chain(signature.outputs.iter()))
+        .filter_map(|o| match o.shape {
+            Some(Shape {
+                rows: Rows::N,
+                cols,
+            }) => Some(cols),
+            _ => None,
+        })
+        .max()
+}
+
+/// The bytes/s of `points` at `bytes` and row `width`: without widths (the points' or the
+/// op's), interpolated in log-bytes over all of them; else at each of the two measured widths
+/// around `width` (clamped to those measured) and between them in log-width.
+fn memory_rate(points: &[&MemoryPoint], width: Option<u64>, bytes: f64) -> Option<f64> {
+    let at = [bytes.max(1.0).log2()];
+    let rate_of = |points: Vec<&&MemoryPoint>| -> Option<f64> {
+        let curve: Vec<_> = (points.iter())
+            .map(|p| (vec![p.bytes.log2()], p.bytes / p.seconds))
+            .collect();
+        rate_at(&curve, &at)
+    };
+    let widths: BTreeSet<u64> = points.iter().filter_map(|p| p.cols).collect();
+    let Some(width) = width.filter(|_| !widths.is_empty()) else {
+        return rate_of(points.iter().collect());
+    };
+    let below = widths.range(..=width).next_back().or(widths.first());
+    let above = widths.range(width..).next().or(widths.last());
+    let (Some(&lo), Some(&hi)) = (below, above) else {
+        return rate_of(points.iter().collect());
+    };
+    let at_width = |w: u64| rate_of(points.iter().filter(|p| p.cols == Some(w)).collect());
+    let (rate_lo, rate_hi) = (at_width(lo)?, at_width(hi)?);
+    if hi == lo {
+        return Some(rate_lo);
+    }
+    let t =
+        ((width as f64).log2() - (lo as f64).log2()) / ((hi as f64).log2() - (lo as f64).log2());
+    Some(rate_lo + t.clamp(0.0, 1.0) * (rate_hi - rate_lo))
 }
 
 /// A collective's name in profiles.

@@ -73,7 +73,11 @@ impl StepCosts for SpecCosts<'_> {
         let flops = c.op.flops(rows.unwrap_or(0) as f64, FlopCount::Model);
         let bytes =
             |ids: &[crate::ir::BufferId], i: usize| buffer(ids, i).map_or(0.0, |b| self.bytes(b));
-        let touched = signature.bytes_touched(|i| bytes(c.inputs, i), |i| bytes(c.outputs, i));
+        let touched = signature.bytes_touched(
+            rows.unwrap_or(0),
+            |i| bytes(c.inputs, i),
+            |i| bytes(c.outputs, i),
+        );
         let gpu = &self.spec.cluster.gpu;
         let fp8 = c.op.fp8().is_some();
         let peak = match gpu.peak_flops_fp8 {

@@ -3,14 +3,16 @@
 //! that turns its measured points into a rate for any size.
 //!
 //! Tables (times in seconds, sizes as the ops' attributes give them):
-//! - `gemm`: (layout, m, n, k, dtype) → seconds. m is the op's rows, n its `out_dim`, k its
-//!   `in_dim`, for each of `Matmul` (`fwd`), `MatmulBwdData` (`bwd_data`) and
+//! - `gemm`: (layout, m, n, k, dtype, epilogue) → seconds. m is the op's rows, n its
+//!   `out_dim`, k its `in_dim`, for each of `Matmul` (`fwd`), `MatmulBwdData` (`bwd_data`) and
 //!   `MatmulBwdWeight` (`bwd_weight`): 2·m·n·k FLOPs each. dtype `f32`, `bf16`, or an FP8
-//!   GEMM's scaling (`fp8_blockwise`, …) timed with its quantization.
+//!   GEMM's scaling (`fp8_blockwise`, …) timed with its quantization; the epilogue
+//!   ([`GemmEpilogue`]): `accumulate` (reads an output-sized operand: a residual, a gradient
+//!   added into), `bias`, `act` (an activation or its derivative).
 //! - `attention`: (pass, batch·heads, q heads per kv head, seq, head dim, causal, packed) →
 //!   seconds, FLOPs as [`crate::ir::table::FlopCount::Model`] counts them.
-//! - `memory`: (kind, bytes touched) → seconds for memory-bound ops, and `launch_overhead_s`,
-//!   the time of the smallest op (no op is priced below it).
+//! - `memory`: (kind, op, row width, bytes touched) → seconds for memory-bound ops, and
+//!   `launch_overhead_s`, the time of the smallest op (no op is priced below it).
 //! - `collectives`: (kind, ranks, bytes) → seconds, where measured.
 //!
 //! Rates are interpolated in log-size ([`rate_at`]): the achieved FLOP/s or bytes/s of the
@@ -77,12 +79,66 @@ pub struct GemmPoint {
     /// GEMM of bf16 activations (`fp8_tensorwise`, `fp8_rowwise`, `fp8_blockwise`), its
     /// operands' quantization included.
     pub dtype: String,
+    /// The GEMM also reads an output-sized operand: a forward's residual, a gradient added
+    /// into (`accumulate`, `accumulate_param_grad`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub accumulate: bool,
+    /// The GEMM adds a bias (forward) or writes the bias gradient, dy's column sums (weight
+    /// gradient).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub bias: bool,
+    /// The GEMM applies an activation (forward, keeping the pre-activation) or its derivative
+    /// (data gradient).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub act: bool,
     pub seconds: f64,
 }
 
 impl GemmPoint {
     pub fn flops(&self) -> f64 {
         2.0 * self.m as f64 * self.n as f64 * self.k as f64
+    }
+
+    pub fn epilogue(&self) -> GemmEpilogue {
+        GemmEpilogue {
+            accumulate: self.accumulate,
+            bias: self.bias,
+            act: self.act,
+        }
+    }
+}
+
+/// What a GEMM does besides its product (a point's `accumulate`, `bias`, `act`). cuBLASLt runs
+/// each with other kernels (an epilogue reading C or reducing dy's columns, an f32 gradient
+/// accumulated without split-K), so each is measured apart.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct GemmEpilogue {
+    pub accumulate: bool,
+    pub bias: bool,
+    pub act: bool,
+}
+
+impl GemmEpilogue {
+    pub const PLAIN: GemmEpilogue = GemmEpilogue {
+        accumulate: false,
+        bias: false,
+        act: false,
+    };
+
+    /// This epilogue, then with its parts dropped one by one (the activation, the bias, the
+    /// accumulation): the points to price a GEMM by where a profile lacks its own.
+    pub fn relaxed(self) -> [GemmEpilogue; 4] {
+        let no_act = GemmEpilogue { act: false, ..self };
+        let no_bias = GemmEpilogue {
+            bias: false,
+            ..no_act
+        };
+        [self, no_act, no_bias, GemmEpilogue::PLAIN]
+    }
+
+    /// A small number naming it (cache keys).
+    pub fn code(self) -> u64 {
+        u64::from(self.accumulate) | u64::from(self.bias) << 1 | u64::from(self.act) << 2
     }
 }
 
@@ -176,6 +232,14 @@ pub struct MemoryPoint {
     /// Bytes the op reads and writes (`Signature::bytes_touched`, elements at the profile's
     /// precision as the timeline counts them).
     pub bytes: f64,
+    /// The op measured (its opcode's name: `rms_norm_bwd`, `cross_entropy`, …): an op with
+    /// points of its own is priced by them, others by their kind's. Absent: any op of the kind.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op: Option<String>,
+    /// The width of the op's rows where its speed depends on it (a norm's dim, the
+    /// cross-entropy's vocabulary): an op is priced between the two widths around its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cols: Option<u64>,
     pub seconds: f64,
 }
 

@@ -11,11 +11,12 @@
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::table::{Family, FlopCount, Opcode};
 use parc_compiler::ir::{BufferId, Instr, Program};
+use parc_compiler::timeline::StepCosts;
 use serde::Serialize;
 use std::collections::HashMap;
 
 /// The kinds of work a step's time is split into, in report order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OpKind {
     MatmulFwd,
@@ -192,6 +193,21 @@ pub fn flops(op: &Op, first_input_numel: u64) -> Option<f64> {
         .rows_from_inputs(|i| if i == 0 { first_input_numel } else { 0 })
         .unwrap_or(0);
     Some(op.flops(rows as f64, FlopCount::Executed))
+}
+
+/// The seconds `costs` (the timeline's pricing: the GPU's peak numbers or a calibration
+/// profile) gives each kind of `program`'s compute instructions, in [`OpKind::ALL`]'s order, the
+/// kinds with no compute instruction left out: what `parc check` predicts, beside what the
+/// profiled step measured.
+pub fn predicted_compute(program: &Program, costs: &dyn StepCosts) -> Vec<(OpKind, f64)> {
+    let mut seconds = HashMap::new();
+    for instr in program.instrs.iter().filter(|i| i.as_compute().is_some()) {
+        *seconds.entry(classify(instr)).or_insert(0.0) += costs.compute(program, instr);
+    }
+    OpKind::ALL
+        .iter()
+        .filter_map(|k| seconds.get(k).map(|s| (*k, *s)))
+        .collect()
 }
 
 /// Totals of one kind of work over the profiled step.

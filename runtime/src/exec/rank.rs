@@ -677,10 +677,15 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
             return (0.0, moved(instr.reads()) + moved(instr.writes()));
         };
         let first = buffer(c.inputs, 0).map_or(0, |b| b.numel());
-        // The op table's count: inputs read, outputs written, accumulated outputs read too.
-        let touched =
-            c.op.signature()
-                .bytes_touched(|i| size(c.inputs, i), |i| size(c.outputs, i));
+        // The op table's count: inputs read, outputs written, accumulated outputs read too,
+        // gathered ones at the op's rows.
+        let signature = c.op.signature();
+        let rows = signature.rows_from_inputs(|i| buffer(c.inputs, i).map_or(0, |b| b.numel()));
+        let touched = signature.bytes_touched(
+            rows.unwrap_or(0),
+            |i| size(c.inputs, i),
+            |i| size(c.outputs, i),
+        );
         (profile::flops(c.op, first).unwrap_or(0.0), touched)
     }
 

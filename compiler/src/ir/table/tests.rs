@@ -1,5 +1,5 @@
 use super::*;
-use crate::ir::op::{Act, ActAttrs, PositionAttrs, Segment};
+use crate::ir::op::{Act, ActAttrs, EmbeddingAttrs, PositionAttrs, Segment};
 
 fn attention(packed: bool) -> AttentionAttrs {
     AttentionAttrs {
@@ -197,5 +197,23 @@ fn every_family_has_an_op_and_bytes_count_accumulation_twice() {
         );
     }
     let s = Op::SumSquares.signature();
-    assert_eq!(s.bytes_touched(|_| 100.0, |_| 4.0), 108.0);
+    assert_eq!(s.bytes_touched(25, |_| 100.0, |_| 4.0), 108.0);
+    // An embedding's table and its gradient are touched at the looked-up rows only: 8 of
+    // 1000 (ids 4 bytes a row, 64 floats of 4 bytes a row).
+    let lookup = EmbeddingAttrs {
+        vocab_start: 0,
+        vocab_local: 1000,
+        dim: 64,
+    };
+    let table = 1000.0 * 256.0;
+    let forward = Op::Embedding(lookup.clone()).signature();
+    assert_eq!(
+        forward.bytes_touched(8, |i| [32.0, table][i], |_| 8.0 * 256.0),
+        32.0 + 2.0 * 8.0 * 256.0
+    );
+    let backward = Op::EmbeddingBwd(lookup).signature();
+    assert_eq!(
+        backward.bytes_touched(8, |i| [32.0, 8.0 * 256.0][i], |_| table),
+        32.0 + 3.0 * 8.0 * 256.0
+    );
 }

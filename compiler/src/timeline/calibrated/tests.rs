@@ -37,6 +37,9 @@ fn uniform(flops: f64, bytes: f64) -> Profile {
                 n,
                 k,
                 dtype,
+                accumulate: false,
+                bias: false,
+                act: false,
                 seconds,
             });
         }
@@ -70,6 +73,8 @@ fn uniform(flops: f64, bytes: f64) -> Profile {
             [1e3, 1e7].map(|b| MemoryPoint {
                 kind,
                 bytes: b,
+                op: None,
+                cols: None,
                 seconds: b / bytes,
             })
         })
@@ -204,7 +209,7 @@ fn a_gemm_beyond_the_grid_runs_at_the_rate_of_its_edge() {
     let costs = ProfileCosts::new(&calibration, &spec);
     let huge = [1 << 16, 1 << 14, 1 << 14];
     let seconds = costs
-        .gemm(GemmLayout::Fwd, huge, GemmDtype::F32)
+        .gemm(GemmLayout::Fwd, huge, GemmDtype::F32, GemmEpilogue::PLAIN)
         .unwrap_or(0.0);
     let flops = 2.0 * huge.iter().map(|&x| x as f64).product::<f64>();
     assert!(close(flops / seconds, 8e10), "{}", flops / seconds);
@@ -307,4 +312,74 @@ fn an_fp8_gemm_op_is_priced_by_its_scalings_points_when_measured() {
     let measured = step(&spec, &plan, bf16_profile(Some(4.0)).profile, false);
     let modelled = step(&spec, &plan, bf16_profile(None).profile, false);
     assert!(measured < modelled, "{measured} {modelled}");
+}
+
+#[test]
+fn gemms_are_priced_by_the_points_of_their_epilogue_or_the_nearest_measured() {
+    let (spec, _) = tiny();
+    let mut profile = uniform(4e10, 8e9);
+    let mnk = [1024, 1024, 1024];
+    let bias = GemmEpilogue {
+        bias: true,
+        ..GemmEpilogue::PLAIN
+    };
+    let adding_bias = GemmEpilogue {
+        accumulate: true,
+        ..bias
+    };
+    let price = |profile: &Profile, epilogue| {
+        let calibration = Calibration {
+            profile: profile.clone(),
+            scale: false,
+        };
+        let costs = ProfileCosts::new(&calibration, &spec);
+        (costs.gemm(GemmLayout::BwdWeight, mnk, GemmDtype::F32, epilogue)).unwrap()
+    };
+    let plain = price(&profile, GemmEpilogue::PLAIN);
+    // Without points of their own, every epilogue is priced as the plain GEMM.
+    assert!(close(price(&profile, adding_bias), plain));
+    let with_bias: Vec<GemmPoint> = (profile.gemm.iter())
+        .filter(|g| g.layout == GemmLayout::BwdWeight)
+        .map(|g| GemmPoint {
+            bias: true,
+            seconds: 1.5 * g.seconds,
+            ..g.clone()
+        })
+        .collect();
+    profile.gemm.extend(with_bias);
+    assert!(close(price(&profile, bias), 1.5 * plain));
+    // Accumulating with a bias, not measured: relaxed to accumulating alone (the bias dropped
+    // first), not measured either, then to the plain GEMM's points.
+    assert!(close(price(&profile, adding_bias), plain));
+}
+
+#[test]
+fn memory_ops_take_their_own_points_and_interpolate_between_row_widths() {
+    let (spec, _) = tiny();
+    let mut profile = uniform(4e10, 8e9);
+    // rms_norm measured at dims 1024 (1e9 B/s) and 4096 (4e9 B/s).
+    for (cols, rate) in [(1024, 1e9), (4096, 4e9)] {
+        profile.memory.extend([1e3, 1e7].map(|bytes| MemoryPoint {
+            kind: MemoryKind::Norm,
+            bytes,
+            op: Some("rms_norm".into()),
+            cols: Some(cols),
+            seconds: bytes / rate,
+        }));
+    }
+    let calibration = Calibration {
+        profile,
+        scale: false,
+    };
+    let costs = ProfileCosts::new(&calibration, &spec);
+    let bytes = 1e5;
+    let rms = |width| costs.memory(MemoryKind::Norm, Opcode::RmsNorm, Some(width), bytes);
+    // Between the widths, linear in log-width: 2048 is halfway, 2.5e9 B/s.
+    assert!(close(rms(2048).unwrap(), bytes / 2.5e9));
+    // Outside them, the nearest width's rate.
+    assert!(close(rms(512).unwrap(), bytes / 1e9));
+    assert!(close(rms(8192).unwrap(), bytes / 4e9));
+    // An op without points of its own: its kind's (the uniform 8e9 B/s, no widths).
+    let layer = costs.memory(MemoryKind::Norm, Opcode::LayerNorm, Some(2048), bytes);
+    assert!(close(layer.unwrap(), bytes / 8e9));
 }
