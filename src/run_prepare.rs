@@ -7,6 +7,8 @@ use crate::input::{parse_overrides, read_spec};
 use crate::run_args::{resolve_backend, Resolved, RunArgs};
 use crate::SpecArgs;
 use parc_compiler::driver::{self, CompileOptions, Compiled, Stage};
+use parc_compiler::ir::fp8::Fp8Scaling;
+use parc_compiler::ir::op::Op;
 use parc_compiler::ir::Plan;
 use parc_compiler::spec::Spec;
 use parc_runtime::checkpoint::SpecSource;
@@ -27,29 +29,50 @@ pub(crate) fn backend_and_plan(args: &RunArgs, quiet: bool) -> Result<(Resolved,
     Ok((backend, spec, plan))
 }
 
-/// What the backend cannot run of the plan, said before any rank starts: FP8 GEMMs run on the
-/// CPU backend's exact emulation only, until the CUDA backend's (`runtime/src/cuda/fp8.rs`)
-/// has passed its GPU tests (`tests/cuda_ops/fp8.rs`).
+/// What the backend cannot run of the plan, said before any rank starts. The CUDA backend runs
+/// tensorwise FP8 GEMMs (equal to the CPU's exact emulation in every case of
+/// `tests/cuda_ops/fp8.rs` on an H200, 2026-12-05); rowwise (cuBLASLt refused its outer-vector
+/// scales there), blockwise, and amaxes reduced across ranks (tp, cp: not yet run on GPUs) run
+/// on the CPU backend only.
 fn unsupported_on(backend: Resolved, plan: &Plan) -> Option<String> {
     if backend.name() == "cpu" {
         return None;
     }
-    let fp8 = plan
-        .programs
-        .iter()
-        .flat_map(|p| &p.instrs)
-        .filter_map(|i| i.as_compute())
-        .filter(|c| c.op.fp8().is_some())
+    let computes = || (plan.programs.iter().flat_map(|p| &p.instrs)).filter_map(|i| i.as_compute());
+    let reductions = computes()
+        .filter(|c| matches!(c.op, Op::Fp8Amax(_)))
         .count();
-    (fp8 > 0).then(|| {
-        format!(
-            "this plan runs {fp8} GEMMs in FP8 (`train.fp8`), which the {} backend does not \
-             run yet (its FP8 GEMMs are not yet validated on a GPU): only the CPU backend runs \
-             them (an exact emulation). Train without `train.fp8` on the GPU, or run \
-             `--backend cpu`",
+    if reductions > 0 {
+        return Some(format!(
+            "this plan reduces {reductions} FP8 amaxes across ranks (`train.fp8` under tp or \
+             cp), which the {} backend does not run yet (not yet tested on GPUs): train FP8 \
+             without tensor or context parallelism on the GPU, or run `--backend cpu`",
             backend.name()
-        )
-    })
+        ));
+    }
+    let mut refused: Vec<(Fp8Scaling, usize)> = Vec::new();
+    let scalings = computes()
+        .filter_map(|c| c.op.fp8())
+        .map(|f| f.scaling)
+        .filter(|s| *s != Fp8Scaling::Tensorwise);
+    for scaling in scalings {
+        match refused.iter_mut().find(|(s, _)| *s == scaling) {
+            Some((_, n)) => *n += 1,
+            None => refused.push((scaling, 1)),
+        }
+    }
+    let (scaling, count) = refused.first()?;
+    let why = match scaling {
+        Fp8Scaling::Rowwise => "cuBLASLt refuses its outer-vector scales on Hopper",
+        _ => "its GEMMs have not yet passed their GPU tests",
+    };
+    Some(format!(
+        "this plan runs {count} GEMMs in {} FP8 (`train.fp8`), which the {} backend does not run \
+         yet ({why}): only the CPU backend runs them (an exact emulation). Use `train.fp8 = \
+         tensorwise` on the GPU, train without `train.fp8`, or run `--backend cpu`",
+        scaling.name(),
+        backend.name()
+    ))
 }
 
 /// A run's exit code: 0, or 1 with its error on stderr.
@@ -156,14 +179,26 @@ mod tests {
     }
 
     #[test]
-    fn cuda_refuses_fp8_plans_before_any_rank_starts() {
-        let fp8 = tiny_llama_plan(&["train.fp8=blockwise", "train.fp8.fp8=[MLP]"]);
-        let message = unsupported_on(Resolved::Cuda, &fp8).unwrap_or_default();
-        assert!(
-            message.contains("FP8") && message.contains("--backend cpu"),
-            "{message}"
-        );
-        assert_eq!(unsupported_on(Resolved::Cpu, &fp8), None);
+    fn cuda_refuses_rowwise_and_blockwise_fp8_plans_before_any_rank_starts() {
+        for recipe in ["blockwise", "rowwise"] {
+            let fp8 = tiny_llama_plan(&[&format!("train.fp8={recipe}"), "train.fp8.fp8=[MLP]"]);
+            let message = unsupported_on(Resolved::Cuda, &fp8).unwrap_or_default();
+            assert!(
+                message.contains(recipe) && message.contains("--backend cpu"),
+                "{message}"
+            );
+            assert_eq!(unsupported_on(Resolved::Cpu, &fp8), None);
+        }
+        let tensorwise = tiny_llama_plan(&["train.fp8=tensorwise", "train.fp8.fp8=[MLP]"]);
+        assert_eq!(unsupported_on(Resolved::Cuda, &tensorwise), None);
+        let tp = tiny_llama_plan(&[
+            "train.fp8=tensorwise",
+            "train.fp8.fp8=[MLP]",
+            "parallel.tp=2",
+            "cluster.gpus_per_node=2",
+        ]);
+        let message = unsupported_on(Resolved::Cuda, &tp).unwrap_or_default();
+        assert!(message.contains("across ranks"), "{message}");
         assert_eq!(unsupported_on(Resolved::Cuda, &tiny_llama_plan(&[])), None);
     }
 }

@@ -30,8 +30,9 @@ mod fixtures;
 mod gpu_support;
 
 use fixtures::{gpt2_124m, sized_spec, train_cpu, Dims, PlanChoice, TinyModel};
+use parc_compiler::ir::fp8::{Fp8Format, Fp8Scaling};
 use parc_compiler::lower::lower;
-use parc_compiler::spec::{Checkpointing, LossScale, Precision, Spec, ZeroStage};
+use parc_compiler::spec::{Checkpointing, Fp8, LossScale, Precision, Spec, ZeroStage};
 use parc_runtime::exec::{StepRecord, TrainOptions, TrainResult};
 use std::path::{Path, PathBuf};
 
@@ -186,6 +187,51 @@ fn bf16_storage_matches_cpu_bf16(name: &str, llama: bool) {
     let cuda = run(&s, Which::Cuda, None, None);
     let cpu = run(&s, Which::Cpu, None, None);
     compare_within(name, &cuda.records, &cpu.records, |_| (1e-2, 2e-2));
+}
+
+/// Tensorwise FP8 (every attention and MLP projection pinned FP8, E5M2 gradients) on CUDA's
+/// cuBLASLt FP8 GEMMs against the CPU's exact emulation, both bf16 runs: within the bf16
+/// storage runs' tolerances (the GPU also rounds GEMM weights to bf16 before taking their amax,
+/// the CPU does not, so an element can land on the other side of an FP8 rounding boundary), and
+/// visibly apart from the same run without FP8 (FP8 rounding took place).
+fn tensorwise_fp8_matches_cpu_emulation(name: &str, llama: bool) {
+    let mut s = model_spec(llama, 6);
+    s.train.precision = Precision::Bf16;
+    let mut fp8 = s.clone();
+    fp8.train.fp8 = Some(Fp8 {
+        scaling: Fp8Scaling::Tensorwise,
+        grad: Fp8Format::E5m2,
+        keep_bf16: Vec::new(),
+        force_fp8: vec!["Attention".into(), "MLP".into()],
+        span: Default::default(),
+    });
+    let plan = lower(&fp8).unwrap_or_else(|d| panic!("{:?}", d.items));
+    let fp8_gemms = (plan.programs[0].instrs.iter())
+        .filter_map(|i| i.as_compute())
+        .filter(|c| c.op.fp8().is_some())
+        .count();
+    assert!(fp8_gemms >= 8, "{name}: {fp8_gemms} FP8 GEMMs in the plan");
+    if !gpu_present() {
+        return;
+    }
+    let bf16 = run(&s, Which::Cuda, None, None);
+    let cuda = run(&fp8, Which::Cuda, None, None);
+    let cpu = run(&fp8, Which::Cpu, None, None);
+    compare_within(name, &cuda.records, &cpu.records, |_| (1e-2, 2e-2));
+    let apart = (cuda.records.iter().zip(&bf16.records))
+        .map(|(f, b)| (f.loss - b.loss).abs() / b.loss.abs())
+        .fold(0.0f32, f32::max);
+    assert!(apart > 1e-5, "{name}: FP8 equals bf16 to {apart:.1e}");
+}
+
+#[test]
+fn gpt_style_tensorwise_fp8_matches_cpu_emulation() {
+    tensorwise_fp8_matches_cpu_emulation("gpt_fp8_tensorwise", false);
+}
+
+#[test]
+fn llama_style_tensorwise_fp8_matches_cpu_emulation() {
+    tensorwise_fp8_matches_cpu_emulation("llama_fp8_tensorwise", true);
 }
 
 fn fp16_dynamic(init: f64, window: u32, min: f64) -> Precision {
