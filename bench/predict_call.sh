@@ -7,6 +7,9 @@
 #   CONFIGS=bench/predict/h200.txt ONLY=regex CALIBRATION=file STEPS=6 DEADLINE=420 GPU=kind \
 #       bench/predict_call.sh [DIR]
 #
+# CONFIGS=bench/predict/multi.txt: the 2- and 4-GPU configurations (on a lease of that many
+# GPUs; ONLY='^x2/' on two).
+#
 # DIR: the binaries bench/device_build.sh built (default .device). CALIBRATION: use this profile
 # instead of measuring one. GPU: the spec's gpu kind of this machine (default: h200 on an H200,
 # h100_80gb on an H100 — the configurations' specs get `cluster.gpu` set to it). ONLY: the configurations whose name matches. DEADLINE: seconds after

@@ -81,10 +81,14 @@ fn grid(quick: bool) -> Grid {
         };
     }
     let mut attention = Vec::new();
+    // 4096 and 16384 tokens a call at each length: a step's batch·heads ranges widely (Llama
+    // 3.2 1B: 64 at micro batch 2, 256 at 8), and a GPU half-filled runs slower per FLOP.
     for seq in [512, 1024, 2048, 4096, 8192] {
         for head_dim in [64, 128] {
             for (heads, kv_heads) in [(16, 16), (32, 8)] {
-                attention.push([(8192 / seq).max(1), heads, kv_heads, seq, head_dim]);
+                for tokens in [4096, 16384] {
+                    attention.push([(tokens / seq).max(1), heads, kv_heads, seq, head_dim]);
+                }
             }
         }
     }
