@@ -5,9 +5,11 @@
 //! Hopper GPU the same again for the warp-specialized `ws` kernels (the defaults there) and the
 //! `wgmma` forward variant (set on its backend), after an exact check of the wgmma layouts on
 //! their own.
+#[cfg(feature = "cuda")]
+use crate::harness::BF16_ATTENTION_LONG;
 use crate::harness::{
-    check, check_on, gpu_with, seg, Case, Data, Rng, BF16_ATTENTION, BF16_ATTENTION_LONG,
-    BF16_ROUNDED, REDUCTION, SCALARS,
+    check, check_on, gpu_with, seg, Case, Data, Rng, BF16_ATTENTION, BF16_ROUNDED, REDUCTION,
+    SCALARS,
 };
 use parc_compiler::ir::op::AttentionAttrs;
 use parc_compiler::ir::op::{Op, Segment};
