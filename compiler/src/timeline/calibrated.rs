@@ -274,9 +274,8 @@ impl<'a> ProfileCosts<'a> {
     }
 
     /// Seconds of a memory-bound op `opcode` of `kind` touching `bytes`, its rows `width`
-    /// wide: by the points of that op where the profile has them, else of its kind's plainest
-    /// op (an embedding without points of its kind: elementwise), interpolated in bytes at the
-    /// measured widths around `width` and between them in log-width.
+    /// wide ([`ProfileCosts::memory_points`]), interpolated in bytes at the measured widths
+    /// around `width` and between them in log-width.
     fn memory(
         &self,
         kind: MemoryKind,
@@ -289,33 +288,37 @@ impl<'a> ProfileCosts<'a> {
             [bytes as u64, opcode as u64, width.unwrap_or(0), 0, 0],
         );
         self.cached(key, || {
-            let of_kind = |kind: MemoryKind| -> Vec<&MemoryPoint> {
-                (self.profile.memory.iter())
-                    .filter(|p| p.kind == kind)
-                    .collect()
-            };
-            let of_op = |name: Option<&str>| -> Vec<&MemoryPoint> {
-                (of_kind(kind).into_iter())
-                    .filter(|p| p.op.as_deref() == name)
-                    .collect()
-            };
-            let mut points = of_op(Some(opcode.name()));
-            if points.is_empty() {
-                // The kind's points of no particular op (older profiles), else of its first op
-                // measured: calibrate measures each kind's plainest op first (add, layer_norm,
-                // adam_w, embedding).
-                let first = of_kind(kind).first().and_then(|p| p.op.as_deref());
-                points = of_op(None);
-                if points.is_empty() {
-                    points = of_op(first);
-                }
-            }
-            if points.is_empty() && kind == MemoryKind::Embedding {
-                points = of_kind(MemoryKind::Elementwise);
-            }
+            let points = self.memory_points(kind, opcode);
             let rate = memory_rate(&points, width, bytes)? * self.bytes_scale;
             Some(bytes / rate)
         })
+    }
+
+    /// The points that price `opcode`: its own where the profile has them, else its kind's of
+    /// no particular op (older profiles), else of the kind's first op measured (calibrate
+    /// measures each kind's plainest op first: add, layer_norm, adam_w, embedding); an
+    /// embedding without points of its kind, elementwise ones.
+    fn memory_points(&self, kind: MemoryKind, opcode: Opcode) -> Vec<&MemoryPoint> {
+        let of_kind =
+            |kind: MemoryKind| (self.profile.memory.iter()).filter(move |p| p.kind == kind);
+        let of_op = |kind: MemoryKind, name: Option<&str>| -> Vec<&MemoryPoint> {
+            of_kind(kind).filter(|p| p.op.as_deref() == name).collect()
+        };
+        let first_op = |kind: MemoryKind| of_kind(kind).next().and_then(|p| p.op.as_deref());
+        let fallbacks: &[MemoryKind] = match kind {
+            MemoryKind::Embedding => &[kind, MemoryKind::Elementwise],
+            _ => &[kind],
+        };
+        let mut points = of_op(kind, Some(opcode.name()));
+        for &fallback in fallbacks {
+            if points.is_empty() {
+                points = of_op(fallback, None);
+            }
+            if points.is_empty() {
+                points = of_op(fallback, first_op(fallback));
+            }
+        }
+        points
     }
 
     /// Seconds of a measured collective, interpolated in bytes among points of its kind and
