@@ -8,7 +8,9 @@ use crate::calibration::CalibrationArgs;
 use parc_compiler::ir::Plan;
 use parc_compiler::spec::{Gpu, Spec};
 use parc_compiler::timeline::{self, ProfileCosts, SpecCosts, StepCosts};
-use parc_runtime::exec::profile::{predicted_compute, KindTotals, OpKind, StepProfile};
+use parc_runtime::exec::profile::{
+    predicted_compute, predicted_ops, KindTotals, OpKind, OpTotals, StepProfile,
+};
 use serde_json::{json, Value};
 
 /// The profiled step and the timeline's prediction of it.
@@ -26,6 +28,8 @@ pub struct Prediction {
     pub step_seconds: f64,
     /// Each kind's compute time on the profiled rank.
     pub kinds: Vec<(OpKind, f64)>,
+    /// Each op's (`profile::op_label`) compute time on the profiled rank.
+    pub ops: Vec<(String, f64)>,
     /// What priced it: the calibration profile's file, or the GPU's peak numbers.
     pub pricing: String,
 }
@@ -33,6 +37,10 @@ pub struct Prediction {
 impl Prediction {
     fn of(&self, kind: OpKind) -> Option<f64> {
         self.kinds.iter().find(|(k, _)| *k == kind).map(|(_, s)| *s)
+    }
+
+    fn of_op(&self, label: &str) -> Option<f64> {
+        self.ops.iter().find(|(l, _)| l == label).map(|(_, s)| *s)
     }
 }
 
@@ -79,6 +87,7 @@ fn predict(
     Ok(Prediction {
         step_seconds: simulated.step_seconds,
         kinds: predicted_compute(program, costs.as_ref()),
+        ops: predicted_ops(program, costs.as_ref()),
         pricing,
     })
 }
@@ -169,7 +178,90 @@ pub fn json(p: &Profiled) -> Value {
         "ceilings_nominal": nominal(gpu),
         "timing": timing(profile),
         "kinds": kinds,
+        "ops": ops_json(p),
     })
+}
+
+/// The per-op lines of the JSON: every op, slowest first.
+fn ops_json(p: &Profiled) -> Vec<Value> {
+    by_time(&p.measured.ops)
+        .into_iter()
+        .map(|o| {
+            let seconds = o.seconds.max(1e-12);
+            json!({
+                "op": o.label,
+                "kind": o.kind.name(),
+                "count": o.count,
+                "ms": o.seconds * 1e3,
+                "tflops": o.kind.compute_bound().then(|| o.flops / seconds / 1e12),
+                "gbps": o.kind.memory_bound().then(|| o.bytes / seconds / 1e9),
+                "predicted_ms": p.predicted.as_ref().and_then(|x| x.of_op(&o.label)).map(|s| s * 1e3),
+            })
+        })
+        .collect()
+}
+
+/// `ops` slowest first.
+fn by_time(ops: &[OpTotals]) -> Vec<&OpTotals> {
+    let mut sorted: Vec<&OpTotals> = ops.iter().collect();
+    sorted.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
+    sorted
+}
+
+/// An achieved rate as the human tables print it.
+fn achieved(tflops: Option<f64>, gbps: Option<f64>) -> String {
+    match (tflops, gbps) {
+        (Some(t), _) if t >= 1.0 => format!("{t:.1} TFLOP/s"),
+        (Some(t), _) => format!("{:.2} GFLOP/s", t * 1e3),
+        (_, Some(g)) => format!("{g:.1} GB/s"),
+        _ => "-".to_string(),
+    }
+}
+
+/// How many ops the human table lists (the JSON has all).
+const TOP_OPS: usize = 15;
+
+/// The human table's per-op part: the slowest ops, each with its achieved rate and the
+/// timeline's price of it.
+fn ops_table(p: &Profiled) -> String {
+    let ops = by_time(&p.measured.ops);
+    if ops.is_empty() {
+        return String::new();
+    }
+    let mut out = format!(
+        "  slowest ops ({} of {}):\n  {:<34} {:>6} {:>10} {:>16} {:>12} {:>9}\n",
+        ops.len().min(TOP_OPS),
+        ops.len(),
+        "op",
+        "count",
+        "ms",
+        "achieved",
+        "predicted ms",
+        "meas/pred"
+    );
+    for o in ops.into_iter().take(TOP_OPS) {
+        let seconds = o.seconds.max(1e-12);
+        let achieved = achieved(
+            o.kind.compute_bound().then(|| o.flops / seconds / 1e12),
+            o.kind.memory_bound().then(|| o.bytes / seconds / 1e9),
+        );
+        let predicted = p.predicted.as_ref().and_then(|x| x.of_op(&o.label));
+        let (pred, ratio) = match predicted {
+            Some(s) if s > 0.0 => (format!("{:.3}", s * 1e3), format!("{:.2}", o.seconds / s)),
+            _ => ("-".to_string(), "-".to_string()),
+        };
+        let label: String = o.label.chars().take(34).collect();
+        out.push_str(&format!(
+            "  {:<34} {:>6} {:>10.3} {:>16} {:>12} {:>9}\n",
+            label,
+            o.count,
+            o.seconds * 1e3,
+            achieved,
+            pred,
+            ratio
+        ));
+    }
+    out
 }
 
 /// The human table.
@@ -211,12 +303,7 @@ pub fn human(p: &Profiled) -> String {
         "kind", "count", "ms", "% step", "achieved", "% ceiling", "predicted ms"
     ));
     for r in rows(profile, gpu) {
-        let achieved = match (r.tflops, r.gbps) {
-            (Some(t), _) if t >= 1.0 => format!("{t:.1} TFLOP/s"),
-            (Some(t), _) => format!("{:.2} GFLOP/s", t * 1e3),
-            (_, Some(g)) => format!("{g:.1} GB/s"),
-            _ => "-".to_string(),
-        };
+        let achieved = achieved(r.tflops, r.gbps);
         let ceiling = r
             .ceiling_pct
             .map_or_else(|| "-".to_string(), |p| format!("{p:.1}%"));
@@ -234,6 +321,7 @@ pub fn human(p: &Profiled) -> String {
             predicted
         ));
     }
+    out.push_str(&ops_table(p));
     out
 }
 
@@ -257,7 +345,7 @@ mod tests {
     fn rates_are_against_the_spec_gpu_ceilings() {
         let mut p = StepProfile::new(2, 0);
         // 1e12 FLOPs in 10 ms: 100 TFLOP/s = 10% of 1000.
-        p.add(OpKind::MatmulFwd, 0.01, 1e12, 0.0);
+        p.add_op("matmul+bias".into(), OpKind::MatmulFwd, 0.01, 1e12, 0.0);
         // 4.8e9 bytes in 10 ms: 480 GB/s = 10% of 4800.
         p.add(OpKind::Elementwise, 0.01, 0.0, 4.8e9);
         p.finish(0.04);
@@ -269,6 +357,7 @@ mod tests {
                 predicted: Some(Prediction {
                     step_seconds: 0.02,
                     kinds: vec![(OpKind::MatmulFwd, 0.005)],
+                    ops: vec![("matmul+bias".to_string(), 0.005)],
                     pricing: "a test".to_string(),
                 }),
                 unpriced: None,
@@ -287,9 +376,14 @@ mod tests {
         assert!((kinds[0]["predicted_ms"].as_f64().unwrap() - 5.0).abs() < 1e-9);
         assert!(kinds[1]["predicted_ms"].is_null());
         assert!((v["predicted_step_ms"].as_f64().unwrap() - 20.0).abs() < 1e-9);
+        let ops = v["ops"].as_array().unwrap();
+        assert_eq!(ops.len(), 1);
+        assert_eq!(ops[0]["op"], "matmul+bias");
+        assert!((ops[0]["predicted_ms"].as_f64().unwrap() - 5.0).abs() < 1e-9);
         let table = human(&measured(&p, &g));
         assert!(table.contains("matmul_fwd"), "{table}");
         assert!(table.contains("measured / predicted 2.000"), "{table}");
+        assert!(table.contains("slowest ops (1 of 1)"), "{table}");
         assert_eq!(v["timing"], "synchronized");
         p.device_timed = true;
         assert_eq!(json(&measured(&p, &g))["timing"], "device");

@@ -121,6 +121,19 @@ def kinds_table(configs, out):
         step = p.get("predicted_step_ms")
         head = f"{name}: step {p['step_ms']:.1f}" + (f"/{step:.1f}" if step else "")
         print(head + "; " + ", ".join(cells))
+    ops = {}
+    for line in Path(configs).read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        p = profile(out / f"run-{line.split()[0].replace('/', '_')}.jsonl")
+        for o in (p or {}).get("ops", []):
+            t = ops.setdefault(o["op"], [0.0, 0.0])
+            t[0] += o["ms"]
+            t[1] += o.get("predicted_ms") or 0.0
+    if ops:
+        print("\nper op, summed over the profiled steps: measured ms / predicted ms (ratio)")
+        for op, (m, q) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:25]:
+            print(f"  {op:<36} {m:9.1f} / {q:9.1f}" + (f"  ({m / q:.2f})" if q else ""))
     if totals:
         print("all configurations: " + ", ".join(
             f"{k} {m:.0f}/{q:.0f}" + (f" ({m / q:.2f})" if q else "") for k, (m, q) in totals.items()))

@@ -210,6 +210,84 @@ pub fn predicted_compute(program: &Program, costs: &dyn StepCosts) -> Vec<(OpKin
         .collect()
 }
 
+/// The name a compute instruction's work is listed under in the per-op table: its opcode's,
+/// with a GEMM's epilogue after it (`matmul+bias+gelu_tanh`, `matmul_bwd_weight+acc`, `+fp8`),
+/// a generated kernel's with what it replaces (`fused swi_glu`); None for other instructions.
+pub fn op_label(instr: &Instr) -> Option<String> {
+    let op = instr.as_compute()?.op;
+    let mut label = match op {
+        Op::Fused(f) => format!("fused {}", f.name),
+        _ => op.opcode().name().to_string(),
+    };
+    let mut part = |on: bool, name: &str| {
+        if on {
+            label.push('+');
+            label.push_str(name);
+        }
+    };
+    match op {
+        Op::Matmul {
+            bias,
+            act,
+            residual,
+            ..
+        } => {
+            part(*bias, "bias");
+            part(act.is_some(), act.map_or("", |a| a.name()));
+            part(*residual, "residual");
+        }
+        Op::MatmulBwdData {
+            accumulate,
+            act_grad,
+            ..
+        } => {
+            part(act_grad.is_some(), act_grad.map_or("", |a| a.name()));
+            part(*accumulate, "acc");
+        }
+        Op::MatmulBwdWeight {
+            bias,
+            accumulate_param_grad,
+            ..
+        } => {
+            part(*bias, "bias");
+            part(*accumulate_param_grad, "acc");
+        }
+        _ => {}
+    }
+    if let Some(f) = op.fp8() {
+        label.push_str(&format!("+fp8_{}", f.scaling.name()));
+    }
+    Some(label)
+}
+
+/// The seconds `costs` gives `program`'s compute instructions under each [`op_label`], in
+/// the order the labels first appear.
+pub fn predicted_ops(program: &Program, costs: &dyn StepCosts) -> Vec<(String, f64)> {
+    let mut seconds: Vec<(String, f64)> = Vec::new();
+    for instr in &program.instrs {
+        let Some(label) = op_label(instr) else {
+            continue;
+        };
+        let s = costs.compute(program, instr);
+        match seconds.iter_mut().find(|(l, _)| *l == label) {
+            Some((_, total)) => *total += s,
+            None => seconds.push((label, s)),
+        }
+    }
+    seconds
+}
+
+/// Totals of one op (an [`op_label`]) over the profiled step.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct OpTotals {
+    pub label: String,
+    pub kind: OpKind,
+    pub count: u64,
+    pub seconds: f64,
+    pub flops: f64,
+    pub bytes: f64,
+}
+
 /// Totals of one kind of work over the profiled step.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct KindTotals {
@@ -239,6 +317,9 @@ pub struct StepProfile {
     /// One entry per [`OpKind`], in [`OpKind::ALL`] order; `Other` holds the step time
     /// outside the instructions, so the seconds sum to `step_seconds`.
     pub kinds: Vec<KindTotals>,
+    /// The compute instructions' time per [`op_label`], in the order the labels first ran
+    /// (each also counted in its kind).
+    pub ops: Vec<OpTotals>,
 }
 
 impl StepProfile {
@@ -258,10 +339,32 @@ impl StepProfile {
                     bytes: 0.0,
                 })
                 .collect(),
+            ops: Vec::new(),
         }
     }
 
     /// Add one timed instruction.
+    /// As [`StepProfile::add`], for a compute instruction listed under `label` too.
+    pub fn add_op(&mut self, label: String, kind: OpKind, seconds: f64, flops: f64, bytes: f64) {
+        self.add(kind, seconds, flops, bytes);
+        match self.ops.iter_mut().find(|o| o.label == label) {
+            Some(o) => {
+                o.count += 1;
+                o.seconds += seconds;
+                o.flops += flops;
+                o.bytes += bytes;
+            }
+            None => self.ops.push(OpTotals {
+                label,
+                kind,
+                count: 1,
+                seconds,
+                flops,
+                bytes,
+            }),
+        }
+    }
+
     pub fn add(&mut self, kind: OpKind, seconds: f64, flops: f64, bytes: f64) {
         if let Some(totals) = self.kinds.iter_mut().find(|t| t.kind == kind) {
             totals.count += 1;

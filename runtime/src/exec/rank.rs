@@ -23,6 +23,10 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
+/// One device-timed instruction's work, for the profile: its op label (compute instructions),
+/// kind, FLOPs and bytes.
+type Work = (Option<String>, profile::OpKind, f64, f64);
+
 /// A rank's local slice of one parameter, as stored (see [`super::gather`]).
 #[derive(Clone, Debug)]
 pub struct ParamPiece {
@@ -321,7 +325,7 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
             loss_scale: self.loss_scaler.as_ref().map(LossScaler::scale),
         };
         // Device-timed profiling: the work of each instruction, timed once the step is queued.
-        let mut device_timed: Option<Vec<(profile::OpKind, f64, f64)>> = None;
+        let mut device_timed: Option<Vec<Work>> = None;
         let mut communicated = HashMap::new();
         if profile.is_some() {
             self.backend.synchronize()?;
@@ -343,14 +347,15 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
                             .backend
                             .wait_for_communication(&buffers)
                             .and_then(|()| self.backend.mark_time())
-                            .map(|_| work.push((kind, 0.0, 0.0))),
+                            .map(|_| work.push((None, kind, 0.0, 0.0))),
                     };
                     waited
                         .and_then(|()| self.run(instr, Batch::Train(step), &scalars))
                         .and_then(|()| {
                             self.backend.mark_time()?;
                             let (flops, bytes) = self.work_of(instr);
-                            work.push((profile::classify(instr), flops, bytes));
+                            let label = profile::op_label(instr);
+                            work.push((label, profile::classify(instr), flops, bytes));
                             Ok(())
                         })
                 }
@@ -372,8 +377,11 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
                 ));
             }
             profile.device_timed = true;
-            for ((kind, flops, bytes), seconds) in work.into_iter().zip(intervals) {
-                profile.add(kind, seconds, flops, bytes);
+            for ((label, kind, flops, bytes), seconds) in work.into_iter().zip(intervals) {
+                match label {
+                    Some(label) => profile.add_op(label, kind, seconds, flops, bytes),
+                    None => profile.add(kind, seconds, flops, bytes),
+                }
             }
         }
         let read = |id: Option<BufferId>| -> Result<Option<f32>> {
@@ -660,7 +668,11 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         self.backend.synchronize()?;
         let seconds = started.elapsed().as_secs_f64();
         let (flops, moved) = self.work_of(instr);
-        profile.add(profile::classify(instr), seconds, flops, moved);
+        let kind = profile::classify(instr);
+        match profile::op_label(instr) {
+            Some(label) => profile.add_op(label, kind, seconds, flops, moved),
+            None => profile.add(kind, seconds, flops, moved),
+        }
         Ok(())
     }
 
