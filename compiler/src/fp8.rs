@@ -328,6 +328,12 @@ pub fn speedup(gpu: &crate::spec::Gpu) -> f64 {
         .map_or(1.0, |fp8| fp8 / gpu.peak_flops.max(1.0))
 }
 
+/// An FP8 GEMM's seconds where only its bf16 time was measured: that time at the FP8 peak's
+/// speed-up, plus quantizing its operands (both timelines and the per-layer choice price it so).
+pub fn from_bf16(bf16_seconds: f64, quantize_seconds: f64, gpu: &crate::spec::Gpu) -> f64 {
+    bf16_seconds / speedup(gpu) + quantize_seconds
+}
+
 /// The FP8 recipe's checks against the model, the precision, the GPU and the plan: E1201 a
 /// GPU without FP8 tensor cores, E1202 fp16 precision, E1203 a pin matching no
 /// linear layer (or a layer pinned both ways), E1204 a blockwise block split across ranks.

@@ -182,8 +182,8 @@ impl<'a> ProfileCosts<'a> {
 
     /// An FP8 GEMM measured as `bf16_seconds` in bf16, by the roofline's FP8 assumptions.
     fn fp8_gemm(&self, bf16_seconds: f64, operands: [Option<&Buffer>; 2]) -> f64 {
-        bf16_seconds / crate::fp8::speedup(&self.roofline.spec.cluster.gpu)
-            + self.roofline.fp8_quantize_seconds(operands)
+        let quantize = self.roofline.fp8_quantize_seconds(operands);
+        crate::fp8::from_bf16(bf16_seconds, quantize, &self.roofline.spec.cluster.gpu)
     }
 
     /// Whether the profile has GEMM points of `dtype`.
@@ -396,13 +396,12 @@ impl GemmPrices for Calibration {
         let fp8 = GemmDtype::Fp8(scaling);
         let measured = costs.has_gemm(fp8);
         let quantize = crate::fp8::quantize_each(spec, g);
-        let speedup = crate::fp8::speedup(&spec.cluster.gpu);
         let mut total = (0.0, 0.0);
         for (layout, quantize) in GemmLayout::ALL.into_iter().zip(quantize) {
             let bf16 = costs.gemm(layout, mnk, GemmDtype::Bf16, GemmEpilogue::PLAIN)?;
             let fp8 = match measured {
                 true => costs.gemm(layout, mnk, fp8, GemmEpilogue::PLAIN)?,
-                false => bf16 / speedup + quantize,
+                false => crate::fp8::from_bf16(bf16, quantize, &spec.cluster.gpu),
             };
             total = (total.0 + bf16, total.1 + fp8);
         }
