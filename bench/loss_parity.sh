@@ -14,9 +14,11 @@
 # Data: examples/data/tiny-shakespeare.txt as bytes (one token per byte; the 124M model keeps its
 # 50,304-token vocabulary). GPT-2's BPE cannot be used: its vocabulary file needs the network,
 # which neither this machine's tools nor the device machine have.
+# MODEL=llama: the Llama family instead (bench/torch_llama_peer.py parity): examples/llama3.2-1b.par
+# on the GPU (8 × 2048, bf16, 200 steps), a 2-layer examples/tiny-llama.par on the CPU.
 # Environment: PARC (the binary; default .device/parc, else target/{release,debug}/parc),
 # PYTHON (default python3), STEPS, BATCH, PRECISION (bf16|fp32), TOLERANCE, GATE (step|window).
-# Output: $OUT/loss-parity-MODE/ (or .device/out/loss-parity-MODE/ without $OUT): plan.json,
+# Output: $OUT/loss-parity-MODEL-MODE/ (or .device/out/… without $OUT): plan.json,
 # batches.jsonl, parc.jsonl, peer.jsonl, parc.stderr, peer.stderr, comparison.txt,
 # comparison.json; the init weights are written to a temporary folder and removed.
 set -euo pipefail
@@ -54,16 +56,21 @@ if ! "$python" -c "import torch" 2>/dev/null; then
 fi
 
 data=examples/data/tiny-shakespeare.txt
+case "${MODEL:-gpt2}" in
+    gpt2) peer=bench/torch_peer.py; gpu_spec=examples/gpt2-124m.par; cpu_spec=examples/tiny.par ;;
+    llama) peer=bench/torch_llama_peer.py; gpu_spec=examples/llama3.2-1b.par; cpu_spec=examples/tiny-llama.par ;;
+    *) echo "error: MODEL=${MODEL}: use gpt2 or llama" >&2; exit 2 ;;
+esac
 if [[ "$mode" == gpu ]]; then
     export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    spec=examples/gpt2-124m.par
+    spec=$gpu_spec
     steps="${STEPS:-200}"; batch="${BATCH:-8}"; precision="${PRECISION:-bf16}"
     tolerance="${TOLERANCE:-0.01}"; gate="${GATE:-window}"
     backend=cuda; device=cuda
     lr=6e-4; warmup=20; min_lr=6e-5
     sets=(--set "train.global_batch=$batch" --set "train.micro_batch=$batch")
 else
-    spec=examples/tiny.par
+    spec=$cpu_spec
     steps="${STEPS:-30}"; batch="${BATCH:-8}"; precision="${PRECISION:-fp32}"
     tolerance="${TOLERANCE:-1e-4}"; gate="${GATE:-step}"
     backend=cpu; device=cpu
@@ -80,7 +87,7 @@ sets+=(
     --set "train.schedule.min_lr=$min_lr" --set "train.schedule.decay_steps=$steps"
     --set "train.checkpoint.dir=\"$scratch/ckpt\""
 )
-out="${OUT:-.device/out}/loss-parity-$mode"
+out="${OUT:-.device/out}/loss-parity-${MODEL:-gpt2}-$mode"
 mkdir -p "$out"
 echo "loss parity ($mode): $spec, $steps steps, global batch $batch, $precision, backend $backend; parc $parc; logs in $out"
 
@@ -99,7 +106,7 @@ echo "parc: $((SECONDS - started)) s"
 
 echo "== PyTorch peer ($device, $precision)"
 started=$SECONDS
-"$python" bench/torch_peer.py parity --plan "$out/plan.json" --init "$scratch/init.safetensors" \
+"$python" "$peer" parity --plan "$out/plan.json" --init "$scratch/init.safetensors" \
     --batches "$out/batches.jsonl" --data "$data" --format bytes \
     --lr "$lr" --schedule cosine --warmup "$warmup" --min-lr "$min_lr" --decay-steps "$steps" \
     --device "$device" --precision "$precision" --out "$out/peer.jsonl" \

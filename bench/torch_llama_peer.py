@@ -10,6 +10,19 @@ embeddings; bf16 autocast and fused AdamW. Modes:
 One JSON line per model and mode: tokens/s, MFU (6N + 12·L·d·T FLOPs per token against the
 bf16 dense peak) and the allocator's peak memory.
 
+parity: train the Llama-family model a parc plan describes from parc's initial weights, on
+parc's batches, with parc's recipe, one JSON line per step (bench/loss_parity.sh with
+MODEL=llama, bench/parity/compare.py); the flags are torch_peer.py parity's:
+
+    torch_llama_peer.py parity --plan PLAN.json --init INIT.safetensors --batches BATCHES.jsonl
+                  --data FILE --format bytes|u16|u32 --lr LR [--schedule …] [--warmup W] …
+
+How parc's Llama maps onto this model: attn.wqkv holds q's rows, then k's, then v's (attn.bqkv
+their biases, Qwen2), rotary positions rotate halves of each head (pairs i, i + hd/2) with the
+plan's rope_table theta; mlp.gate, mlp.up, mlp.down; RMSNorm eps from the plan's rms_norm ops;
+the head is head.weight, or the embedding when the plan has none (tied). AdamW, clipping, the lr
+schedule and the loss (mean over the global batch) as torch_peer.py's docstring says.
+
     torch_llama_peer.py [llama3.2-1b|qwen2.5-1.5b|tiny ...] [--batch B] [--seq T]
                         [--steps N] [--warm N] [--modes eager,compile,float8-rowwise]
                         [--device cuda|cpu]
@@ -52,10 +65,10 @@ def rope(x, cos, sin):
 
 
 class Block(nn.Module):
-    def __init__(s, d, h, kv, ffn, qkv_bias):
+    def __init__(s, d, h, kv, ffn, qkv_bias, eps=1e-5):
         super().__init__()
         s.h, s.kv, s.hd = h, kv, d // h
-        s.ln1, s.ln2 = RMSNorm(d), RMSNorm(d)
+        s.ln1, s.ln2 = RMSNorm(d, eps), RMSNorm(d, eps)
         s.qkv = nn.Linear(d, (h + 2 * kv) * s.hd, bias=qkv_bias)
         s.wo = nn.Linear(h * s.hd, d, bias=False)
         s.gate = nn.Linear(d, ffn, bias=False)
@@ -75,11 +88,11 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(s, V, T, d, L, h, kv, ffn, theta, qkv_bias, tied):
+    def __init__(s, V, T, d, L, h, kv, ffn, theta, qkv_bias, tied, eps=1e-5):
         super().__init__()
         s.embed = nn.Embedding(V, d)
-        s.blocks = nn.ModuleList(Block(d, h, kv, ffn, qkv_bias) for _ in range(L))
-        s.norm = RMSNorm(d)
+        s.blocks = nn.ModuleList(Block(d, h, kv, ffn, qkv_bias, eps) for _ in range(L))
+        s.norm = RMSNorm(d, eps)
         s.head = nn.Linear(d, V, bias=False)
         if tied:
             s.head.weight = s.embed.weight
@@ -92,12 +105,13 @@ class Llama(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
-    def forward(s, idx, tgt):
+    def forward(s, idx, tgt, reduction="mean"):
         x = s.embed(idx)
         for b in s.blocks:
             x = b(x, s.cos, s.sin)
         logits = s.head(s.norm(x))
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), tgt.view(-1))
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), tgt.view(-1),
+                               reduction=reduction)
 
 
 def flops_per_token(n_params, L, d, T):
@@ -173,5 +187,150 @@ def main(argv):
             bench_one(w, cfg, B, a.seq, mode, a.steps, a.warm, a.device)
 
 
+# --------------------------------------------------------------------------------------- parity
+class LlamaPlan:
+    """What a parc plan (`parc plan SPEC --emit json`) says about a Llama-family model."""
+    def __init__(s, plan):
+        s.params = {p["name"]: p for p in plan["params"]["params"]}
+        ops = [i["op"] for prog in plan["programs"] for i in prog["instrs"] if i.get("instr") == "compute"]
+        def one(kind, keys):
+            values = {tuple(json.dumps(o.get(k)) for k in keys) for o in ops if o["op"] == kind}
+            if len(values) != 1:
+                sys.exit(f"the plan's {kind} ops have {len(values)} settings of {keys}; the peer "
+                         "supports one (a Llama-family spec: RMSNorm, RoPE, SwiGLU, GQA)")
+            return dict(zip(keys, (json.loads(v) for v in values.pop())))
+        if "embed.weight" not in s.params or "blocks.0.attn.wqkv" not in s.params:
+            sys.exit("the plan has no embed.weight / blocks.0.attn.wqkv: the peer supports Llama-family "
+                     "specs (e.g. examples/tiny-llama.par, llama3.2-1b.par)")
+        s.vocab, s.d = s.params["embed.weight"]["shape"]
+        s.layers = len({n.split(".")[1] for n in s.params if n.startswith("blocks.")})
+        att = one("attention", ["heads", "kv_heads", "head_dim", "causal", "scale"])
+        if not att["causal"] or abs(att["scale"] - att["head_dim"] ** -0.5) > 1e-12:
+            sys.exit("the plan's attention is not causal with scale 1/sqrt(head_dim); the peer's is")
+        s.heads, s.kv_heads = att["heads"], att["kv_heads"]
+        if att["head_dim"] * s.heads != s.d:
+            sys.exit("the plan's heads × head_dim is not d; the peer supports head_dim = d / heads")
+        s.theta = one("rope_table", ["theta"])["theta"]
+        s.eps = one("rms_norm", ["eps"])["eps"]
+        s.ffn = s.params["blocks.0.mlp.gate"]["shape"][0]
+        s.qkv_bias = "blocks.0.attn.bqkv" in s.params
+        s.tied = "head.weight" not in s.params
+        adam = [o for o in ops if o["op"] == "adam_w"]
+        if not adam:
+            sys.exit("the plan has no AdamW op; the peer trains with AdamW only")
+        s.betas = (adam[0]["beta1"], adam[0]["beta2"]); s.adam_eps = adam[0]["eps"]
+        s.weight_decay = max(o["weight_decay"] for o in adam)
+        clip = [o for o in ops if o["op"] == "clip_coef"]
+        s.max_norm = clip[0]["max_norm"] if clip else None
+
+    def names(s, model):
+        """(torch parameter, parc tensor name) for every parameter of the peer."""
+        pairs = [(model.embed.weight, "embed.weight"), (model.norm.weight, "ln_f.weight")]
+        if not s.tied:
+            pairs.append((model.head.weight, "head.weight"))
+        for i, b in enumerate(model.blocks):
+            p = f"blocks.{i}."
+            pairs += [(b.ln1.weight, p + "ln1.weight"), (b.qkv.weight, p + "attn.wqkv"),
+                      (b.wo.weight, p + "attn.wo"), (b.ln2.weight, p + "ln2.weight"),
+                      (b.gate.weight, p + "mlp.gate"), (b.up.weight, p + "mlp.up"),
+                      (b.down.weight, p + "mlp.down")]
+            if s.qkv_bias:
+                pairs.append((b.qkv.bias, p + "attn.bqkv"))
+        return pairs
+
+
+def parity_main(argv):
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    import torch_peer as gpt  # its schedule, file readers and flags
+    p = argparse.ArgumentParser(prog="torch_llama_peer.py parity")
+    p.add_argument("--plan", required=True); p.add_argument("--init", required=True)
+    p.add_argument("--batches", required=True); p.add_argument("--data", required=True)
+    p.add_argument("--format", required=True, choices=["bytes", "u16", "u32"])
+    p.add_argument("--lr", type=float, required=True)
+    p.add_argument("--schedule", default="cosine", choices=["cosine", "linear", "constant"])
+    p.add_argument("--warmup", type=int, default=0); p.add_argument("--min-lr", type=float, default=0.0)
+    p.add_argument("--decay-steps", type=int, help="default: the number of steps in the batch log")
+    p.add_argument("--steps", type=int, help="default: every step in the batch log")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--micro-batch", type=int, help="sequences per forward/backward (default: the global batch)")
+    p.add_argument("--out", help="also write the JSON lines to this file")
+    a = p.parse_args(argv)
+
+    with open(a.plan) as f:
+        spec = LlamaPlan(json.load(f))
+    header, batches = gpt.read_batches(a.batches)
+    T, G = header["seq"], header["global_batch"]
+    steps = a.steps or len(batches)
+    decay_steps = a.decay_steps if a.decay_steps is not None else len(batches)
+    missing = [k for k in range(1, steps + 1) if k not in batches]
+    if missing:
+        sys.exit(f"the batch log has no step {missing[0]}; it covers {len(batches)} steps")
+    tokens = gpt.read_tokens(a.data, a.format)
+    if int(tokens.max()) >= spec.vocab:
+        sys.exit(f"{a.data}: token {int(tokens.max())} is not below the model's vocab {spec.vocab}")
+
+    torch.manual_seed(0)
+    dev = torch.device(a.device)
+    if a.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    model = Llama(spec.vocab, T, spec.d, spec.layers, spec.heads, spec.kv_heads, spec.ffn,
+                  spec.theta, spec.qkv_bias, spec.tied, spec.eps)
+    init = gpt.read_safetensors(a.init)
+    pairs = spec.names(model)
+    unmapped = sorted(set(spec.params) - {n for _, n in pairs})
+    if unmapped:
+        sys.exit(f"the plan has parameters the peer does not model: {unmapped[:6]}")
+    for dst, name in pairs:
+        if name not in init:
+            sys.exit(f"the init file lacks {name}: write it with `parc run SPEC --save-init` for this spec")
+        if tuple(init[name].shape) != tuple(dst.shape):
+            sys.exit(f"{name}: shape {tuple(init[name].shape)} does not fit the peer's {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(init[name])
+    # parc decays the parameters its plan marks `decay`: the same tensors here.
+    decay = [dst for dst, n in pairs if spec.params[n]["decay"]]
+    rest = [dst for dst, n in pairs if not spec.params[n]["decay"]]
+    model.to(dev)
+    opt_args = dict(lr=a.lr, betas=spec.betas, eps=spec.adam_eps)
+    if a.device == "cuda":
+        opt_args["fused"] = True
+    opt = torch.optim.AdamW([dict(params=decay, weight_decay=spec.weight_decay),
+                             dict(params=rest, weight_decay=0.0)], **opt_args)
+    params = decay + rest
+    mb = a.micro_batch or G
+    out = open(a.out, "w") if a.out else None
+    started = time.perf_counter()
+    for k in range(steps):
+        offsets = torch.tensor(batches[k + 1], dtype=torch.int64)
+        seqs = tokens[offsets[:, None] + torch.arange(T + 1)[None, :]]
+        x, y = seqs[:, :-1].contiguous().to(dev), seqs[:, 1:].contiguous().to(dev)
+        lr = gpt.lr_at(k, a.lr, a.schedule, a.warmup, a.min_lr, decay_steps)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        total = torch.zeros((), device=dev, dtype=torch.float32)
+        for i in range(0, x.shape[0], mb):
+            with torch.autocast(a.device, dtype=torch.bfloat16, enabled=(a.precision == "bf16")):
+                loss = model(x[i:i + mb], y[i:i + mb], reduction="sum") / (G * T)
+            loss.backward()
+            total += loss.detach()
+        if spec.max_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, spec.max_norm)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([q.grad.norm() for q in params]))
+        opt.step(); opt.zero_grad(set_to_none=True)
+        line = json.dumps(dict(event="step", step=k + 1, loss=float(total), lr=lr, grad_norm=float(norm),
+                               tokens=G * T, elapsed_s=round(time.perf_counter() - started, 3)))
+        print(line, flush=True)
+        if out:
+            out.write(line + "\n"); out.flush()
+    if out:
+        out.close()
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["parity"]:
+        parity_main(sys.argv[2:])
+    else:
+        main(sys.argv[1:])

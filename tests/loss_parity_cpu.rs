@@ -1,7 +1,9 @@
-//! Loss parity with PyTorch on the CPU (`bench/loss_parity.sh --cpu`, shortened to 12 steps):
-//! from parc's initial weights and batches, the PyTorch peer's fp32 losses equal parc's within
-//! 1e-4 relative at every step, which proves the mapping of layouts, tying, the lr schedule,
-//! decay groups, clipping and data order. Without python3 + torch it prints
+//! Loss parity with PyTorch on the CPU (`bench/loss_parity.sh --cpu`, shortened to 12 steps),
+//! for GPT-2 (`bench/torch_peer.py`) and the Llama family (`MODEL=llama`,
+//! `bench/torch_llama_peer.py`: RMSNorm, RoPE, GQA, SwiGLU): from parc's initial weights and
+//! batches, the PyTorch peer's fp32 losses equal parc's within 1e-4 relative at every step,
+//! which proves the mapping of layouts, tying, the lr schedule, decay groups, clipping and data
+//! order. Without python3 + torch it prints
 //! `skipped: ...` and passes (CI machines need not have PyTorch). The comparison's gate itself
 //! (`bench/parity/compare.py`) is checked on made-up curves.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -10,6 +12,15 @@ use std::process::Command;
 
 #[test]
 fn pytorch_peer_matches_parc_per_step_on_the_cpu() {
+    peer_matches_parc("gpt2");
+}
+
+#[test]
+fn pytorch_llama_peer_matches_parc_per_step_on_the_cpu() {
+    peer_matches_parc("llama");
+}
+
+fn peer_matches_parc(model: &str) {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let torch = Command::new("python3")
         .args(["-c", "import torch"])
@@ -20,10 +31,11 @@ fn pytorch_peer_matches_parc_per_step_on_the_cpu() {
         );
         return;
     }
-    let out = std::env::temp_dir().join(format!("parc-loss-parity-{}", std::process::id()));
+    let out = std::env::temp_dir().join(format!("parc-loss-parity-{model}-{}", std::process::id()));
     let run = Command::new("bash")
         .arg(root.join("bench/loss_parity.sh"))
         .arg("--cpu")
+        .env("MODEL", model)
         .env("PARC", env!("CARGO_BIN_EXE_parc"))
         .env("STEPS", "12")
         .env("OUT", &out)
@@ -41,7 +53,8 @@ fn pytorch_peer_matches_parc_per_step_on_the_cpu() {
         "{stdout}"
     );
     let summary: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(out.join("loss-parity-cpu/comparison.json")).unwrap(),
+        &std::fs::read_to_string(out.join(format!("loss-parity-{model}-cpu/comparison.json")))
+            .unwrap(),
     )
     .unwrap();
     assert_eq!(summary["steps"], 12);
