@@ -380,6 +380,10 @@ pub struct Parallel {
     /// filled (even, given or chosen by the cost model); lowering, the cost model and every
     /// later stage read the split from here only ([`Parallel::chunk_of_layer`]).
     pub chunk_layers: Vec<u32>,
+    /// Axes the spec lets span nodes (`cross_node = [tp]`): their groups may leave a node (a
+    /// warning, W0601, not E0601). The plan search keeps them allowed.
+    #[serde(skip)]
+    pub cross_node: Vec<Axis>,
     pub span: Span,
 }
 

@@ -33,6 +33,22 @@ pub fn stderr_of(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
+/// A line of shell words as a shell splits it: on whitespace, except inside single quotes
+/// (how `parc plan --search` prints a flag whose value has spaces, `'parallel.mesh={…}'`).
+pub fn shell_words(line: &str) -> Vec<String> {
+    let mut words = vec![String::new()];
+    let mut quoted = false;
+    for c in line.chars() {
+        match c {
+            '\'' => quoted = !quoted,
+            c if c.is_whitespace() && !quoted => words.push(String::new()),
+            c => words.last_mut().expect("one word at least").push(c),
+        }
+    }
+    words.retain(|w| !w.is_empty());
+    words
+}
+
 /// `--set` before each of `overrides`: `parc`'s arguments for them.
 pub fn sets<'a>(overrides: &[&'a str]) -> Vec<&'a str> {
     overrides.iter().flat_map(|o| ["--set", o]).collect()

@@ -219,6 +219,7 @@ pub fn decoder_spec(
             bucket_bytes: 4096,
             balance,
             chunk_layers,
+            cross_node: Vec::new(),
             span: Span::default(),
         },
         train: train(

@@ -87,6 +87,32 @@ pub fn check_assuming(
     main: FileId,
     overrides: &[Override],
 ) -> (Option<Spec>, Diagnostics, Option<Assumed>) {
+    let (spec, diags, assumed, _) = check_reading_cluster(sources, main, overrides);
+    (spec, diags, assumed)
+}
+
+/// The `cluster` section of `main` with `overrides` as the checker reads it, whatever else
+/// fails (`None` when the file does not parse): the search reads it to search a spec's own
+/// cluster when the spec's own plan fails, and there is no `Spec`.
+pub fn cluster_of(
+    sources: &mut Sources,
+    main: FileId,
+    overrides: &[Override],
+) -> Option<crate::spec::Cluster> {
+    check_reading_cluster(sources, main, overrides).3
+}
+
+/// [`check_assuming`], and the cluster read (`None` when the file does not parse).
+fn check_reading_cluster(
+    sources: &mut Sources,
+    main: FileId,
+    overrides: &[Override],
+) -> (
+    Option<Spec>,
+    Diagnostics,
+    Option<Assumed>,
+    Option<crate::spec::Cluster>,
+) {
     let mut diags = Diagnostics::default();
     let text = sources
         .get(main)
@@ -96,7 +122,7 @@ pub fn check_assuming(
         Ok(f) => f,
         Err(d) => {
             diags.push(d);
-            return (None, diags, None);
+            return (None, diags, None, None);
         }
     };
     let prelude = load_prelude(sources, &mut diags);
@@ -189,7 +215,9 @@ pub fn check_assuming(
         overrides: first_override..first_override + overrides.len() as u32,
     };
     editable.retain(&mut diags.items);
-    conclude(diags, elaborated, pin, train, cluster)
+    let read = cluster.clone();
+    let (spec, diags, assumed) = conclude(diags, elaborated, pin, train, cluster);
+    (spec, diags, assumed, Some(read))
 }
 
 /// The checks across sections and model: mesh against cluster, placement, batch arithmetic,

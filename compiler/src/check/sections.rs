@@ -439,6 +439,7 @@ pub fn parallel(r: &mut Reader, span: Span) -> ParallelIn {
                 .as_ref()
                 .map(|l| l.counts.clone())
                 .unwrap_or_default(),
+            cross_node: cross_node.clone(),
             span,
         },
         microbatches_given: microbatches.is_some(),

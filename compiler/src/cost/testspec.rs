@@ -73,6 +73,7 @@ pub fn build(d: &Dims, plan: &Plan) -> Spec {
             bucket_bytes: 25 << 20,
             balance: plan.balance,
             chunk_layers: plan.layers.clone(),
+            cross_node: Vec::new(),
             span: Span::new(crate::diag::FileId(0), 10, 20),
         },
         train: testing::train(

@@ -23,8 +23,16 @@
 //!    so its numbers are check's; the others shown keep their sampled numbers. An `auto` stage
 //!    balance that splits the layers evenly is the even candidate and is not tried twice.
 //!
-//! Every rejection is counted by rule, and the plan closest to fitting is kept, so a space
-//! with no plan that fits says which constraint rejected the most and by how much.
+//! Every rejection is counted by rule, in plans (the arithmetic's, the checker's by code with its
+//! first message, the memory verdicts'), and the plan closest to fitting is kept, so a space
+//! with no plan that fits says which constraint rejected the most and by how much; it also
+//! looks for the nearest clusters where the formulas put a plan under the GPU's memory
+//! ([`FitsOn`]), so it can say what to change.
+//!
+//! A spec whose own plan fails (a mesh for another cluster, an interleaved schedule its
+//! microbatches do not suit, a `layers` list for another pipeline) is still searched, on its
+//! own cluster unless told another: the model and recipe are checked under a neutral plan on
+//! one GPU ([`prepare`]), and [`Base::own_plan`] says what failed.
 
 pub mod space;
 
@@ -34,7 +42,7 @@ use crate::driver::{self, analyze_with, prices, CompileOptions, Compiled, Stage}
 use crate::ir::Plan;
 use crate::lower::{lower_chosen, LowerOptions};
 use crate::overrides::Override;
-use crate::spec::{PipelineSchedule, Spec};
+use crate::spec::{Axis, PipelineSchedule, Recompute, Spec, ZeroStage};
 pub use space::Candidate;
 
 /// What a search covers.
@@ -77,13 +85,37 @@ pub struct Ranked {
     pub exposed_comm_fraction: f64,
 }
 
-/// How many candidates a rule rejected, and the one that came closest (for memory: the
-/// smallest need over the GPU's memory).
+/// How many plans a rule rejected, and the one that came closest (for memory: the smallest
+/// need over the GPU's memory).
 #[derive(Clone, Debug)]
 pub struct Rejection {
+    /// An arithmetic rule or a memory verdict in words, or the code of the checker's (or the
+    /// lowering's) error.
     pub rule: String,
+    /// One of the space's arithmetic rules (a plan that cannot be), not a verdict on a plan
+    /// that could (the checker's, memory's).
+    pub arithmetic: bool,
+    /// For a code, the first rejection's message, numbers and all.
+    pub example: Option<String>,
     pub count: u64,
     pub closest: Option<(Candidate, u64)>,
+}
+
+impl Rejection {
+    /// Whether the rule is memory per GPU (by the formulas, corrected or not, or the lowered
+    /// plan).
+    pub fn is_memory(&self) -> bool {
+        self.rule.starts_with("memory per GPU")
+    }
+}
+
+/// The nearest clusters, fewer GPUs and more, on which the formulas (times the largest
+/// underestimate seen on lowered plans) put a plan of the space under the GPU's memory, each
+/// as (nodes, GPUs per node): found only when no plan fits.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct FitsOn {
+    pub fewer: Option<(u32, u32)>,
+    pub more: Option<(u32, u32)>,
 }
 
 /// What a search found.
@@ -91,14 +123,35 @@ pub struct Rejection {
 pub struct Outcome {
     /// The plans that fit, fastest first (at most `top`).
     pub ranked: Vec<Ranked>,
+    /// By rule, the most first.
     pub rejected: Vec<Rejection>,
-    /// Candidates in the space; those within the formulas' loose memory bound, ordered by
-    /// their step estimate; those checked and lowered.
+    /// Plans in the space, the arithmetic's rejections included; those the arithmetic left;
+    /// those within the formulas' loose memory bound, ordered by their step estimate; those
+    /// checked and lowered.
+    pub plans: u64,
     pub candidates: usize,
     pub considered: usize,
     pub lowered: usize,
+    pub nodes: u32,
+    pub gpus_per_node: u32,
     pub gpus: u32,
     pub gpu_memory_bytes: u64,
+    /// The largest lowered memory over the formulas' seen (1 when nothing was lowered).
+    pub underestimate: f64,
+    /// With no plan that fits, where one would (`FitsOn::default()` otherwise).
+    pub fits_on: FitsOn,
+}
+
+/// What a search starts from: the spec whose model and recipe are searched, the cluster it is
+/// searched on, and why the spec's own plan failed when it did.
+#[derive(Clone, Debug)]
+pub struct Base {
+    pub spec: Spec,
+    pub nodes: u32,
+    pub gpus_per_node: u32,
+    /// The spec's own plan's first error (code and message) when it does not check: the
+    /// search then starts from a neutral plan ([`neutral_spec`]).
+    pub own_plan: Option<String>,
 }
 
 /// How far a search is, for a progress bar.
@@ -117,29 +170,41 @@ pub fn search(
     options: &SearchOptions,
     progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<Outcome, Box<Compiled>> {
-    let mut base = overrides.to_vec();
-    if let Some(n) = options.nodes {
-        base.push(set("cluster.nodes", n.to_string()));
-    }
-    if let Some(g) = options.gpus_per_node {
-        base.push(set("cluster.gpus_per_node", g.to_string()));
-    }
-    let (spec, nodes, gpus_per_node) = base_spec(name, text, overrides, &base, options)?;
+    let base = prepare(name, text, overrides, options)?;
+    Ok(search_from(&base, name, text, overrides, options, progress))
+}
+
+/// [`search`] from a [`prepare`]d base (whose spec names the GPU, for choosing a calibration
+/// profile first).
+pub fn search_from(
+    base: &Base,
+    name: &str,
+    text: &str,
+    overrides: &[Override],
+    options: &SearchOptions,
+    progress: &(dyn Fn(Progress) + Sync),
+) -> Outcome {
+    let sets = with_cluster(overrides, options);
+    let spec = &base.spec;
+    let (nodes, gpus_per_node) = (base.nodes, base.gpus_per_node);
     let gpus = nodes * gpus_per_node;
     let capacity = spec.cluster.gpu.memory_bytes;
-    let space = space::space(&spec, gpus, gpus_per_node);
+    let space = space::space(spec, gpus, gpus_per_node);
+    let plans = space.plans();
+    let (total, shape) = (space.candidates.len(), (nodes, gpus_per_node));
     let mut rejected: Vec<Rejection> = space
         .rejected
         .iter()
         .map(|(rule, count)| Rejection {
             rule: rule.clone(),
+            arithmetic: true,
+            example: None,
             count: *count,
             closest: None,
         })
         .collect();
-    let candidates = space.candidates.len();
-    let shape = (nodes, gpus_per_node);
-    let mut queue = estimate_all(&spec, space.candidates, shape, &mut rejected, progress);
+    let (mut queue, even) = estimate_all(spec, space.candidates, shape, &mut rejected, progress);
+    let (plans, candidates) = (plans - even as u64, total - even);
     queue.sort_by(|a, b| a.step.total_cmp(&b.step));
     let estimated = queue.len();
     let how = Pricing {
@@ -149,7 +214,7 @@ pub fn search(
     let mut lowering = Lowering {
         name,
         text,
-        base: &base,
+        sets: &sets,
         capacity,
         how: how.clone(),
         underestimate: 1.0,
@@ -157,48 +222,166 @@ pub fn search(
         rejected: &mut rejected,
     };
     let fitting = lowering.run(&mut queue, options, progress);
-    let lowered = lowering.lowered;
+    let (lowered, underestimate) = (lowering.lowered, lowering.underestimate);
     let mut ranked = confirm(fitting, options.top, &how, capacity, &mut rejected);
     ranked.sort_by(|a, b| a.step_seconds.total_cmp(&b.step_seconds));
+    let fits_on = if ranked.is_empty() {
+        judge_unlowered(queue, capacity, underestimate, &mut rejected);
+        fits_on(spec, shape, underestimate)
+    } else {
+        FitsOn::default()
+    };
     rejected.sort_by_key(|r| std::cmp::Reverse(r.count));
-    Ok(Outcome {
+    Outcome {
         ranked,
         rejected,
+        plans,
         candidates,
         considered: estimated,
         lowered,
+        nodes,
+        gpus_per_node,
         gpus,
         gpu_memory_bytes: capacity,
-    })
+        underestimate,
+        fits_on,
+    }
+}
+
+/// `overrides` with the cluster `options` give.
+fn with_cluster(overrides: &[Override], options: &SearchOptions) -> Vec<Override> {
+    let mut sets = overrides.to_vec();
+    if let Some(n) = options.nodes {
+        sets.push(set("cluster.nodes", n.to_string()));
+    }
+    if let Some(g) = options.gpus_per_node {
+        sets.push(set("cluster.gpus_per_node", g.to_string()));
+    }
+    sets
+}
+
+/// With no plan that fits, a verdict on the candidates left unlowered too: over the GPU's
+/// memory by the formulas times the most a lowered plan ran over them ([`LEARNT_RULE`]), or
+/// within it and so only not tried ([`UNTRIED_RULE`]).
+fn judge_unlowered(
+    queue: Vec<Estimated>,
+    capacity: u64,
+    underestimate: f64,
+    rejected: &mut Vec<Rejection>,
+) {
+    for e in queue {
+        let corrected = e.memory as f64 * underestimate;
+        let rule = if corrected > capacity as f64 {
+            LEARNT_RULE
+        } else {
+            UNTRIED_RULE
+        };
+        count(rejected, &Why::rule(rule), None);
+    }
+}
+
+/// Where a plan would fit when none does on `(nodes, gpus per node)`: the nearest clusters of
+/// [`cluster_shapes`], fewer GPUs and more, with a plan of the space (its arithmetic rules
+/// applied) whose leanest form (recompute full, micro batch 1, ZeRO-3 where dp·cp > 1, 1F1B,
+/// even stages) the formulas, times `underestimate`, put under the GPU's memory.
+fn fits_on(spec: &Spec, (nodes, gpus_per_node): (u32, u32), underestimate: f64) -> FitsOn {
+    let gpus = nodes * gpus_per_node;
+    let capacity = spec.cluster.gpu.memory_bytes as f64;
+    let fits = |&(n, g): &(u32, u32)| {
+        space::space(spec, n * g, g)
+            .candidates
+            .into_iter()
+            .filter(leanest)
+            .filter_map(|c| estimate(spec, c, n, g))
+            .any(|e| e.memory as f64 * underestimate <= capacity)
+    };
+    let shapes = cluster_shapes(nodes, gpus_per_node);
+    FitsOn {
+        fewer: (shapes.iter().rev())
+            .filter(|(n, g)| n * g < gpus)
+            .find(|s| fits(s))
+            .copied(),
+        more: (shapes.iter())
+            .filter(|(n, g)| n * g > gpus)
+            .find(|s| fits(s))
+            .copied(),
+    }
+}
+
+/// Whether a candidate is the leanest in memory of its mesh.
+fn leanest(c: &Candidate) -> bool {
+    let zero = if c.dp * c.cp > 1 {
+        ZeroStage::Zero3
+    } else {
+        ZeroStage::Zero0
+    };
+    c.recompute == Recompute::Full
+        && c.micro_batch == 1
+        && c.zero == zero
+        && c.schedule == PipelineSchedule::OneFOneB
+        && c.balance == crate::spec::Balance::Even
+}
+
+/// The clusters [`fits_on`] tries, fewest GPUs first, as (nodes, GPUs per node): on one node,
+/// 1 to 8 GPUs and the powers of two up to the node's size; then nodes of the larger of 8 and
+/// that size (or of the given size, over several nodes), every count up to 64 (a model's
+/// layers and batch often divide only by odd counts) and doubling after, up to 65,536 GPUs.
+fn cluster_shapes(nodes: u32, gpus_per_node: u32) -> Vec<(u32, u32)> {
+    const MOST: u32 = 65_536;
+    let (mut out, node) = if nodes <= 1 {
+        let node = gpus_per_node.max(8);
+        let mut counts: Vec<u32> = (1..=8).chain((4..16).map(|k| 1 << k)).collect();
+        counts.push(node);
+        counts.retain(|&g| g <= node);
+        counts.sort_unstable();
+        counts.dedup();
+        let out: Vec<(u32, u32)> = counts.into_iter().map(|g| (1, g)).collect();
+        (out, node)
+    } else {
+        (vec![(1, gpus_per_node)], gpus_per_node)
+    };
+    let mut n: u32 = 2;
+    while n.saturating_mul(node) <= MOST {
+        out.push((n, node));
+        n = if n < 64 { n + 1 } else { n.saturating_mul(2) };
+    }
+    out
 }
 
 /// Every candidate estimated by the formulas on `spec` changed in memory, on the cluster of
 /// `(nodes, gpus per node)`; those over the formulas' loose memory bound are counted in
-/// `rejected`, the rest returned.
+/// `rejected`, the rest returned with how many were `auto` balances that split the layers
+/// evenly (the even candidate: not a plan of their own).
 fn estimate_all(
     spec: &Spec,
     candidates: Vec<Candidate>,
     (nodes, gpus_per_node): (u32, u32),
     rejected: &mut Vec<Rejection>,
     progress: &(dyn Fn(Progress) + Sync),
-) -> Vec<Estimated> {
+) -> (Vec<Estimated>, usize) {
     let capacity = spec.cluster.gpu.memory_bytes as f64;
     let total = candidates.len();
     let mut kept = Vec::new();
+    let mut even = 0;
     for (i, c) in candidates.into_iter().enumerate() {
         if i % 256 == 0 {
             progress(Progress::Checking { done: i, total });
         }
         let Some(e) = estimate(spec, c, nodes, gpus_per_node) else {
+            even += 1;
             continue;
         };
         if e.memory as f64 > FORMULA_SLACK * capacity {
-            count(rejected, FORMULA_RULE, Some((e.candidate, e.memory)));
+            count(
+                rejected,
+                &Why::rule(FORMULA_RULE),
+                Some((e.candidate, e.memory)),
+            );
         } else {
             kept.push(e);
         }
     }
-    kept
+    (kept, even)
 }
 
 /// The `top` plans shown, fastest first: the winner lowered and simulated whole, so its
@@ -224,80 +407,103 @@ fn confirm(
         }
         match evaluate(&c.spec, &c.candidate, how) {
             Ok(r) if fits(&r, capacity) => ranked.push(r),
-            Ok(r) => count(rejected, MEMORY_RULE, Some((c.candidate, need(&r)))),
-            Err(rule) => count(rejected, &rule, None),
+            Ok(r) => count(
+                rejected,
+                &Why::rule(MEMORY_RULE),
+                Some((c.candidate, need(&r))),
+            ),
+            Err(why) => count(rejected, &why, None),
         }
     }
     ranked
 }
 
-/// The spec whose model and recipe are searched, and the cluster's nodes and GPUs per node:
-/// the spec as given (with the cluster `options` set) when it checks; else the spec under a
-/// neutral plan ([`neutral_spec`]): its own plan is what the search replaces, so a mesh that
-/// does not match the new cluster, a microbatch count tied to its dp, a `layers` list for its
-/// pipeline or an interleaved schedule that does not fit does not stop the search. `Err`: the
-/// spec's own errors.
-fn base_spec(
+/// The spec whose model and recipe are searched, and the cluster searched: the spec as given
+/// (with the cluster `options` set) when it checks; else the spec under a neutral plan on one
+/// GPU ([`neutral_spec`]), searched on its own cluster (or the one `options` give): its own plan
+/// is what the search replaces, so a mesh that does not match the cluster, a microbatch count
+/// tied to its dp, a `layers` list for its pipeline or an interleaved schedule its
+/// microbatches do not suit does not stop the search, however many GPUs the cluster has.
+/// `Err`: the spec's own errors that are not its plan's (the model's, the recipe's, the
+/// cluster's), which the search cannot change.
+pub fn prepare(
     name: &str,
     text: &str,
     overrides: &[Override],
-    base: &[Override],
     options: &SearchOptions,
-) -> Result<(Spec, u32, u32), Box<Compiled>> {
-    let compiled = driver::compile(name, text.to_string(), base, &check_options());
+) -> Result<Base, Box<Compiled>> {
+    let sets = with_cluster(overrides, options);
+    let mut compiled = driver::compile(name, text.to_string(), &sets, &check_options());
     if let (Some(spec), false) = (&compiled.spec, compiled.diagnostics.has_errors()) {
         let c = &spec.cluster;
-        return Ok((spec.clone(), c.nodes, c.gpus_per_node));
+        return Ok(Base {
+            spec: spec.clone(),
+            nodes: c.nodes,
+            gpus_per_node: c.gpus_per_node,
+            own_plan: None,
+        });
     }
-    match neutral_spec(name, text, overrides, options) {
-        Ok(spec) => {
-            let c = &spec.cluster;
-            let shape = match (options.nodes, options.gpus_per_node) {
-                (None, None) => (c.nodes, c.gpus_per_node),
-                (n, g) => (n.unwrap_or(1), g.unwrap_or(1)),
-            };
-            Ok((spec, shape.0, shape.1))
-        }
+    let errors = || compiled.diagnostics.items.iter().filter(|d| d.is_error());
+    if errors().any(|d| !is_plan_error(d.code)) {
+        // What the search cannot change; the plan's errors beside them are about a plan it
+        // would replace.
+        let items = &mut compiled.diagnostics.items;
+        items.retain(|d| !(d.is_error() && is_plan_error(d.code)));
+        return Err(Box::new(compiled));
+    }
+    let own_plan = errors().next().map(|d| format!("{} {}", d.code, d.message));
+    let own = {
+        let mut sources = crate::diag::Sources::default();
+        let main = sources.add(name, text.to_string());
+        crate::check::cluster_of(&mut sources, main, &sets)
+    };
+    match (neutral_spec(name, text, overrides), own) {
+        (Ok(spec), Some(own)) => Ok(Base {
+            spec,
+            nodes: options.nodes.unwrap_or(own.nodes),
+            gpus_per_node: options.gpus_per_node.unwrap_or(own.gpus_per_node),
+            own_plan,
+        }),
         // The model's or recipe's own errors, which the spec's plan errors may have hidden
         // (a check stops at a mesh that does not match the cluster).
-        Err(Some(variant)) if !variant_errors_are_plans(&variant) => Err(variant),
-        Err(_) => Err(Box::new(compiled)),
+        (Err(Some(variant)), _) if !variant_errors_are_plans(&variant) => Err(variant),
+        _ => Err(Box::new(compiled)),
     }
 }
 
-/// Whether any error of `compiled` is about the plan (mesh, divisibility, batch arithmetic,
-/// schedule, placement, memory: E04xx to E07xx), whose spans may point at the neutral plan's
-/// settings rather than at what the user wrote.
-fn variant_errors_are_plans(compiled: &Compiled) -> bool {
-    let plan = ["E04", "E05", "E06", "E07"];
-    (compiled.diagnostics.items.iter())
-        .filter(|d| d.is_error())
-        .any(|d| plan.iter().any(|p| d.code.starts_with(p)))
+/// Whether an error code is the plan's (mesh, divisibility, batch arithmetic, schedule,
+/// placement, memory: E04xx to E07xx), which the search replaces.
+fn is_plan_error(code: &str) -> bool {
+    ["E04", "E05", "E06", "E07"]
+        .iter()
+        .any(|p| code.starts_with(p))
 }
 
-/// The spec under the simplest plan: with a cluster from `options`, one GPU (dp = 1, so the
-/// batch arithmetic holds); else its own cluster, all of it dp. ZeRO 0, 1F1B, micro batch 1,
-/// no virtual stages or `layers` list; then the checker's own fixes that change only
-/// `parallel.*` (E0401's dp, E0501's microbatches) applied, a few rounds. `Err`: it still
-/// fails, with the last attempt's diagnostics (an error of the model or the recipe, which the
-/// search cannot change; or a plan error no fix of the checker's resolves).
+/// Whether any error of `compiled` is about the plan, whose spans may point at the neutral
+/// plan's settings rather than at what the user wrote.
+fn variant_errors_are_plans(compiled: &Compiled) -> bool {
+    (compiled.diagnostics.items.iter())
+        .filter(|d| d.is_error())
+        .any(|d| is_plan_error(d.code))
+}
+
+/// The spec under the simplest plan on one GPU (dp = 1, so the batch arithmetic holds for any
+/// global batch, however many GPUs the cluster searched has): ZeRO 0, 1F1B, micro batch 1, no
+/// virtual stages or `layers` list; then the checker's own fixes that change only
+/// `parallel.*` (E0501's microbatches) applied, a few rounds. Its cluster is the search's to
+/// set. `Err`: it still fails, with the last attempt's diagnostics (an error of the model or
+/// the recipe, which the search cannot change; or a plan error no fix of the checker's
+/// resolves).
 fn neutral_spec(
     name: &str,
     text: &str,
     overrides: &[Override],
-    options: &SearchOptions,
 ) -> Result<Spec, Option<Box<Compiled>>> {
-    let given = options.nodes.is_some() || options.gpus_per_node.is_some();
     let mut sets = overrides.to_vec();
-    if given {
-        sets.push(set("cluster.nodes", "1".to_string()));
-        sets.push(set("cluster.gpus_per_node", "1".to_string()));
-    }
     for (path, value) in [
-        ("parallel.dp", "1"),
-        ("parallel.pp", "1"),
-        ("parallel.cp", "1"),
-        ("parallel.tp", "1"),
+        ("cluster.nodes", "1"),
+        ("cluster.gpus_per_node", "1"),
+        ("parallel.mesh", "{dp: 1, pp: 1, cp: 1, tp: 1}"),
         ("parallel.zero", "0"),
         ("parallel.schedule", "1f1b"),
         ("parallel.virtual", "1"),
@@ -352,13 +558,39 @@ fn check_options() -> CompileOptions {
     CompileOptions::through(Stage::Check)
 }
 
-/// Count a rejection under `rule`; keep the closest (smallest need) candidate.
-fn count(rejected: &mut Vec<Rejection>, rule: &str, closest: Option<(Candidate, u64)>) {
-    let entry = match rejected.iter_mut().position(|r| r.rule == rule) {
+/// Why a candidate was rejected: a rule in words, or a diagnostic's code with its message.
+#[derive(Clone, Debug)]
+struct Why {
+    rule: String,
+    example: Option<String>,
+}
+
+impl Why {
+    fn rule(rule: &str) -> Why {
+        Why {
+            rule: rule.to_string(),
+            example: None,
+        }
+    }
+
+    fn diagnostic(d: &crate::diag::Diagnostic) -> Why {
+        Why {
+            rule: d.code.to_string(),
+            example: Some(d.message.clone()),
+        }
+    }
+}
+
+/// Count a rejection under its rule (a code keeps its first message); keep the closest
+/// (smallest need) candidate.
+fn count(rejected: &mut Vec<Rejection>, why: &Why, closest: Option<(Candidate, u64)>) {
+    let entry = match rejected.iter_mut().position(|r| r.rule == why.rule) {
         Some(i) => &mut rejected[i],
         None => {
             rejected.push(Rejection {
-                rule: rule.to_string(),
+                rule: why.rule.clone(),
+                arithmetic: false,
+                example: why.example.clone(),
                 count: 0,
                 closest: None,
             });
@@ -377,7 +609,7 @@ fn count(rejected: &mut Vec<Rejection>, rule: &str, closest: Option<(Candidate, 
 /// How far the formulas' memory may sit above the GPU's before a candidate is not even lowered
 /// (they err low: the lowered plan is the verdict).
 const FORMULA_SLACK: f64 = 1.5;
-const FORMULA_RULE: &str = "memory per GPU over 1.5× the GPU's by the cost formulas";
+pub const FORMULA_RULE: &str = "memory per GPU over 1.5× the GPU's by the cost formulas";
 
 /// A candidate with the formulas' estimates, from the base spec changed in memory.
 struct Estimated {
@@ -398,14 +630,13 @@ fn estimate(
 ) -> Option<Estimated> {
     let mut spec = base.clone();
     let c = &candidate;
-    for (axis, n) in &mut spec.parallel.mesh.axes {
-        *n = match axis {
-            crate::spec::Axis::Dp => c.dp,
-            crate::spec::Axis::Pp => c.pp,
-            crate::spec::Axis::Cp => c.cp,
-            crate::spec::Axis::Tp => c.tp,
-        };
-    }
+    // In the order the candidate's settings write it (`Candidate::settings`).
+    spec.parallel.mesh.axes = vec![
+        (Axis::Dp, c.dp),
+        (Axis::Pp, c.pp),
+        (Axis::Cp, c.cp),
+        (Axis::Tp, c.tp),
+    ];
     spec.parallel.zero = c.zero;
     spec.parallel.schedule = c.schedule;
     spec.parallel.microbatches = c.microbatches;
@@ -437,7 +668,8 @@ fn estimate(
 struct Lowering<'a> {
     name: &'a str,
     text: &'a str,
-    base: &'a [Override],
+    /// The user's overrides and the cluster searched, under the candidates' settings.
+    sets: &'a [Override],
     capacity: u64,
     how: Pricing,
     /// The largest lowered need over the formulas' seen so far (at least 1).
@@ -480,10 +712,11 @@ impl Lowering<'_> {
                         if fits(&r, self.capacity) {
                             fitting.push((e, r));
                         } else {
-                            count(self.rejected, MEMORY_RULE, Some((e.candidate, need(&r))));
+                            let memory = Why::rule(MEMORY_RULE);
+                            count(self.rejected, &memory, Some((e.candidate, need(&r))));
                         }
                     }
-                    Err(rule) => count(self.rejected, &rule, None),
+                    Err(why) => count(self.rejected, &why, None),
                 }
             }
         }
@@ -499,7 +732,7 @@ impl Lowering<'_> {
             let e = queue.remove(self.next(queue));
             match self.check(&e.candidate) {
                 Ok(()) => batch.push(e),
-                Err(rule) => count(self.rejected, &rule, None),
+                Err(why) => count(self.rejected, &why, None),
             }
         }
         batch
@@ -515,35 +748,16 @@ impl Lowering<'_> {
     }
 
     /// The checker's verdict on the candidate's `--set` settings: `Err` names its first error.
-    fn check(&self, candidate: &Candidate) -> Result<(), String> {
-        let mut overrides = self.base.to_vec();
+    fn check(&self, candidate: &Candidate) -> Result<(), Why> {
+        let mut overrides = self.sets.to_vec();
         overrides.extend(candidate.settings().into_iter().map(|(p, v)| set(&p, v)));
         let options = CompileOptions::through(Stage::Check);
         let compiled = driver::compile(self.name, self.text.to_string(), &overrides, &options);
         match compiled.diagnostics.items.iter().find(|d| d.is_error()) {
-            Some(d) => Err(rule_of(d.code, &d.message)),
+            Some(d) => Err(Why::diagnostic(d)),
             None => Ok(()),
         }
     }
-}
-
-/// A diagnostic as a rejection rule: its code and message with the numbers left out, so one
-/// rule counts every candidate it rejects.
-fn rule_of(code: &str, message: &str) -> String {
-    let mut text = String::new();
-    let mut in_number = false;
-    for ch in message.chars() {
-        if ch.is_ascii_digit() {
-            if !in_number {
-                text.push('N');
-            }
-            in_number = true;
-        } else {
-            in_number = false;
-            text.push(ch);
-        }
-    }
-    format!("{code} {text}")
 }
 
 /// The formulas' step: the slowest role's compute and tp/cp/pp communication over
@@ -566,7 +780,14 @@ fn step_estimate(cost: &CostReport) -> f64 {
         .fold(0.0, f64::max)
 }
 
-const MEMORY_RULE: &str = "memory per GPU (lowered plan)";
+pub const MEMORY_RULE: &str = "memory per GPU over the GPU's (lowered plan)";
+/// A candidate left unlowered when nothing fits whose formula memory, times the most a lowered
+/// plan ran over its formulas, is over the GPU's.
+pub const LEARNT_RULE: &str =
+    "memory per GPU over the GPU's by the cost formulas × what the lowered plans ran over them";
+/// A candidate left unlowered when nothing fits that might fit: the search's limit of
+/// lowerings ([`SearchOptions::lower_at_most`]) came first.
+pub const UNTRIED_RULE: &str = "not lowered: the search stopped at its limit of lowerings";
 
 fn need(r: &Ranked) -> u64 {
     r.memory.iter().map(|(_, b)| *b).max().unwrap_or(0)
@@ -580,22 +801,22 @@ fn fits(r: &Ranked, capacity: u64) -> bool {
 /// lowering of the batch (a candidate's two samples are two) is a job, and one thread per core
 /// takes the next job as it finishes one (a lowering alone leaves cores idle; the samples of
 /// one candidate differ in size).
-fn evaluate_all(batch: Vec<Estimated>, how: &Pricing) -> Vec<(Estimated, Result<Ranked, String>)> {
+fn evaluate_all(batch: Vec<Estimated>, how: &Pricing) -> Vec<(Estimated, Result<Ranked, Why>)> {
     let jobs: Vec<Job> = batch
         .iter()
         .flat_map(|e| jobs_of(&e.spec, &e.candidate))
         .collect();
     let done = run_jobs(&jobs, how);
     let mut done = done.into_iter();
-    let results: Vec<Result<Ranked, String>> = jobs
+    let results: Vec<Result<Ranked, Why>> = jobs
         .iter()
         .filter(|j| j.first)
         .map(|job| {
-            let first = done.next().unwrap_or_else(|| Err(LOST.to_string()));
+            let first = done.next().unwrap_or_else(|| Err(Why::rule(LOST)));
             match job.sampled {
                 None => first,
                 Some(points) => {
-                    let second = done.next().unwrap_or_else(|| Err(LOST.to_string()));
+                    let second = done.next().unwrap_or_else(|| Err(Why::rule(LOST)));
                     Ok(extrapolate(
                         &first?,
                         &second?,
@@ -645,7 +866,7 @@ fn jobs_of(spec: &Spec, candidate: &Candidate) -> Vec<Job> {
 
 /// Run `jobs` on one thread per core, each thread taking the next job not yet taken (those
 /// whose memory is planned, the longer, first); results in job order.
-fn run_jobs(jobs: &[Job], how: &Pricing) -> Vec<Result<Ranked, String>> {
+fn run_jobs(jobs: &[Job], how: &Pricing) -> Vec<Result<Ranked, Why>> {
     let mut order: Vec<usize> = (0..jobs.len()).collect();
     order.sort_by_key(|&i| !jobs[i].planned);
     let width = std::thread::available_parallelism()
@@ -654,7 +875,7 @@ fn run_jobs(jobs: &[Job], how: &Pricing) -> Vec<Result<Ranked, String>> {
         .min(jobs.len())
         .max(1);
     let next = std::sync::atomic::AtomicUsize::new(0);
-    let slots: Vec<std::sync::Mutex<Option<Result<Ranked, String>>>> =
+    let slots: Vec<std::sync::Mutex<Option<Result<Ranked, Why>>>> =
         jobs.iter().map(|_| std::sync::Mutex::new(None)).collect();
     std::thread::scope(|scope| {
         for _ in 0..width {
@@ -679,7 +900,7 @@ fn run_jobs(jobs: &[Job], how: &Pricing) -> Vec<Result<Ranked, String>> {
             slot.into_inner()
                 .ok()
                 .flatten()
-                .unwrap_or_else(|| Err(LOST.to_string()))
+                .unwrap_or_else(|| Err(Why::rule(LOST)))
         })
         .collect()
 }
@@ -709,10 +930,10 @@ fn with_microbatches(spec: &Spec, m: u32) -> Spec {
 /// linearly to its microbatch count (see [`jobs_of`]); exact (one whole simulation) when the
 /// candidate runs few microbatches.
 #[cfg(test)]
-fn evaluate_sampled(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked, String> {
+fn evaluate_sampled(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked, Why> {
     let jobs = jobs_of(spec, candidate);
     let mut done = run_jobs(&jobs, how).into_iter();
-    let first = done.next().unwrap_or_else(|| Err(LOST.to_string()))?;
+    let first = done.next().unwrap_or_else(|| Err(Why::rule(LOST)))?;
     match (jobs[0].sampled, done.next()) {
         (Some(points), Some(second)) => Ok(extrapolate(
             &first,
@@ -752,7 +973,7 @@ fn extrapolate(a: &Ranked, b: &Ranked, (m1, m2): (u32, u32), m: u32) -> Ranked {
 }
 
 /// Lower `spec` for analysis, its FP8 layers priced as its timeline is.
-fn lower(spec: &Spec, how: &Pricing) -> Result<Plan, String> {
+fn lower(spec: &Spec, how: &Pricing) -> Result<Plan, Why> {
     let options = LowerOptions {
         fusion: how.fusion,
         representatives: true,
@@ -763,7 +984,7 @@ fn lower(spec: &Spec, how: &Pricing) -> Result<Plan, String> {
 }
 
 /// Lower, verify, plan and simulate `spec` (the candidate's): its ranking, or why it cannot be.
-fn evaluate(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked, String> {
+fn evaluate(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked, Why> {
     let plan = lower(spec, how)?;
     let mut diagnostics = Diagnostics::default();
     let calibration = how.calibration.as_deref();
@@ -777,11 +998,13 @@ fn evaluate(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked,
 
 /// Lower and simulate `spec` only (a first sample, whose second is verified and planned): its
 /// ranking without memory.
-fn simulate(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked, String> {
+fn simulate(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked, Why> {
     let plan = lower(spec, how)?;
     let timeline = crate::timeline::simulate_calibrated(&plan, spec, how.calibration.as_deref());
     if !timeline.complete {
-        return Err("the simulated step does not finish (the plan does not verify)".to_string());
+        return Err(Why::rule(
+            "the simulated step does not finish (the plan does not verify)",
+        ));
     }
     Ok(ranking(spec, candidate, &timeline, Vec::new()))
 }
@@ -805,11 +1028,11 @@ fn ranking(
     }
 }
 
-fn first_error(d: &Diagnostics, stage: &str) -> String {
-    d.items.iter().find(|x| x.is_error()).map_or_else(
-        || format!("{stage} failed"),
-        |x| format!("{} {}", x.code, x.message),
-    )
+fn first_error(d: &Diagnostics, stage: &str) -> Why {
+    d.items
+        .iter()
+        .find(|x| x.is_error())
+        .map_or_else(|| Why::rule(&format!("{stage} failed")), Why::diagnostic)
 }
 
 #[cfg(test)]
@@ -926,7 +1149,9 @@ mod tests {
         };
         let outcome = search("tiny.par", text, &[], &options, &|_| {}).expect("searches");
         assert_eq!(outcome.ranked.len(), top);
-        let (spec, ..) = base_spec("tiny.par", text, &[], &[], &options).expect("checks");
+        let spec = prepare("tiny.par", text, &[], &options)
+            .expect("checks")
+            .spec;
         let how = Pricing {
             fusion: true,
             calibration: None,
@@ -965,6 +1190,81 @@ mod tests {
                 shown.step_seconds,
                 c.describe()
             );
+        }
+    }
+
+    /// The arithmetic rules of the space are the checker's for what they cover: every candidate
+    /// it keeps checks clean (placement with the mesh laid out tp innermost, sequence splits,
+    /// interleaving's microbatches, tp's shards), so no checker error reaches the rejections
+    /// for a candidate the arithmetic could have ruled out; over GPU counts that leave few
+    /// splits, on one node and two, for a GPT-2 and a grouped-query Llama.
+    #[test]
+    fn every_candidate_of_the_space_checks_clean() {
+        let tiny = include_str!("../../../examples/tiny.par");
+        let llama = include_str!("../../../examples/tiny-llama.par");
+        // A mesh written tp first, as a torchtitan spec may: a candidate setting pp or cp alone
+        // would put them inside tp's groups.
+        let tp_first = [set("parallel.mesh", "{tp: 1, dp: 1}".to_string())];
+        let specs: [(&str, &str, &[Override]); 3] = [
+            ("tiny.par", tiny, &[]),
+            ("tiny-llama.par", llama, &[]),
+            ("tiny-llama.par", llama, &tp_first),
+        ];
+        for (name, text, overrides) in specs {
+            for (nodes, gpus_per_node) in [(1, 3), (1, 4), (1, 6), (2, 4)] {
+                let options = SearchOptions {
+                    nodes: Some(nodes),
+                    gpus_per_node: Some(gpus_per_node),
+                    top: 1,
+                    lower_at_least: 0,
+                    lower_at_most: 0,
+                    fusion: true,
+                    calibration: None,
+                };
+                let base = prepare(name, text, overrides, &options).expect("checks");
+                let space = space::space(&base.spec, nodes * gpus_per_node, gpus_per_node);
+                for c in space.candidates {
+                    let mut sets = with_cluster(overrides, &options);
+                    sets.extend(c.settings().into_iter().map(|(p, v)| set(&p, v)));
+                    let compiled = driver::compile(name, text.to_string(), &sets, &check_options());
+                    let error = compiled.diagnostics.items.iter().find(|d| d.is_error());
+                    assert!(
+                        error.is_none(),
+                        "{name} on {nodes} × {gpus_per_node}: {}: {error:?}",
+                        c.describe()
+                    );
+                }
+            }
+        }
+    }
+
+    /// The clusters tried for a GPU count that fits grow in GPUs, one node at a time while
+    /// that is few, and keep the node's size.
+    #[test]
+    fn the_clusters_tried_grow_from_one_gpu() {
+        let one = cluster_shapes(1, 1);
+        assert_eq!(
+            &one[..9],
+            &[
+                (1, 1),
+                (1, 2),
+                (1, 3),
+                (1, 4),
+                (1, 5),
+                (1, 6),
+                (1, 7),
+                (1, 8),
+                (2, 8)
+            ]
+        );
+        let eight = cluster_shapes(8, 8);
+        assert_eq!(&eight[..3], &[(1, 8), (2, 8), (3, 8)]);
+        for shapes in [one, eight, cluster_shapes(1, 32), cluster_shapes(3, 6)] {
+            assert!(
+                shapes.windows(2).all(|w| w[0].0 * w[0].1 < w[1].0 * w[1].1),
+                "{shapes:?}"
+            );
+            assert!(shapes.iter().all(|(n, g)| n * g <= 65_536), "{shapes:?}");
         }
     }
 

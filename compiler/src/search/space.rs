@@ -4,15 +4,20 @@
 //! every power-of-two micro batch that divides the
 //! global batch per dp rank (≤ 64), recompute none, selective or full, and sequence
 //! parallelism with every tp > 1 (as Megatron runs it). The global batch is the spec's (the
-//! batch rule: global = dp × micro batch × microbatches).
+//! batch rule: global = dp × micro batch × microbatches). The mesh is always laid out
+//! `{ dp, pp, cp, tp }`, outermost first (tp innermost, as Megatron places it), whatever order
+//! the spec wrote its own in.
 //!
-//! Candidates the arithmetic alone rules out are counted here by rule (tp over a node, tp not
-//! dividing heads, kv heads, the MLP width or the vocabulary, pp × virtual not dividing the
-//! layers, fewer microbatches than stages, cp × tp over a node, cp on a model that does not
-//! shard its sequence);
-//! the checker and the lowering judge the rest.
+//! Candidates the arithmetic alone rules out are counted here by rule, in plans (a mesh ruled
+//! out counts every plan it would have given), so every rule of a search counts the same thing:
+//! tp or cp × tp groups that do not fit in a node, tp on a model that does not shard on tp, tp
+//! not dividing heads, kv heads, the MLP width or the vocabulary, cp on a model that does not
+//! shard its sequence or that does not divide it, sequence parallelism's tp not dividing each
+//! cp rank's tokens, pp not dividing the layers, dp not dividing the global batch, fewer
+//! microbatches than stages, interleaving with microbatches not a multiple of pp; the checker
+//! and the lowering judge the rest.
 
-use crate::spec::{Balance, LayerKind, PipelineSchedule, Recompute, Spec, ZeroStage};
+use crate::spec::{Axis, Balance, LayerKind, PipelineSchedule, Recompute, Spec, ZeroStage};
 
 /// One plan of the search space, as the settings a `--set` writes.
 #[derive(Clone, Debug, PartialEq)]
@@ -33,11 +38,16 @@ pub struct Candidate {
 impl Candidate {
     /// The `--set PATH=VALUE` settings that turn the spec into this plan.
     pub fn settings(&self) -> Vec<(String, String)> {
+        // The whole mesh in one record, so its order is this one whatever the spec's was (a
+        // `--set parallel.pp=2` alone would add pp innermost, splitting tp's groups).
         let mut out = vec![
-            ("parallel.dp", self.dp.to_string()),
-            ("parallel.pp", self.pp.to_string()),
-            ("parallel.cp", self.cp.to_string()),
-            ("parallel.tp", self.tp.to_string()),
+            (
+                "parallel.mesh",
+                format!(
+                    "{{dp: {}, pp: {}, cp: {}, tp: {}}}",
+                    self.dp, self.pp, self.cp, self.tp
+                ),
+            ),
             ("parallel.zero", self.zero.level().to_string()),
             (
                 "parallel.schedule",
@@ -113,17 +123,24 @@ fn recompute_name(r: &Recompute) -> &'static str {
     }
 }
 
-/// The space: candidates to check, and how many each arithmetic rule ruled out.
+/// The space: candidates to check, and how many plans each arithmetic rule ruled out.
 pub struct Space {
     pub candidates: Vec<Candidate>,
     pub rejected: Vec<(String, u64)>,
 }
 
-/// Count one rejection under `rule`.
-fn reject(rejected: &mut Vec<(String, u64)>, rule: &str) {
+impl Space {
+    /// Every plan of the space: the candidates and those the arithmetic ruled out.
+    pub fn plans(&self) -> u64 {
+        self.candidates.len() as u64 + self.rejected.iter().map(|(_, n)| n).sum::<u64>()
+    }
+}
+
+/// Count `n` plans rejected under `rule`.
+fn reject(rejected: &mut Vec<(String, u64)>, rule: &str, n: u64) {
     match rejected.iter_mut().find(|(r, _)| r == rule) {
-        Some((_, n)) => *n += 1,
-        None => rejected.push((rule.to_string(), 1)),
+        Some((_, count)) => *count += n,
+        None => rejected.push((rule.to_string(), n)),
     }
 }
 
@@ -141,11 +158,23 @@ fn meshes(gpus: u32) -> Vec<[u32; 4]> {
     out
 }
 
-/// The widths tp must divide: heads and kv heads (attention sharded on tp), the MLP hidden
-/// width, the vocabulary (vocab-parallel embedding and head).
-fn tp_divides(spec: &Spec, tp: u32) -> Option<&'static str> {
+/// Why tp cannot split the model: a layer it would split that the model does not shard on tp
+/// (E0411, E0413, E0414), or a width it does not divide: heads and kv heads, the MLP hidden
+/// width, the vocabulary (E0402–E0405).
+fn tp_rule(spec: &Spec, tp: u32) -> Option<&'static str> {
+    if tp <= 1 {
+        return None;
+    }
     let t = u64::from(tp);
-    if spec.model.sharding.vocab_on_tp && !spec.model.vocab.is_multiple_of(t) {
+    let sh = &spec.model.sharding;
+    let has = |f: fn(&LayerKind) -> bool| spec.model.nodes.iter().any(|n| f(&n.kind));
+    let unsharded = !sh.attention_heads_on_tp
+        || (has(|k| matches!(k, LayerKind::Mlp { .. })) && !sh.mlp_hidden_on_tp)
+        || (has(|k| matches!(k, LayerKind::Embedding { .. })) && !sh.vocab_on_tp);
+    if unsharded {
+        return Some("tp on a model that does not shard its layers on tp");
+    }
+    if sh.vocab_on_tp && !spec.model.vocab.is_multiple_of(t) {
         return Some("tp does not divide the vocabulary");
     }
     for node in &spec.model.nodes {
@@ -164,6 +193,52 @@ fn tp_divides(spec: &Spec, tp: u32) -> Option<&'static str> {
     None
 }
 
+/// Why cp cannot split the sequence (E0412, E0406), or sequence parallelism the tokens of each
+/// cp rank (E0410; the search runs SP with every tp > 1).
+fn sequence_rule(spec: &Spec, cp: u32, tp: u32) -> Option<&'static str> {
+    let seq = spec.model.seq;
+    let causal = spec
+        .model
+        .nodes
+        .iter()
+        .any(|n| matches!(n.kind, LayerKind::Attention { causal: true, .. }));
+    if cp > 1 && !spec.model.sharding.seq_on_cp {
+        return Some("cp on a model that does not shard its sequence");
+    }
+    let cp = u64::from(cp);
+    if cp > 1 && causal && !seq.is_multiple_of(2 * cp) {
+        return Some(
+            "2·cp does not divide the sequence (causal attention gives each cp rank two chunks)",
+        );
+    }
+    if cp > 1 && !seq.is_multiple_of(cp) {
+        return Some("cp does not divide the sequence");
+    }
+    if tp > 1 && !(seq / cp.max(1)).is_multiple_of(u64::from(tp)) {
+        return Some("tp does not divide each cp rank's tokens (sequence parallelism)");
+    }
+    None
+}
+
+/// Why the mesh `[dp, pp, cp, tp]` cannot be, by arithmetic alone (a tp or cp group must fit in
+/// a node as E0601 places it: with tp innermost, tp and cp × tp dividing the node's GPUs, unless
+/// the spec lets that axis span nodes with `cross_node`).
+fn mesh_rule(spec: &Spec, [dp, pp, cp, tp]: [u32; 4], gpus_per_node: u32) -> Option<&'static str> {
+    let allowed = |axis: Axis| spec.parallel.cross_node.contains(&axis);
+    let fits = |ranks: u32, axis: Axis| gpus_per_node.is_multiple_of(ranks) || allowed(axis);
+    if !fits(tp, Axis::Tp) {
+        Some("tp groups do not fit in a node")
+    } else if cp > 1 && !fits(cp * tp, Axis::Cp) {
+        Some("cp × tp groups do not fit in a node")
+    } else if !spec.model.layers.max(1).is_multiple_of(pp) {
+        Some("pp does not divide the layers")
+    } else if !spec.train.global_batch.is_multiple_of(u64::from(dp)) {
+        Some("dp does not divide the global batch")
+    } else {
+        tp_rule(spec, tp).or_else(|| sequence_rule(spec, cp, tp))
+    }
+}
+
 /// The schedules a pipeline of `pp` stages may run for `layers` repeated layers.
 fn schedules(pp: u32, layers: u32) -> Vec<PipelineSchedule> {
     if pp == 1 {
@@ -178,39 +253,58 @@ fn schedules(pp: u32, layers: u32) -> Vec<PipelineSchedule> {
     out
 }
 
+/// The power-of-two micro batches (≤ 64) dividing `per_dp` sequences.
+fn micro_batches(per_dp: u64) -> impl Iterator<Item = u64> {
+    (0..7)
+        .map(|k| 1u64 << k)
+        .filter(move |b| per_dp.is_multiple_of(*b))
+}
+
+/// The plans of one (mesh, schedule, micro batch) ruled out: its ZeRO stages × recomputes
+/// (an `auto` balance is a plan of its own only where it splits the layers unevenly, which
+/// only the cost model knows: `search::estimate`).
+fn variants(dp: u32, cp: u32) -> u64 {
+    zero_stages(dp * cp).len() as u64 * 3
+}
+
+/// The plans a mesh gives: its schedules × micro batches × [`variants`] (for a dp that does
+/// not divide the global batch, the micro batches dividing the global batch).
+fn plans_of_mesh(spec: &Spec, [dp, pp, cp, _]: [u32; 4]) -> u64 {
+    let global = spec.train.global_batch;
+    let per_dp = match global.checked_div(u64::from(dp)) {
+        Some(q) if q * u64::from(dp) == global => q,
+        _ => global,
+    };
+    let schedules = schedules(pp, spec.model.layers.max(1)).len() as u64;
+    schedules * micro_batches(per_dp).count() as u64 * variants(dp, cp)
+}
+
 /// The space of `spec` (checked) on `gpus` GPUs of `gpus_per_node` each.
 pub fn space(spec: &Spec, gpus: u32, gpus_per_node: u32) -> Space {
     let mut rejected = Vec::new();
     let mut candidates = Vec::new();
     let global = spec.train.global_batch;
     let layers = spec.model.layers.max(1);
-    for [dp, pp, cp, tp] in meshes(gpus) {
-        let rule = if tp > gpus_per_node {
-            Some("tp spans more than one node")
-        } else if cp * tp > gpus_per_node && cp > 1 {
-            Some("cp × tp spans more than one node")
-        } else if cp > 1 && !spec.model.sharding.seq_on_cp {
-            Some("cp on a model that does not shard its sequence")
-        } else if !layers.is_multiple_of(pp) {
-            Some("pp does not divide the layers")
-        } else if !global.is_multiple_of(u64::from(dp)) {
-            Some("dp does not divide the global batch")
-        } else {
-            tp_divides(spec, tp)
-        };
-        if let Some(rule) = rule {
-            reject(&mut rejected, rule);
+    for mesh in meshes(gpus) {
+        if let Some(rule) = mesh_rule(spec, mesh, gpus_per_node) {
+            reject(&mut rejected, rule, plans_of_mesh(spec, mesh));
             continue;
         }
+        let [dp, pp, cp, tp] = mesh;
         let per_dp = global / u64::from(dp);
         for schedule in schedules(pp, layers) {
-            for micro_batch in (0..7)
-                .map(|k| 1u64 << k)
-                .filter(|b| per_dp.is_multiple_of(*b))
-            {
+            for micro_batch in micro_batches(per_dp) {
                 let microbatches = (per_dp / micro_batch).min(u64::from(u32::MAX)) as u32;
-                if pp > 1 && microbatches < pp {
-                    reject(&mut rejected, "fewer microbatches than pipeline stages");
+                let interleaved = matches!(schedule, PipelineSchedule::Interleaved { .. });
+                let rule = if pp > 1 && microbatches < pp {
+                    Some("fewer microbatches than pipeline stages")
+                } else if interleaved && !microbatches.is_multiple_of(pp) {
+                    Some("interleaved with microbatches not a multiple of pp")
+                } else {
+                    None
+                };
+                if let Some(rule) = rule {
+                    reject(&mut rejected, rule, variants(dp, cp));
                     continue;
                 }
                 let balances: &[Balance] = if pp > 1 {
