@@ -298,36 +298,8 @@ def parity_main(argv):
         opt_args["fused"] = True
     opt = torch.optim.AdamW([dict(params=decay, weight_decay=spec.weight_decay),
                              dict(params=rest, weight_decay=0.0)], **opt_args)
-    params = decay + rest
-    mb = a.micro_batch or G
-    out = open(a.out, "w") if a.out else None
-    started = time.perf_counter()
-    for k in range(steps):
-        offsets = torch.tensor(batches[k + 1], dtype=torch.int64)
-        seqs = tokens[offsets[:, None] + torch.arange(T + 1)[None, :]]
-        x, y = seqs[:, :-1].contiguous().to(dev), seqs[:, 1:].contiguous().to(dev)
-        lr = gpt.lr_at(k, a.lr, a.schedule, a.warmup, a.min_lr, decay_steps)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        total = torch.zeros((), device=dev, dtype=torch.float32)
-        for i in range(0, x.shape[0], mb):
-            with torch.autocast(a.device, dtype=torch.bfloat16, enabled=(a.precision == "bf16")):
-                loss = model(x[i:i + mb], y[i:i + mb], reduction="sum") / (G * T)
-            loss.backward()
-            total += loss.detach()
-        if spec.max_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(params, spec.max_norm)
-        else:
-            norm = torch.linalg.vector_norm(torch.stack([q.grad.norm() for q in params]))
-        opt.step(); opt.zero_grad(set_to_none=True)
-        line = json.dumps(dict(event="step", step=k + 1, loss=float(total), lr=lr, grad_norm=float(norm),
-                               tokens=G * T, elapsed_s=round(time.perf_counter() - started, 3)))
-        print(line, flush=True)
-        if out:
-            out.write(line + "\n"); out.flush()
-    if out:
-        out.close()
-
+    gpt.train_steps(model, decay + rest, opt, spec.max_norm, a, batches, tokens, (T, G), steps,
+                    decay_steps)
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["parity"]:

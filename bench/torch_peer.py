@@ -311,13 +311,20 @@ def parity_main(argv):
         opt_args["fused"] = True
     opt = torch.optim.AdamW(decay_groups(model, spec, spec.weight_decay), **opt_args)
     params = [p for p in model.parameters()]
+    train_steps(model, params, opt, spec.max_norm, a, batches, tokens, (T, G), steps, decay_steps)
+
+def train_steps(model, params, opt, max_norm, a, batches, tokens, shape, steps, decay_steps):
+    """The parity run's steps (both peers): each step's batch from the log, the schedule's lr,
+    micro batches of `a.micro_batch` summed into the mean over the global batch, clipping, one
+    AdamW update, and one JSON line (to stdout and `a.out`)."""
+    T, G = shape
+    dev = next(model.parameters()).device
     mb = a.micro_batch or G
     out = open(a.out, "w") if a.out else None
     started = time.perf_counter()
     for k in range(steps):
         offsets = torch.tensor(batches[k + 1], dtype=torch.int64)
-        window = offsets[:, None] + torch.arange(T + 1)[None, :]
-        seqs = tokens[window]
+        seqs = tokens[offsets[:, None] + torch.arange(T + 1)[None, :]]
         x, y = seqs[:, :-1].contiguous().to(dev), seqs[:, 1:].contiguous().to(dev)
         lr = lr_at(k, a.lr, a.schedule, a.warmup, a.min_lr, decay_steps)
         for g in opt.param_groups:
@@ -328,8 +335,8 @@ def parity_main(argv):
                 loss = model(x[i:i + mb], y[i:i + mb], reduction="sum") / (G * T)
             loss.backward()
             total += loss.detach()
-        if spec.max_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(params, spec.max_norm)
+        if max_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         else:
             norm = torch.linalg.vector_norm(torch.stack([q.grad.norm() for q in params]))
         opt.step(); opt.zero_grad(set_to_none=True)

@@ -6,6 +6,8 @@
 mod classes;
 #[path = "ir/cli.rs"]
 mod cli;
+#[path = "cli_support/mod.rs"]
+mod cli_support;
 #[path = "ir/fixtures.rs"]
 mod fixtures;
 #[path = "ir/golden.rs"]

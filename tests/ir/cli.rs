@@ -16,21 +16,6 @@ fn plan(args: &[&str]) -> (i32, String, String) {
     )
 }
 
-/// A line of shell words split as a shell does (single quotes only: the search's flags).
-fn shell_words(line: &str) -> Vec<String> {
-    let mut words = vec![String::new()];
-    let mut quoted = false;
-    for c in line.chars() {
-        match c {
-            '\'' => quoted = !quoted,
-            c if c.is_whitespace() && !quoted => words.push(String::new()),
-            c => words.last_mut().unwrap().push(c),
-        }
-    }
-    words.retain(|w| !w.is_empty());
-    words
-}
-
 const TP2: [&str; 4] = ["--set", "parallel.tp=2", "--set", "cluster.gpus_per_node=2"];
 
 #[test]
@@ -141,7 +126,7 @@ fn search_ranks_plans_whose_flags_check_clean() {
         .skip_while(|l| !l.starts_with("the fastest as flags"))
         .nth(1)
         .unwrap_or_else(|| panic!("{out}"));
-    let flags = shell_words(flags);
+    let flags = crate::cli_support::shell_words(flags);
     assert!(
         flags.iter().any(|f| f.starts_with("parallel.mesh={")),
         "{flags:?}"
