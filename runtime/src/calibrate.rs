@@ -12,7 +12,8 @@
 //! attention's backward gets the forward's output and log-sum-exp. It runs the op once to warm
 //! up, then takes the median of
 //! `reps` samples, each the mean of enough back-to-back runs to last about a millisecond
-//! between [`Backend::synchronize`] calls, and frees the buffers.
+//! between [`Backend::synchronize`] calls, and frees the buffers. The GEMM table fills one
+//! shape's inputs once for all its epilogue variants (filling, not timing, is most of its time).
 use crate::backend::{Backend, StepScalars};
 use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::fp8::{Fp8Format, Fp8Gemm, Fp8Scaling};
@@ -25,6 +26,7 @@ use parc_compiler::timeline::profile::{
     precision_name, AttentionPoint, GemmDtype, GemmEpilogue, GemmLayout, GemmPoint, MemoryKind,
     MemoryPoint, Pass, Profile, VERSION,
 };
+use std::collections::HashMap;
 use std::time::Instant;
 
 /// What to measure on.
@@ -119,6 +121,7 @@ pub fn calibrate(
         reps: grid.reps,
         next: 0,
         pattern: Vec::new(),
+        shared: None,
     };
     progress("measuring launch overhead");
     let overhead = bench.time(&Op::Scale { factor: 0.5 }, 1, 1)?.0;
@@ -186,7 +189,14 @@ struct Bench<'a> {
     /// The values inputs are filled with, grown to the largest input so far (generating
     /// gigabytes of them per point would take longer than timing the op).
     pattern: Vec<f32>,
+    /// Inputs kept filled across the ops timed on them, by role, shape and dtype (one GEMM shape's
+    /// epilogue variants read the same x, W and dy: filling them once saves most of the GEMM
+    /// table's time); `None` outside such a run.
+    shared: Option<HashMap<SharedKey, (BufferId, f64)>>,
 }
+
+/// A shared input: its operand's role, its shape and dtype.
+type SharedKey = (&'static str, Vec<u64>, DType);
 
 const SCALARS: StepScalars = StepScalars {
     lr: 1e-4,
@@ -202,6 +212,7 @@ impl Bench<'_> {
         let dtype = GemmDtype::storage(self.half);
         let mut points = Vec::new();
         for [m, n, k] in gemm_shapes(grid) {
+            self.shared = Some(HashMap::new());
             for (layout, epilogue, op) in gemm_ops(n, k, true) {
                 let seconds = self.time(&op, m, m)?.0;
                 points.push(GemmPoint {
@@ -216,6 +227,7 @@ impl Bench<'_> {
                     seconds,
                 });
             }
+            self.free_shared()?;
         }
         Ok(points)
     }
@@ -342,9 +354,7 @@ impl Bench<'_> {
         let mut inputs = Vec::new();
         let mut input_bytes = Vec::new();
         for operand in signature.inputs.iter() {
-            let (id, bytes) = self.alloc(operand, n, m)?;
-            self.fill(id, operand, n, m)?;
-            allocated.push(id);
+            let (id, bytes) = self.input(operand, n, m, allocated)?;
             inputs.push(id);
             input_bytes.push(bytes);
         }
@@ -396,16 +406,59 @@ impl Bench<'_> {
         Ok(samples.get(samples.len() / 2).copied().unwrap_or(once))
     }
 
-    /// A buffer for `operand` at `n` rows (`m` key/value rows), and its bytes as the timeline
-    /// counts them (f32 at the run's precision, bf16 2, i32 4).
-    fn alloc(&mut self, operand: &Operand, n: u64, m: u64) -> Result<(BufferId, f64)> {
-        let shape = operand_shape(operand, n, m);
-        let (dtype, bytes) = match operand.class {
+    /// An input buffer for `operand`, filled: a shared one of its role, shape and dtype when
+    /// inputs are shared (an input is only read; no two operands of an op share one), else a
+    /// new one listed in `allocated`.
+    fn input(
+        &mut self,
+        operand: &Operand,
+        n: u64,
+        m: u64,
+        allocated: &mut Vec<BufferId>,
+    ) -> Result<(BufferId, f64)> {
+        let key = (
+            operand.role,
+            operand_shape(operand, n, m),
+            self.storage(operand).0,
+        );
+        if let Some(&found) = self.shared.as_ref().and_then(|s| s.get(&key)) {
+            return Ok(found);
+        }
+        let (id, bytes) = self.alloc(operand, n, m)?;
+        self.fill(id, operand, n, m)?;
+        match self.shared.as_mut() {
+            Some(shared) => {
+                shared.insert(key, (id, bytes));
+            }
+            None => allocated.push(id),
+        }
+        Ok((id, bytes))
+    }
+
+    /// Free the shared inputs and stop sharing.
+    fn free_shared(&mut self) -> Result<()> {
+        for (id, _) in self.shared.take().into_iter().flat_map(|s| s.into_values()) {
+            self.backend.free(id)?;
+        }
+        Ok(())
+    }
+
+    /// The dtype `operand` is stored in and the bytes an element counts as in the timeline
+    /// (f32 at the run's precision, bf16 2, i32 4).
+    fn storage(&self, operand: &Operand) -> (DType, u64) {
+        match operand.class {
             StorageClass::Tokens => (DType::I32, 4),
             StorageClass::Fp32 => (DType::F32, if self.half { 2 } else { 4 }),
             StorageClass::Float if self.half && self.backend.stores_bf16() => (DType::Bf16, 2),
             StorageClass::Float => (DType::F32, if self.half { 2 } else { 4 }),
-        };
+        }
+    }
+
+    /// A buffer for `operand` at `n` rows (`m` key/value rows), and its bytes as the timeline
+    /// counts them ([`Bench::storage`]).
+    fn alloc(&mut self, operand: &Operand, n: u64, m: u64) -> Result<(BufferId, f64)> {
+        let shape = operand_shape(operand, n, m);
+        let (dtype, bytes) = self.storage(operand);
         let id = BufferId(self.next);
         self.next += 1;
         self.backend.alloc(id, &shape, dtype)?;
