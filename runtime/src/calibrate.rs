@@ -127,7 +127,7 @@ pub fn calibrate(
     let overhead = bench.time(&Op::Scale { factor: 0.5 }, 1, 1)?.0;
     let started = Instant::now();
     progress("measuring gemm");
-    let gemm = bench.gemms(&grid)?;
+    let (gemm, gemm_note) = bench.gemms(&grid)?;
     progress(&table_done("gemm", gemm.len(), &started));
     progress("measuring attention");
     let attention = bench.attention(&grid)?;
@@ -139,6 +139,7 @@ pub fn calibrate(
     // tables measured before it.
     let mut notes =
         vec!["collectives not measured: the timeline prices them with the spec's links".into()];
+    notes.extend(gemm_note);
     let mut gemm = gemm;
     let fp8: &[Fp8Scaling] = if bench.half { &settings.fp8 } else { &[] };
     for &scaling in fp8 {
@@ -208,13 +209,24 @@ const SCALARS: StepScalars = StepScalars {
 const SAMPLE_SECONDS: f64 = 1e-3;
 
 impl Bench<'_> {
-    fn gemms(&mut self, grid: &Grid) -> Result<Vec<GemmPoint>> {
+    /// The GEMM grid's points, each shape with every epilogue, and a note naming the epilogue
+    /// points the backend failed on (left out: the nearest measured epilogue prices them); a
+    /// plain GEMM that fails fails the profile.
+    fn gemms(&mut self, grid: &Grid) -> Result<(Vec<GemmPoint>, Option<String>)> {
         let dtype = GemmDtype::storage(self.half);
         let mut points = Vec::new();
+        let mut failed = Vec::new();
         for [m, n, k] in gemm_shapes(grid) {
             self.shared = Some(HashMap::new());
             for (layout, epilogue, op) in gemm_ops(n, k, true) {
-                let seconds = self.time(&op, m, m)?.0;
+                let seconds = match self.time(&op, m, m) {
+                    Ok((seconds, _)) => seconds,
+                    Err(e) if epilogue != GemmEpilogue::PLAIN => {
+                        failed.push(format!("{layout:?} {epilogue:?} {m}×{n}×{k} ({e})"));
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                };
                 points.push(GemmPoint {
                     layout,
                     m,
@@ -229,7 +241,14 @@ impl Bench<'_> {
             }
             self.free_shared()?;
         }
-        Ok(points)
+        let note = failed.first().map(|first| {
+            format!(
+                "{} GEMM points with an epilogue not measured, the backend failed on them (the \
+                 nearest measured epilogue prices them); the first: {first}",
+                failed.len()
+            )
+        });
+        Ok((points, note))
     }
 
     /// The GEMM grid's points in FP8 under `scaling` (bf16 activations quantized by the op),
