@@ -122,10 +122,14 @@ fn run(args: &CalibrateArgs) -> Result<(), (u8, String)> {
         if args.quick { ", quick grid" } else { "" }
     );
     let started = std::time::Instant::now();
-    let profile = calibrate(backend.as_mut(), &settings, &mut |what| {
+    let mut profile = calibrate(backend.as_mut(), &settings, &mut |what| {
         eprintln!("  {what}")
     })
     .map_err(|e| (1, format!("calibration failed: {e}")))?;
+    if args.backend == CalibrateBackend::Cuda && !args.quick {
+        drop(backend);
+        add_collectives(&mut profile);
+    }
     let json = serde_json::to_string_pretty(&profile)
         .map_err(|e| (1, format!("cannot encode the profile: {e}")))?;
     if let Some(folder) = output.parent().filter(|p| !p.as_os_str().is_empty()) {
@@ -135,15 +139,35 @@ fn run(args: &CalibrateArgs) -> Result<(), (u8, String)> {
     std::fs::write(&output, json + "\n")
         .map_err(|e| usage(format!("cannot write {}: {e}", output.display())))?;
     eprintln!(
-        "wrote {} ({} gemm, {} attention, {} memory points) in {:.1} s",
+        "wrote {} ({} gemm, {} attention, {} memory, {} collective points) in {:.1} s",
         output.display(),
         profile.gemm.len(),
         profile.attention.len(),
         profile.memory.len(),
+        profile.collectives.len(),
         started.elapsed().as_secs_f64()
     );
     Ok(())
 }
+
+/// The collective table where several GPUs are visible (`calibrate_nccl`); a failure is a note
+/// in the profile, which stands without it (the link model prices collectives then).
+#[cfg(feature = "cuda")]
+fn add_collectives(profile: &mut parc_compiler::timeline::profile::Profile) {
+    match crate::calibrate_nccl::measure(&mut |what| eprintln!("  {what}")) {
+        Ok(points) if points.is_empty() => {}
+        Ok(points) => {
+            profile
+                .notes
+                .retain(|n| !n.starts_with("collectives not measured"));
+            profile.collectives = points;
+        }
+        Err(e) => profile.notes.push(format!("collectives not measured: {e}")),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn add_collectives(_profile: &mut parc_compiler::timeline::profile::Profile) {}
 
 type Opened = (
     Box<dyn parc_runtime::backend::Backend>,
@@ -170,7 +194,13 @@ fn open_cuda(precision: Precision) -> Result<Opened, String> {
     let backend = parc_runtime::cuda::CudaBackend::with_precision(0, precision)
         .map_err(|e| format!("cannot open GPU 0: {e}"))?;
     let device = backend.device_name().map_err(|e| e.to_string())?;
-    let detected = device.contains("H200").then(|| "h200".to_string());
+    let detected = if device.contains("H200") {
+        Some("h200".to_string())
+    } else if device.contains("H100") && device.contains("80GB") {
+        Some("h100_80gb".to_string())
+    } else {
+        None
+    };
     Ok((Box::new(backend), device, detected))
 }
 

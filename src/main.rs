@@ -2,6 +2,8 @@
 //! Exit codes: 0 success (warnings allowed), 1 the spec or the run failed, 2 usage or unreadable
 //! input.
 
+#[cfg(feature = "cuda")]
+mod calibrate_nccl;
 mod calibration;
 mod cmd_calibrate;
 mod cmd_check;
