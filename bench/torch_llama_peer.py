@@ -241,40 +241,12 @@ class LlamaPlan:
 
 def parity_main(argv):
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    import torch_peer as gpt  # its schedule, file readers and flags
-    p = argparse.ArgumentParser(prog="torch_llama_peer.py parity")
-    p.add_argument("--plan", required=True); p.add_argument("--init", required=True)
-    p.add_argument("--batches", required=True); p.add_argument("--data", required=True)
-    p.add_argument("--format", required=True, choices=["bytes", "u16", "u32"])
-    p.add_argument("--lr", type=float, required=True)
-    p.add_argument("--schedule", default="cosine", choices=["cosine", "linear", "constant"])
-    p.add_argument("--warmup", type=int, default=0); p.add_argument("--min-lr", type=float, default=0.0)
-    p.add_argument("--decay-steps", type=int, help="default: the number of steps in the batch log")
-    p.add_argument("--steps", type=int, help="default: every step in the batch log")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--micro-batch", type=int, help="sequences per forward/backward (default: the global batch)")
-    p.add_argument("--out", help="also write the JSON lines to this file")
-    a = p.parse_args(argv)
-
+    import torch_peer as gpt  # its flags, file readers, optimizer and training loop
+    a = gpt.parity_args("torch_llama_peer.py parity", argv)
     with open(a.plan) as f:
         spec = LlamaPlan(json.load(f))
-    header, batches = gpt.read_batches(a.batches)
-    T, G = header["seq"], header["global_batch"]
-    steps = a.steps or len(batches)
-    decay_steps = a.decay_steps if a.decay_steps is not None else len(batches)
-    missing = [k for k in range(1, steps + 1) if k not in batches]
-    if missing:
-        sys.exit(f"the batch log has no step {missing[0]}; it covers {len(batches)} steps")
-    tokens = gpt.read_tokens(a.data, a.format)
-    if int(tokens.max()) >= spec.vocab:
-        sys.exit(f"{a.data}: token {int(tokens.max())} is not below the model's vocab {spec.vocab}")
-
-    torch.manual_seed(0)
-    dev = torch.device(a.device)
-    if a.device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+    batches, tokens, (T, G), steps, decay_steps = gpt.parity_data(a, spec.vocab)
+    dev = gpt.parity_device(a)
     model = Llama(spec.vocab, T, spec.d, spec.layers, spec.heads, spec.kv_heads, spec.ffn,
                   spec.theta, spec.qkv_bias, spec.tied, spec.eps)
     init = gpt.read_safetensors(a.init)
@@ -293,11 +265,8 @@ def parity_main(argv):
     decay = [dst for dst, n in pairs if spec.params[n]["decay"]]
     rest = [dst for dst, n in pairs if not spec.params[n]["decay"]]
     model.to(dev)
-    opt_args = dict(lr=a.lr, betas=spec.betas, eps=spec.adam_eps)
-    if a.device == "cuda":
-        opt_args["fused"] = True
-    opt = torch.optim.AdamW([dict(params=decay, weight_decay=spec.weight_decay),
-                             dict(params=rest, weight_decay=0.0)], **opt_args)
+    opt = gpt.parity_adamw([dict(params=decay, weight_decay=spec.weight_decay),
+                            dict(params=rest, weight_decay=0.0)], a, spec)
     gpt.train_steps(model, decay + rest, opt, spec.max_norm, a, batches, tokens, (T, G), steps,
                     decay_steps)
 

@@ -267,8 +267,9 @@ def read_batches(path):
     return lines[0], {l["step"]: l["offsets"] for l in lines[1:]}
 
 
-def parity_main(argv):
-    p = argparse.ArgumentParser(prog="torch_peer.py parity")
+def parity_args(prog, argv):
+    """The parity flags both peers take (see the module docstring)."""
+    p = argparse.ArgumentParser(prog=prog)
     p.add_argument("--plan", required=True); p.add_argument("--init", required=True)
     p.add_argument("--batches", required=True); p.add_argument("--data", required=True)
     p.add_argument("--format", required=True, choices=["bytes", "u16", "u32"])
@@ -281,37 +282,57 @@ def parity_main(argv):
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--micro-batch", type=int, help="sequences per forward/backward (default: the global batch)")
     p.add_argument("--out", help="also write the JSON lines to this file")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    with open(a.plan) as f:
-        spec = SpecModel(json.load(f))
+
+def parity_data(a, vocab, seq=None):
+    """The batch log and the tokens, checked against the model (its `vocab`, and its `seq` where
+    the model fixes one): (batches, tokens, (T, G), steps, decay_steps)."""
     header, batches = read_batches(a.batches)
     T, G = header["seq"], header["global_batch"]
-    if T != spec.seq:
-        sys.exit(f"the batch log has seq {T} but the plan's model has seq {spec.seq}: use files of one run")
+    if seq is not None and T != seq:
+        sys.exit(f"the batch log has seq {T} but the plan's model has seq {seq}: use files of one run")
     steps = a.steps or len(batches)
     decay_steps = a.decay_steps if a.decay_steps is not None else len(batches)
     missing = [k for k in range(1, steps + 1) if k not in batches]
     if missing:
         sys.exit(f"the batch log has no step {missing[0]}; it covers {len(batches)} steps")
     tokens = read_tokens(a.data, a.format)
-    if int(tokens.max()) >= spec.vocab:
-        sys.exit(f"{a.data}: token {int(tokens.max())} is not below the model's vocab {spec.vocab}")
+    if int(tokens.max()) >= vocab:
+        sys.exit(f"{a.data}: token {int(tokens.max())} is not below the model's vocab {vocab}")
+    return batches, tokens, (T, G), steps, decay_steps
 
+
+def parity_device(a):
+    """The run's device, seeded, with TF32 off (fp32 means fp32; bf16 comes from autocast)."""
     torch.manual_seed(0)
-    dev = torch.device(a.device)
     if a.device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32; bf16 comes from autocast
+        torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    model = GPT(spec.vocab, spec.seq, spec.layers, spec.d, spec.heads, eps=spec.eps, scale=spec.scale, ffn=spec.ffn)
-    load_parc_weights(model, spec, read_safetensors(a.init))
-    model.to(dev)
+    return torch.device(a.device)
+
+
+def parity_adamw(groups, a, spec):
+    """AdamW over `groups` with the plan's betas and eps (fused on CUDA)."""
     opt_args = dict(lr=a.lr, betas=spec.betas, eps=spec.adam_eps)
     if a.device == "cuda":
         opt_args["fused"] = True
-    opt = torch.optim.AdamW(decay_groups(model, spec, spec.weight_decay), **opt_args)
+    return torch.optim.AdamW(groups, **opt_args)
+
+
+def parity_main(argv):
+    a = parity_args("torch_peer.py parity", argv)
+    with open(a.plan) as f:
+        spec = SpecModel(json.load(f))
+    batches, tokens, shape, steps, decay_steps = parity_data(a, spec.vocab, spec.seq)
+    dev = parity_device(a)
+    model = GPT(spec.vocab, spec.seq, spec.layers, spec.d, spec.heads, eps=spec.eps, scale=spec.scale, ffn=spec.ffn)
+    load_parc_weights(model, spec, read_safetensors(a.init))
+    model.to(dev)
+    opt = parity_adamw(decay_groups(model, spec, spec.weight_decay), a, spec)
     params = [p for p in model.parameters()]
-    train_steps(model, params, opt, spec.max_norm, a, batches, tokens, (T, G), steps, decay_steps)
+    train_steps(model, params, opt, spec.max_norm, a, batches, tokens, shape, steps, decay_steps)
+
 
 def train_steps(model, params, opt, max_norm, a, batches, tokens, shape, steps, decay_steps):
     """The parity run's steps (both peers): each step's batch from the log, the schedule's lr,
