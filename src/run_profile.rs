@@ -8,9 +8,7 @@ use crate::calibration::CalibrationArgs;
 use parc_compiler::ir::Plan;
 use parc_compiler::spec::{Gpu, Spec};
 use parc_compiler::timeline::{self, ProfileCosts, SpecCosts, StepCosts};
-use parc_runtime::exec::profile::{
-    predicted_compute, predicted_ops, KindTotals, OpKind, OpTotals, StepProfile,
-};
+use parc_runtime::exec::profile::{predicted_ops, KindTotals, OpKind, OpTotals, StepProfile};
 use serde_json::{json, Value};
 
 /// The profiled step and the timeline's prediction of it.
@@ -26,21 +24,25 @@ pub struct Profiled<'a> {
 pub struct Prediction {
     /// The simulated step (all ranks, communication and bubble included).
     pub step_seconds: f64,
-    /// Each kind's compute time on the profiled rank.
-    pub kinds: Vec<(OpKind, f64)>,
-    /// Each op's (`profile::op_label`) compute time on the profiled rank.
-    pub ops: Vec<(String, f64)>,
+    /// Each op's (`profile::op_label`) kind and compute time on the profiled rank.
+    pub ops: Vec<(String, OpKind, f64)>,
     /// What priced it: the calibration profile's file, or the GPU's peak numbers.
     pub pricing: String,
 }
 
 impl Prediction {
+    /// A kind's compute time: the sum of its ops' (None without any).
     fn of(&self, kind: OpKind) -> Option<f64> {
-        self.kinds.iter().find(|(k, _)| *k == kind).map(|(_, s)| *s)
+        let mut of_kind = self.ops.iter().filter(|(_, k, _)| *k == kind).peekable();
+        of_kind.peek()?;
+        Some(of_kind.map(|(_, _, s)| s).sum())
     }
 
     fn of_op(&self, label: &str) -> Option<f64> {
-        self.ops.iter().find(|(l, _)| l == label).map(|(_, s)| *s)
+        self.ops
+            .iter()
+            .find(|(l, _, _)| l == label)
+            .map(|(_, _, s)| *s)
     }
 }
 
@@ -86,7 +88,6 @@ fn predict(
     };
     Ok(Prediction {
         step_seconds: simulated.step_seconds,
-        kinds: predicted_compute(program, costs.as_ref()),
         ops: predicted_ops(program, costs.as_ref()),
         pricing,
     })
@@ -356,8 +357,7 @@ mod tests {
                 gpu: g,
                 predicted: Some(Prediction {
                     step_seconds: 0.02,
-                    kinds: vec![(OpKind::MatmulFwd, 0.005)],
-                    ops: vec![("matmul+bias".to_string(), 0.005)],
+                    ops: vec![("matmul+bias".to_string(), OpKind::MatmulFwd, 0.005)],
                     pricing: "a test".to_string(),
                 }),
                 unpriced: None,

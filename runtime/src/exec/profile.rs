@@ -195,21 +195,6 @@ pub fn flops(op: &Op, first_input_numel: u64) -> Option<f64> {
     Some(op.flops(rows as f64, FlopCount::Executed))
 }
 
-/// The seconds `costs` (the timeline's pricing: the GPU's peak numbers or a calibration
-/// profile) gives each kind of `program`'s compute instructions, in [`OpKind::ALL`]'s order, the
-/// kinds with no compute instruction left out: what `parc check` predicts, beside what the
-/// profiled step measured.
-pub fn predicted_compute(program: &Program, costs: &dyn StepCosts) -> Vec<(OpKind, f64)> {
-    let mut seconds = HashMap::new();
-    for instr in program.instrs.iter().filter(|i| i.as_compute().is_some()) {
-        *seconds.entry(classify(instr)).or_insert(0.0) += costs.compute(program, instr);
-    }
-    OpKind::ALL
-        .iter()
-        .filter_map(|k| seconds.get(k).map(|s| (*k, *s)))
-        .collect()
-}
-
 /// The name a compute instruction's work is listed under in the per-op table: its opcode's,
 /// with a GEMM's epilogue after it (`matmul+bias+gelu_tanh`, `matmul_bwd_weight+acc`, `+fp8`),
 /// a generated kernel's with what it replaces (`fused swi_glu`); None for other instructions.
@@ -260,18 +245,20 @@ pub fn op_label(instr: &Instr) -> Option<String> {
     Some(label)
 }
 
-/// The seconds `costs` gives `program`'s compute instructions under each [`op_label`], in
-/// the order the labels first appear.
-pub fn predicted_ops(program: &Program, costs: &dyn StepCosts) -> Vec<(String, f64)> {
-    let mut seconds: Vec<(String, f64)> = Vec::new();
+/// The seconds `costs` (the timeline's pricing: the GPU's peak numbers or a calibration
+/// profile) gives `program`'s compute instructions under each [`op_label`], with the op's kind,
+/// in the order the labels first appear: what `parc check` predicts, beside what the profiled
+/// step measured (a kind's prediction is the sum of its ops').
+pub fn predicted_ops(program: &Program, costs: &dyn StepCosts) -> Vec<(String, OpKind, f64)> {
+    let mut seconds: Vec<(String, OpKind, f64)> = Vec::new();
     for instr in &program.instrs {
         let Some(label) = op_label(instr) else {
             continue;
         };
         let s = costs.compute(program, instr);
-        match seconds.iter_mut().find(|(l, _)| *l == label) {
-            Some((_, total)) => *total += s,
-            None => seconds.push((label, s)),
+        match seconds.iter_mut().find(|(l, _, _)| *l == label) {
+            Some((_, _, total)) => *total += s,
+            None => seconds.push((label, classify(instr), s)),
         }
     }
     seconds
