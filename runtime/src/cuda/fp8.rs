@@ -4,10 +4,12 @@
 //! scales, the product of the dequantized operands accumulated in f32.
 //!
 //! Per GEMM, for each operand (`kernels/fp8.cu`): the amax of every scale group
-//! (`fp8_amax`), the operand quantized into the FP8 scratch K-major, K padded with zeros to
-//! a multiple of 16 (of the block, blockwise), transposed where K runs along its rows
-//! (`fp8_quantize`), and its dequantization factors `1/s` in the layout of its cuBLASLt scale
-//! mode (`fp8_scales`). `memplan::fp8_gemm_scratch` lays the scratch out; `prepare` reserves
+//! (`fp8_amax`; `fp8_amax_one` for one group, tensorwise, in 16-byte vectors), the operand
+//! quantized into the FP8 scratch K-major, K padded with zeros to a multiple of 16 (of the
+//! block, blockwise): along its lines where K runs along its columns (`fp8_quantize_lines`),
+//! transposed through shared memory in 64 × 64 tiles where K runs along its rows
+//! (`fp8_quantize_cols`), and its dequantization factors `1/s` in the layout of its cuBLASLt
+//! scale mode (`fp8_scales`). `memplan::fp8_gemm_scratch` lays the scratch out; `prepare` reserves
 //! the program's largest. An operand whose scale groups span ranks takes its amaxes from the
 //! op's amax input instead (`Op::Fp8Amax` on each rank's piece, `fp8_amax` too, then the
 //! plan's NCCL all-reduce max over exactly the ranks sharing them), so its scales are the
@@ -46,6 +48,16 @@ const AMAX_THREADS: u64 = 256;
 const AMAX_PIECE: u64 = AMAX_THREADS * 16;
 /// The most blocks an `fp8_amax` launch takes (it loops over the rest).
 const AMAX_BLOCKS: u64 = 1 << 16;
+/// The most blocks an `fp8_amax_one` launch takes: a few waves of the largest GPUs, so each
+/// thread reduces many vectors before its block's one atomic.
+const AMAX_ONE_BLOCKS: u64 = 1024;
+/// Threads of an `fp8_quantize_lines` block (8 bytes of a line each) and of an
+/// `fp8_quantize_cols` block (a 64 × 64 tile), and the tile's side.
+const QUANT_LINE_VECS: u64 = 256;
+const QUANT_TILE: u64 = 64;
+/// The most lines (tiles along K) one quantize launch spans in its grid's y (it loops over
+/// the rest).
+const QUANT_GRID_Y: u64 = 65535;
 
 /// An operand's cuBLASLt scale mode, the `fp8_scales` layout code and its block (1 where it
 /// has none), for the GEMM of op `name`.
@@ -105,6 +117,19 @@ fn group_amax(
     if rows * cols == 0 {
         return Ok(());
     }
+    let threads = AMAX_THREADS as u32;
+    if groups == 1 {
+        // One group (tensorwise): the whole operand, read as 16-byte vectors.
+        let blocks = (rows * cols).div_ceil(AMAX_PIECE).clamp(1, AMAX_ONE_BLOCKS) as u32;
+        let args = [fv(buf), u(rows * cols), Arg::Ptr(out)];
+        return be.launch(
+            Kernel::Fp8AmaxOne,
+            (blocks, 1, 1),
+            (threads, 1, 1),
+            0,
+            &args,
+        );
+    }
     let pieces = (rb * cb).div_ceil(AMAX_PIECE);
     let items = groups * pieces;
     let blocks = items.clamp(1, AMAX_BLOCKS) as u32;
@@ -120,7 +145,6 @@ fn group_amax(
         u(items),
         Arg::Ptr(out),
     ];
-    let threads = AMAX_THREADS as u32;
     be.launch(Kernel::Fp8Amax, (blocks, 1, 1), (threads, 1, 1), 0, &args)
 }
 
@@ -192,20 +216,40 @@ fn quantize(
     let e5m2 = Arg::I32(i32::from(s.operand.format == Fp8Format::E5m2));
     let args = [
         fv(buf),
-        u(s.cols),
-        along_rows,
+        u(s.lines),
+        u(s.k),
+        u(s.ld),
         u(rb),
         u(cb),
         u(gpr),
+        Arg::I32(i32::from(s.groups == 1)),
         Arg::Ptr(amax),
         max,
         e5m2,
         Arg::Ptr(q),
-        u(s.lines),
-        u(s.k),
-        u(s.ld),
     ];
-    be.launch_n(Kernel::Fp8Quantize, (s.lines * s.ld) as usize, &args)?;
+    if s.lines > 0 && s.ld > 0 {
+        let (kernel, grid) = match s.operand.along {
+            // K along the columns: a block per 256 vectors of 8 of a line, lines along y.
+            Along::Cols => (
+                Kernel::Fp8QuantizeLines,
+                (
+                    s.ld.div_ceil(8 * QUANT_LINE_VECS),
+                    s.lines.min(QUANT_GRID_Y),
+                ),
+            ),
+            // K along the rows: 64 × 64 tiles, transposed through shared memory.
+            Along::Rows => (
+                Kernel::Fp8QuantizeCols,
+                (
+                    s.lines.div_ceil(QUANT_TILE),
+                    s.ld.div_ceil(QUANT_TILE).min(QUANT_GRID_Y),
+                ),
+            ),
+        };
+        let grid = (grid.0 as u32, grid.1 as u32, 1);
+        be.launch(kernel, grid, (QUANT_LINE_VECS as u32, 1, 1), 0, &args)?;
+    }
     let args = [
         Arg::Ptr(amax),
         max,

@@ -158,7 +158,9 @@ kernels! {
     CrossEntropyLossSum "cross_entropy_loss_sum",
     // kernels/fp8.cu
     Fp8Amax "fp8_amax",
-    Fp8Quantize "fp8_quantize",
+    Fp8AmaxOne "fp8_amax_one",
+    Fp8QuantizeLines "fp8_quantize_lines",
+    Fp8QuantizeCols "fp8_quantize_cols",
     Fp8Scales "fp8_scales",
 }
 

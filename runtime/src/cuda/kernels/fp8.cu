@@ -5,9 +5,9 @@
 // - the scale of a group is 2^floor(log2(max / amax)) read from the exponent bits of the f32
 //   quotient (1 for a group of zeros), so scaling is exact;
 // - fp8(v * s) rounds to nearest-even and saturates to the largest finite value, the float8
-//   crate's conversion (NVIDIA's __nv_cvt_double_to_fp8 with __NV_SATFINITE), written out here
-//   because NVRTC compiles these kernels without cuda_fp8.h (and for compute_80, which has no
-//   FP8 conversion instruction);
+//   crate's conversion (NVIDIA's __nv_cvt_double_to_fp8 with __NV_SATFINITE): the conversion
+//   instruction (cvt.rn.satfinite) on sm_89 and later, written out (fp8_encode) for compute_80,
+//   which has none (NVRTC compiles these kernels without cuda_fp8.h);
 // - a non-finite element is written as FP8 NaN (0x7f in both formats), so the GEMM's output
 //   is non-finite where the emulation's is and the step's non-finite check still fires.
 //
@@ -107,25 +107,177 @@ extern "C" __global__ void fp8_amax(Fv x, long long rows, long long cols, long l
     }
 }
 
-// q[l * ldq + kk] = fp8(x(r, c) * s(group(r, c))) for kk < k, 0 in the padding, where (r, c) =
-// (l, kk) (along_rows = 0) or (kk, l) (along_rows = 1). maxv: the format's largest finite value.
-extern "C" __global__ void fp8_quantize(Fv x, long long cols, int along_rows, long long rb, long long cb,
-                                        long long gpr, const unsigned int* amax, float maxv, int e5m2,
-                                        unsigned char* q, long long lines, long long k, long long ldq) {
-    GRID_STRIDE(i, lines * ldq) {
-        long long l = i / ldq, kk = i % ldq;
-        if (kk >= k) {
-            q[i] = 0;
-            continue;
+// amax[0] = max(amax[0], largest finite |x[i]|, i < n): fp8_amax for an operand with one scale
+// group (tensorwise), reading 16-byte vectors where x is aligned (the tail and an unaligned x
+// one element at a time). Each thread keeps its running maximum over its grid-stride elements;
+// warps then blocks reduce it, and a block adds one atomic. Launch with FP8_THREADS threads.
+extern "C" __global__ void fp8_amax_one(Fv x, long long n, unsigned int* amax) {
+    __shared__ unsigned int best[FP8_THREADS / 32];
+    unsigned int m = 0;
+    long long n8 = vec_ok(x) ? n / 8 : 0;
+    GRID_STRIDE(j, n8) {
+        F8 f = ld8(x, j);
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            float v = fabsf(f.v[e]);
+            if (v <= 3.402823466e38f) m = max(m, __float_as_uint(v));
         }
-        long long r = along_rows ? kk : l, c = along_rows ? l : kk;
-        float v = ld(x, r * cols + c);
-        if (!isfinite(v)) {
-            q[i] = 0x7Fu;
-            continue;
+    }
+    GRID_STRIDE(t, n - 8 * n8) {
+        float v = fabsf(ld(x, 8 * n8 + t));
+        if (v <= 3.402823466e38f) m = max(m, __float_as_uint(v));
+    }
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if ((threadIdx.x & 31) == 0) best[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        m = threadIdx.x < FP8_THREADS / 32 ? best[threadIdx.x] : 0u;
+        for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if (threadIdx.x == 0 && m > 0u) atomicMax(amax, m);
+    }
+}
+
+// Two floats as FP8 (lo in the low byte): the conversion instruction on GPUs that have one
+// (sm_89 and later: round to nearest-even, saturating to the largest finite value, which is
+// fp8_encode's rounding), else fp8_encode. Callers replace non-finite inputs themselves.
+__device__ __forceinline__ unsigned int fp8_pair(float lo, float hi, int e5m2) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short r;
+    if (e5m2) asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    else asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return (unsigned int)fp8_encode(lo, e5m2) | ((unsigned int)fp8_encode(hi, e5m2) << 8);
+#endif
+}
+
+// How a quantize kernel finds an element's scale: the one scale of an operand with one group
+// (`single`: tensorwise, read once), else that of the rb x cb group of element (r, c) (32-bit
+// arithmetic: an operand's rows and columns each fit).
+struct Fp8Groups {
+    long long rb, cb, gpr;
+    const unsigned int* amax;
+    float maxv, single_scale;
+    bool single;
+};
+
+__device__ __forceinline__ Fp8Groups fp8_groups(long long rb, long long cb, long long gpr, int single, const unsigned int* amax, float maxv) {
+    Fp8Groups g;
+    g.rb = rb;
+    g.cb = cb;
+    g.gpr = gpr;
+    g.amax = amax;
+    g.maxv = maxv;
+    g.single = single != 0;
+    g.single_scale = g.single ? fp8_scale(amax[0], maxv) : 1.0f;
+    return g;
+}
+
+__device__ __forceinline__ float fp8_scale_at(const Fp8Groups& g, long long r, long long c) {
+    if (g.single) return g.single_scale;
+    long long group = (long long)((unsigned)r / (unsigned)g.rb) * g.gpr + (unsigned)c / (unsigned)g.cb;
+    return fp8_scale(g.amax[group], g.maxv);
+}
+
+// Eight values v[e] (scales s[e]) as eight FP8 bytes, v[e] past `valid` written as 0 (the K
+// padding) and a non-finite v[e] as FP8 NaN (0x7f).
+__device__ __forceinline__ uint2 fp8_pack8(const float (&v)[8], const float (&s)[8], int valid, int e5m2) {
+    unsigned int w[2] = {0u, 0u};
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+            int i = 4 * h + e;
+            unsigned int pair = fp8_pair(v[i] * s[i], v[i + 1] * s[i + 1], e5m2);
+            unsigned int lo = i < valid ? (isfinite(v[i]) ? (pair & 0xffu) : 0x7fu) : 0u;
+            unsigned int hi = i + 1 < valid ? (isfinite(v[i + 1]) ? (pair >> 8) : 0x7fu) : 0u;
+            w[h] |= (lo | (hi << 8)) << (8 * e);
         }
-        float s = fp8_scale(amax[fp8_group(r, c, rb, cb, gpr)], maxv);
-        q[i] = fp8_encode(v * s, e5m2);
+    }
+    return make_uint2(w[0], w[1]);
+}
+
+#define FP8_LINE_VECS 256
+
+// K along the columns (line l = row l of x, element kk = column kk; cols = k):
+// q[l * ldq + kk] = fp8(x(l, kk) · s), 0 for k <= kk < ldq (ldq a multiple of 8, q 8-byte
+// aligned). Thread t of block (bx, by) writes the 8 bytes kk = 8 (bx · 256 + t) .. + 8 of lines
+// by, by + gridDim.y, …, reading 16-byte vectors where x is aligned and k a multiple of 8. The
+// scale groups: rb x cb, gpr a row, `single` where there is one; maxv: the format's largest
+// finite value. Launch with FP8_LINE_VECS threads.
+extern "C" __global__ void fp8_quantize_lines(Fv x, long long lines, long long k, long long ldq, long long rb,
+                                              long long cb, long long gpr, int single, const unsigned int* amax,
+                                              float maxv, int e5m2, unsigned char* q) {
+    Fp8Groups g = fp8_groups(rb, cb, gpr, single, amax, maxv);
+    long long kk = 8 * (blockIdx.x * (long long)FP8_LINE_VECS + threadIdx.x);
+    if (kk >= ldq) return;
+    bool vec = vec_ok(x) && k % 8 == 0;
+    int valid = kk >= k ? 0 : (k - kk < 8 ? (int)(k - kk) : 8);
+    for (long long l = blockIdx.y; l < lines; l += gridDim.y) {
+        float v[8], s[8];
+        if (vec && valid == 8) {
+            F8 f = ld8(x, (l * k + kk) / 8);
+#pragma unroll
+            for (int e = 0; e < 8; e++) v[e] = f.v[e];
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; e++) v[e] = e < valid ? ld(x, l * k + kk + e) : 0.0f;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; e++) s[e] = e < valid ? fp8_scale_at(g, l, kk + e) : 1.0f;
+        ((uint2*)q)[(l * ldq + kk) / 8] = fp8_pack8(v, s, valid, e5m2);
+    }
+}
+
+#define FP8_TILE 64
+
+// K along the rows (line l = column l of x, element kk = row kk; rows = k, lines = cols):
+// q[l * ldq + kk] = fp8(x(kk, l) · s), 0 for k <= kk < ldq (ldq a multiple of 8, q 8-byte
+// aligned): x transposed through shared memory, one FP8_TILE x FP8_TILE tile (rows kk0 + …,
+// columns l0 + …) a block at a time: read along x's rows (16-byte vectors where x is aligned
+// and its columns a multiple of 8), written along q's lines, 8 bytes a thread. Launch with 256
+// threads.
+extern "C" __global__ void fp8_quantize_cols(Fv x, long long lines, long long k, long long ldq, long long rb,
+                                             long long cb, long long gpr, int single, const unsigned int* amax,
+                                             float maxv, int e5m2, unsigned char* q) {
+    Fp8Groups g = fp8_groups(rb, cb, gpr, single, amax, maxv);
+    // [kk][l], padded by one so the transposed reads spread over the banks.
+    __shared__ float tile[FP8_TILE][FP8_TILE + 1];
+    bool vec = vec_ok(x) && lines % 8 == 0;
+    int t = threadIdx.x, lane8 = t & 7, row8 = t >> 3;  // 8 threads a tile row, 32 rows a pass
+    long long l0 = blockIdx.x * (long long)FP8_TILE;
+    long long kk_tiles = (ldq + FP8_TILE - 1) / FP8_TILE;
+    for (long long ty = blockIdx.y; ty < kk_tiles; ty += gridDim.y) {
+        long long kk0 = ty * FP8_TILE;
+        __syncthreads();
+        for (int r = row8; r < FP8_TILE; r += 32) {
+            long long kk = kk0 + r, c = l0 + 8 * lane8;
+            float v[8];
+            if (kk < k && vec && c + 8 <= lines) {
+                F8 f = ld8(x, (kk * lines + c) / 8);
+#pragma unroll
+                for (int e = 0; e < 8; e++) v[e] = f.v[e];
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; e++) v[e] = kk < k && c + e < lines ? ld(x, kk * lines + c + e) : 0.0f;
+            }
+#pragma unroll
+            for (int e = 0; e < 8; e++) tile[r][8 * lane8 + e] = v[e];
+        }
+        __syncthreads();
+        // Writes: 8 threads a line (8 bytes each: the tile's 64 rows), 32 lines a pass.
+        for (int li = row8; li < FP8_TILE; li += 32) {
+            long long l = l0 + li, kk = kk0 + 8 * lane8;
+            if (l >= lines || kk >= ldq) continue;
+            int valid = kk >= k ? 0 : (k - kk < 8 ? (int)(k - kk) : 8);
+            float v[8], s[8];
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                v[e] = tile[8 * lane8 + e][li];
+                s[e] = e < valid ? fp8_scale_at(g, kk + e, l) : 1.0f;
+            }
+            ((uint2*)q)[(l * ldq + kk) / 8] = fp8_pack8(v, s, valid, e5m2);
+        }
     }
 }
 
