@@ -1,12 +1,16 @@
 //! `parc calibrate [--backend cpu|cuda] [--quick] [--gpu NAME] [--precision P] [--fp8 LIST]
-//! [-o FILE]`:
+//! [--add-to FILE] [-o FILE]`:
 //! measure a calibration profile (`parc_runtime::calibrate`) on this machine's backend and write
 //! it as JSON, by default to `calibration/<gpu>.json`, where `parc check` and `parc plan` find
-//! it for specs on that GPU kind. Exit 0 when written, 1 when a measurement failed, 2 for usage
-//! errors (an unknown gpu name, a backend this build lacks, a file that cannot be written).
+//! it for specs on that GPU kind. With `--add-to`, measure only the FP8 GEMM tables and put them
+//! into a profile measured before on the same GPU kind, backend and precision (its points of
+//! those scalings replaced). Exit 0 when written, 1 when a measurement failed, 2 for usage
+//! errors (an unknown gpu name, a backend this build lacks, a file that cannot be written, a
+//! profile to add to that does not match).
 use parc_compiler::ir::fp8::Fp8Scaling;
 use parc_compiler::spec::{Gpu, LossScale, Precision};
-use parc_runtime::calibrate::{calibrate, Settings};
+use parc_compiler::timeline::profile::{precision_name, GemmDtype, Profile};
+use parc_runtime::calibrate::{calibrate, calibrate_fp8, Settings};
 use std::path::PathBuf;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -44,6 +48,11 @@ pub struct CalibrateArgs {
     /// all three on a GPU with FP8 tensor cores, none elsewhere; `none` measures none.
     #[arg(long, value_enum, value_delimiter = ',', value_name = "SCALINGS")]
     pub fp8: Option<Vec<Fp8Arg>>,
+    /// Measure only the FP8 GEMM tables (of --fp8) and add them to this profile, measured before
+    /// on the same GPU kind, backend and precision, replacing its points of those scalings;
+    /// written to -o, by default back to this file.
+    #[arg(long, value_name = "FILE")]
+    pub add_to: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -101,10 +110,10 @@ fn run(args: &CalibrateArgs) -> Result<(), (u8, String)> {
     };
     let (mut backend, device, detected) = open_backend(args.backend, precision).map_err(usage)?;
     let gpu = gpu_entry(args.gpu.as_deref().or(detected.as_deref()), &device).map_err(usage)?;
-    let output = args
-        .output
-        .clone()
-        .unwrap_or_else(|| PathBuf::from("calibration").join(format!("{}.json", gpu.name)));
+    let output = args.output.clone().unwrap_or_else(|| match &args.add_to {
+        Some(base) => base.clone(),
+        None => PathBuf::from("calibration").join(format!("{}.json", gpu.name)),
+    });
     let fp8 = fp8_scalings(args, &gpu, precision);
     let settings = Settings {
         quick: args.quick,
@@ -118,18 +127,24 @@ fn run(args: &CalibrateArgs) -> Result<(), (u8, String)> {
         "calibrating {} ({}, {}{})",
         settings.device,
         settings.gpu.name,
-        parc_compiler::timeline::profile::precision_name(precision),
+        precision_name(precision),
         if args.quick { ", quick grid" } else { "" }
     );
     let started = std::time::Instant::now();
-    let mut profile = calibrate(backend.as_mut(), &settings, &mut |what| {
-        eprintln!("  {what}")
-    })
-    .map_err(|e| (1, format!("calibration failed: {e}")))?;
-    if args.backend == CalibrateBackend::Cuda && !args.quick {
-        drop(backend);
-        add_collectives(&mut profile);
-    }
+    let profile = match &args.add_to {
+        Some(base) => add_fp8(base, backend.as_mut(), &settings)?,
+        None => {
+            let mut profile = calibrate(backend.as_mut(), &settings, &mut |what| {
+                eprintln!("  {what}")
+            })
+            .map_err(|e| (1, format!("calibration failed: {e}")))?;
+            if args.backend == CalibrateBackend::Cuda && !args.quick {
+                drop(backend);
+                add_collectives(&mut profile);
+            }
+            profile
+        }
+    };
     let json = serde_json::to_string_pretty(&profile)
         .map_err(|e| (1, format!("cannot encode the profile: {e}")))?;
     if let Some(folder) = output.parent().filter(|p| !p.as_os_str().is_empty()) {
@@ -150,10 +165,66 @@ fn run(args: &CalibrateArgs) -> Result<(), (u8, String)> {
     Ok(())
 }
 
+/// The profile at `base` with the FP8 GEMM tables of `settings.fp8` measured now in place of
+/// its points of those scalings: refused (usage) where it was measured on another GPU kind,
+/// backend or precision, or where no scaling is asked for.
+fn add_fp8(
+    base: &std::path::Path,
+    backend: &mut dyn parc_runtime::backend::Backend,
+    settings: &Settings,
+) -> Result<Profile, (u8, String)> {
+    let usage = |m: String| (2, m);
+    let mut profile = crate::calibration::load(base).map_err(usage)?;
+    let precision = precision_name(settings.precision);
+    let measured_on = (
+        profile.gpu.as_str(),
+        profile.backend.as_str(),
+        profile.precision.as_str(),
+    );
+    if measured_on != (settings.gpu.name.as_str(), backend.name(), precision) {
+        return Err(usage(format!(
+            "--add-to {}: that profile was measured on {} ({} backend, {}), this run is {} ({} \
+             backend, {precision}); measure a whole profile instead (no --add-to)",
+            base.display(),
+            profile.gpu,
+            profile.backend,
+            profile.precision,
+            settings.gpu.name,
+            backend.name()
+        )));
+    }
+    if settings.fp8.is_empty() || settings.precision != Precision::Bf16 {
+        return Err(usage(format!(
+            "--add-to {} measures FP8 GEMM tables only: it needs a bf16 run and FP8 scalings \
+             (--fp8 tensorwise,rowwise,blockwise, on a GPU with FP8 tensor cores)",
+            base.display()
+        )));
+    }
+    let (points, notes) = calibrate_fp8(backend, settings, &mut |what| eprintln!("  {what}"));
+    let names: Vec<String> = settings
+        .fp8
+        .iter()
+        .map(|&s| GemmDtype::Fp8(s).name())
+        .collect();
+    profile.gemm.retain(|g| !names.contains(&g.dtype));
+    profile.gemm.extend(points);
+    profile
+        .notes
+        .retain(|n| !names.iter().any(|name| n.starts_with(name.as_str())));
+    profile.notes.extend(notes);
+    profile.notes.push(format!(
+        "{} measured {} and added to this profile (measured {})",
+        names.join(", "),
+        settings.date,
+        profile.date
+    ));
+    Ok(profile)
+}
+
 /// The collective table where several GPUs are visible (`calibrate_nccl`); a failure is a note
 /// in the profile, which stands without it (the link model prices collectives then).
 #[cfg(feature = "cuda")]
-fn add_collectives(profile: &mut parc_compiler::timeline::profile::Profile) {
+fn add_collectives(profile: &mut Profile) {
     match crate::calibrate_nccl::measure(&mut |what| eprintln!("  {what}")) {
         Ok(points) if points.is_empty() => {}
         Ok(points) => {
@@ -167,7 +238,7 @@ fn add_collectives(profile: &mut parc_compiler::timeline::profile::Profile) {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn add_collectives(_profile: &mut parc_compiler::timeline::profile::Profile) {}
+fn add_collectives(_profile: &mut Profile) {}
 
 type Opened = (
     Box<dyn parc_runtime::backend::Backend>,

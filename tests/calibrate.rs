@@ -329,3 +329,60 @@ fn check_and_run_choose_the_same_fp8_layers_from_a_profile() {
     assert_eq!(roofline, plain, "the roofline chooses no FP8 layer");
     assert_ne!(measured, plain, "the profile's FP8 layers run in FP8");
 }
+
+/// `--add-to` measures only the FP8 tables into a profile measured before: the bf16 points
+/// stay, FP8 points of the scaling appear (the CPU backend emulates FP8), measured twice they
+/// are replaced, not doubled; a profile of another precision, a run without FP8 scalings and a
+/// missing file are usage errors naming the file.
+#[test]
+fn add_to_puts_fp8_tables_into_an_existing_profile() {
+    let _alone = alone();
+    let dir = temp_dir("add_to");
+    let base = dir.join("base.json");
+    let quick = ["calibrate", "--backend", "cpu", "--quick"];
+    let bf16 = [&quick[..], &["--precision", "bf16", "--fp8", "none"]].concat();
+    parc_ok(&[&bf16[..], &["-o", path_str(&base)]].concat());
+    let read =
+        |p: &Path| -> Value { serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap() };
+    let dtypes = |v: &Value, d: &str| {
+        v["gemm"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|g| g["dtype"] == d)
+            .count()
+    };
+    let before = read(&base);
+    let add = [&quick[..], &["--precision", "bf16", "--fp8", "tensorwise"]].concat();
+    let added = dir.join("added.json");
+    parc_ok(
+        &[
+            &add[..],
+            &["--add-to", path_str(&base), "-o", path_str(&added)],
+        ]
+        .concat(),
+    );
+    let once = read(&added);
+    assert_eq!(dtypes(&once, "bf16"), dtypes(&before, "bf16"));
+    let fp8 = dtypes(&once, "fp8_tensorwise");
+    assert!(fp8 > 0, "no FP8 points added");
+    // Again onto the result, written back to it (no -o): replaced, not doubled.
+    parc_ok(&[&add[..], &["--add-to", path_str(&added)]].concat());
+    assert_eq!(dtypes(&read(&added), "fp8_tensorwise"), fp8);
+    let fp32 = [
+        &quick[..],
+        &["--fp8", "tensorwise", "--add-to", path_str(&base)],
+    ]
+    .concat();
+    let out = parc(&fp32);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr_of(&out).contains("base.json") && stderr_of(&out).contains("fp32"));
+    let none = [&bf16[..], &["--add-to", path_str(&base)]].concat();
+    let out = parc(&none);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr_of(&out).contains("FP8 GEMM tables only"));
+    let missing = dir.join("missing.json");
+    let out = parc(&[&add[..], &["--add-to", path_str(&missing)]].concat());
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr_of(&out).contains("missing.json"));
+}

@@ -141,18 +141,9 @@ pub fn calibrate(
         vec!["collectives not measured: the timeline prices them with the spec's links".into()];
     notes.extend(gemm_note);
     let mut gemm = gemm;
-    let fp8: &[Fp8Scaling] = if bench.half { &settings.fp8 } else { &[] };
-    for &scaling in fp8 {
-        progress(&format!("measuring fp8 {} gemm", scaling.name()));
-        let (points, skipped) = bench.fp8_gemms(&grid, scaling);
-        notes.extend(skipped);
-        progress(&table_done(
-            &GemmDtype::Fp8(scaling).name(),
-            points.len(),
-            &started,
-        ));
-        gemm.extend(points);
-    }
+    let (fp8, fp8_notes) = bench.fp8_tables(&grid, settings, &started, progress);
+    gemm.extend(fp8);
+    notes.extend(fp8_notes);
     let peak_flops = settings.gpu.peak_for(settings.precision);
     Ok(Profile {
         version: VERSION,
@@ -171,6 +162,25 @@ pub fn calibrate(
         collectives: Vec::new(),
         notes,
     })
+}
+
+/// Only the FP8 GEMM tables of `settings.fp8` (bf16 runs; none otherwise) and their notes, for
+/// adding to a profile measured before (`parc calibrate --add-to`).
+pub fn calibrate_fp8(
+    backend: &mut dyn Backend,
+    settings: &Settings,
+    progress: &mut dyn FnMut(&str),
+) -> (Vec<GemmPoint>, Vec<String>) {
+    let grid = grid(settings.quick);
+    let mut bench = Bench {
+        backend,
+        half: settings.precision != Precision::Fp32,
+        reps: grid.reps,
+        next: 0,
+        pattern: Vec::new(),
+        shared: None,
+    };
+    bench.fp8_tables(&grid, settings, &Instant::now(), progress)
 }
 
 /// A progress line: a table's points measured, and the seconds since the first table began.
@@ -249,6 +259,31 @@ impl Bench<'_> {
             )
         });
         Ok((points, note))
+    }
+
+    /// The FP8 GEMM points of every scaling of `settings.fp8` (bf16 runs only) and the notes
+    /// of those it could not measure.
+    fn fp8_tables(
+        &mut self,
+        grid: &Grid,
+        settings: &Settings,
+        started: &Instant,
+        progress: &mut dyn FnMut(&str),
+    ) -> (Vec<GemmPoint>, Vec<String>) {
+        let (mut gemm, mut notes) = (Vec::new(), Vec::new());
+        let fp8: &[Fp8Scaling] = if self.half { &settings.fp8 } else { &[] };
+        for &scaling in fp8 {
+            progress(&format!("measuring fp8 {} gemm", scaling.name()));
+            let (points, skipped) = self.fp8_gemms(grid, scaling);
+            notes.extend(skipped);
+            progress(&table_done(
+                &GemmDtype::Fp8(scaling).name(),
+                points.len(),
+                started,
+            ));
+            gemm.extend(points);
+        }
+        (gemm, notes)
     }
 
     /// The GEMM grid's points in FP8 under `scaling` (bf16 activations quantized by the op),
