@@ -85,6 +85,25 @@ fn cases(r: &mut Rng, g: Fp8Gemm, (rows, k, m): (usize, usize, usize)) -> Vec<Ca
             FP8_GEMM,
         )
         .errors_scaled_by_output(0),
+        // A residual alone: the GEMM's C on the GPU (beta 1), added after on the CPU.
+        Case::new(
+            format!("fp8 matmul+residual {shape}"),
+            Op::Matmul {
+                in_dim: i,
+                out_dim: o,
+                bias: false,
+                act: None,
+                residual: true,
+                fp8,
+            },
+            vec![
+                Data::F32(x.clone()),
+                Data::F32(w.clone()),
+                Data::F32(r.vec(rows * m, 1.0)),
+            ],
+            vec![r.vec(rows * m, 1.0)],
+            FP8_GEMM,
+        ),
     ];
     for accumulate in [false, true] {
         cases.push(Case::new(

@@ -25,7 +25,8 @@
 //!
 //! Epilogues run apart, with the backend's kernels, so every scale mode gets the op's full
 //! semantics: a bias is broadcast into y first and the product accumulated onto it (a bf16 y
-//! thereby rounds b to bf16 first); a residual is added (`add_fwd`) and an activation applied
+//! thereby rounds b to bf16 first); a residual without a bias is the GEMM's C (beta 1, one pass,
+//! as in bf16), with a bias it is added (`add_fwd`) after; an activation is applied
 //! (`activation_fwd`) after; an activation gradient multiplies dx in place
 //! (`activation_bwd`); a bias gradient sums the exact dy's columns (`columns::col_sum_into`).
 use super::args::{fv, n, p, Bound};
@@ -311,8 +312,18 @@ pub(super) fn run(
     if matches!(b.op, Op::MatmulBwdWeight { .. }) && d.dtype != DType::F32 {
         return Err(b.err("an FP8 weight gradient must be f32"));
     }
+    // A forward's residual without a bias: the GEMM's C (beta 1) where it has y's dtype, so
+    // y = product + r in one pass.
+    let residual_c = match *b.op {
+        Op::Matmul {
+            bias: false,
+            residual: true,
+            ..
+        } => Some(b.input(2)?).filter(|r| r.dtype == d.dtype),
+        _ => None,
+    };
     // A forward's bias: y = b first, the product accumulated onto it.
-    let mut beta_one = accumulate;
+    let mut beta_one = accumulate || residual_c.is_some();
     if let Op::Matmul { bias: true, .. } = *b.op {
         let bb = b.input(2)?;
         be.launch_n(
@@ -338,7 +349,7 @@ pub(super) fn run(
         ldb: s0.ld as i64,
         c: d.ptr,
         ldc: s1.lines as i64,
-        c_in: None,
+        c_in: residual_c.map(|r| r.ptr),
         beta: if beta_one { 1.0 } else { 0.0 },
         out: output(d),
         epilogue: Epilogue::None,
@@ -379,7 +390,7 @@ pub(super) fn run(
             residual,
             ..
         } => {
-            let r = residual
+            let r = (residual && residual_c.is_none())
                 .then(|| b.input(2 + usize::from(bias)))
                 .transpose()?;
             let a = act.map(|act| Ok((act, b.output(1)?))).transpose()?;
