@@ -297,6 +297,77 @@ __device__ __forceinline__ F8 widen(const RawF& r) {
     return f;
 }
 
+// The per-vector arithmetic every norm variant shares, so each computes the same f32
+// expressions. A forward's first row sum: adds one stored vector's x (LN) or x² (RMS), in
+// double.
+template <bool LN, typename Raw>
+__device__ __forceinline__ void fwd_first_sum(const Raw& r, double& s) {
+    F8 f = widen(r);
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+        double t = (double)f.v[e];
+        s += LN ? t : t * t;
+    }
+}
+
+// A LayerNorm forward's second row sum: adds one stored vector's (x − m)², in double.
+template <typename Raw>
+__device__ __forceinline__ void fwd_dev_sum(const Raw& r, double m, double& q) {
+    F8 f = widen(r);
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+        double d = (double)f.v[e] - m;
+        q += d * d;
+    }
+}
+
+// y's 8 elements from one stored vector of x: LN (x − mean)·rstd·w + b (without a bias,
+// + 0), RMS x·rstd·w.
+template <bool LN, typename Raw>
+__device__ __forceinline__ F8 fwd_out(const Raw& r, float mf, float rf, const F8& wv, const F8& bv, bool has_b) {
+    F8 f = widen(r), out;
+#pragma unroll
+    for (int e = 0; e < 8; e++)
+        out.v[e] = LN ? (f.v[e] - mf) * rf * wv.v[e] + (has_b ? bv.v[e] : 0.0f) : f.v[e] * rf * wv.v[e];
+    return out;
+}
+
+// A fused backward's first pass over one vector of dy (rd) and x (rx): adds its terms of the
+// row sums Σ g (LN only) and Σ g·xhat (g = dy·w, in double) and of its 8 columns' Σ dy·xhat
+// (aw) and Σ dy (ab, LN only), in f32.
+template <bool LN, typename Raw>
+__device__ __forceinline__ void bwd_sums(const Raw& rd, const Raw& rx, const F8& wv, float mf, float rf, double& sg, double& sgx, float* aw, float* ab) {
+    F8 d = widen(rd), v = widen(rx);
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+        float xhat = LN ? (v.v[e] - mf) * rf : v.v[e] * rf;
+        double g = (double)(d.v[e] * wv.v[e]);
+        if (LN) sg += g;
+        sgx += g * (double)xhat;
+        aw[e] += d.v[e] * xhat;
+        if (LN) ab[e] += d.v[e];
+    }
+}
+
+// One vector of a fused backward's dx from dy (rd), x (rx) and the row's means of g and
+// g·xhat; added to `acc` when accumulate_dx (acc is not read otherwise).
+template <bool LN, typename Raw>
+__device__ __forceinline__ F8 bwd_dx(const Raw& rd, const Raw& rx, const F8& wv, float mf, float rf, float mean_g, float mean_gx, const F8& acc, int accumulate_dx) {
+    F8 d = widen(rd), v = widen(rx), out;
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+        float g;
+        if (LN) {
+            float xhat = (v.v[e] - mf) * rf;
+            g = rf * (d.v[e] * wv.v[e] - mean_g - xhat * mean_gx);
+        } else {
+            g = rf * (d.v[e] * wv.v[e] - v.v[e] * rf * mean_gx);
+        }
+        out.v[e] = accumulate_dx ? acc.v[e] + g : g;
+    }
+    return out;
+}
+
 // Rows one warp of a multirow forward normalises together: all their vectors are loaded
 // before the first reduction, so twice the bytes of a one-row warp are in flight, and the two
 // rows' shuffle chains interleave.
@@ -329,13 +400,7 @@ __device__ __forceinline__ void norm_fwd_multirow(Fv x, const float* w, const fl
         if (r0 + i < rows) {
 #pragma unroll
             for (int k = 0; k < NV; k++) {
-                if (8 * lane + 256 * k < dim) {
-                    F8 f = widen(v[i][k]);
-                    for (int e = 0; e < 8; e++) {
-                        double t = (double)f.v[e];
-                        s[i] += LN ? t : t * t;
-                    }
-                }
+                if (8 * lane + 256 * k < dim) fwd_first_sum<LN>(v[i][k], s[i]);
             }
         }
     }
@@ -350,10 +415,7 @@ __device__ __forceinline__ void norm_fwd_multirow(Fv x, const float* w, const fl
             if (r0 + i < rows) {
 #pragma unroll
                 for (int k = 0; k < NV; k++) {
-                    if (8 * lane + 256 * k < dim) {
-                        F8 f = widen(v[i][k]);
-                        for (int e = 0; e < 8; e++) { double d = (double)f.v[e] - m[i]; q[i] += d * d; }
-                    }
+                    if (8 * lane + 256 * k < dim) fwd_dev_sum(v[i][k], m[i], q[i]);
                 }
             }
         }
@@ -388,14 +450,7 @@ __device__ __forceinline__ void norm_fwd_multirow(Fv x, const float* w, const fl
             if (LN && b) bv = ld8_f32(b, j);
 #pragma unroll
             for (int i = 0; i < NORM_FWD_RPW; i++) {
-                if (r0 + i < rows) {
-                    F8 f = widen(v[i][k]), out;
-                    for (int e = 0; e < 8; e++) {
-                        out.v[e] = LN ? (f.v[e] - mf[i]) * rf[i] * wv.v[e] + (b ? bv.v[e] : 0.0f)
-                                      : f.v[e] * rf[i] * wv.v[e];
-                    }
-                    st8(y, ((r0 + i) * dim + j) / 8, out);
-                }
+                if (r0 + i < rows) st8(y, ((r0 + i) * dim + j) / 8, fwd_out<LN>(v[i][k], mf[i], rf[i], wv, bv, b != nullptr));
             }
         }
     }
@@ -418,18 +473,18 @@ NORM_FWD_MULTIROW(3, false, _f32)
 NORM_FWD_MULTIROW(4, false, _f32)
 
 // Warps of a fused backward's block (most 16): 16 while the row and the dw/db partials fit in
-// 128 registers, fewer for wider rows (norm_variants.rs's BWD_THREADS mirrors the
-// __launch_bounds__ below).
+// 128 registers, fewer for wider rows (norm.rs's BWD_THREADS mirrors the __launch_bounds__
+// below).
 #define NORM_BWD_MAX_WARPS 16
 
 // A fused LayerNorm (LN) or RMSNorm backward: dx and the dw (and db) column partials in one
 // pass over dy and x. Block c owns rows [c·band, (c+1)·band); each warp takes rows warp,
 // warp + warps, … of the band, lane `lane` the vectors j = 8·lane + 256·k (k < NV, j < dim),
 // keeping the row's dy and x (and an accumulated dx) as stored (`B16`: all bf16, else all
-// f32) for dx's second pass, and its columns' Σ dy·xhat and Σ dy over its rows in f32 registers. The
-// block then adds its warps' sums in warp order in double and writes one f32 partial row per
-// block: part[c, j] (dw), part[blocks + c, j] (db, when `with_db`). Row statistics and dx
-// are exactly layer_norm_bwd_dx's / rms_norm_bwd_dx's.
+// f32) for dx's second pass, and its columns' Σ dy·xhat and Σ dy over its rows in f32
+// registers. The block then adds its warps' sums in warp order in double and writes one f32
+// partial row per block: part[c, j] (dw), part[blocks + c, j] (db, when `with_db`). Row
+// statistics and dx are exactly layer_norm_bwd_dx's / rms_norm_bwd_dx's.
 template <int NV, bool B16, bool LN>
 __device__ __forceinline__ void norm_bwd_fused(Fv dy, Fv x, const float* w, const float* mean, const float* rstd, Fv dx, float* part, long long rows, long long dim, long long band, int accumulate_dx, int with_db) {
     typedef typename RawOf<B16>::T Raw;
@@ -459,18 +514,7 @@ __device__ __forceinline__ void norm_bwd_fused(Fv dy, Fv x, const float* w, cons
 #pragma unroll
         for (int k = 0; k < NV; k++) {
             long long j = 8 * lane + 256 * k;
-            if (j < dim) {
-                F8 d = widen(rd[k]), v = widen(rx[k]), wv = ld8_f32(w, j);
-#pragma unroll
-                for (int e = 0; e < 8; e++) {
-                    float xhat = LN ? (v.v[e] - mf) * rf : v.v[e] * rf;
-                    double g = (double)(d.v[e] * wv.v[e]);
-                    if (LN) sg += g;
-                    sgx += g * (double)xhat;
-                    aw[k][e] += d.v[e] * xhat;
-                    if (LN) ab[k][e] += d.v[e];
-                }
-            }
+            if (j < dim) bwd_sums<LN>(rd[k], rx[k], ld8_f32(w, j), mf, rf, sg, sgx, aw[k], ab[k]);
         }
         // An accumulated dx is loaded before the row's shuffle reductions, which hide its
         // latency.
@@ -488,20 +532,9 @@ __device__ __forceinline__ void norm_bwd_fused(Fv dy, Fv x, const float* w, cons
         for (int k = 0; k < NV; k++) {
             long long j = 8 * lane + 256 * k;
             if (j < dim) {
-                F8 d = widen(rd[k]), v = widen(rx[k]), wv = ld8_f32(w, j), out;
-                if (accumulate_dx) out = widen(rdx[k]);
-#pragma unroll
-                for (int e = 0; e < 8; e++) {
-                    float g;
-                    if (LN) {
-                        float xhat = (v.v[e] - mf) * rf;
-                        g = rf * (d.v[e] * wv.v[e] - mean_g - xhat * mean_gx);
-                    } else {
-                        g = rf * (d.v[e] * wv.v[e] - v.v[e] * rf * mean_gx);
-                    }
-                    out.v[e] = accumulate_dx ? out.v[e] + g : g;
-                }
-                st8(dx, (o + j) / 8, out);
+                F8 acc;
+                if (accumulate_dx) acc = widen(rdx[k]);
+                st8(dx, (o + j) / 8, bwd_dx<LN>(rd[k], rx[k], ld8_f32(w, j), mf, rf, mean_g, mean_gx, acc, accumulate_dx));
             }
         }
     }
