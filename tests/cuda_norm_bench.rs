@@ -1,7 +1,9 @@
 //! LayerNorm and RMSNorm forward and backward speed of each norm kernel variant
 //! (PARC_NORM_FWD_KERNEL: warp|multirow, PARC_NORM_BWD_KERNEL: warp|fused) at GPT-2's shapes:
-//! 124M [32768, 768] and 350M [16384, 1024], bf16 activations (x, y, dy, dx) with f32
-//! weights, statistics and weight gradients, as a bf16 run stores them.
+//! 124M [32768, 768] and 350M [16384, 1024] (one warp a row), and Llama's: Llama 3.2 1B
+//! [16384, 2048] and Llama 3 8B [8192, 4096] (a row split over a group of 2 or 4 warps, the
+//! `*_wide` kernels), bf16 activations (x, y, dy, dx) with f32 weights, statistics and weight
+//! gradients, as a bf16 run stores them.
 //!
 //! GB/s is by the ideal traffic: a forward reads x and writes y (2·rows·dim·2 bytes), a
 //! backward reads dy and x (and dx when it accumulates) and writes dx; weights, statistics
@@ -47,7 +49,13 @@ mod bench {
         let Some(mut be) = backend_or_skip(Precision::Bf16) else {
             return;
         };
-        for (rows, dim) in [(32_768usize, 768usize), (16_384, 1024)] {
+        let shapes = [
+            (32_768usize, 768usize),
+            (16_384, 1024),
+            (16_384, 2048),
+            (8_192, 4096),
+        ];
+        for (rows, dim) in shapes {
             let act = rows * dim;
             let sizes = [
                 (act, DType::Bf16),

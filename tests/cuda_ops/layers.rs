@@ -123,10 +123,11 @@ fn embedding_cases(r: &mut Rng) -> Vec<Case> {
     ]
 }
 
-/// (rows, dim) of the norm tests: dims that are multiples of 8 up to 1024 take the forwards'
-/// register paths (1000 leaves some lanes without a last vector), 1040 and every backward the
-/// 16-byte vector loops, 20 the scalar ones; 300, 600 and 33,000 rows split the weight
-/// gradient into several row chunks (33,000: all 128, of 258 rows).
+/// (rows, dim) of the norm tests: the default kernels take dims that are multiples of 8 up to
+/// 8,192 (1000 leaves some lanes without a last vector; 1040 is split over two warps a row,
+/// some threads without a last vector), the `warp` kernels 20 (their scalar loops); 300, 600
+/// and 33,000 rows split the weight gradient into several row bands (33,000: all 128, of 258
+/// rows).
 const NORM_SHAPES: [(usize, usize); 6] = [
     (13, 96),
     (5, 1000),
@@ -136,11 +137,16 @@ const NORM_SHAPES: [(usize, usize); 6] = [
     (33_000, 8),
 ];
 
-/// NORM_SHAPES and GPT-2's widths for the norm variants (`norm_variants`): 768 and 1024 with
-/// odd row counts, so the fused backward's bands of rows end mid-band and mid-warp (4,099
-/// rows: 128 bands of 33, the last of 8), and 1000 gives lanes without a last vector. 20
-/// (odd multiple of 4) and 1040 (too wide) take the `warp` kernels.
-const VARIANT_SHAPES: [(usize, usize); 9] = [
+/// NORM_SHAPES, GPT-2's widths and Llama's for the norm variants (`norm_variants`). One warp a
+/// row: 768 and 1024 with odd row counts, so the fused backward's bands of rows end mid-band
+/// and mid-warp (4,099 rows: 125 bands of 33, the last of 7), and 1000 gives lanes without a
+/// last vector. Split over a row group of W warps (the `*_wide` kernels, rows past 1,024):
+/// 1536 and 2048 (W 2, 4 rows a block: 37 rows leave the last block one), 3000 (W 3, 375
+/// vectors over 96 threads: some without a last one), 4096 (W 4) and 8192 (W 8, one row a
+/// block); in the backward 1,031 × 1536 gives bands of 9 rows over 4 groups (3, 2, 2, 2 rows,
+/// so a group prefetches its next row; the last band 5) and 133 × 8192 bands of 2 over one
+/// group (the last of 1). 20 (odd multiple of 4) and 8200 (too wide) take the `warp` kernels.
+const VARIANT_SHAPES: [(usize, usize); 17] = [
     (13, 96),
     (5, 1000),
     (300, 20),
@@ -150,6 +156,14 @@ const VARIANT_SHAPES: [(usize, usize); 9] = [
     (37, 768),
     (1537, 768),
     (4099, 1024),
+    (37, 1536),
+    (1031, 1536),
+    (37, 2048),
+    (37, 3000),
+    (11, 4096),
+    (5, 8192),
+    (133, 8192),
+    (3, 8200),
 ];
 
 /// The norm kernel variants (PARC_NORM_FWD_KERNEL=multirow, PARC_NORM_BWD_KERNEL=fused)

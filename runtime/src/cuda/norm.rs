@@ -11,6 +11,14 @@
 //! most [`MAX_DIM`], with 16-byte aligned operands (and, for the fused backward, dy, x and dx
 //! of one dtype); elsewhere the `warp` kernels run.
 //!
+//! Rows of at most [`LANE_DIM`] run one warp a row (up to 4 vectors of 8 a lane) and give the
+//! `warp` kernels' values exactly. Wider rows (every Llama-family width, 1,536 to 8,192) run
+//! the `*_wide` kernels: a row split over a row group of 2 to 8 warps, each thread holding
+//! [`WIDE_VECS`] vectors of 8 as stored, so the row is still read once; its double sums cross
+//! the group's warps through shared memory, in another order than `warp`'s, so statistics and
+//! dx may differ from `warp`'s in the last bits. A wide backward's thread keeps its columns'
+//! dw/db sums over its group's rows in registers, as the one-warp backward does.
+//!
 //! The fused backward's partials are f32, one row per block for dw and one for db: at most
 //! 128 blocks × 2 × dim × 4 bytes, within the 128 chunks × dim × 8 bytes that
 //! `storage::program_needs` reserves for a norm backward's partials.
@@ -27,9 +35,19 @@ use parc_compiler::memplan::REDUCTION_CHUNKS;
 /// Threads of a `warp` kernel's block, one warp a row.
 const WARP_THREADS: u32 = 256;
 const WARP_ROWS_PER_BLOCK: usize = WARP_THREADS as usize / 32;
-/// Widest row the default kernels take: each lane holds at most 4 vectors of 8 (4 × 256
-/// columns).
-const MAX_DIM: usize = 1024;
+/// Widest row the one-warp-a-row defaults (`multirow`, `fused`) take: each lane holds at most 4
+/// vectors of 8 (4 × 256 columns).
+const LANE_DIM: usize = 1024;
+/// Widest row the default kernels take (norm_loss.cu's NORM_WIDE_MAX_DIM): rows wider than
+/// [`LANE_DIM`] are split over a row group of warps, each thread holding [`WIDE_VECS`] vectors
+/// of 8 (NORM_WIDE_VECS).
+const MAX_DIM: usize = 8192;
+const WIDE_VECS: usize = 4;
+/// Threads of a wide kernel's block at most (NORM_WIDE_THREADS, the wide kernels'
+/// `__launch_bounds__`): ⌊8 / W⌋ row groups of W warps.
+const WIDE_THREADS: usize = 256;
+// The widest row's group (8 warps) fits a block.
+const _: () = assert!(32 * MAX_DIM.div_ceil(256 * WIDE_VECS) <= WIDE_THREADS);
 /// Most blocks (partial rows) of a fused backward (`memplan::REDUCTION_CHUNKS` is 128).
 const MAX_BLOCKS: usize = 128;
 // The partials (f32, dw and db) fit the 128 f64 chunks per column reserved for them.
@@ -37,67 +55,142 @@ const _: () = assert!(2 * MAX_BLOCKS * 4 <= REDUCTION_CHUNKS as usize * 8);
 /// Threads of a multirow forward's block (8 warps of 2 rows: 16 rows per block).
 const FWD_THREADS: u32 = 256;
 const FWD_ROWS_PER_BLOCK: usize = 16;
-
-const LN_FWD: [[Kernel; 4]; 2] = [
-    [
-        Kernel::LayerNormFwdMultirow1F32,
-        Kernel::LayerNormFwdMultirow2F32,
-        Kernel::LayerNormFwdMultirow3F32,
-        Kernel::LayerNormFwdMultirow4F32,
-    ],
-    [
-        Kernel::LayerNormFwdMultirow1Bf16,
-        Kernel::LayerNormFwdMultirow2Bf16,
-        Kernel::LayerNormFwdMultirow3Bf16,
-        Kernel::LayerNormFwdMultirow4Bf16,
-    ],
-];
-const RMS_FWD: [[Kernel; 4]; 2] = [
-    [
-        Kernel::RmsNormFwdMultirow1F32,
-        Kernel::RmsNormFwdMultirow2F32,
-        Kernel::RmsNormFwdMultirow3F32,
-        Kernel::RmsNormFwdMultirow4F32,
-    ],
-    [
-        Kernel::RmsNormFwdMultirow1Bf16,
-        Kernel::RmsNormFwdMultirow2Bf16,
-        Kernel::RmsNormFwdMultirow3Bf16,
-        Kernel::RmsNormFwdMultirow4Bf16,
-    ],
-];
-const LN_BWD: [[Kernel; 4]; 2] = [
-    [
-        Kernel::LayerNormBwdFused1F32,
-        Kernel::LayerNormBwdFused2F32,
-        Kernel::LayerNormBwdFused3F32,
-        Kernel::LayerNormBwdFused4F32,
-    ],
-    [
-        Kernel::LayerNormBwdFused1Bf16,
-        Kernel::LayerNormBwdFused2Bf16,
-        Kernel::LayerNormBwdFused3Bf16,
-        Kernel::LayerNormBwdFused4Bf16,
-    ],
-];
-const RMS_BWD: [[Kernel; 4]; 2] = [
-    [
-        Kernel::RmsNormBwdFused1F32,
-        Kernel::RmsNormBwdFused2F32,
-        Kernel::RmsNormBwdFused3F32,
-        Kernel::RmsNormBwdFused4F32,
-    ],
-    [
-        Kernel::RmsNormBwdFused1Bf16,
-        Kernel::RmsNormBwdFused2Bf16,
-        Kernel::RmsNormBwdFused3Bf16,
-        Kernel::RmsNormBwdFused4Bf16,
-    ],
-];
-/// Threads of each fused backward (by stored dtype, then vectors per lane): the
+/// Threads of each one-warp-a-row fused backward (by stored dtype, then vectors per lane): the
 /// `__launch_bounds__` of norm_loss.cu's NORM_BWD_FUSED lines, as many warps as keep the row
 /// and the column sums in registers without spills (ptxas: 128 registers at 512 threads).
 const BWD_THREADS: [[u32; 4]; 2] = [[512, 512, 384, 256], [512, 512, 512, 384]];
+
+/// The default kernels of one norm (LayerNorm or RMSNorm), each by stored dtype ([`stored`]),
+/// the one-warp-a-row ones then by vectors per lane.
+struct NormKernels {
+    fwd: [[Kernel; 4]; 2],
+    fwd_wide: [Kernel; 2],
+    bwd: [[Kernel; 4]; 2],
+    bwd_wide: [Kernel; 2],
+}
+
+const LAYER_NORM: NormKernels = NormKernels {
+    fwd: [
+        [
+            Kernel::LayerNormFwdMultirow1F32,
+            Kernel::LayerNormFwdMultirow2F32,
+            Kernel::LayerNormFwdMultirow3F32,
+            Kernel::LayerNormFwdMultirow4F32,
+        ],
+        [
+            Kernel::LayerNormFwdMultirow1Bf16,
+            Kernel::LayerNormFwdMultirow2Bf16,
+            Kernel::LayerNormFwdMultirow3Bf16,
+            Kernel::LayerNormFwdMultirow4Bf16,
+        ],
+    ],
+    fwd_wide: [Kernel::LayerNormFwdWideF32, Kernel::LayerNormFwdWideBf16],
+    bwd: [
+        [
+            Kernel::LayerNormBwdFused1F32,
+            Kernel::LayerNormBwdFused2F32,
+            Kernel::LayerNormBwdFused3F32,
+            Kernel::LayerNormBwdFused4F32,
+        ],
+        [
+            Kernel::LayerNormBwdFused1Bf16,
+            Kernel::LayerNormBwdFused2Bf16,
+            Kernel::LayerNormBwdFused3Bf16,
+            Kernel::LayerNormBwdFused4Bf16,
+        ],
+    ],
+    bwd_wide: [Kernel::LayerNormBwdWideF32, Kernel::LayerNormBwdWideBf16],
+};
+
+const RMS_NORM: NormKernels = NormKernels {
+    fwd: [
+        [
+            Kernel::RmsNormFwdMultirow1F32,
+            Kernel::RmsNormFwdMultirow2F32,
+            Kernel::RmsNormFwdMultirow3F32,
+            Kernel::RmsNormFwdMultirow4F32,
+        ],
+        [
+            Kernel::RmsNormFwdMultirow1Bf16,
+            Kernel::RmsNormFwdMultirow2Bf16,
+            Kernel::RmsNormFwdMultirow3Bf16,
+            Kernel::RmsNormFwdMultirow4Bf16,
+        ],
+    ],
+    fwd_wide: [Kernel::RmsNormFwdWideF32, Kernel::RmsNormFwdWideBf16],
+    bwd: [
+        [
+            Kernel::RmsNormBwdFused1F32,
+            Kernel::RmsNormBwdFused2F32,
+            Kernel::RmsNormBwdFused3F32,
+            Kernel::RmsNormBwdFused4F32,
+        ],
+        [
+            Kernel::RmsNormBwdFused1Bf16,
+            Kernel::RmsNormBwdFused2Bf16,
+            Kernel::RmsNormBwdFused3Bf16,
+            Kernel::RmsNormBwdFused4Bf16,
+        ],
+    ],
+    bwd_wide: [Kernel::RmsNormBwdWideF32, Kernel::RmsNormBwdWideBf16],
+};
+
+/// How a default kernel holds a row: one warp, each lane `v` (1..=4) vectors of 8 (`Lane(v)`),
+/// or a row group of `w` (2..=8) warps, each thread [`WIDE_VECS`] vectors (`Group(w)`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RowSplit {
+    Lane(usize),
+    Group(usize),
+}
+
+/// One default kernel's launch: `threads` a block, working on `rows_at_once` rows at a time
+/// (one a warp or row group), and for a wide kernel the warps of a row group (its `row_warps`
+/// argument).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Plan {
+    kernel: Kernel,
+    threads: u32,
+    rows_at_once: usize,
+    row_warps: Option<usize>,
+}
+
+/// The launch of a wide kernel whose row groups have `w` warps: as many groups as fit
+/// [`WIDE_THREADS`].
+fn wide_plan(kernel: Kernel, w: usize) -> Plan {
+    let groups = WIDE_THREADS / (32 * w);
+    Plan {
+        kernel,
+        threads: (32 * w * groups) as u32,
+        rows_at_once: groups,
+        row_warps: Some(w),
+    }
+}
+
+/// The forward's launch for rows held as `split`, operands stored as `s` ([`stored`]).
+fn fwd_plan(table: &NormKernels, s: usize, split: RowSplit) -> Plan {
+    match split {
+        RowSplit::Lane(v) => Plan {
+            kernel: table.fwd[s][v - 1],
+            threads: FWD_THREADS,
+            rows_at_once: FWD_ROWS_PER_BLOCK,
+            row_warps: None,
+        },
+        RowSplit::Group(w) => wide_plan(table.fwd_wide[s], w),
+    }
+}
+
+/// The fused backward's launch for rows held as `split`, operands stored as `s`.
+fn bwd_plan(table: &NormKernels, s: usize, split: RowSplit) -> Plan {
+    match split {
+        RowSplit::Lane(v) => Plan {
+            kernel: table.bwd[s][v - 1],
+            threads: BWD_THREADS[s][v - 1],
+            rows_at_once: BWD_THREADS[s][v - 1] as usize / 32,
+            row_warps: None,
+        },
+        RowSplit::Group(w) => wide_plan(table.bwd_wide[s], w),
+    }
+}
 
 /// Run an op of the norm family.
 pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
@@ -130,10 +223,17 @@ fn stored(b: Buf) -> usize {
     usize::from(b.dtype == DType::Bf16)
 }
 
-/// The vectors per lane (1..=4) a row of `d` elements needs, when the default kernels take it.
-fn vectors(d: usize, ptrs: &[u64]) -> Option<usize> {
+/// How the default kernels hold a row of `d` elements, when they take it: a multiple of 8 up
+/// to [`MAX_DIM`], every operand (`ptrs`) 16-byte aligned.
+fn split(d: usize, ptrs: &[u64]) -> Option<RowSplit> {
     let ok = d > 0 && d.is_multiple_of(8) && d <= MAX_DIM && ptrs.iter().all(|p| p % 16 == 0);
-    ok.then(|| d.div_ceil(256))
+    ok.then(|| {
+        if d <= LANE_DIM {
+            RowSplit::Lane(d.div_ceil(256))
+        } else {
+            RowSplit::Group(d.div_ceil(256 * WIDE_VECS))
+        }
+    })
 }
 
 /// One norm forward's operands: `mean` only for a LayerNorm (else an RMSNorm), `bias` only for
@@ -186,16 +286,23 @@ impl NormFwd {
     }
 }
 
-/// A norm forward: `multirow` where it is chosen and takes the rows, else `warp`.
+/// A norm forward: `multirow` (one warp a row, or a row group for rows wider than
+/// [`LANE_DIM`]) where it is chosen and takes the rows, else `warp`.
 fn forward(be: &mut CudaBackend, f: &NormFwd) -> Result<()> {
     let mut ptrs = vec![f.x.ptr, f.y.ptr, f.w.ptr];
     ptrs.extend(f.bias.map(|b| b.ptr));
     let multirow = be.variants.norm_fwd == NormFwdKernel::Multirow;
-    if let Some(v) = vectors(f.d, &ptrs).filter(|_| multirow) {
-        let names = if f.mean.is_some() { LN_FWD } else { RMS_FWD };
-        let grid = (f.rows.div_ceil(FWD_ROWS_PER_BLOCK) as u32, 1, 1);
-        let kernel = names[stored(f.x)][v - 1];
-        return be.launch(kernel, grid, (FWD_THREADS, 1, 1), 0, &f.args());
+    if let Some(split) = split(f.d, &ptrs).filter(|_| multirow) {
+        let table = if f.mean.is_some() {
+            &LAYER_NORM
+        } else {
+            &RMS_NORM
+        };
+        let plan = fwd_plan(table, stored(f.x), split);
+        let mut args = f.args();
+        args.extend(plan.row_warps.map(|w| Arg::I32(w as i32)));
+        let grid = (f.rows.div_ceil(plan.rows_at_once) as u32, 1, 1);
+        return be.launch(plan.kernel, grid, (plan.threads, 1, 1), 0, &args);
     }
     let kernel = if f.mean.is_some() {
         Kernel::LayerNormFwd
@@ -287,45 +394,35 @@ fn backward(be: &mut CudaBackend, f: &NormBwd) -> Result<()> {
     Ok(())
 }
 
-/// Runs the fused backward (dx, dw, db) when it is chosen and takes the rows (`Ok(true)`).
+/// Runs the fused backward (dx, dw, db) when it is chosen and takes the rows (`Ok(true)`): the
+/// row kernel (one warp or row group a row) over at most [`MAX_BLOCKS`] bands of rows, then
+/// `norm_bwd_fused_finish` adding the bands' partial rows into dw (and db).
 fn fused_backward(be: &mut CudaBackend, f: &NormBwd) -> Result<bool> {
     let one_dtype = f.dy.dtype == f.x.dtype && f.dx.dtype == f.x.dtype;
     if be.variants.norm_bwd != NormBwdKernel::Fused || !one_dtype {
         return Ok(false);
     }
-    let Some(v) = vectors(f.d, &[f.dy.ptr, f.x.ptr, f.dx.ptr, f.w.ptr]) else {
+    let Some(split) = split(f.d, &[f.dy.ptr, f.x.ptr, f.dx.ptr, f.w.ptr]) else {
         return Ok(false);
     };
-    let threads = BWD_THREADS[stored(f.x)][v - 1];
-    // Blocks: at most 128, each with a row per warp at least; bands of equal rows (the last
-    // shorter), none empty.
-    let warps = threads as usize / 32;
-    let blocks = f.rows.div_ceil(warps).min(MAX_BLOCKS);
-    let band = if blocks == 0 {
-        0
+    let table = if f.mean.is_some() {
+        &LAYER_NORM
     } else {
-        f.rows.div_ceil(blocks)
+        &RMS_NORM
     };
-    let blocks = if band == 0 { 0 } else { f.rows.div_ceil(band) };
+    let plan = bwd_plan(table, stored(f.x), split);
+    let (blocks, band) = bands(f.rows, plan.rows_at_once);
     let sums = 1 + usize::from(f.db.is_some());
     let part = be.scratch(sums * blocks * f.d * 4)?;
     let mut args = f.operands();
-    args.extend([
-        Arg::Ptr(part),
-        n(f.rows),
-        n(f.d),
-        n(band),
-        Arg::I32(i32::from(f.accumulate_dx)),
-    ]);
-    let names = match f.mean {
-        Some(_) => {
-            args.push(Arg::I32(i32::from(f.db.is_some())));
-            LN_BWD
-        }
-        None => RMS_BWD,
-    };
-    let kernel = names[stored(f.x)][v - 1];
-    be.launch(kernel, (blocks as u32, 1, 1), (threads, 1, 1), 0, &args)?;
+    args.extend([Arg::Ptr(part), n(f.rows), n(f.d), n(band)]);
+    args.extend(plan.row_warps.map(|w| Arg::I32(w as i32)));
+    args.push(Arg::I32(i32::from(f.accumulate_dx)));
+    if f.mean.is_some() {
+        args.push(Arg::I32(i32::from(f.db.is_some())));
+    }
+    let grid = (blocks as u32, 1, 1);
+    be.launch(plan.kernel, grid, (plan.threads, 1, 1), 0, &args)?;
     be.launch(
         Kernel::NormBwdFusedFinish,
         (f.d.div_ceil(256) as u32, 1, 1),
@@ -343,18 +440,95 @@ fn fused_backward(be: &mut CudaBackend, f: &NormBwd) -> Result<bool> {
     Ok(true)
 }
 
+/// A fused backward's blocks and rows a block (its band) for `rows` rows, a block working on
+/// `at_once` rows at a time: at most [`MAX_BLOCKS`], each with a row per warp or row group at
+/// least; bands of equal rows (the last shorter), none empty.
+fn bands(rows: usize, at_once: usize) -> (usize, usize) {
+    let blocks = rows.div_ceil(at_once).min(MAX_BLOCKS);
+    if blocks == 0 {
+        return (0, 0);
+    }
+    let band = rows.div_ceil(blocks);
+    (rows.div_ceil(band), band)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn rows_the_default_kernels_take() {
-        assert_eq!(vectors(768, &[0, 16, 4096]), Some(3));
-        assert_eq!(vectors(1024, &[0]), Some(4));
-        assert_eq!(vectors(64, &[0]), Some(1));
-        assert_eq!(vectors(1000, &[0]), Some(4));
-        assert_eq!(vectors(1040, &[0]), None, "too wide");
-        assert_eq!(vectors(20, &[0]), None, "not a multiple of 8");
-        assert_eq!(vectors(768, &[8]), None, "unaligned");
+        use RowSplit::{Group, Lane};
+        assert_eq!(split(768, &[0, 16, 4096]), Some(Lane(3)));
+        assert_eq!(split(1024, &[0]), Some(Lane(4)));
+        assert_eq!(split(64, &[0]), Some(Lane(1)));
+        assert_eq!(split(1000, &[0]), Some(Lane(4)));
+        assert_eq!(split(1032, &[0]), Some(Group(2)), "past one warp");
+        assert_eq!(split(1536, &[0]), Some(Group(2)));
+        assert_eq!(split(2048, &[0]), Some(Group(2)));
+        assert_eq!(split(3000, &[0]), Some(Group(3)));
+        assert_eq!(split(4096, &[0, 16]), Some(Group(4)));
+        assert_eq!(split(8192, &[0]), Some(Group(8)));
+        assert_eq!(split(8200, &[0]), None, "too wide");
+        assert_eq!(split(20, &[0]), None, "not a multiple of 8");
+        assert_eq!(split(2052, &[0]), None, "not a multiple of 8");
+        assert_eq!(split(768, &[8]), None, "unaligned");
+        assert_eq!(split(4096, &[0, 8]), None, "unaligned");
+    }
+
+    #[test]
+    fn wide_launches_fit_their_kernels() {
+        for d in (LANE_DIM + 8..=MAX_DIM).step_by(8) {
+            let Some(RowSplit::Group(w)) = split(d, &[0]) else {
+                panic!("{d} is not split over warps");
+            };
+            for s in 0..2 {
+                for table in [&LAYER_NORM, &RMS_NORM] {
+                    for plan in [
+                        fwd_plan(table, s, RowSplit::Group(w)),
+                        bwd_plan(table, s, RowSplit::Group(w)),
+                    ] {
+                        // The group's threads hold the row; groups fill the block, which its
+                        // __launch_bounds__ allows, with a named barrier each (1..=15).
+                        assert!(256 * WIDE_VECS * w >= d && 256 * WIDE_VECS * (w - 1) < d);
+                        assert_eq!(plan.threads as usize, 32 * w * plan.rows_at_once);
+                        assert!(plan.threads as usize <= WIDE_THREADS);
+                        assert!((1..=15).contains(&plan.rows_at_once));
+                        assert_eq!(plan.row_warps, Some(w));
+                    }
+                }
+            }
+        }
+        let llama = fwd_plan(&RMS_NORM, 1, RowSplit::Group(2));
+        assert_eq!(
+            (llama.threads, llama.rows_at_once),
+            (256, 4),
+            "d 2048: 4 rows of 2 warps"
+        );
+        let wide = bwd_plan(&RMS_NORM, 1, RowSplit::Group(8));
+        assert_eq!(
+            (wide.threads, wide.rows_at_once),
+            (256, 1),
+            "d 8192: 1 row of 8 warps"
+        );
+        let odd = bwd_plan(&LAYER_NORM, 0, RowSplit::Group(3));
+        assert_eq!(
+            (odd.threads, odd.rows_at_once),
+            (192, 2),
+            "d 3000: 2 rows of 3 warps"
+        );
+    }
+
+    #[test]
+    fn bands_cover_the_rows() {
+        assert_eq!(bands(0, 4), (0, 0));
+        assert_eq!(bands(3, 4), (1, 3));
+        assert_eq!(bands(37, 2), (19, 2), "one band a row pair, the last a row");
+        assert_eq!(bands(4099, 16), (125, 33), "125 bands of 33, the last of 7");
+        assert_eq!(bands(16_384, 4), (128, 128));
+        for (rows, at_once) in [(1, 1), (37, 2), (1000, 3), (33_000, 16), (16_385, 1)] {
+            let (blocks, band) = bands(rows, at_once);
+            assert!(blocks <= MAX_BLOCKS && band * blocks >= rows && band * (blocks - 1) < rows);
+        }
     }
 }

@@ -259,10 +259,14 @@ extern "C" __global__ void rms_norm_bwd_dx(Fv dy, Fv x, const float* w, const fl
 
 // ---------------------------------------------------------------- norm variants
 // The `multirow` forwards (PARC_NORM_FWD_KERNEL) and the `fused` backwards
-// (PARC_NORM_BWD_KERNEL), for rows of a multiple of 8 elements, at most 256·NV, with every
-// operand 16-byte aligned (the host falls back to the kernels above otherwise). Each keeps the
-// arithmetic of the kernel it replaces: the same per-lane element order, double statistics and
-// the same f32 expressions, so forward outputs and dx are those of the `warp` kernels.
+// (PARC_NORM_BWD_KERNEL), for rows of a multiple of 8 elements, at most NORM_WIDE_MAX_DIM,
+// with every operand 16-byte aligned (the host falls back to the kernels above otherwise).
+// Rows of at most 256·NV elements (NV ≤ 4: 1,024) run one warp a row (`*_multirow<NV>`,
+// `*_fused<NV>`), keeping the arithmetic of the kernel they replace: the same per-lane element
+// order, double statistics and the same f32 expressions, so forward outputs and dx are those
+// of the `warp` kernels. Wider rows run split over the warps of a row group (`*_wide`, below):
+// the same f32 expressions and double statistics, with each row's double sums added in
+// another order.
 
 // One 8-element vector as it is stored, kept in registers between the passes of a multirow
 // forward or a fused backward (bf16: 4 words, not the 8 floats it widens to).
@@ -297,6 +301,77 @@ __device__ __forceinline__ F8 widen(const RawF& r) {
     return f;
 }
 
+// The per-vector arithmetic every norm variant shares, so each computes the same f32
+// expressions. A forward's first row sum: adds one stored vector's x (LN) or x² (RMS), in
+// double.
+template <bool LN, typename Raw>
+__device__ __forceinline__ void fwd_first_sum(const Raw& r, double& s) {
+    F8 f = widen(r);
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+        double t = (double)f.v[e];
+        s += LN ? t : t * t;
+    }
+}
+
+// A LayerNorm forward's second row sum: adds one stored vector's (x − m)², in double.
+template <typename Raw>
+__device__ __forceinline__ void fwd_dev_sum(const Raw& r, double m, double& q) {
+    F8 f = widen(r);
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+        double d = (double)f.v[e] - m;
+        q += d * d;
+    }
+}
+
+// y's 8 elements from one stored vector of x: LN (x − mean)·rstd·w + b (without a bias,
+// + 0), RMS x·rstd·w.
+template <bool LN, typename Raw>
+__device__ __forceinline__ F8 fwd_out(const Raw& r, float mf, float rf, const F8& wv, const F8& bv, bool has_b) {
+    F8 f = widen(r), out;
+#pragma unroll
+    for (int e = 0; e < 8; e++)
+        out.v[e] = LN ? (f.v[e] - mf) * rf * wv.v[e] + (has_b ? bv.v[e] : 0.0f) : f.v[e] * rf * wv.v[e];
+    return out;
+}
+
+// A fused backward's first pass over one vector of dy (rd) and x (rx): adds its terms of the
+// row sums Σ g (LN only) and Σ g·xhat (g = dy·w, in double) and of its 8 columns' Σ dy·xhat
+// (aw) and Σ dy (ab, LN only), in f32.
+template <bool LN, typename Raw>
+__device__ __forceinline__ void bwd_sums(const Raw& rd, const Raw& rx, const F8& wv, float mf, float rf, double& sg, double& sgx, float* aw, float* ab) {
+    F8 d = widen(rd), v = widen(rx);
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+        float xhat = LN ? (v.v[e] - mf) * rf : v.v[e] * rf;
+        double g = (double)(d.v[e] * wv.v[e]);
+        if (LN) sg += g;
+        sgx += g * (double)xhat;
+        aw[e] += d.v[e] * xhat;
+        if (LN) ab[e] += d.v[e];
+    }
+}
+
+// One vector of a fused backward's dx from dy (rd), x (rx) and the row's means of g and
+// g·xhat; added to `acc` when accumulate_dx (acc is not read otherwise).
+template <bool LN, typename Raw>
+__device__ __forceinline__ F8 bwd_dx(const Raw& rd, const Raw& rx, const F8& wv, float mf, float rf, float mean_g, float mean_gx, const F8& acc, int accumulate_dx) {
+    F8 d = widen(rd), v = widen(rx), out;
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+        float g;
+        if (LN) {
+            float xhat = (v.v[e] - mf) * rf;
+            g = rf * (d.v[e] * wv.v[e] - mean_g - xhat * mean_gx);
+        } else {
+            g = rf * (d.v[e] * wv.v[e] - v.v[e] * rf * mean_gx);
+        }
+        out.v[e] = accumulate_dx ? acc.v[e] + g : g;
+    }
+    return out;
+}
+
 // Rows one warp of a multirow forward normalises together: all their vectors are loaded
 // before the first reduction, so twice the bytes of a one-row warp are in flight, and the two
 // rows' shuffle chains interleave.
@@ -329,13 +404,7 @@ __device__ __forceinline__ void norm_fwd_multirow(Fv x, const float* w, const fl
         if (r0 + i < rows) {
 #pragma unroll
             for (int k = 0; k < NV; k++) {
-                if (8 * lane + 256 * k < dim) {
-                    F8 f = widen(v[i][k]);
-                    for (int e = 0; e < 8; e++) {
-                        double t = (double)f.v[e];
-                        s[i] += LN ? t : t * t;
-                    }
-                }
+                if (8 * lane + 256 * k < dim) fwd_first_sum<LN>(v[i][k], s[i]);
             }
         }
     }
@@ -350,10 +419,7 @@ __device__ __forceinline__ void norm_fwd_multirow(Fv x, const float* w, const fl
             if (r0 + i < rows) {
 #pragma unroll
                 for (int k = 0; k < NV; k++) {
-                    if (8 * lane + 256 * k < dim) {
-                        F8 f = widen(v[i][k]);
-                        for (int e = 0; e < 8; e++) { double d = (double)f.v[e] - m[i]; q[i] += d * d; }
-                    }
+                    if (8 * lane + 256 * k < dim) fwd_dev_sum(v[i][k], m[i], q[i]);
                 }
             }
         }
@@ -388,14 +454,7 @@ __device__ __forceinline__ void norm_fwd_multirow(Fv x, const float* w, const fl
             if (LN && b) bv = ld8_f32(b, j);
 #pragma unroll
             for (int i = 0; i < NORM_FWD_RPW; i++) {
-                if (r0 + i < rows) {
-                    F8 f = widen(v[i][k]), out;
-                    for (int e = 0; e < 8; e++) {
-                        out.v[e] = LN ? (f.v[e] - mf[i]) * rf[i] * wv.v[e] + (b ? bv.v[e] : 0.0f)
-                                      : f.v[e] * rf[i] * wv.v[e];
-                    }
-                    st8(y, ((r0 + i) * dim + j) / 8, out);
-                }
+                if (r0 + i < rows) st8(y, ((r0 + i) * dim + j) / 8, fwd_out<LN>(v[i][k], mf[i], rf[i], wv, bv, b != nullptr));
             }
         }
     }
@@ -418,18 +477,18 @@ NORM_FWD_MULTIROW(3, false, _f32)
 NORM_FWD_MULTIROW(4, false, _f32)
 
 // Warps of a fused backward's block (most 16): 16 while the row and the dw/db partials fit in
-// 128 registers, fewer for wider rows (norm_variants.rs's BWD_THREADS mirrors the
-// __launch_bounds__ below).
+// 128 registers, fewer for wider rows (norm.rs's BWD_THREADS mirrors the __launch_bounds__
+// below).
 #define NORM_BWD_MAX_WARPS 16
 
 // A fused LayerNorm (LN) or RMSNorm backward: dx and the dw (and db) column partials in one
 // pass over dy and x. Block c owns rows [c·band, (c+1)·band); each warp takes rows warp,
 // warp + warps, … of the band, lane `lane` the vectors j = 8·lane + 256·k (k < NV, j < dim),
 // keeping the row's dy and x (and an accumulated dx) as stored (`B16`: all bf16, else all
-// f32) for dx's second pass, and its columns' Σ dy·xhat and Σ dy over its rows in f32 registers. The
-// block then adds its warps' sums in warp order in double and writes one f32 partial row per
-// block: part[c, j] (dw), part[blocks + c, j] (db, when `with_db`). Row statistics and dx
-// are exactly layer_norm_bwd_dx's / rms_norm_bwd_dx's.
+// f32) for dx's second pass, and its columns' Σ dy·xhat and Σ dy over its rows in f32
+// registers. The block then adds its warps' sums in warp order in double and writes one f32
+// partial row per block: part[c, j] (dw), part[blocks + c, j] (db, when `with_db`). Row
+// statistics and dx are exactly layer_norm_bwd_dx's / rms_norm_bwd_dx's.
 template <int NV, bool B16, bool LN>
 __device__ __forceinline__ void norm_bwd_fused(Fv dy, Fv x, const float* w, const float* mean, const float* rstd, Fv dx, float* part, long long rows, long long dim, long long band, int accumulate_dx, int with_db) {
     typedef typename RawOf<B16>::T Raw;
@@ -459,18 +518,7 @@ __device__ __forceinline__ void norm_bwd_fused(Fv dy, Fv x, const float* w, cons
 #pragma unroll
         for (int k = 0; k < NV; k++) {
             long long j = 8 * lane + 256 * k;
-            if (j < dim) {
-                F8 d = widen(rd[k]), v = widen(rx[k]), wv = ld8_f32(w, j);
-#pragma unroll
-                for (int e = 0; e < 8; e++) {
-                    float xhat = LN ? (v.v[e] - mf) * rf : v.v[e] * rf;
-                    double g = (double)(d.v[e] * wv.v[e]);
-                    if (LN) sg += g;
-                    sgx += g * (double)xhat;
-                    aw[k][e] += d.v[e] * xhat;
-                    if (LN) ab[k][e] += d.v[e];
-                }
-            }
+            if (j < dim) bwd_sums<LN>(rd[k], rx[k], ld8_f32(w, j), mf, rf, sg, sgx, aw[k], ab[k]);
         }
         // An accumulated dx is loaded before the row's shuffle reductions, which hide its
         // latency.
@@ -488,20 +536,9 @@ __device__ __forceinline__ void norm_bwd_fused(Fv dy, Fv x, const float* w, cons
         for (int k = 0; k < NV; k++) {
             long long j = 8 * lane + 256 * k;
             if (j < dim) {
-                F8 d = widen(rd[k]), v = widen(rx[k]), wv = ld8_f32(w, j), out;
-                if (accumulate_dx) out = widen(rdx[k]);
-#pragma unroll
-                for (int e = 0; e < 8; e++) {
-                    float g;
-                    if (LN) {
-                        float xhat = (v.v[e] - mf) * rf;
-                        g = rf * (d.v[e] * wv.v[e] - mean_g - xhat * mean_gx);
-                    } else {
-                        g = rf * (d.v[e] * wv.v[e] - v.v[e] * rf * mean_gx);
-                    }
-                    out.v[e] = accumulate_dx ? out.v[e] + g : g;
-                }
-                st8(dx, (o + j) / 8, out);
+                F8 acc;
+                if (accumulate_dx) acc = widen(rdx[k]);
+                st8(dx, (o + j) / 8, bwd_dx<LN>(rd[k], rx[k], ld8_f32(w, j), mf, rf, mean_g, mean_gx, acc, accumulate_dx));
             }
         }
     }
@@ -561,6 +598,264 @@ extern "C" __global__ void norm_bwd_fused_finish(const float* part, float* dw, f
         db[j] = accumulate ? (float)((double)db[j] + t) : (float)t;
     }
 }
+
+// ---------------------------------------------------------------- wide norm rows
+// Rows of 1,025..=NORM_WIDE_MAX_DIM elements (the `*_wide` kernels) are split over a row
+// group of W warps (the host's W = ⌈dim / (256·NORM_WIDE_VECS)⌉: 2 to 8): thread
+// t = lane + 32·w (w < W) owns the 8-element vectors j = 8·t + 256·W·k, k < NORM_WIDE_VECS,
+// j < dim, and holds them as stored, so a row is read from memory once. A block of
+// NORM_WIDE_THREADS threads at most holds ⌊8 / W⌋ row groups, each with its own named barrier,
+// so groups never wait for each other. A row's double sums are each warp's butterfly, then the
+// group's W warp sums added in warp order through shared memory: deterministic and the same
+// in every thread of the group, but in another order than the one-warp kernels', so
+// statistics and dx may differ from theirs in the last bits. The f32 expressions are theirs.
+#define NORM_WIDE_VECS 4
+#define NORM_WIDE_MAX_DIM 8192
+#define NORM_WIDE_THREADS 256
+
+// Where a thread of a wide kernel is: its row group g of W = row_warps warps, its index t in
+// the group, its first column j0 = 8·t and the columns between its vectors (step = 256·W).
+struct WideAt {
+    int g, row_warps, t;
+    long long j0, step;
+};
+
+__device__ __forceinline__ WideAt wide_at(int row_warps) {
+    WideAt at;
+    at.row_warps = row_warps;
+    at.g = (threadIdx.x >> 5) / row_warps;
+    at.t = threadIdx.x - 32 * row_warps * at.g;
+    at.j0 = 8LL * at.t;
+    at.step = 256LL * row_warps;
+    return at;
+}
+
+// Waits for the 32·W threads of row group g (named barrier 1 + g; 0 is __syncthreads'), which
+// also orders their shared-memory accesses.
+__device__ __forceinline__ void group_barrier(const WideAt& at) {
+    asm volatile("bar.sync %0, %1;" ::"r"(at.g + 1), "r"(32 * at.row_warps) : "memory");
+}
+
+// The sum over the thread's row group of each thread's `v`, in every thread of the group: each
+// warp's butterfly into slot[warp], the group's barrier, then the group's slots in warp order.
+// The caller writes a slot array once per row (the forward: one row per group).
+__device__ __forceinline__ double group_sum(double v, double* slot, const WideAt& at) {
+    v = warp_sum_d(v);
+    if ((threadIdx.x & 31) == 0) slot[threadIdx.x >> 5] = v;
+    group_barrier(at);
+    double s = 0.0;
+    for (int u = at.g * at.row_warps; u < (at.g + 1) * at.row_warps; u++) s += slot[u];
+    return s;
+}
+
+// A wide LayerNorm (LN: mean, optional bias) or RMSNorm forward: group g of block c
+// normalises row c·G + g (G = groups a block), x held as stored (`B16`: bf16, else f32; y
+// may be either), y by multirow's f32 expressions.
+template <bool B16, bool LN>
+__device__ __forceinline__ void norm_fwd_wide(Fv x, const float* w, const float* b, Fv y, float* mean, float* rstd, long long rows, long long dim, double eps, int row_warps) {
+    typedef typename RawOf<B16>::T Raw;
+    __shared__ double red[2][NORM_WIDE_THREADS / 32];
+    WideAt at = wide_at(row_warps);
+    long long r = blockIdx.x * (long long)((blockDim.x >> 5) / row_warps) + at.g, o = r * dim;
+    if (r >= rows) return;
+    Raw v[NORM_WIDE_VECS];
+#pragma unroll
+    for (int k = 0; k < NORM_WIDE_VECS; k++) {
+        long long j = at.j0 + at.step * k;
+        if (j < dim) ld_raw(x.p, (o + j) / 8, v[k]);
+    }
+    double s = 0.0;
+#pragma unroll
+    for (int k = 0; k < NORM_WIDE_VECS; k++) {
+        if (at.j0 + at.step * k < dim) fwd_first_sum<LN>(v[k], s);
+    }
+    float mf = 0.0f, rf;
+    if (LN) {
+        double m = group_sum(s, red[0], at) / (double)dim, q = 0.0;
+#pragma unroll
+        for (int k = 0; k < NORM_WIDE_VECS; k++) {
+            if (at.j0 + at.step * k < dim) fwd_dev_sum(v[k], m, q);
+        }
+        double var = group_sum(q, red[1], at) / (double)dim;
+        mf = (float)m;
+        rf = (float)(1.0 / sqrt(var + eps));
+    } else {
+        double ms = group_sum(s, red[0], at) / (double)dim;
+        rf = (float)(1.0 / sqrt(ms + eps));
+    }
+    if (at.t == 0) {
+        if (LN) mean[r] = mf;
+        rstd[r] = rf;
+    }
+#pragma unroll
+    for (int k = 0; k < NORM_WIDE_VECS; k++) {
+        long long j = at.j0 + at.step * k;
+        if (j < dim) {
+            F8 wv = ld8_f32(w, j), bv;
+            if (LN && b) bv = ld8_f32(b, j);
+            st8(y, (o + j) / 8, fwd_out<LN>(v[k], mf, rf, wv, bv, b != nullptr));
+        }
+    }
+}
+
+// Launch: grid ⌈rows / G⌉, block 32·W·G threads (G = ⌊8 / W⌋ row groups).
+#define NORM_FWD_WIDE(B16, SUFFIX)                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(NORM_WIDE_THREADS) layer_norm_fwd_wide##SUFFIX(Fv x, const float* w, const float* b, Fv y, float* mean, float* rstd, long long rows, long long dim, double eps, int row_warps) { \
+        norm_fwd_wide<B16, true>(x, w, b, y, mean, rstd, rows, dim, eps, row_warps);                                                           \
+    }                                                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(NORM_WIDE_THREADS) rms_norm_fwd_wide##SUFFIX(Fv x, const float* w, Fv y, float* rstd, long long rows, long long dim, double eps, int row_warps) { \
+        norm_fwd_wide<B16, false>(x, w, nullptr, y, nullptr, rstd, rows, dim, eps, row_warps);                                                  \
+    }
+NORM_FWD_WIDE(true, _bf16)
+NORM_FWD_WIDE(false, _f32)
+
+// A backward's two row sums over the thread's row group, (Σ g, Σ g·xhat) (Σ g only for LN),
+// in every thread of the group, as group_sum. Rows alternate between two slot buffers, so a
+// warp writes a buffer again only after every warp of its group has passed the barrier of the
+// row between, that is, has read it.
+template <bool LN>
+__device__ __forceinline__ double2 group_sums(double sg, double sgx, double2* slot, const WideAt& at) {
+    if (LN) sg = warp_sum_d(sg);
+    sgx = warp_sum_d(sgx);
+    if ((threadIdx.x & 31) == 0) slot[threadIdx.x >> 5] = make_double2(sg, sgx);
+    group_barrier(at);
+    double2 s = make_double2(0.0, 0.0);
+    for (int u = at.g * at.row_warps; u < (at.g + 1) * at.row_warps; u++) {
+        if (LN) s.x += slot[u].x;
+        s.y += slot[u].y;
+    }
+    return s;
+}
+
+// Loads row r's vectors of dy and x that a wide thread owns, and the row's mean (LN) and rstd.
+template <bool LN, typename Raw>
+__device__ __forceinline__ void wide_row_load(Fv dy, Fv x, const float* mean, const float* rstd, long long r, long long dim, const WideAt& at, Raw (&rd)[NORM_WIDE_VECS], Raw (&rx)[NORM_WIDE_VECS], float& mf, float& rf) {
+#pragma unroll
+    for (int k = 0; k < NORM_WIDE_VECS; k++) {
+        long long j = at.j0 + at.step * k;
+        if (j < dim) {
+            ld_raw(dy.p, (r * dim + j) / 8, rd[k]);
+            ld_raw(x.p, (r * dim + j) / 8, rx[k]);
+        }
+    }
+    mf = LN ? mean[r] : 0.0f;
+    rf = rstd[r];
+}
+
+// One row of a wide backward, its dy (rd) and x (rx) loaded: adds the row to the thread's
+// column sums (aw, ab), reduces the row sums over the group (`slot`: this row's buffer) and
+// writes the row's dx (at element offset o), as norm_bwd_fused does.
+template <bool LN, typename Raw>
+__device__ __forceinline__ void wide_bwd_row(const Raw (&rd)[NORM_WIDE_VECS], const Raw (&rx)[NORM_WIDE_VECS], const float* w, float mf, float rf, Fv dx, long long o, long long dim, const WideAt& at, double2* slot, int accumulate_dx, float (&aw)[NORM_WIDE_VECS][8], float (&ab)[NORM_WIDE_VECS][8]) {
+    double sg = 0.0, sgx = 0.0;
+#pragma unroll
+    for (int k = 0; k < NORM_WIDE_VECS; k++) {
+        long long j = at.j0 + at.step * k;
+        if (j < dim) bwd_sums<LN>(rd[k], rx[k], ld8_f32(w, j), mf, rf, sg, sgx, aw[k], ab[k]);
+    }
+    // An accumulated dx is loaded before the row's reductions, which hide its latency.
+    Raw rdx[NORM_WIDE_VECS];
+#pragma unroll
+    for (int k = 0; k < NORM_WIDE_VECS; k++) {
+        long long j = at.j0 + at.step * k;
+        if (accumulate_dx && j < dim) ld_raw(dx.p, (o + j) / 8, rdx[k]);
+    }
+    double2 s = group_sums<LN>(sg, sgx, slot, at);
+    float mean_g = LN ? (float)(s.x / (double)dim) : 0.0f, mean_gx = (float)(s.y / (double)dim);
+#pragma unroll
+    for (int k = 0; k < NORM_WIDE_VECS; k++) {
+        long long j = at.j0 + at.step * k;
+        if (j < dim) {
+            F8 acc;
+            if (accumulate_dx) acc = widen(rdx[k]);
+            st8(dx, (o + j) / 8, bwd_dx<LN>(rd[k], rx[k], ld8_f32(w, j), mf, rf, mean_g, mean_gx, acc, accumulate_dx));
+        }
+    }
+}
+
+// The column sums of a wide backward's block: for each sum (dw, then db when `with_db`) and
+// each vector k, every group's f32 sums of its columns through shared memory, added in group
+// order in double: part[c, j] (dw), part[blocks + c, j] (db), as norm_bwd_fused writes them.
+// Thread t of group g holds columns 256·W·k + 8·t + e.
+template <bool LN>
+__device__ __forceinline__ void wide_bwd_partials(const float (&aw)[NORM_WIDE_VECS][8], const float (&ab)[NORM_WIDE_VECS][8], float* part, long long dim, const WideAt& at, int with_db) {
+    // 16-byte aligned: each thread stores its 8 columns as two float4s.
+    __shared__ __align__(16) float red[8 * NORM_WIDE_THREADS];
+    int cols = 256 * at.row_warps, groups = (blockDim.x >> 5) / at.row_warps;
+#pragma unroll
+    for (int q = 0; q < 2; q++) {
+        if (q == 1 && !(LN && with_db)) break;
+#pragma unroll
+        for (int k = 0; k < NORM_WIDE_VECS; k++) {
+            const float* a = q == 0 ? aw[k] : ab[k];
+            __syncthreads();
+            float4* mine = (float4*)&red[at.g * cols + 8 * at.t];
+            mine[0] = make_float4(a[0], a[1], a[2], a[3]);
+            mine[1] = make_float4(a[4], a[5], a[6], a[7]);
+            __syncthreads();
+            for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+                long long col = (long long)cols * k + c;
+                if (col < dim) {
+                    double s = 0.0;
+                    for (int u = 0; u < groups; u++) s += (double)red[u * cols + c];
+                    part[((long long)q * gridDim.x + blockIdx.x) * dim + col] = (float)s;
+                }
+            }
+        }
+    }
+}
+
+// A wide fused LayerNorm (LN) or RMSNorm backward: norm_bwd_fused with each row split over a
+// row group of `row_warps` warps. Block c (G = blockDim.x / (32·row_warps) groups) owns rows
+// [c·band, (c+1)·band); group g takes rows g, g + G, … of the band, each thread its vectors
+// of the row's dy and x (and an accumulated dx) as stored, and its columns' Σ dy·xhat and
+// Σ dy over the group's rows in f32 registers. With `PF` a group loads its next row before
+// working on the current one, so its loads overlap its arithmetic and barrier (twice the row
+// registers: for bf16, whose rows take half those of f32).
+template <bool B16, bool LN, bool PF>
+__device__ __forceinline__ void norm_bwd_wide(Fv dy, Fv x, const float* w, const float* mean, const float* rstd, Fv dx, float* part, long long rows, long long dim, long long band, int row_warps, int accumulate_dx, int with_db) {
+    typedef typename RawOf<B16>::T Raw;
+    __shared__ double2 rowred[2][NORM_WIDE_THREADS / 32];
+    WideAt at = wide_at(row_warps);
+    int groups = (blockDim.x >> 5) / row_warps, buf = 0;
+    float aw[NORM_WIDE_VECS][8], ab[NORM_WIDE_VECS][8];
+#pragma unroll
+    for (int k = 0; k < NORM_WIDE_VECS; k++) {
+#pragma unroll
+        for (int e = 0; e < 8; e++) { aw[k][e] = 0.0f; ab[k][e] = 0.0f; }
+    }
+    long long r = blockIdx.x * band + at.g, r1 = min(rows, (blockIdx.x + 1) * band);
+    Raw rd[NORM_WIDE_VECS], rx[NORM_WIDE_VECS];
+    float mf = 0.0f, rf = 0.0f;
+    if (PF && r < r1) wide_row_load<LN>(dy, x, mean, rstd, r, dim, at, rd, rx, mf, rf);
+    for (; r < r1; r += groups, buf ^= 1) {
+        Raw nd[NORM_WIDE_VECS], nx[NORM_WIDE_VECS];
+        float nmf = 0.0f, nrf = 0.0f;
+        if (!PF) wide_row_load<LN>(dy, x, mean, rstd, r, dim, at, rd, rx, mf, rf);
+        else if (r + groups < r1) wide_row_load<LN>(dy, x, mean, rstd, r + groups, dim, at, nd, nx, nmf, nrf);
+        wide_bwd_row<LN>(rd, rx, w, mf, rf, dx, r * dim, dim, at, rowred[buf], accumulate_dx, aw, ab);
+        if (PF) {
+#pragma unroll
+            for (int k = 0; k < NORM_WIDE_VECS; k++) { rd[k] = nd[k]; rx[k] = nx[k]; }
+            mf = nmf;
+            rf = nrf;
+        }
+    }
+    wide_bwd_partials<LN>(aw, ab, part, dim, at, with_db);
+}
+
+// Launch: at most 128 blocks of row bands, block 32·W·G threads (G = ⌊8 / W⌋ row groups),
+// then norm_bwd_fused_finish. bf16 prefetches (ptxas, sm_90a: 230 registers for LN, 196 for
+// RMS), f32 does not (232, 202): one block of 8 warps an SM either way.
+#define NORM_BWD_WIDE(B16, PF, SUFFIX)                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(NORM_WIDE_THREADS, 1) layer_norm_bwd_wide##SUFFIX(Fv dy, Fv x, const float* w, const float* mean, const float* rstd, Fv dx, float* part, long long rows, long long dim, long long band, int row_warps, int accumulate_dx, int with_db) { \
+        norm_bwd_wide<B16, true, PF>(dy, x, w, mean, rstd, dx, part, rows, dim, band, row_warps, accumulate_dx, with_db);                     \
+    }                                                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(NORM_WIDE_THREADS, 1) rms_norm_bwd_wide##SUFFIX(Fv dy, Fv x, const float* w, const float* rstd, Fv dx, float* part, long long rows, long long dim, long long band, int row_warps, int accumulate_dx) { \
+        norm_bwd_wide<B16, false, PF>(dy, x, w, nullptr, rstd, dx, part, rows, dim, band, row_warps, accumulate_dx, 0);                        \
+    }
+NORM_BWD_WIDE(true, true, _bf16)
+NORM_BWD_WIDE(false, false, _f32)
 
 // ---------------------------------------------------------------- cross-entropy
 // The split form (vocab split across tensor-parallel ranks): one pass over the [rows, vocab]
