@@ -175,7 +175,7 @@ variants! {
         Staged "staged", Rows "rows"
     }
     /// LayerNorm/RMSNorm forwards (`norm_fwd`, PARC_NORM_FWD_KERNEL): two rows per warp
-    /// (`multirow`; `warp` for rows wider than 1024, not a multiple of 8, or unaligned), or one
+    /// (`multirow`; `warp` for rows wider than 8192, not a multiple of 8, or unaligned), or one
     /// row per warp (`warp`).
     norm_fwd: NormFwdKernel "norm_fwd" "PARC_NORM_FWD_KERNEL" {
         Multirow "multirow", Warp "warp"
