@@ -11,7 +11,9 @@
 //!
 //! Also: a NaN in an operand makes the GEMM's output NaN on both backends (the non-finite
 //! check still fires); an infinity makes it non-finite on the GPU; blockwise with a block other
-//! than 128 is an error that names what is supported.
+//! than 128 is an error that names what is supported; rowwise, which cuBLASLt's algorithm search
+//! refuses on Hopper (`CUBLAS_STATUS_INVALID_VALUE` for outer-vector scales, H200 and H100,
+//! 2026-12-05), is an error naming the GEMM and the scaling, not a wrong result.
 use crate::harness::{check_with, gpu, Case, Data, Rng, BF16_STORED, SCALARS};
 use parc_compiler::ir::fp8::{Fp8Format, Fp8Gemm, Fp8Scaling};
 use parc_compiler::ir::op::{Act, Op};
@@ -20,8 +22,16 @@ use parc_compiler::ir::{BufferId, DType};
 /// FP8 GEMMs on f32 outputs: f32 sums of identical products in another order.
 const FP8_GEMM: f32 = 1e-3;
 
+/// The recipes the CUDA backend runs (rowwise: `rowwise_is_refused_with_its_reason`).
+fn recipes() -> Vec<Fp8Gemm> {
+    all_recipes()
+        .into_iter()
+        .filter(|g| g.scaling != Fp8Scaling::Rowwise)
+        .collect()
+}
+
 /// The three recipes, each with its default gradient format.
-fn recipes() -> [Fp8Gemm; 3] {
+fn all_recipes() -> [Fp8Gemm; 3] {
     [
         Fp8Gemm {
             scaling: Fp8Scaling::Tensorwise,
@@ -265,4 +275,40 @@ fn blockwise_with_another_block_is_unsupported() {
         err.contains("blockwise(64)") && err.contains("128"),
         "unexpected error: {err}"
     );
+}
+
+/// Rowwise FP8 GEMMs are refused (cuBLASLt finds no algorithm for outer-vector scales on
+/// Hopper): the error names the scaling and what the backend runs, and nothing is computed
+/// silently wrong.
+#[test]
+fn rowwise_is_refused_with_its_reason() {
+    let Some(mut gpu) = gpu() else { return };
+    let rowwise = all_recipes()
+        .into_iter()
+        .find(|g| g.scaling == Fp8Scaling::Rowwise)
+        .expect("a rowwise recipe");
+    let op = Op::Matmul {
+        in_dim: 64,
+        out_dim: 64,
+        bias: false,
+        act: None,
+        residual: false,
+        fp8: Some(rowwise),
+    };
+    let ids = [BufferId(0), BufferId(1), BufferId(2)];
+    for id in ids {
+        gpu.alloc(id, &[64 * 64], DType::F32).unwrap();
+    }
+    match gpu.compute(&op, &ids[..2], &ids[2..], &SCALARS) {
+        // A cuBLASLt that runs it: the emulation tests then must cover it (add rowwise back
+        // to `recipes`).
+        Ok(()) => panic!("rowwise FP8 ran: add it back to the recipes the GPU tests check"),
+        Err(e) => {
+            let e = e.to_string();
+            assert!(e.contains("rowwise") && e.contains("cuBLASLt"), "{e}");
+        }
+    }
+    for id in ids {
+        gpu.free(id).unwrap();
+    }
 }
