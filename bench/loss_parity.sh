@@ -17,7 +17,8 @@
 # MODEL=llama: the Llama family instead (bench/torch_llama_peer.py parity): examples/llama3.2-1b.par
 # on the GPU (8 × 2048, bf16, 200 steps), a 2-layer examples/tiny-llama.par on the CPU.
 # Environment: PARC (the binary; default .device/parc, else target/{release,debug}/parc),
-# PYTHON (default python3), STEPS, BATCH, PRECISION (bf16|fp32), TOLERANCE, GATE (step|window).
+# PYTHON (default python3), STEPS, BATCH, PRECISION (bf16|fp32), TOLERANCE, GATE (step|window),
+# FLOOR=1 (also the peer against itself at half the micro batch: floor.txt).
 # Output: $OUT/loss-parity-MODEL-MODE/ (or .device/out/… without $OUT): plan.json,
 # batches.jsonl, parc.jsonl, peer.jsonl, parc.stderr, peer.stderr, comparison.txt,
 # comparison.json; the init weights are written to a temporary folder and removed.
@@ -116,6 +117,27 @@ started=$SECONDS
     exit 1
 }
 echo "peer: $((SECONDS - started)) s"
+
+# FLOOR=1: the peer again, its batch in two micro batches (the same samples, the same recipe,
+# gradients summed in another order): how far two correct bf16 runs drift apart on this
+# recipe, the floor under parc's distance from the peer.
+if [[ -n "${FLOOR:-}" ]]; then
+    echo "== PyTorch peer again, micro batch $((batch / 2)) (the floor)"
+    started=$SECONDS
+    "$python" "$peer" parity --plan "$out/plan.json" --init "$scratch/init.safetensors" \
+        --batches "$out/batches.jsonl" --data "$data" --format bytes \
+        --lr "$lr" --schedule cosine --warmup "$warmup" --min-lr "$min_lr" --decay-steps "$steps" \
+        --device "$device" --precision "$precision" --micro-batch "$((batch / 2))" \
+        --out "$out/peer-half.jsonl" > /dev/null 2> "$out/peer-half.stderr" || {
+        echo "error: the second peer run failed; its stderr ($out/peer-half.stderr) ends with:" >&2
+        tail -20 "$out/peer-half.stderr" >&2
+        exit 1
+    }
+    echo "peer again: $((SECONDS - started)) s"
+    echo "== the floor: the peer against itself"
+    "$python" bench/parity/compare.py "$out/peer-half.jsonl" "$out/peer.jsonl" --tolerance "$tolerance" \
+        --gate "$gate" --json "$out/floor.json" | tee "$out/floor.txt" || true
+fi
 
 echo "== comparison"
 set +e
