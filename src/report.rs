@@ -258,7 +258,6 @@ fn render_needs(out: &mut String, report: &CostReport, needs: &[Need]) {
     aligned_table(out, &rows, true);
 }
 
-/// Each lowered program's model state in bytes per parameter it holds (docs/memory.md).
 /// `train.fp8`: each linear layer's GEMM precision and the reason, consecutive layers with the
 /// same choice and reason kind folded into one line.
 pub fn render_fp8(choices: &[parc_compiler::fp8::Choice]) -> String {
@@ -306,6 +305,7 @@ pub fn render_fp8(choices: &[parc_compiler::fp8::Choice]) -> String {
     out
 }
 
+/// Each lowered program's model state in bytes per parameter it holds (docs/memory.md).
 fn render_model_state(out: &mut String, needs: &[Need]) {
     let _ = writeln!(
         out,
