@@ -258,13 +258,16 @@ fn render_needs(out: &mut String, report: &CostReport, needs: &[Need]) {
     aligned_table(out, &rows, true);
 }
 
-/// Each lowered program's model state in bytes per parameter it holds (docs/memory.md).
-/// `train.fp8`: each linear layer's GEMM precision and the reason, consecutive layers with the
-/// same choice and reason kind folded into one line.
+/// `train.fp8`: which of each linear layer's GEMMs (forward, data gradient, weight gradient)
+/// run in FP8 and the reason, consecutive layers with the same choice and reason kind folded
+/// into one line; the count is of GEMM ops per microbatch (a layer's weights times its
+/// layouts).
 pub fn render_fp8(choices: &[parc_compiler::fp8::Choice]) -> String {
-    let fp8 = choices.iter().filter(|c| c.fp8).count();
+    let fp8: usize = choices.iter().map(|c| c.fp8_gemms()).sum();
+    let all: usize = choices.iter().map(|c| 3 * c.gemms.len()).sum();
+    let layers = choices.iter().filter(|c| c.any()).count();
     let mut out = format!(
-        "\nFP8 GEMMs: {fp8} of {} linear layers (forward, data and weight gradient each):\n",
+        "\nFP8 GEMMs: {fp8} of the {all} forward, data-gradient and weight-gradient GEMMs of {} linear layers ({layers} run some in FP8):\n",
         choices.len()
     );
     // Repeated layers with the same choice and reason are one line: `blocks.*.attn (32)`.
@@ -285,7 +288,7 @@ pub fn render_fp8(choices: &[parc_compiler::fp8::Choice]) -> String {
             .collect();
         let row = [
             pattern.join("."),
-            if c.fp8 { "fp8" } else { "bf16" }.to_string(),
+            c.label(),
             format!("{} ({})", c.explain(), shapes.join(", ")),
         ];
         match groups.iter_mut().find(|(r, _)| *r == row) {
@@ -306,6 +309,7 @@ pub fn render_fp8(choices: &[parc_compiler::fp8::Choice]) -> String {
     out
 }
 
+/// Each lowered program's model state in bytes per parameter it holds (docs/memory.md).
 fn render_model_state(out: &mut String, needs: &[Need]) {
     let _ = writeln!(
         out,

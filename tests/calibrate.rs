@@ -254,9 +254,11 @@ fn cuda_calibration_writes_a_profile_on_a_gpu() {
 }
 
 /// A quick bf16 CPU profile with blockwise FP8 GEMMs, those then made `speedup` times faster
-/// than measured (the CPU's emulation is slower than bf16: a profile says what a GPU would).
-fn fp8_profile(dir: &Path, speedup: f64) -> PathBuf {
-    let file = dir.join(format!("fp8-{speedup}.json"));
+/// than its bf16 GEMMs of the same layout (`fwd`, `bwd_data`, `bwd_weight`, in that order; the
+/// CPU's emulation is slower than bf16: a profile says what a GPU would).
+fn fp8_profile(dir: &Path, speedup: [f64; 3]) -> PathBuf {
+    let [fwd, data, weight] = speedup;
+    let file = dir.join(format!("fp8-{fwd}-{data}-{weight}.json"));
     parc_ok(&[
         "calibrate",
         "--backend",
@@ -279,6 +281,12 @@ fn fp8_profile(dir: &Path, speedup: f64) -> PathBuf {
     assert!(!bf16.is_empty() && gemm.iter().any(|g| g["dtype"] == "fp8_blockwise"));
     gemm.retain(|g| g["dtype"] == "bf16");
     for mut g in bf16 {
+        let speedup = match g["layout"].as_str() {
+            Some("fwd") => fwd,
+            Some("bwd_data") => data,
+            Some("bwd_weight") => weight,
+            other => panic!("a GEMM point of layout {other:?}"),
+        };
         g["dtype"] = "fp8_blockwise".into();
         g["seconds"] = (g["seconds"].as_f64().unwrap() / speedup).into();
         gemm.push(g);
@@ -311,16 +319,19 @@ fn fp8_losses(extra: &[&str]) -> Vec<f64> {
 fn check_and_run_choose_the_same_fp8_layers_from_a_profile() {
     let _alone = alone();
     let dir = temp_dir("fp8-choice");
-    let fast = fp8_profile(&dir, 8.0);
+    let fast = fp8_profile(&dir, [8.0; 3]);
     let mut args = vec!["check", "examples/tiny-llama.par"];
     args.extend_from_slice(&TINY_LLAMA_FP8);
     args.extend_from_slice(&["--calibration", path_str(&fast)]);
     let report = String::from_utf8(parc_ok(&args).stdout).unwrap();
+    // Every GEMM of the 8 layers but the head (4 blocks: 2 attention and 3 MLP weights) pays.
+    let count = "FP8 GEMMs: 60 of the 63 forward, data-gradient and weight-gradient GEMMs of 9 \
+                 linear layers (8 run some in FP8)";
+    assert!(report.contains(count), "{report}");
     assert!(
-        report.contains("FP8 GEMMs: 8 of 9 linear layers"),
+        report.contains("(measured): fwd ") && report.contains(" pays, weight "),
         "{report}"
     );
-    assert!(report.contains("(measured): pays"), "{report}");
     // Without the profile the roofline keeps every layer in bf16 (the cpu's FP8 peak is its
     // bf16 one); with it, run trains in FP8 as check said: the losses differ from bf16's.
     let roofline = fp8_losses(&[]);
@@ -328,6 +339,31 @@ fn check_and_run_choose_the_same_fp8_layers_from_a_profile() {
     let measured = fp8_losses(&["--calibration", path_str(&fast)]);
     assert_eq!(roofline, plain, "the roofline chooses no FP8 layer");
     assert_ne!(measured, plain, "the profile's FP8 layers run in FP8");
+}
+
+/// A profile whose FP8 forward and data-gradient GEMMs are faster than bf16 and whose weight
+/// gradients are slower (as measured on an H100): `check` says each layer runs those two in
+/// FP8, and `run` trains that mix (each GEMM op carries its own precision), which is neither
+/// the bf16 run nor the all-FP8 one.
+#[test]
+fn check_and_run_choose_fp8_per_gemm_from_a_profile() {
+    let _alone = alone();
+    let dir = temp_dir("fp8-per-gemm");
+    let mixed = fp8_profile(&dir, [8.0, 8.0, 0.5]);
+    let mut args = vec!["check", "examples/tiny-llama.par"];
+    args.extend_from_slice(&TINY_LLAMA_FP8);
+    args.extend_from_slice(&["--calibration", path_str(&mixed)]);
+    let report = String::from_utf8(parc_ok(&args).stdout).unwrap();
+    let count = "FP8 GEMMs: 40 of the 63 forward, data-gradient and weight-gradient GEMMs of 9 \
+                 linear layers (8 run some in FP8)";
+    assert!(report.contains(count), "{report}");
+    assert!(report.contains(" fp8 fwd+data "), "{report}");
+    assert!(report.contains(" slower"), "{report}");
+    let plain = fp8_losses(&["--set", "train.fp8=none"]);
+    let all = fp8_losses(&["--calibration", path_str(&fp8_profile(&dir, [8.0; 3]))]);
+    let some = fp8_losses(&["--calibration", path_str(&mixed)]);
+    assert_ne!(some, plain, "the forward and data gradients run in FP8");
+    assert_ne!(some, all, "the weight gradients stay bf16");
 }
 
 /// `--add-to` measures only the FP8 tables into a profile measured before: the bf16 points

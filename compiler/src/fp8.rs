@@ -1,17 +1,23 @@
-//! The FP8 plan of a spec with `train.fp8`: which linear layers run their three GEMMs (forward,
-//! data gradient, weight gradient) in FP8 and why, and the checks that make FP8 GEMMs compute
-//! what the single-rank run computes (docs/fp8.md).
+//! The FP8 plan of a spec with `train.fp8`: which of each linear layer's three GEMMs (forward,
+//! data gradient, weight gradient) run in FP8 and why, and the checks that make FP8 GEMMs
+//! compute what the single-rank run computes (docs/fp8.md).
 //!
-//! A layer's choice, in order: a `bf16: [...]` pin keeps it in bf16; an `fp8: [...]` pin puts
-//! it in FP8; the LM head (a linear layer onto the vocabulary) stays bf16; otherwise it runs in
-//! FP8 when the cost model says its GEMMs, quantization included, save at least 10% of their
-//! bf16 time ([`MIN_GAIN`]). The cost
-//! of one microbatch on one rank, at the layer's local shapes (tp shards, cp's share of the
-//! sequence), is a roofline: each GEMM takes max(2mnk / peak, bytes / bandwidth) at the bf16
-//! or FP8 tensor peak; FP8 adds the quantization of each GEMM's two operands (x, dy and W
-//! twice each) as the CUDA backend runs it (`runtime/src/cuda/fp8.rs`): per operand an amax
-//! pass reading it, a pass reading it again and writing it in FP8 in the layout its GEMM reads,
-//! at HBM bandwidth, and the scales' pass: three launches.
+//! A layer's choice, in order: a `bf16: [...]` pin keeps all three GEMMs in bf16; an
+//! `fp8: [...]` pin puts all three in FP8; the LM head (a linear layer onto the vocabulary)
+//! stays bf16; otherwise each GEMM layout (forward, data gradient, weight gradient, summed over
+//! the layer's weights) runs in FP8 when the cost model says that layout, quantization
+//! included, saves at least 10% of its bf16 time ([`MIN_GAIN`]; 3% where FP8 was measured,
+//! [`MIN_GAIN_MEASURED`]): the weight gradient, whose operands are both quantized along the
+//! tokens, may not pay where the forward does.
+//!
+//! The cost of one microbatch on one rank, at the layer's local shapes (tp shards, cp's share
+//! of the sequence), is the calibration profile's where it has the GEMMs ([`GemmPrices`]), else
+//! a roofline: each GEMM takes max(2mnk / peak, bytes / bandwidth) at the bf16 or FP8 tensor
+//! peak, its bytes the two operands it reads and the one it writes; FP8 adds the quantization
+//! of the GEMM's two operands (x and W forward, dy and W for the data gradient, dy and x for
+//! the weight gradient) as the CUDA backend runs it (`runtime/src/cuda/fp8.rs`): per operand an
+//! amax pass reading it, a pass reading it again and writing it in FP8 in the layout its GEMM
+//! reads, at HBM bandwidth, and the scales' pass: three launches.
 //!
 //! Every rank holding a piece of a scale group must use the group's one scale. Tensorwise and
 //! rowwise groups that span tp or cp ranks get it from an amax max-reduced over exactly those
@@ -22,7 +28,13 @@
 use crate::diag::{Diagnostic, Diagnostics};
 use crate::ir::fp8::{Fp8Gemm, Fp8Scaling, MIN_BLOCK};
 use crate::spec::{Fp8, LayerKind, Node, NodeId, Precision, Spec};
-use serde::Serialize;
+use serde::ser::SerializeStruct;
+use serde::{Serialize, Serializer};
+use std::ops::{Index, IndexMut};
+
+/// Which of a linear layer's three GEMMs: forward, data gradient, weight gradient (the
+/// calibration profile's GEMM layouts; [`GemmLayout::ALL`] is their order).
+pub use crate::timeline::profile::GemmLayout;
 
 /// Launch overhead of one quantization kernel, seconds.
 const QUANT_LAUNCH_S: f64 = 4e-6;
@@ -33,15 +45,102 @@ const QUANT_LAUNCHES: f64 = 3.0;
 /// The block size the CUDA backend's FP8 GEMMs take (cuBLASLt's VEC128 / BLK128x128 scales).
 pub const CUDA_BLOCK: u64 = 128;
 
-/// The share of a layer's bf16 GEMM time FP8 must save by the roofline to be chosen: a
+/// The share of a GEMM layout's bf16 time FP8 must save by the roofline to be chosen: a
 /// roofline counts FP8 GEMMs at the same fraction of their (doubled) peak as bf16 ones, which
 /// small FP8 GEMMs do not reach (torchao measures ~0.8× bf16 at d ≈ 1–2k). Until `parc
-/// calibrate` measures FP8 GEMMs, a layer must win clearly.
+/// calibrate` measures FP8 GEMMs, a GEMM must win clearly.
 pub const MIN_GAIN: f64 = 0.10;
 
 /// The share FP8 must save where a calibration profile measured both GEMMs (quantization
 /// included): enough to stay clear of the measurement's noise.
 pub const MIN_GAIN_MEASURED: f64 = 0.03;
+
+/// One value for each of a linear layer's three GEMM layouts, indexed by [`GemmLayout`]; stored
+/// in [`GemmLayout::ALL`]'s order: forward, data gradient, weight gradient. Serialized as an
+/// object keyed by the profile's layout names (`fwd`, `bwd_data`, `bwd_weight`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PerLayout<T>(pub [T; 3]);
+
+impl<T> PerLayout<T> {
+    /// The value `f` gives each layout.
+    pub fn from_fn(mut f: impl FnMut(GemmLayout) -> T) -> PerLayout<T> {
+        PerLayout(GemmLayout::ALL.map(&mut f))
+    }
+
+    /// Each layout's value through `f`.
+    pub fn map<U>(self, f: impl FnMut(T) -> U) -> PerLayout<U> {
+        PerLayout(self.0.map(f))
+    }
+
+    /// Each layout with its value, in [`GemmLayout::ALL`]'s order.
+    pub fn iter(&self) -> impl Iterator<Item = (GemmLayout, &T)> {
+        GemmLayout::ALL.into_iter().zip(self.0.iter())
+    }
+}
+
+impl<T: Copy> PerLayout<T> {
+    /// The same value for every layout.
+    pub fn splat(value: T) -> PerLayout<T> {
+        PerLayout([value; 3])
+    }
+}
+
+impl PerLayout<f64> {
+    /// The sum of `self` and `other`, layout by layout.
+    pub fn plus(self, other: PerLayout<f64>) -> PerLayout<f64> {
+        PerLayout::from_fn(|l| self[l] + other[l])
+    }
+}
+
+/// The slot of `layout` in a [`PerLayout`].
+fn slot(layout: GemmLayout) -> usize {
+    match layout {
+        GemmLayout::Fwd => 0,
+        GemmLayout::BwdData => 1,
+        GemmLayout::BwdWeight => 2,
+    }
+}
+
+impl<T> Index<GemmLayout> for PerLayout<T> {
+    type Output = T;
+    fn index(&self, layout: GemmLayout) -> &T {
+        &self.0[slot(layout)]
+    }
+}
+
+impl<T> IndexMut<GemmLayout> for PerLayout<T> {
+    fn index_mut(&mut self, layout: GemmLayout) -> &mut T {
+        &mut self.0[slot(layout)]
+    }
+}
+
+impl<T: Serialize> Serialize for PerLayout<T> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut out = s.serialize_struct("PerLayout", 3)?;
+        for (layout, value) in self.iter() {
+            out.serialize_field(key(layout), value)?;
+        }
+        out.end()
+    }
+}
+
+/// A layout's name in JSON, as the calibration profile spells it.
+fn key(layout: GemmLayout) -> &'static str {
+    match layout {
+        GemmLayout::Fwd => "fwd",
+        GemmLayout::BwdData => "bwd_data",
+        GemmLayout::BwdWeight => "bwd_weight",
+    }
+}
+
+/// A layout's short name for people (`parc check`'s FP8 table): `fwd`, `data`, `weight`.
+pub fn short_name(layout: GemmLayout) -> &'static str {
+    match layout {
+        GemmLayout::Fwd => "fwd",
+        GemmLayout::BwdData => "data",
+        GemmLayout::BwdWeight => "weight",
+    }
+}
 
 /// One GEMM of a layer at its local shape on one rank: `[rows, in] × [out, in]ᵀ`.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -52,21 +151,22 @@ pub struct Gemm {
     pub out_dim: u64,
 }
 
-/// Why a layer runs in the precision it does.
+/// Why a layer's GEMMs run in the precisions they do.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
 pub enum Reason {
-    /// A `bf16: [...]` pin.
+    /// A `bf16: [...]` pin: all three layouts bf16.
     PinnedBf16,
-    /// An `fp8: [...]` pin.
+    /// An `fp8: [...]` pin: all three layouts FP8.
     PinnedFp8,
-    /// The LM head stays bf16 unless pinned.
+    /// The LM head stays bf16 (all three layouts) unless pinned.
     LmHead,
-    /// The cost model's times of the layer's GEMMs for one microbatch, seconds, and what
-    /// priced them.
+    /// The cost model's seconds for one microbatch of each layout, summed over the layer's
+    /// GEMMs, in bf16 and in FP8 (quantization included), and what priced them: each layout
+    /// runs in FP8 where it [`pays`].
     Cost {
-        bf16_s: f64,
-        fp8_s: f64,
+        bf16_s: PerLayout<f64>,
+        fp8_s: PerLayout<f64>,
         priced_by: Pricing,
     },
 }
@@ -105,31 +205,68 @@ impl Pricing {
     }
 }
 
-/// A layer's GEMM priced in bf16 and FP8 by a measured profile (`timeline::Calibration`
-/// implements it): seconds of its forward, data-gradient and weight-gradient GEMMs in each,
-/// and how FP8's were priced; None where the profile cannot price them (the roofline then
-/// does).
-pub trait GemmPrices {
-    fn layer_gemm(
-        &self,
-        spec: &Spec,
-        gemm: &Gemm,
-        scaling: Fp8Scaling,
-    ) -> Option<(f64, f64, Pricing)>;
+/// One layer GEMM's seconds in each layout, in bf16 and in FP8 (quantization included), and
+/// what priced them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Priced {
+    pub bf16_s: PerLayout<f64>,
+    pub fp8_s: PerLayout<f64>,
+    pub priced_by: Pricing,
 }
 
-/// The choice for one linear layer.
+/// A layer's GEMM priced in bf16 and FP8 by a measured profile (`timeline::Calibration`
+/// implements it): the seconds of its forward, data-gradient and weight-gradient GEMMs in
+/// each, and how FP8's were priced; None where the profile cannot price them (the roofline
+/// then does).
+pub trait GemmPrices {
+    /// `gemm`'s three layouts under `spec`'s GPU, FP8 in `scaling`.
+    fn layer_gemm(&self, spec: &Spec, gemm: &Gemm, scaling: Fp8Scaling) -> Option<Priced>;
+}
+
+/// The choice for one linear layer: which of its GEMM layouts run in FP8 (each for all of the
+/// layer's weights), and why.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Choice {
     pub node: NodeId,
     pub name: String,
-    pub fp8: bool,
+    /// Whether each layout (forward, data gradient, weight gradient) runs in FP8.
+    pub fp8: PerLayout<bool>,
     pub reason: Reason,
     pub gemms: Vec<Gemm>,
 }
 
 impl Choice {
-    /// The reason in words, for `parc check` and `parc plan`.
+    /// Whether `layout` runs in FP8.
+    pub fn runs(&self, layout: GemmLayout) -> bool {
+        self.fp8[layout]
+    }
+
+    /// Whether any of the layer's GEMMs runs in FP8.
+    pub fn any(&self) -> bool {
+        self.fp8.0.iter().any(|&f| f)
+    }
+
+    /// How many of the layer's GEMM ops of one microbatch run in FP8: its weights times its
+    /// FP8 layouts.
+    pub fn fp8_gemms(&self) -> usize {
+        self.gemms.len() * self.fp8.0.iter().filter(|&&f| f).count()
+    }
+
+    /// Which GEMMs run FP8, for people: `fp8` (all three), `fp8 fwd+data` (some), `bf16`.
+    pub fn label(&self) -> String {
+        let on: Vec<&str> = (self.fp8.iter())
+            .filter(|(_, &f)| f)
+            .map(|(l, _)| short_name(l))
+            .collect();
+        match on.len() {
+            0 => "bf16".to_string(),
+            3 => "fp8".to_string(),
+            _ => format!("fp8 {}", on.join("+")),
+        }
+    }
+
+    /// The reason in words, for `parc check` and `parc plan`: a cost-decided layer's FP8 and
+    /// bf16 microseconds per layout and whether FP8 pays in each.
     pub fn explain(&self) -> String {
         match self.reason {
             Reason::PinnedBf16 => "pinned bf16".to_string(),
@@ -139,19 +276,27 @@ impl Choice {
                 bf16_s,
                 fp8_s,
                 priced_by,
-            } => format!(
-                "FP8 {:.1} µs against bf16 {:.1} µs per microbatch ({}): {}",
-                fp8_s * 1e6,
-                bf16_s * 1e6,
-                priced_by.words(),
-                match (pays(bf16_s, fp8_s, priced_by), fp8_s < bf16_s) {
-                    (true, _) => "pays".to_string(),
-                    (false, true) => {
-                        format!("saves under {:.0}%", priced_by.min_gain() * 100.0)
-                    }
-                    (false, false) => "slower".to_string(),
-                }
-            ),
+            } => {
+                let layouts: Vec<String> = GemmLayout::ALL
+                    .iter()
+                    .map(|&l| {
+                        let (b, f) = (bf16_s[l], fp8_s[l]);
+                        let verdict = match (pays(b, f, priced_by), f < b) {
+                            (true, _) => "pays".to_string(),
+                            (false, true) => {
+                                format!("saves under {:.0}%", priced_by.min_gain() * 100.0)
+                            }
+                            (false, false) => "slower".to_string(),
+                        };
+                        format!("{} {:.1}/{:.1} {verdict}", short_name(l), f * 1e6, b * 1e6)
+                    })
+                    .collect();
+                format!(
+                    "FP8/bf16 µs per microbatch ({}): {}",
+                    priced_by.words(),
+                    layouts.join(", ")
+                )
+            }
         }
     }
 }
@@ -183,13 +328,13 @@ pub fn choices(spec: &Spec, prices: Option<&dyn GemmPrices>) -> Vec<Choice> {
             }
             let reason = reason(spec, fp8, n, &gemms, prices);
             let fp8 = match reason {
-                Reason::PinnedBf16 | Reason::LmHead => false,
-                Reason::PinnedFp8 => true,
+                Reason::PinnedBf16 | Reason::LmHead => PerLayout::splat(false),
+                Reason::PinnedFp8 => PerLayout::splat(true),
                 Reason::Cost {
                     bf16_s,
                     fp8_s,
                     priced_by,
-                } => pays(bf16_s, fp8_s, priced_by),
+                } => PerLayout::from_fn(|l| pays(bf16_s[l], fp8_s[l], priced_by)),
             };
             Some(Choice {
                 node: NodeId(i as u32),
@@ -202,6 +347,8 @@ pub fn choices(spec: &Spec, prices: Option<&dyn GemmPrices>) -> Vec<Choice> {
         .collect()
 }
 
+/// Why `node` (whose GEMMs are `gemms`) runs as it does: a pin, the LM head, or its GEMMs'
+/// prices per layout, summed over its weights.
 fn reason(
     spec: &Spec,
     fp8: &Fp8,
@@ -219,14 +366,21 @@ fn reason(
         let priced = |g: &Gemm| {
             let measured = prices.and_then(|p| p.layer_gemm(spec, g, fp8.scaling));
             measured.unwrap_or_else(|| {
-                let (b, f) = times(spec, g);
-                (b, f, Pricing::Roofline)
+                let (bf16_s, fp8_s) = times(spec, g);
+                Priced {
+                    bf16_s,
+                    fp8_s,
+                    priced_by: Pricing::Roofline,
+                }
             })
         };
-        let (bf16_s, fp8_s, priced_by) = gemms.iter().map(priced).fold(
-            (0.0, 0.0, Pricing::Measured),
-            |(b, f, by), (gb, gf, g_by)| (b + gb, f + gf, by.min(g_by)),
-        );
+        let zero = PerLayout::splat(0.0);
+        let (bf16_s, fp8_s, priced_by) = gemms
+            .iter()
+            .map(priced)
+            .fold((zero, zero, Pricing::Measured), |(b, f, by), g| {
+                (b.plus(g.bf16_s), f.plus(g.fp8_s), by.min(g.priced_by))
+            });
         Reason::Cost {
             bf16_s,
             fp8_s,
@@ -235,9 +389,9 @@ fn reason(
     }
 }
 
-/// FP8 pays when the cost model says it saves at least its pricing's minimum gain of the
-/// bf16 time.
-fn pays(bf16_s: f64, fp8_s: f64, priced_by: Pricing) -> bool {
+/// FP8 pays for a GEMM layout when the cost model says it saves at least its pricing's minimum
+/// gain of that layout's bf16 time.
+pub fn pays(bf16_s: f64, fp8_s: f64, priced_by: Pricing) -> bool {
     fp8_s <= bf16_s * (1.0 - priced_by.min_gain())
 }
 
@@ -287,30 +441,41 @@ pub fn gemms(spec: &Spec, node: &Node) -> Vec<Gemm> {
     }
 }
 
-/// Seconds of one GEMM's forward, data gradient and weight gradient in bf16 and in FP8
-/// (quantization included), by the roofline of the module doc.
-pub fn times(spec: &Spec, g: &Gemm) -> (f64, f64) {
+/// Seconds of one GEMM's forward, data gradient and weight gradient (a [`PerLayout`] each) in
+/// bf16 and in FP8 (quantization included), by the roofline of the module doc: each layout
+/// reads its two operands and writes its output (forward: x, W → y; data gradient: dy, W →
+/// dx; weight gradient: dy, x → dW), two bytes an element in bf16, FP8's operands one.
+/// Without FP8 tensor cores FP8 takes forever.
+pub fn times(spec: &Spec, g: &Gemm) -> (PerLayout<f64>, PerLayout<f64>) {
     let gpu = &spec.cluster.gpu;
     let bw = gpu.memory_bandwidth.max(1.0);
     let (m, k, n) = (g.rows as f64, g.in_dim as f64, g.out_dim as f64);
     let flops = 2.0 * m * n * k;
+    // Each layout's (operand elements, output elements).
+    let elements = PerLayout([
+        (m * k + n * k, m * n),
+        (m * n + n * k, m * k),
+        (m * n + m * k, n * k),
+    ]);
     let gemm = |peak: f64, in_bytes: f64| {
-        let bytes = in_bytes * (m * k + n * k) + 2.0 * m * n;
-        (flops / peak.max(1.0)).max(bytes / bw)
+        elements.map(|(operands, output)| {
+            let bytes = in_bytes * operands + 2.0 * output;
+            (flops / peak.max(1.0)).max(bytes / bw)
+        })
     };
-    let bf16 = 3.0 * gemm(gpu.peak_flops, 2.0);
+    let bf16 = gemm(gpu.peak_flops, 2.0);
     let Some(peak8) = gpu.peak_flops_fp8 else {
-        return (bf16, f64::INFINITY);
+        return (bf16, PerLayout::splat(f64::INFINITY));
     };
-    let quant = quantize_each(spec, g).iter().sum::<f64>();
-    (bf16, 3.0 * gemm(peak8, 1.0) + quant)
+    let quant = quantize_each(spec, g);
+    (bf16, gemm(peak8, 1.0).plus(quant))
 }
 
 /// Seconds to quantize the operands of a layer's forward (x, W), data-gradient (dy, W) and
 /// weight-gradient (dy, x) GEMMs, each pair from bf16 into the layout its GEMM reads.
-pub fn quantize_each(spec: &Spec, g: &Gemm) -> [f64; 3] {
+pub fn quantize_each(spec: &Spec, g: &Gemm) -> PerLayout<f64> {
     let (m, k, n) = (g.rows as f64, g.in_dim as f64, g.out_dim as f64);
-    [m * k + n * k, m * n + n * k, m * n + m * k]
+    PerLayout([m * k + n * k, m * n + n * k, m * n + m * k])
         .map(|elements| quantize_seconds(elements, 2.0, &spec.cluster.gpu))
 }
 
@@ -420,7 +585,7 @@ fn scale_groups(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
     // Every layer the cost model may put in FP8, whatever prices it, so that the verdict does
     // not change with the calibration profile.
     let chosen: Vec<Choice> = (choices(spec, None).into_iter())
-        .filter(|c| c.fp8 || matches!(c.reason, Reason::Cost { .. }))
+        .filter(|c| c.any() || matches!(c.reason, Reason::Cost { .. }))
         .collect();
     if chosen.is_empty() {
         return;
@@ -561,10 +726,16 @@ mod tests {
             (&[], &[]),
         );
         let picked = choices(&big, None);
-        assert!(picked.iter().any(|c| c.fp8));
+        assert!(picked.iter().any(|c| c.any()));
         for c in &picked {
             let head = c.name == "head";
-            assert_eq!(c.fp8, !head, "{}: {}", c.name, c.explain());
+            assert_eq!(
+                c.fp8,
+                PerLayout::splat(!head),
+                "{}: {}",
+                c.name,
+                c.explain()
+            );
             if head {
                 assert_eq!(c.reason, Reason::LmHead);
             }
@@ -576,7 +747,7 @@ mod tests {
             blockwise(),
             (&[], &[]),
         );
-        assert!(choices(&small, None).iter().all(|c| !c.fp8));
+        assert!(choices(&small, None).iter().all(|c| !c.any()));
     }
 
     #[test]
@@ -594,8 +765,99 @@ mod tests {
                 n if n.ends_with(".mlp") || n == "head" => (true, Reason::PinnedFp8),
                 _ => (false, c.reason),
             };
+            let fp8 = PerLayout::splat(fp8);
             assert_eq!((c.fp8, c.reason), (fp8, reason), "{}", c.name);
         }
+    }
+
+    /// A price table: every GEMM of every layer takes one µs in bf16 and `fp8` µs per layout in
+    /// FP8, measured.
+    struct Table {
+        fp8: PerLayout<f64>,
+    }
+
+    impl GemmPrices for Table {
+        fn layer_gemm(&self, _: &Spec, _: &Gemm, _: Fp8Scaling) -> Option<Priced> {
+            Some(Priced {
+                bf16_s: PerLayout::splat(1e-6),
+                fp8_s: self.fp8.map(|us| us * 1e-6),
+                priced_by: Pricing::Measured,
+            })
+        }
+    }
+
+    /// The H100 case (Llama 3.2 1B, tensorwise): FP8 pays for the forward and the data
+    /// gradient, not the weight gradient, so a cost-decided layer runs exactly those two in
+    /// FP8, and the lowered program carries `fp8` on exactly those ops of the layer; pins and
+    /// the LM head still decide all three.
+    #[test]
+    fn each_gemm_runs_fp8_only_where_it_pays() {
+        use crate::ir::op::Op;
+        let spec = with_fp8(
+            &Dims::tiny(),
+            &Plan::default(),
+            Fp8Scaling::Tensorwise,
+            (&["blocks.0"], &[]),
+        );
+        // 0.79, 0.91 and 1.09 of bf16: H100's 780/988, 713/786 and 727/666 TFLOP/s.
+        let table = Table {
+            fp8: PerLayout([0.79, 0.91, 1.09]),
+        };
+        let picked = choices(&spec, Some(&table));
+        let fwd_data = PerLayout([true, true, false]);
+        // Each linear layer's expected choice, by node.
+        let mut expected = vec![None; spec.model.nodes.len()];
+        for c in &picked {
+            let want = match c.reason {
+                Reason::PinnedBf16 | Reason::LmHead => PerLayout::splat(false),
+                Reason::PinnedFp8 => PerLayout::splat(true),
+                Reason::Cost { .. } => fwd_data,
+            };
+            assert_eq!(c.fp8, want, "{}: {}", c.name, c.explain());
+            expected[c.node.0 as usize] = Some(want);
+        }
+        let cost = (picked.iter())
+            .find(|c| matches!(c.reason, Reason::Cost { .. }))
+            .expect("a cost-decided layer");
+        assert_eq!(cost.label(), "fp8 fwd+data");
+        // Two weights a layer (tiny's attention and MLP): 2 µs in bf16 per layout.
+        let why = "FP8/bf16 µs per microbatch (measured): fwd 1.6/2.0 pays, data 1.8/2.0 pays, \
+                   weight 2.2/2.0 slower";
+        assert_eq!(cost.explain(), why);
+        assert!(picked.iter().any(|c| c.reason == Reason::PinnedBf16));
+        assert!(picked.iter().any(|c| c.reason == Reason::LmHead));
+
+        let plan = match crate::lower::lower_chosen(&spec, Default::default(), &picked) {
+            Ok(plan) => plan,
+            Err(d) => panic!("{:?}", d.items),
+        };
+        let mut fp8_ops = PerLayout::splat(0);
+        for c in (plan.programs.iter())
+            .flat_map(|p| &p.instrs)
+            .filter_map(|i| i.as_compute())
+        {
+            let layout = match c.op {
+                Op::Matmul { .. } => GemmLayout::Fwd,
+                Op::MatmulBwdData { .. } => GemmLayout::BwdData,
+                Op::MatmulBwdWeight { .. } => GemmLayout::BwdWeight,
+                _ => continue,
+            };
+            let node = c
+                .node
+                .and_then(|n| expected.get(n.0 as usize).copied().flatten());
+            let Some(want) = node else {
+                panic!("a GEMM of no linear layer: {:?}", c.node);
+            };
+            assert_eq!(
+                c.op.fp8().is_some(),
+                want[layout],
+                "{:?} {layout:?}",
+                c.node
+            );
+            fp8_ops[layout] += usize::from(c.op.fp8().is_some());
+        }
+        assert!(fp8_ops[GemmLayout::Fwd] > 0 && fp8_ops[GemmLayout::BwdData] > 0);
+        assert_eq!(fp8_ops[GemmLayout::BwdWeight], 0);
     }
 
     #[test]
@@ -608,7 +870,7 @@ mod tests {
         );
         spec.cluster.gpu.name = "a100_80gb".into();
         spec.cluster.gpu.peak_flops_fp8 = None;
-        assert!(choices(&spec, None).iter().all(|c| !c.fp8));
+        assert!(choices(&spec, None).iter().all(|c| !c.any()));
         let diags = validate(&spec);
         let e = diags.items.iter().find(|d| d.code == "E1201");
         assert!(e.is_some_and(|d| d.message.contains("a100_80gb")));

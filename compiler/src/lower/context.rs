@@ -4,6 +4,7 @@
 //! could not have caught (E08xx).
 
 use crate::diag::{Diagnostic, Diagnostics};
+use crate::fp8::{GemmLayout, PerLayout};
 use crate::ir::fp8::Fp8Gemm;
 use crate::ir::op::Segment;
 use crate::ir::{Group, GroupId};
@@ -25,31 +26,33 @@ pub struct Groups {
     pub cptp: Option<GroupId>,
 }
 
-/// The layers to run in FP8, by node index, and their GEMMs' attribute.
+/// The GEMMs to run in FP8: for each node (by index), which of its layouts (forward, data
+/// gradient, weight gradient), and the attribute they get.
 pub struct Fp8Layers {
-    pub chosen: Vec<bool>,
+    pub chosen: Vec<PerLayout<bool>>,
     pub attr: Fp8Gemm,
 }
 
 impl Fp8Layers {
     /// From the spec's recipe and `crate::fp8`'s `choices`; None without `train.fp8` or when
-    /// every layer stays bf16.
+    /// every GEMM stays bf16.
     pub fn of(spec: &Spec, choices: &[crate::fp8::Choice]) -> Option<Fp8Layers> {
         let fp8 = spec.train.fp8.as_ref()?;
-        let mut chosen = vec![false; spec.model.nodes.len()];
-        for c in choices.iter().filter(|c| c.fp8) {
+        let mut chosen = vec![PerLayout::splat(false); spec.model.nodes.len()];
+        for c in choices.iter().filter(|c| c.any()) {
             if let Some(slot) = chosen.get_mut(c.node.0 as usize) {
-                *slot = true;
+                *slot = c.fp8;
             }
         }
-        chosen.iter().any(|&c| c).then(|| Fp8Layers {
+        (chosen.iter().flat_map(|c| c.0).any(|f| f)).then(|| Fp8Layers {
             chosen,
             attr: crate::fp8::gemm_attr(fp8),
         })
     }
 
-    pub fn runs(&self, node: NodeId) -> bool {
-        self.chosen.get(node.0 as usize) == Some(&true)
+    /// Whether `node`'s GEMM of `layout` runs in FP8.
+    pub fn runs(&self, node: NodeId, layout: GemmLayout) -> bool {
+        self.chosen.get(node.0 as usize).is_some_and(|c| c[layout])
     }
 }
 

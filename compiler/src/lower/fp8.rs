@@ -1,9 +1,9 @@
 //! FP8 GEMMs in a lowered program: the GEMM ops (forward, data and weight gradient, and their
-//! recomputed and evaluation copies) of the layers `crate::fp8` chose get the recipe's `fp8`
-//! attribute as they are emitted, with each operand's split across ranks, and, for every
+//! recomputed and evaluation copies) that `crate::fp8` chose, per layer and layout, get the
+//! recipe's `fp8` attribute as they are emitted, with each operand's split across ranks, and, for every
 //! operand whose scale groups span ranks, the amaxes the GEMM reads: an `Fp8Amax` of the
 //! operand's piece, max all-reduced over exactly the ranks holding the group's other pieces
-//! (`ir::fp8`, docs/fp8.md). Which layers and why is decided once per plan, not here.
+//! (`ir::fp8`, docs/fp8.md). Which GEMMs and why is decided once per plan, not here.
 //!
 //! The split is what this program holds of the single-rank run's operand: a weight is cut by
 //! tp along the dimension of its `TpSplit` (rows: column-parallel, columns: row-parallel); a
@@ -14,6 +14,7 @@
 
 use super::emitter::Emitter;
 use crate::diag::Diagnostic;
+use crate::fp8::GemmLayout;
 use crate::ir::fp8::{operands, Axes, Fp8AmaxAttrs, Fp8Gemm, Fp8Operand, Fp8Split, OperandKind};
 use crate::ir::op::Op;
 use crate::ir::{BufferId, BufferKind, CollectiveKind, GroupId, Phase, ReduceOp};
@@ -31,6 +32,15 @@ pub(super) enum Gemm {
 }
 
 impl Gemm {
+    /// The layout the FP8 choice names this GEMM by.
+    fn layout(self) -> GemmLayout {
+        match self {
+            Gemm::Forward => GemmLayout::Fwd,
+            Gemm::BwdData => GemmLayout::BwdData,
+            Gemm::BwdWeight => GemmLayout::BwdWeight,
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             Gemm::Forward => "fwd",
@@ -51,7 +61,8 @@ impl Emitter<'_> {
     /// The `fp8` attribute of `node`'s GEMM `gemm` (of microbatch `mb`) whose weight is `w`,
     /// whose first two `inputs` are its quantized operands, in `phase`; for each operand whose
     /// scale groups span ranks, its amaxes emitted here and reduced over those ranks, which the
-    /// GEMM takes as its last inputs. Nothing for a layer that stays bf16.
+    /// GEMM takes as its last inputs. Nothing for a GEMM that stays bf16 (`crate::fp8` chose
+    /// bf16 for this node's layout of `gemm`).
     pub(super) fn fp8_gemm(
         &mut self,
         (mb, node, w): (u32, NodeId, &str),
@@ -59,7 +70,7 @@ impl Emitter<'_> {
         inputs: &[BufferId],
         phase: Phase,
     ) -> Fp8Emitted {
-        let layers = self.fp8.filter(|l| l.runs(node));
+        let layers = self.fp8.filter(|l| l.runs(node, gemm.layout()));
         let (Some(layers), Some(&[a, b])) = (layers, inputs.get(..2)) else {
             return Fp8Emitted {
                 attr: None,

@@ -13,7 +13,7 @@ use super::costs::{SpecCosts, StepCosts};
 use super::profile::{
     rate_at, GemmDtype, GemmEpilogue, GemmLayout, GemmPoint, MemoryKind, MemoryPoint, Pass, Profile,
 };
-use crate::fp8::{Gemm, GemmPrices, Pricing};
+use crate::fp8::{Gemm, GemmPrices, PerLayout, Priced, Pricing};
 use crate::ir::fp8::Fp8Scaling;
 use crate::ir::op::{AttentionAttrs, Op};
 use crate::ir::table::{Family, FlopCount, Opcode, Rows, Shape, Signature};
@@ -381,36 +381,33 @@ fn dtype_code(dtype: GemmDtype) -> u64 {
     }
 }
 
-/// The FP8 choice's prices (`crate::fp8::choices`): a layer's GEMM in its three layouts from
-/// the profile's bf16 points, and from its FP8 points of the recipe's scaling where it has
-/// them, else at the FP8 peak's speed-up plus the roofline's quantization.
+/// The FP8 choice's prices (`crate::fp8::choices`): a layer's GEMM in each of its three
+/// layouts from the profile's bf16 points, and from its FP8 points of the recipe's scaling
+/// where it has them, else at the FP8 peak's speed-up plus the roofline's quantization.
 impl GemmPrices for Calibration {
-    fn layer_gemm(
-        &self,
-        spec: &Spec,
-        g: &Gemm,
-        scaling: Fp8Scaling,
-    ) -> Option<(f64, f64, Pricing)> {
+    fn layer_gemm(&self, spec: &Spec, g: &Gemm, scaling: Fp8Scaling) -> Option<Priced> {
         let costs = ProfileCosts::new(self, spec);
         let mnk = [g.rows, g.out_dim, g.in_dim];
         let fp8 = GemmDtype::Fp8(scaling);
         let measured = costs.has_gemm(fp8);
         let quantize = crate::fp8::quantize_each(spec, g);
-        let mut total = (0.0, 0.0);
-        for (layout, quantize) in GemmLayout::ALL.into_iter().zip(quantize) {
-            let bf16 = costs.gemm(layout, mnk, GemmDtype::Bf16, GemmEpilogue::PLAIN)?;
-            let fp8 = match measured {
-                true => costs.gemm(layout, mnk, fp8, GemmEpilogue::PLAIN)?,
-                false => crate::fp8::from_bf16(bf16, quantize, &spec.cluster.gpu),
-            };
-            total = (total.0 + bf16, total.1 + fp8);
-        }
-        let pricing = if measured {
-            Pricing::Measured
-        } else {
-            Pricing::MeasuredBf16
+        let mut priced = Priced {
+            bf16_s: PerLayout::splat(0.0),
+            fp8_s: PerLayout::splat(0.0),
+            priced_by: match measured {
+                true => Pricing::Measured,
+                false => Pricing::MeasuredBf16,
+            },
         };
-        Some((total.0, total.1, pricing))
+        for layout in GemmLayout::ALL {
+            let bf16 = costs.gemm(layout, mnk, GemmDtype::Bf16, GemmEpilogue::PLAIN)?;
+            priced.bf16_s[layout] = bf16;
+            priced.fp8_s[layout] = match measured {
+                true => costs.gemm(layout, mnk, fp8, GemmEpilogue::PLAIN)?,
+                false => crate::fp8::from_bf16(bf16, quantize[layout], &spec.cluster.gpu),
+            };
+        }
+        Some(priced)
     }
 }
 

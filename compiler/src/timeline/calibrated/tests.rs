@@ -236,6 +236,11 @@ fn tiny_llama_fp8() -> Spec {
 /// `uniform`'s rates for bf16 GEMMs, and FP8 blockwise points `fp8_speedup` times faster
 /// (none when `None`).
 fn bf16_profile(fp8_speedup: Option<f64>) -> Calibration {
+    bf16_profile_per_layout(fp8_speedup.map(crate::fp8::PerLayout::splat))
+}
+
+/// [`bf16_profile`] with each layout's FP8 points its own `fp8_speedup` faster than bf16.
+fn bf16_profile_per_layout(fp8_speedup: Option<crate::fp8::PerLayout<f64>>) -> Calibration {
     let mut profile = uniform(1e12, 1e11);
     profile.precision = "bf16".into();
     for g in &mut profile.gemm {
@@ -246,7 +251,7 @@ fn bf16_profile(fp8_speedup: Option<f64>) -> Calibration {
         let fp8: Vec<GemmPoint> = (profile.gemm.iter())
             .map(|g| GemmPoint {
                 dtype: GemmDtype::Fp8(scaling).name(),
-                seconds: g.seconds / speedup,
+                seconds: g.seconds / speedup[g.layout],
                 ..g.clone()
             })
             .collect();
@@ -258,7 +263,10 @@ fn bf16_profile(fp8_speedup: Option<f64>) -> Calibration {
     }
 }
 
-fn chosen(spec: &Spec, calibration: &Calibration) -> Vec<(String, bool, Option<Pricing>)> {
+/// Each linear layer's name, which layouts run FP8 and (cost-decided ones) what priced them.
+type Chosen = (String, crate::fp8::PerLayout<bool>, Option<Pricing>);
+
+fn chosen(spec: &Spec, calibration: &Calibration) -> Vec<Chosen> {
     (crate::fp8::choices(spec, Some(calibration)).into_iter())
         .map(|c| {
             let priced_by = match c.reason {
@@ -272,26 +280,78 @@ fn chosen(spec: &Spec, calibration: &Calibration) -> Vec<(String, bool, Option<P
 
 #[test]
 fn the_fp8_choice_follows_the_profiles_measured_fp8_gemms() {
+    use crate::fp8::PerLayout;
     let spec = tiny_llama_fp8();
-    // FP8 measured 4× faster than bf16: every layer but the LM head pays.
+    let all = PerLayout::splat(true);
+    let none = PerLayout::splat(false);
+    // FP8 measured 4× faster than bf16: every GEMM of every layer but the LM head pays.
     let fast = chosen(&spec, &bf16_profile(Some(4.0)));
-    assert!(fast.iter().any(|c| c.1), "{fast:?}");
+    assert!(fast.iter().any(|c| c.1 == all), "{fast:?}");
     for (name, fp8, priced_by) in &fast {
         match priced_by {
-            Some(p) => assert!(*fp8 && *p == Pricing::Measured, "{name}: {fast:?}"),
-            None => assert!(!fp8, "{name} is the head: {fast:?}"),
+            Some(p) => assert!(*fp8 == all && *p == Pricing::Measured, "{name}: {fast:?}"),
+            None => assert!(*fp8 == none, "{name} is the head: {fast:?}"),
         }
     }
     // Measured slower: none does.
     let slow = chosen(&spec, &bf16_profile(Some(0.5)));
-    assert!(slow.iter().all(|c| !c.1), "{slow:?}");
+    assert!(slow.iter().all(|c| c.1 == none), "{slow:?}");
     // No FP8 points: bf16 measured, FP8 at the cpu's peak ratio (1) plus quantization: none.
-    let none = chosen(&spec, &bf16_profile(None));
-    assert!(none.iter().all(|c| !c.1), "{none:?}");
+    let unmeasured = chosen(&spec, &bf16_profile(None));
+    assert!(unmeasured.iter().all(|c| c.1 == none), "{unmeasured:?}");
     assert!(
-        none.iter().any(|c| c.2 == Some(Pricing::MeasuredBf16)),
-        "{none:?}"
+        unmeasured
+            .iter()
+            .any(|c| c.2 == Some(Pricing::MeasuredBf16)),
+        "{unmeasured:?}"
     );
+}
+
+/// The H100 measurement the per-GEMM choice was built for: FP8 forward and data-gradient GEMMs
+/// faster than bf16, the weight gradient (both operands quantized along the tokens) slower.
+#[test]
+fn each_layout_runs_fp8_where_its_measured_points_pay() {
+    use crate::fp8::PerLayout;
+    let speedup = PerLayout([2.0, 1.5, 0.9]);
+    let calibration = bf16_profile_per_layout(Some(speedup));
+    let spec = tiny_llama_fp8();
+    let fwd_data = PerLayout([true, true, false]);
+    let picked = chosen(&spec, &calibration);
+    for (name, fp8, priced_by) in &picked {
+        match priced_by {
+            Some(p) => assert!(
+                *fp8 == fwd_data && *p == Pricing::Measured,
+                "{name}: {picked:?}"
+            ),
+            None => assert!(*fp8 == PerLayout::splat(false), "{name}: {picked:?}"),
+        }
+    }
+    // The lowered plan, priced by the same profile, runs exactly those GEMMs in FP8.
+    let options = CompileOptions {
+        calibration: Some(std::sync::Arc::new(calibration)),
+        ..CompileOptions::through(Stage::Lower)
+    };
+    let plan = tiny_llama_fp8_with(&options).plan.expect("lowers");
+    let mut seen = PerLayout::splat((0, 0));
+    for c in (plan.programs.iter())
+        .flat_map(|p| &p.instrs)
+        .filter_map(|i| i.as_compute())
+    {
+        let layout = match c.op {
+            Op::Matmul { .. } => GemmLayout::Fwd,
+            Op::MatmulBwdData { .. } => GemmLayout::BwdData,
+            Op::MatmulBwdWeight { .. } => GemmLayout::BwdWeight,
+            _ => continue,
+        };
+        let (all, fp8) = &mut seen[layout];
+        *all += 1;
+        *fp8 += usize::from(c.op.fp8().is_some());
+    }
+    let [fwd, data, weight] = seen.0;
+    // Every forward and data-gradient GEMM but the head's in FP8, no weight gradient.
+    assert!(fwd.1 > 0 && fwd.1 < fwd.0, "{seen:?}");
+    assert!(data.1 > 0 && data.1 < data.0, "{seen:?}");
+    assert_eq!(weight.1, 0, "{seen:?}");
 }
 
 #[test]
