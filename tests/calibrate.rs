@@ -359,6 +359,24 @@ fn check_and_run_choose_fp8_per_gemm_from_a_profile() {
     assert!(report.contains(count), "{report}");
     assert!(report.contains(" fp8 fwd+data "), "{report}");
     assert!(report.contains(" slower"), "{report}");
+    // JSON keeps version 1's fields: `fp8` (all three GEMMs in FP8) and the layer's totals,
+    // with each GEMM's choice and seconds beside them.
+    args.extend_from_slice(&["--format", "json"]);
+    let doc: Value = serde_json::from_slice(&parc_ok(&args).stdout).unwrap();
+    let layers = doc["files"][0]["fp8"].as_array().unwrap();
+    let mixed_layer = layers
+        .iter()
+        .find(|l| l["fp8_gemms"]["fwd"] == true && l["fp8_gemms"]["bwd_weight"] == false)
+        .expect("a layer with its forward in FP8 and its weight gradient in bf16");
+    assert_eq!(mixed_layer["fp8"], false, "{mixed_layer}");
+    let reason = &mixed_layer["reason"];
+    let layouts = ["fwd", "bwd_data", "bwd_weight"];
+    let sum: f64 = layouts
+        .iter()
+        .map(|l| reason["bf16_gemm_s"][l].as_f64().unwrap())
+        .sum();
+    let total = reason["bf16_s"].as_f64().unwrap();
+    assert!((sum - total).abs() <= 1e-12 * total.max(1.0), "{reason}");
     let plain = fp8_losses(&["--set", "train.fp8=none"]);
     let all = fp8_losses(&["--calibration", path_str(&fp8_profile(&dir, [8.0; 3]))]);
     let some = fp8_losses(&["--calibration", path_str(&mixed)]);

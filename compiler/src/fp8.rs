@@ -40,7 +40,7 @@ pub use crate::timeline::profile::GemmLayout;
 const QUANT_LAUNCH_S: f64 = 4e-6;
 
 /// Kernels that quantize one operand: its group amaxes, the FP8 copy, the scales.
-const QUANT_LAUNCHES: f64 = 3.0;
+pub const QUANT_LAUNCHES: f64 = 3.0;
 
 /// The block size the CUDA backend's FP8 GEMMs take (cuBLASLt's VEC128 / BLK128x128 scales).
 pub const CUDA_BLOCK: u64 = 128;
@@ -124,6 +124,49 @@ impl<T: Serialize> Serialize for PerLayout<T> {
     }
 }
 
+impl Serialize for Choice {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut out = s.serialize_struct("Choice", 6)?;
+        out.serialize_field("node", &self.node)?;
+        out.serialize_field("name", &self.name)?;
+        out.serialize_field("fp8", &self.fp8.0.iter().all(|&f| f))?;
+        out.serialize_field("fp8_gemms", &self.fp8)?;
+        out.serialize_field("reason", &self.reason)?;
+        out.serialize_field("gemms", &self.gemms)?;
+        out.end()
+    }
+}
+
+impl Serialize for Reason {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let kind = match self {
+            Reason::PinnedBf16 => "pinned_bf16",
+            Reason::PinnedFp8 => "pinned_fp8",
+            Reason::LmHead => "lm_head",
+            Reason::Cost { .. } => "cost",
+        };
+        let Reason::Cost {
+            bf16_s,
+            fp8_s,
+            priced_by,
+        } = self
+        else {
+            let mut out = s.serialize_struct("Reason", 1)?;
+            out.serialize_field("kind", kind)?;
+            return out.end();
+        };
+        let total = |t: &PerLayout<f64>| t.0.iter().sum::<f64>();
+        let mut out = s.serialize_struct("Reason", 6)?;
+        out.serialize_field("kind", kind)?;
+        out.serialize_field("bf16_s", &total(bf16_s))?;
+        out.serialize_field("fp8_s", &total(fp8_s))?;
+        out.serialize_field("bf16_gemm_s", bf16_s)?;
+        out.serialize_field("fp8_gemm_s", fp8_s)?;
+        out.serialize_field("priced_by", priced_by)?;
+        out.end()
+    }
+}
+
 /// A layout's name in JSON, as the calibration profile spells it.
 fn key(layout: GemmLayout) -> &'static str {
     match layout {
@@ -151,9 +194,10 @@ pub struct Gemm {
     pub out_dim: u64,
 }
 
-/// Why a layer's GEMMs run in the precisions they do.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
-#[serde(rename_all = "snake_case", tag = "kind")]
+/// Why a layer's GEMMs run in the precisions they do. In JSON (`parc check --format json`,
+/// version 1): `kind`, and for `cost` the layer's totals `bf16_s` and `fp8_s` (their meaning
+/// since version 1) beside each layout's, `bf16_gemm_s` and `fp8_gemm_s`, and `priced_by`.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Reason {
     /// A `bf16: [...]` pin: all three layouts bf16.
     PinnedBf16,
@@ -224,8 +268,9 @@ pub trait GemmPrices {
 }
 
 /// The choice for one linear layer: which of its GEMM layouts run in FP8 (each for all of the
-/// layer's weights), and why.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+/// layer's weights), and why. In JSON (version 1): `fp8` is true when all three run in FP8
+/// (its meaning since version 1), `fp8_gemms` says which do.
+#[derive(Clone, Debug, PartialEq)]
 pub struct Choice {
     pub node: NodeId,
     pub name: String,
@@ -474,9 +519,21 @@ pub fn times(spec: &Spec, g: &Gemm) -> (PerLayout<f64>, PerLayout<f64>) {
 /// Seconds to quantize the operands of a layer's forward (x, W), data-gradient (dy, W) and
 /// weight-gradient (dy, x) GEMMs, each pair from bf16 into the layout its GEMM reads.
 pub fn quantize_each(spec: &Spec, g: &Gemm) -> PerLayout<f64> {
-    let (m, k, n) = (g.rows as f64, g.in_dim as f64, g.out_dim as f64);
-    PerLayout([m * k + n * k, m * n + n * k, m * n + m * k])
-        .map(|elements| quantize_seconds(elements, 2.0, &spec.cluster.gpu))
+    PerLayout::from_fn(|layout| {
+        let elements = quantize_elements(layout, [g.rows, g.out_dim, g.in_dim]);
+        quantize_seconds(elements, 2.0, &spec.cluster.gpu)
+    })
+}
+
+/// The elements an FP8 GEMM of `layout` at `[m, n, k]` = [rows, out, in] quantizes: x and W
+/// (forward), dy and W (data gradient), dy and x (weight gradient).
+pub fn quantize_elements(layout: GemmLayout, [m, n, k]: [u64; 3]) -> f64 {
+    let (m, n, k) = (m as f64, n as f64, k as f64);
+    match layout {
+        GemmLayout::Fwd => m * k + n * k,
+        GemmLayout::BwdData => m * n + n * k,
+        GemmLayout::BwdWeight => m * n + m * k,
+    }
 }
 
 /// Seconds to quantize the two operands of one FP8 GEMM, `elements` in all, stored with

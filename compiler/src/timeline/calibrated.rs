@@ -208,27 +208,96 @@ impl<'a> ProfileCosts<'a> {
             [m, n, k, dtype_code(dtype), epilogue.code()],
         );
         self.cached(key, || {
+            let fp8 = matches!(dtype, GemmDtype::Fp8(_));
             let dtype = dtype.name();
-            let of_dtype = |g: &&GemmPoint| g.dtype == dtype;
-            let curve = |keep: &dyn Fn(&GemmPoint) -> bool| -> Vec<_> {
-                (self.profile.gemm.iter().filter(of_dtype))
-                    .filter(|g| keep(g))
-                    .map(|g| (log2s(&[g.m, g.n, g.k]), g.flops() / g.seconds))
-                    .collect()
-            };
-            let mut points = Vec::new();
-            for nearest in epilogue.relaxed() {
-                if points.is_empty() {
-                    points = curve(&|g| g.layout == layout && g.epilogue() == nearest);
-                }
+            let flops = 2.0 * m as f64 * n as f64 * k as f64;
+            let whole = flops / self.gemm_rate(layout, [m, n, k], &dtype, epilogue, false)?;
+            // An FP8 point's time is its GEMM and its operands' quantization, whose share of
+            // it changes with the shape faster than a rate interpolates: priced again as the
+            // GEMM part's rate, interpolated, plus the quantization modelled at the target,
+            // and the lower of the two taken (each overstates in its own regime: the whole
+            // points where the target's quantization share is below its neighbours', the
+            // model where it overstates small operands' launches).
+            if !fp8 || !self.fp8_decomposes(&dtype) {
+                return Some(whole);
             }
-            if points.is_empty() {
-                // Another layout of the same dtype says more than the roofline.
-                points = curve(&|g| g.epilogue() == GemmEpilogue::PLAIN);
-            }
-            let rate = rate_at(&points, &log2s(&[m, n, k]))? * self.flops_scale;
-            Some(2.0 * m as f64 * n as f64 * k as f64 / rate)
+            let split = flops / self.gemm_rate(layout, [m, n, k], &dtype, epilogue, true)?
+                + self.fp8_quantize(layout, [m, n, k])?;
+            Some(whole.min(split))
         })
+    }
+
+    /// The rate (FLOP/s) of a GEMM of `layout` at `[m, n, k]` on `dtype` with `epilogue`,
+    /// interpolated between the points of the same layout, dtype and epilogue, else the
+    /// nearest epilogue measured ([`GemmEpilogue::relaxed`]), else the plain points of any
+    /// layout; with `gemm_part`, of FP8 points' GEMM part ([`Self::fp8_core_seconds`]).
+    fn gemm_rate(
+        &self,
+        layout: GemmLayout,
+        [m, n, k]: [u64; 3],
+        dtype: &str,
+        epilogue: GemmEpilogue,
+        gemm_part: bool,
+    ) -> Option<f64> {
+        let curve = |keep: &dyn Fn(&GemmPoint) -> bool| -> Vec<_> {
+            (self.profile.gemm.iter())
+                .filter(|g| g.dtype == dtype && keep(g))
+                .filter_map(|g| {
+                    let seconds = match gemm_part {
+                        true => self.fp8_core_seconds(g)?,
+                        false => g.seconds,
+                    };
+                    Some((log2s(&[g.m, g.n, g.k]), g.flops() / seconds))
+                })
+                .collect()
+        };
+        let mut points = Vec::new();
+        for nearest in epilogue.relaxed() {
+            if points.is_empty() {
+                points = curve(&|g| g.layout == layout && g.epilogue() == nearest);
+            }
+        }
+        if points.is_empty() {
+            // Another layout of the same dtype says more than the roofline.
+            points = curve(&|g| g.epilogue() == GemmEpilogue::PLAIN);
+        }
+        Some(rate_at(&points, &log2s(&[m, n, k]))? * self.flops_scale)
+    }
+
+    /// Seconds to quantize the two bf16 operands of an FP8 GEMM of `layout` at `[m, n, k]`
+    /// (`crate::fp8::quantize_elements`): an amax pass reading each, a pass reading it again and
+    /// writing one byte an element, priced as elementwise traffic at the profile's measured
+    /// rate for that many bytes, plus their launches.
+    fn fp8_quantize(&self, layout: GemmLayout, [m, n, k]: [u64; 3]) -> Option<f64> {
+        let elements = crate::fp8::quantize_elements(layout, [m, n, k]);
+        let bytes = elements * (2.0 * 2.0 + 1.0);
+        let launches = crate::fp8::QUANT_LAUNCHES * 2.0 * self.profile.launch_overhead_s;
+        Some(self.memory(MemoryKind::Elementwise, Opcode::Add, None, bytes)? + launches)
+    }
+
+    /// An FP8 point's GEMM seconds: its measured time less its modelled quantization, where
+    /// that leaves at least what the GEMM takes at the GPU's FP8 peak; None where it does not
+    /// (the smallest GEMMs, whose launches the model overstates: such a point cannot say how
+    /// fast the GEMM itself ran).
+    fn fp8_core_seconds(&self, g: &GemmPoint) -> Option<f64> {
+        let gpu = &self.roofline.spec.cluster.gpu;
+        let peak = gpu.peak_flops_fp8.unwrap_or(gpu.peak_flops).max(1.0) * self.flops_scale;
+        let core = g.seconds - self.fp8_quantize(g.layout, [g.m, g.n, g.k])?;
+        (core >= g.flops() / peak).then_some(core)
+    }
+
+    /// Whether FP8 points of `dtype` are priced as GEMM plus quantization: where at least a
+    /// quarter of them leave a GEMM time (a profile whose memory rates cannot account for its
+    /// FP8 times, as a synthetic one, is interpolated whole).
+    fn fp8_decomposes(&self, dtype: &str) -> bool {
+        let points: Vec<&GemmPoint> = (self.profile.gemm.iter())
+            .filter(|g| g.dtype == dtype)
+            .collect();
+        let valid = points
+            .iter()
+            .filter(|g| self.fp8_core_seconds(g).is_some())
+            .count();
+        !points.is_empty() && 4 * valid >= points.len()
     }
 
     fn attention(&self, pass: Pass, a: &AttentionAttrs, flops: f64) -> Option<f64> {

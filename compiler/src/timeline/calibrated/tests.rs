@@ -443,3 +443,50 @@ fn memory_ops_take_their_own_points_and_interpolate_between_row_widths() {
     let layer = costs.memory(MemoryKind::Norm, Opcode::LayerNorm, Some(2048), bytes);
     assert!(close(layer.unwrap(), bytes / 8e9));
 }
+
+/// FP8 points that are a GEMM at one rate plus their two operands' quantization at the
+/// profile's memory rate: between the grid's shapes an FP8 GEMM is priced as that GEMM plus its
+/// own operands' quantization (interpolating the points whole, whose quantization shares
+/// differ, is not), as a bf16 GEMM is priced by its rate.
+#[test]
+fn an_fp8_gemm_is_priced_as_its_gemm_plus_its_quantization() {
+    let spec = tiny_llama_fp8();
+    // Below the spec's GPU's peak (a point faster than the peak says nothing of its GEMM).
+    let gemm_rate = 0.5 * spec.cluster.gpu.peak_flops;
+    let bandwidth = 0.5 * spec.cluster.gpu.memory_bandwidth;
+    let mut profile = uniform(0.25 * spec.cluster.gpu.peak_flops, bandwidth);
+    profile.precision = "bf16".into();
+    for g in &mut profile.gemm {
+        g.dtype = GemmDtype::Bf16.name();
+    }
+    let fp8 = GemmDtype::Fp8(Fp8Scaling::Tensorwise);
+    // An amax pass reading each bf16 operand, a pass reading it again and writing a byte.
+    let quantize = |layout, mnk| crate::fp8::quantize_elements(layout, mnk) * 5.0 / bandwidth;
+    let points: Vec<GemmPoint> = (profile.gemm.iter())
+        .map(|g| GemmPoint {
+            dtype: fp8.name(),
+            seconds: g.flops() / gemm_rate + quantize(g.layout, [g.m, g.n, g.k]),
+            ..g.clone()
+        })
+        .collect();
+    profile.gemm.extend(points);
+    let calibration = Calibration {
+        profile,
+        scale: false,
+    };
+    let costs = ProfileCosts::new(&calibration, &spec);
+    for layout in GemmLayout::ALL {
+        for [m, n, k] in [[512, 256, 512], [1024, 128, 1024], [128, 512, 256]] {
+            let flops = 2.0 * (m * n * k) as f64;
+            let expected = flops / gemm_rate + quantize(layout, [m, n, k]);
+            let priced = costs
+                .gemm(layout, [m, n, k], fp8, GemmEpilogue::PLAIN)
+                .expect("priced");
+            assert!(
+                (priced / expected - 1.0).abs() < 0.02,
+                "{layout:?} {m}x{n}x{k}: priced {priced:e} s, the GEMM and its quantization \
+                 {expected:e} s"
+            );
+        }
+    }
+}
