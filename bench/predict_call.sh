@@ -40,9 +40,10 @@ trap 'kill $smi 2> /dev/null' EXIT
 profile=${CALIBRATION:-}
 if [[ -z $profile ]]; then
     profile=$out/$gpu.json
-    # CALIBRATE_ARGS: more flags (e.g. `--fp8 none`, `--fp8 blockwise`). The bf16 tables take
-    # about 3.5 minutes on an H100 (828 GEMM points: 69 shapes × each epilogue; 2026-12-05),
-    # each FP8 scaling about one more: CALIBRATE_S (default 420) bounds it.
+    # CALIBRATE_ARGS: more flags (e.g. `--fp8 none`, `--fp8 blockwise`). The bf16 tables took
+    # 89 s on an H100 (69 GEMM shapes × each epilogue, 48 s of it; 2026-12-05), about two
+    # minutes with the 107 shapes since; each FP8 scaling about half a minute more:
+    # CALIBRATE_S (default 420) bounds it.
     # shellcheck disable=SC2086
     timeout "${CALIBRATE_S:-420}" "$dir/parc" calibrate --backend cuda --gpu "$gpu" ${CALIBRATE_ARGS:-} -o "$profile" > "$work/calibrate.log" 2>&1
     echo "== calibrate rc=$? at $((SECONDS - t0)) s"
