@@ -893,11 +893,8 @@ mod tests {
             .flat_map(|p| &p.instrs)
             .filter_map(|i| i.as_compute())
         {
-            let layout = match c.op {
-                Op::Matmul { .. } => GemmLayout::Fwd,
-                Op::MatmulBwdData { .. } => GemmLayout::BwdData,
-                Op::MatmulBwdWeight { .. } => GemmLayout::BwdWeight,
-                _ => continue,
+            let Some(layout) = GemmLayout::of(c.op) else {
+                continue;
             };
             let node = c
                 .node

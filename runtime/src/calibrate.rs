@@ -119,14 +119,7 @@ pub fn calibrate(
     progress: &mut dyn FnMut(&str),
 ) -> Result<Profile> {
     let grid = grid(settings.quick);
-    let mut bench = Bench {
-        backend,
-        half: settings.precision != Precision::Fp32,
-        reps: grid.reps,
-        next: 0,
-        pattern: Vec::new(),
-        shared: None,
-    };
+    let mut bench = Bench::new(backend, settings, &grid);
     progress("measuring launch overhead");
     let overhead = bench.time(&Op::Scale { factor: 0.5 }, 1, 1)?.0;
     let started = Instant::now();
@@ -176,14 +169,7 @@ pub fn calibrate_fp8(
     progress: &mut dyn FnMut(&str),
 ) -> (Vec<GemmPoint>, Vec<String>) {
     let grid = grid(settings.quick);
-    let mut bench = Bench {
-        backend,
-        half: settings.precision != Precision::Fp32,
-        reps: grid.reps,
-        next: 0,
-        pattern: Vec::new(),
-        shared: None,
-    };
+    let mut bench = Bench::new(backend, settings, &grid);
     bench.fp8_tables(&grid, settings, &Instant::now(), progress)
 }
 
@@ -222,7 +208,19 @@ const SCALARS: StepScalars = StepScalars {
 /// About this long between synchronizations per sample.
 const SAMPLE_SECONDS: f64 = 1e-3;
 
-impl Bench<'_> {
+impl<'a> Bench<'a> {
+    /// A bench on `backend` for `settings`' precision, with `grid`'s samples per point.
+    fn new(backend: &'a mut dyn Backend, settings: &Settings, grid: &Grid) -> Bench<'a> {
+        Bench {
+            backend,
+            half: settings.precision != Precision::Fp32,
+            reps: grid.reps,
+            next: 0,
+            pattern: Vec::new(),
+            shared: None,
+        }
+    }
+
     /// The GEMM grid's points, each shape with every epilogue, and a note naming the epilogue
     /// points the backend failed on (left out: the nearest measured epilogue prices them); a
     /// plain GEMM that fails fails the profile.

@@ -482,10 +482,10 @@ impl GemmPrices for Calibration {
 
 /// The table that prices `op`.
 fn table_of(op: &Op) -> Table {
+    if let Some(layout) = GemmLayout::of(op) {
+        return Table::Gemm(layout);
+    }
     match op {
-        Op::Matmul { .. } => Table::Gemm(GemmLayout::Fwd),
-        Op::MatmulBwdData { .. } => Table::Gemm(GemmLayout::BwdData),
-        Op::MatmulBwdWeight { .. } => Table::Gemm(GemmLayout::BwdWeight),
         Op::Attention(_) => Table::Attention(Pass::Fwd),
         Op::AttentionBwd(_) => Table::Attention(Pass::Bwd),
         _ => Table::Memory(match op.opcode().family() {

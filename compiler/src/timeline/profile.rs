@@ -67,6 +67,17 @@ pub enum GemmLayout {
 impl GemmLayout {
     /// A linear layer's three GEMMs: forward, data gradient, weight gradient.
     pub const ALL: [GemmLayout; 3] = [GemmLayout::Fwd, GemmLayout::BwdData, GemmLayout::BwdWeight];
+
+    /// The layout of GEMM op `op`; None for any other op.
+    pub fn of(op: &crate::ir::op::Op) -> Option<GemmLayout> {
+        use crate::ir::op::Op;
+        match op {
+            Op::Matmul { .. } => Some(GemmLayout::Fwd),
+            Op::MatmulBwdData { .. } => Some(GemmLayout::BwdData),
+            Op::MatmulBwdWeight { .. } => Some(GemmLayout::BwdWeight),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

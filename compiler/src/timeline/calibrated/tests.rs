@@ -337,11 +337,8 @@ fn each_layout_runs_fp8_where_its_measured_points_pay() {
         .flat_map(|p| &p.instrs)
         .filter_map(|i| i.as_compute())
     {
-        let layout = match c.op {
-            Op::Matmul { .. } => GemmLayout::Fwd,
-            Op::MatmulBwdData { .. } => GemmLayout::BwdData,
-            Op::MatmulBwdWeight { .. } => GemmLayout::BwdWeight,
-            _ => continue,
+        let Some(layout) = GemmLayout::of(c.op) else {
+            continue;
         };
         let (all, fp8) = &mut seen[layout];
         *all += 1;
