@@ -849,7 +849,6 @@ mod tests {
     /// the LM head still decide all three.
     #[test]
     fn each_gemm_runs_fp8_only_where_it_pays() {
-        use crate::ir::op::Op;
         let spec = with_fp8(
             &Dims::tiny(),
             &Plan::default(),
