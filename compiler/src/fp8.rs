@@ -118,7 +118,7 @@ impl<T: Serialize> Serialize for PerLayout<T> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let mut out = s.serialize_struct("PerLayout", 3)?;
         for (layout, value) in self.iter() {
-            out.serialize_field(key(layout), value)?;
+            out.serialize_field(layout.name(), value)?;
         }
         out.end()
     }
@@ -164,15 +164,6 @@ impl Serialize for Reason {
         out.serialize_field("fp8_gemm_s", fp8_s)?;
         out.serialize_field("priced_by", priced_by)?;
         out.end()
-    }
-}
-
-/// A layout's name in JSON, as the calibration profile spells it.
-fn key(layout: GemmLayout) -> &'static str {
-    match layout {
-        GemmLayout::Fwd => "fwd",
-        GemmLayout::BwdData => "bwd_data",
-        GemmLayout::BwdWeight => "bwd_weight",
     }
 }
 

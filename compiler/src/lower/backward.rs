@@ -4,8 +4,8 @@
 
 use super::act_kernels;
 use super::emitter::Emitter;
-use super::fp8::Gemm;
 use super::layers::AttnShape;
+use crate::fp8::GemmLayout;
 use crate::ir::op::{Act, ActAttrs, EmbeddingAttrs, Op, PositionAttrs};
 use crate::ir::{BufferId, BufferKind, CollectiveKind, Phase};
 use crate::kir::func::ExprFn;
@@ -405,7 +405,7 @@ impl Emitter<'_> {
             Some(acc) => acc,
             None => self.activation_grad(node, &format!("d{w}_in"), mb, vec![rows, in_dim]),
         };
-        let f8 = self.fp8_gemm((mb, node, w), Gemm::BwdData, &ins, Phase::Backward);
+        let f8 = self.fp8_gemm((mb, node, w), GemmLayout::BwdData, &ins, Phase::Backward);
         ins.extend(&f8.amax);
         self.b.compute(
             Op::MatmulBwdData {
@@ -429,7 +429,7 @@ impl Emitter<'_> {
         }
         if let Some(x) = x {
             let mut ins = vec![dy, x];
-            let f8 = self.fp8_gemm((mb, node, w), Gemm::BwdWeight, &ins, Phase::Backward);
+            let f8 = self.fp8_gemm((mb, node, w), GemmLayout::BwdWeight, &ins, Phase::Backward);
             ins.extend(&f8.amax);
             self.b.compute(
                 Op::MatmulBwdWeight {

@@ -20,36 +20,6 @@ use crate::ir::op::Op;
 use crate::ir::{BufferId, BufferKind, CollectiveKind, GroupId, Phase, ReduceOp};
 use crate::spec::{Axis, NodeId};
 
-/// Which of a linear layer's three GEMMs.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum Gemm {
-    /// `Matmul`: x, W.
-    Forward,
-    /// `MatmulBwdData`: dy, W.
-    BwdData,
-    /// `MatmulBwdWeight`: dy, x.
-    BwdWeight,
-}
-
-impl Gemm {
-    /// The layout the FP8 choice names this GEMM by.
-    fn layout(self) -> GemmLayout {
-        match self {
-            Gemm::Forward => GemmLayout::Fwd,
-            Gemm::BwdData => GemmLayout::BwdData,
-            Gemm::BwdWeight => GemmLayout::BwdWeight,
-        }
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Gemm::Forward => "fwd",
-            Gemm::BwdData => "bwd_data",
-            Gemm::BwdWeight => "bwd_weight",
-        }
-    }
-}
-
 /// An FP8 GEMM about to be emitted: its attribute and the amax buffers it reads (released by
 /// [`Emitter::fp8_done`] once the GEMM is emitted).
 pub(super) struct Fp8Emitted {
@@ -66,11 +36,11 @@ impl Emitter<'_> {
     pub(super) fn fp8_gemm(
         &mut self,
         (mb, node, w): (u32, NodeId, &str),
-        gemm: Gemm,
+        gemm: GemmLayout,
         inputs: &[BufferId],
         phase: Phase,
     ) -> Fp8Emitted {
-        let layers = self.fp8.filter(|l| l.runs(node, gemm.layout()));
+        let layers = self.fp8.filter(|l| l.runs(node, gemm));
         let (Some(layers), Some(&[a, b])) = (layers, inputs.get(..2)) else {
             return Fp8Emitted {
                 attr: None,
@@ -111,7 +81,7 @@ impl Emitter<'_> {
         &self,
         node: NodeId,
         w: &str,
-        gemm: Gemm,
+        gemm: GemmLayout,
         operands: [BufferId; 2],
     ) -> [Fp8Split; 2] {
         let split_tp = |dim: u32| {
@@ -140,9 +110,9 @@ impl Emitter<'_> {
         };
         let [a, b] = operands;
         match gemm {
-            Gemm::Forward => [tokens(a, w_cols), weight],
-            Gemm::BwdData => [tokens(a, w_rows), weight],
-            Gemm::BwdWeight => [tokens(a, w_rows), tokens(b, w_cols)],
+            GemmLayout::Fwd => [tokens(a, w_cols), weight],
+            GemmLayout::BwdData => [tokens(a, w_rows), weight],
+            GemmLayout::BwdWeight => [tokens(a, w_rows), tokens(b, w_cols)],
         }
     }
 
@@ -201,10 +171,10 @@ impl Emitter<'_> {
 }
 
 /// The two quantized operands of GEMM `gemm` under `g`, in its input order.
-fn quantized(gemm: Gemm, g: Fp8Gemm) -> [Fp8Operand; 2] {
+fn quantized(gemm: GemmLayout, g: Fp8Gemm) -> [Fp8Operand; 2] {
     match gemm {
-        Gemm::Forward => operands::forward(g),
-        Gemm::BwdData => operands::bwd_data(g),
-        Gemm::BwdWeight => operands::bwd_weight(g),
+        GemmLayout::Fwd => operands::forward(g),
+        GemmLayout::BwdData => operands::bwd_data(g),
+        GemmLayout::BwdWeight => operands::bwd_weight(g),
     }
 }

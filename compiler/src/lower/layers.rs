@@ -17,7 +17,7 @@
 //! tensors its backward needs ("saved", one holder each); the caller owns input lifetimes.
 
 use super::emitter::Emitter;
-use super::fp8::Gemm;
+use crate::fp8::GemmLayout;
 use crate::ir::op::{
     Act, ActAttrs, AttentionAttrs, EmbeddingAttrs, FusedAttrs, Op, PositionAttrs, RopeAttrs,
 };
@@ -180,7 +180,7 @@ impl Emitter<'_> {
                     ins.extend(self.weight(node, "bias"));
                 }
                 let y = self.activation(node, "y", mb, vec![rows, ol]);
-                let f8 = self.fp8_gemm((mb, node, "weight"), Gemm::Forward, &ins, phase);
+                let f8 = self.fp8_gemm((mb, node, "weight"), GemmLayout::Fwd, &ins, phase);
                 ins.extend(&f8.amax);
                 let op = Op::Matmul {
                     in_dim,
@@ -431,7 +431,7 @@ impl Emitter<'_> {
             ins.extend(self.weight(node, bn));
         }
         let y = self.activation(node, what, mb, vec![rows, out_dim]);
-        let f8 = self.fp8_gemm((mb, node, w), Gemm::Forward, &ins, self.phase);
+        let f8 = self.fp8_gemm((mb, node, w), GemmLayout::Fwd, &ins, self.phase);
         ins.extend(&f8.amax);
         let op = Op::Matmul {
             in_dim,
@@ -509,7 +509,7 @@ impl Emitter<'_> {
                 .alloc(name, vec![rows, out_dim], BufferKind::Activation)
         };
         let (h, a) = (out("h"), out("a"));
-        let f8 = self.fp8_gemm((mb, node, w), Gemm::Forward, &ins, self.phase);
+        let f8 = self.fp8_gemm((mb, node, w), GemmLayout::Fwd, &ins, self.phase);
         ins.extend(&f8.amax);
         let op = Op::Matmul {
             in_dim,

@@ -68,6 +68,16 @@ impl GemmLayout {
     /// A linear layer's three GEMMs: forward, data gradient, weight gradient.
     pub const ALL: [GemmLayout; 3] = [GemmLayout::Fwd, GemmLayout::BwdData, GemmLayout::BwdWeight];
 
+    /// The layout's name, as profiles and `check`'s JSON spell it (`fwd`, `bwd_data`,
+    /// `bwd_weight`).
+    pub fn name(self) -> &'static str {
+        match self {
+            GemmLayout::Fwd => "fwd",
+            GemmLayout::BwdData => "bwd_data",
+            GemmLayout::BwdWeight => "bwd_weight",
+        }
+    }
+
     /// The layout of GEMM op `op`; None for any other op.
     pub fn of(op: &crate::ir::op::Op) -> Option<GemmLayout> {
         use crate::ir::op::Op;
