@@ -143,13 +143,13 @@ impl Serialize for Reason {
             Reason::PinnedBf16 => "pinned_bf16",
             Reason::PinnedFp8 => "pinned_fp8",
             Reason::LmHead => "lm_head",
-            Reason::Cost { .. } => "cost",
+            Reason::Cost(_) => "cost",
         };
-        let Reason::Cost {
+        let Reason::Cost(Priced {
             bf16_s,
             fp8_s,
             priced_by,
-        } = self
+        }) = self
         else {
             let mut out = s.serialize_struct("Reason", 1)?;
             out.serialize_field("kind", kind)?;
@@ -196,14 +196,9 @@ pub enum Reason {
     PinnedFp8,
     /// The LM head stays bf16 (all three layouts) unless pinned.
     LmHead,
-    /// The cost model's seconds for one microbatch of each layout, summed over the layer's
-    /// GEMMs, in bf16 and in FP8 (quantization included), and what priced them: each layout
-    /// runs in FP8 where it [`pays`].
-    Cost {
-        bf16_s: PerLayout<f64>,
-        fp8_s: PerLayout<f64>,
-        priced_by: Pricing,
-    },
+    /// The cost model's prices of the layer's GEMMs for one microbatch, each layout summed
+    /// over its weights: each layout runs in FP8 where it [`pays`].
+    Cost(Priced),
 }
 
 /// What priced a layer's GEMMs for its choice, ordered from least to most measured (a layer
@@ -247,6 +242,17 @@ pub struct Priced {
     pub bf16_s: PerLayout<f64>,
     pub fp8_s: PerLayout<f64>,
     pub priced_by: Pricing,
+}
+
+impl Priced {
+    /// Both GEMMs' seconds added layout by layout, as measured as the less measured of the two.
+    pub fn plus(self, other: Priced) -> Priced {
+        Priced {
+            bf16_s: self.bf16_s.plus(other.bf16_s),
+            fp8_s: self.fp8_s.plus(other.fp8_s),
+            priced_by: self.priced_by.min(other.priced_by),
+        }
+    }
 }
 
 /// A layer's GEMM priced in bf16 and FP8 by a measured profile (`timeline::Calibration`
@@ -308,11 +314,11 @@ impl Choice {
             Reason::PinnedBf16 => "pinned bf16".to_string(),
             Reason::PinnedFp8 => "pinned fp8".to_string(),
             Reason::LmHead => "the LM head stays bf16 unless pinned".to_string(),
-            Reason::Cost {
+            Reason::Cost(Priced {
                 bf16_s,
                 fp8_s,
                 priced_by,
-            } => {
+            }) => {
                 let layouts: Vec<String> = GemmLayout::ALL
                     .iter()
                     .map(|&l| {
@@ -366,11 +372,9 @@ pub fn choices(spec: &Spec, prices: Option<&dyn GemmPrices>) -> Vec<Choice> {
             let fp8 = match reason {
                 Reason::PinnedBf16 | Reason::LmHead => PerLayout::splat(false),
                 Reason::PinnedFp8 => PerLayout::splat(true),
-                Reason::Cost {
-                    bf16_s,
-                    fp8_s,
-                    priced_by,
-                } => PerLayout::from_fn(|l| pays(bf16_s[l], fp8_s[l], priced_by)),
+                Reason::Cost(p) => {
+                    PerLayout::from_fn(|l| pays(p.bf16_s[l], p.fp8_s[l], p.priced_by))
+                }
             };
             Some(Choice {
                 node: NodeId(i as u32),
@@ -410,18 +414,12 @@ fn reason(
                 }
             })
         };
-        let zero = PerLayout::splat(0.0);
-        let (bf16_s, fp8_s, priced_by) = gemms
-            .iter()
-            .map(priced)
-            .fold((zero, zero, Pricing::Measured), |(b, f, by), g| {
-                (b.plus(g.bf16_s), f.plus(g.fp8_s), by.min(g.priced_by))
-            });
-        Reason::Cost {
-            bf16_s,
-            fp8_s,
-            priced_by,
-        }
+        let none = Priced {
+            bf16_s: PerLayout::splat(0.0),
+            fp8_s: PerLayout::splat(0.0),
+            priced_by: Pricing::Measured,
+        };
+        Reason::Cost(gemms.iter().map(priced).fold(none, Priced::plus))
     }
 }
 
@@ -633,7 +631,7 @@ fn scale_groups(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
     // Every layer the cost model may put in FP8, whatever prices it, so that the verdict does
     // not change with the calibration profile.
     let chosen: Vec<Choice> = (choices(spec, None).into_iter())
-        .filter(|c| c.any() || matches!(c.reason, Reason::Cost { .. }))
+        .filter(|c| c.any() || matches!(c.reason, Reason::Cost(_)))
         .collect();
     if chosen.is_empty() {
         return;
@@ -858,13 +856,13 @@ mod tests {
             let want = match c.reason {
                 Reason::PinnedBf16 | Reason::LmHead => PerLayout::splat(false),
                 Reason::PinnedFp8 => PerLayout::splat(true),
-                Reason::Cost { .. } => fwd_data,
+                Reason::Cost(_) => fwd_data,
             };
             assert_eq!(c.fp8, want, "{}: {}", c.name, c.explain());
             expected[c.node.0 as usize] = Some(want);
         }
         let cost = (picked.iter())
-            .find(|c| matches!(c.reason, Reason::Cost { .. }))
+            .find(|c| matches!(c.reason, Reason::Cost(_)))
             .expect("a cost-decided layer");
         assert_eq!(cost.label(), "fp8 fwd+data");
         // Two weights a layer (tiny's attention and MLP): 2 µs in bf16 per layout.

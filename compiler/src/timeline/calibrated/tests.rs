@@ -270,7 +270,7 @@ fn chosen(spec: &Spec, calibration: &Calibration) -> Vec<Chosen> {
     (crate::fp8::choices(spec, Some(calibration)).into_iter())
         .map(|c| {
             let priced_by = match c.reason {
-                crate::fp8::Reason::Cost { priced_by, .. } => Some(priced_by),
+                crate::fp8::Reason::Cost(p) => Some(p.priced_by),
                 _ => None,
             };
             (c.name, c.fp8, priced_by)
