@@ -18,6 +18,7 @@ use crate::harness::{check_with, gpu, Case, Data, Rng, BF16_STORED, SCALARS};
 use parc_compiler::ir::fp8::{Fp8Format, Fp8Gemm, Fp8Scaling};
 use parc_compiler::ir::op::{Act, Op};
 use parc_compiler::ir::{BufferId, DType};
+use parc_runtime::backend::Backend;
 
 /// FP8 GEMMs on f32 outputs: f32 sums of identical products in another order.
 const FP8_GEMM: f32 = 1e-3;
@@ -247,30 +248,38 @@ fn non_finite_operands_give_non_finite_products() {
     }
 }
 
-/// cuBLASLt's FP8 block scaling takes blocks of 128 only: another block is an error naming it.
-#[test]
-fn blockwise_with_another_block_is_unsupported() {
-    let Some(mut gpu) = gpu() else { return };
+/// A 64 × 64 × 64 FP8 forward GEMM under `fp8` on `gpu`, its buffers freed after: the error
+/// where the backend refuses it.
+fn matmul_64(gpu: &mut dyn Backend, fp8: Fp8Gemm) -> Result<(), String> {
     let op = Op::Matmul {
         in_dim: 64,
         out_dim: 64,
         bias: false,
         act: None,
         residual: false,
-        fp8: Some(Fp8Gemm {
-            scaling: Fp8Scaling::Blockwise { block: 64 },
-            grad: Fp8Format::E4m3,
-            split: Default::default(),
-        }),
+        fp8: Some(fp8),
     };
     let ids = [BufferId(0), BufferId(1), BufferId(2)];
     for id in ids {
         gpu.alloc(id, &[64 * 64], DType::F32).unwrap();
     }
-    let err = gpu
-        .compute(&op, &ids[..2], &ids[2..], &SCALARS)
-        .unwrap_err()
-        .to_string();
+    let result = gpu.compute(&op, &ids[..2], &ids[2..], &SCALARS);
+    for id in ids {
+        gpu.free(id).unwrap();
+    }
+    result.map_err(|e| e.to_string())
+}
+
+/// cuBLASLt's FP8 block scaling takes blocks of 128 only: another block is an error naming it.
+#[test]
+fn blockwise_with_another_block_is_unsupported() {
+    let Some(mut gpu) = gpu() else { return };
+    let blockwise64 = Fp8Gemm {
+        scaling: Fp8Scaling::Blockwise { block: 64 },
+        grad: Fp8Format::E4m3,
+        split: Default::default(),
+    };
+    let err = matmul_64(gpu.as_mut(), blockwise64).unwrap_err();
     assert!(
         err.contains("blockwise(64)") && err.contains("128"),
         "unexpected error: {err}"
@@ -287,28 +296,10 @@ fn rowwise_is_refused_with_its_reason() {
         .into_iter()
         .find(|g| g.scaling == Fp8Scaling::Rowwise)
         .expect("a rowwise recipe");
-    let op = Op::Matmul {
-        in_dim: 64,
-        out_dim: 64,
-        bias: false,
-        act: None,
-        residual: false,
-        fp8: Some(rowwise),
-    };
-    let ids = [BufferId(0), BufferId(1), BufferId(2)];
-    for id in ids {
-        gpu.alloc(id, &[64 * 64], DType::F32).unwrap();
-    }
-    match gpu.compute(&op, &ids[..2], &ids[2..], &SCALARS) {
+    match matmul_64(gpu.as_mut(), rowwise) {
         // A cuBLASLt that runs it: the emulation tests then must cover it (add rowwise back
         // to `recipes`).
         Ok(()) => panic!("rowwise FP8 ran: add it back to the recipes the GPU tests check"),
-        Err(e) => {
-            let e = e.to_string();
-            assert!(e.contains("rowwise") && e.contains("cuBLASLt"), "{e}");
-        }
-    }
-    for id in ids {
-        gpu.free(id).unwrap();
+        Err(e) => assert!(e.contains("rowwise") && e.contains("cuBLASLt"), "{e}"),
     }
 }
