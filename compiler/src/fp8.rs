@@ -526,11 +526,17 @@ pub fn quantize_elements(layout: GemmLayout, [m, n, k]: [u64; 3]) -> f64 {
 }
 
 /// Seconds to quantize the two operands of one FP8 GEMM, `elements` in all, stored with
-/// `stored_bytes` per element: read them for their amaxes, read them again and write one byte
-/// each, [`QUANT_LAUNCHES`] launches per operand.
+/// `stored_bytes` per element, at the GPU's bandwidth ([`quantize_bytes`]), [`QUANT_LAUNCHES`]
+/// launches per operand.
 pub fn quantize_seconds(elements: f64, stored_bytes: f64, gpu: &crate::spec::Gpu) -> f64 {
-    let bytes = elements * (2.0 * stored_bytes + 1.0);
+    let bytes = quantize_bytes(elements, stored_bytes);
     bytes / gpu.memory_bandwidth.max(1.0) + 2.0 * QUANT_LAUNCHES * QUANT_LAUNCH_S
+}
+
+/// Bytes quantizing `elements` stored with `stored_bytes` each moves: read for their amaxes,
+/// read again and written as one byte each.
+pub fn quantize_bytes(elements: f64, stored_bytes: f64) -> f64 {
+    elements * (2.0 * stored_bytes + 1.0)
 }
 
 /// How much faster the GPU's FP8 tensor cores are than its bf16 ones (1 without FP8).

@@ -270,7 +270,7 @@ impl<'a> ProfileCosts<'a> {
     /// rate for that many bytes, plus their launches.
     fn fp8_quantize(&self, layout: GemmLayout, [m, n, k]: [u64; 3]) -> Option<f64> {
         let elements = crate::fp8::quantize_elements(layout, [m, n, k]);
-        let bytes = elements * (2.0 * 2.0 + 1.0);
+        let bytes = crate::fp8::quantize_bytes(elements, 2.0);
         let launches = crate::fp8::QUANT_LAUNCHES * 2.0 * self.profile.launch_overhead_s;
         Some(self.memory(MemoryKind::Elementwise, Opcode::Add, None, bytes)? + launches)
     }
