@@ -206,6 +206,7 @@ mod bench {
                 bias,
                 act,
                 residual,
+                swiglu: false,
                 fp8: None,
             };
             let mut fwd_in: Vec<BufferId> = if bias { vec![x, w, b] } else { vec![x, w] };
@@ -219,6 +220,7 @@ mod bench {
                 out_dim: dout,
                 accumulate: false,
                 act_grad,
+                swiglu: false,
                 fp8: None,
             };
             let bwd_in = if act_grad.is_some() {

@@ -246,6 +246,7 @@ mod tests {
             bias: true,
             act: None,
             residual: false,
+            swiglu: false,
             fp8: None,
         }
     }

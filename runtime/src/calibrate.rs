@@ -600,6 +600,7 @@ fn gemm_ops(n: u64, k: u64, epilogues: bool) -> Vec<(GemmLayout, GemmEpilogue, O
         bias,
         act,
         residual: accumulate,
+        swiglu: false,
         fp8: None,
     };
     let data = |accumulate, act_grad: Option<Act>| Op::MatmulBwdData {
@@ -607,6 +608,7 @@ fn gemm_ops(n: u64, k: u64, epilogues: bool) -> Vec<(GemmLayout, GemmEpilogue, O
         out_dim: n,
         accumulate,
         act_grad,
+        swiglu: false,
         fp8: None,
     };
     let weight = |accumulate, bias| Op::MatmulBwdWeight {

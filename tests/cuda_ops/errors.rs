@@ -18,6 +18,7 @@ fn bad_programs_are_errors() {
         bias: false,
         act: None,
         residual: false,
+        swiglu: false,
         fp8: None,
     };
     let err = b

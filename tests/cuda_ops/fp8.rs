@@ -70,6 +70,7 @@ fn cases(r: &mut Rng, g: Fp8Gemm, (rows, k, m): (usize, usize, usize)) -> Vec<Ca
                 bias: false,
                 act: None,
                 residual: false,
+                swiglu: false,
                 fp8,
             },
             vec![Data::F32(x.clone()), Data::F32(w.clone())],
@@ -84,6 +85,7 @@ fn cases(r: &mut Rng, g: Fp8Gemm, (rows, k, m): (usize, usize, usize)) -> Vec<Ca
                 bias: true,
                 act: Some(Act::GeluTanh),
                 residual: true,
+                swiglu: false,
                 fp8,
             },
             vec![
@@ -105,6 +107,7 @@ fn cases(r: &mut Rng, g: Fp8Gemm, (rows, k, m): (usize, usize, usize)) -> Vec<Ca
                 bias: false,
                 act: None,
                 residual: true,
+                swiglu: false,
                 fp8,
             },
             vec![
@@ -124,6 +127,7 @@ fn cases(r: &mut Rng, g: Fp8Gemm, (rows, k, m): (usize, usize, usize)) -> Vec<Ca
                 out_dim: o,
                 accumulate,
                 act_grad: None,
+                swiglu: false,
                 fp8,
             },
             vec![Data::F32(dy.clone()), Data::F32(w.clone())],
@@ -151,6 +155,7 @@ fn cases(r: &mut Rng, g: Fp8Gemm, (rows, k, m): (usize, usize, usize)) -> Vec<Ca
             out_dim: o,
             accumulate: false,
             act_grad: Some(Act::Relu),
+            swiglu: false,
             fp8,
         },
         vec![
@@ -212,6 +217,7 @@ fn non_finite_operands_give_non_finite_products() {
                 bias: false,
                 act: None,
                 residual: false,
+                swiglu: false,
                 fp8: Some(g),
             },
             vec![Data::F32(x.clone()), Data::F32(r.vec(m * k, 1.0))],
@@ -226,6 +232,7 @@ fn non_finite_operands_give_non_finite_products() {
             bias: false,
             act: None,
             residual: false,
+            swiglu: false,
             fp8: Some(g),
         };
         let ids = [BufferId(0), BufferId(1), BufferId(2)];
@@ -257,6 +264,7 @@ fn matmul_64(gpu: &mut dyn Backend, fp8: Fp8Gemm) -> Result<(), String> {
         bias: false,
         act: None,
         residual: false,
+        swiglu: false,
         fp8: Some(fp8),
     };
     let ids = [BufferId(0), BufferId(1), BufferId(2)];

@@ -1,6 +1,7 @@
 //! GEMMs (`Matmul`, its data and weight backwards, with and without bias, with a fused
 //! activation or activation gradient: gelu_tanh by cuBLASLt's epilogues, relu by the separate
-//! kernels; with a fused residual add) in fp32, bf16 and fp16 runs; with bf16 storage (bf16 activation operands and
+//! kernels; SwiGLU's gated product and its gradient, apart and in parc's GEMM epilogue; with a
+//! fused residual add) in fp32, bf16 and fp16 runs; with bf16 storage (bf16 activation operands and
 //! outputs, f32 weights, biases and their gradients; and runs mixing f32 and bf16
 //! activations); that a bf16 run's cached weight casts follow every write to the weight; and
 //! the bit-exact rounding of bf16 and fp16 GEMM operands.
@@ -35,6 +36,7 @@ fn matmul_cases_of(test: &str, tol: f32, shapes: &[(usize, usize, usize)]) -> Ve
                 bias: false,
                 act: None,
                 residual: false,
+                swiglu: false,
                 fp8: None,
             },
             vec![Data::F32(x.clone()), Data::F32(w.clone())],
@@ -49,6 +51,7 @@ fn matmul_cases_of(test: &str, tol: f32, shapes: &[(usize, usize, usize)]) -> Ve
                 bias: true,
                 act: None,
                 residual: false,
+                swiglu: false,
                 fp8: None,
             },
             vec![
@@ -68,6 +71,7 @@ fn matmul_cases_of(test: &str, tol: f32, shapes: &[(usize, usize, usize)]) -> Ve
                     out_dim: o,
                     accumulate,
                     act_grad: None,
+                    swiglu: false,
                     fp8: None,
                 },
                 vec![Data::F32(dy.clone()), Data::F32(w.clone())],
@@ -95,6 +99,7 @@ fn matmul_cases_of(test: &str, tol: f32, shapes: &[(usize, usize, usize)]) -> Ve
                             bias,
                             act: Some(act),
                             residual: false,
+                            swiglu: false,
                             fp8: None,
                         },
                         ins,
@@ -111,6 +116,7 @@ fn matmul_cases_of(test: &str, tol: f32, shapes: &[(usize, usize, usize)]) -> Ve
                     out_dim: o,
                     accumulate: false,
                     act_grad: Some(act),
+                    swiglu: false,
                     fp8: None,
                 },
                 vec![
@@ -122,6 +128,7 @@ fn matmul_cases_of(test: &str, tol: f32, shapes: &[(usize, usize, usize)]) -> Ve
                 tol,
             ));
         }
+        cases.extend(swiglu_cases(&mut r, (rows, k, m), (&x, &w, &dy), tol));
         // A fused residual (r added by the GEMM: C = r, beta = 1), alone and under a fused
         // GELU (the residual is part of the pre-activation).
         for act in [None, Some(Act::GeluTanh)] {
@@ -143,6 +150,7 @@ fn matmul_cases_of(test: &str, tol: f32, shapes: &[(usize, usize, usize)]) -> Ve
                         bias,
                         act,
                         residual: true,
+                        swiglu: false,
                         fp8: None,
                     },
                     ins,
@@ -174,6 +182,94 @@ fn matmul_cases_of(test: &str, tol: f32, shapes: &[(usize, usize, usize)]) -> Ve
         }
     }
     cases
+}
+
+/// SwiGLU's gated product in the up projection's GEMM (gate read; u and a = silu(gate) ⊙ u
+/// written) and its gradient in the down projection's data gradient (gate and up read; dgate
+/// and dup written), outputs starting random. The gated output is judged on the product's
+/// scale, as a fused activation is.
+fn swiglu_cases(
+    r: &mut Rng,
+    (rows, k, m): (usize, usize, usize),
+    (x, w, dy): (&[f32], &[f32], &[f32]),
+    tol: f32,
+) -> Vec<Case> {
+    let (i, o) = (k as u64, m as u64);
+    let up = Op::Matmul {
+        in_dim: i,
+        out_dim: o,
+        bias: false,
+        act: None,
+        residual: false,
+        swiglu: true,
+        fp8: None,
+    };
+    let ins = vec![
+        Data::F32(x.to_vec()),
+        Data::F32(w.to_vec()),
+        Data::F32(r.vec(rows * m, 2.0)),
+    ];
+    let outs = vec![r.vec(rows * m, 1.0), r.vec(rows * m, 1.0)];
+    let forward = Case::new(format!("matmul_swiglu {rows}x{k}x{m}"), up, ins, outs, tol)
+        .errors_scaled_by_output(0);
+    let down = Op::MatmulBwdData {
+        in_dim: i,
+        out_dim: o,
+        accumulate: false,
+        act_grad: None,
+        swiglu: true,
+        fp8: None,
+    };
+    let ins = vec![
+        Data::F32(dy.to_vec()),
+        Data::F32(w.to_vec()),
+        Data::F32(r.vec(rows * k, 2.0)),
+        Data::F32(r.vec(rows * k, 1.0)),
+    ];
+    let outs = vec![r.vec(rows * k, 1.0), r.vec(rows * k, 1.0)];
+    let name = format!("matmul_bwd_data_swiglu {rows}x{k}x{m}");
+    vec![forward, Case::new(name, down, ins, outs, tol)]
+}
+
+/// The SwiGLU forms with the `swiglu=epilogue` variant on a Hopper: parc's GEMM kernel forms
+/// the gated product and its gradient in its epilogue (bf16 storage; shapes with partial tiles
+/// in both dimensions), against the CPU.
+#[test]
+fn swiglu_epilogue_bf16_storage() {
+    #[cfg(feature = "cuda")]
+    {
+        let test = "swiglu_epilogue_bf16_storage";
+        let mut r = Rng::new(test);
+        let mut cases = Vec::new();
+        for (rows, k, m) in [(256, 128, 384), (300, 136, 264)] {
+            let (x, w, dy) = (
+                r.vec(rows * k, 1.0),
+                r.vec(m * k, 1.0),
+                r.vec(rows * m, 1.0),
+            );
+            cases.extend(swiglu_cases(&mut r, (rows, k, m), (&x, &w, &dy), BF16_GEMM));
+        }
+        let cases: Vec<Case> = cases
+            .into_iter()
+            .map(|c| c.stored_bf16(BF16_GEMM))
+            .collect();
+        let epilogue = parc_runtime::cuda::SwiGluKernel::Epilogue;
+        let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, epilogue) else {
+            return;
+        };
+        crate::harness::check_with(test, &cases, &mut gpu);
+        let fused: Vec<String> = gpu
+            .gemm_plans()
+            .into_iter()
+            .filter(|l| l.contains("SwiGLU") && l.ends_with("-> parc's kernel"))
+            .collect();
+        for l in &fused {
+            println!("{l}");
+        }
+        assert_eq!(fused.len(), 4, "SwiGLU epilogue plans on parc's kernel");
+    }
+    #[cfg(not(feature = "cuda"))]
+    println!("skipped: no CUDA device (this build has no `cuda` feature)");
 }
 
 #[test]
@@ -348,6 +444,7 @@ fn bf16_weight_casts_follow_the_weight() {
         bias: true,
         act: None,
         residual: false,
+        swiglu: false,
         fp8: None,
     };
     let backward = Op::MatmulBwdData {
@@ -355,6 +452,7 @@ fn bf16_weight_casts_follow_the_weight() {
         out_dim: m as u64,
         accumulate: false,
         act_grad: None,
+        swiglu: false,
         fp8: None,
     };
     let sgd = Op::Sgd {
@@ -455,6 +553,7 @@ fn assert_gemm_operands_round(precision: Precision, label: &str, cases: &[(f32, 
         bias: false,
         act: None,
         residual: false,
+        swiglu: false,
         fp8: None,
     };
     gpu.compute(&op, &[BufferId(0), BufferId(1)], &[BufferId(2)], &SCALARS)

@@ -210,13 +210,18 @@ pub enum Op {
     /// a `[rows, out]` = act(y) (a fused activation, as a GEMM epilogue computes it: y is the
     /// pre-activation the backward reads). `a` is computed from y's f32 value before y is
     /// rounded to a bf16 output, so in f32 the op is exactly a `Matmul` followed by an
-    /// `Activation`, and in bf16 each output is rounded once.
+    /// `Activation`, and in bf16 each output is rounded once. With `swiglu` (the up projection
+    /// of a SwiGLU MLP), one more input, gate `[rows, out]`, after r, and the output a
+    /// `[rows, out]` = silu(gate) ⊙ y, from y's f32 value: in f32 exactly a `Matmul` followed
+    /// by a `SwiGlu(gate, y)`. `swiglu` excludes `act`, `residual` and `fp8` (E0822).
     Matmul {
         in_dim: u64,
         out_dim: u64,
         bias: bool,
         act: Option<Act>,
         residual: bool,
+        #[serde(skip_serializing_if = "std::ops::Not::not")]
+        swiglu: bool,
         /// Set: x and W are quantized to FP8 as `ir::fp8` defines (None: bf16/f32 as stored).
         #[serde(skip_serializing_if = "Option::is_none")]
         fp8: Option<Fp8Gemm>,
@@ -230,11 +235,19 @@ pub enum Op {
     /// An accumulating dx adds the finished product once per element (`dx + (dy W)`, in bf16
     /// read, added in f32 and rounded once), exactly what an `Add` of the old dx and a
     /// separate product computes in f32.
+    /// With `swiglu` (the down projection of a SwiGLU MLP, whose input was silu(gate) ⊙ up):
+    /// in dy, w, gate `[rows, in]`, up `[rows, in]`; out, instead of dx, dgate and dup
+    /// `[rows, in]` (overwritten), the product's f32 value p = dy W through `SwiGluBwd`:
+    /// dgate = p · up · σ(g)(1 + g(1 − σ(g))), dup = p · silu(g), each rounded once; in f32
+    /// exactly a `MatmulBwdData` followed by a `SwiGluBwd`. `swiglu` excludes `accumulate`,
+    /// `act_grad` and `fp8` (E0822).
     MatmulBwdData {
         in_dim: u64,
         out_dim: u64,
         accumulate: bool,
         act_grad: Option<Act>,
+        #[serde(skip_serializing_if = "std::ops::Not::not")]
+        swiglu: bool,
         /// Set: dy and W are quantized to FP8 (`ir::fp8`).
         #[serde(skip_serializing_if = "Option::is_none")]
         fp8: Option<Fp8Gemm>,
@@ -509,13 +522,17 @@ impl fmt::Debug for Op {
                 bias,
                 act,
                 residual,
+                swiglu,
                 fp8,
             } => fp8_field(
-                d.field("in_dim", in_dim)
-                    .field("out_dim", out_dim)
-                    .field("bias", bias)
-                    .field("act", act)
-                    .field("residual", residual),
+                swiglu_field(
+                    d.field("in_dim", in_dim)
+                        .field("out_dim", out_dim)
+                        .field("bias", bias)
+                        .field("act", act)
+                        .field("residual", residual),
+                    *swiglu,
+                ),
                 fp8,
             ),
             Op::MatmulBwdData {
@@ -523,12 +540,16 @@ impl fmt::Debug for Op {
                 out_dim,
                 accumulate,
                 act_grad,
+                swiglu,
                 fp8,
             } => fp8_field(
-                d.field("in_dim", in_dim)
-                    .field("out_dim", out_dim)
-                    .field("accumulate", accumulate)
-                    .field("act_grad", act_grad),
+                swiglu_field(
+                    d.field("in_dim", in_dim)
+                        .field("out_dim", out_dim)
+                        .field("accumulate", accumulate)
+                        .field("act_grad", act_grad),
+                    *swiglu,
+                ),
                 fp8,
             ),
             Op::MatmulBwdWeight {
@@ -638,6 +659,18 @@ fn fp8_field<'a, 'b, 'c>(
     match fp8 {
         Some(g) => d.field("fp8", &format_args!("{g}")),
         None => d,
+    }
+}
+
+/// A GEMM's `swiglu` flag, printed only when set (the text form of every other GEMM is as it was).
+fn swiglu_field<'a, 'b, 'c>(
+    d: &'a mut fmt::DebugStruct<'b, 'c>,
+    swiglu: bool,
+) -> &'a mut fmt::DebugStruct<'b, 'c> {
+    if swiglu {
+        d.field("swiglu", &true)
+    } else {
+        d
     }
 }
 

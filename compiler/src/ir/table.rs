@@ -671,12 +671,14 @@ fn gemm_family(op: &Op, s: Signature) -> Signature {
             bias,
             act,
             residual,
+            swiglu,
             ..
         } => s
             .input("x", Float, n(*in_dim))
             .input("w", Float, fixed(*out_dim, *in_dim))
             .input_if(*bias, "b", Fp32, fixed(*out_dim, 1))
             .input_if(*residual, "r", Float, n(*out_dim))
+            .input_if(*swiglu, "gate", Float, n(*out_dim))
             .amax_inputs(
                 op,
                 [
@@ -685,25 +687,35 @@ fn gemm_family(op: &Op, s: Signature) -> Signature {
                 ],
             )
             .output("y", Float, n(*out_dim))
-            .output_if(act.is_some(), "a", Float, n(*out_dim)),
+            .output_if(act.is_some() || *swiglu, "a", Float, n(*out_dim)),
         Op::MatmulBwdData {
             in_dim,
             out_dim,
             accumulate,
             act_grad,
+            swiglu,
             ..
-        } => s
-            .input("dy", Float, n(*out_dim))
-            .input("w", Float, fixed(*out_dim, *in_dim))
-            .input_if(act_grad.is_some(), "pre", Float, n(*in_dim))
-            .amax_inputs(
-                op,
-                [
-                    ("dy_amax", None, *out_dim),
-                    ("w_amax", Some(*out_dim), *in_dim),
-                ],
-            )
-            .write("dx", Float, n(*in_dim), accumulate_if(*accumulate)),
+        } => {
+            let s = s
+                .input("dy", Float, n(*out_dim))
+                .input("w", Float, fixed(*out_dim, *in_dim))
+                .input_if(act_grad.is_some(), "pre", Float, n(*in_dim))
+                .input_if(*swiglu, "gate", Float, n(*in_dim))
+                .input_if(*swiglu, "up", Float, n(*in_dim))
+                .amax_inputs(
+                    op,
+                    [
+                        ("dy_amax", None, *out_dim),
+                        ("w_amax", Some(*out_dim), *in_dim),
+                    ],
+                );
+            if *swiglu {
+                s.output("dgate", Float, n(*in_dim))
+                    .output("dup", Float, n(*in_dim))
+            } else {
+                s.write("dx", Float, n(*in_dim), accumulate_if(*accumulate))
+            }
+        }
         Op::MatmulBwdWeight {
             in_dim,
             out_dim,

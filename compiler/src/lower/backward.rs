@@ -413,6 +413,7 @@ impl Emitter<'_> {
                 out_dim,
                 accumulate: into.is_some(),
                 act_grad: act_grad.map(|(act, _)| act),
+                swiglu: false,
                 fp8: f8.attr,
             },
             &ins,
@@ -421,6 +422,52 @@ impl Emitter<'_> {
             Phase::Backward,
         );
         self.fp8_done(f8);
+        self.weight_backward(mb, node, dy, x, (w, b), (in_dim, out_dim));
+        Some(dx)
+    }
+
+    /// The down projection's backward of a SwiGLU MLP with the gated product's gradient in its
+    /// backward-data GEMM (`fuses_swiglu`): dgate and dup (fresh, one holder each) from dy, the
+    /// saved gate `g` and up `u`, then dW from the saved input `x` (silu(g) ⊙ u).
+    #[allow(clippy::too_many_arguments)]
+    fn swiglu_down_backward(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        dy: BufferId,
+        x: BufferId,
+        (g, u): (BufferId, BufferId),
+        (in_dim, out_dim): (u64, u64),
+        rows: u64,
+    ) -> Option<(BufferId, BufferId)> {
+        let w = self.weight(node, "down")?;
+        let dg = self.activation_grad(node, "dg", mb, vec![rows, in_dim]);
+        let du = self.activation_grad(node, "du", mb, vec![rows, in_dim]);
+        let op = Op::MatmulBwdData {
+            in_dim,
+            out_dim,
+            accumulate: false,
+            act_grad: None,
+            swiglu: true,
+            fp8: None,
+        };
+        self.b
+            .compute(op, &[dy, w, g, u], &[dg, du], Some(node), Phase::Backward);
+        self.weight_backward(mb, node, dy, Some(x), ("down", None), (in_dim, out_dim));
+        Some((dg, du))
+    }
+
+    /// dW (+db) of a linear layer accumulated from dy and its saved input `x` (none: only the
+    /// gradients are marked used, as for a layer whose input needs no weight gradient here).
+    fn weight_backward(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        dy: BufferId,
+        x: Option<BufferId>,
+        (w, b): (&'static str, Option<&'static str>),
+        (in_dim, out_dim): (u64, u64),
+    ) {
         let bias = b.is_some_and(|b| self.adds_bias(node, b));
         let mut outs = Vec::new();
         outs.extend(self.grad(node, w));
@@ -450,7 +497,6 @@ impl Emitter<'_> {
         if let Some(bn) = b {
             self.grad_used(node, bn);
         }
-        Some(dx)
     }
 
     fn attention_backward(
@@ -612,6 +658,15 @@ impl Emitter<'_> {
         // Fused (`fuses_activation`): the product is multiplied by act'(h) as it is written,
         // so it is h's gradient directly.
         let fused = self.fuses_activation(a);
+        if *a == Activation::Swiglu && self.fuses_swiglu(node, GemmLayout::BwdData) {
+            let (g, u) = (*saved.get(1)?, *saved.get(2)?);
+            let dims = (hl, dim);
+            let grads = self.swiglu_down_backward(mb, node, dyf, act_out, (g, u), dims, rows);
+            self.b.release(dyf);
+            let dxp = self.gated_input_backward(mb, node, xf, grads?, (dim, hl), rows)?;
+            let name = self.name(node, "dx", mb);
+            return Some(self.tp_reduce(dxp, dim, name, BufferKind::ActivationGrad, node));
+        }
         let act_grad = match (fused, saved.get(1)) {
             (true, Some(&h)) => Some((op_act, h)),
             _ => None,
@@ -635,19 +690,7 @@ impl Emitter<'_> {
             self.b
                 .compute(act_op, &[da, g, u], &[dg, du], Some(node), Phase::Backward);
             self.b.release(da);
-            let gate = ("gate", None);
-            let xg =
-                self.matmul_backward(mb, node, dg, Some(xf), gate, (dim, hl), rows, (None, None));
-            self.b.release(dg);
-            // dx = dg Wgate + du Wup: the second product adds into the first.
-            let into = xg.filter(|_| self.accumulate_in_place);
-            let up = ("up", None);
-            let xu =
-                self.matmul_backward(mb, node, du, Some(xf), up, (dim, hl), rows, (into, None));
-            self.b.release(du);
-            self.b.release(xf);
-            let (xg, xu) = (xg?, xu?);
-            self.add_part(mb, node, Some(xg), xu, "dx_sum")
+            self.gated_input_backward(mb, node, xf, (dg, du), (dim, hl), rows)?
         } else {
             let dh = if fused {
                 da
@@ -680,6 +723,29 @@ impl Emitter<'_> {
         };
         let name = self.name(node, "dx", mb);
         Some(self.tp_reduce(dxp, dim, name, BufferKind::ActivationGrad, node))
+    }
+
+    /// A gated MLP's input gradient dx = dg Wgate + du Wup (the second product adding into the
+    /// first), with both weight gradients; releases dg, du and the gathered input `xf`.
+    fn gated_input_backward(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        xf: BufferId,
+        (dg, du): (BufferId, BufferId),
+        (dim, hl): (u64, u64),
+        rows: u64,
+    ) -> Option<BufferId> {
+        let gate = ("gate", None);
+        let xg = self.matmul_backward(mb, node, dg, Some(xf), gate, (dim, hl), rows, (None, None));
+        self.b.release(dg);
+        let into = xg.filter(|_| self.accumulate_in_place);
+        let up = ("up", None);
+        let xu = self.matmul_backward(mb, node, du, Some(xf), up, (dim, hl), rows, (into, None));
+        self.b.release(du);
+        self.b.release(xf);
+        let (xg, xu) = (xg?, xu?);
+        Some(self.add_part(mb, node, Some(xg), xu, "dx_sum"))
     }
 
     /// The op of an MLP activation's backward: the hand-written `SwiGluBwd` or `ActivationBwd`,

@@ -236,6 +236,7 @@ impl ProgramBuilder {
             bias,
             act: None,
             residual: false,
+            swiglu: false,
             fp8,
         } = *c.op
         else {
@@ -257,6 +258,7 @@ impl ProgramBuilder {
             bias,
             act: None,
             residual: true,
+            swiglu: false,
             fp8,
         });
         if let Some(slot) = self.instrs.get_mut(i) {

@@ -188,6 +188,7 @@ impl Emitter<'_> {
                     bias,
                     act: None,
                     residual: false,
+                    swiglu: false,
                     fp8: f8.attr,
                 };
                 self.b.compute(op, &ins, &[y], Some(node), phase);
@@ -439,6 +440,7 @@ impl Emitter<'_> {
             bias,
             act: None,
             residual: false,
+            swiglu: false,
             fp8: f8.attr,
         };
         self.b.compute(op, &ins, &[y], Some(node), self.phase);
@@ -486,6 +488,44 @@ impl Emitter<'_> {
         self.fuse_epilogues && *a == Activation::Plain(Act::GeluTanh)
     }
 
+    /// Whether a SwiGLU MLP's gated product runs inside its GEMMs (`LowerOptions::
+    /// fuse_epilogues`): the up projection's `Matmul { swiglu }` writes silu(g) ⊙ u beside u,
+    /// and the down projection's backward-data product (`layout` `BwdData`) writes dgate and
+    /// dup, with no `SwiGlu` / `SwiGluBwd` between. Not for an FP8 GEMM (`layout` of `node`):
+    /// the FP8 GEMMs have no such epilogue.
+    pub fn fuses_swiglu(&self, node: NodeId, layout: GemmLayout) -> bool {
+        self.fuse_epilogues && !self.fp8.is_some_and(|l| l.runs(node, layout))
+    }
+
+    /// The up projection of a SwiGLU MLP with its gated product (`fuses_swiglu`): `x`'s product
+    /// with `up`, u (saved), and silu(`g`) ⊙ u.
+    fn matmul_swiglu(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        x: BufferId,
+        g: BufferId,
+        (in_dim, out_dim): (u64, u64),
+    ) -> (BufferId, BufferId) {
+        let rows = self.b.shape(x).first().copied().unwrap_or(0);
+        let mut ins = vec![x];
+        ins.extend(self.weight(node, "up"));
+        ins.push(g);
+        let u = self.activation(node, "u", mb, vec![rows, out_dim]);
+        let a = self.activation(node, "a", mb, vec![rows, out_dim]);
+        let op = Op::Matmul {
+            in_dim,
+            out_dim,
+            bias: false,
+            act: None,
+            residual: false,
+            swiglu: true,
+            fp8: None,
+        };
+        self.b.compute(op, &ins, &[u, a], Some(node), self.phase);
+        (u, a)
+    }
+
     /// [`Self::matmul`] with a fused activation: the pre-activation `h` and `act(h)`.
     fn matmul_act(
         &mut self,
@@ -517,6 +557,7 @@ impl Emitter<'_> {
             bias,
             act: Some(act),
             residual: false,
+            swiglu: false,
             fp8: f8.attr,
         };
         self.b.compute(op, &ins, &[h, a], Some(node), self.phase);
@@ -730,9 +771,14 @@ impl Emitter<'_> {
             self.fn_act_forward(mb, node, xf, (dim, hidden_local), f, bias)?
         } else if *a == Activation::Swiglu {
             let g = self.matmul(mb, node, xf, ("gate", None), (dim, hidden_local), "g");
-            let u = self.matmul(mb, node, xf, ("up", None), (dim, hidden_local), "u");
-            let h = self.activation(node, "a", mb, vec![self.rows_full(), hidden_local]);
-            self.b.compute(Op::SwiGlu, &[g, u], &[h], Some(node), phase);
+            let (u, h) = if self.fuses_swiglu(node, GemmLayout::Fwd) {
+                self.matmul_swiglu(mb, node, xf, g, (dim, hidden_local))
+            } else {
+                let u = self.matmul(mb, node, xf, ("up", None), (dim, hidden_local), "u");
+                let h = self.activation(node, "a", mb, vec![self.rows_full(), hidden_local]);
+                self.b.compute(Op::SwiGlu, &[g, u], &[h], Some(node), phase);
+                (u, h)
+            };
             (vec![g, u], h, "down", None)
         } else if self.fuses_activation(a) {
             // One GEMM writes the pre-activation h (saved) and the activation.

@@ -429,6 +429,7 @@ mod tests {
             bias,
             act: None,
             residual: false,
+            swiglu: false,
             fp8: None,
         }
     }
@@ -451,6 +452,7 @@ mod tests {
             out_dim: 4,
             accumulate: false,
             act_grad: None,
+            swiglu: false,
             fp8: None,
         };
         let mut program = program_of(
@@ -509,6 +511,7 @@ mod tests {
             bias: false,
             act: None,
             residual: false,
+            swiglu: false,
             fp8: fp8(scaling),
         };
         let tensorwise = fp8_gemm_scratch(&forward(Fp8Scaling::Tensorwise), 37).unwrap();
@@ -539,6 +542,7 @@ mod tests {
             out_dim: 136,
             accumulate: false,
             act_grad: None,
+            swiglu: false,
             fp8: fp8(Fp8Scaling::Rowwise),
         };
         let [dy, w] = fp8_gemm_scratch(&bwd_data, 37).unwrap().operands;

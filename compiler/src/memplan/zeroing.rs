@@ -248,6 +248,7 @@ mod tests {
                 out_dim: 2,
                 accumulate,
                 act_grad: None,
+                swiglu: false,
                 fp8: None,
             };
             let norm = Op::LayerNormBwd {

@@ -511,20 +511,23 @@ fn table_name(table: Table) -> String {
 
 /// A GEMM's epilogue: whether it reads an output-sized operand (a forward's residual, a
 /// gradient added into), adds a bias or writes its gradient, applies an activation or its
-/// derivative.
+/// derivative. A SwiGLU epilogue reads the gate (and the backward the up projection too) and
+/// writes a second output: priced as reading an operand and applying an activation.
 fn epilogue_of(op: &Op) -> GemmEpilogue {
     let (accumulate, bias, act) = match op {
         Op::Matmul {
             residual,
             bias,
             act,
+            swiglu,
             ..
-        } => (*residual, *bias, act.is_some()),
+        } => (*residual || *swiglu, *bias, act.is_some() || *swiglu),
         Op::MatmulBwdData {
             accumulate,
             act_grad,
+            swiglu,
             ..
-        } => (*accumulate, false, act_grad.is_some()),
+        } => (*accumulate || *swiglu, false, act_grad.is_some() || *swiglu),
         Op::MatmulBwdWeight {
             accumulate_param_grad,
             bias,

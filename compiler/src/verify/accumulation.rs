@@ -6,7 +6,9 @@
 //! in place. The cross-instruction half of the argument — no later instruction wants the value
 //! from before the `+=` — is the lowering's, from its holder counts; it is not visible in the
 //! IR. Also E0822: a `MatmulBwdData` with an activation gradient (`act_grad`) does not
-//! accumulate (its dx is the product times act'(pre), overwritten). And E0823: an op that
+//! accumulate (its dx is the product times act'(pre), overwritten), and a GEMM with a SwiGLU
+//! epilogue (`swiglu`) has no other epilogue and is not FP8 (no backend's GEMM forms both).
+//! And E0823: an op that
 //! overwrites its parameter gradients (`accumulate_param_grad` = false) is their first writer
 //! since their allocation (`lower::first_write::may_overwrite`): an overwrite of a gradient
 //! that holds an earlier contribution, a reduced value or a persistent accumulator would drop
@@ -22,18 +24,8 @@ pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violatio
     let may_overwrite = crate::lower::first_write::may_overwrite(program);
     for (i, c) in program.computes() {
         let op = c.op;
-        if let Op::MatmulBwdData {
-            accumulate: true,
-            act_grad: Some(act),
-            ..
-        } = op
-        {
-            found.push("E0822", i, c.node, || {
-                format!(
-                    "{op:?} both accumulates dx and multiplies it by {act:?}'s derivative: \
-                     an activation-gradient product must overwrite dx"
-                )
-            });
+        if let Some(why) = epilogue_conflict(op) {
+            found.push("E0822", i, c.node, || format!("{op:?} {why}"));
         }
         if let Some((first, false)) = op.param_grad_outputs() {
             if !may_overwrite.get(i).copied().unwrap_or(false) {
@@ -65,4 +57,42 @@ pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violatio
         }
     }
     found.into_vec()
+}
+
+/// Why a GEMM's epilogue attributes cannot go together (E0822), or None.
+fn epilogue_conflict(op: &Op) -> Option<String> {
+    match *op {
+        Op::MatmulBwdData {
+            accumulate: true,
+            act_grad: Some(act),
+            ..
+        } => Some(format!(
+            "both accumulates dx and multiplies it by {act:?}'s derivative: an \
+             activation-gradient product must overwrite dx"
+        )),
+        Op::Matmul {
+            swiglu: true,
+            act,
+            residual,
+            fp8,
+            ..
+        } if act.is_some() || residual || fp8.is_some() => Some(
+            "has a SwiGLU epilogue and also an activation, a residual or FP8 operands: \
+             a SwiGLU product takes none of them"
+                .to_string(),
+        ),
+        Op::MatmulBwdData {
+            swiglu: true,
+            accumulate,
+            act_grad,
+            fp8,
+            ..
+        } if accumulate || act_grad.is_some() || fp8.is_some() => Some(
+            "has a SwiGLU-gradient epilogue and also accumulates, an activation gradient or \
+             FP8 operands: a SwiGLU-gradient product overwrites dgate and dup and takes none \
+             of them"
+                .to_string(),
+        ),
+        _ => None,
+    }
 }

@@ -632,6 +632,7 @@ fn an_accumulating_output_that_is_also_an_input_is_reported() {
                 out_dim,
                 accumulate: true,
                 act_grad: None,
+                swiglu: false,
                 fp8: None,
             });
         }
@@ -673,6 +674,7 @@ fn an_accumulating_activation_gradient_is_reported() {
                 out_dim,
                 accumulate: true,
                 act_grad: Some(Act::GeluTanh),
+                swiglu: false,
                 fp8: None,
             });
         }

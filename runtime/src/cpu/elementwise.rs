@@ -91,6 +91,17 @@ fn update(out: &mut [f32], a: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) {
         });
 }
 
+/// `out[i] = f(out[i], a[i], b[i])` in parallel chunks.
+fn update2(out: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32, f32) -> f32 + Sync) {
+    out.par_chunks_mut(CHUNK)
+        .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
+        .for_each(|(out, (a, b))| {
+            for ((o, &a), &b) in out.iter_mut().zip(a).zip(b) {
+                *o = f(*o, a, b);
+            }
+        });
+}
+
 /// `out[i] = f(a[i], b[i], c[i])` in parallel chunks.
 fn map3(out: &mut [f32], a: &[f32], b: &[f32], c: &[f32], f: impl Fn(f32, f32, f32) -> f32 + Sync) {
     out.par_chunks_mut(CHUNK)
@@ -188,6 +199,16 @@ pub(crate) fn swiglu_bwd(dy: &[f32], gate: &[f32], up: &[f32], dgate: &mut [f32]
         dy * u * s * (1.0 + g * (1.0 - s))
     });
     map2(dup, dy, gate, |dy, g| dy * g * sigmoid(g));
+}
+
+/// [`swiglu_bwd`] with dy held in `dgate`, which it becomes: the same expressions, per element,
+/// on the same values.
+pub(crate) fn swiglu_bwd_in_place(dgate: &mut [f32], gate: &[f32], up: &[f32], dup: &mut [f32]) {
+    map2(dup, dgate, gate, |dy, g| dy * g * sigmoid(g));
+    update2(dgate, gate, up, |dy, g, u| {
+        let s = sigmoid(g);
+        dy * u * s * (1.0 + g * (1.0 - s))
+    });
 }
 
 pub(crate) fn add(a: &[f32], b: &[f32], y: &mut [f32]) {

@@ -1,10 +1,12 @@
 //! Linear layers: `y = x Wᵀ (+ b)` with `W` `[out, in]` (optionally plus a residual and
-//! followed by an activation), and its data and weight gradients (the data gradient optionally
-//! times an activation's derivative), as dense products (`dense`) on the current rayon pool;
+//! followed by an activation or SwiGLU's gated product), and its data and weight gradients (the
+//! data gradient optionally times an activation's derivative or through SwiGLU's backward), as dense products (`dense`) on the current rayon pool;
 //! FP8 GEMMs on their emulated operands (`fp8`) and the group amaxes they share (`Fp8Amax`).
 use super::args::{Inputs, Outputs};
 use super::dense::{gemm_checked, Strided, Threads};
-use super::elementwise::{activation, activation_bwd_in_place, add_in_place};
+use super::elementwise::{
+    activation, activation_bwd_in_place, add_in_place, swiglu as swiglu_fn, swiglu_bwd_in_place,
+};
 use super::fp8::{amax_into, dequantized};
 use super::par::{accumulate_column_sums, rows_per_task};
 use crate::error::Result;
@@ -23,6 +25,7 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, threads: Threads) -
             in_dim,
             out_dim,
             act,
+            swiglu,
             fp8,
             ..
         } => {
@@ -41,25 +44,38 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, threads: Threads) -
             if let Some(act) = act {
                 activation(*act, y, outs.f32("a")?);
             }
+            if *swiglu {
+                // silu(gate) ⊙ y, from y's f32 value: what a `SwiGlu` after it computes.
+                swiglu_fn(ins.f32("gate")?, y, outs.f32("a")?);
+            }
         }
         Op::MatmulBwdData {
             in_dim,
             out_dim,
             accumulate,
             act_grad: act,
+            swiglu,
             fp8,
         } => {
             let (i, o) = dims(*in_dim, *out_dim)?;
-            if act.is_some() && *accumulate {
+            if (act.is_some() || *swiglu) && *accumulate {
                 return Err(ins.err(
-                    "an activation-gradient product (act_grad) cannot accumulate into dx \
-                     (the verifier rejects it, E0822)",
+                    "an activation-gradient product (act_grad, swiglu) cannot accumulate into \
+                     dx (the verifier rejects it, E0822)",
                 ));
             }
             let (dy, w) = (ins.f32("dy")?, ins.f32("w")?);
             let amax = [ins.optional_f32("dy_amax")?, ins.optional_f32("w_amax")?];
             let [dyq, wq] = quantized(*fp8, operands::bwd_data, [(dy, o), (w, i)], amax)?;
             let (dy, w) = (dyq.as_deref().unwrap_or(dy), wq.as_deref().unwrap_or(w));
+            if *swiglu {
+                // The product into dgate, then through `SwiGluBwd` from its f32 value.
+                let dgate = outs.f32("dgate")?;
+                matmul_bwd_data(name, threads, i, o, dy, w, dgate, false)?;
+                let (gate, up) = (ins.f32("gate")?, ins.f32("up")?);
+                swiglu_bwd_in_place(dgate, gate, up, outs.f32("dup")?);
+                return Ok(());
+            }
             let dx = outs.f32("dx")?;
             matmul_bwd_data(name, threads, i, o, dy, w, dx, *accumulate)?;
             if let Some(act) = act {

@@ -1,6 +1,7 @@
 //! GEMM epilogues run apart from their GEMM by the backend's elementwise kernels, where a
 //! GEMM cannot fuse them (cuBLASLt's missing forms, every FP8 GEMM): a forward's residual add
-//! and activation, a data gradient's activation derivative. Shared by `matmul` and `fp8`.
+//! and activation, a data gradient's activation derivative, SwiGLU's gated product and its
+//! gradient. Shared by `matmul` and `fp8`.
 use super::args::{fv, n};
 use super::kernel::Kernel;
 use super::{Arg, Buf, CudaBackend};
@@ -36,4 +37,30 @@ pub(super) fn activation_grad_in_place(
 ) -> Result<()> {
     let args = [Arg::I32(act.code()), fv(dx), fv(pre), fv(dx), n(dx.len)];
     be.launch_vec(Kernel::ActivationBwd, dx.len, &args)
+}
+
+/// SwiGLU's gated product apart from the up projection's GEMM: a = silu(gate) ⊙ up.
+pub(super) fn swiglu_apart(be: &mut CudaBackend, gate: Buf, up: Buf, a: Buf) -> Result<()> {
+    let args = [fv(gate), fv(up), fv(a), n(a.len)];
+    be.launch_vec(Kernel::SwigluFwd, a.len, &args)
+}
+
+/// SwiGLU's gradient apart from the down projection's data-gradient GEMM, whose product was
+/// written into `dgate`: dup and dgate (in place) from it, per element as `SwiGluBwd`.
+pub(super) fn swiglu_grad_in_place(
+    be: &mut CudaBackend,
+    dgate: Buf,
+    (gate, up): (Buf, Buf),
+    dup: Buf,
+) -> Result<()> {
+    // swiglu_bwd reads each element's product before it writes that element's dgate.
+    let args = [
+        fv(dgate),
+        fv(gate),
+        fv(up),
+        fv(dgate),
+        fv(dup),
+        n(dgate.len),
+    ];
+    be.launch_vec(Kernel::SwigluBwd, dgate.len, &args)
 }

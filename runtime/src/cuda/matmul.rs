@@ -21,12 +21,21 @@
 //! auxiliary input); both need the auxiliary matrix in D's type. Otherwise, or where cuBLASLt refuses, the GEMM
 //! writes y (dx) as without, then the `activation_fwd` (`activation_bwd`, in place on dx)
 //! kernel runs.
+//!
+//! SwiGLU: a forward with `swiglu` (the up projection) writes u and a = silu(gate) ⊙ u, a
+//! backward-data product with `swiglu` (the down projection) dgate and dup. With the `swiglu`
+//! variant `epilogue`, parc's GEMM kernel forms them in its epilogue where it takes the GEMM
+//! (`gemm_ws`); otherwise (cuBLASLt has no such epilogue) the GEMM writes u (the product into
+//! dgate) and elementwise.cu's SwiGLU kernel runs after it.
 use super::args::{fv, n, p, Bound, Limits};
 use super::columns::col_sum_into;
-use super::epilogue::{activation_grad_in_place, residual_then_activation};
+use super::epilogue::{
+    activation_grad_in_place, residual_then_activation, swiglu_apart, swiglu_grad_in_place,
+};
 use super::gemm::{Epilogue, Gemm, Operands, Output};
 use super::gemm_operands::Operand;
 use super::kernel::Kernel;
+use super::variants::SwiGluKernel;
 use super::{Buf, CudaBackend};
 use crate::error::Result;
 use cudarc::driver::sys::CUdeviceptr;
@@ -101,13 +110,17 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
             bias,
             act,
             residual,
+            swiglu,
             ..
         } => {
             let bb = bias.then(|| b.input(2)).transpose()?;
             let r = residual
                 .then(|| b.input(2 + usize::from(bias)))
                 .transpose()?;
-            let a = act.map(|_| b.output(1)).transpose()?;
+            let a = (act.is_some() || swiglu).then(|| b.output(1)).transpose()?;
+            let gate = swiglu
+                .then(|| b.input(2 + usize::from(bias) + usize::from(residual)))
+                .transpose()?;
             let forward = Forward {
                 x: rows_of,
                 w: b.input(1)?,
@@ -115,8 +128,14 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
                 r,
                 y: b.output(0)?,
                 act: act.zip(a),
+                swiglu: gate.zip(a),
             };
             matmul(be, b, &forward, dims)
+        }
+        Op::MatmulBwdData { swiglu: true, .. } => {
+            let (w, gate, up) = (b.input(1)?, b.input(2)?, b.input(3)?);
+            let (dgate, dup) = (b.output(0)?, b.output(1)?);
+            swiglu_backward_data(be, (rows_of, w), (gate, up), (dgate, dup), dims)
         }
         Op::MatmulBwdData {
             accumulate,
@@ -173,7 +192,7 @@ fn dense_gemm(
 }
 
 /// A `Matmul`'s operands: x, w, the bias and residual where it has them; y, and the
-/// activation with its output `a` where it fuses one.
+/// activation with its output `a` where it fuses one; the gate and `a` with `swiglu`.
 struct Forward {
     x: Buf,
     w: Buf,
@@ -181,6 +200,7 @@ struct Forward {
     r: Option<Buf>,
     y: Buf,
     act: Option<(Act, Buf)>,
+    swiglu: Option<(Buf, Buf)>,
 }
 
 /// y = x·Wᵀ (+ b) (+ r), then a = act(y): `rows` rows of `k` into `m` columns.
@@ -194,6 +214,10 @@ fn matmul(be: &mut CudaBackend, b: &Bound, f: &Forward, (rows, k, m): Dims) -> R
         false,
         output(y),
     );
+    if let Some((gate, a)) = f.swiglu {
+        // The verifier keeps a SwiGLU product free of bias, residual and activation (E0822).
+        return swiglu_forward(be, &g, (w, x), gate, (y, a));
+    }
     let a = f.act.map(|(_, a)| a);
     // The residual as the GEMM's C (beta = 1) beside a D of its type.
     let d = a.unwrap_or(y);
@@ -222,6 +246,65 @@ fn matmul(be: &mut CudaBackend, b: &Bound, f: &Forward, (rows, k, m): Dims) -> R
     // act(y) from y as stored (a bf16 y is rounded before each step reads it).
     matmul_bias(be, b, &g, (w, x), bb, y, rows)?;
     residual_then_activation(be, y, r, f.act)
+}
+
+/// u = x·Wᵀ and a = silu(gate) ⊙ u (`g` writes u): in one GEMM where the `swiglu` variant is
+/// `epilogue` and parc's kernel takes it, else the GEMM and then the SwiGLU kernel.
+fn swiglu_forward(
+    be: &mut CudaBackend,
+    g: &Gemm,
+    (w, x): (Buf, Buf),
+    gate: Buf,
+    (u, a): (Buf, Buf),
+) -> Result<()> {
+    let fused = Gemm {
+        c: a.ptr,
+        epilogue: Epilogue::SwiGlu {
+            gate: gate.ptr,
+            up: u.ptr,
+        },
+        ..*g
+    };
+    if fuses_swiglu(be, &fused, [gate, u, a]) {
+        return be.gemm(&fused, weight(w), activation(x));
+    }
+    be.gemm(g, weight(w), activation(x))?;
+    swiglu_apart(be, gate, u, a)
+}
+
+/// dgate and dup from the product p = dy·W (the down projection's data gradient) through
+/// SwiGLU's backward: in one GEMM where the `swiglu` variant is `epilogue` and parc's kernel
+/// takes it, else the GEMM writes p into dgate and the SwiGLU-gradient kernel runs in place.
+fn swiglu_backward_data(
+    be: &mut CudaBackend,
+    (dy, w): (Buf, Buf),
+    (gate, up): (Buf, Buf),
+    (dgate, dup): (Buf, Buf),
+    (rows, k_in, m_out): Dims,
+) -> Result<()> {
+    let (shape, ptrs) = ((k_in, rows, m_out), (w.ptr, dy.ptr, dgate.ptr));
+    let g = dense_gemm((false, false), shape, ptrs, false, output(dgate));
+    let fused = Gemm {
+        epilogue: Epilogue::DSwiGlu {
+            gate: gate.ptr,
+            up: up.ptr,
+            dup: dup.ptr,
+        },
+        ..g
+    };
+    if fuses_swiglu(be, &fused, [gate, up, dgate, dup]) {
+        return be.gemm(&fused, weight(w), activation(dy));
+    }
+    be.gemm(&g, weight(w), activation(dy))?;
+    swiglu_grad_in_place(be, dgate, (gate, up), dup)
+}
+
+/// Whether `fused` (a GEMM with a SwiGLU epilogue over `bufs`, all of one 16-bit type) runs as
+/// one kernel: the `swiglu` variant `epilogue` and parc's kernel taking it.
+fn fuses_swiglu(be: &CudaBackend, fused: &Gemm, bufs: impl AsRef<[Buf]>) -> bool {
+    be.variants.swiglu == SwiGluKernel::Epilogue
+        && bufs.as_ref().iter().all(|b| b.dtype == DType::Bf16)
+        && be.ws_takes(fused)
 }
 
 /// dx (+)= dy·W, then dx = dx ⊙ act'(pre) where the op has an activation gradient.

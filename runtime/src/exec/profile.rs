@@ -463,6 +463,7 @@ mod tests {
             bias: true,
             act: None,
             residual: false,
+            swiglu: false,
             fp8: None,
         };
         // x is [8, 64]: 8 rows.
@@ -472,6 +473,7 @@ mod tests {
             out_dim: 256,
             accumulate: false,
             act_grad: None,
+            swiglu: false,
             fp8: None,
         };
         // dy is [8, 256].

@@ -89,6 +89,7 @@ impl Weights {
             bias: b.is_some(),
             act: None,
             residual: false,
+            swiglu: false,
             fp8: None,
         };
         device.apply(&op, &inputs, x, out_dim)

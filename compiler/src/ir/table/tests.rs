@@ -134,6 +134,7 @@ fn rows_come_from_attributes_or_the_first_row_shaped_input() {
         bias: true,
         act: None,
         residual: false,
+        swiglu: false,
         fp8: None,
     }
     .signature();

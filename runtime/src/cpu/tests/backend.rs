@@ -184,6 +184,7 @@ fn lowering_mistakes_are_clear_errors_naming_op_role_and_buffer() {
         bias,
         act: None,
         residual: false,
+        swiglu: false,
         fp8: None,
     };
     // Wrong output length.
@@ -334,6 +335,7 @@ fn op_sequence_bits(backend: CpuBackend) -> Vec<Vec<u32>> {
             bias: true,
             act: None,
             residual: false,
+            swiglu: false,
             fp8: None,
         },
         vec![Input::F(ln[0].clone()), w1.clone(), b1],
@@ -362,6 +364,7 @@ fn op_sequence_bits(backend: CpuBackend) -> Vec<Vec<u32>> {
             out_dim: hidden as u64,
             accumulate: false,
             act_grad: None,
+            swiglu: false,
             fp8: None,
         },
         vec![dy, w1],

@@ -119,6 +119,7 @@ fn ops_on_bf16_equal_f32_ops_on_widened_inputs_rounded_once() {
                 bias: false,
                 act: None,
                 residual: false,
+                swiglu: false,
                 fp8: None,
             },
             vec![x.clone(), values(2 * dim, 5)],
@@ -248,6 +249,7 @@ fn accumulating_dx_adds_the_finished_value_once() {
         out_dim: out as u64,
         accumulate,
         act_grad: None,
+        swiglu: false,
         fp8: None,
     };
     let cases: Vec<Case> = vec![

@@ -1,4 +1,5 @@
-//! The GEMM ops' fused forms (`Matmul { act, residual }`, `MatmulBwdData { act_grad }`) against
+//! The GEMM ops' fused forms (`Matmul { act, residual, swiglu }`, `MatmulBwdData { act_grad,
+//! swiglu }`) against
 //! the separate ops they replace: bit for bit in f32, and in bf16 each output rounded once from
 //! the f32 values (the activation reads the pre-activation before it is rounded).
 use super::{eval, values, Input, SCALARS};
@@ -19,6 +20,7 @@ fn matmul(bias: bool, act: Option<Act>, residual: bool) -> Op {
         bias,
         act,
         residual,
+        swiglu: false,
         fp8: None,
     }
 }
@@ -29,6 +31,7 @@ fn bwd_data(act_grad: Option<Act>, accumulate: bool) -> Op {
         out_dim: OUT as u64,
         accumulate,
         act_grad,
+        swiglu: false,
         fp8: None,
     }
 }
@@ -88,6 +91,53 @@ fn fused_forms_equal_the_separate_ops_bit_for_bit() {
     let y = eval(&matmul(false, None, false), &[f(&x), f(&w)], &[ROWS * OUT]).remove(0);
     let sum = eval(&Op::Add, &[f(&r), f(&y)], &[ROWS * OUT]);
     assert_eq!(bits(&fused[0]), bits(&sum[0]));
+}
+
+/// A SwiGLU MLP's projections with the gated product in their GEMMs: the up projection's
+/// `Matmul { swiglu }` is a `Matmul` then `SwiGlu(gate, u)`, the down projection's
+/// `MatmulBwdData { swiglu }` a `MatmulBwdData` then `SwiGluBwd`, bit for bit in f32.
+#[test]
+fn swiglu_forms_equal_the_separate_ops_bit_for_bit() {
+    let (x, w) = (values(ROWS * IN, 11, 2.0), values(OUT * IN, 12, 1.0));
+    let gate = values(ROWS * OUT, 13, 3.0);
+    let up = Op::Matmul {
+        in_dim: IN as u64,
+        out_dim: OUT as u64,
+        bias: false,
+        act: None,
+        residual: false,
+        swiglu: true,
+        fp8: None,
+    };
+    let fused = eval(&up, &[f(&x), f(&w), f(&gate)], &[ROWS * OUT; 2]);
+    let u = eval(&matmul(false, None, false), &[f(&x), f(&w)], &[ROWS * OUT]).remove(0);
+    let a = eval(&Op::SwiGlu, &[f(&gate), f(&u)], &[ROWS * OUT]).remove(0);
+    assert_eq!(bits(&fused[0]), bits(&u), "u");
+    assert_eq!(bits(&fused[1]), bits(&a), "a");
+
+    let (dy, g, u) = (
+        values(ROWS * OUT, 14, 1.0),
+        values(ROWS * IN, 15, 3.0),
+        values(ROWS * IN, 16, 2.0),
+    );
+    let down = Op::MatmulBwdData {
+        in_dim: IN as u64,
+        out_dim: OUT as u64,
+        accumulate: false,
+        act_grad: None,
+        swiglu: true,
+        fp8: None,
+    };
+    let fused = eval(&down, &[f(&dy), f(&w), f(&g), f(&u)], &[ROWS * IN; 2]);
+    let da = eval(&bwd_data(None, false), &[f(&dy), f(&w)], &[ROWS * IN]).remove(0);
+    let grads = eval(&Op::SwiGluBwd, &[f(&da), f(&g), f(&u)], &[ROWS * IN; 2]);
+    assert_eq!(bits(&fused[0]), bits(&grads[0]), "dgate");
+    assert_eq!(bits(&fused[1]), bits(&grads[1]), "dup");
+    assert_ne!(
+        bits(&fused[0]),
+        bits(&da),
+        "the gradient is not the bare product"
+    );
 }
 
 /// `v` as a bf16 buffer holds it (the backend rounds on write).

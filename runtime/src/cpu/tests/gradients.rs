@@ -154,6 +154,7 @@ fn matmul_backward_data_and_weight_match_differences() {
         bias: true,
         act: None,
         residual: false,
+        swiglu: false,
         fp8: None,
     };
     let inputs = vec![
@@ -170,6 +171,7 @@ fn matmul_backward_data_and_weight_match_differences() {
             out_dim: out_dim as u64,
             accumulate: false,
             act_grad: None,
+            swiglu: false,
             fp8: None,
         },
         &[dy.clone(), inputs[1].clone()],

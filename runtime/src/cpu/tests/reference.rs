@@ -361,6 +361,7 @@ fn matmul_matches_a_naive_product_on_blocked_sizes() {
             bias: true,
             act: None,
             residual: false,
+            swiglu: false,
             fp8: None,
         },
         &[
