@@ -149,7 +149,11 @@ impl<'a> ProfileCosts<'a> {
                         self.gemm(layout, mnk, dtype, epilogue)?,
                         [buffer(inputs, 0), buffer(inputs, 1)],
                     ),
-                    None => self.gemm(layout, mnk, dtype, epilogue)?,
+                    None => {
+                        let elem = buffer(outputs, 0).map_or(4, |b| b.dtype.bytes());
+                        self.gemm(layout, mnk, dtype, epilogue)?
+                            + self.swiglu_apart(op, mnk, elem)?
+                    }
                 }
             }
             (Table::Attention(pass), Op::Attention(a) | Op::AttentionBwd(a)) => {
@@ -169,6 +173,24 @@ impl<'a> ProfileCosts<'a> {
             _ => return None,
         };
         Some(seconds.max(self.profile.launch_overhead_s))
+    }
+
+    /// Seconds of a GEMM's SwiGLU epilogue (`swiglu`; 0 for any other op) as the CUDA
+    /// backend runs it by default (`PARC_SWIGLU_KERNEL=apart`): the `SwiGlu` (`SwiGluBwd`)
+    /// kernel after the GEMM, reading and writing three (five) `rows × width` tensors of
+    /// `elem` bytes an element, at that op's measured rate.
+    fn swiglu_apart(&self, op: &Op, [rows, out_dim, in_dim]: [u64; 3], elem: u64) -> Option<f64> {
+        let (opcode, width, tensors) = match op {
+            Op::Matmul { swiglu: true, .. } => (Opcode::SwiGlu, out_dim, 3.0),
+            Op::MatmulBwdData { swiglu: true, .. } => (Opcode::SwiGluBwd, in_dim, 5.0),
+            _ => return Some(0.0),
+        };
+        let bytes = tensors * (rows * width * elem) as f64;
+        let kind = MemoryKind::Elementwise;
+        Some(
+            self.memory(kind, opcode, Some(width), bytes)?
+                .max(self.profile.launch_overhead_s),
+        )
     }
 
     fn cached(&self, key: PriceKey, f: impl FnOnce() -> Option<f64>) -> Option<f64> {
@@ -511,23 +533,20 @@ fn table_name(table: Table) -> String {
 
 /// A GEMM's epilogue: whether it reads an output-sized operand (a forward's residual, a
 /// gradient added into), adds a bias or writes its gradient, applies an activation or its
-/// derivative. A SwiGLU epilogue reads the gate (and the backward the up projection too) and
-/// writes a second output: priced as reading an operand and applying an activation.
+/// derivative. (A SwiGLU epilogue is priced apart: [`ProfileCosts::swiglu_apart`].)
 fn epilogue_of(op: &Op) -> GemmEpilogue {
     let (accumulate, bias, act) = match op {
         Op::Matmul {
             residual,
             bias,
             act,
-            swiglu,
             ..
-        } => (*residual || *swiglu, *bias, act.is_some() || *swiglu),
+        } => (*residual, *bias, act.is_some()),
         Op::MatmulBwdData {
             accumulate,
             act_grad,
-            swiglu,
             ..
-        } => (*accumulate || *swiglu, false, act_grad.is_some() || *swiglu),
+        } => (*accumulate, false, act_grad.is_some()),
         Op::MatmulBwdWeight {
             accumulate_param_grad,
             bias,
