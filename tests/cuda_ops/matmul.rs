@@ -367,6 +367,9 @@ fn matmuls_bf16_mixed_storage() {
             n if n.starts_with("matmul_act") && n.contains("bias=true") => (&[f, f, f], &[h, h]),
             n if n.starts_with("matmul_act") => (&[h, f], &[f, h]),
             n if n.starts_with("matmul_bwd_data_act") => (&[f, f, h], &[h]),
+            // An f32 gate, an f32 up: the SwiGLU kernel after the GEMM, not the epilogue.
+            n if n.starts_with("matmul_swiglu") => (&[h, f, f], &[h, h]),
+            n if n.starts_with("matmul_bwd_data_swiglu") => (&[h, f, h, f], &[h, h]),
             n if n.starts_with("matmul+bias") => (&[f, f, f], &[h]),
             n if n.starts_with("matmul ") => (&[h, f], &[f]),
             n if n.starts_with("matmul_bwd_data") => (&[f, f], &[h]),
