@@ -50,6 +50,9 @@ pub struct ProfileCosts<'a> {
     bytes_scale: f64,
     /// Seconds by table and sizes: plans repeat few shapes many times.
     cache: RefCell<HashMap<PriceKey, Option<f64>>>,
+    /// Per FP8 GEMM dtype priced so far, whether its points decompose
+    /// ([`ProfileCosts::fp8_decomposes`]): found once, on its first GEMM.
+    fp8_decomposes: RefCell<HashMap<String, bool>>,
 }
 
 impl<'a> ProfileCosts<'a> {
@@ -70,6 +73,7 @@ impl<'a> ProfileCosts<'a> {
             flops_scale: ratio(peak, profile.peak_flops),
             bytes_scale: ratio(gpu.memory_bandwidth, profile.memory_bandwidth),
             cache: RefCell::new(HashMap::new()),
+            fp8_decomposes: RefCell::new(HashMap::new()),
         }
     }
 
@@ -288,8 +292,18 @@ impl<'a> ProfileCosts<'a> {
 
     /// Whether FP8 points of `dtype` are priced as GEMM plus quantization: where at least a
     /// quarter of them leave a GEMM time (a profile whose memory rates cannot account for its
-    /// FP8 times, as a synthetic one, is interpolated whole).
+    /// FP8 times, as a synthetic one, is interpolated whole). Found once per dtype.
     fn fp8_decomposes(&self, dtype: &str) -> bool {
+        if let Some(&known) = self.fp8_decomposes.borrow().get(dtype) {
+            return known;
+        }
+        let decomposes = self.fp8_points_decompose(dtype);
+        (self.fp8_decomposes.borrow_mut()).insert(dtype.to_string(), decomposes);
+        decomposes
+    }
+
+    /// [`ProfileCosts::fp8_decomposes`], from the points.
+    fn fp8_points_decompose(&self, dtype: &str) -> bool {
         let points: Vec<&GemmPoint> = (self.profile.gemm.iter())
             .filter(|g| g.dtype == dtype)
             .collect();
