@@ -7,7 +7,9 @@
 //! `Backend::prepare` as the executor gives a step's, so a backend that fuses such runs (the
 //! CUDA backend: one multi-tensor launch per run, `parc_compiler::ir::optimizer_runs`) fuses
 //! this one; the CPU backend runs its members one by one. A sample runs every member in program
-//! order. Afterwards the backend is given an empty program, which hands the plan's memory back.
+//! order. Afterwards the backend is given an empty program, which hands the plan's memory back;
+//! it stays a planned backend (CUDA then runs GEMMs on the plan's casts and scratch only), so
+//! calibrate measures the runs last.
 use super::{Bench, Grid};
 use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::op::Op;
