@@ -482,9 +482,6 @@ impl<'a> Engine<'a> {
 /// program a simulated rank runs, none for the others.
 fn fused_runs(plan: &Plan, slice: &Slice, costs: &dyn StepCosts) -> Vec<FusedRuns> {
     let mut fused = vec![FusedRuns::default(); plan.programs.len()];
-    if !costs.fuses_optimizer_runs() {
-        return fused;
-    }
     let mut done = vec![false; plan.programs.len()];
     for &rank in &slice.ranks {
         let Some(&id) = plan.rank_program.get(rank as usize) else {

@@ -85,11 +85,6 @@ impl FusedRuns {
             _ => Some(Role::Later),
         }
     }
-
-    /// The runs, by their first member.
-    pub fn runs(&self) -> &[FusedRun] {
-        &self.runs
-    }
 }
 
 /// Whether `op` can be a run's member (the ops `crate::ir::optimizer_runs` fuses).

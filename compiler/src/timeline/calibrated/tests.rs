@@ -1,5 +1,6 @@
 use super::*;
 use crate::driver::{compile, CompileOptions, Stage};
+use crate::timeline::fused::Role;
 use crate::timeline::profile::{AttentionPoint, GemmPoint, MemoryPoint};
 use crate::timeline::{simulate, simulate_with};
 
@@ -613,8 +614,12 @@ fn a_fused_run_is_priced_by_its_summed_bytes() {
     };
     let costs = ProfileCosts::new(&calibration, &spec);
     let fused = crate::timeline::FusedRuns::of(&program, &costs);
-    assert_eq!(fused.runs().len(), 1);
-    assert_eq!(fused.runs()[0].members, (0..20).collect::<Vec<_>>());
+    let op = |i: usize| program.instrs[i].op().unwrap();
+    let Some(Role::First(run)) = fused.role(0, op(0)) else {
+        panic!("the first update starts the run");
+    };
+    assert_eq!(run.members, (0..20).collect::<Vec<_>>());
+    assert!((1..20).all(|i| fused.role(i, op(i)) == Some(Role::Later)));
     let seconds = crate::timeline::compute_seconds(&program, &costs);
     assert_eq!(seconds[0], 1.0);
     assert!(seconds[1..].iter().all(|&s| s == 0.0));
