@@ -166,7 +166,7 @@ impl<'a> ProfileCosts<'a> {
                 self.attention(pass, a, op.flops(rows()? as f64, FlopCount::Model))?
             }
             (Table::Memory(kind), _) => {
-                let touched = self.bytes_touched(program, op, inputs, outputs);
+                let touched = self.bytes_touched(program, &signature, inputs, outputs);
                 self.memory(kind, op.opcode(), row_width(&signature), touched)?
             }
             _ => return None,
@@ -174,19 +174,18 @@ impl<'a> ProfileCosts<'a> {
         Some(seconds.max(self.profile.launch_overhead_s))
     }
 
-    /// Bytes `op` on buffers `inputs`/`outputs` of `program` touches, as its signature counts
-    /// them (elements at the roofline's sizes).
+    /// Bytes an op of `signature` on buffers `inputs`/`outputs` of `program` touches, as the
+    /// signature counts them (elements at the roofline's sizes).
     fn bytes_touched(
         &self,
         program: &Program,
-        op: &Op,
+        signature: &Signature,
         inputs: &[BufferId],
         outputs: &[BufferId],
     ) -> f64 {
         let buffer = |ids: &[BufferId], i: usize| ids.get(i).and_then(|b| program.buffer(*b));
         let bytes =
             |ids: &[BufferId], i: usize| buffer(ids, i).map_or(0.0, |b| self.roofline.bytes(b));
-        let signature = op.signature();
         let rows = signature.rows_from_inputs(|i| buffer(inputs, i).map_or(0, Buffer::numel));
         signature.bytes_touched(
             rows.unwrap_or(0),
@@ -206,7 +205,7 @@ impl<'a> ProfileCosts<'a> {
         let bytes: f64 = (members.iter())
             .map(|m| {
                 let c = m.as_compute()?;
-                Some(self.bytes_touched(program, c.op, c.inputs, c.outputs))
+                Some(self.bytes_touched(program, &c.op.signature(), c.inputs, c.outputs))
             })
             .sum::<Option<f64>>()?;
         let opcode = op.opcode();

@@ -96,7 +96,7 @@ struct Engine<'a> {
     /// Merge compute events per layer rather than per node (large plans).
     coarse: bool,
     /// Per program, the runs the backend fuses (empty for programs no simulated rank runs).
-    fused: Vec<FusedRuns>,
+    fused: &'a [FusedRuns],
 }
 
 /// Above this many simulated instructions, compute events are merged per layer.
@@ -181,6 +181,7 @@ impl<'a> Engine<'a> {
             self.ranks[y].status = Status::Done;
             return;
         };
+        let fused = self.program_index(y).and_then(|p| self.fused.get(p));
         while self.ranks[y].status == Status::Running {
             let pc = self.ranks[y].pc;
             let Some(instr) = program.instrs.get(pc) else {
@@ -197,7 +198,6 @@ impl<'a> Engine<'a> {
                     phase,
                     ..
                 } => {
-                    let fused = self.program_index(y).and_then(|p| self.fused.get(p));
                     let state = &mut self.ranks[y];
                     let (start, dur) = match fused.and_then(|f| f.role(pc, op)) {
                         None => {
@@ -552,7 +552,7 @@ pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
         arrivals: HashMap::new(),
         crosses,
         coarse: simulated > COARSE_TRACE_INSTRUCTIONS,
-        fused,
+        fused: &fused,
     };
     let n = engine.ranks.len();
     let mut ready: Vec<usize> = (0..n).rev().collect();
