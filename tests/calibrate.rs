@@ -250,6 +250,11 @@ fn cuda_calibration_writes_a_profile_on_a_gpu() {
             ("cuda", "bf16")
         );
         assert!(!profile.gemm.is_empty() && !profile.attention.is_empty());
+        // The optimizer as a step runs it: fused runs (one launch each) of the grid's sizes.
+        for op in ["adam_w_multi", "sum_squares_multi"] {
+            let runs = (profile.memory.iter()).filter(|m| m.op.as_deref() == Some(op));
+            assert_eq!(runs.count(), 3, "{op}");
+        }
     }
 }
 

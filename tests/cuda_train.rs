@@ -445,14 +445,14 @@ fn zero_spec(zero: ZeroStage, steps: u64) -> Spec {
     planned_model_spec(false, steps, choice)
 }
 
-/// The model's optimizer updates as runs the CUDA backend fuses (`parc_runtime::optimizer_runs`):
-/// every parameter's update of a rank's program is in one run, without ZeRO (the gradient
+/// The model's optimizer updates as runs the CUDA backend fuses
+/// (`parc_compiler::ir::optimizer_runs`): every parameter's update of a rank's program is in one run, without ZeRO (the gradient
 /// `Free`s between updates do not split it) and with ZeRO 1, 2 and 3 (nor do the all-gathers of
 /// the updated shards). Needs no GPU.
 #[test]
 fn every_update_of_a_program_is_one_fused_run() {
+    use parc_compiler::ir::optimizer_runs::{find_runs, find_sum_squares_runs};
     use parc_compiler::ir::{op::Op, Program};
-    use parc_runtime::optimizer_runs::{find_runs, find_sum_squares_runs};
     // Every SumSquares of a program (one per gradient tensor) in one run, in program order.
     let one_sum_squares_run = |program: &Program, name: &str| -> usize {
         let all: Vec<usize> = (program.computes())

@@ -14,6 +14,8 @@
 //! `reps` samples, each the mean of enough back-to-back runs to last about a millisecond
 //! between [`Backend::synchronize`] calls, and frees the buffers. The GEMM table fills one
 //! shape's inputs once for all its epilogue variants (filling, not timing, is most of its time).
+//! The optimizer is also timed as a step runs it ([`runs`]): runs of AdamW updates and of sums
+//! of squares over a model's parameter list, which the CUDA backend launches as one.
 use crate::backend::{Backend, StepScalars};
 use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::fp8::{Fp8Format, Fp8Gemm, Fp8Scaling};
@@ -28,6 +30,8 @@ use parc_compiler::timeline::profile::{
 };
 use std::collections::HashMap;
 use std::time::Instant;
+
+mod runs;
 
 /// What to measure on.
 pub struct Settings {
@@ -132,8 +136,8 @@ pub fn calibrate(
     progress("measuring memory-bound ops");
     let memory = bench.memory(&grid)?;
     progress(&table_done("memory-bound ops", memory.len(), &started));
-    // FP8 last: a scaling the backend fails on is left out with a note, and cannot cost the
-    // tables measured before it.
+    // FP8 after the bf16 tables: a scaling the backend fails on is left out with a note, and
+    // cannot cost the tables measured before it.
     let mut notes =
         vec!["collectives not measured: the timeline prices them with the spec's links".into()];
     notes.extend(gemm_note);
@@ -141,6 +145,22 @@ pub fn calibrate(
     let (fp8, fp8_notes) = bench.fp8_tables(&grid, settings, &started, progress);
     gemm.extend(fp8);
     notes.extend(fp8_notes);
+    // The optimizer runs after every other table: they give the backend a memory plan, and a
+    // planned backend runs its GEMMs otherwise (CUDA: the plan's casts and scratch). After the
+    // single-op points: an op without points of its own is priced by its kind's first op.
+    let mut memory = memory;
+    // A failure leaves them out with a note, as FP8's do.
+    progress("measuring optimizer runs (multi-tensor AdamW, sums of squares)");
+    match bench.optimizer_runs(&grid) {
+        Ok(runs) => {
+            progress(&table_done("optimizer runs", runs.len(), &started));
+            memory.extend(runs);
+        }
+        Err(e) => notes.push(format!(
+            "optimizer runs (adam_w_multi, sum_squares_multi) not measured, the backend failed \
+             on them: {e}; the timeline prices a run by its op's points at its summed bytes"
+        )),
+    }
     let peak_flops = settings.gpu.peak_for(settings.precision);
     Ok(Profile {
         version: VERSION,
@@ -431,7 +451,7 @@ impl<'a> Bench<'a> {
             self.run_forward(a, &inputs)?;
         }
         let touched = signature.bytes_touched(n, |i| input_bytes[i], |i| output_bytes[i]);
-        Ok((self.median(op, &inputs, &outputs)?, touched))
+        Ok((self.median(&[(op, &inputs, &outputs)])?, touched))
     }
 
     /// Attention's backward reads the forward's o and lse: compute them from its q, k, v.
@@ -443,11 +463,14 @@ impl<'a> Bench<'a> {
         self.backend.synchronize()
     }
 
-    fn median(&mut self, op: &Op, inputs: &[BufferId], outputs: &[BufferId]) -> Result<f64> {
+    /// The median seconds of `calls` (op, inputs, outputs) run in turn.
+    fn median(&mut self, calls: &[(&Op, &[BufferId], &[BufferId])]) -> Result<f64> {
         let run = |b: &mut dyn Backend, times: usize| -> Result<f64> {
             let start = Instant::now();
             for _ in 0..times {
-                b.compute(op, inputs, outputs, &SCALARS)?;
+                for &(op, inputs, outputs) in calls {
+                    b.compute(op, inputs, outputs, &SCALARS)?;
+                }
             }
             b.synchronize()?;
             Ok(start.elapsed().as_secs_f64() / times as f64)
@@ -500,13 +523,23 @@ impl<'a> Bench<'a> {
     }
 
     /// The dtype `operand` is stored in and the bytes an element counts as in the timeline
-    /// (f32 at the run's precision, bf16 2, i32 4).
+    /// ([`Bench::timeline_bytes`]).
     fn storage(&self, operand: &Operand) -> (DType, u64) {
-        match operand.class {
-            StorageClass::Tokens => (DType::I32, 4),
-            StorageClass::Fp32 => (DType::F32, if self.half { 2 } else { 4 }),
-            StorageClass::Float if self.half && self.backend.stores_bf16() => (DType::Bf16, 2),
-            StorageClass::Float => (DType::F32, if self.half { 2 } else { 4 }),
+        let dtype = match operand.class {
+            StorageClass::Tokens => DType::I32,
+            StorageClass::Float if self.half && self.backend.stores_bf16() => DType::Bf16,
+            StorageClass::Fp32 | StorageClass::Float => DType::F32,
+        };
+        (dtype, self.timeline_bytes(dtype))
+    }
+
+    /// The bytes an element of `dtype` counts as in the timeline: f32 at the run's precision,
+    /// bf16 2, i32 4.
+    fn timeline_bytes(&self, dtype: DType) -> u64 {
+        match dtype {
+            DType::F32 if self.half => 2,
+            DType::F32 | DType::I32 => 4,
+            DType::Bf16 => 2,
         }
     }
 
@@ -526,15 +559,18 @@ impl<'a> Bench<'a> {
         let len = operand_shape(operand, n, m).iter().product::<u64>() as usize;
         match operand.class {
             StorageClass::Tokens => self.backend.write_i32(id, &vec![0; len]),
-            _ => {
-                let have = self.pattern.len();
-                if have < len {
-                    self.pattern
-                        .extend((have..len).map(|i| normal_value(i as u64)));
-                }
-                self.backend.write_f32(id, &self.pattern[..len])
-            }
+            _ => self.fill_f32(id, len),
         }
+    }
+
+    /// `len` standard normal values into float buffer `id`.
+    fn fill_f32(&mut self, id: BufferId, len: usize) -> Result<()> {
+        let have = self.pattern.len();
+        if have < len {
+            self.pattern
+                .extend((have..len).map(|i| normal_value(i as u64)));
+        }
+        self.backend.write_f32(id, &self.pattern[..len])
     }
 }
 
@@ -761,10 +797,15 @@ mod tests {
             .any(|g| g.act && g.layout == GemmLayout::BwdData));
         assert_eq!(profile.attention.len(), 2 * 2 * 2);
         // Sizes × (add, SwiGLU and its backward; four norm ops at one dim; one vocabulary;
-        // AdamW, sum of squares; the embedding and its backward).
-        assert_eq!(profile.memory.len(), 3 * (3 + 4 + 1 + 2 + 2));
+        // AdamW, sum of squares; the embedding and its backward; runs of AdamW and of sums of
+        // squares).
+        assert_eq!(profile.memory.len(), 3 * (3 + 4 + 1 + 2 + 2 + 2));
         let norm = |op: &str| profile.memory.iter().any(|m| m.op.as_deref() == Some(op));
         assert!(norm("rms_norm_bwd") && norm("layer_norm") && norm("sum_squares"));
+        assert!(norm("adam_w_multi") && norm("sum_squares_multi"));
+        // The runs follow the single ops (an op without points is priced by its kind's first).
+        let first_optimizer = (profile.memory.iter()).find(|m| m.kind == MemoryKind::Optimizer);
+        assert_eq!(first_optimizer.unwrap().op.as_deref(), Some("adam_w"));
         assert!(profile.launch_overhead_s > 0.0);
     }
 }

@@ -16,4 +16,3 @@ pub mod init;
 pub mod launch;
 #[cfg(feature = "llvm")]
 pub mod llvm;
-pub mod optimizer_runs;

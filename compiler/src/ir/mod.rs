@@ -32,6 +32,7 @@ pub(crate) use named_enum;
 pub mod fp8;
 pub mod op;
 pub mod operands;
+pub mod optimizer_runs;
 pub mod program;
 pub mod storage;
 pub mod table;

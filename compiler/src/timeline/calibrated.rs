@@ -4,14 +4,20 @@
 //! profile's GEMM points of its layout and dtype give at (m, n, k); attention its model FLOPs
 //! at the rate of its pass's points at (batch·heads, group, seq, head dim); every other op its
 //! bytes touched (as [`SpecCosts`] counts them) at the bandwidth its kind's memory points give
-//! at that size; no op less than the profile's launch overhead. Rates come from
+//! at that size; no op less than the profile's launch overhead. A run of optimizer updates (or
+//! of sums of squares) that the profile's backend launches as one ([`super::fused`]: CUDA's
+//! multi-tensor kernels) is one such op of its members' summed bytes, at the rate of the
+//! profile's points of that multi-tensor launch (`adam_w_multi`, `sum_squares_multi`:
+//! [`multi_op_name`]) where it has them, else of its op's own points at that size; on a backend
+//! that does not fuse (the CPU) each member is priced alone. Rates come from
 //! [`super::profile::rate_at`] (log-size interpolation, clamped to the grid), scaled by the
 //! spec's GPU peak over the profile's when the calibration asks to scale. An op whose table the
 //! profile lacks is priced by the roofline ([`SpecCosts`]), and so are collectives without
 //! measured points and all transfers; [`ProfileCosts::roofline_kinds`] names them.
 use super::costs::{SpecCosts, StepCosts};
 use super::profile::{
-    rate_at, GemmDtype, GemmEpilogue, GemmLayout, GemmPoint, MemoryKind, MemoryPoint, Pass, Profile,
+    multi_op_name, rate_at, GemmDtype, GemmEpilogue, GemmLayout, GemmPoint, MemoryKind,
+    MemoryPoint, Pass, Profile,
 };
 use crate::fp8::{Gemm, GemmPrices, PerLayout, Priced, Pricing};
 use crate::ir::fp8::Fp8Scaling;
@@ -50,6 +56,9 @@ pub struct ProfileCosts<'a> {
     bytes_scale: f64,
     /// Seconds by table and sizes: plans repeat few shapes many times.
     cache: RefCell<HashMap<PriceKey, Option<f64>>>,
+    /// Per FP8 GEMM dtype priced so far, whether its points decompose
+    /// ([`ProfileCosts::fp8_decomposes`]): found once, on its first GEMM.
+    fp8_decomposes: RefCell<HashMap<String, bool>>,
 }
 
 impl<'a> ProfileCosts<'a> {
@@ -70,6 +79,7 @@ impl<'a> ProfileCosts<'a> {
             flops_scale: ratio(peak, profile.peak_flops),
             bytes_scale: ratio(gpu.memory_bandwidth, profile.memory_bandwidth),
             cache: RefCell::new(HashMap::new()),
+            fp8_decomposes: RefCell::new(HashMap::new()),
         }
     }
 
@@ -160,14 +170,7 @@ impl<'a> ProfileCosts<'a> {
                 self.attention(pass, a, op.flops(rows()? as f64, FlopCount::Model))?
             }
             (Table::Memory(kind), _) => {
-                let bytes = |ids: &[BufferId], i: usize| {
-                    buffer(ids, i).map_or(0.0, |b| self.roofline.bytes(b))
-                };
-                let touched = signature.bytes_touched(
-                    rows().unwrap_or(0),
-                    |i| bytes(inputs, i),
-                    |i| bytes(outputs, i),
-                );
+                let touched = self.bytes_touched(program, &signature, inputs, outputs);
                 self.memory(kind, op.opcode(), row_width(&signature), touched)?
             }
             _ => return None,
@@ -191,6 +194,52 @@ impl<'a> ProfileCosts<'a> {
             self.memory(kind, opcode, Some(width), bytes)?
                 .max(self.profile.launch_overhead_s),
         )
+    }
+
+    /// Bytes an op of `signature` on buffers `inputs`/`outputs` of `program` touches, as the
+    /// signature counts them (elements at the roofline's sizes).
+    fn bytes_touched(
+        &self,
+        program: &Program,
+        signature: &Signature,
+        inputs: &[BufferId],
+        outputs: &[BufferId],
+    ) -> f64 {
+        let buffer = |ids: &[BufferId], i: usize| ids.get(i).and_then(|b| program.buffer(*b));
+        let bytes =
+            |ids: &[BufferId], i: usize| buffer(ids, i).map_or(0.0, |b| self.roofline.bytes(b));
+        let rows = signature.rows_from_inputs(|i| buffer(inputs, i).map_or(0, Buffer::numel));
+        signature.bytes_touched(
+            rows.unwrap_or(0),
+            |i| bytes(inputs, i),
+            |i| bytes(outputs, i),
+        )
+    }
+
+    /// Seconds of one launch running `members` (a fused run of one memory-bound op): their
+    /// bytes summed, at the rate of the op's multi-tensor points ([`multi_op_name`]) where the
+    /// profile has them, else of its own points; None without either.
+    fn price_run(&self, program: &Program, members: &[&Instr]) -> Option<f64> {
+        let op = members.first()?.as_compute()?.op;
+        let Table::Memory(kind) = table_of(op) else {
+            return None;
+        };
+        let bytes: f64 = (members.iter())
+            .map(|m| {
+                let c = m.as_compute()?;
+                Some(self.bytes_touched(program, &c.op.signature(), c.inputs, c.outputs))
+            })
+            .sum::<Option<f64>>()?;
+        let opcode = op.opcode();
+        let multi_name = multi_op_name(opcode);
+        let multi: Vec<&MemoryPoint> = (self.profile.memory.iter())
+            .filter(|p| p.kind == kind && p.op.as_deref() == Some(multi_name.as_str()))
+            .collect();
+        let seconds = match memory_rate(&multi, None, bytes) {
+            Some(rate) => bytes / (rate * self.bytes_scale),
+            None => self.memory(kind, opcode, None, bytes)?,
+        };
+        Some(seconds.max(self.profile.launch_overhead_s))
     }
 
     fn cached(&self, key: PriceKey, f: impl FnOnce() -> Option<f64>) -> Option<f64> {
@@ -310,8 +359,18 @@ impl<'a> ProfileCosts<'a> {
 
     /// Whether FP8 points of `dtype` are priced as GEMM plus quantization: where at least a
     /// quarter of them leave a GEMM time (a profile whose memory rates cannot account for its
-    /// FP8 times, as a synthetic one, is interpolated whole).
+    /// FP8 times, as a synthetic one, is interpolated whole). Found once per dtype.
     fn fp8_decomposes(&self, dtype: &str) -> bool {
+        if let Some(&known) = self.fp8_decomposes.borrow().get(dtype) {
+            return known;
+        }
+        let decomposes = self.fp8_points_decompose(dtype);
+        (self.fp8_decomposes.borrow_mut()).insert(dtype.to_string(), decomposes);
+        decomposes
+    }
+
+    /// [`ProfileCosts::fp8_decomposes`], from the points.
+    fn fp8_points_decompose(&self, dtype: &str) -> bool {
         let points: Vec<&GemmPoint> = (self.profile.gemm.iter())
             .filter(|g| g.dtype == dtype)
             .collect();
@@ -439,6 +498,18 @@ impl StepCosts for ProfileCosts<'_> {
         };
         self.price(program, c.op, c.inputs, c.outputs)
             .unwrap_or_else(|| self.roofline.compute(program, instr))
+    }
+
+    fn fuses_optimizer_runs(&self) -> bool {
+        self.profile.fuses_optimizer_runs()
+    }
+
+    fn fused_run(&self, program: &Program, members: &[&Instr]) -> f64 {
+        self.price_run(program, members).unwrap_or_else(|| {
+            (members.iter())
+                .map(|m| self.roofline.compute(program, m))
+                .sum()
+        })
     }
 
     fn collective(&self, kind: CollectiveKind, n: u32, bytes: f64, crosses_nodes: bool) -> f64 {

@@ -21,6 +21,19 @@ use crate::spec::Spec;
 pub trait StepCosts {
     /// Seconds of a compute instruction (`Instr::Compute`) of `program`.
     fn compute(&self, program: &Program, instr: &Instr) -> f64;
+    /// Whether the backend these costs describe runs each run of fusable optimizer
+    /// instructions (`crate::ir::optimizer_runs`) as one launch, as the CUDA backend does
+    /// (`super::fused`). The default, and the peak numbers (which charge no launch, so a run
+    /// costs its members' sum either way): each instruction runs alone.
+    fn fuses_optimizer_runs(&self) -> bool {
+        false
+    }
+    /// Seconds of the one launch that runs `members` (a run's compute instructions of
+    /// `program`) where [`StepCosts::fuses_optimizer_runs`]. The default: their own prices,
+    /// summed.
+    fn fused_run(&self, program: &Program, members: &[&Instr]) -> f64 {
+        members.iter().map(|i| self.compute(program, i)).sum()
+    }
     /// Seconds of a collective over `n` ranks whose defining buffer holds `bytes`.
     fn collective(&self, kind: CollectiveKind, n: u32, bytes: f64, crosses_nodes: bool) -> f64;
     /// Seconds of one point-to-point transfer of `bytes`.

@@ -1,7 +1,9 @@
 //! The discrete-event simulation behind [`super::simulate`]: ranks run until they block on a
 //! rendezvous; a rendezvous completes (with its time) when its last member arrives, so the
-//! order ranks are run in does not change any time.
+//! order ranks are run in does not change any time. A run the backend fuses
+//! ([`super::fused`]) runs whole at its first member.
 
+use super::fused::{FusedRuns, Role};
 use super::{RankTimeline, Row, StepCosts, Timeline, TraceEvent};
 use crate::ir::{BufferId, CollectiveKind, GroupId, Instr, P2pOp, Phase, Plan, Program};
 use crate::spec::Spec;
@@ -50,6 +52,37 @@ struct RankState {
     events: Vec<TraceEvent>,
 }
 
+impl RankState {
+    /// Runs `dur` seconds of compute on the compute stream, once every buffer of `touched` is
+    /// ready (waiting for a collective that writes one: exposed communication), making
+    /// `written` ready when it ends; returns when it starts.
+    fn run_compute(
+        &mut self,
+        touched: impl IntoIterator<Item = BufferId>,
+        written: &[BufferId],
+        dur: f64,
+    ) -> f64 {
+        let (deps, since) = touched
+            .into_iter()
+            .fold((self.t, self.t), |(deps, since), b| {
+                let i = b.0 as usize;
+                match (self.ready.get(i), self.comm_start.get(i)) {
+                    (Some(&r), Some(&c)) if r > deps => (r, c.max(self.t)),
+                    _ => (deps, since),
+                }
+            });
+        self.exposed += deps - since;
+        self.busy += dur;
+        self.t = deps + dur;
+        for b in written {
+            if let Some(r) = self.ready.get_mut(b.0 as usize) {
+                *r = deps + dur;
+            }
+        }
+        deps
+    }
+}
+
 struct Engine<'a> {
     plan: &'a Plan,
     spec: &'a Spec,
@@ -62,6 +95,8 @@ struct Engine<'a> {
     crosses: Vec<Vec<bool>>,
     /// Merge compute events per layer rather than per node (large plans).
     coarse: bool,
+    /// Per program, the runs the backend fuses (empty for programs no simulated rank runs).
+    fused: &'a [FusedRuns],
 }
 
 /// Above this many simulated instructions, compute events are merged per layer.
@@ -73,8 +108,12 @@ fn node_of(spec: &Spec, rank: u32) -> u32 {
 
 impl<'a> Engine<'a> {
     fn program(&self, y: usize) -> Option<&'a Program> {
+        self.plan.programs.get(self.program_index(y)?)
+    }
+
+    fn program_index(&self, y: usize) -> Option<usize> {
         let id = self.plan.rank_program.get(self.slice.ranks[y] as usize)?;
-        self.plan.programs.get(id.0 as usize)
+        Some(id.0 as usize)
     }
 
     fn bytes(&self, program: &Program, b: BufferId) -> f64 {
@@ -142,6 +181,7 @@ impl<'a> Engine<'a> {
             self.ranks[y].status = Status::Done;
             return;
         };
+        let fused = self.program_index(y).and_then(|p| self.fused.get(p));
         while self.ranks[y].status == Status::Running {
             let pc = self.ranks[y].pc;
             let Some(instr) = program.instrs.get(pc) else {
@@ -151,34 +191,47 @@ impl<'a> Engine<'a> {
             };
             match instr {
                 Instr::Compute {
+                    op,
                     inputs,
                     outputs,
                     node,
                     phase,
                     ..
                 } => {
-                    let dur = self.costs.compute(program, instr);
                     let state = &mut self.ranks[y];
-                    let (deps, since) = inputs.iter().chain(outputs).fold(
-                        (state.t, state.t),
-                        |(deps, since), b| {
-                            let i = b.0 as usize;
-                            match (state.ready.get(i), state.comm_start.get(i)) {
-                                (Some(&r), Some(&c)) if r > deps => (r, c.max(state.t)),
-                                _ => (deps, since),
-                            }
-                        },
-                    );
-                    state.exposed += deps - since;
-                    state.busy += dur;
-                    state.t = deps + dur;
-                    for b in outputs {
-                        if let Some(r) = state.ready.get_mut(b.0 as usize) {
-                            *r = deps + dur;
+                    let (start, dur) = match fused.and_then(|f| f.role(pc, op)) {
+                        None => {
+                            let dur = self.costs.compute(program, instr);
+                            (
+                                state.run_compute(
+                                    inputs.iter().chain(outputs).copied(),
+                                    outputs,
+                                    dur,
+                                ),
+                                dur,
+                            )
                         }
-                    }
+                        // The backend launches the whole run here: after every member's
+                        // buffers are ready, writing every member's outputs.
+                        Some(Role::First(run)) => {
+                            let members =
+                                || (run.members.iter()).filter_map(|&i| program.instrs.get(i));
+                            let touched =
+                                members().flat_map(|m| m.reads().into_iter().chain(m.writes()));
+                            let written: Vec<BufferId> =
+                                members().flat_map(Instr::writes).collect();
+                            (
+                                state.run_compute(touched, &written, run.seconds),
+                                run.seconds,
+                            )
+                        }
+                        Some(Role::Later) => {
+                            state.pc += 1;
+                            continue;
+                        }
+                    };
                     state.pc += 1;
-                    self.compute_event(y, pc, node.map(|n| n.0), *phase, deps, dur);
+                    self.compute_event(y, pc, node.map(|n| n.0), *phase, start, dur);
                 }
                 Instr::Collective { group, .. } => {
                     let r = self.slice.ranks[y];
@@ -425,6 +478,24 @@ impl<'a> Engine<'a> {
     }
 }
 
+/// Per program of `plan`, the runs `costs`' backend fuses: found and priced once for each
+/// program a simulated rank runs, none for the others.
+fn fused_runs(plan: &Plan, slice: &Slice, costs: &dyn StepCosts) -> Vec<FusedRuns> {
+    let mut fused = vec![FusedRuns::default(); plan.programs.len()];
+    let mut done = vec![false; plan.programs.len()];
+    for &rank in &slice.ranks {
+        let Some(&id) = plan.rank_program.get(rank as usize) else {
+            continue;
+        };
+        let (i, program) = (id.0 as usize, plan.programs.get(id.0 as usize));
+        if let (Some(program), Some(false)) = (program, done.get(i).copied()) {
+            fused[i] = FusedRuns::of(program, costs);
+            done[i] = true;
+        }
+    }
+    fused
+}
+
 pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
     let slice = Slice::new(plan);
     let crosses = plan
@@ -471,6 +542,7 @@ pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
         .filter_map(|&r| plan.program_of(r))
         .map(|p| p.instrs.len())
         .sum();
+    let fused = fused_runs(plan, &slice, costs);
     let mut engine = Engine {
         plan,
         spec,
@@ -480,6 +552,7 @@ pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
         arrivals: HashMap::new(),
         crosses,
         coarse: simulated > COARSE_TRACE_INSTRUCTIONS,
+        fused: &fused,
     };
     let n = engine.ranks.len();
     let mut ready: Vec<usize> = (0..n).rev().collect();

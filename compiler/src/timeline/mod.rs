@@ -21,6 +21,9 @@
 //!   goes on; it waits for the group only where an op reads a received buffer or a sent or
 //!   received buffer is freed or overwritten. Such a wait is idle time (the pipeline bubble)
 //!   until the group's last transfer starts, exposed communication after.
+//! - A run of optimizer updates (or of gradient clipping's sums of squares) that the backend
+//!   launches as one ([`fused`]: the CUDA backend's multi-tensor kernels) is one op at its first
+//!   member's position, waiting for every member's buffers; its later members take no time.
 //! - `Alloc`, `Free` and `LoadBatch` take no time, but a `Free` of a buffer a collective still
 //!   uses waits for it, as the runtime does (the memory plan hands the bytes on).
 //!
@@ -39,12 +42,14 @@
 pub mod calibrated;
 pub mod costs;
 mod engine;
+pub mod fused;
 pub mod profile;
 #[cfg(test)]
 mod tests;
 
 pub use calibrated::{Calibration, ProfileCosts};
 pub use costs::{SpecCosts, StepCosts};
+pub use fused::{compute_seconds, FusedRuns};
 
 use crate::ir::{Plan, ProgramId};
 use crate::spec::Spec;

@@ -12,7 +12,9 @@
 //! - `attention`: (pass, batch·heads, q heads per kv head, seq, head dim, causal, packed) →
 //!   seconds, FLOPs as [`crate::ir::table::FlopCount::Model`] counts them.
 //! - `memory`: (kind, op, row width, bytes touched) → seconds for memory-bound ops, and
-//!   `launch_overhead_s`, the time of the smallest op (no op is priced below it).
+//!   `launch_overhead_s`, the time of the smallest op (no op is priced below it). An op named
+//!   [`multi_op_name`] (`adam_w_multi`, `sum_squares_multi`) is a run of that op over many
+//!   tensors of mixed sizes, as a step runs it, by its members' summed bytes.
 //! - `collectives`: (kind, ranks, bytes) → seconds, where measured.
 //!
 //! Rates are interpolated in log-size ([`rate_at`]): the achieved FLOP/s or bytes/s of the
@@ -255,6 +257,8 @@ pub struct MemoryPoint {
     pub bytes: f64,
     /// The op measured (its opcode's name: `rms_norm_bwd`, `cross_entropy`, …): an op with
     /// points of its own is priced by them, others by their kind's. Absent: any op of the kind.
+    /// [`multi_op_name`]: a run of that op over many tensors (`bytes` summed over them), as the
+    /// backend runs a fused run of it; such points follow the kind's single-op ones.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub op: Option<String>,
     /// The width of the op's rows where its speed depends on it (a norm's dim, the
@@ -273,6 +277,18 @@ pub struct CollectivePoint {
     pub bytes: f64,
     pub seconds: f64,
 }
+
+/// The `op` of memory points measuring a run of `opcode` over many tensors of mixed sizes (a
+/// model's parameters or gradients): `adam_w_multi`, `sum_squares_multi`. A backend that fuses
+/// such runs ([`Profile::fuses_optimizer_runs`]) runs each as one launch.
+pub fn multi_op_name(opcode: crate::ir::table::Opcode) -> String {
+    format!("{}_multi", opcode.name())
+}
+
+/// The backends (a profile's `backend`) that run each run of fusable optimizer instructions
+/// (`crate::ir::optimizer_runs`) as one launch: the CUDA backend's multi-tensor AdamW/SGD and
+/// one-pass sums of squares. The CPU backend runs every instruction alone.
+const FUSING_BACKENDS: &[&str] = &["cuda"];
 
 /// Why a profile cannot be used.
 #[derive(Clone, Debug, PartialEq)]
@@ -350,6 +366,12 @@ pub fn precision_name(precision: Precision) -> &'static str {
 }
 
 impl Profile {
+    /// Whether the backend measured runs each run of fusable optimizer instructions as one
+    /// launch (so the timeline prices and places it as one: `crate::timeline::fused`).
+    pub fn fuses_optimizer_runs(&self) -> bool {
+        FUSING_BACKENDS.contains(&self.backend.as_str())
+    }
+
     /// Read a profile from its JSON, checking its version and every measured value.
     pub fn parse(text: &str) -> Result<Profile, ProfileError> {
         let value: serde_json::Value = serde_json::from_str(text).map_err(json_error)?;

@@ -10,12 +10,14 @@ use crate::spec::PipelineSchedule;
 /// Step costs for these tests: every collective costs `collective`, every point-to-point
 /// transfer `transfer`, and every compute op `compute`, or with `layers` (uniform stages) the
 /// forward ops of repeated layers the first cost and their backward ops the second, everything
-/// else nothing.
+/// else nothing; with `fused_run`, a backend that runs each fusable run of optimizer
+/// instructions as one op of that many seconds.
 struct Costs<'a> {
     compute: f64,
     layers: Option<(&'a Spec, f64, f64)>,
     collective: f64,
     transfer: f64,
+    fused_run: Option<f64>,
 }
 
 impl Costs<'_> {
@@ -26,6 +28,7 @@ impl Costs<'_> {
             layers: None,
             collective,
             transfer,
+            fused_run: None,
         }
     }
 }
@@ -68,6 +71,12 @@ impl StepCosts for Costs<'_> {
     }
     fn bytes(&self, b: &Buffer) -> f64 {
         b.bytes() as f64
+    }
+    fn fuses_optimizer_runs(&self) -> bool {
+        self.fused_run.is_some()
+    }
+    fn fused_run(&self, _: &Program, _: &[&Instr]) -> f64 {
+        self.fused_run.unwrap_or(0.0)
     }
 }
 
@@ -497,4 +506,50 @@ fn interleaving_shrinks_the_bubble_of_a_pipeline() {
         interleaved < 0.75 * one,
         "pp {p} tp 2 m {m}: interleaved bubble {interleaved:.4} vs 1F1B {one:.4}"
     );
+}
+
+/// A run the backend fuses is one op at its first member: its later members take no time, and
+/// the instructions between its members (ZeRO-1's all-gathers of the updated shards) come after
+/// the whole run, as on the GPU.
+#[test]
+fn a_fused_run_runs_whole_at_its_first_member() {
+    let (spec, plan) = tiny(PlanChoice {
+        dp: 2,
+        zero: crate::spec::ZeroStage::Zero1,
+        ..PlanChoice::default()
+    });
+    let program = &plan.programs[0];
+    let updates = crate::ir::optimizer_runs::find_runs(program);
+    let sums = crate::ir::optimizer_runs::find_sum_squares_runs(program);
+    assert_eq!((updates.len(), sums.len()), (1, 1));
+    let members = updates[0].members.len() + sums[0].members.len();
+    assert!(members > 4);
+    let ops = program
+        .instrs
+        .iter()
+        .filter(|i| i.as_compute().is_some())
+        .count();
+    let per_instruction = Costs::slow_comm(0.0, 0.0);
+    let fused = Costs {
+        fused_run: Some(1.0),
+        ..Costs::slow_comm(0.0, 0.0)
+    };
+    let step = |costs: &Costs| simulate_with(&plan, &spec, costs);
+    let alone = step(&per_instruction);
+    assert!((alone.step_seconds - ops as f64 * 1e-6).abs() < 1e-12);
+    let timeline = step(&fused);
+    // Two runs of a second each; every other op a microsecond.
+    let want = 2.0 + (ops - members) as f64 * 1e-6;
+    assert!(
+        (timeline.step_seconds - want).abs() < 1e-9,
+        "{}",
+        timeline.step_seconds
+    );
+    // The update run starts after the sums of squares' (a second in) and the gathers of the
+    // shards it updates follow it.
+    let gathers: Vec<&TraceEvent> = (timeline.events.iter())
+        .filter(|e| e.row == Row::Comm && e.name.starts_with("all_gather"))
+        .collect();
+    assert!(!gathers.is_empty());
+    assert!(gathers.iter().all(|e| e.start >= 2.0), "{gathers:?}");
 }

@@ -4,11 +4,11 @@
 //!
 //! The fused optimizer: one multi-tensor AdamW (or SGD) launch per run of optimizer
 //! instructions instead of one launch per parameter tensor. The program keeps one instruction
-//! per tensor; `crate::optimizer_runs` finds the runs that may be fused. Because the memory
-//! plan gives every buffer one device address for the whole run, `prepare` writes each run's
-//! table once (per tensor: pointers to g, coef, param and state, the element count and the
-//! weight decay; per block: which tensor and which chunk of `CHUNK_LEN` elements) into a device
-//! allocation of its own. When the executor reaches a run's first instruction the backend
+//! per tensor; `parc_compiler::ir::optimizer_runs` finds the runs that may be fused. Because
+//! the memory plan gives every buffer one device address for the whole run, `prepare` writes
+//! each run's table once (per tensor: pointers to g, coef, param and state, the element count
+//! and the weight decay; per block: which tensor and which chunk of `CHUNK_LEN` elements) into
+//! a device allocation of its own. When the executor reaches a run's first instruction the backend
 //! checks the buffers are still where the table says, orders the launch after any
 //! communication on them, and launches `adamw_multi` / `sgd_multi` (kernels/optimizer.cu) over
 //! the whole run; the run's later updates must then arrive in order, with the same step
@@ -25,11 +25,11 @@ use super::kernel::Kernel;
 use super::{raw_ptr, sum_squares, Arg, CudaBackend};
 use crate::backend::StepScalars;
 use crate::error::{Result, RuntimeError};
-use crate::optimizer_runs::{find_runs, OptimizerRun, RunKind};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::CudaSlice;
 use parc_compiler::ir::op::Op;
+use parc_compiler::ir::optimizer_runs::{find_runs, OptimizerRun, RunKind};
 use parc_compiler::ir::{BufferId, Program};
 use std::collections::HashMap;
 

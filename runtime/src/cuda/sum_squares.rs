@@ -1,9 +1,9 @@
 //! Gradient clipping's sums of squares in one launch per run instead of two per gradient
 //! tensor. The program keeps one `SumSquares` instruction per gradient (`out[0] += Σ g²`);
-//! `crate::optimizer_runs::find_sum_squares_runs` finds the runs of adjacent ones. Because the
-//! memory plan gives every buffer one device address for the whole run, `prepare` writes each
-//! run's table once into a device allocation of its own: per tensor its input and output
-//! pointers, element count and its partials' place; per block the tensor it reduces; the
+//! `parc_compiler::ir::optimizer_runs::find_sum_squares_runs` finds the runs of adjacent ones.
+//! Because the memory plan gives every buffer one device address for the whole run, `prepare`
+//! writes each run's table once into a device allocation of its own: per tensor its input and
+//! output pointers, element count and its partials' place; per block the tensor it reduces; the
 //! launch's groups of blocks; then room for the partials, the per-tensor sums and the
 //! completion counters. When the executor reaches a run's first instruction the backend checks
 //! the buffers are still where the table says, orders the launch after any communication on
@@ -20,11 +20,11 @@ use super::device::driver_error;
 use super::kernel::Kernel;
 use super::{raw_ptr, Arg, Buf, CudaBackend};
 use crate::error::{Result, RuntimeError};
-use crate::optimizer_runs::{find_sum_squares_runs, SumSquaresRun};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::CudaSlice;
 use parc_compiler::ir::op::Op;
+use parc_compiler::ir::optimizer_runs::{find_sum_squares_runs, SumSquaresRun};
 use parc_compiler::ir::{BufferId, Program};
 use std::collections::HashMap;
 

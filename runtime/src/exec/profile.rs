@@ -11,7 +11,7 @@
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::table::{Family, FlopCount, Opcode};
 use parc_compiler::ir::{BufferId, Instr, Program};
-use parc_compiler::timeline::StepCosts;
+use parc_compiler::timeline::{compute_seconds, StepCosts};
 use serde::Serialize;
 use std::collections::HashMap;
 
@@ -248,14 +248,15 @@ pub fn op_label(instr: &Instr) -> Option<String> {
 /// The seconds `costs` (the timeline's pricing: the GPU's peak numbers or a calibration
 /// profile) gives `program`'s compute instructions under each [`op_label`], with the op's kind,
 /// in the order the labels first appear: what `parc check` predicts, beside what the profiled
-/// step measured (a kind's prediction is the sum of its ops').
+/// step measured (a kind's prediction is the sum of its ops'). A run the backend fuses is priced
+/// as the timeline prices it: one launch, under its first member's label.
 pub fn predicted_ops(program: &Program, costs: &dyn StepCosts) -> Vec<(String, OpKind, f64)> {
     let mut seconds: Vec<(String, OpKind, f64)> = Vec::new();
-    for instr in &program.instrs {
+    let priced = compute_seconds(program, costs);
+    for (instr, &s) in program.instrs.iter().zip(&priced) {
         let Some(label) = op_label(instr) else {
             continue;
         };
-        let s = costs.compute(program, instr);
         match seconds.iter_mut().find(|(l, _, _)| *l == label) {
             Some((_, _, total)) => *total += s,
             None => seconds.push((label, classify(instr), s)),

@@ -1,5 +1,6 @@
 use super::*;
 use crate::driver::{compile, CompileOptions, Stage};
+use crate::timeline::fused::Role;
 use crate::timeline::profile::{AttentionPoint, GemmPoint, MemoryPoint};
 use crate::timeline::{simulate, simulate_with};
 
@@ -486,4 +487,140 @@ fn an_fp8_gemm_is_priced_as_its_gemm_plus_its_quantization() {
             );
         }
     }
+}
+
+/// tiny.par's compute instructions, its AdamW updates and its sums of squares (program 0).
+fn optimizer_counts(plan: &Plan) -> (usize, usize, usize) {
+    let program = &plan.programs[0];
+    let count = |f: &dyn Fn(&Op) -> bool| {
+        program
+            .instrs
+            .iter()
+            .filter_map(Instr::op)
+            .filter(|op| f(op))
+            .count()
+    };
+    (
+        count(&|_| true),
+        count(&|op| matches!(op, Op::AdamW { .. })),
+        count(&|op| matches!(op, Op::SumSquares)),
+    )
+}
+
+/// With every op at the launch floor, the step counts launches: on a backend that fuses (CUDA)
+/// the N updates are one launch and the sums of squares another; on the CPU each is its own.
+#[test]
+fn a_run_of_updates_is_one_launch_where_the_backend_fuses_it() {
+    let (spec, plan) = tiny();
+    let (ops, updates, sums) = optimizer_counts(&plan);
+    assert!(
+        updates > 2 && sums > 2,
+        "{updates} updates, {sums} sums of squares"
+    );
+    let mut profile = uniform(1e15, 1e15);
+    profile.launch_overhead_s = 1e-3;
+    assert_eq!(profile.backend, "cpu");
+    let per_instruction = step(&spec, &plan, profile.clone(), false);
+    assert!(
+        close(per_instruction, ops as f64 * 1e-3),
+        "{per_instruction}"
+    );
+    profile.backend = "cuda".into();
+    let fused = step(&spec, &plan, profile, false);
+    let launches = ops - updates - sums + 2;
+    assert!(
+        close(fused, launches as f64 * 1e-3),
+        "{fused} for {launches} launches"
+    );
+}
+
+/// A program of `sizes.len()` AdamW updates (buffer 0 the clip coefficient; tensor t's g,
+/// param, m, v at 1 + 4t ..) of `sizes` elements, and its instructions.
+fn updates(sizes: &[u64]) -> Program {
+    let f32_buffer = |n: u64| Buffer {
+        name: format!("b{n}"),
+        shape: vec![n],
+        dtype: DType::F32,
+        kind: crate::ir::BufferKind::Activation,
+    };
+    let mut buffers = vec![f32_buffer(1)];
+    let mut instrs = Vec::new();
+    for (t, &n) in sizes.iter().enumerate() {
+        let b = 1 + 4 * t as u32;
+        buffers.extend((0..4).map(|_| f32_buffer(n)));
+        let adam = Op::AdamW {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        instrs.push(Instr::compute(adam, &[b, 0], &[b + 1, b + 2, b + 3]));
+    }
+    Program::new("updates", buffers, instrs)
+}
+
+/// A fused run is priced as one op of its members' summed bytes: by the profile's points of the
+/// multi-tensor launch where it has them, else by the op's own points at that size (not each
+/// member at its own size), never below one launch.
+#[test]
+fn a_fused_run_is_priced_by_its_summed_bytes() {
+    let (spec, _) = tiny();
+    // adam_w measured at 1e9 B/s for small ops, 1e10 for large.
+    let mut profile = uniform(4e10, 8e9);
+    profile.backend = "cuda".into();
+    profile.launch_overhead_s = 1e-6;
+    profile.memory.retain(|m| m.kind != MemoryKind::Optimizer);
+    let point = |op: &str, bytes: f64, rate: f64| MemoryPoint {
+        kind: MemoryKind::Optimizer,
+        bytes,
+        op: Some(op.into()),
+        cols: None,
+        seconds: bytes / rate,
+    };
+    profile
+        .memory
+        .extend([point("adam_w", 1e3, 1e9), point("adam_w", 1e7, 1e10)]);
+    // 20 tensors of 1,000 elements; the cpu gpu counts f32 as 4 bytes: an update touches g,
+    // coef, param, m, v, 16,004 bytes, the run 320,080.
+    let program = updates(&[1000; 20]);
+    let members: Vec<&Instr> = program.instrs.iter().collect();
+    let run_bytes = 20.0 * 16_004.0;
+    let single_rate =
+        |bytes: f64| 1e9 + (bytes.log2() - 1e3f64.log2()) / (1e7f64.log2() - 1e3f64.log2()) * 9e9;
+    let priced = |profile: &Profile| {
+        let calibration = Calibration {
+            profile: profile.clone(),
+            scale: false,
+        };
+        ProfileCosts::new(&calibration, &spec).fused_run(&program, &members)
+    };
+    // No multi-tensor points: adam_w's rate at the run's size.
+    assert!(close(priced(&profile), run_bytes / single_rate(run_bytes)));
+    let each: f64 = 20.0 * 16_004.0 / single_rate(16_004.0);
+    assert!(priced(&profile) < each);
+    // With them, theirs.
+    profile.memory.extend([
+        point("adam_w_multi", 1e4, 2e9),
+        point("adam_w_multi", 1e8, 2e9),
+    ]);
+    assert!(close(priced(&profile), run_bytes / 2e9));
+    // One launch at least.
+    profile.launch_overhead_s = 1.0;
+    assert!(close(priced(&profile), 1.0));
+    // The runs a simulation takes, found once and priced so.
+    let calibration = Calibration {
+        profile,
+        scale: false,
+    };
+    let costs = ProfileCosts::new(&calibration, &spec);
+    let fused = crate::timeline::FusedRuns::of(&program, &costs);
+    let op = |i: usize| program.instrs[i].op().unwrap();
+    let Some(Role::First(run)) = fused.role(0, op(0)) else {
+        panic!("the first update starts the run");
+    };
+    assert_eq!(run.members, (0..20).collect::<Vec<_>>());
+    assert!((1..20).all(|i| fused.role(i, op(i)) == Some(Role::Later)));
+    let seconds = crate::timeline::compute_seconds(&program, &costs);
+    assert_eq!(seconds[0], 1.0);
+    assert!(seconds[1..].iter().all(|&s| s == 0.0));
 }

@@ -1,8 +1,9 @@
 //! Runs of optimizer instructions a backend may update in one multi-tensor launch (the CUDA
-//! backend's fused AdamW/SGD, `cuda::optimizer`). The IR keeps one `AdamW`/`Sgd` instruction
-//! per parameter tensor (the CPU backend, ZeRO sharding and checkpoints rely on it); this module
-//! only reads a program and finds the maximal runs that can be fused without changing any
-//! result:
+//! backend's fused AdamW/SGD, the runtime's `cuda::optimizer`, and its fused sums of squares,
+//! `cuda::sum_squares`); the timeline prices and places each run as that one launch
+//! (`crate::timeline::fused`). The IR keeps one `AdamW`/`Sgd` instruction per parameter tensor
+//! (the CPU backend, ZeRO sharding and checkpoints rely on it); this module only reads a
+//! program and finds the maximal runs that can be fused without changing any result:
 //! - `AdamW` (or `Sgd`) compute instructions with the same hyper-parameters except the weight
 //!   decay (the one per-tensor field), each well formed (the op's documented arity, f32
 //!   buffers, a one-element coefficient, param and state as long as the gradient, no buffer
@@ -23,8 +24,8 @@
 //! f32 input, a one-element f32 output that is not the input) whose input no earlier member
 //! writes. A backend may then read every member's input first and add the sums into the
 //! outputs afterwards, in program order, with the same result.
-use parc_compiler::ir::op::Op;
-use parc_compiler::ir::{BufferId, Compute, DType, Inputs, Instr, Outputs, Program};
+use crate::ir::op::Op;
+use crate::ir::{BufferId, Compute, DType, Inputs, Instr, Outputs, Program};
 use std::collections::HashSet;
 
 /// What every member of a run shares: the op's hyper-parameters other than the weight decay.
@@ -297,7 +298,7 @@ pub fn find_sum_squares_runs(program: &Program) -> Vec<SumSquaresRun> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use parc_compiler::ir::{Buffer, BufferKind, CollectiveKind, GroupId};
+    use crate::ir::{Buffer, BufferKind, CollectiveKind, GroupId};
 
     const ADAM: Op = Op::AdamW {
         beta1: 0.9,

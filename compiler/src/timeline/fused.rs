@@ -1,0 +1,108 @@
+//! The runs of optimizer instructions a backend launches as one (`crate::ir::optimizer_runs`:
+//! the CUDA backend's multi-tensor AdamW/SGD and its one-pass sums of squares), as the timeline
+//! prices and places them.
+//!
+//! Where the cost model's backend fuses them ([`StepCosts::fuses_optimizer_runs`]) a run is one
+//! op, priced by [`StepCosts::fused_run`] (one launch of its members' summed bytes) and run
+//! where the backend runs it: at its first member's position, once every member's buffers are
+//! ready (the backend orders the launch after all the communication on them), making every
+//! member's outputs ready when it ends; its later members take no time. Elsewhere (the CPU
+//! backend) every instruction is priced and run alone. Finding the runs is linear in the
+//! program, done once per program a simulation runs.
+use super::costs::StepCosts;
+use crate::ir::op::Op;
+use crate::ir::optimizer_runs::{find_runs, find_sum_squares_runs};
+use crate::ir::{Instr, Program};
+
+/// One run the backend launches as one op.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FusedRun {
+    /// Its members' instruction indices, in program order (at least two).
+    pub members: Vec<usize>,
+    /// The seconds of its one launch.
+    pub seconds: f64,
+}
+
+/// What an instruction is to the fused runs of its program.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Role<'a> {
+    /// The run's first member: the whole run runs here.
+    First(&'a FusedRun),
+    /// A later member: the run already ran it.
+    Later,
+}
+
+/// The fused runs of one program (none where the backend does not fuse).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct FusedRuns {
+    /// Every member's instruction index with its run's index, by instruction.
+    members: Vec<(usize, usize)>,
+    runs: Vec<FusedRun>,
+}
+
+impl FusedRuns {
+    /// The runs of `program` the backend `costs` prices fuses, each priced by it; none where it
+    /// does not fuse.
+    pub fn of(program: &Program, costs: &dyn StepCosts) -> FusedRuns {
+        if !costs.fuses_optimizer_runs() {
+            return FusedRuns::default();
+        }
+        let updates = find_runs(program)
+            .into_iter()
+            .map(|run| run.members.iter().map(|m| m.index).collect::<Vec<_>>());
+        let sums = find_sum_squares_runs(program)
+            .into_iter()
+            .map(|run| run.members.iter().map(|m| m.index).collect::<Vec<_>>());
+        let mut runs: Vec<FusedRun> = updates
+            .chain(sums)
+            .map(|members| {
+                let instrs: Vec<&Instr> = (members.iter())
+                    .filter_map(|&i| program.instrs.get(i))
+                    .collect();
+                let seconds = costs.fused_run(program, &instrs);
+                FusedRun { members, seconds }
+            })
+            .collect();
+        runs.sort_by_key(|r| r.members.first().copied());
+        let mut members: Vec<(usize, usize)> = (runs.iter().enumerate())
+            .flat_map(|(r, run)| run.members.iter().map(move |&i| (i, r)))
+            .collect();
+        members.sort_unstable();
+        FusedRuns { members, runs }
+    }
+
+    /// What instruction `index` (whose op is `op`) is to the runs; None for one outside them.
+    pub fn role(&self, index: usize, op: &Op) -> Option<Role<'_>> {
+        if self.members.is_empty() || !fusable(op) {
+            return None;
+        }
+        let at = (self.members)
+            .binary_search_by_key(&index, |&(i, _)| i)
+            .ok()?;
+        let run = self.runs.get(self.members[at].1)?;
+        match run.members.first() {
+            Some(&first) if first == index => Some(Role::First(run)),
+            _ => Some(Role::Later),
+        }
+    }
+}
+
+/// Whether `op` can be a run's member (the ops `crate::ir::optimizer_runs` fuses).
+fn fusable(op: &Op) -> bool {
+    matches!(op, Op::AdamW { .. } | Op::Sgd { .. } | Op::SumSquares)
+}
+
+/// Each instruction's compute seconds as the timeline charges them (0 for other instructions):
+/// a fused run's on its first member and 0 on its later ones.
+pub fn compute_seconds(program: &Program, costs: &dyn StepCosts) -> Vec<f64> {
+    let fused = FusedRuns::of(program, costs);
+    (program.instrs.iter().enumerate())
+        .map(
+            |(index, instr)| match instr.op().and_then(|op| fused.role(index, op)) {
+                Some(Role::First(run)) => run.seconds,
+                Some(Role::Later) => 0.0,
+                None => costs.compute(program, instr),
+            },
+        )
+        .collect()
+}
