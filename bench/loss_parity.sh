@@ -18,7 +18,14 @@
 # on the GPU (8 × 2048, bf16, 200 steps), a 2-layer examples/tiny-llama.par on the CPU.
 # Environment: PARC (the binary; default .device/parc, else target/{release,debug}/parc),
 # PYTHON (default python3), STEPS, BATCH, PRECISION (bf16|fp32), TOLERANCE, GATE (step|window),
-# FLOOR=1 (also the peer against itself at half the micro batch: floor.txt).
+# LR, WARMUP, MIN_LR (the recipe; defaults per mode below), RESIDUAL (fp32|bf16: a bf16 run's
+# residual stream, parc's `bf16 { residual: … }` and the peer's `--residual`; default fp32, as
+# autocast keeps it, so that the two runs round alike), FLOOR=1 (also the peer against itself at
+# half the micro batch: floor.txt, and the gate becomes the larger of TOLERANCE and
+# FLOOR_FACTOR (default 2) times the floor's: a recipe whose loss spikes is chaotic, and two
+# correct runs drift apart by percents there (issue 19; bench/parity/compare.py --floor)).
+# Arguments after the mode: `--set PATH=VALUE` overrides for both runs' spec (e.g. a larger
+# CPU model: --set model.d=256 --set model.seq=128).
 # Output: $OUT/loss-parity-MODEL-MODE/ (or .device/out/… without $OUT): plan.json,
 # batches.jsonl, parc.jsonl, peer.jsonl, parc.stderr, peer.stderr, comparison.txt,
 # comparison.json; the init weights are written to a temporary folder and removed.
@@ -27,10 +34,15 @@ cd "$(dirname "$0")/.."
 
 mode=gpu
 if [[ "${1:-}" == "--cpu" ]]; then mode=cpu; shift; fi
-if [[ $# -gt 0 ]]; then
-    echo "usage: bench/loss_parity.sh [--cpu]   (settings through STEPS, BATCH, PRECISION, TOLERANCE, GATE)" >&2
-    exit 2
-fi
+overrides=()
+while [[ $# -gt 0 ]]; do
+    if [[ "$1" == --set && $# -ge 2 && "$2" == *=* ]]; then
+        overrides+=(--set "$2"); shift 2
+    else
+        echo "usage: bench/loss_parity.sh [--cpu] [--set PATH=VALUE]...   (settings through STEPS, BATCH, PRECISION, RESIDUAL, LR, WARMUP, MIN_LR, TOLERANCE, GATE, FLOOR)" >&2
+        exit 2
+    fi
+done
 
 target="${CARGO_TARGET_DIR:-target}"
 parc="${PARC:-}"
@@ -68,29 +80,37 @@ if [[ "$mode" == gpu ]]; then
     steps="${STEPS:-200}"; batch="${BATCH:-8}"; precision="${PRECISION:-bf16}"
     tolerance="${TOLERANCE:-0.01}"; gate="${GATE:-window}"
     backend=cuda; device=cuda
-    lr=6e-4; warmup=20; min_lr=6e-5
+    lr="${LR:-6e-4}"; warmup="${WARMUP:-20}"; min_lr="${MIN_LR:-6e-5}"
     sets=(--set "train.global_batch=$batch" --set "train.micro_batch=$batch")
 else
     spec=$cpu_spec
     steps="${STEPS:-30}"; batch="${BATCH:-8}"; precision="${PRECISION:-fp32}"
     tolerance="${TOLERANCE:-1e-4}"; gate="${GATE:-step}"
     backend=cpu; device=cpu
-    lr=1e-3; warmup=5; min_lr=1e-4
+    lr="${LR:-1e-3}"; warmup="${WARMUP:-5}"; min_lr="${MIN_LR:-1e-4}"
     # parc splits the batch into microbatches of 2 (gradient accumulation); the peer takes it whole
     sets=(--set model.layers=2 --set "train.global_batch=$batch")
 fi
+residual="${RESIDUAL:-fp32}"
+case "$residual" in
+    fp32|bf16) ;;
+    *) echo "error: RESIDUAL=$residual: use fp32 or bf16" >&2; exit 2 ;;
+esac
+precision_value="$precision"
+[[ "$precision" == bf16 ]] && precision_value="bf16 { residual: $residual }"
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 sets+=(
-    --set "train.steps=$steps" --set "train.precision=$precision"
+    --set "train.steps=$steps" --set "train.precision=$precision_value"
     --set "train.data=\"data/tiny-shakespeare.txt\" as bytes"
     --set "train.optimizer.lr=$lr" --set "train.schedule.warmup=$warmup"
     --set "train.schedule.min_lr=$min_lr" --set "train.schedule.decay_steps=$steps"
     --set "train.checkpoint.dir=\"$scratch/ckpt\""
+    ${overrides[@]+"${overrides[@]}"}
 )
 out="${OUT:-.device/out}/loss-parity-${MODEL:-gpt2}-$mode"
 mkdir -p "$out"
-echo "loss parity ($mode): $spec, $steps steps, global batch $batch, $precision, backend $backend; parc $parc; logs in $out"
+echo "loss parity ($mode): $spec, $steps steps, global batch $batch, $precision (residual $residual), lr $lr, backend $backend; parc $parc; logs in $out"
 
 "$parc" plan "$spec" "${sets[@]}" --emit json > "$out/plan.json"
 
@@ -110,7 +130,7 @@ started=$SECONDS
 "$python" "$peer" parity --plan "$out/plan.json" --init "$scratch/init.safetensors" \
     --batches "$out/batches.jsonl" --data "$data" --format bytes \
     --lr "$lr" --schedule cosine --warmup "$warmup" --min-lr "$min_lr" --decay-steps "$steps" \
-    --device "$device" --precision "$precision" --out "$out/peer.jsonl" \
+    --device "$device" --precision "$precision" --residual "$residual" --out "$out/peer.jsonl" \
     > /dev/null 2> "$out/peer.stderr" || {
     echo "error: the PyTorch peer failed; its stderr ($out/peer.stderr) ends with:" >&2
     tail -20 "$out/peer.stderr" >&2
@@ -127,7 +147,7 @@ if [[ -n "${FLOOR:-}" ]]; then
     "$python" "$peer" parity --plan "$out/plan.json" --init "$scratch/init.safetensors" \
         --batches "$out/batches.jsonl" --data "$data" --format bytes \
         --lr "$lr" --schedule cosine --warmup "$warmup" --min-lr "$min_lr" --decay-steps "$steps" \
-        --device "$device" --precision "$precision" --micro-batch "$((batch / 2))" \
+        --device "$device" --precision "$precision" --residual "$residual" --micro-batch "$((batch / 2))" \
         --out "$out/peer-half.jsonl" > /dev/null 2> "$out/peer-half.stderr" || {
         echo "error: the second peer run failed; its stderr ($out/peer-half.stderr) ends with:" >&2
         tail -20 "$out/peer-half.stderr" >&2
@@ -140,8 +160,10 @@ if [[ -n "${FLOOR:-}" ]]; then
 fi
 
 echo "== comparison"
+floor_args=()
+[[ -n "${FLOOR:-}" && -s "$out/floor.json" ]] && floor_args=(--floor "$out/floor.json" --floor-factor "${FLOOR_FACTOR:-2}")
 set +e
 "$python" bench/parity/compare.py "$out/parc.jsonl" "$out/peer.jsonl" --tolerance "$tolerance" \
-    --gate "$gate" --json "$out/comparison.json" | tee "$out/comparison.txt"
+    --gate "$gate" --json "$out/comparison.json" ${floor_args[@]+"${floor_args[@]}"} | tee "$out/comparison.txt"
 status=${PIPESTATUS[0]}
 exit "$status"

@@ -57,6 +57,19 @@ def rope_tables(T, hd, theta, device):
     return ang.cos(), ang.sin()
 
 
+class RoundBf16(torch.autograd.Function):
+    """The identity, its value and its gradient rounded to bf16 (nearest even) and kept in their
+    dtype: a residual stream stored in bf16, as parc's bf16 storage keeps it unless
+    `train.precision = bf16 { residual: fp32 }` (parity's `--residual bf16`)."""
+    @staticmethod
+    def forward(ctx, x):
+        return x.to(torch.bfloat16).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(torch.bfloat16).to(g.dtype)
+
+
 def rope(x, cos, sin):
     """Rotate half: pairs (i, i + hd/2), as parc's `Rope` and transformers' Llama."""
     h = x.shape[-1] // 2
@@ -65,9 +78,9 @@ def rope(x, cos, sin):
 
 
 class Block(nn.Module):
-    def __init__(s, d, h, kv, ffn, qkv_bias, eps=1e-5):
+    def __init__(s, d, h, kv, ffn, qkv_bias, eps=1e-5, residual=lambda x: x):
         super().__init__()
-        s.h, s.kv, s.hd = h, kv, d // h
+        s.h, s.kv, s.hd, s.residual = h, kv, d // h, residual
         s.ln1, s.ln2 = RMSNorm(d, eps), RMSNorm(d, eps)
         s.qkv = nn.Linear(d, (h + 2 * kv) * s.hd, bias=qkv_bias)
         s.wo = nn.Linear(h * s.hd, d, bias=False)
@@ -82,16 +95,17 @@ class Block(nn.Module):
         k = rope(k.view(B, T, s.kv, s.hd).transpose(1, 2), cos, sin)
         v = v.view(B, T, s.kv, s.hd).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        x = x + s.wo(y.transpose(1, 2).reshape(B, T, s.h * s.hd))
+        x = s.residual(x + s.wo(y.transpose(1, 2).reshape(B, T, s.h * s.hd)))
         h = s.ln2(x)
-        return x + s.down(F.silu(s.gate(h)) * s.up(h))
+        return s.residual(x + s.down(F.silu(s.gate(h)) * s.up(h)))
 
 
 class Llama(nn.Module):
-    def __init__(s, V, T, d, L, h, kv, ffn, theta, qkv_bias, tied, eps=1e-5):
+    def __init__(s, V, T, d, L, h, kv, ffn, theta, qkv_bias, tied, eps=1e-5, residual="fp32"):
         super().__init__()
+        s.residual = RoundBf16.apply if residual == "bf16" else (lambda x: x)
         s.embed = nn.Embedding(V, d)
-        s.blocks = nn.ModuleList(Block(d, h, kv, ffn, qkv_bias, eps) for _ in range(L))
+        s.blocks = nn.ModuleList(Block(d, h, kv, ffn, qkv_bias, eps, s.residual) for _ in range(L))
         s.norm = RMSNorm(d, eps)
         s.head = nn.Linear(d, V, bias=False)
         if tied:
@@ -106,7 +120,7 @@ class Llama(nn.Module):
                 nn.init.zeros_(p)
 
     def forward(s, idx, tgt, reduction="mean"):
-        x = s.embed(idx)
+        x = s.residual(s.embed(idx))
         for b in s.blocks:
             x = b(x, s.cos, s.sin)
         logits = s.head(s.norm(x))
@@ -248,7 +262,7 @@ def parity_main(argv):
     batches, tokens, (T, G), steps, decay_steps = gpt.parity_data(a, spec.vocab)
     dev = gpt.parity_device(a)
     model = Llama(spec.vocab, T, spec.d, spec.layers, spec.heads, spec.kv_heads, spec.ffn,
-                  spec.theta, spec.qkv_bias, spec.tied, spec.eps)
+                  spec.theta, spec.qkv_bias, spec.tied, spec.eps, a.residual)
     init = gpt.read_safetensors(a.init)
     pairs = spec.names(model)
     unmapped = sorted(set(spec.params) - {n for _, n in pairs})

@@ -14,7 +14,8 @@ with parc's recipe, and print one JSON line per step (loss, lr, grad_norm), to c
     torch_peer.py parity --plan PLAN.json --init INIT.safetensors --batches BATCHES.jsonl
                   --data FILE --format bytes|u16|u32 --lr LR [--schedule cosine|linear|constant]
                   [--warmup W] [--min-lr M] [--decay-steps D] [--steps N]
-                  [--device cpu|cuda] [--precision fp32|bf16] [--micro-batch M] [--out FILE]
+                  [--device cpu|cuda] [--precision fp32|bf16] [--micro-batch M] [--residual fp32|bf16]
+                  [--out FILE]
 
 PLAN.json is `parc plan SPEC --emit json` (shapes, decay flags and every op's constants come from
 it), INIT.safetensors `parc run SPEC --save-init`, BATCHES.jsonl `parc run SPEC --log-batches`.
@@ -281,6 +282,9 @@ def parity_args(prog, argv):
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--micro-batch", type=int, help="sequences per forward/backward (default: the global batch)")
+    p.add_argument("--residual", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: round the residual stream and its gradient to bf16 after every add, as "
+                        "parc's bf16 storage does without `bf16 { residual: fp32 }` (Llama peer only)")
     p.add_argument("--out", help="also write the JSON lines to this file")
     return p.parse_args(argv)
 
@@ -322,6 +326,8 @@ def parity_adamw(groups, a, spec):
 
 def parity_main(argv):
     a = parity_args("torch_peer.py parity", argv)
+    if a.residual != "fp32":
+        sys.exit("--residual bf16 is the Llama peer's (torch_llama_peer.py parity); this GPT-2 peer keeps autocast's fp32 residual")
     with open(a.plan) as f:
         spec = SpecModel(json.load(f))
     batches, tokens, shape, steps, decay_steps = parity_data(a, spec.vocab, spec.seq)

@@ -3,7 +3,9 @@
 //! losses within 0.1% (the fixture's data are random, so the loss need not fall), holds less
 //! memory, is deterministic for any thread count, and every parallel plan
 //! agrees with the single-rank bf16 run within bf16 tolerance (plans round at different points:
-//! a tp all-reduce sums rounded partial outputs, so bit equality is not expected).
+//! a tp all-reduce sums rounded partial outputs, so bit equality is not expected). With
+//! `bf16 { residual: fp32 }` the run holds more than bf16 and less than fp32, rounds yet tracks
+//! fp32 as closely, and pipeline and tensor-parallel plans agree with it.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #[allow(dead_code)]
 #[path = "ir/fixtures.rs"]
@@ -25,8 +27,20 @@ fn model(llama: bool) -> TinyModel {
 }
 
 fn run(llama: bool, plan: PlanChoice, precision: Precision, threads: usize) -> TrainResult {
+    run_with(llama, plan, precision, false, threads)
+}
+
+/// `run`, the residual stream kept f32 where `fp32_residual` (`bf16 { residual: fp32 }`).
+fn run_with(
+    llama: bool,
+    plan: PlanChoice,
+    precision: Precision,
+    fp32_residual: bool,
+    threads: usize,
+) -> TrainResult {
     let mut s = spec(model(llama), plan);
     s.train.precision = precision;
+    s.train.fp32_residual = fp32_residual;
     let p = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
     let mut options = TrainOptions::new(".");
     options.comm_timeout = Duration::from_secs(30);
@@ -154,6 +168,81 @@ fn parallel_bf16_plans_agree_with_the_single_rank() {
                 );
             }
             println!("llama {llama} {name}: largest relative loss difference {largest:.1e}");
+        }
+    }
+}
+
+#[test]
+fn an_fp32_residual_stream_rounds_elsewhere_tracks_fp32_and_holds_between() {
+    for llama in [false, true] {
+        let fp32 = run(llama, PlanChoice::default(), Precision::Fp32, 1);
+        let bf16 = run(llama, PlanChoice::default(), Precision::Bf16, 1);
+        let residual = run_with(llama, PlanChoice::default(), Precision::Bf16, true, 1);
+        assert_ne!(
+            losses(&residual),
+            losses(&bf16),
+            "the option changed nothing"
+        );
+        assert_ne!(losses(&residual), losses(&fp32), "no rounding took place");
+        // Not asserted: that it tracks fp32 closer than bf16 does. Over these 5 steps it does
+        // for the GPT-2 fixture (summed relative distance 2.8e-5 against 1.2e-4) and not for
+        // the Llama one (8.6e-5 against 5.5e-5): per step, the stream's rounding is one of
+        // many (issue 19 measured the same on longer runs).
+        for (a, b) in fp32.records.iter().zip(&residual.records) {
+            let rel = (a.loss - b.loss).abs() / a.loss.abs();
+            assert!(
+                rel < 1e-3,
+                "llama {llama} step {}: {} vs {}",
+                a.step,
+                b.loss,
+                a.loss
+            );
+        }
+        let held = |r: &TrainResult| r.reserved_bytes.unwrap();
+        assert!(held(&bf16) < held(&residual), "llama {llama}: bytes");
+        assert!(held(&residual) < held(&fp32), "llama {llama}: bytes");
+    }
+}
+
+#[test]
+fn fp32_residual_plans_agree_with_the_single_rank() {
+    // pp moves the stream between stages (both sides f32), tp with sp reduces and gathers it.
+    let plans = [
+        (
+            "pp 2 1f1b",
+            PlanChoice {
+                pp: 2,
+                schedule: PipelineSchedule::OneFOneB,
+                microbatches: 2,
+                ..PlanChoice::default()
+            },
+        ),
+        (
+            "tp 2 sp",
+            PlanChoice {
+                tp: 2,
+                sp: true,
+                ..PlanChoice::default()
+            },
+        ),
+    ];
+    for (name, plan) in plans {
+        let microbatches = plan.microbatches;
+        let single = PlanChoice {
+            microbatches,
+            ..PlanChoice::default()
+        };
+        let single = run_with(true, single, Precision::Bf16, true, 1);
+        let got = run_with(true, plan, Precision::Bf16, true, 1);
+        for (a, b) in single.records.iter().zip(&got.records) {
+            let rel = (a.loss - b.loss).abs() / a.loss.abs();
+            assert!(
+                rel < 1e-3,
+                "{name} step {}: {} vs {}",
+                a.step,
+                b.loss,
+                a.loss
+            );
         }
     }
 }

@@ -713,6 +713,10 @@ pub struct Train {
     /// Sequences per microbatch per data-parallel rank.
     pub micro_batch: u64,
     pub precision: Precision,
+    /// `precision = bf16 { residual: fp32 }`: the residual stream and its gradient stay f32 in
+    /// a bf16 run (Megatron's `fp32_residual_connection`; `lower::storage`). False: bf16, as
+    /// every other activation; always false outside bf16.
+    pub fp32_residual: bool,
     pub optimizer: Optimizer,
     pub schedule: LrSchedule,
     /// Clip the global gradient norm to this value.

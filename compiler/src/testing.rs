@@ -236,6 +236,7 @@ pub fn train(
         global_batch,
         micro_batch,
         precision,
+        fp32_residual: false,
         optimizer,
         schedule: LrSchedule::Constant { warmup: 0 },
         grad_clip: Some(1.0),

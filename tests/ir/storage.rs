@@ -1,6 +1,7 @@
 //! bf16 activation storage in the lowering: which buffers a `precision = bf16` plan stores in
 //! bf16, that every such plan verifies (operand types, collective and transfer types) over the
-//! plan matrix, and that fp32 plans keep every float buffer f32.
+//! plan matrix, and that fp32 plans keep every float buffer f32; with `bf16 { residual: fp32 }`,
+//! that the residual stream and its gradient alone stay f32, over the plan matrix too.
 
 use super::fixtures::{spec, PlanChoice, TinyModel};
 use parc_compiler::ir::{BufferKind, DType, Plan};
@@ -8,8 +9,14 @@ use parc_compiler::lower::lower;
 use parc_compiler::spec::{PipelineSchedule, Precision, Recompute, ZeroStage};
 
 fn bf16_plan(model: TinyModel, choice: PlanChoice) -> Plan {
+    bf16_plan_with(model, choice, false)
+}
+
+/// A bf16 plan, its residual stream kept f32 where `fp32_residual` (`bf16 { residual: fp32 }`).
+fn bf16_plan_with(model: TinyModel, choice: PlanChoice, fp32_residual: bool) -> Plan {
     let mut s = spec(model, choice);
     s.train.precision = Precision::Bf16;
+    s.train.fp32_residual = fp32_residual;
     let plan = lower(&s).unwrap();
     if let Err(d) = parc_compiler::verify::verify_spec(&plan, &s) {
         let msgs: Vec<String> = d.items.iter().map(|x| x.message.clone()).collect();
@@ -123,6 +130,86 @@ fn bf16_plans_verify_over_the_plan_matrix() {
                 },
                 choice,
             );
+            assert!(plan.programs.iter().all(|p| p.uses_bf16()));
+        }
+    }
+}
+
+#[test]
+fn an_fp32_residual_keeps_the_stream_and_its_gradient_f32_and_nothing_else() {
+    for llama in [false, true] {
+        let plain = bf16_plan(model(llama), PlanChoice::default());
+        let residual = bf16_plan_with(model(llama), PlanChoice::default(), true);
+        let (plain, residual) = (&plain.programs[0], &residual.programs[0]);
+        assert_eq!(plain.buffers.len(), residual.buffers.len());
+        let mut widened = Vec::new();
+        for (a, b) in plain.buffers.iter().zip(&residual.buffers) {
+            assert_eq!((&a.name, &a.shape), (&b.name, &b.shape));
+            if a.dtype != b.dtype {
+                assert_eq!((a.dtype, b.dtype), (DType::Bf16, DType::F32), "{}", a.name);
+                widened.push(b.name.as_str());
+            }
+        }
+        // The stream: the embedding's output (GPT-2's after its positions are added), each
+        // block's two sums (GEMMs adding the residual), and the one buffer its gradient
+        // accumulates in, per microbatch.
+        let stream = |n: &str| {
+            let base = n.split('@').next().unwrap_or(n);
+            ["embed.y", "pos.y", "ln_f.dx"].contains(&base)
+                || base.ends_with(".attn.y")
+                || base.ends_with(".mlp.y")
+        };
+        assert!(
+            widened.iter().all(|n| stream(n)),
+            "llama {llama}: {widened:?}"
+        );
+        let first: Vec<_> = widened.iter().filter(|n| n.ends_with("@0")).collect();
+        let sums = 2 * model(llama).layers as usize;
+        assert_eq!(first.len(), 1 + sums + 1, "llama {llama}: {widened:?}");
+        assert!(residual.uses_bf16(), "the branches stay bf16");
+    }
+}
+
+#[test]
+fn fp32_residual_plans_verify_over_the_plan_matrix() {
+    // The verifier checks transfer types: a stage's stream goes to the next stage f32 and its
+    // gradient comes back f32, and collectives keep one type on both sides.
+    for (dp, pp, cp, tp, zero, schedule, recompute, sp) in [
+        (
+            2,
+            2,
+            2,
+            2,
+            ZeroStage::Zero3,
+            PipelineSchedule::OneFOneB,
+            Recompute::None,
+            false,
+        ),
+        (
+            1,
+            2,
+            2,
+            2,
+            ZeroStage::Zero2,
+            PipelineSchedule::Interleaved { virtual_stages: 2 },
+            Recompute::Full,
+            true,
+        ),
+    ] {
+        for llama in [false, true] {
+            let choice = PlanChoice {
+                schedule,
+                microbatches: 4,
+                recompute: recompute.clone(),
+                sp,
+                ..PlanChoice::mesh(dp, pp, cp, tp, zero)
+            };
+            let m = TinyModel {
+                layers: 4,
+                llama,
+                tied: !llama,
+            };
+            let plan = bf16_plan_with(m, choice, true);
             assert!(plan.programs.iter().all(|p| p.uses_bf16()));
         }
     }

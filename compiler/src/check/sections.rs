@@ -563,6 +563,7 @@ pub fn train(r: &mut Reader, span: Span, gpu_is_cpu: bool) -> Option<Train> {
     }
     let micro_batch = r.count("train.micro_batch", 1).unwrap_or(1);
     let precision = precision(r, gpu_is_cpu);
+    let fp32_residual = precision == Precision::Bf16 && residual_is_fp32(r);
     let optimizer = optimizer(r);
     let steps = match r.span("train.steps") {
         Some(_) => r.count("train.steps", 1).unwrap_or(1),
@@ -611,6 +612,7 @@ pub fn train(r: &mut Reader, span: Span, gpu_is_cpu: bool) -> Option<Train> {
         global_batch: global_batch?,
         micro_batch,
         precision,
+        fp32_residual,
         optimizer,
         schedule,
         grad_clip,
@@ -783,7 +785,7 @@ fn precision(r: &mut Reader, gpu_is_cpu: bool) -> Precision {
             Precision::Fp32
         }
         Some((w, _)) if w == "bf16" => {
-            r.reject_fields("train.precision", &[], "bf16");
+            r.reject_fields("train.precision", &["residual"], "bf16");
             Precision::Bf16
         }
         Some(_) => {
@@ -835,6 +837,12 @@ fn precision(r: &mut Reader, gpu_is_cpu: bool) -> Precision {
             Precision::Fp16 { loss_scale }
         }
     }
+}
+
+/// `bf16 { residual: fp32 }`: the residual stream stored f32 (default `bf16`).
+fn residual_is_fp32(r: &mut Reader) -> bool {
+    r.word("train.precision.residual", &["fp32", "bf16"])
+        .is_some_and(|(w, _)| w == "fp32")
 }
 
 /// A dynamic loss scale must start, and stay, inside f32's range above zero (the scale

@@ -35,6 +35,7 @@ pub const PATHS: &[&str] = &[
     "train.precision.loss_scale.window",
     "train.precision.loss_scale.hysteresis",
     "train.precision.loss_scale.min",
+    "train.precision.residual",
     "train.optimizer",
     "train.optimizer.lr",
     "train.optimizer.betas",

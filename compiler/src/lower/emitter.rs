@@ -146,6 +146,9 @@ pub struct Emitter<'a> {
     /// Emitting an evaluation step (`eval`): forward units only, nothing saved for a backward,
     /// and the step ends with the loss (no gradients, no optimizer).
     pub evaluating: bool,
+    /// The residual stream, where `bf16 { residual: fp32 }` keeps it f32: every buffer given a
+    /// value of it or its gradient is reported to it ([`Emitter::note_residual`]).
+    pub residual: Option<super::storage::ResidualStream>,
     /// The layers whose GEMMs run in FP8 (`train.fp8`; `lower/fp8.rs`).
     pub fp8: Option<&'a super::context::Fp8Layers>,
 }
@@ -544,6 +547,7 @@ impl Emitter<'_> {
         let existing = self.mbs[mb as usize].grads.get(&value).copied();
         match existing {
             None => {
+                self.note_residual(value, dx);
                 self.mbs[mb as usize].grads.insert(value, dx);
             }
             Some(prev) => {
@@ -554,8 +558,16 @@ impl Emitter<'_> {
                     .compute(Op::Add, &[prev, dx], &[sum], Some(node), Phase::Backward);
                 self.b.release(prev);
                 self.b.release(dx);
+                self.note_residual(value, sum);
                 self.mbs[mb as usize].grads.insert(value, sum);
             }
+        }
+    }
+
+    /// `buffer` holds `value` or its gradient (for the residual stream's storage type).
+    pub fn note_residual(&mut self, value: ValueId, buffer: BufferId) {
+        if let Some(stream) = &mut self.residual {
+            stream.hold(value, buffer);
         }
     }
 

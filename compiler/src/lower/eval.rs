@@ -42,9 +42,11 @@ pub(super) fn program(
     em.selective = false;
     em.emit_step(table);
     check_step(&mut em, sh, role)?;
+    let residual = em.residual.take();
     let mut program = finish_program(em, role);
     program.grad_sumsq = None;
-    storage::assign(&mut program, sh.spec.train.precision);
+    let keep_f32 = residual.as_ref().map_or(&[][..], |r| r.buffers());
+    storage::assign(&mut program, sh.spec.train.precision, keep_f32);
     let internal = |what: String| {
         one(internal_error(
             sh,

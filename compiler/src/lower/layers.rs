@@ -49,7 +49,9 @@ impl Emitter<'_> {
 
     fn set_output(&mut self, mb: u32, node: NodeId, buf: BufferId) {
         if let Some(n) = self.spec.model.nodes.get(node.0 as usize) {
-            self.mbs[mb as usize].values.insert(n.output, buf);
+            let value = n.output;
+            self.mbs[mb as usize].values.insert(value, buf);
+            self.note_residual(value, buf);
         }
     }
 

@@ -532,11 +532,13 @@ fn emit_program(sh: &Shared, key: (u32, u32, u32)) -> Result<Program, Diagnostic
     let mut em = new_emitter(sh, role, b, locals, metrics);
     em.emit_step(sh.table);
     check_step(&mut em, sh, role)?;
+    let residual = em.residual.take();
     let mut program = finish_program(em, role);
     if sh.options.overwrite_first_grads {
         first_write::overwrite_first_contributions(&mut program);
     }
-    storage::assign(&mut program, sh.spec.train.precision);
+    let keep_f32 = residual.as_ref().map_or(&[][..], |r| r.buffers());
+    storage::assign(&mut program, sh.spec.train.precision, keep_f32);
     if sh.options.fusion {
         crate::fuse::fuse_program(&mut program).map_err(|e| {
             one(internal_error(
@@ -857,6 +859,7 @@ fn new_emitter<'a>(
         accumulate_in_place: sh.options.accumulate_in_place,
         fuse_epilogues: sh.options.fuse_epilogues,
         evaluating: false,
+        residual: storage::ResidualStream::of(&spec.model, &spec.train),
         fp8: sh.fp8,
     }
 }

@@ -190,6 +190,8 @@ impl Emitter<'_> {
                 let what = if t.grad { "recv_grad" } else { "recv" };
                 let name = super::emitter::buffer_name(&self.value_name(t.value), what, t.mb);
                 let buf = self.b.alloc(name, vec![self.rows_hidden(), cols], kind);
+                // Typed as the sender's buffer: both sides know the value.
+                self.note_residual(t.value, buf);
                 self.mbs[mb].inbox.insert((t.to, t.value, t.grad), buf);
                 ops.push(P2pOp::Recv {
                     peer: Peer {
@@ -432,11 +434,13 @@ impl Emitter<'_> {
                         _ => 1,
                     };
                     let name = format!("{}.zero_grad@{mb}", self.value_name(*v));
-                    self.b.alloc(
+                    let zero = self.b.alloc(
                         name,
                         vec![self.rows_hidden(), cols],
                         BufferKind::ActivationGrad,
-                    )
+                    );
+                    self.note_residual(*v, zero);
+                    zero
                 }
             };
             self.mbs[m].outbox.insert((chunk, *v, true), buf);

@@ -4,12 +4,65 @@
 //! (`ir::table`); a collective's input and output keep one type, so a pair with an fp32 side
 //! stays fp32 on both. Everything else (parameters, gradients, optimizer state, statistics,
 //! metrics, tokens, buckets) stays as emitted. Other precisions leave the program unchanged.
+//!
+//! With `precision = bf16 { residual: fp32 }` the residual stream stays f32 as well
+//! ([`ResidualStream`]: the emitter names the buffers that hold it or its gradient), as
+//! Megatron's `fp32_residual_connection` and PyTorch autocast keep it.
 use crate::ir::storage::StorageClass;
 use crate::ir::{BufferId, BufferKind, DType, Instr, Program};
-use crate::spec::Precision;
+use crate::spec::{LayerKind, Model, Precision, Train, ValueId};
 
-/// Give `program`'s buffers their storage types for a run in `precision`.
-pub(super) fn assign(program: &mut Program, precision: Precision) {
+/// The residual stream of a model: every `Add`'s output, and every `Add` input that another
+/// node reads too (the skip connection: the embedding's output or the previous block's sum,
+/// read by the next norm; a branch's output, read by its `Add` alone, is not part of it).
+/// The emitter reports each buffer it puts such a value or its gradient in
+/// ([`ResidualStream::hold`]); [`assign`] keeps those f32.
+#[derive(Debug)]
+pub(crate) struct ResidualStream {
+    /// Indexed by `ValueId`: whether the value is part of the stream.
+    values: Vec<bool>,
+    /// The buffers that have held a value of the stream or its gradient.
+    buffers: Vec<BufferId>,
+}
+
+impl ResidualStream {
+    /// The stream of `model`'s values, where `train` keeps it f32; else None.
+    pub fn of(model: &Model, train: &Train) -> Option<ResidualStream> {
+        if !(train.fp32_residual && train.precision == Precision::Bf16) {
+            return None;
+        }
+        let mut values = vec![false; model.values.len()];
+        let readers = |v: ValueId| model.nodes.iter().filter(|n| n.inputs.contains(&v)).count();
+        for node in model.nodes.iter().filter(|n| n.kind == LayerKind::Add) {
+            let skips = node.inputs.iter().filter(|&&v| readers(v) > 1);
+            for v in skips.chain(std::iter::once(&node.output)) {
+                if let Some(slot) = values.get_mut(v.0 as usize) {
+                    *slot = true;
+                }
+            }
+        }
+        Some(ResidualStream {
+            values,
+            buffers: Vec::new(),
+        })
+    }
+
+    /// `buffer` holds `value` (or its gradient): kept f32 when the value is in the stream.
+    pub fn hold(&mut self, value: ValueId, buffer: BufferId) {
+        if self.values.get(value.0 as usize).copied().unwrap_or(false) {
+            self.buffers.push(buffer);
+        }
+    }
+
+    /// The buffers that held the stream or its gradient.
+    pub fn buffers(&self) -> &[BufferId] {
+        &self.buffers
+    }
+}
+
+/// Give `program`'s buffers their storage types for a run in `precision`; `keep_f32` (the
+/// residual stream's buffers, where it is kept f32) stay f32 whatever their operands take.
+pub(super) fn assign(program: &mut Program, precision: Precision, keep_f32: &[BufferId]) {
     if precision != Precision::Bf16 {
         return;
     }
@@ -21,6 +74,11 @@ pub(super) fn assign(program: &mut Program, precision: Precision) {
                 && matches!(b.kind, BufferKind::Activation | BufferKind::ActivationGrad)
         })
         .collect();
+    for id in keep_f32 {
+        if let Some(e) = eligible.get_mut(id.0 as usize) {
+            *e = false;
+        }
+    }
     let exclude = |id: BufferId, eligible: &mut Vec<bool>| {
         if let Some(e) = eligible.get_mut(id.0 as usize) {
             *e = false;
@@ -115,15 +173,22 @@ mod tests {
     #[test]
     fn an_fp32_use_excludes_every_buffer_a_collective_chain_ties_to_it() {
         let mut p = chained();
-        assign(&mut p, Precision::Bf16);
+        assign(&mut p, Precision::Bf16, &[]);
         use DType::{Bf16, F32};
         assert_eq!(dtypes(&p), vec![F32, F32, F32, Bf16, F32]);
     }
 
     #[test]
+    fn a_buffer_kept_f32_stays_f32() {
+        let mut p = chained();
+        assign(&mut p, Precision::Bf16, &[BufferId(3)]);
+        assert_eq!(dtypes(&p), vec![DType::F32; 5]);
+    }
+
+    #[test]
     fn fp32_leaves_the_program_alone() {
         let mut p = chained();
-        assign(&mut p, Precision::Fp32);
+        assign(&mut p, Precision::Fp32, &[]);
         assert_eq!(dtypes(&p), vec![DType::F32; 5]);
     }
 }
