@@ -38,16 +38,19 @@ fn all_recipes() -> [Fp8Gemm; 3] {
             scaling: Fp8Scaling::Tensorwise,
             grad: Fp8Format::E5m2,
             split: Default::default(),
+            history: None,
         },
         Fp8Gemm {
             scaling: Fp8Scaling::Rowwise,
             grad: Fp8Format::E4m3,
             split: Default::default(),
+            history: None,
         },
         Fp8Gemm {
             scaling: Fp8Scaling::Blockwise { block: 128 },
             grad: Fp8Format::E4m3,
             split: Default::default(),
+            history: None,
         },
     ]
 }
@@ -278,6 +281,7 @@ fn blockwise_with_another_block_is_unsupported() {
         scaling: Fp8Scaling::Blockwise { block: 64 },
         grad: Fp8Format::E4m3,
         split: Default::default(),
+        history: None,
     };
     let err = matmul_64(gpu.as_mut(), blockwise64).unwrap_err();
     assert!(

@@ -464,6 +464,7 @@ mod tests {
                                 BufferKind::Param
                                     | BufferKind::OptState
                                     | BufferKind::Metric
+                                    | BufferKind::Fp8History
                                     | BufferKind::Grad
                                     | BufferKind::Comm
                             ),

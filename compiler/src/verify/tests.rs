@@ -776,6 +776,7 @@ fn lowered_fp8(choice: PlanChoice, scaling: crate::ir::fp8::Fp8Scaling) -> Plan 
     spec.train.fp8 = Some(crate::spec::Fp8 {
         scaling,
         grad: crate::ir::fp8::Fp8Format::E4m3,
+        history: None,
         keep_bf16: Vec::new(),
         force_fp8: vec!["Attention".into(), "MLP".into(), "Linear".into()],
         span: Default::default(),

@@ -1,11 +1,12 @@
 //! Linear layers: `y = x Wᵀ (+ b)` with `W` `[out, in]` (optionally plus a residual and
 //! followed by an activation), and its data and weight gradients (the data gradient optionally
 //! times an activation's derivative), as dense products (`dense`) on the current rayon pool;
-//! FP8 GEMMs on their emulated operands (`fp8`) and the group amaxes they share (`Fp8Amax`).
+//! FP8 GEMMs on their emulated operands (`fp8`), the group amaxes they share (`Fp8Amax`), and
+//! delayed scaling's amax histories (`Fp8AmaxRecord`, `Fp8HistoryRoll`).
 use super::args::{Inputs, Outputs};
 use super::dense::{gemm_checked, Strided, Threads};
 use super::elementwise::{activation, activation_bwd_in_place, add_in_place};
-use super::fp8::{amax_into, dequantized};
+use super::fp8::{amax_into, dequantized, record_amax, roll_history};
 use super::par::{accumulate_column_sums, rows_per_task};
 use crate::error::Result;
 use parc_compiler::ir::fp8::{operands, Fp8AmaxAttrs, Fp8Gemm, Fp8Operand};
@@ -92,6 +93,22 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, threads: Threads) -
             }
         }
         Op::Fp8Amax(a) => fp8_amax(a, ins, outs)?,
+        Op::Fp8AmaxRecord(a) => {
+            let cols = ins.dim("cols", a.cols)?;
+            record_amax(ins.f32("x")?, cols, outs.f32("history")?)?;
+        }
+        Op::Fp8HistoryRoll(_) => {
+            let amax = roll_history(outs.f32("history")?)?;
+            match outs.f32("amax")? {
+                [out] => *out = amax,
+                other => {
+                    return Err(ins.err(format!(
+                        "writes its scale amax into {} values, not 1",
+                        other.len()
+                    )))
+                }
+            }
+        }
         _ => return Err(ins.unrouted("matmul")),
     }
     Ok(())
