@@ -115,8 +115,9 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, threads: Threads) -
 }
 
 /// With `fp8` set, the GEMM's two operands (each with its number of columns) quantized and
-/// dequantized as `ir::fp8` defines, each from its reduced group amaxes where the op takes
-/// them (`amax`), else from its own (`None`s without `fp8`: the operands are used as they are).
+/// dequantized as `ir::fp8` defines, each from its reduced group amaxes or its delayed scale
+/// amax where the op takes them (`amax`), else from its own (`None`s without `fp8`, and for an
+/// operand whose delayed scale amax is 0: the operand is used as it is).
 fn quantized(
     fp8: Option<Fp8Gemm>,
     operands: fn(Fp8Gemm) -> [Fp8Operand; 2],
@@ -127,10 +128,13 @@ fn quantized(
         return Ok([None, None]);
     };
     let [qa, qb] = operands(g);
-    Ok([
-        Some(dequantized(a, a_cols, (qa, g.scaling), a_amax)?),
-        Some(dequantized(b, b_cols, (qb, g.scaling), b_amax)?),
-    ])
+    // Delayed scaling: an operand whose history holds no amax yet is not quantized.
+    let empty = |amax: Option<&[f32]>| g.history.is_some() && amax.is_some_and(|a| a == [0.0]);
+    let dq = |data: &[f32], cols: usize, q: Fp8Operand, amax: Option<&[f32]>| match empty(amax) {
+        true => Ok(None),
+        false => dequantized(data, cols, (q, g.scaling), amax).map(Some),
+    };
+    Ok([dq(a, a_cols, qa, a_amax)?, dq(b, b_cols, qb, b_amax)?])
 }
 
 /// `Op::Fp8Amax`: the group amaxes of one FP8 GEMM operand.
