@@ -212,4 +212,20 @@ mod tests {
         assert!(message.contains("across ranks"), "{message}");
         assert_eq!(unsupported_on(Resolved::Cuda, &tiny_llama_plan(&[])), None);
     }
+
+    #[test]
+    fn cuda_refuses_delayed_fp8_plans_before_any_rank_starts() {
+        let delayed = tiny_llama_plan(&[
+            "train.fp8=tensorwise",
+            "train.fp8.scaling=delayed",
+            "train.fp8.fp8=[MLP]",
+        ]);
+        let message = unsupported_on(Resolved::Cuda, &delayed).unwrap_or_default();
+        assert!(
+            message.contains("delayed scaling has not yet run on a GPU")
+                && message.contains("--backend cpu"),
+            "{message}"
+        );
+        assert_eq!(unsupported_on(Resolved::Cpu, &delayed), None);
+    }
 }
