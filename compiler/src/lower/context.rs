@@ -66,6 +66,19 @@ impl Fp8Layers {
     }
 }
 
+/// One operand's delayed-scaling state: which GEMM operand (node, weight, layout, operand
+/// index), its history and scale amax (persistent), and the axes its amaxes are shared over
+/// (set when its GEMM is emitted; `lower/fp8.rs`).
+pub struct Fp8History {
+    pub node: NodeId,
+    pub weight: &'static str,
+    pub gemm: crate::fp8::GemmLayout,
+    pub operand: usize,
+    pub history: crate::ir::BufferId,
+    pub amax: crate::ir::BufferId,
+    pub shared: Option<crate::ir::fp8::Axes>,
+}
+
 /// Disjoint sets of ranks that differ only on `axes`, each ascending.
 pub fn axis_sets(mesh: &Mesh, axes: &[Axis]) -> Vec<Vec<u32>> {
     let mut keys: Vec<Vec<u32>> = Vec::new();

@@ -23,7 +23,7 @@
 //! reduces them) and then over dp, and `Fp8HistoryRoll` rolls it and writes the scale amax.
 
 use super::builder::ProgramBuilder;
-use super::context::Fp8Layers;
+use super::context::{Fp8History as History, Fp8Layers};
 use super::emitter::Emitter;
 use crate::diag::Diagnostic;
 use crate::fp8::GemmLayout;
@@ -33,19 +33,6 @@ use crate::ir::fp8::{
 use crate::ir::op::Op;
 use crate::ir::{BufferId, BufferKind, CollectiveKind, DType, GroupId, Phase, ReduceOp};
 use crate::spec::{Axis, NodeId, Spec};
-
-/// One operand's delayed-scaling state: which GEMM operand (node, weight, layout, operand
-/// index), its history and scale amax (persistent), and the axes its amaxes are shared over
-/// (set when its GEMM is emitted).
-pub(super) struct History {
-    pub node: NodeId,
-    pub weight: &'static str,
-    pub gemm: GemmLayout,
-    pub operand: usize,
-    pub history: BufferId,
-    pub amax: BufferId,
-    pub shared: Option<Axes>,
-}
 
 /// The operand names of a GEMM layout, in its input order (the op table's roles).
 fn operand_names(gemm: GemmLayout) -> [&'static str; 2] {
