@@ -86,6 +86,8 @@ struct Checked {
     resume: Option<resume_check::Moves>,
     /// With `train.fp8`: each linear layer's precision and why.
     fp8: Vec<parc_compiler::fp8::Choice>,
+    /// Delayed FP8 scaling's amax history length.
+    fp8_history: Option<u32>,
 }
 
 /// What lowering, verifying and simulating the plan measured.
@@ -211,6 +213,9 @@ fn check_one(
         sources,
         diags: diagnostics,
         fp8,
+        fp8_history: (spec.as_ref())
+            .and_then(|s| s.train.fp8.as_ref())
+            .and_then(|f| f.history),
         report: cost,
         lowered: lowered(spec.as_ref(), plan, analysis, &chosen),
         resume: moves,
@@ -300,7 +305,7 @@ fn human(results: &[Checked]) {
                 );
             }
             if !r.fp8.is_empty() {
-                print!("{}", crate::report::render_fp8(&r.fp8));
+                print!("{}", crate::report::render_fp8(&r.fp8, r.fp8_history));
             }
             if let Some(moves) = &r.resume {
                 print!("{}", resume_check::render(moves));

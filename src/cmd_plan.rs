@@ -267,9 +267,10 @@ fn write_plan(out: &mut impl std::io::Write, planned: &Planned, emit: Emit) -> s
             let names: Vec<String> = spec.model.nodes.iter().map(|n| n.name.clone()).collect();
             let mut summary = crate::plan_summary::render(plan, verified, memory, timeline);
             if !fp8.is_empty() {
-                for line in crate::report::render_fp8(fp8)
-                    .lines()
-                    .filter(|l| !l.is_empty())
+                for line in
+                    crate::report::render_fp8(fp8, spec.train.fp8.as_ref().and_then(|f| f.history))
+                        .lines()
+                        .filter(|l| !l.is_empty())
                 {
                     summary.push_str(&format!("# {line}\n"));
                 }

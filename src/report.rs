@@ -261,8 +261,9 @@ fn render_needs(out: &mut String, report: &CostReport, needs: &[Need]) {
 /// `train.fp8`: which of each linear layer's GEMMs (forward, data gradient, weight gradient)
 /// run in FP8 and the reason, consecutive layers with the same choice and reason kind folded
 /// into one line; the count is of GEMM ops per microbatch (a layer's weights times its
-/// layouts).
-pub fn render_fp8(choices: &[parc_compiler::fp8::Choice]) -> String {
+/// layouts). Under delayed scaling (`history`: its length), a line on the recipe and the
+/// memory of its amax histories.
+pub fn render_fp8(choices: &[parc_compiler::fp8::Choice], history: Option<u32>) -> String {
     let fp8: usize = choices.iter().map(|c| c.fp8_gemms()).sum();
     let all: usize = choices.iter().map(|c| 3 * c.gemms.len()).sum();
     let layers = choices.iter().filter(|c| c.any()).count();
@@ -270,6 +271,15 @@ pub fn render_fp8(choices: &[parc_compiler::fp8::Choice]) -> String {
         "\nFP8 GEMMs: {fp8} of the {all} forward, data-gradient and weight-gradient GEMMs of {} linear layers ({layers} run some in FP8):\n",
         choices.len()
     );
+    if let Some(h) = history {
+        // Two quantized operands per FP8 GEMM, each a history of h + 1 values and a scale amax.
+        let operands = 2 * fp8;
+        let size = operands as f64 * (f64::from(h) + 2.0) * 4.0;
+        out.push_str(&format!(
+            "delayed scaling: each operand scaled by the largest amax of its last {h} steps (Transformer Engine's DelayedScaling, margin 0; scale 1 until one is recorded); amax histories of {operands} operands, {} in all (each stage holds its own layers', replicated over dp, tp and cp)\n",
+            bytes(size)
+        ));
+    }
     // Repeated layers with the same choice and reason are one line: `blocks.*.attn (32)`.
     let mut groups: Vec<([String; 3], usize)> = Vec::new();
     for c in choices {

@@ -33,12 +33,23 @@ pub(crate) fn backend_and_plan(args: &RunArgs, quiet: bool) -> Result<(Resolved,
 /// tensorwise FP8 GEMMs (equal to the CPU's exact emulation in every case of
 /// `tests/cuda_ops/fp8.rs` on an H200, 2026-12-05); rowwise (cuBLASLt refused its outer-vector
 /// scales there), blockwise, and amaxes reduced across ranks (tp, cp: not yet run on GPUs) run
-/// on the CPU backend only.
+/// on the CPU backend only; so does delayed scaling, whose kernels have not yet run on a GPU.
 fn unsupported_on(backend: Resolved, plan: &Plan) -> Option<String> {
     if backend.name() == "cpu" {
         return None;
     }
     let computes = || (plan.programs.iter().flat_map(|p| &p.instrs)).filter_map(|i| i.as_compute());
+    let delayed = computes()
+        .filter(|c| c.op.fp8().is_some_and(|f| f.history.is_some()))
+        .count();
+    if delayed > 0 {
+        return Some(format!(
+            "this plan runs {delayed} GEMMs in FP8 with delayed scaling (`train.fp8 = tensorwise \
+             {{ scaling: delayed }}`), and delayed scaling has not yet run on a GPU: the {} \
+             backend does not run it yet. Use `scaling: current` on the GPU, or run `--backend cpu`",
+            backend.name()
+        ));
+    }
     let reductions = computes()
         .filter(|c| matches!(c.op, Op::Fp8Amax(_)))
         .count();
@@ -200,5 +211,21 @@ mod tests {
         let message = unsupported_on(Resolved::Cuda, &tp).unwrap_or_default();
         assert!(message.contains("across ranks"), "{message}");
         assert_eq!(unsupported_on(Resolved::Cuda, &tiny_llama_plan(&[])), None);
+    }
+
+    #[test]
+    fn cuda_refuses_delayed_fp8_plans_before_any_rank_starts() {
+        let delayed = tiny_llama_plan(&[
+            "train.fp8=tensorwise",
+            "train.fp8.scaling=delayed",
+            "train.fp8.fp8=[MLP]",
+        ]);
+        let message = unsupported_on(Resolved::Cuda, &delayed).unwrap_or_default();
+        assert!(
+            message.contains("delayed scaling has not yet run on a GPU")
+                && message.contains("--backend cpu"),
+            "{message}"
+        );
+        assert_eq!(unsupported_on(Resolved::Cpu, &delayed), None);
     }
 }

@@ -201,6 +201,7 @@ fn tensorwise_fp8_matches_cpu_emulation(name: &str, llama: bool) {
     fp8.train.fp8 = Some(Fp8 {
         scaling: Fp8Scaling::Tensorwise,
         grad: Fp8Format::E5m2,
+        history: None,
         keep_bf16: Vec::new(),
         force_fp8: vec!["Attention".into(), "MLP".into()],
         span: Default::default(),

@@ -255,3 +255,107 @@ fn a_checkpoint_of_another_global_batch_is_refused() {
         "{err}"
     );
 }
+
+/// `spec` with every attention and MLP projection in tensorwise FP8 (bf16 storage), with
+/// delayed scaling of an amax history of `history` steps (None: current scaling).
+fn with_fp8(mut s: Spec, history: Option<u32>) -> Spec {
+    use parc_compiler::ir::fp8::{Fp8Format, Fp8Scaling};
+    s.train.precision = Precision::Bf16;
+    s.train.fp8 = Some(parc_compiler::spec::Fp8 {
+        scaling: Fp8Scaling::Tensorwise,
+        grad: Fp8Format::E4m3,
+        history,
+        keep_bf16: Vec::new(),
+        force_fp8: vec!["Attention".into(), "MLP".into()],
+        span: Default::default(),
+    });
+    s
+}
+
+fn dp_tp() -> PlanChoice {
+    PlanChoice {
+        dp: 2,
+        tp: 2,
+        microbatches: 2,
+        ..PlanChoice::default()
+    }
+}
+
+/// Delayed FP8 scaling: the checkpoints carry every operand's amax history (a history of 2
+/// steps, so the resumed steps scale by amaxes recorded before the checkpoint), and the
+/// resumed run continues bit for bit.
+#[test]
+fn resume_of_a_delayed_fp8_run_is_bit_identical() {
+    assert_resume_of_spec_is_exact("fp8-delayed", |dir| {
+        with_fp8(with_checkpoints(dp_tp(), dir), Some(2))
+    });
+    let s = with_fp8(with_checkpoints(dp_tp(), &temp_dir("fp8-names")), Some(2));
+    let plan = lower(&s).unwrap();
+    let names: Vec<&str> = (plan.programs[0].checkpointed())
+        .map(|(_, b)| b.name.as_str())
+        .collect();
+    assert!(
+        names.contains(&"blocks.0.mlp.gate.fwd.x.amax_history")
+            && names.contains(&"blocks.0.mlp.gate.bwd_weight.dy.amax"),
+        "{names:?}"
+    );
+}
+
+/// Under another plan a delayed run's histories are read by name (each is whole on every rank
+/// of its stage). A checkpoint of a current-scaling run holds no history: resumed under
+/// delayed scaling it starts cold, so its first step computes what the plain bf16 run
+/// computes from those weights, bit for bit. A resume that lost the histories would so run
+/// its first step unquantized: the resumed loss of the carried histories must follow the
+/// uninterrupted run far closer than an unquantized step moves it.
+#[test]
+fn delayed_fp8_histories_reshard_by_name_and_start_cold_without_them() {
+    let single = || PlanChoice {
+        microbatches: 4,
+        ..PlanChoice::default()
+    };
+    let delayed = |dir: &Path, plan: PlanChoice| with_fp8(with_checkpoints(plan, dir), Some(2));
+    // The resumed runs save no checkpoint, so that each resumes from the same one.
+    let unsaved = |mut s: Spec| {
+        s.train.checkpoint = None;
+        s
+    };
+    let rel = |a: f32, b: f32| (a - b).abs() / a.abs();
+    // A current-scaling checkpoint: no history to carry.
+    let dir = temp_dir("fp8-cold");
+    let current = |plan| with_fp8(with_checkpoints(plan, &dir), None);
+    run(&current(single()), Some(5), None);
+    let cold = run(&unsaved(delayed(&dir, single())), None, Some(&dir));
+    let mut plain = with_checkpoints(single(), &dir);
+    plain.train.precision = Precision::Bf16;
+    let bf16 = run(&unsaved(plain), None, Some(&dir));
+    let warm = run(&unsaved(current(single())), None, Some(&dir));
+    for r in [&cold, &bf16, &warm] {
+        assert_eq!(r.start_step, 4);
+    }
+    assert_eq!(
+        cold.records[0].loss.to_bits(),
+        bf16.records[0].loss.to_bits()
+    );
+    let unquantized = rel(warm.records[0].loss, cold.records[0].loss);
+    assert!(unquantized > 0.0);
+    // Its steps after the first scale by the history recorded since: FP8 again.
+    assert_ne!(cold.records[1].loss, bf16.records[1].loss);
+    // A delayed checkpoint of dp × tp resumed on one rank, in f32 storage (whose plans differ
+    // by the order of f32 sums only, not by where bf16 rounds).
+    let f32 = |mut s: Spec| {
+        s.train.precision = Precision::Fp32;
+        s
+    };
+    let full = run(&f32(delayed(&temp_dir("fp8-full"), single())), None, None);
+    let dir = temp_dir("fp8-reshard");
+    run(&f32(delayed(&dir, dp_tp())), Some(5), None);
+    let resumed = run(&unsaved(f32(delayed(&dir, single()))), None, Some(&dir));
+    assert_eq!(resumed.start_step, 4);
+    let (a, b) = (&full.records[4], &resumed.records[0]);
+    assert!(
+        rel(a.loss, b.loss) < unquantized / 10.0,
+        "step 4: {} vs {} (an unquantized step moves it by {unquantized:e})",
+        b.loss,
+        a.loss
+    );
+}

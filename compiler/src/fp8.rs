@@ -350,6 +350,7 @@ pub fn gemm_attr(fp8: &Fp8) -> Fp8Gemm {
         scaling: fp8.scaling,
         grad: fp8.grad,
         split: Default::default(),
+        history: fp8.history,
     }
 }
 
@@ -758,6 +759,7 @@ mod tests {
         spec.train.fp8 = Some(Fp8 {
             scaling,
             grad: Fp8Format::E4m3,
+            history: None,
             keep_bf16: pins.0.iter().map(|s| s.to_string()).collect(),
             force_fp8: pins.1.iter().map(|s| s.to_string()).collect(),
             span: Span::default(),

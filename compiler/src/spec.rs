@@ -749,6 +749,9 @@ pub struct Fp8 {
     pub scaling: Fp8Scaling,
     /// The format of gradient operands (weights and activations are E4M3).
     pub grad: Fp8Format,
+    /// Delayed scaling (`tensorwise { scaling: delayed, history: H }`): each operand scaled by
+    /// the largest amax of its last H steps (`ir::fp8`); None: current scaling.
+    pub history: Option<u32>,
     /// Layers kept in bf16 (`bf16: [head, blocks.0]`): layer kinds or node paths.
     pub keep_bf16: Vec<String>,
     /// Layers in FP8 whatever the cost model says (`fp8: [MLP]`).

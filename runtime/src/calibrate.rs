@@ -317,6 +317,7 @@ impl<'a> Bench<'a> {
             scaling,
             grad: Fp8Format::E4m3,
             split: Default::default(),
+            history: None,
         };
         let dtype = GemmDtype::Fp8(scaling).name();
         let (mut points, mut refused) = (Vec::new(), Vec::new());

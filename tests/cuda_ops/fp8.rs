@@ -38,16 +38,19 @@ fn all_recipes() -> [Fp8Gemm; 3] {
             scaling: Fp8Scaling::Tensorwise,
             grad: Fp8Format::E5m2,
             split: Default::default(),
+            history: None,
         },
         Fp8Gemm {
             scaling: Fp8Scaling::Rowwise,
             grad: Fp8Format::E4m3,
             split: Default::default(),
+            history: None,
         },
         Fp8Gemm {
             scaling: Fp8Scaling::Blockwise { block: 128 },
             grad: Fp8Format::E4m3,
             split: Default::default(),
+            history: None,
         },
     ]
 }
@@ -286,6 +289,7 @@ fn blockwise_with_another_block_is_unsupported() {
         scaling: Fp8Scaling::Blockwise { block: 64 },
         grad: Fp8Format::E4m3,
         split: Default::default(),
+        history: None,
     };
     let err = matmul_64(gpu.as_mut(), blockwise64).unwrap_err();
     assert!(
@@ -310,4 +314,120 @@ fn rowwise_is_refused_with_its_reason() {
         Ok(()) => panic!("rowwise FP8 ran: add it back to the recipes the GPU tests check"),
         Err(e) => assert!(e.contains("rowwise") && e.contains("cuBLASLt"), "{e}"),
     }
+}
+
+/// Delayed scaling (`ir::fp8`; not yet run on a GPU, which is why `parc run` refuses delayed
+/// plans there): recording an operand's amax into its history's step slot (below and above
+/// the slot's value, and past a NaN and an infinity, which never raise it), rolling a history,
+/// and the three GEMMs reading their operands' scale amaxes from their histories (larger
+/// than the operands' own amaxes, as after a step whose values were larger), against the CPU
+/// backend, exactly (the records and rolls) and within `FP8_GEMM` (the GEMMs).
+#[test]
+fn delayed_scaling_ops_match_the_cpu_emulation() {
+    use parc_compiler::ir::fp8::Fp8HistoryAttrs;
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng::new("delayed_scaling_ops_match_the_cpu_emulation");
+    let attrs = |rows| Fp8HistoryAttrs {
+        history: 4,
+        rows,
+        cols: 64,
+    };
+    let mut cases = Vec::new();
+    let mut x = r.vec(150 * 64, 1.0);
+    for (name, step) in [("below", 0.25), ("above", 1e3)] {
+        let mut case = Case::new(
+            format!("fp8_amax_record step amax {name} the operand's"),
+            Op::Fp8AmaxRecord(attrs(None)),
+            vec![
+                Data::F32(x.clone()),
+                Data::F32(vec![step, 4.0, 3.0, 2.0, 1.0]),
+            ],
+            vec![vec![0.0; 5]],
+            0.0,
+        );
+        case.aliases = vec![Some(1)];
+        cases.push(case);
+    }
+    x[7] = f32::NAN;
+    x[99] = f32::INFINITY;
+    let mut case = Case::new(
+        "fp8_amax_record past non-finite values",
+        Op::Fp8AmaxRecord(attrs(Some(150))),
+        vec![Data::F32(x), Data::F32(vec![0.0; 5])],
+        vec![vec![0.0; 5]],
+        0.0,
+    );
+    case.aliases = vec![Some(1)];
+    cases.push(case);
+    let mut case = Case::new(
+        "fp8_history_roll",
+        Op::Fp8HistoryRoll(Fp8HistoryAttrs {
+            history: 4,
+            rows: None,
+            cols: 0,
+        }),
+        vec![Data::F32(vec![2.5, 4.0, 3.0, 2.0, 1.0])],
+        vec![vec![0.0; 5], vec![0.0]],
+        0.0,
+    );
+    case.aliases = vec![Some(0), None];
+    cases.push(case);
+    let g = Fp8Gemm {
+        scaling: Fp8Scaling::Tensorwise,
+        grad: Fp8Format::E5m2,
+        split: Default::default(),
+        history: Some(4),
+    };
+    // Each GEMM's two scale amaxes follow its operands: 4 (x), 0.5 (W), 5e-3 (dy).
+    let (rows, k, m) = (150, 200, 136);
+    let (i, o, fp8) = (k as u64, m as u64, Some(g));
+    let x = Data::F32(r.vec(rows * k, 1.0));
+    let w = Data::F32(r.vec(m * k, 0.1));
+    let dy = Data::F32(r.vec(rows * m, 1e-3));
+    let amax = |v: f32| Data::F32(vec![v]);
+    cases.push(Case::new(
+        "delayed fp8 matmul",
+        Op::Matmul {
+            in_dim: i,
+            out_dim: o,
+            bias: false,
+            act: None,
+            residual: false,
+            fp8,
+        },
+        vec![x.clone(), w.clone(), amax(4.0), amax(0.5)],
+        vec![r.vec(rows * m, 1.0)],
+        FP8_GEMM,
+    ));
+    cases.push(Case::new(
+        "delayed fp8 matmul_bwd_data",
+        Op::MatmulBwdData {
+            in_dim: i,
+            out_dim: o,
+            accumulate: false,
+            act_grad: None,
+            fp8,
+        },
+        vec![dy.clone(), w, amax(5e-3), amax(0.5)],
+        vec![r.vec(rows * k, 1e-3)],
+        FP8_GEMM,
+    ));
+    cases.push(Case::new(
+        "delayed fp8 matmul_bwd_weight",
+        Op::MatmulBwdWeight {
+            in_dim: i,
+            out_dim: o,
+            bias: false,
+            accumulate_param_grad: false,
+            fp8,
+        },
+        vec![dy, x, amax(5e-3), amax(4.0)],
+        vec![r.vec(m * k, 1e-2)],
+        FP8_GEMM,
+    ));
+    check_with(
+        "delayed_scaling_ops_match_the_cpu_emulation",
+        &cases,
+        gpu.as_mut(),
+    );
 }

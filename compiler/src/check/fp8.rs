@@ -5,13 +5,14 @@
 //! fp8 = blockwise                                   // 128-element blocks, E4M3 gradients
 //! fp8 = blockwise { block_size: 64, grad: e5m2 }
 //! fp8 = rowwise { bf16: [head, blocks.0], fp8: [MLP] }
-//! fp8 = tensorwise { scaling: current }             // delayed scaling: not built yet (E1205)
+//! fp8 = tensorwise { scaling: current }             // this step's amaxes (the default)
+//! fp8 = tensorwise { scaling: delayed, history: 16 } // amax history of 16 steps (E1205)
 //! fp8 = none                                        // bf16 GEMMs (the default)
 //! ```
 
 use super::sections::{Reader, SVal};
 use crate::diag::Diagnostic;
-use crate::ir::fp8::{Fp8Format, Fp8Scaling, MAX_BLOCK, MIN_BLOCK};
+use crate::ir::fp8::{Fp8Format, Fp8Scaling, DEFAULT_HISTORY, MAX_BLOCK, MAX_HISTORY, MIN_BLOCK};
 use crate::spec::Fp8;
 
 const PATH: &str = "train.fp8";
@@ -22,6 +23,7 @@ pub fn fp8(r: &mut Reader) -> Option<Fp8> {
     let first = r.span(PATH)?;
     let (recipe, span) = r.word(PATH, &["none", "tensorwise", "rowwise", "blockwise"])?;
     let common = ["grad", "bf16", "fp8"];
+    let mut history = None;
     let scaling = match recipe.as_str() {
         "none" => {
             r.reject_fields(PATH, &[], "none");
@@ -32,8 +34,12 @@ pub fn fp8(r: &mut Reader) -> Option<Fp8> {
             Fp8Scaling::Blockwise { block: block(r)? }
         }
         "tensorwise" => {
-            r.reject_fields(PATH, &[&common[..], &["scaling"]].concat(), "tensorwise");
-            current_scaling(r)?;
+            r.reject_fields(
+                PATH,
+                &[&common[..], &["scaling", "history"]].concat(),
+                "tensorwise",
+            );
+            history = delayed_history(r)?;
             Fp8Scaling::Tensorwise
         }
         _ => {
@@ -56,6 +62,7 @@ pub fn fp8(r: &mut Reader) -> Option<Fp8> {
     Some(Fp8 {
         scaling,
         grad,
+        history,
         keep_bf16: layers(r, "bf16")?,
         force_fp8: layers(r, "fp8")?,
         span: first.to(span),
@@ -85,25 +92,44 @@ fn block(r: &mut Reader) -> Option<u64> {
     Some(n)
 }
 
-/// `scaling: current` (the default); delayed scaling is E1205.
-fn current_scaling(r: &mut Reader) -> Option<()> {
+/// `scaling: current` (the default: None) or `scaling: delayed` with its `history: H` (default
+/// [`DEFAULT_HISTORY`]); a history without delayed scaling, or one outside 1..=[`MAX_HISTORY`],
+/// is E1205.
+fn delayed_history(r: &mut Reader) -> Option<Option<u32>> {
     let path = format!("{PATH}.scaling");
-    match r.word(&path, &["current", "delayed"]) {
-        Some((w, at)) if w == "delayed" => {
-            r.diags.push(
-                Diagnostic::error(
-                    "E1205",
-                    "delayed FP8 scaling (scales from an amax history) is not built yet",
-                )
-                .label(at, "delayed scaling")
-                .help("use `scaling: current` (the default: each GEMM scales by its operands' amax in this step), or `fp8 = blockwise`"),
-            );
-            None
-        }
-        Some(_) => Some(()),
-        None if r.span(&path).is_some() => None,
-        None => Some(()),
+    let delayed = match r.word(&path, &["current", "delayed"]) {
+        Some((w, _)) => w == "delayed",
+        None if r.span(&path).is_some() => return None,
+        None => false,
+    };
+    let hpath = format!("{PATH}.history");
+    let Some(at) = r.span(&hpath) else {
+        return Some(delayed.then_some(DEFAULT_HISTORY));
+    };
+    let n = r.count(&hpath, 1)?;
+    let problem = if !delayed {
+        Some((
+            "an amax history needs delayed scaling".to_string(),
+            "write `scaling: delayed` beside it, or drop `history` (current scaling keeps none)"
+                .to_string(),
+        ))
+    } else if n > u64::from(MAX_HISTORY) {
+        Some((
+            format!("an amax history of {n} steps is too long"),
+            format!("use 1 to {MAX_HISTORY} steps; {DEFAULT_HISTORY} (the default) follows a shrinking amax within {DEFAULT_HISTORY} steps"),
+        ))
+    } else {
+        None
+    };
+    if let Some((message, help)) = problem {
+        r.diags.push(
+            Diagnostic::error("E1205", message)
+                .label(at, "amax history")
+                .help(help),
+        );
+        return None;
     }
+    Some(Some(n as u32))
 }
 
 /// A pin list `bf16: [...]` or `fp8: [...]`: layer kinds or paths, as `recompute` takes.

@@ -70,6 +70,7 @@ pub const PATHS: &[&str] = &[
     "train.fp8.block_size",
     "train.fp8.grad",
     "train.fp8.scaling",
+    "train.fp8.history",
     "train.fp8.bf16",
     "train.fp8.fp8",
     "cluster.nodes",

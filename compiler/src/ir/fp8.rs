@@ -36,6 +36,22 @@
 //! verifier's invariant 9). A maximum is exact in any order, so every rank gets the single-rank
 //! run's amax bit for bit. Blockwise groups never span ranks: `crate::fp8` (E1204) requires
 //! every sharded extent to be a whole number of blocks.
+//!
+//! **Delayed scaling** (`Fp8Gemm::history` set; tensorwise only, Transformer Engine's
+//! `DelayedScaling` with `amax_compute_algo = "max"` and margin 0). Each quantized operand of
+//! each FP8 GEMM (x and W of a forward, dy and W of a data gradient, dy and x of a weight
+//! gradient, per weight) keeps a persistent amax history of H steps. Step t scales that
+//! operand by `s = 2^⌊log₂(max / a)⌋`, the rule above, with `a` the largest value of its
+//! history as recorded through step t − 1 (not the operand's own amax); a history of zeros (the
+//! first step, or a history that never saw a nonzero value) gives `s = 1`, as the rule gives a
+//! group of zeros and as Transformer Engine starts. During step t the operand's amax (largest
+//! finite |element| of the whole operand) is recorded: the maximum over every microbatch of the
+//! step, over the data-parallel ranks, and over the ranks holding pieces of the operand
+//! (`Fp8Operand::shared_over`), which is the single-rank run's maximum over its microbatches.
+//! At the step's end the history rolls: every value moves one step older, the oldest is
+//! dropped, the step's amax becomes the newest, and the next step's `a` is the maximum of the
+//! history. Every rank of a stage so holds the same history and scale, and every plan computes
+//! the single-rank run's numbers. Ops: [`Fp8HistoryAttrs`] (`Fp8AmaxRecord`, `Fp8HistoryRoll`).
 
 use crate::axis::Axis;
 use serde::Serialize;
@@ -45,6 +61,11 @@ use std::fmt;
 pub const MIN_BLOCK: u64 = 16;
 /// The largest blockwise block.
 pub const MAX_BLOCK: u64 = 1024;
+/// A delayed-scaling amax history's length by default (Transformer Engine's examples use 16;
+/// its default is 1024, which reacts to a shrinking amax only after as many steps).
+pub const DEFAULT_HISTORY: u32 = 16;
+/// The longest amax history (a longer one keeps a spike's scale for thousands of steps).
+pub const MAX_HISTORY: u32 = 1024;
 
 /// An 8-bit float format (OCP FP8: E4M3 without infinities, E5M2 IEEE-like).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
@@ -255,16 +276,41 @@ pub struct Fp8AmaxAttrs {
     pub cols: u64,
 }
 
+/// The two delayed-scaling ops of one operand's amax history (the module doc), whose history
+/// buffer is `[1, history + 1]` f32: element 0 the step's amax recorded so far, then the
+/// history, newest first.
+///
+/// - `Fp8AmaxRecord`: max-accumulates the largest finite |element| of x (`[rows, cols]`, rows
+///   fixed for a weight, else the op's) into element 0, in place.
+/// - `Fp8HistoryRoll`: at the step's end (after element 0 was max-reduced over the ranks that
+///   record the operand), rolls the history (element 0 becomes the newest value, the oldest is
+///   dropped, element 0 is zeroed) and writes the history's maximum to the operand's scale amax
+///   (`[1]`), which the next step's GEMMs read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct Fp8HistoryAttrs {
+    /// The history's length H.
+    pub history: u32,
+    /// The recorded operand's rows where they are fixed (a weight); None for a token operand
+    /// (`Fp8AmaxRecord` only; 0 columns for `Fp8HistoryRoll`).
+    pub rows: Option<u64>,
+    pub cols: u64,
+}
+
 /// The `fp8` attribute of a GEMM op: its scaling, the format of its gradient operand (dy,
-/// in the two backward GEMMs; weights and activations are E4M3), and how each operand (in the
+/// in the two backward GEMMs; weights and activations are E4M3), how each operand (in the
 /// op's input order) is split across ranks, which decides which operands read their amaxes
-/// from an input ([`Fp8Gemm::shared`]).
+/// from an input ([`Fp8Gemm::shared`]), and, for delayed scaling, the amax history's length
+/// (both operands then read their scale amax from an input: [`Fp8Gemm::reads_amax`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 pub struct Fp8Gemm {
     pub scaling: Fp8Scaling,
     pub grad: Fp8Format,
     #[serde(skip_serializing_if = "unsplit")]
     pub split: [Fp8Split; 2],
+    /// Delayed scaling with an amax history of this many steps (tensorwise only); None:
+    /// current scaling.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub history: Option<u32>,
 }
 
 fn unsplit(split: &[Fp8Split; 2]) -> bool {
@@ -281,6 +327,14 @@ impl Fp8Gemm {
             b.shared_over(self.scaling, self.split[1]),
         ]
     }
+
+    /// Whether each operand's amaxes come from an input of the GEMM rather than from its own
+    /// piece: all of them under delayed scaling (the history's scale amax), else those whose
+    /// groups span ranks ([`Fp8Gemm::shared`]).
+    pub fn reads_amax(self, operands: [Fp8Operand; 2]) -> [bool; 2] {
+        self.shared(operands)
+            .map(|axes| self.history.is_some() || !axes.is_empty())
+    }
 }
 
 impl fmt::Display for Fp8Gemm {
@@ -288,6 +342,9 @@ impl fmt::Display for Fp8Gemm {
         match self.scaling {
             Fp8Scaling::Blockwise { block } => write!(f, "blockwise({block})")?,
             s => f.write_str(s.name())?,
+        }
+        if let Some(h) = self.history {
+            write!(f, " delayed({h})")?;
         }
         write!(f, " grad {}", self.grad.name())?;
         if !unsplit(&self.split) {
@@ -344,6 +401,7 @@ mod tests {
             scaling: Fp8Scaling::Rowwise,
             grad: Fp8Format::E5m2,
             split: Default::default(),
+            history: None,
         };
         let [x, w] = operands::forward(g);
         let [dy, _] = operands::bwd_weight(g);
@@ -367,6 +425,7 @@ mod tests {
             scaling,
             grad: Fp8Format::E5m2,
             split: Default::default(),
+            history: None,
         };
         let (cp, tp) = (Axes::of(&[Axis::Cp]), Axes::of(&[Axis::Tp]));
         // A row-parallel input under cp: rows split by cp, columns (K) by tp.

@@ -29,7 +29,7 @@
 //!   marks an overflowed step, and a marked step leaves `AdamW`/`Sgd` parameters and state
 //!   untouched.
 
-use super::fp8::{operands, Fp8AmaxAttrs, Fp8Gemm, Fp8Operand};
+use super::fp8::{operands, Fp8AmaxAttrs, Fp8Gemm, Fp8HistoryAttrs, Fp8Operand};
 use crate::kir::Kernel;
 use serde::Serialize;
 use std::fmt;
@@ -273,6 +273,17 @@ pub enum Op {
     /// max-reduces it over the ranks sharing those groups and hands it to the GEMM
     /// (`Fp8Gemm::shared`), so every one of them uses the single-rank run's scale.
     Fp8Amax(Fp8AmaxAttrs),
+    /// Delayed FP8 scaling (`ir::fp8`'s module doc). in: x, one operand of an FP8 GEMM as that
+    /// GEMM reads it (`[rows, cols]`, rows fixed for a weight); history, the operand's amax
+    /// history `[1, H + 1]`. out: history, in place: element 0 becomes the larger of itself and
+    /// x's largest finite |element| (the step's amax so far).
+    Fp8AmaxRecord(Fp8HistoryAttrs),
+    /// Delayed FP8 scaling, at the step's end. in: history `[1, H + 1]`, its element 0 the
+    /// step's amax (max-reduced over the ranks recording it). out: history, in place: rolled
+    /// one step (element k + 1 takes element k for k < H, the oldest is dropped, element 0 is
+    /// zeroed); amax `[1]`, the rolled history's largest value: the scale amax the operand's
+    /// GEMMs read next step.
+    Fp8HistoryRoll(Fp8HistoryAttrs),
 
     // ------------------------------------------------------------------ attention
     /// in: x `[rows, heads*head_dim]`. out: y, each head rotated by its row's position.
@@ -572,6 +583,11 @@ impl fmt::Debug for Op {
                 .field("scaling", &format_args!("{}", a.scaling.name()))
                 .field("rows", &a.rows)
                 .field("cols", &a.cols),
+            Op::Fp8AmaxRecord(a) => d
+                .field("history", &a.history)
+                .field("rows", &a.rows)
+                .field("cols", &a.cols),
+            Op::Fp8HistoryRoll(a) => d.field("history", &a.history),
             Op::Rope(a) | Op::RopeBwd(a) | Op::RopeTable(a) => d
                 .field("batch", &a.batch)
                 .field("heads", &a.heads)

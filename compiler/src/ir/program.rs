@@ -340,6 +340,9 @@ pub enum BufferKind {
     OptState,
     /// Step metrics (loss, squared grad norm). Persistent; zeroed by the program each step.
     Metric,
+    /// Delayed FP8 scaling's amax histories and scale amaxes, one pair per quantized operand
+    /// of each FP8 GEMM (`ir::fp8`). Persistent, checkpointed, zero at the start of a run.
+    Fp8History,
     /// A ZeRO-3 parameter all-gathered for use and freed after.
     GatheredParam,
     /// Gradient accumulators and sharded gradients.
@@ -359,7 +362,7 @@ impl BufferKind {
     pub fn is_persistent(self) -> bool {
         matches!(
             self,
-            BufferKind::Param | BufferKind::OptState | BufferKind::Metric
+            BufferKind::Param | BufferKind::OptState | BufferKind::Metric | BufferKind::Fp8History
         )
     }
     pub fn name(self) -> &'static str {
@@ -367,6 +370,7 @@ impl BufferKind {
             BufferKind::Param => "param",
             BufferKind::OptState => "opt_state",
             BufferKind::Metric => "metric",
+            BufferKind::Fp8History => "fp8_history",
             BufferKind::GatheredParam => "gathered_param",
             BufferKind::Grad => "grad",
             BufferKind::Activation => "act",
@@ -382,6 +386,7 @@ impl BufferKind {
             BufferKind::Param => "parameters",
             BufferKind::OptState => "optimizer state",
             BufferKind::Metric => "metrics",
+            BufferKind::Fp8History => "FP8 amax histories",
             BufferKind::GatheredParam => "gathered weights",
             BufferKind::Grad => "gradients",
             BufferKind::Activation => "activations",
@@ -392,10 +397,11 @@ impl BufferKind {
     }
 
     /// Every kind, in declaration order.
-    pub const ALL: [BufferKind; 9] = [
+    pub const ALL: [BufferKind; 10] = [
         BufferKind::Param,
         BufferKind::OptState,
         BufferKind::Metric,
+        BufferKind::Fp8History,
         BufferKind::GatheredParam,
         BufferKind::Grad,
         BufferKind::Activation,

@@ -14,7 +14,7 @@
 //! rows (attention with separate k and v). Where the attributes fix a row count
 //! (`Signature::rows`, `Signature::kv_rows`), a bound buffer must agree with it; otherwise the
 //! first operand of that row count decides it and every other must agree.
-use super::fp8::{Along, Fp8Operand, Fp8Scaling, OperandKind};
+use super::fp8::{Along, Fp8HistoryAttrs, Fp8Operand, Fp8Scaling, OperandKind};
 use super::op::{AttentionAttrs, Op};
 use super::storage::StorageClass::{self, Float, Fp32, Tokens};
 
@@ -82,6 +82,8 @@ opcodes! {
     MatmulBwdData "matmul_bwd_data" Matmul,
     MatmulBwdWeight "matmul_bwd_weight" Matmul,
     Fp8Amax "fp8_amax" Matmul,
+    Fp8AmaxRecord "fp8_amax_record" Matmul,
+    Fp8HistoryRoll "fp8_history_roll" Matmul,
     Rope "rope" Elementwise,
     RopeBwd "rope_bwd" Elementwise,
     RopeTable "rope_table" Elementwise,
@@ -321,20 +323,20 @@ impl Signature {
         self
     }
 
-    /// An FP8 GEMM's amax inputs (`op`'s `Fp8Gemm::shared`): for each of its two operands,
-    /// given as (role, fixed rows or None for the op's rows, columns), the reduced amaxes of
-    /// its groups where they span ranks.
+    /// An FP8 GEMM's amax inputs (`op`'s `Fp8Gemm::reads_amax`): for each of its two
+    /// operands, given as (role, fixed rows or None for the op's rows, columns), the reduced
+    /// amaxes of its groups where they span ranks, or its scale amax under delayed scaling.
     fn amax_inputs(self, op: &Op, operands: [(&'static str, Option<u64>, u64); 2]) -> Self {
         let Some((g, quantized)) = op.fp8_operands() else {
             return self;
         };
-        let shared = g.shared(quantized);
+        let reads = g.reads_amax(quantized);
         let mut s = self;
-        for (((role, rows, cols), operand), axes) in operands.into_iter().zip(quantized).zip(shared)
+        for (((role, rows, cols), operand), read) in operands.into_iter().zip(quantized).zip(reads)
         {
             let rows = rows.map_or(Rows::N, Rows::Fixed);
             let shape = amax_shape(operand, g.scaling, rows, cols);
-            s = s.input_if(!axes.is_empty(), role, Fp32, Some(shape));
+            s = s.input_if(read, role, Fp32, Some(shape));
         }
         s
     }
@@ -476,7 +478,9 @@ impl Op {
             Op::Matmul { .. }
             | Op::MatmulBwdData { .. }
             | Op::MatmulBwdWeight { .. }
-            | Op::Fp8Amax(_) => gemm_family(self, s),
+            | Op::Fp8Amax(_)
+            | Op::Fp8AmaxRecord(_)
+            | Op::Fp8HistoryRoll(_) => gemm_family(self, s),
             Op::Rope(a) => {
                 let width = a.heads.saturating_mul(a.head_dim);
                 s.rows(rows_of(&a.positions, a.batch))
@@ -737,8 +741,24 @@ fn gemm_family(op: &Op, s: Signature) -> Signature {
                 Some(amax_shape(a.operand, a.scaling, rows, a.cols)),
             )
         }
+        Op::Fp8AmaxRecord(a) => {
+            let rows = a.rows.map_or(Rows::N, Rows::Fixed);
+            s.input("x", Float, shape(rows, a.cols))
+                .input("history", Fp32, history_shape(a))
+                .write("history", Fp32, history_shape(a), Write::InPlace(1))
+        }
+        Op::Fp8HistoryRoll(a) => s
+            .rows(1)
+            .input("history", Fp32, history_shape(a))
+            .write("history", Fp32, history_shape(a), Write::InPlace(0))
+            .output("amax", Fp32, fixed(1, 1)),
         _ => s,
     }
+}
+
+/// A delayed-scaling amax history: the step's amax, then H steps (`ir::fp8::Fp8HistoryAttrs`).
+fn history_shape(a: &Fp8HistoryAttrs) -> Option<Shape> {
+    fixed(1, u64::from(a.history) + 1)
 }
 
 /// The shape of the group amaxes of an FP8 GEMM operand of `rows × cols` (`ir::fp8`'s

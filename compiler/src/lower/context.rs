@@ -24,12 +24,17 @@ pub struct Groups {
     /// cp × tp: the ranks sharing a tensorwise FP8 scale of an operand split by both (a
     /// row-parallel input under cp; `lower/fp8.rs`).
     pub cptp: Option<GroupId>,
+    /// dp alone: delayed FP8 scaling's amax histories, max-reduced over the data-parallel
+    /// ranks at the step's end (`lower/fp8.rs`).
+    pub dp: Option<GroupId>,
 }
 
 /// The GEMMs to run in FP8: for each node (by index), which of its layouts (forward, data
 /// gradient, weight gradient), and the attribute they get.
 pub struct Fp8Layers {
     pub chosen: Vec<PerLayout<bool>>,
+    /// Each node's GEMM weights (`crate::fp8::gemms`' names), for delayed scaling's histories.
+    pub weights: Vec<Vec<&'static str>>,
     pub attr: Fp8Gemm,
 }
 
@@ -39,13 +44,18 @@ impl Fp8Layers {
     pub fn of(spec: &Spec, choices: &[crate::fp8::Choice]) -> Option<Fp8Layers> {
         let fp8 = spec.train.fp8.as_ref()?;
         let mut chosen = vec![PerLayout::splat(false); spec.model.nodes.len()];
+        let mut weights = vec![Vec::new(); spec.model.nodes.len()];
         for c in choices.iter().filter(|c| c.any()) {
             if let Some(slot) = chosen.get_mut(c.node.0 as usize) {
                 *slot = c.fp8;
             }
+            if let Some(slot) = weights.get_mut(c.node.0 as usize) {
+                *slot = c.gemms.iter().map(|g| g.weight).collect();
+            }
         }
         (chosen.iter().flat_map(|c| c.0).any(|f| f)).then(|| Fp8Layers {
             chosen,
+            weights,
             attr: crate::fp8::gemm_attr(fp8),
         })
     }
@@ -54,6 +64,19 @@ impl Fp8Layers {
     pub fn runs(&self, node: NodeId, layout: GemmLayout) -> bool {
         self.chosen.get(node.0 as usize).is_some_and(|c| c[layout])
     }
+}
+
+/// One operand's delayed-scaling state: which GEMM operand (node, weight, layout, operand
+/// index), its history and scale amax (persistent), and the axes its amaxes are shared over
+/// (set when its GEMM is emitted; `lower/fp8.rs`).
+pub struct Fp8History {
+    pub node: NodeId,
+    pub weight: &'static str,
+    pub gemm: crate::fp8::GemmLayout,
+    pub operand: usize,
+    pub history: crate::ir::BufferId,
+    pub amax: crate::ir::BufferId,
+    pub shared: Option<crate::ir::fp8::Axes>,
 }
 
 /// Disjoint sets of ranks that differ only on `axes`, each ascending.

@@ -151,6 +151,8 @@ pub struct Emitter<'a> {
     pub residual: Option<super::storage::ResidualStream>,
     /// The layers whose GEMMs run in FP8 (`train.fp8`; `lower/fp8.rs`).
     pub fp8: Option<&'a super::context::Fp8Layers>,
+    /// Delayed FP8 scaling's per-operand histories (`lower/fp8.rs`), declared up front.
+    pub fp8_histories: Vec<super::context::Fp8History>,
 }
 
 impl Emitter<'_> {

@@ -36,7 +36,10 @@ pub(super) fn program(
     let mut b = sized_builder(sh, &my_chunks);
     let locals = declare_locals(&mut b, sh, role, &my_chunks);
     let metrics = declare_metrics(&mut b, sh, &my_chunks);
+    let histories =
+        super::fp8::declare_histories(&mut b, (sh.spec, sh.fp8), &sh.chunks.ranges, &my_chunks);
     let mut em = new_emitter(sh, role, b, locals, metrics);
+    em.fp8_histories = histories;
     em.evaluating = true;
     em.segments.iter_mut().for_each(|s| *s = None);
     em.selective = false;

@@ -11,14 +11,84 @@
 //! the buffer holds a sequence-parallel shard, its columns as the weight's dimension they meet
 //! (x's columns are W's columns, dy's are W's rows). Data parallelism splits nothing: each dp
 //! rank's microbatch is its own tensor, as each microbatch is in the single-rank run.
+//!
+//! Delayed scaling (`Fp8Gemm::history`): every quantized operand of every FP8 GEMM this
+//! program runs has two persistent buffers ([`declare_histories`], declared after the metrics
+//! in the training and the evaluation program alike): its amax history `[1, H + 1]` and its
+//! scale amax `[1]`. The GEMM reads the scale amax (no amax pass, no reduction before it); in
+//! training (not in a recomputed forward, whose operands are the forward's, nor in evaluation)
+//! an `Fp8AmaxRecord` before it max-accumulates the operand's amax into the history's step
+//! slot. At the step's end ([`Emitter::fp8_roll`]) each history's step slot is max all-reduced
+//! over the ranks holding pieces of the operand (`Fp8Gemm::shared`'s axes, as current scaling
+//! reduces them) and then over dp, and `Fp8HistoryRoll` rolls it and writes the scale amax.
 
+use super::builder::ProgramBuilder;
+use super::context::{Fp8History as History, Fp8Layers};
 use super::emitter::Emitter;
 use crate::diag::Diagnostic;
 use crate::fp8::GemmLayout;
-use crate::ir::fp8::{operands, Axes, Fp8AmaxAttrs, Fp8Gemm, Fp8Operand, Fp8Split, OperandKind};
+use crate::ir::fp8::{
+    operands, Axes, Fp8AmaxAttrs, Fp8Gemm, Fp8HistoryAttrs, Fp8Operand, Fp8Split, OperandKind,
+};
 use crate::ir::op::Op;
-use crate::ir::{BufferId, BufferKind, CollectiveKind, GroupId, Phase, ReduceOp};
-use crate::spec::{Axis, NodeId};
+use crate::ir::{BufferId, BufferKind, CollectiveKind, DType, GroupId, Phase, ReduceOp};
+use crate::spec::{Axis, NodeId, Spec};
+
+/// The operand names of a GEMM layout, in its input order (the op table's roles).
+fn operand_names(gemm: GemmLayout) -> [&'static str; 2] {
+    match gemm {
+        GemmLayout::Fwd => ["x", "w"],
+        GemmLayout::BwdData => ["dy", "w"],
+        GemmLayout::BwdWeight => ["dy", "x"],
+    }
+}
+
+/// Declares the delayed-scaling buffers of every FP8 GEMM operand of the nodes in
+/// `my_chunks` (`ranges`: each chunk's node range), in model order: none without delayed
+/// scaling. Named `NODE.WEIGHT.LAYOUT.OPERAND.amax_history` and `….amax`, the same in every
+/// plan, so checkpoints carry them across plans.
+pub(super) fn declare_histories(
+    b: &mut ProgramBuilder,
+    (spec, fp8): (&Spec, Option<&Fp8Layers>),
+    ranges: &[(usize, usize)],
+    my_chunks: &[u32],
+) -> Vec<History> {
+    let Some((fp8, h)) = fp8.and_then(|f| Some((f, f.attr.history?))) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for &c in my_chunks {
+        let Some(&(start, end)) = ranges.get(c as usize) else {
+            continue;
+        };
+        for i in start..end {
+            let (node, name) = (NodeId(i as u32), &spec.model.nodes[i].name);
+            let weights = fp8.weights.get(i).map_or(&[][..], |w| w.as_slice());
+            for &weight in weights {
+                for gemm in GemmLayout::ALL.into_iter().filter(|&g| fp8.runs(node, g)) {
+                    for (operand, role) in operand_names(gemm).into_iter().enumerate() {
+                        let base = format!("{name}.{weight}.{}.{role}", gemm.name());
+                        let mut declare = |what: &str, len: u64| {
+                            let shape = vec![1, len];
+                            let kind = BufferKind::Fp8History;
+                            b.declare(format!("{base}.{what}"), shape, DType::F32, kind)
+                        };
+                        out.push(History {
+                            node,
+                            weight,
+                            gemm,
+                            operand,
+                            history: declare("amax_history", u64::from(h) + 1),
+                            amax: declare("amax", 1),
+                            shared: None,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    out
+}
 
 /// An FP8 GEMM about to be emitted: its attribute and the amax buffers it reads (released by
 /// [`Emitter::fp8_done`] once the GEMM is emitted).
@@ -53,6 +123,23 @@ impl Emitter<'_> {
             ..layers.attr
         };
         let of = quantized(gemm, attr);
+        if let Some(h) = attr.history {
+            let amax = self.delayed_amax((node, w), (gemm, h), operands, phase);
+            let shared = attr.shared(of);
+            for (i, axes) in shared.into_iter().enumerate() {
+                let found = self
+                    .fp8_histories
+                    .iter_mut()
+                    .find(|x| x.node == node && x.weight == w && x.gemm == gemm && x.operand == i);
+                if let Some(x) = found {
+                    x.shared = Some(axes);
+                }
+            }
+            return Fp8Emitted {
+                attr: Some(attr),
+                amax,
+            };
+        }
         let mut amax = Vec::new();
         for (i, (buf, axes)) in operands.into_iter().zip(attr.shared(of)).enumerate() {
             if axes.is_empty() {
@@ -65,6 +152,91 @@ impl Emitter<'_> {
         Fp8Emitted {
             attr: Some(attr),
             amax,
+        }
+    }
+
+    /// The scale amaxes a delayed-scaling GEMM `gemm` (history length `h`) of `node`'s weight
+    /// `w` reads for its `operands`, each recorded into its history first in a training forward
+    /// or backward (not in a recompute, nor in evaluation); a lowering error where `node` has
+    /// no declared history for one.
+    fn delayed_amax(
+        &mut self,
+        (node, w): (NodeId, &str),
+        (gemm, h): (GemmLayout, u32),
+        operands: [BufferId; 2],
+        phase: Phase,
+    ) -> Vec<BufferId> {
+        let record = !self.evaluating && phase != Phase::Recompute;
+        let mut amax = Vec::new();
+        for (i, buf) in operands.into_iter().enumerate() {
+            let found = (self.fp8_histories.iter())
+                .find(|x| x.node == node && x.weight == w && x.gemm == gemm && x.operand == i);
+            let Some((history, scale)) = found.map(|x| (x.history, x.amax)) else {
+                let msg = format!(
+                    "internal lowering error: no FP8 amax history was declared for operand {i} of `{}`'s {} GEMM of `{w}`",
+                    self.node_name(node),
+                    gemm.name()
+                );
+                self.errors.push(Diagnostic::error("E0804", msg));
+                continue;
+            };
+            if record {
+                let shape = self.b.shape(buf);
+                let (rows, cols) = match shape.as_slice() {
+                    [r, c] => (*r, *c),
+                    _ => (1, shape.iter().product()),
+                };
+                let weight = gemm != GemmLayout::BwdWeight && i == 1;
+                let attrs = Fp8HistoryAttrs {
+                    history: h,
+                    rows: weight.then_some(rows),
+                    cols,
+                };
+                let op = Op::Fp8AmaxRecord(attrs);
+                (self.b).compute(op, &[buf, history], &[history], Some(node), phase);
+            }
+            amax.push(scale);
+        }
+        amax
+    }
+
+    /// The end of a delayed-scaling step: each history's step amax max all-reduced over the
+    /// ranks holding pieces of its operand, then over dp, and rolled into its scale amax.
+    pub(super) fn fp8_roll(&mut self) {
+        let Some(h) = self.fp8.and_then(|f| f.attr.history) else {
+            return;
+        };
+        let max = CollectiveKind::AllReduce { op: ReduceOp::Max };
+        for i in 0..self.fp8_histories.len() {
+            let x = &self.fp8_histories[i];
+            let (node, history, amax) = (x.node, x.history, x.amax);
+            let shared = x.shared.unwrap_or(Axes::NONE);
+            let dp = Axes::NONE.with_if(self.groups.dp.is_some(), Axis::Dp);
+            for axes in [shared, dp].into_iter().filter(|a| !a.is_empty()) {
+                match self.group_over(axes) {
+                    Some(g) => self.b.collective(max, g, history, history, Some(node)),
+                    None => {
+                        let msg = format!(
+                            "internal lowering error: no process group spans exactly {axes} for the FP8 amax history of `{}`",
+                            self.node_name(node)
+                        );
+                        self.errors.push(Diagnostic::error("E0804", msg));
+                    }
+                }
+            }
+            let attrs = Fp8HistoryAttrs {
+                history: h,
+                rows: None,
+                cols: 0,
+            };
+            let op = Op::Fp8HistoryRoll(attrs);
+            (self.b).compute(
+                op,
+                &[history],
+                &[history, amax],
+                Some(node),
+                Phase::Optimizer,
+            );
         }
     }
 
@@ -158,7 +330,9 @@ impl Emitter<'_> {
 
     /// The plan's group family spanning exactly `axes`.
     fn group_over(&self, axes: Axes) -> Option<GroupId> {
-        if axes == Axes::of(&[Axis::Tp]) {
+        if axes == Axes::of(&[Axis::Dp]) {
+            self.groups.dp
+        } else if axes == Axes::of(&[Axis::Tp]) {
             self.groups.tp
         } else if axes == Axes::of(&[Axis::Cp]) {
             self.groups.cp

@@ -361,6 +361,9 @@ fn make_groups(
     if cp > 1 && tp > 1 && needs_cptp(fp8) {
         groups.cptp = add(context::group_family("cp+tp", mesh, &[Axis::Cp, Axis::Tp]));
     }
+    if dp > 1 && fp8.is_some_and(|l| l.attr.history.is_some()) {
+        groups.dp = add(context::group_family("dp", mesh, &[Axis::Dp]));
+    }
     (groups, plan_groups)
 }
 
@@ -529,7 +532,10 @@ fn emit_program(sh: &Shared, key: (u32, u32, u32)) -> Result<Program, Diagnostic
     let mut b = sized_builder(sh, &my_chunks);
     let locals = declare_locals(&mut b, sh, role, &my_chunks);
     let metrics = declare_metrics(&mut b, sh, &my_chunks);
+    let histories =
+        fp8::declare_histories(&mut b, (sh.spec, sh.fp8), &sh.chunks.ranges, &my_chunks);
     let mut em = new_emitter(sh, role, b, locals, metrics);
+    em.fp8_histories = histories;
     em.emit_step(sh.table);
     check_step(&mut em, sh, role)?;
     let residual = em.residual.take();
@@ -861,6 +867,7 @@ fn new_emitter<'a>(
         evaluating: false,
         residual: storage::ResidualStream::of(&spec.model, &spec.train),
         fp8: sh.fp8,
+        fp8_histories: Vec::new(),
     }
 }
 

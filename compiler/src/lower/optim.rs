@@ -291,6 +291,7 @@ impl Emitter<'_> {
         }
         self.flush_bucket();
         self.unpack_reduced();
+        self.fp8_roll();
         if let Some(g) = self.groups.embed {
             for i in 0..self.locals.len() {
                 if let (true, Some(fg)) = (self.locals[i].shared, self.locals[i].final_grad) {

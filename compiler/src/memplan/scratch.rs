@@ -502,6 +502,7 @@ mod tests {
                 scaling,
                 grad: Fp8Format::E4m3,
                 split: Default::default(),
+                history: None,
             })
         };
         // 37 rows, in 200, out 136.

@@ -465,6 +465,7 @@ mod tests {
                                 BufferKind::Param
                                     | BufferKind::OptState
                                     | BufferKind::Metric
+                                    | BufferKind::Fp8History
                                     | BufferKind::Grad
                                     | BufferKind::Comm
                             ),

@@ -14,6 +14,15 @@
 //! an in-place `all_reduce max` over a group family spanning exactly A, and before that by an
 //! `Fp8Amax` of that same operand buffer, as the same operand under the same scaling, with no
 //! write to the operand between the `Fp8Amax` and the GEMM.
+//!
+//! Under delayed scaling (`Fp8Gemm::history`) both operands read a scale amax instead: a
+//! persistent `fp8_history` buffer that one `Fp8HistoryRoll` of the program writes, from a
+//! history whose step amax is max all-reduced, between its last `Fp8AmaxRecord` and the roll,
+//! over group families whose axes together are exactly the operand's shared axes and dp (where
+//! dp > 1): every replica and every rank holding a piece then rolls the same value. A GEMM of
+//! a training forward or backward must have recorded its own operand into that history
+//! (the history's last write before it is an `Fp8AmaxRecord` of the operand buffer, with no
+//! write to the operand between them); a recomputed forward records nothing.
 use super::{Findings, Violation};
 use crate::ir::fp8::{Along, Axes, Fp8Gemm, Fp8Operand, Fp8Split, OperandKind};
 use crate::ir::op::Op;
@@ -30,6 +39,27 @@ pub(super) fn check(plan: &Plan, program: &Program, id: ProgramId, rank: u32) ->
         let inputs = c.inputs.to_vec();
         let mut problems = split_problems(plan, program, (g, operands), &inputs);
         let shared = g.shared(operands);
+        if g.history.is_some() {
+            let scale = inputs.get(inputs.len().saturating_sub(2)..).unwrap_or(&[]);
+            for (k, axes) in shared.into_iter().enumerate() {
+                let dp = Axes::NONE.with_if(plan.mesh.size(Axis::Dp) > 1, Axis::Dp);
+                let (Some(&buffer), Some(&amax)) = (inputs.get(k), scale.get(k)) else {
+                    problems.push(format!("operand {k} has no scale amax input"));
+                    continue;
+                };
+                let record = c.phase != crate::ir::Phase::Recompute;
+                let want = (buffer, axes.union(dp), record);
+                if let Err(e) = delayed_before(plan, program, i, amax, want) {
+                    problems.push(format!("operand {k} (b{}): {e}", buffer.0));
+                }
+            }
+            for p in problems {
+                found.push("E0824", i, c.node, || {
+                    format!("FP8 {}: {p}", c.op.opcode().variant())
+                });
+            }
+            continue;
+        }
         let reduced = shared.iter().filter(|a| !a.is_empty()).count();
         let mut amax_inputs = inputs.iter().skip(inputs.len().saturating_sub(reduced));
         for (k, axes) in shared.into_iter().enumerate() {
@@ -131,6 +161,88 @@ fn reduced_before(
     match rewritten {
         Some(j) => Err(format!(
             "instruction {j} writes the operand between its Fp8Amax ({source}) and the GEMM"
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Checks the scale amax `amax` of a delayed-scaling GEMM at `at` whose operand is `buffer`:
+/// rolled from a history reduced over exactly `axes` and, where `record`, recorded from this
+/// operand before the GEMM (the module doc).
+fn delayed_before(
+    plan: &Plan,
+    program: &Program,
+    at: usize,
+    amax: BufferId,
+    (buffer, axes, record): (BufferId, Axes, bool),
+) -> Result<(), String> {
+    let kind = program.buffer(amax).map(|b| b.kind);
+    if kind != Some(crate::ir::BufferKind::Fp8History) {
+        return Err(format!(
+            "its scale amax b{} is not an FP8 amax history's",
+            amax.0
+        ));
+    }
+    let roll = (program.instrs.iter().enumerate()).find_map(|(j, x)| {
+        let c = x.as_compute()?;
+        let rolls = matches!(c.op, Op::Fp8HistoryRoll(_)) && c.outputs.contains(&amax);
+        rolls.then(|| Some((j, *c.inputs.first()?)))?
+    });
+    let Some((roll, history)) = roll else {
+        return Err(format!(
+            "no Fp8HistoryRoll writes its scale amax b{}",
+            amax.0
+        ));
+    };
+    let writes = |j: usize| (program.instrs.get(j)).is_some_and(|x| x.writes().contains(&history));
+    let is_record = |j: usize, of: Option<BufferId>| {
+        (program.instrs.get(j).and_then(Instr::as_compute)).is_some_and(|c| {
+            matches!(c.op, Op::Fp8AmaxRecord(_)) && of.is_none_or(|b| c.inputs.first() == Some(&b))
+        })
+    };
+    let last_record = (0..roll).rev().find(|&j| is_record(j, None)).unwrap_or(0);
+    let mut reduced = Axes::NONE;
+    for j in (last_record + 1..roll).filter(|&j| writes(j)) {
+        match program.instrs.get(j) {
+            Some(Instr::Collective {
+                kind: CollectiveKind::AllReduce { op: ReduceOp::Max },
+                group,
+                input,
+                output,
+                ..
+            }) if *input == history && *output == history => {
+                let of = plan.groups.get(group.0 as usize).map(|g| Axes::of(&g.axes));
+                reduced = reduced.union(of.unwrap_or_default());
+            }
+            _ => {
+                return Err(format!(
+                    "instruction {j} writes its history b{} between its last record and its roll",
+                    history.0
+                ))
+            }
+        }
+    }
+    if reduced != axes {
+        return Err(format!(
+            "its history b{} is max-reduced over {reduced} before its roll (instruction {roll}), but its operand is recorded on exactly the ranks of {axes}",
+            history.0
+        ));
+    }
+    if !record {
+        return Ok(());
+    }
+    let source = (0..at).rev().find(|&j| writes(j));
+    let Some(source) = source.filter(|&j| is_record(j, Some(buffer))) else {
+        return Err(format!(
+            "the GEMM's operand is not recorded into its history b{} before it",
+            history.0
+        ));
+    };
+    match (source + 1..at)
+        .find(|&j| (program.instrs.get(j)).is_some_and(|x| x.writes().contains(&buffer)))
+    {
+        Some(j) => Err(format!(
+            "instruction {j} writes the operand between its Fp8AmaxRecord ({source}) and the GEMM"
         )),
         None => Ok(()),
     }

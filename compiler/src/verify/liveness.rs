@@ -33,7 +33,7 @@ pub struct ProgramMemory {
 }
 
 /// Every buffer kind, and how many there are (the live-bytes-by-kind table's size).
-const ALL_KINDS: [BufferKind; 9] = BufferKind::ALL;
+const ALL_KINDS: [BufferKind; 10] = BufferKind::ALL;
 const KINDS: usize = ALL_KINDS.len();
 
 /// `kind`'s index in [`ALL_KINDS`] (exhaustive, so a new kind cannot be left out unnoticed).
@@ -42,12 +42,13 @@ fn kind_slot(kind: BufferKind) -> usize {
         BufferKind::Param => 0,
         BufferKind::OptState => 1,
         BufferKind::Metric => 2,
-        BufferKind::GatheredParam => 3,
-        BufferKind::Grad => 4,
-        BufferKind::Activation => 5,
-        BufferKind::ActivationGrad => 6,
-        BufferKind::Input => 7,
-        BufferKind::Comm => 8,
+        BufferKind::Fp8History => 3,
+        BufferKind::GatheredParam => 4,
+        BufferKind::Grad => 5,
+        BufferKind::Activation => 6,
+        BufferKind::ActivationGrad => 7,
+        BufferKind::Input => 8,
+        BufferKind::Comm => 9,
     }
 }
 

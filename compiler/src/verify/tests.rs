@@ -773,11 +773,21 @@ cluster {{ nodes = 1; gpus_per_node = {tp}; gpu = cpu }}
 
 /// A tensorwise FP8 plan (every layer pinned FP8) of `choice`.
 fn lowered_fp8(choice: PlanChoice, scaling: crate::ir::fp8::Fp8Scaling) -> Plan {
+    lowered_fp8_history(choice, scaling, None)
+}
+
+/// [`lowered_fp8`] with delayed scaling's amax `history` (None: current scaling).
+fn lowered_fp8_history(
+    choice: PlanChoice,
+    scaling: crate::ir::fp8::Fp8Scaling,
+    history: Option<u32>,
+) -> Plan {
     let mut spec = build(&Dims::tiny(), &choice);
     spec.train.precision = crate::spec::Precision::Bf16;
     spec.train.fp8 = Some(crate::spec::Fp8 {
         scaling,
         grad: crate::ir::fp8::Fp8Format::E4m3,
+        history,
         keep_bf16: Vec::new(),
         force_fp8: vec!["Attention".into(), "MLP".into(), "Linear".into()],
         span: Default::default(),
@@ -854,6 +864,58 @@ fn fp8_amaxes_reduced_over_the_wrong_group_are_reported() {
     let mut none = plan.clone();
     none.programs[0].instrs.remove(at);
     assert!(codes(&check(&none)).contains(&"E0824"));
+}
+
+/// Delayed scaling: each history must be reduced over exactly its operand's shared axes and
+/// dp before its roll, and each training GEMM must record its operand first.
+#[test]
+fn fp8_histories_reduced_over_the_wrong_group_or_unrecorded_are_reported() {
+    use crate::ir::fp8::Fp8Scaling;
+    use crate::ir::op::Op;
+    use crate::spec::Axis;
+    let dp_tp = PlanChoice {
+        dp: 2,
+        tp: 2,
+        ..PlanChoice::default()
+    };
+    let plan = lowered_fp8_history(dp_tp, Fp8Scaling::Tensorwise, Some(4));
+    let found = check(&plan);
+    assert!(found.violations.is_empty(), "{:#?}", found.violations);
+    let program = &plan.programs[0];
+    let history = |b: &BufferId| program.buffers[b.0 as usize].name.ends_with("amax_history");
+    let reduction = |axes: &[Axis]| {
+        (program.instrs.iter())
+            .position(|i| match i {
+                Instr::Collective { group, input, .. } => {
+                    history(input) && plan.groups[group.0 as usize].axes == axes
+                }
+                _ => false,
+            })
+            .expect("a history reduction over those axes")
+    };
+    // Without its dp reduction, each replica would roll its own microbatches' amax.
+    let mut no_dp = plan.clone();
+    no_dp.programs[0].instrs.remove(reduction(&[Axis::Dp]));
+    let found = check(&no_dp);
+    let v = (found.violations.iter()).find(|v| v.code == "E0824");
+    assert!(
+        v.is_some_and(
+            |v| v.message.contains("max-reduced over 1") && v.message.contains("the ranks of dp")
+        ),
+        "{:#?}",
+        found.violations
+    );
+    // A tp piece's history reduced over dp twice, not over tp.
+    let mut wrong = plan.clone();
+    regroup(&mut wrong, reduction(&[Axis::Tp]), &[Axis::Dp]);
+    assert!(codes(&check(&wrong)).contains(&"E0824"));
+    // A GEMM whose operand was never recorded.
+    let mut unrecorded = plan.clone();
+    let record = (program.instrs.iter())
+        .position(|i| i.op().is_some_and(|op| matches!(op, Op::Fp8AmaxRecord(_))))
+        .expect("a record");
+    unrecorded.programs[0].instrs.remove(record);
+    assert!(codes(&check(&unrecorded)).contains(&"E0824"));
 }
 
 #[test]

@@ -64,11 +64,19 @@ pub struct Piece {
     /// Its local shape.
     pub shape: Vec<u64>,
     /// The parameter it belongs to (by global name) and which of its tensors; None for a step
-    /// metric, which every step zeroes and which a re-sharded load leaves zero.
+    /// metric, which every step zeroes and which a re-sharded load leaves zero, and for a
+    /// delayed-scaling FP8 amax history (`BufferKind::Fp8History`), replicated on every rank
+    /// of its stage: a re-sharded load copies it whole from the old shard holding that name,
+    /// or leaves it zero where none does (a cold start: its operand's next GEMM runs
+    /// unquantized, as on a run's first step).
     pub param: Option<String>,
     pub role: Option<Role>,
     pub tp: Option<TpPart>,
     pub zero: Option<ZeroPart>,
+    /// A delayed-scaling FP8 amax history or scale amax (`param` None): the same tensor on
+    /// every rank that holds its name, re-sharded whole by name.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replicated: bool,
 }
 
 /// A global parameter: name and global shape.
@@ -277,6 +285,7 @@ fn rank_pieces(plan: &Plan, rank: u32) -> Result<Vec<Piece>> {
             role: None,
             tp: None,
             zero: None,
+            replicated: b.kind == BufferKind::Fp8History,
         })
         .collect();
     for local in &program.params {
@@ -326,11 +335,11 @@ fn rank_pieces(plan: &Plan, rank: u32) -> Result<Vec<Piece>> {
     }
     let persistent_kinds = program.checkpointed().map(|(_, b)| b.kind);
     for (piece, kind) in pieces.iter().zip(persistent_kinds) {
-        if piece.param.is_none() && kind != BufferKind::Metric {
+        if piece.param.is_none() && !matches!(kind, BufferKind::Metric | BufferKind::Fp8History) {
             return Err(lowering_bug(
                 rank,
                 format!(
-                    "persistent buffer {} belongs to no parameter and is no metric",
+                    "persistent buffer {} belongs to no parameter and is no metric or FP8 amax history",
                     piece.tensor
                 ),
             ));

@@ -172,6 +172,8 @@ pub fn plan_rank(old: &Layout, new: &Layout, rank: u32) -> Result<RankRead> {
                 push_run(&mut runs, shard, tensor, src, dst, len);
                 dst += len;
             }
+        } else if piece.replicated {
+            runs.extend(replicated_source(old, piece, rank)?);
         }
         tensors.push(TensorRead {
             name: piece.tensor.clone(),
@@ -180,6 +182,39 @@ pub fn plan_rank(old: &Layout, new: &Layout, rank: u32) -> Result<RankRead> {
         });
     }
     Ok(RankRead { rank, tensors })
+}
+
+/// The whole-tensor run of a replicated piece (a delayed-scaling FP8 amax history) from the old
+/// shard holding its name, shard `prefer` first; none where no old shard does (a checkpoint of
+/// a run without delayed scaling: the history starts empty, a cold start); an error where the
+/// old tensor's shape differs (another history length).
+fn replicated_source(old: &Layout, piece: &Piece, prefer: u32) -> Result<Option<Run>> {
+    let mut found: Vec<(u32, usize, &Piece)> = Vec::new();
+    for (shard, pieces) in old.ranks.iter().enumerate() {
+        for (index, p) in pieces.iter().enumerate() {
+            if p.replicated && p.tensor == piece.tensor {
+                found.push((shard as u32, index, p));
+            }
+        }
+    }
+    found.sort_by_key(|(shard, _, _)| (*shard != prefer, *shard));
+    let Some((shard, tensor, source)) = found.first() else {
+        return Ok(None);
+    };
+    if source.shape != piece.shape {
+        return Err(RuntimeError::Checkpoint(format!(
+            "the checkpoint's FP8 amax history `{}` has shape {:?}, this plan's {:?}: its \
+             `train.fp8` history length differs; resume with the checkpoint's `history`",
+            piece.tensor, source.shape, piece.shape
+        )));
+    }
+    Ok(Some(Run {
+        shard: *shard,
+        tensor: *tensor,
+        src: 0,
+        dst: 0,
+        len: piece.shape.iter().product(),
+    }))
 }
 
 /// Extend the last run when these `len` elements continue it, else start a new one.
@@ -401,6 +436,7 @@ mod tests {
                 sections: None,
             }),
             zero,
+            replicated: false,
         }
     }
 
@@ -415,6 +451,43 @@ mod tests {
             global_batch: 8,
             ranks,
         }
+    }
+
+    fn history(tensor: &str, len: u64) -> Piece {
+        Piece {
+            tensor: tensor.to_string(),
+            shape: vec![1, len],
+            param: None,
+            role: None,
+            tp: None,
+            zero: None,
+            replicated: true,
+        }
+    }
+
+    #[test]
+    fn an_amax_history_is_read_whole_by_name_or_starts_cold() {
+        let h = "blocks.0.mlp.up.fwd.x.amax_history";
+        let old = layout(vec![vec![history(h, 5)], vec![history(h, 5)]]);
+        // Its own old rank's copy first.
+        let read = plan_rank(&old, &layout(vec![vec![], vec![history(h, 5)]]), 1).unwrap();
+        let runs = &read.tensors[0].runs;
+        assert_eq!((runs.len(), runs[0].shard, runs[0].len), (1, 1, 5));
+        // A rank the old plan did not have reads another's.
+        let new = layout(vec![vec![], vec![], vec![history(h, 5)]]);
+        assert_eq!(
+            plan_rank(&old, &new, 2).unwrap().tensors[0].runs[0].shard,
+            0
+        );
+        // Not in the checkpoint (a current-scaling run's): nothing read, it starts at zero.
+        let other = layout(vec![vec![history("blocks.1.mlp.up.fwd.x.amax_history", 5)]]);
+        assert!(plan_rank(&old, &other, 0).unwrap().tensors[0]
+            .runs
+            .is_empty());
+        // Another history length is refused, naming it.
+        let longer = layout(vec![vec![history(h, 9)]]);
+        let err = plan_rank(&old, &longer, 0).unwrap_err().to_string();
+        assert!(err.contains(h) && err.contains("history length"), "{err}");
     }
 
     #[test]

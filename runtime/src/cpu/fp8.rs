@@ -68,6 +68,41 @@ pub(crate) fn amax_into(
     Ok(())
 }
 
+/// `Op::Fp8AmaxRecord`: the largest finite magnitude of `data` (`[rows, cols]`, one tensorwise
+/// group) max-accumulated into the history's step amax (element 0).
+pub(crate) fn record_amax(data: &[f32], cols: usize, history: &mut [f32]) -> Result<()> {
+    let Some(step) = history.first_mut() else {
+        return Err(RuntimeError::Unsupported(
+            "Fp8AmaxRecord: an empty amax history".to_string(),
+        ));
+    };
+    let cols = cols.max(1);
+    let whole = Groups {
+        row_block: data.len() / cols + 1,
+        col_block: cols,
+        per_row: 1,
+        count: 1,
+    };
+    let found = group_amax(data, cols, &whole);
+    *step = step.max(found.first().copied().unwrap_or(0.0));
+    Ok(())
+}
+
+/// `Op::Fp8HistoryRoll`: `history` (the step's amax, then H steps newest first) rolled one step
+/// (the step's amax becomes the newest, the oldest is dropped, the step slot is zeroed); the
+/// rolled history's largest value, the next step's scale amax.
+pub(crate) fn roll_history(history: &mut [f32]) -> Result<f32> {
+    if history.len() < 2 {
+        return Err(RuntimeError::Unsupported(format!(
+            "Fp8HistoryRoll: an amax history of {} values has no step to keep",
+            history.len()
+        )));
+    }
+    history.copy_within(0..history.len() - 1, 1);
+    history[0] = 0.0;
+    Ok(history[1..].iter().copied().fold(0.0, f32::max))
+}
+
 /// The largest finite magnitude of each group, over row chunks in parallel (a maximum is exact
 /// in any order, so the result does not depend on the chunking).
 fn group_amax(data: &[f32], cols: usize, groups: &Groups) -> Vec<f32> {
@@ -175,6 +210,24 @@ mod tests {
             kind,
             along,
         }
+    }
+
+    #[test]
+    fn a_history_records_the_steps_largest_amax_and_rolls_it_in() {
+        let mut h = vec![0.0f32; 4]; // step slot + 3 steps
+        record_amax(&[1.0, -3.0, f32::INFINITY, 2.0], 2, &mut h).unwrap();
+        record_amax(&[0.5, -2.5], 2, &mut h).unwrap();
+        assert_eq!(h, [3.0, 0.0, 0.0, 0.0]);
+        assert_eq!(roll_history(&mut h).unwrap(), 3.0);
+        assert_eq!(h, [0.0, 3.0, 0.0, 0.0]);
+        record_amax(&[1.0], 1, &mut h).unwrap();
+        assert_eq!(roll_history(&mut h).unwrap(), 3.0);
+        record_amax(&[2.0], 1, &mut h).unwrap();
+        assert_eq!(roll_history(&mut h).unwrap(), 3.0);
+        // The 3.0 leaves after three more steps.
+        assert_eq!(roll_history(&mut h).unwrap(), 2.0);
+        assert_eq!(h, [0.0, 0.0, 2.0, 1.0]);
+        assert!(roll_history(&mut [0.0]).is_err());
     }
 
     #[test]

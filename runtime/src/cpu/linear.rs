@@ -1,13 +1,15 @@
 //! Linear layers: `y = x Wᵀ (+ b)` with `W` `[out, in]` (optionally plus a residual and
 //! followed by an activation or SwiGLU's gated product), and its data and weight gradients (the
-//! data gradient optionally times an activation's derivative or through SwiGLU's backward), as dense products (`dense`) on the current rayon pool;
-//! FP8 GEMMs on their emulated operands (`fp8`) and the group amaxes they share (`Fp8Amax`).
+//! data gradient optionally times an activation's derivative or through SwiGLU's backward), as
+//! dense products (`dense`) on the current rayon pool; FP8 GEMMs on their emulated operands
+//! (`fp8`), the group amaxes they share (`Fp8Amax`), and delayed scaling's amax histories
+//! (`Fp8AmaxRecord`, `Fp8HistoryRoll`).
 use super::args::{Inputs, Outputs};
 use super::dense::{gemm_checked, Strided, Threads};
 use super::elementwise::{
     activation, activation_bwd_in_place, add_in_place, swiglu as swiglu_fn, swiglu_bwd_in_place,
 };
-use super::fp8::{amax_into, dequantized};
+use super::fp8::{amax_into, dequantized, record_amax, roll_history};
 use super::par::{accumulate_column_sums, rows_per_task};
 use crate::error::Result;
 use parc_compiler::ir::fp8::{operands, Fp8AmaxAttrs, Fp8Gemm, Fp8Operand};
@@ -108,14 +110,31 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, threads: Threads) -
             }
         }
         Op::Fp8Amax(a) => fp8_amax(a, ins, outs)?,
+        Op::Fp8AmaxRecord(a) => {
+            let cols = ins.dim("cols", a.cols)?;
+            record_amax(ins.f32("x")?, cols, outs.f32("history")?)?;
+        }
+        Op::Fp8HistoryRoll(_) => {
+            let amax = roll_history(outs.f32("history")?)?;
+            match outs.f32("amax")? {
+                [out] => *out = amax,
+                other => {
+                    return Err(ins.err(format!(
+                        "writes its scale amax into {} values, not 1",
+                        other.len()
+                    )))
+                }
+            }
+        }
         _ => return Err(ins.unrouted("matmul")),
     }
     Ok(())
 }
 
 /// With `fp8` set, the GEMM's two operands (each with its number of columns) quantized and
-/// dequantized as `ir::fp8` defines, each from its reduced group amaxes where the op takes
-/// them (`amax`), else from its own (`None`s without `fp8`: the operands are used as they are).
+/// dequantized as `ir::fp8` defines, each from its reduced group amaxes or its delayed scale
+/// amax where the op takes them (`amax`), else from its own (`None`s without `fp8`, and for an
+/// operand whose delayed scale amax is 0: the operand is used as it is).
 fn quantized(
     fp8: Option<Fp8Gemm>,
     operands: fn(Fp8Gemm) -> [Fp8Operand; 2],
@@ -126,10 +145,13 @@ fn quantized(
         return Ok([None, None]);
     };
     let [qa, qb] = operands(g);
-    Ok([
-        Some(dequantized(a, a_cols, (qa, g.scaling), a_amax)?),
-        Some(dequantized(b, b_cols, (qb, g.scaling), b_amax)?),
-    ])
+    // Delayed scaling: an operand whose history holds no amax yet is not quantized.
+    let empty = |amax: Option<&[f32]>| g.history.is_some() && amax.is_some_and(|a| a == [0.0]);
+    let dq = |data: &[f32], cols: usize, q: Fp8Operand, amax: Option<&[f32]>| match empty(amax) {
+        true => Ok(None),
+        false => dequantized(data, cols, (q, g.scaling), amax).map(Some),
+    };
+    Ok([dq(a, a_cols, qa, a_amax)?, dq(b, b_cols, qb, b_amax)?])
 }
 
 /// `Op::Fp8Amax`: the group amaxes of one FP8 GEMM operand.

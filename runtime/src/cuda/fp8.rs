@@ -13,7 +13,14 @@
 //! the program's largest. An operand whose scale groups span ranks takes its amaxes from the
 //! op's amax input instead (`Op::Fp8Amax` on each rank's piece, `fp8_amax` too, then the
 //! plan's NCCL all-reduce max over exactly the ranks sharing them), so its scales are the
-//! single-rank run's.
+//! single-rank run's. Under delayed scaling both operands take the scale amax of their
+//! history the same way (no amax pass before quantizing); `Op::Fp8AmaxRecord` max-adds the
+//! operand's amax into the history's step slot with `fp8_amax_one` (not zeroed first) and
+//! `Op::Fp8HistoryRoll` rolls it at the step's end (`fp8_history_roll`). Not built: an empty
+//! history's operand (its scale amax 0, the first step) runs unquantized on the CPU, where
+//! this path quantizes it with scale 1, and recording the amax inside the quantize kernel
+//! (this step's quantize reads the operand once more); `parc run` refuses delayed plans on
+//! the GPU until both are done and `tests/cuda_ops/fp8.rs`' delayed tests have passed.
 //!
 //! The product is cuBLASLt's FP8 GEMM (`gemm::Blas::run_fp8`) in the one form Hopper runs,
 //! A transposed and B not, both read K-major: A is the op's second operand (W, W read along
@@ -39,7 +46,9 @@ use crate::error::{Result, RuntimeError};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::CudaSlice;
 use parc_compiler::fp8::CUDA_BLOCK;
-use parc_compiler::ir::fp8::{Along, Fp8AmaxAttrs, Fp8Format, Fp8Gemm, Fp8Scaling};
+use parc_compiler::ir::fp8::{
+    Along, Fp8AmaxAttrs, Fp8Format, Fp8Gemm, Fp8HistoryAttrs, Fp8Scaling,
+};
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::DType;
 use parc_compiler::memplan::{fp8_gemm_scratch, Fp8OperandScratch, Fp8ScaleLayout};
@@ -164,6 +173,47 @@ pub(super) fn amax(be: &mut CudaBackend, b: &Bound, a: &Fp8AmaxAttrs) -> Result<
         )));
     }
     group_amax(be, x, (rows, cols), (rb, cb), (groups, out.ptr))
+}
+
+/// `Op::Fp8AmaxRecord` (delayed scaling): the operand's largest finite |element| max-added into
+/// its history's step amax (element 0) by `fp8_amax_one`, without zeroing it first.
+pub(super) fn record(be: &mut CudaBackend, b: &Bound, a: &Fp8HistoryAttrs) -> Result<()> {
+    let (x, history) = (b.input(0)?, b.output(0)?);
+    if history.len as u64 != u64::from(a.history) + 1 {
+        return Err(b.err(format!(
+            "records into a history of {} values, not {} (the step's amax and {} steps)",
+            history.len,
+            u64::from(a.history) + 1,
+            a.history
+        )));
+    }
+    let len = x.len as u64;
+    if len == 0 {
+        return Ok(());
+    }
+    let blocks = len.div_ceil(AMAX_PIECE).clamp(1, AMAX_ONE_BLOCKS) as u32;
+    let args = [fv(x), n(x.len), Arg::Ptr(history.ptr)];
+    be.launch(
+        Kernel::Fp8AmaxOne,
+        (blocks, 1, 1),
+        (AMAX_THREADS as u32, 1, 1),
+        0,
+        &args,
+    )
+}
+
+/// `Op::Fp8HistoryRoll` (delayed scaling, at the step's end): the history rolled one step and
+/// its largest value written to the scale amax (`fp8_history_roll`).
+pub(super) fn roll(be: &mut CudaBackend, b: &Bound) -> Result<()> {
+    let (history, amax) = (b.output(0)?, b.output(1)?);
+    if history.len < 2 || amax.len != 1 {
+        return Err(b.err(format!(
+            "rolls a history of {} values into {} scale amaxes; it needs at least 2 and 1",
+            history.len, amax.len
+        )));
+    }
+    let args = [p(history), n(history.len), p(amax)];
+    be.launch(Kernel::Fp8HistoryRoll, (1, 1, 1), (1, 1, 1), 0, &args)
 }
 
 /// Quantizes `buf` as `s` lays it out (in the scratch at `base`): its groups' amaxes (or the

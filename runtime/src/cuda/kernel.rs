@@ -172,6 +172,7 @@ kernels! {
     Fp8QuantizeLines "fp8_quantize_lines",
     Fp8QuantizeCols "fp8_quantize_cols",
     Fp8Scales "fp8_scales",
+    Fp8HistoryRoll "fp8_history_roll",
 }
 
 impl std::fmt::Display for Kernel {

@@ -60,8 +60,11 @@ fn weight(buf: Buf) -> Operand {
 
 /// Run an op of the matmul family.
 pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
-    if let Op::Fp8Amax(a) = b.op {
-        return super::fp8::amax(be, b, a);
+    match b.op {
+        Op::Fp8Amax(a) => return super::fp8::amax(be, b, a),
+        Op::Fp8AmaxRecord(a) => return super::fp8::record(be, b, a),
+        Op::Fp8HistoryRoll(_) => return super::fp8::roll(be, b),
+        _ => {}
     }
     let (in_dim, out_dim) = match *b.op {
         Op::Matmul {

@@ -310,3 +310,19 @@ extern "C" __global__ void fp8_scales(const unsigned int* amax, float maxv, int 
         out[i] = 1.0f / fp8_scale(amax[fp8_group(r, c, rb, cb, gpr)], maxv);
     }
 }
+
+// Delayed scaling's step end (Op::Fp8HistoryRoll; parc_compiler::ir::fp8): history[0] is the
+// step's amax, history[1..len) the amax history, newest first. Rolls it one step (history[k+1]
+// = history[k] for k < len - 1, the oldest dropped, history[0] = 0) and writes the rolled
+// history's largest value to amax[0], the scale amax the next step's GEMMs read. One thread:
+// a history holds at most 1025 values (MAX_HISTORY + 1) and rolls once a step.
+extern "C" __global__ void fp8_history_roll(float* history, long long len, float* amax) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    float m = 0.0f;
+    for (long long k = len - 1; k > 0; --k) {
+        history[k] = history[k - 1];
+        m = fmaxf(m, history[k]);
+    }
+    history[0] = 0.0f;
+    amax[0] = m;
+}
