@@ -213,7 +213,7 @@ pub enum Op {
     /// `Activation`, and in bf16 each output is rounded once. With `swiglu` (the up projection
     /// of a SwiGLU MLP), one more input, gate `[rows, out]`, after r, and the output a
     /// `[rows, out]` = silu(gate) ⊙ y, from y's f32 value: in f32 exactly a `Matmul` followed
-    /// by a `SwiGlu(gate, y)`. `swiglu` excludes `act`, `residual` and `fp8` (E0822).
+    /// by a `SwiGlu(gate, y)`. `swiglu` excludes `bias`, `act` and `residual` (E0822).
     Matmul {
         in_dim: u64,
         out_dim: u64,
@@ -239,8 +239,8 @@ pub enum Op {
     /// in dy, w, gate `[rows, in]`, up `[rows, in]`; out, instead of dx, dgate and dup
     /// `[rows, in]` (overwritten), the product's f32 value p = dy W through `SwiGluBwd`:
     /// dgate = p · up · σ(g)(1 + g(1 − σ(g))), dup = p · silu(g), each rounded once; in f32
-    /// exactly a `MatmulBwdData` followed by a `SwiGluBwd`. `swiglu` excludes `accumulate`,
-    /// `act_grad` and `fp8` (E0822).
+    /// exactly a `MatmulBwdData` followed by a `SwiGluBwd`. `swiglu` excludes `accumulate` and
+    /// `act_grad` (E0822).
     MatmulBwdData {
         in_dim: u64,
         out_dim: u64,

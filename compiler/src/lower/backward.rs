@@ -443,16 +443,27 @@ impl Emitter<'_> {
         let w = self.weight(node, "down")?;
         let dg = self.activation_grad(node, "dg", mb, vec![rows, in_dim]);
         let du = self.activation_grad(node, "du", mb, vec![rows, in_dim]);
+        let mut ins = vec![dy, w];
+        let f8 = self.fp8_gemm(
+            (mb, node, "down"),
+            GemmLayout::BwdData,
+            &ins,
+            Phase::Backward,
+        );
+        // gate and up follow dy and W, before any FP8 amax inputs (the op table's order).
+        ins.extend([g, u]);
+        ins.extend(&f8.amax);
         let op = Op::MatmulBwdData {
             in_dim,
             out_dim,
             accumulate: false,
             act_grad: None,
             swiglu: true,
-            fp8: None,
+            fp8: f8.attr,
         };
         self.b
-            .compute(op, &[dy, w, g, u], &[dg, du], Some(node), Phase::Backward);
+            .compute(op, &ins, &[dg, du], Some(node), Phase::Backward);
+        self.fp8_done(f8);
         self.weight_backward(mb, node, dy, Some(x), ("down", None), (in_dim, out_dim));
         Some((dg, du))
     }
@@ -658,7 +669,7 @@ impl Emitter<'_> {
         // Fused (`fuses_activation`): the product is multiplied by act'(h) as it is written,
         // so it is h's gradient directly.
         let fused = self.fuses_activation(a);
-        if *a == Activation::Swiglu && self.fuses_swiglu(node, GemmLayout::BwdData) {
+        if *a == Activation::Swiglu && self.fuses_swiglu() {
             let (g, u) = (*saved.get(1)?, *saved.get(2)?);
             let dims = (hl, dim);
             let grads = self.swiglu_down_backward(mb, node, dyf, act_out, (g, u), dims, rows);

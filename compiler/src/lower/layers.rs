@@ -492,11 +492,11 @@ impl Emitter<'_> {
 
     /// Whether a SwiGLU MLP's gated product runs inside its GEMMs (`LowerOptions::
     /// fuse_epilogues`): the up projection's `Matmul { swiglu }` writes silu(g) ⊙ u beside u,
-    /// and the down projection's backward-data product (`layout` `BwdData`) writes dgate and
-    /// dup, with no `SwiGlu` / `SwiGluBwd` between. Not for an FP8 GEMM (`layout` of `node`):
-    /// the FP8 GEMMs have no such epilogue.
-    pub fn fuses_swiglu(&self, node: NodeId, layout: GemmLayout) -> bool {
-        self.fuse_epilogues && !self.fp8.is_some_and(|l| l.runs(node, layout))
+    /// and the down projection's backward-data product writes dgate and dup, with no `SwiGlu` /
+    /// `SwiGluBwd` between (an FP8 GEMM too: the backends run the gated product after it, as
+    /// for any epilogue an FP8 GEMM has, so the FP8 choice does not change the program's ops).
+    pub fn fuses_swiglu(&self) -> bool {
+        self.fuse_epilogues
     }
 
     /// The up projection of a SwiGLU MLP with its gated product (`fuses_swiglu`): `x`'s product
@@ -512,9 +512,12 @@ impl Emitter<'_> {
         let rows = self.b.shape(x).first().copied().unwrap_or(0);
         let mut ins = vec![x];
         ins.extend(self.weight(node, "up"));
-        ins.push(g);
         let u = self.activation(node, "u", mb, vec![rows, out_dim]);
         let a = self.activation(node, "a", mb, vec![rows, out_dim]);
+        let f8 = self.fp8_gemm((mb, node, "up"), GemmLayout::Fwd, &ins, self.phase);
+        // The gate follows x and W, before any FP8 amax inputs (the op table's order).
+        ins.push(g);
+        ins.extend(&f8.amax);
         let op = Op::Matmul {
             in_dim,
             out_dim,
@@ -522,9 +525,10 @@ impl Emitter<'_> {
             act: None,
             residual: false,
             swiglu: true,
-            fp8: None,
+            fp8: f8.attr,
         };
         self.b.compute(op, &ins, &[u, a], Some(node), self.phase);
+        self.fp8_done(f8);
         (u, a)
     }
 
@@ -773,7 +777,7 @@ impl Emitter<'_> {
             self.fn_act_forward(mb, node, xf, (dim, hidden_local), f, bias)?
         } else if *a == Activation::Swiglu {
             let g = self.matmul(mb, node, xf, ("gate", None), (dim, hidden_local), "g");
-            let (u, h) = if self.fuses_swiglu(node, GemmLayout::Fwd) {
+            let (u, h) = if self.fuses_swiglu() {
                 self.matmul_swiglu(mb, node, xf, g, (dim, hidden_local))
             } else {
                 let u = self.matmul(mb, node, xf, ("up", None), (dim, hidden_local), "u");

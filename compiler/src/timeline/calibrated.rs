@@ -149,7 +149,8 @@ impl<'a> ProfileCosts<'a> {
                 let dtype = GemmDtype::storage(bf16);
                 let mnk = [rows()?, *out_dim, *in_dim];
                 let epilogue = epilogue_of(op);
-                match op.fp8() {
+                let elem = buffer(outputs, 0).map_or(4, |b| b.dtype.bytes());
+                let product = match op.fp8() {
                     Some(f) if self.has_gemm(GemmDtype::Fp8(f.scaling)) => {
                         self.gemm(layout, mnk, GemmDtype::Fp8(f.scaling), epilogue)?
                     }
@@ -159,12 +160,9 @@ impl<'a> ProfileCosts<'a> {
                         self.gemm(layout, mnk, dtype, epilogue)?,
                         [buffer(inputs, 0), buffer(inputs, 1)],
                     ),
-                    None => {
-                        let elem = buffer(outputs, 0).map_or(4, |b| b.dtype.bytes());
-                        self.gemm(layout, mnk, dtype, epilogue)?
-                            + self.swiglu_apart(op, mnk, elem)?
-                    }
-                }
+                    None => self.gemm(layout, mnk, dtype, epilogue)?,
+                };
+                product + self.swiglu_apart(op, mnk, elem)?
             }
             (Table::Attention(pass), Op::Attention(a) | Op::AttentionBwd(a)) => {
                 self.attention(pass, a, op.flops(rows()? as f64, FlopCount::Model))?

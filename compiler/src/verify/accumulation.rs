@@ -7,7 +7,7 @@
 //! from before the `+=` — is the lowering's, from its holder counts; it is not visible in the
 //! IR. Also E0822: a `MatmulBwdData` with an activation gradient (`act_grad`) does not
 //! accumulate (its dx is the product times act'(pre), overwritten), and a GEMM with a SwiGLU
-//! epilogue (`swiglu`) has no other epilogue and is not FP8 (no backend's GEMM forms both).
+//! epilogue (`swiglu`) has no other epilogue (no bias, residual, activation or accumulation).
 //! And E0823: an op that
 //! overwrites its parameter gradients (`accumulate_param_grad` = false) is their first writer
 //! since their allocation (`lower::first_write::may_overwrite`): an overwrite of a gradient
@@ -74,23 +74,21 @@ fn epilogue_conflict(op: &Op) -> Option<String> {
             swiglu: true,
             act,
             residual,
-            fp8,
+            bias,
             ..
-        } if act.is_some() || residual || fp8.is_some() => Some(
-            "has a SwiGLU epilogue and also an activation, a residual or FP8 operands: \
-             a SwiGLU product takes none of them"
+        } if act.is_some() || residual || bias => Some(
+            "has a SwiGLU epilogue and also an activation, a residual or a bias: a SwiGLU \
+             product takes none of them"
                 .to_string(),
         ),
         Op::MatmulBwdData {
             swiglu: true,
             accumulate,
             act_grad,
-            fp8,
             ..
-        } if accumulate || act_grad.is_some() || fp8.is_some() => Some(
-            "has a SwiGLU-gradient epilogue and also accumulates, an activation gradient or \
-             FP8 operands: a SwiGLU-gradient product overwrites dgate and dup and takes none \
-             of them"
+        } if accumulate || act_grad.is_some() => Some(
+            "has a SwiGLU-gradient epilogue and also accumulates or an activation gradient: a \
+             SwiGLU-gradient product overwrites dgate and dup"
                 .to_string(),
         ),
         _ => None,

@@ -27,7 +27,7 @@
 //!    the same buffer as that input and as the output it becomes (E0820).
 //! 8. **Accumulation reads no input**: an output an op adds into (`Op::accumulates`) is not
 //!    also one of its inputs (E0821); a `MatmulBwdData` with `act_grad` does not accumulate,
-//!    and a GEMM with a `swiglu` epilogue has no other and no FP8 operands (E0822); an op overwriting its parameter gradients is their first writer since their
+//!    and a GEMM with a `swiglu` epilogue has no other (E0822); an op overwriting its parameter gradients is their first writer since their
 //!    allocation (E0823).
 //! 9. **FP8 scales are shared by exactly their group**: every FP8 GEMM operand's split across
 //!    ranks agrees with the plan (tp as its weight's `TpSplit`, cp on the tokens, never dp or

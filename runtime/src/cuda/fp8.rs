@@ -38,7 +38,9 @@
 //! (`activation_bwd`); a bias gradient sums the exact dy's columns (`columns::col_sum_into`).
 use super::args::{fv, n, p, Bound};
 use super::columns::col_sum_into;
-use super::epilogue::{activation_grad_in_place, residual_then_activation};
+use super::epilogue::{
+    activation_grad_in_place, residual_then_activation, swiglu_apart, swiglu_grad_in_place,
+};
 use super::gemm::{Epilogue, Fp8Operands, Gemm, Operands, Output, ScaleMode};
 use super::kernel::Kernel;
 use super::{raw_ptr, Arg, Buf, CudaBackend};
@@ -433,7 +435,15 @@ pub(super) fn run(
             ))
         })?;
     }
+    let role = |name: &str| {
+        b.optional_input(name)
+            .ok_or_else(|| b.err(&format!("has no `{name}` input")))
+    };
     match *b.op {
+        Op::Matmul { swiglu: true, .. } => swiglu_apart(be, role("gate")?, d, b.output(1)?),
+        Op::MatmulBwdData { swiglu: true, .. } => {
+            swiglu_grad_in_place(be, d, (role("gate")?, role("up")?), b.output(1)?)
+        }
         Op::Matmul {
             bias,
             act,
