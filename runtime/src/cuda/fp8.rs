@@ -437,7 +437,7 @@ pub(super) fn run(
     }
     let role = |name: &str| {
         b.optional_input(name)
-            .ok_or_else(|| b.err(&format!("has no `{name}` input")))
+            .ok_or_else(|| b.err(format!("has no `{name}` input")))
     };
     match *b.op {
         Op::Matmul { swiglu: true, .. } => swiglu_apart(be, role("gate")?, d, b.output(1)?),
