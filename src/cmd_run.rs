@@ -14,7 +14,7 @@ use parc_compiler::ir::Plan;
 use parc_compiler::spec::{DataSource, Precision, Spec};
 use parc_runtime::backend::Backend;
 use parc_runtime::cpu::CpuBackend;
-use parc_runtime::exec::train;
+use parc_runtime::exec::{train, RecordStage};
 use std::io::IsTerminal;
 use std::path::Path;
 
@@ -118,12 +118,15 @@ fn run_with<B: Backend>(
         std::io::stderr().is_terminal(),
     );
     progress.show_first_step();
-    // The metrics row first: a reader that sees a step's line finds its row in metrics.csv.
-    let on_step = |record: &parc_runtime::exec::StepRecord| {
-        if let Some(metrics) = &metrics {
-            metrics.step(record);
+    // The metrics row before the step's save and its line (`RecordStage`): a reader that
+    // sees a step's line, or a checkpoint of it, finds its row in metrics.csv.
+    let on_step = |record: &parc_runtime::exec::StepRecord| match record.stage {
+        RecordStage::BeforeSave => {
+            if let Some(metrics) = &metrics {
+                metrics.step(record);
+            }
         }
-        progress.step(record);
+        RecordStage::Complete => progress.step(record),
     };
     let result = train(spec, plan, &options, new_backend, &on_step)
         .map_err(|e| crate::run_error::describe(&e, spec, &args.file, &args.spec.set))?;

@@ -14,6 +14,7 @@ use crate::run_prepare::{backend_and_plan, exit_code};
 use crate::run_progress::{finish_report, LogFormat, Progress, Summary};
 use parc_compiler::ir::Plan;
 use parc_compiler::spec::Spec;
+use parc_runtime::exec::RecordStage;
 use parc_runtime::launch::{self, LaunchEnv, Rendezvous, RendezvousConfig};
 use std::io::IsTerminal;
 use std::time::Duration;
@@ -148,14 +149,16 @@ fn train_rank(
     if is_report {
         progress.show_first_step();
     }
-    // The metrics row first: a reader that sees a step's line finds its row in metrics.csv.
-    let on_step = |record: &parc_runtime::exec::StepRecord| {
-        if let Some(metrics) = &metrics {
-            metrics.step(record);
+    // The metrics row before the step's save and its line (`RecordStage`): a reader that
+    // sees a step's line, or a checkpoint of it, finds its row in metrics.csv.
+    let on_step = |record: &parc_runtime::exec::StepRecord| match record.stage {
+        RecordStage::BeforeSave => {
+            if let Some(metrics) = &metrics {
+                metrics.step(record);
+            }
         }
-        if is_report {
-            progress.step(record);
-        }
+        RecordStage::Complete if is_report => progress.step(record),
+        RecordStage::Complete => {}
     };
     if is_report && args.log_format == LogFormat::Human {
         eprintln!(

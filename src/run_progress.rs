@@ -621,6 +621,7 @@ mod tests {
 
     fn record(step: u64, elapsed_s: f64) -> StepRecord {
         StepRecord {
+            stage: parc_runtime::exec::RecordStage::Complete,
             step,
             loss: 2.5,
             lr: 6e-4,

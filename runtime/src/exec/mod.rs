@@ -112,9 +112,22 @@ impl TrainOptions {
     }
 }
 
+/// Which of a step's two reports a [`StepRecord`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordStage {
+    /// Before the step's checkpoint save starts (`save` not known yet): what a metrics file
+    /// records, so that no checkpoint a resume can start after lacks its step's row.
+    BeforeSave,
+    /// The step's whole record, its save included: what progress lines and the run's records
+    /// hold.
+    Complete,
+}
+
 /// What one training step did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepRecord {
+    /// Which of the step's two reports this is (`on_step` sees both, in this order).
+    pub stage: RecordStage,
     /// 0-based step index.
     pub step: u64,
     /// Mean token cross-entropy over the global batch.
@@ -389,7 +402,8 @@ struct RankOutcome {
 
 /// Train `plan` (lowered from `spec`) with one thread per rank. `new_backend` makes each
 /// rank's backend (called on that rank's thread with the rank and its kernel thread count);
-/// `on_step` sees each step's record as soon as the step ends.
+/// `on_step` sees each step's record as soon as the step ends, twice: before the step's
+/// checkpoint save (`RecordStage::BeforeSave`) and after it (`Complete`).
 pub fn train<B, F>(
     spec: &Spec,
     plan: &Plan,
@@ -697,26 +711,33 @@ impl RunContext<'_> {
             } else {
                 None
             };
-            let save = match saves.as_mut() {
+            let mut record = StepRecord {
+                stage: RecordStage::BeforeSave,
+                step,
+                loss: metrics.loss.unwrap_or(f32::NAN),
+                lr,
+                grad_norm: metrics.grad_sumsq.map_or(f32::NAN, f32::sqrt),
+                tokens,
+                tokens_per_s: tokens as f64 / seconds.max(1e-9),
+                elapsed_s: started.elapsed().as_secs_f64(),
+                loss_scale: metrics.loss_scale,
+                skipped_nonfinite: verdict == Verdict::Skipped,
+                memory_bytes: exec.reserved_bytes(),
+                val_loss,
+                saving,
+                save: None,
+            };
+            // The metrics row before the save: a kill between a synchronous save's commit and
+            // the row would leave a checkpoint whose step has no row, and a resume after it.
+            if is_report {
+                (self.on_step)(&record);
+            }
+            record.save = match saves.as_mut() {
                 Some(saves) => self.save(exec, saves, step + 1)?,
                 None => None,
             };
             if is_report {
-                let record = StepRecord {
-                    step,
-                    loss: metrics.loss.unwrap_or(f32::NAN),
-                    lr,
-                    grad_norm: metrics.grad_sumsq.map_or(f32::NAN, f32::sqrt),
-                    tokens,
-                    tokens_per_s: tokens as f64 / seconds.max(1e-9),
-                    elapsed_s: started.elapsed().as_secs_f64(),
-                    loss_scale: metrics.loss_scale,
-                    skipped_nonfinite: verdict == Verdict::Skipped,
-                    memory_bytes: exec.reserved_bytes(),
-                    val_loss,
-                    saving,
-                    save,
-                };
+                record.stage = RecordStage::Complete;
                 (self.on_step)(&record);
                 records.push(record);
             }
