@@ -359,3 +359,49 @@ fn delayed_fp8_histories_reshard_by_name_and_start_cold_without_them() {
         a.loss
     );
 }
+
+/// Each step's record reaches `on_step` twice: before the step's checkpoint save
+/// (`RecordStage::BeforeSave`, what a metrics file writes) and after it (`Complete`, with the
+/// save). With synchronous saves the checkpoint of a step is not yet on disk at its first
+/// report and is at its second, so a metrics row always precedes the checkpoint a resume
+/// starts after.
+#[test]
+fn a_steps_first_report_precedes_its_checkpoint() {
+    use parc_runtime::exec::{RecordStage, StepRecord};
+    use std::sync::Mutex;
+    let dir = temp_dir("record-stages");
+    let mut s = with_checkpoints(PlanChoice::default(), &dir);
+    if let Some(c) = s.train.checkpoint.as_mut() {
+        c.asynchronous = false;
+    }
+    let plan = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
+    let mut options = TrainOptions::new(".");
+    options.threads_per_rank = Some(1);
+    let seen = Mutex::new(Vec::new());
+    let on_step = |r: &StepRecord| {
+        let saved = dir.join(format!("step-{:08}", r.step + 1)).exists();
+        seen.lock()
+            .unwrap()
+            .push((r.step, r.stage, saved, r.save.is_some()));
+    };
+    let backend = |_, threads| parc_runtime::cpu::CpuBackend::with_threads(threads);
+    let result = parc_runtime::exec::train(&s, &plan, &options, backend, &on_step).unwrap();
+    let seen = seen.into_inner().unwrap();
+    assert_eq!(seen.len(), 2 * result.records.len(), "{seen:?}");
+    for pair in seen.chunks(2) {
+        let [(step, first, saved_before, _), (step2, second, saved_after, save)] = pair else {
+            panic!("{seen:?}");
+        };
+        assert_eq!(
+            (step, first, second),
+            (step2, &RecordStage::BeforeSave, &RecordStage::Complete)
+        );
+        assert!(
+            !saved_before,
+            "step {step}: checkpoint before its first report"
+        );
+        // Checkpoints after steps 2, 4 and 6 (every 2; `keep` 2 leaves the newest on disk).
+        let due = (step + 1) % 2 == 0;
+        assert_eq!((*saved_after, *save), (due, due), "step {step}");
+    }
+}
