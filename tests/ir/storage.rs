@@ -80,8 +80,10 @@ fn activations_are_bf16_and_everything_else_f32() {
     }
 }
 
-#[test]
-fn bf16_plans_verify_over_the_plan_matrix() {
+/// Every plan of a small matrix (dp, pp, cp, tp, ZeRO, schedule, recompute, SP), GPT-2 and
+/// Llama, lowered in bf16 (its residual stream f32 where `fp32_residual`) and verified: operand,
+/// collective and transfer types agree everywhere, and every program stores bf16.
+fn assert_bf16_plans_verify(fp32_residual: bool) {
     for (dp, pp, cp, tp, zero, schedule, recompute, sp) in [
         (
             2,
@@ -122,17 +124,20 @@ fn bf16_plans_verify_over_the_plan_matrix() {
                 sp,
                 ..PlanChoice::mesh(dp, pp, cp, tp, zero)
             };
-            let plan = bf16_plan(
-                TinyModel {
-                    layers: 4,
-                    llama,
-                    tied: !llama,
-                },
-                choice,
-            );
+            let m = TinyModel {
+                layers: 4,
+                llama,
+                tied: !llama,
+            };
+            let plan = bf16_plan_with(m, choice, fp32_residual);
             assert!(plan.programs.iter().all(|p| p.uses_bf16()));
         }
     }
+}
+
+#[test]
+fn bf16_plans_verify_over_the_plan_matrix() {
+    assert_bf16_plans_verify(false);
 }
 
 #[test]
@@ -174,45 +179,7 @@ fn an_fp32_residual_keeps_the_stream_and_its_gradient_f32_and_nothing_else() {
 fn fp32_residual_plans_verify_over_the_plan_matrix() {
     // The verifier checks transfer types: a stage's stream goes to the next stage f32 and its
     // gradient comes back f32, and collectives keep one type on both sides.
-    for (dp, pp, cp, tp, zero, schedule, recompute, sp) in [
-        (
-            2,
-            2,
-            2,
-            2,
-            ZeroStage::Zero3,
-            PipelineSchedule::OneFOneB,
-            Recompute::None,
-            false,
-        ),
-        (
-            1,
-            2,
-            2,
-            2,
-            ZeroStage::Zero2,
-            PipelineSchedule::Interleaved { virtual_stages: 2 },
-            Recompute::Full,
-            true,
-        ),
-    ] {
-        for llama in [false, true] {
-            let choice = PlanChoice {
-                schedule,
-                microbatches: 4,
-                recompute: recompute.clone(),
-                sp,
-                ..PlanChoice::mesh(dp, pp, cp, tp, zero)
-            };
-            let m = TinyModel {
-                layers: 4,
-                llama,
-                tied: !llama,
-            };
-            let plan = bf16_plan_with(m, choice, true);
-            assert!(plan.programs.iter().all(|p| p.uses_bf16()));
-        }
-    }
+    assert_bf16_plans_verify(true);
 }
 
 #[test]
