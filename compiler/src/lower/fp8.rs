@@ -124,17 +124,8 @@ impl Emitter<'_> {
         };
         let of = quantized(gemm, attr);
         if let Some(h) = attr.history {
-            let amax = self.delayed_amax((node, w), (gemm, h), operands, phase);
-            let shared = attr.shared(of);
-            for (i, axes) in shared.into_iter().enumerate() {
-                let found = self
-                    .fp8_histories
-                    .iter_mut()
-                    .find(|x| x.node == node && x.weight == w && x.gemm == gemm && x.operand == i);
-                if let Some(x) = found {
-                    x.shared = Some(axes);
-                }
-            }
+            let [sa, sb] = attr.shared(of);
+            let amax = self.delayed_amax((node, w), (gemm, h), [(a, sa), (b, sb)], phase);
             return Fp8Emitted {
                 attr: Some(attr),
                 amax,
@@ -157,21 +148,25 @@ impl Emitter<'_> {
 
     /// The scale amaxes a delayed-scaling GEMM `gemm` (history length `h`) of `node`'s weight
     /// `w` reads for its `operands`, each recorded into its history first in a training forward
-    /// or backward (not in a recompute, nor in evaluation); a lowering error where `node` has
-    /// no declared history for one.
+    /// or backward (not in a recompute, nor in evaluation), and each history told the axes its
+    /// operand's scale groups span (reduced over at the step's end, [`Emitter::fp8_roll`]); a
+    /// lowering error where `node` has no declared history for one.
     fn delayed_amax(
         &mut self,
         (node, w): (NodeId, &str),
         (gemm, h): (GemmLayout, u32),
-        operands: [BufferId; 2],
+        operands: [(BufferId, Axes); 2],
         phase: Phase,
     ) -> Vec<BufferId> {
         let record = !self.evaluating && phase != Phase::Recompute;
         let mut amax = Vec::new();
-        for (i, buf) in operands.into_iter().enumerate() {
-            let found = (self.fp8_histories.iter())
+        for (i, (buf, axes)) in operands.into_iter().enumerate() {
+            let found = (self.fp8_histories.iter_mut())
                 .find(|x| x.node == node && x.weight == w && x.gemm == gemm && x.operand == i);
-            let Some((history, scale)) = found.map(|x| (x.history, x.amax)) else {
+            let Some((history, scale)) = found.map(|x| {
+                x.shared = Some(axes);
+                (x.history, x.amax)
+            }) else {
                 let msg = format!(
                     "internal lowering error: no FP8 amax history was declared for operand {i} of `{}`'s {} GEMM of `{w}`",
                     self.node_name(node),
