@@ -192,23 +192,28 @@ pub(crate) fn swiglu(gate: &[f32], up: &[f32], y: &mut [f32]) {
     map2(y, gate, up, |g, u| g * sigmoid(g) * u);
 }
 
-/// `dgate = dy · up · σ(g)(1 + g(1 − σ(g)))`, `dup = dy · silu(g)`.
+/// SwiGLU's gate gradient of one element: `dy · up · σ(g)(1 + g(1 − σ(g)))`.
+fn swiglu_dgate(dy: f32, g: f32, u: f32) -> f32 {
+    let s = sigmoid(g);
+    dy * u * s * (1.0 + g * (1.0 - s))
+}
+
+/// SwiGLU's up gradient of one element: `dy · silu(g)`.
+fn swiglu_dup(dy: f32, g: f32) -> f32 {
+    dy * g * sigmoid(g)
+}
+
+/// `dgate` and `dup` of each element ([`swiglu_dgate`], [`swiglu_dup`]).
 pub(crate) fn swiglu_bwd(dy: &[f32], gate: &[f32], up: &[f32], dgate: &mut [f32], dup: &mut [f32]) {
-    map3(dgate, dy, gate, up, |dy, g, u| {
-        let s = sigmoid(g);
-        dy * u * s * (1.0 + g * (1.0 - s))
-    });
-    map2(dup, dy, gate, |dy, g| dy * g * sigmoid(g));
+    map3(dgate, dy, gate, up, swiglu_dgate);
+    map2(dup, dy, gate, swiglu_dup);
 }
 
 /// [`swiglu_bwd`] with dy held in `dgate`, which it becomes: the same expressions, per element,
 /// on the same values.
 pub(crate) fn swiglu_bwd_in_place(dgate: &mut [f32], gate: &[f32], up: &[f32], dup: &mut [f32]) {
-    map2(dup, dgate, gate, |dy, g| dy * g * sigmoid(g));
-    update2(dgate, gate, up, |dy, g, u| {
-        let s = sigmoid(g);
-        dy * u * s * (1.0 + g * (1.0 - s))
-    });
+    map2(dup, dgate, gate, swiglu_dup);
+    update2(dgate, gate, up, swiglu_dgate);
 }
 
 pub(crate) fn add(a: &[f32], b: &[f32], y: &mut [f32]) {
