@@ -74,16 +74,14 @@ pub(super) fn assign(program: &mut Program, precision: Precision, keep_f32: &[Bu
                 && matches!(b.kind, BufferKind::Activation | BufferKind::ActivationGrad)
         })
         .collect();
-    for id in keep_f32 {
-        if let Some(e) = eligible.get_mut(id.0 as usize) {
-            *e = false;
-        }
-    }
     let exclude = |id: BufferId, eligible: &mut Vec<bool>| {
         if let Some(e) = eligible.get_mut(id.0 as usize) {
             *e = false;
         }
     };
+    for &id in keep_f32 {
+        exclude(id, &mut eligible);
+    }
     let mut collectives = Vec::new();
     for instr in &program.instrs {
         match instr {
