@@ -132,15 +132,7 @@ fn group_amax(
     let threads = AMAX_THREADS as u32;
     if groups == 1 {
         // One group (tensorwise): the whole operand, read as 16-byte vectors.
-        let blocks = (rows * cols).div_ceil(AMAX_PIECE).clamp(1, AMAX_ONE_BLOCKS) as u32;
-        let args = [fv(buf), u(rows * cols), Arg::Ptr(out)];
-        return be.launch(
-            Kernel::Fp8AmaxOne,
-            (blocks, 1, 1),
-            (threads, 1, 1),
-            0,
-            &args,
-        );
+        return max_into_one(be, buf, rows * cols, out);
     }
     let pieces = (rb * cb).div_ceil(AMAX_PIECE);
     let items = groups * pieces;
@@ -189,19 +181,19 @@ pub(super) fn record(be: &mut CudaBackend, b: &Bound, a: &Fp8HistoryAttrs) -> Re
             a.history
         )));
     }
-    let len = x.len as u64;
-    if len == 0 {
+    if x.len == 0 {
         return Ok(());
     }
+    max_into_one(be, x, x.len as u64, history.ptr)
+}
+
+/// The largest finite |element| of the first `len` (not 0) elements of `buf` max-added into
+/// the one f32 at `out` (`fp8_amax_one`, 16-byte vectors; `out` is not zeroed here).
+fn max_into_one(be: &mut CudaBackend, buf: Buf, len: u64, out: CUdeviceptr) -> Result<()> {
     let blocks = len.div_ceil(AMAX_PIECE).clamp(1, AMAX_ONE_BLOCKS) as u32;
-    let args = [fv(x), n(x.len), Arg::Ptr(history.ptr)];
-    be.launch(
-        Kernel::Fp8AmaxOne,
-        (blocks, 1, 1),
-        (AMAX_THREADS as u32, 1, 1),
-        0,
-        &args,
-    )
+    let args = [fv(buf), n(len as usize), Arg::Ptr(out)];
+    let threads = (AMAX_THREADS as u32, 1, 1);
+    be.launch(Kernel::Fp8AmaxOne, (blocks, 1, 1), threads, 0, &args)
 }
 
 /// `Op::Fp8HistoryRoll` (delayed scaling, at the step's end): the history rolled one step and
