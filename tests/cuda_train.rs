@@ -193,15 +193,17 @@ fn bf16_storage_matches_cpu_bf16(name: &str, llama: bool) {
 /// cuBLASLt FP8 GEMMs against the CPU's exact emulation, both bf16 runs: within the bf16
 /// storage runs' tolerances (the GPU also rounds GEMM weights to bf16 before taking their amax,
 /// the CPU does not, so an element can land on the other side of an FP8 rounding boundary), and
-/// visibly apart from the same run without FP8 (FP8 rounding took place).
-fn tensorwise_fp8_matches_cpu_emulation(name: &str, llama: bool) {
+/// visibly apart from the same run without FP8 (FP8 rounding took place). With `history`
+/// (delayed scaling), the first step's histories are empty, so it runs unquantized: its loss
+/// is the bf16 run's.
+fn tensorwise_fp8_matches_cpu_emulation(name: &str, llama: bool, history: Option<u32>) {
     let mut s = model_spec(llama, 6);
     s.train.precision = Precision::Bf16;
     let mut fp8 = s.clone();
     fp8.train.fp8 = Some(Fp8 {
         scaling: Fp8Scaling::Tensorwise,
         grad: Fp8Format::E5m2,
-        history: None,
+        history,
         keep_bf16: Vec::new(),
         force_fp8: vec!["Attention".into(), "MLP".into()],
         span: Default::default(),
@@ -223,16 +225,32 @@ fn tensorwise_fp8_matches_cpu_emulation(name: &str, llama: bool) {
         .map(|(f, b)| (f.loss - b.loss).abs() / b.loss.abs())
         .fold(0.0f32, f32::max);
     assert!(apart > 1e-5, "{name}: FP8 equals bf16 to {apart:.1e}");
+    if history.is_some() {
+        let (first, plain) = (&cuda.records[0], &bf16.records[0]);
+        assert!(
+            (first.loss - plain.loss).abs() <= 1e-6 * plain.loss.abs(),
+            "{name}: the first (unquantized) step's loss {} is not the bf16 run's {}",
+            first.loss,
+            plain.loss
+        );
+    }
 }
 
 #[test]
 fn gpt_style_tensorwise_fp8_matches_cpu_emulation() {
-    tensorwise_fp8_matches_cpu_emulation("gpt_fp8_tensorwise", false);
+    tensorwise_fp8_matches_cpu_emulation("gpt_fp8_tensorwise", false, None);
 }
 
 #[test]
 fn llama_style_tensorwise_fp8_matches_cpu_emulation() {
-    tensorwise_fp8_matches_cpu_emulation("llama_fp8_tensorwise", true);
+    tensorwise_fp8_matches_cpu_emulation("llama_fp8_tensorwise", true, None);
+}
+
+/// Delayed scaling (history 4) on the GPU: the first step unquantized, then each operand
+/// scaled by its history, as the CPU emulates it.
+#[test]
+fn llama_style_delayed_fp8_matches_cpu_emulation() {
+    tensorwise_fp8_matches_cpu_emulation("llama_fp8_delayed", true, Some(4));
 }
 
 fn fp16_dynamic(init: f64, window: u32, min: f64) -> Precision {

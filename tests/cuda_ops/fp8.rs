@@ -14,7 +14,7 @@
 //! than 128 is an error that names what is supported; rowwise, which cuBLASLt's algorithm search
 //! refuses on Hopper (`CUBLAS_STATUS_INVALID_VALUE` for outer-vector scales, H200 and H100,
 //! 2026-12-05), is an error naming the GEMM and the scaling, not a wrong result.
-use crate::harness::{check_with, gpu, Case, Data, Rng, BF16_STORED, SCALARS};
+use crate::harness::{check_with, gpu, Case, Data, Rng, BF16_STORED, REDUCTION, SCALARS};
 use parc_compiler::ir::fp8::{Fp8Format, Fp8Gemm, Fp8Scaling};
 use parc_compiler::ir::op::{Act, Op};
 use parc_compiler::ir::{BufferId, DType};
@@ -316,12 +316,12 @@ fn rowwise_is_refused_with_its_reason() {
     }
 }
 
-/// Delayed scaling (`ir::fp8`; not yet run on a GPU, which is why `parc run` refuses delayed
-/// plans there): recording an operand's amax into its history's step slot (below and above
+/// Delayed scaling (`ir::fp8`): recording an operand's amax into its history's step slot (below and above
 /// the slot's value, and past a NaN and an infinity, which never raise it), rolling a history,
 /// and the three GEMMs reading their operands' scale amaxes from their histories (larger
-/// than the operands' own amaxes, as after a step whose values were larger), against the CPU
-/// backend, exactly (the records and rolls) and within `FP8_GEMM` (the GEMMs).
+/// than the operands' own amaxes, as after a step whose values were larger, or 0: an empty
+/// history), against the CPU backend, exactly (the records and rolls) and within `FP8_GEMM`
+/// (the GEMMs; the plain f32 GEMM's `REDUCTION` where a history is empty).
 #[test]
 fn delayed_scaling_ops_match_the_cpu_emulation() {
     use parc_compiler::ir::fp8::Fp8HistoryAttrs;
@@ -423,9 +423,27 @@ fn delayed_scaling_ops_match_the_cpu_emulation() {
             accumulate_param_grad: false,
             fp8,
         },
-        vec![dy, x, amax(5e-3), amax(4.0)],
+        vec![dy, x.clone(), amax(5e-3), amax(4.0)],
         vec![r.vec(m * k, 1e-2)],
         FP8_GEMM,
+    ));
+    // An empty history (its scale amax 0, the first step) leaves the whole GEMM unquantized on
+    // both backends: the plain f32 product, within the f32 GEMMs' tolerance, which a GEMM that
+    // quantized either operand misses by an order of magnitude.
+    cases.push(Case::new(
+        "delayed fp8 matmul, W's history empty",
+        Op::Matmul {
+            in_dim: i,
+            out_dim: o,
+            bias: false,
+            act: None,
+            residual: false,
+            swiglu: false,
+            fp8,
+        },
+        vec![x, Data::F32(r.vec(m * k, 0.1)), amax(4.0), amax(0.0)],
+        vec![r.vec(rows * m, 1.0)],
+        REDUCTION,
     ));
     check_with(
         "delayed_scaling_ops_match_the_cpu_emulation",

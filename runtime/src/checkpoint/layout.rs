@@ -67,7 +67,7 @@ pub struct Piece {
     /// metric, which every step zeroes and which a re-sharded load leaves zero, and for a
     /// delayed-scaling FP8 amax history (`BufferKind::Fp8History`), replicated on every rank
     /// of its stage: a re-sharded load copies it whole from the old shard holding that name,
-    /// or leaves it zero where none does (a cold start: its operand's next GEMM runs
+    /// or leaves it zero where none does (a cold start: the next GEMM reading it runs
     /// unquantized, as on a run's first step).
     pub param: Option<String>,
     pub role: Option<Role>,

@@ -133,8 +133,8 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs, threads: Threads) -
 
 /// With `fp8` set, the GEMM's two operands (each with its number of columns) quantized and
 /// dequantized as `ir::fp8` defines, each from its reduced group amaxes or its delayed scale
-/// amax where the op takes them (`amax`), else from its own (`None`s without `fp8`, and for an
-/// operand whose delayed scale amax is 0: the operand is used as it is).
+/// amax where the op takes them (`amax`), else from its own (`None`s without `fp8`, and for a
+/// delayed GEMM either of whose scale amaxes is 0: both operands are used as they are).
 fn quantized(
     fp8: Option<Fp8Gemm>,
     operands: fn(Fp8Gemm) -> [Fp8Operand; 2],
@@ -144,14 +144,17 @@ fn quantized(
     let Some(g) = fp8 else {
         return Ok([None, None]);
     };
+    // Delayed scaling: a GEMM one of whose operands' histories holds no amax yet (its scale
+    // amax is 0) quantizes neither operand: it runs at the operands' stored precision.
+    let empty = |amax: Option<&[f32]>| amax.is_some_and(|a| a == [0.0]);
+    if g.history.is_some() && (empty(a_amax) || empty(b_amax)) {
+        return Ok([None, None]);
+    }
     let [qa, qb] = operands(g);
-    // Delayed scaling: an operand whose history holds no amax yet is not quantized.
-    let empty = |amax: Option<&[f32]>| g.history.is_some() && amax.is_some_and(|a| a == [0.0]);
-    let dq = |data: &[f32], cols: usize, q: Fp8Operand, amax: Option<&[f32]>| match empty(amax) {
-        true => Ok(None),
-        false => dequantized(data, cols, (q, g.scaling), amax).map(Some),
-    };
-    Ok([dq(a, a_cols, qa, a_amax)?, dq(b, b_cols, qb, b_amax)?])
+    Ok([
+        Some(dequantized(a, a_cols, (qa, g.scaling), a_amax)?),
+        Some(dequantized(b, b_cols, (qb, g.scaling), b_amax)?),
+    ])
 }
 
 /// `Op::Fp8Amax`: the group amaxes of one FP8 GEMM operand.
@@ -258,4 +261,37 @@ pub(crate) fn matmul_bwd_weight(
         accumulate_column_sums(db, dy);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use parc_compiler::ir::fp8::{Fp8Format, Fp8Scaling};
+
+    fn gemm(history: Option<u32>) -> Fp8Gemm {
+        Fp8Gemm {
+            scaling: Fp8Scaling::Tensorwise,
+            grad: Fp8Format::E5m2,
+            split: Default::default(),
+            history,
+        }
+    }
+
+    #[test]
+    fn a_delayed_gemm_with_an_empty_history_quantizes_neither_operand() {
+        let (x, w) = ([0.3f32, -1.7, 2.2, 0.01], [1.1f32, 0.07, -0.6, 3.3]);
+        let ops = [(&x[..], 2), (&w[..], 2)];
+        let run = |g, amax: [f32; 2]| {
+            let [a, b] = amax.map(|v| vec![v]);
+            quantized(Some(g), operands::forward, ops, [Some(&a), Some(&b)]).unwrap()
+        };
+        // Either history empty: both operands as they are.
+        assert_eq!(run(gemm(Some(4)), [4.0, 0.0]), [None, None]);
+        assert_eq!(run(gemm(Some(4)), [0.0, 4.0]), [None, None]);
+        // Both recorded: both quantized (0.01 is not an E4M3 value at x's scale).
+        let [xq, wq] = run(gemm(Some(4)), [4.0, 4.0]);
+        assert!(xq.is_some_and(|q| q[3] != x[3]) && wq.is_some());
+        // Current scaling's reduced amax of 0 (an operand of zeros) is no history: quantized.
+        assert!(run(gemm(None), [0.0, 4.0]).iter().all(Option::is_some));
+    }
 }

@@ -16,11 +16,11 @@
 //! single-rank run's. Under delayed scaling both operands take the scale amax of their
 //! history the same way (no amax pass before quantizing); `Op::Fp8AmaxRecord` max-adds the
 //! operand's amax into the history's step slot with `fp8_amax_one` (not zeroed first) and
-//! `Op::Fp8HistoryRoll` rolls it at the step's end (`fp8_history_roll`). Not built: an empty
-//! history's operand (its scale amax 0, the first step) runs unquantized on the CPU, where
-//! this path quantizes it with scale 1, and recording the amax inside the quantize kernel
-//! (this step's quantize reads the operand once more); `parc run` refuses delayed plans on
-//! the GPU until both are done and `tests/cuda_ops/fp8.rs`' delayed tests have passed.
+//! `Op::Fp8HistoryRoll` rolls it at the step's end (`fp8_history_roll`) and queues a copy of
+//! the new scale amax to the host (`scale_amax`): a delayed GEMM either of whose scale amaxes
+//! is 0 (an empty history: the first step) runs as the plain GEMM instead (`delayed_cold`),
+//! as on the CPU. Not built: recording the amax inside the quantize kernel (the record is its
+//! own pass over the operand).
 //!
 //! The product is cuBLASLt's FP8 GEMM (`gemm::Blas::run_fp8`) in the one form Hopper runs,
 //! A transposed and B not, both read K-major: A is the op's second operand (W, W read along
@@ -207,7 +207,26 @@ pub(super) fn roll(be: &mut CudaBackend, b: &Bound) -> Result<()> {
         )));
     }
     let args = [p(history), n(history.len), p(amax)];
-    be.launch(Kernel::Fp8HistoryRoll, (1, 1, 1), (1, 1, 1), 0, &args)
+    be.launch(Kernel::Fp8HistoryRoll, (1, 1, 1), (1, 1, 1), 0, &args)?;
+    let (ctx, stream) = (be.ctx.clone(), be.stream.clone());
+    be.scale_amaxes.copy_after_roll(&ctx, &stream, amax)
+}
+
+/// Whether delayed-scaling GEMM `b` runs unquantized this step: either operand's history is
+/// empty (its scale amax 0), as on the CPU (`cpu/linear.rs`). False under current scaling.
+pub(super) fn delayed_cold(be: &mut CudaBackend, b: &Bound, fp8: Fp8Gemm) -> Result<bool> {
+    if fp8.history.is_none() {
+        return Ok(false);
+    }
+    for role in amax_roles(b.op) {
+        if let Some(amax) = b.optional_input(role) {
+            let stream = be.stream.clone();
+            if be.scale_amaxes.value(&stream, amax)? == 0.0 {
+                return Ok(true);
+            }
+        }
+    }
+    Ok(false)
 }
 
 /// Quantizes `buf` as `s` lays it out (in the scratch at `base`): its groups' amaxes (or the

@@ -105,8 +105,11 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
              verifier rejects it, E0822)",
         ));
     }
+    // A delayed-scaling GEMM with an empty history runs as the plain GEMM below.
     if let Some(fp8) = b.op.fp8() {
-        return super::fp8::run(be, b, fp8, dims);
+        if !super::fp8::delayed_cold(be, b, fp8)? {
+            return super::fp8::run(be, b, fp8, dims);
+        }
     }
     match *b.op {
         Op::Matmul {

@@ -75,6 +75,7 @@ mod matmul;
 mod nccl;
 mod norm;
 mod optimizer;
+mod scale_amax;
 mod snapshot;
 mod staging;
 mod storage;
@@ -199,6 +200,9 @@ pub struct CudaBackend {
     /// Page-locked slots of small host writes (`staging`); before the buffers, so a pending
     /// copy completes before its destination is freed.
     staging: staging::Staging,
+    /// Delayed FP8 scaling's scale amaxes as the host sees them (`scale_amax`); before the
+    /// buffers, so pending copies complete before their sources are freed.
+    scale_amaxes: scale_amax::ScaleAmaxes,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     kernels: Kernels,
@@ -306,6 +310,7 @@ impl CudaBackend {
             _workspace: workspace,
             nccl: None,
             staging: staging::Staging::default(),
+            scale_amaxes: scale_amax::ScaleAmaxes::default(),
         })
     }
 
@@ -499,6 +504,7 @@ impl CudaBackend {
 
     fn write<T>(&mut self, id: BufferId, dtype: DType, data: &[T]) -> Result<()> {
         self.gemm_buffer_written(id);
+        self.scale_amaxes.written(id);
         if self.comm_uses(id) {
             self.drain_comm()?;
         }
@@ -617,6 +623,7 @@ impl Backend for CudaBackend {
             })
             .ok_or_else(|| buffer_error(id, format!("shape {shape:?} is too large")))?;
         self.fused.check_alloc(id)?;
+        self.scale_amaxes.written(id);
         let index = id.0 as usize;
         if self.slots.get(index).is_some_and(Option::is_some) {
             return Err(buffer_error(id, "is already allocated"));
@@ -662,6 +669,7 @@ impl Backend for CudaBackend {
 
     fn free(&mut self, id: BufferId) -> Result<()> {
         self.gemm_buffer_freed(id);
+        self.scale_amaxes.written(id);
         // Communication still using the buffer must finish before its bytes are reused.
         self.order_after_comm([id])?;
         match self.slots.get_mut(id.0 as usize).and_then(Option::take) {
@@ -681,6 +689,9 @@ impl Backend for CudaBackend {
         scalars: &StepScalars,
     ) -> Result<()> {
         self.gemm_before_compute(op, inputs, outputs);
+        for &id in outputs {
+            self.scale_amaxes.written(id);
+        }
         if self.fused_sum_squares(op, inputs, outputs)? {
             return Ok(());
         }
@@ -795,6 +806,7 @@ impl Backend for CudaBackend {
         output: BufferId,
     ) -> Option<Result<()>> {
         self.gemm_comm_writes(&[input, output]);
+        self.scale_amaxes.written(output);
         self.nccl.as_ref()?;
         Some(self.nccl_collective(kind, group, input, output))
     }
@@ -809,6 +821,9 @@ impl Backend for CudaBackend {
             })
             .collect();
         self.gemm_comm_writes(&buffers);
+        for &id in &buffers {
+            self.scale_amaxes.written(id);
+        }
         self.nccl.as_ref()?;
         Some(self.nccl_p2p(transfers))
     }

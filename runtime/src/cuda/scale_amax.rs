@@ -1,0 +1,292 @@
+//! Delayed FP8 scaling's scale amaxes as the host sees them. A delayed GEMM either of whose
+//! operands' histories is empty (its scale amax 0: the first step, or a history started cold)
+//! quantizes neither operand and runs at their stored precision, as the CPU backend does
+//! (`cpu/linear.rs`); which of the two GEMMs to queue is the host's choice, so the host must know
+//! the scale amax first.
+//!
+//! `Fp8HistoryRoll`, the op that writes a scale amax during training (at a step's end), is
+//! followed by an asynchronous copy of the new value into a page-locked slot of its own and an
+//! event. A GEMM that reads a copied value waits for that event once (by the next step's first
+//! FP8 GEMM the previous step's end has run or nearly), then reads every slot copied so far. A
+//! scale amax that no roll has copied since it was last written otherwise (allocated, written
+//! from the host as a checkpoint loads, written by another op or by communication) is read
+//! synchronously, once: every history on a run's first step, after a load.
+//!
+//! [`Slots`] is the bookkeeping without the device (which slot a buffer has, what its value's
+//! state is), tested below; [`ScaleAmaxes`] adds the page-locked memory and the event.
+use super::device::driver_error;
+use super::Buf;
+use crate::error::{Result, RuntimeError};
+use cudarc::driver::result as cu;
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, PinnedHostSlice};
+use parc_compiler::ir::{BufferId, DType};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// The fewest slots allocated; the memory doubles when a roll needs one more.
+const MIN_SLOTS: usize = 256;
+
+/// Where a scale amax's value is.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum State {
+    /// In its slot, copied and waited for.
+    Ready,
+    /// Being copied into its slot (the event has not been waited for since).
+    Copying,
+}
+
+/// How the host gets a scale amax's value.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Need {
+    /// Read slot `.0`.
+    Read(usize),
+    /// Wait for the copies in flight, then read slot `.0`.
+    Wait(usize),
+    /// No copy holds its current value: read the device buffer.
+    Device,
+}
+
+/// Which slot each rolled scale amax has and the state of its value (no device state).
+#[derive(Debug, Default)]
+struct Slots {
+    index: HashMap<BufferId, usize>,
+    /// Per buffer with a slot: its state, None once written since its last copy.
+    state: HashMap<BufferId, State>,
+    capacity: usize,
+}
+
+impl Slots {
+    /// A roll's copy into `id`'s slot is about to be queued: the slot, and the capacity to grow
+    /// the memory to first where it has no room for a new one.
+    fn copying(&mut self, id: BufferId) -> (usize, Option<usize>) {
+        let next = self.index.len();
+        let slot = *self.index.entry(id).or_insert(next);
+        let grow = (slot >= self.capacity).then(|| (2 * self.capacity).max(MIN_SLOTS));
+        if let Some(capacity) = grow {
+            self.capacity = capacity;
+        }
+        self.state.insert(id, State::Copying);
+        (slot, grow)
+    }
+
+    /// Buffer `id` is written by something other than a roll's copy.
+    fn written(&mut self, id: BufferId) {
+        self.state.remove(&id);
+    }
+
+    fn need(&self, id: BufferId) -> Need {
+        match (self.state.get(&id), self.index.get(&id)) {
+            (Some(State::Ready), Some(&slot)) => Need::Read(slot),
+            (Some(State::Copying), Some(&slot)) => Need::Wait(slot),
+            _ => Need::Device,
+        }
+    }
+
+    /// The copies in flight have completed.
+    fn waited(&mut self) {
+        for state in self.state.values_mut() {
+            *state = State::Ready;
+        }
+    }
+
+    /// Whether a copy may be in flight.
+    fn copying_any(&self) -> bool {
+        self.state.values().any(|&s| s == State::Copying)
+    }
+}
+
+/// The host's view of the scale amaxes (see the module docs).
+#[derive(Default)]
+pub(super) struct ScaleAmaxes {
+    slots: Slots,
+    memory: Option<PinnedHostSlice<f32>>,
+    /// Recorded after the latest copy queued.
+    copied: Option<CudaEvent>,
+}
+
+impl Drop for ScaleAmaxes {
+    /// The memory is freed only after the copies into it have completed.
+    fn drop(&mut self) {
+        if let Some(event) = &self.copied {
+            // Nothing to report to in a drop; a failed wait means the context is already gone.
+            let _ = event.synchronize();
+        }
+    }
+}
+
+impl ScaleAmaxes {
+    /// Buffer `id` is about to be written (by an op, from the host or by communication),
+    /// allocated or freed: its copied value, if any, is no longer its value.
+    pub fn written(&mut self, id: BufferId) {
+        self.slots.written(id);
+    }
+
+    /// Queues a copy of scale amax `amax` (one f32, just written by a roll on `stream`) into its
+    /// slot.
+    pub fn copy_after_roll(
+        &mut self,
+        ctx: &Arc<CudaContext>,
+        stream: &CudaStream,
+        amax: Buf,
+    ) -> Result<()> {
+        if amax.len != 1 || amax.dtype != DType::F32 {
+            return Err(RuntimeError::Buffer {
+                id: amax.id.0,
+                what: format!(
+                    "is a scale amax of {} {:?} values; one f32 expected",
+                    amax.len, amax.dtype
+                ),
+            });
+        }
+        let (slot, grow) = self.slots.copying(amax.id);
+        if let Some(capacity) = grow {
+            self.grow(ctx, capacity)?;
+        }
+        let event = match self.copied.take() {
+            Some(event) => event,
+            None => ctx
+                .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                .map_err(|e| driver_error("creating the scale amaxes' copy event", e))?,
+        };
+        let event = self.copied.insert(event);
+        let memory = self.memory.as_mut().ok_or_else(|| RuntimeError::Op {
+            op: "Fp8HistoryRoll".into(),
+            what: "no page-locked memory for the scale amaxes".into(),
+        })?;
+        let host = memory
+            .as_mut_slice()
+            .map_err(|e| driver_error("mapping the scale amaxes' slots", e))?;
+        // SAFETY: slot < capacity (grown above); amax holds one f32 (checked above); the
+        // page-locked memory lives until the event recorded next has fired (Drop, grow).
+        unsafe { cu::memcpy_dtoh_async(&mut host[slot..=slot], amax.ptr, stream.cu_stream()) }
+            .map_err(|e| driver_error("queuing a scale amax's copy to the host", e))?;
+        event
+            .record(stream)
+            .map_err(|e| driver_error("recording the scale amaxes' copy event", e))
+    }
+
+    /// The value of scale amax `amax`: from its slot (waiting for the copies in flight first
+    /// where they hold it), else read from the device after the work queued on `stream`.
+    pub fn value(&mut self, stream: &CudaStream, amax: Buf) -> Result<f32> {
+        let slot = match self.slots.need(amax.id) {
+            Need::Read(slot) => slot,
+            Need::Wait(slot) => {
+                self.wait()?;
+                slot
+            }
+            Need::Device => return read_one(stream, amax),
+        };
+        let memory = self.memory.as_ref().ok_or_else(|| RuntimeError::Op {
+            op: "FP8 GEMM".into(),
+            what: "no page-locked memory for the scale amaxes".into(),
+        })?;
+        let host = memory
+            .as_slice()
+            .map_err(|e| driver_error("mapping the scale amaxes' slots", e))?;
+        host.get(slot).copied().ok_or_else(|| RuntimeError::Buffer {
+            id: amax.id.0,
+            what: format!("has scale amax slot {slot} of {}", host.len()),
+        })
+    }
+
+    fn wait(&mut self) -> Result<()> {
+        if let Some(event) = &self.copied {
+            event
+                .synchronize()
+                .map_err(|e| driver_error("waiting for the scale amaxes' copies", e))?;
+        }
+        self.slots.waited();
+        Ok(())
+    }
+
+    /// New page-locked memory of `capacity` slots holding the old slots' values (after their
+    /// copies have completed).
+    fn grow(&mut self, ctx: &Arc<CudaContext>, capacity: usize) -> Result<()> {
+        if self.slots.copying_any() {
+            self.wait()?;
+        }
+        // Not write-combined: the host reads it. SAFETY: every slot is written below (zeros,
+        // then the old values) before it is read.
+        let mut memory =
+            unsafe { ctx.alloc_pinned_with_flags::<f32>(capacity, 0) }.map_err(|e| {
+                driver_error(
+                    &format!("allocating {} bytes of pinned host memory", capacity * 4),
+                    e,
+                )
+            })?;
+        let new = memory
+            .as_mut_slice()
+            .map_err(|e| driver_error("mapping the scale amaxes' slots", e))?;
+        new.fill(0.0);
+        if let Some(old) = &self.memory {
+            let old = old
+                .as_slice()
+                .map_err(|e| driver_error("mapping the scale amaxes' slots", e))?;
+            new[..old.len()].copy_from_slice(old);
+        }
+        self.memory = Some(memory);
+        Ok(())
+    }
+}
+
+/// Scale amax `amax` read from the device once the work queued on `stream` has run.
+fn read_one(stream: &CudaStream, amax: Buf) -> Result<f32> {
+    if amax.len != 1 || amax.dtype != DType::F32 {
+        return Err(RuntimeError::Buffer {
+            id: amax.id.0,
+            what: format!(
+                "is a scale amax of {} {:?} values; one f32 expected",
+                amax.len, amax.dtype
+            ),
+        });
+    }
+    stream
+        .synchronize()
+        .map_err(|e| driver_error("waiting to read a scale amax", e))?;
+    let mut value = [0.0f32];
+    // SAFETY: the buffer holds one f32 (checked above); the stream is idle.
+    unsafe { cu::memcpy_dtoh_sync(&mut value, amax.ptr) }
+        .map_err(|e| driver_error(&format!("reading scale amax buffer {}", amax.id.0), e))?;
+    Ok(value[0])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rolled_value_is_waited_for_once_then_read_until_written() {
+        let (a, b) = (BufferId(7), BufferId(9));
+        let mut slots = Slots::default();
+        assert_eq!(slots.need(a), Need::Device);
+        assert_eq!(slots.copying(a), (0, Some(MIN_SLOTS)));
+        assert_eq!(slots.copying(b), (1, None));
+        assert_eq!(slots.need(a), Need::Wait(0));
+        assert!(slots.copying_any());
+        slots.waited();
+        assert_eq!(
+            (slots.need(a), slots.need(b)),
+            (Need::Read(0), Need::Read(1))
+        );
+        // A host write (a checkpoint's load) makes the device the only source again.
+        slots.written(b);
+        assert_eq!(slots.need(b), Need::Device);
+        // The next roll keeps the slot.
+        assert_eq!(slots.copying(b), (1, None));
+        assert_eq!(slots.need(b), Need::Wait(1));
+    }
+
+    #[test]
+    fn the_memory_doubles_when_a_roll_needs_one_more_slot() {
+        let mut slots = Slots::default();
+        for k in 0..MIN_SLOTS {
+            let grow = slots.copying(BufferId(k as u32)).1;
+            assert_eq!(grow, (k == 0).then_some(MIN_SLOTS));
+        }
+        assert_eq!(
+            slots.copying(BufferId(MIN_SLOTS as u32)),
+            (MIN_SLOTS, Some(2 * MIN_SLOTS))
+        );
+    }
+}
