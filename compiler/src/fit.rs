@@ -5,7 +5,7 @@
 //! nvidia-smi on the measured runs, docs/memory.md); on the CPU backend the plan alone.
 //!
 //! The help is measured the same way: each single change the cost model proposes
-//! (`cost::alternatives`: 1F1B for GPipe, a higher ZeRO stage, recompute, doubling tp or pp,
+//! (`cost::alternatives`: 1F1B for GPipe, a higher ZeRO stage, recompute, doubling tp, cp or pp,
 //! halving the micro batch) is lowered and planned by the caller's `measure`, and the help names the first that
 //! fits, else the greedy combination that fits, else the largest saving.
 

@@ -65,8 +65,22 @@ fn tp_fits(spec: &Spec, t: u32) -> bool {
     })
 }
 
+/// Whether the model splits attention's sequence over cp (`shard Attention… seq on cp`) and
+/// `c` ranks split it as the checker asks: 2·c chunks under causal attention (E0406), each
+/// rank's share divisible by tp under sequence parallelism (E0410).
+fn cp_fits(spec: &Spec, c: u32) -> bool {
+    let c = u64::from(c);
+    let (seq, tp) = (spec.model.seq, u64::from(spec.parallel.mesh.size(Axis::Tp)));
+    let causal = (spec.model.nodes.iter())
+        .any(|n| matches!(n.kind, LayerKind::Attention { causal: true, .. }));
+    let chunks = if causal { 2 * c } else { c };
+    spec.model.sharding.seq_on_cp
+        && seq.is_multiple_of(chunks)
+        && (!spec.parallel.sequence_parallel || (seq / c).is_multiple_of(tp))
+}
+
 /// The single changes that may lower a plan's memory: 1F1B for GPipe, a higher ZeRO stage,
-/// recompute, twice the tp or pp (halving dp), half the micro batch.
+/// recompute, twice the tp, cp or pp (halving dp), half the micro batch.
 pub(crate) fn alternatives(spec: &Spec) -> Vec<Alternative> {
     let mut out = Vec::new();
     let (dp, pp, cp, tp) = spec.parallel.mesh.sizes();
@@ -119,6 +133,17 @@ pub(crate) fn alternatives(spec: &Spec) -> Vec<Alternative> {
         s.train.global_batch /= 2;
         out.push(Alternative {
             change: format!("tp = {} (dp = {})", tp.saturating_mul(2), dp / 2),
+            spec: s,
+        });
+    }
+    // Long sequences: twice the cp, where the model splits attention's sequence over cp.
+    if dp.is_multiple_of(2) && cp_fits(spec, cp.saturating_mul(2)) {
+        let mut s = spec.clone();
+        set_axis(&mut s, Axis::Cp, cp.saturating_mul(2));
+        set_axis(&mut s, Axis::Dp, dp / 2);
+        s.train.global_batch /= 2;
+        out.push(Alternative {
+            change: format!("cp = {} (dp = {})", cp.saturating_mul(2), dp / 2),
             spec: s,
         });
     }
