@@ -534,10 +534,24 @@ pub fn quantize_seconds(elements: f64, stored_bytes: f64, gpu: &crate::spec::Gpu
     bytes / gpu.memory_bandwidth.max(1.0) + 2.0 * QUANT_LAUNCHES * QUANT_LAUNCH_S
 }
 
-/// Bytes quantizing `elements` stored with `stored_bytes` each moves: read for their amaxes,
-/// read again and written as one byte each.
+/// Bytes quantizing `elements` stored with `stored_bytes` each moves: read for their amaxes
+/// ([`amax_pass_bytes`]), read again and written as one byte each.
 pub fn quantize_bytes(elements: f64, stored_bytes: f64) -> f64 {
-    elements * (2.0 * stored_bytes + 1.0)
+    amax_pass_bytes(elements, stored_bytes) + elements * (stored_bytes + 1.0)
+}
+
+/// Bytes of quantization's amax pass over `elements` stored with `stored_bytes` each: the read
+/// a GEMM under delayed scaling does not make (its scale amax comes from the history; the
+/// operand's `Fp8AmaxRecord` reads it instead, priced as that op).
+pub fn amax_pass_bytes(elements: f64, stored_bytes: f64) -> f64 {
+    elements * stored_bytes
+}
+
+/// Seconds of the amax passes of an FP8 GEMM's two operands, `elements` in all, at the GPU's
+/// bandwidth, with their launches: what a delayed-scaling GEMM saves against its price under
+/// current scaling.
+pub fn amax_pass_seconds(elements: f64, stored_bytes: f64, gpu: &crate::spec::Gpu) -> f64 {
+    amax_pass_bytes(elements, stored_bytes) / gpu.memory_bandwidth.max(1.0) + 2.0 * QUANT_LAUNCH_S
 }
 
 /// How much faster the GPU's FP8 tensor cores are than its bf16 ones (1 without FP8).

@@ -151,14 +151,23 @@ impl<'a> ProfileCosts<'a> {
                 let epilogue = epilogue_of(op);
                 let elem = buffer(outputs, 0).map_or(4, |b| b.dtype.bytes());
                 let product = match op.fp8() {
+                    // Measured under current scaling; delayed scaling's GEMM makes no amax
+                    // passes (its records do, priced as those ops).
                     Some(f) if self.has_gemm(GemmDtype::Fp8(f.scaling)) => {
-                        self.gemm(layout, mnk, GemmDtype::Fp8(f.scaling), epilogue)?
+                        let measured =
+                            self.gemm(layout, mnk, GemmDtype::Fp8(f.scaling), epilogue)?;
+                        let saved = match f.history {
+                            Some(_) => self.amax_passes(layout, mnk)?,
+                            None => 0.0,
+                        };
+                        (measured - saved).max(self.profile.launch_overhead_s)
                     }
                     // No FP8 points of its scaling: the measured bf16 time at the FP8 peak's
                     // speed-up, plus quantizing both operands.
-                    Some(_) => self.fp8_gemm(
+                    Some(f) => self.fp8_gemm(
                         self.gemm(layout, mnk, dtype, epilogue)?,
                         [buffer(inputs, 0), buffer(inputs, 1)],
+                        f.history.is_some(),
                     ),
                     None => self.gemm(layout, mnk, dtype, epilogue)?,
                 };
@@ -249,9 +258,10 @@ impl<'a> ProfileCosts<'a> {
         value
     }
 
-    /// An FP8 GEMM measured as `bf16_seconds` in bf16, by the roofline's FP8 assumptions.
-    fn fp8_gemm(&self, bf16_seconds: f64, operands: [Option<&Buffer>; 2]) -> f64 {
-        let quantize = self.roofline.fp8_quantize_seconds(operands);
+    /// An FP8 GEMM measured as `bf16_seconds` in bf16, by the roofline's FP8 assumptions
+    /// (`delayed`: without the operands' amax passes).
+    fn fp8_gemm(&self, bf16_seconds: f64, operands: [Option<&Buffer>; 2], delayed: bool) -> f64 {
+        let quantize = self.roofline.fp8_quantize_seconds(operands, delayed);
         crate::fp8::from_bf16(bf16_seconds, quantize, &self.roofline.spec.cluster.gpu)
     }
 
@@ -341,6 +351,15 @@ impl<'a> ProfileCosts<'a> {
         let elements = crate::fp8::quantize_elements(layout, [m, n, k]);
         let bytes = crate::fp8::quantize_bytes(elements, 2.0);
         let launches = crate::fp8::QUANT_LAUNCHES * 2.0 * self.profile.launch_overhead_s;
+        Some(self.memory(MemoryKind::Elementwise, Opcode::Add, None, bytes)? + launches)
+    }
+
+    /// Seconds of the amax passes over the two bf16 operands of an FP8 GEMM of `layout` at
+    /// `[m, n, k]`, as [`Self::fp8_quantize`] prices them: what delayed scaling's GEMM saves.
+    fn amax_passes(&self, layout: GemmLayout, [m, n, k]: [u64; 3]) -> Option<f64> {
+        let elements = crate::fp8::quantize_elements(layout, [m, n, k]);
+        let bytes = crate::fp8::amax_pass_bytes(elements, 2.0);
+        let launches = 2.0 * self.profile.launch_overhead_s;
         Some(self.memory(MemoryKind::Elementwise, Opcode::Add, None, bytes)? + launches)
     }
 

@@ -50,12 +50,23 @@ pub struct SpecCosts<'a> {
 impl SpecCosts<'_> {
     /// Seconds to quantize an FP8 GEMM's two operands as stored (`crate::fp8`'s model); the
     /// calibrated costs price it the same way.
-    pub(super) fn fp8_quantize_seconds(&self, operands: [Option<&Buffer>; 2]) -> f64 {
+    /// Seconds to quantize an FP8 GEMM's two operands; under delayed scaling (`delayed`) less
+    /// their amax passes, which the operands' `Fp8AmaxRecord`s make (priced as those ops).
+    pub(super) fn fp8_quantize_seconds(
+        &self,
+        operands: [Option<&Buffer>; 2],
+        delayed: bool,
+    ) -> f64 {
         let (elements, stored) = (operands.iter().flatten()).fold((0.0, 0.0), |(e, b), x| {
             (e + x.numel() as f64, b + self.bytes(x))
         });
         let gpu = &self.spec.cluster.gpu;
-        crate::fp8::quantize_seconds(elements, stored / elements.max(1.0), gpu)
+        let stored = stored / elements.max(1.0);
+        let amax = match delayed {
+            true => crate::fp8::amax_pass_seconds(elements, stored, gpu),
+            false => 0.0,
+        };
+        crate::fp8::quantize_seconds(elements, stored, gpu) - amax
     }
 
     fn peak(&self) -> f64 {
@@ -92,18 +103,20 @@ impl StepCosts for SpecCosts<'_> {
             |i| bytes(c.outputs, i),
         );
         let gpu = &self.spec.cluster.gpu;
-        let fp8 = c.op.fp8().is_some();
+        let fp8 = c.op.fp8();
         let peak = match gpu.peak_flops_fp8 {
-            Some(p) if fp8 => p,
+            Some(p) if fp8.is_some() => p,
             _ => self.peak(),
         };
         let bw = gpu.memory_bandwidth;
         let math = if peak > 0.0 { flops / peak } else { 0.0 };
         let memory = if bw > 0.0 { touched / bw } else { 0.0 };
-        let quantize = if fp8 {
-            self.fp8_quantize_seconds([buffer(c.inputs, 0), buffer(c.inputs, 1)])
-        } else {
-            0.0
+        let quantize = match fp8 {
+            Some(f) => self.fp8_quantize_seconds(
+                [buffer(c.inputs, 0), buffer(c.inputs, 1)],
+                f.history.is_some(),
+            ),
+            None => 0.0,
         };
         math.max(memory) + quantize
     }
