@@ -40,7 +40,8 @@
 //! kernel each op with variants runs: a typed choice per op, e.g. [`GemmKernel`], read from
 //! `PARC_<OP>_KERNEL`). Beside the ops: `device` (opening the GPU, errors), `storage` (the
 //! memory plan's regions and scratch sizes), `stream` (overlap of communication with compute),
-//! `staging` (host writes) and `nccl` (NCCL: the communicators, the device comm, the host
+//! `staging` (host writes), `scale_amax` (delayed FP8 scaling's scale amaxes copied to the
+//! host after each roll) and `nccl` (NCCL: the communicators, the device comm, the host
 //! comm, the watchdog).
 //!
 //! Buffers are keyed by `BufferId`. Given the program's memory plan (`Backend::prepare`, which
