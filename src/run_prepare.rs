@@ -9,7 +9,7 @@ use crate::SpecArgs;
 use parc_compiler::driver::{self, CompileOptions, Compiled, Stage};
 use parc_compiler::ir::fp8::Fp8Scaling;
 use parc_compiler::ir::op::Op;
-use parc_compiler::ir::Plan;
+use parc_compiler::ir::{BufferKind, Instr, Plan};
 use parc_compiler::spec::Spec;
 use parc_runtime::checkpoint::SpecSource;
 use std::path::Path;
@@ -30,23 +30,31 @@ pub(crate) fn backend_and_plan(args: &RunArgs, quiet: bool) -> Result<(Resolved,
 }
 
 /// What the backend cannot run of the plan, said before any rank starts. The CUDA backend runs
-/// tensorwise FP8 GEMMs (equal to the CPU's exact emulation in every case of
-/// `tests/cuda_ops/fp8.rs` on an H200, 2026-12-05); rowwise (cuBLASLt refused its outer-vector
-/// scales there), blockwise, and amaxes reduced across ranks (tp, cp: not yet run on GPUs) run
-/// on the CPU backend only; so does delayed scaling, whose kernels have not yet run on a GPU.
+/// tensorwise FP8 GEMMs, current or delayed (equal to the CPU's exact emulation in every case
+/// of `tests/cuda_ops/fp8.rs`, and a delayed Llama-style run in `tests/cuda_train.rs`, on an
+/// H200, 2026-12-05/06); rowwise (cuBLASLt refused its outer-vector scales there), blockwise
+/// (cuBLASLt refused its block scales there), and amaxes or amax histories reduced across
+/// ranks (tp, cp, and dp for histories: not yet run on GPUs) run on the CPU backend only.
 fn unsupported_on(backend: Resolved, plan: &Plan) -> Option<String> {
     if backend.name() == "cpu" {
         return None;
     }
     let computes = || (plan.programs.iter().flat_map(|p| &p.instrs)).filter_map(|i| i.as_compute());
-    let delayed = computes()
-        .filter(|c| c.op.fp8().is_some_and(|f| f.history.is_some()))
+    let history_reductions = (plan.programs.iter())
+        .flat_map(|p| p.instrs.iter().map(move |i| (p, i)))
+        .filter(|(p, i)| match i {
+            Instr::Collective { input, .. } => p
+                .buffer(*input)
+                .is_some_and(|b| b.kind == BufferKind::Fp8History),
+            _ => false,
+        })
         .count();
-    if delayed > 0 {
+    if history_reductions > 0 {
         return Some(format!(
-            "this plan runs {delayed} GEMMs in FP8 with delayed scaling (`train.fp8 = tensorwise \
-             {{ scaling: delayed }}`), and delayed scaling has not yet run on a GPU: the {} \
-             backend does not run it yet. Use `scaling: current` on the GPU, or run `--backend cpu`",
+            "this plan reduces {history_reductions} FP8 amax histories across ranks (`train.fp8 = \
+             tensorwise {{ scaling: delayed }}` under dp, tp or cp), which the {} backend does not \
+             run yet (not yet tested on GPUs): train delayed scaling on one GPU, use `scaling: \
+             current` under data parallelism, or run `--backend cpu`",
             backend.name()
         ));
     }
@@ -75,7 +83,10 @@ fn unsupported_on(backend: Resolved, plan: &Plan) -> Option<String> {
     let (scaling, count) = refused.first()?;
     let why = match scaling {
         Fp8Scaling::Rowwise => "cuBLASLt refuses its outer-vector scales on Hopper",
-        _ => "its GEMMs have not yet passed their GPU tests",
+        _ => {
+            "cuBLASLt refused its block scales on an H200 (128 × 128 weight blocks as the \
+             product's A, 1 × 128 tiles as B, CUBLAS_STATUS_INVALID_VALUE)"
+        }
     };
     Some(format!(
         "this plan runs {count} GEMMs in {} FP8 (`train.fp8`), which the {} backend does not run \
@@ -214,18 +225,24 @@ mod tests {
     }
 
     #[test]
-    fn cuda_refuses_delayed_fp8_plans_before_any_rank_starts() {
-        let delayed = tiny_llama_plan(&[
+    fn cuda_runs_delayed_fp8_on_one_rank_and_refuses_histories_reduced_across_ranks() {
+        let delayed = [
             "train.fp8=tensorwise",
             "train.fp8.scaling=delayed",
             "train.fp8.fp8=[MLP]",
-        ]);
-        let message = unsupported_on(Resolved::Cuda, &delayed).unwrap_or_default();
+        ];
+        assert_eq!(
+            unsupported_on(Resolved::Cuda, &tiny_llama_plan(&delayed)),
+            None
+        );
+        let mut dp2 = delayed.to_vec();
+        dp2.extend(["parallel.dp=2", "cluster.gpus_per_node=2"]);
+        let dp2 = tiny_llama_plan(&dp2);
+        let message = unsupported_on(Resolved::Cuda, &dp2).unwrap_or_default();
         assert!(
-            message.contains("delayed scaling has not yet run on a GPU")
-                && message.contains("--backend cpu"),
+            message.contains("amax histories across ranks") && message.contains("--backend cpu"),
             "{message}"
         );
-        assert_eq!(unsupported_on(Resolved::Cpu, &delayed), None);
+        assert_eq!(unsupported_on(Resolved::Cpu, &dp2), None);
     }
 }

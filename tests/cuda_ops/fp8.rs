@@ -1,6 +1,6 @@
 //! FP8 GEMMs (`Matmul`, `MatmulBwdData`, `MatmulBwdWeight` with `fp8` set) on the CUDA
 //! backend against the CPU backend's exact emulation (`runtime/src/cpu/fp8.rs`): tensorwise
-//! (E5M2 gradients), rowwise and blockwise(128) (E4M3), f32 and bf16 storage, at shapes whose
+//! (E5M2 gradients; current and delayed scaling), f32 and bf16 storage, at shapes whose
 //! rows, inputs and outputs all end in partial tiles and blocks (150 = 128 + 22 rows, 200 and
 //! 136 columns). Both backends quantize to the same FP8 values with the same power-of-two
 //! scales and sum their exact products in f32, so they differ by the order of f32 additions:
@@ -11,9 +11,10 @@
 //!
 //! Also: a NaN in an operand makes the GEMM's output NaN on both backends (the non-finite
 //! check still fires); an infinity makes it non-finite on the GPU; blockwise with a block other
-//! than 128 is an error that names what is supported; rowwise, which cuBLASLt's algorithm search
-//! refuses on Hopper (`CUBLAS_STATUS_INVALID_VALUE` for outer-vector scales, H200 and H100,
-//! 2026-12-05), is an error naming the GEMM and the scaling, not a wrong result.
+//! than 128 is an error that names what is supported; rowwise and blockwise(128), which
+//! cuBLASLt's algorithm search refuses on Hopper (`CUBLAS_STATUS_INVALID_VALUE`: outer-vector
+//! scales on the H200 and H100, 2026-12-05; 128 × 128 blocks as A with 1 × 128 tiles as B on
+//! the H200, 2026-12-06), are errors naming the GEMM and the scaling, not wrong results.
 use crate::harness::{check_with, gpu, Case, Data, Rng, BF16_STORED, REDUCTION, SCALARS};
 use parc_compiler::ir::fp8::{Fp8Format, Fp8Gemm, Fp8Scaling};
 use parc_compiler::ir::op::{Act, Op};
@@ -23,11 +24,11 @@ use parc_runtime::backend::Backend;
 /// FP8 GEMMs on f32 outputs: f32 sums of identical products in another order.
 const FP8_GEMM: f32 = 1e-3;
 
-/// The recipes the CUDA backend runs (rowwise: `rowwise_is_refused_with_its_reason`).
+/// The recipes the CUDA backend runs (rowwise and blockwise: `refused_with_their_reason`).
 fn recipes() -> Vec<Fp8Gemm> {
     all_recipes()
         .into_iter()
-        .filter(|g| g.scaling != Fp8Scaling::Rowwise)
+        .filter(|g| g.scaling == Fp8Scaling::Tensorwise)
         .collect()
 }
 
@@ -298,21 +299,24 @@ fn blockwise_with_another_block_is_unsupported() {
     );
 }
 
-/// Rowwise FP8 GEMMs are refused (cuBLASLt finds no algorithm for outer-vector scales on
-/// Hopper): the error names the scaling and what the backend runs, and nothing is computed
-/// silently wrong.
+/// Rowwise and blockwise FP8 GEMMs are refused: cuBLASLt's algorithm search answers
+/// `CUBLAS_STATUS_INVALID_VALUE` on Hopper for outer-vector scales (H200 and H100, 2026-12-05)
+/// and for 128 × 128 weight blocks as A with 1 × 128 tiles as B (H200, 2026-12-06). The error
+/// names the scaling and cuBLASLt, and nothing is computed silently wrong.
 #[test]
-fn rowwise_is_refused_with_its_reason() {
+fn rowwise_and_blockwise_are_refused_with_their_reason() {
     let Some(mut gpu) = gpu() else { return };
-    let rowwise = all_recipes()
-        .into_iter()
-        .find(|g| g.scaling == Fp8Scaling::Rowwise)
-        .expect("a rowwise recipe");
-    match matmul_64(gpu.as_mut(), rowwise) {
-        // A cuBLASLt that runs it: the emulation tests then must cover it (add rowwise back
-        // to `recipes`).
-        Ok(()) => panic!("rowwise FP8 ran: add it back to the recipes the GPU tests check"),
-        Err(e) => assert!(e.contains("rowwise") && e.contains("cuBLASLt"), "{e}"),
+    for g in all_recipes() {
+        if g.scaling == Fp8Scaling::Tensorwise {
+            continue;
+        }
+        let name = g.scaling.name();
+        match matmul_64(gpu.as_mut(), g) {
+            // A cuBLASLt that runs it: the emulation tests then must cover it (add it back
+            // to `recipes`).
+            Ok(()) => panic!("{name} FP8 ran: add it back to the recipes the GPU tests check"),
+            Err(e) => assert!(e.contains(name) && e.contains("cuBLASLt"), "{e}"),
+        }
     }
 }
 
