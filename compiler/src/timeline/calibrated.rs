@@ -186,9 +186,9 @@ impl<'a> ProfileCosts<'a> {
     }
 
     /// Seconds of a GEMM's SwiGLU epilogue (`swiglu`; 0 for any other op) as the CUDA
-    /// backend runs it by default (`PARC_SWIGLU_KERNEL=apart`): the `SwiGlu` (`SwiGluBwd`)
-    /// kernel after the GEMM, reading and writing three (five) `rows × width` tensors of
-    /// `elem` bytes an element, at that op's measured rate.
+    /// backend runs it: the `SwiGlu` (`SwiGluBwd`) kernel after the GEMM, reading and writing
+    /// three (five) `rows × width` tensors of `elem` bytes an element, at that op's measured
+    /// rate.
     fn swiglu_apart(&self, op: &Op, [rows, out_dim, in_dim]: [u64; 3], elem: u64) -> Option<f64> {
         let (opcode, width, tensors) = match op {
             Op::Matmul { swiglu: true, .. } => (Opcode::SwiGlu, out_dim, 3.0),

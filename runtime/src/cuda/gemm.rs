@@ -115,20 +115,6 @@ pub(crate) enum Epilogue {
     DGelu {
         aux: CUdeviceptr,
     },
-    /// SwiGLU's gated product (parc's kernel only, `gemm_ws`): the product p written at `up`
-    /// (m × n, leading dimension ldc, D's type) and D = silu(gate) ⊙ p, gate read like it.
-    SwiGlu {
-        gate: CUdeviceptr,
-        up: CUdeviceptr,
-    },
-    /// SwiGLU's gradient (parc's kernel only): with the product p, D = dgate =
-    /// p · up · σ(g)(1 + g(1 − σ(g))) and dup = p · silu(g) written at `dup`, gate and up read
-    /// (all m × n, leading dimension ldc, D's type).
-    DSwiGlu {
-        gate: CUdeviceptr,
-        up: CUdeviceptr,
-        dup: CUdeviceptr,
-    },
 }
 
 /// An [`Epilogue`] without its pointer: what a plan depends on.
@@ -142,8 +128,6 @@ enum EpilogueKind {
     GeluAuxBiasF32,
     GeluAuxBiasBf16,
     DGelu,
-    SwiGlu,
-    DSwiGlu,
 }
 
 impl Epilogue {
@@ -163,18 +147,13 @@ impl Epilogue {
                 ..
             } => EpilogueKind::GeluAuxBiasBf16,
             Epilogue::DGelu { .. } => EpilogueKind::DGelu,
-            Epilogue::SwiGlu { .. } => EpilogueKind::SwiGlu,
-            Epilogue::DSwiGlu { .. } => EpilogueKind::DSwiGlu,
         }
     }
 
     /// The vector pointer (`CUBLASLT_MATMUL_DESC_BIAS_POINTER`: a bias or a bias gradient).
     fn pointer(self) -> Option<CUdeviceptr> {
         match self {
-            Epilogue::None
-            | Epilogue::DGelu { .. }
-            | Epilogue::SwiGlu { .. }
-            | Epilogue::DSwiGlu { .. } => None,
+            Epilogue::None | Epilogue::DGelu { .. } => None,
             Epilogue::Bias { ptr, .. } | Epilogue::BiasGradB { ptr } => Some(ptr),
             Epilogue::GeluAux { bias, .. } => bias.map(|(ptr, _)| ptr),
         }
@@ -184,11 +163,7 @@ impl Epilogue {
     fn aux(self) -> Option<CUdeviceptr> {
         match self {
             Epilogue::GeluAux { aux, .. } | Epilogue::DGelu { aux } => Some(aux),
-            Epilogue::None
-            | Epilogue::Bias { .. }
-            | Epilogue::BiasGradB { .. }
-            | Epilogue::SwiGlu { .. }
-            | Epilogue::DSwiGlu { .. } => None,
+            Epilogue::None | Epilogue::Bias { .. } | Epilogue::BiasGradB { .. } => None,
         }
     }
 }
@@ -373,8 +348,6 @@ impl PlanKey {
                 EpilogueKind::GeluAuxBiasF32 => ", fp32 bias + GELU epilogue",
                 EpilogueKind::GeluAuxBiasBf16 => ", bf16 bias + GELU epilogue",
                 EpilogueKind::DGelu => ", GELU-gradient epilogue",
-                EpilogueKind::SwiGlu => ", SwiGLU epilogue",
-                EpilogueKind::DSwiGlu => ", SwiGLU-gradient epilogue",
             }
         )
     }
@@ -917,10 +890,6 @@ fn matmul_desc(
             "B scale mode",
         )?;
     }
-    if matches!(key.epilogue, EpilogueKind::SwiGlu | EpilogueKind::DSwiGlu) {
-        // cuBLASLt has no gated epilogue: only parc's kernel runs these.
-        return Ok((desc, false));
-    }
     if let Some((epilogue, vector_type)) = epilogue_of(key.epilogue) {
         set(
             A::CUBLASLT_MATMUL_DESC_EPILOGUE,
@@ -983,8 +952,6 @@ fn epilogue_of(
             Some((E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS, Some(bf16_type)))
         }
         EpilogueKind::DGelu => Some((E::CUBLASLT_EPILOGUE_DGELU, None)),
-        // None of cuBLASLt's (`matmul_desc` rules them out first).
-        EpilogueKind::SwiGlu | EpilogueKind::DSwiGlu => None,
     }
 }
 

@@ -85,22 +85,12 @@ pub(super) fn kernel_for(g: &Gemm, operands: Operands) -> Option<EntryPoint> {
         {
             Kernel::GemmWsKkGelu
         }
-        (true, false, Output::Bf16, Epilogue::SwiGlu { gate, up })
-            if g.c_in.is_none() && [gate, up].iter().all(|p| p % 16 == 0) =>
-        {
-            Kernel::GemmWsKkSwiglu
-        }
         (false, false, Output::Bf16, Epilogue::None) => Kernel::GemmWsKmBf16,
         (false, false, Output::Bf16, Epilogue::Bias { ptr, bf16 }) if bias_ok(ptr, bf16) => {
             Kernel::GemmWsKmBf16
         }
         (false, false, Output::Bf16, Epilogue::DGelu { aux }) if aux % 16 == 0 => {
             Kernel::GemmWsKmDgelu
-        }
-        (false, false, Output::Bf16, Epilogue::DSwiGlu { gate, up, dup })
-            if g.c_in.is_none() && g.beta == 0.0 && [gate, up, dup].iter().all(|p| p % 16 == 0) =>
-        {
-            Kernel::GemmWsKmDswiglu
         }
         (false, true, Output::F32, Epilogue::None) if g.c_in.is_none() => Kernel::GemmWsMmF32,
         (false, true, Output::F32, Epilogue::BiasGradB { .. }) if g.c_in.is_none() => {
@@ -143,15 +133,6 @@ pub(super) fn splits_for(mr: usize, nr: usize, k: usize, sms: usize, ws_bytes: u
 }
 
 impl CudaBackend {
-    /// Whether parc's kernel would run `g` (a GEMM whose epilogue only it forms, SwiGLU's): on
-    /// a Hopper, in a bf16 run, unless `gemm=cublaslt`, and where it has an entry point for
-    /// `g`.
-    pub(super) fn ws_takes(&self, g: &Gemm) -> bool {
-        self.hopper
-            && self.variants.gemm != GemmKernel::CuBlasLt
-            && kernel_for(g, self.operands).is_some()
-    }
-
     /// Runs a 16-bit GEMM whose operands are ready (`gemm_operands`): by cuBLASLt, or by
     /// parc's kernel where that was measured faster (the module docs). `tune_out` as
     /// `gemm::Blas::run`.
@@ -277,10 +258,6 @@ impl CudaBackend {
         } else {
             bf16(g.a, (k, nr, g.lda), (BK as u32, BN as u32))?
         };
-        // The side matrices: c_in (a residual, or SwiGLU's gate), side (SwiGLU-gradient's up)
-        // read; aux (GELU's pre-activation, SwiGLU's product, SwiGLU-gradient's dup) written,
-        // or read (GELU-gradient's pre-activation).
-        let (mut c_in, mut side) = (g.c_in.unwrap_or(0), 0);
         let (bias, bias_bf16, aux, db) = match g.epilogue {
             Epilogue::None => (0, false, 0, 0),
             Epilogue::Bias { ptr, bf16 } => (ptr, bf16, 0, 0),
@@ -290,14 +267,6 @@ impl CudaBackend {
             }
             Epilogue::DGelu { aux } => (0, false, aux, 0),
             Epilogue::BiasGradB { ptr } => (0, false, 0, ptr),
-            Epilogue::SwiGlu { gate, up } => {
-                c_in = gate;
-                (0, false, up, 0)
-            }
-            Epilogue::DSwiGlu { gate, up, dup } => {
-                (c_in, side) = (gate, up);
-                (0, false, dup, 0)
-            }
         };
         let (ws, ws_bytes) = self.blas.workspace();
         let counters = self.ws_counters()?;
@@ -318,8 +287,7 @@ impl CudaBackend {
             Arg::I64(g.ldc),
             Arg::F32(g.beta),
             Arg::Ptr(d),
-            Arg::Ptr(c_in),
-            Arg::Ptr(side),
+            Arg::Ptr(g.c_in.unwrap_or(0)),
             Arg::Ptr(bias),
             Arg::I32(i32::from(bias_bf16)),
             Arg::Ptr(aux),
@@ -437,36 +405,6 @@ mod tests {
             )),
             Some(Kernel::GemmWsKmDgelu)
         );
-        let (gate, up, dup) = (5 << 20, 6 << 20, 7 << 20);
-        assert_eq!(
-            name(gemm(
-                true,
-                false,
-                Output::Bf16,
-                Epilogue::SwiGlu { gate, up }
-            )),
-            Some(Kernel::GemmWsKkSwiglu)
-        );
-        assert_eq!(
-            name(gemm(
-                false,
-                false,
-                Output::Bf16,
-                Epilogue::DSwiGlu { gate, up, dup }
-            )),
-            Some(Kernel::GemmWsKmDswiglu)
-        );
-        // A SwiGLU epilogue beside a residual, or a side matrix out of alignment: none.
-        let swiglu = gemm(true, false, Output::Bf16, Epilogue::SwiGlu { gate, up });
-        assert_eq!(
-            name(Gemm {
-                c_in: Some(8 << 20),
-                ..swiglu
-            }),
-            None
-        );
-        let odd = Epilogue::SwiGlu { gate: gate + 2, up };
-        assert_eq!(name(gemm(true, false, Output::Bf16, odd)), None);
         let grad = Epilogue::BiasGradB { ptr: 4 << 20 };
         assert_eq!(
             name(gemm(false, true, Output::F32, grad)),

@@ -154,10 +154,8 @@ kernels! {
     // kernels/gemm_ws.cu
     GemmWsKkBf16 "gemm_ws_kk_bf16",
     GemmWsKkGelu "gemm_ws_kk_gelu",
-    GemmWsKkSwiglu "gemm_ws_kk_swiglu",
     GemmWsKmBf16 "gemm_ws_km_bf16",
     GemmWsKmDgelu "gemm_ws_km_dgelu",
-    GemmWsKmDswiglu "gemm_ws_km_dswiglu",
     GemmWsMmF32 "gemm_ws_mm_f32",
     GemmWsMmF32Db "gemm_ws_mm_f32_db",
     // kernels/cross_entropy.cu

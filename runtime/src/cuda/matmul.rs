@@ -23,10 +23,10 @@
 //! kernel runs.
 //!
 //! SwiGLU: a forward with `swiglu` (the up projection) writes u and a = silu(gate) ⊙ u, a
-//! backward-data product with `swiglu` (the down projection) dgate and dup. With the `swiglu`
-//! variant `epilogue`, parc's GEMM kernel forms them in its epilogue where it takes the GEMM
-//! (`gemm_ws`); otherwise (cuBLASLt has no such epilogue) the GEMM writes u (the product into
-//! dgate) and elementwise.cu's SwiGLU kernel runs after it.
+//! backward-data product with `swiglu` (the down projection) dgate and dup: the GEMM writes u
+//! (the product into dgate) and elementwise.cu's SwiGLU kernel runs after it (cuBLASLt has no
+//! such epilogue; parc's GEMM kernel forming them in its own lost to this on Llama 3.2 1B on an
+//! H200, 64.3k against 67.6k tokens/s, 2026-12-06, and was removed).
 use super::args::{fv, n, p, Bound, Limits};
 use super::columns::col_sum_into;
 use super::epilogue::{
@@ -35,7 +35,6 @@ use super::epilogue::{
 use super::gemm::{Epilogue, Gemm, Operands, Output};
 use super::gemm_operands::Operand;
 use super::kernel::Kernel;
-use super::variants::SwiGluKernel;
 use super::{Buf, CudaBackend};
 use crate::error::Result;
 use cudarc::driver::sys::CUdeviceptr;
@@ -254,8 +253,7 @@ fn matmul(be: &mut CudaBackend, b: &Bound, f: &Forward, (rows, k, m): Dims) -> R
     residual_then_activation(be, y, r, f.act)
 }
 
-/// u = x·Wᵀ and a = silu(gate) ⊙ u (`g` writes u): in one GEMM where the `swiglu` variant is
-/// `epilogue` and parc's kernel takes it, else the GEMM and then the SwiGLU kernel.
+/// u = x·Wᵀ (`g` writes u), then a = silu(gate) ⊙ u.
 fn swiglu_forward(
     be: &mut CudaBackend,
     g: &Gemm,
@@ -263,24 +261,12 @@ fn swiglu_forward(
     gate: Buf,
     (u, a): (Buf, Buf),
 ) -> Result<()> {
-    let fused = Gemm {
-        c: a.ptr,
-        epilogue: Epilogue::SwiGlu {
-            gate: gate.ptr,
-            up: u.ptr,
-        },
-        ..*g
-    };
-    if fuses_swiglu(be, &fused, [gate, u, a]) {
-        return be.gemm(&fused, weight(w), activation(x));
-    }
     be.gemm(g, weight(w), activation(x))?;
     swiglu_apart(be, gate, u, a)
 }
 
 /// dgate and dup from the product p = dy·W (the down projection's data gradient) through
-/// SwiGLU's backward: in one GEMM where the `swiglu` variant is `epilogue` and parc's kernel
-/// takes it, else the GEMM writes p into dgate and the SwiGLU-gradient kernel runs in place.
+/// SwiGLU's backward: the GEMM writes p into dgate and the SwiGLU-gradient kernel runs in place.
 fn swiglu_backward_data(
     be: &mut CudaBackend,
     (dy, w): (Buf, Buf),
@@ -290,27 +276,8 @@ fn swiglu_backward_data(
 ) -> Result<()> {
     let (shape, ptrs) = ((k_in, rows, m_out), (w.ptr, dy.ptr, dgate.ptr));
     let g = dense_gemm((false, false), shape, ptrs, false, output(dgate));
-    let fused = Gemm {
-        epilogue: Epilogue::DSwiGlu {
-            gate: gate.ptr,
-            up: up.ptr,
-            dup: dup.ptr,
-        },
-        ..g
-    };
-    if fuses_swiglu(be, &fused, [gate, up, dgate, dup]) {
-        return be.gemm(&fused, weight(w), activation(dy));
-    }
     be.gemm(&g, weight(w), activation(dy))?;
     swiglu_grad_in_place(be, dgate, (gate, up), dup)
-}
-
-/// Whether `fused` (a GEMM with a SwiGLU epilogue over `bufs`, all of one 16-bit type) runs as
-/// one kernel: the `swiglu` variant `epilogue` and parc's kernel taking it.
-fn fuses_swiglu(be: &CudaBackend, fused: &Gemm, bufs: impl AsRef<[Buf]>) -> bool {
-    be.variants.swiglu == SwiGluKernel::Epilogue
-        && bufs.as_ref().iter().all(|b| b.dtype == DType::Bf16)
-        && be.ws_takes(fused)
 }
 
 /// dx (+)= dy·W, then dx = dx ⊙ act'(pre) where the op has an activation gradient.

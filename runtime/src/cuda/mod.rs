@@ -105,7 +105,7 @@ pub use device::gpu_absent;
 pub use fused::{emitter_named, Emitter, NvrtcEmitter};
 pub use nccl::{nccl_available, nccl_version, AbortNotice, FailureProbe, NcclHostComm, NcclId};
 pub use variants::{AttentionBwdKernel, AttentionFwdKernel, CrossEntropyKernel, GemmKernel};
-pub use variants::{KernelVariant, NormBwdKernel, NormFwdKernel, SwiGluKernel, Variant};
+pub use variants::{KernelVariant, NormBwdKernel, NormFwdKernel, Variant};
 
 /// One allocated buffer.
 struct Slot {

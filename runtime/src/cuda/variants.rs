@@ -174,15 +174,6 @@ variants! {
     cross_entropy: CrossEntropyKernel "cross_entropy" "PARC_CROSS_ENTROPY_KERNEL" {
         Staged "staged", Rows "rows"
     }
-    /// SwiGLU's gated product and its gradient (`swiglu`, PARC_SWIGLU_KERNEL), for GEMMs whose
-    /// op carries them (`Matmul { swiglu }`, `MatmulBwdData { swiglu }`): the GEMM writes its
-    /// product and elementwise.cu's `swiglu_fwd` / `swiglu_bwd` kernel runs after it (`apart`,
-    /// the default until a GPU has measured the other), or parc's GEMM kernel forms them in its
-    /// epilogue (`epilogue`; `apart` where that kernel does not take the GEMM: no Hopper, not
-    /// bf16, unaligned, or `gemm=cublaslt`).
-    swiglu: SwiGluKernel "swiglu" "PARC_SWIGLU_KERNEL" {
-        Apart "apart", Epilogue "epilogue"
-    }
     /// LayerNorm/RMSNorm forwards (`norm_fwd`, PARC_NORM_FWD_KERNEL): two rows per warp
     /// (`multirow`; `warp` for rows wider than 8192, not a multiple of 8, or unaligned), or one
     /// row per warp (`warp`).
@@ -241,7 +232,6 @@ mod tests {
             of::<AttentionFwdKernel>(),
             of::<AttentionBwdKernel>(),
             of::<CrossEntropyKernel>(),
-            of::<SwiGluKernel>(),
             of::<NormFwdKernel>(),
             of::<NormBwdKernel>(),
         ]
@@ -277,7 +267,6 @@ mod tests {
         assert_eq!(d.attention_fwd, AttentionFwdKernel::Ws);
         assert_eq!(d.attention_bwd, AttentionBwdKernel::Ws);
         assert_eq!(d.cross_entropy, CrossEntropyKernel::Staged);
-        assert_eq!(d.swiglu, SwiGluKernel::Apart);
         assert_eq!(d.norm_fwd, NormFwdKernel::Multirow);
         assert_eq!(d.norm_bwd, NormBwdKernel::Fused);
     }

@@ -25,10 +25,6 @@
 //   BF16   C = bf16(acc + bias[j] + beta·R[i][j]) (bias f32 or bf16, R bf16 at c_in);
 //   GELU   pre = acc + bias + beta·R as above, aux = bf16(pre), C = bf16(gelu_tanh(pre));
 //   DGELU  C = bf16(acc · gelu_tanh'(aux[i][j])).
-//   SWIGLU aux = bf16(acc) (the up projection), C = bf16(silu(g) · acc), g = c_in[i][j] (the
-//          gate);
-//   DSWIGLU with g = c_in[i][j], u = side[i][j] and s = σ(g): C = bf16(acc · u · s(1 + g(1 − s)))
-//          (dgate), aux = bf16(acc · g · s) (dup): elementwise.cu's swiglu_bwd on the product.
 #ifdef __CUDA_ARCH_FEAT_SM90_ALL
 
 #define GW_THREADS 384
@@ -46,8 +42,6 @@
 #define GW_EPI_BF16 1
 #define GW_EPI_GELU 2
 #define GW_EPI_DGELU 3
-#define GW_EPI_SWIGLU 4
-#define GW_EPI_DSWIGLU 5
 
 // d (64 × 256, fp32) (+)= A·B, both from shared memory; TA / TB: A / B MN-major.
 template <int TA, int TB>
@@ -125,7 +119,7 @@ __device__ __forceinline__ unsigned gw_pack(float lo, float hi) {
 __device__ __forceinline__ void gw_consumers_bar() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 
 template <int TA, int TB, int EPI, bool DB>
-__device__ __forceinline__ void gw_gemm(const TmaMap& tp, const TmaMap& tq, int mr, int nr, int k, int splits, long long ldc, float beta, void* c, const unsigned short* c_in, const unsigned short* side2, const void* bias, int bias_bf16, void* aux, float* db, float* ws, int* counters) {
+__device__ __forceinline__ void gw_gemm(const TmaMap& tp, const TmaMap& tq, int mr, int nr, int k, int splits, long long ldc, float beta, void* c, const unsigned short* c_in, const void* bias, int bias_bf16, void* aux, float* db, float* ws, int* counters) {
     extern __shared__ __align__(16) unsigned char gw_smem_raw[];
     unsigned raw = tc_smem_addr(gw_smem_raw);
     unsigned char* smem = gw_smem_raw + ((1024 - (raw & 1023)) & 1023);
@@ -292,7 +286,7 @@ __device__ __forceinline__ void gw_gemm(const TmaMap& tp, const TmaMap& tq, int 
             unsigned short* out = static_cast<unsigned short*>(c);
             const unsigned short* r = c_in ? c_in : out;
             const unsigned short* side = EPI == GW_EPI_DGELU ? static_cast<const unsigned short*>(aux) : r;
-            bool read_side = EPI == GW_EPI_DGELU || EPI == GW_EPI_SWIGLU || EPI == GW_EPI_DSWIGLU || beta != 0.0f;
+            bool read_side = EPI == GW_EPI_DGELU || beta != 0.0f;
             #pragma unroll
             for (int half = 0; half < 2; half++) {
                 int i = row0 + 8 * half;
@@ -303,16 +297,14 @@ __device__ __forceinline__ void gw_gemm(const TmaMap& tp, const TmaMap& tq, int 
                 #pragma unroll
                 for (int c8 = 0; c8 < 4; c8++) {
                     float2 bv[8];
-                    unsigned sv[8], uv[8];
+                    unsigned sv[8];
                     #pragma unroll
                     for (int q = 0; q < 8; q++) {
                         int j = col0 + 8 * (8 * c8 + q);
                         bv[q] = make_float2(0.0f, 0.0f);
                         sv[q] = 0u;
-                        uv[q] = 0u;
                         if (j < nr) {
-                            if (EPI == GW_EPI_DSWIGLU) uv[q] = *reinterpret_cast<const unsigned*>(side2 + ro + j);
-                            if (EPI != GW_EPI_DGELU && EPI != GW_EPI_DSWIGLU && bias) {
+                            if (EPI != GW_EPI_DGELU && bias) {
                                 if (bias_bf16) {
                                     unsigned bb = *reinterpret_cast<const unsigned*>(static_cast<const unsigned short*>(bias) + j);
                                     bv[q] = make_float2(widen_bf16((unsigned short)(bb & 0xffffu)), widen_bf16((unsigned short)(bb >> 16)));
@@ -329,36 +321,20 @@ __device__ __forceinline__ void gw_gemm(const TmaMap& tp, const TmaMap& tq, int 
                         if (j >= nr) continue;
                         float x0 = acc[4 * nb + 2 * half], x1 = acc[4 * nb + 2 * half + 1];
                         float s0 = widen_bf16((unsigned short)(sv[q] & 0xffffu)), s1 = widen_bf16((unsigned short)(sv[q] >> 16));
-                        unsigned short* aux16 = static_cast<unsigned short*>(aux);
                         if (EPI == GW_EPI_DGELU) {
                             x0 = x0 * gw_dgelu(s0);
                             x1 = x1 * gw_dgelu(s1);
-                        } else if (EPI == GW_EPI_DSWIGLU) {
-                            float u0 = widen_bf16((unsigned short)(uv[q] & 0xffffu)), u1 = widen_bf16((unsigned short)(uv[q] >> 16));
-                            float d0, d1, e0, e1;
-                            swiglu_bwd_element(x0, s0, u0, d0, e0);
-                            swiglu_bwd_element(x1, s1, u1, d1, e1);
-                            *reinterpret_cast<unsigned*>(aux16 + ro + j) = gw_pack(e0, e1);
-                            x0 = d0;
-                            x1 = d1;
                         } else {
                             x0 += bv[q].x;
                             x1 += bv[q].y;
-                            if (EPI != GW_EPI_SWIGLU && beta != 0.0f) {
+                            if (beta != 0.0f) {
                                 x0 += beta * s0;
                                 x1 += beta * s1;
                             }
                             if (EPI == GW_EPI_GELU) {
-                                *reinterpret_cast<unsigned*>(aux16 + ro + j) = gw_pack(x0, x1);
+                                *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(aux) + ro + j) = gw_pack(x0, x1);
                                 x0 = gw_gelu(x0);
                                 x1 = gw_gelu(x1);
-                            }
-                            if (EPI == GW_EPI_SWIGLU) {
-                                // The product is the up projection (saved); the gate was read
-                                // where a residual is (beta is 0 here).
-                                *reinterpret_cast<unsigned*>(aux16 + ro + j) = gw_pack(x0, x1);
-                                x0 = s0 * sigmoid_f(s0) * x0;
-                                x1 = s1 * sigmoid_f(s1) * x1;
                             }
                         }
                         *reinterpret_cast<unsigned*>(out + ro + j) = gw_pack(x0, x1);
@@ -375,15 +351,13 @@ __device__ __forceinline__ void gw_gemm(const TmaMap& tp, const TmaMap& tq, int 
 #define GW_KERNEL(NAME, TA, TB, EPI, DB)                                                                                                    \
     extern "C" __global__ void __launch_bounds__(GW_THREADS, 1) NAME(                                                                  \
         const __grid_constant__ TmaMap tp, const __grid_constant__ TmaMap tq, int mr, int nr, int k, int splits, long long ldc,         \
-        float beta, void* c, const unsigned short* c_in, const unsigned short* side2, const void* bias, int bias_bf16, void* aux, float* db, float* ws, int* counters) { \
-        gw_gemm<TA, TB, EPI, DB>(tp, tq, mr, nr, k, splits, ldc, beta, c, c_in, side2, bias, bias_bf16, aux, db, ws, counters);                   \
+        float beta, void* c, const unsigned short* c_in, const void* bias, int bias_bf16, void* aux, float* db, float* ws, int* counters) { \
+        gw_gemm<TA, TB, EPI, DB>(tp, tq, mr, nr, k, splits, ldc, beta, c, c_in, bias, bias_bf16, aux, db, ws, counters);                   \
     }
 GW_KERNEL(gemm_ws_kk_bf16, 0, 0, GW_EPI_BF16, false)
 GW_KERNEL(gemm_ws_kk_gelu, 0, 0, GW_EPI_GELU, false)
-GW_KERNEL(gemm_ws_kk_swiglu, 0, 0, GW_EPI_SWIGLU, false)
 GW_KERNEL(gemm_ws_km_bf16, 0, 1, GW_EPI_BF16, false)
 GW_KERNEL(gemm_ws_km_dgelu, 0, 1, GW_EPI_DGELU, false)
-GW_KERNEL(gemm_ws_km_dswiglu, 0, 1, GW_EPI_DSWIGLU, false)
 GW_KERNEL(gemm_ws_mm_f32, 1, 1, GW_EPI_F32, false)
 GW_KERNEL(gemm_ws_mm_f32_db, 1, 1, GW_EPI_F32, true)
 
