@@ -130,39 +130,23 @@ impl ScaleAmaxes {
         stream: &CudaStream,
         amax: Buf,
     ) -> Result<()> {
-        if amax.len != 1 || amax.dtype != DType::F32 {
-            return Err(RuntimeError::Buffer {
-                id: amax.id.0,
-                what: format!(
-                    "is a scale amax of {} {:?} values; one f32 expected",
-                    amax.len, amax.dtype
-                ),
-            });
-        }
+        one_f32(amax)?;
         let (slot, grow) = self.slots.copying(amax.id);
         if let Some(capacity) = grow {
             self.grow(ctx, capacity)?;
         }
+        let host = self.host_mut()?;
+        // SAFETY: slot < capacity (grown above); amax holds one f32 (checked above); the
+        // page-locked memory lives until the event recorded next has fired (Drop, grow).
+        unsafe { cu::memcpy_dtoh_async(&mut host[slot..=slot], amax.ptr, stream.cu_stream()) }
+            .map_err(|e| driver_error("queuing a scale amax's copy to the host", e))?;
         let event = match self.copied.take() {
             Some(event) => event,
             None => ctx
                 .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
                 .map_err(|e| driver_error("creating the scale amaxes' copy event", e))?,
         };
-        let event = self.copied.insert(event);
-        let memory = self.memory.as_mut().ok_or_else(|| RuntimeError::Op {
-            op: "Fp8HistoryRoll".into(),
-            what: "no page-locked memory for the scale amaxes".into(),
-        })?;
-        let host = memory
-            .as_mut_slice()
-            .map_err(|e| driver_error("mapping the scale amaxes' slots", e))?;
-        // SAFETY: slot < capacity (grown above); amax holds one f32 (checked above); the
-        // page-locked memory lives until the event recorded next has fired (Drop, grow).
-        unsafe { cu::memcpy_dtoh_async(&mut host[slot..=slot], amax.ptr, stream.cu_stream()) }
-            .map_err(|e| driver_error("queuing a scale amax's copy to the host", e))?;
-        event
-            .record(stream)
+        (self.copied.insert(event).record(stream))
             .map_err(|e| driver_error("recording the scale amaxes' copy event", e))
     }
 
@@ -177,17 +161,22 @@ impl ScaleAmaxes {
             }
             Need::Device => return read_one(stream, amax),
         };
-        let memory = self.memory.as_ref().ok_or_else(|| RuntimeError::Op {
-            op: "FP8 GEMM".into(),
-            what: "no page-locked memory for the scale amaxes".into(),
-        })?;
-        let host = memory
-            .as_slice()
-            .map_err(|e| driver_error("mapping the scale amaxes' slots", e))?;
+        let host = self.host_mut()?;
         host.get(slot).copied().ok_or_else(|| RuntimeError::Buffer {
             id: amax.id.0,
             what: format!("has scale amax slot {slot} of {}", host.len()),
         })
+    }
+
+    /// The page-locked slots (allocated by the first roll's copy).
+    fn host_mut(&mut self) -> Result<&mut [f32]> {
+        let memory = self.memory.as_mut().ok_or_else(|| RuntimeError::Op {
+            op: "delayed FP8 scaling".into(),
+            what: "no page-locked memory for the scale amaxes".into(),
+        })?;
+        memory
+            .as_mut_slice()
+            .map_err(|e| driver_error("mapping the scale amaxes' slots", e))
     }
 
     fn wait(&mut self) -> Result<()> {
@@ -230,17 +219,23 @@ impl ScaleAmaxes {
     }
 }
 
+/// An error unless `amax` is one f32, as a scale amax is.
+fn one_f32(amax: Buf) -> Result<()> {
+    if amax.len == 1 && amax.dtype == DType::F32 {
+        return Ok(());
+    }
+    Err(RuntimeError::Buffer {
+        id: amax.id.0,
+        what: format!(
+            "is a scale amax of {} {:?} values; one f32 expected",
+            amax.len, amax.dtype
+        ),
+    })
+}
+
 /// Scale amax `amax` read from the device once the work queued on `stream` has run.
 fn read_one(stream: &CudaStream, amax: Buf) -> Result<f32> {
-    if amax.len != 1 || amax.dtype != DType::F32 {
-        return Err(RuntimeError::Buffer {
-            id: amax.id.0,
-            what: format!(
-                "is a scale amax of {} {:?} values; one f32 expected",
-                amax.len, amax.dtype
-            ),
-        });
-    }
+    one_f32(amax)?;
     stream
         .synchronize()
         .map_err(|e| driver_error("waiting to read a scale amax", e))?;
