@@ -220,8 +220,8 @@ pub(super) fn delayed_cold(be: &mut CudaBackend, b: &Bound, fp8: Fp8Gemm) -> Res
     }
     for role in amax_roles(b.op) {
         if let Some(amax) = b.optional_input(role) {
-            let stream = be.stream.clone();
-            if be.scale_amaxes.value(&stream, amax)? == 0.0 {
+            let (ctx, stream) = (be.ctx.clone(), be.stream.clone());
+            if be.scale_amaxes.value(&ctx, &stream, amax)? == 0.0 {
                 return Ok(true);
             }
         }

@@ -10,7 +10,7 @@
 //! FP8 GEMM the previous step's end has run or nearly), then reads every slot copied so far. A
 //! scale amax that no roll has copied since it was last written otherwise (allocated, written
 //! from the host as a checkpoint loads, written by another op or by communication) is read
-//! synchronously, once: every history on a run's first step, after a load.
+//! synchronously and kept in its slot: once per history on a run's first step, after a load.
 //!
 //! [`Slots`] is the bookkeeping without the device (which slot a buffer has, what its value's
 //! state is), tested below; [`ScaleAmaxes`] adds the page-locked memory and the event.
@@ -60,13 +60,22 @@ impl Slots {
     /// A roll's copy into `id`'s slot is about to be queued: the slot, and the capacity to grow
     /// the memory to first where it has no room for a new one.
     fn copying(&mut self, id: BufferId) -> (usize, Option<usize>) {
+        self.assign(id, State::Copying)
+    }
+
+    /// `id`'s value, read from the device, is about to be kept in its slot (as [`Self::copying`]).
+    fn keeping(&mut self, id: BufferId) -> (usize, Option<usize>) {
+        self.assign(id, State::Ready)
+    }
+
+    fn assign(&mut self, id: BufferId, state: State) -> (usize, Option<usize>) {
         let next = self.index.len();
         let slot = *self.index.entry(id).or_insert(next);
         let grow = (slot >= self.capacity).then(|| (2 * self.capacity).max(MIN_SLOTS));
         if let Some(capacity) = grow {
             self.capacity = capacity;
         }
-        self.state.insert(id, State::Copying);
+        self.state.insert(id, state);
         (slot, grow)
     }
 
@@ -151,15 +160,25 @@ impl ScaleAmaxes {
     }
 
     /// The value of scale amax `amax`: from its slot (waiting for the copies in flight first
-    /// where they hold it), else read from the device after the work queued on `stream`.
-    pub fn value(&mut self, stream: &CudaStream, amax: Buf) -> Result<f32> {
+    /// where they hold it), else read from the device after the work queued on `stream` and
+    /// kept in its slot until the buffer is written again.
+    pub fn value(&mut self, ctx: &Arc<CudaContext>, stream: &CudaStream, amax: Buf) -> Result<f32> {
         let slot = match self.slots.need(amax.id) {
             Need::Read(slot) => slot,
             Need::Wait(slot) => {
                 self.wait()?;
                 slot
             }
-            Need::Device => return read_one(stream, amax),
+            Need::Device => {
+                // The read waits for the stream, so no copy into the slot is in flight.
+                let value = read_one(stream, amax)?;
+                let (slot, grow) = self.slots.keeping(amax.id);
+                if let Some(capacity) = grow {
+                    self.grow(ctx, capacity)?;
+                }
+                self.host_mut()?[slot] = value;
+                return Ok(value);
+            }
         };
         let host = self.host_mut()?;
         host.get(slot).copied().ok_or_else(|| RuntimeError::Buffer {
@@ -264,9 +283,12 @@ mod tests {
             (slots.need(a), slots.need(b)),
             (Need::Read(0), Need::Read(1))
         );
-        // A host write (a checkpoint's load) makes the device the only source again.
+        // A host write (a checkpoint's load) makes the device the only source again, until
+        // the value read from it is kept.
         slots.written(b);
         assert_eq!(slots.need(b), Need::Device);
+        assert_eq!(slots.keeping(b), (1, None));
+        assert_eq!(slots.need(b), Need::Read(1));
         // The next roll keeps the slot.
         assert_eq!(slots.copying(b), (1, None));
         assert_eq!(slots.need(b), Need::Wait(1));
