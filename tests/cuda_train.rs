@@ -189,6 +189,21 @@ fn bf16_storage_matches_cpu_bf16(name: &str, llama: bool) {
     compare_within(name, &cuda.records, &cpu.records, |_| (1e-2, 2e-2));
 }
 
+/// `s` with every attention and MLP projection pinned to tensorwise FP8 (E5M2 gradients),
+/// delayed scaling with `history`.
+fn tensorwise_fp8(s: &Spec, history: Option<u32>) -> Spec {
+    let mut fp8 = s.clone();
+    fp8.train.fp8 = Some(Fp8 {
+        scaling: Fp8Scaling::Tensorwise,
+        grad: Fp8Format::E5m2,
+        history,
+        keep_bf16: Vec::new(),
+        force_fp8: vec!["Attention".into(), "MLP".into()],
+        span: Default::default(),
+    });
+    fp8
+}
+
 /// Tensorwise FP8 (every attention and MLP projection pinned FP8, E5M2 gradients) on CUDA's
 /// cuBLASLt FP8 GEMMs against the CPU's exact emulation, both bf16 runs: within the bf16
 /// storage runs' tolerances (the GPU also rounds GEMM weights to bf16 before taking their amax,
@@ -199,15 +214,7 @@ fn bf16_storage_matches_cpu_bf16(name: &str, llama: bool) {
 fn tensorwise_fp8_matches_cpu_emulation(name: &str, llama: bool, history: Option<u32>) {
     let mut s = model_spec(llama, 6);
     s.train.precision = Precision::Bf16;
-    let mut fp8 = s.clone();
-    fp8.train.fp8 = Some(Fp8 {
-        scaling: Fp8Scaling::Tensorwise,
-        grad: Fp8Format::E5m2,
-        history,
-        keep_bf16: Vec::new(),
-        force_fp8: vec!["Attention".into(), "MLP".into()],
-        span: Default::default(),
-    });
+    let fp8 = tensorwise_fp8(&s, history);
     let plan = lower(&fp8).unwrap_or_else(|d| panic!("{:?}", d.items));
     let fp8_gemms = (plan.programs[0].instrs.iter())
         .filter_map(|i| i.as_compute())
@@ -414,13 +421,30 @@ fn checkpoints_cross_backends() {
 /// (the bf16 working copies are rebuilt from the masters on load).
 #[test]
 fn cuda_resume_from_an_async_save_is_bit_exact() {
+    let mut s = model_spec(true, 6);
+    s.train.precision = Precision::Bf16;
+    resume_is_bit_exact(s, "cuda-resume-bits");
+}
+
+/// The same under delayed FP8 scaling: the checkpoint carries the amax histories, and the
+/// resumed run's GEMMs read the loaded scale amaxes (written from the host, so the backend's
+/// copies of them are stale and it reads them again), not the empty histories of a cold start.
+#[test]
+fn cuda_resume_of_a_delayed_fp8_run_is_bit_exact() {
+    let mut s = model_spec(true, 6);
+    s.train.precision = Precision::Bf16;
+    resume_is_bit_exact(tensorwise_fp8(&s, Some(4)), "cuda-resume-delayed");
+}
+
+/// `s` run on CUDA uninterrupted, and again stopped after step 4 (asynchronous checkpoints every
+/// 2 steps in a temporary folder named after `name`) and resumed: the same losses, gradient
+/// norms and final parameters, bit for bit.
+fn resume_is_bit_exact(mut s: Spec, name: &str) {
     if !gpu_present() {
         return;
     }
-    let mut s = model_spec(true, 6);
-    s.train.precision = Precision::Bf16;
     let full = run(&s, Which::Cuda, None, None);
-    let dir = temp_dir("cuda-resume-bits");
+    let dir = temp_dir(name);
     s.train.checkpoint = Some(Checkpointing {
         every: 2,
         dir: dir.display().to_string(),
@@ -435,7 +459,7 @@ fn cuda_resume_from_an_async_save_is_bit_exact() {
         assert_eq!(
             (a.loss.to_bits(), a.grad_norm.to_bits()),
             (b.loss.to_bits(), b.grad_norm.to_bits()),
-            "step {}: resumed {} / {} vs uninterrupted {} / {}",
+            "{name} step {}: resumed {} / {} vs uninterrupted {} / {}",
             a.step,
             b.loss,
             b.grad_norm,
@@ -449,7 +473,7 @@ fn cuda_resume_from_an_async_save_is_bit_exact() {
             .iter()
             .zip(&b.data)
             .all(|(x, y)| x.to_bits() == y.to_bits());
-        assert!(same, "{}: resumed parameters differ", a.name);
+        assert!(same, "{name} {}: resumed parameters differ", a.name);
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
