@@ -52,6 +52,9 @@ pub struct PricedBy {
     pub scaled_from: Option<String>,
     /// Kinds of work the profile has no points for, priced by the GPU's peak numbers.
     pub roofline_kinds: Vec<String>,
+    /// Work the profile prices more coarsely than `parc calibrate` measures now (an older
+    /// profile's: `ProfileCosts::coarse_tables`).
+    pub coarse: Vec<String>,
     /// One sentence saying all of the above.
     pub note: String,
 }
@@ -161,6 +164,7 @@ pub fn priced_by(chosen: &Chosen, spec: &Spec, plan: &Plan) -> PricedBy {
             device: None,
             scaled_from: None,
             roofline_kinds: Vec::new(),
+            coarse: Vec::new(),
             note: match &chosen.passed_over {
                 Some(why) => format!("timeline priced by the GPU's peak numbers: {why}"),
                 None => format!(
@@ -171,7 +175,8 @@ pub fn priced_by(chosen: &Chosen, spec: &Spec, plan: &Plan) -> PricedBy {
         };
     };
     let profile = &calibration.profile;
-    let roofline_kinds = ProfileCosts::new(calibration, spec).roofline_kinds(plan);
+    let costs = ProfileCosts::new(calibration, spec);
+    let (roofline_kinds, coarse) = (costs.roofline_kinds(plan), costs.coarse_tables(plan));
     let file = chosen.file.clone().unwrap_or_default();
     let mut note = format!(
         "timeline priced by {file} (measured {} on {})",
@@ -189,6 +194,12 @@ pub fn priced_by(chosen: &Chosen, spec: &Spec, plan: &Plan) -> PricedBy {
             roofline_kinds.join(", ")
         ));
     }
+    if !coarse.is_empty() {
+        note.push_str(&format!(
+            "; coarser than `parc calibrate` measures now: {} (re-run it on this GPU)",
+            coarse.join(", ")
+        ));
+    }
     PricedBy {
         model: "calibration",
         file: Some(file),
@@ -196,6 +207,7 @@ pub fn priced_by(chosen: &Chosen, spec: &Spec, plan: &Plan) -> PricedBy {
         device: Some(profile.device.clone()),
         scaled_from,
         roofline_kinds,
+        coarse,
         note,
     }
 }

@@ -95,6 +95,14 @@ impl<'a> ProfileCosts<'a> {
                         if !self.has_points(table) {
                             kinds.insert(table_name(table));
                         }
+                        // Without points of its scaling an FP8 GEMM is its bf16 time at the
+                        // GPU's FP8 peak ratio.
+                        if let Some(f) = op
+                            .fp8()
+                            .filter(|f| !self.has_gemm(GemmDtype::Fp8(f.scaling)))
+                        {
+                            kinds.insert(format!("FP8 GEMMs ({})", f.scaling.name()));
+                        }
                     }
                     Instr::Collective { kind, .. } => {
                         let name = collective_name(*kind);
@@ -107,6 +115,30 @@ impl<'a> ProfileCosts<'a> {
             }
         }
         kinds.into_iter().collect()
+    }
+
+    /// What `plan` runs that this profile prices more coarsely than `parc calibrate` measures
+    /// today (a profile from an older calibrate): GEMM epilogues priced as plainer GEMMs where
+    /// it measured none, memory-bound ops priced by their kind's rate where it measured no op
+    /// on its own. Empty for a current profile.
+    pub fn coarse_tables(&self, plan: &Plan) -> Vec<String> {
+        let p = self.profile;
+        let epilogues = p.gemm.iter().any(|g| g.epilogue() != GemmEpilogue::PLAIN);
+        let per_op = p.memory.iter().any(|m| m.op.is_some());
+        let ops = (plan.programs.iter().flat_map(|p| &p.instrs)).filter_map(Instr::op);
+        let mut coarse = BTreeSet::new();
+        for op in ops {
+            match table_of(op) {
+                Table::Gemm(_) if !epilogues && epilogue_of(op) != GemmEpilogue::PLAIN => {
+                    coarse.insert("GEMM epilogues (as plain GEMMs)");
+                }
+                Table::Memory(_) if !per_op => {
+                    coarse.insert("memory-bound ops (by their kind's rate, not their own)");
+                }
+                _ => {}
+            }
+        }
+        coarse.into_iter().map(String::from).collect()
     }
 
     fn has_points(&self, table: Table) -> bool {

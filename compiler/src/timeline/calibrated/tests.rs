@@ -161,6 +161,63 @@ fn missing_tables_fall_back_to_the_roofline_and_are_named() {
         .is_empty());
 }
 
+/// A profile from an older calibrate (no GEMM epilogue points, no memory op measured on its
+/// own) is named as coarser than today's; FP8 GEMMs without points of their scaling are named
+/// among the work priced by the GPU's peak numbers.
+#[test]
+fn a_profile_coarser_than_calibrate_measures_now_is_named() {
+    let (spec, plan) = tiny();
+    let old = uniform(4e10, 8e9);
+    let calibration = Calibration {
+        profile: old.clone(),
+        scale: false,
+    };
+    assert_eq!(
+        ProfileCosts::new(&calibration, &spec).coarse_tables(&plan),
+        [
+            "GEMM epilogues (as plain GEMMs)",
+            "memory-bound ops (by their kind's rate, not their own)"
+        ]
+    );
+    let mut current = old;
+    let plain = current.gemm[0].clone();
+    current.gemm.push(GemmPoint {
+        bias: true,
+        ..plain
+    });
+    let point = current.memory[0].clone();
+    current.memory.push(MemoryPoint {
+        op: Some("add".into()),
+        ..point
+    });
+    let calibration = Calibration {
+        profile: current,
+        scale: false,
+    };
+    assert!(ProfileCosts::new(&calibration, &spec)
+        .coarse_tables(&plan)
+        .is_empty());
+    let text = include_str!("../../../../examples/tiny-llama.par").to_string();
+    let overrides = [
+        "train.precision=bf16",
+        "train.fp8=tensorwise",
+        "train.fp8.fp8=[MLP]",
+    ]
+    .map(|s| crate::overrides::parse_override(s).unwrap());
+    let fp8 = compile(
+        "tiny-llama.par",
+        text,
+        &overrides,
+        &CompileOptions::through(Stage::Lower),
+    );
+    let (spec, plan) = (fp8.spec.expect("checks"), fp8.plan.expect("lowers"));
+    let kinds = ProfileCosts::new(&bf16_profile(None), &spec).roofline_kinds(&plan);
+    assert!(
+        kinds.contains(&"FP8 GEMMs (tensorwise)".to_string()),
+        "{kinds:?}"
+    );
+}
+
 #[test]
 fn the_launch_overhead_is_every_op_s_floor() {
     let (spec, plan) = tiny();
