@@ -195,6 +195,12 @@ fn check_one(
         for d in crate::init_check::diagnose(spec, &spec_dir) {
             diagnostics.push(d);
         }
+        if let Some(d) = plan
+            .as_ref()
+            .and_then(|p| crate::cuda_support::diagnose(spec, p))
+        {
+            diagnostics.push(d);
+        }
     }
     let mut moves = None;
     if let (Some((dir, consent)), Some(text)) = (resume, resume_text) {

@@ -15,6 +15,7 @@ mod cmd_run;
 mod cmd_sample;
 mod cmd_search;
 mod cmd_tokenize;
+mod cuda_support;
 mod data_check;
 mod diag_text;
 mod diagnostics;

@@ -7,9 +7,7 @@ use crate::input::{parse_overrides, read_spec};
 use crate::run_args::{resolve_backend, Resolved, RunArgs};
 use crate::SpecArgs;
 use parc_compiler::driver::{self, CompileOptions, Compiled, Stage};
-use parc_compiler::ir::fp8::Fp8Scaling;
-use parc_compiler::ir::op::Op;
-use parc_compiler::ir::{BufferKind, Instr, Plan};
+use parc_compiler::ir::Plan;
 use parc_compiler::spec::Spec;
 use parc_runtime::checkpoint::SpecSource;
 use std::path::Path;
@@ -29,72 +27,13 @@ pub(crate) fn backend_and_plan(args: &RunArgs, quiet: bool) -> Result<(Resolved,
     Ok((backend, spec, plan))
 }
 
-/// What the backend cannot run of the plan, said before any rank starts. The CUDA backend runs
-/// tensorwise FP8 GEMMs, current or delayed (equal to the CPU's exact emulation in every case
-/// of `tests/cuda_ops/fp8.rs`, and a delayed Llama-style run in `tests/cuda_train.rs`, on an
-/// H200, 2026-12-05/06); rowwise (cuBLASLt refused its outer-vector scales there), blockwise
-/// (cuBLASLt refused its block scales there), and amaxes or amax histories reduced across
-/// ranks (tp, cp, and dp for histories: not yet run on GPUs) run on the CPU backend only.
+/// What `backend` cannot run of the plan, said before any rank starts
+/// (`cuda_support::refusal`).
 fn unsupported_on(backend: Resolved, plan: &Plan) -> Option<String> {
-    if backend.name() == "cpu" {
-        return None;
+    match backend.name() {
+        "cpu" => None,
+        _ => crate::cuda_support::refusal(plan),
     }
-    let computes = || (plan.programs.iter().flat_map(|p| &p.instrs)).filter_map(|i| i.as_compute());
-    let history_reductions = (plan.programs.iter())
-        .flat_map(|p| p.instrs.iter().map(move |i| (p, i)))
-        .filter(|(p, i)| match i {
-            Instr::Collective { input, .. } => p
-                .buffer(*input)
-                .is_some_and(|b| b.kind == BufferKind::Fp8History),
-            _ => false,
-        })
-        .count();
-    if history_reductions > 0 {
-        return Some(format!(
-            "this plan reduces {history_reductions} FP8 amax histories across ranks (`train.fp8 = \
-             tensorwise {{ scaling: delayed }}` under dp, tp or cp), which the {} backend does not \
-             run yet (not yet tested on GPUs): train delayed scaling on one GPU, use `scaling: \
-             current` under data parallelism, or run `--backend cpu`",
-            backend.name()
-        ));
-    }
-    let reductions = computes()
-        .filter(|c| matches!(c.op, Op::Fp8Amax(_)))
-        .count();
-    if reductions > 0 {
-        return Some(format!(
-            "this plan reduces {reductions} FP8 amaxes across ranks (`train.fp8` under tp or \
-             cp), which the {} backend does not run yet (not yet tested on GPUs): train FP8 \
-             without tensor or context parallelism on the GPU, or run `--backend cpu`",
-            backend.name()
-        ));
-    }
-    let mut refused: Vec<(Fp8Scaling, usize)> = Vec::new();
-    let scalings = computes()
-        .filter_map(|c| c.op.fp8())
-        .map(|f| f.scaling)
-        .filter(|s| *s != Fp8Scaling::Tensorwise);
-    for scaling in scalings {
-        match refused.iter_mut().find(|(s, _)| *s == scaling) {
-            Some((_, n)) => *n += 1,
-            None => refused.push((scaling, 1)),
-        }
-    }
-    let (scaling, count) = refused.first()?;
-    let why = match scaling {
-        Fp8Scaling::Rowwise => "cuBLASLt refuses its outer-vector scales on Hopper",
-        _ => {
-            "cuBLASLt refused its block scales on an H200 (128 × 128 weight blocks as the \
-             product's A, 1 × 128 tiles as B, CUBLAS_STATUS_INVALID_VALUE)"
-        }
-    };
-    Some(format!(
-        "this plan runs {count} GEMMs in {} FP8 (`train.fp8`), which the {} backend does not run \
-         yet ({why}): only the CPU backend runs them (an exact emulation). Use `train.fp8 = \
-         tensorwise` on the GPU, train without `train.fp8`, or run `--backend cpu`",
-        scaling.name(),
-        backend.name()
-    ))
 }
 
 /// A run's exit code: 0, or 1 with its error on stderr.
