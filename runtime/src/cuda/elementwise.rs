@@ -5,6 +5,7 @@
 //! operands widened and rounds what it writes to its output's type; every operand of one op
 //! has the same element count (`bind` checked it).
 use super::args::{fv, n, p, Bound, Limits};
+use super::epilogue::{swiglu_apart, swiglu_grad};
 use super::kernel::Kernel;
 use super::{Arg, CudaBackend};
 use crate::error::Result;
@@ -29,15 +30,10 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
             let args = [Arg::I32(act.code()), fv(b.input(0)?), fv(x), fv(dx), n(len)];
             be.launch_vec(Kernel::ActivationBwd, len, &args)
         }
-        Op::SwiGlu => {
-            let args = [fv(x), fv(b.input(1)?), fv(b.output(0)?), n(len)];
-            be.launch_vec(Kernel::SwigluFwd, len, &args)
-        }
+        Op::SwiGlu => swiglu_apart(be, x, b.input(1)?, b.output(0)?),
         Op::SwiGluBwd => {
             let (gate, up) = (b.input(1)?, b.input(2)?);
-            let (dgate, dup) = (b.output(0)?, b.output(1)?);
-            let args = [fv(x), fv(gate), fv(up), fv(dgate), fv(dup), n(len)];
-            be.launch_vec(Kernel::SwigluBwd, len, &args)
+            swiglu_grad(be, x, (gate, up), (b.output(0)?, b.output(1)?))
         }
         Op::Add => {
             let args = [fv(x), fv(b.input(1)?), fv(b.output(0)?), n(len)];

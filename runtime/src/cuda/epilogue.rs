@@ -1,7 +1,7 @@
 //! GEMM epilogues run apart from their GEMM by the backend's elementwise kernels, where a
 //! GEMM cannot fuse them (cuBLASLt's missing forms, every FP8 GEMM): a forward's residual add
 //! and activation, a data gradient's activation derivative, SwiGLU's gated product and its
-//! gradient. Shared by `matmul` and `fp8`.
+//! gradient. Shared by `matmul` and `fp8`; `elementwise` runs the SwiGLU ops with them.
 use super::args::{fv, n};
 use super::kernel::Kernel;
 use super::{Arg, Buf, CudaBackend};
@@ -45,22 +45,16 @@ pub(super) fn swiglu_apart(be: &mut CudaBackend, gate: Buf, up: Buf, a: Buf) -> 
     be.launch_vec(Kernel::SwigluFwd, a.len, &args)
 }
 
-/// SwiGLU's gradient apart from the down projection's data-gradient GEMM, whose product was
-/// written into `dgate`: dup and dgate (in place) from it, per element as `SwiGluBwd`.
-pub(super) fn swiglu_grad_in_place(
+/// SwiGLU's gradient: dgate and dup from the product `dy` (the down projection's data
+/// gradient), gate and up, per element (`swiglu_bwd`). `dy` may be `dgate` itself (the GEMM's
+/// product written there): the kernel reads each element's product before it writes that
+/// element's dgate.
+pub(super) fn swiglu_grad(
     be: &mut CudaBackend,
-    dgate: Buf,
+    dy: Buf,
     (gate, up): (Buf, Buf),
-    dup: Buf,
+    (dgate, dup): (Buf, Buf),
 ) -> Result<()> {
-    // swiglu_bwd reads each element's product before it writes that element's dgate.
-    let args = [
-        fv(dgate),
-        fv(gate),
-        fv(up),
-        fv(dgate),
-        fv(dup),
-        n(dgate.len),
-    ];
+    let args = [fv(dy), fv(gate), fv(up), fv(dgate), fv(dup), n(dgate.len)];
     be.launch_vec(Kernel::SwigluBwd, dgate.len, &args)
 }

@@ -39,7 +39,7 @@
 use super::args::{fv, n, p, Bound};
 use super::columns::col_sum_into;
 use super::epilogue::{
-    activation_grad_in_place, residual_then_activation, swiglu_apart, swiglu_grad_in_place,
+    activation_grad_in_place, residual_then_activation, swiglu_apart, swiglu_grad,
 };
 use super::gemm::{Epilogue, Fp8Operands, Gemm, Operands, Output, ScaleMode};
 use super::kernel::Kernel;
@@ -453,7 +453,7 @@ pub(super) fn run(
     match *b.op {
         Op::Matmul { swiglu: true, .. } => swiglu_apart(be, role("gate")?, d, b.output(1)?),
         Op::MatmulBwdData { swiglu: true, .. } => {
-            swiglu_grad_in_place(be, d, (role("gate")?, role("up")?), b.output(1)?)
+            swiglu_grad(be, d, (role("gate")?, role("up")?), (d, b.output(1)?))
         }
         Op::Matmul {
             bias,

@@ -30,7 +30,7 @@
 use super::args::{fv, n, p, Bound, Limits};
 use super::columns::col_sum_into;
 use super::epilogue::{
-    activation_grad_in_place, residual_then_activation, swiglu_apart, swiglu_grad_in_place,
+    activation_grad_in_place, residual_then_activation, swiglu_apart, swiglu_grad,
 };
 use super::gemm::{Epilogue, Gemm, Operands, Output};
 use super::gemm_operands::Operand;
@@ -277,7 +277,7 @@ fn swiglu_backward_data(
     let (shape, ptrs) = ((k_in, rows, m_out), (w.ptr, dy.ptr, dgate.ptr));
     let g = dense_gemm((false, false), shape, ptrs, false, output(dgate));
     be.gemm(&g, weight(w), activation(dy))?;
-    swiglu_grad_in_place(be, dgate, (gate, up), dup)
+    swiglu_grad(be, dgate, (gate, up), (dgate, dup))
 }
 
 /// dx (+)= dy·W, then dx = dx ⊙ act'(pre) where the op has an activation gradient.
