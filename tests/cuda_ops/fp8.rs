@@ -56,6 +56,19 @@ fn all_recipes() -> [Fp8Gemm; 3] {
     ]
 }
 
+/// A forward GEMM of `in_dim` into `out_dim` columns without bias, residual or activation.
+fn plain_matmul(in_dim: u64, out_dim: u64, fp8: Option<Fp8Gemm>) -> Op {
+    Op::Matmul {
+        in_dim,
+        out_dim,
+        bias: false,
+        act: None,
+        residual: false,
+        swiglu: false,
+        fp8,
+    }
+}
+
 /// Every FP8 GEMM op form under `g` at (rows, in, out), f32 storage.
 fn cases(r: &mut Rng, g: Fp8Gemm, (rows, k, m): (usize, usize, usize)) -> Vec<Case> {
     let fp8 = Some(g);
@@ -68,15 +81,7 @@ fn cases(r: &mut Rng, g: Fp8Gemm, (rows, k, m): (usize, usize, usize)) -> Vec<Ca
     let mut cases = vec![
         Case::new(
             format!("fp8 matmul {shape}"),
-            Op::Matmul {
-                in_dim: i,
-                out_dim: o,
-                bias: false,
-                act: None,
-                residual: false,
-                swiglu: false,
-                fp8,
-            },
+            plain_matmul(i, o, fp8),
             vec![Data::F32(x.clone()), Data::F32(w.clone())],
             vec![r.vec(rows * m, 1.0)],
             FP8_GEMM,
@@ -215,30 +220,14 @@ fn non_finite_operands_give_non_finite_products() {
         x[k + 3] = f32::NAN;
         let case = Case::new(
             format!("fp8 matmul with a NaN {g}"),
-            Op::Matmul {
-                in_dim: k as u64,
-                out_dim: m as u64,
-                bias: false,
-                act: None,
-                residual: false,
-                swiglu: false,
-                fp8: Some(g),
-            },
+            plain_matmul(k as u64, m as u64, Some(g)),
             vec![Data::F32(x.clone()), Data::F32(r.vec(m * k, 1.0))],
             vec![r.vec(rows * m, 1.0)],
             FP8_GEMM,
         );
         check_with("fp8 NaN", &[case], gpu.as_mut());
         x[k + 3] = f32::INFINITY;
-        let op = Op::Matmul {
-            in_dim: k as u64,
-            out_dim: m as u64,
-            bias: false,
-            act: None,
-            residual: false,
-            swiglu: false,
-            fp8: Some(g),
-        };
+        let op = plain_matmul(k as u64, m as u64, Some(g));
         let ids = [BufferId(0), BufferId(1), BufferId(2)];
         gpu.alloc(ids[0], &[(rows * k) as u64], DType::F32).unwrap();
         gpu.alloc(ids[1], &[(m * k) as u64], DType::F32).unwrap();
@@ -262,15 +251,7 @@ fn non_finite_operands_give_non_finite_products() {
 /// An n × n × n FP8 forward GEMM under `fp8` on `gpu`, its buffers freed after: the error
 /// where the backend refuses it.
 fn matmul_square(gpu: &mut dyn Backend, fp8: Fp8Gemm, n: u64) -> Result<(), String> {
-    let op = Op::Matmul {
-        in_dim: n,
-        out_dim: n,
-        bias: false,
-        act: None,
-        residual: false,
-        swiglu: false,
-        fp8: Some(fp8),
-    };
+    let op = plain_matmul(n, n, Some(fp8));
     let ids = [BufferId(0), BufferId(1), BufferId(2)];
     for id in ids {
         gpu.alloc(id, &[n * n], DType::F32).unwrap();
@@ -399,15 +380,7 @@ fn delayed_scaling_ops_match_the_cpu_emulation() {
     let amax = |v: f32| Data::F32(vec![v]);
     cases.push(Case::new(
         "delayed fp8 matmul",
-        Op::Matmul {
-            in_dim: i,
-            out_dim: o,
-            bias: false,
-            act: None,
-            residual: false,
-            swiglu: false,
-            fp8,
-        },
+        plain_matmul(i, o, fp8),
         vec![x.clone(), w.clone(), amax(4.0), amax(0.5)],
         vec![r.vec(rows * m, 1.0)],
         FP8_GEMM,
@@ -444,15 +417,7 @@ fn delayed_scaling_ops_match_the_cpu_emulation() {
     // quantized either operand misses by an order of magnitude.
     cases.push(Case::new(
         "delayed fp8 matmul, W's history empty",
-        Op::Matmul {
-            in_dim: i,
-            out_dim: o,
-            bias: false,
-            act: None,
-            residual: false,
-            swiglu: false,
-            fp8,
-        },
+        plain_matmul(i, o, fp8),
         vec![x, Data::F32(r.vec(m * k, 0.1)), amax(4.0), amax(0.0)],
         vec![r.vec(rows * m, 1.0)],
         REDUCTION,

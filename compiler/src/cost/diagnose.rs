@@ -50,6 +50,24 @@ fn set_axis(spec: &mut Spec, axis: Axis, size: u32) {
     }
 }
 
+/// `spec` with `axis` (now `size`) twice as large and dp (now `dp`, even) halved, so the world
+/// size stays, and the global batch halved with dp.
+fn doubled(spec: &Spec, axis: Axis, size: u32, dp: u32) -> Alternative {
+    let mut s = spec.clone();
+    set_axis(&mut s, axis, size.saturating_mul(2));
+    set_axis(&mut s, Axis::Dp, dp / 2);
+    s.train.global_batch /= 2;
+    Alternative {
+        change: format!(
+            "{} = {} (dp = {})",
+            axis.name(),
+            size.saturating_mul(2),
+            dp / 2
+        ),
+        spec: s,
+    }
+}
+
 /// Whether every dimension tp splits divides by `t`.
 fn tp_fits(spec: &Spec, t: u32) -> bool {
     let t = u64::from(t);
@@ -121,41 +139,21 @@ pub(crate) fn alternatives(spec: &Spec) -> Vec<Alternative> {
             spec: s,
         });
     }
-    // Doubling tp or pp keeps the world size by halving dp.
+    // Doubling tp, cp or pp keeps the world size by halving dp.
     if dp.is_multiple_of(2) && tp_fits(spec, tp.saturating_mul(2)) {
-        let mut s = spec.clone();
-        set_axis(&mut s, Axis::Tp, tp.saturating_mul(2));
-        set_axis(&mut s, Axis::Dp, dp / 2);
-        let sh = &mut s.model.sharding;
+        let mut alt = doubled(spec, Axis::Tp, tp, dp);
+        let sh = &mut alt.spec.model.sharding;
         sh.attention_heads_on_tp = true;
         sh.mlp_hidden_on_tp = true;
         sh.vocab_on_tp = true;
-        s.train.global_batch /= 2;
-        out.push(Alternative {
-            change: format!("tp = {} (dp = {})", tp.saturating_mul(2), dp / 2),
-            spec: s,
-        });
+        out.push(alt);
     }
     // Long sequences: twice the cp, where the model splits attention's sequence over cp.
     if dp.is_multiple_of(2) && cp_fits(spec, cp.saturating_mul(2)) {
-        let mut s = spec.clone();
-        set_axis(&mut s, Axis::Cp, cp.saturating_mul(2));
-        set_axis(&mut s, Axis::Dp, dp / 2);
-        s.train.global_batch /= 2;
-        out.push(Alternative {
-            change: format!("cp = {} (dp = {})", cp.saturating_mul(2), dp / 2),
-            spec: s,
-        });
+        out.push(doubled(spec, Axis::Cp, cp, dp));
     }
     if dp.is_multiple_of(2) && splits_over(spec, pp.saturating_mul(2)) {
-        let mut s = spec.clone();
-        set_axis(&mut s, Axis::Pp, pp.saturating_mul(2));
-        set_axis(&mut s, Axis::Dp, dp / 2);
-        s.train.global_batch /= 2;
-        out.push(Alternative {
-            change: format!("pp = {} (dp = {})", pp.saturating_mul(2), dp / 2),
-            spec: s,
-        });
+        out.push(doubled(spec, Axis::Pp, pp, dp));
     }
     let b = spec.train.micro_batch;
     if b.is_multiple_of(2) {

@@ -208,8 +208,7 @@ pub(super) fn roll(be: &mut CudaBackend, b: &Bound) -> Result<()> {
     }
     let args = [p(history), n(history.len), p(amax)];
     be.launch(Kernel::Fp8HistoryRoll, (1, 1, 1), (1, 1, 1), 0, &args)?;
-    let (ctx, stream) = (be.ctx.clone(), be.stream.clone());
-    be.scale_amaxes.copy_after_roll(&ctx, &stream, amax)
+    be.scale_amaxes.copy_after_roll(&be.ctx, &be.stream, amax)
 }
 
 /// Whether delayed-scaling GEMM `b` runs unquantized this step: either operand's history is
@@ -220,8 +219,7 @@ pub(super) fn delayed_cold(be: &mut CudaBackend, b: &Bound, fp8: Fp8Gemm) -> Res
     }
     for role in amax_roles(b.op) {
         if let Some(amax) = b.optional_input(role) {
-            let (ctx, stream) = (be.ctx.clone(), be.stream.clone());
-            if be.scale_amaxes.value(&ctx, &stream, amax)? == 0.0 {
+            if be.scale_amaxes.value(&be.ctx, &be.stream, amax)? == 0.0 {
                 return Ok(true);
             }
         }

@@ -79,9 +79,12 @@ impl Slots {
         (slot, grow)
     }
 
-    /// Buffer `id` is written by something other than a roll's copy.
+    /// Buffer `id` is written by something other than a roll's copy. (Called for every output
+    /// of every op: nothing to hash in a run without delayed scaling.)
     fn written(&mut self, id: BufferId) {
-        self.state.remove(&id);
+        if !self.state.is_empty() {
+            self.state.remove(&id);
+        }
     }
 
     fn need(&self, id: BufferId) -> Need {
