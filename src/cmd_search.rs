@@ -55,6 +55,7 @@ pub fn main(args: SearchArgs) -> u8 {
         lower_at_most: (3 * args.top).max(12),
         fusion: args.fusion,
         calibration: None,
+        refuse: None,
     };
     let base = match search::prepare(&name, &text, &overrides, &options) {
         Ok(base) => base,
@@ -82,6 +83,10 @@ pub fn main(args: SearchArgs) -> u8 {
         ),
     };
     options.calibration = chosen.calibration;
+    // On a GPU cluster the plans `parc run --backend cuda` refuses are not recommended.
+    if base.spec.cluster.gpu.name != "cpu" {
+        options.refuse = Some(crate::cuda_support::refusal);
+    }
     let started = std::time::Instant::now();
     let tty = std::io::stderr().is_terminal();
     let progress = |p: Progress| {

@@ -1,7 +1,8 @@
-//! What the CUDA backend cannot run yet of a lowered plan, in one place for the two commands
-//! that say it: `parc run --backend cuda` refuses such a plan before any rank starts
-//! (`run_prepare`), and `parc check` of a GPU spec warns of it (W1202), so the verdict of
-//! `check` is the one the runtime acts on.
+//! What the CUDA backend cannot run yet of a lowered plan, in one place for the three commands
+//! that act on it: `parc run --backend cuda` refuses such a plan before any rank starts
+//! (`run_prepare`), `parc check` of a GPU spec warns of it (W1202), and `parc plan --search` on
+//! a GPU cluster rejects the candidates it refuses (`cmd_search`), so the verdict of `check` and
+//! the search's advice are the ones the runtime acts on.
 //!
 //! The CUDA backend runs tensorwise FP8 GEMMs, current or delayed (equal to the CPU's exact
 //! emulation in every case of `tests/cuda_ops/fp8.rs`, and a delayed Llama-style run in

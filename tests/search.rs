@@ -313,3 +313,46 @@ fn rejections_are_rules_not_blanked_out_messages() {
         assert_eq!(unique.len(), rules.len(), "{case:?}: {rules:?}");
     }
 }
+
+/// On a GPU cluster the search recommends only plans `parc run --backend cuda` runs: Llama-3-8B
+/// with tensorwise FP8 on 8 H100s, whose fastest plans by the timeline shard attention on cp
+/// or tp (FP8 amaxes reduced across ranks, which the CUDA backend refuses). Those are rejected
+/// under their own rule with the reason, and every plan shown checks without W1202 (the
+/// warning `check` gives a plan the CUDA backend refuses).
+#[test]
+fn a_gpu_search_recommends_only_plans_the_cuda_backend_runs() {
+    let fp8 = ["--set", "train.fp8=tensorwise"];
+    let mut args = vec![
+        "plan",
+        "--search",
+        "examples/llama3-8b-8gpu.par",
+        "--top",
+        "3",
+    ];
+    args.extend(fp8);
+    let text = stdout_of(&parc_ok(&args));
+    let refused = rejection_rules(&text)
+        .into_iter()
+        .find(|r| r.starts_with("the backend does not run it, e.g. this plan reduces"));
+    assert!(refused.is_some(), "{text}");
+    let plans: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.split_once("  dp ").map(|(_, plan)| plan))
+        .collect();
+    assert_eq!(plans.len(), 3, "{text}");
+    let flags = text
+        .lines()
+        .skip_while(|l| !l.starts_with("the fastest as flags:"))
+        .nth(1)
+        .unwrap_or_else(|| panic!("no flags in:\n{text}"));
+    let mut check: Vec<String> = ["check", "examples/llama3-8b-8gpu.par"]
+        .map(String::from)
+        .to_vec();
+    check.extend(fp8.map(String::from));
+    check.extend(shell_words(flags));
+    let check: Vec<&str> = check.iter().map(String::as_str).collect();
+    let checked = parc(&check);
+    let said = format!("{}{}", stdout_of(&checked), stderr_of(&checked));
+    assert!(checked.status.success(), "{said}");
+    assert!(!said.contains("W1202"), "{said}");
+}

@@ -62,13 +62,21 @@ pub struct SearchOptions {
     pub fusion: bool,
     /// The profile that prices the timeline (`None`: the GPU's peak numbers).
     pub calibration: Option<std::sync::Arc<crate::timeline::Calibration>>,
+    /// The backend's verdict on a lowered plan: why it cannot run it, or `None` where it can
+    /// (the CUDA backend's for a GPU cluster). A candidate it refuses is rejected under
+    /// [`BACKEND_RULE`] with its reason, so the search recommends only plans `parc run` runs.
+    pub refuse: Option<Refusal>,
 }
 
-/// How candidates are lowered and priced.
+/// Why a backend cannot run a lowered plan, or `None` where it can.
+pub type Refusal = fn(&Plan) -> Option<String>;
+
+/// How candidates are lowered, priced and judged.
 #[derive(Clone, Default)]
 struct Pricing {
     fusion: bool,
     calibration: Option<std::sync::Arc<crate::timeline::Calibration>>,
+    refuse: Option<Refusal>,
 }
 
 /// A plan that fits, with what the lowered plan predicts.
@@ -210,6 +218,7 @@ pub fn search_from(
     let how = Pricing {
         fusion: options.fusion,
         calibration: options.calibration.clone(),
+        refuse: options.refuse,
     };
     let mut lowering = Lowering {
         name,
@@ -219,6 +228,7 @@ pub fn search_from(
         how: how.clone(),
         underestimate: 1.0,
         lowered: 0,
+        refused: Vec::new(),
         rejected: &mut rejected,
     };
     let fitting = lowering.run(&mut queue, options, progress);
@@ -676,7 +686,19 @@ struct Lowering<'a> {
     underestimate: f64,
     /// Candidates lowered so far.
     lowered: usize,
+    /// The meshes (which axes are split) of candidates the backend refused: a candidate of
+    /// the same kind waits until the others are tried.
+    refused: Vec<Splits>,
     rejected: &'a mut Vec<Rejection>,
+}
+
+/// Which of a candidate's mesh axes (dp, pp, cp, tp) split it over more than one rank: what
+/// decides, for one spec, whether the backend refuses its plan (amaxes or histories reduced
+/// across ranks); only the order of lowering leans on it, the verdict is the lowered plan's.
+type Splits = [bool; 4];
+
+fn splits(c: &Candidate) -> Splits {
+    [c.dp > 1, c.pp > 1, c.cp > 1, c.tp > 1]
 }
 
 impl Lowering<'_> {
@@ -716,7 +738,12 @@ impl Lowering<'_> {
                             count(self.rejected, &memory, Some((e.candidate, need(&r))));
                         }
                     }
-                    Err(why) => count(self.rejected, &why, None),
+                    Err(why) => {
+                        if why.rule == BACKEND_RULE {
+                            self.refused.push(splits(&e.candidate));
+                        }
+                        count(self.rejected, &why, None)
+                    }
                 }
             }
         }
@@ -738,12 +765,14 @@ impl Lowering<'_> {
         batch
     }
 
-    /// The first candidate the learnt factor keeps under the GPU's memory, else the first.
+    /// The first candidate the learnt factor keeps under the GPU's memory and whose mesh the
+    /// backend has not refused, else the first under the memory, else the first.
     fn next(&self, queue: &[Estimated]) -> usize {
         let limit = self.capacity as f64 / self.underestimate;
-        queue
-            .iter()
-            .position(|e| e.memory as f64 <= limit)
+        let fits = |e: &Estimated| e.memory as f64 <= limit;
+        let runs = |e: &Estimated| !self.refused.contains(&splits(&e.candidate));
+        (queue.iter().position(|e| fits(e) && runs(e)))
+            .or_else(|| queue.iter().position(fits))
             .unwrap_or(0)
     }
 
@@ -781,6 +810,8 @@ fn step_estimate(cost: &CostReport) -> f64 {
 }
 
 pub const MEMORY_RULE: &str = "memory per GPU over the GPU's (lowered plan)";
+/// A candidate whose lowered plan the backend refuses ([`SearchOptions::refuse`]).
+pub const BACKEND_RULE: &str = "the backend does not run it";
 /// A candidate left unlowered when nothing fits whose formula memory, times the most a lowered
 /// plan ran over its formulas, is over the GPU's.
 pub const LEARNT_RULE: &str =
@@ -972,7 +1003,8 @@ fn extrapolate(a: &Ranked, b: &Ranked, (m1, m2): (u32, u32), m: u32) -> Ranked {
     }
 }
 
-/// Lower `spec` for analysis, its FP8 layers priced as its timeline is.
+/// Lower `spec` for analysis, its FP8 layers priced as its timeline is; `Err` also where the
+/// backend refuses the plan.
 fn lower(spec: &Spec, how: &Pricing) -> Result<Plan, Why> {
     let options = LowerOptions {
         fusion: how.fusion,
@@ -980,7 +1012,14 @@ fn lower(spec: &Spec, how: &Pricing) -> Result<Plan, Why> {
         ..LowerOptions::default()
     };
     let fp8 = crate::fp8::choices(spec, prices(how.calibration.as_deref()));
-    lower_chosen(spec, options, &fp8).map_err(|d| first_error(&d, "lowering"))
+    let plan = lower_chosen(spec, options, &fp8).map_err(|d| first_error(&d, "lowering"))?;
+    match how.refuse.and_then(|refuse| refuse(&plan)) {
+        Some(why) => Err(Why {
+            rule: BACKEND_RULE.to_string(),
+            example: Some(why),
+        }),
+        None => Ok(plan),
+    }
 }
 
 /// Lower, verify, plan and simulate `spec` (the candidate's): its ranking, or why it cannot be.
@@ -1105,7 +1144,7 @@ mod tests {
             let c = candidate(&plan);
             let how = Pricing {
                 fusion: true,
-                calibration: None,
+                ..Pricing::default()
             };
             let exact = evaluate(&spec, &c, &how).expect("lowers");
             let sampled = evaluate_sampled(&spec, &c, &how).expect("lowers");
@@ -1146,6 +1185,7 @@ mod tests {
             lower_at_most: usize::MAX,
             fusion: true,
             calibration: None,
+            refuse: None,
         };
         let outcome = search("tiny.par", text, &[], &options, &|_| {}).expect("searches");
         assert_eq!(outcome.ranked.len(), top);
@@ -1154,7 +1194,7 @@ mod tests {
             .spec;
         let how = Pricing {
             fusion: true,
-            calibration: None,
+            ..Pricing::default()
         };
         let lowering = |c: &Candidate| {
             let mut overrides = vec![
@@ -1220,6 +1260,7 @@ mod tests {
                     lower_at_most: 0,
                     fusion: true,
                     calibration: None,
+                    refuse: None,
                 };
                 let base = prepare(name, text, overrides, &options).expect("checks");
                 let space = space::space(&base.spec, nodes * gpus_per_node, gpus_per_node);
