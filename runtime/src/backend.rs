@@ -128,6 +128,22 @@ pub trait Backend {
         out.copy_from_slice(&values);
         Ok(())
     }
+    /// The choices this backend made while running that change its results' rounding (CUDA:
+    /// the algorithm each GEMM timed fastest on its first run), as text a checkpoint shard
+    /// carries so a resumed run makes the same ones; None where it makes none (the default: its
+    /// results do not depend on timing).
+    fn choices(&self) -> Result<Option<String>> {
+        Ok(None)
+    }
+    /// Make the choices `saved` records (its [`Backend::choices`] in the run a checkpoint
+    /// continues) instead of timing again, so the resumed run continues bit for bit. `Ok(Some)`
+    /// says why they were not taken (another GPU or library version: the run times its own,
+    /// and its results may differ from the original run's by rounding); `Err` where `saved`
+    /// is unreadable. The default takes none and says nothing (a backend without choices).
+    fn adopt_choices(&mut self, saved: &str) -> Result<Option<String>> {
+        let _ = saved;
+        Ok(None)
+    }
     /// Wait until all queued work has finished (for timing ops); backends that run ops
     /// synchronously need not override it.
     fn synchronize(&mut self) -> Result<()> {

@@ -5,7 +5,10 @@
 //!
 //! ```text
 //! DIR/step-00000010/manifest.json          the Manifest (plan hash, step, sampler, optimizer)
-//! DIR/step-00000010/rank-00000.safetensors  rank 0's persistent buffers, named as in its program
+//! DIR/step-00000010/rank-00000.safetensors  rank 0's persistent buffers, named as in its program,
+//!                                           and its backend's choices (`CHOICES_KEY`: the CUDA
+//!                                           backend's timed GEMM algorithms), which a resumed
+//!                                           run takes so it continues bit for bit
 //! DIR/step-00000010/rank-00001.safetensors  …
 //! ```
 //!
@@ -46,8 +49,9 @@ pub use lock::FolderLock;
 pub use resume::choose_resume;
 pub use saved::SavedModel;
 pub use store::{
-    commit, find_latest, model_path, prepare, read_manifest, read_shard, staging_dir, write_model,
-    write_params, write_shard, write_shard_slices, ShardTensor, TensorSlice,
+    commit, find_latest, model_path, prepare, read_manifest, read_shard, read_shard_choices,
+    staging_dir, write_model, write_params, write_shard, write_shard_slices, ShardTensor,
+    TensorSlice, CHOICES_KEY,
 };
 pub use writer::{remove_unfinished, Snapshot, SnapshotTensor, Writer};
 

@@ -5,7 +5,7 @@ use super::{shard_file_name, step_dir_name, verify, Manifest, SpecSource, FORMAT
 use crate::error::{Result, RuntimeError};
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
@@ -126,7 +126,7 @@ fn le_bytes(data: &[f32]) -> std::borrow::Cow<'_, [u8]> {
 fn write_safetensors(
     path: &Path,
     tensors: &[TensorSlice<'_>],
-    mut metadata: Option<std::collections::HashMap<String, String>>,
+    mut metadata: Option<HashMap<String, String>>,
     checksums: bool,
 ) -> Result<()> {
     let bytes: Vec<std::borrow::Cow<'_, [u8]>> = tensors.iter().map(|t| le_bytes(t.data)).collect();
@@ -189,15 +189,64 @@ fn model_metadata(
     Ok(metadata)
 }
 
-/// Write `rank`'s tensors into the staging folder.
+/// Write `rank`'s tensors into the staging folder (a re-sharded checkpoint's: no backend
+/// choices, which belong to the run that made them).
 pub fn write_shard(staging: &Path, rank: u32, tensors: &[ShardTensor]) -> Result<()> {
     let slices: Vec<TensorSlice<'_>> = tensors.iter().map(TensorSlice::from).collect();
-    write_shard_slices(staging, rank, &slices)
+    write_shard_slices(staging, rank, &slices, None)
 }
 
-/// [`write_shard`] of borrowed tensors (a snapshot's, `super::writer`).
-pub fn write_shard_slices(staging: &Path, rank: u32, tensors: &[TensorSlice<'_>]) -> Result<()> {
-    write_safetensors(&staging.join(shard_file_name(rank)), tensors, None, true)
+/// [`write_shard`] of borrowed tensors (a snapshot's, `super::writer`), with the rank's backend
+/// choices (`Backend::choices`) in the file's metadata under [`CHOICES_KEY`].
+pub fn write_shard_slices(
+    staging: &Path,
+    rank: u32,
+    tensors: &[TensorSlice<'_>],
+    choices: Option<&str>,
+) -> Result<()> {
+    let metadata = choices.map(|c| HashMap::from([(CHOICES_KEY.to_string(), c.to_string())]));
+    write_safetensors(
+        &staging.join(shard_file_name(rank)),
+        tensors,
+        metadata,
+        true,
+    )
+}
+
+/// The shard metadata key of a rank's backend choices (`Backend::choices`).
+pub const CHOICES_KEY: &str = "parc.backend_choices";
+
+/// The backend choices rank `rank`'s shard of `checkpoint` carries (None: it carries none, as
+/// a CPU run's or a re-sharded checkpoint's). Reads the file's header only.
+pub fn read_shard_choices(checkpoint: &Path, rank: u32) -> Result<Option<String>> {
+    use std::io::Read as _;
+    let path = checkpoint.join(shard_file_name(rank));
+    let corrupt = |what: String| {
+        ckpt_error(
+            &path,
+            format!("corrupt safetensors header ({what}); use another checkpoint"),
+        )
+    };
+    let mut file = File::open(&path)
+        .map_err(|e| ckpt_error(&path, format!("cannot read rank {rank}'s shard: {e}")))?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len)
+        .map_err(|e| corrupt(format!("no header length: {e}")))?;
+    let len = u64::from_le_bytes(len);
+    // safetensors' own bound on a header.
+    if len > 100_000_000 {
+        return Err(corrupt(format!("a header of {len} bytes")));
+    }
+    let mut header = vec![0u8; len as usize];
+    file.read_exact(&mut header)
+        .map_err(|e| corrupt(format!("header cut short: {e}")))?;
+    let header: serde_json::Value =
+        serde_json::from_slice(&header).map_err(|e| corrupt(e.to_string()))?;
+    Ok(header
+        .get("__metadata__")
+        .and_then(|m| m.get(CHOICES_KEY))
+        .and_then(|c| c.as_str())
+        .map(str::to_string))
 }
 
 /// Where [`write_model`] puts the global parameters of a checkpoint folder `dir`.
@@ -564,6 +613,19 @@ pub(super) mod tests {
             corrupt.contains("rank-00000") && corrupt.contains("corrupt"),
             "{corrupt}"
         );
+        // Its header too: a length past the file, then a header that is not JSON.
+        let header = err(read_shard_choices(&ckpt, 0));
+        assert!(
+            header.contains("rank-00000") && header.contains("corrupt safetensors header"),
+            "{header}"
+        );
+        let mut not_json = 3u64.to_le_bytes().to_vec();
+        not_json.extend(b"{x}");
+        std::fs::write(&shard, not_json).unwrap();
+        let header = err(read_shard_choices(&ckpt, 0));
+        assert!(header.contains("corrupt safetensors header"), "{header}");
+        // A shard written without choices (a CPU run's) carries none.
+        assert_eq!(read_shard_choices(&save(&dir, 7, 0), 1).unwrap(), None);
         std::fs::write(ckpt.join("manifest.json"), b"{").unwrap();
         let bad = err(read_manifest(&ckpt));
         assert!(bad.contains("corrupt manifest"), "{bad}");

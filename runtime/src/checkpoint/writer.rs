@@ -32,10 +32,12 @@ pub struct SnapshotTensor {
     pub range: Range<usize>,
 }
 
-/// A rank's persistent buffers copied to host memory at one step.
+/// A rank's persistent buffers copied to host memory at one step, with its backend's choices
+/// (`Backend::choices`), which the shard carries.
 pub struct Snapshot {
     pub tensors: Vec<SnapshotTensor>,
     pub host: Box<dyn HostStaging>,
+    pub choices: Option<String>,
 }
 
 impl Snapshot {
@@ -216,9 +218,10 @@ fn run(job: Job, stall: Option<(Option<u64>, Duration)>) -> (Report, Option<Snap
                     std::thread::sleep(pause);
                 }
             }
+            let choices = snapshot.choices.as_deref();
             let result = snapshot
                 .slices()
-                .and_then(|slices| store::write_shard_slices(&staging, rank, &slices));
+                .and_then(|slices| store::write_shard_slices(&staging, rank, &slices, choices));
             (Report::Shard { step, result }, Some(snapshot))
         }
         Job::Commit {
@@ -289,6 +292,7 @@ mod tests {
                 range: 1..3,
             }],
             host: Box::new(vec![0.0f32, 1.5, -2.0]),
+            choices: Some("{\"gemms\": []}".to_string()),
         }
     }
 
@@ -306,6 +310,9 @@ mod tests {
         result.unwrap();
         let back = store::read_shard(&dir, 0, &[("w".to_string(), vec![2])]).unwrap();
         assert_eq!(back, vec![vec![1.5, -2.0]]);
+        // The backend's choices travel in the shard's header.
+        let choices = store::read_shard_choices(&dir, 0).unwrap();
+        assert_eq!(choices.as_deref(), Some("{\"gemms\": []}"));
         let Some(Report::Shard { step: 4, result }) = writer.report(true).unwrap() else {
             panic!("no report of the second shard");
         };

@@ -32,7 +32,7 @@ use cudarc::cublaslt::{result, sys};
 use cudarc::driver::result::event;
 use cudarc::driver::sys::{CUdeviceptr, CUevent, CUevent_flags, CUstream};
 use parc_compiler::ir::fp8::Fp8Format;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::mem::size_of;
 
@@ -435,6 +435,9 @@ pub(crate) struct Blas {
     workspace: CUdeviceptr,
     workspace_size: usize,
     plans: HashMap<PlanKey, Plan>,
+    /// Algorithms an earlier run timed fastest (`choices`, adopted from a checkpoint), by plan
+    /// description: a plan made for one of them runs it, untimed.
+    preferred: BTreeMap<String, sys::cublasLtMatmulAlgo_t>,
     /// Set by [`Blas::time_matmuls`]: events around each matmul and the time summed so far.
     timer: Option<(Event, Event, f64)>,
 }
@@ -449,8 +452,33 @@ impl Blas {
             workspace,
             workspace_size,
             plans: HashMap::new(),
+            preferred: BTreeMap::new(),
             timer: None,
         })
+    }
+
+    /// The algorithm each plan runs where it was chosen by timing (in this run, or adopted
+    /// from an earlier one: [`Blas::prefer`]), by plan description (`choices`), with those
+    /// adopted but not yet used.
+    pub fn chosen_algorithms(&self) -> BTreeMap<String, [u64; 8]> {
+        let mut out: BTreeMap<String, [u64; 8]> = (self.preferred.iter())
+            .map(|(k, a)| (k.clone(), a.data))
+            .collect();
+        for (key, plan) in &self.plans {
+            if let (Some(_), Some(algo)) = (plan.timed_ms, plan.algos.first()) {
+                out.insert(format!("{key:?}"), algo.data);
+            }
+        }
+        out
+    }
+
+    /// Run the algorithms `saved` (plan description → algorithm, from an earlier run on this
+    /// device and cuBLASLt version) for their plans instead of timing them.
+    pub fn prefer(&mut self, saved: BTreeMap<String, [u64; 8]>) {
+        for (key, data) in saved {
+            self.preferred
+                .insert(key, sys::cublasLtMatmulAlgo_t { data });
+        }
     }
 
     /// Starts (`true`: from zero) or stops timing the matmuls alone: each one of `run` is then
@@ -763,10 +791,10 @@ impl Blas {
         let b = layout(b_type, b_rows, b_cols, key.ldb)?;
         let c = layout(key.out.data_type(), key.m, key.n, key.ldc)?;
         let (desc, supported) = matmul_desc(key, &what)?;
-        let algos = if supported {
-            self.heuristic(key, &desc, [&a, &b, &c], &what)?
-        } else {
-            Vec::new()
+        let algos = match (supported, self.preferred.get(&format!("{key:?}"))) {
+            (true, Some(saved)) => vec![*saved],
+            (true, None) => self.heuristic(key, &desc, [&a, &b, &c], &what)?,
+            (false, _) => Vec::new(),
         };
         Ok(Plan {
             settled: algos.len() <= 1,

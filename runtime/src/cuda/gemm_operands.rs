@@ -74,6 +74,9 @@ pub(super) struct GemmOperands {
     vector_len: usize,
     /// Per GEMM plan parc's kernel was measured on: the times and which runs it (`gemm_ws`).
     pub(super) ws_chosen: HashMap<PlanKey, Chosen>,
+    /// What an earlier run measured for plans parc's kernel takes (`choices`, adopted from a
+    /// checkpoint), by plan description: taken instead of measuring again.
+    pub(super) ws_preferred: std::collections::BTreeMap<String, super::choices::ParcKernel>,
     /// `gemm_ws`'s split counters (zeroed): made by `prepare_gemm` on a Hopper, else with the
     /// first GEMM that needs them.
     pub(super) ws_counters: Option<CudaSlice<u8>>,

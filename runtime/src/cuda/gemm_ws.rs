@@ -14,7 +14,8 @@
 //! `Q = op(A)ᵀ`. P is K-major when B is not transposed (a forward's or backward-data's dy, x),
 //! MN-major when it is (a backward-weight's dy); Q is K-major when A is transposed (a
 //! forward's weight), MN-major otherwise.
-use super::gemm::{best_of, Epilogue, Gemm, Operands, Output};
+use super::choices::ParcKernel;
+use super::gemm::{best_of, Epilogue, Gemm, Operands, Output, PlanKey};
 use super::kernel::Kernel;
 use super::tma::{self, Elem, TmaMap};
 use super::variants::GemmKernel;
@@ -147,7 +148,9 @@ impl CudaBackend {
             return self.blas.run(g, operands, stream, tune_out);
         };
         let key = g.key(operands);
-        if let Some(chosen) = self.gemm_operands.ws_chosen.get(&key).copied() {
+        let chosen =
+            (self.gemm_operands.ws_chosen.get(&key).copied()).or_else(|| self.adopted_choice(&key));
+        if let Some(chosen) = chosen {
             return match chosen.ws {
                 true => self.ws_gemm(g, entry, chosen.splits, g.c, true),
                 false => self.blas.run(g, operands, stream, tune_out),
@@ -218,6 +221,33 @@ impl CudaBackend {
         };
         self.gemm_operands.ws_chosen.insert(key, chosen);
         Ok(())
+    }
+
+    /// The choice an earlier run made for `key` (`choices`), kept as this run's.
+    fn adopted_choice(&mut self, key: &PlanKey) -> Option<Chosen> {
+        let saved = *self.gemm_operands.ws_preferred.get(&format!("{key:?}"))?;
+        let chosen = Chosen {
+            ws: saved.runs,
+            ws_ms: 0.0,
+            lt_ms: None,
+            splits: saved.splits,
+        };
+        self.gemm_operands.ws_chosen.insert(*key, chosen);
+        Some(chosen)
+    }
+
+    /// What parc's kernel against cuBLASLt chose for each plan, by plan description (`choices`),
+    /// with those adopted but not yet used.
+    pub(super) fn chosen_kernels(&self) -> std::collections::BTreeMap<String, ParcKernel> {
+        let mut out = self.gemm_operands.ws_preferred.clone();
+        for (key, c) in &self.gemm_operands.ws_chosen {
+            let kernel = ParcKernel {
+                runs: c.ws,
+                splits: c.splits,
+            };
+            out.insert(format!("{key:?}"), kernel);
+        }
+        out
     }
 
     /// Milliseconds of `g` on parc's kernel writing D at `d`: the best timed run after a

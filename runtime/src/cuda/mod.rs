@@ -41,7 +41,8 @@
 //! `PARC_<OP>_KERNEL`). Beside the ops: `device` (opening the GPU, errors), `storage` (the
 //! memory plan's regions and scratch sizes), `stream` (overlap of communication with compute),
 //! `staging` (host writes), `scale_amax` (delayed FP8 scaling's scale amaxes copied to the
-//! host after each roll) and `nccl` (NCCL: the communicators, the device comm, the host
+//! host after each roll), `choices` (the GEMM algorithms timed on first use, as a checkpoint
+//! carries them) and `nccl` (NCCL: the communicators, the device comm, the host
 //! comm, the watchdog).
 //!
 //! Buffers are keyed by `BufferId`. Given the program's memory plan (`Backend::prepare`, which
@@ -55,6 +56,7 @@
 //! cross-entropy overwrites its logits with dlogits without a copy).
 mod args;
 mod attention;
+mod choices;
 pub(crate) mod codegen;
 mod columns;
 mod compile;
@@ -767,6 +769,35 @@ impl Backend for CudaBackend {
         // SAFETY: the allocation holds exactly s.len f32s; the stream is idle.
         unsafe { cu::memcpy_dtoh_sync(&mut host, s.ptr) }.map_err(|e| driver_error(&what(), e))?;
         Ok(host)
+    }
+
+    /// The GEMM algorithms timed fastest and parc's kernel against cuBLASLt, per plan
+    /// (`choices`); None before any GEMM was timed.
+    fn choices(&self) -> Result<Option<String>> {
+        let (algorithms, kernels) = (self.blas.chosen_algorithms(), self.chosen_kernels());
+        if algorithms.is_empty() && kernels.is_empty() {
+            return Ok(None);
+        }
+        let choices = choices::Choices::from_maps(
+            self.device_name()?,
+            choices::cublaslt_version(),
+            algorithms,
+            kernels,
+        );
+        choices.to_text().map(Some)
+    }
+
+    /// Takes `saved`'s choices where they were made on this device model and cuBLASLt version.
+    fn adopt_choices(&mut self, saved: &str) -> Result<Option<String>> {
+        let choices = choices::Choices::parse(saved)?;
+        let here = self.device_name()?;
+        if let Some(why) = choices.foreign(&here, choices::cublaslt_version()) {
+            return Ok(Some(why));
+        }
+        let (algorithms, kernels) = choices.into_maps();
+        self.blas.prefer(algorithms);
+        self.gemm_operands.ws_preferred.extend(kernels);
+        Ok(None)
     }
 
     /// Page-locked memory, so the snapshot's copy runs at the bus's speed.

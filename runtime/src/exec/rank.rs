@@ -967,7 +967,12 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
             self.backend
                 .read_f32_into(id, &mut values[tensor.range.clone()])?;
         }
-        Ok(Snapshot { tensors, host })
+        let choices = self.backend.choices()?;
+        Ok(Snapshot {
+            tensors,
+            host,
+            choices,
+        })
     }
 
     /// Overwrite the persistent buffers with this rank's shard of `checkpoint` (the working
@@ -982,7 +987,32 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         for ((id, _), data) in buffers.iter().zip(tensors) {
             self.backend.write_f32(*id, &data)?;
         }
+        self.adopt_choices(checkpoint_dir)?;
         self.rebuild_working_copies()
+    }
+
+    /// Make the backend choices this rank's shard of `checkpoint_dir` carries, so the resumed
+    /// run continues bit for bit (a warning where the backend cannot take them).
+    fn adopt_choices(&mut self, checkpoint_dir: &Path) -> Result<()> {
+        let Some(saved) = checkpoint::read_shard_choices(checkpoint_dir, self.rank)? else {
+            return Ok(());
+        };
+        let adopted = self.backend.adopt_choices(&saved).map_err(|e| {
+            RuntimeError::Checkpoint(format!(
+                "{}: rank {}'s backend choices ({}): {e}",
+                checkpoint_dir.display(),
+                self.rank,
+                checkpoint::CHOICES_KEY
+            ))
+        })?;
+        if let Some(why) = adopted {
+            eprintln!(
+                "warning: rank {}: the checkpoint's backend choices are not taken ({why}); \
+                 this run makes its own, so it may differ from the original run by rounding",
+                self.rank
+            );
+        }
+        Ok(())
     }
 
     /// Overwrite the persistent buffers with `tensors` (a checkpoint re-sharded for this plan,

@@ -90,6 +90,7 @@ impl Saves {
         self.writer.keep_idle(checkpoint::Snapshot {
             tensors: Vec::new(),
             host,
+            choices: None,
         });
         Ok(())
     }
