@@ -473,11 +473,19 @@ impl Blas {
     }
 
     /// Run the algorithms `saved` (plan description → algorithm, from an earlier run on this
-    /// device and cuBLASLt version) for their plans instead of timing them.
+    /// device and cuBLASLt version) for their plans instead of timing them (plans made already
+    /// and not yet timed included).
     pub fn prefer(&mut self, saved: BTreeMap<String, [u64; 8]>) {
         for (key, data) in saved {
             self.preferred
                 .insert(key, sys::cublasLtMatmulAlgo_t { data });
+        }
+        for (key, plan) in &mut self.plans {
+            let saved = self.preferred.get(&format!("{key:?}"));
+            if let (false, false, Some(algo)) = (plan.settled, plan.algos.is_empty(), saved) {
+                plan.algos = vec![*algo];
+                plan.settled = true;
+            }
         }
     }
 
