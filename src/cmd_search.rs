@@ -325,6 +325,7 @@ fn no_fit(outcome: &Outcome) -> String {
         }
     }
     out.push('\n');
+    out.push_str(&refused_line(outcome));
     let capacity = outcome.gpu_memory_bytes;
     // The lowered plans' need when any was lowered (the verdict), else the formulas' (low).
     let closest = |rule: &str| {
@@ -359,6 +360,20 @@ fn no_fit(outcome: &Outcome) -> String {
         best.map(|(_, need, lowered)| (need, lowered)),
     ));
     out
+}
+
+/// With no plan that fits, the lowered plans the backend refused, which the rule that rejected
+/// the most may not name: how many of those lowered, and why.
+fn refused_line(outcome: &Outcome) -> String {
+    let refused = (outcome.rejected.iter()).find(|r| r.rule == search::BACKEND_RULE);
+    let Some(refused) = refused else {
+        return String::new();
+    };
+    let why = refused.example.as_deref().unwrap_or("");
+    format!(
+        "`parc run --backend cuda` does not run {} of the {} plans lowered: {why}\n",
+        refused.count, outcome.lowered
+    )
 }
 
 /// The ways to save memory the candidate already takes, when it takes them all: recompute

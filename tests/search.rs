@@ -356,3 +356,34 @@ fn a_gpu_search_recommends_only_plans_the_cuda_backend_runs() {
     assert!(checked.status.success(), "{said}");
     assert!(!said.contains("W1202"), "{said}");
 }
+
+/// A recipe the CUDA backend runs in no plan (rowwise FP8, which cuBLASLt refuses on Hopper):
+/// the search lowers past its usual limit for plans it might run, then says that nothing fits
+/// and that the backend refused the plans it lowered, with the reason.
+#[test]
+fn a_recipe_the_backend_runs_in_no_plan_says_so() {
+    let out = parc(&[
+        "plan",
+        "--search",
+        "examples/llama3-8b-8gpu.par",
+        "--top",
+        "1",
+        "--set",
+        "train.fp8=rowwise",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr_of(&out));
+    let text = no_fit(&stdout_of(&out));
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("`parc run --backend cuda` does not run "))
+        .unwrap_or_else(|| panic!("no refusal line in:\n{text}"));
+    let (refused, lowered) = line
+        .trim_start_matches("`parc run --backend cuda` does not run ")
+        .split_once(" plans lowered:")
+        .and_then(|(counts, _)| counts.split_once(" of the "))
+        .unwrap_or_else(|| panic!("{line}"));
+    assert_eq!(refused, lowered, "{line}");
+    // More than the 12 a search of --top 1 lowers when the backend refuses none.
+    assert!(refused.parse::<u32>().unwrap() > 12, "{line}");
+    assert!(line.contains("FP8"), "{line}");
+}

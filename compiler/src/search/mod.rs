@@ -703,7 +703,9 @@ fn splits(c: &Candidate) -> Splits {
 
 impl Lowering<'_> {
     /// Lower candidates from `queue` until `options.top` fit or `options.lower_at_most` were
-    /// lowered; returns those that fit with their (sampled) rankings, fastest first.
+    /// lowered (up to as many more that the backend refused do not count: a space whose
+    /// fastest plans it refuses still reaches the others); returns those that fit with their
+    /// (sampled) rankings, fastest first.
     fn run(
         &mut self,
         queue: &mut Vec<Estimated>,
@@ -714,16 +716,17 @@ impl Lowering<'_> {
         let width = std::thread::available_parallelism()
             .map(usize::from)
             .unwrap_or(1);
-        let enough = |lowered: usize, fit: usize| {
-            lowered >= options.lower_at_most
-                || (fit >= options.top && lowered >= options.lower_at_least)
+        let enough = |counted: usize, fit: usize| {
+            counted >= options.lower_at_most
+                || (fit >= options.top && counted >= options.lower_at_least)
         };
-        while !enough(self.lowered, fitting.len()) && !queue.is_empty() {
+        let counted = |l: &Self| l.lowered - l.refused.len().min(options.lower_at_most);
+        while !enough(counted(self), fitting.len()) && !queue.is_empty() {
             progress(Progress::Lowering {
-                done: self.lowered,
+                done: counted(self),
                 total: options.lower_at_most,
             });
-            let room = (options.lower_at_most - self.lowered).min(width);
+            let room = (options.lower_at_most - counted(self)).min(width);
             let batch = self.take_checked(queue, room);
             self.lowered += batch.len();
             for (e, result) in evaluate_all(batch, &self.how) {
