@@ -106,3 +106,41 @@ fn bf16_masks_name_the_bf16_operands() {
     assert_eq!(bf16_mask(&[DType::F32, DType::Bf16, DType::Bf16]), 0b110);
     assert_eq!(bf16_mask(&[DType::F32]), 0);
 }
+
+/// The kernels `tests/cuda_fused_bench.rs` times, as it builds them (expanded, as the backend
+/// compiles them), named as the bench reports them.
+fn bench_kernels() -> Vec<(&'static str, Kernel)> {
+    let cols = 8192;
+    [
+        ("copy", fixtures::copy(cols)),
+        ("swiglu", fixtures::swiglu(cols)),
+        ("swiglu_bwd", fixtures::swiglu_bwd(cols)),
+        ("squared_relu", fixtures::squared_relu(cols)),
+        ("rms_norm", fixtures::rms(2048)),
+    ]
+    .into_iter()
+    .map(|(name, k)| (name, expand(&k)))
+    .collect()
+}
+
+/// Writes the CUDA C source and the sm_90a PTX of every kernel of the bandwidth bench, bf16
+/// and f32, into `$PARC_FUSED_DUMP` (`<kernel>-<dtype>.cu` and `.ptx`), for
+/// bench/fused_kernel_stats.sh to assemble and count without a GPU. Ignored: run by the script.
+#[test]
+#[ignore = "writes files: run by bench/fused_kernel_stats.sh"]
+fn dump_bench_kernels() {
+    let dir = std::env::var("PARC_FUSED_DUMP").expect("PARC_FUSED_DUMP: the folder to write to");
+    for (name, k) in bench_kernels() {
+        for elem in [DType::Bf16, DType::F32] {
+            let types = dtypes(&k, elem);
+            let stem = format!("{dir}/{name}-{}", elem.name());
+            std::fs::write(
+                format!("{stem}.cu"),
+                NvrtcEmitter::source(&k, &types).unwrap(),
+            )
+            .unwrap();
+            let ptx = NvrtcEmitter.ptx(&k, &types, "sm_90a").unwrap();
+            std::fs::write(format!("{stem}.ptx"), ptx).unwrap();
+        }
+    }
+}
