@@ -85,19 +85,26 @@ fn the_emitter_is_chosen_by_name() {
 }
 
 #[test]
-fn launches_take_a_thread_per_vector_and_reduce_one_row_a_block() {
+fn launches_take_a_thread_per_vector_and_reduce_rows_per_block() {
     // 2^32 elements in vectors of 8: more blocks than a launch starts.
-    let cfg = launch_config(Shape::Flat, 1 << 20, 4096);
+    let cfg = launch_config(Shape::Flat, 1 << 20, 4096, 8);
     assert_eq!((cfg.grid_dim.0, cfg.block_dim.0), (1 << 16, 256));
-    let cfg = launch_config(Shape::Flat, 4096, 4096);
+    let cfg = launch_config(Shape::Flat, 4096, 4096, 8);
     assert_eq!(cfg.grid_dim.0, 4096 * 4096 / 8 / 256);
-    let cfg = launch_config(Shape::Flat, 3, 37);
+    let cfg = launch_config(Shape::Flat, 3, 37, 8);
     assert_eq!((cfg.grid_dim.0, cfg.block_dim.0), (1, 256));
-    let cfg = launch_config(Shape::Reduce, 5, 4096);
+    // NVRTC's row sums: a row per warp, 8 a block; LLVM's: a row per block.
+    let nvrtc = NvrtcEmitter.reduce_rows_per_block();
+    assert_eq!(nvrtc, 8);
+    let cfg = launch_config(Shape::Reduce, 5, 4096, nvrtc);
+    assert_eq!((cfg.grid_dim.0, cfg.block_dim.0), (1, REDUCE_LANES as u32));
+    let cfg = launch_config(Shape::Reduce, 17, 4096, nvrtc);
+    assert_eq!(cfg.grid_dim.0, 3);
+    let cfg = launch_config(Shape::Reduce, 5, 4096, 1);
     assert_eq!((cfg.grid_dim.0, cfg.block_dim.0), (5, REDUCE_LANES as u32));
-    let cfg = launch_config(Shape::Reduce, 1 << 20, 64);
+    let cfg = launch_config(Shape::Reduce, 1 << 20, 64, 1);
     assert_eq!(cfg.grid_dim.0, 1 << 16);
-    let cfg = launch_config(Shape::Rows(2), 64, 42);
+    let cfg = launch_config(Shape::Rows(2), 64, 42, 8);
     assert_eq!(cfg.grid_dim.0, 6);
 }
 
