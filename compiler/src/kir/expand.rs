@@ -143,6 +143,9 @@ fn ln2_lo() -> f32 {
 /// exp's input clamp: above, the result overflows to +inf; below, it rounds to 0.
 const EXP_MAX_ARG: f32 = 89.0;
 const EXP_MIN_ARG: f32 = -105.0;
+/// The exponent offset of exp's one-sided scaling (`B::scale`): `k + 64` for `k` in
+/// [-151, 0] (and `k - 64` for `k` in [0, 128]) is a normal number's exponent.
+const SCALE_OFFSET: f32 = 64.0;
 /// tanh's switch from its Taylor series to the exp form (tanh(0.55) ≈ 0.5).
 const TANH_SERIES_MAX: f32 = 0.55;
 /// Terms of tanh's series (to x^19: truncation < 0.1 ulp below 0.55) and of erf's (to x^19:
@@ -282,7 +285,7 @@ impl B<'_> {
     /// exp: `2^k · e^r` with `k = round(x / ln 2)`, `r = x - k ln 2` by two fmas (Cody–Waite:
     /// ln 2 split, so `r` is within a rounding of exact), `e^r` by its Taylor series to degree 7
     /// in Horner form, one fma a step (truncation < 0.1 ulp for |r| ≤ ln2/2), and `2^k` applied
-    /// in two steps so 2^128 and subnormal results work. The clamps keep NaN (a NaN fails both
+    /// so 2^128 and subnormal results work (`scale`). The clamps keep NaN (a NaN fails both
     /// comparisons).
     fn exp(&mut self, x: NodeId, range: Range) -> NodeId {
         let mut x = x;
@@ -303,14 +306,33 @@ impl B<'_> {
         let r_hi = self.fmac(k, -LN2_HI, x);
         let r = self.fmac(k, -ln2_lo(), r_hi);
         let er = self.poly(r, &exp_coefficients(8));
+        self.scale(er, k, range)
+    }
 
-        let half_k = self.mulc(k, 0.5);
-        let k1 = self.un(Un::Floor, half_k);
-        let k2 = self.sub(k, k1);
-        let s1 = self.un(Un::Exp2i, k1);
-        let s2 = self.un(Un::Exp2i, k2);
-        let y = self.mul(er, s1);
-        self.mul(y, s2)
+    /// `er · 2^k` rounded once, for exp (`er` = `e^r` in about [0.7, 1.42], `k` integral in
+    /// [-151, 128] or NaN): an exact scaling into the normal range, then one that rounds. Where
+    /// the argument's range bounds `k` on one side (`k ≤ 0` or `k ≥ 0`) one `exp2i` does: `er ·
+    /// 2^(k ± 64)` is exact, then `· 2^∓64` (a constant) rounds; otherwise `2^k` in two steps,
+    /// `2^⌊k/2⌋ · 2^(k - ⌊k/2⌋)`, the first exact. Both give the same bits (the correctly rounded
+    /// `er · 2^k`); the one-sided form is half the work (sigmoid's, tanh's and erf's exp).
+    fn scale(&mut self, er: NodeId, k: NodeId, range: Range) -> NodeId {
+        let offset = match range {
+            Range::NonPositive => SCALE_OFFSET,
+            Range::NonNegative => -SCALE_OFFSET,
+            Range::Any => {
+                let half_k = self.mulc(k, 0.5);
+                let k1 = self.un(Un::Floor, half_k);
+                let k2 = self.sub(k, k1);
+                let s1 = self.un(Un::Exp2i, k1);
+                let s2 = self.un(Un::Exp2i, k2);
+                let y = self.mul(er, s1);
+                return self.mul(y, s2);
+            }
+        };
+        let shifted = self.addc(k, offset);
+        let s = self.un(Un::Exp2i, shifted);
+        let y = self.mul(er, s);
+        self.mulc(y, (-offset).exp2())
     }
 
     /// log: `x = 2^e · m` with `m` in [√½, √2) (subnormals scaled by 2^23 first), then with

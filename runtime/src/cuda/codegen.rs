@@ -68,8 +68,10 @@ __device__ __forceinline__ float parc_neg(float x) {
 __device__ __forceinline__ float parc_abs(float x) {
     return __uint_as_float(__float_as_uint(x) & 0x7fffffffu);
 }
+// kir's exp2i: k truncated to an integer (NaN to 0: cvt.rzi.s32.f32 gives 0 for NaN and
+// saturates ±inf), clamped to [-126, 127], as the exponent of a power of two.
 __device__ __forceinline__ float parc_exp2i(float k) {
-    int i = (k != k) ? 0 : (int)fminf(fmaxf(k, -126.0f), 127.0f);
+    const int i = max(min(__float2int_rz(k), 127), -126);
     return __uint_as_float((unsigned int)(i + 127) << 23);
 }
 __device__ __forceinline__ float parc_exponent(float x) {
