@@ -56,7 +56,7 @@ __device__ __forceinline__ float parc_widen(unsigned short h) {
 }
 __device__ __forceinline__ unsigned short parc_round(float x) {
     unsigned int u = __float_as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    if (x != x) return (unsigned short)((u >> 16) | 0x40u);
     return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 __device__ __forceinline__ unsigned int parc_pack(float a, float b) {
