@@ -1,6 +1,6 @@
 //! Bandwidth of generated kernels (`Op::Fused`) against a device-to-device copy of the same
 //! bytes in the same process: a copy kernel (y = x), SwiGLU forward (y = x0·σ(x0)·x1) and
-//! backward, squared ReLU, and RMSNorm (a row sum: one block per row), with bf16 and with f32
+//! backward, squared ReLU, and RMSNorm (a row sum; NVRTC: a row per warp), with bf16 and with f32
 //! `[rows, cols]` operands of 64 MiB each; beside them the hand-written `SwiGlu` and
 //! `SwiGluBwd` kernels on the same buffers, through the backend's `compute`.
 //!

@@ -7,8 +7,9 @@
 //! expanded by the compiler first. Sizes cover the vectorised paths (64 columns), the scalar
 //! ones (42 columns: rope's half-heads of 7 columns break vectors), flat kernels whose
 //! `rows · cols` leaves a tail after the 8-element vectors (37 columns), rows wider than the
-//! reduction's lanes (1000 columns; 9000, whose f32 rows are read from global memory rather
-//! than staged in shared memory) and a grid-strided row count; operands all f32, all bf16,
+//! reduction's lanes (1000 columns: a partial last chunk of 256, the row kept in registers
+//! between passes; 9000, too wide to keep, so read again) and a grid-strided row count;
+//! operands all f32, all bf16,
 //! and mixed; and an output that is also an input.
 //!
 //! A failure names the kernel (`rms/1000 bf16`), the output, and the worst element's CUDA
@@ -64,7 +65,7 @@ fn kernels() -> Vec<(String, Kernel)> {
     }
     all.push(("rms/1000".into(), rms(1000)));
     all.push(("layer/1000".into(), layer(1000)));
-    // f32 rows too wide to stage in shared memory (bf16 ones are staged).
+    // Rows too wide to keep in registers between the passes (read again).
     all.push(("rms/9000".into(), rms(9000)));
     all
 }

@@ -15,7 +15,7 @@
 //! - `tanh`: ≤ 2 ulp (1.55), odd (`tanh(-0) = -0`), exactly ±1 from |x| ≈ 9.01 on.
 //! - `erf`: ≤ 3e-7 absolute (1.85e-7); relative error near 0 small enough that `erf(x)/x` is
 //!   right to 1e-6 (1.6e-7); odd; exactly ±1 for |x| ≥ 4.
-//! - `sigmoid`: ≤ 2 ulp (1.47), subnormal results for x < ~-87 included; one division.
+//! - `sigmoid`: ≤ 2 ulp (1.47), subnormal results for x < ~-87 included; no division.
 //! - `rsqrt(x) = 1 / sqrt(x)` (two correctly rounded ops: ≤ 2 ulp, measured 1.49).
 //! - `min`, `max`: exact; NaN if either operand is NaN (as `torch.minimum`); of two equal operands
 //!   (`-0` and `+0`) the first.
@@ -143,6 +143,11 @@ fn ln2_lo() -> f32 {
 /// exp's input clamp: above, the result overflows to +inf; below, it rounds to 0.
 const EXP_MAX_ARG: f32 = 89.0;
 const EXP_MIN_ARG: f32 = -105.0;
+/// The exponent offset of exp's one-sided scaling (`B::scale`): `k + 64` for `k` in
+/// [-151, 0] (and `k - 64` for `k` in [0, 128]) is a normal number's exponent.
+const SCALE_OFFSET: f32 = 64.0;
+/// Newton steps of sigmoid's reciprocal (`B::reciprocal_1_2`).
+const RECIPROCAL_STEPS: usize = 3;
 /// tanh's switch from its Taylor series to the exp form (tanh(0.55) ≈ 0.5).
 const TANH_SERIES_MAX: f32 = 0.55;
 /// Terms of tanh's series (to x^19: truncation < 0.1 ulp below 0.55) and of erf's (to x^19:
@@ -282,7 +287,7 @@ impl B<'_> {
     /// exp: `2^k · e^r` with `k = round(x / ln 2)`, `r = x - k ln 2` by two fmas (Cody–Waite:
     /// ln 2 split, so `r` is within a rounding of exact), `e^r` by its Taylor series to degree 7
     /// in Horner form, one fma a step (truncation < 0.1 ulp for |r| ≤ ln2/2), and `2^k` applied
-    /// in two steps so 2^128 and subnormal results work. The clamps keep NaN (a NaN fails both
+    /// so 2^128 and subnormal results work (`scale`). The clamps keep NaN (a NaN fails both
     /// comparisons).
     fn exp(&mut self, x: NodeId, range: Range) -> NodeId {
         let mut x = x;
@@ -303,14 +308,33 @@ impl B<'_> {
         let r_hi = self.fmac(k, -LN2_HI, x);
         let r = self.fmac(k, -ln2_lo(), r_hi);
         let er = self.poly(r, &exp_coefficients(8));
+        self.scale(er, k, range)
+    }
 
-        let half_k = self.mulc(k, 0.5);
-        let k1 = self.un(Un::Floor, half_k);
-        let k2 = self.sub(k, k1);
-        let s1 = self.un(Un::Exp2i, k1);
-        let s2 = self.un(Un::Exp2i, k2);
-        let y = self.mul(er, s1);
-        self.mul(y, s2)
+    /// `er · 2^k` rounded once, for exp (`er` = `e^r` in about [0.7, 1.42], `k` integral in
+    /// [-151, 128] or NaN): an exact scaling into the normal range, then one that rounds. Where
+    /// the argument's range bounds `k` on one side (`k ≤ 0` or `k ≥ 0`) one `exp2i` does: `er ·
+    /// 2^(k ± 64)` is exact, then `· 2^∓64` (a constant) rounds; otherwise `2^k` in two steps,
+    /// `2^⌊k/2⌋ · 2^(k - ⌊k/2⌋)`, the first exact. Both give the same bits (the correctly rounded
+    /// `er · 2^k`); the one-sided form is half the work (sigmoid's, tanh's and erf's exp).
+    fn scale(&mut self, er: NodeId, k: NodeId, range: Range) -> NodeId {
+        let offset = match range {
+            Range::NonPositive => SCALE_OFFSET,
+            Range::NonNegative => -SCALE_OFFSET,
+            Range::Any => {
+                let half_k = self.mulc(k, 0.5);
+                let k1 = self.un(Un::Floor, half_k);
+                let k2 = self.sub(k, k1);
+                let s1 = self.un(Un::Exp2i, k1);
+                let s2 = self.un(Un::Exp2i, k2);
+                let y = self.mul(er, s1);
+                return self.mul(y, s2);
+            }
+        };
+        let shifted = self.addc(k, offset);
+        let s = self.un(Un::Exp2i, shifted);
+        let y = self.mul(er, s);
+        self.mulc(y, (-offset).exp2())
     }
 
     /// log: `x = 2^e · m` with `m` in [√½, √2) (subnormals scaled by 2^23 first), then with
@@ -415,11 +439,14 @@ impl B<'_> {
     }
 
     /// sigmoid: `n / D` with `e = exp(-|x|)`, `D = 1 + e`, `n = 1` for x ≥ 0 and `n = e` for
-    /// x < 0 (so tiny results keep their precision instead of `1 / (1 + huge)`), in one
-    /// division: `d = 1 + e` rounded and its error `lo` (exact: Fast2Sum, as 1 ≥ e), `q = n / d`,
-    /// the exact residual `n - q d` (an fma) less `q · lo` (another) is `c ≈ n - q D`, and the
+    /// x < 0 (so tiny results keep their precision instead of `1 / (1 + huge)`), without a
+    /// division: `d = 1 + e` rounded and its error `lo` (exact: Fast2Sum, as 1 ≥ e), `q = n ·
+    /// (1 / d)` with the reciprocal by Newton steps (`d` is in [1, 2]; `q` within about two
+    /// ulp), the residual `n - q d` (an fma) less `q · lo` (another) is `c ≈ n - q D`, and the
     /// result is `q + c / D`, with `1 / D` taken as `q` (x ≥ 0) or `1 - q` (x < 0): the
-    /// correction is below the result's ulp, so that approximation costs far less than one.
+    /// correction is a few ulp of the result at most, so that approximation costs far less
+    /// than one. (A correctly rounded division is about ten instructions and a call on a GPU;
+    /// the reciprocal is seven fmas.)
     fn sigmoid(&mut self, x: NodeId) -> NodeId {
         let a = self.un(Un::Abs, x);
         let na = self.un(Un::Neg, a);
@@ -430,13 +457,29 @@ impl B<'_> {
         let negative = self.cmpc(Cmp::Lt, x, 0.0);
         let one = self.c(1.0);
         let n = self.sel(negative, e, one);
-        let q = self.div(n, d);
+        let inv = self.reciprocal_1_2(d);
+        let q = self.mul(n, inv);
         let neg_q = self.un(Un::Neg, q);
         let residual = self.fma(neg_q, d, n);
         let c = self.fma(neg_q, lo, residual);
         let one_minus_q = self.sub(one, q);
         let inv_d = self.sel(negative, one_minus_q, q);
         self.fma(c, inv_d, q)
+    }
+
+    /// `1 / d` for `d` in [1, 2] (or NaN) to about an ulp, without a division: the linear
+    /// guess `24/17 - 8/17 d` (relative error ≤ 1/17) and three Newton steps `y + y (1 - d y)`
+    /// of two fmas each (the error squares: 1/17, 3.5e-3, 1.2e-5, then f32 rounding).
+    fn reciprocal_1_2(&mut self, d: NodeId) -> NodeId {
+        let first = self.c(24.0 / 17.0);
+        let mut y = self.fmac(d, -8.0 / 17.0, first);
+        let neg_d = self.un(Un::Neg, d);
+        let one = self.c(1.0);
+        for _ in 0..RECIPROCAL_STEPS {
+            let err = self.fma(neg_d, y, one);
+            y = self.fma(y, err, y);
+        }
+        y
     }
 
     /// min: `b` if `b < a`, else `a` if `a <= b`, else (a NaN) `a + b`, which is NaN.

@@ -10,11 +10,16 @@
 //! - correct for any grid (grid-stride loops). A kernel without row sums works for any block
 //!   size: it walks 16-byte vectors of elements where every pointer is 16-byte aligned (checked
 //!   in the kernel: one branch, the same in every thread) and elements one at a time otherwise.
-//!   A kernel with row sums takes one block of `REDUCE_LANES` threads per row (rows
-//!   grid-strided): lane `l` sums columns `l, l + LANES, …` in order from 0, the lanes combine
-//!   in the halving tree `p[i] += p[i + s]`, so every backend sums in the same order. Its
-//!   `Elem` input rows are first copied into shared memory (when they fit), so each pass over
-//!   the row (a variance after its mean) reads global memory once.
+//!   A kernel with row sums takes a row per warp (rows grid-strided over every warp of the
+//!   grid; any block of whole warps). It sums in `kir`'s order (`REDUCE_LANES` lanes: lane `l`
+//!   sums columns `l, l + LANES, …` in order from 0, then the halving tree `p[i] += p[i + s]`)
+//!   with warp lane `t` holding the order's lanes `t · LANE_COLS + k`, `k < LANE_COLS`: it
+//!   reads its `LANE_COLS` columns of every `REDUCE_LANES`-column chunk as one 16-byte vector
+//!   of bf16 (two of f32) where the widths and pointers allow (else element by element), the
+//!   tree's steps of `LANE_COLS` lanes and more are shuffles and the smaller ones the lane's
+//!   own sums, so every backend still sums in the same order. Loads a later pass over the row
+//!   reads again (a variance after its mean, the normalisation after its sum) stay in
+//!   registers when the row is short enough ([`KEEP_WORDS`]), so the row is read once.
 //!
 //! Each node becomes one `const` C variable (`v<id>`, or `v<id>_<k>` for element `k` of a
 //! vector); nodes that do not vary along the row (constants, row inputs, row sums and what is
@@ -29,20 +34,29 @@ pub(crate) const ENTRY: &str = "parc_fused";
 /// Elements of the vectors a flat kernel walks (16 bytes of bf16; two float4 of f32).
 const FLAT_VECTOR: u64 = 8;
 
-/// The most shared memory a row-sum kernel stages its input rows in (bytes): a row is read
-/// from global memory once, in 16-byte vectors, however many passes read it.
-const STAGE_BYTES: u64 = 32 << 10;
+/// Threads of a warp: a row-sum kernel sums a row per warp.
+const WARP: u64 = 32;
+
+/// Columns a warp lane of a row-sum kernel takes from each `REDUCE_LANES`-column chunk of its
+/// row (the order's lanes `t · LANE_COLS + k`): one 16-byte vector of bf16.
+const LANE_COLS: u64 = REDUCE_LANES as u64 / WARP;
+
+/// The most 32-bit registers per thread a row-sum kernel keeps loaded row values in between
+/// its passes (the rest is read again): a 2048-column row of f32, or of bf16 with a second
+/// input.
+const KEEP_WORDS: u64 = 64;
 
 /// The helpers every generated source starts with: bf16 conversions (the rounding of
 /// kernels/common.cuh's `round_bf16`) and the bit-level primitives of `kir::prim`.
 const PRELUDE: &str = r#"#define PARC_LANES LANES_VALUE
+#define PARC_LANE_COLS LANE_COLS_VALUE
 #define PARC_FULL_MASK 0xffffffffu
 __device__ __forceinline__ float parc_widen(unsigned short h) {
     return __uint_as_float((unsigned int)h << 16);
 }
 __device__ __forceinline__ unsigned short parc_round(float x) {
     unsigned int u = __float_as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    if (x != x) return (unsigned short)((u >> 16) | 0x40u);
     return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 __device__ __forceinline__ unsigned int parc_pack(float a, float b) {
@@ -54,8 +68,10 @@ __device__ __forceinline__ float parc_neg(float x) {
 __device__ __forceinline__ float parc_abs(float x) {
     return __uint_as_float(__float_as_uint(x) & 0x7fffffffu);
 }
+// kir's exp2i: k truncated to an integer (NaN to 0: cvt.rzi.s32.f32 gives 0 for NaN and
+// saturates ±inf), clamped to [-126, 127], as the exponent of a power of two.
 __device__ __forceinline__ float parc_exp2i(float k) {
-    int i = (k != k) ? 0 : (int)fminf(fmaxf(k, -126.0f), 127.0f);
+    const int i = max(min(__float2int_rz(k), 127), -126);
     return __uint_as_float((unsigned int)(i + 127) << 23);
 }
 __device__ __forceinline__ float parc_exponent(float x) {
@@ -64,25 +80,22 @@ __device__ __forceinline__ float parc_exponent(float x) {
 __device__ __forceinline__ float parc_mantissa(float x) {
     return __uint_as_float((__float_as_uint(x) & 0x807fffffu) | 0x3f800000u);
 }
-// The sum of every lane's v in the halving-tree order (kir::REDUCE_LANES), given to every
-// lane. Steps of 32 and more through shared memory, then warp 0's shuffles.
-__device__ __forceinline__ float parc_row_total(float v, float* sh) {
-    const int l = threadIdx.x;
-    sh[l] = v;
-    __syncthreads();
-    for (int s = PARC_LANES / 2; s >= 32; s >>= 1) {
-        if (l < s) sh[l] = __fadd_rn(sh[l], sh[l + s]);
-        __syncthreads();
+// The sum of a row in the halving-tree order of kir::REDUCE_LANES, given to every lane of the
+// warp that holds it: lane t holds p[k], the partial sum of the order's lane
+// t * PARC_LANE_COLS + k. The order's steps of PARC_LANE_COLS lanes and more pair warp lanes t
+// and t + s / PARC_LANE_COLS (shuffles), the smaller ones a lane's own sums.
+__device__ __forceinline__ float parc_warp_total(float* p) {
+#pragma unroll
+    for (int s = PARC_LANES / 2 / PARC_LANE_COLS; s > 0; s >>= 1) {
+#pragma unroll
+        for (int k = 0; k < PARC_LANE_COLS; ++k) p[k] = __fadd_rn(p[k], __shfl_down_sync(PARC_FULL_MASK, p[k], s));
     }
-    if (l < 32) {
-        float t = sh[l];
-        for (int s = 16; s > 0; s >>= 1) t = __fadd_rn(t, __shfl_down_sync(PARC_FULL_MASK, t, s));
-        if (l == 0) sh[0] = t;
+#pragma unroll
+    for (int s = PARC_LANE_COLS / 2; s > 0; s >>= 1) {
+#pragma unroll
+        for (int k = 0; k < s; ++k) p[k] = __fadd_rn(p[k], p[k + s]);
     }
-    __syncthreads();
-    const float total = sh[0];
-    __syncthreads();
-    return total;
+    return __shfl_sync(PARC_FULL_MASK, p[0], 0);
 }
 "#;
 
@@ -95,7 +108,7 @@ pub(crate) enum Shape {
     /// Elementwise over `(row, column)`, vectors of this many columns (1: scalar only) that
     /// every width, offset and column map keeps together.
     Rows(u64),
-    /// Has row sums: one block of `REDUCE_LANES` threads per row.
+    /// Has row sums: a warp per row.
     Reduce,
 }
 
@@ -115,36 +128,41 @@ pub(crate) fn shape(kernel: &Kernel) -> Shape {
     if kernel.inputs.iter().chain(&kernel.outputs).all(same) && plain_loads {
         return Shape::Flat;
     }
-    let fits = |v: u64| {
-        let widths = kernel
-            .inputs
-            .iter()
-            .chain(&kernel.outputs)
-            .all(|a| match *a {
-                Access::Elem { width } | Access::PerPosition { width, .. } => {
-                    width.is_multiple_of(v)
-                }
-                Access::Row | Access::Col => true,
-            });
-        let loads = nodes.iter().all(|n| match *n {
-            Node::Load {
-                col_offset, map, ..
-            } => {
-                col_offset.is_multiple_of(v)
-                    && match map {
-                        ColMap::Id => true,
-                        ColMap::Periodic(p) => p.max(1).is_multiple_of(v),
-                        ColMap::RotateHalf(hd) => {
-                            hd.is_multiple_of(2) && (hd / 2).is_multiple_of(v)
-                        }
-                    }
-            }
-            _ => true,
+    Shape::Rows(
+        [8, 4, 2]
+            .into_iter()
+            .find(|&v| vectors_fit(kernel, v))
+            .unwrap_or(1),
+    )
+}
+
+/// Whether vectors of `v` columns stay together under every width, offset and column map of
+/// `kernel` (a vector never straddles a row, a block or a rotation).
+fn vectors_fit(kernel: &Kernel, v: u64) -> bool {
+    let nodes = kernel.graph.nodes();
+    let widths = kernel
+        .inputs
+        .iter()
+        .chain(&kernel.outputs)
+        .all(|a| match *a {
+            Access::Elem { width } | Access::PerPosition { width, .. } => width.is_multiple_of(v),
+            Access::Row | Access::Col => true,
         });
-        let stores = kernel.stores.iter().all(|s| s.col_offset.is_multiple_of(v));
-        kernel.cols.is_multiple_of(v) && widths && loads && stores
-    };
-    Shape::Rows([8, 4, 2].into_iter().find(|&v| fits(v)).unwrap_or(1))
+    let loads = nodes.iter().all(|n| match *n {
+        Node::Load {
+            col_offset, map, ..
+        } => {
+            col_offset.is_multiple_of(v)
+                && match map {
+                    ColMap::Id => true,
+                    ColMap::Periodic(p) => p.max(1).is_multiple_of(v),
+                    ColMap::RotateHalf(hd) => hd.is_multiple_of(2) && (hd / 2).is_multiple_of(v),
+                }
+        }
+        _ => true,
+    });
+    let stores = kernel.stores.iter().all(|s| s.col_offset.is_multiple_of(v));
+    kernel.cols.is_multiple_of(v) && widths && loads && stores
 }
 
 /// The CUDA C source of `kernel` (expanded and valid) with `dtypes` the storage type of each
@@ -153,7 +171,8 @@ pub(crate) fn source(kernel: &Kernel, dtypes: &[DType]) -> Result<String, String
     check(kernel, dtypes)?;
     let e = Emitter::new(kernel, dtypes);
     let mut out = format!("// parc generated kernel: {kernel}\n");
-    out.push_str(&PRELUDE.replace("LANES_VALUE", &REDUCE_LANES.to_string()));
+    let prelude = PRELUDE.replace("LANE_COLS_VALUE", &LANE_COLS.to_string());
+    out.push_str(&prelude.replace("LANES_VALUE", &REDUCE_LANES.to_string()));
     out.push_str(&e.signature());
     out.push_str(" {\n");
     match shape(kernel) {
@@ -203,27 +222,39 @@ enum At {
     RowCol,
 }
 
+/// How a row-sum kernel's column pass treats a load it keeps in registers for a later pass.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Keep {
+    /// Not kept: read from global memory.
+    No,
+    /// The first pass that reads it: from global memory, then into `keep<id>[j]`.
+    Save,
+    /// A later pass: from `keep<id>[j]`.
+    Reuse,
+}
+
+/// What a row-sum kernel's column pass computes per element: vectors of `LANE_COLS` columns
+/// (element `k` in `v<id>_<k>`) or one column (`v<id>_0`, element `k` of the lane's columns
+/// in the C variable `k`).
+#[derive(Clone, Copy)]
+enum Lanes {
+    Vector,
+    Scalar,
+}
+
 struct Emitter<'a> {
     k: &'a Kernel,
     dtypes: &'a [DType],
     levels: Vec<Level>,
-    /// A row-sum kernel's `Elem` inputs staged in shared memory a row at a time: each one's
-    /// byte offset in the stage (None: read from global memory).
-    staged: Vec<Option<u64>>,
 }
 
 impl<'a> Emitter<'a> {
     fn new(k: &'a Kernel, dtypes: &'a [DType]) -> Emitter<'a> {
-        let mut e = Emitter {
+        Emitter {
             k,
             dtypes,
             levels: k.levels(),
-            staged: vec![None; k.inputs.len()],
-        };
-        if shape(k) == Shape::Reduce {
-            e.staged = e.stage_plan();
         }
-        e
     }
 
     fn elem_bytes(&self, operand: usize) -> u64 {
@@ -232,70 +263,6 @@ impl<'a> Emitter<'a> {
         } else {
             4
         }
-    }
-
-    /// Where each loaded `Elem` input's row lies in the stage: all of them, 16-byte aligned,
-    /// when they fit in [`STAGE_BYTES`], else none.
-    fn stage_plan(&self) -> Vec<Option<u64>> {
-        let loaded = |i: usize| {
-            (self.k.graph.nodes().iter())
-                .any(|n| matches!(*n, Node::Load { input, .. } if input as usize == i))
-        };
-        let mut plan = vec![None; self.k.inputs.len()];
-        let mut at = 0u64;
-        for (i, access) in self.k.inputs.iter().enumerate() {
-            if let Access::Elem { width } = *access {
-                if loaded(i) {
-                    plan[i] = Some(at);
-                    at += (width * self.elem_bytes(i)).next_multiple_of(16);
-                }
-            }
-        }
-        if at > STAGE_BYTES {
-            return vec![None; self.k.inputs.len()];
-        }
-        plan
-    }
-
-    /// Bytes of the stage.
-    fn stage_bytes(&self) -> u64 {
-        let end = |(i, at): (usize, &Option<u64>)| {
-            let width = match self.k.inputs[i] {
-                Access::Elem { width } => width,
-                _ => 0,
-            };
-            at.map(|at| at + width * self.elem_bytes(i))
-        };
-        (self.staged.iter().enumerate())
-            .filter_map(end)
-            .max()
-            .unwrap_or(0)
-    }
-
-    /// Copies row `r` of every staged input into the stage: 16-byte vectors where the row is a
-    /// whole number of them and every staged pointer is aligned, else element by element;
-    /// between barriers (the previous row's readers are done, this row's wait for it).
-    fn stage_row(&self, out: &mut String) {
-        out.push_str("        __syncthreads();\n");
-        for (i, at) in self.staged.iter().enumerate() {
-            let (Some(at), Access::Elem { width }) = (at, self.k.inputs[i]) else {
-                continue;
-            };
-            let bytes = width * self.elem_bytes(i);
-            let ty = self.elem_type(i);
-            let scalar = format!(
-                "for (int t = threadIdx.x; t < {width}; t += PARC_LANES) (({ty}*)(parc_stage + {at}))[t] = in{i}[r * {width}LL + t];"
-            );
-            if bytes.is_multiple_of(16) {
-                out.push_str(&format!(
-                    "        if (stage_vec) for (int t = threadIdx.x; t < {}; t += PARC_LANES) ((uint4*)(parc_stage + {at}))[t] = ((const uint4*)(in{i} + r * {width}LL))[t];\n        else {scalar}\n",
-                    bytes / 16
-                ));
-            } else {
-                out.push_str(&format!("        {scalar}\n"));
-            }
-        }
-        out.push_str("        __syncthreads();\n");
     }
 
     fn n_inputs(&self) -> usize {
@@ -377,9 +344,6 @@ impl<'a> Emitter<'a> {
             }
         };
         match access {
-            Access::Elem { .. } if self.staged[input as usize].is_some() => {
-                format!("{offset}LL + {col}")
-            }
             Access::Elem { width } => format!("r * {width}LL + {offset}LL + {col}"),
             Access::PerPosition { batch, width } => {
                 format!("(r / {batch}LL) * {width}LL + {offset}LL + {col}")
@@ -389,15 +353,10 @@ impl<'a> Emitter<'a> {
         }
     }
 
-    /// Loads `v` elements of input `input` from index `idx` into `v<id>_0 … v<id>_{v-1}`.
-    fn vector_load(&self, out: &mut String, id: NodeId, input: u32, idx: &str, v: u64) {
-        let ptr = match self.staged[input as usize] {
-            Some(at) => format!(
-                "((const {}*)(parc_stage + {at}))",
-                self.elem_type(input as usize)
-            ),
-            None => format!("in{input}"),
-        };
+    /// Loads `v` elements of input `input` from index `idx` into `v<id>_0 … v<id>_{v-1}`; a
+    /// kept vector of `LANE_COLS` from or also into `keep<id>[j]` (see [`Keep`]).
+    fn vector_load(&self, out: &mut String, id: NodeId, input: u32, idx: &str, v: u64, keep: Keep) {
+        let ptr = format!("in{input}");
         let names: Vec<String> = (0..v).map(|k| self.var(id, k)).collect();
         if self.is_bf16(input as usize) {
             let (ty, words) = match v {
@@ -413,14 +372,18 @@ impl<'a> Emitter<'a> {
                 ));
                 return;
             }
-            out.push_str(&format!(
-                "        const {ty} q{} = *(const {ty}*)({ptr} + ({idx}));\n",
-                id.0
-            ));
+            let q = format!("q{}", id.0);
+            out.push_str(&match keep {
+                Keep::Reuse => format!("        const {ty} {q} = keep{}[j];\n", id.0),
+                _ => format!("        const {ty} {q} = *(const {ty}*)({ptr} + ({idx}));\n"),
+            });
+            if keep == Keep::Save {
+                out.push_str(&format!("        keep{}[j] = {q};\n", id.0));
+            }
             for (w, field) in words.iter().enumerate() {
                 let word = match *field {
-                    "" => format!("q{}", id.0),
-                    f => format!("q{}.{f}", id.0),
+                    "" => q.clone(),
+                    f => format!("{q}.{f}"),
                 };
                 out.push_str(&format!(
                     "        const float {} = __uint_as_float({word} << 16);\n",
@@ -445,12 +408,18 @@ impl<'a> Emitter<'a> {
             ));
             return;
         }
-        for part in 0..v / lanes.len() as u64 {
+        let parts = v / lanes.len() as u64;
+        for part in 0..parts {
             let q = format!("q{}_{part}", id.0);
             let at = part * lanes.len() as u64;
-            out.push_str(&format!(
-                "        const {ty} {q} = *(const {ty}*)({ptr} + ({idx}) + {at});\n"
-            ));
+            let slot = format!("keep{}[{parts} * j + {part}]", id.0);
+            out.push_str(&match keep {
+                Keep::Reuse => format!("        const {ty} {q} = {slot};\n"),
+                _ => format!("        const {ty} {q} = *(const {ty}*)({ptr} + ({idx}) + {at});\n"),
+            });
+            if keep == Keep::Save {
+                out.push_str(&format!("        {slot} = {q};\n"));
+            }
             for (j, lane) in lanes.iter().enumerate() {
                 out.push_str(&format!(
                     "        const float {} = {q}.{lane};\n",
@@ -553,7 +522,8 @@ impl<'a> Emitter<'a> {
     }
 
     /// The statements computing every node `need` marks that `emit` accepts, in id order:
-    /// loads as vectors of `v`, uniform nodes once, the others once per vector element.
+    /// loads as vectors of `v` (`keep` says which a row-sum kernel keeps), uniform nodes once,
+    /// the others once per vector element.
     fn nodes(
         &self,
         out: &mut String,
@@ -561,6 +531,7 @@ impl<'a> Emitter<'a> {
         emit: impl Fn(NodeId) -> bool,
         at: At,
         v: u64,
+        keep: impl Fn(NodeId) -> Keep,
     ) {
         for (i, node) in self.k.graph.nodes().iter().enumerate() {
             let id = NodeId(i as u32);
@@ -579,7 +550,7 @@ impl<'a> Emitter<'a> {
                             "        const float {} = in{input}[{idx}];\n",
                             self.var(id, 0)
                         )),
-                        _ => self.vector_load(out, id, input, &idx, v),
+                        _ => self.vector_load(out, id, input, &idx, v, keep(id)),
                     }
                 }
                 Node::RowSum(_) => {}
@@ -659,11 +630,11 @@ impl<'a> Emitter<'a> {
         ));
         out.push_str("    for (long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x; j < nv; j += stride) {\n");
         out.push_str(&format!("        const long long e = j * {v};\n"));
-        self.nodes(out, &need, |_| true, At::Flat, v);
+        self.nodes(out, &need, |_| true, At::Flat, v, |_| Keep::No);
         self.stores(out, At::Flat, v, "true");
         out.push_str("    }\n");
         out.push_str(&format!("    for (long long e = nv * {v} + blockIdx.x * (long long)blockDim.x + threadIdx.x; e < n; e += stride) {{\n"));
-        self.nodes(out, &need, |_| true, At::Flat, 1);
+        self.nodes(out, &need, |_| true, At::Flat, 1, |_| Keep::No);
         self.stores(out, At::Flat, 1, "true");
         out.push_str("    }\n");
     }
@@ -687,7 +658,7 @@ impl<'a> Emitter<'a> {
             out.push_str(&format!(
                 "        const long long r = j / {per_row}LL;\n        const long long c = (j - r * {per_row}LL) * {v}LL;\n"
             ));
-            self.nodes(out, &need, |_| true, At::RowCol, v);
+            self.nodes(out, &need, |_| true, At::RowCol, v, |_| Keep::No);
             self.stores(out, At::RowCol, v, "c == 0");
             out.push_str("    }\n");
             scalar_guard = "if (!vec) ".into();
@@ -698,7 +669,7 @@ impl<'a> Emitter<'a> {
         out.push_str(&format!(
             "        const long long r = i / {cols}LL;\n        const long long c = i - r * {cols}LL;\n"
         ));
-        self.nodes(out, &need, |_| true, At::RowCol, 1);
+        self.nodes(out, &need, |_| true, At::RowCol, 1, |_| Keep::No);
         self.stores(out, At::RowCol, 1, "c == 0");
         out.push_str("    }\n");
     }
@@ -720,79 +691,115 @@ impl<'a> Emitter<'a> {
         depth
     }
 
-    /// A kernel with row sums: per row (one block of LANES threads), each depth of row sums
-    /// in turn, then the stores.
+    /// A kernel with row sums: a row per warp (rows strided over every warp of the grid); per
+    /// row, each depth of row sums in turn (a column pass, then the warp's total), then a
+    /// column pass of the stores.
     fn reduce(&self, out: &mut String) {
         let need = self.closure(&self.store_roots(), |_| false);
         let depths = self.depths();
         let depth = &depths;
         let max_depth = depth.iter().copied().max().unwrap_or(0);
         let uniform_at = |d: usize| move |id: NodeId| self.uniform(id) && depth[id.index()] == d;
-        out.push_str("    __shared__ float parc_red[PARC_LANES];\n");
-        out.push_str("    if (blockDim.x != PARC_LANES) __trap();\n");
-        let stage = self.stage_bytes();
-        if stage > 0 {
-            out.push_str(&format!(
-                "    __shared__ __align__(16) unsigned char parc_stage[{stage}];\n"
-            ));
-            let ptrs: Vec<String> = (self.staged.iter().enumerate())
-                .filter(|(_, at)| at.is_some())
-                .map(|(i, _)| format!("(unsigned long long)in{i}"))
-                .collect();
-            out.push_str(&format!(
-                "    const bool stage_vec = (({}) & 15ull) == 0;\n",
-                ptrs.join(" | ")
-            ));
-        }
-        out.push_str("    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {\n");
-        if stage > 0 {
-            self.stage_row(out);
-        }
-        for d in 1..=max_depth {
-            self.nodes(out, &need, uniform_at(d - 1), At::RowCol, 1);
-            let sums: Vec<(NodeId, NodeId)> = (self.k.graph.nodes().iter().enumerate())
+        let sums_at = |d: usize| -> Vec<(NodeId, NodeId)> {
+            (self.k.graph.nodes().iter().enumerate())
                 .filter_map(|(i, n)| match *n {
                     Node::RowSum(a) if need[i] && depth[i] == d => Some((NodeId(i as u32), a)),
                     _ => None,
                 })
-                .collect();
-            for (s, _) in &sums {
-                out.push_str(&format!("        float acc{} = 0.0f;\n", s.0));
-            }
-            let roots: Vec<NodeId> = sums.iter().map(|(_, a)| *a).collect();
-            self.column_loop(out, &roots, |out| {
-                for (s, a) in &sums {
-                    out.push_str(&format!(
-                        "        acc{0} = __fadd_rn(acc{0}, {1});\n",
-                        s.0,
-                        self.var(*a, 0)
-                    ));
-                }
-            });
-            for (s, _) in &sums {
-                out.push_str(&format!(
-                    "        const float v{0} = parc_row_total(acc{0}, parc_red);\n",
-                    s.0
-                ));
-            }
-        }
-        self.nodes(out, &need, uniform_at(max_depth), At::RowCol, 1);
+                .collect()
+        };
         let elem_roots: Vec<NodeId> = (self.k.stores.iter())
             .filter(|s| matches!(self.k.outputs[s.output as usize], Access::Elem { .. }))
             .map(|s| s.value)
             .collect();
-        self.column_loop(out, &elem_roots, |out| {
-            for s in &self.k.stores {
-                if let Access::Elem { width } = self.k.outputs[s.output as usize] {
-                    let idx = format!("r * {width}LL + {}LL + c", s.col_offset);
-                    self.vector_store(out, s.output, &idx, &[self.var(s.value, 0)]);
-                }
+        let vector = vectors_fit(self.k, LANE_COLS);
+        let mut passes: Vec<Vec<NodeId>> = (1..=max_depth)
+            .map(|d| sums_at(d).iter().map(|(_, a)| *a).collect())
+            .collect();
+        passes.push(elem_roots.clone());
+        let kept = match vector {
+            true => self.keep_plan(&passes),
+            false => vec![None; self.k.graph.len()],
+        };
+        let keep_in = |pass: usize| {
+            let kept = &kept;
+            move |id: NodeId| match kept[id.index()] {
+                Some(first) if first == pass => Keep::Save,
+                Some(first) if first < pass => Keep::Reuse,
+                _ => Keep::No,
             }
+        };
+        out.push_str("    if ((blockDim.x & 31u) != 0u) __trap();\n");
+        out.push_str("    const int lane = threadIdx.x & 31;\n");
+        out.push_str("    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);\n");
+        if vector {
+            out.push_str(&format!("    const bool vec = {};\n", self.aligned()));
+        }
+        out.push_str("    for (long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {\n");
+        self.keep_declarations(out, &kept);
+        for d in 1..=max_depth {
+            self.nodes(out, &need, uniform_at(d - 1), At::RowCol, 1, |_| Keep::No);
+            let sums = sums_at(d);
+            for (s, _) in &sums {
+                out.push_str(&format!(
+                    "        float acc{}[PARC_LANE_COLS] = {{}};\n",
+                    s.0
+                ));
+            }
+            let roots: Vec<NodeId> = sums.iter().map(|(_, a)| *a).collect();
+            self.column_pass(out, &roots, vector, keep_in(d - 1), |out, lanes| {
+                for (s, a) in &sums {
+                    match lanes {
+                        Lanes::Vector => {
+                            for k in 0..LANE_COLS {
+                                out.push_str(&format!(
+                                    "        acc{0}[{k}] = __fadd_rn(acc{0}[{k}], {1});\n",
+                                    s.0,
+                                    self.var(*a, k)
+                                ));
+                            }
+                        }
+                        Lanes::Scalar => out.push_str(&format!(
+                            "        acc{0}[k] = __fadd_rn(acc{0}[k], {1});\n",
+                            s.0,
+                            self.var(*a, 0)
+                        )),
+                    }
+                }
+            });
+            for (s, _) in &sums {
+                out.push_str(&format!(
+                    "        const float v{0} = parc_warp_total(acc{0});\n",
+                    s.0
+                ));
+            }
+        }
+        self.nodes(out, &need, uniform_at(max_depth), At::RowCol, 1, |_| {
+            Keep::No
         });
+        self.column_pass(
+            out,
+            &elem_roots,
+            vector,
+            keep_in(max_depth),
+            |out, lanes| {
+                let n = match lanes {
+                    Lanes::Vector => LANE_COLS,
+                    Lanes::Scalar => 1,
+                };
+                for s in &self.k.stores {
+                    if let Access::Elem { width } = self.k.outputs[s.output as usize] {
+                        let idx = format!("r * {width}LL + {}LL + c", s.col_offset);
+                        let vals: Vec<String> = (0..n).map(|k| self.var(s.value, k)).collect();
+                        self.vector_store(out, s.output, &idx, &vals);
+                    }
+                }
+            },
+        );
         for s in &self.k.stores {
             if self.k.outputs[s.output as usize] == Access::Row {
                 out.push_str(&format!(
-                    "        if (threadIdx.x == 0) out{}[r] = {};\n",
+                    "        if (lane == 0) out{}[r] = {};\n",
                     s.output,
                     self.var(s.value, 0)
                 ));
@@ -801,22 +808,117 @@ impl<'a> Emitter<'a> {
         out.push_str("    }\n");
     }
 
-    /// `for (c = lane; c < cols; c += LANES) { <what roots need along the row>; body }`.
-    fn column_loop(&self, out: &mut String, roots: &[NodeId], body: impl FnOnce(&mut String)) {
+    /// Which loads a row-sum kernel keeps in registers, and the pass (index into `passes`,
+    /// each pass's roots) that first reads each: every load a later pass reads again, in id
+    /// order while they fit in [`KEEP_WORDS`].
+    fn keep_plan(&self, passes: &[Vec<NodeId>]) -> Vec<Option<usize>> {
+        let n = self.k.graph.len();
+        let (mut first, mut again) = (vec![None; n], vec![false; n]);
+        for (p, roots) in passes.iter().enumerate() {
+            let need = self.closure(roots, |id| self.uniform(id));
+            for (i, node) in self.k.graph.nodes().iter().enumerate() {
+                let varying_load =
+                    matches!(node, Node::Load { .. }) && !self.uniform(NodeId(i as u32));
+                if need[i] && varying_load {
+                    match first[i] {
+                        None => first[i] = Some(p),
+                        Some(_) => again[i] = true,
+                    }
+                }
+            }
+        }
+        let mut words = 0;
+        let mut plan = vec![None; n];
+        for i in 0..n {
+            let Some(words_per_chunk) = self.keep_words(NodeId(i as u32)) else {
+                continue;
+            };
+            let w = self.chunks() * words_per_chunk;
+            if again[i] && words + w <= KEEP_WORDS {
+                words += w;
+                plan[i] = first[i];
+            }
+        }
+        plan
+    }
+
+    /// 32-bit words a kept load takes per chunk: a 16-byte vector of bf16, two of f32 (None:
+    /// not a load).
+    fn keep_words(&self, id: NodeId) -> Option<u64> {
+        match self.k.graph.node(id) {
+            Node::Load { input, .. } => Some(LANE_COLS * self.elem_bytes(input as usize) / 4),
+            _ => None,
+        }
+    }
+
+    /// `REDUCE_LANES`-column chunks of a row (the last may be partial).
+    fn chunks(&self) -> u64 {
+        self.k.cols.div_ceil(REDUCE_LANES as u64)
+    }
+
+    /// The register arrays of the kept loads (`keep<id>[chunk]`).
+    fn keep_declarations(&self, out: &mut String, kept: &[Option<usize>]) {
+        let chunks = self.chunks();
+        for (i, first) in kept.iter().enumerate() {
+            let Node::Load { input, .. } = self.k.graph.node(NodeId(i as u32)) else {
+                continue;
+            };
+            if first.is_none() {
+                continue;
+            }
+            let decl = match self.is_bf16(input as usize) {
+                true => format!("uint4 keep{i}[{chunks}]"),
+                false => format!("float4 keep{i}[{}]", 2 * chunks),
+            };
+            out.push_str(&format!("        {decl};\n"));
+        }
+    }
+
+    /// A pass over the row: warp lane `t` takes columns `t · LANE_COLS + k` of every chunk
+    /// `j` (`c`, the first, in the C variable `c`), computing what `roots` need along the row,
+    /// then `body`. As vectors (`Lanes::Vector`, unrolled so kept loads stay in registers)
+    /// where `vector` and every pointer is 16-byte aligned (`vec`), else a column at a time.
+    fn column_pass(
+        &self,
+        out: &mut String,
+        roots: &[NodeId],
+        vector: bool,
+        keep: impl Fn(NodeId) -> Keep,
+        body: impl Fn(&mut String, Lanes),
+    ) {
         let need = self.closure(roots, |id| self.uniform(id));
+        let varying = |id: NodeId| !self.uniform(id);
+        let (chunks, cols) = (self.chunks(), self.k.cols);
+        let first = format!("j * {REDUCE_LANES}LL + lane * {LANE_COLS}LL");
+        let indented = |out: &mut String, inner: &str, by: &str| {
+            for line in inner.lines() {
+                out.push_str(by);
+                out.push_str(line);
+                out.push('\n');
+            }
+        };
+        if vector {
+            let unroll = if chunks <= 16 { "" } else { " 4" };
+            out.push_str(&format!(
+                "        if (vec) {{\n#pragma unroll{unroll}\n        for (int j = 0; j < {chunks}; ++j) {{\n            const long long c = {first};\n            if (c < {cols}LL) {{\n"
+            ));
+            let mut inner = String::new();
+            self.nodes(&mut inner, &need, varying, At::RowCol, LANE_COLS, &keep);
+            body(&mut inner, Lanes::Vector);
+            indented(out, &inner, "        ");
+            out.push_str("            }\n        }\n        } else {\n");
+        }
         out.push_str(&format!(
-            "        for (long long c = threadIdx.x; c < {}LL; c += PARC_LANES) {{\n",
-            self.k.cols
+            "#pragma unroll 1\n        for (int j = 0; j < {chunks}; ++j) {{\n#pragma unroll\n        for (int k = 0; k < PARC_LANE_COLS; ++k) {{\n            const long long c = {first} + k;\n            if (c < {cols}LL) {{\n"
         ));
         let mut inner = String::new();
-        self.nodes(&mut inner, &need, |id| !self.uniform(id), At::RowCol, 1);
-        body(&mut inner);
-        for line in inner.lines() {
-            out.push_str("    ");
-            out.push_str(line);
-            out.push('\n');
+        self.nodes(&mut inner, &need, varying, At::RowCol, 1, |_| Keep::No);
+        body(&mut inner, Lanes::Scalar);
+        indented(out, &inner, "        ");
+        out.push_str("            }\n        }\n        }\n");
+        if vector {
+            out.push_str("        }\n");
         }
-        out.push_str("        }\n");
     }
 }
 

@@ -4,7 +4,8 @@
 //! An [`Emitter`] follows the generated-kernel ABI (docs/cuda.md, "Generated kernels"; the
 //! emitters' modules restate it): entry `parc_fused`, one device pointer per input then per
 //! output, then `long long rows`; `Elem` operands f32 or bf16 as `dtypes` says, the others
-//! f32; any grid; a kernel with row sums one block of `REDUCE_LANES` threads per row. Two
+//! f32; any grid; a kernel with row sums blocks of `REDUCE_LANES` threads, each taking
+//! [`Emitter::reduce_rows_per_block`] rows at once (NVRTC's: a row per warp; LLVM's: one). Two
 //! emitters exist: [`NvrtcEmitter`] (CUDA C from `codegen`, compiled by NVRTC; the default) and
 //! LLVM's (runtime/src/llvm, feature `llvm`), chosen by `PARC_CODEGEN=nvrtc|llvm`.
 //!
@@ -34,6 +35,9 @@ pub trait Emitter: Send + Sync {
     /// The PTX of `kernel` (expanded: primitive ops only) for `arch` (e.g. "sm_90"), `dtypes`
     /// the storage type of every operand, inputs then outputs.
     fn ptx(&self, kernel: &Kernel, dtypes: &[DType], arch: &str) -> Result<String>;
+    /// Rows a block of `REDUCE_LANES` threads of its row-sum kernels takes at once (the
+    /// launch starts that many fewer blocks; the kernels stride over the rest).
+    fn reduce_rows_per_block(&self) -> usize;
 }
 
 /// NVRTC options of generated kernels (part of the PTX cache key): float arithmetic as
@@ -66,6 +70,11 @@ impl Emitter for NvrtcEmitter {
         let src = NvrtcEmitter::source(kernel, dtypes)?;
         let what = format!("the generated kernel `{kernel}`");
         cached_ptx("fused", &what, &src, arch, &NVRTC_OPTIONS)
+    }
+
+    /// A row per warp (codegen's row-sum kernels).
+    fn reduce_rows_per_block(&self) -> usize {
+        REDUCE_LANES / 32
     }
 }
 
@@ -109,6 +118,11 @@ mod llvm_hook {
         ) -> Result<String> {
             crate::llvm::ptx(kernel, dtypes, arch)
         }
+
+        /// A row per block (runtime/src/llvm's row-sum kernels).
+        fn reduce_rows_per_block(&self) -> usize {
+            1
+        }
     }
 
     #[cfg(feature = "llvm")]
@@ -132,6 +146,8 @@ use llvm_hook::llvm_emitter;
 struct Loaded {
     function: CudaFunction,
     shape: Shape,
+    /// Its emitter's [`Emitter::reduce_rows_per_block`].
+    reduce_rows: usize,
 }
 
 /// A backend's generated kernels (see the module docs).
@@ -220,7 +236,9 @@ impl CudaBackend {
     fn load_generated(&mut self, kernel: &Kernel, dtypes: &[DType]) -> Result<Loaded> {
         let expanded = parc_compiler::kir::expand::expand(kernel);
         let arch = arch(self)?;
-        let ptx = self.generated.emitter()?.ptx(&expanded, dtypes, &arch)?;
+        let emitter = self.generated.emitter()?;
+        let ptx = emitter.ptx(&expanded, dtypes, &arch)?;
+        let reduce_rows = emitter.reduce_rows_per_block();
         let what = || format!("the generated kernel `{kernel}`");
         let module = self
             .ctx
@@ -232,6 +250,7 @@ impl CudaBackend {
         Ok(Loaded {
             function,
             shape: codegen::shape(&expanded),
+            reduce_rows,
         })
     }
 }
@@ -247,7 +266,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound, attrs: &FusedAttrs) -> Result
     let buffers: Vec<_> = b.inputs.iter().chain(b.outputs).copied().collect();
     let dtypes: Vec<DType> = buffers.iter().map(|x| x.dtype).collect();
     let loaded = be.generated_kernel(kernel, &dtypes)?;
-    let cfg = launch_config(loaded.shape, rows, kernel.cols);
+    let cfg = launch_config(loaded.shape, rows, kernel.cols, loaded.reduce_rows);
     let ptrs: Vec<u64> = buffers.iter().map(|x| x.ptr).collect();
     let rows = rows as i64;
     let mut launch = be.stream.launch_builder(&loaded.function);
@@ -292,10 +311,14 @@ const MAX_BLOCKS: usize = 1 << 16;
 /// The launch of a kernel of `shape` over `rows × cols`: a thread per vector (per element in
 /// a scalar kernel) up to [`MAX_BLOCKS`] blocks of 256, as the hand-written elementwise
 /// kernels launch (on an H200 it moves f32 a third faster than a grid of one wave striding
-/// over the rest); one block of `REDUCE_LANES` threads per row for row sums.
-fn launch_config(shape: Shape, rows: usize, cols: u64) -> LaunchConfig {
+/// over the rest); for row sums, blocks of `REDUCE_LANES` threads taking `reduce_rows` rows
+/// each.
+fn launch_config(shape: Shape, rows: usize, cols: u64, reduce_rows: usize) -> LaunchConfig {
     let (blocks, threads) = match shape {
-        Shape::Reduce => (rows.min(MAX_BLOCKS), REDUCE_LANES as u32),
+        Shape::Reduce => (
+            rows.div_ceil(reduce_rows.max(1)).min(MAX_BLOCKS),
+            REDUCE_LANES as u32,
+        ),
         Shape::Flat | Shape::Rows(_) => {
             let per_thread = match shape {
                 Shape::Flat => 8,

@@ -70,22 +70,57 @@ fn sources_follow_the_abi() {
     let src = source(&k, &dtypes(&k, DType::F32)).unwrap();
     assert!(src.contains("const float* __restrict__ in1"), "{src}");
     assert!(src.contains("if (c == 0) out1[r]"), "{src}");
+    // Row sums: a row per warp, the lane's 8 columns of each 256-column chunk as 16-byte
+    // vectors where aligned (else one at a time), the warp's total in kir's order.
     let k = fixtures::layer(64);
     let src = source(&k, &dtypes(&k, DType::F32)).unwrap();
-    assert_eq!(src.matches("parc_row_total(acc").count(), 2, "{src}");
-    assert!(src.contains("c += PARC_LANES"), "{src}");
-    // The rows are staged in shared memory (two inputs of 64 f32), unless too wide.
-    assert!(src.contains("parc_stage[512]"), "{src}");
+    assert_eq!(src.matches("parc_warp_total(acc").count(), 2, "{src}");
+    assert!(src.contains("r += warps"), "{src}");
     assert!(
-        src.contains("((const float*)(parc_stage + 256))[0LL + c]"),
+        src.contains("const long long c = j * 256LL + lane * 8LL;"),
         "{src}"
     );
+    assert!(src.contains("if (vec) {"), "{src}");
+    assert!(
+        src.contains("float4 q0_1 = *(const float4*)(in0 + (r * 64LL + 0LL + c) + 4);"),
+        "{src}"
+    );
+    // Both inputs are read again by the second sum and the stores: kept in registers (2
+    // inputs × 1 chunk × 8 words), saved by the first pass and reused by the later ones.
+    assert!(
+        src.contains("float4 keep0[2];") && src.contains("float4 keep1[2];"),
+        "{src}"
+    );
+    assert_eq!(src.matches("keep0[2 * j + 1] = q0_1;").count(), 1, "{src}");
+    assert_eq!(
+        src.matches("const float4 q0_1 = keep0[2 * j + 1];").count(),
+        2,
+        "{src}"
+    );
+    // 2048 bf16 columns: the row kept (8 chunks of one uint4), its loads unrolled.
+    let k = fixtures::rms(2048);
+    let src = source(&k, &dtypes(&k, DType::Bf16)).unwrap();
+    assert!(
+        src.contains("uint4 keep0[8];") && src.contains("const uint4 q0 = keep0[j];"),
+        "{src}"
+    );
+    assert!(
+        src.contains("#pragma unroll\n        for (int j = 0; j < 8; ++j)"),
+        "{src}"
+    );
+    // Too wide to keep (9000 f32 columns: 36 chunks): read again, partly unrolled; 9000 is a
+    // multiple of 8, so vectors; 42 columns are not, so one column at a time only.
     let k = fixtures::rms(9000);
     let src = source(&k, &dtypes(&k, DType::F32)).unwrap();
-    assert!(!src.contains("parc_stage"), "{src}");
-    assert!(source(&k, &dtypes(&k, DType::Bf16))
-        .unwrap()
-        .contains("parc_stage[18000]"));
+    assert!(!src.contains("keep"), "{src}");
+    assert!(src.contains("#pragma unroll 4\n"), "{src}");
+    let k = fixtures::rms(42);
+    let src = source(&k, &dtypes(&k, DType::Bf16)).unwrap();
+    assert!(!src.contains("vec") && !src.contains("keep"), "{src}");
+    assert!(
+        src.contains("const long long c = j * 256LL + lane * 8LL + k;"),
+        "{src}"
+    );
 }
 
 #[test]

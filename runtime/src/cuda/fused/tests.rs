@@ -85,19 +85,26 @@ fn the_emitter_is_chosen_by_name() {
 }
 
 #[test]
-fn launches_take_a_thread_per_vector_and_reduce_one_row_a_block() {
+fn launches_take_a_thread_per_vector_and_reduce_rows_per_block() {
     // 2^32 elements in vectors of 8: more blocks than a launch starts.
-    let cfg = launch_config(Shape::Flat, 1 << 20, 4096);
+    let cfg = launch_config(Shape::Flat, 1 << 20, 4096, 8);
     assert_eq!((cfg.grid_dim.0, cfg.block_dim.0), (1 << 16, 256));
-    let cfg = launch_config(Shape::Flat, 4096, 4096);
+    let cfg = launch_config(Shape::Flat, 4096, 4096, 8);
     assert_eq!(cfg.grid_dim.0, 4096 * 4096 / 8 / 256);
-    let cfg = launch_config(Shape::Flat, 3, 37);
+    let cfg = launch_config(Shape::Flat, 3, 37, 8);
     assert_eq!((cfg.grid_dim.0, cfg.block_dim.0), (1, 256));
-    let cfg = launch_config(Shape::Reduce, 5, 4096);
+    // NVRTC's row sums: a row per warp, 8 a block; LLVM's: a row per block.
+    let nvrtc = NvrtcEmitter.reduce_rows_per_block();
+    assert_eq!(nvrtc, 8);
+    let cfg = launch_config(Shape::Reduce, 5, 4096, nvrtc);
+    assert_eq!((cfg.grid_dim.0, cfg.block_dim.0), (1, REDUCE_LANES as u32));
+    let cfg = launch_config(Shape::Reduce, 17, 4096, nvrtc);
+    assert_eq!(cfg.grid_dim.0, 3);
+    let cfg = launch_config(Shape::Reduce, 5, 4096, 1);
     assert_eq!((cfg.grid_dim.0, cfg.block_dim.0), (5, REDUCE_LANES as u32));
-    let cfg = launch_config(Shape::Reduce, 1 << 20, 64);
+    let cfg = launch_config(Shape::Reduce, 1 << 20, 64, 1);
     assert_eq!(cfg.grid_dim.0, 1 << 16);
-    let cfg = launch_config(Shape::Rows(2), 64, 42);
+    let cfg = launch_config(Shape::Rows(2), 64, 42, 8);
     assert_eq!(cfg.grid_dim.0, 6);
 }
 
@@ -105,4 +112,42 @@ fn launches_take_a_thread_per_vector_and_reduce_one_row_a_block() {
 fn bf16_masks_name_the_bf16_operands() {
     assert_eq!(bf16_mask(&[DType::F32, DType::Bf16, DType::Bf16]), 0b110);
     assert_eq!(bf16_mask(&[DType::F32]), 0);
+}
+
+/// The kernels `tests/cuda_fused_bench.rs` times, as it builds them (expanded, as the backend
+/// compiles them), named as the bench reports them.
+fn bench_kernels() -> Vec<(&'static str, Kernel)> {
+    let cols = 8192;
+    [
+        ("copy", fixtures::copy(cols)),
+        ("swiglu", fixtures::swiglu(cols)),
+        ("swiglu_bwd", fixtures::swiglu_bwd(cols)),
+        ("squared_relu", fixtures::squared_relu(cols)),
+        ("rms_norm", fixtures::rms(2048)),
+    ]
+    .into_iter()
+    .map(|(name, k)| (name, expand(&k)))
+    .collect()
+}
+
+/// Writes the CUDA C source and the sm_90a PTX of every kernel of the bandwidth bench, bf16
+/// and f32, into `$PARC_FUSED_DUMP` (`<kernel>-<dtype>.cu` and `.ptx`), for
+/// bench/fused_kernel_stats.sh to assemble and count without a GPU. Ignored: run by the script.
+#[test]
+#[ignore = "writes files: run by bench/fused_kernel_stats.sh"]
+fn dump_bench_kernels() {
+    let dir = std::env::var("PARC_FUSED_DUMP").expect("PARC_FUSED_DUMP: the folder to write to");
+    for (name, k) in bench_kernels() {
+        for elem in [DType::Bf16, DType::F32] {
+            let types = dtypes(&k, elem);
+            let stem = format!("{dir}/{name}-{}", elem.name());
+            std::fs::write(
+                format!("{stem}.cu"),
+                NvrtcEmitter::source(&k, &types).unwrap(),
+            )
+            .unwrap();
+            let ptx = NvrtcEmitter.ptx(&k, &types, "sm_90a").unwrap();
+            std::fs::write(format!("{stem}.ptx"), ptx).unwrap();
+        }
+    }
 }
