@@ -748,24 +748,7 @@ impl<'a> Emitter<'a> {
             }
             let roots: Vec<NodeId> = sums.iter().map(|(_, a)| *a).collect();
             self.column_pass(out, &roots, vector, keep_in(d - 1), |out, lanes| {
-                for (s, a) in &sums {
-                    match lanes {
-                        Lanes::Vector => {
-                            for k in 0..LANE_COLS {
-                                out.push_str(&format!(
-                                    "        acc{0}[{k}] = __fadd_rn(acc{0}[{k}], {1});\n",
-                                    s.0,
-                                    self.var(*a, k)
-                                ));
-                            }
-                        }
-                        Lanes::Scalar => out.push_str(&format!(
-                            "        acc{0}[k] = __fadd_rn(acc{0}[k], {1});\n",
-                            s.0,
-                            self.var(*a, 0)
-                        )),
-                    }
-                }
+                self.accumulate(out, &sums, lanes)
             });
             for (s, _) in &sums {
                 out.push_str(&format!(
@@ -782,19 +765,7 @@ impl<'a> Emitter<'a> {
             &elem_roots,
             vector,
             keep_in(max_depth),
-            |out, lanes| {
-                let n = match lanes {
-                    Lanes::Vector => LANE_COLS,
-                    Lanes::Scalar => 1,
-                };
-                for s in &self.k.stores {
-                    if let Access::Elem { width } = self.k.outputs[s.output as usize] {
-                        let idx = format!("r * {width}LL + {}LL + c", s.col_offset);
-                        let vals: Vec<String> = (0..n).map(|k| self.var(s.value, k)).collect();
-                        self.vector_store(out, s.output, &idx, &vals);
-                    }
-                }
-            },
+            |out, lanes| self.element_stores(out, lanes),
         );
         for s in &self.k.stores {
             if self.k.outputs[s.output as usize] == Access::Row {
@@ -806,6 +777,45 @@ impl<'a> Emitter<'a> {
             }
         }
         out.push_str("    }\n");
+    }
+
+    /// A row-sum kernel's column pass adding each of `sums`' operands (sum, operand) into its
+    /// lane's accumulators: all `PARC_LANE_COLS` of them from vectors, or column `k`.
+    fn accumulate(&self, out: &mut String, sums: &[(NodeId, NodeId)], lanes: Lanes) {
+        for (s, a) in sums {
+            match lanes {
+                Lanes::Vector => {
+                    for k in 0..LANE_COLS {
+                        out.push_str(&format!(
+                            "        acc{0}[{k}] = __fadd_rn(acc{0}[{k}], {1});\n",
+                            s.0,
+                            self.var(*a, k)
+                        ));
+                    }
+                }
+                Lanes::Scalar => out.push_str(&format!(
+                    "        acc{0}[k] = __fadd_rn(acc{0}[k], {1});\n",
+                    s.0,
+                    self.var(*a, 0)
+                )),
+            }
+        }
+    }
+
+    /// A row-sum kernel's last column pass storing each elementwise output: a vector of
+    /// `PARC_LANE_COLS` columns, or column `c` alone.
+    fn element_stores(&self, out: &mut String, lanes: Lanes) {
+        let n = match lanes {
+            Lanes::Vector => LANE_COLS,
+            Lanes::Scalar => 1,
+        };
+        for s in &self.k.stores {
+            if let Access::Elem { width } = self.k.outputs[s.output as usize] {
+                let idx = format!("r * {width}LL + {}LL + c", s.col_offset);
+                let vals: Vec<String> = (0..n).map(|k| self.var(s.value, k)).collect();
+                self.vector_store(out, s.output, &idx, &vals);
+            }
+        }
     }
 
     /// Which loads a row-sum kernel keeps in registers, and the pass (index into `passes`,
