@@ -137,9 +137,9 @@ pub trait Backend {
     }
     /// Make the choices `saved` records (its [`Backend::choices`] in the run a checkpoint
     /// continues) instead of timing again, so the resumed run continues bit for bit. `Ok(Some)`
-    /// says why they were not taken (another GPU or library version: the run times its own,
-    /// and its results may differ from the original run's by rounding); `Err` where `saved`
-    /// is unreadable. The default takes none and says nothing (a backend without choices).
+    /// says why they were not taken (another GPU or library version, or unreadable: the run
+    /// times its own, and its results may differ from the original run's by rounding). The
+    /// default takes none and says nothing (a backend without choices).
     fn adopt_choices(&mut self, saved: &str) -> Result<Option<String>> {
         let _ = saved;
         Ok(None)

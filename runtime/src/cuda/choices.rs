@@ -104,13 +104,11 @@ impl Choices {
             .map_err(|e| RuntimeError::Checkpoint(format!("cannot record the GEMM choices: {e}")))
     }
 
-    /// `saved` read back; `Err` names what is wrong with it.
+    /// `saved` read back; `Err` names what is wrong with it (the resumed run then times its
+    /// own GEMMs).
     pub fn parse(saved: &str) -> Result<Choices> {
-        serde_json::from_str(saved).map_err(|e| {
-            RuntimeError::Checkpoint(format!(
-                "unreadable GEMM choices ({e}); use another checkpoint"
-            ))
-        })
+        serde_json::from_str(saved)
+            .map_err(|e| RuntimeError::Checkpoint(format!("unreadable GEMM choices ({e})")))
     }
 
     /// Why choices made on `self`'s device and library cannot be taken on `device` with
@@ -174,7 +172,7 @@ mod tests {
     }
 
     #[test]
-    fn unreadable_choices_are_an_error_saying_what_to_do() {
+    fn unreadable_choices_are_an_error_saying_why() {
         for bad in ["", "{", "{\"device\": 3}", "[]"] {
             let e = Choices::parse(bad).unwrap_err().to_string();
             assert!(

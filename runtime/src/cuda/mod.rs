@@ -787,9 +787,13 @@ impl Backend for CudaBackend {
         choices.to_text().map(Some)
     }
 
-    /// Takes `saved`'s choices where they were made on this device model and cuBLASLt version.
+    /// Takes `saved`'s choices where they were made on this device model and cuBLASLt version
+    /// and can be read.
     fn adopt_choices(&mut self, saved: &str) -> Result<Option<String>> {
-        let choices = choices::Choices::parse(saved)?;
+        let choices = match choices::Choices::parse(saved) {
+            Ok(choices) => choices,
+            Err(e) => return Ok(Some(e.to_string())),
+        };
         let here = self.device_name()?;
         if let Some(why) = choices.foreign(&here, choices::cublaslt_version()) {
             return Ok(Some(why));
