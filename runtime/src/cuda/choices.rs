@@ -175,10 +175,7 @@ mod tests {
     fn unreadable_choices_are_an_error_saying_why() {
         for bad in ["", "{", "{\"device\": 3}", "[]"] {
             let e = Choices::parse(bad).unwrap_err().to_string();
-            assert!(
-                e.contains("unreadable GEMM choices") && e.contains("another checkpoint"),
-                "{e}"
-            );
+            assert!(e.contains("unreadable GEMM choices ("), "{e}");
         }
     }
 }
