@@ -1171,6 +1171,42 @@ mod tests {
         }
     }
 
+    /// A backend that refuses every plan splitting dp: on the tiny example on 4 GPUs (whose
+    /// fastest plans split dp) none of the plans shown splits dp, each refusal is counted under [`BACKEND_RULE`] with the
+    /// backend's reason, and the refusals do not use up the lowering limit (as many plans are
+    /// shown as without the rule).
+    #[test]
+    fn plans_the_backend_refuses_are_counted_and_never_shown() {
+        fn no_dp(plan: &crate::ir::Plan) -> Option<String> {
+            (plan.mesh.size(Axis::Dp) > 1).then(|| "this backend runs no dp".to_string())
+        }
+        let text = include_str!("../../../examples/tiny.par");
+        let mut options = SearchOptions {
+            nodes: Some(1),
+            gpus_per_node: Some(4),
+            top: 4,
+            lower_at_least: 4,
+            lower_at_most: 6,
+            fusion: true,
+            calibration: None,
+            refuse: None,
+        };
+        let free = search("tiny.par", text, &[], &options, &|_| {}).expect("searches");
+        assert!(
+            free.ranked.iter().any(|r| r.candidate.dp > 1),
+            "the space's fastest plans split dp, or the test shows nothing"
+        );
+        options.refuse = Some(no_dp);
+        let refused = search("tiny.par", text, &[], &options, &|_| {}).expect("searches");
+        assert_eq!(refused.ranked.len(), free.ranked.len());
+        assert!(refused.ranked.iter().all(|r| r.candidate.dp == 1));
+        let rule = (refused.rejected.iter())
+            .find(|r| r.rule == BACKEND_RULE)
+            .expect("refusals counted");
+        assert!(rule.count > 0);
+        assert_eq!(rule.example.as_deref(), Some("this backend runs no dp"));
+    }
+
     /// On a space small enough to lower whole (the tiny example on 2 GPUs), the search (samples
     /// extrapolated, memory planned on the second, lowerings spread over the cores, the winner
     /// confirmed whole) loses no plan: its winner is the fastest of every candidate that checks,
