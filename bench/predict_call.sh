@@ -33,6 +33,9 @@ case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1
 esac
 gpu=${GPU:-$detected}
 t0=$SECONDS
+# The time now in nvidia-smi's timestamp format (local time, as its clock log), for the windows
+# bench/predict/summary.py reads the clock under load in.
+stamp() { date '+%Y/%m/%d %H:%M:%S.%3N'; }
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 200 \
     > "$work/clocks.csv" 2> /dev/null &
 smi=$!
@@ -45,8 +48,11 @@ if [[ -z $profile ]]; then
     # minutes with the 107 shapes since; each FP8 scaling about half a minute more:
     # CALIBRATE_S (default 420) bounds it.
     # shellcheck disable=SC2086
+    stamp > "$work/window-calibrate.txt"
     timeout "${CALIBRATE_S:-420}" "$dir/parc" calibrate --backend cuda --gpu "$gpu" ${CALIBRATE_ARGS:-} -o "$profile" > "$work/calibrate.log" 2>&1
-    echo "== calibrate rc=$? at $((SECONDS - t0)) s"
+    rc=$?
+    stamp >> "$work/window-calibrate.txt"
+    echo "== calibrate rc=$rc at $((SECONDS - t0)) s"
     cat "$work/calibrate.log"
 fi
 # report: the table and the logs so far into $out (after each configuration: a call cut short
@@ -64,10 +70,13 @@ while read -r name spec settings; do
     for s in $settings; do sets+=(--set "$s"); done
     "$dir/parc" check "$spec" "${sets[@]}" --calibration "$profile" --format json \
         > "$work/check-$file.json" 2> "$work/check-$file.stderr"
+    stamp > "$work/window-$file.txt"
     # shellcheck disable=SC2086
     timeout 90 "$dir/parc" run "$spec" --backend cuda --log-format json "${sets[@]}" --calibration "$profile" ${RUN_ARGS---profile} \
         > "$work/run-$file.jsonl" 2> "$work/run-$file.stderr"
-    echo "== $name rc=$? at $((SECONDS - t0)) s"
+    rc=$?
+    stamp >> "$work/window-$file.txt"
+    echo "== $name rc=$rc at $((SECONDS - t0)) s"
     report
 done < "$configs"
 report

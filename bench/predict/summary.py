@@ -7,12 +7,23 @@ call's profile), the measured median of steps 3.. of `parc run`, and measured / 
 per model (the name up to its first `/`): Kendall's tau between predicted and measured order, and
 how far the predicted fastest is from the measured fastest. Then, where the runs were profiled
 (`parc run --profile`), each kind of work's measured time in the profiled step against the
-timeline's price of the same instructions, per configuration and summed over all.
+timeline's price of the same instructions, per configuration and summed over all. Last, where
+the call logged the GPU's clock (clocks.csv, `nvidia-smi` every 200 ms) and each run's time window
+(window-NAME.txt, window-calibrate.txt: its start and end in nvidia-smi's timestamp format), the
+median SM clock and power under load (samples above 300 W) during calibrate and during each run:
+compute-bound points timed at a higher clock than a step sustains price it low.
 """
+import csv
 import json
 import statistics
 import sys
+from datetime import datetime
 from pathlib import Path
+
+# nvidia-smi's timestamp, as predict_call.sh writes the windows too.
+STAMP = "%Y/%m/%d %H:%M:%S.%f"
+# Samples above this draw count as under load.
+LOADED_W = 300.0
 
 
 def predicted(path):
@@ -139,6 +150,57 @@ def kinds_table(configs, out):
             f"{k} {m:.0f}/{q:.0f}" + (f" ({m / q:.2f})" if q else "") for k, (m, q) in totals.items()))
 
 
+def clock_samples(path):
+    """(time, SM MHz, W) of each readable row of nvidia-smi's CSV log; [] where there is none."""
+    try:
+        rows = list(csv.reader(path.open()))
+    except OSError:
+        return []
+    samples = []
+    for r in rows[1:]:
+        try:
+            samples.append((datetime.strptime(r[0].strip(), STAMP), float(r[1].split()[0]),
+                            float(r[2].split()[0])))
+        except (ValueError, IndexError):
+            continue
+    return samples
+
+
+def window(path):
+    """A run's (start, end) from its window file, or None."""
+    try:
+        start, end = path.read_text().strip().splitlines()[:2]
+        return datetime.strptime(start.strip(), STAMP), datetime.strptime(end.strip(), STAMP)
+    except (OSError, ValueError):
+        return None
+
+
+def loaded(samples, span):
+    """The median clock and power of the samples above LOADED_W inside span, or None."""
+    inside = [(c, w) for t, c, w in samples if span[0] <= t <= span[1] and w > LOADED_W]
+    if not inside:
+        return None
+    return statistics.median(c for c, _ in inside), statistics.median(w for _, w in inside), len(inside)
+
+
+def clocks_table(configs, out):
+    samples = clock_samples(out / "clocks.csv")
+    names = ["calibrate"] + [line.split()[0] for line in Path(configs).read_text().splitlines()
+                             if line.strip() and not line.startswith("#")]
+    rows = []
+    for name in names:
+        span = window(out / f"window-{name.replace('/', '_')}.txt")
+        seen = loaded(samples, span) if span else None
+        if seen:
+            rows.append((name, *seen))
+    if not rows:
+        return
+    print(f"\nSM clock under load (samples above {LOADED_W:.0f} W): median MHz, median W, samples")
+    for name, mhz, watts, n in rows:
+        print(f"  {name:<28} {mhz:6.0f} MHz {watts:6.0f} W {n:5d}")
+
+
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]))
     kinds_table(sys.argv[1], Path(sys.argv[2]))
+    clocks_table(sys.argv[1], Path(sys.argv[2]))
