@@ -49,9 +49,8 @@ pub use lock::FolderLock;
 pub use resume::choose_resume;
 pub use saved::SavedModel;
 pub use store::{
-    commit, find_latest, model_path, prepare, read_manifest, read_shard, read_shard_choices,
-    staging_dir, write_model, write_params, write_shard, write_shard_slices, ShardTensor,
-    TensorSlice, CHOICES_KEY,
+    commit, find_latest, model_path, prepare, read_manifest, read_shard, staging_dir, write_model,
+    write_params, write_shard, write_shard_slices, Shard, ShardTensor, TensorSlice, CHOICES_KEY,
 };
 pub use writer::{remove_unfinished, Snapshot, SnapshotTensor, Writer};
 

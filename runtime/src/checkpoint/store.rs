@@ -216,39 +216,6 @@ pub fn write_shard_slices(
 /// The shard metadata key of a rank's backend choices (`Backend::choices`).
 pub const CHOICES_KEY: &str = "parc.backend_choices";
 
-/// The backend choices rank `rank`'s shard of `checkpoint` carries (None: it carries none, as
-/// a CPU run's or a re-sharded checkpoint's). Reads the file's header only.
-pub fn read_shard_choices(checkpoint: &Path, rank: u32) -> Result<Option<String>> {
-    use std::io::Read as _;
-    let path = checkpoint.join(shard_file_name(rank));
-    let corrupt = |what: String| {
-        ckpt_error(
-            &path,
-            format!("corrupt safetensors header ({what}); use another checkpoint"),
-        )
-    };
-    let mut file = File::open(&path)
-        .map_err(|e| ckpt_error(&path, format!("cannot read rank {rank}'s shard: {e}")))?;
-    let mut len = [0u8; 8];
-    file.read_exact(&mut len)
-        .map_err(|e| corrupt(format!("no header length: {e}")))?;
-    let len = u64::from_le_bytes(len);
-    // safetensors' own bound on a header.
-    if len > 100_000_000 {
-        return Err(corrupt(format!("a header of {len} bytes")));
-    }
-    let mut header = vec![0u8; len as usize];
-    file.read_exact(&mut header)
-        .map_err(|e| corrupt(format!("header cut short: {e}")))?;
-    let header: serde_json::Value =
-        serde_json::from_slice(&header).map_err(|e| corrupt(e.to_string()))?;
-    Ok(header
-        .get("__metadata__")
-        .and_then(|m| m.get(CHOICES_KEY))
-        .and_then(|c| c.as_str())
-        .map(str::to_string))
-}
-
 /// Where [`write_model`] puts the global parameters of a checkpoint folder `dir`.
 pub fn model_path(dir: &Path) -> PathBuf {
     dir.join("model.safetensors")
@@ -429,21 +396,28 @@ pub(super) fn f32_values(bytes: &[u8]) -> Vec<f32> {
 
 /// Read `rank`'s shard of checkpoint folder `checkpoint`: the tensors named in `expected` with
 /// exactly those shapes, in that order.
-pub fn read_shard(
-    checkpoint: &Path,
-    rank: u32,
-    expected: &[(String, Vec<u64>)],
-) -> Result<Vec<Vec<f32>>> {
+/// A rank's shard read back: its tensors in the order asked for, and its backend's choices
+/// (`Backend::choices`; None in a CPU run's shard or a re-sharded one).
+#[derive(Debug)]
+pub struct Shard {
+    pub tensors: Vec<Vec<f32>>,
+    pub choices: Option<String>,
+}
+
+pub fn read_shard(checkpoint: &Path, rank: u32, expected: &[(String, Vec<u64>)]) -> Result<Shard> {
     let path = checkpoint.join(shard_file_name(rank));
     let bytes = std::fs::read(&path)
         .map_err(|e| ckpt_error(&path, format!("cannot read rank {rank}'s shard: {e}")))?;
-    let file = SafeTensors::deserialize(&bytes).map_err(|e| {
+    let corrupt = |e: safetensors::SafeTensorError| {
         ckpt_error(
             &path,
             format!("corrupt safetensors file ({e}); use another checkpoint"),
         )
-    })?;
-    expected
+    };
+    let file = SafeTensors::deserialize(&bytes).map_err(corrupt)?;
+    let (_, header) = SafeTensors::read_metadata(&bytes).map_err(corrupt)?;
+    let choices = (header.metadata().as_ref()).and_then(|m| m.get(CHOICES_KEY).cloned());
+    let tensors = expected
         .iter()
         .map(|(name, shape)| {
             let view = file.tensor(name).map_err(|_| {
@@ -464,7 +438,8 @@ pub fn read_shard(
             }
             Ok(f32_values(view.data()))
         })
-        .collect()
+        .collect::<Result<_>>()?;
+    Ok(Shard { tensors, choices })
 }
 
 #[cfg(test)]
@@ -566,7 +541,7 @@ pub(super) mod tests {
             },
             manifest(30, 2)
         );
-        let back = read_shard(&latest, 1, &expected()).unwrap();
+        let back = read_shard(&latest, 1, &expected()).unwrap().tensors;
         assert_eq!(back[0][0].to_bits(), 0x3f80_0001);
         assert_eq!(back[1], tensors(1, 30)[0].data);
         // Naming a step folder directly works too; leftovers of a crashed write are ignored.
@@ -613,19 +588,18 @@ pub(super) mod tests {
             corrupt.contains("rank-00000") && corrupt.contains("corrupt"),
             "{corrupt}"
         );
-        // Its header too: a length past the file, then a header that is not JSON.
-        let header = err(read_shard_choices(&ckpt, 0));
-        assert!(
-            header.contains("rank-00000") && header.contains("corrupt safetensors header"),
-            "{header}"
-        );
+        // A header that is not JSON.
         let mut not_json = 3u64.to_le_bytes().to_vec();
         not_json.extend(b"{x}");
         std::fs::write(&shard, not_json).unwrap();
-        let header = err(read_shard_choices(&ckpt, 0));
-        assert!(header.contains("corrupt safetensors header"), "{header}");
+        let header = err(read_shard(&ckpt, 0, &expected()));
+        assert!(
+            header.contains("rank-00000") && header.contains("corrupt safetensors file"),
+            "{header}"
+        );
         // A shard written without choices (a CPU run's) carries none.
-        assert_eq!(read_shard_choices(&save(&dir, 7, 0), 1).unwrap(), None);
+        let plain = read_shard(&save(&dir, 7, 0), 1, &expected()).unwrap();
+        assert_eq!(plain.choices, None);
         std::fs::write(ckpt.join("manifest.json"), b"{").unwrap();
         let bad = err(read_manifest(&ckpt));
         assert!(bad.contains("corrupt manifest"), "{bad}");

@@ -983,21 +983,20 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
             .iter()
             .map(|(_, b)| (b.name.clone(), b.shape.clone()))
             .collect();
-        let tensors = checkpoint::read_shard(checkpoint_dir, self.rank, &expected)?;
-        for ((id, _), data) in buffers.iter().zip(tensors) {
+        let shard = checkpoint::read_shard(checkpoint_dir, self.rank, &expected)?;
+        for ((id, _), data) in buffers.iter().zip(shard.tensors) {
             self.backend.write_f32(*id, &data)?;
         }
-        self.adopt_choices(checkpoint_dir)?;
+        if let Some(saved) = shard.choices {
+            self.adopt_choices(checkpoint_dir, &saved)?;
+        }
         self.rebuild_working_copies()
     }
 
-    /// Make the backend choices this rank's shard of `checkpoint_dir` carries, so the resumed
-    /// run continues bit for bit (a warning where the backend cannot take them).
-    fn adopt_choices(&mut self, checkpoint_dir: &Path) -> Result<()> {
-        let Some(saved) = checkpoint::read_shard_choices(checkpoint_dir, self.rank)? else {
-            return Ok(());
-        };
-        let adopted = self.backend.adopt_choices(&saved).map_err(|e| {
+    /// Make the backend choices `saved` (this rank's shard of `checkpoint_dir` carries them),
+    /// so the resumed run continues bit for bit (a warning where the backend cannot take them).
+    fn adopt_choices(&mut self, checkpoint_dir: &Path, saved: &str) -> Result<()> {
+        let adopted = self.backend.adopt_choices(saved).map_err(|e| {
             RuntimeError::Checkpoint(format!(
                 "{}: rank {}'s backend choices ({}): {e}",
                 checkpoint_dir.display(),
