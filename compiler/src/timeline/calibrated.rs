@@ -379,19 +379,28 @@ impl<'a> ProfileCosts<'a> {
     /// (`crate::fp8::quantize_elements`): an amax pass reading each, a pass reading it again and
     /// writing one byte an element, priced as elementwise traffic at the profile's measured
     /// rate for that many bytes, plus their launches.
-    fn fp8_quantize(&self, layout: GemmLayout, [m, n, k]: [u64; 3]) -> Option<f64> {
-        let elements = crate::fp8::quantize_elements(layout, [m, n, k]);
-        let bytes = crate::fp8::quantize_bytes(elements, 2.0);
-        let launches = crate::fp8::QUANT_LAUNCHES * 2.0 * self.profile.launch_overhead_s;
-        Some(self.memory(MemoryKind::Elementwise, Opcode::Add, None, bytes)? + launches)
+    fn fp8_quantize(&self, layout: GemmLayout, mnk: [u64; 3]) -> Option<f64> {
+        let launches = crate::fp8::QUANT_LAUNCHES;
+        self.operand_passes(layout, mnk, crate::fp8::quantize_bytes, launches)
     }
 
     /// Seconds of the amax passes over the two bf16 operands of an FP8 GEMM of `layout` at
     /// `[m, n, k]`, as [`Self::fp8_quantize`] prices them: what delayed scaling's GEMM saves.
-    fn amax_passes(&self, layout: GemmLayout, [m, n, k]: [u64; 3]) -> Option<f64> {
-        let elements = crate::fp8::quantize_elements(layout, [m, n, k]);
-        let bytes = crate::fp8::amax_pass_bytes(elements, 2.0);
-        let launches = 2.0 * self.profile.launch_overhead_s;
+    fn amax_passes(&self, layout: GemmLayout, mnk: [u64; 3]) -> Option<f64> {
+        self.operand_passes(layout, mnk, crate::fp8::amax_pass_bytes, 1.0)
+    }
+
+    /// Passes over an FP8 GEMM's two bf16 operands moving `bytes(elements, 2)` bytes, priced as
+    /// elementwise traffic at the profile's measured rate, with `launches` per operand.
+    fn operand_passes(
+        &self,
+        layout: GemmLayout,
+        mnk: [u64; 3],
+        bytes: fn(f64, f64) -> f64,
+        launches: f64,
+    ) -> Option<f64> {
+        let bytes = bytes(crate::fp8::quantize_elements(layout, mnk), 2.0);
+        let launches = launches * 2.0 * self.profile.launch_overhead_s;
         Some(self.memory(MemoryKind::Elementwise, Opcode::Add, None, bytes)? + launches)
     }
 
