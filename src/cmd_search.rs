@@ -84,7 +84,7 @@ pub fn main(args: SearchArgs) -> u8 {
     };
     options.calibration = chosen.calibration;
     // On a GPU cluster the plans `parc run --backend cuda` refuses are not recommended.
-    if base.spec.cluster.gpu.name != "cpu" {
+    if crate::cuda_support::applies(&base.spec) {
         options.refuse = Some(crate::cuda_support::refusal);
     }
     let started = std::time::Instant::now();

@@ -23,6 +23,11 @@ pub(crate) fn refusal(plan: &Plan) -> Option<String> {
         .or_else(|| scalings(plan))
 }
 
+/// Whether `spec` trains on GPUs, where the CUDA backend's rule applies (not to a CPU spec).
+pub(crate) fn applies(spec: &Spec) -> bool {
+    spec.cluster.gpu.name != "cpu"
+}
+
 /// W1202 for a GPU spec whose lowered plan the CUDA backend refuses (`refusal`), at the FP8
 /// recipe; None for a CPU spec, a plan it runs, or blockwise blocks other than the backend's
 /// (W1201 says that one).
@@ -30,7 +35,7 @@ pub(crate) fn diagnose(spec: &Spec, plan: &Plan) -> Option<Diagnostic> {
     let other_block = spec.train.fp8.as_ref().is_some_and(|f| {
         matches!(f.scaling, Fp8Scaling::Blockwise { block } if block != parc_compiler::fp8::CUDA_BLOCK)
     });
-    if spec.cluster.gpu.name == "cpu" || other_block {
+    if !applies(spec) || other_block {
         return None;
     }
     let why = refusal(plan)?;
