@@ -13,9 +13,14 @@
 # to FP8 (the small GEMMs would stay bf16 otherwise), 300 steps, same tolerance.
 # Settings: STEPS, BATCH, RECIPE (the `train.fp8` value; default `tensorwise`, or e.g.
 # `tensorwise { scaling: delayed, history: 16 }`), TOLERANCE, LR, WARMUP, MIN_LR. PARC: the
-# binary (default .device/parc for the GPU, target/release/parc for --cpu). Output: OUT (default
-# .device/out)/fp8-loss-MODE/: bf16.jsonl, fp8.jsonl, comparison.txt. Exit status: the
-# comparison's.
+# binary (default .device/parc for the GPU, target/release/parc for --cpu). RUNS (default
+# `bf16 fp8`): the runs to make; a run left out is read from an earlier call's log in the output
+# folder (a device call's limit can cut a pair). FLOOR=1: bf16 again with its batch in two micro
+# batches (the same samples and recipe), compared with the bf16 run (floor.txt), and the gate
+# becomes the larger of TOLERANCE and FLOOR_FACTOR (default 2) times that floor: a recipe that
+# spikes or memorizes its text drifts apart by more than 0.5% between two correct bf16 runs.
+# Output: OUT (default .device/out)/fp8-loss-MODE/: bf16.jsonl, fp8.jsonl, comparison.txt
+# (floor.jsonl, floor.txt). Exit status: the comparison's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=gpu
@@ -59,9 +64,12 @@ mkdir -p "$out"
 echo "fp8 loss ($mode): $spec, $steps steps, global batch $batch, FP8 recipe \`$recipe\` against bf16, lr $lr; parc $parc; logs in $out"
 # Which GEMMs run FP8, as `parc check` prices them.
 "$parc" check "$spec" "${sets[@]}" --set "train.fp8=$recipe" 2> /dev/null | grep "^FP8 GEMMs" | tee "$out/fp8-gemms.txt"
-for run in bf16 fp8; do
+runs="${RUNS-bf16 fp8}"
+[[ -n "${FLOOR:-}" ]] && runs="$runs floor"
+for run in $runs; do
     extra=()
     [[ "$run" == fp8 ]] && extra=(--set "train.fp8=$recipe")
+    [[ "$run" == floor ]] && extra=(--set "train.micro_batch=$((batch / 2))")
     started=$SECONDS
     "$parc" run "$spec" "${sets[@]}" "${extra[@]+"${extra[@]}"}" --set "train.checkpoint.dir=\"$scratch/$run\"" \
         --backend "$backend" --log-format json > "$out/$run.jsonl" 2> "$out/$run.stderr" || {
@@ -71,6 +79,20 @@ for run in bf16 fp8; do
     }
     echo "$run: $((SECONDS - started)) s"
 done
+for run in bf16 fp8; do
+    if [[ ! -s "$out/$run.jsonl" ]]; then
+        echo "error: no $run run's log at $out/$run.jsonl: make it (RUNS includes $run)" >&2
+        exit 2
+    fi
+done
+floor_args=()
+if [[ -n "${FLOOR:-}" ]]; then
+    echo "== the floor: bf16 against itself at micro batch $((batch / 2))"
+    python3 bench/parity/compare.py "$out/floor.jsonl" "$out/bf16.jsonl" --tolerance "$tolerance" \
+        --gate window --json "$out/floor.json" | tee "$out/floor.txt" || true
+    floor_args=(--floor "$out/floor.json" --floor-factor "${FLOOR_FACTOR:-2}")
+fi
+echo "== FP8 against bf16"
 python3 bench/parity/compare.py "$out/fp8.jsonl" "$out/bf16.jsonl" --tolerance "$tolerance" \
-    --gate window --json "$out/comparison.json" | tee "$out/comparison.txt"
+    --gate window --json "$out/comparison.json" ${floor_args[@]+"${floor_args[@]}"} | tee "$out/comparison.txt"
 exit "${PIPESTATUS[0]}"

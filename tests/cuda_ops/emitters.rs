@@ -20,8 +20,10 @@ mod on_gpu {
     /// Every kernel both emitters run, named.
     fn kernels() -> Vec<(String, Kernel)> {
         let mut all: Vec<(String, Kernel)> = Vec::new();
-        for cols in [64, 1000] {
-            let fixtures = fixtures::primitive(cols, 32)
+        // Head dims dividing the columns (RoPE's rotation needs it), 1000 wide rows below and
+        // above a vector's multiple.
+        for (cols, hd) in [(64, 32), (1000, 40), (42, 14)] {
+            let fixtures = fixtures::primitive(cols, hd)
                 .into_iter()
                 .chain(fixtures::composite(cols));
             all.extend(fixtures.map(|(n, k)| (format!("{n}/{cols}"), k)));
