@@ -428,3 +428,131 @@ fn delayed_scaling_ops_match_the_cpu_emulation() {
         gpu.as_mut(),
     );
 }
+
+/// Delayed scaling's records ride on their GEMM's quantize pass (`runtime/src/cuda/
+/// fp8_record.rs`): a program of records of x and W, the delayed FP8 forward GEMM, records
+/// of dy and x, and the weight-gradient GEMM (whose operands are read along their rows, the
+/// transposing quantize kernel), prepared and run in order, leaves each history's step amax
+/// at the maximum of what it held and its operand's largest finite |element| (exactly), past a
+/// NaN and an infinity in x, the other history values untouched, and all four records taken by
+/// the GEMMs. With W's history empty (the forward runs unquantized) its two records are made
+/// apart, with the same values.
+#[cfg(feature = "cuda")]
+#[test]
+fn records_ride_on_their_gemms_quantize_pass() {
+    use crate::harness::cuda_backend;
+    use parc_compiler::ir::fp8::Fp8HistoryAttrs;
+    use parc_compiler::ir::{Buffer, BufferKind, Instr, Program};
+    use parc_compiler::memplan::plan_program;
+    use parc_compiler::spec::Precision;
+    let mut r = Rng::new("records_ride_on_their_gemms_quantize_pass");
+    let (rows, k, m) = (150u64, 200u64, 136u64);
+    let g = Fp8Gemm {
+        scaling: Fp8Scaling::Tensorwise,
+        grad: Fp8Format::E5m2,
+        split: Default::default(),
+        history: Some(4),
+    };
+    let buffer = |name: &str, shape: Vec<u64>, kind| Buffer {
+        name: name.into(),
+        shape,
+        dtype: DType::F32,
+        kind,
+    };
+    let (param, history) = (BufferKind::Param, BufferKind::Fp8History);
+    let buffers = vec![
+        buffer("x", vec![rows, k], param),
+        buffer("w", vec![m, k], param),
+        buffer("dy", vec![rows, m], param),
+        buffer("y", vec![rows, m], param),
+        buffer("dw", vec![m, k], param),
+        buffer("x.amax", vec![1], history),
+        buffer("w.amax", vec![1], history),
+        buffer("dy.amax", vec![1], history),
+        buffer("x.fwd.history", vec![1, 5], history),
+        buffer("w.history", vec![1, 5], history),
+        buffer("dy.history", vec![1, 5], history),
+        buffer("x.bwd_weight.history", vec![1, 5], history),
+    ];
+    let record = |rows: Option<u64>, cols: u64| {
+        Op::Fp8AmaxRecord(Fp8HistoryAttrs {
+            history: 4,
+            rows,
+            cols,
+        })
+    };
+    let program = Program::new(
+        "records",
+        buffers.clone(),
+        vec![
+            Instr::compute(record(None, k), &[0, 8], &[8]),
+            Instr::compute(record(Some(m), k), &[1, 9], &[9]),
+            Instr::compute(plain_matmul(k, m, Some(g)), &[0, 1, 5, 6], &[3]),
+            Instr::compute(record(None, m), &[2, 10], &[10]),
+            Instr::compute(record(None, k), &[0, 11], &[11]),
+            Instr::compute(
+                Op::MatmulBwdWeight {
+                    in_dim: k,
+                    out_dim: m,
+                    bias: false,
+                    accumulate_param_grad: false,
+                    fp8: Some(g),
+                },
+                &[2, 0, 7, 5],
+                &[4],
+            ),
+        ],
+    );
+    let mut x = r.vec((rows * k) as usize, 1.0);
+    x[7] = f32::NAN;
+    x[99] = f32::INFINITY;
+    let (w, dy) = (
+        r.vec((m * k) as usize, 0.1),
+        r.vec((rows * m) as usize, 1e-3),
+    );
+    let largest =
+        |v: &[f32]| (v.iter().filter(|v| v.is_finite())).fold(0.0f32, |a, v| a.max(v.abs()));
+    // Each history's step amax before: below its operand's (x, dy, x) or above it (W).
+    let steps = [0.25f32, 1e3, 0.0, 0.0];
+    let expected = [largest(&x), 1e3, largest(&dy), largest(&x)];
+    for w_amax in [0.5f32, 0.0] {
+        let Some(mut gpu) = cuda_backend(Precision::Fp32) else {
+            return;
+        };
+        gpu.prepare(&program, &plan_program(&program).unwrap())
+            .unwrap();
+        for (i, b) in buffers.iter().enumerate() {
+            gpu.alloc(BufferId(i as u32), &b.shape, b.dtype).unwrap();
+        }
+        let data: [&[f32]; 3] = [&x, &w, &dy];
+        for (i, d) in data.into_iter().enumerate() {
+            gpu.write_f32(BufferId(i as u32), d).unwrap();
+        }
+        for (i, a) in [4.0f32, w_amax, 5e-3].into_iter().enumerate() {
+            gpu.write_f32(BufferId(5 + i as u32), &[a]).unwrap();
+        }
+        for (i, s) in steps.into_iter().enumerate() {
+            gpu.write_f32(BufferId(8 + i as u32), &[s, 4.0, 3.0, 2.0, 1.0])
+                .unwrap();
+        }
+        for (i, instr) in program.instrs.iter().enumerate() {
+            let c = instr.as_compute().unwrap();
+            gpu.begin_instruction(i);
+            gpu.compute(c.op, c.inputs, c.outputs, &SCALARS).unwrap();
+        }
+        for (i, want) in expected.into_iter().enumerate() {
+            let got = gpu.read_f32(BufferId(8 + i as u32)).unwrap();
+            assert_eq!(
+                got,
+                [want, 4.0, 3.0, 2.0, 1.0],
+                "history {i}, W's scale amax {w_amax}"
+            );
+        }
+        let taken = gpu.fp8_records_in_quantize();
+        assert_eq!(
+            taken,
+            if w_amax > 0.0 { 4 } else { 2 },
+            "W's scale amax {w_amax}"
+        );
+    }
+}

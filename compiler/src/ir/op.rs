@@ -419,6 +419,22 @@ impl Op {
         )
     }
 
+    /// A GEMM's `(in_dim, out_dim)` (None for every other op).
+    pub fn gemm_dims(&self) -> Option<(u64, u64)> {
+        match *self {
+            Op::Matmul {
+                in_dim, out_dim, ..
+            }
+            | Op::MatmulBwdData {
+                in_dim, out_dim, ..
+            }
+            | Op::MatmulBwdWeight {
+                in_dim, out_dim, ..
+            } => Some((in_dim, out_dim)),
+            _ => None,
+        }
+    }
+
     /// The GEMM's `fp8` attribute (None for every other op).
     pub fn fp8(&self) -> Option<Fp8Gemm> {
         match self {

@@ -601,16 +601,10 @@ impl Op {
     /// 2·rows·in·out for each matmul; attention as `count` says ([`FlopCount`]); every other op
     /// is memory bound and counts none.
     pub fn flops(&self, rows: f64, count: FlopCount) -> f64 {
+        if let Some((in_dim, out_dim)) = self.gemm_dims() {
+            return 2.0 * rows * in_dim as f64 * out_dim as f64;
+        }
         match self {
-            Op::Matmul {
-                in_dim, out_dim, ..
-            }
-            | Op::MatmulBwdData {
-                in_dim, out_dim, ..
-            }
-            | Op::MatmulBwdWeight {
-                in_dim, out_dim, ..
-            } => 2.0 * rows * *in_dim as f64 * *out_dim as f64,
             Op::Attention(a) | Op::AttentionBwd(a) => {
                 let backward = matches!(self, Op::AttentionBwd(_));
                 let pairs = match count {

@@ -14,7 +14,7 @@
 //! spec's GPU peak over the profile's when the calibration asks to scale. An op whose table the
 //! profile lacks is priced by the roofline ([`SpecCosts`]), and so are collectives without
 //! measured points and all transfers; [`ProfileCosts::roofline_kinds`] names them.
-use super::costs::{SpecCosts, StepCosts};
+use super::costs::{rides_on_its_gemm, SpecCosts, StepCosts};
 use super::profile::{
     multi_op_name, rate_at, GemmDtype, GemmEpilogue, GemmLayout, GemmPoint, MemoryKind,
     MemoryPoint, Pass, Profile,
@@ -165,26 +165,16 @@ impl<'a> ProfileCosts<'a> {
         let rows = || signature.rows_from_inputs(|i| buffer(inputs, i).map_or(0, Buffer::numel));
         let table = table_of(op);
         let seconds = match (table, op) {
-            (
-                Table::Gemm(layout),
-                Op::Matmul {
-                    in_dim, out_dim, ..
-                }
-                | Op::MatmulBwdData {
-                    in_dim, out_dim, ..
-                }
-                | Op::MatmulBwdWeight {
-                    in_dim, out_dim, ..
-                },
-            ) => {
+            (Table::Gemm(layout), _) => {
+                let (in_dim, out_dim) = op.gemm_dims()?;
                 let bf16 = buffer(inputs, 0).is_some_and(|b| b.dtype == DType::Bf16);
                 let dtype = GemmDtype::storage(bf16);
-                let mnk = [rows()?, *out_dim, *in_dim];
+                let mnk = [rows()?, out_dim, in_dim];
                 let epilogue = epilogue_of(op);
                 let elem = buffer(outputs, 0).map_or(4, |b| b.dtype.bytes());
                 let product = match op.fp8() {
                     // Measured under current scaling; delayed scaling's GEMM makes no amax
-                    // passes (its records do, priced as those ops).
+                    // passes (its records ride on its quantize pass).
                     Some(f) if self.has_gemm(GemmDtype::Fp8(f.scaling)) => {
                         let measured =
                             self.gemm(layout, mnk, GemmDtype::Fp8(f.scaling), epilogue)?;
@@ -551,7 +541,7 @@ impl<'a> ProfileCosts<'a> {
 
 impl StepCosts for ProfileCosts<'_> {
     fn compute(&self, program: &Program, instr: &Instr) -> f64 {
-        let Some(c) = instr.as_compute() else {
+        let Some(c) = instr.as_compute().filter(|c| !rides_on_its_gemm(c.op)) else {
             return 0.0;
         };
         self.price(program, c.op, c.inputs, c.outputs)
@@ -610,6 +600,7 @@ impl GemmPrices for Calibration {
         let mnk = [g.rows, g.out_dim, g.in_dim];
         let fp8 = GemmDtype::Fp8(scaling);
         let measured = costs.has_gemm(fp8);
+        let delayed = spec.train.fp8.as_ref().is_some_and(|f| f.history.is_some());
         let quantize = crate::fp8::quantize_each(spec, g);
         let mut priced = Priced {
             bf16_s: PerLayout::splat(0.0),
@@ -623,7 +614,15 @@ impl GemmPrices for Calibration {
             let bf16 = costs.gemm(layout, mnk, GemmDtype::Bf16, GemmEpilogue::PLAIN)?;
             priced.bf16_s[layout] = bf16;
             priced.fp8_s[layout] = match measured {
-                true => costs.gemm(layout, mnk, fp8, GemmEpilogue::PLAIN)?,
+                // Measured under current scaling: delayed scaling makes no amax passes.
+                true => {
+                    let saved = match delayed {
+                        true => costs.amax_passes(layout, mnk)?,
+                        false => 0.0,
+                    };
+                    let fp8 = costs.gemm(layout, mnk, fp8, GemmEpilogue::PLAIN)?;
+                    (fp8 - saved).max(costs.profile.launch_overhead_s)
+                }
                 false => crate::fp8::from_bf16(bf16, quantize[layout], &spec.cluster.gpu),
             };
         }

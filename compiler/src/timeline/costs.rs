@@ -12,6 +12,7 @@
 //! all-reduce 2(n−1)/n·B/bw + 2(n−1)·latency, all-gather and reduce-scatter (n−1)/n·B/bw +
 //! (n−1)·latency, broadcast B/bw + latency. A point-to-point transfer takes B/bw + latency.
 
+use crate::ir::op::Op;
 use crate::ir::table::FlopCount;
 use crate::ir::{Buffer, CollectiveKind, DType, Instr, Program};
 use crate::spec::Spec;
@@ -48,10 +49,10 @@ pub struct SpecCosts<'a> {
 }
 
 impl SpecCosts<'_> {
-    /// Seconds to quantize an FP8 GEMM's two operands as stored (`crate::fp8`'s model); the
-    /// calibrated costs price it the same way.
-    /// Seconds to quantize an FP8 GEMM's two operands; under delayed scaling (`delayed`) less
-    /// their amax passes, which the operands' `Fp8AmaxRecord`s make (priced as those ops).
+    /// Seconds to quantize an FP8 GEMM's two operands as stored (`crate::fp8`'s model; the
+    /// calibrated costs price it the same way); under delayed scaling (`delayed`) less their
+    /// amax passes (the operands' `Fp8AmaxRecord`s ride on the quantize pass:
+    /// [`rides_on_its_gemm`]).
     pub(super) fn fp8_quantize_seconds(
         &self,
         operands: [Option<&Buffer>; 2],
@@ -83,9 +84,16 @@ impl SpecCosts<'_> {
     }
 }
 
+/// Whether `op` costs nothing of its own: delayed scaling's `Fp8AmaxRecord`, which the CUDA
+/// backend makes inside the quantize pass of the GEMM after it (`crate::fp8::recording_gemm`;
+/// the verifier holds every record to have that GEMM).
+pub(super) fn rides_on_its_gemm(op: &Op) -> bool {
+    matches!(op, Op::Fp8AmaxRecord(_))
+}
+
 impl StepCosts for SpecCosts<'_> {
     fn compute(&self, program: &Program, instr: &Instr) -> f64 {
-        let Some(c) = instr.as_compute() else {
+        let Some(c) = instr.as_compute().filter(|c| !rides_on_its_gemm(c.op)) else {
             return 0.0;
         };
         let buffer =

@@ -22,8 +22,12 @@
 //! dp > 1): every replica and every rank holding a piece then rolls the same value. A GEMM of
 //! a training forward or backward must have recorded its own operand into that history
 //! (the history's last write before it is an `Fp8AmaxRecord` of the operand buffer, with no
-//! write to the operand between them); a recomputed forward records nothing.
+//! write to the operand between them); a recomputed forward records nothing. Conversely every
+//! `Fp8AmaxRecord` is followed, past other records, allocations and frees, by a delayed FP8
+//! GEMM quantizing the recorded buffer (`crate::fp8::recording_gemm`): the CUDA backend records
+//! the amax inside that GEMM's quantize pass, and the time model prices records so.
 use super::{Findings, Violation};
+use crate::fp8::recording_gemm;
 use crate::ir::fp8::{Along, Axes, Fp8Gemm, Fp8Operand, Fp8Split, OperandKind};
 use crate::ir::op::Op;
 use crate::ir::{BufferId, CollectiveKind, Instr, Plan, Program, ProgramId, ReduceOp};
@@ -33,6 +37,19 @@ use crate::spec::Axis;
 pub(super) fn check(plan: &Plan, program: &Program, id: ProgramId, rank: u32) -> Vec<Violation> {
     let mut found = Findings::new(id, rank);
     for (i, c) in program.computes() {
+        if matches!(c.op, Op::Fp8AmaxRecord(_)) && recording_gemm(program, i).is_none() {
+            found.push("E0824", i, c.node, || {
+                let of = c
+                    .inputs
+                    .first()
+                    .map_or(String::new(), |b| format!(" of b{}", b.0));
+                format!(
+                    "Fp8AmaxRecord{of}: the next instruction past records, allocations and \
+                     frees is not a delayed-scaling FP8 GEMM quantizing that buffer, which \
+                     must record it"
+                )
+            });
+        }
         let Some((g, operands)) = c.op.fp8_operands() else {
             continue;
         };

@@ -33,7 +33,10 @@
 //!    ranks agrees with the plan (tp as its weight's `TpSplit`, cp on the tokens, never dp or
 //!    pp), and each operand whose scale groups span ranks (`ir::fp8`) reads amaxes of that
 //!    operand computed by `Fp8Amax` and max all-reduced over a group family spanning exactly
-//!    those axes: not a subset, not a superset (E0824; `fp8`).
+//!    those axes: not a subset, not a superset; under delayed scaling each operand's history is
+//!    reduced so before its roll, and every `Fp8AmaxRecord` is followed by the delayed FP8 GEMM
+//!    that quantizes its operand, which records it (`crate::fp8::recording_gemm`) (E0824;
+//!    `fp8`).
 //!
 //! Invariants 1–3, 6–9 and the liveness numbers are per program (ranks sharing a program are
 //! alike); 4–5 come from simulating all ranks together ([`rendezvous`]). Ranks whose programs

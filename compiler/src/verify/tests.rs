@@ -916,6 +916,15 @@ fn fp8_histories_reduced_over_the_wrong_group_or_unrecorded_are_reported() {
         .expect("a record");
     unrecorded.programs[0].instrs.remove(record);
     assert!(codes(&check(&unrecorded)).contains(&"E0824"));
+    // A record that no GEMM follows (a copy at the program's start): nothing would record it
+    // on the CUDA backend, which takes records in the following GEMM's quantize pass.
+    let mut stray = plan.clone();
+    let copy = program.instrs[record].clone();
+    stray.programs[0].instrs.insert(0, copy);
+    let found = check(&stray);
+    let v = (found.violations.iter())
+        .find(|v| v.code == "E0824" && v.message.contains("must record it"));
+    assert!(v.is_some_and(|v| v.instr == 0), "{:#?}", found.violations);
 }
 
 #[test]

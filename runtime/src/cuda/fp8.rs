@@ -15,12 +15,12 @@
 //! plan's NCCL all-reduce max over exactly the ranks sharing them), so its scales are the
 //! single-rank run's. Under delayed scaling both operands take the scale amax of their
 //! history the same way (no amax pass before quantizing); `Op::Fp8AmaxRecord` max-adds the
-//! operand's amax into the history's step slot with `fp8_amax_one` (not zeroed first) and
-//! `Op::Fp8HistoryRoll` rolls it at the step's end (`fp8_history_roll`) and queues a copy of
-//! the new scale amax to the host (`scale_amax`): a delayed GEMM either of whose scale amaxes
-//! is 0 (an empty history: the first step) runs as the plain GEMM instead (`delayed_cold`),
-//! as on the CPU. Not built: recording the amax inside the quantize kernel (the record is its
-//! own pass over the operand).
+//! operand's amax into the history's step slot (not zeroed first) inside the quantize pass
+//! of the GEMM after it (`fp8_record`), and `Op::Fp8HistoryRoll` rolls it at the step's end
+//! (`fp8_history_roll`) and queues a copy of the new scale amax to the host (`scale_amax`): a
+//! delayed GEMM either of whose scale amaxes is 0 (an empty history: the first step) runs as
+//! the plain GEMM instead (`delayed_cold`), as on the CPU, its records made apart
+//! (`fp8_amax_one`).
 //!
 //! The product is cuBLASLt's FP8 GEMM (`gemm::Blas::run_fp8`) in the one form Hopper runs,
 //! A transposed and B not, both read K-major: A is the op's second operand (W, W read along
@@ -48,9 +48,7 @@ use crate::error::{Result, RuntimeError};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::CudaSlice;
 use parc_compiler::fp8::CUDA_BLOCK;
-use parc_compiler::ir::fp8::{
-    Along, Fp8AmaxAttrs, Fp8Format, Fp8Gemm, Fp8HistoryAttrs, Fp8Scaling,
-};
+use parc_compiler::ir::fp8::{Along, Fp8AmaxAttrs, Fp8Format, Fp8Gemm, Fp8Scaling};
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::DType;
 use parc_compiler::memplan::{fp8_gemm_scratch, Fp8OperandScratch, Fp8ScaleLayout};
@@ -169,27 +167,14 @@ pub(super) fn amax(be: &mut CudaBackend, b: &Bound, a: &Fp8AmaxAttrs) -> Result<
     group_amax(be, x, (rows, cols), (rb, cb), (groups, out.ptr))
 }
 
-/// `Op::Fp8AmaxRecord` (delayed scaling): the operand's largest finite |element| max-added into
-/// its history's step amax (element 0) by `fp8_amax_one`, without zeroing it first.
-pub(super) fn record(be: &mut CudaBackend, b: &Bound, a: &Fp8HistoryAttrs) -> Result<()> {
-    let (x, history) = (b.input(0)?, b.output(0)?);
-    if history.len as u64 != u64::from(a.history) + 1 {
-        return Err(b.err(format!(
-            "records into a history of {} values, not {} (the step's amax and {} steps)",
-            history.len,
-            u64::from(a.history) + 1,
-            a.history
-        )));
-    }
-    if x.len == 0 {
-        return Ok(());
-    }
-    max_into_one(be, x, x.len as u64, history.ptr)
-}
-
 /// The largest finite |element| of the first `len` (not 0) elements of `buf` max-added into
 /// the one f32 at `out` (`fp8_amax_one`, 16-byte vectors; `out` is not zeroed here).
-fn max_into_one(be: &mut CudaBackend, buf: Buf, len: u64, out: CUdeviceptr) -> Result<()> {
+pub(super) fn max_into_one(
+    be: &mut CudaBackend,
+    buf: Buf,
+    len: u64,
+    out: CUdeviceptr,
+) -> Result<()> {
     let blocks = len.div_ceil(AMAX_PIECE).clamp(1, AMAX_ONE_BLOCKS) as u32;
     let args = [fv(buf), n(len as usize), Arg::Ptr(out)];
     let threads = (AMAX_THREADS as u32, 1, 1);
@@ -229,10 +214,11 @@ pub(super) fn delayed_cold(be: &mut CudaBackend, b: &Bound, fp8: Fp8Gemm) -> Res
 
 /// Quantizes `buf` as `s` lays it out (in the scratch at `base`): its groups' amaxes (or the
 /// `reduced` ones the op reads), the FP8 operand and its dequantization factors in `layout`'s
-/// order (`fp8_scales`' code, block).
+/// order (`fp8_scales`' code, block); with `record`, the quantize pass also max-adds the
+/// operand's largest finite |element| there (a delayed-scaling record, `fp8_record`).
 fn quantize(
     be: &mut CudaBackend,
-    (buf, reduced): (Buf, Option<Buf>),
+    (buf, reduced, record): (Buf, Option<Buf>, Option<CUdeviceptr>),
     s: &Fp8OperandScratch,
     scaling: Fp8Scaling,
     base: CUdeviceptr,
@@ -289,6 +275,7 @@ fn quantize(
         max,
         e5m2,
         Arg::Ptr(q),
+        Arg::Ptr(record.unwrap_or(0)),
     ];
     if s.lines > 0 && s.ld > 0 {
         let (kernel, grid) = match s.operand.along {
@@ -396,8 +383,11 @@ pub(super) fn run(
     }
     let base = be.fp8_scratch(scratch.bytes as usize)?;
     let [r0, r1] = amax_roles(b.op).map(|role| b.optional_input(role));
-    quantize(be, (in0, r0), &s0, fp8.scaling, base, (code0, block0))?;
-    quantize(be, (in1, r1), &s1, fp8.scaling, base, (code1, block1))?;
+    let (rec0, rec1) = (be.take_record(in0.id), be.take_record(in1.id));
+    quantize(be, (in0, r0, rec0), &s0, fp8.scaling, base, (code0, block0))?;
+    quantize(be, (in1, r1, rec1), &s1, fp8.scaling, base, (code1, block1))?;
+    // A held record of neither operand (none in a verified program) is not lost.
+    be.flush_records(true)?;
     let g = Gemm {
         trans_a: true,
         trans_b: false,

@@ -61,7 +61,7 @@ fn weight(buf: Buf) -> Operand {
 pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
     match b.op {
         Op::Fp8Amax(a) => return super::fp8::amax(be, b, a),
-        Op::Fp8AmaxRecord(a) => return super::fp8::record(be, b, a),
+        Op::Fp8AmaxRecord(a) => return be.record_amax(b, a),
         Op::Fp8HistoryRoll(_) => return super::fp8::roll(be, b),
         _ => {}
     }
@@ -104,11 +104,13 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
              verifier rejects it, E0822)",
         ));
     }
-    // A delayed-scaling GEMM with an empty history runs as the plain GEMM below.
+    // A delayed-scaling GEMM with an empty history runs as the plain GEMM below, its
+    // operands' records launched on their own.
     if let Some(fp8) = b.op.fp8() {
         if !super::fp8::delayed_cold(be, b, fp8)? {
             return super::fp8::run(be, b, fp8, dims);
         }
+        be.flush_records(true)?;
     }
     match *b.op {
         Op::Matmul {

@@ -68,6 +68,7 @@ mod elementwise;
 mod embedding;
 mod epilogue;
 mod fp8;
+mod fp8_record;
 mod fused;
 mod gemm;
 mod gemm_operands;
@@ -206,6 +207,8 @@ pub struct CudaBackend {
     /// Delayed FP8 scaling's scale amaxes as the host sees them (`scale_amax`); before the
     /// buffers, so pending copies complete before their sources are freed.
     scale_amaxes: scale_amax::ScaleAmaxes,
+    /// Delayed FP8 scaling's records held for the GEMMs that take them (`fp8_record`).
+    records: fp8_record::Records,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     kernels: Kernels,
@@ -314,6 +317,7 @@ impl CudaBackend {
             nccl: None,
             staging: staging::Staging::default(),
             scale_amaxes: scale_amax::ScaleAmaxes::default(),
+            records: fp8_record::Records::default(),
         })
     }
 
@@ -556,6 +560,7 @@ impl Backend for CudaBackend {
     }
 
     fn synchronize(&mut self) -> Result<()> {
+        self.flush_records(true)?;
         self.drain_comm()?;
         CudaBackend::synchronize(self)
     }
@@ -615,6 +620,7 @@ impl Backend for CudaBackend {
             self.positions(segments)?;
         }
         self.prepare_fused_optimizer(program)?;
+        self.records.prepare(program);
         self.prepare_fused_sum_squares(program)
     }
 
@@ -691,6 +697,7 @@ impl Backend for CudaBackend {
         outputs: &[BufferId],
         scalars: &StepScalars,
     ) -> Result<()> {
+        self.flush_records(false)?;
         self.gemm_before_compute(op, inputs, outputs);
         for &id in outputs {
             self.scale_amaxes.written(id);
@@ -869,6 +876,7 @@ impl Backend for CudaBackend {
     }
 
     fn begin_instruction(&mut self, index: usize) {
+        self.records.begin(index);
         self.nccl_instruction(index);
     }
 

@@ -107,34 +107,49 @@ extern "C" __global__ void fp8_amax(Fv x, long long rows, long long cols, long l
     }
 }
 
-// amax[0] = max(amax[0], largest finite |x[i]|, i < n): fp8_amax for an operand with one scale
-// group (tensorwise), reading 16-byte vectors where x is aligned (the tail and an unaligned x
-// one element at a time). Each thread keeps its running maximum over its grid-stride elements;
-// warps then blocks reduce it, and a block adds one atomic. Launch with FP8_THREADS threads.
-extern "C" __global__ void fp8_amax_one(Fv x, long long n, unsigned int* amax) {
-    __shared__ unsigned int best[FP8_THREADS / 32];
-    unsigned int m = 0;
-    long long n8 = vec_ok(x) ? n / 8 : 0;
-    GRID_STRIDE(j, n8) {
-        F8 f = ld8(x, j);
+// m max the largest finite |v[e]| (as f32 bits: non-negative floats order as their bits).
+__device__ __forceinline__ unsigned int fp8_finite_max(unsigned int m, const float (&v)[8]) {
 #pragma unroll
-        for (int e = 0; e < 8; e++) {
-            float v = fabsf(f.v[e]);
-            if (v <= 3.402823466e38f) m = max(m, __float_as_uint(v));
-        }
+    for (int e = 0; e < 8; e++) {
+        float a = fabsf(v[e]);
+        if (a <= 3.402823466e38f) m = max(m, __float_as_uint(a));
     }
-    GRID_STRIDE(t, n - 8 * n8) {
-        float v = fabsf(ld(x, 8 * n8 + t));
-        if (v <= 3.402823466e38f) m = max(m, __float_as_uint(v));
-    }
+    return m;
+}
+
+// The block's largest finite magnitude (m, each thread's, as f32 bits) max-added into *out
+// with one atomic a block, and none where *out already holds at least as much (most blocks,
+// once one has written the operand's amax): fp8_amax_one's, and delayed scaling's record taken
+// in a quantize pass (runtime/src/cuda/fp8_record.rs). Every thread of the block (FP8_THREADS
+// of them) calls it.
+__device__ __forceinline__ void fp8_block_max_into(unsigned int* out, unsigned int m) {
+    __shared__ unsigned int best[FP8_THREADS / 32];
     for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
     if ((threadIdx.x & 31) == 0) best[threadIdx.x >> 5] = m;
     __syncthreads();
     if (threadIdx.x < 32) {
         m = threadIdx.x < FP8_THREADS / 32 ? best[threadIdx.x] : 0u;
         for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-        if (threadIdx.x == 0 && m > 0u) atomicMax(amax, m);
+        if (threadIdx.x == 0 && m > *(volatile unsigned int*)out) atomicMax(out, m);
     }
+}
+
+// amax[0] = max(amax[0], largest finite |x[i]|, i < n): fp8_amax for an operand with one scale
+// group (tensorwise), reading 16-byte vectors where x is aligned (the tail and an unaligned x
+// one element at a time). Each thread keeps its running maximum over its grid-stride elements;
+// warps then blocks reduce it, and a block adds one atomic. Launch with FP8_THREADS threads.
+extern "C" __global__ void fp8_amax_one(Fv x, long long n, unsigned int* amax) {
+    unsigned int m = 0;
+    long long n8 = vec_ok(x) ? n / 8 : 0;
+    GRID_STRIDE(j, n8) {
+        F8 f = ld8(x, j);
+        m = fp8_finite_max(m, f.v);
+    }
+    GRID_STRIDE(t, n - 8 * n8) {
+        float v = fabsf(ld(x, 8 * n8 + t));
+        if (v <= 3.402823466e38f) m = max(m, __float_as_uint(v));
+    }
+    fp8_block_max_into(amax, m);
 }
 
 // Two floats as FP8 (lo in the low byte): the conversion instruction on GPUs that have one
@@ -204,16 +219,18 @@ __device__ __forceinline__ uint2 fp8_pack8(const float (&v)[8], const float (&s)
 // aligned). Thread t of block (bx, by) writes the 8 bytes kk = 8 (bx · 256 + t) .. + 8 of lines
 // by, by + gridDim.y, …, reading 16-byte vectors where x is aligned and k a multiple of 8. The
 // scale groups: rb x cb, gpr a row, `single` where there is one; maxv: the format's largest
-// finite value. Launch with FP8_LINE_VECS threads.
+// finite value. A non-null `record` takes the operand's largest finite magnitude
+// (fp8_block_max_into). Launch with FP8_LINE_VECS threads.
 extern "C" __global__ void fp8_quantize_lines(Fv x, long long lines, long long k, long long ldq, long long rb,
                                               long long cb, long long gpr, int single, const unsigned int* amax,
-                                              float maxv, int e5m2, unsigned char* q) {
+                                              float maxv, int e5m2, unsigned char* q, unsigned int* record) {
     Fp8Groups g = fp8_groups(rb, cb, gpr, single, amax, maxv);
     long long kk = 8 * (blockIdx.x * (long long)FP8_LINE_VECS + threadIdx.x);
-    if (kk >= ldq) return;
     bool vec = vec_ok(x) && k % 8 == 0;
     int valid = kk >= k ? 0 : (k - kk < 8 ? (int)(k - kk) : 8);
-    for (long long l = blockIdx.y; l < lines; l += gridDim.y) {
+    unsigned int m = 0;
+    // Threads past the padded line take no line (but reach the record's block reduction).
+    for (long long l = kk < ldq ? blockIdx.y : lines; l < lines; l += gridDim.y) {
         float v[8], s[8];
         if (vec && valid == 8) {
             F8 f = ld8(x, (l * k + kk) / 8);
@@ -226,7 +243,9 @@ extern "C" __global__ void fp8_quantize_lines(Fv x, long long lines, long long k
 #pragma unroll
         for (int e = 0; e < 8; e++) s[e] = e < valid ? fp8_scale_at(g, l, kk + e) : 1.0f;
         ((uint2*)q)[(l * ldq + kk) / 8] = fp8_pack8(v, s, valid, e5m2);
+        if (record) m = fp8_finite_max(m, v);
     }
+    if (record) fp8_block_max_into(record, m);
 }
 
 #define FP8_TILE 64
@@ -235,17 +254,19 @@ extern "C" __global__ void fp8_quantize_lines(Fv x, long long lines, long long k
 // q[l * ldq + kk] = fp8(x(kk, l) · s), 0 for k <= kk < ldq (ldq a multiple of 8, q 8-byte
 // aligned): x transposed through shared memory, one FP8_TILE x FP8_TILE tile (rows kk0 + …,
 // columns l0 + …) a block at a time: read along x's rows (16-byte vectors where x is aligned
-// and its columns a multiple of 8), written along q's lines, 8 bytes a thread. Launch with 256
+// and its columns a multiple of 8), written along q's lines, 8 bytes a thread. A non-null
+// `record` takes the operand's largest finite magnitude (fp8_block_max_into). Launch with 256
 // threads.
 extern "C" __global__ void fp8_quantize_cols(Fv x, long long lines, long long k, long long ldq, long long rb,
                                              long long cb, long long gpr, int single, const unsigned int* amax,
-                                             float maxv, int e5m2, unsigned char* q) {
+                                             float maxv, int e5m2, unsigned char* q, unsigned int* record) {
     Fp8Groups g = fp8_groups(rb, cb, gpr, single, amax, maxv);
     // [kk][l], padded by one so the transposed reads spread over the banks.
     __shared__ float tile[FP8_TILE][FP8_TILE + 1];
     bool vec = vec_ok(x) && lines % 8 == 0;
     int t = threadIdx.x, lane8 = t & 7, row8 = t >> 3;  // 8 threads a tile row, 32 rows a pass
     long long l0 = blockIdx.x * (long long)FP8_TILE;
+    unsigned int m = 0;
     long long kk_tiles = (ldq + FP8_TILE - 1) / FP8_TILE;
     for (long long ty = blockIdx.y; ty < kk_tiles; ty += gridDim.y) {
         long long kk0 = ty * FP8_TILE;
@@ -263,6 +284,7 @@ extern "C" __global__ void fp8_quantize_cols(Fv x, long long lines, long long k,
             }
 #pragma unroll
             for (int e = 0; e < 8; e++) tile[r][8 * lane8 + e] = v[e];
+            if (record) m = fp8_finite_max(m, v);
         }
         __syncthreads();
         // Writes: 8 threads a line (8 bytes each: the tile's 64 rows), 32 lines a pass.
@@ -279,6 +301,7 @@ extern "C" __global__ void fp8_quantize_cols(Fv x, long long lines, long long k,
             ((uint2*)q)[(l * ldq + kk) / 8] = fp8_pack8(v, s, valid, e5m2);
         }
     }
+    if (record) fp8_block_max_into(record, m);
 }
 
 // The dequantization factors 1 / s (exact: s is a power of two) in cuBLASLt's layout for the
