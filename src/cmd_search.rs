@@ -18,6 +18,11 @@ use parc_compiler::spec::{Balance, PipelineSchedule};
 use std::fmt::Write as _;
 use std::io::IsTerminal as _;
 
+/// Instructions the search lowers before it stops going on for merely promising candidates
+/// (`SearchOptions::lower_work`): about eight sampled lowerings of the 70B/64-GPU example,
+/// which the 2-core dev box does in under 10 s; a few hundred of a 7B model's.
+const LOWER_WORK: u64 = 8_000_000;
+
 /// What `--search` reads from the command line.
 pub struct SearchArgs<'a> {
     pub file: &'a std::path::Path,
@@ -53,6 +58,8 @@ pub fn main(args: SearchArgs) -> u8 {
         top: args.top.max(1),
         lower_at_least: 8,
         lower_at_most: (3 * args.top).max(12),
+        extend_at_most: (16 * args.top).max(64),
+        lower_work: LOWER_WORK,
         fusion: args.fusion,
         calibration: None,
         refuse: None,

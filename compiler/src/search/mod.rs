@@ -5,13 +5,20 @@
 //!    (microseconds each): their memory rejects only plans over 1.5× the GPU's (the formulas err
 //!    low, docs/cost-model.md; the verdict is the lowered plan's).
 //! 2. **Order** the rest by the formulas' step estimate: the slowest role's compute and
-//!    tp/cp/pp communication over (1 − bubble), plus its gradient reduction. A candidate whose
+//!    tp/cp/pp communication over (1 − bubble), plus its gradient reduction, the compute
+//!    scaled by how far below the GPU's peak the calibration profile runs the candidate's
+//!    GEMMs ([`gemm_rate`]: the formulas price compute at the peak). A candidate whose
 //!    formula memory, times the largest underestimate seen on the plans lowered so far, is over
 //!    the GPU's waits until the others are tried.
 //! 3. **Check and lower** them in that order (the spec with the candidate's `--set` settings
 //!    through the checker, whose errors reject it under their code; then one program per class
 //!    of ranks as `parc check` does), until `top` fit and at least
-//!    [`SearchOptions::lower_at_least`] were lowered, or [`SearchOptions::lower_at_most`] were: memory per GPU from the lowered plan (`fit`, the verdict
+//!    [`SearchOptions::lower_at_least`] were lowered, or [`SearchOptions::lower_at_most`] were;
+//!    once `top` fit, on while a candidate left could still beat the `top`-th (its estimate at
+//!    the smallest simulated-over-estimated ratio seen), up to
+//!    [`SearchOptions::extend_at_most`] and a budget of lowered instructions
+//!    ([`SearchOptions::lower_work`]: many lowerings of a small model, few of a large one):
+//!    memory per GPU from the lowered plan (`fit`, the verdict
 //!    E0701 gives) rejects what does not fit; the timeline gives the step time, bubble and
 //!    exposed communication of the rest, which are ranked by step time. A candidate with more
 //!    microbatches than that is simulated at 2p and 2p + 1 microbatches (interleaved: 2p and
@@ -34,6 +41,7 @@
 //! own cluster unless told another: the model and recipe are checked under a neutral plan on
 //! one GPU ([`prepare`]), and [`Base::own_plan`] says what failed.
 
+mod gemm_rate;
 pub mod space;
 
 use crate::cost::CostReport;
@@ -54,10 +62,20 @@ pub struct SearchOptions {
     /// Plans to rank and show.
     pub top: usize,
     /// Candidates lowered at least (when there are that many), so the winner does not depend
-    /// on `top`: the formulas' order is only roughly the timeline's.
+    /// on `top`: the formulas' order is only roughly the timeline's. Past it (and `top`
+    /// fitting), lowering goes on while a candidate left could still be among the `top`
+    /// fastest ([`Lowering::promising`]).
     pub lower_at_least: usize,
-    /// Most candidates lowered, in the formulas' order.
+    /// Most candidates lowered, in the formulas' order, while fewer than `top` fit.
     pub lower_at_most: usize,
+    /// Most candidates lowered once `top` fit, going on while one left is
+    /// [`Lowering::promising`] (and `lower_work` is not spent).
+    pub extend_at_most: usize,
+    /// Instructions lowered (sampled programs, [`Ranked::instructions`]) past which the search
+    /// stops going on for candidates that are only [`Lowering::promising`] (and, at four times
+    /// this, stops looking for `top` plans that fit): a budget of work, the same on every
+    /// machine, so a large model lowers few candidates and a small one many.
+    pub lower_work: u64,
     /// Lower with the fusion pass (as the run would).
     pub fusion: bool,
     /// The profile that prices the timeline (`None`: the GPU's peak numbers).
@@ -91,6 +109,9 @@ pub struct Ranked {
     pub memory: Vec<(String, u64)>,
     pub bubble_fraction: f64,
     pub exposed_comm_fraction: f64,
+    /// Instructions of the programs lowered to rank it (both samples where it was sampled):
+    /// the search's measure of its work.
+    pub instructions: u64,
 }
 
 /// How many plans a rule rejected, and the one that came closest (for memory: the smallest
@@ -211,7 +232,14 @@ pub fn search_from(
             closest: None,
         })
         .collect();
-    let (mut queue, even) = estimate_all(spec, space.candidates, shape, &mut rejected, progress);
+    let prices = options
+        .calibration
+        .as_deref()
+        .map(|c| c as &dyn crate::fp8::GemmPrices);
+    let rates = gemm_rate::GemmRates::new(prices);
+    let candidates = space.candidates;
+    let (mut queue, even) =
+        estimate_all(spec, (candidates, &rates), shape, &mut rejected, progress);
     let (plans, candidates) = (plans - even as u64, total - even);
     queue.sort_by(|a, b| a.step.total_cmp(&b.step));
     let estimated = queue.len();
@@ -228,6 +256,9 @@ pub fn search_from(
         how: how.clone(),
         underestimate: 1.0,
         lowered: 0,
+        fastest_ratio: f64::INFINITY,
+        work: 0,
+        ranked: 0,
         refused: Vec::new(),
         rejected: &mut rejected,
     };
@@ -302,7 +333,7 @@ fn fits_on(spec: &Spec, (nodes, gpus_per_node): (u32, u32), underestimate: f64) 
             .candidates
             .into_iter()
             .filter(leanest)
-            .filter_map(|c| estimate(spec, c, n, g))
+            .filter_map(|c| estimate(spec, c, (n, g), &gemm_rate::GemmRates::new(None)))
             .any(|e| e.memory as f64 * underestimate <= capacity)
     };
     let shapes = cluster_shapes(nodes, gpus_per_node);
@@ -364,7 +395,7 @@ fn cluster_shapes(nodes: u32, gpus_per_node: u32) -> Vec<(u32, u32)> {
 /// evenly (the even candidate: not a plan of their own).
 fn estimate_all(
     spec: &Spec,
-    candidates: Vec<Candidate>,
+    (candidates, rates): (Vec<Candidate>, &gemm_rate::GemmRates),
     (nodes, gpus_per_node): (u32, u32),
     rejected: &mut Vec<Rejection>,
     progress: &(dyn Fn(Progress) + Sync),
@@ -377,7 +408,7 @@ fn estimate_all(
         if i % 256 == 0 {
             progress(Progress::Checking { done: i, total });
         }
-        let Some(e) = estimate(spec, c, nodes, gpus_per_node) else {
+        let Some(e) = estimate(spec, c, (nodes, gpus_per_node), rates) else {
             even += 1;
             continue;
         };
@@ -573,6 +604,8 @@ fn check_options() -> CompileOptions {
 struct Why {
     rule: String,
     example: Option<String>,
+    /// Instructions lowered before the rejection (0 where none or unknown).
+    lowered: u64,
 }
 
 impl Why {
@@ -580,6 +613,7 @@ impl Why {
         Why {
             rule: rule.to_string(),
             example: None,
+            lowered: 0,
         }
     }
 
@@ -587,6 +621,7 @@ impl Why {
         Why {
             rule: d.code.to_string(),
             example: Some(d.message.clone()),
+            lowered: 0,
         }
     }
 }
@@ -629,14 +664,14 @@ struct Estimated {
     memory: u64,
 }
 
-/// The base spec with the candidate's plan and the cluster's shape, estimated by the formulas;
-/// `None` for an `auto` balance that splits the layers evenly (the even candidate is the same
-/// plan).
+/// The base spec with the candidate's plan and the cluster's shape, estimated by the formulas
+/// (the compute at the GEMM rates of `rates`); `None` for an `auto` balance that splits the
+/// layers evenly (the even candidate is the same plan).
 fn estimate(
     base: &Spec,
     candidate: Candidate,
-    nodes: u32,
-    gpus_per_node: u32,
+    (nodes, gpus_per_node): (u32, u32),
+    rates: &gemm_rate::GemmRates,
 ) -> Option<Estimated> {
     let mut spec = base.clone();
     let c = &candidate;
@@ -665,7 +700,7 @@ fn estimate(
     }
     let cost = crate::cost::estimate(&spec);
     Some(Estimated {
-        step: step_estimate(&cost),
+        step: step_estimate(&cost, rates.slowdown(&spec)),
         memory: cost.worst_role().map_or(0, |r| r.memory.total()),
         spec,
         candidate,
@@ -686,6 +721,14 @@ struct Lowering<'a> {
     underestimate: f64,
     /// Candidates lowered so far.
     lowered: usize,
+    /// The smallest ratio of a fitting lowered plan's simulated step to its formula estimate
+    /// (infinite before one): how much faster than the formulas say a plan has turned out.
+    fastest_ratio: f64,
+    /// Instructions lowered so far ([`Ranked::instructions`] of each lowered candidate, a
+    /// refused one's own; one that failed otherwise counts as the mean of those ranked).
+    work: u64,
+    /// Lowered candidates that were ranked.
+    ranked: u64,
     /// The meshes (which axes are split) of candidates the backend refused: a candidate of
     /// the same kind waits until the others are tried.
     refused: Vec<Splits>,
@@ -716,25 +759,39 @@ impl Lowering<'_> {
         let width = std::thread::available_parallelism()
             .map(usize::from)
             .unwrap_or(1);
-        let enough = |counted: usize, fit: usize| {
-            counted >= options.lower_at_most
-                || (fit >= options.top && counted >= options.lower_at_least)
-        };
         let counted = |l: &Self| l.lowered - l.refused.len().min(options.lower_at_most);
-        while !enough(counted(self), fitting.len()) && !queue.is_empty() {
+        let enough = |l: &Self, fitting: &[(Estimated, Ranked)], queue: &[Estimated]| {
+            let counted = counted(l);
+            if fitting.len() < options.top {
+                return counted >= options.lower_at_most
+                    || l.work >= options.lower_work.saturating_mul(4);
+            }
+            let spent = l.work >= options.lower_work || counted >= options.extend_at_most;
+            counted >= options.lower_at_least
+                && (spent || !l.promising(fitting, queue, options.top))
+        };
+        while !queue.is_empty() && !enough(self, &fitting, queue) {
+            let cap = match fitting.len() < options.top {
+                true => options.lower_at_most,
+                false => options.extend_at_most.max(options.lower_at_least),
+            };
             progress(Progress::Lowering {
                 done: counted(self),
-                total: options.lower_at_most,
+                total: cap,
             });
-            let room = (options.lower_at_most - counted(self)).min(width);
+            let room = cap.saturating_sub(counted(self)).clamp(1, width);
             let batch = self.take_checked(queue, room);
             self.lowered += batch.len();
             for (e, result) in evaluate_all(batch, &self.how) {
                 match result {
                     Ok(r) => {
+                        self.work += r.instructions;
+                        self.ranked += 1;
                         let ratio = need(&r) as f64 / e.memory.max(1) as f64;
                         self.underestimate = self.underestimate.max(ratio);
                         if fits(&r, self.capacity) {
+                            let ratio = r.step_seconds / e.step.max(f64::MIN_POSITIVE);
+                            self.fastest_ratio = self.fastest_ratio.min(ratio);
                             fitting.push((e, r));
                         } else {
                             let memory = Why::rule(MEMORY_RULE);
@@ -742,6 +799,10 @@ impl Lowering<'_> {
                         }
                     }
                     Err(why) => {
+                        self.work += match why.lowered {
+                            0 => self.work / self.ranked.max(1),
+                            n => n,
+                        };
                         if why.rule == BACKEND_RULE {
                             self.refused.push(splits(&e.candidate));
                         }
@@ -752,6 +813,19 @@ impl Lowering<'_> {
         }
         fitting.sort_by(|a, b| a.1.step_seconds.total_cmp(&b.1.step_seconds));
         fitting
+    }
+
+    /// Whether a candidate left in `queue` could still be among the `top` fastest of
+    /// `fitting`: its formula estimate, at the smallest simulated-over-estimated ratio seen, is
+    /// under the `top`-th fastest simulated step.
+    fn promising(&self, fitting: &[(Estimated, Ranked)], queue: &[Estimated], top: usize) -> bool {
+        let mut steps: Vec<f64> = fitting.iter().map(|(_, r)| r.step_seconds).collect();
+        steps.sort_by(f64::total_cmp);
+        let Some(&kth) = steps.get(top.saturating_sub(1)) else {
+            return true;
+        };
+        let best_left = queue.iter().map(|e| e.step).fold(f64::INFINITY, f64::min);
+        best_left * self.fastest_ratio < kth
     }
 
     /// Up to `n` candidates from the queue, in order, that pass the checker (the others are
@@ -792,14 +866,18 @@ impl Lowering<'_> {
     }
 }
 
-/// The formulas' step: the slowest role's compute and tp/cp/pp communication over
-/// (1 − bubble), plus its gradient reduction (not overlapped).
-fn step_estimate(cost: &CostReport) -> f64 {
+/// The formulas' step: the slowest role's compute (`slowdown` times the formulas', which are
+/// at the GPU's peak) and tp/cp/pp communication over (1 − bubble), plus what of its gradient
+/// reduction the backward's compute (two thirds of the compute) cannot hide: the runtime
+/// reduces each layer's gradients while the backward goes on (the timeline, which decides,
+/// overlaps them as the runtime does).
+fn step_estimate(cost: &CostReport, slowdown: f64) -> f64 {
     let keep = (1.0 - cost.bubble_fraction).max(0.05);
     cost.roles
         .iter()
         .map(|r| {
-            let (mut inner, mut dp) = (r.compute_seconds, 0.0);
+            let compute = r.compute_seconds * slowdown;
+            let (mut inner, mut dp) = (compute, 0.0);
             for c in &r.comm {
                 if c.axis == crate::spec::Axis::Dp {
                     dp += c.seconds;
@@ -807,10 +885,13 @@ fn step_estimate(cost: &CostReport) -> f64 {
                     inner += c.seconds;
                 }
             }
-            inner / keep + dp
+            inner / keep + (dp - BACKWARD_SHARE * compute).max(0.0)
         })
         .fold(0.0, f64::max)
 }
+
+/// The backward's share of a step's compute (two of its three GEMMs a layer).
+const BACKWARD_SHARE: f64 = 2.0 / 3.0;
 
 pub const MEMORY_RULE: &str = "memory per GPU over the GPU's (lowered plan)";
 /// A candidate whose lowered plan the backend refuses ([`SearchOptions::refuse`]).
@@ -1003,6 +1084,7 @@ fn extrapolate(a: &Ranked, b: &Ranked, (m1, m2): (u32, u32), m: u32) -> Ranked {
         memory: b.memory.clone(),
         bubble_fraction: idle / step,
         exposed_comm_fraction: exposed / step,
+        instructions: a.instructions + b.instructions,
     }
 }
 
@@ -1020,6 +1102,7 @@ fn lower(spec: &Spec, how: &Pricing) -> Result<Plan, Why> {
         Some(why) => Err(Why {
             rule: BACKEND_RULE.to_string(),
             example: Some(why),
+            lowered: plan.programs.iter().map(|p| p.instrs.len() as u64).sum(),
         }),
         None => Ok(plan),
     }
@@ -1035,7 +1118,7 @@ fn evaluate(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked,
         return Err(first_error(&diagnostics, "verification"));
     };
     let memory = fit.into_iter().map(|n| (n.role, n.bytes)).collect();
-    Ok(ranking(spec, candidate, &timeline, memory))
+    Ok(ranking((spec, &plan), candidate, &timeline, memory))
 }
 
 /// Lower and simulate `spec` only (a first sample, whose second is verified and planned): its
@@ -1048,11 +1131,11 @@ fn simulate(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked,
             "the simulated step does not finish (the plan does not verify)",
         ));
     }
-    Ok(ranking(spec, candidate, &timeline, Vec::new()))
+    Ok(ranking((spec, &plan), candidate, &timeline, Vec::new()))
 }
 
 fn ranking(
-    spec: &Spec,
+    (spec, plan): (&Spec, &Plan),
     candidate: &Candidate,
     timeline: &crate::timeline::Timeline,
     memory: Vec<(String, u64)>,
@@ -1067,6 +1150,7 @@ fn ranking(
         memory,
         bubble_fraction: timeline.bubble_fraction,
         exposed_comm_fraction: timeline.exposed_comm_fraction,
+        instructions: plan.programs.iter().map(|p| p.instrs.len() as u64).sum(),
     }
 }
 
@@ -1187,6 +1271,8 @@ mod tests {
             top: 4,
             lower_at_least: 4,
             lower_at_most: 6,
+            extend_at_most: 6,
+            lower_work: u64::MAX,
             fusion: true,
             calibration: None,
             refuse: None,
@@ -1207,6 +1293,75 @@ mod tests {
         assert_eq!(rule.example.as_deref(), Some("this backend runs no dp"));
     }
 
+    /// Mistral 7B on 2 nodes of 8 H100s, priced by the repository's H100 profile: a space where
+    /// the formulas' first candidates are not the timeline's fastest.
+    const MISTRAL: &str = "use std::llama { Block }
+model mistral7b {
+  let vocab = 32000; let d = 4096; let heads = 32; let kv_heads = 8
+  let layers = 32; let ffn = 14336; let seq = 4096
+  input tokens  : [batch, seq] i32
+  input targets : [batch, seq] i32
+  x = Embedding(vocab, d)(tokens)
+  x = repeat layers { Block(d, heads, kv_heads = kv_heads, ffn = ffn, theta = 10000)(x) }
+  logits = Linear(d, vocab, bias = false)(RMSNorm(d)(x) as ln_f) as head
+  loss = CrossEntropy(logits, targets)
+  shard Embedding.vocab on tp
+  shard Attention.heads on tp, seq on cp
+  shard MLP.hidden on tp
+}
+parallel { mesh = { dp: 2, pp: 2, cp: 1, tp: 4 }; zero = 1; recompute = selective; sequence_parallel = true }
+train {
+  global_batch = 128; micro_batch = 2; precision = bf16
+  optimizer = adamw { lr: 3e-4 }; schedule = cosine { warmup: 100, min_lr: 3e-5 }
+  data = synthetic; steps = 1000
+}
+cluster {
+  nodes = 2; gpus_per_node = 8; gpu = h100_80gb
+  intra = nvlink { bandwidth: 450 GB/s }
+  inter = infiniband { bandwidth: 50 GB/s }
+}";
+
+    /// The winner does not hang on `top`: asked for one plan, the search lowers on past its
+    /// first few while a candidate left could still beat the best, and finds the plan it finds
+    /// when asked for eight; stopped at its first few it would not (Mistral 7B, above).
+    #[test]
+    fn the_winner_does_not_depend_on_top() {
+        let profile = include_str!("../../../calibration/h100_80gb.json");
+        let profile = crate::timeline::profile::Profile::parse(profile).expect("the H100 profile");
+        let calibration = std::sync::Arc::new(crate::timeline::Calibration {
+            profile,
+            scale: false,
+        });
+        let options = |top: usize, extend_at_most: usize| SearchOptions {
+            nodes: None,
+            gpus_per_node: None,
+            top,
+            lower_at_least: 8,
+            lower_at_most: (3 * top).max(12),
+            extend_at_most,
+            lower_work: u64::MAX,
+            fusion: true,
+            calibration: Some(calibration.clone()),
+            refuse: None,
+        };
+        let winner = |o: &SearchOptions| {
+            let outcome = search("mistral.par", MISTRAL, &[], o, &|_| {}).expect("searches");
+            let first = outcome.ranked.first().expect("a plan");
+            (first.candidate.clone(), first.step_seconds, outcome.lowered)
+        };
+        let (wide, wide_s, _) = winner(&options(8, 128));
+        let (one, one_s, lowered) = winner(&options(1, 64));
+        assert_eq!(
+            one, wide,
+            "asked for one plan (lowered {lowered}): {one_s} s against {wide_s} s"
+        );
+        let (stopped, stopped_s, _) = winner(&options(1, 12));
+        assert!(
+            stopped_s > wide_s,
+            "the first 12 lowered hold the winner ({stopped:?}): the test shows nothing"
+        );
+    }
+
     /// On a space small enough to lower whole (the tiny example on 2 GPUs), the search (samples
     /// extrapolated, memory planned on the second, lowerings spread over the cores, the winner
     /// confirmed whole) loses no plan: its winner is the fastest of every candidate that checks,
@@ -1222,6 +1377,8 @@ mod tests {
             top,
             lower_at_least: usize::MAX,
             lower_at_most: usize::MAX,
+            extend_at_most: usize::MAX,
+            lower_work: u64::MAX,
             fusion: true,
             calibration: None,
             refuse: None,
@@ -1248,7 +1405,7 @@ mod tests {
         let mut whole: Vec<(f64, Candidate)> = space::space(&spec, 2, 2)
             .candidates
             .into_iter()
-            .filter_map(|c| estimate(&spec, c, 1, 2))
+            .filter_map(|c| estimate(&spec, c, (1, 2), &gemm_rate::GemmRates::new(None)))
             .filter(|e| lowering(&e.candidate))
             .filter_map(|e| evaluate(&e.spec, &e.candidate, &how).ok())
             .filter(|r| fits(r, outcome.gpu_memory_bytes))
@@ -1297,6 +1454,8 @@ mod tests {
                     top: 1,
                     lower_at_least: 0,
                     lower_at_most: 0,
+                    extend_at_most: 0,
+                    lower_work: 0,
                     fusion: true,
                     calibration: None,
                     refuse: None,
