@@ -516,15 +516,9 @@ pub fn times(spec: &Spec, g: &Gemm) -> (PerLayout<f64>, PerLayout<f64>) {
 /// weight-gradient (dy, x) GEMMs, each pair from bf16 into the layout its GEMM reads; under
 /// delayed scaling without the amax passes (the records ride on the quantize pass).
 pub fn quantize_each(spec: &Spec, g: &Gemm) -> PerLayout<f64> {
-    let delayed = spec.train.fp8.as_ref().is_some_and(|f| f.history.is_some());
-    let gpu = &spec.cluster.gpu;
     PerLayout::from_fn(|layout| {
         let elements = quantize_elements(layout, [g.rows, g.out_dim, g.in_dim]);
-        let saved = match delayed {
-            true => amax_pass_seconds(elements, 2.0, gpu),
-            false => 0.0,
-        };
-        quantize_seconds(elements, 2.0, gpu) - saved
+        quantize_seconds(elements, 2.0, &spec.cluster.gpu, delayed(spec))
     })
 }
 
@@ -563,10 +557,25 @@ pub fn quantize_elements(layout: GemmLayout, [m, n, k]: [u64; 3]) -> f64 {
 
 /// Seconds to quantize the two operands of one FP8 GEMM, `elements` in all, stored with
 /// `stored_bytes` per element, at the GPU's bandwidth ([`quantize_bytes`]), [`QUANT_LAUNCHES`]
-/// launches per operand.
-pub fn quantize_seconds(elements: f64, stored_bytes: f64, gpu: &crate::spec::Gpu) -> f64 {
+/// launches per operand; under delayed scaling (`delayed`) without the amax passes
+/// ([`amax_pass_seconds`]: the records ride on the quantize pass, [`recording_gemm`]).
+pub fn quantize_seconds(
+    elements: f64,
+    stored_bytes: f64,
+    gpu: &crate::spec::Gpu,
+    delayed: bool,
+) -> f64 {
     let bytes = quantize_bytes(elements, stored_bytes);
-    bytes / gpu.memory_bandwidth.max(1.0) + 2.0 * QUANT_LAUNCHES * QUANT_LAUNCH_S
+    let all = bytes / gpu.memory_bandwidth.max(1.0) + 2.0 * QUANT_LAUNCHES * QUANT_LAUNCH_S;
+    match delayed {
+        true => all - amax_pass_seconds(elements, stored_bytes, gpu),
+        false => all,
+    }
+}
+
+/// Whether `spec` trains in FP8 under delayed scaling (an amax history).
+pub fn delayed(spec: &Spec) -> bool {
+    spec.train.fp8.as_ref().is_some_and(|f| f.history.is_some())
 }
 
 /// Bytes quantizing `elements` stored with `stored_bytes` each moves: read for their amaxes

@@ -173,16 +173,9 @@ impl<'a> ProfileCosts<'a> {
                 let epilogue = epilogue_of(op);
                 let elem = buffer(outputs, 0).map_or(4, |b| b.dtype.bytes());
                 let product = match op.fp8() {
-                    // Measured under current scaling; delayed scaling's GEMM makes no amax
-                    // passes (its records ride on its quantize pass).
                     Some(f) if self.has_gemm(GemmDtype::Fp8(f.scaling)) => {
-                        let measured =
-                            self.gemm(layout, mnk, GemmDtype::Fp8(f.scaling), epilogue)?;
-                        let saved = match f.history {
-                            Some(_) => self.amax_passes(layout, mnk)?,
-                            None => 0.0,
-                        };
-                        (measured - saved).max(self.profile.launch_overhead_s)
+                        let delayed = f.history.is_some();
+                        self.measured_fp8(layout, mnk, (f.scaling, epilogue), delayed)?
                     }
                     // No FP8 points of its scaling: the measured bf16 time at the FP8 peak's
                     // speed-up, plus quantizing both operands.
@@ -372,6 +365,25 @@ impl<'a> ProfileCosts<'a> {
     fn fp8_quantize(&self, layout: GemmLayout, mnk: [u64; 3]) -> Option<f64> {
         let launches = crate::fp8::QUANT_LAUNCHES;
         self.operand_passes(layout, mnk, crate::fp8::quantize_bytes, launches)
+    }
+
+    /// Seconds of an FP8 GEMM of `layout` at `mnk` in `scaling` with `epilogue` from the
+    /// profile's FP8 points, which were measured under current scaling: under delayed scaling
+    /// (`delayed`) less its amax passes (its records ride on its quantize pass), at least a
+    /// launch.
+    fn measured_fp8(
+        &self,
+        layout: GemmLayout,
+        mnk: [u64; 3],
+        (scaling, epilogue): (Fp8Scaling, GemmEpilogue),
+        delayed: bool,
+    ) -> Option<f64> {
+        let measured = self.gemm(layout, mnk, GemmDtype::Fp8(scaling), epilogue)?;
+        let saved = match delayed {
+            true => self.amax_passes(layout, mnk)?,
+            false => 0.0,
+        };
+        Some((measured - saved).max(self.profile.launch_overhead_s))
     }
 
     /// Seconds of the amax passes over the two bf16 operands of an FP8 GEMM of `layout` at
@@ -598,9 +610,8 @@ impl GemmPrices for Calibration {
     fn layer_gemm(&self, spec: &Spec, g: &Gemm, scaling: Fp8Scaling) -> Option<Priced> {
         let costs = ProfileCosts::new(self, spec);
         let mnk = [g.rows, g.out_dim, g.in_dim];
-        let fp8 = GemmDtype::Fp8(scaling);
-        let measured = costs.has_gemm(fp8);
-        let delayed = spec.train.fp8.as_ref().is_some_and(|f| f.history.is_some());
+        let measured = costs.has_gemm(GemmDtype::Fp8(scaling));
+        let delayed = crate::fp8::delayed(spec);
         let quantize = crate::fp8::quantize_each(spec, g);
         let mut priced = Priced {
             bf16_s: PerLayout::splat(0.0),
@@ -614,14 +625,9 @@ impl GemmPrices for Calibration {
             let bf16 = costs.gemm(layout, mnk, GemmDtype::Bf16, GemmEpilogue::PLAIN)?;
             priced.bf16_s[layout] = bf16;
             priced.fp8_s[layout] = match measured {
-                // Measured under current scaling: delayed scaling makes no amax passes.
                 true => {
-                    let saved = match delayed {
-                        true => costs.amax_passes(layout, mnk)?,
-                        false => 0.0,
-                    };
-                    let fp8 = costs.gemm(layout, mnk, fp8, GemmEpilogue::PLAIN)?;
-                    (fp8 - saved).max(costs.profile.launch_overhead_s)
+                    let plain = (scaling, GemmEpilogue::PLAIN);
+                    costs.measured_fp8(layout, mnk, plain, delayed)?
                 }
                 false => crate::fp8::from_bf16(bf16, quantize[layout], &spec.cluster.gpu),
             };

@@ -61,13 +61,8 @@ impl SpecCosts<'_> {
         let (elements, stored) = (operands.iter().flatten()).fold((0.0, 0.0), |(e, b), x| {
             (e + x.numel() as f64, b + self.bytes(x))
         });
-        let gpu = &self.spec.cluster.gpu;
         let stored = stored / elements.max(1.0);
-        let amax = match delayed {
-            true => crate::fp8::amax_pass_seconds(elements, stored, gpu),
-            false => 0.0,
-        };
-        crate::fp8::quantize_seconds(elements, stored, gpu) - amax
+        crate::fp8::quantize_seconds(elements, stored, &self.spec.cluster.gpu, delayed)
     }
 
     fn peak(&self) -> f64 {
