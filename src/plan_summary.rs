@@ -16,7 +16,7 @@ pub fn render(
     memory: &MemoryPlans,
     timeline: &Timeline,
 ) -> String {
-    let instrs: usize = plan.programs.iter().map(|p| p.instrs.len()).sum();
+    let instrs = plan.instructions();
     let mut out = format!(
         "# {} ranks, {} programs, {instrs} instructions; verified ({} ranks simulated)\n",
         plan.world,

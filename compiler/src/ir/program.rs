@@ -158,6 +158,11 @@ pub struct Peer {
 }
 
 impl Plan {
+    /// Instructions over all its programs.
+    pub fn instructions(&self) -> usize {
+        self.programs.iter().map(|p| p.instrs.len()).sum()
+    }
+
     /// The plan's fields without its programs and rank map (for a view holding some of them).
     pub fn header(&self) -> Plan {
         Plan {

@@ -232,11 +232,7 @@ pub fn search_from(
             closest: None,
         })
         .collect();
-    let prices = options
-        .calibration
-        .as_deref()
-        .map(|c| c as &dyn crate::fp8::GemmPrices);
-    let rates = gemm_rate::GemmRates::new(prices);
+    let rates = gemm_rate::GemmRates::new(prices(options.calibration.as_deref()));
     let candidates = space.candidates;
     let (mut queue, even) =
         estimate_all(spec, (candidates, &rates), shape, &mut rejected, progress);
@@ -1102,7 +1098,7 @@ fn lower(spec: &Spec, how: &Pricing) -> Result<Plan, Why> {
         Some(why) => Err(Why {
             rule: BACKEND_RULE.to_string(),
             example: Some(why),
-            lowered: plan.programs.iter().map(|p| p.instrs.len() as u64).sum(),
+            lowered: plan.instructions() as u64,
         }),
         None => Ok(plan),
     }
@@ -1150,7 +1146,7 @@ fn ranking(
         memory,
         bubble_fraction: timeline.bubble_fraction,
         exposed_comm_fraction: timeline.exposed_comm_fraction,
-        instructions: plan.programs.iter().map(|p| p.instrs.len() as u64).sum(),
+        instructions: plan.instructions() as u64,
     }
 }
 
