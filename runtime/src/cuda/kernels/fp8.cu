@@ -75,6 +75,13 @@ __device__ __forceinline__ unsigned char fp8_encode(float f, int e5m2) {
 #define FP8_THREADS 256
 #define FP8_PIECE (FP8_THREADS * 16)
 
+// m max |v| as f32 bits (non-negative floats order as their bits), where v is finite: NaN and
+// infinities never raise an amax.
+__device__ __forceinline__ unsigned int fp8_finite_max1(unsigned int m, float v) {
+    float a = fabsf(v);
+    return a <= 3.402823466e38f ? max(m, __float_as_uint(a)) : m;
+}
+
 // amax[g] = max(amax[g], largest finite |element| of group g); amax holds the f32 bit patterns
 // (non-negative floats order as their bits) and starts zeroed. Work item w is piece w % pieces
 // (FP8_PIECE elements) of group w / pieces; a block reduces one item and adds it with one
@@ -92,9 +99,7 @@ extern "C" __global__ void fp8_amax(Fv x, long long rows, long long cols, long l
         long long end = (piece + 1) * FP8_PIECE < n ? (piece + 1) * FP8_PIECE : n;
         unsigned int m = 0;
         for (long long e = piece * FP8_PIECE + threadIdx.x; e < end; e += FP8_THREADS) {
-            float v = fabsf(ld(x, (r0 + e / wd) * cols + c0 + e % wd));
-            // NaN and infinities are not finite: they never raise the amax.
-            if (v <= 3.402823466e38f) m = max(m, __float_as_uint(v));
+            m = fp8_finite_max1(m, ld(x, (r0 + e / wd) * cols + c0 + e % wd));
         }
         best[threadIdx.x] = m;
         __syncthreads();
@@ -107,13 +112,10 @@ extern "C" __global__ void fp8_amax(Fv x, long long rows, long long cols, long l
     }
 }
 
-// m max the largest finite |v[e]| (as f32 bits: non-negative floats order as their bits).
+// fp8_finite_max1 over eight values.
 __device__ __forceinline__ unsigned int fp8_finite_max(unsigned int m, const float (&v)[8]) {
 #pragma unroll
-    for (int e = 0; e < 8; e++) {
-        float a = fabsf(v[e]);
-        if (a <= 3.402823466e38f) m = max(m, __float_as_uint(a));
-    }
+    for (int e = 0; e < 8; e++) m = fp8_finite_max1(m, v[e]);
     return m;
 }
 
@@ -145,10 +147,7 @@ extern "C" __global__ void fp8_amax_one(Fv x, long long n, unsigned int* amax) {
         F8 f = ld8(x, j);
         m = fp8_finite_max(m, f.v);
     }
-    GRID_STRIDE(t, n - 8 * n8) {
-        float v = fabsf(ld(x, 8 * n8 + t));
-        if (v <= 3.402823466e38f) m = max(m, __float_as_uint(v));
-    }
+    GRID_STRIDE(t, n - 8 * n8) m = fp8_finite_max1(m, ld(x, 8 * n8 + t));
     fp8_block_max_into(amax, m);
 }
 
