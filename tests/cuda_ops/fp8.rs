@@ -556,3 +556,98 @@ fn records_ride_on_their_gemms_quantize_pass() {
         );
     }
 }
+
+/// A run of consecutive history rolls is made in one launch (`cuda/fp8_roll.rs`) with the results
+/// of rolling one by one, and a roll outside any run still rolls alone; over two steps, so the
+/// second finds its run's host slots in place.
+#[cfg(feature = "cuda")]
+#[test]
+fn a_run_of_rolls_is_one_launch_with_the_same_results() {
+    use crate::harness::cuda_backend;
+    use parc_compiler::ir::fp8::Fp8HistoryAttrs;
+    use parc_compiler::ir::{Buffer, BufferKind, Instr, Program};
+    use parc_compiler::memplan::plan_program;
+    use parc_compiler::spec::Precision;
+    // Histories 0..4 (lengths 5, 9, 5, 5), scale amaxes 4..8, a scratch buffer 8.
+    let lens = [5u64, 9, 5, 5];
+    let mut buffers: Vec<Buffer> = (lens.iter().enumerate())
+        .map(|(i, &len)| Buffer {
+            name: format!("h{i}"),
+            shape: vec![1, len],
+            dtype: DType::F32,
+            kind: BufferKind::Fp8History,
+        })
+        .collect();
+    buffers.extend((0..4).map(|i| Buffer {
+        name: format!("a{i}"),
+        shape: vec![1],
+        dtype: DType::F32,
+        kind: BufferKind::Fp8History,
+    }));
+    buffers.push(Buffer {
+        name: "scratch".into(),
+        shape: vec![1, 5],
+        dtype: DType::F32,
+        kind: BufferKind::Param,
+    });
+    let roll = |h: u32, len: u64| {
+        let attrs = Fp8HistoryAttrs {
+            history: (len - 1) as u32,
+            rows: None,
+            cols: 0,
+        };
+        Instr::compute(Op::Fp8HistoryRoll(attrs), &[h], &[h, h + 4])
+    };
+    let instrs = vec![
+        roll(0, 5),
+        roll(1, 9),
+        roll(2, 5),
+        Instr::compute(Op::Copy, &[2], &[8]),
+        roll(3, 5),
+    ];
+    let program = Program::new("rolls", buffers.clone(), instrs);
+    let Some(mut gpu) = cuda_backend(Precision::Fp32) else {
+        return;
+    };
+    gpu.prepare(&program, &plan_program(&program).unwrap())
+        .unwrap();
+    for (i, b) in buffers.iter().enumerate() {
+        gpu.alloc(BufferId(i as u32), &b.shape, b.dtype).unwrap();
+    }
+    // What rolling one by one gives: history[k + 1] = history[k], history[0] = 0, the scale
+    // amax the rolled history's largest value.
+    let mut histories: Vec<Vec<f32>> = (lens.iter().enumerate())
+        .map(|(i, &len)| {
+            (0..len)
+                .map(|k| (i as f32 + 1.0) * (k as f32 * 0.37).sin().abs())
+                .collect()
+        })
+        .collect();
+    for (i, h) in histories.iter().enumerate() {
+        gpu.write_f32(BufferId(i as u32), h).unwrap();
+    }
+    for step in 0..2 {
+        for (i, instr) in program.instrs.iter().enumerate() {
+            let c = instr.as_compute().unwrap();
+            gpu.begin_instruction(i);
+            gpu.compute(c.op, c.inputs, c.outputs, &SCALARS).unwrap();
+        }
+        for (i, h) in histories.iter_mut().enumerate() {
+            h.rotate_right(1);
+            h[0] = 0.0;
+            let amax = h.iter().fold(0.0f32, |a, &v| a.max(v));
+            assert_eq!(
+                gpu.read_f32(BufferId(i as u32)).unwrap(),
+                *h,
+                "step {step}, history {i}"
+            );
+            assert_eq!(
+                gpu.read_f32(BufferId(4 + i as u32)).unwrap(),
+                [amax],
+                "step {step}, amax {i}"
+            );
+        }
+        // The run of three rolls in one launch each step; the fourth alone.
+        assert_eq!(gpu.fp8_rolls_in_runs(), 3 * (step + 1), "step {step}");
+    }
+}

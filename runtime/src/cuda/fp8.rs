@@ -17,7 +17,7 @@
 //! history the same way (no amax pass before quantizing); `Op::Fp8AmaxRecord` max-adds the
 //! operand's amax into the history's step slot (not zeroed first) inside the quantize pass
 //! of the GEMM after it (`fp8_record`), and `Op::Fp8HistoryRoll` rolls it at the step's end
-//! (`fp8_history_roll`) and queues a copy of the new scale amax to the host (`scale_amax`): a
+//! (`fp8_history_roll`; a run of consecutive rolls in one launch, `fp8_roll`) and queues a copy of the new scale amax to the host (`scale_amax`): a
 //! delayed GEMM either of whose scale amaxes is 0 (an empty history: the first step) runs as
 //! the plain GEMM instead (`delayed_cold`), as on the CPU, its records made apart
 //! (`fp8_amax_one`).
@@ -25,7 +25,9 @@
 //! The product is cuBLASLt's FP8 GEMM (`gemm::Blas::run_fp8`) in the one form Hopper runs,
 //! A transposed and B not, both read K-major: A is the op's second operand (W, W read along
 //! its rows, or x), B its first (x or dy), D the op's output (`y`ᵀ, `dx`ᵀ, `dW`ᵀ column-major),
-//! beta 1 where the op accumulates. Scale modes: tensorwise → `SCALAR_32F`, rowwise →
+//! beta 1 where the op accumulates; forward GEMMs accumulate in the tensor cores' own
+//! accumulator, gradients promote into fp32 every few K steps (`PARC_FP8_ACCUM_KERNEL`,
+//! `variants.rs`). Scale modes: tensorwise → `SCALAR_32F`, rowwise →
 //! `OUTER_VEC_32F`, blockwise(128) → `VEC128_32F` (activations and gradients, 1 × 128 tiles)
 //! and `BLK128x128_32F` (weights). Blockwise with another block, and any GEMM cuBLASLt finds
 //! no algorithm for, is `RuntimeError::Unsupported`, naming the GEMM and what is supported.
@@ -43,6 +45,7 @@ use super::epilogue::{
 };
 use super::gemm::{Epilogue, Fp8Operands, Gemm, Operands, Output, ScaleMode};
 use super::kernel::Kernel;
+use super::variants::Fp8AccumKernel;
 use super::{raw_ptr, Arg, Buf, CudaBackend};
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::sys::CUdeviceptr;
@@ -68,6 +71,14 @@ const QUANT_TILE: u64 = 64;
 /// The most lines (tiles along K) one quantize launch spans in its grid's y (it loops over
 /// the rest).
 const QUANT_GRID_Y: u64 = 65535;
+
+/// Whether FP8 GEMM `op` accumulates in the tensor cores' own accumulator under `accum`.
+fn fast_accum(accum: Fp8AccumKernel, op: &Op) -> bool {
+    match accum {
+        Fp8AccumKernel::Forward => matches!(op, Op::Matmul { .. }),
+        Fp8AccumKernel::Split => false,
+    }
+}
 
 /// An operand's cuBLASLt scale mode, the `fp8_scales` layout code and its block (1 where it
 /// has none), for the GEMM of op `name`.
@@ -184,6 +195,9 @@ pub(super) fn max_into_one(
 /// `Op::Fp8HistoryRoll` (delayed scaling, at the step's end): the history rolled one step and
 /// its largest value written to the scale amax (`fp8_history_roll`).
 pub(super) fn roll(be: &mut CudaBackend, b: &Bound) -> Result<()> {
+    if be.roll_in_run(be.records.current(), b)? {
+        return Ok(());
+    }
     let (history, amax) = (b.output(0)?, b.output(1)?);
     if history.len < 2 || amax.len != 1 {
         return Err(b.err(format!(
@@ -410,6 +424,7 @@ pub(super) fn run(
         b: s0.operand.format,
         a_scale: mode1,
         b_scale: mode0,
+        fast_accum: fast_accum(be.variants.fp8_accum, b.op),
     });
     let scales = [
         base + s1.scales_at as CUdeviceptr,

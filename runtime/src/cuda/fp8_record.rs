@@ -54,6 +54,11 @@ impl Records {
     pub(super) fn begin(&mut self, index: usize) {
         self.current = index;
     }
+
+    /// The instruction the executor runs now.
+    pub(super) fn current(&self) -> usize {
+        self.current
+    }
 }
 
 impl CudaBackend {

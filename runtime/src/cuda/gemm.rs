@@ -225,6 +225,9 @@ pub(crate) struct Fp8Operands {
     pub b: Fp8Format,
     pub a_scale: ScaleMode,
     pub b_scale: ScaleMode,
+    /// Accumulate in the tensor cores' own accumulator (`CUBLASLT_MATMUL_DESC_FAST_ACCUM`)
+    /// rather than promoting partial sums into fp32 every few K steps.
+    pub fast_accum: bool,
 }
 
 /// How cuBLASLt reads an FP8 operand's dequantization factors (`cublasLtMatmulMatrixScale_t`).
@@ -286,11 +289,12 @@ impl Operands {
             Operands::Bf16 => "bf16".into(),
             Operands::F16 => "fp16".into(),
             Operands::Fp8(f) => format!(
-                "FP8 ({} A with {} scales, {} B with {} scales)",
+                "FP8 ({} A with {} scales, {} B with {} scales, {} accumulation)",
                 f.a.name(),
                 f.a_scale.name(),
                 f.b.name(),
-                f.b_scale.name()
+                f.b_scale.name(),
+                if f.fast_accum { "fast" } else { "split" }
             ),
         }
     }
@@ -925,6 +929,18 @@ fn matmul_desc(
             f.b_scale.cublas() as i32,
             "B scale mode",
         )?;
+        // The one attribute of these that is an int8_t.
+        let fast = i8::from(f.fast_accum);
+        // SAFETY: desc is live; the attribute is one byte.
+        unsafe {
+            result::set_matmul_desc_attribute(
+                desc.0,
+                A::CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+                (&fast as *const i8).cast(),
+                size_of::<i8>(),
+            )
+        }
+        .map_err(|e| cublas_error(&what("fast accumulation"), e))?;
     }
     if let Some((epilogue, vector_type)) = epilogue_of(key.epilogue) {
         set(

@@ -171,6 +171,7 @@ kernels! {
     Fp8QuantizeCols "fp8_quantize_cols",
     Fp8Scales "fp8_scales",
     Fp8HistoryRoll "fp8_history_roll",
+    Fp8HistoryRolls "fp8_history_rolls",
 }
 
 impl std::fmt::Display for Kernel {

@@ -69,6 +69,7 @@ mod embedding;
 mod epilogue;
 mod fp8;
 mod fp8_record;
+mod fp8_roll;
 mod fused;
 mod gemm;
 mod gemm_operands;
@@ -209,6 +210,8 @@ pub struct CudaBackend {
     scale_amaxes: scale_amax::ScaleAmaxes,
     /// Delayed FP8 scaling's records held for the GEMMs that take them (`fp8_record`).
     records: fp8_record::Records,
+    /// Delayed FP8 scaling's runs of history rolls, each made in one launch (`fp8_roll`).
+    rolls: fp8_roll::Rolls,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     kernels: Kernels,
@@ -318,6 +321,7 @@ impl CudaBackend {
             staging: staging::Staging::default(),
             scale_amaxes: scale_amax::ScaleAmaxes::default(),
             records: fp8_record::Records::default(),
+            rolls: fp8_roll::Rolls::default(),
         })
     }
 
@@ -408,7 +412,7 @@ impl CudaBackend {
             .sum::<usize>()
             + self.gemm_operand_bytes();
         let positions: usize = self.positions.values().map(|(m, _)| m.len()).sum();
-        let tables = self.fused.bytes() + self.sum_squares.bytes();
+        let tables = self.fused.bytes() + self.sum_squares.bytes() + self.rolls.bytes();
         self.planned.bytes + (own + scratch + positions + tables + WORKSPACE_BYTES) as u64
     }
 
@@ -621,6 +625,7 @@ impl Backend for CudaBackend {
         }
         self.prepare_fused_optimizer(program)?;
         self.records.prepare(program);
+        self.prepare_rolls(program)?;
         self.prepare_fused_sum_squares(program)
     }
 

@@ -18,7 +18,7 @@ use super::device::driver_error;
 use super::Buf;
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::result as cu;
-use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::sys::{CUdeviceptr, CUevent_flags};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, PinnedHostSlice};
 use parc_compiler::ir::{BufferId, DType};
 use std::collections::HashMap;
@@ -53,6 +53,8 @@ struct Slots {
     index: HashMap<BufferId, usize>,
     /// Per buffer with a slot: its state, None once written since its last copy.
     state: HashMap<BufferId, State>,
+    /// Slots handed out so far (a run given new slots leaves its members' old ones unused).
+    used: usize,
     capacity: usize,
 }
 
@@ -69,14 +71,61 @@ impl Slots {
     }
 
     fn assign(&mut self, id: BufferId, state: State) -> (usize, Option<usize>) {
-        let next = self.index.len();
-        let slot = *self.index.entry(id).or_insert(next);
-        let grow = (slot >= self.capacity).then(|| (2 * self.capacity).max(MIN_SLOTS));
-        if let Some(capacity) = grow {
-            self.capacity = capacity;
-        }
+        let slot = match self.index.get(&id) {
+            Some(&slot) => slot,
+            None => {
+                self.index.insert(id, self.used);
+                self.used += 1;
+                self.used - 1
+            }
+        };
         self.state.insert(id, state);
-        (slot, grow)
+        (slot, self.room_for(slot + 1))
+    }
+
+    /// A run of rolls' one copy into consecutive slots is about to be queued: the first of
+    /// them (`ids`' own where they already lie in this order, else new ones), and the capacity
+    /// to grow the memory to first where it has no room.
+    fn copying_run(&mut self, ids: &[BufferId]) -> (usize, Option<usize>) {
+        let first = ids.first().and_then(|id| self.index.get(id)).copied();
+        let in_order = first.is_some_and(|first| {
+            (ids.iter().enumerate()).all(|(k, id)| self.index.get(id) == Some(&(first + k)))
+        });
+        let first = match (in_order, first) {
+            (true, Some(first)) => first,
+            _ => {
+                let first = self.used;
+                self.used += ids.len();
+                for (k, &id) in ids.iter().enumerate() {
+                    self.index.insert(id, first + k);
+                }
+                first
+            }
+        };
+        for &id in ids {
+            self.state.insert(id, State::Copying);
+        }
+        (first, self.room_for(first + ids.len()))
+    }
+
+    /// `id`'s value is in the copy of its run (queued before, see [`ScaleAmaxes::copied_in_run`]).
+    fn copied_in_run(&mut self, id: BufferId) {
+        if self.index.contains_key(&id) {
+            self.state.insert(id, State::Copying);
+        }
+    }
+
+    /// The capacity to grow to for `slots` slots, if the present one is short.
+    fn room_for(&mut self, slots: usize) -> Option<usize> {
+        if slots <= self.capacity {
+            return None;
+        }
+        let mut capacity = self.capacity.max(MIN_SLOTS);
+        while capacity < slots {
+            capacity *= 2;
+        }
+        self.capacity = capacity;
+        Some(capacity)
     }
 
     /// Buffer `id` is written by something other than a roll's copy. (Called for every output
@@ -152,6 +201,11 @@ impl ScaleAmaxes {
         // page-locked memory lives until the event recorded next has fired (Drop, grow).
         unsafe { cu::memcpy_dtoh_async(&mut host[slot..=slot], amax.ptr, stream.cu_stream()) }
             .map_err(|e| driver_error("queuing a scale amax's copy to the host", e))?;
+        self.record_copied(ctx, stream)
+    }
+
+    /// Records the copy event after the copies queued on `stream` so far.
+    fn record_copied(&mut self, ctx: &Arc<CudaContext>, stream: &CudaStream) -> Result<()> {
         let event = match self.copied.take() {
             Some(event) => event,
             None => ctx
@@ -160,6 +214,41 @@ impl ScaleAmaxes {
         };
         (self.copied.insert(event).record(stream))
             .map_err(|e| driver_error("recording the scale amaxes' copy event", e))
+    }
+
+    /// Queues one copy of a run of rolls' scale amaxes `ids` (just written by the run's roll on
+    /// `stream`, and into the f32 array at `staging` in this order) into consecutive slots.
+    pub fn copy_run_after_roll(
+        &mut self,
+        ctx: &Arc<CudaContext>,
+        stream: &CudaStream,
+        ids: &[BufferId],
+        staging: CUdeviceptr,
+    ) -> Result<()> {
+        let (first, grow) = self.slots.copying_run(ids);
+        if let Some(capacity) = grow {
+            self.grow(ctx, capacity)?;
+        }
+        let host = self.host_mut()?;
+        let held = host.len();
+        let slots = (host.get_mut(first..first + ids.len())).ok_or_else(|| RuntimeError::Op {
+            op: "delayed FP8 scaling".into(),
+            what: format!(
+                "no room for {} scale amax slots at slot {first} of {held}",
+                ids.len()
+            ),
+        })?;
+        // SAFETY: `staging` holds one f32 per id (the run's table); the page-locked memory
+        // lives until the event recorded next has fired (Drop, grow).
+        unsafe { cu::memcpy_dtoh_async(slots, staging, stream.cu_stream()) }
+            .map_err(|e| driver_error("queuing a run of scale amaxes' copy to the host", e))?;
+        self.record_copied(ctx, stream)
+    }
+
+    /// Scale amax `id`, just marked written by its roll's instruction, is in the copy its run's
+    /// first instruction queued ([`Self::copy_run_after_roll`]).
+    pub fn copied_in_run(&mut self, id: BufferId) {
+        self.slots.copied_in_run(id);
     }
 
     /// The value of scale amax `amax`: from its slot (waiting for the copies in flight first
@@ -295,6 +384,29 @@ mod tests {
         // The next roll keeps the slot.
         assert_eq!(slots.copying(b), (1, None));
         assert_eq!(slots.need(b), Need::Wait(1));
+    }
+
+    #[test]
+    fn a_run_keeps_consecutive_slots_in_its_order() {
+        let ids = [BufferId(3), BufferId(1), BufferId(2)];
+        let mut slots = Slots::default();
+        // A value read before any roll (a cold GEMM's check) took a slot out of run order.
+        assert_eq!(slots.keeping(BufferId(1)), (0, Some(MIN_SLOTS)));
+        assert_eq!(slots.copying_run(&ids), (1, None));
+        assert_eq!(slots.need(BufferId(1)), Need::Wait(2));
+        slots.waited();
+        // The next step's run finds its slots in order and keeps them.
+        assert_eq!(slots.copying_run(&ids), (1, None));
+        assert_eq!(
+            ids.map(|id| slots.need(id)),
+            [Need::Wait(1), Need::Wait(2), Need::Wait(3)]
+        );
+        // A single roll after the run keeps its member's slot; a new buffer takes the next.
+        assert_eq!(slots.copying(BufferId(2)), (3, None));
+        assert_eq!(slots.copying(BufferId(9)), (4, None));
+        // A run longer than the memory doubles it as often as it needs.
+        let long: Vec<BufferId> = (100..100 + 3 * MIN_SLOTS as u32).map(BufferId).collect();
+        assert_eq!(slots.copying_run(&long), (5, Some(4 * MIN_SLOTS)));
     }
 
     #[test]

@@ -187,6 +187,13 @@ variants! {
     norm_bwd: NormBwdKernel "norm_bwd" "PARC_NORM_BWD_KERNEL" {
         Fused "fused", Warp "warp"
     }
+    /// How cuBLASLt accumulates FP8 GEMMs (`fp8_accum`, PARC_FP8_ACCUM_KERNEL): the forward
+    /// GEMMs in the tensor cores' own accumulator, the gradients' promoted into fp32 every few
+    /// K steps (`forward`, as Transformer Engine and torchao do: Llama 3.2 1B 1.01× `split` on
+    /// an H100), or every GEMM promoted (`split`). `CUBLASLT_MATMUL_DESC_FAST_ACCUM`.
+    fp8_accum: Fp8AccumKernel "fp8_accum" "PARC_FP8_ACCUM_KERNEL" {
+        Forward "forward", Split "split"
+    }
 }
 
 impl std::fmt::Display for KernelVariant {

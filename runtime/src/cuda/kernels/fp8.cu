@@ -348,3 +348,24 @@ extern "C" __global__ void fp8_history_roll(float* history, long long len, float
     history[0] = 0.0f;
     amax[0] = m;
 }
+
+// A run of consecutive Op::Fp8HistoryRoll instructions in one launch (cuda/fp8_roll.rs): entry i
+// of `table` is {history, amax, len} (three 8-byte words) and thread i rolls it exactly as
+// fp8_history_roll does, also writing the new scale amax to staging[i] for the run's one copy to
+// the host.
+extern "C" __global__ void fp8_history_rolls(const unsigned long long* table, long long count,
+                                             float* staging) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    float* history = (float*)table[3 * i];
+    float* amax = (float*)table[3 * i + 1];
+    long long len = (long long)table[3 * i + 2];
+    float m = 0.0f;
+    for (long long k = len - 1; k > 0; --k) {
+        history[k] = history[k - 1];
+        m = fmaxf(m, history[k]);
+    }
+    history[0] = 0.0f;
+    amax[0] = m;
+    staging[i] = m;
+}
