@@ -19,6 +19,9 @@
 //! sees when the members run in turn. A run has at least two members; an update that cannot
 //! join the run (other hyper-parameters, a conflict) ends it and may start the next.
 //!
+//! Delayed FP8 scaling's history rolls form runs too ([`find_roll_runs`]): adjacent
+//! well-formed `Fp8HistoryRoll` instructions on buffers of their own.
+//!
 //! Gradient clipping's `SumSquares` instructions (one per gradient tensor, adjacent in the
 //! program) form runs too ([`find_sum_squares_runs`]): adjacent well-formed instructions (an
 //! f32 input, a one-element f32 output that is not the input) whose input no earlier member
@@ -287,6 +290,84 @@ pub fn find_sum_squares_runs(program: &Program) -> Vec<SumSquaresRun> {
             continue;
         };
         if open.iter().any(|earlier| earlier.output == m.input) {
+            close(&mut open, &mut runs);
+        }
+        open.push(m);
+    }
+    close(&mut open, &mut runs);
+    runs
+}
+
+/// One history roll of a [`RollRun`]: its instruction, history and scale amax.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RollMember {
+    pub index: usize,
+    pub history: BufferId,
+    pub amax: BufferId,
+}
+
+/// Adjacent `Fp8HistoryRoll` instructions (at least two) with their buffers, in program order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RollRun {
+    pub members: Vec<RollMember>,
+}
+
+/// The member `instr` (at `index`) would be, if it is a well-formed `Fp8HistoryRoll`: an f32
+/// history of at least two values rolled in place, one f32 scale amax that is not it.
+fn roll_member(program: &Program, index: usize, instr: &Instr) -> Option<RollMember> {
+    let Compute {
+        op,
+        inputs,
+        outputs,
+        ..
+    } = instr.as_compute()?;
+    if !matches!(op, Op::Fp8HistoryRoll(_)) || inputs.len() != 1 || outputs.len() != 2 {
+        return None;
+    }
+    let (history, amax) = (outputs[0], outputs[1]);
+    let f32_numel = |id: BufferId| {
+        program
+            .buffer(id)
+            .filter(|b| b.dtype == DType::F32)
+            .map(|b| b.numel())
+    };
+    let well_formed = inputs[0] == history
+        && history != amax
+        && f32_numel(history)? >= 2
+        && f32_numel(amax)? == 1;
+    well_formed.then_some(RollMember {
+        index,
+        history,
+        amax,
+    })
+}
+
+/// The maximal runs of adjacent `Fp8HistoryRoll` instructions of `program` (delayed FP8
+/// scaling's step end where no all-reduce sits between the rolls: one GPU, no dp) whose
+/// buffers no earlier member of the run touches, in program order. Each member reads and
+/// writes only its own history and scale amax, so a backend may make the whole run at its
+/// first member's position in one launch (`runtime/src/cuda/fp8_roll.rs`) with the same
+/// results; the timeline prices it so.
+pub fn find_roll_runs(program: &Program) -> Vec<RollRun> {
+    let mut runs = Vec::new();
+    let mut open: Vec<RollMember> = Vec::new();
+    let close = |open: &mut Vec<RollMember>, runs: &mut Vec<RollRun>| {
+        let members = std::mem::take(open);
+        if members.len() >= 2 {
+            runs.push(RollRun { members });
+        }
+    };
+    for (index, instr) in program.instrs.iter().enumerate() {
+        let Some(m) = roll_member(program, index, instr) else {
+            close(&mut open, &mut runs);
+            continue;
+        };
+        let touches = |e: &RollMember| {
+            [e.history, e.amax]
+                .iter()
+                .any(|b| [m.history, m.amax].contains(b))
+        };
+        if open.iter().any(touches) {
             close(&mut open, &mut runs);
         }
         open.push(m);
@@ -607,5 +688,46 @@ mod tests {
             sum_squares(13, 0),
         ]);
         assert_eq!(indices!(find_sum_squares_runs(&p)), vec![vec![4, 5]]);
+    }
+
+    #[test]
+    fn adjacent_rolls_on_their_own_buffers_form_runs() {
+        use crate::ir::fp8::Fp8HistoryAttrs;
+        let roll = |history: u32, amax: u32| {
+            let attrs = Fp8HistoryAttrs {
+                history: 4,
+                rows: None,
+                cols: 0,
+            };
+            Instr::compute(Op::Fp8HistoryRoll(attrs), &[history], &[history, amax])
+        };
+        let mut p = program(vec![
+            roll(1, 90),
+            roll(2, 91),
+            roll(3, 92),
+            // The scale amax of an earlier member: a new run starts.
+            roll(4, 90),
+            roll(5, 93),
+            Instr::Free {
+                buffer: BufferId(98),
+            },
+            // A ten-element scale amax; an i32 history; a lone roll.
+            roll(6, 7),
+            roll(99, 91),
+            roll(8, 92),
+            Instr::compute(Op::Zero, &[], &[98]),
+            roll(9, 91),
+            roll(10, 92),
+        ]);
+        for amax in 90..94 {
+            p.buffers[amax] = buffer(1, DType::F32);
+        }
+        let runs = find_roll_runs(&p);
+        assert_eq!(
+            indices!(runs),
+            vec![vec![0, 1, 2], vec![3, 4], vec![10, 11]]
+        );
+        let first = runs[0].members[0];
+        assert_eq!((first.history, first.amax), (BufferId(1), BufferId(90)));
     }
 }

@@ -1,6 +1,6 @@
 //! The runs of optimizer instructions a backend launches as one (`crate::ir::optimizer_runs`:
-//! the CUDA backend's multi-tensor AdamW/SGD and its one-pass sums of squares), as the timeline
-//! prices and places them.
+//! the CUDA backend's multi-tensor AdamW/SGD, its one-pass sums of squares and delayed FP8
+//! scaling's history rolls), as the timeline prices and places them.
 //!
 //! Where the cost model's backend fuses them ([`StepCosts::fuses_optimizer_runs`]) a run is one
 //! op, priced by [`StepCosts::fused_run`] (one launch of its members' summed bytes) and run
@@ -11,7 +11,7 @@
 //! program, done once per program a simulation runs.
 use super::costs::StepCosts;
 use crate::ir::op::Op;
-use crate::ir::optimizer_runs::{find_runs, find_sum_squares_runs};
+use crate::ir::optimizer_runs::{find_roll_runs, find_runs, find_sum_squares_runs};
 use crate::ir::{Instr, Program};
 
 /// One run the backend launches as one op.
@@ -63,6 +63,13 @@ impl FusedRuns {
                 FusedRun { members, seconds }
             })
             .collect();
+        // A run of history rolls is one launch of a thread a history: its first member's price.
+        runs.extend(find_roll_runs(program).into_iter().map(|run| {
+            let members: Vec<usize> = run.members.iter().map(|m| m.index).collect();
+            let first = members.first().and_then(|&i| program.instrs.get(i));
+            let seconds = first.map_or(0.0, |f| costs.compute(program, f));
+            FusedRun { members, seconds }
+        }));
         runs.sort_by_key(|r| r.members.first().copied());
         let mut members: Vec<(usize, usize)> = (runs.iter().enumerate())
             .flat_map(|(r, run)| run.members.iter().map(move |&i| (i, r)))
@@ -89,7 +96,10 @@ impl FusedRuns {
 
 /// Whether `op` can be a run's member (the ops `crate::ir::optimizer_runs` fuses).
 fn fusable(op: &Op) -> bool {
-    matches!(op, Op::AdamW { .. } | Op::Sgd { .. } | Op::SumSquares)
+    matches!(
+        op,
+        Op::AdamW { .. } | Op::Sgd { .. } | Op::SumSquares | Op::Fp8HistoryRoll(_)
+    )
 }
 
 /// Each instruction's compute seconds as the timeline charges them (0 for other instructions):

@@ -4,8 +4,9 @@
 //! amax's copy to the host (`scale_amax`), some 3 ms of launches a step and as much again of
 //! host time the GPU waits through.
 //!
-//! `prepare` finds each run of consecutive roll instructions whose histories and scale amaxes
-//! the memory plan places (fixed addresses) and uploads a table of them. The run's first
+//! `prepare` takes each run of consecutive rolls (`parc_compiler::ir::optimizer_runs::
+//! find_roll_runs`) whose histories and scale amaxes the memory plan places (fixed addresses)
+//! and uploads a table of them. The run's first
 //! instruction then rolls every member (`fp8_history_rolls`: a thread a history, the same
 //! arithmetic as `fp8_history_roll`), writes their new scale amaxes into a staging array in the
 //! run's order, and queues one copy of that array to the host; the other members find their
@@ -19,24 +20,16 @@ use crate::error::{Result, RuntimeError};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::CudaSlice;
-use parc_compiler::ir::op::Op;
+use parc_compiler::ir::optimizer_runs::{find_roll_runs, RollMember, RollRun};
 use parc_compiler::ir::{BufferId, Program};
 use std::collections::HashMap;
 
 /// Threads of an `fp8_history_rolls` block (a history each).
 const ROLL_THREADS: u32 = 128;
 
-/// One roll of a run: its instruction, history and scale amax.
-#[derive(Clone, Copy, Debug, PartialEq)]
-struct Member {
-    index: usize,
-    history: BufferId,
-    amax: BufferId,
-}
-
 /// A run of consecutive rolls and its device table.
 struct Run {
-    members: Vec<Member>,
+    members: Vec<RollMember>,
     /// Per member `{history, amax, len}` (three 8-byte words), then the staging array of one
     /// f32 per member.
     table: CudaSlice<u8>,
@@ -50,7 +43,7 @@ pub(super) struct Rolls {
     /// The run whose first instruction is at this index.
     by_first: HashMap<usize, usize>,
     /// The instructions a run launched this pass has rolled already, with their buffers.
-    done: HashMap<usize, Member>,
+    done: HashMap<usize, RollMember>,
     /// Rolls made by run launches so far ([`CudaBackend::fp8_rolls_in_runs`]).
     rolled: u64,
 }
@@ -62,35 +55,12 @@ impl Rolls {
     }
 }
 
-/// The runs of at least two consecutive `Fp8HistoryRoll` instructions of `program`.
-fn find_runs(program: &Program) -> Vec<Vec<Member>> {
-    let mut runs: Vec<Vec<Member>> = Vec::new();
-    let mut current: Vec<Member> = Vec::new();
-    for (index, instr) in program.instrs.iter().enumerate() {
-        let member = instr.as_compute().and_then(|c| match c.op {
-            Op::Fp8HistoryRoll(_) => Some(Member {
-                index,
-                history: *c.outputs.first()?,
-                amax: *c.outputs.get(1)?,
-            }),
-            _ => None,
-        });
-        match member {
-            Some(m) => current.push(m),
-            None => runs.push(std::mem::take(&mut current)),
-        }
-    }
-    runs.push(current);
-    runs.retain(|r| r.len() > 1);
-    runs
-}
-
 impl CudaBackend {
     /// Builds and uploads the table of every run of rolls of `program` whose buffers the memory
     /// plan places (called from `prepare`, after the planned regions exist).
     pub(super) fn prepare_rolls(&mut self, program: &Program) -> Result<()> {
         self.rolls = Rolls::default();
-        for members in find_runs(program) {
+        for RollRun { members } in find_roll_runs(program) {
             let pointer = |id: BufferId| self.planned.pointer(id.0 as usize);
             let mut words: Vec<u64> = Vec::with_capacity(3 * members.len());
             for m in &members {
@@ -196,42 +166,5 @@ fn roll_error(index: usize, what: &str) -> RuntimeError {
     RuntimeError::Op {
         op: format!("fp8_history_roll (instruction {index})"),
         what: what.to_string(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use parc_compiler::ir::fp8::Fp8HistoryAttrs;
-    use parc_compiler::ir::{Buffer, BufferKind, DType, Instr};
-
-    #[test]
-    fn runs_are_consecutive_rolls_of_two_or_more() {
-        // Buffers 0..4 histories, 4..8 their scale amaxes.
-        let buffers = (0..8)
-            .map(|b| Buffer {
-                name: format!("b{b}"),
-                shape: vec![if b < 4 { 5 } else { 1 }],
-                dtype: DType::F32,
-                kind: BufferKind::Fp8History,
-            })
-            .collect();
-        let roll = |h: u32| {
-            let attrs = Fp8HistoryAttrs {
-                history: 4,
-                rows: None,
-                cols: 0,
-            };
-            Instr::compute(Op::Fp8HistoryRoll(attrs), &[h], &[h, h + 4])
-        };
-        let copy = |from: u32, to: u32| Instr::compute(Op::Copy, &[from], &[to]);
-        let instrs = vec![roll(0), roll(1), copy(1, 2), roll(2), copy(2, 3), roll(3)];
-        let program = Program::new("test", buffers, instrs);
-        let runs = find_runs(&program);
-        assert_eq!(runs.len(), 1, "{runs:?}");
-        let ids: Vec<_> = (runs[0].iter())
-            .map(|m| (m.index, m.history.0, m.amax.0))
-            .collect();
-        assert_eq!(ids, vec![(0, 0, 4), (1, 1, 5)]);
     }
 }
