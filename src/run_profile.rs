@@ -220,7 +220,7 @@ fn achieved(tflops: Option<f64>, gbps: Option<f64>) -> String {
 }
 
 /// How many ops the human table lists (the JSON has all).
-const TOP_OPS: usize = 15;
+const TOP_OPS: usize = 20;
 
 /// The human table's per-op part: the slowest ops, each with its achieved rate and the
 /// timeline's price of it.
@@ -230,7 +230,7 @@ fn ops_table(p: &Profiled) -> String {
         return String::new();
     }
     let mut out = format!(
-        "  slowest ops ({} of {}):\n  {:<34} {:>6} {:>10} {:>16} {:>12} {:>9}\n",
+        "  slowest ops ({} of {}):\n  {:<46} {:>6} {:>10} {:>16} {:>12} {:>9}\n",
         ops.len().min(TOP_OPS),
         ops.len(),
         "op",
@@ -251,9 +251,9 @@ fn ops_table(p: &Profiled) -> String {
             Some(s) if s > 0.0 => (format!("{:.3}", s * 1e3), format!("{:.2}", o.seconds / s)),
             _ => ("-".to_string(), "-".to_string()),
         };
-        let label: String = o.label.chars().take(34).collect();
+        let label: String = o.label.chars().take(46).collect();
         out.push_str(&format!(
-            "  {:<34} {:>6} {:>10.3} {:>16} {:>12} {:>9}\n",
+            "  {:<46} {:>6} {:>10.3} {:>16} {:>12} {:>9}\n",
             label,
             o.count,
             o.seconds * 1e3,
