@@ -276,20 +276,34 @@ fn sum_squares_member(program: &Program, index: usize, instr: &Instr) -> Option<
 /// The maximal runs of adjacent `SumSquares` instructions of `program` whose inputs no earlier
 /// member of the run writes, in program order (see the module docs).
 pub fn find_sum_squares_runs(program: &Program) -> Vec<SumSquaresRun> {
+    let conflicts = |earlier: &SumSquaresMember, m: &SumSquaresMember| earlier.output == m.input;
+    adjacent_runs(program, sum_squares_member, conflicts)
+        .into_iter()
+        .map(|members| SumSquaresRun { members })
+        .collect()
+}
+
+/// The maximal runs (at least two members) of adjacent instructions of `program` that are
+/// members (`member`), a run ending before a member that `conflicts` with an earlier one of it.
+fn adjacent_runs<M>(
+    program: &Program,
+    member: impl Fn(&Program, usize, &Instr) -> Option<M>,
+    conflicts: impl Fn(&M, &M) -> bool,
+) -> Vec<Vec<M>> {
     let mut runs = Vec::new();
-    let mut open: Vec<SumSquaresMember> = Vec::new();
-    let close = |open: &mut Vec<SumSquaresMember>, runs: &mut Vec<SumSquaresRun>| {
+    let mut open: Vec<M> = Vec::new();
+    let close = |open: &mut Vec<M>, runs: &mut Vec<Vec<M>>| {
         let members = std::mem::take(open);
         if members.len() >= 2 {
-            runs.push(SumSquaresRun { members });
+            runs.push(members);
         }
     };
     for (index, instr) in program.instrs.iter().enumerate() {
-        let Some(m) = sum_squares_member(program, index, instr) else {
+        let Some(m) = member(program, index, instr) else {
             close(&mut open, &mut runs);
             continue;
         };
-        if open.iter().any(|earlier| earlier.output == m.input) {
+        if open.iter().any(|earlier| conflicts(earlier, &m)) {
             close(&mut open, &mut runs);
         }
         open.push(m);
@@ -349,31 +363,15 @@ fn roll_member(program: &Program, index: usize, instr: &Instr) -> Option<RollMem
 /// first member's position in one launch (`runtime/src/cuda/fp8_roll.rs`) with the same
 /// results; the timeline prices it so.
 pub fn find_roll_runs(program: &Program) -> Vec<RollRun> {
-    let mut runs = Vec::new();
-    let mut open: Vec<RollMember> = Vec::new();
-    let close = |open: &mut Vec<RollMember>, runs: &mut Vec<RollRun>| {
-        let members = std::mem::take(open);
-        if members.len() >= 2 {
-            runs.push(RollRun { members });
-        }
+    let conflicts = |e: &RollMember, m: &RollMember| {
+        [e.history, e.amax]
+            .iter()
+            .any(|b| [m.history, m.amax].contains(b))
     };
-    for (index, instr) in program.instrs.iter().enumerate() {
-        let Some(m) = roll_member(program, index, instr) else {
-            close(&mut open, &mut runs);
-            continue;
-        };
-        let touches = |e: &RollMember| {
-            [e.history, e.amax]
-                .iter()
-                .any(|b| [m.history, m.amax].contains(b))
-        };
-        if open.iter().any(touches) {
-            close(&mut open, &mut runs);
-        }
-        open.push(m);
-    }
-    close(&mut open, &mut runs);
-    runs
+    adjacent_runs(program, roll_member, conflicts)
+        .into_iter()
+        .map(|members| RollRun { members })
+        .collect()
 }
 
 #[cfg(test)]

@@ -338,15 +338,19 @@ extern "C" __global__ void fp8_scales(const unsigned int* amax, float maxv, int 
 // = history[k] for k < len - 1, the oldest dropped, history[0] = 0) and writes the rolled
 // history's largest value to amax[0], the scale amax the next step's GEMMs read. One thread:
 // a history holds at most 1025 values (MAX_HISTORY + 1) and rolls once a step.
-extern "C" __global__ void fp8_history_roll(float* history, long long len, float* amax) {
-    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+__device__ float fp8_roll(float* history, long long len) {
     float m = 0.0f;
     for (long long k = len - 1; k > 0; --k) {
         history[k] = history[k - 1];
         m = fmaxf(m, history[k]);
     }
     history[0] = 0.0f;
-    amax[0] = m;
+    return m;
+}
+
+extern "C" __global__ void fp8_history_roll(float* history, long long len, float* amax) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    amax[0] = fp8_roll(history, len);
 }
 
 // A run of consecutive Op::Fp8HistoryRoll instructions in one launch (cuda/fp8_roll.rs): entry i
@@ -357,15 +361,8 @@ extern "C" __global__ void fp8_history_rolls(const unsigned long long* table, lo
                                              float* staging) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) return;
-    float* history = (float*)table[3 * i];
     float* amax = (float*)table[3 * i + 1];
-    long long len = (long long)table[3 * i + 2];
-    float m = 0.0f;
-    for (long long k = len - 1; k > 0; --k) {
-        history[k] = history[k - 1];
-        m = fmaxf(m, history[k]);
-    }
-    history[0] = 0.0f;
+    float m = fp8_roll((float*)table[3 * i], (long long)table[3 * i + 2]);
     amax[0] = m;
     staging[i] = m;
 }
