@@ -152,7 +152,7 @@ fn bad_profiles_are_clear_errors_naming_the_file() {
     let mut profile: Value = serde_json::from_str(&text).unwrap();
     profile["version"] = 99.into();
     let version = write("version.json", &profile.to_string());
-    refused(&version, &[], &["version 99", "version 1"]);
+    refused(&version, &[], &["version 99", "version 2"]);
     let mut profile: Value = serde_json::from_str(&text).unwrap();
     profile["gemm"][0]["seconds"] = (-1.0).into();
     refused(

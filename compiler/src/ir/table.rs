@@ -362,8 +362,9 @@ impl Signature {
     }
 
     /// Bytes an op of `rows` rows (its n) touches given each operand's bytes (`input(i)`,
-    /// `output(i)`): every input read, every output written, and an accumulated output read as
-    /// well; a gathered operand only at `rows` of its rows.
+    /// `output(i)`): every input read, every output written, and an accumulated or updated
+    /// output read as well (AdamW's param, m and v: 28 bytes a parameter with its gradient); a
+    /// gathered operand only at `rows` of its rows.
     pub fn bytes_touched(
         &self,
         rows: u64,
@@ -382,10 +383,9 @@ impl Signature {
             .sum();
         let written: f64 = (self.outputs.iter().enumerate())
             .map(|(i, o)| {
-                let accumulated = if o.write == Write::Accumulate {
-                    2.0
-                } else {
-                    1.0
+                let accumulated = match o.write {
+                    Write::Accumulate | Write::Update => 2.0,
+                    _ => 1.0,
                 };
                 output(i) * share(o) * accumulated
             })

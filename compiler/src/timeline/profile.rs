@@ -25,8 +25,15 @@ use crate::spec::{Precision, Spec};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-/// The format's version; a profile of another version is refused.
-pub const VERSION: u32 = 1;
+/// The format's version; a profile of another version is refused, but for version 1, read as
+/// [`Profile::upgrade_v1`] says.
+pub const VERSION: u32 = 2;
+
+/// Version 1 counted an optimizer update's param and state (AdamW's param, m and v) as written
+/// only; version 2 counts them read and written (`Signature::bytes_touched`). An `adam_w` or
+/// `adam_w_multi` point's bytes, 16 a parameter in version 1 (gradient, param, m, v), are 28 in
+/// version 2; the one-element coefficient's bytes, off by 1.75× this way, are negligible.
+const V1_ADAM_W_BYTES: f64 = 28.0 / 16.0;
 
 /// One device's measurements. See the module docs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -330,8 +337,8 @@ impl fmt::Display for ProfileError {
             ),
             ProfileError::Version { found } => write!(
                 f,
-                "is format version {}, this parc reads version {VERSION}; measure it again with \
-                 this parc's `parc calibrate`",
+                "is format version {}, this parc reads version {VERSION} (and version 1 without \
+                 SGD points); measure it again with this parc's `parc calibrate`",
                 found.map_or("(none)".to_string(), |v| v.to_string())
             ),
             ProfileError::Invalid(what) => write!(
@@ -376,12 +383,33 @@ impl Profile {
     pub fn parse(text: &str) -> Result<Profile, ProfileError> {
         let value: serde_json::Value = serde_json::from_str(text).map_err(json_error)?;
         let found = value.get("version").and_then(serde_json::Value::as_u64);
-        if found != Some(u64::from(VERSION)) {
+        if found != Some(u64::from(VERSION)) && found != Some(1) {
             return Err(ProfileError::Version { found });
         }
-        let profile: Profile = serde_json::from_value(value).map_err(json_error)?;
+        let mut profile: Profile = serde_json::from_value(value).map_err(json_error)?;
+        if profile.version == 1 {
+            profile.upgrade_v1()?;
+        }
         profile.validate()?;
         Ok(profile)
+    }
+
+    /// A version-1 profile's memory points in version 2's byte counts (see [`VERSION`]): AdamW's
+    /// scaled; an SGD point (which no version-1 `parc calibrate` measured) refused, its
+    /// momentum unknown.
+    fn upgrade_v1(&mut self) -> Result<(), ProfileError> {
+        let adam_w = crate::ir::table::Opcode::AdamW;
+        let sgd = crate::ir::table::Opcode::Sgd;
+        for p in &mut self.memory {
+            let op = p.op.as_deref().unwrap_or("");
+            if op == adam_w.name() || op == multi_op_name(adam_w) {
+                p.bytes *= V1_ADAM_W_BYTES;
+            } else if op == sgd.name() || op == multi_op_name(sgd) {
+                return Err(ProfileError::Version { found: Some(1) });
+            }
+        }
+        self.version = VERSION;
+        Ok(())
     }
 
     /// Every time positive and finite, every size positive.

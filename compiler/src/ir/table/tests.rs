@@ -199,6 +199,15 @@ fn every_family_has_an_op_and_bytes_count_accumulation_twice() {
     }
     let s = Op::SumSquares.signature();
     assert_eq!(s.bytes_touched(25, |_| 100.0, |_| 4.0), 108.0);
+    // AdamW reads g and coef, and reads and writes param, m and v.
+    let adam = Op::AdamW {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    let s = adam.signature();
+    assert_eq!(s.bytes_touched(0, |i| [400.0, 4.0][i], |_| 400.0), 2804.0);
     // An embedding's table and its gradient are touched at the looked-up rows only: 8 of
     // 1000 (ids 4 bytes a row, 64 floats of 4 bytes a row).
     let lookup = EmbeddingAttrs {

@@ -116,7 +116,7 @@ fn bad_profiles_say_why() {
         Profile::parse("{\"gemm\": 3"),
         Err(ProfileError::Json { .. })
     ));
-    let other = text.replace("\"version\":1", "\"version\":7");
+    let other = text.replace(&format!("\"version\":{VERSION}"), "\"version\":7");
     assert_eq!(
         Profile::parse(&other),
         Err(ProfileError::Version { found: Some(7) })
@@ -140,4 +140,33 @@ fn bad_profiles_say_why() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("a time that is not a number"), "{err}");
+}
+
+#[test]
+fn a_version_1_profile_reads_with_adam_w_counted_read_and_written() {
+    let point = |op: &str, bytes: f64| MemoryPoint {
+        kind: MemoryKind::Optimizer,
+        bytes,
+        op: Some(op.into()),
+        cols: None,
+        seconds: 1e-5,
+    };
+    let mut v1 = sample();
+    v1.version = 1;
+    v1.memory.push(point("adam_w", 16.0 * 2048.0));
+    v1.memory.push(point("adam_w_multi", 16.0 * 4096.0));
+    let read = Profile::parse(&json(&v1));
+    let Ok(read) = read else {
+        panic!("{read:?}");
+    };
+    assert_eq!(read.version, VERSION);
+    let bytes: Vec<f64> = read.memory.iter().map(|p| p.bytes).collect();
+    // The elementwise point unchanged; AdamW's 16 bytes a parameter now 28.
+    assert_eq!(bytes, vec![4096.0, 28.0 * 2048.0, 28.0 * 4096.0]);
+    // A version-1 SGD point cannot be converted (its momentum is unknown).
+    v1.memory.push(point("sgd", 8.0 * 2048.0));
+    assert_eq!(
+        Profile::parse(&json(&v1)),
+        Err(ProfileError::Version { found: Some(1) })
+    );
 }
