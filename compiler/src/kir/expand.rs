@@ -397,8 +397,8 @@ impl B<'_> {
     /// `k` on one side (`k ≤ 0` or `k ≥ 0`) one power of two does, `2^(k ± 64)` from `t`'s bits
     /// (`exp2bits`): `er · 2^(k ± 64)` is exact, then `· 2^∓64` (a constant) rounds; otherwise
     /// `2^k` in two steps, `2^⌊k/2⌋ · 2^(k - ⌊k/2⌋)`, the first exact. Both give the same bits
-    /// (the correctly rounded `er · 2^k`); the one-sided form is a third of the work (sigmoid's,
-    /// tanh's and erf's exp).
+    /// (the correctly rounded `er · 2^k`); the one-sided form is a shift and two multiplies
+    /// (sigmoid's, tanh's and erf's exp), the other two clamped conversions besides.
     fn scale(&mut self, er: NodeId, k: NodeId, t: NodeId, range: Range) -> NodeId {
         let Some(offset) = scale_offset(range) else {
             let half_k = self.mulc(k, 0.5);
