@@ -8,9 +8,12 @@
 # (pip install --target DIR nvidia-cuda-cuobjdump; CUOBJDUMP=DIR/nvidia/cu13/bin/cuobjdump):
 #   CUDA_PIP=/opt/cuda-pip CUOBJDUMP=… bench/fused_kernel_stats.sh [sm_90a] [out-dir]
 # Output, per kernel: registers, spill stores/loads, SASS instructions in all and in its
-# largest loop (the flat kernels' 8-element vector loop; a row-sum kernel's row loop), and
-# of them the memory, shuffle, barrier and special-function (MUFU) ones. The sources, PTX
-# and SASS stay in out-dir when one is given.
+# largest loop that loads 16-byte vectors (the flat kernels' 8-element vector loop; a row-sum
+# kernel's row loop; else its largest loop), and of them the memory, shuffle, barrier and
+# special-function (MUFU) ones, and `nan`: the bf16 stores' NaN fix-ups, the instructions a
+# branch right after a vector's cvt.rn.bf16x2 packs (F2FP.BF16) jumps over when no value is
+# NaN (codegen's bf16_vector_store); `hot` is the loop without them, what a vector of numbers
+# runs. The sources, PTX and SASS stay in out-dir when one is given.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 sm=${1:-sm_90a}
@@ -54,11 +57,19 @@ for addr, text in code:
     if b and int(b.group(1), 16) <= addr:
         loops.append((int(b.group(1), 16), addr))
 body = lambda lo, hi: [t for a, t in code if lo <= a <= hi and not t.startswith("NOP")]
-lo, hi = max(loops, key=lambda l: l[1] - l[0]) if loops else (0, -1)
+vector = [l for l in loops if any(re.search(r"LDG\.E\.128", t) for t in body(*l))]
+lo, hi = max(vector or loops, key=lambda l: l[1] - l[0]) if loops else (0, -1)
 loop = body(lo, hi)
 kind = lambda pat: sum(1 for t in loop if re.search(pat, t))
+inside = [(a, t) for a, t in code if lo <= a <= hi]
+nan = 0
+for i, (a, t) in enumerate(inside):
+    b = re.match(r"@!?P\d\s+BRA\b.*?(0x[0-9a-f]+)", t)
+    before = [u for _, u in inside[max(0, i - 3):i]]
+    if b and int(b.group(1), 16) > a and any(u.startswith("F2FP.BF16") for u in before):
+        nan += len(body(a + 1, int(b.group(1), 16) - 1))
 name = stem.rsplit("/", 1)[1]
 print(f"{name:22} {regs:>4} regs  spill {spill[0]}/{spill[1]}  sass {len(body(0, 1 << 40)):5}  loop {len(loop):5}"
-      f"  (ld {kind(r'LDG|LDS')} st {kind(r'STG|STS')} shfl {kind('SHFL')} bar {kind('BAR')} mufu {kind('MUFU')})")
+      f"  hot {len(loop) - nan:5}  (ld {kind(r'LDG|LDS')} st {kind(r'STG|STS')} shfl {kind('SHFL')} bar {kind('BAR')} mufu {kind('MUFU')} nan {nan})")
 PY
 done

@@ -130,3 +130,128 @@ fn cases(r: &mut Rng, types: Types) -> Vec<Case> {
     cases.push(case);
     cases
 }
+
+/// f32 bit patterns whose bf16 rounding is a special case: zeros, subnormals (ties to even
+/// among them, the largest rounding up to the smallest normal), ties at normal values, values
+/// that round up to infinity or stay at bf16's largest finite value, infinities.
+const NUMBERS: [u32; 20] = [
+    0x0000_0000,
+    0x8000_0000,
+    0x0000_0001,
+    0x0000_8000,
+    0x0001_8000,
+    0x0000_8001,
+    0x007f_ffff,
+    0x8040_0000,
+    0x3f80_8000,
+    0x3f81_8000,
+    0x3f80_ffff,
+    0x3f7f_ffff,
+    0xbfc0_0000,
+    0x7f7f_ffff,
+    0x7f7f_7fff,
+    0x7f7f_8000,
+    0xff7f_ffff,
+    0x7f80_0000,
+    0xff80_0000,
+    0x4049_0fdb,
+];
+
+/// NaNs: quiet and signalling (the rounding sets the quiet bit), with payloads, negative, one
+/// whose top 16 bits alone would read as infinity.
+const NANS: [u32; 7] = [
+    0x7fc0_0000,
+    0x7fc1_2345,
+    0xffc0_0001,
+    0x7f80_0001,
+    0x7fa0_0000,
+    0xff81_2345,
+    0x7fff_ffff,
+];
+
+/// `n` values cycling through `NUMBERS`, with every third group of 8 (a bf16 vector) taking
+/// `NANS` in turn for some of its elements, so that vectors with and without a NaN both occur;
+/// `shift` rotates the cycle (a second input differs from the first).
+fn special_values(n: usize, shift: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let j = i + shift;
+            let bits = match (j / 8) % 3 == 2 && j.is_multiple_of(3) {
+                true => NANS[(j / 3) % NANS.len()],
+                false => NUMBERS[j % NUMBERS.len()],
+            };
+            f32::from_bits(bits)
+        })
+        .collect()
+}
+
+/// `y[+0] = x[+half]; y[+half] = x[+0]` over rows of `2 · half` columns: a row-and-column kernel
+/// whose vectors are `half` wide (4: `uint2` stores of bf16; 2: one word).
+fn swap_halves(half: u64) -> Kernel {
+    let mut g = parc_compiler::kir::Graph::new();
+    let (lo, hi) = (g.load(0, 0), g.load(0, half));
+    let store = |col_offset, value| parc_compiler::kir::Store {
+        output: 0,
+        col_offset,
+        value,
+    };
+    Kernel {
+        cols: half,
+        inputs: vec![Access::Elem { width: 2 * half }],
+        outputs: vec![Access::Elem { width: 2 * half }],
+        graph: g,
+        stores: vec![store(0, hi), store(half, lo)],
+    }
+}
+
+/// bf16 stores of special f32 values give the CPU's bits through every store a generated kernel
+/// has (vectors of 8, 4 and 2, a flat kernel's scalar tail): copies keep every bit, NaN
+/// payloads included (the vector stores' fast rounding must leave NaNs to the exact one);
+/// SwiGLU's outputs are the same bits where they are numbers and NaN together.
+#[test]
+fn fused_bf16_stores_of_special_values_are_bit_exact() {
+    let Some(mut gpu) = crate::harness::gpu() else {
+        return;
+    };
+    let kernels = [
+        ("copy/64", crate::fused_kernels::copy(64), true),
+        ("copy/37", crate::fused_kernels::copy(37), true),
+        ("swap/4", swap_halves(4), true),
+        ("swap/2", swap_halves(2), true),
+        ("swiglu/64", crate::fused_kernels::swiglu(64), false),
+    ];
+    for (name, k, exact_nans) in kernels {
+        let inputs: Vec<Data> = (k.inputs.iter().enumerate())
+            .map(|(i, a)| Data::F32(special_values(len(&k, a, ROWS), 5 * i)))
+            .collect();
+        let outputs: Vec<Vec<f32>> = (k.outputs.iter())
+            .map(|a| vec![0.0; len(&k, a, ROWS)])
+            .collect();
+        let op = Op::Fused(FusedAttrs {
+            name: name.into(),
+            rows: None,
+            kernel: Arc::new(k.clone()),
+        });
+        let ins = vec![DType::F32; k.inputs.len()];
+        let outs = vec![DType::Bf16; k.outputs.len()];
+        let case = Case::new(name, op, inputs, outputs, 0.0).with_dtypes(&ins, &outs, 0.0);
+        let want = case.run(&mut parc_runtime::cpu::CpuBackend::new());
+        let got = case.run(gpu.as_mut());
+        for i in 0..k.inputs.len() + k.outputs.len() {
+            gpu.free(parc_compiler::ir::BufferId(i as u32)).unwrap();
+        }
+        for (o, (w, g)) in want.iter().zip(&got).enumerate() {
+            let differs = |(a, b): (&f32, &f32)| {
+                a.to_bits() != b.to_bits() && (exact_nans || !(a.is_nan() && b.is_nan()))
+            };
+            if let Some((i, (a, b))) = g.iter().zip(w).enumerate().find(|(_, p)| differs(*p)) {
+                panic!(
+                    "{name}: output {o}[{i}]: cuda {:#010x}, cpu {:#010x}",
+                    a.to_bits(),
+                    b.to_bits()
+                );
+            }
+        }
+        println!("{name}: {} bf16 values bit-exact", want.concat().len());
+    }
+}

@@ -70,7 +70,8 @@ pub fn fma(cols: u64) -> Kernel {
     kernel(cols, vec![elem(cols); 3], vec![elem(cols); 2], g, &[y0, y1])
 }
 
-/// exp2i (integral, clamped and truncated arguments), exponent, mantissa.
+/// exp2i (integral, clamped and truncated arguments), exponent, mantissa, exp2bits (of an
+/// integer rounded by exp's constant, `1.5 · 2^23 + 127 + round(16 x)`, and of raw bits).
 pub fn bits(cols: u64) -> Kernel {
     let mut g = Graph::new();
     let x = g.load(0, 0);
@@ -84,8 +85,20 @@ pub fn bits(cols: u64) -> Kernel {
     let y0 = g.bin(Bin::Add, pm, e);
     let fifty = g.constant(50.5);
     let big = g.bin(Bin::Mul, x, fifty);
-    let y1 = g.un(Un::Exp2i, big);
-    kernel(cols, vec![elem(cols)], vec![elem(cols); 2], g, &[y0, y1])
+    let p_big = g.un(Un::Exp2i, big);
+    let sixteen = g.constant(16.0);
+    let magic = g.constant(12_582_912.0 + 127.0);
+    let t = g.fma(x, sixteen, magic);
+    let p_t = g.un(Un::Exp2Bits, t);
+    let y1 = g.bin(Bin::Add, p_big, p_t);
+    let y2 = g.un(Un::Exp2Bits, x);
+    kernel(
+        cols,
+        vec![elem(cols)],
+        vec![elem(cols); 3],
+        g,
+        &[y0, y1, y2],
+    )
 }
 
 /// Every comparison, as selects.

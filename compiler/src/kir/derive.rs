@@ -238,7 +238,7 @@ impl Reverse<'_> {
                 self.contribute(x, c);
                 return Ok(());
             }
-            Un::Floor | Un::Exp2i | Un::Exponent | Un::Mantissa => {
+            Un::Floor | Un::Exp2i | Un::Exp2Bits | Un::Exponent | Un::Mantissa => {
                 return Err(DeriveError {
                     op: op.name(),
                     node: n,

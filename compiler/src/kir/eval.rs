@@ -317,6 +317,7 @@ fn un(out: &mut [f32], op: Un, a: &[f32]) {
         Un::Sqrt => map1(out, a, f32::sqrt),
         Un::Floor => map1(out, a, floor),
         Un::Exp2i => map1(out, a, exp2i),
+        Un::Exp2Bits => map1(out, a, prim::exp2bits),
         _ => map1(out, a, |x| prim::un(op, x)),
     }
 }
@@ -466,6 +467,7 @@ fn un_f64(op: Un, x: f64) -> f64 {
         Un::Floor => x.floor(),
         Un::Exp2i if x.is_nan() => 1.0,
         Un::Exp2i => 2f64.powi(x.clamp(-126.0, 127.0) as i32),
+        Un::Exp2Bits => prim::exp2bits(x as f32) as f64,
         Un::Exponent => (libm::frexp(x).1 - 1) as f64,
         Un::Mantissa => libm::frexp(x).0 * 2.0,
         Un::Exp => x.exp(),

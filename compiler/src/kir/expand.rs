@@ -8,14 +8,14 @@
 //!
 //! Accuracy promised (f32 results against the exact value; `expand/tests.rs` measures it on
 //! sweeps of every 5th f32 of each range, `dense_sweeps`, and the maxima found are given):
-//! - `exp`: ≤ 2 ulp (measured 0.92); `exp(x) = +inf` above ~88.72, subnormal results rounded
+//! - `exp`: ≤ 2 ulp (measured 1.09); `exp(x) = +inf` above ~88.72, subnormal results rounded
 //!   once, 0 below ~-103.9; NaN → NaN, ±inf → +inf / 0.
 //! - `log`: ≤ 2 ulp (0.83), subnormal inputs included; `log(0) = -inf`, `log(x < 0) = NaN`,
 //!   `log(+inf) = +inf`, NaN → NaN.
-//! - `tanh`: ≤ 2 ulp (1.55), odd (`tanh(-0) = -0`), exactly ±1 from |x| ≈ 9.01 on.
+//! - `tanh`: ≤ 2 ulp (1.58), odd (`tanh(-0) = -0`), exactly ±1 from |x| ≈ 9.01 on.
 //! - `erf`: ≤ 3e-7 absolute (1.85e-7); relative error near 0 small enough that `erf(x)/x` is
 //!   right to 1e-6 (1.6e-7); odd; exactly ±1 for |x| ≥ 4.
-//! - `sigmoid`: ≤ 2 ulp (1.47), subnormal results for x < ~-87 included; no division.
+//! - `sigmoid`: ≤ 2 ulp (1.59), subnormal results for x < ~-87 included; no division.
 //! - `rsqrt(x) = 1 / sqrt(x)` (two correctly rounded ops: ≤ 2 ulp, measured 1.49).
 //! - `min`, `max`: exact; NaN if either operand is NaN (as `torch.minimum`); of two equal operands
 //!   (`-0` and `+0`) the first.
@@ -25,10 +25,12 @@
 //!   `y`), `pow(0, y) = 0` for `y > 0`, `+inf` for `y < 0`, NaN for `y = 0`; its relative error
 //!   grows with `|y · log(x)|`: about `2 |y · log x|` ulp on top of exp's.
 //!
-//! The coefficients are derived here, not copied: Taylor series (exp, tanh, erf near 0, the
-//! `atanh` series of log) computed from their defining recurrences in f64, and for erf above 1
-//! the published rational approximation of Abramowitz & Stegun, *Handbook of Mathematical
-//! Functions* (1964), formula 7.1.26 (absolute error ≤ 1.5e-7).
+//! The coefficients are derived here, not copied: Taylor series (tanh, erf near 0, the `atanh`
+//! series of log) computed from their defining recurrences in f64, Chebyshev polynomials for
+//! exp (interpolation at the Chebyshev nodes) and sigmoid's first reciprocal guess (the
+//! polynomial of least relative error), and for erf above 1 the published rational
+//! approximation of Abramowitz & Stegun, *Handbook of Mathematical Functions* (1964), formula
+//! 7.1.26 (absolute error ≤ 1.5e-7).
 use super::{Bin, Cmp, Graph, Kernel, Node, NodeId, Store, Un};
 
 /// `kernel` with every composite op rewritten into primitives and the nodes no store reads
@@ -116,9 +118,14 @@ pub fn un(g: &mut Graph, op: Un, a: NodeId) -> NodeId {
             let one = b.c(1.0);
             b.div(one, s)
         }
-        Un::Neg | Un::Abs | Un::Sqrt | Un::Floor | Un::Exp2i | Un::Exponent | Un::Mantissa => {
-            b.un(op, a)
-        }
+        Un::Neg
+        | Un::Abs
+        | Un::Sqrt
+        | Un::Floor
+        | Un::Exp2i
+        | Un::Exp2Bits
+        | Un::Exponent
+        | Un::Mantissa => b.un(op, a),
     }
 }
 
@@ -143,11 +150,20 @@ fn ln2_lo() -> f32 {
 /// exp's input clamp: above, the result overflows to +inf; below, it rounds to 0.
 const EXP_MAX_ARG: f32 = 89.0;
 const EXP_MIN_ARG: f32 = -105.0;
+/// `1.5 · 2^23`: floats in [2^23, 2^24) are the integers, so `y + ROUND_MAGIC` rounded holds
+/// `round(y)` (ties to even) in its low bits for |y| < 2^22, and subtracting it again is exact.
+const ROUND_MAGIC: f32 = 12_582_912.0;
+/// The exponent bias of f32.
+const EXP_BIAS: f32 = 127.0;
 /// The exponent offset of exp's one-sided scaling (`B::scale`): `k + 64` for `k` in
 /// [-151, 0] (and `k - 64` for `k` in [0, 128]) is a normal number's exponent.
 const SCALE_OFFSET: f32 = 64.0;
-/// Newton steps of sigmoid's reciprocal (`B::reciprocal_1_2`).
-const RECIPROCAL_STEPS: usize = 3;
+/// The degree of exp's polynomial on [-ln2/2, ln2/2] (Chebyshev interpolation: error
+/// 2.8e-9, 0.05 ulp).
+const EXP_DEGREE: usize = 6;
+/// The degree of the first guess of sigmoid's reciprocal (`B::reciprocal_1_2`): relative
+/// error 1/99, 1.0e-4 after its one Newton step.
+const RECIPROCAL_GUESS_DEGREE: usize = 2;
 /// tanh's switch from its Taylor series to the exp form (tanh(0.55) ≈ 0.5).
 const TANH_SERIES_MAX: f32 = 0.55;
 /// Terms of tanh's series (to x^19: truncation < 0.1 ulp below 0.55) and of erf's (to x^19:
@@ -158,13 +174,63 @@ const ERF_TERMS: usize = 10;
 const ERF_SERIES_MAX: f32 = 1.0;
 const ERF_ONE_FROM: f32 = 4.0;
 
-/// `n` Taylor coefficients of exp at 0: `1/k!`.
-fn exp_coefficients(n: usize) -> Vec<f64> {
-    let mut c = vec![1.0f64];
+/// The monomial coefficients of the Chebyshev polynomials `T_0 … T_n` (`T_{k+1} = 2u T_k -
+/// T_{k-1}`), lowest power first.
+fn chebyshev_polynomials(n: usize) -> Vec<Vec<f64>> {
+    let mut t = vec![vec![1.0f64], vec![0.0, 1.0]];
     for k in 1..n {
-        c.push(c[k - 1] / k as f64);
+        let mut next = vec![0.0f64; k + 2];
+        for (i, &c) in t[k].iter().enumerate() {
+            next[i + 1] += 2.0 * c;
+        }
+        for (i, &c) in t[k - 1].iter().enumerate() {
+            next[i] -= c;
+        }
+        t.push(next);
     }
-    c
+    t.truncate(n + 1);
+    t
+}
+
+/// The coefficients (of `r^0 … r^degree`) of the polynomial that interpolates `e^r` at the
+/// `degree + 1` Chebyshev nodes of [-h, h]: within a factor of two of the best (minimax)
+/// polynomial's error, at most `2 (h/2)^(degree+1) / (degree+1)! · e^h`.
+fn exp_coefficients(degree: usize, h: f64) -> Vec<f64> {
+    let n = degree + 1;
+    let angle = |j: usize| std::f64::consts::PI * (j as f64 + 0.5) / n as f64;
+    let t = chebyshev_polynomials(degree);
+    let mut coeffs = vec![0.0f64; n];
+    for (k, tk) in t.iter().enumerate() {
+        // The Chebyshev series coefficient of T_k, from the values at the nodes.
+        let sum: f64 = (0..n)
+            .map(|j| (h * angle(j).cos()).exp() * (k as f64 * angle(j)).cos())
+            .sum();
+        let a = sum * if k == 0 { 1.0 } else { 2.0 } / n as f64;
+        for (i, &c) in tk.iter().enumerate() {
+            coeffs[i] += a * c / h.powi(i as i32);
+        }
+    }
+    coeffs
+}
+
+/// The coefficients (of `d^0 … d^degree`) of the first guess `p` of `1 / d` on [1, 2] whose
+/// relative error `1 - d p(d)` is smallest: that error is a degree + 1 polynomial equal to 1 at
+/// `d = 0`, so the best is the Chebyshev polynomial `T_{degree+1}(2d - 3) / T_{degree+1}(-3)`
+/// (error `1 / |T_{degree+1}(-3)|`: 1/17 for a line, 1/99 for a parabola), and `p(d) = (1 -
+/// T(2d - 3) / T(-3)) / d`.
+fn reciprocal_guess_coefficients(degree: usize) -> Vec<f64> {
+    let t = &chebyshev_polynomials(degree + 1)[degree + 1];
+    // T(2d - 3) in powers of d: expand each (2d - 3)^i by the binomial theorem.
+    let mut in_d = vec![0.0f64; degree + 2];
+    for (i, &c) in t.iter().enumerate() {
+        let mut binomial = 1.0f64;
+        for (j, term) in in_d.iter_mut().enumerate().take(i + 1) {
+            *term += c * binomial * 2f64.powi(j as i32) * (-3f64).powi((i - j) as i32);
+            binomial = binomial * (i - j) as f64 / (j + 1) as f64;
+        }
+    }
+    // 1 - T(2d - 3) / T(-3) has no constant term (T(-3) is in_d[0]): divide by d.
+    in_d[1..].iter().map(|&c| -c / in_d[0]).collect()
 }
 
 /// The Taylor coefficients `a_1, a_3, a_5, …` (`n` of them) of tanh at 0, from
@@ -214,6 +280,16 @@ enum Range {
     NonNegative,
     /// ≤ 0 or NaN: no clamp above.
     NonPositive,
+}
+
+/// The exponent offset of exp's one-sided scaling for arguments in `range` (`B::scale`); none
+/// for an argument of either sign.
+fn scale_offset(range: Range) -> Option<f32> {
+    match range {
+        Range::NonPositive => Some(SCALE_OFFSET),
+        Range::NonNegative => Some(-SCALE_OFFSET),
+        Range::Any => None,
+    }
 }
 
 /// The builders with short names, for writing the expansions as formulas.
@@ -285,10 +361,12 @@ impl B<'_> {
     }
 
     /// exp: `2^k · e^r` with `k = round(x / ln 2)`, `r = x - k ln 2` by two fmas (Cody–Waite:
-    /// ln 2 split, so `r` is within a rounding of exact), `e^r` by its Taylor series to degree 7
-    /// in Horner form, one fma a step (truncation < 0.1 ulp for |r| ≤ ln2/2), and `2^k` applied
-    /// so 2^128 and subnormal results work (`scale`). The clamps keep NaN (a NaN fails both
-    /// comparisons).
+    /// ln 2 split, so `r` is within a rounding of exact), `e^r` by a degree-6 polynomial in
+    /// Horner form, one fma a step (Chebyshev interpolation on |r| ≤ ln2/2: error < 0.05 ulp),
+    /// and `2^k` applied so 2^128 and subnormal results work (`scale`). `k` comes from one
+    /// fma, `t = x · log2 e + ROUND_MAGIC + bias` (rounded once to an integer), and one exact
+    /// subtraction; a one-sided scaling takes `2^(k ± 64)` from `t`'s low bits (`bias` is
+    /// that exponent's bias). The clamps keep NaN (a NaN fails both comparisons).
     fn exp(&mut self, x: NodeId, range: Range) -> NodeId {
         let mut x = x;
         if range != Range::NonPositive {
@@ -302,37 +380,36 @@ impl B<'_> {
             x = self.sel(under, min, x);
         }
 
-        let half = self.c(0.5);
-        let half_up = self.fmac(x, std::f32::consts::LOG2_E, half);
-        let k = self.un(Un::Floor, half_up);
+        let magic = ROUND_MAGIC + scale_offset(range).map_or(0.0, |o| EXP_BIAS + o);
+        let magic_c = self.c(magic);
+        let t = self.fmac(x, std::f32::consts::LOG2_E, magic_c);
+        let k = self.addc(t, -magic);
         let r_hi = self.fmac(k, -LN2_HI, x);
         let r = self.fmac(k, -ln2_lo(), r_hi);
-        let er = self.poly(r, &exp_coefficients(8));
-        self.scale(er, k, range)
+        let h = std::f64::consts::LN_2 / 2.0;
+        let er = self.poly(r, &exp_coefficients(EXP_DEGREE, h));
+        self.scale(er, k, t, range)
     }
 
     /// `er · 2^k` rounded once, for exp (`er` = `e^r` in about [0.7, 1.42], `k` integral in
-    /// [-151, 128] or NaN): an exact scaling into the normal range, then one that rounds. Where
-    /// the argument's range bounds `k` on one side (`k ≤ 0` or `k ≥ 0`) one `exp2i` does: `er ·
-    /// 2^(k ± 64)` is exact, then `· 2^∓64` (a constant) rounds; otherwise `2^k` in two steps,
-    /// `2^⌊k/2⌋ · 2^(k - ⌊k/2⌋)`, the first exact. Both give the same bits (the correctly rounded
-    /// `er · 2^k`); the one-sided form is half the work (sigmoid's, tanh's and erf's exp).
-    fn scale(&mut self, er: NodeId, k: NodeId, range: Range) -> NodeId {
-        let offset = match range {
-            Range::NonPositive => SCALE_OFFSET,
-            Range::NonNegative => -SCALE_OFFSET,
-            Range::Any => {
-                let half_k = self.mulc(k, 0.5);
-                let k1 = self.un(Un::Floor, half_k);
-                let k2 = self.sub(k, k1);
-                let s1 = self.un(Un::Exp2i, k1);
-                let s2 = self.un(Un::Exp2i, k2);
-                let y = self.mul(er, s1);
-                return self.mul(y, s2);
-            }
+    /// [-151, 128] or NaN, `t` the float holding `k + 127 + offset` in its low bits): an exact
+    /// scaling into the normal range, then one that rounds. Where the argument's range bounds
+    /// `k` on one side (`k ≤ 0` or `k ≥ 0`) one power of two does, `2^(k ± 64)` from `t`'s bits
+    /// (`exp2bits`): `er · 2^(k ± 64)` is exact, then `· 2^∓64` (a constant) rounds; otherwise
+    /// `2^k` in two steps, `2^⌊k/2⌋ · 2^(k - ⌊k/2⌋)`, the first exact. Both give the same bits
+    /// (the correctly rounded `er · 2^k`); the one-sided form is a shift and two multiplies
+    /// (sigmoid's, tanh's and erf's exp), the other two clamped conversions besides.
+    fn scale(&mut self, er: NodeId, k: NodeId, t: NodeId, range: Range) -> NodeId {
+        let Some(offset) = scale_offset(range) else {
+            let half_k = self.mulc(k, 0.5);
+            let k1 = self.un(Un::Floor, half_k);
+            let k2 = self.sub(k, k1);
+            let s1 = self.un(Un::Exp2i, k1);
+            let s2 = self.un(Un::Exp2i, k2);
+            let y = self.mul(er, s1);
+            return self.mul(y, s2);
         };
-        let shifted = self.addc(k, offset);
-        let s = self.un(Un::Exp2i, shifted);
+        let s = self.un(Un::Exp2Bits, t);
         let y = self.mul(er, s);
         self.mulc(y, (-offset).exp2())
     }
@@ -440,46 +517,43 @@ impl B<'_> {
 
     /// sigmoid: `n / D` with `e = exp(-|x|)`, `D = 1 + e`, `n = 1` for x ≥ 0 and `n = e` for
     /// x < 0 (so tiny results keep their precision instead of `1 / (1 + huge)`), without a
-    /// division: `d = 1 + e` rounded and its error `lo` (exact: Fast2Sum, as 1 ≥ e), `q = n ·
-    /// (1 / d)` with the reciprocal by Newton steps (`d` is in [1, 2]; `q` within about two
-    /// ulp), the residual `n - q d` (an fma) less `q · lo` (another) is `c ≈ n - q D`, and the
-    /// result is `q + c / D`, with `1 / D` taken as `q` (x ≥ 0) or `1 - q` (x < 0): the
-    /// correction is a few ulp of the result at most, so that approximation costs far less
-    /// than one. (A correctly rounded division is about ten instructions and a call on a GPU;
-    /// the reciprocal is seven fmas.)
+    /// division: `inv ≈ 1 / d` (`d = 1 + e` rounded, in [1, 2]; relative error ≤ 1.1e-4, and
+    /// `inv` in [1/2, 1]), `q = n · inv`, the residual `c = n - q D = (n - q) - q e` by one fma
+    /// (`n - q` is exact: `q` is in [n/2, n], Sterbenz; subnormals subtract exactly), and the
+    /// result `q + c · inv` (another): `c / D` is at most `1.1e-4 q`, so taking `inv` for `1 /
+    /// D` in it errs by about `1.2e-8 q`, 0.2 ulp. (A correctly rounded division is about ten
+    /// instructions and a call on a GPU; the reciprocal is five.)
     fn sigmoid(&mut self, x: NodeId) -> NodeId {
         let a = self.un(Un::Abs, x);
         let na = self.un(Un::Neg, a);
         let e = self.exp(na, Range::NonPositive);
         let d = self.addc(e, 1.0);
-        let e_rounded = self.addc(d, -1.0);
-        let lo = self.sub(e, e_rounded);
         let negative = self.cmpc(Cmp::Lt, x, 0.0);
         let one = self.c(1.0);
         let n = self.sel(negative, e, one);
         let inv = self.reciprocal_1_2(d);
         let q = self.mul(n, inv);
+        let n_minus_q = self.sub(n, q);
         let neg_q = self.un(Un::Neg, q);
-        let residual = self.fma(neg_q, d, n);
-        let c = self.fma(neg_q, lo, residual);
-        let one_minus_q = self.sub(one, q);
-        let inv_d = self.sel(negative, one_minus_q, q);
-        self.fma(c, inv_d, q)
+        let c = self.fma(neg_q, e, n_minus_q);
+        self.fma(c, inv, q)
     }
 
-    /// `1 / d` for `d` in [1, 2] (or NaN) to about an ulp, without a division: the linear
-    /// guess `24/17 - 8/17 d` (relative error ≤ 1/17) and three Newton steps `y + y (1 - d y)`
-    /// of two fmas each (the error squares: 1/17, 3.5e-3, 1.2e-5, then f32 rounding).
+    /// `1 / d` for `d` in [1, 2] (or NaN) to a relative error of 1.1e-4, at least 1/2, without
+    /// a division: the quadratic guess of least relative error (1/99,
+    /// [`reciprocal_guess_coefficients`]), one Newton step `y + y (1 - d y)` of two fmas (the
+    /// error squares), and a clamp to 1/2 (Newton's step comes from below: near `d = 2` it may
+    /// fall short of 1/2, which `1 / d` is not). NaN stays NaN.
     fn reciprocal_1_2(&mut self, d: NodeId) -> NodeId {
-        let first = self.c(24.0 / 17.0);
-        let mut y = self.fmac(d, -8.0 / 17.0, first);
+        let guess = reciprocal_guess_coefficients(RECIPROCAL_GUESS_DEGREE);
+        let y = self.poly(d, &guess);
         let neg_d = self.un(Un::Neg, d);
         let one = self.c(1.0);
-        for _ in 0..RECIPROCAL_STEPS {
-            let err = self.fma(neg_d, y, one);
-            y = self.fma(y, err, y);
-        }
-        y
+        let err = self.fma(neg_d, y, one);
+        let y = self.fma(y, err, y);
+        let below_half = self.cmpc(Cmp::Lt, y, 0.5);
+        let half = self.c(0.5);
+        self.sel(below_half, half, y)
     }
 
     /// min: `b` if `b < a`, else `a` if `a <= b`, else (a NaN) `a + b`, which is NaN.

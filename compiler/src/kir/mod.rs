@@ -98,6 +98,10 @@ ops! {
         Floor "floor" true,
         /// `2^k` for an integral `k` in [-126, 127] (built from the exponent bits).
         Exp2i "exp2i" true,
+        /// `x`'s low 9 bits moved into the sign and exponent field (`bits(x) << 23`): for
+        /// `x = 1.5 · 2^23 + b` with an integral `b` in [1, 254] (a float holding the integer
+        /// `b` in its low bits), the power of two `2^(b - 127)`.
+        Exp2Bits "exp2bits" true,
         /// The unbiased binary exponent of a normal, finite, non-zero `x`, as a float.
         Exponent "exponent" true,
         /// `x / 2^exponent(x)`, in [1, 2) for a positive normal `x`.
@@ -550,6 +554,7 @@ pub mod prim {
             Un::Sqrt => x.sqrt(),
             Un::Floor => x.floor(),
             Un::Exp2i => exp2i(x),
+            Un::Exp2Bits => exp2bits(x),
             Un::Exponent => exponent(x),
             Un::Mantissa => f32::from_bits((x.to_bits() & 0x807f_ffff) | 0x3f80_0000),
             _ => f32::NAN,
@@ -560,6 +565,11 @@ pub mod prim {
     pub fn exp2i(k: f32) -> f32 {
         let k = k.clamp(-126.0, 127.0) as i32;
         f32::from_bits(((k + 127) as u32) << 23)
+    }
+
+    /// The float whose sign and exponent field are `x`'s low 9 bits, its fraction 0.
+    pub fn exp2bits(x: f32) -> f32 {
+        f32::from_bits(x.to_bits() << 23)
     }
 
     /// The unbiased exponent field, as a float (-127 for zero and subnormals).

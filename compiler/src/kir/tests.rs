@@ -105,6 +105,27 @@ fn primitives_round_trip_the_exponent_bits() {
 }
 
 #[test]
+fn exp2bits_is_the_power_of_two_a_rounded_integer_holds_in_its_low_bits() {
+    // `1.5 · 2^23 + b` holds b in its low bits: 2^(b - 127) for every normal exponent.
+    let magic = 12_582_912.0f32;
+    for b in 1..=254 {
+        let t = magic + b as f32;
+        assert_eq!(prim::un(Un::Exp2Bits, t), 2f32.powi(b - 127), "b = {b}");
+        assert_eq!(prim::exp2bits(t), prim::exp2i(b as f32 - 127.0));
+    }
+    // Just its bits: the low 9 become sign and exponent, the fraction is cleared.
+    assert_eq!(
+        prim::exp2bits(f32::from_bits(0x1234_5680)).to_bits(),
+        0x4000_0000
+    );
+    assert_eq!(
+        prim::exp2bits(f32::from_bits(0x0000_01ff)).to_bits(),
+        0xff80_0000
+    );
+    assert_eq!(prim::exp2bits(0.0).to_bits(), 0);
+}
+
+#[test]
 fn a_rotation_whose_heads_do_not_tile_the_domain_is_refused() {
     let mut k = swiglu_kernel();
     let partner = k.graph.load_mapped(0, 0, ColMap::RotateHalf(6));

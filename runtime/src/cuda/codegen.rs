@@ -6,7 +6,9 @@
 //!   f32;
 //! - arithmetic exactly `kir::prim`: `__fadd_rn` and friends (never contracted), correctly
 //!   rounded division and square root, sign, exponent and mantissa by bit operations; bf16
-//!   widened exactly on load and rounded to nearest-even on store;
+//!   widened exactly on load and rounded to nearest-even on store (a vector by one
+//!   `cvt.rn.bf16x2.f32` a pair where none of its values is NaN, else by bit operations that
+//!   keep a NaN's payload);
 //! - correct for any grid (grid-stride loops). A kernel without row sums works for any block
 //!   size: it walks 16-byte vectors of elements where every pointer is 16-byte aligned (checked
 //!   in the kernel: one branch, the same in every thread) and elements one at a time otherwise.
@@ -62,6 +64,25 @@ __device__ __forceinline__ unsigned short parc_round(float x) {
 __device__ __forceinline__ unsigned int parc_pack(float a, float b) {
     return (unsigned int)parc_round(a) | ((unsigned int)parc_round(b) << 16);
 }
+// parc_pack by one cvt.rn.bf16x2.f32 (sm_80 on; a in the low half): the same bits for every
+// value but NaN, which the instruction gives bits of its own: a caller that finds a NaN among
+// the values passes the word through parc_fix_nan.
+__device__ __forceinline__ unsigned int parc_pack_rn(float a, float b) {
+#if __CUDA_ARCH__ >= 800
+    unsigned int w;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(b), "f"(a));
+    return w;
+#else
+    return parc_pack(a, b);
+#endif
+}
+// parc_pack_rn(a, b)'s word w with the half of each NaN value replaced by parc_round's quiet
+// NaN (the value's top 16 bits, quiet bit set): parc_pack(a, b).
+__device__ __forceinline__ unsigned int parc_fix_nan(unsigned int w, float a, float b) {
+    if (a != a) w = __byte_perm(__float_as_uint(a), w, 0x7632) | 0x40u;
+    if (b != b) w = __byte_perm(w, __float_as_uint(b), 0x7610) | 0x400000u;
+    return w;
+}
 __device__ __forceinline__ float parc_neg(float x) {
     return __uint_as_float(__float_as_uint(x) ^ 0x80000000u);
 }
@@ -73,6 +94,10 @@ __device__ __forceinline__ float parc_abs(float x) {
 __device__ __forceinline__ float parc_exp2i(float k) {
     const int i = max(min(__float2int_rz(k), 127), -126);
     return __uint_as_float((unsigned int)(i + 127) << 23);
+}
+// kir's exp2bits: the low 9 bits of x as sign and exponent.
+__device__ __forceinline__ float parc_exp2bits(float x) {
+    return __uint_as_float(__float_as_uint(x) << 23);
 }
 __device__ __forceinline__ float parc_exponent(float x) {
     return (float)((int)((__float_as_uint(x) >> 23) & 0xffu) - 127);
@@ -429,7 +454,8 @@ impl<'a> Emitter<'a> {
         }
     }
 
-    /// Stores `v` elements `vals` to output `output` from index `idx`.
+    /// Stores `v` elements `vals` to output `output` from index `idx` (bf16 vectors by
+    /// [`Emitter::bf16_vector_store`]).
     fn vector_store(&self, out: &mut String, output: u32, idx: &str, vals: &[String]) {
         let ptr = format!("out{output}");
         let operand = self.n_inputs() + output as usize;
@@ -444,20 +470,7 @@ impl<'a> Emitter<'a> {
             return;
         }
         if self.is_bf16(operand) {
-            let words: Vec<String> = vals
-                .chunks(2)
-                .map(|p| format!("parc_pack({}, {})", p[0], p[1]))
-                .collect();
-            let (ty, ctor) = match v {
-                8 => ("uint4", "make_uint4"),
-                4 => ("uint2", "make_uint2"),
-                _ => ("unsigned int", ""),
-            };
-            out.push_str(&format!(
-                "        *({ty}*)({ptr} + ({idx})) = {ctor}({});\n",
-                words.join(", ")
-            ));
-            return;
+            return self.bf16_vector_store(out, &ptr, idx, vals);
         }
         let (ty, ctor, lanes) = match v {
             2 => ("float2", "make_float2", 2),
@@ -472,6 +485,31 @@ impl<'a> Emitter<'a> {
         }
     }
 
+    /// Stores the bf16 vector `vals` (2, 4 or 8 elements) at `ptr + idx`: each pair rounded
+    /// and packed by one `cvt.rn.bf16x2.f32` (`parc_pack_rn`), and where a value is NaN (one
+    /// test of the vector, a branch not taken for numbers) its half made `parc_round`'s NaN.
+    fn bf16_vector_store(&self, out: &mut String, ptr: &str, idx: &str, vals: &[String]) {
+        let (ty, ctor, fields): (&str, &str, &[&str]) = match vals.len() {
+            8 => ("uint4", "make_uint4", &[".x", ".y", ".z", ".w"]),
+            4 => ("uint2", "make_uint2", &[".x", ".y"]),
+            _ => ("unsigned int", "", &[""]),
+        };
+        let pairs = || vals.chunks(2).zip(fields.iter());
+        let packed: Vec<String> = pairs()
+            .map(|(p, _)| format!("parc_pack_rn({}, {})", p[0], p[1]))
+            .collect();
+        let fixed: Vec<String> = pairs()
+            .map(|(p, f)| format!("parc_fix_nan(w{f}, {}, {})", p[0], p[1]))
+            .collect();
+        let numbers: Vec<String> = vals.iter().map(|x| format!("{x} == {x}")).collect();
+        out.push_str(&format!(
+            "        {{\n        {ty} w = {ctor}({});\n        if (__builtin_expect(!({}), 0)) w = {ctor}({});\n        *({ty}*)({ptr} + ({idx})) = w;\n        }}\n",
+            packed.join(", "),
+            numbers.join(" && "),
+            fixed.join(", ")
+        ));
+    }
+
     /// The C expression of an arithmetic node for vector element `k`.
     fn expr(&self, node: Node, k: u64) -> String {
         let v = |id: NodeId| self.var(id, k);
@@ -484,6 +522,7 @@ impl<'a> Emitter<'a> {
                     Un::Sqrt => "__fsqrt_rn",
                     Un::Floor => "floorf",
                     Un::Exp2i => "parc_exp2i",
+                    Un::Exp2Bits => "parc_exp2bits",
                     Un::Exponent => "parc_exponent",
                     Un::Mantissa => "parc_mantissa",
                     // `check` refused unexpanded kernels.

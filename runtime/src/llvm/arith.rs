@@ -1,11 +1,11 @@
 //! The primitive ops of `kir::prim` as LLVM instructions, each exactly its Rust definition:
 //! IEEE f32 instructions without fast-math flags (so the NVPTX backend emits `add.rn`-style
 //! rounding, `div.rn.f32`, `sqrt.rn.f32`, no contraction into `fma`, no flush to zero), the
-//! IR's own fused multiply-add as `llvm.fma.f32` (`fma.rn.f32`, rounded once, as `f32::mul_add`),
-//! the
-//! bit-level ops (`exp2i`, `exponent`, `mantissa`) as integer arithmetic on the bits, and bf16
-//! storage as integer ops (widen: shift left 16; round: nearest-even as `round_bf16` of
-//! runtime/src/cuda/kernels/common.cuh), so no PTX bf16 instruction is needed.
+//! IR's own fused multiply-add as `llvm.fma.f32` (`fma.rn.f32`, rounded once, as
+//! `f32::mul_add`), the bit-level ops (`exp2i`, `exp2bits`, `exponent`, `mantissa`) as integer
+//! arithmetic on the bits, and bf16 storage as integer ops (widen: shift left 16; round:
+//! nearest-even as `round_bf16` of runtime/src/cuda/kernels/common.cuh), so no PTX bf16
+//! instruction is needed.
 use super::{Ir, Llvm};
 use crate::error::{Result, RuntimeError};
 use inkwell::intrinsics::Intrinsic;
@@ -41,6 +41,10 @@ impl<'ctx> Ir<'_, 'ctx> {
             Un::Sqrt => self.float_intrinsic("llvm.sqrt", x),
             Un::Floor => self.float_intrinsic("llvm.floor", x),
             Un::Exp2i => self.exp2i(x),
+            Un::Exp2Bits => {
+                let bits = b.build_left_shift(self.bits(x)?, self.i32(23), "e").llvm()?;
+                self.float_of_bits(bits)
+            }
             Un::Exponent => {
                 let field = b.build_right_shift(self.bits(x)?, self.i32(23), false, "e").llvm()?;
                 let field = b.build_and(field, self.i32(0xff), "e").llvm()?;

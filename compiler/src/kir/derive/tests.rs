@@ -254,7 +254,13 @@ fn the_derivative_of_silu_shares_the_sigmoid() {
 
 #[test]
 fn non_differentiable_ops_on_a_path_to_a_variable_are_errors() {
-    for op in [Un::Floor, Un::Exp2i, Un::Exponent, Un::Mantissa] {
+    for op in [
+        Un::Floor,
+        Un::Exp2i,
+        Un::Exp2Bits,
+        Un::Exponent,
+        Un::Mantissa,
+    ] {
         let mut g = Graph::new();
         let x = g.param(0);
         let f = g.un(op, x);

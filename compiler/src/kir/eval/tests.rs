@@ -296,7 +296,7 @@ fn throughput_per_op() {
 }
 
 #[test]
-fn the_vectorizable_floor_and_exp2i_give_the_primitives_bits() {
+fn the_vectorizable_floor_exp2i_and_exp2bits_give_the_primitives_bits() {
     let mut xs: Vec<f32> = (0..=u32::MAX).step_by(65_537).map(f32::from_bits).collect();
     xs.extend([
         -0.0,
@@ -321,7 +321,17 @@ fn the_vectorizable_floor_and_exp2i_give_the_primitives_bits() {
         -300.0,
     ]);
     for x in xs {
-        for (op, got) in [(Un::Floor, floor(x)), (Un::Exp2i, exp2i(x))] {
+        let exp2bits = {
+            let mut out = [0.0f32];
+            un(&mut out, Un::Exp2Bits, &[x]);
+            out[0]
+        };
+        let ops = [
+            (Un::Floor, floor(x)),
+            (Un::Exp2i, exp2i(x)),
+            (Un::Exp2Bits, exp2bits),
+        ];
+        for (op, got) in ops {
             let want = prim::un(op, x);
             let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
             assert!(same, "{}({x}) = {got}, prim {want}", op.name());

@@ -140,3 +140,45 @@ fn bad_kernels_and_operand_types_are_refused() {
     let e = source(&bad, &dtypes(&bad, DType::F32)).unwrap_err();
     assert!(e.contains("output 1"), "{e}");
 }
+
+#[test]
+fn bf16_vectors_are_packed_by_cvt_with_nans_rounded_exactly() {
+    // A flat kernel's vector of 8: a cvt.rn.bf16x2 a pair; the NaN test of all 8 values guards
+    // the exact rounding of a NaN's half; the scalar tail rounds exactly.
+    let k = fixtures::copy(64);
+    let src = source(&k, &dtypes(&k, DType::Bf16)).unwrap();
+    assert!(
+        src.contains("asm(\"cvt.rn.bf16x2.f32 %0, %1, %2;\" : \"=r\"(w) : \"f\"(b), \"f\"(a));"),
+        "{src}"
+    );
+    assert!(
+        src.contains(
+            "uint4 w = make_uint4(parc_pack_rn(v0_0, v0_1), parc_pack_rn(v0_2, v0_3), \
+             parc_pack_rn(v0_4, v0_5), parc_pack_rn(v0_6, v0_7));"
+        ),
+        "{src}"
+    );
+    assert!(
+        src.contains(
+            "if (__builtin_expect(!(v0_0 == v0_0 && v0_1 == v0_1 && v0_2 == v0_2 && \
+             v0_3 == v0_3 && v0_4 == v0_4 && v0_5 == v0_5 && v0_6 == v0_6 && v0_7 == v0_7), 0)) \
+             w = make_uint4(parc_fix_nan(w.x, v0_0, v0_1), parc_fix_nan(w.y, v0_2, v0_3), \
+             parc_fix_nan(w.z, v0_4, v0_5), parc_fix_nan(w.w, v0_6, v0_7));"
+        ),
+        "{src}"
+    );
+    assert!(src.contains("out0[e] = parc_round(v0_0);"), "{src}");
+    // Row kernels' vectors of 4 and 2 columns: two words, one.
+    let k = fixtures::columns(44);
+    let src = source(&k, &dtypes(&k, DType::Bf16)).unwrap();
+    assert!(src.contains("uint2 w = make_uint2(parc_pack_rn("), "{src}");
+    assert!(src.contains("w = make_uint2(parc_fix_nan(w.x, "), "{src}");
+    let k = fixtures::columns(42);
+    let src = source(&k, &dtypes(&k, DType::Bf16)).unwrap();
+    assert!(src.contains("unsigned int w = (parc_pack_rn("), "{src}");
+    assert!(src.contains("w = (parc_fix_nan(w, "), "{src}");
+    // f32 outputs are stored as they are.
+    let k = fixtures::copy(64);
+    let src = source(&k, &dtypes(&k, DType::F32)).unwrap();
+    assert!(!src.contains("parc_pack_rn(v"), "{src}");
+}
