@@ -569,7 +569,14 @@ pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
         .collect();
     let step = ends.iter().copied().fold(0.0, f64::max);
     let mut ranks = Vec::with_capacity(n);
-    let mut events = Vec::new();
+    for state in &mut engine.ranks {
+        if let Some((_, e)) = state.open.take() {
+            state.events.push(e);
+        }
+    }
+    // Each rank's events move into one list of their exact total (not one grown by doubling
+    // beside them), each rank's freed as it is moved.
+    let mut events = Vec::with_capacity(engine.ranks.iter().map(|s| s.events.len()).sum());
     for (y, state) in engine.ranks.iter_mut().enumerate() {
         let rank = engine.slice.ranks[y];
         let program = plan.rank_program.get(rank as usize).copied();
@@ -577,12 +584,9 @@ pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
             .program_of(rank)
             .map(|p| p.role.clone())
             .unwrap_or_default();
-        if let Some((_, e)) = state.open.take() {
-            state.events.push(e);
-        }
         let mut evs = std::mem::take(&mut state.events);
         evs.sort_by(|a, b| a.start.total_cmp(&b.start));
-        events.extend(evs);
+        events.append(&mut evs);
         ranks.push(RankTimeline {
             rank,
             program: program.unwrap_or(crate::ir::ProgramId(0)),
