@@ -9,6 +9,7 @@ use crate::ir::{BufferId, CollectiveKind, GroupId, Instr, P2pOp, Phase, Plan, Pr
 use crate::spec::Spec;
 use crate::verify::slice::Slice;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Status {
@@ -49,7 +50,6 @@ struct RankState {
     p2p_end: f64,
     /// The compute event being extended: (node, phase) key and the event.
     open: Option<((Option<u32>, Phase), TraceEvent)>,
-    events: Vec<TraceEvent>,
 }
 
 impl RankState {
@@ -97,6 +97,13 @@ struct Engine<'a> {
     coarse: bool,
     /// Per program, the runs the backend fuses (empty for programs no simulated rank runs).
     fused: &'a [FusedRuns],
+    /// Every simulated rank's finished events, in the order each rank finished them.
+    events: Vec<TraceEvent>,
+    /// The name of the compute events of each (spec node, phase): one allocation per name
+    /// rather than per event (a 70B plan's step has ~300k events).
+    compute_names: HashMap<(Option<u32>, Phase), Arc<str>>,
+    /// The name of every point-to-point event.
+    p2p_name: Arc<str>,
 }
 
 /// Above this many simulated instructions, compute events are merged per layer.
@@ -125,8 +132,31 @@ impl<'a> Engine<'a> {
 
     fn close_event(&mut self, y: usize) {
         if let Some((_, e)) = self.ranks[y].open.take() {
-            self.ranks[y].events.push(e);
+            self.events.push(e);
         }
+    }
+
+    /// The name of a compute event starting at spec node `node` (`spec_node`) in `phase`, of
+    /// its layer's block when `layer` (merged per layer).
+    fn compute_name(
+        &mut self,
+        node: Option<u32>,
+        spec_node: Option<&crate::spec::Node>,
+        layer: bool,
+        phase: Phase,
+    ) -> Arc<str> {
+        let name = self.compute_names.entry((node, phase)).or_insert_with(|| {
+            match (spec_node, layer) {
+                (Some(n), true) => {
+                    let block = n.name.rsplit_once('.').map_or(n.name.as_str(), |(b, _)| b);
+                    format!("{block} {}", phase.name())
+                }
+                (Some(n), false) => format!("{} {}", n.name, phase.name()),
+                (None, _) => phase.name().to_string(),
+            }
+            .into()
+        });
+        Arc::clone(name)
     }
 
     fn compute_event(
@@ -154,14 +184,7 @@ impl<'a> Engine<'a> {
                 return;
             }
         }
-        let name = match (spec_node, layer) {
-            (Some(n), Some(_)) => {
-                let block = n.name.rsplit_once('.').map_or(n.name.as_str(), |(b, _)| b);
-                format!("{block} {}", phase.name())
-            }
-            (Some(n), None) => format!("{} {}", n.name, phase.name()),
-            (None, _) => phase.name().to_string(),
-        };
+        let name = self.compute_name(node, spec_node, layer.is_some(), phase);
         let event = TraceEvent {
             rank,
             row: Row::Compute,
@@ -172,7 +195,7 @@ impl<'a> Engine<'a> {
             last_instr: pc,
         };
         if let Some((_, done)) = self.ranks[y].open.replace((key, event)) {
-            self.ranks[y].events.push(done);
+            self.events.push(done);
         }
     }
 
@@ -332,6 +355,7 @@ impl<'a> Engine<'a> {
             }
         }
         let end = start + dur;
+        let label: Arc<str> = label.into();
         for &(m, _) in arrived {
             let Some(program) = self.program(m) else {
                 continue;
@@ -356,10 +380,10 @@ impl<'a> Engine<'a> {
             state.comm += dur;
             state.pc += 1;
             state.status = Status::Running;
-            state.events.push(TraceEvent {
+            self.events.push(TraceEvent {
                 rank,
                 row: Row::Comm,
-                name: label.clone(),
+                name: Arc::clone(&label),
                 start,
                 duration: dur,
                 first_instr: pc,
@@ -463,10 +487,10 @@ impl<'a> Engine<'a> {
             }
         }
         if transfer > 0.0 {
-            st.events.push(TraceEvent {
+            self.events.push(TraceEvent {
                 rank,
                 row: Row::Comm,
-                name: "p2p".to_string(),
+                name: Arc::clone(&self.p2p_name),
                 start: st.p2p_latest_start,
                 duration: transfer,
                 first_instr: pc,
@@ -532,7 +556,6 @@ pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
                 p2p_latest_start: 0.0,
                 p2p_end: 0.0,
                 open: None,
-                events: Vec::new(),
             }
         })
         .collect();
@@ -553,6 +576,9 @@ pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
         crosses,
         coarse: simulated > COARSE_TRACE_INSTRUCTIONS,
         fused: &fused,
+        events: Vec::new(),
+        compute_names: HashMap::new(),
+        p2p_name: "p2p".into(),
     };
     let n = engine.ranks.len();
     let mut ready: Vec<usize> = (0..n).rev().collect();
@@ -569,14 +595,13 @@ pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
         .collect();
     let step = ends.iter().copied().fold(0.0, f64::max);
     let mut ranks = Vec::with_capacity(n);
-    for state in &mut engine.ranks {
-        if let Some((_, e)) = state.open.take() {
-            state.events.push(e);
-        }
+    for y in 0..n {
+        engine.close_event(y);
     }
-    // Each rank's events move into one list of their exact total (not one grown by doubling
-    // beside them), each rank's freed as it is moved.
-    let mut events = Vec::with_capacity(engine.ranks.iter().map(|s| s.events.len()).sum());
+    // By rank (the simulated ranks ascend), then start time; a stable sort, so events of one
+    // rank that start together stay in the order the rank finished them.
+    let mut events = std::mem::take(&mut engine.events);
+    events.sort_by(|a, b| a.rank.cmp(&b.rank).then(a.start.total_cmp(&b.start)));
     for (y, state) in engine.ranks.iter_mut().enumerate() {
         let rank = engine.slice.ranks[y];
         let program = plan.rank_program.get(rank as usize).copied();
@@ -584,9 +609,6 @@ pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
             .program_of(rank)
             .map(|p| p.role.clone())
             .unwrap_or_default();
-        let mut evs = std::mem::take(&mut state.events);
-        evs.sort_by(|a, b| a.start.total_cmp(&b.start));
-        events.append(&mut evs);
         ranks.push(RankTimeline {
             rank,
             program: program.unwrap_or(crate::ir::ProgramId(0)),

@@ -54,6 +54,7 @@ pub use fused::{compute_seconds, FusedRuns};
 use crate::ir::{Plan, ProgramId};
 use crate::spec::Spec;
 use serde::Serialize;
+use std::sync::Arc;
 
 /// The simulated step.
 #[derive(Clone, Debug, Serialize)]
@@ -102,7 +103,9 @@ pub enum Row {
 pub struct TraceEvent {
     pub rank: u32,
     pub row: Row,
-    pub name: String,
+    /// What ran (`blocks.3.attn fwd`, `all_reduce tp`, `p2p`), shared by the events of one
+    /// name.
+    pub name: Arc<str>,
     pub start: f64,
     pub duration: f64,
     /// Instruction range `[first, last]` of the program this event covers.
