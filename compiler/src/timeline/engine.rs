@@ -4,7 +4,7 @@
 //! ([`super::fused`]) runs whole at its first member.
 
 use super::fused::{FusedRuns, Role};
-use super::{RankTimeline, Row, StepCosts, Timeline, TraceEvent};
+use super::{Events, RankTimeline, Row, StepCosts, Timeline, TraceEvent};
 use crate::ir::{BufferId, CollectiveKind, GroupId, Instr, P2pOp, Phase, Plan, Program};
 use crate::spec::Spec;
 use crate::verify::slice::Slice;
@@ -97,6 +97,8 @@ struct Engine<'a> {
     coarse: bool,
     /// Per program, the runs the backend fuses (empty for programs no simulated rank runs).
     fused: &'a [FusedRuns],
+    /// Whether events are recorded (`Events::Record`).
+    record: bool,
     /// Every simulated rank's finished events, in the order each rank finished them.
     events: Vec<TraceEvent>,
     /// The name of the compute events of each (spec node, phase): one allocation per name
@@ -168,6 +170,9 @@ impl<'a> Engine<'a> {
         start: f64,
         dur: f64,
     ) {
+        if !self.record {
+            return;
+        }
         let spec_node = node.and_then(|n| self.spec.model.nodes.get(n as usize));
         // Large plans merge a layer's ops (and small ones a node's) into one event.
         let layer = spec_node.and_then(|n| n.layer).filter(|_| self.coarse);
@@ -338,7 +343,7 @@ impl<'a> Engine<'a> {
                     _ => self.bytes(program, *input),
                 };
                 dur = dur.max(self.costs.collective(*kind, n, bytes, crosses));
-                if label.is_empty() {
+                if label.is_empty() && self.record {
                     let what = match kind {
                         CollectiveKind::AllReduce { .. } => "all_reduce",
                         CollectiveKind::AllGather => "all_gather",
@@ -380,6 +385,9 @@ impl<'a> Engine<'a> {
             state.comm += dur;
             state.pc += 1;
             state.status = Status::Running;
+            if !self.record {
+                continue;
+            }
             self.events.push(TraceEvent {
                 rank,
                 row: Row::Comm,
@@ -486,7 +494,7 @@ impl<'a> Engine<'a> {
                 }
             }
         }
-        if transfer > 0.0 {
+        if transfer > 0.0 && self.record {
             self.events.push(TraceEvent {
                 rank,
                 row: Row::Comm,
@@ -520,7 +528,7 @@ fn fused_runs(plan: &Plan, slice: &Slice, costs: &dyn StepCosts) -> Vec<FusedRun
     fused
 }
 
-pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
+pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts, events: Events) -> Timeline {
     let slice = Slice::new(plan);
     let crosses = plan
         .groups
@@ -576,6 +584,7 @@ pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
         crosses,
         coarse: simulated > COARSE_TRACE_INSTRUCTIONS,
         fused: &fused,
+        record: events == Events::Record,
         events: Vec::new(),
         compute_names: HashMap::new(),
         p2p_name: "p2p".into(),

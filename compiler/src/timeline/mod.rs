@@ -67,7 +67,7 @@ pub struct Timeline {
     pub ranks: Vec<RankTimeline>,
     /// Trace events, by rank then start time; back-to-back compute ops of one node and phase
     /// are merged into one event (of one layer and phase for plans over a million simulated
-    /// instructions).
+    /// instructions). Empty unless the simulation recorded them ([`Events::Record`]).
     pub events: Vec<TraceEvent>,
     /// Whether only the dp-0 slice was simulated (its replicas are identical).
     pub dp_symmetric: bool,
@@ -113,27 +113,37 @@ pub struct TraceEvent {
     pub last_instr: usize,
 }
 
+/// Whether a simulation records its trace events ([`Timeline::events`]): only a trace shows
+/// them, and a large plan's step has hundreds of thousands (~300k for the 70B example, which
+/// `parc check` simulates only for its numbers). The numbers are the same either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Events {
+    Record,
+    Skip,
+}
+
 /// Simulate one step of `plan` with costs from `spec`'s GPU and links.
 pub fn simulate(plan: &Plan, spec: &Spec) -> Timeline {
     simulate_with(plan, spec, &SpecCosts { spec })
 }
 
 /// Simulate with the costs of `calibration`'s profile ([`ProfileCosts`]), or of the spec's GPU
-/// peak numbers ([`SpecCosts`]) without one.
+/// peak numbers ([`SpecCosts`]) without one; its trace events as `events` says.
 pub fn simulate_calibrated(
     plan: &Plan,
     spec: &Spec,
     calibration: Option<&Calibration>,
+    events: Events,
 ) -> Timeline {
     match calibration {
-        Some(calibration) => simulate_with(plan, spec, &ProfileCosts::new(calibration, spec)),
-        None => simulate(plan, spec),
+        Some(calibration) => engine::run(plan, spec, &ProfileCosts::new(calibration, spec), events),
+        None => engine::run(plan, spec, &SpecCosts { spec }, events),
     }
 }
 
 /// Simulate with any cost model (`spec` names nodes and places ranks on nodes).
 pub fn simulate_with(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
-    engine::run(plan, spec, costs)
+    engine::run(plan, spec, costs, Events::Record)
 }
 
 impl Timeline {
