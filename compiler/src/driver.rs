@@ -360,8 +360,8 @@ fn plan_memory(
     verified: &VerifyReport,
     diagnostics: &mut Diagnostics,
 ) -> Option<MemoryPlans> {
-    let layouts = match memplan::plan_all(plan) {
-        Ok(layouts) => layouts,
+    let programs = match memplan::plan_summaries(plan, verified) {
+        Ok(programs) => programs,
         Err(e) => {
             diagnostics
                 .push(Diagnostic::error("E0818", e.to_string()).help(
@@ -370,7 +370,6 @@ fn plan_memory(
             return None;
         }
     };
-    let programs = memplan::summarize(&layouts, verified);
     let half = spec.train.precision != Precision::Fp32;
     let device = memplan::device_memory(plan, &programs, half);
     Some(MemoryPlans { programs, device })
