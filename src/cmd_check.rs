@@ -73,6 +73,7 @@ impl LowerWhen {
             max_plan_size: None,
             representatives: true,
             calibration: None,
+            trace: false,
         }
     }
 }

@@ -146,6 +146,7 @@ fn compile(args: &PlanArgs) -> Result<Planned, u8> {
     let options = CompileOptions {
         fusion: args.spec.fusion(),
         representatives: args.rank.is_some(),
+        trace: args.emit == Emit::Trace,
         ..CompileOptions::through(through)
     };
     let (options, chosen) =

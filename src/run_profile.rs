@@ -77,7 +77,7 @@ fn predict(
         .ok_or_else(|| format!("the plan has no program for rank {rank}"))?;
     let chosen = crate::calibration::choose(args, spec)?;
     let calibration = chosen.calibration.as_deref();
-    let simulated = timeline::simulate_calibrated(plan, spec, calibration);
+    let simulated = timeline::simulate_calibrated(plan, spec, calibration, timeline::Events::Skip);
     let costs: Box<dyn StepCosts> = match calibration {
         Some(c) => Box::new(ProfileCosts::new(c, spec)),
         None => Box::new(SpecCosts { spec }),

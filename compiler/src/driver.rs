@@ -54,6 +54,9 @@ pub struct CompileOptions {
     /// The measured profile that prices the timeline (`timeline::ProfileCosts`); `None`: the
     /// GPU's peak numbers.
     pub calibration: Option<std::sync::Arc<timeline::Calibration>>,
+    /// Whether the timeline records its trace events (`timeline::Events`; `parc plan --emit
+    /// trace` shows them); without, its numbers are the same.
+    pub trace: bool,
 }
 
 impl CompileOptions {
@@ -66,6 +69,7 @@ impl CompileOptions {
             fusion: true,
             representatives: false,
             calibration: None,
+            trace: false,
         }
     }
 }
@@ -177,7 +181,13 @@ pub fn compile(
     };
     let analysis = match (&spec, &plan) {
         (Some(spec), Some(plan)) => {
-            analyze_with(spec, plan, options.through, calibration, &mut diagnostics)
+            let events = if options.trace {
+                timeline::Events::Record
+            } else {
+                timeline::Events::Skip
+            };
+            let through = options.through;
+            analyze_with(spec, plan, through, calibration, events, &mut diagnostics)
         }
         _ => Analysis::default(),
     };
@@ -204,22 +214,31 @@ pub fn prices(calibration: Option<&timeline::Calibration>) -> Option<&dyn crate:
 }
 
 /// Run the stages after lowering, up to `through`, on `plan` (lowered from `spec`); their
-/// diagnostics join `diagnostics`.
+/// diagnostics join `diagnostics`. The timeline records no trace events.
 pub fn analyze(
     spec: &Spec,
     plan: &Plan,
     through: Stage,
     diagnostics: &mut Diagnostics,
 ) -> Analysis {
-    analyze_with(spec, plan, through, None, diagnostics)
+    analyze_with(
+        spec,
+        plan,
+        through,
+        None,
+        timeline::Events::Skip,
+        diagnostics,
+    )
 }
 
-/// [`analyze`], its timeline priced by `calibration` when given.
+/// [`analyze`], its timeline priced by `calibration` when given and recording its trace
+/// events as `events` says.
 pub fn analyze_with(
     spec: &Spec,
     plan: &Plan,
     through: Stage,
     calibration: Option<&timeline::Calibration>,
+    events: timeline::Events,
     diagnostics: &mut Diagnostics,
 ) -> Analysis {
     let verified = if through >= Stage::Verify {
@@ -236,7 +255,7 @@ pub fn analyze_with(
     let (memory, timeline) = match &verified {
         Some(verified) if through >= Stage::MemoryPlan => std::thread::scope(|scope| {
             let simulated = (through >= Stage::Timeline).then(|| {
-                scope.spawn(move || timeline::simulate_calibrated(plan, spec, calibration))
+                scope.spawn(move || timeline::simulate_calibrated(plan, spec, calibration, events))
             });
             let memory = plan_memory(spec, plan, verified, diagnostics);
             // A panic in the simulation stays a panic, as it was on this thread.
@@ -341,8 +360,8 @@ fn plan_memory(
     verified: &VerifyReport,
     diagnostics: &mut Diagnostics,
 ) -> Option<MemoryPlans> {
-    let layouts = match memplan::plan_all(plan) {
-        Ok(layouts) => layouts,
+    let programs = match memplan::plan_summaries(plan, verified) {
+        Ok(programs) => programs,
         Err(e) => {
             diagnostics
                 .push(Diagnostic::error("E0818", e.to_string()).help(
@@ -351,7 +370,6 @@ fn plan_memory(
             return None;
         }
     };
-    let programs = memplan::summarize(&layouts, verified);
     let half = spec.train.precision != Precision::Fp32;
     let device = memplan::device_memory(plan, &programs, half);
     Some(MemoryPlans { programs, device })

@@ -265,7 +265,12 @@ impl Signature {
         }
     }
 
-    fn input(mut self, role: &'static str, class: StorageClass, shape: Option<Shape>) -> Self {
+    fn input(
+        &mut self,
+        role: &'static str,
+        class: StorageClass,
+        shape: Option<Shape>,
+    ) -> &mut Self {
         self.inputs.push(Operand {
             role,
             class,
@@ -276,33 +281,48 @@ impl Signature {
         self
     }
 
-    fn input_if(self, flag: bool, role: &'static str, c: StorageClass, s: Option<Shape>) -> Self {
+    fn input_if(
+        &mut self,
+        flag: bool,
+        role: &'static str,
+        c: StorageClass,
+        s: Option<Shape>,
+    ) -> &mut Self {
         if flag {
-            self.input(role, c, s)
-        } else {
-            self
+            self.input(role, c, s);
         }
+        self
     }
 
-    fn output(self, role: &'static str, class: StorageClass, shape: Option<Shape>) -> Self {
+    fn output(
+        &mut self,
+        role: &'static str,
+        class: StorageClass,
+        shape: Option<Shape>,
+    ) -> &mut Self {
         self.write(role, class, shape, Write::Overwrite)
     }
 
-    fn output_if(self, flag: bool, role: &'static str, c: StorageClass, s: Option<Shape>) -> Self {
+    fn output_if(
+        &mut self,
+        flag: bool,
+        role: &'static str,
+        c: StorageClass,
+        s: Option<Shape>,
+    ) -> &mut Self {
         if flag {
-            self.output(role, c, s)
-        } else {
-            self
+            self.output(role, c, s);
         }
+        self
     }
 
     fn write(
-        mut self,
+        &mut self,
         role: &'static str,
         class: StorageClass,
         shape: Option<Shape>,
         write: Write,
-    ) -> Self {
+    ) -> &mut Self {
         self.outputs.push(Operand {
             role,
             class,
@@ -314,7 +334,7 @@ impl Signature {
     }
 
     /// The last input or output pushed is `gathered` (see [`Operand::gathered`]).
-    fn gathered(mut self, output: bool) -> Self {
+    fn gathered(&mut self, output: bool) -> &mut Self {
         if output {
             self.outputs.gather_last();
         } else {
@@ -326,24 +346,27 @@ impl Signature {
     /// An FP8 GEMM's amax inputs (`op`'s `Fp8Gemm::reads_amax`): for each of its two
     /// operands, given as (role, fixed rows or None for the op's rows, columns), the reduced
     /// amaxes of its groups where they span ranks, or its scale amax under delayed scaling.
-    fn amax_inputs(self, op: &Op, operands: [(&'static str, Option<u64>, u64); 2]) -> Self {
+    fn amax_inputs(
+        &mut self,
+        op: &Op,
+        operands: [(&'static str, Option<u64>, u64); 2],
+    ) -> &mut Self {
         let Some((g, quantized)) = op.fp8_operands() else {
             return self;
         };
         let reads = g.reads_amax(quantized);
-        let mut s = self;
         for (((role, rows, cols), operand), read) in operands.into_iter().zip(quantized).zip(reads)
         {
             let rows = rows.map_or(Rows::N, Rows::Fixed);
             let shape = amax_shape(operand, g.scaling, rows, cols);
-            s = s.input_if(read, role, Fp32, Some(shape));
+            self.input_if(read, role, Fp32, Some(shape));
         }
-        s
+        self
     }
 
     /// Every later output written as `write` (the parameter gradients an
     /// `accumulate_param_grad` flag governs).
-    fn writing_from(mut self, first: usize, write: Write) -> Self {
+    fn writing_from(&mut self, first: usize, write: Write) -> &mut Self {
         let len = usize::from(self.outputs.len);
         for out in self.outputs.items.iter_mut().take(len).skip(first) {
             out.write = write;
@@ -351,12 +374,12 @@ impl Signature {
         self
     }
 
-    fn rows(mut self, rows: u64) -> Self {
+    fn rows(&mut self, rows: u64) -> &mut Self {
         self.rows = Some(rows);
         self
     }
 
-    fn kv_rows(mut self, rows: u64) -> Self {
+    fn kv_rows(&mut self, rows: u64) -> &mut Self {
         self.kv_rows = Some(rows);
         self
     }
@@ -428,7 +451,14 @@ fn rows_of(positions: &[super::op::Segment], batch: u64) -> u64 {
 impl Op {
     /// The op's operands (see the module docs).
     pub fn signature(&self) -> Signature {
-        let s = Signature::new(self.opcode());
+        let mut signature = Signature::new(self.opcode());
+        self.describe(&mut signature);
+        signature
+    }
+
+    /// Pushes the op's operands and row counts onto `s`, a new signature of its opcode: built
+    /// in place, as a signature is several hundred bytes and is asked for per instruction.
+    fn describe<'s>(&self, s: &'s mut Signature) -> &'s mut Signature {
         match self {
             Op::Embedding(a) => s
                 .input("ids", Tokens, n(1))
@@ -661,7 +691,7 @@ impl Op {
 /// The signature of an op of the GEMM family: the three matmuls (with an FP8 GEMM's reduced
 /// amaxes as extra inputs) and the amax op that feeds them. `Op::signature` routes only these
 /// here; any other op gets `s` back unchanged.
-fn gemm_family(op: &Op, s: Signature) -> Signature {
+fn gemm_family<'s>(op: &Op, s: &'s mut Signature) -> &'s mut Signature {
     match op {
         Op::Matmul {
             in_dim,
@@ -777,7 +807,7 @@ fn amax_shape(operand: Fp8Operand, scaling: Fp8Scaling, rows: Rows, cols: u64) -
 
 /// A norm's forward: LayerNorm (`layer` = Some(bias)) or RMSNorm (None: no mean, no bias).
 /// A generated kernel's operands, from its accesses (`Op::Fused`).
-fn fused(s: Signature, a: &super::op::FusedAttrs) -> Signature {
+fn fused<'s>(s: &'s mut Signature, a: &super::op::FusedAttrs) -> &'s mut Signature {
     use crate::kir::Access;
     const INPUTS: [&str; 6] = ["x0", "x1", "x2", "x3", "x4", "x5"];
     const OUTPUTS: [&str; 3] = ["y0", "y1", "y2"];
@@ -787,22 +817,21 @@ fn fused(s: Signature, a: &super::op::FusedAttrs) -> Signature {
         Access::Col => (Fp32, fixed(a.kernel.cols, 1)),
         Access::PerPosition { width, .. } => (Fp32, shape(Rows::Any, width)),
     };
-    let mut s = match a.rows {
-        Some(rows) => s.rows(rows),
-        None => s,
-    };
+    if let Some(rows) = a.rows {
+        s.rows(rows);
+    }
     for (role, access) in INPUTS.iter().zip(&a.kernel.inputs) {
         let (class, shape) = operand(access);
-        s = s.input(role, class, shape);
+        s.input(role, class, shape);
     }
     for (role, access) in OUTPUTS.iter().zip(&a.kernel.outputs) {
         let (class, shape) = operand(access);
-        s = s.output(role, class, shape);
+        s.output(role, class, shape);
     }
     s
 }
 
-fn norm_forward(s: Signature, dim: u64, layer: Option<bool>) -> Signature {
+fn norm_forward(s: &mut Signature, dim: u64, layer: Option<bool>) -> &mut Signature {
     s.input("x", Float, n(dim))
         .input("w", Fp32, fixed(dim, 1))
         .input_if(layer == Some(true), "b", Fp32, fixed(dim, 1))
@@ -814,12 +843,12 @@ fn norm_forward(s: Signature, dim: u64, layer: Option<bool>) -> Signature {
 /// A norm's backward (`layer` as [`norm_forward`]): dx, then the parameter gradients, which
 /// `accumulate_param_grad` governs.
 fn norm_backward(
-    s: Signature,
+    s: &mut Signature,
     dim: u64,
     layer: Option<bool>,
     accumulate: bool,
     accumulate_param_grad: bool,
-) -> Signature {
+) -> &mut Signature {
     s.input("dy", Float, n(dim))
         .input("x", Float, n(dim))
         .input("w", Fp32, fixed(dim, 1))
@@ -839,12 +868,12 @@ fn attention_widths(a: &AttentionAttrs) -> (u64, u64) {
     (q, a.kv_heads.saturating_mul(a.head_dim))
 }
 
-fn attention_rows(s: Signature, a: &AttentionAttrs) -> Signature {
+fn attention_rows<'s>(s: &'s mut Signature, a: &AttentionAttrs) -> &'s mut Signature {
     s.rows(rows_of(&a.q_positions, a.batch))
         .kv_rows(rows_of(&a.kv_positions, a.batch))
 }
 
-fn attention_forward(s: Signature, a: &AttentionAttrs) -> Signature {
+fn attention_forward<'s>(s: &'s mut Signature, a: &AttentionAttrs) -> &'s mut Signature {
     let (q, kv) = attention_widths(a);
     let s = attention_rows(s, a);
     let s = if a.packed {
@@ -857,7 +886,7 @@ fn attention_forward(s: Signature, a: &AttentionAttrs) -> Signature {
     s.output("o", Float, n(q)).output("lse", Fp32, n(a.heads))
 }
 
-fn attention_backward(s: Signature, a: &AttentionAttrs) -> Signature {
+fn attention_backward<'s>(s: &'s mut Signature, a: &AttentionAttrs) -> &'s mut Signature {
     let (q, kv) = attention_widths(a);
     let s = attention_rows(s, a).input("do", Float, n(q));
     if a.packed {

@@ -553,6 +553,10 @@ fn emit_program(sh: &Shared, key: (u32, u32, u32)) -> Result<Program, Diagnostic
             ))
         })?;
     }
+    // The builder reserved for an estimate and fusion for the unfused step: a plan holds its
+    // programs through every later stage, so they keep only what they use.
+    program.instrs.shrink_to_fit();
+    program.buffers.shrink_to_fit();
     Ok(program)
 }
 

@@ -61,7 +61,7 @@ pub use scratch::{
 pub use zeroing::zero_needs;
 
 use crate::ir::{BufferId, Instr, Plan, Program, ProgramId};
-use crate::verify::VerifyReport;
+use crate::verify::{ProgramMemory, VerifyReport};
 use placed::PlacedIndex;
 use serde::Serialize;
 use std::cmp::Reverse;
@@ -151,20 +151,37 @@ pub struct PlanSummary {
 
 /// Each program's layout beside its verified liveness peak, in program order.
 pub fn summarize(layouts: &[MemoryLayout], report: &VerifyReport) -> Vec<PlanSummary> {
-    layouts
-        .iter()
-        .zip(&report.programs)
-        .map(|(layout, memory)| PlanSummary {
-            program: memory.program,
-            persistent_bytes: layout.persistent_bytes,
-            arena_bytes: layout.arena_bytes,
-            liveness_peak_bytes: memory.peak_transient_bytes,
-            overhead: layout.arena_bytes as f64 / memory.peak_transient_bytes.max(1) as f64 - 1.0,
-            allocs: layout.allocs,
-            zeroed_allocs: layout.zeroed_allocs,
-            comm_overlap: layout.comm_overlap.clone(),
-        })
+    (layouts.iter().zip(&report.programs))
+        .map(|(layout, memory)| summary(layout, memory))
         .collect()
+}
+
+/// Plan every program of `plan` and keep only its summary beside its verified liveness peak
+/// (`report`), in program order: [`summarize`] of [`plan_all`] without holding every
+/// program's per-buffer placements at once (a report needs none of them).
+pub fn plan_summaries(
+    plan: &Plan,
+    report: &VerifyReport,
+) -> Result<Vec<PlanSummary>, MemPlanError> {
+    let summaries = on_threads(plan, |i, program| match report.programs.get(i) {
+        Some(memory) => Ok(Some(summary(&plan_program(program)?, memory))),
+        None => Ok(None),
+    })?;
+    Ok(summaries.into_iter().flatten().collect())
+}
+
+/// One program's layout beside its verified liveness peak.
+fn summary(layout: &MemoryLayout, memory: &ProgramMemory) -> PlanSummary {
+    PlanSummary {
+        program: memory.program,
+        persistent_bytes: layout.persistent_bytes,
+        arena_bytes: layout.arena_bytes,
+        liveness_peak_bytes: memory.peak_transient_bytes,
+        overhead: layout.arena_bytes as f64 / memory.peak_transient_bytes.max(1) as f64 - 1.0,
+        allocs: layout.allocs,
+        zeroed_allocs: layout.zeroed_allocs,
+        comm_overlap: layout.comm_overlap.clone(),
+    }
 }
 
 /// A program whose buffers cannot be planned (it breaks the verifier's buffer invariants), or a
@@ -228,16 +245,30 @@ pub fn plan_program(program: &Program) -> Result<MemoryLayout, MemPlanError> {
 
 /// Plan every program of `plan`, in program order (programs are planned on all cores).
 pub fn plan_all(plan: &Plan) -> Result<Vec<MemoryLayout>, MemPlanError> {
+    on_threads(plan, |_, program| plan_program(program))
+}
+
+/// `each(index, program)` of every program of `plan`, in program order, spread over the
+/// machine's cores; the first error in program order.
+fn on_threads<T: Send>(
+    plan: &Plan,
+    each: impl Fn(usize, &Program) -> Result<T, MemPlanError> + Sync,
+) -> Result<Vec<T>, MemPlanError> {
     let threads = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1)
         .clamp(1, plan.programs.len().max(1));
     let per_thread = plan.programs.len().div_ceil(threads).max(1);
-    let planned: Vec<Result<Vec<MemoryLayout>, MemPlanError>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = plan
-            .programs
-            .chunks(per_thread)
-            .map(|chunk| scope.spawn(move || chunk.iter().map(plan_program).collect()))
+    let each = &each;
+    let planned: Vec<Result<Vec<T>, MemPlanError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (plan.programs.chunks(per_thread).enumerate())
+            .map(|(c, chunk)| {
+                scope.spawn(move || {
+                    (chunk.iter().enumerate())
+                        .map(|(k, program)| each(c * per_thread + k, program))
+                        .collect()
+                })
+            })
             .collect();
         handles
             .into_iter()
@@ -251,11 +282,11 @@ pub fn plan_all(plan: &Plan) -> Result<Vec<MemoryLayout>, MemPlanError> {
             })
             .collect()
     });
-    let mut layouts = Vec::with_capacity(plan.programs.len());
+    let mut results = Vec::with_capacity(plan.programs.len());
     for chunk in planned {
-        layouts.extend(chunk?);
+        results.extend(chunk?);
     }
-    Ok(layouts)
+    Ok(results)
 }
 
 /// Every transient buffer's offset (by id) and the arena's size: best fit largest first and,

@@ -1109,7 +1109,15 @@ fn evaluate(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked,
     let plan = lower(spec, how)?;
     let mut diagnostics = Diagnostics::default();
     let calibration = how.calibration.as_deref();
-    let analysis = analyze_with(spec, &plan, Stage::Timeline, calibration, &mut diagnostics);
+    let skip = crate::timeline::Events::Skip;
+    let analysis = analyze_with(
+        spec,
+        &plan,
+        Stage::Timeline,
+        calibration,
+        skip,
+        &mut diagnostics,
+    );
     let (Some(fit), Some(timeline)) = (analysis.fit, analysis.timeline) else {
         return Err(first_error(&diagnostics, "verification"));
     };
@@ -1121,7 +1129,12 @@ fn evaluate(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked,
 /// ranking without memory.
 fn simulate(spec: &Spec, candidate: &Candidate, how: &Pricing) -> Result<Ranked, Why> {
     let plan = lower(spec, how)?;
-    let timeline = crate::timeline::simulate_calibrated(&plan, spec, how.calibration.as_deref());
+    let timeline = crate::timeline::simulate_calibrated(
+        &plan,
+        spec,
+        how.calibration.as_deref(),
+        crate::timeline::Events::Skip,
+    );
     if !timeline.complete {
         return Err(Why::rule(
             "the simulated step does not finish (the plan does not verify)",

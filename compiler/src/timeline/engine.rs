@@ -4,11 +4,12 @@
 //! ([`super::fused`]) runs whole at its first member.
 
 use super::fused::{FusedRuns, Role};
-use super::{RankTimeline, Row, StepCosts, Timeline, TraceEvent};
+use super::{Events, RankTimeline, Row, StepCosts, Timeline, TraceEvent};
 use crate::ir::{BufferId, CollectiveKind, GroupId, Instr, P2pOp, Phase, Plan, Program};
 use crate::spec::Spec;
 use crate::verify::slice::Slice;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Status {
@@ -49,7 +50,6 @@ struct RankState {
     p2p_end: f64,
     /// The compute event being extended: (node, phase) key and the event.
     open: Option<((Option<u32>, Phase), TraceEvent)>,
-    events: Vec<TraceEvent>,
 }
 
 impl RankState {
@@ -97,6 +97,15 @@ struct Engine<'a> {
     coarse: bool,
     /// Per program, the runs the backend fuses (empty for programs no simulated rank runs).
     fused: &'a [FusedRuns],
+    /// Whether events are recorded (`Events::Record`).
+    record: bool,
+    /// Every simulated rank's finished events, in the order each rank finished them.
+    events: Vec<TraceEvent>,
+    /// The name of the compute events of each (spec node, phase): one allocation per name
+    /// rather than per event (a 70B plan's step has ~300k events).
+    compute_names: HashMap<(Option<u32>, Phase), Arc<str>>,
+    /// The name of every point-to-point event.
+    p2p_name: Arc<str>,
 }
 
 /// Above this many simulated instructions, compute events are merged per layer.
@@ -125,8 +134,31 @@ impl<'a> Engine<'a> {
 
     fn close_event(&mut self, y: usize) {
         if let Some((_, e)) = self.ranks[y].open.take() {
-            self.ranks[y].events.push(e);
+            self.events.push(e);
         }
+    }
+
+    /// The name of a compute event starting at spec node `node` (`spec_node`) in `phase`, of
+    /// its layer's block when `layer` (merged per layer).
+    fn compute_name(
+        &mut self,
+        node: Option<u32>,
+        spec_node: Option<&crate::spec::Node>,
+        layer: bool,
+        phase: Phase,
+    ) -> Arc<str> {
+        let name = self.compute_names.entry((node, phase)).or_insert_with(|| {
+            match (spec_node, layer) {
+                (Some(n), true) => {
+                    let block = n.name.rsplit_once('.').map_or(n.name.as_str(), |(b, _)| b);
+                    format!("{block} {}", phase.name())
+                }
+                (Some(n), false) => format!("{} {}", n.name, phase.name()),
+                (None, _) => phase.name().to_string(),
+            }
+            .into()
+        });
+        Arc::clone(name)
     }
 
     fn compute_event(
@@ -138,6 +170,9 @@ impl<'a> Engine<'a> {
         start: f64,
         dur: f64,
     ) {
+        if !self.record {
+            return;
+        }
         let spec_node = node.and_then(|n| self.spec.model.nodes.get(n as usize));
         // Large plans merge a layer's ops (and small ones a node's) into one event.
         let layer = spec_node.and_then(|n| n.layer).filter(|_| self.coarse);
@@ -154,14 +189,7 @@ impl<'a> Engine<'a> {
                 return;
             }
         }
-        let name = match (spec_node, layer) {
-            (Some(n), Some(_)) => {
-                let block = n.name.rsplit_once('.').map_or(n.name.as_str(), |(b, _)| b);
-                format!("{block} {}", phase.name())
-            }
-            (Some(n), None) => format!("{} {}", n.name, phase.name()),
-            (None, _) => phase.name().to_string(),
-        };
+        let name = self.compute_name(node, spec_node, layer.is_some(), phase);
         let event = TraceEvent {
             rank,
             row: Row::Compute,
@@ -172,7 +200,7 @@ impl<'a> Engine<'a> {
             last_instr: pc,
         };
         if let Some((_, done)) = self.ranks[y].open.replace((key, event)) {
-            self.ranks[y].events.push(done);
+            self.events.push(done);
         }
     }
 
@@ -315,7 +343,7 @@ impl<'a> Engine<'a> {
                     _ => self.bytes(program, *input),
                 };
                 dur = dur.max(self.costs.collective(*kind, n, bytes, crosses));
-                if label.is_empty() {
+                if label.is_empty() && self.record {
                     let what = match kind {
                         CollectiveKind::AllReduce { .. } => "all_reduce",
                         CollectiveKind::AllGather => "all_gather",
@@ -332,6 +360,7 @@ impl<'a> Engine<'a> {
             }
         }
         let end = start + dur;
+        let label: Arc<str> = label.into();
         for &(m, _) in arrived {
             let Some(program) = self.program(m) else {
                 continue;
@@ -356,10 +385,13 @@ impl<'a> Engine<'a> {
             state.comm += dur;
             state.pc += 1;
             state.status = Status::Running;
-            state.events.push(TraceEvent {
+            if !self.record {
+                continue;
+            }
+            self.events.push(TraceEvent {
                 rank,
                 row: Row::Comm,
-                name: label.clone(),
+                name: Arc::clone(&label),
                 start,
                 duration: dur,
                 first_instr: pc,
@@ -462,11 +494,11 @@ impl<'a> Engine<'a> {
                 }
             }
         }
-        if transfer > 0.0 {
-            st.events.push(TraceEvent {
+        if transfer > 0.0 && self.record {
+            self.events.push(TraceEvent {
                 rank,
                 row: Row::Comm,
-                name: "p2p".to_string(),
+                name: Arc::clone(&self.p2p_name),
                 start: st.p2p_latest_start,
                 duration: transfer,
                 first_instr: pc,
@@ -496,7 +528,7 @@ fn fused_runs(plan: &Plan, slice: &Slice, costs: &dyn StepCosts) -> Vec<FusedRun
     fused
 }
 
-pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
+pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts, events: Events) -> Timeline {
     let slice = Slice::new(plan);
     let crosses = plan
         .groups
@@ -532,7 +564,6 @@ pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
                 p2p_latest_start: 0.0,
                 p2p_end: 0.0,
                 open: None,
-                events: Vec::new(),
             }
         })
         .collect();
@@ -553,6 +584,10 @@ pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
         crosses,
         coarse: simulated > COARSE_TRACE_INSTRUCTIONS,
         fused: &fused,
+        record: events == Events::Record,
+        events: Vec::new(),
+        compute_names: HashMap::new(),
+        p2p_name: "p2p".into(),
     };
     let n = engine.ranks.len();
     let mut ready: Vec<usize> = (0..n).rev().collect();
@@ -569,7 +604,13 @@ pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
         .collect();
     let step = ends.iter().copied().fold(0.0, f64::max);
     let mut ranks = Vec::with_capacity(n);
-    let mut events = Vec::new();
+    for y in 0..n {
+        engine.close_event(y);
+    }
+    // By rank (the simulated ranks ascend), then start time; a stable sort, so events of one
+    // rank that start together stay in the order the rank finished them.
+    let mut events = std::mem::take(&mut engine.events);
+    events.sort_by(|a, b| a.rank.cmp(&b.rank).then(a.start.total_cmp(&b.start)));
     for (y, state) in engine.ranks.iter_mut().enumerate() {
         let rank = engine.slice.ranks[y];
         let program = plan.rank_program.get(rank as usize).copied();
@@ -577,12 +618,6 @@ pub fn run(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
             .program_of(rank)
             .map(|p| p.role.clone())
             .unwrap_or_default();
-        if let Some((_, e)) = state.open.take() {
-            state.events.push(e);
-        }
-        let mut evs = std::mem::take(&mut state.events);
-        evs.sort_by(|a, b| a.start.total_cmp(&b.start));
-        events.extend(evs);
         ranks.push(RankTimeline {
             rank,
             program: program.unwrap_or(crate::ir::ProgramId(0)),

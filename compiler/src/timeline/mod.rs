@@ -54,6 +54,7 @@ pub use fused::{compute_seconds, FusedRuns};
 use crate::ir::{Plan, ProgramId};
 use crate::spec::Spec;
 use serde::Serialize;
+use std::sync::Arc;
 
 /// The simulated step.
 #[derive(Clone, Debug, Serialize)]
@@ -66,7 +67,7 @@ pub struct Timeline {
     pub ranks: Vec<RankTimeline>,
     /// Trace events, by rank then start time; back-to-back compute ops of one node and phase
     /// are merged into one event (of one layer and phase for plans over a million simulated
-    /// instructions).
+    /// instructions). Empty unless the simulation recorded them ([`Events::Record`]).
     pub events: Vec<TraceEvent>,
     /// Whether only the dp-0 slice was simulated (its replicas are identical).
     pub dp_symmetric: bool,
@@ -102,12 +103,23 @@ pub enum Row {
 pub struct TraceEvent {
     pub rank: u32,
     pub row: Row,
-    pub name: String,
+    /// What ran (`blocks.3.attn fwd`, `all_reduce tp`, `p2p`), shared by the events of one
+    /// name.
+    pub name: Arc<str>,
     pub start: f64,
     pub duration: f64,
     /// Instruction range `[first, last]` of the program this event covers.
     pub first_instr: usize,
     pub last_instr: usize,
+}
+
+/// Whether a simulation records its trace events ([`Timeline::events`]): only a trace shows
+/// them, and a large plan's step has hundreds of thousands (~300k for the 70B example, which
+/// `parc check` simulates only for its numbers). The numbers are the same either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Events {
+    Record,
+    Skip,
 }
 
 /// Simulate one step of `plan` with costs from `spec`'s GPU and links.
@@ -116,21 +128,22 @@ pub fn simulate(plan: &Plan, spec: &Spec) -> Timeline {
 }
 
 /// Simulate with the costs of `calibration`'s profile ([`ProfileCosts`]), or of the spec's GPU
-/// peak numbers ([`SpecCosts`]) without one.
+/// peak numbers ([`SpecCosts`]) without one; its trace events as `events` says.
 pub fn simulate_calibrated(
     plan: &Plan,
     spec: &Spec,
     calibration: Option<&Calibration>,
+    events: Events,
 ) -> Timeline {
     match calibration {
-        Some(calibration) => simulate_with(plan, spec, &ProfileCosts::new(calibration, spec)),
-        None => simulate(plan, spec),
+        Some(calibration) => engine::run(plan, spec, &ProfileCosts::new(calibration, spec), events),
+        None => engine::run(plan, spec, &SpecCosts { spec }, events),
     }
 }
 
 /// Simulate with any cost model (`spec` names nodes and places ranks on nodes).
 pub fn simulate_with(plan: &Plan, spec: &Spec, costs: &dyn StepCosts) -> Timeline {
-    engine::run(plan, spec, costs)
+    engine::run(plan, spec, costs, Events::Record)
 }
 
 impl Timeline {
