@@ -715,11 +715,11 @@ fn a_fused_run_is_priced_by_its_summed_bytes() {
     profile
         .memory
         .extend([point("adam_w", 1e3, 1e9), point("adam_w", 1e7, 1e10)]);
-    // 20 tensors of 1,000 elements; the cpu gpu counts f32 as 4 bytes: an update touches g,
-    // coef, param, m, v, 16,004 bytes, the run 320,080.
+    // 20 tensors of 1,000 elements; the cpu gpu counts f32 as 4 bytes: an update reads g and
+    // coef and reads and writes param, m, v, 28,004 bytes, the run 560,080.
     let program = updates(&[1000; 20]);
     let members: Vec<&Instr> = program.instrs.iter().collect();
-    let run_bytes = 20.0 * 16_004.0;
+    let run_bytes = 20.0 * 28_004.0;
     let single_rate =
         |bytes: f64| 1e9 + (bytes.log2() - 1e3f64.log2()) / (1e7f64.log2() - 1e3f64.log2()) * 9e9;
     let priced = |profile: &Profile| {
@@ -731,7 +731,7 @@ fn a_fused_run_is_priced_by_its_summed_bytes() {
     };
     // No multi-tensor points: adam_w's rate at the run's size.
     assert!(close(priced(&profile), run_bytes / single_rate(run_bytes)));
-    let each: f64 = 20.0 * 16_004.0 / single_rate(16_004.0);
+    let each: f64 = 20.0 * 28_004.0 / single_rate(28_004.0);
     assert!(priced(&profile) < each);
     // With them, theirs.
     profile.memory.extend([
