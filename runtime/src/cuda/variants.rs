@@ -241,6 +241,7 @@ mod tests {
             of::<CrossEntropyKernel>(),
             of::<NormFwdKernel>(),
             of::<NormBwdKernel>(),
+            of::<Fp8AccumKernel>(),
         ]
     }
 
@@ -265,6 +266,7 @@ mod tests {
         }
         assert_eq!(chosen.gemm, GemmKernel::CuBlasLt);
         assert_eq!(chosen.norm_bwd, NormBwdKernel::Warp);
+        assert_eq!(chosen.fp8_accum, Fp8AccumKernel::Split);
     }
 
     #[test]
@@ -276,6 +278,7 @@ mod tests {
         assert_eq!(d.cross_entropy, CrossEntropyKernel::Staged);
         assert_eq!(d.norm_fwd, NormFwdKernel::Multirow);
         assert_eq!(d.norm_bwd, NormBwdKernel::Fused);
+        assert_eq!(d.fp8_accum, Fp8AccumKernel::Forward);
     }
 
     #[test]
