@@ -113,12 +113,7 @@ fn member(program: &Program, index: usize, instr: &Instr) -> Option<(RunKind, Ru
     if inputs.len() != 2 || outputs.len() != kind.outputs() {
         return None;
     }
-    let numel = |id: BufferId| {
-        program
-            .buffer(id)
-            .filter(|b| b.dtype == DType::F32)
-            .map(|b| b.numel())
-    };
+    let numel = |id: BufferId| f32_numel(program, id);
     let n = numel(inputs[0])?;
     if numel(inputs[1])? != 1 || outputs.iter().any(|&o| numel(o) != Some(n)) {
         return None;
@@ -258,19 +253,20 @@ fn sum_squares_member(program: &Program, index: usize, instr: &Instr) -> Option<
         return None;
     }
     let (input, output) = (inputs[0], outputs[0]);
-    let f32_numel = |id: BufferId| {
-        program
-            .buffer(id)
-            .filter(|b| b.dtype == DType::F32)
-            .map(|b| b.numel())
-    };
-    let numel = f32_numel(input)?;
-    (f32_numel(output)? == 1 && input != output).then_some(SumSquaresMember {
+    let numel = f32_numel(program, input)?;
+    (f32_numel(program, output)? == 1 && input != output).then_some(SumSquaresMember {
         index,
         input,
         output,
         numel,
     })
+}
+
+/// The element count of buffer `id` of `program` if it is an f32 buffer.
+fn f32_numel(program: &Program, id: BufferId) -> Option<u64> {
+    (program.buffer(id))
+        .filter(|b| b.dtype == DType::F32)
+        .map(|b| b.numel())
 }
 
 /// The maximal runs of adjacent `SumSquares` instructions of `program` whose inputs no earlier
@@ -339,16 +335,10 @@ fn roll_member(program: &Program, index: usize, instr: &Instr) -> Option<RollMem
         return None;
     }
     let (history, amax) = (outputs[0], outputs[1]);
-    let f32_numel = |id: BufferId| {
-        program
-            .buffer(id)
-            .filter(|b| b.dtype == DType::F32)
-            .map(|b| b.numel())
-    };
     let well_formed = inputs[0] == history
         && history != amax
-        && f32_numel(history)? >= 2
-        && f32_numel(amax)? == 1;
+        && f32_numel(program, history)? >= 2
+        && f32_numel(program, amax)? == 1;
     well_formed.then_some(RollMember {
         index,
         history,

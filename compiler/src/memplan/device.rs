@@ -250,7 +250,7 @@ mod tests {
 
     use crate::lower::lower;
 
-    use crate::memplan::{plan_all, summarize};
+    use crate::memplan::plan_summaries;
     use crate::spec::{Precision, ZeroStage};
 
     const GIB: f64 = (1u64 << 30) as f64;
@@ -260,8 +260,7 @@ mod tests {
         let spec = build(dims, choice);
         let plan = lower(&spec).expect("lowers");
         let report = crate::verify::verify_spec(&plan, &spec).expect("verifies");
-        let layouts = plan_all(&plan).expect("plans");
-        let summaries = summarize(&layouts, &report);
+        let summaries = plan_summaries(&plan, &report).expect("plans");
         let half = choice.precision != Precision::Fp32;
         let device = device_memory(&plan, &summaries, half);
         (plan, device)

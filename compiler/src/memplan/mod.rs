@@ -149,16 +149,9 @@ pub struct PlanSummary {
     pub comm_overlap: CommOverlap,
 }
 
-/// Each program's layout beside its verified liveness peak, in program order.
-pub fn summarize(layouts: &[MemoryLayout], report: &VerifyReport) -> Vec<PlanSummary> {
-    (layouts.iter().zip(&report.programs))
-        .map(|(layout, memory)| summary(layout, memory))
-        .collect()
-}
-
 /// Plan every program of `plan` and keep only its summary beside its verified liveness peak
-/// (`report`), in program order: [`summarize`] of [`plan_all`] without holding every
-/// program's per-buffer placements at once (a report needs none of them).
+/// (`report`), in program order, without holding every program's per-buffer placements at once
+/// as [`plan_all`] does (a report needs none of them).
 pub fn plan_summaries(
     plan: &Plan,
     report: &VerifyReport,

@@ -17,9 +17,9 @@
 //! history the same way (no amax pass before quantizing); `Op::Fp8AmaxRecord` max-adds the
 //! operand's amax into the history's step slot (not zeroed first) inside the quantize pass
 //! of the GEMM after it (`fp8_record`), and `Op::Fp8HistoryRoll` rolls it at the step's end
-//! (`fp8_history_roll`; a run of consecutive rolls in one launch, `fp8_roll`) and queues a copy of the new scale amax to the host (`scale_amax`): a
-//! delayed GEMM either of whose scale amaxes is 0 (an empty history: the first step) runs as
-//! the plain GEMM instead (`delayed_cold`), as on the CPU, its records made apart
+//! (`fp8_history_roll`; a run of consecutive rolls in one launch, `fp8_roll`) and queues a
+//! copy of the new scale amax to the host (`scale_amax`): a delayed GEMM either of whose scale
+//! amaxes is 0 (an empty history: the first step) runs as the plain GEMM instead (`delayed_cold`), as on the CPU, its records made apart
 //! (`fp8_amax_one`).
 //!
 //! The product is cuBLASLt's FP8 GEMM (`gemm::Blas::run_fp8`) in the one form Hopper runs,

@@ -6,11 +6,10 @@
 //!
 //! `prepare` takes each run of consecutive rolls (`parc_compiler::ir::optimizer_runs::
 //! find_roll_runs`) whose histories and scale amaxes the memory plan places (fixed addresses)
-//! and uploads a table of them. The run's first
-//! instruction then rolls every member (`fp8_history_rolls`: a thread a history, the same
-//! arithmetic as `fp8_history_roll`), writes their new scale amaxes into a staging array in the
-//! run's order, and queues one copy of that array to the host; the other members find their
-//! roll done. Nothing reads a history or scale amax between two members (they are consecutive
+//! and uploads a table of them. The run's first instruction then rolls every member
+//! (`fp8_history_rolls`: a thread a history, the same arithmetic as `fp8_history_roll`), writes
+//! their new scale amaxes into a staging array in the run's order, and queues one copy of that
+//! array to the host; the other members find their roll done. Nothing reads a history or scale amax between two members (they are consecutive
 //! instructions), so the step's results are those of the rolls made one by one, bit for bit.
 use super::args::Bound;
 use super::device::driver_error;
@@ -62,21 +61,18 @@ impl CudaBackend {
         self.rolls = Rolls::default();
         for RollRun { members } in find_roll_runs(program) {
             let pointer = |id: BufferId| self.planned.pointer(id.0 as usize);
-            let mut words: Vec<u64> = Vec::with_capacity(3 * members.len());
-            for m in &members {
-                let (Some((history, bytes)), Some((amax, _))) =
-                    (pointer(m.history), pointer(m.amax))
-                else {
-                    words.clear();
-                    break;
-                };
-                words.extend([history, amax, bytes / 4]);
-            }
+            let entries: Option<Vec<[u64; 3]>> = (members.iter())
+                .map(|m| {
+                    let (history, bytes) = pointer(m.history)?;
+                    let (amax, _) = pointer(m.amax)?;
+                    Some([history, amax, bytes / 4])
+                })
+                .collect();
             // A buffer outside the plan has no fixed address: leave the run one by one.
-            if words.is_empty() {
-                continue;
-            }
-            let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+            let Some(entries) = entries else { continue };
+            let bytes: Vec<u8> = (entries.iter().flatten())
+                .flat_map(|w| w.to_le_bytes())
+                .collect();
             let staging_at = bytes.len();
             let table =
                 self.alloc_bytes(staging_at + 4 * members.len(), "an FP8 history roll table")?;
@@ -99,26 +95,24 @@ impl CudaBackend {
     /// caller rolls it alone).
     pub(super) fn roll_in_run(&mut self, index: usize, b: &Bound) -> Result<bool> {
         let (history, amax) = (b.output(0)?.id, b.output(1)?.id);
-        if let Some(done) = self.rolls.done.remove(&index) {
-            if (done.history, done.amax) != (history, amax) {
-                return Err(roll_error(
-                    index,
-                    "rolls other buffers than its run's table holds",
-                ));
+        let rolls_its = |m: &RollMember| {
+            if (m.history, m.amax) == (history, amax) {
+                return Ok(());
             }
+            Err(RuntimeError::Op {
+                op: format!("fp8_history_roll (instruction {index})"),
+                what: "rolls other buffers than its run's table holds".into(),
+            })
+        };
+        if let Some(done) = self.rolls.done.remove(&index) {
+            rolls_its(&done)?;
             self.scale_amaxes.copied_in_run(amax);
             return Ok(true);
         }
         let Some(&run) = self.rolls.by_first.get(&index) else {
             return Ok(false);
         };
-        let members = &self.rolls.runs[run].members;
-        if (members[0].history, members[0].amax) != (history, amax) {
-            return Err(roll_error(
-                index,
-                "rolls other buffers than its run's table holds",
-            ));
-        }
+        rolls_its(&self.rolls.runs[run].members[0])?;
         // Members a pass did not reach (it stopped inside the run) were rolled by its launch
         // all the same: nothing of theirs is left to do.
         self.launch_run(run)?;
@@ -150,16 +144,6 @@ impl CudaBackend {
             0,
             &args,
         )?;
-        for &id in &amaxes {
-            self.scale_amaxes.written(id);
-        }
         (self.scale_amaxes).copy_run_after_roll(&self.ctx, &self.stream, &amaxes, staging)
-    }
-}
-
-fn roll_error(index: usize, what: &str) -> RuntimeError {
-    RuntimeError::Op {
-        op: format!("fp8_history_roll (instruction {index})"),
-        what: what.to_string(),
     }
 }

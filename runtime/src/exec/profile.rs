@@ -199,9 +199,10 @@ pub fn flops(op: &Op, first_input_numel: u64) -> Option<f64> {
 }
 
 /// The name a compute instruction's work is listed under in the per-op table: its opcode's,
-/// with a GEMM's epilogue after it and its layer's dimensions (`matmul+bias+gelu_tanh 768->3072`,
-/// `matmul_bwd_weight+acc 3072->768`, `matmul+swiglu` with SwiGLU's pass, `+fp8_tensorwise`), a generated kernel's with what it
-/// replaces (`fused swi_glu`); None for other instructions.
+/// with a GEMM's epilogue after it and its layer's dimensions (`matmul+bias+gelu_tanh
+/// 768->3072`, `matmul_bwd_weight+acc 3072->768`, `matmul+swiglu` with SwiGLU's pass,
+/// `+fp8_tensorwise`), a generated kernel's with what it replaces (`fused swi_glu`); None for
+/// other instructions.
 pub fn op_label(instr: &Instr) -> Option<String> {
     let op = instr.as_compute()?.op;
     let mut label = match op {
