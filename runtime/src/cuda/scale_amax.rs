@@ -195,6 +195,9 @@ impl ScaleAmaxes {
         let (slot, grow) = self.slots.copying(amax.id);
         if let Some(capacity) = grow {
             self.grow(ctx, capacity)?;
+            // Growing waited for the copies in flight and marked every value ready, this one's
+            // too, whose copy is queued only below.
+            self.slots.copying(amax.id);
         }
         let host = self.host_mut()?;
         // SAFETY: slot < capacity (grown above); amax holds one f32 (checked above); the
@@ -228,6 +231,8 @@ impl ScaleAmaxes {
         let (first, grow) = self.slots.copying_run(ids);
         if let Some(capacity) = grow {
             self.grow(ctx, capacity)?;
+            // As in `copy_after_roll`: the run's copy is still to be queued.
+            self.slots.copying_run(ids);
         }
         let host = self.host_mut()?;
         let held = host.len();
@@ -407,6 +412,22 @@ mod tests {
         // A run longer than the memory doubles it as often as it needs.
         let long: Vec<BufferId> = (100..100 + 3 * MIN_SLOTS as u32).map(BufferId).collect();
         assert_eq!(slots.copying_run(&long), (5, Some(4 * MIN_SLOTS)));
+    }
+
+    /// A copy that grows the memory waits for those in flight first, which marks every value
+    /// ready; marking its own again keeps its slot and has it waited for.
+    #[test]
+    fn a_copy_that_grows_the_memory_is_still_waited_for() {
+        let mut slots = Slots::default();
+        let run = [BufferId(4), BufferId(5)];
+        assert_eq!(slots.copying_run(&run), (0, Some(MIN_SLOTS)));
+        slots.waited();
+        assert_eq!(slots.copying_run(&run), (0, None));
+        assert_eq!(run.map(|id| slots.need(id)), [Need::Wait(0), Need::Wait(1)]);
+        assert_eq!(slots.copying(BufferId(7)), (2, None));
+        slots.waited();
+        assert_eq!(slots.copying(BufferId(7)), (2, None));
+        assert_eq!(slots.need(BufferId(7)), Need::Wait(2));
     }
 
     #[test]
