@@ -437,14 +437,34 @@ fn delayed_scaling_ops_match_the_cpu_emulation() {
 /// NaN and an infinity in x, the other history values untouched, and all four records taken by
 /// the GEMMs. With W's history empty (the forward runs unquantized) its two records are made
 /// apart, with the same values.
+/// An fp32 CUDA backend prepared for `program` with its memory plan, every buffer allocated
+/// (None without a GPU).
+#[cfg(feature = "cuda")]
+fn planned_gpu(program: &parc_compiler::ir::Program) -> Option<parc_runtime::cuda::CudaBackend> {
+    let mut gpu = crate::harness::cuda_backend(parc_compiler::spec::Precision::Fp32)?;
+    let plan = parc_compiler::memplan::plan_program(program).unwrap();
+    gpu.prepare(program, &plan).unwrap();
+    for (i, b) in program.buffers.iter().enumerate() {
+        gpu.alloc(BufferId(i as u32), &b.shape, b.dtype).unwrap();
+    }
+    Some(gpu)
+}
+
+/// Every instruction of `program` (all compute) on `gpu`, in order, as the executor runs them.
+#[cfg(feature = "cuda")]
+fn run_in_order(gpu: &mut parc_runtime::cuda::CudaBackend, program: &parc_compiler::ir::Program) {
+    for (i, instr) in program.instrs.iter().enumerate() {
+        let c = instr.as_compute().unwrap();
+        gpu.begin_instruction(i);
+        gpu.compute(c.op, c.inputs, c.outputs, &SCALARS).unwrap();
+    }
+}
+
 #[cfg(feature = "cuda")]
 #[test]
 fn records_ride_on_their_gemms_quantize_pass() {
-    use crate::harness::cuda_backend;
     use parc_compiler::ir::fp8::Fp8HistoryAttrs;
     use parc_compiler::ir::{Buffer, BufferKind, Instr, Program};
-    use parc_compiler::memplan::plan_program;
-    use parc_compiler::spec::Precision;
     let mut r = Rng::new("records_ride_on_their_gemms_quantize_pass");
     let (rows, k, m) = (150u64, 200u64, 136u64);
     let g = Fp8Gemm {
@@ -516,14 +536,9 @@ fn records_ride_on_their_gemms_quantize_pass() {
     let steps = [0.25f32, 1e3, 0.0, 0.0];
     let expected = [largest(&x), 1e3, largest(&dy), largest(&x)];
     for w_amax in [0.5f32, 0.0] {
-        let Some(mut gpu) = cuda_backend(Precision::Fp32) else {
+        let Some(mut gpu) = planned_gpu(&program) else {
             return;
         };
-        gpu.prepare(&program, &plan_program(&program).unwrap())
-            .unwrap();
-        for (i, b) in buffers.iter().enumerate() {
-            gpu.alloc(BufferId(i as u32), &b.shape, b.dtype).unwrap();
-        }
         let data: [&[f32]; 3] = [&x, &w, &dy];
         for (i, d) in data.into_iter().enumerate() {
             gpu.write_f32(BufferId(i as u32), d).unwrap();
@@ -535,11 +550,7 @@ fn records_ride_on_their_gemms_quantize_pass() {
             gpu.write_f32(BufferId(8 + i as u32), &[s, 4.0, 3.0, 2.0, 1.0])
                 .unwrap();
         }
-        for (i, instr) in program.instrs.iter().enumerate() {
-            let c = instr.as_compute().unwrap();
-            gpu.begin_instruction(i);
-            gpu.compute(c.op, c.inputs, c.outputs, &SCALARS).unwrap();
-        }
+        run_in_order(&mut gpu, &program);
         for (i, want) in expected.into_iter().enumerate() {
             let got = gpu.read_f32(BufferId(8 + i as u32)).unwrap();
             assert_eq!(
@@ -563,11 +574,8 @@ fn records_ride_on_their_gemms_quantize_pass() {
 #[cfg(feature = "cuda")]
 #[test]
 fn a_run_of_rolls_is_one_launch_with_the_same_results() {
-    use crate::harness::cuda_backend;
     use parc_compiler::ir::fp8::Fp8HistoryAttrs;
     use parc_compiler::ir::{Buffer, BufferKind, Instr, Program};
-    use parc_compiler::memplan::plan_program;
-    use parc_compiler::spec::Precision;
     // Histories 0..4 (lengths 5, 9, 5, 5), scale amaxes 4..8, a scratch buffer 8.
     let lens = [5u64, 9, 5, 5];
     let mut buffers: Vec<Buffer> = (lens.iter().enumerate())
@@ -605,15 +613,10 @@ fn a_run_of_rolls_is_one_launch_with_the_same_results() {
         Instr::compute(Op::Copy, &[2], &[8]),
         roll(3, 5),
     ];
-    let program = Program::new("rolls", buffers.clone(), instrs);
-    let Some(mut gpu) = cuda_backend(Precision::Fp32) else {
+    let program = Program::new("rolls", buffers, instrs);
+    let Some(mut gpu) = planned_gpu(&program) else {
         return;
     };
-    gpu.prepare(&program, &plan_program(&program).unwrap())
-        .unwrap();
-    for (i, b) in buffers.iter().enumerate() {
-        gpu.alloc(BufferId(i as u32), &b.shape, b.dtype).unwrap();
-    }
     // What rolling one by one gives: history[k + 1] = history[k], history[0] = 0, the scale
     // amax the rolled history's largest value.
     let mut histories: Vec<Vec<f32>> = (lens.iter().enumerate())
@@ -627,11 +630,7 @@ fn a_run_of_rolls_is_one_launch_with_the_same_results() {
         gpu.write_f32(BufferId(i as u32), h).unwrap();
     }
     for step in 0..2 {
-        for (i, instr) in program.instrs.iter().enumerate() {
-            let c = instr.as_compute().unwrap();
-            gpu.begin_instruction(i);
-            gpu.compute(c.op, c.inputs, c.outputs, &SCALARS).unwrap();
-        }
+        run_in_order(&mut gpu, &program);
         for (i, h) in histories.iter_mut().enumerate() {
             h.rotate_right(1);
             h[0] = 0.0;
