@@ -549,14 +549,15 @@ fn an_fp8_gemm_is_priced_as_its_gemm_plus_its_quantization() {
 /// Delayed scaling makes no amax passes: its GEMMs are priced below current scaling's by
 /// those passes (on measured FP8 points: exactly the passes' traffic at the profile's rate),
 /// and its `Fp8AmaxRecord`s cost nothing, as the CUDA backend takes them in the GEMMs'
-/// quantize passes; on the roofline too.
+/// quantize passes; on the roofline too. (GEMMs that quantize their own operands: `quantize:
+/// per_gemm`.)
 #[test]
 fn delayed_scaling_saves_the_amax_passes_and_its_records_ride_on_the_gemms() {
     let lowered = |scaling: &str| {
         let text = include_str!("../../../../examples/tiny-llama.par").to_string();
         let overrides = [
             "train.precision=bf16".to_string(),
-            format!("train.fp8=tensorwise {{ scaling: {scaling} }}"),
+            format!("train.fp8=tensorwise {{ scaling: {scaling}, quantize: per_gemm }}"),
             "train.fp8.fp8=[Attention, MLP]".to_string(),
         ]
         .map(|s| crate::overrides::parse_override(&s).unwrap());
