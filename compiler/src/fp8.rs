@@ -394,12 +394,14 @@ pub fn choices(spec: &Spec, prices: Option<&dyn GemmPrices>) -> Vec<Choice> {
             if gemms.is_empty() {
                 return None;
             }
-            let reason = reason(spec, fp8, n, &gemms, prices);
+            let mut reason = reason(spec, fp8, n, &gemms, prices);
             let fp8 = match reason {
                 Reason::PinnedBf16 | Reason::LmHead => PerLayout::splat(false),
                 Reason::PinnedFp8 => PerLayout::splat(true),
                 Reason::Cost(p) => {
-                    PerLayout::from_fn(|l| pays(p.bf16_s[l], p.fp8_s[l], p.priced_by))
+                    let (chosen, priced) = decide(p, shared_savings(spec, fp8, &gemms));
+                    reason = Reason::Cost(priced);
+                    chosen
                 }
             };
             Some(Choice {
@@ -447,6 +449,64 @@ fn reason(
         };
         Reason::Cost(gemms.iter().map(priced).fold(none, Priced::plus))
     }
+}
+
+/// What quantizing each tensor once for the FP8 GEMMs near it (`quantize: shared`,
+/// `lower::fp8_quantize`) saves a layer's FP8 GEMMs of one microbatch against quantizing
+/// their operands each on its own, as the prices count it: a forward (and a weight gradient)
+/// reads an x that k of the layer's weights read once instead of k times; a data and a weight
+/// gradient both in FP8 read each weight's dy once (`pair`). A read is priced as an amax pass
+/// (at the GPU's bandwidth, with its launch; under current scaling twice: the amax pass is
+/// shared too).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SharedSavings {
+    pub layout: PerLayout<f64>,
+    pub pair: f64,
+}
+
+/// [`SharedSavings`] of `gemms` under `fp8` (none where it does not share quantization).
+fn shared_savings(spec: &Spec, fp8: &Fp8, gemms: &[Gemm]) -> SharedSavings {
+    if !(fp8.shared_quantization && fp8.scaling == Fp8Scaling::Tensorwise) {
+        return SharedSavings::default();
+    }
+    let reads = if fp8.history.is_some() { 1.0 } else { 2.0 };
+    let bandwidth = spec.cluster.gpu.memory_bandwidth.max(1.0);
+    let pass = |elements: u64| reads * (elements as f64 * 2.0 / bandwidth + QUANT_LAUNCH_S);
+    // x read by several weights: every reader after the first.
+    let x: f64 = (gemms.iter().enumerate())
+        .filter(|(i, g)| gemms[..*i].iter().any(|h| h.reads == g.reads))
+        .map(|(_, g)| pass(g.rows * g.in_dim))
+        .sum();
+    let pair = gemms.iter().map(|g| pass(g.rows * g.out_dim)).sum();
+    SharedSavings {
+        layout: PerLayout([x, 0.0, x]),
+        pair,
+    }
+}
+
+/// Which layouts of a layer priced `p` run in FP8 with shared quantization's `savings`, and
+/// the prices that decided it: each layout where it pays ([`pays`]) at its FP8 price less what
+/// sharing saves it, a data and a weight gradient in FP8 together sharing dy's read (half to
+/// each); one of them alone is priced without it.
+fn decide(p: Priced, savings: SharedSavings) -> (PerLayout<bool>, Priced) {
+    let (data, weight) = (GemmLayout::BwdData, GemmLayout::BwdWeight);
+    let mut priced = p;
+    for l in GemmLayout::ALL {
+        priced.fp8_s[l] -= savings.layout[l];
+    }
+    let shared = |priced: Priced| {
+        let mut p = priced;
+        p.fp8_s[data] -= savings.pair / 2.0;
+        p.fp8_s[weight] -= savings.pair / 2.0;
+        p
+    };
+    let choose = |p: &Priced| PerLayout::from_fn(|l| pays(p.bf16_s[l], p.fp8_s[l], p.priced_by));
+    let both = shared(priced);
+    let chosen = choose(&both);
+    if chosen[data] && chosen[weight] || savings.pair == 0.0 {
+        return (chosen, both);
+    }
+    (choose(&priced), priced)
 }
 
 /// FP8 pays for a GEMM layout when the cost model says it saves at least its pricing's minimum
@@ -961,6 +1021,35 @@ mod tests {
         fp8: PerLayout<f64>,
     }
 
+    /// With shared quantization a data and a weight gradient that both run in FP8 read dy
+    /// once: a pair that pays only together runs together, priced with half the saving each;
+    /// one that pays alone is priced without it; a forward's x read by two weights is read once.
+    #[test]
+    fn shared_quantization_prices_dy_once_for_both_gradients() {
+        let priced = |fp8: [f64; 3]| Priced {
+            bf16_s: PerLayout::splat(1.0),
+            fp8_s: PerLayout(fp8),
+            priced_by: Pricing::Measured,
+        };
+        let savings = SharedSavings {
+            layout: PerLayout([0.05, 0.0, 0.05]),
+            pair: 0.1,
+        };
+        // Data 0.99 and weight 1.02 alone: neither saves 3%; together 0.94 and 0.92 (weight
+        // less x's shared read).
+        let (chosen, p) = decide(priced([1.0, 0.99, 1.02]), savings);
+        assert_eq!(chosen, PerLayout([true, true, true]));
+        assert!((p.fp8_s[GemmLayout::BwdData] - 0.94).abs() < 1e-12);
+        assert!((p.fp8_s[GemmLayout::BwdWeight] - 0.92).abs() < 1e-12);
+        // Weight far slower: the data gradient is priced alone and does not pay.
+        let (chosen, p) = decide(priced([1.2, 0.99, 1.5]), savings);
+        assert_eq!(chosen, PerLayout([false, false, false]));
+        assert!((p.fp8_s[GemmLayout::BwdData] - 0.99).abs() < 1e-12);
+        // No sharing: the prices as they are.
+        let (chosen, _) = decide(priced([0.9, 0.99, 1.02]), SharedSavings::default());
+        assert_eq!(chosen, PerLayout([true, false, false]));
+    }
+
     impl GemmPrices for Table {
         fn layer_gemm(&self, _: &Spec, _: &Gemm, _: Fp8Scaling) -> Option<Priced> {
             Some(Priced {
@@ -974,15 +1063,19 @@ mod tests {
     /// The H100 case (Llama 3.2 1B, tensorwise): FP8 pays for the forward and the data
     /// gradient, not the weight gradient, so a cost-decided layer runs exactly those two in
     /// FP8, and the lowered program carries `fp8` on exactly those ops of the layer; pins and
-    /// the LM head still decide all three.
+    /// the LM head still decide all three. (Each GEMM quantizing its own operands, so the
+    /// table's prices decide alone: `shared_quantization_prices_dy_once_for_both_gradients`.)
     #[test]
     fn each_gemm_runs_fp8_only_where_it_pays() {
-        let spec = with_fp8(
+        let mut spec = with_fp8(
             &Dims::tiny(),
             &Plan::default(),
             Fp8Scaling::Tensorwise,
             (&["blocks.0"], &[]),
         );
+        if let Some(f) = spec.train.fp8.as_mut() {
+            f.shared_quantization = false;
+        }
         // 0.79, 0.91 and 1.09 of bf16: H100's 780/988, 713/786 and 727/666 TFLOP/s.
         let table = Table {
             fp8: PerLayout([0.79, 0.91, 1.09]),
