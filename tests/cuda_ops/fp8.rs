@@ -650,3 +650,371 @@ fn a_run_of_rolls_is_one_launch_with_the_same_results() {
         assert_eq!(gpu.fp8_rolls_in_runs(), 3 * (step + 1), "step {step}");
     }
 }
+
+/// `fp8_quantize_dual` (`runtime/src/cuda/fp8_quantize.rs`, the pass of `Op::Fp8Quantize`):
+/// a tensor quantized with one tensorwise scale into `q` (`[rows, cols]`) and `qt`
+/// (`[cols, rows]`) in one read.
+#[cfg(feature = "cuda")]
+mod dual {
+    use crate::harness::{cuda_backend, Rng};
+    use float8::{F8E4M3, F8E5M2};
+    use parc_compiler::ir::fp8::{Fp8Format, Fp8Gemm, Fp8Scaling};
+    use parc_compiler::ir::op::Op;
+    use parc_compiler::ir::{BufferId, DType};
+    use parc_compiler::spec::Precision;
+    use parc_runtime::backend::{Backend, StepScalars};
+    use parc_runtime::cpu::CpuBackend;
+    use parc_runtime::cuda::CudaBackend;
+
+    const X: BufferId = BufferId(0);
+    const AMAX: BufferId = BufferId(1);
+    const Q: BufferId = BufferId(2);
+    const QT: BufferId = BufferId(3);
+    const RECORD: BufferId = BufferId(4);
+    /// What an output holds before the pass: a layout not asked for must still hold it.
+    const UNTOUCHED: u8 = 0xa5;
+    const SCALARS: StepScalars = StepScalars {
+        lr: 0.0,
+        step: 1,
+        loss_scale: None,
+    };
+
+    /// The scale of `amax` as `runtime/src/cpu/fp8.rs` computes it (docs/fp8.md): the power
+    /// of two 2^⌊log₂(max / amax)⌋ read from the quotient's exponent bits, 1 for amax 0. The
+    /// CPU's own scale is checked through `cpu_dequantized`.
+    fn scale(amax: f32, format: Fp8Format) -> f32 {
+        if amax.is_nan() || amax <= 0.0 {
+            return 1.0;
+        }
+        let ratio = format.max() / amax;
+        if ratio == 0.0 {
+            return f32::from_bits(1 << 23);
+        }
+        f32::from_bits(((ratio.to_bits() >> 23) & 0xff).clamp(1, 254) << 23)
+    }
+
+    /// The FP8 byte of `v` scaled by `s`: the float8 crate's conversion (the CPU emulation's:
+    /// nearest-even, saturating) of a finite value; a non-finite one as `Op::Fp8Quantize`
+    /// writes it: NaN (0x7f), except an infinity in E5M2, which stays infinite.
+    fn fp8_byte(v: f32, s: f32, format: Fp8Format) -> u8 {
+        match (format, v.is_finite()) {
+            (Fp8Format::E4m3, true) => F8E4M3::from_f32(v * s).to_bits(),
+            (Fp8Format::E5m2, true) => F8E5M2::from_f32(v * s).to_bits(),
+            (Fp8Format::E5m2, false) if v.is_infinite() => {
+                if v < 0.0 {
+                    0xfc
+                } else {
+                    0x7c
+                }
+            }
+            (_, false) => 0x7f,
+        }
+    }
+
+    /// The f32 value of FP8 byte `b`.
+    fn fp8_value(b: u8, format: Fp8Format) -> f32 {
+        match format {
+            Fp8Format::E4m3 => F8E4M3::from_bits(b).to_f32(),
+            Fp8Format::E5m2 => F8E5M2::from_bits(b).to_f32(),
+        }
+    }
+
+    /// `x` (`[rows, cols]`, finite) quantized and dequantized by the CPU backend's FP8
+    /// emulation with scale amax `amax` (> 0): the data gradient dx = dy · W of a delayed
+    /// tensorwise GEMM whose dy (format `format`) is x and whose W is the identity (its FP8
+    /// value exactly 1), so dx is the emulation's dq(x) = fp8(x·s)/s, exactly (one nonzero
+    /// product per sum).
+    fn cpu_dequantized(x: &[f32], cols: usize, amax: f32, format: Fp8Format) -> Vec<f32> {
+        let rows = x.len() / cols;
+        let fp8 = Fp8Gemm {
+            scaling: Fp8Scaling::Tensorwise,
+            grad: format,
+            split: Default::default(),
+            history: Some(1),
+        };
+        let op = Op::MatmulBwdData {
+            in_dim: cols as u64,
+            out_dim: cols as u64,
+            accumulate: false,
+            act_grad: None,
+            swiglu: false,
+            fp8: Some(fp8),
+        };
+        let identity: Vec<f32> = (0..cols * cols)
+            .map(|i| if i % (cols + 1) == 0 { 1.0 } else { 0.0 })
+            .collect();
+        let mut cpu = CpuBackend::new();
+        let shapes = [rows * cols, cols * cols, 1, 1, rows * cols];
+        for (i, len) in shapes.into_iter().enumerate() {
+            cpu.alloc(BufferId(i as u32), &[len as u64], DType::F32)
+                .unwrap();
+        }
+        let data: [&[f32]; 4] = [x, &identity, &[amax], &[1.0]];
+        for (i, d) in data.into_iter().enumerate() {
+            cpu.write_f32(BufferId(i as u32), d).unwrap();
+        }
+        let ids = [BufferId(0), BufferId(1), BufferId(2), BufferId(3)];
+        cpu.compute(&op, &ids, &[BufferId(4)], &SCALARS).unwrap();
+        cpu.read_f32(BufferId(4)).unwrap()
+    }
+
+    /// `n` values over many binades (2^-24 to 16, so some round to FP8 subnormals or zero),
+    /// with exact FP8 ties, signed zeros, the largest finite magnitude at a random place, and,
+    /// with `non_finite`, a NaN and both infinities.
+    fn values(r: &mut Rng, n: usize, non_finite: bool) -> Vec<f32> {
+        let exponents = r.positive(n, -24.0, 4.0);
+        let mut v: Vec<f32> = (r.vec(n, 1.0).iter().zip(exponents))
+            .map(|(u, e)| u * e.exp2())
+            .collect();
+        let mut specials = vec![1.0625f32, -1.1875, 0.0, -0.0, 3.0 * 2f32.powi(-10), 20.0];
+        if non_finite {
+            specials.extend([f32::NAN, f32::INFINITY, f32::NEG_INFINITY]);
+        }
+        let step = (n / specials.len()).max(1);
+        for (i, s) in specials.into_iter().enumerate() {
+            if let Some(slot) = v.get_mut((i * step + 3 * i) % n) {
+                *slot = s;
+            }
+        }
+        v
+    }
+
+    /// The largest finite magnitude of `v`.
+    fn largest(v: &[f32]) -> f32 {
+        (v.iter().filter(|v| v.is_finite())).fold(0.0f32, |a, v| a.max(v.abs()))
+    }
+
+    /// One pass on `gpu`: x (stored as `dtype`) quantized with scale amax `amax` into the
+    /// layouts `[q, qt]` asks for, recording into a record that held `record_before`. Returns
+    /// x as stored, q's and qt's bytes and the record after.
+    fn run_pass(
+        gpu: &mut CudaBackend,
+        (x, rows, cols, dtype): (&[f32], usize, usize, DType),
+        (amax, format): (f32, Fp8Format),
+        layouts: [bool; 2],
+        record_before: f32,
+    ) -> (Vec<f32>, Vec<u8>, Vec<u8>, f32) {
+        let n = rows * cols;
+        // Outputs in whole i32 words (the bytes the pass writes come first).
+        let words = n.div_ceil(4);
+        gpu.alloc(X, &[n as u64], dtype).unwrap();
+        gpu.alloc(AMAX, &[1], DType::F32).unwrap();
+        gpu.alloc(RECORD, &[1], DType::F32).unwrap();
+        gpu.write_f32(X, x).unwrap();
+        gpu.write_f32(AMAX, &[amax]).unwrap();
+        gpu.write_f32(RECORD, &[record_before]).unwrap();
+        for id in [Q, QT] {
+            gpu.alloc(id, &[words as u64], DType::I32).unwrap();
+            gpu.write_i32(id, &vec![i32::from_ne_bytes([UNTOUCHED; 4]); words])
+                .unwrap();
+        }
+        let [q, qt] = layouts;
+        let outputs = [q.then_some(Q), qt.then_some(QT)];
+        gpu.fp8_quantize_dual((X, cols as u64), (AMAX, format), outputs, Some(RECORD))
+            .unwrap();
+        let stored = gpu.read_f32(X).unwrap();
+        let mut q_bytes = gpu.read_bytes(Q).unwrap();
+        let mut qt_bytes = gpu.read_bytes(QT).unwrap();
+        q_bytes.truncate(n);
+        qt_bytes.truncate(n);
+        let record = gpu.read_f32(RECORD).unwrap()[0];
+        for id in [X, AMAX, Q, QT, RECORD] {
+            gpu.free(id).unwrap();
+        }
+        (stored, q_bytes, qt_bytes, record)
+    }
+
+    /// Checks one pass's outputs against the CPU emulation; `what` names the case.
+    fn check_pass(
+        what: &str,
+        (x, rows, cols): (&[f32], usize, usize),
+        (amax, format): (f32, Fp8Format),
+        (q, qt): (Option<&[u8]>, Option<&[u8]>),
+    ) {
+        let s = scale(amax, format);
+        let want: Vec<u8> = x.iter().map(|&v| fp8_byte(v, s, format)).collect();
+        if let Some(q) = q {
+            for (i, (&got, &w)) in q.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    got,
+                    w,
+                    "{what}: q[{}, {}] of x = {:e} (scale {s:e}): {got:#04x}, want {w:#04x}",
+                    i / cols,
+                    i % cols,
+                    x[i]
+                );
+            }
+        }
+        if let Some(qt) = qt {
+            for (j, &got) in qt.iter().enumerate() {
+                let (c, r) = (j / rows, j % rows);
+                let w = want[r * cols + c];
+                assert_eq!(
+                    got,
+                    w,
+                    "{what}: qt[{c}, {r}] of x = {:e} (scale {s:e}): {got:#04x}, want {w:#04x}",
+                    x[r * cols + c]
+                );
+            }
+        }
+        // The CPU emulation's own dq(x) (its scale and rounding), at x's finite elements, from
+        // q (or qt where q was not written).
+        let Some((bytes, row_major)) = q.map(|b| (b, true)).or(qt.map(|b| (b, false))) else {
+            return;
+        };
+        if amax > 0.0 {
+            let finite: Vec<f32> = (x.iter())
+                .map(|&v| if v.is_finite() { v } else { 0.0 })
+                .collect();
+            let cpu = cpu_dequantized(&finite, cols, amax, format);
+            for (i, &v) in x.iter().enumerate().filter(|(_, v)| v.is_finite()) {
+                let at = if row_major {
+                    i
+                } else {
+                    (i % cols) * rows + i / cols
+                };
+                let got = fp8_value(bytes[at], format) / s;
+                assert!(
+                    got == cpu[i],
+                    "{what}: x[{i}] = {v:e} dequantizes to {got:e}, the CPU's to {:e}",
+                    cpu[i]
+                );
+            }
+        }
+    }
+
+    /// Both formats, f32 and bf16 storage, each layout alone and both, at shapes with partial
+    /// tiles and rows or columns not a multiple of 8 (the one-byte paths) beside whole ones
+    /// (the vector paths), scale amaxes at the operand's largest value, below it (saturation, as
+    /// a delayed scale after smaller steps) and 0 (scale 1): every byte equals the CPU
+    /// emulation's conversion, a non-finite element is written as `Op::Fp8Quantize` defines,
+    /// the layouts not asked for are untouched, and the record becomes the maximum of what it
+    /// held and x's largest finite magnitude, exactly.
+    #[test]
+    fn quantize_dual_matches_the_cpu_emulation_bit_for_bit() {
+        let Some(mut gpu) = cuda_backend(Precision::Fp32) else {
+            return;
+        };
+        let mut r = Rng::new("quantize_dual_matches_the_cpu_emulation_bit_for_bit");
+        let shapes = [
+            (1, 1),
+            (5, 24),
+            (37, 200),
+            (64, 128),
+            (65, 129),
+            (150, 136),
+            (16, 1040),
+            (200, 8),
+        ];
+        for (rows, cols) in shapes {
+            for dtype in [DType::F32, DType::Bf16] {
+                for format in [Fp8Format::E4m3, Fp8Format::E5m2] {
+                    for layouts in [[true, true], [true, false], [false, true]] {
+                        let x = values(&mut r, rows * cols, true);
+                        let top = largest(&x);
+                        for (amax, record_before) in [(top, 0.25), (top / 37.0, 1e3), (0.0, 0.0)] {
+                            let (stored, q, qt, record) = run_pass(
+                                &mut gpu,
+                                (&x, rows, cols, dtype),
+                                (amax, format),
+                                layouts,
+                                record_before,
+                            );
+                            let what = format!(
+                                "[{rows}, {cols}] {dtype:?} {format:?} layouts {layouts:?} amax {amax:e}"
+                            );
+                            let [want_q, want_qt] = layouts;
+                            check_pass(
+                                &what,
+                                (&stored, rows, cols),
+                                (amax, format),
+                                (want_q.then_some(&q[..]), want_qt.then_some(&qt[..])),
+                            );
+                            for (asked, bytes, name) in [(want_q, &q, "q"), (want_qt, &qt, "qt")] {
+                                assert!(
+                                    asked || bytes.iter().all(|&b| b == UNTOUCHED),
+                                    "{what}: {name} was written"
+                                );
+                            }
+                            let want = record_before.max(largest(&stored));
+                            assert_eq!(record, want, "{what}: the record");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Bandwidth of the dual quantization of a 16384 × 8192 tensor (bf16 and f32) into both
+    /// layouts, each alone, and both with a record, against a device copy of the same tensor
+    /// (`Op::Copy`: what a pass reading x once and writing 2 bytes an element is held to).
+    /// Prints one JSON line per point: median milliseconds over REPS runs (CUDA events) and
+    /// GB/s of the ideal traffic (x read once, each byte written once).
+    #[test]
+    #[ignore = "needs a GPU: run on the device machine with --ignored --nocapture"]
+    fn quantize_dual_bandwidth() {
+        use crate::gpu_support::{median, uniform};
+        const REPS: usize = 20;
+        let (rows, cols) = (16384usize, 8192usize);
+        let n = rows * cols;
+        for dtype in [DType::Bf16, DType::F32] {
+            let Some(mut gpu) = cuda_backend(Precision::Fp32) else {
+                return;
+            };
+            let copy = BufferId(5);
+            gpu.alloc(X, &[n as u64], dtype).unwrap();
+            gpu.write_f32(X, &uniform(n, 7, -1.0, 1.0)).unwrap();
+            gpu.alloc(copy, &[n as u64], dtype).unwrap();
+            for id in [AMAX, RECORD] {
+                gpu.alloc(id, &[1], DType::F32).unwrap();
+                gpu.write_f32(id, &[1.0]).unwrap();
+            }
+            for id in [Q, QT] {
+                gpu.alloc(id, &[(n / 4) as u64], DType::I32).unwrap();
+            }
+            let elem = dtype.bytes() as f64;
+            // Each point: its name, the layouts written (q, qt) and whether a record rides.
+            let points = [
+                ("copy", [false, false], false),
+                ("q+qt", [true, true], false),
+                ("q", [true, false], false),
+                ("qt", [false, true], false),
+                ("q+qt+record", [true, true], true),
+            ];
+            for (name, [q, qt], with_record) in points {
+                let outputs = [q.then_some(Q), qt.then_some(QT)];
+                let record = with_record.then_some(RECORD);
+                let run = |gpu: &mut CudaBackend| {
+                    if name == "copy" {
+                        gpu.compute(&Op::Copy, &[X], &[copy], &SCALARS).unwrap();
+                    } else {
+                        let x = (X, cols as u64);
+                        let amax = (AMAX, Fp8Format::E4m3);
+                        gpu.fp8_quantize_dual(x, amax, outputs, record).unwrap();
+                    }
+                };
+                run(&mut gpu);
+                let mut times = Vec::new();
+                for _ in 0..REPS {
+                    gpu.mark_time().unwrap();
+                    run(&mut gpu);
+                    gpu.mark_time().unwrap();
+                    times.extend(gpu.marked_intervals().unwrap());
+                }
+                let t = median(times);
+                let written = if name == "copy" {
+                    elem
+                } else {
+                    outputs.iter().flatten().count() as f64
+                };
+                let bytes = n as f64 * (elem + written);
+                println!(
+                    "{{\"bench\":\"fp8_quantize_dual\",\"dtype\":\"{}\",\"rows\":{rows},\"cols\":{cols},\"point\":\"{name}\",\"ms\":{:.3},\"gbps\":{:.0}}}",
+                    dtype.name(),
+                    t * 1e3,
+                    bytes / t / 1e9
+                );
+            }
+        }
+    }
+}

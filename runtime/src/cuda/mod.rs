@@ -68,6 +68,7 @@ mod elementwise;
 mod embedding;
 mod epilogue;
 mod fp8;
+mod fp8_quantize;
 mod fp8_record;
 mod fp8_roll;
 mod fused;
@@ -351,6 +352,21 @@ impl CudaBackend {
         self.stream
             .synchronize()
             .map_err(|e| driver_error("waiting for queued GPU work", e))
+    }
+
+    /// The bytes of buffer `id` as the device holds them, whatever its dtype (FP8 bytes, bf16
+    /// bit patterns, little-endian f32 and i32), after the work queued before.
+    pub fn read_bytes(&self, id: BufferId) -> Result<Vec<u8>> {
+        self.wait_comm_for(id)?;
+        let s = self.slot(id)?;
+        self.synchronize()?;
+        self.check_comm_intact()?;
+        let mut host = vec![0u8; s.len * s.dtype.bytes() as usize];
+        // SAFETY: the allocation holds s.len elements of s.dtype, host.len() bytes; the stream
+        // is idle.
+        unsafe { cu::memcpy_dtoh_sync(&mut host, s.ptr) }
+            .map_err(|e| driver_error(&format!("reading buffer {}", id.0), e))?;
+        Ok(host)
     }
 
     fn slot(&self, id: BufferId) -> Result<&Slot> {
