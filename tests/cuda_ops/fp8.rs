@@ -694,20 +694,15 @@ mod dual {
     }
 
     /// The FP8 byte of `v` scaled by `s`: the float8 crate's conversion (the CPU emulation's:
-    /// nearest-even, saturating) of a finite value; a non-finite one as `Op::Fp8Quantize`
-    /// writes it: NaN (0x7f), except an infinity in E5M2, which stays infinite.
+    /// nearest-even, saturating) of a finite value; NaN (0x7f) for a non-finite one, as
+    /// `Op::Fp8Quantize` stores it.
     fn fp8_byte(v: f32, s: f32, format: Fp8Format) -> u8 {
-        match (format, v.is_finite()) {
-            (Fp8Format::E4m3, true) => F8E4M3::from_f32(v * s).to_bits(),
-            (Fp8Format::E5m2, true) => F8E5M2::from_f32(v * s).to_bits(),
-            (Fp8Format::E5m2, false) if v.is_infinite() => {
-                if v < 0.0 {
-                    0xfc
-                } else {
-                    0x7c
-                }
-            }
-            (_, false) => 0x7f,
+        if !v.is_finite() {
+            return 0x7f;
+        }
+        match format {
+            Fp8Format::E4m3 => F8E4M3::from_f32(v * s).to_bits(),
+            Fp8Format::E5m2 => F8E5M2::from_f32(v * s).to_bits(),
         }
     }
 
@@ -887,7 +882,7 @@ mod dual {
     /// tiles and rows or columns not a multiple of 8 (the one-byte paths) beside whole ones
     /// (the vector paths), scale amaxes at the operand's largest value, below it (saturation, as
     /// a delayed scale after smaller steps) and 0 (scale 1): every byte equals the CPU
-    /// emulation's conversion, a non-finite element is written as `Op::Fp8Quantize` defines,
+    /// emulation's conversion, a non-finite element is written as NaN (0x7f),
     /// the layouts not asked for are untouched, and the record becomes the maximum of what it
     /// held and x's largest finite magnitude, exactly.
     #[test]

@@ -2,7 +2,7 @@
 //! (`fp8_quantize_dual`, `kernels/fp8.cu`): x `[rows, cols]` (f32 or bf16) read once, scaled by
 //! the power of two of a device amax (`2^⌊log₂(max/amax)⌋`, 1 for amax 0, as
 //! `runtime/src/cpu/fp8.rs`'s `scale`), rounded as the FP8 GEMMs' own quantize kernels round
-//! (nearest-even, saturating; E4M3 writes NaN for a non-finite element, E5M2 keeps infinities),
+//! (nearest-even, saturating; a non-finite element stored as NaN, 0x7f),
 //! and written as `q` `[rows, cols]` (K along x's columns), `qt` `[cols, rows]` (its transpose,
 //! K along x's rows), or both, with no padding (ld = the row length). A delayed-scaling record
 //! can ride on the pass: x's largest finite magnitude max-added into a history's step amax.

@@ -303,33 +303,6 @@ extern "C" __global__ void fp8_quantize_cols(Fv x, long long lines, long long k,
     if (record) fp8_block_max_into(record, m);
 }
 
-// One FP8 byte of a non-finite element v (`byte`, its conversion, where v is finite):
-// E4M3 has no infinity, so NaN and ±infinity become NaN (0x7f); E5M2 keeps ±infinity (0x7c,
-// 0xfc) and writes NaN as 0x7f (Op::Fp8Quantize, parc_compiler::ir::fp8).
-__device__ __forceinline__ unsigned int fp8_keep_nonfinite(unsigned int byte, float v, int e5m2) {
-    if (fabsf(v) <= 3.402823466e38f) return byte;
-    if (e5m2 && isinf(v)) return v < 0.0f ? 0xfcu : 0x7cu;
-    return 0x7fu;
-}
-
-// fp8(v[e] * s) for eight values, element 0 in the low byte of the first word; non-finite
-// values as fp8_keep_nonfinite writes them.
-__device__ __forceinline__ uint2 fp8_pack8_one_scale(const float (&v)[8], float s, int e5m2) {
-    unsigned int w[2] = {0u, 0u};
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-#pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-            int i = 4 * h + e;
-            unsigned int pair = fp8_pair(v[i] * s, v[i + 1] * s, e5m2);
-            unsigned int lo = fp8_keep_nonfinite(pair & 0xffu, v[i], e5m2);
-            unsigned int hi = fp8_keep_nonfinite(pair >> 8, v[i + 1], e5m2);
-            w[h] |= (lo | (hi << 8)) << (8 * e);
-        }
-    }
-    return make_uint2(w[0], w[1]);
-}
-
 #define FP8_DUAL_ROWS 64
 #define FP8_DUAL_COLS 128
 #define FP8_DUAL_THREADS 256
@@ -356,8 +329,8 @@ __device__ __forceinline__ unsigned int fp8_column4(unsigned int a, unsigned int
 // Op::Fp8Quantize (parc_compiler::ir::fp8): x [rows, cols] quantized with the one tensorwise
 // scale of amax[0] (f32 bits; fp8_scale) into, each where its pointer is not null,
 // q [rows, cols] (K along x's columns) and qt [cols, rows] (its transpose: K along x's rows),
-// fp8(x · s) rounded as fp8_quantize_lines and fp8_quantize_cols round (nearest-even,
-// saturating) and non-finite elements as fp8_keep_nonfinite writes them. x is read once: each
+// fp8(x · s) as fp8_quantize_lines and fp8_quantize_cols write it (fp8_pack8: nearest-even,
+// saturating, a non-finite element as NaN, 0x7f). x is read once: each
 // block takes FP8_DUAL_ROWS x FP8_DUAL_COLS tiles (grid-stride), its threads read 8 elements
 // of a row each (16-byte vectors where x is aligned and cols a multiple of 8), convert them
 // once, write them to q (8-byte stores where q is 8-byte aligned and cols a multiple of 8)
@@ -371,6 +344,7 @@ extern "C" __global__ void fp8_quantize_dual(Fv x, long long rows, long long col
                                              unsigned int* record) {
     __shared__ __align__(16) unsigned int tile[FP8_DUAL_ROWS][FP8_DUAL_COLS / 4];
     float s = fp8_scale(amax[0], maxv);
+    float s8[8] = {s, s, s, s, s, s, s, s};
     bool vec = vec_ok(x) && cols % 8 == 0;
     bool q8 = ((unsigned long long)q & 7ull) == 0 && cols % 8 == 0;
     bool qt8 = ((unsigned long long)qt & 7ull) == 0 && rows % 8 == 0;
@@ -405,7 +379,7 @@ extern "C" __global__ void fp8_quantize_dual(Fv x, long long rows, long long col
         for (int p = 0; p < FP8_DUAL_ROWS / FP8_DUAL_PASS; p++) {
             int row = rr + p * FP8_DUAL_PASS;
             long long r = r0 + row;
-            uint2 b = fp8_pack8_one_scale(v[p], s, e5m2);
+            uint2 b = fp8_pack8(v[p], s8, 8, e5m2);
             if (record) m = fp8_finite_max(m, v[p]);
             if (q && r < rows) {
                 if (q8 && valid == 8) {
