@@ -13,7 +13,7 @@
 use parc_compiler::diag::Diagnostic;
 use parc_compiler::ir::fp8::Fp8Scaling;
 use parc_compiler::ir::op::Op;
-use parc_compiler::ir::{BufferKind, Instr, Plan};
+use parc_compiler::ir::{BufferId, BufferKind, Instr, Plan};
 use parc_compiler::spec::Spec;
 
 /// Why the CUDA backend cannot run `plan`, with what to do instead; None where it can.
@@ -74,9 +74,25 @@ fn history_reductions(plan: &Plan) -> Option<String> {
     })
 }
 
+/// The FP8 amaxes reduced across ranks: `Fp8Amax` outputs a collective reads (an `Fp8Amax`
+/// of a tensor quantized once for several GEMMs stays on its rank).
 fn amax_reductions(plan: &Plan) -> Option<String> {
-    let count = computes(plan)
-        .filter(|c| matches!(c.op, Op::Fp8Amax(_)))
+    let reduced: std::collections::HashSet<(usize, BufferId)> = (plan.programs.iter().enumerate())
+        .flat_map(|(k, p)| {
+            p.instrs.iter().filter_map(move |i| match i {
+                Instr::Collective { input, .. } => Some((k, *input)),
+                _ => None,
+            })
+        })
+        .collect();
+    let count = (plan.programs.iter().enumerate())
+        .flat_map(|(k, p)| p.computes().map(move |(_, c)| (k, c)))
+        .filter(|(k, c)| {
+            matches!(c.op, Op::Fp8Amax(_))
+                && c.outputs
+                    .first()
+                    .is_some_and(|o| reduced.contains(&(*k, *o)))
+        })
         .count();
     (count > 0).then(|| {
         format!(

@@ -272,11 +272,11 @@ pub fn render_fp8(choices: &[parc_compiler::fp8::Choice], history: Option<u32>) 
         choices.len()
     );
     if let Some(h) = history {
-        // Two quantized operands per FP8 GEMM, each a history of h + 1 values and a scale amax.
-        let operands = 2 * fp8;
-        let size = operands as f64 * (f64::from(h) + 2.0) * 4.0;
+        // One history per quantized tensor, each of h + 1 values and a scale amax.
+        let tensors: usize = choices.iter().map(|c| c.quantized_tensors()).sum();
+        let size = tensors as f64 * (f64::from(h) + 2.0) * 4.0;
         out.push_str(&format!(
-            "delayed scaling: each operand scaled by the largest amax of its last {h} steps (Transformer Engine's DelayedScaling, margin 0; scale 1 until one is recorded); amax histories of {operands} operands, {} in all (each stage holds its own layers', replicated over dp, tp and cp)\n",
+            "delayed scaling: each quantized tensor scaled by the largest amax of its last {h} steps (Transformer Engine's DelayedScaling, margin 0; scale 1 until one is recorded); amax histories of {tensors} tensors, {} in all (each stage holds its own layers', replicated over dp, tp and cp)\n",
             bytes(size)
         ));
     }

@@ -199,6 +199,7 @@ fn tensorwise_fp8(s: &Spec, history: Option<u32>) -> Spec {
         history,
         keep_bf16: Vec::new(),
         force_fp8: vec!["Attention".into(), "MLP".into()],
+        shared_quantization: true,
         span: Default::default(),
     });
     fp8

@@ -1142,3 +1142,63 @@ fn fp8_delayed_scaling_under_cp_equals_the_single_rank_run_first() {
         assert_fp8_first_steps_equal(file, &DELAYED, plan, 2);
     }
 }
+
+/// Tensorwise FP8 with each tensor quantized once for the GEMMs near it that read it
+/// (`quantize: shared`, the default: `lower::fp8_quantize`) computes what each GEMM quantizing
+/// its own operands does (`quantize: per_gemm`), bit for bit, under current and delayed
+/// scaling, on one rank and under tp × dp; and the plan shares: fewer quantizations than the
+/// GEMMs' operands, some writing both layouts (a data and a weight gradient reading one dy).
+#[test]
+fn fp8_shared_quantization_computes_the_per_gemm_numbers() {
+    let file = "examples/tiny-llama.par";
+    let tp_dp = [
+        "parallel.tp=2",
+        "parallel.dp=2",
+        "parallel.zero=1",
+        "parallel.sequence_parallel=true",
+        "cluster.gpus_per_node=4",
+    ];
+    let current = ["train.fp8=tensorwise", "train.fp8.grad=e4m3"];
+    for recipe in [&current[..], &DELAYED[..]] {
+        for plan in [&[][..], &tp_dp[..]] {
+            let shared = fp8_spec(file, recipe, plan);
+            let per_gemm = [plan, &["train.fp8.quantize=per_gemm"][..]].concat();
+            let own = fp8_spec(file, recipe, &per_gemm);
+            let lowered = lower(&shared).unwrap_or_else(|d| panic!("{:?}", d.items));
+            let computes = || {
+                lowered.programs[0]
+                    .instrs
+                    .iter()
+                    .filter_map(Instr::as_compute)
+            };
+            let quantized = computes()
+                .filter(|c| c.op.fp8().is_some_and(|f| f.quantized))
+                .count();
+            let quantizes: Vec<_> = computes()
+                .filter_map(|c| match c.op {
+                    parc_compiler::ir::op::Op::Fp8Quantize(a) => Some(*a),
+                    _ => None,
+                })
+                .collect();
+            let desc = format!("{recipe:?} {plan:?}");
+            assert!(quantized > 0, "{desc}: no quantized GEMM");
+            assert!(quantizes.len() < 2 * quantized, "{desc}: nothing shared");
+            assert!(
+                quantizes.iter().any(|a| a.direct && a.transposed),
+                "{desc}: no quantization writes both layouts"
+            );
+            let (a, b) = (run_example(&shared), run_example(&own));
+            for (x, y) in a.records.iter().zip(&b.records) {
+                assert_eq!(
+                    (x.loss.to_bits(), x.grad_norm.to_bits()),
+                    (y.loss.to_bits(), y.grad_norm.to_bits()),
+                    "{desc} step {}",
+                    x.step
+                );
+            }
+            for (x, y) in a.params.iter().zip(&b.params) {
+                assert_eq!(x.data, y.data, "{desc} {}", x.name);
+            }
+        }
+    }
+}

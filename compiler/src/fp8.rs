@@ -186,6 +186,10 @@ pub fn short_name(layout: GemmLayout) -> &'static str {
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Gemm {
     pub weight: &'static str,
+    /// The tensor its x is, within the layer: `input` (the layer's input), `hidden` (an MLP's
+    /// activation) or `attn` (attention's output). Weights reading one tensor quantize it
+    /// once (`lower::fp8_quantize`) under one delayed-scaling history (`lower/fp8.rs`).
+    pub reads: &'static str,
     pub rows: u64,
     pub in_dim: u64,
     pub out_dim: u64,
@@ -294,6 +298,20 @@ impl Choice {
         self.fp8.0.iter().any(|&f| f)
     }
 
+    /// The tensors its FP8 GEMMs quantize, each with one delayed-scaling history: per weight
+    /// its W where the forward or the data gradient runs in FP8, its dy where a gradient does,
+    /// and once per tensor read as x (`Gemm::reads`) where the forward or the weight gradient
+    /// does (`lower/fp8.rs`).
+    pub fn quantized_tensors(&self) -> usize {
+        let [fwd, data, weight] = self.fp8.0;
+        let per_weight = usize::from(fwd || data) + usize::from(data || weight);
+        let mut xs: Vec<&str> = self.gemms.iter().map(|g| g.reads).collect();
+        xs.sort_unstable();
+        xs.dedup();
+        let x = if fwd || weight { xs.len() } else { 0 };
+        per_weight * self.gemms.len() + x
+    }
+
     /// How many of the layer's GEMM ops of one microbatch run in FP8: its weights times its
     /// FP8 layouts.
     pub fn fp8_gemms(&self) -> usize {
@@ -357,6 +375,7 @@ pub fn gemm_attr(fp8: &Fp8) -> Fp8Gemm {
         grad: fp8.grad,
         split: Default::default(),
         history: fp8.history,
+        quantized: false,
     }
 }
 
@@ -445,8 +464,9 @@ fn is_lm_head(spec: &Spec, node: &Node) -> bool {
 pub fn gemms(spec: &Spec, node: &Node) -> Vec<Gemm> {
     let (tp, cp) = tp_cp(spec);
     let rows = spec.train.micro_batch * spec.model.seq / cp.max(1);
-    let gemm = |weight, in_dim, out_dim| Gemm {
+    let gemm = |(weight, reads), in_dim, out_dim| Gemm {
         weight,
+        reads,
         rows,
         in_dim,
         out_dim,
@@ -454,7 +474,7 @@ pub fn gemms(spec: &Spec, node: &Node) -> Vec<Gemm> {
     match &node.kind {
         LayerKind::Linear {
             in_dim, out_dim, ..
-        } => vec![gemm("weight", *in_dim, out_dim / tp)],
+        } => vec![gemm(("weight", "input"), *in_dim, out_dim / tp)],
         LayerKind::Attention {
             dim,
             heads,
@@ -462,20 +482,24 @@ pub fn gemms(spec: &Spec, node: &Node) -> Vec<Gemm> {
             head_dim,
             ..
         } => vec![
-            gemm("wqkv", *dim, (heads + 2 * kv_heads) * head_dim / tp),
-            gemm("wo", heads * head_dim / tp, *dim),
+            gemm(
+                ("wqkv", "input"),
+                *dim,
+                (heads + 2 * kv_heads) * head_dim / tp,
+            ),
+            gemm(("wo", "attn"), heads * head_dim / tp, *dim),
         ],
         LayerKind::Mlp {
             dim, hidden, act, ..
         } if act.is_gated() => vec![
-            gemm("gate", *dim, hidden / tp),
-            gemm("up", *dim, hidden / tp),
-            gemm("down", hidden / tp, *dim),
+            gemm(("gate", "input"), *dim, hidden / tp),
+            gemm(("up", "input"), *dim, hidden / tp),
+            gemm(("down", "hidden"), hidden / tp, *dim),
         ],
         LayerKind::Mlp { dim, hidden, .. } => {
             vec![
-                gemm("fc", *dim, hidden / tp),
-                gemm("proj", hidden / tp, *dim),
+                gemm(("fc", "input"), *dim, hidden / tp),
+                gemm(("proj", "hidden"), hidden / tp, *dim),
             ]
         }
         _ => Vec::new(),
@@ -522,11 +546,12 @@ pub fn quantize_each(spec: &Spec, g: &Gemm) -> PerLayout<f64> {
     })
 }
 
-/// The GEMM that delayed scaling's `Fp8AmaxRecord` at instruction `at` of `program` rides on:
-/// the first instruction after it, past other records, allocations and frees, if that is an
-/// FP8 GEMM under delayed scaling quantizing the recorded buffer as one of its two operands.
-/// The CUDA backend max-adds the amax into the history inside that GEMM's quantize pass (one
-/// read of the operand instead of two); the verifier holds every record to have one
+/// The quantize pass that delayed scaling's `Fp8AmaxRecord` at instruction `at` of `program`
+/// rides on: the first instruction after it, past other records, allocations, frees and
+/// `Fp8Quantize` ops of other buffers, if that is an `Fp8Quantize` of the recorded buffer, or
+/// an FP8 GEMM under delayed scaling quantizing it itself (not `quantized`) as one of its two
+/// operands. The CUDA backend max-adds the amax into the history inside that quantize pass
+/// (one read of the operand instead of two); the verifier holds every record to have one
 /// (invariant 9), so the time model prices records at nothing. None for any other
 /// instruction.
 pub fn recording_gemm(program: &Program, at: usize) -> Option<usize> {
@@ -534,14 +559,24 @@ pub fn recording_gemm(program: &Program, at: usize) -> Option<usize> {
         c if matches!(c.op, Op::Fp8AmaxRecord(_)) => *c.inputs.first()?,
         _ => return None,
     };
-    let passes = |x: &Instr| {
-        matches!(x, Instr::Alloc { .. } | Instr::Free { .. })
-            || x.op().is_some_and(|op| matches!(op, Op::Fp8AmaxRecord(_)))
+    let passes = |x: &Instr| match x {
+        Instr::Alloc { .. } | Instr::Free { .. } => true,
+        Instr::Compute { op, inputs, .. } => match **op {
+            Op::Fp8AmaxRecord(_) => true,
+            Op::Fp8Quantize(_) => inputs.first() != Some(&recorded),
+            _ => false,
+        },
+        _ => false,
     };
     let next = (at + 1..program.instrs.len()).find(|&j| !passes(&program.instrs[j]))?;
-    let gemm = program.instrs[next].as_compute()?;
-    let delayed = gemm.op.fp8().is_some_and(|f| f.history.is_some());
-    (delayed && gemm.inputs.get(..2)?.contains(&recorded)).then_some(next)
+    let c = program.instrs[next].as_compute()?;
+    if matches!(c.op, Op::Fp8Quantize(_)) {
+        return Some(next);
+    }
+    let delayed =
+        c.op.fp8()
+            .is_some_and(|f| f.history.is_some() && !f.quantized);
+    (delayed && c.inputs.get(..2)?.contains(&recorded)).then_some(next)
 }
 
 /// The elements an FP8 GEMM of `layout` at `[m, n, k]` = [rows, out, in] quantizes: x and W
@@ -820,6 +855,7 @@ mod tests {
             history: None,
             keep_bf16: pins.0.iter().map(|s| s.to_string()).collect(),
             force_fp8: pins.1.iter().map(|s| s.to_string()).collect(),
+            shared_quantization: true,
             span: Span::default(),
         });
         spec

@@ -756,6 +756,10 @@ pub struct Fp8 {
     pub keep_bf16: Vec<String>,
     /// Layers in FP8 whatever the cost model says (`fp8: [MLP]`).
     pub force_fp8: Vec<String>,
+    /// Tensorwise: each tensor quantized once for the FP8 GEMMs near it that read it
+    /// (`quantize: shared`, the default; `lower::fp8_quantize`), or inside each GEMM
+    /// (`quantize: per_gemm`, to compare). The same numbers either way on finite values.
+    pub shared_quantization: bool,
     pub span: Span,
 }
 

@@ -318,6 +318,7 @@ impl<'a> Bench<'a> {
             grad: Fp8Format::E4m3,
             split: Default::default(),
             history: None,
+            quantized: false,
         };
         let dtype = GemmDtype::Fp8(scaling).name();
         let (mut points, mut refused) = (Vec::new(), Vec::new());
@@ -530,6 +531,7 @@ impl<'a> Bench<'a> {
             StorageClass::Tokens => DType::I32,
             StorageClass::Float if self.half && self.backend.stores_bf16() => DType::Bf16,
             StorageClass::Fp32 | StorageClass::Float => DType::F32,
+            StorageClass::Fp8(format) => DType::Fp8(format),
         };
         (dtype, self.timeline_bytes(dtype))
     }
@@ -541,6 +543,7 @@ impl<'a> Bench<'a> {
             DType::F32 if self.half => 2,
             DType::F32 | DType::I32 => 4,
             DType::Bf16 => 2,
+            DType::Fp8(_) => 1,
         }
     }
 

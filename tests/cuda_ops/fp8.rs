@@ -40,18 +40,21 @@ fn all_recipes() -> [Fp8Gemm; 3] {
             grad: Fp8Format::E5m2,
             split: Default::default(),
             history: None,
+            quantized: false,
         },
         Fp8Gemm {
             scaling: Fp8Scaling::Rowwise,
             grad: Fp8Format::E4m3,
             split: Default::default(),
             history: None,
+            quantized: false,
         },
         Fp8Gemm {
             scaling: Fp8Scaling::Blockwise { block: 128 },
             grad: Fp8Format::E4m3,
             split: Default::default(),
             history: None,
+            quantized: false,
         },
     ]
 }
@@ -272,6 +275,7 @@ fn blockwise_with_another_block_is_unsupported() {
         grad: Fp8Format::E4m3,
         split: Default::default(),
         history: None,
+        quantized: false,
     };
     let err = matmul_square(gpu.as_mut(), blockwise64, 64).unwrap_err();
     assert!(
@@ -370,6 +374,7 @@ fn delayed_scaling_ops_match_the_cpu_emulation() {
         grad: Fp8Format::E5m2,
         split: Default::default(),
         history: Some(4),
+        quantized: false,
     };
     // Each GEMM's two scale amaxes follow its operands: 4 (x), 0.5 (W), 5e-3 (dy).
     let (rows, k, m) = (150, 200, 136);
@@ -472,6 +477,7 @@ fn records_ride_on_their_gemms_quantize_pass() {
         grad: Fp8Format::E5m2,
         split: Default::default(),
         history: Some(4),
+        quantized: false,
     };
     let buffer = |name: &str, shape: Vec<u64>, kind| Buffer {
         name: name.into(),

@@ -7,6 +7,7 @@
 //! fp8 = rowwise { bf16: [head, blocks.0], fp8: [MLP] }
 //! fp8 = tensorwise { scaling: current }             // this step's amaxes (the default)
 //! fp8 = tensorwise { scaling: delayed, history: 16 } // amax history of 16 steps (E1205)
+//! fp8 = tensorwise { quantize: per_gemm }          // each GEMM quantizes its operands (compare)
 //! fp8 = none                                        // bf16 GEMMs (the default)
 //! ```
 
@@ -24,6 +25,7 @@ pub fn fp8(r: &mut Reader) -> Option<Fp8> {
     let (recipe, span) = r.word(PATH, &["none", "tensorwise", "rowwise", "blockwise"])?;
     let common = ["grad", "bf16", "fp8"];
     let mut history = None;
+    let mut shared_quantization = false;
     let scaling = match recipe.as_str() {
         "none" => {
             r.reject_fields(PATH, &[], "none");
@@ -36,10 +38,11 @@ pub fn fp8(r: &mut Reader) -> Option<Fp8> {
         "tensorwise" => {
             r.reject_fields(
                 PATH,
-                &[&common[..], &["scaling", "history"]].concat(),
+                &[&common[..], &["scaling", "history", "quantize"]].concat(),
                 "tensorwise",
             );
             history = delayed_history(r)?;
+            shared_quantization = shared(r)?;
             Fp8Scaling::Tensorwise
         }
         _ => {
@@ -65,8 +68,19 @@ pub fn fp8(r: &mut Reader) -> Option<Fp8> {
         history,
         keep_bf16: layers(r, "bf16")?,
         force_fp8: layers(r, "fp8")?,
+        shared_quantization,
         span: first.to(span),
     })
+}
+
+/// `quantize: shared` (the default) or `quantize: per_gemm`.
+fn shared(r: &mut Reader) -> Option<bool> {
+    let path = format!("{PATH}.quantize");
+    match r.word(&path, &["shared", "per_gemm"]) {
+        Some((w, _)) => Some(w == "shared"),
+        None if r.span(&path).is_some() => None,
+        None => Some(true),
+    }
 }
 
 /// `block_size: N`, a power of two in [MIN_BLOCK, MAX_BLOCK] (default 128, DeepSeek-V3's).

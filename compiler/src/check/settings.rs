@@ -71,6 +71,7 @@ pub const PATHS: &[&str] = &[
     "train.fp8.grad",
     "train.fp8.scaling",
     "train.fp8.history",
+    "train.fp8.quantize",
     "train.fp8.bf16",
     "train.fp8.fp8",
     "cluster.nodes",

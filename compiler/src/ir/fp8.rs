@@ -296,11 +296,33 @@ pub struct Fp8HistoryAttrs {
     pub cols: u64,
 }
 
+/// The `Fp8Quantize` op: one tensor quantized once, tensorwise, for every FP8 GEMM that reads
+/// it (`lower::fp8_quantize`). in: x `[rows, cols]` (rows fixed for a weight, else the op's);
+/// amax `[1]`, the scale amax (`s = 2^⌊log₂(max / amax)⌋`, 1 for 0, as the module doc
+/// defines). out, each where its flag is set: `q` `[rows, cols]` = fp8(x·s), x's layout (K
+/// along x's columns); `qt` `[cols, rows]`, its transpose (K along x's rows). Each element
+/// rounds as a GEMM's own quantization does; a non-finite one is stored as NaN (0x7f), which
+/// the GEMM reads as NaN (its own quantization keeps an infinity: either way the product is
+/// non-finite and the step's check sees it). An FP8 GEMM with `Fp8Gemm::quantized` reads its
+/// operands from these, so its numbers are the unquantized op's bit for bit on finite inputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct Fp8QuantizeAttrs {
+    pub format: Fp8Format,
+    /// x's rows where they are fixed (a weight); None for a token operand.
+    pub rows: Option<u64>,
+    pub cols: u64,
+    /// Writes `q` (x's layout).
+    pub direct: bool,
+    /// Writes `qt` (the transpose).
+    pub transposed: bool,
+}
+
 /// The `fp8` attribute of a GEMM op: its scaling, the format of its gradient operand (dy,
 /// in the two backward GEMMs; weights and activations are E4M3), how each operand (in the
 /// op's input order) is split across ranks, which decides which operands read their amaxes
-/// from an input ([`Fp8Gemm::shared`]), and, for delayed scaling, the amax history's length
-/// (both operands then read their scale amax from an input: [`Fp8Gemm::reads_amax`]).
+/// from an input ([`Fp8Gemm::shared`]), for delayed scaling the amax history's length (both
+/// operands then read their scale amax from an input: [`Fp8Gemm::reads_amax`]), and whether
+/// its operands come quantized ([`Fp8Gemm::quantized`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 pub struct Fp8Gemm {
     pub scaling: Fp8Scaling,
@@ -311,6 +333,14 @@ pub struct Fp8Gemm {
     /// current scaling.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub history: Option<u32>,
+    /// Tensorwise only: both operands are read already quantized, from two more inputs after
+    /// the amaxes (`Fp8Quantize`'s outputs, K-major: `q` of an operand read along its
+    /// columns, `qt` of one read along its rows), each with the scale its amax input (always
+    /// present then) gives. The unquantized operands stay inputs: a delayed-scaling GEMM
+    /// whose history is still empty runs on them unquantized, and a weight gradient's bias
+    /// gradient sums the exact dy.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub quantized: bool,
 }
 
 fn unsplit(split: &[Fp8Split; 2]) -> bool {
@@ -333,7 +363,7 @@ impl Fp8Gemm {
     /// groups span ranks ([`Fp8Gemm::shared`]).
     pub fn reads_amax(self, operands: [Fp8Operand; 2]) -> [bool; 2] {
         self.shared(operands)
-            .map(|axes| self.history.is_some() || !axes.is_empty())
+            .map(|axes| self.quantized || self.history.is_some() || !axes.is_empty())
     }
 }
 
@@ -345,6 +375,9 @@ impl fmt::Display for Fp8Gemm {
         }
         if let Some(h) = self.history {
             write!(f, " delayed({h})")?;
+        }
+        if self.quantized {
+            f.write_str(" quantized")?;
         }
         write!(f, " grad {}", self.grad.name())?;
         if !unsplit(&self.split) {
@@ -402,6 +435,7 @@ mod tests {
             grad: Fp8Format::E5m2,
             split: Default::default(),
             history: None,
+            quantized: false,
         };
         let [x, w] = operands::forward(g);
         let [dy, _] = operands::bwd_weight(g);
@@ -426,6 +460,7 @@ mod tests {
             grad: Fp8Format::E5m2,
             split: Default::default(),
             history: None,
+            quantized: false,
         };
         let (cp, tp) = (Axes::of(&[Axis::Cp]), Axes::of(&[Axis::Tp]));
         // A row-parallel input under cp: rows split by cp, columns (K) by tp.

@@ -48,13 +48,17 @@ use serde::Serialize;
 pub struct BufferId(pub u32);
 
 /// Element type of a buffer. `Bf16` stores an f32 value rounded to bfloat16 (8 exponent bits, 7
-/// mantissa bits); which buffers use it is decided by the lowering (see `storage`).
+/// mantissa bits); which buffers use it is decided by the lowering (see `storage`). `Fp8` holds
+/// an FP8 GEMM operand quantized once for the GEMMs that read it (`Op::Fp8Quantize`): the
+/// scaled values `fp8(v·s)` in the format's bits, one byte each (`ir::fp8`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DType {
     F32,
     I32,
     Bf16,
+    #[serde(untagged)]
+    Fp8(fp8::Fp8Format),
 }
 
 impl DType {
@@ -63,14 +67,21 @@ impl DType {
         match self {
             DType::F32 | DType::I32 => 4,
             DType::Bf16 => 2,
+            DType::Fp8(_) => 1,
         }
     }
-    /// The name in the text form (`f32`, `i32`, `bf16`).
+    /// The name in the text form (`f32`, `i32`, `bf16`, `e4m3`, `e5m2`).
     pub fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",
             DType::I32 => "i32",
             DType::Bf16 => "bf16",
+            DType::Fp8(format) => format.name(),
         }
+    }
+    /// Whether elements are stored narrower than the f32 values kernels compute with (bf16,
+    /// FP8): a backend that computes in f32 widens them on reading and rounds on writing.
+    pub fn is_narrow(self) -> bool {
+        matches!(self, DType::Bf16 | DType::Fp8(_))
     }
 }

@@ -29,7 +29,7 @@
 //!   marks an overflowed step, and a marked step leaves `AdamW`/`Sgd` parameters and state
 //!   untouched.
 
-use super::fp8::{operands, Fp8AmaxAttrs, Fp8Gemm, Fp8HistoryAttrs, Fp8Operand};
+use super::fp8::{operands, Fp8AmaxAttrs, Fp8Gemm, Fp8HistoryAttrs, Fp8Operand, Fp8QuantizeAttrs};
 use crate::kir::Kernel;
 use serde::Serialize;
 use std::fmt;
@@ -284,6 +284,11 @@ pub enum Op {
     /// zeroed); amax `[1]`, the rolled history's largest value: the scale amax the operand's
     /// GEMMs read next step.
     Fp8HistoryRoll(Fp8HistoryAttrs),
+    /// in: x `[rows, cols]` (rows fixed for a weight), amax `[1]` f32. out: `q` `[rows, cols]`
+    /// and/or `qt` `[cols, rows]` in the FP8 format: x quantized once, tensorwise, with the
+    /// scale amax's scale, for the FP8 GEMMs with `Fp8Gemm::quantized` that read it
+    /// (`ir::fp8::Fp8QuantizeAttrs`).
+    Fp8Quantize(Fp8QuantizeAttrs),
 
     // ------------------------------------------------------------------ attention
     /// in: x `[rows, heads*head_dim]`. out: y, each head rotated by its row's position.
@@ -604,6 +609,12 @@ impl fmt::Debug for Op {
                 .field("rows", &a.rows)
                 .field("cols", &a.cols),
             Op::Fp8HistoryRoll(a) => d.field("history", &a.history),
+            Op::Fp8Quantize(a) => d
+                .field("format", &format_args!("{}", a.format.name()))
+                .field("rows", &a.rows)
+                .field("cols", &a.cols)
+                .field("direct", &a.direct)
+                .field("transposed", &a.transposed),
             Op::Rope(a) | Op::RopeBwd(a) | Op::RopeTable(a) => d
                 .field("batch", &a.batch)
                 .field("heads", &a.heads)

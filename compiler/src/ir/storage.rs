@@ -17,6 +17,7 @@
 //!
 //! `Copy`, `CopyRange`, `SplitColumns`, `ConcatColumns` and `Zero` take any float type on either
 //! side (a copy between f32 and bf16 converts); their operands are `Float`.
+use super::fp8::Fp8Format;
 use super::DType;
 
 /// The element types an operand accepts (see the module docs).
@@ -25,6 +26,8 @@ pub enum StorageClass {
     Tokens,
     Fp32,
     Float,
+    /// FP8 bits of this format (`Op::Fp8Quantize`'s outputs and the quantized GEMM inputs).
+    Fp8(Fp8Format),
 }
 
 impl StorageClass {
@@ -34,6 +37,7 @@ impl StorageClass {
             StorageClass::Tokens => dtype == DType::I32,
             StorageClass::Fp32 => dtype == DType::F32,
             StorageClass::Float => matches!(dtype, DType::F32 | DType::Bf16),
+            StorageClass::Fp8(format) => dtype == DType::Fp8(format),
         }
     }
     /// What the class accepts, for messages.
@@ -42,6 +46,7 @@ impl StorageClass {
             StorageClass::Tokens => "i32",
             StorageClass::Fp32 => "f32",
             StorageClass::Float => "f32 or bf16",
+            StorageClass::Fp8(format) => format.name(),
         }
     }
 }

@@ -16,7 +16,7 @@
 //! first operand of that row count decides it and every other must agree.
 use super::fp8::{Along, Fp8HistoryAttrs, Fp8Operand, Fp8Scaling, OperandKind};
 use super::op::{AttentionAttrs, Op};
-use super::storage::StorageClass::{self, Float, Fp32, Tokens};
+use super::storage::StorageClass::{self, Float, Fp32, Fp8, Tokens};
 
 /// What kind of work an op is: backends group their code by family, and the profiler its time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -84,6 +84,7 @@ opcodes! {
     Fp8Amax "fp8_amax" Matmul,
     Fp8AmaxRecord "fp8_amax_record" Matmul,
     Fp8HistoryRoll "fp8_history_roll" Matmul,
+    Fp8Quantize "fp8_quantize" Matmul,
     Rope "rope" Elementwise,
     RopeBwd "rope_bwd" Elementwise,
     RopeTable "rope_table" Elementwise,
@@ -364,6 +365,22 @@ impl Signature {
         self
     }
 
+    /// A quantized FP8 GEMM's operands as `Fp8Quantize` wrote them (`Fp8Gemm::quantized`):
+    /// for each of its two operands, given as (role, rows, columns), in the format the GEMM
+    /// reads it in. A transposed token operand (`[K, tokens]` of a weight gradient) has the
+    /// op's rows as its columns, which a shape rule cannot say (columns 0: any count; the
+    /// verifier checks its extent, `verify::fp8`).
+    fn quantized_inputs(&mut self, op: &Op, operands: [(&'static str, Rows, u64); 2]) -> &mut Self {
+        let Some((_, quantized)) = op.fp8_operands().filter(|(g, _)| g.quantized) else {
+            return self;
+        };
+        for ((role, rows, cols), operand) in operands.into_iter().zip(quantized) {
+            let shape = (cols > 0).then_some(Shape { rows, cols });
+            self.input(role, Fp8(operand.format), shape);
+        }
+        self
+    }
+
     /// Every later output written as `write` (the parameter gradients an
     /// `accumulate_param_grad` flag governs).
     fn writing_from(&mut self, first: usize, write: Write) -> &mut Self {
@@ -510,7 +527,8 @@ impl Op {
             | Op::MatmulBwdWeight { .. }
             | Op::Fp8Amax(_)
             | Op::Fp8AmaxRecord(_)
-            | Op::Fp8HistoryRoll(_) => gemm_family(self, s),
+            | Op::Fp8HistoryRoll(_)
+            | Op::Fp8Quantize(_) => gemm_family(self, s),
             Op::Rope(a) => {
                 let width = a.heads.saturating_mul(a.head_dim);
                 s.rows(rows_of(&a.positions, a.batch))
@@ -668,6 +686,34 @@ impl Op {
         Some((first, self.accumulates(first)))
     }
 
+    /// The amax input of each operand of an FP8 GEMM bound to `inputs` (None where it reads
+    /// none) and, for a `quantized` one, its quantized operands: the amaxes come after the
+    /// op's other inputs, in operand order, for the operands `Fp8Gemm::reads_amax` names, then
+    /// the two quantized operands. None where the op is no FP8 GEMM or the inputs are too few.
+    #[allow(clippy::type_complexity)]
+    pub fn fp8_inputs(
+        &self,
+        inputs: &[super::BufferId],
+    ) -> Option<([Option<super::BufferId>; 2], Option<[super::BufferId; 2]>)> {
+        let (g, of) = self.fp8_operands()?;
+        let reads = g.reads_amax(of);
+        let quantized = if g.quantized { 2 } else { 0 };
+        let count = reads.iter().filter(|r| **r).count();
+        let mut at = inputs.len().checked_sub(quantized + count)?;
+        let mut amax = [None, None];
+        for k in 0..2 {
+            if reads[k] {
+                amax[k] = Some(*inputs.get(at)?);
+                at += 1;
+            }
+        }
+        let q = match g.quantized {
+            true => Some([*inputs.get(at)?, *inputs.get(at + 1)?]),
+            false => None,
+        };
+        Some((amax, q))
+    }
+
     /// Whether the op adds into its output `output` (`Write::Accumulate`).
     pub fn accumulates(&self, output: usize) -> bool {
         self.signature()
@@ -714,6 +760,13 @@ fn gemm_family<'s>(op: &Op, s: &'s mut Signature) -> &'s mut Signature {
                     ("w_amax", Some(*out_dim), *in_dim),
                 ],
             )
+            .quantized_inputs(
+                op,
+                [
+                    ("xq", Rows::N, *in_dim),
+                    ("wq", Rows::Fixed(*out_dim), *in_dim),
+                ],
+            )
             .output("y", Float, n(*out_dim))
             .output_if(act.is_some() || *swiglu, "a", Float, n(*out_dim)),
         Op::MatmulBwdData {
@@ -736,6 +789,13 @@ fn gemm_family<'s>(op: &Op, s: &'s mut Signature) -> &'s mut Signature {
                         ("dy_amax", None, *out_dim),
                         ("w_amax", Some(*out_dim), *in_dim),
                     ],
+                )
+                .quantized_inputs(
+                    op,
+                    [
+                        ("dyq", Rows::N, *out_dim),
+                        ("wq", Rows::Fixed(*in_dim), *out_dim),
+                    ],
                 );
             if *swiglu {
                 s.output("dgate", Float, n(*in_dim))
@@ -754,6 +814,13 @@ fn gemm_family<'s>(op: &Op, s: &'s mut Signature) -> &'s mut Signature {
             .input("dy", Float, n(*out_dim))
             .input("x", Float, n(*in_dim))
             .amax_inputs(op, [("dy_amax", None, *out_dim), ("x_amax", None, *in_dim)])
+            .quantized_inputs(
+                op,
+                [
+                    ("dyq", Rows::Fixed(*out_dim), 0),
+                    ("xq", Rows::Fixed(*in_dim), 0),
+                ],
+            )
             .output("dw", Fp32, fixed(*out_dim, *in_dim))
             .output_if(*bias, "db", Fp32, fixed(*out_dim, 1))
             .writing_from(0, accumulate_if(*accumulate_param_grad)),
@@ -776,6 +843,20 @@ fn gemm_family<'s>(op: &Op, s: &'s mut Signature) -> &'s mut Signature {
             .input("history", Fp32, history_shape(a))
             .write("history", Fp32, history_shape(a), Write::InPlace(0))
             .output("amax", Fp32, fixed(1, 1)),
+        Op::Fp8Quantize(a) => {
+            let rows = a.rows.map_or(Rows::N, Rows::Fixed);
+            let transposed = match a.rows {
+                // A weight's transpose has fixed columns; a token operand's has the op's rows
+                // as columns, which a shape rule cannot say: its extent is checked by the
+                // verifier (`verify::fp8`).
+                Some(r) => fixed(a.cols, r),
+                None => FLAT,
+            };
+            s.input("x", Float, shape(rows, a.cols))
+                .input("amax", Fp32, ONE)
+                .output_if(a.direct, "q", Fp8(a.format), shape(rows, a.cols))
+                .output_if(a.transposed, "qt", Fp8(a.format), transposed)
+        }
         _ => s,
     }
 }

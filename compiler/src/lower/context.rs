@@ -35,6 +35,8 @@ pub struct Fp8Layers {
     pub chosen: Vec<PerLayout<bool>>,
     /// Each node's GEMM weights (`crate::fp8::gemms`' names), for delayed scaling's histories.
     pub weights: Vec<Vec<&'static str>>,
+    /// The tensor each of those weights reads as x (`crate::fp8::Gemm::reads`).
+    pub reads: Vec<Vec<&'static str>>,
     pub attr: Fp8Gemm,
 }
 
@@ -45,6 +47,7 @@ impl Fp8Layers {
         let fp8 = spec.train.fp8.as_ref()?;
         let mut chosen = vec![PerLayout::splat(false); spec.model.nodes.len()];
         let mut weights = vec![Vec::new(); spec.model.nodes.len()];
+        let mut reads = vec![Vec::new(); spec.model.nodes.len()];
         for c in choices.iter().filter(|c| c.any()) {
             if let Some(slot) = chosen.get_mut(c.node.0 as usize) {
                 *slot = c.fp8;
@@ -52,12 +55,33 @@ impl Fp8Layers {
             if let Some(slot) = weights.get_mut(c.node.0 as usize) {
                 *slot = c.gemms.iter().map(|g| g.weight).collect();
             }
+            if let Some(slot) = reads.get_mut(c.node.0 as usize) {
+                *slot = c.gemms.iter().map(|g| g.reads).collect();
+            }
         }
         (chosen.iter().flat_map(|c| c.0).any(|f| f)).then(|| Fp8Layers {
             chosen,
             weights,
+            reads,
             attr: crate::fp8::gemm_attr(fp8),
         })
+    }
+
+    /// The weight of `node` whose delayed-scaling history of tensor `role` (`x`, `w`, `dy`)
+    /// `weight`'s GEMMs use: its own, except for `x`, which the first weight reading the same
+    /// tensor owns (an MLP's gate and up projections share their input's).
+    pub fn history_owner<'a>(&self, node: NodeId, weight: &'a str, role: &str) -> &'a str {
+        let i = node.0 as usize;
+        let (Some(weights), Some(reads)) = (self.weights.get(i), self.reads.get(i)) else {
+            return weight;
+        };
+        if role != "x" {
+            return weight;
+        }
+        let at = weights.iter().position(|w| *w == weight);
+        let tensor = at.and_then(|k| reads.get(k));
+        let owner = (weights.iter().zip(reads)).find(|(_, r)| Some(*r) == tensor);
+        owner.map_or(weight, |(w, _)| w)
     }
 
     /// Whether `node`'s GEMM of `layout` runs in FP8.
@@ -66,14 +90,14 @@ impl Fp8Layers {
     }
 }
 
-/// One operand's delayed-scaling state: which GEMM operand (node, weight, layout, operand
-/// index), its history and scale amax (persistent), and the axes its amaxes are shared over
-/// (set when its GEMM is emitted; `lower/fp8.rs`).
+/// One quantized tensor's delayed-scaling state: which tensor (node, weight, role), its
+/// history and scale amax (persistent), and the axes its amaxes are shared over (set when a
+/// GEMM reading it is emitted; `lower/fp8.rs`).
 pub struct Fp8History {
     pub node: NodeId,
     pub weight: &'static str,
-    pub gemm: crate::fp8::GemmLayout,
-    pub operand: usize,
+    /// The tensor: `x`, `w` or `dy` (each GEMM of the weight reading it shares the history).
+    pub role: &'static str,
     pub history: crate::ir::BufferId,
     pub amax: crate::ir::BufferId,
     pub shared: Option<crate::ir::fp8::Axes>,

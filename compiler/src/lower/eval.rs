@@ -50,6 +50,9 @@ pub(super) fn program(
     program.grad_sumsq = None;
     let keep_f32 = residual.as_ref().map_or(&[][..], |r| r.buffers());
     storage::assign(&mut program, sh.spec.train.precision, keep_f32);
+    if super::fp8_quantize::wanted(sh.spec) {
+        super::fp8_quantize::quantize_operands(&mut program);
+    }
     let internal = |what: String| {
         one(internal_error(
             sh,

@@ -12,10 +12,14 @@
 //! (x's columns are W's columns, dy's are W's rows). Data parallelism splits nothing: each dp
 //! rank's microbatch is its own tensor, as each microbatch is in the single-rank run.
 //!
-//! Delayed scaling (`Fp8Gemm::history`): every quantized operand of every FP8 GEMM this
-//! program runs has two persistent buffers ([`declare_histories`], declared after the metrics
-//! in the training and the evaluation program alike): its amax history `[1, H + 1]` and its
-//! scale amax `[1]`. The GEMM reads the scale amax (no amax pass, no reduction before it); in
+//! Delayed scaling (`Fp8Gemm::history`): every tensor an FP8 GEMM of this program quantizes
+//! (a weight's x, W or dy, shared by the weight's GEMMs reading it: W by the forward and the
+//! data gradient, dy by the data and the weight gradient, x by the forward and the weight
+//! gradient, so they use one scale and one quantization can serve several) has two persistent
+//! buffers ([`declare_histories`], declared after the metrics in the training and the
+//! evaluation program alike): its amax history `[1, H + 1]` and its scale amax `[1]`. Each
+//! GEMM records the same values into it that it did into a history of its own (the tensor is
+//! the same), so sharing changes no scale. The GEMM reads the scale amax (no amax pass, no reduction before it); in
 //! training (not in a recomputed forward, whose operands are the forward's, nor in evaluation)
 //! an `Fp8AmaxRecord` before it max-accumulates the operand's amax into the history's step
 //! slot. At the step's end ([`Emitter::fp8_roll`]) each history's step slot is max all-reduced
@@ -43,10 +47,10 @@ fn operand_names(gemm: GemmLayout) -> [&'static str; 2] {
     }
 }
 
-/// Declares the delayed-scaling buffers of every FP8 GEMM operand of the nodes in
-/// `my_chunks` (`ranges`: each chunk's node range), in model order: none without delayed
-/// scaling. Named `NODE.WEIGHT.LAYOUT.OPERAND.amax_history` and `….amax`, the same in every
-/// plan, so checkpoints carry them across plans.
+/// Declares the delayed-scaling buffers of every tensor FP8 GEMMs of the nodes in
+/// `my_chunks` quantize (`ranges`: each chunk's node range), in model order: none without
+/// delayed scaling. Named `NODE.WEIGHT.ROLE.amax_history` and `….amax` (ROLE `x`, `w` or
+/// `dy`), the same in every plan, so checkpoints carry them across plans.
 pub(super) fn declare_histories(
     b: &mut ProgramBuilder,
     (spec, fp8): (&Spec, Option<&Fp8Layers>),
@@ -65,29 +69,39 @@ pub(super) fn declare_histories(
             let (node, name) = (NodeId(i as u32), &spec.model.nodes[i].name);
             let weights = fp8.weights.get(i).map_or(&[][..], |w| w.as_slice());
             for &weight in weights {
-                for gemm in GemmLayout::ALL.into_iter().filter(|&g| fp8.runs(node, g)) {
-                    for (operand, role) in operand_names(gemm).into_iter().enumerate() {
-                        let base = format!("{name}.{weight}.{}.{role}", gemm.name());
-                        let mut declare = |what: &str, len: u64| {
-                            let shape = vec![1, len];
-                            let kind = BufferKind::Fp8History;
-                            b.declare(format!("{base}.{what}"), shape, DType::F32, kind)
-                        };
-                        out.push(History {
-                            node,
-                            weight,
-                            gemm,
-                            operand,
-                            history: declare("amax_history", u64::from(h) + 1),
-                            amax: declare("amax", 1),
-                            shared: None,
-                        });
-                    }
+                let own = |role: &&str| fp8.history_owner(node, weight, role) == weight;
+                for role in quantized_roles(fp8, node).into_iter().filter(own) {
+                    let base = format!("{name}.{weight}.{role}");
+                    let mut declare = |what: &str, len: u64| {
+                        let shape = vec![1, len];
+                        let kind = BufferKind::Fp8History;
+                        b.declare(format!("{base}.{what}"), shape, DType::F32, kind)
+                    };
+                    out.push(History {
+                        node,
+                        weight,
+                        role,
+                        history: declare("amax_history", u64::from(h) + 1),
+                        amax: declare("amax", 1),
+                        shared: None,
+                    });
                 }
             }
         }
     }
     out
+}
+
+/// The tensors (`x`, `w`, `dy`) the FP8 GEMMs of `node` quantize, in layout order.
+fn quantized_roles(fp8: &Fp8Layers, node: NodeId) -> Vec<&'static str> {
+    let mut roles: Vec<&'static str> = Vec::new();
+    let layouts = GemmLayout::ALL.into_iter().filter(|&g| fp8.runs(node, g));
+    for role in layouts.flat_map(operand_names) {
+        if !roles.contains(&role) {
+            roles.push(role);
+        }
+    }
+    roles
 }
 
 /// An FP8 GEMM about to be emitted: its attribute and the amax buffers it reads (released by
@@ -161,8 +175,11 @@ impl Emitter<'_> {
         let record = !self.evaluating && phase != Phase::Recompute;
         let mut amax = Vec::new();
         for (i, (buf, axes)) in operands.into_iter().enumerate() {
-            let found = (self.fp8_histories.iter_mut())
-                .find(|x| x.node == node && x.weight == w && x.gemm == gemm && x.operand == i);
+            let found = (self.fp8_histories.iter_mut()).find(|x| {
+                let role = operand_names(gemm)[i];
+                let owner = self.fp8.map_or(w, |f| f.history_owner(node, w, role));
+                x.node == node && x.weight == owner && x.role == role
+            });
             let Some((history, scale)) = found.map(|x| {
                 x.shared = Some(axes);
                 (x.history, x.amax)

@@ -11,6 +11,8 @@
 //! - `eval`: with `train.eval`, each role's evaluation step (forward and loss only);
 //! - `builder` / `emitter`: buffer and instruction emission state;
 //! - `storage`: which buffers a bf16 run stores in bf16;
+//! - then, where the FP8 recipe shares quantization (`Fp8::shared_quantization`), the FP8
+//!   quantization pass (`fp8_quantize`) on each program;
 //! - then, with `LowerOptions::fusion`, the fusion pass (`crate::fuse`) on each program.
 //!
 //! Programs are shared by ranks that differ only in their dp coordinate.
@@ -24,6 +26,7 @@ mod emitter;
 mod eval;
 pub(crate) mod first_write;
 mod fp8;
+pub mod fp8_quantize;
 mod idmap;
 mod layers;
 mod optim;
@@ -545,6 +548,9 @@ fn emit_program(sh: &Shared, key: (u32, u32, u32)) -> Result<Program, Diagnostic
     }
     let keep_f32 = residual.as_ref().map_or(&[][..], |r| r.buffers());
     storage::assign(&mut program, sh.spec.train.precision, keep_f32);
+    if fp8_quantize::wanted(sh.spec) {
+        fp8_quantize::quantize_operands(&mut program);
+    }
     if sh.options.fusion {
         crate::fuse::fuse_program(&mut program).map_err(|e| {
             one(internal_error(

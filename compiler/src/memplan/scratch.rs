@@ -257,6 +257,8 @@ pub struct Fp8Scratch {
 /// The scratch of FP8 GEMM `op` over `rows` rows (its x or dy's), None for any other op.
 /// Operands in the op's input order (`ir::fp8::operands`): `Matmul` x `[rows, in]`, W
 /// `[out, in]`; `MatmulBwdData` dy `[rows, out]`, W; `MatmulBwdWeight` dy, x `[rows, in]`.
+/// A `quantized` GEMM reads its FP8 operands from its inputs: its scratch holds only the
+/// scales (each operand's `q_at` and `amax_at` are then where its scales are, and unused).
 pub fn fp8_gemm_scratch(op: &Op, rows: u64) -> Option<Fp8Scratch> {
     let g = op.fp8()?;
     let (shapes, ops) = match *op {
@@ -312,8 +314,8 @@ pub fn fp8_gemm_scratch(op: &Op, rows: u64) -> Option<Fp8Scratch> {
             groups,
             layout,
             scales,
-            q_at: take(lines * ld),
-            amax_at: take(groups * 4),
+            q_at: take(if g.quantized { 0 } else { lines * ld }),
+            amax_at: take(if g.quantized { 0 } else { groups * 4 }),
             scales_at: take(scales * 4),
         }
     };
@@ -503,6 +505,7 @@ mod tests {
                 grad: Fp8Format::E4m3,
                 split: Default::default(),
                 history: None,
+                quantized: false,
             })
         };
         // 37 rows, in 200, out 136.

@@ -173,6 +173,13 @@ impl<'a> ProfileCosts<'a> {
                 let epilogue = epilogue_of(op);
                 let elem = buffer(outputs, 0).map_or(4, |b| b.dtype.bytes());
                 let product = match op.fp8() {
+                    // Operands quantized by their own ops: the GEMM alone.
+                    Some(f) if f.quantized => self.fp8_gemm_alone(
+                        (layout, mnk),
+                        (f.scaling, epilogue),
+                        dtype,
+                        [buffer(inputs, 0), buffer(inputs, 1)],
+                    )?,
                     Some(f) if self.has_gemm(GemmDtype::Fp8(f.scaling)) => {
                         let delayed = f.history.is_some();
                         self.measured_fp8(layout, mnk, (f.scaling, epilogue), delayed)?
@@ -384,6 +391,35 @@ impl<'a> ProfileCosts<'a> {
             false => 0.0,
         };
         Some((measured - saved).max(self.profile.launch_overhead_s))
+    }
+
+    /// Seconds of an FP8 GEMM of `layout` at `mnk` whose operands come quantized (`dtype` the
+    /// storage of its unquantized ones, `operands` those): the GEMM part of the profile's FP8
+    /// points where they decompose ([`Self::fp8_core_seconds`]), else their time less the
+    /// modelled quantization, at least the time at the GPU's FP8 peak; without FP8 points, the
+    /// bf16 time at the FP8 peak's speed-up.
+    fn fp8_gemm_alone(
+        &self,
+        (layout, mnk): (GemmLayout, [u64; 3]),
+        (scaling, epilogue): (Fp8Scaling, GemmEpilogue),
+        dtype: GemmDtype,
+        operands: [Option<&Buffer>; 2],
+    ) -> Option<f64> {
+        let fp8 = GemmDtype::Fp8(scaling);
+        if !self.has_gemm(fp8) {
+            let quantize = self.roofline.fp8_quantize_seconds(operands, false);
+            let priced = self.fp8_gemm(self.gemm(layout, mnk, dtype, epilogue)?, operands, false);
+            return Some(priced - quantize);
+        }
+        let [m, n, k] = mnk;
+        let flops = 2.0 * m as f64 * n as f64 * k as f64;
+        if self.fp8_decomposes(&fp8.name()) {
+            return Some(flops / self.gemm_rate(layout, mnk, &fp8.name(), epilogue, true)?);
+        }
+        let gpu = &self.roofline.spec.cluster.gpu;
+        let peak = gpu.peak_flops_fp8.unwrap_or(gpu.peak_flops).max(1.0) * self.flops_scale;
+        let measured = self.gemm(layout, mnk, fp8, epilogue)?;
+        Some((measured - self.fp8_quantize(layout, mnk)?).max(flops / peak))
     }
 
     /// Seconds of the amax passes over the two bf16 operands of an FP8 GEMM of `layout` at

@@ -114,7 +114,9 @@ impl StepCosts for SpecCosts<'_> {
         let bw = gpu.memory_bandwidth;
         let math = if peak > 0.0 { flops / peak } else { 0.0 };
         let memory = if bw > 0.0 { touched / bw } else { 0.0 };
-        let quantize = match fp8 {
+        // A `quantized` GEMM reads its operands quantized by their own `Fp8Quantize` ops,
+        // priced as the memory-bound ops they are.
+        let quantize = match fp8.filter(|f| !f.quantized) {
             Some(f) => self.fp8_quantize_seconds(
                 [buffer(c.inputs, 0), buffer(c.inputs, 1)],
                 f.history.is_some(),
@@ -159,6 +161,7 @@ impl StepCosts for SpecCosts<'_> {
             DType::I32 => 4,
             DType::F32 => self.spec.train.precision.compute_bytes(),
             DType::Bf16 => 2,
+            DType::Fp8(_) => 1,
         };
         (buffer.numel() * elem) as f64
     }

@@ -24,8 +24,17 @@
 //! (the history's last write before it is an `Fp8AmaxRecord` of the operand buffer, with no
 //! write to the operand between them); a recomputed forward records nothing. Conversely every
 //! `Fp8AmaxRecord` is followed, past other records, allocations and frees, by a delayed FP8
-//! GEMM quantizing the recorded buffer (`crate::fp8::recording_gemm`): the CUDA backend records
-//! the amax inside that GEMM's quantize pass, and the time model prices records so.
+//! GEMM quantizing the recorded buffer, or by an `Fp8Quantize` of it
+//! (`crate::fp8::recording_gemm`): the CUDA backend records the amax inside that quantize
+//! pass, and the time model prices records so.
+//!
+//! A `quantized` FP8 GEMM (`Fp8Gemm::quantized`) reads each operand's amax as above, or, where
+//! the scaling gives it no reduced or delayed one, an amax an `Fp8Amax` of that operand buffer
+//! wrote with no write to the operand since; and each quantized operand was last written by an
+//! `Fp8Quantize` of the operand buffer with that same amax, in the operand's format and layout
+//! (`q` for an operand read along its columns, `qt` along its rows), holding as many elements,
+//! with no write to the operand or the amax between the quantize and the GEMM: the quantized
+//! values are the operand's, scaled as the GEMM unscales them.
 use super::{Findings, Violation};
 use crate::fp8::recording_gemm;
 use crate::ir::fp8::{Along, Axes, Fp8Gemm, Fp8Operand, Fp8Split, OperandKind};
@@ -56,11 +65,29 @@ pub(super) fn check(plan: &Plan, program: &Program, id: ProgramId, rank: u32) ->
         let inputs = c.inputs.to_vec();
         let mut problems = split_problems(plan, program, (g, operands), &inputs);
         let shared = g.shared(operands);
+        let (amaxes, quantized) = c.op.fp8_inputs(&inputs).unwrap_or_default();
+        if let Some(q) = quantized {
+            for k in 0..2 {
+                let (Some(&buffer), Some(amax)) = (inputs.get(k), amaxes[k]) else {
+                    problems.push(format!("quantized operand {k} has no amax input"));
+                    continue;
+                };
+                let want = (buffer, amax, operands[k]);
+                if let Err(e) = quantized_before(program, i, q[k], want) {
+                    problems.push(format!("quantized operand {k} (b{}): {e}", q[k].0));
+                }
+                // Current scaling, its groups within the rank: the amax the pass computed.
+                if g.history.is_none() && shared[k].is_empty() {
+                    if let Err(e) = own_amax_before(program, i, amax, buffer) {
+                        problems.push(format!("operand {k} (b{}): {e}", buffer.0));
+                    }
+                }
+            }
+        }
         if g.history.is_some() {
-            let scale = inputs.get(inputs.len().saturating_sub(2)..).unwrap_or(&[]);
             for (k, axes) in shared.into_iter().enumerate() {
                 let dp = Axes::NONE.with_if(plan.mesh.size(Axis::Dp) > 1, Axis::Dp);
-                let (Some(&buffer), Some(&amax)) = (inputs.get(k), scale.get(k)) else {
+                let (Some(&buffer), Some(amax)) = (inputs.get(k), amaxes[k]) else {
                     problems.push(format!("operand {k} has no scale amax input"));
                     continue;
                 };
@@ -77,13 +104,11 @@ pub(super) fn check(plan: &Plan, program: &Program, id: ProgramId, rank: u32) ->
             }
             continue;
         }
-        let reduced = shared.iter().filter(|a| !a.is_empty()).count();
-        let mut amax_inputs = inputs.iter().skip(inputs.len().saturating_sub(reduced));
         for (k, axes) in shared.into_iter().enumerate() {
             if axes.is_empty() {
                 continue;
             }
-            let (Some(&buffer), Some(&amax)) = (inputs.get(k), amax_inputs.next()) else {
+            let (Some(&buffer), Some(amax)) = (inputs.get(k), amaxes[k]) else {
                 problems.push(format!("operand {k} has no amax input"));
                 continue;
             };
@@ -104,6 +129,106 @@ pub(super) fn check(plan: &Plan, program: &Program, id: ProgramId, rank: u32) ->
         }
     }
     found.into_vec()
+}
+
+/// The last instruction before `at` that writes `buffer`.
+fn last_writer(program: &Program, at: usize, buffer: BufferId) -> Option<usize> {
+    (0..at)
+        .rev()
+        .find(|&j| (program.instrs.get(j)).is_some_and(|x| x.writes().contains(&buffer)))
+}
+
+/// The first instruction in `range` that writes any of `buffers`.
+fn first_write(
+    program: &Program,
+    range: std::ops::Range<usize>,
+    buffers: &[BufferId],
+) -> Option<usize> {
+    range.into_iter().find(|&j| {
+        (program.instrs.get(j)).is_some_and(|x| x.writes().iter().any(|b| buffers.contains(b)))
+    })
+}
+
+/// Checks that quantized operand `q`, read by the GEMM at `at`, is the `Fp8Quantize` of
+/// `buffer` with scale amax `amax` in `operand`'s format and layout (the module doc).
+fn quantized_before(
+    program: &Program,
+    at: usize,
+    q: BufferId,
+    (buffer, amax, operand): (BufferId, BufferId, Fp8Operand),
+) -> Result<(), String> {
+    let source = last_writer(program, at, q).ok_or("it is never written")?;
+    let c = (program.instrs.get(source).and_then(Instr::as_compute))
+        .filter(|c| matches!(c.op, Op::Fp8Quantize(_)))
+        .ok_or_else(|| format!("it is last written by instruction {source}, not an Fp8Quantize"))?;
+    let Op::Fp8Quantize(a) = c.op else {
+        return Err(format!("instruction {source} is not an Fp8Quantize"));
+    };
+    if c.inputs.first() != Some(&buffer) || c.inputs.get(1) != Some(&amax) {
+        return Err(format!(
+            "the Fp8Quantize at instruction {source} quantizes another buffer or with another amax than the GEMM's b{} and b{}",
+            buffer.0, amax.0
+        ));
+    }
+    let want_output = match (operand.along, a.direct) {
+        (Along::Cols, true) => Some(0),
+        (Along::Rows, true) if a.transposed => Some(1),
+        (Along::Rows, false) if a.transposed => Some(0),
+        _ => None,
+    };
+    if want_output.and_then(|o| c.outputs.get(o)) != Some(&q) || a.format != operand.format {
+        return Err(format!(
+            "the Fp8Quantize at instruction {source} does not write it as the {} {} layout the GEMM reads",
+            operand.format.name(),
+            match operand.along {
+                Along::Cols => "direct",
+                Along::Rows => "transposed",
+            }
+        ));
+    }
+    let numel = |b: BufferId| program.buffer(b).map(|b| b.numel());
+    if numel(q) != numel(buffer) {
+        return Err(format!(
+            "it holds {:?} elements, its operand b{} {:?}",
+            numel(q),
+            buffer.0,
+            numel(buffer)
+        ));
+    }
+    match first_write(program, source + 1..at, &[buffer, amax]) {
+        Some(j) => Err(format!(
+            "instruction {j} writes the operand or its amax between the Fp8Quantize ({source}) and the GEMM"
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Checks that `amax`, read by the quantized GEMM at `at` as the scale amax of its unshared
+/// operand `buffer` under current scaling, is a tensorwise `Fp8Amax` of that buffer with no
+/// write to it since.
+fn own_amax_before(
+    program: &Program,
+    at: usize,
+    amax: BufferId,
+    buffer: BufferId,
+) -> Result<(), String> {
+    let source = last_writer(program, at, amax).ok_or("its amax is never written")?;
+    let computed = (program.instrs.get(source).and_then(Instr::as_compute)).is_some_and(|c| {
+        matches!(c.op, Op::Fp8Amax(a) if a.scaling == crate::ir::fp8::Fp8Scaling::Tensorwise)
+            && c.inputs.first() == Some(&buffer)
+    });
+    if !computed {
+        return Err(format!(
+            "its amax b{} comes from instruction {source}, not from a tensorwise Fp8Amax of the operand",
+            amax.0
+        ));
+    }
+    match first_write(program, source + 1..at, &[buffer]) {
+        Some(j) => Err(format!(
+            "instruction {j} writes the operand between its Fp8Amax ({source}) and the GEMM"
+        )),
+        None => Ok(()),
+    }
 }
 
 /// What the amaxes of one operand must be: `operand`'s groups of `buffer`, max-reduced over

@@ -790,6 +790,7 @@ fn lowered_fp8_history(
         history,
         keep_bf16: Vec::new(),
         force_fp8: vec!["Attention".into(), "MLP".into(), "Linear".into()],
+        shared_quantization: true,
         span: Default::default(),
     });
     match lower(&spec) {
@@ -952,4 +953,65 @@ fn fp8_splits_must_agree_with_the_plan() {
         *op = std::sync::Arc::new(op.with_fp8(Some(g)));
     }
     assert!(codes(&check(&plan)).contains(&"E0824"));
+}
+
+/// A quantized FP8 GEMM must read its operands as an `Fp8Quantize` of each wrote them, in the
+/// operand's layout, with its scale amax, and the operand unchanged since.
+#[test]
+fn fp8_quantized_operands_must_be_their_operands_quantization() {
+    use crate::ir::fp8::Fp8Scaling;
+    use crate::ir::op::Op;
+    let plan = lowered_fp8(PlanChoice::default(), Fp8Scaling::Tensorwise);
+    assert!(
+        check(&plan).violations.is_empty(),
+        "{:#?}",
+        check(&plan).violations
+    );
+    let program = &plan.programs[0];
+    let quantized = |op: &Op| op.fp8().is_some_and(|f| f.quantized);
+    let computes: Vec<(usize, Op, Vec<BufferId>)> = (program.computes())
+        .map(|(i, c)| (i, c.op.clone(), c.inputs.to_vec()))
+        .collect();
+    let (at, _, inputs) = (computes.iter().find(|(_, op, _)| quantized(op)))
+        .expect("a quantized GEMM")
+        .clone();
+    let n = inputs.len();
+    let rebind = |inputs: Vec<BufferId>| {
+        let mut p = plan.clone();
+        if let Instr::Compute { inputs: ins, .. } = &mut p.programs[0].instrs[at] {
+            *ins = crate::ir::Inputs::from_slice(&inputs).expect("fits");
+        }
+        p
+    };
+    // Its two quantized operands swapped: each the other operand's quantization.
+    let mut swapped = inputs.clone();
+    swapped.swap(n - 2, n - 1);
+    let found = check(&rebind(swapped));
+    let v = (found.violations.iter()).find(|v| v.code == "E0824");
+    assert!(
+        v.is_some_and(|v| v.message.contains("quantized operand")),
+        "{:#?}",
+        found.violations
+    );
+    // The operand rewritten between its quantization and the GEMM.
+    let quantize = (computes.iter().rev())
+        .find(|(i, op, ins)| *i < at && matches!(op, Op::Fp8Quantize(_)) && ins[0] == inputs[0])
+        .expect("the operand's Fp8Quantize")
+        .0;
+    let mut rewritten = plan.clone();
+    let zero = Instr::Compute {
+        op: std::sync::Arc::new(Op::Zero),
+        inputs: crate::ir::Inputs::from_slice(&[]).expect("empty"),
+        outputs: crate::ir::Outputs::from_slice(&[inputs[0]]).expect("one"),
+        node: None,
+        phase: crate::ir::Phase::Forward,
+    };
+    rewritten.programs[0].instrs.insert(quantize + 1, zero);
+    let found = check(&rewritten);
+    assert!(
+        (found.violations.iter())
+            .any(|v| v.code == "E0824" && v.message.contains("writes the operand")),
+        "{:#?}",
+        found.violations
+    );
 }

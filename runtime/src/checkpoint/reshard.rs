@@ -185,16 +185,24 @@ pub fn plan_rank(old: &Layout, new: &Layout, rank: u32) -> Result<RankRead> {
 }
 
 /// The whole-tensor run of a replicated piece (a delayed-scaling FP8 amax history) from the old
-/// shard holding its name, shard `prefer` first; none where no old shard does (a checkpoint of
-/// a run without delayed scaling: the history starts empty, a cold start); an error where the
-/// old tensor's shape differs (another history length).
+/// shard holding its name (or one of its [`earlier_names`]), shard `prefer` first; none where
+/// no old shard does (a checkpoint of a run without delayed scaling: the history starts empty,
+/// a cold start); an error where the old tensor's shape differs (another history length).
 fn replicated_source(old: &Layout, piece: &Piece, prefer: u32) -> Result<Option<Run>> {
+    let names: Vec<String> = std::iter::once(piece.tensor.clone())
+        .chain(earlier_names(&piece.tensor))
+        .collect();
     let mut found: Vec<(u32, usize, &Piece)> = Vec::new();
-    for (shard, pieces) in old.ranks.iter().enumerate() {
-        for (index, p) in pieces.iter().enumerate() {
-            if p.replicated && p.tensor == piece.tensor {
-                found.push((shard as u32, index, p));
+    for name in &names {
+        for (shard, pieces) in old.ranks.iter().enumerate() {
+            for (index, p) in pieces.iter().enumerate() {
+                if p.replicated && p.tensor == *name {
+                    found.push((shard as u32, index, p));
+                }
             }
+        }
+        if !found.is_empty() {
+            break;
         }
     }
     found.sort_by_key(|(shard, _, _)| (*shard != prefer, *shard));
@@ -215,6 +223,25 @@ fn replicated_source(old: &Layout, piece: &Piece, prefer: u32) -> Result<Option<
         dst: 0,
         len: piece.shape.iter().product(),
     }))
+}
+
+/// The names a delayed-scaling history `NODE.WEIGHT.ROLE.amax_history` (or its `….amax`) had
+/// when each GEMM kept its own (`NODE.WEIGHT.LAYOUT.ROLE.…`, before 2026-12-06's per-tensor
+/// histories): every one of them recorded the same tensor, so any holds its values.
+fn earlier_names(tensor: &str) -> Vec<String> {
+    let Some((rest, what)) = tensor.rsplit_once('.') else {
+        return Vec::new();
+    };
+    let Some((prefix, role)) = rest.rsplit_once('.') else {
+        return Vec::new();
+    };
+    if !matches!(what, "amax_history" | "amax") || !matches!(role, "x" | "w" | "dy") {
+        return Vec::new();
+    }
+    ["fwd", "bwd_data", "bwd_weight"]
+        .iter()
+        .map(|layout| format!("{prefix}.{layout}.{role}.{what}"))
+        .collect()
 }
 
 /// Extend the last run when these `len` elements continue it, else start a new one.
@@ -488,6 +515,19 @@ mod tests {
         let longer = layout(vec![vec![history(h, 9)]]);
         let err = plan_rank(&old, &longer, 0).unwrap_err().to_string();
         assert!(err.contains(h) && err.contains("history length"), "{err}");
+    }
+
+    #[test]
+    fn a_per_tensor_history_reads_the_per_gemm_history_of_an_earlier_checkpoint() {
+        // Saved when each GEMM kept its own history: the forward's history of gate's x.
+        let old = layout(vec![vec![
+            history("blocks.0.mlp.gate.bwd_weight.x.amax_history", 5),
+            history("blocks.0.mlp.gate.fwd.x.amax_history", 5),
+        ]]);
+        let new = layout(vec![vec![history("blocks.0.mlp.gate.x.amax_history", 5)]]);
+        let runs = &plan_rank(&old, &new, 0).unwrap().tensors[0].runs;
+        assert_eq!((runs.len(), runs[0].tensor, runs[0].len), (1, 1, 5));
+        assert!(earlier_names("blocks.0.mlp.gate.norm").is_empty());
     }
 
     #[test]

@@ -148,11 +148,88 @@ pub(crate) fn round_trip(v: f32, scale: f32, format: Fp8Format) -> f32 {
     if !v.is_finite() {
         return v;
     }
-    let q = match format {
+    quantize_value(v, scale, format) / scale
+}
+
+/// `fp8(v·scale)`, the stored FP8 value of `v` as an f32 (exact), for finite `v`; NaN for a
+/// non-finite one (stored as 0x7f, as the CUDA kernels store it).
+fn quantize_value(v: f32, scale: f32, format: Fp8Format) -> f32 {
+    if !v.is_finite() {
+        return f32::NAN;
+    }
+    match format {
         Fp8Format::E4m3 => F8E4M3::from_f32(v * scale).to_f32(),
         Fp8Format::E5m2 => F8E5M2::from_f32(v * scale).to_f32(),
-    };
-    q / scale
+    }
+}
+
+/// `Op::Fp8Quantize`: `data` (`[rows, cols]` row-major) quantized tensorwise with the scale
+/// of `amax` into `q` (the same layout) and `qt` (`[cols, rows]`), each where given, as the
+/// f32 values of the FP8 elements (the backend stores them as FP8, exactly).
+pub(crate) fn quantize_into(
+    data: &[f32],
+    cols: usize,
+    (format, amax): (Fp8Format, f32),
+    q: Option<&mut [f32]>,
+    qt: Option<&mut [f32]>,
+) -> Result<()> {
+    let cols = cols.max(1);
+    let rows = data.len() / cols;
+    let s = scale(amax, format);
+    for out in [q.as_deref(), qt.as_deref()].into_iter().flatten() {
+        if out.len() != data.len() {
+            return Err(RuntimeError::Unsupported(format!(
+                "Fp8Quantize: [{rows}, {cols}] into an output of {} elements",
+                out.len()
+            )));
+        }
+    }
+    if let Some(q) = q {
+        (q.par_iter_mut().zip(data.par_iter()))
+            .for_each(|(o, &v)| *o = quantize_value(v, s, format));
+    }
+    if let Some(qt) = qt {
+        qt.par_chunks_mut(rows.max(1))
+            .enumerate()
+            .for_each(|(c, line)| {
+                for (r, o) in line.iter_mut().enumerate() {
+                    *o = quantize_value(data[r * cols + c], s, format);
+                }
+            });
+    }
+    Ok(())
+}
+
+/// An operand of `rows × cols` (`len` elements, `cols` columns) read back from its FP8 values
+/// `q` as `Fp8Quantize` wrote them (`transposed`: `[cols, rows]`), dequantized with the scale
+/// of `amax`: for finite elements the values [`dequantized`] gives, bit for bit.
+pub(crate) fn from_quantized(
+    q: &[f32],
+    (len, cols): (usize, usize),
+    (format, amax): (Fp8Format, f32),
+    transposed: bool,
+) -> Result<Vec<f32>> {
+    let cols = cols.max(1);
+    let rows = len / cols;
+    if q.len() != len {
+        return Err(RuntimeError::Unsupported(format!(
+            "a quantized FP8 operand of {} elements read as [{rows}, {cols}]",
+            q.len()
+        )));
+    }
+    let s = scale(amax, format);
+    let mut out = vec![0.0f32; len];
+    out.par_chunks_mut(cols).enumerate().for_each(|(r, row)| {
+        for (c, o) in row.iter_mut().enumerate() {
+            let v = if transposed {
+                q[c * rows + r]
+            } else {
+                q[r * cols + c]
+            };
+            *o = v / s;
+        }
+    });
+    Ok(out)
 }
 
 /// The scale group of each element of a `[rows, cols]` operand.

@@ -1,6 +1,7 @@
 //! The CPU backend's buffer storage: one vector of 4-byte words per rank holding every buffer
 //! (f32 and i32 one element per word, bf16 two per word, element `2k` in the low half of word
-//! `k`, as the bytes lie on a little-endian device). With a memory plan (`Backend::prepare`)
+//! `k`, FP8 four per word, element `4k` in the lowest byte, as the bytes lie on a
+//! little-endian device). With a memory plan (`Backend::prepare`)
 //! the vector is sized once — the persistent region, then the transient arena — and each
 //! buffer lives at its planned offset; `alloc` only zero-fills its words, or, for a buffer the
 //! plan says is fully written before it is read ([`MemoryLayout::needs_zero`]), fills them with
@@ -13,6 +14,7 @@
 //! disjoint slices (two live buffers never overlap, which the planner's checker proved and this
 //! module checks again per op).
 use crate::error::{Result, RuntimeError};
+use parc_compiler::ir::fp8::Fp8Format;
 use parc_compiler::ir::{BufferId, DType, Program};
 use parc_compiler::memplan::{MemoryLayout, Placement};
 
@@ -21,6 +23,8 @@ use parc_compiler::memplan::{MemoryLayout, Placement};
 const POISON: u32 = 0x7fc0_0000;
 /// The same for bf16 buffers: a quiet bf16 NaN in both halves of the word.
 const POISON_BF16: u32 = 0x7fc0_7fc0;
+/// The same for FP8 buffers: NaN (0x7f in both formats) in every byte.
+const POISON_FP8: u32 = 0x7f7f_7f7f;
 
 /// Where one allocated buffer lives.
 #[derive(Clone, Copy, Debug)]
@@ -29,7 +33,7 @@ pub(crate) struct Slot {
     pub offset: usize,
     /// Elements.
     pub len: usize,
-    /// Words holding them (`len`, or `ceil(len / 2)` for bf16).
+    /// Words holding them (`len`, `ceil(len / 2)` for bf16, `ceil(len / 4)` for FP8).
     pub words: usize,
     pub dtype: DType,
 }
@@ -39,6 +43,7 @@ fn words_for(len: usize, dtype: DType) -> usize {
     match dtype {
         DType::F32 | DType::I32 => len,
         DType::Bf16 => len.div_ceil(2),
+        DType::Fp8(_) => len.div_ceil(4),
     }
 }
 
@@ -52,6 +57,27 @@ pub(crate) fn round_bf16(x: f32) -> u16 {
     half::bf16::from_f32(x).to_bits()
 }
 
+/// The f32 value of stored FP8 bits (exact).
+pub(crate) fn widen_fp8(bits: u8, format: Fp8Format) -> f32 {
+    match format {
+        Fp8Format::E4m3 => float8::F8E4M3::from_bits(bits).to_f32(),
+        Fp8Format::E5m2 => float8::F8E5M2::from_bits(bits).to_f32(),
+    }
+}
+
+/// `x` rounded to the nearest value of `format`, ties to even, saturating to its largest
+/// finite value; a non-finite `x` becomes NaN (0x7f in both formats), as the CUDA kernels
+/// store it (`kernels/fp8.cu`).
+pub(crate) fn round_fp8(x: f32, format: Fp8Format) -> u8 {
+    if !x.is_finite() {
+        return 0x7f;
+    }
+    match format {
+        Fp8Format::E4m3 => float8::F8E4M3::from_f32(x).to_bits(),
+        Fp8Format::E5m2 => float8::F8E5M2::from_f32(x).to_bits(),
+    }
+}
+
 /// A read-only view of one buffer's elements.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum View<'a> {
@@ -59,6 +85,8 @@ pub(crate) enum View<'a> {
     I32(&'a [i32]),
     /// Stored bf16 bits (kernels see them widened: the backend stages bf16 through f32).
     Bf16(&'a [u16]),
+    /// Stored FP8 bits of the format (staged through f32 as bf16 is).
+    Fp8(&'a [u8], Fp8Format),
 }
 
 /// A writable view of one buffer's elements.
@@ -67,6 +95,7 @@ pub(crate) enum ViewMut<'a> {
     F32(&'a mut [f32]),
     I32(&'a mut [i32]),
     Bf16(&'a mut [u16]),
+    Fp8(&'a mut [u8], Fp8Format),
 }
 
 impl<'a> View<'a> {
@@ -79,18 +108,22 @@ impl<'a> View<'a> {
                 let halves: &[u16] = bytemuck::cast_slice(words);
                 View::Bf16(&halves[..len.min(halves.len())])
             }
+            DType::Fp8(format) => {
+                let bytes: &[u8] = bytemuck::cast_slice(words);
+                View::Fp8(&bytes[..len.min(bytes.len())], format)
+            }
         }
     }
     pub fn as_f32(&self) -> Option<&'a [f32]> {
         match *self {
             View::F32(v) => Some(v),
-            View::I32(_) | View::Bf16(_) => None,
+            View::I32(_) | View::Bf16(_) | View::Fp8(..) => None,
         }
     }
     pub fn as_i32(&self) -> Option<&'a [i32]> {
         match *self {
             View::I32(v) => Some(v),
-            View::F32(_) | View::Bf16(_) => None,
+            View::F32(_) | View::Bf16(_) | View::Fp8(..) => None,
         }
     }
     /// The name of the element type, for messages.
@@ -99,6 +132,7 @@ impl<'a> View<'a> {
             View::F32(_) => "f32",
             View::I32(_) => "i32",
             View::Bf16(_) => "bf16",
+            View::Fp8(_, format) => format.name(),
         }
     }
 }
@@ -112,6 +146,11 @@ impl<'a> ViewMut<'a> {
                 let halves: &mut [u16] = bytemuck::cast_slice_mut(words);
                 let len = len.min(halves.len());
                 ViewMut::Bf16(&mut halves[..len])
+            }
+            DType::Fp8(format) => {
+                let bytes: &mut [u8] = bytemuck::cast_slice_mut(words);
+                let len = len.min(bytes.len());
+                ViewMut::Fp8(&mut bytes[..len], format)
             }
         }
     }
@@ -259,6 +298,7 @@ impl Memory {
         let fill = match (self.skip_zero.get(index).copied().unwrap_or(false), dtype) {
             (false, _) => 0,
             (true, DType::Bf16) => POISON_BF16,
+            (true, DType::Fp8(_)) => POISON_FP8,
             (true, DType::F32 | DType::I32) => POISON,
         };
         self.words[offset..offset + len].fill(fill);
@@ -326,18 +366,19 @@ impl Memory {
         Ok(self.words[s.offset..s.offset + s.words].to_vec())
     }
 
-    /// The elements of bf16 buffer `id`, widened to f32 (exact).
+    /// The elements of narrow (bf16 or FP8) buffer `id`, widened to f32 (exact).
     pub fn widened(&self, id: BufferId) -> Result<Vec<f32>> {
         match self.view(id)? {
             View::Bf16(bits) => Ok(bits.iter().map(|&b| widen_bf16(b)).collect()),
+            View::Fp8(bits, format) => Ok(bits.iter().map(|&b| widen_fp8(b, format)).collect()),
             other => Err(buffer_error(
                 id,
-                format!("is {}, not bf16 (a backend bug)", other.type_name()),
+                format!("is {}, not bf16 or FP8 (a backend bug)", other.type_name()),
             )),
         }
     }
 
-    /// Store `values` into bf16 buffer `id`, each rounded to the nearest bf16.
+    /// Store `values` into narrow (bf16 or FP8) buffer `id`, each rounded to its type.
     pub fn store_rounded(&mut self, id: BufferId, values: &[f32]) -> Result<()> {
         match self.view_mut(id)? {
             ViewMut::Bf16(bits) if bits.len() == values.len() => {
@@ -346,8 +387,15 @@ impl Memory {
                 }
                 Ok(())
             }
+            ViewMut::Fp8(bits, format) if bits.len() == values.len() => {
+                for (b, &v) in bits.iter_mut().zip(values) {
+                    *b = round_fp8(v, format);
+                }
+                Ok(())
+            }
             ViewMut::Bf16(bits) => Err(length_error(id, bits.len(), values.len())),
-            _ => Err(buffer_error(id, "is not bf16 (a backend bug)")),
+            ViewMut::Fp8(bits, _) => Err(length_error(id, bits.len(), values.len())),
+            _ => Err(buffer_error(id, "is not bf16 or FP8 (a backend bug)")),
         }
     }
 

@@ -115,9 +115,9 @@ impl CpuBackend {
         match self.memory.view_mut(id)? {
             ViewMut::F32(v) => Ok(v),
             ViewMut::I32(_) => Err(buffer_error(id, "is i32, expected f32")),
-            ViewMut::Bf16(_) => Err(buffer_error(
+            ViewMut::Bf16(_) | ViewMut::Fp8(..) => Err(buffer_error(
                 id,
-                "is bf16, expected f32 (write bf16 with write_f32)",
+                "is narrow (bf16 or FP8), expected f32 (write it with write_f32)",
             )),
         }
     }
@@ -133,7 +133,9 @@ impl CpuBackend {
         match self.memory.view_mut(id)? {
             ViewMut::I32(v) => Ok(v),
             ViewMut::F32(_) => Err(buffer_error(id, "is f32, expected i32")),
-            ViewMut::Bf16(_) => Err(buffer_error(id, "is bf16, expected i32")),
+            ViewMut::Bf16(_) | ViewMut::Fp8(..) => {
+                Err(buffer_error(id, "is bf16 or FP8, expected i32"))
+            }
         }
     }
 
@@ -205,9 +207,9 @@ impl Backend for CpuBackend {
         staging.store(&mut self.memory)
     }
 
-    /// Into a bf16 buffer, each element is rounded to the nearest bf16.
+    /// Into a narrow (bf16 or FP8) buffer, each element is rounded to its type.
     fn write_f32(&mut self, id: BufferId, data: &[f32]) -> Result<()> {
-        if self.memory.slot(id)?.dtype == DType::Bf16 {
+        if self.memory.slot(id)?.dtype.is_narrow() {
             return self.memory.store_rounded(id, data);
         }
         copy_exact(id, self.f32_mut(id)?, data)
@@ -217,9 +219,9 @@ impl Backend for CpuBackend {
         copy_exact(id, self.i32_mut(id)?, data)
     }
 
-    /// A bf16 buffer reads widened to f32 (exact).
+    /// A narrow (bf16 or FP8) buffer reads widened to f32 (exact).
     fn read_f32(&self, id: BufferId) -> Result<Vec<f32>> {
-        if self.memory.slot(id)?.dtype == DType::Bf16 {
+        if self.memory.slot(id)?.dtype.is_narrow() {
             return self.memory.widened(id);
         }
         Ok(self.f32(id)?.to_vec())
@@ -228,7 +230,7 @@ impl Backend for CpuBackend {
     /// An f32 buffer is copied without an intermediate vector.
     fn read_f32_into(&mut self, id: BufferId, out: &mut [f32]) -> Result<()> {
         let widened;
-        let values = if self.memory.slot(id)?.dtype == DType::Bf16 {
+        let values = if self.memory.slot(id)?.dtype.is_narrow() {
             widened = self.memory.widened(id)?;
             &widened[..]
         } else {

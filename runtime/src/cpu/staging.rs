@@ -1,6 +1,6 @@
-//! One op's operands as its kernels see them: bf16 buffers staged through f32 (inputs widened
-//! exactly; outputs widened before the op, since an accumulating op reads them, and rounded to
-//! the nearest bf16 after it), an input that is also an output read from a copy taken before
+//! One op's operands as its kernels see them: narrow (bf16 and FP8) buffers staged through f32
+//! (inputs widened exactly; outputs widened before the op, since an accumulating op reads them,
+//! and rounded to their type after it), an input that is also an output read from a copy taken before
 //! the op, and every other buffer borrowed where it lies (`Memory::split`).
 use super::memory::{buffer_error, Memory, View, ViewMut};
 use crate::error::Result;
@@ -8,26 +8,26 @@ use parc_compiler::ir::{BufferId, DType};
 
 /// The staged copies of one op's operands.
 pub(super) struct Staging {
-    /// bf16 inputs, widened (each buffer once).
+    /// Narrow inputs, widened (each buffer once).
     inputs: Vec<(BufferId, Vec<f32>)>,
     /// f32 and i32 inputs that are also outputs: their words, element count and type as they
     /// were before the op.
     copies: Vec<(BufferId, Vec<u32>, usize, DType)>,
-    /// bf16 outputs, widened; [`Staging::store`] rounds them back.
+    /// Narrow outputs, widened; [`Staging::store`] rounds them back.
     outputs: Vec<(BufferId, Vec<f32>)>,
 }
 
 impl Staging {
     /// Stage the operands of an op reading `inputs` and writing `outputs` (distinct).
     pub fn new(memory: &Memory, inputs: &[BufferId], outputs: &[BufferId]) -> Result<Staging> {
-        let is_bf16 = |id: BufferId| -> Result<bool> { Ok(memory.slot(id)?.dtype == DType::Bf16) };
+        let is_narrow = |id: BufferId| -> Result<bool> { Ok(memory.slot(id)?.dtype.is_narrow()) };
         let mut staging = Staging {
             inputs: Vec::new(),
             copies: Vec::new(),
             outputs: Vec::new(),
         };
         for &id in inputs {
-            if is_bf16(id)? {
+            if is_narrow(id)? {
                 if !staging.inputs.iter().any(|(c, _)| *c == id) {
                     staging.inputs.push((id, memory.widened(id)?));
                 }
@@ -38,7 +38,7 @@ impl Staging {
             }
         }
         for &id in outputs {
-            if is_bf16(id)? {
+            if is_narrow(id)? {
                 staging.outputs.push((id, memory.widened(id)?));
             }
         }
@@ -98,7 +98,7 @@ impl Staging {
         Ok((views, out_views))
     }
 
-    /// Round the staged outputs into their bf16 buffers (after the op ran).
+    /// Round the staged outputs into their narrow buffers (after the op ran).
     pub fn store(&self, memory: &mut Memory) -> Result<()> {
         for (id, values) in &self.outputs {
             memory.store_rounded(*id, values)?;

@@ -349,7 +349,14 @@ pub(super) fn run(
     (rows, _, m_out): (usize, usize, usize),
 ) -> Result<()> {
     let name = b.name();
-    let scratch = fp8_gemm_scratch(b.op, rows as u64)
+    // A quantized GEMM's operands are quantized here too for now, from the same scale amaxes
+    // (`Op::Fp8Quantize` has no kernel of its own yet): its scratch is the unquantized op's,
+    // which `fp8_scratch` grows to where the memory plan reserved less.
+    let own = b.op.with_fp8(Some(Fp8Gemm {
+        quantized: false,
+        ..fp8
+    }));
+    let scratch = fp8_gemm_scratch(&own, rows as u64)
         .ok_or_else(|| b.err("is not an FP8 GEMM op (no FP8 scratch layout)"))?;
     let [s0, s1] = scratch.operands;
     let (mode0, code0, block0) = scale_mode(name, &s0)?;

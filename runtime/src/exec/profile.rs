@@ -168,11 +168,13 @@ fn op_kind(op: &Op) -> OpKind {
     match (op.opcode().family(), op.opcode()) {
         (Family::Matmul, Opcode::MatmulBwdData) => OpKind::MatmulBwdData,
         (Family::Matmul, Opcode::MatmulBwdWeight) => OpKind::MatmulBwdWeight,
-        // An FP8 operand's amax pass reads it once, as its delayed-scaling record does, and a
-        // history's roll touches a few values: memory bound, as elementwise work.
-        (Family::Matmul, Opcode::Fp8Amax | Opcode::Fp8AmaxRecord | Opcode::Fp8HistoryRoll) => {
-            OpKind::Elementwise
-        }
+        // An FP8 operand's amax pass reads it once, as its delayed-scaling record does, its
+        // quantization reads it and writes a byte an element, and a history's roll touches a
+        // few values: memory bound, as elementwise work.
+        (
+            Family::Matmul,
+            Opcode::Fp8Amax | Opcode::Fp8AmaxRecord | Opcode::Fp8HistoryRoll | Opcode::Fp8Quantize,
+        ) => OpKind::Elementwise,
         (Family::Matmul, _) => OpKind::MatmulFwd,
         (Family::Attention, Opcode::AttentionBwd) => OpKind::AttentionBwd,
         (Family::Attention, _) => OpKind::AttentionFwd,

@@ -549,14 +549,15 @@ fn an_fp8_gemm_is_priced_as_its_gemm_plus_its_quantization() {
 /// Delayed scaling makes no amax passes: its GEMMs are priced below current scaling's by
 /// those passes (on measured FP8 points: exactly the passes' traffic at the profile's rate),
 /// and its `Fp8AmaxRecord`s cost nothing, as the CUDA backend takes them in the GEMMs'
-/// quantize passes; on the roofline too.
+/// quantize passes; on the roofline too. (GEMMs that quantize their own operands: `quantize:
+/// per_gemm`.)
 #[test]
 fn delayed_scaling_saves_the_amax_passes_and_its_records_ride_on_the_gemms() {
     let lowered = |scaling: &str| {
         let text = include_str!("../../../../examples/tiny-llama.par").to_string();
         let overrides = [
             "train.precision=bf16".to_string(),
-            format!("train.fp8=tensorwise {{ scaling: {scaling} }}"),
+            format!("train.fp8=tensorwise {{ scaling: {scaling}, quantize: per_gemm }}"),
             "train.fp8.fp8=[Attention, MLP]".to_string(),
         ]
         .map(|s| crate::overrides::parse_override(&s).unwrap());
@@ -758,4 +759,54 @@ fn a_fused_run_is_priced_by_its_summed_bytes() {
     let seconds = crate::timeline::compute_seconds(&program, &costs);
     assert_eq!(seconds[0], 1.0);
     assert!(seconds[1..].iter().all(|&s| s == 0.0));
+}
+
+/// Shared quantization (`quantize: shared`): each `Fp8Quantize` is priced as the memory-bound
+/// op it is, each quantized GEMM by its GEMM part alone, and the plan, which quantizes each
+/// shared tensor once, is priced below the per-GEMM plan of the same recipe; on the roofline
+/// too.
+#[test]
+fn shared_quantization_is_priced_once_per_tensor() {
+    let lowered = |quantize: &str| {
+        let text = include_str!("../../../../examples/tiny-llama.par").to_string();
+        let overrides = [
+            "train.precision=bf16".to_string(),
+            format!("train.fp8=tensorwise {{ quantize: {quantize} }}"),
+            "train.fp8.fp8=[Attention, MLP]".to_string(),
+        ]
+        .map(|s| crate::overrides::parse_override(&s).unwrap());
+        let c = compile(
+            "tiny-llama.par",
+            text,
+            &overrides,
+            &CompileOptions::through(Stage::Lower),
+        );
+        (c.spec.expect("checks"), c.plan.expect("lowers"))
+    };
+    let (spec, shared) = lowered("shared");
+    let (_, own) = lowered("per_gemm");
+    let quantizes = (shared.programs[0].instrs.iter())
+        .filter(|i| i.op().is_some_and(|op| matches!(op, Op::Fp8Quantize(_))))
+        .count();
+    assert!(quantizes > 0);
+    let calibration = bf16_profile(None);
+    let costs = ProfileCosts::new(&calibration, &spec);
+    let program = &shared.programs[0];
+    for instr in program
+        .instrs
+        .iter()
+        .filter(|i| i.op().is_some_and(|op| matches!(op, Op::Fp8Quantize(_))))
+    {
+        assert!(costs.compute(program, instr) > 0.0);
+    }
+    for costs in [
+        &costs as &dyn StepCosts,
+        &crate::timeline::costs::SpecCosts { spec: &spec },
+    ] {
+        let (a, b) = (
+            simulate_with(&shared, &spec, costs).step_seconds,
+            simulate_with(&own, &spec, costs).step_seconds,
+        );
+        assert!(a < b, "shared {a} s, per GEMM {b} s");
+    }
 }
