@@ -657,12 +657,14 @@ fn a_run_of_rolls_is_one_launch_with_the_same_results() {
     }
 }
 
-/// `fp8_quantize_dual` (`runtime/src/cuda/fp8_quantize.rs`, the pass of `Op::Fp8Quantize`):
-/// a tensor quantized with one tensorwise scale into `q` (`[rows, cols]`) and `qt`
-/// (`[cols, rows]`) in one read.
+/// Operands quantized once (`runtime/src/cuda/fp8_quantize.rs`): `fp8_quantize_dual`, the pass
+/// of `Op::Fp8Quantize`, a tensor quantized with one tensorwise scale into `q` (`[rows, cols]`)
+/// and `qt` (`[cols, rows]`) in one read; the op; the `quantized` GEMMs reading its outputs; and
+/// a program whose GEMMs share their operands' quantizations (`lower::fp8_quantize`).
 #[cfg(feature = "cuda")]
 mod dual {
-    use crate::harness::{cuda_backend, Rng};
+    use super::FP8_GEMM;
+    use crate::harness::{check_with, cuda_backend, Case, Data, Rng, REDUCTION};
     use float8::{F8E4M3, F8E5M2};
     use parc_compiler::ir::fp8::{Fp8Format, Fp8Gemm, Fp8Scaling};
     use parc_compiler::ir::op::Op;
@@ -732,6 +734,7 @@ mod dual {
             grad: format,
             split: Default::default(),
             history: Some(1),
+            quantized: false,
         };
         let op = Op::MatmulBwdData {
             in_dim: cols as u64,
@@ -944,6 +947,448 @@ mod dual {
                 }
             }
         }
+    }
+
+    /// `v` (`[rows, cols]`) transposed.
+    fn transpose(v: &[f32], cols: usize) -> Vec<f32> {
+        let rows = v.len() / cols;
+        (0..v.len())
+            .map(|j| v[(j % rows) * cols + j / rows])
+            .collect()
+    }
+
+    /// `v` scaled by the scale of `amax` in `format`: written to an FP8 buffer, each backend
+    /// rounds it to fp8(v·s), what `Op::Fp8Quantize` stores.
+    fn scaled(v: &[f32], amax: f32, format: Fp8Format) -> Vec<f32> {
+        let s = scale(amax, format);
+        v.iter().map(|v| v * s).collect()
+    }
+
+    /// `Op::Fp8Quantize` against the CPU backend, exactly (FP8 outputs read widened to their
+    /// f32 values; NaN where x is not finite): a weight (fixed rows) and token operands, each
+    /// layout alone and both, f32 and bf16 x, both formats, at shapes the lowering emits
+    /// (multiples of 16) and odd ones, and scale amaxes at x's largest value, below it and 0.
+    #[test]
+    fn the_quantize_op_matches_the_cpu() {
+        use parc_compiler::ir::fp8::Fp8QuantizeAttrs;
+        let Some(mut gpu) = cuda_backend(Precision::Fp32) else {
+            return;
+        };
+        let mut r = Rng::new("the_quantize_op_matches_the_cpu");
+        let mut cases = Vec::new();
+        for (rows, cols, weight) in [(160, 208, true), (48, 16, false), (37, 200, false)] {
+            for format in [Fp8Format::E4m3, Fp8Format::E5m2] {
+                for (direct, transposed) in [(true, true), (true, false), (false, true)] {
+                    let x = values(&mut r, rows * cols, true);
+                    let top = largest(&x);
+                    for amax in [top, top / 37.0, 0.0] {
+                        let attrs = Fp8QuantizeAttrs {
+                            format,
+                            rows: weight.then_some(rows as u64),
+                            cols: cols as u64,
+                            direct,
+                            transposed,
+                        };
+                        let outputs: Vec<Vec<f32>> = [direct, transposed]
+                            .iter()
+                            .filter(|on| **on)
+                            .map(|_| vec![0.0; rows * cols])
+                            .collect();
+                        let fp8 = vec![DType::Fp8(format); outputs.len()];
+                        for x_dtype in [DType::F32, DType::Bf16] {
+                            let case = Case::new(
+                                format!("fp8_quantize [{rows}, {cols}] {attrs:?} amax {amax:e}"),
+                                Op::Fp8Quantize(attrs),
+                                vec![Data::F32(x.clone()), Data::F32(vec![amax])],
+                                outputs.clone(),
+                                0.0,
+                            );
+                            cases.push(case.with_dtypes(&[x_dtype, DType::F32], &fp8, 0.0));
+                        }
+                    }
+                }
+            }
+        }
+        check_with("the_quantize_op_matches_the_cpu", &cases, &mut gpu);
+    }
+
+    /// The three FP8 GEMMs `quantized` (`Fp8Gemm::quantized`: their operands read from FP8
+    /// inputs, K-major with no padding, as `Op::Fp8Quantize` writes them: here written from the
+    /// host as v·s, which both backends round to the same bytes) against the CPU backend,
+    /// within `FP8_GEMM`: current scaling (the amaxes the operands' own) and delayed (scale
+    /// amaxes above them), with a bias, residual and activation on the forward and a bias
+    /// gradient on the weight gradient; and a delayed GEMM whose W history is empty (scale
+    /// amax 0), which runs as the plain f32 GEMM on its unquantized inputs (`REDUCTION`).
+    #[test]
+    fn quantized_gemms_match_the_cpu_emulation() {
+        use parc_compiler::ir::op::Act;
+        let Some(mut gpu) = cuda_backend(Precision::Fp32) else {
+            return;
+        };
+        let mut r = Rng::new("quantized_gemms_match_the_cpu_emulation");
+        let (rows, k, m) = (160usize, 208usize, 144usize);
+        let (i, o) = (k as u64, m as u64);
+        let x = r.vec(rows * k, 1.0);
+        let w = r.vec(m * k, 0.1);
+        let dy = r.vec(rows * m, 1e-3);
+        let (e4m3, grad) = (Fp8Format::E4m3, Fp8Format::E5m2);
+        let f32s = |n: usize| vec![DType::F32; n];
+        let mut cases = Vec::new();
+        for history in [None, Some(4)] {
+            let fp8 = Some(Fp8Gemm {
+                scaling: Fp8Scaling::Tensorwise,
+                grad,
+                split: Default::default(),
+                history,
+                quantized: true,
+            });
+            let [xa, wa, dya] = match history {
+                None => [largest(&x), largest(&w), largest(&dy)],
+                Some(_) => [4.0, 0.5, 5e-3],
+            };
+            let (xq, wq) = (scaled(&x, xa, e4m3), scaled(&w, wa, e4m3));
+            let dyq = scaled(&dy, dya, grad);
+            let d = |v: &[f32]| Data::F32(v.to_vec());
+            let a = |v: f32| Data::F32(vec![v]);
+            let forward = Op::Matmul {
+                in_dim: i,
+                out_dim: o,
+                bias: true,
+                act: Some(Act::GeluTanh),
+                residual: true,
+                swiglu: false,
+                fp8,
+            };
+            let fwd_in = vec![
+                d(&x),
+                d(&w),
+                Data::F32(r.vec(m, 1.0)),
+                Data::F32(r.vec(rows * m, 1.0)),
+                a(xa),
+                a(wa),
+                d(&xq),
+                d(&wq),
+            ];
+            let fwd_types = [f32s(6), vec![DType::Fp8(e4m3); 2]].concat();
+            let name = format!("quantized fp8 matmul+bias+residual+gelu_tanh {history:?}");
+            let outputs = vec![r.vec(rows * m, 1.0), r.vec(rows * m, 1.0)];
+            cases.push(
+                Case::new(name, forward, fwd_in, outputs, FP8_GEMM)
+                    .errors_scaled_by_output(0)
+                    .with_dtypes(&fwd_types, &f32s(2), FP8_GEMM),
+            );
+            let data_grad = Op::MatmulBwdData {
+                in_dim: i,
+                out_dim: o,
+                accumulate: false,
+                act_grad: None,
+                swiglu: false,
+                fp8,
+            };
+            let wqt = transpose(&wq, k);
+            let bwd_in = vec![d(&dy), d(&w), a(dya), a(wa), d(&dyq), d(&wqt)];
+            let bwd_types = [f32s(4), vec![DType::Fp8(grad), DType::Fp8(e4m3)]].concat();
+            let name = format!("quantized fp8 matmul_bwd_data {history:?}");
+            cases.push(
+                Case::new(
+                    name,
+                    data_grad,
+                    bwd_in,
+                    vec![r.vec(rows * k, 1e-3)],
+                    FP8_GEMM,
+                )
+                .with_dtypes(&bwd_types, &f32s(1), FP8_GEMM),
+            );
+            let weight_grad = Op::MatmulBwdWeight {
+                in_dim: i,
+                out_dim: o,
+                bias: true,
+                accumulate_param_grad: true,
+                fp8,
+            };
+            let (dyqt, xqt) = (transpose(&dyq, m), transpose(&xq, k));
+            let wgt_in = vec![d(&dy), d(&x), a(dya), a(xa), d(&dyqt), d(&xqt)];
+            let name = format!("quantized fp8 matmul_bwd_weight+bias {history:?}");
+            let outputs = vec![r.vec(m * k, 1e-2), r.vec(m, 1e-2)];
+            cases.push(
+                Case::new(name, weight_grad, wgt_in, outputs, FP8_GEMM).with_dtypes(
+                    &bwd_types,
+                    &f32s(2),
+                    FP8_GEMM,
+                ),
+            );
+        }
+        // Delayed, W's history empty: the plain GEMM on x and W.
+        let cold = Op::Matmul {
+            in_dim: i,
+            out_dim: o,
+            bias: false,
+            act: None,
+            residual: false,
+            swiglu: false,
+            fp8: Some(Fp8Gemm {
+                scaling: Fp8Scaling::Tensorwise,
+                grad,
+                split: Default::default(),
+                history: Some(4),
+                quantized: true,
+            }),
+        };
+        let inputs = vec![
+            Data::F32(x.clone()),
+            Data::F32(w.clone()),
+            Data::F32(vec![4.0]),
+            Data::F32(vec![0.0]),
+            Data::F32(scaled(&x, 4.0, e4m3)),
+            Data::F32(w.clone()),
+        ];
+        let types = [f32s(4), vec![DType::Fp8(e4m3); 2]].concat();
+        cases.push(
+            Case::new(
+                "quantized fp8 matmul, W's history empty",
+                cold,
+                inputs,
+                vec![r.vec(rows * m, 1.0)],
+                REDUCTION,
+            )
+            .with_dtypes(&types, &f32s(1), REDUCTION),
+        );
+        check_with("quantized_gemms_match_the_cpu_emulation", &cases, &mut gpu);
+    }
+
+    /// Buffers 0 x `[rows, k]`, 1 W `[m, k]`, 2 dy `[rows, m]`, 3 y, 4 dx, 5 dW; under
+    /// delayed scaling (`history`) 6–8 the scale amaxes of x, W and dy and 9–11 their
+    /// histories (`[1, 5]`). A forward, data gradient and weight gradient, FP8 tensorwise (E5M2
+    /// dy), with delayed scaling's records of x, W and dy before the GEMMs that first read them;
+    /// then `lower::fp8_quantize`'s pass, which quantizes x, W and dy once each into both
+    /// layouts (x: q for the forward, qt for the weight gradient; W: q, and qt for the data
+    /// gradient; dy: q for the data gradient, qt for the weight gradient), the records riding
+    /// on the quantize ops.
+    fn shared_program(
+        history: Option<u32>,
+        (rows, k, m): (u64, u64, u64),
+    ) -> parc_compiler::ir::Program {
+        use parc_compiler::ir::fp8::Fp8HistoryAttrs;
+        use parc_compiler::ir::{Buffer, BufferKind, Instr, Program};
+        use parc_compiler::lower::fp8_quantize::quantize_operands;
+        let buffer = |name: &str, shape: Vec<u64>, kind| Buffer {
+            name: name.into(),
+            shape,
+            dtype: DType::F32,
+            kind,
+        };
+        let (param, hist) = (BufferKind::Param, BufferKind::Fp8History);
+        let mut buffers = vec![
+            buffer("x", vec![rows, k], param),
+            buffer("w", vec![m, k], param),
+            buffer("dy", vec![rows, m], param),
+            buffer("y", vec![rows, m], param),
+            buffer("dx", vec![rows, k], param),
+            buffer("dw", vec![m, k], param),
+        ];
+        let fp8 = Some(Fp8Gemm {
+            scaling: Fp8Scaling::Tensorwise,
+            grad: Fp8Format::E5m2,
+            split: Default::default(),
+            history,
+            quantized: false,
+        });
+        let gemms = [
+            Op::Matmul {
+                in_dim: k,
+                out_dim: m,
+                bias: false,
+                act: None,
+                residual: false,
+                swiglu: false,
+                fp8,
+            },
+            Op::MatmulBwdData {
+                in_dim: k,
+                out_dim: m,
+                accumulate: false,
+                act_grad: None,
+                swiglu: false,
+                fp8,
+            },
+            Op::MatmulBwdWeight {
+                in_dim: k,
+                out_dim: m,
+                bias: false,
+                accumulate_param_grad: false,
+                fp8,
+            },
+        ];
+        let [fwd, data, weight] = gemms;
+        let instrs = match history {
+            None => vec![
+                Instr::compute(fwd, &[0, 1], &[3]),
+                Instr::compute(data, &[2, 1], &[4]),
+                Instr::compute(weight, &[2, 0], &[5]),
+            ],
+            Some(h) => {
+                for name in ["x", "w", "dy"] {
+                    buffers.push(buffer(&format!("{name}.amax"), vec![1], hist));
+                }
+                for name in ["x", "w", "dy"] {
+                    let shape = vec![1, u64::from(h) + 1];
+                    buffers.push(buffer(&format!("{name}.history"), shape, hist));
+                }
+                let record = |rows: Option<u64>, cols: u64| {
+                    Op::Fp8AmaxRecord(Fp8HistoryAttrs {
+                        history: h,
+                        rows,
+                        cols,
+                    })
+                };
+                vec![
+                    Instr::compute(record(None, k), &[0, 9], &[9]),
+                    Instr::compute(record(Some(m), k), &[1, 10], &[10]),
+                    Instr::compute(fwd, &[0, 1, 6, 7], &[3]),
+                    Instr::compute(record(None, m), &[2, 11], &[11]),
+                    Instr::compute(data, &[2, 1, 8, 7], &[4]),
+                    Instr::compute(weight, &[2, 0, 8, 6], &[5]),
+                ]
+            }
+        };
+        let mut program = Program::new("shared", buffers, instrs);
+        let summary = quantize_operands(&mut program);
+        assert_eq!((summary.gemms, summary.quantizes), (3, 3), "{history:?}");
+        program
+    }
+
+    /// Allocates `program`'s buffers that no `Alloc` of it allocates (its parameters, outputs
+    /// and histories) on `be`.
+    fn allocate_persistent(be: &mut dyn Backend, program: &parc_compiler::ir::Program) {
+        use parc_compiler::ir::Instr;
+        let transient: Vec<BufferId> = (program.instrs.iter())
+            .filter_map(|i| match i {
+                Instr::Alloc { buffer } => Some(*buffer),
+                _ => None,
+            })
+            .collect();
+        for (i, b) in program.buffers.iter().enumerate() {
+            let id = BufferId(i as u32);
+            if !transient.contains(&id) {
+                be.alloc(id, &b.shape, b.dtype).unwrap();
+            }
+        }
+    }
+
+    /// Every instruction of `program` on `be`, in order, as the executor runs them.
+    fn run_program(be: &mut dyn Backend, program: &parc_compiler::ir::Program) {
+        use parc_compiler::ir::Instr;
+        for (i, instr) in program.instrs.iter().enumerate() {
+            match instr {
+                Instr::Alloc { buffer } => {
+                    let b = &program.buffers[buffer.0 as usize];
+                    be.alloc(*buffer, &b.shape, b.dtype).unwrap();
+                }
+                Instr::Free { buffer } => be.free(*buffer).unwrap(),
+                _ => {
+                    let c = instr.as_compute().unwrap();
+                    be.begin_instruction(i);
+                    be.compute(c.op, c.inputs, c.outputs, &super::SCALARS)
+                        .unwrap();
+                }
+            }
+        }
+    }
+
+    /// `got` within `tol` of `want` as the op tests judge it: `|got − want| ≤ tol · (|want| +
+    /// rms(want))`.
+    fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+        assert_eq!(got.len(), want.len(), "{what}");
+        let rms = (want.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>()
+            / want.len().max(1) as f64)
+            .sqrt() as f32;
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            let err = (g - w).abs() / (w.abs() + rms);
+            assert!(
+                err <= tol,
+                "{what}[{i}]: cuda {g:e}, cpu {w:e} (error {err:.2e} > {tol:e})"
+            );
+        }
+    }
+
+    /// A program whose three FP8 GEMMs share their operands' quantizations (`shared_program`:
+    /// three `Fp8Quantize` ops, each writing both layouts) gives on the GPU, prepared with its
+    /// memory plan, what the CPU backend gives for the same program: y, dx and dW within
+    /// `FP8_GEMM`, under current scaling (the pass's own `Fp8Amax` for each tensor) and delayed
+    /// scaling, whose histories' step amaxes must equal the CPU's exactly, with all three
+    /// records taken in the quantize passes. With W's history empty (delayed, its scale amax 0)
+    /// the forward and the data gradient run as plain f32 GEMMs on both backends
+    /// (`REDUCTION`), the weight gradient still quantized, and the quantize passes still take
+    /// the records.
+    #[test]
+    fn a_program_sharing_quantizations_matches_the_cpu() {
+        let (rows, k, m) = (160u64, 208u64, 144u64);
+        let mut r = Rng::new("a_program_sharing_quantizations_matches_the_cpu");
+        let x = r.vec((rows * k) as usize, 1.0);
+        let w = r.vec((m * k) as usize, 0.1);
+        let dy = r.vec((rows * m) as usize, 1e-3);
+        for (history, w_amax) in [(None, 0.0), (Some(4), 0.5), (Some(4), 0.0)] {
+            let program = shared_program(history, (rows, k, m));
+            let both = (program.instrs.iter().filter_map(|i| i.op()))
+                .filter(|op| matches!(op, Op::Fp8Quantize(a) if a.direct && a.transposed))
+                .count();
+            assert_eq!(
+                both, 3,
+                "{history:?}: every quantization writes both layouts"
+            );
+            let Some(mut gpu) = planned_gpu_for_program(&program) else {
+                return;
+            };
+            let mut cpu = CpuBackend::new();
+            allocate_persistent(&mut cpu, &program);
+            let steps = [0.25f32, 1e3, 0.0];
+            for be in [&mut gpu as &mut dyn Backend, &mut cpu] {
+                let data: [&[f32]; 3] = [&x, &w, &dy];
+                for (i, d) in data.into_iter().enumerate() {
+                    be.write_f32(BufferId(i as u32), d).unwrap();
+                }
+                if history.is_some() {
+                    for (i, a) in [4.0f32, w_amax, 5e-3].into_iter().enumerate() {
+                        be.write_f32(BufferId(6 + i as u32), &[a]).unwrap();
+                    }
+                    for (i, s) in steps.into_iter().enumerate() {
+                        let h = [s, 4.0, 3.0, 2.0, 1.0];
+                        be.write_f32(BufferId(9 + i as u32), &h).unwrap();
+                    }
+                }
+                run_program(be, &program);
+            }
+            let what = format!("{history:?}, W's scale amax {w_amax}");
+            let cold = history.is_some() && w_amax == 0.0;
+            let tols = [
+                ("y", if cold { REDUCTION } else { FP8_GEMM }),
+                ("dx", if cold { REDUCTION } else { FP8_GEMM }),
+                ("dW", FP8_GEMM),
+            ];
+            for (i, (name, tol)) in tols.into_iter().enumerate() {
+                let id = BufferId(3 + i as u32);
+                let (got, want) = (gpu.read_f32(id).unwrap(), cpu.read_f32(id).unwrap());
+                assert_close(&format!("{what}: {name}"), &got, &want, tol);
+            }
+            if history.is_some() {
+                for i in 0..3 {
+                    let id = BufferId(9 + i);
+                    let (got, want) = (gpu.read_f32(id).unwrap(), cpu.read_f32(id).unwrap());
+                    assert_eq!(got, want, "{what}: history {i}");
+                }
+                assert_eq!(gpu.fp8_records_in_quantize(), 3, "{what}");
+            }
+        }
+    }
+
+    /// An fp32 CUDA backend prepared for `program` with its memory plan, its persistent
+    /// buffers allocated (None without a GPU).
+    fn planned_gpu_for_program(program: &parc_compiler::ir::Program) -> Option<CudaBackend> {
+        let mut gpu = cuda_backend(Precision::Fp32)?;
+        let plan = parc_compiler::memplan::plan_program(program).unwrap();
+        gpu.prepare(program, &plan).unwrap();
+        allocate_persistent(&mut gpu, program);
+        Some(gpu)
     }
 
     /// Bandwidth of the dual quantization of a 16384 × 8192 tensor (bf16 and f32) into both

@@ -10,14 +10,17 @@
 //! The kernel reads x in 64 × 128 tiles (16-byte vectors), converts each element once, writes
 //! q straight from registers and qt through a byte tile in shared memory, transposed 4 × 8
 //! bytes a thread with byte permutes; its aim is copy bandwidth (2 + 2 bytes an element for a
-//! bf16 x into both layouts). `CudaBackend::fp8_quantize_dual` runs it on allocated buffers
-//! (tests and the bandwidth benchmark in `tests/cuda_ops/fp8.rs`).
-use super::args::fv;
+//! bf16 x into both layouts). `Op::Fp8Quantize` runs it (`quantize_op`, taking the record that
+//! rides on the op); `CudaBackend::fp8_quantize_dual` runs it on allocated buffers (tests and
+//! the bandwidth benchmark in `tests/cuda_ops/fp8.rs`). FP8 buffers written and read from the
+//! host round and widen as the CPU backend's (`round_fp8`, `widen_fp8`).
+use super::args::{fv, Bound};
 use super::kernel::Kernel;
 use super::{buffer_error, Arg, Buf, CudaBackend};
 use crate::error::Result;
 use cudarc::driver::sys::CUdeviceptr;
-use parc_compiler::ir::fp8::Fp8Format;
+use float8::{F8E4M3, F8E5M2};
+use parc_compiler::ir::fp8::{Fp8Format, Fp8QuantizeAttrs};
 use parc_compiler::ir::{BufferId, DType};
 
 /// Threads of a `fp8_quantize_dual` block and the side of its tiles (`kernels/fp8.cu`).
@@ -38,6 +41,61 @@ pub(super) struct DualQuantize {
     pub q: Option<CUdeviceptr>,
     pub qt: Option<CUdeviceptr>,
     pub record: Option<CUdeviceptr>,
+}
+
+/// `Op::Fp8Quantize`: x quantized with the scale of its amax input into the layouts the op
+/// writes (`q`, `qt`), taking the delayed-scaling record that rides on it (`fp8_record`; a
+/// second record of x, none in a verified program, is made apart once the executor is past).
+pub(super) fn quantize_op(be: &mut CudaBackend, b: &Bound, a: &Fp8QuantizeAttrs) -> Result<()> {
+    let (x, amax) = (b.input(0)?, b.input(1)?);
+    let cols = b.dim("cols", a.cols)? as u64;
+    let output = |role: &str| -> Result<Option<Buf>> {
+        (b.signature.outputs.iter())
+            .position(|o| o.role == role)
+            .map(|i| b.output(i))
+            .transpose()
+    };
+    let (q, qt) = (output("q")?, output("qt")?);
+    for out in [q, qt].into_iter().flatten() {
+        if out.len != x.len {
+            return Err(b.err(format!(
+                "writes {} FP8 elements (buffer {}) for an x of {} (buffer {}): each layout \
+                 holds all of x",
+                out.len, out.id.0, x.len, x.id.0
+            )));
+        }
+    }
+    let record = be.take_record(x.id);
+    let d = DualQuantize {
+        x,
+        cols,
+        amax: amax.ptr,
+        format: a.format,
+        q: q.map(|q| q.ptr),
+        qt: qt.map(|qt| qt.ptr),
+        record,
+    };
+    quantize_dual(be, &d)
+}
+
+/// `v` rounded to `format` as a host writes an FP8 buffer (the CPU backend's rounding:
+/// nearest-even, saturating; a non-finite value as NaN, 0x7f, as the kernels store it).
+pub(super) fn round_fp8(v: f32, format: Fp8Format) -> u8 {
+    if !v.is_finite() {
+        return 0x7f;
+    }
+    match format {
+        Fp8Format::E4m3 => F8E4M3::from_f32(v).to_bits(),
+        Fp8Format::E5m2 => F8E5M2::from_f32(v).to_bits(),
+    }
+}
+
+/// The f32 value of FP8 bits `b` of `format` (exact).
+pub(super) fn widen_fp8(b: u8, format: Fp8Format) -> f32 {
+    match format {
+        Fp8Format::E4m3 => F8E4M3::from_bits(b).to_f32(),
+        Fp8Format::E5m2 => F8E5M2::from_bits(b).to_f32(),
+    }
 }
 
 /// Launches `fp8_quantize_dual` for `d` (nothing for an empty x). x must hold a whole number
