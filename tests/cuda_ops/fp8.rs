@@ -799,28 +799,24 @@ mod dual {
         record_before: f32,
     ) -> (Vec<f32>, Vec<u8>, Vec<u8>, f32) {
         let n = rows * cols;
-        // Outputs in whole i32 words (the bytes the pass writes come first).
-        let words = n.div_ceil(4);
         gpu.alloc(X, &[n as u64], dtype).unwrap();
         gpu.alloc(AMAX, &[1], DType::F32).unwrap();
         gpu.alloc(RECORD, &[1], DType::F32).unwrap();
         gpu.write_f32(X, x).unwrap();
         gpu.write_f32(AMAX, &[amax]).unwrap();
         gpu.write_f32(RECORD, &[record_before]).unwrap();
+        // UNTOUCHED's FP8 value (finite in both formats), which writing rounds to it.
+        let untouched = fp8_value(UNTOUCHED, format);
         for id in [Q, QT] {
-            gpu.alloc(id, &[words as u64], DType::I32).unwrap();
-            gpu.write_i32(id, &vec![i32::from_ne_bytes([UNTOUCHED; 4]); words])
-                .unwrap();
+            gpu.alloc(id, &[n as u64], DType::Fp8(format)).unwrap();
+            gpu.write_f32(id, &vec![untouched; n]).unwrap();
         }
         let [q, qt] = layouts;
         let outputs = [q.then_some(Q), qt.then_some(QT)];
         gpu.fp8_quantize_dual((X, cols as u64), (AMAX, format), outputs, Some(RECORD))
             .unwrap();
         let stored = gpu.read_f32(X).unwrap();
-        let mut q_bytes = gpu.read_bytes(Q).unwrap();
-        let mut qt_bytes = gpu.read_bytes(QT).unwrap();
-        q_bytes.truncate(n);
-        qt_bytes.truncate(n);
+        let (q_bytes, qt_bytes) = (gpu.read_bytes(Q).unwrap(), gpu.read_bytes(QT).unwrap());
         let record = gpu.read_f32(RECORD).unwrap()[0];
         for id in [X, AMAX, Q, QT, RECORD] {
             gpu.free(id).unwrap();
@@ -1416,7 +1412,8 @@ mod dual {
                 gpu.write_f32(id, &[1.0]).unwrap();
             }
             for id in [Q, QT] {
-                gpu.alloc(id, &[(n / 4) as u64], DType::I32).unwrap();
+                gpu.alloc(id, &[n as u64], DType::Fp8(Fp8Format::E4m3))
+                    .unwrap();
             }
             let elem = dtype.bytes() as f64;
             // Each point: its name, the layouts written (q, qt) and whether a record rides.

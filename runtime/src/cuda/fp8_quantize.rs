@@ -148,10 +148,10 @@ fn rows_of(x: Buf, cols: u64) -> Result<u64> {
 impl CudaBackend {
     /// `x` (an allocated f32 or bf16 buffer, `[rows, cols]`) quantized to `format` with the
     /// scale of the f32 in `amax` into `q` (`[rows, cols]`) and `qt` (`[cols, rows]`), each
-    /// where given, FP8 bytes from the first byte of the buffer (whatever its dtype; it must
-    /// hold `rows · cols` bytes), and x's largest finite magnitude max-added into the first
-    /// f32 of `record` where given: the pass `Op::Fp8Quantize` makes (see the module docs).
-    /// For tests and benchmarks; stream-ordered like an op.
+    /// where given (FP8 buffers of `format`, `rows · cols` elements), and x's largest finite
+    /// magnitude max-added into the first f32 of `record` where given: the pass
+    /// `Op::Fp8Quantize` makes (see the module docs), with a record passed directly instead of
+    /// one riding on the op. For tests and benchmarks; stream-ordered like an op.
     pub fn fp8_quantize_dual(
         &mut self,
         (x, cols): (BufferId, u64),
@@ -171,16 +171,19 @@ impl CudaBackend {
             }
             Ok(b.ptr)
         };
-        let bytes = |be: &CudaBackend, id: BufferId| -> Result<CUdeviceptr> {
+        let fp8 = |be: &CudaBackend, id: BufferId| -> Result<CUdeviceptr> {
             let b = be.buf(id)?;
-            if (b.bytes() as u64) < rows * cols {
+            if b.dtype != DType::Fp8(format) || b.len as u64 != rows * cols {
                 return Err(buffer_error(
                     id,
                     format!(
-                        "holds {} bytes, but the FP8 quantization of a [{rows}, {cols}] tensor \
-                         writes {}",
-                        b.bytes(),
-                        rows * cols
+                        "is {} [{}], but the {} quantization of a [{rows}, {cols}] tensor \
+                         writes {} {} elements",
+                        b.dtype.name(),
+                        b.len,
+                        format.name(),
+                        rows * cols,
+                        format.name()
                     ),
                 ));
             }
@@ -195,8 +198,8 @@ impl CudaBackend {
             cols,
             amax: one_f32(self, amax, "scale amax")?,
             format,
-            q: q.map(|id| bytes(self, id)).transpose()?,
-            qt: qt.map(|id| bytes(self, id)).transpose()?,
+            q: q.map(|id| fp8(self, id)).transpose()?,
+            qt: qt.map(|id| fp8(self, id)).transpose()?,
             record: record.map(|id| one_f32(self, id, "record")).transpose()?,
         };
         quantize_dual(self, &d)
