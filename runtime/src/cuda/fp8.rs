@@ -22,6 +22,13 @@
 //! amaxes is 0 (an empty history: the first step) runs as the plain GEMM instead (`delayed_cold`), as on the CPU, its records made apart
 //! (`fp8_amax_one`).
 //!
+//! A `quantized` GEMM (`Fp8Gemm::quantized`, tensorwise) quantizes nothing itself: its two
+//! operands come from inputs that `Op::Fp8Quantize` wrote (`fp8_quantize`: one pass over a
+//! tensor for every GEMM reading it, both layouts at once, the records riding on it), K-major
+//! with no padding, and only their factors `1/s` are computed here, from the amax inputs
+//! (`quantized_operands`); the cuBLASLt call is the same. Its cold path (delayed, an empty
+//! history) runs on the unquantized inputs as above.
+//!
 //! The product is cuBLASLt's FP8 GEMM (`gemm::Blas::run_fp8`) in the one form Hopper runs,
 //! A transposed and B not, both read K-major: A is the op's second operand (W, W read along
 //! its rows, or x), B its first (x or dy), D the op's output (`y`ᵀ, `dx`ᵀ, `dW`ᵀ column-major),
@@ -54,7 +61,7 @@ use parc_compiler::fp8::CUDA_BLOCK;
 use parc_compiler::ir::fp8::{Along, Fp8AmaxAttrs, Fp8Format, Fp8Gemm, Fp8Scaling};
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::DType;
-use parc_compiler::memplan::{fp8_gemm_scratch, Fp8OperandScratch, Fp8ScaleLayout};
+use parc_compiler::memplan::{fp8_gemm_scratch, Fp8OperandScratch, Fp8ScaleLayout, Fp8Scratch};
 
 /// Threads of an `fp8_amax` block and the elements one block reduces (`kernels/fp8.cu`).
 const AMAX_THREADS: u64 = 256;
@@ -254,7 +261,6 @@ fn quantize(
         base + s.scales_at as CUdeviceptr,
     );
     let u = |v: u64| n(v as usize);
-    let along_rows = Arg::I32(i32::from(s.operand.along == Along::Rows));
     let max = Arg::F32(s.operand.format.max());
     // The groups' amaxes: reduced across the ranks sharing them (the op's amax input, in the
     // same group order), or this operand's own, into the scratch.
@@ -313,10 +319,25 @@ fn quantize(
         let grid = (grid.0 as u32, grid.1 as u32, 1);
         be.launch(kernel, grid, (QUANT_LINE_VECS as u32, 1, 1), 0, &args)?;
     }
+    write_scales(be, (amax, scaling), s, (layout, block), scales)
+}
+
+/// The dequantization factors `1/s` of operand `s` from its groups' amaxes (`amax`, f32 bits
+/// on the device, under `scaling`) into `out`, in `layout`'s order (`fp8_scales`' code, block).
+fn write_scales(
+    be: &mut CudaBackend,
+    (amax, scaling): (CUdeviceptr, Fp8Scaling),
+    s: &Fp8OperandScratch,
+    (layout, block): (i32, u64),
+    out: CUdeviceptr,
+) -> Result<()> {
+    let (rb, cb) = s.operand.group_shape(scaling, s.rows, s.cols);
+    let gpr = s.cols.max(1).div_ceil(cb);
+    let u = |v: u64| n(v as usize);
     let args = [
         Arg::Ptr(amax),
-        max,
-        along_rows,
+        Arg::F32(s.operand.format.max()),
+        Arg::I32(i32::from(s.operand.along == Along::Rows)),
         u(rb),
         u(cb),
         u(gpr),
@@ -324,7 +345,7 @@ fn quantize(
         u(block),
         u(s.lines),
         u(s.k),
-        Arg::Ptr(scales),
+        Arg::Ptr(out),
         u(s.scales),
     ];
     be.launch_n(Kernel::Fp8Scales, s.scales as usize, &args)
@@ -340,6 +361,56 @@ fn amax_roles(op: &Op) -> [&'static str; 2] {
     }
 }
 
+/// The op-table roles of a `quantized` FP8 GEMM's two FP8 operands (`Fp8Gemm::quantized`).
+fn quantized_roles(op: &Op) -> [&'static str; 2] {
+    match op {
+        Op::Matmul { .. } => ["xq", "wq"],
+        Op::MatmulBwdData { .. } => ["dyq", "wq"],
+        _ => ["dyq", "xq"],
+    }
+}
+
+/// A `quantized` GEMM's two operands as its inputs hold them (`Op::Fp8Quantize`'s, K-major with
+/// no padding: `[lines, K]` of `scratch`'s layout), and each one's dequantization factor `1/s`
+/// from its amax input into the scratch at `base`. Returns the operands' device pointers.
+fn quantized_operands(
+    be: &mut CudaBackend,
+    b: &Bound,
+    scratch: &Fp8Scratch,
+    base: CUdeviceptr,
+) -> Result<[CUdeviceptr; 2]> {
+    let (amaxes, quantized) = (amax_roles(b.op), quantized_roles(b.op));
+    let mut operands = [0; 2];
+    for (k, s) in scratch.operands.iter().enumerate() {
+        let input = |role: &str| {
+            b.optional_input(role).ok_or_else(|| {
+                b.err(format!(
+                    "reads quantized operands but has no `{role}` input"
+                ))
+            })
+        };
+        let (q, amax) = (input(quantized[k])?, input(amaxes[k])?);
+        if s.layout != Fp8ScaleLayout::Scalar || s.ld != s.k {
+            return Err(b.err(format!(
+                "reads `{}` quantized: only a tensorwise operand whose K ({}) is a multiple \
+                 of 16 is (the lowering quantizes no other)",
+                quantized[k], s.k
+            )));
+        }
+        if q.len as u64 != s.lines * s.k || amax.len != 1 {
+            return Err(b.err(format!(
+                "reads `{}` (buffer {}) as [{}, {}] FP8 values with one scale amax, but it \
+                 holds {} elements and its amax {}",
+                quantized[k], q.id.0, s.lines, s.k, q.len, amax.len
+            )));
+        }
+        let scales = base + s.scales_at as CUdeviceptr;
+        write_scales(be, (amax.ptr, Fp8Scaling::Tensorwise), s, (0, 1), scales)?;
+        operands[k] = q.ptr;
+    }
+    Ok(operands)
+}
+
 /// Runs FP8 GEMM op `b` (`fp8` its attribute) over `rows` rows of `k_in` into `m_out`
 /// columns (see the module docs).
 pub(super) fn run(
@@ -349,14 +420,8 @@ pub(super) fn run(
     (rows, _, m_out): (usize, usize, usize),
 ) -> Result<()> {
     let name = b.name();
-    // A quantized GEMM's operands are quantized here too for now, from the same scale amaxes
-    // (`Op::Fp8Quantize` has no kernel of its own yet): its scratch is the unquantized op's,
-    // which `fp8_scratch` grows to where the memory plan reserved less.
-    let own = b.op.with_fp8(Some(Fp8Gemm {
-        quantized: false,
-        ..fp8
-    }));
-    let scratch = fp8_gemm_scratch(&own, rows as u64)
+    // A quantized GEMM's scratch holds only its two factors (`quantized_operands`).
+    let scratch = fp8_gemm_scratch(b.op, rows as u64)
         .ok_or_else(|| b.err("is not an FP8 GEMM op (no FP8 scratch layout)"))?;
     let [s0, s1] = scratch.operands;
     let (mode0, code0, block0) = scale_mode(name, &s0)?;
@@ -403,10 +468,15 @@ pub(super) fn run(
         beta_one = true;
     }
     let base = be.fp8_scratch(scratch.bytes as usize)?;
-    let [r0, r1] = amax_roles(b.op).map(|role| b.optional_input(role));
-    let (rec0, rec1) = (be.take_record(in0.id), be.take_record(in1.id));
-    quantize(be, (in0, r0, rec0), &s0, fp8.scaling, base, (code0, block0))?;
-    quantize(be, (in1, r1, rec1), &s1, fp8.scaling, base, (code1, block1))?;
+    let [q0, q1] = if fp8.quantized {
+        quantized_operands(be, b, &scratch, base)?
+    } else {
+        let [r0, r1] = amax_roles(b.op).map(|role| b.optional_input(role));
+        let (rec0, rec1) = (be.take_record(in0.id), be.take_record(in1.id));
+        quantize(be, (in0, r0, rec0), &s0, fp8.scaling, base, (code0, block0))?;
+        quantize(be, (in1, r1, rec1), &s1, fp8.scaling, base, (code1, block1))?;
+        [s0.q_at, s1.q_at].map(|at| base + at as CUdeviceptr)
+    };
     // A held record of neither operand (none in a verified program) is not lost.
     be.flush_records(true)?;
     let g = Gemm {
@@ -415,9 +485,9 @@ pub(super) fn run(
         m: s1.lines,
         n: s0.lines,
         k: s0.ld,
-        a: base + s1.q_at as CUdeviceptr,
+        a: q1,
         lda: s1.ld as i64,
-        b: base + s0.q_at as CUdeviceptr,
+        b: q0,
         ldb: s0.ld as i64,
         c: d.ptr,
         ldc: s1.lines as i64,

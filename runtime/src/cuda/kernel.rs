@@ -169,6 +169,7 @@ kernels! {
     Fp8AmaxOne "fp8_amax_one",
     Fp8QuantizeLines "fp8_quantize_lines",
     Fp8QuantizeCols "fp8_quantize_cols",
+    Fp8QuantizeDual "fp8_quantize_dual",
     Fp8Scales "fp8_scales",
     Fp8HistoryRoll "fp8_history_roll",
     Fp8HistoryRolls "fp8_history_rolls",

@@ -63,10 +63,7 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
         Op::Fp8Amax(a) => return super::fp8::amax(be, b, a),
         Op::Fp8AmaxRecord(a) => return be.record_amax(b, a),
         Op::Fp8HistoryRoll(_) => return super::fp8::roll(be, b),
-        // Not yet a kernel of its own here: a quantized FP8 GEMM still quantizes its operands
-        // itself (from the same scale amaxes, so the same values), and the records riding on
-        // this op are made apart.
-        Op::Fp8Quantize(_) => return be.flush_records(true),
+        Op::Fp8Quantize(a) => return super::fp8_quantize::quantize_op(be, b, a),
         _ => {}
     }
     let (in_dim, out_dim) = match *b.op {

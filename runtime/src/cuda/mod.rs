@@ -68,6 +68,7 @@ mod elementwise;
 mod embedding;
 mod epilogue;
 mod fp8;
+mod fp8_quantize;
 mod fp8_record;
 mod fp8_roll;
 mod fused;
@@ -353,6 +354,21 @@ impl CudaBackend {
             .map_err(|e| driver_error("waiting for queued GPU work", e))
     }
 
+    /// The bytes of buffer `id` as the device holds them, whatever its dtype (FP8 bytes, bf16
+    /// bit patterns, little-endian f32 and i32), after the work queued before.
+    pub fn read_bytes(&self, id: BufferId) -> Result<Vec<u8>> {
+        self.wait_comm_for(id)?;
+        let s = self.slot(id)?;
+        self.synchronize()?;
+        self.check_comm_intact()?;
+        let mut host = vec![0u8; s.len * s.dtype.bytes() as usize];
+        // SAFETY: the allocation holds s.len elements of s.dtype, host.len() bytes; the stream
+        // is idle.
+        unsafe { cu::memcpy_dtoh_sync(&mut host, s.ptr) }
+            .map_err(|e| driver_error(&format!("reading buffer {}", id.0), e))?;
+        Ok(host)
+    }
+
     fn slot(&self, id: BufferId) -> Result<&Slot> {
         self.slots
             .get(id.0 as usize)
@@ -498,15 +514,19 @@ impl CudaBackend {
     }
 
     /// Fill `bytes` at `ptr` with quiet NaNs of `dtype`: one per 4-byte word (f32 and i32
-    /// buffers alike), one per 2-byte element for bf16.
+    /// buffers alike), one per 2-byte element for bf16, one per byte for FP8 (0x7f).
     fn poison(&self, ptr: CUdeviceptr, bytes: usize, dtype: DType) -> Result<()> {
         let stream = self.stream.cu_stream();
         // SAFETY: the planned range holds `bytes` bytes, a multiple of the element size.
         let done = unsafe {
-            if dtype == DType::Bf16 {
-                cudarc::driver::sys::cuMemsetD16Async(ptr, 0x7fc0, bytes / 2, stream)
-            } else {
-                cudarc::driver::sys::cuMemsetD32Async(ptr, 0x7fc0_0000, bytes / 4, stream)
+            match dtype {
+                DType::Bf16 => {
+                    cudarc::driver::sys::cuMemsetD16Async(ptr, 0x7fc0, bytes / 2, stream)
+                }
+                DType::Fp8(_) => cudarc::driver::sys::cuMemsetD8Async(ptr, 0x7f, bytes, stream),
+                DType::F32 | DType::I32 => {
+                    cudarc::driver::sys::cuMemsetD32Async(ptr, 0x7fc0_0000, bytes / 4, stream)
+                }
             }
         };
         done.result()
@@ -738,30 +758,45 @@ impl Backend for CudaBackend {
     }
 
     /// Into a bf16 buffer each element is rounded to the nearest bf16 (ties to even) on the
-    /// host.
+    /// host; into an FP8 buffer to its format (`fp8_quantize::round_fp8`), as the CPU backend
+    /// stores them.
     fn write_f32(&mut self, id: BufferId, data: &[f32]) -> Result<()> {
-        if self.slot(id)?.dtype == DType::Bf16 {
-            let bits: Vec<u16> = data
-                .iter()
-                .map(|&v| half::bf16::from_f32(v).to_bits())
-                .collect();
-            return self.write(id, DType::Bf16, &bits);
+        match self.slot(id)?.dtype {
+            DType::Bf16 => {
+                let bits: Vec<u16> = data
+                    .iter()
+                    .map(|&v| half::bf16::from_f32(v).to_bits())
+                    .collect();
+                self.write(id, DType::Bf16, &bits)
+            }
+            DType::Fp8(format) => {
+                let bits: Vec<u8> = (data.iter())
+                    .map(|&v| fp8_quantize::round_fp8(v, format))
+                    .collect();
+                self.write(id, DType::Fp8(format), &bits)
+            }
+            _ => self.write(id, DType::F32, data),
         }
-        self.write(id, DType::F32, data)
     }
 
     fn write_i32(&mut self, id: BufferId, data: &[i32]) -> Result<()> {
         self.write(id, DType::I32, data)
     }
 
-    /// A bf16 buffer is read widened exactly to f32.
+    /// A bf16 or FP8 buffer is read widened exactly to f32 (FP8: the stored values, scaled).
     fn read_f32(&self, id: BufferId) -> Result<Vec<f32>> {
         self.wait_comm_for(id)?;
         let s = self.slot(id)?;
+        if let DType::Fp8(format) = s.dtype {
+            let bytes = self.read_bytes(id)?;
+            return Ok((bytes.into_iter())
+                .map(|b| fp8_quantize::widen_fp8(b, format))
+                .collect());
+        }
         if !matches!(s.dtype, DType::F32 | DType::Bf16) {
             return Err(buffer_error(
                 id,
-                format!("is {:?}, expected f32 or bf16", s.dtype),
+                format!("is {:?}, expected f32, bf16 or FP8", s.dtype),
             ));
         }
         self.synchronize()?;

@@ -303,6 +303,114 @@ extern "C" __global__ void fp8_quantize_cols(Fv x, long long lines, long long k,
     if (record) fp8_block_max_into(record, m);
 }
 
+#define FP8_DUAL_ROWS 64
+#define FP8_DUAL_COLS 128
+#define FP8_DUAL_THREADS 256
+// Rows of a tile one pass of the block reads: 16 threads (8 elements each) a row.
+#define FP8_DUAL_PASS (FP8_DUAL_THREADS / (FP8_DUAL_COLS / 8))
+
+// The word of shared tile row `row` holding word `word` of its bytes: XOR-swizzled by the
+// row's group of 8 (a multiple of 4, so the two words of an 8-byte store stay together), so
+// that the transposed reads of 8 row groups x 4 column groups hit 32 different banks.
+__device__ __forceinline__ int fp8_dual_word(int row, int word) {
+    return word ^ (((row >> 3) & 7) << 2);
+}
+
+// Column j (0..3) of the 4 x 4 bytes a, b, c, d (rows; byte j of each is column j) as one
+// word, row a in the low byte.
+__device__ __forceinline__ unsigned int fp8_column4(unsigned int a, unsigned int b, unsigned int c,
+                                                    unsigned int d, int j) {
+    // Bytes j of a and b, then of c and d (selector nibble n picks byte n of the pair).
+    unsigned int sel = (unsigned int)j | ((unsigned int)(j + 4) << 4);
+    unsigned int ab = __byte_perm(a, b, sel), cd = __byte_perm(c, d, sel);
+    return __byte_perm(ab, cd, 0x5410u);
+}
+
+// Op::Fp8Quantize (parc_compiler::ir::fp8): x [rows, cols] quantized with the one tensorwise
+// scale of amax[0] (f32 bits; fp8_scale) into, each where its pointer is not null,
+// q [rows, cols] (K along x's columns) and qt [cols, rows] (its transpose: K along x's rows),
+// fp8(x · s) as fp8_quantize_lines and fp8_quantize_cols write it (fp8_pack8: nearest-even,
+// saturating, a non-finite element as NaN, 0x7f). x is read once: each
+// block takes FP8_DUAL_ROWS x FP8_DUAL_COLS tiles (grid-stride), its threads read 8 elements
+// of a row each (16-byte vectors where x is aligned and cols a multiple of 8), convert them
+// once, write them to q (8-byte stores where q is 8-byte aligned and cols a multiple of 8)
+// and into a shared tile of FP8 bytes; after a barrier each thread reads 4 columns x 8 rows of
+// it (eight 4-byte words), transposes them with byte permutes and writes 8 bytes to each of 4
+// rows of qt (8-byte stores where qt is aligned and rows a multiple of 8). Elsewhere (edges,
+// unaligned shapes) bytes are written one at a time. A non-null `record` takes x's largest
+// finite magnitude (fp8_block_max_into). Launch with FP8_DUAL_THREADS threads.
+extern "C" __global__ void fp8_quantize_dual(Fv x, long long rows, long long cols, const unsigned int* amax,
+                                             float maxv, int e5m2, unsigned char* q, unsigned char* qt,
+                                             unsigned int* record) {
+    __shared__ __align__(16) unsigned int tile[FP8_DUAL_ROWS][FP8_DUAL_COLS / 4];
+    float s = fp8_scale(amax[0], maxv);
+    float s8[8] = {s, s, s, s, s, s, s, s};
+    bool vec = vec_ok(x) && cols % 8 == 0;
+    bool q8 = ((unsigned long long)q & 7ull) == 0 && cols % 8 == 0;
+    bool qt8 = ((unsigned long long)qt & 7ull) == 0 && rows % 8 == 0;
+    long long col_tiles = (cols + FP8_DUAL_COLS - 1) / FP8_DUAL_COLS;
+    long long tiles = (rows + FP8_DUAL_ROWS - 1) / FP8_DUAL_ROWS * col_tiles;
+    int t = threadIdx.x;
+    // Reading: vector `rv` of tile rows `rr`, rr + FP8_DUAL_PASS, ...
+    int rv = t % (FP8_DUAL_COLS / 8), rr = t / (FP8_DUAL_COLS / 8);
+    // Transposing: rows 8 tk .. 8 tk + 7 of tile columns 4 tg .. 4 tg + 3.
+    int tk = t & 7, tg = t >> 3;
+    unsigned int m = 0;
+    for (long long i = blockIdx.x; i < tiles; i += gridDim.x) {
+        long long r0 = i / col_tiles * FP8_DUAL_ROWS, c0 = i % col_tiles * FP8_DUAL_COLS;
+        long long c = c0 + 8 * rv;
+        int valid = c >= cols ? 0 : (cols - c < 8 ? (int)(cols - c) : 8);
+        float v[FP8_DUAL_ROWS / FP8_DUAL_PASS][8];
+#pragma unroll
+        for (int p = 0; p < FP8_DUAL_ROWS / FP8_DUAL_PASS; p++) {
+            long long r = r0 + rr + p * FP8_DUAL_PASS;
+            if (r < rows && valid == 8 && vec) {
+                F8 f = ld8(x, (r * cols + c) / 8);
+#pragma unroll
+                for (int e = 0; e < 8; e++) v[p][e] = f.v[e];
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; e++) v[p][e] = r < rows && e < valid ? ld(x, r * cols + c + e) : 0.0f;
+            }
+        }
+        // The previous tile's transposed reads are done before its bytes are overwritten.
+        if (qt) __syncthreads();
+#pragma unroll
+        for (int p = 0; p < FP8_DUAL_ROWS / FP8_DUAL_PASS; p++) {
+            int row = rr + p * FP8_DUAL_PASS;
+            long long r = r0 + row;
+            uint2 b = fp8_pack8(v[p], s8, 8, e5m2);
+            if (record) m = fp8_finite_max(m, v[p]);
+            if (q && r < rows) {
+                if (q8 && valid == 8) {
+                    *(uint2*)(q + r * cols + c) = b;
+                } else {
+                    for (int e = 0; e < valid; e++) q[r * cols + c + e] = (unsigned char)((e < 4 ? b.x : b.y) >> (8 * (e & 3)));
+                }
+            }
+            if (qt) *(uint2*)&tile[row][fp8_dual_word(row, 2 * rv)] = b;
+        }
+        if (!qt) continue;
+        __syncthreads();
+        unsigned int w[8];
+#pragma unroll
+        for (int e = 0; e < 8; e++) w[e] = tile[8 * tk + e][fp8_dual_word(8 * tk + e, tg)];
+        long long r = r0 + 8 * tk;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            long long cj = c0 + 4 * tg + j;
+            if (cj >= cols || r >= rows) continue;
+            uint2 b = make_uint2(fp8_column4(w[0], w[1], w[2], w[3], j), fp8_column4(w[4], w[5], w[6], w[7], j));
+            if (qt8 && r + 8 <= rows) {
+                *(uint2*)(qt + cj * rows + r) = b;
+            } else {
+                for (int e = 0; e < 8 && r + e < rows; e++) qt[cj * rows + r + e] = (unsigned char)((e < 4 ? b.x : b.y) >> (8 * (e & 3)));
+            }
+        }
+    }
+    if (record) fp8_block_max_into(record, m);
+}
+
 // The dequantization factors 1 / s (exact: s is a power of two) in cuBLASLt's layout for the
 // scale mode `layout` (Fp8ScaleLayout in compiler/src/memplan/scratch.rs):
 // 0 scalar; 1 one per line (OUTER_VEC_32F); 2 1 x block tiles along K, factor (l, kb) at
