@@ -395,7 +395,7 @@ fn a_group_stops_at_the_operand_limit() {
         &[cat],
     );
     c.free(&sums);
-    // A seventh input would exceed the op table's six: this add stays hand-written.
+    // A seventh input would exceed a generated kernel's six: this add stays hand-written.
     c.op(Op::Add, &[cat, seven], &[out]);
     let program = assert_fuses_to_same("limit", c, 1, 0.0);
     let fused = fused_ops(&program);

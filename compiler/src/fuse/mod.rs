@@ -12,7 +12,7 @@
 //! `SplitColumns`, `ConcatColumns`, `Rope`/`RopeBwd` and `Op::Fused` itself (an activation
 //! defined in `.par`), when they overwrite their outputs. An instruction joins the group that
 //! wrote a buffer it reads (several such groups merge) when its rows are the group's, one
-//! kernel holds them (at most 6 inputs and 3 outputs, the op table's limit; the domain's
+//! kernel holds them (at most 6 inputs (`kernel::MAX_KERNEL_INPUTS`) and 3 outputs; the domain's
 //! columns are the gcd of the members' widths and a rope's head must divide it), and moving the
 //! members to the last one's place reorders no dependence (`group`). A buffer only members use
 //! disappears (no store, no `Alloc`/`Free`); one read outside stays an output. A rope reads a
