@@ -905,6 +905,7 @@ mod dual {
             (150, 136),
             (16, 1040),
             (200, 8),
+            (272, 24),
         ];
         for (rows, cols) in shapes {
             for dtype in [DType::F32, DType::Bf16] {

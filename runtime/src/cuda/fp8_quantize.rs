@@ -7,13 +7,16 @@
 //! K along x's rows), or both, with no padding (ld = the row length). A delayed-scaling record
 //! can ride on the pass: x's largest finite magnitude max-added into a history's step amax.
 //!
-//! The kernel reads x in 64 × 128 tiles (16-byte vectors), converts each element once, writes
+//! The kernel reads x in tiles of 128 columns by 64 rows (f32) or 128 rows (bf16), 16-byte
+//! vectors, every load of a thread issued before any is used (128 bytes a thread in flight
+//! either way: the kernel is bound by loads in flight); it converts each element once, writes
 //! q straight from registers and qt through a byte tile in shared memory, transposed 4 × 8
-//! bytes a thread with byte permutes; its aim is copy bandwidth (2 + 2 bytes an element for a
-//! bf16 x into both layouts). `Op::Fp8Quantize` runs it (`quantize_op`, taking the record that
-//! rides on the op); `CudaBackend::fp8_quantize_dual` runs it on allocated buffers (tests and
-//! the bandwidth benchmark in `tests/cuda_ops/fp8.rs`). FP8 buffers written and read from the
-//! host round and widen as the CPU backend's (`round_fp8`, `widen_fp8`).
+//! (f32) or 4 × 16 (bf16) bytes a thread with byte permutes; its aim is copy bandwidth (2 + 2
+//! bytes an element for a bf16 x into both layouts). `Op::Fp8Quantize` runs it (`quantize_op`,
+//! taking the record that rides on the op); `CudaBackend::fp8_quantize_dual` runs it on
+//! allocated buffers (tests and the bandwidth benchmark in `tests/cuda_ops/fp8.rs`). FP8
+//! buffers written and read from the host round and widen as the CPU backend's (`round_fp8`,
+//! `widen_fp8`).
 use super::args::{fv, Bound};
 use super::kernel::Kernel;
 use super::{buffer_error, Arg, Buf, CudaBackend};
@@ -23,9 +26,8 @@ use float8::{F8E4M3, F8E5M2};
 use parc_compiler::ir::fp8::{Fp8Format, Fp8QuantizeAttrs};
 use parc_compiler::ir::{BufferId, DType};
 
-/// Threads of a `fp8_quantize_dual` block and the side of its tiles (`kernels/fp8.cu`).
+/// Threads of a `fp8_quantize_dual` block and the columns of its tiles (`kernels/fp8.cu`).
 const DUAL_THREADS: u32 = 256;
-const DUAL_TILE_ROWS: u64 = 64;
 const DUAL_TILE_COLS: u64 = 128;
 /// The most blocks one launch takes (they loop over the remaining tiles).
 const DUAL_MAX_BLOCKS: u64 = i32::MAX as u64;
@@ -105,7 +107,7 @@ pub(super) fn quantize_dual(be: &mut CudaBackend, d: &DualQuantize) -> Result<()
     if rows == 0 || d.cols == 0 {
         return Ok(());
     }
-    let tiles = rows.div_ceil(DUAL_TILE_ROWS) * d.cols.div_ceil(DUAL_TILE_COLS);
+    let tiles = rows.div_ceil(dual_tile_rows(d.x.dtype)) * d.cols.div_ceil(DUAL_TILE_COLS);
     let blocks = tiles.min(DUAL_MAX_BLOCKS) as u32;
     let count = |v: u64| Arg::I64(v as i64);
     let args = [
@@ -121,6 +123,16 @@ pub(super) fn quantize_dual(be: &mut CudaBackend, d: &DualQuantize) -> Result<()
     ];
     let threads = (DUAL_THREADS, 1, 1);
     be.launch(Kernel::Fp8QuantizeDual, (blocks, 1, 1), threads, 0, &args)
+}
+
+/// The rows of a `fp8_quantize_dual` tile for an x of `dtype` (`FP8_DUAL_PASSES` in
+/// `kernels/fp8.cu`): 128 for bf16, 64 for f32, so that each thread loads 128 bytes of x a tile.
+fn dual_tile_rows(dtype: DType) -> u64 {
+    if dtype == DType::Bf16 {
+        128
+    } else {
+        64
+    }
 }
 
 /// The rows of x read as `[rows, cols]`: an f32 or bf16 buffer holding whole rows.

@@ -303,17 +303,22 @@ extern "C" __global__ void fp8_quantize_cols(Fv x, long long lines, long long k,
     if (record) fp8_block_max_into(record, m);
 }
 
-#define FP8_DUAL_ROWS 64
 #define FP8_DUAL_COLS 128
 #define FP8_DUAL_THREADS 256
 // Rows of a tile one pass of the block reads: 16 threads (8 elements each) a row.
 #define FP8_DUAL_PASS (FP8_DUAL_THREADS / (FP8_DUAL_COLS / 8))
+// Passes a tile takes: 4 for an f32 x (64-row tiles), 8 for bf16 (128 rows), so that each
+// thread has 128 bytes of x in flight (eight 16-byte loads) whichever it reads.
+#define FP8_DUAL_PASSES(bf16) ((bf16) ? 8 : 4)
+#define FP8_DUAL_MAX_ROWS (FP8_DUAL_PASSES(true) * FP8_DUAL_PASS)
 
-// The word of shared tile row `row` holding word `word` of its bytes: XOR-swizzled by the
-// row's group of 8 (a multiple of 4, so the two words of an 8-byte store stay together), so
-// that the transposed reads of 8 row groups x 4 column groups hit 32 different banks.
+// The word of shared tile row `row` holding word `word` of its bytes, where each transposing
+// thread reads `span` consecutive rows: XOR-swizzled by the row's span (a multiple of 4, so the
+// two words of an 8-byte store stay together), so that the transposed reads of 8 spans x 4
+// column groups hit 32 different banks.
+template <int span>
 __device__ __forceinline__ int fp8_dual_word(int row, int word) {
-    return word ^ (((row >> 3) & 7) << 2);
+    return word ^ (((row / span) & 7) << 2);
 }
 
 // Column j (0..3) of the 4 x 4 bytes a, b, c, d (rows; byte j of each is column j) as one
@@ -326,61 +331,90 @@ __device__ __forceinline__ unsigned int fp8_column4(unsigned int a, unsigned int
     return __byte_perm(ab, cd, 0x5410u);
 }
 
-// Op::Fp8Quantize (parc_compiler::ir::fp8): x [rows, cols] quantized with the one tensorwise
-// scale of amax[0] (f32 bits; fp8_scale) into, each where its pointer is not null,
-// q [rows, cols] (K along x's columns) and qt [cols, rows] (its transpose: K along x's rows),
-// fp8(x · s) as fp8_quantize_lines and fp8_quantize_cols write it (fp8_pack8: nearest-even,
-// saturating, a non-finite element as NaN, 0x7f). x is read once: each
-// block takes FP8_DUAL_ROWS x FP8_DUAL_COLS tiles (grid-stride), its threads read 8 elements
-// of a row each (16-byte vectors where x is aligned and cols a multiple of 8), convert them
-// once, write them to q (8-byte stores where q is 8-byte aligned and cols a multiple of 8)
-// and into a shared tile of FP8 bytes; after a barrier each thread reads 4 columns x 8 rows of
-// it (eight 4-byte words), transposes them with byte permutes and writes 8 bytes to each of 4
-// rows of qt (8-byte stores where qt is aligned and rows a multiple of 8). Elsewhere (edges,
-// unaligned shapes) bytes are written one at a time. A non-null `record` takes x's largest
-// finite magnitude (fp8_block_max_into). Launch with FP8_DUAL_THREADS threads.
-extern "C" __global__ void fp8_quantize_dual(Fv x, long long rows, long long cols, const unsigned int* amax,
-                                             float maxv, int e5m2, unsigned char* q, unsigned char* qt,
-                                             unsigned int* record) {
-    __shared__ __align__(16) unsigned int tile[FP8_DUAL_ROWS][FP8_DUAL_COLS / 4];
-    float s = fp8_scale(amax[0], maxv);
+// The raw bits of x's elements i .. i + n (n <= 8; the rest zero) in `raw`: one 16-byte
+// vector for bf16, two for f32; a 16-byte load each where n is 8 and `vec` (x aligned, rows
+// whole vectors), else element by element. Widened later (fp8_dual_widen), so that a thread's
+// loads are all issued before any of them is waited for.
+template <bool bf16>
+__device__ __forceinline__ void fp8_dual_load(Fv x, long long i, int n, bool vec, uint4 (&raw)[bf16 ? 1 : 2]) {
+    constexpr int vecs = bf16 ? 1 : 2;
+    if (n == 8 && vec) {
+        const uint4* p = (const uint4*)x.p + i / (8 / vecs);
+#pragma unroll
+        for (int k = 0; k < vecs; k++) raw[k] = p[k];
+        return;
+    }
+    unsigned int w[4 * vecs] = {};
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+        if (e >= n) break;
+        if (bf16) w[e / 2] |= (unsigned int)((const unsigned short*)x.p)[i + e] << (16 * (e & 1));
+        else w[e] = ((const unsigned int*)x.p)[i + e];
+    }
+#pragma unroll
+    for (int k = 0; k < vecs; k++) raw[k] = make_uint4(w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]);
+}
+
+// The eight f32 values of fp8_dual_load's bits (bf16 widens exactly).
+template <bool bf16>
+__device__ __forceinline__ void fp8_dual_widen(const uint4 (&raw)[bf16 ? 1 : 2], float (&v)[8]) {
+    constexpr int vecs = bf16 ? 1 : 2;
+    unsigned int w[4 * vecs];
+#pragma unroll
+    for (int k = 0; k < vecs; k++) {
+        w[4 * k] = raw[k].x;
+        w[4 * k + 1] = raw[k].y;
+        w[4 * k + 2] = raw[k].z;
+        w[4 * k + 3] = raw[k].w;
+    }
+#pragma unroll
+    for (int e = 0; e < 8; e++) v[e] = __uint_as_float(bf16 ? (e & 1 ? w[e / 2] & 0xffff0000u : w[e / 2] << 16) : w[e]);
+}
+
+// fp8_quantize_dual's tiles for an x of one type: FP8_DUAL_PASSES(bf16) x 16 rows by
+// FP8_DUAL_COLS columns, one tile per block where the grid covers them (the host's launch),
+// else grid-stride. Returns the thread's largest finite magnitude of x where `record`.
+template <bool bf16>
+__device__ __forceinline__ unsigned int fp8_dual_tiles(Fv x, long long rows, long long cols, float s, int e5m2,
+                                                       unsigned char* q, unsigned char* qt, bool record,
+                                                       unsigned int (*tile)[FP8_DUAL_COLS / 4]) {
+    constexpr int passes = FP8_DUAL_PASSES(bf16), vecs = bf16 ? 1 : 2;
+    constexpr int tile_rows = passes * FP8_DUAL_PASS;
+    // Transposing: each thread takes `span` rows (8 or 16 bytes of each qt line it writes).
+    constexpr int span = tile_rows / 8;
     float s8[8] = {s, s, s, s, s, s, s, s};
     bool vec = vec_ok(x) && cols % 8 == 0;
     bool q8 = ((unsigned long long)q & 7ull) == 0 && cols % 8 == 0;
     bool qt8 = ((unsigned long long)qt & 7ull) == 0 && rows % 8 == 0;
+    bool qt16 = ((unsigned long long)qt & 15ull) == 0 && rows % 16 == 0;
     long long col_tiles = (cols + FP8_DUAL_COLS - 1) / FP8_DUAL_COLS;
-    long long tiles = (rows + FP8_DUAL_ROWS - 1) / FP8_DUAL_ROWS * col_tiles;
+    long long tiles = (rows + tile_rows - 1) / tile_rows * col_tiles;
     int t = threadIdx.x;
     // Reading: vector `rv` of tile rows `rr`, rr + FP8_DUAL_PASS, ...
     int rv = t % (FP8_DUAL_COLS / 8), rr = t / (FP8_DUAL_COLS / 8);
-    // Transposing: rows 8 tk .. 8 tk + 7 of tile columns 4 tg .. 4 tg + 3.
+    // Transposing: rows span tk .. span tk + span - 1 of tile columns 4 tg .. 4 tg + 3.
     int tk = t & 7, tg = t >> 3;
     unsigned int m = 0;
     for (long long i = blockIdx.x; i < tiles; i += gridDim.x) {
-        long long r0 = i / col_tiles * FP8_DUAL_ROWS, c0 = i % col_tiles * FP8_DUAL_COLS;
+        long long r0 = i / col_tiles * tile_rows, c0 = i % col_tiles * FP8_DUAL_COLS;
         long long c = c0 + 8 * rv;
         int valid = c >= cols ? 0 : (cols - c < 8 ? (int)(cols - c) : 8);
-        float v[FP8_DUAL_ROWS / FP8_DUAL_PASS][8];
+        uint4 raw[passes][vecs];
 #pragma unroll
-        for (int p = 0; p < FP8_DUAL_ROWS / FP8_DUAL_PASS; p++) {
+        for (int p = 0; p < passes; p++) {
             long long r = r0 + rr + p * FP8_DUAL_PASS;
-            if (r < rows && valid == 8 && vec) {
-                F8 f = ld8(x, (r * cols + c) / 8);
-#pragma unroll
-                for (int e = 0; e < 8; e++) v[p][e] = f.v[e];
-            } else {
-#pragma unroll
-                for (int e = 0; e < 8; e++) v[p][e] = r < rows && e < valid ? ld(x, r * cols + c + e) : 0.0f;
-            }
+            fp8_dual_load<bf16>(x, r * cols + c, r < rows ? valid : 0, vec, raw[p]);
         }
         // The previous tile's transposed reads are done before its bytes are overwritten.
         if (qt) __syncthreads();
 #pragma unroll
-        for (int p = 0; p < FP8_DUAL_ROWS / FP8_DUAL_PASS; p++) {
+        for (int p = 0; p < passes; p++) {
             int row = rr + p * FP8_DUAL_PASS;
             long long r = r0 + row;
-            uint2 b = fp8_pack8(v[p], s8, 8, e5m2);
-            if (record) m = fp8_finite_max(m, v[p]);
+            float v[8];
+            fp8_dual_widen<bf16>(raw[p], v);
+            uint2 b = fp8_pack8(v, s8, 8, e5m2);
+            if (record) m = fp8_finite_max(m, v);
             if (q && r < rows) {
                 if (q8 && valid == 8) {
                     *(uint2*)(q + r * cols + c) = b;
@@ -388,26 +422,68 @@ extern "C" __global__ void fp8_quantize_dual(Fv x, long long rows, long long col
                     for (int e = 0; e < valid; e++) q[r * cols + c + e] = (unsigned char)((e < 4 ? b.x : b.y) >> (8 * (e & 3)));
                 }
             }
-            if (qt) *(uint2*)&tile[row][fp8_dual_word(row, 2 * rv)] = b;
+            if (qt) *(uint2*)&tile[row][fp8_dual_word<span>(row, 2 * rv)] = b;
         }
         if (!qt) continue;
         __syncthreads();
-        unsigned int w[8];
+        unsigned int w[span];
 #pragma unroll
-        for (int e = 0; e < 8; e++) w[e] = tile[8 * tk + e][fp8_dual_word(8 * tk + e, tg)];
-        long long r = r0 + 8 * tk;
+        for (int e = 0; e < span; e++) w[e] = tile[span * tk + e][fp8_dual_word<span>(span * tk + e, tg)];
+        long long r = r0 + span * tk;
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             long long cj = c0 + 4 * tg + j;
             if (cj >= cols || r >= rows) continue;
-            uint2 b = make_uint2(fp8_column4(w[0], w[1], w[2], w[3], j), fp8_column4(w[4], w[5], w[6], w[7], j));
-            if (qt8 && r + 8 <= rows) {
-                *(uint2*)(qt + cj * rows + r) = b;
-            } else {
-                for (int e = 0; e < 8 && r + e < rows; e++) qt[cj * rows + r + e] = (unsigned char)((e < 4 ? b.x : b.y) >> (8 * (e & 3)));
+            unsigned int col[span / 4];
+#pragma unroll
+            for (int h = 0; h < span / 4; h++) col[h] = fp8_column4(w[4 * h], w[4 * h + 1], w[4 * h + 2], w[4 * h + 3], j);
+            unsigned char* line = qt + cj * rows + r;
+            if constexpr (span == 16) {
+                if (qt16 && r + 16 <= rows) {
+                    *(uint4*)line = make_uint4(col[0], col[1], col[2], col[3]);
+                    continue;
+                }
+            }
+#pragma unroll
+            for (int h = 0; h < span / 8; h++) {
+                if (r + 8 * h >= rows) break;
+                uint2 b = make_uint2(col[2 * h], col[2 * h + 1]);
+                if (qt8 && r + 8 * h + 8 <= rows) {
+                    *(uint2*)(line + 8 * h) = b;
+                } else {
+                    for (int e = 0; e < 8 && r + 8 * h + e < rows; e++) line[8 * h + e] = (unsigned char)((e < 4 ? b.x : b.y) >> (8 * (e & 3)));
+                }
             }
         }
     }
+    return m;
+}
+
+// Op::Fp8Quantize (parc_compiler::ir::fp8): x [rows, cols] quantized with the one tensorwise
+// scale of amax[0] (f32 bits; fp8_scale) into, each where its pointer is not null,
+// q [rows, cols] (K along x's columns) and qt [cols, rows] (its transpose: K along x's rows),
+// fp8(x · s) as fp8_quantize_lines and fp8_quantize_cols write it (fp8_pack8: nearest-even,
+// saturating, a non-finite element as NaN, 0x7f). x is read once: each block takes tiles of
+// FP8_DUAL_PASSES x 16 rows (64 for f32, 128 for bf16) by FP8_DUAL_COLS columns, one a block
+// as the host launches it (grid-stride beyond). Its threads first load all their rows of the
+// tile, 8 elements of each (16-byte vectors where x is aligned and cols a multiple of 8; kept
+// raw so that all the loads are in flight at once), then convert each element once, write it
+// to q (8-byte stores where q is 8-byte aligned and cols a multiple of 8) and into a shared tile
+// of FP8 bytes; after a barrier each thread reads 4 columns x 8 (f32) or 16 (bf16) rows of it
+// (4-byte words), transposes them with byte permutes and writes them to 4 rows of qt (16-byte
+// stores where qt is 16-byte aligned and rows a multiple of 16, else 8-byte stores where qt is
+// aligned and rows a multiple of 8). Elsewhere (edges, unaligned shapes) bytes are written one
+// at a time. A non-null `record` takes x's largest finite magnitude (fp8_block_max_into).
+// Launch with FP8_DUAL_THREADS threads. The kernel is bound by the bytes of x in flight, not
+// by instructions: the bound of 3 blocks an SM (80 registers) keeps 768 threads' 128 bytes
+// each in flight, where an f32 x ran at copy bandwidth before bf16 tiles grew to match it.
+extern "C" __global__ void __launch_bounds__(FP8_DUAL_THREADS, 3)
+fp8_quantize_dual(Fv x, long long rows, long long cols, const unsigned int* amax, float maxv, int e5m2,
+                  unsigned char* q, unsigned char* qt, unsigned int* record) {
+    __shared__ __align__(16) unsigned int tile[FP8_DUAL_MAX_ROWS][FP8_DUAL_COLS / 4];
+    float s = fp8_scale(amax[0], maxv);
+    unsigned int m = x.bf16 ? fp8_dual_tiles<true>(x, rows, cols, s, e5m2, q, qt, record != nullptr, tile)
+                            : fp8_dual_tiles<false>(x, rows, cols, s, e5m2, q, qt, record != nullptr, tile);
     if (record) fp8_block_max_into(record, m);
 }
 
