@@ -477,9 +477,9 @@ __device__ __forceinline__ unsigned int fp8_dual_tiles(Fv x, long long rows, lon
 // Launch with FP8_DUAL_THREADS threads. The kernel is bound by the bytes of x in flight, not
 // by instructions: the bound of 3 blocks an SM (80 registers) keeps 768 threads' 128 bytes
 // each in flight, where an f32 x ran at copy bandwidth before bf16 tiles grew to match it.
-extern "C" __global__ void __launch_bounds__(FP8_DUAL_THREADS, 3)
-fp8_quantize_dual(Fv x, long long rows, long long cols, const unsigned int* amax, float maxv, int e5m2,
-                  unsigned char* q, unsigned char* qt, unsigned int* record) {
+extern "C" __global__ void __launch_bounds__(FP8_DUAL_THREADS, 3) fp8_quantize_dual(
+    Fv x, long long rows, long long cols, const unsigned int* amax, float maxv, int e5m2, unsigned char* q,
+    unsigned char* qt, unsigned int* record) {
     __shared__ __align__(16) unsigned int tile[FP8_DUAL_MAX_ROWS][FP8_DUAL_COLS / 4];
     float s = fp8_scale(amax[0], maxv);
     unsigned int m = x.bf16 ? fp8_dual_tiles<true>(x, rows, cols, s, e5m2, q, qt, record != nullptr, tile)
