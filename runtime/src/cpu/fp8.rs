@@ -142,6 +142,27 @@ pub(crate) fn scale(amax: f32, format: Fp8Format) -> f32 {
     f32::from_bits(exponent << 23)
 }
 
+/// The f32 value of stored FP8 bits of `format` (exact): how the backends widen an FP8 buffer.
+pub(crate) fn widen_fp8(bits: u8, format: Fp8Format) -> f32 {
+    match format {
+        Fp8Format::E4m3 => F8E4M3::from_bits(bits).to_f32(),
+        Fp8Format::E5m2 => F8E5M2::from_bits(bits).to_f32(),
+    }
+}
+
+/// `x` rounded to the nearest value of `format`, ties to even, saturating to its largest
+/// finite value; a non-finite `x` becomes NaN (0x7f in both formats), as the CUDA kernels
+/// store it (`kernels/fp8.cu`): how the backends write an FP8 buffer from f32 values.
+pub(crate) fn round_fp8(x: f32, format: Fp8Format) -> u8 {
+    if !x.is_finite() {
+        return 0x7f;
+    }
+    match format {
+        Fp8Format::E4m3 => F8E4M3::from_f32(x).to_bits(),
+        Fp8Format::E5m2 => F8E5M2::from_f32(x).to_bits(),
+    }
+}
+
 /// `v` scaled, rounded to `format` (nearest-even, saturating) and unscaled; non-finite values
 /// pass through unchanged.
 pub(crate) fn round_trip(v: f32, scale: f32, format: Fp8Format) -> f32 {

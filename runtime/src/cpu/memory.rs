@@ -13,6 +13,7 @@
 //! An op borrows its inputs and outputs at once: [`Memory::split`] cuts the vector into
 //! disjoint slices (two live buffers never overlap, which the planner's checker proved and this
 //! module checks again per op).
+use super::fp8::{round_fp8, widen_fp8};
 use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::fp8::Fp8Format;
 use parc_compiler::ir::{BufferId, DType, Program};
@@ -55,27 +56,6 @@ pub(crate) fn widen_bf16(bits: u16) -> f32 {
 /// `x` rounded to the nearest bf16, ties to even (NaN stays NaN, overflow becomes infinity).
 pub(crate) fn round_bf16(x: f32) -> u16 {
     half::bf16::from_f32(x).to_bits()
-}
-
-/// The f32 value of stored FP8 bits (exact).
-pub(crate) fn widen_fp8(bits: u8, format: Fp8Format) -> f32 {
-    match format {
-        Fp8Format::E4m3 => float8::F8E4M3::from_bits(bits).to_f32(),
-        Fp8Format::E5m2 => float8::F8E5M2::from_bits(bits).to_f32(),
-    }
-}
-
-/// `x` rounded to the nearest value of `format`, ties to even, saturating to its largest
-/// finite value; a non-finite `x` becomes NaN (0x7f in both formats), as the CUDA kernels
-/// store it (`kernels/fp8.cu`).
-pub(crate) fn round_fp8(x: f32, format: Fp8Format) -> u8 {
-    if !x.is_finite() {
-        return 0x7f;
-    }
-    match format {
-        Fp8Format::E4m3 => float8::F8E4M3::from_f32(x).to_bits(),
-        Fp8Format::E5m2 => float8::F8E5M2::from_f32(x).to_bits(),
-    }
 }
 
 /// A read-only view of one buffer's elements.

@@ -15,14 +15,13 @@
 //! bytes an element for a bf16 x into both layouts). `Op::Fp8Quantize` runs it (`quantize_op`,
 //! taking the record that rides on the op); `CudaBackend::fp8_quantize_dual` runs it on
 //! allocated buffers (tests and the bandwidth benchmark in `tests/cuda_ops/fp8.rs`). FP8
-//! buffers written and read from the host round and widen as the CPU backend's (`round_fp8`,
-//! `widen_fp8`).
+//! buffers written and read from the host round and widen as the CPU backend's
+//! (`cpu::fp8::round_fp8`, `widen_fp8`).
 use super::args::{fv, Bound};
 use super::kernel::Kernel;
 use super::{buffer_error, Arg, Buf, CudaBackend};
 use crate::error::Result;
 use cudarc::driver::sys::CUdeviceptr;
-use float8::{F8E4M3, F8E5M2};
 use parc_compiler::ir::fp8::{Fp8Format, Fp8QuantizeAttrs};
 use parc_compiler::ir::{BufferId, DType};
 
@@ -78,26 +77,6 @@ pub(super) fn quantize_op(be: &mut CudaBackend, b: &Bound, a: &Fp8QuantizeAttrs)
         record,
     };
     quantize_dual(be, &d)
-}
-
-/// `v` rounded to `format` as a host writes an FP8 buffer (the CPU backend's rounding:
-/// nearest-even, saturating; a non-finite value as NaN, 0x7f, as the kernels store it).
-pub(super) fn round_fp8(v: f32, format: Fp8Format) -> u8 {
-    if !v.is_finite() {
-        return 0x7f;
-    }
-    match format {
-        Fp8Format::E4m3 => F8E4M3::from_f32(v).to_bits(),
-        Fp8Format::E5m2 => F8E5M2::from_f32(v).to_bits(),
-    }
-}
-
-/// The f32 value of FP8 bits `b` of `format` (exact).
-pub(super) fn widen_fp8(b: u8, format: Fp8Format) -> f32 {
-    match format {
-        Fp8Format::E4m3 => F8E4M3::from_bits(b).to_f32(),
-        Fp8Format::E5m2 => F8E5M2::from_bits(b).to_f32(),
-    }
 }
 
 /// Launches `fp8_quantize_dual` for `d` (nothing for an empty x). x must hold a whole number

@@ -758,7 +758,7 @@ impl Backend for CudaBackend {
     }
 
     /// Into a bf16 buffer each element is rounded to the nearest bf16 (ties to even) on the
-    /// host; into an FP8 buffer to its format (`fp8_quantize::round_fp8`), as the CPU backend
+    /// host; into an FP8 buffer to its format (`crate::cpu::fp8::round_fp8`), as the CPU backend
     /// stores them.
     fn write_f32(&mut self, id: BufferId, data: &[f32]) -> Result<()> {
         match self.slot(id)?.dtype {
@@ -771,7 +771,7 @@ impl Backend for CudaBackend {
             }
             DType::Fp8(format) => {
                 let bits: Vec<u8> = (data.iter())
-                    .map(|&v| fp8_quantize::round_fp8(v, format))
+                    .map(|&v| crate::cpu::fp8::round_fp8(v, format))
                     .collect();
                 self.write(id, DType::Fp8(format), &bits)
             }
@@ -790,7 +790,7 @@ impl Backend for CudaBackend {
         if let DType::Fp8(format) = s.dtype {
             let bytes = self.read_bytes(id)?;
             return Ok((bytes.into_iter())
-                .map(|b| fp8_quantize::widen_fp8(b, format))
+                .map(|b| crate::cpu::fp8::widen_fp8(b, format))
                 .collect());
         }
         if !matches!(s.dtype, DType::F32 | DType::Bf16) {
