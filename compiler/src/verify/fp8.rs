@@ -138,15 +138,23 @@ fn last_writer(program: &Program, at: usize, buffer: BufferId) -> Option<usize> 
         .find(|&j| (program.instrs.get(j)).is_some_and(|x| x.writes().contains(&buffer)))
 }
 
-/// The first instruction in `range` that writes any of `buffers`.
-fn first_write(
+/// Ok where no instruction between `source` (which made what the GEMM at `at` reads: `made`)
+/// and the GEMM writes any of `buffers` (`written`, in words); else an error naming the first.
+fn unwritten_since(
     program: &Program,
-    range: std::ops::Range<usize>,
-    buffers: &[BufferId],
-) -> Option<usize> {
-    range.into_iter().find(|&j| {
+    (source, at): (usize, usize),
+    (buffers, written): (&[BufferId], &str),
+    made: &str,
+) -> Result<(), String> {
+    let first = (source + 1..at).find(|&j| {
         (program.instrs.get(j)).is_some_and(|x| x.writes().iter().any(|b| buffers.contains(b)))
-    })
+    });
+    match first {
+        Some(j) => Err(format!(
+            "instruction {j} writes {written} between {made} ({source}) and the GEMM"
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Checks that quantized operand `q`, read by the GEMM at `at`, is the `Fp8Quantize` of
@@ -195,12 +203,8 @@ fn quantized_before(
             numel(buffer)
         ));
     }
-    match first_write(program, source + 1..at, &[buffer, amax]) {
-        Some(j) => Err(format!(
-            "instruction {j} writes the operand or its amax between the Fp8Quantize ({source}) and the GEMM"
-        )),
-        None => Ok(()),
-    }
+    let written = (&[buffer, amax][..], "the operand or its amax");
+    unwritten_since(program, (source, at), written, "the Fp8Quantize")
 }
 
 /// Checks that `amax`, read by the quantized GEMM at `at` as the scale amax of its unshared
@@ -223,12 +227,8 @@ fn own_amax_before(
             amax.0
         ));
     }
-    match first_write(program, source + 1..at, &[buffer]) {
-        Some(j) => Err(format!(
-            "instruction {j} writes the operand between its Fp8Amax ({source}) and the GEMM"
-        )),
-        None => Ok(()),
-    }
+    let written = (&[buffer][..], "the operand");
+    unwritten_since(program, (source, at), written, "its Fp8Amax")
 }
 
 /// What the amaxes of one operand must be: `operand`'s groups of `buffer`, max-reduced over
@@ -250,15 +250,7 @@ fn reduced_before(
     amax: BufferId,
     want: Want,
 ) -> Result<(), String> {
-    let writer = |before: usize| {
-        (0..before).rev().find(|&j| {
-            program
-                .instrs
-                .get(j)
-                .is_some_and(|x| x.writes().contains(&amax))
-        })
-    };
-    let reduce = writer(at).ok_or("its amaxes are never written")?;
+    let reduce = last_writer(program, at, amax).ok_or("its amaxes are never written")?;
     let Some(Instr::Collective {
         kind: CollectiveKind::AllReduce { op: ReduceOp::Max },
         group,
@@ -280,7 +272,8 @@ fn reduced_before(
             want.axes
         ));
     }
-    let source = writer(reduce).ok_or("the reduced amaxes are never computed")?;
+    let source =
+        last_writer(program, reduce, amax).ok_or("the reduced amaxes are never computed")?;
     let computed = program
         .instrs
         .get(source)
@@ -298,14 +291,8 @@ fn reduced_before(
             "the amaxes reduced at instruction {reduce} come from instruction {source}, not from an Fp8Amax of this operand"
         ));
     }
-    let rewritten = (source + 1..at)
-        .find(|&j| (program.instrs.get(j)).is_some_and(|x| x.writes().contains(&want.buffer)));
-    match rewritten {
-        Some(j) => Err(format!(
-            "instruction {j} writes the operand between its Fp8Amax ({source}) and the GEMM"
-        )),
-        None => Ok(()),
-    }
+    let written = (&[want.buffer][..], "the operand");
+    unwritten_since(program, (source, at), written, "its Fp8Amax")
 }
 
 /// Checks the scale amax `amax` of a delayed-scaling GEMM at `at` whose operand is `buffer`:
@@ -373,21 +360,15 @@ fn delayed_before(
     if !record {
         return Ok(());
     }
-    let source = (0..at).rev().find(|&j| writes(j));
+    let source = last_writer(program, at, history);
     let Some(source) = source.filter(|&j| is_record(j, Some(buffer))) else {
         return Err(format!(
             "the GEMM's operand is not recorded into its history b{} before it",
             history.0
         ));
     };
-    match (source + 1..at)
-        .find(|&j| (program.instrs.get(j)).is_some_and(|x| x.writes().contains(&buffer)))
-    {
-        Some(j) => Err(format!(
-            "instruction {j} writes the operand between its Fp8AmaxRecord ({source}) and the GEMM"
-        )),
-        None => Ok(()),
-    }
+    let written = (&[buffer][..], "the operand");
+    unwritten_since(program, (source, at), written, "its Fp8AmaxRecord")
 }
 
 /// What is wrong with the GEMM's operand splits (the module doc), in words; `inputs` are the
