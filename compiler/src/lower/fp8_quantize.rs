@@ -24,7 +24,9 @@
 //! padding). Any other FP8 GEMM quantizes its operands itself, as before. The numbers are the
 //! unquantized program's bit for bit on finite operands (`ir::fp8::Fp8QuantizeAttrs`).
 use crate::fp8::recording_gemm;
-use crate::ir::fp8::{Along, Fp8AmaxAttrs, Fp8Format, Fp8Operand, Fp8QuantizeAttrs, Fp8Scaling};
+use crate::ir::fp8::{
+    Along, Fp8AmaxAttrs, Fp8Format, Fp8Gemm, Fp8Operand, Fp8QuantizeAttrs, Fp8Scaling, OperandKind,
+};
 use crate::ir::op::Op;
 use crate::ir::{Buffer, BufferId, BufferKind, DType, Inputs, Instr, Outputs, Phase, Program};
 use crate::spec::NodeId;
@@ -132,7 +134,6 @@ pub fn quantize_operands(program: &mut Program) -> QuantizeSummary {
     }
 }
 
-/// The groups of `program` and, per eligible GEMM instruction, the groups of its two operands.
 /// A delayed-scaling record: where it is, the tensor and the history.
 #[derive(Clone, Copy)]
 struct Record {
@@ -250,9 +251,9 @@ fn eligible(program: &Program, instr: &Instr) -> Option<[Use; 2]> {
         return None;
     }
     let (in_dim, out_dim) = c.op.gemm_dims()?;
+    // x and W are `in` wide; dy, the first operand of either gradient, `out`.
     let widths = match c.op {
         Op::Matmul { .. } => [in_dim, in_dim],
-        Op::MatmulBwdData { .. } => [out_dim, in_dim],
         _ => [out_dim, in_dim],
     };
     let (amax, _) = c.op.fp8_inputs(c.inputs)?;
@@ -319,7 +320,7 @@ fn make_buffers(program: &mut Program, g: &Group) -> Made {
 /// The instructions before group `g`'s first GEMM: its buffers allocated, its amax computed
 /// where it has none, its op.
 fn quantize_instrs(g: &Group, m: &Made) -> Vec<Instr> {
-    let weight = g.operand.kind == crate::ir::fp8::OperandKind::Weight;
+    let weight = g.operand.kind == OperandKind::Weight;
     let rows = weight.then_some(g.rows);
     let mut out = Vec::new();
     let compute = |op: Op, inputs: &[BufferId], outputs: &[BufferId]| {
@@ -383,7 +384,7 @@ fn quantized_gemm(instr: &Instr, made: [Made; 2]) -> Option<Instr> {
             Along::Rows => m.qt?,
         });
     }
-    let op = c.op.with_fp8(Some(crate::ir::fp8::Fp8Gemm {
+    let op = c.op.with_fp8(Some(Fp8Gemm {
         quantized: true,
         ..g
     }));
