@@ -72,6 +72,19 @@ fn plain_matmul(in_dim: u64, out_dim: u64, fp8: Option<Fp8Gemm>) -> Op {
     }
 }
 
+/// A forward GEMM with every epilogue: y = x Wᵀ + b + r, then gelu_tanh.
+fn epilogue_matmul(in_dim: u64, out_dim: u64, fp8: Option<Fp8Gemm>) -> Op {
+    Op::Matmul {
+        in_dim,
+        out_dim,
+        bias: true,
+        act: Some(Act::GeluTanh),
+        residual: true,
+        swiglu: false,
+        fp8,
+    }
+}
+
 /// Every FP8 GEMM op form under `g` at (rows, in, out), f32 storage.
 fn cases(r: &mut Rng, g: Fp8Gemm, (rows, k, m): (usize, usize, usize)) -> Vec<Case> {
     let fp8 = Some(g);
@@ -91,15 +104,7 @@ fn cases(r: &mut Rng, g: Fp8Gemm, (rows, k, m): (usize, usize, usize)) -> Vec<Ca
         ),
         Case::new(
             format!("fp8 matmul+bias+residual+gelu_tanh {shape}"),
-            Op::Matmul {
-                in_dim: i,
-                out_dim: o,
-                bias: true,
-                act: Some(Act::GeluTanh),
-                residual: true,
-                swiglu: false,
-                fp8,
-            },
+            epilogue_matmul(i, o, fp8),
             vec![
                 Data::F32(x.clone()),
                 Data::F32(w.clone()),
@@ -663,7 +668,7 @@ fn a_run_of_rolls_is_one_launch_with_the_same_results() {
 /// a program whose GEMMs share their operands' quantizations (`lower::fp8_quantize`).
 #[cfg(feature = "cuda")]
 mod dual {
-    use super::FP8_GEMM;
+    use super::{epilogue_matmul, FP8_GEMM};
     use crate::harness::{check_with, cuda_backend, Case, Data, Rng, REDUCTION};
     use float8::{F8E4M3, F8E5M2};
     use parc_compiler::ir::fp8::{Fp8Format, Fp8Gemm, Fp8Scaling};
@@ -1018,7 +1023,6 @@ mod dual {
     /// amax 0), which runs as the plain f32 GEMM on its unquantized inputs (`REDUCTION`).
     #[test]
     fn quantized_gemms_match_the_cpu_emulation() {
-        use parc_compiler::ir::op::Act;
         let Some(mut gpu) = cuda_backend(Precision::Fp32) else {
             return;
         };
@@ -1047,15 +1051,7 @@ mod dual {
             let dyq = scaled(&dy, dya, grad);
             let d = |v: &[f32]| Data::F32(v.to_vec());
             let a = |v: f32| Data::F32(vec![v]);
-            let forward = Op::Matmul {
-                in_dim: i,
-                out_dim: o,
-                bias: true,
-                act: Some(Act::GeluTanh),
-                residual: true,
-                swiglu: false,
-                fp8,
-            };
+            let forward = epilogue_matmul(i, o, fp8);
             let fwd_in = vec![
                 d(&x),
                 d(&w),

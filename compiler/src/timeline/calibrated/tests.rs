@@ -546,6 +546,21 @@ fn an_fp8_gemm_is_priced_as_its_gemm_plus_its_quantization() {
     }
 }
 
+/// tiny-llama.par in bf16 with every attention and MLP projection in tensorwise FP8 with
+/// `fields` (`scaling: delayed`, …), lowered: its spec and plan.
+fn tiny_llama_tensorwise(fields: &str) -> (Spec, Plan) {
+    let text = include_str!("../../../../examples/tiny-llama.par").to_string();
+    let overrides = [
+        "train.precision=bf16".to_string(),
+        format!("train.fp8=tensorwise {{ {fields} }}"),
+        "train.fp8.fp8=[Attention, MLP]".to_string(),
+    ]
+    .map(|s| crate::overrides::parse_override(&s).unwrap());
+    let options = CompileOptions::through(Stage::Lower);
+    let c = compile("tiny-llama.par", text, &overrides, &options);
+    (c.spec.expect("checks"), c.plan.expect("lowers"))
+}
+
 /// Delayed scaling makes no amax passes: its GEMMs are priced below current scaling's by
 /// those passes (on measured FP8 points: exactly the passes' traffic at the profile's rate),
 /// and its `Fp8AmaxRecord`s cost nothing, as the CUDA backend takes them in the GEMMs'
@@ -553,22 +568,8 @@ fn an_fp8_gemm_is_priced_as_its_gemm_plus_its_quantization() {
 /// per_gemm`.)
 #[test]
 fn delayed_scaling_saves_the_amax_passes_and_its_records_ride_on_the_gemms() {
-    let lowered = |scaling: &str| {
-        let text = include_str!("../../../../examples/tiny-llama.par").to_string();
-        let overrides = [
-            "train.precision=bf16".to_string(),
-            format!("train.fp8=tensorwise {{ scaling: {scaling}, quantize: per_gemm }}"),
-            "train.fp8.fp8=[Attention, MLP]".to_string(),
-        ]
-        .map(|s| crate::overrides::parse_override(&s).unwrap());
-        let c = compile(
-            "tiny-llama.par",
-            text,
-            &overrides,
-            &CompileOptions::through(Stage::Lower),
-        );
-        (c.spec.expect("checks"), c.plan.expect("lowers"))
-    };
+    let lowered =
+        |scaling: &str| tiny_llama_tensorwise(&format!("scaling: {scaling}, quantize: per_gemm"));
     let (spec, current) = lowered("current");
     let (_, delayed) = lowered("delayed");
     // Tensorwise points at twice the GEMM rate of the bf16 ones plus their quantization (an
@@ -767,22 +768,7 @@ fn a_fused_run_is_priced_by_its_summed_bytes() {
 /// too.
 #[test]
 fn shared_quantization_is_priced_once_per_tensor() {
-    let lowered = |quantize: &str| {
-        let text = include_str!("../../../../examples/tiny-llama.par").to_string();
-        let overrides = [
-            "train.precision=bf16".to_string(),
-            format!("train.fp8=tensorwise {{ quantize: {quantize} }}"),
-            "train.fp8.fp8=[Attention, MLP]".to_string(),
-        ]
-        .map(|s| crate::overrides::parse_override(&s).unwrap());
-        let c = compile(
-            "tiny-llama.par",
-            text,
-            &overrides,
-            &CompileOptions::through(Stage::Lower),
-        );
-        (c.spec.expect("checks"), c.plan.expect("lowers"))
-    };
+    let lowered = |quantize: &str| tiny_llama_tensorwise(&format!("quantize: {quantize}"));
     let (spec, shared) = lowered("shared");
     let (_, own) = lowered("per_gemm");
     let quantizes = (shared.programs[0].instrs.iter())
