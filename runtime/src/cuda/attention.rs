@@ -118,31 +118,41 @@ const fn ws_fwd_smem(d: usize, stages: usize) -> u32 {
 const WS_FWD_SMEM: u32 = ws_fwd_smem(64, WS_STAGES);
 const WS_FWD_SMEM_D128: u32 = ws_fwd_smem(128, WS_STAGES_D128);
 
-/// The warp-specialized backward (attention_ws_bwd.cu): keys per work item, query rows per
-/// ring slot, ring slots (head_dim 64 and 128), a consumer's dQ tile columns (head_dim 64: all
-/// over its own keys; 128: half over both consumers' keys).
+/// The warp-specialized backward (attention_ws_bwd.cu): keys per work item, and a consumer's
+/// dQ part (rows × columns, f32: head_dim 64 splits dQ's 128 rows of a tile over the consumers,
+/// 128 its 128 columns).
 const WSB_BC: usize = 128;
-const WSB_BR: usize = 64;
-const WSB_STAGES: usize = 3;
-const WSB_DQ_COLS: usize = 64;
+const WSB_DQ_PART: usize = 64 * 64;
 
-/// The warp-specialized backward's shared memory for head_dim `d`, `kv_bufs` K/V buffers and
-/// `dq_bufs` dQ tiles a consumer (head_dim 64: 2, 2; 128: 1, 1; attention_ws_bwd.cu's
-/// budgets): alignment slack, the K and V buffers, the slots (Q, dO, and 1 KiB for their lse2
-/// and delta rows), the consumers' dSᵀ tiles, the dQ tiles (f32), the mbarriers and the two
-/// items' query ranges (8 ints each).
-const fn wsb_smem(d: usize, kv_bufs: usize, dq_bufs: usize) -> u32 {
+/// Query rows of the warp-specialized backward's ring slots for head_dim `d` (attention_ws_bwd.cu's
+/// `wsb_br`): 128 at 64, 64 at 128.
+const fn wsb_br(d: usize) -> usize {
+    if d == 64 {
+        128
+    } else {
+        64
+    }
+}
+
+/// The warp-specialized backward's shared memory for head_dim `d` (attention_ws_bwd.cu's budgets:
+/// head_dim 64 double-buffers K/V and has 2 ring slots; 128 one K/V buffer and 3 slots):
+/// alignment slack, the K and V buffers, the slots (Q, dO, and 1 KiB for their lse2 and delta
+/// rows), the dSᵀ tile (keys × the slot's queries, bf16), the consumers' dQ parts (f32), the
+/// mbarriers and the two items' query ranges (8 ints each).
+const fn wsb_smem(d: usize) -> u32 {
+    let (kv_bufs, stages) = if d == 64 { (2, 2) } else { (1, 3) };
+    let br = wsb_br(d);
     (WGMMA_ALIGN
         + kv_bufs * 2 * WSB_BC * d * 2
-        + WSB_STAGES * (2 * WSB_BR * d * 2 + 1024)
-        + 2 * 64 * WSB_BR * 2
-        + 2 * dq_bufs * WSB_BR * WSB_DQ_COLS * 4
-        + 8 * (2 * WSB_STAGES + 4)
+        + stages * (2 * br * d * 2 + 1024)
+        + WSB_BC * br * 2
+        + 2 * WSB_DQ_PART * 4
+        + 8 * (2 * stages + 4)
         + 64) as u32
 }
-/// Head_dim 64: 196 KiB. Head_dim 128: 212 KiB.
-const WSB_SMEM: u32 = wsb_smem(64, 2, 2);
-const WSB_SMEM_D128: u32 = wsb_smem(128, 1, 1);
+/// Head_dim 64: 195 KiB. Head_dim 128: 212 KiB.
+const WSB_SMEM: u32 = wsb_smem(64);
+const WSB_SMEM_D128: u32 = wsb_smem(128);
 
 /// The TMA tensor map of one bf16 operand of the stored layout (q, k, v or dO; `ptr` at its
 /// first column): a matrix of one sequence position per row (the batch's rows side by side),
@@ -184,30 +194,31 @@ fn ws_tensor_maps(g: &AttGeom, [qp, kp, vp]: [CUdeviceptr; 3]) -> Result<[TmaMap
 }
 
 /// The warp-specialized backward's tensor maps: q, dO, k, v (bf16 pointers, boxes of 64
-/// columns: `operand_map`), lse2 and delta (f32, one row of `att_rows` per (batch, head), boxes
-/// of one tile's 64 queries) and the dQ accumulator (f32, compact rows of batch · heads ·
-/// head_dim; boxes of 32 columns × 64 query rows, swizzled, that the kernel adds into: 2 a
-/// head of 64, 4 of 128).
+/// columns: `operand_map`; q and dO of one slot's `wsb_br` rows), lse2 and delta (f32, one row
+/// of `att_rows` per (batch, head), boxes of one slot's queries) and the dQ accumulator (f32,
+/// compact rows of batch · heads · head_dim; boxes of 32 columns × 64 query rows, swizzled,
+/// that the kernel adds into: 2 a consumer's dQ part).
 fn wsb_tensor_maps(
     g: &AttGeom,
     [dop, qp, kp, vp]: [CUdeviceptr; 4],
     (lse2, delta, dq_acc): (CUdeviceptr, CUdeviceptr, CUdeviceptr),
 ) -> Result<[TmaMap; 7]> {
     let bh = (g.batch * g.heads) as u64;
+    let br = wsb_br(g.head_dim as usize);
     let rows_ld = (g.seq_q as u64).next_multiple_of(4);
     let stats = |ptr| {
         tma::matrix(
             Elem::F32,
             ptr,
             (g.seq_q as u64, bh, rows_ld * 4),
-            (WSB_BR as u32, 1),
+            (br as u32, 1),
             false,
         )
     };
     let dq_cols = bh * g.head_dim as u64;
     Ok([
-        operand_map(g, qp, g.ld_q, g.heads, g.seq_q, WSB_BR)?,
-        operand_map(g, dop, g.ld_o, g.heads, g.seq_q, WSB_BR)?,
+        operand_map(g, qp, g.ld_q, g.heads, g.seq_q, br)?,
+        operand_map(g, dop, g.ld_o, g.heads, g.seq_q, br)?,
         operand_map(g, kp, g.ld_kv, g.kv_heads, g.seq_kv, WSB_BC)?,
         operand_map(g, vp, g.ld_kv, g.kv_heads, g.seq_kv, WSB_BC)?,
         stats(lse2)?,
@@ -216,7 +227,7 @@ fn wsb_tensor_maps(
             Elem::F32,
             dq_acc,
             (dq_cols, g.seq_q as u64, dq_cols * 4),
-            (32, WSB_BR as u32),
+            (32, 64),
             true,
         )?,
     ])
@@ -1064,13 +1075,13 @@ mod tests {
             assert!(bwd <= A100_SMEM, "d{d} backward: {bwd}");
         }
         // The warp-specialized kernels (Hopper only), one CTA an SM: forward 165 KiB (head_dim
-        // 64) and 193 KiB (128), backward 196 KiB and 212 KiB, all under the 227 KiB an H100
+        // 64) and 193 KiB (128), backward 195 KiB and 212 KiB, all under the 227 KiB an H100
         // block may opt in to; the sizes follow the kernels' budget comments.
         const { assert!(WSB_SMEM <= H100_SMEM) };
         const { assert!(WSB_SMEM_D128 <= H100_SMEM) };
         assert_eq!(WS_FWD_SMEM, 165_024);
         assert_eq!(WS_FWD_SMEM_D128, 197_760);
-        assert_eq!(WSB_SMEM, 200_848);
+        assert_eq!(WSB_SMEM, 199_808);
         assert_eq!(WSB_SMEM_D128, 217_232);
         const { assert!(WS_FWD_SMEM <= H100_SMEM) };
         const { assert!(WS_FWD_SMEM_D128 <= H100_SMEM) };
