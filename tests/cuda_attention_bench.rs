@@ -21,7 +21,8 @@
 //! `PARC_ATT_POINT=B,H,T,D[,KVH]` runs only that bf16 point, once after the warm-up (for a
 //! profiler: its 3rd and 4th attention kernels are the timed ones). `PARC_ATT_GRID=1` runs
 //! issue 19's grid instead of the default points: head_dim {64, 128} × T {1k, 2k, 4k, 8k} × GQA
-//! ratio {1, 4, 6}, 12 heads (12, 3 or 2 kv heads), B · T = 16k tokens.
+//! ratio {1, 4, 6}, 12 heads (12, 3 or 2 kv heads), B · T = 16k tokens. `PARC_ATT_PAIRS=ws`
+//! times only the warp-specialized pair on a Hopper (kernel work: a third of the time).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "gpu_support/mod.rs"]
@@ -169,8 +170,12 @@ mod bench {
         be: &CudaBackend,
         pt: &Point,
     ) -> Vec<(AttentionFwdKernel, AttentionBwdKernel)> {
+        let hopper_bf16 = matches!(pt.precision, Precision::Bf16) && be.is_hopper();
+        if hopper_bf16 && std::env::var("PARC_ATT_PAIRS").is_ok_and(|v| v == "ws") {
+            return vec![(AttentionFwdKernel::Ws, AttentionBwdKernel::Ws)];
+        }
         let mut pairs = vec![(AttentionFwdKernel::Fa2, AttentionBwdKernel::Fa2)];
-        if matches!(pt.precision, Precision::Bf16) && be.is_hopper() {
+        if hopper_bf16 {
             // The warp-specialized kernels (the defaults, head_dim 64 and 128), and the wgmma
             // forward beside them.
             pairs.push((AttentionFwdKernel::Ws, AttentionBwdKernel::Ws));
