@@ -18,10 +18,12 @@
 //   S_t = Q K_tᵀ (issued), O += P_{t−1} V_{t−1} (issued), wait for S_t only,
 //   online softmax of S_t while P_{t−1} V_{t−1} multiplies, wait, release slot t − 1,
 //   rescale O, P_t = bf16(S_t)
-// so the tensor cores work through each softmax (FA3's intra-warpgroup overlap), and the two
-// consumer warpgroups never wait for each other (no CTA barrier in the loop). A consumer that
-// has no work on a tile (causal, its rows all before the tile) still waits for the slot and
-// releases it, so the ring's phases stay in step.
+// so the tensor cores work through each softmax (FA3's intra-warpgroup overlap). The two
+// consumers also take turns issuing their GEMMs (FA3's inter-warpgroup "ping-pong": two named
+// barriers, ws_turn_wait / ws_turn_pass), so one's softmax runs while the other's GEMMs hold
+// the tensor cores instead of both colliding at random; awaiting measurement. A consumer that
+// has no work on a tile (causal, its rows all before the tile) still waits for the slot,
+// releases it and passes its turn, so the ring's phases and the turns stay in step.
 #ifdef __CUDA_ARCH_FEAT_SM90_ALL
 
 #define WS_BR 128
@@ -142,6 +144,18 @@ __device__ __forceinline__ void ws_softmax(float (&s)[BC / 2], float (&m)[2], fl
     wg_online_softmax(s, m, l, corr, sl2);
 }
 
+// The consumers' turns at the tensor cores: consumer cw waits on named barrier WS_TURN_BAR + cw
+// (256 threads: both consumer warpgroups) before issuing a turn's wgmmas and, once they are
+// issued, arrives on the other's. The first completes with the other consumer's arrival, the
+// second with the other's wait, so each turn alternates strictly between the two.
+#define WS_TURN_BAR 1
+__device__ __forceinline__ void ws_turn_wait(int cw) {
+    asm volatile("bar.sync %0, 256;" ::"r"(WS_TURN_BAR + cw) : "memory");
+}
+__device__ __forceinline__ void ws_turn_pass(int cw) {
+    asm volatile("bar.arrive %0, 256;" ::"r"(WS_TURN_BAR + 1 - cw) : "memory");
+}
+
 // ws_softmax, masked or not (the choice is uniform per warpgroup).
 template <int BC>
 __device__ __forceinline__ void ws_softmax_tile(bool masked, float (&s)[BC / 2], float (&m)[2], float (&l)[2], float (&corr)[2], int kv_left, const int* kp, const int (&pos)[2], bool causal, float sl2, int tq) {
@@ -155,6 +169,21 @@ __device__ __forceinline__ void ws_softmax_tile(bool masked, float (&s)[BC / 2],
 // K/V) while this one computes; it also computes the item's tile ranges (dependent loads of
 // the positions) once and hands them over with Q, off the consumers' path. Head dim D (64 or
 // 128): each tile is D / 64 column blocks of 128-byte rows, one TMA box each.
+//
+// Turns (consumer cw waits on barrier WS_TURN_BAR + cw, arrives on the other's), the invariant
+// that keeps them deadlock-free: per item each consumer takes exactly tiles + 1 turns, its n
+// (wg_tiles) + 1 with GEMMs (S_0; S_t with P_{t−1} V_{t−1} for t in [1, n); the last
+// P_{n−1} V_{n−1}) and one empty turn (wait, pass) for each tile in [n, tiles) it does not
+// compute, plus one more if n = 0. Every arrival then meets exactly one wait: consumer 1
+// arrives once before its first turn (consumer 0 goes first) and consumer 0 waits once after
+// its last item (taking consumer 1's last arrival), so both barriers are idle at exit, and
+// turn k of consumer 1 falls between turns k and k + 1 of consumer 0. No cycle through the
+// ring: counting tiles and turns over the whole loop (an item has one more turn than tiles),
+// turn k waits for the other's turn k − 1 or k, which waits for at most tile k's data; its load
+// needs the slot of tile k − 2 released by both, and a consumer releases tile j before it
+// waits for turn j + 2 or tile j + 2 (a computed one after its P·V in turn j + 1, one it skips
+// at once), so 2 slots suffice as they did without turns. The epilogue (O, lse) is outside the
+// turns.
 template <int D, int BC, int WS_STAGES>
 __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const TmaMap& tk_map, const TmaMap& tv_map, void* o, float* lse, const int* qpos, const int* kvpos, const AttGeom& g) {
     constexpr int Q_BYTES = WG_TILE_BYTES(WS_BR, D), KV_BYTES = WG_TILE_BYTES(BC, D);
@@ -220,6 +249,7 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
     int gq = lane >> 2, tq = lane & 3;
     int seq_q = (int)g.seq_q, seq_kv = (int)g.seq_kv, last = seq_q - 1;
     float sl2 = g.scale * TC_LOG2E;
+    if (cw == 1) ws_turn_pass(cw);  // consumer 0 takes the first turn (invariant above)
     int it = 0, item = 0;
     for (int w = blockIdx.x; w < work; w += gridDim.x, item++) {
         int bh = w % bh_count, i0 = (q_tiles - 1 - w / bh_count) * WS_BR;
@@ -252,12 +282,16 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
         unsigned pa[BC / 16][4];
         if (n == 0) {
             mbar_arrive_warp(q_empty);
+            ws_turn_wait(cw);  // the one extra empty turn (tiles + 1 in all)
+            ws_turn_pass(cw);
         } else {
             // Tile 0: S_0 alone (O is still zero).
             mbar_wait(bars + 8 * (it % WS_STAGES), (it / WS_STAGES) & 1);
+            ws_turn_wait(cw);
             wg_fence();
             ws_qk<D, BC>(s, q_addr, 64 * cw, kv_addr + 2 * (it % WS_STAGES) * KV_BYTES);
             wg_commit();
+            ws_turn_pass(cw);
             wg_wait_all();
             wg_hold(s);
             if (n == 1) mbar_arrive_warp(q_empty);
@@ -268,6 +302,7 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
             for (int t = 1; t < n; t++) {
                 int slot = (it + t) % WS_STAGES, prev = (it + t - 1) % WS_STAGES;
                 mbar_wait(bars + 8 * slot, ((it + t) / WS_STAGES) & 1);
+                ws_turn_wait(cw);
                 wg_fence();
                 ws_qk<D, BC>(s, q_addr, 64 * cw, kv_addr + 2 * slot * KV_BYTES);
                 wg_commit();
@@ -278,6 +313,7 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
                 #pragma unroll
                 for (int kk = 0; kk < BC / 16; kk++) wg_mma_pv<D>(acc, pa[kk], wg_desc_mn<BC>(v_prev, kk), 1);
                 wg_commit();
+                ws_turn_pass(cw);
                 asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
                 wg_hold(s);
                 if (t == n - 1) mbar_arrive_warp(q_empty);  // this consumer's last read of Q
@@ -292,24 +328,30 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
                 for (int kk = 0; kk < BC / 16; kk++) wg_acc_to_a(pa[kk], s, kk);
             }
             int slot = (it + n - 1) % WS_STAGES;
+            ws_turn_wait(cw);
             wg_fence();
             #pragma unroll
             for (int kk = 0; kk < BC / 16; kk++) wg_mma_pv<D>(acc, pa[kk], wg_desc_mn<BC>(kv_addr + 2 * slot * KV_BYTES + KV_BYTES, kk), 1);
             wg_commit();
+            ws_turn_pass(cw);
             wg_wait_all();
             wg_hold(acc);
             ws_hold_u(pa);
             mbar_arrive_warp(bars + 8 * (WS_STAGES + slot));
         }
-        // The CTA's tiles this consumer does not compute: wait for each and release it.
+        // The CTA's tiles this consumer does not compute: wait for each, release it and pass
+        // an empty turn, keeping the turns in step with the other consumer's.
         for (int t = n; t < tiles; t++) {
             int slot = (it + t) % WS_STAGES;
             mbar_wait(bars + 8 * slot, ((it + t) / WS_STAGES) & 1);
             mbar_arrive_warp(bars + 8 * (WS_STAGES + slot));
+            ws_turn_wait(cw);
+            ws_turn_pass(cw);
         }
         it += tiles;
         wg_store_o_lse<D>(acc, m, l, o, lse, g, bh, b, h, wg_row0, warp, gq, tq);
     }
+    if (cw == 0) ws_turn_wait(cw);  // consumer 1's last arrival: no barrier left half-arrived
 }
 
 #define WS_FWD(NAME, D, BC, STAGES)                                                                      \
