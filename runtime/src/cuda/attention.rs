@@ -866,7 +866,8 @@ fn tensor_core_backward(
     if let (true, Some((name, smem))) = (be.is_hopper(), ws_kernel) {
         let maps = wsb_tensor_maps(&g, [ptrs[0], qp, kp, vp], (r.lse2, r.delta, dq_acc));
         if let Ok(maps) = maps {
-            let mut rest = vec![p(r.dk), p(r.dv)];
+            let counter = be.attention_work_counter()?;
+            let mut rest = vec![p(r.dk), p(r.dv), Arg::Ptr(counter)];
             rest.extend(positions);
             let work = seq_kv.div_ceil(WSB_BC) * batch * c.dims.kv_heads;
             be.launch_persistent(name, work, smem, &maps, &rest)?;

@@ -77,8 +77,8 @@ pub(super) struct GemmOperands {
     /// What an earlier run measured for plans parc's kernel takes (`choices`, adopted from a
     /// checkpoint), by plan description: taken instead of measuring again.
     pub(super) ws_preferred: std::collections::BTreeMap<String, super::choices::ParcKernel>,
-    /// `gemm_ws`'s split counters (zeroed): made by `prepare_gemm` on a Hopper, else with the
-    /// first GEMM that needs them.
+    /// `gemm_ws`'s split counters and the attention backward's work counters (zeroed): made
+    /// by `prepare_gemm` on a Hopper, else with the first kernel that needs them.
     pub(super) ws_counters: Option<CudaSlice<u8>>,
     /// The FP8 GEMMs' quantized operands, amaxes and scales (`fp8`): sized by `prepare` for
     /// every run with FP8 GEMMs, else grown by the first FP8 GEMM that needs more.

@@ -33,6 +33,8 @@ const BK: usize = 64;
 const SMEM: u32 = 1024 + 4 * (BM * BK * 2 + BN * BK * 2) as u32 + 1024 + 16 * 4 + 48;
 /// Tiles a split reduction can count arrivals for (the counters' length).
 const MAX_SPLIT_TILES: usize = 4096;
+/// Ints of the attention backward's work counters after the split counters.
+const ATTENTION_WORK_INTS: usize = 2;
 /// Most splits of one reduction, and fewest k blocks a split keeps.
 const MAX_SPLITS: usize = 16;
 const MIN_SPLIT_BLOCKS: usize = 4;
@@ -338,12 +340,22 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// The attention backward's work counter and exit count (attention_ws_bwd.cu: each CTA
+    /// claims its next item from the first, the last CTA out zeroes both), the two ints after
+    /// the GEMM split counters in their allocation.
+    pub(super) fn attention_work_counter(&mut self) -> Result<CUdeviceptr> {
+        Ok(self.ws_counters()? + (MAX_SPLIT_TILES * 4) as CUdeviceptr)
+    }
+
     /// The split reductions' arrival counters (zeroed once; each tile's last split resets its
-    /// own), made on first use where `prepare_gemm` did not.
+    /// own) and, after them, the attention backward's (`attention_work_counter`): made on
+    /// first use where `prepare_gemm` did not.
     pub(super) fn ws_counters(&mut self) -> Result<CUdeviceptr> {
         if self.gemm_operands.ws_counters.is_none() {
-            let memory: CudaSlice<u8> =
-                self.alloc_bytes(MAX_SPLIT_TILES * 4, "GEMM split counters")?;
+            let memory: CudaSlice<u8> = self.alloc_bytes(
+                (MAX_SPLIT_TILES + ATTENTION_WORK_INTS) * 4,
+                "persistent kernels' counters",
+            )?;
             self.gemm_operands.ws_counters = Some(memory);
         }
         match &self.gemm_operands.ws_counters {

@@ -6,9 +6,9 @@
 // accumulator zeroed; dK, dV f32 or bf16; causal masking by global position, whole invisible
 // query tiles skipped when positions ascend).
 //
-// A persistent CTA (one an SM) of three warpgroups walks the work items (key tile of WSB_BC
-// keys, batch · kv head) blockIdx.x, + gridDim.x, ...: in groups of heads about a wave of CTAs
-// wide, each group's first key tiles (the longest, causal) first (wsb_item). Warpgroup 0 is the producer: its first warp walks the items and
+// A persistent CTA (one an SM) of three warpgroups works through the items (key tile of WSB_BC
+// keys, batch · kv head; wsb_item's order): item blockIdx.x first, then each the next not yet
+// claimed (a global counter), so CTAs that drew short items (causal) take more. Warpgroup 0 is the producer: its first warp walks the items and
 // one lane issues the TMA loads, 128-byte swizzled (attention_wgmma_fwd.cu's tile layout): the
 // item's K and V once, then for each of its query tiles (the GQA group's heads in turn) Q, dO
 // (BR rows each: 128 at head dim 64, 64 at 128) and their rows of lse2 and delta into a ring of
@@ -98,29 +98,22 @@ __device__ __forceinline__ void wg_bar(int id) { asm volatile("bar.sync %0, 128;
 // and 2).
 __device__ __forceinline__ void consumers_bar() { asm volatile("bar.sync 3, 256;" ::: "memory"); }
 
-// One work item: a key tile (its first key j0) of one (batch, kv head) pair bk.
+// Work item w: key tile w % k_tiles (its first key j0) of (batch, kv head) pair w / k_tiles.
+// Items are claimed in this order (wsb_attention_bwd: the first one an SM, then from a global
+// counter as each CTA frees up), so each pair's first key tile (causal: the longest) comes
+// first and the CTAs working at once share a few heads, whose dQ rows stay in L2 while they
+// add into them. (Every pair's first key tile first, each CTA's items fixed by blockIdx.x as
+// until 2026-12-06, spread the reductions over the whole f32 accumulator: 69% of DRAM's
+// bandwidth at Llama 3.2 1B's shape, L2 hit rate 30%; fixed items in head order instead left
+// the CTAs unbalanced under causal masking, GQA 4 and 6 slower.)
 struct WsbItem {
     int bk, j0;
 };
 
-// The (batch, kv head) pairs of a group of items: about one wave of CTAs' worth of key tiles.
-__device__ __forceinline__ int wsb_group_pairs(int k_tiles) {
-    int pairs = ((int)gridDim.x + k_tiles - 1) / k_tiles;
-    return pairs > 0 ? pairs : 1;
-}
-
-// Item w of the persistent walk (blockIdx.x, + gridDim.x, ...). Items go in groups of
-// `per_group` pairs, each group key tile by key tile from the first (causal: the longest) and
-// pair by pair within a key tile, so the CTAs working at once add into the dQ rows of a few
-// heads, which stay in L2. (Walking every pair's first key tile first, as until 2026-12-06,
-// spread the reductions over the whole f32 accumulator, which did not fit: 69% of DRAM's
-// bandwidth at Llama 3.2 1B's shape, L2 hit rate 30%.)
-__device__ __forceinline__ WsbItem wsb_item(int w, int k_tiles, int pairs, int per_group) {
-    int per = per_group * k_tiles, grp = w / per, r = w % per;
-    int in_grp = pairs - grp * per_group < per_group ? pairs - grp * per_group : per_group;
+__device__ __forceinline__ WsbItem wsb_item(int w, int k_tiles) {
     WsbItem it;
-    it.bk = grp * per_group + r % in_grp;
-    it.j0 = (r / in_grp) * WSB_BC;
+    it.bk = w / k_tiles;
+    it.j0 = (w % k_tiles) * WSB_BC;
     return it;
 }
 
@@ -224,7 +217,7 @@ __device__ __forceinline__ void wsb_probs(float (&s)[BR / 2], const float* sl, c
 // for the other, was the head-dim-64 kernel until 2026-12-06, with 64-row slots, and the
 // variant `ws_split` at 128: slower, bench/RESULTS.md.)
 template <int D>
-__device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap& tdo, const TmaMap& tk, const TmaMap& tv, const TmaMap& tlse, const TmaMap& tdelta, const TmaMap& tdq, void* dk, void* dv, const int* qpos, const int* kvpos, const AttGeom& g) {
+__device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap& tdo, const TmaMap& tk, const TmaMap& tv, const TmaMap& tlse, const TmaMap& tdelta, const TmaMap& tdq, void* dk, void* dv, int* work_counter, const int* qpos, const int* kvpos, const AttGeom& g) {
     constexpr int BC = WSB_BC, BR = wsb_br(D), STAGES = wsb_stages(D);
     constexpr int KV_BUFS = D == 64 ? 2 : 1;
     // How the consumers split dQ = dS K (64 × 64 each): by query rows (head dim 64: BR = 128
@@ -252,7 +245,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     int* ranges = reinterpret_cast<int*>(smem + (kv_empty0 + 16 - base));
     int bkh_count = (int)(g.batch * g.kv_heads), group = (int)(g.heads / g.kv_heads);
     int k_tiles = ((int)g.seq_kv + BC - 1) / BC;
-    int work = k_tiles * bkh_count, per_group = wsb_group_pairs(k_tiles);
+    int work = k_tiles * bkh_count;
     int wg = __shfl_sync(FULL_MASK, (int)threadIdx.x / WG_THREADS, 0);
     if (threadIdx.x == 0) ws_pipeline_init(bars, STAGES, 8);  // 8: the consumers' warps
     __syncthreads();
@@ -267,20 +260,26 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
         tma_prefetch(tk);
         tma_prefetch(tv);
         int it = 0, item = 0;
-        for (int w = blockIdx.x; w < work; w += gridDim.x, item++) {
-            WsbItem wi = wsb_item(w, k_tiles, bkh_count, per_group);
-            int bk = wi.bk, j0 = wi.j0;
-            int b = bk / (int)g.kv_heads, kvh = bk % (int)g.kv_heads;
-            WsbRange r = wsb_range<BR>(qpos, kvpos, g, j0, group);
+        for (int w = blockIdx.x;; item++) {
             // The item's K/V buffer and the phase of its barriers (one buffer: every item's).
             int u = KV_BUFS == 2 ? item & 1 : 0;
             unsigned kv_full = kv_full0 + 8 * u, k_addr = base + 2 * u * KT;
             mbar_wait(kv_empty0 + 8 * u, (KV_BUFS == 2 ? (item >> 1) & 1 : item & 1) ^ 1);
             int* rg = ranges + 8 * u;
+            if (w >= work) {
+                // No work left: a bare arrival hands the consumers w = −1, their signal to stop.
+                rg[4] = -1;
+                mbar_arrive(kv_full);
+                break;
+            }
+            WsbItem wi = wsb_item(w, k_tiles);
+            int b = wi.bk / (int)g.kv_heads, kvh = wi.bk % (int)g.kv_heads, j0 = wi.j0;
+            WsbRange r = wsb_range<BR>(qpos, kvpos, g, j0, group);
             rg[0] = r.first;
             rg[1] = r.first_full;
             rg[2] = r.per_head;
             rg[3] = r.total;
+            rg[4] = w;
             mbar_expect_tx(kv_full, 2 * KT);  // releases the ranges with it
             ws_load_tile<D, BC>(k_addr, tk, kv_full, b * g.ld_kv + kvh * D, j0);
             ws_load_tile<D, BC>(k_addr + KT, tv, kv_full, b * g.ld_kv + kvh * D, j0);
@@ -296,6 +295,15 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
                 tma_load_2d(slot + 2 * QT, tlse, full, i0, bh);
                 tma_load_2d(slot + 2 * QT + BR * 4, tdelta, full, i0, bh);
             }
+            // The next item, claimed once this one's loads are all issued (the CTA frees up a
+            // ring's depth of tiles later): the first gridDim.x went one to each CTA.
+            w = (int)gridDim.x + atomicAdd(work_counter, 1);
+        }
+        // The last CTA out resets the counter and the exit count for the next launch (every
+        // CTA's claims precede its exit count, and the next launch follows this one).
+        if (atomicAdd(work_counter + 1, 1) == (int)gridDim.x - 1) {
+            work_counter[0] = 0;
+            work_counter[1] = 0;
         }
         return;
     }
@@ -316,14 +324,17 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     bool dk_bf16 = g.bf16 & ATT_BF16_DK, dv_bf16 = g.bf16 & ATT_BF16_DV;
     // bf16 dK and dV on 16-byte aligned rows go out a row at a time (epilogue below).
     bool vec_out = dk_bf16 && dv_bf16 && g.ld_dkv % 8 == 0 && ((reinterpret_cast<unsigned long long>(dk) | reinterpret_cast<unsigned long long>(dv)) & 15) == 0;
-    int it = 0, item = 0;
-    for (int w = blockIdx.x; w < work; w += gridDim.x, item++) {
-        WsbItem wi = wsb_item(w, k_tiles, bkh_count, per_group);
-        int bk = wi.bk, j0 = wi.j0;
-        int b = bk / (int)g.kv_heads, kvh = bk % (int)g.kv_heads;
+    int it = 0;
+    for (int item = 0;; item++) {
         int u = KV_BUFS == 2 ? item & 1 : 0;
         unsigned k_addr = base + 2 * u * KT, v_addr = k_addr + KT;
         unsigned dq_b = k_addr + (DQ_BY_ROWS ? 0 : cw * BC * 128);
+        mbar_wait(kv_full0 + 8 * u, KV_BUFS == 2 ? (item >> 1) & 1 : item & 1);
+        const int* rg = ranges + 8 * u;
+        int w = __shfl_sync(FULL_MASK, rg[4], 0);
+        if (w < 0) break;
+        WsbItem wi = wsb_item(w, k_tiles);
+        int b = wi.bk / (int)g.kv_heads, kvh = wi.bk % (int)g.kv_heads, j0 = wi.j0;
         // This thread's key rows: 64 cw + 16 warp + gq and + 8 of the item.
         int ka = j0 + 64 * cw + 16 * warp + gq, kb = ka + 8;
         int pa = ka < seq_kv ? (g.causal ? kvpos[ka] : TC_INT_MIN) : TC_INT_MAX;
@@ -331,10 +342,8 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
         float dka[D / 2], dva[D / 2];
         #pragma unroll
         for (int i = 0; i < D / 2; i++) { dka[i] = 0.0f; dva[i] = 0.0f; }
-        mbar_wait(kv_full0 + 8 * u, KV_BUFS == 2 ? (item >> 1) & 1 : item & 1);
         // Read through lane 0: uniform to the compiler (the wgmma loop they bound is then not on
         // a divergent path, which ptxas serializes: C7520).
-        const int* rg = ranges + 8 * u;
         WsbRange r;
         r.first = __shfl_sync(FULL_MASK, rg[0], 0);
         r.first_full = __shfl_sync(FULL_MASK, rg[1], 0);
@@ -493,8 +502,8 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tdo, const __grid_constant__ TmaMap tk,   \
         const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tlse,                                     \
         const __grid_constant__ TmaMap tdelta, const __grid_constant__ TmaMap tdq, void* dk, void* dv,              \
-        const int* qpos, const int* kvpos, AttGeom g) {                                                              \
-        wsb_attention_bwd<D>(tq, tdo, tk, tv, tlse, tdelta, tdq, dk, dv, qpos, kvpos, g);                           \
+        int* work_counter, const int* qpos, const int* kvpos, AttGeom g) {                                          \
+        wsb_attention_bwd<D>(tq, tdo, tk, tv, tlse, tdelta, tdq, dk, dv, work_counter, qpos, kvpos, g);             \
     }
 WSB_BWD(attention_bwd_ws_d64, 64)
 WSB_BWD(attention_bwd_ws_d128, 128)
