@@ -22,7 +22,9 @@
 //! profiler: its 3rd and 4th attention kernels are the timed ones). `PARC_ATT_GRID=1` runs
 //! issue 19's grid instead of the default points: head_dim {64, 128} × T {1k, 2k, 4k, 8k} × GQA
 //! ratio {1, 4, 6}, 12 heads (12, 3 or 2 kv heads), B · T = 16k tokens. `PARC_ATT_PAIRS=ws`
-//! times only the warp-specialized pair on a Hopper (kernel work: a third of the time).
+//! times only the warp-specialized pair on a Hopper (kernel work: a third of the time);
+//! `PARC_ATT_PAIRS=variants` that pair and the variants awaiting measurement (`ws_kv` forward,
+//! `ws_lpt` backward).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "gpu_support/mod.rs"]
@@ -171,8 +173,16 @@ mod bench {
         pt: &Point,
     ) -> Vec<(AttentionFwdKernel, AttentionBwdKernel)> {
         let hopper_bf16 = matches!(pt.precision, Precision::Bf16) && be.is_hopper();
-        if hopper_bf16 && std::env::var("PARC_ATT_PAIRS").is_ok_and(|v| v == "ws") {
+        let chosen = std::env::var("PARC_ATT_PAIRS").unwrap_or_default();
+        if hopper_bf16 && chosen == "ws" {
             return vec![(AttentionFwdKernel::Ws, AttentionBwdKernel::Ws)];
+        }
+        if hopper_bf16 && chosen == "variants" {
+            // The defaults beside the variants awaiting measurement.
+            return vec![
+                (AttentionFwdKernel::Ws, AttentionBwdKernel::Ws),
+                (AttentionFwdKernel::WsKv, AttentionBwdKernel::WsLpt),
+            ];
         }
         let mut pairs = vec![(AttentionFwdKernel::Fa2, AttentionBwdKernel::Fa2)];
         if hopper_bf16 {

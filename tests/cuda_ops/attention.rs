@@ -495,7 +495,25 @@ fn attention_bf16_ws_d128() {
     gpu.set_kernel_variant(AttentionBwdKernel::Ws);
     let test = "attention_bf16_ws_d128";
     let mut r = Rng::new(test);
-    let configs = [
+    let configs = ws_d128_configs();
+    let cases: Vec<Case> = configs
+        .iter()
+        .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
+        .collect();
+    crate::harness::check_with(test, &cases, &mut gpu);
+    let long = AttConfig::new(1, 6, 1, 128, true, &[(0, 8192)], &[(0, 8192)]);
+    crate::harness::check_with(
+        &format!("{test}_long"),
+        &attention_cases(&mut r, &long, BF16_ATTENTION_LONG, true),
+        &mut gpu,
+    );
+}
+
+/// `attention_bf16_ws_d128`'s cases: GQA 1:1, 4:1 and 6:1, causal and not, one query and key,
+/// kv ahead of q, unsorted positions, CP segments, more work items than SMs both ways.
+#[cfg(feature = "cuda")]
+fn ws_d128_configs() -> Vec<AttConfig> {
+    vec![
         // GQA 1:1.
         AttConfig::new(2, 4, 4, 128, true, &[(0, 200)], &[(0, 200)]),
         AttConfig::new(1, 3, 3, 128, false, &[(0, 77)], &[(0, 77)]),
@@ -525,18 +543,35 @@ fn attention_bf16_ws_d128() {
         // tiles × kv heads), GQA 1:1 and 6:1.
         AttConfig::new(3, 60, 60, 128, false, &[(0, 200)], &[(0, 200)]),
         AttConfig::new(2, 120, 20, 128, true, &[(0, 256)], &[(0, 256)]),
+    ]
+}
+
+/// The attention kernel variants awaiting measurement (`ws_kv` forward: separate K and V rings;
+/// `ws_lpt` backward: the claim order's last two waves longest first), set on the test's
+/// backend: `attention_bf16_ws_bwd`'s head-dim-64 cases (more items than SMs, every tile kind,
+/// GPT-2's length) and `attention_bf16_ws_d128`'s, under the same tolerances.
+#[cfg(feature = "cuda")]
+#[test]
+fn attention_bf16_ws_variants_awaiting_measurement() {
+    let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, AttentionFwdKernel::WsKv)
+    else {
+        return;
+    };
+    gpu.set_kernel_variant(AttentionBwdKernel::WsLpt);
+    let test = "attention_bf16_ws_variants";
+    let mut r = Rng::new(test);
+    let mut configs = vec![
+        AttConfig::new(2, 80, 40, 64, true, &[(0, 256)], &[(0, 256)]),
+        AttConfig::new(3, 50, 50, 64, false, &[(0, 200)], &[(0, 200)]),
+        AttConfig::new(1, 4, 2, 64, true, &[(0, 1024)], &[(0, 1024)]),
     ];
+    configs.extend(tc_configs());
+    configs.extend(ws_d128_configs());
     let cases: Vec<Case> = configs
         .iter()
         .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
         .collect();
     crate::harness::check_with(test, &cases, &mut gpu);
-    let long = AttConfig::new(1, 6, 1, 128, true, &[(0, 8192)], &[(0, 8192)]);
-    crate::harness::check_with(
-        &format!("{test}_long"),
-        &attention_cases(&mut r, &long, BF16_ATTENTION_LONG, true),
-        &mut gpu,
-    );
 }
 
 /// The long case of `attention_bf16_ws_d128` (one GQA 6:1 causal sequence of 8192) through

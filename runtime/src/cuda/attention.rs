@@ -118,6 +118,19 @@ const fn ws_fwd_smem(d: usize, stages: usize) -> u32 {
 const WS_FWD_SMEM: u32 = ws_fwd_smem(64, WS_STAGES);
 const WS_FWD_SMEM_D128: u32 = ws_fwd_smem(128, WS_STAGES_D128);
 
+/// Variant `ws_kv` of the warp-specialized forward (attention_ws_fwd.cu's WS_FWD_KV, awaiting
+/// measurement): separate K and V rings of `k_stages` and `v_stages` WS_FWD_KEYS-row tiles.
+/// Shared memory: alignment slack, two Q buffers, both rings, their mbarriers (a full and an
+/// empty one per slot and per Q buffer) and the two items' tile ranges (8 ints each).
+const fn ws_kv_fwd_smem(d: usize, k_stages: usize, v_stages: usize) -> u32 {
+    let slots = k_stages + v_stages;
+    (WGMMA_ALIGN + 2 * WS_BR * d * 2 + slots * WS_FWD_KEYS * d * 2 + 8 * (2 * slots + 4) + 64)
+        as u32
+}
+/// Head_dim 64: 4 + 4 slots of 16 KiB, 161 KiB. Head_dim 128: 3 + 2 slots of 32 KiB, 225.2 KiB.
+const WS_KV_FWD_SMEM: u32 = ws_kv_fwd_smem(64, 4, 4);
+const WS_KV_FWD_SMEM_D128: u32 = ws_kv_fwd_smem(128, 3, 2);
+
 /// The warp-specialized backward (attention_ws_bwd.cu): keys per work item, and a consumer's
 /// dQ part (rows × columns, f32: head_dim 64 splits dQ's 128 rows of a tile over the consumers,
 /// 128 its 128 columns).
@@ -682,10 +695,17 @@ fn tensor_core_forward(
     ];
     let (batch, heads, d) = (c.dims.batch, c.dims.heads, c.dims.d);
     let seq_q = c.seq_q();
-    let ws = be.variants.attention_fwd == AttentionFwdKernel::Ws;
-    let ws_kernel = match d {
-        64 => Some((Kernel::AttentionFwdWsD64, WS_FWD_SMEM)),
-        128 => Some((Kernel::AttentionFwdWsD128, WS_FWD_SMEM_D128)),
+    let ws = matches!(
+        be.variants.attention_fwd,
+        AttentionFwdKernel::Ws | AttentionFwdKernel::WsKv
+    );
+    let ws_kernel = match (be.variants.attention_fwd, d) {
+        (AttentionFwdKernel::WsKv, 64) => Some((Kernel::AttentionFwdWsKvD64, WS_KV_FWD_SMEM)),
+        (AttentionFwdKernel::WsKv, 128) => {
+            Some((Kernel::AttentionFwdWsKvD128, WS_KV_FWD_SMEM_D128))
+        }
+        (_, 64) => Some((Kernel::AttentionFwdWsD64, WS_FWD_SMEM)),
+        (_, 128) => Some((Kernel::AttentionFwdWsD128, WS_FWD_SMEM_D128)),
         _ => None,
     };
     if let (true, true, Some((name, smem))) = (ws, be.is_hopper(), ws_kernel) {
@@ -859,6 +879,8 @@ fn tensor_core_backward(
     let positions = [Arg::Ptr(c.qpos), Arg::Ptr(c.kvpos), Arg::Geom(g)];
     let ws_kernel = match (be.variants.attention_bwd, d) {
         (AttentionBwdKernel::Fa2, _) => None,
+        (AttentionBwdKernel::WsLpt, 64) => Some((Kernel::AttentionBwdWsLptD64, WSB_SMEM)),
+        (AttentionBwdKernel::WsLpt, 128) => Some((Kernel::AttentionBwdWsLptD128, WSB_SMEM_D128)),
         (_, 64) => Some((Kernel::AttentionBwdWsD64, WSB_SMEM)),
         (AttentionBwdKernel::Ws, 128) => Some((Kernel::AttentionBwdWsD128, WSB_SMEM_D128)),
         _ => None,
@@ -1084,6 +1106,10 @@ mod tests {
         assert_eq!(WS_FWD_SMEM_D128, 197_760);
         assert_eq!(WSB_SMEM, 199_808);
         assert_eq!(WSB_SMEM_D128, 217_232);
+        // Variant `ws_kv`'s forward (separate K and V rings): 161 KiB and 225.2 KiB.
+        assert_eq!(WS_KV_FWD_SMEM, 165_088);
+        assert_eq!(WS_KV_FWD_SMEM_D128, 230_576);
+        const { assert!(WS_KV_FWD_SMEM_D128 <= H100_SMEM) };
         const { assert!(WS_FWD_SMEM <= H100_SMEM) };
         const { assert!(WS_FWD_SMEM_D128 <= H100_SMEM) };
     }

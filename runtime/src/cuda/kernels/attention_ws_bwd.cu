@@ -117,6 +117,39 @@ __device__ __forceinline__ WsbItem wsb_item(int w, int k_tiles) {
     return it;
 }
 
+// Variant `ws_lpt` of op attention_bwd (PARC_ATTENTION_BWD_KERNEL=ws_lpt; unmeasured, beside
+// the default until a GPU has measured it, variants.rs): the claim order above, except its
+// last `tail` items (two waves of CTAs: wsb_tail), which go key tile by key tile across their
+// pairs, so the last items claimed are the shortest and no CTA starts a long one when the
+// others are nearly done. A greedy-claim simulation of issue 19's grid (132 CTAs) puts the
+// slowest CTA 7–63% past an even share in pair order to the end (GQA 6:1 worst, as measured),
+// 0–7% with the sorted tail. Returns claim w's item in pair-major numbering (wsb_item's); a
+// bijection (checked on the host for up to 70 key tiles × 70 pairs × 5 grid sizes).
+__host__ __device__ __forceinline__ int wsb_claimed_item(int w, int k_tiles, int pairs, int tail) {
+    int head = k_tiles * pairs - tail;
+    if (w < head) return w;
+    // The tail: pair p0's key tiles [j_start, k_tiles) and every key tile of the `full` pairs
+    // after it, key tile by key tile; key tile j has `full` of them before j_start, full + 1
+    // (p0's first) from j_start on.
+    int p0 = head / k_tiles, j_start = head % k_tiles, full = pairs - p0 - 1;
+    int t = w - head, before = j_start * full, p, j;
+    if (t < before) {
+        p = p0 + 1 + t % full;
+        j = t / full;
+    } else {
+        t -= before;
+        p = p0 + t % (full + 1);
+        j = j_start + t / (full + 1);
+    }
+    return p * k_tiles + j;
+}
+
+// The sorted tail of the `ws_lpt` claim order: two waves of CTAs' items, or all of them.
+__device__ __forceinline__ int wsb_tail(int work) {
+    int tail = 2 * (int)gridDim.x;
+    return tail < work ? tail : work;
+}
+
 // The query tiles (BR rows) of one item: the tiles [first, q_tiles) of each of the group's
 // heads that some key of [j0, j0 + WSB_BC) is visible to, those before first_full masked. The
 // producer computes them and hands them to the consumers in shared memory.
@@ -216,7 +249,7 @@ __device__ __forceinline__ void wsb_probs(float (&s)[BR / 2], const float* sl, c
 // (Each consumer computing dQ over its own 64 keys for every query and column, never waiting
 // for the other, was the head-dim-64 kernel until 2026-12-06, with 64-row slots, and the
 // variant `ws_split` at 128: slower, bench/RESULTS.md.)
-template <int D>
+template <int D, bool LPT>
 __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap& tdo, const TmaMap& tk, const TmaMap& tv, const TmaMap& tlse, const TmaMap& tdelta, const TmaMap& tdq, void* dk, void* dv, int* work_counter, const int* qpos, const int* kvpos, const AttGeom& g) {
     constexpr int BC = WSB_BC, BR = wsb_br(D), STAGES = wsb_stages(D);
     constexpr int KV_BUFS = D == 64 ? 2 : 1;
@@ -272,14 +305,16 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
                 mbar_arrive(kv_full);
                 break;
             }
-            WsbItem wi = wsb_item(w, k_tiles);
+            // The claim's item in pair-major numbering (`ws_lpt`: its sorted tail).
+            int c = LPT ? wsb_claimed_item(w, k_tiles, bkh_count, wsb_tail(work)) : w;
+            WsbItem wi = wsb_item(c, k_tiles);
             int b = wi.bk / (int)g.kv_heads, kvh = wi.bk % (int)g.kv_heads, j0 = wi.j0;
             WsbRange r = wsb_range<BR>(qpos, kvpos, g, j0, group);
             rg[0] = r.first;
             rg[1] = r.first_full;
             rg[2] = r.per_head;
             rg[3] = r.total;
-            rg[4] = w;
+            rg[4] = c;
             mbar_expect_tx(kv_full, 2 * KT);  // releases the ranges with it
             ws_load_tile<D, BC>(k_addr, tk, kv_full, b * g.ld_kv + kvh * D, j0);
             ws_load_tile<D, BC>(k_addr + KT, tv, kv_full, b * g.ld_kv + kvh * D, j0);
@@ -497,15 +532,18 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     if (elected) bulk_wait_all();
 }
 
-#define WSB_BWD(NAME, D)                                                                                            \
+#define WSB_BWD(NAME, D, LPT)                                                                                       \
     extern "C" __global__ void __launch_bounds__(WSB_THREADS, 1) NAME(                                              \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tdo, const __grid_constant__ TmaMap tk,   \
         const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tlse,                                     \
         const __grid_constant__ TmaMap tdelta, const __grid_constant__ TmaMap tdq, void* dk, void* dv,              \
         int* work_counter, const int* qpos, const int* kvpos, AttGeom g) {                                          \
-        wsb_attention_bwd<D>(tq, tdo, tk, tv, tlse, tdelta, tdq, dk, dv, work_counter, qpos, kvpos, g);             \
+        wsb_attention_bwd<D, LPT>(tq, tdo, tk, tv, tlse, tdelta, tdq, dk, dv, work_counter, qpos, kvpos, g);        \
     }
-WSB_BWD(attention_bwd_ws_d64, 64)
-WSB_BWD(attention_bwd_ws_d128, 128)
+WSB_BWD(attention_bwd_ws_d64, 64, false)
+WSB_BWD(attention_bwd_ws_d128, 128, false)
+// Variant `ws_lpt` (the claim order's sorted tail; unmeasured, see wsb_claimed_item).
+WSB_BWD(attention_bwd_wslpt_d64, 64, true)
+WSB_BWD(attention_bwd_wslpt_d128, 128, true)
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -375,4 +375,257 @@ WS_FWD(attention_fwd_ws_d64, 64, 128, 4)
 // 184.
 WS_FWD(attention_fwd_ws_d128, 128, 128, 2)
 
+// Variant `ws_kv` of op attention_fwd (PARC_ATTENTION_FWD_KERNEL=ws_kv; kernel variants land
+// beside the default until a GPU has measured them, variants.rs): the kernel above with
+// separate K and V rings, so K_t's slot is free once S_t is (FlashAttention-3's separate K and
+// V pipelines) instead of a tile later with V_t's, and head dim 128 fits 3 K + 2 V slots where
+// the shared ring fits 2. Unmeasured: written 2026-12-06 when the head-dim-128 forward ran at
+// 0.69–0.83 of SDPA on an H100 with the tensor pipe 40% busy and its consumers waiting on the
+// ring. The winner stays, the loser goes.
+// A ring of STAGES tile slots (full barrier of slot s at full0 + 8 s, empty at empty0 + 8 s,
+// tile at addr0 + s · TILE bytes); j counts the ring's tiles over all of a CTA's items, slot
+// j % STAGES in round j / STAGES. Unsigned: the divisions by a stage count of 3 stay a multiply.
+template <int STAGES, int TILE>
+struct WsRing {
+    unsigned full0, empty0, addr0;
+    __device__ __forceinline__ unsigned addr(unsigned j) const { return addr0 + (j % STAGES) * TILE; }
+    // Consumer: waits until tile j has landed.
+    __device__ __forceinline__ void wait(unsigned j) const { mbar_wait(full0 + 8 * (j % STAGES), (j / STAGES) & 1); }
+    // Consumer warp: done reading tile j.
+    __device__ __forceinline__ void release(unsigned j) const { mbar_arrive_warp(empty0 + 8 * (j % STAGES)); }
+    // Producer: waits for tile j's slot to be free (both consumers released tile j − STAGES)
+    // and loads rows [r0, r0 + R) of map into it.
+    template <int D, int R>
+    __device__ __forceinline__ void fill(unsigned j, const TmaMap& map, int c0, int r0) const {
+        unsigned s = j % STAGES, full = full0 + 8 * s;
+        mbar_wait(empty0 + 8 * s, ((j / STAGES) & 1) ^ 1);
+        mbar_expect_tx(full, TILE);
+        ws_load_tile<D, R>(addr0 + s * TILE, map, full, c0, r0);
+    }
+};
+
+// grid: min(work items, SMs); block: WS_THREADS; shared: 1024 (alignment) + two Q buffers
+// (WS_BR rows) + K_STAGES slots of K and V_STAGES of V (BC rows each) + 2 (K_STAGES +
+// V_STAGES) + 4 mbarriers + the two items' ranges. Q is double-buffered, so the producer loads
+// the next item's Q (and K/V) while this one computes; it also computes the item's tile ranges
+// (dependent loads of the positions) once and hands them over with Q, off the consumers' path.
+// Head dim D (64 or 128): each tile is D / 64 column blocks of 128-byte rows, one TMA box each.
+//
+// Turns (consumer cw waits on barrier WS_TURN_BAR + cw, arrives on the other's), the invariant
+// that keeps them deadlock-free: per item each consumer takes exactly tiles + 1 turns, its n
+// (wg_tiles) + 1 with GEMMs (S_0; S_t with P_{t−1} V_{t−1} for t in [1, n); the last
+// P_{n−1} V_{n−1}) and one empty turn (wait, pass) for each tile in [n, tiles) it does not
+// compute, plus one more if n = 0. Every arrival then meets exactly one wait: consumer 1
+// arrives once before its first turn (consumer 0 goes first) and consumer 0 waits once after
+// its last item (taking consumer 1's last arrival), so both barriers are idle at exit, and
+// turn k of consumer 1 falls between turns k and k + 1 of consumer 0.
+//
+// No cycle through the rings. Number an item's turns k = 0 .. tiles. Before turn k a consumer
+// waits for at most K_k and V_{k−1} (turn k < n: K_k, V_{k−1}; turn n: V_{n−1}; the empty turn
+// of a skipped tile t = k − 1: K_t, V_t, each released at once) and by then it has released
+// every K_j, j < k, and V_j, j < k − 1, of the item (K_t right after S_t completes in turn t,
+// V_t after P_t V_t in turn t + 1) and all of earlier items. The producer issues K_0, K_1, V_0,
+// K_2, V_1, .., K_{tiles−1}, V_{tiles−2}, V_{tiles−1}, then the next item's Q (its buffer freed
+// in the item before this one) and tiles, so the loads turn k needs (up to V_{k−1}, right
+// after K_k) wait only for the slots of K_{j−K_STAGES}, j ≤ k, and V_{j−V_STAGES}, j ≤ k − 1:
+// tiles < k and < k − 1, released by both consumers before turn k. So a consumer at the lower
+// turn k (both, if equal) gets its data, and one of them its turn: consumer 0's turn k waits
+// for consumer 1's turn k − 1, consumer 1's for consumer 0's turn k. One slot a ring would
+// suffice; more let the producer run ahead. The epilogue (O, lse) is outside the turns.
+template <int D, int BC, int K_STAGES, int V_STAGES>
+__device__ __forceinline__ void ws_attention_fwd_kv(const TmaMap& tq_map, const TmaMap& tk_map, const TmaMap& tv_map, void* o, float* lse, const int* qpos, const int* kvpos, const AttGeom& g) {
+    constexpr int Q_BYTES = WG_TILE_BYTES(WS_BR, D), KV_BYTES = WG_TILE_BYTES(BC, D);
+    constexpr int SLOTS = K_STAGES + V_STAGES;
+    extern __shared__ __align__(16) unsigned char ws_smem_raw[];
+    unsigned raw = tc_smem_addr(ws_smem_raw);
+    unsigned char* smem = ws_smem_raw + ((1024 - (raw & 1023)) & 1023);
+    unsigned q_addr0 = tc_smem_addr(smem);  // buffer u at q_addr0 + u Q_BYTES
+    unsigned k_addr0 = q_addr0 + 2 * Q_BYTES, v_addr0 = k_addr0 + K_STAGES * KV_BYTES;
+    unsigned bars = v_addr0 + V_STAGES * KV_BYTES;
+    // One pipeline of SLOTS slots (ws_pipeline_init's layout: full[i] at bars + 8 i, empty[i]
+    // at bars + 8 (SLOTS + i)): the K ring's first, the V ring's after them. Then q_full[u],
+    // q_empty[u]; then per Q buffer the item's ranges: tiles, and wg_tiles, wg_full of each
+    // consumer.
+    const WsRing<K_STAGES, KV_BYTES> kr = {bars, bars + 8 * SLOTS, k_addr0};
+    const WsRing<V_STAGES, KV_BYTES> vr = {bars + 8 * K_STAGES, bars + 8 * (SLOTS + K_STAGES), v_addr0};
+    unsigned q_full0 = bars + 16 * SLOTS, q_empty0 = q_full0 + 16;
+    int* ranges = reinterpret_cast<int*>(smem + (q_empty0 + 16 - q_addr0));  // 8 ints a buffer
+    int bh_count = (int)(g.batch * g.heads);
+    int q_tiles = ((int)g.seq_q + WS_BR - 1) / WS_BR;
+    int work = q_tiles * bh_count;
+    // The warpgroup, warp-uniform to the compiler (as CUTLASS's canonical_warp_group_idx).
+    int wg = __shfl_sync(FULL_MASK, (int)threadIdx.x / WG_THREADS, 0);
+    if (threadIdx.x == 0) ws_pipeline_init(bars, SLOTS, 8);  // 8: the consumers' warps
+    __syncthreads();
+    if (wg == 0) {
+        regs_dealloc<24>();
+        // One thread walks the items and issues every load.
+        if (threadIdx.x != 0) return;
+        tma_prefetch(tq_map);
+        tma_prefetch(tk_map);
+        tma_prefetch(tv_map);
+        unsigned it = 0;
+        int item = 0;
+        for (int w = blockIdx.x; w < work; w += gridDim.x, item++) {
+            int bh = w % bh_count, i0 = (q_tiles - 1 - w / bh_count) * WS_BR;
+            int b = bh / (int)g.heads, h = bh % (int)g.heads;
+            int kvh = h / (int)(g.heads / g.kv_heads);
+            // The CTA's key tiles are those of its later consumer (rows i0 + 64 ..), which
+            // sees every key the earlier one does.
+            WsRange r0 = ws_range<BC>(qpos, kvpos, g, i0, i0);
+            WsRange r1 = ws_range<BC>(qpos, kvpos, g, i0, i0 + 64);
+            int tiles = r1.tiles, u = item & 1;
+            unsigned q_full = q_full0 + 8 * u;
+            mbar_wait(q_empty0 + 8 * u, ((item >> 1) & 1) ^ 1);
+            int* rg = ranges + 8 * u;
+            rg[0] = tiles;
+            rg[1] = r0.wg_tiles;
+            rg[2] = r0.wg_full;
+            rg[3] = r1.wg_tiles;
+            rg[4] = r1.wg_full;
+            mbar_expect_tx(q_full, Q_BYTES);  // releases the ranges with it
+            ws_load_tile<D, WS_BR>(q_addr0 + u * Q_BYTES, tq_map, q_full, b * g.ld_q + h * D, i0);
+            int kc = b * g.ld_kv + kvh * D;
+            // In the consumers' order: K_t, then V_{t−1} (needed with S_t's turn, after K_t).
+            for (int t = 0; t <= tiles; t++) {
+                if (t < tiles) kr.template fill<D, BC>(it + t, tk_map, kc, t * BC);
+                if (t > 0) vr.template fill<D, BC>(it + t - 1, tv_map, kc, (t - 1) * BC);
+            }
+            it += tiles;
+        }
+        return;
+    }
+    regs_alloc<240>();
+    int cw = wg - 1, warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
+    int gq = lane >> 2, tq = lane & 3;
+    int seq_q = (int)g.seq_q, seq_kv = (int)g.seq_kv, last = seq_q - 1;
+    float sl2 = g.scale * TC_LOG2E;
+    if (cw == 1) ws_turn_pass(cw);  // consumer 0 takes the first turn (invariant above)
+    unsigned it = 0;  // the item's first tile in both rings
+    int item = 0;
+    for (int w = blockIdx.x; w < work; w += gridDim.x, item++) {
+        int bh = w % bh_count, i0 = (q_tiles - 1 - w / bh_count) * WS_BR;
+        int b = bh / (int)g.heads, h = bh % (int)g.heads;
+        int wg_row0 = i0 + 64 * cw, u = item & 1;
+        unsigned q_addr = q_addr0 + u * Q_BYTES, q_empty = q_empty0 + 8 * u;
+        int pos[2];
+        float m[2], l[2];
+        #pragma unroll
+        for (int half = 0; half < 2; half++) {
+            int row = wg_row0 + 16 * warp + 8 * half + gq;
+            pos[half] = qpos[row < last ? row : last];
+            m[half] = NEG_INF;
+            l[half] = 0.0f;
+        }
+        float acc[D / 2];
+        #pragma unroll
+        for (int i = 0; i < D / 2; i++) acc[i] = 0.0f;
+        mbar_wait(q_full0 + 8 * u, (item >> 1) & 1);
+        const int* rg = ranges + 8 * u;
+        // Read from shared memory through lane 0: uniform to the compiler, so the wgmma loops
+        // they bound are not on a divergent path (which ptxas serializes, C7520).
+        WsRange r;
+        r.tiles = __shfl_sync(FULL_MASK, rg[0], 0);
+        r.wg_tiles = __shfl_sync(FULL_MASK, rg[1 + 2 * cw], 0);
+        r.wg_full = __shfl_sync(FULL_MASK, rg[2 + 2 * cw], 0);
+        int tiles = r.tiles;
+        int n = r.wg_tiles;
+        float s[BC / 2];
+        unsigned pa[BC / 16][4];
+        if (n == 0) {
+            mbar_arrive_warp(q_empty);
+            ws_turn_wait(cw);  // the one extra empty turn (tiles + 1 in all)
+            ws_turn_pass(cw);
+        } else {
+            // Tile 0: S_0 alone (O is still zero).
+            kr.wait(it);
+            ws_turn_wait(cw);
+            wg_fence();
+            ws_qk<D, BC>(s, q_addr, 64 * cw, kr.addr(it));
+            wg_commit();
+            ws_turn_pass(cw);
+            wg_wait_all();
+            wg_hold(s);
+            kr.release(it);
+            if (n == 1) mbar_arrive_warp(q_empty);
+            float corr[2];
+            ws_softmax_tile<BC>(0 >= r.wg_full, s, m, l, corr, seq_kv, kvpos, pos, g.causal, sl2, tq);
+            #pragma unroll
+            for (int kk = 0; kk < BC / 16; kk++) wg_acc_to_a(pa[kk], s, kk);
+            for (int t = 1; t < n; t++) {
+                unsigned jk = it + t, jv = jk - 1;
+                kr.wait(jk);
+                vr.wait(jv);
+                ws_turn_wait(cw);
+                wg_fence();
+                ws_qk<D, BC>(s, q_addr, 64 * cw, kr.addr(jk));
+                wg_commit();
+                // O += P_{t-1} V_{t-1}, its own pipeline stage, multiplying while S_t's
+                // softmax runs.
+                unsigned v_prev = vr.addr(jv);
+                wg_fence();
+                #pragma unroll
+                for (int kk = 0; kk < BC / 16; kk++) wg_mma_pv<D>(acc, pa[kk], wg_desc_mn<BC>(v_prev, kk), 1);
+                wg_commit();
+                ws_turn_pass(cw);
+                asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+                wg_hold(s);
+                kr.release(jk);  // S_t is complete: its K slot refills while P V multiplies
+                if (t == n - 1) mbar_arrive_warp(q_empty);  // this consumer's last read of Q
+                int j0 = t * BC;
+                ws_softmax_tile<BC>(t >= r.wg_full, s, m, l, corr, seq_kv - j0, kvpos + j0, pos, g.causal, sl2, tq);
+                wg_wait_all();
+                wg_hold(acc);
+                ws_hold_u(pa);
+                vr.release(jv);
+                wg_scale_rows(acc, corr);
+                #pragma unroll
+                for (int kk = 0; kk < BC / 16; kk++) wg_acc_to_a(pa[kk], s, kk);
+            }
+            unsigned jv = it + n - 1;
+            vr.wait(jv);
+            ws_turn_wait(cw);
+            wg_fence();
+            unsigned v_last = vr.addr(jv);
+            #pragma unroll
+            for (int kk = 0; kk < BC / 16; kk++) wg_mma_pv<D>(acc, pa[kk], wg_desc_mn<BC>(v_last, kk), 1);
+            wg_commit();
+            ws_turn_pass(cw);
+            wg_wait_all();
+            wg_hold(acc);
+            ws_hold_u(pa);
+            vr.release(jv);
+        }
+        // The CTA's tiles this consumer does not compute: wait for each K and V, release them
+        // and pass an empty turn, keeping the turns in step with the other consumer's.
+        for (int t = n; t < tiles; t++) {
+            kr.wait(it + t);
+            kr.release(it + t);
+            vr.wait(it + t);
+            vr.release(it + t);
+            ws_turn_wait(cw);
+            ws_turn_pass(cw);
+        }
+        it += tiles;
+        wg_store_o_lse<D>(acc, m, l, o, lse, g, bh, b, h, wg_row0, warp, gq, tq);
+    }
+    if (cw == 0) ws_turn_wait(cw);  // consumer 1's last arrival: no barrier left half-arrived
+}
+
+#define WS_FWD_KV(NAME, D, BC, K_STAGES, V_STAGES)                                                      \
+    extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) NAME(                                   \
+        const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,                           \
+        const __grid_constant__ TmaMap tv, void* o, float* lse, const int* qpos, const int* kvpos,      \
+        AttGeom g) {                                                                                    \
+        ws_attention_fwd_kv<D, BC, K_STAGES, V_STAGES>(tq, tk, tv, o, lse, qpos, kvpos, g);             \
+    }
+// 4 K and 4 V slots of 16 KiB: 1024 + 2 × 16 KiB Q + 8 × 16 KiB + 8 (2 · 8 + 4) mbarrier bytes +
+// 64 range bytes = 165,088 bytes (attention.rs's WS_KV_FWD_SMEM).
+WS_FWD_KV(attention_fwd_wskv_d64, 64, 128, 4, 4)
+// 1024 alignment slack + 2 Q buffers of 128 × 128 bf16 (2 × 32 KiB) + 3 K and 2 V slots of
+// 128 × 128 bf16 (32 KiB each) + 8 (2 · 5 + 4) mbarrier bytes + 64 range bytes = 230,576 bytes
+// of the 232,448 (227 KiB) a block may opt in to. Registers a consumer thread: as the shared
+// ring's; ptxas (13.0, sm_90a) assembles it without spills at a cap of 208, spills 8 bytes at 200.
+WS_FWD_KV(attention_fwd_wskv_d128, 128, 128, 3, 2)
+
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
