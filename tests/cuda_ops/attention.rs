@@ -440,6 +440,22 @@ fn check_storage(test: &str, gpu: &mut dyn Backend) {
     );
 }
 
+/// More work items than a GPU has SMs, both ways: a persistent CTA takes several, its rings
+/// wrapping across them (causal GQA 2:1; partial non-causal tiles).
+#[cfg(feature = "cuda")]
+fn many_items_configs() -> [AttConfig; 2] {
+    [
+        AttConfig::new(2, 80, 40, 64, true, &[(0, 256)], &[(0, 256)]),
+        AttConfig::new(3, 50, 50, 64, false, &[(0, 200)], &[(0, 200)]),
+    ]
+}
+
+/// GPT-2's sequence (T 1024, d 64) on a few heads, GQA 2:1: 8 key blocks, every tile kind.
+#[cfg(feature = "cuda")]
+fn gpt2_length_config() -> AttConfig {
+    AttConfig::new(1, 4, 2, 64, true, &[(0, 1024)], &[(0, 1024)])
+}
+
 /// The warp-specialized attention backward (`ws`, PARC_ATTENTION_BWD_KERNEL's Hopper default,
 /// head_dim 64 and 128): the test sets it on its own backend, whatever the environment says,
 /// and runs more heads than SMs (a persistent CTA's rings wrap across work items),
@@ -454,10 +470,7 @@ fn attention_bf16_ws_bwd() {
     };
     let test = "attention_bf16_ws_bwd";
     let mut r = Rng::new(test);
-    for c in [
-        AttConfig::new(2, 80, 40, 64, true, &[(0, 256)], &[(0, 256)]),
-        AttConfig::new(3, 50, 50, 64, false, &[(0, 200)], &[(0, 200)]),
-    ] {
+    for c in many_items_configs() {
         crate::harness::check_with(
             &format!("{test}_many_items"),
             &attention_cases(&mut r, &c, BF16_ATTENTION, true),
@@ -469,8 +482,7 @@ fn attention_bf16_ws_bwd() {
         .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
         .collect();
     crate::harness::check_with(test, &cases, &mut gpu);
-    // GPT-2's sequence (T 1024, d 64) on a few heads, GQA 2:1: 8 key blocks, every tile kind.
-    let gpt2 = AttConfig::new(1, 4, 2, 64, true, &[(0, 1024)], &[(0, 1024)]);
+    let gpt2 = gpt2_length_config();
     crate::harness::check_with(
         &format!("{test}_gpt2"),
         &attention_cases(&mut r, &gpt2, BF16_ATTENTION, true),
@@ -560,11 +572,8 @@ fn attention_bf16_ws_variants_awaiting_measurement() {
     gpu.set_kernel_variant(AttentionBwdKernel::WsLpt);
     let test = "attention_bf16_ws_variants";
     let mut r = Rng::new(test);
-    let mut configs = vec![
-        AttConfig::new(2, 80, 40, 64, true, &[(0, 256)], &[(0, 256)]),
-        AttConfig::new(3, 50, 50, 64, false, &[(0, 200)], &[(0, 200)]),
-        AttConfig::new(1, 4, 2, 64, true, &[(0, 1024)], &[(0, 1024)]),
-    ];
+    let mut configs = Vec::from(many_items_configs());
+    configs.push(gpt2_length_config());
     configs.extend(tc_configs());
     configs.extend(ws_d128_configs());
     let cases: Vec<Case> = configs
@@ -672,11 +681,8 @@ fn wgmma_forward_cases(kernel: AttentionFwdKernel) {
         AttConfig::new(2, 4, 2, 64, true, &[(8, 56), (200, 72)], &[(0, 272)]),
         // GPT-2's sequence length and head dim, causal: many skipped and diagonal tiles.
         AttConfig::new(1, 2, 2, 64, true, &[(0, 1024)], &[(0, 1024)]),
-        // More work items than a GPU has SMs: a persistent CTA takes several, its ring
-        // of K/V slots wrapping across them (causal GQA; partial non-causal tiles).
-        AttConfig::new(2, 80, 40, 64, true, &[(0, 256)], &[(0, 256)]),
-        AttConfig::new(3, 50, 50, 64, false, &[(0, 200)], &[(0, 200)]),
     ]);
+    configs.extend(many_items_configs());
     // Forward cases only (every other one).
     let cases: Vec<Case> = configs
         .iter()

@@ -366,9 +366,10 @@ pub fn check_with(test: &str, cases: &[Case], gpu: &mut dyn Backend) -> Vec<f32>
                 }
             }
             let scale = want.get(case.scale_of.unwrap_or(o)).unwrap_or(w);
-            // An output whose expected values are all zero (attention's dQ and dK over one key:
-            // dS = P·(dP − D) vanishes only in exact arithmetic) has no scale of its own: its
-            // rounding is judged against the largest of the case's outputs.
+            // An output whose expected values are all zero has no scale of its own: its rounding
+            // is judged against the largest of the case's outputs. (An output that is zero only
+            // in exact arithmetic, its reference holding rounding instead, names its scale with
+            // `errors_scaled_by_output`: attention's dQ and dK over one key.)
             let rms = match finite_rms(scale) {
                 0.0 => want.iter().map(|v| finite_rms(v)).fold(0.0, f32::max),
                 rms => rms,
