@@ -23,8 +23,8 @@
 //! issue 19's grid instead of the default points: head_dim {64, 128} × T {1k, 2k, 4k, 8k} × GQA
 //! ratio {1, 4, 6}, 12 heads (12, 3 or 2 kv heads), B · T = 16k tokens. `PARC_ATT_PAIRS=ws`
 //! times only the warp-specialized pair on a Hopper (kernel work: a third of the time);
-//! `PARC_ATT_PAIRS=variants` that pair and the variants awaiting measurement (`ws_kv` forward,
-//! `ws_lpt` backward).
+//! `PARC_ATT_PAIRS=variants` that pair and the variants awaiting measurement (`ws_kv` forward
+//! with `ws_lpt` backward, and the `ws_heads` backward).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "gpu_support/mod.rs"]
@@ -182,6 +182,7 @@ mod bench {
             return vec![
                 (AttentionFwdKernel::Ws, AttentionBwdKernel::Ws),
                 (AttentionFwdKernel::WsKv, AttentionBwdKernel::WsLpt),
+                (AttentionFwdKernel::Ws, AttentionBwdKernel::WsHeads),
             ];
         }
         let mut pairs = vec![(AttentionFwdKernel::Fa2, AttentionBwdKernel::Fa2)];

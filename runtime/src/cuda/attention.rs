@@ -745,6 +745,21 @@ struct Grads {
     base: CUdeviceptr,
     delta: CUdeviceptr,
     lse2: CUdeviceptr,
+    /// Variant `ws_heads` under GQA: the f32 dK and dV accumulators (dV's after dK's) and
+    /// their bytes, after the op's scratch.
+    dkv_acc: Option<(CUdeviceptr, usize)>,
+}
+
+/// The bytes of `ws_heads`' f32 dK and dV accumulators for call `c`: none unless the variant
+/// is chosen, the op runs on a Hopper's tensor cores and its heads share kv heads (GQA). Kept
+/// outside the memory plan while the variant awaits measurement (`Grads::dkv_acc`).
+fn per_head_dkv_bytes(be: &CudaBackend, c: &Call) -> usize {
+    let chosen = be.variants.attention_bwd == AttentionBwdKernel::WsHeads;
+    let gqa = c.dims.heads > c.dims.kv_heads;
+    if !(chosen && gqa && c.tensor_core.is_some() && be.is_hopper()) {
+        return 0;
+    }
+    2 * c.g.seq_kv as usize * c.dims.batch * c.dims.kv_heads * c.dims.d * 4
 }
 
 impl Grads {
@@ -795,7 +810,9 @@ fn attention_backward(be: &mut CudaBackend, b: &Bound, c: &Call) -> Result<()> {
     ins.extend([o, lse]);
     let layout = attention_scratch(b.op, c.bf16_run, &shape(&ins), &shape(&outs))
         .ok_or_else(|| b.err("has no scratch layout"))?;
-    let base = be.scratch(layout.bytes as usize)?;
+    let dkv_bytes = per_head_dkv_bytes(be, c);
+    let base = be.scratch(layout.bytes as usize + dkv_bytes)?;
+    let dkv_acc = (dkv_bytes > 0).then(|| (base + layout.bytes as CUdeviceptr, dkv_bytes));
     let (delta, lse2) = layout
         .stats
         .map(|(d, l)| (base + d as CUdeviceptr, base + l as CUdeviceptr))
@@ -811,6 +828,7 @@ fn attention_backward(be: &mut CudaBackend, b: &Bound, c: &Call) -> Result<()> {
         base,
         delta,
         lse2,
+        dkv_acc,
     };
     match &c.tensor_core {
         Some(tc) => tensor_core_backward(be, b, c, tc, g, &grads),
@@ -877,22 +895,34 @@ fn tensor_core_backward(
         g.tiles_first != 0,
     );
     let positions = [Arg::Ptr(c.qpos), Arg::Ptr(c.kvpos), Arg::Geom(g)];
-    let ws_kernel = match (be.variants.attention_bwd, d) {
-        (AttentionBwdKernel::Fa2, _) => None,
-        (AttentionBwdKernel::WsLpt, 64) => Some((Kernel::AttentionBwdWsLptD64, WSB_SMEM)),
-        (AttentionBwdKernel::WsLpt, 128) => Some((Kernel::AttentionBwdWsLptD128, WSB_SMEM_D128)),
-        (_, 64) => Some((Kernel::AttentionBwdWsD64, WSB_SMEM)),
-        (AttentionBwdKernel::Ws, 128) => Some((Kernel::AttentionBwdWsD128, WSB_SMEM_D128)),
+    // Items per query head (`ws_heads` under GQA: r.dkv_acc) or per kv head.
+    let per_head = r.dkv_acc.is_some();
+    let ws_kernel = match (be.variants.attention_bwd, d, per_head) {
+        (AttentionBwdKernel::Fa2, _, _) => None,
+        (AttentionBwdKernel::WsLpt, 64, _) => Some((Kernel::AttentionBwdWsLptD64, WSB_SMEM)),
+        (AttentionBwdKernel::WsLpt, 128, _) => Some((Kernel::AttentionBwdWsLptD128, WSB_SMEM_D128)),
+        (_, 64, true) => Some((Kernel::AttentionBwdWsHeadsD64, WSB_SMEM)),
+        (_, 128, true) => Some((Kernel::AttentionBwdWsHeadsD128, WSB_SMEM_D128)),
+        (_, 64, false) => Some((Kernel::AttentionBwdWsD64, WSB_SMEM)),
+        (_, 128, false) => Some((Kernel::AttentionBwdWsD128, WSB_SMEM_D128)),
         _ => None,
     };
     if let (true, Some((name, smem))) = (be.is_hopper(), ws_kernel) {
         let maps = wsb_tensor_maps(&g, [ptrs[0], qp, kp, vp], (r.lse2, r.delta, dq_acc));
         if let Ok(maps) = maps {
             let counter = be.attention_work_counter()?;
-            let mut rest = vec![p(r.dk), p(r.dv), Arg::Ptr(counter)];
+            if let Some((acc, bytes)) = r.dkv_acc {
+                be.zero_bytes(acc, bytes)?;
+            }
+            let acc = r.dkv_acc.map_or(0, |(acc, _)| acc);
+            let mut rest = vec![p(r.dk), p(r.dv), Arg::Ptr(counter), Arg::Ptr(acc)];
             rest.extend(positions);
-            let work = seq_kv.div_ceil(WSB_BC) * batch * c.dims.kv_heads;
-            be.launch_persistent(name, work, smem, &maps, &rest)?;
+            let pairs = batch * if per_head { heads } else { c.dims.kv_heads };
+            be.launch_persistent(name, seq_kv.div_ceil(WSB_BC) * pairs, smem, &maps, &rest)?;
+            if let Some((acc, bytes)) = r.dkv_acc {
+                let args = [Arg::Ptr(acc), p(r.dk), p(r.dv), Arg::Geom(g)];
+                be.launch_n(Kernel::AttentionDkvOut, bytes / 16, &args)?;
+            }
             return dq_out(be, &r.layout, dq_acc, r.dq, g);
         }
     }

@@ -134,6 +134,7 @@ kernels! {
     // kernels/attention_tc.cu
     AttentionToBf16 "attention_to_bf16",
     AttentionDqOut "attention_dq_out",
+    AttentionDkvOut "attention_dkv_out",
     AttentionFwdTcD64 "attention_fwd_tc_d64",
     AttentionFwdTcD128 "attention_fwd_tc_d128",
     AttentionDeltaTcD64 "attention_delta_tc_d64",
@@ -155,6 +156,8 @@ kernels! {
     AttentionBwdWsD128 "attention_bwd_ws_d128",
     AttentionBwdWsLptD64 "attention_bwd_wslpt_d64",
     AttentionBwdWsLptD128 "attention_bwd_wslpt_d128",
+    AttentionBwdWsHeadsD64 "attention_bwd_wsheads_d64",
+    AttentionBwdWsHeadsD128 "attention_bwd_wsheads_d128",
     // kernels/gemm_ws.cu
     GemmWsKkBf16 "gemm_ws_kk_bf16",
     GemmWsKkGelu "gemm_ws_kk_gelu",

@@ -164,10 +164,11 @@ variants! {
     /// The bf16 attention backward (`attention_bwd`, PARC_ATTENTION_BWD_KERNEL):
     /// attention_ws_bwd.cu's warp-specialized, TMA-fed kernel (Hopper, head_dim 64 and 128,
     /// tensor maps the driver can encode; otherwise `fa2`), or attention_tc.cu's mma.sync
-    /// kernel (`fa2`); `ws_lpt`, awaiting measurement: the warp-specialized kernel whose last
-    /// two waves of claimed items go longest first.
+    /// kernel (`fa2`); awaiting measurement: `ws_lpt`, the warp-specialized kernel whose last
+    /// two waves of claimed items go longest first, and `ws_heads`, the warp-specialized kernel
+    /// with an item per query head under GQA (dK, dV added into f32 accumulators).
     attention_bwd: AttentionBwdKernel "attention_bwd" "PARC_ATTENTION_BWD_KERNEL" {
-        Ws "ws", Fa2 "fa2", WsLpt "ws_lpt"
+        Ws "ws", Fa2 "fa2", WsLpt "ws_lpt", WsHeads "ws_heads"
     }
     /// The fused cross-entropy (`cross_entropy`, PARC_CROSS_ENTROPY_KERNEL): persistent CTAs
     /// that stage each row in shared memory (`staged`; `rows` where a row does not fit or the

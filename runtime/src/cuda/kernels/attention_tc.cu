@@ -150,6 +150,22 @@ extern "C" __global__ void attention_dq_out(const float* acc, void* dq, AttGeom 
     }
 }
 
+// The warp-specialized backward's f32 dK and dV accumulators (variant `ws_heads`: compact rows
+// of kv_heads · head_dim, dV's after all of dK's) into dk and dv (row stride ld_dkv), each as
+// bf16 rounded once to nearest even or as f32 (ATT_BF16_DK, ATT_BF16_DV); 4 elements a thread
+// and step, as attention_dq_out.
+extern "C" __global__ void attention_dkv_out(const float* acc, void* dk, void* dv, AttGeom g) {
+    long long w4 = g.kv_heads * g.head_dim / 4, n4 = g.seq_kv * g.batch * w4;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < 2 * n4; i += (long long)gridDim.x * blockDim.x) {
+        bool is_v = i >= n4;
+        long long j = is_v ? i - n4 : i, at = (j / w4) * g.ld_dkv + (j % w4) * 4;
+        void* out = is_v ? dv : dk;
+        float4 a = reinterpret_cast<const float4*>(acc)[i];
+        if (g.bf16 & (is_v ? ATT_BF16_DV : ATT_BF16_DK)) *reinterpret_cast<uint2*>(static_cast<bf16_t*>(out) + at) = make_uint2(tc_pack(a.x, a.y), tc_pack(a.z, a.w));
+        else *reinterpret_cast<float4*>(static_cast<float*>(out) + at) = a;
+    }
+}
+
 // Before the tensor-core backward, per (query, batch, head) row of the stored layout: delta =
 // dO·O and lse2 = lse · log2 e (+inf where lse is −inf: the row sees no key), indexed as
 // attention_delta's (att_rows), and the row of the (compact) f32 dQ accumulator zeroed. D/8

@@ -144,6 +144,34 @@ __host__ __device__ __forceinline__ int wsb_claimed_item(int w, int k_tiles, int
     return p * k_tiles + j;
 }
 
+// The heads of one item's (batch, pair) number bk: with items per kv head (dkv_acc null) pair
+// bk is (batch, kv head) and the item covers the kv head's whole group of query heads; with
+// items per query head (variant `ws_heads`, GQA) pair bk is (batch, query head), one head.
+struct WsbHeads {
+    int b, kvh, h0, count;
+};
+
+__device__ __forceinline__ WsbHeads wsb_heads(int bk, const AttGeom& g, int group, bool per_head) {
+    WsbHeads hd;
+    if (per_head) {
+        hd.b = bk / (int)g.heads;
+        hd.h0 = bk % (int)g.heads;
+        hd.kvh = hd.h0 / group;
+        hd.count = 1;
+    } else {
+        hd.b = bk / (int)g.kv_heads;
+        hd.kvh = bk % (int)g.kv_heads;
+        hd.h0 = hd.kvh * group;
+        hd.count = group;
+    }
+    return hd;
+}
+
+// Adds (x, y) into the f32 pair at p in global memory (one vector reduction, no return).
+__device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
+}
+
 // The sorted tail of the `ws_lpt` claim order: two waves of CTAs' items, or all of them.
 __device__ __forceinline__ int wsb_tail(int work) {
     int tail = 2 * (int)gridDim.x;
@@ -249,8 +277,8 @@ __device__ __forceinline__ void wsb_probs(float (&s)[BR / 2], const float* sl, c
 // (Each consumer computing dQ over its own 64 keys for every query and column, never waiting
 // for the other, was the head-dim-64 kernel until 2026-12-06, with 64-row slots, and the
 // variant `ws_split` at 128: slower, bench/RESULTS.md.)
-template <int D, bool LPT>
-__device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap& tdo, const TmaMap& tk, const TmaMap& tv, const TmaMap& tlse, const TmaMap& tdelta, const TmaMap& tdq, void* dk, void* dv, int* work_counter, const int* qpos, const int* kvpos, const AttGeom& g) {
+template <int D, bool LPT, bool PER_HEAD>
+__device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap& tdo, const TmaMap& tk, const TmaMap& tv, const TmaMap& tlse, const TmaMap& tdelta, const TmaMap& tdq, void* dk, void* dv, int* work_counter, float* dkv_acc, const int* qpos, const int* kvpos, const AttGeom& g) {
     constexpr int BC = WSB_BC, BR = wsb_br(D), STAGES = wsb_stages(D);
     constexpr int KV_BUFS = D == 64 ? 2 : 1;
     // How the consumers split dQ = dS K (64 × 64 each): by query rows (head dim 64: BR = 128
@@ -276,9 +304,13 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     // kv_empty[u]; then per K/V buffer the item's query ranges (WsbRange, 8 ints a buffer).
     unsigned kv_full0 = bars + 16 * STAGES, kv_empty0 = kv_full0 + 16;
     int* ranges = reinterpret_cast<int*>(smem + (kv_empty0 + 16 - base));
-    int bkh_count = (int)(g.batch * g.kv_heads), group = (int)(g.heads / g.kv_heads);
+    // Items per query head (PER_HEAD, variant `ws_heads`: dK, dV added into dkv_acc), else per
+    // kv head (wsb_heads).
+    constexpr bool per_head = PER_HEAD;
+    int group = (int)(g.heads / g.kv_heads);
+    int pairs = (int)(g.batch * (per_head ? g.heads : g.kv_heads));
     int k_tiles = ((int)g.seq_kv + BC - 1) / BC;
-    int work = k_tiles * bkh_count;
+    int work = k_tiles * pairs;
     int wg = __shfl_sync(FULL_MASK, (int)threadIdx.x / WG_THREADS, 0);
     if (threadIdx.x == 0) ws_pipeline_init(bars, STAGES, 8);  // 8: the consumers' warps
     __syncthreads();
@@ -306,10 +338,11 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
                 break;
             }
             // The claim's item in pair-major numbering (`ws_lpt`: its sorted tail).
-            int c = LPT ? wsb_claimed_item(w, k_tiles, bkh_count, wsb_tail(work)) : w;
+            int c = LPT ? wsb_claimed_item(w, k_tiles, pairs, wsb_tail(work)) : w;
             WsbItem wi = wsb_item(c, k_tiles);
-            int b = wi.bk / (int)g.kv_heads, kvh = wi.bk % (int)g.kv_heads, j0 = wi.j0;
-            WsbRange r = wsb_range<BR>(qpos, kvpos, g, j0, group);
+            WsbHeads hd = wsb_heads(wi.bk, g, group, per_head);
+            int b = hd.b, kvh = hd.kvh, j0 = wi.j0;
+            WsbRange r = wsb_range<BR>(qpos, kvpos, g, j0, hd.count);
             rg[0] = r.first;
             rg[1] = r.first_full;
             rg[2] = r.per_head;
@@ -319,7 +352,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             ws_load_tile<D, BC>(k_addr, tk, kv_full, b * g.ld_kv + kvh * D, j0);
             ws_load_tile<D, BC>(k_addr + KT, tv, kv_full, b * g.ld_kv + kvh * D, j0);
             for (int t = 0; t < r.total; t++, it++) {
-                int h = kvh * group + t / r.per_head, i0 = (r.first + t % r.per_head) * BR;
+                int h = (per_head ? hd.h0 : kvh * group + t / r.per_head), i0 = (r.first + t % r.per_head) * BR;
                 int s = it % STAGES;
                 unsigned full = bars + 8 * s, slot = slots + s * SLOT;
                 mbar_wait(bars + 8 * (STAGES + s), ((it / STAGES) & 1) ^ 1);
@@ -369,7 +402,8 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
         int w = __shfl_sync(FULL_MASK, rg[4], 0);
         if (w < 0) break;
         WsbItem wi = wsb_item(w, k_tiles);
-        int b = wi.bk / (int)g.kv_heads, kvh = wi.bk % (int)g.kv_heads, j0 = wi.j0;
+        WsbHeads hd = wsb_heads(wi.bk, g, group, per_head);
+        int b = hd.b, kvh = hd.kvh, j0 = wi.j0;
         // This thread's key rows: 64 cw + 16 warp + gq and + 8 of the item.
         int ka = j0 + 64 * cw + 16 * warp + gq, kb = ka + 8;
         int pa = ka < seq_kv ? (g.causal ? kvpos[ka] : TC_INT_MIN) : TC_INT_MAX;
@@ -385,7 +419,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
         r.per_head = __shfl_sync(FULL_MASK, rg[2], 0);
         r.total = __shfl_sync(FULL_MASK, rg[3], 0);
         for (int t = 0; t < r.total; t++, it++) {
-            int h = kvh * group + t / r.per_head, tile = r.first + t % r.per_head, i0 = tile * BR;
+            int h = (per_head ? hd.h0 : kvh * group + t / r.per_head), tile = r.first + t % r.per_head, i0 = tile * BR;
             int s = it % STAGES;
             unsigned slot = slots + s * SLOT, q_addr = slot, do_addr = slot + QT;
             const float* sl = reinterpret_cast<const float*>(smem + (slot - base) + 2 * QT);
@@ -481,7 +515,26 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
         }
         mbar_arrive_warp(kv_empty0 + 8 * u);
         int dkv_stride = (int)g.batch * g.ld_dkv, head = b * g.ld_dkv + kvh * D + 2 * tq4;
-        if (vec_out) {
+        if (per_head) {
+            // One query head's share: dK · scale and dV added into the f32 accumulators
+            // (compact rows of batch · kv_heads · D a key, dV's after all of dK's), which
+            // attention_dkv_out rounds into dk, dv after the kernel.
+            long long acc_row = g.batch * g.kv_heads * D, acc_n = g.seq_kv * acc_row;
+            float* acc = dkv_acc + ((long long)b * g.kv_heads + kvh) * D + 2 * tq4;
+            #pragma unroll
+            for (int half = 0; half < 2; half++) {
+                int key = half == 0 ? ka : kb;
+                if (key < seq_kv) {
+                    float* rk = acc + key * acc_row;
+                    #pragma unroll
+                    for (int nb = 0; nb < D / 8; nb++) {
+                        int e = 4 * nb + 2 * half;
+                        red_add_f32x2(rk + nb * 8, g.scale * dka[e], g.scale * dka[e + 1]);
+                        red_add_f32x2(rk + acc_n + nb * 8, dva[e], dva[e + 1]);
+                    }
+                }
+            }
+        } else if (vec_out) {
             // bf16 dK, dV through this consumer's rows of the dSᵀ tile (free: its last readers,
             // the last dQ products, are done) as a 64 × 64 tile: 16-byte rows out instead of
             // 4-byte pairs, 64 columns at a time.
@@ -518,7 +571,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
                 tc_store2(dv, row + nb * 8, dva[4 * nb], dva[4 * nb + 1], dv_bf16);
             }
         }
-        if (!vec_out && kb < seq_kv) {
+        if (!per_head && !vec_out && kb < seq_kv) {
             long long row = (long long)kb * dkv_stride + head;
             #pragma unroll
             for (int nb = 0; nb < D / 8; nb++) {
@@ -532,18 +585,24 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     if (elected) bulk_wait_all();
 }
 
-#define WSB_BWD(NAME, D, LPT)                                                                                       \
+#define WSB_BWD(NAME, D, LPT, PER_HEAD)                                                                                       \
     extern "C" __global__ void __launch_bounds__(WSB_THREADS, 1) NAME(                                              \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tdo, const __grid_constant__ TmaMap tk,   \
         const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tlse,                                     \
         const __grid_constant__ TmaMap tdelta, const __grid_constant__ TmaMap tdq, void* dk, void* dv,              \
-        int* work_counter, const int* qpos, const int* kvpos, AttGeom g) {                                          \
-        wsb_attention_bwd<D, LPT>(tq, tdo, tk, tv, tlse, tdelta, tdq, dk, dv, work_counter, qpos, kvpos, g);        \
+        int* work_counter, float* dkv_acc, const int* qpos, const int* kvpos, AttGeom g) {                          \
+        wsb_attention_bwd<D, LPT, PER_HEAD>(tq, tdo, tk, tv, tlse, tdelta, tdq, dk, dv, work_counter, dkv_acc, qpos, kvpos, g); \
     }
-WSB_BWD(attention_bwd_ws_d64, 64, false)
-WSB_BWD(attention_bwd_ws_d128, 128, false)
+WSB_BWD(attention_bwd_ws_d64, 64, false, false)
+WSB_BWD(attention_bwd_ws_d128, 128, false, false)
 // Variant `ws_lpt` (the claim order's sorted tail; unmeasured, see wsb_claimed_item).
-WSB_BWD(attention_bwd_wslpt_d64, 64, true)
-WSB_BWD(attention_bwd_wslpt_d128, 128, true)
+WSB_BWD(attention_bwd_wslpt_d64, 64, true, false)
+WSB_BWD(attention_bwd_wslpt_d128, 128, true, false)
+// Variant `ws_heads` (items per query head, dK and dV added into f32 accumulators; unmeasured,
+// see wsb_heads): FlashAttention-3's GQA backward. An item per kv head covers its group's
+// heads, so at GQA 6:1 and T 8192 (head dim 128) one item is as long as a CTA's even share of
+// the work and the CTAs that draw the longest ones finish last whatever the claim order.
+WSB_BWD(attention_bwd_wsheads_d64, 64, false, true)
+WSB_BWD(attention_bwd_wsheads_d128, 128, false, true)
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
