@@ -558,56 +558,6 @@ fn ws_d128_configs() -> Vec<AttConfig> {
     ]
 }
 
-/// The attention kernel variants awaiting measurement (`ws_kv` forward: separate K and V rings;
-/// `ws_lpt` backward: the claim order's last two waves longest first), set on the test's
-/// backend: `attention_bf16_ws_bwd`'s head-dim-64 cases (more items than SMs, every tile kind,
-/// GPT-2's length) and `attention_bf16_ws_d128`'s, under the same tolerances.
-#[cfg(feature = "cuda")]
-#[test]
-fn attention_bf16_ws_variants_awaiting_measurement() {
-    let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, AttentionFwdKernel::WsKv)
-    else {
-        return;
-    };
-    gpu.set_kernel_variant(AttentionBwdKernel::WsLpt);
-    let test = "attention_bf16_ws_variants";
-    let mut r = Rng::new(test);
-    let mut configs = Vec::from(many_items_configs());
-    configs.push(gpt2_length_config());
-    configs.extend(tc_configs());
-    configs.extend(ws_d128_configs());
-    let cases: Vec<Case> = configs
-        .iter()
-        .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
-        .collect();
-    crate::harness::check_with(test, &cases, &mut gpu);
-}
-
-/// The `ws_heads` backward awaiting measurement (an item per query head under GQA, dK and dV
-/// added into f32 accumulators), set on the test's backend: the same cases as
-/// `attention_bf16_ws_variants_awaiting_measurement` (GQA 1:1 to 6:1, head dim 64 and 128),
-/// under the same tolerances.
-#[cfg(feature = "cuda")]
-#[test]
-fn attention_bf16_ws_heads_awaiting_measurement() {
-    let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, AttentionFwdKernel::Ws)
-    else {
-        return;
-    };
-    gpu.set_kernel_variant(AttentionBwdKernel::WsHeads);
-    let test = "attention_bf16_ws_heads";
-    let mut r = Rng::new(test);
-    let mut configs = Vec::from(many_items_configs());
-    configs.push(gpt2_length_config());
-    configs.extend(tc_configs());
-    configs.extend(ws_d128_configs());
-    let cases: Vec<Case> = configs
-        .iter()
-        .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
-        .collect();
-    crate::harness::check_with(test, &cases, &mut gpu);
-}
-
 /// The long case of `attention_bf16_ws_d128` (one GQA 6:1 causal sequence of 8192) through
 /// the pre-Hopper-style `fa2` backward and the `wgmma` forward: the error the older kernels
 /// reach at this length under bf16 P and dS, beside which the `ws` kernels' is judged.

@@ -363,15 +363,24 @@ pub struct AttentionScratch {
     pub stats: Option<(u64, u64)>,
     /// The offset of dQ's f32 accumulator, where there is one.
     pub dq_acc: Option<u64>,
+    /// The offset of dK's and dV's f32 accumulators (dV's right after dK's, compact rows of
+    /// kv_heads · head_dim), where there are: [`PER_QUERY_HEAD_DKV`].
+    pub dkv_acc: Option<u64>,
     pub bytes: u64,
 }
+
+/// The head dim whose tensor-core backward under GQA takes an item per query head on a Hopper
+/// (the CUDA backend's attention_ws_bwd.cu), adding each head's dK and dV into f32
+/// accumulators; reserved on other GPUs too, where the older kernels leave it unused.
+pub const PER_QUERY_HEAD_DKV: u64 = 128;
 
 /// The scratch an attention op lays out (None for any other op), from its buffers' (elements,
 /// dtype), inputs then outputs; `half` as for [`backend_scratch`]. With tensor cores, a bf16
 /// copy of each operand read that is not stored bf16; then for the backward `delta` and `lse2`
 /// (one f32 per (batch, head, query), query rows padded to 4: the kernels' `att_rows`) and,
 /// where dQ is stored bf16 and always for a packed op (dqkv's q columns are not compact
-/// rows), dQ's f32 accumulator of dO's shape.
+/// rows), dQ's f32 accumulator of dO's shape; at head dim [`PER_QUERY_HEAD_DKV`] under GQA,
+/// dK's and dV's f32 accumulators.
 pub fn attention_scratch(
     op: &Op,
     half: bool,
@@ -398,7 +407,7 @@ pub fn attention_scratch(
         .take(if tc { operands } else { 0 })
         .map(|&(n, dtype)| (dtype != DType::Bf16).then(|| take(n * 2)))
         .collect();
-    let (mut stats, mut dq_acc) = (None, None);
+    let (mut stats, mut dq_acc, mut dkv_acc) = (None, None, None);
     if backward {
         let rows = ins.get(operands + 1).map_or(0, |lse| lse.0);
         let per_head = (batch * heads).max(1);
@@ -408,11 +417,22 @@ pub fn attention_scratch(
         if tc && (*packed || bf16_dq) {
             dq_acc = Some(take(ins.first().map_or(0, |d_out| d_out.0) * 4));
         }
+        if tc && *head_dim == PER_QUERY_HEAD_DKV && a.kv_heads < *heads {
+            // k's elements: its own buffer, or (packed: q's positions are k's) dO's over the
+            // group.
+            let k = if *packed {
+                ins.first().map_or(0, |d_out| d_out.0) / heads * a.kv_heads
+            } else {
+                ins.get(2).map_or(0, |k| k.0)
+            };
+            dkv_acc = Some(take(2 * k * 4));
+        }
     }
     Some(AttentionScratch {
         copies,
         stats,
         dq_acc,
+        dkv_acc,
         bytes,
     })
 }
@@ -724,6 +744,53 @@ mod tests {
             assert_eq!(at % 256, 0);
         }
         assert_eq!(attention_scratch(&Op::Copy, true, &[], &[]), None);
+    }
+
+    /// At head dim 128 under GQA the tensor-core backward's scratch ends with dK's and dV's
+    /// f32 accumulators (2 · k's elements · 4 bytes), packed or not; not at head dim 64, nor
+    /// without GQA, nor for the exact kernels or the forward.
+    #[test]
+    fn gqa_backward_at_head_dim_128_accumulates_dk_dv_apart() {
+        let (f, b) = (DType::F32, DType::Bf16);
+        let (q, kv, lse) = (10 * 2 * 4 * 128, 10 * 2 * 2 * 128, 2 * 4 * 10);
+        let ins = [(q, b), (q, b), (kv, b), (kv, b), (q, b), (lse, f)];
+        let outs = [(q, b), (kv, b), (kv, b)];
+        let bwd = attention(false, 128);
+        let layout = attention_scratch(&bwd, true, &ins, &outs).unwrap();
+        let at = layout.dkv_acc.unwrap();
+        assert_eq!(at % 256, 0);
+        assert_eq!(layout.bytes, aligned(at + 2 * kv * 4));
+        let packed_ins = [(q, b), (q + 2 * kv, b), (q, b), (lse, f)];
+        let packed_layout =
+            attention_scratch(&packed(bwd.clone()), true, &packed_ins, &[(q + 2 * kv, b)]);
+        assert_eq!(packed_layout.unwrap().bytes, layout.bytes);
+        assert_eq!(
+            attention_scratch(&bwd, false, &ins, &outs).unwrap().dkv_acc,
+            None
+        );
+        let mut mha = bwd.clone();
+        if let Op::AttentionBwd(a) = &mut mha {
+            a.kv_heads = a.heads;
+        }
+        let mha_ins = [(q, b), (q, b), (q, b), (q, b), (q, b), (lse, f)];
+        assert_eq!(
+            attention_scratch(&mha, true, &mha_ins, &outs)
+                .unwrap()
+                .dkv_acc,
+            None
+        );
+        let d64 = attention(false, 64);
+        assert_eq!(
+            attention_scratch(&d64, true, &ins, &outs).unwrap().dkv_acc,
+            None
+        );
+        let fwd = attention(true, 128);
+        assert_eq!(
+            attention_scratch(&fwd, true, &ins[1..4], &[])
+                .unwrap()
+                .dkv_acc,
+            None
+        );
     }
 
     /// A packed op's scratch: a copy of the whole qkv where it is f32 (and of dO), never of

@@ -98,38 +98,23 @@ const TC_BWD_THREADS: u32 = 256;
 /// tiles of WGMMA_KEYS rows, 1024 bytes for aligning the tiles to the 128-byte swizzle's period.
 const WGMMA_KEYS: usize = 64;
 const WGMMA_ALIGN: usize = 1024;
-/// The warp-specialized forward (attention_ws_fwd.cu): query rows per work item, K/V ring
-/// slots (head_dim 64; 128), and keys per K/V tile (its threads:
-/// `CudaBackend::launch_persistent`'s).
+/// The warp-specialized forward (attention_ws_fwd.cu): query rows per work item, and keys per
+/// K/V tile (its threads: `CudaBackend::launch_persistent`'s).
 const WS_BR: usize = 128;
-const WS_STAGES: usize = 4;
-const WS_STAGES_D128: usize = 2;
 const WS_FWD_KEYS: usize = 128;
 
-/// The warp-specialized forward's shared memory for head_dim `d` with `stages` ring slots:
-/// alignment slack, two Q buffers, the K/V ring of WS_FWD_KEYS-row tiles (bf16), its mbarriers
-/// (a full and an empty one per slot and per Q buffer) and the two items' tile ranges (8 ints
-/// each).
-const fn ws_fwd_smem(d: usize, stages: usize) -> u32 {
-    (WGMMA_ALIGN + 2 * WS_BR * d * 2 + stages * 2 * WS_FWD_KEYS * d * 2 + 8 * (2 * stages + 4) + 64)
+/// The warp-specialized forward's shared memory for head_dim `d`, `tiles` WS_FWD_KEYS-row tiles
+/// of K and V (bf16) in `slots` ring slots: alignment slack, two Q buffers, the tiles, the
+/// mbarriers (a full and an empty one per slot and per Q buffer) and the two items' tile ranges
+/// (8 ints each).
+const fn ws_fwd_smem(d: usize, tiles: usize, slots: usize) -> u32 {
+    (WGMMA_ALIGN + 2 * WS_BR * d * 2 + tiles * WS_FWD_KEYS * d * 2 + 8 * (2 * slots + 4) + 64)
         as u32
 }
-/// Head_dim 64: 165 KiB. Head_dim 128: 193 KiB (2 slots; 3 would need 257 KiB).
-const WS_FWD_SMEM: u32 = ws_fwd_smem(64, WS_STAGES);
-const WS_FWD_SMEM_D128: u32 = ws_fwd_smem(128, WS_STAGES_D128);
-
-/// Variant `ws_kv` of the warp-specialized forward (attention_ws_fwd.cu's WS_FWD_KV, awaiting
-/// measurement): separate K and V rings of `k_stages` and `v_stages` WS_FWD_KEYS-row tiles.
-/// Shared memory: alignment slack, two Q buffers, both rings, their mbarriers (a full and an
-/// empty one per slot and per Q buffer) and the two items' tile ranges (8 ints each).
-const fn ws_kv_fwd_smem(d: usize, k_stages: usize, v_stages: usize) -> u32 {
-    let slots = k_stages + v_stages;
-    (WGMMA_ALIGN + 2 * WS_BR * d * 2 + slots * WS_FWD_KEYS * d * 2 + 8 * (2 * slots + 4) + 64)
-        as u32
-}
-/// Head_dim 64: 4 + 4 slots of 16 KiB, 161 KiB. Head_dim 128: 3 + 2 slots of 32 KiB, 225.2 KiB.
-const WS_KV_FWD_SMEM: u32 = ws_kv_fwd_smem(64, 4, 4);
-const WS_KV_FWD_SMEM_D128: u32 = ws_kv_fwd_smem(128, 3, 2);
+/// Head_dim 64: one ring of 4 slots, each a K and a V tile, 161 KiB. Head_dim 128: separate
+/// rings of 3 K and 2 V slots, 225.2 KiB.
+const WS_FWD_SMEM: u32 = ws_fwd_smem(64, 2 * 4, 4);
+const WS_FWD_SMEM_D128: u32 = ws_fwd_smem(128, 3 + 2, 3 + 2);
 
 /// The warp-specialized backward (attention_ws_bwd.cu): keys per work item, and a consumer's
 /// dQ part (rows × columns, f32: head_dim 64 splits dQ's 128 rows of a tile over the consumers,
@@ -695,17 +680,10 @@ fn tensor_core_forward(
     ];
     let (batch, heads, d) = (c.dims.batch, c.dims.heads, c.dims.d);
     let seq_q = c.seq_q();
-    let ws = matches!(
-        be.variants.attention_fwd,
-        AttentionFwdKernel::Ws | AttentionFwdKernel::WsKv
-    );
-    let ws_kernel = match (be.variants.attention_fwd, d) {
-        (AttentionFwdKernel::WsKv, 64) => Some((Kernel::AttentionFwdWsKvD64, WS_KV_FWD_SMEM)),
-        (AttentionFwdKernel::WsKv, 128) => {
-            Some((Kernel::AttentionFwdWsKvD128, WS_KV_FWD_SMEM_D128))
-        }
-        (_, 64) => Some((Kernel::AttentionFwdWsD64, WS_FWD_SMEM)),
-        (_, 128) => Some((Kernel::AttentionFwdWsD128, WS_FWD_SMEM_D128)),
+    let ws = be.variants.attention_fwd == AttentionFwdKernel::Ws;
+    let ws_kernel = match d {
+        64 => Some((Kernel::AttentionFwdWsD64, WS_FWD_SMEM)),
+        128 => Some((Kernel::AttentionFwdWsD128, WS_FWD_SMEM_D128)),
         _ => None,
     };
     if let (true, true, Some((name, smem))) = (ws, be.is_hopper(), ws_kernel) {
@@ -745,21 +723,10 @@ struct Grads {
     base: CUdeviceptr,
     delta: CUdeviceptr,
     lse2: CUdeviceptr,
-    /// Variant `ws_heads` under GQA: the f32 dK and dV accumulators (dV's after dK's) and
-    /// their bytes, after the op's scratch.
+    /// Head dim 128 under GQA: the f32 dK and dV accumulators (dV's after dK's) in the op's
+    /// scratch and their bytes (`AttentionScratch::dkv_acc`), where the warp-specialized
+    /// backward takes an item per query head.
     dkv_acc: Option<(CUdeviceptr, usize)>,
-}
-
-/// The bytes of `ws_heads`' f32 dK and dV accumulators for call `c`: none unless the variant
-/// is chosen, the op runs on a Hopper's tensor cores and its heads share kv heads (GQA). Kept
-/// outside the memory plan while the variant awaits measurement (`Grads::dkv_acc`).
-fn per_head_dkv_bytes(be: &CudaBackend, c: &Call) -> usize {
-    let chosen = be.variants.attention_bwd == AttentionBwdKernel::WsHeads;
-    let gqa = c.dims.heads > c.dims.kv_heads;
-    if !(chosen && gqa && c.tensor_core.is_some() && be.is_hopper()) {
-        return 0;
-    }
-    2 * c.g.seq_kv as usize * c.dims.batch * c.dims.kv_heads * c.dims.d * 4
 }
 
 impl Grads {
@@ -810,9 +777,11 @@ fn attention_backward(be: &mut CudaBackend, b: &Bound, c: &Call) -> Result<()> {
     ins.extend([o, lse]);
     let layout = attention_scratch(b.op, c.bf16_run, &shape(&ins), &shape(&outs))
         .ok_or_else(|| b.err("has no scratch layout"))?;
-    let dkv_bytes = per_head_dkv_bytes(be, c);
-    let base = be.scratch(layout.bytes as usize + dkv_bytes)?;
-    let dkv_acc = (dkv_bytes > 0).then(|| (base + layout.bytes as CUdeviceptr, dkv_bytes));
+    let base = be.scratch(layout.bytes as usize)?;
+    let dkv_bytes = 2 * c.g.seq_kv as usize * c.dims.batch * c.dims.kv_heads * c.dims.d * 4;
+    let dkv_acc = layout
+        .dkv_acc
+        .map(|at| (base + at as CUdeviceptr, dkv_bytes));
     let (delta, lse2) = layout
         .stats
         .map(|(d, l)| (base + d as CUdeviceptr, base + l as CUdeviceptr))
@@ -895,15 +864,12 @@ fn tensor_core_backward(
         g.tiles_first != 0,
     );
     let positions = [Arg::Ptr(c.qpos), Arg::Ptr(c.kvpos), Arg::Geom(g)];
-    // Items per query head (`ws_heads` under GQA: r.dkv_acc) or per kv head.
+    // Items per query head (head dim 128 under GQA: r.dkv_acc) or per kv head.
     let per_head = r.dkv_acc.is_some();
     let ws_kernel = match (be.variants.attention_bwd, d, per_head) {
         (AttentionBwdKernel::Fa2, _, _) => None,
-        (AttentionBwdKernel::WsLpt, 64, _) => Some((Kernel::AttentionBwdWsLptD64, WSB_SMEM)),
-        (AttentionBwdKernel::WsLpt, 128, _) => Some((Kernel::AttentionBwdWsLptD128, WSB_SMEM_D128)),
-        (_, 64, true) => Some((Kernel::AttentionBwdWsHeadsD64, WSB_SMEM)),
+        (_, 64, _) => Some((Kernel::AttentionBwdWsD64, WSB_SMEM)),
         (_, 128, true) => Some((Kernel::AttentionBwdWsHeadsD128, WSB_SMEM_D128)),
-        (_, 64, false) => Some((Kernel::AttentionBwdWsD64, WSB_SMEM)),
         (_, 128, false) => Some((Kernel::AttentionBwdWsD128, WSB_SMEM_D128)),
         _ => None,
     };
@@ -1127,21 +1093,17 @@ mod tests {
             assert!(fwd <= H100_SMEM / 2, "d{d} forward: {fwd}");
             assert!(bwd <= A100_SMEM, "d{d} backward: {bwd}");
         }
-        // The warp-specialized kernels (Hopper only), one CTA an SM: forward 165 KiB (head_dim
-        // 64) and 193 KiB (128), backward 195 KiB and 212 KiB, all under the 227 KiB an H100
+        // The warp-specialized kernels (Hopper only), one CTA an SM: forward 161 KiB (head_dim
+        // 64) and 225.2 KiB (128), backward 195 KiB and 212 KiB, all under the 227 KiB an H100
         // block may opt in to; the sizes follow the kernels' budget comments.
         const { assert!(WSB_SMEM <= H100_SMEM) };
         const { assert!(WSB_SMEM_D128 <= H100_SMEM) };
-        assert_eq!(WS_FWD_SMEM, 165_024);
-        assert_eq!(WS_FWD_SMEM_D128, 197_760);
-        assert_eq!(WSB_SMEM, 199_808);
-        assert_eq!(WSB_SMEM_D128, 217_232);
-        // Variant `ws_kv`'s forward (separate K and V rings): 161 KiB and 225.2 KiB.
-        assert_eq!(WS_KV_FWD_SMEM, 165_088);
-        assert_eq!(WS_KV_FWD_SMEM_D128, 230_576);
-        const { assert!(WS_KV_FWD_SMEM_D128 <= H100_SMEM) };
         const { assert!(WS_FWD_SMEM <= H100_SMEM) };
         const { assert!(WS_FWD_SMEM_D128 <= H100_SMEM) };
+        assert_eq!(WS_FWD_SMEM, 165_024);
+        assert_eq!(WS_FWD_SMEM_D128, 230_576);
+        assert_eq!(WSB_SMEM, 199_808);
+        assert_eq!(WSB_SMEM_D128, 217_232);
     }
 
     /// The wgmma forward's shared memory follows its kernel's layout (1024-byte alignment

@@ -149,14 +149,9 @@ kernels! {
     // kernels/attention_ws_fwd.cu
     AttentionFwdWsD64 "attention_fwd_ws_d64",
     AttentionFwdWsD128 "attention_fwd_ws_d128",
-    AttentionFwdWsKvD64 "attention_fwd_wskv_d64",
-    AttentionFwdWsKvD128 "attention_fwd_wskv_d128",
     // kernels/attention_ws_bwd.cu
     AttentionBwdWsD64 "attention_bwd_ws_d64",
     AttentionBwdWsD128 "attention_bwd_ws_d128",
-    AttentionBwdWsLptD64 "attention_bwd_wslpt_d64",
-    AttentionBwdWsLptD128 "attention_bwd_wslpt_d128",
-    AttentionBwdWsHeadsD64 "attention_bwd_wsheads_d64",
     AttentionBwdWsHeadsD128 "attention_bwd_wsheads_d128",
     // kernels/gemm_ws.cu
     GemmWsKkBf16 "gemm_ws_kk_bf16",

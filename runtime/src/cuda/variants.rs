@@ -156,19 +156,16 @@ variants! {
     /// bf16 attention forward on a Hopper (`attention_fwd`, PARC_ATTENTION_FWD_KERNEL): the
     /// warp-specialized, TMA-fed kernel for head_dim 64 and 128 (attention_ws_fwd.cu), or
     /// attention_wgmma_fwd.cu's warpgroup-MMA kernel for both (`wgmma`), or attention_tc.cu's
-    /// mma.sync kernel (`fa2`, what other GPUs run); `ws_kv`, awaiting measurement: the
-    /// warp-specialized kernel with separate K and V rings.
+    /// mma.sync kernel (`fa2`, what other GPUs run).
     attention_fwd: AttentionFwdKernel "attention_fwd" "PARC_ATTENTION_FWD_KERNEL" {
-        Ws "ws", Wgmma "wgmma", Fa2 "fa2", WsKv "ws_kv"
+        Ws "ws", Wgmma "wgmma", Fa2 "fa2"
     }
     /// The bf16 attention backward (`attention_bwd`, PARC_ATTENTION_BWD_KERNEL):
     /// attention_ws_bwd.cu's warp-specialized, TMA-fed kernel (Hopper, head_dim 64 and 128,
     /// tensor maps the driver can encode; otherwise `fa2`), or attention_tc.cu's mma.sync
-    /// kernel (`fa2`); awaiting measurement: `ws_lpt`, the warp-specialized kernel whose last
-    /// two waves of claimed items go longest first, and `ws_heads`, the warp-specialized kernel
-    /// with an item per query head under GQA (dK, dV added into f32 accumulators).
+    /// kernel (`fa2`).
     attention_bwd: AttentionBwdKernel "attention_bwd" "PARC_ATTENTION_BWD_KERNEL" {
-        Ws "ws", Fa2 "fa2", WsLpt "ws_lpt", WsHeads "ws_heads"
+        Ws "ws", Fa2 "fa2"
     }
     /// The fused cross-entropy (`cross_entropy`, PARC_CROSS_ENTROPY_KERNEL): persistent CTAs
     /// that stage each row in shared memory (`staged`; `rows` where a row does not fit or the

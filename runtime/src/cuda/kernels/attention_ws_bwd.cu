@@ -1,14 +1,16 @@
 // Flash-attention backward, warp-specialized (variant `ws` of op attention_bwd, the default on a
-// Hopper; compute_90a, head_dim 64 and 128 (attention_bwd_ws_d64, _d128; the budgets of each at
-// wsb_attention_bwd); other GPUs, unaligned rows and `fa2` run attention_tc.cu's kernel):
+// Hopper; compute_90a, head_dim 64 and 128 (attention_bwd_ws_d64, _d128, and under GQA at 128
+// attention_bwd_wsheads_d128; the budgets of each at wsb_attention_bwd); other GPUs, unaligned
+// rows and `fa2` run attention_tc.cu's kernel):
 // FlashAttention-3's backward structure, written for parc's layouts with the contract of
 // tc_attention_bwd (after attention_delta_tc: lse2 and delta per query row, the f32 dQ
 // accumulator zeroed; dK, dV f32 or bf16; causal masking by global position, whole invisible
 // query tiles skipped when positions ascend).
 //
 // A persistent CTA (one an SM) of three warpgroups works through the items (key tile of WSB_BC
-// keys, batch · kv head; wsb_item's order): item blockIdx.x first, then each the next not yet
-// claimed (a global counter), so CTAs that drew short items (causal) take more. Warpgroup 0 is the producer: its first warp walks the items and
+// keys, batch · kv head, or batch · query head: wsb_heads; in wsb_claimed_item's order): item
+// blockIdx.x first, then each the next not yet claimed (a global counter), so CTAs that drew
+// short items (causal) take more. Warpgroup 0 is the producer: its first warp walks the items and
 // one lane issues the TMA loads, 128-byte swizzled (attention_wgmma_fwd.cu's tile layout): the
 // item's K and V once, then for each of its query tiles (the GQA group's heads in turn) Q, dO
 // (BR rows each: 128 at head dim 64, 64 at 128) and their rows of lse2 and delta into a ring of
@@ -98,11 +100,11 @@ __device__ __forceinline__ void wg_bar(int id) { asm volatile("bar.sync %0, 128;
 // and 2).
 __device__ __forceinline__ void consumers_bar() { asm volatile("bar.sync 3, 256;" ::: "memory"); }
 
-// Work item w: key tile w % k_tiles (its first key j0) of (batch, kv head) pair w / k_tiles.
-// Items are claimed in this order (wsb_attention_bwd: the first one an SM, then from a global
-// counter as each CTA frees up), so each pair's first key tile (causal: the longest) comes
-// first and the CTAs working at once share a few heads, whose dQ rows stay in L2 while they
-// add into them. (Every pair's first key tile first, each CTA's items fixed by blockIdx.x as
+// Work item w: key tile w % k_tiles (its first key j0) of pair w / k_tiles (wsb_heads). Items
+// are claimed in about this order (wsb_claimed_item; wsb_attention_bwd: the first one an SM,
+// then from a global counter as each CTA frees up), so each pair's first key tile (causal: the
+// longest) comes first and the CTAs working at once share a few heads, whose dQ rows stay in
+// L2 while they add into them. (Every pair's first key tile first, each CTA's items fixed by blockIdx.x as
 // until 2026-12-06, spread the reductions over the whole f32 accumulator: 69% of DRAM's
 // bandwidth at Llama 3.2 1B's shape, L2 hit rate 30%; fixed items in head order instead left
 // the CTAs unbalanced under causal masking, GQA 4 and 6 slower.)
@@ -117,14 +119,15 @@ __device__ __forceinline__ WsbItem wsb_item(int w, int k_tiles) {
     return it;
 }
 
-// Variant `ws_lpt` of op attention_bwd (PARC_ATTENTION_BWD_KERNEL=ws_lpt; unmeasured, beside
-// the default until a GPU has measured it, variants.rs): the claim order above, except its
-// last `tail` items (two waves of CTAs: wsb_tail), which go key tile by key tile across their
-// pairs, so the last items claimed are the shortest and no CTA starts a long one when the
-// others are nearly done. A greedy-claim simulation of issue 19's grid (132 CTAs) puts the
-// slowest CTA 7–63% past an even share in pair order to the end (GQA 6:1 worst, as measured),
-// 0–7% with the sorted tail. Returns claim w's item in pair-major numbering (wsb_item's); a
-// bijection (checked on the host for up to 70 key tiles × 70 pairs × 5 grid sizes).
+// The claim order: wsb_item's pair-major order, except its last `tail` items (two waves of
+// CTAs: wsb_tail), which go key tile by key tile across their pairs, so the last items claimed
+// are the shortest and no CTA starts a long one when the others are nearly done. A greedy-claim
+// simulation of issue 19's grid (132 CTAs) puts the slowest CTA 7–63% past an even share in
+// pair order to the end (GQA 6:1 worst), 0–7% with the sorted tail; measured on an H100
+// (2026-12-06, bench/RESULTS.md) the sorted tail gained at every point of the grid, up to 46% at
+// GQA 6:1 (head dim 64, T 8192: 294 → 429 TFLOP/s). Returns claim w's item in pair-major
+// numbering (wsb_item's); a bijection (checked on the host for up to 70 key tiles × 70 pairs ×
+// 5 grid sizes; a missed or repeated key tile would fail the many-items GPU tests).
 __host__ __device__ __forceinline__ int wsb_claimed_item(int w, int k_tiles, int pairs, int tail) {
     int head = k_tiles * pairs - tail;
     if (w < head) return w;
@@ -144,9 +147,9 @@ __host__ __device__ __forceinline__ int wsb_claimed_item(int w, int k_tiles, int
     return p * k_tiles + j;
 }
 
-// The heads of one item's (batch, pair) number bk: with items per kv head (dkv_acc null) pair
-// bk is (batch, kv head) and the item covers the kv head's whole group of query heads; with
-// items per query head (variant `ws_heads`, GQA) pair bk is (batch, query head), one head.
+// The heads of one item's pair number bk: with items per kv head pair bk is (batch, kv head)
+// and the item covers the kv head's whole group of query heads; with items per query head
+// (PER_HEAD: head dim 128 under GQA) pair bk is (batch, query head), one head.
 struct WsbHeads {
     int b, kvh, h0, count;
 };
@@ -172,7 +175,7 @@ __device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
 }
 
-// The sorted tail of the `ws_lpt` claim order: two waves of CTAs' items, or all of them.
+// The sorted tail of the claim order: two waves of CTAs' items, or all of them.
 __device__ __forceinline__ int wsb_tail(int work) {
     int tail = 2 * (int)gridDim.x;
     return tail < work ? tail : work;
@@ -277,7 +280,7 @@ __device__ __forceinline__ void wsb_probs(float (&s)[BR / 2], const float* sl, c
 // (Each consumer computing dQ over its own 64 keys for every query and column, never waiting
 // for the other, was the head-dim-64 kernel until 2026-12-06, with 64-row slots, and the
 // variant `ws_split` at 128: slower, bench/RESULTS.md.)
-template <int D, bool LPT, bool PER_HEAD>
+template <int D, bool PER_HEAD>
 __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap& tdo, const TmaMap& tk, const TmaMap& tv, const TmaMap& tlse, const TmaMap& tdelta, const TmaMap& tdq, void* dk, void* dv, int* work_counter, float* dkv_acc, const int* qpos, const int* kvpos, const AttGeom& g) {
     constexpr int BC = WSB_BC, BR = wsb_br(D), STAGES = wsb_stages(D);
     constexpr int KV_BUFS = D == 64 ? 2 : 1;
@@ -304,8 +307,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     // kv_empty[u]; then per K/V buffer the item's query ranges (WsbRange, 8 ints a buffer).
     unsigned kv_full0 = bars + 16 * STAGES, kv_empty0 = kv_full0 + 16;
     int* ranges = reinterpret_cast<int*>(smem + (kv_empty0 + 16 - base));
-    // Items per query head (PER_HEAD, variant `ws_heads`: dK, dV added into dkv_acc), else per
-    // kv head (wsb_heads).
+    // Items per query head (PER_HEAD: dK, dV added into dkv_acc), else per kv head (wsb_heads).
     constexpr bool per_head = PER_HEAD;
     int group = (int)(g.heads / g.kv_heads);
     int pairs = (int)(g.batch * (per_head ? g.heads : g.kv_heads));
@@ -324,7 +326,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
         tma_prefetch(tdo);
         tma_prefetch(tk);
         tma_prefetch(tv);
-        int it = 0, item = 0;
+        int it = 0, item = 0, tail = wsb_tail(work);
         for (int w = blockIdx.x;; item++) {
             // The item's K/V buffer and the phase of its barriers (one buffer: every item's).
             int u = KV_BUFS == 2 ? item & 1 : 0;
@@ -337,8 +339,8 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
                 mbar_arrive(kv_full);
                 break;
             }
-            // The claim's item in pair-major numbering (`ws_lpt`: its sorted tail).
-            int c = LPT ? wsb_claimed_item(w, k_tiles, pairs, wsb_tail(work)) : w;
+            // The claim's item in pair-major numbering.
+            int c = wsb_claimed_item(w, k_tiles, pairs, tail);
             WsbItem wi = wsb_item(c, k_tiles);
             WsbHeads hd = wsb_heads(wi.bk, g, group, per_head);
             int b = hd.b, kvh = hd.kvh, j0 = wi.j0;
@@ -585,24 +587,23 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     if (elected) bulk_wait_all();
 }
 
-#define WSB_BWD(NAME, D, LPT, PER_HEAD)                                                                                       \
+#define WSB_BWD(NAME, D, PER_HEAD)                                                                                  \
     extern "C" __global__ void __launch_bounds__(WSB_THREADS, 1) NAME(                                              \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tdo, const __grid_constant__ TmaMap tk,   \
         const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tlse,                                     \
         const __grid_constant__ TmaMap tdelta, const __grid_constant__ TmaMap tdq, void* dk, void* dv,              \
         int* work_counter, float* dkv_acc, const int* qpos, const int* kvpos, AttGeom g) {                          \
-        wsb_attention_bwd<D, LPT, PER_HEAD>(tq, tdo, tk, tv, tlse, tdelta, tdq, dk, dv, work_counter, dkv_acc, qpos, kvpos, g); \
+        wsb_attention_bwd<D, PER_HEAD>(tq, tdo, tk, tv, tlse, tdelta, tdq, dk, dv, work_counter, dkv_acc, qpos, kvpos, g); \
     }
-WSB_BWD(attention_bwd_ws_d64, 64, false, false)
-WSB_BWD(attention_bwd_ws_d128, 128, false, false)
-// Variant `ws_lpt` (the claim order's sorted tail; unmeasured, see wsb_claimed_item).
-WSB_BWD(attention_bwd_wslpt_d64, 64, true, false)
-WSB_BWD(attention_bwd_wslpt_d128, 128, true, false)
-// Variant `ws_heads` (items per query head, dK and dV added into f32 accumulators; unmeasured,
-// see wsb_heads): FlashAttention-3's GQA backward. An item per kv head covers its group's
-// heads, so at GQA 6:1 and T 8192 (head dim 128) one item is as long as a CTA's even share of
-// the work and the CTAs that draw the longest ones finish last whatever the claim order.
-WSB_BWD(attention_bwd_wsheads_d64, 64, false, true)
-WSB_BWD(attention_bwd_wsheads_d128, 128, false, true)
+WSB_BWD(attention_bwd_ws_d64, 64, false)
+WSB_BWD(attention_bwd_ws_d128, 128, false)
+// Head dim 128 under GQA: an item per query head, dK and dV added into f32 accumulators
+// (FlashAttention-3's GQA backward). An item per kv head covers its group's heads, so at GQA
+// 6:1 and T 8192 one item is as long as a CTA's even share of the work and the CTAs that draw
+// the longest finish last in any claim order. Measured on an H100 (2026-12-06, before the
+// sorted tail): head dim 128 GQA 4:1 and 6:1 +5–33% over items per kv head (T 8192 GQA 6:1:
+// 327 → 435 TFLOP/s), and 2–9% over the sorted tail alone at T ≥ 2048; at head dim 64 the
+// sorted tail alone won by 4–11%, so head dim 64 keeps items per kv head.
+WSB_BWD(attention_bwd_wsheads_d128, 128, true)
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -1,5 +1,6 @@
 // Flash-attention forward, warp-specialized (variant `ws` of op attention_fwd, the default on a
-// Hopper; compute_90a, head_dim 64 and 128 (attention_fwd_ws_d64, _d128): where a tensor map
+// Hopper; compute_90a, head_dim 64 and 128 (attention_fwd_ws_d64: one ring of K and V slots;
+// attention_fwd_ws_d128: separate K and V rings, ws_attention_fwd_kv below): where a tensor map
 // cannot be encoded attention_wgmma_fwd.cu's kernel runs, on other GPUs `fa2`): the structure
 // of FlashAttention-3's forward, written for parc's layouts and with the contract of
 // attention_wgmma_fwd.cu (bf16 q, k, v in the stored layout [seq, batch, heads, head_dim] read
@@ -364,24 +365,14 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
 // 128-key tiles: 246 TFLOP/s at 32·12·1024·64 causal on one H200 against 211 with 64-key ones
 // and 171 for the wgmma kernel (bench/RESULTS.md, session 7).
 WS_FWD(attention_fwd_ws_d64, 64, 128, 4)
-// Head dim 128 (FlashAttention-3's d128 forward tiles: 128 × 128 Q × K, two consumer
-// warpgroups). Shared memory (attention.rs's WS_FWD_SMEM_D128): 1024 alignment slack + 2 Q
-// buffers of 128 × 128 bf16 (2 × 32 KiB) + STAGES slots of K and V 128 × 128 bf16 (64 KiB a
-// slot) + 8 (2 STAGES + 4) mbarrier bytes + 64 range bytes: with 2 slots 197,760 bytes
-// (193.1 KiB) of the 227 KiB a block may opt in to; 3 slots would need 263,296. Registers a
-// consumer thread (setmaxnreg 240): O 64 × 128 f32 (64), S_t 64 × 128 f32 (64) and P_{t−1} in
-// bf16 A fragments (32) live together across the overlapped softmax, 160 plus addressing
-// (d64's: 128); ptxas (13.0, sm_90a) assembles it without spills at a cap of 200, with spills at
-// 184.
-WS_FWD(attention_fwd_ws_d128, 128, 128, 2)
 
-// Variant `ws_kv` of op attention_fwd (PARC_ATTENTION_FWD_KERNEL=ws_kv; kernel variants land
-// beside the default until a GPU has measured them, variants.rs): the kernel above with
-// separate K and V rings, so K_t's slot is free once S_t is (FlashAttention-3's separate K and
-// V pipelines) instead of a tile later with V_t's, and head dim 128 fits 3 K + 2 V slots where
-// the shared ring fits 2. Unmeasured: written 2026-12-06 when the head-dim-128 forward ran at
-// 0.69–0.83 of SDPA on an H100 with the tensor pipe 40% busy and its consumers waiting on the
-// ring. The winner stays, the loser goes.
+// Head dim 128: the kernel above with separate K and V rings, so K_t's slot is free once S_t is
+// (FlashAttention-3's separate K and V pipelines) instead of a tile later with V_t's, and
+// shared memory fits 3 K + 2 V slots where one ring of K and V fits 2. Measured on an H100
+// (2026-12-06, bench/RESULTS.md): +17–38% over the shared ring at every point of issue 19's
+// grid (T 8192: 426 → 586 TFLOP/s), where the shared ring's consumers waited on it with the
+// tensor pipe 40% busy; at head dim 64 (4 + 4 slots against 4 shared) the separate rings lost
+// 2–7%, so head dim 64 keeps the shared ring.
 // A ring of STAGES tile slots (full barrier of slot s at full0 + 8 s, empty at empty0 + 8 s,
 // tile at addr0 + s · TILE bytes); j counts the ring's tiles over all of a CTA's items, slot
 // j % STAGES in round j / STAGES. Unsigned: the divisions by a stage count of 3 stay a multiply.
@@ -619,13 +610,14 @@ __device__ __forceinline__ void ws_attention_fwd_kv(const TmaMap& tq_map, const 
         AttGeom g) {                                                                                    \
         ws_attention_fwd_kv<D, BC, K_STAGES, V_STAGES>(tq, tk, tv, o, lse, qpos, kvpos, g);             \
     }
-// 4 K and 4 V slots of 16 KiB: 1024 + 2 × 16 KiB Q + 8 × 16 KiB + 8 (2 · 8 + 4) mbarrier bytes +
-// 64 range bytes = 165,088 bytes (attention.rs's WS_KV_FWD_SMEM).
-WS_FWD_KV(attention_fwd_wskv_d64, 64, 128, 4, 4)
-// 1024 alignment slack + 2 Q buffers of 128 × 128 bf16 (2 × 32 KiB) + 3 K and 2 V slots of
-// 128 × 128 bf16 (32 KiB each) + 8 (2 · 5 + 4) mbarrier bytes + 64 range bytes = 230,576 bytes
-// of the 232,448 (227 KiB) a block may opt in to. Registers a consumer thread: as the shared
-// ring's; ptxas (13.0, sm_90a) assembles it without spills at a cap of 208, spills 8 bytes at 200.
-WS_FWD_KV(attention_fwd_wskv_d128, 128, 128, 3, 2)
+// FlashAttention-3's d128 forward tiles: 128 × 128 Q × K, two consumer warpgroups. Shared
+// memory (attention.rs's WS_FWD_SMEM_D128): 1024 alignment slack + 2 Q buffers of 128 × 128
+// bf16 (2 × 32 KiB) + 3 K and 2 V slots of 128 × 128 bf16 (32 KiB each) + 8 (2 · 5 + 4)
+// mbarrier bytes + 64 range bytes = 230,576 bytes of the 232,448 (227 KiB) a block may opt in
+// to. Registers a consumer thread (setmaxnreg 240): O 64 × 128 f32 (64), S_t 64 × 128 f32 (64)
+// and P_{t−1} in bf16 A fragments (32) live together across the overlapped softmax, 160 plus
+// addressing (d64's: 128); ptxas (13.0, sm_90a) assembles it without spills at a cap of 208,
+// spills 8 bytes at 200.
+WS_FWD_KV(attention_fwd_ws_d128, 128, 128, 3, 2)
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
