@@ -124,8 +124,8 @@ __device__ __forceinline__ WsbItem wsb_item(int w, int k_tiles) {
 // are the shortest and no CTA starts a long one when the others are nearly done. A greedy-claim
 // simulation of issue 19's grid (132 CTAs) puts the slowest CTA 7–63% past an even share in
 // pair order to the end (GQA 6:1 worst), 0–7% with the sorted tail; measured on an H100
-// (2026-12-06, bench/RESULTS.md) the sorted tail gained at every point of the grid, up to 46% at
-// GQA 6:1 (head dim 64, T 8192: 294 → 429 TFLOP/s). Returns claim w's item in pair-major
+// (2026-12-06, bench/RESULTS.md) the sorted tail gained 4–46% at every head-dim-64 point of the
+// grid (GQA 6:1, T 8192: 294 → 429 TFLOP/s) and 5–7% at head dim 128 without GQA. Returns claim w's item in pair-major
 // numbering (wsb_item's); a bijection (checked on the host for up to 70 key tiles × 70 pairs ×
 // 5 grid sizes; a missed or repeated key tile would fail the many-items GPU tests).
 __host__ __device__ __forceinline__ int wsb_claimed_item(int w, int k_tiles, int pairs, int tail) {
@@ -600,10 +600,11 @@ WSB_BWD(attention_bwd_ws_d128, 128, false)
 // Head dim 128 under GQA: an item per query head, dK and dV added into f32 accumulators
 // (FlashAttention-3's GQA backward). An item per kv head covers its group's heads, so at GQA
 // 6:1 and T 8192 one item is as long as a CTA's even share of the work and the CTAs that draw
-// the longest finish last in any claim order. Measured on an H100 (2026-12-06, before the
-// sorted tail): head dim 128 GQA 4:1 and 6:1 +5–33% over items per kv head (T 8192 GQA 6:1:
-// 327 → 435 TFLOP/s), and 2–9% over the sorted tail alone at T ≥ 2048; at head dim 64 the
-// sorted tail alone won by 4–11%, so head dim 64 keeps items per kv head.
+// the longest finish last in any claim order. Measured on an H100 (2026-12-06, bench/
+// RESULTS.md; items per query head without the sorted tail): at head dim 128, GQA 4:1 and 6:1,
+// 0–35% over items per kv head (T 8192 GQA 6:1: 327 → 435 TFLOP/s) and 7–24% over the sorted
+// tail alone; at head dim 64 the sorted tail alone won by 7–12%, so head dim 64 keeps items
+// per kv head.
 WSB_BWD(attention_bwd_wsheads_d128, 128, true)
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -369,10 +369,10 @@ WS_FWD(attention_fwd_ws_d64, 64, 128, 4)
 // Head dim 128: the kernel above with separate K and V rings, so K_t's slot is free once S_t is
 // (FlashAttention-3's separate K and V pipelines) instead of a tile later with V_t's, and
 // shared memory fits 3 K + 2 V slots where one ring of K and V fits 2. Measured on an H100
-// (2026-12-06, bench/RESULTS.md): +17–38% over the shared ring at every point of issue 19's
-// grid (T 8192: 426 → 586 TFLOP/s), where the shared ring's consumers waited on it with the
-// tensor pipe 40% busy; at head dim 64 (4 + 4 slots against 4 shared) the separate rings lost
-// 2–7%, so head dim 64 keeps the shared ring.
+// (2026-12-06, bench/RESULTS.md): +9–45% over the shared ring at every head-dim-128 point of
+// issue 19's grid (T 8192 GQA 4:1: 422 → 587 TFLOP/s), where the shared ring's consumers had
+// waited on it with the tensor pipe 40% busy; at head dim 64 (4 + 4 slots against 4 shared)
+// the separate rings lost up to 7% (−7 to +1%), so head dim 64 keeps the shared ring.
 // A ring of STAGES tile slots (full barrier of slot s at full0 + 8 s, empty at empty0 + 8 s,
 // tile at addr0 + s · TILE bytes); j counts the ring's tiles over all of a CTA's items, slot
 // j % STAGES in round j / STAGES. Unsigned: the divisions by a stage count of 3 stay a multiply.
