@@ -6,7 +6,8 @@
 # --no-run --test cuda_ops --test cuda_attention_bench`, copied and stripped), default .device;
 # several DIRs compare builds in one call. Logs go to $OUT (or /tmp), one folder per DIR.
 # PARC_ATT_GRID=1: the bench and SDPA on issue 19's grid (head dim x T x GQA ratio) instead.
-# PARC_ATT_PAIRS=ws: parc's warp-specialized pair only (tests/cuda_attention_bench.rs).
+# PARC_ATT_PAIRS=ws: parc's warp-specialized pair only; =variants: that pair and the kernel
+# variants awaiting measurement (tests/cuda_attention_bench.rs).
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export PYTHONUNBUFFERED=1

@@ -22,7 +22,8 @@
 //! profiler: its 3rd and 4th attention kernels are the timed ones). `PARC_ATT_GRID=1` runs
 //! issue 19's grid instead of the default points: head_dim {64, 128} × T {1k, 2k, 4k, 8k} × GQA
 //! ratio {1, 4, 6}, 12 heads (12, 3 or 2 kv heads), B · T = 16k tokens. `PARC_ATT_PAIRS=ws`
-//! times only the warp-specialized pair on a Hopper (kernel work: a third of the time).
+//! times only the warp-specialized pair on a Hopper (kernel work: a third of the time);
+//! `PARC_ATT_PAIRS=variants` that pair and the variant awaiting measurement (`ws_ds2`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "gpu_support/mod.rs"]
@@ -174,6 +175,13 @@ mod bench {
         let chosen = std::env::var("PARC_ATT_PAIRS").unwrap_or_default();
         if hopper_bf16 && chosen == "ws" {
             return vec![(AttentionFwdKernel::Ws, AttentionBwdKernel::Ws)];
+        }
+        if hopper_bf16 && chosen == "variants" {
+            // The defaults beside the variant awaiting measurement (head dim 128's backward).
+            return vec![
+                (AttentionFwdKernel::Ws, AttentionBwdKernel::Ws),
+                (AttentionFwdKernel::Ws, AttentionBwdKernel::WsDs2),
+            ];
         }
         let mut pairs = vec![(AttentionFwdKernel::Fa2, AttentionBwdKernel::Fa2)];
         if hopper_bf16 {

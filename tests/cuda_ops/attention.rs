@@ -558,6 +558,27 @@ fn ws_d128_configs() -> Vec<AttConfig> {
     ]
 }
 
+/// The head-dim-128 backward variant awaiting measurement (`ws_ds2`: 2 ring slots and two dSᵀ
+/// tiles, one barrier of both consumers a tile), set on the test's backend:
+/// `attention_bf16_ws_d128`'s cases (GQA 1:1 to 6:1, so items per kv head and per query head,
+/// every tile kind, more items than SMs) under the same tolerances.
+#[cfg(feature = "cuda")]
+#[test]
+fn attention_bf16_ws_ds2_awaiting_measurement() {
+    let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, AttentionFwdKernel::Ws)
+    else {
+        return;
+    };
+    gpu.set_kernel_variant(AttentionBwdKernel::WsDs2);
+    let test = "attention_bf16_ws_ds2";
+    let mut r = Rng::new(test);
+    let cases: Vec<Case> = ws_d128_configs()
+        .iter()
+        .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
+        .collect();
+    crate::harness::check_with(test, &cases, &mut gpu);
+}
+
 /// The long case of `attention_bf16_ws_d128` (one GQA 6:1 causal sequence of 8192) through
 /// the pre-Hopper-style `fa2` backward and the `wgmma` forward: the error the older kernels
 /// reach at this length under bf16 P and dS, beside which the `ws` kernels' is judged.

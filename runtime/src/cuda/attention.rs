@@ -132,25 +132,27 @@ const fn wsb_br(d: usize) -> usize {
     }
 }
 
-/// The warp-specialized backward's shared memory for head_dim `d` (attention_ws_bwd.cu's budgets:
-/// head_dim 64 double-buffers K/V and has 2 ring slots; 128 one K/V buffer and 3 slots):
-/// alignment slack, the K and V buffers, the slots (Q, dO, and 1 KiB for their lse2 and delta
-/// rows), the dSᵀ tile (keys × the slot's queries, bf16), the consumers' dQ parts (f32), the
-/// mbarriers and the two items' query ranges (8 ints each).
-const fn wsb_smem(d: usize) -> u32 {
-    let (kv_bufs, stages) = if d == 64 { (2, 2) } else { (1, 3) };
+/// The warp-specialized backward's shared memory for head_dim `d` with `stages` ring slots and
+/// `ds_tiles` dSᵀ tiles (attention_ws_bwd.cu's budgets: head_dim 64 double-buffers K/V and has
+/// 2 ring slots; 128 one K/V buffer and 3 slots, or with variant `ws_ds2` 2 slots and 2 dSᵀ
+/// tiles): alignment slack, the K and V buffers, the slots (Q, dO, and 1 KiB for their lse2 and
+/// delta rows), the dSᵀ tiles (keys × the slot's queries, bf16), the consumers' dQ parts (f32),
+/// the mbarriers and the two items' query ranges (8 ints each).
+const fn wsb_smem(d: usize, stages: usize, ds_tiles: usize) -> u32 {
+    let kv_bufs = if d == 64 { 2 } else { 1 };
     let br = wsb_br(d);
     (WGMMA_ALIGN
         + kv_bufs * 2 * WSB_BC * d * 2
         + stages * (2 * br * d * 2 + 1024)
-        + WSB_BC * br * 2
+        + ds_tiles * WSB_BC * br * 2
         + 2 * WSB_DQ_PART * 4
         + 8 * (2 * stages + 4)
         + 64) as u32
 }
-/// Head_dim 64: 195 KiB. Head_dim 128: 212 KiB.
-const WSB_SMEM: u32 = wsb_smem(64);
-const WSB_SMEM_D128: u32 = wsb_smem(128);
+/// Head_dim 64: 195 KiB. Head_dim 128: 212 KiB; `ws_ds2`'s 195 KiB.
+const WSB_SMEM: u32 = wsb_smem(64, 2, 1);
+const WSB_SMEM_D128: u32 = wsb_smem(128, 3, 1);
+const WSB_SMEM_D128_DS2: u32 = wsb_smem(128, 2, 2);
 
 /// The TMA tensor map of one bf16 operand of the stored layout (q, k, v or dO; `ptr` at its
 /// first column): a matrix of one sequence position per row (the batch's rows side by side),
@@ -869,6 +871,12 @@ fn tensor_core_backward(
     let ws_kernel = match (be.variants.attention_bwd, d, per_head) {
         (AttentionBwdKernel::Fa2, _, _) => None,
         (_, 64, _) => Some((Kernel::AttentionBwdWsD64, WSB_SMEM)),
+        (AttentionBwdKernel::WsDs2, 128, true) => {
+            Some((Kernel::AttentionBwdWsDs2HeadsD128, WSB_SMEM_D128_DS2))
+        }
+        (AttentionBwdKernel::WsDs2, 128, false) => {
+            Some((Kernel::AttentionBwdWsDs2D128, WSB_SMEM_D128_DS2))
+        }
         (_, 128, true) => Some((Kernel::AttentionBwdWsHeadsD128, WSB_SMEM_D128)),
         (_, 128, false) => Some((Kernel::AttentionBwdWsD128, WSB_SMEM_D128)),
         _ => None,
@@ -1104,6 +1112,9 @@ mod tests {
         assert_eq!(WS_FWD_SMEM_D128, 230_576);
         assert_eq!(WSB_SMEM, 199_808);
         assert_eq!(WSB_SMEM_D128, 217_232);
+        // Variant `ws_ds2` (head_dim 128, 2 slots, 2 dSᵀ tiles): 195 KiB.
+        assert_eq!(WSB_SMEM_D128_DS2, 199_808);
+        const { assert!(WSB_SMEM_D128_DS2 <= H100_SMEM) };
     }
 
     /// The wgmma forward's shared memory follows its kernel's layout (1024-byte alignment

@@ -280,10 +280,18 @@ __device__ __forceinline__ void wsb_probs(float (&s)[BR / 2], const float* sl, c
 // (Each consumer computing dQ over its own 64 keys for every query and column, never waiting
 // for the other, was the head-dim-64 kernel until 2026-12-06, with 64-row slots, and the
 // variant `ws_split` at 128: slower, bench/RESULTS.md.)
-template <int D, bool PER_HEAD>
+// DS2 (head dim 128 only; variant `ws_ds2`, awaiting measurement, see its instantiation): 2
+// slots and two dSᵀ tiles, tile it writing and reading dSᵀ tile it % 2 (FlashAttention-3's
+// causal head-dim-128 backward: 2 Q/dO stages, a double-buffered dS). The second barrier of
+// both consumers a tile goes: my next write into a dSᵀ tile comes after the next tile's first
+// barrier, which the other consumer reaches only once its dQ product over that tile (two
+// tiles back) is done; only my own warpgroup's barrier stays, for my dQ part's reduction.
+// 2 · 33 KiB of slots + 2 · 16 KiB of dSᵀ: 199,808 bytes.
+template <int D, bool PER_HEAD, bool DS2>
 __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap& tdo, const TmaMap& tk, const TmaMap& tv, const TmaMap& tlse, const TmaMap& tdelta, const TmaMap& tdq, void* dk, void* dv, int* work_counter, float* dkv_acc, const int* qpos, const int* kvpos, const AttGeom& g) {
-    constexpr int BC = WSB_BC, BR = wsb_br(D), STAGES = wsb_stages(D);
-    constexpr int KV_BUFS = D == 64 ? 2 : 1;
+    static_assert(!DS2 || D == 128, "two dSᵀ tiles fit head dim 128's shared memory only");
+    constexpr int BC = WSB_BC, BR = wsb_br(D), STAGES = DS2 ? 2 : wsb_stages(D);
+    constexpr int KV_BUFS = D == 64 ? 2 : 1, DS_BUFS = DS2 ? 2 : 1;
     // How the consumers split dQ = dS K (64 × 64 each): by query rows (head dim 64: BR = 128
     // rows, 64 columns) or by columns (128: 64 rows, 128 columns).
     constexpr bool DQ_BY_ROWS = BR == 128;
@@ -300,8 +308,8 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     unsigned base = raw + align;
     // KV_BUFS K/V buffers (d64: item parity): K of buffer u at base + 2 u KT, V after it.
     unsigned slots = base + 2 * KV_BUFS * KT;       // slot s at slots + s SLOT
-    unsigned ds_addr0 = slots + STAGES * SLOT;      // the dSᵀ tile: WSB_BC key rows, BR / 64 column blocks
-    unsigned dq_addr0 = ds_addr0 + DST;             // consumer c's dQ part at + c DQT
+    unsigned ds_addr0 = slots + STAGES * SLOT;      // dSᵀ tile i at + i DST: WSB_BC key rows, BR / 64 column blocks
+    unsigned dq_addr0 = ds_addr0 + DS_BUFS * DST;   // consumer c's dQ part at + c DQT
     unsigned bars = dq_addr0 + 2 * DQT;
     // full[s] at bars + 8 s, empty[s] at bars + 8 (STAGES + s), then kv_full[u],
     // kv_empty[u]; then per K/V buffer the item's query ranges (WsbRange, 8 ints a buffer).
@@ -424,6 +432,8 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             int h = (per_head ? hd.h0 : kvh * group + t / r.per_head), tile = r.first + t % r.per_head, i0 = tile * BR;
             int s = it % STAGES;
             unsigned slot = slots + s * SLOT, q_addr = slot, do_addr = slot + QT;
+            // This tile's dSᵀ tile (DS2: alternating), as bytes from sds and from ds_addr0.
+            int ds_off = DS_BUFS == 2 ? (it & 1) * DST : 0;
             const float* sl = reinterpret_cast<const float*>(smem + (slot - base) + 2 * QT);
             const float* sd = sl + BR;
             bool masked = tile < r.first_full;
@@ -471,10 +481,11 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             #pragma unroll
             for (int kk = 0; kk < BR / 16; kk++) {
                 int rr = ds_row0 + warp * 16 + gq, c = kk * 16 + 2 * tq4;
-                *reinterpret_cast<unsigned*>(sds + wg_chunk<BC>(rr, c >> 3) + (c & 7) * 2) = dsf[kk][0];
-                *reinterpret_cast<unsigned*>(sds + wg_chunk<BC>(rr + 8, c >> 3) + (c & 7) * 2) = dsf[kk][1];
-                *reinterpret_cast<unsigned*>(sds + wg_chunk<BC>(rr, (c + 8) >> 3) + (c & 7) * 2) = dsf[kk][2];
-                *reinterpret_cast<unsigned*>(sds + wg_chunk<BC>(rr + 8, (c + 8) >> 3) + (c & 7) * 2) = dsf[kk][3];
+                unsigned char* sdt = sds + ds_off;
+                *reinterpret_cast<unsigned*>(sdt + wg_chunk<BC>(rr, c >> 3) + (c & 7) * 2) = dsf[kk][0];
+                *reinterpret_cast<unsigned*>(sdt + wg_chunk<BC>(rr + 8, c >> 3) + (c & 7) * 2) = dsf[kk][1];
+                *reinterpret_cast<unsigned*>(sdt + wg_chunk<BC>(rr, (c + 8) >> 3) + (c & 7) * 2) = dsf[kk][2];
+                *reinterpret_cast<unsigned*>(sdt + wg_chunk<BC>(rr + 8, (c + 8) >> 3) + (c & 7) * 2) = dsf[kk][3];
             }
             // Both consumers' dSᵀ rows written (and, through the proxy fence, visible to the
             // async proxy) before either's dQ reads them. This consumer's dQ part, written after
@@ -489,7 +500,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             wg_commit();
             wg_fence();
             #pragma unroll
-            for (int kk = 0; kk < BC / 16; kk++) wsb_mma_ss_n64_mn(dq, wg_desc_mn<BC>(dq_a, kk), wg_desc_mn<BC>(dq_b, kk), kk > 0);
+            for (int kk = 0; kk < BC / 16; kk++) wsb_mma_ss_n64_mn(dq, wg_desc_mn<BC>(dq_a + ds_off, kk), wg_desc_mn<BC>(dq_b, kk), kk > 0);
             wg_commit();
             wg_wait_all();
             wg_hold(dva);
@@ -507,9 +518,11 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
                 *reinterpret_cast<float2*>(sdq + wsb_dq_off(rr + 8, c)) = make_float2(g.scale * dq[4 * nb + 2], g.scale * dq[4 * nb + 3]);
             }
             // The barrier of both frees the dSᵀ tile (both dQ products are done) for the next
-            // tile's writes and makes the dQ part visible to its reduction.
+            // tile's writes and makes the dQ part visible to its reduction; with two dSᵀ tiles
+            // (DS2) the next tile writes the other one, and this warpgroup's barrier does.
             wg_fence_proxy();
-            consumers_bar();
+            if constexpr (DS_BUFS == 2) wg_bar(1 + cw);
+            else consumers_bar();
             if (elected) {
                 int col = (b * (int)g.heads + h) * D + (DQ_BY_ROWS ? 0 : 64 * cw);
                 wsb_reduce_dq(tdq, dq_addr, col, i0 + (DQ_BY_ROWS ? 64 * cw : 0));
@@ -538,9 +551,10 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             }
         } else if (vec_out) {
             // bf16 dK, dV through this consumer's rows of the dSᵀ tile (free: its last readers,
-            // the last dQ products, are done) as a 64 × 64 tile: 16-byte rows out instead of
-            // 4-byte pairs, 64 columns at a time.
-            unsigned char* stage = sds + ds_row0 * 128;
+            // the last dQ products, are done; DS2: the tile the last one did not use, whose
+            // readers, two tiles back, finished before the last tile's first barrier) as a
+            // 64 × 64 tile: 16-byte rows out instead of 4-byte pairs, 64 columns at a time.
+            unsigned char* stage = sds + (DS_BUFS == 2 ? (it & 1) * DST : 0) + ds_row0 * 128;
             #pragma unroll
             for (int which = 0; which < 2; which++) {
                 #pragma unroll
@@ -587,16 +601,16 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     if (elected) bulk_wait_all();
 }
 
-#define WSB_BWD(NAME, D, PER_HEAD)                                                                                  \
+#define WSB_BWD(NAME, D, PER_HEAD, DS2)                                                                                \
     extern "C" __global__ void __launch_bounds__(WSB_THREADS, 1) NAME(                                              \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tdo, const __grid_constant__ TmaMap tk,   \
         const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tlse,                                     \
         const __grid_constant__ TmaMap tdelta, const __grid_constant__ TmaMap tdq, void* dk, void* dv,              \
         int* work_counter, float* dkv_acc, const int* qpos, const int* kvpos, AttGeom g) {                          \
-        wsb_attention_bwd<D, PER_HEAD>(tq, tdo, tk, tv, tlse, tdelta, tdq, dk, dv, work_counter, dkv_acc, qpos, kvpos, g); \
+        wsb_attention_bwd<D, PER_HEAD, DS2>(tq, tdo, tk, tv, tlse, tdelta, tdq, dk, dv, work_counter, dkv_acc, qpos, kvpos, g); \
     }
-WSB_BWD(attention_bwd_ws_d64, 64, false)
-WSB_BWD(attention_bwd_ws_d128, 128, false)
+WSB_BWD(attention_bwd_ws_d64, 64, false, false)
+WSB_BWD(attention_bwd_ws_d128, 128, false, false)
 // Head dim 128 under GQA: an item per query head, dK and dV added into f32 accumulators
 // (FlashAttention-3's GQA backward). An item per kv head covers its group's heads, so at GQA
 // 6:1 and T 8192 one item is as long as a CTA's even share of the work and the CTAs that draw
@@ -605,6 +619,12 @@ WSB_BWD(attention_bwd_ws_d128, 128, false)
 // 0–35% over items per kv head (T 8192 GQA 6:1: 327 → 435 TFLOP/s) and 7–24% over the sorted
 // tail alone; at head dim 64 the sorted tail alone won by 7–12%, so head dim 64 keeps items
 // per kv head.
-WSB_BWD(attention_bwd_wsheads_d128, 128, true)
+WSB_BWD(attention_bwd_wsheads_d128, 128, true, false)
+// Variant `ws_ds2` of op attention_bwd (PARC_ATTENTION_BWD_KERNEL=ws_ds2; written 2026-12-06
+// when head dim 128's backward ran at 453–464 TFLOP/s at T 8192 against a forward of 550–581,
+// unmeasured; the winner stays, the loser goes): head dim 128 with 2 slots and two dSᵀ tiles,
+// one barrier of both consumers a tile instead of two (wsb_attention_bwd's DS2).
+WSB_BWD(attention_bwd_wsds2_d128, 128, false, true)
+WSB_BWD(attention_bwd_wsds2heads_d128, 128, true, true)
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
