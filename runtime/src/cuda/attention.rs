@@ -781,9 +781,13 @@ fn attention_backward(be: &mut CudaBackend, b: &Bound, c: &Call) -> Result<()> {
         .ok_or_else(|| b.err("has no scratch layout"))?;
     let base = be.scratch(layout.bytes as usize)?;
     let dkv_bytes = 2 * c.g.seq_kv as usize * c.dims.batch * c.dims.kv_heads * c.dims.d * 4;
-    let dkv_acc = layout
-        .dkv_acc
-        .map(|at| (base + at as CUdeviceptr, dkv_bytes));
+    let dkv_acc = match layout.dkv_acc {
+        Some(at) if at as usize + dkv_bytes <= layout.bytes as usize => {
+            Some((base + at as CUdeviceptr, dkv_bytes))
+        }
+        Some(_) => return Err(b.err("has dK/dV accumulators its scratch layout does not hold")),
+        None => None,
+    };
     let (delta, lse2) = layout
         .stats
         .map(|(d, l)| (base + d as CUdeviceptr, base + l as CUdeviceptr))
