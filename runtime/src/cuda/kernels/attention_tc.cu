@@ -150,7 +150,7 @@ extern "C" __global__ void attention_dq_out(const float* acc, void* dq, AttGeom 
     }
 }
 
-// The warp-specialized backward's f32 dK and dV accumulators (variant `ws_heads`: compact rows
+// The warp-specialized backward's f32 dK and dV accumulators (head dim 128 under GQA: compact rows
 // of kv_heads · head_dim, dV's after all of dK's) into dk and dv (row stride ld_dkv), each as
 // bf16 rounded once to nearest even or as f32 (ATT_BF16_DK, ATT_BF16_DV); 4 elements a thread
 // and step, as attention_dq_out.
