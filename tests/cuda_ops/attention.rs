@@ -507,18 +507,22 @@ fn attention_bf16_ws_d128() {
     gpu.set_kernel_variant(AttentionBwdKernel::Ws);
     let test = "attention_bf16_ws_d128";
     let mut r = Rng::new(test);
-    let configs = ws_d128_configs();
-    let cases: Vec<Case> = configs
-        .iter()
-        .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
-        .collect();
-    crate::harness::check_with(test, &cases, &mut gpu);
+    crate::harness::check_with(test, &ws_d128_cases(&mut r), &mut gpu);
     let long = AttConfig::new(1, 6, 1, 128, true, &[(0, 8192)], &[(0, 8192)]);
     crate::harness::check_with(
         &format!("{test}_long"),
         &attention_cases(&mut r, &long, BF16_ATTENTION_LONG, true),
         &mut gpu,
     );
+}
+
+/// `ws_d128_configs`' cases under BF16_ATTENTION, drawn from `r`.
+#[cfg(feature = "cuda")]
+fn ws_d128_cases(r: &mut Rng) -> Vec<Case> {
+    ws_d128_configs()
+        .iter()
+        .flat_map(|c| attention_cases(r, c, BF16_ATTENTION, true))
+        .collect()
 }
 
 /// `attention_bf16_ws_d128`'s cases: GQA 1:1, 4:1 and 6:1, causal and not, one query and key,
@@ -572,11 +576,7 @@ fn attention_bf16_ws_ds2_awaiting_measurement() {
     gpu.set_kernel_variant(AttentionBwdKernel::WsDs2);
     let test = "attention_bf16_ws_ds2";
     let mut r = Rng::new(test);
-    let cases: Vec<Case> = ws_d128_configs()
-        .iter()
-        .flat_map(|c| attention_cases(&mut r, c, BF16_ATTENTION, true))
-        .collect();
-    crate::harness::check_with(test, &cases, &mut gpu);
+    crate::harness::check_with(test, &ws_d128_cases(&mut r), &mut gpu);
 }
 
 /// The long case of `attention_bf16_ws_d128` (one GQA 6:1 causal sequence of 8192) through
