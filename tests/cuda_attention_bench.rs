@@ -21,9 +21,11 @@
 //! `PARC_ATT_POINT=B,H,T,D[,KVH]` runs only that bf16 point, once after the warm-up (for a
 //! profiler: its 3rd and 4th attention kernels are the timed ones). `PARC_ATT_GRID=1` runs
 //! issue 19's grid instead of the default points: head_dim {64, 128} × T {1k, 2k, 4k, 8k} × GQA
-//! ratio {1, 4, 6}, 12 heads (12, 3 or 2 kv heads), B · T = 16k tokens. `PARC_ATT_PAIRS=ws`
+//! ratio {1, 4, 6}, 12 heads (12, 3 or 2 kv heads), B · T = 16k tokens (`PARC_ATT_GRID=64` or
+//! `=128`: that head dim's half of it). `PARC_ATT_PAIRS=ws`
 //! times only the warp-specialized pair on a Hopper (kernel work: a third of the time);
-//! `PARC_ATT_PAIRS=variants` that pair and the variant awaiting measurement (`ws_ds2`).
+//! `PARC_ATT_PAIRS=variants` that pair and the variants awaiting measurement (`ws_ds2`,
+//! `ws_pipe`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "gpu_support/mod.rs"]
@@ -121,11 +123,14 @@ mod bench {
             }
             return;
         }
-        let grid = std::env::var("PARC_ATT_GRID").is_ok_and(|v| v == "1");
-        let points = if grid {
-            grid_points()
-        } else {
-            default_points()
+        let grid = std::env::var("PARC_ATT_GRID").unwrap_or_default();
+        let points = match grid.as_str() {
+            "1" => grid_points(),
+            "64" | "128" => grid_points()
+                .into_iter()
+                .filter(|p| p.head_dim.to_string() == grid)
+                .collect(),
+            _ => default_points(),
         };
         for pt in &points {
             let Some(mut be) = backend_or_skip(pt.precision) else {
@@ -177,10 +182,11 @@ mod bench {
             return vec![(AttentionFwdKernel::Ws, AttentionBwdKernel::Ws)];
         }
         if hopper_bf16 && chosen == "variants" {
-            // The defaults beside the variant awaiting measurement (head dim 128's backward).
+            // The defaults beside the variants awaiting measurement (head dim 128's backward).
             return vec![
                 (AttentionFwdKernel::Ws, AttentionBwdKernel::Ws),
                 (AttentionFwdKernel::Ws, AttentionBwdKernel::WsDs2),
+                (AttentionFwdKernel::Ws, AttentionBwdKernel::WsPipe),
             ];
         }
         let mut pairs = vec![(AttentionFwdKernel::Fa2, AttentionBwdKernel::Fa2)];

@@ -881,6 +881,12 @@ fn tensor_core_backward(
         (AttentionBwdKernel::WsDs2, 128, false) => {
             Some((Kernel::AttentionBwdWsDs2D128, WSB_SMEM_D128_DS2))
         }
+        (AttentionBwdKernel::WsPipe, 128, true) => {
+            Some((Kernel::AttentionBwdWsPipeHeadsD128, WSB_SMEM_D128))
+        }
+        (AttentionBwdKernel::WsPipe, 128, false) => {
+            Some((Kernel::AttentionBwdWsPipeD128, WSB_SMEM_D128))
+        }
         (_, 128, true) => Some((Kernel::AttentionBwdWsHeadsD128, WSB_SMEM_D128)),
         (_, 128, false) => Some((Kernel::AttentionBwdWsD128, WSB_SMEM_D128)),
         _ => None,

@@ -65,6 +65,16 @@ __device__ __forceinline__ void wsb_mma_kq<128>(float (&d)[64], unsigned long lo
     wg_mma_ss_n128(d, a, b, accumulate);
 }
 
+// Sᵀ = K_w Qᵀ (or dPᵀ = V_w dOᵀ: k_addr at V, q_addr at dO) for one query tile, this
+// consumer's 64 keys from row 64 cw: issued as one group.
+template <int D, int BR>
+__device__ __forceinline__ void wsb_issue_kq(float (&d)[BR / 2], unsigned k_addr, unsigned q_addr, int cw) {
+    wg_fence();
+    #pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) wsb_mma_kq<BR>(d, wg_desc_k<WSB_BC>(k_addr, 64 * cw, kk), wg_desc_k<BR>(q_addr, 0, kk), kk > 0);
+    wg_commit();
+}
+
 // dV (+)= Pᵀ dO, Pᵀ (64 keys × BR queries) from registers, dO (BR × D) from shared memory
 // (MN-major): issued and committed as one group.
 template <int D, int BR>
@@ -287,9 +297,16 @@ __device__ __forceinline__ void wsb_probs(float (&s)[BR / 2], const float* sl, c
 // barrier, which the other consumer reaches only once its dQ product over that tile (two
 // tiles back) is done; only my own warpgroup's barrier stays, for my dQ part's reduction.
 // 2 · 33 KiB of slots + 2 · 16 KiB of dSᵀ: 199,808 bytes.
-template <int D, bool PER_HEAD, bool DS2>
+// PIPE (head dim 128 only; variant `ws_pipe`, awaiting measurement, see its instantiation): a
+// tile's Sᵀ product is issued by the tile before it, as soon as that one's dK and dQ products
+// are done, so it multiplies while that one writes its dQ part and passes its barriers
+// (without: the tensor cores idle from the last dQ product until the next tile's first).
+// Registers: dK, dV (128), the next tile's Sᵀ (32) and this one's dQ part (32) live together
+// (issuing dPᵀ early too spilled 512 bytes).
+template <int D, bool PER_HEAD, bool DS2, bool PIPE>
 __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap& tdo, const TmaMap& tk, const TmaMap& tv, const TmaMap& tlse, const TmaMap& tdelta, const TmaMap& tdq, void* dk, void* dv, int* work_counter, float* dkv_acc, const int* qpos, const int* kvpos, const AttGeom& g) {
     static_assert(!DS2 || D == 128, "two dSᵀ tiles fit head dim 128's shared memory only");
+    static_assert(!PIPE || D == 128, "Sᵀ, dPᵀ and dQ live together fit head dim 128's registers only");
     constexpr int BC = WSB_BC, BR = wsb_br(D), STAGES = DS2 ? 2 : wsb_stages(D);
     constexpr int KV_BUFS = D == 64 ? 2 : 1, DS_BUFS = DS2 ? 2 : 1;
     // How the consumers split dQ = dS K (64 × 64 each): by query rows (head dim 64: BR = 128
@@ -428,6 +445,9 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
         r.first_full = __shfl_sync(FULL_MASK, rg[1], 0);
         r.per_head = __shfl_sync(FULL_MASK, rg[2], 0);
         r.total = __shfl_sync(FULL_MASK, rg[3], 0);
+        float sa[BR / 2], dp[BR / 2];
+        // Whether this tile's Sᵀ is already issued (PIPE: by the tile before).
+        bool issued = false;
         for (int t = 0; t < r.total; t++, it++) {
             int h = (per_head ? hd.h0 : kvh * group + t / r.per_head), tile = r.first + t % r.per_head, i0 = tile * BR;
             int s = it % STAGES;
@@ -437,16 +457,12 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             const float* sl = reinterpret_cast<const float*>(smem + (slot - base) + 2 * QT);
             const float* sd = sl + BR;
             bool masked = tile < r.first_full;
-            mbar_wait(bars + 8 * s, (it / STAGES) & 1);
-            float sa[BR / 2], dp[BR / 2], dq[32];
-            wg_fence();
-            #pragma unroll
-            for (int kk = 0; kk < D / 16; kk++) wsb_mma_kq<BR>(sa, wg_desc_k<BC>(k_addr, 64 * cw, kk), wg_desc_k<BR>(q_addr, 0, kk), kk > 0);
-            wg_commit();
-            wg_fence();
-            #pragma unroll
-            for (int kk = 0; kk < D / 16; kk++) wsb_mma_kq<BR>(dp, wg_desc_k<BC>(v_addr, 64 * cw, kk), wg_desc_k<BR>(do_addr, 0, kk), kk > 0);
-            wg_commit();
+            if (!issued) {
+                mbar_wait(bars + 8 * s, (it / STAGES) & 1);
+                wsb_issue_kq<D, BR>(sa, k_addr, q_addr, cw);
+            }
+            wsb_issue_kq<D, BR>(dp, v_addr, do_addr, cw);
+            float dq[32];
             asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
             wg_hold(sa);
             // Pᵀ: element (nb, half, e) is key row 16 warp + 8 half + gq, query column
@@ -509,6 +525,12 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             ws_hold_u(pf);
             ws_hold_u(dsf);
             mbar_arrive_warp(bars + 8 * (STAGES + s));
+            issued = PIPE && t + 1 < r.total;
+            if (issued) {
+                int s1 = (it + 1) % STAGES;
+                mbar_wait(bars + 8 * s1, ((it + 1) / STAGES) & 1);
+                wsb_issue_kq<D, BR>(sa, k_addr, slots + s1 * SLOT, cw);
+            }
             // dQ · scale into this consumer's part, reduced into the accumulator's 64 rows of
             // head (b, h) at its first column: one reduction per 32-column block.
             #pragma unroll
@@ -601,16 +623,16 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     if (elected) bulk_wait_all();
 }
 
-#define WSB_BWD(NAME, D, PER_HEAD, DS2)                                                                                \
+#define WSB_BWD(NAME, D, PER_HEAD, DS2, PIPE)                                                                              \
     extern "C" __global__ void __launch_bounds__(WSB_THREADS, 1) NAME(                                              \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tdo, const __grid_constant__ TmaMap tk,   \
         const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tlse,                                     \
         const __grid_constant__ TmaMap tdelta, const __grid_constant__ TmaMap tdq, void* dk, void* dv,              \
         int* work_counter, float* dkv_acc, const int* qpos, const int* kvpos, AttGeom g) {                          \
-        wsb_attention_bwd<D, PER_HEAD, DS2>(tq, tdo, tk, tv, tlse, tdelta, tdq, dk, dv, work_counter, dkv_acc, qpos, kvpos, g); \
+        wsb_attention_bwd<D, PER_HEAD, DS2, PIPE>(tq, tdo, tk, tv, tlse, tdelta, tdq, dk, dv, work_counter, dkv_acc, qpos, kvpos, g); \
     }
-WSB_BWD(attention_bwd_ws_d64, 64, false, false)
-WSB_BWD(attention_bwd_ws_d128, 128, false, false)
+WSB_BWD(attention_bwd_ws_d64, 64, false, false, false)
+WSB_BWD(attention_bwd_ws_d128, 128, false, false, false)
 // Head dim 128 under GQA: an item per query head, dK and dV added into f32 accumulators
 // (FlashAttention-3's GQA backward). An item per kv head covers its group's heads, so at GQA
 // 6:1 and T 8192 one item is as long as a CTA's even share of the work and the CTAs that draw
@@ -619,12 +641,17 @@ WSB_BWD(attention_bwd_ws_d128, 128, false, false)
 // 0–35% over items per kv head (T 8192 GQA 6:1: 327 → 435 TFLOP/s) and 7–24% over the sorted
 // tail alone; at head dim 64 the sorted tail alone won by 7–12%, so head dim 64 keeps items
 // per kv head.
-WSB_BWD(attention_bwd_wsheads_d128, 128, true, false)
+WSB_BWD(attention_bwd_wsheads_d128, 128, true, false, false)
 // Variant `ws_ds2` of op attention_bwd (PARC_ATTENTION_BWD_KERNEL=ws_ds2; written 2026-12-06
 // when head dim 128's backward ran at 453–464 TFLOP/s at T 8192 against a forward of 550–581,
 // unmeasured; the winner stays, the loser goes): head dim 128 with 2 slots and two dSᵀ tiles,
 // one barrier of both consumers a tile instead of two (wsb_attention_bwd's DS2).
-WSB_BWD(attention_bwd_wsds2_d128, 128, false, true)
-WSB_BWD(attention_bwd_wsds2heads_d128, 128, true, true)
+WSB_BWD(attention_bwd_wsds2_d128, 128, false, true, false)
+WSB_BWD(attention_bwd_wsds2heads_d128, 128, true, true, false)
+// Variant `ws_pipe` of op attention_bwd (PARC_ATTENTION_BWD_KERNEL=ws_pipe; written 2026-12-06,
+// unmeasured): head dim 128 with each tile's Sᵀ issued by the tile before, ahead of its dQ
+// part's store and barriers (wsb_attention_bwd's PIPE).
+WSB_BWD(attention_bwd_wspipe_d128, 128, false, false, true)
+WSB_BWD(attention_bwd_wspipeheads_d128, 128, true, false, true)
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
