@@ -24,8 +24,7 @@
 //! ratio {1, 4, 6}, 12 heads (12, 3 or 2 kv heads), B · T = 16k tokens (`PARC_ATT_GRID=64` or
 //! `=128`: that head dim's half of it). `PARC_ATT_PAIRS=ws`
 //! times only the warp-specialized pair on a Hopper (kernel work: a third of the time);
-//! `PARC_ATT_PAIRS=variants` that pair and the variants awaiting measurement (`ws_ds2`,
-//! `ws_pipe`).
+
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "gpu_support/mod.rs"]
@@ -180,14 +179,6 @@ mod bench {
         let chosen = std::env::var("PARC_ATT_PAIRS").unwrap_or_default();
         if hopper_bf16 && chosen == "ws" {
             return vec![(AttentionFwdKernel::Ws, AttentionBwdKernel::Ws)];
-        }
-        if hopper_bf16 && chosen == "variants" {
-            // The defaults beside the variants awaiting measurement (head dim 128's backward).
-            return vec![
-                (AttentionFwdKernel::Ws, AttentionBwdKernel::Ws),
-                (AttentionFwdKernel::Ws, AttentionBwdKernel::WsDs2),
-                (AttentionFwdKernel::Ws, AttentionBwdKernel::WsPipe),
-            ];
         }
         let mut pairs = vec![(AttentionFwdKernel::Fa2, AttentionBwdKernel::Fa2)];
         if hopper_bf16 {

@@ -562,28 +562,6 @@ fn ws_d128_configs() -> Vec<AttConfig> {
     ]
 }
 
-/// The head-dim-128 backward variants awaiting measurement (`ws_ds2`: 2 ring slots and two dSᵀ
-/// tiles, one barrier of both consumers a tile; `ws_pipe`: each tile's Sᵀ issued by the tile
-/// before), each set on the test's backend in turn: `attention_bf16_ws_d128`'s cases (GQA 1:1
-/// to 6:1, so items per kv head and per query head, every tile kind, more items than SMs)
-/// under the same tolerances.
-#[cfg(feature = "cuda")]
-#[test]
-fn attention_bf16_ws_d128_variants_awaiting_measurement() {
-    for (variant, test) in [
-        (AttentionBwdKernel::WsDs2, "attention_bf16_ws_ds2"),
-        (AttentionBwdKernel::WsPipe, "attention_bf16_ws_pipe"),
-    ] {
-        let Some(mut gpu) = crate::harness::hopper_variant(Precision::Bf16, AttentionFwdKernel::Ws)
-        else {
-            return;
-        };
-        gpu.set_kernel_variant(variant);
-        let mut r = Rng::new(test);
-        crate::harness::check_with(test, &ws_d128_cases(&mut r), &mut gpu);
-    }
-}
-
 /// The long case of `attention_bf16_ws_d128` (one GQA 6:1 causal sequence of 8192) through
 /// the pre-Hopper-style `fa2` backward and the `wgmma` forward: the error the older kernels
 /// reach at this length under bf16 P and dS, beside which the `ws` kernels' is judged.

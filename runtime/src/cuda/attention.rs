@@ -132,15 +132,14 @@ const fn wsb_br(d: usize) -> usize {
     }
 }
 
-/// The warp-specialized backward's shared memory for head_dim `d` with `stages` ring slots and
-/// `ds_tiles` dSᵀ tiles (attention_ws_bwd.cu's budgets: head_dim 64 double-buffers K/V and has
-/// 2 ring slots; 128 one K/V buffer and 3 slots, or with variant `ws_ds2` 2 slots and 2 dSᵀ
-/// tiles): alignment slack, the K and V buffers, the slots (Q, dO, and 1 KiB for their lse2 and
-/// delta rows), the dSᵀ tiles (keys × the slot's queries, bf16), the consumers' dQ parts (f32),
-/// the mbarriers and the two items' query ranges (8 ints each).
-const fn wsb_smem(d: usize, stages: usize, ds_tiles: usize) -> u32 {
-    let kv_bufs = if d == 64 { 2 } else { 1 };
-    let br = wsb_br(d);
+/// The warp-specialized backward's shared memory for head_dim `d` (attention_ws_bwd.cu's
+/// budgets: 2 ring slots; head_dim 64 double-buffers K/V and has one dSᵀ tile, 128 one K/V
+/// buffer and two dSᵀ tiles): alignment slack, the K and V buffers, the slots (Q, dO, and 1 KiB
+/// for their lse2 and delta rows), the dSᵀ tiles (keys × the slot's queries, bf16), the
+/// consumers' dQ parts (f32), the mbarriers and the two items' query ranges (8 ints each).
+const fn wsb_smem(d: usize) -> u32 {
+    let (kv_bufs, ds_tiles) = if d == 64 { (2, 1) } else { (1, 2) };
+    let (br, stages) = (wsb_br(d), 2);
     (WGMMA_ALIGN
         + kv_bufs * 2 * WSB_BC * d * 2
         + stages * (2 * br * d * 2 + 1024)
@@ -149,10 +148,9 @@ const fn wsb_smem(d: usize, stages: usize, ds_tiles: usize) -> u32 {
         + 8 * (2 * stages + 4)
         + 64) as u32
 }
-/// Head_dim 64: 195 KiB. Head_dim 128: 212 KiB; `ws_ds2`'s 195 KiB.
-const WSB_SMEM: u32 = wsb_smem(64, 2, 1);
-const WSB_SMEM_D128: u32 = wsb_smem(128, 3, 1);
-const WSB_SMEM_D128_DS2: u32 = wsb_smem(128, 2, 2);
+/// 195 KiB at both head dims.
+const WSB_SMEM: u32 = wsb_smem(64);
+const WSB_SMEM_D128: u32 = wsb_smem(128);
 
 /// The TMA tensor map of one bf16 operand of the stored layout (q, k, v or dO; `ptr` at its
 /// first column): a matrix of one sequence position per row (the batch's rows side by side),
@@ -875,18 +873,6 @@ fn tensor_core_backward(
     let ws_kernel = match (be.variants.attention_bwd, d, per_head) {
         (AttentionBwdKernel::Fa2, _, _) => None,
         (_, 64, _) => Some((Kernel::AttentionBwdWsD64, WSB_SMEM)),
-        (AttentionBwdKernel::WsDs2, 128, true) => {
-            Some((Kernel::AttentionBwdWsDs2HeadsD128, WSB_SMEM_D128_DS2))
-        }
-        (AttentionBwdKernel::WsDs2, 128, false) => {
-            Some((Kernel::AttentionBwdWsDs2D128, WSB_SMEM_D128_DS2))
-        }
-        (AttentionBwdKernel::WsPipe, 128, true) => {
-            Some((Kernel::AttentionBwdWsPipeHeadsD128, WSB_SMEM_D128))
-        }
-        (AttentionBwdKernel::WsPipe, 128, false) => {
-            Some((Kernel::AttentionBwdWsPipeD128, WSB_SMEM_D128))
-        }
         (_, 128, true) => Some((Kernel::AttentionBwdWsHeadsD128, WSB_SMEM_D128)),
         (_, 128, false) => Some((Kernel::AttentionBwdWsD128, WSB_SMEM_D128)),
         _ => None,
@@ -1112,7 +1098,7 @@ mod tests {
             assert!(bwd <= A100_SMEM, "d{d} backward: {bwd}");
         }
         // The warp-specialized kernels (Hopper only), one CTA an SM: forward 161 KiB (head_dim
-        // 64) and 225.2 KiB (128), backward 195 KiB and 212 KiB, all under the 227 KiB an H100
+        // 64) and 225.2 KiB (128), backward 195 KiB at both, all under the 227 KiB an H100
         // block may opt in to; the sizes follow the kernels' budget comments.
         const { assert!(WSB_SMEM <= H100_SMEM) };
         const { assert!(WSB_SMEM_D128 <= H100_SMEM) };
@@ -1121,10 +1107,7 @@ mod tests {
         assert_eq!(WS_FWD_SMEM, 165_024);
         assert_eq!(WS_FWD_SMEM_D128, 230_576);
         assert_eq!(WSB_SMEM, 199_808);
-        assert_eq!(WSB_SMEM_D128, 217_232);
-        // Variant `ws_ds2` (head_dim 128, 2 slots, 2 dSᵀ tiles): 195 KiB.
-        assert_eq!(WSB_SMEM_D128_DS2, 199_808);
-        const { assert!(WSB_SMEM_D128_DS2 <= H100_SMEM) };
+        assert_eq!(WSB_SMEM_D128, 199_808);
     }
 
     /// The wgmma forward's shared memory follows its kernel's layout (1024-byte alignment

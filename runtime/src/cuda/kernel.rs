@@ -153,10 +153,6 @@ kernels! {
     AttentionBwdWsD64 "attention_bwd_ws_d64",
     AttentionBwdWsD128 "attention_bwd_ws_d128",
     AttentionBwdWsHeadsD128 "attention_bwd_wsheads_d128",
-    AttentionBwdWsDs2D128 "attention_bwd_wsds2_d128",
-    AttentionBwdWsDs2HeadsD128 "attention_bwd_wsds2heads_d128",
-    AttentionBwdWsPipeD128 "attention_bwd_wspipe_d128",
-    AttentionBwdWsPipeHeadsD128 "attention_bwd_wspipeheads_d128",
     // kernels/gemm_ws.cu
     GemmWsKkBf16 "gemm_ws_kk_bf16",
     GemmWsKkGelu "gemm_ws_kk_gelu",

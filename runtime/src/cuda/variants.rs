@@ -163,11 +163,9 @@ variants! {
     /// The bf16 attention backward (`attention_bwd`, PARC_ATTENTION_BWD_KERNEL):
     /// attention_ws_bwd.cu's warp-specialized, TMA-fed kernel (Hopper, head_dim 64 and 128,
     /// tensor maps the driver can encode; otherwise `fa2`), or attention_tc.cu's mma.sync
-    /// kernel (`fa2`); awaiting measurement, at head dim 128 the warp-specialized kernel with
-    /// 2 ring slots and two dSᵀ tiles (one barrier of both consumers a tile: `ws_ds2`) or with
-    /// each tile's Sᵀ product issued by the tile before (`ws_pipe`).
+    /// kernel (`fa2`).
     attention_bwd: AttentionBwdKernel "attention_bwd" "PARC_ATTENTION_BWD_KERNEL" {
-        Ws "ws", Fa2 "fa2", WsDs2 "ws_ds2", WsPipe "ws_pipe"
+        Ws "ws", Fa2 "fa2"
     }
     /// The fused cross-entropy (`cross_entropy`, PARC_CROSS_ENTROPY_KERNEL): persistent CTAs
     /// that stage each row in shared memory (`staged`; `rows` where a row does not fit or the

@@ -24,9 +24,10 @@
 // and, after a barrier of both consumers, dQ = dS K over all 128 keys from the shared dSᵀ
 // tile, each consumer a 64 × 64 part of it (head dim 64: its 64 of the BR = 128 query rows;
 // 128: its 64 of the 128 columns); then release the slot, put the part (times scale) in shared
-// memory and, after a second barrier of both (the dSᵀ tile free again), add it into the f32
-// accumulator with one TMA reduction per 32 columns (cp.reduce.async.bulk.tensor): no atomics
-// issued by the threads.
+// memory and, after a barrier (head dim 64: of both, the dSᵀ tile free again; 128: of its own
+// warpgroup, the next tile writing the other of two dSᵀ tiles), add it into the f32 accumulator
+// with one TMA reduction per 32 columns (cp.reduce.async.bulk.tensor): no atomics issued by the
+// threads.
 #ifdef __CUDA_ARCH_FEAT_SM90_ALL
 
 #define WSB_BC 128
@@ -38,8 +39,9 @@
 // and dPᵀ are 64 keys × 128 queries (m64n128 wgmmas, half the per-tile waits and barriers a
 // key); head dim 128 takes 64 (its consumers hold dK and dV, 64 × 128 each, in registers).
 __device__ constexpr int wsb_br(int d) { return d == 64 ? 128 : 64; }
-// Ring slots for head dim D: 2 at 64 (each slot is 128 query rows), 3 at 128 (64 rows).
-__device__ constexpr int wsb_stages(int d) { return d == 64 ? 2 : 3; }
+// Ring slots: 2 at both head dims (64: 128 query rows each; 128: 64 rows each, beside two dSᵀ
+// tiles).
+#define WSB_STAGES 2
 
 // d (64 x 64, f32) (+)= A B, A and B from shared memory, both MN-major (dQ = dS K: A is dSᵀ
 // stored [key][query], B is K stored [key][dim]; a consumer's dQ part is 64 columns at both
@@ -232,7 +234,10 @@ __device__ __forceinline__ WsbRange wsb_range(const int* qpos, const int* kvpos,
 
 // Byte offset of the f32 pair at (row r, column c, c even) of a dQ part in shared memory: two
 // 128-byte-swizzled column blocks of 32 floats × WSB_DQ_ROWS rows (the reduction's tensor-map
-// boxes).
+// boxes). A half-warp's stores (rows gq 0..3, columns 2 tq4) meet rows gq and gq ^ 1 on the
+// same banks: ncu counts 2.9 wavefronts a shared store request at head dim 128 (H100,
+// 2026-12-06). Unswizzled blocks of 8 columns, free of the conflicts, made the reductions 8
+// boxes of 32-byte rows: L2 throughput 62 → 75%, the backward 9–17% slower (bench/RESULTS.md).
 __device__ __forceinline__ int wsb_dq_off(int r, int c) {
     return (c >> 5) * (WSB_DQ_ROWS * 128) + r * 128 + (((((c & 31) >> 2) ^ (r & 7))) << 4) + (c & 3) * 4;
 }
@@ -276,39 +281,33 @@ __device__ __forceinline__ void wsb_probs(float (&s)[BR / 2], const float* sl, c
 }
 
 // grid: min(items, SMs); block: WSB_THREADS; shared: 1024 (alignment) + KV_BUFS K, V buffers
-// (WSB_BC rows) + STAGES slots (Q, dO: BR rows; lse2, delta) + the dSᵀ tile (WSB_BC keys × BR
-// queries, bf16) + a dQ part (64 × 64 f32) per consumer + 2 STAGES + 4 mbarriers + the ranges.
+// (WSB_BC rows) + WSB_STAGES slots (Q, dO: BR rows; lse2, delta) + DS_BUFS dSᵀ tiles (WSB_BC
+// keys × BR queries, bf16) + a dQ part (64 × 64 f32) per consumer + 2 WSB_STAGES + 4 mbarriers
+// + the ranges.
 //
 // Head dim 64 (BR 128): K, V 16 KiB each, double-buffered, so the next item's load overlaps
 // this one's last query tiles (64 KiB); 2 slots of 33 KiB; dSᵀ 32 KiB; dQ parts 2 × 16 KiB:
 // 199,808 bytes (195.1 KiB). Registers a consumer thread (setmaxnreg 240): dK, dV (64), Sᵀ and
 // dPᵀ (128), Pᵀ's bf16 fragments (32) live together while dPᵀ is turned into dSᵀ.
-// Head dim 128 (BR 64): one K/V buffer (double: +64 KiB, too many) of 64 KiB; 3 slots of
-// 33 KiB; dSᵀ 16 KiB; dQ parts 2 × 16 KiB: 217,232 bytes (212.1 KiB) of the 227 KiB a block may
-// opt in to. Registers: dK, dV (128), Sᵀ and dPᵀ (64), Pᵀ's and dSᵀ's bf16 fragments (16 + 16),
-// dQ 64 × 64 (32): at most 192 live plus addressing.
+// Head dim 128 (BR 64): one K/V buffer (double: +64 KiB, too many) of 64 KiB; 2 slots of
+// 33 KiB; two dSᵀ tiles of 16 KiB, tile it writing and reading dSᵀ tile it % 2
+// (FlashAttention-3's causal head-dim-128 backward: 2 Q/dO stages, a double-buffered dS); dQ
+// parts 2 × 16 KiB: 199,808 bytes. Registers: dK, dV (128), Sᵀ and dPᵀ (64), Pᵀ's and dSᵀ's
+// bf16 fragments (16 + 16), dQ 64 × 64 (32): at most 192 live plus addressing. With two dSᵀ
+// tiles a tile needs one barrier of both consumers, not two: my next write into a dSᵀ tile
+// comes after the next tile's first barrier, which the other consumer reaches only once its dQ
+// product over that tile (two tiles back) is done; only my own warpgroup's barrier stays, for
+// my dQ part's reduction. Measured on an H100 (2026-12-06, bench/RESULTS.md): +1–3% at every
+// head-dim-128 point of issue 19's grid over 3 slots and one dSᵀ tile (217,232 bytes, two
+// barriers of both a tile), the default until then; issuing each tile's Sᵀ product from the
+// tile before, ahead of its dQ part's store (variant `ws_pipe`), lost 8–14%.
 // (Each consumer computing dQ over its own 64 keys for every query and column, never waiting
 // for the other, was the head-dim-64 kernel until 2026-12-06, with 64-row slots, and the
 // variant `ws_split` at 128: slower, bench/RESULTS.md.)
-// DS2 (head dim 128 only; variant `ws_ds2`, awaiting measurement, see its instantiation): 2
-// slots and two dSᵀ tiles, tile it writing and reading dSᵀ tile it % 2 (FlashAttention-3's
-// causal head-dim-128 backward: 2 Q/dO stages, a double-buffered dS). The second barrier of
-// both consumers a tile goes: my next write into a dSᵀ tile comes after the next tile's first
-// barrier, which the other consumer reaches only once its dQ product over that tile (two
-// tiles back) is done; only my own warpgroup's barrier stays, for my dQ part's reduction.
-// 2 · 33 KiB of slots + 2 · 16 KiB of dSᵀ: 199,808 bytes.
-// PIPE (head dim 128 only; variant `ws_pipe`, awaiting measurement, see its instantiation): a
-// tile's Sᵀ product is issued by the tile before it, as soon as that one's dK and dQ products
-// are done, so it multiplies while that one writes its dQ part and passes its barriers
-// (without: the tensor cores idle from the last dQ product until the next tile's first).
-// Registers: dK, dV (128), the next tile's Sᵀ (32) and this one's dQ part (32) live together
-// (issuing dPᵀ early too spilled 512 bytes).
-template <int D, bool PER_HEAD, bool DS2, bool PIPE>
+template <int D, bool PER_HEAD>
 __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap& tdo, const TmaMap& tk, const TmaMap& tv, const TmaMap& tlse, const TmaMap& tdelta, const TmaMap& tdq, void* dk, void* dv, int* work_counter, float* dkv_acc, const int* qpos, const int* kvpos, const AttGeom& g) {
-    static_assert(!DS2 || D == 128, "two dSᵀ tiles fit head dim 128's shared memory only");
-    static_assert(!PIPE || D == 128, "Sᵀ, dPᵀ and dQ live together fit head dim 128's registers only");
-    constexpr int BC = WSB_BC, BR = wsb_br(D), STAGES = DS2 ? 2 : wsb_stages(D);
-    constexpr int KV_BUFS = D == 64 ? 2 : 1, DS_BUFS = DS2 ? 2 : 1;
+    constexpr int BC = WSB_BC, BR = wsb_br(D), STAGES = WSB_STAGES;
+    constexpr int KV_BUFS = D == 64 ? 2 : 1, DS_BUFS = D == 128 ? 2 : 1;
     // How the consumers split dQ = dS K (64 × 64 each): by query rows (head dim 64: BR = 128
     // rows, 64 columns) or by columns (128: 64 rows, 128 columns).
     constexpr bool DQ_BY_ROWS = BR == 128;
@@ -445,24 +444,19 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
         r.first_full = __shfl_sync(FULL_MASK, rg[1], 0);
         r.per_head = __shfl_sync(FULL_MASK, rg[2], 0);
         r.total = __shfl_sync(FULL_MASK, rg[3], 0);
-        float sa[BR / 2], dp[BR / 2];
-        // Whether this tile's Sᵀ is already issued (PIPE: by the tile before).
-        bool issued = false;
         for (int t = 0; t < r.total; t++, it++) {
             int h = (per_head ? hd.h0 : kvh * group + t / r.per_head), tile = r.first + t % r.per_head, i0 = tile * BR;
             int s = it % STAGES;
             unsigned slot = slots + s * SLOT, q_addr = slot, do_addr = slot + QT;
-            // This tile's dSᵀ tile (DS2: alternating), as bytes from sds and from ds_addr0.
+            // This tile's dSᵀ tile (head dim 128: alternating), as bytes from sds and from ds_addr0.
             int ds_off = DS_BUFS == 2 ? (it & 1) * DST : 0;
             const float* sl = reinterpret_cast<const float*>(smem + (slot - base) + 2 * QT);
             const float* sd = sl + BR;
             bool masked = tile < r.first_full;
-            if (!issued) {
-                mbar_wait(bars + 8 * s, (it / STAGES) & 1);
-                wsb_issue_kq<D, BR>(sa, k_addr, q_addr, cw);
-            }
+            mbar_wait(bars + 8 * s, (it / STAGES) & 1);
+            float sa[BR / 2], dp[BR / 2], dq[32];
+            wsb_issue_kq<D, BR>(sa, k_addr, q_addr, cw);
             wsb_issue_kq<D, BR>(dp, v_addr, do_addr, cw);
-            float dq[32];
             asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
             wg_hold(sa);
             // Pᵀ: element (nb, half, e) is key row 16 warp + 8 half + gq, query column
@@ -525,12 +519,6 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             ws_hold_u(pf);
             ws_hold_u(dsf);
             mbar_arrive_warp(bars + 8 * (STAGES + s));
-            issued = PIPE && t + 1 < r.total;
-            if (issued) {
-                int s1 = (it + 1) % STAGES;
-                mbar_wait(bars + 8 * s1, ((it + 1) / STAGES) & 1);
-                wsb_issue_kq<D, BR>(sa, k_addr, slots + s1 * SLOT, cw);
-            }
             // dQ · scale into this consumer's part, reduced into the accumulator's 64 rows of
             // head (b, h) at its first column: one reduction per 32-column block.
             #pragma unroll
@@ -541,7 +529,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             }
             // The barrier of both frees the dSᵀ tile (both dQ products are done) for the next
             // tile's writes and makes the dQ part visible to its reduction; with two dSᵀ tiles
-            // (DS2) the next tile writes the other one, and this warpgroup's barrier does.
+            // (head dim 128) the next tile writes the other one, and this warpgroup's barrier does.
             wg_fence_proxy();
             if constexpr (DS_BUFS == 2) wg_bar(1 + cw);
             else consumers_bar();
@@ -573,7 +561,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             }
         } else if (vec_out) {
             // bf16 dK, dV through this consumer's rows of the dSᵀ tile (free: its last readers,
-            // the last dQ products, are done; DS2: the tile the last one did not use, whose
+            // the last dQ products, are done; two dSᵀ tiles: the one the last tile did not use, whose
             // readers, two tiles back, finished before the last tile's first barrier) as a
             // 64 × 64 tile: 16-byte rows out instead of 4-byte pairs, 64 columns at a time.
             unsigned char* stage = sds + (DS_BUFS == 2 ? (it & 1) * DST : 0) + ds_row0 * 128;
@@ -623,16 +611,16 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     if (elected) bulk_wait_all();
 }
 
-#define WSB_BWD(NAME, D, PER_HEAD, DS2, PIPE)                                                                              \
+#define WSB_BWD(NAME, D, PER_HEAD)                                                                                   \
     extern "C" __global__ void __launch_bounds__(WSB_THREADS, 1) NAME(                                              \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tdo, const __grid_constant__ TmaMap tk,   \
         const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tlse,                                     \
         const __grid_constant__ TmaMap tdelta, const __grid_constant__ TmaMap tdq, void* dk, void* dv,              \
         int* work_counter, float* dkv_acc, const int* qpos, const int* kvpos, AttGeom g) {                          \
-        wsb_attention_bwd<D, PER_HEAD, DS2, PIPE>(tq, tdo, tk, tv, tlse, tdelta, tdq, dk, dv, work_counter, dkv_acc, qpos, kvpos, g); \
+        wsb_attention_bwd<D, PER_HEAD>(tq, tdo, tk, tv, tlse, tdelta, tdq, dk, dv, work_counter, dkv_acc, qpos, kvpos, g); \
     }
-WSB_BWD(attention_bwd_ws_d64, 64, false, false, false)
-WSB_BWD(attention_bwd_ws_d128, 128, false, false, false)
+WSB_BWD(attention_bwd_ws_d64, 64, false)
+WSB_BWD(attention_bwd_ws_d128, 128, false)
 // Head dim 128 under GQA: an item per query head, dK and dV added into f32 accumulators
 // (FlashAttention-3's GQA backward). An item per kv head covers its group's heads, so at GQA
 // 6:1 and T 8192 one item is as long as a CTA's even share of the work and the CTAs that draw
@@ -641,17 +629,6 @@ WSB_BWD(attention_bwd_ws_d128, 128, false, false, false)
 // 0–35% over items per kv head (T 8192 GQA 6:1: 327 → 435 TFLOP/s) and 7–24% over the sorted
 // tail alone; at head dim 64 the sorted tail alone won by 7–12%, so head dim 64 keeps items
 // per kv head.
-WSB_BWD(attention_bwd_wsheads_d128, 128, true, false, false)
-// Variant `ws_ds2` of op attention_bwd (PARC_ATTENTION_BWD_KERNEL=ws_ds2; written 2026-12-06
-// when head dim 128's backward ran at 453–464 TFLOP/s at T 8192 against a forward of 550–581,
-// unmeasured; the winner stays, the loser goes): head dim 128 with 2 slots and two dSᵀ tiles,
-// one barrier of both consumers a tile instead of two (wsb_attention_bwd's DS2).
-WSB_BWD(attention_bwd_wsds2_d128, 128, false, true, false)
-WSB_BWD(attention_bwd_wsds2heads_d128, 128, true, true, false)
-// Variant `ws_pipe` of op attention_bwd (PARC_ATTENTION_BWD_KERNEL=ws_pipe; written 2026-12-06,
-// unmeasured): head dim 128 with each tile's Sᵀ issued by the tile before, ahead of its dQ
-// part's store and barriers (wsb_attention_bwd's PIPE).
-WSB_BWD(attention_bwd_wspipe_d128, 128, false, false, true)
-WSB_BWD(attention_bwd_wspipeheads_d128, 128, true, false, true)
+WSB_BWD(attention_bwd_wsheads_d128, 128, true)
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
