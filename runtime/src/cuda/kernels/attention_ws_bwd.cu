@@ -237,7 +237,9 @@ __device__ __forceinline__ WsbRange wsb_range(const int* qpos, const int* kvpos,
 // boxes). A half-warp's stores (rows gq 0..3, columns 2 tq4) meet rows gq and gq ^ 1 on the
 // same banks: ncu counts 2.9 wavefronts a shared store request at head dim 128 (H100,
 // 2026-12-06). Unswizzled blocks of 8 columns, free of the conflicts, made the reductions 8
-// boxes of 32-byte rows: L2 throughput 62 → 75%, the backward 9–17% slower (bench/RESULTS.md).
+// boxes of 32-byte rows: L2 throughput 62 → 75%, the backward 4–17% slower; permuting each
+// lane's stores instead (conflict-free under this swizzle) gained nothing, −2 to 0%: the
+// conflicted stores are not on the critical path (bench/RESULTS.md).
 __device__ __forceinline__ int wsb_dq_off(int r, int c) {
     return (c >> 5) * (WSB_DQ_ROWS * 128) + r * 128 + (((((c & 31) >> 2) ^ (r & 7))) << 4) + (c & 3) * 4;
 }
