@@ -160,10 +160,14 @@ fn cuda_steps_allocate_nothing() {
             assert!(reserved >= layout.total_bytes());
             // `parc check`'s prediction of it leaves out only position lists and the fused
             // optimizer's tables (KiBs).
+            let target = parc_compiler::memplan::KernelTarget {
+                half: precision != Precision::Fp32,
+                hopper: gpu.backend().is_hopper(),
+            };
             let predicted = parc_compiler::memplan::predicted_reserved(
                 &plan.programs[0],
                 layout.total_bytes(),
-                precision != Precision::Fp32,
+                target,
             );
             assert!(
                 reserved.abs_diff(predicted) <= 1 << 20,

@@ -370,8 +370,11 @@ fn plan_memory(
             return None;
         }
     };
-    let half = spec.train.precision != Precision::Fp32;
-    let device = memplan::device_memory(plan, &programs, half);
+    let target = memplan::KernelTarget {
+        half: spec.train.precision != Precision::Fp32,
+        hopper: spec.cluster.gpu.hopper(),
+    };
+    let device = memplan::device_memory(plan, &programs, target);
     Some(MemoryPlans { programs, device })
 }
 

@@ -811,6 +811,17 @@ pub struct Gpu {
 }
 
 impl Gpu {
+    /// Whether the CUDA backend runs its Hopper (sm_90) kernels here: on the catalogue's H100s
+    /// and H200, and on a custom GPU with FP8 tensor cores (counted as one, so its memory is
+    /// not under-predicted: [`crate::memplan::KernelTarget`]).
+    pub fn hopper(&self) -> bool {
+        match self.name.as_str() {
+            "h100_80gb" | "h100_94gb" | "h200" => true,
+            "custom" => self.peak_flops_fp8.is_some(),
+            _ => false,
+        }
+    }
+
     /// The peak FLOP/s a run in `precision` computes at: the fp32 peak for fp32, the tensor
     /// peak for bf16/fp16.
     pub fn peak_for(&self, precision: Precision) -> f64 {

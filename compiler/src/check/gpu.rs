@@ -78,3 +78,28 @@ pub fn link(kind: &str, bandwidth: f64, latency: f64) -> Link {
         latency,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The catalogue's H100s and H200 run the Hopper kernels; the A100s and the CPU do not; a
+    /// custom GPU counts as one where it has FP8 tensor cores.
+    #[test]
+    fn hopper_is_the_catalogue_h100s_and_h200_and_custom_gpus_with_fp8() {
+        let hopper = |name: &str| lookup(name).map(|g| g.hopper());
+        for name in ["h100_80gb", "h100_94gb", "h200"] {
+            assert_eq!(hopper(name), Some(true), "{name}");
+        }
+        for name in ["a100_80gb", "a100_40gb", "cpu"] {
+            assert_eq!(hopper(name), Some(false), "{name}");
+        }
+        let Some(mut custom) = lookup("h100_80gb") else {
+            panic!("h100_80gb is in the catalogue");
+        };
+        custom.name = "custom".into();
+        assert!(custom.hopper());
+        custom.peak_flops_fp8 = None;
+        assert!(!custom.hopper());
+    }
+}

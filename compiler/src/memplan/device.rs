@@ -1,7 +1,7 @@
 //! What one GPU holds for a rank of a CUDA run beyond its planned regions (the persistent
 //! region and the arena of [`super::plan_program`]), so `parc check` can predict the whole
 //! per-GPU footprint that `nvidia-smi` shows. Pure: a function of the lowered plan, the run's
-//! operand precision and the documented constants below. Each overhead is its own labelled
+//! [`KernelTarget`] (operand precision, a Hopper GPU) and the documented constants below. Each overhead is its own labelled
 //! line with where its number comes from (docs/memory.md has the table):
 //!
 //! - **The CUDA backend's own memory**: the sizes it reserves, [`super::backend_scratch`]
@@ -14,7 +14,9 @@
 //!
 //! Small pieces are left out: position lists, fused optimizer and sum-of-squares tables
 //! (KiBs), Hopper GEMMs' split counters (16 KiB), the NCCL host comm's staging (metrics).
-use super::scratch::{backend_scratch, CUBLASLT_WORKSPACE_BYTES, MIN_REDUCTION_SCRATCH};
+use super::scratch::{
+    backend_scratch, KernelTarget, CUBLASLT_WORKSPACE_BYTES, MIN_REDUCTION_SCRATCH,
+};
 use super::PlanSummary;
 use crate::ir::{Instr, P2pOp, Peer, Plan, Program, ProgramId};
 use serde::Serialize;
@@ -76,8 +78,8 @@ fn aligned(bytes: u64) -> u64 {
 }
 
 /// The backend's lines for `program` (see the module docs).
-fn backend_lines(program: &Program, half: bool) -> Vec<DeviceLine> {
-    let s = backend_scratch(program, half);
+fn backend_lines(program: &Program, target: KernelTarget) -> Vec<DeviceLine> {
+    let s = backend_scratch(program, target);
     let mut lines = Vec::new();
     if s.weight_casts > 0 {
         lines.push(DeviceLine {
@@ -86,7 +88,7 @@ fn backend_lines(program: &Program, half: bool) -> Vec<DeviceLine> {
             basis: "16-bit copies (2 bytes per element) of every f32 parameter a GEMM reads as its weight".into(),
         });
     }
-    let vectors = if half && s.gemm_vector_len > 0 {
+    let vectors = if target.half && s.gemm_vector_len > 0 {
         aligned(super::ALIGN + s.gemm_vector_len * 4)
     } else {
         0
@@ -212,22 +214,25 @@ fn sum(lines: &[DeviceLine]) -> u64 {
 }
 
 /// What the CUDA backend should hold for `program` with a memory plan of `planned_bytes`
-/// (persistent region plus arena): its predicted `reserved_bytes`; `half` as for
-/// [`device_memory`].
-pub fn predicted_reserved(program: &Program, planned_bytes: u64, half: bool) -> u64 {
-    planned_bytes + sum(&backend_lines(program, half))
+/// (persistent region plus arena) on `target`: its predicted `reserved_bytes`.
+pub fn predicted_reserved(program: &Program, planned_bytes: u64, target: KernelTarget) -> u64 {
+    planned_bytes + sum(&backend_lines(program, target))
 }
 
 /// Each program's predicted memory per GPU on the CUDA backend, beside its memory plan
-/// (`summaries`, in program order); `half`: the run's GEMMs take 16-bit operands
-/// (`train.precision` bf16 or fp16).
-pub fn device_memory(plan: &Plan, summaries: &[PlanSummary], half: bool) -> Vec<DeviceMemory> {
+/// (`summaries`, in program order), on `target` (16-bit operands where `train.precision` is
+/// bf16 or fp16; a Hopper where the cluster's GPU is one).
+pub fn device_memory(
+    plan: &Plan,
+    summaries: &[PlanSummary],
+    target: KernelTarget,
+) -> Vec<DeviceMemory> {
     plan.programs
         .iter()
         .zip(summaries)
         .map(|(program, summary)| {
             let planned_bytes = summary.persistent_bytes + summary.arena_bytes;
-            let backend = backend_lines(program, half);
+            let backend = backend_lines(program, target);
             let runtime = runtime_lines(plan, program);
             let reserved_bytes = planned_bytes + sum(&backend);
             let total_bytes = reserved_bytes + sum(&runtime);
@@ -261,8 +266,11 @@ mod tests {
         let plan = lower(&spec).expect("lowers");
         let report = crate::verify::verify_spec(&plan, &spec).expect("verifies");
         let summaries = plan_summaries(&plan, &report).expect("plans");
-        let half = choice.precision != Precision::Fp32;
-        let device = device_memory(&plan, &summaries, half);
+        let target = KernelTarget {
+            half: choice.precision != Precision::Fp32,
+            hopper: true,
+        };
+        let device = device_memory(&plan, &summaries, target);
         (plan, device)
     }
 
@@ -320,7 +328,11 @@ mod tests {
             };
             let (plan, _) = predict(&crate::memplan::tests::small_model(), &choice);
             let program = &plan.programs[0];
-            let scratch = crate::memplan::backend_scratch(program, true);
+            let target = KernelTarget {
+                half: true,
+                hopper: true,
+            };
+            let scratch = crate::memplan::backend_scratch(program, target);
             let cast_shapes = scratch.casts.iter().filter_map(|&id| program.buffer(id));
             for b in cast_shapes {
                 assert_eq!(b.shape.len(), 1, "{zero:?}: {} is cast", b.name);

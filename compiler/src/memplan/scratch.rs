@@ -1,8 +1,8 @@
 //! What the CUDA backend reserves beside the memory plan for one program, read off its ops:
 //! the one computation of these sizes. The backend's `prepare` allocates exactly them
 //! (`runtime/src/cuda/storage.rs`) and `parc check` predicts from them ([`super::device`]).
-//! Pure: a function of the program, whether the run's GEMMs take 16-bit operands, and the
-//! constants below, which the backend's kernels import rather than restate.
+//! Pure: a function of the program, the run's [`KernelTarget`] (16-bit operands, a Hopper GPU)
+//! and the constants below, which the backend's kernels import rather than restate.
 //!
 //! - **Weight casts** (16-bit runs): one 16-bit copy of every f32 `Param` a GEMM reads as its
 //!   weight (or a forward GEMM's bias), 2 bytes an element, each 256-byte aligned.
@@ -37,6 +37,17 @@ pub const REDUCTION_CHUNKS: u64 = 128;
 pub const SUM_SQUARES_BLOCKS: u64 = 1024;
 /// Head dims the tensor-core attention kernels take.
 const TENSOR_CORE_HEAD_DIMS: [u64; 2] = [64, 128];
+
+/// What the CUDA backend's kernel choices, and so its scratch, depend on beyond the program:
+/// whether GEMMs and tensor-core attention take 16-bit operands (bf16 and fp16 runs), and
+/// whether the GPU runs the Hopper (sm_90) kernels, whose attention backward at head dim
+/// [`PER_QUERY_HEAD_DKV`] under GQA accumulates dK and dV apart. `parc check` reads the GPU
+/// from the spec ([`crate::spec::Gpu::hopper`]), the backend from the device it runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelTarget {
+    pub half: bool,
+    pub hopper: bool,
+}
 
 /// The backend's scratch sizes for one program (see the module docs).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -80,17 +91,16 @@ fn cached_cast(buffer: &Buffer) -> bool {
     buffer.kind == BufferKind::Param && buffer.dtype == DType::F32
 }
 
-/// The scratch `program`'s ops ask the CUDA backend for; `half`: GEMMs (and tensor-core
-/// attention) take 16-bit operands (bf16 and fp16 runs).
-pub fn backend_scratch(program: &Program, half: bool) -> BackendScratch {
+/// The scratch `program`'s ops ask the CUDA backend for on `target`.
+pub fn backend_scratch(program: &Program, target: KernelTarget) -> BackendScratch {
     let mut s = BackendScratch::default();
     for (_, c) in program.computes() {
-        let op = op_scratch(program, c, half);
+        let op = op_scratch(program, c, target);
         s.gemm_operands = s.gemm_operands.max(op.gemm_operands);
         s.reduction = s.reduction.max(op.reduction);
         s.aliased = s.aliased.max(op.aliased);
         s.fp8 = s.fp8.max(fp8_scratch_of(program, c));
-        if half {
+        if target.half {
             gemm_casts(program, c, &mut s);
         }
     }
@@ -103,12 +113,15 @@ pub fn backend_scratch(program: &Program, half: bool) -> BackendScratch {
     s
 }
 
-/// The scratch one compute instruction of `program` asks for; `half` as for
-/// [`backend_scratch`].
-fn op_scratch(program: &Program, c: Compute<'_>, half: bool) -> OpScratch {
+/// The scratch one compute instruction of `program` asks for on `target`.
+fn op_scratch(program: &Program, c: Compute<'_>, target: KernelTarget) -> OpScratch {
     OpScratch {
-        gemm_operands: if half { gemm_operands(program, c) } else { 0 },
-        reduction: reduction(program, c, half),
+        gemm_operands: if target.half {
+            gemm_operands(program, c)
+        } else {
+            0
+        },
+        reduction: reduction(program, c, target),
         aliased: aliased(program, c),
     }
 }
@@ -169,7 +182,7 @@ fn gemm_casts(program: &Program, c: Compute<'_>, s: &mut BackendScratch) {
 }
 
 /// `c`'s reduction partials, per-row losses or attention scratch.
-fn reduction(program: &Program, c: Compute<'_>, half: bool) -> u64 {
+fn reduction(program: &Program, c: Compute<'_>, target: KernelTarget) -> u64 {
     let numel = |id: Option<&BufferId>| {
         id.and_then(|id| program.buffer(*id))
             .map_or(0, Buffer::numel)
@@ -188,7 +201,7 @@ fn reduction(program: &Program, c: Compute<'_>, half: bool) -> u64 {
                 let shape = |id: &BufferId| program.buffer(*id).map_or((0, DType::F32), shape);
                 ids.iter().map(shape).collect()
             };
-            let layout = attention_scratch(c.op, half, &shapes(inputs), &shapes(outputs));
+            let layout = attention_scratch(c.op, target, &shapes(inputs), &shapes(outputs));
             layout.map_or(0, |l| l.bytes)
         }
         // Each row's loss (f64), summed in a fixed order after.
@@ -371,19 +384,19 @@ pub struct AttentionScratch {
 
 /// The head dim whose tensor-core backward under GQA takes an item per query head on a Hopper
 /// (the CUDA backend's attention_ws_bwd.cu), adding each head's dK and dV into f32
-/// accumulators; reserved on other GPUs too, where the older kernels leave it unused.
+/// accumulators (reserved only for a Hopper: other GPUs run the older kernels).
 pub const PER_QUERY_HEAD_DKV: u64 = 128;
 
 /// The scratch an attention op lays out (None for any other op), from its buffers' (elements,
-/// dtype), inputs then outputs; `half` as for [`backend_scratch`]. With tensor cores, a bf16
+/// dtype), inputs then outputs, on `target`. With tensor cores, a bf16
 /// copy of each operand read that is not stored bf16; then for the backward `delta` and `lse2`
 /// (one f32 per (batch, head, query), query rows padded to 4: the kernels' `att_rows`) and,
 /// where dQ is stored bf16 and always for a packed op (dqkv's q columns are not compact
-/// rows), dQ's f32 accumulator of dO's shape; at head dim [`PER_QUERY_HEAD_DKV`] under GQA,
-/// dK's and dV's f32 accumulators.
+/// rows), dQ's f32 accumulator of dO's shape; at head dim [`PER_QUERY_HEAD_DKV`] under GQA on
+/// a Hopper, dK's and dV's f32 accumulators.
 pub fn attention_scratch(
     op: &Op,
-    half: bool,
+    target: KernelTarget,
     ins: &[(u64, DType)],
     outs: &[(u64, DType)],
 ) -> Option<AttentionScratch> {
@@ -392,7 +405,7 @@ pub fn attention_scratch(
     };
     let (batch, heads, head_dim, scale, packed) =
         (&a.batch, &a.heads, &a.head_dim, &a.scale, &a.packed);
-    let tc = tensor_core_attention(half, *head_dim, *scale);
+    let tc = tensor_core_attention(target.half, *head_dim, *scale);
     let backward = matches!(op, Op::AttentionBwd { .. });
     let mut bytes = 0;
     let mut take = |n: u64| {
@@ -417,7 +430,7 @@ pub fn attention_scratch(
         if tc && (*packed || bf16_dq) {
             dq_acc = Some(take(ins.first().map_or(0, |d_out| d_out.0) * 4));
         }
-        if tc && *head_dim == PER_QUERY_HEAD_DKV && a.kv_heads < *heads {
+        if tc && target.hopper && *head_dim == PER_QUERY_HEAD_DKV && a.kv_heads < *heads {
             // k's elements: its own buffer, or (packed: q's positions are k's) dO's over the
             // group.
             let k = if *packed {
@@ -443,6 +456,16 @@ mod tests {
     use crate::ir::op::{AttentionAttrs, Segment};
     use crate::ir::Instr;
     use crate::memplan::tests::program_of;
+
+    /// A 16-bit run and an f32 one, on a Hopper.
+    const HALF: KernelTarget = KernelTarget {
+        half: true,
+        hopper: true,
+    };
+    const FULL: KernelTarget = KernelTarget {
+        half: false,
+        hopper: true,
+    };
 
     fn matmul(bias: bool) -> Op {
         Op::Matmul {
@@ -496,7 +519,8 @@ mod tests {
     }
 
     fn op_at(program: &Program, i: usize, half: bool) -> OpScratch {
-        op_scratch(program, program.instrs[i].as_compute().unwrap(), half)
+        let target = KernelTarget { half, hopper: true };
+        op_scratch(program, program.instrs[i].as_compute().unwrap(), target)
     }
 
     #[test]
@@ -590,19 +614,19 @@ mod tests {
             vec![Instr::compute(forward(block), &[0, 1], &[2])],
         );
         let expected = fp8_gemm_scratch(&forward(block), 37).unwrap().bytes;
-        assert_eq!(backend_scratch(&program, false).fp8, expected);
-        assert_eq!(backend_scratch(&program, true).fp8, expected);
-        assert_eq!(backend_scratch(&gemms(), true).fp8, 0);
+        assert_eq!(backend_scratch(&program, FULL).fp8, expected);
+        assert_eq!(backend_scratch(&program, HALF).fp8, expected);
+        assert_eq!(backend_scratch(&gemms(), HALF).fp8, 0);
     }
 
     #[test]
     fn params_read_by_gemms_are_cast_once_each() {
-        let half = backend_scratch(&gemms(), true);
+        let half = backend_scratch(&gemms(), HALF);
         // w, read by two GEMMs, and b; not the gathered weight.
         assert_eq!(half.casts, vec![BufferId(1), BufferId(2)]);
         assert_eq!(half.weight_casts, 2 * 256);
         assert_eq!(half.gemm_vector_len, 4);
-        let full = backend_scratch(&gemms(), false);
+        let full = backend_scratch(&gemms(), FULL);
         assert_eq!(
             (full.casts.len(), full.weight_casts, full.gemm_vector_len),
             (0, 0, 0)
@@ -621,7 +645,7 @@ mod tests {
                 Instr::compute(Op::Scale { factor: 2.0 }, &[4], &[4]),
             ],
         );
-        let full = backend_scratch(&program, false);
+        let full = backend_scratch(&program, FULL);
         // Bias gradient b3 (4000 floats): 128 chunks × 8 bytes per column.
         assert_eq!(full.reduction, 128 * 8 * 4000);
         // An fp32 run's GEMMs read their operands as stored.
@@ -630,7 +654,7 @@ mod tests {
         assert_eq!(full.aliased, 20224);
         // A 16-bit run copies the bwd-weight GEMM's f32 operands b2 and b0 (3000 + 1000
         // halves, each aligned) and times it into a copy of dw (b1: 2000 floats).
-        let half = backend_scratch(&program, true);
+        let half = backend_scratch(&program, HALF);
         assert_eq!(half.gemm_operands, 6144 + 2048 + 8000);
         assert_eq!(
             (half.reduction, half.aliased),
@@ -653,7 +677,7 @@ mod tests {
                 Instr::compute(Op::Scale { factor: 2.0 }, &[3], &[3]),
             ],
         );
-        let s = backend_scratch(&program, false);
+        let s = backend_scratch(&program, FULL);
         // Only Scale's input is copied (12000 bytes, aligned); the loss keeps one f64 per row.
         assert_eq!((s.aliased, s.reduction), (12032, 30 * 8));
     }
@@ -667,7 +691,7 @@ mod tests {
                 vec![Instr::compute(Op::Scale { factor: 2.0 }, &[0], &[0])],
             );
             program.buffers[0].dtype = dtype;
-            backend_scratch(&program, true).aliased
+            backend_scratch(&program, HALF).aliased
         };
         assert_eq!((in_place(DType::F32), in_place(DType::Bf16)), (4096, 2048));
     }
@@ -703,8 +727,8 @@ mod tests {
         op
     }
 
-    fn bytes(op: &Op, half: bool, ins: &[(u64, DType)], outs: &[(u64, DType)]) -> u64 {
-        attention_scratch(op, half, ins, outs).map_or(0, |l| l.bytes)
+    fn bytes(op: &Op, target: KernelTarget, ins: &[(u64, DType)], outs: &[(u64, DType)]) -> u64 {
+        attention_scratch(op, target, ins, outs).map_or(0, |l| l.bytes)
     }
 
     /// bf16 operands are read in place (no copy), f32 ones copied; the backward's delta and
@@ -715,40 +739,40 @@ mod tests {
         let (f, b) = (DType::F32, DType::Bf16);
         let (q, kv, lse) = (10 * 2 * 4 * 64, 10 * 2 * 2 * 64, 2 * 4 * 10);
         let fwd = attention(true, 64);
-        assert_eq!(bytes(&fwd, true, &[(q, b), (kv, b), (kv, b)], &[]), 0);
+        assert_eq!(bytes(&fwd, HALF, &[(q, b), (kv, b), (kv, b)], &[]), 0);
         assert_eq!(
-            bytes(&fwd, true, &[(q, f), (kv, b), (kv, f)], &[]),
+            bytes(&fwd, HALF, &[(q, f), (kv, b), (kv, f)], &[]),
             aligned(q * 2) + aligned(kv * 2)
         );
         // fp32 runs and other head dims: the exact kernels, no copies.
         let f32_qkv = [(q, f), (kv, f), (kv, f)];
-        assert_eq!(bytes(&fwd, false, &f32_qkv, &[]), 0);
-        assert_eq!(bytes(&attention(true, 32), true, &f32_qkv, &[]), 0);
+        assert_eq!(bytes(&fwd, FULL, &f32_qkv, &[]), 0);
+        assert_eq!(bytes(&attention(true, 32), HALF, &f32_qkv, &[]), 0);
         let bwd = attention(false, 64);
         let stats = aligned(2 * 4 * 12 * 4);
         let ins = |t: DType| [(q, t), (q, t), (kv, t), (kv, t), (q, t), (lse, f)];
         let outs = |t: DType| [(q, t), (kv, t), (kv, t)];
-        assert_eq!(bytes(&bwd, true, &ins(b), &outs(f)), 2 * stats);
+        assert_eq!(bytes(&bwd, HALF, &ins(b), &outs(f)), 2 * stats);
         assert_eq!(
-            bytes(&bwd, true, &ins(b), &outs(b)),
+            bytes(&bwd, HALF, &ins(b), &outs(b)),
             2 * stats + aligned(q * 4)
         );
         let copies = 2 * aligned(q * 2) + 2 * aligned(kv * 2);
-        assert_eq!(bytes(&bwd, true, &ins(f), &outs(f)), copies + 2 * stats);
-        assert_eq!(bytes(&bwd, false, &ins(b), &outs(b)), 2 * stats);
-        let layout = attention_scratch(&bwd, true, &ins(f), &outs(b)).unwrap();
+        assert_eq!(bytes(&bwd, HALF, &ins(f), &outs(f)), copies + 2 * stats);
+        assert_eq!(bytes(&bwd, FULL, &ins(b), &outs(b)), 2 * stats);
+        let layout = attention_scratch(&bwd, HALF, &ins(f), &outs(b)).unwrap();
         assert_eq!(layout.copies.len(), 4);
         let offsets = layout.copies.iter().flatten().copied();
         let stats_at = layout.stats.unwrap();
         for at in offsets.chain([stats_at.0, stats_at.1, layout.dq_acc.unwrap()]) {
             assert_eq!(at % 256, 0);
         }
-        assert_eq!(attention_scratch(&Op::Copy, true, &[], &[]), None);
+        assert_eq!(attention_scratch(&Op::Copy, HALF, &[], &[]), None);
     }
 
-    /// At head dim 128 under GQA the tensor-core backward's scratch ends with dK's and dV's
-    /// f32 accumulators (2 · k's elements · 4 bytes), packed or not; not at head dim 64, nor
-    /// without GQA, nor for the exact kernels or the forward.
+    /// At head dim 128 under GQA the tensor-core backward's scratch on a Hopper ends with dK's
+    /// and dV's f32 accumulators (2 · k's elements · 4 bytes), packed or not; not on other
+    /// GPUs, not at head dim 64, nor without GQA, nor for the exact kernels or the forward.
     #[test]
     fn gqa_backward_at_head_dim_128_accumulates_dk_dv_apart() {
         let (f, b) = (DType::F32, DType::Bf16);
@@ -756,37 +780,44 @@ mod tests {
         let ins = [(q, b), (q, b), (kv, b), (kv, b), (q, b), (lse, f)];
         let outs = [(q, b), (kv, b), (kv, b)];
         let bwd = attention(false, 128);
-        let layout = attention_scratch(&bwd, true, &ins, &outs).unwrap();
+        let layout = attention_scratch(&bwd, HALF, &ins, &outs).unwrap();
         let at = layout.dkv_acc.unwrap();
         assert_eq!(at % 256, 0);
         assert_eq!(layout.bytes, aligned(at + 2 * kv * 4));
         let packed_ins = [(q, b), (q + 2 * kv, b), (q, b), (lse, f)];
         let packed_layout =
-            attention_scratch(&packed(bwd.clone()), true, &packed_ins, &[(q + 2 * kv, b)]);
+            attention_scratch(&packed(bwd.clone()), HALF, &packed_ins, &[(q + 2 * kv, b)]);
         assert_eq!(packed_layout.unwrap().bytes, layout.bytes);
         assert_eq!(
-            attention_scratch(&bwd, false, &ins, &outs).unwrap().dkv_acc,
+            attention_scratch(&bwd, FULL, &ins, &outs).unwrap().dkv_acc,
             None
         );
+        // Other GPUs run the older kernels, which accumulate nothing apart.
+        let other_gpu = KernelTarget {
+            hopper: false,
+            ..HALF
+        };
+        let other = attention_scratch(&bwd, other_gpu, &ins, &outs).unwrap();
+        assert_eq!((other.dkv_acc, other.bytes), (None, at));
         let mut mha = bwd.clone();
         if let Op::AttentionBwd(a) = &mut mha {
             a.kv_heads = a.heads;
         }
         let mha_ins = [(q, b), (q, b), (q, b), (q, b), (q, b), (lse, f)];
         assert_eq!(
-            attention_scratch(&mha, true, &mha_ins, &outs)
+            attention_scratch(&mha, HALF, &mha_ins, &outs)
                 .unwrap()
                 .dkv_acc,
             None
         );
         let d64 = attention(false, 64);
         assert_eq!(
-            attention_scratch(&d64, true, &ins, &outs).unwrap().dkv_acc,
+            attention_scratch(&d64, HALF, &ins, &outs).unwrap().dkv_acc,
             None
         );
         let fwd = attention(true, 128);
         assert_eq!(
-            attention_scratch(&fwd, true, &ins[1..4], &[])
+            attention_scratch(&fwd, HALF, &ins[1..4], &[])
                 .unwrap()
                 .dkv_acc,
             None
@@ -802,24 +833,24 @@ mod tests {
         // 10 positions x batch 2; 4 heads, 2 kv heads of 64: rows of (4 + 2 * 2) * 64.
         let (q, qkv, lse) = (10 * 2 * 4 * 64, 10 * 2 * 8 * 64, 2 * 4 * 10);
         let fwd = packed(attention(true, 64));
-        assert_eq!(bytes(&fwd, true, &[(qkv, b)], &[]), 0);
-        assert_eq!(bytes(&fwd, true, &[(qkv, f)], &[]), aligned(qkv * 2));
-        assert_eq!(bytes(&fwd, false, &[(qkv, f)], &[]), 0);
+        assert_eq!(bytes(&fwd, HALF, &[(qkv, b)], &[]), 0);
+        assert_eq!(bytes(&fwd, HALF, &[(qkv, f)], &[]), aligned(qkv * 2));
+        assert_eq!(bytes(&fwd, FULL, &[(qkv, f)], &[]), 0);
         let bwd = packed(attention(false, 64));
         let (stats, acc) = (aligned(2 * 4 * 12 * 4), aligned(q * 4));
         let ins = |t: DType| [(q, t), (qkv, t), (q, t), (lse, f)];
         for dqkv in [b, f] {
-            let reserved = bytes(&bwd, true, &ins(b), &[(qkv, dqkv)]);
+            let reserved = bytes(&bwd, HALF, &ins(b), &[(qkv, dqkv)]);
             assert_eq!(reserved, 2 * stats + acc);
         }
         let copies = aligned(q * 2) + aligned(qkv * 2);
         assert_eq!(
-            bytes(&bwd, true, &ins(f), &[(qkv, f)]),
+            bytes(&bwd, HALF, &ins(f), &[(qkv, f)]),
             copies + 2 * stats + acc
         );
         // The exact kernels: delta and lse2 only.
-        assert_eq!(bytes(&bwd, false, &ins(f), &[(qkv, f)]), 2 * stats);
-        let layout = attention_scratch(&bwd, true, &ins(f), &[(qkv, b)]).unwrap();
+        assert_eq!(bytes(&bwd, FULL, &ins(f), &[(qkv, f)]), 2 * stats);
+        let layout = attention_scratch(&bwd, HALF, &ins(f), &[(qkv, b)]).unwrap();
         assert_eq!(layout.copies.len(), 2);
     }
 
@@ -835,17 +866,17 @@ mod tests {
             ],
         );
         let (q, kv, stats) = (q as u64, kv as u64, aligned(2 * 4 * 12 * 4));
-        assert_eq!(backend_scratch(&program, false).reduction, 2 * stats);
+        assert_eq!(backend_scratch(&program, FULL).reduction, 2 * stats);
         // The backward's copies of dO, q, k and v.
         let copies = 2 * aligned(q * 2) + 2 * aligned(kv * 2);
         assert_eq!(
-            backend_scratch(&program, true).reduction,
+            backend_scratch(&program, HALF).reduction,
             copies + 2 * stats
         );
         // A bf16 q is read in place, and dQ, stored bf16 too, accumulates in f32.
         program.buffers[0].dtype = DType::Bf16;
         assert_eq!(
-            backend_scratch(&program, true).reduction,
+            backend_scratch(&program, HALF).reduction,
             copies - aligned(q * 2) + 2 * stats + aligned(q * 4)
         );
     }

@@ -38,7 +38,7 @@ use cudarc::driver::sys::CUdeviceptr;
 use parc_compiler::ir::op::AttentionAttrs;
 use parc_compiler::ir::op::{Op, Segment};
 use parc_compiler::ir::DType;
-use parc_compiler::memplan::{attention_scratch, AttentionScratch};
+use parc_compiler::memplan::{attention_scratch, AttentionScratch, KernelTarget};
 
 /// Geometry of one attention call, as the kernels' `struct AttGeom`.
 #[repr(C)]
@@ -560,6 +560,14 @@ struct Call {
 }
 
 impl Call {
+    /// What this call's scratch layout depends on: its operand precision and the GPU.
+    fn target(&self, be: &CudaBackend) -> KernelTarget {
+        KernelTarget {
+            half: self.bf16_run,
+            hopper: be.is_hopper(),
+        }
+    }
+
     fn bind(be: &mut CudaBackend, b: &Bound, a: &AttentionAttrs, forward: bool) -> Result<Call> {
         let dims = Dims::new(b, a.batch, a.heads, a.kv_heads, a.head_dim)?;
         let first = usize::from(!forward);
@@ -663,7 +671,7 @@ fn tensor_core_forward(
     g: AttGeom,
     (o, lse): (Buf, Buf),
 ) -> Result<()> {
-    let layout = attention_scratch(b.op, c.bf16_run, &shape(&c.qkv), &shape(&[o, lse]))
+    let layout = attention_scratch(b.op, c.target(be), &shape(&c.qkv), &shape(&[o, lse]))
         .ok_or_else(|| b.err("has no scratch layout"))?;
     let base = be.scratch(layout.bytes as usize)?;
     let ptrs = bf16_operands(be, &c.qkv, &layout, base)?;
@@ -775,7 +783,7 @@ fn attention_backward(be: &mut CudaBackend, b: &Bound, c: &Call) -> Result<()> {
     let mut ins = vec![dout];
     ins.extend(&c.qkv);
     ins.extend([o, lse]);
-    let layout = attention_scratch(b.op, c.bf16_run, &shape(&ins), &shape(&outs))
+    let layout = attention_scratch(b.op, c.target(be), &shape(&ins), &shape(&outs))
         .ok_or_else(|| b.err("has no scratch layout"))?;
     let base = be.scratch(layout.bytes as usize)?;
     let dkv_bytes = 2 * c.g.seq_kv as usize * c.dims.batch * c.dims.kv_heads * c.dims.d * 4;

@@ -101,7 +101,7 @@ use gemm::{Blas, Operands};
 use parc_compiler::ir::op::{Op, Segment};
 use parc_compiler::ir::Program;
 use parc_compiler::ir::{BufferId, CollectiveKind, DType};
-use parc_compiler::memplan::MemoryLayout;
+use parc_compiler::memplan::{KernelTarget, MemoryLayout};
 use parc_compiler::spec::Precision;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -632,7 +632,11 @@ impl Backend for CudaBackend {
         let persistent = region(layout.persistent_bytes, "the persistent buffers")?;
         let arena = region(layout.arena_bytes, "the transient buffer arena")?;
         self.planned = storage::PlannedRegions::new(program, layout, persistent, arena);
-        let needs = storage::program_needs(program, self.operands != Operands::F32);
+        let target = KernelTarget {
+            half: self.operands != Operands::F32,
+            hopper: self.hopper,
+        };
+        let needs = storage::program_needs(program, target);
         self.scratch(needs.scratch.reduction as usize)?;
         self.prepare_gemm(program, &needs.scratch)?;
         self.aliased = None;

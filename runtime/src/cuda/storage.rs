@@ -12,7 +12,9 @@ use cudarc::driver::CudaSlice;
 use parc_compiler::ir::op::{AttentionAttrs, PositionAttrs, RopeAttrs};
 use parc_compiler::ir::op::{Op, Segment};
 use parc_compiler::ir::{Instr, Program};
-use parc_compiler::memplan::{backend_scratch, BackendScratch, MemoryLayout, Placement};
+use parc_compiler::memplan::{
+    backend_scratch, BackendScratch, KernelTarget, MemoryLayout, Placement,
+};
 
 /// The scratch sizes and position lists one program needs (see the module docs).
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -22,11 +24,10 @@ pub(crate) struct ProgramNeeds {
     pub segments: Vec<Vec<Segment>>,
 }
 
-/// What `program` needs; `half_operands`: the run rounds GEMM (and tensor-core attention)
-/// operands to 16 bits.
-pub(crate) fn program_needs(program: &Program, half_operands: bool) -> ProgramNeeds {
+/// What `program` needs on `target` (the run's operand precision, this GPU).
+pub(crate) fn program_needs(program: &Program, target: KernelTarget) -> ProgramNeeds {
     ProgramNeeds {
-        scratch: backend_scratch(program, half_operands),
+        scratch: backend_scratch(program, target),
         segments: position_lists(program),
     }
 }
