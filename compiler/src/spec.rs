@@ -811,15 +811,12 @@ pub struct Gpu {
 }
 
 impl Gpu {
-    /// Whether the CUDA backend runs its Hopper (sm_90) kernels here: on the catalogue's H100s
-    /// and H200, and on a custom GPU with FP8 tensor cores (counted as one, so its memory is
-    /// not under-predicted: [`crate::memplan::KernelTarget`]).
+    /// Whether the CUDA backend runs its Hopper (sm_90) kernels here: on a GPU with FP8 tensor
+    /// cores, the rule `train.fp8`'s check applies (the catalogue's H100s and H200; a custom
+    /// GPU with them counts as one, so its memory is not under-predicted:
+    /// [`crate::memplan::KernelTarget`]); not on the CPU, which emulates FP8.
     pub fn hopper(&self) -> bool {
-        match self.name.as_str() {
-            "h100_80gb" | "h100_94gb" | "h200" => true,
-            "custom" => self.peak_flops_fp8.is_some(),
-            _ => false,
-        }
+        self.name != "cpu" && self.peak_flops_fp8.is_some()
     }
 
     /// The peak FLOP/s a run in `precision` computes at: the fp32 peak for fp32, the tensor
