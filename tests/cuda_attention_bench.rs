@@ -22,9 +22,8 @@
 //! profiler: its 3rd and 4th attention kernels are the timed ones). `PARC_ATT_GRID=1` runs
 //! issue 19's grid instead of the default points: head_dim {64, 128} × T {1k, 2k, 4k, 8k} × GQA
 //! ratio {1, 4, 6}, 12 heads (12, 3 or 2 kv heads), B · T = 16k tokens (`PARC_ATT_GRID=64` or
-//! `=128`: that head dim's half of it). `PARC_ATT_PAIRS=ws`
-//! times only the warp-specialized pair on a Hopper (kernel work: a third of the time);
-
+//! `=128`: that head dim's half of it). `PARC_ATT_PAIRS=ws` times only the warp-specialized
+//! pair on a Hopper (kernel work: a third of the time).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "gpu_support/mod.rs"]

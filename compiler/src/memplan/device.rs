@@ -1,8 +1,9 @@
 //! What one GPU holds for a rank of a CUDA run beyond its planned regions (the persistent
 //! region and the arena of [`super::plan_program`]), so `parc check` can predict the whole
 //! per-GPU footprint that `nvidia-smi` shows. Pure: a function of the lowered plan, the run's
-//! [`KernelTarget`] (operand precision, a Hopper GPU) and the documented constants below. Each overhead is its own labelled
-//! line with where its number comes from (docs/memory.md has the table):
+//! [`KernelTarget`] (operand precision, a Hopper GPU) and the documented constants below.
+//! Each overhead is its own labelled line with where its number comes from (docs/memory.md
+//! has the table):
 //!
 //! - **The CUDA backend's own memory**: the sizes it reserves, [`super::backend_scratch`]
 //!   (16-bit weight casts, GEMM scratch and bias vector area, op scratch, aliased copies), and
