@@ -697,7 +697,11 @@ fn tensor_core_forward(
     if let (true, true, Some((name, smem))) = (ws, be.is_hopper(), ws_kernel) {
         if let Ok(maps) = ws_tensor_maps(&g, [qp, kp, vp]) {
             let work = seq_q.div_ceil(WS_BR) * batch * heads;
-            return be.launch_persistent(name, work, smem, &maps, &args[3..]);
+            // o, lse, the claim counter (shared with the backward: each launch leaves it
+            // zeroed), the positions, the geometry.
+            let counter = Arg::Ptr(be.attention_work_counter()?);
+            let rest = [args[3], args[4], counter, args[5], args[6], args[7]];
+            return be.launch_persistent(name, work, smem, &maps, &rest);
         }
     }
     if (ws || be.variants.attention_fwd == AttentionFwdKernel::Wgmma) && be.is_hopper() {

@@ -340,9 +340,10 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The attention backward's work counter and exit count (attention_ws_bwd.cu: each CTA
-    /// claims its next item from the first, the last CTA out zeroes both), the two ints after
-    /// the GEMM split counters in their allocation.
+    /// The warp-specialized attention kernels' work counter and exit count (attention_ws_fwd.cu's
+    /// ws_claim_next: each CTA claims its next item from the first, the last CTA out zeroes
+    /// both, so the forward and the backward share them, one launch after the other on the
+    /// stream), the two ints after the GEMM split counters in their allocation.
     pub(super) fn attention_work_counter(&mut self) -> Result<CUdeviceptr> {
         Ok(self.ws_counters()? + (MAX_SPLIT_TILES * 4) as CUdeviceptr)
     }

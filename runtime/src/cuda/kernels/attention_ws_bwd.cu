@@ -8,7 +8,7 @@
 // query tiles skipped when positions ascend).
 //
 // A persistent CTA (one an SM) of three warpgroups works through the items (key tile of WSB_BC
-// keys, batch · kv head, or batch · query head: wsb_heads; in wsb_claimed_item's order): item
+// keys, batch · kv head, or batch · query head: wsb_heads; in ws_claimed_item's order): item
 // blockIdx.x first, then each the next not yet claimed (a global counter), so CTAs that drew
 // short items (causal) take more. Warpgroup 0 is the producer: its first warp walks the items and
 // one lane issues the TMA loads, 128-byte swizzled (attention_wgmma_fwd.cu's tile layout): the
@@ -113,7 +113,7 @@ __device__ __forceinline__ void wg_bar(int id) { asm volatile("bar.sync %0, 128;
 __device__ __forceinline__ void consumers_bar() { asm volatile("bar.sync 3, 256;" ::: "memory"); }
 
 // Work item w: key tile w % k_tiles (its first key j0) of pair w / k_tiles (wsb_heads). Items
-// are claimed in about this order (wsb_claimed_item; wsb_attention_bwd: the first one an SM,
+// are claimed in about this order (ws_claimed_item; wsb_attention_bwd: the first one an SM,
 // then from a global counter as each CTA frees up), so each pair's first key tile (causal: the
 // longest) comes first and the CTAs working at once share a few heads, whose dQ rows stay in
 // L2 while they add into them. (Every pair's first key tile first, each CTA's items fixed by blockIdx.x as
@@ -129,34 +129,6 @@ __device__ __forceinline__ WsbItem wsb_item(int w, int k_tiles) {
     it.bk = w / k_tiles;
     it.j0 = (w % k_tiles) * WSB_BC;
     return it;
-}
-
-// The claim order: wsb_item's pair-major order, except its last `tail` items (two waves of
-// CTAs: wsb_tail), which go key tile by key tile across their pairs, so the last items claimed
-// are the shortest and no CTA starts a long one when the others are nearly done. A greedy-claim
-// simulation of issue 19's grid (132 CTAs) puts the slowest CTA 7–63% past an even share in
-// pair order to the end (GQA 6:1 worst), 0–7% with the sorted tail; measured on an H100
-// (2026-12-06, bench/RESULTS.md) the sorted tail gained 4–46% at every head-dim-64 point of the
-// grid (GQA 6:1, T 8192: 294 → 429 TFLOP/s) and 5–7% at head dim 128 without GQA. Returns claim w's item in pair-major
-// numbering (wsb_item's); a bijection (checked on the host for up to 70 key tiles × 70 pairs ×
-// 5 grid sizes; a missed or repeated key tile would fail the many-items GPU tests).
-__host__ __device__ __forceinline__ int wsb_claimed_item(int w, int k_tiles, int pairs, int tail) {
-    int head = k_tiles * pairs - tail;
-    if (w < head) return w;
-    // The tail: pair p0's key tiles [j_start, k_tiles) and every key tile of the `full` pairs
-    // after it, key tile by key tile; key tile j has `full` of them before j_start, full + 1
-    // (p0's first) from j_start on.
-    int p0 = head / k_tiles, j_start = head % k_tiles, full = pairs - p0 - 1;
-    int t = w - head, before = j_start * full, p, j;
-    if (t < before) {
-        p = p0 + 1 + t % full;
-        j = t / full;
-    } else {
-        t -= before;
-        p = p0 + t % (full + 1);
-        j = j_start + t / (full + 1);
-    }
-    return p * k_tiles + j;
 }
 
 // The heads of one item's pair number bk: with items per kv head pair bk is (batch, kv head)
@@ -185,12 +157,6 @@ __device__ __forceinline__ WsbHeads wsb_heads(int bk, const AttGeom& g, int grou
 // Adds (x, y) into the f32 pair at p in global memory (one vector reduction, no return).
 __device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
-}
-
-// The sorted tail of the claim order: two waves of CTAs' items, or all of them.
-__device__ __forceinline__ int wsb_tail(int work) {
-    int tail = 2 * (int)gridDim.x;
-    return tail < work ? tail : work;
 }
 
 // The query tiles (BR rows) of one item: the tiles [first, q_tiles) of each of the group's
@@ -352,7 +318,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
         tma_prefetch(tdo);
         tma_prefetch(tk);
         tma_prefetch(tv);
-        int it = 0, item = 0, tail = wsb_tail(work);
+        int it = 0, item = 0, tail = ws_claim_tail(work);
         for (int w = blockIdx.x;; item++) {
             // The item's K/V buffer and the phase of its barriers (one buffer: every item's).
             int u = KV_BUFS == 2 ? item & 1 : 0;
@@ -366,7 +332,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
                 break;
             }
             // The claim's item in pair-major numbering.
-            int c = wsb_claimed_item(w, k_tiles, pairs, tail);
+            int c = ws_claimed_item(w, k_tiles, pairs, tail);
             WsbItem wi = wsb_item(c, k_tiles);
             WsbHeads hd = wsb_heads(wi.bk, g, group, per_head);
             int b = hd.b, kvh = hd.kvh, j0 = wi.j0;
@@ -392,15 +358,10 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
                 tma_load_2d(slot + 2 * QT + BR * 4, tdelta, full, i0, bh);
             }
             // The next item, claimed once this one's loads are all issued (the CTA frees up a
-            // ring's depth of tiles later): the first gridDim.x went one to each CTA.
-            w = (int)gridDim.x + atomicAdd(work_counter, 1);
+            // ring's depth of tiles later).
+            w = ws_claim_next(work_counter);
         }
-        // The last CTA out resets the counter and the exit count for the next launch (every
-        // CTA's claims precede its exit count, and the next launch follows this one).
-        if (atomicAdd(work_counter + 1, 1) == (int)gridDim.x - 1) {
-            work_counter[0] = 0;
-            work_counter[1] = 0;
-        }
+        ws_claims_done(work_counter);
         return;
     }
     regs_alloc<240>();

@@ -9,9 +9,10 @@
 // ascend, rows past seq zero, fully masked rows o = 0 and lse = −inf, O f32 or bf16, lse f32 in
 // natural log at (batch · heads + head) · seq_q + row).
 //
-// A persistent CTA (one an SM) of three warpgroups walks the work items (query tile, batch ·
-// head) blockIdx.x, + gridDim.x, ...: the longest (last, causal) query tiles of every head
-// first. Warpgroup 0 is the producer: one thread issues TMA loads (tensor maps of q, k, v,
+// A persistent CTA (one an SM) of three warpgroups works through the work items (query tile,
+// batch · head) in ws_claimed_item's order: item blockIdx.x first, then each the next not yet
+// claimed (a global counter), a head's query tiles together, its last (causal: longest) first,
+// so the CTAs working at once share a few heads' K and V in L2. Warpgroup 0 is the producer: one thread issues TMA loads (tensor maps of q, k, v,
 // 128-byte swizzle: attention_wgmma_fwd.cu's tile layout, so its descriptors serve) of the
 // item's Q tile (WS_BR rows) and of its K/V tiles (BC rows) into a ring of WS_STAGES slots,
 // each load completing on its slot's mbarrier; the others give their registers back
@@ -72,6 +73,74 @@ template <int N>
 __device__ __forceinline__ void ws_hold_u(unsigned (&r)[N][4]) {
     #pragma unroll
     for (int i = 0; i < N; i++) asm volatile("" : "+r"(r[i][0]), "+r"(r[i][1]), "+r"(r[i][2]), "+r"(r[i][3])::"memory");
+}
+
+// Claimed work items (both warp-specialized attention kernels). Items are numbered pair-major,
+// each pair's tiles longest first (causal): the forward's pairs are (batch, head) and its
+// tiles query tiles, last first; the backward's are wsb_heads' pairs and its tiles key tiles,
+// first first. Each CTA's producer takes item blockIdx.x, then claims the next from a global
+// counter (ws_claim_next) once it has issued the current one's loads, so CTAs that drew short
+// items take more, and the CTAs working at once share a few pairs, whose K and V (forward) or
+// dQ rows (backward) stay in L2. The last CTA out resets the counter (ws_claims_done).
+//
+// The claim order (ws_claimed_item): the pair-major order, except its last `tail` items (two
+// waves of CTAs: ws_claim_tail), which go tile by tile across their pairs, so the last items
+// claimed are the shortest and no CTA starts a long one when the others are nearly done. A
+// greedy-claim simulation of issue 19's grid (132 CTAs) puts the slowest CTA 7–63% past an even
+// share in pair order to the end (GQA 6:1 worst), 0–7% with the sorted tail; measured on an
+// H100 (2026-12-06, bench/RESULTS.md) the sorted tail gained the backward 4–46% at every
+// head-dim-64 point of the grid (GQA 6:1, T 8192: 294 → 429 TFLOP/s) and 5–7% at head dim 128
+// without GQA. Returns claim w's item in pair-major numbering (pair w / tiles, its tile
+// w % tiles, 0 the longest); a bijection (checked on the host for up to 70 tiles × 70 pairs × 5
+// grid sizes; a missed or repeated tile would fail the many-items GPU tests).
+__host__ __device__ __forceinline__ int ws_claimed_item(int w, int tiles, int pairs, int tail) {
+    int head = tiles * pairs - tail;
+    if (w < head) return w;
+    // The tail: pair p0's tiles [j_start, tiles) and every tile of the `full` pairs after it,
+    // tile by tile; tile j has `full` of them before j_start, full + 1 (p0's first) from
+    // j_start on.
+    int p0 = head / tiles, j_start = head % tiles, full = pairs - p0 - 1;
+    int t = w - head, before = j_start * full, p, j;
+    if (t < before) {
+        p = p0 + 1 + t % full;
+        j = t / full;
+    } else {
+        t -= before;
+        p = p0 + t % (full + 1);
+        j = j_start + t / (full + 1);
+    }
+    return p * tiles + j;
+}
+
+// The sorted tail of the claim order: two waves of CTAs' items, or all of them.
+__device__ __forceinline__ int ws_claim_tail(int work) {
+    int tail = 2 * (int)gridDim.x;
+    return tail < work ? tail : work;
+}
+
+// The producer's next claim (the first gridDim.x went one to each CTA).
+__device__ __forceinline__ int ws_claim_next(int* work_counter) { return (int)gridDim.x + atomicAdd(work_counter, 1); }
+
+// The producer's exit: the last CTA out resets the counter and the exit count for the next
+// launch (every CTA's claims precede its exit count, and the next launch follows this one).
+__device__ __forceinline__ void ws_claims_done(int* work_counter) {
+    if (atomicAdd(work_counter + 1, 1) == (int)gridDim.x - 1) {
+        work_counter[0] = 0;
+        work_counter[1] = 0;
+    }
+}
+
+// The forward's claimed item c: its pair bh and its query tile's first row i0 (ws_claimed_item's
+// tile 0 is the pair's last query tile).
+struct WsItem {
+    int bh, i0;
+};
+
+__device__ __forceinline__ WsItem ws_item(int c, int q_tiles) {
+    WsItem it;
+    it.bh = c / q_tiles;
+    it.i0 = (q_tiles - 1 - c % q_tiles) * WS_BR;
+    return it;
 }
 
 // One work item's tile ranges, the same in the producer and the consumers: the CTA's query
@@ -186,7 +255,7 @@ __device__ __forceinline__ void ws_softmax_tile(bool masked, float (&s)[BC / 2],
 // at once), so 2 slots suffice as they did without turns. The epilogue (O, lse) is outside the
 // turns.
 template <int D, int BC, int WS_STAGES>
-__device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const TmaMap& tk_map, const TmaMap& tv_map, void* o, float* lse, const int* qpos, const int* kvpos, const AttGeom& g) {
+__device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const TmaMap& tk_map, const TmaMap& tv_map, void* o, float* lse, int* work_counter, const int* qpos, const int* kvpos, const AttGeom& g) {
     constexpr int Q_BYTES = WG_TILE_BYTES(WS_BR, D), KV_BYTES = WG_TILE_BYTES(BC, D);
     extern __shared__ __align__(16) unsigned char ws_smem_raw[];
     unsigned raw = tc_smem_addr(ws_smem_raw);
@@ -212,25 +281,36 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
         tma_prefetch(tq_map);
         tma_prefetch(tk_map);
         tma_prefetch(tv_map);
-        int it = 0, item = 0;
-        for (int w = blockIdx.x; w < work; w += gridDim.x, item++) {
-            int bh = w % bh_count, i0 = (q_tiles - 1 - w / bh_count) * WS_BR;
+        int it = 0, item = 0, tail = ws_claim_tail(work);
+        for (int w = blockIdx.x;; item++) {
+            int u = item & 1;
+            unsigned q_full = q_full0 + 8 * u;
+            int* rg = ranges + 8 * u;
+            if (w >= work) {
+                // No work left: a bare arrival hands the consumers item −1, their signal to stop.
+                mbar_wait(q_empty0 + 8 * u, ((item >> 1) & 1) ^ 1);
+                rg[5] = -1;
+                mbar_arrive(q_full);
+                break;
+            }
+            int c = ws_claimed_item(w, q_tiles, bh_count, tail);
+            WsItem wi = ws_item(c, q_tiles);
+            int bh = wi.bh, i0 = wi.i0;
             int b = bh / (int)g.heads, h = bh % (int)g.heads;
             int kvh = h / (int)(g.heads / g.kv_heads);
             // The CTA's key tiles are those of its later consumer (rows i0 + 64 ..), which
             // sees every key the earlier one does.
             WsRange r0 = ws_range<BC>(qpos, kvpos, g, i0, i0);
             WsRange r1 = ws_range<BC>(qpos, kvpos, g, i0, i0 + 64);
-            int tiles = r1.tiles, u = item & 1;
-            unsigned q_full = q_full0 + 8 * u;
+            int tiles = r1.tiles;
             mbar_wait(q_empty0 + 8 * u, ((item >> 1) & 1) ^ 1);
-            int* rg = ranges + 8 * u;
             rg[0] = tiles;
             rg[1] = r0.wg_tiles;
             rg[2] = r0.wg_full;
             rg[3] = r1.wg_tiles;
             rg[4] = r1.wg_full;
-            mbar_expect_tx(q_full, Q_BYTES);  // releases the ranges with it
+            rg[5] = c;
+            mbar_expect_tx(q_full, Q_BYTES);  // releases the ranges and the item with it
             ws_load_tile<D, WS_BR>(q_addr0 + u * Q_BYTES, tq_map, q_full, b * g.ld_q + h * D, i0);
             int kc = b * g.ld_kv + kvh * D;
             for (int t = 0; t < tiles; t++, it++) {
@@ -242,7 +322,9 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
                 ws_load_tile<D, BC>(k_addr, tk_map, full, kc, t * BC);
                 ws_load_tile<D, BC>(k_addr + KV_BYTES, tv_map, full, kc, t * BC);
             }
+            w = ws_claim_next(work_counter);
         }
+        ws_claims_done(work_counter);
         return;
     }
     regs_alloc<240>();
@@ -251,12 +333,20 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
     int seq_q = (int)g.seq_q, seq_kv = (int)g.seq_kv, last = seq_q - 1;
     float sl2 = g.scale * TC_LOG2E;
     if (cw == 1) ws_turn_pass(cw);  // consumer 0 takes the first turn (invariant above)
-    int it = 0, item = 0;
-    for (int w = blockIdx.x; w < work; w += gridDim.x, item++) {
-        int bh = w % bh_count, i0 = (q_tiles - 1 - w / bh_count) * WS_BR;
-        int b = bh / (int)g.heads, h = bh % (int)g.heads;
-        int wg_row0 = i0 + 64 * cw, u = item & 1;
+    int it = 0;
+    for (int item = 0;; item++) {
+        int u = item & 1;
         unsigned q_addr = q_addr0 + u * Q_BYTES, q_empty = q_empty0 + 8 * u;
+        mbar_wait(q_full0 + 8 * u, (item >> 1) & 1);
+        const int* rg = ranges + 8 * u;
+        // Read from shared memory through lane 0: uniform to the compiler, so the wgmma loops
+        // they bound are not on a divergent path (which ptxas serializes, C7520).
+        int c = __shfl_sync(FULL_MASK, rg[5], 0);
+        if (c < 0) break;
+        WsItem wi = ws_item(c, q_tiles);
+        int bh = wi.bh, i0 = wi.i0;
+        int b = bh / (int)g.heads, h = bh % (int)g.heads;
+        int wg_row0 = i0 + 64 * cw;
         int pos[2];
         float m[2], l[2];
         #pragma unroll
@@ -269,10 +359,6 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
         float acc[D / 2];
         #pragma unroll
         for (int i = 0; i < D / 2; i++) acc[i] = 0.0f;
-        mbar_wait(q_full0 + 8 * u, (item >> 1) & 1);
-        const int* rg = ranges + 8 * u;
-        // Read from shared memory through lane 0: uniform to the compiler, so the wgmma loops
-        // they bound are not on a divergent path (which ptxas serializes, C7520).
         WsRange r;
         r.tiles = __shfl_sync(FULL_MASK, rg[0], 0);
         r.wg_tiles = __shfl_sync(FULL_MASK, rg[1 + 2 * cw], 0);
@@ -358,9 +444,9 @@ __device__ __forceinline__ void ws_attention_fwd(const TmaMap& tq_map, const Tma
 #define WS_FWD(NAME, D, BC, STAGES)                                                                      \
     extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) NAME(                                   \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,                           \
-        const __grid_constant__ TmaMap tv, void* o, float* lse, const int* qpos, const int* kvpos,      \
-        AttGeom g) {                                                                                     \
-        ws_attention_fwd<D, BC, STAGES>(tq, tk, tv, o, lse, qpos, kvpos, g);                             \
+        const __grid_constant__ TmaMap tv, void* o, float* lse, int* work_counter, const int* qpos,     \
+        const int* kvpos, AttGeom g) {                                                                  \
+        ws_attention_fwd<D, BC, STAGES>(tq, tk, tv, o, lse, work_counter, qpos, kvpos, g);             \
     }
 // 128-key tiles: 246 TFLOP/s at 32·12·1024·64 causal on one H200 against 211 with 64-key ones
 // and 171 for the wgmma kernel (bench/RESULTS.md, session 7).
@@ -424,7 +510,7 @@ struct WsRing {
 // for consumer 1's turn k − 1, consumer 1's for consumer 0's turn k. One slot a ring would
 // suffice; more let the producer run ahead. The epilogue (O, lse) is outside the turns.
 template <int D, int BC, int K_STAGES, int V_STAGES>
-__device__ __forceinline__ void ws_attention_fwd_kv(const TmaMap& tq_map, const TmaMap& tk_map, const TmaMap& tv_map, void* o, float* lse, const int* qpos, const int* kvpos, const AttGeom& g) {
+__device__ __forceinline__ void ws_attention_fwd_kv(const TmaMap& tq_map, const TmaMap& tk_map, const TmaMap& tv_map, void* o, float* lse, int* work_counter, const int* qpos, const int* kvpos, const AttGeom& g) {
     constexpr int Q_BYTES = WG_TILE_BYTES(WS_BR, D), KV_BYTES = WG_TILE_BYTES(BC, D);
     constexpr int SLOTS = K_STAGES + V_STAGES;
     extern __shared__ __align__(16) unsigned char ws_smem_raw[];
@@ -456,25 +542,36 @@ __device__ __forceinline__ void ws_attention_fwd_kv(const TmaMap& tq_map, const 
         tma_prefetch(tk_map);
         tma_prefetch(tv_map);
         unsigned it = 0;
-        int item = 0;
-        for (int w = blockIdx.x; w < work; w += gridDim.x, item++) {
-            int bh = w % bh_count, i0 = (q_tiles - 1 - w / bh_count) * WS_BR;
+        int item = 0, tail = ws_claim_tail(work);
+        for (int w = blockIdx.x;; item++) {
+            int u = item & 1;
+            unsigned q_full = q_full0 + 8 * u;
+            int* rg = ranges + 8 * u;
+            if (w >= work) {
+                // No work left: a bare arrival hands the consumers item −1, their signal to stop.
+                mbar_wait(q_empty0 + 8 * u, ((item >> 1) & 1) ^ 1);
+                rg[5] = -1;
+                mbar_arrive(q_full);
+                break;
+            }
+            int c = ws_claimed_item(w, q_tiles, bh_count, tail);
+            WsItem wi = ws_item(c, q_tiles);
+            int bh = wi.bh, i0 = wi.i0;
             int b = bh / (int)g.heads, h = bh % (int)g.heads;
             int kvh = h / (int)(g.heads / g.kv_heads);
             // The CTA's key tiles are those of its later consumer (rows i0 + 64 ..), which
             // sees every key the earlier one does.
             WsRange r0 = ws_range<BC>(qpos, kvpos, g, i0, i0);
             WsRange r1 = ws_range<BC>(qpos, kvpos, g, i0, i0 + 64);
-            int tiles = r1.tiles, u = item & 1;
-            unsigned q_full = q_full0 + 8 * u;
+            int tiles = r1.tiles;
             mbar_wait(q_empty0 + 8 * u, ((item >> 1) & 1) ^ 1);
-            int* rg = ranges + 8 * u;
             rg[0] = tiles;
             rg[1] = r0.wg_tiles;
             rg[2] = r0.wg_full;
             rg[3] = r1.wg_tiles;
             rg[4] = r1.wg_full;
-            mbar_expect_tx(q_full, Q_BYTES);  // releases the ranges with it
+            rg[5] = c;
+            mbar_expect_tx(q_full, Q_BYTES);  // releases the ranges and the item with it
             ws_load_tile<D, WS_BR>(q_addr0 + u * Q_BYTES, tq_map, q_full, b * g.ld_q + h * D, i0);
             int kc = b * g.ld_kv + kvh * D;
             // In the consumers' order: K_t, then V_{t−1} (needed with S_t's turn, after K_t).
@@ -483,7 +580,9 @@ __device__ __forceinline__ void ws_attention_fwd_kv(const TmaMap& tq_map, const 
                 if (t > 0) vr.template fill<D, BC>(it + t - 1, tv_map, kc, (t - 1) * BC);
             }
             it += tiles;
+            w = ws_claim_next(work_counter);
         }
+        ws_claims_done(work_counter);
         return;
     }
     regs_alloc<240>();
@@ -493,12 +592,19 @@ __device__ __forceinline__ void ws_attention_fwd_kv(const TmaMap& tq_map, const 
     float sl2 = g.scale * TC_LOG2E;
     if (cw == 1) ws_turn_pass(cw);  // consumer 0 takes the first turn (invariant above)
     unsigned it = 0;  // the item's first tile in both rings
-    int item = 0;
-    for (int w = blockIdx.x; w < work; w += gridDim.x, item++) {
-        int bh = w % bh_count, i0 = (q_tiles - 1 - w / bh_count) * WS_BR;
-        int b = bh / (int)g.heads, h = bh % (int)g.heads;
-        int wg_row0 = i0 + 64 * cw, u = item & 1;
+    for (int item = 0;; item++) {
+        int u = item & 1;
         unsigned q_addr = q_addr0 + u * Q_BYTES, q_empty = q_empty0 + 8 * u;
+        mbar_wait(q_full0 + 8 * u, (item >> 1) & 1);
+        const int* rg = ranges + 8 * u;
+        // Read from shared memory through lane 0: uniform to the compiler, so the wgmma loops
+        // they bound are not on a divergent path (which ptxas serializes, C7520).
+        int c = __shfl_sync(FULL_MASK, rg[5], 0);
+        if (c < 0) break;
+        WsItem wi = ws_item(c, q_tiles);
+        int bh = wi.bh, i0 = wi.i0;
+        int b = bh / (int)g.heads, h = bh % (int)g.heads;
+        int wg_row0 = i0 + 64 * cw;
         int pos[2];
         float m[2], l[2];
         #pragma unroll
@@ -511,10 +617,6 @@ __device__ __forceinline__ void ws_attention_fwd_kv(const TmaMap& tq_map, const 
         float acc[D / 2];
         #pragma unroll
         for (int i = 0; i < D / 2; i++) acc[i] = 0.0f;
-        mbar_wait(q_full0 + 8 * u, (item >> 1) & 1);
-        const int* rg = ranges + 8 * u;
-        // Read from shared memory through lane 0: uniform to the compiler, so the wgmma loops
-        // they bound are not on a divergent path (which ptxas serializes, C7520).
         WsRange r;
         r.tiles = __shfl_sync(FULL_MASK, rg[0], 0);
         r.wg_tiles = __shfl_sync(FULL_MASK, rg[1 + 2 * cw], 0);
@@ -606,9 +708,9 @@ __device__ __forceinline__ void ws_attention_fwd_kv(const TmaMap& tq_map, const 
 #define WS_FWD_KV(NAME, D, BC, K_STAGES, V_STAGES)                                                      \
     extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) NAME(                                   \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,                           \
-        const __grid_constant__ TmaMap tv, void* o, float* lse, const int* qpos, const int* kvpos,      \
-        AttGeom g) {                                                                                    \
-        ws_attention_fwd_kv<D, BC, K_STAGES, V_STAGES>(tq, tk, tv, o, lse, qpos, kvpos, g);             \
+        const __grid_constant__ TmaMap tv, void* o, float* lse, int* work_counter, const int* qpos,     \
+        const int* kvpos, AttGeom g) {                                                                  \
+        ws_attention_fwd_kv<D, BC, K_STAGES, V_STAGES>(tq, tk, tv, o, lse, work_counter, qpos, kvpos, g); \
     }
 // FlashAttention-3's d128 forward tiles: 128 × 128 Q × K, two consumer warpgroups. Shared
 // memory (attention.rs's WS_FWD_SMEM_D128): 1024 alignment slack + 2 Q buffers of 128 × 128
