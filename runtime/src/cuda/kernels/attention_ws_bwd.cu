@@ -467,21 +467,19 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             if (elected) bulk_wait_read<0>();
             wg_fence_proxy();
             consumers_bar();
-            wg_fence();
-            #pragma unroll
-            for (int kk = 0; kk < BR / 16; kk++) wg_mma_pv<D>(dka, dsf[kk], wg_desc_mn<BR>(q_addr, kk), 1);
-            wg_commit();
+            // dQ's product first, then dK's: dK multiplies while dQ's part goes to shared memory
+            // and its reduction is issued (wgmma groups complete in order).
             wg_fence();
             #pragma unroll
             for (int kk = 0; kk < BC / 16; kk++) wsb_mma_ss_n64_mn(dq, wg_desc_mn<BC>(dq_a + ds_off, kk), wg_desc_mn<BC>(dq_b, kk), kk > 0);
             wg_commit();
-            wg_wait_all();
+            wg_fence();
+            #pragma unroll
+            for (int kk = 0; kk < BR / 16; kk++) wg_mma_pv<D>(dka, dsf[kk], wg_desc_mn<BR>(q_addr, kk), 1);
+            wg_commit();
+            asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
             wg_hold(dva);
-            wg_hold(dka);
             wg_hold(dq);
-            ws_hold_u(pf);
-            ws_hold_u(dsf);
-            mbar_arrive_warp(bars + 8 * (STAGES + s));
             // dQ · scale into this consumer's part, reduced into the accumulator's 64 rows of
             // head (b, h) at its first column: one reduction per 32-column block.
             #pragma unroll
@@ -500,6 +498,12 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
                 int col = (b * (int)g.heads + h) * D + (DQ_BY_ROWS ? 0 : 64 * cw);
                 wsb_reduce_dq(tdq, dq_addr, col, i0 + (DQ_BY_ROWS ? 64 * cw : 0));
             }
+            // dK's product done: the slot's Q and the dSᵀ fragments it reads are free.
+            wg_wait_all();
+            wg_hold(dka);
+            ws_hold_u(pf);
+            ws_hold_u(dsf);
+            mbar_arrive_warp(bars + 8 * (STAGES + s));
         }
         mbar_arrive_warp(kv_empty0 + 8 * u);
         int dkv_stride = (int)g.batch * g.ld_dkv, head = b * g.ld_dkv + kvh * D + 2 * tq4;
