@@ -146,7 +146,8 @@ const fn wsb_smem(d: usize) -> u32 {
         + ds_tiles * WSB_BC * br * 2
         + 2 * WSB_DQ_PART * 4
         + 8 * (2 * stages + 4)
-        + 64) as u32
+        + 64
+        + 16) as u32
 }
 /// 195 KiB at both head dims.
 const WSB_SMEM: u32 = wsb_smem(64);
@@ -1118,8 +1119,8 @@ mod tests {
         const { assert!(WS_FWD_SMEM_D128 <= H100_SMEM) };
         assert_eq!(WS_FWD_SMEM, 165_024);
         assert_eq!(WS_FWD_SMEM_D128, 230_576);
-        assert_eq!(WSB_SMEM, 199_808);
-        assert_eq!(WSB_SMEM_D128, 199_808);
+        assert_eq!(WSB_SMEM, 199_824);
+        assert_eq!(WSB_SMEM_D128, 199_824);
     }
 
     /// The wgmma forward's shared memory follows its kernel's layout (1024-byte alignment

@@ -111,6 +111,13 @@ __device__ __forceinline__ void wg_bar(int id) { asm volatile("bar.sync %0, 128;
 // A barrier of both consumer warpgroups (256 threads; named barrier 3: the warpgroups' own are 1
 // and 2).
 __device__ __forceinline__ void consumers_bar() { asm volatile("bar.sync 3, 256;" ::: "memory"); }
+// The dQ writers' named barriers (a consumer warpgroup's 128 threads and its writer warp's 32):
+// consumer cw's part full at 4 + cw, free again at 6 + cw. The consumer arrives on full and
+// waits on free; its writer waits on full and arrives on free.
+#define WSB_DQ_FULL_BAR 4
+#define WSB_DQ_FREE_BAR 6
+__device__ __forceinline__ void bar_sync_160(int id) { asm volatile("bar.sync %0, 160;" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void bar_arrive_160(int id) { asm volatile("bar.arrive %0, 160;" ::"r"(id) : "memory"); }
 
 // Work item w: key tile w % k_tiles (its first key j0) of pair w / k_tiles (wsb_heads). Items
 // are claimed in about this order (ws_claimed_item; wsb_attention_bwd: the first one an SM,
@@ -299,6 +306,9 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     // kv_empty[u]; then per K/V buffer the item's query ranges (WsbRange, 8 ints a buffer).
     unsigned kv_full0 = bars + 16 * STAGES, kv_empty0 = kv_full0 + 16;
     int* ranges = reinterpret_cast<int*>(smem + (kv_empty0 + 16 - base));
+    // Consumer cw's dQ part's place in the accumulator (column, query row; column −1: no more
+    // parts), for its writer: dq_at[2 cw], dq_at[2 cw + 1].
+    int* dq_at = ranges + 16;
     // Items per query head (PER_HEAD: dK, dV added into dkv_acc), else per kv head (wsb_heads).
     constexpr bool per_head = PER_HEAD;
     int group = (int)(g.heads / g.kv_heads);
@@ -313,6 +323,30 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
         // double-buffered, so the next item's load overlaps this one's last query tiles, and
         // its ranges (dependent loads of the positions) travel with it, off the consumers' path.
         regs_dealloc<24>();
+        int pw = (int)threadIdx.x / 32;
+        if (pw == 1 || pw == 2) {
+            // Consumer (pw − 1)'s dQ writer (FlashAttention-3's): adds each part into the f32
+            // accumulator once the consumer has stored it, and frees the part when the
+            // reduction has read it, so the consumers neither issue nor wait for reductions.
+            int cw = pw - 1;
+            unsigned part = dq_addr0 + cw * DQT;
+            bar_arrive_160(WSB_DQ_FREE_BAR + cw);
+            for (;;) {
+                bar_sync_160(WSB_DQ_FULL_BAR + cw);
+                int col = dq_at[2 * cw], row = dq_at[2 * cw + 1];
+                if (col < 0) break;
+                if ((threadIdx.x & 31) == 0) {
+                    wsb_reduce_dq(tdq, part, col, row);
+                    bulk_wait_read<0>();
+                }
+                __syncwarp();
+                bar_arrive_160(WSB_DQ_FREE_BAR + cw);
+            }
+            // Every reduction done (they read shared memory until they complete: the CTA
+            // must outlive them).
+            if ((threadIdx.x & 31) == 0) bulk_wait_all();
+            return;
+        }
         if (threadIdx.x != 0) return;
         tma_prefetch(tq);
         tma_prefetch(tdo);
@@ -461,10 +495,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
                 *reinterpret_cast<unsigned*>(sdt + wg_chunk<BC>(rr + 8, (c + 8) >> 3) + (c & 7) * 2) = dsf[kk][3];
             }
             // Both consumers' dSᵀ rows written (and, through the proxy fence, visible to the
-            // async proxy) before either's dQ reads them. This consumer's dQ part, written after
-            // the barrier, was last read by the reduction issued at the previous tile: the
-            // elected thread waits for it first.
-            if (elected) bulk_wait_read<0>();
+            // async proxy) before either's dQ reads them.
             wg_fence_proxy();
             consumers_bar();
             // dQ's product first, then dK's: dK multiplies while dQ's part goes to shared memory
@@ -480,24 +511,26 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
             wg_hold(dva);
             wg_hold(dq);
-            // dQ · scale into this consumer's part, reduced into the accumulator's 64 rows of
-            // head (b, h) at its first column: one reduction per 32-column block.
+            // dQ · scale into this consumer's part (free once its writer's last reduction has
+            // read it), reduced into the accumulator's 64 rows of head (b, h) at its first
+            // column by the writer: one reduction per 32-column block.
+            bar_sync_160(WSB_DQ_FREE_BAR + cw);
             #pragma unroll
             for (int nb = 0; nb < 8; nb++) {
                 int rr = warp * 16 + gq, c = nb * 8 + 2 * tq4;
                 *reinterpret_cast<float2*>(sdq + wsb_dq_off(rr, c)) = make_float2(g.scale * dq[4 * nb], g.scale * dq[4 * nb + 1]);
                 *reinterpret_cast<float2*>(sdq + wsb_dq_off(rr + 8, c)) = make_float2(g.scale * dq[4 * nb + 2], g.scale * dq[4 * nb + 3]);
             }
-            // The barrier of both frees the dSᵀ tile (both dQ products are done) for the next
-            // tile's writes and makes the dQ part visible to its reduction; with two dSᵀ tiles
-            // (head dim 128) the next tile writes the other one, and this warpgroup's barrier does.
-            wg_fence_proxy();
-            if constexpr (DS_BUFS == 2) wg_bar(1 + cw);
-            else consumers_bar();
             if (elected) {
-                int col = (b * (int)g.heads + h) * D + (DQ_BY_ROWS ? 0 : 64 * cw);
-                wsb_reduce_dq(tdq, dq_addr, col, i0 + (DQ_BY_ROWS ? 64 * cw : 0));
+                dq_at[2 * cw] = (b * (int)g.heads + h) * D + (DQ_BY_ROWS ? 0 : 64 * cw);
+                dq_at[2 * cw + 1] = i0 + (DQ_BY_ROWS ? 64 * cw : 0);
             }
+            // The part (through the proxy fence, visible to the async proxy) and its place to
+            // the writer; with one dSᵀ tile (head dim 64) the barrier of both also frees it (both
+            // dQ products are done) for the next tile's writes.
+            wg_fence_proxy();
+            if constexpr (DS_BUFS == 1) consumers_bar();
+            bar_arrive_160(WSB_DQ_FULL_BAR + cw);
             // dK's product done: the slot's Q and the dSᵀ fragments it reads are free.
             wg_wait_all();
             wg_hold(dka);
@@ -573,9 +606,10 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             }
         }
     }
-    // Every reduction done (they read shared memory until they complete: the CTA must outlive
-    // them).
-    if (elected) bulk_wait_all();
+    // No more parts: the writer stops.
+    bar_sync_160(WSB_DQ_FREE_BAR + cw);
+    if (elected) dq_at[2 * cw] = -1;
+    bar_arrive_160(WSB_DQ_FULL_BAR + cw);
 }
 
 #define WSB_BWD(NAME, D, PER_HEAD)                                                                                   \
