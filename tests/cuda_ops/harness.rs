@@ -25,9 +25,13 @@ pub const BF16_ATTENTION: (f32, f32) = (2e-2, 5e-2);
 /// sums over 8192 keys or queries (and dV's over six heads). Seen (worst of forward, dQ, dK, dV):
 /// the older `wgmma` + `fa2` kernels 2.02–2.30e-2, 3.0–3.7e-2, 3.2–3.6e-2, 3.8–4.6e-2 (two H100
 /// runs, 2026-12-05); the warp-specialized ones 1.95e-2, 3.0–3.5e-2, 2.8–3.2e-2, 3.1–5.55e-2 (an
-/// H200 and an H100): the same rounding, not a fault of either.
+/// H200 and an H100): the same rounding, not a fault of either. The backward's worst is a tail
+/// over the random inputs: seed 1796593872300098845 gives dQ 8.68e-2 at query row 2 (an H100,
+/// 2026-12-06, the same value from three builds of the kernels), where dS = P∘(dP − δ) over
+/// three keys cancels from terms of |dP| ≈ √d to a dQ far below the output's rms. A lost or
+/// repeated key tile is an error of order 1.
 #[cfg(feature = "cuda")]
-pub const BF16_ATTENTION_LONG: (f32, f32) = (4e-2, 8e-2);
+pub const BF16_ATTENTION_LONG: (f32, f32) = (4e-2, 1.2e-1);
 /// A bf16 GEMM's worst error must exceed this (fp32 GEMMs stay below 2e-6).
 pub const BF16_ROUNDED: f32 = 1e-4;
 pub const FP16_GEMM: f32 = 5e-3;

@@ -23,11 +23,12 @@
 //   dK += dSᵀ Q                                 (A = dSᵀ from registers)
 // and, after a barrier of both consumers, dQ = dS K over all 128 keys from the shared dSᵀ
 // tile, each consumer a 64 × 64 part of it (head dim 64: its 64 of the BR = 128 query rows;
-// 128: its 64 of the 128 columns); then release the slot, put the part (times scale) in shared
-// memory and, after a barrier (head dim 64: of both, the dSᵀ tile free again; 128: of its own
-// warpgroup, the next tile writing the other of two dSᵀ tiles), add it into the f32 accumulator
-// with one TMA reduction per 32 columns (cp.reduce.async.bulk.tensor): no atomics issued by the
-// threads.
+// 128: its 64 of the 128 columns), issued before dK's product, which multiplies while the part
+// (times scale) goes to shared memory; the part is added into the f32 accumulator with one TMA
+// reduction per 32 columns (cp.reduce.async.bulk.tensor; no atomics issued by the threads):
+// head dim 64 by the consumer's elected thread after a barrier of both (the dSᵀ tile free
+// again), 128 by the consumer's dQ writer, a warp of the producer warpgroup (the next tile
+// writing the other of two dSᵀ tiles). The slot is released once dK's product is done.
 #ifdef __CUDA_ARCH_FEAT_SM90_ALL
 
 #define WSB_BC 128
@@ -258,7 +259,7 @@ __device__ __forceinline__ void wsb_probs(float (&s)[BR / 2], const float* sl, c
 // grid: min(items, SMs); block: WSB_THREADS; shared: 1024 (alignment) + KV_BUFS K, V buffers
 // (WSB_BC rows) + WSB_STAGES slots (Q, dO: BR rows; lse2, delta) + DS_BUFS dSᵀ tiles (WSB_BC
 // keys × BR queries, bf16) + a dQ part (64 × 64 f32) per consumer + 2 WSB_STAGES + 4 mbarriers
-// + the ranges.
+// + the ranges + the dQ parts' places (4 ints).
 //
 // Head dim 64 (BR 128): K, V 16 KiB each, double-buffered, so the next item's load overlaps
 // this one's last query tiles (64 KiB); 2 slots of 33 KiB; dSᵀ 32 KiB; dQ parts 2 × 16 KiB:
@@ -286,6 +287,12 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     // How the consumers split dQ = dS K (64 × 64 each): by query rows (head dim 64: BR = 128
     // rows, 64 columns) or by columns (128: 64 rows, 128 columns).
     constexpr bool DQ_BY_ROWS = BR == 128;
+    // Who adds a consumer's dQ part into the accumulator: its writer warp in the producer
+    // warpgroup (head dim 128, two dSᵀ tiles: FlashAttention-3's dQ writer), or the consumer's
+    // elected thread after a barrier (head dim 64, whose one dSᵀ tile needs a barrier of both
+    // consumers there anyway). Measured on an H100 (2026-12-06, bench/RESULTS.md): the writers
+    // gained 1–7% at every head-dim-128 point of issue 19's grid and lost 1–2% at head dim 64.
+    constexpr bool DQ_WRITER = DS_BUFS == 2;
     static_assert(DQ_BY_ROWS ? D == 64 : (BR == 64 && D == 128), "a consumer's dQ part is 64 × 64");
     constexpr int KT = BC * D * 2, QT = BR * D * 2, DST = BC * BR * 2, DQT = WSB_DQ_ROWS * 64 * 4;
     // One ring slot: Q and dO tiles, then lse2 and delta rows (f32, BR each), padded so the next
@@ -324,7 +331,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
         // its ranges (dependent loads of the positions) travel with it, off the consumers' path.
         regs_dealloc<24>();
         int pw = (int)threadIdx.x / 32;
-        if (pw == 1 || pw == 2) {
+        if (DQ_WRITER && (pw == 1 || pw == 2)) {
             // Consumer (pw − 1)'s dQ writer (FlashAttention-3's): adds each part into the f32
             // accumulator once the consumer has stored it, and frees the part when the
             // reduction has read it, so the consumers neither issue nor wait for reductions.
@@ -495,7 +502,10 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
                 *reinterpret_cast<unsigned*>(sdt + wg_chunk<BC>(rr + 8, (c + 8) >> 3) + (c & 7) * 2) = dsf[kk][3];
             }
             // Both consumers' dSᵀ rows written (and, through the proxy fence, visible to the
-            // async proxy) before either's dQ reads them.
+            // async proxy) before either's dQ reads them. Without a writer, this consumer's dQ
+            // part, written after the barrier, was last read by the reduction its elected thread
+            // issued at the previous tile: that thread waits for it first.
+            if (!DQ_WRITER && elected) bulk_wait_read<0>();
             wg_fence_proxy();
             consumers_bar();
             // dQ's product first, then dK's: dK multiplies while dQ's part goes to shared memory
@@ -511,26 +521,32 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
             wg_hold(dva);
             wg_hold(dq);
-            // dQ · scale into this consumer's part (free once its writer's last reduction has
-            // read it), reduced into the accumulator's 64 rows of head (b, h) at its first
-            // column by the writer: one reduction per 32-column block.
-            bar_sync_160(WSB_DQ_FREE_BAR + cw);
+            // dQ · scale into this consumer's part (free once the last reduction has read it),
+            // added into the accumulator's 64 rows of head (b, h) at its first column: one
+            // reduction per 32-column block.
+            if (DQ_WRITER) bar_sync_160(WSB_DQ_FREE_BAR + cw);
             #pragma unroll
             for (int nb = 0; nb < 8; nb++) {
                 int rr = warp * 16 + gq, c = nb * 8 + 2 * tq4;
                 *reinterpret_cast<float2*>(sdq + wsb_dq_off(rr, c)) = make_float2(g.scale * dq[4 * nb], g.scale * dq[4 * nb + 1]);
                 *reinterpret_cast<float2*>(sdq + wsb_dq_off(rr + 8, c)) = make_float2(g.scale * dq[4 * nb + 2], g.scale * dq[4 * nb + 3]);
             }
-            if (elected) {
-                dq_at[2 * cw] = (b * (int)g.heads + h) * D + (DQ_BY_ROWS ? 0 : 64 * cw);
-                dq_at[2 * cw + 1] = i0 + (DQ_BY_ROWS ? 64 * cw : 0);
-            }
-            // The part (through the proxy fence, visible to the async proxy) and its place to
-            // the writer; with one dSᵀ tile (head dim 64) the barrier of both also frees it (both
-            // dQ products are done) for the next tile's writes.
+            int dq_col = (b * (int)g.heads + h) * D + (DQ_BY_ROWS ? 0 : 64 * cw), dq_row = i0 + (DQ_BY_ROWS ? 64 * cw : 0);
+            // The part visible to the async proxy (the fence), then: with a writer, its place to
+            // the writer; without, the barrier of both (which also frees the one dSᵀ tile, both
+            // dQ products being done, for the next tile's writes) and the elected thread's
+            // reduction.
             wg_fence_proxy();
-            if constexpr (DS_BUFS == 1) consumers_bar();
-            bar_arrive_160(WSB_DQ_FULL_BAR + cw);
+            if constexpr (DQ_WRITER) {
+                if (elected) {
+                    dq_at[2 * cw] = dq_col;
+                    dq_at[2 * cw + 1] = dq_row;
+                }
+                bar_arrive_160(WSB_DQ_FULL_BAR + cw);
+            } else {
+                consumers_bar();
+                if (elected) wsb_reduce_dq(tdq, dq_addr, dq_col, dq_row);
+            }
             // dK's product done: the slot's Q and the dSᵀ fragments it reads are free.
             wg_wait_all();
             wg_hold(dka);
@@ -606,10 +622,16 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             }
         }
     }
-    // No more parts: the writer stops.
-    bar_sync_160(WSB_DQ_FREE_BAR + cw);
-    if (elected) dq_at[2 * cw] = -1;
-    bar_arrive_160(WSB_DQ_FULL_BAR + cw);
+    if constexpr (DQ_WRITER) {
+        // No more parts: the writer stops.
+        bar_sync_160(WSB_DQ_FREE_BAR + cw);
+        if (elected) dq_at[2 * cw] = -1;
+        bar_arrive_160(WSB_DQ_FULL_BAR + cw);
+    } else if (elected) {
+        // Every reduction done (they read shared memory until they complete: the CTA must
+        // outlive them).
+        bulk_wait_all();
+    }
 }
 
 #define WSB_BWD(NAME, D, PER_HEAD)                                                                                   \
