@@ -136,7 +136,8 @@ const fn wsb_br(d: usize) -> usize {
 /// budgets: 2 ring slots; head_dim 64 double-buffers K/V and has one dSᵀ tile, 128 one K/V
 /// buffer and two dSᵀ tiles): alignment slack, the K and V buffers, the slots (Q, dO, and 1 KiB
 /// for their lse2 and delta rows), the dSᵀ tiles (keys × the slot's queries, bf16), the
-/// consumers' dQ parts (f32), the mbarriers, the two items' query ranges (8 ints each) and the dQ parts' places (4 ints).
+/// consumers' dQ parts (f32), the mbarriers, the two items' query ranges (8 ints each) and the
+/// dQ parts' places (4 ints).
 const fn wsb_smem(d: usize) -> u32 {
     let (kv_bufs, ds_tiles) = if d == 64 { (2, 1) } else { (1, 2) };
     let (br, stages) = (wsb_br(d), 2);
