@@ -108,17 +108,16 @@ __device__ __forceinline__ void wsb_reduce_dq(const TmaMap& tdq, unsigned src, i
     bulk_commit();
 }
 // A barrier of one warpgroup's 128 threads (named barrier id).
-__device__ __forceinline__ void wg_bar(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void wg_bar(int id) { named_bar_sync<128>(id); }
 // A barrier of both consumer warpgroups (256 threads; named barrier 3: the warpgroups' own are 1
 // and 2).
-__device__ __forceinline__ void consumers_bar() { asm volatile("bar.sync 3, 256;" ::: "memory"); }
-// The dQ writers' named barriers (a consumer warpgroup's 128 threads and its writer warp's 32):
-// consumer cw's part full at 4 + cw, free again at 6 + cw. The consumer arrives on full and
-// waits on free; its writer waits on full and arrives on free.
+__device__ __forceinline__ void consumers_bar() { named_bar_sync<256>(3); }
+// The dQ writers' named barriers (a consumer warpgroup's 128 threads and its writer warp's 32:
+// WSB_DQ_BAR_THREADS): consumer cw's part full at 4 + cw, free again at 6 + cw. The consumer
+// arrives on full and waits on free; its writer waits on full and arrives on free.
 #define WSB_DQ_FULL_BAR 4
 #define WSB_DQ_FREE_BAR 6
-__device__ __forceinline__ void bar_sync_160(int id) { asm volatile("bar.sync %0, 160;" ::"r"(id) : "memory"); }
-__device__ __forceinline__ void bar_arrive_160(int id) { asm volatile("bar.arrive %0, 160;" ::"r"(id) : "memory"); }
+#define WSB_DQ_BAR_THREADS 160
 
 // Work item w: key tile w % k_tiles (its first key j0) of pair w / k_tiles (wsb_heads). Items
 // are claimed in about this order (ws_claimed_item; wsb_attention_bwd: the first one an SM,
@@ -337,9 +336,9 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             // reduction has read it, so the consumers neither issue nor wait for reductions.
             int cw = pw - 1;
             unsigned part = dq_addr0 + cw * DQT;
-            bar_arrive_160(WSB_DQ_FREE_BAR + cw);
+            named_bar_arrive<WSB_DQ_BAR_THREADS>(WSB_DQ_FREE_BAR + cw);
             for (;;) {
-                bar_sync_160(WSB_DQ_FULL_BAR + cw);
+                named_bar_sync<WSB_DQ_BAR_THREADS>(WSB_DQ_FULL_BAR + cw);
                 int col = dq_at[2 * cw], row = dq_at[2 * cw + 1];
                 if (col < 0) break;
                 if ((threadIdx.x & 31) == 0) {
@@ -347,7 +346,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
                     bulk_wait_read<0>();
                 }
                 __syncwarp();
-                bar_arrive_160(WSB_DQ_FREE_BAR + cw);
+                named_bar_arrive<WSB_DQ_BAR_THREADS>(WSB_DQ_FREE_BAR + cw);
             }
             // Every reduction done (they read shared memory until they complete: the CTA
             // must outlive them).
@@ -524,7 +523,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             // dQ · scale into this consumer's part (free once the last reduction has read it),
             // added into the accumulator's 64 rows of head (b, h) at its first column: one
             // reduction per 32-column block.
-            if (DQ_WRITER) bar_sync_160(WSB_DQ_FREE_BAR + cw);
+            if (DQ_WRITER) named_bar_sync<WSB_DQ_BAR_THREADS>(WSB_DQ_FREE_BAR + cw);
             #pragma unroll
             for (int nb = 0; nb < 8; nb++) {
                 int rr = warp * 16 + gq, c = nb * 8 + 2 * tq4;
@@ -542,7 +541,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
                     dq_at[2 * cw] = dq_col;
                     dq_at[2 * cw + 1] = dq_row;
                 }
-                bar_arrive_160(WSB_DQ_FULL_BAR + cw);
+                named_bar_arrive<WSB_DQ_BAR_THREADS>(WSB_DQ_FULL_BAR + cw);
             } else {
                 consumers_bar();
                 if (elected) wsb_reduce_dq(tdq, dq_addr, dq_col, dq_row);
@@ -624,9 +623,9 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     }
     if constexpr (DQ_WRITER) {
         // No more parts: the writer stops.
-        bar_sync_160(WSB_DQ_FREE_BAR + cw);
+        named_bar_sync<WSB_DQ_BAR_THREADS>(WSB_DQ_FREE_BAR + cw);
         if (elected) dq_at[2 * cw] = -1;
-        bar_arrive_160(WSB_DQ_FULL_BAR + cw);
+        named_bar_arrive<WSB_DQ_BAR_THREADS>(WSB_DQ_FULL_BAR + cw);
     } else if (elected) {
         // Every reduction done (they read shared memory until they complete: the CTA must
         // outlive them).

@@ -219,12 +219,8 @@ __device__ __forceinline__ void ws_softmax(float (&s)[BC / 2], float (&m)[2], fl
 // issued, arrives on the other's. The first completes with the other consumer's arrival, the
 // second with the other's wait, so each turn alternates strictly between the two.
 #define WS_TURN_BAR 1
-__device__ __forceinline__ void ws_turn_wait(int cw) {
-    asm volatile("bar.sync %0, 256;" ::"r"(WS_TURN_BAR + cw) : "memory");
-}
-__device__ __forceinline__ void ws_turn_pass(int cw) {
-    asm volatile("bar.arrive %0, 256;" ::"r"(WS_TURN_BAR + 1 - cw) : "memory");
-}
+__device__ __forceinline__ void ws_turn_wait(int cw) { named_bar_sync<256>(WS_TURN_BAR + cw); }
+__device__ __forceinline__ void ws_turn_pass(int cw) { named_bar_arrive<256>(WS_TURN_BAR + 1 - cw); }
 
 // ws_softmax, masked or not (the choice is uniform per warpgroup).
 template <int BC>

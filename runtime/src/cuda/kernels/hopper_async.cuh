@@ -88,6 +88,19 @@ __device__ __forceinline__ void tma_prefetch(const TmaMap& map) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&map)) : "memory");
 }
 
+// Named barriers (ids 1..15; 0 is __syncthreads'): named_bar_sync waits until THREADS threads
+// (a multiple of 32) have arrived at or synced on barrier id; named_bar_arrive counts this
+// warp's threads without waiting. Memory accesses before either are performed for the threads
+// the barrier releases.
+template <int THREADS>
+__device__ __forceinline__ void named_bar_sync(int id) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(THREADS) : "memory");
+}
+template <int THREADS>
+__device__ __forceinline__ void named_bar_arrive(int id) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(THREADS) : "memory");
+}
+
 // Register reallocation: every warp of a warpgroup executes the same one (the kernel has a
 // register cap at entry: __launch_bounds__(threads, 1)).
 template <int N>
