@@ -161,7 +161,7 @@ fn cuda_steps_allocate_nothing() {
             // `parc check`'s prediction of it leaves out only position lists and the fused
             // optimizer's tables (KiBs).
             let target = parc_compiler::memplan::KernelTarget {
-                half: precision != Precision::Fp32,
+                operands: parc_compiler::memplan::OperandFormat::of(&precision),
                 hopper: gpu.backend().is_hopper(),
             };
             let predicted = parc_compiler::memplan::predicted_reserved(

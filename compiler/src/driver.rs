@@ -14,7 +14,7 @@ use crate::diag::{Diagnostic, Diagnostics, Sources};
 use crate::ir::Plan;
 use crate::memplan::{self, DeviceMemory, PlanSummary};
 use crate::overrides::Override;
-use crate::spec::{Precision, Spec};
+use crate::spec::Spec;
 use crate::timeline::{self, Timeline};
 use crate::verify::{self, VerifyReport};
 
@@ -370,10 +370,7 @@ fn plan_memory(
             return None;
         }
     };
-    let target = memplan::KernelTarget {
-        half: spec.train.precision != Precision::Fp32,
-        hopper: spec.cluster.gpu.hopper(),
-    };
+    let target = memplan::KernelTarget::of_spec(spec);
     let device = memplan::device_memory(plan, &programs, target);
     Some(MemoryPlans { programs, device })
 }

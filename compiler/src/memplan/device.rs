@@ -89,7 +89,7 @@ fn backend_lines(program: &Program, target: KernelTarget) -> Vec<DeviceLine> {
             basis: "16-bit copies (2 bytes per element) of every f32 parameter a GEMM reads as its weight".into(),
         });
     }
-    let vectors = if target.half && s.gemm_vector_len > 0 {
+    let vectors = if target.half() && s.gemm_vector_len > 0 {
         aligned(super::ALIGN + s.gemm_vector_len * 4)
     } else {
         0
@@ -256,7 +256,7 @@ mod tests {
 
     use crate::lower::lower;
 
-    use crate::memplan::plan_summaries;
+    use crate::memplan::{plan_summaries, OperandFormat};
     use crate::spec::{Precision, ZeroStage};
 
     const GIB: f64 = (1u64 << 30) as f64;
@@ -268,7 +268,7 @@ mod tests {
         let report = crate::verify::verify_spec(&plan, &spec).expect("verifies");
         let summaries = plan_summaries(&plan, &report).expect("plans");
         let target = KernelTarget {
-            half: choice.precision != Precision::Fp32,
+            operands: OperandFormat::of(&choice.precision),
             hopper: true,
         };
         let device = device_memory(&plan, &summaries, target);
@@ -330,7 +330,7 @@ mod tests {
             let (plan, _) = predict(&crate::memplan::tests::small_model(), &choice);
             let program = &plan.programs[0];
             let target = KernelTarget {
-                half: true,
+                operands: OperandFormat::Bf16,
                 hopper: true,
             };
             let scratch = crate::memplan::backend_scratch(program, target);

@@ -55,7 +55,7 @@ pub use device::{device_memory, predicted_reserved, DeviceLine, DeviceMemory};
 pub use overlap::{comm_overlap, CommOverlap};
 pub use scratch::{
     attention_scratch, backend_scratch, fp8_gemm_scratch, tensor_core_attention, AttentionScratch,
-    BackendScratch, Fp8OperandScratch, Fp8ScaleLayout, Fp8Scratch, KernelTarget,
+    BackendScratch, Fp8OperandScratch, Fp8ScaleLayout, Fp8Scratch, KernelTarget, OperandFormat,
     CUBLASLT_WORKSPACE_BYTES, MIN_REDUCTION_SCRATCH, REDUCTION_CHUNKS, SUM_SQUARES_BLOCKS,
 };
 pub use zeroing::zero_needs;

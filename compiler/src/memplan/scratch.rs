@@ -23,6 +23,7 @@ use super::ALIGN;
 use crate::ir::fp8::{operands, Along, Fp8Operand, Fp8Scaling, OperandKind};
 use crate::ir::op::Op;
 use crate::ir::{Buffer, BufferId, BufferKind, Compute, DType, Program};
+use crate::spec::{Precision, Spec};
 
 const MIB: u64 = 1 << 20;
 
@@ -39,14 +40,49 @@ pub const SUM_SQUARES_BLOCKS: u64 = 1024;
 const TENSOR_CORE_HEAD_DIMS: [u64; 2] = [64, 128];
 
 /// What the CUDA backend's kernel choices, and so its scratch, depend on beyond the program:
-/// whether GEMMs and tensor-core attention take 16-bit operands (bf16 and fp16 runs), and
+/// the run's operand format (GEMMs take 16-bit operands in bf16 and fp16 runs; the
+/// tensor-core attention kernels only in bf16 runs, fp16 runs keep the exact ones), and
 /// whether the GPU runs the Hopper (sm_90) kernels, whose attention backward at head dim
-/// [`PER_QUERY_HEAD_DKV`] under GQA accumulates dK and dV apart. `parc check` reads the GPU
-/// from the spec ([`crate::spec::Gpu::hopper`]), the backend from the device it runs on.
+/// [`PER_QUERY_HEAD_DKV`] under GQA accumulates dK and dV apart. `parc check` reads both from
+/// the spec ([`KernelTarget::of_spec`]), the backend from its run and the device it runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KernelTarget {
-    pub half: bool,
+    pub operands: OperandFormat,
     pub hopper: bool,
+}
+
+/// The format GEMMs (and, in bf16, attention) read their operands in: the run's precision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OperandFormat {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl OperandFormat {
+    /// The format of a run at `precision` (FP8 GEMMs are chosen per GEMM on top of it).
+    pub fn of(precision: &Precision) -> OperandFormat {
+        match precision {
+            Precision::Fp32 => OperandFormat::F32,
+            Precision::Bf16 => OperandFormat::Bf16,
+            Precision::Fp16 { .. } => OperandFormat::F16,
+        }
+    }
+}
+
+impl KernelTarget {
+    /// The target a spec names: its precision and its cluster's GPU.
+    pub fn of_spec(spec: &Spec) -> KernelTarget {
+        KernelTarget {
+            operands: OperandFormat::of(&spec.train.precision),
+            hopper: spec.cluster.gpu.hopper(),
+        }
+    }
+
+    /// Whether GEMMs take 16-bit operands (cached weight casts, per-use copies).
+    pub fn half(self) -> bool {
+        self.operands != OperandFormat::F32
+    }
 }
 
 /// The backend's scratch sizes for one program (see the module docs).
@@ -100,7 +136,7 @@ pub fn backend_scratch(program: &Program, target: KernelTarget) -> BackendScratc
         s.reduction = s.reduction.max(op.reduction);
         s.aliased = s.aliased.max(op.aliased);
         s.fp8 = s.fp8.max(fp8_scratch_of(program, c));
-        if target.half {
+        if target.half() {
             gemm_casts(program, c, &mut s);
         }
     }
@@ -116,7 +152,7 @@ pub fn backend_scratch(program: &Program, target: KernelTarget) -> BackendScratc
 /// The scratch one compute instruction of `program` asks for on `target`.
 fn op_scratch(program: &Program, c: Compute<'_>, target: KernelTarget) -> OpScratch {
     OpScratch {
-        gemm_operands: if target.half {
+        gemm_operands: if target.half() {
             gemm_operands(program, c)
         } else {
             0
@@ -358,10 +394,12 @@ fn fp8_scratch_of(program: &Program, c: Compute<'_>) -> u64 {
 }
 
 /// Whether an attention op of `head_dim` and `scale` runs on the tensor-core kernels in a run
-/// whose operands are 16-bit (`half`): they take the head dims listed and need a positive
-/// scale (they take the row max of raw scores).
-pub fn tensor_core_attention(half: bool, head_dim: u64, scale: f64) -> bool {
-    half && (scale as f32) > 0.0 && TENSOR_CORE_HEAD_DIMS.contains(&head_dim)
+/// of `operands`: they take bf16 operands and the head dims listed, and need a positive scale
+/// (they take the row max of raw scores).
+pub fn tensor_core_attention(operands: OperandFormat, head_dim: u64, scale: f64) -> bool {
+    operands == OperandFormat::Bf16
+        && (scale as f32) > 0.0
+        && TENSOR_CORE_HEAD_DIMS.contains(&head_dim)
 }
 
 /// Where the pieces of an attention op's scratch lie, in bytes from its start, each aligned
@@ -405,7 +443,7 @@ pub fn attention_scratch(
     };
     let (batch, heads, head_dim, scale, packed) =
         (&a.batch, &a.heads, &a.head_dim, &a.scale, &a.packed);
-    let tc = tensor_core_attention(target.half, *head_dim, *scale);
+    let tc = tensor_core_attention(target.operands, *head_dim, *scale);
     let backward = matches!(op, Op::AttentionBwd { .. });
     let mut bytes = 0;
     let mut take = |n: u64| {
@@ -459,11 +497,11 @@ mod tests {
 
     /// A 16-bit run and an f32 one, on a Hopper.
     const HALF: KernelTarget = KernelTarget {
-        half: true,
+        operands: OperandFormat::Bf16,
         hopper: true,
     };
     const FULL: KernelTarget = KernelTarget {
-        half: false,
+        operands: OperandFormat::F32,
         hopper: true,
     };
 
@@ -519,7 +557,7 @@ mod tests {
     }
 
     fn op_at(program: &Program, i: usize, half: bool) -> OpScratch {
-        let target = KernelTarget { half, hopper: true };
+        let target = if half { HALF } else { FULL };
         op_scratch(program, program.instrs[i].as_compute().unwrap(), target)
     }
 
@@ -744,9 +782,15 @@ mod tests {
             bytes(&fwd, HALF, &[(q, f), (kv, b), (kv, f)], &[]),
             aligned(q * 2) + aligned(kv * 2)
         );
-        // fp32 runs and other head dims: the exact kernels, no copies.
+        // fp32 and fp16 runs and other head dims: the exact kernels, no copies.
         let f32_qkv = [(q, f), (kv, f), (kv, f)];
         assert_eq!(bytes(&fwd, FULL, &f32_qkv, &[]), 0);
+        let fp16 = KernelTarget {
+            operands: OperandFormat::F16,
+            ..HALF
+        };
+        assert!(fp16.half(), "fp16 GEMMs take 16-bit operands");
+        assert_eq!(bytes(&fwd, fp16, &f32_qkv, &[]), 0);
         assert_eq!(bytes(&attention(true, 32), HALF, &f32_qkv, &[]), 0);
         let bwd = attention(false, 64);
         let stats = aligned(2 * 4 * 12 * 4);
@@ -760,6 +804,7 @@ mod tests {
         let copies = 2 * aligned(q * 2) + 2 * aligned(kv * 2);
         assert_eq!(bytes(&bwd, HALF, &ins(f), &outs(f)), copies + 2 * stats);
         assert_eq!(bytes(&bwd, FULL, &ins(b), &outs(b)), 2 * stats);
+        assert_eq!(bytes(&bwd, fp16, &ins(f), &outs(f)), 2 * stats);
         let layout = attention_scratch(&bwd, HALF, &ins(f), &outs(b)).unwrap();
         assert_eq!(layout.copies.len(), 4);
         let offsets = layout.copies.iter().flatten().copied();

@@ -28,7 +28,6 @@
 //! columns (`attention_dq_out`).
 use super::args::{p, Bound, Limits};
 use super::device::driver_error;
-use super::gemm::Operands;
 use super::kernel::Kernel;
 use super::tma::{self, Elem, TmaMap};
 use super::variants::{AttentionBwdKernel, AttentionFwdKernel};
@@ -274,11 +273,10 @@ impl TensorCore {
         }
     }
 
-    /// The tensor-core kernels for this op, or None where the exact kernels run: they need a
-    /// bf16 run (`bf16_run`), head_dim 64 or 128, and a positive scale (they take the row max
-    /// of raw scores).
-    fn for_op(bf16_run: bool, head_dim: u64, scale: f64) -> Option<TensorCore> {
-        if !parc_compiler::memplan::tensor_core_attention(bf16_run, head_dim, scale) {
+    /// The tensor-core kernels for this op on `target`, or None where the exact kernels run
+    /// (the compiler's `tensor_core_attention` says which, for the scratch layout too).
+    fn for_op(target: KernelTarget, head_dim: u64, scale: f64) -> Option<TensorCore> {
+        if !parc_compiler::memplan::tensor_core_attention(target.operands, head_dim, scale) {
             return None;
         }
         TensorCore::for_head_dim(usize::try_from(head_dim).ok()?)
@@ -556,20 +554,11 @@ struct Call {
     v: Buf,
     qpos: CUdeviceptr,
     kvpos: CUdeviceptr,
-    bf16_run: bool,
     /// The tensor-core kernels, or None where the exact ones run.
     tensor_core: Option<TensorCore>,
 }
 
 impl Call {
-    /// What this call's scratch layout depends on: its operand precision and the GPU.
-    fn target(&self, be: &CudaBackend) -> KernelTarget {
-        KernelTarget {
-            half: self.bf16_run,
-            hopper: be.is_hopper(),
-        }
-    }
-
     fn bind(be: &mut CudaBackend, b: &Bound, a: &AttentionAttrs, forward: bool) -> Result<Call> {
         let dims = Dims::new(b, a.batch, a.heads, a.kv_heads, a.head_dim)?;
         let first = usize::from(!forward);
@@ -602,7 +591,6 @@ impl Call {
         g.tiles_first = i32::from(heads_fit);
         let (qpos, _) = be.positions(&a.q_positions)?;
         let (kvpos, _) = be.positions(&a.kv_positions)?;
-        let bf16_run = be.operands == Operands::Bf16;
         Ok(Call {
             g,
             dims,
@@ -613,8 +601,7 @@ impl Call {
             v,
             qpos,
             kvpos,
-            bf16_run,
-            tensor_core: TensorCore::for_op(bf16_run, a.head_dim, a.scale),
+            tensor_core: TensorCore::for_op(be.kernel_target(), a.head_dim, a.scale),
         })
     }
 
@@ -673,7 +660,7 @@ fn tensor_core_forward(
     g: AttGeom,
     (o, lse): (Buf, Buf),
 ) -> Result<()> {
-    let layout = attention_scratch(b.op, c.target(be), &shape(&c.qkv), &shape(&[o, lse]))
+    let layout = attention_scratch(b.op, be.kernel_target(), &shape(&c.qkv), &shape(&[o, lse]))
         .ok_or_else(|| b.err("has no scratch layout"))?;
     let base = be.scratch(layout.bytes as usize)?;
     let ptrs = bf16_operands(be, &c.qkv, &layout, base)?;
@@ -789,7 +776,7 @@ fn attention_backward(be: &mut CudaBackend, b: &Bound, c: &Call) -> Result<()> {
     let mut ins = vec![dout];
     ins.extend(&c.qkv);
     ins.extend([o, lse]);
-    let layout = attention_scratch(b.op, c.target(be), &shape(&ins), &shape(&outs))
+    let layout = attention_scratch(b.op, be.kernel_target(), &shape(&ins), &shape(&outs))
         .ok_or_else(|| b.err("has no scratch layout"))?;
     let base = be.scratch(layout.bytes as usize)?;
     let dkv_bytes = 2 * c.g.seq_kv as usize * c.dims.batch * c.dims.kv_heads * c.dims.d * 4;

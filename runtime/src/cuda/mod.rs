@@ -101,7 +101,7 @@ use gemm::{Blas, Operands};
 use parc_compiler::ir::op::{Op, Segment};
 use parc_compiler::ir::Program;
 use parc_compiler::ir::{BufferId, CollectiveKind, DType};
-use parc_compiler::memplan::{KernelTarget, MemoryLayout};
+use parc_compiler::memplan::{KernelTarget, MemoryLayout, OperandFormat};
 use parc_compiler::spec::Precision;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -336,6 +336,21 @@ impl CudaBackend {
     /// kernels, e.g. the `wgmma` attention), read once when the backend was made.
     pub fn is_hopper(&self) -> bool {
         self.hopper
+    }
+
+    /// What this run's kernel choices, and so its scratch, depend on: the operand format and
+    /// the GPU (the compiler's memory plan reads the same from the spec).
+    pub(crate) fn kernel_target(&self) -> KernelTarget {
+        let operands = match self.operands {
+            Operands::Bf16 => OperandFormat::Bf16,
+            Operands::F16 => OperandFormat::F16,
+            // A run's operands are never FP8 (FP8 is chosen per GEMM on a bf16 run).
+            Operands::F32 | Operands::Fp8(_) => OperandFormat::F32,
+        };
+        KernelTarget {
+            operands,
+            hopper: self.hopper,
+        }
     }
 
     /// The device's name, e.g. for the `--backend auto` message.
@@ -632,11 +647,7 @@ impl Backend for CudaBackend {
         let persistent = region(layout.persistent_bytes, "the persistent buffers")?;
         let arena = region(layout.arena_bytes, "the transient buffer arena")?;
         self.planned = storage::PlannedRegions::new(program, layout, persistent, arena);
-        let target = KernelTarget {
-            half: self.operands != Operands::F32,
-            hopper: self.hopper,
-        };
-        let needs = storage::program_needs(program, target);
+        let needs = storage::program_needs(program, self.kernel_target());
         self.scratch(needs.scratch.reduction as usize)?;
         self.prepare_gemm(program, &needs.scratch)?;
         self.aliased = None;
