@@ -136,7 +136,7 @@ const fn wsb_br(d: usize) -> usize {
 /// buffer and two dSᵀ tiles): alignment slack, the K and V buffers, the slots (Q, dO, and 1 KiB
 /// for their lse2 and delta rows), the dSᵀ tiles (keys × the slot's queries, bf16), the
 /// consumers' dQ parts (f32), the mbarriers, the two items' query ranges (8 ints each) and the
-/// dQ parts' places (4 ints).
+/// parts' places (6 ints, 32 bytes).
 const fn wsb_smem(d: usize) -> u32 {
     let (kv_bufs, ds_tiles) = if d == 64 { (2, 1) } else { (1, 2) };
     let (br, stages) = (wsb_br(d), 2);
@@ -147,7 +147,7 @@ const fn wsb_smem(d: usize) -> u32 {
         + 2 * WSB_DQ_PART * 4
         + 8 * (2 * stages + 4)
         + 64
-        + 16) as u32
+        + 32) as u32
 }
 /// 195 KiB at both head dims.
 const WSB_SMEM: u32 = wsb_smem(64);
@@ -196,12 +196,15 @@ fn ws_tensor_maps(g: &AttGeom, [qp, kp, vp]: [CUdeviceptr; 3]) -> Result<[TmaMap
 /// columns: `operand_map`; q and dO of one slot's `wsb_br` rows), lse2 and delta (f32, one row
 /// of `att_rows` per (batch, head), boxes of one slot's queries) and the dQ accumulator (f32,
 /// compact rows of batch · heads · head_dim; boxes of 32 columns × 64 query rows, swizzled,
-/// that the kernel adds into: 2 a consumer's dQ part).
+/// that the kernel adds into: 2 a consumer's dQ part), then the dK and dV accumulators of items
+/// per query head (`dkv_acc`: f32, compact rows of batch · kv_heads · head_dim a key, dV's
+/// after dK's; boxes as dQ's, of 64 keys), or dQ's map again where there are none (unused).
 fn wsb_tensor_maps(
     g: &AttGeom,
     [dop, qp, kp, vp]: [CUdeviceptr; 4],
     (lse2, delta, dq_acc): (CUdeviceptr, CUdeviceptr, CUdeviceptr),
-) -> Result<[TmaMap; 7]> {
+    dkv_acc: Option<CUdeviceptr>,
+) -> Result<[TmaMap; 9]> {
     let bh = (g.batch * g.heads) as u64;
     let br = wsb_br(g.head_dim as usize);
     let rows_ld = (g.seq_q as u64).next_multiple_of(4);
@@ -214,7 +217,26 @@ fn wsb_tensor_maps(
             false,
         )
     };
-    let dq_cols = bh * g.head_dim as u64;
+    // An f32 accumulator of `cols` columns and `rows` rows, in boxes of a 32-column block of
+    // 64 rows (a part's, 128-byte swizzled).
+    let acc = |ptr, cols: u64, rows: i64| {
+        tma::matrix(
+            Elem::F32,
+            ptr,
+            (cols, rows as u64, cols * 4),
+            (32, 64),
+            true,
+        )
+    };
+    let dq = acc(dq_acc, bh * g.head_dim as u64, g.seq_q)?;
+    let (dk, dv) = match dkv_acc {
+        Some(ptr) => {
+            let cols = (g.batch * g.kv_heads * g.head_dim) as u64;
+            let dv_at = ptr + cols * g.seq_kv as u64 * 4;
+            (acc(ptr, cols, g.seq_kv)?, acc(dv_at, cols, g.seq_kv)?)
+        }
+        None => (dq, dq),
+    };
     Ok([
         operand_map(g, qp, g.ld_q, g.heads, g.seq_q, br)?,
         operand_map(g, dop, g.ld_o, g.heads, g.seq_q, br)?,
@@ -222,13 +244,9 @@ fn wsb_tensor_maps(
         operand_map(g, vp, g.ld_kv, g.kv_heads, g.seq_kv, WSB_BC)?,
         stats(lse2)?,
         stats(delta)?,
-        tma::matrix(
-            Elem::F32,
-            dq_acc,
-            (dq_cols, g.seq_q as u64, dq_cols * 4),
-            (32, 64),
-            true,
-        )?,
+        dq,
+        dk,
+        dv,
     ])
 }
 
@@ -879,14 +897,19 @@ fn tensor_core_backward(
         _ => None,
     };
     if let (true, Some((name, smem))) = (be.is_hopper(), ws_kernel) {
-        let maps = wsb_tensor_maps(&g, [ptrs[0], qp, kp, vp], (r.lse2, r.delta, dq_acc));
+        let dkv_acc = r.dkv_acc.map(|(acc, _)| acc);
+        let maps = wsb_tensor_maps(
+            &g,
+            [ptrs[0], qp, kp, vp],
+            (r.lse2, r.delta, dq_acc),
+            dkv_acc,
+        );
         if let Ok(maps) = maps {
             let counter = be.attention_work_counter()?;
             if let Some((acc, bytes)) = r.dkv_acc {
                 be.zero_bytes(acc, bytes)?;
             }
-            let acc = r.dkv_acc.map_or(0, |(acc, _)| acc);
-            let mut rest = vec![p(r.dk), p(r.dv), Arg::Ptr(counter), Arg::Ptr(acc)];
+            let mut rest = vec![p(r.dk), p(r.dv), Arg::Ptr(counter)];
             rest.extend(positions);
             let pairs = batch * if per_head { heads } else { c.dims.kv_heads };
             be.launch_persistent(name, seq_kv.div_ceil(WSB_BC) * pairs, smem, &maps, &rest)?;
@@ -1107,8 +1130,8 @@ mod tests {
         const { assert!(WS_FWD_SMEM_D128 <= H100_SMEM) };
         assert_eq!(WS_FWD_SMEM, 165_024);
         assert_eq!(WS_FWD_SMEM_D128, 230_576);
-        assert_eq!(WSB_SMEM, 199_824);
-        assert_eq!(WSB_SMEM_D128, 199_824);
+        assert_eq!(WSB_SMEM, 199_840);
+        assert_eq!(WSB_SMEM_D128, 199_840);
     }
 
     /// The wgmma forward's shared memory follows its kernel's layout (1024-byte alignment

@@ -100,11 +100,12 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 template <int N>
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-// Adds a dQ part (shared memory at src: two swizzled 32-column blocks of WSB_DQ_ROWS rows) into
-// the f32 accumulator at column col, query row i0, as one bulk group of this thread.
-__device__ __forceinline__ void wsb_reduce_dq(const TmaMap& tdq, unsigned src, int col, int i0) {
-    tma_reduce_add_2d(tdq, src, col, i0);
-    tma_reduce_add_2d(tdq, src + WSB_DQ_ROWS * 128, col + 32, i0);
+// Adds a part (shared memory at src: two swizzled 32-column blocks of WSB_DQ_ROWS rows, f32)
+// into the f32 accumulator of `map` (dQ's, or under GQA at head dim 128 dK's or dV's) at column
+// col, row i0, as one bulk group of this thread.
+__device__ __forceinline__ void wsb_reduce_part(const TmaMap& map, unsigned src, int col, int i0) {
+    tma_reduce_add_2d(map, src, col, i0);
+    tma_reduce_add_2d(map, src + WSB_DQ_ROWS * 128, col + 32, i0);
     bulk_commit();
 }
 // A barrier of one warpgroup's 128 threads (named barrier id).
@@ -159,11 +160,6 @@ __device__ __forceinline__ WsbHeads wsb_heads(int bk, const AttGeom& g, int grou
         hd.count = group;
     }
     return hd;
-}
-
-// Adds (x, y) into the f32 pair at p in global memory (one vector reduction, no return).
-__device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
 }
 
 // The query tiles (BR rows) of one item: the tiles [first, q_tiles) of each of the group's
@@ -258,7 +254,7 @@ __device__ __forceinline__ void wsb_probs(float (&s)[BR / 2], const float* sl, c
 // grid: min(items, SMs); block: WSB_THREADS; shared: 1024 (alignment) + KV_BUFS K, V buffers
 // (WSB_BC rows) + WSB_STAGES slots (Q, dO: BR rows; lse2, delta) + DS_BUFS dSᵀ tiles (WSB_BC
 // keys × BR queries, bf16) + a dQ part (64 × 64 f32) per consumer + 2 WSB_STAGES + 4 mbarriers
-// + the ranges + the dQ parts' places (4 ints).
+// + the ranges + the parts' places (6 ints).
 //
 // Head dim 64 (BR 128): K, V 16 KiB each, double-buffered, so the next item's load overlaps
 // this one's last query tiles (64 KiB); 2 slots of 33 KiB; dSᵀ 32 KiB; dQ parts 2 × 16 KiB:
@@ -280,7 +276,7 @@ __device__ __forceinline__ void wsb_probs(float (&s)[BR / 2], const float* sl, c
 // for the other, was the head-dim-64 kernel until 2026-12-06, with 64-row slots, and the
 // variant `ws_split` at 128: slower, bench/RESULTS.md.)
 template <int D, bool PER_HEAD>
-__device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap& tdo, const TmaMap& tk, const TmaMap& tv, const TmaMap& tlse, const TmaMap& tdelta, const TmaMap& tdq, void* dk, void* dv, int* work_counter, float* dkv_acc, const int* qpos, const int* kvpos, const AttGeom& g) {
+__device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap& tdo, const TmaMap& tk, const TmaMap& tv, const TmaMap& tlse, const TmaMap& tdelta, const TmaMap& tdq, const TmaMap& tdk_acc, const TmaMap& tdv_acc, void* dk, void* dv, int* work_counter, const int* qpos, const int* kvpos, const AttGeom& g) {
     constexpr int BC = WSB_BC, BR = wsb_br(D), STAGES = WSB_STAGES;
     constexpr int KV_BUFS = D == 64 ? 2 : 1, DS_BUFS = D == 128 ? 2 : 1;
     // How the consumers split dQ = dS K (64 × 64 each): by query rows (head dim 64: BR = 128
@@ -292,6 +288,8 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     // consumers there anyway). Measured on an H100 (2026-12-06, bench/RESULTS.md): the writers
     // gained 1–7% at every head-dim-128 point of issue 19's grid and lost 1–2% at head dim 64.
     constexpr bool DQ_WRITER = DS_BUFS == 2;
+    // Items per query head add their dK and dV through the writers too (below).
+    static_assert(!PER_HEAD || DQ_WRITER, "items per query head run at head dim 128");
     static_assert(DQ_BY_ROWS ? D == 64 : (BR == 64 && D == 128), "a consumer's dQ part is 64 × 64");
     constexpr int KT = BC * D * 2, QT = BR * D * 2, DST = BC * BR * 2, DQT = WSB_DQ_ROWS * 64 * 4;
     // One ring slot: Q and dO tiles, then lse2 and delta rows (f32, BR each), padded so the next
@@ -312,10 +310,11 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     // kv_empty[u]; then per K/V buffer the item's query ranges (WsbRange, 8 ints a buffer).
     unsigned kv_full0 = bars + 16 * STAGES, kv_empty0 = kv_full0 + 16;
     int* ranges = reinterpret_cast<int*>(smem + (kv_empty0 + 16 - base));
-    // Consumer cw's dQ part's place in the accumulator (column, query row; column −1: no more
-    // parts), for its writer: dq_at[2 cw], dq_at[2 cw + 1].
+    // Consumer cw's part's place, for its writer: dq_at[3 cw] the accumulator (0 dQ's, 1 dK's,
+    // 2 dV's; −1: no more parts), dq_at[3 cw + 1] its column, dq_at[3 cw + 2] its row.
     int* dq_at = ranges + 16;
-    // Items per query head (PER_HEAD: dK, dV added into dkv_acc), else per kv head (wsb_heads).
+    // Items per query head (PER_HEAD: dK, dV added into f32 accumulators), else per kv head
+    // (wsb_heads).
     constexpr bool per_head = PER_HEAD;
     int group = (int)(g.heads / g.kv_heads);
     int pairs = (int)(g.batch * (per_head ? g.heads : g.kv_heads));
@@ -339,10 +338,10 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             named_bar_arrive<WSB_DQ_BAR_THREADS>(WSB_DQ_FREE_BAR + cw);
             for (;;) {
                 named_bar_sync<WSB_DQ_BAR_THREADS>(WSB_DQ_FULL_BAR + cw);
-                int col = dq_at[2 * cw], row = dq_at[2 * cw + 1];
-                if (col < 0) break;
+                int acc = dq_at[3 * cw], col = dq_at[3 * cw + 1], row = dq_at[3 * cw + 2];
+                if (acc < 0) break;
                 if ((threadIdx.x & 31) == 0) {
-                    wsb_reduce_dq(tdq, part, col, row);
+                    wsb_reduce_part(acc == 0 ? tdq : acc == 1 ? tdk_acc : tdv_acc, part, col, row);
                     bulk_wait_read<0>();
                 }
                 __syncwarp();
@@ -538,13 +537,14 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
             wg_fence_proxy();
             if constexpr (DQ_WRITER) {
                 if (elected) {
-                    dq_at[2 * cw] = dq_col;
-                    dq_at[2 * cw + 1] = dq_row;
+                    dq_at[3 * cw] = 0;
+                    dq_at[3 * cw + 1] = dq_col;
+                    dq_at[3 * cw + 2] = dq_row;
                 }
                 named_bar_arrive<WSB_DQ_BAR_THREADS>(WSB_DQ_FULL_BAR + cw);
             } else {
                 consumers_bar();
-                if (elected) wsb_reduce_dq(tdq, dq_addr, dq_col, dq_row);
+                if (elected) wsb_reduce_part(tdq, dq_addr, dq_col, dq_row);
             }
             // dK's product done: the slot's Q and the dSᵀ fragments it reads are free.
             wg_wait_all();
@@ -557,21 +557,32 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
         int dkv_stride = (int)g.batch * g.ld_dkv, head = b * g.ld_dkv + kvh * D + 2 * tq4;
         if (per_head) {
             // One query head's share: dK · scale and dV added into the f32 accumulators
-            // (compact rows of batch · kv_heads · D a key, dV's after all of dK's), which
-            // attention_dkv_out rounds into dk, dv after the kernel.
-            long long acc_row = g.batch * g.kv_heads * D, acc_n = g.seq_kv * acc_row;
-            float* acc = dkv_acc + ((long long)b * g.kv_heads + kvh) * D + 2 * tq4;
+            // (compact rows of batch · kv_heads · D a key; tdk_acc, tdv_acc), which
+            // attention_dkv_out rounds into dk, dv after the kernel: 64 × 64 parts through this
+            // consumer's dQ part and its writer's TMA reductions, as dQ's (rows past seq_kv
+            // dropped by the maps). Until 2026-12-06 each thread added its pairs with
+            // red.global.add.v2.f32, 64 a thread an item.
+            int acc_col = (b * (int)g.kv_heads + kvh) * D;
             #pragma unroll
-            for (int half = 0; half < 2; half++) {
-                int key = half == 0 ? ka : kb;
-                if (key < seq_kv) {
-                    float* rk = acc + key * acc_row;
+            for (int which = 0; which < 2; which++) {
+                #pragma unroll
+                for (int half = 0; half < D / 64; half++) {
+                    const float* a = which == 0 ? dka : dva;
+                    float sc = which == 0 ? g.scale : 1.0f;
+                    named_bar_sync<WSB_DQ_BAR_THREADS>(WSB_DQ_FREE_BAR + cw);
                     #pragma unroll
-                    for (int nb = 0; nb < D / 8; nb++) {
-                        int e = 4 * nb + 2 * half;
-                        red_add_f32x2(rk + nb * 8, g.scale * dka[e], g.scale * dka[e + 1]);
-                        red_add_f32x2(rk + acc_n + nb * 8, dva[e], dva[e + 1]);
+                    for (int nb = 0; nb < 8; nb++) {
+                        int rr = warp * 16 + gq, c = nb * 8 + 2 * tq4, ab = 4 * (8 * half + nb);
+                        *reinterpret_cast<float2*>(sdq + wsb_dq_off(rr, c)) = make_float2(sc * a[ab], sc * a[ab + 1]);
+                        *reinterpret_cast<float2*>(sdq + wsb_dq_off(rr + 8, c)) = make_float2(sc * a[ab + 2], sc * a[ab + 3]);
                     }
+                    if (elected) {
+                        dq_at[3 * cw] = 1 + which;
+                        dq_at[3 * cw + 1] = acc_col + 64 * half;
+                        dq_at[3 * cw + 2] = j0 + 64 * cw;
+                    }
+                    wg_fence_proxy();
+                    named_bar_arrive<WSB_DQ_BAR_THREADS>(WSB_DQ_FULL_BAR + cw);
                 }
             }
         } else if (vec_out) {
@@ -624,7 +635,7 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     if constexpr (DQ_WRITER) {
         // No more parts: the writer stops.
         named_bar_sync<WSB_DQ_BAR_THREADS>(WSB_DQ_FREE_BAR + cw);
-        if (elected) dq_at[2 * cw] = -1;
+        if (elected) dq_at[3 * cw] = -1;
         named_bar_arrive<WSB_DQ_BAR_THREADS>(WSB_DQ_FULL_BAR + cw);
     } else if (elected) {
         // Every reduction done (they read shared memory until they complete: the CTA must
@@ -637,9 +648,10 @@ __device__ __forceinline__ void wsb_attention_bwd(const TmaMap& tq, const TmaMap
     extern "C" __global__ void __launch_bounds__(WSB_THREADS, 1) NAME(                                              \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tdo, const __grid_constant__ TmaMap tk,   \
         const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tlse,                                     \
-        const __grid_constant__ TmaMap tdelta, const __grid_constant__ TmaMap tdq, void* dk, void* dv,              \
-        int* work_counter, float* dkv_acc, const int* qpos, const int* kvpos, AttGeom g) {                          \
-        wsb_attention_bwd<D, PER_HEAD>(tq, tdo, tk, tv, tlse, tdelta, tdq, dk, dv, work_counter, dkv_acc, qpos, kvpos, g); \
+        const __grid_constant__ TmaMap tdelta, const __grid_constant__ TmaMap tdq,                                  \
+        const __grid_constant__ TmaMap tdk_acc, const __grid_constant__ TmaMap tdv_acc, void* dk, void* dv,         \
+        int* work_counter, const int* qpos, const int* kvpos, AttGeom g) {                                          \
+        wsb_attention_bwd<D, PER_HEAD>(tq, tdo, tk, tv, tlse, tdelta, tdq, tdk_acc, tdv_acc, dk, dv, work_counter, qpos, kvpos, g); \
     }
 WSB_BWD(attention_bwd_ws_d64, 64, false)
 WSB_BWD(attention_bwd_ws_d128, 128, false)
