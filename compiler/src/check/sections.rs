@@ -184,6 +184,18 @@ impl Reader<'_> {
     pub fn float(&mut self, path: &str) -> Option<f64> {
         match self.value(path)? {
             SVal::Num(n) if n.value >= 0.0 && n.unit == Unit::None => Some(n.value),
+            SVal::Num(n) if n.unit != Unit::None => {
+                let leaf = path.rsplit('.').next().unwrap_or(path);
+                self.diags.push(
+                    Diagnostic::error(
+                        "E0908",
+                        format!("{leaf} must be a plain number, not {}", n.unit.describe()),
+                    )
+                    .label(n.span, "this value")
+                    .help(format!("write {leaf} without a unit")),
+                );
+                None
+            }
             SVal::Num(n) => {
                 let leaf = path.rsplit('.').next().unwrap_or(path);
                 self.diags.push(
