@@ -813,7 +813,11 @@ fn precision(r: &mut Reader, gpu_is_cpu: bool) -> Precision {
                 "fp16",
             );
             let loss_scale = match r.value("train.precision.loss_scale") {
-                Some(SVal::Num(n)) if n.value > 0.0 && n.unit == Unit::None => {
+                // A static scale multiplies f32 gradients as a dynamic one does: above f32's
+                // largest value it is infinite, and every step would overflow and be skipped.
+                Some(SVal::Num(n))
+                    if n.value > 0.0 && n.value <= f64::from(f32::MAX) && n.unit == Unit::None =>
+                {
                     LossScale::Static { scale: n.value }
                 }
                 Some(SVal::Word(w, s)) if w != "dynamic" => {
@@ -826,9 +830,16 @@ fn precision(r: &mut Reader, gpu_is_cpu: bool) -> Precision {
                 }
                 Some(SVal::Num(n)) => {
                     r.diags.push(
-                        Diagnostic::error("E0903", "a static loss scale must be a positive number")
-                            .label(n.span, "here")
-                            .help("use e.g. 1024, or `dynamic`"),
+                        Diagnostic::error(
+                            "E0903",
+                            format!(
+                                "a static loss scale must be a plain number above 0 and at \
+                                 most {:e} (f32's largest)",
+                                f32::MAX
+                            ),
+                        )
+                        .label(n.span, "here")
+                        .help("use e.g. 1024, or `dynamic`"),
                     );
                     LossScale::Static { scale: 1.0 }
                 }
