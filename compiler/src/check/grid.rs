@@ -44,7 +44,9 @@ impl Grid<'_> {
     pub fn mesh_vs_cluster(&mut self, mesh: &Mesh, cluster: &Cluster) {
         let world = u64::from(mesh.world());
         let gpus = u64::from(cluster.nodes) * u64::from(cluster.gpus_per_node);
-        if world == gpus {
+        // Past the most ranks parc supports is E0903 already (`sections::too_many_ranks`).
+        let limit = crate::check::sections::MAX_WORLD;
+        if world == gpus || world > limit || gpus > limit {
             return;
         }
         let sizes: Vec<String> = mesh
@@ -53,7 +55,7 @@ impl Grid<'_> {
             .map(|(a, n)| format!("{} {n}", a.name()))
             .collect();
         let dp = u64::from(mesh.size(Axis::Dp));
-        let others = world / dp.max(1);
+        let others = (world / dp.max(1)).max(1);
         let gpn = u64::from(cluster.gpus_per_node);
         let mut options = Vec::new();
         let mut fixes: Vec<Vec<(&'static str, u64)>> = Vec::new();

@@ -323,6 +323,39 @@ pub fn limit(path: &str) -> u64 {
     }
 }
 
+/// The most ranks (GPUs) a mesh or a cluster may have: far above any real job (the largest
+/// published runs use about 2^17 GPUs), low enough that rank numbers and every per-rank
+/// product stay inside 32 and 64 bits.
+pub const MAX_WORLD: u64 = 1 << 20;
+
+/// E0903 where the product of `sizes` (settings by path, each within its own limit) passes
+/// [`MAX_WORLD`]: `what` names the product, the settings above 1 are labelled (else the
+/// section, `span`). (Four axes of up to 2^16 each multiply past u32, which rank numbers are.)
+fn too_many_ranks(r: &mut Reader, what: &str, sizes: &[(String, u32)], span: Span) {
+    let world: u64 = sizes.iter().map(|(_, n)| u64::from(*n)).product();
+    if world <= MAX_WORLD {
+        return;
+    }
+    let mut d = Diagnostic::error(
+        "E0903",
+        format!("{what} has {world} ranks, more than parc supports ({MAX_WORLD})"),
+    );
+    let mut labelled = false;
+    for (path, n) in sizes.iter().filter(|(_, n)| *n > 1) {
+        if let Some(at) = r.span(path) {
+            let leaf = path.rsplit('.').next().unwrap_or(path);
+            d = d.label(at, format!("{leaf} = {n}"));
+            labelled = true;
+        }
+    }
+    if !labelled {
+        d = d.label(span, format!("{world} ranks"));
+    }
+    r.diags.push(d.help(format!(
+        "use at most {MAX_WORLD} GPUs: smaller dp, pp, cp or tp, fewer nodes or GPUs per node"
+    )));
+}
+
 /// What the parallel section says, before the cross-checks.
 pub struct ParallelIn {
     pub parallel: Parallel,
@@ -361,6 +394,10 @@ pub fn parallel(r: &mut Reader, span: Span) -> ParallelIn {
         axes.push((a, n));
     }
     let mesh = Mesh { axes };
+    let sizes: Vec<(String, u32)> = (mesh.axes.iter())
+        .map(|(a, n)| (format!("parallel.{}", a.name()), *n))
+        .collect();
+    too_many_ranks(r, "the mesh (dp × pp × cp × tp)", &sizes, span);
     let zero = match r.count("parallel.zero", 0) {
         None | Some(0) => ZeroStage::Zero0,
         Some(1) => ZeroStage::Zero1,
@@ -1171,6 +1208,11 @@ pub fn cluster(r: &mut Reader, span: Span) -> Cluster {
         .count("cluster.gpus_per_node", 1)
         .unwrap_or(1)
         .min(1 << 20) as u32;
+    let sizes = [
+        ("cluster.nodes".to_string(), nodes),
+        ("cluster.gpus_per_node".to_string(), gpus_per_node),
+    ];
+    too_many_ranks(r, "the cluster (nodes × gpus_per_node)", &sizes, span);
     let mut names: Vec<&str> = gpu::NAMES.to_vec();
     names.push("custom");
     let gpu = match r.word("cluster.gpu", &names) {
