@@ -656,7 +656,18 @@ fn placement_help(mesh: &Mesh, axis: Axis, gpn: u32, cross_node: &[Axis], allowe
         "make the product of {name} and the axes after it in the mesh divide gpus_per_node = {gpn}"
     );
     if !last && (m <= 1 || cross_node.contains(&other) || fits(n.saturating_mul(m))) {
-        ways.push_str(&format!(", or move {name} last in the mesh"));
+        // The axes rank in the order written (`tp = 8; pp = 4; dp = 2` too, Megatron's order
+        // of its flags, puts tp outermost): show the order that fixes it.
+        let moved: Vec<String> = (mesh.axes.iter())
+            .filter(|(a, size)| *a != axis && *size > 1)
+            .chain(std::iter::once(&(axis, n)))
+            .map(|(a, size)| format!("{}: {size}", a.name()))
+            .collect();
+        ways.push_str(&format!(
+            ", or move {name} last in the mesh (axes rank in the order written, outermost \
+             first: `mesh = {{ {} }}`)",
+            moved.join(", ")
+        ));
     }
     let allow = format!("`cross_node = [{name}]`");
     match (fits(n), allowed) {
