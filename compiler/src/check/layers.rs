@@ -399,7 +399,7 @@ fn odd_rotary(
         Err(heads_span) => {
             // The head counts nearest to `heads` that give an even head_dim.
             let mut even: Vec<u64> = (1..=dim.min(1024))
-                .filter(|h| dim % h == 0 && (dim / h) % 2 == 0)
+                .filter(|h| dim.is_multiple_of(*h) && (dim / h).is_multiple_of(2))
                 .collect();
             even.sort_by_key(|h| h.abs_diff(heads));
             even.truncate(4);
