@@ -73,6 +73,10 @@ struct Planned {
     timeline: Option<Timeline>,
     /// With `--rank R`: R's exact program, shown instead of its class's.
     view: Option<View>,
+    /// The compile found errors after lowering (E0701: a program does not fit its GPU): the
+    /// plan is still written, for a look at where its memory goes, but the exit code is 1, as
+    /// `parc check`'s.
+    errors: bool,
 }
 
 /// One rank's exact program as a plan of its own, with the id and memory plan it has in the
@@ -116,6 +120,13 @@ pub fn main(args: PlanArgs) -> u8 {
     let mut out = std::io::BufWriter::new(stdout.lock());
     let written = write_plan(&mut out, &planned, args.emit);
     match written.and_then(|()| out.flush()) {
+        Ok(()) if planned.errors => {
+            eprintln!(
+                "error: {} has errors (above); its plan is written for a look, not to run",
+                args.file.display()
+            );
+            1
+        }
         Ok(()) => 0,
         // The reader went away (`parc plan … | head`): not an error.
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => 0,
@@ -161,6 +172,7 @@ fn compile(args: &PlanArgs) -> Result<Planned, u8> {
         eprintln!("note: {}", priced.note);
     }
     let fp8 = std::mem::take(&mut compiled.fp8);
+    let errors = compiled.diagnostics.has_errors();
     let Compiled {
         spec: Some(spec),
         plan: Some(plan),
@@ -184,6 +196,7 @@ fn compile(args: &PlanArgs) -> Result<Planned, u8> {
         memory,
         timeline,
         view: None,
+        errors,
     })
 }
 
@@ -258,6 +271,7 @@ fn write_plan(out: &mut impl std::io::Write, planned: &Planned, emit: Emit) -> s
         timeline,
         view,
         fp8,
+        errors: _,
     } = planned;
     match (emit, timeline) {
         (Emit::Json, _) => match view {

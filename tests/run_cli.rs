@@ -324,6 +324,84 @@ fn check_codes(sets_given: &[&str]) -> String {
     stderr_of(&parc(&args))
 }
 
+/// What `parc check` refuses of the data, `parc run` refuses too, and the other way round:
+/// data shorter than one global batch (the run used to train on it, reading samples twice a
+/// step), a held-out evaluation tail that leaves nothing to train on, a u16 file of an odd
+/// size, an empty file, a folder with no data files, empty text (`parc check` used to pass the
+/// last five and `parc run` refused them).
+#[test]
+fn check_and_run_agree_on_the_data() {
+    let dir = temp_dir("data-verdicts");
+    let spec = std::fs::read_to_string(root().join("examples/tiny.par")).unwrap();
+    let spec = spec.replace("steps = 200", "steps = 2");
+    std::fs::write(dir.join("tiny.par"), spec).unwrap();
+    std::fs::write(dir.join("short.txt"), vec![b'x'; 300]).unwrap();
+    std::fs::write(dir.join("odd.bin"), vec![1u8; 3001]).unwrap();
+    std::fs::write(dir.join("empty.bin"), b"").unwrap();
+    std::fs::write(dir.join("empty.txt"), b"").unwrap();
+    std::fs::write(dir.join("enough.txt"), vec![b'y'; 2000]).unwrap();
+    std::fs::create_dir_all(dir.join("nothing")).unwrap();
+    let file = dir.join("tiny.par");
+    let file = file.to_str().unwrap();
+    let cases: [(&[&str], &str, &str); 6] = [
+        (
+            &["train.data=\"short.txt\" as bytes"],
+            "E1001",
+            "fewer than one global batch",
+        ),
+        (
+            &[
+                "train.data=\"enough.txt\" as bytes",
+                "train.eval={every: 1, batches: 4}",
+            ],
+            "E1001",
+            "cannot hold out",
+        ),
+        (
+            &["train.data=\"odd.bin\" as u16"],
+            "E1004",
+            "not a whole number of 2-byte tokens",
+        ),
+        (&["train.data=\"empty.bin\" as u16"], "E1004", "empty"),
+        (
+            &["train.data=\"nothing\" as u16"],
+            "E1004",
+            "holds no .bin files",
+        ),
+        (
+            &["train.data=text(\"empty.txt\", tokenizer: bytes)"],
+            "E1004",
+            "empty",
+        ),
+    ];
+    for (overrides, code, why) in cases {
+        let mut check = vec!["check", file, "--lower", "never"];
+        check.extend(sets(overrides));
+        let out = parc(&check);
+        let err = stderr_of(&out);
+        assert_eq!(out.status.code(), Some(1), "{overrides:?}: {err}");
+        assert!(err.contains(code), "{overrides:?}: {err}");
+        let mut run = vec!["run", file, "--backend", "cpu"];
+        run.extend(sets(overrides));
+        let out = parc(&run);
+        let err = stderr_of(&out);
+        assert_eq!(out.status.code(), Some(1), "{overrides:?}: {err}");
+        assert!(
+            err.contains(why) && !err.contains("panicked"),
+            "{overrides:?}: {err}"
+        );
+    }
+    // Evaluation data of its own must hold its batches (the run refuses it; check did not).
+    let overrides = ["train.eval={every: 1, batches: 2, data: \"short.txt\" as bytes}"];
+    let mut check = vec!["check", file, "--lower", "never"];
+    check.extend(sets(&overrides));
+    let err = stderr_of(&parc(&check));
+    assert!(
+        err.contains("E1001") && err.contains("evaluation data holds 4 samples"),
+        "{err}"
+    );
+}
+
 /// A help case: the `--set`s that draw it, its help, the `--set`s that follow it, and the codes
 /// that must then be gone.
 type HelpCase<'a> = (&'a [&'a str], &'a str, &'a [&'a str], &'a [&'a str]);

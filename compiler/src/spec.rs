@@ -289,8 +289,10 @@ impl Mesh {
             .map(|(_, n)| *n)
             .unwrap_or(1)
     }
+    /// Ranks in the mesh (saturating: a checked spec has at most `check::sections::MAX_WORLD`).
     pub fn world(&self) -> u32 {
-        self.axes.iter().map(|(_, n)| *n).product()
+        let world: u64 = self.axes.iter().map(|(_, n)| u64::from(*n)).product();
+        u32::try_from(world).unwrap_or(u32::MAX)
     }
     /// The sizes of the dp, pp, cp and tp axes, in that order.
     pub fn sizes(&self) -> (u32, u32, u32, u32) {
@@ -852,7 +854,8 @@ pub struct Cluster {
 }
 
 impl Cluster {
+    /// GPUs in the cluster (saturating, as [`Mesh::world`]).
     pub fn world(&self) -> u32 {
-        self.nodes * self.gpus_per_node
+        self.nodes.saturating_mul(self.gpus_per_node)
     }
 }

@@ -40,6 +40,17 @@ fn text_lists_every_program_or_one_rank() {
     assert!(!header("program 0 (") && header("program 1 ("), "{out}");
 }
 
+/// A plan that does not fit its GPU (E0701) is an error to `parc plan` as to `parc check`:
+/// exit 1, the plan still written for a look (it used to exit 0 beside the error).
+#[test]
+fn a_plan_that_does_not_fit_exits_1_as_check_does() {
+    let gpu = "cluster.gpu=custom { memory: 2 MB, flops: 100 TFLOP/s }";
+    let (code, out, err) = plan(&["examples/tiny.par", "--set", gpu]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("E0701") && err.contains("has errors"), "{err}");
+    assert!(out.contains("program 0 (pp 0 cp 0 tp 0)"), "{out}");
+}
+
 #[test]
 fn json_and_trace_parse() {
     let (code, out, err) = plan(&["examples/tiny.par", "--emit", "json"]);

@@ -44,7 +44,9 @@ impl Grid<'_> {
     pub fn mesh_vs_cluster(&mut self, mesh: &Mesh, cluster: &Cluster) {
         let world = u64::from(mesh.world());
         let gpus = u64::from(cluster.nodes) * u64::from(cluster.gpus_per_node);
-        if world == gpus {
+        // Past the most ranks parc supports is E0903 already (`sections::too_many_ranks`).
+        let limit = crate::check::sections::MAX_WORLD;
+        if world == gpus || world > limit || gpus > limit {
             return;
         }
         let sizes: Vec<String> = mesh
@@ -53,7 +55,7 @@ impl Grid<'_> {
             .map(|(a, n)| format!("{} {n}", a.name()))
             .collect();
         let dp = u64::from(mesh.size(Axis::Dp));
-        let others = world / dp.max(1);
+        let others = (world / dp.max(1)).max(1);
         let gpn = u64::from(cluster.gpus_per_node);
         let mut options = Vec::new();
         let mut fixes: Vec<Vec<(&'static str, u64)>> = Vec::new();
@@ -654,7 +656,18 @@ fn placement_help(mesh: &Mesh, axis: Axis, gpn: u32, cross_node: &[Axis], allowe
         "make the product of {name} and the axes after it in the mesh divide gpus_per_node = {gpn}"
     );
     if !last && (m <= 1 || cross_node.contains(&other) || fits(n.saturating_mul(m))) {
-        ways.push_str(&format!(", or move {name} last in the mesh"));
+        // The axes rank in the order written (`tp = 8; pp = 4; dp = 2` too, Megatron's order
+        // of its flags, puts tp outermost): show the order that fixes it.
+        let moved: Vec<String> = (mesh.axes.iter())
+            .filter(|(a, size)| *a != axis && *size > 1)
+            .chain(std::iter::once(&(axis, n)))
+            .map(|(a, size)| format!("{}: {size}", a.name()))
+            .collect();
+        ways.push_str(&format!(
+            ", or move {name} last in the mesh (axes rank in the order written, outermost \
+             first: `mesh = {{ {} }}`)",
+            moved.join(", ")
+        ));
     }
     let allow = format!("`cross_node = [{name}]`");
     match (fits(n), allowed) {

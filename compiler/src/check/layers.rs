@@ -352,6 +352,18 @@ fn attention(b: &Bound) -> Result<LayerKind, Diagnostic> {
         Some(ArgValue::Bool(false, _)) => None,
         Some(other) => return Err(b.wrong("rope", "`RoPE(theta = …)` or `none`", other.span())),
     };
+    if let (Some(_), Some(span)) = (rope, b.values.get("rope").map(ArgValue::span)) {
+        if head_dim % 2 != 0 {
+            let given = b.values.get("head_dim").map(ArgValue::span);
+            return Err(odd_rotary(
+                dim,
+                heads,
+                head_dim,
+                span,
+                given.ok_or(heads_span),
+            ));
+        }
+    }
     let bias = b.flag("bias", true)?;
     Ok(LayerKind::Attention {
         dim,
@@ -363,6 +375,48 @@ fn attention(b: &Bound) -> Result<LayerKind, Diagnostic> {
         qkv_bias: b.flag("qkv_bias", bias)?,
         out_bias: bias,
     })
+}
+
+/// E0311: rotary positions rotate pairs of a head's features (`i` with `i + head_dim / 2`), so
+/// they need an even head_dim. `head_dim` is `Ok(span)` where the attention gives it, else
+/// `Err(span of heads)`: `dim / heads`, and the help offers head counts that make it even.
+fn odd_rotary(
+    dim: u64,
+    heads: u64,
+    head_dim: u64,
+    rope: Span,
+    head_dim_span: Result<Span, Span>,
+) -> Diagnostic {
+    let message = format!(
+        "RoPE needs an even head_dim, found {head_dim}: rotary positions rotate each head's \
+         features in pairs"
+    );
+    let d = Diagnostic::error("E0311", message).label(rope, "rotary positions");
+    match head_dim_span {
+        Ok(span) => d
+            .label(span, format!("head_dim = {head_dim}"))
+            .help("pass an even head_dim, or leave rope out"),
+        Err(heads_span) => {
+            // The head counts nearest to `heads` that give an even head_dim.
+            let mut even: Vec<u64> = (1..=dim.min(1024))
+                .filter(|h| dim.is_multiple_of(*h) && (dim / h).is_multiple_of(2))
+                .collect();
+            even.sort_by_key(|h| h.abs_diff(heads));
+            even.truncate(4);
+            even.sort_unstable();
+            let even: Vec<String> = even.iter().map(u64::to_string).collect();
+            let change = if even.is_empty() {
+                String::new()
+            } else {
+                format!("use heads = {} (an even d / heads), ", even.join(", "))
+            };
+            d.label(
+                heads_span,
+                format!("head_dim = d / heads = {dim} / {heads}"),
+            )
+            .help(format!("{change}pass an even head_dim, or leave rope out"))
+        }
+    }
 }
 
 /// The input shape this layer needs (`None`: any hidden width, checked by the caller).

@@ -146,7 +146,8 @@ impl Number {
     /// too large value names that range, so that following it passes. (The caller checks a
     /// whole number against the range.)
     pub fn as_count_in(&self, what: &str, min: u64, max: Option<u64>) -> Result<u64, Diagnostic> {
-        if self.unit != Unit::None && self.unit != Unit::Bytes {
+        // A count has no unit: `steps = 4 MB` is not four million steps.
+        if self.unit != Unit::None {
             return Err(Diagnostic::error(
                 "E0908",
                 format!(

@@ -184,6 +184,18 @@ impl Reader<'_> {
     pub fn float(&mut self, path: &str) -> Option<f64> {
         match self.value(path)? {
             SVal::Num(n) if n.value >= 0.0 && n.unit == Unit::None => Some(n.value),
+            SVal::Num(n) if n.unit != Unit::None => {
+                let leaf = path.rsplit('.').next().unwrap_or(path);
+                self.diags.push(
+                    Diagnostic::error(
+                        "E0908",
+                        format!("{leaf} must be a plain number, not {}", n.unit.describe()),
+                    )
+                    .label(n.span, "this value")
+                    .help(format!("write {leaf} without a unit")),
+                );
+                None
+            }
             SVal::Num(n) => {
                 let leaf = path.rsplit('.').next().unwrap_or(path);
                 self.diags.push(
@@ -311,6 +323,39 @@ pub fn limit(path: &str) -> u64 {
     }
 }
 
+/// The most ranks (GPUs) a mesh or a cluster may have: far above any real job (the largest
+/// published runs use about 2^17 GPUs), low enough that rank numbers and every per-rank
+/// product stay inside 32 and 64 bits.
+pub const MAX_WORLD: u64 = 1 << 20;
+
+/// E0903 where the product of `sizes` (settings by path, each within its own limit) passes
+/// [`MAX_WORLD`]: `what` names the product, the settings above 1 are labelled (else the
+/// section, `span`). (Four axes of up to 2^16 each multiply past u32, which rank numbers are.)
+fn too_many_ranks(r: &mut Reader, what: &str, sizes: &[(String, u32)], span: Span) {
+    let world: u64 = sizes.iter().map(|(_, n)| u64::from(*n)).product();
+    if world <= MAX_WORLD {
+        return;
+    }
+    let mut d = Diagnostic::error(
+        "E0903",
+        format!("{what} has {world} ranks, more than parc supports ({MAX_WORLD})"),
+    );
+    let mut labelled = false;
+    for (path, n) in sizes.iter().filter(|(_, n)| *n > 1) {
+        if let Some(at) = r.span(path) {
+            let leaf = path.rsplit('.').next().unwrap_or(path);
+            d = d.label(at, format!("{leaf} = {n}"));
+            labelled = true;
+        }
+    }
+    if !labelled {
+        d = d.label(span, format!("{world} ranks"));
+    }
+    r.diags.push(d.help(format!(
+        "use at most {MAX_WORLD} GPUs: smaller dp, pp, cp or tp, fewer nodes or GPUs per node"
+    )));
+}
+
 /// What the parallel section says, before the cross-checks.
 pub struct ParallelIn {
     pub parallel: Parallel,
@@ -349,6 +394,10 @@ pub fn parallel(r: &mut Reader, span: Span) -> ParallelIn {
         axes.push((a, n));
     }
     let mesh = Mesh { axes };
+    let sizes: Vec<(String, u32)> = (mesh.axes.iter())
+        .map(|(a, n)| (format!("parallel.{}", a.name()), *n))
+        .collect();
+    too_many_ranks(r, "the mesh (dp × pp × cp × tp)", &sizes, span);
     let zero = match r.count("parallel.zero", 0) {
         None | Some(0) => ZeroStage::Zero0,
         Some(1) => ZeroStage::Zero1,
@@ -801,7 +850,11 @@ fn precision(r: &mut Reader, gpu_is_cpu: bool) -> Precision {
                 "fp16",
             );
             let loss_scale = match r.value("train.precision.loss_scale") {
-                Some(SVal::Num(n)) if n.value > 0.0 && n.unit == Unit::None => {
+                // A static scale multiplies f32 gradients as a dynamic one does: above f32's
+                // largest value it is infinite, and every step would overflow and be skipped.
+                Some(SVal::Num(n))
+                    if n.value > 0.0 && n.value <= f64::from(f32::MAX) && n.unit == Unit::None =>
+                {
                     LossScale::Static { scale: n.value }
                 }
                 Some(SVal::Word(w, s)) if w != "dynamic" => {
@@ -814,9 +867,16 @@ fn precision(r: &mut Reader, gpu_is_cpu: bool) -> Precision {
                 }
                 Some(SVal::Num(n)) => {
                     r.diags.push(
-                        Diagnostic::error("E0903", "a static loss scale must be a positive number")
-                            .label(n.span, "here")
-                            .help("use e.g. 1024, or `dynamic`"),
+                        Diagnostic::error(
+                            "E0903",
+                            format!(
+                                "a static loss scale must be a plain number above 0 and at \
+                                 most {:e} (f32's largest)",
+                                f32::MAX
+                            ),
+                        )
+                        .label(n.span, "here")
+                        .help("use e.g. 1024, or `dynamic`"),
                     );
                     LossScale::Static { scale: 1.0 }
                 }
@@ -1148,6 +1208,11 @@ pub fn cluster(r: &mut Reader, span: Span) -> Cluster {
         .count("cluster.gpus_per_node", 1)
         .unwrap_or(1)
         .min(1 << 20) as u32;
+    let sizes = [
+        ("cluster.nodes".to_string(), nodes),
+        ("cluster.gpus_per_node".to_string(), gpus_per_node),
+    ];
+    too_many_ranks(r, "the cluster (nodes × gpus_per_node)", &sizes, span);
     let mut names: Vec<&str> = gpu::NAMES.to_vec();
     names.push("custom");
     let gpu = match r.word("cluster.gpu", &names) {

@@ -13,6 +13,9 @@
 //!   samples only, so no evaluation target is ever a training target (the last training
 //!   sample's final target is the first evaluation sample's first input, as consecutive samples
 //!   always share one token). At least one global batch must be left to train on.
+//! - Training data of fewer samples than one global batch is refused with or without
+//!   evaluation ([`RunData::whole`]): a step would read samples twice, and `parc check` calls
+//!   it E1001.
 use super::sampler::BatchLayout;
 use super::source::Dataset;
 use crate::error::{Result, RuntimeError};
@@ -64,6 +67,14 @@ pub fn training_samples(spec: &Spec, samples: u64) -> u64 {
 }
 
 impl RunData {
+    /// Training on every sample of `train`, without evaluation; an error naming the data when
+    /// it holds fewer samples than one global batch (synthetic data excepted: its stream is a
+    /// fixed size, unrelated to any file), as `parc check`'s E1001 says.
+    pub fn whole(train: Arc<Dataset>, layout: BatchLayout) -> Result<RunData> {
+        enough_to_train(&train, layout)?;
+        Ok(RunData::from(train))
+    }
+
     /// Training on `train` without its last `batches` global batches, which become the
     /// evaluation set; an error naming the data when fewer than one global batch would be
     /// left to train on.
@@ -100,6 +111,7 @@ impl RunData {
         batches: u64,
         layout: BatchLayout,
     ) -> Result<RunData> {
+        enough_to_train(&train, layout)?;
         let (n, g) = (eval.num_samples(), layout.global_batch());
         if n < g {
             return Err(RuntimeError::Data(format!(
@@ -128,6 +140,25 @@ impl RunData {
             }),
         })
     }
+}
+
+/// An error naming `train` when it holds fewer samples than one global batch of `layout`.
+fn enough_to_train(train: &Dataset, layout: BatchLayout) -> Result<()> {
+    let (n, g) = (train.num_samples(), layout.global_batch());
+    if train.is_synthetic() || n >= g {
+        return Ok(());
+    }
+    let seq = train.seq();
+    Err(RuntimeError::Data(format!(
+        "`train.data`: {}: its {} tokens make {n} samples of seq + 1 = {} tokens, fewer than one global batch \
+         of {g}: every step would read some samples twice (E1001); give at least {} tokens, or \
+         lower `train.global_batch` to {}",
+        train.name(),
+        train.token_count(),
+        seq + 1,
+        g.saturating_mul(seq).saturating_add(1),
+        n.max(1)
+    )))
 }
 
 impl EvalSet {

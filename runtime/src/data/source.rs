@@ -144,7 +144,18 @@ impl Dataset {
         self.record.as_ref()
     }
 
-    fn token_count(&self) -> u64 {
+    /// Seeded random tokens rather than a file's.
+    pub fn is_synthetic(&self) -> bool {
+        matches!(self.tokens, Tokens::Synthetic { .. })
+    }
+
+    /// Tokens per sample, less the target's one more.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Tokens in the stream.
+    pub fn token_count(&self) -> u64 {
         match &self.tokens {
             Tokens::Owned(t) => t.len() as u64,
             Tokens::Synthetic { len, .. } => *len,
@@ -229,7 +240,7 @@ fn read_token_files(
 
 /// A shard folder written for another id width is refused: read as the wrong width, its bytes
 /// would be other tokens.
-fn check_shard_format(dir: &Path, format: DataFormat) -> Result<()> {
+pub fn check_shard_format(dir: &Path, format: DataFormat) -> Result<()> {
     if !dir.is_dir() {
         return Ok(());
     }

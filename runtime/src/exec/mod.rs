@@ -216,13 +216,13 @@ const EVAL_STREAM: u64 = 0xe7a1_0000_0000_0000;
 /// held-out tail (`data::eval`).
 pub fn open_run_data(spec: &Spec, spec_dir: &Path) -> Result<RunData> {
     let train = Arc::new(open_dataset(spec, spec_dir)?);
-    let Some(eval) = &spec.train.eval else {
-        return Ok(RunData::from(train));
-    };
     let layout = BatchLayout {
         dp: spec.parallel.mesh.size(Axis::Dp),
         microbatches: spec.parallel.microbatches,
         micro_batch: spec.train.micro_batch,
+    };
+    let Some(eval) = &spec.train.eval else {
+        return RunData::whole(train, layout);
     };
     let source = match (&eval.data, &spec.train.data) {
         (Some(source), _) => source,
