@@ -48,7 +48,7 @@ pub fn explain(bytes: &[u8], error: &SafeTensorError) -> String {
         };
         format!(
             "{what}: the file is truncated or was not completely written (an interrupted \
-             download, copy or save); download, copy or save it again"
+             download, copy or save); download or save it again"
         )
     };
     match error {

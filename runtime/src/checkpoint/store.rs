@@ -412,7 +412,7 @@ pub fn read_shard(checkpoint: &Path, rank: u32, expected: &[(String, Vec<u64>)])
         ckpt_error(
             &path,
             format!(
-                "{}; use another checkpoint",
+                "corrupt safetensors file: {}; use another checkpoint",
                 crate::safetensors_header::explain(&bytes, &e)
             ),
         )
