@@ -26,14 +26,14 @@ pub struct SampleArgs {
     /// A checkpoint folder (the spec's `checkpoint.dir`), a model.safetensors file, or a Hugging
     /// Face model folder (with `--spec`).
     pub checkpoint: PathBuf,
-    /// The text the model continues.
-    #[arg(long)]
+    /// The text the model continues (it may begin with `-`: a list item, a negative number).
+    #[arg(long, allow_hyphen_values = true)]
     pub prompt: String,
     /// New tokens at most (fewer when the model ends the text or fills its seq).
     #[arg(long, default_value_t = 128)]
     pub tokens: u64,
     /// Softmax temperature; 0 always picks the most likely token.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub temperature: f64,
     /// Draw from the K most likely tokens only.
     #[arg(long = "top-k", value_name = "K")]

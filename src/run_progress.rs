@@ -405,7 +405,15 @@ impl Summary<'_> {
 
     pub fn human(&self) -> String {
         let (Some(first), Some(last)) = (self.records.first(), self.records.last()) else {
-            return "nothing to do: the run had already reached train.steps".to_string();
+            // A resumed checkpoint at or past train.steps: nothing trains, but the final
+            // parameters are still written (the way to get a step's global model).
+            let mut text = "nothing to do: the resumed checkpoint had already reached \
+                            train.steps (raise it, e.g. --set train.steps=N, to train on)"
+                .to_string();
+            if let Some(path) = self.model_export {
+                text.push_str(&format!("\nfinal parameters: {}", path.display()));
+            }
+            return text;
         };
         let epochs: Vec<String> = self
             .epochs
@@ -837,6 +845,30 @@ mod tests {
         assert!(value["val_loss"].is_null() && value["val_ppl"].is_null());
     }
 
+    /// A resume at or past train.steps trains nothing but still names the model it wrote.
+    #[test]
+    fn nothing_to_do_still_names_the_final_parameters() {
+        let model = PathBuf::from("ckpt/model.safetensors");
+        let summary = Summary {
+            records: &[],
+            epochs: &[],
+            checkpoints: &[],
+            model_export: Some(&model),
+            backend: "cpu",
+            world: 1,
+            reserved_bytes: None,
+        };
+        let text = summary.human();
+        assert!(
+            text.starts_with("nothing to do: the resumed checkpoint"),
+            "{text}"
+        );
+        assert!(
+            text.ends_with("final parameters: ckpt/model.safetensors"),
+            "{text}"
+        );
+    }
+
     #[test]
     fn fp16_steps_show_their_scale_and_skips() {
         let mut skipped = record(4, 1.0);
@@ -845,6 +877,7 @@ mod tests {
             scale: 32768.0,
             next_scale: 16384.0,
             skipped: true,
+            exhausted: false,
         });
         let line = human_line(&skipped, 0, 200);
         assert!(
@@ -860,6 +893,7 @@ mod tests {
             scale: 16384.0,
             next_scale: 32768.0,
             skipped: false,
+            exhausted: false,
         });
         assert!(human_line(&grown, 0, 200).ends_with("  scale 16384 → 32768"));
         let value: serde_json::Value = serde_json::from_str(&json_line(&grown)).unwrap();

@@ -488,3 +488,48 @@ fn a_truncated_model_file_is_said_to_be_truncated() {
         "{err}"
     );
 }
+
+/// A header entry whose offsets disagree with its dtype and shape names the tensor (the
+/// `safetensors` crate's "invalid shape, data type, or offset for tensor" named none).
+#[test]
+fn a_header_entry_that_disagrees_with_its_shape_names_the_tensor() {
+    let (dir, spec, plan) = broken_export("bad-offsets");
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + len]).unwrap();
+    header["transformer.wte.weight"]["shape"] = serde_json::json!([128, 64]);
+    let mut text = header.to_string().into_bytes();
+    text.resize(text.len().div_ceil(8) * 8, b' ');
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&text);
+    out.extend_from_slice(&bytes[8 + len..]);
+    std::fs::write(&path, out).unwrap();
+    let err = load_error(&spec, &plan);
+    assert!(
+        err.contains("model.safetensors")
+            && err.contains("tensor `transformer.wte.weight` is F32 of shape [128, 64]"),
+        "{err}"
+    );
+}
+
+/// Weights that hold a NaN stop the first step naming the parameter that held it, not the
+/// first instruction that read it (and a NaN query is not hidden by attention: the loss is
+/// NaN, as transformers' would be).
+#[test]
+fn imported_weights_that_are_not_finite_are_named_when_the_run_stops() {
+    let (dir, spec, plan) = broken_export("nan");
+    rewrite(&dir, |tensors| {
+        let (_, _, data) = tensors
+            .iter_mut()
+            .find(|(name, _, _)| name == "transformer.h.0.attn.c_attn.weight")
+            .unwrap();
+        data[..4].copy_from_slice(&f32::NAN.to_le_bytes());
+    });
+    let err = train(&spec, &plan, 2).unwrap_err().to_string();
+    assert!(err.contains("loss NaN"), "{err}");
+    assert!(
+        err.contains("the parameter `blocks.0.attn.wqkv` already held 1 of"),
+        "{err}"
+    );
+}

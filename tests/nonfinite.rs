@@ -67,6 +67,28 @@ fn skip_skips_at_most_max_steps_then_stops() {
     );
 }
 
+/// An fp16 run whose gradients overflow at the dynamic scale's minimum stops as any run with
+/// gradients that are not finite does (it used to skip every later step and exit 0 with the
+/// loss NaN: DeepSpeed raises at its minimum scale likewise).
+#[test]
+fn an_fp16_run_that_overflows_at_the_minimum_scale_stops() {
+    let out = run(&[
+        DIVERGING,
+        "train.steps=12",
+        "train.precision=fp16 { loss_scale: dynamic { init: 4, window: 1000, hysteresis: 1, min: 1 } }",
+    ]);
+    let err = stderr_of(&out);
+    assert!(!out.status.success(), "{err}");
+    let lines = json_lines(&out);
+    // Step 1 is clean; 2 and 3 overflow at scales 4 and 2 (skipped); 4 overflows at 1.
+    assert_eq!(steps(&lines).len(), 3, "{err}");
+    assert!(
+        err.contains("non-finite values: step 4 on rank 0")
+            && err.contains("at the fp16 loss scale's minimum 1"),
+        "{err}"
+    );
+}
+
 #[test]
 fn a_normal_run_keeps_its_losses_under_either_setting() {
     // The losses of main before `on_nonfinite` existed, as f32 values.

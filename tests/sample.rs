@@ -379,6 +379,30 @@ fn bad_sample_input_is_a_clear_error() {
         "{err}"
     );
 
+    // A prompt that begins with `-` is the prompt, not an unknown flag; a negative
+    // temperature reaches the temperature's own error.
+    let out = parc(&[
+        "sample",
+        ckpt.to_str().unwrap(),
+        "--prompt",
+        "- ROMEO",
+        "--tokens",
+        "4",
+    ]);
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    assert!(
+        stdout_of(&out).starts_with("- ROMEO"),
+        "{}",
+        stdout_of(&out)
+    );
+    let out = sample(&ckpt, &["--temperature", "-1"]);
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("temperature = -1 must be a number ≥ 0"),
+        "{err}"
+    );
+
     let missing = dir.join("missing");
     let out = parc(&["sample", missing.to_str().unwrap(), "--prompt", "x"]);
     let err = stderr_of(&out);

@@ -16,3 +16,4 @@ pub mod init;
 pub mod launch;
 #[cfg(feature = "llvm")]
 pub mod llvm;
+pub mod safetensors_header;

@@ -67,7 +67,7 @@ fn no_model_help(dir: &Path) -> String {
 fn read_model(path: &Path) -> Result<SavedModel> {
     let bytes = std::fs::read(path).map_err(|e| saved_error(path, format!("cannot read: {e}")))?;
     let (_, header) = SafeTensors::read_metadata(&bytes)
-        .map_err(|e| saved_error(path, format!("not a safetensors file ({e})")))?;
+        .map_err(|e| saved_error(path, crate::safetensors_header::explain(&bytes, &e)))?;
     let metadata = header.metadata().clone().unwrap_or_default();
     let step = metadata
         .get("step")
@@ -81,7 +81,7 @@ fn read_model(path: &Path) -> Result<SavedModel> {
         None => None,
     };
     let file = SafeTensors::deserialize(&bytes)
-        .map_err(|e| saved_error(path, format!("corrupt safetensors file ({e})")))?;
+        .map_err(|e| saved_error(path, crate::safetensors_header::explain(&bytes, &e)))?;
     let mut params = Vec::new();
     for (name, view) in file.tensors() {
         if view.dtype() != Dtype::F32 {

@@ -411,7 +411,10 @@ pub fn read_shard(checkpoint: &Path, rank: u32, expected: &[(String, Vec<u64>)])
     let corrupt = |e: safetensors::SafeTensorError| {
         ckpt_error(
             &path,
-            format!("corrupt safetensors file ({e}); use another checkpoint"),
+            format!(
+                "corrupt safetensors file: {}; use another checkpoint",
+                crate::safetensors_header::explain(&bytes, &e)
+            ),
         )
     };
     let file = SafeTensors::deserialize(&bytes).map_err(corrupt)?;

@@ -311,10 +311,13 @@ pub(crate) fn attention(
                 g.scores(op, &q[i0 * d..(i0 + rows) * d], &k, &mut probs, threads)?;
                 for (r, row) in probs.chunks_mut(skv).take(rows).enumerate() {
                     let i = i0 + r;
+                    // A score that is NaN makes the row's max NaN (`f32::max` would pass it
+                    // over), so the row's outputs and log-sum-exp are NaN, as in PyTorch,
+                    // rather than a row of zeros that hides the NaN from every later check.
                     let mut max = f32::NEG_INFINITY;
                     for (j, &s) in row.iter().enumerate() {
-                        if g.visible(i, j) {
-                            max = max.max(s);
+                        if g.visible(i, j) && (s.is_nan() || s > max) {
+                            max = s;
                         }
                     }
                     if max == f32::NEG_INFINITY {

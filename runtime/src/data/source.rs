@@ -108,10 +108,7 @@ impl Dataset {
     pub fn from_tokens(name: &str, tokens: Vec<u32>, vocab: u64, seq: u64) -> Result<Dataset> {
         let file = PathBuf::from(name);
         if tokens.is_empty() {
-            return Err(data_error(
-                &file,
-                "the file is empty; it must hold training tokens",
-            ));
+            return Err(data_error(&file, "the file is empty; it must hold tokens"));
         }
         check_ids(&file, &tokens, vocab)?;
         let len = tokens.len() as u64;
@@ -284,10 +281,7 @@ fn read_text_files(
 /// Decode a file's bytes in `format`, or say why they are malformed.
 fn decode(file: &Path, bytes: &[u8], format: DataFormat) -> Result<Vec<u32>> {
     if bytes.is_empty() {
-        return Err(data_error(
-            file,
-            "the file is empty; it must hold training tokens",
-        ));
+        return Err(data_error(file, "the file is empty; it must hold tokens"));
     }
     let width = match format {
         DataFormat::Bytes => return Ok(bytes.iter().map(|&b| u32::from(b)).collect()),

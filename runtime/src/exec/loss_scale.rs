@@ -45,6 +45,11 @@ pub struct LossScaleStep {
     /// The global gradient norm was not finite: parameters and optimizer state were left
     /// as they were.
     pub skipped: bool,
+    /// The step overflowed where a dynamic scale could not be lowered any more: it was at its
+    /// `min` and this overflow would have halved it. Scaling cannot make such gradients finite,
+    /// so `train.on_nonfinite` decides (DeepSpeed raises at its minimum scale likewise), rather
+    /// than every later step being skipped in silence.
+    pub exhausted: bool,
 }
 
 impl LossScaler {
@@ -74,6 +79,7 @@ impl LossScaler {
     /// scale.
     pub fn update(&mut self, overflow: bool) -> LossScaleStep {
         let used = self.scale;
+        let mut exhausted = false;
         if let LossScale::Dynamic {
             window,
             hysteresis,
@@ -85,6 +91,7 @@ impl LossScaler {
                 self.good_steps = 0;
                 self.bad_steps = self.bad_steps.saturating_add(1);
                 if self.bad_steps >= hysteresis {
+                    exhausted = self.scale <= min;
                     self.scale = (self.scale / 2.0).max(min);
                 }
             } else {
@@ -100,6 +107,7 @@ impl LossScaler {
             scale: used,
             next_scale: self.scale,
             skipped: overflow,
+            exhausted,
         }
     }
 
@@ -182,6 +190,32 @@ mod tests {
         let mut s = dynamic(8.0, 1000, 1, 2.0);
         let scales: Vec<f64> = (0..4).map(|_| s.update(true).next_scale).collect();
         assert_eq!(scales, [4.0, 2.0, 2.0, 2.0]);
+    }
+
+    #[test]
+    fn an_overflow_that_cannot_lower_the_scale_is_exhausted() {
+        let mut s = dynamic(4.0, 1000, 2, 2.0);
+        let steps: Vec<(f64, bool)> = (0..5)
+            .map(|_| s.update(true))
+            .map(|u| (u.next_scale, u.exhausted))
+            .collect();
+        // 4 → 4 (hysteresis), 4 → 2, then at the minimum every overflow would halve it.
+        assert_eq!(
+            steps,
+            [
+                (4.0, false),
+                (2.0, false),
+                (2.0, true),
+                (2.0, true),
+                (2.0, true)
+            ]
+        );
+        // A static scale is never exhausted: its overflows are skipped as before.
+        let mut s = LossScaler::for_precision(Precision::Fp16 {
+            loss_scale: LossScale::Static { scale: 1.0 },
+        })
+        .unwrap();
+        assert!(!s.update(true).exhausted);
     }
 
     #[test]

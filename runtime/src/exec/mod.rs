@@ -721,7 +721,7 @@ impl RunContext<'_> {
                 tokens_per_s: tokens as f64 / seconds.max(1e-9),
                 elapsed_s: started.elapsed().as_secs_f64(),
                 loss_scale: metrics.loss_scale,
-                skipped_nonfinite: verdict == Verdict::Skipped,
+                skipped_nonfinite: verdict == Verdict::Skipped && metrics.loss_scale.is_none(),
                 memory_bytes: exec.reserved_bytes(),
                 val_loss,
                 saving,

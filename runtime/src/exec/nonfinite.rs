@@ -39,10 +39,14 @@ impl NonFiniteGuard {
 
     /// Judge a step from what it left in the metric buffers.
     pub fn judge(&mut self, metrics: &StepMetrics) -> Verdict {
-        if metrics.loss_scale.is_some() {
-            return Verdict::Continue;
+        if let Some(scaled) = metrics.loss_scale {
+            // The loss scaler's overflow, unless the scale is at its minimum and still
+            // overflows: then the policy decides as for any step that is not finite.
+            if !scaled.exhausted {
+                return Verdict::Continue;
+            }
         }
-        if metrics.update_skipped {
+        if metrics.update_skipped || metrics.loss_scale.is_some() {
             return match self.policy {
                 OnNonFinite::Skip { max } if self.skipped < max => {
                     self.skipped += 1;
@@ -67,12 +71,20 @@ impl NonFiniteGuard {
         found: Option<NonFiniteOutput>,
     ) -> RuntimeError {
         let shown = |v: Option<f32>| v.map_or_else(|| "not on this rank".into(), |v| v.to_string());
-        let values = format!(
+        let mut values = format!(
             "step {} on rank {rank}: loss {}, global gradient norm {}",
             step + 1,
             shown(metrics.loss),
             shown(metrics.grad_sumsq.map(f32::sqrt)),
         );
+        if let Some(scaled) = metrics.loss_scale.filter(|s| s.exhausted) {
+            values.push_str(&format!(
+                " at the fp16 loss scale's minimum {} (the scale cannot be lowered further, \
+                 so skipping more steps would train nothing)",
+                scaled.scale
+            ));
+        }
+        let skipped_update = metrics.update_skipped || metrics.loss_scale.is_some();
         let skipped = match self.policy {
             OnNonFinite::Skip { max } => {
                 format!(
@@ -92,7 +104,7 @@ impl NonFiniteGuard {
                  `max` to skip more steps"
             }
         };
-        if !metrics.update_skipped {
+        if !skipped_update {
             return RuntimeError::NonFinite {
                 message: format!(
                     "{values}; the gradient norm was finite, so the update was made; {advice}"
@@ -109,6 +121,27 @@ impl NonFiniteGuard {
                 origin: false,
             };
         };
+        if found.held {
+            return RuntimeError::AtInstruction {
+                rank,
+                role: found.role,
+                index: found.index,
+                instr: found.instr.clone(),
+                node: found.node,
+                source: Box::new(RuntimeError::NonFinite {
+                    message: format!(
+                        "{values}{skipped}; the parameters are those before the step (its \
+                         update was skipped). Re-run with checks, the parameter `{}` already \
+                         held {} of {} values that are not finite before the step, read first \
+                         by `{}`: the weights it started from (train.init, a resumed \
+                         checkpoint) or an earlier update made them so; check those weights \
+                         or resume from an earlier checkpoint",
+                        found.buffer, found.count, found.len, found.instr
+                    ),
+                    origin: true,
+                }),
+            };
+        }
         let how = if found.computed {
             format!("is `{}`", found.instr)
         } else {
@@ -197,8 +230,32 @@ mod tests {
             scale: 65536.0,
             next_scale: 32768.0,
             skipped: true,
+            exhausted: false,
         });
         assert_eq!(guard.judge(&overflow), Verdict::Continue);
+    }
+
+    #[test]
+    fn an_fp16_overflow_at_the_minimum_scale_is_the_policys() {
+        let mut overflow = metrics(f32::NAN, f32::INFINITY);
+        overflow.update_skipped = false;
+        overflow.loss_scale = Some(LossScaleStep {
+            scale: 1.0,
+            next_scale: 1.0,
+            skipped: true,
+            exhausted: true,
+        });
+        let mut guard = NonFiniteGuard::new(OnNonFinite::Stop);
+        assert_eq!(guard.judge(&overflow), Verdict::Stop { rerun: true });
+        let text = guard.error(4, 0, &overflow, None).to_string();
+        assert!(
+            text.contains("at the fp16 loss scale's minimum 1"),
+            "{text}"
+        );
+        assert!(text.contains("re-running the step"), "{text}");
+        let mut guard = NonFiniteGuard::new(OnNonFinite::Skip { max: 1 });
+        assert_eq!(guard.judge(&overflow), Verdict::Skipped);
+        assert_eq!(guard.judge(&overflow), Verdict::Stop { rerun: true });
     }
 
     #[test]

@@ -15,7 +15,8 @@ use crate::hf::HfInit;
 use crate::init::{fill_local_param, ZeroShard};
 use parc_compiler::ir::op::{segments_len, Segment};
 use parc_compiler::ir::{
-    BufferId, CollectiveKind, DType, GroupId, Instr, LocalParam, P2pOp, Peer, Plan, Program,
+    BufferId, BufferKind, CollectiveKind, DType, GroupId, Instr, LocalParam, P2pOp, Peer, Plan,
+    Program,
 };
 use parc_compiler::spec::Axis;
 use std::collections::HashMap;
@@ -85,8 +86,12 @@ pub struct NonFiniteOutput {
     /// `all_reduce over its dp group`).
     pub index: usize,
     pub instr: String,
-    /// A compute instruction (not a transfer that brought the value from another rank).
+    /// A compute instruction (not a transfer that brought the value from another rank), or a
+    /// parameter of this rank (`held`).
     pub computed: bool,
+    /// The values were in a parameter before the step began; `index` is the first
+    /// instruction that reads it.
+    pub held: bool,
     /// The buffer's name, and how many of its values were not finite.
     pub buffer: String,
     pub count: usize,
@@ -441,7 +446,12 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
             loss_scale: self.loss_scaler.as_ref().map(LossScaler::scale),
         };
         let program = self.program;
-        let mut first = None;
+        // A parameter that already holds values that are not finite (weights imported or
+        // resumed so, or made so by an earlier update) is the origin, not the first
+        // instruction that reads it.
+        let mut first = self
+            .nonfinite_param()?
+            .map(|(index, buffer, count, len)| (index, buffer, count, len, true));
         for (index, instr) in program.instrs.iter().enumerate() {
             self.backend.begin_instruction(index);
             self.run(instr, Batch::Train(step), &scalars)
@@ -449,10 +459,10 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
             if first.is_none() {
                 first = self
                     .nonfinite_output(instr)?
-                    .map(|(buffer, count, len)| (index, buffer, count, len));
+                    .map(|(buffer, count, len)| (index, buffer, count, len, false));
             }
         }
-        let Some((index, buffer, count, len)) = first else {
+        let Some((index, buffer, count, len, held)) = first else {
             return Ok(None);
         };
         let instr = &program.instrs[index];
@@ -479,13 +489,36 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         Ok(Some(NonFiniteOutput {
             index,
             instr: what,
-            computed: matches!(instr, Instr::Compute { .. }),
+            computed: held || matches!(instr, Instr::Compute { .. }),
+            held,
             buffer: name,
             count,
             len,
             node,
             role: program.role.clone(),
         }))
+    }
+
+    /// The first parameter (master values, not a working copy rebuilt from them) that holds
+    /// a value that is not finite before the step: the first instruction that reads it, its
+    /// id, how many such values and of how many.
+    fn nonfinite_param(&self) -> Result<Option<(usize, BufferId, usize, usize)>> {
+        let program = self.program;
+        for (id, buffer) in program.checkpointed() {
+            if buffer.kind != BufferKind::Param || !matches!(buffer.dtype, DType::F32 | DType::Bf16)
+            {
+                continue;
+            }
+            let Some(index) = (program.instrs.iter()).position(|i| i.reads().contains(&id)) else {
+                continue;
+            };
+            let values = self.backend.read_f32(id)?;
+            let count = values.iter().filter(|v| !v.is_finite()).count();
+            if count > 0 {
+                return Ok(Some((index, id, count, values.len())));
+            }
+        }
+        Ok(None)
     }
 
     /// The first f32 or bf16 buffer `instr` writes that holds a value that is not finite:

@@ -28,22 +28,10 @@ fn read_error(path: &Path, what: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Hf(format!("{}: {what}", path.display()))
 }
 
-/// A file whose safetensors header does not read: a tensor table that covers other bytes than
-/// the file holds is a file cut short (an interrupted download or save), said so.
-fn unreadable(path: &Path, error: &SafeTensorError, size: usize) -> RuntimeError {
-    match error {
-        SafeTensorError::MetadataIncompleteBuffer | SafeTensorError::InvalidHeaderLength => {
-            read_error(
-                path,
-                format!(
-                    "its safetensors header describes other bytes than the file's {size}: the \
-                     file is truncated or was not completely written (an interrupted download \
-                     or save); download or save it again"
-                ),
-            )
-        }
-        e => read_error(path, format!("not a safetensors file ({e})")),
-    }
+/// A file whose safetensors header does not read, said in words that name the tensor or say
+/// that the file was cut short (`safetensors_header::explain`).
+fn unreadable(path: &Path, error: &SafeTensorError, bytes: &[u8]) -> RuntimeError {
+    read_error(path, crate::safetensors_header::explain(bytes, error))
 }
 
 /// The files of the checkpoint in `dir`: those its index names, else `model.safetensors`.
@@ -98,7 +86,7 @@ impl HfFiles {
             let map = unsafe { Mmap::map(&file) }
                 .map_err(|e| read_error(path, format!("cannot map ({e})")))?;
             let (header, metadata) =
-                SafeTensors::read_metadata(&map).map_err(|e| unreadable(path, &e, map.len()))?;
+                SafeTensors::read_metadata(&map).map_err(|e| unreadable(path, &e, &map))?;
             for (name, info) in metadata.tensors() {
                 let at = TensorAt {
                     file: i,

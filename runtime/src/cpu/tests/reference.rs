@@ -161,6 +161,35 @@ fn attention_without_mask_matches_naive_softmax() {
     case.forward_matches_naive(43, 1.0);
 }
 
+/// A query holding a NaN makes that query's outputs and log-sum-exp NaN, as in PyTorch: the
+/// row's max once passed the NaN score over (`f32::max`), took the row for fully masked and
+/// wrote zeros, so a NaN weight gave finite outputs and a finite loss.
+#[test]
+fn a_nan_query_gives_nan_outputs_not_zeros() {
+    let case = AttnCase {
+        batch: 1,
+        heads: 2,
+        kv_heads: 2,
+        head_dim: 4,
+        causal: true,
+        q_pos: (0..3).collect(),
+        kv_pos: (0..3).collect(),
+    };
+    let mut q = values(3 * 2 * 4, 7, 1.0);
+    let (k, v) = (values(3 * 2 * 4, 8, 1.0), values(3 * 2 * 4, 9, 1.0));
+    // Position 1, head 0, first dimension.
+    q[2 * 4] = f32::NAN;
+    let op = case.op(segments_of(&case.q_pos), segments_of(&case.kv_pos), false);
+    let inputs = [Input::F(q.clone()), Input::F(k), Input::F(v)];
+    let out = eval(&op, &inputs, &[q.len(), 2 * 3]);
+    let (o, lse) = (&out[0], &out[1]);
+    assert!(o[2 * 4..3 * 4].iter().all(|x| x.is_nan()), "{o:?}");
+    assert!(lse[1].is_nan(), "{lse:?}");
+    // Other rows and the other head stay finite.
+    assert!(o[..2 * 4].iter().all(|x| x.is_finite()), "{o:?}");
+    assert!(o[3 * 4..].iter().all(|x| x.is_finite()), "{o:?}");
+}
+
 #[test]
 fn context_parallel_chunks_against_gathered_keys_equal_rows_of_full_attention() {
     // 16 positions over cp = 2 with the load-balanced split: rank 0 holds chunks 0 and 3,

@@ -1,0 +1,147 @@
+//! What is wrong with a safetensors file whose header the `safetensors` crate refuses, in words
+//! that name the tensor: the crate's `TensorInvalidInfo` ("invalid shape, data type, or offset
+//! for tensor") names none, and its `MetadataIncompleteBuffer` does not say that the usual cause
+//! is a file cut short. Every reader of safetensors files (Hugging Face folders, parc's model
+//! files and checkpoint shards) words the error through [`explain`].
+use safetensors::{Dtype, SafeTensorError};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+#[derive(Deserialize)]
+struct Entry {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data_offsets: (usize, usize),
+}
+
+/// The header's tensor entries (the `__metadata__` entry left out), or None when the header
+/// does not parse as a table of them.
+fn entries(bytes: &[u8]) -> Option<BTreeMap<String, Entry>> {
+    let len = usize::try_from(u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?)).ok()?;
+    let header = bytes.get(8..8usize.checked_add(len)?)?;
+    let table: BTreeMap<String, serde_json::Value> = serde_json::from_slice(header).ok()?;
+    let mut entries = BTreeMap::new();
+    for (name, value) in table {
+        if name == "__metadata__" {
+            continue;
+        }
+        entries.insert(name, serde_json::from_value(value).ok()?);
+    }
+    Some(entries)
+}
+
+/// The bytes `entry`'s dtype and shape need, if that does not overflow.
+fn needed(entry: &Entry) -> Option<usize> {
+    let elements = (entry.shape.iter()).try_fold(1usize, |n, &d| n.checked_mul(d))?;
+    Some(elements.checked_mul(entry.dtype.bitsize())?.div_ceil(8))
+}
+
+/// Why `bytes`, refused by the `safetensors` crate with `error`, is not a readable safetensors
+/// file: the tensor whose dtype and shape disagree with its offsets, or that the header
+/// describes more bytes than the file holds (a file cut short), else the crate's own words.
+pub fn explain(bytes: &[u8], error: &SafeTensorError) -> String {
+    let truncated = |described: Option<usize>| {
+        let held = format!("the file's {} bytes", bytes.len());
+        let what = match described {
+            Some(n) => format!("its safetensors header describes {n} bytes, more than {held}"),
+            None => format!("its safetensors header describes other bytes than {held}"),
+        };
+        format!(
+            "{what}: the file is truncated or was not completely written (an interrupted \
+             download, copy or save); download or save it again"
+        )
+    };
+    match error {
+        SafeTensorError::InvalidHeaderLength => {
+            let len = bytes
+                .get(..8)
+                .and_then(|b| b.try_into().ok())
+                .map(u64::from_le_bytes);
+            truncated(len.and_then(|n| usize::try_from(n).ok()?.checked_add(8)))
+        }
+        SafeTensorError::MetadataIncompleteBuffer | SafeTensorError::TensorInvalidInfo => {
+            let Some(entries) = entries(bytes) else {
+                return format!("not a safetensors file ({error})");
+            };
+            for (name, entry) in &entries {
+                let (start, end) = entry.data_offsets;
+                let Some(need) = needed(entry) else {
+                    return format!("tensor `{name}`: its shape {:?} overflows", entry.shape);
+                };
+                if end.checked_sub(start) != Some(need) {
+                    return format!(
+                        "tensor `{name}` is {:?} of shape {:?}, {need} bytes, but its header \
+                         entry gives it bytes {start}..{end} ({} bytes): the header is corrupt \
+                         or the file was written by a broken tool; save or download it again",
+                        entry.dtype,
+                        entry.shape,
+                        end.saturating_sub(start)
+                    );
+                }
+            }
+            let len = bytes
+                .get(..8)
+                .and_then(|b| b.try_into().ok())
+                .map(u64::from_le_bytes);
+            let data_end = entries.values().map(|e| e.data_offsets.1).max();
+            let described = len
+                .and_then(|n| usize::try_from(n).ok()?.checked_add(8))
+                .and_then(|h| h.checked_add(data_end.unwrap_or(0)));
+            match described {
+                Some(n) if n > bytes.len() => truncated(Some(n)),
+                _ => format!(
+                    "not a safetensors file ({error}): its tensors' bytes do not cover the \
+                     file's {} bytes after the header",
+                    bytes.len()
+                ),
+            }
+        }
+        e => format!("not a safetensors file ({e})"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn file(header: &str, data: usize) -> Vec<u8> {
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        bytes.resize(bytes.len() + data, 0);
+        bytes
+    }
+
+    fn refused(bytes: &[u8]) -> String {
+        let error = safetensors::SafeTensors::read_metadata(bytes)
+            .err()
+            .unwrap();
+        explain(bytes, &error)
+    }
+
+    #[test]
+    fn a_tensor_whose_offsets_disagree_with_its_shape_is_named() {
+        let bytes = file(
+            r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[4,4],"data_offsets":[8,40]}}"#,
+            40,
+        );
+        let text = refused(&bytes);
+        assert!(
+            text.contains("tensor `b` is F32 of shape [4, 4], 64 bytes"),
+            "{text}"
+        );
+        assert!(text.contains("bytes 8..40 (32 bytes)"), "{text}");
+    }
+
+    #[test]
+    fn a_file_cut_short_is_said_to_be_truncated() {
+        let bytes = file(
+            r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#,
+            16,
+        );
+        let text = refused(&bytes[..bytes.len() - 4]);
+        assert!(text.contains("the file is truncated"), "{text}");
+        let text = refused(&bytes[..20]);
+        assert!(text.contains("the file is truncated"), "{text}");
+    }
+}
