@@ -121,31 +121,29 @@ impl NonFiniteGuard {
                 origin: false,
             };
         };
-        if found.held {
-            return RuntimeError::AtInstruction {
-                rank,
-                role: found.role,
-                index: found.index,
-                instr: found.instr.clone(),
-                node: found.node,
-                source: Box::new(RuntimeError::NonFinite {
-                    message: format!(
-                        "{values}{skipped}; the parameters are those before the step (its \
-                         update was skipped). Re-run with checks, the parameter `{}` already \
-                         held {} of {} values that are not finite before the step, read first \
-                         by `{}`: the weights it started from (train.init, a resumed \
-                         checkpoint) or an earlier update made them so; check those weights \
-                         or resume from an earlier checkpoint",
-                        found.buffer, found.count, found.len, found.instr
-                    ),
-                    origin: true,
-                }),
-            };
-        }
-        let how = if found.computed {
-            format!("is `{}`", found.instr)
+        let (message, origin) = if found.held {
+            let message = format!(
+                "{values}{skipped}; the parameters are those before the step (its update was \
+                 skipped). Re-run with checks, the parameter `{}` already held {} of {} values \
+                 that are not finite before the step, read first by `{}`: the weights it \
+                 started from (train.init, a resumed checkpoint) or an earlier update made them \
+                 so; check those weights or resume from an earlier checkpoint",
+                found.buffer, found.count, found.len, found.instr
+            );
+            (message, true)
         } else {
-            format!("received it: {}", found.instr)
+            let how = if found.computed {
+                format!("is `{}`", found.instr)
+            } else {
+                format!("received it: {}", found.instr)
+            };
+            let message = format!(
+                "{values}{skipped}; the parameters are those before the step (its update was \
+                 skipped). Re-run with checks, the first instruction whose output is not \
+                 finite {how}, writing `{}` ({} of {} values); {advice}",
+                found.buffer, found.count, found.len
+            );
+            (message, found.computed)
         };
         RuntimeError::AtInstruction {
             rank,
@@ -153,15 +151,7 @@ impl NonFiniteGuard {
             index: found.index,
             instr: found.instr.clone(),
             node: found.node,
-            source: Box::new(RuntimeError::NonFinite {
-                message: format!(
-                    "{values}{skipped}; the parameters are those before the step (its update \
-                     was skipped). Re-run with checks, the first instruction whose output is not \
-                     finite {how}, writing `{}` ({} of {} values); {advice}",
-                    found.buffer, found.count, found.len
-                ),
-                origin: found.computed,
-            }),
+            source: Box::new(RuntimeError::NonFinite { message, origin }),
         }
     }
 }
