@@ -16,9 +16,9 @@
 //! is only checked to exist and not to be empty (counting its tokens means tokenizing it, which
 //! `parc run` does). It runs on a spec without errors, as lowering does.
 use parc_compiler::diag::{Diagnostic, Span};
-use parc_compiler::spec::{DataFormat, DataSource, Spec};
+use parc_compiler::spec::{DataSource, Spec};
 use parc_runtime::data::files::data_files;
-use parc_runtime::data::source::check_shard_format;
+use parc_runtime::data::source::{check_shard_format, check_token_file_size};
 use parc_runtime::data::training_samples;
 use parc_runtime::error::RuntimeError;
 use std::path::Path;
@@ -55,15 +55,8 @@ enum Measured {
 }
 
 fn measure(source: &DataSource, setting: &str, spec_dir: &Path) -> Measured {
-    let (path, extension, width, span) = match source {
-        DataSource::File { path, format, span } => {
-            let (extension, width) = match format {
-                DataFormat::Bytes => ("txt", 1),
-                DataFormat::U16 => ("bin", 2),
-                DataFormat::U32 => ("bin", 4),
-            };
-            (path, extension, Some((width, *format)), *span)
-        }
+    let (path, extension, format, span) = match source {
+        DataSource::File { path, format, span } => (path, format.extension(), Some(*format), *span),
         DataSource::Text { path, span, .. } => (path, "txt", None, *span),
         DataSource::Synthetic => return Measured::Uncounted,
     };
@@ -76,7 +69,7 @@ fn measure(source: &DataSource, setting: &str, spec_dir: &Path) -> Measured {
         }
         Err(e) => return Measured::Refused(missing(setting, span, &message(e))),
     };
-    if let Some((_, format)) = width {
+    if let Some(format) = format {
         if let Err(e) = check_shard_format(&spec_dir.join(path), format) {
             return Measured::Refused(unreadable(setting, span, &message(e), WIDTHS));
         }
@@ -87,27 +80,21 @@ fn measure(source: &DataSource, setting: &str, spec_dir: &Path) -> Measured {
             continue;
         };
         total = total.saturating_add(size);
-        let Some((width, format)) = width else {
+        let Some(format) = format else {
             continue;
         };
         // The run reads token files one by one and refuses an empty or truncated one.
-        if size == 0 {
-            let what = format!("{}: the file is empty", file.display());
-            let help = "remove the empty file, or point the data at files that hold tokens";
-            return Measured::Refused(unreadable(setting, span, &what, help));
-        }
-        if size % width != 0 {
-            let what = format!(
-                "{}: {size} bytes is not a whole number of {width}-byte tokens; the file is \
-                 truncated or not `as {}`",
-                file.display(),
-                format.name()
-            );
-            return Measured::Refused(unreadable(setting, span, &what, WIDTHS));
+        if let Err(e) = check_token_file_size(file, size, format) {
+            let help = if size == 0 {
+                "remove the empty file, or point the data at files that hold tokens"
+            } else {
+                WIDTHS
+            };
+            return Measured::Refused(unreadable(setting, span, &message(e), help));
         }
     }
-    match width {
-        Some((width, _)) => Measured::Tokens(total / width, span),
+    match format {
+        Some(format) => Measured::Tokens(total / format.width(), span),
         None if total == 0 => {
             let what = format!("{path}: the text is empty");
             let help = "point the data at text that holds training tokens";

@@ -598,6 +598,23 @@ impl DataFormat {
             DataFormat::U32 => "u32",
         }
     }
+
+    /// Bytes per token id in its files.
+    pub fn width(self) -> u64 {
+        match self {
+            DataFormat::Bytes => 1,
+            DataFormat::U16 => 2,
+            DataFormat::U32 => 4,
+        }
+    }
+
+    /// The extension of its files: text read a byte a token, or binary token shards.
+    pub fn extension(self) -> &'static str {
+        match self {
+            DataFormat::Bytes => "txt",
+            DataFormat::U16 | DataFormat::U32 => "bin",
+        }
+    }
 }
 
 /// How text becomes token ids (and ids text again, for samples).

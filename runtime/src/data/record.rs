@@ -64,18 +64,17 @@ impl DataRecord {
                 tokens: None,
             }),
             DataSource::File { path, format, .. } => {
-                let (extension, width, reads) = match format {
-                    DataFormat::Bytes => ("txt", 1, "bytes"),
-                    DataFormat::U16 => ("bin", 2, "u16 token ids"),
-                    DataFormat::U32 => ("bin", 4, "u32 token ids"),
+                let reads = match format {
+                    DataFormat::Bytes => "bytes".to_string(),
+                    DataFormat::U16 | DataFormat::U32 => format!("{} token ids", format.name()),
                 };
-                let files = scan_files(spec_dir, path, extension)?;
+                let files = scan_files(spec_dir, path, format.extension())?;
                 let bytes: u64 = files.iter().map(|f| f.bytes).sum();
                 Ok(DataRecord {
-                    reads: reads.to_string(),
+                    reads,
                     files,
                     tokenizer: None,
-                    tokens: Some(bytes / width),
+                    tokens: Some(bytes / format.width()),
                 })
             }
             DataSource::Text {

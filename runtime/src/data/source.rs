@@ -217,12 +217,7 @@ fn read_token_files(
     format: DataFormat,
     vocab: u64,
 ) -> Result<Vec<u32>> {
-    let extension = if format == DataFormat::Bytes {
-        "txt"
-    } else {
-        "bin"
-    };
-    let files = data_files(spec_dir, path, extension)?;
+    let files = data_files(spec_dir, path, format.extension())?;
     check_shard_format(&spec_dir.join(path), format)?;
     let mut tokens = Vec::new();
     for file in &files {
@@ -278,28 +273,33 @@ fn read_text_files(
     tokenize_files(&tokenizer, &files)
 }
 
-/// Decode a file's bytes in `format`, or say why they are malformed.
-fn decode(file: &Path, bytes: &[u8], format: DataFormat) -> Result<Vec<u32>> {
-    if bytes.is_empty() {
+/// A token file of `len` bytes read in `format` is refused where it is empty or not a whole
+/// number of ids: the one rule `parc run` reads by and `parc check` checks sizes by.
+pub fn check_token_file_size(file: &Path, len: u64, format: DataFormat) -> Result<()> {
+    if len == 0 {
         return Err(data_error(file, "the file is empty; it must hold tokens"));
     }
-    let width = match format {
-        DataFormat::Bytes => return Ok(bytes.iter().map(|&b| u32::from(b)).collect()),
-        DataFormat::U16 => 2,
-        DataFormat::U32 => 4,
-    };
-    if !bytes.len().is_multiple_of(width) {
+    let width = format.width();
+    if !len.is_multiple_of(width) {
         return Err(data_error(
             file,
             format!(
-                "{} bytes is not a whole number of {}-byte tokens; the file is truncated or \
-                 not `as {}`",
-                bytes.len(),
-                width,
-                if width == 2 { "u16" } else { "u32" }
+                "{len} bytes is not a whole number of {width}-byte tokens; the file is \
+                 truncated or not `as {}`",
+                format.name()
             ),
         ));
     }
+    Ok(())
+}
+
+/// Decode a file's bytes in `format`, or say why they are malformed.
+fn decode(file: &Path, bytes: &[u8], format: DataFormat) -> Result<Vec<u32>> {
+    check_token_file_size(file, bytes.len() as u64, format)?;
+    if format == DataFormat::Bytes {
+        return Ok(bytes.iter().map(|&b| u32::from(b)).collect());
+    }
+    let width = format.width() as usize;
     Ok(bytes
         .chunks_exact(width)
         .map(|c| match *c {
