@@ -14,11 +14,17 @@ struct Entry {
     data_offsets: (usize, usize),
 }
 
+/// Where the header ends and the tensors' bytes begin: 8 bytes of its length, then the header
+/// (None where the file is shorter than 8 bytes or the length overflows).
+fn header_end(bytes: &[u8]) -> Option<usize> {
+    let len = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    usize::try_from(len).ok()?.checked_add(8)
+}
+
 /// The header's tensor entries (the `__metadata__` entry left out), or None when the header
 /// does not parse as a table of them.
 fn entries(bytes: &[u8]) -> Option<BTreeMap<String, Entry>> {
-    let len = usize::try_from(u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?)).ok()?;
-    let header = bytes.get(8..8usize.checked_add(len)?)?;
+    let header = bytes.get(8..header_end(bytes)?)?;
     let table: BTreeMap<String, serde_json::Value> = serde_json::from_slice(header).ok()?;
     let mut entries = BTreeMap::new();
     for (name, value) in table {
@@ -52,13 +58,7 @@ pub fn explain(bytes: &[u8], error: &SafeTensorError) -> String {
         )
     };
     match error {
-        SafeTensorError::InvalidHeaderLength => {
-            let len = bytes
-                .get(..8)
-                .and_then(|b| b.try_into().ok())
-                .map(u64::from_le_bytes);
-            truncated(len.and_then(|n| usize::try_from(n).ok()?.checked_add(8)))
-        }
+        SafeTensorError::InvalidHeaderLength => truncated(header_end(bytes)),
         SafeTensorError::MetadataIncompleteBuffer | SafeTensorError::TensorInvalidInfo => {
             let Some(entries) = entries(bytes) else {
                 return format!("not a safetensors file ({error})");
@@ -79,14 +79,8 @@ pub fn explain(bytes: &[u8], error: &SafeTensorError) -> String {
                     );
                 }
             }
-            let len = bytes
-                .get(..8)
-                .and_then(|b| b.try_into().ok())
-                .map(u64::from_le_bytes);
             let data_end = entries.values().map(|e| e.data_offsets.1).max();
-            let described = len
-                .and_then(|n| usize::try_from(n).ok()?.checked_add(8))
-                .and_then(|h| h.checked_add(data_end.unwrap_or(0)));
+            let described = header_end(bytes).and_then(|h| h.checked_add(data_end.unwrap_or(0)));
             match described {
                 Some(n) if n > bytes.len() => truncated(Some(n)),
                 _ => format!(

@@ -46,7 +46,7 @@ impl NonFiniteGuard {
                 return Verdict::Continue;
             }
         }
-        if metrics.update_skipped || metrics.loss_scale.is_some() {
+        if update_not_made(metrics) {
             return match self.policy {
                 OnNonFinite::Skip { max } if self.skipped < max => {
                     self.skipped += 1;
@@ -84,7 +84,7 @@ impl NonFiniteGuard {
                 scaled.scale
             ));
         }
-        let skipped_update = metrics.update_skipped || metrics.loss_scale.is_some();
+        let skipped_update = update_not_made(metrics);
         let skipped = match self.policy {
             OnNonFinite::Skip { max } => {
                 format!(
@@ -154,6 +154,12 @@ impl NonFiniteGuard {
             source: Box::new(RuntimeError::NonFinite { message, origin }),
         }
     }
+}
+
+/// Whether the step left parameters and optimizer state as they were: its gradient norm was not
+/// finite, or in fp16 its loss scaler saw an overflow (which skips the update).
+fn update_not_made(metrics: &StepMetrics) -> bool {
+    metrics.update_skipped || metrics.loss_scale.is_some_and(|s| s.skipped)
 }
 
 /// Of the ranks' errors, the index of one whose re-run found where the values stopped being
