@@ -3,9 +3,45 @@
 //! for tensor") names none, and its `MetadataIncompleteBuffer` does not say that the usual cause
 //! is a file cut short. Every reader of safetensors files (Hugging Face folders, parc's model
 //! files and checkpoint shards) words the error through [`explain`].
+//!
+//! Readers that open a file as a stream and want only its header (a checkpoint's resharding
+//! and its verification, which never load the data) read it through [`read_stream`]: one
+//! length bound, one set of words for a header that cannot be read.
 use safetensors::{Dtype, SafeTensorError};
 use serde::Deserialize;
 use std::collections::BTreeMap;
+use std::io::Read;
+
+/// Headers longer than this are refused as corrupt (the `safetensors` crate's own limit).
+pub const MAX_HEADER: u64 = 100_000_000;
+
+/// A safetensors header read from the start of a stream: its JSON bytes, and the offset in
+/// the file where the tensors' data begins.
+pub struct StreamHeader {
+    pub json: Vec<u8>,
+    pub data_start: u64,
+}
+
+/// Reads the header at the start of `file` (8 bytes of its length, then the JSON), or says in
+/// words why it cannot: unreadable, longer than [`MAX_HEADER`] (a corrupt length), or cut short.
+pub fn read_stream(file: &mut impl Read) -> Result<StreamHeader, String> {
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len)
+        .map_err(|e| format!("cannot read the safetensors header ({e})"))?;
+    let len = u64::from_le_bytes(len);
+    if len > MAX_HEADER {
+        return Err(format!(
+            "corrupt safetensors file (a header of {len} bytes, more than the format allows)"
+        ));
+    }
+    let mut json = vec![0u8; len as usize];
+    file.read_exact(&mut json)
+        .map_err(|e| format!("the safetensors header is cut short ({e})"))?;
+    Ok(StreamHeader {
+        json,
+        data_start: 8 + len,
+    })
+}
 
 #[derive(Deserialize)]
 struct Entry {
@@ -111,6 +147,30 @@ mod tests {
             .err()
             .unwrap();
         explain(bytes, &error)
+    }
+
+    #[test]
+    fn a_stream_header_is_read_or_refused_in_words() {
+        let bytes = file(
+            r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+            4,
+        );
+        let h = read_stream(&mut bytes.as_slice()).unwrap();
+        assert_eq!(h.data_start, bytes.len() as u64 - 4);
+        assert_eq!(h.json, &bytes[8..bytes.len() - 4]);
+        let err = |b: &[u8]| read_stream(&mut &b[..]).err().unwrap();
+        assert!(
+            err(&bytes[..5]).contains("cannot read"),
+            "{}",
+            err(&bytes[..5])
+        );
+        assert!(
+            err(&bytes[..12]).contains("cut short"),
+            "{}",
+            err(&bytes[..12])
+        );
+        let huge = (MAX_HEADER + 1).to_le_bytes();
+        assert!(err(&huge).contains("corrupt"), "{}", err(&huge));
     }
 
     #[test]

@@ -15,6 +15,7 @@ use super::store::{f32_values, ShardTensor};
 use super::{shard_file_name, Manifest};
 use crate::error::{Result, RuntimeError};
 use crate::init::TpBlock;
+use crate::safetensors_header::read_stream;
 use safetensors::tensor::{Dtype, Metadata};
 use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
@@ -273,9 +274,6 @@ struct OpenShard {
     metadata: Metadata,
 }
 
-/// Headers larger than this are refused as corrupt (safetensors' own limit).
-const MAX_HEADER: u64 = 100_000_000;
-
 fn shard_error(path: &Path, what: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Checkpoint(format!("{}: {what}", path.display()))
 }
@@ -284,22 +282,13 @@ impl OpenShard {
     fn open(path: PathBuf) -> Result<OpenShard> {
         let mut file =
             File::open(&path).map_err(|e| shard_error(&path, format!("cannot open: {e}")))?;
-        let mut len = [0u8; 8];
-        file.read_exact(&mut len)
-            .map_err(|e| shard_error(&path, format!("cannot read its header: {e}")))?;
-        let header_len = u64::from_le_bytes(len);
-        if header_len > MAX_HEADER {
-            return Err(shard_error(&path, "corrupt safetensors header (too long)"));
-        }
-        let mut header = vec![0u8; header_len as usize];
-        file.read_exact(&mut header)
-            .map_err(|e| shard_error(&path, format!("cannot read its header: {e}")))?;
-        let metadata: Metadata = serde_json::from_slice(&header)
+        let header = read_stream(&mut file).map_err(|e| shard_error(&path, e))?;
+        let metadata: Metadata = serde_json::from_slice(&header.json)
             .map_err(|e| shard_error(&path, format!("corrupt safetensors header ({e})")))?;
         Ok(OpenShard {
             path,
             file,
-            data_start: 8 + header_len,
+            data_start: header.data_start,
             metadata,
         })
     }

@@ -8,6 +8,7 @@
 //! corruption (bit rot, truncated copies, torn writes), not against tampering.
 use super::{Manifest, FORMAT};
 use crate::error::{Result, RuntimeError};
+use crate::safetensors_header::read_stream;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::{BufReader, Read, Seek, SeekFrom};
@@ -43,19 +44,8 @@ struct HeaderEntry {
 
 fn read_header(path: &Path, file: &mut impl Read) -> Result<Header> {
     let corrupt = |what: String| refuse(path, format!("{what}; use another checkpoint"));
-    let mut len = [0u8; 8];
-    file.read_exact(&mut len)
-        .map_err(|e| corrupt(format!("cannot read the safetensors header ({e})")))?;
-    let len = u64::from_le_bytes(len);
-    if len > 100 << 20 {
-        return Err(corrupt(format!(
-            "corrupt safetensors file (a header of {len} bytes)"
-        )));
-    }
-    let mut json = vec![0u8; len as usize];
-    file.read_exact(&mut json)
-        .map_err(|e| corrupt(format!("the safetensors header is cut short ({e})")))?;
-    let mut entries: HashMap<String, serde_json::Value> = serde_json::from_slice(&json)
+    let header = read_stream(file).map_err(&corrupt)?;
+    let mut entries: HashMap<String, serde_json::Value> = serde_json::from_slice(&header.json)
         .map_err(|e| corrupt(format!("corrupt safetensors header ({e})")))?;
     let metadata = match entries.remove("__metadata__") {
         Some(value) => serde_json::from_value(value)
@@ -71,7 +61,7 @@ fn read_header(path: &Path, file: &mut impl Read) -> Result<Header> {
         })
         .collect::<Result<_>>()?;
     Ok(Header {
-        data_start: 8 + len,
+        data_start: header.data_start,
         ranges,
         metadata,
     })
