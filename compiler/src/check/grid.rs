@@ -380,7 +380,9 @@ impl Grid<'_> {
                     d = d.fix([("train.micro_batch", *best)]);
                 }
                 self.diags.push(d);
-                p.microbatches = 1;
+                // As the first fix (and `assumed_batch`) has it, so the schedule's checks judge
+                // that count, not a stand-in 1 (a pipeline's E0502 on a batch of 255 was noise).
+                p.microbatches = u32::try_from((g / per.max(1)).max(1)).unwrap_or(u32::MAX);
             } else {
                 p.microbatches = (g / per).min(u64::from(u32::MAX)) as u32;
             }
