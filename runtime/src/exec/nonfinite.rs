@@ -121,30 +121,32 @@ impl NonFiniteGuard {
                 origin: false,
             };
         };
-        let (message, origin) = if found.held {
-            let message = format!(
-                "{values}{skipped}; the parameters are those before the step (its update was \
-                 skipped). Re-run with checks, the parameter `{}` already held {} of {} values \
-                 that are not finite before the step, read first by `{}`: the weights it \
-                 started from (train.init, a resumed checkpoint) or an earlier update made them \
-                 so; check those weights or resume from an earlier checkpoint",
+        let found_it = if found.held {
+            format!(
+                "the parameter `{}` already held {} of {} values that are not finite before the \
+                 step, read first by `{}`: the weights it started from (train.init, a resumed \
+                 checkpoint) or an earlier update made them so; check those weights or resume \
+                 from an earlier checkpoint",
                 found.buffer, found.count, found.len, found.instr
-            );
-            (message, true)
+            )
         } else {
             let how = if found.computed {
                 format!("is `{}`", found.instr)
             } else {
                 format!("received it: {}", found.instr)
             };
-            let message = format!(
-                "{values}{skipped}; the parameters are those before the step (its update was \
-                 skipped). Re-run with checks, the first instruction whose output is not \
-                 finite {how}, writing `{}` ({} of {} values); {advice}",
+            format!(
+                "the first instruction whose output is not finite {how}, writing `{}` ({} of {} \
+                 values); {advice}",
                 found.buffer, found.count, found.len
-            );
-            (message, found.computed)
+            )
         };
+        let message = format!(
+            "{values}{skipped}; the parameters are those before the step (its update was \
+             skipped). Re-run with checks, {found_it}"
+        );
+        // A held parameter counts as computed (`NonFiniteOutput::computed`): the origin.
+        let origin = found.computed;
         RuntimeError::AtInstruction {
             rank,
             role: found.role,
