@@ -753,9 +753,13 @@ fn pins(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
                 .map(|n| n.name.as_str())
                 .chain(["Attention", "MLP", "Linear"])
                 .collect();
-            let help = match crate::check::closest_name(pattern, names.iter().copied()) {
-                Some(c) => format!("did you mean `{c}`? pins name layer kinds (`MLP`) or paths (`blocks.3.attn`, `head`) of layers with GEMMs"),
-                None => "pins name layer kinds (`Attention`, `MLP`, `Linear`) or paths (`blocks.3.attn`, `head`) of layers with GEMMs".to_string(),
+            let help = match (
+                past_the_last_layer(pattern, &names),
+                crate::check::closest_name(pattern, names.iter().copied()),
+            ) {
+                (Some(range), _) => format!("{range}; pins name layer kinds (`MLP`) or paths (`blocks.3.attn`, `head`) of layers with GEMMs"),
+                (None, Some(c)) => format!("did you mean `{c}`? pins name layer kinds (`MLP`) or paths (`blocks.3.attn`, `head`) of layers with GEMMs"),
+                (None, None) => "pins name layer kinds (`Attention`, `MLP`, `Linear`) or paths (`blocks.3.attn`, `head`) of layers with GEMMs".to_string(),
             };
             diags.push(
                 Diagnostic::error(
@@ -784,6 +788,18 @@ fn pins(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
             );
         }
     }
+}
+
+/// Where `pattern` is a repeated layer's path past the last iteration (`blocks.40.mlp` in a
+/// model of 32), the iterations there are, e.g. "the model repeats `blocks.0` to `blocks.31`".
+fn past_the_last_layer(pattern: &str, names: &[&str]) -> Option<String> {
+    let mut parts = pattern.splitn(3, '.');
+    let (scope, index) = (parts.next()?, parts.next()?.parse::<u64>().ok()?);
+    let last = (names.iter())
+        .filter_map(|n| n.strip_prefix(scope)?.strip_prefix('.'))
+        .filter_map(|rest| rest.split('.').next()?.parse::<u64>().ok())
+        .max()?;
+    (index > last).then(|| format!("the model repeats `{scope}.0` to `{scope}.{last}`"))
 }
 
 fn scale_groups(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
@@ -905,6 +921,30 @@ mod tests {
     use crate::cost::testspec::{build, Dims, Plan};
     use crate::diag::Span;
     use crate::ir::fp8::Fp8Format;
+
+    #[test]
+    fn a_pin_past_the_last_repeated_layer_names_the_range() {
+        let names = [
+            "blocks.0.attn",
+            "blocks.0.mlp",
+            "blocks.31.mlp",
+            "head",
+            "MLP",
+        ];
+        let said = past_the_last_layer("blocks.40.mlp", &names);
+        assert_eq!(
+            said.as_deref(),
+            Some("the model repeats `blocks.0` to `blocks.31`")
+        );
+        assert_eq!(
+            past_the_last_layer("blocks.40", &names).as_deref(),
+            said.as_deref()
+        );
+        // Inside the range, another scope, or no index: the closest name helps instead.
+        assert_eq!(past_the_last_layer("blocks.3.mlpp", &names), None);
+        assert_eq!(past_the_last_layer("layers.40.mlp", &names), None);
+        assert_eq!(past_the_last_layer("head", &names), None);
+    }
 
     fn with_fp8(d: &Dims, plan: &Plan, scaling: Fp8Scaling, pins: (&[&str], &[&str])) -> Spec {
         let mut spec = build(d, plan);
