@@ -19,6 +19,19 @@
 //! sees when the members run in turn. A run has at least two members; an update that cannot
 //! join the run (other hyper-parameters, a conflict) ends it and may start the next.
 //!
+//! A member may also absorb its *refresh copy* ([`Refresh`]: a bf16 run's rounding `Copy` of
+//! the updated master into its bf16 working copy, `lower::optim`), which the launch then makes
+//! (the CUDA backend writes the update rounded to bf16, as the `Copy` rounds it): the first
+//! `Copy` after the member whose only input is the member's param and whose one output is a
+//! bf16 buffer of the param's element count, where
+//! - no instruction between the run's first member and the `Copy` reads or writes (`Alloc` and
+//!   `Free` count as writes) that working buffer (the members cannot: theirs are f32), and
+//! - none between the member and the `Copy` writes the param (those between the run's first
+//!   member and the member may neither read nor write it, by the rules above).
+//!
+//! So making the copy at the run's first member's position gives the working buffer the value
+//! the `Copy` gives it, and every instruction that reads it the value it read.
+//!
 //! Delayed FP8 scaling's history rolls form runs too ([`find_roll_runs`]): adjacent
 //! well-formed `Fp8HistoryRoll` instructions on buffers of their own.
 //!
@@ -29,7 +42,7 @@
 //! outputs afterwards, in program order, with the same result.
 use crate::ir::op::Op;
 use crate::ir::{BufferId, Compute, DType, Inputs, Instr, Outputs, Program};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 /// What every member of a run shares: the op's hyper-parameters other than the weight decay.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -79,6 +92,18 @@ pub struct RunMember {
     pub weight_decay: f64,
     /// Elements of the gradient (and of param and each state buffer).
     pub numel: u64,
+    /// Its refresh copy, which the run's launch makes (see the module docs).
+    pub refresh: Option<Refresh>,
+}
+
+/// A member's refresh copy: the `Copy` of its param (the f32 master) into its bf16 working
+/// copy that the run's launch makes, the `Copy` itself then a no-op (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Refresh {
+    /// The `Copy`'s position in the program's instructions.
+    pub index: usize,
+    /// Its output: the bf16 working copy, as long as the param.
+    pub working: BufferId,
 }
 
 impl RunMember {
@@ -87,9 +112,21 @@ impl RunMember {
         self.op == *op && *self.inputs == *inputs && *self.outputs == *outputs
     }
 
-    /// Its buffers: inputs, then outputs.
+    /// Its buffers: inputs, then outputs, then its refresh copy's working buffer.
     pub fn buffers(&self) -> impl Iterator<Item = BufferId> + '_ {
-        self.inputs.iter().chain(self.outputs.iter()).copied()
+        let working = self.refresh.map(|r| r.working);
+        self.inputs
+            .iter()
+            .chain(self.outputs.iter())
+            .copied()
+            .chain(working)
+    }
+
+    /// Whether a compute call with these operands is this member's absorbed refresh copy.
+    pub fn is_refresh(&self, op: &Op, inputs: &[BufferId], outputs: &[BufferId]) -> bool {
+        self.refresh.is_some_and(|r| {
+            matches!(op, Op::Copy) && inputs == [self.outputs[0]] && outputs == [r.working]
+        })
     }
 }
 
@@ -131,6 +168,7 @@ fn member(program: &Program, index: usize, instr: &Instr) -> Option<(RunKind, Ru
             outputs: *outputs,
             weight_decay,
             numel: n,
+            refresh: None,
         },
     ))
 }
@@ -173,10 +211,7 @@ impl OpenRun {
     /// Records an instruction between members.
     fn pass(&mut self, instr: &Instr) {
         self.between_read.extend(instr.reads());
-        self.between_written.extend(instr.writes());
-        if let Instr::Alloc { buffer } | Instr::Free { buffer } = instr {
-            self.between_written.insert(*buffer);
-        }
+        self.between_written.extend(written(instr));
     }
 
     fn push(&mut self, m: RunMember) {
@@ -213,7 +248,67 @@ pub fn find_runs(program: &Program) -> Vec<OptimizerRun> {
         }
     }
     close(&mut open, &mut runs);
+    for run in &mut runs {
+        absorb_refreshes(program, run);
+    }
     runs
+}
+
+/// The buffers `instr` writes, counting an `Alloc`'s or a `Free`'s buffer as written.
+fn written(instr: &Instr) -> Vec<BufferId> {
+    let mut buffers = instr.writes();
+    if let Instr::Alloc { buffer } | Instr::Free { buffer } = instr {
+        buffers.push(*buffer);
+    }
+    buffers
+}
+
+/// The param and working buffer of `instr` if it is a refresh copy of a param of `numel(param)`
+/// elements: a `Copy` of one f32 buffer into one bf16 buffer of as many elements.
+fn refresh_copy(program: &Program, instr: &Instr) -> Option<(BufferId, BufferId)> {
+    let c = instr.as_compute()?;
+    let (&[param], &[working]) = (&c.inputs[..], &c.outputs[..]) else {
+        return None;
+    };
+    let out = program.buffer(working)?;
+    let well_formed = matches!(c.op, Op::Copy)
+        && out.dtype == DType::Bf16
+        && f32_numel(program, param) == Some(out.numel());
+    well_formed.then_some((param, working))
+}
+
+/// Gives each member of `run` the refresh copy it may absorb (see the module docs), in one
+/// walk from the run's first member: a member's param is looked for from the member on until
+/// its first refresh copy or a write of the param.
+fn absorb_refreshes(program: &Program, run: &mut OptimizerRun) {
+    let Some(first) = run.members.first().map(|m| m.index) else {
+        return;
+    };
+    // Members reached whose refresh copy is still looked for: param → member.
+    let mut looking: HashMap<BufferId, usize> = HashMap::new();
+    // Buffers read or written since the run's first member.
+    let mut touched: HashSet<BufferId> = HashSet::new();
+    let mut reached = 0;
+    for (index, instr) in program.instrs.iter().enumerate().skip(first) {
+        if reached == run.members.len() && looking.is_empty() {
+            break;
+        }
+        let writes = written(instr);
+        for w in &writes {
+            looking.remove(w);
+        }
+        if run.members.get(reached).is_some_and(|m| m.index == index) {
+            looking.insert(run.members[reached].outputs[0], reached);
+            reached += 1;
+        } else if let Some((param, working)) = refresh_copy(program, instr) {
+            let member = looking.remove(&param);
+            if let Some(m) = member.filter(|_| !touched.contains(&working)) {
+                run.members[m].refresh = Some(Refresh { index, working });
+            }
+        }
+        touched.extend(instr.reads());
+        touched.extend(writes);
+    }
 }
 
 /// One `SumSquares` instruction of a run: `output[0] += Σ input²`.
@@ -605,6 +700,107 @@ mod tests {
             adam_of(ADAM, 9),
         ]);
         assert_eq!(indices!(find_runs(&p)), vec![vec![8, 9]]);
+    }
+
+    fn copy(from: u32, to: u32) -> Instr {
+        Instr::compute(Op::Copy, &[from], &[to])
+    }
+
+    /// [`program`] with buffers 81 + t (t < 6) tensor t's bf16 working copy (10 + t elements).
+    fn with_working_copies(instrs: Vec<Instr>) -> Program {
+        let mut p = program(instrs);
+        for t in 0..6 {
+            p.buffers[81 + t] = buffer(10 + t as u64, DType::Bf16);
+        }
+        p
+    }
+
+    /// Each member's refresh copy as (copy index, working buffer).
+    fn refreshes(run: &OptimizerRun) -> Vec<Option<(usize, u32)>> {
+        (run.members.iter())
+            .map(|m| m.refresh.map(|r| (r.index, r.working.0)))
+            .collect()
+    }
+
+    #[test]
+    fn refresh_copies_are_absorbed_where_their_values_stay_the_same() {
+        let p = with_working_copies(vec![
+            adam_of(ADAM, 0),
+            grad_free(0),
+            copy(2, 81),
+            // A norm's update: no working copy.
+            adam_of(ADAM, 1),
+            grad_free(1),
+            adam_of(ADAM, 2),
+            grad_free(2),
+            // Touches nothing of tensor 2's: its copy after the run's last member is absorbed.
+            Instr::compute(Op::Zero, &[], &[98]),
+            copy(10, 83),
+            // A second copy of the same param is an ordinary one.
+            copy(10, 83),
+        ]);
+        let runs = find_runs(&p);
+        assert_eq!(indices!(runs), vec![vec![0, 3, 5]]);
+        assert_eq!(
+            refreshes(&runs[0]),
+            vec![Some((2, 81)), None, Some((8, 83))]
+        );
+        let first = &runs[0].members[0];
+        let (param, working) = ([BufferId(2)], [BufferId(81)]);
+        assert!(first.is_refresh(&Op::Copy, &param, &working));
+        assert!(!first.is_refresh(&Op::Copy, &param, &[BufferId(83)]));
+        assert!(!runs[0].members[1].is_refresh(&Op::Copy, &[BufferId(6)], &[BufferId(82)]));
+        assert!(first.buffers().any(|b| b == BufferId(81)));
+        // SGD runs absorb theirs alike.
+        let sgd = Op::Sgd {
+            momentum: 0.9,
+            weight_decay: 0.1,
+        };
+        let p = with_working_copies(vec![
+            Instr::compute(sgd.clone(), &[1, 0], &[2, 3]),
+            copy(2, 81),
+            Instr::compute(sgd, &[5, 0], &[6, 7]),
+            copy(6, 82),
+        ]);
+        assert_eq!(
+            refreshes(&find_runs(&p)[0]),
+            vec![Some((1, 81)), Some((3, 82))]
+        );
+    }
+
+    #[test]
+    fn refresh_copies_whose_values_could_change_are_left_alone() {
+        let mut p = with_working_copies(vec![
+            adam_of(ADAM, 0),
+            // Reads tensor 0's working copy before its refresh.
+            copy(81, 97),
+            copy(2, 81),
+            adam_of(ADAM, 1),
+            // An f32 output (buffer 82 made f32 below).
+            copy(6, 82),
+            adam_of(ADAM, 2),
+            // A bf16 output of another length.
+            copy(10, 98),
+            adam_of(ADAM, 3),
+            // Writes tensor 3's param after its update, before its copy.
+            Instr::compute(Op::Zero, &[], &[14]),
+            copy(14, 84),
+            // Allocates tensor 4's working copy inside the run, before its update.
+            Instr::Alloc {
+                buffer: BufferId(85),
+            },
+            adam_of(ADAM, 4),
+            copy(18, 85),
+            adam_of(ADAM, 5),
+            copy(22, 86),
+        ]);
+        p.buffers[82] = buffer(11, DType::F32);
+        p.buffers[98] = buffer(5, DType::Bf16);
+        let runs = find_runs(&p);
+        assert_eq!(indices!(runs), vec![vec![0, 3, 5, 7, 11, 13]]);
+        let mut want = vec![None; 5];
+        want.push(Some((14, 86)));
+        assert_eq!(refreshes(&runs[0]), want);
     }
 
     fn sum_squares(input: u32, output: u32) -> Instr {
