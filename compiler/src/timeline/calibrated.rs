@@ -245,10 +245,16 @@ impl<'a> ProfileCosts<'a> {
         )
     }
 
-    /// Seconds of one launch running `members` (a fused run of one memory-bound op): their
-    /// bytes summed, at the rate of the op's multi-tensor points ([`multi_op_name`]) where the
-    /// profile has them, else of its own points; None without either.
-    fn price_run(&self, program: &Program, members: &[&Instr]) -> Option<f64> {
+    /// Seconds of one launch running `members` (a fused run of one memory-bound op) and
+    /// writing the outputs of the `refreshes` it absorbed: their bytes summed, at the rate of
+    /// the op's multi-tensor points ([`multi_op_name`]) where the profile has them, else of its
+    /// own points; None without either.
+    fn price_run(
+        &self,
+        program: &Program,
+        members: &[&Instr],
+        refreshes: &[&Instr],
+    ) -> Option<f64> {
         let op = members.first()?.as_compute()?.op;
         let Table::Memory(kind) = table_of(op) else {
             return None;
@@ -258,7 +264,8 @@ impl<'a> ProfileCosts<'a> {
                 let c = m.as_compute()?;
                 Some(self.bytes_touched(program, &c.op.signature(), c.inputs, c.outputs))
             })
-            .sum::<Option<f64>>()?;
+            .sum::<Option<f64>>()?
+            + self.roofline.written_bytes(program, refreshes);
         let opcode = op.opcode();
         let multi_name = multi_op_name(opcode);
         let multi: Vec<&MemoryPoint> = (self.profile.memory.iter())
@@ -600,12 +607,15 @@ impl StepCosts for ProfileCosts<'_> {
         self.profile.fuses_optimizer_runs()
     }
 
-    fn fused_run(&self, program: &Program, members: &[&Instr]) -> f64 {
-        self.price_run(program, members).unwrap_or_else(|| {
-            (members.iter())
-                .map(|m| self.roofline.compute(program, m))
-                .sum()
-        })
+    fn fused_run(&self, program: &Program, members: &[&Instr], refreshes: &[&Instr]) -> f64 {
+        self.price_run(program, members, refreshes)
+            .unwrap_or_else(|| {
+                let written = self.roofline.written_bytes(program, refreshes);
+                (members.iter())
+                    .map(|m| self.roofline.compute(program, m))
+                    .sum::<f64>()
+                    + self.roofline.memory_seconds(written)
+            })
     }
 
     fn collective(&self, kind: CollectiveKind, n: u32, bytes: f64, crosses_nodes: bool) -> f64 {

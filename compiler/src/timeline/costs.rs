@@ -30,10 +30,13 @@ pub trait StepCosts {
         false
     }
     /// Seconds of the one launch that runs `members` (a run's compute instructions of
-    /// `program`) where [`StepCosts::fuses_optimizer_runs`]. The default: their own prices,
-    /// summed.
-    fn fused_run(&self, program: &Program, members: &[&Instr]) -> f64 {
-        members.iter().map(|i| self.compute(program, i)).sum()
+    /// `program`) and makes the refresh copies it absorbed (`refreshes`: `Copy`s into bf16
+    /// working copies, whose outputs the launch writes) where
+    /// [`StepCosts::fuses_optimizer_runs`]. The default: their own prices, summed.
+    fn fused_run(&self, program: &Program, members: &[&Instr], refreshes: &[&Instr]) -> f64 {
+        (members.iter().chain(refreshes))
+            .map(|i| self.compute(program, i))
+            .sum()
     }
     /// Seconds of a collective over `n` ranks whose defining buffer holds `bytes`.
     fn collective(&self, kind: CollectiveKind, n: u32, bytes: f64, crosses_nodes: bool) -> f64;
@@ -63,6 +66,28 @@ impl SpecCosts<'_> {
         });
         let stored = stored / elements.max(1.0);
         crate::fp8::quantize_seconds(elements, stored, &self.spec.cluster.gpu, delayed)
+    }
+
+    /// Bytes of the outputs of `instrs` (compute instructions of `program`), as
+    /// [`StepCosts::bytes`] counts them: what a fused run writes for the refresh copies it
+    /// absorbed.
+    pub(super) fn written_bytes(&self, program: &Program, instrs: &[&Instr]) -> f64 {
+        (instrs.iter())
+            .filter_map(|i| i.as_compute())
+            .flat_map(|c| c.outputs.iter())
+            .filter_map(|&b| program.buffer(b))
+            .map(|b| self.bytes(b))
+            .sum()
+    }
+
+    /// Seconds to move `bytes` at the GPU's memory bandwidth (0 where it has none).
+    pub(super) fn memory_seconds(&self, bytes: f64) -> f64 {
+        let bw = self.spec.cluster.gpu.memory_bandwidth;
+        if bw > 0.0 {
+            bytes / bw
+        } else {
+            0.0
+        }
     }
 
     fn peak(&self) -> f64 {
@@ -111,9 +136,8 @@ impl StepCosts for SpecCosts<'_> {
             Some(p) if fp8.is_some() => p,
             _ => self.peak(),
         };
-        let bw = gpu.memory_bandwidth;
         let math = if peak > 0.0 { flops / peak } else { 0.0 };
-        let memory = if bw > 0.0 { touched / bw } else { 0.0 };
+        let memory = self.memory_seconds(touched);
         // A `quantized` GEMM reads its operands quantized by their own `Fp8Quantize` ops,
         // priced as the memory-bound ops they are.
         let quantize = match fp8.filter(|f| !f.quantized) {

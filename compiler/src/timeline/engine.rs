@@ -240,10 +240,10 @@ impl<'a> Engine<'a> {
                             )
                         }
                         // The backend launches the whole run here: after every member's
-                        // buffers are ready, writing every member's outputs.
+                        // (and refresh copy's) buffers are ready, writing all their outputs.
                         Some(Role::First(run)) => {
                             let members =
-                                || (run.members.iter()).filter_map(|&i| program.instrs.get(i));
+                                || (run.instructions()).filter_map(|i| program.instrs.get(i));
                             let touched =
                                 members().flat_map(|m| m.reads().into_iter().chain(m.writes()));
                             let written: Vec<BufferId> =

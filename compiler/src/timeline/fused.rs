@@ -6,9 +6,12 @@
 //! op, priced by [`StepCosts::fused_run`] (one launch of its members' summed bytes) and run
 //! where the backend runs it: at its first member's position, once every member's buffers are
 //! ready (the backend orders the launch after all the communication on them), making every
-//! member's outputs ready when it ends; its later members take no time. Elsewhere (the CPU
-//! backend) every instruction is priced and run alone. Finding the runs is linear in the
-//! program, done once per program a simulation runs.
+//! member's outputs ready when it ends; its later members take no time. A run of updates that
+//! absorbed its members' refresh copies (`optimizer_runs::Refresh`: the launch also writes the
+//! bf16 working copies) is priced with their outputs written (2 bytes an element more), waits
+//! for and readies their buffers too, and the copies take no time. Elsewhere (the CPU backend)
+//! every instruction is priced and run alone. Finding the runs is linear in the program, done
+//! once per program a simulation runs.
 use super::costs::StepCosts;
 use crate::ir::op::Op;
 use crate::ir::optimizer_runs::{find_roll_runs, find_runs, find_sum_squares_runs};
@@ -19,8 +22,37 @@ use crate::ir::{Instr, Program};
 pub struct FusedRun {
     /// Its members' instruction indices, in program order (at least two).
     pub members: Vec<usize>,
+    /// The instruction indices of the refresh copies its launch makes, in program order.
+    pub refreshes: Vec<usize>,
     /// The seconds of its one launch.
     pub seconds: f64,
+}
+
+impl FusedRun {
+    /// The instruction indices of everything its launch does: members, then refresh copies.
+    pub fn instructions(&self) -> impl Iterator<Item = usize> + '_ {
+        self.members.iter().chain(&self.refreshes).copied()
+    }
+
+    /// A run of `members` and `refreshes` of `program`, priced by `costs`.
+    fn priced(
+        program: &Program,
+        costs: &dyn StepCosts,
+        members: Vec<usize>,
+        refreshes: Vec<usize>,
+    ) -> FusedRun {
+        let instrs = |indices: &[usize]| -> Vec<&Instr> {
+            (indices.iter())
+                .filter_map(|&i| program.instrs.get(i))
+                .collect()
+        };
+        let seconds = costs.fused_run(program, &instrs(&members), &instrs(&refreshes));
+        FusedRun {
+            members,
+            refreshes,
+            seconds,
+        }
+    }
 }
 
 /// What an instruction is to the fused runs of its program.
@@ -47,38 +79,40 @@ impl FusedRuns {
         if !costs.fuses_optimizer_runs() {
             return FusedRuns::default();
         }
-        let updates = find_runs(program)
-            .into_iter()
-            .map(|run| run.members.iter().map(|m| m.index).collect::<Vec<_>>());
-        let sums = find_sum_squares_runs(program)
-            .into_iter()
-            .map(|run| run.members.iter().map(|m| m.index).collect::<Vec<_>>());
-        let mut runs: Vec<FusedRun> = updates
-            .chain(sums)
-            .map(|members| {
-                let instrs: Vec<&Instr> = (members.iter())
-                    .filter_map(|&i| program.instrs.get(i))
-                    .collect();
-                let seconds = costs.fused_run(program, &instrs);
-                FusedRun { members, seconds }
-            })
-            .collect();
+        let updates = find_runs(program).into_iter().map(|run| {
+            let members = run.members.iter().map(|m| m.index).collect();
+            let mut refreshes: Vec<usize> = (run.members.iter())
+                .filter_map(|m| m.refresh.map(|r| r.index))
+                .collect();
+            refreshes.sort_unstable();
+            FusedRun::priced(program, costs, members, refreshes)
+        });
+        let sums = find_sum_squares_runs(program).into_iter().map(|run| {
+            let members = run.members.iter().map(|m| m.index).collect();
+            FusedRun::priced(program, costs, members, Vec::new())
+        });
+        let mut runs: Vec<FusedRun> = updates.chain(sums).collect();
         // A run of history rolls is one launch of a thread a history: its first member's price.
         runs.extend(find_roll_runs(program).into_iter().map(|run| {
             let members: Vec<usize> = run.members.iter().map(|m| m.index).collect();
             let first = members.first().and_then(|&i| program.instrs.get(i));
             let seconds = first.map_or(0.0, |f| costs.compute(program, f));
-            FusedRun { members, seconds }
+            FusedRun {
+                members,
+                refreshes: Vec::new(),
+                seconds,
+            }
         }));
         runs.sort_by_key(|r| r.members.first().copied());
         let mut members: Vec<(usize, usize)> = (runs.iter().enumerate())
-            .flat_map(|(r, run)| run.members.iter().map(move |&i| (i, r)))
+            .flat_map(|(r, run)| run.instructions().map(move |i| (i, r)))
             .collect();
         members.sort_unstable();
         FusedRuns { members, runs }
     }
 
-    /// What instruction `index` (whose op is `op`) is to the runs; None for one outside them.
+    /// What instruction `index` (whose op is `op`) is to the runs (an absorbed refresh copy is a
+    /// later member); None for one outside them.
     pub fn role(&self, index: usize, op: &Op) -> Option<Role<'_>> {
         if self.members.is_empty() || !fusable(op) {
             return None;
@@ -94,11 +128,12 @@ impl FusedRuns {
     }
 }
 
-/// Whether `op` can be a run's member (the ops `crate::ir::optimizer_runs` fuses).
+/// Whether `op` can be a run's member or refresh copy (the ops `crate::ir::optimizer_runs`
+/// fuses).
 fn fusable(op: &Op) -> bool {
     matches!(
         op,
-        Op::AdamW { .. } | Op::Sgd { .. } | Op::SumSquares | Op::Fp8HistoryRoll(_)
+        Op::AdamW { .. } | Op::Sgd { .. } | Op::SumSquares | Op::Fp8HistoryRoll(_) | Op::Copy
     )
 }
 

@@ -23,7 +23,8 @@
 //!   until the group's last transfer starts, exposed communication after.
 //! - A run of optimizer updates (or of gradient clipping's sums of squares) that the backend
 //!   launches as one ([`fused`]: the CUDA backend's multi-tensor kernels) is one op at its first
-//!   member's position, waiting for every member's buffers; its later members take no time.
+//!   member's position, waiting for every member's buffers; its later members (and the refresh
+//!   copies of bf16 working copies it absorbed) take no time.
 //! - `Alloc`, `Free` and `LoadBatch` take no time, but a `Free` of a buffer a collective still
 //!   uses waits for it, as the runtime does (the memory plan hands the bytes on).
 //!

@@ -75,7 +75,7 @@ impl StepCosts for Costs<'_> {
     fn fuses_optimizer_runs(&self) -> bool {
         self.fused_run.is_some()
     }
-    fn fused_run(&self, _: &Program, _: &[&Instr]) -> f64 {
+    fn fused_run(&self, _: &Program, _: &[&Instr], _: &[&Instr]) -> f64 {
         self.fused_run.unwrap_or(0.0)
     }
 }
@@ -552,4 +552,50 @@ fn a_fused_run_runs_whole_at_its_first_member() {
         .collect();
     assert!(!gathers.is_empty());
     assert!(gathers.iter().all(|e| e.start >= 2.0), "{gathers:?}");
+}
+
+/// In a bf16 plan without ZeRO the update run absorbs the refresh copies of the weight
+/// matrices' working copies (all of the optimizer phase's copies): one launch of the run, the
+/// copies taking no time.
+#[test]
+fn a_fused_run_makes_its_absorbed_refresh_copies() {
+    let mut spec = build(&Dims::tiny(), &PlanChoice::default());
+    spec.train.precision = crate::spec::Precision::Bf16;
+    let plan = lower(&spec).unwrap();
+    let program = &plan.programs[0];
+    let updates = crate::ir::optimizer_runs::find_runs(program);
+    assert_eq!(updates.len(), 1);
+    let refreshes = (updates[0].members.iter())
+        .filter(|m| m.refresh.is_some())
+        .count();
+    let copies = (program.instrs.iter())
+        .filter(|i| matches!(i.op(), Some(crate::ir::op::Op::Copy)))
+        .filter(|i| i.as_compute().is_some_and(|c| c.phase == Phase::Optimizer))
+        .count();
+    assert!(
+        refreshes > 2 && refreshes == copies,
+        "{refreshes} of {copies}"
+    );
+    let sums = crate::ir::optimizer_runs::find_sum_squares_runs(program);
+    let members = updates[0].members.len() + sums[0].members.len();
+    let ops = (program.instrs.iter())
+        .filter(|i| i.as_compute().is_some())
+        .count();
+    let fused = Costs {
+        fused_run: Some(1.0),
+        ..Costs::slow_comm(0.0, 0.0)
+    };
+    let timeline = simulate_with(&plan, &spec, &fused);
+    let want = 2.0 + (ops - members - refreshes) as f64 * 1e-6;
+    assert!(
+        (timeline.step_seconds - want).abs() < 1e-9,
+        "{} want {want}",
+        timeline.step_seconds
+    );
+    let seconds = compute_seconds(program, &fused);
+    for m in &updates[0].members {
+        if let Some(r) = m.refresh {
+            assert_eq!(seconds[r.index], 0.0);
+        }
+    }
 }

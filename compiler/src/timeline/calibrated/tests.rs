@@ -729,7 +729,7 @@ fn a_fused_run_is_priced_by_its_summed_bytes() {
             profile: profile.clone(),
             scale: false,
         };
-        ProfileCosts::new(&calibration, &spec).fused_run(&program, &members)
+        ProfileCosts::new(&calibration, &spec).fused_run(&program, &members, &[])
     };
     // No multi-tensor points: adam_w's rate at the run's size.
     assert!(close(priced(&profile), run_bytes / single_rate(run_bytes)));
@@ -760,6 +760,69 @@ fn a_fused_run_is_priced_by_its_summed_bytes() {
     let seconds = crate::timeline::compute_seconds(&program, &costs);
     assert_eq!(seconds[0], 1.0);
     assert!(seconds[1..].iter().all(|&s| s == 0.0));
+}
+
+/// A run of updates that absorbed its refresh copies (`Copy`s of the updated params into bf16
+/// working copies) is one launch that also writes the working copies, 2 bytes an element: the
+/// copies take no time of their own, by the profile and by the roofline alike.
+#[test]
+fn a_fused_run_writes_the_refresh_copies_it_absorbed() {
+    let (spec, _) = tiny();
+    let mut profile = uniform(4e10, 8e9);
+    profile.backend = "cuda".into();
+    profile.launch_overhead_s = 1e-9;
+    profile.memory.retain(|m| m.kind != MemoryKind::Optimizer);
+    profile.memory.extend([1e4, 1e8].map(|bytes| MemoryPoint {
+        kind: MemoryKind::Optimizer,
+        bytes,
+        op: Some("adam_w_multi".into()),
+        cols: None,
+        seconds: bytes / 2e9,
+    }));
+    // 20 updates of 1,000 elements, each followed by its refresh copy into a bf16 buffer.
+    let mut program = updates(&[1000; 20]);
+    let mut instrs = Vec::new();
+    for (t, update) in program.instrs.iter().enumerate() {
+        let working = program.buffers.len() as u32;
+        program.buffers.push(Buffer {
+            name: format!("w{t}"),
+            shape: vec![1000],
+            dtype: DType::Bf16,
+            kind: crate::ir::BufferKind::Activation,
+        });
+        instrs.push(update.clone());
+        instrs.push(Instr::compute(Op::Copy, &[2 + 4 * t as u32], &[working]));
+    }
+    program.instrs = instrs;
+    let calibration = Calibration {
+        profile,
+        scale: false,
+    };
+    let costs = ProfileCosts::new(&calibration, &spec);
+    let fused = crate::timeline::FusedRuns::of(&program, &costs);
+    let Some(Role::First(run)) = fused.role(0, program.instrs[0].op().unwrap()) else {
+        panic!("the first update starts the run");
+    };
+    let copies: Vec<usize> = (0..20).map(|t| 2 * t + 1).collect();
+    assert_eq!(run.refreshes, copies);
+    // 28,004 bytes an update (f32 at 4 bytes), 2,000 more written for its working copy.
+    assert!(close(run.seconds, 20.0 * 30_004.0 / 2e9), "{}", run.seconds);
+    let seconds = crate::timeline::compute_seconds(&program, &costs);
+    assert_eq!(seconds[0], run.seconds);
+    assert!(seconds[1..].iter().all(|&s| s == 0.0));
+    // Without points for the run: the roofline's updates plus the working copies' writes.
+    let members: Vec<&Instr> = program.instrs.iter().step_by(2).collect();
+    let refreshes: Vec<&Instr> = program.instrs.iter().skip(1).step_by(2).collect();
+    let roofline = crate::timeline::costs::SpecCosts { spec: &spec };
+    let bandwidth = spec.cluster.gpu.memory_bandwidth;
+    let alone: f64 = members.iter().map(|m| roofline.compute(&program, m)).sum();
+    let mut no_points = calibration.clone();
+    no_points.profile.memory.clear();
+    let priced = ProfileCosts::new(&no_points, &spec).fused_run(&program, &members, &refreshes);
+    assert!(
+        close(priced, alone + 20.0 * 2_000.0 / bandwidth),
+        "{priced}"
+    );
 }
 
 /// Shared quantization (`quantize: shared`): each `Fp8Quantize` is priced as the memory-bound
