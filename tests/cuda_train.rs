@@ -19,7 +19,8 @@
 //! the resumed losses match an uninterrupted run. The fused optimizer (one launch per run of
 //! updates) gives the per-tensor launches' parameters and state bit for bit on the same inputs
 //! (AdamW, also with widths that are not multiples of 4; SGD, an fp16 overflow step, a ZeRO-1
-//! rank). Without a GPU every GPU test prints
+//! rank), and in bf16 also the working copies its launch refreshes in place of each weight
+//! matrix's `Copy`, and a bf16 run's losses with and without it. Without a GPU every GPU test prints
 //! `skipped: no CUDA device (…)`; the run detection on the lowered programs needs none.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #[allow(dead_code)]
@@ -82,31 +83,49 @@ fn planned_model_spec(llama: bool, steps: u64, choice: PlanChoice) -> Spec {
 
 fn run(s: &Spec, which: Which, stop_after: Option<u64>, resume: Option<&Path>) -> TrainResult {
     let plan = lower(s).unwrap_or_else(|d| panic!("{:?}", d.items));
-    let mut options = TrainOptions::new(".");
-    options.threads_per_rank = Some(1);
-    options.stop_after = stop_after;
-    options.resume = resume.map(Path::to_path_buf);
+    let options = train_options(stop_after, resume);
     let result = match which {
         Which::Cpu => train_cpu(s, &plan, &options),
         #[cfg(feature = "cuda")]
-        Which::Cuda => parc_runtime::exec::train(
-            s,
-            &plan,
-            &options,
-            |rank, _| {
-                // Buffers exempt from zero-filling hold NaN until written, as on the CPU.
-                parc_runtime::cuda::CudaBackend::with_precision(rank as usize, s.train.precision)
-                    .map(|mut backend| {
-                        backend.poison_unzeroed();
-                        backend
-                    })
-            },
-            &|_| {},
-        ),
+        Which::Cuda => train_cuda(s, &plan, &options, true),
         #[cfg(not(feature = "cuda"))]
         Which::Cuda => unreachable!("gpu_present() is false without the cuda feature"),
     };
     result.unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn train_options(stop_after: Option<u64>, resume: Option<&Path>) -> TrainOptions {
+    let mut options = TrainOptions::new(".");
+    options.threads_per_rank = Some(1);
+    options.stop_after = stop_after;
+    options.resume = resume.map(Path::to_path_buf);
+    options
+}
+
+/// `plan` of `s` trained on CUDA, the fused optimizer on or off (`fused`).
+#[cfg(feature = "cuda")]
+fn train_cuda(
+    s: &Spec,
+    plan: &parc_compiler::ir::Plan,
+    options: &TrainOptions,
+    fused: bool,
+) -> parc_runtime::error::Result<TrainResult> {
+    parc_runtime::exec::train(
+        s,
+        plan,
+        options,
+        |rank, _| {
+            // Buffers exempt from zero-filling hold NaN until written, as on the CPU.
+            parc_runtime::cuda::CudaBackend::with_precision(rank as usize, s.train.precision).map(
+                |backend| {
+                    let mut backend = backend.with_fused_optimizer(fused);
+                    backend.poison_unzeroed();
+                    backend
+                },
+            )
+        },
+        &|_| {},
+    )
 }
 
 fn compare(name: &str, cuda: &[StepRecord], cpu: &[StepRecord]) {
@@ -497,7 +516,7 @@ fn zero_spec(zero: ZeroStage, steps: u64) -> Spec {
 /// The model's optimizer updates as runs the CUDA backend fuses
 /// (`parc_compiler::ir::optimizer_runs`): every parameter's update of a rank's program is in one run, without ZeRO (the gradient
 /// `Free`s between updates do not split it) and with ZeRO 1, 2 and 3 (nor do the all-gathers of
-/// the updated shards). Needs no GPU.
+/// the updated shards); in bf16 without ZeRO the run absorbs every refresh copy. Needs no GPU.
 #[test]
 fn every_update_of_a_program_is_one_fused_run() {
     use parc_compiler::ir::optimizer_runs::{find_runs, find_sum_squares_runs};
@@ -556,6 +575,28 @@ fn every_update_of_a_program_is_one_fused_run() {
         let name = format!("llama {llama} sgd {sgd}");
         assert!(one_sum_squares_run(program, &name) > 10, "{name}");
     }
+    // bf16 without ZeRO: the run also absorbs every weight matrix's refresh copy (its bf16
+    // working copy rounded from the updated master); SGD's alike.
+    for (llama, sgd) in [(false, false), (true, false), (false, true)] {
+        let mut s = in_bf16(model_spec(llama, 1));
+        if sgd {
+            s.train.optimizer = parc_compiler::spec::Optimizer::Sgd {
+                lr: 1e-1,
+                momentum: 0.9,
+                weight_decay: 0.1,
+            };
+        }
+        let plan = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
+        let program = &plan.programs[0];
+        let runs = find_runs(program);
+        assert_eq!(runs.len(), 1, "bf16 llama {llama} sgd {sgd}: {runs:?}");
+        let absorbed = (runs[0].members.iter())
+            .filter(|m| m.refresh.is_some())
+            .count();
+        let copies = refresh_copies(program);
+        assert!(copies >= 2, "bf16 llama {llama} sgd {sgd}: {copies} copies");
+        assert_eq!(absorbed, copies, "bf16 llama {llama} sgd {sgd}");
+    }
     // GPT-2 124M at micro-batch 32 (issue 6's benchmark): its updates are one launch.
     let plan = lower(&gpt2_124m(32)).unwrap_or_else(|d| panic!("{:?}", d.items));
     let program = &plan.programs[0];
@@ -568,6 +609,30 @@ fn every_update_of_a_program_is_one_fused_run() {
     assert!(updates > 12 * 10, "gpt2-124m: {updates} updates");
     // Its 196 gradients' sums of squares: two launches, not 392.
     assert_eq!(one_sum_squares_run(program, "gpt2-124m"), updates);
+}
+
+/// Llama 3.2 1B in bf16 (`examples/llama3.2-1b.par`): its one update run absorbs all 81
+/// refresh copies (16 layers' five weight matrices and the token table; the norms have no
+/// working copy), so a step launches 81 kernels fewer. Needs no GPU.
+#[test]
+fn llama_3_2_1b_absorbs_every_refresh_copy() {
+    use parc_compiler::driver::{compile, CompileOptions, Stage};
+    use parc_compiler::ir::optimizer_runs::find_runs;
+    let text = include_str!("../examples/llama3.2-1b.par").to_string();
+    let compiled = compile(
+        "llama3.2-1b.par",
+        text,
+        &[],
+        &CompileOptions::through(Stage::Lower),
+    );
+    let plan = (compiled.plan.as_ref()).unwrap_or_else(|| panic!("{:?}", compiled.diagnostics));
+    let program = &plan.programs[0];
+    let runs = find_runs(program);
+    assert_eq!(runs.len(), 1, "{} runs", runs.len());
+    let absorbed = (runs[0].members.iter())
+        .filter(|m| m.refresh.is_some())
+        .count();
+    assert_eq!((absorbed, refresh_copies(program)), (81, 81));
 }
 
 /// A small deterministic generator (xorshift64*) for the optimizer test's inputs.
@@ -586,9 +651,20 @@ impl Xorshift {
     }
 }
 
-/// Every persistent f32 buffer's name and bits.
+/// Every persistent f32 and bf16 buffer's name and bits (a bf16 buffer's values widened to f32).
 #[cfg(feature = "cuda")]
 type BufferBits = Vec<(String, Vec<u32>)>;
+
+/// What [`optimizer_phase`] gives: the fused runs the backend found (the optimizer's, each as
+/// its updates' count, with the refresh copies each makes; then the sums of squares') and
+/// every persistent buffer's bits at the end.
+#[cfg(feature = "cuda")]
+struct PhaseResult {
+    runs: Vec<usize>,
+    refreshes: Vec<usize>,
+    sumsq_runs: Vec<usize>,
+    state: BufferBits,
+}
 
 /// Drives `program`'s optimizer phase (from its first optimizer-phase instruction to the end)
 /// directly through a CUDA backend, `steps` times, with the same inputs whatever `fused` is:
@@ -597,9 +673,8 @@ type BufferBits = Vec<(String, Vec<u32>)>;
 /// one gradient element is infinite: an fp16 run skips that step). Collectives are emulated
 /// (the output is the input repeated), so a ZeRO rank's phase runs alone. `fused` turns both
 /// the fused optimizer and the fused `SumSquares` on or off. Returns the fused runs the
-/// backend found (the optimizer's, then the sums of squares'; each as its members' count) and
-/// every persistent buffer's bits at the end (the squared gradient norm `grad_sumsq` among
-/// them).
+/// backend found and every persistent buffer's bits at the end (the squared gradient norm
+/// `grad_sumsq` and a bf16 run's working copies among them).
 #[cfg(feature = "cuda")]
 fn optimizer_phase(
     program: &parc_compiler::ir::Program,
@@ -607,7 +682,7 @@ fn optimizer_phase(
     fused: bool,
     steps: u64,
     overflow_step: Option<u64>,
-) -> (Vec<usize>, Vec<usize>, BufferBits) {
+) -> PhaseResult {
     use parc_compiler::ir::{op::Op, BufferId, DType, Instr};
     use parc_compiler::memplan::plan_program;
     use parc_runtime::backend::{Backend, StepScalars};
@@ -628,9 +703,10 @@ fn optimizer_phase(
         .prepare(program, &plan_program(program).unwrap())
         .unwrap();
     let mut allocated = HashSet::new();
+    let float = |dtype: DType| matches!(dtype, DType::F32 | DType::Bf16);
     let fill = |backend: &mut CudaBackend, id: BufferId, rng: &mut Xorshift| {
         let b = program.buffer(id).unwrap();
-        if b.dtype == DType::F32 {
+        if float(b.dtype) {
             let abs = second_moments.contains(&id);
             let data: Vec<f32> = (0..b.numel())
                 .map(|_| if abs { rng.next().abs() } else { rng.next() })
@@ -692,7 +768,7 @@ fn optimizer_phase(
         }
     }
     let state = (persistent.iter())
-        .filter(|&&id| program.buffer(id).unwrap().dtype == DType::F32)
+        .filter(|&&id| float(program.buffer(id).unwrap().dtype))
         .map(|&id| {
             let bits = backend
                 .read_f32(id)
@@ -703,11 +779,24 @@ fn optimizer_phase(
             (program.buffer(id).unwrap().name.clone(), bits)
         })
         .collect();
-    (
-        backend.fused_optimizer_runs(),
-        backend.fused_sum_squares_runs(),
+    PhaseResult {
+        runs: backend.fused_optimizer_runs(),
+        refreshes: backend.fused_optimizer_refreshes(),
+        sumsq_runs: backend.fused_sum_squares_runs(),
         state,
-    )
+    }
+}
+
+/// The refresh copies of `program`: its optimizer phase's `Copy`s of an f32 buffer into a bf16
+/// one (a bf16 run's working copies refreshed from the updated masters, without ZeRO).
+fn refresh_copies(program: &parc_compiler::ir::Program) -> usize {
+    use parc_compiler::ir::{op::Op, DType, Phase};
+    let dtype = |id: &parc_compiler::ir::BufferId| program.buffer(*id).map(|b| b.dtype);
+    (program.computes())
+        .filter(|(_, c)| matches!(c.op, Op::Copy) && c.phase == Phase::Optimizer)
+        .filter(|(_, c)| c.inputs.iter().all(|i| dtype(i) == Some(DType::F32)))
+        .filter(|(_, c)| c.outputs.iter().all(|o| dtype(o) == Some(DType::Bf16)))
+        .count()
 }
 
 /// The optimizer phase of `spec`'s rank-0 program, fused and per tensor, on the same inputs:
@@ -719,16 +808,19 @@ fn fused_equals_per_tensor(name: &str, spec: &Spec, steps: u64, overflow_step: O
     let plan = lower(spec).unwrap_or_else(|d| panic!("{:?}", d.items));
     let program = &plan.programs[0];
     let precision = spec.train.precision;
-    let (tensor_runs, tensor_sumsq_runs, per_tensor) =
-        optimizer_phase(program, precision, false, steps, overflow_step);
-    let (_, _, before) = optimizer_phase(program, precision, false, 0, None);
-    assert!(tensor_runs.is_empty(), "{name}: {tensor_runs:?}");
-    assert!(
-        tensor_sumsq_runs.is_empty(),
-        "{name}: {tensor_sumsq_runs:?}"
-    );
+    let per_tensor = optimizer_phase(program, precision, false, steps, overflow_step);
+    let before = optimizer_phase(program, precision, false, 0, None).state;
+    assert!(per_tensor.runs.is_empty(), "{name}: {:?}", per_tensor.runs);
+    assert!(per_tensor.refreshes.is_empty(), "{name}");
+    assert!(per_tensor.sumsq_runs.is_empty(), "{name}");
     let fused = optimizer_phase(program, precision, true, steps, overflow_step);
-    fused_matches(name, program, steps, fused, &per_tensor, &before);
+    // A bf16 run's launch makes every refresh copy (an fp32 or fp16 run has none).
+    let refreshes = refresh_copies(program);
+    assert_eq!(fused.refreshes, vec![refreshes], "{name}: refresh copies");
+    if precision == Precision::Bf16 {
+        assert!(refreshes >= 2, "{name}: {refreshes} refresh copies");
+    }
+    fused_matches(name, program, steps, fused, &per_tensor.state, &before);
 }
 
 /// One fused run of [`fused_equals_per_tensor`] against the per-tensor one.
@@ -737,11 +829,17 @@ fn fused_matches(
     name: &str,
     program: &parc_compiler::ir::Program,
     steps: u64,
-    (fused_runs, sumsq_runs, fused): (Vec<usize>, Vec<usize>, BufferBits),
+    phase: PhaseResult,
     per_tensor: &BufferBits,
     before: &BufferBits,
 ) {
     use parc_compiler::ir::op::Op;
+    let PhaseResult {
+        runs: fused_runs,
+        sumsq_runs,
+        state: fused,
+        ..
+    } = phase;
     println!("{name}: fused runs {fused_runs:?}, SumSquares runs {sumsq_runs:?}");
     assert_eq!(fused_runs.len(), 1, "{name}: fused runs {fused_runs:?}");
     // Every gradient's SumSquares in one run (each parameter tensor has one).
@@ -774,6 +872,33 @@ fn fused_matches(
     );
 }
 
+/// Widths that are not multiples of 4 (the float4 path's element tails) and a table of
+/// 301 × 66 = 19,866 elements (two chunks, the second ending in a tail).
+#[cfg(feature = "cuda")]
+fn odd_widths_spec() -> Spec {
+    let odd = Dims {
+        vocab: 301,
+        dim: 66,
+        seq: 16,
+        heads: 2,
+        kv_heads: 2,
+        ffn: 130,
+        micro_batch: 2,
+    };
+    let odd_model = TinyModel {
+        layers: 1,
+        llama: false,
+        tied: true,
+    };
+    sized_spec(odd_model, PlanChoice::default(), odd)
+}
+
+/// `s` in bf16 (a bf16 working copy beside each weight matrix's f32 master).
+fn in_bf16(mut s: Spec) -> Spec {
+    s.train.precision = Precision::Bf16;
+    s
+}
+
 #[test]
 fn fused_optimizer_equals_per_tensor_updates() {
     #[cfg(not(feature = "cuda"))]
@@ -783,24 +908,7 @@ fn fused_optimizer_equals_per_tensor_updates() {
         use parc_compiler::spec::Optimizer;
         fused_equals_per_tensor("gpt-adamw", &model_spec(false, 1), 3, None);
         fused_equals_per_tensor("llama-adamw", &model_spec(true, 1), 3, None);
-        // Widths that are not multiples of 4 (the float4 path's element tails) and a table
-        // of 301 × 66 = 19,866 elements (two chunks, the second ending in a tail).
-        let odd = Dims {
-            vocab: 301,
-            dim: 66,
-            seq: 16,
-            heads: 2,
-            kv_heads: 2,
-            ffn: 130,
-            micro_batch: 2,
-        };
-        let odd_model = TinyModel {
-            layers: 1,
-            llama: false,
-            tied: true,
-        };
-        let odd = sized_spec(odd_model, PlanChoice::default(), odd);
-        fused_equals_per_tensor("gpt-adamw-odd-widths", &odd, 3, None);
+        fused_equals_per_tensor("gpt-adamw-odd-widths", &odd_widths_spec(), 3, None);
         let mut sgd = model_spec(false, 1);
         sgd.train.optimizer = Optimizer::Sgd {
             lr: 1e-1,
@@ -823,8 +931,107 @@ fn fused_optimizer_equals_per_tensor_updates() {
     }
 }
 
+/// bf16 runs without ZeRO: the fused launch also makes every weight matrix's refresh copy
+/// (its bf16 working copy rounded from the updated f32 master, `optimizer_runs::Refresh`), and
+/// the masters, the optimizer state and the working copies are bit for bit those of the
+/// per-tensor updates each followed by its `Copy`: AdamW (GPT and Llama; odd widths, whose
+/// tails take the one-element path), SGD with momentum, and a step whose gradient is not
+/// finite (every update skipped, every working copy still refreshed from its master).
+#[test]
+fn fused_optimizer_equals_per_tensor_updates_in_bf16() {
+    #[cfg(not(feature = "cuda"))]
+    gpu_present();
+    #[cfg(feature = "cuda")]
+    if gpu_present() {
+        use parc_compiler::spec::Optimizer;
+        fused_equals_per_tensor("gpt-bf16", &in_bf16(model_spec(false, 1)), 3, None);
+        fused_equals_per_tensor("llama-bf16", &in_bf16(model_spec(true, 1)), 3, None);
+        let odd = in_bf16(odd_widths_spec());
+        fused_equals_per_tensor("gpt-bf16-odd-widths", &odd, 3, None);
+        let mut sgd = in_bf16(model_spec(false, 1));
+        sgd.train.optimizer = Optimizer::Sgd {
+            lr: 1e-1,
+            momentum: 0.9,
+            weight_decay: 0.1,
+        };
+        fused_equals_per_tensor("gpt-bf16-sgd-momentum", &sgd, 3, None);
+        let llama = in_bf16(model_spec(true, 1));
+        fused_equals_per_tensor("llama-bf16-skipped-step", &llama, 3, Some(2));
+    }
+}
+
+/// A bf16 Llama-style run trained on CUDA with the fused optimizer (its launch making the
+/// refresh copies) and without it (every update and every `Copy` launched alone): the same
+/// losses, gradient norms and final parameters, bit for bit. Both continue from one checkpoint
+/// (after step 2 of a first run), so both take the GEMM algorithms it carries: two runs that
+/// time them apart may pick differently and differ by rounding (see `resume_is_bit_exact`).
+#[test]
+fn fused_optimizer_equals_per_tensor_updates_in_bf16_training() {
+    #[cfg(not(feature = "cuda"))]
+    gpu_present();
+    #[cfg(feature = "cuda")]
+    if gpu_present() {
+        fused_and_per_tensor_bf16_runs_agree();
+    }
+}
+
+/// The test above's body (a CUDA build on a GPU).
+#[cfg(feature = "cuda")]
+fn fused_and_per_tensor_bf16_runs_agree() {
+    let name = "fused-bf16-training";
+    let dir = temp_dir(name);
+    let checkpoints = |sub: &str| Checkpointing {
+        every: 2,
+        dir: dir.join(sub).display().to_string(),
+        keep: 0,
+        asynchronous: false,
+    };
+    let mut s = in_bf16(model_spec(true, 6));
+    let plan = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
+    assert!(refresh_copies(&plan.programs[0]) >= 2, "{name}");
+    s.train.checkpoint = Some(checkpoints("first"));
+    let first = train_cuda(&s, &plan, &train_options(Some(2), None), true);
+    assert!(!first
+        .unwrap_or_else(|e| panic!("{e}"))
+        .checkpoints
+        .is_empty());
+    let step2 = dir.join("first").join("step-00000002");
+    let resumed = |fused: bool| {
+        let mut s = s.clone();
+        s.train.checkpoint = Some(checkpoints(if fused { "fused" } else { "per-tensor" }));
+        let options = train_options(None, Some(&step2));
+        train_cuda(&s, &plan, &options, fused).unwrap_or_else(|e| panic!("{e}"))
+    };
+    let (fused, per_tensor) = (resumed(true), resumed(false));
+    assert_eq!(fused.records.len(), 4, "{name}: steps 3 to 6");
+    assert_eq!(fused.records.len(), per_tensor.records.len());
+    for (a, b) in fused.records.iter().zip(&per_tensor.records) {
+        assert_eq!(
+            (a.loss.to_bits(), a.grad_norm.to_bits()),
+            (b.loss.to_bits(), b.grad_norm.to_bits()),
+            "{name} step {}: fused {} / {} vs per tensor {} / {}",
+            a.step,
+            a.loss,
+            a.grad_norm,
+            b.loss,
+            b.grad_norm
+        );
+    }
+    assert_eq!(fused.params.len(), per_tensor.params.len());
+    for (a, b) in fused.params.iter().zip(&per_tensor.params) {
+        let same = (a.data.iter().zip(&b.data)).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(
+            same,
+            "{name} {}: fused and per-tensor parameters differ",
+            a.name
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// GPT-2 124M's own optimizer phase (196 tensors up to the 38.6M-element token table), fused
-/// and per tensor: bit for bit after 2 steps. Only the real sizes reach the one-pass sum of
+/// and per tensor: bit for bit after 2 steps, in fp32 and in bf16 (the launch making the
+/// working copies of its weight matrices too). Only the real sizes reach the one-pass sum of
 /// squares' paths for large tensors (a virtual block with 8 or more elements per thread,
 /// groups of 2 to 7 virtual blocks); the second step checks its counters were reset.
 #[test]
@@ -834,6 +1041,7 @@ fn fused_optimizer_equals_per_tensor_updates_at_gpt2_124m() {
     #[cfg(feature = "cuda")]
     if gpu_present() {
         fused_equals_per_tensor("gpt2-124m", &gpt2_124m(1), 2, None);
+        fused_equals_per_tensor("gpt2-124m-bf16", &in_bf16(gpt2_124m(1)), 2, None);
     }
 }
 
