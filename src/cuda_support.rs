@@ -6,21 +6,19 @@
 //!
 //! The CUDA backend runs tensorwise FP8 GEMMs, current or delayed (equal to the CPU's exact
 //! emulation in every case of `tests/cuda_ops/fp8.rs`, and a delayed Llama-style run in
-//! `tests/cuda_train.rs`, on an H200, 2026-12-05/06); rowwise (cuBLASLt refused its
-//! outer-vector scales there), blockwise (cuBLASLt refused its block scales there), and amaxes
-//! or amax histories reduced across ranks (tp, cp, and dp for histories: not yet run on GPUs)
-//! run on the CPU backend only.
+//! `tests/cuda_train.rs`, on an H200, 2026-12-05/06), with their amaxes or histories reduced
+//! across ranks (tp, cp, and dp for histories: `tests/cuda_train.rs`'s plans of several ranks
+//! on one GPU against the CPU's emulation of the same plan); rowwise (cuBLASLt refused its
+//! outer-vector scales there) and blockwise (cuBLASLt refused its block scales there) run on
+//! the CPU backend only.
 use parc_compiler::diag::Diagnostic;
 use parc_compiler::ir::fp8::Fp8Scaling;
-use parc_compiler::ir::op::Op;
-use parc_compiler::ir::{BufferId, BufferKind, Instr, Plan};
+use parc_compiler::ir::Plan;
 use parc_compiler::spec::Spec;
 
 /// Why the CUDA backend cannot run `plan`, with what to do instead; None where it can.
 pub(crate) fn refusal(plan: &Plan) -> Option<String> {
-    history_reductions(plan)
-        .or_else(|| amax_reductions(plan))
-        .or_else(|| scalings(plan))
+    scalings(plan)
 }
 
 /// Whether `spec` trains on GPUs, where the CUDA backend's rule applies (not to a CPU spec).
@@ -52,55 +50,6 @@ pub(crate) fn diagnose(spec: &Spec, plan: &Plan) -> Option<Diagnostic> {
 
 fn computes(plan: &Plan) -> impl Iterator<Item = parc_compiler::ir::Compute<'_>> {
     (plan.programs.iter().flat_map(|p| &p.instrs)).filter_map(|i| i.as_compute())
-}
-
-fn history_reductions(plan: &Plan) -> Option<String> {
-    let count = (plan.programs.iter())
-        .flat_map(|p| p.instrs.iter().map(move |i| (p, i)))
-        .filter(|(p, i)| match i {
-            Instr::Collective { input, .. } => p
-                .buffer(*input)
-                .is_some_and(|b| b.kind == BufferKind::Fp8History),
-            _ => false,
-        })
-        .count();
-    (count > 0).then(|| {
-        format!(
-            "this plan reduces {count} FP8 amax histories across ranks (`train.fp8 = tensorwise \
-             {{ scaling: delayed }}` under dp, tp or cp), which the CUDA backend does not run \
-             yet (not yet tested on GPUs): train delayed scaling on one GPU, use `scaling: \
-             current` under data parallelism, or run `--backend cpu`"
-        )
-    })
-}
-
-/// The FP8 amaxes reduced across ranks: `Fp8Amax` outputs a collective reads (an `Fp8Amax`
-/// of a tensor quantized once for several GEMMs stays on its rank).
-fn amax_reductions(plan: &Plan) -> Option<String> {
-    let reduced: std::collections::HashSet<(usize, BufferId)> = (plan.programs.iter().enumerate())
-        .flat_map(|(k, p)| {
-            p.instrs.iter().filter_map(move |i| match i {
-                Instr::Collective { input, .. } => Some((k, *input)),
-                _ => None,
-            })
-        })
-        .collect();
-    let count = (plan.programs.iter().enumerate())
-        .flat_map(|(k, p)| p.computes().map(move |(_, c)| (k, c)))
-        .filter(|(k, c)| {
-            matches!(c.op, Op::Fp8Amax(_))
-                && c.outputs
-                    .first()
-                    .is_some_and(|o| reduced.contains(&(*k, *o)))
-        })
-        .count();
-    (count > 0).then(|| {
-        format!(
-            "this plan reduces {count} FP8 amaxes across ranks (`train.fp8` under tp or cp), \
-             which the CUDA backend does not run yet (not yet tested on GPUs): train FP8 without \
-             tensor or context parallelism on the GPU, or run `--backend cpu`"
-        )
-    })
 }
 
 fn scalings(plan: &Plan) -> Option<String> {

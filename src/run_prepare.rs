@@ -158,13 +158,14 @@ mod tests {
             "parallel.tp=2",
             "cluster.gpus_per_node=2",
         ]);
-        let message = unsupported_on(Resolved::Cuda, &tp).unwrap_or_default();
-        assert!(message.contains("across ranks"), "{message}");
+        assert_eq!(unsupported_on(Resolved::Cuda, &tp), None);
         assert_eq!(unsupported_on(Resolved::Cuda, &tiny_llama_plan(&[])), None);
     }
 
+    /// Delayed scaling's histories reduced across ranks run on CUDA (tests/cuda_train.rs runs
+    /// such plans on a GPU against the CPU's emulation).
     #[test]
-    fn cuda_runs_delayed_fp8_on_one_rank_and_refuses_histories_reduced_across_ranks() {
+    fn cuda_runs_delayed_fp8_on_one_rank_and_with_histories_reduced_across_ranks() {
         let delayed = [
             "train.fp8=tensorwise",
             "train.fp8.scaling=delayed",
@@ -177,11 +178,7 @@ mod tests {
         let mut dp2 = delayed.to_vec();
         dp2.extend(["parallel.dp=2", "cluster.gpus_per_node=2"]);
         let dp2 = tiny_llama_plan(&dp2);
-        let message = unsupported_on(Resolved::Cuda, &dp2).unwrap_or_default();
-        assert!(
-            message.contains("amax histories across ranks") && message.contains("--backend cpu"),
-            "{message}"
-        );
+        assert_eq!(unsupported_on(Resolved::Cuda, &dp2), None);
         assert_eq!(unsupported_on(Resolved::Cpu, &dp2), None);
     }
 }

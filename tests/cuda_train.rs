@@ -280,6 +280,120 @@ fn llama_style_delayed_fp8_matches_cpu_emulation() {
     tensorwise_fp8_matches_cpu_emulation("llama_fp8_delayed", true, Some(4));
 }
 
+/// Every rank of `s`'s plan on GPU 0, as threads of this process that communicate through host
+/// memory (`--comm local`): several ranks' CUDA programs, their collectives included, checked on
+/// one GPU (NCCL refuses two ranks on one GPU; its max all-reduce is the one tensor parallelism's
+/// cross-entropy already uses).
+#[cfg(feature = "cuda")]
+fn run_ranks_on_one_gpu(s: &Spec) -> TrainResult {
+    let plan = lower(s).unwrap_or_else(|d| panic!("{:?}", d.items));
+    let mut options = TrainOptions::new(".");
+    options.threads_per_rank = Some(1);
+    let result = parc_runtime::exec::train(
+        s,
+        &plan,
+        &options,
+        |_, _| {
+            parc_runtime::cuda::CudaBackend::with_precision(0, s.train.precision).map(
+                |mut backend| {
+                    backend.poison_unzeroed();
+                    backend
+                },
+            )
+        },
+        &|_| {},
+    );
+    result.unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// How many FP8 amaxes and amax histories `s`'s plan all-reduces across ranks (what the CUDA
+/// backend refused to run before these plans were run on a GPU).
+fn fp8_reductions(s: &Spec) -> usize {
+    use parc_compiler::ir::{BufferKind, Instr};
+    let plan = lower(s).unwrap_or_else(|d| panic!("{:?}", d.items));
+    let amaxes = |p: &parc_compiler::ir::Program| -> std::collections::HashSet<_> {
+        (p.computes())
+            .filter(|(_, c)| matches!(c.op, parc_compiler::ir::op::Op::Fp8Amax(_)))
+            .filter_map(|(_, c)| c.outputs.first().copied())
+            .collect()
+    };
+    (plan.programs.iter())
+        .map(|p| {
+            let reduced = amaxes(p);
+            (p.instrs.iter())
+                .filter(|i| match i {
+                    Instr::Collective { input, .. } => {
+                        reduced.contains(input)
+                            || p.buffer(*input)
+                                .is_some_and(|b| b.kind == BufferKind::Fp8History)
+                    }
+                    _ => false,
+                })
+                .count()
+        })
+        .sum()
+}
+
+/// Tensorwise FP8 plans whose amaxes or histories are reduced across ranks (tp and cp share a
+/// scale over their group; delayed scaling's histories agree over dp, tp and cp), every rank
+/// on one GPU, against the CPU's exact emulation of the same plan: within the bf16 tolerances
+/// of the one-rank FP8 test above. Each plan must reduce some amax or history across ranks.
+#[test]
+fn fp8_plans_reducing_amaxes_across_ranks_match_cpu_emulation() {
+    let cases = [
+        (
+            "dp2 delayed",
+            PlanChoice::mesh(2, 1, 1, 1, ZeroStage::Zero1),
+            Some(4),
+        ),
+        (
+            "tp2 current",
+            PlanChoice::mesh(1, 1, 1, 2, ZeroStage::Zero0),
+            None,
+        ),
+        (
+            "tp2 delayed",
+            PlanChoice::mesh(1, 1, 1, 2, ZeroStage::Zero0),
+            Some(4),
+        ),
+        (
+            "cp2 current",
+            PlanChoice::mesh(1, 1, 2, 1, ZeroStage::Zero0),
+            None,
+        ),
+        (
+            "dp2 tp2 sp delayed",
+            PlanChoice {
+                sp: true,
+                ..PlanChoice::mesh(2, 1, 1, 2, ZeroStage::Zero1)
+            },
+            Some(4),
+        ),
+    ];
+    let mut specs = Vec::new();
+    for (name, choice, history) in cases {
+        let mut s = planned_model_spec(true, 5, choice);
+        s.train.precision = Precision::Bf16;
+        let fp8 = tensorwise_fp8(&s, history);
+        let reductions = fp8_reductions(&fp8);
+        assert!(
+            reductions > 0,
+            "{name}: the plan reduces no FP8 amax across ranks"
+        );
+        specs.push((name, fp8, reductions));
+    }
+    if !gpu_present() {
+        return;
+    }
+    #[cfg(feature = "cuda")]
+    for (name, fp8, reductions) in specs {
+        println!("{name}: {reductions} FP8 amax/history all-reduces a step");
+        let cuda = run_ranks_on_one_gpu(&fp8);
+        let cpu = run(&fp8, Which::Cpu, None, None);
+        compare_within(name, &cuda.records, &cpu.records, |_| (1e-2, 2e-2));
+    }
+}
+
 fn fp16_dynamic(init: f64, window: u32, min: f64) -> Precision {
     Precision::Fp16 {
         loss_scale: LossScale::Dynamic {
