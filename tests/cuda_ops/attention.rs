@@ -933,3 +933,63 @@ fn attention_packed() {
         );
     }
 }
+
+/// A NaN in one query row makes that row's output, and the gradients it reaches, non-finite on
+/// every attention kernel family (fp32 exact, bf16 tensor cores, and on Hopper the
+/// warp-specialized ones), as on the CPU: a NaN must reach the non-finite check, never be read
+/// as a fully masked row (whose output is zero).
+#[test]
+fn a_nan_in_a_query_row_makes_its_outputs_non_finite() {
+    for precision in [Precision::Fp32, Precision::Bf16] {
+        let Some(mut gpu) = gpu_with(precision) else {
+            return;
+        };
+        for head_dim in [64u64, 128] {
+            let c = AttConfig::new(1, 2, 1, head_dim, true, &[(0, 128)], &[(0, 128)]);
+            let (fwd, bwd) = attention_ops(&c);
+            let d = head_dim as usize;
+            let (q_len, kv_len, rows) = (128 * 2 * d, 128 * d, 2 * 128);
+            let mut r = Rng::new("a_nan_in_a_query_row_makes_its_outputs_non_finite");
+            let mut q = r.vec(q_len, 1.0);
+            // Query row 5 of head 1 ([batch, seq, heads, head_dim] layout).
+            let nan_row = 5 * 2 + 1;
+            q[nan_row * d + 7] = f32::NAN;
+            let inputs = [q, r.vec(kv_len, 1.0), r.vec(kv_len, 1.0)];
+            let ids: Vec<BufferId> = (0..11).map(BufferId).collect();
+            let lens = [
+                q_len, kv_len, kv_len, q_len, rows, q_len, q_len, kv_len, kv_len,
+            ];
+            for (id, len) in ids.iter().zip(lens) {
+                gpu.alloc(*id, &[len as u64], DType::F32).unwrap();
+            }
+            for (id, v) in ids.iter().zip(&inputs) {
+                gpu.write_f32(*id, v).unwrap();
+            }
+            gpu.write_f32(ids[5], &r.vec(q_len, 1.0)).unwrap();
+            gpu.compute(&fwd, &ids[..3], &ids[3..5], &SCALARS).unwrap();
+            let out = gpu.read_f32(ids[3]).unwrap();
+            let what = format!("{precision:?} head_dim {head_dim}");
+            for (row, values) in out.chunks(d).enumerate() {
+                let finite = values.iter().all(|v| v.is_finite());
+                assert_eq!(
+                    finite,
+                    row != nan_row,
+                    "{what}: output row {row} finite = {finite}"
+                );
+            }
+            // dO, q, k, v, o, lse -> dq, dk, dv.
+            let bwd_in = [ids[5], ids[0], ids[1], ids[2], ids[3], ids[4]];
+            gpu.compute(&bwd, &bwd_in, &ids[6..9], &SCALARS).unwrap();
+            for (name, id) in [("dQ", ids[6]), ("dK", ids[7]), ("dV", ids[8])] {
+                let g = gpu.read_f32(id).unwrap();
+                assert!(
+                    g.iter().any(|v| !v.is_finite()),
+                    "{what}: {name} is finite although a query row held a NaN"
+                );
+            }
+            for id in &ids[..9] {
+                gpu.free(*id).unwrap();
+            }
+        }
+    }
+}
