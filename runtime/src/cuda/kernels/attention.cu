@@ -135,8 +135,8 @@ extern "C" __global__ void attention_fwd(const void* q, const void* k, const voi
     if (!active) return;
     long long orow = (i * g.batch + b) * g.ld_o + h * d;
     #pragma unroll
-    for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; if (e < d) att_st(o, orow + e, l > 0.0f ? acc[t] / l : 0.0f, g.bf16 & ATT_BF16_O); }
-    if (lane == 0) lse[bh * g.seq_q + i] = l > 0.0f ? m + logf(l) : NEG_INF;
+    for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; if (e < d) att_st(o, orow + e, l != 0.0f ? acc[t] / l : 0.0f, g.bf16 & ATT_BF16_O); }
+    if (lane == 0) lse[bh * g.seq_q + i] = l != 0.0f ? m + logf(l) : NEG_INF;
 }
 
 // delta[(b*heads + h)*att_rows(g) + i] = dO_i · O_i, and lse2 (same index) = lse · log2 e (+inf where

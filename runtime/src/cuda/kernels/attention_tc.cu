@@ -436,14 +436,14 @@ __device__ __forceinline__ void tc_attention_fwd(const bf16_t* q, const bf16_t* 
     #pragma unroll
     for (int r = 0; r < 2 * MT; r++) {
         float sum = tc_quad_sum(l[r]);
-        float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        float inv = sum != 0.0f ? 1.0f / sum : 0.0f;
         int row = i0 + warp * 16 * MT + 16 * (r >> 1) + 8 * (r & 1) + gq;
         if (row < seq_q) {
             long long out = (long long)row * o_stride + b * g.ld_o + h * D + 2 * tq;
             int mt = r >> 1, half = r & 1;
             #pragma unroll
             for (int nb = 0; nb < D / 8; nb++) tc_store2(o, out + nb * 8, acc[mt][nb][2 * half] * inv, acc[mt][nb][2 * half + 1] * inv, o_bf16);
-            if (tq == 0) lse[(long long)bh * seq_q + row] = sum > 0.0f ? (m[r] + log2f(sum)) * TC_LN2 : NEG_INF;
+            if (tq == 0) lse[(long long)bh * seq_q + row] = sum != 0.0f ? (m[r] + log2f(sum)) * TC_LN2 : NEG_INF;
         }
     }
 }

@@ -197,13 +197,13 @@ __device__ __forceinline__ void wg_store_o_lse(const float (&acc)[D / 2], const 
     #pragma unroll
     for (int half = 0; half < 2; half++) {
         float sum = tc_quad_sum(l[half]);
-        float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        float inv = sum != 0.0f ? 1.0f / sum : 0.0f;
         int row = wg_row0 + 16 * warp + 8 * half + gq;
         if (row < seq_q) {
             long long out = (long long)row * o_stride + b * g.ld_o + h * D + 2 * tq;
             #pragma unroll
             for (int nb = 0; nb < D / 8; nb++) tc_store2(o, out + nb * 8, acc[4 * nb + 2 * half] * inv, acc[4 * nb + 2 * half + 1] * inv, o_bf16);
-            if (tq == 0) lse[(long long)bh * seq_q + row] = sum > 0.0f ? (m[half] + log2f(sum)) * TC_LN2 : NEG_INF;
+            if (tq == 0) lse[(long long)bh * seq_q + row] = sum != 0.0f ? (m[half] + log2f(sum)) * TC_LN2 : NEG_INF;
         }
     }
 }
