@@ -10,15 +10,20 @@
 //! across ranks (tp, cp, and dp for histories: `tests/cuda_train.rs`'s plans of several ranks
 //! on one GPU against the CPU's emulation of the same plan); rowwise (cuBLASLt refused its
 //! outer-vector scales there) and blockwise (cuBLASLt refused its block scales there) run on
-//! the CPU backend only.
+//! the CPU backend only. An attention its kernels do not take (`parc_runtime::cuda_limits`:
+//! heads above 128, e.g. Gemma's 256, or more (batch, head) pairs than one launch covers) is
+//! refused here too, rather than at the run's first attention op.
 use parc_compiler::diag::Diagnostic;
 use parc_compiler::ir::fp8::Fp8Scaling;
+use parc_compiler::ir::op::Op;
 use parc_compiler::ir::Plan;
-use parc_compiler::spec::Spec;
+use parc_compiler::spec::{NodeId, Spec};
 
 /// Why the CUDA backend cannot run `plan`, with what to do instead; None where it can.
 pub(crate) fn refusal(plan: &Plan) -> Option<String> {
-    scalings(plan)
+    attention_refused(plan)
+        .map(|(why, _)| why)
+        .or_else(|| scalings(plan))
 }
 
 /// Whether `spec` trains on GPUs, where the CUDA backend's rule applies (not to a CPU spec).
@@ -30,18 +35,31 @@ pub(crate) fn applies(spec: &Spec) -> bool {
 /// recipe; None for a CPU spec, a plan it runs, or blockwise blocks other than the backend's
 /// (W1201 says that one).
 pub(crate) fn diagnose(spec: &Spec, plan: &Plan) -> Option<Diagnostic> {
+    if !applies(spec) {
+        return None;
+    }
+    let warning = |why: String| {
+        Diagnostic::warning(
+            "W1202",
+            "`parc run --backend cuda` refuses this plan: the CUDA backend does not run it yet",
+        )
+        .help(why)
+    };
+    if let Some((why, node)) = attention_refused(plan) {
+        let d = warning(why);
+        let layer = node.and_then(|n| spec.model.nodes.get(n.0 as usize));
+        return Some(match layer {
+            Some(n) => d.label(n.span, "this attention"),
+            None => d,
+        });
+    }
     let other_block = spec.train.fp8.as_ref().is_some_and(|f| {
         matches!(f.scaling, Fp8Scaling::Blockwise { block } if block != parc_compiler::fp8::CUDA_BLOCK)
     });
-    if !applies(spec) || other_block {
+    if other_block {
         return None;
     }
-    let why = refusal(plan)?;
-    let d = Diagnostic::warning(
-        "W1202",
-        "`parc run --backend cuda` refuses this plan: the CUDA backend does not run it yet",
-    )
-    .help(why);
+    let d = warning(scalings(plan)?);
     Some(match spec.train.fp8.as_ref() {
         Some(fp8) => d.label(fp8.span, "this FP8 recipe"),
         None => d,
@@ -50,6 +68,16 @@ pub(crate) fn diagnose(spec: &Spec, plan: &Plan) -> Option<Diagnostic> {
 
 fn computes(plan: &Plan) -> impl Iterator<Item = parc_compiler::ir::Compute<'_>> {
     (plan.programs.iter().flat_map(|p| &p.instrs)).filter_map(|i| i.as_compute())
+}
+
+/// The first attention the CUDA kernels cannot run (`parc_runtime::cuda_limits`): why, with
+/// what to do instead, and its layer.
+fn attention_refused(plan: &Plan) -> Option<(String, Option<NodeId>)> {
+    let (why, node) = computes(plan).find_map(|c| match c.op {
+        Op::Attention(a) => parc_runtime::cuda_limits::attention_refusal(a).map(|w| (w, c.node)),
+        _ => None,
+    })?;
+    Some((format!("this plan's attention does not fit: {why}"), node))
 }
 
 fn scalings(plan: &Plan) -> Option<String> {

@@ -7,6 +7,7 @@ pub mod comm;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod cuda_limits;
 pub mod data;
 pub mod error;
 pub mod exec;

@@ -86,7 +86,7 @@ const BF16_DV: i32 = 128;
 const ATT_WARPS: u32 = 8;
 const ATT_TILE: usize = 32;
 /// Each lane holds at most 4 columns of a head (kernels' ATT_MAX_PER_LANE).
-const ATT_MAX_HEAD_DIM: usize = 128;
+const ATT_MAX_HEAD_DIM: usize = crate::cuda_limits::ATTENTION_MAX_HEAD_DIM as usize;
 /// Query rows per forward CTA, keys per backward CTA and the threads of each kernel's CTA:
 /// must match TC_FWD_BR / TC_BC / TC_THREADS / TC_BWD_THREADS in kernels/attention_tc.cu.
 const TC_FWD_BR: usize = 128;
@@ -491,8 +491,12 @@ fn attention_geometry(
     if !scale.is_finite() {
         return Err(b.err(format!("scale = {scale} is not finite")));
     }
-    if batch * heads > 65_535 {
-        return Err(b.err(format!("batch x heads = {} is above 65535", batch * heads)));
+    if (batch * heads) as u64 > crate::cuda_limits::ATTENTION_MAX_BATCH_HEADS {
+        return Err(b.err(format!(
+            "batch x heads = {} is above {}",
+            batch * heads,
+            crate::cuda_limits::ATTENTION_MAX_BATCH_HEADS
+        )));
     }
     let seq_q = b.launch_rows(q, "q", b.rows / batch)?;
     let seq_kv = b.launch_rows(k, "k", b.kv_rows / batch)?;
@@ -506,7 +510,8 @@ fn attention_geometry(
     let widest = ld_q.max(ld_kv);
     if batch * widest > i32::MAX as usize {
         return Err(b.err(format!(
-            "batch x row width = {batch} x {widest} is above 2^31 - 1, the most the CUDA              attention kernels index per sequence position"
+            "batch x row width = {batch} x {widest} is above 2^31 - 1, the most the CUDA \
+             attention kernels index per sequence position"
         )));
     }
     Ok(AttGeom {
