@@ -17,7 +17,7 @@ mod fixtures;
 
 use fixtures::{spec, train_cpu, PlanChoice, TinyModel};
 use parc_compiler::fuse::fuse_program;
-use parc_compiler::ir::op::{Act, ActAttrs, FusedAttrs, Op, RopeAttrs, Segment};
+use parc_compiler::ir::op::{Act, ActAttrs, FusedAttrs, Op, RopeAttrs, RopeScaling, Segment};
 use parc_compiler::ir::{Buffer, BufferId, BufferKind, DType, Instr, Plan, Program};
 use parc_compiler::kir::{self, Access};
 use parc_compiler::lower::{lower_with, LowerOptions};
@@ -192,11 +192,16 @@ fn assert_fuses_to_same(what: &str, chain: Chain, fused: usize, ulps: f32) -> Pr
 }
 
 fn rope_attrs(heads: u64) -> RopeAttrs {
+    scaled_rope_attrs(heads, RopeScaling::None)
+}
+
+fn scaled_rope_attrs(heads: u64, scaling: RopeScaling) -> RopeAttrs {
     RopeAttrs {
         batch: 2,
         heads,
         head_dim: 4,
         theta: 10000.0,
+        scaling,
         positions: vec![Segment { start: 0, len: 2 }, Segment { start: 6, len: 2 }],
     }
 }
@@ -255,6 +260,37 @@ fn split_and_rope_fuse_bit_for_bit() {
     let table_at = at(&|i| matches!(i.op(), Some(Op::RopeTable(_))));
     let qkv_freed = at(&|i| matches!(i, Instr::Free { buffer } if buffer.0 == qkv));
     assert!(table_at < fused_at && fused_at < qkv_freed);
+}
+
+/// Scaled ropes read tables made with their scaling: q under Llama 3's rule (its second pair's
+/// wavelength, 628, lies in the blended band 256..1024), k plain. Two tables, one per rotation,
+/// and the fused kernel's bits are the hand-written ropes'.
+#[test]
+fn scaled_ropes_fuse_bit_for_bit_each_with_its_table() {
+    let llama3 = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position: 1024,
+    };
+    let mut c = Chain::default();
+    let [qkv, q, k, _] = split_qkv(&mut c);
+    let (qr, kr) = (c.buffer("qr", 8, 16), c.buffer("kr", 8, 8));
+    c.free(&[qkv]);
+    c.op(Op::Rope(scaled_rope_attrs(4, llama3)), &[q], &[qr]);
+    c.free(&[q]);
+    c.op(Op::Rope(rope_attrs(2)), &[k], &[kr]);
+    c.free(&[k]);
+    let program = assert_fuses_to_same("split + scaled rope", c, 1, 0.0);
+    let tables: Vec<RopeScaling> = program
+        .instrs
+        .iter()
+        .filter_map(|i| match i.op() {
+            Some(Op::RopeTable(a)) => Some(a.scaling),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(tables, [llama3, RopeScaling::None]);
 }
 
 #[test]

@@ -14,6 +14,7 @@
 use crate::diag::Span;
 use crate::ir::fp8::{Fp8Format, Fp8Scaling};
 use crate::ir::op::Act;
+pub use crate::ir::rope::RopeScaling;
 use crate::kir::func::ExprFn;
 use serde::Serialize;
 use std::sync::Arc;
@@ -157,9 +158,13 @@ impl Serialize for Activation {
     }
 }
 
+/// Rotary positions: the base `theta` and how the frequencies are scaled
+/// (`ir::rope`; `none` for plain RoPE, left out of the spec's JSON then).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Rope {
     pub theta: f64,
+    #[serde(skip_serializing_if = "RopeScaling::is_none")]
+    pub scaling: RopeScaling,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]

@@ -8,7 +8,7 @@ use crate::diag::Span;
 use crate::ir::op::Act;
 use crate::spec::{
     Activation, DataSource, InitFrom, LayerKind, LrSchedule, Model, Node, NodeId, OnNonFinite,
-    Optimizer, Precision, Recompute, Rope, Shape, Sharding, Train, Value, ValueId,
+    Optimizer, Precision, Recompute, Rope, RopeScaling, Shape, Sharding, Train, Value, ValueId,
 };
 
 /// A decoder's sizes and style.
@@ -156,7 +156,10 @@ pub fn decoder_model(d: &Dims, name: &str, recompute: &Recompute, tp: u32, cp: u
             kv_heads: d.kv_heads,
             head_dim: dim / d.heads,
             causal: true,
-            rope: d.llama.then_some(Rope { theta: 10000.0 }),
+            rope: d.llama.then_some(Rope {
+                theta: 10000.0,
+                scaling: RopeScaling::None,
+            }),
             qkv_bias: !d.llama,
             out_bias: !d.llama,
         };

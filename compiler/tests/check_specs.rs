@@ -124,7 +124,10 @@ fn tiny_llama_has_gqa_rope_and_swiglu() {
             kv_heads: 4,
             head_dim: 8,
             causal: true,
-            rope: Some(Rope { theta: 10000.0 }),
+            rope: Some(Rope {
+                theta: 10000.0,
+                scaling: parc_compiler::spec::RopeScaling::None,
+            }),
             qkv_bias: false,
             out_bias: false
         }

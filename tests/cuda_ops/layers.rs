@@ -4,7 +4,7 @@ use crate::harness::{
     check, check_on, check_variant, seg, Case, Data, Rng, BF16_STORED, ELEMENTWISE, REDUCTION,
 };
 use parc_compiler::ir::op::Op;
-use parc_compiler::ir::op::{EmbeddingAttrs, PositionAttrs, RopeAttrs};
+use parc_compiler::ir::op::{EmbeddingAttrs, PositionAttrs, RopeAttrs, RopeScaling};
 use parc_compiler::spec::Precision;
 use parc_runtime::cpu::CpuBackend;
 
@@ -24,6 +24,59 @@ fn norms() {
 fn rope() {
     let mut r = Rng::new("rope");
     check("rope", &rope_cases(&mut r));
+}
+
+/// RoPE with Llama 3.2's published scaling (and linear scaling, backward), beside the plain
+/// cases above, and the rotation table fused kernels read. Head dim 16 at theta 500000 has
+/// wavelengths from 6 to 608000: Llama 3's rule keeps pairs 0–3 (under 2048), blends pair 4
+/// (4443) and divides pairs 5–7 by 32; at positions near 1000 each of the three differs from
+/// plain RoPE by far more than the tolerance, so a kernel that ignored the scaling, or any one
+/// branch of it, fails here.
+#[test]
+fn scaled_rope() {
+    let mut r = Rng::new("scaled_rope");
+    check("scaled_rope", &scaled_rope_cases(&mut r));
+}
+
+fn scaled_rope_cases(r: &mut Rng) -> Vec<Case> {
+    let llama3 = RopeScaling::Llama3 {
+        factor: 32.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position: 8192,
+    };
+    let attrs = |heads, scaling| RopeAttrs {
+        batch: 2,
+        heads,
+        head_dim: 16,
+        theta: 500000.0,
+        scaling,
+        positions: vec![seg(0, 5), seg(1000, 5)],
+    };
+    let n = 10 * 2 * 3 * 16;
+    let linear = RopeScaling::Linear { factor: 4.0 };
+    let rotations = [
+        ("rope llama3", Op::Rope(attrs(3, llama3))),
+        ("rope_bwd llama3", Op::RopeBwd(attrs(3, llama3))),
+        ("rope_bwd linear", Op::RopeBwd(attrs(3, linear))),
+    ];
+    let mut cases: Vec<Case> = rotations
+        .into_iter()
+        .map(|(name, op)| {
+            let x = vec![Data::F32(r.vec(n, 1.0))];
+            Case::new(name, op, x, vec![r.vec(n, 1.0)], ELEMENTWISE)
+        })
+        .collect();
+    // The table: 10 positions × 2 · head_dim columns, no inputs.
+    let table = Op::RopeTable(attrs(1, llama3));
+    cases.push(Case::new(
+        "rope_table llama3",
+        table,
+        Vec::new(),
+        vec![r.vec(10 * 32, 1.0)],
+        ELEMENTWISE,
+    ));
+    cases
 }
 
 /// Every layer op with its float operands (activations, their gradients) stored in bf16 on
@@ -290,6 +343,7 @@ fn rope_cases(r: &mut Rng) -> Vec<Case> {
         heads,
         head_dim,
         theta: 10000.0,
+        scaling: RopeScaling::None,
         positions: positions.clone(),
     });
     let bwd = Op::RopeBwd(RopeAttrs {
@@ -297,6 +351,7 @@ fn rope_cases(r: &mut Rng) -> Vec<Case> {
         heads,
         head_dim,
         theta: 500000.0,
+        scaling: RopeScaling::None,
         positions,
     });
     vec![

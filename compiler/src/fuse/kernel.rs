@@ -11,7 +11,7 @@
 //! emitted.
 use super::graph;
 use super::ops::{self, Env, Fragment};
-use crate::ir::op::{RopeAttrs, Segment};
+use crate::ir::op::{RopeAttrs, RopeScaling, Segment};
 use crate::ir::operands::MAX_OUTPUTS;
 use crate::ir::BufferId;
 use crate::kir::{Access, ColMap, Graph, Kernel, Node, NodeId, Store};
@@ -35,6 +35,7 @@ pub(super) enum Source {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(super) struct TableKey {
     pub theta_bits: u64,
+    pub scaling: ScalingKey,
     pub head_dim: u64,
     pub batch: u64,
     pub positions: Vec<Segment>,
@@ -44,6 +45,7 @@ impl TableKey {
     pub fn of(a: &RopeAttrs) -> TableKey {
         TableKey {
             theta_bits: a.theta.to_bits(),
+            scaling: ScalingKey::of(a.scaling),
             head_dim: a.head_dim,
             batch: a.batch,
             positions: a.positions.clone(),
@@ -57,6 +59,7 @@ impl TableKey {
             heads: 1,
             head_dim: self.head_dim,
             theta: f64::from_bits(self.theta_bits),
+            scaling: self.scaling.scaling(),
             positions: self.positions.clone(),
         }
     }
@@ -66,6 +69,64 @@ impl TableKey {
         Access::PerPosition {
             batch: self.batch,
             width: self.head_dim.saturating_mul(2),
+        }
+    }
+}
+
+/// A frequency scaling as a table key: its parameters' bits (`RopeScaling` holds floats, which
+/// are neither `Eq` nor `Hash`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) enum ScalingKey {
+    None,
+    Linear {
+        factor: u64,
+    },
+    Llama3 {
+        factor: u64,
+        low: u64,
+        high: u64,
+        original: u64,
+    },
+}
+
+impl ScalingKey {
+    fn of(s: RopeScaling) -> ScalingKey {
+        match s {
+            RopeScaling::None => ScalingKey::None,
+            RopeScaling::Linear { factor } => ScalingKey::Linear {
+                factor: factor.to_bits(),
+            },
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            } => ScalingKey::Llama3 {
+                factor: factor.to_bits(),
+                low: low_freq_factor.to_bits(),
+                high: high_freq_factor.to_bits(),
+                original: original_max_position,
+            },
+        }
+    }
+
+    fn scaling(self) -> RopeScaling {
+        match self {
+            ScalingKey::None => RopeScaling::None,
+            ScalingKey::Linear { factor } => RopeScaling::Linear {
+                factor: f64::from_bits(factor),
+            },
+            ScalingKey::Llama3 {
+                factor,
+                low,
+                high,
+                original,
+            } => RopeScaling::Llama3 {
+                factor: f64::from_bits(factor),
+                low_freq_factor: f64::from_bits(low),
+                high_freq_factor: f64::from_bits(high),
+                original_max_position: original,
+            },
         }
     }
 }

@@ -2,7 +2,7 @@
 //! unfused values, plans and training: `tests/fusion.rs`.)
 use super::kernel::{build, Refusal};
 use super::ops::{fragment, Fragment};
-use crate::ir::op::{Op, RopeAttrs, Segment};
+use crate::ir::op::{Op, RopeAttrs, RopeScaling, Segment};
 use crate::ir::{Buffer, BufferId, BufferKind, DType, Instr, Program};
 
 fn program(shapes: &[(u64, u64)], instrs: Vec<Instr>) -> Program {
@@ -25,6 +25,7 @@ fn rope(head_dim: u64, heads: u64) -> Op {
         heads,
         head_dim,
         theta: 10000.0,
+        scaling: RopeScaling::None,
         positions: vec![Segment { start: 0, len: 4 }],
     })
 }

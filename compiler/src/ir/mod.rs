@@ -1,8 +1,8 @@
 //! The schedule IR: one program per rank of local compute, communication and recompute.
-//! `op` holds the compute operations (the backend contract) and `table` the one description of
-//! each (operands, roles, storage classes, shapes, family, costs); the program structure (buffers,
-//! groups, instructions) lives in `program` (a compute instruction's buffer lists in
-//! `operands`), its stable text form in `text`.
+//! `op` holds the compute operations (the backend contract; RoPE's frequencies in `rope`) and
+//! `table` the one description of each (operands, roles, storage classes, shapes, family,
+//! costs); the program structure (buffers, groups, instructions) lives in `program` (a compute
+//! instruction's buffer lists in `operands`), its stable text form in `text`.
 
 /// An enum of unit variants, each with its name: the enum, `ALL` (every variant in declaration
 /// order) and `name()`. The op kinds (`table::Opcode`) and the activations (`op::Act`) are such
@@ -34,6 +34,7 @@ pub mod op;
 pub mod operands;
 pub mod optimizer_runs;
 pub mod program;
+pub mod rope;
 pub mod storage;
 pub mod table;
 pub mod text;

@@ -10,7 +10,8 @@
 //!   `h*head_dim .. (h+1)*head_dim`. With GQA, query head `h` uses kv head `h / (heads / kv_heads)`.
 //! - Linear weights are `[out, in]`; `Matmul` computes `y = x Wᵀ (+ b)`.
 //! - RoPE rotates pairs `(i, i + head_dim/2)` of each head ("rotate half", as Llama/HF), angle
-//!   `pos * theta^(-2i/head_dim)` for `i < head_dim/2`.
+//!   `pos * inv_freq(i)` for `i < head_dim/2`: `theta^(-2i/head_dim)`, scaled as `scaling` says
+//!   (`rope::inv_freq`, the one definition).
 //! - Every op lists its inputs and outputs in order; the IR instruction's buffer lists follow that
 //!   order exactly. "(+=)" marks an output the op accumulates into (its first accumulation
 //!   starts from the zeros of its `Alloc` or of a `Zero`); "(in place)" marks an output that
@@ -30,6 +31,7 @@
 //!   untouched.
 
 use super::fp8::{operands, Fp8AmaxAttrs, Fp8Gemm, Fp8HistoryAttrs, Fp8Operand, Fp8QuantizeAttrs};
+pub use super::rope::RopeScaling;
 use crate::kir::Kernel;
 use serde::Serialize;
 use std::fmt;
@@ -104,14 +106,25 @@ pub struct PositionAttrs {
     pub positions: Vec<Segment>,
 }
 
-/// The attributes `Rope` and `RopeBwd` share.
+/// The attributes `Rope`, `RopeBwd` and `RopeTable` share.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RopeAttrs {
     pub batch: u64,
     pub heads: u64,
     pub head_dim: u64,
     pub theta: f64,
+    /// How the frequencies are scaled; plain RoPE's `None` is left out of the plan's JSON (and
+    /// text), so an unscaled plan serializes, hashes and prints as before scaling existed.
+    #[serde(skip_serializing_if = "RopeScaling::is_none")]
+    pub scaling: RopeScaling,
     pub positions: Vec<Segment>,
+}
+
+impl RopeAttrs {
+    /// The inverse frequency of pair `i` of a head (`rope::inv_freq`).
+    pub fn inv_freq(&self, i: u64) -> f64 {
+        super::rope::inv_freq(self.theta, self.head_dim, i, self.scaling)
+    }
 }
 
 /// The attributes `Attention` and `AttentionBwd` share (see `Op::Attention`).
@@ -299,7 +312,7 @@ pub enum Op {
     /// position: row `s` (the `s`-th position of `positions`, global position `p`) holds
     /// `cos(angle_i)` in column `c < head_dim` and `sign_c · sin(angle_i)` in column
     /// `head_dim + c`, with `i = c mod head_dim/2`, `sign_c` = −1 for `c < head_dim/2` and +1
-    /// after, and `angle_i = p · theta^(−2i/head_dim)` computed in f64 and rounded to f32
+    /// after, and `angle_i = p · inv_freq(i)` (`RopeAttrs::inv_freq`) computed in f64 and rounded to f32
     /// exactly as `Rope` computes it. The table is the same for every head and sample: `heads`
     /// and `batch` do not change it. With it a rope is `y(c) = x(c)·cos(c) + x(rot(c))·ssin(c)`
     /// and its backward `dx(c) = dy(c)·cos(c) − dy(rot(c))·ssin(c)` (`rot` the rotate-half
@@ -615,12 +628,16 @@ impl fmt::Debug for Op {
                 .field("cols", &a.cols)
                 .field("direct", &a.direct)
                 .field("transposed", &a.transposed),
-            Op::Rope(a) | Op::RopeBwd(a) | Op::RopeTable(a) => d
-                .field("batch", &a.batch)
-                .field("heads", &a.heads)
-                .field("head_dim", &a.head_dim)
-                .field("theta", &a.theta)
-                .field("positions", &a.positions),
+            Op::Rope(a) | Op::RopeBwd(a) | Op::RopeTable(a) => {
+                d.field("batch", &a.batch)
+                    .field("heads", &a.heads)
+                    .field("head_dim", &a.head_dim)
+                    .field("theta", &a.theta);
+                if !a.scaling.is_none() {
+                    d.field("scaling", &a.scaling);
+                }
+                d.field("positions", &a.positions)
+            }
             Op::Attention(a) | Op::AttentionBwd(a) => d
                 .field("batch", &a.batch)
                 .field("heads", &a.heads)

@@ -615,11 +615,11 @@ impl Emitter<'_> {
                 (local[0], local[1])
             }
         };
-        let (dq, dk) = match s.theta {
+        let (dq, dk) = match s.rope {
             None => (dq, dk),
-            Some(theta) => (
-                self.rope(mb, node, dq, s.heads, s.head_dim, theta, "dq_pre", true),
-                self.rope(mb, node, dk, s.kv_heads, s.head_dim, theta, "dk_pre", true),
+            Some(rope) => (
+                self.rope(mb, node, dq, s.heads, s.head_dim, rope, "dq_pre", true),
+                self.rope(mb, node, dk, s.kv_heads, s.head_dim, rope, "dk_pre", true),
             ),
         };
         let dqkv = self.activation_grad(node, "dqkv", mb, vec![rows, q_cols + 2 * kv_cols]);

@@ -23,7 +23,7 @@ use crate::ir::op::{
 };
 use crate::ir::{BufferId, BufferKind, CollectiveKind, ReduceOp};
 use crate::kir::func::ExprFn;
-use crate::spec::{Activation, LayerKind, NodeId};
+use crate::spec::{Activation, LayerKind, NodeId, Rope};
 
 /// The hand-written activation of a non-gated MLP (a SwiGLU MLP has none: its gate is
 /// `SwiGlu`; an expression function has generated kernels instead).
@@ -217,7 +217,7 @@ impl Emitter<'_> {
                     kv_heads: kv_heads / tp,
                     head_dim,
                     causal,
-                    theta: rope.map(|r| r.theta),
+                    rope,
                     qkv_bias,
                     out_bias,
                 },
@@ -630,7 +630,7 @@ impl Emitter<'_> {
     /// buffer, no split): always but where rope rotates q and k first or context parallelism
     /// gathers k and v over the group (both want them as separate buffers).
     pub fn packs_qkv(&self, s: &AttnShape) -> bool {
-        s.theta.is_none() && self.groups.cp.is_none()
+        s.rope.is_none() && self.groups.cp.is_none()
     }
 
     /// The fused projection's output (consumed) as the q, k and v attention reads: split into
@@ -650,11 +650,11 @@ impl Emitter<'_> {
             self.phase,
         );
         self.b.release(qkv);
-        let (q, k) = match s.theta {
+        let (q, k) = match s.rope {
             None => (q, k),
-            Some(theta) => {
-                let qr = self.rope(mb, node, q, s.heads, s.head_dim, theta, "qr", false);
-                let kr = self.rope(mb, node, k, s.kv_heads, s.head_dim, theta, "kr", false);
+            Some(rope) => {
+                let qr = self.rope(mb, node, q, s.heads, s.head_dim, rope, "qr", false);
+                let kr = self.rope(mb, node, k, s.kv_heads, s.head_dim, rope, "kr", false);
                 (qr, kr)
             }
         };
@@ -731,7 +731,7 @@ impl Emitter<'_> {
         x: BufferId,
         heads: u64,
         head_dim: u64,
-        theta: f64,
+        rope: Rope,
         what: &str,
         backward: bool,
     ) -> BufferId {
@@ -746,7 +746,8 @@ impl Emitter<'_> {
             batch: self.micro_batch,
             heads,
             head_dim,
-            theta,
+            theta: rope.theta,
+            scaling: rope.scaling,
             positions: self.positions.clone(),
         };
         let op = if backward {
@@ -898,7 +899,7 @@ pub struct AttnShape {
     pub kv_heads: u64,
     pub head_dim: u64,
     pub causal: bool,
-    pub theta: Option<f64>,
+    pub rope: Option<Rope>,
     /// `wqkv` has a bias `bqkv`.
     pub qkv_bias: bool,
     /// `wo` has a bias `bo`.
@@ -923,7 +924,7 @@ impl AttnShape {
                 kv_heads: kv_heads / tp,
                 head_dim: *head_dim,
                 causal: *causal,
-                theta: rope.map(|r| r.theta),
+                rope: *rope,
                 qkv_bias: *qkv_bias,
                 out_bias: *out_bias,
             }),

@@ -5,7 +5,7 @@
 //! exponential per element).
 use super::args::{Inputs, Outputs};
 use super::par::TASK_ELEMENTS;
-use super::rope::{rope, rope_table, RopeShape};
+use super::rope::{rope, rope_table, Freqs, RopeShape};
 use crate::error::Result;
 use parc_compiler::ir::op::{Act, ActAttrs, Op};
 use rayon::prelude::*;
@@ -18,7 +18,7 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs) -> Result<()> {
                 batch: ins.dim("batch", a.batch)?,
                 heads: ins.dim("heads", a.heads)?,
                 head_dim: ins.dim("head_dim", a.head_dim)?,
-                theta: a.theta,
+                freqs: Freqs::of(a),
                 positions: &a.positions,
             };
             // The backward rotates the gradient back by the negative angle.
@@ -33,7 +33,7 @@ pub(crate) fn run(op: &Op, ins: &Inputs, outs: &mut Outputs) -> Result<()> {
             rope_table(
                 ins.name(),
                 head_dim,
-                a.theta,
+                Freqs::of(a),
                 &a.positions,
                 outs.f32("table")?,
             )?;

@@ -1,43 +1,67 @@
 //! Rotary position embedding ("rotate half", as Llama/HF): in every head, the pair
-//! `(i, i + head_dim/2)` is rotated by `pos · theta^(−2i/head_dim)`, `pos` the row's global
-//! position from the op's segments. The backward pass rotates by the negative angle. Angles,
-//! cosines and sines are computed in f64 once per (local position, i) ([`rotation`]), by
-//! `rope` and by `rope_table` alike (the cos/sin table a fused rope reads, `Op::RopeTable`).
+//! `(i, i + head_dim/2)` is rotated by `pos · inv_freq(i)`, `pos` the row's global position
+//! from the op's segments and `inv_freq` the compiler's one definition
+//! (`parc_compiler::ir::rope::inv_freq`: `theta^(−2i/head_dim)`, scaled as the op's `scaling`
+//! says). The backward pass rotates by the negative angle. Angles, cosines and sines are
+//! computed in f64 once per (local position, i) ([`rotation`]), by `rope` and by `rope_table`
+//! alike (the cos/sin table a fused rope reads, `Op::RopeTable`).
 use super::args::{op_error, positions_for, product};
 use super::par::rows_per_task;
 use crate::error::Result;
-use parc_compiler::ir::op::Segment;
+use parc_compiler::ir::op::{RopeAttrs, RopeScaling, Segment};
+use parc_compiler::ir::rope::inv_freq;
 use rayon::prelude::*;
+
+/// The frequencies of a rope op: its base and scaling.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Freqs {
+    pub theta: f64,
+    pub scaling: RopeScaling,
+}
+
+impl Freqs {
+    pub fn of(a: &RopeAttrs) -> Freqs {
+        Freqs {
+            theta: a.theta,
+            scaling: a.scaling,
+        }
+    }
+}
 
 /// The shape of a rope op.
 pub(crate) struct RopeShape<'a> {
     pub batch: usize,
     pub heads: usize,
     pub head_dim: usize,
-    pub theta: f64,
+    pub freqs: Freqs,
     pub positions: &'a [Segment],
 }
 
-/// The cosine and sine of `sign · pos · theta^(−2i/head_dim)`, computed in f64 and rounded to
-/// f32.
-fn rotation(theta: f64, head_dim: usize, pos: u32, i: usize, sign: f64) -> (f32, f32) {
-    let inv_freq = theta.powf(-2.0 * i as f64 / head_dim as f64);
+/// The cosine and sine of `sign · pos · inv_freq(i)`, computed in f64 and rounded to f32.
+fn rotation(f: Freqs, head_dim: usize, pos: u32, i: usize, sign: f64) -> (f32, f32) {
+    let inv_freq = inv_freq(f.theta, head_dim as u64, i as u64, f.scaling);
     let angle = sign * f64::from(pos) * inv_freq;
     (angle.cos() as f32, angle.sin() as f32)
 }
 
-/// Fails unless `head_dim` is even and `theta` positive.
-fn check_rotation(op: &str, head_dim: usize, theta: f64) -> Result<()> {
+/// Fails unless `head_dim` is even, `theta` positive and the scaling's parameters valid.
+fn check_rotation(op: &str, head_dim: usize, f: Freqs) -> Result<()> {
     if !head_dim.is_multiple_of(2) {
         return Err(op_error(
             op,
             format!("head_dim = {head_dim} must be even to rotate pairs (i, i + head_dim/2)"),
         ));
     }
-    if theta.is_nan() || theta <= 0.0 {
-        return Err(op_error(op, format!("theta = {theta} must be positive")));
+    if f.theta.is_nan() || f.theta <= 0.0 {
+        return Err(op_error(
+            op,
+            format!("theta = {} must be positive", f.theta),
+        ));
     }
-    Ok(())
+    match f.scaling.problem() {
+        Some(problem) => Err(op_error(op, problem)),
+        None => Ok(()),
+    }
 }
 
 /// The rotation table of `Op::RopeTable`: per local position (row), `cos(angle_i)` in columns
@@ -46,18 +70,18 @@ fn check_rotation(op: &str, head_dim: usize, theta: f64) -> Result<()> {
 pub(crate) fn rope_table(
     op: &str,
     head_dim: usize,
-    theta: f64,
+    freqs: Freqs,
     positions: &[Segment],
     table: &mut [f32],
 ) -> Result<()> {
-    check_rotation(op, head_dim, theta)?;
+    check_rotation(op, head_dim, freqs)?;
     let width = product(op, "2 × head_dim", &[2, head_dim])?;
     let global = positions_for(op, positions, "table", table.len() / width)?;
     let half = head_dim / 2;
     for (row, &pos) in table.chunks_mut(width).zip(&global) {
         let (cos, sin) = row.split_at_mut(head_dim);
         for i in 0..half {
-            let (c, s) = rotation(theta, head_dim, pos, i, 1.0);
+            let (c, s) = rotation(freqs, head_dim, pos, i, 1.0);
             cos[i] = c;
             cos[i + half] = c;
             sin[i] = -s;
@@ -79,10 +103,10 @@ pub(crate) fn rope(
         batch,
         heads,
         head_dim,
-        theta,
+        freqs,
         positions,
     } = *shape;
-    check_rotation(op, head_dim, theta)?;
+    check_rotation(op, head_dim, freqs)?;
     let width = product(op, "heads × head_dim", &[heads, head_dim])?;
     let seq = x.len() / product(op, "row block", &[batch, width])?;
     let global = positions_for(op, positions, "x", seq)?;
@@ -91,7 +115,7 @@ pub(crate) fn rope(
     // cos/sin per (local position, i), interleaved.
     let table: Vec<(f32, f32)> = global
         .iter()
-        .flat_map(|&pos| (0..half).map(move |i| rotation(theta, head_dim, pos, i, sign)))
+        .flat_map(|&pos| (0..half).map(move |i| rotation(freqs, head_dim, pos, i, sign)))
         .collect();
     y.par_chunks_mut(width)
         .zip(x.par_chunks(width))

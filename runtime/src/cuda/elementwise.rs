@@ -9,7 +9,7 @@ use super::epilogue::{swiglu_apart, swiglu_grad};
 use super::kernel::Kernel;
 use super::{Arg, CudaBackend};
 use crate::error::Result;
-use parc_compiler::ir::op::{ActAttrs, Op, RopeAttrs};
+use parc_compiler::ir::op::{ActAttrs, Op, RopeAttrs, RopeScaling};
 
 /// Run an op of the elementwise family.
 pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
@@ -47,7 +47,53 @@ pub(super) fn run(be: &mut CudaBackend, b: &Bound) -> Result<()> {
     }
 }
 
-/// Fails unless a rotation's `head_dim` (`hd`) is even and its theta positive.
+/// A rope's frequency scaling as the kernels' `struct RopeScale` (kernels/elementwise.cu), whose
+/// `rope_inv_freq` computes `parc_compiler::ir::rope::inv_freq` with it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct RopeScale {
+    /// 0 none, 1 linear, 2 llama3.
+    pub kind: i32,
+    pub factor: f64,
+    pub low: f64,
+    pub high: f64,
+    pub original: f64,
+}
+
+impl RopeScale {
+    pub fn of(s: RopeScaling) -> RopeScale {
+        let plain = RopeScale {
+            kind: 0,
+            factor: 1.0,
+            low: 1.0,
+            high: 1.0,
+            original: 0.0,
+        };
+        match s {
+            RopeScaling::None => plain,
+            RopeScaling::Linear { factor } => RopeScale {
+                kind: 1,
+                factor,
+                ..plain
+            },
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            } => RopeScale {
+                kind: 2,
+                factor,
+                low: low_freq_factor,
+                high: high_freq_factor,
+                original: original_max_position as f64,
+            },
+        }
+    }
+}
+
+/// Fails unless a rotation's `head_dim` (`hd`) is even, its theta positive and its scaling's
+/// parameters valid.
 fn check_rotation(b: &Bound, a: &RopeAttrs, hd: usize) -> Result<()> {
     if !hd.is_multiple_of(2) {
         return Err(b.err(format!("head_dim = {hd} must be even to rotate pairs")));
@@ -55,7 +101,10 @@ fn check_rotation(b: &Bound, a: &RopeAttrs, hd: usize) -> Result<()> {
     if a.theta.is_nan() || a.theta <= 0.0 {
         return Err(b.err(format!("theta = {} must be positive", a.theta)));
     }
-    Ok(())
+    match a.scaling.problem() {
+        Some(problem) => Err(b.err(problem)),
+        None => Ok(()),
+    }
 }
 
 /// Writes the cos/sin table of the op's positions (`Op::RopeTable`).
@@ -71,6 +120,7 @@ fn rope_table(be: &mut CudaBackend, b: &Bound, a: &RopeAttrs) -> Result<()> {
         n(positions),
         n(hd),
         Arg::F64(a.theta),
+        Arg::RopeScale(RopeScale::of(a.scaling)),
     ];
     be.launch_n(Kernel::RopeTable, positions * hd / 2, &args)
 }
@@ -96,6 +146,7 @@ fn rope(be: &mut CudaBackend, b: &Bound, a: &RopeAttrs, sign: f64) -> Result<()>
         n(heads),
         n(hd),
         Arg::F64(a.theta),
+        Arg::RopeScale(RopeScale::of(a.scaling)),
         Arg::F64(sign),
     ];
     be.launch_n(Kernel::RopeFwd, rows * heads * hd / 2, &args)

@@ -42,6 +42,7 @@ impl CudaBackend {
                 Arg::Geom(g) => b.arg(g),
                 Arg::Float(f) => b.arg(f),
                 Arg::Tma(m) => b.arg(m),
+                Arg::RopeScale(s) => b.arg(s),
             };
         }
         let cfg = LaunchConfig {

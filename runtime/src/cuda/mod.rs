@@ -191,12 +191,15 @@ pub(crate) enum Arg {
     Geom(attention::AttGeom),
     Float(FloatArg),
     Tma(tma::TmaMap),
+    RopeScale(elementwise::RopeScale),
 }
 
 // SAFETY: AttGeom is #[repr(C)] plain data matching the kernels' `struct AttGeom`.
 unsafe impl DeviceRepr for attention::AttGeom {}
 // SAFETY: FloatArg is #[repr(C)] plain data matching the kernels' `struct Fv`.
 unsafe impl DeviceRepr for FloatArg {}
+// SAFETY: RopeScale is #[repr(C)] plain data matching the kernels' `struct RopeScale`.
+unsafe impl DeviceRepr for elementwise::RopeScale {}
 
 /// The CUDA backend. See the module docs.
 pub struct CudaBackend {

@@ -122,6 +122,7 @@ impl PlannedRegions {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use parc_compiler::ir::op::RopeScaling;
     use parc_compiler::ir::{Buffer, BufferKind, DType};
 
     #[test]
@@ -133,6 +134,7 @@ mod tests {
                 heads: 1,
                 head_dim: 2,
                 theta: 1e4,
+                scaling: RopeScaling::None,
                 positions,
             })
         };

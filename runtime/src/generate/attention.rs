@@ -14,7 +14,7 @@ use crate::backend::Backend;
 use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::op::{AttentionAttrs, Op, RopeAttrs, Segment};
 use parc_compiler::ir::{BufferId, DType};
-use parc_compiler::spec::{LayerKind, Node, NodeId};
+use parc_compiler::spec::{LayerKind, Node, NodeId, Rope};
 
 /// The sizes of an attention layer.
 #[derive(Clone, Copy, Debug)]
@@ -23,7 +23,7 @@ struct Heads {
     heads: u64,
     kv_heads: u64,
     head_dim: u64,
-    theta: Option<f64>,
+    rope: Option<Rope>,
     /// Biases on q, k, v (`bqkv`) and on the output projection (`bo`).
     qkv_bias: bool,
     out_bias: bool,
@@ -80,7 +80,7 @@ impl Cache {
             heads,
             kv_heads,
             head_dim,
-            theta: rope.map(|r| r.theta),
+            rope,
             qkv_bias,
             out_bias,
         };
@@ -177,7 +177,7 @@ impl Cache {
         };
         device.run(&op, &[qkv.buf], &[q.buf, k.buf, v.buf])?;
         device.free(qkv.buf)?;
-        let Some(theta) = h.theta else {
+        let Some(rope) = h.rope else {
             return Ok([q, k, v]);
         };
         let mut rotate = |x: Tensor, heads: u64| -> Result<Tensor> {
@@ -185,7 +185,8 @@ impl Cache {
                 batch: 1,
                 heads,
                 head_dim: h.head_dim,
-                theta,
+                theta: rope.theta,
+                scaling: rope.scaling,
                 positions: vec![at],
             });
             let y = device.apply(&op, &[x.buf], x, x.cols)?;

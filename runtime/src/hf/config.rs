@@ -458,6 +458,7 @@ fn disagrees(path: &Path, problems: &[String]) -> RuntimeError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use parc_compiler::spec::RopeScaling;
 
     fn llama() -> Arch {
         Arch {
@@ -472,6 +473,7 @@ mod tests {
             eps: 1e-5,
             activation: "gelu_new",
             theta: 500000.0,
+            rope_scaling: RopeScaling::None,
             qkv_bias: false,
             out_bias: false,
             tied: false,

@@ -6,7 +6,7 @@
 //! layer, a `.par` function activation, post-norm blocks, …) is an error naming the layer.
 use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::op::Act;
-use parc_compiler::spec::{Activation, LayerKind, Node, NodeId, Spec, ValueId};
+use parc_compiler::spec::{Activation, LayerKind, Node, NodeId, Rope, RopeScaling, Spec, ValueId};
 
 /// A transformers model class parc's graphs map to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,6 +68,8 @@ pub struct Arch {
     pub activation: &'static str,
     /// RoPE's base (Llama family).
     pub theta: f64,
+    /// RoPE's frequency scaling (config.json's `rope_scaling`; Llama family).
+    pub rope_scaling: RopeScaling,
     /// Biases on the q/k/v projection and on the output projection.
     pub qkv_bias: bool,
     pub out_bias: bool,
@@ -102,7 +104,7 @@ struct BlockShape {
     heads: u64,
     kv_heads: u64,
     head_dim: u64,
-    theta: Option<f64>,
+    rope: Option<Rope>,
     qkv_bias: bool,
     out_bias: bool,
     ffn: u64,
@@ -119,7 +121,8 @@ impl BlockShape {
                 ("heads", b.heads.to_string()),
                 ("kv_heads", b.kv_heads.to_string()),
                 ("head_dim", b.head_dim.to_string()),
-                ("rope theta", format!("{:?}", b.theta)),
+                ("rope theta", format!("{:?}", b.rope.map(|r| r.theta))),
+                ("rope scaling", format!("{:?}", b.rope.map(|r| r.scaling))),
                 ("qkv_bias", b.qkv_bias.to_string()),
                 ("out bias", b.out_bias.to_string()),
                 ("MLP hidden", b.ffn.to_string()),
@@ -234,7 +237,8 @@ pub fn recognise(spec: &Spec) -> Result<Arch> {
             Activation::Plain(Act::Gelu) => "gelu",
             _ => "gelu_new",
         },
-        theta: block.theta.unwrap_or(0.0),
+        theta: block.rope.map_or(0.0, |r| r.theta),
+        rope_scaling: block.rope.map_or(RopeScaling::None, |r| r.scaling),
         qkv_bias: block.qkv_bias,
         out_bias: block.out_bias,
         tied,
@@ -317,7 +321,7 @@ fn family_of(
     if gpt2 {
         let why = if !has_pos {
             Some("GPT-2 has learned positions (PositionEmbedding after the Embedding)")
-        } else if b.theta.is_some() {
+        } else if b.rope.is_some() {
             Some("GPT-2's attention has no RoPE")
         } else if !(b.qkv_bias && b.out_bias && b.mlp_bias) {
             Some("GPT-2's attention and MLP have biases")
@@ -347,7 +351,7 @@ fn family_of(
     }
     let why = if has_pos {
         "the Llama family has no position table"
-    } else if b.theta.is_none() {
+    } else if b.rope.is_none() {
         "the Llama family's attention has RoPE"
     } else if b.act != Activation::Swiglu {
         "the Llama family's MLP is SwiGLU (`act = swiglu`)"
@@ -454,7 +458,7 @@ fn block<'a>(
         heads,
         kv_heads,
         head_dim,
-        theta: rope.map(|r| r.theta),
+        rope,
         qkv_bias,
         out_bias,
         ffn: *hidden,

@@ -893,7 +893,8 @@ impl<'a> Elab<'a> {
                     )
                 }
             };
-            return Val::Rope(crate::spec::Rope { theta }, span);
+            let scaling = crate::spec::RopeScaling::None;
+            return Val::Rope(crate::spec::Rope { theta, scaling }, span);
         }
         let bound = Bound { kind, values, span };
         match layers::construct(&bound) {

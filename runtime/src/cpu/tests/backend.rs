@@ -4,7 +4,9 @@
 use super::*;
 use crate::error::RuntimeError;
 use parc_compiler::ir::op::Act;
-use parc_compiler::ir::op::{ActAttrs, AttentionAttrs, EmbeddingAttrs, PositionAttrs, RopeAttrs};
+use parc_compiler::ir::op::{
+    ActAttrs, AttentionAttrs, EmbeddingAttrs, PositionAttrs, RopeAttrs, RopeScaling,
+};
 use parc_compiler::ir::{Buffer, BufferKind, Instr, Program};
 use parc_compiler::memplan::{plan_program, Placement};
 
@@ -207,6 +209,7 @@ fn lowering_mistakes_are_clear_errors_naming_op_role_and_buffer() {
         heads: 1,
         head_dim: 2,
         theta: 1e4,
+        scaling: RopeScaling::None,
         positions: vec![seg(0, 3)],
     });
     expect(

@@ -4,7 +4,9 @@
 //! fails).
 use super::*;
 use parc_compiler::ir::op::Act;
-use parc_compiler::ir::op::{ActAttrs, AttentionAttrs, EmbeddingAttrs, PositionAttrs, RopeAttrs};
+use parc_compiler::ir::op::{
+    ActAttrs, AttentionAttrs, EmbeddingAttrs, PositionAttrs, RopeAttrs, RopeScaling,
+};
 
 fn minus_one(v: &[f32]) -> Vec<f32> {
     v.iter().map(|x| x - 1.0).collect()
@@ -196,23 +198,39 @@ fn matmul_backward_data_and_weight_match_differences() {
     assert_input_gradients(&fwd, &inputs, &out_lens, &cot, &checks);
 }
 
+/// Plain RoPE and both scalings; with head_dim 8 and theta 100 the pairs' wavelengths are
+/// 6.3, 19.9, 62.8 and 198.7, so Llama 3's rule with `original_max_position` 128 keeps the
+/// first two (under 128 / 4), blends the third and divides the fourth (over 128 / 1).
 #[test]
 fn rope_backward_matches_differences_at_context_parallel_positions() {
-    let (batch, heads, head_dim) = (2u64, 2u64, 4usize);
-    let positions = vec![seg(1, 2), seg(9, 1)];
+    let scalings = [
+        RopeScaling::None,
+        RopeScaling::Linear { factor: 4.0 },
+        RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position: 128,
+        },
+    ];
+    let (batch, heads, head_dim) = (2u64, 2u64, 8usize);
     let len = 3 * batch as usize * heads as usize * head_dim;
-    let attrs = RopeAttrs {
-        batch,
-        heads,
-        head_dim: head_dim as u64,
-        theta: 100.0,
-        positions,
-    };
-    let (fwd, bwd) = (Op::Rope(attrs.clone()), Op::RopeBwd(attrs));
-    let inputs = [Input::F(values(len, 17, 1.0))];
-    let cot = vec![values(len, 18, 1.0)];
-    let dx = eval(&bwd, &[Input::F(cot[0].clone())], &[len]);
-    assert_gradient("dx", &op_gradient(&fwd, &inputs, &[len], &cot, 0), &dx[0]);
+    for scaling in scalings {
+        let attrs = RopeAttrs {
+            batch,
+            heads,
+            head_dim: head_dim as u64,
+            theta: 100.0,
+            scaling,
+            positions: vec![seg(1, 2), seg(9, 1)],
+        };
+        let (fwd, bwd) = (Op::Rope(attrs.clone()), Op::RopeBwd(attrs));
+        let inputs = [Input::F(values(len, 17, 1.0))];
+        let cot = vec![values(len, 18, 1.0)];
+        let dx = eval(&bwd, &[Input::F(cot[0].clone())], &[len]);
+        let what = format!("dx ({})", scaling.name());
+        assert_gradient(&what, &op_gradient(&fwd, &inputs, &[len], &cot, 0), &dx[0]);
+    }
 }
 
 fn check_attention(causal: bool, heads: u64, kv_heads: u64) {

@@ -3,7 +3,9 @@
 //! relies on, and GQA against MHA with repeated kv heads. Tolerances are stated per test.
 use super::*;
 use parc_compiler::ir::op::Act;
-use parc_compiler::ir::op::{ActAttrs, AttentionAttrs, EmbeddingAttrs, PositionAttrs, RopeAttrs};
+use parc_compiler::ir::op::{
+    ActAttrs, AttentionAttrs, EmbeddingAttrs, PositionAttrs, RopeAttrs, RopeScaling,
+};
 
 // ---------------------------------------------------------------- attention
 
@@ -466,6 +468,7 @@ fn rope_rotates_pairs_by_position_times_frequency() {
         heads: 1,
         head_dim: 4,
         theta: 100.0,
+        scaling: RopeScaling::None,
         positions: vec![seg(pos, 1)],
     };
     assert_eq!(
@@ -482,6 +485,64 @@ fn rope_rotates_pairs_by_position_times_frequency() {
     assert_close("rotated", &y[0], &expected, 1e-6);
     let back = eval(&Op::RopeBwd(attrs(3)), &[Input::F(y[0].clone())], &[4]);
     assert_close("inverse", &back[0], &[1.0, 2.0, 0.0, 0.0], 1e-6);
+}
+
+/// Scaled frequencies, worked by hand: one head of dim 8 at theta 100 (plain frequencies 1,
+/// 0.316228, 0.1, 0.0316228; wavelengths 6.3, 19.9, 62.8, 198.7) under Llama 3's rule with
+/// factor 8, low 1, high 4 and an original length of 128: the first two kept (under 32), the
+/// third blended (smooth = (128 / 62.83 − 1) / 3 = 0.345728, 0.1 · (0.654272 / 8 + 0.345728) =
+/// 0.0427512), the fourth divided by 8 (0.00395285). At position 5, x = 1 in every pair's first
+/// half rotates to (cos, sin) of 5 × each. Linear scaling by 4 divides all four.
+#[test]
+fn scaled_rope_rotates_by_the_scaled_frequencies() {
+    let x = vec![1.0f32, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0];
+    let rotate = |scaling, op: fn(RopeAttrs) -> Op| {
+        let attrs = RopeAttrs {
+            batch: 1,
+            heads: 1,
+            head_dim: 8,
+            theta: 100.0,
+            scaling,
+            positions: vec![seg(5, 1)],
+        };
+        eval(&op(attrs), &[Input::F(x.clone())], &[8]).remove(0)
+    };
+    let expected = |freqs: [f64; 4]| -> Vec<f64> {
+        let angles = freqs.map(|f| 5.0 * f);
+        angles
+            .map(f64::cos)
+            .into_iter()
+            .chain(angles.map(f64::sin))
+            .collect()
+    };
+    let llama3 = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position: 128,
+    };
+    let by_hand = [1.0, 0.31622777, 0.04275118, 0.00395285];
+    assert_close(
+        "llama3",
+        &rotate(llama3, Op::Rope),
+        &expected(by_hand),
+        1e-6,
+    );
+    let linear = RopeScaling::Linear { factor: 4.0 };
+    let quarter = [0.25, 0.31622777 / 4.0, 0.025, 0.031622777 / 4.0];
+    assert_close(
+        "linear",
+        &rotate(linear, Op::Rope),
+        &expected(quarter),
+        1e-6,
+    );
+    // The backward rotates by the negative angles: the sines change sign.
+    let back: Vec<f64> = expected(by_hand)
+        .iter()
+        .enumerate()
+        .map(|(i, v)| if i < 4 { *v } else { -v })
+        .collect();
+    assert_close("llama3 backward", &rotate(llama3, Op::RopeBwd), &back, 1e-6);
 }
 
 // ---------------------------------------------------------------- elementwise

@@ -190,12 +190,34 @@ extern "C" __global__ void position_add_bwd(Fv dy, float* dtable, const int* pos
     }
 }
 
+// RoPE's frequency scaling (cuda/elementwise.rs `RopeScale::of`): kind 0 none, 1 linear
+// (factor), 2 llama3 (factor, low_freq_factor, high_freq_factor, original_max_position).
+struct RopeScale {
+    int kind;
+    double factor, low, high, original;
+};
+
+// The inverse frequency of pair i of a head: theta^(-2i/head_dim), scaled. This is
+// compiler/src/ir/rope.rs's inv_freq (the one definition) operation for operation in double
+// (--fmad=false keeps every product and sum rounded as written); tests/cuda_ops compares the
+// two through the rotations. Unscaled (kind 0) it is the plain power, as before scaling existed.
+__device__ __forceinline__ double rope_inv_freq(double theta, long long i, long long head_dim, RopeScale sc) {
+    double base = pow(theta, -2.0 * (double)i / (double)head_dim);
+    if (sc.kind == 1) return base / sc.factor;
+    if (sc.kind != 2) return base;
+    double wavelen = 6.283185307179586 / base;
+    if (wavelen < sc.original / sc.high) return base;
+    if (wavelen > sc.original / sc.low) return base / sc.factor;
+    double smooth = (sc.original / wavelen - sc.low) / (sc.high - sc.low);
+    return (1.0 - smooth) * base / sc.factor + smooth * base;
+}
+
 // Rotate-half RoPE; sign = -1 applies the inverse rotation (the backward).
-extern "C" __global__ void rope_fwd(Fv x, Fv y, const int* pos, long long rows, long long batch, long long heads, long long head_dim, double theta, double sign) {
+extern "C" __global__ void rope_fwd(Fv x, Fv y, const int* pos, long long rows, long long batch, long long heads, long long head_dim, double theta, RopeScale sc, double sign) {
     long long half = head_dim / 2;
     GRID_STRIDE(t, rows * heads * half) {
         long long i = t % half, h = (t / half) % heads, r = t / (half * heads);
-        double inv_freq = pow(theta, -2.0 * (double)i / (double)head_dim);
+        double inv_freq = rope_inv_freq(theta, i, head_dim, sc);
         double angle = sign * (double)pos[r / batch] * inv_freq;
         float c = (float)cos(angle), s = (float)sin(angle);
         long long base = r * heads * head_dim + h * head_dim;
@@ -208,11 +230,11 @@ extern "C" __global__ void rope_fwd(Fv x, Fv y, const int* pos, long long rows, 
 // The cos/sin table a fused rope reads (Op::RopeTable): per local position s, cos(angle_i) in
 // columns c < head_dim and -sin / +sin(angle_i) in columns head_dim + c (- in a head's first
 // half), i = c mod head_dim/2, the angle computed as rope_fwd computes it (sign 1).
-extern "C" __global__ void rope_table(float* table, const int* pos, long long positions, long long head_dim, double theta) {
+extern "C" __global__ void rope_table(float* table, const int* pos, long long positions, long long head_dim, double theta, RopeScale sc) {
     long long half = head_dim / 2;
     GRID_STRIDE(t, positions * half) {
         long long i = t % half, s = t / half;
-        double inv_freq = pow(theta, -2.0 * (double)i / (double)head_dim);
+        double inv_freq = rope_inv_freq(theta, i, head_dim, sc);
         double angle = 1.0 * (double)pos[s] * inv_freq;
         float c = (float)cos(angle), sn = (float)sin(angle);
         float* row = table + s * 2 * head_dim;
