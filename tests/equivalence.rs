@@ -819,6 +819,11 @@ fn matrix_full() {
 fn example(file: &str, sets: &[&str]) -> Spec {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let text = std::fs::read_to_string(root.join(file)).unwrap();
+    example_text(file, text, sets)
+}
+
+/// `text` (the example `file`, edited) shrunk as [`example`] shrinks it.
+fn example_text(file: &str, text: String, sets: &[&str]) -> Spec {
     let mut sources = Sources::default();
     let main = sources.add(file, text);
     let shrink = [
@@ -899,6 +904,59 @@ fn tiny_llama_example_with_interleaved_pipeline_and_context_parallelism() {
             "cluster.gpus_per_node=4",
         ],
     );
+}
+
+/// The tiny Llama with Llama 3's RoPE scaling at a scale its 16 positions reach: head_dim 4
+/// has wavelengths 6.3 and 628, and an original length of 8 (band 2..8) blends the first and
+/// divides the second by 4.
+fn scaled_llama(sets: &[&str]) -> Spec {
+    let file = "examples/tiny-llama.par";
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join(file)).unwrap().replace(
+        "theta = 10000)",
+        "theta = 10000, scaling = llama3 { factor: 4, low_freq_factor: 1, high_freq_factor: 4, \
+         original_max_position: 8 })",
+    );
+    let spec = example_text(file, text, sets);
+    let scaled = spec.model.nodes.iter().any(
+        |n| matches!(n.kind, LayerKind::Attention { rope: Some(r), .. } if !r.scaling.is_none()),
+    );
+    assert!(scaled, "the edit did not reach the spec");
+    spec
+}
+
+/// A scaled-RoPE model trains, and every plan that splits its positions (cp, whose ranks
+/// rotate two segments each, and tp with sequence parallelism, fused rotation tables included)
+/// equals its single-rank run; the scaling changes the losses from the plain model's.
+#[test]
+fn scaled_rope_plans_equal_the_single_rank_run() {
+    let single = run_example(&scaled_llama(&[]));
+    let plain = run_example(&example("examples/tiny-llama.par", &[]));
+    assert_ne!(single.records[0].loss, plain.records[0].loss);
+    assert_ne!(single.records[0].loss, single.records[4].loss);
+    for plan in [
+        &[
+            "parallel.cp=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+        ][..],
+        &["parallel.pp=2", "parallel.cp=2", "parallel.recompute=full"][..],
+    ] {
+        let mut sets = plan.to_vec();
+        sets.push("cluster.gpus_per_node=4");
+        let got = run_example(&scaled_llama(&sets));
+        assert_eq!(got.records.len(), single.records.len());
+        for (a, b) in single.records.iter().zip(&got.records) {
+            let rel = (a.loss - b.loss).abs() / a.loss.abs();
+            assert!(
+                rel < 1e-5,
+                "{plan:?} step {}: {} vs {}",
+                a.step,
+                b.loss,
+                a.loss
+            );
+        }
+    }
 }
 
 /// `file` scaled down, with the FP8 `recipe` (first: a later `train.fp8=…` replaces the whole

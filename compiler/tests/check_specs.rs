@@ -110,6 +110,48 @@ fn qkv_bias_alone_and_hf_init() {
     assert_eq!(tiny_with(&[]).train.init, InitFrom::Seeded);
 }
 
+/// `scaling` through std::llama's Block into every attention's RoPE: Llama 3.2's published
+/// rule, a linear stretch, and `none` (the default, as before scaling existed).
+#[test]
+fn rope_scaling_reaches_every_attention() {
+    let rope_of = |spec: &Spec, name: &str| match node(spec, name).kind {
+        LayerKind::Attention { rope, .. } => rope,
+        _ => panic!("{name} is not attention"),
+    };
+    let with = |scaling: &str| {
+        let text = example("tiny-llama.par").replace(
+            "theta = 10000)",
+            &format!("theta = 500000, scaling = {scaling})"),
+        );
+        let (spec, codes) = run(&text, &[]);
+        assert!(codes.is_empty(), "{scaling}: {codes:?}");
+        spec.unwrap()
+    };
+    let llama3 = with(
+        "llama3 { factor: 32, low_freq_factor: 1, high_freq_factor: 4, \
+         original_max_position: 8192 }",
+    );
+    let published = RopeScaling::Llama3 {
+        factor: 32.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position: 8192,
+    };
+    for layer in 0..4 {
+        let rope = rope_of(&llama3, &format!("blocks.{layer}.attn"));
+        assert_eq!(
+            rope.map(|r| (r.theta, r.scaling)),
+            Some((500000.0, published))
+        );
+    }
+    let linear = with("linear { factor: 2.5 }");
+    let scaling = rope_of(&linear, "blocks.0.attn").map(|r| r.scaling);
+    assert_eq!(scaling, Some(RopeScaling::Linear { factor: 2.5 }));
+    let plain = with("none");
+    let scaling = rope_of(&plain, "blocks.3.attn").map(|r| r.scaling);
+    assert_eq!(scaling, Some(RopeScaling::None));
+}
+
 #[test]
 fn tiny_llama_has_gqa_rope_and_swiglu() {
     let (spec, codes) = run(&example("tiny-llama.par"), &[]);
@@ -126,7 +168,7 @@ fn tiny_llama_has_gqa_rope_and_swiglu() {
             causal: true,
             rope: Some(Rope {
                 theta: 10000.0,
-                scaling: parc_compiler::spec::RopeScaling::None,
+                scaling: RopeScaling::None,
             }),
             qkv_bias: false,
             out_bias: false

@@ -7,6 +7,7 @@ use crate::diag::{Diagnostic, Span};
 use crate::ir::op::Act;
 use crate::kir::func::ExprFn;
 use crate::spec::{Activation, LayerKind, Rope, Shape};
+use crate::syntax::ast::Ident;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -40,7 +41,7 @@ pub fn params(kind: &str) -> &'static [&'static str] {
             "dim", "heads", "kv_heads", "head_dim", "causal", "rope", "bias", "qkv_bias",
         ],
         "MLP" => &["dim", "hidden", "act", "bias"],
-        "RoPE" => &["theta"],
+        "RoPE" => &["theta", "scaling"],
         _ => &[],
     }
 }
@@ -66,9 +67,10 @@ pub fn missing_feature(kind: &str, param: &str) -> Option<&'static str> {
         ("Attention", "qk_norm" | "qk_layernorm" | "q_norm" | "k_norm") => {
             "parc's Attention does not normalize q and k (OLMo 2, Qwen3, Gemma 3)"
         }
-        ("RoPE", "scaling" | "rope_scaling" | "factor" | "rope_type") => {
-            "parc's RoPE has no frequency scaling (Llama 3.1's `rope_type: llama3`, YaRN, \
-             linear or dynamic NTK): only `theta`"
+        ("RoPE", "rope_scaling" | "rope_parameters" | "factor" | "rope_type" | "yarn") => {
+            "RoPE's frequency scaling is its `scaling`: `llama3 { factor, low_freq_factor, \
+             high_freq_factor, original_max_position }` (Llama 3.1–3.3) or `linear { factor }`; \
+             parc has no YaRN, dynamic NTK or LongRoPE scaling"
         }
         ("RoPE", "fraction" | "rotary_pct" | "partial_rotary_factor" | "rotary_dim") => {
             "parc's RoPE rotates every dimension of a head: no partial rotary (GPT-NeoX's \
@@ -104,6 +106,16 @@ pub enum ArgValue {
     Rope(Rope, Span),
     /// An expression function (an activation).
     Fn(Arc<ExprFn>, Span),
+    /// `tag { field: value, … }`: RoPE's `scaling = llama3 { factor: 8, … }`.
+    Tagged(Arc<Tagged>),
+}
+
+/// A tagged record as a layer argument, its fields evaluated.
+#[derive(Clone, Debug)]
+pub struct Tagged {
+    pub tag: Ident,
+    pub fields: Vec<(Ident, ArgValue)>,
+    pub span: Span,
 }
 
 impl ArgValue {
@@ -114,6 +126,7 @@ impl ArgValue {
             | ArgValue::Word(_, s)
             | ArgValue::Rope(_, s)
             | ArgValue::Fn(_, s) => *s,
+            ArgValue::Tagged(t) => t.span,
         }
     }
 }

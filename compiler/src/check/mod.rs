@@ -17,6 +17,7 @@ mod grid;
 mod layers;
 mod model;
 mod number;
+mod rope;
 mod sections;
 mod settings;
 mod suggest;

@@ -13,6 +13,7 @@ mod finish;
 use super::functions;
 use super::layers::{self, ArgValue, Bound, Ctor};
 use super::number::{arith, Number};
+use super::rope;
 use super::suggest;
 use super::{Namespace, Overrides};
 use crate::diag::{Diagnostic, Diagnostics, Span};
@@ -39,6 +40,8 @@ pub enum Val {
     Tensor(ValueId, Span),
     Layer(Box<Ctor>),
     Rope(crate::spec::Rope, Span),
+    /// `tag { field: value, … }`: RoPE's `scaling = llama3 { … }`, its fields evaluated.
+    Tagged(Arc<layers::Tagged>),
     /// An expression function (`fn`, the prelude's), named as an activation.
     Fn(Arc<ExprFn>, Span),
     /// A block or built-in layer kind, not yet called.
@@ -488,10 +491,8 @@ impl<'a> Elab<'a> {
                 .label(e.span, "here")
                 .help("write `x = repeat layers { Block(…)(x) }` at the top level of the model"),
             ),
-            ExprKind::Tagged { .. }
-            | ExprKind::Record(_)
-            | ExprKind::List(_)
-            | ExprKind::Tuple(_) => self.err(
+            ExprKind::Tagged { tag, fields } => self.tagged(tag, fields, e.span, frame, module),
+            ExprKind::Record(_) | ExprKind::List(_) | ExprKind::Tuple(_) => self.err(
                 Diagnostic::error(
                     "E0902",
                     "records, lists and tuples are not values in a model",
@@ -500,6 +501,47 @@ impl<'a> Elab<'a> {
                 .help("models use numbers, names and layer calls"),
             ),
         }
+    }
+
+    /// `tag { field: value, … }` with its fields evaluated: a layer argument's value (RoPE's
+    /// `scaling`), which the layer reads; a field that is a tensor or a layer is E0902.
+    fn tagged(
+        &mut self,
+        tag: &Ident,
+        fields: &[Field],
+        span: Span,
+        frame: &Frame,
+        module: usize,
+    ) -> Val {
+        let mut out = Vec::new();
+        for f in fields {
+            let value = match self.eval(&f.value, frame, module) {
+                Val::Poison => return Val::Poison,
+                Val::Num(n) => ArgValue::Num(n),
+                Val::Bool(b, s) => ArgValue::Bool(b, s),
+                Val::Word(w, s) => ArgValue::Word(w, s),
+                Val::Tagged(t) => ArgValue::Tagged(t),
+                _ => {
+                    return self.err(
+                        Diagnostic::error(
+                            "E0902",
+                            format!(
+                                "`{}`'s `{}` cannot be a tensor or layer",
+                                tag.name, f.name.name
+                            ),
+                        )
+                        .label(f.value.span, "this value")
+                        .help("fields are numbers, `true`/`false` or names"),
+                    )
+                }
+            };
+            out.push((f.name.clone(), value));
+        }
+        Val::Tagged(Arc::new(layers::Tagged {
+            tag: tag.clone(),
+            fields: out,
+            span,
+        }))
     }
 
     fn binary(&mut self, op: BinOp, a: Val, b: Val, span: Span) -> Val {
@@ -523,6 +565,7 @@ impl<'a> Elab<'a> {
                     Val::Num(_) => "a number",
                     Val::Tensor(..) => "a tensor",
                     Val::Layer(_) | Val::Callable(..) => "a layer",
+                    Val::Tagged(_) => "a record",
                     _ => "a value",
                 };
                 let (wa, wb) = (what(&a), what(&b));
@@ -864,6 +907,7 @@ impl<'a> Elab<'a> {
                 Val::Word(w, s) => ArgValue::Word(w, s),
                 Val::Rope(r, s) => ArgValue::Rope(r, s),
                 Val::Fn(f, s) => ArgValue::Fn(f, s),
+                Val::Tagged(t) => ArgValue::Tagged(t),
                 Val::Callable(Callee::Builtin(k), s) if key == "tied" => ArgValue::Word(k.to_string(), s),
                 _ => {
                     return self.err(
@@ -882,19 +926,10 @@ impl<'a> Elab<'a> {
             }
         }
         if kind == "RoPE" {
-            let theta = match values.get("theta") {
-                None => 10000.0,
-                Some(ArgValue::Num(n)) if n.value > 0.0 => n.value,
-                Some(a) => {
-                    return self.err(
-                        Diagnostic::error("E0903", "RoPE's theta must be a positive number")
-                            .label(a.span(), "this value")
-                            .help("the usual values are 10000 (Llama 2) and 500000 (Llama 3)"),
-                    )
-                }
+            return match rope::rope(&values) {
+                Ok(r) => Val::Rope(r, span),
+                Err(d) => self.err(d),
             };
-            let scaling = crate::spec::RopeScaling::None;
-            return Val::Rope(crate::spec::Rope { theta, scaling }, span);
         }
         let bound = Bound { kind, values, span };
         match layers::construct(&bound) {
