@@ -23,9 +23,18 @@ use std::time::Duration;
 /// Two layers and a batch of 4 keep every run here well under a second.
 const SMALL: [&str; 3] = ["model.layers=2", "train.global_batch=4", "train.steps=2"];
 
+/// `examples/NAME.par`'s text.
+fn example(name: &str) -> String {
+    std::fs::read_to_string(cli::root().join(format!("examples/{name}.par"))).unwrap()
+}
+
 /// `examples/NAME.par` with `SMALL` and `sets`, checked and lowered.
 fn compile(name: &str, sets: &[&str]) -> (Spec, Plan) {
-    let text = std::fs::read_to_string(cli::root().join(format!("examples/{name}.par"))).unwrap();
+    compile_text(name, example(name), sets)
+}
+
+/// `text` (spec `name`) with `SMALL` and `sets`, checked and lowered.
+fn compile_text(name: &str, text: String, sets: &[&str]) -> (Spec, Plan) {
     let overrides: Vec<_> = SMALL
         .iter()
         .chain(sets)
@@ -150,6 +159,60 @@ fn llama_round_trip_is_bit_identical_on_one_rank_and_under_pp_with_zero3() {
             ],
         ],
     );
+}
+
+/// The tiny Llama at theta 500000, with `scaling` on its RoPE.
+fn llama_scaled(scaling: &str) -> String {
+    let theta = format!("theta = 500000, scaling = {scaling})");
+    example("tiny-llama").replace("theta = 10000)", &theta)
+}
+
+/// Llama 3.2's published RoPE scaling goes out in config.json as transformers 4.x
+/// (`rope_scaling`) and 5.x (`rope_parameters`) read it, loads back bit for bit under tp 2 with
+/// SP and exports the same file again; a spec without the scaling refuses the folder naming
+/// both keys' scaling.
+#[test]
+fn a_scaled_llama_round_trips_and_its_scaling_is_checked() {
+    let llama3_2 = "llama3 { factor: 32, low_freq_factor: 1, high_freq_factor: 4, \
+                    original_max_position: 8192 }";
+    let dir = cli::temp_dir("hf", "scaled");
+    let (spec, plan) = compile_text("scaled", llama_scaled(llama3_2), &[]);
+    let trained = train(&spec, &plan, 2).unwrap();
+    export(&spec, trained.clone(), &dir, None);
+    let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let config: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for key in ["rope_scaling", "rope_parameters"] {
+        let r = &config[key];
+        assert_eq!(r["rope_type"], "llama3", "{key}: {text}");
+        assert_eq!(r["factor"], 32.0, "{key}");
+        assert_eq!(r["low_freq_factor"], 1.0, "{key}");
+        assert_eq!(r["high_freq_factor"], 4.0, "{key}");
+        assert_eq!(r["original_max_position_embeddings"], 8192, "{key}");
+    }
+    assert_eq!(config["rope_parameters"]["rope_theta"], 500000.0);
+    let tp = [
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "cluster.gpus_per_node=2",
+    ];
+    let init = init_from(&dir);
+    let sets: Vec<&str> = tp.iter().copied().chain([init.as_str()]).collect();
+    let (spec, plan) = compile_text("scaled", llama_scaled(llama3_2), &sets);
+    let loaded = train(&spec, &plan, 0).unwrap_or_else(|e| panic!("{e}"));
+    for (a, b) in trained.iter().zip(&loaded) {
+        let bits = |p: &GlobalParam| p.data.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(bits(a) == bits(b), "{} changed", a.name);
+    }
+    let again = dir.join("again");
+    export(&spec, loaded, &again, None);
+    let text_again = std::fs::read_to_string(again.join("config.json")).unwrap();
+    assert_eq!(text, text_again);
+    let (spec, plan) = compile_text("plain", llama_scaled("none"), &[&init]);
+    let err = load_error(&spec, &plan);
+    for key in ["rope_scaling", "rope_parameters"] {
+        let named = format!("config.json {key} scales RoPE by `llama3 {{ factor: 32,");
+        assert!(err.contains(&named), "{named} not in {err}");
+    }
 }
 
 #[test]

@@ -214,6 +214,32 @@ fn engine_equals_the_training_forward_llama() {
     engine_matches_training("examples/tiny-llama.par");
 }
 
+/// Llama 3's RoPE scaling in the engine (hand-written `Rope` at each fed position, KV cache)
+/// against the training forward (fused kernels reading scaled rotation tables): head_dim 8 at
+/// theta 10000 has wavelengths 6, 63, 628 and 6283, which an original length of 64 keeps,
+/// blends, and divides by 8 twice.
+#[test]
+fn engine_equals_the_training_forward_scaled_llama() {
+    let file = "examples/tiny-llama.par";
+    let text = std::fs::read_to_string(cli_support::root().join(file))
+        .unwrap()
+        .replace(
+            "theta = 10000)",
+            "theta = 10000, scaling = llama3 { factor: 8, low_freq_factor: 1, \
+             high_freq_factor: 4, original_max_position: 64 })",
+        );
+    let (spec, plan) = compiled_text("scaled tiny-llama", text);
+    let scaled = plan.programs[0]
+        .instrs
+        .iter()
+        .any(|i| matches!(i.op(), Some(Op::RopeTable(a)) if !a.scaling.is_none()));
+    assert!(
+        scaled,
+        "the training program's rotation table is not scaled"
+    );
+    engine_matches("scaled tiny-llama", &spec, &plan);
+}
+
 #[test]
 fn engine_equals_the_training_forward_functions() {
     engine_matches_training("examples/tiny-functions.par");

@@ -9,6 +9,7 @@
 //! computed before scaling existed, so plain models keep their numbers bit for bit.
 use serde::Serialize;
 use std::f64::consts::TAU;
+use std::fmt;
 
 /// How RoPE's frequencies are scaled to reach positions past those a model was trained on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
@@ -109,6 +110,27 @@ impl RopeScaling {
     }
 }
 
+/// The language's spelling: `none`, `linear { factor: 4 }`, `llama3 { factor: 32, … }`.
+impl fmt::Display for RopeScaling {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            RopeScaling::None => f.write_str("none"),
+            RopeScaling::Linear { factor } => write!(f, "linear {{ factor: {factor} }}"),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            } => write!(
+                f,
+                "llama3 {{ factor: {factor}, low_freq_factor: {low_freq_factor}, \
+                 high_freq_factor: {high_freq_factor}, original_max_position: \
+                 {original_max_position} }}"
+            ),
+        }
+    }
+}
+
 /// The inverse frequency of pair `i` (`i < head_dim / 2`) of a head: `theta^(−2i/head_dim)`,
 /// computed in f64, then scaled by `scaling`.
 pub fn inv_freq(theta: f64, head_dim: u64, i: u64, scaling: RopeScaling) -> f64 {
@@ -204,5 +226,19 @@ mod tests {
         assert!(bad(l3(8.0, 1.0, 4.0, 0)).contains("original_max_position"));
         assert_eq!(LLAMA3_2.problem(), None);
         assert_eq!(RopeScaling::None.problem(), None);
+    }
+
+    #[test]
+    fn displays_as_the_language_writes_it() {
+        assert_eq!(
+            LLAMA3_2.to_string(),
+            "llama3 { factor: 32, low_freq_factor: 1, high_freq_factor: 4, \
+             original_max_position: 8192 }"
+        );
+        assert_eq!(
+            RopeScaling::Linear { factor: 2.5 }.to_string(),
+            "linear { factor: 2.5 }"
+        );
+        assert_eq!(RopeScaling::None.to_string(), "none");
     }
 }

@@ -4,9 +4,11 @@
 //!
 //! A field missing from a file takes transformers' default for its model type. Fields that
 //! change no weight and no computation parc does in training (dropout, token ids,
-//! `max_position_embeddings` of a RoPE model) are written but not checked.
+//! `max_position_embeddings` of a RoPE model) are written but not checked. RoPE's frequency
+//! scaling (`rope_scaling`, `rope_parameters`) is `rope`'s.
 use super::family::{Arch, Family};
 use super::names::HfSizes;
+use super::rope;
 use crate::error::{Result, RuntimeError};
 use serde_json::{json, Map, Value};
 use std::path::Path;
@@ -33,6 +35,7 @@ pub fn config_json(arch: &Arch, sizes: HfSizes, dtype: &str) -> Value {
             "tie_word_embeddings": true,
         }),
         Family::Llama | Family::Qwen2 => {
+            let (rope_scaling, rope_parameters) = rope::written(arch.theta, arch.rope_scaling);
             let mut c = json!({
                 "vocab_size": sizes.vocab,
                 "hidden_size": arch.dim,
@@ -45,10 +48,13 @@ pub fn config_json(arch: &Arch, sizes: HfSizes, dtype: &str) -> Value {
                 "max_position_embeddings": arch.seq,
                 "rms_norm_eps": arch.eps,
                 "rope_theta": arch.theta,
-                "rope_parameters": { "rope_type": "default", "rope_theta": arch.theta },
+                "rope_parameters": rope_parameters,
                 "attention_dropout": 0.0,
                 "tie_word_embeddings": arch.tied,
             });
+            if let Some(scaling) = rope_scaling {
+                c["rope_scaling"] = scaling;
+            }
             if arch.family == Family::Llama {
                 c["attention_bias"] = json!(arch.qkv_bias);
                 c["mlp_bias"] = json!(false);
@@ -374,26 +380,6 @@ fn sliding_window_mismatch(config: &Map<String, Value>, arch: &Arch) -> Option<S
     }
 }
 
-/// RoPE beyond the plain form (scaled, YaRN, Llama 3.1's) changes the frequencies parc uses.
-fn rope_mismatch(config: &Map<String, Value>) -> Option<String> {
-    let kind = |v: &Value| {
-        v.get("rope_type")
-            .or_else(|| v.get("type"))
-            .and_then(Value::as_str)
-            .map(str::to_string)
-    };
-    ["rope_parameters", "rope_scaling"].iter().find_map(|key| {
-        let v = config.get(*key).filter(|v| !v.is_null())?;
-        match kind(v).as_deref() {
-            None | Some("default") => None,
-            Some(other) => Some(format!(
-                "config.json {key} has rope_type {other:?}, the spec's RoPE is the plain \
-                 (default) form"
-            )),
-        }
-    })
-}
-
 /// Read `dir/config.json` and check it against `arch`: the family and every field parc's
 /// weights and computation depend on. Returns transformers' vocabulary and positions.
 pub fn check_config(dir: &Path, arch: &Arch) -> Result<HfSizes> {
@@ -414,7 +400,7 @@ pub fn check_config(dir: &Path, arch: &Arch) -> Result<HfSizes> {
     }
     let mut problems = Vec::new();
     if arch.family != Family::Gpt2 {
-        problems.extend(rope_mismatch(&config));
+        problems.extend(rope::mismatches(&config, arch.rope_scaling));
         problems.extend(sliding_window_mismatch(&config, arch));
     }
     let mut sizes = HfSizes {
@@ -487,12 +473,109 @@ mod tests {
 
     /// Check `config` (written to a folder of its own, `name`) against [`llama`].
     fn check(name: &str, config: Value) -> Result<HfSizes> {
+        check_against(name, config, &llama())
+    }
+
+    fn check_against(name: &str, config: Value, arch: &Arch) -> Result<HfSizes> {
         let pid = std::process::id();
         let dir = std::env::temp_dir().join(format!("parc-hf-config-{pid}-{name}"));
         std::fs::create_dir_all(&dir).map_err(|e| RuntimeError::Hf(e.to_string()))?;
         std::fs::write(dir.join("config.json"), config.to_string())
             .map_err(|e| RuntimeError::Hf(e.to_string()))?;
-        check_config(&dir, &llama())
+        check_config(&dir, arch)
+    }
+
+    /// Llama 3.2 1B as a spec describes it: 16 blocks, d 2048, 32 heads of 64 over 8 kv heads,
+    /// SwiGLU 8192, theta 500000, a tied head, with RoPE scaled by `scaling`.
+    fn llama3_2_1b(scaling: RopeScaling) -> Arch {
+        let block = |i: usize| crate::hf::family::BlockNodes {
+            ln1: format!("blocks.{i}.ln1"),
+            attn: format!("blocks.{i}.attn"),
+            ln2: format!("blocks.{i}.ln2"),
+            mlp: format!("blocks.{i}.mlp"),
+        };
+        Arch {
+            vocab: 128256,
+            dim: 2048,
+            seq: 8192,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 64,
+            ffn: 8192,
+            rope_scaling: scaling,
+            tied: true,
+            blocks: (0..16).map(block).collect(),
+            ..llama()
+        }
+    }
+
+    /// The published config.json of Llama 3.2 1B (tests/configs/hf/Llama-3.2-1B: rope_scaling
+    /// llama3, factor 32) against a spec with its scaling (it checks) and one without (the
+    /// scaling named, with what to write on the spec).
+    #[test]
+    fn llama3_2_1b_published_config_checks_with_its_scaling() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/configs/hf/Llama-3.2-1B/config.json"
+        );
+        let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let config: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}"));
+        let published = RopeScaling::Llama3 {
+            factor: 32.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position: 8192,
+        };
+        let scaled = llama3_2_1b(published);
+        let sizes = check_against("llama3.2", config.clone(), &scaled);
+        assert_eq!(
+            sizes.map(|s| s.vocab).map_err(|e| e.to_string()),
+            Ok(128256)
+        );
+        let plain = llama3_2_1b(RopeScaling::None);
+        let err = check_against("llama3.2-plain", config, &plain)
+            .map(|_| ())
+            .unwrap_err();
+        let err = err.to_string();
+        for expected in [
+            "config.json rope_scaling scales RoPE by `llama3 { factor: 32, low_freq_factor: 1, \
+             high_freq_factor: 4, original_max_position: 8192 }`, the spec by `none`",
+            "write the file's as the spec RoPE's `scaling`",
+        ] {
+            assert!(err.contains(expected), "{expected:?} not in {err}");
+        }
+        // The export of the scaled spec writes the same scaling, which checks again.
+        let written = config_json(
+            &scaled,
+            HfSizes {
+                vocab: 128256,
+                positions: 8192,
+            },
+            "bfloat16",
+        );
+        for key in ["rope_scaling", "rope_parameters"] {
+            assert_eq!(written[key]["rope_type"], json!("llama3"), "{key}");
+            assert_eq!(written[key]["factor"], json!(32.0), "{key}");
+            assert_eq!(
+                written[key]["original_max_position_embeddings"],
+                json!(8192),
+                "{key}"
+            );
+        }
+        assert!(check_against("llama3.2-written", written, &scaled).is_ok());
+    }
+
+    /// A YaRN-scaled file (Qwen2.5's long-context variants) is refused naming its rope_type.
+    #[test]
+    fn a_rope_type_parc_lacks_is_named() {
+        let mut config = older_file();
+        config["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0,
+                                        "original_max_position_embeddings": 32768});
+        let err = check("yarn", config).map(|_| ()).unwrap_err().to_string();
+        assert!(
+            err.contains("rope_scaling has rope_type \"yarn\", which parc's RoPE does not have"),
+            "{err}"
+        );
     }
 
     /// A file as older transformers wrote it: no head_dim, no num_key_value_heads, RoPE's
@@ -515,12 +598,14 @@ mod tests {
     #[test]
     fn scaled_rope_and_other_fields_are_all_named() {
         let mut config = older_file();
-        config["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8.0});
+        config["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192});
         config["num_key_value_heads"] = json!(2);
         config["tie_word_embeddings"] = json!(true);
         let err = check("named", config).map(|_| ()).unwrap_err().to_string();
         for expected in [
-            "rope_scaling has rope_type \"llama3\"",
+            "rope_scaling scales RoPE by `llama3 { factor: 8,",
             "num_key_value_heads = 2, spec kv_heads = 8",
             "tie_word_embeddings = true, spec head untied",
         ] {

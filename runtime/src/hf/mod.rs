@@ -4,13 +4,14 @@
 //! own elements.
 //!
 //! One file per concern: recognising the family from the spec's graph (`family`), the names
-//! and layouts of the tensors (`names`), config.json (`config`), reading safetensors
-//! (`read`), loading into a rank (`load`) and writing an export (`write`).
+//! and layouts of the tensors (`names`), config.json (`config`; RoPE's scaling in it, `rope`),
+//! reading safetensors (`read`), loading into a rank (`load`) and writing an export (`write`).
 mod config;
 mod family;
 mod load;
 mod names;
 mod read;
+mod rope;
 mod write;
 
 pub use config::check_config;
