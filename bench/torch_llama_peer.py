@@ -19,7 +19,7 @@ MODEL=llama, bench/parity/compare.py); the flags are torch_peer.py parity's:
 
 How parc's Llama maps onto this model: attn.wqkv holds q's rows, then k's, then v's (attn.bqkv
 their biases, Qwen2), rotary positions rotate halves of each head (pairs i, i + hd/2) with the
-plan's rope_table theta; mlp.gate, mlp.up, mlp.down; RMSNorm eps from the plan's rms_norm ops;
+plan's rope_table theta and frequency scaling (`scaled`); mlp.gate, mlp.up, mlp.down; RMSNorm eps from the plan's rms_norm ops;
 the head is head.weight, or the embedding when the plan has none (tied). AdamW, clipping, the lr
 schedule and the loss (mean over the global batch) as torch_peer.py's docstring says.
 
@@ -50,8 +50,29 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), s.weight, s.eps)
 
 
-def rope_tables(T, hd, theta, device):
+def scaled(inv, scaling):
+    """parc's RoPE frequency scaling (compiler/src/ir/rope.rs, `RopeScaling::apply`) on float64
+    frequencies: None (plain), linear (every frequency / factor) or llama3 (kept under
+    original / high_freq_factor wavelengths, / factor over original / low_freq_factor, blended
+    between), as the plan's rope_table op carries it."""
+    kind = (scaling or {}).get("kind", "none")
+    if kind == "none":
+        return inv
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind != "llama3":
+        sys.exit(f"the plan's RoPE scaling {kind!r} is not one the peer models")
+    f, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    L = float(scaling["original_max_position"])
+    wavelen = 2 * math.pi / inv
+    smooth = (L / wavelen - lo) / (hi - lo)
+    blended = (1 - smooth) * inv / f + smooth * inv
+    return torch.where(wavelen < L / hi, inv, torch.where(wavelen > L / lo, inv / f, blended))
+
+
+def rope_tables(T, hd, theta, device, scaling=None):
     inv = theta ** (-torch.arange(0, hd, 2, device=device, dtype=torch.float64) / hd)
+    inv = scaled(inv, scaling)
     ang = torch.arange(T, device=device, dtype=torch.float64)[:, None] * inv[None, :]
     ang = torch.cat([ang, ang], dim=-1).float()
     return ang.cos(), ang.sin()
@@ -101,7 +122,8 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(s, V, T, d, L, h, kv, ffn, theta, qkv_bias, tied, eps=1e-5, residual="fp32"):
+    def __init__(s, V, T, d, L, h, kv, ffn, theta, qkv_bias, tied, eps=1e-5, residual="fp32",
+                 scaling=None):
         super().__init__()
         s.residual = RoundBf16.apply if residual == "bf16" else (lambda x: x)
         s.embed = nn.Embedding(V, d)
@@ -110,7 +132,7 @@ class Llama(nn.Module):
         s.head = nn.Linear(d, V, bias=False)
         if tied:
             s.head.weight = s.embed.weight
-        cos, sin = rope_tables(T, d // h, theta, None)
+        cos, sin = rope_tables(T, d // h, theta, None, scaling)
         s.register_buffer("cos", cos, persistent=False)
         s.register_buffer("sin", sin, persistent=False)
         for name, p in s.named_parameters():
@@ -224,7 +246,8 @@ class LlamaPlan:
         s.heads, s.kv_heads = att["heads"], att["kv_heads"]
         if att["head_dim"] * s.heads != s.d:
             sys.exit("the plan's heads × head_dim is not d; the peer supports head_dim = d / heads")
-        s.theta = one("rope_table", ["theta"])["theta"]
+        rope = one("rope_table", ["theta", "scaling"])
+        s.theta, s.scaling = rope["theta"], rope["scaling"]
         s.eps = one("rms_norm", ["eps"])["eps"]
         s.ffn = s.params["blocks.0.mlp.gate"]["shape"][0]
         s.qkv_bias = "blocks.0.attn.bqkv" in s.params
@@ -262,7 +285,7 @@ def parity_main(argv):
     batches, tokens, (T, G), steps, decay_steps = gpt.parity_data(a, spec.vocab)
     dev = gpt.parity_device(a)
     model = Llama(spec.vocab, T, spec.d, spec.layers, spec.heads, spec.kv_heads, spec.ffn,
-                  spec.theta, spec.qkv_bias, spec.tied, spec.eps, a.residual)
+                  spec.theta, spec.qkv_bias, spec.tied, spec.eps, a.residual, spec.scaling)
     init = gpt.read_safetensors(a.init)
     pairs = spec.names(model)
     unmapped = sorted(set(spec.params) - {n for _, n in pairs})
