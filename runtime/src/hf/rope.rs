@@ -78,7 +78,7 @@ fn read(v: &Value) -> Result<RopeScaling, String> {
         }),
         Some("llama3") => {
             let original = number("original_max_position_embeddings")?;
-            if original.fract() != 0.0 || original < 0.0 || original > 1e15 {
+            if original.fract() != 0.0 || !(0.0..=1e15).contains(&original) {
                 return Err(format!(
                     "has original_max_position_embeddings = {original}, not a count of positions"
                 ));
