@@ -191,7 +191,10 @@ pub enum LayerKind {
     /// `qkv_bias`), optional RoPE on q and k, scaled-dot-product attention (causal when
     /// `causal`), output projection `wo [dim, heads*head_dim]` (+ `bo` when `out_bias`).
     /// The language's `bias` sets both biases, `qkv_bias` the first alone (Qwen2's q/k/v
-    /// biases without an output bias: `bias = false, qkv_bias = true`).
+    /// biases without an output bias: `bias = false, qkv_bias = true`). `qk_norm` (the
+    /// epsilon, when set): each head of q and of k is RMS-normalized over its `head_dim`
+    /// features between the projection and RoPE, with weights `q_norm [head_dim]` (shared by
+    /// every q head) and `k_norm [head_dim]` (every kv head), as Qwen3 and Gemma 3 do.
     Attention {
         dim: u64,
         heads: u64,
@@ -201,6 +204,7 @@ pub enum LayerKind {
         rope: Option<Rope>,
         qkv_bias: bool,
         out_bias: bool,
+        qk_norm: Option<f64>,
     },
     /// Feed-forward: `fc [hidden, dim]` (+`fc_bias`), activation, `proj [dim, hidden]` (+`proj_bias`).
     /// For SwiGLU: `gate [hidden, dim]`, `up [hidden, dim]`, `down [dim, hidden]`, no biases.

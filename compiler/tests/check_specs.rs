@@ -171,7 +171,8 @@ fn tiny_llama_has_gqa_rope_and_swiglu() {
                 scaling: RopeScaling::None,
             }),
             qkv_bias: false,
-            out_bias: false
+            out_bias: false,
+            qk_norm: None
         }
     );
     let mlp = node(&spec, "blocks.2.mlp");
@@ -433,7 +434,8 @@ fn every_language_feature_reaches_the_spec() {
             causal: false,
             rope: None,
             qkv_bias: false,
-            out_bias: false
+            out_bias: false,
+            qk_norm: None
         }
     );
     assert!(matches!(

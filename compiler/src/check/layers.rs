@@ -38,7 +38,16 @@ pub fn params(kind: &str) -> &'static [&'static str] {
         "RMSNorm" => &["dim", "eps"],
         "Linear" => &["in", "out", "bias", "tied"],
         "Attention" => &[
-            "dim", "heads", "kv_heads", "head_dim", "causal", "rope", "bias", "qkv_bias",
+            "dim",
+            "heads",
+            "kv_heads",
+            "head_dim",
+            "causal",
+            "rope",
+            "bias",
+            "qkv_bias",
+            "qk_norm",
+            "qk_norm_eps",
         ],
         "MLP" => &["dim", "hidden", "act", "bias"],
         "RoPE" => &["theta", "scaling"],
@@ -64,8 +73,11 @@ pub fn missing_feature(kind: &str, param: &str) -> Option<&'static str> {
         ("Attention", "softcap" | "logit_softcapping" | "attn_logit_softcapping") => {
             "parc's Attention has no logit soft-capping (Gemma 2)"
         }
-        ("Attention", "qk_norm" | "qk_layernorm" | "q_norm" | "k_norm") => {
-            "parc's Attention does not normalize q and k (OLMo 2, Qwen3, Gemma 3)"
+        ("Attention", "qk_layernorm" | "q_norm" | "k_norm" | "use_qk_norm") => {
+            "parc's Attention normalizes q and k per head: `qk_norm = true` is an RMSNorm over \
+             each head's head_dim features, one weight shared by the heads (Qwen3, Gemma 3). \
+             It has no norm over all heads' features together (OLMo 2's full-width q/k norm) \
+             and no LayerNorm form (Persimmon's qk_layernorm)"
         }
         ("RoPE", "rope_scaling" | "rope_parameters" | "factor" | "rope_type" | "yarn") => {
             "RoPE's frequency scaling is its `scaling`: `llama3 { factor, low_freq_factor, \
@@ -193,6 +205,16 @@ impl Bound {
             .help(format!("use a positive {name}, e.g. {default}"))),
             Some(other) => Err(self.wrong(name, "a number", other.span())),
             None => Ok(default),
+        }
+    }
+
+    /// The span of argument `name` when it is given as something other than `none` (which
+    /// stands for its default, so a block can pass an optional setting through).
+    fn given(&self, name: &'static str) -> Option<Span> {
+        match self.values.get(name) {
+            None => None,
+            Some(ArgValue::Word(w, _)) if w == "none" => None,
+            Some(v) => Some(v.span()),
         }
     }
 
@@ -329,7 +351,8 @@ fn attention(b: &Bound) -> Result<LayerKind, Diagnostic> {
     let (dim, dim_span) = b.count("dim", None)?;
     let (heads, heads_span) = b.count("heads", None)?;
     let (kv_heads, kv_span) = b.count("kv_heads", Some(heads))?;
-    let head_dim = if b.values.contains_key("head_dim") {
+    let head_dim_given = b.given("head_dim");
+    let head_dim = if head_dim_given.is_some() {
         b.count("head_dim", None)?.0
     } else if dim % heads != 0 {
         return Err(Diagnostic::error(
@@ -367,13 +390,12 @@ fn attention(b: &Bound) -> Result<LayerKind, Diagnostic> {
     };
     if let (Some(_), Some(span)) = (rope, b.values.get("rope").map(ArgValue::span)) {
         if head_dim % 2 != 0 {
-            let given = b.values.get("head_dim").map(ArgValue::span);
             return Err(odd_rotary(
                 dim,
                 heads,
                 head_dim,
                 span,
-                given.ok_or(heads_span),
+                head_dim_given.ok_or(heads_span),
             ));
         }
     }
@@ -387,7 +409,31 @@ fn attention(b: &Bound) -> Result<LayerKind, Diagnostic> {
         rope,
         qkv_bias: b.flag("qkv_bias", bias)?,
         out_bias: bias,
+        qk_norm: qk_norm(b)?,
     })
+}
+
+/// Attention's per-head q/k normalization: `qk_norm = true` gives its RMSNorms' epsilon
+/// (`qk_norm_eps`, checked either way: a block may pass it through whether or not it
+/// normalizes); anything but `true` or `false` is E0902, naming the form parc has.
+fn qk_norm(b: &Bound) -> Result<Option<f64>, Diagnostic> {
+    let eps = b.float("qk_norm_eps", 1e-6)?;
+    match b.values.get("qk_norm") {
+        None | Some(ArgValue::Bool(false, _)) => Ok(None),
+        Some(ArgValue::Bool(true, _)) => Ok(Some(eps)),
+        Some(other) => Err(b
+            .wrong("qk_norm", "`true` or `false`", other.span())
+            .edit(other.span(), "true")
+            .help(
+                "`qk_norm = true` normalizes each head of q and k with an RMSNorm over its \
+                 head_dim features before RoPE (Qwen3, Gemma 3); `qk_norm_eps` sets its \
+                 epsilon (default 1e-6)",
+            )
+            .note(
+                "a norm over all heads' features together (OLMo 2's full-width q/k norm) is \
+                 not supported",
+            )),
+    }
 }
 
 /// E0311: rotary positions rotate pairs of a head's features (`i` with `i + head_dim / 2`), so

@@ -7,7 +7,8 @@
 //!   2h, the q/k/v projection input h and the MLP input h (elements per token);
 //! - split over tp: q a·d, k and v 2·k·d (gathered to the full sequence under cp), the output
 //!   projection input a·d, the activation input f (SwiGLU: gate and up, 2f) and the down
-//!   projection input f;
+//!   projection input f; with per-head q/k norms (`qk_norm`) also q and k before their norms,
+//!   (a + k)·d, and one f32 rstd per head of each, (a + k)·4 bytes;
 //! - attention scores, when the attention materialises them: softmax output a·s elements, plus
 //!   with dropout a 1-byte mask and the dropout output (the paper's 5as²b bytes); an attention
 //!   that keeps only its log-sum-exp (parc's, like FlashAttention) keeps a·4 bytes per token;
@@ -83,6 +84,8 @@ pub struct LayerDims {
     pub head_dim: f64,
     pub ffn: f64,
     pub gated: bool,
+    /// q and k are RMS-normalized per head (their inputs and rstd kept for the backward).
+    pub qk_norm: bool,
     pub t: f64,
     pub sp: bool,
     /// Context-parallel degree (k and v are gathered to s·cp positions).
@@ -124,6 +127,10 @@ impl LayerDims {
         let kvd = self.kv_heads * self.head_dim;
         let mut bytes = self.block_input(keeps) * self.h * e; // projection input
         bytes += sb * (qd + 2.0 * kvd * self.cp) / t * e; // q, k, v
+        if self.qk_norm {
+            // q and k before their norms, and each head's rstd.
+            bytes += sb * (qd + kvd) / t * e + sb * (self.heads + self.kv_heads) / t * 4.0;
+        }
         if keeps.dropout {
             bytes += self.replicated() * self.h; // mask after the output projection
         }
@@ -198,19 +205,21 @@ fn dims(spec: &Spec, attention: Option<&LayerKind>, mlp: Option<&LayerKind>) -> 
     let t = f64::from(mesh.size(Axis::Tp).max(1));
     let cp = f64::from(mesh.size(Axis::Cp).max(1));
     let h = spec.model.dim as f64;
-    let (heads, kv_heads, head_dim, heads_split) = match attention {
+    let (heads, kv_heads, head_dim, heads_split, qk_norm) = match attention {
         Some(LayerKind::Attention {
             heads,
             kv_heads,
             head_dim,
+            qk_norm,
             ..
         }) => (
             *heads as f64,
             *kv_heads as f64,
             *head_dim as f64,
             spec.model.sharding.attention_heads_on_tp,
+            qk_norm.is_some(),
         ),
-        _ => (0.0, 0.0, 0.0, true),
+        _ => (0.0, 0.0, 0.0, true, false),
     };
     let (ffn, gated, ffn_split) = match mlp {
         Some(LayerKind::Mlp { hidden, act, .. }) => (
@@ -232,6 +241,7 @@ fn dims(spec: &Spec, attention: Option<&LayerKind>, mlp: Option<&LayerKind>) -> 
         head_dim,
         ffn: unsplit(ffn, ffn_split),
         gated,
+        qk_norm,
         t,
         sp: spec.parallel.sequence_parallel && t > 1.0,
         cp,

@@ -70,6 +70,7 @@ fn gpt3(t: f64, sp: bool) -> LayerDims {
         head_dim: 128.0,
         ffn: 4.0 * 12288.0,
         gated: false,
+        qk_norm: false,
         t,
         sp,
         cp: 1.0,
@@ -137,6 +138,35 @@ fn parc_attention_keeps_lse_not_scores() {
     // Selective recompute rebuilds the attention output and lse: 2/t units fewer and no lse.
     let sel = d.layer(Keeps::PARC, LayerRecompute::Selective);
     assert!(close(sel, (26.0 / 8.0 + 4.0) * sbh));
+}
+
+#[test]
+fn qk_norm_keeps_the_unnormalized_q_and_k_and_their_rstd() {
+    // Qwen3-8B's attention (32 heads, 8 kv heads, head dim 128) on tp 8 without SP: q and k
+    // before their norms (a + k)·d/t elements a token, and one f32 rstd per local head.
+    let plain = LayerDims {
+        h: 4096.0,
+        heads: 32.0,
+        kv_heads: 8.0,
+        ..gpt3(8.0, false)
+    };
+    let normed = LayerDims {
+        qk_norm: true,
+        ..plain
+    };
+    let sb = plain.s * plain.b;
+    let extra = sb * (32.0 + 8.0) * 128.0 / 8.0 * 2.0 + sb * (32.0 + 8.0) / 8.0 * 4.0;
+    for recompute in [LayerRecompute::None, LayerRecompute::Selective] {
+        let more =
+            normed.attention(Keeps::PARC, recompute) - plain.attention(Keeps::PARC, recompute);
+        assert!(close(more, extra), "{recompute:?}: {more} vs {extra}");
+    }
+    // Full recompute keeps the layer's input alone, normalized or not.
+    let full = LayerRecompute::Full;
+    assert!(close(
+        normed.layer(Keeps::PARC, full),
+        plain.layer(Keeps::PARC, full)
+    ));
 }
 
 #[test]
@@ -257,6 +287,20 @@ fn params_per_node_match_the_layer_shapes() {
     // fc, proj 2·64·16 + biases 64 + 16.
     assert_eq!(by_kind("blocks.0.mlp"), Some(2 * 1024 + 80));
     assert_eq!(by_kind("head"), Some(0));
+    // Per-head q/k norms add one head_dim weight each (head_dim 16 / 4 heads = 4).
+    let mut normed = spec.clone();
+    for n in &mut normed.model.nodes {
+        if let LayerKind::Attention { qk_norm, .. } = &mut n.kind {
+            *qk_norm = Some(1e-6);
+        }
+    }
+    let attn = normed
+        .model
+        .nodes
+        .iter()
+        .find(|n| n.name == "blocks.0.attn");
+    let count = attn.map(|n| node_params(&normed, &n.kind));
+    assert_eq!(count, Some(4 * 256 + 64 + 2 * 4));
 }
 
 #[test]

@@ -23,7 +23,7 @@ pub(super) fn backward_reads(kind: &LayerKind, local: &str) -> bool {
         LayerKind::LayerNorm { .. } | LayerKind::RmsNorm { .. } | LayerKind::Linear { .. } => {
             local == "weight"
         }
-        LayerKind::Attention { .. } => matches!(local, "wqkv" | "wo"),
+        LayerKind::Attention { .. } => matches!(local, "wqkv" | "wo" | "q_norm" | "k_norm"),
         LayerKind::Mlp { .. } => matches!(local, "fc" | "proj" | "gate" | "up" | "down"),
         LayerKind::Add | LayerKind::Elementwise { .. } | LayerKind::CrossEntropy => false,
     }
@@ -520,15 +520,17 @@ impl Emitter<'_> {
     ) -> Option<BufferId> {
         let rows = self.rows_full();
         let (q_cols, kv_cols) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
-        // Saved: xf, then qkv (packed) or q, k, v, then o and lse unless selective.
+        // Saved: xf, then qkv (packed) or q, k, v (and under qk_norm q and k as projected
+        // with their rstd), then o and lse unless selective.
         let packed = self.packs_qkv(&s);
         let xf = *saved.first()?;
-        let n_in = if packed { 1 } else { 3 };
-        let qkv: Vec<BufferId> = saved.get(1..1 + n_in)?.to_vec();
+        let n_in = self.saved_qkv_len(&s);
+        let split: Vec<BufferId> = saved.get(1..1 + n_in)?.to_vec();
+        let qkv = split.get(..n_in.min(3))?;
         let (o, lse, recomputed) = match (saved.get(1 + n_in), saved.get(2 + n_in)) {
             (Some(o), Some(lse)) => (*o, *lse, false),
             _ => {
-                let (o, lse) = self.attention_core(mb, node, &qkv, &s, Phase::Recompute);
+                let (o, lse) = self.attention_core(mb, node, qkv, &s, Phase::Recompute);
                 (o, lse, true)
             }
         };
@@ -558,7 +560,10 @@ impl Emitter<'_> {
             dqkv
         } else {
             let (q, k, v) = (*qkv.first()?, *qkv.get(1)?, *qkv.get(2)?);
-            self.attention_grads_split(mb, node, op, [d_o, q, k, v, o, lse], &s)
+            let norm = split
+                .get(3..7)
+                .and_then(|n| <[BufferId; 4]>::try_from(n).ok());
+            self.attention_grads_split(mb, node, op, ([d_o, q, k, v, o, lse], norm), &s)
         };
         if recomputed {
             self.b.release(o);
@@ -581,14 +586,16 @@ impl Emitter<'_> {
     }
 
     /// Attention's backward on separate q, k, v (consumes `d_o`, the first of `ins`): dk and dv
-    /// reduce-scattered back over context parallelism, dq and dk un-rotated under rope, then
-    /// joined into one `[rows, q + 2 kv]` gradient of the fused projection's output.
+    /// reduce-scattered back over context parallelism, dq and dk un-rotated under rope and
+    /// taken back through their per-head norms under qk_norm (`norm`: q and k as projected,
+    /// each with its rstd), then joined into one `[rows, q + 2 kv]` gradient of the fused
+    /// projection's output.
     fn attention_grads_split(
         &mut self,
         mb: u32,
         node: NodeId,
         op: Op,
-        ins: [BufferId; 6],
+        (ins, norm): ([BufferId; 6], Option<[BufferId; 4]>),
         s: &AttnShape,
     ) -> BufferId {
         let rows = self.rows_full();
@@ -622,6 +629,13 @@ impl Emitter<'_> {
                 self.rope(mb, node, dk, s.kv_heads, s.head_dim, rope, "dk_pre", true),
             ),
         };
+        let (dq, dk) = match norm {
+            Some([q, q_rstd, k, k_rstd]) => (
+                self.head_norm_backward(mb, node, dq, (q, q_rstd), ("q_norm", "dq_proj"), s),
+                self.head_norm_backward(mb, node, dk, (k, k_rstd), ("k_norm", "dk_proj"), s),
+            ),
+            None => (dq, dk),
+        };
         let dqkv = self.activation_grad(node, "dqkv", mb, vec![rows, q_cols + 2 * kv_cols]);
         let widths = vec![q_cols, kv_cols, kv_cols];
         self.b.compute(
@@ -635,6 +649,43 @@ impl Emitter<'_> {
             self.b.release(d);
         }
         dqkv
+    }
+
+    /// The backward of [`Emitter::head_norm`] (consumes `dy`): the gradient of the projected
+    /// `x` from its saved value and rstd, the shared weight `local`'s gradient added over
+    /// every head and row. Under tp each rank adds its own heads' part: the gradient is
+    /// all-reduced over tp when complete (`TpRule::PerHead`).
+    fn head_norm_backward(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        dy: BufferId,
+        (x, rstd): (BufferId, BufferId),
+        (local, what): (&str, &str),
+        s: &AttnShape,
+    ) -> BufferId {
+        let dx = self.activation_grad(node, what, mb, self.b.shape(dy));
+        let w = self.weight(node, local);
+        match (w, self.grad(node, local)) {
+            (Some(w), Some(dw)) => {
+                let op = Op::RmsNormBwd {
+                    dim: s.head_dim,
+                    accumulate: false,
+                    accumulate_param_grad: true,
+                };
+                self.b.compute(
+                    op,
+                    &[dy, x, w, rstd],
+                    &[dx, dw],
+                    Some(node),
+                    Phase::Backward,
+                );
+            }
+            _ => self.missing(node, local),
+        }
+        self.grad_used(node, local);
+        self.b.release(dy);
+        dx
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -65,7 +65,7 @@ impl Emitter<'_> {
             .unwrap_or_default()
     }
 
-    fn missing(&mut self, node: NodeId, what: &str) {
+    pub(super) fn missing(&mut self, node: NodeId, what: &str) {
         let span = self.node_span(node);
         self.errors.push(
             crate::diag::Diagnostic::error(
@@ -198,30 +198,10 @@ impl Emitter<'_> {
                 self.set_output(mb, node, y);
                 vec![self.sp_saved_input(x, xf)]
             }
-            LayerKind::Attention {
-                dim,
-                heads,
-                kv_heads,
-                head_dim,
-                causal,
-                rope,
-                qkv_bias,
-                out_bias,
-            } => self.attention_forward(
-                mb,
-                node,
-                x,
-                AttnShape {
-                    dim,
-                    heads: heads / tp,
-                    kv_heads: kv_heads / tp,
-                    head_dim,
-                    causal,
-                    rope,
-                    qkv_bias,
-                    out_bias,
-                },
-            ),
+            LayerKind::Attention { .. } => match AttnShape::of(&kind, tp) {
+                Some(s) => self.attention_forward(mb, node, x, s),
+                None => Vec::new(),
+            },
             LayerKind::Mlp {
                 dim,
                 hidden,
@@ -592,13 +572,15 @@ impl Emitter<'_> {
             (s.dim, qkv_cols),
             "qkv",
         );
-        // Attention reads q, k and v where the projection wrote them, or as separate buffers.
+        // Attention reads q, k and v where the projection wrote them, or as separate buffers
+        // (followed, under qk_norm, by what the norms' backward reads).
         let inputs = if self.packs_qkv(&s) {
             vec![qkv]
         } else {
-            self.split_qkv(mb, node, qkv, &s).to_vec()
+            self.split_qkv(mb, node, qkv, &s)
         };
-        let (o, lse) = self.attention_core(mb, node, &inputs, &s, phase);
+        let attended = inputs.get(..inputs.len().min(3)).unwrap_or_default();
+        let (o, lse) = self.attention_core(mb, node, attended, &s, phase);
         let yp = self.matmul(
             mb,
             node,
@@ -627,15 +609,28 @@ impl Emitter<'_> {
     }
 
     /// Whether attention reads q, k and v packed in the fused projection's output (one
-    /// buffer, no split): always but where rope rotates q and k first or context parallelism
-    /// gathers k and v over the group (both want them as separate buffers).
+    /// buffer, no split): always but where q and k are normalized or rotated first or context
+    /// parallelism gathers k and v over the group (all want them as separate buffers).
     pub fn packs_qkv(&self, s: &AttnShape) -> bool {
-        s.rope.is_none() && self.groups.cp.is_none()
+        s.rope.is_none() && s.qk_norm.is_none() && self.groups.cp.is_none()
+    }
+
+    /// How many tensors an attention of shape `s` saves after its input for the backward
+    /// before its output and log-sum-exp: the packed projection output, or q, k and v, then
+    /// under qk_norm q and k as projected with their norms' rstd.
+    pub fn saved_qkv_len(&self, s: &AttnShape) -> usize {
+        match (self.packs_qkv(s), s.qk_norm) {
+            (true, _) => 1,
+            (false, None) => 3,
+            (false, Some(_)) => 7,
+        }
     }
 
     /// The fused projection's output (consumed) as the q, k and v attention reads: split into
-    /// three buffers, q and k rotated under rope, k and v gathered over context parallelism.
-    fn split_qkv(&mut self, mb: u32, node: NodeId, qkv: BufferId, s: &AttnShape) -> [BufferId; 3] {
+    /// three buffers, q and k normalized per head under qk_norm and rotated under rope, k and v
+    /// gathered over context parallelism. Under qk_norm four more follow for the backward:
+    /// q as projected, its rstd, k as projected, its rstd.
+    fn split_qkv(&mut self, mb: u32, node: NodeId, qkv: BufferId, s: &AttnShape) -> Vec<BufferId> {
         let (q_cols, kv_cols) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
         let rows = self.b.shape(qkv).first().copied().unwrap_or(0);
         let [q, k, v] = [("q", q_cols), ("k", kv_cols), ("v", kv_cols)]
@@ -650,6 +645,17 @@ impl Emitter<'_> {
             self.phase,
         );
         self.b.release(qkv);
+        let mut norm_saved = Vec::new();
+        let (q, k) = match s.qk_norm {
+            None => (q, k),
+            Some(eps) => {
+                let norm = (eps, s.head_dim);
+                let (qn, q_rstd) = self.head_norm(mb, node, q, ("q_norm", "qn"), norm);
+                let (kn, k_rstd) = self.head_norm(mb, node, k, ("k_norm", "kn"), norm);
+                norm_saved = vec![q, q_rstd, k, k_rstd];
+                (qn, kn)
+            }
+        };
         let (q, k) = match s.rope {
             None => (q, k),
             Some(rope) => {
@@ -673,7 +679,36 @@ impl Emitter<'_> {
                 (kf, vf)
             }
         };
-        [q, k, v]
+        let mut out = vec![q, k, v];
+        out.extend(norm_saved);
+        out
+    }
+
+    /// Each head of `x` (`[rows, heads·head_dim]`, read as `[rows·heads, head_dim]`: the op
+    /// table's rows are whole rows of `dim`) RMS-normalized with the weight `local`, shared by
+    /// every head: `(y, rstd)`, rstd `[rows·heads]`. `x` keeps its holder (the caller saves
+    /// it for the backward).
+    fn head_norm(
+        &mut self,
+        mb: u32,
+        node: NodeId,
+        x: BufferId,
+        (local, what): (&str, &str),
+        (eps, head_dim): (f64, u64),
+    ) -> (BufferId, BufferId) {
+        let shape = self.b.shape(x);
+        let heads_rows = shape.iter().product::<u64>() / head_dim.max(1);
+        let y = self.activation(node, what, mb, shape);
+        let rstd = self.activation(node, &format!("{what}_rstd"), mb, vec![heads_rows]);
+        match self.weight(node, local) {
+            Some(w) => {
+                let op = Op::RmsNorm { dim: head_dim, eps };
+                self.b
+                    .compute(op, &[x, w], &[y, rstd], Some(node), self.phase);
+            }
+            None => self.missing(node, local),
+        }
+        (y, rstd)
     }
 
     pub fn selective_here(&self, node: NodeId) -> bool {
@@ -904,6 +939,8 @@ pub struct AttnShape {
     pub qkv_bias: bool,
     /// `wo` has a bias `bo`.
     pub out_bias: bool,
+    /// Each head of q and k RMS-normalized with this epsilon (weights `q_norm`, `k_norm`).
+    pub qk_norm: Option<f64>,
 }
 
 impl AttnShape {
@@ -918,6 +955,7 @@ impl AttnShape {
                 rope,
                 qkv_bias,
                 out_bias,
+                qk_norm,
             } => Some(AttnShape {
                 dim: *dim,
                 heads: heads / tp,
@@ -927,6 +965,7 @@ impl AttnShape {
                 rope: *rope,
                 qkv_bias: *qkv_bias,
                 out_bias: *out_bias,
+                qk_norm: *qk_norm,
             }),
             _ => None,
         }

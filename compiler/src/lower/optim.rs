@@ -5,8 +5,9 @@
 //!   buffer so lives only from its first write in a microbatch's backward to that microbatch's
 //!   reduce-scatter (the next microbatch's first write allocates a new one). Then, if tp
 //!   ranks hold different partial gradients of a replicated parameter (row-parallel biases,
-//!   which only tp rank 0 adds, and, under sequence parallelism, every replicated parameter
-//!   applied to sequence shards: norms, position embedding), it is all-reduced over tp.
+//!   which only tp rank 0 adds, the per-head q/k norm weights, which each rank applies to its
+//!   own heads, and, under sequence parallelism, every replicated parameter applied to
+//!   sequence shards: norms, position embedding), it is all-reduced over tp.
 //! - Data parallel (dp × cp, since cp ranks see different tokens of the same samples): without
 //!   ZeRO, a large complete gradient is all-reduced alone in place at once; small ones are
 //!   packed into flat buckets of `bucket_bytes` and each bucket is all-reduced (sum) as soon as
@@ -49,7 +50,8 @@ const IN_PLACE_FRACTION: u64 = 8;
 impl Emitter<'_> {
     fn needs_tp_sync(&self, rule: TpRule) -> bool {
         self.groups.tp.is_some()
-            && (rule == TpRule::RowParallelBias || (rule == TpRule::Replicated && self.sp))
+            && (matches!(rule, TpRule::RowParallelBias | TpRule::PerHead)
+                || (rule == TpRule::Replicated && self.sp))
     }
 
     /// The gradient of local parameter `idx` has received the last contribution of its

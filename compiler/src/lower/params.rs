@@ -9,7 +9,9 @@
 //! Tensor-parallel splits (Megatron): the fused q/k/v weight and bias (rows: every q head, then
 //! every k head, then every v head) are column-parallel per section, MLP fc/gate/up and their
 //! biases column-parallel (split dim 0), `wo`/`proj`/`down` row-parallel (split dim 1), the
-//! embedding and a vocab-sized head vocab-parallel (dim 0). Everything else is replicated.
+//! embedding and a vocab-sized head vocab-parallel (dim 0). Everything else is replicated;
+//! the per-head q/k norm weights (`q_norm`, `k_norm`: `[head_dim]`, ones) too, with their
+//! gradients all-reduced over tp since each rank applies them to its own heads only.
 
 use crate::ir::{Init, Param, ParamId, ParamTable};
 use crate::spec::{LayerKind, Node, NodeId, Sharding, Spec};
@@ -28,6 +30,10 @@ pub enum TpRule {
     /// The bias of a row-parallel linear: replicated, added by tp rank 0 only before the
     /// reduction, so its gradient lives on tp rank 0 and is all-reduced over tp.
     RowParallelBias,
+    /// A weight shared by every attention head (the per-head q/k norms): replicated, but each
+    /// tp rank applies it to its own heads, so each holds a partial gradient, all-reduced
+    /// over tp.
+    PerHead,
 }
 
 #[derive(Clone, Debug)]
@@ -168,6 +174,7 @@ pub(crate) fn declared(spec: &Spec, kind: &LayerKind) -> Vec<Declared> {
             head_dim,
             qkv_bias,
             out_bias,
+            qk_norm,
             ..
         } => {
             let on = sh.attention_heads_on_tp;
@@ -182,6 +189,15 @@ pub(crate) fn declared(spec: &Spec, kind: &LayerKind) -> Vec<Declared> {
             d.add("wqkv", vec![q + 2 * kv, *dim], normal, qkv);
             if *qkv_bias {
                 d.add("bqkv", vec![q + 2 * kv], Init::Zeros, qkv);
+            }
+            if qk_norm.is_some() {
+                let per_head = if on {
+                    TpRule::PerHead
+                } else {
+                    TpRule::Replicated
+                };
+                d.add("q_norm", vec![*head_dim], Init::Ones, per_head);
+                d.add("k_norm", vec![*head_dim], Init::Ones, per_head);
             }
             let wo_init = Init::Normal { std: residual_std };
             d.add("wo", vec![*dim, q], wo_init, row(on));

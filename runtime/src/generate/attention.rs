@@ -2,7 +2,8 @@
 //! fed so far, `[seq, kv_heads·head_dim]` each, zeroed when a sample starts.
 //!
 //! New tokens at positions `[start, start + n)` run the training forward's ops with those
-//! positions: the fused q/k/v projection, the split, RoPE on q and k, then their k and v rows are
+//! positions: the fused q/k/v projection, the split, the per-head q/k norms (`qk_norm`), RoPE
+//! on q and k, then their k and v rows are
 //! copied into the cache at `start` and `Op::Attention` reads q against the whole cache
 //! (`kv_positions = [0, seq)`): causal masking by global position hides the rows not written
 //! yet, so no key is read twice and no buffer grows. Only causal attention can be cached this
@@ -27,6 +28,8 @@ struct Heads {
     /// Biases on q, k, v (`bqkv`) and on the output projection (`bo`).
     qkv_bias: bool,
     out_bias: bool,
+    /// Each head of q and k RMS-normalized with this epsilon (`q_norm`, `k_norm`).
+    qk_norm: Option<f64>,
 }
 
 impl Heads {
@@ -64,6 +67,7 @@ impl Cache {
             rope,
             qkv_bias,
             out_bias,
+            qk_norm,
         } = node.kind
         else {
             return Ok(None);
@@ -83,6 +87,7 @@ impl Cache {
             rope,
             qkv_bias,
             out_bias,
+            qk_norm,
         };
         let k = device.alloc(&[seq, heads.kv_cols()], DType::F32)?;
         let v = device.alloc(&[seq, heads.kv_cols()], DType::F32)?;
@@ -118,7 +123,7 @@ impl Cache {
             ("wqkv", h.qkv_bias.then_some("bqkv")),
             qkv_cols,
         )?;
-        let [q, k, v] = self.split(device, qkv, at)?;
+        let [q, k, v] = self.split(device, weights, qkv, at)?;
         for (part, cache) in [(k, self.k), (v, self.v)] {
             let op = Op::CopyRange {
                 src_offset: 0,
@@ -158,10 +163,12 @@ impl Cache {
         Ok(y)
     }
 
-    /// The projection (consumed) split into q, k and v, q and k rotated under RoPE.
+    /// The projection (consumed) split into q, k and v, q and k normalized per head under
+    /// qk_norm and rotated under RoPE.
     fn split<B: Backend>(
         &self,
         device: &mut Device<B>,
+        weights: &Weights,
         qkv: Tensor,
         at: Segment,
     ) -> Result<[Tensor; 3]> {
@@ -177,6 +184,13 @@ impl Cache {
         };
         device.run(&op, &[qkv.buf], &[q.buf, k.buf, v.buf])?;
         device.free(qkv.buf)?;
+        let (q, k) = match h.qk_norm {
+            Some(eps) => (
+                self.head_norm(device, weights, q, "q_norm", eps)?,
+                self.head_norm(device, weights, k, "k_norm", eps)?,
+            ),
+            None => (q, k),
+        };
         let Some(rope) = h.rope else {
             return Ok([q, k, v]);
         };
@@ -194,5 +208,26 @@ impl Cache {
             Ok(y)
         };
         Ok([rotate(q, h.heads)?, rotate(k, h.kv_heads)?, v])
+    }
+
+    /// Each head of `x` (consumed) RMS-normalized with the shared weight `local`, as the
+    /// training forward does: `RmsNorm` over rows of head_dim.
+    fn head_norm<B: Backend>(
+        &self,
+        device: &mut Device<B>,
+        weights: &Weights,
+        x: Tensor,
+        local: &str,
+        eps: f64,
+    ) -> Result<Tensor> {
+        let head_dim = self.heads.head_dim;
+        let w = weights.get(self.node, local)?;
+        let rstd = device.alloc(&[x.rows * x.cols / head_dim.max(1)], DType::F32)?;
+        let y = device.tensor(x.rows, x.cols)?;
+        let op = Op::RmsNorm { dim: head_dim, eps };
+        device.run(&op, &[x.buf, w], &[y.buf, rstd])?;
+        device.free(rstd)?;
+        device.free(x.buf)?;
+        Ok(y)
     }
 }

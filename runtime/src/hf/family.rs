@@ -419,10 +419,17 @@ fn block<'a>(
         rope,
         qkv_bias,
         out_bias,
+        qk_norm,
     } = attn.kind
     else {
         return Err(unmapped(attn, "transformers' blocks have attention here"));
     };
+    if qk_norm.is_some() {
+        return Err(unmapped(
+            attn,
+            "transformers' GPT-2 and Llama attention do not normalize q and k",
+        ));
+    }
     if !causal {
         return Err(unmapped(attn, "transformers' decoders attend causally"));
     }
