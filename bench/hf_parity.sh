@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Hugging Face parity, on the CPU in fp32: for the tiny GPT-2 (examples/tiny.par) and the tiny
-# Llama with GQA and an untied head (examples/tiny-llama.par),
+# Hugging Face parity, on the CPU in fp32: for the tiny GPT-2 (examples/tiny.par), the tiny
+# Llama with GQA and an untied head (examples/tiny-llama.par), the tiny Qwen2 (q/k/v biases,
+# examples/tiny-qwen.par) and the tiny Qwen3 (per-head q/k norms, heads wider than d / heads,
+# examples/tiny-qwen3.par; transformers 4.51 or later),
 #   1. parc trains it a few steps and `parc export --format hf` writes a transformers folder;
 #   2. transformers loads that folder with no warning (bench/hf_parity.py fails on any);
 #   3. `parc run` with `train.init = hf("…")` trains one step, and its loss equals transformers'
@@ -8,11 +10,11 @@
 #   4. `parc sample` on the exported folder (`--spec`, `--dump-logits`) writes parc's fp32 logits
 #      of the data's first 64 tokens; transformers' logits on the same tokens equal them within
 #      1e-5 relative (of the largest logit).
-# Exit code: 0 both models within tolerance, 1 a check failed, 2 setup.
+# Exit code: 0 every model within tolerance, 1 a check failed, 2 setup.
 #
 # Environment: PARC (default $CARGO_TARGET_DIR/release/parc, else target/release/parc),
 # PYTHON (default /work/pyenv/bin/python, else python3), STEPS (training steps before the export,
-# default 20), TOLERANCE (default 1e-5).
+# default 20), TOLERANCE (default 1e-5), MODELS (the examples to compare, default all four).
 # Output: $OUT/hf-parity/ (default .device/out/hf-parity/): per model its export, the parc logs
 # and result-NAME.json.
 set -euo pipefail
@@ -37,7 +39,7 @@ mkdir -p "$out"
 data=examples/data/tiny-shakespeare.txt
 
 status=0
-for name in tiny tiny-llama tiny-qwen; do
+for name in ${MODELS:-tiny tiny-llama tiny-qwen tiny-qwen3}; do
     spec="examples/$name.par"
     echo "== $name ($spec)"
     base=(--set "train.precision=fp32" --backend cpu --log-format json)

@@ -1,7 +1,8 @@
 //! Hugging Face weights in and out (`runtime::hf`), on the CPU: a trained tiny model exported
 //! to transformers' layout, loaded back with `train.init = hf("DIR")` under one rank and under
 //! parallel plans (tp 2 with SP, pp 2 with dp 2 and ZeRO 3), and exported again gives the same
-//! tensors bit for bit, for GPT-2, Llama (GQA, untied head) and Qwen2 (q/k/v biases). A
+//! tensors bit for bit, for GPT-2, Llama (GQA, untied head), Qwen2 (q/k/v biases) and Qwen3
+//! (per-head q/k norms, heads wider than d / heads). A
 //! vocabulary cut back on export is padded with zero rows on import; sharded checkpoints and the
 //! original GPT-2 layout (no `transformer.` prefix, mask buffers, more positions) load. Bad input — no
 //! config.json, a config.json that disagrees with the spec (every field named), a missing
@@ -220,6 +221,72 @@ fn qwen2_round_trip_is_bit_identical_under_tp() {
     assert_round_trip(
         "tiny-qwen",
         &[&["parallel.tp=2", "cluster.gpus_per_node=2"]],
+    );
+}
+
+/// Qwen3: the per-head q/k norm weights are `self_attn.{q,k}_norm.weight`, replicated over tp
+/// (their gradients all-reduced) and sharded by ZeRO-3; config.json says `qwen3` with head_dim.
+#[test]
+fn qwen3_round_trip_is_bit_identical_under_tp_and_under_pp_with_zero3() {
+    assert_round_trip(
+        "tiny-qwen3",
+        &[
+            &[
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                "cluster.gpus_per_node=2",
+            ],
+            &[
+                "parallel.pp=2",
+                "parallel.dp=2",
+                "parallel.zero=3",
+                "train.micro_batch=1",
+                "cluster.gpus_per_node=4",
+            ],
+        ],
+    );
+    let dir = cli::temp_dir("hf", "qwen3-names");
+    let (spec, plan) = compile("tiny-qwen3", &[]);
+    export(&spec, train(&spec, &plan, 1).unwrap(), &dir, None);
+    let tensors = read_tensors(&dir);
+    let shape_of = |name: &str| {
+        let t = tensors.iter().find(|t| t.0 == name);
+        t.map(|t| t.2.clone())
+            .unwrap_or_else(|| panic!("no {name}"))
+    };
+    for norm in ["q_norm", "k_norm"] {
+        let name = format!("model.layers.1.self_attn.{norm}.weight");
+        assert_eq!(shape_of(&name), vec![32]);
+    }
+    assert_eq!(
+        shape_of("model.layers.0.self_attn.q_proj.weight"),
+        vec![128, 64]
+    );
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["model_type"], "qwen3");
+    assert_eq!(config["architectures"][0], "Qwen3ForCausalLM");
+    assert_eq!(config["head_dim"], 32);
+    assert_eq!(config["attention_bias"], false);
+}
+
+/// A checkpoint of another family (a Llama one: no q/k norms) does not load into a qk_norm
+/// spec: config.json's model_type is named against the spec's family.
+#[test]
+fn a_llama_checkpoint_does_not_load_into_a_qwen3_spec() {
+    let dir = cli::temp_dir("hf", "qwen3-cross");
+    let (spec, plan) = compile("tiny-qwen3", &[]);
+    export(&spec, train(&spec, &plan, 0).unwrap(), &dir, None);
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["model_type"] = "llama".into();
+    std::fs::write(&path, config.to_string()).unwrap();
+    let (spec, plan) = compile("tiny-qwen3", &[&init_from(&dir)]);
+    let err = load_error(&spec, &plan);
+    assert!(
+        err.contains("model_type = \"llama\", the spec is a Qwen3 model"),
+        "{err}"
     );
 }
 
@@ -530,7 +597,9 @@ fn a_mistral_folder_loads_as_llama_unless_its_window_is_shorter_than_seq() {
     assert!(err.contains("sliding_window = 32, spec seq = 64"), "{err}");
     let err = llama_with_config("gemma", |c| c["model_type"] = "gemma".into()).unwrap_err();
     assert!(
-        err.contains("parc reads the model types gpt2, llama, qwen2 and mistral; \"gemma\" is not"),
+        err.contains(
+            "parc reads the model types gpt2, llama, qwen2, qwen3 and mistral; \"gemma\" is not"
+        ),
         "{err}"
     );
 }

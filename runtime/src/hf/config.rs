@@ -34,7 +34,7 @@ pub fn config_json(arch: &Arch, sizes: HfSizes, dtype: &str) -> Value {
             "reorder_and_upcast_attn": false,
             "tie_word_embeddings": true,
         }),
-        Family::Llama | Family::Qwen2 => {
+        Family::Llama | Family::Qwen2 | Family::Qwen3 => {
             let (rope_scaling, rope_parameters) = rope::written(arch.theta, arch.rope_scaling);
             let mut c = json!({
                 "vocab_size": sizes.vocab,
@@ -55,11 +55,16 @@ pub fn config_json(arch: &Arch, sizes: HfSizes, dtype: &str) -> Value {
             if let Some(scaling) = rope_scaling {
                 c["rope_scaling"] = scaling;
             }
-            if arch.family == Family::Llama {
-                c["attention_bias"] = json!(arch.qkv_bias);
-                c["mlp_bias"] = json!(false);
-            } else {
-                c["use_sliding_window"] = json!(false);
+            match arch.family {
+                Family::Llama => {
+                    c["attention_bias"] = json!(arch.qkv_bias);
+                    c["mlp_bias"] = json!(false);
+                }
+                Family::Qwen3 => {
+                    c["attention_bias"] = json!(arch.qkv_bias);
+                    c["use_sliding_window"] = json!(false);
+                }
+                _ => c["use_sliding_window"] = json!(false),
             }
             c
         }
@@ -183,8 +188,13 @@ fn fields(arch: &Arch) -> Vec<Field> {
                 json!(false),
             ),
         ],
-        Family::Llama | Family::Qwen2 => {
+        Family::Llama | Family::Qwen2 | Family::Qwen3 => {
             let default_eps = json!(1e-6);
+            // Qwen3's config defaults head_dim to 128; the others' to hidden / heads.
+            let head_dim_default = match a.family {
+                Family::Qwen3 => json!(128),
+                _ => Value::Null,
+            };
             let mut f = vec![
                 field(
                     "hidden_size",
@@ -214,7 +224,7 @@ fn fields(arch: &Arch) -> Vec<Field> {
                     "head_dim",
                     format!("head_dim = {}", a.head_dim),
                     Want::Int(a.head_dim),
-                    Value::Null,
+                    head_dim_default,
                 ),
                 field(
                     "intermediate_size",
@@ -256,13 +266,15 @@ fn fields(arch: &Arch) -> Vec<Field> {
                     json!(false),
                 ),
             ];
-            if a.family == Family::Llama {
+            if matches!(a.family, Family::Llama | Family::Qwen3) {
                 f.push(field(
                     "attention_bias",
                     format!("attention bias = {}", a.qkv_bias),
                     Want::Bool(a.qkv_bias),
                     json!(false),
                 ));
+            }
+            if a.family == Family::Llama {
                 f.push(field(
                     "mlp_bias",
                     "MLP without biases",
@@ -301,6 +313,7 @@ fn value_of(config: &Map<String, Value>, f: &Field) -> Value {
     let int = |key: &str| get(key).and_then(Value::as_u64);
     match f.key {
         "num_key_value_heads" => int("num_attention_heads").map_or(json!(32), Value::from),
+        "head_dim" if !f.default.is_null() => f.default.clone(),
         "head_dim" => match (int("hidden_size"), int("num_attention_heads")) {
             (Some(d), Some(h)) if h > 0 => json!(d / h),
             _ => json!(128),
@@ -331,7 +344,7 @@ fn agrees(got: &Value, want: &Want) -> bool {
 const SAME_AS: [(&str, Family); 1] = [("mistral", Family::Llama)];
 
 /// The model types parc reads, for messages.
-const KNOWN: &str = "gpt2, llama, qwen2 and mistral";
+const KNOWN: &str = "gpt2, llama, qwen2, qwen3 and mistral";
 
 /// Whether `model_type` is read as `family`.
 fn reads_as(model_type: &str, family: Family) -> bool {
@@ -348,9 +361,10 @@ fn family_mismatch(config: &Map<String, Value>, arch: &Arch) -> Option<String> {
         Family::Gpt2 => "a GPT-2 model (GPT2LMHeadModel)",
         Family::Llama => "a Llama model (LlamaForCausalLM: RMSNorm, RoPE, SwiGLU)",
         Family::Qwen2 => "a Qwen2 model (Qwen2ForCausalLM: Llama with q/k/v biases only)",
+        Family::Qwen3 => "a Qwen3 model (Qwen3ForCausalLM: Llama with per-head q/k norms)",
     };
     let got = model_type.map_or("missing".to_string(), |t| format!("{t:?}"));
-    let known = [Family::Gpt2, Family::Llama, Family::Qwen2];
+    let known = [Family::Gpt2, Family::Llama, Family::Qwen2, Family::Qwen3];
     let supported = model_type.is_some_and(|t| known.iter().any(|f| reads_as(t, *f)));
     let hint = if supported {
         String::new()
@@ -626,5 +640,40 @@ mod tests {
             check("written", written).map_err(|e| e.to_string()),
             Ok(sizes)
         );
+    }
+
+    /// Qwen3's config.json reads back as written, and one without `head_dim` means
+    /// transformers' Qwen3 default, 128, not hidden_size / heads as for Llama.
+    #[test]
+    fn qwen3_config_reads_back_and_head_dim_defaults_to_128() {
+        let arch = Arch {
+            family: Family::Qwen3,
+            head_dim: 128,
+            ..llama()
+        };
+        let sizes = HfSizes {
+            vocab: 512,
+            positions: 32,
+        };
+        let mut written = config_json(&arch, sizes, "float32");
+        written["num_hidden_layers"] = json!(0);
+        assert_eq!(written["model_type"], "qwen3");
+        assert_eq!(written["attention_bias"], false);
+        let read = check_against("qwen3", written.clone(), &arch).map_err(|e| e.to_string());
+        assert_eq!(read, Ok(sizes));
+        if let Some(c) = written.as_object_mut() {
+            c.remove("head_dim");
+        }
+        let read = check_against("qwen3-default", written.clone(), &arch);
+        assert_eq!(read.map_err(|e| e.to_string()), Ok(sizes));
+        let narrow = Arch {
+            head_dim: 8,
+            ..arch
+        };
+        let err = check_against("qwen3-narrow", written, &narrow)
+            .map(|_| ())
+            .unwrap_err();
+        let err = err.to_string();
+        assert!(err.contains("head_dim = 128, spec head_dim = 8"), "{err}");
     }
 }

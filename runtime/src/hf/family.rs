@@ -1,9 +1,10 @@
 //! Recognising a spec's model as a transformers architecture, from its layer graph alone:
 //! GPT-2 (`GPT2LMHeadModel`: Embedding + PositionEmbedding, pre-LayerNorm blocks of biased
 //! multi-head attention without RoPE and a plain-activation MLP, a tied head) or the Llama
-//! family (`LlamaForCausalLM`, `Qwen2ForCausalLM`: Embedding, pre-RMSNorm blocks of RoPE
-//! attention and a SwiGLU MLP, a tied or untied head). Anything else (an extra elementwise
-//! layer, a `.par` function activation, post-norm blocks, …) is an error naming the layer.
+//! family (`LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`: Embedding, pre-RMSNorm
+//! blocks of RoPE attention and a SwiGLU MLP, a tied or untied head; Qwen3 when the attention
+//! normalizes q and k per head). Anything else (an extra elementwise layer, a `.par` function
+//! activation, post-norm blocks, …) is an error naming the layer.
 use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::op::Act;
 use parc_compiler::spec::{Activation, LayerKind, Node, NodeId, Rope, RopeScaling, Spec, ValueId};
@@ -17,6 +18,9 @@ pub enum Family {
     Llama,
     /// `Qwen2ForCausalLM`: Llama with biases on q, k and v and none on the output.
     Qwen2,
+    /// `Qwen3ForCausalLM`: Llama with each head of q and k RMS-normalized before RoPE
+    /// (`self_attn.q_norm`, `self_attn.k_norm`; `attention_bias` as Llama's).
+    Qwen3,
 }
 
 impl Family {
@@ -26,6 +30,7 @@ impl Family {
             Family::Gpt2 => "GPT2LMHeadModel",
             Family::Llama => "LlamaForCausalLM",
             Family::Qwen2 => "Qwen2ForCausalLM",
+            Family::Qwen3 => "Qwen3ForCausalLM",
         }
     }
 
@@ -35,6 +40,7 @@ impl Family {
             Family::Gpt2 => "gpt2",
             Family::Llama => "llama",
             Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
         }
     }
 }
@@ -107,6 +113,8 @@ struct BlockShape {
     rope: Option<Rope>,
     qkv_bias: bool,
     out_bias: bool,
+    /// The per-head q/k norms' epsilon.
+    qk_norm: Option<f64>,
     ffn: u64,
     act: Activation,
     mlp_bias: bool,
@@ -125,6 +133,7 @@ impl BlockShape {
                 ("rope scaling", format!("{:?}", b.rope.map(|r| r.scaling))),
                 ("qkv_bias", b.qkv_bias.to_string()),
                 ("out bias", b.out_bias.to_string()),
+                ("qk_norm", format!("{:?}", b.qk_norm)),
                 ("MLP hidden", b.ffn.to_string()),
                 ("activation", b.act.name().to_string()),
                 ("MLP bias", b.mlp_bias.to_string()),
@@ -327,6 +336,8 @@ fn family_of(
             Some("GPT-2's attention and MLP have biases")
         } else if b.kv_heads != b.heads {
             Some("GPT-2 has no grouped-query attention (kv_heads = heads)")
+        } else if b.qk_norm.is_some() {
+            Some("GPT-2's attention does not normalize q and k")
         } else if !matches!(b.act, Activation::Plain(Act::GeluTanh | Act::Gelu)) {
             return Err(unmapped(
                 block,
@@ -355,6 +366,11 @@ fn family_of(
         "the Llama family's attention has RoPE"
     } else if b.act != Activation::Swiglu {
         "the Llama family's MLP is SwiGLU (`act = swiglu`)"
+    } else if b.qk_norm.is_some() {
+        match (b.qkv_bias, b.out_bias) {
+            (false, false) | (true, true) => return Ok(Family::Qwen3),
+            _ => "Qwen3's attention_bias puts biases on q, k, v and the output alike",
+        }
     } else {
         match (b.qkv_bias, b.out_bias) {
             (false, false) | (true, true) => return Ok(Family::Llama),
@@ -424,10 +440,13 @@ fn block<'a>(
     else {
         return Err(unmapped(attn, "transformers' blocks have attention here"));
     };
-    if qk_norm.is_some() {
+    if qk_norm.is_some_and(|qk| qk != eps) {
         return Err(unmapped(
             attn,
-            "transformers' GPT-2 and Llama attention do not normalize q and k",
+            format!(
+                "its qk_norm_eps differs from `{}`'s eps; config.json has one",
+                ln1.name
+            ),
         ));
     }
     if !causal {
@@ -468,6 +487,7 @@ fn block<'a>(
         rope,
         qkv_bias,
         out_bias,
+        qk_norm,
         ffn: *hidden,
         act: act.clone(),
         mlp_bias: *bias,

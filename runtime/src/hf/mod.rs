@@ -1,5 +1,5 @@
 //! Hugging Face weights in and out, for the GPT-2 and Llama families (Qwen2's q/k/v biases
-//! included): `parc export --format hf` writes a transformers model folder ([`export`]), and
+//! and Qwen3's per-head q/k norms included): `parc export --format hf` writes a transformers model folder ([`export`]), and
 //! `train.init = hf("DIR")` starts a run from one ([`HfInit`]), each rank reading only its
 //! own elements.
 //!

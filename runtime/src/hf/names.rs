@@ -7,13 +7,14 @@
 //! Conv1D stores `[in, out]`) whose first rows it fills. Rows no piece covers are padding:
 //! the spec's vocabulary beyond transformers' (zeros on import, dropped on export).
 //!
-//! | parc | GPT-2 (`transformer.`) | Llama / Qwen2 (`model.`) |
+//! | parc | GPT-2 (`transformer.`) | Llama / Qwen2 / Qwen3 (`model.`) |
 //! |---|---|---|
 //! | `embed.weight` | `wte.weight` | `embed_tokens.weight` |
 //! | `pos.weight` | `wpe.weight` | — |
 //! | `B.ln1.*` | `h.i.ln_1.*` | `layers.i.input_layernorm.weight` |
 //! | `B.attn.wqkv` | `h.i.attn.c_attn.weight` (transposed) | `layers.i.self_attn.{q,k,v}_proj.weight` (its rows q, k, v) |
 //! | `B.attn.bqkv` | `h.i.attn.c_attn.bias` | `layers.i.self_attn.{q,k,v}_proj.bias` |
+//! | `B.attn.q_norm`, `k_norm` | — | `layers.i.self_attn.{q,k}_norm.weight` (Qwen3) |
 //! | `B.attn.wo`, `bo` | `h.i.attn.c_proj.*` (weight transposed) | `layers.i.self_attn.o_proj.*` |
 //! | `B.ln2.*` | `h.i.ln_2.*` | `layers.i.post_attention_layernorm.weight` |
 //! | `B.mlp.fc`, `fc_bias` | `h.i.mlp.c_fc.*` (weight transposed) | — |
@@ -102,7 +103,7 @@ pub fn tensor_map(arch: &Arch, sizes: HfSizes) -> Vec<ParamMap> {
     };
     match arch.family {
         Family::Gpt2 => maps.gpt2(sizes),
-        Family::Llama | Family::Qwen2 => maps.llama(sizes),
+        Family::Llama | Family::Qwen2 | Family::Qwen3 => maps.llama(sizes),
     }
     maps.maps
 }
@@ -242,6 +243,12 @@ impl Builder<'_> {
             self.split(format!("{attn}.wqkv"), vec![rows, d], qkv("weight"), false);
             if a.qkv_bias {
                 self.split(format!("{attn}.bqkv"), vec![rows], qkv("bias"), false);
+            }
+            if a.family == Family::Qwen3 {
+                for n in ["q_norm", "k_norm"] {
+                    let hf = l(&format!("self_attn.{n}.weight"));
+                    self.same(format!("{attn}.{n}"), vec![a.head_dim], hf);
+                }
             }
             self.same(
                 format!("{attn}.wo"),
