@@ -15,6 +15,8 @@
 //! overflows f32 on the CPU: every step skipped, the parameters the initial ones bit for bit.
 //! The CUDA runs fill the buffers the memory plan exempts from zero-filling with NaN until
 //! written (`CudaBackend::poison_unzeroed`), so a kernel that reads one first fails the loss.
+//! Qwen3's per-head q/k norms (head_dim 64 and 128) train on CUDA as on the CPU, in fp32 and
+//! in bf16 storage, their trained weights equal within 1e-3.
 //! Checkpoints cross backends: a CUDA run's checkpoint resumes on the CPU and the reverse, and
 //! the resumed losses match an uninterrupted run. The fused optimizer (one launch per run of
 //! updates) gives the per-tensor launches' parameters and state bit for bit on the same inputs
@@ -33,7 +35,7 @@ mod gpu_support;
 use fixtures::{gpt2_124m, sized_spec, train_cpu, Dims, PlanChoice, TinyModel};
 use parc_compiler::ir::fp8::{Fp8Format, Fp8Scaling};
 use parc_compiler::lower::lower;
-use parc_compiler::spec::{Checkpointing, Fp8, LossScale, Precision, Spec, ZeroStage};
+use parc_compiler::spec::{Checkpointing, Fp8, LayerKind, LossScale, Precision, Spec, ZeroStage};
 use parc_runtime::exec::{StepRecord, TrainOptions, TrainResult};
 use std::path::{Path, PathBuf};
 
@@ -520,6 +522,70 @@ fn llama_style_steps_match_cpu() {
         &run(&s, Which::Cuda, None, None).records,
         &run(&s, Which::Cpu, None, None).records,
     );
+}
+
+/// The Llama-style model with Qwen3's attention: heads of `head_dim` (64: the q projection 4×
+/// d; 128) and each head of q and k RMS-normalized before RoPE (`qk_norm`).
+fn qwen3_spec(head_dim: u64, steps: u64) -> Spec {
+    let mut s = model_spec(true, steps);
+    for n in &mut s.model.nodes {
+        if let LayerKind::Attention {
+            qk_norm,
+            head_dim: width,
+            ..
+        } = &mut n.kind
+        {
+            *qk_norm = Some(1e-6);
+            *width = head_dim;
+        }
+    }
+    s
+}
+
+/// Qwen3's per-head q/k norms (`RmsNorm` over rows of head_dim 64 and 128 of the q and k
+/// buffers, `RmsNormBwd` summing the shared weights' gradients over heads and tokens) on CUDA
+/// against the CPU: per-step losses and gradient norms within the Llama run's tolerances, and
+/// the trained `q_norm`/`k_norm` weights within 1e-3 (a norm kernel that took a head's row
+/// wrongly or summed a weight's gradient over the wrong rows fails either); with bf16
+/// storage, both backends storing bf16, within the bf16 tolerances.
+#[test]
+fn qwen3_style_qk_norm_steps_match_cpu() {
+    if !gpu_present() {
+        return;
+    }
+    for head_dim in [64, 128] {
+        let name = format!("qwen3 head_dim {head_dim}");
+        let s = qwen3_spec(head_dim, 6);
+        let cuda = run(&s, Which::Cuda, None, None);
+        let cpu = run(&s, Which::Cpu, None, None);
+        compare(&name, &cuda.records, &cpu.records);
+        let norms =
+            (cuda.params.iter().zip(&cpu.params)).filter(|(g, _)| g.name.ends_with("_norm"));
+        let mut seen = 0;
+        for (g, c) in norms {
+            seen += 1;
+            assert_eq!(g.name, c.name);
+            assert!(
+                c.data.iter().any(|&w| w != 1.0),
+                "{name}: {} untrained",
+                c.name
+            );
+            let worst = (g.data.iter().zip(&c.data))
+                .map(|(x, y)| (x - y).abs() / y.abs().max(1e-3))
+                .fold(0.0f32, f32::max);
+            assert!(worst <= 1e-3, "{name}: {} off by {worst:.1e}", c.name);
+        }
+        assert_eq!(seen, 4, "{name}: q_norm and k_norm of two layers");
+        let mut bf16 = s.clone();
+        bf16.train.precision = Precision::Bf16;
+        let (cuda, cpu) = (
+            run(&bf16, Which::Cuda, None, None),
+            run(&bf16, Which::Cpu, None, None),
+        );
+        compare_within(&format!("{name} bf16"), &cuda.records, &cpu.records, |_| {
+            (1e-2, 2e-2)
+        });
+    }
 }
 
 #[test]

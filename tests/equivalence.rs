@@ -200,6 +200,94 @@ fn qkv_biases_without_an_output_bias() {
     }
 }
 
+/// `s` with Qwen3's attention: each head of q and k RMS-normalized before RoPE (`qk_norm`),
+/// heads of 8 where d / heads is 4 (the q projection twice the model's width).
+fn qwen3(mut s: Spec) -> Spec {
+    for node in &mut s.model.nodes {
+        if let LayerKind::Attention {
+            qk_norm, head_dim, ..
+        } = &mut node.kind
+        {
+            *qk_norm = Some(1e-6);
+            *head_dim = 8;
+        }
+    }
+    s
+}
+
+/// Qwen3's per-head q/k norms under every axis train as on one rank: tp 2 with and without SP
+/// (each rank normalizes its own heads with the replicated weights, whose partial gradients
+/// are all-reduced over tp), dp 2 with ZeRO 3 (the weights sharded and gathered per use),
+/// pp 2 × cp 2 with selective recompute (k normalized on the rank's own rows before the
+/// gather), tp 2 × dp 2 with ZeRO 1, and an interleaved pipeline with full recompute. Every
+/// plan runs under SGD with momentum, whose parameters compare at 1e-6; the first three under
+/// AdamW too. (Under AdamW, cp 2's one wqkv element whose gradient is near zero moves by
+/// 1.4e-5 between plans: Adam's normalized update of float noise, not a gradient difference.)
+#[test]
+fn per_head_qk_norm_under_every_axis() {
+    let plans = [
+        PlanChoice {
+            tp: 2,
+            ..PlanChoice::default()
+        },
+        PlanChoice {
+            tp: 2,
+            sp: true,
+            ..PlanChoice::default()
+        },
+        PlanChoice {
+            dp: 2,
+            zero: ZeroStage::Zero3,
+            ..PlanChoice::default()
+        },
+        PlanChoice {
+            pp: 2,
+            cp: 2,
+            microbatches: 2,
+            recompute: Recompute::Selective,
+            ..PlanChoice::default()
+        },
+        PlanChoice {
+            dp: 2,
+            tp: 2,
+            zero: ZeroStage::Zero1,
+            ..PlanChoice::default()
+        },
+        PlanChoice {
+            pp: 2,
+            schedule: PipelineSchedule::Interleaved { virtual_stages: 2 },
+            microbatches: 2,
+            recompute: Recompute::Full,
+            ..PlanChoice::default()
+        },
+    ];
+    for (i, plan) in plans.into_iter().enumerate() {
+        for sgd in [true, false].into_iter().filter(|&sgd| sgd || i < 3) {
+            let variant = Variant {
+                sgd,
+                ..Variant::default()
+            };
+            let desc = format!("qwen3 {}", describe(true, &plan, variant));
+            let single_plan = PlanChoice {
+                microbatches: plan.microbatches * plan.dp,
+                ..PlanChoice::default()
+            };
+            let single = run_plan_of(&qwen3(spec_variant(model(true), single_plan, variant)));
+            let norm = single
+                .params
+                .iter()
+                .find(|p| p.name == "blocks.0.attn.k_norm");
+            let norm = norm.unwrap_or_else(|| panic!("{desc}: no k_norm"));
+            assert!(
+                norm.data.iter().any(|&w| w != 1.0),
+                "{desc}: k_norm untrained"
+            );
+            let got = run_plan_of(&qwen3(spec_variant(model(true), plan.clone(), variant)));
+            assert_close(&desc, &single, &got, sgd);
+        }
+    }
+}
+
 /// ZeRO-3 on a pipeline: the last stage runs each microbatch's backward right after its
 /// forward, so the forward keeps the head's gathered weight for it (1F1B), and interleaving
 /// puts other chunks between some forwards and their backwards (no weight kept there).

@@ -9,7 +9,8 @@
 //!   operands) are checked to stay as they are.
 //! - Plans: every Llama plan of the equivalence matrix lowers with fusion, verifies, and fuses
 //!   its rope chains; fusion off leaves no fused op.
-//! - Training: tiny Llama on the CPU, fused and unfused, gives the same losses (1e-6 relative).
+//! - Training: tiny Llama on the CPU, fused and unfused, gives the same losses (1e-6 relative),
+//!   with and without Qwen3's per-head q/k norms.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #[allow(dead_code)]
 #[path = "ir/fixtures.rs"]
@@ -21,7 +22,7 @@ use parc_compiler::ir::op::{Act, ActAttrs, FusedAttrs, Op, RopeAttrs, RopeScalin
 use parc_compiler::ir::{Buffer, BufferId, BufferKind, DType, Instr, Plan, Program};
 use parc_compiler::kir::{self, Access};
 use parc_compiler::lower::{lower_with, LowerOptions};
-use parc_compiler::spec::{PipelineSchedule, Recompute, ZeroStage};
+use parc_compiler::spec::{LayerKind, PipelineSchedule, Recompute, Spec, ZeroStage};
 use parc_runtime::backend::{Backend, StepScalars};
 use parc_runtime::cpu::CpuBackend;
 use parc_runtime::exec::TrainOptions;
@@ -521,18 +522,47 @@ fn fusion_off_leaves_the_hand_written_ops() {
 /// Tiny Llama trained on the CPU with and without fusion: the same losses and gradient norms.
 #[test]
 fn tiny_llama_trains_the_same_fused_and_unfused() {
+    assert_trains_the_same_fused_and_unfused(|s| s, true);
+}
+
+/// Tiny Llama with Qwen3's per-head q/k norms between the split and RoPE (`qk_norm`): the
+/// norms keep their hand-written op, which splits the split-and-rope chain (nothing of the
+/// attention fuses today), and the fused program trains as the unfused one.
+#[test]
+fn tiny_qwen3_trains_the_same_fused_and_unfused() {
+    let qwen3 = |mut s: Spec| {
+        for node in &mut s.model.nodes {
+            if let LayerKind::Attention { qk_norm, .. } = &mut node.kind {
+                *qk_norm = Some(1e-6);
+            }
+        }
+        s
+    };
+    assert_trains_the_same_fused_and_unfused(qwen3, false);
+}
+
+/// The tiny Llama made by `model` trained under dp 2 × tp 2 with SP, fused and unfused: the
+/// same losses and gradient norms (1e-6 relative); `fuses` says whether anything fuses.
+fn assert_trains_the_same_fused_and_unfused(model: impl Fn(Spec) -> Spec, fuses: bool) {
     let train = |fusion: bool| {
-        let (s, plan) = lowered(
-            true,
-            PlanChoice {
-                dp: 2,
-                tp: 2,
-                sp: true,
-                ..PlanChoice::default()
-            },
+        let tiny = TinyModel {
+            layers: 4,
+            llama: true,
+            tied: false,
+        };
+        let plan = PlanChoice {
+            dp: 2,
+            tp: 2,
+            sp: true,
+            ..PlanChoice::default()
+        };
+        let s = model(spec(tiny, plan));
+        let options = LowerOptions {
             fusion,
-        );
-        assert_eq!(count_fused(&plan) > 0, fusion);
+            ..LowerOptions::default()
+        };
+        let plan = lower_with(&s, options).unwrap_or_else(|d| panic!("{:?}", d.items));
+        assert_eq!(count_fused(&plan) > 0, fusion && fuses);
         let mut options = TrainOptions::new(".");
         options.comm_timeout = Duration::from_secs(30);
         options.threads_per_rank = Some(1);

@@ -240,6 +240,12 @@ fn engine_equals_the_training_forward_scaled_llama() {
     engine_matches("scaled tiny-llama", &spec, &plan);
 }
 
+/// Qwen3's per-head q/k norms before RoPE, in the engine as in training.
+#[test]
+fn engine_equals_the_training_forward_qwen3() {
+    engine_matches_training("examples/tiny-qwen3.par");
+}
+
 #[test]
 fn engine_equals_the_training_forward_functions() {
     engine_matches_training("examples/tiny-functions.par");

@@ -152,6 +152,44 @@ fn rope_scaling_reaches_every_attention() {
     assert_eq!(scaling, Some(RopeScaling::None));
 }
 
+/// Qwen3 through std::llama's Block: `qk_norm = true` takes the block's eps, `head_dim` sets
+/// heads wider than d / heads; left out, the Block's `head_dim = none` is d / heads and its
+/// `qk_norm = false` none.
+#[test]
+fn qk_norm_and_head_dim_through_the_llama_block() {
+    let (spec, codes) = run(&example("tiny-qwen3.par"), &[]);
+    assert!(codes.is_empty(), "{codes:?}");
+    let spec = spec.unwrap();
+    assert_eq!(
+        node(&spec, "blocks.1.attn").kind,
+        LayerKind::Attention {
+            dim: 64,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 32,
+            causal: true,
+            rope: Some(Rope {
+                theta: 1000000.0,
+                scaling: RopeScaling::None,
+            }),
+            qkv_bias: false,
+            out_bias: false,
+            qk_norm: Some(1e-6)
+        }
+    );
+    let (spec, codes) = run(&example("tiny-llama.par"), &[]);
+    assert!(codes.is_empty(), "{codes:?}");
+    let spec = spec.unwrap();
+    assert!(matches!(
+        node(&spec, "blocks.0.attn").kind,
+        LayerKind::Attention {
+            head_dim: 8,
+            qk_norm: None,
+            ..
+        }
+    ));
+}
+
 #[test]
 fn tiny_llama_has_gqa_rope_and_swiglu() {
     let (spec, codes) = run(&example("tiny-llama.par"), &[]);

@@ -180,14 +180,17 @@ fn embedding_cases(r: &mut Rng) -> Vec<Case> {
 /// 8,192 (1000 leaves some lanes without a last vector; 1040 is split over two warps a row,
 /// some threads without a last vector), the `warp` kernels 20 (their scalar loops); 300, 600
 /// and 33,000 rows split the weight gradient into several row bands (33,000: all 128, of 258
-/// rows).
-const NORM_SHAPES: [(usize, usize); 6] = [
+/// rows). Qwen3's per-head q/k norms run rows of head_dim, one per head and token: 4,100 rows
+/// of 128 (half of each warp's lanes hold a vector; the shared weight's gradient summed
+/// over 128 bands).
+const NORM_SHAPES: [(usize, usize); 7] = [
     (13, 96),
     (5, 1000),
     (300, 20),
     (600, 64),
     (40, 1040),
     (33_000, 8),
+    (4_100, 128),
 ];
 
 /// NORM_SHAPES, GPT-2's widths and Llama's for the norm variants (`norm_variants`). One warp a
@@ -199,13 +202,14 @@ const NORM_SHAPES: [(usize, usize); 6] = [
 /// block); in the backward 1,031 × 1536 gives bands of 9 rows over 4 groups (3, 2, 2, 2 rows,
 /// so a group prefetches its next row; the last band 5) and 133 × 8192 bands of 2 over one
 /// group (the last of 1). 20 (odd multiple of 4) and 8200 (too wide) take the `warp` kernels.
-const VARIANT_SHAPES: [(usize, usize); 17] = [
+const VARIANT_SHAPES: [(usize, usize); 18] = [
     (13, 96),
     (5, 1000),
     (300, 20),
     (600, 64),
     (40, 1040),
     (33_000, 8),
+    (4_100, 128),
     (37, 768),
     (1537, 768),
     (4099, 1024),

@@ -295,16 +295,20 @@ fn what_lowering_rejects_is_a_diagnostic() {
 /// with the head's weight its forward kept gathered (the fused loss before it has no backward
 /// compute to hide a gather behind), so the head is gathered once per microbatch, not twice.
 /// (Recompute re-runs a segment's forward on demand, so its gathers are not all prefetched.)
+/// Qwen3's per-head q/k norm weights are read by the attention's backward, so they are
+/// prefetched with its matrices.
 #[test]
 fn zero3_gathers_run_while_the_node_before_computes() {
     use parc_compiler::ir::{CollectiveKind, Instr};
-    for (model, recompute) in [
-        (gpt(3), Recompute::None),
-        (llama(3), Recompute::None),
-        (gpt(3), Recompute::Full),
+    use parc_compiler::spec::LayerKind;
+    for (model, recompute, qk_norm) in [
+        (gpt(3), Recompute::None, None),
+        (llama(3), Recompute::None, None),
+        (llama(3), Recompute::None, Some(1e-6)),
+        (gpt(3), Recompute::Full, None),
     ] {
         let (microbatches, llama) = (2, model.llama);
-        let s = spec(
+        let mut s = spec(
             model,
             PlanChoice {
                 dp: 2,
@@ -314,6 +318,11 @@ fn zero3_gathers_run_while_the_node_before_computes() {
                 ..PlanChoice::default()
             },
         );
+        for n in &mut s.model.nodes {
+            if let LayerKind::Attention { qk_norm: q, .. } = &mut n.kind {
+                *q = qk_norm;
+            }
+        }
         let plan = lower(&s).unwrap();
         let instrs = &plan.programs[0].instrs;
         let (mut gathers, mut overlapped) = (0, 0);

@@ -233,6 +233,82 @@ fn rope_backward_matches_differences_at_context_parallel_positions() {
     }
 }
 
+/// Qwen3's q/k path as the lowering emits it (`qk_norm` then rope): `RmsNorm` over rows of
+/// head_dim on a `[rows, heads·head_dim]` buffer, one weight shared by the heads, then `Rope`.
+/// The forward normalizes each head on its own (against a reference computed here), and its
+/// backward as lowered (`RopeBwd`, then `RmsNormBwd` over the same rows) gives the input's
+/// gradient and the shared weight's, summed over heads and rows, as central differences of
+/// the composed forward do.
+#[test]
+fn per_head_qk_norm_then_rope_matches_a_reference_and_differences() {
+    let (batch, heads, head_dim) = (2u64, 3usize, 8usize);
+    let rope = RopeAttrs {
+        batch,
+        heads: heads as u64,
+        head_dim: head_dim as u64,
+        theta: 100.0,
+        positions: vec![seg(1, 2), seg(9, 1)],
+    };
+    let rows = 3 * batch as usize;
+    let len = rows * heads * head_dim;
+    let eps = 1e-6;
+    let norm = Op::RmsNorm {
+        dim: head_dim as u64,
+        eps,
+    };
+    let normalized = |x: &[f32], w: &[f32]| {
+        let ins = [Input::F(x.to_vec()), Input::F(w.to_vec())];
+        eval(&norm, &ins, &[len, rows * heads])
+    };
+    let forward = |x: &[f32], w: &[f32]| {
+        let n = normalized(x, w);
+        eval(&Op::Rope(rope.clone()), &[Input::F(n[0].clone())], &[len])
+    };
+    let (x, w) = (values(len, 40, 2.0), values(head_dim, 41, 1.5));
+    let n = normalized(&x, &w);
+    for (i, (head, y)) in x.chunks(head_dim).zip(n[0].chunks(head_dim)).enumerate() {
+        let ms = head.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / head_dim as f64;
+        let rstd = 1.0 / (ms + eps).sqrt();
+        assert!(
+            (f64::from(n[1][i]) - rstd).abs() <= 1e-5 * rstd,
+            "rstd of head row {i}"
+        );
+        for ((&xv, &yv), &wv) in head.iter().zip(y).zip(&w) {
+            let want = f64::from(xv) * rstd * f64::from(wv);
+            assert!(
+                (f64::from(yv) - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                "head row {i}"
+            );
+        }
+    }
+    let cot = vec![values(len, 42, 1.0)];
+    let numeric_x = numeric_gradient(&x, 1e-2, |p| pair(&forward(p, &w), &cot));
+    let numeric_w = numeric_gradient(&w, 1e-2, |p| pair(&forward(&x, p), &cot));
+    let dn = eval(
+        &Op::RopeBwd(rope.clone()),
+        &[Input::F(cot[0].clone())],
+        &[len],
+    );
+    let bwd = Op::RmsNormBwd {
+        dim: head_dim as u64,
+        accumulate: false,
+        accumulate_param_grad: true,
+    };
+    let ins = [
+        Input::F(dn[0].clone()),
+        Input::F(x.clone()),
+        Input::F(w.clone()),
+        Input::F(n[1].clone()),
+    ];
+    let grads = eval_from(&bwd, &ins, &[vec![f32::NAN; len], vec![1.0; head_dim]]);
+    assert_gradient("dx", &numeric_x, &grads[0]);
+    assert_gradient(
+        "dw (shared by the heads)",
+        &numeric_w,
+        &minus_one(&grads[1]),
+    );
+}
+
 fn check_attention(causal: bool, heads: u64, kv_heads: u64) {
     let (batch, head_dim) = (2u64, 4u64);
     // A context-parallel style query chunk against keys stored in another order.
