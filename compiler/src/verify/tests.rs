@@ -484,6 +484,76 @@ fn cost_model_agrees_with_measured_liveness() {
     }
 }
 
+/// Per-head q/k norms keep q and k as projected and each head's rstd for the backward: the
+/// cost model's activation estimate of a Llama-style model with them (heads twice the width
+/// d / heads gives) stays within 10% of the lowered programs' activation peak, and grows by
+/// what the peak grows by over the same model without them (within 10% of the growth).
+#[test]
+fn cost_model_counts_what_qk_norm_keeps() {
+    let dims = Dims {
+        vocab: 256,
+        dim: 64,
+        seq: 64,
+        heads: 4,
+        kv_heads: 2,
+        ffn: 256,
+        layers: 4,
+        llama: true,
+        tied: false,
+    };
+    let with = |spec: &mut crate::spec::Spec, qk: Option<f64>| {
+        for n in &mut spec.model.nodes {
+            if let crate::spec::LayerKind::Attention {
+                qk_norm, head_dim, ..
+            } = &mut n.kind
+            {
+                *qk_norm = qk;
+                *head_dim = 32;
+            }
+        }
+    };
+    let plans = [
+        ("single", PlanChoice::default()),
+        (
+            "tp 2 sp",
+            PlanChoice {
+                tp: 2,
+                sp: true,
+                ..PlanChoice::default()
+            },
+        ),
+        (
+            "cp 2",
+            PlanChoice {
+                cp: 2,
+                ..PlanChoice::default()
+            },
+        ),
+    ];
+    for (name, choice) in plans {
+        let measure = |qk: Option<f64>| {
+            let mut spec = build(&dims, &choice);
+            with(&mut spec, qk);
+            let plan = lower(&spec).unwrap();
+            let act = activation_peak(&plan.programs[0]) as f64;
+            let est = crate::cost::estimate(&spec).roles[0].memory.activations as f64;
+            (act, est)
+        };
+        let (plain, normed) = (measure(None), measure(Some(1e-6)));
+        let (act, est) = normed;
+        assert!(
+            (est - act).abs() <= 0.1 * act,
+            "{name}: activations estimated {est}, measured {act}"
+        );
+        let (grown, est_grown) = (normed.0 - plain.0, normed.1 - plain.1);
+        assert!(grown > 0.0, "{name}: the norms keep nothing");
+        assert!(
+            (est_grown - grown).abs() <= 0.1 * grown,
+            "{name}: qk_norm adds {est_grown} estimated, {grown} measured"
+        );
+    }
+}
+
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig::with_cases(128))]
     /// Random damage to a lowered plan (dropped, duplicated or swapped instructions, buffers out
