@@ -247,6 +247,7 @@ fn per_head_qk_norm_then_rope_matches_a_reference_and_differences() {
         heads: heads as u64,
         head_dim: head_dim as u64,
         theta: 100.0,
+        scaling: RopeScaling::None,
         positions: vec![seg(1, 2), seg(9, 1)],
     };
     let rows = 3 * batch as usize;
