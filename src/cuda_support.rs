@@ -21,9 +21,7 @@ use parc_compiler::spec::{NodeId, Spec};
 
 /// Why the CUDA backend cannot run `plan`, with what to do instead; None where it can.
 pub(crate) fn refusal(plan: &Plan) -> Option<String> {
-    attention_refused(plan)
-        .map(|(why, _)| why)
-        .or_else(|| scalings(plan))
+    refused(plan).map(|r| r.why)
 }
 
 /// Whether `spec` trains on GPUs, where the CUDA backend's rule applies (not to a CPU spec).
@@ -31,38 +29,63 @@ pub(crate) fn applies(spec: &Spec) -> bool {
     spec.cluster.gpu.name != "cpu"
 }
 
-/// W1202 for a GPU spec whose lowered plan the CUDA backend refuses (`refusal`), at the FP8
-/// recipe; None for a CPU spec, a plan it runs, or blockwise blocks other than the backend's
-/// (W1201 says that one).
+/// W1202 for a GPU spec whose lowered plan the CUDA backend refuses (`refusal`), at the
+/// attention or the FP8 recipe it refuses; None for a CPU spec, a plan it runs, or blockwise
+/// blocks other than the backend's (W1201 says that one).
 pub(crate) fn diagnose(spec: &Spec, plan: &Plan) -> Option<Diagnostic> {
     if !applies(spec) {
         return None;
     }
-    let warning = |why: String| {
-        Diagnostic::warning(
-            "W1202",
-            "`parc run --backend cuda` refuses this plan: the CUDA backend does not run it yet",
-        )
-        .help(why)
-    };
-    if let Some((why, node)) = attention_refused(plan) {
-        let d = warning(why);
+    let Refused { why, at } = refused(plan)?;
+    let d = Diagnostic::warning(
+        "W1202",
+        "`parc run --backend cuda` refuses this plan: the CUDA backend does not run it yet",
+    )
+    .help(why);
+    if let At::Attention(node) = at {
         let layer = node.and_then(|n| spec.model.nodes.get(n.0 as usize));
         return Some(match layer {
             Some(n) => d.label(n.span, "this attention"),
             None => d,
         });
     }
-    let other_block = spec.train.fp8.as_ref().is_some_and(|f| {
+    let fp8 = spec.train.fp8.as_ref();
+    let other_block = fp8.is_some_and(|f| {
         matches!(f.scaling, Fp8Scaling::Blockwise { block } if block != parc_compiler::fp8::CUDA_BLOCK)
     });
     if other_block {
         return None;
     }
-    let d = warning(scalings(plan)?);
-    Some(match spec.train.fp8.as_ref() {
+    Some(match fp8 {
         Some(fp8) => d.label(fp8.span, "this FP8 recipe"),
         None => d,
+    })
+}
+
+/// What the backend refuses first, and where.
+struct Refused {
+    why: String,
+    at: At,
+}
+
+/// Where a refusal points: an attention (its layer, where the instruction names one), or the
+/// FP8 recipe.
+enum At {
+    Attention(Option<NodeId>),
+    Recipe,
+}
+
+/// The one order of the rule: the attention the kernels cannot run, then the FP8 scalings.
+fn refused(plan: &Plan) -> Option<Refused> {
+    if let Some((why, node)) = attention_refused(plan) {
+        return Some(Refused {
+            why,
+            at: At::Attention(node),
+        });
+    }
+    scalings(plan).map(|why| Refused {
+        why,
+        at: At::Recipe,
     })
 }
 

@@ -85,8 +85,6 @@ const BF16_DV: i32 = 128;
 /// Must match ATT_WARPS / ATT_TILE in kernels/attention.cu.
 const ATT_WARPS: u32 = 8;
 const ATT_TILE: usize = 32;
-/// Each lane holds at most 4 columns of a head (kernels' ATT_MAX_PER_LANE).
-const ATT_MAX_HEAD_DIM: usize = crate::cuda_limits::ATTENTION_MAX_HEAD_DIM as usize;
 /// Query rows per forward CTA, keys per backward CTA and the threads of each kernel's CTA:
 /// must match TC_FWD_BR / TC_BC / TC_THREADS / TC_BWD_THREADS in kernels/attention_tc.cu.
 const TC_FWD_BR: usize = 128;
@@ -463,8 +461,8 @@ fn qkv_bf16(ptrs: &[CUdeviceptr], g: &AttGeom, packed: bool) -> [CUdeviceptr; 3]
 }
 
 /// The geometry of a call over `dims` on views `q`, `k` of the op's rows (`b.rows` query rows,
-/// `b.kv_rows` key rows: `bind` checked every buffer against them), with the kernels' limits
-/// checked.
+/// `b.kv_rows` key rows: `bind` checked every buffer against them; `Call::bind` checked the
+/// kernels' head and grid limits, `crate::cuda_limits`).
 fn attention_geometry(
     b: &Bound,
     (q, k): (Buf, Buf),
@@ -483,20 +481,8 @@ fn attention_geometry(
             "heads = {heads} is not a multiple of kv_heads = {kv_heads}"
         )));
     }
-    if d > ATT_MAX_HEAD_DIM {
-        return Err(b.err(format!(
-            "head_dim = {d} is above {ATT_MAX_HEAD_DIM}, the largest the CUDA attention kernel takes"
-        )));
-    }
     if !scale.is_finite() {
         return Err(b.err(format!("scale = {scale} is not finite")));
-    }
-    if (batch * heads) as u64 > crate::cuda_limits::ATTENTION_MAX_BATCH_HEADS {
-        return Err(b.err(format!(
-            "batch x heads = {} is above {}",
-            batch * heads,
-            crate::cuda_limits::ATTENTION_MAX_BATCH_HEADS
-        )));
     }
     let seq_q = b.launch_rows(q, "q", b.rows / batch)?;
     let seq_kv = b.launch_rows(k, "k", b.kv_rows / batch)?;
@@ -583,6 +569,9 @@ struct Call {
 
 impl Call {
     fn bind(be: &mut CudaBackend, b: &Bound, a: &AttentionAttrs, forward: bool) -> Result<Call> {
+        if let Some(why) = crate::cuda_limits::attention_refusal(a) {
+            return Err(b.err(why));
+        }
         let dims = Dims::new(b, a.batch, a.heads, a.kv_heads, a.head_dim)?;
         let first = usize::from(!forward);
         let qkv: Vec<Buf> = if a.packed {
