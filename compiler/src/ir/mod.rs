@@ -36,6 +36,7 @@ pub mod optimizer_runs;
 pub mod program;
 pub mod rope;
 pub mod storage;
+pub mod swiglu_runs;
 pub mod table;
 pub mod text;
 

@@ -12,7 +12,11 @@
 //! the quantized copies live beside the GEMMs that read them, as a GEMM's own quantization
 //! scratch did. Its op goes right before its first GEMM (after any amax record of the operand,
 //! which then rides on it: `crate::fp8::recording_gemm`), its buffers are allocated there and
-//! freed after its last GEMM. Under delayed scaling a later GEMM's record of the same tensor
+//! freed after its last GEMM. A tensor that a GEMM's SwiGLU epilogue wrote (the gated product,
+//! dgate, dup) is quantized right after that GEMM instead, its records moved with the op and its
+//! buffers allocated before the GEMM, where its scale amax is delayed scaling's (nothing between
+//! writes it): a backend may then make the epilogue and the quantization in one pass
+//! (`crate::ir::swiglu_runs`). Under delayed scaling a later GEMM's record of the same tensor
 //! into a history the group has recorded into is dropped: its value is the one recorded (a
 //! maximum is idempotent, and the group saw no write to the tensor); a GEMM recording into
 //! one the group has not (a training forward after a recomputed one) starts a new group, so
@@ -103,11 +107,26 @@ pub fn quantize_operands(program: &mut Program) -> QuantizeSummary {
         return QuantizeSummary::default();
     }
     let made: Vec<Made> = groups.iter().map(|g| make_buffers(program, g)).collect();
-    let dropped = duplicate_records(&groups);
+    let mut dropped = duplicate_records(&groups);
     let mut before: Vec<Vec<Instr>> = vec![Vec::new(); program.instrs.len()];
+    let mut next_to: Vec<Vec<Instr>> = vec![Vec::new(); program.instrs.len()];
     let mut after: Vec<Vec<Instr>> = vec![Vec::new(); program.instrs.len()];
     for (g, m) in groups.iter().zip(&made) {
-        before[g.first].extend(quantize_instrs(g, m));
+        match swiglu_producer(program, g) {
+            Some(p) => {
+                before[p].extend(alloc_instrs(m));
+                for at in g.recorded.iter().filter_map(|(_, at)| at.first().copied()) {
+                    next_to[p].push(program.instrs[at].clone());
+                    dropped.insert(at);
+                }
+                next_to[p].extend(quantize_op(g, m));
+            }
+            None => {
+                before[g.first].extend(own_amax_instrs(g, m));
+                before[g.first].extend(alloc_instrs(m));
+                before[g.first].extend(quantize_op(g, m));
+            }
+        }
         after[g.last].extend(free_instrs(m));
     }
     let mut rewritten: Vec<Option<Instr>> = vec![None; program.instrs.len()];
@@ -125,6 +144,7 @@ pub fn quantize_operands(program: &mut Program) -> QuantizeSummary {
         if !dropped.contains(&i) {
             instrs.push(rewritten[i].take().unwrap_or(instr));
         }
+        instrs.append(&mut next_to[i]);
         instrs.append(&mut after[i]);
     }
     program.instrs = instrs;
@@ -317,46 +337,81 @@ fn make_buffers(program: &mut Program, g: &Group) -> Made {
     }
 }
 
-/// The instructions before group `g`'s first GEMM: its buffers allocated, its amax computed
-/// where it has none, its op.
-fn quantize_instrs(g: &Group, m: &Made) -> Vec<Instr> {
-    let weight = g.operand.kind == OperandKind::Weight;
-    let rows = weight.then_some(g.rows);
-    let mut out = Vec::new();
-    let compute = |op: Op, inputs: &[BufferId], outputs: &[BufferId]| {
-        Some(Instr::Compute {
-            op: Arc::new(op),
-            inputs: Inputs::from_slice(inputs)?,
-            outputs: Outputs::from_slice(outputs)?,
-            node: g.node,
-            phase: g.phase,
-        })
+/// Where group `g`'s quantization goes right after the GEMM with a SwiGLU epilogue that wrote
+/// its tensor (the gated product `a` of a gate/up forward, or dgate or dup of a down
+/// projection's data gradient), so that a backend may make both in one pass
+/// (`crate::ir::swiglu_runs`): that GEMM's instruction, where the group has a scale amax of its
+/// own input (delayed scaling's, written by rolls only) that nothing between writes. Its
+/// buffers are then allocated before that GEMM and its records move with its op. None
+/// elsewhere: the op goes before the group's first GEMM.
+fn swiglu_producer(program: &Program, g: &Group) -> Option<usize> {
+    let amax = g.key.amax?;
+    let x = g.key.x;
+    let from = g.first.saturating_sub(WINDOW);
+    let producer = (from..g.first).rev().find(|&i| {
+        let instr = &program.instrs[i];
+        instr.writes().contains(&x) || matches!(instr, Instr::Alloc { buffer } if *buffer == x)
+    })?;
+    let c = program.instrs[producer].as_compute()?;
+    let gated = match *c.op {
+        Op::Matmul { swiglu: true, .. } => c.outputs.get(1) == Some(&x),
+        Op::MatmulBwdData { swiglu: true, .. } => c.outputs.get(..2)?.contains(&x),
+        _ => false,
     };
-    if m.own_amax {
-        out.push(Instr::Alloc { buffer: m.amax });
-        let attrs = Fp8AmaxAttrs {
-            operand: g.operand,
-            scaling: Fp8Scaling::Tensorwise,
-            rows,
-            cols: g.cols,
-        };
-        out.extend(compute(Op::Fp8Amax(attrs), &[g.key.x], &[m.amax]));
+    let amax_written = (producer..g.first).any(|i| program.instrs[i].writes().contains(&amax));
+    (gated && !amax_written).then_some(producer)
+}
+
+/// The scale amax group `g` computes where its GEMMs read none (an `Fp8Amax`, allocated).
+fn own_amax_instrs(g: &Group, m: &Made) -> Vec<Instr> {
+    if !m.own_amax {
+        return Vec::new();
     }
+    let attrs = Fp8AmaxAttrs {
+        operand: g.operand,
+        scaling: Fp8Scaling::Tensorwise,
+        rows: weight_rows(g),
+        cols: g.cols,
+    };
+    let mut out = vec![Instr::Alloc { buffer: m.amax }];
+    out.extend(group_compute(g, Op::Fp8Amax(attrs), &[g.key.x], &[m.amax]));
+    out
+}
+
+/// The allocations of the layouts group `g` writes.
+fn alloc_instrs(m: &Made) -> Vec<Instr> {
+    (m.q.into_iter().chain(m.qt))
+        .map(|buffer| Instr::Alloc { buffer })
+        .collect()
+}
+
+/// Group `g`'s `Fp8Quantize`.
+fn quantize_op(g: &Group, m: &Made) -> Option<Instr> {
     let written: Vec<BufferId> = m.q.into_iter().chain(m.qt).collect();
-    out.extend(written.iter().map(|&buffer| Instr::Alloc { buffer }));
     let attrs = Fp8QuantizeAttrs {
         format: g.key.format,
-        rows,
+        rows: weight_rows(g),
         cols: g.cols,
         direct: m.q.is_some(),
         transposed: m.qt.is_some(),
     };
-    out.extend(compute(
-        Op::Fp8Quantize(attrs),
-        &[g.key.x, m.amax],
-        &written,
-    ));
-    out
+    group_compute(g, Op::Fp8Quantize(attrs), &[g.key.x, m.amax], &written)
+}
+
+/// x's rows where they are fixed: a weight's.
+fn weight_rows(g: &Group) -> Option<u64> {
+    (g.operand.kind == OperandKind::Weight).then_some(g.rows)
+}
+
+/// A compute instruction of group `g` (its node and phase).
+fn group_compute(g: &Group, op: Op, inputs: &[BufferId], outputs: &[BufferId]) -> Option<Instr> {
+    Some(Instr::Compute {
+        op: Arc::new(op),
+        inputs: Inputs::from_slice(inputs)?,
+        outputs: Outputs::from_slice(outputs)?,
+        node: g.node,
+        phase: g.phase,
+    })
 }
 
 /// The instructions after a group's last GEMM: its buffers freed.

@@ -1,6 +1,7 @@
 //! The runs of optimizer instructions a backend launches as one (`crate::ir::optimizer_runs`:
 //! the CUDA backend's multi-tensor AdamW/SGD, its one-pass sums of squares and delayed FP8
-//! scaling's history rolls), as the timeline prices and places them.
+//! scaling's history rolls; and a GEMM's SwiGLU epilogue with the FP8 quantizations of what it
+//! wrote, `crate::ir::swiglu_runs`), as the timeline prices and places them.
 //!
 //! Where the cost model's backend fuses them ([`StepCosts::fuses_optimizer_runs`]) a run is one
 //! op, priced by [`StepCosts::fused_run`] (one launch of its members' summed bytes) and run
@@ -15,6 +16,7 @@
 use super::costs::StepCosts;
 use crate::ir::op::Op;
 use crate::ir::optimizer_runs::{find_roll_runs, find_runs, find_sum_squares_runs};
+use crate::ir::swiglu_runs::{find_swiglu_runs, SwigluRun};
 use crate::ir::{Instr, Program};
 
 /// One run the backend launches as one op.
@@ -103,6 +105,14 @@ impl FusedRuns {
                 seconds,
             }
         }));
+        runs.extend(find_swiglu_runs(program).into_iter().map(|run| {
+            let seconds = swiglu_run_seconds(program, costs, &run);
+            FusedRun {
+                members: run.instructions(),
+                refreshes: Vec::new(),
+                seconds,
+            }
+        }));
         runs.sort_by_key(|r| r.members.first().copied());
         let mut members: Vec<(usize, usize)> = (runs.iter().enumerate())
             .flat_map(|(r, run)| run.instructions().map(move |i| (i, r)))
@@ -129,12 +139,43 @@ impl FusedRuns {
 }
 
 /// Whether `op` can be a run's member or refresh copy (the ops `crate::ir::optimizer_runs`
-/// fuses).
+/// and `crate::ir::swiglu_runs` fuse).
 fn fusable(op: &Op) -> bool {
     matches!(
         op,
-        Op::AdamW { .. } | Op::Sgd { .. } | Op::SumSquares | Op::Fp8HistoryRoll(_) | Op::Copy
+        Op::AdamW { .. }
+            | Op::Sgd { .. }
+            | Op::SumSquares
+            | Op::Fp8HistoryRoll(_)
+            | Op::Copy
+            | Op::Matmul { swiglu: true, .. }
+            | Op::MatmulBwdData { swiglu: true, .. }
+            | Op::Fp8AmaxRecord(_)
+            | Op::Fp8Quantize(_)
     )
+}
+
+/// A SwiGLU run's seconds: its GEMM's, and each quantization's share of its own price that its
+/// writes take (the bytes of its layouts over those it reads and writes alone: its read of the
+/// tensor is the epilogue's); the records ride on the quantizations at no cost, as alone.
+fn swiglu_run_seconds(program: &Program, costs: &dyn StepCosts, run: &SwigluRun) -> f64 {
+    let price = |at: usize| program.instrs.get(at).map(|i| (i, costs.compute(program, i)));
+    let bytes = |ids: &[crate::ir::BufferId]| -> f64 {
+        (ids.iter())
+            .filter_map(|&b| program.buffer(b))
+            .map(|b| costs.bytes(b))
+            .sum()
+    };
+    let quantizations: f64 = (run.quantizes.iter())
+        .filter_map(|&q| price(q))
+        .filter_map(|(instr, seconds)| {
+            let c = instr.as_compute()?;
+            let read = bytes(c.inputs.get(..1)?);
+            let written = bytes(c.outputs);
+            (read + written > 0.0).then(|| seconds * written / (read + written))
+        })
+        .sum();
+    price(run.producer).map_or(0.0, |(_, s)| s) + quantizations
 }
 
 /// Each instruction's compute seconds as the timeline charges them (0 for other instructions):

@@ -859,3 +859,43 @@ fn shared_quantization_is_priced_once_per_tensor() {
         assert!(a < b, "shared {a} s, per GEMM {b} s");
     }
 }
+
+/// Under delayed scaling a SwiGLU GEMM and the quantizations of what its epilogue wrote
+/// (`ir::swiglu_runs`) are one run where the backend fuses: priced as the GEMM and each
+/// quantization's writes (bf16 in, both layouts out: half its own price; one layout: a third),
+/// above the GEMM alone and below every member priced alone; the members take no time.
+#[test]
+fn a_swiglu_gemm_absorbs_the_reads_of_its_quantizations() {
+    let (spec, plan) = tiny_llama_tensorwise("scaling: delayed");
+    let program = &plan.programs[0];
+    let mut calibration = bf16_profile(None);
+    calibration.profile.backend = "cuda".into();
+    let costs = ProfileCosts::new(&calibration, &spec);
+    assert!(costs.fuses_optimizer_runs());
+    let runs = crate::ir::swiglu_runs::find_swiglu_runs(program);
+    assert!(!runs.is_empty());
+    let fused = crate::timeline::FusedRuns::of(program, &costs);
+    let seconds = crate::timeline::compute_seconds(program, &costs);
+    for run in &runs {
+        let op = |i: usize| program.instrs[i].op().unwrap();
+        let Some(Role::First(priced)) = fused.role(run.producer, op(run.producer)) else {
+            panic!("the SwiGLU GEMM {} starts its run", run.producer);
+        };
+        assert_eq!(priced.members, run.instructions());
+        let alone = |i: usize| costs.compute(program, &program.instrs[i]);
+        let gemm = alone(run.producer);
+        let members: f64 = run.quantizes.iter().map(|&q| alone(q)).sum();
+        let share = |q: usize| match op(q) {
+            Op::Fp8Quantize(a) if a.direct && a.transposed => 0.5,
+            _ => 1.0 / 3.0,
+        };
+        let expect = gemm + run.quantizes.iter().map(|&q| share(q) * alone(q)).sum::<f64>();
+        assert!(close(priced.seconds, expect), "{} against {expect}", priced.seconds);
+        assert!(gemm < priced.seconds && priced.seconds < gemm + members);
+        assert_eq!(seconds[run.producer], priced.seconds);
+        for &m in &run.instructions()[1..] {
+            assert_eq!(fused.role(m, op(m)), Some(Role::Later));
+            assert_eq!(seconds[m], 0.0);
+        }
+    }
+}
