@@ -282,6 +282,123 @@ fn llama_style_delayed_fp8_matches_cpu_emulation() {
     tensorwise_fp8_matches_cpu_emulation("llama_fp8_delayed", true, Some(4));
 }
 
+/// Delayed FP8 on a Llama-style model in bf16: each SwiGLU GEMM makes the FP8 quantizations of
+/// what its epilogue writes in one pass (`ir::swiglu_runs`, `cuda/swiglu_fp8.rs`), and the
+/// forward and backward give bit for bit what the same program gives with every quantization
+/// and record its own launch: every buffer left at the optimizer phase, the quantized copies,
+/// amax histories and gradients included, from the same parameters, warm histories and tokens.
+/// The fused passes run once a run.
+#[test]
+fn fused_swiglu_quantization_equals_its_ops_run_apart() {
+    let mut s = model_spec(true, 2);
+    s.train.precision = Precision::Bf16;
+    let plan = lower(&tensorwise_fp8(&s, Some(4))).unwrap_or_else(|d| panic!("{:?}", d.items));
+    let program = &plan.programs[0];
+    let runs = parc_compiler::ir::swiglu_runs::find_swiglu_runs(program).len();
+    let gemms = (program.instrs.iter())
+        .filter(|i| !parc_compiler::ir::swiglu_runs::epilogue_outputs(i).is_empty())
+        .count();
+    assert!(
+        runs > 0 && runs == gemms,
+        "{runs} runs of {gemms} SwiGLU GEMMs"
+    );
+    if !gpu_present() {
+        return;
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let fused = forward_backward_on_gpu(program, true);
+        let apart = forward_backward_on_gpu(program, false);
+        assert_eq!((fused.1, apart.1), (runs as u64, 0), "fused passes");
+        assert_eq!(fused.0.len(), apart.0.len());
+        for ((name, a), (_, b)) in fused.0.iter().zip(&apart.0) {
+            assert!(
+                a == b,
+                "{name}: the fused pass differs from the ops run apart"
+            );
+        }
+    }
+}
+
+/// `program` up to its optimizer phase on a bf16 CUDA backend (the SwiGLU FP8 passes fused or
+/// not), from parameters and amax histories of a fixed seed and tokens 0, 7, 14, …: the bits of
+/// every float buffer allocated at the end, by name, and the fused passes run.
+#[cfg(feature = "cuda")]
+fn forward_backward_on_gpu(
+    program: &parc_compiler::ir::Program,
+    fused: bool,
+) -> (Vec<(String, Vec<u32>)>, u64) {
+    use parc_compiler::ir::{BufferId, BufferKind, DType, Instr};
+    use parc_runtime::backend::Backend;
+    let mut gpu = parc_runtime::cuda::CudaBackend::with_precision(0, Precision::Bf16)
+        .unwrap()
+        .with_fused_swiglu_fp8(fused);
+    gpu.prepare(
+        program,
+        &parc_compiler::memplan::plan_program(program).unwrap(),
+    )
+    .unwrap();
+    let (start, _) = gpu_support::optimizer_phase_start(program);
+    let mut allocated = std::collections::HashSet::new();
+    for (i, b) in program.buffers.iter().enumerate() {
+        if !b.kind.is_persistent() {
+            continue;
+        }
+        let id = BufferId(i as u32);
+        gpu.alloc(id, &b.shape, b.dtype).unwrap();
+        allocated.insert(id);
+        let n = b.numel() as usize;
+        let data = match b.kind {
+            BufferKind::Fp8History => gpu_support::uniform(n, i as u64, 0.5, 4.0),
+            _ => gpu_support::uniform(n, i as u64, -0.05, 0.05),
+        };
+        if matches!(b.dtype, DType::F32 | DType::Bf16) {
+            gpu.write_f32(id, &data).unwrap();
+        }
+    }
+    let scalars = parc_runtime::backend::StepScalars {
+        lr: 0.0,
+        step: 1,
+        loss_scale: None,
+    };
+    for (i, instr) in program.instrs[..start].iter().enumerate() {
+        if gpu_support::alloc_or_free(&mut gpu, program, instr, &mut allocated) {
+            continue;
+        }
+        match instr {
+            Instr::Compute {
+                op,
+                inputs,
+                outputs,
+                ..
+            } => {
+                gpu.begin_instruction(i);
+                gpu.compute(op, inputs, outputs, &scalars).unwrap();
+            }
+            Instr::LoadBatch {
+                tokens, targets, ..
+            } => {
+                for id in tokens.iter().chain(targets) {
+                    let n = program.buffer(*id).unwrap().numel() as i32;
+                    let ids: Vec<i32> = (0..n).map(|t| (7 * t) % 96).collect();
+                    gpu.write_i32(*id, &ids).unwrap();
+                }
+            }
+            other => panic!("unexpected instruction before the optimizer phase: {other:?}"),
+        }
+    }
+    let mut bits: Vec<(String, Vec<u32>)> = (allocated.iter())
+        .filter(|id| program.buffer(**id).unwrap().dtype != DType::I32)
+        .map(|&id| {
+            let values = gpu.read_f32(id).unwrap();
+            let name = program.buffer(id).unwrap().name.clone();
+            (name, values.iter().map(|v| v.to_bits()).collect())
+        })
+        .collect();
+    bits.sort();
+    (bits, gpu.fused_swiglu_fp8_passes())
+}
+
 /// Every rank of `s`'s plan on GPU 0, as threads of this process that communicate through host
 /// memory (`--comm local`): several ranks' CUDA programs, their collectives included, checked on
 /// one GPU (NCCL refuses two ranks on one GPU; its max all-reduce is the one tensor parallelism's

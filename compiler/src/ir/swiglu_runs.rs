@@ -34,7 +34,12 @@ pub struct SwigluRun {
 impl SwigluRun {
     /// Every instruction of the run: the producer, then its members in program order.
     pub fn instructions(&self) -> Vec<usize> {
-        let mut members: Vec<usize> = self.quantizes.iter().chain(&self.records).copied().collect();
+        let mut members: Vec<usize> = self
+            .quantizes
+            .iter()
+            .chain(&self.records)
+            .copied()
+            .collect();
         members.sort_unstable();
         std::iter::once(self.producer).chain(members).collect()
     }
@@ -48,9 +53,11 @@ pub fn epilogue_outputs(instr: &Instr) -> Vec<BufferId> {
     };
     match *c.op {
         Op::Matmul { swiglu: true, .. } => c.outputs.get(1).copied().into_iter().collect(),
-        Op::MatmulBwdData { swiglu: true, .. } => {
-            c.outputs.get(..2).map(<[BufferId]>::to_vec).unwrap_or_default()
-        }
+        Op::MatmulBwdData { swiglu: true, .. } => c
+            .outputs
+            .get(..2)
+            .map(<[BufferId]>::to_vec)
+            .unwrap_or_default(),
         _ => Vec::new(),
     }
 }

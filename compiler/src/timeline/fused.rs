@@ -159,7 +159,12 @@ fn fusable(op: &Op) -> bool {
 /// writes take (the bytes of its layouts over those it reads and writes alone: its read of the
 /// tensor is the epilogue's); the records ride on the quantizations at no cost, as alone.
 fn swiglu_run_seconds(program: &Program, costs: &dyn StepCosts, run: &SwigluRun) -> f64 {
-    let price = |at: usize| program.instrs.get(at).map(|i| (i, costs.compute(program, i)));
+    let price = |at: usize| {
+        program
+            .instrs
+            .get(at)
+            .map(|i| (i, costs.compute(program, i)))
+    };
     let bytes = |ids: &[crate::ir::BufferId]| -> f64 {
         (ids.iter())
             .filter_map(|&b| program.buffer(b))

@@ -39,8 +39,12 @@ pub(super) fn activation_grad_in_place(
     be.launch_vec(Kernel::ActivationBwd, dx.len, &args)
 }
 
-/// SwiGLU's gated product apart from the up projection's GEMM: a = silu(gate) ⊙ up.
+/// SwiGLU's gated product apart from the up projection's GEMM: a = silu(gate) ⊙ up (with the
+/// FP8 quantizations of a where the instruction heads a run that takes them: `swiglu_fp8`).
 pub(super) fn swiglu_apart(be: &mut CudaBackend, gate: Buf, up: Buf, a: Buf) -> Result<()> {
+    if be.swiglu_fp8_forward(gate, up, a)? {
+        return Ok(());
+    }
     let args = [fv(gate), fv(up), fv(a), n(a.len)];
     be.launch_vec(Kernel::SwigluFwd, a.len, &args)
 }
@@ -48,13 +52,17 @@ pub(super) fn swiglu_apart(be: &mut CudaBackend, gate: Buf, up: Buf, a: Buf) -> 
 /// SwiGLU's gradient: dgate and dup from the product `dy` (the down projection's data
 /// gradient), gate and up, per element (`swiglu_bwd`). `dy` may be `dgate` itself (the GEMM's
 /// product written there): the kernel reads each element's product before it writes that
-/// element's dgate.
+/// element's dgate. With the FP8 quantizations of dgate and dup where the instruction heads a run
+/// that takes them (`swiglu_fp8`).
 pub(super) fn swiglu_grad(
     be: &mut CudaBackend,
     dy: Buf,
     (gate, up): (Buf, Buf),
     (dgate, dup): (Buf, Buf),
 ) -> Result<()> {
+    if be.swiglu_fp8_backward(dy, (gate, up), (dgate, dup))? {
+        return Ok(());
+    }
     let args = [fv(dy), fv(gate), fv(up), fv(dgate), fv(dup), n(dgate.len)];
     be.launch_vec(Kernel::SwigluBwd, dgate.len, &args)
 }

@@ -59,6 +59,11 @@ impl Records {
     pub(super) fn current(&self) -> usize {
         self.current
     }
+
+    /// `n` records were taken in a fused pass (`swiglu_fp8`), not held.
+    pub(super) fn count_taken(&mut self, n: usize) {
+        self.taken += n as u64;
+    }
 }
 
 impl CudaBackend {

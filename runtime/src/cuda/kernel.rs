@@ -172,6 +172,8 @@ kernels! {
     Fp8QuantizeLines "fp8_quantize_lines",
     Fp8QuantizeCols "fp8_quantize_cols",
     Fp8QuantizeDual "fp8_quantize_dual",
+    SwigluFwdFp8 "swiglu_fwd_fp8",
+    SwigluBwdFp8 "swiglu_bwd_fp8",
     Fp8Scales "fp8_scales",
     Fp8HistoryRoll "fp8_history_roll",
     Fp8HistoryRolls "fp8_history_rolls",

@@ -87,6 +87,7 @@ mod staging;
 mod storage;
 mod stream;
 mod sum_squares;
+mod swiglu_fp8;
 mod tma;
 mod variants;
 
@@ -214,6 +215,7 @@ pub struct CudaBackend {
     scale_amaxes: scale_amax::ScaleAmaxes,
     /// Delayed FP8 scaling's records held for the GEMMs that take them (`fp8_record`).
     records: fp8_record::Records,
+    swiglu_runs: swiglu_fp8::SwigluRuns,
     /// Delayed FP8 scaling's runs of history rolls, each made in one launch (`fp8_roll`).
     rolls: fp8_roll::Rolls,
     ctx: Arc<CudaContext>,
@@ -325,6 +327,7 @@ impl CudaBackend {
             staging: staging::Staging::default(),
             scale_amaxes: scale_amax::ScaleAmaxes::default(),
             records: fp8_record::Records::default(),
+            swiglu_runs: swiglu_fp8::SwigluRuns::new(true),
             rolls: fp8_roll::Rolls::default(),
         })
     }
@@ -663,6 +666,7 @@ impl Backend for CudaBackend {
         }
         self.prepare_fused_optimizer(program)?;
         self.records.prepare(program);
+        self.swiglu_runs.prepare(program);
         self.prepare_rolls(program)?;
         self.prepare_fused_sum_squares(program)
     }
@@ -749,6 +753,9 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         if self.fused_optimizer(op, inputs, outputs, scalars)? {
+            return Ok(());
+        }
+        if self.swiglu_runs.absorbed(self.records.current()) {
             return Ok(());
         }
         self.order_after_comm(inputs.iter().chain(outputs).copied())?;

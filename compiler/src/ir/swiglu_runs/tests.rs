@@ -1,8 +1,8 @@
 use super::*;
 use crate::driver::{compile, CompileOptions, Stage};
 use crate::ir::fp8::{Fp8Format, Fp8HistoryAttrs, Fp8QuantizeAttrs};
-use crate::ir::{Buffer, BufferKind, DType};
 use crate::ir::Plan;
+use crate::ir::{Buffer, BufferKind, DType};
 
 /// tiny-llama in bf16 with every attention and MLP GEMM in tensorwise FP8 of `fields`.
 fn tiny_llama(fields: &str) -> Plan {
@@ -44,16 +44,32 @@ fn delayed_scaling_puts_every_quantization_of_a_swiglu_epilogue_in_its_run() {
         assert_eq!(run.quantizes.len(), expect, "{run:?}");
         assert_eq!(run.records.len(), expect, "{run:?}");
         let all = run.instructions();
-        assert_eq!(all, (run.producer..run.producer + all.len()).collect::<Vec<_>>());
+        assert_eq!(
+            all,
+            (run.producer..run.producer + all.len()).collect::<Vec<_>>()
+        );
         for &q in &run.quantizes {
             assert!(matches!(op_at(program, q), Op::Fp8Quantize(_)));
         }
     }
     let absorbed: Vec<usize> = runs.iter().flat_map(|r| r.quantizes.clone()).collect();
     for (at, c) in program.computes() {
-        let reads_epilogue = |p: &Instr| c.inputs.first().is_some_and(|x| epilogue_outputs(p).contains(x));
-        if matches!(*c.op, Op::Fp8Quantize(_)) && program.instrs[..at].iter().rev().take(8).any(reads_epilogue) {
-            assert!(absorbed.contains(&at), "quantization {at} of an epilogue's output is in no run");
+        let reads_epilogue = |p: &Instr| {
+            c.inputs
+                .first()
+                .is_some_and(|x| epilogue_outputs(p).contains(x))
+        };
+        if matches!(*c.op, Op::Fp8Quantize(_))
+            && program.instrs[..at]
+                .iter()
+                .rev()
+                .take(8)
+                .any(reads_epilogue)
+        {
+            assert!(
+                absorbed.contains(&at),
+                "quantization {at} of an epilogue's output is in no run"
+            );
         }
     }
 }

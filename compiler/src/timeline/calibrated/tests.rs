@@ -889,8 +889,17 @@ fn a_swiglu_gemm_absorbs_the_reads_of_its_quantizations() {
             Op::Fp8Quantize(a) if a.direct && a.transposed => 0.5,
             _ => 1.0 / 3.0,
         };
-        let expect = gemm + run.quantizes.iter().map(|&q| share(q) * alone(q)).sum::<f64>();
-        assert!(close(priced.seconds, expect), "{} against {expect}", priced.seconds);
+        let expect = gemm
+            + run
+                .quantizes
+                .iter()
+                .map(|&q| share(q) * alone(q))
+                .sum::<f64>();
+        assert!(
+            close(priced.seconds, expect),
+            "{} against {expect}",
+            priced.seconds
+        );
         assert!(gemm < priced.seconds && priced.seconds < gemm + members);
         assert_eq!(seconds[run.producer], priced.seconds);
         for &m in &run.instructions()[1..] {

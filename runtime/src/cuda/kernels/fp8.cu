@@ -371,6 +371,49 @@ __device__ __forceinline__ void fp8_dual_widen(const uint4 (&raw)[bf16 ? 1 : 2],
     for (int e = 0; e < 8; e++) v[e] = __uint_as_float(bf16 ? (e & 1 ? w[e / 2] & 0xffff0000u : w[e / 2] << 16) : w[e]);
 }
 
+// The FP8 bytes of a tile in shared memory (`span` * 8 rows by FP8_DUAL_COLS columns, each row's
+// words swizzled by fp8_dual_word), rows r0.. and columns c0.. of a [rows, cols] tensor, stored
+// transposed into qt [cols, rows]: each thread reads 4 columns x `span` rows of it (4-byte
+// words), transposes them with byte permutes and writes them to 4 rows of qt (16-byte stores
+// where `qt16`: qt 16-byte aligned and rows a multiple of 16; else 8-byte stores where `qt8`;
+// else, at the edges, a byte at a time). Every thread of the block (FP8_DUAL_THREADS) calls it
+// after a barrier that follows the tile's writes.
+template <int span>
+__device__ __forceinline__ void fp8_tile_store_t(unsigned int (*tile)[FP8_DUAL_COLS / 4], unsigned char* qt,
+                                                 long long rows, long long cols, long long r0, long long c0,
+                                                 bool qt8, bool qt16) {
+    int tk = threadIdx.x & 7, tg = threadIdx.x >> 3;
+    unsigned int w[span];
+#pragma unroll
+    for (int e = 0; e < span; e++) w[e] = tile[span * tk + e][fp8_dual_word<span>(span * tk + e, tg)];
+    long long r = r0 + span * tk;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        long long cj = c0 + 4 * tg + j;
+        if (cj >= cols || r >= rows) continue;
+        unsigned int col[span / 4];
+#pragma unroll
+        for (int h = 0; h < span / 4; h++) col[h] = fp8_column4(w[4 * h], w[4 * h + 1], w[4 * h + 2], w[4 * h + 3], j);
+        unsigned char* line = qt + cj * rows + r;
+        if constexpr (span == 16) {
+            if (qt16 && r + 16 <= rows) {
+                *(uint4*)line = make_uint4(col[0], col[1], col[2], col[3]);
+                continue;
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < span / 8; h++) {
+            if (r + 8 * h >= rows) break;
+            uint2 b = make_uint2(col[2 * h], col[2 * h + 1]);
+            if (qt8 && r + 8 * h + 8 <= rows) {
+                *(uint2*)(line + 8 * h) = b;
+            } else {
+                for (int e = 0; e < 8 && r + 8 * h + e < rows; e++) line[8 * h + e] = (unsigned char)((e < 4 ? b.x : b.y) >> (8 * (e & 3)));
+            }
+        }
+    }
+}
+
 // fp8_quantize_dual's tiles for an x of one type: FP8_DUAL_PASSES(bf16) x 16 rows by
 // FP8_DUAL_COLS columns, one tile per block where the grid covers them (the host's launch),
 // else grid-stride. Returns the thread's largest finite magnitude of x where `record`.
@@ -392,8 +435,6 @@ __device__ __forceinline__ unsigned int fp8_dual_tiles(Fv x, long long rows, lon
     int t = threadIdx.x;
     // Reading: vector `rv` of tile rows `rr`, rr + FP8_DUAL_PASS, ...
     int rv = t % (FP8_DUAL_COLS / 8), rr = t / (FP8_DUAL_COLS / 8);
-    // Transposing: rows span tk .. span tk + span - 1 of tile columns 4 tg .. 4 tg + 3.
-    int tk = t & 7, tg = t >> 3;
     unsigned int m = 0;
     for (long long i = blockIdx.x; i < tiles; i += gridDim.x) {
         long long r0 = i / col_tiles * tile_rows, c0 = i % col_tiles * FP8_DUAL_COLS;
@@ -426,35 +467,7 @@ __device__ __forceinline__ unsigned int fp8_dual_tiles(Fv x, long long rows, lon
         }
         if (!qt) continue;
         __syncthreads();
-        unsigned int w[span];
-#pragma unroll
-        for (int e = 0; e < span; e++) w[e] = tile[span * tk + e][fp8_dual_word<span>(span * tk + e, tg)];
-        long long r = r0 + span * tk;
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            long long cj = c0 + 4 * tg + j;
-            if (cj >= cols || r >= rows) continue;
-            unsigned int col[span / 4];
-#pragma unroll
-            for (int h = 0; h < span / 4; h++) col[h] = fp8_column4(w[4 * h], w[4 * h + 1], w[4 * h + 2], w[4 * h + 3], j);
-            unsigned char* line = qt + cj * rows + r;
-            if constexpr (span == 16) {
-                if (qt16 && r + 16 <= rows) {
-                    *(uint4*)line = make_uint4(col[0], col[1], col[2], col[3]);
-                    continue;
-                }
-            }
-#pragma unroll
-            for (int h = 0; h < span / 8; h++) {
-                if (r + 8 * h >= rows) break;
-                uint2 b = make_uint2(col[2 * h], col[2 * h + 1]);
-                if (qt8 && r + 8 * h + 8 <= rows) {
-                    *(uint2*)(line + 8 * h) = b;
-                } else {
-                    for (int e = 0; e < 8 && r + 8 * h + e < rows; e++) line[8 * h + e] = (unsigned char)((e < 4 ? b.x : b.y) >> (8 * (e & 3)));
-                }
-            }
-        }
+        fp8_tile_store_t<span>(tile, qt, rows, cols, r0, c0, qt8, qt16);
     }
     return m;
 }
@@ -485,6 +498,153 @@ extern "C" __global__ void __launch_bounds__(FP8_DUAL_THREADS, 3) fp8_quantize_d
     unsigned int m = x.bf16 ? fp8_dual_tiles<true>(x, rows, cols, s, e5m2, q, qt, record != nullptr, tile)
                             : fp8_dual_tiles<false>(x, rows, cols, s, e5m2, q, qt, record != nullptr, tile);
     if (record) fp8_block_max_into(record, m);
+}
+
+// ---------------------------------------------------------------- SwiGLU epilogues into FP8
+// A GEMM's SwiGLU epilogue making the FP8 quantizations of what it writes in the same pass
+// (parc_compiler::ir::swiglu_runs; cuda/swiglu_fp8.rs): each element is computed as swiglu_fwd
+// and swiglu_bwd compute it, stored in its tensor's type, and the stored value quantized as
+// fp8_quantize_dual quantizes it (the same bytes), its largest finite magnitude recorded where
+// a record rides on the quantization. Tiles of SWIGLU_FP8_ROWS rows by FP8_DUAL_COLS columns,
+// one a block as the host launches them; every input and output of one type (`bf16`), cols a
+// multiple of 8 and every tensor 16-byte aligned (the host checks, else runs them apart).
+#define SWIGLU_FP8_PASSES 4
+#define SWIGLU_FP8_ROWS (SWIGLU_FP8_PASSES * FP8_DUAL_PASS)
+
+// One output's quantization: its layouts (null: not written), scale, format and record.
+struct SwigluFp8Out {
+    unsigned char* q;
+    unsigned char* qt;
+    unsigned int* record;
+    float s;
+    int e5m2;
+};
+
+__device__ __forceinline__ SwigluFp8Out swiglu_fp8_out(const unsigned int* amax, float maxv, int e5m2,
+                                                       unsigned char* q, unsigned char* qt, unsigned int* record) {
+    SwigluFp8Out o;
+    o.q = q;
+    o.qt = qt;
+    o.record = record;
+    o.s = amax ? fp8_scale(amax[0], maxv) : 1.0f;
+    o.e5m2 = e5m2;
+    return o;
+}
+
+// The tiles of one launch: `ins` inputs x (forward: gate, up; backward: dy, gate, up), `outs`
+// outputs y (forward: a; backward: dgate, dup; dgate may be dy itself: each thread reads its
+// elements before it writes them), their quantizations d. Returns each output's thread maximum.
+template <bool bf16, bool bwd>
+__device__ __forceinline__ void swiglu_fp8_tiles(const Fv (&x)[3], const Fv (&y)[2], long long rows, long long cols,
+                                                 const SwigluFp8Out (&d)[2], unsigned int (&m)[2],
+                                                 unsigned int (*tiles)[SWIGLU_FP8_ROWS][FP8_DUAL_COLS / 4]) {
+    constexpr int passes = SWIGLU_FP8_PASSES, vecs = bf16 ? 1 : 2, ins = bwd ? 3 : 2, outs = bwd ? 2 : 1;
+    constexpr int span = SWIGLU_FP8_ROWS / 8;
+    bool any_qt = false;
+#pragma unroll
+    for (int o = 0; o < outs; o++) any_qt |= d[o].qt != nullptr;
+    long long col_tiles = (cols + FP8_DUAL_COLS - 1) / FP8_DUAL_COLS;
+    long long count = (rows + SWIGLU_FP8_ROWS - 1) / SWIGLU_FP8_ROWS * col_tiles;
+    int t = threadIdx.x;
+    int rv = t % (FP8_DUAL_COLS / 8), rr = t / (FP8_DUAL_COLS / 8);
+    for (long long i = blockIdx.x; i < count; i += gridDim.x) {
+        long long r0 = i / col_tiles * SWIGLU_FP8_ROWS, c0 = i % col_tiles * FP8_DUAL_COLS;
+        long long c = c0 + 8 * rv;
+        int valid = c < cols ? 8 : 0;
+        uint4 raw[passes][ins][vecs];
+#pragma unroll
+        for (int p = 0; p < passes; p++) {
+            long long r = r0 + rr + p * FP8_DUAL_PASS;
+#pragma unroll
+            for (int k = 0; k < ins; k++) fp8_dual_load<bf16>(x[k], r * cols + c, r < rows ? valid : 0, true, raw[p][k]);
+        }
+        // The previous tile's transposed reads are done before its bytes are overwritten.
+        if (any_qt) __syncthreads();
+#pragma unroll
+        for (int p = 0; p < passes; p++) {
+            int row = rr + p * FP8_DUAL_PASS;
+            long long r = r0 + row;
+            float a[ins][8], v[outs][8];
+#pragma unroll
+            for (int k = 0; k < ins; k++) fp8_dual_widen<bf16>(raw[p][k], a[k]);
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                if constexpr (bwd) {
+                    swiglu_bwd_element(a[0][e], a[1][e], a[2][e], v[0][e], v[outs - 1][e]);
+                } else {
+                    v[0][e] = a[0][e] * sigmoid_f(a[0][e]) * a[1][e];
+                }
+            }
+#pragma unroll
+            for (int o = 0; o < outs; o++) {
+                F8 stored;
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    stored.v[e] = bf16 ? widen_bf16(round_bf16(v[o][e])) : v[o][e];
+                    v[o][e] = stored.v[e];
+                }
+                if (r < rows && valid) st8(y[o], (r * cols + c) / 8, stored);
+                if (!d[o].q && !d[o].qt) continue;
+                float s8[8] = {d[o].s, d[o].s, d[o].s, d[o].s, d[o].s, d[o].s, d[o].s, d[o].s};
+                uint2 b = fp8_pack8(v[o], s8, 8, d[o].e5m2);
+                if (d[o].record && r < rows) m[o] = fp8_finite_max(m[o], v[o]);
+                if (d[o].q && r < rows && valid) *(uint2*)(d[o].q + r * cols + c) = b;
+                if (d[o].qt) *(uint2*)&tiles[o][row][fp8_dual_word<span>(row, 2 * rv)] = b;
+            }
+        }
+        if (!any_qt) continue;
+        __syncthreads();
+        bool qt8 = rows % 8 == 0;
+#pragma unroll
+        for (int o = 0; o < outs; o++) {
+            if (d[o].qt) fp8_tile_store_t<span>(tiles[o], d[o].qt, rows, cols, r0, c0, qt8 && ((unsigned long long)d[o].qt & 7ull) == 0, false);
+        }
+    }
+}
+
+// Each output's record: its block maximum max-added into the step amax (fp8_block_max_into,
+// whose shared slots are free again after the barrier).
+template <int outs>
+__device__ __forceinline__ void swiglu_fp8_records(const SwigluFp8Out (&d)[2], const unsigned int (&m)[2]) {
+#pragma unroll
+    for (int o = 0; o < outs; o++) {
+        if (!d[o].record) continue;
+        __syncthreads();
+        fp8_block_max_into(d[o].record, m[o]);
+    }
+}
+
+// The forward: a = silu(gate) ⊙ up [rows, cols], quantized with the scale of amax[0] into q
+// and/or qt, a record into `record`.
+extern "C" __global__ void __launch_bounds__(FP8_DUAL_THREADS) swiglu_fwd_fp8(
+    Fv gate, Fv up, Fv a, long long rows, long long cols, const unsigned int* amax, float maxv, int e5m2,
+    unsigned char* q, unsigned char* qt, unsigned int* record) {
+    __shared__ __align__(16) unsigned int tiles[1][SWIGLU_FP8_ROWS][FP8_DUAL_COLS / 4];
+    const Fv x[3] = {gate, up, up};
+    const Fv y[2] = {a, a};
+    const SwigluFp8Out d[2] = {swiglu_fp8_out(amax, maxv, e5m2, q, qt, record),
+                               swiglu_fp8_out(nullptr, maxv, e5m2, nullptr, nullptr, nullptr)};
+    unsigned int m[2] = {0u, 0u};
+    if (a.bf16) swiglu_fp8_tiles<true, false>(x, y, rows, cols, d, m, tiles);
+    else swiglu_fp8_tiles<false, false>(x, y, rows, cols, d, m, tiles);
+    swiglu_fp8_records<1>(d, m);
+}
+
+// The backward: dgate and dup from the product dy (may be dgate itself), gate and up, each
+// quantized with the scale of its amax (null: not quantized) into its layouts, with its record.
+extern "C" __global__ void __launch_bounds__(FP8_DUAL_THREADS) swiglu_bwd_fp8(
+    Fv dy, Fv gate, Fv up, Fv dgate, Fv dup, long long rows, long long cols,
+    const unsigned int* amax_g, float maxv_g, int e5m2_g, unsigned char* qg, unsigned char* qgt, unsigned int* record_g,
+    const unsigned int* amax_u, float maxv_u, int e5m2_u, unsigned char* qu, unsigned char* qut, unsigned int* record_u) {
+    __shared__ __align__(16) unsigned int tiles[2][SWIGLU_FP8_ROWS][FP8_DUAL_COLS / 4];
+    const Fv x[3] = {dy, gate, up};
+    const Fv y[2] = {dgate, dup};
+    const SwigluFp8Out d[2] = {swiglu_fp8_out(amax_g, maxv_g, e5m2_g, qg, qgt, record_g),
+                               swiglu_fp8_out(amax_u, maxv_u, e5m2_u, qu, qut, record_u)};
+    unsigned int m[2] = {0u, 0u};
+    if (dgate.bf16) swiglu_fp8_tiles<true, true>(x, y, rows, cols, d, m, tiles);
+    else swiglu_fp8_tiles<false, true>(x, y, rows, cols, d, m, tiles);
+    swiglu_fp8_records<2>(d, m);
 }
 
 // The dequantization factors 1 / s (exact: s is a power of two) in cuBLASLt's layout for the

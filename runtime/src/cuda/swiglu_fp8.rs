@@ -1,0 +1,305 @@
+//! A GEMM's SwiGLU epilogue with the FP8 quantizations of what it writes, in one pass
+//! (`parc_compiler::ir::swiglu_runs`; `swiglu_fwd_fp8` and `swiglu_bwd_fp8` in
+//! `kernels/fp8.cu`). At `prepare` the runs of the program are found; when the GEMM that heads
+//! one runs its epilogue (`epilogue::swiglu_apart` or `swiglu_grad`), the kernel computes the
+//! gated product (or dgate and dup), stores it, quantizes the stored values into each member's
+//! layouts with its scale amax and max-adds the records that ride on them, and the members'
+//! instructions then do nothing. The bytes are those the members make alone (the CPU backend
+//! runs them so; the GPU tests compare). Where a run cannot take the fused pass (storage types
+//! that differ, columns not a multiple of 8, unaligned or missing buffers), the epilogue runs
+//! alone and the members run as instructions of their own.
+use super::args::fv;
+use super::kernel::Kernel;
+use super::{Arg, Buf, CudaBackend};
+use crate::error::Result;
+use cudarc::driver::sys::CUdeviceptr;
+use parc_compiler::ir::fp8::Fp8Format;
+use parc_compiler::ir::op::Op;
+use parc_compiler::ir::swiglu_runs::find_swiglu_runs;
+use parc_compiler::ir::{BufferId, DType, Program};
+use std::collections::HashMap;
+
+/// Threads of a block and the rows and columns of a tile (`kernels/fp8.cu`).
+const THREADS: u32 = 256;
+const TILE_ROWS: u64 = 64;
+const TILE_COLS: u64 = 128;
+
+/// The runs of the prepared program, by their GEMM's instruction.
+#[derive(Default)]
+pub(super) struct SwigluRuns {
+    enabled: bool,
+    by_producer: HashMap<usize, PreparedRun>,
+    /// The members of the run whose fused pass ran last: they do nothing.
+    absorbed: Vec<usize>,
+    /// Fused passes launched so far (for tests).
+    launched: u64,
+}
+
+/// One member quantization: the epilogue output it reads, its scale amax, format, layouts,
+/// the history a record riding on it adds into, and x's columns.
+#[derive(Clone, Copy, Debug)]
+struct Member {
+    x: BufferId,
+    amax: BufferId,
+    format: Fp8Format,
+    q: Option<BufferId>,
+    qt: Option<BufferId>,
+    history: Option<BufferId>,
+    cols: u64,
+}
+
+#[derive(Clone, Debug)]
+struct PreparedRun {
+    members: Vec<Member>,
+    /// The instructions the fused pass makes (records and quantizations).
+    instructions: Vec<usize>,
+}
+
+/// One member's quantization as the kernel takes it (all null: not quantized).
+#[derive(Clone, Copy, Default)]
+struct Dest {
+    amax: CUdeviceptr,
+    maxv: f32,
+    e5m2: bool,
+    q: CUdeviceptr,
+    qt: CUdeviceptr,
+    record: CUdeviceptr,
+}
+
+impl SwigluRuns {
+    /// On by default; `false` runs every member alone (to compare).
+    pub(super) fn new(enabled: bool) -> SwigluRuns {
+        SwigluRuns {
+            enabled,
+            ..SwigluRuns::default()
+        }
+    }
+
+    /// Finds the runs of `program`.
+    pub(super) fn prepare(&mut self, program: &Program) {
+        self.by_producer.clear();
+        self.absorbed.clear();
+        if !self.enabled {
+            return;
+        }
+        for run in find_swiglu_runs(program) {
+            let member = |at: usize| -> Option<Member> {
+                let c = program.instrs.get(at)?.as_compute()?;
+                let Op::Fp8Quantize(a) = *c.op else {
+                    return None;
+                };
+                let mut outputs = c.outputs.iter().copied();
+                let q = a.direct.then(|| outputs.next()).flatten();
+                let qt = a.transposed.then(|| outputs.next()).flatten();
+                let x = *c.inputs.first()?;
+                let history = (run.records.iter())
+                    .filter_map(|&r| program.instrs.get(r)?.as_compute())
+                    .find(|r| r.inputs.first() == Some(&x))
+                    .and_then(|r| r.outputs.first().copied());
+                Some(Member {
+                    x,
+                    amax: *c.inputs.get(1)?,
+                    format: a.format,
+                    q,
+                    qt,
+                    history,
+                    cols: a.cols,
+                })
+            };
+            let Some(members) = run.quantizes.iter().map(|&q| member(q)).collect() else {
+                continue;
+            };
+            let instructions = run.instructions()[1..].to_vec();
+            self.by_producer.insert(
+                run.producer,
+                PreparedRun {
+                    members,
+                    instructions,
+                },
+            );
+        }
+    }
+
+    /// Whether instruction `index` was made by the last fused pass.
+    pub(super) fn absorbed(&self, index: usize) -> bool {
+        self.absorbed.contains(&index)
+    }
+}
+
+impl CudaBackend {
+    /// `false`: run SwiGLU epilogues and the quantizations of what they write apart (to
+    /// compare). Takes effect at `prepare`.
+    pub fn with_fused_swiglu_fp8(mut self, fused: bool) -> CudaBackend {
+        self.swiglu_runs = SwigluRuns::new(fused);
+        self
+    }
+
+    /// How many fused SwiGLU-and-quantize passes have run (for tests).
+    pub fn fused_swiglu_fp8_passes(&self) -> u64 {
+        self.swiglu_runs.launched
+    }
+
+    /// The forward epilogue a = silu(gate) ⊙ up with its run's quantizations, if the
+    /// instruction running now heads a run that can take the fused pass. False: the caller
+    /// runs the epilogue alone (and the members run themselves).
+    pub(super) fn swiglu_fp8_forward(&mut self, gate: Buf, up: Buf, a: Buf) -> Result<bool> {
+        let Some((run, dests)) = self.fused_dests(&[a], &[gate, up])? else {
+            return Ok(false);
+        };
+        let [d, _] = dests;
+        let args = [
+            fv(gate),
+            fv(up),
+            fv(a),
+            Arg::I64(run.rows as i64),
+            Arg::I64(run.cols as i64),
+            Arg::Ptr(d.amax),
+            Arg::F32(d.maxv),
+            Arg::I32(i32::from(d.e5m2)),
+            Arg::Ptr(d.q),
+            Arg::Ptr(d.qt),
+            Arg::Ptr(d.record),
+        ];
+        self.launch_swiglu_fp8(Kernel::SwigluFwdFp8, run, &args)?;
+        Ok(true)
+    }
+
+    /// The backward epilogue (dgate and dup from the product `dy`, which may be dgate) with its
+    /// run's quantizations, as [`CudaBackend::swiglu_fp8_forward`].
+    pub(super) fn swiglu_fp8_backward(
+        &mut self,
+        dy: Buf,
+        (gate, up): (Buf, Buf),
+        (dgate, dup): (Buf, Buf),
+    ) -> Result<bool> {
+        let Some((run, [g, u])) = self.fused_dests(&[dgate, dup], &[dy, gate, up])? else {
+            return Ok(false);
+        };
+        let mut args = vec![
+            fv(dy),
+            fv(gate),
+            fv(up),
+            fv(dgate),
+            fv(dup),
+            Arg::I64(run.rows as i64),
+            Arg::I64(run.cols as i64),
+        ];
+        for d in [g, u] {
+            args.extend([
+                Arg::Ptr(d.amax),
+                Arg::F32(d.maxv),
+                Arg::I32(i32::from(d.e5m2)),
+                Arg::Ptr(d.q),
+                Arg::Ptr(d.qt),
+                Arg::Ptr(d.record),
+            ]);
+        }
+        self.launch_swiglu_fp8(Kernel::SwigluBwdFp8, run, &args)?;
+        Ok(true)
+    }
+
+    fn launch_swiglu_fp8(&mut self, kernel: Kernel, run: Shape, args: &[Arg]) -> Result<()> {
+        let tiles = run.rows.div_ceil(TILE_ROWS) * run.cols.div_ceil(TILE_COLS);
+        let blocks = tiles.min(i32::MAX as u64) as u32;
+        self.launch(kernel, (blocks, 1, 1), (THREADS, 1, 1), 0, args)?;
+        self.swiglu_runs.launched += 1;
+        Ok(())
+    }
+
+    /// For the run the instruction running now heads, where `outputs` are its epilogue's
+    /// outputs in order and `inputs` what the epilogue reads: the shape and each output's
+    /// quantization, once every member's buffers check; the members are then absorbed. None
+    /// where the instruction heads no run or the run cannot take the fused pass.
+    fn fused_dests(
+        &mut self,
+        outputs: &[Buf],
+        inputs: &[Buf],
+    ) -> Result<Option<(Shape, [Dest; 2])>> {
+        self.swiglu_runs.absorbed.clear();
+        let current = self.records.current();
+        let Some(run) = self.swiglu_runs.by_producer.get(&current).cloned() else {
+            return Ok(None);
+        };
+        let Some(shape) = fusable_shape(outputs, inputs, &run.members) else {
+            return Ok(None);
+        };
+        let mut dests = [Dest::default(); 2];
+        for m in &run.members {
+            let Some(slot) = outputs.iter().position(|o| o.id == m.x) else {
+                return Ok(None);
+            };
+            let Some(d) = self.dest(m, outputs[slot].len) else {
+                return Ok(None);
+            };
+            dests[slot] = d;
+        }
+        let touched: Vec<BufferId> = (run.members.iter())
+            .flat_map(|m| [Some(m.amax), m.q, m.qt, m.history])
+            .flatten()
+            .collect();
+        self.order_after_comm(touched.iter().copied())?;
+        self.records
+            .count_taken(run.members.iter().filter(|m| m.history.is_some()).count());
+        self.swiglu_runs.absorbed = run.instructions;
+        Ok(Some((shape, dests)))
+    }
+
+    /// Member `m`'s device pointers, each buffer allocated and of its kind (an FP8 layout of
+    /// `len` elements, aligned for the kernel's 8-byte stores; a one-element f32 amax; an f32
+    /// history). None otherwise.
+    fn dest(&self, m: &Member, len: usize) -> Option<Dest> {
+        let layout = |id: Option<BufferId>| -> Option<CUdeviceptr> {
+            let Some(id) = id else { return Some(0) };
+            let b = self.buf(id).ok()?;
+            (b.dtype == DType::Fp8(m.format) && b.len == len && b.ptr % 8 == 0).then_some(b.ptr)
+        };
+        let amax = self
+            .buf(m.amax)
+            .ok()
+            .filter(|b| b.dtype == DType::F32 && b.len >= 1)?;
+        let record = match m.history {
+            Some(h) => {
+                let b = self
+                    .buf(h)
+                    .ok()
+                    .filter(|b| b.dtype == DType::F32 && b.len >= 1)?;
+                b.ptr
+            }
+            None => 0,
+        };
+        Some(Dest {
+            amax: amax.ptr,
+            maxv: m.format.max(),
+            e5m2: m.format == Fp8Format::E5m2,
+            q: layout(m.q)?,
+            qt: layout(m.qt)?,
+            record,
+        })
+    }
+}
+
+/// The rows and columns an epilogue's outputs are quantized as.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    rows: u64,
+    cols: u64,
+}
+
+/// The shape of a run whose epilogue reads `inputs` and writes `outputs` (all of one length
+/// and one storage type, f32 or bf16, 16-byte aligned), quantized by `members` at one number of
+/// columns, a multiple of 8. None where the fused pass cannot take them.
+fn fusable_shape(outputs: &[Buf], inputs: &[Buf], members: &[Member]) -> Option<Shape> {
+    let first = outputs.first()?;
+    let cols = members.first()?.cols;
+    let all = outputs.iter().chain(inputs);
+    let alike = all
+        .clone()
+        .all(|b| b.len == first.len && b.dtype == first.dtype && b.ptr % 16 == 0);
+    let storage = matches!(first.dtype, DType::F32 | DType::Bf16);
+    let columns = cols > 0 && cols % 8 == 0 && members.iter().all(|m| m.cols == cols);
+    let whole = columns && first.len as u64 % cols == 0;
+    (alike && storage && whole).then(|| Shape {
+        rows: first.len as u64 / cols,
+        cols,
+    })
+}
