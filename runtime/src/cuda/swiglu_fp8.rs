@@ -10,6 +10,7 @@
 //! alone and the members run as instructions of their own.
 use super::args::fv;
 use super::kernel::Kernel;
+use super::variants::SwigluFp8Kernel;
 use super::{Arg, Buf, CudaBackend};
 use crate::error::Result;
 use cudarc::driver::sys::CUdeviceptr;
@@ -143,7 +144,11 @@ impl CudaBackend {
     /// instruction running now heads a run that can take the fused pass. False: the caller
     /// runs the epilogue alone (and the members run themselves).
     pub(super) fn swiglu_fp8_forward(&mut self, gate: Buf, up: Buf, a: Buf) -> Result<bool> {
-        let Some((run, dests)) = self.fused_dests(&[a], &[gate, up])? else {
+        let fused = matches!(
+            self.variants.swiglu_fp8,
+            SwigluFp8Kernel::Fused | SwigluFp8Kernel::Forward
+        );
+        let Some((run, dests)) = self.fused_dests(fused, &[a], &[gate, up])? else {
             return Ok(false);
         };
         let [d, _] = dests;
@@ -172,7 +177,11 @@ impl CudaBackend {
         (gate, up): (Buf, Buf),
         (dgate, dup): (Buf, Buf),
     ) -> Result<bool> {
-        let Some((run, [g, u])) = self.fused_dests(&[dgate, dup], &[dy, gate, up])? else {
+        let fused = matches!(
+            self.variants.swiglu_fp8,
+            SwigluFp8Kernel::Fused | SwigluFp8Kernel::Backward
+        );
+        let Some((run, [g, u])) = self.fused_dests(fused, &[dgate, dup], &[dy, gate, up])? else {
             return Ok(false);
         };
         let mut args = vec![
@@ -212,10 +221,14 @@ impl CudaBackend {
     /// where the instruction heads no run or the run cannot take the fused pass.
     fn fused_dests(
         &mut self,
+        fused: bool,
         outputs: &[Buf],
         inputs: &[Buf],
     ) -> Result<Option<(Shape, [Dest; 2])>> {
         self.swiglu_runs.absorbed.clear();
+        if !fused {
+            return Ok(None);
+        }
         let current = self.records.current();
         let Some(run) = self.swiglu_runs.by_producer.get(&current).cloned() else {
             return Ok(None);
