@@ -144,9 +144,10 @@ impl CudaBackend {
     /// instruction running now heads a run that can take the fused pass. False: the caller
     /// runs the epilogue alone (and the members run themselves).
     pub(super) fn swiglu_fp8_forward(&mut self, gate: Buf, up: Buf, a: Buf) -> Result<bool> {
+        let variant = self.variants.swiglu_fp8;
         let fused = matches!(
-            self.variants.swiglu_fp8,
-            SwigluFp8Kernel::Fused | SwigluFp8Kernel::Forward
+            variant,
+            SwigluFp8Kernel::Fused | SwigluFp8Kernel::FusedTlp | SwigluFp8Kernel::Forward
         );
         let Some((run, dests)) = self.fused_dests(fused, &[a], &[gate, up])? else {
             return Ok(false);
@@ -165,7 +166,11 @@ impl CudaBackend {
             Arg::Ptr(d.qt),
             Arg::Ptr(d.record),
         ];
-        self.launch_swiglu_fp8(Kernel::SwigluFwdFp8, run, &args)?;
+        let kernel = match variant {
+            SwigluFp8Kernel::FusedTlp => Kernel::SwigluFwdFp8Tlp,
+            _ => Kernel::SwigluFwdFp8,
+        };
+        self.launch_swiglu_fp8(kernel, run, &args)?;
         Ok(true)
     }
 
@@ -177,9 +182,10 @@ impl CudaBackend {
         (gate, up): (Buf, Buf),
         (dgate, dup): (Buf, Buf),
     ) -> Result<bool> {
+        let variant = self.variants.swiglu_fp8;
         let fused = matches!(
-            self.variants.swiglu_fp8,
-            SwigluFp8Kernel::Fused | SwigluFp8Kernel::Backward
+            variant,
+            SwigluFp8Kernel::Fused | SwigluFp8Kernel::FusedTlp | SwigluFp8Kernel::Backward
         );
         let Some((run, [g, u])) = self.fused_dests(fused, &[dgate, dup], &[dy, gate, up])? else {
             return Ok(false);
@@ -203,7 +209,11 @@ impl CudaBackend {
                 Arg::Ptr(d.record),
             ]);
         }
-        self.launch_swiglu_fp8(Kernel::SwigluBwdFp8, run, &args)?;
+        let kernel = match variant {
+            SwigluFp8Kernel::FusedTlp => Kernel::SwigluBwdFp8Tlp,
+            _ => Kernel::SwigluBwdFp8,
+        };
+        self.launch_swiglu_fp8(kernel, run, &args)?;
         Ok(true)
     }
 

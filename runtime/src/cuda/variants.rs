@@ -195,7 +195,7 @@ variants! {
         Forward "forward", Split "split"
     }
     swiglu_fp8: SwigluFp8Kernel "swiglu_fp8" "PARC_SWIGLU_FP8_KERNEL" {
-        Fused "fused", Apart "apart", Forward "forward", Backward "backward"
+        Fused "fused", FusedTlp "fused_tlp", Apart "apart", Forward "forward", Backward "backward"
     }
 }
 
