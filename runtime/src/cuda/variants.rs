@@ -194,9 +194,6 @@ variants! {
     fp8_accum: Fp8AccumKernel "fp8_accum" "PARC_FP8_ACCUM_KERNEL" {
         Forward "forward", Split "split"
     }
-    swiglu_fp8: SwigluFp8Kernel "swiglu_fp8" "PARC_SWIGLU_FP8_KERNEL" {
-        Fused "fused", FusedTlp "fused_tlp", Apart "apart", Forward "forward", Backward "backward"
-    }
 }
 
 impl std::fmt::Display for KernelVariant {

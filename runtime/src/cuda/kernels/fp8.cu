@@ -534,7 +534,7 @@ __device__ __forceinline__ SwigluFp8Out swiglu_fp8_out(const unsigned int* amax,
 // The tiles of one launch: `ins` inputs x (forward: gate, up; backward: dy, gate, up), `outs`
 // outputs y (forward: a; backward: dgate, dup; dgate may be dy itself: each thread reads its
 // elements before it writes them), their quantizations d. Returns each output's thread maximum.
-template <bool bf16, bool bwd, bool prefetch>
+template <bool bf16, bool bwd>
 __device__ __forceinline__ void swiglu_fp8_tiles(const Fv (&x)[3], const Fv (&y)[2], long long rows, long long cols,
                                                  const SwigluFp8Out (&d)[2], unsigned int (&m)[2],
                                                  unsigned int (*tiles)[SWIGLU_FP8_ROWS][FP8_DUAL_COLS / 4]) {
@@ -551,28 +551,21 @@ __device__ __forceinline__ void swiglu_fp8_tiles(const Fv (&x)[3], const Fv (&y)
         long long r0 = i / col_tiles * SWIGLU_FP8_ROWS, c0 = i % col_tiles * FP8_DUAL_COLS;
         long long c = c0 + 8 * rv;
         int valid = c < cols ? 8 : 0;
-        // With `prefetch`, every load of the tile is issued before any is used (bytes in
-        // flight a thread); without, each pass loads its own (fewer registers: blocks an SM).
-        uint4 raw[prefetch ? passes : 1][ins][vecs];
-        auto load = [&](int p, uint4 (&into)[ins][vecs]) {
-            long long r = r0 + rr + p * FP8_DUAL_PASS;
-#pragma unroll
-            for (int k = 0; k < ins; k++) fp8_dual_load<bf16>(x[k], r * cols + c, r < rows ? valid : 0, true, into[k]);
-        };
-        if constexpr (prefetch) {
-#pragma unroll
-            for (int p = 0; p < passes; p++) load(p, raw[p]);
-        }
         // The previous tile's transposed reads are done before its bytes are overwritten.
         if (any_qt) __syncthreads();
 #pragma unroll
         for (int p = 0; p < passes; p++) {
             int row = rr + p * FP8_DUAL_PASS;
             long long r = r0 + row;
-            float a[ins][8], v[outs][8];
-            if constexpr (!prefetch) load(p, raw[0]);
+            // Each pass loads its own rows: 64-71 registers, 3 blocks an SM, whose warps hide the
+            // arithmetic (all of a tile's loads issued first took 108-128 registers, 2 blocks,
+            // and ran 1% slower end to end: bench/RESULTS.md, session 48).
+            uint4 raw[ins][vecs];
 #pragma unroll
-            for (int k = 0; k < ins; k++) fp8_dual_widen<bf16>(raw[prefetch ? p : 0][k], a[k]);
+            for (int k = 0; k < ins; k++) fp8_dual_load<bf16>(x[k], r * cols + c, r < rows ? valid : 0, true, raw[k]);
+            float a[ins][8], v[outs][8];
+#pragma unroll
+            for (int k = 0; k < ins; k++) fp8_dual_widen<bf16>(raw[k], a[k]);
 #pragma unroll
             for (int e = 0; e < 8; e++) {
                 if constexpr (bwd) {
@@ -622,38 +615,23 @@ __device__ __forceinline__ void swiglu_fp8_records(const SwigluFp8Out (&d)[2], c
 
 // The forward: a = silu(gate) ⊙ up [rows, cols], quantized with the scale of amax[0] into q
 // and/or qt, a record into `record`.
-template <bool prefetch>
-__device__ __forceinline__ void swiglu_fwd_fp8_body(Fv gate, Fv up, Fv a, long long rows, long long cols,
-                                                    const unsigned int* amax, float maxv, int e5m2, unsigned char* q,
-                                                    unsigned char* qt, unsigned int* record) {
+extern "C" __global__ void __launch_bounds__(FP8_DUAL_THREADS, 3) swiglu_fwd_fp8(
+    Fv gate, Fv up, Fv a, long long rows, long long cols, const unsigned int* amax, float maxv, int e5m2,
+    unsigned char* q, unsigned char* qt, unsigned int* record) {
     __shared__ __align__(16) unsigned int tiles[1][SWIGLU_FP8_ROWS][FP8_DUAL_COLS / 4];
     const Fv x[3] = {gate, up, up};
     const Fv y[2] = {a, a};
     const SwigluFp8Out d[2] = {swiglu_fp8_out(amax, maxv, e5m2, q, qt, record),
                                swiglu_fp8_out(nullptr, maxv, e5m2, nullptr, nullptr, nullptr)};
     unsigned int m[2] = {0u, 0u};
-    if (a.bf16) swiglu_fp8_tiles<true, false, prefetch>(x, y, rows, cols, d, m, tiles);
-    else swiglu_fp8_tiles<false, false, prefetch>(x, y, rows, cols, d, m, tiles);
+    if (a.bf16) swiglu_fp8_tiles<true, false>(x, y, rows, cols, d, m, tiles);
+    else swiglu_fp8_tiles<false, false>(x, y, rows, cols, d, m, tiles);
     swiglu_fp8_records<1>(d, m);
-}
-
-#define SWIGLU_FWD_FP8_PARAMS                                                                            \
-    Fv gate, Fv up, Fv a, long long rows, long long cols, const unsigned int *amax, float maxv, int e5m2, \
-        unsigned char *q, unsigned char *qt, unsigned int *record
-#define SWIGLU_FWD_FP8_ARGS gate, up, a, rows, cols, amax, maxv, e5m2, q, qt, record
-
-// All of a tile's loads in flight first (2 blocks an SM), or each pass's (3).
-extern "C" __global__ void __launch_bounds__(FP8_DUAL_THREADS) swiglu_fwd_fp8(SWIGLU_FWD_FP8_PARAMS) {
-    swiglu_fwd_fp8_body<true>(SWIGLU_FWD_FP8_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(FP8_DUAL_THREADS, 3) swiglu_fwd_fp8_tlp(SWIGLU_FWD_FP8_PARAMS) {
-    swiglu_fwd_fp8_body<false>(SWIGLU_FWD_FP8_ARGS);
 }
 
 // The backward: dgate and dup from the product dy (may be dgate itself), gate and up, each
 // quantized with the scale of its amax (null: not quantized) into its layouts, with its record.
-template <bool prefetch>
-__device__ __forceinline__ void swiglu_bwd_fp8_body(
+extern "C" __global__ void __launch_bounds__(FP8_DUAL_THREADS, 3) swiglu_bwd_fp8(
     Fv dy, Fv gate, Fv up, Fv dgate, Fv dup, long long rows, long long cols,
     const unsigned int* amax_g, float maxv_g, int e5m2_g, unsigned char* qg, unsigned char* qgt, unsigned int* record_g,
     const unsigned int* amax_u, float maxv_u, int e5m2_u, unsigned char* qu, unsigned char* qut, unsigned int* record_u) {
@@ -663,25 +641,9 @@ __device__ __forceinline__ void swiglu_bwd_fp8_body(
     const SwigluFp8Out d[2] = {swiglu_fp8_out(amax_g, maxv_g, e5m2_g, qg, qgt, record_g),
                                swiglu_fp8_out(amax_u, maxv_u, e5m2_u, qu, qut, record_u)};
     unsigned int m[2] = {0u, 0u};
-    if (dgate.bf16) swiglu_fp8_tiles<true, true, prefetch>(x, y, rows, cols, d, m, tiles);
-    else swiglu_fp8_tiles<false, true, prefetch>(x, y, rows, cols, d, m, tiles);
+    if (dgate.bf16) swiglu_fp8_tiles<true, true>(x, y, rows, cols, d, m, tiles);
+    else swiglu_fp8_tiles<false, true>(x, y, rows, cols, d, m, tiles);
     swiglu_fp8_records<2>(d, m);
-}
-
-#define SWIGLU_BWD_FP8_PARAMS                                                                              \
-    Fv dy, Fv gate, Fv up, Fv dgate, Fv dup, long long rows, long long cols, const unsigned int *amax_g,   \
-        float maxv_g, int e5m2_g, unsigned char *qg, unsigned char *qgt, unsigned int *record_g,          \
-        const unsigned int *amax_u, float maxv_u, int e5m2_u, unsigned char *qu, unsigned char *qut,      \
-        unsigned int *record_u
-#define SWIGLU_BWD_FP8_ARGS                                                                                 \
-    dy, gate, up, dgate, dup, rows, cols, amax_g, maxv_g, e5m2_g, qg, qgt, record_g, amax_u, maxv_u, e5m2_u, \
-        qu, qut, record_u
-
-extern "C" __global__ void __launch_bounds__(FP8_DUAL_THREADS) swiglu_bwd_fp8(SWIGLU_BWD_FP8_PARAMS) {
-    swiglu_bwd_fp8_body<true>(SWIGLU_BWD_FP8_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(FP8_DUAL_THREADS, 3) swiglu_bwd_fp8_tlp(SWIGLU_BWD_FP8_PARAMS) {
-    swiglu_bwd_fp8_body<false>(SWIGLU_BWD_FP8_ARGS);
 }
 
 // The dequantization factors 1 / s (exact: s is a power of two) in cuBLASLt's layout for the
