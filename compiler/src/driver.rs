@@ -242,11 +242,7 @@ pub fn analyze_with(
     diagnostics: &mut Diagnostics,
 ) -> Analysis {
     let verified = if through >= Stage::Verify {
-        keep(verify::verify_spec(plan, spec), diagnostics).filter(|_| {
-            // The evaluation steps run on the same ranks: verified as a plan of their own.
-            plan.eval_plan()
-                .is_none_or(|eval| keep(verify::verify_spec(&eval, spec), diagnostics).is_some())
-        })
+        verified(spec, plan, diagnostics)
     } else {
         None
     };
@@ -286,6 +282,15 @@ pub fn analyze_with(
         timeline,
         fit,
     }
+}
+
+/// The verifier's report on `plan` and, where it has one, on its evaluation steps (they run on
+/// the same ranks: verified as a plan of their own); `None` when either fails.
+fn verified(spec: &Spec, plan: &Plan, diagnostics: &mut Diagnostics) -> Option<VerifyReport> {
+    keep(verify::verify_spec(plan, spec), diagnostics).filter(|_| {
+        plan.eval_plan()
+            .is_none_or(|eval| keep(verify::verify_spec(&eval, spec), diagnostics).is_some())
+    })
 }
 
 fn wants_plan(spec: &Spec, options: &CompileOptions) -> bool {
@@ -328,8 +333,9 @@ fn memory_assuming(assumed: &crate::check::Assumed) -> Diagnostics {
     out
 }
 
-/// The largest memory any rank of `spec`'s plan holds, lowered (one program per class) and
-/// planned; `None` when it does not lower or verify.
+/// The largest memory any rank of `spec`'s plan holds, lowered (one program per class),
+/// verified and planned (`fit::largest_need`: as `analyze` would judge it, planning in full
+/// only the programs that may hold the most); `None` when it does not lower, verify or plan.
 fn measured_need(
     spec: &Spec,
     fusion: bool,
@@ -342,9 +348,9 @@ fn measured_need(
     };
     let fp8 = crate::fp8::choices(spec, prices(calibration));
     let plan = crate::lower::lower_chosen(spec, options, &fp8).ok()?;
-    let mut diagnostics = Diagnostics::default();
-    let analysis = analyze(spec, &plan, Stage::MemoryPlan, &mut diagnostics);
-    analysis.fit?.iter().map(|need| need.bytes).max()
+    verified(spec, &plan, &mut Diagnostics::default())?;
+    let largest = crate::fit::largest_need(spec, &plan).ok()??;
+    Some(largest.bytes)
 }
 
 /// A stage's result, its errors moved into `diagnostics`.

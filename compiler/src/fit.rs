@@ -7,14 +7,18 @@
 //! The help is measured the same way: each single change the cost model proposes
 //! (`cost::alternatives`: 1F1B for GPipe, a higher ZeRO stage, recompute, doubling tp, cp or pp,
 //! halving the micro batch) is lowered and planned by the caller's `measure`, and the help names the first that
-//! fits, else the greedy combination that fits, else the largest saving.
+//! fits, else the greedy combination that fits, else the largest saving. Each distinct plan is
+//! measured once (the combination's first round is the single changes again), and a measured
+//! plan's largest need is found without planning every program in full ([`largest_need`]).
 
 use crate::cost::{alternatives, gib, memory_error_head, memory_help, Measure};
 use crate::diag::Diagnostic;
-use crate::ir::{BufferKind, Plan};
-use crate::memplan::{DeviceMemory, PlanSummary};
+use crate::ir::{BufferKind, Plan, Program, ProgramId};
+use crate::memplan::{self, ArenaBound, DeviceMemory, KernelTarget, MemPlanError, PlanSummary};
 use crate::spec::Spec;
 use crate::verify::VerifyReport;
+use std::cell::RefCell;
+use std::collections::HashMap;
 
 /// What one program of a lowered plan holds.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -181,6 +185,9 @@ pub fn memory_verdict(
     needs: &[Need],
     measure: &dyn Fn(&Spec) -> Option<u64>,
 ) -> Option<Diagnostic> {
+    let measured = RefCell::new(HashMap::new());
+    let measure = |changed: &Spec| once(&measured, changed, measure);
+    let measure: &dyn Fn(&Spec) -> Option<u64> = &measure;
     let capacity = spec.cluster.gpu.memory_bytes;
     let worst = needs.iter().max_by_key(|n| n.bytes)?;
     let need = worst.bytes;
@@ -218,6 +225,105 @@ pub fn memory_verdict(
         per: "GPU",
     };
     Some(d.help(memory_help(spec, need, &options, &measure)))
+}
+
+/// `measure(spec)`, measured once per distinct spec: `measured` keeps each result by the spec's
+/// whole text (its `Debug` form, every field).
+fn once(
+    measured: &RefCell<HashMap<String, Option<u64>>>,
+    spec: &Spec,
+    measure: &dyn Fn(&Spec) -> Option<u64>,
+) -> Option<u64> {
+    let key = format!("{spec:?}");
+    if let Some(known) = measured.borrow().get(&key) {
+        return *known;
+    }
+    let need = measure(spec);
+    measured.borrow_mut().insert(key, need);
+    need
+}
+
+/// The largest need of a plan's programs, and how many of them it planned in full.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LargestNeed {
+    /// The largest `bytes` [`needs`] gives for the plan.
+    pub bytes: u64,
+    /// The programs whose planned arena was computed (for some, the planner's first order is
+    /// all it runs); every other program's first order bounded its need at or below `bytes`.
+    pub planned_in_full: usize,
+}
+
+/// One program of [`largest_need`]: its arena's bound and what it holds at that bound.
+struct Bounded<'p> {
+    program: &'p Program,
+    bound: ArenaBound,
+    device: DeviceMemory,
+    /// Its need with the bound's arena: at least its need (a need grows with the arena).
+    upper: u64,
+}
+
+/// The largest need of `plan`'s programs (lowered from `spec`), as [`needs`] would give it,
+/// without planning every program's memory in full: each program's need with the planner's
+/// first arena bounds its need from above (`memplan::ArenaBound`), so the planner's other
+/// orders run only for the programs, largest bound first, whose bound exceeds the largest need
+/// found so far; the rest cannot change it. `None` for a plan without programs.
+pub fn largest_need(spec: &Spec, plan: &Plan) -> Result<Option<LargestNeed>, MemPlanError> {
+    let target = KernelTarget::of_spec(spec);
+    let bounds = memplan::arena_bounds(&plan.programs)?;
+    let mut bounded: Vec<Bounded> = (plan.programs.iter().zip(bounds).enumerate())
+        .map(|(i, (program, bound))| {
+            let id = (ProgramId(i as u32), program);
+            let planned = bound.persistent_bytes + bound.upper_bytes;
+            let device = memplan::program_device_memory(plan, id, planned, target);
+            let upper = held(spec, &device);
+            Bounded {
+                program,
+                bound,
+                device,
+                upper,
+            }
+        })
+        .collect();
+    bounded.sort_by_key(|b| std::cmp::Reverse(b.upper));
+    // The largest bound alone first (it is usually the largest need), then as many at once as
+    // there are cores of those whose bound still exceeds the largest need.
+    let Some((first, mut rest)) = bounded.split_first() else {
+        return Ok(None);
+    };
+    let mut largest = plan_batch(spec, std::slice::from_ref(first), None)?;
+    let threads = std::thread::available_parallelism().map_or(1, usize::from);
+    loop {
+        let open = |b: &&Bounded| b.upper > largest.bytes;
+        let take = rest.iter().take(threads).take_while(open).count();
+        if take == 0 {
+            return Ok(Some(largest));
+        }
+        let (batch, after) = rest.split_at(take);
+        largest = plan_batch(spec, batch, Some(largest))?;
+        rest = after;
+    }
+}
+
+/// `largest` with the needs of `batch`'s programs, their arenas planned in full.
+fn plan_batch(
+    spec: &Spec,
+    batch: &[Bounded],
+    largest: Option<LargestNeed>,
+) -> Result<LargestNeed, MemPlanError> {
+    let programs: Vec<(&Program, ArenaBound)> =
+        batch.iter().map(|b| (b.program, b.bound)).collect();
+    let arenas = memplan::exact_arenas(&programs)?;
+    let mut out = largest.unwrap_or(LargestNeed {
+        bytes: 0,
+        planned_in_full: 0,
+    });
+    for (b, arena) in batch.iter().zip(arenas) {
+        let planned = b.bound.persistent_bytes + arena;
+        let need = held(spec, &b.device.clone().with_planned_bytes(planned));
+        out.bytes = out.bytes.max(need);
+        out.planned_in_full += 1;
+    }
+    Ok(out)
 }
 
 /// The terms of a need over 64 MiB, as `name 1.2 GiB, …`.
@@ -295,5 +401,111 @@ mod tests {
         let [w, m, ..] = s.per_param();
         assert_eq!((w, m), (4.0, 0.0));
         assert!(program.params.iter().all(|l| l.working.is_none()));
+    }
+}
+
+/// The memory verdict's cost: each distinct plan measured once, and a plan's largest need found
+/// without planning every program in full.
+#[cfg(test)]
+mod cost_tests {
+    use super::{largest_need, memory_verdict, needs, ModelState, Need};
+    use crate::cost::testspec::{build, Dims, Plan as PlanChoice};
+    use crate::ir::Plan;
+    use crate::lower::{lower_with, LowerOptions};
+    use crate::memplan::{device_memory, plan_summaries, KernelTarget};
+    use crate::spec::{PipelineSchedule, Recompute, Spec, ZeroStage};
+    use std::cell::RefCell;
+    use std::collections::HashSet;
+
+    /// `choice`'s plan of the small model, lowered as `parc check` lowers it, and every
+    /// program's need.
+    fn lowered(choice: &PlanChoice) -> (Spec, Plan, Vec<Need>) {
+        let spec = build(&crate::memplan::tests::small_model(), choice);
+        let options = LowerOptions {
+            representatives: true,
+            ..LowerOptions::default()
+        };
+        let plan = lower_with(&spec, options).expect("lowers");
+        let report = crate::verify::verify_spec(&plan, &spec).expect("verifies");
+        let summaries = plan_summaries(&plan, &report).expect("plans");
+        let device = device_memory(&plan, &summaries, KernelTarget::of_spec(&spec));
+        let needs = needs(&spec, &plan, &report, &summaries, &device);
+        (spec, plan, needs)
+    }
+
+    #[test]
+    fn the_largest_need_is_the_largest_of_every_programs_need() {
+        let choices = [
+            PlanChoice::default(),
+            PlanChoice {
+                pp: 4,
+                microbatches: 8,
+                ..PlanChoice::default()
+            },
+            PlanChoice {
+                dp: 2,
+                pp: 2,
+                tp: 2,
+                zero: ZeroStage::Zero3,
+                recompute: Recompute::Selective,
+                ..PlanChoice::default()
+            },
+            PlanChoice {
+                pp: 2,
+                schedule: PipelineSchedule::Interleaved { virtual_stages: 2 },
+                ..PlanChoice::default()
+            },
+        ];
+        for choice in &choices {
+            let (spec, plan, needs) = lowered(choice);
+            let largest = largest_need(&spec, &plan).expect("plans");
+            let want = needs.iter().map(|n| n.bytes).max();
+            assert_eq!(largest.map(|l| l.bytes), want, "{choice:?}");
+        }
+    }
+
+    #[test]
+    fn the_largest_need_plans_only_the_programs_that_may_hold_it() {
+        // 1F1B over 4 stages: the first holds 4 microbatches' activations, the last one.
+        let choice = PlanChoice {
+            pp: 4,
+            microbatches: 8,
+            ..PlanChoice::default()
+        };
+        let (spec, plan, _) = lowered(&choice);
+        let largest = largest_need(&spec, &plan)
+            .expect("plans")
+            .expect("programs");
+        assert_eq!((plan.programs.len(), largest.planned_in_full), (4, 1));
+    }
+
+    #[test]
+    fn the_memory_verdict_measures_each_distinct_plan_once() {
+        // No change fits: the help measures the single changes, then greedy combinations of
+        // them, whose first round is the single changes again.
+        let mut spec = build(&Dims::gpt2_350m(), &PlanChoice::default());
+        spec.cluster.gpu.memory_bytes = 1 << 30;
+        let need = Need {
+            role: "pp 0 cp 0 tp 0".into(),
+            bytes: 1 << 40,
+            terms: Vec::new(),
+            model_state: ModelState::default(),
+        };
+        let measured = RefCell::new(Vec::new());
+        let measure = |s: &Spec| {
+            let text = format!("{s:?}");
+            let saving = text.len() as u64 % 4096;
+            measured.borrow_mut().push(text);
+            Some((1 << 40) - saving - 1)
+        };
+        let d = memory_verdict(&spec, &[need], &measure).expect("E0701");
+        assert!(d
+            .help
+            .as_deref()
+            .is_some_and(|h| h.contains("no combination")));
+        let measured = measured.into_inner();
+        let distinct: HashSet<&String> = measured.iter().collect();
+        assert!(measured.len() > 3, "{} plans measured", measured.len());
+        assert_eq!(distinct.len(), measured.len(), "a plan was measured twice");
     }
 }

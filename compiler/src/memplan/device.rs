@@ -233,20 +233,43 @@ pub fn device_memory(
         .zip(summaries)
         .map(|(program, summary)| {
             let planned_bytes = summary.persistent_bytes + summary.arena_bytes;
-            let backend = backend_lines(program, target);
-            let runtime = runtime_lines(plan, program);
-            let reserved_bytes = planned_bytes + sum(&backend);
-            let total_bytes = reserved_bytes + sum(&runtime);
-            DeviceMemory {
-                program: summary.program,
-                planned_bytes,
-                backend,
-                runtime,
-                reserved_bytes,
-                total_bytes,
-            }
+            program_device_memory(plan, (summary.program, program), planned_bytes, target)
         })
         .collect()
+}
+
+/// What a GPU holds for a rank running `program` (`id` in `plan`) with a memory plan of
+/// `planned_bytes` (persistent region plus arena) on `target`.
+pub fn program_device_memory(
+    plan: &Plan,
+    (id, program): (ProgramId, &Program),
+    planned_bytes: u64,
+    target: KernelTarget,
+) -> DeviceMemory {
+    DeviceMemory {
+        program: id,
+        planned_bytes: 0,
+        backend: backend_lines(program, target),
+        runtime: runtime_lines(plan, program),
+        reserved_bytes: 0,
+        total_bytes: 0,
+    }
+    .with_planned_bytes(planned_bytes)
+}
+
+impl DeviceMemory {
+    /// The same lines beside a memory plan of `planned_bytes`: what the GPU holds when only
+    /// the plan's size differs (the backend's and runtime's lines do not depend on it).
+    pub fn with_planned_bytes(self, planned_bytes: u64) -> DeviceMemory {
+        let reserved_bytes = planned_bytes + sum(&self.backend);
+        let total_bytes = reserved_bytes + sum(&self.runtime);
+        DeviceMemory {
+            planned_bytes,
+            reserved_bytes,
+            total_bytes,
+            ..self
+        }
+    }
 }
 
 #[cfg(test)]

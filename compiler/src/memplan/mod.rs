@@ -46,18 +46,22 @@ mod intervals;
 mod overlap;
 mod placed;
 mod scratch;
+mod sizing;
 #[cfg(test)]
 pub(crate) mod tests;
 mod zeroing;
 
 pub use check::check_layout;
-pub use device::{device_memory, predicted_reserved, DeviceLine, DeviceMemory};
+pub use device::{
+    device_memory, predicted_reserved, program_device_memory, DeviceLine, DeviceMemory,
+};
 pub use overlap::{comm_overlap, CommOverlap};
 pub use scratch::{
     attention_scratch, backend_scratch, fp8_gemm_scratch, tensor_core_attention, AttentionScratch,
     BackendScratch, Fp8OperandScratch, Fp8ScaleLayout, Fp8Scratch, KernelTarget, OperandFormat,
     CUBLASLT_WORKSPACE_BYTES, MIN_REDUCTION_SCRATCH, REDUCTION_CHUNKS, SUM_SQUARES_BLOCKS,
 };
+pub use sizing::{arena_bounds, exact_arenas, ArenaBound};
 pub use zeroing::zero_needs;
 
 use crate::ir::{BufferId, Instr, Plan, Program, ProgramId};
@@ -156,7 +160,7 @@ pub fn plan_summaries(
     plan: &Plan,
     report: &VerifyReport,
 ) -> Result<Vec<PlanSummary>, MemPlanError> {
-    let summaries = on_threads(plan, |i, program| match report.programs.get(i) {
+    let summaries = on_threads(&plan.programs, |i, program| match report.programs.get(i) {
         Some(memory) => Ok(Some(summary(&plan_program(program)?, memory))),
         None => Ok(None),
     })?;
@@ -204,11 +208,7 @@ pub fn plan_program(program: &Program) -> Result<MemoryLayout, MemPlanError> {
             persistent_bytes += aligned_size(buffer.bytes());
         }
     }
-    let sizes: Vec<u64> = program
-        .buffers
-        .iter()
-        .map(|b| aligned_size(b.bytes()))
-        .collect();
+    let sizes = aligned_sizes(program);
     let aligned_peak_bytes = live.aligned_peak(&sizes);
     let (offsets, arena_bytes) = place_arena(&live, &sizes, aligned_peak_bytes);
     for b in live.buffers() {
@@ -236,29 +236,38 @@ pub fn plan_program(program: &Program) -> Result<MemoryLayout, MemPlanError> {
     Ok(layout)
 }
 
-/// Plan every program of `plan`, in program order (programs are planned on all cores).
-pub fn plan_all(plan: &Plan) -> Result<Vec<MemoryLayout>, MemPlanError> {
-    on_threads(plan, |_, program| plan_program(program))
+/// Every buffer's size rounded up to [`ALIGN`], by id.
+fn aligned_sizes(program: &Program) -> Vec<u64> {
+    program
+        .buffers
+        .iter()
+        .map(|b| aligned_size(b.bytes()))
+        .collect()
 }
 
-/// `each(index, program)` of every program of `plan`, in program order, spread over the
-/// machine's cores; the first error in program order.
-fn on_threads<T: Send>(
-    plan: &Plan,
-    each: impl Fn(usize, &Program) -> Result<T, MemPlanError> + Sync,
+/// Plan every program of `plan`, in program order (programs are planned on all cores).
+pub fn plan_all(plan: &Plan) -> Result<Vec<MemoryLayout>, MemPlanError> {
+    on_threads(&plan.programs, |_, program| plan_program(program))
+}
+
+/// `each(index, item)` of every item of `items`, in order, spread over the machine's cores;
+/// the first error in order.
+fn on_threads<I: Sync, T: Send>(
+    items: &[I],
+    each: impl Fn(usize, &I) -> Result<T, MemPlanError> + Sync,
 ) -> Result<Vec<T>, MemPlanError> {
     let threads = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1)
-        .clamp(1, plan.programs.len().max(1));
-    let per_thread = plan.programs.len().div_ceil(threads).max(1);
+        .clamp(1, items.len().max(1));
+    let per_thread = items.len().div_ceil(threads).max(1);
     let each = &each;
     let planned: Vec<Result<Vec<T>, MemPlanError>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (plan.programs.chunks(per_thread).enumerate())
+        let handles: Vec<_> = (items.chunks(per_thread).enumerate())
             .map(|(c, chunk)| {
                 scope.spawn(move || {
                     (chunk.iter().enumerate())
-                        .map(|(k, program)| each(c * per_thread + k, program))
+                        .map(|(k, item)| each(c * per_thread + k, item))
                         .collect()
                 })
             })
@@ -275,7 +284,7 @@ fn on_threads<T: Send>(
             })
             .collect()
     });
-    let mut results = Vec::with_capacity(plan.programs.len());
+    let mut results = Vec::with_capacity(items.len());
     for chunk in planned {
         results.extend(chunk?);
     }
@@ -291,11 +300,32 @@ fn place_arena(
     aligned_peak: u64,
 ) -> (Vec<u64>, u64) {
     let mut index = PlacedIndex::new(live.times());
+    let first = place_largest_first(&mut index, live, sizes);
+    other_orders(&mut index, (live, sizes), aligned_peak, first)
+}
+
+/// Best fit largest buffer first (the first order [`place_arena`] tries).
+fn place_largest_first(
+    index: &mut PlacedIndex,
+    live: &intervals::LiveIntervals,
+    sizes: &[u64],
+) -> (Vec<u64>, u64) {
     let largest = sorted_by(live, |b| (Reverse(sizes[b as usize]), live.first_start(b)));
-    let mut best = place_transients(&mut index, live, sizes, &largest, u64::MAX);
+    place_transients(index, live, sizes, &largest, u64::MAX)
+}
+
+/// The smallest arena of `first` (offsets and arena) and, while the arena stays above
+/// `aligned_peak`, the orders [`place_arena`] tries after it.
+fn other_orders(
+    index: &mut PlacedIndex,
+    (live, sizes): (&intervals::LiveIntervals, &[u64]),
+    aligned_peak: u64,
+    first: (Vec<u64>, u64),
+) -> (Vec<u64>, u64) {
+    let mut best = first;
     if best.1 > aligned_peak {
         let in_order = sorted_by(live, |b| (live.first_start(b), Reverse(sizes[b as usize])));
-        let placed = place_transients(&mut index, live, sizes, &in_order, best.1);
+        let placed = place_transients(index, live, sizes, &in_order, best.1);
         if placed.1 < best.1 {
             best = placed;
         }
@@ -306,7 +336,7 @@ fn place_arena(
         let lifetime =
             |b: u32| -> u64 { live.of(b).iter().map(|&(s, e)| u64::from(e - s) + 1).sum() };
         let by_area = sorted_by(live, |b| Reverse(sizes[b as usize] * lifetime(b)));
-        let placed = place_transients(&mut index, live, sizes, &by_area, best.1);
+        let placed = place_transients(index, live, sizes, &by_area, best.1);
         if placed.1 < best.1 {
             best = placed;
         }
