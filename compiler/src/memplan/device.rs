@@ -139,12 +139,21 @@ fn backend_lines(program: &Program, target: KernelTarget) -> Vec<DeviceLine> {
 fn communication(plan: &Plan, program: &Program) -> (Vec<u64>, usize) {
     let mut partitions: Vec<(&[Vec<u32>], u64)> = Vec::new();
     let mut peers: HashSet<Peer> = HashSet::new();
+    // A group's partition is looked at once, at its first collective (a program runs tens of
+    // thousands of collectives on a few groups).
+    let mut seen = vec![false; plan.groups.len()];
     for instr in &program.instrs {
         match instr {
             Instr::Collective { group, .. } => {
-                let Some(g) = plan.groups.get(group.0 as usize) else {
+                let (Some(g), Some(seen)) = (
+                    plan.groups.get(group.0 as usize),
+                    seen.get_mut(group.0 as usize),
+                ) else {
                     continue;
                 };
+                if std::mem::replace(seen, true) {
+                    continue;
+                }
                 // One communicator per distinct partition (the whole world as one set is the
                 // world communicator), as `runtime/src/comm/layout.rs` splits them.
                 let size = g.sets.iter().map(Vec::len).max().unwrap_or(0) as u64;
