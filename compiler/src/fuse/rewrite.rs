@@ -64,18 +64,41 @@ pub(super) fn rewrite(program: &mut Program, groups: &[Group]) -> Result<(), Str
         action[*j] = Action::Drop;
     }
     let ops = fused_ops(groups);
-    let old = std::mem::take(&mut program.instrs);
-    let mut instrs = Vec::with_capacity(old.len());
-    for (i, instr) in old.into_iter().enumerate() {
-        let k = match action[i] {
-            Action::Keep => {
-                instrs.push(instr);
-                continue;
-            }
-            Action::Drop => continue,
-            Action::Place(k) => k,
-        };
-        let (Some(group), Some(op)) = (groups.get(k), ops.get(k)) else {
+    let ctx = Emit {
+        groups,
+        ops: &ops,
+        tables: &tables,
+        table_of: &table_of,
+        after: &after,
+    };
+    let mut out = InPlace::new(&mut program.instrs);
+    for (i, action) in action.into_iter().enumerate() {
+        let instr = out.take(i);
+        match action {
+            Action::Keep => out.push(instr),
+            Action::Drop => {}
+            Action::Place(k) => ctx.place(i, k, instr, &mut out)?,
+        }
+        out.settle(i);
+    }
+    out.finish();
+    Ok(())
+}
+
+/// What the fused instructions are made from.
+struct Emit<'a> {
+    groups: &'a [Group],
+    ops: &'a [Arc<Op>],
+    tables: &'a [Table],
+    table_of: &'a HashMap<&'a TableKey, BufferId>,
+    after: &'a [Vec<(usize, BufferId)>],
+}
+
+impl Emit<'_> {
+    /// At `instr` (instruction `i`, the place of group `k`): the rotation tables first read
+    /// here, the fused instruction, the tables last read here and the frees moved after it.
+    fn place(&self, i: usize, k: usize, instr: Instr, out: &mut InPlace) -> Result<(), String> {
+        let (Some(group), Some(op)) = (self.groups.get(k), self.ops.get(k)) else {
             return Err(format!(
                 "instruction {i} is the place of a group that is missing"
             ));
@@ -94,10 +117,10 @@ pub(super) fn rewrite(program: &mut Program, groups: &[Group]) -> Result<(), Str
                 phase,
             })
         };
-        for t in tables.iter().filter(|t| t.first == i) {
-            instrs.push(Instr::Alloc { buffer: t.buffer });
+        for t in self.tables.iter().filter(|t| t.first == i) {
+            out.push(Instr::Alloc { buffer: t.buffer });
             let op = Arc::new(Op::RopeTable(t.key.attrs()));
-            instrs.push(compute(op, &[], &[t.buffer])?);
+            out.push(compute(op, &[], &[t.buffer])?);
         }
         let inputs = group
             .built
@@ -105,22 +128,88 @@ pub(super) fn rewrite(program: &mut Program, groups: &[Group]) -> Result<(), Str
             .iter()
             .map(|s| match s {
                 Source::Buffer(b) => Ok(*b),
-                Source::Table(key) => table_of
+                Source::Table(key) => self
+                    .table_of
                     .get(&**key)
                     .copied()
                     .ok_or_else(|| "a rotation table was not declared".to_string()),
             })
             .collect::<Result<Vec<_>, String>>()?;
-        instrs.push(compute(op.clone(), &inputs, &group.built.outputs)?);
-        for t in tables.iter().filter(|t| t.last == i) {
-            instrs.push(Instr::Free { buffer: t.buffer });
+        out.push(compute(op.clone(), &inputs, &group.built.outputs)?);
+        for t in self.tables.iter().filter(|t| t.last == i) {
+            out.push(Instr::Free { buffer: t.buffer });
         }
-        for &(_, buffer) in after.get(k).into_iter().flatten() {
-            instrs.push(Instr::Free { buffer });
+        for &(_, buffer) in self.after.get(k).into_iter().flatten() {
+            out.push(Instr::Free { buffer });
+        }
+        Ok(())
+    }
+}
+
+/// Rewriting an instruction list in its own memory: instruction `i` is taken out before
+/// anything is written for it, and what is written goes to the first free slot, at or before
+/// the last taken one, or waits (in order) until one is free. The rewrite mostly shrinks the
+/// list (a group's members become one instruction), so little ever waits.
+struct InPlace<'a> {
+    instrs: &'a mut Vec<Instr>,
+    /// The next slot to write.
+    written: usize,
+    /// How many instructions were taken out.
+    taken: usize,
+    waiting: std::collections::VecDeque<Instr>,
+}
+
+impl<'a> InPlace<'a> {
+    fn new(instrs: &'a mut Vec<Instr>) -> InPlace<'a> {
+        InPlace {
+            instrs,
+            written: 0,
+            taken: 0,
+            waiting: std::collections::VecDeque::new(),
         }
     }
-    program.instrs = instrs;
-    Ok(())
+
+    /// Instruction `i`, taken out (a placeholder left in its slot).
+    fn take(&mut self, i: usize) -> Instr {
+        let hole = Instr::Free {
+            buffer: BufferId(u32::MAX),
+        };
+        self.taken = i + 1;
+        self.instrs
+            .get_mut(i)
+            .map_or(hole.clone(), |slot| std::mem::replace(slot, hole))
+    }
+
+    /// Write `instr` next.
+    fn push(&mut self, instr: Instr) {
+        if self.waiting.is_empty() && self.written < self.taken {
+            if let Some(slot) = self.instrs.get_mut(self.written) {
+                *slot = instr;
+                self.written += 1;
+                return;
+            }
+        }
+        self.waiting.push_back(instr);
+    }
+
+    /// Write what waits into the slots up to `i`, all taken.
+    fn settle(&mut self, i: usize) {
+        while self.written <= i {
+            let Some(instr) = self.waiting.pop_front() else {
+                return;
+            };
+            if let Some(slot) = self.instrs.get_mut(self.written) {
+                *slot = instr;
+            }
+            self.written += 1;
+        }
+    }
+
+    /// The written instructions and, after them, what still waits.
+    fn finish(self) {
+        self.instrs.truncate(self.written);
+        self.instrs.extend(self.waiting);
+    }
 }
 
 /// Per group, the `Free`s (instruction, buffer) between its first member and its place of a
