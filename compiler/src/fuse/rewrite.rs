@@ -175,9 +175,10 @@ impl<'a> InPlace<'a> {
             buffer: BufferId(u32::MAX),
         };
         self.taken = i + 1;
-        self.instrs
-            .get_mut(i)
-            .map_or(hole.clone(), |slot| std::mem::replace(slot, hole))
+        match self.instrs.get_mut(i) {
+            Some(slot) => std::mem::replace(slot, hole),
+            None => hole,
+        }
     }
 
     /// Write `instr` next.
