@@ -119,6 +119,11 @@ impl LiveIntervals {
         self.instrs
     }
 
+    /// Whether `other` allocates and frees the same buffers in the same order.
+    pub fn same_events(&self, other: &LiveIntervals) -> bool {
+        self.events == other.events
+    }
+
     /// The most bytes alive at once when buffer `b` takes `sizes[b]` bytes.
     pub fn aligned_peak(&self, sizes: &[u64]) -> u64 {
         let (mut live, mut peak) = (0u64, 0u64);

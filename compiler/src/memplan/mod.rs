@@ -46,6 +46,7 @@ mod intervals;
 mod overlap;
 mod placed;
 mod scratch;
+mod shared;
 mod sizing;
 #[cfg(test)]
 pub(crate) mod tests;
@@ -68,6 +69,7 @@ use crate::ir::{BufferId, Instr, Plan, Program, ProgramId};
 use crate::verify::{ProgramMemory, VerifyReport};
 use placed::PlacedIndex;
 use serde::Serialize;
+use shared::Memo;
 use std::cmp::Reverse;
 
 /// Alignment, in bytes, of every offset and size the planner gives out.
@@ -160,9 +162,12 @@ pub fn plan_summaries(
     plan: &Plan,
     report: &VerifyReport,
 ) -> Result<Vec<PlanSummary>, MemPlanError> {
-    let summaries = on_threads(&plan.programs, |i, program| match report.programs.get(i) {
-        Some(memory) => Ok(Some(summary(&plan_program(program)?, memory))),
-        None => Ok(None),
+    let programs: Vec<&Program> = plan.programs.iter().collect();
+    let summaries = shared::by_class(&programs, |i, program, t, memo| {
+        match report.programs.get(i) {
+            Some(memory) => Ok(Some(summary(&plan_with(program, t, memo)?, memory))),
+            None => Ok(None),
+        }
     })?;
     Ok(summaries.into_iter().flatten().collect())
 }
@@ -195,11 +200,19 @@ pub struct MemPlanError {
 /// instruction, on a program that allocates a live or persistent buffer, frees a dead one, or
 /// leaves one alive at the end of the step.
 pub fn plan_program(program: &Program) -> Result<MemoryLayout, MemPlanError> {
+    plan_with(program, &Transients::of(program)?, &mut Memo::default())
+}
+
+/// [`plan_program`] of `program`, whose [`Transients`] are `t`, its placements through `memo`.
+fn plan_with(
+    program: &Program,
+    t: &Transients,
+    memo: &mut Memo,
+) -> Result<MemoryLayout, MemPlanError> {
     let error = |message: String| MemPlanError {
         role: program.role.clone(),
         message,
     };
-    let live = intervals::live_intervals(program).map_err(error)?;
     let mut placements = vec![Placement::Unused; program.buffers.len()];
     let mut persistent_bytes = 0u64;
     for (i, buffer) in program.buffers.iter().enumerate() {
@@ -208,10 +221,9 @@ pub fn plan_program(program: &Program) -> Result<MemoryLayout, MemPlanError> {
             persistent_bytes += aligned_size(buffer.bytes());
         }
     }
-    let sizes = aligned_sizes(program);
-    let aligned_peak_bytes = live.aligned_peak(&sizes);
-    let (offsets, arena_bytes) = place_arena(&live, &sizes, aligned_peak_bytes);
-    for b in live.buffers() {
+    let aligned_peak_bytes = t.aligned_peak;
+    let (offsets, arena_bytes) = place_arena(t, memo);
+    for b in t.live.buffers() {
         placements[b as usize] = Placement::Arena(offsets[b as usize]);
     }
     let needs_zero = zero_needs(program);
@@ -236,13 +248,39 @@ pub fn plan_program(program: &Program) -> Result<MemoryLayout, MemPlanError> {
     Ok(layout)
 }
 
-/// Every buffer's size rounded up to [`ALIGN`], by id.
-fn aligned_sizes(program: &Program) -> Vec<u64> {
-    program
-        .buffers
-        .iter()
-        .map(|b| aligned_size(b.bytes()))
-        .collect()
+/// What placing a program's transient buffers reads: their live intervals, every buffer's
+/// size rounded up to [`ALIGN`] (by id) and the aligned liveness peak.
+pub(crate) struct Transients {
+    live: intervals::LiveIntervals,
+    sizes: Vec<u64>,
+    aligned_peak: u64,
+}
+
+impl Transients {
+    /// `program`'s; fails (naming the buffer and the instruction) where it breaks the
+    /// verifier's buffer discipline.
+    fn of(program: &Program) -> Result<Transients, MemPlanError> {
+        let live = intervals::live_intervals(program).map_err(|message| MemPlanError {
+            role: program.role.clone(),
+            message,
+        })?;
+        let sizes: Vec<u64> = (program.buffers.iter())
+            .map(|b| aligned_size(b.bytes()))
+            .collect();
+        let aligned_peak = live.aligned_peak(&sizes);
+        Ok(Transients {
+            live,
+            sizes,
+            aligned_peak,
+        })
+    }
+
+    /// Whether every order places `other`'s buffers where it places these: the same buffers,
+    /// of the same sizes, allocated and freed in the same order (their intervals then overlap
+    /// alike, and best fit reads nothing else of them).
+    fn alike(&self, other: &Transients) -> bool {
+        self.sizes == other.sizes && self.live.same_events(&other.live)
+    }
 }
 
 /// Plan every program of `plan`, in program order (programs are planned on all cores).
@@ -294,49 +332,37 @@ fn on_threads<I: Sync, T: Send>(
 /// Every transient buffer's offset (by id) and the arena's size: best fit largest first and,
 /// while the arena stays above `aligned_peak` (no order can go below it), in allocation order
 /// and by bytes × lifetime too, keeping the smallest arena (the first of equal ones).
-fn place_arena(
-    live: &intervals::LiveIntervals,
-    sizes: &[u64],
-    aligned_peak: u64,
-) -> (Vec<u64>, u64) {
-    let mut index = PlacedIndex::new(live.times());
-    let first = place_largest_first(&mut index, live, sizes);
-    other_orders(&mut index, (live, sizes), aligned_peak, first)
+fn place_arena(t: &Transients, memo: &mut Memo) -> (Vec<u64>, u64) {
+    let first = place_largest_first(t, memo);
+    other_orders(t, memo, first)
 }
 
 /// Best fit largest buffer first (the first order [`place_arena`] tries).
-fn place_largest_first(
-    index: &mut PlacedIndex,
-    live: &intervals::LiveIntervals,
-    sizes: &[u64],
-) -> (Vec<u64>, u64) {
+fn place_largest_first(t: &Transients, memo: &mut Memo) -> (Vec<u64>, u64) {
+    let (live, sizes) = (&t.live, &t.sizes);
     let largest = sorted_by(live, |b| (Reverse(sizes[b as usize]), live.first_start(b)));
-    place_transients(index, live, sizes, &largest, u64::MAX)
+    memo.place(t, largest, u64::MAX)
 }
 
-/// The smallest arena of `first` (offsets and arena) and, while the arena stays above
-/// `aligned_peak`, the orders [`place_arena`] tries after it.
-fn other_orders(
-    index: &mut PlacedIndex,
-    (live, sizes): (&intervals::LiveIntervals, &[u64]),
-    aligned_peak: u64,
-    first: (Vec<u64>, u64),
-) -> (Vec<u64>, u64) {
+/// The smallest arena of `first` (offsets and arena) and, while the arena stays above the
+/// aligned peak, the orders [`place_arena`] tries after it.
+fn other_orders(t: &Transients, memo: &mut Memo, first: (Vec<u64>, u64)) -> (Vec<u64>, u64) {
+    let (live, sizes) = (&t.live, &t.sizes);
     let mut best = first;
-    if best.1 > aligned_peak {
+    if best.1 > t.aligned_peak {
         let in_order = sorted_by(live, |b| (live.first_start(b), Reverse(sizes[b as usize])));
-        let placed = place_transients(index, live, sizes, &in_order, best.1);
+        let placed = memo.place(t, in_order, best.1);
         if placed.1 < best.1 {
             best = placed;
         }
     }
-    if best.1 > aligned_peak {
+    if best.1 > t.aligned_peak {
         // Largest bytes × lifetime first: long-lived buffers at the bottom, short ones filling
         // the gaps above them.
         let lifetime =
             |b: u32| -> u64 { live.of(b).iter().map(|&(s, e)| u64::from(e - s) + 1).sum() };
         let by_area = sorted_by(live, |b| Reverse(sizes[b as usize] * lifetime(b)));
-        let placed = place_transients(index, live, sizes, &by_area, best.1);
+        let placed = memo.place(t, by_area, best.1);
         if placed.1 < best.1 {
             best = placed;
         }

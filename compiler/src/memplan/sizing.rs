@@ -4,12 +4,9 @@
 //! bounds the planned arena from above, and equals it when it reaches that peak. The memory
 //! verdict's help needs only a plan's largest need (`crate::fit::largest_need`): it bounds every
 //! program this way and runs the other orders ([`exact_arenas`]) only for the programs whose
-//! bound could still be the largest.
-use super::placed::PlacedIndex;
-use super::{
-    aligned_size, aligned_sizes, intervals, on_threads, other_orders, place_largest_first,
-    MemPlanError,
-};
+//! bound could still be the largest. Alike programs share their placements (`shared`).
+use super::shared::{by_class, Memo};
+use super::{aligned_size, other_orders, place_largest_first, MemPlanError, Transients};
 use crate::ir::Program;
 
 /// A program's arena as the planner's first order places it.
@@ -26,50 +23,39 @@ pub struct ArenaBound {
 
 /// Each program's [`ArenaBound`], in order (programs are bounded on all cores).
 pub fn arena_bounds(programs: &[Program]) -> Result<Vec<ArenaBound>, MemPlanError> {
-    on_threads(programs, |_, program| arena_bound(program))
+    let programs: Vec<&Program> = programs.iter().collect();
+    by_class(&programs, |_, program, t, memo| {
+        Ok(arena_bound(program, t, memo))
+    })
 }
 
 /// The arena [`super::plan_program`] gives each program of `programs`, beside its
 /// [`ArenaBound`], in order (on all cores); no layout is kept or checked.
 pub fn exact_arenas(programs: &[(&Program, ArenaBound)]) -> Result<Vec<u64>, MemPlanError> {
-    on_threads(programs, |_, (program, bound)| exact_arena(program, *bound))
+    let only: Vec<&Program> = programs.iter().map(|(p, _)| *p).collect();
+    by_class(&only, |i, _, t, memo| {
+        let bound = programs.get(i).map(|(_, b)| *b);
+        Ok(bound.map_or(0, |bound| exact_arena(t, memo, bound)))
+    })
 }
 
-fn arena_bound(program: &Program) -> Result<ArenaBound, MemPlanError> {
-    let (live, sizes, aligned_peak) = transients(program)?;
-    let mut index = PlacedIndex::new(live.times());
-    let (_, upper_bytes) = place_largest_first(&mut index, &live, &sizes);
+fn arena_bound(program: &Program, t: &Transients, memo: &mut Memo) -> ArenaBound {
+    let (_, upper_bytes) = place_largest_first(t, memo);
     let persistent_bytes = (program.buffers.iter())
         .filter(|b| b.kind.is_persistent())
         .map(|b| aligned_size(b.bytes()))
         .sum();
-    Ok(ArenaBound {
+    ArenaBound {
         persistent_bytes,
         upper_bytes,
-        exact: upper_bytes <= aligned_peak,
-    })
-}
-
-fn exact_arena(program: &Program, bound: ArenaBound) -> Result<u64, MemPlanError> {
-    if bound.exact {
-        return Ok(bound.upper_bytes);
+        exact: upper_bytes <= t.aligned_peak,
     }
-    let (live, sizes, aligned_peak) = transients(program)?;
-    let mut index = PlacedIndex::new(live.times());
-    let first = (Vec::new(), bound.upper_bytes);
-    let (_, arena) = other_orders(&mut index, (&live, &sizes), aligned_peak, first);
-    Ok(arena)
 }
 
-/// The program's live intervals, aligned buffer sizes and aligned liveness peak.
-fn transients(
-    program: &Program,
-) -> Result<(intervals::LiveIntervals, Vec<u64>, u64), MemPlanError> {
-    let live = intervals::live_intervals(program).map_err(|message| MemPlanError {
-        role: program.role.clone(),
-        message,
-    })?;
-    let sizes = aligned_sizes(program);
-    let aligned_peak = live.aligned_peak(&sizes);
-    Ok((live, sizes, aligned_peak))
+fn exact_arena(t: &Transients, memo: &mut Memo, bound: ArenaBound) -> u64 {
+    if bound.exact {
+        return bound.upper_bytes;
+    }
+    let (_, arena) = other_orders(t, memo, (Vec::new(), bound.upper_bytes));
+    arena
 }

@@ -507,3 +507,49 @@ fn speed_on_llama3_70b() {
     eprintln!("check {:?}", t.elapsed());
     assert!(layout.arena_bytes as f64 <= 1.01 * layout.aligned_peak_bytes as f64);
 }
+
+/// A class plan's programs of tp index 0 and 1 of a stage of a Llama (no replicated biases)
+/// allocate alike (only the gradient norm's instructions differ) and share their placements:
+/// each is planned as it is alone.
+#[test]
+fn alike_programs_share_placements_and_plan_as_they_do_alone() {
+    let choice = PlanChoice {
+        tp: 2,
+        pp: 2,
+        dp: 2,
+        zero: ZeroStage::Zero1,
+        recompute: Recompute::Selective,
+        microbatches: 8,
+        ..PlanChoice::default()
+    };
+    let llama = Dims {
+        llama: true,
+        tied: false,
+        ..small_model()
+    };
+    let spec = build(&llama, &choice);
+    let options = crate::lower::LowerOptions {
+        representatives: true,
+        ..crate::lower::LowerOptions::default()
+    };
+    let plan = crate::lower::lower_with(&spec, options).unwrap();
+    let alone: Vec<Transients> = plan
+        .programs
+        .iter()
+        .map(|p| Transients::of(p).unwrap())
+        .collect();
+    let roles: Vec<&str> = plan.programs.iter().map(|p| p.role.as_str()).collect();
+    assert!(alone[0].alike(&alone[1]), "{roles:?}");
+    assert!(!alone[0].alike(&alone[2]), "{roles:?}");
+    let report = crate::verify::verify_spec(&plan, &spec).unwrap();
+    let shared = plan_summaries(&plan, &report).unwrap();
+    for (program, summary) in plan.programs.iter().zip(&shared) {
+        let layout = plan_program(program).unwrap();
+        assert_eq!(summary.arena_bytes, layout.arena_bytes, "{}", program.role);
+    }
+    let programs: Vec<&Program> = plan.programs.iter().collect();
+    let bounds = arena_bounds(&plan.programs).unwrap();
+    let exact = exact_arenas(&programs.iter().copied().zip(bounds).collect::<Vec<_>>()).unwrap();
+    let planned: Vec<u64> = shared.iter().map(|s| s.arena_bytes).collect();
+    assert_eq!(exact, planned);
+}
