@@ -209,8 +209,7 @@ pub fn check(plan: &Plan) -> Outcome {
                             .enumerate()
                             .map(|(k, program)| {
                                 let i = c * per_thread + k;
-                                let id = ProgramId(i as u32);
-                                liveness::analyse(program, id, first_rank[i])
+                                analyse(plan, program, ProgramId(i as u32), first_rank[i])
                             })
                             .collect::<Vec<_>>()
                     })
@@ -228,31 +227,16 @@ pub fn check(plan: &Plan) -> Outcome {
         plan.programs
             .iter()
             .enumerate()
-            .map(|(i, p)| liveness::analyse(p, ProgramId(i as u32), first_rank[i]))
+            .map(|(i, p)| analyse(plan, p, ProgramId(i as u32), first_rank[i]))
             .collect()
     };
     let mut violations = Vec::new();
     let mut programs = Vec::with_capacity(plan.programs.len());
     let mut indices = Vec::with_capacity(plan.programs.len());
-    for (i, (memory, found, index)) in analysed.into_iter().enumerate() {
+    for (memory, found, index) in analysed {
         programs.push(memory);
         violations.extend(found);
         indices.push(index);
-        if let Some(program) = plan.programs.get(i) {
-            violations.extend(dtypes::check(program, ProgramId(i as u32), first_rank[i]));
-            violations.extend(in_place::check(program, ProgramId(i as u32), first_rank[i]));
-            violations.extend(accumulation::check(
-                program,
-                ProgramId(i as u32),
-                first_rank[i],
-            ));
-            violations.extend(fp8::check(
-                plan,
-                program,
-                ProgramId(i as u32),
-                first_rank[i],
-            ));
-        }
     }
     // Rendezvous on programs with broken buffers would report the same fault twice.
     let (ranks_simulated, dp_symmetric) = if violations.is_empty() {
@@ -270,6 +254,22 @@ pub fn check(plan: &Plan) -> Outcome {
         },
         violations,
     }
+}
+
+/// One program's liveness and the invariants checked per program (liveness's violations, then
+/// types, in-place updates, accumulation and FP8 scales'), with its rendezvous index.
+fn analyse(
+    plan: &Plan,
+    program: &crate::ir::Program,
+    id: ProgramId,
+    rank: u32,
+) -> (ProgramMemory, Vec<Violation>, rendezvous::ProgramIndex) {
+    let (memory, mut found, index) = liveness::analyse(program, id, rank);
+    found.extend(dtypes::check(program, id, rank));
+    found.extend(in_place::check(program, id, rank));
+    found.extend(accumulation::check(program, id, rank));
+    found.extend(fp8::check(plan, program, id, rank));
+    (memory, found, index)
 }
 
 fn finish(outcome: Outcome, spec: Option<&Spec>) -> Result<VerifyReport, Diagnostics> {
