@@ -288,8 +288,9 @@ pub fn plan_all(plan: &Plan) -> Result<Vec<MemoryLayout>, MemPlanError> {
     on_threads(&plan.programs, |_, program| plan_program(program))
 }
 
-/// `each(index, item)` of every item of `items`, in order, spread over the machine's cores;
-/// the first error in order.
+/// `each(index, item)` of every item of `items`, in order, spread over the machine's cores
+/// (each core takes the next item when done with one: the items of a plan cost unlike
+/// amounts, the first pipeline stages' most); the first error in order.
 fn on_threads<I: Sync, T: Send>(
     items: &[I],
     each: impl Fn(usize, &I) -> Result<T, MemPlanError> + Sync,
@@ -298,35 +299,40 @@ fn on_threads<I: Sync, T: Send>(
         .map(|n| n.get())
         .unwrap_or(1)
         .clamp(1, items.len().max(1));
-    let per_thread = items.len().div_ceil(threads).max(1);
-    let each = &each;
-    let planned: Vec<Result<Vec<T>, MemPlanError>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (items.chunks(per_thread).enumerate())
-            .map(|(c, chunk)| {
-                scope.spawn(move || {
-                    (chunk.iter().enumerate())
-                        .map(|(k, item)| each(c * per_thread + k, item))
-                        .collect()
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(MemPlanError {
-                        role: "?".into(),
-                        message: "a planner thread panicked (a planner bug)".into(),
-                    })
-                })
-            })
-            .collect()
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let work = || {
+        let mut done = Vec::new();
+        loop {
+            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let Some(item) = items.get(i) else {
+                return done;
+            };
+            done.push((i, each(i, item)));
+        }
+    };
+    let mut results: Vec<(usize, Result<T, MemPlanError>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads).map(|_| scope.spawn(work)).collect();
+        let mut all = Vec::with_capacity(items.len());
+        for h in handles {
+            match h.join() {
+                Ok(done) => all.extend(done),
+                Err(_) => all.push((0, Err(panicked()))),
+            }
+        }
+        all
     });
-    let mut results = Vec::with_capacity(items.len());
-    for chunk in planned {
-        results.extend(chunk?);
+    results.sort_by_key(|(i, _)| *i);
+    if results.len() < items.len() {
+        return Err(panicked());
     }
-    Ok(results)
+    results.into_iter().map(|(_, r)| r).collect()
+}
+
+fn panicked() -> MemPlanError {
+    MemPlanError {
+        role: "?".into(),
+        message: "a planner thread panicked (a planner bug)".into(),
+    }
 }
 
 /// Every transient buffer's offset (by id) and the arena's size: best fit largest first and,
