@@ -348,9 +348,14 @@ fn measured_need(
     };
     let fp8 = crate::fp8::choices(spec, prices(calibration));
     let plan = crate::lower::lower_chosen(spec, options, &fp8).ok()?;
-    verified(spec, &plan, &mut Diagnostics::default())?;
-    let largest = crate::fit::largest_need(spec, &plan).ok()??;
-    Some(largest.bytes)
+    // The verdict and the need read the plan alone: the verifier runs beside the planner.
+    let (verifies, largest) = std::thread::scope(|scope| {
+        let verifying = scope.spawn(|| verified(spec, &plan, &mut Diagnostics::default()));
+        let largest = crate::fit::largest_need(spec, &plan);
+        (verifying.join().ok().flatten().is_some(), largest)
+    });
+    let largest = largest.ok()??;
+    verifies.then_some(largest.bytes)
 }
 
 /// A stage's result, its errors moved into `diagnostics`.
