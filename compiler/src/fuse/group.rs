@@ -219,12 +219,17 @@ fn renamed(built: &Built, rename: impl Fn(BufferId) -> BufferId) -> Built {
 /// with its kernel; an error only for a kernel this pass got wrong.
 pub(super) fn groups(program: &Program) -> Result<Vec<Group>, String> {
     let n = program.instrs.len();
+    // Room for every fragment and group the pass can make (a group per fusible instruction,
+    // and one per merge), so the large lists never move while they grow.
+    let fusible = (program.instrs.iter())
+        .filter(|i| matches!(i, Instr::Compute { op, .. } if ops::fusible(op)))
+        .count();
     let mut pass = Pass {
         program,
         uses: Uses::new(program),
-        fragments: Vec::new(),
+        fragments: Vec::with_capacity(fusible),
         fragment_of: vec![NONE; n],
-        open: Vec::new(),
+        open: Vec::with_capacity(2 * fusible),
         group_of: vec![NONE; n],
         writer: vec![NONE; program.buffers.len()],
         cache: KernelCache::default(),
