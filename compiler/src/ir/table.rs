@@ -18,6 +18,9 @@ use super::fp8::{Along, Fp8HistoryAttrs, Fp8Operand, Fp8Scaling, OperandKind};
 use super::op::{AttentionAttrs, Op};
 use super::storage::StorageClass::{self, Float, Fp32, Fp8, Tokens};
 
+mod signatures;
+pub use signatures::Signatures;
+
 /// What kind of work an op is: backends group their code by family, and the profiler its time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Family {
@@ -256,6 +259,14 @@ const ONE: Option<Shape> = Some(Shape {
 const FLAT: Option<Shape> = None;
 
 impl Signature {
+    /// The (input, output) pairs the op updates in place (`Op::in_place`).
+    pub fn in_place(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        (self.outputs.iter().enumerate()).filter_map(|(o, output)| match output.write {
+            Write::InPlace(i) => Some((i, o)),
+            _ => None,
+        })
+    }
+
     fn new(opcode: Opcode) -> Signature {
         Signature {
             opcode,

@@ -83,13 +83,14 @@ pub(super) fn assign(program: &mut Program, precision: Precision, keep_f32: &[Bu
         exclude(id, &mut eligible);
     }
     let mut collectives = Vec::new();
+    let mut signatures = crate::ir::table::Signatures::new();
     for instr in &program.instrs {
         match instr {
             Instr::Compute { .. } => {
                 let Some(c) = instr.as_compute() else {
                     continue;
                 };
-                let signature = c.op.signature();
+                let signature = signatures.of(c.op);
                 let bound = c.inputs.iter().zip(signature.inputs.iter());
                 let bound = bound.chain(c.outputs.iter().zip(signature.outputs.iter()));
                 for (id, operand) in bound {

@@ -47,6 +47,7 @@ pub fn zero_needs(program: &Program) -> Vec<bool> {
         fresh: vec![None; program.buffers.len()],
         numel: program.buffers.iter().map(|b| b.numel()).collect(),
     };
+    let mut signatures = crate::ir::table::Signatures::new();
     for instr in &program.instrs {
         match instr {
             Instr::Alloc { buffer } => {
@@ -70,7 +71,7 @@ pub fn zero_needs(program: &Program) -> Vec<bool> {
                 for &id in inputs.iter() {
                     tracker.touch(id, Use::Reads);
                 }
-                let writes = op.signature().outputs;
+                let writes = signatures.of(op).outputs;
                 for (index, &id) in outputs.iter().enumerate() {
                     tracker.touch(id, output_use(writes.get(index).map(|o| o.write)));
                 }

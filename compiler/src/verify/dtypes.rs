@@ -15,6 +15,7 @@ pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violatio
             .map(|x| format!("b{} `{}` ({})", b.0, x.name, x.dtype.name()))
             .unwrap_or_else(|| format!("b{}", b.0))
     };
+    let mut signatures = crate::ir::table::Signatures::new();
     for (i, instr) in program.instrs.iter().enumerate() {
         let mut push = |node, message: String| found.push("E0819", i, node, || message);
         match instr {
@@ -29,7 +30,7 @@ pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violatio
                 else {
                     continue;
                 };
-                let signature = op.signature();
+                let signature = signatures.of(op);
                 let bound = [
                     ("input", &inputs[..], &signature.inputs[..]),
                     ("output", &outputs[..], &signature.outputs[..]),

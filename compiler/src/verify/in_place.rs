@@ -9,9 +9,10 @@ use crate::ir::{Program, ProgramId};
 /// Every in-place binding violation of `program` (run by `rank`, the lowest rank running it).
 pub(super) fn check(program: &Program, id: ProgramId, rank: u32) -> Vec<Violation> {
     let mut found = Findings::new(id, rank);
+    let mut signatures = crate::ir::table::Signatures::new();
     for (i, c) in program.computes() {
         let op = c.op;
-        for (input, output) in op.in_place() {
+        for (input, output) in signatures.of(op).in_place() {
             let (a, b) = (c.inputs.get(input), c.outputs.get(output));
             if a.is_none() || a != b {
                 let name = |b: Option<&crate::ir::BufferId>| {
