@@ -7,7 +7,6 @@ use super::placed::PlacedIndex;
 use super::{on_threads, place_transients, MemPlanError, Transients};
 use crate::ir::{Instr, Program};
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
 
 /// An order's placement: `(offsets by buffer, arena)`.
 type Placed = (Vec<u64>, u64);
@@ -108,16 +107,20 @@ fn plan_class<T>(
 
 /// A hash of the program's `Alloc` and `Free` instructions in order, each with its buffer and
 /// the buffer's bytes: equal for alike programs (a class is confirmed by [`Transients::alike`]).
+/// Multiply-rotate mixing: the words are the compiler's own, and a collision only costs a
+/// class its sharing.
 fn fingerprint(program: &Program) -> u64 {
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    const SEED: u64 = 0x51_7c_c1_b7_27_22_0a_95;
+    let mix = |hash: u64, word: u64| (hash.rotate_left(5) ^ word).wrapping_mul(SEED);
+    let mut hash = 0u64;
     for instr in &program.instrs {
         let (buffer, alloc) = match instr {
-            Instr::Alloc { buffer } => (buffer, true),
-            Instr::Free { buffer } => (buffer, false),
+            Instr::Alloc { buffer } => (buffer, 1),
+            Instr::Free { buffer } => (buffer, 0),
             _ => continue,
         };
-        (buffer.0, alloc).hash(&mut hasher);
-        program.buffer(*buffer).map(|b| b.bytes()).hash(&mut hasher);
+        let bytes = program.buffer(*buffer).map_or(u64::MAX, |b| b.bytes());
+        hash = mix(mix(hash, u64::from(buffer.0) << 1 | alloc), bytes);
     }
-    hasher.finish()
+    hash
 }
