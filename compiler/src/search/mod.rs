@@ -320,7 +320,8 @@ fn judge_unlowered(
 /// Where a plan would fit when none does on `(nodes, gpus per node)`: the nearest clusters of
 /// [`cluster_shapes`], fewer GPUs and more, with a plan of the space (its arithmetic rules
 /// applied) whose leanest form (recompute full, micro batch 1, ZeRO-3 where dp·cp > 1, 1F1B,
-/// even stages) the formulas, times `underestimate`, put under the GPU's memory.
+/// even stages, or the cost model's where pp does not divide the layers) the formulas, times
+/// `underestimate`, put under the GPU's memory.
 fn fits_on(spec: &Spec, (nodes, gpus_per_node): (u32, u32), underestimate: f64) -> FitsOn {
     let gpus = nodes * gpus_per_node;
     let capacity = spec.cluster.gpu.memory_bytes as f64;
@@ -328,7 +329,7 @@ fn fits_on(spec: &Spec, (nodes, gpus_per_node): (u32, u32), underestimate: f64) 
         space::space(spec, n * g, g)
             .candidates
             .into_iter()
-            .filter(leanest)
+            .filter(|c| leanest(c, spec.model.layers.max(1)))
             .filter_map(|c| estimate(spec, c, (n, g), &gemm_rate::GemmRates::new(None)))
             .any(|e| e.memory as f64 * underestimate <= capacity)
     };
@@ -345,8 +346,8 @@ fn fits_on(spec: &Spec, (nodes, gpus_per_node): (u32, u32), underestimate: f64) 
     }
 }
 
-/// Whether a candidate is the leanest in memory of its mesh.
-fn leanest(c: &Candidate) -> bool {
+/// Whether a candidate is the leanest in memory of its mesh (of `layers` repeated layers).
+fn leanest(c: &Candidate, layers: u32) -> bool {
     let zero = if c.dp * c.cp > 1 {
         ZeroStage::Zero3
     } else {
@@ -356,7 +357,7 @@ fn leanest(c: &Candidate) -> bool {
         && c.micro_batch == 1
         && c.zero == zero
         && c.schedule == PipelineSchedule::OneFOneB
-        && c.balance == crate::spec::Balance::Even
+        && (c.balance == crate::spec::Balance::Even || !layers.is_multiple_of(c.pp))
 }
 
 /// The clusters [`fits_on`] tries, fewest GPUs first, as (nodes, GPUs per node): on one node,
@@ -689,8 +690,13 @@ fn estimate(
     spec.parallel.balance = c.balance;
     crate::cost::balance::rebalance(&mut spec);
     if c.balance == crate::spec::Balance::Auto {
+        // The same split as `even` is that candidate's, where there is one (chunks dividing
+        // the layers); where there is none, the cost model's split is the only plan.
         let (p, v) = spec.parallel.pipeline_shape();
-        if spec.parallel.chunk_layers == crate::spec::even_layers(spec.model.layers, p * v) {
+        let chunks = p * v;
+        if spec.model.layers.is_multiple_of(chunks.max(1))
+            && spec.parallel.chunk_layers == crate::spec::even_layers(spec.model.layers, chunks)
+        {
             return None;
         }
     }
@@ -1484,6 +1490,46 @@ cluster {
                 }
             }
         }
+    }
+
+    /// A pp that does not divide the layers (Llama 3 405B's 126 on Meta's pp 16) is searched
+    /// with the cost model's uneven split, 1F1B only, and every such plan is estimated (none
+    /// dropped as the duplicate of an `even` candidate that cannot exist).
+    #[test]
+    fn a_pp_not_dividing_the_layers_is_searched_split_by_the_cost_model() {
+        let llama = include_str!("../../../examples/tiny-llama.par");
+        let options = SearchOptions {
+            nodes: Some(1),
+            gpus_per_node: Some(3),
+            top: 1,
+            lower_at_least: 0,
+            lower_at_most: 0,
+            extend_at_most: 0,
+            lower_work: 0,
+            fusion: true,
+            calibration: None,
+            refuse: None,
+        };
+        let base = prepare("tiny-llama.par", llama, &[], &options).expect("checks");
+        assert_eq!(base.spec.model.layers, 4);
+        let space = space::space(&base.spec, 3, 3);
+        let pp3: Vec<&Candidate> = space.candidates.iter().filter(|c| c.pp == 3).collect();
+        assert!(!pp3.is_empty(), "pp 3 over 4 layers is a plan");
+        for c in &pp3 {
+            assert_eq!(c.balance, crate::spec::Balance::Auto, "{}", c.describe());
+            assert_eq!(c.schedule, PipelineSchedule::OneFOneB, "{}", c.describe());
+            let rates = gemm_rate::GemmRates::new(None);
+            let e = estimate(&base.spec, (*c).clone(), (1, 3), &rates);
+            assert!(e.is_some(), "{} is estimated", c.describe());
+        }
+        assert!(space
+            .candidates
+            .iter()
+            .filter(|c| c.pp == 3)
+            .any(|c| leanest(c, 4)));
+        // Six stages over four layers cannot be.
+        let six = space::space(&base.spec, 6, 6);
+        assert!(six.candidates.iter().all(|c| c.pp <= 4));
     }
 
     /// The clusters tried for a GPU count that fits grow in GPUs, one node at a time while

@@ -1,6 +1,8 @@
 //! The plans a search considers for a checked spec on `gpus` GPUs: every dp × pp × cp × tp whose
 //! product is the GPU count, with ZeRO 0–3 (1–3 only where dp·cp > 1), 1F1B or interleaved 1F1B
-//! with 2 or 4 virtual stages and layers split evenly or by `balance: auto` (pipelines only),
+//! with 2 or 4 virtual stages and layers split evenly or by `balance: auto` (pipelines only;
+//! a pp not dividing the layers runs 1F1B split by `balance: auto` alone, as Llama 3 405B's 126
+//! layers on Meta's pp 16),
 //! every power-of-two micro batch that divides the
 //! global batch per dp rank (≤ 64), recompute none, selective or full, and sequence
 //! parallelism with every tp > 1 (as Megatron runs it). The global batch is the spec's (the
@@ -13,7 +15,7 @@
 //! tp or cp × tp groups that do not fit in a node, tp on a model that does not shard on tp, tp
 //! not dividing heads, kv heads, the MLP width or the vocabulary, cp on a model that does not
 //! shard its sequence or that does not divide it, sequence parallelism's tp not dividing each
-//! cp rank's tokens, pp not dividing the layers, dp not dividing the global batch, fewer
+//! cp rank's tokens, more pipeline stages than layers, dp not dividing the global batch, fewer
 //! microbatches than stages, interleaving with microbatches not a multiple of pp; the checker
 //! and the lowering judge the rest.
 
@@ -230,8 +232,8 @@ fn mesh_rule(spec: &Spec, [dp, pp, cp, tp]: [u32; 4], gpus_per_node: u32) -> Opt
         Some("tp groups do not fit in a node")
     } else if cp > 1 && !fits(cp * tp, Axis::Cp) {
         Some("cp × tp groups do not fit in a node")
-    } else if !spec.model.layers.max(1).is_multiple_of(pp) {
-        Some("pp does not divide the layers")
+    } else if pp > spec.model.layers.max(1) {
+        Some("more pipeline stages than layers")
     } else if !spec.train.global_batch.is_multiple_of(u64::from(dp)) {
         Some("dp does not divide the global batch")
     } else {
@@ -307,7 +309,10 @@ pub fn space(spec: &Spec, gpus: u32, gpus_per_node: u32) -> Space {
                     reject(&mut rejected, rule, variants(dp, cp));
                     continue;
                 }
-                let balances: &[Balance] = if pp > 1 {
+                let balances: &[Balance] = if pp > 1 && !layers.is_multiple_of(pp) {
+                    // No even split: only the cost model's uneven one (E0407 refuses `even`).
+                    &[Balance::Auto]
+                } else if pp > 1 {
                     &[Balance::Even, Balance::Auto]
                 } else {
                     &[Balance::Even]
