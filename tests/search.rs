@@ -116,13 +116,15 @@ fn memory_names_the_smallest_overshoot_and_what_to_change() {
     );
 }
 
-/// Tiny on 3 GPUs: no way of splitting 3 GPUs suits the model (dp 3 does not divide the batch of
-/// 8, pp 3 the 4 layers, tp 3 the vocabulary, 2·cp = 6 the 64 tokens). The report says so
+/// Tiny on 5 GPUs: no way of splitting 5 GPUs suits the model (dp 5 does not divide the batch of
+/// 8, pp 5 is more stages than the 4 layers, tp 5 does not divide the vocabulary, 2·cp = 10 the
+/// 64 tokens). The report says so
 /// instead of "searched 0 plans", names the rule with the most, and the nearest GPU counts that
 /// have a plan; searching one of them finds it.
 #[test]
 fn a_gpu_count_no_plan_can_split_names_the_nearest_that_can() {
-    let out = parc(&["plan", "--search", "examples/tiny.par", "--gpus", "3"]);
+    // (3 GPUs have a plan: pp 3 splits the layers by `balance: auto`.)
+    let out = parc(&["plan", "--search", "examples/tiny.par", "--gpus", "5"]);
     assert_eq!(out.status.code(), Some(1), "{}", stderr_of(&out));
     let report = stdout_of(&out);
     assert!(
@@ -131,7 +133,7 @@ fn a_gpu_count_no_plan_can_split_names_the_nearest_that_can() {
     );
     let text = no_fit(&report);
     assert!(
-        text.starts_with("no plan fits on 3 GPUs: the arithmetic rules allow none of its "),
+        text.starts_with("no plan fits on 5 GPUs: the arithmetic rules allow none of its "),
         "{text}"
     );
     assert!(text.contains("rejected the most, 48"), "{text}");
@@ -141,7 +143,7 @@ fn a_gpu_count_no_plan_can_split_names_the_nearest_that_can() {
     );
     assert!(
         text.contains(
-            "to fit: by the cost formulas a plan fits on 2 GPUs (--gpus 2) or 4 (--gpus 4)"
+            "to fit: by the cost formulas a plan fits on 4 GPUs (--gpus 4) or 6 (--gpus 6)"
         ),
         "{text}"
     );
