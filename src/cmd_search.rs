@@ -204,6 +204,14 @@ fn ranking(ranked: &[Ranked]) -> String {
         "(step, bubble and exposed communication from the simulated timeline; memory per GPU \
          from the lowered plan, the largest over its programs)\n",
     );
+    if let Some((m1, m2)) = ranked.first().and_then(|r| r.sampled) {
+        let _ = writeln!(
+            out,
+            "(#1 extrapolated from its plan at {m1} and {m2} microbatches, as the others are: \
+             lowering it whole was past the search's work; `parc check` with its flags gives its \
+             whole numbers)"
+        );
+    }
     out
 }
 

@@ -17,7 +17,9 @@
 //!    once `top` fit, on while a candidate left could still beat the `top`-th (its estimate at
 //!    the smallest simulated-over-estimated ratio seen), up to
 //!    [`SearchOptions::extend_at_most`] and a budget of lowered instructions
-//!    ([`SearchOptions::lower_work`]: many lowerings of a small model, few of a large one):
+//!    ([`SearchOptions::lower_work`]: many lowerings of a small model, few of a large one;
+//!    counted plan by plan, each lowering predicted before it is made, `work`, so one that would
+//!    overrun it waits while cheaper ones are lowered):
 //!    memory per GPU from the lowered plan (`fit`, the verdict
 //!    E0701 gives) rejects what does not fit; the timeline gives the step time, bubble and
 //!    exposed communication of the rest, which are ranked by step time. A candidate with more
@@ -27,7 +29,8 @@
 //!    per GPU does not grow with more microbatches). Every lowering of a batch of candidates
 //!    is a job for one thread per core.
 //! 4. **Confirm** the fastest: the winner is lowered and simulated whole, as `parc check` would,
-//!    so its numbers are check's; the others shown keep their sampled numbers. An `auto` stage
+//!    so its numbers are check's, where its whole lowering is within the work (else it keeps
+//!    its sampled numbers, [`Ranked::sampled`]); the others shown keep their sampled numbers. An `auto` stage
 //!    balance that splits the layers evenly is the even candidate and is not tried twice.
 //!
 //! Every rejection is counted by rule, in plans (the arithmetic's, the checker's by code with its
@@ -43,6 +46,7 @@
 
 mod gemm_rate;
 pub mod space;
+mod work;
 
 use crate::cost::CostReport;
 use crate::diag::Diagnostics;
@@ -73,8 +77,9 @@ pub struct SearchOptions {
     pub extend_at_most: usize,
     /// Instructions lowered (sampled programs, [`Ranked::instructions`]) past which the search
     /// stops going on for candidates that are only [`Lowering::promising`] (and, at four times
-    /// this, stops looking for `top` plans that fit): a budget of work, the same on every
-    /// machine, so a large model lowers few candidates and a small one many.
+    /// this, stops looking for `top` plans that fit, lowers no candidate predicted to take it
+    /// past that, and lowers the winner whole only within it): a budget of work, the same on
+    /// every machine, so a large model lowers few candidates and a small one many.
     pub lower_work: u64,
     /// Lower with the fusion pass (as the run would).
     pub fusion: bool,
@@ -112,6 +117,9 @@ pub struct Ranked {
     /// Instructions of the programs lowered to rank it (both samples where it was sampled):
     /// the search's measure of its work.
     pub instructions: u64,
+    /// The microbatch counts it was simulated at when its numbers are extrapolated from two
+    /// samples (`None`: simulated whole).
+    pub sampled: Option<(u32, u32)>,
 }
 
 /// How many plans a rule rejected, and the one that came closest (for memory: the smallest
@@ -254,13 +262,24 @@ pub fn search_from(
         lowered: 0,
         fastest_ratio: f64::INFINITY,
         work: 0,
+        rate: work::Rate::new(spec.model.layers),
         ranked: 0,
         refused: Vec::new(),
         rejected: &mut rejected,
     };
     let fitting = lowering.run(&mut queue, options, progress);
     let (lowered, underestimate) = (lowering.lowered, lowering.underestimate);
-    let mut ranked = confirm(fitting, options.top, &how, capacity, &mut rejected);
+    // The winner is lowered whole where the work that takes is within the search's.
+    let (done, rate) = (lowering.work, lowering.rate);
+    let cap = work::cap(options.lower_work);
+    let affordable = |c: &Candidate| done.saturating_add(rate.whole(c)) <= cap;
+    let mut ranked = confirm(
+        fitting,
+        (options.top, &how),
+        capacity,
+        &affordable,
+        &mut rejected,
+    );
     ranked.sort_by(|a, b| a.step_seconds.total_cmp(&b.step_seconds));
     let fits_on = if ranked.is_empty() {
         judge_unlowered(queue, capacity, underestimate, &mut rejected);
@@ -424,13 +443,14 @@ fn estimate_all(
 
 /// The `top` plans shown, fastest first: the winner lowered and simulated whole, so its
 /// numbers are check's (a winner that does not fit whole gives way to the next; one simulated
-/// whole already is not lowered again); the others keep their sampled numbers (within 1% of
-/// whole, `tests`).
+/// whole already is not lowered again), where `affordable` says its whole lowering is within
+/// the search's work (else it keeps its samples' numbers, [`Ranked::sampled`]); the others
+/// keep their sampled numbers (within 1% of whole, `tests`).
 fn confirm(
     fitting: Vec<(Estimated, Ranked)>,
-    top: usize,
-    how: &Pricing,
+    (top, how): (usize, &Pricing),
     capacity: u64,
+    affordable: &dyn Fn(&Candidate) -> bool,
     rejected: &mut Vec<Rejection>,
 ) -> Vec<Ranked> {
     let mut ranked: Vec<Ranked> = Vec::new();
@@ -439,7 +459,10 @@ fn confirm(
             break;
         }
         let k = &c.candidate;
-        if !ranked.is_empty() || sample_points(k.microbatches, k.pp, k.schedule).is_none() {
+        if !ranked.is_empty()
+            || sample_points(k.microbatches, k.pp, k.schedule).is_none()
+            || !affordable(k)
+        {
             ranked.push(sampled);
             continue;
         }
@@ -729,6 +752,8 @@ struct Lowering<'a> {
     /// Instructions lowered so far ([`Ranked::instructions`] of each lowered candidate, a
     /// refused one's own; one that failed otherwise counts as the mean of those ranked).
     work: u64,
+    /// What a candidate's lowering is predicted to add to `work`, learnt from those made.
+    rate: work::Rate,
     /// Lowered candidates that were ranked.
     ranked: u64,
     /// The meshes (which axes are split) of candidates the backend refused: a candidate of
@@ -765,8 +790,7 @@ impl Lowering<'_> {
         let enough = |l: &Self, fitting: &[(Estimated, Ranked)], queue: &[Estimated]| {
             let counted = counted(l);
             if fitting.len() < options.top {
-                return counted >= options.lower_at_most
-                    || l.work >= options.lower_work.saturating_mul(4);
+                return counted >= options.lower_at_most || l.work >= work::cap(options.lower_work);
             }
             let spent = l.work >= options.lower_work || counted >= options.extend_at_most;
             counted >= options.lower_at_least
@@ -782,12 +806,18 @@ impl Lowering<'_> {
                 total: cap,
             });
             let room = cap.saturating_sub(counted(self)).clamp(1, width);
-            let batch = self.take_checked(queue, room);
+            let left = work::cap(options.lower_work).saturating_sub(self.work);
+            let batch = self.take_checked(queue, room, left);
+            if batch.is_empty() {
+                // Every candidate left would take the work past the search's.
+                break;
+            }
             self.lowered += batch.len();
             for (e, result) in evaluate_all(batch, &self.how) {
                 match result {
                     Ok(r) => {
                         self.work += r.instructions;
+                        self.rate.learn(&e.candidate, r.instructions);
                         self.ranked += 1;
                         let ratio = need(&r) as f64 / e.memory.max(1) as f64;
                         self.underestimate = self.underestimate.max(ratio);
@@ -801,6 +831,9 @@ impl Lowering<'_> {
                         }
                     }
                     Err(why) => {
+                        if why.lowered > 0 {
+                            self.rate.learn(&e.candidate, why.lowered);
+                        }
                         self.work += match why.lowered {
                             0 => self.work / self.ranked.max(1),
                             n => n,
@@ -831,28 +864,43 @@ impl Lowering<'_> {
     }
 
     /// Up to `n` candidates from the queue, in order, that pass the checker (the others are
-    /// counted under the checker's rule).
-    fn take_checked(&mut self, queue: &mut Vec<Estimated>, n: usize) -> Vec<Estimated> {
+    /// counted under the checker's rule) and whose lowerings together are predicted within
+    /// `left` instructions.
+    fn take_checked(&mut self, queue: &mut Vec<Estimated>, n: usize, left: u64) -> Vec<Estimated> {
         let mut batch = Vec::new();
-        while batch.len() < n && !queue.is_empty() {
-            let e = queue.remove(self.next(queue));
+        let mut left = left;
+        while batch.len() < n {
+            // Where no candidate is predicted within the work, the search's first is lowered
+            // anyway (a search shows a plan where one fits).
+            let first = self.lowered == 0 && batch.is_empty();
+            let pick = self.next(queue, left);
+            let Some(at) = pick.or_else(|| first.then(|| self.next(queue, u64::MAX)).flatten())
+            else {
+                break;
+            };
+            let e = queue.remove(at);
             match self.check(&e.candidate) {
-                Ok(()) => batch.push(e),
+                Ok(()) => {
+                    left = left.saturating_sub(self.rate.evaluation(&e.candidate));
+                    batch.push(e);
+                }
                 Err(why) => count(self.rejected, &why, None),
             }
         }
         batch
     }
 
-    /// The first candidate the learnt factor keeps under the GPU's memory and whose mesh the
-    /// backend has not refused, else the first under the memory, else the first.
-    fn next(&self, queue: &[Estimated]) -> usize {
+    /// Of the candidates whose lowering is predicted within `left` instructions: the first the
+    /// learnt factor keeps under the GPU's memory and whose mesh the backend has not refused,
+    /// else the first under the memory, else the first.
+    fn next(&self, queue: &[Estimated], left: u64) -> Option<usize> {
         let limit = self.capacity as f64 / self.underestimate;
-        let fits = |e: &Estimated| e.memory as f64 <= limit;
+        let within = |e: &Estimated| self.rate.evaluation(&e.candidate) <= left;
+        let fits = |e: &Estimated| within(e) && e.memory as f64 <= limit;
         let runs = |e: &Estimated| !self.refused.contains(&splits(&e.candidate));
         (queue.iter().position(|e| fits(e) && runs(e)))
             .or_else(|| queue.iter().position(fits))
-            .unwrap_or(0)
+            .or_else(|| queue.iter().position(within))
     }
 
     /// The checker's verdict on the candidate's `--set` settings: `Err` names its first error.
@@ -1087,6 +1135,7 @@ fn extrapolate(a: &Ranked, b: &Ranked, (m1, m2): (u32, u32), m: u32) -> Ranked {
         bubble_fraction: idle / step,
         exposed_comm_fraction: exposed / step,
         instructions: a.instructions + b.instructions,
+        sampled: Some((m1, m2)),
     }
 }
 
@@ -1166,6 +1215,7 @@ fn ranking(
         bubble_fraction: timeline.bubble_fraction,
         exposed_comm_fraction: timeline.exposed_comm_fraction,
         instructions: plan.instructions() as u64,
+        sampled: None,
     }
 }
 
@@ -1335,6 +1385,41 @@ cluster {
   intra = nvlink { bandwidth: 450 GB/s }
   inter = infiniband { bandwidth: 50 GB/s }
 }";
+
+    /// The search's budget is work, not plans: with a budget of almost no instructions it
+    /// lowers its first candidate only (a search shows a plan where one fits), and the winner,
+    /// sampled, keeps its samples' numbers (lowering it whole is past the work); with no limit
+    /// it lowers many, the winner whole.
+    #[test]
+    fn the_budget_counts_the_instructions_each_plan_lowers() {
+        let options = |lower_work: u64| SearchOptions {
+            nodes: Some(1),
+            gpus_per_node: Some(4),
+            top: 1,
+            lower_at_least: 8,
+            lower_at_most: 12,
+            extend_at_most: 12,
+            lower_work,
+            fusion: true,
+            calibration: None,
+            refuse: None,
+        };
+        let tiny = include_str!("../../../examples/tiny.par");
+        let sets = [set("train.global_batch", "128".to_string())];
+        let run =
+            |o: &SearchOptions| search("tiny.par", tiny, &sets, o, &|_| {}).expect("searches");
+        let spent = run(&options(1));
+        assert_eq!(spent.lowered, 1);
+        let free = run(&options(u64::MAX));
+        assert!(free.lowered > 1, "{}", free.lowered);
+        let winner = free.ranked.first().expect("a plan");
+        assert_eq!(winner.sampled, None, "{}", winner.candidate.describe());
+        if let Some(first) = spent.ranked.first() {
+            let c = &first.candidate;
+            let sampled = sample_points(c.microbatches, c.pp, c.schedule);
+            assert_eq!(first.sampled, sampled, "{}", c.describe());
+        }
+    }
 
     /// The winner does not hang on `top`: asked for one plan, the search lowers on past its
     /// first few while a candidate left could still beat the best, and finds the plan it finds
