@@ -154,19 +154,9 @@ impl CudaBackend {
             return Ok(false);
         };
         let [d, _] = dests;
-        let args = [
-            fv(gate),
-            fv(up),
-            fv(a),
-            Arg::I64(run.rows as i64),
-            Arg::I64(run.cols as i64),
-            Arg::Ptr(d.amax),
-            Arg::F32(d.maxv),
-            Arg::I32(i32::from(d.e5m2)),
-            Arg::Ptr(d.q),
-            Arg::Ptr(d.qt),
-            Arg::Ptr(d.record),
-        ];
+        let mut args = vec![fv(gate), fv(up), fv(a)];
+        args.extend(run.args());
+        args.extend(d.args());
         self.launch_swiglu_fp8(Kernel::SwigluFwdFp8, run, &args)?;
         Ok(true)
     }
@@ -182,25 +172,10 @@ impl CudaBackend {
         let Some((run, [g, u])) = self.fused_dests(&[dgate, dup], &[dy, gate, up])? else {
             return Ok(false);
         };
-        let mut args = vec![
-            fv(dy),
-            fv(gate),
-            fv(up),
-            fv(dgate),
-            fv(dup),
-            Arg::I64(run.rows as i64),
-            Arg::I64(run.cols as i64),
-        ];
-        for d in [g, u] {
-            args.extend([
-                Arg::Ptr(d.amax),
-                Arg::F32(d.maxv),
-                Arg::I32(i32::from(d.e5m2)),
-                Arg::Ptr(d.q),
-                Arg::Ptr(d.qt),
-                Arg::Ptr(d.record),
-            ]);
-        }
+        let mut args = vec![fv(dy), fv(gate), fv(up), fv(dgate), fv(dup)];
+        args.extend(run.args());
+        args.extend(g.args());
+        args.extend(u.args());
         self.launch_swiglu_fp8(Kernel::SwigluBwdFp8, run, &args)?;
         Ok(true)
     }
@@ -290,6 +265,27 @@ impl CudaBackend {
 struct Shape {
     rows: u64,
     cols: u64,
+}
+
+impl Shape {
+    /// The kernels' `rows, cols` arguments.
+    fn args(self) -> [Arg; 2] {
+        [Arg::I64(self.rows as i64), Arg::I64(self.cols as i64)]
+    }
+}
+
+impl Dest {
+    /// The kernels' arguments of one output's quantization: `amax, maxv, e5m2, q, qt, record`.
+    fn args(self) -> [Arg; 6] {
+        [
+            Arg::Ptr(self.amax),
+            Arg::F32(self.maxv),
+            Arg::I32(i32::from(self.e5m2)),
+            Arg::Ptr(self.q),
+            Arg::Ptr(self.qt),
+            Arg::Ptr(self.record),
+        ]
+    }
 }
 
 /// The shape of a run whose epilogue reads `inputs` and writes `outputs` (all of one length
