@@ -70,14 +70,19 @@ fn describe(llama: bool, p: &PlanChoice, variant: Variant) -> String {
     )
 }
 
+/// The single-rank plan with `plan`'s global batch: all its microbatches on one rank.
+fn single_rank_plan(plan: &PlanChoice) -> PlanChoice {
+    PlanChoice {
+        microbatches: plan.microbatches * plan.dp,
+        ..PlanChoice::default()
+    }
+}
+
 /// The single-rank run with the same global batch and optimizer as `plan` under `variant`.
 fn single_rank_of(llama: bool, plan: &PlanChoice, variant: Variant) -> TrainResult {
     run(
         llama,
-        PlanChoice {
-            microbatches: plan.microbatches * plan.dp,
-            ..PlanChoice::default()
-        },
+        single_rank_plan(plan),
         Variant {
             sgd: variant.sgd,
             ..Variant::default()
@@ -184,10 +189,7 @@ fn qkv_biases_without_an_output_bias() {
     ];
     for plan in plans {
         let desc = format!("qwen {}", describe(true, &plan, Variant::default()));
-        let single_plan = PlanChoice {
-            microbatches: plan.microbatches * plan.dp,
-            ..PlanChoice::default()
-        };
+        let single_plan = single_rank_plan(&plan);
         let single = run_plan_of(&qwen(spec_variant(
             model(true),
             single_plan,
@@ -268,10 +270,7 @@ fn per_head_qk_norm_under_every_axis() {
                 ..Variant::default()
             };
             let desc = format!("qwen3 {}", describe(true, &plan, variant));
-            let single_plan = PlanChoice {
-                microbatches: plan.microbatches * plan.dp,
-                ..PlanChoice::default()
-            };
+            let single_plan = single_rank_plan(&plan);
             let single = run_plan_of(&qwen3(spec_variant(model(true), single_plan, variant)));
             let norm = single
                 .params

@@ -1529,6 +1529,22 @@ cluster {
         }
     }
 
+    /// Search options for `nodes` × `gpus_per_node` that estimate the space and lower no plan.
+    fn lowering_nothing(nodes: u32, gpus_per_node: u32) -> SearchOptions {
+        SearchOptions {
+            nodes: Some(nodes),
+            gpus_per_node: Some(gpus_per_node),
+            top: 1,
+            lower_at_least: 0,
+            lower_at_most: 0,
+            extend_at_most: 0,
+            lower_work: 0,
+            fusion: true,
+            calibration: None,
+            refuse: None,
+        }
+    }
+
     /// The arithmetic rules of the space are the checker's for what they cover: every candidate
     /// it keeps checks clean (placement with the mesh laid out tp innermost, sequence splits,
     /// interleaving's microbatches, tp's shards), so no checker error reaches the rejections
@@ -1548,18 +1564,7 @@ cluster {
         ];
         for (name, text, overrides) in specs {
             for (nodes, gpus_per_node) in [(1, 3), (1, 4), (1, 6), (2, 4)] {
-                let options = SearchOptions {
-                    nodes: Some(nodes),
-                    gpus_per_node: Some(gpus_per_node),
-                    top: 1,
-                    lower_at_least: 0,
-                    lower_at_most: 0,
-                    extend_at_most: 0,
-                    lower_work: 0,
-                    fusion: true,
-                    calibration: None,
-                    refuse: None,
-                };
+                let options = lowering_nothing(nodes, gpus_per_node);
                 let base = prepare(name, text, overrides, &options).expect("checks");
                 let space = space::space(&base.spec, nodes * gpus_per_node, gpus_per_node);
                 for c in space.candidates {
@@ -1583,18 +1588,7 @@ cluster {
     #[test]
     fn a_pp_not_dividing_the_layers_is_searched_split_by_the_cost_model() {
         let llama = include_str!("../../../examples/tiny-llama.par");
-        let options = SearchOptions {
-            nodes: Some(1),
-            gpus_per_node: Some(3),
-            top: 1,
-            lower_at_least: 0,
-            lower_at_most: 0,
-            extend_at_most: 0,
-            lower_work: 0,
-            fusion: true,
-            calibration: None,
-            refuse: None,
-        };
+        let options = lowering_nothing(1, 3);
         let base = prepare("tiny-llama.par", llama, &[], &options).expect("checks");
         assert_eq!(base.spec.model.layers, 4);
         let space = space::space(&base.spec, 3, 3);

@@ -800,4 +800,4 @@ fn log2s(sizes: &[u64]) -> Vec<f64> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -1,22 +1,11 @@
 use super::*;
-use crate::driver::{compile, CompileOptions, Stage};
 use crate::ir::fp8::{Fp8Format, Fp8HistoryAttrs, Fp8QuantizeAttrs};
 use crate::ir::Plan;
 use crate::ir::{Buffer, BufferKind, DType};
 
 /// tiny-llama in bf16 with every attention and MLP GEMM in tensorwise FP8 of `fields`.
 fn tiny_llama(fields: &str) -> Plan {
-    let text = include_str!("../../../../examples/tiny-llama.par").to_string();
-    let overrides = [
-        "train.precision=bf16".to_string(),
-        format!("train.fp8=tensorwise {{ {fields} }}"),
-        "train.fp8.fp8=[Attention, MLP]".to_string(),
-    ]
-    .map(|s| crate::overrides::parse_override(&s).unwrap());
-    let options = CompileOptions::through(Stage::Lower);
-    compile("tiny-llama.par", text, &overrides, &options)
-        .plan
-        .expect("lowers")
+    crate::timeline::calibrated::tests::tiny_llama_tensorwise(fields).1
 }
 
 fn op_at(program: &Program, at: usize) -> &Op {

@@ -547,8 +547,8 @@ fn an_fp8_gemm_is_priced_as_its_gemm_plus_its_quantization() {
 }
 
 /// tiny-llama.par in bf16 with every attention and MLP projection in tensorwise FP8 with
-/// `fields` (`scaling: delayed`, …), lowered: its spec and plan.
-fn tiny_llama_tensorwise(fields: &str) -> (Spec, Plan) {
+/// `fields` (`scaling: delayed`, …), lowered: its spec and plan (also `ir::swiglu_runs`' tests).
+pub(crate) fn tiny_llama_tensorwise(fields: &str) -> (Spec, Plan) {
     let text = include_str!("../../../../examples/tiny-llama.par").to_string();
     let overrides = [
         "train.precision=bf16".to_string(),
