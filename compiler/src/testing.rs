@@ -11,6 +11,15 @@ use crate::spec::{
     Optimizer, Precision, Recompute, Rope, RopeScaling, Shape, Sharding, Train, Value, ValueId,
 };
 
+/// Llama 3.2's published RoPE scaling (`rope_scaling` of its config.json): the tests of the
+/// scaled frequencies and of the HF config's check share it.
+pub const LLAMA3_2_SCALING: RopeScaling = RopeScaling::Llama3 {
+    factor: 32.0,
+    low_freq_factor: 1.0,
+    high_freq_factor: 4.0,
+    original_max_position: 8192,
+};
+
 /// A decoder's sizes and style.
 #[derive(Clone, Debug)]
 pub struct Dims {

@@ -141,14 +141,7 @@ pub fn inv_freq(theta: f64, head_dim: u64, i: u64, scaling: RopeScaling) -> f64 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Llama 3.2 1B's published scaling.
-    const LLAMA3_2: RopeScaling = RopeScaling::Llama3 {
-        factor: 32.0,
-        low_freq_factor: 1.0,
-        high_freq_factor: 4.0,
-        original_max_position: 8192,
-    };
+    use crate::testing::LLAMA3_2_SCALING as LLAMA3_2;
 
     /// Relative difference.
     fn close(a: f64, b: f64) -> bool {

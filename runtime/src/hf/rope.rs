@@ -125,13 +125,7 @@ fn agrees(got: RopeScaling, spec: RopeScaling) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    const LLAMA3_2: RopeScaling = RopeScaling::Llama3 {
-        factor: 32.0,
-        low_freq_factor: 1.0,
-        high_freq_factor: 4.0,
-        original_max_position: 8192,
-    };
+    use parc_compiler::testing::LLAMA3_2_SCALING as LLAMA3_2;
 
     fn config(v: Value) -> Map<String, Value> {
         v.as_object().cloned().unwrap_or_default()
