@@ -8,12 +8,14 @@
 //! emulation in every case of `tests/cuda_ops/fp8.rs`, and a delayed Llama-style run in
 //! `tests/cuda_train.rs`, on an H200, 2026-12-05/06), with their amaxes or histories reduced
 //! across ranks (tp, cp, and dp for histories: `tests/cuda_train.rs`'s plans of several ranks
-//! on one GPU against the CPU's emulation of the same plan); rowwise (cuBLASLt refused its
-//! outer-vector scales there) and blockwise (cuBLASLt refused its block scales there) run on
+//! on one GPU against the CPU's emulation of the same plan); rowwise and blockwise run on
+//! parc's own FP8 kernel on Hopper (cuBLASLt's algorithm search refuses their scales there),
+//! blockwise with blocks that are multiples of its step along K (128): smaller blocks run on
 //! the CPU backend only. An attention its kernels do not take (`parc_runtime::cuda_limits`:
 //! heads above 128, e.g. Gemma's 256, or more (batch, head) pairs than one launch covers) is
 //! refused here too, rather than at the run's first attention op.
 use parc_compiler::diag::Diagnostic;
+use parc_compiler::fp8::{cuda_runs_block, CUDA_BLOCK};
 use parc_compiler::ir::fp8::Fp8Scaling;
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::Plan;
@@ -30,34 +32,25 @@ pub(crate) fn applies(spec: &Spec) -> bool {
 }
 
 /// W1202 for a GPU spec whose lowered plan the CUDA backend refuses (`refusal`), at the
-/// attention or the FP8 recipe it refuses; None for a CPU spec, a plan it runs, or blockwise
-/// blocks other than the backend's (W1201 says that one).
+/// attention it refuses; None for a CPU spec, a plan it runs, or blockwise blocks the FP8
+/// kernel does not take (W1201 says that one).
 pub(crate) fn diagnose(spec: &Spec, plan: &Plan) -> Option<Diagnostic> {
     if !applies(spec) {
         return None;
     }
     let Refused { why, at } = refused(plan)?;
+    // The one FP8 refusal, a block the kernel does not take, is W1201's to say.
+    let At::Attention(node) = at else {
+        return None;
+    };
     let d = Diagnostic::warning(
         "W1202",
         "`parc run --backend cuda` refuses this plan: the CUDA backend does not run it yet",
     )
     .help(why);
-    if let At::Attention(node) = at {
-        let layer = node.and_then(|n| spec.model.nodes.get(n.0 as usize));
-        return Some(match layer {
-            Some(n) => d.label(n.span, "this attention"),
-            None => d,
-        });
-    }
-    let fp8 = spec.train.fp8.as_ref();
-    let other_block = fp8.is_some_and(|f| {
-        matches!(f.scaling, Fp8Scaling::Blockwise { block } if block != parc_compiler::fp8::CUDA_BLOCK)
-    });
-    if other_block {
-        return None;
-    }
-    Some(match fp8 {
-        Some(fp8) => d.label(fp8.span, "this FP8 recipe"),
+    let layer = node.and_then(|n| spec.model.nodes.get(n.0 as usize));
+    Some(match layer {
+        Some(n) => d.label(n.span, "this attention"),
         None => d,
     })
 }
@@ -103,30 +96,19 @@ fn attention_refused(plan: &Plan) -> Option<(String, Option<NodeId>)> {
     Some((format!("this plan's attention does not fit: {why}"), node))
 }
 
+/// The FP8 GEMMs the backend cannot run: blockwise with a block that is not a multiple of its
+/// kernel's step along K (`parc_compiler::fp8::cuda_runs_block`).
 fn scalings(plan: &Plan) -> Option<String> {
-    let mut refused: Vec<(Fp8Scaling, usize)> = Vec::new();
-    let scalings = computes(plan)
-        .filter_map(|c| c.op.fp8())
-        .map(|f| f.scaling)
-        .filter(|s| *s != Fp8Scaling::Tensorwise);
-    for scaling in scalings {
-        match refused.iter_mut().find(|(s, _)| *s == scaling) {
-            Some((_, n)) => *n += 1,
-            None => refused.push((scaling, 1)),
-        }
-    }
-    let (scaling, count) = refused.first()?;
-    let why = match scaling {
-        Fp8Scaling::Rowwise => "cuBLASLt refuses its outer-vector scales on Hopper",
-        _ => {
-            "cuBLASLt refused its block scales on an H200 (128 × 128 weight blocks as the \
-             product's A, 1 × 128 tiles as B, CUBLAS_STATUS_INVALID_VALUE)"
-        }
-    };
+    let mut blocks = computes(plan).filter_map(|c| match c.op.fp8()?.scaling {
+        Fp8Scaling::Blockwise { block } if !cuda_runs_block(block) => Some(block),
+        _ => None,
+    });
+    let block = blocks.next()?;
+    let count = 1 + blocks.count();
     Some(format!(
-        "this plan runs {count} GEMMs in {} FP8 (`train.fp8`), which the CUDA backend does not \
-         run yet ({why}): only the CPU backend runs them (an exact emulation). Use `train.fp8 = \
-         tensorwise` on the GPU, train without `train.fp8`, or run `--backend cpu`",
-        scaling.name()
+        "this plan runs {count} GEMMs in blockwise({block}) FP8 (`train.fp8`), which the CUDA \
+         backend does not run: its FP8 kernel scales K in steps of {CUDA_BLOCK}, so blocks are \
+         multiples of {CUDA_BLOCK}; only the CPU backend runs them (an exact emulation). Use \
+         `blockwise {{ block_size: {CUDA_BLOCK} }}` on the GPU, or run `--backend cpu`"
     ))
 }

@@ -139,22 +139,25 @@ mod tests {
             .unwrap_or_else(|| panic!("not lowered: {:?}", compiled.diagnostics.items))
     }
 
+    /// Rowwise and blockwise(128) FP8 run on parc's own Hopper kernel; blockwise with a block
+    /// that is not a multiple of its step along K (128) is refused before any rank starts.
     #[test]
-    fn cuda_refuses_rowwise_and_blockwise_fp8_plans_before_any_rank_starts() {
-        for recipe in ["blockwise", "rowwise"] {
-            let fp8 = tiny_llama_plan(&[&format!("train.fp8={recipe}"), "train.fp8.fp8=[MLP]"]);
-            let message = unsupported_on(Resolved::Cuda, &fp8).unwrap_or_default();
-            assert!(
-                message.contains(recipe) && message.contains("--backend cpu"),
-                "{message}"
-            );
-            assert_eq!(unsupported_on(Resolved::Cpu, &fp8), None);
+    fn cuda_refuses_fp8_blocks_its_kernel_does_not_take_before_any_rank_starts() {
+        let mlp = "train.fp8.fp8=[MLP]";
+        let small = tiny_llama_plan(&["train.fp8=blockwise", "train.fp8.block_size=64", mlp]);
+        let message = unsupported_on(Resolved::Cuda, &small).unwrap_or_default();
+        assert!(
+            message.contains("blockwise(64)") && message.contains("--backend cpu"),
+            "{message}"
+        );
+        assert_eq!(unsupported_on(Resolved::Cpu, &small), None);
+        for recipe in ["tensorwise", "rowwise", "blockwise"] {
+            let fp8 = tiny_llama_plan(&[&format!("train.fp8={recipe}"), mlp]);
+            assert_eq!(unsupported_on(Resolved::Cuda, &fp8), None, "{recipe}");
         }
-        let tensorwise = tiny_llama_plan(&["train.fp8=tensorwise", "train.fp8.fp8=[MLP]"]);
-        assert_eq!(unsupported_on(Resolved::Cuda, &tensorwise), None);
         let tp = tiny_llama_plan(&[
             "train.fp8=tensorwise",
-            "train.fp8.fp8=[MLP]",
+            mlp,
             "parallel.tp=2",
             "cluster.gpus_per_node=2",
         ]);

@@ -213,10 +213,16 @@ fn bf16_storage_matches_cpu_bf16(name: &str, llama: bool) {
 /// `s` with every attention and MLP projection pinned to tensorwise FP8 (E5M2 gradients),
 /// delayed scaling with `history`.
 fn tensorwise_fp8(s: &Spec, history: Option<u32>) -> Spec {
+    pinned_fp8(s, (Fp8Scaling::Tensorwise, Fp8Format::E5m2), history)
+}
+
+/// `s` with every attention and MLP projection pinned to FP8 of `scaling` with `grad`
+/// gradients, delayed scaling with `history`.
+fn pinned_fp8(s: &Spec, (scaling, grad): (Fp8Scaling, Fp8Format), history: Option<u32>) -> Spec {
     let mut fp8 = s.clone();
     fp8.train.fp8 = Some(Fp8 {
-        scaling: Fp8Scaling::Tensorwise,
-        grad: Fp8Format::E5m2,
+        scaling,
+        grad,
         history,
         keep_bf16: Vec::new(),
         force_fp8: vec!["Attention".into(), "MLP".into()],
@@ -226,17 +232,22 @@ fn tensorwise_fp8(s: &Spec, history: Option<u32>) -> Spec {
     fp8
 }
 
-/// Tensorwise FP8 (every attention and MLP projection pinned FP8, E5M2 gradients) on CUDA's
-/// cuBLASLt FP8 GEMMs against the CPU's exact emulation, both bf16 runs: within the bf16
-/// storage runs' tolerances (the GPU also rounds GEMM weights to bf16 before taking their amax,
-/// the CPU does not, so an element can land on the other side of an FP8 rounding boundary), and
-/// visibly apart from the same run without FP8 (FP8 rounding took place). With `history`
-/// (delayed scaling), the first step's histories are empty, so it runs unquantized: its loss
-/// is the bf16 run's.
-fn tensorwise_fp8_matches_cpu_emulation(name: &str, llama: bool, history: Option<u32>) {
+/// FP8 (every attention and MLP projection pinned FP8 under `recipe`: scaling and gradient
+/// format) on CUDA against the CPU's exact emulation, both bf16 runs: within the bf16 storage
+/// runs' tolerances (the GPU also rounds GEMM weights to bf16 before taking their amax, the CPU
+/// does not, so an element can land on the other side of an FP8 rounding boundary), and visibly
+/// apart from the same run without FP8 (FP8 rounding took place). With `history` (delayed
+/// scaling), the first step's histories are empty, so it runs unquantized: its loss is the bf16
+/// run's.
+fn fp8_matches_cpu_emulation(
+    name: &str,
+    llama: bool,
+    recipe: (Fp8Scaling, Fp8Format),
+    history: Option<u32>,
+) {
     let mut s = model_spec(llama, 6);
     s.train.precision = Precision::Bf16;
-    let fp8 = tensorwise_fp8(&s, history);
+    let fp8 = pinned_fp8(&s, recipe, history);
     let plan = lower(&fp8).unwrap_or_else(|d| panic!("{:?}", d.items));
     let fp8_gemms = (plan.programs[0].instrs.iter())
         .filter_map(|i| i.as_compute())
@@ -265,21 +276,36 @@ fn tensorwise_fp8_matches_cpu_emulation(name: &str, llama: bool, history: Option
     }
 }
 
+const TENSORWISE: (Fp8Scaling, Fp8Format) = (Fp8Scaling::Tensorwise, Fp8Format::E5m2);
+
 #[test]
 fn gpt_style_tensorwise_fp8_matches_cpu_emulation() {
-    tensorwise_fp8_matches_cpu_emulation("gpt_fp8_tensorwise", false, None);
+    fp8_matches_cpu_emulation("gpt_fp8_tensorwise", false, TENSORWISE, None);
 }
 
 #[test]
 fn llama_style_tensorwise_fp8_matches_cpu_emulation() {
-    tensorwise_fp8_matches_cpu_emulation("llama_fp8_tensorwise", true, None);
+    fp8_matches_cpu_emulation("llama_fp8_tensorwise", true, TENSORWISE, None);
 }
 
 /// Delayed scaling (history 4) on the GPU: the first step unquantized, then each operand
 /// scaled by its history, as the CPU emulates it.
 #[test]
 fn llama_style_delayed_fp8_matches_cpu_emulation() {
-    tensorwise_fp8_matches_cpu_emulation("llama_fp8_delayed", true, Some(4));
+    fp8_matches_cpu_emulation("llama_fp8_delayed", true, TENSORWISE, Some(4));
+}
+
+/// Rowwise and blockwise(128) FP8 (E4M3 gradients, as DeepSeek-V3 trains) on parc's own FP8
+/// kernel, as the CPU emulates them.
+#[test]
+fn llama_style_rowwise_and_blockwise_fp8_match_cpu_emulation() {
+    let blockwise = Fp8Scaling::Blockwise { block: 128 };
+    for (name, scaling) in [
+        ("llama_fp8_rowwise", Fp8Scaling::Rowwise),
+        ("llama_fp8_blockwise", blockwise),
+    ] {
+        fp8_matches_cpu_emulation(name, true, (scaling, Fp8Format::E4m3), None);
+    }
 }
 
 /// Delayed FP8 on a Llama-style model in bf16: each SwiGLU GEMM makes the FP8 quantizations of

@@ -360,9 +360,10 @@ fn a_gpu_search_recommends_only_plans_the_cuda_backend_runs() {
     assert!(!said.contains("W1202"), "{said}");
 }
 
-/// A recipe the CUDA backend runs in no plan (rowwise FP8, which cuBLASLt refuses on Hopper):
-/// the search lowers past its usual limit for plans it might run, then says that nothing fits
-/// and that the backend refused the plans it lowered, with the reason.
+/// A recipe the CUDA backend runs in no plan (blockwise FP8 with 64-element blocks, which its
+/// FP8 kernel does not take): the search lowers past its usual limit for plans it might run,
+/// then says that nothing fits and that the backend refused the plans it lowered, with the
+/// reason.
 #[test]
 fn a_recipe_the_backend_runs_in_no_plan_says_so() {
     let out = parc(&[
@@ -372,7 +373,9 @@ fn a_recipe_the_backend_runs_in_no_plan_says_so() {
         "--top",
         "1",
         "--set",
-        "train.fp8=rowwise",
+        "train.fp8=blockwise",
+        "--set",
+        "train.fp8.block_size=64",
     ]);
     assert_eq!(out.status.code(), Some(1), "{}", stderr_of(&out));
     let text = no_fit(&stdout_of(&out));

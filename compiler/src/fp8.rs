@@ -48,8 +48,14 @@ const QUANT_LAUNCH_S: f64 = 4e-6;
 /// Kernels that quantize one operand: its group amaxes, the FP8 copy, the scales.
 pub const QUANT_LAUNCHES: f64 = 3.0;
 
-/// The block size the CUDA backend's FP8 GEMMs take (cuBLASLt's VEC128 / BLK128x128 scales).
+/// The CUDA backend's FP8 kernel's step along K (`kernels/fp8_gemm.cu`): its blockwise GEMMs
+/// take blocks that are multiples of it ([`cuda_runs_block`]).
 pub const CUDA_BLOCK: u64 = 128;
+
+/// Whether the CUDA backend runs blockwise FP8 GEMMs with `block`-element blocks.
+pub fn cuda_runs_block(block: u64) -> bool {
+    block.is_multiple_of(CUDA_BLOCK)
+}
 
 /// The share of a GEMM layout's bf16 time FP8 must save by the roofline to be chosen: a
 /// roofline counts FP8 GEMMs at the same fraction of their (doubled) peak as bf16 ones, which
@@ -814,14 +820,14 @@ fn scale_groups(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
     }
     let block = match fp8.scaling {
         Fp8Scaling::Blockwise { block } => {
-            if block != CUDA_BLOCK && spec.cluster.gpu.name != "cpu" {
+            if !cuda_runs_block(block) && spec.cluster.gpu.name != "cpu" {
                 diags.push(
                     Diagnostic::warning(
                         "W1201",
-                        format!("blockwise FP8 with {block}-element blocks runs on the CPU backend only: the CUDA backend's FP8 GEMMs scale {CUDA_BLOCK}-element blocks (cuBLASLt's block scaling)"),
+                        format!("blockwise FP8 with {block}-element blocks runs on the CPU backend only: the CUDA backend's FP8 kernel scales K in steps of {CUDA_BLOCK} elements, so its blocks are multiples of {CUDA_BLOCK}"),
                     )
                     .label(fp8.span, "this FP8 recipe")
-                    .help(format!("use `blockwise {{ block_size: {CUDA_BLOCK} }}` (the default) to train on GPUs")),
+                    .help(format!("use `blockwise {{ block_size: {CUDA_BLOCK} }}` (the default, DeepSeek-V3's) or a larger power of two to train on GPUs")),
                 );
             }
             block

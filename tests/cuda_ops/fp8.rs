@@ -9,12 +9,12 @@
 //! below FP8's own error, which the FP8 numbers' distance from the exact product shows: a GPU
 //! that skipped the quantization would fail.
 //!
+//! Rowwise and blockwise run on parc's own Hopper kernel (`fp8_gemm.cu`: cuBLASLt's algorithm
+//! search refuses their scales on Hopper), tensorwise on cuBLASLt; the cases are the same.
+//!
 //! Also: a NaN in an operand makes the GEMM's output NaN on both backends (the non-finite
-//! check still fires); an infinity makes it non-finite on the GPU; blockwise with a block other
-//! than 128 is an error that names what is supported; rowwise and blockwise(128), which
-//! cuBLASLt's algorithm search refuses on Hopper (`CUBLAS_STATUS_INVALID_VALUE`: outer-vector
-//! scales on the H200 and H100, 2026-12-05; 128 × 128 blocks as A with 1 × 128 tiles as B on
-//! the H200, 2026-12-06), are errors naming the GEMM and the scaling, not wrong results.
+//! check still fires); an infinity makes it non-finite on the GPU; blockwise with a block that
+//! is not a multiple of 128 is an error that names what is supported.
 use crate::harness::{check_with, gpu, Case, Data, Rng, BF16_STORED, REDUCTION, SCALARS};
 use parc_compiler::ir::fp8::{Fp8Format, Fp8Gemm, Fp8Scaling};
 use parc_compiler::ir::op::{Act, Op};
@@ -24,38 +24,23 @@ use parc_runtime::backend::Backend;
 /// FP8 GEMMs on f32 outputs: f32 sums of identical products in another order.
 const FP8_GEMM: f32 = 1e-3;
 
-/// The recipes the CUDA backend runs (rowwise and blockwise: `refused_with_their_reason`).
+/// The recipes the CUDA backend runs: each scaling with its default gradient format, and
+/// rowwise with E5M2 gradients (parc's kernel for each pair of formats), blockwise(256).
 fn recipes() -> Vec<Fp8Gemm> {
-    all_recipes()
-        .into_iter()
-        .filter(|g| g.scaling == Fp8Scaling::Tensorwise)
-        .collect()
-}
-
-/// The three recipes, each with its default gradient format.
-fn all_recipes() -> [Fp8Gemm; 3] {
-    [
-        Fp8Gemm {
-            scaling: Fp8Scaling::Tensorwise,
-            grad: Fp8Format::E5m2,
-            split: Default::default(),
-            history: None,
-            quantized: false,
-        },
-        Fp8Gemm {
-            scaling: Fp8Scaling::Rowwise,
-            grad: Fp8Format::E4m3,
-            split: Default::default(),
-            history: None,
-            quantized: false,
-        },
-        Fp8Gemm {
-            scaling: Fp8Scaling::Blockwise { block: 128 },
-            grad: Fp8Format::E4m3,
-            split: Default::default(),
-            history: None,
-            quantized: false,
-        },
+    let recipe = |scaling, grad| Fp8Gemm {
+        scaling,
+        grad,
+        split: Default::default(),
+        history: None,
+        quantized: false,
+    };
+    vec![
+        recipe(Fp8Scaling::Tensorwise, Fp8Format::E5m2),
+        recipe(Fp8Scaling::Rowwise, Fp8Format::E4m3),
+        recipe(Fp8Scaling::Rowwise, Fp8Format::E5m2),
+        recipe(Fp8Scaling::Blockwise { block: 128 }, Fp8Format::E4m3),
+        // Two of the kernel's steps along K a factor.
+        recipe(Fp8Scaling::Blockwise { block: 256 }, Fp8Format::E4m3),
     ]
 }
 
@@ -271,7 +256,7 @@ fn matmul_square(gpu: &mut dyn Backend, fp8: Fp8Gemm, n: u64) -> Result<(), Stri
     result.map_err(|e| e.to_string())
 }
 
-/// cuBLASLt's FP8 block scaling takes blocks of 128 only: another block is an error naming it.
+/// The CUDA backend's FP8 kernel scales K in steps of 128: another block is an error naming it.
 #[test]
 fn blockwise_with_another_block_is_unsupported() {
     let Some(mut gpu) = gpu() else { return };
@@ -287,35 +272,6 @@ fn blockwise_with_another_block_is_unsupported() {
         err.contains("blockwise(64)") && err.contains("128"),
         "unexpected error: {err}"
     );
-}
-
-/// Rowwise and blockwise FP8 GEMMs are refused: cuBLASLt's algorithm search answers
-/// `CUBLAS_STATUS_INVALID_VALUE` on Hopper for outer-vector scales (H200 and H100, 2026-12-05)
-/// and for 128 × 128 weight blocks as A with 1 × 128 tiles as B at partial blocks (H200,
-/// 2026-12-06; whole blocks not yet tried: this test tries them). The error names the scaling
-/// and cuBLASLt, and nothing is computed silently wrong.
-#[test]
-fn rowwise_and_blockwise_are_refused_with_their_reason() {
-    let Some(mut gpu) = gpu() else { return };
-    for g in all_recipes() {
-        if g.scaling == Fp8Scaling::Tensorwise {
-            continue;
-        }
-        // Blockwise at a shape of whole blocks, as every real model's: its refusals so far
-        // were at partial blocks (136×150×256, 16×4×128).
-        let n = if g.scaling == Fp8Scaling::Rowwise {
-            64
-        } else {
-            256
-        };
-        let name = g.scaling.name();
-        match matmul_square(gpu.as_mut(), g, n) {
-            // A cuBLASLt that runs it: the emulation tests then must cover it (add it back
-            // to `recipes`).
-            Ok(()) => panic!("{name} FP8 ran: add it back to the recipes the GPU tests check"),
-            Err(e) => assert!(e.contains(name) && e.contains("cuBLASLt"), "{e}"),
-        }
-    }
 }
 
 /// Delayed scaling (`ir::fp8`): recording an operand's amax into its history's step slot (below and above

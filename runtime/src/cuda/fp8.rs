@@ -8,8 +8,8 @@
 //! quantized into the FP8 scratch K-major, K padded with zeros to a multiple of 16 (of the
 //! block, blockwise): along its lines where K runs along its columns (`fp8_quantize_lines`),
 //! transposed through shared memory in 64 × 64 tiles where K runs along its rows
-//! (`fp8_quantize_cols`), and its dequantization factors `1/s` in the layout of its cuBLASLt
-//! scale mode (`fp8_scales`). `memplan::fp8_gemm_scratch` lays the scratch out; `prepare` reserves
+//! (`fp8_quantize_cols`), and its dequantization factors `1/s` in its scale layout
+//! (`fp8_scales`). `memplan::fp8_gemm_scratch` lays the scratch out; `prepare` reserves
 //! the program's largest. An operand whose scale groups span ranks takes its amaxes from the
 //! op's amax input instead (`Op::Fp8Amax` on each rank's piece, `fp8_amax` too, then the
 //! plan's NCCL all-reduce max over exactly the ranks sharing them), so its scales are the
@@ -29,15 +29,14 @@
 //! (`quantized_operands`); the cuBLASLt call is the same. Its cold path (delayed, an empty
 //! history) runs on the unquantized inputs as above.
 //!
-//! The product is cuBLASLt's FP8 GEMM (`gemm::Blas::run_fp8`) in the one form Hopper runs,
-//! A transposed and B not, both read K-major: A is the op's second operand (W, W read along
-//! its rows, or x), B its first (x or dy), D the op's output (`y`ᵀ, `dx`ᵀ, `dW`ᵀ column-major),
-//! beta 1 where the op accumulates; forward GEMMs accumulate in the tensor cores' own
-//! accumulator, gradients promote into fp32 every few K steps (`PARC_FP8_ACCUM_KERNEL`,
-//! `variants.rs`). Scale modes: tensorwise → `SCALAR_32F`, rowwise →
-//! `OUTER_VEC_32F`, blockwise(128) → `VEC128_32F` (activations and gradients, 1 × 128 tiles)
-//! and `BLK128x128_32F` (weights). Blockwise with another block, and any GEMM cuBLASLt finds
-//! no algorithm for, is `RuntimeError::Unsupported`, naming the GEMM and what is supported.
+//! The product of a tensorwise GEMM is cuBLASLt's FP8 GEMM (`gemm::Blas::run_fp8`) in the one
+//! form Hopper runs, A transposed and B not, both read K-major: A is the op's second operand (W,
+//! W read along its rows, or x), B its first (x or dy), D the op's output (`y`ᵀ, `dx`ᵀ, `dW`ᵀ
+//! column-major), beta 1 where the op accumulates, one dequantization factor each
+//! (`SCALAR_32F`); forward GEMMs accumulate in the tensor cores' own accumulator, gradients
+//! promote into fp32 every few K steps (`PARC_FP8_ACCUM_KERNEL`, `variants.rs`). Rowwise and
+//! blockwise GEMMs, whose scales cuBLASLt's algorithm search refuses on Hopper, run on parc's
+//! own kernel (`fp8_gemm`) from the same quantized operands, factors and D.
 //!
 //! Epilogues run apart, with the backend's kernels, so every scale mode gets the op's full
 //! semantics: a bias is broadcast into y first and the product accumulated onto it (a bf16 y
@@ -50,14 +49,14 @@ use super::columns::col_sum_into;
 use super::epilogue::{
     activation_grad_in_place, residual_then_activation, swiglu_apart, swiglu_grad,
 };
-use super::gemm::{Epilogue, Fp8Operands, Gemm, Operands, Output, ScaleMode};
+use super::fp8_gemm::{self, Quantized};
+use super::gemm::{Epilogue, Fp8Operands, Gemm, Operands, Output};
 use super::kernel::Kernel;
 use super::variants::Fp8AccumKernel;
 use super::{raw_ptr, Arg, Buf, CudaBackend};
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::CudaSlice;
-use parc_compiler::fp8::CUDA_BLOCK;
 use parc_compiler::ir::fp8::{Along, Fp8AmaxAttrs, Fp8Format, Fp8Gemm, Fp8Scaling};
 use parc_compiler::ir::op::Op;
 use parc_compiler::ir::DType;
@@ -87,22 +86,13 @@ fn fast_accum(accum: Fp8AccumKernel, op: &Op) -> bool {
     }
 }
 
-/// An operand's cuBLASLt scale mode, the `fp8_scales` layout code and its block (1 where it
-/// has none), for the GEMM of op `name`.
-fn scale_mode(name: &str, s: &Fp8OperandScratch) -> Result<(ScaleMode, i32, u64)> {
+/// An operand's `fp8_scales` layout code and its block (1 where it has none).
+fn scale_layout(s: &Fp8OperandScratch) -> (i32, u64) {
     match s.layout {
-        Fp8ScaleLayout::Scalar => Ok((ScaleMode::Scalar, 0, 1)),
-        Fp8ScaleLayout::PerLine => Ok((ScaleMode::OuterVec, 1, 1)),
-        Fp8ScaleLayout::LineTiles { block: CUDA_BLOCK } => Ok((ScaleMode::Vec128, 2, CUDA_BLOCK)),
-        Fp8ScaleLayout::Squares { block: CUDA_BLOCK } => Ok((ScaleMode::Blk128x128, 3, CUDA_BLOCK)),
-        Fp8ScaleLayout::LineTiles { block } | Fp8ScaleLayout::Squares { block } => {
-            Err(RuntimeError::Unsupported(format!(
-                "{name}: FP8 GEMM blockwise({block}) is not supported on the CUDA backend: \
-                 cuBLASLt's FP8 block scaling takes 128 × 128 weight blocks and 1 × 128 tiles \
-                 only. Use `fp8 = blockwise` (block_size 128), rowwise or tensorwise, or the \
-                 CPU backend"
-            )))
-        }
+        Fp8ScaleLayout::Scalar => (0, 1),
+        Fp8ScaleLayout::PerLine => (1, 1),
+        Fp8ScaleLayout::LineTiles { block } => (2, block),
+        Fp8ScaleLayout::Squares { block } => (3, block),
     }
 }
 
@@ -424,8 +414,8 @@ pub(super) fn run(
     let scratch = fp8_gemm_scratch(b.op, rows as u64)
         .ok_or_else(|| b.err("is not an FP8 GEMM op (no FP8 scratch layout)"))?;
     let [s0, s1] = scratch.operands;
-    let (mode0, code0, block0) = scale_mode(name, &s0)?;
-    let (mode1, code1, block1) = scale_mode(name, &s1)?;
+    let (code0, block0) = scale_layout(&s0);
+    let (code1, block1) = scale_layout(&s1);
     if s0.ld != s1.ld {
         return Err(b.err(format!(
             "FP8 operands padded to different K ({} and {})",
@@ -499,23 +489,23 @@ pub(super) fn run(
     let operands = Operands::Fp8(Fp8Operands {
         a: s1.operand.format,
         b: s0.operand.format,
-        a_scale: mode1,
-        b_scale: mode0,
         fast_accum: fast_accum(be.variants.fp8_accum, b.op),
     });
     let scales = [
         base + s1.scales_at as CUdeviceptr,
         base + s0.scales_at as CUdeviceptr,
     ];
-    if g.m > 0 && g.n > 0 {
+    if g.m > 0 && g.n > 0 && fp8_gemm::runs(fp8.scaling) {
+        let operand = |s, q, factors| Quantized { s, q, factors };
+        let (p, q) = (operand(&s0, q0, scales[1]), operand(&s1, q1, scales[0]));
+        be.fp8_scaled_gemm(name, &g, fp8.scaling, (p, q))?;
+    } else if g.m > 0 && g.n > 0 {
         let stream = be.stream.cu_stream();
         be.blas.run_fp8(&g, operands, scales, stream).map_err(|e| {
             RuntimeError::Unsupported(format!(
                 "{name}: cuBLASLt runs no FP8 GEMM ({fp8}) of {} x {} x {} with {} output \
-                     ({e}). The CUDA backend runs FP8 GEMMs on Hopper and later through \
-                     cuBLASLt 12.9+: tensorwise, rowwise and blockwise(128) scaling, E4M3 \
-                     operands with E4M3 or E5M2 gradients (block scaling: E4M3 only, as \
-                     cuBLASLt documents it)",
+                     ({e}). The CUDA backend runs tensorwise FP8 GEMMs on Hopper and later \
+                     through cuBLASLt 12.9+ (rowwise and blockwise on its own Hopper kernel)",
                 g.m,
                 g.n,
                 s0.k,

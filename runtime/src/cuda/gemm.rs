@@ -218,50 +218,15 @@ pub(crate) enum Operands {
     Fp8(Fp8Operands),
 }
 
-/// The formats and scale modes of an FP8 GEMM's A and B.
+/// The formats of a tensorwise FP8 GEMM's A and B (one dequantization factor each,
+/// `SCALAR_32F`: the other recipes run on parc's kernel, `fp8_gemm`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Fp8Operands {
     pub a: Fp8Format,
     pub b: Fp8Format,
-    pub a_scale: ScaleMode,
-    pub b_scale: ScaleMode,
     /// Accumulate in the tensor cores' own accumulator (`CUBLASLT_MATMUL_DESC_FAST_ACCUM`)
     /// rather than promoting partial sums into fp32 every few K steps.
     pub fast_accum: bool,
-}
-
-/// How cuBLASLt reads an FP8 operand's dequantization factors (`cublasLtMatmulMatrixScale_t`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum ScaleMode {
-    /// One f32 for the operand (`SCALAR_32F`).
-    Scalar,
-    /// One f32 per row of op(A) (column of op(B)) (`OUTER_VEC_32F`).
-    OuterVec,
-    /// One f32 per 1 × 128 tile along K (`VEC128_32F`).
-    Vec128,
-    /// One f32 per 128 × 128 block (`BLK128x128_32F`).
-    Blk128x128,
-}
-
-impl ScaleMode {
-    fn cublas(self) -> sys::cublasLtMatmulMatrixScale_t {
-        use sys::cublasLtMatmulMatrixScale_t as S;
-        match self {
-            ScaleMode::Scalar => S::CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F,
-            ScaleMode::OuterVec => S::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F,
-            ScaleMode::Vec128 => S::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F,
-            ScaleMode::Blk128x128 => S::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            ScaleMode::Scalar => "scalar",
-            ScaleMode::OuterVec => "outer-vector",
-            ScaleMode::Vec128 => "1x128",
-            ScaleMode::Blk128x128 => "128x128",
-        }
-    }
 }
 
 fn fp8_type(format: Fp8Format) -> sys::cudaDataType_t {
@@ -289,11 +254,9 @@ impl Operands {
             Operands::Bf16 => "bf16".into(),
             Operands::F16 => "fp16".into(),
             Operands::Fp8(f) => format!(
-                "FP8 ({} A with {} scales, {} B with {} scales, {} accumulation)",
+                "tensorwise FP8 ({} A, {} B, {} accumulation)",
                 f.a.name(),
-                f.a_scale.name(),
                 f.b.name(),
-                f.b_scale.name(),
                 if f.fast_accum { "fast" } else { "split" }
             ),
         }
@@ -919,14 +882,15 @@ fn matmul_desc(
         "transpose attribute",
     )?;
     if let Operands::Fp8(f) = key.operands {
+        let scalar = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
         set(
             A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
-            f.a_scale.cublas() as i32,
+            scalar as i32,
             "A scale mode",
         )?;
         set(
             A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
-            f.b_scale.cublas() as i32,
+            scalar as i32,
             "B scale mode",
         )?;
         // The one attribute of these that is an int8_t.

@@ -5,7 +5,7 @@
 //! them, and every such function, macro instances included, has a `Kernel`).
 
 /// The kernel sources, in the order they are concatenated (helpers first).
-pub(super) const SOURCES: [&str; 13] = [
+pub(super) const SOURCES: [&str; 14] = [
     include_str!("kernels/common.cuh"),
     include_str!("kernels/elementwise.cu"),
     include_str!("kernels/norm_loss.cu"),
@@ -19,6 +19,7 @@ pub(super) const SOURCES: [&str; 13] = [
     include_str!("kernels/gemm_ws.cu"),
     include_str!("kernels/cross_entropy.cu"),
     include_str!("kernels/fp8.cu"),
+    include_str!("kernels/fp8_gemm.cu"),
 ];
 
 macro_rules! kernels {
@@ -177,6 +178,15 @@ kernels! {
     Fp8Scales "fp8_scales",
     Fp8HistoryRoll "fp8_history_roll",
     Fp8HistoryRolls "fp8_history_rolls",
+    // kernels/fp8_gemm.cu
+    Fp8GemmE4e4Lines "fp8_gemm_e4e4_lines",
+    Fp8GemmE4e5Lines "fp8_gemm_e4e5_lines",
+    Fp8GemmE5e4Lines "fp8_gemm_e5e4_lines",
+    Fp8GemmE5e5Lines "fp8_gemm_e5e5_lines",
+    Fp8GemmE4e4Blocks "fp8_gemm_e4e4_blocks",
+    Fp8GemmE4e5Blocks "fp8_gemm_e4e5_blocks",
+    Fp8GemmE5e4Blocks "fp8_gemm_e5e4_blocks",
+    Fp8GemmE5e5Blocks "fp8_gemm_e5e5_blocks",
 }
 
 impl std::fmt::Display for Kernel {

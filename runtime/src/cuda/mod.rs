@@ -68,6 +68,7 @@ mod elementwise;
 mod embedding;
 mod epilogue;
 mod fp8;
+mod fp8_gemm;
 mod fp8_quantize;
 mod fp8_record;
 mod fp8_roll;

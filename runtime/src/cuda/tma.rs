@@ -1,8 +1,8 @@
 //! Tensor maps for the TMA-fed kernels (`kernels/hopper_async.cuh`): the 128-byte descriptor
 //! of a global bf16 matrix that `cp.async.bulk.tensor` copies boxes of into shared memory,
 //! encoded on the host by the driver (`cuTensorMapEncodeTiled`) and passed to the kernel by
-//! value. Only what parc's kernels use: two dimensions (contiguous columns, strided rows), bf16
-//! or f32, the 128-byte swizzle (the kernels' shared-memory tile layout) or none, zeros out of
+//! value. Only what parc's kernels use: two dimensions (contiguous columns, strided rows), bf16,
+//! f32 or FP8 bytes, the 128-byte swizzle (the kernels' shared-memory tile layout) or none, zeros out of
 //! bounds (and out-of-bounds parts of a reduction dropped).
 use super::device::driver_error;
 use crate::error::{Result, RuntimeError};
@@ -28,11 +28,14 @@ const SWIZZLE_BYTES: u32 = 128;
 pub(crate) enum Elem {
     Bf16,
     F32,
+    /// One byte: an FP8 value of either format.
+    Fp8,
 }
 
 impl Elem {
     fn bytes(self) -> u32 {
         match self {
+            Elem::Fp8 => 1,
             Elem::Bf16 => 2,
             Elem::F32 => 4,
         }
@@ -86,6 +89,7 @@ pub(crate) fn matrix(
             match elem {
                 Elem::Bf16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                 Elem::F32 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+                Elem::Fp8 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
             },
             2,
             ptr as *mut std::ffi::c_void,

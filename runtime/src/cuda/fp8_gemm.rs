@@ -1,0 +1,191 @@
+//! parc's FP8 GEMM kernel (`kernels/fp8_gemm.cu`) for the recipes whose scales cuBLASLt runs
+//! no algorithm for on Hopper: rowwise (a dequantization factor per line of each operand:
+//! cuBLASLt's outer-vector scales) and blockwise (a factor per `1 × block` tile of tokens and
+//! per `block × block` square of a weight, along K in groups of `block`). Tensorwise runs on
+//! cuBLASLt (`fp8::run`).
+//!
+//! The operands are what `fp8::run` quantized into the FP8 scratch (K-major `[lines, ld]`, K
+//! padded with zeros) with their factors in the scratch's layouts (`Fp8ScaleLayout`, written by
+//! `fp8_scales`), read as they lie. The kernel sums each K group of 128 elements (or all of K,
+//! where the factors do not change along it) in f32 and multiplies by the row's and column's
+//! factors: blockwise needs `block` a multiple of 128, the kernel's step along K.
+use super::gemm::{Gemm, Output};
+use super::kernel::Kernel;
+use super::tma::{self, Elem};
+use super::{Arg, CudaBackend};
+use crate::error::{Result, RuntimeError};
+use cudarc::driver::sys::CUdeviceptr;
+use parc_compiler::ir::fp8::{Fp8Format, Fp8Scaling};
+use parc_compiler::memplan::{Fp8OperandScratch, Fp8ScaleLayout};
+
+/// The kernel's tile of C (rows and columns) and its step along K (FP8 elements: 128 bytes).
+const TILE: u64 = 128;
+const STEP_K: u64 = parc_compiler::fp8::CUDA_BLOCK;
+/// Dynamic shared memory: fp8_gemm.cu's FG_SMEM (alignment, 5 stages of two 16 KB tiles, the
+/// pipeline's barriers).
+const SMEM: u32 = 1024 + 5 * 2 * (TILE * STEP_K) as u32 + 16 * 5 + 32;
+
+/// Whether parc's kernel runs the FP8 GEMMs of `scaling` (cuBLASLt runs tensorwise).
+pub(super) fn runs(scaling: Fp8Scaling) -> bool {
+    scaling != Fp8Scaling::Tensorwise
+}
+
+/// One quantized operand as the kernel reads it: its scratch layout, its FP8 values and its
+/// dequantization factors.
+#[derive(Clone, Copy)]
+pub(super) struct Quantized<'a> {
+    pub s: &'a Fp8OperandScratch,
+    pub q: CUdeviceptr,
+    pub factors: CUdeviceptr,
+}
+
+impl Quantized<'_> {
+    /// The factors' arguments: their pointer, the layout's code (`fp8_scales`'), the lines,
+    /// the lines of a square, and the stride of a square's row of K groups.
+    fn args(&self) -> [Arg; 5] {
+        let s = self.s;
+        let (code, block, kg4) = match s.layout {
+            Fp8ScaleLayout::Scalar => (0, 1, 0),
+            Fp8ScaleLayout::PerLine => (1, 1, 0),
+            Fp8ScaleLayout::LineTiles { block } => (2, block, 0),
+            Fp8ScaleLayout::Squares { block } => {
+                (3, block, s.k.div_ceil(block).next_multiple_of(4))
+            }
+        };
+        [
+            Arg::Ptr(self.factors),
+            Arg::I32(code),
+            Arg::I64(s.lines as i64),
+            Arg::I64(block as i64),
+            Arg::I64(kg4 as i64),
+        ]
+    }
+}
+
+/// The kernel for operand formats `(p, q)`, folding K groups (`fold`) or not.
+fn kernel(p: Fp8Format, q: Fp8Format, fold: bool) -> Kernel {
+    use Fp8Format::{E4m3, E5m2};
+    match (p, q, fold) {
+        (E4m3, E4m3, false) => Kernel::Fp8GemmE4e4Lines,
+        (E4m3, E5m2, false) => Kernel::Fp8GemmE4e5Lines,
+        (E5m2, E4m3, false) => Kernel::Fp8GemmE5e4Lines,
+        (E5m2, E5m2, false) => Kernel::Fp8GemmE5e5Lines,
+        (E4m3, E4m3, true) => Kernel::Fp8GemmE4e4Blocks,
+        (E4m3, E5m2, true) => Kernel::Fp8GemmE4e5Blocks,
+        (E5m2, E4m3, true) => Kernel::Fp8GemmE5e4Blocks,
+        (E5m2, E5m2, true) => Kernel::Fp8GemmE5e5Blocks,
+    }
+}
+
+/// The kernel's steps along K a group of `scaling`'s factors spans (None: they do not change
+/// along K), or why the kernel cannot run it.
+fn fold_steps(scaling: Fp8Scaling) -> std::result::Result<Option<u64>, String> {
+    match scaling {
+        Fp8Scaling::Blockwise { block } if block % STEP_K == 0 => Ok(Some(block / STEP_K)),
+        Fp8Scaling::Blockwise { block } => Err(format!(
+            "blockwise({block}) FP8 GEMMs do not run on the CUDA backend: its FP8 kernel scales \
+             K in steps of {STEP_K}, so the block must be a multiple of {STEP_K}. Use `fp8 = \
+             blockwise` (block_size 128), rowwise or tensorwise, or the CPU backend"
+        )),
+        Fp8Scaling::Rowwise | Fp8Scaling::Tensorwise => Ok(None),
+    }
+}
+
+impl CudaBackend {
+    /// Runs FP8 GEMM `g` (`fp8::run`'s, of op `name` under `scaling`) on parc's kernel: C (g's
+    /// D, row-major `[p lines, q lines]`) from operand `p` (g's B) and `q` (g's A).
+    pub(super) fn fp8_scaled_gemm(
+        &mut self,
+        name: &str,
+        g: &Gemm,
+        scaling: Fp8Scaling,
+        (p, q): (Quantized, Quantized),
+    ) -> Result<()> {
+        let unsupported = |what: String| RuntimeError::Unsupported(format!("{name}: {what}"));
+        if !self.hopper {
+            return Err(unsupported(format!(
+                "{} FP8 GEMMs run on Hopper GPUs (compute capability 9.0) only: parc's FP8 \
+                 kernel uses Hopper's warpgroup MMA. Use `fp8 = tensorwise`, or the CPU backend",
+                scaling.name()
+            )));
+        }
+        let fold = fold_steps(scaling).map_err(unsupported)?;
+        if p.s.ld != q.s.ld {
+            return Err(unsupported(format!(
+                "FP8 operands padded to different K ({} and {})",
+                p.s.ld, q.s.ld
+            )));
+        }
+        let (mr, nr) = (p.s.lines, q.s.lines);
+        if mr > i32::MAX as u64 || nr > i32::MAX as u64 || p.s.ld > i32::MAX as u64 {
+            return Err(unsupported(format!(
+                "an FP8 GEMM of {mr} x {nr} over {} is larger than parc's FP8 kernel takes",
+                p.s.ld
+            )));
+        }
+        let map = |o: &Quantized| {
+            let (ld, lines) = (o.s.ld, o.s.lines);
+            let boxes = (STEP_K as u32, TILE as u32);
+            tma::matrix(Elem::Fp8, o.q, (ld, lines, ld), boxes, true)
+        };
+        let maps = [map(&p)?, map(&q)?];
+        let mut args = vec![
+            Arg::I32(mr as i32),
+            Arg::I32(nr as i32),
+            Arg::I32(p.s.ld.div_ceil(STEP_K) as i32),
+            Arg::I32(fold.unwrap_or(1) as i32),
+            Arg::I64(g.ldc),
+            Arg::F32(g.beta),
+            Arg::Ptr(g.c),
+            Arg::Ptr(g.c_in.unwrap_or(0)),
+            Arg::I32(i32::from(g.out == Output::F32)),
+        ];
+        args.extend(p.args());
+        args.extend(q.args());
+        let kernel = kernel(p.s.operand.format, q.s.operand.format, fold.is_some());
+        let tiles = (mr.div_ceil(TILE) * nr.div_ceil(TILE)) as usize;
+        let stream = self.stream.cu_stream();
+        self.blas.timer_start(stream)?;
+        self.launch_persistent(kernel, tiles, SMEM, &maps, &args)?;
+        self.blas.timer_stop(stream)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_fold_in_whole_steps_along_k() {
+        assert_eq!(fold_steps(Fp8Scaling::Rowwise), Ok(None));
+        assert_eq!(
+            fold_steps(Fp8Scaling::Blockwise { block: 128 }),
+            Ok(Some(1))
+        );
+        assert_eq!(
+            fold_steps(Fp8Scaling::Blockwise { block: 256 }),
+            Ok(Some(2))
+        );
+        let err = fold_steps(Fp8Scaling::Blockwise { block: 64 }).unwrap_err();
+        assert!(
+            err.contains("blockwise(64)") && err.contains("multiple of 128"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn each_pair_of_formats_has_its_kernels() {
+        use Fp8Format::{E4m3, E5m2};
+        let mut all = Vec::new();
+        for p in [E4m3, E5m2] {
+            for q in [E4m3, E5m2] {
+                for fold in [false, true] {
+                    all.push(kernel(p, q, fold));
+                }
+            }
+        }
+        all.sort_by_key(|k| k.symbol());
+        all.dedup();
+        assert_eq!(all.len(), 8);
+    }
+}

@@ -1,0 +1,241 @@
+// FP8 GEMMs whose scales vary along the operands' lines or along K: the rowwise and blockwise
+// recipes (fp8_gemm.rs), which cuBLASLt's algorithm search runs nowhere on Hopper (outer-vector
+// scales on the H100 and H200, 2026-12-05; 128-element block scales on the H200, 2026-12-06 and
+// 2026-12-07). compute_90a, warpgroup MMA fed by TMA as gemm_ws.cu.
+//
+// Row-major view as gemm_ws.cu's: C[mr × nr] (ldc) = P[mr × k] · Q[k × nr], P and Q FP8 (E4M3 or
+// E5M2 each), both K-major: the lines of the FP8 GEMM's two quantized operands as fp8.rs's
+// quantization writes them (`[lines, ld]`, K padded with zeros to ld). Each operand comes with its
+// dequantization factors 1/s (powers of two) in one of fp8_scales' layouts: 0 one factor, 1 one a
+// line, 2 `1 × block` tiles (line, kg) at line + kg · lines, 3 `block × block` squares (line
+// block lb, kg) at kg + lb · kg4.
+//
+// A persistent CTA (one an SM) of three warpgroups walks the 128 × 128 tiles of C: one producer
+// thread loads 128 k (128 bytes) of the tile's P and Q rows a stage into a ring of FG_STAGES,
+// 128-byte swizzled; two consumer warpgroups each own 64 rows (m64n128k32, 64 accumulators a
+// thread). Where the factors are constant along K (FOLD false: rowwise, tensorwise) the products
+// accumulate as in gemm_ws.cu and the epilogue multiplies each element by its row's and column's
+// factor. Blockwise (FOLD true) sums each k group (`fold` stages of 128: block / 128) in a second
+// set of accumulators, then adds it times the group's two factors into the first: f32 sums of
+// exact FP8 products scaled by powers of two, as the CPU's emulation (cpu/fp8.rs) differing only
+// in the order of its additions.
+//
+// Epilogue: C = acc (+ beta·R), R at c_in or C itself, bf16 or f32 as C (`out_f32`).
+#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+
+#define FG_BM 128
+#define FG_BN 128
+#define FG_BK 128
+#define FG_STAGES 5
+#define FG_TILE_BYTES (FG_BM * FG_BK)
+#define FG_STAGE_BYTES (2 * FG_TILE_BYTES)
+// Shared memory: alignment, the ring (P then Q a slot), the pipeline's barriers (ws_pipeline_init's).
+#define FG_SMEM (1024 + FG_STAGES * FG_STAGE_BYTES + 16 * FG_STAGES + 32)
+
+#define FG_MMA(PT, QT)                                                                                          \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                 \
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32." PT "." QT " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"   \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])                                                                                       \
+                 : "l"(a), "l"(b), "r"(1))
+
+// d (64 × 128, fp32) += P·Q over 32 k, both K-major FP8 in shared memory; FP / FQ: E5M2 (1) or
+// E4M3 (0).
+template <int FP, int FQ>
+__device__ __forceinline__ void fg_mma(float (&d)[64], unsigned long long a, unsigned long long b) {
+    if (FP == 0 && FQ == 0) {
+        FG_MMA("e4m3", "e4m3");
+    } else if (FP == 0) {
+        FG_MMA("e4m3", "e5m2");
+    } else if (FQ == 0) {
+        FG_MMA("e5m2", "e4m3");
+    } else {
+        FG_MMA("e5m2", "e5m2");
+    }
+}
+
+// An operand's dequantization factors: where they are and how they are laid out (above).
+struct FgScales {
+    const float* f;
+    int layout;
+    long long lines, block, kg4;
+};
+
+// The factor of `line` (clamped to the operand's: rows past it are zeros) in k group kg.
+__device__ __forceinline__ float fg_factor(const FgScales& s, long long line, long long kg) {
+    line = line < s.lines ? line : s.lines - 1;
+    switch (s.layout) {
+        case 0: return __ldg(s.f);
+        case 1: return __ldg(s.f + line);
+        case 2: return __ldg(s.f + line + kg * s.lines);
+        default: return __ldg(s.f + kg + (line / s.block) * s.kg4);
+    }
+}
+
+// acc[4 nb + 2 h + e] (row r0 + 8 h, column c0 + 8 nb + e) += part · its row's and column's factors
+// of k group kg (gemm_ws.cu's accumulator layout, n = 128).
+__device__ __forceinline__ void fg_fold(float (&acc)[64], const float (&part)[64], const FgScales& sp, const FgScales& sq, int r0, int c0, long long kg) {
+    float fr[2] = {fg_factor(sp, r0, kg), fg_factor(sp, r0 + 8, kg)};
+    #pragma unroll
+    for (int nb = 0; nb < 16; nb++) {
+        float fc[2] = {fg_factor(sq, c0 + 8 * nb, kg), fg_factor(sq, c0 + 8 * nb + 1, kg)};
+        #pragma unroll
+        for (int h = 0; h < 2; h++) {
+            #pragma unroll
+            for (int e = 0; e < 2; e++) acc[4 * nb + 2 * h + e] += part[4 * nb + 2 * h + e] * fr[h] * fc[e];
+        }
+    }
+}
+
+template <int FP, int FQ, bool FOLD>
+__device__ __forceinline__ void fg_gemm(const TmaMap& tp, const TmaMap& tq, int mr, int nr, int kblocks, int fold, long long ldc, float beta, void* c, const void* c_in, int out_f32, FgScales sp, FgScales sq) {
+    extern __shared__ __align__(16) unsigned char fg_smem_raw[];
+    unsigned raw = tc_smem_addr(fg_smem_raw);
+    unsigned ring = raw + ((1024 - (raw & 1023)) & 1023);  // slot s at ring + s FG_STAGE_BYTES
+    unsigned bars = ring + FG_STAGES * FG_STAGE_BYTES;       // full[s] at bars + 8 s, empty[s] at bars + 8 (FG_STAGES + s)
+    int tiles_n = (nr + FG_BN - 1) / FG_BN;
+    int tiles = ((mr + FG_BM - 1) / FG_BM) * tiles_n;
+    int wg = __shfl_sync(FULL_MASK, (int)threadIdx.x / WG_THREADS, 0);
+    if (threadIdx.x == 0) ws_pipeline_init(bars, FG_STAGES, 8);  // 8: the consumers' warps
+    __syncthreads();
+    if (wg == 0) {
+        regs_dealloc<24>();
+        if (threadIdx.x != 0) return;
+        tma_prefetch(tp);
+        tma_prefetch(tq);
+        int it = 0;
+        for (int w = blockIdx.x; w < tiles; w += gridDim.x) {
+            int i0 = (w / tiles_n) * FG_BM, j0 = (w % tiles_n) * FG_BN;
+            for (int kb = 0; kb < kblocks; kb++, it++) {
+                int s = it % FG_STAGES;
+                unsigned full = bars + 8 * s, slot = ring + s * FG_STAGE_BYTES;
+                mbar_wait(bars + 8 * (FG_STAGES + s), ((it / FG_STAGES) & 1) ^ 1);
+                mbar_expect_tx(full, FG_STAGE_BYTES);
+                tma_load_2d(slot, tp, full, kb * FG_BK, i0);
+                tma_load_2d(slot + FG_TILE_BYTES, tq, full, kb * FG_BK, j0);
+            }
+        }
+        return;
+    }
+    regs_alloc<240>();
+    int cw = wg - 1, warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
+    int it = 0;
+    for (int w = blockIdx.x; w < tiles; w += gridDim.x) {
+        int i0 = (w / tiles_n) * FG_BM, j0 = (w % tiles_n) * FG_BN;
+        int r0 = i0 + 64 * cw + 16 * warp + (lane >> 2), c0 = j0 + 2 * (lane & 3);
+        float acc[64];
+        #pragma unroll
+        for (int i = 0; i < 64; i++) acc[i] = 0.0f;
+        if (FOLD) {
+            float part[64];
+            #pragma unroll
+            for (int i = 0; i < 64; i++) part[i] = 0.0f;
+            for (int kb = 0; kb < kblocks; kb++, it++) {
+                int s = it % FG_STAGES;
+                unsigned slot = ring + s * FG_STAGE_BYTES;
+                mbar_wait(bars + 8 * s, (it / FG_STAGES) & 1);
+                wg_hold(part);
+                wg_fence();
+                #pragma unroll
+                for (int kk = 0; kk < 4; kk++) {
+                    fg_mma<FP, FQ>(part, wg_desc(slot + cw * 8192 + kk * 32, 16, 1024), wg_desc(slot + FG_TILE_BYTES + kk * 32, 16, 1024));
+                }
+                wg_commit();
+                wg_wait_all();
+                wg_hold(part);
+                mbar_arrive_warp(bars + 8 * (FG_STAGES + s));
+                if ((kb + 1) % fold == 0 || kb + 1 == kblocks) {
+                    fg_fold(acc, part, sp, sq, r0, c0, kb / fold);
+                    #pragma unroll
+                    for (int i = 0; i < 64; i++) part[i] = 0.0f;
+                }
+            }
+        } else {
+            for (int kb = 0; kb < kblocks; kb++, it++) {
+                int s = it % FG_STAGES;
+                unsigned slot = ring + s * FG_STAGE_BYTES;
+                mbar_wait(bars + 8 * s, (it / FG_STAGES) & 1);
+                wg_hold(acc);
+                wg_fence();
+                #pragma unroll
+                for (int kk = 0; kk < 4; kk++) {
+                    fg_mma<FP, FQ>(acc, wg_desc(slot + cw * 8192 + kk * 32, 16, 1024), wg_desc(slot + FG_TILE_BYTES + kk * 32, 16, 1024));
+                }
+                wg_commit();
+                asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+                wg_hold(acc);
+                // The group before this one has finished reading its slot.
+                if (kb > 0) mbar_arrive_warp(bars + 8 * (FG_STAGES + (it - 1) % FG_STAGES));
+            }
+            wg_wait_all();
+            wg_hold(acc);
+            if (kblocks > 0) mbar_arrive_warp(bars + 8 * (FG_STAGES + (it - 1) % FG_STAGES));
+            float part[64];
+            #pragma unroll
+            for (int i = 0; i < 64; i++) {
+                part[i] = acc[i];
+                acc[i] = 0.0f;
+            }
+            fg_fold(acc, part, sp, sq, r0, c0, 0);
+        }
+        // Element pairs stored together where every pair's address is aligned (ldc even).
+        bool pairs = (ldc & 1) == 0;
+        #pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int i = r0 + 8 * h;
+            if (i >= mr) continue;
+            long long ro = (long long)i * ldc;
+            #pragma unroll
+            for (int nb = 0; nb < 16; nb++) {
+                int j = c0 + 8 * nb;
+                if (j >= nr) continue;
+                float v[2] = {acc[4 * nb + 2 * h], acc[4 * nb + 2 * h + 1]};
+                int n = j + 1 < nr ? 2 : 1;
+                if (out_f32) {
+                    float* o = static_cast<float*>(c) + ro + j;
+                    const float* r = (c_in ? static_cast<const float*>(c_in) : static_cast<const float*>(c)) + ro + j;
+                    for (int e = 0; e < n; e++) {
+                        if (beta != 0.0f) v[e] += beta * r[e];
+                    }
+                    if (n == 2 && pairs) {
+                        *reinterpret_cast<float2*>(o) = make_float2(v[0], v[1]);
+                    } else {
+                        for (int e = 0; e < n; e++) o[e] = v[e];
+                    }
+                } else {
+                    unsigned short* o = static_cast<unsigned short*>(c) + ro + j;
+                    const unsigned short* r = (c_in ? static_cast<const unsigned short*>(c_in) : static_cast<const unsigned short*>(c)) + ro + j;
+                    for (int e = 0; e < n; e++) {
+                        if (beta != 0.0f) v[e] += beta * widen_bf16(r[e]);
+                    }
+                    if (n == 2 && pairs) {
+                        *reinterpret_cast<unsigned*>(o) = (unsigned)round_bf16(v[0]) | ((unsigned)round_bf16(v[1]) << 16);
+                    } else {
+                        for (int e = 0; e < n; e++) o[e] = round_bf16(v[e]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Entry points: P's and Q's formats (e4 E4M3, e5 E5M2), then whether the factors change along
+// K (`blocks`: blockwise) or not (`lines`: rowwise).
+#define FG_KERNEL(NAME, FP, FQ, FOLD)                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(3 * WG_THREADS, 1) NAME(                                                            \
+        const __grid_constant__ TmaMap tp, const __grid_constant__ TmaMap tq, int mr, int nr, int kblocks, int fold, long long ldc,   \
+        float beta, void* c, const void* c_in, int out_f32, const float* p_f, int p_layout, long long p_lines, long long p_block,     \
+        long long p_kg4, const float* q_f, int q_layout, long long q_lines, long long q_block, long long q_kg4) {                      \
+        FgScales sp = {p_f, p_layout, p_lines, p_block, p_kg4};                                                                       \
+        FgScales sq = {q_f, q_layout, q_lines, q_block, q_kg4};                                                                       \
+        fg_gemm<FP, FQ, FOLD>(tp, tq, mr, nr, kblocks, fold, ldc, beta, c, c_in, out_f32, sp, sq);                                   \
+    }
+FG_KERNEL(fp8_gemm_e4e4_lines, 0, 0, false)
+FG_KERNEL(fp8_gemm_e4e5_lines, 0, 1, false)
+FG_KERNEL(fp8_gemm_e5e4_lines, 1, 0, false)
+FG_KERNEL(fp8_gemm_e5e5_lines, 1, 1, false)
+FG_KERNEL(fp8_gemm_e4e4_blocks, 0, 0, true)
+FG_KERNEL(fp8_gemm_e4e5_blocks, 0, 1, true)
+FG_KERNEL(fp8_gemm_e5e4_blocks, 1, 0, true)
+FG_KERNEL(fp8_gemm_e5e5_blocks, 1, 1, true)
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
