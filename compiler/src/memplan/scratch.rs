@@ -261,7 +261,8 @@ fn aliased(program: &Program, c: Compute<'_>) -> u64 {
         .sum()
 }
 
-/// How one FP8 operand's dequantization factors are laid out for cuBLASLt (one f32 each).
+/// How one FP8 operand's dequantization factors are laid out (one f32 each), as cuBLASLt
+/// (tensorwise) and parc's FP8 kernel (rowwise, blockwise) read them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fp8ScaleLayout {
     /// One factor (tensorwise).

@@ -646,11 +646,11 @@ extern "C" __global__ void __launch_bounds__(FP8_DUAL_THREADS, 3) swiglu_bwd_fp8
     swiglu_fp8_records<2>(d, m);
 }
 
-// The dequantization factors 1 / s (exact: s is a power of two) in cuBLASLt's layout for the
-// scale mode `layout` (Fp8ScaleLayout in compiler/src/memplan/scratch.rs):
-// 0 scalar; 1 one per line (OUTER_VEC_32F); 2 1 x block tiles along K, factor (l, kb) at
-// l + kb * lines (VEC128_32F); 3 block x block squares, factor (lb, kb) at kb + lb * kb4 with
-// kb4 = ceil(k / block) rounded up to 4, the padding 1 (BLK128x128_32F). n: factors written.
+// The dequantization factors 1 / s (exact: s is a power of two) in the layout `layout`
+// (Fp8ScaleLayout in compiler/src/memplan/scratch.rs) that cuBLASLt (tensorwise) and
+// fp8_gemm.cu (rowwise, blockwise) read: 0 scalar; 1 one per line; 2 1 x block tiles along K,
+// factor (l, kb) at l + kb * lines; 3 block x block squares, factor (lb, kb) at kb + lb * kb4
+// with kb4 = ceil(k / block) rounded up to 4, the padding 1. n: factors written.
 extern "C" __global__ void fp8_scales(const unsigned int* amax, float maxv, int along_rows, long long rb,
                                       long long cb, long long gpr, int layout, long long block,
                                       long long lines, long long k, float* out, long long n) {
