@@ -86,6 +86,27 @@ __device__ __forceinline__ void fg_fold(float (&acc)[64], const float (&part)[64
     }
 }
 
+// Waits for stage `it`'s slot (full[it % FG_STAGES]) and issues consumer cw's four MMAs of it
+// into d as one wgmma group.
+template <int FP, int FQ>
+__device__ __forceinline__ void fg_stage(float (&d)[64], unsigned ring, unsigned bars, int it, int cw) {
+    int s = it % FG_STAGES;
+    unsigned slot = ring + s * FG_STAGE_BYTES;
+    mbar_wait(bars + 8 * s, (it / FG_STAGES) & 1);
+    wg_hold(d);
+    wg_fence();
+    #pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        fg_mma<FP, FQ>(d, wg_desc(slot + cw * 8192 + kk * 32, 16, 1024), wg_desc(slot + FG_TILE_BYTES + kk * 32, 16, 1024));
+    }
+    wg_commit();
+}
+
+// This warp is done reading stage `it`'s slot (empty[it % FG_STAGES]).
+__device__ __forceinline__ void fg_release(unsigned bars, int it) {
+    mbar_arrive_warp(bars + 8 * (FG_STAGES + it % FG_STAGES));
+}
+
 template <int FP, int FQ, bool FOLD>
 __device__ __forceinline__ void fg_gemm(const TmaMap& tp, const TmaMap& tq, int mr, int nr, int kblocks, int fold, long long ldc, float beta, void* c, const void* c_in, int out_f32, FgScales sp, FgScales sq) {
     extern __shared__ __align__(16) unsigned char fg_smem_raw[];
@@ -130,19 +151,10 @@ __device__ __forceinline__ void fg_gemm(const TmaMap& tp, const TmaMap& tq, int 
             #pragma unroll
             for (int i = 0; i < 64; i++) part[i] = 0.0f;
             for (int kb = 0; kb < kblocks; kb++, it++) {
-                int s = it % FG_STAGES;
-                unsigned slot = ring + s * FG_STAGE_BYTES;
-                mbar_wait(bars + 8 * s, (it / FG_STAGES) & 1);
-                wg_hold(part);
-                wg_fence();
-                #pragma unroll
-                for (int kk = 0; kk < 4; kk++) {
-                    fg_mma<FP, FQ>(part, wg_desc(slot + cw * 8192 + kk * 32, 16, 1024), wg_desc(slot + FG_TILE_BYTES + kk * 32, 16, 1024));
-                }
-                wg_commit();
+                fg_stage<FP, FQ>(part, ring, bars, it, cw);
                 wg_wait_all();
                 wg_hold(part);
-                mbar_arrive_warp(bars + 8 * (FG_STAGES + s));
+                fg_release(bars, it);
                 if ((kb + 1) % fold == 0 || kb + 1 == kblocks) {
                     fg_fold(acc, part, sp, sq, r0, c0, kb / fold);
                     #pragma unroll
@@ -151,24 +163,15 @@ __device__ __forceinline__ void fg_gemm(const TmaMap& tp, const TmaMap& tq, int 
             }
         } else {
             for (int kb = 0; kb < kblocks; kb++, it++) {
-                int s = it % FG_STAGES;
-                unsigned slot = ring + s * FG_STAGE_BYTES;
-                mbar_wait(bars + 8 * s, (it / FG_STAGES) & 1);
-                wg_hold(acc);
-                wg_fence();
-                #pragma unroll
-                for (int kk = 0; kk < 4; kk++) {
-                    fg_mma<FP, FQ>(acc, wg_desc(slot + cw * 8192 + kk * 32, 16, 1024), wg_desc(slot + FG_TILE_BYTES + kk * 32, 16, 1024));
-                }
-                wg_commit();
+                fg_stage<FP, FQ>(acc, ring, bars, it, cw);
                 asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
                 wg_hold(acc);
                 // The group before this one has finished reading its slot.
-                if (kb > 0) mbar_arrive_warp(bars + 8 * (FG_STAGES + (it - 1) % FG_STAGES));
+                if (kb > 0) fg_release(bars, it - 1);
             }
             wg_wait_all();
             wg_hold(acc);
-            if (kblocks > 0) mbar_arrive_warp(bars + 8 * (FG_STAGES + (it - 1) % FG_STAGES));
+            if (kblocks > 0) fg_release(bars, it - 1);
             float part[64];
             #pragma unroll
             for (int i = 0; i < 64; i++) {
