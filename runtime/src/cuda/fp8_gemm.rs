@@ -40,25 +40,27 @@ pub(super) struct Quantized<'a> {
 }
 
 impl Quantized<'_> {
-    /// The factors' arguments: their pointer, the layout's code (`fp8_scales`'), the lines,
-    /// the lines of a square, and the stride of a square's row of K groups.
+    /// The factors' arguments: their pointer, then [`layout_args`].
     fn args(&self) -> [Arg; 5] {
-        let s = self.s;
-        let (code, block, kg4) = match s.layout {
-            Fp8ScaleLayout::Scalar => (0, 1, 0),
-            Fp8ScaleLayout::PerLine => (1, 1, 0),
-            Fp8ScaleLayout::LineTiles { block } => (2, block, 0),
-            Fp8ScaleLayout::Squares { block } => {
-                (3, block, s.k.div_ceil(block).next_multiple_of(4))
-            }
-        };
+        let (code, block, kg4) = layout_args(self.s);
         [
             Arg::Ptr(self.factors),
             Arg::I32(code),
-            Arg::I64(s.lines as i64),
+            Arg::I64(self.s.lines as i64),
             Arg::I64(block as i64),
             Arg::I64(kg4 as i64),
         ]
+    }
+}
+
+/// How the kernel finds an operand's factors (`FgScales`): the layout's code (`fp8_scales`'),
+/// the lines of a square, and the stride of a square's row of K groups (`round4(⌈K / block⌉)`).
+fn layout_args(s: &Fp8OperandScratch) -> (i32, u64, u64) {
+    match s.layout {
+        Fp8ScaleLayout::Scalar => (0, 1, 0),
+        Fp8ScaleLayout::PerLine => (1, 1, 0),
+        Fp8ScaleLayout::LineTiles { block } => (2, block, 0),
+        Fp8ScaleLayout::Squares { block } => (3, block, s.k.div_ceil(block).next_multiple_of(4)),
     }
 }
 
@@ -170,6 +172,39 @@ mod tests {
         assert!(
             err.contains("blockwise(64)") && err.contains("multiple of 128"),
             "{err}"
+        );
+    }
+
+    /// A blockwise forward of 150 rows, 200 inputs into 136 outputs: x in 1 × 128 tiles, W in
+    /// 128 × 128 squares whose rows of K groups are padded to 4 (as `fp8_scales` lays them).
+    #[test]
+    fn factors_are_found_in_the_scratch_layouts() {
+        use parc_compiler::ir::op::Op;
+        let fp8 = parc_compiler::ir::fp8::Fp8Gemm {
+            scaling: Fp8Scaling::Blockwise { block: 128 },
+            grad: Fp8Format::E4m3,
+            split: Default::default(),
+            history: None,
+            quantized: false,
+        };
+        let op = Op::Matmul {
+            in_dim: 200,
+            out_dim: 136,
+            bias: false,
+            act: None,
+            residual: false,
+            swiglu: false,
+            fp8: Some(fp8),
+        };
+        let scratch = parc_compiler::memplan::fp8_gemm_scratch(&op, 150).unwrap();
+        let [x, w] = scratch.operands;
+        assert_eq!((x.lines, x.ld, w.lines, w.ld), (150, 256, 136, 256));
+        assert_eq!(layout_args(&x), (2, 128, 0));
+        assert_eq!(layout_args(&w), (3, 128, 4));
+        assert_eq!(
+            w.scales,
+            4 * 2,
+            "two line blocks of a padded row of groups each"
         );
     }
 
