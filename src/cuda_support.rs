@@ -12,7 +12,7 @@
 //! parc's own FP8 kernel on Hopper (cuBLASLt's algorithm search refuses their scales there),
 //! blockwise with blocks that are multiples of its step along K (128): smaller blocks run on
 //! the CPU backend only. An attention its kernels do not take (`parc_runtime::cuda_limits`:
-//! heads above 128, e.g. Gemma's 256, or more (batch, head) pairs than one launch covers) is
+//! heads above 256, Gemma's size, or more (batch, head) pairs than one launch covers) is
 //! refused here too, rather than at the run's first attention op.
 use parc_compiler::diag::Diagnostic;
 use parc_compiler::fp8::{cuda_runs_block, CUDA_BLOCK};

@@ -165,17 +165,19 @@ mod tests {
         assert_eq!(unsupported_on(Resolved::Cuda, &tiny_llama_plan(&[])), None);
     }
 
-    /// An attention head above 128 (Gemma's 256) is refused before any rank starts on CUDA,
-    /// where the attention kernels would refuse it at the first step; the CPU runs it.
+    /// An attention head above 256 is refused before any rank starts on CUDA, where the
+    /// attention kernels would refuse it at the first step; the CPU runs it. Gemma's 256 runs.
     #[test]
     fn cuda_refuses_heads_its_attention_kernels_do_not_take() {
-        let wide = tiny_llama_plan(&["model.d=512", "model.heads=2", "model.kv_heads=2"]);
+        let wide = tiny_llama_plan(&["model.d=512", "model.heads=1", "model.kv_heads=1"]);
         let message = unsupported_on(Resolved::Cuda, &wide).unwrap_or_default();
         assert!(
-            message.contains("head_dim = 256") && message.contains("--backend cpu"),
+            message.contains("head_dim = 512") && message.contains("--backend cpu"),
             "{message}"
         );
         assert_eq!(unsupported_on(Resolved::Cpu, &wide), None);
+        let gemma = tiny_llama_plan(&["model.d=512", "model.heads=2", "model.kv_heads=2"]);
+        assert_eq!(unsupported_on(Resolved::Cuda, &gemma), None);
     }
 
     /// Delayed scaling's histories reduced across ranks run on CUDA (tests/cuda_train.rs runs

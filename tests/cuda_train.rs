@@ -666,6 +666,52 @@ fn llama_style_steps_match_cpu() {
     );
 }
 
+/// Heads of 256 (Gemma's size: the fp32 attention kernels with 8 columns a lane), a
+/// Llama-style model of one head a layer and GQA off, in f32 and in bf16: the GPU's steps
+/// follow the CPU's as the other Llama-style runs do.
+#[test]
+fn heads_of_256_steps_match_cpu() {
+    let dims = Dims {
+        vocab: 96,
+        dim: 256,
+        seq: 32,
+        heads: 1,
+        kv_heads: 1,
+        ffn: 256,
+        micro_batch: 2,
+    };
+    let tiny = TinyModel {
+        layers: 2,
+        llama: true,
+        tied: false,
+    };
+    let mut s = sized_spec(tiny, PlanChoice::default(), dims);
+    s.train.steps = 4;
+    let plan = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
+    let head_dim = (plan.programs[0].instrs.iter())
+        .filter_map(|i| match i.op() {
+            Some(parc_compiler::ir::op::Op::Attention(a)) => Some(a.head_dim),
+            _ => None,
+        })
+        .max();
+    assert_eq!(head_dim, Some(256));
+    if !gpu_present() {
+        return;
+    }
+    compare(
+        "heads_256",
+        &run(&s, Which::Cuda, None, None).records,
+        &run(&s, Which::Cpu, None, None).records,
+    );
+    s.train.precision = Precision::Bf16;
+    compare_within(
+        "heads_256_bf16",
+        &run(&s, Which::Cuda, None, None).records,
+        &run(&s, Which::Cpu, None, None).records,
+        |_| (1e-2, 2e-2),
+    );
+}
+
 /// The Llama-style model with Qwen3's attention: heads of `head_dim` (64: the q projection 4×
 /// d; 128) and each head of q and k RMS-normalized before RoPE (`qk_norm`).
 fn qwen3_spec(head_dim: u64, steps: u64) -> Spec {

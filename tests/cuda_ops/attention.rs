@@ -162,6 +162,12 @@ fn attention() {
         AttConfig::new(2, 3, 3, 64, false, &[(0, 70)], &[(0, 70)]),
         AttConfig::new(1, 4, 1, 128, true, &[(0, 65)], &[(0, 65)]),
         AttConfig::new(2, 2, 2, 64, true, &[(0, 300)], &[(0, 300)]),
+        // Heads above 128 take the kernels with 8 columns a lane (`_w8`) and more than 48 KiB
+        // of shared memory a block: Gemma's 256 (GQA, several tiles), and 160.
+        AttConfig::new(1, 4, 2, 256, true, &[(0, 70)], &[(0, 70)]),
+        AttConfig::new(2, 2, 1, 160, false, &[(0, 40)], &[(0, 40)]),
+        // Context parallel at 256: two q segments, kv ahead of part of them.
+        AttConfig::new(1, 2, 2, 256, true, &[(8, 8), (40, 8)], &[(0, 48)]),
     ];
     let cases: Vec<Case> = configs
         .iter()
@@ -218,12 +224,16 @@ fn attention_bf16() {
         worst.len() - rounded,
         worst.len()
     );
-    let exact = AttConfig::new(2, 4, 2, 32, true, &[(0, 40)], &[(0, 40)]);
-    check_on(
-        "attention_bf16_other_head_dims_stay_fp32",
-        &attention_cases(&mut r, &exact, (REDUCTION, REDUCTION), false),
-        Precision::Bf16,
-    );
+    for exact in [
+        AttConfig::new(2, 4, 2, 32, true, &[(0, 40)], &[(0, 40)]),
+        AttConfig::new(1, 4, 2, 256, true, &[(0, 70)], &[(0, 70)]),
+    ] {
+        check_on(
+            "attention_bf16_other_head_dims_stay_fp32",
+            &attention_cases(&mut r, &exact, (REDUCTION, REDUCTION), false),
+            Precision::Bf16,
+        );
+    }
 }
 
 /// One buffer of a bf16-storage case: its data and how it is stored.

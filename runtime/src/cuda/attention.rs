@@ -658,7 +658,38 @@ fn attention_forward(be: &mut CudaBackend, b: &Bound, c: &Call) -> Result<()> {
         Arg::Geom(g),
     ];
     let (grid, block, smem) = c.exact_launch();
-    be.launch(Kernel::AttentionFwd, grid, block, smem, &args)
+    let kernel = ExactKernels::for_head_dim(c.dims.d).fwd;
+    be.launch_block_with_smem(kernel, grid, block, smem, &args)
+}
+
+/// The exact (fp32) kernels for heads of `d` columns: up to 4 columns a lane (heads up to 128)
+/// or up to 8 (the `_w8` instances: up to 256, `cuda_limits::ATTENTION_MAX_HEAD_DIM`).
+#[derive(Clone, Copy)]
+struct ExactKernels {
+    fwd: Kernel,
+    delta: Kernel,
+    dq: Kernel,
+    dkdv: Kernel,
+}
+
+impl ExactKernels {
+    fn for_head_dim(d: usize) -> ExactKernels {
+        if d <= 128 {
+            ExactKernels {
+                fwd: Kernel::AttentionFwd,
+                delta: Kernel::AttentionDelta,
+                dq: Kernel::AttentionBwdDq,
+                dkdv: Kernel::AttentionBwdDkdv,
+            }
+        } else {
+            ExactKernels {
+                fwd: Kernel::AttentionFwdW8,
+                delta: Kernel::AttentionDeltaW8,
+                dq: Kernel::AttentionBwdDqW8,
+                dkdv: Kernel::AttentionBwdDkdvW8,
+            }
+        }
+    }
 }
 
 /// The forward on tensor cores: the warp-specialized, TMA-fed kernel where it applies (a
@@ -762,7 +793,8 @@ impl Grads {
     fn exact_delta(&self, be: &mut CudaBackend, c: &Call, g: AttGeom) -> Result<()> {
         let (grid, block, _) = c.exact_launch();
         let args = self.delta_args(g, None);
-        be.launch(Kernel::AttentionDelta, grid, block, 0, &args)
+        let kernel = ExactKernels::for_head_dim(c.dims.d).delta;
+        be.launch(kernel, grid, block, 0, &args)
     }
 }
 
@@ -830,15 +862,16 @@ fn exact_backward(be: &mut CudaBackend, c: &Call, g: AttGeom, r: &Grads) -> Resu
     let (q, k, v) = (p(c.q), p(c.k), p(c.v));
     let (lse, delta) = (p(r.lse), Arg::Ptr(r.delta));
     let positions = [Arg::Ptr(c.qpos), Arg::Ptr(c.kvpos), Arg::Geom(g)];
+    let kernels = ExactKernels::for_head_dim(c.dims.d);
     let mut args = vec![p(r.dout), q, k, v, lse, delta, p(r.dq)];
     args.extend(positions);
-    be.launch(Kernel::AttentionBwdDq, grid_q, block, kv_smem, &args)?;
+    be.launch_block_with_smem(kernels.dq, grid_q, block, kv_smem, &args)?;
     let kv_blocks = (g.seq_kv as usize).div_ceil(ATT_WARPS as usize) as u32;
     let grid_kv = (kv_blocks, (c.dims.batch * c.dims.kv_heads) as u32, 1);
     let mut args = vec![p(r.dout), q, k, v, lse, delta, p(r.dk), p(r.dv)];
     args.extend(positions);
     let smem = kv_smem + (2 * ATT_TILE * 4) as u32;
-    be.launch(Kernel::AttentionBwdDkdv, grid_kv, block, smem, &args)
+    be.launch_block_with_smem(kernels.dkdv, grid_kv, block, smem, &args)
 }
 
 /// The backward on tensor cores: bf16 operands, delta and lse2 (with the dQ accumulator

@@ -129,9 +129,13 @@ kernels! {
     SgdMulti "sgd_multi",
     // kernels/attention.cu
     AttentionFwd "attention_fwd",
+    AttentionFwdW8 "attention_fwd_w8",
     AttentionDelta "attention_delta",
+    AttentionDeltaW8 "attention_delta_w8",
     AttentionBwdDq "attention_bwd_dq",
+    AttentionBwdDqW8 "attention_bwd_dq_w8",
     AttentionBwdDkdv "attention_bwd_dkdv",
+    AttentionBwdDkdvW8 "attention_bwd_dkdv_w8",
     // kernels/attention_tc.cu
     AttentionToBf16 "attention_to_bf16",
     AttentionDqOut "attention_dq_out",

@@ -103,10 +103,22 @@ impl CudaBackend {
         smem: u32,
         args: &[Arg],
     ) -> Result<()> {
+        self.launch_block_with_smem(kernel, grid, (threads, 1, 1), smem, args)
+    }
+
+    /// [`CudaBackend::launch_with_smem`] with a block of any shape.
+    pub(crate) fn launch_block_with_smem(
+        &mut self,
+        kernel: Kernel,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<()> {
         if smem > DEFAULT_SMEM {
             self.allow_shared_memory(kernel, smem)?;
         }
-        self.launch(kernel, grid, (threads, 1, 1), smem, args)
+        self.launch(kernel, grid, block, smem, args)
     }
 
     /// Launches a warp-specialized kernel: persistent, one CTA an SM (at most one per work

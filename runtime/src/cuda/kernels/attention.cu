@@ -1,13 +1,13 @@
 // Flash-style attention in fp32: a block of ATT_WARPS warps takes ATT_WARPS rows of one
 // (batch, head); the other side streams through shared memory in tiles of ATT_TILE rows; each
-// lane holds head_dim/32 (≤ 4) columns. Softmax is online (running max and sum), so no T×T
+// lane holds head_dim/32 columns, at most W: 4 (heads up to 128; the kernels named as below) or
+// 8 (up to 256: the `_w8` instances, which hold twice the registers). Softmax is online (running max and sum), so no T×T
 // matrix exists; the backward recomputes probabilities from lse. Visibility is by global
 // position (qpos/kvpos), so context-parallel chunks mask correctly. Every q, k, v, o, dO, dQ,
 // dK, dV buffer is f32 or bf16 (AttGeom::bf16, one ATT_BF16_* bit each): bf16 reads widen
 // exactly, bf16 writes round once to nearest-even (the CPU backend's semantics).
 #define ATT_WARPS 8
 #define ATT_TILE 32
-#define ATT_MAX_PER_LANE 4
 
 struct AttGeom {
     long long batch, heads, kv_heads, head_dim, seq_q, seq_kv;
@@ -74,15 +74,17 @@ __device__ __forceinline__ int block_max_qpos(const int* qpos, long long i0, con
 }
 
 // This lane's columns of the row at element offset off of src.
+template <int W>
 __device__ __forceinline__ void load_row(float* dst, const void* src, long long off, bool bf16, int lane, int d) {
     #pragma unroll
-    for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; dst[t] = e < d ? att_ld(src, off + e, bf16) : 0.0f; }
+    for (int t = 0; t < W; t++) { int e = lane + 32 * t; dst[t] = e < d ? att_ld(src, off + e, bf16) : 0.0f; }
 }
 
+template <int W>
 __device__ __forceinline__ float dot_lane(const float* a, const float* row, int lane, int d) {
     float s = 0.0f;
     #pragma unroll
-    for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; if (e < d) s += a[t] * row[e]; }
+    for (int t = 0; t < W; t++) { int e = lane + 32 * t; if (e < d) s += a[t] * row[e]; }
     return warp_sum(s);
 }
 
@@ -97,7 +99,8 @@ __device__ void load_tile(float* tile, const void* src, bool bf16, long long j0,
 }
 
 // grid: (ceil(seq_q / ATT_WARPS), batch * heads); block: (32, ATT_WARPS).
-extern "C" __global__ void attention_fwd(const void* q, const void* k, const void* v, void* o, float* lse, const int* qpos, const int* kvpos, AttGeom g) {
+template <int W>
+__device__ __forceinline__ void attention_fwd_body(const void* q, const void* k, const void* v, void* o, float* lse, const int* qpos, const int* kvpos, AttGeom g) {
     extern __shared__ float smem[];
     int d = (int)g.head_dim, lane = threadIdx.x;
     float* kt = smem;
@@ -106,10 +109,10 @@ extern "C" __global__ void attention_fwd(const void* q, const void* k, const voi
     long long kvh = h / (g.heads / g.kv_heads);
     long long i = (long long)blockIdx.x * ATT_WARPS + threadIdx.y;
     bool active = i < g.seq_q;
-    float qr[ATT_MAX_PER_LANE], acc[ATT_MAX_PER_LANE];
-    if (active) load_row(qr, q, (i * g.batch + b) * g.ld_q + h * d, g.bf16 & ATT_BF16_Q, lane, d);
+    float qr[W], acc[W];
+    if (active) load_row<W>(qr, q, (i * g.batch + b) * g.ld_q + h * d, g.bf16 & ATT_BF16_Q, lane, d);
     #pragma unroll
-    for (int t = 0; t < ATT_MAX_PER_LANE; t++) acc[t] = 0.0f;
+    for (int t = 0; t < W; t++) acc[t] = 0.0f;
     int pi = active ? qpos[i] : 0;
     float m = NEG_INF, l = 0.0f;
     int limit = block_max_qpos(qpos, (long long)blockIdx.x * ATT_WARPS, g);
@@ -122,38 +125,39 @@ extern "C" __global__ void attention_fwd(const void* q, const void* k, const voi
         if (!active) continue;
         for (int jj = 0; jj < ATT_TILE && j0 + jj < g.seq_kv; jj++) {
             if (g.causal && kvpos[j0 + jj] > pi) continue;
-            float s = g.scale * dot_lane(qr, kt + jj * d, lane, d);
+            float s = g.scale * dot_lane<W>(qr, kt + jj * d, lane, d);
             float m_new = fmaxf(m, s);
             float corr = expf(m - m_new);
             float p = expf(s - m_new);
             l = l * corr + p;
             #pragma unroll
-            for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; if (e < d) acc[t] = acc[t] * corr + p * vt[jj * d + e]; }
+            for (int t = 0; t < W; t++) { int e = lane + 32 * t; if (e < d) acc[t] = acc[t] * corr + p * vt[jj * d + e]; }
             m = m_new;
         }
     }
     if (!active) return;
     long long orow = (i * g.batch + b) * g.ld_o + h * d;
     #pragma unroll
-    for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; if (e < d) att_st(o, orow + e, l != 0.0f ? acc[t] / l : 0.0f, g.bf16 & ATT_BF16_O); }
+    for (int t = 0; t < W; t++) { int e = lane + 32 * t; if (e < d) att_st(o, orow + e, l != 0.0f ? acc[t] / l : 0.0f, g.bf16 & ATT_BF16_O); }
     if (lane == 0) lse[bh * g.seq_q + i] = l != 0.0f ? m + logf(l) : NEG_INF;
 }
 
 // delta[(b*heads + h)*att_rows(g) + i] = dO_i · O_i, and lse2 (same index) = lse · log2 e (+inf where
 // lse is −inf: the row sees no key), which the tensor-core backward reads.
 // grid: (ceil(seq_q / ATT_WARPS), batch*heads).
-extern "C" __global__ void attention_delta(const void* dout, const void* o, const float* lse, float* delta, float* lse2, AttGeom g) {
+template <int W>
+__device__ __forceinline__ void attention_delta_body(const void* dout, const void* o, const float* lse, float* delta, float* lse2, AttGeom g) {
     int d = (int)g.head_dim, lane = threadIdx.x;
     long long bh = blockIdx.y, b = bh / g.heads, h = bh % g.heads;
     long long i = (long long)blockIdx.x * ATT_WARPS + threadIdx.y;
     if (i >= g.seq_q) return;
     long long off = (i * g.batch + b) * g.ld_o + h * d;
-    float a[ATT_MAX_PER_LANE], c[ATT_MAX_PER_LANE];
-    load_row(a, dout, off, g.bf16 & ATT_BF16_DO, lane, d);
-    load_row(c, o, off, g.bf16 & ATT_BF16_O, lane, d);
+    float a[W], c[W];
+    load_row<W>(a, dout, off, g.bf16 & ATT_BF16_DO, lane, d);
+    load_row<W>(c, o, off, g.bf16 & ATT_BF16_O, lane, d);
     float s = 0.0f;
     #pragma unroll
-    for (int t = 0; t < ATT_MAX_PER_LANE; t++) s += a[t] * c[t];
+    for (int t = 0; t < W; t++) s += a[t] * c[t];
     s = warp_sum(s);
     if (lane == 0) {
         long long r = bh * att_rows(g) + i;
@@ -164,7 +168,8 @@ extern "C" __global__ void attention_delta(const void* dout, const void* o, cons
 }
 
 // dq_i = scale Σ_j p_ij (dO_i·v_j − delta_i) k_j. Same grid as the forward.
-extern "C" __global__ void attention_bwd_dq(const void* dout, const void* q, const void* k, const void* v, const float* lse, const float* delta, void* dq, const int* qpos, const int* kvpos, AttGeom g) {
+template <int W>
+__device__ __forceinline__ void attention_bwd_dq_body(const void* dout, const void* q, const void* k, const void* v, const float* lse, const float* delta, void* dq, const int* qpos, const int* kvpos, AttGeom g) {
     extern __shared__ float smem[];
     int d = (int)g.head_dim, lane = threadIdx.x;
     float* kt = smem;
@@ -173,18 +178,18 @@ extern "C" __global__ void attention_bwd_dq(const void* dout, const void* q, con
     long long kvh = h / (g.heads / g.kv_heads);
     long long i = (long long)blockIdx.x * ATT_WARPS + threadIdx.y;
     bool active = i < g.seq_q;
-    float qr[ATT_MAX_PER_LANE], dor[ATT_MAX_PER_LANE], acc[ATT_MAX_PER_LANE];
+    float qr[W], dor[W], acc[W];
     float li = NEG_INF, di = 0.0f;
     int pi = 0;
     if (active) {
-        load_row(qr, q, (i * g.batch + b) * g.ld_q + h * d, g.bf16 & ATT_BF16_Q, lane, d);
-        load_row(dor, dout, (i * g.batch + b) * g.ld_o + h * d, g.bf16 & ATT_BF16_DO, lane, d);
+        load_row<W>(qr, q, (i * g.batch + b) * g.ld_q + h * d, g.bf16 & ATT_BF16_Q, lane, d);
+        load_row<W>(dor, dout, (i * g.batch + b) * g.ld_o + h * d, g.bf16 & ATT_BF16_DO, lane, d);
         li = lse[bh * g.seq_q + i];
         di = delta[bh * att_rows(g) + i];
         pi = qpos[i];
     }
     #pragma unroll
-    for (int t = 0; t < ATT_MAX_PER_LANE; t++) acc[t] = 0.0f;
+    for (int t = 0; t < W; t++) acc[t] = 0.0f;
     bool any = active && li != NEG_INF;
     int limit = block_max_qpos(qpos, (long long)blockIdx.x * ATT_WARPS, g);
     for (long long j0 = 0; j0 < g.seq_kv; j0 += ATT_TILE) {
@@ -196,21 +201,22 @@ extern "C" __global__ void attention_bwd_dq(const void* dout, const void* q, con
         if (!any) continue;
         for (int jj = 0; jj < ATT_TILE && j0 + jj < g.seq_kv; jj++) {
             if (g.causal && kvpos[j0 + jj] > pi) continue;
-            float p = expf(g.scale * dot_lane(qr, kt + jj * d, lane, d) - li);
-            float ds = p * (dot_lane(dor, vt + jj * d, lane, d) - di);
+            float p = expf(g.scale * dot_lane<W>(qr, kt + jj * d, lane, d) - li);
+            float ds = p * (dot_lane<W>(dor, vt + jj * d, lane, d) - di);
             #pragma unroll
-            for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; if (e < d) acc[t] += ds * kt[jj * d + e]; }
+            for (int t = 0; t < W; t++) { int e = lane + 32 * t; if (e < d) acc[t] += ds * kt[jj * d + e]; }
         }
     }
     if (!active) return;
     long long row = (i * g.batch + b) * g.ld_dq + h * d;
     #pragma unroll
-    for (int t = 0; t < ATT_MAX_PER_LANE; t++) { int e = lane + 32 * t; if (e < d) att_st(dq, row + e, g.scale * acc[t], g.bf16 & ATT_BF16_DQ); }
+    for (int t = 0; t < W; t++) { int e = lane + 32 * t; if (e < d) att_st(dq, row + e, g.scale * acc[t], g.bf16 & ATT_BF16_DQ); }
 }
 
 // Per key row j of kv head kvh: dv_j = Σ_{h in group, i} p_ij dO_i, dk_j = scale Σ ds_ij q_i.
 // grid: (ceil(seq_kv / ATT_WARPS), batch * kv_heads); smem: q and dO tiles, lse and delta.
-extern "C" __global__ void attention_bwd_dkdv(const void* dout, const void* q, const void* k, const void* v, const float* lse, const float* delta, void* dk, void* dv, const int* qpos, const int* kvpos, AttGeom g) {
+template <int W>
+__device__ __forceinline__ void attention_bwd_dkdv_body(const void* dout, const void* q, const void* k, const void* v, const float* lse, const float* delta, void* dk, void* dv, const int* qpos, const int* kvpos, AttGeom g) {
     extern __shared__ float smem[];
     int d = (int)g.head_dim, lane = threadIdx.x;
     float* qt = smem;
@@ -221,15 +227,15 @@ extern "C" __global__ void attention_bwd_dkdv(const void* dout, const void* q, c
     long long group = g.heads / g.kv_heads;
     long long j = (long long)blockIdx.x * ATT_WARPS + threadIdx.y;
     bool active = j < g.seq_kv;
-    float kr[ATT_MAX_PER_LANE], vr[ATT_MAX_PER_LANE], dka[ATT_MAX_PER_LANE], dva[ATT_MAX_PER_LANE];
+    float kr[W], vr[W], dka[W], dva[W];
     int pj = 0;
     if (active) {
-        load_row(kr, k, (j * g.batch + b) * g.ld_kv + kvh * d, g.bf16 & ATT_BF16_K, lane, d);
-        load_row(vr, v, (j * g.batch + b) * g.ld_kv + kvh * d, g.bf16 & ATT_BF16_V, lane, d);
+        load_row<W>(kr, k, (j * g.batch + b) * g.ld_kv + kvh * d, g.bf16 & ATT_BF16_K, lane, d);
+        load_row<W>(vr, v, (j * g.batch + b) * g.ld_kv + kvh * d, g.bf16 & ATT_BF16_V, lane, d);
         pj = kvpos[j];
     }
     #pragma unroll
-    for (int t = 0; t < ATT_MAX_PER_LANE; t++) { dka[t] = 0.0f; dva[t] = 0.0f; }
+    for (int t = 0; t < W; t++) { dka[t] = 0.0f; dva[t] = 0.0f; }
     int first_kpos = kvpos[(long long)blockIdx.x * ATT_WARPS];
     for (long long h = kvh * group; h < (kvh + 1) * group; h++) {
         long long bh = b * g.heads + h;
@@ -253,10 +259,10 @@ extern "C" __global__ void attention_bwd_dkdv(const void* dout, const void* q, c
                 if (g.causal && pj > qpos[i0 + ii]) continue;
                 const float* qi = qt + ii * d;
                 const float* doi = dot_ + ii * d;
-                float p = expf(g.scale * dot_lane(kr, qi, lane, d) - lt[ii]);
-                float ds = p * (dot_lane(vr, doi, lane, d) - dt[ii]);
+                float p = expf(g.scale * dot_lane<W>(kr, qi, lane, d) - lt[ii]);
+                float ds = p * (dot_lane<W>(vr, doi, lane, d) - dt[ii]);
                 #pragma unroll
-                for (int t = 0; t < ATT_MAX_PER_LANE; t++) {
+                for (int t = 0; t < W; t++) {
                     int e = lane + 32 * t;
                     if (e < d) { dva[t] += p * doi[e]; dka[t] += ds * qi[e]; }
                 }
@@ -266,7 +272,7 @@ extern "C" __global__ void attention_bwd_dkdv(const void* dout, const void* q, c
     if (!active) return;
     long long row = (j * g.batch + b) * g.ld_dkv + kvh * d;
     #pragma unroll
-    for (int t = 0; t < ATT_MAX_PER_LANE; t++) {
+    for (int t = 0; t < W; t++) {
         int e = lane + 32 * t;
         if (e < d) {
             att_st(dk, row + e, g.scale * dka[t], g.bf16 & ATT_BF16_DK);
@@ -274,3 +280,13 @@ extern "C" __global__ void attention_bwd_dkdv(const void* dout, const void* q, c
         }
     }
 }
+
+// The entry points: up to 4 columns a lane (heads up to 128), and up to 8 (`_w8`: up to 256).
+extern "C" __global__ void attention_fwd(const void* q, const void* k, const void* v, void* o, float* lse, const int* qpos, const int* kvpos, AttGeom g) { attention_fwd_body<4>(q, k, v, o, lse, qpos, kvpos, g); }
+extern "C" __global__ void attention_fwd_w8(const void* q, const void* k, const void* v, void* o, float* lse, const int* qpos, const int* kvpos, AttGeom g) { attention_fwd_body<8>(q, k, v, o, lse, qpos, kvpos, g); }
+extern "C" __global__ void attention_delta(const void* dout, const void* o, const float* lse, float* delta, float* lse2, AttGeom g) { attention_delta_body<4>(dout, o, lse, delta, lse2, g); }
+extern "C" __global__ void attention_delta_w8(const void* dout, const void* o, const float* lse, float* delta, float* lse2, AttGeom g) { attention_delta_body<8>(dout, o, lse, delta, lse2, g); }
+extern "C" __global__ void attention_bwd_dq(const void* dout, const void* q, const void* k, const void* v, const float* lse, const float* delta, void* dq, const int* qpos, const int* kvpos, AttGeom g) { attention_bwd_dq_body<4>(dout, q, k, v, lse, delta, dq, qpos, kvpos, g); }
+extern "C" __global__ void attention_bwd_dq_w8(const void* dout, const void* q, const void* k, const void* v, const float* lse, const float* delta, void* dq, const int* qpos, const int* kvpos, AttGeom g) { attention_bwd_dq_body<8>(dout, q, k, v, lse, delta, dq, qpos, kvpos, g); }
+extern "C" __global__ void attention_bwd_dkdv(const void* dout, const void* q, const void* k, const void* v, const float* lse, const float* delta, void* dk, void* dv, const int* qpos, const int* kvpos, AttGeom g) { attention_bwd_dkdv_body<4>(dout, q, k, v, lse, delta, dk, dv, qpos, kvpos, g); }
+extern "C" __global__ void attention_bwd_dkdv_w8(const void* dout, const void* q, const void* k, const void* v, const float* lse, const float* delta, void* dk, void* dv, const int* qpos, const int* kvpos, AttGeom g) { attention_bwd_dkdv_body<8>(dout, q, k, v, lse, delta, dk, dv, qpos, kvpos, g); }
