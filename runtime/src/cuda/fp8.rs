@@ -86,8 +86,9 @@ fn fast_accum(accum: Fp8AccumKernel, op: &Op) -> bool {
     }
 }
 
-/// An operand's `fp8_scales` layout code and its block (1 where it has none).
-fn scale_layout(s: &Fp8OperandScratch) -> (i32, u64) {
+/// An operand's `fp8_scales` layout code and its block (1 where it has none), as both GEMM
+/// paths read its factors.
+pub(super) fn scale_layout(s: &Fp8OperandScratch) -> (i32, u64) {
     match s.layout {
         Fp8ScaleLayout::Scalar => (0, 1),
         Fp8ScaleLayout::PerLine => (1, 1),
@@ -401,6 +402,39 @@ fn quantized_operands(
     Ok(operands)
 }
 
+/// A tensorwise FP8 GEMM `g` of op `b` on cuBLASLt: A the quantized `s1` (op's second
+/// operand), B `s0`, their dequantization factors `scales` in that order.
+fn tensorwise_product(
+    be: &mut CudaBackend,
+    b: &Bound,
+    fp8: Fp8Gemm,
+    g: &Gemm,
+    (s0, s1): (&Fp8OperandScratch, &Fp8OperandScratch),
+    scales: [CUdeviceptr; 2],
+) -> Result<()> {
+    let operands = Operands::Fp8(Fp8Operands {
+        a: s1.operand.format,
+        b: s0.operand.format,
+        fast_accum: fast_accum(be.variants.fp8_accum, b.op),
+    });
+    let stream = be.stream.cu_stream();
+    be.blas.run_fp8(g, operands, scales, stream).map_err(|e| {
+        RuntimeError::Unsupported(format!(
+            "{}: cuBLASLt runs no FP8 GEMM ({fp8}) of {} x {} x {} with {} output ({e}). The \
+             CUDA backend runs tensorwise FP8 GEMMs on Hopper and later through cuBLASLt 12.9+ \
+             (rowwise and blockwise on its own Hopper kernel)",
+            b.name(),
+            g.m,
+            g.n,
+            s0.k,
+            match g.out {
+                Output::F32 => "f32",
+                Output::Bf16 => "bf16",
+            }
+        ))
+    })
+}
+
 /// Runs FP8 GEMM op `b` (`fp8` its attribute) over `rows` rows of `k_in` into `m_out`
 /// columns (see the module docs).
 pub(super) fn run(
@@ -486,35 +520,23 @@ pub(super) fn run(
         out: output(d),
         epilogue: Epilogue::None,
     };
-    let operands = Operands::Fp8(Fp8Operands {
-        a: s1.operand.format,
-        b: s0.operand.format,
-        fast_accum: fast_accum(be.variants.fp8_accum, b.op),
-    });
-    let scales = [
-        base + s1.scales_at as CUdeviceptr,
-        base + s0.scales_at as CUdeviceptr,
-    ];
-    if g.m > 0 && g.n > 0 && fp8_gemm::runs(fp8.scaling) {
-        let operand = |s, q, factors| Quantized { s, q, factors };
-        let (p, q) = (operand(&s0, q0, scales[1]), operand(&s1, q1, scales[0]));
-        be.fp8_scaled_gemm(name, &g, fp8.scaling, (p, q))?;
-    } else if g.m > 0 && g.n > 0 {
-        let stream = be.stream.cu_stream();
-        be.blas.run_fp8(&g, operands, scales, stream).map_err(|e| {
-            RuntimeError::Unsupported(format!(
-                "{name}: cuBLASLt runs no FP8 GEMM ({fp8}) of {} x {} x {} with {} output \
-                     ({e}). The CUDA backend runs tensorwise FP8 GEMMs on Hopper and later \
-                     through cuBLASLt 12.9+ (rowwise and blockwise on its own Hopper kernel)",
-                g.m,
-                g.n,
-                s0.k,
-                match g.out {
-                    Output::F32 => "f32",
-                    Output::Bf16 => "bf16",
-                }
-            ))
-        })?;
+    let [f1, f0] = [s1, s0].map(|s| base + s.scales_at as CUdeviceptr);
+    if g.m > 0 && g.n > 0 {
+        if fp8_gemm::runs(fp8.scaling) {
+            let p = Quantized {
+                s: &s0,
+                q: q0,
+                factors: f0,
+            };
+            let q = Quantized {
+                s: &s1,
+                q: q1,
+                factors: f1,
+            };
+            be.fp8_scaled_gemm(name, &g, fp8.scaling, (p, q))?;
+        } else {
+            tensorwise_product(be, b, fp8, &g, (&s0, &s1), [f1, f0])?;
+        }
     }
     let role = |name: &str| {
         b.optional_input(name)

@@ -9,12 +9,14 @@
 //! `fp8_scales`), read as they lie. The kernel sums each K group of 128 elements (or all of K,
 //! where the factors do not change along it) in f32 and multiplies by the row's and column's
 //! factors: blockwise needs `block` a multiple of 128, the kernel's step along K.
+use super::fp8::scale_layout;
 use super::gemm::{Gemm, Output};
 use super::kernel::Kernel;
 use super::tma::{self, Elem};
 use super::{Arg, CudaBackend};
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::sys::CUdeviceptr;
+use parc_compiler::fp8::cuda_runs_block;
 use parc_compiler::ir::fp8::{Fp8Format, Fp8Scaling};
 use parc_compiler::memplan::{Fp8OperandScratch, Fp8ScaleLayout};
 
@@ -53,15 +55,15 @@ impl Quantized<'_> {
     }
 }
 
-/// How the kernel finds an operand's factors (`FgScales`): the layout's code (`fp8_scales`'),
-/// the lines of a square, and the stride of a square's row of K groups (`round4(⌈K / block⌉)`).
+/// How the kernel finds an operand's factors (`FgScales`): the layout's code and block
+/// (`fp8::scale_layout`), and the stride of a square's row of K groups (`round4(⌈K / block⌉)`).
 fn layout_args(s: &Fp8OperandScratch) -> (i32, u64, u64) {
-    match s.layout {
-        Fp8ScaleLayout::Scalar => (0, 1, 0),
-        Fp8ScaleLayout::PerLine => (1, 1, 0),
-        Fp8ScaleLayout::LineTiles { block } => (2, block, 0),
-        Fp8ScaleLayout::Squares { block } => (3, block, s.k.div_ceil(block).next_multiple_of(4)),
-    }
+    let (code, block) = scale_layout(s);
+    let kg4 = match s.layout {
+        Fp8ScaleLayout::Squares { block } => s.k.div_ceil(block).next_multiple_of(4),
+        _ => 0,
+    };
+    (code, block, kg4)
 }
 
 /// The kernel for operand formats `(p, q)`, folding K groups (`fold`) or not.
@@ -83,7 +85,7 @@ fn kernel(p: Fp8Format, q: Fp8Format, fold: bool) -> Kernel {
 /// along K), or why the kernel cannot run it.
 fn fold_steps(scaling: Fp8Scaling) -> std::result::Result<Option<u64>, String> {
     match scaling {
-        Fp8Scaling::Blockwise { block } if block % STEP_K == 0 => Ok(Some(block / STEP_K)),
+        Fp8Scaling::Blockwise { block } if cuda_runs_block(block) => Ok(Some(block / STEP_K)),
         Fp8Scaling::Blockwise { block } => Err(format!(
             "blockwise({block}) FP8 GEMMs do not run on the CUDA backend: its FP8 kernel scales \
              K in steps of {STEP_K}, so the block must be a multiple of {STEP_K}. Use `fp8 = \
@@ -95,7 +97,8 @@ fn fold_steps(scaling: Fp8Scaling) -> std::result::Result<Option<u64>, String> {
 
 impl CudaBackend {
     /// Runs FP8 GEMM `g` (`fp8::run`'s, of op `name` under `scaling`) on parc's kernel: C (g's
-    /// D, row-major `[p lines, q lines]`) from operand `p` (g's B) and `q` (g's A).
+    /// D, row-major `[p lines, q lines]`) from operand `p` (g's B) and `q` (g's A), both padded
+    /// to the same K (`fp8::run` checks).
     pub(super) fn fp8_scaled_gemm(
         &mut self,
         name: &str,
@@ -112,12 +115,6 @@ impl CudaBackend {
             )));
         }
         let fold = fold_steps(scaling).map_err(unsupported)?;
-        if p.s.ld != q.s.ld {
-            return Err(unsupported(format!(
-                "FP8 operands padded to different K ({} and {})",
-                p.s.ld, q.s.ld
-            )));
-        }
         let (mr, nr) = (p.s.lines, q.s.lines);
         if mr > i32::MAX as u64 || nr > i32::MAX as u64 || p.s.ld > i32::MAX as u64 {
             return Err(unsupported(format!(

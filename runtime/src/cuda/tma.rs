@@ -1,8 +1,8 @@
 //! Tensor maps for the TMA-fed kernels (`kernels/hopper_async.cuh`): the 128-byte descriptor
-//! of a global bf16 matrix that `cp.async.bulk.tensor` copies boxes of into shared memory,
-//! encoded on the host by the driver (`cuTensorMapEncodeTiled`) and passed to the kernel by
-//! value. Only what parc's kernels use: two dimensions (contiguous columns, strided rows), bf16,
-//! f32 or FP8 bytes, the 128-byte swizzle (the kernels' shared-memory tile layout) or none, zeros out of
+//! of a global matrix that `cp.async.bulk.tensor` copies boxes of into shared memory, encoded
+//! on the host by the driver (`cuTensorMapEncodeTiled`) and passed to the kernel by value. Only
+//! what parc's kernels use: two dimensions (contiguous columns, strided rows), bf16, f32 or FP8
+//! bytes, the 128-byte swizzle (the kernels' shared-memory tile layout) or none, zeros out of
 //! bounds (and out-of-bounds parts of a reduction dropped).
 use super::device::driver_error;
 use crate::error::{Result, RuntimeError};

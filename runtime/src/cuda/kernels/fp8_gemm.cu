@@ -211,7 +211,7 @@ __device__ __forceinline__ void fg_gemm(const TmaMap& tp, const TmaMap& tq, int 
                         if (beta != 0.0f) v[e] += beta * widen_bf16(r[e]);
                     }
                     if (n == 2 && pairs) {
-                        *reinterpret_cast<unsigned*>(o) = (unsigned)round_bf16(v[0]) | ((unsigned)round_bf16(v[1]) << 16);
+                        *reinterpret_cast<unsigned*>(o) = gw_pack(v[0], v[1]);
                     } else {
                         for (int e = 0; e < n; e++) o[e] = round_bf16(v[e]);
                     }
