@@ -49,7 +49,7 @@ use super::columns::col_sum_into;
 use super::epilogue::{
     activation_grad_in_place, residual_then_activation, swiglu_apart, swiglu_grad,
 };
-use super::fp8_gemm::{self, Quantized};
+use super::fp8_gemm::{self, scale_layout, Quantized};
 use super::gemm::{Epilogue, Fp8Operands, Gemm, Operands, Output};
 use super::kernel::Kernel;
 use super::variants::Fp8AccumKernel;
@@ -83,17 +83,6 @@ fn fast_accum(accum: Fp8AccumKernel, op: &Op) -> bool {
     match accum {
         Fp8AccumKernel::Forward => matches!(op, Op::Matmul { .. }),
         Fp8AccumKernel::Split => false,
-    }
-}
-
-/// An operand's `fp8_scales` layout code and its block (1 where it has none), as both GEMM
-/// paths read its factors.
-pub(super) fn scale_layout(s: &Fp8OperandScratch) -> (i32, u64) {
-    match s.layout {
-        Fp8ScaleLayout::Scalar => (0, 1),
-        Fp8ScaleLayout::PerLine => (1, 1),
-        Fp8ScaleLayout::LineTiles { block } => (2, block),
-        Fp8ScaleLayout::Squares { block } => (3, block),
     }
 }
 

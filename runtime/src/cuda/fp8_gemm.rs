@@ -9,7 +9,6 @@
 //! `fp8_scales`), read as they lie. The kernel sums each K group of 128 elements (or all of K,
 //! where the factors do not change along it) in f32 and multiplies by the row's and column's
 //! factors: blockwise needs `block` a multiple of 128, the kernel's step along K.
-use super::fp8::scale_layout;
 use super::gemm::{Gemm, Output};
 use super::kernel::Kernel;
 use super::tma::{self, Elem};
@@ -30,6 +29,17 @@ const SMEM: u32 = 1024 + 5 * 2 * (TILE * STEP_K) as u32 + 16 * 5 + 32;
 /// Whether parc's kernel runs the FP8 GEMMs of `scaling` (cuBLASLt runs tensorwise).
 pub(super) fn runs(scaling: Fp8Scaling) -> bool {
     scaling != Fp8Scaling::Tensorwise
+}
+
+/// An operand's `fp8_scales` layout code and its block (1 where it has none), as both GEMM
+/// paths read its factors.
+pub(super) fn scale_layout(s: &Fp8OperandScratch) -> (i32, u64) {
+    match s.layout {
+        Fp8ScaleLayout::Scalar => (0, 1),
+        Fp8ScaleLayout::PerLine => (1, 1),
+        Fp8ScaleLayout::LineTiles { block } => (2, block),
+        Fp8ScaleLayout::Squares { block } => (3, block),
+    }
 }
 
 /// One quantized operand as the kernel reads it: its scratch layout, its FP8 values and its
@@ -56,7 +66,7 @@ impl Quantized<'_> {
 }
 
 /// How the kernel finds an operand's factors (`FgScales`): the layout's code and block
-/// (`fp8::scale_layout`), and the stride of a square's row of K groups (`round4(⌈K / block⌉)`).
+/// (`scale_layout`), and the stride of a square's row of K groups (`round4(⌈K / block⌉)`).
 fn layout_args(s: &Fp8OperandScratch) -> (i32, u64, u64) {
     let (code, block) = scale_layout(s);
     let kg4 = match s.layout {
