@@ -15,10 +15,12 @@
 //! Also: a NaN in an operand makes the GEMM's output NaN on both backends (the non-finite
 //! check still fires); an infinity makes it non-finite on the GPU; blockwise with a block that
 //! is not a multiple of 128 is an error that names what is supported.
-use crate::harness::{check_with, gpu, Case, Data, Rng, BF16_STORED, REDUCTION, SCALARS};
+use crate::harness::{check_with, gpu, gpu_variant, Case, Data, Rng};
+use crate::harness::{BF16_STORED, REDUCTION, SCALARS};
 use parc_compiler::ir::fp8::{Fp8Format, Fp8Gemm, Fp8Scaling};
 use parc_compiler::ir::op::{Act, Op};
 use parc_compiler::ir::{BufferId, DType};
+use parc_compiler::spec::Precision;
 use parc_runtime::backend::Backend;
 
 /// FP8 GEMMs on f32 outputs: f32 sums of identical products in another order.
@@ -174,8 +176,12 @@ fn cases(r: &mut Rng, g: Fp8Gemm, (rows, k, m): (usize, usize, usize)) -> Vec<Ca
 /// Partial tiles and blocks on every axis; a small shape; K below one block.
 const SHAPES: [(usize, usize, usize); 3] = [(150, 200, 136), (37, 64, 40), (5, 24, 16)];
 
-fn run(test: &str, bf16: bool) {
-    let Some(mut gpu) = gpu() else { return };
+/// Every recipe's cases on shape `SHAPES`, on a GPU running `amax`'s group amax kernel
+/// (`PARC_FP8_AMAX_KERNEL`'s names).
+fn run(test: &str, bf16: bool, amax: &str) {
+    let Some(mut gpu) = gpu_variant(Precision::Fp32, ("fp8_amax", amax)) else {
+        return;
+    };
     let mut r = Rng::new(test);
     let mut all = Vec::new();
     for g in recipes() {
@@ -193,12 +199,25 @@ fn run(test: &str, bf16: bool) {
 
 #[test]
 fn fp8_gemms_match_the_cpu_emulation() {
-    run("fp8_gemms_match_the_cpu_emulation", false);
+    run("fp8_gemms_match_the_cpu_emulation", false, "groups");
 }
 
 #[test]
 fn fp8_gemms_match_the_cpu_emulation_bf16_storage() {
-    run("fp8_gemms_match_the_cpu_emulation_bf16_storage", true);
+    run(
+        "fp8_gemms_match_the_cpu_emulation_bf16_storage",
+        true,
+        "groups",
+    );
+}
+
+/// As above with the group amaxes by 8-vectors (`fp8_amax_rows8`, `fp8_amax_cols8`), the
+/// variant waiting for its measurement.
+#[test]
+fn fp8_gemms_with_vector_amaxes_match_the_cpu_emulation() {
+    let test = "fp8_gemms_with_vector_amaxes_match_the_cpu_emulation";
+    run(test, false, "vectors");
+    run(test, true, "vectors");
 }
 
 /// A NaN in x makes its row of y NaN on both backends (it is not quantized: FP8 NaN); an

@@ -42,6 +42,7 @@ mod elementwise;
 mod emitters;
 mod errors;
 mod fp8;
+mod fp8_amax;
 mod fused;
 mod fused_kernels;
 #[cfg(feature = "cuda")]

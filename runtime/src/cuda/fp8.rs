@@ -52,7 +52,7 @@ use super::epilogue::{
 use super::fp8_gemm::{self, scale_layout, Quantized};
 use super::gemm::{Epilogue, Fp8Operands, Gemm, Operands, Output};
 use super::kernel::Kernel;
-use super::variants::Fp8AccumKernel;
+use super::variants::{Fp8AccumKernel, Fp8AmaxKernel};
 use super::{raw_ptr, Arg, Buf, CudaBackend};
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::sys::CUdeviceptr;
@@ -112,7 +112,8 @@ impl CudaBackend {
 }
 
 /// The largest finite |element| of each `rb × cb` group of `buf` (`[rows, cols]`) into the
-/// `groups` f32 values at `out`, zeroed first (`kernels/fp8.cu`'s `fp8_amax`).
+/// `groups` f32 values at `out`, zeroed first (`kernels/fp8.cu`'s `fp8_amax` kernels, as the
+/// `fp8_amax` kernel variant chooses).
 fn group_amax(
     be: &mut CudaBackend,
     buf: Buf,
@@ -120,20 +121,24 @@ fn group_amax(
     (rb, cb): (u64, u64),
     (groups, out): (u64, CUdeviceptr),
 ) -> Result<()> {
-    let u = |v: u64| n(v as usize);
     be.zero_bytes(out, (groups * 4) as usize)?;
     if rows * cols == 0 {
         return Ok(());
     }
-    let threads = AMAX_THREADS as u32;
     if groups == 1 {
         // One group (tensorwise): the whole operand, read as 16-byte vectors.
         return max_into_one(be, buf, rows * cols, out);
     }
+    let gpr = cols.max(1).div_ceil(cb);
+    if be.variants.fp8_amax == Fp8AmaxKernel::Vectors {
+        if let Some(launch) = VectorAmax::fits(buf, (rows, cols), (rb, cb), gpr) {
+            return launch.run(be, buf, out);
+        }
+    }
+    let u = |v: u64| n(v as usize);
     let pieces = (rb * cb).div_ceil(AMAX_PIECE);
     let items = groups * pieces;
     let blocks = items.clamp(1, AMAX_BLOCKS) as u32;
-    let gpr = cols.max(1).div_ceil(cb);
     let args = [
         fv(buf),
         u(rows),
@@ -145,7 +150,69 @@ fn group_amax(
         u(items),
         Arg::Ptr(out),
     ];
-    be.launch(Kernel::Fp8Amax, (blocks, 1, 1), (threads, 1, 1), 0, &args)
+    let threads = (AMAX_THREADS as u32, 1, 1);
+    be.launch(Kernel::Fp8Amax, (blocks, 1, 1), threads, 0, &args)
+}
+
+/// A group amax by `fp8_amax_rows8` or `fp8_amax_cols8` (kernels/fp8.cu): threads in x take
+/// a row's 8-vector column slots, y the runs of at most [`AMAX_SPAN`] rows inside each row
+/// group.
+struct VectorAmax {
+    kernel: Kernel,
+    rows: u64,
+    cols: u64,
+    rb: u64,
+    /// cb, gpr, span, runs a row group, runs in all: each below 2^31 (`I32` arguments).
+    counts: [u64; 5],
+}
+
+/// The most rows one thread of `fp8_amax_rows8`/`fp8_amax_cols8` reads before its group's
+/// atomic.
+const AMAX_SPAN: u64 = 64;
+/// The most blocks a vector amax launch takes along y (its runs; it loops over the rest).
+const AMAX_GRID_Y: u64 = 65535;
+/// Blocks a vector amax launch aims at in all: a few waves of the largest GPUs.
+const AMAX_VECTOR_BLOCKS: u64 = 4096;
+
+impl VectorAmax {
+    /// The launch for `buf`'s groups where the vector kernels read them: rows of whole
+    /// 16-byte-aligned 8-vectors, groups of whole 8-vectors of a row (`rows8`) or of one
+    /// column (`cols8`), counts that fit their 32-bit arguments. None otherwise.
+    fn fits(buf: Buf, (rows, cols): (u64, u64), (rb, cb): (u64, u64), gpr: u64) -> Option<Self> {
+        let kernel = match cb {
+            1 => Kernel::Fp8AmaxCols8,
+            _ if cb.is_multiple_of(8) => Kernel::Fp8AmaxRows8,
+            _ => return None,
+        };
+        if !cols.is_multiple_of(8) || !buf.ptr.is_multiple_of(16) || rb == 0 {
+            return None;
+        }
+        let span = rb.min(AMAX_SPAN);
+        let runs = rb.div_ceil(span);
+        let total = rows.div_ceil(rb) * runs;
+        let counts = [cb, gpr, span, runs, total];
+        let fits_i32 = |v: u64| v <= i32::MAX as u64;
+        (counts.iter().all(|&v| fits_i32(v)) && fits_i32(cols) && fits_i32(rows.div_ceil(rb) * gpr))
+            .then_some(VectorAmax {
+                kernel,
+                rows,
+                cols,
+                rb,
+                counts,
+            })
+    }
+
+    fn run(&self, be: &mut CudaBackend, buf: Buf, out: CUdeviceptr) -> Result<()> {
+        let total = self.counts[4];
+        let bx = (self.cols / 8).div_ceil(AMAX_THREADS);
+        let by = total.min(AMAX_GRID_Y).min((AMAX_VECTOR_BLOCKS / bx).max(1));
+        let u = |v: u64| n(v as usize);
+        let mut args = vec![fv(buf), u(self.rows), u(self.cols), u(self.rb)];
+        args.extend(self.counts.iter().map(|&v| Arg::I32(v as i32)));
+        args.push(Arg::Ptr(out));
+        let grid = (bx as u32, by as u32, 1);
+        be.launch(self.kernel, grid, (AMAX_THREADS as u32, 1, 1), 0, &args)
+    }
 }
 
 /// `Op::Fp8Amax`: the group amaxes of one FP8 GEMM operand into its output, in the group

@@ -174,6 +174,8 @@ kernels! {
     // kernels/fp8.cu
     Fp8Amax "fp8_amax",
     Fp8AmaxOne "fp8_amax_one",
+    Fp8AmaxRows8 "fp8_amax_rows8",
+    Fp8AmaxCols8 "fp8_amax_cols8",
     Fp8QuantizeLines "fp8_quantize_lines",
     Fp8QuantizeCols "fp8_quantize_cols",
     Fp8QuantizeDual "fp8_quantize_dual",

@@ -111,8 +111,8 @@ use std::sync::Arc;
 pub use device::gpu_absent;
 pub use fused::{emitter_named, Emitter, NvrtcEmitter};
 pub use nccl::{nccl_available, nccl_version, AbortNotice, FailureProbe, NcclHostComm, NcclId};
-pub use variants::{AttentionBwdKernel, AttentionFwdKernel, CrossEntropyKernel, GemmKernel};
-pub use variants::{KernelVariant, NormBwdKernel, NormFwdKernel, Variant};
+pub use variants::{AttentionBwdKernel, AttentionFwdKernel, CrossEntropyKernel, Fp8AmaxKernel};
+pub use variants::{GemmKernel, KernelVariant, NormBwdKernel, NormFwdKernel, Variant};
 
 /// One allocated buffer.
 struct Slot {

@@ -194,6 +194,15 @@ variants! {
     fp8_accum: Fp8AccumKernel "fp8_accum" "PARC_FP8_ACCUM_KERNEL" {
         Forward "forward", Split "split"
     }
+    /// The amaxes of FP8 scale groups smaller than an operand (`fp8_amax`,
+    /// PARC_FP8_AMAX_KERNEL): a block reducing one group at a time with scalar loads
+    /// (`groups`, kernels/fp8.cu's `fp8_amax`), or each thread reading one 8-vector column
+    /// slot down a run of rows and the lanes of a group adding one atomic (`vectors`:
+    /// `fp8_amax_rows8` where groups hold whole 8-vectors of a row, `fp8_amax_cols8` where
+    /// they are single columns; `groups` for any other shape or an unaligned operand).
+    fp8_amax: Fp8AmaxKernel "fp8_amax" "PARC_FP8_AMAX_KERNEL" {
+        Groups "groups", Vectors "vectors"
+    }
 }
 
 impl std::fmt::Display for KernelVariant {

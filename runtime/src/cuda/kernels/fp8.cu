@@ -82,6 +82,13 @@ __device__ __forceinline__ unsigned int fp8_finite_max1(unsigned int m, float v)
     return a <= 3.402823466e38f ? max(m, __float_as_uint(a)) : m;
 }
 
+// fp8_finite_max1 over eight values.
+__device__ __forceinline__ unsigned int fp8_finite_max(unsigned int m, const float (&v)[8]) {
+#pragma unroll
+    for (int e = 0; e < 8; e++) m = fp8_finite_max1(m, v[e]);
+    return m;
+}
+
 // amax[g] = max(amax[g], largest finite |element| of group g); amax holds the f32 bit patterns
 // (non-negative floats order as their bits) and starts zeroed. Work item w is piece w % pieces
 // (FP8_PIECE elements) of group w / pieces; a block reduces one item and adds it with one
@@ -112,11 +119,69 @@ extern "C" __global__ void fp8_amax(Fv x, long long rows, long long cols, long l
     }
 }
 
-// fp8_finite_max1 over eight values.
-__device__ __forceinline__ unsigned int fp8_finite_max(unsigned int m, const float (&v)[8]) {
+// amax[g] = max(amax[g], largest finite |element| of group g), as fp8_amax, where every group
+// holds whole 8-vectors of its rows (cb % 8 == 0: COLUMNS false) or is one column (cb == 1:
+// COLUMNS true); cols % 8 == 0 and x is vec_ok. A work item is one 8-vector column slot `v`
+// (x: blockIdx.x * blockDim.x + threadIdx.x < cols / 8) over one run of at most `span` rows
+// inside a row group (y: `runs` runs a row group, of `total` runs; where the last row group is
+// clipped its later runs are empty). Its thread reads the run row by row, a warp 32
+// consecutive vectors of a row. For row groups each lane keeps one maximum, and the lanes
+// holding the same group (__match_any_sync) reduce it and add it with one atomic; for column
+// groups each lane adds its 8 columns' maxima. The y loop is uniform over a block, so a warp's
+// lanes converge at the reduction. Launch with FP8_THREADS threads in x.
+template <bool COLUMNS>
+__device__ __forceinline__ void fp8_amax_vec(Fv x, long long rows, long long cols, long long rb, unsigned int cb,
+                                             unsigned int gpr, unsigned int span, unsigned int runs,
+                                             unsigned int total, unsigned int* amax) {
+    const unsigned int vpr = (unsigned int)(cols / 8);
+    const unsigned int v = blockIdx.x * blockDim.x + threadIdx.x;
+    const bool active = v < vpr;
+    for (unsigned int run = blockIdx.y; run < total; run += gridDim.y) {
+        const unsigned int gr = run / runs;
+        const long long group_end = (gr + 1) * rb < rows ? (gr + 1) * rb : rows;
+        const long long r0 = gr * rb + (long long)(run - gr * runs) * span;
+        const long long r1 = r0 + span < group_end ? r0 + span : group_end;
+        unsigned int m[COLUMNS ? 8 : 1] = {};
+        for (long long r = r0; active && r < r1; r++) {
+            F8 f = ld8(x, r * vpr + v);
+            if (COLUMNS) {
 #pragma unroll
-    for (int e = 0; e < 8; e++) m = fp8_finite_max1(m, v[e]);
-    return m;
+                for (int e = 0; e < 8; e++) m[e] = fp8_finite_max1(m[e], f.v[e]);
+            } else {
+                m[0] = fp8_finite_max(m[0], f.v);
+            }
+        }
+        const unsigned long long g0 = (unsigned long long)gr * gpr;
+        if (COLUMNS) {
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+                if (active && m[e] > 0u) atomicMax(amax + g0 + 8 * v + e, m[e]);
+            continue;
+        }
+        const unsigned long long g = g0 + 8 * v / cb;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+        const unsigned int lanes = __ballot_sync(0xffffffffu, active);
+        if (active) {
+            const unsigned int peers = __match_any_sync(lanes, g);
+            const unsigned int best = __reduce_max_sync(peers, m[0]);
+            if ((threadIdx.x & 31) == __ffs(peers) - 1 && best > 0u) atomicMax(amax + g, best);
+        }
+#else
+        if (active && m[0] > 0u) atomicMax(amax + g, m[0]);
+#endif
+    }
+}
+
+extern "C" __global__ void fp8_amax_rows8(Fv x, long long rows, long long cols, long long rb, unsigned int cb,
+                                          unsigned int gpr, unsigned int span, unsigned int runs,
+                                          unsigned int total, unsigned int* amax) {
+    fp8_amax_vec<false>(x, rows, cols, rb, cb, gpr, span, runs, total, amax);
+}
+
+extern "C" __global__ void fp8_amax_cols8(Fv x, long long rows, long long cols, long long rb, unsigned int cb,
+                                          unsigned int gpr, unsigned int span, unsigned int runs,
+                                          unsigned int total, unsigned int* amax) {
+    fp8_amax_vec<true>(x, rows, cols, rb, cb, gpr, span, runs, total, amax);
 }
 
 // The block's largest finite magnitude (m, each thread's, as f32 bits) max-added into *out
