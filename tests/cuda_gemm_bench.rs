@@ -10,8 +10,14 @@
 //! that won (id, tile, stages, split-K) and how long the ops' first round (with the algorithm
 //! searches) took. PARC_BENCH_F32=1 also runs every buffer f32 (activations rounded per use). Ignored by
 //! default (it needs a GPU); run it on the device machine with `cuda_gemm_bench --ignored
-//! --nocapture`. PARC_BENCH_ROWS sets the token rows of both models (default 32768 and
-//! 16384). Without a GPU it prints `skipped`.
+//! --nocapture`. PARC_BENCH_ROWS sets the token rows of every model (default 32768 and
+//! 16384). PARC_BENCH_MODELS picks the models (`124m,350m` by default; `d2048`: d 2048, 16384
+//! rows, 16 layers, Llama 3.2 1B's width, where FP8 is meant to pay). PARC_BENCH_FP8 lists FP8
+//! recipes (`tensorwise`, `rowwise`, `blockwise`: 1 × 128 / 128 × 128) to run every op in
+//! besides bf16 (`bf16` names the plain run): an FP8 op's time is its operands' amaxes and
+//! quantization plus its GEMM, its kernel time the GEMM alone (cuBLASLt's for tensorwise,
+//! parc's `fp8_gemm` for the others). PARC_FP8_AMAX_KERNEL picks the group amax kernel, as in
+//! training. Without a GPU it prints `skipped`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "gpu_support/mod.rs"]
@@ -22,6 +28,7 @@ gpu_support::gpu_benchmark!(gpt2_step_gemms, bench::run);
 #[cfg(feature = "cuda")]
 mod bench {
     use crate::gpu_support::{backend_or_skip, median, uniform};
+    use parc_compiler::ir::fp8::{Fp8Format, Fp8Gemm, Fp8Scaling};
     use parc_compiler::ir::op::{Act, Op};
     use parc_compiler::ir::{BufferId, DType};
     use parc_compiler::spec::Precision;
@@ -79,9 +86,38 @@ mod bench {
         (medians, first_round_ms)
     }
 
-    /// The benchmarked models: name, d, token rows by default, layers per step.
-    const MODELS: [(&str, u64, u64, u32); 2] =
-        [("124m", 768, 32768, 12), ("350m", 1024, 16384, 24)];
+    /// The benchmarkable models: name, d, token rows by default, layers per step.
+    const MODELS: [(&str, u64, u64, u32); 3] = [
+        ("124m", 768, 32768, 12),
+        ("350m", 1024, 16384, 24),
+        ("d2048", 2048, 16384, 16),
+    ];
+
+    /// The recipe named `name` (`bf16`: none), each scaling with its default gradient format.
+    fn recipe(name: &str) -> Option<Fp8Gemm> {
+        let (scaling, grad) = match name {
+            "bf16" => return None,
+            "tensorwise" => (Fp8Scaling::Tensorwise, Fp8Format::E5m2),
+            "rowwise" => (Fp8Scaling::Rowwise, Fp8Format::E4m3),
+            "blockwise" => (Fp8Scaling::Blockwise { block: 128 }, Fp8Format::E4m3),
+            other => {
+                panic!("PARC_BENCH_FP8: `{other}` is not bf16, tensorwise, rowwise or blockwise")
+            }
+        };
+        Some(Fp8Gemm {
+            scaling,
+            grad,
+            split: Default::default(),
+            history: None,
+            quantized: false,
+        })
+    }
+
+    /// The comma-separated values of environment variable `var`, or `default`.
+    fn list(var: &str, default: &str) -> Vec<String> {
+        let value = std::env::var(var).unwrap_or_else(|_| default.to_string());
+        value.split(',').map(|v| v.trim().to_string()).collect()
+    }
 
     /// One timed GEMM op: (model, storage, gemm, kind, m·n·k as "rows x in x out", kernel
     /// TFLOP/s).
@@ -105,21 +141,29 @@ mod bench {
         // The JSON lines, printed last so that the tables come first in a device call's summary
         // (bench/variants_call.sh shows the first 40 table or rate lines).
         let mut json = Vec::new();
+        let models = list("PARC_BENCH_MODELS", "124m,350m");
+        let recipes = list("PARC_BENCH_FP8", "bf16");
         for (model, d, default_rows, layers) in MODELS {
+            if !models.iter().any(|m| m == model) {
+                continue;
+            }
             let rows = rows_override.unwrap_or(default_rows);
             let mut results: Vec<Row> = Vec::new();
-            for &storage in &storages {
-                // A fresh backend each time: algorithms and casts chosen anew.
-                let Some(mut be) = backend_or_skip(Precision::Bf16) else {
-                    return;
-                };
-                let (mut rows_out, mut lines) =
-                    run_storage(&mut be, model, (d, rows, layers), storage);
-                for line in be.gemm_plans() {
-                    println!("plan {model}: {line}");
+            for name in &recipes {
+                for &storage in &storages {
+                    // A fresh backend each time: algorithms and casts chosen anew.
+                    let Some(mut be) = backend_or_skip(Precision::Bf16) else {
+                        return;
+                    };
+                    let shape = (d, rows, layers);
+                    let (mut rows_out, mut lines) =
+                        run_storage(&mut be, model, shape, (storage, recipe(name)));
+                    for line in be.gemm_plans() {
+                        println!("plan {model}: {line}");
+                    }
+                    results.append(&mut rows_out);
+                    json.append(&mut lines);
                 }
-                results.append(&mut rows_out);
-                json.append(&mut lines);
             }
             print_table(&results);
         }
@@ -139,16 +183,21 @@ mod bench {
     }
 
     /// Every layer's three GEMM ops of `model` (d, token rows, layers per step) with
-    /// activations stored as `storage`: one row and one JSON line per op.
+    /// activations stored as `storage`, in FP8 recipe `fp8` where one is given: one row and
+    /// one JSON line per op.
     fn run_storage(
         be: &mut CudaBackend,
         model: &str,
         (d, rows, layers): (u64, u64, u32),
-        storage: DType,
+        (storage, fp8): (DType, Option<Fp8Gemm>),
     ) -> (Vec<Row>, Vec<String>) {
-        let label = match storage {
-            DType::Bf16 => "bf16",
-            _ => "f32",
+        let label = match (storage, fp8.map(|g| g.scaling)) {
+            (DType::Bf16, None) => "bf16",
+            (DType::Bf16, Some(Fp8Scaling::Tensorwise)) => "bf16 fp8-tensorwise",
+            (DType::Bf16, Some(Fp8Scaling::Rowwise)) => "bf16 fp8-rowwise",
+            (DType::Bf16, Some(Fp8Scaling::Blockwise { .. })) => "bf16 fp8-blockwise",
+            (_, None) => "f32",
+            (_, Some(_)) => "f32 fp8",
         };
         // (name, in, out, bias, times per step)
         let gemms = [
@@ -207,7 +256,7 @@ mod bench {
                 act,
                 residual,
                 swiglu: false,
-                fp8: None,
+                fp8,
             };
             let mut fwd_in: Vec<BufferId> = if bias { vec![x, w, b] } else { vec![x, w] };
             if residual {
@@ -221,7 +270,7 @@ mod bench {
                 accumulate: false,
                 act_grad,
                 swiglu: false,
-                fp8: None,
+                fp8,
             };
             let bwd_in = if act_grad.is_some() {
                 vec![y, w, x]
@@ -233,7 +282,7 @@ mod bench {
                 out_dim: dout,
                 bias,
                 accumulate_param_grad: true,
-                fp8: None,
+                fp8,
             };
             let dw_out: Vec<BufferId> = if bias { vec![dw, db] } else { vec![dw] };
             let ops = [
