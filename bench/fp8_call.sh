@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Issue 24's rowwise and blockwise FP8 on the CUDA backend in one call on one GPU: the kernel
+# variants' tests, their GEMMs alone, their training speed on Llama 3.2 1B, and the profile
+# points that let `parc check` price them as measured. Binaries from bench/device_build.sh
+# (carry DIR).
+#
+#   OUT=$OUT bench/fp8_call.sh [DIR]
+#
+# PHASES (default "tests gemms llama calibrate") picks parts:
+# - tests: `cuda_ops fp8` (the FP8 GEMMs, and the group amaxes bit for bit against the CPU,
+#   each amax variant) and `cuda_train` rowwise/blockwise against the CPU emulation, with the
+#   default amax kernel and with AMAX (default `vectors`: PARC_FP8_AMAX_KERNEL);
+# - gemms: cuda_gemm_bench on d 2048 × 16384 rows in bf16 and each FP8 recipe, per amax
+#   variant: each op's time (quantization included) and its GEMM kernel's alone;
+# - llama: Llama 3.2 1B, 8 × 2048, 12 synthetic steps, tokens/s: bf16, delayed tensorwise, and
+#   rowwise and blockwise with every projection pinned, the last two per amax variant;
+# - calibrate: `parc calibrate --fp8 rowwise,blockwise` added to calibration/GPU.json (GPU from
+#   nvidia-smi: h100_80gb or h200), written to $out/GPU.json for the repository, measured with
+#   amax kernel CAL_AMAX (default AMAX: the profile must price the kernel that stays default).
+# Output: one log per step under $OUT (or DIR/out); a summary on stdout.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source bench/device_env.sh
+device_dirs "${1:-}"
+phases=" ${PHASES:-tests gemms llama calibrate} "
+amax=${AMAX:-vectors}
+t0=$SECONDS
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+echo "$gpu_name"
+
+# step NAME TIMEOUT [VAR=VALUE...] -- COMMAND...: run into $out/NAME.log, print its outcome lines.
+step() {
+    local name=$1 limit=$2; shift 2
+    local envs=()
+    while [[ $1 != -- ]]; do envs+=("$1"); shift; done
+    shift
+    env "${envs[@]}" timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    echo "== $name rc=$? at $((SECONDS - t0)) s"
+    grep -E "test result|FAILED|panicked|^error|failures:" "$out/$name.log" | head -12
+}
+
+if [[ $phases == *" tests "* ]]; then
+    step ops-fp8 300 -- "$dir/cuda_ops" fp8 --nocapture --test-threads 1
+    for kernel in groups "$amax"; do
+        step "train-fp8-$kernel" 200 PARC_FP8_AMAX_KERNEL="$kernel" -- \
+            "$dir/cuda_train" rowwise_and_blockwise --nocapture --test-threads 1
+    done
+fi
+
+if [[ $phases == *" gemms "* ]]; then
+    for kernel in groups "$amax"; do
+        step "gemms-$kernel" 240 PARC_FP8_AMAX_KERNEL="$kernel" PARC_BENCH_MODELS=d2048 \
+            PARC_BENCH_FP8=bf16,tensorwise,rowwise,blockwise -- \
+            "$dir/cuda_gemm_bench" --ignored --nocapture --test-threads 1
+        grep -E "^\||one d2048 step" "$out/gemms-$kernel.log" | head -70
+    done
+fi
+
+# llama NAME [VAR=VALUE...] -- [--set ...]: Llama 3.2 1B, 8 × 2048, 12 synthetic steps.
+llama() {
+    local name=$1; shift
+    local envs=()
+    while [[ $1 != -- ]]; do envs+=("$1"); shift; done
+    shift
+    env "${envs[@]}" timeout 240 "$dir/parc" run examples/llama3.2-1b.par --backend cuda \
+        --log-format json --set model.seq=2048 --set train.global_batch=8 \
+        --set train.micro_batch=8 --set train.steps=12 --set train.data=synthetic \
+        --set parallel.recompute=none --set "train.checkpoint.dir=\"/tmp/parc-fp8-$name\"" \
+        "$@" > "$out/llama-$name.log" 2>&1
+    echo "== llama-$name rc=$? at $((SECONDS - t0)) s"
+    table+=("$(rate "$out/llama-$name.log" "llama3.2-1b $name")")
+}
+
+if [[ $phases == *" llama "* ]]; then
+    table=()
+    pinned=(--set "train.fp8.fp8=[Attention, MLP]")
+    llama bf16 --
+    llama delayed -- --set "train.fp8=tensorwise { scaling: delayed }" "${pinned[@]}"
+    for kernel in groups "$amax"; do
+        for recipe in rowwise blockwise; do
+            llama "$recipe-$kernel" PARC_FP8_AMAX_KERNEL="$kernel" -- \
+                --set "train.fp8=$recipe" "${pinned[@]}"
+        done
+    done
+    printf '%s\n' "${table[@]}"
+fi
+
+if [[ $phases == *" calibrate "* ]]; then
+    case $gpu_name in
+        *H200*) gpu=h200 ;;
+        *H100*) gpu=h100_80gb ;;
+        *) gpu= ;;
+    esac
+    if [[ -n $gpu ]]; then
+        step calibrate 420 PARC_FP8_AMAX_KERNEL="${CAL_AMAX:-$amax}" -- "$dir/parc" calibrate --backend cuda \
+            --gpu "$gpu" --fp8 rowwise,blockwise --add-to "calibration/$gpu.json" -o "$out/$gpu.json"
+        tail -5 "$out/calibrate.log"
+    else
+        echo "== calibrate skipped: no profile for $gpu_name"
+    fi
+fi
+echo "total $((SECONDS - t0)) s"
