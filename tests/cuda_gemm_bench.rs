@@ -104,13 +104,7 @@ mod bench {
                 panic!("PARC_BENCH_FP8: `{other}` is not bf16, tensorwise, rowwise or blockwise")
             }
         };
-        Some(Fp8Gemm {
-            scaling,
-            grad,
-            split: Default::default(),
-            history: None,
-            quantized: false,
-        })
+        Some(Fp8Gemm::current(scaling, grad))
     }
 
     /// The comma-separated values of environment variable `var`, or `default`.

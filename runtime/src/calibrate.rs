@@ -313,13 +313,7 @@ impl<'a> Bench<'a> {
     /// do not take), which are left out; any other error ends the scaling's points there, with
     /// a note saying why, rather than failing the profile.
     fn fp8_gemms(&mut self, grid: &Grid, scaling: Fp8Scaling) -> (Vec<GemmPoint>, Option<String>) {
-        let attr = Fp8Gemm {
-            scaling,
-            grad: Fp8Format::E4m3,
-            split: Default::default(),
-            history: None,
-            quantized: false,
-        };
+        let attr = Fp8Gemm::current(scaling, Fp8Format::E4m3);
         let dtype = GemmDtype::Fp8(scaling).name();
         let (mut points, mut refused) = (Vec::new(), Vec::new());
         for [m, n, k] in gemm_shapes(grid) {

@@ -29,13 +29,7 @@ const FP8_GEMM: f32 = 1e-3;
 /// The recipes the CUDA backend runs: each scaling with its default gradient format, and
 /// rowwise with E5M2 gradients (parc's kernel for each pair of formats), blockwise(256).
 fn recipes() -> Vec<Fp8Gemm> {
-    let recipe = |scaling, grad| Fp8Gemm {
-        scaling,
-        grad,
-        split: Default::default(),
-        history: None,
-        quantized: false,
-    };
+    let recipe = |scaling, grad| Fp8Gemm::current(scaling, grad);
     vec![
         recipe(Fp8Scaling::Tensorwise, Fp8Format::E5m2),
         recipe(Fp8Scaling::Rowwise, Fp8Format::E4m3),
@@ -279,13 +273,7 @@ fn matmul_square(gpu: &mut dyn Backend, fp8: Fp8Gemm, n: u64) -> Result<(), Stri
 #[test]
 fn blockwise_with_another_block_is_unsupported() {
     let Some(mut gpu) = gpu() else { return };
-    let blockwise64 = Fp8Gemm {
-        scaling: Fp8Scaling::Blockwise { block: 64 },
-        grad: Fp8Format::E4m3,
-        split: Default::default(),
-        history: None,
-        quantized: false,
-    };
+    let blockwise64 = Fp8Gemm::current(Fp8Scaling::Blockwise { block: 64 }, Fp8Format::E4m3);
     let err = matmul_square(gpu.as_mut(), blockwise64, 64).unwrap_err();
     assert!(
         err.contains("blockwise(64)") && err.contains("128"),

@@ -25,13 +25,7 @@ const SHAPES: [(usize, usize); 6] = [
 
 /// Every distinct operand of the three FP8 GEMMs.
 fn all_operands() -> Vec<Fp8Operand> {
-    let g = Fp8Gemm {
-        scaling: Fp8Scaling::Rowwise,
-        grad: Fp8Format::E5m2,
-        split: Default::default(),
-        history: None,
-        quantized: false,
-    };
+    let g = Fp8Gemm::current(Fp8Scaling::Rowwise, Fp8Format::E5m2);
     let mut all: Vec<Fp8Operand> = [operands::forward(g), operands::bwd_data(g)]
         .into_iter()
         .chain([operands::bwd_weight(g)])

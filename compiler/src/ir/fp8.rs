@@ -348,6 +348,18 @@ fn unsplit(split: &[Fp8Split; 2]) -> bool {
 }
 
 impl Fp8Gemm {
+    /// A GEMM under current scaling on one rank's whole operands (no history, nothing split,
+    /// each operand quantized by the GEMM itself): `scaling` with gradients in `grad`.
+    pub fn current(scaling: Fp8Scaling, grad: Fp8Format) -> Fp8Gemm {
+        Fp8Gemm {
+            scaling,
+            grad,
+            split: Default::default(),
+            history: None,
+            quantized: false,
+        }
+    }
+
     /// For each of the two operands `operands` (the op's, `operands::forward` etc.), the axes
     /// its amaxes are max-reduced over (none: the GEMM takes them from its own piece).
     pub fn shared(self, operands: [Fp8Operand; 2]) -> [Axes; 2] {
@@ -430,13 +442,7 @@ mod tests {
 
     #[test]
     fn groups_follow_the_scaling_and_clip_at_the_edges() {
-        let g = Fp8Gemm {
-            scaling: Fp8Scaling::Rowwise,
-            grad: Fp8Format::E5m2,
-            split: Default::default(),
-            history: None,
-            quantized: false,
-        };
+        let g = Fp8Gemm::current(Fp8Scaling::Rowwise, Fp8Format::E5m2);
         let [x, w] = operands::forward(g);
         let [dy, _] = operands::bwd_weight(g);
         let block = Fp8Scaling::Blockwise { block: 128 };
@@ -455,13 +461,7 @@ mod tests {
 
     #[test]
     fn shared_groups_follow_the_split_and_the_lines() {
-        let g = |scaling| Fp8Gemm {
-            scaling,
-            grad: Fp8Format::E5m2,
-            split: Default::default(),
-            history: None,
-            quantized: false,
-        };
+        let g = |scaling| Fp8Gemm::current(scaling, Fp8Format::E5m2);
         let (cp, tp) = (Axes::of(&[Axis::Cp]), Axes::of(&[Axis::Tp]));
         // A row-parallel input under cp: rows split by cp, columns (K) by tp.
         let split = Fp8Split { rows: cp, cols: tp };

@@ -582,15 +582,7 @@ mod tests {
     #[test]
     fn fp8_gemms_reserve_their_quantized_operands_and_scales() {
         use crate::ir::fp8::{Fp8Format, Fp8Gemm};
-        let fp8 = |scaling| {
-            Some(Fp8Gemm {
-                scaling,
-                grad: Fp8Format::E4m3,
-                split: Default::default(),
-                history: None,
-                quantized: false,
-            })
-        };
+        let fp8 = |scaling| Some(Fp8Gemm::current(scaling, Fp8Format::E4m3));
         // 37 rows, in 200, out 136.
         let forward = |scaling| Op::Matmul {
             in_dim: 200,

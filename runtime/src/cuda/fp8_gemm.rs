@@ -187,13 +187,10 @@ mod tests {
     #[test]
     fn factors_are_found_in_the_scratch_layouts() {
         use parc_compiler::ir::op::Op;
-        let fp8 = parc_compiler::ir::fp8::Fp8Gemm {
-            scaling: Fp8Scaling::Blockwise { block: 128 },
-            grad: Fp8Format::E4m3,
-            split: Default::default(),
-            history: None,
-            quantized: false,
-        };
+        let fp8 = parc_compiler::ir::fp8::Fp8Gemm::current(
+            Fp8Scaling::Blockwise { block: 128 },
+            Fp8Format::E4m3,
+        );
         let op = Op::Matmul {
             in_dim: 200,
             out_dim: 136,
