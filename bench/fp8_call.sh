@@ -8,22 +8,25 @@
 #
 # PHASES (default "tests gemms llama calibrate") picks parts:
 # - tests: `cuda_ops fp8` (the FP8 GEMMs, and the group amaxes bit for bit against the CPU,
-#   each amax variant) and `cuda_train` rowwise/blockwise against the CPU emulation, with the
-#   default amax kernel and with AMAX (default `vectors`: PARC_FP8_AMAX_KERNEL);
-# - gemms: cuda_gemm_bench on d 2048 × 16384 rows in bf16 and each FP8 recipe, per amax
-#   variant: each op's time (quantization included) and its GEMM kernel's alone;
+#   each kernel variant) and `cuda_train` rowwise/blockwise against the CPU emulation, with the
+#   default kernels and with NEW;
+# - gemms: cuda_gemm_bench on d 2048 × 16384 rows in bf16 and each FP8 recipe, default and
+#   NEW: each op's time (quantization included) and its GEMM kernel's alone;
 # - llama: Llama 3.2 1B, 8 × 2048, 12 synthetic steps, tokens/s: bf16, delayed tensorwise, and
-#   rowwise and blockwise with every projection pinned, the last two per amax variant;
+#   rowwise and blockwise with every projection pinned, the last two default and NEW;
+# NEW (default "PARC_FP8_AMAX_KERNEL=vectors PARC_FP8_GEMM_KERNEL=tiles"): the variants judged,
+# space-separated VAR=name settings, all on together;
 # - calibrate: `parc calibrate --fp8 rowwise,blockwise` added to calibration/GPU.json (GPU from
 #   nvidia-smi: h100_80gb or h200), written to $out/GPU.json for the repository, measured with
-#   amax kernel CAL_AMAX (default AMAX: the profile must price the kernel that stays default).
+#   the settings CAL (default NEW: the profile must price the kernels that stay default).
 # Output: one log per step under $OUT (or DIR/out); a summary on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device_env.sh
 device_dirs "${1:-}"
 phases=" ${PHASES:-tests gemms llama calibrate} "
-amax=${AMAX:-vectors}
+read -r -a new <<< "${NEW:-PARC_FP8_AMAX_KERNEL=vectors PARC_FP8_GEMM_KERNEL=tiles}"
+read -r -a cal <<< "${CAL:-${new[*]}}"
 t0=$SECONDS
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "$gpu_name"
@@ -41,18 +44,19 @@ step() {
 
 if [[ $phases == *" tests "* ]]; then
     step ops-fp8 300 -- "$dir/cuda_ops" fp8 --nocapture --test-threads 1
-    for kernel in groups "$amax"; do
-        step "train-fp8-$kernel" 200 PARC_FP8_AMAX_KERNEL="$kernel" -- \
-            "$dir/cuda_train" rowwise_and_blockwise --nocapture --test-threads 1
-    done
+    step train-fp8-default 200 -- "$dir/cuda_train" rowwise_and_blockwise --nocapture --test-threads 1
+    step train-fp8-new 200 "${new[@]}" -- "$dir/cuda_train" rowwise_and_blockwise --nocapture \
+        --test-threads 1
 fi
 
 if [[ $phases == *" gemms "* ]]; then
-    for kernel in groups "$amax"; do
-        step "gemms-$kernel" 240 PARC_FP8_AMAX_KERNEL="$kernel" PARC_BENCH_MODELS=d2048 \
+    for mode in default new; do
+        envs=()
+        [[ $mode == new ]] && envs=("${new[@]}")
+        step "gemms-$mode" 240 "${envs[@]}" PARC_BENCH_MODELS=d2048 \
             PARC_BENCH_FP8=bf16,tensorwise,rowwise,blockwise -- \
             "$dir/cuda_gemm_bench" --ignored --nocapture --test-threads 1
-        grep -E "^\||one d2048 step" "$out/gemms-$kernel.log" | head -70
+        grep -E "^\||one d2048 step" "$out/gemms-$mode.log" | head -70
     done
 fi
 
@@ -76,11 +80,9 @@ if [[ $phases == *" llama "* ]]; then
     pinned=(--set "train.fp8.fp8=[Attention, MLP]")
     llama bf16 --
     llama delayed -- --set "train.fp8=tensorwise { scaling: delayed }" "${pinned[@]}"
-    for kernel in groups "$amax"; do
-        for recipe in rowwise blockwise; do
-            llama "$recipe-$kernel" PARC_FP8_AMAX_KERNEL="$kernel" -- \
-                --set "train.fp8=$recipe" "${pinned[@]}"
-        done
+    for recipe in rowwise blockwise; do
+        llama "$recipe-default" -- --set "train.fp8=$recipe" "${pinned[@]}"
+        llama "$recipe-new" "${new[@]}" -- --set "train.fp8=$recipe" "${pinned[@]}"
     done
     printf '%s\n' "${table[@]}"
 fi
@@ -92,7 +94,7 @@ if [[ $phases == *" calibrate "* ]]; then
         *) gpu= ;;
     esac
     if [[ -n $gpu ]]; then
-        step calibrate 420 PARC_FP8_AMAX_KERNEL="${CAL_AMAX:-$amax}" -- "$dir/parc" calibrate --backend cuda \
+        step calibrate 420 "${cal[@]}" -- "$dir/parc" calibrate --backend cuda \
             --gpu "$gpu" --fp8 rowwise,blockwise --add-to "calibration/$gpu.json" -o "$out/$gpu.json"
         tail -5 "$out/calibrate.log"
     else

@@ -170,10 +170,10 @@ fn cases(r: &mut Rng, g: Fp8Gemm, (rows, k, m): (usize, usize, usize)) -> Vec<Ca
 /// Partial tiles and blocks on every axis; a small shape; K below one block.
 const SHAPES: [(usize, usize, usize); 3] = [(150, 200, 136), (37, 64, 40), (5, 24, 16)];
 
-/// Every recipe's cases on shape `SHAPES`, on a GPU running `amax`'s group amax kernel
-/// (`PARC_FP8_AMAX_KERNEL`'s names).
-fn run(test: &str, bf16: bool, amax: &str) {
-    let Some(mut gpu) = gpu_variant(Precision::Fp32, ("fp8_amax", amax)) else {
+/// Every recipe's cases on shape `SHAPES`, on a GPU running kernel variant `variant` (op and
+/// name as `PARC_<OP>_KERNEL` takes them).
+fn run(test: &str, bf16: bool, variant: (&str, &str)) {
+    let Some(mut gpu) = gpu_variant(Precision::Fp32, variant) else {
         return;
     };
     let mut r = Rng::new(test);
@@ -193,7 +193,7 @@ fn run(test: &str, bf16: bool, amax: &str) {
 
 #[test]
 fn fp8_gemms_match_the_cpu_emulation() {
-    run("fp8_gemms_match_the_cpu_emulation", false, "groups");
+    run("fp8_gemms_match_the_cpu_emulation", false, DEFAULTS);
 }
 
 #[test]
@@ -201,17 +201,23 @@ fn fp8_gemms_match_the_cpu_emulation_bf16_storage() {
     run(
         "fp8_gemms_match_the_cpu_emulation_bf16_storage",
         true,
-        "groups",
+        DEFAULTS,
     );
 }
 
-/// As above with the group amaxes by 8-vectors (`fp8_amax_rows8`, `fp8_amax_cols8`), the
-/// variant waiting for its measurement.
+/// The default kernels (a variant named as the default changes nothing).
+const DEFAULTS: (&str, &str) = ("fp8_amax", "groups");
+
+/// As above with each variant waiting for its measurement: the group amaxes by 8-vectors
+/// (`fp8_amax_rows8`, `fp8_amax_cols8`), and blockwise folds reading a weight's factor once a
+/// tile.
 #[test]
-fn fp8_gemms_with_vector_amaxes_match_the_cpu_emulation() {
-    let test = "fp8_gemms_with_vector_amaxes_match_the_cpu_emulation";
-    run(test, false, "vectors");
-    run(test, true, "vectors");
+fn fp8_gemms_with_kernel_variants_match_the_cpu_emulation() {
+    let test = "fp8_gemms_with_kernel_variants_match_the_cpu_emulation";
+    for variant in [("fp8_amax", "vectors"), ("fp8_gemm", "tiles")] {
+        run(test, false, variant);
+        run(test, true, variant);
+    }
 }
 
 /// A NaN in x makes its row of y NaN on both backends (it is not quantized: FP8 NaN); an

@@ -12,6 +12,7 @@
 use super::gemm::{Gemm, Output};
 use super::kernel::Kernel;
 use super::tma::{self, Elem};
+use super::variants::Fp8GemmKernel;
 use super::{Arg, CudaBackend};
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::sys::CUdeviceptr;
@@ -38,7 +39,7 @@ pub(super) fn scale_layout(s: &Fp8OperandScratch) -> (i32, u64) {
         Fp8ScaleLayout::Scalar => (0, 1),
         Fp8ScaleLayout::PerLine => (1, 1),
         Fp8ScaleLayout::LineTiles { block } => (2, block),
-        Fp8ScaleLayout::Squares { block } => (3, block),
+        Fp8ScaleLayout::Squares { block } => (SQUARES, block),
     }
 }
 
@@ -52,9 +53,15 @@ pub(super) struct Quantized<'a> {
 }
 
 impl Quantized<'_> {
-    /// The factors' arguments: their pointer, then [`layout_args`].
-    fn args(&self) -> [Arg; 5] {
+    /// The factors' arguments: their pointer, then [`layout_args`]; with `per_tile`, squares
+    /// as layout 4 (one factor over a 128-line tile: `fg_fold` loads it once).
+    fn args(&self, per_tile: bool) -> [Arg; 5] {
         let (code, block, kg4) = layout_args(self.s);
+        let code = if per_tile && code == SQUARES {
+            SQUARES_PER_TILE
+        } else {
+            code
+        };
         [
             Arg::Ptr(self.factors),
             Arg::I32(code),
@@ -64,6 +71,12 @@ impl Quantized<'_> {
         ]
     }
 }
+
+/// `fp8_scales`' layout code of `block × block` squares, and the kernel's code for squares
+/// read once per 128-line tile (`Fp8GemmKernel::Tiles`; each block spans whole tiles, as
+/// tiles start at multiples of 128 and blocks are multiples of 128).
+const SQUARES: i32 = 3;
+const SQUARES_PER_TILE: i32 = 4;
 
 /// How the kernel finds an operand's factors (`FgScales`): the layout's code and block
 /// (`scale_layout`), and the stride of a square's row of K groups (`round4(⌈K / block⌉)`).
@@ -149,8 +162,9 @@ impl CudaBackend {
             Arg::Ptr(g.c_in.unwrap_or(0)),
             Arg::I32(i32::from(g.out == Output::F32)),
         ];
-        args.extend(p.args());
-        args.extend(q.args());
+        // Only the columns' factors are read per tile: the rows' are two loads a fold.
+        args.extend(p.args(false));
+        args.extend(q.args(self.variants.fp8_gemm == Fp8GemmKernel::Tiles));
         let kernel = kernel(p.s.operand.format, q.s.operand.format, fold.is_some());
         let tiles = (mr.div_ceil(TILE) * nr.div_ceil(TILE)) as usize;
         let stream = self.stream.cu_stream();

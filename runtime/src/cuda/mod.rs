@@ -111,6 +111,7 @@ use std::sync::Arc;
 pub use device::gpu_absent;
 pub use fused::{emitter_named, Emitter, NvrtcEmitter};
 pub use nccl::{nccl_available, nccl_version, AbortNotice, FailureProbe, NcclHostComm, NcclId};
+pub use variants::Fp8GemmKernel;
 pub use variants::{AttentionBwdKernel, AttentionFwdKernel, CrossEntropyKernel, Fp8AmaxKernel};
 pub use variants::{GemmKernel, KernelVariant, NormBwdKernel, NormFwdKernel, Variant};
 

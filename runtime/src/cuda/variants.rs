@@ -203,6 +203,14 @@ variants! {
     fp8_amax: Fp8AmaxKernel "fp8_amax" "PARC_FP8_AMAX_KERNEL" {
         Groups "groups", Vectors "vectors"
     }
+    /// How parc's blockwise FP8 GEMM kernel (`fp8_gemm`, PARC_FP8_GEMM_KERNEL) finds the
+    /// column factors it folds each K group with: one load per column of the thread's 32
+    /// (`columns`), or one per tile where the columns' factors are 128 × 128 squares, whose
+    /// block spans the whole 128-column tile (`tiles`: the weight of forward and
+    /// data-gradient GEMMs; the same products, so the same results).
+    fp8_gemm: Fp8GemmKernel "fp8_gemm" "PARC_FP8_GEMM_KERNEL" {
+        Columns "columns", Tiles "tiles"
+    }
 }
 
 impl std::fmt::Display for KernelVariant {
@@ -251,6 +259,8 @@ mod tests {
             of::<NormFwdKernel>(),
             of::<NormBwdKernel>(),
             of::<Fp8AccumKernel>(),
+            of::<Fp8AmaxKernel>(),
+            of::<Fp8GemmKernel>(),
         ]
     }
 
@@ -276,6 +286,8 @@ mod tests {
         assert_eq!(chosen.gemm, GemmKernel::CuBlasLt);
         assert_eq!(chosen.norm_bwd, NormBwdKernel::Warp);
         assert_eq!(chosen.fp8_accum, Fp8AccumKernel::Split);
+        assert_eq!(chosen.fp8_amax, Fp8AmaxKernel::Vectors);
+        assert_eq!(chosen.fp8_gemm, Fp8GemmKernel::Tiles);
     }
 
     #[test]
@@ -288,6 +300,8 @@ mod tests {
         assert_eq!(d.norm_fwd, NormFwdKernel::Multirow);
         assert_eq!(d.norm_bwd, NormBwdKernel::Fused);
         assert_eq!(d.fp8_accum, Fp8AccumKernel::Forward);
+        assert_eq!(d.fp8_amax, Fp8AmaxKernel::Groups);
+        assert_eq!(d.fp8_gemm, Fp8GemmKernel::Columns);
     }
 
     #[test]

@@ -8,7 +8,8 @@
 // quantization writes them (`[lines, ld]`, K padded with zeros to ld). Each operand comes with its
 // dequantization factors 1/s (powers of two) in one of fp8_scales' layouts: 0 one factor, 1 one a
 // line, 2 `1 × block` tiles (line, kg) at line + kg · lines, 3 `block × block` squares (line
-// block lb, kg) at kg + lb · kg4.
+// block lb, kg) at kg + lb · kg4; 4 the same squares, for Q, where fg_fold loads one factor for
+// the tile's 128 columns (a block spans whole tiles: both start at multiples of 128).
 //
 // A persistent CTA (one an SM) of three warpgroups walks the 128 × 128 tiles of C: one producer
 // thread loads 128 k (128 bytes) of the tile's P and Q rows a stage into a ring of FG_STAGES,
@@ -72,12 +73,22 @@ __device__ __forceinline__ float fg_factor(const FgScales& s, long long line, lo
 }
 
 // acc[4 nb + 2 h + e] (row r0 + 8 h, column c0 + 8 nb + e) += part · its row's and column's factors
-// of k group kg (gemm_ws.cu's accumulator layout, n = 128).
+// of k group kg (gemm_ws.cu's accumulator layout, n = 128). Q's layout 4: one factor for every
+// column of the tile, loaded once.
 __device__ __forceinline__ void fg_fold(float (&acc)[64], const float (&part)[64], const FgScales& sp, const FgScales& sq, int r0, int c0, long long kg) {
     float fr[2] = {fg_factor(sp, r0, kg), fg_factor(sp, r0 + 8, kg)};
+    const bool q_tile = sq.layout == 4;
+    const float fq = q_tile ? fg_factor(sq, c0, kg) : 0.0f;
     #pragma unroll
     for (int nb = 0; nb < 16; nb++) {
-        float fc[2] = {fg_factor(sq, c0 + 8 * nb, kg), fg_factor(sq, c0 + 8 * nb + 1, kg)};
+        float fc[2];
+        if (q_tile) {
+            fc[0] = fq;
+            fc[1] = fq;
+        } else {
+            fc[0] = fg_factor(sq, c0 + 8 * nb, kg);
+            fc[1] = fg_factor(sq, c0 + 8 * nb + 1, kg);
+        }
         #pragma unroll
         for (int h = 0; h < 2; h++) {
             #pragma unroll
