@@ -631,3 +631,54 @@ pub(super) fn run(
         _ => Ok(()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use parc_compiler::ir::BufferId;
+
+    fn buf(ptr: CUdeviceptr) -> Buf {
+        Buf {
+            id: BufferId(0),
+            ptr,
+            len: 0,
+            dtype: DType::Bf16,
+        }
+    }
+
+    /// (kernel, [cb, gpr, span, runs, total]) of a vector amax, None where it keeps `fp8_amax`.
+    fn launch(
+        ptr: CUdeviceptr,
+        shape: (u64, u64),
+        group: (u64, u64),
+    ) -> Option<(Kernel, [u64; 5])> {
+        let gpr = shape.1.div_ceil(group.1);
+        VectorAmax::fits(buf(ptr), shape, group, gpr).map(|v| (v.kernel, v.counts))
+    }
+
+    #[test]
+    fn vector_amaxes_take_whole_vectors_in_runs_inside_row_groups() {
+        let aligned = 0x1000;
+        // 1 × 128 tiles: one row a run.
+        assert_eq!(
+            launch(aligned, (150, 200), (1, 128)),
+            Some((Kernel::Fp8AmaxRows8, [128, 2, 1, 1, 150]))
+        );
+        // 128 × 128 squares over 300 rows: runs of 64, the last row group clipped to 44 rows
+        // (its second run empty).
+        assert_eq!(
+            launch(aligned, (300, 136), (128, 128)),
+            Some((Kernel::Fp8AmaxRows8, [128, 2, 64, 2, 6]))
+        );
+        // Columns (rowwise with K along the rows): runs of 64 down the whole operand.
+        assert_eq!(
+            launch(aligned, (300, 136), (300, 1)),
+            Some((Kernel::Fp8AmaxCols8, [1, 136, 64, 5, 5]))
+        );
+        // What the vectors cannot read keeps the scalar kernel: columns not a multiple of 8,
+        // a group width that splits vectors, an unaligned operand.
+        assert_eq!(launch(aligned, (40, 30), (1, 30)), None);
+        assert_eq!(launch(aligned, (40, 24), (1, 12)), None);
+        assert_eq!(launch(aligned + 8, (40, 24), (1, 24)), None);
+    }
+}
