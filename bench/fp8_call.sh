@@ -14,7 +14,7 @@
 #   NEW: each op's time (quantization included) and its GEMM kernel's alone;
 # - llama: Llama 3.2 1B, 8 × 2048, 12 synthetic steps, tokens/s: bf16, delayed tensorwise, and
 #   rowwise and blockwise with every projection pinned, the last two default and NEW;
-# NEW (default "PARC_FP8_AMAX_KERNEL=vectors PARC_FP8_GEMM_KERNEL=tiles"): the variants judged,
+# NEW (default "PARC_FP8_AMAX_KERNEL=vectors PARC_FP8_GEMM_KERNEL=wide"): the variants judged,
 # space-separated VAR=name settings, all on together;
 # - calibrate: `parc calibrate --fp8 rowwise,blockwise` added to calibration/GPU.json (GPU from
 #   nvidia-smi: h100_80gb or h200), written to $out/GPU.json for the repository, measured with
@@ -25,7 +25,7 @@ cd "$(dirname "$0")/.."
 source bench/device_env.sh
 device_dirs "${1:-}"
 phases=" ${PHASES:-tests gemms llama calibrate} "
-read -r -a new <<< "${NEW:-PARC_FP8_AMAX_KERNEL=vectors PARC_FP8_GEMM_KERNEL=tiles}"
+read -r -a new <<< "${NEW:-PARC_FP8_AMAX_KERNEL=vectors PARC_FP8_GEMM_KERNEL=wide}"
 read -r -a cal <<< "${CAL:-${new[*]}}"
 t0=$SECONDS
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)

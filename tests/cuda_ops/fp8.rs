@@ -209,12 +209,17 @@ fn fp8_gemms_match_the_cpu_emulation_bf16_storage() {
 const DEFAULTS: (&str, &str) = ("fp8_amax", "groups");
 
 /// As above with each variant waiting for its measurement: the group amaxes by 8-vectors
-/// (`fp8_amax_rows8`, `fp8_amax_cols8`), and blockwise folds reading a weight's factor once a
-/// tile.
+/// (`fp8_amax_rows8`, `fp8_amax_cols8`), blockwise folds reading a weight's factor once a tile,
+/// and rowwise in 128 × 256 tiles.
 #[test]
 fn fp8_gemms_with_kernel_variants_match_the_cpu_emulation() {
     let test = "fp8_gemms_with_kernel_variants_match_the_cpu_emulation";
-    for variant in [("fp8_amax", "vectors"), ("fp8_gemm", "tiles")] {
+    let variants = [
+        ("fp8_amax", "vectors"),
+        ("fp8_gemm", "tiles"),
+        ("fp8_gemm", "wide"),
+    ];
+    for variant in variants {
         run(test, false, variant);
         run(test, true, variant);
     }

@@ -20,12 +20,38 @@ use parc_compiler::fp8::cuda_runs_block;
 use parc_compiler::ir::fp8::{Fp8Format, Fp8Scaling};
 use parc_compiler::memplan::{Fp8OperandScratch, Fp8ScaleLayout};
 
-/// The kernel's tile of C (rows and columns) and its step along K (FP8 elements: 128 bytes).
+/// The kernel's tile of C (rows, and columns but for the wide kernels') and its step along K
+/// (FP8 elements: 128 bytes).
 const TILE: u64 = 128;
 const STEP_K: u64 = parc_compiler::fp8::CUDA_BLOCK;
-/// Dynamic shared memory: fp8_gemm.cu's FG_SMEM (alignment, 5 stages of two 16 KB tiles, the
-/// pipeline's barriers).
-const SMEM: u32 = 1024 + 5 * 2 * (TILE * STEP_K) as u32 + 16 * 5 + 32;
+
+/// Which of fp8_gemm.cu's kernels runs a GEMM: factors constant along K in 128 × 128 tiles
+/// (`lines`) or 128 × 256 tiles (`wide`, `Fp8GemmKernel::Wide`), or folded K group by K group
+/// (`blocks`, 128 × 128).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Form {
+    Lines,
+    Wide,
+    Blocks,
+}
+
+impl Form {
+    /// The columns of C a tile spans.
+    fn tile_cols(self) -> u64 {
+        match self {
+            Form::Wide => 2 * TILE,
+            Form::Lines | Form::Blocks => TILE,
+        }
+    }
+
+    /// Dynamic shared memory (fp8_gemm.cu's FG_STAGES and FG_STAGE_BYTES): alignment, the
+    /// ring's stages of P's and Q's tiles, the pipeline's barriers.
+    fn smem(self) -> u32 {
+        let stages = if self == Form::Wide { 4 } else { 5 };
+        let stage = (TILE + self.tile_cols()) * STEP_K;
+        (1024 + stages * stage + 16 * stages + 32) as u32
+    }
+}
 
 /// Whether parc's kernel runs the FP8 GEMMs of `scaling` (cuBLASLt runs tensorwise).
 pub(super) fn runs(scaling: Fp8Scaling) -> bool {
@@ -89,18 +115,23 @@ fn layout_args(s: &Fp8OperandScratch) -> (i32, u64, u64) {
     (code, block, kg4)
 }
 
-/// The kernel for operand formats `(p, q)`, folding K groups (`fold`) or not.
-fn kernel(p: Fp8Format, q: Fp8Format, fold: bool) -> Kernel {
+/// The kernel for operand formats `(p, q)` in `form`.
+fn kernel(p: Fp8Format, q: Fp8Format, form: Form) -> Kernel {
+    use Form::{Blocks, Lines, Wide};
     use Fp8Format::{E4m3, E5m2};
-    match (p, q, fold) {
-        (E4m3, E4m3, false) => Kernel::Fp8GemmE4e4Lines,
-        (E4m3, E5m2, false) => Kernel::Fp8GemmE4e5Lines,
-        (E5m2, E4m3, false) => Kernel::Fp8GemmE5e4Lines,
-        (E5m2, E5m2, false) => Kernel::Fp8GemmE5e5Lines,
-        (E4m3, E4m3, true) => Kernel::Fp8GemmE4e4Blocks,
-        (E4m3, E5m2, true) => Kernel::Fp8GemmE4e5Blocks,
-        (E5m2, E4m3, true) => Kernel::Fp8GemmE5e4Blocks,
-        (E5m2, E5m2, true) => Kernel::Fp8GemmE5e5Blocks,
+    match (p, q, form) {
+        (E4m3, E4m3, Lines) => Kernel::Fp8GemmE4e4Lines,
+        (E4m3, E5m2, Lines) => Kernel::Fp8GemmE4e5Lines,
+        (E5m2, E4m3, Lines) => Kernel::Fp8GemmE5e4Lines,
+        (E5m2, E5m2, Lines) => Kernel::Fp8GemmE5e5Lines,
+        (E4m3, E4m3, Wide) => Kernel::Fp8GemmE4e4Wide,
+        (E4m3, E5m2, Wide) => Kernel::Fp8GemmE4e5Wide,
+        (E5m2, E4m3, Wide) => Kernel::Fp8GemmE5e4Wide,
+        (E5m2, E5m2, Wide) => Kernel::Fp8GemmE5e5Wide,
+        (E4m3, E4m3, Blocks) => Kernel::Fp8GemmE4e4Blocks,
+        (E4m3, E5m2, Blocks) => Kernel::Fp8GemmE4e5Blocks,
+        (E5m2, E4m3, Blocks) => Kernel::Fp8GemmE5e4Blocks,
+        (E5m2, E5m2, Blocks) => Kernel::Fp8GemmE5e5Blocks,
     }
 }
 
@@ -145,12 +176,18 @@ impl CudaBackend {
                 p.s.ld
             )));
         }
-        let map = |o: &Quantized| {
+        let variant = self.variants.fp8_gemm;
+        let form = match fold {
+            Some(_) => Form::Blocks,
+            None if variant == Fp8GemmKernel::Wide => Form::Wide,
+            None => Form::Lines,
+        };
+        let map = |o: &Quantized, tile_lines: u64| {
             let (ld, lines) = (o.s.ld, o.s.lines);
-            let boxes = (STEP_K as u32, TILE as u32);
+            let boxes = (STEP_K as u32, tile_lines as u32);
             tma::matrix(Elem::Fp8, o.q, (ld, lines, ld), boxes, true)
         };
-        let maps = [map(&p)?, map(&q)?];
+        let maps = [map(&p, TILE)?, map(&q, form.tile_cols())?];
         let mut args = vec![
             Arg::I32(mr as i32),
             Arg::I32(nr as i32),
@@ -164,12 +201,12 @@ impl CudaBackend {
         ];
         // Only the columns' factors are read per tile: the rows' are two loads a fold.
         args.extend(p.args(false));
-        args.extend(q.args(self.variants.fp8_gemm == Fp8GemmKernel::Tiles));
-        let kernel = kernel(p.s.operand.format, q.s.operand.format, fold.is_some());
-        let tiles = (mr.div_ceil(TILE) * nr.div_ceil(TILE)) as usize;
+        args.extend(q.args(variant != Fp8GemmKernel::Columns));
+        let kernel = kernel(p.s.operand.format, q.s.operand.format, form);
+        let tiles = (mr.div_ceil(TILE) * nr.div_ceil(form.tile_cols())) as usize;
         let stream = self.stream.cu_stream();
         self.blas.timer_start(stream)?;
-        self.launch_persistent(kernel, tiles, SMEM, &maps, &args)?;
+        self.launch_persistent(kernel, tiles, form.smem(), &maps, &args)?;
         self.blas.timer_stop(stream)
     }
 }
@@ -226,19 +263,29 @@ mod tests {
         );
     }
 
+    /// The shared memory of fp8_gemm.cu's rings: 5 stages of two 16 KB tiles, or 4 of a 16 KB
+    /// and a 32 KB tile, within the 227 KB a Hopper block may opt into.
+    #[test]
+    fn each_form_has_its_ring() {
+        assert_eq!(Form::Lines.smem(), 1024 + 5 * 32768 + 80 + 32);
+        assert_eq!(Form::Blocks.smem(), Form::Lines.smem());
+        assert_eq!(Form::Wide.smem(), 1024 + 4 * 49152 + 64 + 32);
+        assert!(Form::Wide.smem() <= 227 * 1024);
+    }
+
     #[test]
     fn each_pair_of_formats_has_its_kernels() {
         use Fp8Format::{E4m3, E5m2};
         let mut all = Vec::new();
         for p in [E4m3, E5m2] {
             for q in [E4m3, E5m2] {
-                for fold in [false, true] {
-                    all.push(kernel(p, q, fold));
+                for form in [Form::Lines, Form::Wide, Form::Blocks] {
+                    all.push(kernel(p, q, form));
                 }
             }
         }
         all.sort_by_key(|k| k.symbol());
         all.dedup();
-        assert_eq!(all.len(), 8);
+        assert_eq!(all.len(), 12);
     }
 }

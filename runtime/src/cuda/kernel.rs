@@ -193,6 +193,10 @@ kernels! {
     Fp8GemmE4e5Blocks "fp8_gemm_e4e5_blocks",
     Fp8GemmE5e4Blocks "fp8_gemm_e5e4_blocks",
     Fp8GemmE5e5Blocks "fp8_gemm_e5e5_blocks",
+    Fp8GemmE4e4Wide "fp8_gemm_e4e4_wide",
+    Fp8GemmE4e5Wide "fp8_gemm_e4e5_wide",
+    Fp8GemmE5e4Wide "fp8_gemm_e5e4_wide",
+    Fp8GemmE5e5Wide "fp8_gemm_e5e5_wide",
 }
 
 impl std::fmt::Display for Kernel {

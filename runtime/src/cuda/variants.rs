@@ -203,13 +203,14 @@ variants! {
     fp8_amax: Fp8AmaxKernel "fp8_amax" "PARC_FP8_AMAX_KERNEL" {
         Groups "groups", Vectors "vectors"
     }
-    /// How parc's blockwise FP8 GEMM kernel (`fp8_gemm`, PARC_FP8_GEMM_KERNEL) finds the
-    /// column factors it folds each K group with: one load per column of the thread's 32
-    /// (`columns`), or one per tile where the columns' factors are 128 × 128 squares, whose
-    /// block spans the whole 128-column tile (`tiles`: the weight of forward and
-    /// data-gradient GEMMs; the same products, so the same results).
+    /// parc's FP8 GEMM kernels (`fp8_gemm`, PARC_FP8_GEMM_KERNEL): blockwise folds load the
+    /// factor of each of a thread's 32 columns per K group, rowwise runs 128 × 128 tiles
+    /// (`columns`); blockwise folds load one factor per tile where the columns' factors are
+    /// 128 × 128 squares, whose block spans the whole 128-column tile (`tiles`: the weight of
+    /// forward and data-gradient GEMMs; the same products, so the same results); or `tiles`
+    /// with rowwise in 128 × 256 tiles, gemm_ws.cu's shape (`wide`).
     fp8_gemm: Fp8GemmKernel "fp8_gemm" "PARC_FP8_GEMM_KERNEL" {
-        Columns "columns", Tiles "tiles"
+        Columns "columns", Tiles "tiles", Wide "wide"
     }
 }
 
@@ -287,7 +288,7 @@ mod tests {
         assert_eq!(chosen.norm_bwd, NormBwdKernel::Warp);
         assert_eq!(chosen.fp8_accum, Fp8AccumKernel::Split);
         assert_eq!(chosen.fp8_amax, Fp8AmaxKernel::Vectors);
-        assert_eq!(chosen.fp8_gemm, Fp8GemmKernel::Tiles);
+        assert_eq!(chosen.fp8_gemm, Fp8GemmKernel::Wide);
     }
 
     #[test]
