@@ -15,10 +15,10 @@
 // thread loads 128 k (128 bytes) of the tile's P and Q rows a stage into a ring of stages,
 // 128-byte swizzled; two consumer warpgroups each own 64 rows (m64nBNk32, BN / 2 accumulators a
 // thread). BN is 128 (5 stages), or 256 (4 stages) for the `_wide` rowwise kernels
-// (`Fp8GemmKernel::Wide`, waiting for its measurement: half the shared-memory traffic a product
-// for Q's tile, as gemm_ws.cu's tiles). Where the factors are constant along K (FOLD false: rowwise, tensorwise) the products
-// accumulate as in gemm_ws.cu and the epilogue multiplies each element by its row's and column's
-// factor. Blockwise (FOLD true) sums each k group (`fold` stages of 128: block / 128) in a second
+// (`Fp8GemmKernel::Wide`, waiting for its measurement: each MMA reads P's rows once for twice the
+// columns, as gemm_ws.cu's tiles). Where the factors are constant along K (FOLD false: rowwise,
+// tensorwise) the products accumulate as in gemm_ws.cu and the epilogue multiplies each element
+// by its row's and column's factor. Blockwise (FOLD true) sums each k group (`fold` stages of 128: block / 128) in a second
 // set of accumulators, then adds it times the group's two factors into the first: f32 sums of
 // exact FP8 products scaled by powers of two, as the CPU's emulation (cpu/fp8.rs) differing only
 // in the order of its additions.
