@@ -22,13 +22,6 @@ source bench/device_env.sh
 device_dirs "${1:-}"
 phases=" ${PHASES:-tests rates} "
 t0=$SECONDS
-# step NAME TIMEOUT COMMAND...: run it into $out/NAME.log, print its outcome lines.
-step() {
-    local name=$1 limit=$2; shift 2
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    echo "== $name rc=$? at $((SECONDS - t0)) s"
-    grep -E "test result|FAILED|panicked|^error" "$out/$name.log" | head -12
-}
 parc_run() { # parc_run NAME MODEL BATCH [VAR=VALUE...]: 8 steps of GPT-2 MODEL, JSON into $out/NAME.jsonl
     local name=$1 model=$2 batch=$3; shift 3
     env "$@" timeout 120 "$dir/parc" run "examples/gpt2-$model.par" --backend cuda --log-format json \
@@ -37,9 +30,9 @@ parc_run() { # parc_run NAME MODEL BATCH [VAR=VALUE...]: 8 steps of GPT-2 MODEL,
         --set "train.checkpoint.dir=\"/tmp/parc-ck-$name\"" > "$out/$name.jsonl" 2> "$out/$name.stderr"
 }
 if [[ $phases == *" tests "* ]]; then
-    step cuda_ops 200 "$dir/cuda_ops" --nocapture --test-threads 1
-    step cuda_train 150 "$dir/cuda_train" --nocapture --test-threads 1
-    step memplan 90 "$dir/memplan" cuda_steps_allocate_nothing --nocapture
+    step cuda_ops 200 -- "$dir/cuda_ops" --nocapture --test-threads 1
+    step cuda_train 150 -- "$dir/cuda_train" --nocapture --test-threads 1
+    step memplan 90 -- "$dir/memplan" cuda_steps_allocate_nothing --nocapture
     PARC_BIN=$PWD/$dir/parc step cuda_nccl 150 "$dir/cuda_nccl" --nocapture --test-threads 1
 fi
 if [[ $phases == *" rates "* ]]; then
@@ -56,15 +49,15 @@ if [[ $phases == *" rates "* ]]; then
     done
 fi
 if [[ $phases == *" attention "* ]]; then
-    step attention 240 bash bench/attention.sh "$dir"
+    step attention 240 -- bash bench/attention.sh "$dir"
     tail -20 "$out/attention.log"
 fi
 if [[ $phases == *" membound "* && -f bench/membound.sh ]]; then
-    step membound-call 400 bash bench/membound.sh "$dir"
+    step membound-call 400 -- bash bench/membound.sh "$dir"
     tail -30 "$out/membound-call.log"
 fi
 if [[ $phases == *" profile "* ]]; then
-    step profile 120 "$dir/parc" run examples/gpt2-124m.par --backend cuda --set train.global_batch=32 \
+    step profile 120 -- "$dir/parc" run examples/gpt2-124m.par --backend cuda --set train.global_batch=32 \
         --set train.micro_batch=32 --set train.steps=3 --set train.data=synthetic \
         --set parallel.recompute=none --set 'train.checkpoint.dir="/tmp/parc-ck-profile"' --profile
     tail -40 "$out/profile.log"

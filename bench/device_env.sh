@@ -37,3 +37,15 @@ else:
     print(f"{sys.argv[2]:<60} no timed steps (see its log)")
 PY
 }
+
+# step NAME TIMEOUT [VAR=VALUE...] -- COMMAND...: run COMMAND (with the VARs set) into
+# $out/NAME.log, then print its outcome lines and the seconds since $t0.
+step() {
+    local name=$1 limit=$2; shift 2
+    local envs=()
+    while [[ $1 != -- ]]; do envs+=("$1"); shift; done
+    shift
+    env "${envs[@]}" timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    echo "== $name rc=$? at $((SECONDS - t0)) s"
+    grep -E "test result|FAILED|panicked|^error|failures:" "$out/$name.log" | head -12
+}

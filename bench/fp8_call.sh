@@ -31,17 +31,6 @@ t0=$SECONDS
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "$gpu_name"
 
-# step NAME TIMEOUT [VAR=VALUE...] -- COMMAND...: run into $out/NAME.log, print its outcome lines.
-step() {
-    local name=$1 limit=$2; shift 2
-    local envs=()
-    while [[ $1 != -- ]]; do envs+=("$1"); shift; done
-    shift
-    env "${envs[@]}" timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    echo "== $name rc=$? at $((SECONDS - t0)) s"
-    grep -E "test result|FAILED|panicked|^error|failures:" "$out/$name.log" | head -12
-}
-
 if [[ $phases == *" tests "* ]]; then
     step ops-fp8 300 -- "$dir/cuda_ops" fp8 --nocapture --test-threads 1
     step train-fp8-default 200 -- "$dir/cuda_train" rowwise_and_blockwise --nocapture --test-threads 1

@@ -20,17 +20,6 @@ phases=" ${PHASES:-tests micro profile rates} "
 t0=$SECONDS
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
 
-# step NAME TIMEOUT ENV... -- COMMAND...: run into $out/NAME.log, print its outcome lines.
-step() {
-    local name=$1 limit=$2; shift 2
-    local envs=()
-    while [[ $1 != -- ]]; do envs+=("$1"); shift; done
-    shift
-    env "${envs[@]}" timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    echo "== $name rc=$? at $((SECONDS - t0)) s"
-    grep -E "test result|FAILED|panicked|^error|failures:" "$out/$name.log" | head -12
-}
-
 if [[ $phases == *" tests "* ]]; then
     for mode in default new; do
         envs=()
