@@ -6,6 +6,9 @@
 #
 #   OUT=$OUT bench/fp8_call.sh [DIR]
 #
+# All four phases take longer than one device command may (600 s): run PHASES="tests gemms",
+# then PHASES="llama calibrate", on the same warm machine.
+#
 # PHASES (default "tests gemms llama calibrate") picks parts:
 # - tests: `cuda_ops fp8` (the FP8 GEMMs, and the group amaxes bit for bit against the CPU,
 #   each kernel variant) and `cuda_train` rowwise/blockwise against the CPU emulation, with the
