@@ -162,8 +162,25 @@ struct VectorAmax {
     rows: u64,
     cols: u64,
     rb: u64,
-    /// cb, gpr, span, runs a row group, runs in all: each below 2^31 (`I32` arguments).
-    counts: [u64; 5],
+    /// The kernels' 32-bit arguments, in their order: each below 2^31.
+    counts: RunCounts,
+}
+
+/// A vector amax launch's counts: the group width `cb` and groups a row of groups `gpr`, the
+/// rows a run reads `span`, the runs of a row group `runs` and of the operand `total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct RunCounts {
+    cb: u64,
+    gpr: u64,
+    span: u64,
+    runs: u64,
+    total: u64,
+}
+
+impl RunCounts {
+    fn all(self) -> [u64; 5] {
+        [self.cb, self.gpr, self.span, self.runs, self.total]
+    }
 }
 
 /// The most rows one thread of `fp8_amax_rows8`/`fp8_amax_cols8` reads before its group's
@@ -189,26 +206,34 @@ impl VectorAmax {
         }
         let span = rb.min(AMAX_SPAN);
         let runs = rb.div_ceil(span);
-        let total = rows.div_ceil(rb) * runs;
-        let counts = [cb, gpr, span, runs, total];
+        let counts = RunCounts {
+            cb,
+            gpr,
+            span,
+            runs,
+            total: rows.div_ceil(rb) * runs,
+        };
         let fits_i32 = |v: u64| v <= i32::MAX as u64;
-        (counts.iter().all(|&v| fits_i32(v)) && fits_i32(cols) && fits_i32(rows.div_ceil(rb) * gpr))
-            .then_some(VectorAmax {
-                kernel,
-                rows,
-                cols,
-                rb,
-                counts,
-            })
+        (counts.all().iter().all(|&v| fits_i32(v))
+            && fits_i32(cols)
+            && fits_i32(rows.div_ceil(rb) * gpr))
+        .then_some(VectorAmax {
+            kernel,
+            rows,
+            cols,
+            rb,
+            counts,
+        })
     }
 
     fn run(&self, be: &mut CudaBackend, buf: Buf, out: CUdeviceptr) -> Result<()> {
-        let total = self.counts[4];
         let bx = (self.cols / 8).div_ceil(AMAX_THREADS);
-        let by = total.min(AMAX_GRID_Y).min((AMAX_VECTOR_BLOCKS / bx).max(1));
+        let by = (self.counts.total)
+            .min(AMAX_GRID_Y)
+            .min((AMAX_VECTOR_BLOCKS / bx).max(1));
         let u = |v: u64| n(v as usize);
         let mut args = vec![fv(buf), u(self.rows), u(self.cols), u(self.rb)];
-        args.extend(self.counts.iter().map(|&v| Arg::I32(v as i32)));
+        args.extend(self.counts.all().map(|v| Arg::I32(v as i32)));
         args.push(Arg::Ptr(out));
         let grid = (bx as u32, by as u32, 1);
         be.launch(self.kernel, grid, (AMAX_THREADS as u32, 1, 1), 0, &args)
@@ -653,7 +678,7 @@ mod tests {
         group: (u64, u64),
     ) -> Option<(Kernel, [u64; 5])> {
         let gpr = shape.1.div_ceil(group.1);
-        VectorAmax::fits(buf(ptr), shape, group, gpr).map(|v| (v.kernel, v.counts))
+        VectorAmax::fits(buf(ptr), shape, group, gpr).map(|v| (v.kernel, v.counts.all()))
     }
 
     #[test]
