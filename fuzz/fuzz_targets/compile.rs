@@ -8,6 +8,9 @@
 //! with an empty folder CORPUS first (libFuzzer writes new inputs into the first folder).
 #![no_main]
 
+#[path = "input.rs"]
+mod input;
+
 use libfuzzer_sys::fuzz_target;
 use parc_compiler::driver::{compile, CompileOptions, Stage};
 
@@ -15,15 +18,7 @@ use parc_compiler::driver::{compile, CompileOptions, Stage};
 const MAX_PLAN: u64 = 256;
 
 fuzz_target!(|data: &[u8]| {
-    let text = String::from_utf8_lossy(data);
-    let (spec_text, set) = match text.split_once("\n--set ") {
-        Some((a, b)) => (a.to_string(), Some(b.to_string())),
-        None => (text.into_owned(), None),
-    };
-    let overrides: Vec<_> = set
-        .iter()
-        .filter_map(|s| parc_compiler::parse_override(s).ok())
-        .collect();
+    let (spec_text, overrides) = input::spec_and_overrides(data);
     let options = CompileOptions {
         cost_model: true,
         max_plan_size: Some(MAX_PLAN),
