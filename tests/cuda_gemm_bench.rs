@@ -16,8 +16,8 @@
 //! recipes (`tensorwise`, `rowwise`, `blockwise`: 1 × 128 / 128 × 128) to run every op in
 //! besides bf16 (`bf16` names the plain run): an FP8 op's time is its operands' amaxes and
 //! quantization plus its GEMM, its kernel time the GEMM alone (cuBLASLt's for tensorwise,
-//! parc's `fp8_gemm` for the others). PARC_FP8_AMAX_KERNEL picks the group amax kernel, as in
-//! training. Without a GPU it prints `skipped`.
+//! parc's `fp8_gemm` for the others). The FP8 kernel variables (PARC_FP8_AMAX_KERNEL,
+//! PARC_FP8_GEMM_KERNEL) pick the kernels, as in training. Without a GPU it prints `skipped`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "gpu_support/mod.rs"]
@@ -115,14 +115,7 @@ mod bench {
 
     /// One timed GEMM op: (model, storage, gemm, kind, m·n·k as "rows x in x out", kernel
     /// TFLOP/s).
-    type Row = (
-        String,
-        &'static str,
-        &'static str,
-        &'static str,
-        String,
-        f64,
-    );
+    type Row = (String, String, &'static str, &'static str, String, f64);
 
     pub fn run() {
         let rows_override: Option<u64> = std::env::var("PARC_BENCH_ROWS")
@@ -185,13 +178,13 @@ mod bench {
         (d, rows, layers): (u64, u64, u32),
         (storage, fp8): (DType, Option<Fp8Gemm>),
     ) -> (Vec<Row>, Vec<String>) {
-        let label = match (storage, fp8.map(|g| g.scaling)) {
-            (DType::Bf16, None) => "bf16",
-            (DType::Bf16, Some(Fp8Scaling::Tensorwise)) => "bf16 fp8-tensorwise",
-            (DType::Bf16, Some(Fp8Scaling::Rowwise)) => "bf16 fp8-rowwise",
-            (DType::Bf16, Some(Fp8Scaling::Blockwise { .. })) => "bf16 fp8-blockwise",
-            (_, None) => "f32",
-            (_, Some(_)) => "f32 fp8",
+        let stored = match storage {
+            DType::Bf16 => "bf16",
+            _ => "f32",
+        };
+        let label = match fp8 {
+            Some(g) => format!("{stored} fp8-{}", g.scaling.name()),
+            None => stored.to_string(),
         };
         // (name, in, out, bias, times per step)
         let gemms = [
@@ -298,7 +291,7 @@ mod bench {
                 lines.push(line);
                 out.push((
                     model.to_string(),
-                    label,
+                    label.clone(),
                     name,
                     kind,
                     format!("{rows}x{din}x{dout}"),
