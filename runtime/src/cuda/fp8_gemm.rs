@@ -58,6 +58,12 @@ pub(super) fn runs(scaling: Fp8Scaling) -> bool {
     scaling != Fp8Scaling::Tensorwise
 }
 
+/// `fp8_scales`' layout code of `block × block` squares, and the kernel's code for squares
+/// read once per 128-line tile (`Fp8GemmKernel::Tiles`; each block spans whole tiles, as
+/// tiles start at multiples of 128 and blocks are multiples of 128).
+const SQUARES: i32 = 3;
+const SQUARES_PER_TILE: i32 = 4;
+
 /// An operand's `fp8_scales` layout code and its block (1 where it has none), as both GEMM
 /// paths read its factors.
 pub(super) fn scale_layout(s: &Fp8OperandScratch) -> (i32, u64) {
@@ -97,12 +103,6 @@ impl Quantized<'_> {
         ]
     }
 }
-
-/// `fp8_scales`' layout code of `block × block` squares, and the kernel's code for squares
-/// read once per 128-line tile (`Fp8GemmKernel::Tiles`; each block spans whole tiles, as
-/// tiles start at multiples of 128 and blocks are multiples of 128).
-const SQUARES: i32 = 3;
-const SQUARES_PER_TILE: i32 = 4;
 
 /// How the kernel finds an operand's factors (`FgScales`): the layout's code and block
 /// (`scale_layout`), and the stride of a square's row of K groups (`round4(⌈K / block⌉)`).
