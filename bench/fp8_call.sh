@@ -11,13 +11,15 @@
 #
 # PHASES (default "tests gemms llama calibrate") picks parts:
 # - tests: `cuda_ops fp8` (the FP8 GEMMs, and the group amaxes bit for bit against the CPU,
-#   each kernel variant) and `cuda_train` rowwise/blockwise against the CPU emulation, with the
-#   default kernels and with NEW;
+#   each kernel variant, and the rolled tensorwise factors), `cuda_train` rowwise/blockwise
+#   against the CPU emulation, with the default kernels and with NEW, and delayed scaling's
+#   rolled factors against per-GEMM ones;
 # - gemms: cuda_gemm_bench on d 2048 × 16384 rows in bf16 and each FP8 recipe, default and
 #   NEW: each op's time (quantization included) and its GEMM kernel's alone;
-# - llama: Llama 3.2 1B, 8 × 2048, 12 synthetic steps, tokens/s: bf16, delayed tensorwise, and
-#   rowwise and blockwise with every projection pinned, the last two default and NEW;
-# NEW (default "PARC_FP8_AMAX_KERNEL=vectors PARC_FP8_GEMM_KERNEL=wide"): the variants judged,
+# - llama: Llama 3.2 1B, 8 × 2048, 12 synthetic steps, tokens/s: bf16, and delayed tensorwise,
+#   rowwise and blockwise with every projection pinned, each default and NEW;
+# NEW (default "PARC_FP8_AMAX_KERNEL=vectors PARC_FP8_GEMM_KERNEL=wide
+# PARC_FP8_FACTORS_KERNEL=rolled"): the variants judged,
 # space-separated VAR=name settings, all on together;
 # - calibrate: `parc calibrate --fp8 rowwise,blockwise` added to calibration/GPU.json (GPU from
 #   nvidia-smi: h100_80gb or h200), written to $out/GPU.json for the repository, measured with
@@ -28,7 +30,7 @@ cd "$(dirname "$0")/.."
 source bench/device_env.sh
 device_dirs "${1:-}"
 phases=" ${PHASES:-tests gemms llama calibrate} "
-read -r -a new <<< "${NEW:-PARC_FP8_AMAX_KERNEL=vectors PARC_FP8_GEMM_KERNEL=wide}"
+read -r -a new <<< "${NEW:-PARC_FP8_AMAX_KERNEL=vectors PARC_FP8_GEMM_KERNEL=wide PARC_FP8_FACTORS_KERNEL=rolled}"
 read -r -a cal <<< "${CAL:-${new[*]}}"
 t0=$SECONDS
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
@@ -39,6 +41,7 @@ if [[ $phases == *" tests "* ]]; then
     step train-fp8-default 200 -- "$dir/cuda_train" rowwise_and_blockwise --nocapture --test-threads 1
     step train-fp8-new 200 "${new[@]}" -- "$dir/cuda_train" rowwise_and_blockwise --nocapture \
         --test-threads 1
+    step train-fp8-factors 200 -- "$dir/cuda_train" rolled_fp8_factors --nocapture --test-threads 1
 fi
 
 if [[ $phases == *" gemms "* ]]; then
@@ -71,7 +74,12 @@ if [[ $phases == *" llama "* ]]; then
     table=()
     pinned=(--set "train.fp8.fp8=[Attention, MLP]")
     llama bf16 --
-    llama delayed -- --set "train.fp8=tensorwise { scaling: delayed }" "${pinned[@]}"
+    for mode in default new; do
+        envs=()
+        [[ $mode == new ]] && envs=("${new[@]}")
+        llama "delayed-$mode" "${envs[@]}" -- --set "train.fp8=tensorwise { scaling: delayed }" \
+            "${pinned[@]}"
+    done
     for recipe in rowwise blockwise; do
         llama "$recipe-default" -- --set "train.fp8=$recipe" "${pinned[@]}"
         llama "$recipe-new" "${new[@]}" -- --set "train.fp8=$recipe" "${pinned[@]}"

@@ -112,6 +112,19 @@ fn train_cuda(
     options: &TrainOptions,
     fused: bool,
 ) -> parc_runtime::error::Result<TrainResult> {
+    train_cuda_with(s, plan, options, &|backend| {
+        backend.with_fused_optimizer(fused)
+    })
+}
+
+/// `plan` of `s` trained on CUDA, each rank's backend set up by `setup` first.
+#[cfg(feature = "cuda")]
+fn train_cuda_with(
+    s: &Spec,
+    plan: &parc_compiler::ir::Plan,
+    options: &TrainOptions,
+    setup: &(dyn Fn(parc_runtime::cuda::CudaBackend) -> parc_runtime::cuda::CudaBackend + Sync),
+) -> parc_runtime::error::Result<TrainResult> {
     parc_runtime::exec::train(
         s,
         plan,
@@ -120,7 +133,7 @@ fn train_cuda(
             // Buffers exempt from zero-filling hold NaN until written, as on the CPU.
             parc_runtime::cuda::CudaBackend::with_precision(rank as usize, s.train.precision).map(
                 |backend| {
-                    let mut backend = backend.with_fused_optimizer(fused);
+                    let mut backend = setup(backend);
                     backend.poison_unzeroed();
                     backend
                 },
@@ -824,6 +837,72 @@ fn cuda_resume_of_a_delayed_fp8_run_is_bit_exact() {
     let mut s = model_spec(true, 6);
     s.train.precision = Precision::Bf16;
     resume_is_bit_exact(tensorwise_fp8(&s, Some(4)), "cuda-resume-delayed");
+}
+
+/// Delayed FP8's quantized GEMMs taking the dequantization factors their scale amaxes' roll
+/// wrote (`PARC_FP8_FACTORS_KERNEL=rolled`, `cuda/fp8_roll.rs`) train bit for bit as with an
+/// `fp8_scales` launch per GEMM (`per_gemm`): each step's loss and gradient norm and the final
+/// parameters. Both resume from one checkpoint after step 2, so they run the same GEMM
+/// algorithms, and their first step reads scale amaxes the checkpoint wrote from the host, whose
+/// rolled factors are stale.
+#[test]
+fn rolled_fp8_factors_train_as_factors_per_gemm() {
+    #[cfg(not(feature = "cuda"))]
+    gpu_present();
+    #[cfg(feature = "cuda")]
+    if gpu_present() {
+        rolled_and_per_gemm_factors_agree();
+    }
+}
+
+/// The test above's body (a CUDA build on a GPU).
+#[cfg(feature = "cuda")]
+fn rolled_and_per_gemm_factors_agree() {
+    use parc_runtime::cuda::{Fp8FactorsKernel, Variant};
+    let name = "rolled-fp8-factors";
+    let dir = temp_dir(name);
+    let checkpoints = |sub: &str| Checkpointing {
+        every: 2,
+        dir: dir.join(sub).display().to_string(),
+        keep: 0,
+        asynchronous: false,
+    };
+    let mut s = tensorwise_fp8(&in_bf16(model_spec(true, 7)), Some(4));
+    let plan = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
+    s.train.checkpoint = Some(checkpoints("first"));
+    let first = run(&s, Which::Cuda, Some(2), None);
+    assert!(!first.checkpoints.is_empty(), "{name}: no checkpoint");
+    let step2 = dir.join("first").join("step-00000002");
+    let resumed = |factors: Fp8FactorsKernel| {
+        let mut s = s.clone();
+        s.train.checkpoint = Some(checkpoints(factors.name()));
+        let options = train_options(None, Some(&step2));
+        let setup = move |mut backend: parc_runtime::cuda::CudaBackend| {
+            backend.set_kernel_variant(factors);
+            backend
+        };
+        train_cuda_with(&s, &plan, &options, &setup).unwrap_or_else(|e| panic!("{e}"))
+    };
+    let rolled = resumed(Fp8FactorsKernel::Rolled);
+    let per_gemm = resumed(Fp8FactorsKernel::PerGemm);
+    assert_eq!(rolled.records.len(), 5, "{name}: steps 3 to 7");
+    for (a, b) in rolled.records.iter().zip(&per_gemm.records) {
+        assert_eq!(
+            (a.loss.to_bits(), a.grad_norm.to_bits()),
+            (b.loss.to_bits(), b.grad_norm.to_bits()),
+            "{name} step {}: rolled {} / {} vs per GEMM {} / {}",
+            a.step,
+            a.loss,
+            a.grad_norm,
+            b.loss,
+            b.grad_norm
+        );
+    }
+    for (a, b) in rolled.params.iter().zip(&per_gemm.params) {
+        let same = (a.data.iter().zip(&b.data)).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "{name} {}: the parameters differ", a.name);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `s` run on CUDA with asynchronous checkpoints every 2 steps (in a temporary folder named

@@ -633,7 +633,34 @@ fn a_run_of_rolls_is_one_launch_with_the_same_results() {
         }
         // The run of three rolls in one launch each step; the fourth alone.
         assert_eq!(gpu.fp8_rolls_in_runs(), 3 * (step + 1), "step {step}");
+        // The run's launch wrote its members' tensorwise factors 1/s beside them; a roll made
+        // alone wrote none.
+        for (i, h) in histories.iter().enumerate() {
+            let amax = h.iter().fold(0.0f32, |a, &v| a.max(v));
+            let factors = gpu.fp8_rolled_factors(BufferId(4 + i as u32)).unwrap();
+            let want = [Fp8Format::E4m3, Fp8Format::E5m2].map(|f| 1.0 / tensorwise_scale(amax, f));
+            assert_eq!(factors, (i < 3).then_some(want), "step {step}, amax {i}");
+        }
     }
+    // A scale amax written since its roll (here from the host) has no rolled factors.
+    gpu.write_f32(BufferId(4), &[1.0]).unwrap();
+    assert_eq!(gpu.fp8_rolled_factors(BufferId(4)).unwrap(), None);
+    assert!(gpu.fp8_rolled_factors(BufferId(5)).unwrap().is_some());
+}
+
+/// The scale of `amax` as `runtime/src/cpu/fp8.rs` computes it (docs/fp8.md): the power of two
+/// 2^⌊log₂(max / amax)⌋ read from the quotient's exponent bits, 1 for amax 0. The CPU's own
+/// scale is checked through `dual::cpu_dequantized`.
+#[cfg(feature = "cuda")]
+fn tensorwise_scale(amax: f32, format: Fp8Format) -> f32 {
+    if amax.is_nan() || amax <= 0.0 {
+        return 1.0;
+    }
+    let ratio = format.max() / amax;
+    if ratio == 0.0 {
+        return f32::from_bits(1 << 23);
+    }
+    f32::from_bits(((ratio.to_bits() >> 23) & 0xff).clamp(1, 254) << 23)
 }
 
 /// Operands quantized once (`runtime/src/cuda/fp8_quantize.rs`): `fp8_quantize_dual`, the pass
@@ -642,7 +669,7 @@ fn a_run_of_rolls_is_one_launch_with_the_same_results() {
 /// a program whose GEMMs share their operands' quantizations (`lower::fp8_quantize`).
 #[cfg(feature = "cuda")]
 mod dual {
-    use super::{epilogue_matmul, FP8_GEMM};
+    use super::{epilogue_matmul, tensorwise_scale as scale, FP8_GEMM};
     use crate::harness::{check_with, cuda_backend, Case, Data, Rng, REDUCTION};
     use float8::{F8E4M3, F8E5M2};
     use parc_compiler::ir::fp8::{Fp8Format, Fp8Gemm, Fp8Scaling};
@@ -665,20 +692,6 @@ mod dual {
         step: 1,
         loss_scale: None,
     };
-
-    /// The scale of `amax` as `runtime/src/cpu/fp8.rs` computes it (docs/fp8.md): the power
-    /// of two 2^⌊log₂(max / amax)⌋ read from the quotient's exponent bits, 1 for amax 0. The
-    /// CPU's own scale is checked through `cpu_dequantized`.
-    fn scale(amax: f32, format: Fp8Format) -> f32 {
-        if amax.is_nan() || amax <= 0.0 {
-            return 1.0;
-        }
-        let ratio = format.max() / amax;
-        if ratio == 0.0 {
-            return f32::from_bits(1 << 23);
-        }
-        f32::from_bits(((ratio.to_bits() >> 23) & 0xff).clamp(1, 254) << 23)
-    }
 
     /// The FP8 byte of `v` scaled by `s`: the float8 crate's conversion (the CPU emulation's:
     /// nearest-even, saturating) of a finite value; NaN (0x7f) for a non-finite one, as

@@ -52,7 +52,7 @@ use super::epilogue::{
 use super::fp8_gemm::{self, scale_layout, Quantized};
 use super::gemm::{Epilogue, Fp8Operands, Gemm, Operands, Output};
 use super::kernel::Kernel;
-use super::variants::{Fp8AccumKernel, Fp8AmaxKernel};
+use super::variants::{Fp8AccumKernel, Fp8AmaxKernel, Fp8FactorsKernel};
 use super::{raw_ptr, Arg, Buf, CudaBackend};
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::sys::CUdeviceptr;
@@ -443,16 +443,18 @@ fn quantized_roles(op: &Op) -> [&'static str; 2] {
 }
 
 /// A `quantized` GEMM's two operands as its inputs hold them (`Op::Fp8Quantize`'s, K-major with
-/// no padding: `[lines, K]` of `scratch`'s layout), and each one's dequantization factor `1/s`
-/// from its amax input into the scratch at `base`. Returns the operands' device pointers.
+/// no padding: `[lines, K]` of `scratch`'s layout), and each one's dequantization factor `1/s`:
+/// a roll's where the `fp8_factors` variant takes them and one describes the amax input
+/// (`CudaBackend::rolled_factor`), else computed from it into the scratch at `base`. Returns
+/// the operands' and the factors' device pointers.
 fn quantized_operands(
     be: &mut CudaBackend,
     b: &Bound,
     scratch: &Fp8Scratch,
     base: CUdeviceptr,
-) -> Result<[CUdeviceptr; 2]> {
+) -> Result<([CUdeviceptr; 2], [CUdeviceptr; 2])> {
     let (amaxes, quantized) = (amax_roles(b.op), quantized_roles(b.op));
-    let mut operands = [0; 2];
+    let (mut operands, mut factors) = ([0; 2], [None; 2]);
     for (k, s) in scratch.operands.iter().enumerate() {
         let input = |role: &str| {
             b.optional_input(role).ok_or_else(|| {
@@ -476,11 +478,18 @@ fn quantized_operands(
                 quantized[k], q.id.0, s.lines, s.k, q.len, amax.len
             )));
         }
-        let scales = base + s.scales_at as CUdeviceptr;
-        write_scales(be, (amax.ptr, Fp8Scaling::Tensorwise), s, (0, 1), scales)?;
+        factors[k] = match be.variants.fp8_factors {
+            Fp8FactorsKernel::Rolled => be.rolled_factor(amax.id, s.operand.format),
+            Fp8FactorsKernel::PerGemm => None,
+        };
+        if factors[k].is_none() {
+            let scales = base + s.scales_at as CUdeviceptr;
+            write_scales(be, (amax.ptr, Fp8Scaling::Tensorwise), s, (0, 1), scales)?;
+            factors[k] = Some(scales);
+        }
         operands[k] = q.ptr;
     }
-    Ok(operands)
+    Ok((operands, factors.map(|f| f.unwrap_or(0))))
 }
 
 /// A tensorwise FP8 GEMM `g` of op `b` on cuBLASLt: A the quantized `s1` (op's second
@@ -573,14 +582,18 @@ pub(super) fn run(
         beta_one = true;
     }
     let base = be.fp8_scratch(scratch.bytes as usize)?;
-    let [q0, q1] = if fp8.quantized {
+    let ([q0, q1], [f0, f1]) = if fp8.quantized {
         quantized_operands(be, b, &scratch, base)?
     } else {
         let [r0, r1] = amax_roles(b.op).map(|role| b.optional_input(role));
         let (rec0, rec1) = (be.take_record(in0.id), be.take_record(in1.id));
         quantize(be, (in0, r0, rec0), &s0, fp8.scaling, base, (code0, block0))?;
         quantize(be, (in1, r1, rec1), &s1, fp8.scaling, base, (code1, block1))?;
-        [s0.q_at, s1.q_at].map(|at| base + at as CUdeviceptr)
+        let at = |at: u64| base + at as CUdeviceptr;
+        (
+            [at(s0.q_at), at(s1.q_at)],
+            [at(s0.scales_at), at(s1.scales_at)],
+        )
     };
     // A held record of neither operand (none in a verified program) is not lost.
     be.flush_records(true)?;
@@ -601,7 +614,6 @@ pub(super) fn run(
         out: output(d),
         epilogue: Epilogue::None,
     };
-    let [f1, f0] = [s1, s0].map(|s| base + s.scales_at as CUdeviceptr);
     if g.m > 0 && g.n > 0 {
         if fp8_gemm::runs(fp8.scaling) {
             let p = Quantized {

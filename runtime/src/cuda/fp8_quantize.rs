@@ -182,7 +182,7 @@ impl CudaBackend {
         };
         for id in [q, qt, record].into_iter().flatten() {
             self.gemm_buffer_written(id);
-            self.scale_amaxes.written(id);
+            self.scale_amax_written(id);
         }
         let d = DualQuantize {
             x,

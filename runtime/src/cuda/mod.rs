@@ -111,8 +111,8 @@ use std::sync::Arc;
 pub use device::gpu_absent;
 pub use fused::{emitter_named, Emitter, NvrtcEmitter};
 pub use nccl::{nccl_available, nccl_version, AbortNotice, FailureProbe, NcclHostComm, NcclId};
-pub use variants::Fp8GemmKernel;
 pub use variants::{AttentionBwdKernel, AttentionFwdKernel, CrossEntropyKernel, Fp8AmaxKernel};
+pub use variants::{Fp8FactorsKernel, Fp8GemmKernel};
 pub use variants::{GemmKernel, KernelVariant, NormBwdKernel, NormFwdKernel, Variant};
 
 /// One allocated buffer.
@@ -558,7 +558,7 @@ impl CudaBackend {
 
     fn write<T>(&mut self, id: BufferId, dtype: DType, data: &[T]) -> Result<()> {
         self.gemm_buffer_written(id);
-        self.scale_amaxes.written(id);
+        self.scale_amax_written(id);
         if self.comm_uses(id) {
             self.drain_comm()?;
         }
@@ -681,7 +681,7 @@ impl Backend for CudaBackend {
             })
             .ok_or_else(|| buffer_error(id, format!("shape {shape:?} is too large")))?;
         self.fused.check_alloc(id)?;
-        self.scale_amaxes.written(id);
+        self.scale_amax_written(id);
         let index = id.0 as usize;
         if self.slots.get(index).is_some_and(Option::is_some) {
             return Err(buffer_error(id, "is already allocated"));
@@ -727,7 +727,7 @@ impl Backend for CudaBackend {
 
     fn free(&mut self, id: BufferId) -> Result<()> {
         self.gemm_buffer_freed(id);
-        self.scale_amaxes.written(id);
+        self.scale_amax_written(id);
         // Communication still using the buffer must finish before its bytes are reused.
         self.order_after_comm([id])?;
         match self.slots.get_mut(id.0 as usize).and_then(Option::take) {
@@ -749,7 +749,7 @@ impl Backend for CudaBackend {
         self.flush_records(false)?;
         self.gemm_before_compute(op, inputs, outputs);
         for &id in outputs {
-            self.scale_amaxes.written(id);
+            self.scale_amax_written(id);
         }
         if self.fused_sum_squares(op, inputs, outputs)? {
             return Ok(());
@@ -916,7 +916,7 @@ impl Backend for CudaBackend {
         output: BufferId,
     ) -> Option<Result<()>> {
         self.gemm_comm_writes(&[input, output]);
-        self.scale_amaxes.written(output);
+        self.scale_amax_written(output);
         self.nccl.as_ref()?;
         Some(self.nccl_collective(kind, group, input, output))
     }
@@ -932,7 +932,7 @@ impl Backend for CudaBackend {
             .collect();
         self.gemm_comm_writes(&buffers);
         for &id in &buffers {
-            self.scale_amaxes.written(id);
+            self.scale_amax_written(id);
         }
         self.nccl.as_ref()?;
         Some(self.nccl_p2p(transfers))

@@ -212,6 +212,14 @@ variants! {
     fp8_gemm: Fp8GemmKernel "fp8_gemm" "PARC_FP8_GEMM_KERNEL" {
         Columns "columns", Tiles "tiles", Wide "wide"
     }
+    /// Where a quantized tensorwise GEMM (delayed scaling) finds its operands' dequantization
+    /// factors (`fp8_factors`, PARC_FP8_FACTORS_KERNEL): an `fp8_scales` launch per operand
+    /// per GEMM (`per_gemm`), or, where a run of rolls wrote the scale amax at the last step's
+    /// end and nothing wrote it since, the factors that run's launch wrote beside it
+    /// (`rolled`, `fp8_roll.rs`; the same arithmetic, so the same factors).
+    fp8_factors: Fp8FactorsKernel "fp8_factors" "PARC_FP8_FACTORS_KERNEL" {
+        PerGemm "per_gemm", Rolled "rolled"
+    }
 }
 
 impl std::fmt::Display for KernelVariant {
@@ -262,6 +270,7 @@ mod tests {
             of::<Fp8AccumKernel>(),
             of::<Fp8AmaxKernel>(),
             of::<Fp8GemmKernel>(),
+            of::<Fp8FactorsKernel>(),
         ]
     }
 
@@ -289,6 +298,7 @@ mod tests {
         assert_eq!(chosen.fp8_accum, Fp8AccumKernel::Split);
         assert_eq!(chosen.fp8_amax, Fp8AmaxKernel::Vectors);
         assert_eq!(chosen.fp8_gemm, Fp8GemmKernel::Wide);
+        assert_eq!(chosen.fp8_factors, Fp8FactorsKernel::Rolled);
     }
 
     #[test]
@@ -303,6 +313,7 @@ mod tests {
         assert_eq!(d.fp8_accum, Fp8AccumKernel::Forward);
         assert_eq!(d.fp8_amax, Fp8AmaxKernel::Groups);
         assert_eq!(d.fp8_gemm, Fp8GemmKernel::Columns);
+        assert_eq!(d.fp8_factors, Fp8FactorsKernel::PerGemm);
     }
 
     #[test]

@@ -764,13 +764,18 @@ extern "C" __global__ void fp8_history_roll(float* history, long long len, float
 // A run of consecutive Op::Fp8HistoryRoll instructions in one launch (cuda/fp8_roll.rs): entry i
 // of `table` is {history, amax, len} (three 8-byte words) and thread i rolls it exactly as
 // fp8_history_roll does, also writing the new scale amax to staging[i] for the run's one copy to
-// the host.
+// the host, and its tensorwise dequantization factors 1 / s, as fp8_scales computes them, to
+// factors[2i] (E4M3, largest value max_e4m3) and factors[2i + 1] (E5M2) for the step's GEMMs.
 extern "C" __global__ void fp8_history_rolls(const unsigned long long* table, long long count,
-                                             float* staging) {
+                                             float* staging, float* factors, float max_e4m3,
+                                             float max_e5m2) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) return;
     float* amax = (float*)table[3 * i + 1];
     float m = fp8_roll((float*)table[3 * i], (long long)table[3 * i + 2]);
     amax[0] = m;
     staging[i] = m;
+    unsigned int bits = __float_as_uint(m);
+    factors[2 * i] = 1.0f / fp8_scale(bits, max_e4m3);
+    factors[2 * i + 1] = 1.0f / fp8_scale(bits, max_e5m2);
 }
