@@ -13,13 +13,13 @@
 # - tests: `cuda_ops fp8` (the FP8 GEMMs, and the group amaxes bit for bit against the CPU,
 #   each kernel variant, and the rolled tensorwise factors), `cuda_train` rowwise/blockwise
 #   against the CPU emulation, with the default kernels and with NEW, and delayed scaling's
-#   rolled factors against per-GEMM ones;
+#   variants (rolled factors, unstored SwiGLU outputs) against the defaults;
 # - gemms: cuda_gemm_bench on d 2048 × 16384 rows in bf16 and each FP8 recipe, default and
 #   NEW: each op's time (quantization included) and its GEMM kernel's alone;
 # - llama: Llama 3.2 1B, 8 × 2048, 12 synthetic steps, tokens/s: bf16, and delayed tensorwise,
 #   rowwise and blockwise with every projection pinned, each default and NEW;
 # NEW (default "PARC_FP8_AMAX_KERNEL=vectors PARC_FP8_GEMM_KERNEL=wide
-# PARC_FP8_FACTORS_KERNEL=rolled"): the variants judged,
+# PARC_FP8_FACTORS_KERNEL=rolled PARC_SWIGLU_FP8_STORE_KERNEL=needed"): the variants judged,
 # space-separated VAR=name settings, all on together;
 # - calibrate: `parc calibrate --fp8 rowwise,blockwise` added to calibration/GPU.json (GPU from
 #   nvidia-smi: h100_80gb or h200), written to $out/GPU.json for the repository, measured with
@@ -30,7 +30,7 @@ cd "$(dirname "$0")/.."
 source bench/device_env.sh
 device_dirs "${1:-}"
 phases=" ${PHASES:-tests gemms llama calibrate} "
-read -r -a new <<< "${NEW:-PARC_FP8_AMAX_KERNEL=vectors PARC_FP8_GEMM_KERNEL=wide PARC_FP8_FACTORS_KERNEL=rolled}"
+read -r -a new <<< "${NEW:-PARC_FP8_AMAX_KERNEL=vectors PARC_FP8_GEMM_KERNEL=wide PARC_FP8_FACTORS_KERNEL=rolled PARC_SWIGLU_FP8_STORE_KERNEL=needed}"
 read -r -a cal <<< "${CAL:-${new[*]}}"
 t0=$SECONDS
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
@@ -41,7 +41,7 @@ if [[ $phases == *" tests "* ]]; then
     step train-fp8-default 200 -- "$dir/cuda_train" rowwise_and_blockwise --nocapture --test-threads 1
     step train-fp8-new 200 "${new[@]}" -- "$dir/cuda_train" rowwise_and_blockwise --nocapture \
         --test-threads 1
-    step train-fp8-factors 200 -- "$dir/cuda_train" rolled_fp8_factors --nocapture --test-threads 1
+    step train-fp8-factors 200 -- "$dir/cuda_train" delayed_fp8_variants swiglu_outputs_only --nocapture --test-threads 1
 fi
 
 if [[ $phases == *" gemms "* ]]; then

@@ -345,9 +345,11 @@ fn fused_swiglu_quantization_equals_its_ops_run_apart() {
     gpu_present();
     #[cfg(feature = "cuda")]
     if gpu_present() {
-        let fused = forward_backward_on_gpu(program, true);
-        let apart = forward_backward_on_gpu(program, false);
+        use parc_runtime::cuda::SwigluFp8StoreKernel::Always;
+        let fused = forward_backward_on_gpu(program, true, Always);
+        let apart = forward_backward_on_gpu(program, false, Always);
         assert_eq!((fused.1, apart.1), (runs as u64, 0), "fused passes");
+        assert_eq!((fused.2, apart.2), (0, 0), "unstored outputs");
         assert_eq!(fused.0.len(), apart.0.len());
         for ((name, a), (_, b)) in fused.0.iter().zip(&apart.0) {
             assert!(
@@ -358,19 +360,64 @@ fn fused_swiglu_quantization_equals_its_ops_run_apart() {
     }
 }
 
+/// The fused SwiGLU-and-FP8 passes leaving unstored each epilogue output that only quantized
+/// GEMMs read (`PARC_SWIGLU_FP8_STORE_KERNEL=needed`; warm histories, so no reader runs cold):
+/// every buffer left at the optimizer phase, gradients included, bit for bit as when they store
+/// everything. On tiny-llama that is dgate and dup of every layer; the gated product is still
+/// read by its transposed quantization in the backward.
+#[test]
+fn swiglu_outputs_only_quantized_gemms_read_need_no_store() {
+    let mut s = model_spec(true, 2);
+    s.train.precision = Precision::Bf16;
+    let plan = lower(&tensorwise_fp8(&s, Some(4))).unwrap_or_else(|d| panic!("{:?}", d.items));
+    let program = &plan.programs[0];
+    let runs = parc_compiler::ir::swiglu_runs::find_swiglu_runs(program);
+    let readable: usize = (runs.iter())
+        .flat_map(|r| parc_compiler::ir::swiglu_runs::quantized_readers(program, r))
+        .filter(Option::is_some)
+        .count();
+    assert!(
+        readable > 0,
+        "no epilogue output read only by quantized GEMMs"
+    );
+    #[cfg(not(feature = "cuda"))]
+    gpu_present();
+    #[cfg(feature = "cuda")]
+    if gpu_present() {
+        use parc_runtime::cuda::SwigluFp8StoreKernel::{Always, Needed};
+        let needed = forward_backward_on_gpu(program, true, Needed);
+        let always = forward_backward_on_gpu(program, true, Always);
+        assert_eq!(
+            (needed.2, always.2),
+            (readable as u64, 0),
+            "unstored outputs"
+        );
+        assert_eq!(needed.0.len(), always.0.len());
+        for ((name, a), (_, b)) in needed.0.iter().zip(&always.0) {
+            assert!(
+                a == b,
+                "{name}: differs where the epilogue left outputs unstored"
+            );
+        }
+    }
+}
+
 /// `program` up to its optimizer phase on a bf16 CUDA backend (the SwiGLU FP8 passes fused or
-/// not), from parameters and amax histories of a fixed seed and tokens 0, 7, 14, …: the bits of
-/// every float buffer allocated at the end, by name, and the fused passes run.
+/// not, storing their outputs as `store` says), from parameters and amax histories of a fixed
+/// seed and tokens 0, 7, 14, …: the bits of every float buffer allocated at the end, by name,
+/// the fused passes run and the epilogue outputs they left unstored.
 #[cfg(feature = "cuda")]
 fn forward_backward_on_gpu(
     program: &parc_compiler::ir::Program,
     fused: bool,
-) -> (Vec<(String, Vec<u32>)>, u64) {
+    store: parc_runtime::cuda::SwigluFp8StoreKernel,
+) -> (Vec<(String, Vec<u32>)>, u64, u64) {
     use parc_compiler::ir::{BufferId, BufferKind, DType, Instr};
     use parc_runtime::backend::Backend;
     let mut gpu = parc_runtime::cuda::CudaBackend::with_precision(0, Precision::Bf16)
         .unwrap()
         .with_fused_swiglu_fp8(fused);
+    gpu.set_kernel_variant(store);
     gpu.prepare(
         program,
         &parc_compiler::memplan::plan_program(program).unwrap(),
@@ -434,7 +481,8 @@ fn forward_backward_on_gpu(
         })
         .collect();
     bits.sort();
-    (bits, gpu.fused_swiglu_fp8_passes())
+    let unstored = gpu.unstored_swiglu_outputs();
+    (bits, gpu.fused_swiglu_fp8_passes(), unstored)
 }
 
 /// Every rank of `s`'s plan on GPU 0, as threads of this process that communicate through host
@@ -839,27 +887,28 @@ fn cuda_resume_of_a_delayed_fp8_run_is_bit_exact() {
     resume_is_bit_exact(tensorwise_fp8(&s, Some(4)), "cuda-resume-delayed");
 }
 
-/// Delayed FP8's quantized GEMMs taking the dequantization factors their scale amaxes' roll
-/// wrote (`PARC_FP8_FACTORS_KERNEL=rolled`, `cuda/fp8_roll.rs`) train bit for bit as with an
-/// `fp8_scales` launch per GEMM (`per_gemm`): each step's loss and gradient norm and the final
-/// parameters. Both resume from one checkpoint after step 2, so they run the same GEMM
-/// algorithms, and their first step reads scale amaxes the checkpoint wrote from the host, whose
-/// rolled factors are stale.
+/// Delayed FP8's kernel variants train bit for bit as the defaults: quantized GEMMs taking the
+/// dequantization factors their scale amaxes' roll wrote (`PARC_FP8_FACTORS_KERNEL=rolled`,
+/// `cuda/fp8_roll.rs`) instead of an `fp8_scales` launch each, and fused SwiGLU passes leaving
+/// unstored what only quantized GEMMs read (`PARC_SWIGLU_FP8_STORE_KERNEL=needed`): each step's
+/// loss and gradient norm and the final parameters. All resume from one checkpoint after step
+/// 2, so they run the same GEMM algorithms, and their first step reads scale amaxes the
+/// checkpoint wrote from the host, whose rolled factors are stale.
 #[test]
-fn rolled_fp8_factors_train_as_factors_per_gemm() {
+fn delayed_fp8_variants_train_as_the_defaults() {
     #[cfg(not(feature = "cuda"))]
     gpu_present();
     #[cfg(feature = "cuda")]
     if gpu_present() {
-        rolled_and_per_gemm_factors_agree();
+        delayed_fp8_variants_agree();
     }
 }
 
 /// The test above's body (a CUDA build on a GPU).
 #[cfg(feature = "cuda")]
-fn rolled_and_per_gemm_factors_agree() {
-    use parc_runtime::cuda::{Fp8FactorsKernel, Variant};
-    let name = "rolled-fp8-factors";
+fn delayed_fp8_variants_agree() {
+    use parc_runtime::cuda::{Fp8FactorsKernel, KernelVariant, SwigluFp8StoreKernel};
+    let name = "delayed-fp8-variants";
     let dir = temp_dir(name);
     let checkpoints = |sub: &str| Checkpointing {
         every: 2,
@@ -873,34 +922,42 @@ fn rolled_and_per_gemm_factors_agree() {
     let first = run(&s, Which::Cuda, Some(2), None);
     assert!(!first.checkpoints.is_empty(), "{name}: no checkpoint");
     let step2 = dir.join("first").join("step-00000002");
-    let resumed = |factors: Fp8FactorsKernel| {
+    let resumed = |variant: Option<KernelVariant>| {
         let mut s = s.clone();
-        s.train.checkpoint = Some(checkpoints(factors.name()));
+        let sub = variant.map_or("defaults".to_string(), |v| v.to_string());
+        s.train.checkpoint = Some(checkpoints(&sub));
         let options = train_options(None, Some(&step2));
         let setup = move |mut backend: parc_runtime::cuda::CudaBackend| {
-            backend.set_kernel_variant(factors);
+            if let Some(v) = variant {
+                backend.set_kernel_variant(v);
+            }
             backend
         };
         train_cuda_with(&s, &plan, &options, &setup).unwrap_or_else(|e| panic!("{e}"))
     };
-    let rolled = resumed(Fp8FactorsKernel::Rolled);
-    let per_gemm = resumed(Fp8FactorsKernel::PerGemm);
-    assert_eq!(rolled.records.len(), 5, "{name}: steps 3 to 7");
-    for (a, b) in rolled.records.iter().zip(&per_gemm.records) {
-        assert_eq!(
-            (a.loss.to_bits(), a.grad_norm.to_bits()),
-            (b.loss.to_bits(), b.grad_norm.to_bits()),
-            "{name} step {}: rolled {} / {} vs per GEMM {} / {}",
-            a.step,
-            a.loss,
-            a.grad_norm,
-            b.loss,
-            b.grad_norm
-        );
-    }
-    for (a, b) in rolled.params.iter().zip(&per_gemm.params) {
-        let same = (a.data.iter().zip(&b.data)).all(|(x, y)| x.to_bits() == y.to_bits());
-        assert!(same, "{name} {}: the parameters differ", a.name);
+    let defaults = resumed(None);
+    assert_eq!(defaults.records.len(), 5, "{name}: steps 3 to 7");
+    for variant in [
+        KernelVariant::from(Fp8FactorsKernel::Rolled),
+        KernelVariant::from(SwigluFp8StoreKernel::Needed),
+    ] {
+        let got = resumed(Some(variant));
+        for (a, b) in got.records.iter().zip(&defaults.records) {
+            assert_eq!(
+                (a.loss.to_bits(), a.grad_norm.to_bits()),
+                (b.loss.to_bits(), b.grad_norm.to_bits()),
+                "{variant} step {}: {} / {} vs the defaults' {} / {}",
+                a.step,
+                a.loss,
+                a.grad_norm,
+                b.loss,
+                b.grad_norm
+            );
+        }
+        for (a, b) in got.params.iter().zip(&defaults.params) {
+            let same = (a.data.iter().zip(&b.data)).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{variant} {}: the parameters differ", a.name);
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -206,4 +206,9 @@ pub trait Backend {
     fn stuck_instruction(&self) -> Option<usize> {
         None
     }
+    /// `true`: until called with `false`, every instruction's outputs hold their values when it
+    /// returns, for a check that reads each back (`RankExecutor::first_nonfinite`). Otherwise a
+    /// backend may leave unstored an output that no reader loads this step (the CUDA backend's
+    /// fused SwiGLU-and-FP8 pass). The default stores everything always.
+    fn check_outputs(&mut self, _on: bool) {}
 }

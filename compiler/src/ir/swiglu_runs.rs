@@ -136,5 +136,47 @@ fn run_at(program: &Program, at: usize) -> Option<SwigluRun> {
     Some(run)
 }
 
+/// Who reads the tensors `run`'s epilogue writes, besides the run itself: per tensor (in
+/// [`epilogue_outputs`] order), the quantized FP8 GEMMs that read it, where nothing else does
+/// and each reads it only as an operand it quantizes (inputs 0 and 1, and not the dy a bias
+/// gradient sums exactly); None where anything else reads it (another op, a communication) or
+/// it outlives the step. Such a GEMM reads the tensor itself only on a step it runs
+/// unquantized (delayed scaling's cold first step, an empty history): on every other step a
+/// backend may leave the tensor unstored and write only its quantizations.
+pub fn quantized_readers(program: &Program, run: &SwigluRun) -> Vec<Option<Vec<usize>>> {
+    let Some(producer) = program.instrs.get(run.producer) else {
+        return Vec::new();
+    };
+    let own = run.instructions();
+    let readers_of = |y: BufferId| -> Option<Vec<usize>> {
+        if program.buffer(y)?.kind.is_persistent() {
+            return None;
+        }
+        let mut gemms = Vec::new();
+        for (at, instr) in program.instrs.iter().enumerate() {
+            if own.contains(&at) || !instr.reads().contains(&y) {
+                continue;
+            }
+            let c = instr.as_compute()?;
+            let quantized = c.op.fp8().is_some_and(|g| g.quantized);
+            let positions: Vec<usize> = (c.inputs.iter().enumerate())
+                .filter(|&(_, &b)| b == y)
+                .map(|(i, _)| i)
+                .collect();
+            let exact_dy =
+                matches!(*c.op, Op::MatmulBwdWeight { bias: true, .. }) && positions.contains(&0);
+            if !quantized || exact_dy || positions.iter().any(|&i| i > 1) {
+                return None;
+            }
+            gemms.push(at);
+        }
+        Some(gemms)
+    };
+    epilogue_outputs(producer)
+        .into_iter()
+        .map(readers_of)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests;

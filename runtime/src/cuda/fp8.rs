@@ -425,7 +425,7 @@ fn write_scales(
 
 /// The op-table roles of the reduced amaxes of an FP8 GEMM's two operands (present where its
 /// `Fp8Gemm::shared` says the operand's groups span ranks).
-fn amax_roles(op: &Op) -> [&'static str; 2] {
+pub(super) fn amax_roles(op: &Op) -> [&'static str; 2] {
     match op {
         Op::Matmul { .. } => ["x_amax", "w_amax"],
         Op::MatmulBwdData { .. } => ["dy_amax", "w_amax"],

@@ -112,7 +112,7 @@ pub use device::gpu_absent;
 pub use fused::{emitter_named, Emitter, NvrtcEmitter};
 pub use nccl::{nccl_available, nccl_version, AbortNotice, FailureProbe, NcclHostComm, NcclId};
 pub use variants::{AttentionBwdKernel, AttentionFwdKernel, CrossEntropyKernel, Fp8AmaxKernel};
-pub use variants::{Fp8FactorsKernel, Fp8GemmKernel};
+pub use variants::{Fp8FactorsKernel, Fp8GemmKernel, SwigluFp8StoreKernel};
 pub use variants::{GemmKernel, KernelVariant, NormBwdKernel, NormFwdKernel, Variant};
 
 /// One allocated buffer.
@@ -179,6 +179,14 @@ impl FloatArg {
             ptr: b.ptr + (offset * b.elem_bytes()) as CUdeviceptr,
             bf16: i32::from(b.is_bf16()),
             pad: 0,
+        }
+    }
+
+    /// `b`'s storage type with a null pointer: an output a kernel computes but does not store.
+    pub fn unstored(b: Buf) -> FloatArg {
+        FloatArg {
+            ptr: 0,
+            ..FloatArg::at(b, 0)
         }
     }
 }
@@ -945,6 +953,10 @@ impl Backend for CudaBackend {
     fn begin_instruction(&mut self, index: usize) {
         self.records.begin(index);
         self.nccl_instruction(index);
+    }
+
+    fn check_outputs(&mut self, on: bool) {
+        self.check_swiglu_outputs(on);
     }
 
     fn stuck_instruction(&self) -> Option<usize> {

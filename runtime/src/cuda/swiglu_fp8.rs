@@ -16,13 +16,15 @@
 //! each pass in turn (63-71 registers, 3 blocks) ran 0.5% faster end to end than the ops apart,
 //! in two pairs of runs.
 use super::args::fv;
+use super::fp8::amax_roles;
 use super::kernel::Kernel;
-use super::{Arg, Buf, CudaBackend};
+use super::variants::SwigluFp8StoreKernel;
+use super::{Arg, Buf, CudaBackend, FloatArg};
 use crate::error::Result;
 use cudarc::driver::sys::CUdeviceptr;
 use parc_compiler::ir::fp8::Fp8Format;
 use parc_compiler::ir::op::Op;
-use parc_compiler::ir::swiglu_runs::find_swiglu_runs;
+use parc_compiler::ir::swiglu_runs::{find_swiglu_runs, quantized_readers};
 use parc_compiler::ir::{BufferId, DType, Program};
 use std::collections::HashMap;
 
@@ -40,6 +42,11 @@ pub(super) struct SwigluRuns {
     absorbed: Vec<usize>,
     /// Fused passes launched so far (for tests).
     launched: u64,
+    /// Epilogue outputs the fused passes left unstored so far (for tests).
+    unstored: u64,
+    /// Set while every output must hold its value once its instruction returns (a check
+    /// reads each back: `Backend::check_outputs`).
+    checking: bool,
 }
 
 /// One member quantization: the epilogue output it reads, its scale amax, format, layouts,
@@ -60,6 +67,11 @@ struct PreparedRun {
     members: Vec<Member>,
     /// The instructions the fused pass makes (records and quantizations).
     instructions: Vec<usize>,
+    /// Per epilogue output (in order): the scale amaxes of the delayed-scaling GEMMs that read
+    /// it besides the run, where only quantized GEMMs do (`quantized_readers`), else None. The
+    /// output need not be stored on a step where every one of those amaxes is non-zero: each
+    /// GEMM then reads only its quantization.
+    readers_amaxes: Vec<Option<Vec<BufferId>>>,
 }
 
 /// One member's quantization as the kernel takes it (all null: not quantized).
@@ -117,11 +129,15 @@ impl SwigluRuns {
                 continue;
             };
             let instructions = run.instructions()[1..].to_vec();
+            let readers_amaxes = (quantized_readers(program, &run).into_iter())
+                .map(|gemms| gemms.and_then(|g| delayed_amaxes(program, &g)))
+                .collect();
             self.by_producer.insert(
                 run.producer,
                 PreparedRun {
                     members,
                     instructions,
+                    readers_amaxes,
                 },
             );
         }
@@ -146,15 +162,25 @@ impl CudaBackend {
         self.swiglu_runs.launched
     }
 
+    /// How many epilogue outputs fused passes have left unstored (for tests).
+    pub fn unstored_swiglu_outputs(&self) -> u64 {
+        self.swiglu_runs.unstored
+    }
+
+    /// While `on`, every epilogue output is stored (`Backend::check_outputs`).
+    pub(super) fn check_swiglu_outputs(&mut self, on: bool) {
+        self.swiglu_runs.checking = on;
+    }
+
     /// The forward epilogue a = silu(gate) ⊙ up with its run's quantizations, if the
     /// instruction running now heads a run that can take the fused pass. False: the caller
     /// runs the epilogue alone (and the members run themselves).
     pub(super) fn swiglu_fp8_forward(&mut self, gate: Buf, up: Buf, a: Buf) -> Result<bool> {
-        let Some((run, dests)) = self.fused_dests(&[a], &[gate, up])? else {
+        let Some((run, dests, stored)) = self.fused_dests(&[a], &[gate, up])? else {
             return Ok(false);
         };
         let [d, _] = dests;
-        let mut args = vec![fv(gate), fv(up), fv(a)];
+        let mut args = vec![fv(gate), fv(up), output_arg(a, stored[0])];
         args.extend(run.args());
         args.extend(d.args());
         self.launch_swiglu_fp8(Kernel::SwigluFwdFp8, run, &args)?;
@@ -169,10 +195,11 @@ impl CudaBackend {
         (gate, up): (Buf, Buf),
         (dgate, dup): (Buf, Buf),
     ) -> Result<bool> {
-        let Some((run, [g, u])) = self.fused_dests(&[dgate, dup], &[dy, gate, up])? else {
+        let Some((run, [g, u], stored)) = self.fused_dests(&[dgate, dup], &[dy, gate, up])? else {
             return Ok(false);
         };
-        let mut args = vec![fv(dy), fv(gate), fv(up), fv(dgate), fv(dup)];
+        let (dg, du) = (output_arg(dgate, stored[0]), output_arg(dup, stored[1]));
+        let mut args = vec![fv(dy), fv(gate), fv(up), dg, du];
         args.extend(run.args());
         args.extend(g.args());
         args.extend(u.args());
@@ -189,14 +216,15 @@ impl CudaBackend {
     }
 
     /// For the run the instruction running now heads, where `outputs` are its epilogue's
-    /// outputs in order and `inputs` what the epilogue reads: the shape and each output's
-    /// quantization, once every member's buffers check; the members are then absorbed. None
-    /// where the instruction heads no run or the run cannot take the fused pass.
+    /// outputs in order and `inputs` what the epilogue reads: the shape, each output's
+    /// quantization and whether to store it ([`Self::stored`]), once every member's buffers
+    /// check; the members are then absorbed. None where the instruction heads no run or the run
+    /// cannot take the fused pass.
     fn fused_dests(
         &mut self,
         outputs: &[Buf],
         inputs: &[Buf],
-    ) -> Result<Option<(Shape, [Dest; 2])>> {
+    ) -> Result<Option<(Shape, [Dest; 2], [bool; 2])>> {
         self.swiglu_runs.absorbed.clear();
         let current = self.records.current();
         let Some(run) = self.swiglu_runs.by_producer.get(&current).cloned() else {
@@ -220,10 +248,37 @@ impl CudaBackend {
             .flatten()
             .collect();
         self.order_after_comm(touched.iter().copied())?;
+        let mut stored = [true; 2];
+        for (k, amaxes) in run.readers_amaxes.iter().enumerate().take(2) {
+            stored[k] = self.stored(amaxes.as_deref())?;
+        }
+        self.swiglu_runs.unstored += stored.iter().filter(|&&s| !s).count() as u64;
         self.records
             .count_taken(run.members.iter().filter(|m| m.history.is_some()).count());
         self.swiglu_runs.absorbed = run.instructions;
-        Ok(Some((shape, dests)))
+        Ok(Some((shape, dests, stored)))
+    }
+
+    /// Whether a fused pass stores an epilogue output whose readers besides its run are the
+    /// delayed-scaling GEMMs of scale amaxes `amaxes` (None: anything else reads it). Unstored
+    /// only under the `needed` variant, outside a check of every output, where every amax is
+    /// non-zero: no reader runs cold (`fp8::delayed_cold`), so each reads only the quantization.
+    fn stored(&mut self, amaxes: Option<&[BufferId]>) -> Result<bool> {
+        let Some(amaxes) = amaxes else {
+            return Ok(true);
+        };
+        if self.swiglu_runs.checking
+            || self.variants.swiglu_fp8_store == SwigluFp8StoreKernel::Always
+        {
+            return Ok(true);
+        }
+        for &id in amaxes {
+            let amax = self.buf(id)?;
+            if self.scale_amaxes.value(&self.ctx, &self.stream, amax)? == 0.0 {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// Member `m`'s device pointers, each buffer allocated and of its kind (an FP8 layout of
@@ -257,6 +312,31 @@ impl CudaBackend {
             qt: layout(m.qt)?,
             record,
         })
+    }
+}
+
+/// The scale amaxes of the delayed-scaling FP8 GEMMs at instructions `gemms` (each one's
+/// operands' amax inputs, as `fp8::delayed_cold` reads them). None where one is not such a GEMM.
+fn delayed_amaxes(program: &Program, gemms: &[usize]) -> Option<Vec<BufferId>> {
+    let mut amaxes = Vec::new();
+    for &g in gemms {
+        let c = program.instrs.get(g)?.as_compute()?;
+        c.op.fp8()?.history?;
+        let roles = c.op.signature().inputs;
+        for role in amax_roles(&c.op) {
+            let at = roles.iter().position(|o| o.role == role)?;
+            amaxes.push(*c.inputs.get(at)?);
+        }
+    }
+    Some(amaxes)
+}
+
+/// Epilogue output `b` as the kernels' argument: a null pointer where it is not stored.
+fn output_arg(b: Buf, stored: bool) -> Arg {
+    if stored {
+        fv(b)
+    } else {
+        Arg::Float(FloatArg::unstored(b))
     }
 }
 

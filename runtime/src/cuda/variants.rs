@@ -220,6 +220,14 @@ variants! {
     fp8_factors: Fp8FactorsKernel "fp8_factors" "PARC_FP8_FACTORS_KERNEL" {
         PerGemm "per_gemm", Rolled "rolled"
     }
+    /// Whether a fused SwiGLU-and-FP8 pass (`swiglu_fp8.rs`) stores the epilogue's outputs
+    /// (`swiglu_fp8_store`, PARC_SWIGLU_FP8_STORE_KERNEL): always (`always`), or only where a
+    /// reader needs them (`needed`): an output read, besides its run, only by delayed-scaling
+    /// GEMMs that run quantized this step (`ir::swiglu_runs::quantized_readers`) is left
+    /// unstored, as no reader loads it.
+    swiglu_fp8_store: SwigluFp8StoreKernel "swiglu_fp8_store" "PARC_SWIGLU_FP8_STORE_KERNEL" {
+        Always "always", Needed "needed"
+    }
 }
 
 impl std::fmt::Display for KernelVariant {
@@ -271,6 +279,7 @@ mod tests {
             of::<Fp8AmaxKernel>(),
             of::<Fp8GemmKernel>(),
             of::<Fp8FactorsKernel>(),
+            of::<SwigluFp8StoreKernel>(),
         ]
     }
 
@@ -299,6 +308,7 @@ mod tests {
         assert_eq!(chosen.fp8_amax, Fp8AmaxKernel::Vectors);
         assert_eq!(chosen.fp8_gemm, Fp8GemmKernel::Wide);
         assert_eq!(chosen.fp8_factors, Fp8FactorsKernel::Rolled);
+        assert_eq!(chosen.swiglu_fp8_store, SwigluFp8StoreKernel::Needed);
     }
 
     #[test]
@@ -314,6 +324,7 @@ mod tests {
         assert_eq!(d.fp8_amax, Fp8AmaxKernel::Groups);
         assert_eq!(d.fp8_gemm, Fp8GemmKernel::Columns);
         assert_eq!(d.fp8_factors, Fp8FactorsKernel::PerGemm);
+        assert_eq!(d.swiglu_fp8_store, SwigluFp8StoreKernel::Always);
     }
 
     #[test]

@@ -118,6 +118,11 @@ fn plan_error(rank: u32, what: impl std::fmt::Display) -> RuntimeError {
     }
 }
 
+/// Where a re-run found the first value that is not finite: the instruction, the buffer, how
+/// many of its values are not finite, its length, and whether it was held before the step (a
+/// parameter).
+type NonFiniteAt = (usize, BufferId, usize, usize, bool);
+
 impl<'a, B: Backend> RankExecutor<'a, B> {
     /// The executor of `rank`, training on `data` (a dataset alone: all of it, without
     /// evaluation) with the sampler of `seed`; it evaluates when `data` has an evaluation set.
@@ -434,6 +439,28 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         })
     }
 
+    /// Step `step`'s program run with a check of each instruction's outputs after it: the first
+    /// whose output holds a value that is not finite (`first` where that is already known).
+    fn rerun_checked(
+        &mut self,
+        step: u64,
+        scalars: &StepScalars,
+        mut first: Option<NonFiniteAt>,
+    ) -> Result<Option<NonFiniteAt>> {
+        let program = self.program;
+        for (index, instr) in program.instrs.iter().enumerate() {
+            self.backend.begin_instruction(index);
+            self.run(instr, Batch::Train(step), scalars)
+                .map_err(|e| self.instruction_error(program, 0, index, e))?;
+            if first.is_none() {
+                first = self
+                    .nonfinite_output(instr)?
+                    .map(|(buffer, count, len)| (index, buffer, count, len, false));
+            }
+        }
+        Ok(first)
+    }
+
     /// Run 0-based training step `step` again (from the state before it: a step whose
     /// gradient norm was not finite left it untouched) with a check after every instruction
     /// that writes buffers, and return the first whose output holds a value that is not
@@ -449,20 +476,13 @@ impl<'a, B: Backend> RankExecutor<'a, B> {
         // A parameter that already holds values that are not finite (weights imported or
         // resumed so, or made so by an earlier update) is the origin, not the first
         // instruction that reads it.
-        let mut first = self
+        let held = self
             .nonfinite_param()?
             .map(|(index, buffer, count, len)| (index, buffer, count, len, true));
-        for (index, instr) in program.instrs.iter().enumerate() {
-            self.backend.begin_instruction(index);
-            self.run(instr, Batch::Train(step), &scalars)
-                .map_err(|e| self.instruction_error(program, 0, index, e))?;
-            if first.is_none() {
-                first = self
-                    .nonfinite_output(instr)?
-                    .map(|(buffer, count, len)| (index, buffer, count, len, false));
-            }
-        }
-        let Some((index, buffer, count, len, held)) = first else {
+        self.backend.check_outputs(true);
+        let first = self.rerun_checked(step, &scalars, held);
+        self.backend.check_outputs(false);
+        let Some((index, buffer, count, len, held)) = first? else {
             return Ok(None);
         };
         let instr = &program.instrs[index];

@@ -146,3 +146,56 @@ fn only_quantizations_of_the_epilogue_right_after_it_join() {
     let trailing = find_swiglu_runs(&forward(vec![quantize(3, 4, 6), record(3, 5)]));
     assert_eq!(trailing[0].records, Vec::<usize>::new());
 }
+
+/// On tiny-llama under delayed scaling every tensor a SwiGLU epilogue writes is read, besides
+/// its run, only by quantized FP8 GEMMs (the down projection's forward and weight gradient read
+/// the gated product; the gate and up projections' gradients read dgate and dup), each at a
+/// GEMM operand.
+#[test]
+fn every_epilogue_output_of_tiny_llama_is_read_only_by_quantized_gemms() {
+    let plan = tiny_llama("scaling: delayed");
+    let program = &plan.programs[0];
+    let runs = find_swiglu_runs(program);
+    assert!(!runs.is_empty());
+    for run in &runs {
+        let outputs = epilogue_outputs(&program.instrs[run.producer]);
+        let readers = quantized_readers(program, run);
+        assert_eq!(readers.len(), outputs.len(), "{run:?}");
+        for (y, gemms) in outputs.iter().zip(&readers) {
+            let gemms = gemms.as_ref().unwrap_or_else(|| {
+                let readers: Vec<String> = (program.instrs.iter().enumerate())
+                    .filter(|(_, i)| i.reads().contains(y))
+                    .map(|(at, i)| format!("{at}: {:?} {:?}", i.op(), i.reads()))
+                    .collect();
+                panic!("{y:?} of {run:?}: {readers:#?} {:?}", program.buffer(*y))
+            });
+            assert!(gemms.len() >= 2, "{y:?}: {gemms:?}");
+            for &g in gemms {
+                let op = op_at(program, g);
+                assert!(op.fp8().is_some_and(|f| f.quantized), "{g}: {op:?}");
+            }
+        }
+    }
+}
+
+/// A reader other than a quantized GEMM operand keeps the tensor: any other op, or a GEMM that
+/// reads it exactly (unquantized, or as a bias gradient's dy).
+#[test]
+fn any_other_reader_keeps_an_epilogue_output() {
+    let run = |extra: Instr| {
+        let program = forward(vec![record(3, 5), quantize(3, 4, 6), extra]);
+        let runs = find_swiglu_runs(&program);
+        quantized_readers(&program, &runs[0])
+    };
+    assert_eq!(run(Instr::compute(Op::Zero, &[], &[0])), vec![Some(vec![])]);
+    assert_eq!(run(Instr::compute(Op::Copy, &[3], &[0])), vec![None]);
+    let weight_grad = |bias: bool, fp8: Option<crate::ir::fp8::Fp8Gemm>| Op::MatmulBwdWeight {
+        in_dim: 8,
+        out_dim: 8,
+        bias,
+        accumulate_param_grad: false,
+        fp8,
+    };
+    let plain = Instr::compute(weight_grad(false, None), &[3, 0], &[1]);
+    assert_eq!(run(plain), vec![None]);
+}

@@ -598,7 +598,8 @@ __device__ __forceinline__ SwigluFp8Out swiglu_fp8_out(const unsigned int* amax,
 
 // The tiles of one launch: `ins` inputs x (forward: gate, up; backward: dy, gate, up), `outs`
 // outputs y (forward: a; backward: dgate, dup; dgate may be dy itself: each thread reads its
-// elements before it writes them), their quantizations d. Returns each output's thread maximum.
+// elements before it writes them; a null pointer: quantized, not stored), their quantizations
+// d. Returns each output's thread maximum.
 template <bool bf16, bool bwd>
 __device__ __forceinline__ void swiglu_fp8_tiles(const Fv (&x)[3], const Fv (&y)[2], long long rows, long long cols,
                                                  const SwigluFp8Out (&d)[2], unsigned int (&m)[2],
@@ -647,7 +648,7 @@ __device__ __forceinline__ void swiglu_fp8_tiles(const Fv (&x)[3], const Fv (&y)
                     stored.v[e] = bf16 ? widen_bf16(round_bf16(v[o][e])) : v[o][e];
                     v[o][e] = stored.v[e];
                 }
-                if (r < rows && valid) st8(y[o], (r * cols + c) / 8, stored);
+                if (r < rows && valid && y[o].p) st8(y[o], (r * cols + c) / 8, stored);
                 if (!d[o].q && !d[o].qt) continue;
                 float s8[8] = {d[o].s, d[o].s, d[o].s, d[o].s, d[o].s, d[o].s, d[o].s, d[o].s};
                 uint2 b = fp8_pack8(v[o], s8, 8, d[o].e5m2);
