@@ -220,11 +220,7 @@ impl CudaBackend {
     /// quantization and whether to store it ([`Self::stored`]), once every member's buffers
     /// check; the members are then absorbed. None where the instruction heads no run or the run
     /// cannot take the fused pass.
-    fn fused_dests(
-        &mut self,
-        outputs: &[Buf],
-        inputs: &[Buf],
-    ) -> Result<Option<(Shape, [Dest; 2], [bool; 2])>> {
+    fn fused_dests(&mut self, outputs: &[Buf], inputs: &[Buf]) -> Result<Option<FusedPass>> {
         self.swiglu_runs.absorbed.clear();
         let current = self.records.current();
         let Some(run) = self.swiglu_runs.by_producer.get(&current).cloned() else {
@@ -323,7 +319,7 @@ fn delayed_amaxes(program: &Program, gemms: &[usize]) -> Option<Vec<BufferId>> {
         let c = program.instrs.get(g)?.as_compute()?;
         c.op.fp8()?.history?;
         let roles = c.op.signature().inputs;
-        for role in amax_roles(&c.op) {
+        for role in amax_roles(c.op) {
             let at = roles.iter().position(|o| o.role == role)?;
             amaxes.push(*c.inputs.get(at)?);
         }
@@ -339,6 +335,10 @@ fn output_arg(b: Buf, stored: bool) -> Arg {
         Arg::Float(FloatArg::unstored(b))
     }
 }
+
+/// A fused pass as [`CudaBackend::fused_dests`] sets it up: its shape, each output's
+/// quantization and whether to store it.
+type FusedPass = (Shape, [Dest; 2], [bool; 2]);
 
 /// The rows and columns an epilogue's outputs are quantized as.
 #[derive(Clone, Copy, Debug)]
