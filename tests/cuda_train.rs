@@ -363,8 +363,8 @@ fn fused_swiglu_quantization_equals_its_ops_run_apart() {
 /// The fused SwiGLU-and-FP8 passes leaving unstored each epilogue output that only quantized
 /// GEMMs read (`PARC_SWIGLU_FP8_STORE_KERNEL=needed`; warm histories, so no reader runs cold):
 /// every buffer left at the optimizer phase, gradients included, bit for bit as when they store
-/// everything. On tiny-llama that is dgate and dup of every layer; the gated product is still
-/// read by its transposed quantization in the backward.
+/// everything. On tiny-llama that is dgate and dup of every layer, and the last layer's gated
+/// product (elsewhere the backward quantizes it again, transposed).
 #[test]
 fn swiglu_outputs_only_quantized_gemms_read_need_no_store() {
     let mut s = model_spec(true, 2);

@@ -147,12 +147,13 @@ fn only_quantizations_of_the_epilogue_right_after_it_join() {
     assert_eq!(trailing[0].records, Vec::<usize>::new());
 }
 
-/// On tiny-llama under delayed scaling every tensor a SwiGLU epilogue writes is read, besides
-/// its run, only by quantized FP8 GEMMs (the down projection's forward and weight gradient read
-/// the gated product; the gate and up projections' gradients read dgate and dup), each at a
-/// GEMM operand.
+/// On tiny-llama under delayed scaling, dgate and dup (a data gradient's epilogue) are read,
+/// besides their run, only by quantized FP8 GEMMs at a GEMM operand (the gate and up
+/// projections' data and weight gradients). The gated product (a forward's) is too only where
+/// the backward's weight gradient is near enough to share the forward's quantization (the last
+/// layer); elsewhere the backward quantizes it again, transposed.
 #[test]
-fn every_epilogue_output_of_tiny_llama_is_read_only_by_quantized_gemms() {
+fn dgate_and_dup_of_tiny_llama_are_read_only_by_quantized_gemms() {
     let plan = tiny_llama("scaling: delayed");
     let program = &plan.programs[0];
     let runs = find_swiglu_runs(program);
@@ -161,14 +162,12 @@ fn every_epilogue_output_of_tiny_llama_is_read_only_by_quantized_gemms() {
         let outputs = epilogue_outputs(&program.instrs[run.producer]);
         let readers = quantized_readers(program, run);
         assert_eq!(readers.len(), outputs.len(), "{run:?}");
+        let forward = matches!(op_at(program, run.producer), Op::Matmul { .. });
         for (y, gemms) in outputs.iter().zip(&readers) {
-            let gemms = gemms.as_ref().unwrap_or_else(|| {
-                let readers: Vec<String> = (program.instrs.iter().enumerate())
-                    .filter(|(_, i)| i.reads().contains(y))
-                    .map(|(at, i)| format!("{at}: {:?} {:?}", i.op(), i.reads()))
-                    .collect();
-                panic!("{y:?} of {run:?}: {readers:#?} {:?}", program.buffer(*y))
-            });
+            let Some(gemms) = gemms else {
+                assert!(forward, "{y:?} of {run:?} has other readers");
+                continue;
+            };
             assert!(gemms.len() >= 2, "{y:?}: {gemms:?}");
             for &g in gemms {
                 let op = op_at(program, g);
