@@ -9,7 +9,7 @@
 # All four phases take longer than one device command may (600 s): run PHASES="tests gemms",
 # then PHASES="llama calibrate", on the same warm machine.
 #
-# PHASES (default "tests gemms llama calibrate") picks parts:
+# PHASES (default "tests gemms llama calibrate") picks parts (or "quick", below):
 # - tests: `cuda_ops fp8` (the FP8 GEMMs, and the group amaxes bit for bit against the CPU,
 #   each kernel variant, and the rolled tensorwise factors), `cuda_train` rowwise/blockwise
 #   against the CPU emulation, with the default kernels and with NEW, and delayed scaling's
@@ -36,6 +36,45 @@ t0=$SECONDS
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "$gpu_name"
 
+# llama NAME [VAR=VALUE...] -- [--set ...]: Llama 3.2 1B, 8 × 2048, 12 synthetic steps.
+llama() {
+    local name=$1; shift
+    local envs=()
+    while [[ $1 != -- ]]; do envs+=("$1"); shift; done
+    shift
+    env "${envs[@]}" timeout 240 "$dir/parc" run examples/llama3.2-1b.par --backend cuda \
+        --log-format json --set model.seq=2048 --set train.global_batch=8 \
+        --set train.micro_batch=8 --set train.steps=12 --set train.data=synthetic \
+        --set parallel.recompute=none --set "train.checkpoint.dir=\"/tmp/parc-fp8-$name\"" \
+        "$@" > "$out/llama-$name.log" 2>&1
+    echo "== llama-$name rc=$? at $((SECONDS - t0)) s"
+    table+=("$(rate "$out/llama-$name.log" "llama3.2-1b $name")")
+}
+
+# quick: the variants' own tests and the runs that judge them, for a call with little device
+# time left: each variant's tests, then Llama bf16, delayed tensorwise and rowwise default and
+# NEW, blockwise NEW.
+if [[ $phases == *" quick "* ]]; then
+    step ops-quick 150 -- "$dir/cuda_ops" fp8_amax kernel_variants a_run_of_rolls \
+        --nocapture --test-threads 1
+    step train-quick-new 100 "${new[@]}" -- "$dir/cuda_train" rowwise_and_blockwise \
+        --nocapture --test-threads 1
+    # These set their variants themselves, against the defaults: no NEW in the environment.
+    step train-quick-variants 120 -- "$dir/cuda_train" delayed_fp8_variants \
+        swiglu_outputs_only --nocapture --test-threads 1
+    table=()
+    pinned=(--set "train.fp8.fp8=[Attention, MLP]")
+    llama bf16 --
+    for recipe in "tensorwise { scaling: delayed }" rowwise; do
+        label=${recipe%% *}
+        [[ $label == tensorwise ]] && label=delayed
+        llama "$label-default" -- --set "train.fp8=$recipe" "${pinned[@]}"
+        llama "$label-new" "${new[@]}" -- --set "train.fp8=$recipe" "${pinned[@]}"
+    done
+    llama blockwise-new "${new[@]}" -- --set "train.fp8=blockwise" "${pinned[@]}"
+    printf '%s\n' "${table[@]}"
+fi
+
 if [[ $phases == *" tests "* ]]; then
     step ops-fp8 300 -- "$dir/cuda_ops" fp8 --nocapture --test-threads 1
     step train-fp8-default 200 -- "$dir/cuda_train" rowwise_and_blockwise --nocapture --test-threads 1
@@ -54,21 +93,6 @@ if [[ $phases == *" gemms "* ]]; then
         grep -E "^\||one d2048 step" "$out/gemms-$mode.log" | head -70
     done
 fi
-
-# llama NAME [VAR=VALUE...] -- [--set ...]: Llama 3.2 1B, 8 × 2048, 12 synthetic steps.
-llama() {
-    local name=$1; shift
-    local envs=()
-    while [[ $1 != -- ]]; do envs+=("$1"); shift; done
-    shift
-    env "${envs[@]}" timeout 240 "$dir/parc" run examples/llama3.2-1b.par --backend cuda \
-        --log-format json --set model.seq=2048 --set train.global_batch=8 \
-        --set train.micro_batch=8 --set train.steps=12 --set train.data=synthetic \
-        --set parallel.recompute=none --set "train.checkpoint.dir=\"/tmp/parc-fp8-$name\"" \
-        "$@" > "$out/llama-$name.log" 2>&1
-    echo "== llama-$name rc=$? at $((SECONDS - t0)) s"
-    table+=("$(rate "$out/llama-$name.log" "llama3.2-1b $name")")
-}
 
 if [[ $phases == *" llama "* ]]; then
     table=()
