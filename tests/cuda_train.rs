@@ -907,8 +907,41 @@ fn delayed_fp8_variants_train_as_the_defaults() {
 /// The test above's body (a CUDA build on a GPU).
 #[cfg(feature = "cuda")]
 fn delayed_fp8_variants_agree() {
-    use parc_runtime::cuda::{Fp8FactorsKernel, KernelVariant, SwigluFp8StoreKernel};
-    let name = "delayed-fp8-variants";
+    use parc_runtime::cuda::{CudaBackend, Fp8FactorsKernel, KernelVariant, SwigluFp8StoreKernel};
+    let s = tensorwise_fp8(&in_bf16(model_spec(true, 7)), Some(4));
+    let with = |v: KernelVariant| {
+        move |mut backend: CudaBackend| {
+            backend.set_kernel_variant(v);
+            backend
+        }
+    };
+    let (rolled, needed) = (
+        with(Fp8FactorsKernel::Rolled.into()),
+        with(SwigluFp8StoreKernel::Needed.into()),
+    );
+    resumed_runs_agree(
+        "delayed-fp8-variants",
+        s,
+        &[
+            ("defaults", &|backend| backend),
+            ("fp8_factors=rolled", &rolled),
+            ("swiglu_fp8_store=needed", &needed),
+        ],
+    );
+}
+
+/// How a backend is set up for one of [`resumed_runs_agree`]'s runs.
+#[cfg(feature = "cuda")]
+type Setup<'a> =
+    &'a (dyn Fn(parc_runtime::cuda::CudaBackend) -> parc_runtime::cuda::CudaBackend + Sync);
+
+/// `s` trained on CUDA for 2 steps with a checkpoint (in a temporary folder named after
+/// `name`), then resumed from it once per `setups` (named backend set-ups): every resumed run
+/// gives the first's losses, gradient norms and final parameters, bit for bit. Resuming from
+/// one checkpoint, all take the GEMM algorithms it carries: two runs that time them apart may
+/// pick differently and differ by rounding (see `resume_is_bit_exact`).
+#[cfg(feature = "cuda")]
+fn resumed_runs_agree(name: &str, mut s: Spec, setups: &[(&str, Setup)]) {
     let dir = temp_dir(name);
     let checkpoints = |sub: &str| Checkpointing {
         every: 2,
@@ -916,37 +949,37 @@ fn delayed_fp8_variants_agree() {
         keep: 0,
         asynchronous: false,
     };
-    let mut s = tensorwise_fp8(&in_bf16(model_spec(true, 7)), Some(4));
     let plan = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
     s.train.checkpoint = Some(checkpoints("first"));
-    let first = run(&s, Which::Cuda, Some(2), None);
+    let first = train_cuda(&s, &plan, &train_options(Some(2), None), true);
+    let first = first.unwrap_or_else(|e| panic!("{e}"));
     assert!(!first.checkpoints.is_empty(), "{name}: no checkpoint");
     let step2 = dir.join("first").join("step-00000002");
-    let resumed = |variant: Option<KernelVariant>| {
-        let mut s = s.clone();
-        let sub = variant.map_or("defaults".to_string(), |v| v.to_string());
-        s.train.checkpoint = Some(checkpoints(&sub));
-        let options = train_options(None, Some(&step2));
-        let setup = move |mut backend: parc_runtime::cuda::CudaBackend| {
-            if let Some(v) = variant {
-                backend.set_kernel_variant(v);
-            }
-            backend
-        };
-        train_cuda_with(&s, &plan, &options, &setup).unwrap_or_else(|e| panic!("{e}"))
-    };
-    let defaults = resumed(None);
-    assert_eq!(defaults.records.len(), 5, "{name}: steps 3 to 7");
-    for variant in [
-        KernelVariant::from(Fp8FactorsKernel::Rolled),
-        KernelVariant::from(SwigluFp8StoreKernel::Needed),
-    ] {
-        let got = resumed(Some(variant));
-        for (a, b) in got.records.iter().zip(&defaults.records) {
+    let runs: Vec<(&str, TrainResult)> = (setups.iter())
+        .map(|&(label, setup)| {
+            let mut s = s.clone();
+            s.train.checkpoint = Some(checkpoints(label));
+            let options = train_options(None, Some(&step2));
+            let result = train_cuda_with(&s, &plan, &options, setup);
+            (
+                label,
+                result.unwrap_or_else(|e| panic!("{name} {label}: {e}")),
+            )
+        })
+        .collect();
+    let (base, want) = &runs[0];
+    assert_eq!(
+        want.records.len() as u64,
+        s.train.steps - 2,
+        "{name}: steps 3 on"
+    );
+    for (label, got) in &runs[1..] {
+        assert_eq!(got.records.len(), want.records.len(), "{name} {label}");
+        for (a, b) in got.records.iter().zip(&want.records) {
             assert_eq!(
                 (a.loss.to_bits(), a.grad_norm.to_bits()),
                 (b.loss.to_bits(), b.grad_norm.to_bits()),
-                "{variant} step {}: {} / {} vs the defaults' {} / {}",
+                "{name} step {}: {label} {} / {} vs {base} {} / {}",
                 a.step,
                 a.loss,
                 a.grad_norm,
@@ -954,9 +987,14 @@ fn delayed_fp8_variants_agree() {
                 b.grad_norm
             );
         }
-        for (a, b) in got.params.iter().zip(&defaults.params) {
+        assert_eq!(got.params.len(), want.params.len());
+        for (a, b) in got.params.iter().zip(&want.params) {
             let same = (a.data.iter().zip(&b.data)).all(|(x, y)| x.to_bits() == y.to_bits());
-            assert!(same, "{variant} {}: the parameters differ", a.name);
+            assert!(
+                same,
+                "{name} {}: {label} and {base} parameters differ",
+                a.name
+            );
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
@@ -1484,55 +1522,20 @@ fn fused_optimizer_equals_per_tensor_updates_in_bf16_training() {
 /// The test above's body (a CUDA build on a GPU).
 #[cfg(feature = "cuda")]
 fn fused_and_per_tensor_bf16_runs_agree() {
-    let name = "fused-bf16-training";
-    let dir = temp_dir(name);
-    let checkpoints = |sub: &str| Checkpointing {
-        every: 2,
-        dir: dir.join(sub).display().to_string(),
-        keep: 0,
-        asynchronous: false,
-    };
-    let mut s = in_bf16(model_spec(true, 6));
+    let s = in_bf16(model_spec(true, 6));
     let plan = lower(&s).unwrap_or_else(|d| panic!("{:?}", d.items));
-    assert!(refresh_copies(&plan.programs[0]) >= 2, "{name}");
-    s.train.checkpoint = Some(checkpoints("first"));
-    let first = train_cuda(&s, &plan, &train_options(Some(2), None), true);
-    assert!(!first
-        .unwrap_or_else(|e| panic!("{e}"))
-        .checkpoints
-        .is_empty());
-    let step2 = dir.join("first").join("step-00000002");
-    let resumed = |fused: bool| {
-        let mut s = s.clone();
-        s.train.checkpoint = Some(checkpoints(if fused { "fused" } else { "per-tensor" }));
-        let options = train_options(None, Some(&step2));
-        train_cuda(&s, &plan, &options, fused).unwrap_or_else(|e| panic!("{e}"))
-    };
-    let (fused, per_tensor) = (resumed(true), resumed(false));
-    assert_eq!(fused.records.len(), 4, "{name}: steps 3 to 6");
-    assert_eq!(fused.records.len(), per_tensor.records.len());
-    for (a, b) in fused.records.iter().zip(&per_tensor.records) {
-        assert_eq!(
-            (a.loss.to_bits(), a.grad_norm.to_bits()),
-            (b.loss.to_bits(), b.grad_norm.to_bits()),
-            "{name} step {}: fused {} / {} vs per tensor {} / {}",
-            a.step,
-            a.loss,
-            a.grad_norm,
-            b.loss,
-            b.grad_norm
-        );
-    }
-    assert_eq!(fused.params.len(), per_tensor.params.len());
-    for (a, b) in fused.params.iter().zip(&per_tensor.params) {
-        let same = (a.data.iter().zip(&b.data)).all(|(x, y)| x.to_bits() == y.to_bits());
-        assert!(
-            same,
-            "{name} {}: fused and per-tensor parameters differ",
-            a.name
-        );
-    }
-    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        refresh_copies(&plan.programs[0]) >= 2,
+        "fused-bf16-training"
+    );
+    resumed_runs_agree(
+        "fused-bf16-training",
+        s,
+        &[
+            ("fused", &|backend| backend.with_fused_optimizer(true)),
+            ("per-tensor", &|backend| backend.with_fused_optimizer(false)),
+        ],
+    );
 }
 
 /// GPT-2 124M's own optimizer phase (196 tensors up to the 38.6M-element token table), fused
