@@ -52,8 +52,8 @@ llama() {
 }
 
 # quick: the variants' own tests and the runs that judge them, for a call with little device
-# time left: each variant's tests, then Llama bf16, delayed tensorwise and rowwise default and
-# NEW, blockwise NEW.
+# time left: each variant's tests, then Llama delayed tensorwise and rowwise default and NEW,
+# blockwise NEW, and bf16 last.
 if [[ $phases == *" quick "* ]]; then
     step ops-quick 150 -- "$dir/cuda_ops" fp8_amax kernel_variants a_run_of_rolls \
         --nocapture --test-threads 1
@@ -64,7 +64,6 @@ if [[ $phases == *" quick "* ]]; then
         swiglu_outputs_only --nocapture --test-threads 1
     table=()
     pinned=(--set "train.fp8.fp8=[Attention, MLP]")
-    llama bf16 --
     for recipe in "tensorwise { scaling: delayed }" rowwise; do
         label=${recipe%% *}
         [[ $label == tensorwise ]] && label=delayed
@@ -72,6 +71,7 @@ if [[ $phases == *" quick "* ]]; then
         llama "$label-new" "${new[@]}" -- --set "train.fp8=$recipe" "${pinned[@]}"
     done
     llama blockwise-new "${new[@]}" -- --set "train.fp8=blockwise" "${pinned[@]}"
+    llama bf16 --
     printf '%s\n' "${table[@]}"
 fi
 
