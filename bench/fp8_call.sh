@@ -9,7 +9,7 @@
 # All four phases take longer than one device command may (600 s): run PHASES="tests gemms",
 # then PHASES="llama calibrate", on the same warm machine.
 #
-# PHASES (default "tests gemms llama calibrate") picks parts (or "quick", below):
+# PHASES (default "tests gemms llama calibrate") picks parts (or "quick" or "mini", below):
 # - tests: `cuda_ops fp8` (the FP8 GEMMs, and the group amaxes bit for bit against the CPU,
 #   each kernel variant, and the rolled tensorwise factors), `cuda_train` rowwise/blockwise
 #   against the CPU emulation, with the default kernels and with NEW, and delayed scaling's
@@ -72,6 +72,19 @@ if [[ $phases == *" quick "* ]]; then
     done
     llama blockwise-new "${new[@]}" -- --set "train.fp8=blockwise" "${pinned[@]}"
     llama bf16 --
+    printf '%s\n' "${table[@]}"
+fi
+
+# mini: for a call of about three minutes, the delayed-scaling variants alone: their tests and
+# Llama delayed tensorwise default and NEW.
+if [[ $phases == *" mini "* ]]; then
+    step ops-mini 60 -- "$dir/cuda_ops" a_run_of_rolls --nocapture --test-threads 1
+    step train-mini 90 -- "$dir/cuda_train" delayed_fp8_variants swiglu_outputs_only \
+        --nocapture --test-threads 1
+    table=()
+    delayed=(--set "train.fp8=tensorwise { scaling: delayed }" --set "train.fp8.fp8=[Attention, MLP]")
+    llama delayed-default -- "${delayed[@]}"
+    llama delayed-new "${new[@]}" -- "${delayed[@]}"
     printf '%s\n' "${table[@]}"
 fi
 
