@@ -3,8 +3,11 @@
 # binary with the CUDA backend and the GPU test binaries, stripped. The device machine builds
 # nothing; carry DIR in the call and run bench/device_call.sh there. FEATURES (default cuda)
 # adds features: FEATURES=cuda,llvm builds the LLVM emitter in (its emitter test, docs/llvm.md).
+# BINS (default: all) keeps only the binaries it names in DIR: a call carries at most 64 MiB, and
+# all of them strip to about 77 MB (bench/fp8_call.sh needs "parc cuda_ops cuda_train
+# cuda_gemm_bench").
 #
-#   bench/device_build.sh [DIR]
+#   [BINS="..."] bench/device_build.sh [DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-.device}
@@ -26,5 +29,10 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])' \
   | while read -r name exe; do install -m 755 "$exe" "$dir/$name"; done
 strip "$dir"/parc "$dir"/cuda_*  "$dir"/memplan
+if [[ -n ${BINS:-} ]]; then
+    for f in "$dir"/*; do
+        if [[ -f $f && " $BINS " != *" $(basename "$f") "* ]]; then rm -f "$f"; fi
+    done
+fi
 ls -la "$dir"
 du -sh "$dir"

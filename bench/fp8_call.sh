@@ -6,6 +6,7 @@
 #
 #   OUT=$OUT bench/fp8_call.sh [DIR]
 #
+# Build: BINS="parc cuda_ops cuda_train cuda_gemm_bench" bench/device_build.sh .device-fp8.
 # All four phases take longer than one device command may (600 s): run PHASES="tests gemms",
 # then PHASES="llama calibrate", on the same warm machine.
 #
