@@ -295,11 +295,21 @@ pub(super) fn delayed_cold(be: &mut CudaBackend, b: &Bound, fp8: Fp8Gemm) -> Res
     if fp8.history.is_none() {
         return Ok(false);
     }
-    for role in amax_roles(b.op) {
-        if let Some(amax) = b.optional_input(role) {
-            if be.scale_amaxes.value(&be.ctx, &be.stream, amax)? == 0.0 {
-                return Ok(true);
-            }
+    let amaxes = amax_roles(b.op)
+        .into_iter()
+        .filter_map(|role| b.optional_input(role));
+    any_history_empty(be, amaxes)
+}
+
+/// Whether any of the scale amaxes `amaxes` is 0 (an empty history: a delayed GEMM reading it
+/// runs unquantized this step), as the host knows them (`scale_amax`).
+pub(super) fn any_history_empty(
+    be: &mut CudaBackend,
+    amaxes: impl IntoIterator<Item = Buf>,
+) -> Result<bool> {
+    for amax in amaxes {
+        if be.scale_amaxes.value(&be.ctx, &be.stream, amax)? == 0.0 {
+            return Ok(true);
         }
     }
     Ok(false)
@@ -454,7 +464,7 @@ fn quantized_operands(
     base: CUdeviceptr,
 ) -> Result<([CUdeviceptr; 2], [CUdeviceptr; 2])> {
     let (amaxes, quantized) = (amax_roles(b.op), quantized_roles(b.op));
-    let (mut operands, mut factors) = ([0; 2], [None; 2]);
+    let (mut operands, mut factors) = ([0; 2], [0; 2]);
     for (k, s) in scratch.operands.iter().enumerate() {
         let input = |role: &str| {
             b.optional_input(role).ok_or_else(|| {
@@ -478,18 +488,21 @@ fn quantized_operands(
                 quantized[k], q.id.0, s.lines, s.k, q.len, amax.len
             )));
         }
-        factors[k] = match be.variants.fp8_factors {
+        let rolled = match be.variants.fp8_factors {
             Fp8FactorsKernel::Rolled => be.rolled_factor(amax.id, s.operand.format),
             Fp8FactorsKernel::PerGemm => None,
         };
-        if factors[k].is_none() {
-            let scales = base + s.scales_at as CUdeviceptr;
-            write_scales(be, (amax.ptr, Fp8Scaling::Tensorwise), s, (0, 1), scales)?;
-            factors[k] = Some(scales);
-        }
+        factors[k] = match rolled {
+            Some(factor) => factor,
+            None => {
+                let scales = base + s.scales_at as CUdeviceptr;
+                write_scales(be, (amax.ptr, Fp8Scaling::Tensorwise), s, (0, 1), scales)?;
+                scales
+            }
+        };
         operands[k] = q.ptr;
     }
-    Ok((operands, factors.map(|f| f.unwrap_or(0))))
+    Ok((operands, factors))
 }
 
 /// A tensorwise FP8 GEMM `g` of op `b` on cuBLASLt: A the quantized `s1` (op's second
