@@ -52,6 +52,19 @@ llama() {
     table+=("$(rate "$out/llama-$name.log" "llama3.2-1b $name")")
 }
 
+# fp8 LABEL RECIPE MODE...: `llama` with every attention and MLP projection pinned to FP8 under
+# RECIPE, once per MODE (default: the default kernels; new: NEW), named LABEL-MODE.
+delayed="tensorwise { scaling: delayed }"
+fp8() {
+    local label=$1 recipe=$2 mode; shift 2
+    for mode in "$@"; do
+        local envs=()
+        [[ $mode == new ]] && envs=("${new[@]}")
+        llama "$label-$mode" "${envs[@]}" -- --set "train.fp8=$recipe" \
+            --set "train.fp8.fp8=[Attention, MLP]"
+    done
+}
+
 # quick: the variants' own tests and the runs that judge them, for a call with little device
 # time left: each variant's tests, then Llama delayed tensorwise and rowwise default and NEW,
 # blockwise NEW, and bf16 last.
@@ -64,14 +77,9 @@ if [[ $phases == *" quick "* ]]; then
     step train-quick-variants 120 -- "$dir/cuda_train" delayed_fp8_variants \
         swiglu_outputs_only --nocapture --test-threads 1
     table=()
-    pinned=(--set "train.fp8.fp8=[Attention, MLP]")
-    for recipe in "tensorwise { scaling: delayed }" rowwise; do
-        label=${recipe%% *}
-        [[ $label == tensorwise ]] && label=delayed
-        llama "$label-default" -- --set "train.fp8=$recipe" "${pinned[@]}"
-        llama "$label-new" "${new[@]}" -- --set "train.fp8=$recipe" "${pinned[@]}"
-    done
-    llama blockwise-new "${new[@]}" -- --set "train.fp8=blockwise" "${pinned[@]}"
+    fp8 delayed "$delayed" default new
+    fp8 rowwise rowwise default new
+    fp8 blockwise blockwise new
     llama bf16 --
     printf '%s\n' "${table[@]}"
 fi
@@ -83,9 +91,7 @@ if [[ $phases == *" mini "* ]]; then
     step train-mini 90 -- "$dir/cuda_train" delayed_fp8_variants swiglu_outputs_only \
         --nocapture --test-threads 1
     table=()
-    delayed=(--set "train.fp8=tensorwise { scaling: delayed }" --set "train.fp8.fp8=[Attention, MLP]")
-    llama delayed-default -- "${delayed[@]}"
-    llama delayed-new "${new[@]}" -- "${delayed[@]}"
+    fp8 delayed "$delayed" default new
     printf '%s\n' "${table[@]}"
 fi
 
@@ -110,18 +116,10 @@ fi
 
 if [[ $phases == *" llama "* ]]; then
     table=()
-    pinned=(--set "train.fp8.fp8=[Attention, MLP]")
     llama bf16 --
-    for mode in default new; do
-        envs=()
-        [[ $mode == new ]] && envs=("${new[@]}")
-        llama "delayed-$mode" "${envs[@]}" -- --set "train.fp8=tensorwise { scaling: delayed }" \
-            "${pinned[@]}"
-    done
-    for recipe in rowwise blockwise; do
-        llama "$recipe-default" -- --set "train.fp8=$recipe" "${pinned[@]}"
-        llama "$recipe-new" "${new[@]}" -- --set "train.fp8=$recipe" "${pinned[@]}"
-    done
+    fp8 delayed "$delayed" default new
+    fp8 rowwise rowwise default new
+    fp8 blockwise blockwise default new
     printf '%s\n' "${table[@]}"
 fi
 
