@@ -33,7 +33,7 @@ if [[ $phases == *" tests "* ]]; then
     step cuda_ops 200 -- "$dir/cuda_ops" --nocapture --test-threads 1
     step cuda_train 150 -- "$dir/cuda_train" --nocapture --test-threads 1
     step memplan 90 -- "$dir/memplan" cuda_steps_allocate_nothing --nocapture
-    PARC_BIN=$PWD/$dir/parc step cuda_nccl 150 "$dir/cuda_nccl" --nocapture --test-threads 1
+    step cuda_nccl 150 "PARC_BIN=$PWD/$dir/parc" -- "$dir/cuda_nccl" --nocapture --test-threads 1
 fi
 if [[ $phases == *" rates "* ]]; then
     IFS=';' read -r -a variants <<< "${VARIANTS:-default}"
@@ -63,11 +63,11 @@ if [[ $phases == *" profile "* ]]; then
     tail -40 "$out/profile.log"
 fi
 if [[ $phases == *" bench "* ]]; then
-    MODES=${MODES:-compile} PARC=$dir/parc step gpubench 300 bash bench/gpu.sh
+    step gpubench 300 "MODES=${MODES:-compile}" "PARC=$dir/parc" -- bash bench/gpu.sh
     tail -20 "$out/gpu-bench/summary.txt" 2>/dev/null
 fi
 if [[ $phases == *" parity "* ]]; then
-    PARC=$dir/parc step parity 220 bash bench/loss_parity.sh
+    step parity 220 "PARC=$dir/parc" -- bash bench/loss_parity.sh
     tail -7 "$out/parity.log"
 fi
 echo "total $((SECONDS - t0)) s"
