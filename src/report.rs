@@ -276,7 +276,7 @@ pub fn render_fp8(choices: &[parc_compiler::fp8::Choice], history: Option<u32>) 
         let tensors: usize = choices.iter().map(|c| c.quantized_tensors()).sum();
         let size = tensors as f64 * (f64::from(h) + 2.0) * 4.0;
         out.push_str(&format!(
-            "delayed scaling: each quantized tensor scaled by the largest amax of its last {h} steps (Transformer Engine's DelayedScaling, margin 0; scale 1 until one is recorded); amax histories of {tensors} tensors, {} in all (each stage holds its own layers', replicated over dp, tp and cp)\n",
+            "delayed scaling: each quantized tensor scaled by the largest amax of its last {h} steps (Transformer Engine's DelayedScaling, margin 0; a GEMM runs unquantized until both its operands' histories hold an amax: the first step); amax histories of {tensors} tensors, {} in all (each stage holds its own layers', replicated over dp, tp and cp)\n",
             bytes(size)
         ));
     }
@@ -548,5 +548,15 @@ where:
         assert_eq!(bytes(3.0 * 1024.0), "3.0 KiB");
         assert_eq!(count(124_439_808.0), "124.4M");
         assert_eq!(seconds(0.5), "500.0 ms");
+    }
+
+    #[test]
+    fn the_delayed_recipe_line_says_what_a_cold_gemm_does() {
+        // An empty history runs the GEMM unquantized (docs/fp8.md), not at scale 1 as
+        // Transformer Engine does: the line must say parc's rule.
+        let text = render_fp8(&[], Some(16));
+        assert!(text.contains("last 16 steps"), "{text}");
+        assert!(text.contains("runs unquantized until"), "{text}");
+        assert!(!text.contains("scale 1"), "{text}");
     }
 }
