@@ -48,6 +48,24 @@ impl SavedModel {
         };
         read_model(&file)
     }
+
+    /// The first parameter that holds values that are not finite (NaN or ±inf: a diverged run,
+    /// a damaged file), named with its file and counted; None when every value is finite.
+    /// Such parameters give logits that are not numbers, so sampling and export refuse them.
+    pub fn nonfinite(&self) -> Option<String> {
+        self.params.iter().find_map(|p| {
+            let first = p.data.iter().position(|x| !x.is_finite())?;
+            let count = p.data.iter().filter(|x| !x.is_finite()).count();
+            Some(format!(
+                "{}: tensor {} holds {count} of {} values that are not finite (element {first} \
+                 is {})",
+                self.path.display(),
+                p.name,
+                p.data.len(),
+                p.data[first]
+            ))
+        })
+    }
 }
 
 fn no_model_help(dir: &Path) -> String {
