@@ -56,6 +56,14 @@ pub fn main(args: ExportArgs) -> u8 {
         ));
         return 2;
     };
+    if let Some(what) = saved.nonfinite() {
+        print_error(&format!(
+            "{what}: the exported model would give logits that are not numbers; export a model \
+             saved before the run diverged (`parc run SPEC --resume DIR/step-N --set \
+             train.steps=N` writes an earlier checkpoint's model.safetensors)"
+        ));
+        return 1;
+    }
     let spec = match spec_of(source) {
         Ok(spec) => spec,
         Err(code) => return code,

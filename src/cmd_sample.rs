@@ -107,6 +107,13 @@ fn run(args: &SampleArgs) -> Result<(), Failure> {
         spec,
         tokenizer,
     } = load(args)?;
+    if let Some(what) = saved.nonfinite() {
+        return Err(failed(format!(
+            "{what}: the model's logits would not be numbers; sample a model saved before the \
+             run diverged (`parc run SPEC --resume DIR/step-N --set train.steps=N` writes an \
+             earlier checkpoint's model.safetensors)"
+        )));
+    }
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let backend = CpuBackend::with_threads(threads).map_err(failed)?;
     let mut engine = Engine::new(&spec, &saved.params, backend).map_err(failed)?;

@@ -383,7 +383,15 @@ fn a_sharded_checkpoint_loads() {
     let (spec, plan) = compile("tiny-llama", &[]);
     let initial = train(&spec, &plan, 0).unwrap();
     export(&spec, initial.clone(), &dir, None);
-    let tensors = read_tensors(&dir);
+    write_shards(&dir);
+    let (spec, plan) = compile("tiny-llama", &[&init_from(&dir)]);
+    let loaded = train(&spec, &plan, 0).unwrap_or_else(|e| panic!("{e}"));
+    assert!(initial == loaded);
+}
+
+/// Replace `dir/model.safetensors` by two shards and their `model.safetensors.index.json`.
+fn write_shards(dir: &Path) {
+    let tensors = read_tensors(dir);
     std::fs::remove_file(dir.join("model.safetensors")).unwrap();
     let mut weight_map = serde_json::Map::new();
     for (part, half) in tensors.chunks(tensors.len() / 2 + 1).enumerate() {
@@ -408,9 +416,67 @@ fn a_sharded_checkpoint_loads() {
     }
     let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
     std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
-    let (spec, plan) = compile("tiny-llama", &[&init_from(&dir)]);
-    let loaded = train(&spec, &plan, 0).unwrap_or_else(|e| panic!("{e}"));
-    assert!(initial == loaded);
+}
+
+/// A folder holding a sharded checkpoint and a `model.safetensors` is read as transformers
+/// reads it, from the single file (the shards were read before: another model than
+/// transformers'). An export that would leave such a folder, or overwrite parc's own model file
+/// (`parc export CKPT --format hf CKPT`), is refused naming the file, and writes nothing.
+#[test]
+fn an_export_replaces_no_model_and_stale_shards_are_not_read() {
+    let dir = cli::temp_dir("hf", "stale-shards");
+    let (spec, plan) = compile("tiny-llama", &[]);
+    let initial = train(&spec, &plan, 0).unwrap();
+    let trained = train(&spec, &plan, 2).unwrap();
+    assert!(initial != trained);
+    let stale = dir.join("stale");
+    export(&spec, initial, &stale, None);
+    write_shards(&stale);
+    let options = ExportOptions {
+        vocab: None,
+        dtype: HfDtype::F32,
+    };
+    let err = hf::export(&spec, &global_tensors(trained.clone()), &stale, options)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("holds model.safetensors.index.json") && err.contains("new or empty folder"),
+        "{err}"
+    );
+    assert!(!stale.join("model.safetensors").exists());
+    // The same folder with a model.safetensors beside the shards: that file is the model.
+    let fresh = dir.join("fresh");
+    export(&spec, trained.clone(), &fresh, None);
+    std::fs::copy(
+        fresh.join("model.safetensors"),
+        stale.join("model.safetensors"),
+    )
+    .unwrap();
+    let (spec_hf, plan_hf) = compile("tiny-llama", &[&init_from(&stale)]);
+    let loaded = train(&spec_hf, &plan_hf, 0).unwrap_or_else(|e| panic!("{e}"));
+    assert!(loaded == trained, "the stale shards were read");
+
+    // parc's model file (its metadata records the run's spec) is never replaced.
+    let ckpt = dir.join("ckpt");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    let model = ckpt.join("model.safetensors");
+    let data = [0u8; 4];
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1], &data);
+    let metadata = std::collections::HashMap::from([("parc.spec".to_string(), "{}".to_string())]);
+    safetensors::serialize_to_file([("x", view.unwrap())], Some(metadata), &model).unwrap();
+    let before = std::fs::read(&model).unwrap();
+    let err = hf::export(&spec, &global_tensors(trained), &ckpt, options)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("is parc's model file of a run") && err.contains("another folder"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&model).unwrap(), before);
+    assert!(!ckpt.join("config.json").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 fn load_error(spec: &Spec, plan: &Plan) -> String {

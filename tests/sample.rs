@@ -465,6 +465,50 @@ fn bad_sample_input_is_a_clear_error() {
     assert!(out.status.success(), "{}", stderr_of(&out));
     assert!(stdout_of(&out).starts_with("ROMEO:"));
 
+    // A model whose parameters are not finite (a diverged run, a damaged file) is refused by
+    // sample and export naming the tensor, before any logit is computed or any file written.
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = file
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| {
+            let mut data = t.data().to_vec();
+            if name == "blocks.1.mlp.fc" {
+                data[4..8].copy_from_slice(&f32::NAN.to_le_bytes());
+            }
+            (name, t.shape().to_vec(), data)
+        })
+        .collect();
+    let views = tensors.iter().map(|(name, shape, data)| {
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data);
+        (name.clone(), view.unwrap())
+    });
+    let diverged = dir.join("diverged.safetensors");
+    safetensors::serialize_to_file(views, header.metadata().clone(), &diverged).unwrap();
+    let named =
+        "tensor blocks.1.mlp.fc holds 1 of 16384 values that are not finite (element 1 is NaN)";
+    let out = sample(&diverged, &["--tokens", "4"]);
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(named) && err.contains("before the run diverged"),
+        "{err}"
+    );
+    assert!(stdout_of(&out).is_empty(), "{}", stdout_of(&out));
+    let hf = dir.join("diverged-hf");
+    let out = parc(&[
+        "export",
+        diverged.to_str().unwrap(),
+        "--format",
+        "hf",
+        hf.to_str().unwrap(),
+    ]);
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains(named), "{err}");
+    assert!(!hf.exists());
+
     // A spec of other shapes names the tensor that does not fit.
     let out = sample(
         &bare,

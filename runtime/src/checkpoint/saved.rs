@@ -48,15 +48,34 @@ impl SavedModel {
         };
         read_model(&file)
     }
+
+    /// The first parameter that holds values that are not finite (NaN or ±inf: a diverged run,
+    /// a damaged file), named with its file and counted; None when every value is finite.
+    /// Such parameters give logits that are not numbers, so sampling and export refuse them.
+    pub fn nonfinite(&self) -> Option<String> {
+        self.params.iter().find_map(|p| {
+            let first = p.data.iter().position(|x| !x.is_finite())?;
+            let count = p.data.iter().filter(|x| !x.is_finite()).count();
+            Some(format!(
+                "{}: tensor {} holds {count} of {} values that are not finite (element {first} \
+                 is {})",
+                self.path.display(),
+                p.name,
+                p.data.len(),
+                p.data[first]
+            ))
+        })
+    }
 }
+
+/// What a step's per-rank shards are, and how to get the global model of that step.
+const SHARDS: &str = "the global parameters are the checkpoint folder's model.safetensors, \
+     written when a run ends (reading a step's shards without their run is not built yet: \
+     resume it with `parc run --resume` and `--set train.steps` at that step to write it)";
 
 fn no_model_help(dir: &Path) -> String {
     if dir.join("manifest.json").is_file() {
-        "is one step's checkpoint, saved as per-rank shards of its plan; the global parameters \
-         are the checkpoint folder's model.safetensors, written when a run ends (reading a \
-         step's shards without their run is not built yet: resume it with `parc run --resume` \
-         and `--set train.steps` at that step to write it)"
-            .to_string()
+        format!("is one step's checkpoint, saved as per-rank shards of its plan; {SHARDS}")
     } else {
         "holds no model.safetensors; give the `checkpoint.dir` of a finished run, or a \
          .safetensors file"
@@ -69,6 +88,18 @@ fn read_model(path: &Path) -> Result<SavedModel> {
     let (_, header) = SafeTensors::read_metadata(&bytes)
         .map_err(|e| saved_error(path, crate::safetensors_header::explain(&bytes, &e)))?;
     let metadata = header.metadata().clone().unwrap_or_default();
+    // A checkpoint shard records its tensors' checksums and no spec: one rank's pieces of the
+    // parameters (tp blocks, ZeRO shards) beside its optimizer state, not the global model.
+    if metadata.contains_key(super::verify::CHECKSUMS_KEY) && !metadata.contains_key(SPEC_KEY) {
+        let folder = path.parent().unwrap_or(Path::new("."));
+        return Err(saved_error(
+            path,
+            format!(
+                "is one rank's shard of a step's checkpoint ({}), not a model file: {SHARDS}",
+                folder.display()
+            ),
+        ));
+    }
     let step = metadata
         .get("step")
         .and_then(|s| s.parse().ok())
@@ -152,5 +183,25 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("no such file"), "{err}");
+    }
+
+    /// A rank's shard given where a model file is meant (`parc sample DIR/step-N/rank-0.safetensors
+    /// --spec FILE` sampled from it as from a model of step 0) is named as a shard.
+    #[test]
+    fn a_checkpoint_shard_is_not_read_as_a_model() {
+        let dir = temp_dir("shard");
+        let params = [ShardTensor {
+            name: "embed.weight".into(),
+            shape: vec![2],
+            data: vec![1.0, 2.0],
+        }];
+        crate::checkpoint::store::write_shard(&dir, 0, &params).unwrap();
+        let shard = dir.join("rank-00000.safetensors");
+        assert!(shard.is_file());
+        let err = SavedModel::open(&shard).unwrap_err().to_string();
+        assert!(
+            err.contains("is one rank's shard of a step's checkpoint") && err.contains("--resume"),
+            "{err}"
+        );
     }
 }

@@ -44,6 +44,69 @@ impl std::fmt::Debug for Tokenizer {
     }
 }
 
+/// The files of a Hugging Face tokenizer saved without its single-file form: GPT-2/BPE's
+/// vocabulary and merges, SentencePiece's model, WordPiece's vocabulary, the settings.
+const TOKENIZER_PARTS: [&str; 6] = [
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "vocab.txt",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+];
+
+/// How to get a `tokenizer.json` from a model's other tokenizer files.
+const CONVERT: &str = "transformers writes one: `AutoTokenizer.from_pretrained(DIR)\
+                       .save_pretrained(DIR)` in Python";
+
+/// Why `path`, which is not a file, is no tokenizer: a folder (a model folder, whose
+/// `tokenizer.json` is meant, or that holds only a tokenizer's other files) or nothing.
+fn not_a_file(path: &Path) -> String {
+    let alternatives = "or use `tokenizer: gpt2` or `tokenizer: bytes`";
+    let folder = if path.is_dir() {
+        path
+    } else {
+        match path.parent() {
+            Some(parent)
+                if parent.is_dir() && path.file_name() == Some("tokenizer.json".as_ref()) =>
+            {
+                parent
+            }
+            _ => {
+                return format!(
+                    "no such file; give the path of a Hugging Face `tokenizer.json`, {alternatives}"
+                )
+            }
+        }
+    };
+    let inside = folder.join("tokenizer.json");
+    let parts: Vec<&str> = TOKENIZER_PARTS
+        .into_iter()
+        .filter(|p| folder.join(p).is_file())
+        .collect();
+    let holds = if parts.is_empty() {
+        String::new()
+    } else {
+        format!(
+            " {} holds {}, a tokenizer's files without its tokenizer.json, which parc reads; {CONVERT}.",
+            folder.display(),
+            parts.join(", ")
+        )
+    };
+    if path.is_dir() && inside.is_file() {
+        format!(
+            "is a folder; give its tokenizer.json: `{}`",
+            inside.display()
+        )
+    } else if path.is_dir() {
+        format!("is a folder without a tokenizer.json.{holds} Give the path of a Hugging Face `tokenizer.json`, {alternatives}")
+    } else {
+        format!(
+            "no such file.{holds} Give the path of a Hugging Face `tokenizer.json`, {alternatives}"
+        )
+    }
+}
+
 fn tokenizer_error(name: &str, what: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Data(format!("tokenizer {name}: {what}"))
 }
@@ -79,14 +142,20 @@ impl Tokenizer {
     pub fn from_file(path: &Path) -> Result<Tokenizer> {
         let name = path.display().to_string();
         if !path.is_file() {
-            return Err(tokenizer_error(
-                &name,
-                "no such file; give the path of a Hugging Face `tokenizer.json` (relative to the \
-                 spec's folder), or use `tokenizer: gpt2` or `tokenizer: bytes`",
-            ));
+            return Err(tokenizer_error(&name, not_a_file(path)));
         }
-        let mut hf = tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| tokenizer_error(&name, format!("not a readable tokenizer.json: {e}")))?;
+        let mut hf = tokenizers::Tokenizer::from_file(path).map_err(|e| {
+            let hint = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .filter(|n| TOKENIZER_PARTS.contains(n))
+                .map_or_else(String::new, |n| {
+                    format!(
+                        " ({n} is one of a tokenizer's files, not its tokenizer.json; {CONVERT})"
+                    )
+                });
+            tokenizer_error(&name, format!("not a readable tokenizer.json: {e}{hint}"))
+        })?;
         // Special tokens written in the text are text, as for GPT-2 (`encode`).
         hf.set_encode_special_tokens(true);
         Ok(Tokenizer {
@@ -307,6 +376,48 @@ mod tests {
         let ids = t.encode(GPT2_SAMPLE).unwrap();
         assert_eq!(ids, expected);
         assert_eq!(t.decode(&ids).unwrap(), GPT2_SAMPLE);
+    }
+
+    /// A model folder given where its tokenizer.json is meant, or a folder holding only a
+    /// tokenizer's other files (vocab.json and merges.txt, no tokenizer.json), is named with
+    /// what it holds and what to do, not as "no such file".
+    #[test]
+    fn a_folder_or_a_tokenizer_s_other_files_say_what_to_do() {
+        let pid = std::process::id();
+        let dir = std::env::temp_dir().join(format!("parc-tokenizer-parts-{pid}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("vocab.json"), "{}").unwrap();
+        std::fs::write(dir.join("merges.txt"), "#version: 0.2\n").unwrap();
+        let err = |p: &Path| Tokenizer::from_file(p).unwrap_err().to_string();
+        for given in [dir.clone(), dir.join("tokenizer.json")] {
+            let e = err(&given);
+            assert!(
+                e.contains(
+                    "holds vocab.json, merges.txt, a tokenizer's files without its \
+                            tokenizer.json"
+                ) && e.contains("save_pretrained(DIR)"),
+                "{e}"
+            );
+        }
+        let e = err(&dir.join("vocab.json"));
+        assert!(
+            e.contains("(vocab.json is one of a tokenizer's files, not its tokenizer.json"),
+            "{e}"
+        );
+        let e = err(&dir.join("nowhere").join("tokenizer.json"));
+        assert!(
+            e.contains("no such file; give the path of a Hugging Face `tokenizer.json`"),
+            "{e}"
+        );
+        let tiny = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/data/tiny-tokenizer.json"
+        );
+        std::fs::copy(tiny, dir.join("tokenizer.json")).unwrap();
+        let e = err(&dir);
+        assert!(e.contains("is a folder; give its tokenizer.json: `"), "{e}");
+        assert!(Tokenizer::from_file(&dir.join("tokenizer.json")).is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

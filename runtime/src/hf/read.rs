@@ -34,14 +34,17 @@ fn unreadable(path: &Path, error: &SafeTensorError, bytes: &[u8]) -> RuntimeErro
     read_error(path, crate::safetensors_header::explain(bytes, error))
 }
 
-/// The files of the checkpoint in `dir`: those its index names, else `model.safetensors`.
+/// The files of the checkpoint in `dir`: `model.safetensors`, else those its index names.
+/// A folder holding both is read as transformers reads it (`from_pretrained` takes the single
+/// file first), so a `model.safetensors` written beside an older sharded checkpoint is the
+/// model, not the stale shards.
 fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
     if !index.is_file() {
-        if single.is_file() {
-            return Ok(vec![single]);
-        }
         return Err(read_error(
             dir,
             "holds neither model.safetensors nor model.safetensors.index.json (a PyTorch \

@@ -4,7 +4,7 @@
 use super::config::config_json;
 use super::family::{recognise, Family};
 use super::names::{tensor_map, HfSizes, ParamMap};
-use crate::checkpoint::ShardTensor;
+use crate::checkpoint::{ShardTensor, SPEC_KEY};
 use crate::data::Tokenizer;
 use crate::error::{Result, RuntimeError};
 use parc_compiler::spec::{DataSource, Spec};
@@ -112,6 +112,7 @@ pub fn export(
             scatter(map, &param.data, &mut tensors);
         }
     }
+    refuse_to_replace(out)?;
     std::fs::create_dir_all(out).map_err(|e| RuntimeError::Io {
         context: format!("creating the export folder {}", out.display()),
         source: e,
@@ -132,6 +133,47 @@ pub fn export(
         tensors: tensors.len(),
         vocab,
     })
+}
+
+/// Refuses an `out` whose files an export would replace or leave beside a model of its own:
+/// parc's model file of a run (`parc export CKPT --format hf CKPT` would overwrite the file it
+/// reads, the run's only global parameters), or a sharded checkpoint's index (a folder of two
+/// models, the old shards beside the new `model.safetensors`). A `model.safetensors` of an
+/// earlier export (no recorded spec) is replaced.
+fn refuse_to_replace(out: &Path) -> Result<()> {
+    let index = out.join("model.safetensors.index.json");
+    if index.exists() {
+        return Err(export_error(format!(
+            "{} holds model.safetensors.index.json, a sharded checkpoint: the export's \
+             model.safetensors beside it would make a folder of two models; export into a new \
+             or empty folder (or remove the index and the shards it names)",
+            out.display()
+        )));
+    }
+    let model = out.join("model.safetensors");
+    if records_a_spec(&model) {
+        return Err(export_error(format!(
+            "{} is parc's model file of a run (it records the run's spec), which the export \
+             would replace with transformers' layout; give the export another folder",
+            model.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Whether `path` is a safetensors file whose metadata records a parc spec (`SPEC_KEY`); a
+/// file that is missing or unreadable records none.
+fn records_a_spec(path: &Path) -> bool {
+    let Ok(mut file) = std::fs::File::open(path) else {
+        return false;
+    };
+    let Ok(header) = crate::safetensors_header::read_stream(&mut file) else {
+        return false;
+    };
+    serde_json::from_slice::<serde_json::Value>(&header.json)
+        .ok()
+        .and_then(|h| h.get("__metadata__")?.get(SPEC_KEY).cloned())
+        .is_some()
 }
 
 /// The model file's parameters are exactly the spec's, at its shapes.
