@@ -410,6 +410,29 @@ fn every_saving(c: &Candidate) -> Option<String> {
     ))
 }
 
+/// What to change when no cluster of the GPU fits a plan. The search keeps the global batch,
+/// and a small one caps the GPUs a plan spreads over: dp × pp is at most the global batch
+/// (each dp rank runs at least pp microbatches of one sequence or more) and tp × cp stay
+/// inside a node, so Llama 3.1 405B at `global_batch = 8` fits no cluster while at 16 it does.
+fn no_cluster_fits(outcome: &Outcome) -> String {
+    const MOST: u64 = 65_536;
+    let batch = outcome.global_batch;
+    let node = u64::from(outcome.gpus_per_node.max(8));
+    if batch.saturating_mul(node) >= MOST {
+        return "no cluster of this GPU up to 65,536 GPUs has a plan the cost formulas fit: a \
+                smaller model or a shorter sequence"
+            .to_string();
+    }
+    format!(
+        "no cluster of this GPU up to 65,536 GPUs has a plan the cost formulas fit at \
+         global_batch = {batch}, which caps dp × pp at {batch} (each dp rank runs at least pp \
+         microbatches), so a plan spans at most about {} GPUs (tp × cp inside a node of {node}): a \
+         larger global_batch (`--set train.global_batch=…`) lets the model spread over more \
+         GPUs; or a smaller model or a shorter sequence",
+        batch * node
+    )
+}
+
 /// The line that says what to change: the nearest GPU counts where the formulas fit a plan,
 /// and the GPUs parc knows with more memory than `need` (the least a plan needs, when known,
 /// and whether a lowered plan measured it rather than the formulas).
@@ -430,11 +453,7 @@ fn what_to_change(outcome: &Outcome, need: Option<(u64, bool)>) -> String {
         .collect();
     let mut ways = Vec::new();
     if counts.is_empty() {
-        ways.push(
-            "no cluster of this GPU up to 65,536 GPUs has a plan the cost formulas fit: a \
-             smaller model or a shorter sequence"
-                .to_string(),
-        );
+        ways.push(no_cluster_fits(outcome));
     } else {
         ways.push(format!(
             "by the cost formulas a plan fits on {}; search there to be sure",

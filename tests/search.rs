@@ -116,6 +116,37 @@ fn memory_names_the_smallest_overshoot_and_what_to_change() {
     );
 }
 
+/// Llama-3-70B at a global batch of 1 on 8 GPUs: dp × pp is at most the global batch (each dp
+/// rank runs at least pp microbatches) and tp × cp stay inside a node, so no cluster of any size
+/// fits a plan; the help says the global batch is what caps it, where it used to name only a
+/// smaller model or a shorter sequence.
+#[test]
+fn a_global_batch_that_caps_the_cluster_is_named() {
+    let out = parc(&[
+        "plan",
+        "--search",
+        "examples/llama3-70b-64gpu.par",
+        "--gpus",
+        "8",
+        "--set",
+        "train.global_batch=1",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr_of(&out));
+    let text = no_fit(&stdout_of(&out));
+    let fix = text
+        .lines()
+        .find(|l| l.starts_with("to fit: "))
+        .unwrap_or_else(|| panic!("no `to fit` in:\n{text}"));
+    assert!(
+        fix.contains(
+            "no cluster of this GPU up to 65,536 GPUs has a plan the cost formulas fit at \
+             global_batch = 1, which caps dp × pp at 1"
+        ),
+        "{fix}"
+    );
+    assert!(fix.contains("a larger global_batch"), "{fix}");
+}
+
 /// Tiny on 5 GPUs: no way of splitting 5 GPUs suits the model (dp 5 does not divide the batch of
 /// 8, pp 5 is more stages than the 4 layers, tp 5 does not divide the vocabulary, 2·cp = 10 the
 /// 64 tokens). The report says so

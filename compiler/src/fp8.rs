@@ -29,6 +29,7 @@
 //! inside one rank, so every sharded dimension of an FP8 GEMM must be a whole number of blocks
 //! (E1204 otherwise).
 
+use crate::check::past_the_last_layer;
 use crate::diag::{Diagnostic, Diagnostics};
 use crate::ir::fp8::{Fp8Gemm, Fp8Scaling, MIN_BLOCK};
 use crate::ir::op::Op;
@@ -794,18 +795,6 @@ fn pins(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
             );
         }
     }
-}
-
-/// Where `pattern` is a repeated layer's path past the last iteration (`blocks.40.mlp` in a
-/// model of 32), the iterations there are, e.g. "the model repeats `blocks.0` to `blocks.31`".
-fn past_the_last_layer(pattern: &str, names: &[&str]) -> Option<String> {
-    let mut parts = pattern.splitn(3, '.');
-    let (scope, index) = (parts.next()?, parts.next()?.parse::<u64>().ok()?);
-    let last = (names.iter())
-        .filter_map(|n| n.strip_prefix(scope)?.strip_prefix('.'))
-        .filter_map(|rest| rest.split('.').next()?.parse::<u64>().ok())
-        .max()?;
-    (index > last).then(|| format!("the model repeats `{scope}.0` to `{scope}.{last}`"))
 }
 
 fn scale_groups(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {

@@ -569,13 +569,10 @@ pub fn recompute(model: &mut Model, r: &Recompute, span: Span, diags: &mut Diagn
         };
     }
     if let Recompute::Named(names) = r {
+        let nodes: Vec<&str> = model.nodes.iter().map(|n| n.name.as_str()).collect();
         for w in names {
             if !model.nodes.iter().any(|n| n.matches(w)) {
-                let kinds = ["Attention", "MLP", "LayerNorm", "RMSNorm", "Linear"];
-                let help = match suggest::closest(w, kinds) {
-                    Some(c) => format!("did you mean `{c}`? name layer kinds (`Attention`) or paths (`blocks.3.mlp`)"),
-                    None => "name layer kinds (`Attention`) or node paths (`blocks.3.mlp`)".to_string(),
-                };
+                let help = recompute_help(w, &nodes);
                 diags.push(
                     Diagnostic::error(
                         "E0213",
@@ -586,6 +583,28 @@ pub fn recompute(model: &mut Model, r: &Recompute, span: Span, diags: &mut Diagn
                 );
             }
         }
+    }
+}
+
+/// The help of E0213 for `name`, which matches none of the model's `nodes`: where the model's
+/// repeats end (`blocks.30` in a model of 24), the kind or path it likely means, or, for a
+/// word that is neither (`partial`, `uniform`, `Block`), what `recompute` takes.
+fn recompute_help(name: &str, nodes: &[&str]) -> String {
+    const WHAT: &str = "name layer kinds (`Attention`) or node paths (`blocks.3.mlp`)";
+    if let Some(range) = suggest::past_the_last_layer(name, nodes) {
+        return format!("{range}; {WHAT}");
+    }
+    let kinds = ["Attention", "MLP", "LayerNorm", "RMSNorm", "Linear"];
+    let path = name.contains('.');
+    let candidates = (kinds.into_iter().filter(|_| !path))
+        .chain(nodes.iter().copied().filter(|n| n.contains('.') == path));
+    match suggest::closest(name, candidates) {
+        Some(c) => format!("did you mean `{c}`? {WHAT}"),
+        None if path => WHAT.to_string(),
+        None => format!(
+            "`recompute` is `none`, `selective` (attention), `full` (every layer inside the \
+             `repeat`) or a list of layers: {WHAT}"
+        ),
     }
 }
 

@@ -22,6 +22,7 @@ mod sections;
 mod settings;
 mod suggest;
 pub(crate) use suggest::closest as closest_name;
+pub(crate) use suggest::past_the_last_layer;
 
 use crate::diag::{Diagnostic, Diagnostics, FileId, Sources, Span};
 use crate::overrides::Override;

@@ -32,6 +32,18 @@ pub fn closest<'a>(name: &str, candidates: impl IntoIterator<Item = &'a str>) ->
     same.or(prefix).or(typo).map(|(_, c)| *c)
 }
 
+/// Where `pattern` is a repeated layer's path past the last iteration (`blocks.40.mlp` in a
+/// model of 32), the iterations there are, e.g. "the model repeats `blocks.0` to `blocks.31`".
+pub fn past_the_last_layer(pattern: &str, names: &[&str]) -> Option<String> {
+    let mut parts = pattern.splitn(3, '.');
+    let (scope, index) = (parts.next()?, parts.next()?.parse::<u64>().ok()?);
+    let last = (names.iter())
+        .filter_map(|n| n.strip_prefix(scope)?.strip_prefix('.'))
+        .filter_map(|rest| rest.split('.').next()?.parse::<u64>().ok())
+        .max()?;
+    (index > last).then(|| format!("the model repeats `{scope}.0` to `{scope}.{last}`"))
+}
+
 /// Words as PyTorch and transformers spell them, and parc's.
 const WORDS: &[(&str, &str)] = &[
     ("bfloat16", "bf16"),

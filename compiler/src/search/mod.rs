@@ -173,6 +173,8 @@ pub struct Outcome {
     pub gpus_per_node: u32,
     pub gpus: u32,
     pub gpu_memory_bytes: u64,
+    /// The recipe's global batch (sequences per step), which every plan searched keeps.
+    pub global_batch: u64,
     /// The largest lowered memory over the formulas' seen (1 when nothing was lowered).
     pub underestimate: f64,
     /// With no plan that fits, where one would (`FitsOn::default()` otherwise).
@@ -299,6 +301,7 @@ pub fn search_from(
         gpus_per_node,
         gpus,
         gpu_memory_bytes: capacity,
+        global_batch: spec.train.global_batch,
         underestimate,
         fits_on,
     }

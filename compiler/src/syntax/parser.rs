@@ -244,11 +244,33 @@ fn syntax_error(file: FileId, text: &str, e: pest::error::Error<Rule>) -> Diagno
     } else {
         format!("found `{found}`")
     };
-    let help =
-        unit_help(text, start).unwrap_or_else(|| "see docs/language.md for the syntax".into());
+    let help = unit_help(text, start)
+        .or_else(|| non_ascii_name_help(text, start))
+        .unwrap_or_else(|| "see docs/language.md for the syntax".into());
     Diagnostic::error("E0101", format!("syntax error: {message}"))
         .label(Span::new(file, start, end), label)
         .help(help)
+}
+
+/// A name with a letter outside ASCII where the error is (`model 模型`, `as tête`): names are
+/// ASCII letters, digits and `_`, which "expected a name" alone does not say.
+fn non_ascii_name_help(text: &str, start: usize) -> Option<String> {
+    let word_char = |c: char| c.is_alphanumeric() || c == '_';
+    let (before, after) = (text.get(..start)?, text.get(start..)?);
+    let first = after.chars().next()?;
+    if first.is_ascii() || !first.is_alphabetic() {
+        return None;
+    }
+    let head: String = before.chars().rev().take_while(|c| word_char(*c)).collect();
+    let tail: String = after
+        .chars()
+        .take_while(|c| word_char(*c))
+        .take(40)
+        .collect();
+    let word: String = head.chars().rev().chain(tail.chars()).collect();
+    Some(format!(
+        "names are ASCII letters, digits and `_` (not starting with a digit): rename `{word}`"
+    ))
 }
 
 /// The units a quantity takes (`grammar/par.pest`'s `unit`).
