@@ -545,6 +545,9 @@ fn given_layers(r: &mut Reader) -> Option<GivenLayers> {
     valid.then_some(out)
 }
 
+/// `parallel.recompute`'s words that are modes, not layer names.
+const RECOMPUTE_MODES: [&str; 3] = ["none", "selective", "full"];
+
 fn recompute(r: &mut Reader) -> Recompute {
     match r.value("parallel.recompute") {
         None => Recompute::None,
@@ -554,6 +557,17 @@ fn recompute(r: &mut Reader) -> Recompute {
             "full" => Recompute::Full,
             _ => Recompute::Named(vec![w]).with_span(r, s),
         },
+        Some(SVal::Str(w, s)) if RECOMPUTE_MODES.contains(&w.as_str()) => {
+            r.diags.push(
+                Diagnostic::error(
+                    "E0904",
+                    format!("`\"{w}\"` is a string, not a recompute mode"),
+                )
+                .label(s, "quoted")
+                .help(format!("write it without quotes: `recompute = {w}`")),
+            );
+            Recompute::None
+        }
         Some(SVal::List(xs, _)) => {
             let mut names = Vec::new();
             for x in xs {
@@ -582,8 +596,7 @@ impl WithSpan for Recompute {
     fn with_span(self, r: &mut Reader, s: Span) -> Recompute {
         if let Recompute::Named(names) = &self {
             let w = names.first().map(String::as_str).unwrap_or("");
-            let modes = ["none", "selective", "full"];
-            if let Some(c) = suggest::closest(w, modes) {
+            if let Some(c) = suggest::closest(w, RECOMPUTE_MODES) {
                 r.diags.push(
                     Diagnostic::error("E0904", format!("`{w}` is not a recompute mode"))
                         .label(s, "unknown mode")
