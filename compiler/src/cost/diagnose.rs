@@ -12,9 +12,19 @@ use crate::spec::{Axis, Balance, LayerKind, PipelineSchedule, Recompute, Spec, Z
 /// The bubble fraction above which W0701 warns.
 pub const BUBBLE_LIMIT: f64 = 0.25;
 
-/// Bytes as GiB with one decimal.
+/// Bytes as GiB with one decimal; an amount that would print as 0.0 GiB (under 50 MiB: a
+/// tiny model, a GPU of a few MB) in MiB or KiB instead, so no non-zero amount reads as none.
 pub fn gib(bytes: u64) -> String {
-    format!("{:.1} GiB", bytes as f64 / f64::from(1u32 << 30))
+    let gib = bytes as f64 / f64::from(1u32 << 30);
+    if gib >= 0.05 || bytes == 0 {
+        return format!("{gib:.1} GiB");
+    }
+    let mib = bytes as f64 / f64::from(1u32 << 20);
+    if mib >= 0.05 {
+        format!("{mib:.1} MiB")
+    } else {
+        format!("{:.1} KiB", bytes as f64 / 1024.0)
+    }
 }
 
 fn peak(report: &CostReport) -> u64 {

@@ -666,3 +666,13 @@ fn stages_hold_the_listed_layers_and_auto_lightens_the_most_loaded() {
         );
     }
 }
+
+#[test]
+fn small_amounts_of_memory_print_in_a_unit_that_shows_them() {
+    use super::diagnose::gib;
+    assert_eq!(gib(80 << 30), "80.0 GiB");
+    assert_eq!(gib(0), "0.0 GiB");
+    // A GPU of 2 MB (E0701's "has" side) read as 0.0 GiB.
+    assert_eq!(gib(2_000_000), "1.9 MiB");
+    assert_eq!(gib(2048), "2.0 KiB");
+}
