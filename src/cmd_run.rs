@@ -105,6 +105,9 @@ fn run_with<B: Backend>(
     }
     if !quiet {
         crate::run_args::note_init(spec, args);
+        if backend == Resolved::Cpu {
+            note_cpu_threads(plan.world);
+        }
     }
     let mut options = train_options(args, spec_dir);
     if backend == Resolved::Cpu {
@@ -143,6 +146,19 @@ fn run_with<B: Backend>(
         .map(|p| crate::run_profile::profiled(p, spec, plan, &args.calibration));
     finish_report(&progress, &summary, profile.as_ref(), args.log_format);
     metrics.map_or(Ok(()), RunMetrics::finish)
+}
+
+/// The CPU backend runs every rank as a thread of this process: a world far larger than the
+/// machine's cores trains, but slowly, and says so before it starts.
+fn note_cpu_threads(world: u32) {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if world as usize > 4 * cores {
+        eprintln!(
+            "note: the cpu backend runs each of the {world} ranks as a thread on this machine's \
+             {cores} cores: expect steps to be slow (`parc check` and `parc plan` price this plan \
+             without running it)"
+        );
+    }
 }
 
 /// Bytes of host memory available now (Linux `MemAvailable`), if known.
