@@ -389,6 +389,42 @@ fn a_sharded_checkpoint_loads() {
     assert!(initial == loaded);
 }
 
+/// A tensor stored in two shards is refused naming it and both files: transformers keeps
+/// whichever copy it reads last whatever the index says, so parc used to pick one silently.
+#[test]
+fn a_tensor_in_two_shards_is_refused_naming_both_files() {
+    let dir = cli::temp_dir("hf", "sharded-twice");
+    let (spec, plan) = compile("tiny-llama", &[]);
+    export(&spec, train(&spec, &plan, 0).unwrap(), &dir, None);
+    write_shards(&dir);
+    let (first, second) = (
+        dir.join("model-00001-of-00002.safetensors"),
+        dir.join("model-00002-of-00002.safetensors"),
+    );
+    let read = |path: &Path| std::fs::read(path).unwrap();
+    let (bytes1, bytes2) = (read(&first), read(&second));
+    let (one, two) = (
+        SafeTensors::deserialize(&bytes1).unwrap(),
+        SafeTensors::deserialize(&bytes2).unwrap(),
+    );
+    let mut views = two.tensors();
+    let twice = "model.embed_tokens.weight";
+    views.push((twice.to_string(), one.tensor(twice).unwrap()));
+    std::fs::write(&second, safetensors::serialize(views, None).unwrap()).unwrap();
+    let (spec, plan) = compile("tiny-llama", &[&init_from(&dir)]);
+    let Err(err) = train(&spec, &plan, 0) else {
+        panic!("a tensor stored twice loaded");
+    };
+    let err = err.to_string();
+    assert!(
+        err.contains(&format!("tensor {twice} is stored twice"))
+            && err.contains(&first.display().to_string())
+            && err.contains(&second.display().to_string())
+            && err.contains("weight_map names model-00001-of-00002.safetensors"),
+        "{err}"
+    );
+}
+
 /// Replace `dir/model.safetensors` by two shards and their `model.safetensors.index.json`.
 fn write_shards(dir: &Path) {
     let tensors = read_tensors(dir);
