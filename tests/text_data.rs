@@ -162,3 +162,28 @@ fn bad_text_input_is_a_clear_error() {
         stderr_of(&out)
     );
 }
+
+/// `parc tokenize --shard-tokens 0` names the flag (it used to name the output folder, as if
+/// the folder were the problem).
+#[test]
+fn a_shard_of_no_tokens_names_the_flag() {
+    let dir = temp_dir("shard-tokens-0");
+    let text = dir.join("a.txt");
+    std::fs::write(&text, "some text").unwrap();
+    let out = dir.join("out");
+    let args = [
+        "tokenize",
+        text.to_str().unwrap(),
+        "--tokenizer",
+        "bytes",
+        "--out",
+        out.to_str().unwrap(),
+        "--shard-tokens",
+        "0",
+    ];
+    let run = parc(&args);
+    let err = stderr_of(&run);
+    assert_eq!(run.status.code(), Some(2), "{err}");
+    assert!(err.contains("--shard-tokens 0"), "{err}");
+    assert!(!out.exists(), "nothing is written");
+}
