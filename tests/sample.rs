@@ -354,6 +354,29 @@ fn parc_sample_continues_a_prompt_from_a_checkpoint() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The temperature is printed as short as it reads back: `1e300`, not its 301 digits (in the
+/// header and in the error of a negative one).
+#[test]
+fn a_huge_temperature_is_printed_compactly() {
+    let dir = cli_support::temp_dir("sample", "temperature");
+    let ckpt = trained(&dir);
+    let out = sample(&ckpt, &["--tokens", "2", "--temperature", "1e300"]);
+    let err = stderr_of(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("temperature 1e300, seed 0"), "{err}");
+    let out = sample(&ckpt, &["--temperature", "-1e300"]);
+    let err = stderr_of(&out);
+    assert!(err.contains("temperature = -1e300 must be"), "{err}");
+    assert!(!err.contains("0000000000"), "{err}");
+    let out = sample(&ckpt, &["--tokens", "2", "--temperature", "0.8"]);
+    assert!(
+        stderr_of(&out).contains("temperature 0.8,"),
+        "{}",
+        stderr_of(&out)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// `--dump-logits FILE`'s logits, as rows.
 fn dumped_logits(file: &Path) -> Vec<Vec<f32>> {
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(file).unwrap()).unwrap();
