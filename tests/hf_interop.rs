@@ -557,6 +557,31 @@ fn every_config_field_that_disagrees_is_named() {
     );
 }
 
+/// A field the file writes as null or as a float is shown as the file writes it, with what the
+/// spec needs: `vocab_size: null` used to read as transformers' default (`vocab_size = 50257`,
+/// which the file does not hold) and `n_layer: 2.0` as a mismatch of 2.0 with 2. A null that
+/// transformers itself resolves (`n_inner`: 4 × n_embd) still reads as its default.
+#[test]
+fn a_null_or_float_config_field_is_shown_as_written() {
+    let (dir, spec, plan) = broken_export("null-float");
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["vocab_size"] = serde_json::Value::Null;
+    config["n_layer"] = 2.0.into();
+    config["n_inner"] = serde_json::Value::Null;
+    std::fs::write(&path, config.to_string()).unwrap();
+    let err = load_error(&spec, &plan);
+    for expected in [
+        "config.json vocab_size = null, spec vocab = 256: a whole number from 1 to 256 is \
+         expected",
+        "config.json n_layer = 2.0, spec layers = 2: a whole number is expected (write 2)",
+    ] {
+        assert!(err.contains(expected), "{expected:?} not in {err}");
+    }
+    assert!(!err.contains("50257") && !err.contains("n_inner"), "{err}");
+}
+
 #[test]
 fn a_missing_tensor_is_named_with_its_file() {
     let (dir, spec, plan) = broken_export("missing");
