@@ -15,7 +15,7 @@ use parc_runtime::checkpoint::{SavedModel, SpecSource};
 use parc_runtime::cpu::CpuBackend;
 use parc_runtime::data::{StreamDecoder, Tokenizer};
 use parc_runtime::generate::{
-    data_tokenizer, encode_prompt, generate, Engine, Generated, Limits, Rows, Sampler,
+    compact, data_tokenizer, encode_prompt, generate, Engine, Generated, Limits, Rows, Sampler,
 };
 use parc_runtime::hf::HfInit;
 use std::io::Write;
@@ -173,7 +173,8 @@ fn describe(sampler: &Sampler) -> String {
         .map_or_else(String::new, |k| format!(", top-k {k}"));
     format!(
         "temperature {}{top_k}, seed {}",
-        sampler.temperature, sampler.seed
+        compact(sampler.temperature),
+        sampler.seed
     )
 }
 

@@ -54,6 +54,13 @@ pub fn main(args: TokenizeArgs) -> u8 {
 
 fn run(args: &TokenizeArgs) -> Result<(), (u8, String)> {
     let usage = |m: String| (2, m);
+    if args.shard_tokens == 0 {
+        return Err(usage(
+            "--shard-tokens 0: a shard must hold at least one token; give 1 or more, or leave \
+             the flag out (100,000,000 tokens a shard)"
+                .to_string(),
+        ));
+    }
     let files = input_files(&args.inputs).map_err(usage)?;
     let tokenizer = open_tokenizer(&args.tokenizer).map_err(usage)?;
     let dtype = dtype(args.dtype, &tokenizer).map_err(usage)?;

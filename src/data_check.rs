@@ -10,16 +10,21 @@
 //! - files that are not here are a warning (W1002: a spec is often checked where its data is
 //!   not, on a laptop or in CI, and `parc run` fails on them where they are still missing);
 //! - an epoch of only a few global batches is a warning too, as the run repeats its data often
-//!   (W1001).
+//!   (W1001);
+//! - a text source's `tokenizer.json` is opened as the run opens it, relative to the spec's
+//!   folder: not here is a warning (W1004, as data that is not here), one the run cannot read
+//!   an error (E1004), one with more tokens than the model's `vocab` an error (E0310, as for
+//!   the built-in tokenizers).
 //!
-//! Only file sizes are read: token files hold `size / width` tokens; text through a tokenizer
-//! is only checked to exist and not to be empty (counting its tokens means tokenizing it, which
-//! `parc run` does). It runs on a spec without errors, as lowering does.
+//! Only file sizes are read, and the tokenizer: token files hold `size / width` tokens; text
+//! through a tokenizer is only checked to exist and not to be empty (counting its tokens means
+//! tokenizing it, which `parc run` does). It runs on a spec without errors, as lowering does.
 use parc_compiler::diag::{Diagnostic, Span};
-use parc_compiler::spec::{DataSource, Spec};
+use parc_compiler::spec::{DataSource, Spec, Tokenizer as TokenizerSpec};
 use parc_runtime::data::files::data_files;
 use parc_runtime::data::source::{check_shard_format, check_token_file_size};
 use parc_runtime::data::training_samples;
+use parc_runtime::data::Tokenizer;
 use parc_runtime::error::RuntimeError;
 use std::path::Path;
 
@@ -34,14 +39,104 @@ pub fn diagnose(spec: &Spec, spec_dir: &Path) -> Vec<Diagnostic> {
         Measured::Refused(d) => out.push(d),
         Measured::Uncounted => {}
     }
+    let vocab = spec.model.vocab;
+    out.extend(tokenizer_file(
+        &spec.train.data,
+        "train.data",
+        vocab,
+        spec_dir,
+    ));
     if let Some(source) = spec.train.eval.as_ref().and_then(|e| e.data.as_ref()) {
         match measure(source, "train.eval.data", spec_dir) {
             Measured::Tokens(tokens, span) => out.extend(eval_batches(spec, tokens, span)),
             Measured::Refused(d) => out.push(d),
             Measured::Uncounted => {}
         }
+        // The training data's tokenizer once: its file says the same twice.
+        if tokenizer_path(source) != tokenizer_path(&spec.train.data) {
+            out.extend(tokenizer_file(source, "train.eval.data", vocab, spec_dir));
+        }
     }
     out
+}
+
+/// The `tokenizer.json` a text source names, if it names one.
+fn tokenizer_path(source: &DataSource) -> Option<&str> {
+    match source {
+        DataSource::Text {
+            tokenizer: TokenizerSpec::File { path },
+            ..
+        } => Some(path),
+        _ => None,
+    }
+}
+
+/// A text source's `tokenizer.json`, opened as `parc run` opens it (relative to the spec's
+/// folder): W1004 when it is not here, E1004 when the run could not read it, E0310 when it
+/// has more tokens than the model's `vocab`. Labelled at the path.
+fn tokenizer_file(
+    source: &DataSource,
+    setting: &str,
+    vocab: u64,
+    spec_dir: &Path,
+) -> Option<Diagnostic> {
+    let DataSource::Text {
+        tokenizer: kind @ TokenizerSpec::File { path },
+        tokenizer_span: span,
+        ..
+    } = source
+    else {
+        return None;
+    };
+    let file = spec_dir.join(path);
+    let opened = match Tokenizer::open(kind, spec_dir) {
+        Ok(opened) => opened,
+        Err(e) if !file.exists() => {
+            let d = Diagnostic::warning(
+                "W1004",
+                format!(
+                    "the tokenizer of `{setting}` is not here; `parc run` fails unless it is \
+                     where the run starts"
+                ),
+            )
+            .label(*span, "this tokenizer")
+            .help(format!(
+                "{} (a path in `text(…)` is relative to the spec's folder)",
+                message(e)
+            ));
+            return Some(d);
+        }
+        Err(e) => {
+            let d = Diagnostic::error(
+                "E1004",
+                format!("`{setting}` cannot be read as written: {}", message(e)),
+            )
+            .label(*span, "this tokenizer")
+            .help(
+                "give the path of a Hugging Face tokenizer.json (relative to the spec's \
+                 folder), or use `tokenizer: gpt2` or `tokenizer: bytes`",
+            );
+            return Some(d);
+        }
+    };
+    let size = opened.vocab_size();
+    if size <= vocab {
+        return None;
+    }
+    let padded = size.div_ceil(64) * 64;
+    let d = Diagnostic::error(
+        "E0310",
+        format!(
+            "the tokenizer {} has {size} tokens but vocab = {vocab}",
+            file.display()
+        ),
+    )
+    .label(*span, format!("{size} tokens"))
+    .help(format!(
+        "set `let vocab = {padded}` in the model (at least {size}; a multiple of 64 keeps the \
+         embedding and head fast), or use a tokenizer of at most {vocab} tokens"
+    ));
+    Some(d)
 }
 
 /// What the sizes of a data source's files say.

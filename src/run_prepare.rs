@@ -6,6 +6,7 @@ use crate::diagnostics;
 use crate::input::{parse_overrides, read_spec};
 use crate::run_args::{resolve_backend, Resolved, RunArgs};
 use crate::SpecArgs;
+use parc_compiler::diag::Diagnostic;
 use parc_compiler::driver::{self, CompileOptions, Compiled, Stage};
 use parc_compiler::ir::Plan;
 use parc_compiler::spec::Spec;
@@ -97,20 +98,28 @@ pub(crate) fn compile(
     }
 }
 
-/// Check the spec a model file records (or `--spec` gives for one), its diagnostics on stderr:
-/// `Err` is a `--set` override that does not parse, `Ok(None)` a spec with errors.
+/// Check the spec a model file records (or `--spec` gives for one), its errors on stderr:
+/// `Err` is a `--set` override that does not parse, `Ok(None)` a spec with errors. Warnings
+/// are left out: they are about training the spec (its recipe, plan and data), which `parc
+/// sample` and `parc export` do not do, and the run that wrote the file already gave them.
 pub(crate) fn check_recorded(source: &SpecSource) -> Result<Option<Spec>, String> {
     let overrides = parse_overrides(&source.overrides)?;
     let options = CompileOptions::through(Stage::Check);
     let compiled = driver::compile(&source.file, source.text.clone(), &overrides, &options);
-    show_diagnostics(&compiled);
+    show(&compiled, |d| d.is_error());
     Ok(compiled.spec)
 }
 
 /// Every diagnostic of the compilation on stderr, each followed by an empty line.
 fn show_diagnostics(compiled: &Compiled) {
+    show(compiled, |_| true);
+}
+
+/// The diagnostics of the compilation that `shown` picks on stderr, each followed by an empty
+/// line.
+fn show(compiled: &Compiled, shown: impl Fn(&Diagnostic) -> bool) {
     let color = diagnostics::stderr_color();
-    for d in &compiled.diagnostics.items {
+    for d in compiled.diagnostics.items.iter().filter(|d| shown(d)) {
         eprint!("{}", diagnostics::render(&compiled.sources, d, color));
         eprintln!();
     }

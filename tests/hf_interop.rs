@@ -389,6 +389,42 @@ fn a_sharded_checkpoint_loads() {
     assert!(initial == loaded);
 }
 
+/// A tensor stored in two shards is refused naming it and both files: transformers keeps
+/// whichever copy it reads last whatever the index says, so parc used to pick one silently.
+#[test]
+fn a_tensor_in_two_shards_is_refused_naming_both_files() {
+    let dir = cli::temp_dir("hf", "sharded-twice");
+    let (spec, plan) = compile("tiny-llama", &[]);
+    export(&spec, train(&spec, &plan, 0).unwrap(), &dir, None);
+    write_shards(&dir);
+    let (first, second) = (
+        dir.join("model-00001-of-00002.safetensors"),
+        dir.join("model-00002-of-00002.safetensors"),
+    );
+    let read = |path: &Path| std::fs::read(path).unwrap();
+    let (bytes1, bytes2) = (read(&first), read(&second));
+    let (one, two) = (
+        SafeTensors::deserialize(&bytes1).unwrap(),
+        SafeTensors::deserialize(&bytes2).unwrap(),
+    );
+    let mut views = two.tensors();
+    let twice = "model.embed_tokens.weight";
+    views.push((twice.to_string(), one.tensor(twice).unwrap()));
+    std::fs::write(&second, safetensors::serialize(views, None).unwrap()).unwrap();
+    let (spec, plan) = compile("tiny-llama", &[&init_from(&dir)]);
+    let Err(err) = train(&spec, &plan, 0) else {
+        panic!("a tensor stored twice loaded");
+    };
+    let err = err.to_string();
+    assert!(
+        err.contains(&format!("tensor {twice} is stored twice"))
+            && err.contains(&first.display().to_string())
+            && err.contains(&second.display().to_string())
+            && err.contains("weight_map names model-00001-of-00002.safetensors"),
+        "{err}"
+    );
+}
+
 /// Replace `dir/model.safetensors` by two shards and their `model.safetensors.index.json`.
 fn write_shards(dir: &Path) {
     let tensors = read_tensors(dir);
@@ -519,6 +555,31 @@ fn every_config_field_that_disagrees_is_named() {
         err.contains("model_type = \"llama\", the spec is a GPT-2 model"),
         "{err}"
     );
+}
+
+/// A field the file writes as null or as a float is shown as the file writes it, with what the
+/// spec needs: `vocab_size: null` used to read as transformers' default (`vocab_size = 50257`,
+/// which the file does not hold) and `n_layer: 2.0` as a mismatch of 2.0 with 2. A null that
+/// transformers itself resolves (`n_inner`: 4 × n_embd) still reads as its default.
+#[test]
+fn a_null_or_float_config_field_is_shown_as_written() {
+    let (dir, spec, plan) = broken_export("null-float");
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["vocab_size"] = serde_json::Value::Null;
+    config["n_layer"] = 2.0.into();
+    config["n_inner"] = serde_json::Value::Null;
+    std::fs::write(&path, config.to_string()).unwrap();
+    let err = load_error(&spec, &plan);
+    for expected in [
+        "config.json vocab_size = null, spec vocab = 256: a whole number from 1 to 256 is \
+         expected",
+        "config.json n_layer = 2.0, spec layers = 2: a whole number is expected (write 2)",
+    ] {
+        assert!(err.contains(expected), "{expected:?} not in {err}");
+    }
+    assert!(!err.contains("50257") && !err.contains("n_inner"), "{err}");
 }
 
 #[test]

@@ -354,6 +354,68 @@ fn parc_sample_continues_a_prompt_from_a_checkpoint() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A model whose run was warned about its recipe (W0901: the warmup outlasts the run) samples
+/// and exports without the warning: it is about training, which neither command does (both
+/// used to print it from the spec the model file records).
+#[test]
+fn sample_and_export_leave_out_the_runs_training_warnings() {
+    let dir = cli_support::temp_dir("sample", "warned");
+    let ckpt = dir.join("ckpt");
+    let set_dir = format!("train.checkpoint.dir=\"{}\"", ckpt.display());
+    let mut args = vec!["run", "examples/tiny.par", "--backend", "cpu"];
+    args.extend(sets(&[
+        "train.steps=2",
+        "train.checkpoint.every=2",
+        &set_dir,
+    ]));
+    let run = parc_ok(&args);
+    assert!(stderr_of(&run).contains("W0901"), "{}", stderr_of(&run));
+    let out = sample(&ckpt, &["--tokens", "4"]);
+    let err = stderr_of(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(!err.contains("W0901") && !err.contains("warmup"), "{err}");
+    let hf = dir.join("hf");
+    let out = parc_ok(&[
+        "export",
+        ckpt.to_str().unwrap(),
+        "--format",
+        "hf",
+        hf.to_str().unwrap(),
+    ]);
+    let err = stderr_of(&out);
+    assert!(!err.contains("W0901") && !err.contains("warmup"), "{err}");
+    // A spec with errors still shows them: they say why the command cannot go on.
+    let broken = dir.join("broken.par");
+    std::fs::write(&broken, "model m {").unwrap();
+    let out = sample(&ckpt, &["--spec", broken.to_str().unwrap()]);
+    let err = stderr_of(&out);
+    assert!(err.contains("E0101"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The temperature is printed as short as it reads back: `1e300`, not its 301 digits (in the
+/// header and in the error of a negative one).
+#[test]
+fn a_huge_temperature_is_printed_compactly() {
+    let dir = cli_support::temp_dir("sample", "temperature");
+    let ckpt = trained(&dir);
+    let out = sample(&ckpt, &["--tokens", "2", "--temperature", "1e300"]);
+    let err = stderr_of(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("temperature 1e300, seed 0"), "{err}");
+    let out = sample(&ckpt, &["--temperature", "-1e300"]);
+    let err = stderr_of(&out);
+    assert!(err.contains("temperature = -1e300 must be"), "{err}");
+    assert!(!err.contains("0000000000"), "{err}");
+    let out = sample(&ckpt, &["--tokens", "2", "--temperature", "0.8"]);
+    assert!(
+        stderr_of(&out).contains("temperature 0.8,"),
+        "{}",
+        stderr_of(&out)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// `--dump-logits FILE`'s logits, as rows.
 fn dumped_logits(file: &Path) -> Vec<Vec<f32>> {
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(file).unwrap()).unwrap();

@@ -162,3 +162,119 @@ fn bad_text_input_is_a_clear_error() {
         stderr_of(&out)
     );
 }
+
+/// `parc tokenize --shard-tokens 0` names the flag (it used to name the output folder, as if
+/// the folder were the problem).
+#[test]
+fn a_shard_of_no_tokens_names_the_flag() {
+    let dir = temp_dir("shard-tokens-0");
+    let text = dir.join("a.txt");
+    std::fs::write(&text, "some text").unwrap();
+    let out = dir.join("out");
+    let args = [
+        "tokenize",
+        text.to_str().unwrap(),
+        "--tokenizer",
+        "bytes",
+        "--out",
+        out.to_str().unwrap(),
+        "--shard-tokens",
+        "0",
+    ];
+    let run = parc(&args);
+    let err = stderr_of(&run);
+    assert_eq!(run.status.code(), Some(2), "{err}");
+    assert!(err.contains("--shard-tokens 0"), "{err}");
+    assert!(!out.exists(), "nothing is written");
+}
+
+/// `parc check` of `spec.par` in `dir`, `tiny.par` reading `corpus.txt` through `tokenizer`,
+/// run from the repository root: its exit code and its diagnostics (JSON).
+fn check_tokenizer(
+    dir: &std::path::Path,
+    tokenizer: &str,
+    sets: &[&str],
+) -> (Option<i32>, Vec<serde_json::Value>) {
+    let tiny = std::fs::read_to_string(root().join("examples/tiny.par")).unwrap();
+    let data = format!("data = text(\"corpus.txt\", tokenizer: \"{tokenizer}\")");
+    let spec = tiny.replace("data = \"data/tiny-shakespeare.txt\" as bytes", &data);
+    assert_ne!(spec, tiny);
+    let file = dir.join("spec.par");
+    std::fs::write(&file, spec).unwrap();
+    let file = file.to_str().unwrap();
+    let mut args = vec!["check", file, "--lower", "never", "--format", "json"];
+    for set in sets {
+        args.extend(["--set", set]);
+    }
+    let out = parc(&args);
+    let doc: serde_json::Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", stderr_of(&out)));
+    let diags = doc["files"][0]["diagnostics"].as_array().unwrap().clone();
+    (out.status.code(), diags)
+}
+
+/// `parc check` opens a text source's tokenizer.json as `parc run` does, relative to the spec's
+/// folder (here not the current one): one that is not there is a warning (W1004, as data that
+/// is not here), one the run cannot read an error (E1004), one larger than the model's `vocab`
+/// E0310; each labels the path. The check used to pass them all and only the run failed.
+#[test]
+fn check_opens_the_tokenizer_file_beside_the_spec() {
+    let dir = temp_dir("check-tokenizer");
+    std::fs::write(dir.join("corpus.txt"), "To be, or not to be.\n".repeat(100)).unwrap();
+    std::fs::create_dir_all(dir.join("tok")).unwrap();
+    std::fs::copy(
+        root().join("tests/data/tiny-tokenizer.json"),
+        dir.join("tok/tokenizer.json"),
+    )
+    .unwrap();
+    std::fs::write(dir.join("broken.json"), "{ not a tokenizer").unwrap();
+    let codes = |diags: &[serde_json::Value]| -> Vec<String> {
+        diags
+            .iter()
+            .map(|d| d["code"].as_str().unwrap().to_string())
+            .collect()
+    };
+
+    // Its 320 tokens fit a vocab of 320.
+    let (code, diags) = check_tokenizer(&dir, "tok/tokenizer.json", &["model.vocab=320"]);
+    assert_eq!((code, codes(&diags)), (Some(0), vec![]), "{diags:?}");
+
+    let cases = [
+        ("tok/tokenizer.json", "E0310", Some(1), "has 320 tokens"),
+        ("absent/tokenizer.json", "W1004", Some(0), "no such file"),
+        (
+            "broken.json",
+            "E1004",
+            Some(1),
+            "not a readable tokenizer.json",
+        ),
+        ("tok", "E1004", Some(1), "give its tokenizer.json"),
+    ];
+    for (tokenizer, want, exit, says) in cases {
+        let (code, diags) = check_tokenizer(&dir, tokenizer, &[]);
+        assert_eq!(
+            (code, codes(&diags)),
+            (exit, vec![want.to_string()]),
+            "{tokenizer}: {diags:?}"
+        );
+        let d = &diags[0];
+        let text = format!("{} {}", d["message"], d["help"]);
+        assert!(text.contains(says), "{tokenizer}: {text}");
+        // The path, as the run resolves it: beside the spec.
+        let resolved = dir.join(tokenizer).display().to_string();
+        assert!(text.contains(&resolved), "{tokenizer}: {text}");
+        // The label is the path's string in the spec.
+        let spec = std::fs::read_to_string(dir.join("spec.par")).unwrap();
+        let label = &d["labels"][0];
+        let line = spec
+            .lines()
+            .nth(label["line"].as_u64().unwrap() as usize - 1)
+            .unwrap();
+        let (start, end) = (
+            label["column"].as_u64().unwrap() as usize,
+            label["end_column"].as_u64().unwrap() as usize,
+        );
+        let labelled: String = line.chars().skip(start - 1).take(end - start).collect();
+        assert_eq!(labelled, format!("\"{tokenizer}\""), "{tokenizer}");
+    }
+}

@@ -688,6 +688,9 @@ pub enum DataSource {
         path: String,
         tokenizer: Tokenizer,
         span: Span,
+        /// Where the tokenizer is written (a `tokenizer.json`'s path string), for the
+        /// diagnostics of its file.
+        tokenizer_span: Span,
     },
     /// Uniform random tokens from the seed (benchmarks and tests).
     Synthetic,

@@ -1,6 +1,7 @@
 //! Data sources written as calls — `text("corpus.txt", tokenizer: gpt2)`, read into a
 //! [`DataSource::Text`] — and the check of a text source's tokenizer against the model's
-//! vocabulary (a `tokenizer.json`'s size is known only when the run reads it).
+//! vocabulary (a `tokenizer.json`'s size is known only once its file is read: `parc check`'s
+//! `src/data_check.rs` and the run do).
 
 use super::suggest;
 use crate::diag::{Diagnostic, Diagnostics, Span};
@@ -29,6 +30,7 @@ pub fn call_source(e: &Expr, diags: &mut Diagnostics) -> Option<DataSource> {
 fn text(diags: &mut Diagnostics, args: &[Arg], span: Span) -> DataSource {
     let mut path: Option<String> = None;
     let mut tokenizer: Option<Tokenizer> = None;
+    let mut tokenizer_span = span;
     for arg in args {
         match arg {
             Arg::Positional(e) if path.is_none() => path = Some(text_path(diags, e)),
@@ -40,6 +42,7 @@ fn text(diags: &mut Diagnostics, args: &[Arg], span: Span) -> DataSource {
             ),
             Arg::Named(name, e) if name.name == "tokenizer" && tokenizer.is_none() => {
                 tokenizer = Some(tokenizer_arg(diags, e));
+                tokenizer_span = e.span;
             }
             Arg::Named(name, _) if name.name == "tokenizer" => {
                 wrong_argument(diags, name.span, "`tokenizer` is given twice", "keep one")
@@ -61,6 +64,7 @@ fn text(diags: &mut Diagnostics, args: &[Arg], span: Span) -> DataSource {
         path: path.unwrap_or_default(),
         tokenizer: tokenizer.unwrap_or(Tokenizer::Bytes),
         span,
+        tokenizer_span,
     }
 }
 

@@ -342,6 +342,57 @@ pub fn finished_steps(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(list_steps(dir)?.into_iter().map(|(_, p)| p).collect())
 }
 
+/// What `--resume` is for, for the errors of weights given to it.
+const RESUME_IS: &str = "--resume continues a run from its checkpoint folder (the spec's \
+                         checkpoint.dir, or one of its step-N folders)";
+
+/// Why `path`, which exists and holds no manifest, is not a checkpoint when it is weights of
+/// another kind, and how to start from them (docs/run.md, "Hugging Face weights"): a Hugging
+/// Face folder or its safetensors file is `train.init = hf(DIR)`; a run's final
+/// model.safetensors is resumed from its folder; another safetensors file is exported to a
+/// Hugging Face folder first. `None` for a folder that may hold checkpoints.
+fn not_a_checkpoint(path: &Path) -> Option<String> {
+    let hf = |dir: &Path| {
+        format!(
+            "is a Hugging Face model, not a checkpoint: {RESUME_IS}. To start training from \
+             these weights, set `train.init = hf(\"{}\")` in the spec (or `--set \
+             'train.init=hf(\"{}\")'`; a relative path there is relative to the spec's folder)",
+            dir.display(),
+            dir.display()
+        )
+    };
+    let has_steps = |dir: &Path| list_steps(dir).is_ok_and(|steps| !steps.is_empty());
+    if path.is_dir() {
+        return (path.join("config.json").is_file() && !has_steps(path)).then(|| hf(path));
+    }
+    let folder = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if folder.join("config.json").is_file() {
+        return Some(hf(folder));
+    }
+    if has_steps(folder) {
+        return Some(format!(
+            "is the final model of the run whose checkpoints are in {}, not a checkpoint: \
+             {RESUME_IS}; to continue that run, give its folder: `--resume {}`",
+            folder.display(),
+            folder.display()
+        ));
+    }
+    let weights = path.extension().is_some_and(|e| e == "safetensors");
+    Some(if weights {
+        format!(
+            "is a model file, not a checkpoint: {RESUME_IS}. To start training from its \
+             weights, write it as a Hugging Face folder (`parc export {} --format hf OUT`, for \
+             a model file parc wrote) and set `train.init = hf(\"OUT\")` in the spec",
+            path.display()
+        )
+    } else {
+        format!("is a file, not a checkpoint: {RESUME_IS}")
+    })
+}
+
 /// The checkpoint `path` names: `path` itself when it holds a manifest, else the newest
 /// finished checkpoint inside it.
 pub fn find_latest(path: &Path) -> Result<PathBuf> {
@@ -354,6 +405,9 @@ pub fn find_latest(path: &Path) -> Result<PathBuf> {
     }
     if path.join("manifest.json").is_file() {
         return Ok(path.to_path_buf());
+    }
+    if let Some(what) = not_a_checkpoint(path) {
+        return Err(ckpt_error(path, what));
     }
     list_steps(path)?.pop().map(|(_, p)| p).ok_or_else(|| {
         ckpt_error(
@@ -610,5 +664,41 @@ pub(super) mod tests {
         prepare(&dir, 6).unwrap();
         assert!(commit(&dir, &manifest(6, 2), 0).is_err());
         assert!(!dir.join("step-00000006").exists());
+    }
+
+    /// Weights that are not a checkpoint — a Hugging Face folder, its model.safetensors, a
+    /// model file of parc's — say how to start a run from them (`train.init = hf(…)`), or, for
+    /// a run's final model, which folder resumes that run; `--resume` used to call them an
+    /// unreadable or empty checkpoint folder.
+    #[test]
+    fn weights_that_are_not_a_checkpoint_say_how_to_start_from_them() {
+        let dir = temp_dir("not-a-checkpoint");
+        let hf = dir.join("hf");
+        std::fs::create_dir_all(&hf).unwrap();
+        std::fs::write(hf.join("config.json"), b"{}").unwrap();
+        std::fs::write(hf.join("model.safetensors"), b"").unwrap();
+        let init = format!("train.init = hf(\"{}\")", hf.display());
+        for path in [hf.clone(), hf.join("model.safetensors")] {
+            let e = err(find_latest(&path));
+            assert!(
+                e.contains("Hugging Face") && e.contains(&init) && e.contains("not a checkpoint"),
+                "{e}"
+            );
+        }
+        let alone = dir.join("weights.safetensors");
+        std::fs::write(&alone, b"").unwrap();
+        let e = err(find_latest(&alone));
+        assert!(
+            e.contains("not a checkpoint")
+                && e.contains("parc export")
+                && e.contains("train.init = hf("),
+            "{e}"
+        );
+        // A run's final model beside its step-N folders: resume the folder.
+        let run = dir.join("run");
+        save(&run, 5, 0);
+        std::fs::write(run.join("model.safetensors"), b"").unwrap();
+        let e = err(find_latest(&run.join("model.safetensors")));
+        assert!(e.contains(&format!("--resume {}", run.display())), "{e}");
     }
 }

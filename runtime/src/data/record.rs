@@ -225,6 +225,7 @@ mod tests {
             path: "t.bin".to_string(),
             tokenizer: Tokenizer::Gpt2,
             span: Default::default(),
+            tokenizer_span: Default::default(),
         };
         let record = DataRecord::scan(&text, &dir).unwrap();
         assert_eq!(

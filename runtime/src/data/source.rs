@@ -474,6 +474,7 @@ mod tests {
             path: path.to_string(),
             tokenizer,
             span: Span::default(),
+            tokenizer_span: Span::default(),
         }
     }
 

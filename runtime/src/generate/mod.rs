@@ -28,5 +28,5 @@ mod layer;
 pub use engine::{Engine, Rows};
 pub use generation::{generate, Generated, Limits, Stop};
 pub use prompt::{data_tokenizer, encode_prompt, spec_tokenizer};
-pub use sampler::Sampler;
+pub use sampler::{compact, Sampler};
 pub use training::{SampleSink, TrainingSampler};

@@ -16,6 +16,17 @@ pub struct Sampler {
     pub seed: u64,
 }
 
+/// `x` as short as it reads back: plain where that is short (`0.8`, `1`, `0.001`, `1500`),
+/// else in scientific notation (`1e300`, `1e-7`), where plain would print every digit.
+pub fn compact(x: f64) -> String {
+    let (plain, scientific) = (format!("{x}"), format!("{x:e}"));
+    if plain.len() <= scientific.len() + 2 {
+        plain
+    } else {
+        scientific
+    }
+}
+
 /// Keeps this generator's numbers apart from other uses of `mix64` with the same seed.
 const SALT: u64 = 0x5a3b_1e5a_3b1e_0000;
 
@@ -40,7 +51,7 @@ impl Sampler {
         if !self.temperature.is_finite() || self.temperature < 0.0 {
             return Err(RuntimeError::Unsupported(format!(
                 "temperature = {} must be a number ≥ 0 (0 picks the most likely token)",
-                self.temperature
+                compact(self.temperature)
             )));
         }
         if self.top_k == Some(0) {
@@ -100,6 +111,18 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn numbers_print_as_short_as_they_read_back() {
+        let shown: Vec<String> = [0.8, 1.0, 0.001, 1500.0, 1e300, -1e300, 1e-7, 2.5e10]
+            .into_iter()
+            .map(compact)
+            .collect();
+        let want = [
+            "0.8", "1", "0.001", "1500", "1e300", "-1e300", "1e-7", "2.5e10",
+        ];
+        assert_eq!(shown, want);
+    }
 
     #[test]
     fn greedy_takes_the_largest_and_the_lowest_id_of_equals() {

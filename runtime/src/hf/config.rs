@@ -294,9 +294,15 @@ fn fields(arch: &Arch) -> Vec<Field> {
     }
 }
 
+/// Fields whose null transformers resolves as it resolves a missing one (from other fields):
+/// `num_key_value_heads` (the heads), `head_dim` (d / heads), GPT-2's `n_inner` (4 × d).
+/// Any other null reaches the model as `None`, not as the field's default.
+const NULL_RESOLVED: [&str; 3] = ["num_key_value_heads", "head_dim", "n_inner"];
+
 /// A field's value in `config`: the file's, else transformers' default; the defaults that
-/// follow other fields (`num_key_value_heads`, `head_dim`, `n_inner`) resolved; RoPE's base
-/// read from `rope_parameters` where newer files keep it.
+/// follow other fields (`num_key_value_heads`, `head_dim`, `n_inner`) resolved, also from a
+/// null; RoPE's base read from `rope_parameters` where newer files keep it. Another field's
+/// null is the file's value, null.
 fn value_of(config: &Map<String, Value>, f: &Field) -> Value {
     let get = |key: &str| config.get(key).filter(|v| !v.is_null());
     if f.key == "rope_theta" {
@@ -307,8 +313,10 @@ fn value_of(config: &Map<String, Value>, f: &Field) -> Value {
             return theta.clone();
         }
     }
-    if let Some(v) = get(f.key) {
-        return v.clone();
+    if let Some(v) = config.get(f.key) {
+        if !v.is_null() || !NULL_RESOLVED.contains(&f.key) {
+            return v.clone();
+        }
     }
     let int = |key: &str| get(key).and_then(Value::as_u64);
     match f.key {
@@ -336,6 +344,26 @@ fn agrees(got: &Value, want: &Want) -> bool {
         Want::Bool(b) => got.as_bool() == Some(*b),
         Want::Str(s) => got.as_str() == Some(*s),
     }
+}
+
+/// What a field must hold when `got` is not of its kind at all (null, `4.0` for a count, a
+/// string for a number): said instead of a comparison of the two values.
+fn kind_expected(got: &Value, want: &Want) -> Option<String> {
+    let integer = got.as_u64().is_some() || got.as_i64().is_some();
+    let expected = match want {
+        Want::Int(n) if !integer => format!("a whole number is expected (write {n})"),
+        Want::AtMost(n) if !integer => format!("a whole number from 1 to {n} is expected"),
+        Want::AtLeast(n) if !integer => format!("a whole number of at least {n} is expected"),
+        Want::Float(x) if got.as_f64().is_none() => format!("a number is expected (write {x})"),
+        Want::Bool(b) if !got.is_boolean() => format!("true or false is expected (write {b})"),
+        Want::Str(s) if !got.is_string() => format!("a string is expected (write \"{s}\")"),
+        _ => return None,
+    };
+    Some(if got.is_null() {
+        format!("{expected}; transformers reads null as no value, not as the field's default")
+    } else {
+        expected
+    })
 }
 
 /// Model types whose checkpoints are another family's tensors and computation:
@@ -423,7 +451,12 @@ pub fn check_config(dir: &Path, arch: &Arch) -> Result<HfSizes> {
     };
     for f in fields(arch) {
         let got = value_of(&config, &f);
-        if !agrees(&got, &f.want) {
+        if let Some(expected) = kind_expected(&got, &f.want) {
+            problems.push(format!(
+                "config.json {} = {got}, spec {}: {expected}",
+                f.key, f.spec
+            ));
+        } else if !agrees(&got, &f.want) {
             let rule = match f.want {
                 Want::AtMost(_) => " (transformers' vocabulary must fit the spec's)",
                 Want::AtLeast(_) => " (transformers' positions must cover the spec's seq)",

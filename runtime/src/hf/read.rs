@@ -34,15 +34,16 @@ fn unreadable(path: &Path, error: &SafeTensorError, bytes: &[u8]) -> RuntimeErro
     read_error(path, crate::safetensors_header::explain(bytes, error))
 }
 
-/// The files of the checkpoint in `dir`: `model.safetensors`, else those its index names.
+/// The files of the checkpoint in `dir`: `model.safetensors`, else those its index names, and
+/// the index's `weight_map` (tensor → file name; empty for the single file).
 /// A folder holding both is read as transformers reads it (`from_pretrained` takes the single
 /// file first), so a `model.safetensors` written beside an older sharded checkpoint is the
 /// model, not the stale shards.
-fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
+fn shard_files(dir: &Path) -> Result<(Vec<PathBuf>, HashMap<String, String>)> {
     let index = dir.join("model.safetensors.index.json");
     let single = dir.join("model.safetensors");
     if single.is_file() {
-        return Ok(vec![single]);
+        return Ok((vec![single], HashMap::new()));
     }
     if !index.is_file() {
         return Err(read_error(
@@ -60,6 +61,7 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
         return Err(read_error(&index, "has no `weight_map` object"));
     };
     let mut files: Vec<PathBuf> = Vec::new();
+    let mut weight_map = HashMap::new();
     for (tensor, file) in map {
         let Some(name) = file.as_str() else {
             return Err(read_error(
@@ -71,14 +73,37 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
         if !files.contains(&path) {
             files.push(path);
         }
+        weight_map.insert(tensor.clone(), name.to_string());
     }
-    Ok(files)
+    Ok((files, weight_map))
+}
+
+/// A tensor stored in two of a sharded checkpoint's files. transformers loads every tensor of
+/// every shard the index names, so which copy it keeps is the order it reads the files in, not
+/// the index's `weight_map`; with two copies there is no one model to read.
+fn stored_twice(
+    tensor: &str,
+    first: &Path,
+    second: &Path,
+    weight_map: &HashMap<String, String>,
+) -> RuntimeError {
+    let index = weight_map.get(tensor).map_or_else(
+        || "the index's weight_map names neither".to_string(),
+        |file| format!("the index's weight_map names {file}"),
+    );
+    RuntimeError::Hf(format!(
+        "tensor {tensor} is stored twice, in {} and in {} ({index}); a checkpoint holds each \
+         tensor once, so which copy is the model is not known: remove it from the shard that \
+         should not hold it, or save the model again (`save_pretrained`)",
+        first.display(),
+        second.display()
+    ))
 }
 
 impl HfFiles {
     /// Map the checkpoint's files in `dir` and read their headers.
     pub fn open(dir: &Path) -> Result<HfFiles> {
-        let paths = shard_files(dir)?;
+        let (paths, weight_map) = shard_files(dir)?;
         let mut maps = Vec::with_capacity(paths.len());
         let mut tensors = HashMap::new();
         for (i, path) in paths.iter().enumerate() {
@@ -97,6 +122,12 @@ impl HfFiles {
                     shape: info.shape.iter().map(|&d| d as u64).collect(),
                     start: 8 + header + info.data_offsets.0,
                 };
+                if let Some(before) = tensors
+                    .get(&name)
+                    .and_then(|t: &TensorAt| paths.get(t.file))
+                {
+                    return Err(stored_twice(&name, before, path, &weight_map));
+                }
                 tensors.insert(name, at);
             }
             maps.push(map);
