@@ -30,11 +30,11 @@
 //! (E1204 otherwise).
 
 use crate::check::past_the_last_layer;
-use crate::diag::{Diagnostic, Diagnostics};
+use crate::diag::{Diagnostic, Diagnostics, Span};
 use crate::ir::fp8::{Fp8Gemm, Fp8Scaling, MIN_BLOCK};
 use crate::ir::op::Op;
 use crate::ir::{Instr, Program};
-use crate::spec::{Fp8, LayerKind, Node, NodeId, Precision, Spec};
+use crate::spec::{Fp8, LayerKind, Node, NodeId, Pin, Precision, Spec};
 use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};
 use std::ops::{Index, IndexMut};
@@ -773,7 +773,7 @@ fn pins(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
                     "E1203",
                     format!("`train.fp8.{list}` names `{pattern}`, which matches no linear layer"),
                 )
-                .label(fp8.span, "in this FP8 recipe")
+                .label(pin_span(pattern, fp8), "matches no linear layer")
                 .help(help),
             );
         }
@@ -790,10 +790,21 @@ fn pins(spec: &Spec, fp8: &Fp8, diags: &mut Diagnostics) {
                         n.name
                     ),
                 )
-                .label(fp8.span, "in this FP8 recipe")
+                .label(pin_span(k, fp8), "kept in bf16 here")
+                .label(pin_span(f, fp8), "pinned to FP8 here")
                 .help("name each layer in one list"),
             );
         }
+    }
+}
+
+/// Where `pin` is written; the recipe's span for a pin written nowhere (built by code, or
+/// given through `--set` without a place of its own).
+fn pin_span(pin: &Pin, fp8: &Fp8) -> Span {
+    if pin.span == Span::default() {
+        fp8.span
+    } else {
+        pin.span
     }
 }
 
@@ -948,8 +959,8 @@ mod tests {
             scaling,
             grad: Fp8Format::E4m3,
             history: None,
-            keep_bf16: pins.0.iter().map(|s| s.to_string()).collect(),
-            force_fp8: pins.1.iter().map(|s| s.to_string()).collect(),
+            keep_bf16: pins.0.iter().map(|&s| s.into()).collect(),
+            force_fp8: pins.1.iter().map(|&s| s.into()).collect(),
             shared_quantization: true,
             span: Span::default(),
         });

@@ -784,14 +784,52 @@ pub struct Fp8 {
     /// the largest amax of its last H steps (`ir::fp8`); None: current scaling.
     pub history: Option<u32>,
     /// Layers kept in bf16 (`bf16: [head, blocks.0]`): layer kinds or node paths.
-    pub keep_bf16: Vec<String>,
+    pub keep_bf16: Vec<Pin>,
     /// Layers in FP8 whatever the cost model says (`fp8: [MLP]`).
-    pub force_fp8: Vec<String>,
+    pub force_fp8: Vec<Pin>,
     /// Tensorwise: each tensor quantized once for the FP8 GEMMs near it that read it
     /// (`quantize: shared`, the default; `lower::fp8_quantize`), or inside each GEMM
     /// (`quantize: per_gemm`, to compare). The same numbers either way on finite values.
     pub shared_quantization: bool,
     pub span: Span,
+}
+
+/// One layer an FP8 pin list names (`fp8: [MLP, blocks.3.attn]`): a layer kind or node path,
+/// and where it is written (for a diagnostic of that pin alone). Reads as its name (`Deref`,
+/// `Display`, serialized as the string).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pin {
+    pub name: String,
+    pub span: Span,
+}
+
+impl From<&str> for Pin {
+    /// A pin written nowhere (built by code, not read from a spec).
+    fn from(name: &str) -> Pin {
+        Pin {
+            name: name.to_string(),
+            span: Span::default(),
+        }
+    }
+}
+
+impl std::ops::Deref for Pin {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.name
+    }
+}
+
+impl std::fmt::Display for Pin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.name)
+    }
+}
+
+impl Serialize for Pin {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.name)
+    }
 }
 
 /// `train.on_nonfinite = stop | skip { max: N }`.

@@ -14,7 +14,7 @@
 use super::sections::{Reader, SVal};
 use crate::diag::Diagnostic;
 use crate::ir::fp8::{Fp8Format, Fp8Scaling, DEFAULT_HISTORY, MAX_BLOCK, MAX_HISTORY, MIN_BLOCK};
-use crate::spec::Fp8;
+use crate::spec::{Fp8, Pin};
 
 const PATH: &str = "train.fp8";
 
@@ -147,16 +147,16 @@ fn delayed_history(r: &mut Reader) -> Option<Option<u32>> {
 }
 
 /// A pin list `bf16: [...]` or `fp8: [...]`: layer kinds or paths, as `recompute` takes.
-fn layers(r: &mut Reader, field: &str) -> Option<Vec<String>> {
+fn layers(r: &mut Reader, field: &str) -> Option<Vec<Pin>> {
     let path = format!("{PATH}.{field}");
     let mut out = Vec::new();
     match r.value(&path) {
         None => {}
-        Some(SVal::Word(w, _) | SVal::Str(w, _)) => out.push(w),
+        Some(SVal::Word(name, span) | SVal::Str(name, span)) => out.push(Pin { name, span }),
         Some(SVal::List(xs, _)) => {
             for x in xs {
                 match x {
-                    SVal::Word(w, _) | SVal::Str(w, _) => out.push(w),
+                    SVal::Word(name, span) | SVal::Str(name, span) => out.push(Pin { name, span }),
                     other => {
                         r.wrong(&other, "a layer kind or path");
                         return None;
