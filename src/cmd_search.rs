@@ -169,7 +169,7 @@ fn render(outcome: &Outcome, seconds: f64) -> String {
     out
 }
 
-/// `64 GPUs (8 nodes × 8, 79.6 GiB each)`, `1 GPU (79.6 GiB)`.
+/// `64 GPUs (8 nodes × 8, 79.2 GiB each)`, `1 GPU (79.2 GiB)`.
 fn cluster(outcome: &Outcome) -> String {
     let memory = bytes(outcome.gpu_memory_bytes as f64);
     match (outcome.gpus, outcome.nodes) {

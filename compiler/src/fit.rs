@@ -480,6 +480,26 @@ mod cost_tests {
     }
 
     #[test]
+    fn a_need_above_what_a_process_can_hold_does_not_fit_an_h100() {
+        // nvidia-smi shows an H100 80GB HBM3 of 81,559 MiB, 480 of them reserved by the
+        // driver (`memory.reserved`): cuMemGetInfo's total, and the most one process held
+        // (nvidia-smi's `memory.used` with every byte allocated), is 81,079 MiB. A need
+        // between the two is a run that fails to allocate, so it does not fit.
+        let mut spec = build(&Dims::gpt2_350m(), &PlanChoice::default());
+        spec.cluster.gpu = crate::check::gpu_named("h100_80gb").expect("catalogued");
+        let need = |mib: u64| Need {
+            role: "pp 0 cp 0 tp 0".into(),
+            bytes: mib << 20,
+            terms: Vec::new(),
+            model_state: ModelState::default(),
+        };
+        let measure = |_: &Spec| None;
+        assert!(memory_verdict(&spec, &[need(81_079)], &measure).is_none());
+        let over = memory_verdict(&spec, &[need(81_400)], &measure).expect("E0701");
+        assert_eq!(over.code, "E0701");
+    }
+
+    #[test]
     fn the_memory_verdict_measures_each_distinct_plan_once() {
         // No change fits: the help measures the single changes, then greedy combinations of
         // them, whose first round is the single changes again.

@@ -1,9 +1,15 @@
 //! The GPU catalogue (`gpu = h100_80gb`) and the default links of a cluster.
 //!
-//! Memory is what the device reports as usable (nvidia-smi's MiB total); peak FLOP/s are the
-//! vendors' dense (no sparsity) numbers (FP8: none on GPUs without FP8 tensor cores); bandwidths are bytes/s. Link bandwidths are per GPU and
-//! per direction: NVLink 4 on H100/H200 is 900 GB/s bidirectional = 450 GB/s each way; one
-//! 400 Gb/s InfiniBand NIC per GPU is 50 GB/s each way.
+//! Memory is what one process can hold: nvidia-smi's MiB total less what the driver reserves
+//! (its `memory.reserved`), which is cuMemGetInfo's total. The prediction E0701 judges against
+//! it is nvidia-smi's `memory.used` (docs/memory.md), which cannot pass it. Measured on an H100
+//! 80GB HBM3 (driver 580.159.04): total 81,559 MiB, reserved 480, cuMemGetInfo's total 81,079,
+//! and a process that allocated until cuMemAlloc failed held 81,077 MiB. The other GPUs are
+//! not measured yet and keep nvidia-smi's total, which overstates what a process can hold by
+//! their driver's reservation (the H100's is 0.6%). Peak FLOP/s are the vendors' dense (no
+//! sparsity) numbers (FP8: none on GPUs without FP8 tensor cores); bandwidths are bytes/s. Link
+//! bandwidths are per GPU and per direction: NVLink 4 on H100/H200 is 900 GB/s bidirectional =
+//! 450 GB/s each way; one 400 Gb/s InfiniBand NIC per GPU is 50 GB/s each way.
 
 use crate::spec::{Gpu, Link};
 
@@ -21,7 +27,8 @@ pub const NAMES: [&str; 6] = [
 
 pub fn lookup(name: &str) -> Option<Gpu> {
     let (memory_mib, peak, fp32, hbm, fp8) = match name {
-        "h100_80gb" => (81_559, 989e12, 67e12, 3.35e12, Some(1979e12)),
+        // nvidia-smi: 81,559 MiB total, 480 reserved by the driver.
+        "h100_80gb" => (81_079, 989e12, 67e12, 3.35e12, Some(1979e12)),
         "h100_94gb" => (95_830, 835e12, 60e12, 3.9e12, Some(1671e12)),
         "h200" => (143_771, 989e12, 67e12, 4.8e12, Some(1979e12)),
         "a100_80gb" => (81_920, 312e12, 19.5e12, 2.039e12, None),

@@ -200,7 +200,7 @@ fn splits_over(spec: &Spec, pp: u32) -> bool {
     }
 }
 
-/// E0701 saying `what` needs more than the GPU has (`… but h100_80gb has 79.6 GiB`, then
+/// E0701 saying `what` needs more than the GPU has (`… but h100_80gb has 79.2 GiB`, then
 /// `tail`), labelled at the plan and the cluster.
 pub(crate) fn memory_error_head(spec: &Spec, what: &str, tail: &str) -> Diagnostic {
     let capacity = spec.cluster.gpu.memory_bytes;
