@@ -45,6 +45,8 @@ pub struct Namespace {
     pub blocks: HashMap<String, (usize, String)>,
     /// Blocks this module defines.
     pub defs: HashMap<String, BlockDef>,
+    /// Where each imported block is named in this module's `use`.
+    pub imports: HashMap<String, Span>,
     /// Functions in scope: the prelude's and this module's (`fn`).
     pub fns: functions::FnTable,
     /// This module's functions that have errors (reported; their uses stay quiet).
@@ -507,10 +509,65 @@ impl Modules<'_> {
                 self.use_decl(me, u);
             }
         }
+        self.fn_clashes(me, &defs);
         me
     }
 
+    /// A function of this module named like a block in scope, a built-in layer or a file-level
+    /// constant (E0225): a call of that name would reach the other, and the function would be
+    /// silently unused.
+    fn fn_clashes(&mut self, me: usize, defs: &[&FnDef]) {
+        for def in defs {
+            let name = def.name.name.as_str();
+            let ns = &self.ns[me];
+            // (what the name is, what a use of it reaches instead)
+            let other = if ns.blocks.contains_key(name) {
+                Some(match ns.imports.get(name) {
+                    Some(_) => ("an imported block", "the block"),
+                    None => ("a block", "the block"),
+                })
+            } else if layers::BUILTINS.contains(&name) {
+                Some(("a built-in layer", "the layer"))
+            } else if ns.consts.contains_key(name) {
+                Some(("a file-level constant", "the constant"))
+            } else if name == "none" {
+                Some(("the word `none`", "the word"))
+            } else {
+                None
+            };
+            let Some((what, reached)) = other else {
+                continue;
+            };
+            let mut d =
+                Diagnostic::error("E0225", format!("function `{name}` has the name of {what}"))
+                    .label(def.name.span, "defined here")
+                    .help(format!(
+                    "`{name}` names {reached}, never this function; give the function another name"
+                ));
+            if let Some(span) = ns.imports.get(name) {
+                d = d.label(*span, "imported here");
+            } else if let Some(b) = ns.defs.get(name) {
+                d = d.label(b.name.span, "the block");
+            }
+            self.diags.push(d);
+        }
+    }
+
     fn block(&mut self, me: usize, b: &BlockDef) {
+        if layers::BUILTINS.contains(&b.name.name.as_str()) {
+            self.diags.push(
+                Diagnostic::error(
+                    "E0204",
+                    format!("block `{}` has the name of a built-in layer", b.name.name),
+                )
+                .label(b.name.span, "defined here")
+                .help(format!(
+                    "a block may not hide the built-in `{}`; give the block another name",
+                    b.name.name
+                )),
+            );
+            return;
+        }
         if let Some(first) = self.ns[me].defs.get(&b.name.name) {
             self.diags.push(
                 Diagnostic::error("E0204", format!("block `{}` is defined twice", b.name.name))
@@ -605,9 +662,45 @@ impl Modules<'_> {
             .and_then(|m| m.defs.get(&imported.name))
             .is_some();
         if found {
+            let taken = if let Some(first) = self.ns[me].imports.get(&imported.name) {
+                Some(
+                    Diagnostic::error(
+                        "E0204",
+                        format!("block `{}` is imported twice", imported.name),
+                    )
+                    .label(imported.span, "imported again here")
+                    .label(*first, "first imported here")
+                    .help(
+                        "import each name once; blocks of different modules need different names",
+                    ),
+                )
+            } else {
+                self.ns[me].defs.get(&imported.name).map(|local| {
+                    Diagnostic::error(
+                        "E0204",
+                        format!(
+                            "block `{}` is both defined in this file and imported from std::{name}",
+                            imported.name
+                        ),
+                    )
+                    .label(imported.span, "imported here")
+                    .label(local.name.span, "defined here")
+                    .help(format!(
+                        "remove `{}` from the `use`, or rename this file's block",
+                        imported.name
+                    ))
+                })
+            };
+            if let Some(d) = taken {
+                self.diags.push(d);
+                return;
+            }
             self.ns[me]
                 .blocks
                 .insert(imported.name.clone(), (idx, imported.name.clone()));
+            self.ns[me]
+                .imports
+                .insert(imported.name.clone(), imported.span);
             return;
         }
         let mut available: Vec<&str> = self

@@ -416,17 +416,27 @@ pub fn validate(spec: &Spec) -> Diagnostics {
                 }
             }
             LayerKind::CrossEntropy => {
-                let from_linear = n.inputs.first().is_some_and(|v| {
-                    spec.model
-                        .nodes
-                        .iter()
-                        .any(|m| m.output == *v && matches!(m.kind, LayerKind::Linear { .. }))
-                });
-                if !from_linear {
-                    diags.push(bad(
+                let producer = n
+                    .inputs
+                    .first()
+                    .and_then(|v| spec.model.nodes.iter().find(|m| m.output == *v));
+                match producer.map(|m| &m.kind) {
+                    Some(LayerKind::Linear { .. }) => {}
+                    Some(LayerKind::Elementwise { f, .. }) => diags.push(bad(
+                        &format!(
+                            "must take its logits straight from a Linear head, not from the function `{}`",
+                            f.name
+                        ),
+                        "parc's loss reads the head's logits itself: a function of the logits \
+                         (e.g. Gemma 2's final soft-capping `30 * tanh(x / 30)`) has no lowering; \
+                         apply functions to the hidden state before the head, and write \
+                         CrossEntropy(Linear(…)(x), targets)"
+                            .to_string(),
+                    )),
+                    _ => diags.push(bad(
                         "must take its logits straight from a Linear head",
                         "write CrossEntropy(Linear(…)(x), targets)".to_string(),
-                    ));
+                    )),
                 }
             }
             _ => {}

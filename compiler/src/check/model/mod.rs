@@ -395,12 +395,21 @@ impl<'a> Elab<'a> {
         for name in Activation::names() {
             names.push(name);
         }
-        let help = match suggest::closest(&id.name, names.iter().copied()) {
-            Some(s) => format!("did you mean `{s}`?"),
-            None if id.name.chars().next().is_some_and(char::is_uppercase) => {
+        let builtin = functions::BUILTINS.iter().find(|(b, _)| *b == id.name);
+        let help = match (builtin, suggest::closest(&id.name, names.iter().copied())) {
+            (Some((b, arity)), _) => {
+                let params = ["x", "y", "z"][..(*arity).min(3)].join(", ");
+                format!(
+                    "`{b}` is a builtin, called only inside a function's body; wrap it in a \
+                     function to use it as an activation or on tensors: \
+                     `fn my_{b}({params}) = {b}({params})`"
+                )
+            }
+            (None, Some(s)) => format!("did you mean `{s}`?"),
+            (None, None) if id.name.chars().next().is_some_and(char::is_uppercase) => {
                 "define it with `block` or import it with `use std::gpt2 { Block }`".into()
             }
-            None => "define it first with `let` or an assignment".into(),
+            (None, None) => "define it first with `let` or an assignment".into(),
         };
         self.err(
             Diagnostic::error("E0201", format!("unknown name `{}`", id.name))
