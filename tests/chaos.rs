@@ -6,7 +6,8 @@
 //! refused the checkpoint writer's fault hook) ends the run with an error naming the checkpoint
 //! folder and "no space", nothing broken published; bit-flipped and truncated shards are refused
 //! and the folder falls back to a checkpoint that verifies; a second run on the same checkpoint
-//! folder is refused naming the holder, and a dead holder's lock is taken over.
+//! folder is refused naming the holder, and a dead holder's lock is taken over; ranks that would
+//! resume different checkpoints (or one of them none) are refused before the first step.
 //! They need the `mpi` feature (without it they are ignored) and `mpiexec` on PATH (without it
 //! they say they skip). The runs are serialised: 4 rank processes each on 2 cores.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -305,6 +306,66 @@ fn a_disk_that_fills_during_a_save_ends_the_run_naming_the_folder_and_no_space()
     drop(tmpfs);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::remove_dir_all(&elsewhere).unwrap();
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "mpi"),
+    ignore = "needs a parc built with --features mpi"
+)]
+fn ranks_that_resume_different_checkpoints_are_refused_before_the_first_step() {
+    if let Some(why) = mpi_missing() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("disagree");
+    let output = run(&multi(plan_args(4, 2, &dir)), &[]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    // mpiexec's MPMD form: ranks 0-2 resume step 4, rank 3 step 2 (as a host whose folder
+    // holds other checkpoints would); then ranks 0-2 resume and rank 3 starts fresh.
+    let out = temp_dir("disagree-out");
+    let rank_args = |resume: Option<&Path>| {
+        let mut args = plan_args(6, 2, &out);
+        if let Some(from) = resume {
+            args.extend(["--resume".into(), from.display().to_string()]);
+        }
+        args
+    };
+    for (last, named) in [
+        (
+            Some(step_dir(&dir, 2)),
+            "rank 3 resumes the checkpoint of step 2 but rank 0 resumes the checkpoint of step 4",
+        ),
+        (
+            None,
+            "rank 3 starts fresh (no --resume) but rank 0 resumes the checkpoint of step 4",
+        ),
+    ] {
+        let mut mpiexec = Command::new("mpiexec");
+        mpiexec
+            .args(["--oversubscribe", "--bind-to", "none", "-n", "3"])
+            .arg(env!("CARGO_BIN_EXE_parc"))
+            .args(rank_args(Some(&step_dir(&dir, 4))))
+            .args([":", "-n", "1"])
+            .arg(env!("CARGO_BIN_EXE_parc"))
+            .args(rank_args(last.as_deref()))
+            .current_dir(launch_support::root())
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .env_remove("PARC_TEST_FAULT")
+            .env_remove("PARC_FAULT_WRITE_AFTER_BYTES");
+        let refused = mpiexec.output().unwrap();
+        let err = stderr(&refused);
+        assert!(!refused.status.success(), "{err}");
+        assert!(err.contains(named), "{err}");
+        // Refused before any step: nothing trained, nothing saved.
+        assert!(steps(&refused).is_empty(), "{err}");
+        assert!(finished(&out).is_empty(), "{err}");
+        wait_for_the_lock_holder(&out);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+    let _ = std::fs::remove_dir_all(&out);
 }
 
 /// Flip one bit in the middle of the largest tensor of `shard`.

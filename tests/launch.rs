@@ -4,8 +4,9 @@
 //! the job with its error, quickly; a rank that hangs makes its peers' collective time out
 //! naming the waiting rank, the missing peer, the instruction and the spec line; a rendezvous
 //! missing a rank names it; a world size other than the mesh's is refused before any
-//! communication, with both numbers; the MPI comm itself checks collective order, names missing
-//! peers and hears aborts. The MPI tests need the `mpi` feature (without it they are ignored) and
+//! communication, with both numbers; ranks whose settings differ (another seed or learning rate:
+//! not in the plan) are refused at the rendezvous naming the setting; the MPI comm itself checks
+//! collective order, names missing peers and hears aborts. The MPI tests need the `mpi` feature (without it they are ignored) and
 //! `mpiexec` on PATH (without it they say they skip).
 //! The 4-process run's `--metrics` are written by its report rank alone.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -291,6 +292,53 @@ fn a_rendezvous_missing_a_rank_names_it() {
         assert!(err.contains("ranks [3] never came within 3.0 s"), "{err}");
     }
     assert!(started.elapsed() < Duration::from_secs(60));
+}
+
+#[test]
+fn ranks_with_another_seed_or_learning_rate_are_refused_naming_the_setting() {
+    // The plan is the same (the seed and the learning rate are not in it), so only the
+    // settings tell: rank 2 would start from other weights, and its replicas drift apart.
+    for (set, named) in [
+        ("train.seed=7", "train.seed = 7 (rank 0: 0)"),
+        (
+            "train.optimizer.lr=0.5",
+            "train.optimizer.lr = 0.5 (rank 0: 0.001)",
+        ),
+    ] {
+        let port = free_port().to_string();
+        let children: Vec<_> = (0..4)
+            .map(|rank| {
+                let mut args = plan_args(2);
+                if rank == 2 {
+                    args.extend(["--set".into(), set.into()]);
+                }
+                args.extend(["--rendezvous-timeout".into(), "20".into()]);
+                parc(
+                    &args,
+                    &[
+                        ("RANK", rank.to_string()),
+                        ("WORLD_SIZE", "4".into()),
+                        ("LOCAL_RANK", rank.to_string()),
+                        ("MASTER_ADDR", "127.0.0.1".into()),
+                        ("MASTER_PORT", port.clone()),
+                    ],
+                )
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+            })
+            .collect();
+        for child in children {
+            let output = child.wait_with_output().unwrap();
+            let err = stderr(&output);
+            assert_eq!(output.status.code(), Some(1), "{err}");
+            assert!(
+                err.contains("rank 2 (host ") && err.contains(named),
+                "{set}: {err}"
+            );
+        }
+    }
 }
 
 #[test]

@@ -91,6 +91,11 @@ pub fn train_rank<B: Backend>(
             return Err(e);
         }
     };
+    let start = StartPoint::of(manifest.as_ref(), data.train.record());
+    if let Err(e) = agree_on_start(comm.as_mut(), plan.world, &start) {
+        comm.abort(&format!("rank {rank}: {e}"));
+        return Err(e);
+    }
     let run = RunContext {
         spec,
         plan,
@@ -152,6 +157,114 @@ pub fn train_rank<B: Backend>(
         model_export,
         reserved_bytes,
     })
+}
+
+/// Where a rank starts: the checkpoint it resumes (its step and a fingerprint of its manifest)
+/// and the training data it read (a fingerprint of its files' sizes and contents, not their
+/// paths). Each rank chooses its checkpoint and reads its data itself, so ranks given another
+/// `--resume`, or hosts whose folders hold other checkpoints or other data, would otherwise
+/// train from different states with no error.
+struct StartPoint {
+    step: Option<u64>,
+    checkpoint: u64,
+    data: u64,
+}
+
+impl StartPoint {
+    fn of(
+        manifest: Option<&checkpoint::Manifest>,
+        data: Option<&crate::data::record::DataRecord>,
+    ) -> Self {
+        let fingerprint = |bytes: &[u8]| {
+            bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+            })
+        };
+        let checkpoint = manifest
+            .and_then(|m| serde_json::to_vec(m).ok())
+            .map_or(0, |json| fingerprint(&json));
+        let data = data.map_or(0, |record| {
+            let mut text = record.reads.clone();
+            for file in record.files.iter().chain(&record.tokenizer) {
+                text.push_str(&format!(";{}:{:08x}", file.bytes, file.crc32c));
+            }
+            text.push_str(&format!(";{:?}", record.tokens));
+            fingerprint(text.as_bytes())
+        });
+        StartPoint {
+            step: manifest.map(|m| m.step),
+            checkpoint,
+            data,
+        }
+    }
+
+    /// Exactly in f32 (the comm's type): 16 bits an element.
+    fn encode(&self) -> [f32; 10] {
+        let mut out = [0.0f32; 10];
+        out[0] = if self.step.is_some() { 1.0 } else { 0.0 };
+        for (i, word) in [self.step.unwrap_or(0), self.checkpoint, self.data]
+            .into_iter()
+            .enumerate()
+        {
+            for j in 0..3 {
+                out[1 + 3 * i + j] = ((word >> (16 * j)) & 0xffff) as f32;
+            }
+        }
+        out
+    }
+
+    fn decode(values: &[f32]) -> (Option<u64>, [u64; 2]) {
+        let word = |i: usize| {
+            (0..3).fold(0u64, |w, j| {
+                let part = values.get(1 + 3 * i + j).copied().unwrap_or(0.0) as u64;
+                w | (part << (16 * j))
+            })
+        };
+        let step = (values.first().copied().unwrap_or(0.0) != 0.0).then(|| word(0));
+        (step, [word(1), word(2)])
+    }
+}
+
+/// Every rank must start from the same checkpoint and read the same data: compare each rank's
+/// [`StartPoint`] with rank 0's; an error naming the first rank that differs and how.
+fn agree_on_start(comm: &mut dyn Comm, world: u32, start: &StartPoint) -> Result<()> {
+    let mine = start.encode();
+    let group: Vec<u32> = (0..world).collect();
+    let mut all = vec![0.0f32; mine.len() * world as usize];
+    comm.all_gather(&group, &mine, &mut all)?;
+    let ranks: Vec<(Option<u64>, [u64; 2])> = all
+        .chunks_exact(mine.len())
+        .map(StartPoint::decode)
+        .collect();
+    let Some(&(first_step, [first_checkpoint, first_data])) = ranks.first() else {
+        return Ok(());
+    };
+    let from = |step: Option<u64>| match step {
+        Some(step) => format!("resumes the checkpoint of step {step}"),
+        None => "starts fresh (no --resume)".to_string(),
+    };
+    for (other, &(step, [checkpoint, data])) in ranks.iter().enumerate().skip(1) {
+        if step != first_step || checkpoint != first_checkpoint {
+            let how = if step == first_step {
+                format!("{} of another run than rank 0's", from(step))
+            } else {
+                format!("{} but rank 0 {}", from(step), from(first_step))
+            };
+            return Err(RuntimeError::Checkpoint(format!(
+                "rank {other} {how}: every rank must resume the same checkpoint; give every \
+                 rank the same --resume, on a folder that all of them see (a shared file \
+                 system)"
+            )));
+        }
+        if data != first_data {
+            return Err(RuntimeError::Unsupported(format!(
+                "rank {other} read other training data than rank 0 (the files of train.data \
+                 differ in size or content on its host): every rank must read the same data; \
+                 give every host the same files"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Largest byte count a backend reports exactly in two f32 halves of 24 bits each.

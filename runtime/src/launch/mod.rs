@@ -14,7 +14,72 @@ pub use env::{detect, detect_process, LaunchEnv, LauncherKind};
 pub use rendezvous::{free_port, FailureWatch, Member, Rendezvous, RendezvousConfig};
 
 use crate::error::{Result, RuntimeError};
-use parc_compiler::spec::{Axis, Mesh};
+use parc_compiler::spec::{Axis, Mesh, Spec};
+use serde_json::Value;
+use std::collections::BTreeMap;
+
+/// The spec's settings as the rendezvous compares them across ranks (`Member::settings`):
+/// every value of its `train`, `parallel` and `cluster` sections by its path
+/// (`train.seed` → `0`, `train.optimizer.lr` → `0.001`), and the model as one hash of its
+/// definition. Source positions are left out: ranks may write one setting in another place
+/// (an argument order, a copy of the spec elsewhere) and still agree.
+pub fn spec_settings(spec: &Spec) -> BTreeMap<String, String> {
+    serde_json::to_value(spec).map_or_else(|_| BTreeMap::new(), settings_of)
+}
+
+/// [`spec_settings`] of the spec's JSON.
+fn settings_of(mut json: Value) -> BTreeMap<String, String> {
+    let mut settings = BTreeMap::new();
+    strip_spans(&mut json);
+    let Value::Object(sections) = json else {
+        return settings;
+    };
+    for (section, value) in sections {
+        if section == "model" {
+            let bytes = serde_json::to_vec(&value).unwrap_or_default();
+            let hash = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+            });
+            settings.insert("model".to_string(), format!("definition {hash:016x}"));
+        } else {
+            flatten(&section, &value, &mut settings);
+        }
+    }
+    settings
+}
+
+/// Remove source positions (`span`, `spans`, `…_span` fields) everywhere in `value`.
+fn strip_spans(value: &mut Value) {
+    match value {
+        Value::Object(map) => {
+            map.retain(|key, _| !(key == "spans" || key == "span" || key.ends_with("_span")));
+            map.values_mut().for_each(strip_spans);
+        }
+        Value::Array(items) => items.iter_mut().for_each(strip_spans),
+        _ => {}
+    }
+}
+
+fn flatten(path: &str, value: &Value, out: &mut BTreeMap<String, String>) {
+    match value {
+        Value::Object(map) if !map.is_empty() => {
+            for (key, inner) in map {
+                flatten(&format!("{path}.{key}"), inner, out);
+            }
+        }
+        Value::Array(items) if !items.is_empty() => {
+            for (i, inner) in items.iter().enumerate() {
+                flatten(&format!("{path}[{i}]"), inner, out);
+            }
+        }
+        Value::String(text) => {
+            out.insert(path.to_string(), format!("{text:?}"));
+        }
+        other => {
+            out.insert(path.to_string(), other.to_string());
+        }
+    }
+}
 
 /// Refuse a job whose process count is not the plan's world size, before any communication.
 pub fn check_world(mesh: &Mesh, launched: u32, how: &str) -> Result<()> {
@@ -96,5 +161,37 @@ mod tests {
         let m = mesh(&[(Axis::Tp, 2), (Axis::Dp, 2)]);
         assert!(check_tp_on_host(&m, 2).is_err());
         assert!(check_tp_on_host(&m, 4).is_ok());
+    }
+
+    #[test]
+    fn settings_name_each_value_by_its_path_without_source_positions() {
+        let at = |start: u32| serde_json::json!({"file": 0, "start": start, "end": start + 1});
+        let spec = |seed: u64, start: u32| {
+            serde_json::json!({
+                "model": {"name": "tiny", "span": at(start)},
+                "train": {
+                    "seed": seed,
+                    "optimizer": {"AdamW": {"lr": 0.001}},
+                    "data": {"File": {"path": "a.txt", "span": at(start), "tokenizer_span": at(1)}},
+                    "span": at(start),
+                },
+                "parallel": {"mesh": {"axes": [["Dp", 2], ["Tp", 1]]}, "spans": [at(start)]},
+            })
+        };
+        let settings = settings_of(spec(0, 5));
+        assert_eq!(settings["train.seed"], "0");
+        assert_eq!(settings["train.optimizer.AdamW.lr"], "0.001");
+        assert_eq!(settings["train.data.File.path"], "\"a.txt\"");
+        assert_eq!(settings["parallel.mesh.axes[0][1]"], "2");
+        assert!(settings["model"].starts_with("definition "));
+        assert!(!settings.keys().any(|k| k.contains("span")), "{settings:?}");
+        // Written elsewhere, the same settings; another seed differs in that path alone.
+        assert_eq!(settings_of(spec(0, 9)), settings);
+        let other = settings_of(spec(7, 5));
+        let differ: Vec<&String> = settings
+            .keys()
+            .filter(|k| other.get(*k) != settings.get(*k))
+            .collect();
+        assert_eq!(differ, ["train.seed"]);
     }
 }

@@ -40,6 +40,11 @@ pub struct Member {
     pub pid: u32,
     /// The plan's hash (`checkpoint::plan_hash`): every rank must run the same programs.
     pub plan_hash: String,
+    /// The spec's settings that the plan does not cover (`super::spec_settings`: the seed, the
+    /// learning rate, the data, the steps, …), each by its path: every rank must train with
+    /// the same ones, or the replicas of one model drift apart with no error.
+    #[serde(default)]
+    pub settings: std::collections::BTreeMap<String, String>,
 }
 
 impl Member {
@@ -75,6 +80,7 @@ impl RendezvousConfig {
                 host: host_name(),
                 pid: std::process::id(),
                 plan_hash: plan_hash.to_string(),
+                settings: Default::default(),
             },
             master_addr: master_addr.to_string(),
             master_port,
@@ -549,6 +555,12 @@ fn host(config: &RendezvousConfig) -> Result<Rendezvous> {
                 member.plan_hash,
                 me.plan_hash
             ));
+        } else if let Some(differ) = settings_differ(member, me) {
+            problems.push(format!(
+                "{} runs the spec with other settings than rank 0 ({differ}): every rank must \
+                 run the same spec with the same --set",
+                member.describe()
+            ));
         }
     }
     if !problems.is_empty() {
@@ -608,6 +620,30 @@ fn host(config: &RendezvousConfig) -> Result<Rendezvous> {
             broadcasts: Mutex::new(broadcasts),
         }),
     })
+}
+
+/// The settings in which `member` differs from rank 0 (`me`), as `path = theirs (rank 0:
+/// ours)`, at most three of them; None when they agree.
+fn settings_differ(member: &Member, me: &Member) -> Option<String> {
+    let paths: std::collections::BTreeSet<&String> =
+        member.settings.keys().chain(me.settings.keys()).collect();
+    let shown = |v: Option<&String>| v.map_or("unset".to_string(), Clone::clone);
+    let differ: Vec<String> = paths
+        .into_iter()
+        .filter(|path| member.settings.get(*path) != me.settings.get(*path))
+        .map(|path| {
+            format!(
+                "{path} = {} (rank 0: {})",
+                shown(member.settings.get(path)),
+                shown(me.settings.get(path))
+            )
+        })
+        .collect();
+    match differ.len() {
+        0 => None,
+        1..=3 => Some(differ.join(", ")),
+        n => Some(format!("{} and {} more", differ[..3].join(", "), n - 3)),
+    }
 }
 
 fn read_hello(mut stream: TcpStream, deadline: Instant) -> std::io::Result<(Member, TcpStream)> {
