@@ -322,10 +322,10 @@ impl<'a> Engine<'a> {
             .map(|s| s.len() as u32)
             .unwrap_or(1);
         let crosses = self.crosses[group.0 as usize][set as usize];
-        // When the last member issued it: waiting for that is waiting for a peer (idle);
-        // waiting after it, while a member's comm stream finishes the collectives queued before
-        // this one (or the one writing its input) and then this one moves data, is exposed
-        // communication.
+        // When the last member issued it (and a received input's sender posted it): waiting
+        // for that is waiting for a peer (idle); waiting after it, while a member's comm stream
+        // finishes the collectives queued before this one and then this one moves data, is
+        // exposed communication.
         let mut arrival: f64 = 0.0;
         let mut start: f64 = 0.0;
         let mut dur: f64 = 0.0;
@@ -343,7 +343,13 @@ impl<'a> Engine<'a> {
             {
                 let state = &self.ranks[m];
                 let input_ready = state.ready.get(input.0 as usize).copied().unwrap_or(0.0);
-                arrival = arrival.max(issue);
+                // An input still being received or reduced when the collective is issued
+                // keeps its own boundary: waiting for a pipeline peer's send is idle.
+                let input_idle = match state.comm_start.get(input.0 as usize) {
+                    Some(&c) if input_ready > issue => c.min(input_ready),
+                    _ => issue,
+                };
+                arrival = arrival.max(issue).max(input_idle);
                 start = start.max(issue).max(state.t_comm).max(input_ready);
                 let bytes = match kind {
                     CollectiveKind::AllGather => self.bytes(program, *output),
