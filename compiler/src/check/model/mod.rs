@@ -459,6 +459,9 @@ impl<'a> Elab<'a> {
                 if let Some(d) = compound_for_unknown_param(&f, args) {
                     return self.err(d);
                 }
+                if let Some(d) = self.shadowed_callee(callee, &f, frame, module) {
+                    return self.err(d);
+                }
                 let mut vals = Vec::new();
                 for a in args {
                     match a {
@@ -718,6 +721,53 @@ impl<'a> Elab<'a> {
                 .help("call layers (`LayerNorm(d)(x)`) and blocks (`Block(d, heads)(x)`)"),
             ),
         }
+    }
+
+    /// A call of a name that this scope binds to a tensor or number while a function or block
+    /// of that name exists: the binding (`gate = …`) hides the callable (E0202, naming both).
+    fn shadowed_callee(
+        &self,
+        callee: &Expr,
+        f: &Val,
+        frame: &Frame,
+        module: usize,
+    ) -> Option<Diagnostic> {
+        let ExprKind::Path(p) = &callee.kind else {
+            return None;
+        };
+        let [id] = p.as_slice() else {
+            return None;
+        };
+        let what = match f {
+            Val::Tensor(..) => "a tensor",
+            Val::Num(_) => "a number",
+            _ => return None,
+        };
+        if !frame.contains_key(&id.name) {
+            return None;
+        }
+        let ns = &self.ns[module];
+        let hidden = if ns.fns.contains_key(&id.name) {
+            "function"
+        } else if ns.blocks.contains_key(&id.name) {
+            "block"
+        } else {
+            return None;
+        };
+        Some(
+            Diagnostic::error(
+                "E0202",
+                format!(
+                    "`{}` is {what} here, which hides the {hidden} `{}`",
+                    id.name, id.name
+                ),
+            )
+            .label(id.span, format!("{what}, not the {hidden}"))
+            .help(format!(
+                "a name bound in the model or block (`{} = …`) hides the {hidden} of that name; rename the binding",
+                id.name
+            )),
+        )
     }
 
     /// `glu(f)`: SwiGLU for `glu(silu)` (its hand-written op), else the gated function.
