@@ -166,9 +166,10 @@ pub fn detect(env: &EnvMap) -> Result<Option<LaunchEnv>> {
         (None, _) if world == 1 => 0,
         (None, _) => {
             return Err(launch_error(format!(
-                "{} gives no local rank for rank {rank} of {world}; set LOCAL_RANK (the \
-                 process's index on its host, which picks its GPU)",
-                kind.name()
+                "{} gives no local rank for rank {rank} of {world}; set {} (the process's \
+                 index on its host, which picks its GPU)",
+                kind.name(),
+                local_rank_variable(kind)
             )))
         }
     };
@@ -182,6 +183,16 @@ pub fn detect(env: &EnvMap) -> Result<Option<LaunchEnv>> {
         master_addr,
         master_port,
     }))
+}
+
+/// The variable that gives `kind`'s local rank (the one [`detect`] reads first).
+fn local_rank_variable(kind: LauncherKind) -> &'static str {
+    match kind {
+        LauncherKind::Torchrun => "LOCAL_RANK",
+        LauncherKind::OpenMpi => "OMPI_COMM_WORLD_LOCAL_RANK",
+        LauncherKind::Slurm => "SLURM_LOCALID",
+        LauncherKind::Pmi => "MPI_LOCALRANKID",
+    }
 }
 
 /// Slurm's tasks on this node: `SLURM_NTASKS_PER_NODE` when uniform, else absent.
@@ -199,7 +210,9 @@ fn slurm_tasks_on_node(env: &EnvMap) -> Result<Option<u32>> {
 /// implies.
 fn master(env: &EnvMap, kind: LauncherKind, world: u32) -> Result<(String, u16)> {
     let port = match env.get("MASTER_PORT").map(|v| v.trim()) {
-        Some(v) if !v.is_empty() => v.parse::<u16>().map_err(|_| {
+        Some(v) if !v.is_empty() => v.parse::<u16>().ok().filter(|&p| p != 0).ok_or_else(|| {
+            // Port 0 would make rank 0 listen on a port the kernel picks, which no other rank
+            // knows: they would retry until the rendezvous timeout.
             launch_error(format!("MASTER_PORT={v:?} is not a port number (1-65535)"))
         })?,
         _ => job_port(env, kind)?,
@@ -546,6 +559,35 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("set MASTER_ADDR"), "{err}");
+        // Several tasks per node and no SLURM_LOCALID: the advice names Slurm's variable
+        // (LOCAL_RANK is not read under Slurm).
+        let err = detect(&env(&[
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_NTASKS_PER_NODE", "4"),
+            ("SLURM_JOB_NODELIST", "a1"),
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("set SLURM_LOCALID"), "{err}");
+    }
+
+    #[test]
+    fn master_port_zero_is_refused() {
+        // Rank 0 would listen where the kernel picks, which no other rank knows.
+        let err = detect(&env(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "0"),
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("MASTER_PORT=\"0\" is not a port number"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -484,27 +484,33 @@ fn host(config: &RendezvousConfig) -> Result<Rendezvous> {
             Ok((stream, from)) => {
                 // A connection that is not a parc rank (a port scan, a stale client) is
                 // ignored.
-                if let Ok((member, stream)) = read_hello(stream, deadline) {
+                if let Ok((member, mut stream)) = read_hello(stream, deadline) {
                     let rank = member.rank as usize;
-                    match joined.get(rank) {
-                        None => problems.push(format!(
+                    let problem = match joined.get(rank) {
+                        None => format!(
                             "{} from {from} is outside a world of {} processes (it says {})",
                             member.describe(),
                             me.world,
                             member.world
-                        )),
-                        Some(Some((first, _))) => problems.push(format!(
+                        ),
+                        Some(Some((first, _))) => format!(
                             "two processes say they are rank {rank}: {} and {}",
                             first.describe(),
                             member.describe()
-                        )),
-                        Some(None) if rank == 0 => problems.push(format!(
+                        ),
+                        Some(None) if rank == 0 => format!(
                             "{} says it is rank 0, but this process (pid {}) is rank 0",
                             member.describe(),
                             me.pid
-                        )),
-                        Some(None) => joined[rank] = Some((member, stream)),
-                    }
+                        ),
+                        Some(None) => {
+                            joined[rank] = Some((member, stream));
+                            continue;
+                        }
+                    };
+                    // The process refused is told why (else it sees only a closed connection).
+                    let _ = write_frame(&mut stream, REFUSED, problem.as_bytes());
+                    problems.push(problem);
                 }
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
@@ -513,6 +519,7 @@ fn host(config: &RendezvousConfig) -> Result<Rendezvous> {
             Err(e) => return Err(rdv_error(format!("rank 0 could not accept a rank: {e}"))),
         }
     }
+    refuse_latecomers(&listener, &joined, me.world);
     let mut members = vec![me.clone()];
     let mut streams = Vec::new();
     let mut missing = Vec::new();
@@ -620,6 +627,29 @@ fn host(config: &RendezvousConfig) -> Result<Rendezvous> {
             broadcasts: Mutex::new(broadcasts),
         }),
     })
+}
+
+/// Processes that connected after every rank had joined (a second process with a rank the job
+/// already has, a job's leftover) are told why they are not let in, rather than finding their
+/// connection reset; a rank-0 run of the job goes on.
+fn refuse_latecomers(listener: &TcpListener, joined: &[Option<(Member, TcpStream)>], world: u32) {
+    while let Ok((stream, from)) = listener.accept() {
+        let deadline = Instant::now() + Duration::from_millis(500);
+        let Ok((member, mut stream)) = read_hello(stream, deadline) else {
+            continue;
+        };
+        let holder = joined
+            .get(member.rank as usize)
+            .and_then(|slot| slot.as_ref())
+            .map_or_else(String::new, |(first, _)| format!(": {}", first.describe()));
+        let problem = format!(
+            "{} from {from} came after all {world} ranks had joined; the job already has rank \
+             {}{holder}; give every process its own rank",
+            member.describe(),
+            member.rank
+        );
+        let _ = write_frame(&mut stream, REFUSED, problem.as_bytes());
+    }
 }
 
 /// The settings in which `member` differs from rank 0 (`me`), as `path = theirs (rank 0:
@@ -972,6 +1002,33 @@ mod tests {
         for result in joined {
             let err = result.err().unwrap().to_string();
             assert!(err.contains("lowered a different plan"), "{err}");
+        }
+    }
+
+    #[test]
+    fn two_processes_with_one_rank_are_refused_and_both_told_why() {
+        let port = free_port().unwrap();
+        let join = |rank: u32| Rendezvous::join(&config(rank, 3, port, "h", 10_000));
+        let results: Vec<Result<Rendezvous>> = std::thread::scope(|s| {
+            let handles: Vec<_> = [0, 1, 1]
+                .into_iter()
+                .map(|rank| s.spawn(move || join(rank)))
+                .collect();
+            // Rank 2 comes once the two rank-1 processes have.
+            std::thread::sleep(Duration::from_millis(500));
+            let last = s.spawn(move || join(2));
+            handles
+                .into_iter()
+                .chain([last])
+                .map(|h| h.join().unwrap())
+                .collect()
+        });
+        for result in results {
+            let err = result.err().unwrap().to_string();
+            assert!(
+                err.contains("two processes say they are rank 1"),
+                "every process, the one refused too: {err}"
+            );
         }
     }
 
