@@ -32,6 +32,25 @@ fn plan_args_with(steps: u32, parallel: &[&str]) -> Vec<String> {
     tiny_run(steps.into(), &parallel)
 }
 
+/// Rank `rank` of `world` started with torchrun-style variables, rendezvous on 127.0.0.1:`port`,
+/// its stderr piped.
+fn torchrun_rank(args: &[String], rank: u32, world: u32, port: &str) -> std::process::Child {
+    parc(
+        args,
+        &[
+            ("RANK", rank.to_string()),
+            ("WORLD_SIZE", world.to_string()),
+            ("LOCAL_RANK", rank.to_string()),
+            ("MASTER_ADDR", "127.0.0.1".into()),
+            ("MASTER_PORT", port.to_string()),
+        ],
+    )
+    .stdout(std::process::Stdio::null())
+    .stderr(std::process::Stdio::piped())
+    .spawn()
+    .unwrap()
+}
+
 fn losses(output: &Output) -> Vec<u32> {
     String::from_utf8_lossy(&output.stdout)
         .lines()
@@ -268,22 +287,7 @@ fn a_rendezvous_missing_a_rank_names_it() {
     args.extend(["--rendezvous-timeout".into(), "3".into()]);
     let started = Instant::now();
     let children: Vec<_> = (0..3)
-        .map(|rank| {
-            parc(
-                &args,
-                &[
-                    ("RANK", rank.to_string()),
-                    ("WORLD_SIZE", "4".into()),
-                    ("LOCAL_RANK", rank.to_string()),
-                    ("MASTER_ADDR", "127.0.0.1".into()),
-                    ("MASTER_PORT", port.clone()),
-                ],
-            )
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap()
-        })
+        .map(|rank| torchrun_rank(&args, rank, 4, &port))
         .collect();
     for child in children {
         let output = child.wait_with_output().unwrap();
@@ -313,20 +317,7 @@ fn ranks_with_another_seed_or_learning_rate_are_refused_naming_the_setting() {
                     args.extend(["--set".into(), set.into()]);
                 }
                 args.extend(["--rendezvous-timeout".into(), "20".into()]);
-                parc(
-                    &args,
-                    &[
-                        ("RANK", rank.to_string()),
-                        ("WORLD_SIZE", "4".into()),
-                        ("LOCAL_RANK", rank.to_string()),
-                        ("MASTER_ADDR", "127.0.0.1".into()),
-                        ("MASTER_PORT", port.clone()),
-                    ],
-                )
-                .stdout(std::process::Stdio::null())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
+                torchrun_rank(&args, rank, 4, &port)
             })
             .collect();
         for child in children {
