@@ -135,9 +135,11 @@ fn a_rank_killed_mid_step_or_mid_save_is_named_and_the_run_resumes_from_its_last
     }
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = temp_dir("kill");
-    // kill -9 of rank 2 while it trains (steps take ~25 ms, saves of 5 MB are rare).
+    // kill -9 of rank 2 while it trains (steps take ~25 ms, saves of 5 MB are rare); 3 s in, so
+    // that a loaded machine has still written a checkpoint to resume from (at 1.5 s one with a
+    // load of 13 on 2 cores had not).
     let args = multi(plan_args(100_000, 8, &dir));
-    let killed = run(&args, &[("PARC_TEST_FAULT", "kill:2@1500".into())]);
+    let killed = run(&args, &[("PARC_TEST_FAULT", "kill:2@3000".into())]);
     let err = stderr(&killed);
     assert!(!killed.status.success(), "{err}");
     assert!(err.contains("error: rank 2 failed"), "{err}");
