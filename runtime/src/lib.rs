@@ -11,6 +11,7 @@ pub mod cuda_limits;
 pub mod data;
 pub mod error;
 pub mod exec;
+pub mod fnv;
 pub mod generate;
 pub mod hf;
 pub mod init;

@@ -127,12 +127,7 @@ pub struct Manifest {
 /// A stable hash of a lowered plan: FNV-1a 64 over its JSON form, as 16 hex digits.
 pub fn plan_hash(plan: &Plan) -> String {
     let json = serde_json::to_vec(plan).unwrap_or_default();
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in json {
-        hash ^= u64::from(byte);
-        hash = hash.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("{hash:016x}")
+    format!("{:016x}", crate::fnv::fnv1a(&json))
 }
 
 /// The folder name of the checkpoint after `step` steps.

@@ -175,11 +175,7 @@ impl StartPoint {
         manifest: Option<&checkpoint::Manifest>,
         data: Option<&crate::data::record::DataRecord>,
     ) -> Self {
-        let fingerprint = |bytes: &[u8]| {
-            bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-                (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
-            })
-        };
+        let fingerprint = crate::fnv::fnv1a;
         let checkpoint = manifest
             .and_then(|m| serde_json::to_vec(m).ok())
             .map_or(0, |json| fingerprint(&json));

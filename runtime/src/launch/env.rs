@@ -301,9 +301,7 @@ fn job_port(env: &EnvMap, kind: LauncherKind) -> Result<u16> {
     };
     Ok(match job {
         Some(job) => {
-            let hash = job.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-            });
+            let hash = crate::fnv::fnv1a(job.as_bytes());
             // Below Linux's ephemeral range (32768-60999), which outgoing connections use.
             20000 + (hash % 12768) as u16
         }

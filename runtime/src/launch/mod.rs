@@ -37,9 +37,7 @@ fn settings_of(mut json: Value) -> BTreeMap<String, String> {
     for (section, value) in sections {
         if section == "model" {
             let bytes = serde_json::to_vec(&value).unwrap_or_default();
-            let hash = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-                (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
-            });
+            let hash = crate::fnv::fnv1a(&bytes);
             settings.insert("model".to_string(), format!("definition {hash:016x}"));
         } else {
             flatten(&section, &value, &mut settings);
