@@ -773,6 +773,25 @@ fn heads_of_256_steps_match_cpu() {
     );
 }
 
+/// The Llama-style model with every attention's q·k factor its own (`scale = 0.3`, not
+/// 1/√head_dim) on CUDA against the CPU: the tensor-core and exact attention kernels take the
+/// factor from the op, so the per-step losses and gradient norms match as the Llama run's do.
+#[test]
+fn an_attention_scale_steps_match_cpu() {
+    if !gpu_present() {
+        return;
+    }
+    let mut s = model_spec(true, 6);
+    for n in &mut s.model.nodes {
+        if let LayerKind::Attention { scale, .. } = &mut n.kind {
+            *scale = Some(0.3);
+        }
+    }
+    let cuda = run(&s, Which::Cuda, None, None);
+    let cpu = run(&s, Which::Cpu, None, None);
+    compare("attention scale 0.3", &cuda.records, &cpu.records);
+}
+
 /// The Llama-style model with Qwen3's attention: heads of `head_dim` (64: the q projection 4×
 /// d; 128) and each head of q and k RMS-normalized before RoPE (`qk_norm`).
 fn qwen3_spec(head_dim: u64, steps: u64) -> Spec {

@@ -217,6 +217,50 @@ fn qwen3(mut s: Spec) -> Spec {
     s
 }
 
+/// `s` with every attention's q·k factor set to `scale` (`Attention(…, scale = …)`).
+fn attention_scaled(mut s: Spec, scale: Option<f64>) -> Spec {
+    for node in &mut s.model.nodes {
+        if let LayerKind::Attention { scale: own, .. } = &mut node.kind {
+            *own = scale;
+        }
+    }
+    s
+}
+
+/// An attention's own `scale` (Gemma 2's `query_pre_attn_scalar^−½`): written as the usual
+/// `1/√head_dim` it trains bit for bit as left out; another value changes the run (the factor
+/// reaches the kernels), and trains under tp 2 with SP and under cp 2 as on one rank.
+#[test]
+fn an_attention_scale_reaches_the_kernels_under_tp_and_cp() {
+    let with = |plan: PlanChoice, scale: Option<f64>| {
+        let s = spec_variant(model(true), plan.clone(), Variant::default());
+        run_plan_of(&attention_scaled(s, scale))
+    };
+    let head_dim = tiny_dims(true).dim / tiny_dims(true).heads;
+    let usual = 1.0 / (head_dim as f64).sqrt();
+    let left_out = with(PlanChoice::default(), None);
+    let written = with(PlanChoice::default(), Some(usual));
+    assert!(run_bits(&left_out) == run_bits(&written));
+    let own = with(PlanChoice::default(), Some(0.9));
+    assert!(
+        left_out.records[0].loss != own.records[0].loss,
+        "a scale of 0.9 trained as 1/√{head_dim}"
+    );
+    let tp = PlanChoice {
+        tp: 2,
+        sp: true,
+        ..PlanChoice::default()
+    };
+    let cp = PlanChoice {
+        cp: 2,
+        ..PlanChoice::default()
+    };
+    for plan in [tp, cp] {
+        let desc = format!("scale 0.9, {}", describe(true, &plan, Variant::default()));
+        assert_close(&desc, &own, &with(plan, Some(0.9)), false);
+    }
+}
+
 /// Qwen3's per-head q/k norms under every axis train as on one rank: tp 2 with and without SP
 /// (each rank normalizes its own heads with the replicated weights, whose partial gradients
 /// are all-reduced over tp), dp 2 with ZeRO 3 (the weights sharded and gathered per use),

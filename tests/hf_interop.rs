@@ -14,7 +14,7 @@ mod cli;
 
 use parc_compiler::driver::{self, CompileOptions, Stage};
 use parc_compiler::ir::Plan;
-use parc_compiler::spec::Spec;
+use parc_compiler::spec::{LayerKind, Spec};
 use parc_runtime::exec::{global_tensors, GlobalParam, TrainOptions};
 use parc_runtime::hf::{self, ExportOptions, HfDtype};
 use safetensors::SafeTensors;
@@ -628,6 +628,35 @@ fn a_graph_transformers_does_not_have_is_refused_naming_the_layer() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("has no counterpart in transformers"), "{err}");
+}
+
+/// An attention whose q·k factor is not 1/√head_dim (`scale = …`) has no transformers class:
+/// export refuses it naming the layer and both factors; written as the usual value it exports.
+#[test]
+fn an_attention_scale_transformers_lacks_is_refused_naming_it() {
+    let (spec, plan) = compile("tiny-llama", &[]);
+    let tensors = global_tensors(train(&spec, &plan, 0).unwrap());
+    let export = |scale: f64| {
+        let mut spec = spec.clone();
+        for node in &mut spec.model.nodes {
+            if let LayerKind::Attention { scale: own, .. } = &mut node.kind {
+                *own = Some(scale);
+            }
+        }
+        let dir = cli::temp_dir("hf", &format!("scale-{scale}"));
+        let options = ExportOptions {
+            vocab: None,
+            dtype: HfDtype::F32,
+        };
+        hf::export(&spec, &tensors, &dir, options).map_err(|e| e.to_string())
+    };
+    let err = export(0.3).unwrap_err();
+    assert!(
+        err.contains("layer `blocks.0.attn`") && err.contains("scale = 0.3 is not 1/√head_dim"),
+        "{err}"
+    );
+    // tiny-llama's heads are 8 wide: 1/√8, exactly as parc computes it.
+    export(1.0 / 8f64.sqrt()).unwrap();
 }
 
 /// The command line: `--resume` winning over `train.init`, `parc export` of a finished run's

@@ -240,6 +240,18 @@ fn engine_equals_the_training_forward_scaled_llama() {
     engine_matches("scaled tiny-llama", &spec, &plan);
 }
 
+/// An attention's own q·k factor (`scale = 1 / 12`, not tiny-llama's 1/√8) in the engine as in
+/// training: an engine that kept 1/√head_dim would give other logits.
+#[test]
+fn engine_equals_the_training_forward_with_an_attention_scale() {
+    let file = "examples/tiny-llama.par";
+    let text = std::fs::read_to_string(cli_support::root().join(file))
+        .unwrap()
+        .replace("theta = 10000)", "theta = 10000, scale = 1 / 12)");
+    let (spec, plan) = compiled_text("tiny-llama with scale 1/12", text);
+    engine_matches("tiny-llama with scale 1/12", &spec, &plan);
+}
+
 /// Qwen3's per-head q/k norms before RoPE, in the engine as in training.
 #[test]
 fn engine_equals_the_training_forward_qwen3() {

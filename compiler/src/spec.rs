@@ -195,6 +195,9 @@ pub enum LayerKind {
     /// epsilon, when set): each head of q and of k is RMS-normalized over its `head_dim`
     /// features between the projection and RoPE, with weights `q_norm [head_dim]` (shared by
     /// every q head) and `k_norm [head_dim]` (every kv head), as Qwen3 and Gemma 3 do.
+    /// `scale` multiplies q·k before the softmax where a model sets its own (Gemma 2's
+    /// `query_pre_attn_scalar^−½`, Granite's `attention_multiplier`); `None` is the usual
+    /// `1/√head_dim` ([`attention_scale`]), left out of the spec's JSON.
     Attention {
         dim: u64,
         heads: u64,
@@ -205,6 +208,8 @@ pub enum LayerKind {
         qkv_bias: bool,
         out_bias: bool,
         qk_norm: Option<f64>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        scale: Option<f64>,
     },
     /// Feed-forward: `fc [hidden, dim]` (+`fc_bias`), activation, `proj [dim, hidden]` (+`proj_bias`).
     /// For SwiGLU: `gate [hidden, dim]`, `up [hidden, dim]`, `down [dim, hidden]`, no biases.
@@ -254,6 +259,12 @@ impl LayerKind {
             LayerKind::CrossEntropy => "CrossEntropy",
         }
     }
+}
+
+/// The factor an attention of `head_dim` features per head multiplies q·k by: its own `scale`
+/// where the model sets one, else `1/√head_dim`.
+pub fn attention_scale(head_dim: u64, scale: Option<f64>) -> f64 {
+    scale.unwrap_or_else(|| 1.0 / (head_dim as f64).sqrt())
 }
 
 /// An elementwise layer's function, in JSON: its name.

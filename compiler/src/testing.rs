@@ -172,6 +172,7 @@ pub fn decoder_model(d: &Dims, name: &str, recompute: &Recompute, tp: u32, cp: u
             qkv_bias: !d.llama,
             out_bias: !d.llama,
             qk_norm: None,
+            scale: None,
         };
         let a = add(format!("{p}.attn"), attention, vec![a], Some(l));
         x = add(format!("{p}.add1"), LayerKind::Add, vec![x, a], Some(l));

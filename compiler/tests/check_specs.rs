@@ -152,6 +152,38 @@ fn rope_scaling_reaches_every_attention() {
     assert_eq!(scaling, Some(RopeScaling::None));
 }
 
+/// An attention's own q·k factor through std::llama's Block: `scale = 1 / 12` (Gemma 2 27B's
+/// query_pre_attn_scalar of 144) reaches every attention; left out it is none (1/√head_dim);
+/// zero or a negative factor is E0903, a flag E0902; Gemma's name for it is E0207 with a note.
+#[test]
+fn an_attention_scale_through_the_llama_block() {
+    let with = |scale: &str| {
+        let text = example("tiny-llama.par").replace(
+            "theta = 10000)",
+            &format!("theta = 10000, scale = {scale})"),
+        );
+        run(&text, &[])
+    };
+    let scale_of = |spec: &Spec| match node(spec, "blocks.3.attn").kind {
+        LayerKind::Attention { scale, .. } => scale,
+        _ => panic!("blocks.3.attn is not an attention"),
+    };
+    let (spec, codes) = with("1 / 12");
+    assert!(codes.is_empty(), "{codes:?}");
+    assert_eq!(scale_of(&spec.unwrap()), Some(1.0 / 12.0));
+    let (spec, codes) = with("none");
+    assert!(codes.is_empty(), "{codes:?}");
+    assert_eq!(scale_of(&spec.unwrap()), None);
+    assert_eq!(with("0").1, ["E0903"]);
+    assert_eq!(with("-0.5").1, ["E0903"]);
+    assert_eq!(with("true").1, ["E0902"]);
+    let gemma = example("tiny-llama.par").replace(
+        "  logits = ",
+        "  x = x + Attention(d, heads, query_pre_attn_scalar = 144)(x)\n  logits = ",
+    );
+    assert_eq!(run(&gemma, &[]).1, ["E0207"]);
+}
+
 /// Qwen3 through std::llama's Block: `qk_norm = true` takes the block's eps, `head_dim` sets
 /// heads wider than d / heads; left out, the Block's `head_dim = none` is d / heads and its
 /// `qk_norm = false` none.
@@ -174,7 +206,8 @@ fn qk_norm_and_head_dim_through_the_llama_block() {
             }),
             qkv_bias: false,
             out_bias: false,
-            qk_norm: Some(1e-6)
+            qk_norm: Some(1e-6),
+            scale: None,
         }
     );
     let (spec, codes) = run(&example("tiny-llama.par"), &[]);
@@ -210,7 +243,8 @@ fn tiny_llama_has_gqa_rope_and_swiglu() {
             }),
             qkv_bias: false,
             out_bias: false,
-            qk_norm: None
+            qk_norm: None,
+            scale: None,
         }
     );
     let mlp = node(&spec, "blocks.2.mlp");
@@ -473,7 +507,8 @@ fn every_language_feature_reaches_the_spec() {
             rope: None,
             qkv_bias: false,
             out_bias: false,
-            qk_norm: None
+            qk_norm: None,
+            scale: None,
         }
     );
     assert!(matches!(

@@ -48,6 +48,7 @@ pub fn params(kind: &str) -> &'static [&'static str] {
             "qkv_bias",
             "qk_norm",
             "qk_norm_eps",
+            "scale",
         ],
         "MLP" => &["dim", "hidden", "act", "bias"],
         "RoPE" => &["theta", "scaling"],
@@ -69,6 +70,11 @@ pub fn missing_feature(kind: &str, param: &str) -> Option<&'static str> {
         ("Attention", "alibi" | "alibi_bias" | "position_bias") => {
             "parc's Attention has no ALiBi biases (BLOOM, MPT): positions are RoPE (`rope = \
              RoPE(theta = …)`) or a learned PositionEmbedding"
+        }
+        ("Attention", "query_pre_attn_scalar" | "attention_multiplier" | "softmax_scale") => {
+            "parc's Attention takes `scale`, the factor q·k is multiplied by (default \
+             1/√head_dim): Gemma 2's query_pre_attn_scalar = s is `scale = 1 / √s` (s = 144: \
+             `scale = 1 / 12`), Granite's attention_multiplier is `scale` itself"
         }
         ("Attention", "softcap" | "logit_softcapping" | "attn_logit_softcapping") => {
             "parc's Attention has no logit soft-capping (Gemma 2)"
@@ -410,7 +416,31 @@ fn attention(b: &Bound) -> Result<LayerKind, Diagnostic> {
         qkv_bias: b.flag("qkv_bias", bias)?,
         out_bias: bias,
         qk_norm: qk_norm(b)?,
+        scale: attention_scale(b, head_dim)?,
     })
+}
+
+/// Attention's own factor for q·k (`scale = …`; `none` or left out: `1/√head_dim`): a positive
+/// finite number, E0903 otherwise, its help naming the usual value.
+fn attention_scale(b: &Bound, head_dim: u64) -> Result<Option<f64>, Diagnostic> {
+    if b.given("scale").is_none() {
+        return Ok(None);
+    }
+    let usual = crate::spec::attention_scale(head_dim, None);
+    let scale = b.float("scale", usual)?;
+    if !scale.is_finite() {
+        let span = b.given("scale").unwrap_or(b.span);
+        return Err(Diagnostic::error(
+            "E0903",
+            format!("{}'s scale must be a finite number, found {scale}", b.kind),
+        )
+        .label(span, "not finite")
+        .help(format!(
+            "write the factor q·k is multiplied by, e.g. 1 / 12 for query_pre_attn_scalar = 144; \
+             left out, it is 1/√head_dim = {usual}"
+        )));
+    }
+    Ok(Some(scale))
 }
 
 /// Attention's per-head q/k normalization: `qk_norm = true` gives its RMSNorms' epsilon

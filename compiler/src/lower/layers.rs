@@ -745,7 +745,7 @@ impl Emitter<'_> {
             kv_heads: s.kv_heads,
             head_dim: s.head_dim,
             causal: s.causal,
-            scale: 1.0 / (s.head_dim as f64).sqrt(),
+            scale: s.scale,
             q_positions: self.positions.clone(),
             kv_positions: self.kv_positions.clone(),
             packed,
@@ -941,6 +941,8 @@ pub struct AttnShape {
     pub out_bias: bool,
     /// Each head of q and k RMS-normalized with this epsilon (weights `q_norm`, `k_norm`).
     pub qk_norm: Option<f64>,
+    /// The factor q·k is multiplied by (`spec::attention_scale`).
+    pub scale: f64,
 }
 
 impl AttnShape {
@@ -956,6 +958,7 @@ impl AttnShape {
                 qkv_bias,
                 out_bias,
                 qk_norm,
+                scale,
             } => Some(AttnShape {
                 dim: *dim,
                 heads: heads / tp,
@@ -966,6 +969,7 @@ impl AttnShape {
                 qkv_bias: *qkv_bias,
                 out_bias: *out_bias,
                 qk_norm: *qk_norm,
+                scale: crate::spec::attention_scale(*head_dim, *scale),
             }),
             _ => None,
         }

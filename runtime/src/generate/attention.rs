@@ -15,7 +15,7 @@ use crate::backend::Backend;
 use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::op::{AttentionAttrs, Op, RopeAttrs, Segment};
 use parc_compiler::ir::{BufferId, DType};
-use parc_compiler::spec::{LayerKind, Node, NodeId, Rope};
+use parc_compiler::spec::{attention_scale, LayerKind, Node, NodeId, Rope};
 
 /// The sizes of an attention layer.
 #[derive(Clone, Copy, Debug)]
@@ -30,6 +30,8 @@ struct Heads {
     out_bias: bool,
     /// Each head of q and k RMS-normalized with this epsilon (`q_norm`, `k_norm`).
     qk_norm: Option<f64>,
+    /// The factor q·k is multiplied by (`spec::attention_scale`).
+    scale: f64,
 }
 
 impl Heads {
@@ -68,6 +70,7 @@ impl Cache {
             qkv_bias,
             out_bias,
             qk_norm,
+            scale,
         } = node.kind
         else {
             return Ok(None);
@@ -88,6 +91,7 @@ impl Cache {
             qkv_bias,
             out_bias,
             qk_norm,
+            scale: attention_scale(head_dim, scale),
         };
         let k = device.alloc(&[seq, heads.kv_cols()], DType::F32)?;
         let v = device.alloc(&[seq, heads.kv_cols()], DType::F32)?;
@@ -141,7 +145,7 @@ impl Cache {
             kv_heads: h.kv_heads,
             head_dim: h.head_dim,
             causal: true,
-            scale: 1.0 / (h.head_dim as f64).sqrt(),
+            scale: h.scale,
             q_positions: vec![at],
             kv_positions: vec![Segment {
                 start: 0,

@@ -436,10 +436,21 @@ fn block<'a>(
         qkv_bias,
         out_bias,
         qk_norm,
+        scale,
     } = attn.kind
     else {
         return Err(unmapped(attn, "transformers' blocks have attention here"));
     };
+    let usual = parc_compiler::spec::attention_scale(head_dim, None);
+    if let Some(scale) = scale.filter(|&s| s != usual) {
+        return Err(unmapped(
+            attn,
+            format!(
+                "its scale = {scale} is not 1/√head_dim = {usual}, the factor transformers' \
+                 GPT-2 and Llama-family attention multiplies q·k by"
+            ),
+        ));
+    }
     if qk_norm.is_some_and(|qk| qk != eps) {
         return Err(unmapped(
             attn,
