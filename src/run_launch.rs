@@ -37,6 +37,11 @@ pub fn mode(args: &RunArgs) -> Result<Mode, String> {
         (Some(env), _) if env.world > 1 => Ok(Mode::Rank(env)),
         (_, Some(0)) => Err("--nproc-per-node must be at least 1".to_string()),
         (_, Some(n)) if n > 1 => Ok(Mode::Launcher(n)),
+        // Not a rank, but a Slurm job's batch script: its tasks are srun's to start.
+        (None, None) => match launch::env::slurm_batch_script_of_tasks_here() {
+            Some(why) => Err(why),
+            None => Ok(Mode::Single),
+        },
         _ => Ok(Mode::Single),
     }
 }

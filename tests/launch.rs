@@ -5,7 +5,8 @@
 //! naming the waiting rank, the missing peer, the instruction and the spec line; a rendezvous
 //! missing a rank names it; a world size other than the mesh's is refused before any
 //! communication, with both numbers; ranks whose settings differ (another seed or learning rate:
-//! not in the plan) are refused at the rendezvous naming the setting; the MPI comm itself checks
+//! not in the plan) are refused at the rendezvous naming the setting; a Slurm batch script of
+//! several tasks (not started by srun) is refused at once; the MPI comm itself checks
 //! collective order, names missing peers and hears aborts. The MPI tests need the `mpi` feature (without it they are ignored) and
 //! `mpiexec` on PATH (without it they say they skip).
 //! The 4-process run's `--metrics` are written by its report rank alone.
@@ -330,6 +331,35 @@ fn ranks_with_another_seed_or_learning_rate_are_refused_naming_the_setting() {
             );
         }
     }
+}
+
+#[test]
+fn a_slurm_batch_script_of_several_tasks_says_at_once_to_launch_with_srun() {
+    // A Slurm job's batch script (no step id) is no rank: it waited for 3 ranks that srun
+    // never started, until the rendezvous timeout.
+    let started = Instant::now();
+    let mut args = plan_args(2);
+    args.extend(["--rendezvous-timeout".into(), "20".into()]);
+    let output = parc(
+        &args,
+        &[
+            ("SLURM_JOB_ID", "77".into()),
+            ("SLURM_NTASKS", "4".into()),
+            ("SLURM_PROCID", "0".into()),
+            ("SLURM_LOCALID", "0".into()),
+            ("SLURM_JOB_NODELIST", "localhost".into()),
+            ("MASTER_PORT", free_port().to_string()),
+        ],
+    )
+    .output()
+    .unwrap();
+    let err = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("batch script of Slurm job 77") && err.contains("`srun parc run …`"),
+        "{err}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(15), "{err}");
 }
 
 #[test]

@@ -10,6 +10,10 @@
 //!
 //! Precedence, most explicit first: torchrun-style, Open MPI, Slurm, PMI. `MASTER_ADDR` /
 //! `MASTER_PORT` override the derived rendezvous address under every launcher.
+//!
+//! Slurm's variables in a job's batch script (`SLURM_JOB_ID` but no step id: srun did not
+//! start the process) make no rank; [`slurm_batch_script_of_tasks`] says why a plain run there
+//! is refused.
 use crate::error::{Result, RuntimeError};
 use std::collections::HashMap;
 
@@ -106,7 +110,7 @@ pub fn detect(env: &EnvMap) -> Result<Option<LaunchEnv>> {
         LauncherKind::Torchrun
     } else if env.contains_key("OMPI_COMM_WORLD_RANK") {
         LauncherKind::OpenMpi
-    } else if env.contains_key("SLURM_PROCID") {
+    } else if env.contains_key("SLURM_PROCID") && !slurm_batch_script(env) {
         LauncherKind::Slurm
     } else if env.contains_key("PMI_RANK") {
         LauncherKind::Pmi
@@ -183,6 +187,48 @@ pub fn detect(env: &EnvMap) -> Result<Option<LaunchEnv>> {
         master_addr,
         master_port,
     }))
+}
+
+/// Whether Slurm's variables are those of a job's batch script: `SLURM_JOB_ID` set but no step
+/// id (slurmstepd gives the batch script none; srun's tasks have theirs), or one of the ids
+/// from 0xfffffff0 that Slurm reserves for its batch and extern steps. There `SLURM_PROCID` is
+/// 0 and `SLURM_NTASKS` counts the tasks srun would start, not processes that run.
+fn slurm_batch_script(env: &EnvMap) -> bool {
+    if first_set(env, &["SLURM_JOB_ID", "SLURM_JOBID"]).is_none() {
+        return false;
+    }
+    match first_set(env, &["SLURM_STEP_ID", "SLURM_STEPID"]) {
+        None => true,
+        Some((_, id)) => id.parse::<u32>().is_ok_and(|id| id >= 0xffff_fff0),
+    }
+}
+
+/// Why a run in this process would be a mistake although no launcher started it: it runs the
+/// batch script of a Slurm job of several tasks, whose ranks `srun` starts. (Its variables do
+/// not make it a rank, [`detect`]; `--nproc-per-node` still starts ranks from it.)
+pub fn slurm_batch_script_of_tasks(env: &EnvMap) -> Option<String> {
+    if !slurm_batch_script(env) {
+        return None;
+    }
+    let tasks = number(env, "SLURM_NTASKS")
+        .ok()
+        .flatten()
+        .filter(|&n| n > 1)?;
+    let job = first_set(env, &["SLURM_JOB_ID", "SLURM_JOBID"]).map_or("", |(_, v)| v);
+    Some(format!(
+        "launch environment: this process runs the batch script of Slurm job {job} \
+         (SLURM_JOB_ID is set but SLURM_STEP_ID is not: srun did not start it), and \
+         SLURM_NTASKS={tasks} counts the tasks srun would start, not processes that run; launch \
+         one rank per task with `srun parc run …` in the script, or start the ranks on this host \
+         with `parc run … --nproc-per-node N`, or run every rank in this one process with \
+         `srun --ntasks=1 parc run …`"
+    ))
+}
+
+/// Read this process's environment for [`slurm_batch_script_of_tasks`].
+pub fn slurm_batch_script_of_tasks_here() -> Option<String> {
+    let env: EnvMap = std::env::vars().collect();
+    slurm_batch_script_of_tasks(&env)
 }
 
 /// The variable that gives `kind`'s local rank (the one [`detect`] reads first).
@@ -515,6 +561,7 @@ mod tests {
             ("SLURM_NTASKS_PER_NODE", "8"),
             ("SLURM_JOB_NODELIST", "gpu[07-08]"),
             ("SLURM_JOB_ID", "123456"),
+            ("SLURM_STEP_ID", "0"),
         ]))
         .unwrap()
         .unwrap();
@@ -568,6 +615,44 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("set SLURM_LOCALID"), "{err}");
+    }
+
+    #[test]
+    fn a_slurm_batch_script_is_no_rank_and_says_to_launch_with_srun() {
+        // sbatch's script: job id, the allocation's task count, SLURM_PROCID=0, no step id.
+        let batch = env(&[
+            ("SLURM_JOB_ID", "4242"),
+            ("SLURM_NTASKS", "16"),
+            ("SLURM_PROCID", "0"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_JOB_NODELIST", "gpu[01-02]"),
+        ]);
+        assert_eq!(detect(&batch).unwrap(), None);
+        let why = slurm_batch_script_of_tasks(&batch).unwrap();
+        assert!(
+            why.contains("batch script of Slurm job 4242")
+                && why.contains("SLURM_NTASKS=16")
+                && why.contains("`srun parc run …`"),
+            "{why}"
+        );
+        // The batch step's reserved id is the batch script too; srun's task is a rank.
+        let mut reserved = batch.clone();
+        reserved.insert("SLURM_STEP_ID".into(), "4294967291".into());
+        assert!(slurm_batch_script_of_tasks(&reserved).is_some());
+        let mut task = batch.clone();
+        task.insert("SLURM_STEP_ID".into(), "0".into());
+        assert_eq!(detect(&task).unwrap().unwrap().world, 16);
+        assert_eq!(slurm_batch_script_of_tasks(&task), None);
+        // One task: a plain run; parc's launcher's ranks under the script are torchrun's.
+        let mut one = batch.clone();
+        one.insert("SLURM_NTASKS".into(), "1".into());
+        assert_eq!(slurm_batch_script_of_tasks(&one), None);
+        let mut rank = batch;
+        for (key, value) in [("RANK", "3"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "3")] {
+            rank.insert(key.into(), value.into());
+        }
+        rank.insert("MASTER_ADDR".into(), "127.0.0.1".into());
+        assert_eq!(detect(&rank).unwrap().unwrap().rank, 3);
     }
 
     #[test]
