@@ -5,8 +5,9 @@
 //! naming the waiting rank, the missing peer, the instruction and the spec line; a rendezvous
 //! missing a rank names it; a world size other than the mesh's is refused before any
 //! communication, with both numbers; ranks whose settings differ (another seed or learning rate:
-//! not in the plan) are refused at the rendezvous naming the setting; a Slurm batch script of
-//! several tasks (not started by srun) is refused at once; the MPI comm itself checks
+//! not in the plan) are refused at the rendezvous naming the setting; a leftover `RANK` beside
+//! mpirun's variables, and a Slurm batch script of several tasks (not started by srun), are
+//! refused at once; the MPI comm itself checks
 //! collective order, names missing peers and hears aborts. The MPI tests need the `mpi` feature (without it they are ignored) and
 //! `mpiexec` on PATH (without it they say they skip).
 //! The 4-process run's `--metrics` are written by its report rank alone.
@@ -331,6 +332,38 @@ fn ranks_with_another_seed_or_learning_rate_are_refused_naming_the_setting() {
             );
         }
     }
+}
+
+#[test]
+fn a_rank_variable_left_beside_mpiruns_is_refused_naming_both() {
+    // mpirun's rank 1 of 4 with a RANK=0 left in its environment: it took itself for rank 0
+    // and failed on rank 0's port, held by the job's real rank 0 (here, this listener).
+    let held = std::net::TcpListener::bind(("0.0.0.0", 0)).unwrap();
+    let port = held.local_addr().unwrap().port().to_string();
+    let output = parc(
+        &plan_args(2),
+        &[
+            ("OMPI_COMM_WORLD_RANK", "1".into()),
+            ("OMPI_COMM_WORLD_SIZE", "4".into()),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1".into()),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "4".into()),
+            ("RANK", "0".into()),
+            ("WORLD_SIZE", "4".into()),
+            ("LOCAL_RANK", "0".into()),
+            ("MASTER_ADDR", "127.0.0.1".into()),
+            ("MASTER_PORT", port),
+        ],
+    )
+    .output()
+    .unwrap();
+    let err = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("RANK=0 WORLD_SIZE=4 (torchrun-style)")
+            && err.contains("OMPI_COMM_WORLD_RANK=1")
+            && err.contains("If mpirun started this job, unset RANK"),
+        "{err}"
+    );
 }
 
 #[test]

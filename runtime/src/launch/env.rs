@@ -9,7 +9,9 @@
 //! one; [`detect_process`] reads this process's environment.
 //!
 //! Precedence, most explicit first: torchrun-style, Open MPI, Slurm, PMI. `MASTER_ADDR` /
-//! `MASTER_PORT` override the derived rendezvous address under every launcher.
+//! `MASTER_PORT` override the derived rendezvous address under every launcher. Torchrun-style
+//! variables beside another launcher's that say another rank or world are refused (a `RANK`
+//! left in the environment of an `mpirun` or `srun` job).
 //!
 //! Slurm's variables in a job's batch script (`SLURM_JOB_ID` but no step id: srun did not
 //! start the process) make no rank; [`slurm_batch_script_of_tasks`] says why a plain run there
@@ -149,6 +151,9 @@ pub fn detect(env: &EnvMap) -> Result<Option<LaunchEnv>> {
             },
         ),
     };
+    if kind == LauncherKind::Torchrun {
+        check_no_other_launcher(env, rank, world)?;
+    }
     if world == 0 {
         return Err(launch_error(format!(
             "{} says the job has 0 processes",
@@ -187,6 +192,64 @@ pub fn detect(env: &EnvMap) -> Result<Option<LaunchEnv>> {
         master_addr,
         master_port,
     }))
+}
+
+/// The rank and world variables of the launchers that torchrun-style variables can hide.
+const OTHER_LAUNCHERS: [(LauncherKind, &str, &str); 3] = [
+    (
+        LauncherKind::OpenMpi,
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+    ),
+    (LauncherKind::Slurm, "SLURM_PROCID", "SLURM_NTASKS"),
+    (LauncherKind::Pmi, "PMI_RANK", "PMI_SIZE"),
+];
+
+/// Refuse torchrun-style `RANK`/`WORLD_SIZE` (read first) beside another launcher's variables
+/// that say otherwise. A `RANK` left in the environment (a shell's export, `mpirun -x`, `sbatch`
+/// copying the submitting shell's variables) would make every process of an `mpirun` or `srun`
+/// job the same rank, and the job fail later on a misleading port in use. A torchrun nested in
+/// one task of the other launcher (`srun … torchrun`, which sets `TORCHELASTIC_RUN_ID`) is
+/// meant, and so is another launcher's world of one process (`srun -n 1 parc run
+/// --nproc-per-node N`).
+fn check_no_other_launcher(env: &EnvMap, rank: u32, world: u32) -> Result<()> {
+    if first_set(env, &["TORCHELASTIC_RUN_ID", "GROUP_RANK"]).is_some() {
+        return Ok(());
+    }
+    for (kind, rank_var, size_var) in OTHER_LAUNCHERS {
+        if kind == LauncherKind::Slurm && slurm_batch_script(env) {
+            continue;
+        }
+        let read = |name: &str| number(env, name).ok().flatten();
+        let (Some(their_rank), Some(their_world)) = (read(rank_var), read(size_var)) else {
+            continue;
+        };
+        if their_world <= 1 || (their_rank, their_world) == (rank, world) {
+            continue;
+        }
+        return Err(launch_error(format!(
+            "two launchers' variables are set and disagree: RANK={rank} WORLD_SIZE={world} \
+             (torchrun-style) but {rank_var}={their_rank} {size_var}={their_world} ({}); parc \
+             reads RANK and WORLD_SIZE first, so the processes of this job would not each get \
+             their own rank. If {} started this job, unset RANK, WORLD_SIZE, LOCAL_RANK and \
+             LOCAL_WORLD_SIZE (and MASTER_ADDR and MASTER_PORT if they came with them: a \
+             leftover export, or the submitting shell's environment); if a torchrun-style \
+             launcher did, unset {rank_var} and {size_var}",
+            kind.name(),
+            launcher_command(kind)
+        )));
+    }
+    Ok(())
+}
+
+/// How a user starts a job under `kind`, for messages.
+fn launcher_command(kind: LauncherKind) -> &'static str {
+    match kind {
+        LauncherKind::Torchrun => "torchrun (or parc run --nproc-per-node)",
+        LauncherKind::OpenMpi => "mpirun",
+        LauncherKind::Slurm => "srun",
+        LauncherKind::Pmi => "mpiexec (or srun --mpi=pmi2)",
+    }
 }
 
 /// Whether Slurm's variables are those of a job's batch script: `SLURM_JOB_ID` set but no step
@@ -615,6 +678,54 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("set SLURM_LOCALID"), "{err}");
+    }
+
+    #[test]
+    fn a_rank_variable_beside_another_launchers_that_disagree_is_refused() {
+        let leftover = [
+            ("RANK", "0"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "0"),
+            ("MASTER_ADDR", "old-host"),
+        ];
+        // mpirun's rank 2 of 4 with a RANK left from elsewhere: every process would say rank 0.
+        let err = detect(&open_mpi(["2", "4", "2", "4"], &leftover))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("RANK=0 WORLD_SIZE=4 (torchrun-style)")
+                && err.contains("OMPI_COMM_WORLD_RANK=2 OMPI_COMM_WORLD_SIZE=4")
+                && err.contains("If mpirun started this job, unset RANK, WORLD_SIZE"),
+            "{err}"
+        );
+        let mut pmi = env(&[("PMI_RANK", "3"), ("PMI_SIZE", "8")]);
+        pmi.extend(env(&leftover));
+        let err = detect(&pmi).unwrap_err().to_string();
+        assert!(err.contains("PMI_RANK=3 PMI_SIZE=8"), "{err}");
+        let mut srun = env(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "4")]);
+        srun.extend(env(&[("SLURM_JOB_ID", "9"), ("SLURM_STEP_ID", "0")]));
+        srun.extend(env(&leftover));
+        let err = detect(&srun).unwrap_err().to_string();
+        assert!(err.contains("If srun started this job"), "{err}");
+        // Agreeing variables (a wrapper's `RANK=$OMPI_COMM_WORLD_RANK`) are one launch.
+        let agree = [
+            ("RANK", "2"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "2"),
+            ("MASTER_ADDR", "h"),
+        ];
+        let e = detect(&open_mpi(["2", "4", "2", "4"], &agree))
+            .unwrap()
+            .unwrap();
+        assert_eq!((e.kind, e.rank), (LauncherKind::Torchrun, 2));
+        // torchrun in one task of srun or mpirun; parc's launcher in a one-task step.
+        let mut nested = srun.clone();
+        nested.insert("TORCHELASTIC_RUN_ID".into(), "job".into());
+        assert_eq!(detect(&nested).unwrap().unwrap().rank, 0);
+        let one_task = [("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1")];
+        let mut launched = env(&leftover);
+        launched.extend(env(&one_task));
+        assert_eq!(detect(&launched).unwrap().unwrap().world, 4);
     }
 
     #[test]
