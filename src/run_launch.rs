@@ -89,6 +89,7 @@ fn rank_main(
     );
     config.timeout = timeout(args.rendezvous_timeout, "--rendezvous-timeout")?;
     config.me.settings = launch::spec_settings(spec);
+    config.me.flags = args.agreed_flags(backend);
     let rendezvous = Rendezvous::join(&config).map_err(|e| e.to_string())?;
     inject_fault(env.rank);
     let result = train_rank(args, env, backend, spec, plan, &rendezvous);

@@ -5,7 +5,8 @@
 //! naming the waiting rank, the missing peer, the instruction and the spec line; a rendezvous
 //! missing a rank names it; a world size other than the mesh's is refused before any
 //! communication, with both numbers; ranks whose settings differ (another seed or learning rate:
-//! not in the plan) are refused at the rendezvous naming the setting; a leftover `RANK` beside
+//! not in the plan) are refused at the rendezvous naming the setting, and so are ranks started
+//! with other training flags (`--resume-any-batch`, `--fusion`), naming the flag; a leftover `RANK` beside
 //! mpirun's variables, and a Slurm batch script of several tasks (not started by srun), are
 //! refused at once; the MPI comm itself checks
 //! collective order, names missing peers and hears aborts. The MPI tests need the `mpi` feature (without it they are ignored) and
@@ -329,6 +330,44 @@ fn ranks_with_another_seed_or_learning_rate_are_refused_naming_the_setting() {
             assert!(
                 err.contains("rank 2 (host ") && err.contains(named),
                 "{set}: {err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn ranks_started_with_other_training_flags_are_refused_naming_the_flag() {
+    // Outside the spec and, for the consent, outside the plan: a rank without it would refuse
+    // the checkpoint the others continue; another --fusion runs other kernels.
+    for (flag, named) in [
+        (
+            &["--resume-any-batch"][..],
+            "--resume-any-batch = given (rank 0: not given)",
+        ),
+        (&["--fusion", "off"][..], "--fusion = off (rank 0: on)"),
+    ] {
+        let port = free_port().to_string();
+        let children: Vec<_> = (0..4)
+            .map(|rank| {
+                let mut args = plan_args(2);
+                // A consent needs --resume; the checkpoint is read only after the rendezvous.
+                args.extend(["--resume".into(), "no-such-checkpoint".into()]);
+                args.extend(["--rendezvous-timeout".into(), "20".into()]);
+                if rank == 2 {
+                    args.extend(flag.iter().map(|s| s.to_string()));
+                }
+                torchrun_rank(&args, rank, 4, &port)
+            })
+            .collect();
+        for child in children {
+            let output = child.wait_with_output().unwrap();
+            let err = stderr(&output);
+            assert_eq!(output.status.code(), Some(1), "{err}");
+            assert!(
+                err.contains("rank 2 (host ")
+                    && err.contains("was started with other flags than rank 0")
+                    && err.contains(named),
+                "{flag:?}: {err}"
             );
         }
     }

@@ -2,8 +2,8 @@
 //! any collective. Rank 0 listens on the master address; every other rank connects and says
 //! who it is ([`Member`]: rank, world size, host, pid, local rank, plan hash). Rank 0 waits until
 //! every rank came or the timeout passed (then it names the ranks that never came), checks that
-//! all agree on the world size and the plan, and answers every rank with the member list or the
-//! reason it refuses.
+//! all agree on the world size, the plan, the spec's settings and the `parc run` flags that
+//! change training, and answers every rank with the member list or the reason it refuses.
 //!
 //! After that the connections stay open as the job's failure channel and a byte broadcast:
 //! - [`Rendezvous::broadcast_bytes`] sends a payload from rank 0 to all (the NCCL unique id).
@@ -24,6 +24,7 @@
 //! Frames: a little-endian u32 length (of kind + payload), a kind byte, the payload.
 use crate::error::{Result, RuntimeError};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -48,7 +49,11 @@ pub struct Member {
     /// learning rate, the data, the steps, …), each by its path: every rank must train with
     /// the same ones, or the replicas of one model drift apart with no error.
     #[serde(default)]
-    pub settings: std::collections::BTreeMap<String, String>,
+    pub settings: BTreeMap<String, String>,
+    /// The `parc run` flags that change how the job trains, each by its name (`--fusion` →
+    /// `off`): every rank must be started with the same ones.
+    #[serde(default)]
+    pub flags: BTreeMap<String, String>,
 }
 
 impl Member {
@@ -85,6 +90,7 @@ impl RendezvousConfig {
                 pid: std::process::id(),
                 plan_hash: plan_hash.to_string(),
                 settings: Default::default(),
+                flags: Default::default(),
             },
             master_addr: master_addr.to_string(),
             master_port,
@@ -570,10 +576,18 @@ fn host(config: &RendezvousConfig) -> Result<Rendezvous> {
                 member.plan_hash,
                 me.plan_hash
             ));
-        } else if let Some(differ) = settings_differ(member, me) {
+        } else if let Some(differ) = values_differ(&member.settings, &me.settings) {
             problems.push(format!(
                 "{} runs the spec with other settings than rank 0 ({differ}): every rank must \
                  run the same spec with the same --set",
+                member.describe()
+            ));
+        }
+        if let Some(differ) = values_differ(&member.flags, &me.flags) {
+            problems.push(format!(
+                "{} was started with other flags than rank 0 ({differ}): every rank must be \
+                 given the same flags (only output paths, --log-format, --profile and the \
+                 timeouts may differ)",
                 member.describe()
             ));
         }
@@ -714,20 +728,22 @@ fn latecomer_problem(late: &Member, from: SocketAddr, members: &[Member], world:
     }
 }
 
-/// The settings in which `member` differs from rank 0 (`me`), as `path = theirs (rank 0:
-/// ours)`, at most three of them; None when they agree.
-fn settings_differ(member: &Member, me: &Member) -> Option<String> {
-    let paths: std::collections::BTreeSet<&String> =
-        member.settings.keys().chain(me.settings.keys()).collect();
+/// Where a rank's values (`theirs`: its spec settings or flags, by name) differ from rank 0's
+/// (`ours`), as `name = theirs (rank 0: ours)`, at most three of them; None when they agree.
+fn values_differ(
+    theirs: &BTreeMap<String, String>,
+    ours: &BTreeMap<String, String>,
+) -> Option<String> {
+    let paths: std::collections::BTreeSet<&String> = theirs.keys().chain(ours.keys()).collect();
     let shown = |v: Option<&String>| v.map_or("unset".to_string(), Clone::clone);
     let differ: Vec<String> = paths
         .into_iter()
-        .filter(|path| member.settings.get(*path) != me.settings.get(*path))
+        .filter(|path| theirs.get(*path) != ours.get(*path))
         .map(|path| {
             format!(
                 "{path} = {} (rank 0: {})",
-                shown(member.settings.get(path)),
-                shown(me.settings.get(path))
+                shown(theirs.get(path)),
+                shown(ours.get(path))
             )
         })
         .collect();
