@@ -10,7 +10,7 @@
 //! does), `stop:R@MS` stop (SIGSTOP: a hang).
 use crate::metrics::RunMetrics;
 use crate::run_args::{spec_folder, train_options, Resolved, RunArgs};
-use crate::run_prepare::{backend_and_plan, exit_code};
+use crate::run_prepare::{backend_and_plan, exit_code, Shown, WARNINGS_SHOWN_VAR};
 use crate::run_progress::{finish_report, LogFormat, Progress, Summary};
 use parc_compiler::ir::Plan;
 use parc_compiler::spec::Spec;
@@ -57,11 +57,23 @@ pub(crate) fn timeout(seconds: f64, flag: &str) -> Result<Duration, String> {
 /// Run this process's rank of a launched job; the exit code.
 pub fn run_rank(args: &RunArgs, env: LaunchEnv) -> u8 {
     let quiet = args.log_format == LogFormat::Json || env.rank != 0;
-    let (backend, spec, plan) = match backend_and_plan(args, quiet) {
+    let (backend, spec, plan) = match backend_and_plan(args, quiet, diagnostics_shown(env.rank)) {
         Ok(prepared) => prepared,
         Err(code) => return code,
     };
     exit_code(rank_main(args, &env, backend, &spec, &plan))
+}
+
+/// The spec's warnings once per job: rank 0 shows them, unless `--nproc-per-node`'s launcher
+/// showed them before it started the ranks; every rank shows its errors (a rank whose spec
+/// does not compile fails on its own).
+fn diagnostics_shown(rank: u32) -> Shown {
+    let launcher_showed = std::env::var_os(WARNINGS_SHOWN_VAR).is_some();
+    if rank == 0 && !launcher_showed {
+        Shown::All
+    } else {
+        Shown::Errors
+    }
 }
 
 fn rank_main(

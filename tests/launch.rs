@@ -1,17 +1,18 @@
 //! Multi-process `parc run` through the binary: a 4-process CPU run started by
 //! `--nproc-per-node 4` (mpiexec + the MPI comm) gives exactly the single-process losses,
-//! validation losses, checkpoints and exported parameters, and resumes bit-identically; a rank that crashes ends
-//! the job with its error, quickly; a rank that hangs makes its peers' collective time out
-//! naming the waiting rank, the missing peer, the instruction and the spec line; a rendezvous
-//! missing a rank names it; a world size other than the mesh's is refused before any
-//! communication, with both numbers; ranks whose settings differ (another seed or learning rate:
-//! not in the plan) are refused at the rendezvous naming the setting, and so are ranks started
-//! with other training flags (`--resume-any-batch`, `--fusion`), naming the flag; a leftover `RANK` beside
-//! mpirun's variables, and a Slurm batch script of several tasks (not started by srun), are
-//! refused at once; the MPI comm itself checks
-//! collective order, names missing peers and hears aborts. The MPI tests need the `mpi` feature (without it they are ignored) and
-//! `mpiexec` on PATH (without it they say they skip).
-//! The 4-process run's `--metrics` are written by its report rank alone.
+//! validation losses, checkpoints and exported parameters, and resumes bit-identically; a rank
+//! that crashes ends the job with its error, quickly; a rank that hangs makes its peers'
+//! collective time out naming the waiting rank, the missing peer, the instruction and the spec
+//! line; a rendezvous missing a rank names it; a world size other than the mesh's is refused
+//! before any communication, with both numbers; ranks whose settings differ (another seed or
+//! learning rate: not in the plan) are refused at the rendezvous naming the setting, and so
+//! are ranks started with other training flags (`--resume-any-batch`, `--fusion`), naming the
+//! flag; the spec's warnings are shown by rank 0 alone; a leftover `RANK` beside mpirun's
+//! variables, and a Slurm batch script of several tasks (not started by srun), are refused at
+//! once; the MPI comm itself checks collective order, names missing peers and hears aborts.
+//! The MPI tests need the `mpi` feature (without it they are ignored) and `mpiexec` on PATH
+//! (without it they say they skip). The 4-process run's `--metrics` are written by its report
+//! rank alone.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 use serde_json::Value;
 use std::path::PathBuf;
@@ -124,6 +125,9 @@ fn four_processes_give_exactly_the_single_process_losses() {
             .output()
             .unwrap();
         assert!(multi.status.success(), "{parallel:?}: {}", stderr(&multi));
+        // Three steps end inside the example's warmup: the launcher shows W0901, no rank again.
+        let warned = stderr(&multi).matches("W0901").count();
+        assert_eq!(warned, 1, "{parallel:?}: {}", stderr(&multi));
         // Only the report rank writes metrics: one event file, one row per step.
         let names: Vec<String> = std::fs::read_dir(&metrics)
             .unwrap()
@@ -371,6 +375,33 @@ fn ranks_started_with_other_training_flags_are_refused_naming_the_flag() {
             );
         }
     }
+}
+
+#[test]
+fn a_multi_process_job_shows_the_spec_warnings_once() {
+    // Two steps end inside the example's warmup: warning W0901 in every compile of the spec.
+    // Rank 3's other seed ends the job at the rendezvous, after every rank compiled.
+    let port = free_port().to_string();
+    let children: Vec<_> = (0..4)
+        .map(|rank| {
+            let mut args = plan_args(2);
+            if rank == 3 {
+                args.extend(["--set".into(), "train.seed=7".into()]);
+            }
+            args.extend(["--rendezvous-timeout".into(), "20".into()]);
+            torchrun_rank(&args, rank, 4, &port)
+        })
+        .collect();
+    let shown: Vec<usize> = children
+        .into_iter()
+        .map(|child| {
+            let output = child.wait_with_output().unwrap();
+            let err = stderr(&output);
+            assert_eq!(output.status.code(), Some(1), "{err}");
+            err.matches("W0901").count()
+        })
+        .collect();
+    assert_eq!(shown, [1, 0, 0, 0], "W0901 shown by ranks 0-3");
 }
 
 #[test]
