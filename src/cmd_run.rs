@@ -8,7 +8,7 @@
 use crate::metrics::RunMetrics;
 use crate::run_args::{spec_folder, train_options, Resolved, RunArgs};
 use crate::run_launch::{self, Mode};
-use crate::run_prepare::{backend_and_plan, exit_code, print_error};
+use crate::run_prepare::{backend_and_plan, exit_code, print_error, Shown};
 use crate::run_progress::{finish_report, LogFormat, Progress, Summary};
 use parc_compiler::ir::Plan;
 use parc_compiler::spec::{DataSource, Precision, Spec};
@@ -29,7 +29,7 @@ pub fn main(args: RunArgs) -> u8 {
         }
     }
     let quiet = args.log_format == LogFormat::Json;
-    let (backend, spec, plan) = match backend_and_plan(&args, quiet) {
+    let (backend, spec, plan) = match backend_and_plan(&args, quiet, Shown::All) {
         Ok(prepared) => prepared,
         Err(code) => return code,
     };

@@ -72,6 +72,14 @@ impl SpecArgs {
     pub fn fusion(&self) -> bool {
         self.fusion == Switch::On
     }
+
+    /// `--fusion`'s value as written.
+    pub fn fusion_name(&self) -> &'static str {
+        match self.fusion {
+            Switch::On => "on",
+            Switch::Off => "off",
+        }
+    }
 }
 
 #[derive(Subcommand, Debug)]

@@ -8,6 +8,7 @@ use crate::run_progress::LogFormat;
 use crate::SpecArgs;
 use parc_runtime::checkpoint::{Consent, SpecSource};
 use parc_runtime::exec::TrainOptions;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -76,6 +77,34 @@ pub struct RunArgs {
     /// the run goes (a resumed run appends); `parc plot DIR` draws them.
     #[arg(long, value_name = "DIR")]
     pub metrics: Option<PathBuf>,
+}
+
+impl RunArgs {
+    /// The flags every rank of a multi-process job must share, by name, as the rendezvous
+    /// compares them (`Member::flags`): the backend this rank resolved (the ranks of one job
+    /// run one comm), `--fusion` (other kernels; the plan hash differs too, this names why) and
+    /// the resume consents (a rank without one refuses the checkpoint the others continue).
+    /// Left out, as they may differ per rank without changing what the job computes: output
+    /// (`--log-format`, `--metrics`), `--profile` and `--profile-step` (only the report rank
+    /// times a step, and timing changes no value), the timeouts, `--calibration` (a path per
+    /// host; what it decides is in the plan hash), `--resume`'s path (the ranks compare the
+    /// checkpoint itself before the first step) and `--save-init`/`--log-batches` (refused in
+    /// such a run).
+    pub(crate) fn agreed_flags(&self, backend: Resolved) -> BTreeMap<String, String> {
+        let given = |on: bool| if on { "given" } else { "not given" }.to_string();
+        BTreeMap::from([
+            ("--backend".to_string(), backend.name().to_string()),
+            ("--fusion".to_string(), self.spec.fusion_name().to_string()),
+            (
+                "--resume-any-batch".to_string(),
+                given(self.consent.resume_any_batch),
+            ),
+            (
+                "--resume-any-data".to_string(),
+                given(self.consent.resume_any_data),
+            ),
+        ])
+    }
 }
 
 /// What a resume may change beyond the plan; `parc run`, `parc check --resume` and `parc

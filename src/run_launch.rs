@@ -10,7 +10,7 @@
 //! does), `stop:R@MS` stop (SIGSTOP: a hang).
 use crate::metrics::RunMetrics;
 use crate::run_args::{spec_folder, train_options, Resolved, RunArgs};
-use crate::run_prepare::{backend_and_plan, exit_code};
+use crate::run_prepare::{backend_and_plan, exit_code, Shown, WARNINGS_SHOWN_VAR};
 use crate::run_progress::{finish_report, LogFormat, Progress, Summary};
 use parc_compiler::ir::Plan;
 use parc_compiler::spec::Spec;
@@ -37,6 +37,11 @@ pub fn mode(args: &RunArgs) -> Result<Mode, String> {
         (Some(env), _) if env.world > 1 => Ok(Mode::Rank(env)),
         (_, Some(0)) => Err("--nproc-per-node must be at least 1".to_string()),
         (_, Some(n)) if n > 1 => Ok(Mode::Launcher(n)),
+        // Not a rank, but a Slurm job's batch script: its tasks are srun's to start.
+        (None, None) => match launch::env::slurm_batch_script_of_tasks_here() {
+            Some(why) => Err(why),
+            None => Ok(Mode::Single),
+        },
         _ => Ok(Mode::Single),
     }
 }
@@ -52,11 +57,23 @@ pub(crate) fn timeout(seconds: f64, flag: &str) -> Result<Duration, String> {
 /// Run this process's rank of a launched job; the exit code.
 pub fn run_rank(args: &RunArgs, env: LaunchEnv) -> u8 {
     let quiet = args.log_format == LogFormat::Json || env.rank != 0;
-    let (backend, spec, plan) = match backend_and_plan(args, quiet) {
+    let (backend, spec, plan) = match backend_and_plan(args, quiet, diagnostics_shown(env.rank)) {
         Ok(prepared) => prepared,
         Err(code) => return code,
     };
     exit_code(rank_main(args, &env, backend, &spec, &plan))
+}
+
+/// The spec's warnings once per job: rank 0 shows them, unless `--nproc-per-node`'s launcher
+/// showed them before it started the ranks; every rank shows its errors (a rank whose spec
+/// does not compile fails on its own).
+fn diagnostics_shown(rank: u32) -> Shown {
+    let launcher_showed = std::env::var_os(WARNINGS_SHOWN_VAR).is_some();
+    if rank == 0 && !launcher_showed {
+        Shown::All
+    } else {
+        Shown::Errors
+    }
 }
 
 fn rank_main(
@@ -84,6 +101,7 @@ fn rank_main(
     );
     config.timeout = timeout(args.rendezvous_timeout, "--rendezvous-timeout")?;
     config.me.settings = launch::spec_settings(spec);
+    config.me.flags = args.agreed_flags(backend);
     let rendezvous = Rendezvous::join(&config).map_err(|e| e.to_string())?;
     inject_fault(env.rank);
     let result = train_rank(args, env, backend, spec, plan, &rendezvous);

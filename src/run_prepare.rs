@@ -13,14 +13,30 @@ use parc_compiler::spec::Spec;
 use parc_runtime::checkpoint::SpecSource;
 use std::path::Path;
 
-/// The backend `args` asks for and its spec compiled to a plan. `Err` is the exit code, the
-/// error already on stderr: 2 for a backend that cannot run, else as [`compile`].
-pub(crate) fn backend_and_plan(args: &RunArgs, quiet: bool) -> Result<(Resolved, Spec, Plan), u8> {
+/// Set by `--nproc-per-node`'s launcher for its ranks: it has shown the spec's warnings.
+pub(crate) const WARNINGS_SHOWN_VAR: &str = "PARC_SPEC_WARNINGS_SHOWN";
+
+/// Which of the spec's diagnostics a process shows: all, or only errors (a rank of a
+/// multi-process job other than the one that shows the job's warnings once).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Shown {
+    All,
+    Errors,
+}
+
+/// The backend `args` asks for and its spec compiled to a plan, its diagnostics as `shown`
+/// says. `Err` is the exit code, the error already on stderr: 2 for a backend that cannot
+/// run, else as [`compile`].
+pub(crate) fn backend_and_plan(
+    args: &RunArgs,
+    quiet: bool,
+    shown: Shown,
+) -> Result<(Resolved, Spec, Plan), u8> {
     let backend = resolve_backend(args.backend, quiet).map_err(|message| {
         print_error(&message);
         2
     })?;
-    let (spec, plan) = compile(&args.file, &args.spec, &args.calibration)?;
+    let (spec, plan) = compile_showing(&args.file, &args.spec, &args.calibration, shown)?;
     if let Some(message) = unsupported_on(backend, &plan) {
         print_error(&message);
         return Err(2);
@@ -64,6 +80,16 @@ pub(crate) fn compile(
     spec_args: &SpecArgs,
     calibration: &CalibrationArgs,
 ) -> Result<(Spec, Plan), u8> {
+    compile_showing(file, spec_args, calibration, Shown::All)
+}
+
+/// [`compile`], showing the diagnostics `diagnostics` picks.
+fn compile_showing(
+    file: &Path,
+    spec_args: &SpecArgs,
+    calibration: &CalibrationArgs,
+    diagnostics: Shown,
+) -> Result<(Spec, Plan), u8> {
     let fail = |message: String| {
         print_error(&message);
         2
@@ -79,8 +105,8 @@ pub(crate) fn compile(
     let (options, _) =
         crate::calibration::with_profile(calibration, &name, &text, &overrides, &options)
             .map_err(fail)?;
-    let compiled = driver::compile(&shown.to_string(), text, &overrides, &options);
-    show_diagnostics(&compiled);
+    let compiled = driver::compile(&name, text, &overrides, &options);
+    show(&compiled, |d| diagnostics == Shown::All || d.is_error());
     match compiled {
         Compiled {
             spec: Some(spec),
@@ -108,11 +134,6 @@ pub(crate) fn check_recorded(source: &SpecSource) -> Result<Option<Spec>, String
     let compiled = driver::compile(&source.file, source.text.clone(), &overrides, &options);
     show(&compiled, |d| d.is_error());
     Ok(compiled.spec)
-}
-
-/// Every diagnostic of the compilation on stderr, each followed by an empty line.
-fn show_diagnostics(compiled: &Compiled) {
-    show(compiled, |_| true);
 }
 
 /// The diagnostics of the compilation that `shown` picks on stderr, each followed by an empty

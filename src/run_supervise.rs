@@ -1,6 +1,6 @@
 //! `parc run FILE --nproc-per-node N`: start the N rank processes of this binary on this host
-//! and supervise them. The spec is compiled first and a mesh that is not N ranks is refused
-//! before anything starts. CPU runs start through `mpiexec -n N` (the MPI comm needs an MPI
+//! and supervise them. The spec is compiled first (its warnings shown here, once: the ranks show
+//! only errors) and a mesh that is not N ranks is refused before anything starts. CPU runs start through `mpiexec -n N` (the MPI comm needs an MPI
 //! launcher), CUDA runs directly with torchrun-style variables. Each rank's stderr is printed
 //! with a `[rank R]` prefix (stdout, where only the report rank writes JSON, passes
 //! unprefixed); the first rank that fails ends the whole job (the others are told through the
@@ -8,7 +8,7 @@
 //! forwarded to the ranks.
 use crate::run_args::{resolve_backend, Resolved, RunArgs};
 use crate::run_launch::{timeout, NO_MPI};
-use crate::run_prepare::{compile, print_error};
+use crate::run_prepare::{compile, print_error, WARNINGS_SHOWN_VAR};
 use crate::run_progress::LogFormat;
 use parc_runtime::{checkpoint, launch};
 use std::collections::HashMap;
@@ -94,7 +94,8 @@ fn launch_inner(args: &RunArgs, n: u32) -> Result<u8, (u8, String)> {
                 .args(["-n", &n.to_string(), "--oversubscribe", "--bind-to", "none"])
                 .arg("--tag-output")
                 .args(["-x", "MASTER_ADDR=127.0.0.1"])
-                .args(["-x", &format!("MASTER_PORT={port}")]);
+                .args(["-x", &format!("MASTER_PORT={port}")])
+                .args(["-x", &format!("{WARNINGS_SHOWN_VAR}=1")]);
             let faults = ["PARC_TEST_FAULT", checkpoint::fault::WRITE_FAULT_VAR];
             for key in faults.into_iter().filter(|k| std::env::var_os(k).is_some()) {
                 command.args(["-x", key]);
@@ -120,7 +121,8 @@ fn launch_inner(args: &RunArgs, n: u32) -> Result<u8, (u8, String)> {
                     .env("LOCAL_RANK", rank.to_string())
                     .env("LOCAL_WORLD_SIZE", n.to_string())
                     .env("MASTER_ADDR", "127.0.0.1")
-                    .env("MASTER_PORT", port.to_string());
+                    .env("MASTER_PORT", port.to_string())
+                    .env(WARNINGS_SHOWN_VAR, "1");
                 match spawn(command) {
                     Ok(child) => children.push((Some(rank), child)),
                     Err(e) => {

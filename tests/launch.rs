@@ -1,14 +1,18 @@
 //! Multi-process `parc run` through the binary: a 4-process CPU run started by
 //! `--nproc-per-node 4` (mpiexec + the MPI comm) gives exactly the single-process losses,
-//! validation losses, checkpoints and exported parameters, and resumes bit-identically; a rank that crashes ends
-//! the job with its error, quickly; a rank that hangs makes its peers' collective time out
-//! naming the waiting rank, the missing peer, the instruction and the spec line; a rendezvous
-//! missing a rank names it; a world size other than the mesh's is refused before any
-//! communication, with both numbers; ranks whose settings differ (another seed or learning rate:
-//! not in the plan) are refused at the rendezvous naming the setting; the MPI comm itself checks
-//! collective order, names missing peers and hears aborts. The MPI tests need the `mpi` feature (without it they are ignored) and
-//! `mpiexec` on PATH (without it they say they skip).
-//! The 4-process run's `--metrics` are written by its report rank alone.
+//! validation losses, checkpoints and exported parameters, and resumes bit-identically; a rank
+//! that crashes ends the job with its error, quickly; a rank that hangs makes its peers'
+//! collective time out naming the waiting rank, the missing peer, the instruction and the spec
+//! line; a rendezvous missing a rank names it; a world size other than the mesh's is refused
+//! before any communication, with both numbers; ranks whose settings differ (another seed or
+//! learning rate: not in the plan) are refused at the rendezvous naming the setting, and so
+//! are ranks started with other training flags (`--resume-any-batch`, `--fusion`), naming the
+//! flag; the spec's warnings are shown by rank 0 alone; a leftover `RANK` beside mpirun's
+//! variables, and a Slurm batch script of several tasks (not started by srun), are refused at
+//! once; the MPI comm itself checks collective order, names missing peers and hears aborts.
+//! The MPI tests need the `mpi` feature (without it they are ignored) and `mpiexec` on PATH
+//! (without it they say they skip). The 4-process run's `--metrics` are written by its report
+//! rank alone.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 use serde_json::Value;
 use std::path::PathBuf;
@@ -121,6 +125,9 @@ fn four_processes_give_exactly_the_single_process_losses() {
             .output()
             .unwrap();
         assert!(multi.status.success(), "{parallel:?}: {}", stderr(&multi));
+        // Three steps end inside the example's warmup: the launcher shows W0901, no rank again.
+        let warned = stderr(&multi).matches("W0901").count();
+        assert_eq!(warned, 1, "{parallel:?}: {}", stderr(&multi));
         // Only the report rank writes metrics: one event file, one row per step.
         let names: Vec<String> = std::fs::read_dir(&metrics)
             .unwrap()
@@ -330,6 +337,132 @@ fn ranks_with_another_seed_or_learning_rate_are_refused_naming_the_setting() {
             );
         }
     }
+}
+
+#[test]
+fn ranks_started_with_other_training_flags_are_refused_naming_the_flag() {
+    // Outside the spec and, for the consent, outside the plan: a rank without it would refuse
+    // the checkpoint the others continue; another --fusion runs other kernels.
+    for (flag, named) in [
+        (
+            &["--resume-any-batch"][..],
+            "--resume-any-batch = given (rank 0: not given)",
+        ),
+        (&["--fusion", "off"][..], "--fusion = off (rank 0: on)"),
+    ] {
+        let port = free_port().to_string();
+        let children: Vec<_> = (0..4)
+            .map(|rank| {
+                let mut args = plan_args(2);
+                // A consent needs --resume; the checkpoint is read only after the rendezvous.
+                args.extend(["--resume".into(), "no-such-checkpoint".into()]);
+                args.extend(["--rendezvous-timeout".into(), "20".into()]);
+                if rank == 2 {
+                    args.extend(flag.iter().map(|s| s.to_string()));
+                }
+                torchrun_rank(&args, rank, 4, &port)
+            })
+            .collect();
+        for child in children {
+            let output = child.wait_with_output().unwrap();
+            let err = stderr(&output);
+            assert_eq!(output.status.code(), Some(1), "{err}");
+            assert!(
+                err.contains("rank 2 (host ")
+                    && err.contains("was started with other flags than rank 0")
+                    && err.contains(named),
+                "{flag:?}: {err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_multi_process_job_shows_the_spec_warnings_once() {
+    // Two steps end inside the example's warmup: warning W0901 in every compile of the spec.
+    // Rank 3's other seed ends the job at the rendezvous, after every rank compiled.
+    let port = free_port().to_string();
+    let children: Vec<_> = (0..4)
+        .map(|rank| {
+            let mut args = plan_args(2);
+            if rank == 3 {
+                args.extend(["--set".into(), "train.seed=7".into()]);
+            }
+            args.extend(["--rendezvous-timeout".into(), "20".into()]);
+            torchrun_rank(&args, rank, 4, &port)
+        })
+        .collect();
+    let shown: Vec<usize> = children
+        .into_iter()
+        .map(|child| {
+            let output = child.wait_with_output().unwrap();
+            let err = stderr(&output);
+            assert_eq!(output.status.code(), Some(1), "{err}");
+            err.matches("W0901").count()
+        })
+        .collect();
+    assert_eq!(shown, [1, 0, 0, 0], "W0901 shown by ranks 0-3");
+}
+
+#[test]
+fn a_rank_variable_left_beside_mpiruns_is_refused_naming_both() {
+    // mpirun's rank 1 of 4 with a RANK=0 left in its environment: it took itself for rank 0
+    // and failed on rank 0's port, held by the job's real rank 0 (here, this listener).
+    let held = std::net::TcpListener::bind(("0.0.0.0", 0)).unwrap();
+    let port = held.local_addr().unwrap().port().to_string();
+    let output = parc(
+        &plan_args(2),
+        &[
+            ("OMPI_COMM_WORLD_RANK", "1".into()),
+            ("OMPI_COMM_WORLD_SIZE", "4".into()),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1".into()),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "4".into()),
+            ("RANK", "0".into()),
+            ("WORLD_SIZE", "4".into()),
+            ("LOCAL_RANK", "0".into()),
+            ("MASTER_ADDR", "127.0.0.1".into()),
+            ("MASTER_PORT", port),
+        ],
+    )
+    .output()
+    .unwrap();
+    let err = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("RANK=0 WORLD_SIZE=4 (torchrun-style)")
+            && err.contains("OMPI_COMM_WORLD_RANK=1")
+            && err.contains("If mpirun started this job, unset RANK"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_slurm_batch_script_of_several_tasks_says_at_once_to_launch_with_srun() {
+    // A Slurm job's batch script (no step id) is no rank: it waited for 3 ranks that srun
+    // never started, until the rendezvous timeout.
+    let started = Instant::now();
+    let mut args = plan_args(2);
+    args.extend(["--rendezvous-timeout".into(), "20".into()]);
+    let output = parc(
+        &args,
+        &[
+            ("SLURM_JOB_ID", "77".into()),
+            ("SLURM_NTASKS", "4".into()),
+            ("SLURM_PROCID", "0".into()),
+            ("SLURM_LOCALID", "0".into()),
+            ("SLURM_JOB_NODELIST", "localhost".into()),
+            ("MASTER_PORT", free_port().to_string()),
+        ],
+    )
+    .output()
+    .unwrap();
+    let err = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("batch script of Slurm job 77") && err.contains("`srun parc run …`"),
+        "{err}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(15), "{err}");
 }
 
 #[test]

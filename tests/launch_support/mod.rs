@@ -22,6 +22,7 @@ pub fn parc(args: &[String], env: &[(&str, String)]) -> Command {
         "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM",
         "PARC_TEST_FAULT",
         "PARC_FAULT_WRITE_AFTER_BYTES",
+        "PARC_SPEC_WARNINGS_SHOWN",
     ] {
         command.env_remove(key);
     }

@@ -9,7 +9,13 @@
 //! one; [`detect_process`] reads this process's environment.
 //!
 //! Precedence, most explicit first: torchrun-style, Open MPI, Slurm, PMI. `MASTER_ADDR` /
-//! `MASTER_PORT` override the derived rendezvous address under every launcher.
+//! `MASTER_PORT` override the derived rendezvous address under every launcher. Torchrun-style
+//! variables beside another launcher's that say another rank or world are refused (a `RANK`
+//! left in the environment of an `mpirun` or `srun` job).
+//!
+//! Slurm's variables in a job's batch script (`SLURM_JOB_ID` but no step id: srun did not
+//! start the process) make no rank; [`slurm_batch_script_of_tasks`] says why a plain run there
+//! is refused.
 use crate::error::{Result, RuntimeError};
 use std::collections::HashMap;
 
@@ -106,7 +112,7 @@ pub fn detect(env: &EnvMap) -> Result<Option<LaunchEnv>> {
         LauncherKind::Torchrun
     } else if env.contains_key("OMPI_COMM_WORLD_RANK") {
         LauncherKind::OpenMpi
-    } else if env.contains_key("SLURM_PROCID") {
+    } else if env.contains_key("SLURM_PROCID") && !slurm_batch_script(env) {
         LauncherKind::Slurm
     } else if env.contains_key("PMI_RANK") {
         LauncherKind::Pmi
@@ -145,6 +151,9 @@ pub fn detect(env: &EnvMap) -> Result<Option<LaunchEnv>> {
             },
         ),
     };
+    if kind == LauncherKind::Torchrun {
+        check_no_other_launcher(env, rank, world)?;
+    }
     if world == 0 {
         return Err(launch_error(format!(
             "{} says the job has 0 processes",
@@ -183,6 +192,106 @@ pub fn detect(env: &EnvMap) -> Result<Option<LaunchEnv>> {
         master_addr,
         master_port,
     }))
+}
+
+/// The rank and world variables of the launchers that torchrun-style variables can hide.
+const OTHER_LAUNCHERS: [(LauncherKind, &str, &str); 3] = [
+    (
+        LauncherKind::OpenMpi,
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+    ),
+    (LauncherKind::Slurm, "SLURM_PROCID", "SLURM_NTASKS"),
+    (LauncherKind::Pmi, "PMI_RANK", "PMI_SIZE"),
+];
+
+/// Refuse torchrun-style `RANK`/`WORLD_SIZE` (read first) beside another launcher's variables
+/// that say otherwise. A `RANK` left in the environment (a shell's export, `mpirun -x`, `sbatch`
+/// copying the submitting shell's variables) would make every process of an `mpirun` or `srun`
+/// job the same rank, and the job fail later on a misleading port in use. A torchrun nested in
+/// one task of the other launcher (`srun … torchrun`, which sets `TORCHELASTIC_RUN_ID`) is
+/// meant, and so is another launcher's world of one process (`srun -n 1 parc run
+/// --nproc-per-node N`).
+fn check_no_other_launcher(env: &EnvMap, rank: u32, world: u32) -> Result<()> {
+    if first_set(env, &["TORCHELASTIC_RUN_ID", "GROUP_RANK"]).is_some() {
+        return Ok(());
+    }
+    for (kind, rank_var, size_var) in OTHER_LAUNCHERS {
+        if kind == LauncherKind::Slurm && slurm_batch_script(env) {
+            continue;
+        }
+        let read = |name: &str| number(env, name).ok().flatten();
+        let (Some(their_rank), Some(their_world)) = (read(rank_var), read(size_var)) else {
+            continue;
+        };
+        if their_world <= 1 || (their_rank, their_world) == (rank, world) {
+            continue;
+        }
+        return Err(launch_error(format!(
+            "two launchers' variables are set and disagree: RANK={rank} WORLD_SIZE={world} \
+             (torchrun-style) but {rank_var}={their_rank} {size_var}={their_world} ({}); parc \
+             reads RANK and WORLD_SIZE first, so the processes of this job would not each get \
+             their own rank. If {} started this job, unset RANK, WORLD_SIZE, LOCAL_RANK and \
+             LOCAL_WORLD_SIZE (and MASTER_ADDR and MASTER_PORT if they came with them: a \
+             leftover export, or the submitting shell's environment); if a torchrun-style \
+             launcher did, unset {rank_var} and {size_var}",
+            kind.name(),
+            launcher_command(kind)
+        )));
+    }
+    Ok(())
+}
+
+/// How a user starts a job under `kind`, for messages.
+fn launcher_command(kind: LauncherKind) -> &'static str {
+    match kind {
+        LauncherKind::Torchrun => "torchrun (or parc run --nproc-per-node)",
+        LauncherKind::OpenMpi => "mpirun",
+        LauncherKind::Slurm => "srun",
+        LauncherKind::Pmi => "mpiexec (or srun --mpi=pmi2)",
+    }
+}
+
+/// Whether Slurm's variables are those of a job's batch script: `SLURM_JOB_ID` set but no step
+/// id (slurmstepd gives the batch script none; srun's tasks have theirs), or one of the ids
+/// from 0xfffffff0 that Slurm reserves for its batch and extern steps. There `SLURM_PROCID` is
+/// 0 and `SLURM_NTASKS` counts the tasks srun would start, not processes that run.
+fn slurm_batch_script(env: &EnvMap) -> bool {
+    if first_set(env, &["SLURM_JOB_ID", "SLURM_JOBID"]).is_none() {
+        return false;
+    }
+    match first_set(env, &["SLURM_STEP_ID", "SLURM_STEPID"]) {
+        None => true,
+        Some((_, id)) => id.parse::<u32>().is_ok_and(|id| id >= 0xffff_fff0),
+    }
+}
+
+/// Why a run in this process would be a mistake although no launcher started it: it runs the
+/// batch script of a Slurm job of several tasks, whose ranks `srun` starts. (Its variables do
+/// not make it a rank, [`detect`]; `--nproc-per-node` still starts ranks from it.)
+pub fn slurm_batch_script_of_tasks(env: &EnvMap) -> Option<String> {
+    if !slurm_batch_script(env) {
+        return None;
+    }
+    let tasks = number(env, "SLURM_NTASKS")
+        .ok()
+        .flatten()
+        .filter(|&n| n > 1)?;
+    let job = first_set(env, &["SLURM_JOB_ID", "SLURM_JOBID"]).map_or("", |(_, v)| v);
+    Some(format!(
+        "launch environment: this process runs the batch script of Slurm job {job} \
+         (SLURM_JOB_ID is set but SLURM_STEP_ID is not: srun did not start it), and \
+         SLURM_NTASKS={tasks} counts the tasks srun would start, not processes that run; launch \
+         one rank per task with `srun parc run …` in the script, or start the ranks on this host \
+         with `parc run … --nproc-per-node N`, or run every rank in this one process with \
+         `srun --ntasks=1 parc run …`"
+    ))
+}
+
+/// Read this process's environment for [`slurm_batch_script_of_tasks`].
+pub fn slurm_batch_script_of_tasks_here() -> Option<String> {
+    let env: EnvMap = std::env::vars().collect();
+    slurm_batch_script_of_tasks(&env)
 }
 
 /// The variable that gives `kind`'s local rank (the one [`detect`] reads first).
@@ -515,6 +624,7 @@ mod tests {
             ("SLURM_NTASKS_PER_NODE", "8"),
             ("SLURM_JOB_NODELIST", "gpu[07-08]"),
             ("SLURM_JOB_ID", "123456"),
+            ("SLURM_STEP_ID", "0"),
         ]))
         .unwrap()
         .unwrap();
@@ -568,6 +678,92 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("set SLURM_LOCALID"), "{err}");
+    }
+
+    #[test]
+    fn a_rank_variable_beside_another_launchers_that_disagree_is_refused() {
+        let leftover = [
+            ("RANK", "0"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "0"),
+            ("MASTER_ADDR", "old-host"),
+        ];
+        // mpirun's rank 2 of 4 with a RANK left from elsewhere: every process would say rank 0.
+        let err = detect(&open_mpi(["2", "4", "2", "4"], &leftover))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("RANK=0 WORLD_SIZE=4 (torchrun-style)")
+                && err.contains("OMPI_COMM_WORLD_RANK=2 OMPI_COMM_WORLD_SIZE=4")
+                && err.contains("If mpirun started this job, unset RANK, WORLD_SIZE"),
+            "{err}"
+        );
+        let mut pmi = env(&[("PMI_RANK", "3"), ("PMI_SIZE", "8")]);
+        pmi.extend(env(&leftover));
+        let err = detect(&pmi).unwrap_err().to_string();
+        assert!(err.contains("PMI_RANK=3 PMI_SIZE=8"), "{err}");
+        let mut srun = env(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "4")]);
+        srun.extend(env(&[("SLURM_JOB_ID", "9"), ("SLURM_STEP_ID", "0")]));
+        srun.extend(env(&leftover));
+        let err = detect(&srun).unwrap_err().to_string();
+        assert!(err.contains("If srun started this job"), "{err}");
+        // Agreeing variables (a wrapper's `RANK=$OMPI_COMM_WORLD_RANK`) are one launch.
+        let agree = [
+            ("RANK", "2"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "2"),
+            ("MASTER_ADDR", "h"),
+        ];
+        let e = detect(&open_mpi(["2", "4", "2", "4"], &agree))
+            .unwrap()
+            .unwrap();
+        assert_eq!((e.kind, e.rank), (LauncherKind::Torchrun, 2));
+        // torchrun in one task of srun or mpirun; parc's launcher in a one-task step.
+        let mut nested = srun.clone();
+        nested.insert("TORCHELASTIC_RUN_ID".into(), "job".into());
+        assert_eq!(detect(&nested).unwrap().unwrap().rank, 0);
+        let one_task = [("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1")];
+        let mut launched = env(&leftover);
+        launched.extend(env(&one_task));
+        assert_eq!(detect(&launched).unwrap().unwrap().world, 4);
+    }
+
+    #[test]
+    fn a_slurm_batch_script_is_no_rank_and_says_to_launch_with_srun() {
+        // sbatch's script: job id, the allocation's task count, SLURM_PROCID=0, no step id.
+        let batch = env(&[
+            ("SLURM_JOB_ID", "4242"),
+            ("SLURM_NTASKS", "16"),
+            ("SLURM_PROCID", "0"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_JOB_NODELIST", "gpu[01-02]"),
+        ]);
+        assert_eq!(detect(&batch).unwrap(), None);
+        let why = slurm_batch_script_of_tasks(&batch).unwrap();
+        assert!(
+            why.contains("batch script of Slurm job 4242")
+                && why.contains("SLURM_NTASKS=16")
+                && why.contains("`srun parc run …`"),
+            "{why}"
+        );
+        // The batch step's reserved id is the batch script too; srun's task is a rank.
+        let mut reserved = batch.clone();
+        reserved.insert("SLURM_STEP_ID".into(), "4294967291".into());
+        assert!(slurm_batch_script_of_tasks(&reserved).is_some());
+        let mut task = batch.clone();
+        task.insert("SLURM_STEP_ID".into(), "0".into());
+        assert_eq!(detect(&task).unwrap().unwrap().world, 16);
+        assert_eq!(slurm_batch_script_of_tasks(&task), None);
+        // One task: a plain run; parc's launcher's ranks under the script are torchrun's.
+        let mut one = batch.clone();
+        one.insert("SLURM_NTASKS".into(), "1".into());
+        assert_eq!(slurm_batch_script_of_tasks(&one), None);
+        let mut rank = batch;
+        for (key, value) in [("RANK", "3"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "3")] {
+            rank.insert(key.into(), value.into());
+        }
+        rank.insert("MASTER_ADDR".into(), "127.0.0.1".into());
+        assert_eq!(detect(&rank).unwrap().unwrap().rank, 3);
     }
 
     #[test]

@@ -2,8 +2,8 @@
 //! any collective. Rank 0 listens on the master address; every other rank connects and says
 //! who it is ([`Member`]: rank, world size, host, pid, local rank, plan hash). Rank 0 waits until
 //! every rank came or the timeout passed (then it names the ranks that never came), checks that
-//! all agree on the world size and the plan, and answers every rank with the member list or the
-//! reason it refuses.
+//! all agree on the world size, the plan, the spec's settings and the `parc run` flags that
+//! change training, and answers every rank with the member list or the reason it refuses.
 //!
 //! After that the connections stay open as the job's failure channel and a byte broadcast:
 //! - [`Rendezvous::broadcast_bytes`] sends a payload from rank 0 to all (the NCCL unique id).
@@ -17,12 +17,17 @@
 //!   hangs rather than one stuck behind it.
 //! - [`Rendezvous::finish`] ends the job together: every rank reports done, rank 0 answers
 //!   when all have, so no rank mistakes another's normal exit for a death.
+//! - Rank 0's port stays open while the job runs (`Gate`): a process that comes later (a
+//!   second process with a rank the job has, another job on the same port) is turned away at
+//!   once, told which process holds its rank, rather than retrying until its own timeout.
 //!
 //! Frames: a little-endian u32 length (of kind + payload), a kind byte, the payload.
 use crate::error::{Result, RuntimeError};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -44,7 +49,11 @@ pub struct Member {
     /// learning rate, the data, the steps, …), each by its path: every rank must train with
     /// the same ones, or the replicas of one model drift apart with no error.
     #[serde(default)]
-    pub settings: std::collections::BTreeMap<String, String>,
+    pub settings: BTreeMap<String, String>,
+    /// The `parc run` flags that change how the job trains, each by its name (`--fusion` →
+    /// `off`): every rank must be started with the same ones.
+    #[serde(default)]
+    pub flags: BTreeMap<String, String>,
 }
 
 impl Member {
@@ -81,6 +90,7 @@ impl RendezvousConfig {
                 pid: std::process::id(),
                 plan_hash: plan_hash.to_string(),
                 settings: Default::default(),
+                flags: Default::default(),
             },
             master_addr: master_addr.to_string(),
             master_port,
@@ -131,6 +141,8 @@ const ABORT: u8 = 5;
 const DONE: u8 = 6;
 const BYE: u8 = 7;
 const WAITING: u8 = 8;
+/// Rank 0's answer to a process that came once the rendezvous was over (the job goes on).
+const TURNED_AWAY: u8 = 9;
 
 /// Largest frame accepted (a broadcast payload is small: an id, a config).
 const MAX_FRAME: u32 = 64 << 20;
@@ -279,6 +291,8 @@ struct Inner {
     finished: Arc<Mutex<Vec<bool>>>,
     /// Broadcast payloads from rank 0 (ranks other than 0).
     broadcasts: Mutex<Receiver<Vec<u8>>>,
+    /// Rank 0: its port, kept open while the job runs to turn latecomers away.
+    _gate: Option<Gate>,
 }
 
 /// A completed rendezvous: the job's members and its control connections.
@@ -467,8 +481,9 @@ fn host(config: &RendezvousConfig) -> Result<Rendezvous> {
     let port = config.master_port;
     let listener = TcpListener::bind(("0.0.0.0", port)).map_err(|e| {
         rdv_error(format!(
-            "rank 0 cannot listen on port {port}: {e} (another job may hold it; set MASTER_PORT \
-             to a free port)"
+            "rank 0 cannot listen on port {port}: {e} (another job may hold it, or another \
+             process of this job also says it is rank 0: check that the launcher gives every \
+             process its own rank; else set MASTER_PORT to a free port)"
         ))
     })?;
     listener
@@ -519,7 +534,6 @@ fn host(config: &RendezvousConfig) -> Result<Rendezvous> {
             Err(e) => return Err(rdv_error(format!("rank 0 could not accept a rank: {e}"))),
         }
     }
-    refuse_latecomers(&listener, &joined, me.world);
     let mut members = vec![me.clone()];
     let mut streams = Vec::new();
     let mut missing = Vec::new();
@@ -562,21 +576,31 @@ fn host(config: &RendezvousConfig) -> Result<Rendezvous> {
                 member.plan_hash,
                 me.plan_hash
             ));
-        } else if let Some(differ) = settings_differ(member, me) {
+        } else if let Some(differ) = values_differ(&member.settings, &me.settings) {
             problems.push(format!(
                 "{} runs the spec with other settings than rank 0 ({differ}): every rank must \
                  run the same spec with the same --set",
                 member.describe()
             ));
         }
+        if let Some(differ) = values_differ(&member.flags, &me.flags) {
+            problems.push(format!(
+                "{} was started with other flags than rank 0 ({differ}): every rank must be \
+                 given the same flags (only output paths, --log-format, --profile and the \
+                 timeouts may differ)",
+                member.describe()
+            ));
+        }
     }
     if !problems.is_empty() {
+        turn_away_waiting(&listener, &members, me.world);
         let message = problems.join("; ");
         for stream in &mut streams {
             let _ = write_frame(stream, REFUSED, message.as_bytes());
         }
         return Err(rdv_error(message));
     }
+    let gate = Gate::open(listener, members.clone(), me.world)?;
     let listing = serde_json::to_vec(&members)
         .map_err(|e| rdv_error(format!("cannot encode the member list: {e}")))?;
     let failure = FailureWatch::default();
@@ -625,47 +649,101 @@ fn host(config: &RendezvousConfig) -> Result<Rendezvous> {
             waits,
             finished,
             broadcasts: Mutex::new(broadcasts),
+            _gate: Some(gate),
         }),
     })
 }
 
-/// Processes that connected after every rank had joined (a second process with a rank the job
-/// already has, a job's leftover) are told why they are not let in, rather than finding their
-/// connection reset; a rank-0 run of the job goes on.
-fn refuse_latecomers(listener: &TcpListener, joined: &[Option<(Member, TcpStream)>], world: u32) {
-    while let Ok((stream, from)) = listener.accept() {
-        let deadline = Instant::now() + Duration::from_millis(500);
-        let Ok((member, mut stream)) = read_hello(stream, deadline) else {
-            continue;
-        };
-        let holder = joined
-            .get(member.rank as usize)
-            .and_then(|slot| slot.as_ref())
-            .map_or_else(String::new, |(first, _)| format!(": {}", first.describe()));
-        let problem = format!(
-            "{} from {from} came after all {world} ranks had joined; the job already has rank \
-             {}{holder}; give every process its own rank",
-            member.describe(),
-            member.rank
-        );
-        let _ = write_frame(&mut stream, REFUSED, problem.as_bytes());
+/// Rank 0's port once the rendezvous is over, kept open while the job runs: a process that
+/// comes then (a second process with a rank the job has, a rank restarted, another job on the
+/// same port) is told at once why it is not let in, instead of finding nothing listening and
+/// retrying until its own timeout. Dropping the gate closes the port.
+struct Gate {
+    closed: Arc<AtomicBool>,
+}
+
+impl Gate {
+    fn open(listener: TcpListener, members: Vec<Member>, world: u32) -> Result<Gate> {
+        let closed = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&closed);
+        std::thread::Builder::new()
+            .name("parc-rdv-gate".to_string())
+            .spawn(move || {
+                while !flag.load(Ordering::Relaxed) {
+                    if !turn_away_waiting(&listener, &members, world) {
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                }
+            })
+            .map_err(|e| rdv_error(format!("cannot start the rendezvous gate: {e}")))?;
+        Ok(Gate { closed })
     }
 }
 
-/// The settings in which `member` differs from rank 0 (`me`), as `path = theirs (rank 0:
-/// ours)`, at most three of them; None when they agree.
-fn settings_differ(member: &Member, me: &Member) -> Option<String> {
-    let paths: std::collections::BTreeSet<&String> =
-        member.settings.keys().chain(me.settings.keys()).collect();
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.closed.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Answer every process waiting on the (non-blocking) `listener` with why it is not let in;
+/// whether any came. `members` are the ranks that joined.
+fn turn_away_waiting(listener: &TcpListener, members: &[Member], world: u32) -> bool {
+    let mut any = false;
+    while let Ok((stream, from)) = listener.accept() {
+        any = true;
+        let deadline = Instant::now() + Duration::from_millis(500);
+        // A connection that is not a parc rank (a port scan) gets no answer.
+        let Ok((late, mut stream)) = read_hello(stream, deadline) else {
+            continue;
+        };
+        let problem = latecomer_problem(&late, from, members, world);
+        let _ = write_frame(&mut stream, TURNED_AWAY, problem.as_bytes());
+    }
+    any
+}
+
+/// Why `late`, which connected from `from` once the rendezvous was over, is not let in.
+fn latecomer_problem(late: &Member, from: SocketAddr, members: &[Member], world: u32) -> String {
+    let who = format!("{} from {from}", late.describe());
+    match members.iter().find(|m| m.rank == late.rank) {
+        Some(holder) => format!(
+            "{who} came after the job had started, and another process already holds rank {} \
+             ({}); give every process its own rank (the launcher's rank variable: RANK, \
+             OMPI_COMM_WORLD_RANK, SLURM_PROCID or PMI_RANK), or, if this process belongs to \
+             another job, give that job another MASTER_PORT",
+            late.rank,
+            holder.describe()
+        ),
+        None if late.rank >= world => format!(
+            "{who} says the job has {} processes, but the job on this port started with {world}; \
+             if it belongs to another job, give that job another MASTER_PORT",
+            late.world
+        ),
+        None => format!(
+            "{who} came after rank 0 had stopped waiting for rank {} (the rendezvous timeout \
+             passed); start every rank within --rendezvous-timeout, or raise it",
+            late.rank
+        ),
+    }
+}
+
+/// Where a rank's values (`theirs`: its spec settings or flags, by name) differ from rank 0's
+/// (`ours`), as `name = theirs (rank 0: ours)`, at most three of them; None when they agree.
+fn values_differ(
+    theirs: &BTreeMap<String, String>,
+    ours: &BTreeMap<String, String>,
+) -> Option<String> {
+    let paths: std::collections::BTreeSet<&String> = theirs.keys().chain(ours.keys()).collect();
     let shown = |v: Option<&String>| v.map_or("unset".to_string(), Clone::clone);
     let differ: Vec<String> = paths
         .into_iter()
-        .filter(|path| member.settings.get(*path) != me.settings.get(*path))
+        .filter(|path| theirs.get(*path) != ours.get(*path))
         .map(|path| {
             format!(
                 "{path} = {} (rank 0: {})",
-                shown(member.settings.get(path)),
-                shown(me.settings.get(path))
+                shown(theirs.get(path)),
+                shown(ours.get(path))
             )
         })
         .collect();
@@ -838,6 +916,12 @@ fn connect(config: &RendezvousConfig) -> Result<Rendezvous> {
                 String::from_utf8_lossy(&payload)
             )))
         }
+        TURNED_AWAY => {
+            return Err(rdv_error(format!(
+                "rank 0 turned this process away: {}",
+                String::from_utf8_lossy(&payload)
+            )))
+        }
         other => {
             return Err(rdv_error(format!(
                 "rank 0 answered with frame kind {other}, not a parc rendezvous answer"
@@ -872,6 +956,7 @@ fn connect(config: &RendezvousConfig) -> Result<Rendezvous> {
             waits,
             finished,
             broadcasts: Mutex::new(broadcasts),
+            _gate: None,
         }),
     })
 }
@@ -1030,6 +1115,38 @@ mod tests {
                 "every process, the one refused too: {err}"
             );
         }
+    }
+
+    #[test]
+    fn a_process_with_a_rank_the_running_job_has_is_turned_away_at_once() {
+        let port = free_port().unwrap();
+        let join =
+            |rank: u32, timeout_ms: u64| Rendezvous::join(&config(rank, 2, port, "h", timeout_ms));
+        let rdvs: Vec<Rendezvous> = std::thread::scope(|s| {
+            let handles: Vec<_> = [0, 1]
+                .into_iter()
+                .map(|rank| s.spawn(move || join(rank, 10_000)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap().unwrap())
+                .collect()
+        });
+        // The job runs; a second process says it is rank 1, with a long timeout of its own.
+        let started = Instant::now();
+        let err = join(1, 20_000).err().unwrap().to_string();
+        assert!(started.elapsed() < Duration::from_secs(5), "{err}");
+        assert!(
+            err.contains("turned this process away")
+                && err.contains("came after the job had started")
+                && err.contains("another process already holds rank 1 (rank 1 (host "),
+            "{err}"
+        );
+        // Once the job's rendezvous is gone, so is its port.
+        drop(rdvs);
+        std::thread::sleep(Duration::from_millis(300));
+        let err = join(1, 300).err().unwrap().to_string();
+        assert!(err.contains("could not reach rank 0"), "{err}");
     }
 
     #[test]
