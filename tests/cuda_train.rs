@@ -792,6 +792,26 @@ fn an_attention_scale_steps_match_cpu() {
     compare("attention scale 0.3", &cuda.records, &cpu.records);
 }
 
+/// The Llama-style model with a partial RoPE (a quarter of each head's features turn, as
+/// Pythia's rotary_pct) on CUDA against the CPU: the hand-written rope kernels and the fused
+/// split-and-rope kernels (RotatePart loads, tables of 1 and 0 past the turned columns) train
+/// as the CPU's.
+#[test]
+fn a_partial_rope_steps_match_cpu() {
+    if !gpu_present() {
+        return;
+    }
+    let mut s = model_spec(true, 6);
+    for n in &mut s.model.nodes {
+        if let LayerKind::Attention { rope: Some(r), .. } = &mut n.kind {
+            r.fraction = 0.25;
+        }
+    }
+    let cuda = run(&s, Which::Cuda, None, None);
+    let cpu = run(&s, Which::Cpu, None, None);
+    compare("partial rope 0.25", &cuda.records, &cpu.records);
+}
+
 /// The Llama-style model with Qwen3's attention: heads of `head_dim` (64: the q projection 4×
 /// d; 128) and each head of q and k RMS-normalized before RoPE (`qk_norm`).
 fn qwen3_spec(head_dim: u64, steps: u64) -> Spec {

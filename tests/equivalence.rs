@@ -261,6 +261,43 @@ fn an_attention_scale_reaches_the_kernels_under_tp_and_cp() {
     }
 }
 
+/// A partial RoPE (`RoPE(…, fraction = 0.5)`: the first half of each head's features turn,
+/// as GPT-NeoX's rotary_pct) under tp 2 with SP and under cp 2 with selective recompute
+/// trains as on one rank (cp's ranks turn their own positions' rows, tp's their own heads),
+/// and differs from the full rotation's run.
+#[test]
+fn a_partial_rope_under_tp_and_cp() {
+    let with = |plan: PlanChoice, fraction: f64| {
+        let mut s = spec_variant(model(true), plan.clone(), Variant::default());
+        for node in &mut s.model.nodes {
+            if let LayerKind::Attention { rope: Some(r), .. } = &mut node.kind {
+                r.fraction = fraction;
+            }
+        }
+        run_plan_of(&s)
+    };
+    let single = with(PlanChoice::default(), 0.5);
+    let full = with(PlanChoice::default(), 1.0);
+    assert!(single.records[1].loss != full.records[1].loss);
+    let tp = PlanChoice {
+        tp: 2,
+        sp: true,
+        ..PlanChoice::default()
+    };
+    let cp = PlanChoice {
+        cp: 2,
+        recompute: Recompute::Selective,
+        ..PlanChoice::default()
+    };
+    for plan in [tp, cp] {
+        let desc = format!(
+            "fraction 0.5, {}",
+            describe(true, &plan, Variant::default())
+        );
+        assert_close(&desc, &single, &with(plan, 0.5), false);
+    }
+}
+
 /// Qwen3's per-head q/k norms under every axis train as on one rank: tp 2 with and without SP
 /// (each rank normalizes its own heads with the replicated weights, whose partial gradients
 /// are all-reduced over tp), dp 2 with ZeRO 3 (the weights sharded and gathered per use),

@@ -204,6 +204,7 @@ fn scaled_rope_attrs(heads: u64, scaling: RopeScaling) -> RopeAttrs {
         theta: 10000.0,
         scaling,
         positions: vec![Segment { start: 0, len: 2 }, Segment { start: 6, len: 2 }],
+        rotary_dim: None,
     }
 }
 
@@ -292,6 +293,49 @@ fn scaled_ropes_fuse_bit_for_bit_each_with_its_table() {
         })
         .collect();
     assert_eq!(tables, [llama3, RopeScaling::None]);
+}
+
+/// A partial RoPE (the first 2 of each head's 4 features turn, GPT-NeoX style) fuses bit for
+/// bit, forward after the split and backward before the concat: its loads read the partners
+/// of the turned columns and the kept columns themselves, times the table's 1 and 0.
+#[test]
+fn partial_ropes_fuse_bit_for_bit() {
+    let partial = |heads| RopeAttrs {
+        rotary_dim: Some(2),
+        ..rope_attrs(heads)
+    };
+    let mut c = Chain::default();
+    let [qkv, q, k, _] = split_qkv(&mut c);
+    let (qr, kr) = (c.buffer("qr", 8, 16), c.buffer("kr", 8, 8));
+    c.free(&[qkv]);
+    c.op(Op::Rope(partial(4)), &[q], &[qr]);
+    c.free(&[q]);
+    c.op(Op::Rope(partial(2)), &[k], &[kr]);
+    c.free(&[k]);
+    let program = assert_fuses_to_same("split + partial rope", c, 1, 0.0);
+    let text = format!("{}", fused_ops(&program)[0].kernel);
+    assert!(text.contains("rot2of4"), "{text}");
+    let mut c = Chain::default();
+    let (dq, dk, dv) = (
+        c.buffer("dq", 8, 16),
+        c.buffer("dk", 8, 8),
+        c.buffer("dv", 8, 8),
+    );
+    let (dqp, dkp) = (c.buffer("dq_pre", 8, 16), c.buffer("dk_pre", 8, 8));
+    let dqkv = c.buffer("dqkv", 8, 32);
+    c.op(Op::RopeBwd(partial(4)), &[dq], &[dqp]);
+    c.free(&[dq]);
+    c.op(Op::RopeBwd(partial(2)), &[dk], &[dkp]);
+    c.free(&[dk]);
+    c.op(
+        Op::ConcatColumns {
+            widths: vec![16, 8, 8],
+        },
+        &[dqp, dkp, dv],
+        &[dqkv],
+    );
+    c.free(&[dqp, dkp, dv]);
+    assert_fuses_to_same("partial rope_bwd + concat", c, 1, 0.0);
 }
 
 #[test]
@@ -539,6 +583,21 @@ fn tiny_qwen3_trains_the_same_fused_and_unfused() {
         s
     };
     assert_trains_the_same_fused_and_unfused(qwen3, false);
+}
+
+/// Tiny Llama with a partial RoPE (half of each head's features turn): the split-and-rope and
+/// rope-and-concat chains fuse with partial rotations, and train as the hand-written ropes.
+#[test]
+fn tiny_llama_with_a_partial_rope_trains_the_same_fused_and_unfused() {
+    let partial = |mut s: Spec| {
+        for node in &mut s.model.nodes {
+            if let LayerKind::Attention { rope: Some(r), .. } = &mut node.kind {
+                r.fraction = 0.5;
+            }
+        }
+        s
+    };
+    assert_trains_the_same_fused_and_unfused(partial, true);
 }
 
 /// The tiny Llama made by `model` trained under dp 2 × tp 2 with SP, fused and unfused: the

@@ -252,6 +252,23 @@ fn engine_equals_the_training_forward_with_an_attention_scale() {
     engine_matches("tiny-llama with scale 1/12", &spec, &plan);
 }
 
+/// A partial RoPE (half of each head's features turn) in the engine (hand-written `Rope` at
+/// each fed position) as in training (fused kernels reading its rotation table).
+#[test]
+fn engine_equals_the_training_forward_with_a_partial_rope() {
+    let file = "examples/tiny-llama.par";
+    let text = std::fs::read_to_string(cli_support::root().join(file))
+        .unwrap()
+        .replace(
+            "Block(d, heads, kv_heads = kv_heads, ffn = ffn, theta = 10000)(x)",
+            "x + Attention(d, heads, kv_heads = kv_heads, bias = false,
+                 rope = RoPE(theta = 10000, fraction = 0.5))(RMSNorm(d)(x))",
+        );
+    assert!(text.contains("fraction = 0.5"));
+    let (spec, plan) = compiled_text("tiny-llama with a partial rope", text);
+    engine_matches("tiny-llama with a partial rope", &spec, &plan);
+}
+
 /// Qwen3's per-head q/k norms before RoPE, in the engine as in training.
 #[test]
 fn engine_equals_the_training_forward_qwen3() {

@@ -158,13 +158,29 @@ impl Serialize for Activation {
     }
 }
 
-/// Rotary positions: the base `theta` and how the frequencies are scaled
-/// (`ir::rope`; `none` for plain RoPE, left out of the spec's JSON then).
+/// Rotary positions: the base `theta`, how the frequencies are scaled (`ir::rope`; `none` for
+/// plain RoPE, left out of the spec's JSON then) and the share of each head's features that
+/// turn (`fraction`: GPT-NeoX's `rotary_pct`, Phi's `partial_rotary_factor`; 1, every feature,
+/// is left out of the JSON). The checker makes `head_dim · fraction` an even whole number.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Rope {
     pub theta: f64,
     #[serde(skip_serializing_if = "RopeScaling::is_none")]
     pub scaling: RopeScaling,
+    #[serde(skip_serializing_if = "rotates_every_feature")]
+    pub fraction: f64,
+}
+
+impl Rope {
+    /// How many of a head's `head_dim` features turn: its first `head_dim · fraction`, in
+    /// pairs `(i, i + rotary/2)`; the others pass unchanged.
+    pub fn rotary_dim(&self, head_dim: u64) -> u64 {
+        (head_dim as f64 * self.fraction).round() as u64
+    }
+}
+
+fn rotates_every_feature(fraction: &f64) -> bool {
+    *fraction == 1.0
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]

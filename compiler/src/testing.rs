@@ -168,6 +168,7 @@ pub fn decoder_model(d: &Dims, name: &str, recompute: &Recompute, tp: u32, cp: u
             rope: d.llama.then_some(Rope {
                 theta: 10000.0,
                 scaling: RopeScaling::None,
+                fraction: 1.0,
             }),
             qkv_bias: !d.llama,
             out_bias: !d.llama,

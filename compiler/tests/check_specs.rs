@@ -184,6 +184,33 @@ fn an_attention_scale_through_the_llama_block() {
     assert_eq!(run(&gemma, &[]).1, ["E0207"]);
 }
 
+/// A partial RoPE as GPT-NeoX and Phi write it: `RoPE(theta = …, fraction = 0.25)` over heads
+/// of 8 turns 2 features; a fraction making an odd or fractional count of features is E0311
+/// naming the fractions that work, one outside (0, 1] E0903, transformers' name E0207.
+#[test]
+fn a_partial_rope_fraction() {
+    let rope_of = |spec: &Spec, name: &str| match node(spec, name).kind {
+        LayerKind::Attention { rope, .. } => rope,
+        _ => panic!("{name} is not attention"),
+    };
+    let with = |fraction: &str| {
+        let text = example("tiny-llama.par").replace(
+            "Block(d, heads, kv_heads = kv_heads, ffn = ffn, theta = 10000)(x)",
+            &format!("Attention(d, heads, rope = RoPE(theta = 10000, {fraction}))(x) + x"),
+        );
+        run(&text, &[])
+    };
+    let (spec, codes) = with("fraction = 0.25");
+    assert!(codes.is_empty(), "{codes:?}");
+    let rope = rope_of(&spec.unwrap(), "blocks.0.attn").unwrap();
+    assert_eq!((rope.fraction, rope.rotary_dim(8)), (0.25, 2));
+    assert_eq!(with("fraction = 0.125").1, ["E0311"]);
+    assert_eq!(with("fraction = 0.3").1, ["E0311"]);
+    assert_eq!(with("fraction = 1.5").1, ["E0903"]);
+    assert_eq!(with("fraction = 0").1, ["E0903"]);
+    assert_eq!(with("rotary_pct = 0.25").1, ["E0207"]);
+}
+
 /// Qwen3 through std::llama's Block: `qk_norm = true` takes the block's eps, `head_dim` sets
 /// heads wider than d / heads; left out, the Block's `head_dim = none` is d / heads and its
 /// `qk_norm = false` none.
@@ -203,6 +230,7 @@ fn qk_norm_and_head_dim_through_the_llama_block() {
             rope: Some(Rope {
                 theta: 1000000.0,
                 scaling: RopeScaling::None,
+                fraction: 1.0,
             }),
             qkv_bias: false,
             out_bias: false,
@@ -240,6 +268,7 @@ fn tiny_llama_has_gqa_rope_and_swiglu() {
             rope: Some(Rope {
                 theta: 10000.0,
                 scaling: RopeScaling::None,
+                fraction: 1.0,
             }),
             qkv_bias: false,
             out_bias: false,

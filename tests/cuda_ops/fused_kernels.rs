@@ -156,9 +156,20 @@ pub fn columns(cols: u64) -> Kernel {
 /// `[rows / 3, 2·hd]` (cos | sin) per position (batch 3): y = x·cos + rot(x)·sin, the tables
 /// read through `Periodic(hd)` and x's partner through `RotateHalf(hd)` at x's offset.
 pub fn rope(cols: u64, hd: u64) -> Kernel {
+    rope_turning(cols, hd, hd)
+}
+
+/// [`rope`] with only the first `rot` columns of each head turning (a partial RoPE): x's
+/// partner read through `RotatePart`, the kept columns' own (the tables hold 1 and 0 there
+/// where a lowered program makes them; here they are any values).
+pub fn partial_rope(cols: u64, hd: u64) -> Kernel {
+    rope_turning(cols, hd, (hd / 2) & !1)
+}
+
+fn rope_turning(cols: u64, hd: u64, rot: u64) -> Kernel {
     let mut g = Graph::new();
     let x = g.load(0, cols);
-    let partner = g.load_mapped(0, cols, ColMap::RotateHalf(hd));
+    let partner = g.load_mapped(0, cols, ColMap::rotation(hd, rot));
     let cos = g.load_mapped(1, 0, ColMap::Periodic(hd));
     let sin = g.load_mapped(1, hd, ColMap::Periodic(hd));
     let a = g.bin(Bin::Mul, x, cos);
@@ -248,6 +259,7 @@ pub fn primitive(cols: u64, hd: u64) -> Vec<(&'static str, Kernel)> {
         ("select", select(cols)),
         ("columns", columns(cols)),
         ("rope", rope(cols, hd)),
+        ("partial_rope", partial_rope(cols, hd)),
         ("row_col", row_col(cols)),
         ("rms", rms(cols)),
         ("layer", layer(cols)),

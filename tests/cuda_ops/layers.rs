@@ -52,13 +52,21 @@ fn scaled_rope_cases(r: &mut Rng) -> Vec<Case> {
         theta: 500000.0,
         scaling,
         positions: vec![seg(0, 5), seg(1000, 5)],
+        rotary_dim: None,
     };
     let n = 10 * 2 * 3 * 16;
     let linear = RopeScaling::Linear { factor: 4.0 };
+    // A partial RoPE: the first 4 of each head's 16 features turn, the other 12 are copied.
+    let partial = |heads, scaling| RopeAttrs {
+        rotary_dim: Some(4),
+        ..attrs(heads, scaling)
+    };
     let rotations = [
         ("rope llama3", Op::Rope(attrs(3, llama3))),
         ("rope_bwd llama3", Op::RopeBwd(attrs(3, llama3))),
         ("rope_bwd linear", Op::RopeBwd(attrs(3, linear))),
+        ("rope partial", Op::Rope(partial(3, RopeScaling::None))),
+        ("rope_bwd partial llama3", Op::RopeBwd(partial(3, llama3))),
     ];
     let mut cases: Vec<Case> = rotations
         .into_iter()
@@ -72,6 +80,13 @@ fn scaled_rope_cases(r: &mut Rng) -> Vec<Case> {
     cases.push(Case::new(
         "rope_table llama3",
         table,
+        Vec::new(),
+        vec![r.vec(10 * 32, 1.0)],
+        ELEMENTWISE,
+    ));
+    cases.push(Case::new(
+        "rope_table partial",
+        Op::RopeTable(partial(1, RopeScaling::None)),
         Vec::new(),
         vec![r.vec(10 * 32, 1.0)],
         ELEMENTWISE,
@@ -349,6 +364,7 @@ fn rope_cases(r: &mut Rng) -> Vec<Case> {
         theta: 10000.0,
         scaling: RopeScaling::None,
         positions: positions.clone(),
+        rotary_dim: None,
     });
     let bwd = Op::RopeBwd(RopeAttrs {
         batch,
@@ -357,6 +373,7 @@ fn rope_cases(r: &mut Rng) -> Vec<Case> {
         theta: 500000.0,
         scaling: RopeScaling::None,
         positions,
+        rotary_dim: None,
     });
     vec![
         Case::new(

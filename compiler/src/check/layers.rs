@@ -51,7 +51,7 @@ pub fn params(kind: &str) -> &'static [&'static str] {
             "scale",
         ],
         "MLP" => &["dim", "hidden", "act", "bias"],
-        "RoPE" => &["theta", "scaling"],
+        "RoPE" => &["theta", "scaling", "fraction"],
         _ => &[],
     }
 }
@@ -90,9 +90,10 @@ pub fn missing_feature(kind: &str, param: &str) -> Option<&'static str> {
              high_freq_factor, original_max_position }` (Llama 3.1–3.3) or `linear { factor }`; \
              parc has no YaRN, dynamic NTK or LongRoPE scaling"
         }
-        ("RoPE", "fraction" | "rotary_pct" | "partial_rotary_factor" | "rotary_dim") => {
-            "parc's RoPE rotates every dimension of a head: no partial rotary (GPT-NeoX's \
-             rotary_pct, Phi-2)"
+        ("RoPE", "rotary_pct" | "partial_rotary_factor" | "rotary_percent" | "rotary_dim") => {
+            "parc's RoPE takes the share of each head's features that turn as `fraction`: \
+             GPT-NeoX's rotary_pct = 0.25 is `RoPE(theta = 10000, fraction = 0.25)`, and a \
+             rotary_dim of r is `fraction = r / head_dim`"
         }
         _ => return None,
     };
@@ -394,7 +395,7 @@ fn attention(b: &Bound) -> Result<LayerKind, Diagnostic> {
         Some(ArgValue::Bool(false, _)) => None,
         Some(other) => return Err(b.wrong("rope", "`RoPE(theta = …)` or `none`", other.span())),
     };
-    if let (Some(_), Some(span)) = (rope, b.values.get("rope").map(ArgValue::span)) {
+    if let (Some(rope), Some(span)) = (rope, b.values.get("rope").map(ArgValue::span)) {
         if head_dim % 2 != 0 {
             return Err(odd_rotary(
                 dim,
@@ -404,6 +405,7 @@ fn attention(b: &Bound) -> Result<LayerKind, Diagnostic> {
                 head_dim_given.ok_or(heads_span),
             ));
         }
+        check_rotary_fraction(rope, head_dim, span)?;
     }
     let bias = b.flag("bias", true)?;
     Ok(LayerKind::Attention {
@@ -464,6 +466,35 @@ fn qk_norm(b: &Bound) -> Result<Option<f64>, Diagnostic> {
                  not supported",
             )),
     }
+}
+
+/// E0311: a partial RoPE (`fraction` below 1) turns `head_dim · fraction` features in pairs, so
+/// that must be an even whole number; the help lists the fractions that make one.
+fn check_rotary_fraction(rope: Rope, head_dim: u64, span: Span) -> Result<(), Diagnostic> {
+    let features = head_dim as f64 * rope.fraction;
+    let rotary = rope.rotary_dim(head_dim);
+    if (features - rotary as f64).abs() <= 1e-9 * features
+        && rotary >= 2
+        && rotary.is_multiple_of(2)
+    {
+        return Ok(());
+    }
+    let nearest: Vec<String> = (1..=head_dim / 2)
+        .map(|pairs| 2 * pairs)
+        .filter(|&r| r.abs_diff(rotary) <= 4)
+        .map(|r| format!("{} ({r} features)", r as f64 / head_dim as f64))
+        .collect();
+    Err(Diagnostic::error(
+        "E0311",
+        format!(
+            "RoPE's fraction = {} of head_dim = {head_dim} is {} features; rotary positions \
+             turn an even whole number of them, in pairs",
+            rope.fraction,
+            (features * 1e6).round() / 1e6
+        ),
+    )
+    .label(span, "rotary positions")
+    .help(format!("use a fraction of {}", nearest.join(", "))))
 }
 
 /// E0311: rotary positions rotate pairs of a head's features (`i` with `i + head_dim / 2`), so

@@ -1,5 +1,6 @@
-//! `RoPE(theta = …, scaling = …)` as the language writes it: `theta` a positive base (default
-//! 10000), `scaling` one of
+//! `RoPE(theta = …, scaling = …, fraction = …)` as the language writes it: `theta` a positive
+//! base (default 10000), `fraction` the share of each head's features that turn (above 0, at
+//! most 1, the default; the attention checks that it makes an even number), `scaling` one of
 //!
 //! ```text
 //! scaling = none                                  // plain RoPE (the default)
@@ -67,7 +68,26 @@ pub fn rope(values: &HashMap<&'static str, ArgValue>) -> Result<Rope, Diagnostic
             .help(format!("write the kind and its fields: {PUBLISHED}")))
         }
     };
-    Ok(Rope { theta, scaling })
+    let fraction = match values.get("fraction") {
+        None => 1.0,
+        Some(ArgValue::Num(n)) if n.value > 0.0 && n.value <= 1.0 => n.value,
+        Some(a) => {
+            return Err(Diagnostic::error(
+                "E0903",
+                "RoPE's fraction must be a number above 0 and at most 1",
+            )
+            .label(a.span(), "this value")
+            .help(
+                "the share of each head's features that turn: 1 (all, the default), GPT-NeoX \
+                 and Pythia 0.25 (rotary_pct), Phi-2 0.4 (partial_rotary_factor)",
+            ))
+        }
+    };
+    Ok(Rope {
+        theta,
+        scaling,
+        fraction,
+    })
 }
 
 /// `llama3 { … }` or `linear { … }`.

@@ -37,6 +37,7 @@ pub(super) struct TableKey {
     pub theta_bits: u64,
     pub scaling: ScalingKey,
     pub head_dim: u64,
+    pub rotary_dim: Option<u64>,
     pub batch: u64,
     pub positions: Vec<Segment>,
 }
@@ -47,6 +48,7 @@ impl TableKey {
             theta_bits: a.theta.to_bits(),
             scaling: ScalingKey::of(a.scaling),
             head_dim: a.head_dim,
+            rotary_dim: a.rotary_dim,
             batch: a.batch,
             positions: a.positions.clone(),
         }
@@ -61,6 +63,7 @@ impl TableKey {
             theta: f64::from_bits(self.theta_bits),
             scaling: self.scaling.scaling(),
             positions: self.positions.clone(),
+            rotary_dim: self.rotary_dim,
         }
     }
 
@@ -234,8 +237,8 @@ struct State {
     written: Vec<(BufferId, u64)>,
     /// Buffers loaded from outside the group.
     loaded: HashSet<BufferId>,
-    /// Values already rebuilt at their rotate-half partner, by (value, head_dim).
-    rotated: HashMap<(NodeId, u64), NodeId>,
+    /// Values already rebuilt at their rotate-half partner, by (value, rotation).
+    rotated: HashMap<(NodeId, ColMap), NodeId>,
 }
 
 impl State {
@@ -263,9 +266,10 @@ impl State {
         }
     }
 
-    /// `value` evaluated at the rotate-half partner column (heads of `hd` columns).
-    fn rotate(&mut self, g: &mut Graph, value: NodeId, hd: u64) -> Result<NodeId, String> {
-        if let Some(&r) = self.rotated.get(&(value, hd)) {
+    /// `value` evaluated at the rotate-half partner column of `rotation` (a `ColMap`
+    /// rotation: `RotateHalf` or `RotatePart`).
+    fn rotate(&mut self, g: &mut Graph, value: NodeId, rotation: ColMap) -> Result<NodeId, String> {
+        if let Some(&r) = self.rotated.get(&(value, rotation)) {
             return Ok(r);
         }
         let nodes = graph::reachable(g, &[value]);
@@ -276,9 +280,10 @@ impl State {
                 col_offset,
                 map,
             } if matches!(inputs.get(input as usize), Some((_, Access::Elem { .. }))) => {
+                // A rotation is its own inverse: the partner's partner is the column itself.
                 let map = match map {
-                    ColMap::Id => ColMap::RotateHalf(hd),
-                    ColMap::RotateHalf(h) if h == hd => ColMap::Id,
+                    ColMap::Id => rotation,
+                    same if same == rotation => ColMap::Id,
                     other => return Err(format!("cannot rotate a load through {other:?}")),
                 };
                 Ok(g.load_mapped(input, col_offset, map))
@@ -289,7 +294,7 @@ impl State {
             .get(&value)
             .copied()
             .ok_or_else(|| "a rotated value was not copied".to_string())?;
-        self.rotated.insert((value, hd), r);
+        self.rotated.insert((value, rotation), r);
         Ok(r)
     }
 
@@ -430,7 +435,7 @@ impl Env for MemberEnv<'_, '_> {
             .ok_or_else(|| format!("buffer {} has no value at column {offset}", b.0))?;
         match map {
             ColMap::Id => Ok(value),
-            ColMap::RotateHalf(hd) => self.st.rotate(g, value, hd),
+            ColMap::RotateHalf(_) | ColMap::RotatePart { .. } => self.st.rotate(g, value, map),
             other => Err(format!("cannot read a fused value through {other:?}")),
         }
     }

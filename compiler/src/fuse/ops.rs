@@ -103,7 +103,8 @@ pub(super) fn fragment<'a>(program: &Program, c: &Compute<'a>) -> Option<Fragmen
         }
         Op::Rope(a) | Op::RopeBwd(a) => {
             let width = a.heads.checked_mul(a.head_dim)?;
-            if !a.head_dim.is_multiple_of(2) || a.head_dim == 0 {
+            let rot = a.rotary();
+            if !rot.is_multiple_of(2) || rot == 0 || rot > a.head_dim {
                 return None;
             }
             (vec![elem(width)], vec![width], vec![a.head_dim], true)
@@ -164,10 +165,7 @@ fn fused_operands(k: &Kernel) -> Option<Operands> {
         .nodes()
         .iter()
         .filter_map(|n| match n {
-            Node::Load {
-                map: ColMap::Periodic(p) | ColMap::RotateHalf(p),
-                ..
-            } => Some(*p),
+            Node::Load { map, .. } => map.period(),
             _ => None,
         })
         .collect();
@@ -293,7 +291,7 @@ fn rope(
     backward: bool,
 ) -> Result<NodeId, String> {
     let x = env.read(g, 0, block, ColMap::Id)?;
-    let partner = env.read(g, 0, block, ColMap::RotateHalf(a.head_dim))?;
+    let partner = env.read(g, 0, block, ColMap::rotation(a.head_dim, a.rotary()))?;
     let cos = env.table(g, a, 0)?;
     let ssin = env.table(g, a, a.head_dim)?;
     let straight = g.bin(Bin::Mul, x, cos);
@@ -335,7 +333,12 @@ fn emit_kernel(k: &Kernel, cols: u64, g: &mut Graph, env: &mut dyn Env) -> Resul
 fn shifted(map: ColMap, cols: u64) -> Result<ColMap, String> {
     match map {
         ColMap::Id => Ok(map),
-        ColMap::Periodic(p) | ColMap::RotateHalf(p) if p > 0 && cols.is_multiple_of(p) => Ok(map),
+        _ if map
+            .period()
+            .is_some_and(|p| p > 0 && cols.is_multiple_of(p)) =>
+        {
+            Ok(map)
+        }
         _ => Err(format!(
             "a column map {map:?} does not repeat every {cols} columns"
         )),

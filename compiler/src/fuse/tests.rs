@@ -27,6 +27,7 @@ fn rope(head_dim: u64, heads: u64) -> Op {
         theta: 10000.0,
         scaling: RopeScaling::None,
         positions: vec![Segment { start: 0, len: 4 }],
+        rotary_dim: None,
     })
 }
 

@@ -118,12 +118,23 @@ pub struct RopeAttrs {
     #[serde(skip_serializing_if = "RopeScaling::is_none")]
     pub scaling: RopeScaling,
     pub positions: Vec<Segment>,
+    /// A partial RoPE's rotated features: a head's first `rotary_dim` turn, in pairs `(i, i +
+    /// rotary_dim/2)` at `rope::inv_freq` of `rotary_dim`, and the rest pass unchanged. `None`
+    /// (every feature turns) is left out of the plan's JSON and text, as scaling's `None` is.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rotary_dim: Option<u64>,
 }
 
 impl RopeAttrs {
-    /// The inverse frequency of pair `i` of a head (`rope::inv_freq`).
+    /// How many of a head's features turn (`rotary_dim`, else all `head_dim`).
+    pub fn rotary(&self) -> u64 {
+        self.rotary_dim.unwrap_or(self.head_dim)
+    }
+
+    /// The inverse frequency of pair `i` of a head (`rope::inv_freq` over its rotated
+    /// features).
     pub fn inv_freq(&self, i: u64) -> f64 {
-        super::rope::inv_freq(self.theta, self.head_dim, i, self.scaling)
+        super::rope::inv_freq(self.theta, self.rotary(), i, self.scaling)
     }
 }
 

@@ -213,23 +213,29 @@ pub enum ColMap {
     /// The rotate-half partner of `c` in its head of `head_dim` columns: `c + head_dim/2` in a
     /// head's first half, `c - head_dim/2` in its second (RoPE).
     RotateHalf(u64),
+    /// A partial RoPE's partner of `c` in its head of `head` columns whose first `rot` turn:
+    /// `c + rot/2` in the first half of those, `c - rot/2` in their second, `c` itself past
+    /// them. (`rot` = `head` is `RotateHalf`, which [`ColMap::rotation`] gives then.)
+    RotatePart { head: u64, rot: u64 },
 }
 
 impl ColMap {
+    /// The rotate-half partner map of heads of `head` columns whose first `rot` turn.
+    pub fn rotation(head: u64, rot: u64) -> ColMap {
+        if rot == head {
+            ColMap::RotateHalf(head)
+        } else {
+            ColMap::RotatePart { head, rot }
+        }
+    }
+
     /// The column a load at domain column `c` reads.
     pub fn apply(self, c: u64) -> u64 {
         match self {
             ColMap::Id => c,
             ColMap::Periodic(p) => c % p.max(1),
-            ColMap::RotateHalf(hd) => {
-                let half = hd / 2;
-                let within = c % hd.max(1);
-                if within < half {
-                    c + half
-                } else {
-                    c - half
-                }
-            }
+            ColMap::RotateHalf(hd) => rotate_part(c, hd, hd),
+            ColMap::RotatePart { head, rot } => rotate_part(c, head, rot),
         }
     }
 
@@ -237,8 +243,40 @@ impl ColMap {
     pub fn span(self, cols: u64) -> u64 {
         match self {
             ColMap::Periodic(p) => p.min(cols),
-            ColMap::Id | ColMap::RotateHalf(_) => cols,
+            ColMap::Id | ColMap::RotateHalf(_) | ColMap::RotatePart { .. } => cols,
         }
+    }
+
+    /// The columns after which it repeats: a table's period, a rotation's head.
+    pub fn period(self) -> Option<u64> {
+        match self {
+            ColMap::Id => None,
+            ColMap::Periodic(p) | ColMap::RotateHalf(p) | ColMap::RotatePart { head: p, .. } => {
+                Some(p)
+            }
+        }
+    }
+
+    /// The rotation's head and turned columns, for the rotations.
+    pub fn rotated(self) -> Option<(u64, u64)> {
+        match self {
+            ColMap::RotateHalf(hd) => Some((hd, hd)),
+            ColMap::RotatePart { head, rot } => Some((head, rot)),
+            ColMap::Id | ColMap::Periodic(_) => None,
+        }
+    }
+}
+
+/// The partner of column `c` in heads of `head` columns whose first `rot` turn in pairs.
+fn rotate_part(c: u64, head: u64, rot: u64) -> u64 {
+    let half = rot / 2;
+    let within = c % head.max(1);
+    if within < half {
+        c + half
+    } else if within < rot {
+        c - half
+    } else {
+        c
     }
 }
 
@@ -721,13 +759,20 @@ impl Kernel {
         match map {
             ColMap::Periodic(0) => return Err(format!("node {i} loads with a period of 0")),
             // A partner outside the domain's heads would be read past the loaded block.
-            ColMap::RotateHalf(hd)
-                if hd == 0 || !hd.is_multiple_of(2) || !self.cols.is_multiple_of(hd) =>
-            {
-                return Err(format!(
-                    "node {i} rotates halves of {hd}-column heads, which must be even and divide the {} columns",
-                    self.cols
-                ))
+            ColMap::RotateHalf(_) | ColMap::RotatePart { .. } => {
+                let (hd, rot) = map.rotated().unwrap_or_default();
+                if hd == 0
+                    || rot == 0
+                    || rot > hd
+                    || !rot.is_multiple_of(2)
+                    || !self.cols.is_multiple_of(hd)
+                {
+                    return Err(format!(
+                        "node {i} rotates halves of the first {rot} columns of {hd}-column heads, \
+                         which must be even, at most the head and divide the {} columns",
+                        self.cols
+                    ));
+                }
             }
             _ => {}
         }
@@ -844,6 +889,9 @@ impl fmt::Display for Kernel {
                     ColMap::Id => format!("x{input}[{offset}]"),
                     ColMap::Periodic(p) => format!("x{input}[c%{p}{offset}]"),
                     ColMap::RotateHalf(hd) => format!("x{input}[rot{hd}{offset}]"),
+                    ColMap::RotatePart { head, rot } => {
+                        format!("x{input}[rot{rot}of{head}{offset}]")
+                    }
                 }
             }
             Node::Param(p) => format!("p{p}"),

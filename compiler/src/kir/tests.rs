@@ -133,11 +133,32 @@ fn a_rotation_whose_heads_do_not_tile_the_domain_is_refused() {
     assert!(k
         .validate()
         .unwrap_err()
-        .contains("must be even and divide"));
+        .contains("must be even, at most the head and divide"));
     let mut k = swiglu_kernel();
     let partner = k.graph.load_mapped(0, 0, ColMap::RotateHalf(4));
     k.stores[0].value = partner;
     assert_eq!(k.validate(), Ok(()));
+    // A partial rotation: an odd or too wide turned part is refused, an even one is valid.
+    for (rot, ok) in [(3, false), (6, false), (2, true)] {
+        let mut k = swiglu_kernel();
+        let map = ColMap::RotatePart { head: 4, rot };
+        k.stores[0].value = k.graph.load_mapped(0, 0, map);
+        assert_eq!(k.validate().is_ok(), ok, "rot {rot}");
+    }
+}
+
+/// A partial rotation's partners: in heads of 8 whose first 4 turn, columns 0, 1 pair with 2,
+/// 3 and the other four are their own; `rotation` of a whole head is `RotateHalf`.
+#[test]
+fn a_partial_rotation_pairs_the_turned_columns_and_keeps_the_rest() {
+    let map = ColMap::rotation(8, 4);
+    let partners: Vec<u64> = (0..16).map(|c| map.apply(c)).collect();
+    assert_eq!(
+        partners,
+        [2, 3, 0, 1, 4, 5, 6, 7, 10, 11, 8, 9, 12, 13, 14, 15]
+    );
+    assert_eq!(ColMap::rotation(8, 8), ColMap::RotateHalf(8));
+    assert_eq!(map.period(), Some(8));
 }
 
 #[test]

@@ -182,6 +182,13 @@ fn vectors_fit(kernel: &Kernel, v: u64) -> bool {
                     ColMap::Id => true,
                     ColMap::Periodic(p) => p.max(1).is_multiple_of(v),
                     ColMap::RotateHalf(hd) => hd.is_multiple_of(2) && (hd / 2).is_multiple_of(v),
+                    // Every vector lies in one of the first half of the turned columns, their
+                    // second half and the kept ones, so its partners are contiguous too.
+                    ColMap::RotatePart { head, rot } => {
+                        head.is_multiple_of(v)
+                            && rot.is_multiple_of(2)
+                            && (rot / 2).is_multiple_of(v)
+                    }
                 }
         }
         _ => true,
@@ -366,6 +373,10 @@ impl<'a> Emitter<'a> {
             ColMap::RotateHalf(hd) => {
                 let (hd, h) = (hd.max(1), hd / 2);
                 format!("(c % {hd}LL < {h}LL ? c + {h}LL : c - {h}LL)")
+            }
+            ColMap::RotatePart { head, rot } => {
+                let (hd, h) = (head.max(1), rot / 2);
+                format!("(c % {hd}LL < {h}LL ? c + {h}LL : c % {hd}LL < {rot}LL ? c - {h}LL : c)")
             }
         };
         match access {

@@ -92,25 +92,30 @@ impl RopeScale {
     }
 }
 
-/// Fails unless a rotation's `head_dim` (`hd`) is even, its theta positive and its scaling's
-/// parameters valid.
-fn check_rotation(b: &Bound, a: &RopeAttrs, hd: usize) -> Result<()> {
-    if !hd.is_multiple_of(2) {
-        return Err(b.err(format!("head_dim = {hd} must be even to rotate pairs")));
+/// A rotation's turned features (`RopeAttrs::rotary`) of a head of `hd`, unless they are not
+/// an even number of at most `hd`, its theta is not positive or its scaling's parameters are
+/// invalid.
+fn check_rotation(b: &Bound, a: &RopeAttrs, hd: usize) -> Result<usize> {
+    let rot = a.rotary_dim.map_or(hd, |r| r as usize);
+    if !rot.is_multiple_of(2) || rot == 0 || rot > hd {
+        return Err(b.err(format!(
+            "the {rot} turned features of a head of {hd} must be an even number of at most \
+             head_dim, to rotate pairs"
+        )));
     }
     if a.theta.is_nan() || a.theta <= 0.0 {
         return Err(b.err(format!("theta = {} must be positive", a.theta)));
     }
     match a.scaling.problem() {
         Some(problem) => Err(b.err(problem)),
-        None => Ok(()),
+        None => Ok(rot),
     }
 }
 
 /// Writes the cos/sin table of the op's positions (`Op::RopeTable`).
 fn rope_table(be: &mut CudaBackend, b: &Bound, a: &RopeAttrs) -> Result<()> {
     let hd = b.launch_dim("head_dim", a.head_dim)?;
-    check_rotation(b, a, hd)?;
+    let rot = check_rotation(b, a, hd)?;
     let table = b.output(0)?;
     let positions = b.launch_rows(table, "table", table.len / (2 * hd))?;
     let (pos, _) = be.positions(&a.positions)?;
@@ -119,6 +124,7 @@ fn rope_table(be: &mut CudaBackend, b: &Bound, a: &RopeAttrs) -> Result<()> {
         Arg::Ptr(pos),
         n(positions),
         n(hd),
+        n(rot),
         Arg::F64(a.theta),
         Arg::RopeScale(RopeScale::of(a.scaling)),
     ];
@@ -133,7 +139,7 @@ fn rope(be: &mut CudaBackend, b: &Bound, a: &RopeAttrs, sign: f64) -> Result<()>
         b.launch_dim("heads", a.heads)?,
         b.launch_dim("head_dim", a.head_dim)?,
     );
-    check_rotation(b, a, hd)?;
+    let rot = check_rotation(b, a, hd)?;
     let (x, y) = (b.input(0)?, b.output(0)?);
     let rows = b.launch_rows(x, "x", b.rows)?;
     let (pos, _) = be.positions(&a.positions)?;
@@ -145,6 +151,7 @@ fn rope(be: &mut CudaBackend, b: &Bound, a: &RopeAttrs, sign: f64) -> Result<()>
         n(batch),
         n(heads),
         n(hd),
+        n(rot),
         Arg::F64(a.theta),
         Arg::RopeScale(RopeScale::of(a.scaling)),
         Arg::F64(sign),

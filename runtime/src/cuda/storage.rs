@@ -136,6 +136,7 @@ mod tests {
                 theta: 1e4,
                 scaling: RopeScaling::None,
                 positions,
+                rotary_dim: None,
             })
         };
         let program = Program::new(

@@ -131,6 +131,7 @@ impl BlockShape {
                 ("head_dim", b.head_dim.to_string()),
                 ("rope theta", format!("{:?}", b.rope.map(|r| r.theta))),
                 ("rope scaling", format!("{:?}", b.rope.map(|r| r.scaling))),
+                ("rope fraction", format!("{:?}", b.rope.map(|r| r.fraction))),
                 ("qkv_bias", b.qkv_bias.to_string()),
                 ("out bias", b.out_bias.to_string()),
                 ("qk_norm", format!("{:?}", b.qk_norm)),
@@ -364,6 +365,9 @@ fn family_of(
         "the Llama family has no position table"
     } else if b.rope.is_none() {
         "the Llama family's attention has RoPE"
+    } else if b.rope.is_some_and(|r| r.fraction != 1.0) {
+        "the Llama family's RoPE turns every feature of a head (`fraction = 1`), not a part \
+         of them as GPT-NeoX's and Phi's partial rotary does"
     } else if b.act != Activation::Swiglu {
         "the Llama family's MLP is SwiGLU (`act = swiglu`)"
     } else if b.qk_norm.is_some() {

@@ -400,6 +400,27 @@ impl<'a, 'ctx> Emit<'a, 'ctx> {
                     .llvm()?
                     .into_int_value()
             }
+            ColMap::RotatePart { head, rot } => {
+                let half = self.ir.i64(rot / 2);
+                let within = b
+                    .build_int_unsigned_rem(c, self.ir.i64(head.max(1)), "within")
+                    .llvm()?;
+                let first = b
+                    .build_int_compare(IntPredicate::ULT, within, half, "first")
+                    .llvm()?;
+                let turned = b
+                    .build_int_compare(IntPredicate::ULT, within, self.ir.i64(rot), "turned")
+                    .llvm()?;
+                let up = b.build_int_add(c, half, "up").llvm()?;
+                let down = b.build_int_sub(c, half, "down").llvm()?;
+                let second = b
+                    .build_select(turned, down, c, "second")
+                    .llvm()?
+                    .into_int_value();
+                b.build_select(first, up, second, "rotated")
+                    .llvm()?
+                    .into_int_value()
+            }
         };
         b.build_int_add(mapped, self.ir.i64(offset), "col").llvm()
     }

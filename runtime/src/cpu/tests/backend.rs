@@ -211,6 +211,7 @@ fn lowering_mistakes_are_clear_errors_naming_op_role_and_buffer() {
         theta: 1e4,
         scaling: RopeScaling::None,
         positions: vec![seg(0, 3)],
+        rotary_dim: None,
     });
     expect(
         &rope,

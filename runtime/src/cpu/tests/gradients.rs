@@ -223,6 +223,7 @@ fn rope_backward_matches_differences_at_context_parallel_positions() {
             theta: 100.0,
             scaling,
             positions: vec![seg(1, 2), seg(9, 1)],
+            rotary_dim: None,
         };
         let (fwd, bwd) = (Op::Rope(attrs.clone()), Op::RopeBwd(attrs));
         let inputs = [Input::F(values(len, 17, 1.0))];
@@ -249,6 +250,7 @@ fn per_head_qk_norm_then_rope_matches_a_reference_and_differences() {
         theta: 100.0,
         scaling: RopeScaling::None,
         positions: vec![seg(1, 2), seg(9, 1)],
+        rotary_dim: None,
     };
     let rows = 3 * batch as usize;
     let len = rows * heads * head_dim;

@@ -470,6 +470,7 @@ fn rope_rotates_pairs_by_position_times_frequency() {
         theta: 100.0,
         scaling: RopeScaling::None,
         positions: vec![seg(pos, 1)],
+        rotary_dim: None,
     };
     assert_eq!(
         eval(&Op::Rope(attrs(0)), &[Input::F(x.clone())], &[4])[0],
@@ -485,6 +486,59 @@ fn rope_rotates_pairs_by_position_times_frequency() {
     assert_close("rotated", &y[0], &expected, 1e-6);
     let back = eval(&Op::RopeBwd(attrs(3)), &[Input::F(y[0].clone())], &[4]);
     assert_close("inverse", &back[0], &[1.0, 2.0, 0.0, 0.0], 1e-6);
+}
+
+/// A partial RoPE, worked by hand: two heads of 8 whose first 4 features turn (GPT-NeoX's
+/// rotary_pct 0.5), at theta 100 over those 4: pairs (0, 2) at frequency 1 and (1, 3) at
+/// 100^(−1/2) = 0.1, as the 4-wide head above; features 4..8 pass unchanged, forward and back;
+/// the rotation table holds the turned columns' cos/∓sin and 1/0 in the kept ones.
+#[test]
+fn a_partial_rope_turns_the_first_features_and_keeps_the_rest() {
+    let head: Vec<f32> = vec![1.0, 2.0, 0.0, 0.0, 5.0, -6.0, 7.0, 8.0];
+    let x: Vec<f32> = head.iter().chain(&head).copied().collect();
+    let attrs = |heads| RopeAttrs {
+        batch: 1,
+        heads,
+        head_dim: 8,
+        theta: 100.0,
+        scaling: RopeScaling::None,
+        positions: vec![seg(3, 1)],
+        rotary_dim: Some(4),
+    };
+    let y = eval(&Op::Rope(attrs(2)), &[Input::F(x.clone())], &[16]).remove(0);
+    let turned = [
+        3f64.cos(),
+        2.0 * 0.3f64.cos(),
+        3f64.sin(),
+        2.0 * 0.3f64.sin(),
+    ];
+    let kept = [5.0, -6.0, 7.0, 8.0];
+    let one: Vec<f64> = turned.iter().chain(&kept).copied().collect();
+    let both: Vec<f64> = one.iter().chain(&one).copied().collect();
+    assert_close("partial", &y, &both, 1e-6);
+    let back = eval(&Op::RopeBwd(attrs(2)), &[Input::F(y)], &[16]).remove(0);
+    let x64: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
+    assert_close("inverse", &back, &x64, 1e-6);
+    let table = eval(&Op::RopeTable(attrs(1)), &[], &[16]).remove(0);
+    let expected = [
+        3f64.cos(),
+        0.3f64.cos(),
+        3f64.cos(),
+        0.3f64.cos(),
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        -(3f64.sin()),
+        -(0.3f64.sin()),
+        3f64.sin(),
+        0.3f64.sin(),
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+    ];
+    assert_close("table", &table, &expected, 1e-6);
 }
 
 /// Scaled frequencies, worked by hand: one head of dim 8 at theta 100 (plain frequencies 1,
@@ -504,6 +558,7 @@ fn scaled_rope_rotates_by_the_scaled_frequencies() {
             theta: 100.0,
             scaling,
             positions: vec![seg(5, 1)],
+            rotary_dim: None,
         };
         eval(&op(attrs), &[Input::F(x.clone())], &[8]).remove(0)
     };

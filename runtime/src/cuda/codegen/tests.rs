@@ -40,6 +40,10 @@ fn shapes_follow_the_accesses_and_widths() {
     assert_eq!(shape(&fixtures::rope(64, 16)), Shape::Rows(8));
     // Half a head of 7 columns: vectors would straddle the rotation.
     assert_eq!(shape(&fixtures::rope(42, 14)), Shape::Rows(1));
+    // Turned halves of 4 columns in heads of 16: vectors of 4 lie in one region each.
+    assert_eq!(shape(&fixtures::partial_rope(64, 16)), Shape::Rows(4));
+    // Of 3 (6 of 14 turn): a vector would straddle the rotation.
+    assert_eq!(shape(&fixtures::partial_rope(42, 14)), Shape::Rows(1));
     assert_eq!(shape(&fixtures::row_col(64)), Shape::Rows(8));
     assert_eq!(shape(&fixtures::rms(64)), Shape::Reduce);
     assert_eq!(shape(&fixtures::layer(64)), Shape::Reduce);

@@ -197,7 +197,7 @@ struct RopeScale {
     double factor, low, high, original;
 };
 
-// The inverse frequency of pair i of a head: theta^(-2i/head_dim), scaled. This is
+// The inverse frequency of pair i of a head's rot turned features: theta^(-2i/rot), scaled. This is
 // compiler/src/ir/rope.rs's inv_freq (the one definition) operation for operation in double
 // (--fmad=false keeps every product and sum rounded as written); tests/cuda_ops compares the
 // two through the rotations. Unscaled (kind 0) it is the plain power, as before scaling existed.
@@ -212,12 +212,13 @@ __device__ __forceinline__ double rope_inv_freq(double theta, long long i, long 
     return (1.0 - smooth) * base / sc.factor + smooth * base;
 }
 
-// Rotate-half RoPE; sign = -1 applies the inverse rotation (the backward).
-extern "C" __global__ void rope_fwd(Fv x, Fv y, const int* pos, long long rows, long long batch, long long heads, long long head_dim, double theta, RopeScale sc, double sign) {
-    long long half = head_dim / 2;
+// Rotate-half RoPE over each head's first rot features (rot = head_dim but for a partial
+// RoPE, whose other features are copied); sign = -1 applies the inverse rotation (the backward).
+extern "C" __global__ void rope_fwd(Fv x, Fv y, const int* pos, long long rows, long long batch, long long heads, long long head_dim, long long rot, double theta, RopeScale sc, double sign) {
+    long long half = rot / 2, kept = head_dim - rot;
     GRID_STRIDE(t, rows * heads * half) {
         long long i = t % half, h = (t / half) % heads, r = t / (half * heads);
-        double inv_freq = rope_inv_freq(theta, i, head_dim, sc);
+        double inv_freq = rope_inv_freq(theta, i, rot, sc);
         double angle = sign * (double)pos[r / batch] * inv_freq;
         float c = (float)cos(angle), s = (float)sin(angle);
         long long base = r * heads * head_dim + h * head_dim;
@@ -225,16 +226,21 @@ extern "C" __global__ void rope_fwd(Fv x, Fv y, const int* pos, long long rows, 
         st(y, base + i, lo * c - hi * s);
         st(y, base + i + half, hi * c + lo * s);
     }
+    GRID_STRIDE(t, rows * heads * kept) {
+        long long e = (t / kept) * head_dim + rot + t % kept;
+        st(y, e, ld(x, e));
+    }
 }
 
 // The cos/sin table a fused rope reads (Op::RopeTable): per local position s, cos(angle_i) in
-// columns c < head_dim and -sin / +sin(angle_i) in columns head_dim + c (- in a head's first
-// half), i = c mod head_dim/2, the angle computed as rope_fwd computes it (sign 1).
-extern "C" __global__ void rope_table(float* table, const int* pos, long long positions, long long head_dim, double theta, RopeScale sc) {
-    long long half = head_dim / 2;
+// columns c < rot and -sin / +sin(angle_i) in columns head_dim + c (- in the first half of the
+// turned features), i = c mod rot/2, the angle computed as rope_fwd computes it (sign 1); 1 and
+// 0 in the columns of a partial RoPE's kept features, which a fused rope so passes unchanged.
+extern "C" __global__ void rope_table(float* table, const int* pos, long long positions, long long head_dim, long long rot, double theta, RopeScale sc) {
+    long long half = rot / 2, kept = head_dim - rot;
     GRID_STRIDE(t, positions * half) {
         long long i = t % half, s = t / half;
-        double inv_freq = rope_inv_freq(theta, i, head_dim, sc);
+        double inv_freq = rope_inv_freq(theta, i, rot, sc);
         double angle = 1.0 * (double)pos[s] * inv_freq;
         float c = (float)cos(angle), sn = (float)sin(angle);
         float* row = table + s * 2 * head_dim;
@@ -242,6 +248,11 @@ extern "C" __global__ void rope_table(float* table, const int* pos, long long po
         row[i + half] = c;
         row[head_dim + i] = -sn;
         row[head_dim + half + i] = sn;
+    }
+    GRID_STRIDE(t, positions * kept) {
+        float* row = table + (t / kept) * 2 * head_dim + rot + t % kept;
+        row[0] = 1.0f;
+        row[head_dim] = 0.0f;
     }
 }
 
