@@ -630,6 +630,76 @@ fn a_graph_transformers_does_not_have_is_refused_naming_the_layer() {
     assert!(err.contains("has no counterpart in transformers"), "{err}");
 }
 
+/// Why `text` (a tiny-llama variant) has no transformers counterpart.
+fn refusal(name: &str, text: String) -> String {
+    let (spec, _) = compile_text(name, text, &[]);
+    hf::recognise(&spec).unwrap_err().to_string()
+}
+
+/// A scaled embedding (Gemma's sqrt(d)) is refused as one, naming the layer and its function,
+/// not as a norm of the wrong kind (it was: "the Llama family's norms are RMSNorms").
+#[test]
+fn a_scaled_embedding_is_refused_as_one() {
+    let text = format!(
+        "fn embed_scale(x) = x * 8\n{}",
+        example("tiny-llama").replace(
+            "x = Embedding(vocab, d)(tokens)",
+            "x = embed_scale(Embedding(vocab, d)(tokens))"
+        )
+    );
+    let err = refusal("scaled-embedding", text);
+    assert!(err.contains("`embed_scale(x) = x * 8`"), "{err}");
+    assert!(err.contains("scaled embedding"), "{err}");
+    assert!(err.contains("remove the layer"), "{err}");
+    assert!(!err.contains("RMSNorm"), "{err}");
+}
+
+/// A post-norm block (the norm after the residual add) is refused as one, naming the
+/// attention that reads the unnormed stream and the pre-norm form to write, not as a norm of
+/// the wrong kind.
+#[test]
+fn a_post_norm_block_is_refused_as_one() {
+    let post_norm = "block Block(d, heads, kv_heads = heads, ffn = 4 * d, theta = 10000)(x) {
+  h = RMSNorm(d)(x + Attention(d, heads, kv_heads = kv_heads, causal = true, bias = false,
+                                rope = RoPE(theta = theta))(x))
+  RMSNorm(d)(h + MLP(d, ffn, act = swiglu)(h))
+}";
+    let text = example("tiny-llama").replace("use std::llama { Block }", post_norm);
+    let err = refusal("post-norm", text);
+    assert!(err.contains("`blocks.0.attn` (Attention)"), "{err}");
+    assert!(err.contains("a post-norm block"), "{err}");
+    assert!(err.contains("write the block pre-norm"), "{err}");
+    assert!(!err.contains("are RMSNorms"), "{err}");
+}
+
+/// An elementwise layer is refused by its function and its place, and a missing final norm
+/// as missing, not with a reason meant for another layer (both read "the Llama family's norms
+/// are RMSNorms").
+#[test]
+fn an_elementwise_layer_and_a_missing_final_norm_are_named_as_such() {
+    let head = "logits = Linear(d, vocab, bias = false)(RMSNorm(d)(x) as ln_f) as head";
+    let softcap = format!("x = softcap(x)\n  {head}");
+    let text = format!(
+        "fn softcap(x) = 30 * tanh(x / 30)\n{}",
+        example("tiny-llama").replace(head, &softcap)
+    );
+    let err = refusal("softcap", text);
+    assert!(err.contains("`softcap(x) = 30 * tanh(x / 30)`"), "{err}");
+    assert!(err.contains("they have a block's first norm here"), "{err}");
+    assert!(!err.contains("RMSNorms"), "{err}");
+    let no_norm = "logits = Linear(d, vocab, bias = false)(x) as head";
+    let err = refusal(
+        "no-final-norm",
+        example("tiny-llama").replace(head, no_norm),
+    );
+    assert!(err.contains("layer `head` (Linear)"), "{err}");
+    assert!(
+        err.contains("a final norm between the last block and the head"),
+        "{err}"
+    );
+    assert!(!err.contains("RMSNorms"), "{err}");
+}
+
 /// The command line: `--resume` winning over `train.init`, `parc export` of a finished run's
 /// folder (in bf16), `parc run` from the export, and a config.json that disagrees stopping
 /// that run with exit code 1.
