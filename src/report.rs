@@ -142,7 +142,7 @@ pub fn render_human(report: &CostReport, needs: Option<&[Need]>) -> String {
             r.layers.to_string(),
             count(r.flops.total()),
             seconds(r.compute_seconds),
-            format!("{:.1} mb", r.microbatches_in_flight),
+            format!("{} mb", r.microbatches_in_flight),
         ];
         row.extend(axes.iter().map(|a| comm_cell(r, *a)));
         rows.push(row);
@@ -432,7 +432,8 @@ mod tests {
             chunks: vec![stage],
             layers: 16,
             params: 1_250_000_000,
-            microbatches_in_flight: f64::from(2 - stage),
+            microbatches_in_flight: 2 - stage,
+            activation_microbatches: f64::from(2 - stage),
             memory: MemoryTerms {
                 weights: 2_500_000_000,
                 gradients: 2_500_000_000,
@@ -531,8 +532,8 @@ stage 1   1.25B  2.3 GiB  2.3 GiB    1.7 GiB     15.0 GiB  50.0 MiB  21.5 GiB   
 
 compute and communication per GPU per step:
 role     layers  FLOPs  compute  in flight            dp sent              pp sent
-stage 0      16  3.00P   3.03 s     2.0 mb  4.1 GiB (88.0 ms)  63.9 MiB (150.0 µs)
-stage 1      16  3.00P   3.03 s     1.0 mb  4.1 GiB (88.0 ms)  63.9 MiB (150.0 µs)
+stage 0      16  3.00P   3.03 s       2 mb  4.1 GiB (88.0 ms)  63.9 MiB (150.0 µs)
+stage 1      16  3.00P   3.03 s       1 mb  4.1 GiB (88.0 ms)  63.9 MiB (150.0 µs)
 where:
   dp (8 ranks, inter-node): gradient reduce-scatter + weight all-gather
   pp (2 ranks, intra-node): activations forward, their gradients back (point-to-point)
