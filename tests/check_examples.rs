@@ -110,9 +110,10 @@ fn json_has_positions_and_the_report() {
 
 /// An interleaved pipeline's report: the `in flight` column counts microbatches as the
 /// verifier does on the lowered plan (it showed chunk-microbatches / v, `2.5 mb` where 4 were
-/// in flight).
+/// in flight), and the report's one bubble is the simulated timeline's, the JSON's
+/// `lowered.bubble_fraction`, not the schedule formula's `report.bubble_fraction`.
 #[test]
-fn the_report_counts_the_microbatches_in_flight() {
+fn the_report_counts_microbatches_and_shows_the_simulated_bubble() {
     let interleaved = [
         "examples/tiny.par",
         "--set",
@@ -140,6 +141,16 @@ fn the_report_counts_the_microbatches_in_flight() {
         );
         assert!(role["activation_microbatches"].as_f64().is_some(), "{role}");
     }
+    let simulated = file["lowered"]["bubble_fraction"].as_f64().unwrap();
+    let formula = file["report"]["bubble_fraction"].as_f64().unwrap();
+    assert!((simulated - formula).abs() > 1e-3, "{simulated} {formula}");
+    let human = check(&interleaved);
+    let text = String::from_utf8_lossy(&human.stdout);
+    let want = format!(
+        "pipeline: 8 microbatches, bubble {:.1}% (simulated: the timeline below)",
+        simulated * 100.0
+    );
+    assert!(text.lines().any(|l| l == want), "{want}\n{text}");
 }
 
 #[test]
