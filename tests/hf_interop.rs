@@ -700,6 +700,34 @@ fn an_elementwise_layer_and_a_missing_final_norm_are_named_as_such() {
     assert!(!err.contains("RMSNorms"), "{err}");
 }
 
+/// A Llama-style model with LayerNorms is told both families' norms, not GPT-2's alone ("GPT-2's
+/// LayerNorms have biases" for a model with RoPE, SwiGLU and no position table).
+#[test]
+fn layer_norms_in_a_llama_style_model_name_both_families() {
+    let blocks = "Block(d, heads, kv_heads = kv_heads, ffn = ffn, theta = 10000)";
+    let llama_ln =
+        "block Block(d, heads, kv_heads = heads, ffn = 4 * d, theta = 10000, bias = true)(x) {
+  h = x + Attention(d, heads, kv_heads = kv_heads, causal = true, bias = false,
+                    rope = RoPE(theta = theta))(LayerNorm(d, bias = bias)(x))
+  h + MLP(d, ffn, act = swiglu)(LayerNorm(d, bias = bias)(h))
+}";
+    let text = example("tiny-llama")
+        .replace("use std::llama { Block }", llama_ln)
+        .replace("RMSNorm(d)(x) as ln_f", "LayerNorm(d)(x) as ln_f");
+    let err = refusal("layernorm-llama", text.clone());
+    assert!(
+        err.contains("the Llama family's norms are RMSNorms"),
+        "{err}"
+    );
+    let unbiased = text.replace(
+        blocks,
+        "Block(d, heads, kv_heads = kv_heads, ffn = ffn, bias = false)",
+    );
+    let err = refusal("unbiased-layernorm-llama", unbiased);
+    assert!(err.contains("neither GPT-2's"), "{err}");
+    assert!(err.contains("the Llama family's (RMSNorms)"), "{err}");
+}
+
 /// The command line: `--resume` winning over `train.init`, `parc export` of a finished run's
 /// folder (in bf16), `parc run` from the export, and a config.json that disagrees stopping
 /// that run with exit code 1.

@@ -407,7 +407,10 @@ fn family_of(
 ) -> Result<Family> {
     if gpt2 {
         let why = if !has_pos {
-            Some("GPT-2 has learned positions (PositionEmbedding after the Embedding)")
+            Some(
+                "a model of LayerNorms is GPT-2, which has learned positions \
+                 (PositionEmbedding after the Embedding); the Llama family's norms are RMSNorms",
+            )
         } else if b.rope.is_some() {
             Some("GPT-2's attention has no RoPE")
         } else if !(b.qkv_bias && b.out_bias && b.mlp_bias) {
@@ -469,9 +472,11 @@ fn norm_eps(node: &Node, gpt2: bool) -> Result<f64> {
             },
             true,
         ) => Ok(*eps),
-        (LayerKind::LayerNorm { .. }, true) => {
-            Err(unmapped(node, "GPT-2's LayerNorms have biases"))
-        }
+        (LayerKind::LayerNorm { .. }, true) => Err(unmapped(
+            node,
+            "a LayerNorm without a bias is neither GPT-2's (LayerNorms with biases) nor the \
+             Llama family's (RMSNorms)",
+        )),
         (LayerKind::RmsNorm { eps, .. }, false) => Ok(*eps),
         (_, true) => Err(unmapped(node, "GPT-2's norms are LayerNorms")),
         (_, false) => Err(unmapped(node, "the Llama family's norms are RMSNorms")),
