@@ -129,12 +129,16 @@ pub fn render_human(report: &CostReport, measured: Option<Measured>) -> String {
                 .any(|r| r.comm.iter().any(|c| c.axis == *a))
         })
         .collect();
-    let _ = writeln!(out, "\ncompute and communication per GPU per step:");
+    let _ = writeln!(
+        out,
+        "\ncompute and communication per GPU per step, by the cost formulas (FLOPs at the GPU's \
+         peak, bytes over the links; not the simulated step):"
+    );
     let mut header = vec![
         "role".to_string(),
         "layers".to_string(),
         "FLOPs".to_string(),
-        "compute".to_string(),
+        "at peak".to_string(),
         "in flight".to_string(),
     ];
     header.extend(axes.iter().map(|a| format!("{} sent", a.name())));
@@ -551,8 +555,8 @@ role     params  weights    grads  optimizer  activations   buffers     total  o
 stage 0   1.25B  2.3 GiB  2.3 GiB    1.7 GiB     30.0 GiB  50.0 MiB  36.5 GiB     46%
 stage 1   1.25B  2.3 GiB  2.3 GiB    1.7 GiB     15.0 GiB  50.0 MiB  21.5 GiB     27%
 
-compute and communication per GPU per step:
-role     layers  FLOPs  compute  in flight            dp sent              pp sent
+compute and communication per GPU per step, by the cost formulas (FLOPs at the GPU's peak, bytes over the links; not the simulated step):
+role     layers  FLOPs  at peak  in flight            dp sent              pp sent
 stage 0      16  3.00P   3.03 s       2 mb  4.1 GiB (88.0 ms)  63.9 MiB (150.0 µs)
 stage 1      16  3.00P   3.03 s       1 mb  4.1 GiB (88.0 ms)  63.9 MiB (150.0 µs)
 where:
