@@ -56,6 +56,26 @@ pub fn microbatches_in_flight(
     m: u32,
     stage: u32,
 ) -> u32 {
+    // GPipe and 1F1B in closed form (the search estimates thousands of plans, and the order
+    // is m·v units a stage); interleaved on the order itself, of at most 2p microbatches: past
+    // them the steady state repeats and the peak does not grow (a test holds it to the whole
+    // order's).
+    match schedule {
+        PipelineSchedule::Gpipe => m,
+        _ if v <= 1 => chunk_microbatches_in_flight(schedule, p, 1, m, stage),
+        _ => in_flight_on_order(schedule, p, v, m.min(2 * p), stage),
+    }
+}
+
+/// [`microbatches_in_flight`] counted on the lowering's unit order of `stage`: the peak number
+/// of microbatches between their first forward unit and their last backward unit.
+pub(super) fn in_flight_on_order(
+    schedule: PipelineSchedule,
+    p: u32,
+    v: u32,
+    m: u32,
+    stage: u32,
+) -> u32 {
     let order = stage_order(schedule, p.max(1), v.max(1), m.max(1), stage);
     // spans[k] = (first forward, last backward) positions of microbatch k.
     let mut spans = vec![(usize::MAX, 0usize); m.max(1) as usize];
