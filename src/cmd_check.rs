@@ -297,8 +297,11 @@ fn human(results: &[Checked]) {
             );
         } else {
             if let Some(report) = &r.report {
-                let needs = r.lowered.as_ref().map(|l| l.memory_per_gpu.as_slice());
-                print!("{}", crate::report::render_human(report, needs));
+                let measured = r.lowered.as_ref().map(|l| crate::report::Measured {
+                    needs: &l.memory_per_gpu,
+                    bubble: l.bubble_fraction,
+                });
+                print!("{}", crate::report::render_human(report, measured));
             }
             if let Some(lowered) = &r.lowered {
                 println!("\nlowered plan (verified; buffers at their stored sizes):");

@@ -108,6 +108,51 @@ fn json_has_positions_and_the_report() {
     assert!(d["help"].as_str().unwrap().contains("divisor"));
 }
 
+/// An interleaved pipeline's report: the `in flight` column counts microbatches as the
+/// verifier does on the lowered plan (it showed chunk-microbatches / v, `2.5 mb` where 4 were
+/// in flight), and the report's one bubble is the simulated timeline's, the JSON's
+/// `lowered.bubble_fraction`, not the schedule formula's `report.bubble_fraction`.
+#[test]
+fn the_report_counts_microbatches_and_shows_the_simulated_bubble() {
+    let interleaved = [
+        "examples/tiny.par",
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        "parallel.schedule=interleaved",
+        "--set",
+        "parallel.virtual=2",
+        "--set",
+        "train.micro_batch=1",
+        "--set",
+        "cluster.gpus_per_node=2",
+    ];
+    let json = check(&[&interleaved[..], &["--format", "json"]].concat());
+    assert_eq!(json.status.code(), Some(0));
+    let doc: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    let file = &doc["files"][0];
+    let programs = file["lowered"]["verified"]["programs"].as_array().unwrap();
+    let roles = file["report"]["roles"].as_array().unwrap();
+    assert_eq!(roles.len(), programs.len());
+    for (role, program) in roles.iter().zip(programs) {
+        assert_eq!(
+            role["microbatches_in_flight"], program["peak_microbatches_in_flight"],
+            "{role}"
+        );
+        assert!(role["activation_microbatches"].as_f64().is_some(), "{role}");
+    }
+    let simulated = file["lowered"]["bubble_fraction"].as_f64().unwrap();
+    let formula = file["report"]["bubble_fraction"].as_f64().unwrap();
+    assert!((simulated - formula).abs() > 1e-3, "{simulated} {formula}");
+    let human = check(&interleaved);
+    let text = String::from_utf8_lossy(&human.stdout);
+    let want = format!(
+        "pipeline: 8 microbatches, bubble {:.1}% (simulated: the timeline below)",
+        simulated * 100.0
+    );
+    assert!(text.lines().any(|l| l == want), "{want}\n{text}");
+}
+
 #[test]
 fn small_plans_are_lowered_verified_and_simulated_by_check() {
     let pp2 = [

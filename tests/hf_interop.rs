@@ -659,6 +659,120 @@ fn an_attention_scale_transformers_lacks_is_refused_naming_it() {
     export(1.0 / 8f64.sqrt()).unwrap();
 }
 
+/// A partial RoPE (`fraction = 0.5`) has no Llama-family class: recognition names it.
+#[test]
+fn a_partial_rope_is_refused_as_one() {
+    let partial = std::fs::read_to_string("stdlib/llama.par")
+        .unwrap()
+        .replace(
+            "RoPE(theta = theta, scaling = scaling)",
+            "RoPE(theta = theta, fraction = 0.5)",
+        );
+    let block = partial.split("block Block").nth(1).unwrap();
+    let text =
+        example("tiny-llama").replace("use std::llama { Block }", &format!("block Block{block}"));
+    let err = refusal("partial-rope", text);
+    assert!(err.contains("not a part of them"), "{err}");
+}
+
+/// Why `text` (a tiny-llama variant) has no transformers counterpart.
+fn refusal(name: &str, text: String) -> String {
+    let (spec, _) = compile_text(name, text, &[]);
+    hf::recognise(&spec).unwrap_err().to_string()
+}
+
+/// A scaled embedding (Gemma's sqrt(d)) is refused as one, naming the layer and its function,
+/// not as a norm of the wrong kind (it was: "the Llama family's norms are RMSNorms").
+#[test]
+fn a_scaled_embedding_is_refused_as_one() {
+    let text = format!(
+        "fn embed_scale(x) = x * 8\n{}",
+        example("tiny-llama").replace(
+            "x = Embedding(vocab, d)(tokens)",
+            "x = embed_scale(Embedding(vocab, d)(tokens))"
+        )
+    );
+    let err = refusal("scaled-embedding", text);
+    assert!(err.contains("`embed_scale(x) = x * 8`"), "{err}");
+    assert!(err.contains("scaled embedding"), "{err}");
+    assert!(err.contains("remove the layer"), "{err}");
+    assert!(!err.contains("RMSNorm"), "{err}");
+}
+
+/// A post-norm block (the norm after the residual add) is refused as one, naming the
+/// attention that reads the unnormed stream and the pre-norm form to write, not as a norm of
+/// the wrong kind.
+#[test]
+fn a_post_norm_block_is_refused_as_one() {
+    let post_norm = "block Block(d, heads, kv_heads = heads, ffn = 4 * d, theta = 10000)(x) {
+  h = RMSNorm(d)(x + Attention(d, heads, kv_heads = kv_heads, causal = true, bias = false,
+                                rope = RoPE(theta = theta))(x))
+  RMSNorm(d)(h + MLP(d, ffn, act = swiglu)(h))
+}";
+    let text = example("tiny-llama").replace("use std::llama { Block }", post_norm);
+    let err = refusal("post-norm", text);
+    assert!(err.contains("`blocks.0.attn` (Attention)"), "{err}");
+    assert!(err.contains("a post-norm block"), "{err}");
+    assert!(err.contains("write the block pre-norm"), "{err}");
+    assert!(!err.contains("are RMSNorms"), "{err}");
+}
+
+/// An elementwise layer is refused by its function and its place, and a missing final norm
+/// as missing, not with a reason meant for another layer (both read "the Llama family's norms
+/// are RMSNorms").
+#[test]
+fn an_elementwise_layer_and_a_missing_final_norm_are_named_as_such() {
+    let head = "logits = Linear(d, vocab, bias = false)(RMSNorm(d)(x) as ln_f) as head";
+    let softcap = format!("x = softcap(x)\n  {head}");
+    let text = format!(
+        "fn softcap(x) = 30 * tanh(x / 30)\n{}",
+        example("tiny-llama").replace(head, &softcap)
+    );
+    let err = refusal("softcap", text);
+    assert!(err.contains("`softcap(x) = 30 * tanh(x / 30)`"), "{err}");
+    assert!(err.contains("they have a block's first norm here"), "{err}");
+    assert!(!err.contains("RMSNorms"), "{err}");
+    let no_norm = "logits = Linear(d, vocab, bias = false)(x) as head";
+    let err = refusal(
+        "no-final-norm",
+        example("tiny-llama").replace(head, no_norm),
+    );
+    assert!(err.contains("layer `head` (Linear)"), "{err}");
+    assert!(
+        err.contains("a final norm between the last block and the head"),
+        "{err}"
+    );
+    assert!(!err.contains("RMSNorms"), "{err}");
+}
+
+/// A Llama-style model with LayerNorms is told both families' norms, not GPT-2's alone ("GPT-2's
+/// LayerNorms have biases" for a model with RoPE, SwiGLU and no position table).
+#[test]
+fn layer_norms_in_a_llama_style_model_name_both_families() {
+    let blocks = "Block(d, heads, kv_heads = kv_heads, ffn = ffn, theta = 10000)";
+    let llama_ln =
+        "block Block(d, heads, kv_heads = heads, ffn = 4 * d, theta = 10000, bias = true)(x) {
+  h = x + Attention(d, heads, kv_heads = kv_heads, causal = true, bias = false,
+                    rope = RoPE(theta = theta))(LayerNorm(d, bias = bias)(x))
+  h + MLP(d, ffn, act = swiglu)(LayerNorm(d, bias = bias)(h))
+}";
+    let text = example("tiny-llama")
+        .replace("use std::llama { Block }", llama_ln)
+        .replace("RMSNorm(d)(x) as ln_f", "LayerNorm(d)(x) as ln_f");
+    let err = refusal("layernorm-llama", text.clone());
+    assert!(
+        err.contains("the Llama family's norms are RMSNorms"),
+        "{err}"
+    );
+    let unbiased = text.replace(
+        blocks,
+        "Block(d, heads, kv_heads = kv_heads, ffn = ffn, bias = false)",
+    );
+    let err = refusal("unbiased-layernorm-llama", unbiased);
+    assert!(err.contains("neither GPT-2's"), "{err}");
+    assert!(err.contains("the Llama family's (RMSNorms)"), "{err}");
+}
+
 /// The command line: `--resume` winning over `train.init`, `parc export` of a finished run's
 /// folder (in bf16), `parc run` from the export, and a config.json that disagrees stopping
 /// that run with exit code 1.

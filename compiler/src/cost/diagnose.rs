@@ -372,7 +372,8 @@ pub fn warnings(spec: &Spec, report: &CostReport) -> Diagnostics {
             Diagnostic::warning(
                 "W0701",
                 format!(
-                    "the pipeline is idle {:.0}% of the step ({} stages, {} microbatches)",
+                    "the pipeline is idle {:.0}% of the step by the schedule's formula for \
+                     equal stages ({} stages, {} microbatches)",
                     report.bubble_fraction * 100.0,
                     p,
                     report.microbatches
@@ -380,7 +381,8 @@ pub fn warnings(spec: &Spec, report: &CostReport) -> Diagnostics {
             )
             .label(spec.parallel.span, "this pipeline")
             .help(format!(
-                "raise microbatches to {m} for under 25% ({:.1}%), with global_batch = {global}",
+                "raise microbatches to {m} for under 25% ({:.1}% by the formula), with \
+                 global_batch = {global}",
                 after * 100.0
             ))
             .fix([

@@ -111,9 +111,13 @@ pub struct RoleCost {
     pub layers: u32,
     /// Parameters held by one rank of this stage (after the tp split, before ZeRO).
     pub params: u64,
-    /// Microbatches whose activations are alive at once at the stage's peak (in units of whole
-    /// stage forward passes; fractional under interleaving).
-    pub microbatches_in_flight: f64,
+    /// Microbatches in flight at the stage's peak, from a microbatch's first forward on the
+    /// stage to its last backward there (what the verifier counts on the lowered plan).
+    pub microbatches_in_flight: u32,
+    /// The activations the stage holds at its peak, in units of one microbatch through all of
+    /// the stage's layers: chunk-microbatches in flight / v (fractional under interleaving,
+    /// where each chunk holds 1/v of the layers; equal to `microbatches_in_flight` without).
+    pub activation_microbatches: f64,
     pub memory: MemoryTerms,
     pub flops: FlopTerms,
     /// FLOPs / the GPU's peak, in seconds.
@@ -272,7 +276,14 @@ pub fn estimate(spec: &Spec) -> CostReport {
                 chunks: held.clone(),
                 layers,
                 params,
-                microbatches_in_flight: in_flight.layer_microbatches,
+                microbatches_in_flight: schedule::microbatches_in_flight(
+                    spec.parallel.schedule,
+                    p,
+                    v,
+                    m,
+                    stage,
+                ),
+                activation_microbatches: in_flight.layer_microbatches,
                 memory,
                 flops,
                 compute_seconds,

@@ -10,6 +10,7 @@
 //!   holding 1/v of the stage's layers (stage 0: 1 + (p − 1)/(p·v) times 1F1B's p microbatches).
 //! - Bubble: (p − 1)/(m + p − 1) for GPipe and 1F1B; (p − 1)/(v·m + p − 1) interleaved.
 
+use crate::lower::{stage_order, Dir};
 use crate::spec::PipelineSchedule;
 use serde::Serialize;
 
@@ -41,6 +42,65 @@ pub fn chunk_microbatches_in_flight(
         PipelineSchedule::OneFOneB | PipelineSchedule::Interleaved { .. } => (behind + 1).min(m),
     };
     u32::try_from(count).unwrap_or(u32::MAX)
+}
+
+/// Microbatches in flight on `stage` at its peak, in Megatron's sense (the verifier's
+/// `peak_microbatches_in_flight`): microbatch k is in flight from its first forward unit on
+/// the stage to its last backward unit there. Counted on the lowering's own unit order
+/// (`lower::stage_order`), so under interleaving it counts microbatches, not
+/// chunk-microbatches or their activations.
+pub fn microbatches_in_flight(
+    schedule: PipelineSchedule,
+    p: u32,
+    v: u32,
+    m: u32,
+    stage: u32,
+) -> u32 {
+    // GPipe and 1F1B in closed form (the search estimates thousands of plans, and the order
+    // is m·v units a stage); interleaved on the order itself, of at most 2p microbatches: past
+    // them the steady state repeats and the peak does not grow (a test holds it to the whole
+    // order's).
+    match schedule {
+        PipelineSchedule::Gpipe => m,
+        _ if v <= 1 => chunk_microbatches_in_flight(schedule, p, 1, m, stage),
+        _ => in_flight_on_order(schedule, p, v, m.min(2 * p), stage),
+    }
+}
+
+/// [`microbatches_in_flight`] counted on the lowering's unit order of `stage`: the peak number
+/// of microbatches between their first forward unit and their last backward unit.
+pub(super) fn in_flight_on_order(
+    schedule: PipelineSchedule,
+    p: u32,
+    v: u32,
+    m: u32,
+    stage: u32,
+) -> u32 {
+    let order = stage_order(schedule, p.max(1), v.max(1), m.max(1), stage);
+    // spans[k] = (first forward, last backward) positions of microbatch k.
+    let mut spans = vec![(usize::MAX, 0usize); m.max(1) as usize];
+    for (at, unit) in order.iter().enumerate() {
+        let Some(span) = spans.get_mut(unit.microbatch as usize) else {
+            continue;
+        };
+        match unit.dir {
+            Dir::Forward => span.0 = span.0.min(at),
+            Dir::Backward => span.1 = span.1.max(at),
+        }
+    }
+    let mut edges: Vec<(usize, i32)> = spans
+        .iter()
+        .filter(|(first, last)| first <= last)
+        .flat_map(|&(first, last)| [(first, 1), (last, -1)])
+        .collect();
+    edges.sort_unstable_by_key(|&(at, d)| (at, -d));
+    let mut now = 0i32;
+    let mut peak = 0i32;
+    for (_, d) in edges {
+        now += d;
+        peak = peak.max(now);
+    }
+    u32::try_from(peak).unwrap_or(0)
 }
 
 pub fn in_flight_layers_factor(

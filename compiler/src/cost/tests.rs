@@ -198,6 +198,40 @@ fn microbatches_in_flight_per_schedule() {
     assert_eq!(chunk_microbatches_in_flight(sched, p, v, m, p - 1), p + 1);
 }
 
+/// The closed forms the report uses for GPipe and 1F1B, and interleaving's count on its first
+/// 2p microbatches, count what the lowering's whole unit order holds in flight, on every stage.
+#[test]
+fn microbatches_in_flight_match_the_whole_unit_order() {
+    use super::schedule::{in_flight_on_order, microbatches_in_flight};
+    for v in 2..=4 {
+        let schedule = PipelineSchedule::Interleaved { virtual_stages: v };
+        for p in 2..=6 {
+            for m in (1..=8).map(|k| k * p) {
+                for s in 0..p {
+                    assert_eq!(
+                        microbatches_in_flight(schedule, p, v, m, s),
+                        in_flight_on_order(schedule, p, v, m, s),
+                        "interleaved v {v} p {p} m {m} stage {s}"
+                    );
+                }
+            }
+        }
+    }
+    for schedule in [PipelineSchedule::Gpipe, PipelineSchedule::OneFOneB] {
+        for p in 1..=6 {
+            for m in 1..=12 {
+                for s in 0..p {
+                    assert_eq!(
+                        microbatches_in_flight(schedule, p, 1, m, s),
+                        in_flight_on_order(schedule, p, 1, m, s),
+                        "{schedule:?} p {p} m {m} stage {s}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn bubble_fractions() {
     assert_eq!(bubble_fraction(PipelineSchedule::OneFOneB, 1, 1, 8), 0.0);

@@ -122,6 +122,47 @@ fn one_f_one_b_holds_p_minus_s_microbatches() {
     }
 }
 
+/// The cost report's "in flight" counts what the verifier counts on the lowered plan:
+/// microbatches, for every schedule. Interleaved, it counted chunk-microbatches over v (an
+/// amount of activations, 2.5 "mb" on stage 0 here where 4 microbatches are in flight).
+#[test]
+fn the_cost_report_counts_the_microbatches_the_verifier_counts() {
+    let interleaved = PipelineSchedule::Interleaved { virtual_stages: 2 };
+    let cases = [
+        (PipelineSchedule::OneFOneB, 4, 8, 4),
+        (PipelineSchedule::OneFOneB, 2, 1, 4),
+        (PipelineSchedule::Gpipe, 2, 4, 4),
+        (interleaved, 2, 4, 4),
+        (interleaved, 2, 8, 8),
+    ];
+    for (schedule, pp, microbatches, layers) in cases {
+        let choice = PlanChoice {
+            pp,
+            microbatches,
+            schedule,
+            ..PlanChoice::default()
+        };
+        let dims = Dims {
+            layers,
+            ..Dims::tiny()
+        };
+        let spec = build(&dims, &choice);
+        let plan = lower(&spec).unwrap_or_else(|d| panic!("{:?}", d.items));
+        let report = verify(&plan).unwrap();
+        let cost = crate::cost::estimate(&spec);
+        for role in &cost.roles {
+            let rank = plan.mesh.rank_of(&[(crate::spec::Axis::Pp, role.stage)]);
+            let id = plan.rank_program[rank as usize];
+            let verified = report.program(id).unwrap().peak_microbatches_in_flight;
+            assert_eq!(
+                role.microbatches_in_flight, verified,
+                "{schedule:?} p {pp} m {microbatches}, {}",
+                role.role
+            );
+        }
+    }
+}
+
 /// (program, instruction, op) of the first receive in a p2p group.
 fn first_recv(plan: &Plan) -> (usize, usize, usize) {
     for (p, program) in plan.programs.iter().enumerate() {

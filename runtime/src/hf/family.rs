@@ -4,7 +4,8 @@
 //! family (`LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`: Embedding, pre-RMSNorm
 //! blocks of RoPE attention and a SwiGLU MLP, a tied or untied head; Qwen3 when the attention
 //! normalizes q and k per head). Anything else (an extra elementwise layer, a `.par` function
-//! activation, post-norm blocks, …) is an error naming the layer.
+//! activation, post-norm blocks, a scaled embedding, …) is an error naming the layer and,
+//! for the last two, what to write instead.
 use crate::error::{Result, RuntimeError};
 use parc_compiler::ir::op::Act;
 use parc_compiler::spec::{Activation, LayerKind, Node, NodeId, Rope, RopeScaling, Spec, ValueId};
@@ -92,8 +93,8 @@ pub struct Arch {
 fn unmapped(node: &Node, what: impl std::fmt::Display) -> RuntimeError {
     let what = match &node.kind {
         LayerKind::Elementwise { f, .. } => format!(
-            "transformers' models have no elementwise layer like the .par function `{}` ({what})",
-            f.name
+            "transformers' models have no elementwise layer like the .par function `{}`; {what}",
+            f.to_text()
         ),
         _ => what.to_string(),
     };
@@ -180,6 +181,11 @@ impl<'a> Walk<'a> {
                 format!("transformers' models have {expected} here, reading the layer before"),
             ));
         }
+        if matches!(node.kind, LayerKind::Elementwise { .. }) {
+            // Its place, not a reason that fits the layer expected here ("the norms are
+            // RMSNorms" named a softcap after a block).
+            return Err(unmapped(node, format!("they have {expected} here")));
+        }
         Ok(node)
     }
 }
@@ -207,12 +213,26 @@ pub fn recognise(spec: &Spec) -> Result<Arch> {
             x = node.output;
         }
     }
+    if let Some(node) = model.nodes.get(walk.at) {
+        refuse_scaled_embedding(node, x)?;
+    }
     let gpt2 = matches!(
         model.nodes.get(walk.at).map(|n| &n.kind),
         Some(LayerKind::LayerNorm { .. })
     );
     let (blocks, block, first_block, x) = blocks(&mut walk, x, gpt2)?;
     let ln_f = walk.next(&[x], "the final norm")?;
+    if !matches!(
+        ln_f.kind,
+        LayerKind::RmsNorm { .. } | LayerKind::LayerNorm { .. }
+    ) {
+        return Err(unmapped(
+            ln_f,
+            "transformers' models have a final norm between the last block and the head; add \
+             one (`RMSNorm(d)(x) as ln_f`, GPT-2's `LayerNorm(d)`) to export the model or start \
+             it from transformers' weights",
+        ));
+    }
     let head = walk.next(&[ln_f.output], "the head")?;
     let loss = walk.next(&[head.output, model.targets], "the loss")?;
     if !matches!(loss.kind, LayerKind::CrossEntropy) {
@@ -303,6 +323,64 @@ fn blocks<'a>(
     }
 }
 
+/// An elementwise layer reading the embedding's output `x` (a scaled embedding: Gemma
+/// multiplies it by sqrt(d)) is refused as what it is, not as a norm of the wrong kind.
+fn refuse_scaled_embedding(node: &Node, x: ValueId) -> Result<()> {
+    let LayerKind::Elementwise { f, .. } = &node.kind else {
+        return Ok(());
+    };
+    if node.inputs != [x] {
+        return Ok(());
+    }
+    Err(RuntimeError::Hf(format!(
+        "layer `{}` (Elementwise, `{}`) changes the embedding's output before the first block \
+         (a scaled embedding, as Gemma's sqrt(d) normalizer): transformers' GPT-2, Llama and \
+         Qwen models feed the embedding into the first block unchanged, and parc exports no \
+         family that scales it; remove the layer from the spec (train without the scale) to \
+         export the model or start it from transformers' weights",
+        node.name,
+        f.to_text()
+    )))
+}
+
+/// A block whose attention or MLP reads the residual stream itself, not a norm of it, is
+/// refused as such (post-norm when a norm follows its residual add), not as a norm of the
+/// wrong kind. `layer` is the node where the block's first norm should be.
+fn refuse_unnormed_input(spec: &Spec, layer: &Node) -> Result<()> {
+    if !matches!(
+        layer.kind,
+        LayerKind::Attention { .. } | LayerKind::Mlp { .. }
+    ) {
+        return Ok(());
+    }
+    let reader = |v: ValueId| spec.model.nodes.iter().find(|n| n.inputs.contains(&v));
+    let post_norm = reader(layer.output)
+        .filter(|add| add.kind == LayerKind::Add)
+        .and_then(|add| reader(add.output))
+        .is_some_and(|n| {
+            matches!(
+                n.kind,
+                LayerKind::RmsNorm { .. } | LayerKind::LayerNorm { .. }
+            )
+        });
+    let what = if post_norm {
+        "it reads the residual stream with no norm before it: a post-norm block (the norm \
+         after the residual add)"
+    } else {
+        "it reads the residual stream with no norm before it"
+    };
+    Err(unmapped(
+        layer,
+        format!(
+            "{what}, where transformers' GPT-2, Llama and Qwen blocks are pre-norm (a norm \
+             before attention and before the MLP, each added back to its unnormed input); write \
+             the block pre-norm, as std::llama's and std::gpt2's Block do (`h = x + \
+             Attention(…)(RMSNorm(d)(x))`, then `h + MLP(…)(RMSNorm(d)(h))`), to export the model or start it from \
+             transformers' weights"
+        ),
+    ))
+}
+
 /// Whether the head (which must be `Linear(dim, vocab, bias = false)`) is tied.
 fn head_is_tied(head: &Node, dim: u64, vocab: u64) -> Result<bool> {
     match head.kind {
@@ -330,7 +408,10 @@ fn family_of(
 ) -> Result<Family> {
     if gpt2 {
         let why = if !has_pos {
-            Some("GPT-2 has learned positions (PositionEmbedding after the Embedding)")
+            Some(
+                "a model of LayerNorms is GPT-2, which has learned positions \
+                 (PositionEmbedding after the Embedding); the Llama family's norms are RMSNorms",
+            )
         } else if b.rope.is_some() {
             Some("GPT-2's attention has no RoPE")
         } else if !(b.qkv_bias && b.out_bias && b.mlp_bias) {
@@ -395,9 +476,11 @@ fn norm_eps(node: &Node, gpt2: bool) -> Result<f64> {
             },
             true,
         ) => Ok(*eps),
-        (LayerKind::LayerNorm { .. }, true) => {
-            Err(unmapped(node, "GPT-2's LayerNorms have biases"))
-        }
+        (LayerKind::LayerNorm { .. }, true) => Err(unmapped(
+            node,
+            "a LayerNorm without a bias is neither GPT-2's (LayerNorms with biases) nor the \
+             Llama family's (RMSNorms)",
+        )),
         (LayerKind::RmsNorm { eps, .. }, false) => Ok(*eps),
         (_, true) => Err(unmapped(node, "GPT-2's norms are LayerNorms")),
         (_, false) => Err(unmapped(node, "the Llama family's norms are RMSNorms")),
@@ -413,6 +496,7 @@ fn block<'a>(
     gpt2: bool,
 ) -> Result<(BlockNodes, BlockShape, &'a Node, ValueId)> {
     let ln1 = walk.next(&[x], "a block's first norm")?;
+    refuse_unnormed_input(walk.spec, ln1)?;
     let eps = norm_eps(ln1, gpt2)?;
     let attn = walk.next(&[ln1.output], "a block's attention")?;
     let add1 = walk.next(&[x, attn.output], "the residual add after attention")?;
