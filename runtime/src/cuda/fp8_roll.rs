@@ -35,11 +35,17 @@ use std::collections::{HashMap, HashSet};
 /// Threads of an `fp8_history_rolls` block (a history each).
 const ROLL_THREADS: u32 = 128;
 
+/// Bytes from one dequantization factor to the next in a run's table: cuBLASLt takes a scale
+/// pointer only at a 16-byte boundary (at 4 it answers `CUBLAS_STATUS_NOT_SUPPORTED`, measured
+/// on an H100), so each factor has its own 16 bytes (`fp8_history_rolls` writes them so).
+const FACTOR_STRIDE: usize = 16;
+
 /// A run of consecutive rolls and its device table.
 struct Run {
     members: Vec<RollMember>,
     /// Per member `{history, amax, len}` (three 8-byte words), then the staging array of one
-    /// f32 per member, then the factors: per member `1/s` for E4M3, then for E5M2.
+    /// f32 per member, then from a multiple of 16 bytes the factors: per member `1/s` for
+    /// E4M3, then for E5M2, each at its own [`FACTOR_STRIDE`] bytes.
     table: CudaSlice<u8>,
     staging_at: usize,
     factors_at: usize,
@@ -89,9 +95,10 @@ impl CudaBackend {
                 .flat_map(|w| w.to_le_bytes())
                 .collect();
             let staging_at = bytes.len();
-            let factors_at = staging_at + 4 * members.len();
+            let factors_at = (staging_at + 4 * members.len()).next_multiple_of(FACTOR_STRIDE);
+            let factors_bytes = 2 * FACTOR_STRIDE * members.len();
             let table =
-                self.alloc_bytes(factors_at + 8 * members.len(), "an FP8 history roll table")?;
+                self.alloc_bytes(factors_at + factors_bytes, "an FP8 history roll table")?;
             // SAFETY: the allocation holds at least bytes.len() bytes; synchronous copy.
             unsafe { cu::memcpy_htod_sync(raw_ptr(&self.stream, &table), &bytes) }
                 .map_err(|e| driver_error("uploading an FP8 history roll table", e))?;
@@ -163,7 +170,8 @@ impl CudaBackend {
         }
         let &(run, k) = self.rolls.member_of.get(&amax)?;
         let r = &self.rolls.runs[run];
-        let at = r.factors_at + 8 * k + 4 * usize::from(format == Fp8Format::E5m2);
+        let slot = 2 * k + usize::from(format == Fp8Format::E5m2);
+        let at = r.factors_at + FACTOR_STRIDE * slot;
         Some(raw_ptr(&self.stream, &r.table) + at as CUdeviceptr)
     }
 
@@ -177,12 +185,13 @@ impl CudaBackend {
         self.stream
             .synchronize()
             .map_err(|e| driver_error("waiting for an FP8 history roll", e))?;
-        let mut bytes = [0u8; 8];
-        // SAFETY: `at` is two f32s inside a live roll table; the stream is idle.
+        let mut bytes = [0u8; 2 * FACTOR_STRIDE];
+        // SAFETY: `at` starts a member's two factor slots inside a live roll table; the stream
+        // is idle.
         unsafe { cu::memcpy_dtoh_sync(&mut bytes, at) }
             .map_err(|e| driver_error("reading a roll's FP8 factors", e))?;
         let f = |k: usize| f32::from_le_bytes([bytes[k], bytes[k + 1], bytes[k + 2], bytes[k + 3]]);
-        Ok(Some([f(0), f(4)]))
+        Ok(Some([f(0), f(FACTOR_STRIDE)]))
     }
 
     /// How many history rolls runs have made in their one launch so far (the others were made

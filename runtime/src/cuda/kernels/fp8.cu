@@ -766,7 +766,8 @@ extern "C" __global__ void fp8_history_roll(float* history, long long len, float
 // of `table` is {history, amax, len} (three 8-byte words) and thread i rolls it exactly as
 // fp8_history_roll does, also writing the new scale amax to staging[i] for the run's one copy to
 // the host, and its tensorwise dequantization factors 1 / s, as fp8_scales computes them, to
-// factors[2i] (E4M3, largest value max_e4m3) and factors[2i + 1] (E5M2) for the step's GEMMs.
+// factors[8i] (E4M3, largest value max_e4m3) and factors[8i + 4] (E5M2) for the step's GEMMs:
+// each at its own 16 bytes, as cuBLASLt reads a scale pointer only at that alignment.
 extern "C" __global__ void fp8_history_rolls(const unsigned long long* table, long long count,
                                              float* staging, float* factors, float max_e4m3,
                                              float max_e5m2) {
@@ -777,6 +778,6 @@ extern "C" __global__ void fp8_history_rolls(const unsigned long long* table, lo
     amax[0] = m;
     staging[i] = m;
     unsigned int bits = __float_as_uint(m);
-    factors[2 * i] = 1.0f / fp8_scale(bits, max_e4m3);
-    factors[2 * i + 1] = 1.0f / fp8_scale(bits, max_e5m2);
+    factors[8 * i] = 1.0f / fp8_scale(bits, max_e4m3);
+    factors[8 * i + 4] = 1.0f / fp8_scale(bits, max_e5m2);
 }
