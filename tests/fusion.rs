@@ -315,6 +315,13 @@ fn partial_ropes_fuse_bit_for_bit() {
     let program = assert_fuses_to_same("split + partial rope", c, 1, 0.0);
     let text = format!("{}", fused_ops(&program)[0].kernel);
     assert!(text.contains("rot2of4"), "{text}");
+    let c = rope_bwd_and_concat(partial);
+    assert_fuses_to_same("partial rope_bwd + concat", c, 1, 0.0);
+}
+
+/// dq and dk rotated back (`RopeBwd` of `attrs(heads)`: 4 q heads, 2 k heads) and
+/// concatenated with dv into dqkv, as the attention's backward does.
+fn rope_bwd_and_concat(attrs: impl Fn(u64) -> RopeAttrs) -> Chain {
     let mut c = Chain::default();
     let (dq, dk, dv) = (
         c.buffer("dq", 8, 16),
@@ -323,9 +330,9 @@ fn partial_ropes_fuse_bit_for_bit() {
     );
     let (dqp, dkp) = (c.buffer("dq_pre", 8, 16), c.buffer("dk_pre", 8, 8));
     let dqkv = c.buffer("dqkv", 8, 32);
-    c.op(Op::RopeBwd(partial(4)), &[dq], &[dqp]);
+    c.op(Op::RopeBwd(attrs(4)), &[dq], &[dqp]);
     c.free(&[dq]);
-    c.op(Op::RopeBwd(partial(2)), &[dk], &[dkp]);
+    c.op(Op::RopeBwd(attrs(2)), &[dk], &[dkp]);
     c.free(&[dk]);
     c.op(
         Op::ConcatColumns {
@@ -335,31 +342,12 @@ fn partial_ropes_fuse_bit_for_bit() {
         &[dqkv],
     );
     c.free(&[dqp, dkp, dv]);
-    assert_fuses_to_same("partial rope_bwd + concat", c, 1, 0.0);
+    c
 }
 
 #[test]
 fn rope_backward_and_concat_fuse_bit_for_bit() {
-    let mut c = Chain::default();
-    let (dq, dk, dv) = (
-        c.buffer("dq", 8, 16),
-        c.buffer("dk", 8, 8),
-        c.buffer("dv", 8, 8),
-    );
-    let (dqp, dkp) = (c.buffer("dq_pre", 8, 16), c.buffer("dk_pre", 8, 8));
-    let dqkv = c.buffer("dqkv", 8, 32);
-    c.op(Op::RopeBwd(rope_attrs(4)), &[dq], &[dqp]);
-    c.free(&[dq]);
-    c.op(Op::RopeBwd(rope_attrs(2)), &[dk], &[dkp]);
-    c.free(&[dk]);
-    c.op(
-        Op::ConcatColumns {
-            widths: vec![16, 8, 8],
-        },
-        &[dqp, dkp, dv],
-        &[dqkv],
-    );
-    c.free(&[dqp, dkp, dv]);
+    let c = rope_bwd_and_concat(rope_attrs);
     let program = assert_fuses_to_same("rope_bwd + concat", c, 1, 0.0);
     assert_eq!(fused_ops(&program)[0].name, "rope_bwd+concat_columns");
 }

@@ -378,6 +378,35 @@ impl<'a, 'ctx> Emit<'a, 'ctx> {
         }
     }
 
+    /// Column `c`'s rotate-half partner in heads of `head` columns whose first `rot` turn:
+    /// `c ± rot/2` in the turned columns' halves, `c` past them (`ColMap::apply`; a whole
+    /// head's rotation, `rot = head`, needs no third case).
+    fn partner(&self, c: IntValue<'ctx>, head: u64, rot: u64) -> Result<IntValue<'ctx>> {
+        let b = self.ir.b;
+        let half = self.ir.i64(rot / 2);
+        let within = b
+            .build_int_unsigned_rem(c, self.ir.i64(head.max(1)), "within")
+            .llvm()?;
+        let first = b
+            .build_int_compare(IntPredicate::ULT, within, half, "first")
+            .llvm()?;
+        let up = b.build_int_add(c, half, "up").llvm()?;
+        let down = b.build_int_sub(c, half, "down").llvm()?;
+        let second = if rot == head {
+            down
+        } else {
+            let turned = b
+                .build_int_compare(IntPredicate::ULT, within, self.ir.i64(rot), "turned")
+                .llvm()?;
+            b.build_select(turned, down, c, "second")
+                .llvm()?
+                .into_int_value()
+        };
+        Ok(b.build_select(first, up, second, "rotated")
+            .llvm()?
+            .into_int_value())
+    }
+
     /// The column `offset + map(c)` (`ColMap::apply`).
     fn column(&self, map: ColMap, offset: u64, c: IntValue<'ctx>) -> Result<IntValue<'ctx>> {
         let b = self.ir.b;
@@ -386,40 +415,9 @@ impl<'a, 'ctx> Emit<'a, 'ctx> {
             ColMap::Periodic(period) => b
                 .build_int_unsigned_rem(c, self.ir.i64(period.max(1)), "periodic")
                 .llvm()?,
-            ColMap::RotateHalf(head) => {
-                let half = self.ir.i64(head / 2);
-                let within = b
-                    .build_int_unsigned_rem(c, self.ir.i64(head.max(1)), "within")
-                    .llvm()?;
-                let first = b
-                    .build_int_compare(IntPredicate::ULT, within, half, "first")
-                    .llvm()?;
-                let up = b.build_int_add(c, half, "up").llvm()?;
-                let down = b.build_int_sub(c, half, "down").llvm()?;
-                b.build_select(first, up, down, "rotated")
-                    .llvm()?
-                    .into_int_value()
-            }
-            ColMap::RotatePart { head, rot } => {
-                let half = self.ir.i64(rot / 2);
-                let within = b
-                    .build_int_unsigned_rem(c, self.ir.i64(head.max(1)), "within")
-                    .llvm()?;
-                let first = b
-                    .build_int_compare(IntPredicate::ULT, within, half, "first")
-                    .llvm()?;
-                let turned = b
-                    .build_int_compare(IntPredicate::ULT, within, self.ir.i64(rot), "turned")
-                    .llvm()?;
-                let up = b.build_int_add(c, half, "up").llvm()?;
-                let down = b.build_int_sub(c, half, "down").llvm()?;
-                let second = b
-                    .build_select(turned, down, c, "second")
-                    .llvm()?
-                    .into_int_value();
-                b.build_select(first, up, second, "rotated")
-                    .llvm()?
-                    .into_int_value()
+            ColMap::RotateHalf(_) | ColMap::RotatePart { .. } => {
+                let (head, rot) = map.rotated().unwrap_or_default();
+                self.partner(c, head, rot)?
             }
         };
         b.build_int_add(mapped, self.ir.i64(offset), "col").llvm()
