@@ -88,19 +88,7 @@ pub(super) fn in_flight_on_order(
             Dir::Backward => span.1 = span.1.max(at),
         }
     }
-    let mut edges: Vec<(usize, i32)> = spans
-        .iter()
-        .filter(|(first, last)| first <= last)
-        .flat_map(|&(first, last)| [(first, 1), (last, -1)])
-        .collect();
-    edges.sort_unstable_by_key(|&(at, d)| (at, -d));
-    let mut now = 0i32;
-    let mut peak = 0i32;
-    for (_, d) in edges {
-        now += d;
-        peak = peak.max(now);
-    }
-    u32::try_from(peak).unwrap_or(0)
+    crate::verify::peak_in_flight(&spans)
 }
 
 pub fn in_flight_layers_factor(

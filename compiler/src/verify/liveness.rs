@@ -378,23 +378,31 @@ impl MicrobatchSpans {
 
     /// The most microbatches in flight at once.
     fn peak_in_flight(&self) -> u32 {
-        let mut edges: Vec<(usize, i32)> = Vec::new();
-        for &(first, last) in &self.spans {
-            if first <= last {
-                edges.push((first, 1));
-                edges.push((last, -1));
-            }
-        }
-        // Starts before ends at the same index: an op cannot both start and end microbatches.
-        edges.sort_unstable_by_key(|&(i, d)| (i, -d));
-        let mut in_flight = 0i32;
-        let mut in_flight_peak = 0u32;
-        for (_, d) in edges {
-            in_flight += d;
-            in_flight_peak = in_flight_peak.max(in_flight.max(0) as u32);
-        }
-        in_flight_peak
+        peak_in_flight(&self.spans)
     }
+}
+
+/// The most of `spans` (per microbatch, its first forward and last backward position; a span
+/// whose first is after its last has none) that overlap at one position: the verifier's count
+/// on a program's instructions and the cost model's on the lowering's unit order
+/// (`cost::schedule::microbatches_in_flight`).
+pub fn peak_in_flight(spans: &[(usize, usize)]) -> u32 {
+    let mut edges: Vec<(usize, i32)> = Vec::new();
+    for &(first, last) in spans {
+        if first <= last {
+            edges.push((first, 1));
+            edges.push((last, -1));
+        }
+    }
+    // Starts before ends at the same index: an op cannot both start and end microbatches.
+    edges.sort_unstable_by_key(|&(i, d)| (i, -d));
+    let mut in_flight = 0i32;
+    let mut in_flight_peak = 0u32;
+    for (_, d) in edges {
+        in_flight += d;
+        in_flight_peak = in_flight_peak.max(in_flight.max(0) as u32);
+    }
+    in_flight_peak
 }
 
 #[cfg(test)]

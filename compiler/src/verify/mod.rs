@@ -57,7 +57,7 @@ pub(crate) mod slice;
 #[cfg(test)]
 mod tests;
 
-pub use liveness::ProgramMemory;
+pub use liveness::{peak_in_flight, ProgramMemory};
 
 use crate::diag::{Diagnostic, Diagnostics};
 use crate::ir::{Plan, ProgramId};
