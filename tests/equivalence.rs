@@ -217,6 +217,22 @@ fn qwen3(mut s: Spec) -> Spec {
     s
 }
 
+/// tp 2 with sequence parallelism, and cp 2 with `cp_recompute`: the plans an attention
+/// feature is held to one rank's run under (heads split, positions split).
+fn tp_with_sp_and_cp(cp_recompute: Recompute) -> [PlanChoice; 2] {
+    let tp = PlanChoice {
+        tp: 2,
+        sp: true,
+        ..PlanChoice::default()
+    };
+    let cp = PlanChoice {
+        cp: 2,
+        recompute: cp_recompute,
+        ..PlanChoice::default()
+    };
+    [tp, cp]
+}
+
 /// `s` with every attention's q·k factor set to `scale` (`Attention(…, scale = …)`).
 fn attention_scaled(mut s: Spec, scale: Option<f64>) -> Spec {
     for node in &mut s.model.nodes {
@@ -246,16 +262,7 @@ fn an_attention_scale_reaches_the_kernels_under_tp_and_cp() {
         left_out.records[0].loss != own.records[0].loss,
         "a scale of 0.9 trained as 1/√{head_dim}"
     );
-    let tp = PlanChoice {
-        tp: 2,
-        sp: true,
-        ..PlanChoice::default()
-    };
-    let cp = PlanChoice {
-        cp: 2,
-        ..PlanChoice::default()
-    };
-    for plan in [tp, cp] {
+    for plan in tp_with_sp_and_cp(Recompute::None) {
         let desc = format!("scale 0.9, {}", describe(true, &plan, Variant::default()));
         assert_close(&desc, &own, &with(plan, Some(0.9)), false);
     }
@@ -279,17 +286,7 @@ fn a_partial_rope_under_tp_and_cp() {
     let single = with(PlanChoice::default(), 0.5);
     let full = with(PlanChoice::default(), 1.0);
     assert!(single.records[1].loss != full.records[1].loss);
-    let tp = PlanChoice {
-        tp: 2,
-        sp: true,
-        ..PlanChoice::default()
-    };
-    let cp = PlanChoice {
-        cp: 2,
-        recompute: Recompute::Selective,
-        ..PlanChoice::default()
-    };
-    for plan in [tp, cp] {
+    for plan in tp_with_sp_and_cp(Recompute::Selective) {
         let desc = format!(
             "fraction 0.5, {}",
             describe(true, &plan, Variant::default())

@@ -177,6 +177,12 @@ impl Rope {
     pub fn rotary_dim(&self, head_dim: u64) -> u64 {
         (head_dim as f64 * self.fraction).round() as u64
     }
+
+    /// [`Rope::rotary_dim`] where fewer than the head's features turn (a partial RoPE), as an
+    /// op's `RopeAttrs::rotary_dim` takes it; None where all do.
+    pub fn partial_dim(&self, head_dim: u64) -> Option<u64> {
+        Some(self.rotary_dim(head_dim)).filter(|&r| r != head_dim)
+    }
 }
 
 fn rotates_every_feature(fraction: &f64) -> bool {

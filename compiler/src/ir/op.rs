@@ -131,6 +131,11 @@ impl RopeAttrs {
         self.rotary_dim.unwrap_or(self.head_dim)
     }
 
+    /// Why this rotation is undefined, if it is (`rope::rotation_problem`).
+    pub fn problem(&self) -> Option<String> {
+        super::rope::rotation_problem(self.theta, self.scaling, self.head_dim, self.rotary())
+    }
+
     /// The inverse frequency of pair `i` of a head (`rope::inv_freq` over its rotated
     /// features).
     pub fn inv_freq(&self, i: u64) -> f64 {

@@ -131,6 +131,28 @@ impl fmt::Display for RopeScaling {
     }
 }
 
+/// Why a rotation of heads of `head_dim` features, the first `rotary` of them turning at base
+/// `theta` scaled by `scaling`, is undefined, if it is: `rotary` not an even number of at most
+/// `head_dim`, `theta` not positive, the scaling's own [`RopeScaling::problem`]. Each backend's
+/// rope kernels refuse such an op with this.
+pub fn rotation_problem(
+    theta: f64,
+    scaling: RopeScaling,
+    head_dim: u64,
+    rotary: u64,
+) -> Option<String> {
+    if !rotary.is_multiple_of(2) || rotary == 0 || rotary > head_dim {
+        Some(format!(
+            "the {rotary} turned features of a head of {head_dim} must be an even number of at \
+             most head_dim, to rotate pairs (i, i + rotary/2)"
+        ))
+    } else if theta.is_nan() || theta <= 0.0 {
+        Some(format!("theta = {theta} must be positive"))
+    } else {
+        scaling.problem()
+    }
+}
+
 /// The inverse frequency of pair `i` (`i < head_dim / 2`) of a head: `theta^(−2i/head_dim)`,
 /// computed in f64, then scaled by `scaling`.
 pub fn inv_freq(theta: f64, head_dim: u64, i: u64, scaling: RopeScaling) -> f64 {

@@ -784,7 +784,7 @@ impl Emitter<'_> {
             theta: rope.theta,
             scaling: rope.scaling,
             positions: self.positions.clone(),
-            rotary_dim: Some(rope.rotary_dim(head_dim)).filter(|&r| r != head_dim),
+            rotary_dim: rope.partial_dim(head_dim),
         };
         let op = if backward {
             Op::RopeBwd(attrs)

@@ -11,7 +11,7 @@ use super::args::{op_error, positions_for, product};
 use super::par::rows_per_task;
 use crate::error::Result;
 use parc_compiler::ir::op::{RopeAttrs, RopeScaling, Segment};
-use parc_compiler::ir::rope::inv_freq;
+use parc_compiler::ir::rope::{inv_freq, rotation_problem};
 use rayon::prelude::*;
 
 /// The frequencies of a rope op: its base, scaling and rotated features (`None`: all).
@@ -54,26 +54,10 @@ fn rotation(f: Freqs, rotary: usize, pos: u32, i: usize, sign: f64) -> (f32, f32
     (angle.cos() as f32, angle.sin() as f32)
 }
 
-/// The features that turn, unless they are not an even number of at most `head_dim`, `theta`
-/// is not positive or the scaling's parameters are invalid.
+/// The features that turn, unless the rotation is undefined (`rope::rotation_problem`).
 fn check_rotation(op: &str, head_dim: usize, f: Freqs) -> Result<usize> {
     let rotary = f.rotary(head_dim);
-    if !rotary.is_multiple_of(2) || rotary == 0 || rotary > head_dim {
-        return Err(op_error(
-            op,
-            format!(
-                "the {rotary} turned features of a head of {head_dim} must be an even number \
-                 of at most head_dim, to rotate pairs (i, i + rotary/2)"
-            ),
-        ));
-    }
-    if f.theta.is_nan() || f.theta <= 0.0 {
-        return Err(op_error(
-            op,
-            format!("theta = {} must be positive", f.theta),
-        ));
-    }
-    match f.scaling.problem() {
+    match rotation_problem(f.theta, f.scaling, head_dim as u64, rotary as u64) {
         Some(problem) => Err(op_error(op, problem)),
         None => Ok(rotary),
     }

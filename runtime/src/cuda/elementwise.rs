@@ -92,30 +92,19 @@ impl RopeScale {
     }
 }
 
-/// A rotation's turned features (`RopeAttrs::rotary`) of a head of `hd`, unless they are not
-/// an even number of at most `hd`, its theta is not positive or its scaling's parameters are
-/// invalid.
-fn check_rotation(b: &Bound, a: &RopeAttrs, hd: usize) -> Result<usize> {
-    let rot = a.rotary_dim.map_or(hd, |r| r as usize);
-    if !rot.is_multiple_of(2) || rot == 0 || rot > hd {
-        return Err(b.err(format!(
-            "the {rot} turned features of a head of {hd} must be an even number of at most \
-             head_dim, to rotate pairs"
-        )));
-    }
-    if a.theta.is_nan() || a.theta <= 0.0 {
-        return Err(b.err(format!("theta = {} must be positive", a.theta)));
-    }
-    match a.scaling.problem() {
+/// A rotation's turned features (`RopeAttrs::rotary`), unless the op's rotation is undefined
+/// (`RopeAttrs::problem`).
+fn check_rotation(b: &Bound, a: &RopeAttrs) -> Result<usize> {
+    match a.problem() {
         Some(problem) => Err(b.err(problem)),
-        None => Ok(rot),
+        None => Ok(a.rotary() as usize),
     }
 }
 
 /// Writes the cos/sin table of the op's positions (`Op::RopeTable`).
 fn rope_table(be: &mut CudaBackend, b: &Bound, a: &RopeAttrs) -> Result<()> {
     let hd = b.launch_dim("head_dim", a.head_dim)?;
-    let rot = check_rotation(b, a, hd)?;
+    let rot = check_rotation(b, a)?;
     let table = b.output(0)?;
     let positions = b.launch_rows(table, "table", table.len / (2 * hd))?;
     let (pos, _) = be.positions(&a.positions)?;
@@ -139,7 +128,7 @@ fn rope(be: &mut CudaBackend, b: &Bound, a: &RopeAttrs, sign: f64) -> Result<()>
         b.launch_dim("heads", a.heads)?,
         b.launch_dim("head_dim", a.head_dim)?,
     );
-    let rot = check_rotation(b, a, hd)?;
+    let rot = check_rotation(b, a)?;
     let (x, y) = (b.input(0)?, b.output(0)?);
     let rows = b.launch_rows(x, "x", b.rows)?;
     let (pos, _) = be.positions(&a.positions)?;

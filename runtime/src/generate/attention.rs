@@ -206,7 +206,7 @@ impl Cache {
                 theta: rope.theta,
                 scaling: rope.scaling,
                 positions: vec![at],
-                rotary_dim: Some(rope.rotary_dim(h.head_dim)).filter(|&r| r != h.head_dim),
+                rotary_dim: rope.partial_dim(h.head_dim),
             });
             let y = device.apply(&op, &[x.buf], x, x.cols)?;
             device.free(x.buf)?;
