@@ -222,10 +222,7 @@ pub fn recognise(spec: &Spec) -> Result<Arch> {
     );
     let (blocks, block, first_block, x) = blocks(&mut walk, x, gpt2)?;
     let ln_f = walk.next(&[x], "the final norm")?;
-    if !matches!(
-        ln_f.kind,
-        LayerKind::RmsNorm { .. } | LayerKind::LayerNorm { .. }
-    ) {
+    if !is_norm(ln_f) {
         return Err(unmapped(
             ln_f,
             "transformers' models have a final norm between the last block and the head; add \
@@ -357,12 +354,7 @@ fn refuse_unnormed_input(spec: &Spec, layer: &Node) -> Result<()> {
     let post_norm = reader(layer.output)
         .filter(|add| add.kind == LayerKind::Add)
         .and_then(|add| reader(add.output))
-        .is_some_and(|n| {
-            matches!(
-                n.kind,
-                LayerKind::RmsNorm { .. } | LayerKind::LayerNorm { .. }
-            )
-        });
+        .is_some_and(is_norm);
     let what = if post_norm {
         "it reads the residual stream with no norm before it: a post-norm block (the norm \
          after the residual add)"
@@ -466,6 +458,14 @@ fn family_of(
         }
     };
     Err(unmapped(block, why))
+}
+
+/// Whether `node` is a norm of either family's kind (LayerNorm or RMSNorm).
+fn is_norm(node: &Node) -> bool {
+    matches!(
+        node.kind,
+        LayerKind::RmsNorm { .. } | LayerKind::LayerNorm { .. }
+    )
 }
 
 fn norm_eps(node: &Node, gpt2: bool) -> Result<f64> {
