@@ -1,11 +1,11 @@
 //! `parc run FILE --nproc-per-node N`: start the N rank processes of this binary on this host
 //! and supervise them. The spec is compiled first (its warnings shown here, once: the ranks show
-//! only errors) and a mesh that is not N ranks is refused before anything starts. CPU runs start through `mpiexec -n N` (the MPI comm needs an MPI
-//! launcher), CUDA runs directly with torchrun-style variables. Each rank's stderr is printed
-//! with a `[rank R]` prefix (stdout, where only the report rank writes JSON, passes
-//! unprefixed); the first rank that fails ends the whole job (the others are told through the
-//! rendezvous, then killed), its error and exit status are the launcher's, and Ctrl-C is
-//! forwarded to the ranks.
+//! only errors) and a mesh that is not N ranks is refused before anything starts. CPU runs
+//! start through `mpiexec -n N` (the MPI comm needs an MPI launcher), CUDA runs directly with
+//! torchrun-style variables. Each rank's stderr is printed with a `[rank R]` prefix (stdout,
+//! where only the report rank writes JSON, passes unprefixed); the first rank that fails ends
+//! the whole job (the others are told through the rendezvous, then killed), its error and exit
+//! status are the launcher's, and Ctrl-C is forwarded to the ranks.
 use crate::run_args::{resolve_backend, Resolved, RunArgs};
 use crate::run_launch::{timeout, NO_MPI};
 use crate::run_prepare::{compile, print_error, WARNINGS_SHOWN_VAR};
